@@ -1,0 +1,167 @@
+//! Differentiable collectives: Candle custom ops whose backward pass is the adjoint collective,
+//! so `Tensor::backward` carries gradients across ranks (Megatron's f and g, and the pairs that
+//! sequence and context parallelism need).
+//!
+//! The forward collective runs eagerly on detached data; the result is attached to the input
+//! through [`WithBackward`], a two-argument op that returns its second argument and, in
+//! backward, maps the output gradient to the input gradient with the adjoint collective.
+//! Every rank must run the same backward graph, so the adjoint collectives line up.
+
+use super::{Communicator, ReduceOp};
+use crate::error::Result;
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Tensor};
+use std::sync::Arc;
+
+/// The adjoint applied to the output gradient.
+#[derive(Clone, Copy, Debug)]
+enum Adjoint {
+    Identity,
+    AllReduce,
+    ReduceScatter { dim: usize },
+    AllGather { dim: usize },
+    AllToAll { split_dim: usize, concat_dim: usize },
+    Shift { offset: isize },
+}
+
+struct WithBackward {
+    comm: Arc<dyn Communicator>,
+    adjoint: Adjoint,
+}
+
+fn copy_storage<S>(s: &S, l: &Layout) -> candle_core::Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let mut out = s.device().zeros_impl(l.shape(), s.dtype())?;
+    s.copy_strided_src(&mut out, 0, l)?;
+    Ok((out, l.shape().clone()))
+}
+
+/// Sends to rank + offset and receives from rank - offset (modulo the group size).
+fn shift(comm: &dyn Communicator, x: &Tensor, offset: isize) -> Result<Tensor> {
+    let n = comm.size() as isize;
+    let r = comm.rank() as isize;
+    let dst = (r + offset).rem_euclid(n) as usize;
+    let src = (r - offset).rem_euclid(n) as usize;
+    if dst == comm.rank() {
+        return Ok(x.clone());
+    }
+    comm.send_recv(x, dst, src)
+}
+
+impl CustomOp2 for WithBackward {
+    fn name(&self) -> &'static str {
+        "differentiable-collective"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        copy_storage(s2, l2)
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        copy_storage(s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _value: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let c = self.comm.as_ref();
+        let g = match self.adjoint {
+            Adjoint::Identity => Ok(grad.clone()),
+            Adjoint::AllReduce => c.all_reduce(grad, ReduceOp::Sum),
+            Adjoint::ReduceScatter { dim } => c.reduce_scatter(grad, dim, ReduceOp::Sum),
+            Adjoint::AllGather { dim } => c.all_gather(grad, dim),
+            Adjoint::AllToAll {
+                split_dim,
+                concat_dim,
+            } => c.all_to_all(grad, split_dim, concat_dim),
+            Adjoint::Shift { offset } => shift(c, grad, offset),
+        }
+        .map_err(|e| e.into_candle())?;
+        Ok((Some(g), None))
+    }
+}
+
+fn attach(
+    x: &Tensor,
+    value: Tensor,
+    comm: &Arc<dyn Communicator>,
+    adjoint: Adjoint,
+) -> Result<Tensor> {
+    // Candle records the op for backprop only when `x` is tracked; `value` never is.
+    let op = WithBackward {
+        comm: comm.clone(),
+        adjoint,
+    };
+    Ok(x.apply_op2(&value, op)?)
+}
+
+/// Megatron's f: identity forward, all-reduce (sum) of the gradient backward. Put it where a
+/// replicated activation enters tensor-parallel layers.
+pub fn copy_to_group(x: &Tensor, comm: &Arc<dyn Communicator>) -> Result<Tensor> {
+    attach(x, x.detach(), comm, Adjoint::AllReduce)
+}
+
+/// Megatron's g: all-reduce (sum) forward, identity backward. Put it where partial results of
+/// tensor-parallel layers are combined.
+pub fn reduce_from_group(x: &Tensor, comm: &Arc<dyn Communicator>) -> Result<Tensor> {
+    let value = comm.all_reduce(&x.detach(), ReduceOp::Sum)?;
+    attach(x, value, comm, Adjoint::Identity)
+}
+
+/// All-gather along `dim` forward; reduce-scatter (sum) of the gradient backward.
+pub fn all_gather(x: &Tensor, comm: &Arc<dyn Communicator>, dim: usize) -> Result<Tensor> {
+    let value = comm.all_gather(&x.detach(), dim)?;
+    attach(x, value, comm, Adjoint::ReduceScatter { dim })
+}
+
+/// Reduce-scatter (sum) along `dim` forward; all-gather of the gradient backward.
+pub fn reduce_scatter(x: &Tensor, comm: &Arc<dyn Communicator>, dim: usize) -> Result<Tensor> {
+    let value = comm.reduce_scatter(&x.detach(), dim, ReduceOp::Sum)?;
+    attach(x, value, comm, Adjoint::AllGather { dim })
+}
+
+/// All-to-all (split `split_dim`, concatenate `concat_dim`) forward; the inverse all-to-all of
+/// the gradient backward.
+pub fn all_to_all(
+    x: &Tensor,
+    comm: &Arc<dyn Communicator>,
+    split_dim: usize,
+    concat_dim: usize,
+) -> Result<Tensor> {
+    let value = comm.all_to_all(&x.detach(), split_dim, concat_dim)?;
+    attach(
+        x,
+        value,
+        comm,
+        Adjoint::AllToAll {
+            split_dim: concat_dim,
+            concat_dim: split_dim,
+        },
+    )
+}
+
+/// Ring shift: rank r receives the `x` of rank r - offset forward; the gradient goes back the
+/// other way (rank r + offset).
+pub fn ring_shift(x: &Tensor, comm: &Arc<dyn Communicator>, offset: isize) -> Result<Tensor> {
+    let value = shift(comm.as_ref(), &x.detach(), offset)?;
+    attach(x, value, comm, Adjoint::Shift { offset: -offset })
+}

@@ -1,0 +1,139 @@
+//! Element types the CPU backends move and reduce, and dtype dispatch.
+
+use super::ReduceOp;
+use candle_core::WithDType;
+
+pub(crate) trait Elem: WithDType + bytemuck::Pod {
+    fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
+    fn divide(self, n: usize) -> Self;
+
+    /// `dst[i] = op(dst[i], src[i])`; `src` is raw bytes that may be unaligned.
+    fn reduce_bytes(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
+        match bytemuck::try_cast_slice::<u8, Self>(src) {
+            Ok(src) => reduce_slice(op, dst, src),
+            Err(_) => {
+                let size = std::mem::size_of::<Self>();
+                for (d, chunk) in dst.iter_mut().zip(src.chunks_exact(size)) {
+                    *d = Self::combine(op, *d, bytemuck::pod_read_unaligned(chunk));
+                }
+            }
+        }
+    }
+}
+
+fn reduce_slice<T: Elem>(op: ReduceOp, dst: &mut [T], src: &[T]) {
+    // Separate loops per op so the compiler vectorises each.
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = T::combine(ReduceOp::Sum, *d, *s);
+            }
+        }
+        _ => {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = T::combine(op, *d, *s);
+            }
+        }
+    }
+}
+
+macro_rules! float_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            #[inline(always)]
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    ReduceOp::Max => a.max(b),
+                    ReduceOp::Min => a.min(b),
+                }
+            }
+            fn divide(self, n: usize) -> Self {
+                self / n as $t
+            }
+        }
+    };
+}
+float_elem!(f32);
+float_elem!(f64);
+
+macro_rules! half_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            #[inline(always)]
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                // Reduce in f32, round once: what NCCL does for 16-bit types.
+                let (x, y) = (a.to_f32(), b.to_f32());
+                <$t>::from_f32(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => x + y,
+                    ReduceOp::Max => x.max(y),
+                    ReduceOp::Min => x.min(y),
+                })
+            }
+            fn divide(self, n: usize) -> Self {
+                <$t>::from_f32(self.to_f32() / n as f32)
+            }
+        }
+    };
+}
+half_elem!(half::bf16);
+half_elem!(half::f16);
+
+macro_rules! int_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            #[inline(always)]
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                    ReduceOp::Max => a.max(b),
+                    ReduceOp::Min => a.min(b),
+                }
+            }
+            fn divide(self, n: usize) -> Self {
+                self / n as $t
+            }
+        }
+    };
+}
+int_elem!(u8);
+int_elem!(u32);
+int_elem!(i64);
+
+/// Runs `$body` with `$T` bound to the Rust type of `$dtype`.
+macro_rules! dispatch {
+    ($dtype:expr, $T:ident => $body:expr, $unsupported:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            candle_core::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            candle_core::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            candle_core::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            candle_core::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            candle_core::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            candle_core::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            other => $unsupported(other),
+        }
+    };
+}
+pub(crate) use dispatch;

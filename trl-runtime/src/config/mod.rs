@@ -1,0 +1,12 @@
+//! Configuration users already have: Accelerate's launch YAML and the parallelism config.
+
+pub mod launch;
+pub mod parallelism;
+mod yaml;
+
+pub use launch::{
+    ComputeEnvironment, DeepSpeedConfig, DistributedType, FsdpAutoWrapPolicy, FsdpBackwardPrefetch,
+    FsdpConfig, FsdpShardingStrategy, FsdpStateDictType, GpuIds, LaunchConfig, MixedPrecision,
+    OffloadDevice,
+};
+pub use parallelism::{ParallelismConfig, SpBackend};

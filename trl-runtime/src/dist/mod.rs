@@ -1,0 +1,10 @@
+//! Where this process stands in the job: its environment, the rendezvous store, the device mesh.
+
+pub mod env;
+pub mod hostlist;
+pub mod mesh;
+pub mod store;
+
+pub use env::{EnvSource, ProcessEnv};
+pub use mesh::{Axis, DeviceMesh};
+pub use store::{Store, StoreServer};

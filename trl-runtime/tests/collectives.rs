@@ -1,0 +1,257 @@
+//! Every collective, on 2, 3 and 4 ranks of both CPU backends, against the same computation
+//! done serially: f32 (contiguous and transposed inputs) and bf16.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor, D};
+use common::{run, Backend, BACKENDS};
+use trl_runtime::comm::ReduceOp;
+
+/// Rank r's input: a deterministic [4, 6] (or transposed [6, 4] view) tensor.
+fn input(rank: usize, transposed: bool, dtype: DType) -> Tensor {
+    // Multiples of 1/4 in [-4, 4]: sums over 4 ranks are exact in bf16, so bf16 compares exactly.
+    let vals: Vec<f32> = (0..24)
+        .map(|i| (((i * 7 + rank * 13 + 3) % 33) as f32 - 16.0) / 4.0)
+        .collect();
+    let t = Tensor::from_vec(vals, (4, 6), &Device::Cpu).unwrap();
+    let t = if transposed { t.t().unwrap() } else { t };
+    assert_eq!(t.is_contiguous(), !transposed);
+    t.to_dtype(dtype).unwrap()
+}
+
+fn assert_same(got: &Tensor, want: &Tensor, what: &str) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    let g: Vec<f32> = got
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let w: Vec<f32> = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "{what}: element {i}: {a} != {b}"
+        );
+    }
+}
+
+fn serial_sum(n: usize, transposed: bool, dtype: DType) -> Tensor {
+    let mut acc = input(0, transposed, DType::F32);
+    for r in 1..n {
+        acc = (acc + input(r, transposed, DType::F32)).unwrap();
+    }
+    acc.to_dtype(dtype).unwrap()
+}
+
+fn check_all(backend: Backend, n: usize, transposed: bool, dtype: DType) {
+    let ctx = format!("{backend:?} n={n} transposed={transposed} {dtype:?}");
+    run(backend, n, |rank, comm| {
+        assert_eq!((comm.rank(), comm.size()), (rank, n));
+        let x = input(rank, transposed, dtype);
+        let all: Vec<Tensor> = (0..n).map(|r| input(r, transposed, dtype)).collect();
+        let all_f32: Vec<Tensor> = (0..n).map(|r| input(r, transposed, DType::F32)).collect();
+
+        // all_reduce: sum, avg, max, min
+        let sum = serial_sum(n, transposed, dtype);
+        assert_same(
+            &comm.all_reduce(&x, ReduceOp::Sum).unwrap(),
+            &sum,
+            &format!("{ctx} all_reduce sum"),
+        );
+        let avg = (serial_sum(n, transposed, DType::F32) / n as f64)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        assert_same(
+            &comm.all_reduce(&x, ReduceOp::Avg).unwrap(),
+            &avg,
+            &format!("{ctx} all_reduce avg"),
+        );
+        let stacked = Tensor::stack(&all_f32, 0).unwrap();
+        let max = stacked.max(0).unwrap().to_dtype(dtype).unwrap();
+        assert_same(
+            &comm.all_reduce(&x, ReduceOp::Max).unwrap(),
+            &max,
+            &format!("{ctx} all_reduce max"),
+        );
+        let min = stacked.min(0).unwrap().to_dtype(dtype).unwrap();
+        assert_same(
+            &comm.all_reduce(&x, ReduceOp::Min).unwrap(),
+            &min,
+            &format!("{ctx} all_reduce min"),
+        );
+
+        // all_gather on both dims
+        for dim in 0..2 {
+            let want = Tensor::cat(&all, dim).unwrap();
+            assert_same(
+                &comm.all_gather(&x, dim).unwrap(),
+                &want,
+                &format!("{ctx} all_gather dim {dim}"),
+            );
+        }
+
+        // reduce_scatter on a dim divisible by n: concatenate n copies along it first
+        for dim in 0..2 {
+            let xs = Tensor::cat(&vec![x.clone(); n], dim).unwrap();
+            let sum_n = Tensor::cat(&vec![sum.clone(); n], dim).unwrap();
+            let c = sum_n.dim(dim).unwrap() / n;
+            let want = sum_n.narrow(dim, rank * c, c).unwrap();
+            let got = comm.reduce_scatter(&xs, dim, ReduceOp::Sum).unwrap();
+            assert_same(&got, &want, &format!("{ctx} reduce_scatter dim {dim}"));
+        }
+
+        // broadcast from every root
+        for root in 0..n {
+            assert_same(
+                &comm.broadcast(&x, root).unwrap(),
+                &all[root],
+                &format!("{ctx} broadcast root {root}"),
+            );
+        }
+
+        // ring shift forward and back
+        let prev = (rank + n - 1) % n;
+        let next = (rank + 1) % n;
+        assert_same(
+            &comm.send_recv(&x, next, prev).unwrap(),
+            &all[prev],
+            &format!("{ctx} send_recv"),
+        );
+        assert_same(
+            &comm.send_recv(&x, prev, next).unwrap(),
+            &all[next],
+            &format!("{ctx} send_recv reverse"),
+        );
+
+        // plain send/recv between rank 0 and the last rank
+        if rank == 0 {
+            comm.send(&x, n - 1).unwrap();
+        } else if rank == n - 1 {
+            let got = comm.recv(x.shape(), dtype, &Device::Cpu, 0).unwrap();
+            assert_same(&got, &all[0], &format!("{ctx} recv"));
+        }
+
+        // all_to_all: split along one dim, concatenate along the other (inputs padded to n)
+        let xs = Tensor::cat(&vec![x.clone(); n], 0).unwrap(); // [n*a, b]
+        let all_s: Vec<Tensor> = all
+            .iter()
+            .map(|t| Tensor::cat(&vec![t.clone(); n], 0).unwrap())
+            .collect();
+        for (split, concat) in [(0usize, 1usize), (0, 0)] {
+            let c = xs.dim(split).unwrap() / n;
+            let parts: Vec<Tensor> = all_s
+                .iter()
+                .map(|t| t.narrow(split, rank * c, c).unwrap())
+                .collect();
+            let want = Tensor::cat(&parts, concat).unwrap();
+            let got = comm.all_to_all(&xs, split, concat).unwrap();
+            assert_same(&got, &want, &format!("{ctx} all_to_all {split}->{concat}"));
+            // and the inverse gives back the input
+            let back = comm.all_to_all(&got, concat, split).unwrap();
+            assert_same(&back, &xs, &format!("{ctx} all_to_all inverse"));
+        }
+
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
+fn collectives_match_serial_computation() {
+    for backend in BACKENDS {
+        for n in [2, 3, 4] {
+            for transposed in [false, true] {
+                check_all(backend, n, transposed, DType::F32);
+            }
+            check_all(backend, n, true, DType::BF16);
+            check_all(backend, n, false, DType::F16);
+        }
+    }
+}
+
+#[test]
+fn large_all_reduce_uses_uneven_segments() {
+    // 1_000_003 elements: not divisible by 3, several receive chunks per segment.
+    for backend in BACKENDS {
+        run(backend, 3, |rank, comm| {
+            let x = Tensor::arange(0f32, 1_000_003f32, &Device::Cpu).unwrap();
+            let x = (x + rank as f64).unwrap();
+            let got = comm.all_reduce(&x, ReduceOp::Sum).unwrap();
+            let want = ((Tensor::arange(0f32, 1_000_003f32, &Device::Cpu).unwrap() * 3.0).unwrap()
+                + 3.0)
+                .unwrap();
+            let diff = (got - want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max(D::Minus1)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(diff, 0.0);
+        });
+    }
+}
+
+#[test]
+fn integer_and_f64_reductions() {
+    for backend in BACKENDS {
+        run(backend, 2, |rank, comm| {
+            let x = Tensor::new(&[rank as i64 + 1, 10], &Device::Cpu).unwrap();
+            let got: Vec<i64> = comm
+                .all_reduce(&x, ReduceOp::Sum)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(got, vec![3, 20]);
+            let y = Tensor::new(&[rank as f64 * 0.5], &Device::Cpu).unwrap();
+            let got: Vec<f64> = comm
+                .all_reduce(&y, ReduceOp::Max)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(got, vec![0.5]);
+        });
+    }
+}
+
+#[test]
+fn mismatched_collectives_are_reported() {
+    for backend in BACKENDS {
+        let results = run(backend, 2, |rank, comm| {
+            let x = Tensor::zeros(if rank == 0 { 4 } else { 8 }, DType::F32, &Device::Cpu).unwrap();
+            comm.all_reduce(&x, ReduceOp::Sum)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        let err = results
+            .iter()
+            .find_map(|r| r.as_ref().err())
+            .expect("an error on some rank");
+        assert!(
+            err.contains("different order or with different shapes"),
+            "{backend:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn non_divisible_reduce_scatter_is_a_clear_error() {
+    run(Backend::InProcess, 2, |_, comm| {
+        let x = Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap();
+        let err = comm
+            .reduce_scatter(&x, 0, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not divisible by the group size 2"), "{err}");
+    });
+}

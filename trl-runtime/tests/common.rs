@@ -1,0 +1,57 @@
+//! Helpers shared by the integration tests: run a closure on n ranks of either CPU backend.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+use trl_runtime::comm::{Communicator, HostBackend, InProcessWorld};
+use trl_runtime::dist::{Store, StoreServer};
+
+#[derive(Clone, Copy, Debug)]
+pub enum Backend {
+    InProcess,
+    Host,
+}
+
+pub const BACKENDS: [Backend; 2] = [Backend::InProcess, Backend::Host];
+
+/// Runs `f(rank, world)` on `n` threads; the host backend talks real TCP over loopback.
+pub fn run<R: Send>(
+    backend: Backend,
+    n: usize,
+    f: impl Fn(usize, Arc<dyn Communicator>) -> R + Sync,
+) -> Vec<R> {
+    match backend {
+        Backend::InProcess => InProcessWorld::run(n, f),
+        Backend::Host => run_host(n, Duration::from_secs(30), |rank, host| {
+            let all: Vec<usize> = (0..n).collect();
+            f(rank, host.group("world", &all).expect("host group"))
+        }),
+    }
+}
+
+/// Runs `f(rank, backend)` on `n` threads, each with its own store connection.
+pub fn run_host<R: Send>(
+    n: usize,
+    timeout: Duration,
+    f: impl Fn(usize, &HostBackend) -> R + Sync,
+) -> Vec<R> {
+    let server = StoreServer::bind("127.0.0.1:0", "test-token").expect("store");
+    let addr = server.addr().to_string();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (addr, f) = (&addr, &f);
+                s.spawn(move || {
+                    let store =
+                        Arc::new(Store::connect(addr, "test-token", timeout).expect("connect"));
+                    let host = HostBackend::new(store, "test-token", rank, timeout);
+                    f(rank, &host)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    })
+}
