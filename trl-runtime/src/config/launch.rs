@@ -319,13 +319,15 @@ impl LaunchConfig {
                 Some("MULTI_CPU") => DistributedType::MultiCpu,
                 Some("DEEPSPEED") => DistributedType::DeepSpeed,
                 Some("FSDP") => DistributedType::Fsdp,
-                Some(other) => return Err(s.error(
-                    "distributed_type",
-                    format!(
+                Some(other) => {
+                    return Err(s.error(
+                        "distributed_type",
+                        format!(
                         "{other} is an Accelerate backend cargo-trl does not run: use one of {}",
                         DISTRIBUTED_TYPES.join(", ")
                     ),
-                )),
+                    ))
+                }
             }
         };
         let num_processes = s.uint_in("num_processes", 1, 1 << 20)?.map(|n| n as u32);
