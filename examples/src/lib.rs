@@ -1,1 +1,1 @@
-
+//! Runnable training programs; each binary in `src/bin/` is one example.
