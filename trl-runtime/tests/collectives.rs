@@ -111,10 +111,10 @@ fn check_all(backend: Backend, n: usize, transposed: bool, dtype: DType) {
         }
 
         // broadcast from every root
-        for root in 0..n {
+        for (root, want) in all.iter().enumerate() {
             assert_same(
                 &comm.broadcast(&x, root).unwrap(),
-                &all[root],
+                want,
                 &format!("{ctx} broadcast root {root}"),
             );
         }

@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use std::time::{Duration, Instant};
-use trl_runtime::comm::{Communicator, ReduceOp};
+use trl_runtime::comm::ReduceOp;
 
 #[test]
 fn a_departed_peer_is_an_error_not_a_hang() {

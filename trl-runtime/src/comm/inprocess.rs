@@ -16,9 +16,12 @@ struct Message {
     data: Vec<u8>,
 }
 
+/// One direction between two ranks.
+type Link = (Sender<Message>, Mutex<Receiver<Message>>);
+
 /// Channels between all members of one group: `links[src][dst]`.
 struct Mailbox {
-    links: Vec<Vec<(Sender<Message>, Mutex<Receiver<Message>>)>>,
+    links: Vec<Vec<Link>>,
     alive: Vec<AtomicBool>,
 }
 
@@ -40,12 +43,15 @@ impl Mailbox {
     }
 }
 
+type GroupKey = (String, Vec<usize>);
+
 /// A set of in-process ranks. Groups are created by name and member list; every member
 /// thread asks for the same group and gets its own endpoint.
 pub struct InProcessWorld {
     size: usize,
     timeout: Duration,
-    groups: Mutex<HashMap<(String, Vec<usize>), Arc<Mailbox>>>,
+    /// Mailboxes by group name and member list.
+    groups: Mutex<HashMap<GroupKey, Arc<Mailbox>>>,
 }
 
 struct Endpoint {

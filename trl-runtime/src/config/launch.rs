@@ -677,8 +677,10 @@ fn parse_parallelism(
             )?
             .unwrap_or("allgather")
             .to_string(),
-        sp_backend: match s.choice("parallelism_config_sp_backend", &["deepspeed"])? {
-            _ => SpBackend::DeepSpeed,
+        sp_backend: {
+            // DeepSpeed's Ulysses is the only backend; the choice still validates the value.
+            s.choice("parallelism_config_sp_backend", &["deepspeed"])?;
+            SpBackend::DeepSpeed
         },
         sp_seq_length: s
             .uint("parallelism_config_sp_seq_length")?

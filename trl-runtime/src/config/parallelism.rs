@@ -209,9 +209,10 @@ impl ParallelDims {
             }
         }
         if self.product() != world_size {
-            return fail(format!(
+            return fail(
                 "the product of the sizes must equal the world size (num_processes); change a size or the number of processes"
-            ));
+                    .to_string(),
+            );
         }
         if self.cp > 1 && self.sp > 1 {
             return fail("context parallelism (cp) and sequence parallelism (sp) cannot be combined: set one of them to 1".into());

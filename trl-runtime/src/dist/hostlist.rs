@@ -25,7 +25,7 @@ fn split_top_level(list: &str) -> Result<Vec<String>, String> {
             ']' => depth -= 1,
             _ => {}
         }
-        if depth < 0 || depth > 1 {
+        if !(0..=1).contains(&depth) {
             return Err(format!("unbalanced brackets in host list '{list}'"));
         }
         if c == ',' && depth == 0 {
