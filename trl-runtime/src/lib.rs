@@ -4,6 +4,7 @@
 //! - [`dist`]: process environment (torchrun / SLURM), rendezvous store, device mesh.
 //! - [`comm`]: the `Communicator` trait, its backends and differentiable collectives.
 
+pub mod alloc;
 pub mod comm;
 pub mod config;
 pub mod dist;

@@ -5,7 +5,10 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, D};
 use common::{run, Backend, BACKENDS};
-use trl_runtime::comm::ReduceOp;
+use trl_runtime::comm::{all_reduce_async, ReduceOp};
+use trl_runtime::config::parallelism::ParallelDims;
+use trl_runtime::dist::mesh::{Axis, DeviceMesh};
+use trl_runtime::dist::DistContext;
 
 /// Rank r's input: a deterministic [4, 6] (or transposed [6, 4] view) tensor.
 fn input(rank: usize, transposed: bool, dtype: DType) -> Tensor {
@@ -253,5 +256,67 @@ fn non_divisible_reduce_scatter_is_a_clear_error() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("not divisible by the group size 2"), "{err}");
+    });
+}
+
+#[test]
+fn async_all_reduce_overlaps_with_the_caller() {
+    for backend in BACKENDS {
+        run(backend, 2, |rank, comm| {
+            let x = Tensor::new(&[rank as f32 + 1.0; 8], &Device::Cpu).unwrap();
+            let pending = all_reduce_async(comm.clone(), x, ReduceOp::Sum);
+            // The caller keeps computing while the collective runs.
+            let local = Tensor::ones(4, DType::F32, &Device::Cpu)
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let got: Vec<f32> = pending.wait().unwrap().to_vec1().unwrap();
+            assert_eq!(got, vec![3.0; 8]);
+            assert_eq!(local.to_scalar::<f32>().unwrap(), 4.0);
+        });
+    }
+}
+
+#[test]
+fn mesh_groups_communicate_within_their_axis() {
+    // 2 (dp_shard) x 2 (tp) on in-process ranks: tp groups are {0,1},{2,3}; dp_shard {0,2},{1,3}.
+    let world = trl_runtime::comm::InProcessWorld::new(4);
+    let dims = ParallelDims {
+        dp_replicate: 1,
+        dp_shard: 2,
+        cp: 1,
+        sp: 1,
+        tp: 2,
+    };
+    std::thread::scope(|s| {
+        for rank in 0..4 {
+            let world = &world;
+            s.spawn(move || {
+                let ctx = DistContext::in_process(world, rank, DeviceMesh::new(dims, 4).unwrap())
+                    .unwrap();
+                let x = Tensor::new(&[rank as f32], &Device::Cpu).unwrap();
+                let tp: f32 = ctx
+                    .group(&[Axis::Tp])
+                    .all_reduce(&x, ReduceOp::Sum)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()[0];
+                let dp: f32 = ctx
+                    .group(&[Axis::DpShard])
+                    .all_reduce(&x, ReduceOp::Sum)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()[0];
+                let all: f32 = ctx
+                    .world()
+                    .all_reduce(&x, ReduceOp::Sum)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()[0];
+                assert_eq!(tp, if rank < 2 { 1.0 } else { 5.0 });
+                assert_eq!(dp, if rank % 2 == 0 { 2.0 } else { 4.0 });
+                assert_eq!(all, 6.0);
+            });
+        }
     });
 }

@@ -9,9 +9,18 @@ use trl_runtime::comm::ReduceOp;
 
 #[test]
 fn a_departed_peer_is_an_error_not_a_hang() {
+    for shm in [true, false] {
+        departed_peer(shm);
+    }
+}
+
+fn departed_peer(shm: bool) {
     let start = Instant::now();
     let results = common::run_host(2, Duration::from_secs(20), |rank, host| {
-        let comm = host.group("world", &[0, 1]).unwrap();
+        let comm = host
+            .clone_with_shared_memory(shm)
+            .group("world", &[0, 1])
+            .unwrap();
         let x = Tensor::ones(1 << 16, DType::F32, &Device::Cpu).unwrap();
         comm.all_reduce(&x, ReduceOp::Sum).unwrap();
         if rank == 1 {

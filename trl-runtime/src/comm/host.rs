@@ -1,9 +1,12 @@
 //! The host backend: ranks are processes (on one or several machines) connected by TCP, one
 //! socket per pair of group members. Connections are set up through the rendezvous store and
-//! authenticated with the job token. A peer that dies closes its sockets, so the others get an
+//! authenticated with the job token. Peers on the same machine then move data through
+//! shared-memory rings ([`super::shm`]) and keep the socket to watch each other; set
+//! `TRL_HOST_SHM=0` to force TCP. A peer that dies closes its socket, so the others get an
 //! error at once; a peer that hangs is reported after the timeout.
 
 use super::ring::RingComm;
+use super::shm::{ring_path, ShmRing};
 use super::transport::{mismatch, OpCode, Transport};
 use super::Communicator;
 use crate::dist::store::Store;
@@ -19,6 +22,10 @@ const MAGIC: &[u8; 8] = b"TRLCOMM1";
 /// kernel keeps receiving.
 const CHUNK: usize = 1 << 20;
 const HEADER: usize = 16;
+/// Data bytes of each shared-memory ring (one per direction per peer).
+const SHM_RING_BYTES: usize = 8 << 20;
+/// Set to 0 to keep same-machine peers on TCP.
+pub const SHM_VAR: &str = "TRL_HOST_SHM";
 
 /// Creates host-backend groups for this process.
 pub struct HostBackend {
@@ -27,12 +34,59 @@ pub struct HostBackend {
     /// This process's rank in the world (members of groups are world ranks).
     rank: usize,
     timeout: Duration,
+    use_shm: bool,
     generations: Mutex<HashMap<String, usize>>,
+}
+
+/// Shared-memory rings to a peer on this machine; the socket stays as a liveness probe.
+struct ShmLink {
+    tx: ShmRing,
+    rx: ShmRing,
+    probe: TcpStream,
 }
 
 struct Peer {
     reader: Mutex<TcpStream>,
     writer: Mutex<TcpStream>,
+    shm: Option<ShmLink>,
+}
+
+/// Whether the peer behind `probe` still holds its end open (EOF means it exited).
+fn peer_alive(probe: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: a non-blocking peek of one byte into a valid buffer.
+    let n = unsafe {
+        libc::recv(
+            probe.as_raw_fd(),
+            &mut byte as *mut u8 as *mut libc::c_void,
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n == 0 {
+        return false;
+    }
+    n > 0 || std::io::Error::last_os_error().kind() == ErrorKind::WouldBlock
+}
+
+fn header_bytes(op: OpCode, len: usize) -> [u8; HEADER] {
+    let mut header = [0u8; HEADER];
+    header[..4].copy_from_slice(&(op as u32).to_le_bytes());
+    header[8..].copy_from_slice(&(len as u64).to_le_bytes());
+    header
+}
+
+fn parse_header(header: &[u8; HEADER]) -> (u32, usize) {
+    (
+        u32::from_le_bytes(header[..4].try_into().unwrap()),
+        u64::from_le_bytes(header[8..].try_into().unwrap()) as usize,
+    )
+}
+
+/// Bytes that pad a message to a multiple of 8 in a ring.
+fn padding(len: usize) -> usize {
+    (8 - len % 8) % 8
 }
 
 struct TcpTransport {
@@ -73,9 +127,13 @@ impl Transport for TcpTransport {
     fn send(&self, peer: usize, op: OpCode, data: &[u8]) -> std::result::Result<(), String> {
         let p = self.peers[peer].as_ref().ok_or("cannot send to self")?;
         let mut w = p.writer.lock().unwrap_or_else(|e| e.into_inner());
-        let mut header = [0u8; HEADER];
-        header[..4].copy_from_slice(&(op as u32).to_le_bytes());
-        header[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        let header = header_bytes(op, data.len());
+        if let Some(link) = &p.shm {
+            let mut check = self.watchdog(&link.probe, self.members[peer], "sending");
+            link.tx.write(&header, &mut check)?;
+            link.tx.write(data, &mut check)?;
+            return link.tx.write(&[0u8; 8][..padding(data.len())], &mut check);
+        }
         let result = if data.len() <= 64 << 10 {
             // One write for small messages (header + payload) keeps latency down.
             let mut msg = Vec::with_capacity(HEADER + data.len());
@@ -101,10 +159,23 @@ impl Transport for TcpTransport {
         let mut r = p.reader.lock().unwrap_or_else(|e| e.into_inner());
         let global = self.members[peer];
         let mut header = [0u8; HEADER];
+        if let Some(link) = &p.shm {
+            let mut check = self.watchdog(&link.probe, global, "waiting for its message");
+            link.rx.read(
+                HEADER,
+                &mut |o, b| header[o..o + b.len()].copy_from_slice(b),
+                &mut check,
+            )?;
+            let (got_op, got_len) = parse_header(&header);
+            if got_op != op as u32 || got_len != len {
+                return Err(mismatch(global, op, len, got_op, got_len));
+            }
+            link.rx.read(len, sink, &mut check)?;
+            return link.rx.read(padding(len), &mut |_, _| {}, &mut check);
+        }
         r.read_exact(&mut header)
             .map_err(|e| io_message(&e, global, self.timeout, "waiting for its message"))?;
-        let got_op = u32::from_le_bytes(header[..4].try_into().unwrap());
-        let got_len = u64::from_le_bytes(header[8..].try_into().unwrap()) as usize;
+        let (got_op, got_len) = parse_header(&header);
         if got_op != op as u32 || got_len != len {
             return Err(mismatch(global, op, len, got_op, got_len));
         }
@@ -120,6 +191,32 @@ impl Transport for TcpTransport {
             offset += n;
         }
         Ok(())
+    }
+}
+
+impl TcpTransport {
+    /// A check for ring waits: fails when the peer's socket closed or after the timeout.
+    fn watchdog<'a>(
+        &self,
+        probe: &'a TcpStream,
+        peer_global: usize,
+        doing: &'static str,
+    ) -> impl FnMut() -> std::result::Result<(), String> + 'a {
+        let start = Instant::now();
+        let timeout = self.timeout;
+        move || {
+            if !peer_alive(probe) {
+                return Err(format!(
+                    "rank {peer_global} closed its connection while we were {doing}: it exited or crashed (see its log)"
+                ));
+            }
+            if start.elapsed() > timeout {
+                return Err(format!(
+                    "no data from rank {peer_global} for {timeout:?} while {doing}: it may be hung or running a different collective"
+                ));
+            }
+            Ok(())
+        }
     }
 }
 
@@ -143,7 +240,23 @@ impl HostBackend {
             token: token.into(),
             rank,
             timeout,
+            use_shm: std::env::var(SHM_VAR)
+                .map(|v| v.trim() != "0")
+                .unwrap_or(true),
             generations: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A backend for the same process and store that uses shared memory with same-machine
+    /// peers or not (default: yes unless TRL_HOST_SHM=0).
+    pub fn clone_with_shared_memory(&self, enabled: bool) -> Self {
+        HostBackend {
+            store: self.store.clone(),
+            token: self.token.clone(),
+            rank: self.rank,
+            timeout: self.timeout,
+            use_shm: enabled,
+            generations: Mutex::new(self.generations.lock().unwrap().clone()),
         }
     }
 
@@ -203,7 +316,15 @@ impl HostBackend {
                 stream
                     .write_all(&hello)
                     .map_err(|e| fail(format!("handshake with rank {}: {e}", members[j])))?;
-                *peer = Some(make_peer(stream, self.timeout).map_err(|e| fail(e.to_string()))?);
+                configure(&stream, self.timeout).map_err(|e| fail(e.to_string()))?;
+                let shm = accept_shm_offer(&mut stream).map_err(|e| {
+                    fail(format!(
+                        "rank {} refused the connection ({e}): does it run with the same TRL_JOB_TOKEN?",
+                        members[j]
+                    ))
+                })?;
+                *peer =
+                    Some(make_peer(stream, self.timeout, shm).map_err(|e| fail(e.to_string()))?);
             }
             let mut waiting = n - 1 - me;
             listener
@@ -215,7 +336,11 @@ impl HostBackend {
                         stream.set_nonblocking(false).ok();
                         match self.read_hello(&stream, &key, n) {
                             Ok(j) if j > me && peers[j].is_none() => {
-                                peers[j] = Some(make_peer(stream, self.timeout).map_err(|e| fail(e.to_string()))?);
+                                configure(&stream, self.timeout).map_err(|e| fail(e.to_string()))?;
+                                let shm = self
+                                    .offer_shm(&stream, me, j)
+                                    .map_err(|e| fail(format!("handshake with rank {}: {e}", members[j])))?;
+                                peers[j] = Some(make_peer(stream, self.timeout, shm).map_err(|e| fail(e.to_string()))?);
                                 waiting -= 1;
                             }
                             Ok(j) => tracing::warn!("group {name}: duplicate or unexpected connection from member {j} ({from}): dropped"),
@@ -302,11 +427,104 @@ fn connect_until(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStre
     }
 }
 
-fn make_peer(stream: TcpStream, timeout: Duration) -> std::io::Result<Peer> {
+fn make_peer(
+    stream: TcpStream,
+    timeout: Duration,
+    shm: Option<(ShmRing, ShmRing)>,
+) -> std::io::Result<Peer> {
     configure(&stream, timeout)?;
     let writer = stream.try_clone()?;
+    let shm = match shm {
+        Some((tx, rx)) => Some(ShmLink {
+            tx,
+            rx,
+            probe: stream.try_clone()?,
+        }),
+        None => None,
+    };
     Ok(Peer {
         reader: Mutex::new(stream),
         writer: Mutex::new(writer),
+        shm,
     })
+}
+
+fn write_field(out: &mut Vec<u8>, field: &[u8]) {
+    out.extend_from_slice(&(field.len() as u32).to_le_bytes());
+    out.extend_from_slice(field);
+}
+
+fn read_field(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > 4096 {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            "oversized handshake field",
+        ));
+    }
+    let mut buf = vec![0u8; len];
+    stream.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+/// Connector side: reads the acceptor's offer of two ring files and maps them if this machine
+/// can see them (same host). Returns (tx, rx) rings, or None for TCP.
+fn accept_shm_offer(stream: &mut TcpStream) -> std::io::Result<Option<(ShmRing, ShmRing)>> {
+    let mut flag = [0u8; 1];
+    stream.read_exact(&mut flag)?;
+    if flag[0] == 0 {
+        return Ok(None);
+    }
+    let to_us = read_field(stream)?;
+    let to_them = read_field(stream)?;
+    let path = |b: Vec<u8>| std::path::PathBuf::from(String::from_utf8_lossy(&b).into_owned());
+    let rings = ShmRing::open(&path(to_them)).and_then(|tx| Ok((tx, ShmRing::open(&path(to_us))?)));
+    stream.write_all(&[rings.is_ok() as u8])?;
+    Ok(rings.ok())
+}
+
+impl HostBackend {
+    /// Acceptor side: creates the two rings of the pair, offers them, and unlinks the files
+    /// once the peer answered (mapped or not), so nothing is left in /dev/shm.
+    fn offer_shm(
+        &self,
+        mut stream: &TcpStream,
+        me: usize,
+        peer: usize,
+    ) -> std::io::Result<Option<(ShmRing, ShmRing)>> {
+        let created = if self.use_shm {
+            let (a, b) = (
+                ring_path(&format!("{me}to{peer}")),
+                ring_path(&format!("{peer}to{me}")),
+            );
+            match ShmRing::create(&a, SHM_RING_BYTES)
+                .and_then(|tx| Ok((tx, ShmRing::create(&b, SHM_RING_BYTES)?)))
+            {
+                Ok(rings) => Some((rings, a, b)),
+                Err(e) => {
+                    tracing::debug!("shared memory unavailable ({e}); using TCP");
+                    let _ = std::fs::remove_file(&a);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let Some((rings, a, b)) = created else {
+            stream.write_all(&[0])?;
+            return Ok(None);
+        };
+        let mut offer = vec![1u8];
+        write_field(&mut offer, a.to_string_lossy().as_bytes());
+        write_field(&mut offer, b.to_string_lossy().as_bytes());
+        let answer = stream.write_all(&offer).and_then(|_| {
+            let mut ok = [0u8; 1];
+            stream.read_exact(&mut ok).map(|_| ok[0] == 1)
+        });
+        let _ = std::fs::remove_file(&a);
+        let _ = std::fs::remove_file(&b);
+        Ok(if answer? { Some(rings) } else { None })
+    }
 }

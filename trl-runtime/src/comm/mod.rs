@@ -14,6 +14,7 @@ mod elem;
 pub mod host;
 pub mod inprocess;
 mod ring;
+mod shm;
 mod transport;
 
 use crate::error::{Error, Result};

@@ -73,6 +73,7 @@ impl DistContext {
         parallelism: &ParallelismConfig,
         distributed_type: DistributedType,
     ) -> Result<Self> {
+        crate::alloc::keep_freed_memory();
         let env = ProcessEnv::from_process()?;
         let parallelism = parallelism.clone().with_process_env()?;
         let dims = parallelism.resolve(env.world_size, distributed_type)?;

@@ -27,6 +27,27 @@ pub fn free_port() -> std::io::Result<u16> {
         .port())
 }
 
+/// The torchrun variables of local rank `rank` of `nproc` on a single machine whose store
+/// listens on 127.0.0.1:`port`, plus the job token.
+pub fn local_rank_env(
+    rank: usize,
+    nproc: usize,
+    port: u16,
+    token: &str,
+) -> Vec<(&'static str, String)> {
+    vec![
+        ("RANK", rank.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("WORLD_SIZE", nproc.to_string()),
+        ("LOCAL_WORLD_SIZE", nproc.to_string()),
+        ("GROUP_RANK", "0".into()),
+        ("GROUP_WORLD_SIZE", "1".into()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.to_string()),
+        (TOKEN_VAR, token.to_string()),
+    ]
+}
+
 /// Runs `nproc` local ranks of `program args...` with RANK, WORLD_SIZE, ... set and waits.
 /// `env` adds variables for every rank. On the first failure the others get SIGTERM, then
 /// SIGKILL after `grace`.
@@ -44,15 +65,7 @@ pub fn run_local(
     for rank in 0..nproc {
         let mut cmd = Command::new(program);
         cmd.args(args)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", nproc.to_string())
-            .env("LOCAL_WORLD_SIZE", nproc.to_string())
-            .env("GROUP_RANK", "0")
-            .env("GROUP_WORLD_SIZE", "1")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env(TOKEN_VAR, &token)
+            .envs(local_rank_env(rank, nproc, port, &token))
             .env("OMP_NUM_THREADS", "1")
             .env("RAYON_NUM_THREADS", "1")
             .stdout(Stdio::piped())

@@ -9,10 +9,13 @@ use trl_runtime::dist::{Store, StoreServer};
 #[derive(Clone, Copy, Debug)]
 pub enum Backend {
     InProcess,
+    /// Host backend as it runs on one machine: TCP handshake, shared-memory data.
     Host,
+    /// Host backend with data over TCP, as between machines.
+    HostTcp,
 }
 
-pub const BACKENDS: [Backend; 2] = [Backend::InProcess, Backend::Host];
+pub const BACKENDS: [Backend; 3] = [Backend::InProcess, Backend::Host, Backend::HostTcp];
 
 /// Runs `f(rank, world)` on `n` threads; the host backend talks real TCP over loopback.
 pub fn run<R: Send>(
@@ -22,8 +25,9 @@ pub fn run<R: Send>(
 ) -> Vec<R> {
     match backend {
         Backend::InProcess => InProcessWorld::run(n, f),
-        Backend::Host => run_host(n, Duration::from_secs(30), |rank, host| {
+        Backend::Host | Backend::HostTcp => run_host(n, Duration::from_secs(30), |rank, host| {
             let all: Vec<usize> = (0..n).collect();
+            let host = host.clone_with_shared_memory(matches!(backend, Backend::Host));
             f(rank, host.group("world", &all).expect("host group"))
         }),
     }
