@@ -9,5 +9,7 @@ pub mod comm;
 pub mod config;
 pub mod dist;
 pub mod error;
+pub mod models;
+pub mod nn;
 
 pub use error::{Error, Result};

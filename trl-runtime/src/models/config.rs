@@ -1,0 +1,238 @@
+//! An HF `config.json` for Llama and Qwen2 models.
+
+use crate::error::{Error, Result};
+use crate::nn::RopeScaling;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+}
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn default_act() -> String {
+    "silu".into()
+}
+fn default_max_pos() -> usize {
+    2048
+}
+
+/// The fields the models use; everything else in config.json is kept verbatim in `extra` so a
+/// saved checkpoint carries it back out.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ModelConfig {
+    pub model_type: String,
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Llama's switch for q/k/v/o biases (Qwen2 always has q/k/v biases).
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub torch_dtype: Option<String>,
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ModelConfig {
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("cannot read model config {}", path.display()), e))?;
+        Self::from_json(&text, &path.display().to_string())
+    }
+
+    pub fn from_json(text: &str, source: &str) -> Result<Self> {
+        let cfg: ModelConfig = serde_json::from_str(text).map_err(|e| Error::Config {
+            file: source.into(),
+            key: format!("<line {} column {}>", e.line(), e.column()),
+            message: format!("not a valid model config: {e}"),
+        })?;
+        cfg.validate(source)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, source: &str) -> Result<()> {
+        let err = |key: &str, message: String| {
+            Err(Error::Config {
+                file: source.into(),
+                key: key.into(),
+                message,
+            })
+        };
+        self.architecture().map_err(|m| Error::Config {
+            file: source.into(),
+            key: "model_type".into(),
+            message: m,
+        })?;
+        if self.hidden_act != "silu" {
+            return err(
+                "hidden_act",
+                format!(
+                    "'{}' is not supported: Llama and Qwen2 use silu",
+                    self.hidden_act
+                ),
+            );
+        }
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+        ] {
+            if v == 0 {
+                return err(key, "must be at least 1".into());
+            }
+        }
+        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+            return err(
+                "num_attention_heads",
+                format!(
+                    "hidden_size {} is not divisible by {} heads: set head_dim",
+                    self.hidden_size, self.num_attention_heads
+                ),
+            );
+        }
+        if self.num_attention_heads % self.num_kv_heads() != 0 {
+            return err(
+                "num_key_value_heads",
+                format!(
+                    "{} attention heads cannot be grouped over {} key/value heads",
+                    self.num_attention_heads,
+                    self.num_kv_heads()
+                ),
+            );
+        }
+        if self.head_dim() % 2 != 0 {
+            return err(
+                "head_dim",
+                format!("{} must be even for rotary embeddings", self.head_dim()),
+            );
+        }
+        if let Err(m) = crate::nn::RotaryEmbedding::new(
+            self.head_dim(),
+            self.rope_theta,
+            self.max_position_embeddings,
+            self.rope_scaling.as_ref(),
+        ) {
+            return err("rope_scaling", m);
+        }
+        Ok(())
+    }
+
+    pub fn architecture(&self) -> std::result::Result<Architecture, String> {
+        match self.model_type.as_str() {
+            "llama" => Ok(Architecture::Llama),
+            "qwen2" => Ok(Architecture::Qwen2),
+            other => Err(format!(
+                "model_type '{other}' is not supported: use llama or qwen2"
+            )),
+        }
+    }
+
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// q/k/v projections carry a bias (always for Qwen2, by `attention_bias` for Llama).
+    pub fn qkv_bias(&self) -> bool {
+        self.model_type == "qwen2" || self.attention_bias
+    }
+
+    /// The output projection carries a bias (Llama with `attention_bias` only).
+    pub fn o_bias(&self) -> bool {
+        self.model_type == "llama" && self.attention_bias
+    }
+
+    pub fn to_json_pretty(&self) -> String {
+        serde_json::to_string_pretty(self).expect("config serialises")
+    }
+
+    /// Every parameter name in HF's layout with its shape, in a stable order.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let (q, kv) = (
+            self.num_attention_heads * self.head_dim(),
+            self.num_kv_heads() * self.head_dim(),
+        );
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+        for l in 0..self.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let mut add = |name: &str, shape: Vec<usize>| out.push((format!("{p}.{name}"), shape));
+            add("input_layernorm.weight", vec![h]);
+            add("self_attn.q_proj.weight", vec![q, h]);
+            add("self_attn.k_proj.weight", vec![kv, h]);
+            add("self_attn.v_proj.weight", vec![kv, h]);
+            if self.qkv_bias() {
+                add("self_attn.q_proj.bias", vec![q]);
+                add("self_attn.k_proj.bias", vec![kv]);
+                add("self_attn.v_proj.bias", vec![kv]);
+            }
+            add("self_attn.o_proj.weight", vec![h, q]);
+            if self.o_bias() {
+                add("self_attn.o_proj.bias", vec![h]);
+            }
+            add("post_attention_layernorm.weight", vec![h]);
+            add("mlp.gate_proj.weight", vec![i, h]);
+            add("mlp.up_proj.weight", vec![i, h]);
+            add("mlp.down_proj.weight", vec![h, i]);
+            if self.mlp_bias {
+                add("mlp.gate_proj.bias", vec![i]);
+                add("mlp.up_proj.bias", vec![i]);
+                add("mlp.down_proj.bias", vec![h]);
+            }
+        }
+        out.push(("model.norm.weight".into(), vec![h]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".into(), vec![v, h]));
+        }
+        out
+    }
+
+    /// Parameter count (tied embeddings counted once).
+    pub fn num_parameters(&self) -> usize {
+        self.parameter_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+}

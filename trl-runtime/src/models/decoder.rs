@@ -1,0 +1,145 @@
+//! The Llama / Qwen2 decoder: token embedding, N x (RMSNorm -> attention with rotary
+//! embeddings and grouped-query heads -> residual, RMSNorm -> SwiGLU MLP -> residual), final
+//! RMSNorm, LM head (tied to the embedding or not). Logits for every position.
+
+use super::config::ModelConfig;
+use super::params::Params;
+use crate::error::{Error, Result};
+use crate::nn::rope::apply_rotary;
+use crate::nn::{attention, AttentionMask, Linear, RmsNorm, RotaryEmbedding};
+use candle_core::{DType, Tensor};
+use std::path::Path;
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+pub struct CausalLm {
+    pub config: ModelConfig,
+    pub params: Params,
+    rope: RotaryEmbedding,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+}
+
+impl CausalLm {
+    /// Builds the model over `params` (whose tensors it shares: optimizer updates are seen).
+    pub fn new(config: ModelConfig, params: Params) -> Result<Self> {
+        let rope = RotaryEmbedding::new(
+            config.head_dim(),
+            config.rope_theta,
+            config.max_position_embeddings,
+            config.rope_scaling.as_ref(),
+        )
+        .map_err(|m| Error::Config {
+            file: "config.json".into(),
+            key: "rope_scaling".into(),
+            message: m,
+        })?;
+        let eps = config.rms_norm_eps;
+        let linear = |name: &str| -> Result<Linear> {
+            let bias = params
+                .get(&format!("{name}.bias"))
+                .map(|v| v.as_tensor().clone());
+            Ok(Linear::new(params.tensor(&format!("{name}.weight"))?, bias))
+        };
+        let norm = |name: &str| -> Result<RmsNorm> {
+            Ok(RmsNorm::new(params.tensor(&format!("{name}.weight"))?, eps))
+        };
+        let layers = (0..config.num_hidden_layers)
+            .map(|l| {
+                let p = format!("model.layers.{l}");
+                Ok(DecoderLayer {
+                    input_layernorm: norm(&format!("{p}.input_layernorm"))?,
+                    q_proj: linear(&format!("{p}.self_attn.q_proj"))?,
+                    k_proj: linear(&format!("{p}.self_attn.k_proj"))?,
+                    v_proj: linear(&format!("{p}.self_attn.v_proj"))?,
+                    o_proj: linear(&format!("{p}.self_attn.o_proj"))?,
+                    post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"))?,
+                    gate_proj: linear(&format!("{p}.mlp.gate_proj"))?,
+                    up_proj: linear(&format!("{p}.mlp.up_proj"))?,
+                    down_proj: linear(&format!("{p}.mlp.down_proj"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed_tokens = params.tensor("model.embed_tokens.weight")?;
+        let lm_head = if config.tie_word_embeddings {
+            Linear::new(embed_tokens.clone(), None)
+        } else {
+            linear("lm_head")?
+        };
+        Ok(CausalLm {
+            rope,
+            embed_tokens,
+            layers,
+            norm: norm("model.norm")?,
+            lm_head,
+            config,
+            params,
+        })
+    }
+
+    /// Loads `config.json` and the weights from an HF checkpoint directory.
+    pub fn from_pretrained(
+        dir: impl AsRef<Path>,
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_file(dir.join(super::params::CONFIG_FILE))?;
+        let params = Params::load(dir, &config, dtype, device)?;
+        Self::new(config, params)
+    }
+
+    /// Writes the model in HF layout (config.json + safetensors).
+    pub fn save_pretrained(
+        &self,
+        dir: impl AsRef<Path>,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()> {
+        self.params.save(dir, &self.config, max_shard_bytes)
+    }
+
+    /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] (u32) at `position_ids`
+    /// [batch, seq]. Positions that restart mark document boundaries of packed rows.
+    pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        let (b, s) = input_ids.dims2()?;
+        let cfg = &self.config;
+        let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.num_kv_heads(), cfg.head_dim());
+        let dtype = self.embed_tokens.dtype();
+        let device = self.embed_tokens.device();
+        let mut x = self
+            .embed_tokens
+            .index_select(&input_ids.flatten_all()?.to_dtype(DType::U32)?, 0)?
+            .reshape((b, s, cfg.hidden_size))?;
+        let mask = AttentionMask::causal(position_ids, dtype, device)?;
+        let (cos, sin) = self.rope.cos_sin(position_ids, dtype, device)?;
+        for layer in &self.layers {
+            let h = layer.input_layernorm.forward(&x)?;
+            let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
+                t.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()
+            };
+            let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
+            let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
+            let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
+            let a = attention(&q, &k, &v, &mask)?
+                .transpose(1, 2)?
+                .reshape((b, s, heads * d))?;
+            x = (x + layer.o_proj.forward(&a)?)?;
+            let h = layer.post_attention_layernorm.forward(&x)?;
+            let mlp = (layer.gate_proj.forward(&h)?.silu()? * layer.up_proj.forward(&h)?)?;
+            x = (x + layer.down_proj.forward(&mlp)?)?;
+        }
+        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?)
+    }
+}

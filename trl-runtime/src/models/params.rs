@@ -1,0 +1,292 @@
+//! A model's parameters by HF name, as Candle `Var`s: random initialisation, loading from
+//! `model.safetensors` or a sharded index, and saving back in the same layout (so a
+//! checkpoint opens in transformers).
+
+use super::config::ModelConfig;
+use crate::error::{Error, Result};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor, Var};
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const CONFIG_FILE: &str = "config.json";
+
+/// Parameters in HF naming order-independent storage (sorted by name).
+#[derive(Debug, Clone)]
+pub struct Params {
+    vars: BTreeMap<String, Var>,
+}
+
+fn is_norm(name: &str) -> bool {
+    name.ends_with("layernorm.weight") || name.ends_with("norm.weight")
+}
+
+/// Buffers some checkpoints carry that are not parameters.
+fn is_ignorable(name: &str) -> bool {
+    name.ends_with("rotary_emb.inv_freq")
+}
+
+impl Params {
+    /// HF's initialisation: normal(0, initializer_range) for matrices, ones for norms, zeros
+    /// for biases. Deterministic for a given seed.
+    pub fn init(cfg: &ModelConfig, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        let std = cfg
+            .extra
+            .get("initializer_range")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(0.02);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let normal = Normal::new(0f32, std as f32).expect("valid std");
+        let mut vars = BTreeMap::new();
+        for (name, shape) in cfg.parameter_shapes() {
+            let n: usize = shape.iter().product();
+            let values: Vec<f32> = if is_norm(&name) {
+                vec![1.0; n]
+            } else if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else {
+                (0..n).map(|_| normal.sample(&mut rng)).collect()
+            };
+            let t = Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?;
+            vars.insert(name, Var::from_tensor(&t)?);
+        }
+        Ok(Params { vars })
+    }
+
+    /// Loads the weights in `dir` (single file or sharded index) and checks them against `cfg`:
+    /// every parameter present with the right shape, nothing unexpected.
+    pub fn load(
+        dir: impl AsRef<Path>,
+        cfg: &ModelConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        let (files, where_is) = weight_files(dir)?;
+        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::Config {
+            file: files
+                .iter()
+                .map(|f| f.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            key: "<safetensors>".into(),
+            message: format!("cannot read the weights: {e}"),
+        })?;
+        let present: HashMap<String, Vec<usize>> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, view.shape().to_vec()))
+            .collect();
+        let expected = cfg.parameter_shapes();
+        let file_of = |name: &str| {
+            where_is(name).unwrap_or_else(|| dir.join(SINGLE_FILE).display().to_string())
+        };
+        let mut vars = BTreeMap::new();
+        for (name, shape) in &expected {
+            let Some(found) = present.get(name) else {
+                return Err(Error::Config {
+                    file: dir.display().to_string(),
+                    key: name.clone(),
+                    message: format!("tensor missing from the checkpoint (expected shape {shape:?} from config.json)"),
+                });
+            };
+            if found != shape {
+                return Err(Error::Config {
+                    file: file_of(name),
+                    key: name.clone(),
+                    message: format!("tensor has shape {found:?} but config.json implies {shape:?}: the weights and config.json do not belong together"),
+                });
+            }
+            let t = st.load(name, device)?.to_dtype(dtype)?;
+            vars.insert(name.clone(), Var::from_tensor(&t)?);
+        }
+        let known: std::collections::HashSet<&str> =
+            expected.iter().map(|(n, _)| n.as_str()).collect();
+        for name in present.keys() {
+            let tied_head = cfg.tie_word_embeddings && name == "lm_head.weight";
+            if !known.contains(name.as_str()) && !is_ignorable(name) && !tied_head {
+                return Err(Error::Config {
+                    file: file_of(name),
+                    key: name.clone(),
+                    message: format!(
+                        "unexpected tensor for a {} model with this config.json",
+                        cfg.model_type
+                    ),
+                });
+            }
+        }
+        Ok(Params { vars })
+    }
+
+    /// Writes `config.json` and the weights into `dir` in HF layout. With `max_shard_bytes`,
+    /// weights larger than that are split into `model-0000k-of-0000n.safetensors` files plus
+    /// an index, as `save_pretrained` does. Each file is written whole, then renamed.
+    pub fn save(
+        &self,
+        dir: impl AsRef<Path>,
+        cfg: &ModelConfig,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+        write_atomic(&dir.join(CONFIG_FILE), cfg.to_json_pretty().as_bytes())?;
+        let tensors: Vec<(String, Tensor)> = self
+            .vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let limit = max_shard_bytes.unwrap_or(usize::MAX);
+        let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
+        let mut current = 0usize;
+        for (name, t) in tensors {
+            let bytes = t.elem_count() * t.dtype().size_in_bytes();
+            if current > 0 && current + bytes > limit {
+                shards.push(Vec::new());
+                current = 0;
+            }
+            current += bytes;
+            shards.last_mut().unwrap().push((name, t));
+        }
+        let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        if shards.len() == 1 {
+            let _ = std::fs::remove_file(dir.join(INDEX_FILE));
+            return write_safetensors(&dir.join(SINGLE_FILE), &shards[0], &metadata);
+        }
+        let n = shards.len();
+        let mut weight_map = serde_json::Map::new();
+        let mut total = 0usize;
+        for (i, shard) in shards.iter().enumerate() {
+            let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+            for (name, t) in shard {
+                weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
+                total += t.elem_count() * t.dtype().size_in_bytes();
+            }
+            write_safetensors(&dir.join(&file), shard, &metadata)?;
+        }
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        write_atomic(
+            &dir.join(INDEX_FILE),
+            serde_json::to_string_pretty(&index).unwrap().as_bytes(),
+        )?;
+        let _ = std::fs::remove_file(dir.join(SINGLE_FILE));
+        Ok(())
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Var> {
+        self.vars.get(name)
+    }
+
+    /// The tensor of a parameter the model needs; a missing name is a bug in the caller.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        self.vars
+            .get(name)
+            .map(|v| v.as_tensor().clone())
+            .ok_or_else(|| {
+                Error::Candle(candle_core::Error::Msg(format!(
+                    "no parameter named {name}"
+                )))
+            })
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Var)> {
+        self.vars.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.vars.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.vars.is_empty()
+    }
+
+    pub fn num_elements(&self) -> usize {
+        self.vars.values().map(|v| v.elem_count()).sum()
+    }
+}
+
+/// The weight files of a checkpoint directory and a lookup from tensor name to its file.
+#[allow(clippy::type_complexity)]
+fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Box<dyn Fn(&str) -> Option<String>>)> {
+    let index = dir.join(INDEX_FILE);
+    if index.exists() {
+        let text = std::fs::read_to_string(&index)
+            .map_err(|e| Error::io(format!("cannot read {}", index.display()), e))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+            file: index.display().to_string(),
+            key: "<document>".into(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Config {
+                file: index.display().to_string(),
+                key: "weight_map".into(),
+                message: "missing: a sharded index maps every tensor name to its file".into(),
+            })?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect();
+        files.sort();
+        files.dedup();
+        let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+        for p in &paths {
+            if !p.exists() {
+                return Err(Error::Config {
+                    file: index.display().to_string(),
+                    key: "weight_map".into(),
+                    message: format!("names {} which does not exist", p.display()),
+                });
+            }
+        }
+        let lookup: HashMap<String, String> = map
+            .iter()
+            .filter_map(|(k, v)| {
+                v.as_str()
+                    .map(|f| (k.clone(), dir.join(f).display().to_string()))
+            })
+            .collect();
+        return Ok((paths, Box::new(move |n: &str| lookup.get(n).cloned())));
+    }
+    let single = dir.join(SINGLE_FILE);
+    if single.exists() {
+        return Ok((vec![single], Box::new(|_: &str| None)));
+    }
+    Err(Error::Config {
+        file: dir.display().to_string(),
+        key: "<weights>".into(),
+        message: format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory"),
+    })
+}
+
+fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: &HashMap<String, String>,
+) -> Result<()> {
+    let tmp = path.with_extension("safetensors.tmp");
+    let data: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    safetensors::serialize_to_file(data, Some(metadata.clone()), &tmp).map_err(|e| Error::Io {
+        context: format!("cannot write {}", tmp.display()),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    std::fs::rename(&tmp, path)
+        .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))
+}
+
+/// Writes a small file whole, then renames it over the old one.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)
+        .map_err(|e| Error::io(format!("cannot write {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, path)
+        .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))
+}

@@ -1,0 +1,74 @@
+//! Cross-entropy for causal language models, returned as (sum, count) so that the trainer
+//! can divide by the target tokens of the whole optimizer step across micro-batches and ranks.
+
+use candle_core::{DType, Result, Tensor, D};
+
+/// Labels with this value are not predicted (prompt tokens, padding), as in PyTorch/HF.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// Sum of token losses and the number of target tokens it covers.
+#[derive(Debug, Clone)]
+pub struct LossSum {
+    pub sum: Tensor,
+    pub count: usize,
+}
+
+impl LossSum {
+    /// The mean over this batch's own tokens (what HF reports for one batch).
+    pub fn mean(&self) -> Result<Tensor> {
+        self.sum.affine(1.0 / self.count.max(1) as f64, 0.0)
+    }
+}
+
+/// Summed cross-entropy of `logits` [.., vocab] against aligned `targets` [..] (i64, -100
+/// ignored), computed in f32 (f64 inputs stay f64).
+pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
+    let vocab = logits.dim(D::Minus1)?;
+    let compute = if logits.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let logits = logits.reshape(((), vocab))?.to_dtype(compute)?;
+    let targets: Vec<i64> = targets.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
+    if let Some(bad) = targets
+        .iter()
+        .find(|&&t| t != IGNORE_INDEX && (t < 0 || t as usize >= vocab))
+    {
+        candle_core::bail!("label {bad} is outside the vocabulary of {vocab} tokens (use -100 to ignore a position)");
+    }
+    let count = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
+    let device = logits.device();
+    let index: Vec<u32> = targets
+        .iter()
+        .map(|&t| if t == IGNORE_INDEX { 0 } else { t as u32 })
+        .collect();
+    let weight: Vec<f32> = targets
+        .iter()
+        .map(|&t| if t == IGNORE_INDEX { 0.0 } else { 1.0 })
+        .collect();
+    let n = index.len();
+    let index = Tensor::from_vec(index, (n, 1), device)?;
+    let weight = Tensor::from_vec(weight, n, device)?.to_dtype(compute)?;
+    let max = logits.max_keepdim(1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let log_z = shifted.exp()?.sum_keepdim(1)?.log()?;
+    let picked = shifted.gather(&index, 1)?;
+    let nll = (log_z - picked)?.squeeze(1)?;
+    let sum = (nll * weight)?.sum_all()?;
+    Ok(LossSum { sum, count })
+}
+
+/// Next-token loss: position t predicts label t+1 (labels not yet shifted, as HF models take them).
+pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor) -> Result<LossSum> {
+    let s = logits.dim(1)?;
+    if s < 2 {
+        return Ok(LossSum {
+            sum: Tensor::zeros((), DType::F32, logits.device())?,
+            count: 0,
+        });
+    }
+    let logits = logits.narrow(1, 0, s - 1)?;
+    let targets = labels.narrow(1, 1, s - 1)?;
+    cross_entropy_sum(&logits, &targets)
+}

@@ -1,0 +1,15 @@
+//! Differentiable building blocks of the decoder models. Everything here is made of Candle ops
+//! that have a backward pass (Candle's fused `softmax_last_dim`, `rms_norm` and `rope` kernels
+//! silently drop gradients, so they are not used).
+
+pub mod attention;
+pub mod linear;
+pub mod loss;
+pub mod rmsnorm;
+pub mod rope;
+
+pub use attention::{attention, AttentionMask};
+pub use linear::Linear;
+pub use loss::{causal_lm_loss, LossSum, IGNORE_INDEX};
+pub use rmsnorm::RmsNorm;
+pub use rope::{RopeScaling, RotaryEmbedding};

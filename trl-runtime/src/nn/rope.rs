@@ -1,0 +1,200 @@
+//! Rotary position embeddings with HF's rope scaling kinds (default, linear, dynamic NTK,
+//! llama3, yarn), indexed by position ids so that packed documents restart at position 0.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+/// `rope_scaling` of an HF config.json. HF writes the kind as `rope_type` (older: `type`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RopeScaling {
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_max_position_embeddings: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_fast: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_slow: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncate: Option<bool>,
+    /// Keys this code does not read, kept so a saved config.json carries them.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+pub const ROPE_TYPES: &[&str] = &["default", "linear", "dynamic", "llama3", "yarn"];
+
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    inv_freq: Vec<f64>,
+    /// Multiplies cos and sin (yarn's attention factor; 1 otherwise).
+    attention_scaling: f64,
+    /// Dynamic NTK: (factor, max_position_embeddings, base) to rescale for longer inputs.
+    dynamic: Option<(f64, usize, f64)>,
+    head_dim: usize,
+}
+
+fn base_inv_freq(base: f64, dim: usize) -> Vec<f64> {
+    (0..dim / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f64 / dim as f64))
+        .collect()
+}
+
+impl RotaryEmbedding {
+    /// `Err` names the problem in config.json terms.
+    pub fn new(
+        head_dim: usize,
+        rope_theta: f64,
+        max_position_embeddings: usize,
+        scaling: Option<&RopeScaling>,
+    ) -> std::result::Result<Self, String> {
+        let mut rope = RotaryEmbedding {
+            inv_freq: base_inv_freq(rope_theta, head_dim),
+            attention_scaling: 1.0,
+            dynamic: None,
+            head_dim,
+        };
+        let Some(s) = scaling else { return Ok(rope) };
+        let factor = || {
+            s.factor
+                .ok_or_else(|| format!("rope_scaling of type {} needs `factor`", s.rope_type))
+        };
+        match s.rope_type.as_str() {
+            "default" => {}
+            "linear" => {
+                let f = factor()?;
+                rope.inv_freq.iter_mut().for_each(|v| *v /= f);
+            }
+            "dynamic" => rope.dynamic = Some((factor()?, max_position_embeddings, rope_theta)),
+            "llama3" => {
+                let f = factor()?;
+                let low = s.low_freq_factor.unwrap_or(1.0);
+                let high = s.high_freq_factor.unwrap_or(4.0);
+                let original = s.original_max_position_embeddings.unwrap_or(8192) as f64;
+                let (low_wavelen, high_wavelen) = (original / low, original / high);
+                for v in rope.inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f64::consts::PI / *v;
+                    if wavelen > low_wavelen {
+                        *v /= f;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (original / wavelen - low) / (high - low);
+                        *v = (1.0 - smooth) * *v / f + smooth * *v;
+                    }
+                }
+            }
+            "yarn" => {
+                let f = factor()?;
+                let original = s
+                    .original_max_position_embeddings
+                    .unwrap_or(max_position_embeddings) as f64;
+                let (beta_fast, beta_slow) =
+                    (s.beta_fast.unwrap_or(32.0), s.beta_slow.unwrap_or(1.0));
+                let dim = head_dim as f64;
+                let correction = |rotations: f64| {
+                    dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * rope_theta.ln())
+                };
+                let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+                if s.truncate.unwrap_or(true) {
+                    low = low.floor();
+                    high = high.ceil();
+                }
+                let low = low.max(0.0);
+                let high = high.min(dim - 1.0);
+                let high = if (high - low).abs() < f64::EPSILON {
+                    high + 0.001
+                } else {
+                    high
+                };
+                let extrapolation = base_inv_freq(rope_theta, head_dim);
+                rope.inv_freq = extrapolation
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &extra)| {
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let extrapolation_factor = 1.0 - ramp;
+                        (extra / f) * (1.0 - extrapolation_factor) + extra * extrapolation_factor
+                    })
+                    .collect();
+                rope.attention_scaling =
+                    s.attention_factor
+                        .unwrap_or(if f <= 1.0 { 1.0 } else { 0.1 * f.ln() + 1.0 });
+            }
+            other => {
+                return Err(format!(
+                    "rope_scaling type '{other}' is not supported: use one of {}",
+                    ROPE_TYPES.join(", ")
+                ))
+            }
+        }
+        Ok(rope)
+    }
+
+    /// cos and sin, each [batch, seq, head_dim], for integer `position_ids` [batch, seq].
+    pub fn cos_sin(
+        &self,
+        position_ids: &Tensor,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let positions: Vec<Vec<i64>> = position_ids.to_dtype(DType::I64)?.to_vec2()?;
+        let (b, s) = (positions.len(), positions.first().map_or(0, Vec::len));
+        let half = self.head_dim / 2;
+        let inv_freq = match self.dynamic {
+            Some((factor, max_pos, base)) => {
+                let seq_len = positions.iter().flatten().copied().max().unwrap_or(0) as usize + 1;
+                if seq_len > max_pos {
+                    let d = self.head_dim as f64;
+                    let scaled = base
+                        * ((factor * seq_len as f64 / max_pos as f64) - (factor - 1.0))
+                            .powf(d / (d - 2.0));
+                    base_inv_freq(scaled, self.head_dim)
+                } else {
+                    self.inv_freq.clone()
+                }
+            }
+            None => self.inv_freq.clone(),
+        };
+        let mut cos = Vec::with_capacity(b * s * self.head_dim);
+        let mut sin = Vec::with_capacity(b * s * self.head_dim);
+        for row in &positions {
+            for &p in row {
+                // HF computes the angles in fp32; match it so parity holds at long positions.
+                let angles: Vec<f32> = inv_freq.iter().map(|f| (p as f32) * (*f as f32)).collect();
+                for _ in 0..2 {
+                    cos.extend(
+                        angles[..half]
+                            .iter()
+                            .map(|a| a.cos() * self.attention_scaling as f32),
+                    );
+                    sin.extend(
+                        angles[..half]
+                            .iter()
+                            .map(|a| a.sin() * self.attention_scaling as f32),
+                    );
+                }
+            }
+        }
+        let cos = Tensor::from_vec(cos, (b, s, self.head_dim), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (b, s, self.head_dim), device)?.to_dtype(dtype)?;
+        Ok((cos, sin))
+    }
+}
+
+/// Rotates `x` [batch, heads, seq, head_dim] by the angles in `cos`/`sin` [batch, seq, head_dim].
+pub fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+}
