@@ -11,5 +11,6 @@ pub mod dist;
 pub mod error;
 pub mod models;
 pub mod nn;
+pub mod train;
 
 pub use error::{Error, Result};

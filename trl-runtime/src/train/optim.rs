@@ -1,0 +1,170 @@
+//! AdamW with decoupled weight decay (PyTorch's algorithm), fp32 master weights and moments
+//! kept per parameter in plain sight: ZeRO shards them and checkpoints save them.
+
+use crate::error::{Error, Result};
+use crate::models::Params;
+use candle_core::{DType, Tensor};
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    /// The defaults of HF TrainingArguments.
+    fn default() -> Self {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// Optimizer state of one parameter, all fp32.
+#[derive(Debug, Clone)]
+pub struct ParamState {
+    pub master: Tensor,
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+    /// Whether weight decay applies (HF exempts biases and norm weights).
+    pub decay: bool,
+}
+
+/// HF's rule: no weight decay for biases and normalisation weights.
+pub fn decays(name: &str) -> bool {
+    !(name.contains("bias") || name.contains("norm"))
+}
+
+#[derive(Debug, Clone)]
+pub struct AdamW {
+    pub config: AdamWConfig,
+    /// Completed optimizer steps (the bias-correction exponent).
+    pub step: u64,
+    pub states: BTreeMap<String, ParamState>,
+}
+
+impl AdamW {
+    /// State for every parameter of `params` (or the subset a ZeRO rank owns: pass those).
+    pub fn new<'a>(
+        params: impl IntoIterator<Item = (&'a String, &'a Tensor)>,
+        config: AdamWConfig,
+    ) -> Result<Self> {
+        let mut states = BTreeMap::new();
+        for (name, p) in params {
+            let master = p.to_dtype(DType::F32)?.copy()?;
+            states.insert(
+                name.clone(),
+                ParamState {
+                    exp_avg: master.zeros_like()?,
+                    exp_avg_sq: master.zeros_like()?,
+                    master,
+                    decay: decays(name),
+                },
+            );
+        }
+        Ok(AdamW {
+            config,
+            step: 0,
+            states,
+        })
+    }
+
+    /// State for all of a model's parameters.
+    pub fn for_params(params: &Params, config: AdamWConfig) -> Result<Self> {
+        let tensors: Vec<(String, Tensor)> = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        Self::new(tensors.iter().map(|(n, t)| (n, t)), config)
+    }
+
+    /// One update of the master weights from `grads` (by parameter name) at learning rate `lr`.
+    /// Every parameter with state must have a gradient. Returns the new master weights.
+    pub fn update(&mut self, grads: &BTreeMap<String, Tensor>, lr: f64) -> Result<()> {
+        self.step += 1;
+        let c = self.config;
+        let bc1 = 1.0 - c.beta1.powi(self.step as i32);
+        let bc2 = 1.0 - c.beta2.powi(self.step as i32);
+        for (name, s) in self.states.iter_mut() {
+            let g = grads.get(name).ok_or_else(|| {
+                Error::Candle(candle_core::Error::Msg(format!(
+                    "no gradient for parameter {name}"
+                )))
+            })?;
+            let g = g.to_dtype(DType::F32)?;
+            if s.decay && c.weight_decay != 0.0 {
+                s.master = (&s.master * (1.0 - lr * c.weight_decay))?;
+            }
+            s.exp_avg = ((&s.exp_avg * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
+            s.exp_avg_sq = ((&s.exp_avg_sq * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+            let denom = ((s.exp_avg_sq.sqrt()? / bc2.sqrt())? + c.eps)?;
+            s.master = (&s.master - (s.exp_avg.broadcast_div(&denom)? * (lr / bc1))?)?;
+        }
+        Ok(())
+    }
+
+    /// `update`, then copies the master weights into the model (cast to its dtype).
+    pub fn step(
+        &mut self,
+        params: &Params,
+        grads: &BTreeMap<String, Tensor>,
+        lr: f64,
+    ) -> Result<()> {
+        self.update(grads, lr)?;
+        for (name, s) in &self.states {
+            if let Some(var) = params.get(name) {
+                var.set(&s.master.to_dtype(var.dtype())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of optimizer state held (master + two moments), for memory accounting.
+    pub fn state_bytes(&self) -> usize {
+        self.states
+            .values()
+            .map(|s| 3 * 4 * s.master.elem_count())
+            .sum()
+    }
+}
+
+/// Sum of squares of all gradients (f64), so sharded callers can add theirs across ranks.
+pub fn grad_norm_sq(grads: &BTreeMap<String, Tensor>) -> Result<f64> {
+    let mut total = 0.0;
+    for g in grads.values() {
+        total += g
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+    }
+    Ok(total)
+}
+
+/// Scales all gradients so that their global L2 norm is at most `max_norm` (PyTorch's
+/// clip_grad_norm_: coefficient max_norm / (norm + 1e-6), applied when below 1). Returns the
+/// norm before clipping. `norm_sq` lets a sharded caller pass the global sum of squares.
+pub fn clip_grad_norm(
+    grads: &mut BTreeMap<String, Tensor>,
+    max_norm: f64,
+    norm_sq: Option<f64>,
+) -> Result<f64> {
+    let norm = match norm_sq {
+        Some(sq) => sq.sqrt(),
+        None => grad_norm_sq(grads)?.sqrt(),
+    };
+    let coef = max_norm / (norm + 1e-6);
+    if max_norm > 0.0 && coef < 1.0 {
+        for g in grads.values_mut() {
+            *g = (&*g * coef)?;
+        }
+    }
+    Ok(norm)
+}

@@ -1,0 +1,114 @@
+//! AdamW against a scalar re-implementation of PyTorch's update, schedules against HF's
+//! formulas at known points, and global-norm clipping.
+
+use candle_core::{Device, Tensor};
+use std::collections::BTreeMap;
+use trl_runtime::train::optim::grad_norm_sq;
+use trl_runtime::train::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, SchedulerKind};
+
+/// torch.optim.AdamW for one scalar, step by step.
+fn reference(p0: f64, grads: &[f64], lr: f64, c: AdamWConfig, decay: bool) -> f64 {
+    let (mut p, mut m, mut v) = (p0, 0.0, 0.0);
+    for (t, g) in grads.iter().enumerate() {
+        let t = (t + 1) as i32;
+        if decay {
+            p *= 1.0 - lr * c.weight_decay;
+        }
+        m = c.beta1 * m + (1.0 - c.beta1) * g;
+        v = c.beta2 * v + (1.0 - c.beta2) * g * g;
+        let denom = v.sqrt() / (1.0 - c.beta2.powi(t)).sqrt() + c.eps;
+        p -= lr / (1.0 - c.beta1.powi(t)) * m / denom;
+    }
+    p
+}
+
+#[test]
+fn adamw_matches_pytorch_update() {
+    let c = AdamWConfig {
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let w0 = [0.5f32, -1.25, 2.0];
+    let params: Vec<(String, Tensor)> = vec![
+        (
+            "layer.weight".into(),
+            Tensor::new(&w0, &Device::Cpu).unwrap(),
+        ),
+        ("layer.bias".into(), Tensor::new(&w0, &Device::Cpu).unwrap()),
+    ];
+    let mut opt = AdamW::new(params.iter().map(|(n, t)| (n, t)), c).unwrap();
+    let grad_steps = [
+        [0.1f32, -0.3, 0.05],
+        [0.2, 0.1, -0.4],
+        [-0.05, 0.0, 0.3],
+        [0.7, -0.2, 0.1],
+    ];
+    let lr = 0.01;
+    for g in &grad_steps {
+        let mut grads = BTreeMap::new();
+        for (n, _) in &params {
+            grads.insert(n.clone(), Tensor::new(g, &Device::Cpu).unwrap());
+        }
+        opt.update(&grads, lr).unwrap();
+    }
+    assert_eq!(opt.step, 4);
+    for (name, decay) in [("layer.weight", true), ("layer.bias", false)] {
+        let got: Vec<f32> = opt.states[name].master.to_vec1().unwrap();
+        for i in 0..3 {
+            let gs: Vec<f64> = grad_steps.iter().map(|g| g[i] as f64).collect();
+            let want = reference(w0[i] as f64, &gs, lr, c, decay);
+            assert!(
+                (got[i] as f64 - want).abs() < 1e-6,
+                "{name}[{i}]: {} vs {want}",
+                got[i]
+            );
+        }
+    }
+    assert_eq!(opt.state_bytes(), 2 * 3 * 3 * 4);
+}
+
+#[test]
+fn schedules_follow_transformers() {
+    let lin = LrSchedule::new(SchedulerKind::Linear, 1.0, 100, 10, 0.0);
+    assert_eq!(lin.factor(0), 0.0);
+    assert_eq!(lin.factor(5), 0.5);
+    assert_eq!(lin.factor(10), 1.0);
+    assert!((lin.factor(55) - 0.5).abs() < 1e-12);
+    assert_eq!(lin.factor(100), 0.0);
+
+    let cos = LrSchedule::new(SchedulerKind::Cosine, 2.0, 110, 0, 0.1 / 1.1);
+    assert_eq!(cos.warmup_steps, 10); // ceil(0.0909.. x 110)
+    assert_eq!(cos.lr(10), 2.0);
+    assert!((cos.factor(60) - 0.5).abs() < 1e-12);
+    assert!(cos.factor(110).abs() < 1e-12);
+
+    let c = LrSchedule::new(SchedulerKind::ConstantWithWarmup, 1.0, 50, 4, 0.0);
+    assert_eq!((c.factor(2), c.factor(4), c.factor(49)), (0.5, 1.0, 1.0));
+    let c = LrSchedule::new(SchedulerKind::Constant, 1.0, 50, 4, 0.0);
+    assert_eq!(c.factor(0), 1.0);
+    assert!(SchedulerKind::parse("polynomial")
+        .unwrap_err()
+        .to_string()
+        .contains("cosine"));
+}
+
+#[test]
+fn clipping_by_global_norm() {
+    let mut grads = BTreeMap::new();
+    grads.insert(
+        "a".to_string(),
+        Tensor::new(&[3.0f32, 0.0], &Device::Cpu).unwrap(),
+    );
+    grads.insert(
+        "b".to_string(),
+        Tensor::new(&[[0.0f32, 4.0]], &Device::Cpu).unwrap(),
+    );
+    let norm = clip_grad_norm(&mut grads, 1.0, None).unwrap();
+    assert!((norm - 5.0).abs() < 1e-6);
+    let after = grad_norm_sq(&grads).unwrap().sqrt();
+    assert!((after - 1.0).abs() < 1e-5, "{after}");
+    // Below the limit nothing changes.
+    let before = grads["a"].to_vec1::<f32>().unwrap();
+    clip_grad_norm(&mut grads, 10.0, None).unwrap();
+    assert_eq!(grads["a"].to_vec1::<f32>().unwrap(), before);
+}
