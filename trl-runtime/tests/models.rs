@@ -253,3 +253,45 @@ fn mismatched_weights_are_clear_errors() {
         .to_string();
     assert!(e.contains("rope_scaling") && e.contains("yarn"), "{e}");
 }
+
+/// Logits and loss of the fixture written by scripts/make_parity_fixture.py with transformers.
+#[test]
+fn matches_transformers_fixture() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity");
+    for name in ["qwen2", "llama"] {
+        let dir = root.join(name);
+        let m = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
+        let batch =
+            candle_core::safetensors::load(dir.join("batch.safetensors"), &Device::Cpu).unwrap();
+        let ids = batch["input_ids"].to_dtype(DType::U32).unwrap();
+        let logits = m.forward(&ids, &batch["position_ids"]).unwrap();
+        let want = &batch["logits"];
+        assert_eq!(logits.dims(), want.dims());
+        let diff = (&logits - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        eprintln!("{name}: max |logits - transformers| = {diff:e}");
+        assert!(
+            diff < 1e-4,
+            "{name}: logits differ from transformers by {diff}"
+        );
+        let loss = causal_lm_loss(&logits, &batch["labels"])
+            .unwrap()
+            .mean()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let want_loss = batch["loss"].to_vec1::<f32>().unwrap()[0];
+        assert!(
+            (loss - want_loss).abs() < 1e-4,
+            "{name}: loss {loss} vs transformers {want_loss}"
+        );
+    }
+}

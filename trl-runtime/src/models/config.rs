@@ -36,9 +36,9 @@ pub struct ModelConfig {
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_dim: Option<usize>,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
@@ -46,8 +46,11 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     #[serde(default = "default_theta")]
     pub rope_theta: f64,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScaling>,
+    /// transformers >= 5 writes `rope_parameters` (rope_type, rope_theta, scaling factors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_parameters: Option<RopeScaling>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Llama's switch for q/k/v/o biases (Qwen2 always has q/k/v biases).
@@ -57,11 +60,11 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     #[serde(default = "default_act")]
     pub hidden_act: String,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torch_dtype: Option<String>,
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -143,15 +146,48 @@ impl ModelConfig {
                 format!("{} must be even for rotary embeddings", self.head_dim()),
             );
         }
-        if let Err(m) = crate::nn::RotaryEmbedding::new(
-            self.head_dim(),
-            self.rope_theta,
-            self.max_position_embeddings,
-            self.rope_scaling.as_ref(),
-        ) {
-            return err("rope_scaling", m);
+        if let Err(m) = self.rotary() {
+            return err(
+                if self.rope_parameters.is_some() {
+                    "rope_parameters"
+                } else {
+                    "rope_scaling"
+                },
+                m,
+            );
+        }
+        let sliding = self
+            .extra
+            .get("use_sliding_window")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false)
+            || self
+                .extra
+                .get("layer_types")
+                .and_then(|v| v.as_array())
+                .is_some_and(|a| a.iter().any(|t| t.as_str() != Some("full_attention")));
+        if sliding {
+            return err(
+                "use_sliding_window",
+                "sliding-window attention is not supported: every layer must use full attention"
+                    .into(),
+            );
         }
         Ok(())
+    }
+
+    /// The rotary embedding this config describes (either config layout).
+    pub fn rotary(&self) -> std::result::Result<crate::nn::RotaryEmbedding, String> {
+        let (theta, scaling) = match &self.rope_parameters {
+            Some(p) => (p.rope_theta.unwrap_or(self.rope_theta), Some(p)),
+            None => (self.rope_theta, self.rope_scaling.as_ref()),
+        };
+        crate::nn::RotaryEmbedding::new(
+            self.head_dim(),
+            theta,
+            self.max_position_embeddings,
+            scaling,
+        )
     }
 
     pub fn architecture(&self) -> std::result::Result<Architecture, String> {

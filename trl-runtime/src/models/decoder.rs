@@ -35,13 +35,7 @@ pub struct CausalLm {
 impl CausalLm {
     /// Builds the model over `params` (whose tensors it shares: optimizer updates are seen).
     pub fn new(config: ModelConfig, params: Params) -> Result<Self> {
-        let rope = RotaryEmbedding::new(
-            config.head_dim(),
-            config.rope_theta,
-            config.max_position_embeddings,
-            config.rope_scaling.as_ref(),
-        )
-        .map_err(|m| Error::Config {
+        let rope = config.rotary().map_err(|m| Error::Config {
             file: "config.json".into(),
             key: "rope_scaling".into(),
             message: m,

@@ -7,8 +7,11 @@ use serde::{Deserialize, Serialize};
 /// `rope_scaling` of an HF config.json. HF writes the kind as `rope_type` (older: `type`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct RopeScaling {
-    #[serde(alias = "type")]
+    #[serde(alias = "type", default = "default_rope_type")]
     pub rope_type: String,
+    /// transformers >= 5 keeps the base here (`rope_parameters`); older configs at top level.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub factor: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -28,6 +31,10 @@ pub struct RopeScaling {
     /// Keys this code does not read, kept so a saved config.json carries them.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+fn default_rope_type() -> String {
+    "default".into()
 }
 
 pub const ROPE_TYPES: &[&str] = &["default", "linear", "dynamic", "llama3", "yarn"];
