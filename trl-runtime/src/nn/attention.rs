@@ -3,14 +3,19 @@
 //! document). Every model calls [`attention`]; the context- and sequence-parallel issues route
 //! it to ring or Ulysses attention.
 
+use super::softmax::{causal_softmax, RowRanges};
 use candle_core::{DType, Device, Result, Tensor, D};
+use std::sync::Arc;
 
 /// Which keys each query may see, derived from position ids: a position that does not follow
 /// its predecessor (it restarts, typically at 0) opens a new document.
 #[derive(Debug, Clone)]
 pub struct AttentionMask {
-    /// Additive mask [batch, 1, 1, q_len, k_len]: 0 where allowed, the dtype's minimum elsewhere.
-    bias: Tensor,
+    /// First visible key of every (batch, row): the start of the row's document.
+    ranges: RowRanges,
+    /// Additive mask [batch, 1, 1, q_len, k_len] (0 allowed, dtype minimum elsewhere), built
+    /// only where the fused CPU softmax does not apply (other devices and dtypes).
+    bias: Option<Tensor>,
 }
 
 /// Document index of every token of one row of position ids.
@@ -28,30 +33,51 @@ pub fn document_ids(positions: &[i64]) -> Vec<u32> {
         .collect()
 }
 
+fn fused(dtype: DType, device: &Device) -> bool {
+    device.is_cpu() && matches!(dtype, DType::F32 | DType::F64)
+}
+
 impl AttentionMask {
     /// Causal, document-aware mask for `position_ids` [batch, seq].
     pub fn causal(position_ids: &Tensor, dtype: DType, device: &Device) -> Result<Self> {
         let rows: Vec<Vec<i64>> = position_ids.to_dtype(DType::I64)?.to_vec2()?;
         let (b, s) = (rows.len(), rows.first().map_or(0, Vec::len));
-        let mut bias = vec![f32::MIN; b * s * s];
-        for (row_index, row) in rows.iter().enumerate() {
+        let mut starts = Vec::with_capacity(b * s);
+        for row in &rows {
             let docs = document_ids(row);
-            let base = row_index * s * s;
+            let mut start = 0;
             for i in 0..s {
-                for j in (0..=i).rev() {
-                    if docs[j] != docs[i] {
-                        break;
-                    }
-                    bias[base + i * s + j] = 0.0;
+                if i > 0 && docs[i] != docs[i - 1] {
+                    start = i;
                 }
+                starts.push(start as u32);
             }
         }
-        let bias = Tensor::from_vec(bias, (b, 1, 1, s, s), device)?.to_dtype(dtype)?;
-        Ok(AttentionMask { bias })
+        let bias = if fused(dtype, device) {
+            None
+        } else {
+            let mut bias = vec![f32::MIN; b * s * s];
+            for (i, &start) in starts.iter().enumerate() {
+                let (row, q) = (i / s, i % s);
+                let base = row * s * s + q * s;
+                bias[base + start as usize..=base + q]
+                    .iter_mut()
+                    .for_each(|v| *v = 0.0);
+            }
+            Some(Tensor::from_vec(bias, (b, 1, 1, s, s), device)?.to_dtype(dtype)?)
+        };
+        Ok(AttentionMask {
+            ranges: RowRanges {
+                batch: b,
+                rows: s,
+                starts: Arc::new(starts),
+            },
+            bias,
+        })
     }
 
-    pub fn bias(&self) -> &Tensor {
-        &self.bias
+    pub fn ranges(&self) -> &RowRanges {
+        &self.ranges
     }
 }
 
@@ -67,11 +93,15 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Re
     }
     let group = heads / kv_heads;
     let scale = 1.0 / (d as f64).sqrt();
-    // [b, kv, group*s, d]: the queries sharing one kv head become one longer matrix.
-    let q = q.reshape((b, kv_heads, group * s, d))?;
-    let scores = (q.matmul(&k.t()?)? * scale)?.reshape((b, kv_heads, group, s, k_len))?;
-    let scores = scores.broadcast_add(mask.bias())?;
-    let probs = softmax(&scores)?.reshape((b, kv_heads, group * s, k_len))?;
+    // [b, kv, group*s, d]: the queries sharing one kv head become one longer matrix. Scaling
+    // q (s x d) instead of the scores (s x s) saves a pass over the largest tensor.
+    let q = (q * scale)?.reshape((b, kv_heads, group * s, d))?;
+    let scores = q.matmul(&k.t()?)?.reshape((b, kv_heads, group, s, k_len))?;
+    let probs = match &mask.bias {
+        None => causal_softmax(&scores, &mask.ranges)?,
+        Some(bias) => softmax(&scores.broadcast_add(bias)?)?,
+    }
+    .reshape((b, kv_heads, group * s, k_len))?;
     probs.matmul(v)?.reshape((b, heads, s, d))
 }
 
@@ -80,4 +110,54 @@ fn softmax(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
     let e = x.broadcast_sub(&max)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    /// The fused CPU softmax and the additive-mask path (used on other devices) agree, values
+    /// and gradients, on packed rows with grouped heads.
+    #[test]
+    fn fused_and_additive_paths_agree() {
+        let dev = Device::Cpu;
+        let pos = Tensor::new(&[[0i64, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]], &dev).unwrap();
+        let fused_mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();
+        assert!(fused_mask.bias.is_none());
+        // Same ranges, with the bias built as for a GPU.
+        let mut bias_mask = AttentionMask::causal(&pos, DType::BF16, &dev).unwrap();
+        bias_mask.bias = Some(bias_mask.bias.unwrap().to_dtype(DType::F32).unwrap());
+        let q = Var::randn(0f32, 1.0, (2, 4, 7, 8), &dev).unwrap();
+        let k = Var::randn(0f32, 1.0, (2, 2, 7, 8), &dev).unwrap();
+        let v = Var::randn(0f32, 1.0, (2, 2, 7, 8), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (2, 4, 7, 8), &dev).unwrap();
+        let run = |m: &AttentionMask| {
+            let out = attention(&q, &k, &v, m).unwrap();
+            let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let g: Vec<Tensor> = [&q, &k, &v]
+                .iter()
+                .map(|t| grads.get(t).unwrap().clone())
+                .collect();
+            (out, g)
+        };
+        let (a, ga) = run(&fused_mask);
+        let (b, gb) = run(&bias_mask);
+        let max_diff = |x: &Tensor, y: &Tensor| {
+            (x - y)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert!(max_diff(&a, &b) < 1e-5);
+        for (x, y) in ga.iter().zip(&gb) {
+            assert!(max_diff(x, y) < 1e-5);
+        }
+    }
 }

@@ -7,6 +7,7 @@ pub mod linear;
 pub mod loss;
 pub mod rmsnorm;
 pub mod rope;
+pub mod softmax;
 
 pub use attention::{attention, AttentionMask};
 pub use linear::Linear;
