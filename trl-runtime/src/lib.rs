@@ -7,6 +7,7 @@
 pub mod alloc;
 pub mod comm;
 pub mod config;
+pub mod data;
 pub mod dist;
 pub mod error;
 pub mod models;

@@ -1,0 +1,34 @@
+//! The SFT data pipeline: examples with loss masks, packing, collation into batches, and the
+//! distributed sampler.
+
+pub mod collate;
+pub mod pack;
+pub mod sampler;
+
+pub use collate::{collate, Batch, CollateOptions};
+pub use pack::{pack, PackedSequence, PackingStrategy};
+pub use sampler::DistributedSampler;
+
+/// One tokenized training example: `labels` holds the token where the loss applies and
+/// [`crate::nn::IGNORE_INDEX`] (-100) where it does not (prompt, system, padding).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Example {
+    pub input_ids: Vec<u32>,
+    pub labels: Vec<i64>,
+}
+
+impl Example {
+    /// An example trained on every token.
+    pub fn full(input_ids: Vec<u32>) -> Self {
+        let labels = input_ids.iter().map(|&t| t as i64).collect();
+        Example { input_ids, labels }
+    }
+
+    pub fn len(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.input_ids.is_empty()
+    }
+}
