@@ -4,10 +4,12 @@
 pub mod collate;
 pub mod pack;
 pub mod sampler;
+pub mod tokenize;
 
 pub use collate::{collate, Batch, CollateOptions};
 pub use pack::{pack, PackedSequence, PackingStrategy};
 pub use sampler::DistributedSampler;
+pub use tokenize::{Message, RenderedChat, TextTokenizer};
 
 /// One tokenized training example: `labels` holds the token where the loss applies and
 /// [`crate::nn::IGNORE_INDEX`] (-100) where it does not (prompt, system, padding).

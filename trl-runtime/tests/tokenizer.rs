@@ -1,0 +1,170 @@
+//! Tokenizer files and chat templates: a BPE tokenizer trained here, a ChatML template with
+//! `{% generation %}` markers giving assistant-only masks, Python string methods in templates,
+//! and clear errors for missing or bad files.
+
+use trl_runtime::data::tokenize::train_bpe;
+use trl_runtime::data::{Message, TextTokenizer};
+use trl_runtime::nn::IGNORE_INDEX;
+
+const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}{{ '<|im_end|>' }}{% endgeneration %}{% else %}{{ m['content'].strip() + '<|im_end|>' }}{% endif %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+fn model_dir(template: Option<&str>) -> tempfile::TempDir {
+    let texts: Vec<String> = (0..200)
+        .map(|i| format!("What is {i} plus {}? The answer is {}.", i * 3, i * 4))
+        .collect();
+    let tok = train_bpe(
+        &texts,
+        300,
+        &["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    tok.save(dir.path().join("tokenizer.json"), true).unwrap();
+    let mut cfg = serde_json::json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"});
+    if let Some(t) = template {
+        cfg["chat_template"] = serde_json::Value::String(t.to_string());
+    }
+    std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+fn conversation() -> Vec<Message> {
+    vec![
+        Message {
+            role: "user".into(),
+            content: "  What is 2 plus 3?  ".into(),
+        },
+        Message {
+            role: "assistant".into(),
+            content: "The answer is 5.".into(),
+        },
+    ]
+}
+
+#[test]
+fn trained_tokenizer_round_trips_text() {
+    let dir = model_dir(Some(CHATML));
+    let tok = TextTokenizer::from_dir(dir.path()).unwrap();
+    assert!(tok.vocab_size() <= 300 && tok.vocab_size() > 200);
+    let ids = tok.encode("What is 12 plus 36?", false).unwrap();
+    assert_eq!(tok.decode(&ids, false).unwrap(), "What is 12 plus 36?");
+    assert_eq!(tok.pad_token_id, 0);
+    assert_eq!(tok.eos_token_id, Some(2));
+    // Special tokens in text are single tokens.
+    assert_eq!(tok.encode("<|im_start|>", false).unwrap(), vec![1]);
+}
+
+#[test]
+fn chat_template_renders_with_generation_spans() {
+    let dir = model_dir(Some(CHATML));
+    let tok = TextTokenizer::from_dir(dir.path()).unwrap();
+    let chat = tok.apply_chat_template(&conversation(), false).unwrap();
+    assert_eq!(
+        chat.text,
+        "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\nThe answer is 5.<|im_end|>\n"
+    );
+    assert_eq!(chat.generation_spans.len(), 1);
+    assert_eq!(
+        &chat.text[chat.generation_spans[0].clone()],
+        "The answer is 5.<|im_end|>"
+    );
+    let prompt = tok.apply_chat_template(&conversation()[..1], true).unwrap();
+    assert!(prompt.text.ends_with("<|im_start|>assistant\n"));
+
+    let ex = tok.tokenize_chat(&conversation(), true).unwrap();
+    let targets: Vec<u32> = ex
+        .input_ids
+        .iter()
+        .zip(&ex.labels)
+        .filter(|(_, &l)| l != IGNORE_INDEX)
+        .map(|(&t, _)| t)
+        .collect();
+    assert_eq!(
+        tok.decode(&targets, false).unwrap(),
+        "The answer is 5.<|im_end|>"
+    );
+    // Without assistant-only loss every token is a target.
+    let all = tok.tokenize_chat(&conversation(), false).unwrap();
+    assert!(all.labels.iter().all(|&l| l != IGNORE_INDEX));
+}
+
+#[test]
+fn template_problems_are_clear_errors() {
+    // No generation markers but assistant-only loss requested.
+    let plain = CHATML
+        .replace("{% generation %}", "")
+        .replace("{% endgeneration %}", "");
+    let dir = model_dir(Some(&plain));
+    let tok = TextTokenizer::from_dir(dir.path()).unwrap();
+    let e = tok
+        .tokenize_chat(&conversation(), true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("{% generation %}"),
+        "{e}"
+    );
+
+    // raise_exception in a template surfaces its message.
+    let raising = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('the first message must be a system message') }}{% endif %}";
+    let dir = model_dir(Some(raising));
+    let e = TextTokenizer::from_dir(dir.path())
+        .unwrap()
+        .apply_chat_template(&conversation(), false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("first message must be a system message"), "{e}");
+
+    // Syntax errors name the key.
+    let dir = model_dir(Some("{% for m in messages %}"));
+    let e = TextTokenizer::from_dir(dir.path())
+        .unwrap()
+        .apply_chat_template(&conversation(), false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("chat_template") && e.contains("template error"),
+        "{e}"
+    );
+
+    // No template at all.
+    let dir = model_dir(None);
+    let e = TextTokenizer::from_dir(dir.path())
+        .unwrap()
+        .apply_chat_template(&conversation(), false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no chat template"), "{e}");
+
+    // Missing and corrupt files name the file.
+    let empty = tempfile::tempdir().unwrap();
+    let e = TextTokenizer::from_dir(empty.path())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("tokenizer.json") && e.contains("not found"),
+        "{e}"
+    );
+    let dir = model_dir(Some(CHATML));
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{ not json").unwrap();
+    let e = TextTokenizer::from_dir(dir.path())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("not valid JSON"),
+        "{e}"
+    );
+    let dir = model_dir(Some(CHATML));
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"eos_token": "<eos>"}"#,
+    )
+    .unwrap();
+    let e = TextTokenizer::from_dir(dir.path())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("eos_token") && e.contains("<eos>"), "{e}");
+}
