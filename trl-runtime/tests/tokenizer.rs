@@ -168,3 +168,95 @@ fn template_problems_are_clear_errors() {
         .to_string();
     assert!(e.contains("eos_token") && e.contains("<eos>"), "{e}");
 }
+
+mod datasets {
+    use super::*;
+    use trl_runtime::data::{load_jsonl, to_example, OnBadRow, Record, TokenizeOptions};
+
+    const ROWS: &str = r#"{"text": "What is 1 plus 2?"}
+{"prompt": "What is 2 plus 3? ", "completion": "The answer is 5."}
+
+{"messages": [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "The answer is 5."}]}
+{"prompt": [{"role": "user", "content": "What is 2 plus 3?"}], "completion": [{"role": "assistant", "content": "The answer is 5."}]}
+{"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]}
+{"prompt": "only a prompt"}
+not json at all
+{"title": "no known keys"}
+"#;
+
+    fn targets(tok: &TextTokenizer, ex: &trl_runtime::data::Example) -> String {
+        let ids: Vec<u32> = ex
+            .input_ids
+            .iter()
+            .zip(&ex.labels)
+            .filter(|(_, &l)| l != IGNORE_INDEX)
+            .map(|(&t, _)| t)
+            .collect();
+        tok.decode(&ids, false).unwrap()
+    }
+
+    #[test]
+    fn every_trl_format_loads_and_masks_like_trl() {
+        let dir = model_dir(Some(CHATML));
+        let tok = TextTokenizer::from_dir(dir.path()).unwrap();
+        let path = dir.path().join("train.jsonl");
+        std::fs::write(&path, ROWS).unwrap();
+
+        let e = load_jsonl(&path, OnBadRow::Fail).unwrap_err().to_string();
+        assert!(
+            e.contains("train.jsonl") && e.contains("line 7") && e.contains("without `completion`"),
+            "{e}"
+        );
+
+        let loaded = load_jsonl(&path, OnBadRow::Skip).unwrap();
+        assert_eq!(loaded.records.len(), 5);
+        let lines: Vec<usize> = loaded.skipped.iter().map(|(l, _)| *l).collect();
+        assert_eq!(lines, vec![7, 8, 9]);
+        assert!(loaded.skipped[2].1.contains("no known format"));
+
+        let opts = TokenizeOptions {
+            completion_only_loss: true,
+            assistant_only_loss: true,
+        };
+        let ex: Vec<_> = loaded
+            .records
+            .iter()
+            .map(|r| to_example(r, &tok, opts).unwrap())
+            .collect();
+        // text: everything is a target, EOS appended.
+        assert_eq!(targets(&tok, &ex[0]), "What is 1 plus 2?<|im_end|>");
+        // prompt-completion: only the completion (and EOS). The prompt's trailing space merges
+        // into the completion's first token, which is therefore a target, as in TRL.
+        assert_eq!(targets(&tok, &ex[1]), " The answer is 5.<|im_end|>");
+        // messages with assistant-only loss.
+        assert_eq!(targets(&tok, &ex[2]), "The answer is 5.<|im_end|>");
+        // conversational prompt-completion: the assistant turn after the generation prompt.
+        assert_eq!(targets(&tok, &ex[3]), "The answer is 5.<|im_end|>\n");
+        // pre-tokenized with a completion mask.
+        assert_eq!(ex[4].labels, vec![-100, -100, 7, 8]);
+        assert!(matches!(loaded.records[4], Record::Tokens { .. }));
+
+        // Without completion-only loss the prompt is trained on too.
+        let all = to_example(
+            &loaded.records[1],
+            &tok,
+            TokenizeOptions {
+                completion_only_loss: false,
+                assistant_only_loss: false,
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            targets(&tok, &all),
+            "What is 2 plus 3? The answer is 5.<|im_end|>"
+        );
+    }
+
+    #[test]
+    fn a_missing_dataset_names_the_file() {
+        let e = load_jsonl("/no/such/train.jsonl", OnBadRow::Fail)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/no/such/train.jsonl"), "{e}");
+    }
+}

@@ -2,11 +2,13 @@
 //! distributed sampler.
 
 pub mod collate;
+pub mod dataset;
 pub mod pack;
 pub mod sampler;
 pub mod tokenize;
 
 pub use collate::{collate, Batch, CollateOptions};
+pub use dataset::{load_jsonl, parse_record, to_example, OnBadRow, Record, TokenizeOptions};
 pub use pack::{pack, PackedSequence, PackingStrategy};
 pub use sampler::DistributedSampler;
 pub use tokenize::{Message, RenderedChat, TextTokenizer};

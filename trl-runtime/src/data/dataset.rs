@@ -1,0 +1,270 @@
+//! SFT datasets in TRL's formats, from JSONL files:
+//! `{"text"}` (language modeling), `{"prompt", "completion"}` (strings, or message lists for the
+//! conversational form), `{"messages": [{"role", "content"}]}`, and pre-tokenized
+//! `{"input_ids"}` (optionally with `completion_mask`). A malformed row is reported with its
+//! line number; [`OnBadRow`] decides between failing and skipping with a count.
+
+use super::tokenize::{Message, TextTokenizer};
+use super::Example;
+use crate::error::{Error, Result};
+use crate::nn::IGNORE_INDEX;
+use serde_json::Value;
+use std::io::BufRead;
+use std::path::Path;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Content {
+    Text(String),
+    Messages(Vec<Message>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record {
+    Text(String),
+    PromptCompletion {
+        prompt: Content,
+        completion: Content,
+    },
+    Messages(Vec<Message>),
+    Tokens {
+        input_ids: Vec<u32>,
+        completion_mask: Option<Vec<bool>>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnBadRow {
+    Fail,
+    Skip,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Loaded {
+    pub records: Vec<Record>,
+    /// (line number, what was wrong) of every skipped row.
+    pub skipped: Vec<(usize, String)>,
+}
+
+fn messages(v: &Value, key: &str) -> std::result::Result<Vec<Message>, String> {
+    let list = v
+        .as_array()
+        .ok_or_else(|| format!("`{key}` must be a list of {{\"role\", \"content\"}} objects"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let field = |f: &str| {
+                m.get(f)
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+                    .ok_or_else(|| format!("`{key}[{i}].{f}` is missing or not a string"))
+            };
+            Ok(Message {
+                role: field("role")?,
+                content: field("content")?,
+            })
+        })
+        .collect()
+}
+
+fn content(v: &Value, key: &str) -> std::result::Result<Content, String> {
+    match v {
+        Value::String(s) => Ok(Content::Text(s.clone())),
+        Value::Array(_) => Ok(Content::Messages(messages(v, key)?)),
+        _ => Err(format!("`{key}` must be a string or a list of messages")),
+    }
+}
+
+/// Recognises one row's format.
+pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
+    let obj = v.as_object().ok_or("a row must be a JSON object")?;
+    if let Some(ids) = obj.get("input_ids") {
+        let input_ids = ids
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|x| x.as_u64().map(|n| n as u32))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or("`input_ids` must be a list of non-negative integers")?;
+        let completion_mask = match obj.get("completion_mask") {
+            None | Some(Value::Null) => None,
+            Some(m) => {
+                let mask = m
+                    .as_array()
+                    .and_then(|a| {
+                        a.iter()
+                            .map(|x| x.as_u64().map(|n| n != 0).or(x.as_bool()))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .ok_or("`completion_mask` must be a list of 0/1")?;
+                if mask.len() != input_ids.len() {
+                    return Err(format!(
+                        "`completion_mask` has {} entries for {} input_ids",
+                        mask.len(),
+                        input_ids.len()
+                    ));
+                }
+                Some(mask)
+            }
+        };
+        return Ok(Record::Tokens {
+            input_ids,
+            completion_mask,
+        });
+    }
+    if let Some(m) = obj.get("messages") {
+        return Ok(Record::Messages(messages(m, "messages")?));
+    }
+    match (obj.get("prompt"), obj.get("completion")) {
+        (Some(p), Some(c)) => {
+            let (prompt, completion) = (content(p, "prompt")?, content(c, "completion")?);
+            if matches!(prompt, Content::Text(_)) != matches!(completion, Content::Text(_)) {
+                return Err(
+                    "`prompt` and `completion` must both be strings or both message lists".into(),
+                );
+            }
+            return Ok(Record::PromptCompletion { prompt, completion });
+        }
+        (Some(_), None) => return Err("`prompt` without `completion`".into()),
+        (None, Some(_)) => return Err("`completion` without `prompt`".into()),
+        _ => {}
+    }
+    if let Some(t) = obj.get("text") {
+        return t
+            .as_str()
+            .map(|s| Record::Text(s.to_string()))
+            .ok_or_else(|| "`text` must be a string".into());
+    }
+    let keys: Vec<&String> = obj.keys().collect();
+    Err(format!(
+        "no known format (keys {keys:?}): use text, prompt + completion, messages, or input_ids"
+    ))
+}
+
+/// Reads a JSONL file (one object per line; blank lines ignored).
+pub fn load_jsonl(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
+    let path = path.as_ref();
+    let file = std::fs::File::open(path)
+        .map_err(|e| Error::io(format!("cannot open dataset {}", path.display()), e))?;
+    let mut out = Loaded::default();
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line_no = i + 1;
+        let line = line.map_err(|e| Error::io(format!("{}: line {line_no}", path.display()), e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed = serde_json::from_str::<Value>(&line)
+            .map_err(|e| format!("not valid JSON: {e}"))
+            .and_then(|v| parse_record(&v));
+        match (parsed, on_bad) {
+            (Ok(r), _) => out.records.push(r),
+            (Err(why), OnBadRow::Skip) => out.skipped.push((line_no, why)),
+            (Err(why), OnBadRow::Fail) => {
+                return Err(Error::Config {
+                    file: path.display().to_string(),
+                    key: format!("line {line_no}"),
+                    message: format!("{why} (set the bad-row policy to skip to drop such rows)"),
+                })
+            }
+        }
+    }
+    if !out.skipped.is_empty() {
+        tracing::warn!(
+            "{}: skipped {} malformed row(s), first at line {}",
+            path.display(),
+            out.skipped.len(),
+            out.skipped[0].0
+        );
+    }
+    Ok(out)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenizeOptions {
+    /// Loss on the completion only (TRL's default for prompt-completion data).
+    pub completion_only_loss: bool,
+    /// Loss on `{% generation %}` spans only (conversational data).
+    pub assistant_only_loss: bool,
+}
+
+impl Default for TokenizeOptions {
+    fn default() -> Self {
+        TokenizeOptions {
+            completion_only_loss: true,
+            assistant_only_loss: false,
+        }
+    }
+}
+
+fn with_eos(tok: &TextTokenizer, mut ids: Vec<u32>) -> Vec<u32> {
+    if let Some(eos) = tok.eos_token_id {
+        if ids.last() != Some(&eos) {
+            ids.push(eos);
+        }
+    }
+    ids
+}
+
+/// A record as a training example, the way TRL's SFTTrainer prepares it: EOS appended to text
+/// and completions, prompt tokens masked under `completion_only_loss`, chat templates applied
+/// to conversational rows.
+pub fn to_example(record: &Record, tok: &TextTokenizer, opts: TokenizeOptions) -> Result<Example> {
+    match record {
+        Record::Text(t) => Ok(Example::full(with_eos(tok, tok.encode(t, false)?))),
+        Record::Messages(m) => tok.tokenize_chat(m, opts.assistant_only_loss),
+        Record::Tokens {
+            input_ids,
+            completion_mask,
+        } => {
+            let labels = match completion_mask {
+                Some(mask) if opts.completion_only_loss => input_ids
+                    .iter()
+                    .zip(mask)
+                    .map(|(&t, &m)| if m { t as i64 } else { IGNORE_INDEX })
+                    .collect(),
+                _ => input_ids.iter().map(|&t| t as i64).collect(),
+            };
+            Ok(Example {
+                input_ids: input_ids.clone(),
+                labels,
+            })
+        }
+        Record::PromptCompletion { prompt, completion } => {
+            let (prompt_ids, full_ids) = match (prompt, completion) {
+                (Content::Text(p), Content::Text(c)) => {
+                    let p_ids = tok.encode(p, false)?;
+                    let full = with_eos(tok, tok.encode(&format!("{p}{c}"), false)?);
+                    (p_ids, full)
+                }
+                (Content::Messages(p), Content::Messages(c)) => {
+                    let p_text = tok.apply_chat_template(p, true)?.text;
+                    let all: Vec<Message> = p.iter().chain(c).cloned().collect();
+                    let full_text = tok.apply_chat_template(&all, false)?.text;
+                    (tok.encode(&p_text, false)?, tok.encode(&full_text, false)?)
+                }
+                _ => unreachable!("parse_record rejects mixed prompt/completion kinds"),
+            };
+            // Tokens of the prompt that survive as a prefix of the full sequence are masked.
+            let shared = prompt_ids
+                .iter()
+                .zip(&full_ids)
+                .take_while(|(a, b)| a == b)
+                .count();
+            let labels = full_ids
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| {
+                    if opts.completion_only_loss && i < shared {
+                        IGNORE_INDEX
+                    } else {
+                        t as i64
+                    }
+                })
+                .collect();
+            Ok(Example {
+                input_ids: full_ids,
+                labels,
+            })
+        }
+    }
+}
