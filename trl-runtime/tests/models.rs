@@ -31,6 +31,20 @@ fn model(model_type: &str, tied: bool, dtype: DType) -> CausalLm {
     CausalLm::new(cfg, params).unwrap()
 }
 
+/// Largest absolute element-wise difference of two f32 tensors.
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 fn batch() -> (Tensor, Tensor, Tensor) {
     // Row 0: two packed documents (positions restart); row 1: one document.
     let ids = Tensor::new(
@@ -151,16 +165,7 @@ fn packed_documents_do_not_attend_to_each_other() {
         .narrow(1, 3, 4)
         .unwrap();
     let alone = m.forward(&alone_ids, &alone_pos).unwrap();
-    let diff = (packed - alone)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_diff(&packed, &alone);
     assert!(diff < 1e-5, "document B saw document A: max diff {diff}");
     // And a continued position (no restart) does change them: the mask is not vacuous.
     let joined_pos = Tensor::new(&[[0i64, 1, 2, 3, 4, 5, 6]], &Device::Cpu).unwrap();
@@ -170,16 +175,7 @@ fn packed_documents_do_not_attend_to_each_other() {
         .narrow(1, 3, 4)
         .unwrap();
     let alone = m.forward(&alone_ids, &alone_pos).unwrap();
-    let diff = (joined - alone)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_diff(&joined, &alone);
     assert!(diff > 1e-3);
 }
 
@@ -196,16 +192,7 @@ fn checkpoints_round_trip_single_and_sharded() {
         let loaded = CausalLm::from_pretrained(dir.path(), DType::F32, &Device::Cpu).unwrap();
         assert_eq!(loaded.config, m.config);
         let got = loaded.forward(&ids, &pos).unwrap();
-        let diff = (got - &want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = max_diff(&got, &want);
         assert_eq!(diff, 0.0);
     }
 }
@@ -267,16 +254,7 @@ fn matches_transformers_fixture() {
         let logits = m.forward(&ids, &batch["position_ids"]).unwrap();
         let want = &batch["logits"];
         assert_eq!(logits.dims(), want.dims());
-        let diff = (&logits - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = max_diff(&logits, &want);
         eprintln!("{name}: max |logits - transformers| = {diff:e}");
         assert!(
             diff < 1e-4,
