@@ -254,7 +254,7 @@ fn matches_transformers_fixture() {
         let logits = m.forward(&ids, &batch["position_ids"]).unwrap();
         let want = &batch["logits"];
         assert_eq!(logits.dims(), want.dims());
-        let diff = max_diff(&logits, &want);
+        let diff = max_diff(&logits, want);
         eprintln!("{name}: max |logits - transformers| = {diff:e}");
         assert!(
             diff < 1e-4,
