@@ -1,4 +1,4 @@
-//! SFT datasets in TRL's formats, from JSONL files:
+//! SFT datasets in TRL's formats, from JSONL or Parquet files (as HF datasets ships them):
 //! `{"text"}` (language modeling), `{"prompt", "completion"}` (strings, or message lists for the
 //! conversational form), `{"messages": [{"role", "content"}]}`, and pre-tokenized
 //! `{"input_ids"}` (optionally with `completion_mask`). A malformed row is reported with its
@@ -77,6 +77,12 @@ fn content(v: &Value, key: &str) -> std::result::Result<Content, String> {
 /// Recognises one row's format.
 pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
     let obj = v.as_object().ok_or("a row must be a JSON object")?;
+    // Columnar files (Parquet) carry every column in every row, null where unused.
+    let obj: serde_json::Map<String, Value> = obj
+        .iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     if let Some(ids) = obj.get("input_ids") {
         let input_ids = ids
             .as_array()
@@ -87,7 +93,7 @@ pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
             })
             .ok_or("`input_ids` must be a list of non-negative integers")?;
         let completion_mask = match obj.get("completion_mask") {
-            None | Some(Value::Null) => None,
+            None => None,
             Some(m) => {
                 let mask = m
                     .as_array()
@@ -177,6 +183,68 @@ pub fn load_jsonl(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
         );
     }
     Ok(out)
+}
+
+/// Reads a Parquet file row by row; each row becomes the same JSON object a JSONL line would
+/// be, so formats and errors are the same (rows are numbered from 1).
+pub fn load_parquet(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let path = path.as_ref();
+    let bad_file = |e: String| Error::Config {
+        file: path.display().to_string(),
+        key: "<parquet>".into(),
+        message: e,
+    };
+    let file = std::fs::File::open(path)
+        .map_err(|e| Error::io(format!("cannot open dataset {}", path.display()), e))?;
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| bad_file(format!("not a readable Parquet file: {e}")))?;
+    let rows = reader
+        .get_row_iter(None)
+        .map_err(|e| bad_file(e.to_string()))?;
+    let mut out = Loaded::default();
+    for (i, row) in rows.enumerate() {
+        let row_no = i + 1;
+        let parsed = row
+            .map_err(|e| format!("unreadable row: {e}"))
+            .and_then(|r| parse_record(&r.to_json_value()));
+        match (parsed, on_bad) {
+            (Ok(r), _) => out.records.push(r),
+            (Err(why), OnBadRow::Skip) => out.skipped.push((row_no, why)),
+            (Err(why), OnBadRow::Fail) => {
+                return Err(Error::Config {
+                    file: path.display().to_string(),
+                    key: format!("row {row_no}"),
+                    message: format!("{why} (set the bad-row policy to skip to drop such rows)"),
+                })
+            }
+        }
+    }
+    if !out.skipped.is_empty() {
+        tracing::warn!(
+            "{}: skipped {} malformed row(s), first at row {}",
+            path.display(),
+            out.skipped.len(),
+            out.skipped[0].0
+        );
+    }
+    Ok(out)
+}
+
+/// Reads a dataset file by its extension: `.jsonl`/`.json` or `.parquet`.
+pub fn load(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
+    let path = path.as_ref();
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("parquet") => load_parquet(path, on_bad),
+        Some("jsonl") | Some("json") => load_jsonl(path, on_bad),
+        _ => Err(Error::Config {
+            file: path.display().to_string(),
+            key: "<file>".into(),
+            message:
+                "unknown dataset format: use a .jsonl (one JSON object per line) or .parquet file"
+                    .into(),
+        }),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

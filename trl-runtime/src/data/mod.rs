@@ -8,7 +8,9 @@ pub mod sampler;
 pub mod tokenize;
 
 pub use collate::{collate, Batch, CollateOptions};
-pub use dataset::{load_jsonl, parse_record, to_example, OnBadRow, Record, TokenizeOptions};
+pub use dataset::{
+    load, load_jsonl, load_parquet, parse_record, to_example, OnBadRow, Record, TokenizeOptions,
+};
 pub use pack::{pack, PackedSequence, PackingStrategy};
 pub use sampler::DistributedSampler;
 pub use tokenize::{Message, RenderedChat, TextTokenizer};
