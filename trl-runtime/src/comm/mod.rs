@@ -82,8 +82,9 @@ impl Pending {
     }
 }
 
-/// Starts `all_reduce` on a helper thread, so the caller can compute meanwhile (DDP buckets).
-/// Collectives started this way run in start order, one at a time per communicator.
+/// Starts `all_reduce` on a helper thread, so the caller can compute meanwhile.
+/// Wait for it before starting another collective on the same communicator: two in flight
+/// could run in either order, and every rank must issue collectives in the same order.
 pub fn all_reduce_async(comm: Arc<dyn Communicator>, x: Tensor, op: ReduceOp) -> Pending {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {

@@ -350,7 +350,7 @@ impl TextTokenizer {
     }
 }
 
-/// Trains a byte-level BPE tokenizer (GPT-2/Qwen style) on `texts`, with `special_tokens`
+/// Trains a byte-level BPE tokenizer (Qwen style: digits split one by one) on `texts`, with `special_tokens`
 /// added first (ids 0..). For bundled assets and tests: nothing is downloaded.
 pub fn train_bpe(
     texts: &[String],
@@ -386,9 +386,13 @@ pub fn train_bpe(
         PostProcessorWrapper,
         DecoderWrapper,
     > = TokenizerImpl::new(BPE::default());
-    tok.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
-        false, true, true,
-    ))));
+    // Digits split one by one before byte-level BPE, as Qwen2 and Llama 3 tokenizers do.
+    tok.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(
+        tokenizers::pre_tokenizers::sequence::Sequence::new(vec![
+            PreTokenizerWrapper::Digits(tokenizers::pre_tokenizers::digits::Digits::new(true)),
+            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+        ]),
+    )));
     tok.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())));
     tok.train(&mut trainer, texts.iter().cloned())
         .map_err(fail)?;

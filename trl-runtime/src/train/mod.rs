@@ -1,7 +1,14 @@
-//! Training machinery: the optimizer and learning-rate schedules (the trainer comes next).
+//! Training: SFT configuration, the trainer, optimizer, schedules, checkpoints, plots.
 
+pub mod checkpoint;
+pub mod config;
+pub mod logging;
 pub mod optim;
+mod plot;
 pub mod schedule;
+pub mod trainer;
 
+pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use optim::{clip_grad_norm, AdamW, AdamWConfig, ParamState};
 pub use schedule::{LrSchedule, SchedulerKind};
+pub use trainer::{EvalResult, StepStats, TrainOutcome, Trainer};

@@ -1,0 +1,198 @@
+//! Checkpoints in HF layout plus what exact resumption needs:
+//! `output_dir/checkpoint-N/` holds config.json + model.safetensors + tokenizer files (opens in
+//! transformers), optimizer.safetensors (fp32 master weights and moments by parameter name)
+//! and trainer_state.json (step, data position, schedule, seed, log history).
+//!
+//! A checkpoint is written into a hidden temporary directory and renamed into place, so a
+//! crash mid-save never leaves a half-written `checkpoint-N`; `latest` only sees complete ones.
+
+use super::optim::AdamW;
+use crate::error::{Error, Result};
+use crate::models::CausalLm;
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const STATE_FILE: &str = "trainer_state.json";
+const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+];
+
+/// Where training stands: enough to continue exactly.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub global_step: usize,
+    /// Epoch of the next step and its index within that epoch (the data position).
+    pub epoch: usize,
+    pub step_in_epoch: usize,
+    pub total_steps: usize,
+    /// The sampler's seed (its permutation is a function of seed and epoch: the RNG state).
+    pub seed: u64,
+    /// Logged metrics so far (one JSON object per logging step).
+    pub log_history: Vec<serde_json::Value>,
+}
+
+fn checkpoint_step(path: &Path) -> Option<usize> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix("checkpoint-")?
+        .parse()
+        .ok()
+}
+
+/// Complete checkpoints in `output_dir`, oldest first.
+pub fn list(output_dir: &Path) -> Vec<(usize, PathBuf)> {
+    let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(output_dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.join(STATE_FILE).exists())
+                .filter_map(|p| checkpoint_step(&p).map(|s| (s, p)))
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort();
+    found
+}
+
+/// Resolves `resume_from_checkpoint`: a path, or `latest` (the newest complete checkpoint).
+pub fn resolve(output_dir: &Path, spec: &str) -> Result<PathBuf> {
+    if spec == "latest" {
+        return list(output_dir)
+            .pop()
+            .map(|(_, p)| p)
+            .ok_or_else(|| Error::Config {
+                file: output_dir.display().to_string(),
+                key: "resume_from_checkpoint".into(),
+                message: "`latest` found no complete checkpoint-N directory here".into(),
+            });
+    }
+    let p = PathBuf::from(spec);
+    if !p.join(STATE_FILE).exists() {
+        return Err(Error::Config {
+            file: p.display().to_string(),
+            key: "resume_from_checkpoint".into(),
+            message: format!("not a complete checkpoint (no {STATE_FILE}): pass a checkpoint-N directory or `latest`"),
+        });
+    }
+    Ok(p)
+}
+
+/// Writes checkpoint `state.global_step` under `output_dir` atomically and prunes old ones
+/// beyond `keep` (the newest are kept). Returns the checkpoint's path.
+pub fn save(
+    output_dir: &Path,
+    model: &CausalLm,
+    tokenizer_dir: &Path,
+    optimizer: &AdamW,
+    state: &TrainerState,
+    keep: Option<usize>,
+) -> Result<PathBuf> {
+    let final_dir = output_dir.join(format!("checkpoint-{}", state.global_step));
+    let tmp = output_dir.join(format!(
+        ".checkpoint-{}.tmp-{}",
+        state.global_step,
+        std::process::id()
+    ));
+    let io = |what: String, e: std::io::Error| Error::io(what, e);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)
+            .map_err(|e| io(format!("cannot clear {}", tmp.display()), e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io(format!("cannot create {}", tmp.display()), e))?;
+    model.save_pretrained(&tmp, None)?;
+    for f in TOKENIZER_FILES {
+        let src = tokenizer_dir.join(f);
+        if src.exists() {
+            std::fs::copy(&src, tmp.join(f))
+                .map_err(|e| io(format!("cannot copy {}", src.display()), e))?;
+        }
+    }
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    for (name, s) in &optimizer.states {
+        tensors.push((format!("{name}::master"), s.master.clone()));
+        tensors.push((format!("{name}::exp_avg"), s.exp_avg.clone()));
+        tensors.push((format!("{name}::exp_avg_sq"), s.exp_avg_sq.clone()));
+    }
+    let meta: HashMap<String, String> =
+        [("optimizer_step".to_string(), optimizer.step.to_string())].into();
+    let data: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    safetensors::serialize_to_file(data, Some(meta), &tmp.join(OPTIMIZER_FILE)).map_err(|e| {
+        io(
+            format!("cannot write {OPTIMIZER_FILE}"),
+            std::io::Error::other(e.to_string()),
+        )
+    })?;
+    // The state file goes last: its presence marks the checkpoint complete.
+    let json = serde_json::to_string_pretty(state).expect("state serialises");
+    std::fs::write(tmp.join(STATE_FILE), json)
+        .map_err(|e| io(format!("cannot write {STATE_FILE}"), e))?;
+    if final_dir.exists() {
+        std::fs::remove_dir_all(&final_dir)
+            .map_err(|e| io(format!("cannot replace {}", final_dir.display()), e))?;
+    }
+    std::fs::rename(&tmp, &final_dir)
+        .map_err(|e| io(format!("cannot move {} into place", final_dir.display()), e))?;
+    if let Some(keep) = keep {
+        let all = list(output_dir);
+        for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
+            let _ = std::fs::remove_dir_all(old);
+        }
+    }
+    Ok(final_dir)
+}
+
+/// Loads a checkpoint's optimizer state into `optimizer` (same parameter names) and returns
+/// the trainer state. The model weights are loaded separately (`CausalLm::from_pretrained`).
+pub fn load_training_state(dir: &Path, optimizer: &mut AdamW) -> Result<TrainerState> {
+    let state_path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&state_path)
+        .map_err(|e| Error::io(format!("cannot read {}", state_path.display()), e))?;
+    let state: TrainerState = serde_json::from_str(&text).map_err(|e| Error::Config {
+        file: state_path.display().to_string(),
+        key: "<document>".into(),
+        message: format!("not a trainer state: {e}"),
+    })?;
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    let tensors =
+        candle_core::safetensors::load(&opt_path, &Device::Cpu).map_err(|e| Error::Config {
+            file: opt_path.display().to_string(),
+            key: "<safetensors>".into(),
+            message: format!("cannot read the optimizer state: {e}"),
+        })?;
+    let take = |key: String| {
+        tensors.get(&key).cloned().ok_or_else(|| Error::Config {
+            file: opt_path.display().to_string(),
+            key: key.clone(),
+            message: "missing from the optimizer state: the checkpoint does not match this model"
+                .into(),
+        })
+    };
+    for (name, s) in optimizer.states.iter_mut() {
+        let device = s.master.device().clone();
+        s.master = take(format!("{name}::master"))?.to_device(&device)?;
+        s.exp_avg = take(format!("{name}::exp_avg"))?.to_device(&device)?;
+        s.exp_avg_sq = take(format!("{name}::exp_avg_sq"))?.to_device(&device)?;
+    }
+    // The step count travels in the file's metadata.
+    let bytes = std::fs::read(&opt_path)
+        .map_err(|e| Error::io(format!("cannot read {}", opt_path.display()), e))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::Config {
+        file: opt_path.display().to_string(),
+        key: "<metadata>".into(),
+        message: e.to_string(),
+    })?;
+    optimizer.step = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("optimizer_step"))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(state.global_step as u64);
+    Ok(state)
+}

@@ -1,0 +1,270 @@
+//! SFTConfig: TRL's training arguments (same names, TRL/HF defaults where they make sense
+//! here), read from a YAML or TOML file and overridden from the command line, as
+//! `trl sft --config file.yaml --learning_rate 1e-4` does. One field list feeds the struct, its
+//! defaults, the command-line flags and the merge, so they cannot drift apart.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Parses a command-line value the way HF's argument parser does (bools: true/false/yes/no/1/0
+/// in any case; `none` for optional values).
+pub trait CliValue: Sized + Clone + Send + Sync + 'static {
+    fn parse_cli(s: &str) -> std::result::Result<Self, String>;
+}
+
+impl CliValue for bool {
+    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "true" | "t" | "yes" | "y" | "1" => Ok(true),
+            "false" | "f" | "no" | "n" | "0" => Ok(false),
+            _ => Err(format!("'{s}' is not a boolean: use true or false")),
+        }
+    }
+}
+
+macro_rules! from_str_value {
+    ($($t:ty),*) => {$(
+        impl CliValue for $t {
+            fn parse_cli(s: &str) -> std::result::Result<Self, String> {
+                s.parse::<$t>().map_err(|e| format!("'{s}': {e}"))
+            }
+        }
+    )*};
+}
+from_str_value!(usize, u64, i64, f64, String, PathBuf);
+
+impl<T: CliValue> CliValue for Option<T> {
+    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
+        if s.eq_ignore_ascii_case("none") || s.eq_ignore_ascii_case("null") {
+            Ok(None)
+        } else {
+            T::parse_cli(s).map(Some)
+        }
+    }
+}
+
+/// A parsed flag value. The wrapper keeps clap from giving `Option<Option<T>>` fields its
+/// special optional-value meaning: every flag here takes one value of the field's type.
+#[derive(Debug, Clone)]
+pub struct Flag<T>(pub T);
+
+fn parse<T: CliValue>(s: &str) -> std::result::Result<Flag<T>, String> {
+    T::parse_cli(s).map(Flag)
+}
+
+macro_rules! sft_config {
+    ($( $(#[doc = $doc:literal])* $name:ident : $ty:ty = $default:expr ;)*) => {
+        /// Training arguments, with TRL's names.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct SFTConfig {
+            $( $(#[doc = $doc])* pub $name: $ty, )*
+        }
+
+        impl Default for SFTConfig {
+            fn default() -> Self {
+                SFTConfig { $( $name: $default, )* }
+            }
+        }
+
+        /// Command-line overrides: every field of [`SFTConfig`] as `--name value`.
+        #[derive(Debug, Clone, Default, clap::Args)]
+        #[command(rename_all = "snake_case")]
+        pub struct SFTArgs {
+            $( $(#[doc = $doc])*
+               #[arg(long, value_parser = parse::<$ty>, num_args = 0..=1, default_missing_value = "true")]
+               pub $name: Option<Flag<$ty>>, )*
+        }
+
+        impl SFTArgs {
+            /// Writes the flags that were given over `config`.
+            pub fn apply(&self, config: &mut SFTConfig) {
+                $( if let Some(v) = &self.$name { config.$name = v.0.clone(); } )*
+            }
+        }
+    };
+}
+
+sft_config! {
+    /// Where checkpoints, metrics.jsonl and the loss plot go.
+    output_dir: PathBuf = PathBuf::from("output");
+    /// A model directory in HF format (config.json, safetensors, tokenizer files).
+    model_name_or_path: PathBuf = PathBuf::from("assets/tiny/model");
+    /// Training data: a .jsonl or .parquet file in one of TRL's formats.
+    dataset_name: PathBuf = PathBuf::from("assets/tiny/data/train.jsonl");
+    /// Held-out data for eval loss (and task accuracy for the bundled task).
+    eval_dataset_name: Option<PathBuf> = None;
+    /// Skip malformed dataset rows (with a count) instead of failing.
+    skip_bad_rows: bool = false;
+    per_device_train_batch_size: usize = 8;
+    per_device_eval_batch_size: usize = 8;
+    gradient_accumulation_steps: usize = 1;
+    learning_rate: f64 = 2e-5;
+    /// constant, constant_with_warmup, linear or cosine.
+    lr_scheduler_type: String = "linear".into();
+    warmup_steps: usize = 0;
+    warmup_ratio: f64 = 0.0;
+    weight_decay: f64 = 0.0;
+    adam_beta1: f64 = 0.9;
+    adam_beta2: f64 = 0.999;
+    adam_epsilon: f64 = 1e-8;
+    /// Clip gradients to this global L2 norm (0 disables).
+    max_grad_norm: f64 = 1.0;
+    num_train_epochs: f64 = 3.0;
+    /// Optimizer steps to run; overrides num_train_epochs when positive.
+    max_steps: i64 = -1;
+    /// Examples (or packed rows) are cut to this many tokens.
+    max_length: usize = 1024;
+    packing: bool = false;
+    /// bfd, bfd_split or wrapped.
+    packing_strategy: String = "bfd".into();
+    /// All rows of a micro-batch in one sequence, positions restarting per document.
+    padding_free: bool = false;
+    pad_to_multiple_of: Option<usize> = None;
+    /// Loss on completions only for prompt-completion data (TRL: on when unset).
+    completion_only_loss: Option<bool> = None;
+    /// Loss on assistant turns only ({% generation %} spans of the chat template).
+    assistant_only_loss: bool = false;
+    logging_steps: usize = 10;
+    save_steps: usize = 500;
+    save_total_limit: Option<usize> = None;
+    /// Evaluate every this many steps (and at the end) when an eval dataset is given.
+    eval_steps: Option<usize> = None;
+    /// Held-out prompts scored by greedy generation (exact match) at each evaluation.
+    eval_generation_samples: usize = 100;
+    seed: u64 = 42;
+    /// A checkpoint directory, or `latest` for the newest in output_dir.
+    resume_from_checkpoint: Option<String> = None;
+    /// no (fp32). bf16 and fp16 need the GPU path.
+    mixed_precision: String = "no".into();
+    /// Show the progress bar on rank 0.
+    disable_tqdm: bool = false;
+}
+
+/// `trl sft`-style command line: an optional config file and flags that override it.
+#[derive(Debug, clap::Parser)]
+#[command(
+    about = "Supervised fine-tuning (TRL's SFT) on Candle",
+    rename_all = "snake_case"
+)]
+pub struct SftCli {
+    /// A YAML or TOML file with SFTConfig fields.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub args: SFTArgs,
+}
+
+impl SFTConfig {
+    /// Reads a YAML (.yaml/.yml) or TOML (.toml) file; unknown keys are errors naming them.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        let bad = |message: String| Error::Config {
+            file: path.display().to_string(),
+            key: "<document>".into(),
+            message,
+        };
+        let config: SFTConfig = match path.extension().and_then(|e| e.to_str()) {
+            Some("toml") => toml::from_str(&text).map_err(|e| bad(e.to_string()))?,
+            _ => serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?,
+        };
+        config.validate(&path.display().to_string())?;
+        Ok(config)
+    }
+
+    /// Defaults, then the `--config` file, then the flags.
+    pub fn from_cli(cli: &SftCli) -> Result<Self> {
+        let mut config = match &cli.config {
+            Some(path) => Self::from_file(path)?,
+            None => SFTConfig::default(),
+        };
+        cli.args.apply(&mut config);
+        config.validate("command line")?;
+        Ok(config)
+    }
+
+    /// Checks values that have a fixed set of choices or bounds.
+    pub fn validate(&self, source: &str) -> Result<()> {
+        let err = |key: &str, message: String| {
+            Err(Error::Config {
+                file: source.into(),
+                key: key.into(),
+                message,
+            })
+        };
+        crate::train::SchedulerKind::parse(&self.lr_scheduler_type).map_err(|e| Error::Config {
+            file: source.into(),
+            key: "lr_scheduler_type".into(),
+            message: e.to_string(),
+        })?;
+        if crate::data::PackingStrategy::parse(&self.packing_strategy).is_none() {
+            return err(
+                "packing_strategy",
+                format!(
+                    "'{}' is not accepted: use one of {}",
+                    self.packing_strategy,
+                    crate::data::pack::PACKING_STRATEGIES.join(", ")
+                ),
+            );
+        }
+        for (key, v) in [
+            (
+                "per_device_train_batch_size",
+                self.per_device_train_batch_size,
+            ),
+            (
+                "per_device_eval_batch_size",
+                self.per_device_eval_batch_size,
+            ),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+            ),
+            ("max_length", self.max_length),
+            ("logging_steps", self.logging_steps),
+            ("save_steps", self.save_steps),
+        ] {
+            if v == 0 {
+                return err(key, "must be at least 1".into());
+            }
+        }
+        if self.learning_rate.is_nan() || self.learning_rate < 0.0 {
+            return err(
+                "learning_rate",
+                format!("{} must be a non-negative number", self.learning_rate),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.warmup_ratio) {
+            return err(
+                "warmup_ratio",
+                format!("{} must be between 0 and 1", self.warmup_ratio),
+            );
+        }
+        match self.mixed_precision.as_str() {
+            "no" | "fp32" => {}
+            "bf16" | "fp16" => return err(
+                "mixed_precision",
+                format!(
+                    "{} training runs on the GPU path only; on CPU use mixed_precision: no (fp32)",
+                    self.mixed_precision
+                ),
+            ),
+            other => {
+                return err(
+                    "mixed_precision",
+                    format!("'{other}' is not accepted: use no, bf16 or fp16"),
+                )
+            }
+        }
+        if self.max_steps <= 0 && self.num_train_epochs <= 0.0 {
+            return err(
+                "max_steps",
+                "set max_steps or a positive num_train_epochs".into(),
+            );
+        }
+        Ok(())
+    }
+}

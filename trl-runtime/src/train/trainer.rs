@@ -1,0 +1,640 @@
+//! The SFT trainer: data-parallel training with gradient accumulation, TRL's loss averaging
+//! over the target tokens of the whole optimizer step, bucketed gradient all-reduce, logging,
+//! evaluation, checkpoints and exact resumption, and a clean stop on SIGTERM.
+//!
+//! Loss rule (DESIGN.md): per optimizer step, count the target tokens of every micro-batch on
+//! every data-parallel rank; each micro-batch contributes sum(token losses) / that count;
+//! gradients are summed across micro-batches and ranks. So 2 ranks x batch 2, 1 rank x 2
+//! accumulation steps x batch 2 and 1 rank x batch 4 take the same steps.
+
+use super::checkpoint::{self, TrainerState};
+use super::config::SFTConfig;
+use super::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use super::schedule::{LrSchedule, SchedulerKind};
+use crate::comm::{Communicator, ReduceOp};
+use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
+use crate::data::{
+    collate, pack, CollateOptions, DistributedSampler, Example, PackedSequence, PackingStrategy,
+    TextTokenizer,
+};
+use crate::dist::mesh::DP;
+use crate::dist::DistContext;
+use crate::error::{Error, Result};
+use crate::models::{CausalLm, Params};
+use crate::nn::causal_lm_loss;
+use candle_core::{DType, Device, Tensor, D};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Gradients are all-reduced in buckets of about this size (PyTorch DDP's default 25 MiB).
+const BUCKET_BYTES: usize = 25 << 20;
+const MAX_NEW_TOKENS: usize = 16;
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    pub loss: f64,
+    pub learning_rate: f64,
+    pub grad_norm: f64,
+    /// Input tokens processed by all ranks in this step (padding excluded).
+    pub tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    pub loss: f64,
+    /// Exact-match accuracy of greedy answers on held-out prompts (when there are any).
+    pub accuracy: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct TrainOutcome {
+    pub losses: Vec<f64>,
+    pub initial_eval: Option<EvalResult>,
+    pub final_eval: Option<EvalResult>,
+    /// Stopped by SIGTERM (a checkpoint was saved first).
+    pub preempted: bool,
+    pub last_checkpoint: Option<PathBuf>,
+}
+
+pub struct Trainer<'a> {
+    pub config: SFTConfig,
+    ctx: &'a DistContext,
+    dp: Arc<dyn Communicator>,
+    pub model: CausalLm,
+    pub tokenizer: TextTokenizer,
+    tokenizer_dir: PathBuf,
+    pub optimizer: AdamW,
+    schedule: LrSchedule,
+    train_rows: Vec<PackedSequence>,
+    eval_rows: Vec<PackedSequence>,
+    eval_prompts: Vec<(Vec<u32>, String)>,
+    collate_options: CollateOptions,
+    sampler: DistributedSampler,
+    pub state: TrainerState,
+    steps_per_epoch: usize,
+    stop: Arc<AtomicBool>,
+}
+
+fn tokenize_all(
+    records: &[Record],
+    tok: &TextTokenizer,
+    opts: TokenizeOptions,
+) -> Result<Vec<Example>> {
+    records
+        .iter()
+        .map(|r| to_example(r, tok, opts))
+        .filter(|e| !e.as_ref().is_ok_and(Example::is_empty))
+        .collect()
+}
+
+fn truncate(mut e: Example, max_length: usize) -> PackedSequence {
+    e.input_ids.truncate(max_length);
+    e.labels.truncate(max_length);
+    PackedSequence::single(&e)
+}
+
+/// A held-out prompt and its expected answer (the last assistant message / the completion).
+fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>, String)>> {
+    Ok(match r {
+        Record::Messages(m) if m.len() >= 2 && m.last().is_some_and(|x| x.role == "assistant") => {
+            let prompt = tok.apply_chat_template(&m[..m.len() - 1], true)?.text;
+            Some((
+                tok.encode(&prompt, false)?,
+                m.last().unwrap().content.trim().to_string(),
+            ))
+        }
+        Record::PromptCompletion {
+            prompt: Content::Text(p),
+            completion: Content::Text(c),
+        } => Some((tok.encode(p, false)?, c.trim().to_string())),
+        _ => None,
+    })
+}
+
+impl<'a> Trainer<'a> {
+    /// Loads model, tokenizer and data as `config` says, resuming if asked.
+    pub fn new(config: SFTConfig, ctx: &'a DistContext) -> Result<Self> {
+        config.validate("training arguments")?;
+        let dp = ctx.group(DP);
+        let dir = config.model_name_or_path.clone();
+        let tokenizer = TextTokenizer::from_dir(&dir)?;
+        let mut model = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu)?;
+        let policy = if config.skip_bad_rows {
+            OnBadRow::Skip
+        } else {
+            OnBadRow::Fail
+        };
+        let opts = TokenizeOptions {
+            completion_only_loss: config.completion_only_loss.unwrap_or(true),
+            assistant_only_loss: config.assistant_only_loss,
+        };
+        let train_examples = tokenize_all(
+            &load(&config.dataset_name, policy)?.records,
+            &tokenizer,
+            opts,
+        )?;
+        let train_rows: Vec<PackedSequence> = if config.packing {
+            let strategy = PackingStrategy::parse(&config.packing_strategy).expect("validated");
+            pack(&train_examples, config.max_length, strategy)
+        } else {
+            train_examples
+                .into_iter()
+                .map(|e| truncate(e, config.max_length))
+                .collect()
+        };
+        let (eval_rows, eval_prompts) = match &config.eval_dataset_name {
+            Some(path) => {
+                let records = load(path, policy)?.records;
+                let rows = tokenize_all(&records, &tokenizer, opts)?
+                    .into_iter()
+                    .map(|e| truncate(e, config.max_length))
+                    .collect();
+                let mut prompts = Vec::new();
+                for r in records.iter().take(config.eval_generation_samples) {
+                    if let Some(p) = prompt_and_answer(r, &tokenizer)? {
+                        prompts.push(p);
+                    }
+                }
+                (rows, prompts)
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        let sampler = DistributedSampler {
+            len: train_rows.len(),
+            world: dp.size(),
+            rank: dp.rank(),
+            seed: config.seed,
+            shuffle: true,
+            drop_last: true,
+        };
+        let per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps;
+        let steps_per_epoch = sampler.num_samples() / per_step;
+        if steps_per_epoch == 0 {
+            return Err(Error::Config {
+                file: config.dataset_name.display().to_string(),
+                key: "per_device_train_batch_size".into(),
+                message: format!(
+                    "{} training rows cannot fill one global batch of {} (per_device_train_batch_size x {} ranks x gradient_accumulation_steps): lower them or add data",
+                    train_rows.len(),
+                    per_step * dp.size(),
+                    dp.size()
+                ),
+            });
+        }
+        let total_steps = if config.max_steps > 0 {
+            config.max_steps as usize
+        } else {
+            (config.num_train_epochs * steps_per_epoch as f64).ceil() as usize
+        };
+        let adam = AdamWConfig {
+            beta1: config.adam_beta1,
+            beta2: config.adam_beta2,
+            eps: config.adam_epsilon,
+            weight_decay: config.weight_decay,
+        };
+        let mut state = TrainerState {
+            total_steps,
+            seed: config.seed,
+            ..Default::default()
+        };
+        let mut optimizer;
+        if let Some(spec) = &config.resume_from_checkpoint {
+            let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
+            model = CausalLm::new(
+                model.config.clone(),
+                Params::load(&ckpt, &model.config, DType::F32, &Device::Cpu)?,
+            )?;
+            optimizer = AdamW::for_params(&model.params, adam)?;
+            state = checkpoint::load_training_state(&ckpt, &mut optimizer)?;
+            if state.total_steps != total_steps {
+                tracing::warn!(
+                    "resuming a run planned for {} steps with a config that gives {total_steps}",
+                    state.total_steps
+                );
+            }
+            state.total_steps = total_steps;
+            tracing::info!(
+                "resumed from {} at step {}",
+                ckpt.display(),
+                state.global_step
+            );
+        } else {
+            optimizer = AdamW::for_params(&model.params, adam)?;
+        }
+        let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
+        let schedule = LrSchedule::new(
+            kind,
+            config.learning_rate,
+            total_steps,
+            config.warmup_steps,
+            config.warmup_ratio,
+        );
+        let collate_options = CollateOptions {
+            pad_token_id: tokenizer.pad_token_id,
+            padding_free: config.padding_free,
+            pad_to_multiple_of: config.pad_to_multiple_of,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
+        let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone());
+        let trainer = Trainer {
+            tokenizer_dir: dir,
+            config,
+            ctx,
+            dp,
+            model,
+            tokenizer,
+            optimizer,
+            schedule,
+            train_rows,
+            eval_rows,
+            eval_prompts,
+            collate_options,
+            sampler,
+            state,
+            steps_per_epoch,
+            stop,
+        };
+        trainer.sync_parameters()?;
+        Ok(trainer)
+    }
+
+    /// Rank 0's weights on every rank (DDP's start), in buckets.
+    fn sync_parameters(&self) -> Result<()> {
+        if self.dp.size() == 1 {
+            return Ok(());
+        }
+        let vars: Vec<_> = self.model.params.iter().collect();
+        for (_, var) in vars {
+            let t = self.dp.broadcast(var.as_tensor(), 0)?;
+            if self.dp.rank() != 0 {
+                var.set(&t)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn total_steps(&self) -> usize {
+        self.state.total_steps
+    }
+
+    pub fn steps_per_epoch(&self) -> usize {
+        self.steps_per_epoch
+    }
+
+    /// Examples per optimizer step across all data-parallel ranks.
+    pub fn effective_batch_size(&self) -> usize {
+        self.config.per_device_train_batch_size
+            * self.dp.size()
+            * self.config.gradient_accumulation_steps
+    }
+
+    /// Sums gradients across data-parallel ranks in buckets, last parameters first (the order
+    /// backward produces them). One helper thread runs the collectives in order while this
+    /// thread flattens the next bucket. Candle's backward returns all gradients at once, so
+    /// the overlap is with bucket packing, not with the backward pass itself.
+    fn reduce_gradients(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<()> {
+        if self.dp.size() == 1 {
+            return Ok(());
+        }
+        let names: Vec<String> = grads.keys().rev().cloned().collect();
+        let mut buckets: Vec<Vec<String>> = vec![Vec::new()];
+        let mut size = 0;
+        for n in names {
+            let bytes = grads[&n].elem_count() * 4;
+            if size > 0 && size + bytes > BUCKET_BYTES {
+                buckets.push(Vec::new());
+                size = 0;
+            }
+            size += bytes;
+            buckets.last_mut().unwrap().push(n);
+        }
+        let dp = self.dp.clone();
+        let (to_comm, comm_in) = std::sync::mpsc::channel::<Tensor>();
+        let (comm_out, from_comm) = std::sync::mpsc::channel::<Result<Tensor>>();
+        std::thread::scope(|s| -> Result<()> {
+            s.spawn(move || {
+                for flat in comm_in {
+                    let _ = comm_out.send(dp.all_reduce(&flat, ReduceOp::Sum));
+                }
+            });
+            for bucket in &buckets {
+                let parts: Vec<Tensor> = bucket
+                    .iter()
+                    .map(|n| grads[n].flatten_all())
+                    .collect::<candle_core::Result<_>>()?;
+                let _ = to_comm.send(Tensor::cat(&parts, 0)?);
+            }
+            drop(to_comm);
+            for bucket in &buckets {
+                let flat = from_comm.recv().map_err(|_| Error::Comm {
+                    op: "all_reduce",
+                    group: self.dp.name().into(),
+                    rank: self.dp.rank(),
+                    message: "gradient communication thread ended".into(),
+                })??;
+                let mut offset = 0;
+                for n in bucket {
+                    let g = grads.get_mut(n).unwrap();
+                    let count = g.elem_count();
+                    *g = flat.narrow(0, offset, count)?.reshape(g.shape())?;
+                    offset += count;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn global_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let t = Tensor::new(values, &Device::Cpu)?;
+        Ok(self.dp.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
+    }
+
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches.
+    pub fn train_step(&mut self) -> Result<StepStats> {
+        let (b, a) = (
+            self.config.per_device_train_batch_size,
+            self.config.gradient_accumulation_steps,
+        );
+        let order = self.sampler.indices(self.state.epoch as u64);
+        let start = self.state.step_in_epoch * b * a;
+        let mut batches = Vec::with_capacity(a);
+        let mut local_tokens = 0usize;
+        for m in 0..a {
+            let rows: Vec<PackedSequence> = order[start + m * b..start + (m + 1) * b]
+                .iter()
+                .map(|&i| self.train_rows[i].clone())
+                .collect();
+            local_tokens += rows.iter().map(PackedSequence::len).sum::<usize>();
+            batches.push(collate(&rows, self.collate_options, &Device::Cpu)?);
+        }
+        let local_targets: usize = batches.iter().map(|x| x.num_target_tokens).sum();
+        let totals = self.global_sum(&[local_targets as f64, local_tokens as f64])?;
+        let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
+        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut local_loss = 0.0;
+        for batch in &batches {
+            let logits = self.model.forward(&batch.input_ids, &batch.position_ids)?;
+            let ls = causal_lm_loss(&logits, &batch.labels)?;
+            local_loss += ls.sum.to_scalar::<f32>()? as f64;
+            let store = (ls.sum / targets)?.backward()?;
+            for (name, var) in self.model.params.iter() {
+                let g = match store.get(var.as_tensor()) {
+                    Some(g) => g.clone(),
+                    None => var.as_tensor().zeros_like()?,
+                };
+                let acc = match grads.remove(name) {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                };
+                grads.insert(name.clone(), acc);
+            }
+        }
+        self.reduce_gradients(&mut grads)?;
+        let grad_norm = clip_grad_norm(&mut grads, self.config.max_grad_norm, None)?;
+        let lr = self.schedule.lr(self.state.global_step);
+        self.optimizer.step(&self.model.params, &grads, lr)?;
+        let loss = self.global_sum(&[local_loss])?[0] / targets;
+        self.state.global_step += 1;
+        self.state.step_in_epoch += 1;
+        if self.state.step_in_epoch == self.steps_per_epoch {
+            self.state.epoch += 1;
+            self.state.step_in_epoch = 0;
+        }
+        Ok(StepStats {
+            loss,
+            learning_rate: lr,
+            grad_norm,
+            tokens,
+        })
+    }
+
+    /// Greedy continuation of `prompt` until EOS or `max_new` tokens.
+    pub fn generate(&self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        let mut ids = prompt.to_vec();
+        for _ in 0..max_new {
+            let n = ids.len();
+            let input = Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu)?;
+            let pos = Tensor::arange(0i64, n as i64, &Device::Cpu)?.unsqueeze(0)?;
+            let logits = self.model.forward(&input, &pos)?;
+            let next = logits
+                .get(0)?
+                .get(n - 1)?
+                .argmax(D::Minus1)?
+                .to_scalar::<u32>()?;
+            if Some(next) == self.tokenizer.eos_token_id {
+                break;
+            }
+            ids.push(next);
+        }
+        Ok(ids[prompt.len()..].to_vec())
+    }
+
+    /// Eval loss over the held-out rows and exact-match accuracy of greedy answers, each rank
+    /// taking every dp-th row and prompt.
+    pub fn evaluate(&self) -> Result<Option<EvalResult>> {
+        if self.eval_rows.is_empty() {
+            return Ok(None);
+        }
+        let (rank, world) = (self.dp.rank(), self.dp.size());
+        let mine: Vec<PackedSequence> = self
+            .eval_rows
+            .iter()
+            .skip(rank)
+            .step_by(world)
+            .cloned()
+            .collect();
+        let (mut sum, mut count) = (0.0, 0.0);
+        for chunk in mine.chunks(self.config.per_device_eval_batch_size) {
+            let batch = collate(chunk, self.collate_options, &Device::Cpu)?;
+            let logits = self.model.forward(&batch.input_ids, &batch.position_ids)?;
+            let ls = causal_lm_loss(&logits, &batch.labels)?;
+            sum += ls.sum.to_scalar::<f32>()? as f64;
+            count += ls.count as f64;
+        }
+        let mut correct = 0.0;
+        let prompts: Vec<_> = self.eval_prompts.iter().skip(rank).step_by(world).collect();
+        for (prompt, answer) in &prompts {
+            let out = self.generate(prompt, MAX_NEW_TOKENS)?;
+            if self.tokenizer.decode(&out, true)?.trim() == answer {
+                correct += 1.0;
+            }
+        }
+        let totals = self.global_sum(&[sum, count, correct])?;
+        Ok(Some(EvalResult {
+            loss: totals[0] / totals[1].max(1.0),
+            accuracy: (!self.eval_prompts.is_empty())
+                .then(|| totals[2] / self.eval_prompts.len() as f64),
+        }))
+    }
+
+    fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
+        let path = if self.ctx.is_main_process() {
+            Some(checkpoint::save(
+                &self.config.output_dir,
+                &self.model,
+                &self.tokenizer_dir,
+                &self.optimizer,
+                &self.state,
+                self.config.save_total_limit,
+            )?)
+        } else {
+            None
+        };
+        self.ctx.world().barrier()?;
+        Ok(path)
+    }
+
+    fn stop_requested(&self) -> Result<bool> {
+        let flag = Tensor::new(&[self.stop.load(Ordering::Relaxed) as u8], &Device::Cpu)?;
+        Ok(self
+            .ctx
+            .world()
+            .all_reduce(&flag, ReduceOp::Max)?
+            .to_vec1::<u8>()?[0]
+            == 1)
+    }
+
+    /// Runs to `total_steps`, logging, evaluating and checkpointing as configured.
+    pub fn train(&mut self) -> Result<TrainOutcome> {
+        let main = self.ctx.is_main_process();
+        let out_dir = self.config.output_dir.clone();
+        if main {
+            std::fs::create_dir_all(&out_dir)
+                .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
+        }
+        tracing::info!(
+            "training {} parameters for {} steps ({} per epoch): effective batch {} = {} per device x {} data-parallel ranks x {} accumulation steps",
+            self.model.params.num_elements(),
+            self.state.total_steps,
+            self.steps_per_epoch,
+            self.effective_batch_size(),
+            self.config.per_device_train_batch_size,
+            self.dp.size(),
+            self.config.gradient_accumulation_steps
+        );
+        let mut outcome = TrainOutcome {
+            initial_eval: self.evaluate()?,
+            ..Default::default()
+        };
+        if let (true, Some(e)) = (main, outcome.initial_eval) {
+            tracing::info!(
+                "before training: eval loss {:.4}, accuracy {:?}",
+                e.loss,
+                e.accuracy
+            );
+        }
+        let bar = progress_bar(
+            main && !self.config.disable_tqdm,
+            self.state.total_steps,
+            self.state.global_step,
+        );
+        let mut metrics = if main {
+            Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(out_dir.join("metrics.jsonl"))
+                    .map_err(|e| Error::io("cannot open metrics.jsonl", e))?,
+            )
+        } else {
+            None
+        };
+        let (mut window_tokens, mut window_start) = (0usize, Instant::now());
+        let mut curve: Vec<(f64, f64)> = Vec::new();
+        while self.state.global_step < self.state.total_steps {
+            let stats = self.train_step()?;
+            let step = self.state.global_step;
+            outcome.losses.push(stats.loss);
+            curve.push((step as f64, stats.loss));
+            window_tokens += stats.tokens;
+            let tokens_per_s =
+                window_tokens as f64 / window_start.elapsed().as_secs_f64().max(1e-9);
+            bar.set_position(step as u64);
+            bar.set_message(format!(
+                "loss {:.4} lr {:.2e} grad_norm {:.3} {:.0} tok/s",
+                stats.loss, stats.learning_rate, stats.grad_norm, tokens_per_s
+            ));
+            let eval_now = self.config.eval_steps.is_some_and(|n| step % n == 0);
+            let eval = if eval_now { self.evaluate()? } else { None };
+            if step % self.config.logging_steps == 0
+                || step == self.state.total_steps
+                || eval.is_some()
+            {
+                let mut line = serde_json::json!({
+                    "step": step,
+                    "epoch": self.state.epoch as f64 + self.state.step_in_epoch as f64 / self.steps_per_epoch as f64,
+                    "loss": stats.loss,
+                    "learning_rate": stats.learning_rate,
+                    "grad_norm": stats.grad_norm,
+                    "tokens_per_s": tokens_per_s,
+                });
+                if let Some(e) = eval {
+                    line["eval_loss"] = e.loss.into();
+                    if let Some(acc) = e.accuracy {
+                        line["eval_accuracy"] = acc.into();
+                    }
+                }
+                if let Some(f) = metrics.as_mut() {
+                    writeln!(f, "{line}")
+                        .map_err(|e| Error::io("cannot write metrics.jsonl", e))?;
+                }
+                tracing::info!("{line}");
+                self.state.log_history.push(line);
+                (window_tokens, window_start) = (0, Instant::now());
+            }
+            if step % self.config.save_steps == 0 {
+                outcome.last_checkpoint = self.save_checkpoint()?;
+            }
+            if self.stop_requested()? {
+                bar.abandon_with_message("SIGTERM: saving a checkpoint and stopping");
+                outcome.last_checkpoint = self.save_checkpoint()?;
+                outcome.preempted = true;
+                return Ok(outcome);
+            }
+        }
+        bar.finish();
+        // The final checkpoint, unless the last step just wrote it (the same on every rank).
+        if self.state.global_step % self.config.save_steps != 0 {
+            outcome.last_checkpoint = self.save_checkpoint()?;
+        } else if self.ctx.is_main_process() {
+            outcome.last_checkpoint = Some(
+                self.config
+                    .output_dir
+                    .join(format!("checkpoint-{}", self.state.global_step)),
+            );
+        }
+        outcome.final_eval = self.evaluate()?;
+        if let (true, Some(e)) = (main, outcome.final_eval) {
+            tracing::info!(
+                "after training: eval loss {:.4}, accuracy {:?}",
+                e.loss,
+                e.accuracy
+            );
+        }
+        if main {
+            super::plot::loss_curve(&out_dir.join("loss.svg"), &curve, &self.state.log_history)?;
+        }
+        Ok(outcome)
+    }
+}
+
+fn progress_bar(visible: bool, total: usize, position: usize) -> indicatif::ProgressBar {
+    if !visible {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .expect("valid template"),
+    );
+    bar.set_position(position as u64);
+    bar
+}
