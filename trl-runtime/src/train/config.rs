@@ -245,13 +245,15 @@ impl SFTConfig {
         }
         match self.mixed_precision.as_str() {
             "no" | "fp32" => {}
-            "bf16" | "fp16" => return err(
-                "mixed_precision",
-                format!(
+            "bf16" | "fp16" => {
+                return err(
+                    "mixed_precision",
+                    format!(
                     "{} training runs on the GPU path only; on CPU use mixed_precision: no (fp32)",
                     self.mixed_precision
                 ),
-            ),
+                )
+            }
             other => {
                 return err(
                     "mixed_precision",

@@ -1,0 +1,150 @@
+//! The trainer's numbers: data parallelism and gradient accumulation change nothing (DDP 2 x 2
+//! == 1 x 4 == 1 x 2 accumulation x 2, losses and weights after 5 steps), and a resumed run
+//! continues exactly like the uninterrupted one.
+
+use std::path::{Path, PathBuf};
+use trl_runtime::comm::InProcessWorld;
+use trl_runtime::config::parallelism::ParallelDims;
+use trl_runtime::dist::{DeviceMesh, DistContext};
+use trl_runtime::train::{SFTConfig, Trainer};
+
+fn assets() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny")
+}
+
+fn config(out: &Path, batch: usize, accumulation: usize, steps: i64) -> SFTConfig {
+    SFTConfig {
+        model_name_or_path: assets().join("model"),
+        dataset_name: assets().join("data/train.jsonl"),
+        output_dir: out.to_path_buf(),
+        per_device_train_batch_size: batch,
+        gradient_accumulation_steps: accumulation,
+        learning_rate: 3e-3,
+        lr_scheduler_type: "cosine".into(),
+        warmup_steps: 2,
+        weight_decay: 0.01,
+        max_grad_norm: 1.0,
+        max_steps: steps,
+        max_length: 64,
+        assistant_only_loss: true,
+        logging_steps: 1,
+        save_steps: 3,
+        disable_tqdm: true,
+        ..SFTConfig::default()
+    }
+}
+
+/// Losses of every step and the final weights (by name) of a run on `world` in-process ranks.
+fn run(world: usize, cfg: SFTConfig) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
+    let w = InProcessWorld::new(world);
+    let dims = ParallelDims {
+        dp_replicate: world,
+        dp_shard: 1,
+        cp: 1,
+        sp: 1,
+        tp: 1,
+    };
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (w, cfg) = (&w, cfg.clone());
+                s.spawn(move || {
+                    let ctx =
+                        DistContext::in_process(w, rank, DeviceMesh::new(dims, world).unwrap())
+                            .unwrap();
+                    let mut trainer = Trainer::new(cfg, &ctx).unwrap();
+                    let outcome = trainer.train().unwrap();
+                    let weights: Vec<(String, Vec<f32>)> = trainer
+                        .model
+                        .params
+                        .iter()
+                        .map(|(n, v)| {
+                            (
+                                n.clone(),
+                                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+                            )
+                        })
+                        .collect();
+                    (outcome.losses, weights)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Every rank ends with the same weights.
+    for r in &results[1..] {
+        assert_eq!(r.1, results[0].1, "ranks disagree on the weights");
+    }
+    results.into_iter().next().unwrap()
+}
+
+fn assert_close(
+    a: &(Vec<f64>, Vec<(String, Vec<f32>)>),
+    b: &(Vec<f64>, Vec<(String, Vec<f32>)>),
+    what: &str,
+) {
+    assert_eq!(a.0.len(), b.0.len());
+    for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs().max(1e-3),
+            "{what}: step {} loss {x} vs {y}",
+            i + 1
+        );
+    }
+    let mut worst = 0f32;
+    for ((n, x), (_, y)) in a.1.iter().zip(&b.1) {
+        // The key bias gets a gradient that is exactly zero in exact arithmetic (a shift of all
+        // scores of a row leaves the softmax unchanged), so AdamW's m / sqrt(v) turns rounding
+        // noise into full-size updates: it cannot match to 1e-5 and is only bounded.
+        let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let diff = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        if n.ends_with("k_proj.bias") {
+            // Still bounded by AdamW's step size: lr x steps.
+            assert!(diff <= 2.0 * 3e-3 * 5.0, "{what}: {n} moved by {diff}");
+            continue;
+        }
+        worst = worst.max(diff / scale);
+        assert!(
+            diff <= 1e-5 * scale,
+            "{what}: weights of {n} differ by {diff} (scale {scale})"
+        );
+    }
+    eprintln!("{what}: worst relative weight difference {worst:e}");
+}
+
+#[test]
+fn data_parallel_and_accumulation_match_one_big_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let big = run(1, config(&tmp.path().join("a"), 4, 1, 5));
+    let ddp = run(2, config(&tmp.path().join("b"), 2, 1, 5));
+    let accum = run(1, config(&tmp.path().join("c"), 2, 2, 5));
+    assert!(big.0[4] < big.0[0], "the loss goes down: {:?}", big.0);
+    assert_close(&ddp, &big, "2 ranks x batch 2 vs 1 x 4");
+    assert_close(&accum, &big, "1 rank x 2 accumulation x batch 2 vs 1 x 4");
+    let ddp_accum = run(2, config(&tmp.path().join("d"), 1, 2, 5));
+    assert_close(
+        &ddp_accum,
+        &big,
+        "2 ranks x 2 accumulation x batch 1 vs 1 x 4",
+    );
+}
+
+#[test]
+fn resume_continues_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let full_dir = tmp.path().join("full");
+    let full = run(2, config(&full_dir, 2, 1, 6));
+    // checkpoint-3 was written on the way; resume a fresh run from it.
+    let mut cfg = config(&full_dir, 2, 1, 6);
+    cfg.resume_from_checkpoint = Some(full_dir.join("checkpoint-3").display().to_string());
+    cfg.output_dir = tmp.path().join("resumed");
+    let resumed = run(2, cfg);
+    assert_eq!(resumed.0.len(), 3, "steps 4..6 only");
+    for (i, (x, y)) in resumed.0.iter().zip(&full.0[3..]).enumerate() {
+        assert_eq!(x, y, "step {} after resume", i + 4);
+    }
+    assert_eq!(resumed.1, full.1, "final weights after resume");
+    // `latest` finds the newest complete checkpoint.
+    let latest = trl_runtime::train::checkpoint::resolve(&full_dir, "latest").unwrap();
+    assert!(latest.ends_with("checkpoint-6"), "{}", latest.display());
+}
