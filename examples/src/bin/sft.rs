@@ -45,7 +45,16 @@ fn run(config: SFTConfig) -> trl_runtime::Result<()> {
     let _rank = trl_runtime::train::logging::init(ctx.rank());
     let mut trainer = Trainer::new(config, &ctx)?;
     let outcome = trainer.train()?;
-    if ctx.is_main_process() {
+    if ctx.is_main_process() && outcome.preempted {
+        println!(
+            "preempted by SIGTERM after step {}: saved {}",
+            trainer.state.global_step,
+            outcome
+                .last_checkpoint
+                .as_ref()
+                .map_or("nothing".into(), |p| p.display().to_string())
+        );
+    } else if ctx.is_main_process() {
         let acc = |e: Option<trl_runtime::train::EvalResult>| {
             e.and_then(|e| e.accuracy)
                 .map_or("n/a".into(), |a| format!("{:.1}%", 100.0 * a))

@@ -144,9 +144,11 @@ sft_config! {
 
 /// `trl sft`-style command line: an optional config file and flags that override it.
 #[derive(Debug, clap::Parser)]
+// Repeated flags: the last one wins, as with HF's argument parser.
 #[command(
     about = "Supervised fine-tuning (TRL's SFT) on Candle",
-    rename_all = "snake_case"
+    rename_all = "snake_case",
+    args_override_self = true
 )]
 pub struct SftCli {
     /// A YAML or TOML file with SFTConfig fields.
