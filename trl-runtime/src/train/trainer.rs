@@ -378,6 +378,7 @@ impl<'a> Trainer<'a> {
         let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut local_loss = 0.0;
+        let t0 = Instant::now();
         for batch in &batches {
             let logits = self.model.forward(&batch.input_ids, &batch.position_ids)?;
             let ls = causal_lm_loss(&logits, &batch.labels)?;
@@ -395,10 +396,18 @@ impl<'a> Trainer<'a> {
                 grads.insert(name.clone(), acc);
             }
         }
+        let t1 = Instant::now();
         self.reduce_gradients(&mut grads)?;
+        let t2 = Instant::now();
         let grad_norm = clip_grad_norm(&mut grads, self.config.max_grad_norm, None)?;
         let lr = self.schedule.lr(self.state.global_step);
         self.optimizer.step(&self.model.params, &grads, lr)?;
+        tracing::debug!(
+            "step timing: forward+backward {:.3}s, gradient all-reduce {:.3}s, clip+optimizer {:.3}s",
+            (t1 - t0).as_secs_f64(),
+            (t2 - t1).as_secs_f64(),
+            t2.elapsed().as_secs_f64()
+        );
         let loss = self.global_sum(&[local_loss])?[0] / targets;
         self.state.global_step += 1;
         self.state.step_in_epoch += 1;

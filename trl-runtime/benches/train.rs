@@ -1,0 +1,173 @@
+//! `cargo bench -p trl-runtime --bench train`: DDP training throughput of the reference shape
+//! (Qwen2 hidden 256, intermediate 768, 4 layers, 8/4 heads, vocab 4096, seq 512, batch 4 per
+//! process, fp32, 1 compute thread per process) on 1 and 2 processes of the host backend, the
+//! scaling ratio between them, and the time from launching a process to its first finished
+//! step with the bundled tiny model. One JSON object per line on stdout; prose on stderr.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+use trl_runtime::config::launch::DistributedType;
+use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::dist::{spawn, DistContext};
+use trl_runtime::models::{ModelConfig, Params};
+use trl_runtime::train::{SFTConfig, Trainer};
+
+const SEQ: usize = 512;
+const BATCH: usize = 4;
+const MEASURED_STEPS: usize = 5;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The reference model and a pre-tokenized dataset of full-length rows, written once.
+fn prepare(dir: &Path) {
+    let cfg = ModelConfig::from_json(
+        &serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
+            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "max_position_embeddings": 4096, "rope_theta": 1000000.0, "tie_word_embeddings": true,
+        })
+        .to_string(),
+        "reference shape",
+    )
+    .unwrap();
+    let model = dir.join("model");
+    Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
+        .unwrap()
+        .save(&model, &cfg, None)
+        .unwrap();
+    // Only the special tokens of the tokenizer matter here (pad / eos).
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(repo().join("assets/tiny/model").join(f), model.join(f)).unwrap();
+    }
+    let rows: String = (0..64)
+        .map(|r| {
+            let ids: Vec<usize> = (0..SEQ)
+                .map(|i| (r * 7919 + i * 104729) % 4000 + 3)
+                .collect();
+            serde_json::json!({ "input_ids": ids }).to_string() + "\n"
+        })
+        .collect();
+    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
+}
+
+fn worker(kind: &str, dir: &Path) {
+    let ctx = DistContext::init(&ParallelismConfig::default(), DistributedType::MultiCpu).unwrap();
+    trl_runtime::train::logging::init(ctx.rank());
+    let config = if kind == "tiny" {
+        SFTConfig {
+            model_name_or_path: repo().join("assets/tiny/model"),
+            dataset_name: repo().join("assets/tiny/data/train.jsonl"),
+            max_length: 64,
+            ..SFTConfig::default()
+        }
+    } else {
+        SFTConfig {
+            model_name_or_path: dir.join("model"),
+            dataset_name: dir.join("train.jsonl"),
+            per_device_train_batch_size: BATCH,
+            max_length: SEQ,
+            learning_rate: 1e-4,
+            ..SFTConfig::default()
+        }
+    };
+    let config = SFTConfig {
+        output_dir: dir.join("out"),
+        disable_tqdm: true,
+        max_steps: 1000,
+        ..config
+    };
+    let mut trainer = Trainer::new(config, &ctx).unwrap();
+    let first = trainer.train_step().unwrap();
+    if ctx.is_main_process() {
+        println!("first_step_done");
+    }
+    if kind == "tiny" {
+        return;
+    }
+    let start = Instant::now();
+    let _ = first;
+    let mut tokens = 0;
+    for _ in 0..MEASURED_STEPS {
+        tokens += trainer.train_step().unwrap().tokens;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    if ctx.is_main_process() {
+        println!(
+            "measured {} {}",
+            secs / MEASURED_STEPS as f64,
+            tokens as f64 / secs
+        );
+    }
+}
+
+/// Runs `world` ranks of this program as `kind` workers; returns (launch-to-first-step seconds,
+/// the "measured" line's numbers).
+fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<(f64, f64)>) {
+    let exe = std::env::current_exe().unwrap();
+    let port = spawn::free_port().unwrap();
+    let start = Instant::now();
+    let mut children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .env("TRL_BENCH_WORKER", kind)
+                .env("TRL_BENCH_DIR", dir)
+                .env("RAYON_NUM_THREADS", "1")
+                .envs(spawn::local_rank_env(rank, world, port, "bench"))
+                .stdout(if rank == 0 {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut first = f64::NAN;
+    let mut measured = None;
+    for line in BufReader::new(children[0].stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+    {
+        if line == "first_step_done" {
+            first = start.elapsed().as_secs_f64();
+        } else if let Some(rest) = line.strip_prefix("measured ") {
+            let v: Vec<f64> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
+            measured = Some((v[0], v[1]));
+        }
+    }
+    for c in &mut children {
+        assert!(c.wait().unwrap().success(), "a {kind} worker failed");
+    }
+    (first, measured)
+}
+
+fn main() {
+    if let Ok(kind) = std::env::var("TRL_BENCH_WORKER") {
+        worker(&kind, Path::new(&std::env::var("TRL_BENCH_DIR").unwrap()));
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    prepare(tmp.path());
+    eprintln!(
+        "train bench: reference shape, batch {BATCH} x seq {SEQ} per process, 1 thread per process"
+    );
+    let mut per_world = Vec::new();
+    for world in [1, 2] {
+        let (_, measured) = launch("ref", world, tmp.path());
+        let (step_s, tokens_per_s) = measured.expect("worker reported no measurement");
+        println!("{{\"bench\":\"train\",\"strategy\":\"ddp\",\"world\":{world},\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4}}}");
+        per_world.push(tokens_per_s);
+    }
+    println!(
+        "{{\"bench\":\"train\",\"strategy\":\"ddp\",\"what\":\"scaling\",\"world\":2,\"tokens_per_s_ratio_2_over_1\":{:.3}}}",
+        per_world[1] / per_world[0]
+    );
+    let (first, _) = launch("tiny", 1, tmp.path());
+    let (first2, _) = launch("tiny", 2, tmp.path());
+    println!("{{\"bench\":\"train\",\"what\":\"launch_to_first_step\",\"model\":\"tiny\",\"world\":1,\"seconds\":{first:.3}}}");
+    println!("{{\"bench\":\"train\",\"what\":\"launch_to_first_step\",\"model\":\"tiny\",\"world\":2,\"seconds\":{first2:.3}}}");
+}
