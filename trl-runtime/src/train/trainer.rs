@@ -545,9 +545,12 @@ impl<'a> Trainer<'a> {
         );
         let mut metrics = if main {
             Some(
+                // A resumed run continues the file; a fresh run starts it over.
                 std::fs::OpenOptions::new()
                     .create(true)
-                    .append(true)
+                    .append(self.config.resume_from_checkpoint.is_some())
+                    .write(true)
+                    .truncate(self.config.resume_from_checkpoint.is_none())
                     .open(out_dir.join("metrics.jsonl"))
                     .map_err(|e| Error::io("cannot open metrics.jsonl", e))?,
             )
