@@ -148,3 +148,23 @@ fn resume_continues_exactly() {
     let latest = trl_runtime::train::checkpoint::resolve(&full_dir, "latest").unwrap();
     assert!(latest.ends_with("checkpoint-6"), "{}", latest.display());
 }
+
+#[test]
+fn save_total_limit_keeps_the_newest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(tmp.path(), 4, 1, 6);
+    cfg.save_steps = 1;
+    cfg.save_total_limit = Some(2);
+    run(1, cfg);
+    let kept: Vec<usize> = trl_runtime::train::checkpoint::list(tmp.path())
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(kept, vec![5, 6]);
+    // No temporary directories are left behind.
+    let names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp")), "{names:?}");
+}

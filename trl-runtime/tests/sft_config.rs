@@ -1,0 +1,127 @@
+//! SFTConfig: TRL's names and defaults, YAML and TOML files, command-line overrides (HF-style
+//! booleans, repeated flags), and errors naming the file and key.
+
+use clap::Parser;
+use trl_runtime::train::{SFTConfig, SftCli};
+
+fn cli(args: &[&str]) -> Result<SFTConfig, String> {
+    let cli = SftCli::try_parse_from(std::iter::once("sft").chain(args.iter().copied()))
+        .map_err(|e| e.to_string())?;
+    SFTConfig::from_cli(&cli).map_err(|e| e.to_string())
+}
+
+#[test]
+fn defaults_follow_trl() {
+    let c = SFTConfig::default();
+    assert_eq!(
+        (c.per_device_train_batch_size, c.gradient_accumulation_steps),
+        (8, 1)
+    );
+    assert_eq!(
+        (
+            c.learning_rate,
+            c.lr_scheduler_type.as_str(),
+            c.max_grad_norm
+        ),
+        (2e-5, "linear", 1.0)
+    );
+    assert_eq!(
+        (c.max_length, c.packing, c.packing_strategy.as_str()),
+        (1024, false, "bfd")
+    );
+    assert_eq!(
+        (c.num_train_epochs, c.max_steps, c.logging_steps, c.seed),
+        (3.0, -1, 10, 42)
+    );
+}
+
+#[test]
+fn file_then_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("sft.yaml");
+    std::fs::write(
+        &yaml,
+        "learning_rate: 1.0e-4\npacking: true\npad_to_multiple_of: 4\nsave_total_limit: 2\n",
+    )
+    .unwrap();
+    let c = cli(&[
+        "--config",
+        yaml.to_str().unwrap(),
+        "--learning_rate",
+        "3e-4",
+        "--packing",
+        "False",
+        "--gradient_accumulation_steps",
+        "4",
+    ])
+    .unwrap();
+    assert_eq!(
+        (
+            c.learning_rate,
+            c.packing,
+            c.pad_to_multiple_of,
+            c.save_total_limit,
+            c.gradient_accumulation_steps
+        ),
+        (3e-4, false, Some(4), Some(2), 4)
+    );
+    // A bare boolean flag means true; a repeated flag keeps the last value; `none` clears.
+    let c = cli(&[
+        "--packing",
+        "--max_steps",
+        "5",
+        "--max_steps",
+        "7",
+        "--pad_to_multiple_of",
+        "none",
+    ])
+    .unwrap();
+    assert_eq!(
+        (c.packing, c.max_steps, c.pad_to_multiple_of),
+        (true, 7, None)
+    );
+
+    let toml = dir.path().join("sft.toml");
+    std::fs::write(
+        &toml,
+        "learning_rate = 5e-4\nlr_scheduler_type = \"cosine\"\nwarmup_ratio = 0.1\n",
+    )
+    .unwrap();
+    let c = SFTConfig::from_file(&toml).unwrap();
+    assert_eq!(
+        (
+            c.learning_rate,
+            c.lr_scheduler_type.as_str(),
+            c.warmup_ratio
+        ),
+        (5e-4, "cosine", 0.1)
+    );
+}
+
+#[test]
+fn bad_values_name_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("bad.yaml");
+    std::fs::write(&yaml, "learning_rte: 1.0e-4\n").unwrap();
+    let e = SFTConfig::from_file(&yaml).unwrap_err().to_string();
+    assert!(
+        e.contains("bad.yaml") && e.contains("learning_rte") && e.contains("learning_rate"),
+        "{e}"
+    );
+    let e = cli(&["--lr_scheduler_type", "polynomial"]).unwrap_err();
+    assert!(
+        e.contains("lr_scheduler_type") && e.contains("cosine"),
+        "{e}"
+    );
+    let e = cli(&["--packing_strategy", "ffd"]).unwrap_err();
+    assert!(
+        e.contains("packing_strategy") && e.contains("bfd_split"),
+        "{e}"
+    );
+    let e = cli(&["--mixed_precision", "bf16"]).unwrap_err();
+    assert!(e.contains("mixed_precision") && e.contains("GPU"), "{e}");
+    let e = cli(&["--per_device_train_batch_size", "0"]).unwrap_err();
+    assert!(e.contains("per_device_train_batch_size"), "{e}");
+    let e = cli(&["--packing", "maybe"]).unwrap_err();
+    assert!(e.contains("packing") && e.contains("boolean"), "{e}");
+}
