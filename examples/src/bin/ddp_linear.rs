@@ -9,7 +9,6 @@
 
 use candle_core::{Device, Tensor, Var};
 use std::process::ExitCode;
-use std::time::Duration;
 use trl_runtime::comm::ReduceOp;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
@@ -76,20 +75,8 @@ fn train(ctx: &DistContext) -> trl_runtime::Result<f32> {
 }
 
 fn main() -> ExitCode {
-    if std::env::var("WORLD_SIZE").is_err() {
-        // Not launched: start 2 local ranks of this same program.
-        let exe = std::env::current_exe().expect("path of this program");
-        return match spawn::run_local(&exe, &[], 2, &[], Duration::from_secs(5)) {
-            Ok(o) if o.success() => ExitCode::SUCCESS,
-            Ok(o) => {
-                eprintln!("job failed: {:?}", o.first_failure);
-                ExitCode::FAILURE
-            }
-            Err(e) => {
-                eprintln!("cannot start the ranks: {e}");
-                ExitCode::FAILURE
-            }
-        };
+    if let Some(code) = spawn::relaunch_unless_launched(2) {
+        return code;
     }
     let result = DistContext::init(&ParallelismConfig::default(), DistributedType::MultiCpu)
         .and_then(|ctx| train(&ctx));

@@ -8,7 +8,6 @@
 
 use clap::Parser;
 use std::process::ExitCode;
-use std::time::Duration;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::{spawn, DistContext};
@@ -88,24 +87,8 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    if std::env::var("WORLD_SIZE").is_err() {
-        let n = std::env::var("TRL_LOCAL_PROCESSES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2);
-        let exe = std::env::current_exe().expect("path of this program");
-        let args: Vec<String> = std::env::args().skip(1).collect();
-        return match spawn::run_local(&exe, &args, n, &[], Duration::from_secs(10)) {
-            Ok(o) if o.success() => ExitCode::SUCCESS,
-            Ok(o) => {
-                eprintln!("job failed: rank {:?}", o.first_failure);
-                ExitCode::FAILURE
-            }
-            Err(e) => {
-                eprintln!("cannot start the ranks: {e}");
-                ExitCode::FAILURE
-            }
-        };
+    if let Some(code) = spawn::relaunch_unless_launched(2) {
+        return code;
     }
     match run(config) {
         Ok(()) => ExitCode::SUCCESS,

@@ -147,42 +147,68 @@ pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
     ))
 }
 
+/// Collects parsed rows under the bad-row policy; `unit` is "line" or "row" for messages.
+struct Collector<'a> {
+    path: &'a Path,
+    unit: &'static str,
+    on_bad: OnBadRow,
+    out: Loaded,
+}
+
+impl Collector<'_> {
+    fn add(&mut self, at: usize, parsed: std::result::Result<Record, String>) -> Result<()> {
+        match (parsed, self.on_bad) {
+            (Ok(r), _) => self.out.records.push(r),
+            (Err(why), OnBadRow::Skip) => self.out.skipped.push((at, why)),
+            (Err(why), OnBadRow::Fail) => {
+                return Err(Error::Config {
+                    file: self.path.display().to_string(),
+                    key: format!("{} {at}", self.unit),
+                    message: format!("{why} (set the bad-row policy to skip to drop such rows)"),
+                })
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Loaded {
+        if let Some((first, _)) = self.out.skipped.first() {
+            tracing::warn!(
+                "{}: skipped {} malformed row(s), first at {} {first}",
+                self.path.display(),
+                self.out.skipped.len(),
+                self.unit
+            );
+        }
+        self.out
+    }
+}
+
+fn open(path: &Path) -> Result<std::fs::File> {
+    std::fs::File::open(path)
+        .map_err(|e| Error::io(format!("cannot open dataset {}", path.display()), e))
+}
+
 /// Reads a JSONL file (one object per line; blank lines ignored).
 pub fn load_jsonl(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
     let path = path.as_ref();
-    let file = std::fs::File::open(path)
-        .map_err(|e| Error::io(format!("cannot open dataset {}", path.display()), e))?;
-    let mut out = Loaded::default();
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line_no = i + 1;
-        let line = line.map_err(|e| Error::io(format!("{}: line {line_no}", path.display()), e))?;
+    let mut rows = Collector {
+        path,
+        unit: "line",
+        on_bad,
+        out: Loaded::default(),
+    };
+    for (i, line) in std::io::BufReader::new(open(path)?).lines().enumerate() {
+        let line = line.map_err(|e| Error::io(format!("{}: line {}", path.display(), i + 1), e))?;
         if line.trim().is_empty() {
             continue;
         }
         let parsed = serde_json::from_str::<Value>(&line)
             .map_err(|e| format!("not valid JSON: {e}"))
             .and_then(|v| parse_record(&v));
-        match (parsed, on_bad) {
-            (Ok(r), _) => out.records.push(r),
-            (Err(why), OnBadRow::Skip) => out.skipped.push((line_no, why)),
-            (Err(why), OnBadRow::Fail) => {
-                return Err(Error::Config {
-                    file: path.display().to_string(),
-                    key: format!("line {line_no}"),
-                    message: format!("{why} (set the bad-row policy to skip to drop such rows)"),
-                })
-            }
-        }
+        rows.add(i + 1, parsed)?;
     }
-    if !out.skipped.is_empty() {
-        tracing::warn!(
-            "{}: skipped {} malformed row(s), first at line {}",
-            path.display(),
-            out.skipped.len(),
-            out.skipped[0].0
-        );
-    }
-    Ok(out)
+    Ok(rows.finish())
 }
 
 /// Reads a Parquet file row by row; each row becomes the same JSON object a JSONL line would
@@ -195,40 +221,25 @@ pub fn load_parquet(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> 
         key: "<parquet>".into(),
         message: e,
     };
-    let file = std::fs::File::open(path)
-        .map_err(|e| Error::io(format!("cannot open dataset {}", path.display()), e))?;
-    let reader = SerializedFileReader::new(file)
+    let reader = SerializedFileReader::new(open(path)?)
         .map_err(|e| bad_file(format!("not a readable Parquet file: {e}")))?;
-    let rows = reader
+    let mut rows = Collector {
+        path,
+        unit: "row",
+        on_bad,
+        out: Loaded::default(),
+    };
+    for (i, row) in reader
         .get_row_iter(None)
-        .map_err(|e| bad_file(e.to_string()))?;
-    let mut out = Loaded::default();
-    for (i, row) in rows.enumerate() {
-        let row_no = i + 1;
+        .map_err(|e| bad_file(e.to_string()))?
+        .enumerate()
+    {
         let parsed = row
             .map_err(|e| format!("unreadable row: {e}"))
             .and_then(|r| parse_record(&r.to_json_value()));
-        match (parsed, on_bad) {
-            (Ok(r), _) => out.records.push(r),
-            (Err(why), OnBadRow::Skip) => out.skipped.push((row_no, why)),
-            (Err(why), OnBadRow::Fail) => {
-                return Err(Error::Config {
-                    file: path.display().to_string(),
-                    key: format!("row {row_no}"),
-                    message: format!("{why} (set the bad-row policy to skip to drop such rows)"),
-                })
-            }
-        }
+        rows.add(i + 1, parsed)?;
     }
-    if !out.skipped.is_empty() {
-        tracing::warn!(
-            "{}: skipped {} malformed row(s), first at row {}",
-            path.display(),
-            out.skipped.len(),
-            out.skipped[0].0
-        );
-    }
-    Ok(out)
+    Ok(rows.finish())
 }
 
 /// Reads a dataset file by its extension: `.jsonl`/`.json` or `.parquet`.

@@ -147,3 +147,32 @@ pub fn run_local(
         first_failure,
     })
 }
+
+/// For programs that launch themselves when started by hand: unless the torchrun variables are
+/// set, re-runs this executable (with its arguments) as `TRL_LOCAL_PROCESSES` local ranks
+/// (default `default_ranks`) and returns the job's exit code; returns None inside a rank.
+pub fn relaunch_unless_launched(default_ranks: usize) -> Option<std::process::ExitCode> {
+    if std::env::var("WORLD_SIZE").is_ok() {
+        return None;
+    }
+    let n = std::env::var("TRL_LOCAL_PROCESSES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default_ranks);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let outcome = std::env::current_exe()
+        .and_then(|exe| run_local(&exe, &args, n, &[], Duration::from_secs(10)));
+    Some(match outcome {
+        Ok(o) if o.success() => std::process::ExitCode::SUCCESS,
+        Ok(o) => {
+            if let Some((rank, status)) = o.first_failure {
+                eprintln!("job failed: rank {rank} exited with {status}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("cannot start the ranks: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    })
+}
