@@ -1,63 +1,20 @@
 //! `cargo trl`: scaffold, configure and launch distributed fine-tuning jobs.
 //!
-//! Implemented so far: `cargo trl profiles` (the shipped Accelerate profiles) and
-//! `cargo trl check FILE` (validate an Accelerate config file as `launch` will read it).
-//! `new` and `launch` come with the launcher issue.
+//! Commands: `launch` (run a program on local ranks, like `accelerate launch`), `profiles`
+//! (the shipped Accelerate profiles), `check FILE` (validate an Accelerate config file).
 //!
-//! Exit codes: 0 success, 1 invalid input (a config that does not validate), 2 usage error.
+//! Exit codes: 0 success; 1 a worker failed (launch) or the config is invalid (check);
+//! 2 usage error or a launch that fails validation before starting; 3 the target cannot be
+//! found, built or started.
+
+mod launch;
+mod profiles;
+mod target;
 
 use clap::{Parser, Subcommand};
+use profiles::PROFILES;
 use std::process::ExitCode;
 use trl_runtime::config::LaunchConfig;
-
-/// The profiles of templates/profiles, embedded so the binary works from anywhere.
-const PROFILES: &[(&str, &str)] = &[
-    (
-        "single_gpu",
-        include_str!("../../templates/profiles/single_gpu.yaml"),
-    ),
-    (
-        "multi_gpu",
-        include_str!("../../templates/profiles/multi_gpu.yaml"),
-    ),
-    ("zero1", include_str!("../../templates/profiles/zero1.yaml")),
-    ("zero2", include_str!("../../templates/profiles/zero2.yaml")),
-    ("zero3", include_str!("../../templates/profiles/zero3.yaml")),
-    ("fsdp1", include_str!("../../templates/profiles/fsdp1.yaml")),
-    ("fsdp2", include_str!("../../templates/profiles/fsdp2.yaml")),
-    (
-        "context_parallel_2gpu",
-        include_str!("../../templates/profiles/context_parallel_2gpu.yaml"),
-    ),
-    (
-        "alst_ulysses_4gpu",
-        include_str!("../../templates/profiles/alst_ulysses_4gpu.yaml"),
-    ),
-    (
-        "multi_node",
-        include_str!("../../templates/profiles/multi_node.yaml"),
-    ),
-    (
-        "multi_cpu",
-        include_str!("../../templates/profiles/multi_cpu.yaml"),
-    ),
-    (
-        "zero3_cpu",
-        include_str!("../../templates/profiles/zero3_cpu.yaml"),
-    ),
-    (
-        "fsdp2_cpu",
-        include_str!("../../templates/profiles/fsdp2_cpu.yaml"),
-    ),
-    (
-        "context_parallel_cpu",
-        include_str!("../../templates/profiles/context_parallel_cpu.yaml"),
-    ),
-    (
-        "alst_ulysses_cpu",
-        include_str!("../../templates/profiles/alst_ulysses_cpu.yaml"),
-    ),
-];
 
 #[derive(Parser)]
 #[command(
@@ -73,6 +30,13 @@ enum Cargo {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run a program on every local rank with torchrun's environment, supervised.
+    ///
+    /// Examples:
+    ///   cargo trl launch --profile multi_cpu sft -- --learning_rate 1e-3
+    ///   cargo trl launch --config_file my.yaml --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 ./train
+    ///   cargo trl launch --profile zero3_cpu --dry-run sft
+    Launch(launch::LaunchArgs),
     /// List the shipped launch profiles (Accelerate YAML).
     ///
     /// Example: cargo trl profiles
@@ -127,6 +91,17 @@ fn main() -> ExitCode {
         }
     };
     match command {
+        Command::Launch(args) => match launch::plan(&args) {
+            Ok(plan) if args.dry_run => {
+                launch::print_plan(&plan, &args);
+                ExitCode::SUCCESS
+            }
+            Ok(plan) => ExitCode::from(launch::run(plan, &args)),
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(launch::EXIT_INVALID)
+            }
+        },
         Command::Profiles { show: Some(name) } => match PROFILES.iter().find(|(n, _)| *n == name) {
             Some((_, yaml)) => {
                 print!("{yaml}");

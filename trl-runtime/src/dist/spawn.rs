@@ -1,22 +1,115 @@
-//! A minimal local spawner: runs N copies of a program with the torchrun environment
-//! contract, prefixes their output with `[rank N]`, and stops the others when one fails.
-//! (`cargo trl launch` is the full launcher; this serves examples and tests meanwhile.)
+//! Running the local ranks of a job and supervising them, as torchrun's agent does: one
+//! process per local rank with its environment, output prefixed `[rank N]` (optionally teed to
+//! per-rank log files), the first failure stops the others (SIGTERM, a grace period, SIGKILL)
+//! and is reported with its rank, host, exit code or signal and last lines of output.
+//! SIGINT/SIGTERM sent to the supervisor are passed to every worker so they can checkpoint.
+//!
+//! `cargo trl launch` builds the workers' environments; examples started by hand use
+//! [`relaunch_unless_launched`].
 
 use super::store::TOKEN_VAR;
-use std::io::{BufRead, BufReader};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// What happened to the job: every rank's exit status, and the first failure if any.
+/// Lines of output kept per rank for the failure report.
+const TAIL_LINES: usize = 20;
+
+/// One local worker: its global and local rank and its environment.
+#[derive(Debug, Clone)]
+pub struct WorkerSpec {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub env: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    pub workers: Vec<WorkerSpec>,
+    /// Time between SIGTERM and SIGKILL when stopping workers.
+    pub grace: Duration,
+    /// How often worker states are polled.
+    pub monitor_interval: Duration,
+    /// Per-rank log files (`rank-N.log`) in this directory.
+    pub log_dir: Option<PathBuf>,
+    /// With a log dir: also print the output to the terminal.
+    pub tee: bool,
+}
+
+/// The first worker that failed.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub host: String,
+    pub status: ExitStatus,
+    pub last_lines: Vec<String>,
+}
+
+impl Failure {
+    pub fn describe_status(&self) -> String {
+        match (self.status.code(), self.status.signal()) {
+            (Some(code), _) => format!("exit code {code}"),
+            (None, Some(sig)) => format!("signal {sig} ({})", signal_name(sig)),
+            _ => "unknown status".into(),
+        }
+    }
+
+    /// The root-cause report printed by the launcher.
+    pub fn report(&self) -> String {
+        let mut r = format!(
+            "root cause: rank {} (local rank {}) on host {} failed with {}",
+            self.rank,
+            self.local_rank,
+            self.host,
+            self.describe_status()
+        );
+        if self.last_lines.is_empty() {
+            r.push_str("\n  (no output)");
+        } else {
+            r.push_str(&format!(
+                "\n  last {} line(s) of its output:",
+                self.last_lines.len()
+            ));
+            for l in &self.last_lines {
+                r.push_str(&format!("\n  | {l}"));
+            }
+        }
+        r
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGKILL => "SIGKILL: killed, possibly by the out-of-memory killer",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGSEGV => "SIGSEGV: segmentation fault",
+        libc::SIGABRT => "SIGABRT: aborted",
+        libc::SIGBUS => "SIGBUS",
+        _ => "signal",
+    }
+}
+
+/// What happened to the job.
 #[derive(Debug)]
 pub struct JobOutcome {
     pub statuses: Vec<Option<ExitStatus>>,
-    pub first_failure: Option<(usize, ExitStatus)>,
+    pub failure: Option<Failure>,
+    /// The supervisor was asked to stop (SIGINT/SIGTERM) and passed it on.
+    pub interrupted: bool,
 }
 
 impl JobOutcome {
     pub fn success(&self) -> bool {
-        self.first_failure.is_none()
+        self.failure.is_none() && self.statuses.iter().all(|s| s.is_some_and(|s| s.success()))
     }
 }
 
@@ -48,33 +141,71 @@ pub fn local_rank_env(
     ]
 }
 
-/// Runs `nproc` local ranks of `program args...` with RANK, WORLD_SIZE, ... set and waits.
-/// `env` adds variables for every rank. On the first failure the others get SIGTERM, then
-/// SIGKILL after `grace`.
-pub fn run_local(
-    program: &std::path::Path,
-    args: &[String],
-    nproc: usize,
-    env: &[(String, String)],
-    grace: Duration,
-) -> std::io::Result<JobOutcome> {
-    let port = free_port()?;
-    let token = format!("{:016x}", rand::random::<u64>());
-    let mut children: Vec<Child> = Vec::new();
+/// A fresh random job token.
+pub fn new_token() -> String {
+    format!(
+        "{:016x}{:016x}",
+        rand::random::<u64>(),
+        rand::random::<u64>()
+    )
+}
+
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into a valid buffer.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    if ok {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "localhost".into()
+    }
+}
+
+fn signal_all(children: &[Child], done: &[Option<ExitStatus>], sig: libc::c_int) {
+    for (child, status) in children.iter().zip(done) {
+        if status.is_none() {
+            // SAFETY: kill(2) on a child we spawned and have not reaped.
+            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+        }
+    }
+}
+
+/// Runs the job once and supervises it until every worker has exited.
+pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, interrupted.clone());
+    let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, interrupted.clone());
+    if let Some(dir) = &job.log_dir {
+        std::fs::create_dir_all(dir)?;
+    }
+    let host = hostname();
+    let mut children = Vec::new();
+    let mut tails: Vec<Arc<Mutex<VecDeque<String>>>> = Vec::new();
     let mut pumps = Vec::new();
-    for rank in 0..nproc {
-        let mut cmd = Command::new(program);
-        cmd.args(args)
-            .envs(local_rank_env(rank, nproc, port, &token))
-            .env("OMP_NUM_THREADS", "1")
-            .env("RAYON_NUM_THREADS", "1")
+    for w in &job.workers {
+        let mut cmd = Command::new(&job.program);
+        cmd.args(&job.args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        for (k, v) in env {
+        for (k, v) in &w.env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn()?;
-        for (stream, is_err) in [
+        let mut child = cmd.spawn().map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot start {}: {e}", job.program.display()),
+            )
+        })?;
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+        let log = match &job.log_dir {
+            Some(dir) => Some(Arc::new(Mutex::new(std::fs::File::create(
+                dir.join(format!("rank-{}.log", w.rank)),
+            )?))),
+            None => None,
+        };
+        let show = job.log_dir.is_none() || job.tee;
+        let streams: [(Option<Box<dyn std::io::Read + Send>>, bool); 2] = [
             (
                 child
                     .stdout
@@ -89,62 +220,123 @@ pub fn run_local(
                     .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
                 true,
             ),
-        ] {
-            if let Some(stream) = stream {
-                pumps.push(std::thread::spawn(move || {
-                    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+        ];
+        for (stream, is_err) in streams {
+            let Some(stream) = stream else { continue };
+            let (tail, log, rank) = (tail.clone(), log.clone(), w.rank);
+            pumps.push(std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    if show {
                         if is_err {
                             eprintln!("[rank {rank}] {line}");
                         } else {
                             println!("[rank {rank}] {line}");
                         }
                     }
-                }));
-            }
+                    if let Some(f) = &log {
+                        let _ = writeln!(f.lock().unwrap(), "{line}");
+                    }
+                    let mut t = tail.lock().unwrap();
+                    if t.len() == TAIL_LINES {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            }));
         }
         children.push(child);
+        tails.push(tail);
     }
-    let mut statuses: Vec<Option<ExitStatus>> = vec![None; nproc];
-    let mut first_failure = None;
+    let n = children.len();
+    let mut statuses: Vec<Option<ExitStatus>> = vec![None; n];
+    let mut failure: Option<(usize, ExitStatus)> = None;
     let mut kill_at: Option<Instant> = None;
-    let mut sent: Option<libc::c_int> = None;
+    let mut forwarded = false;
+    let mut stopping = false;
     while statuses.iter().any(Option::is_none) {
-        for (rank, child) in children.iter_mut().enumerate() {
-            if statuses[rank].is_some() {
+        for (i, child) in children.iter_mut().enumerate() {
+            if statuses[i].is_some() {
                 continue;
             }
             if let Some(status) = child.try_wait()? {
-                statuses[rank] = Some(status);
-                if !status.success() && first_failure.is_none() {
-                    first_failure = Some((rank, status));
-                    kill_at = Some(Instant::now() + grace);
+                statuses[i] = Some(status);
+                if !status.success() && failure.is_none() && !forwarded {
+                    failure = Some((i, status));
                 }
             }
         }
-        if let Some(deadline) = kill_at {
-            let signal = if Instant::now() < deadline {
-                libc::SIGTERM
-            } else {
-                libc::SIGKILL
-            };
-            if sent != Some(signal) {
-                sent = Some(signal);
-                for (rank, child) in children.iter().enumerate() {
-                    if statuses[rank].is_none() {
-                        // SAFETY: kill(2) on a child we spawned and have not reaped.
-                        unsafe { libc::kill(child.id() as libc::pid_t, signal) };
-                    }
-                }
-            }
+        if failure.is_some() && !stopping {
+            // The first failure stops the rest: SIGTERM now, SIGKILL after the grace period.
+            stopping = true;
+            signal_all(&children, &statuses, libc::SIGTERM);
+            kill_at = Some(Instant::now() + job.grace);
         }
-        std::thread::sleep(Duration::from_millis(20));
+        if interrupted.load(Ordering::Relaxed) && !forwarded {
+            // Pass the stop request on; workers save a checkpoint and exit.
+            forwarded = true;
+            signal_all(&children, &statuses, libc::SIGTERM);
+            kill_at.get_or_insert(Instant::now() + job.grace.max(Duration::from_secs(30)));
+        }
+        if kill_at.is_some_and(|t| Instant::now() > t) {
+            signal_all(&children, &statuses, libc::SIGKILL);
+            kill_at = None;
+        }
+        std::thread::sleep(job.monitor_interval);
     }
     for p in pumps {
         let _ = p.join();
     }
+    let failure = failure.map(|(i, status)| Failure {
+        rank: job.workers[i].rank,
+        local_rank: job.workers[i].local_rank,
+        host: host.clone(),
+        status,
+        last_lines: tails[i].lock().unwrap().iter().cloned().collect(),
+    });
     Ok(JobOutcome {
         statuses,
-        first_failure,
+        failure,
+        interrupted: forwarded,
+    })
+}
+
+/// Runs `nproc` local ranks of `program args...` with the torchrun variables (and `env`).
+pub fn run_local(
+    program: &Path,
+    args: &[String],
+    nproc: usize,
+    env: &[(String, String)],
+    grace: Duration,
+) -> std::io::Result<JobOutcome> {
+    let port = free_port()?;
+    let token = new_token();
+    let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / nproc)
+        .max(1)
+        .to_string();
+    let workers = (0..nproc)
+        .map(|rank| {
+            let mut e: Vec<(String, String)> = local_rank_env(rank, nproc, port, &token)
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+            e.push(("OMP_NUM_THREADS".into(), threads.clone()));
+            e.push(("RAYON_NUM_THREADS".into(), threads.clone()));
+            e.extend(env.iter().cloned());
+            WorkerSpec {
+                rank,
+                local_rank: rank,
+                env: e,
+            }
+        })
+        .collect();
+    run_job(&Job {
+        program: program.to_path_buf(),
+        args: args.to_vec(),
+        workers,
+        grace,
+        monitor_interval: Duration::from_millis(20),
+        log_dir: None,
+        tee: false,
     })
 }
 
@@ -165,8 +357,8 @@ pub fn relaunch_unless_launched(default_ranks: usize) -> Option<std::process::Ex
     Some(match outcome {
         Ok(o) if o.success() => std::process::ExitCode::SUCCESS,
         Ok(o) => {
-            if let Some((rank, status)) = o.first_failure {
-                eprintln!("job failed: rank {rank} exited with {status}");
+            if let Some(f) = &o.failure {
+                eprintln!("{}", f.report());
             }
             std::process::ExitCode::FAILURE
         }

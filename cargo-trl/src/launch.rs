@@ -1,0 +1,486 @@
+//! `cargo trl launch`: Accelerate's launch flags over a profile or config file, validated
+//! before anything starts, then one worker per local rank with torchrun's environment,
+//! supervised (first failure stops the rest with a root-cause report; `--max_restarts`).
+
+use crate::profiles;
+use crate::target::{self, Target};
+use std::path::PathBuf;
+use std::time::Duration;
+use trl_runtime::config::launch::{DistributedType, GpuIds, MixedPrecision};
+use trl_runtime::config::parallelism::ParallelDims;
+use trl_runtime::config::{LaunchConfig, OffloadDevice};
+use trl_runtime::dist::mesh::DeviceMesh;
+use trl_runtime::dist::spawn::{self, Job, WorkerSpec};
+
+/// Exit codes of `cargo trl launch`.
+pub const EXIT_WORKER_FAILED: u8 = 1;
+pub const EXIT_INVALID: u8 = 2;
+pub const EXIT_TARGET: u8 = 3;
+
+#[derive(Debug, clap::Args)]
+#[command(rename_all = "snake_case")]
+pub struct LaunchArgs {
+    /// A shipped profile (see `cargo trl profiles`).
+    #[arg(long, conflicts_with = "config_file")]
+    pub profile: Option<String>,
+    /// An Accelerate config file.
+    #[arg(long)]
+    pub config_file: Option<PathBuf>,
+    /// Total processes across all machines.
+    #[arg(long)]
+    pub num_processes: Option<u32>,
+    #[arg(long)]
+    pub num_machines: Option<u32>,
+    #[arg(long)]
+    pub machine_rank: Option<u32>,
+    #[arg(long)]
+    pub main_process_ip: Option<String>,
+    /// 0 picks a free port.
+    #[arg(long)]
+    pub main_process_port: Option<u16>,
+    /// no, fp16, bf16 or fp8.
+    #[arg(long)]
+    pub mixed_precision: Option<String>,
+    /// `all` or a list like 0,1,3.
+    #[arg(long)]
+    pub gpu_ids: Option<String>,
+    /// Run on CPU (host backend).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub use_cpu: Option<bool>,
+    /// Restart the whole group this many times after a failure.
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: u32,
+    /// Seconds between checks of the workers.
+    #[arg(long, default_value_t = 0.1)]
+    pub monitor_interval: f64,
+    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    #[arg(long, default_value_t = 10.0)]
+    pub stop_grace: f64,
+    /// Write each rank's output to LOG_DIR/rank-N.log.
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// With --log_dir, also print the output here.
+    #[arg(long)]
+    pub tee: bool,
+    #[arg(long)]
+    pub parallelism_config_dp_replicate_size: Option<usize>,
+    #[arg(long)]
+    pub parallelism_config_dp_shard_size: Option<usize>,
+    #[arg(long)]
+    pub parallelism_config_tp_size: Option<usize>,
+    #[arg(long)]
+    pub parallelism_config_cp_size: Option<usize>,
+    #[arg(long)]
+    pub parallelism_config_sp_size: Option<usize>,
+    /// Build cargo targets in debug mode instead of release.
+    #[arg(long)]
+    pub debug: bool,
+    /// Print the plan (per rank: environment, mesh coordinate, command) and exit.
+    #[arg(long, alias = "dry-run")]
+    pub dry_run: bool,
+    /// A bin or example of this workspace, or a path to an executable.
+    pub target: Option<String>,
+    /// Arguments for the program (after --).
+    #[arg(last = true)]
+    pub program_args: Vec<String>,
+}
+
+/// Everything decided before spawning.
+#[derive(Debug)]
+pub struct Plan {
+    pub config: LaunchConfig,
+    pub dims: ParallelDims,
+    pub world: usize,
+    pub nproc: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub target: Target,
+    pub workers: Vec<WorkerSpec>,
+}
+
+fn gpus_present() -> usize {
+    // Device nodes of the NVIDIA driver; CUDA_VISIBLE_DEVICES narrows them as CUDA does.
+    let nodes = std::fs::read_dir("/dev")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    n.strip_prefix("nvidia").is_some_and(|rest| {
+                        !rest.is_empty() && rest.chars().all(|c| c.is_ascii_digit())
+                    })
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) if !v.trim().is_empty() => v.split(',').count().min(nodes),
+        _ => nodes,
+    }
+}
+
+fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
+    if let Some(name) = &args.profile {
+        return profiles::load(name);
+    }
+    if let Some(path) = &args.config_file {
+        let cfg = LaunchConfig::from_file(path).map_err(|e| e.to_string())?;
+        for key in &cfg.unknown_keys {
+            eprintln!(
+                "warning: {}: unknown key `{key}` ignored (check its spelling)",
+                path.display()
+            );
+        }
+        return Ok(cfg);
+    }
+    let default = default_config_path();
+    if default.exists() {
+        return LaunchConfig::from_file(&default).map_err(|e| e.to_string());
+    }
+    eprintln!(
+        "note: no --profile or --config_file and no {}: running 1 process on CPU",
+        default.display()
+    );
+    LaunchConfig::from_yaml_str(
+        "distributed_type: \"NO\"\nnum_processes: 1\nuse_cpu: true\n",
+        "built-in default",
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// Where `cargo trl config` writes and `launch` looks when nothing is given.
+pub fn default_config_path() -> PathBuf {
+    let base = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
+        .unwrap_or_else(|| PathBuf::from("."));
+    base.join("cargo-trl/default_config.yaml")
+}
+
+/// The Accelerate variables workers read (mixed precision, ZeRO / FSDP settings, parallelism).
+fn accelerate_env(cfg: &LaunchConfig) -> Vec<(String, String)> {
+    let mut env = vec![
+        (
+            "ACCELERATE_MIXED_PRECISION".to_string(),
+            cfg.mixed_precision.as_str().to_string(),
+        ),
+        ("ACCELERATE_USE_CPU".into(), cfg.use_cpu.to_string()),
+        (
+            "TRL_DISTRIBUTED_TYPE".into(),
+            cfg.distributed_type.as_str().into(),
+        ),
+    ];
+    if let (DistributedType::DeepSpeed, Some(ds)) = (cfg.distributed_type, &cfg.deepspeed) {
+        let dev = |d: OffloadDevice| match d {
+            OffloadDevice::None => "none",
+            OffloadDevice::Cpu => "cpu",
+            OffloadDevice::Nvme => "nvme",
+        };
+        env.push(("ACCELERATE_USE_DEEPSPEED".into(), "true".into()));
+        env.push((
+            "ACCELERATE_DEEPSPEED_ZERO_STAGE".into(),
+            ds.zero_stage.to_string(),
+        ));
+        env.push((
+            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE".into(),
+            dev(ds.offload_optimizer_device).into(),
+        ));
+        env.push((
+            "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE".into(),
+            dev(ds.offload_param_device).into(),
+        ));
+    }
+    if let (DistributedType::Fsdp, Some(f)) = (cfg.distributed_type, &cfg.fsdp) {
+        env.push(("ACCELERATE_USE_FSDP".into(), "true".into()));
+        env.push(("FSDP_VERSION".into(), f.version.to_string()));
+        env.push((
+            "FSDP_SHARDING_STRATEGY".into(),
+            format!("{:?}", f.sharding_strategy),
+        ));
+        env.push((
+            "FSDP_RESHARD_AFTER_FORWARD".into(),
+            f.reshard_after_forward.to_string(),
+        ));
+        env.push(("FSDP_OFFLOAD_PARAMS".into(), f.offload_params.to_string()));
+        env.push((
+            "FSDP_STATE_DICT_TYPE".into(),
+            format!("{:?}", f.state_dict_type),
+        ));
+        env.push((
+            "FSDP_ACTIVATION_CHECKPOINTING".into(),
+            f.activation_checkpointing.to_string(),
+        ));
+    }
+    env.push(("ACCELERATE_USE_PARALLELISM_CONFIG".into(), "true".into()));
+    env.extend(cfg.parallelism.to_env());
+    env
+}
+
+/// Applies the flags, checks everything, and lays out the workers of this machine.
+pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
+    let mut cfg = load_config(args)?;
+    let src = cfg.source.clone();
+    if let Some(n) = args.num_processes {
+        cfg.num_processes = Some(n);
+    }
+    if let Some(n) = args.num_machines {
+        cfg.num_machines = n;
+    }
+    if let Some(n) = args.machine_rank {
+        cfg.machine_rank = n;
+    }
+    if let Some(ip) = &args.main_process_ip {
+        cfg.main_process_ip = Some(ip.clone());
+    }
+    if let Some(p) = args.main_process_port {
+        cfg.main_process_port = Some(p);
+    }
+    if let Some(mp) = &args.mixed_precision {
+        cfg.mixed_precision = MixedPrecision::parse(mp).ok_or_else(|| {
+            format!("--mixed_precision '{mp}' is not accepted: use no, fp16, bf16 or fp8")
+        })?;
+    }
+    if let Some(ids) = &args.gpu_ids {
+        cfg.gpu_ids = GpuIds::parse(ids).map_err(|e| format!("--gpu_ids: {e}"))?;
+    }
+    if let Some(c) = args.use_cpu {
+        cfg.use_cpu = c;
+    }
+    let p = &mut cfg.parallelism;
+    if let Some(n) = args.parallelism_config_dp_replicate_size {
+        p.dp_replicate = Some(n);
+    }
+    if let Some(n) = args.parallelism_config_dp_shard_size {
+        p.dp_shard = Some(n);
+    }
+    if let Some(n) = args.parallelism_config_tp_size {
+        p.tp = n;
+    }
+    if let Some(n) = args.parallelism_config_cp_size {
+        p.cp = n;
+    }
+    if let Some(n) = args.parallelism_config_sp_size {
+        p.sp = n;
+    }
+    if cfg.distributed_type == DistributedType::No && cfg.num_processes.unwrap_or(1) > 1 {
+        cfg.distributed_type = if cfg.use_cpu {
+            DistributedType::MultiCpu
+        } else {
+            DistributedType::MultiGpu
+        };
+    }
+    let world = cfg.num_processes.unwrap_or(1) as usize;
+    let machines = cfg.num_machines as usize;
+    if machines == 0 || world % machines != 0 {
+        return Err(format!(
+            "num_processes {world} is the total over all machines and must divide evenly by num_machines {machines} (it gives {:.2} per machine)",
+            world as f64 / machines.max(1) as f64
+        ));
+    }
+    let node_rank = cfg.machine_rank as usize;
+    if node_rank >= machines {
+        return Err(format!(
+            "machine_rank {node_rank} must be below num_machines {machines}"
+        ));
+    }
+    let nproc = world / machines;
+    let dims = cfg
+        .parallelism
+        .resolve(world, cfg.distributed_type)
+        .map_err(|e| format!("{src}: {e}"))?;
+    if !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu {
+        let present = gpus_present();
+        let wanted: Vec<u32> = match &cfg.gpu_ids {
+            GpuIds::All => (0..nproc as u32).collect(),
+            GpuIds::List(l) => l.clone(),
+        };
+        if wanted.len() < nproc {
+            return Err(format!("gpu_ids lists {} GPU(s) for {nproc} processes on this machine: list one per process", wanted.len()));
+        }
+        if let Some(&bad) = wanted.iter().take(nproc).find(|&&g| g as usize >= present) {
+            return Err(format!(
+                "{src} runs {nproc} process(es) per machine on GPUs but {} GPU(s) are present here (GPU {bad} is missing): pass --use_cpu, pick a *_cpu profile, or lower --num_processes",
+                present
+            ));
+        }
+    }
+    let master_addr = cfg
+        .main_process_ip
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let mut master_port = cfg
+        .main_process_port
+        .unwrap_or(trl_runtime::dist::env::DEFAULT_MASTER_PORT);
+    if master_port == 0 {
+        master_port = spawn::free_port().map_err(|e| format!("cannot find a free port: {e}"))?;
+    } else if node_rank == 0 && !args.dry_run {
+        if let Err(e) = std::net::TcpListener::bind((master_addr.as_str(), master_port)) {
+            return Err(format!(
+                "main_process_port {master_port} on {master_addr} is not available ({e}): another job may use it; pass --main_process_port 0 for a free one"
+            ));
+        }
+    }
+    let target = target::resolve(args.target.as_deref())?;
+    let token = std::env::var(trl_runtime::dist::store::TOKEN_VAR).unwrap_or_else(|_| {
+        if machines > 1 {
+            eprintln!("warning: TRL_JOB_TOKEN is not set: machines derive a shared token from the master address; export the same secret on every machine");
+            format!("trl-{master_addr}-{master_port}")
+        } else {
+            spawn::new_token()
+        }
+    });
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = if cfg.use_cpu || cfg.distributed_type == DistributedType::MultiCpu {
+        (cores / nproc).max(1)
+    } else {
+        1
+    };
+    let common = accelerate_env(&cfg);
+    let workers = (0..nproc)
+        .map(|local| {
+            let rank = node_rank * nproc + local;
+            let mut env: Vec<(String, String)> = vec![
+                ("RANK".into(), rank.to_string()),
+                ("LOCAL_RANK".into(), local.to_string()),
+                ("WORLD_SIZE".into(), world.to_string()),
+                ("LOCAL_WORLD_SIZE".into(), nproc.to_string()),
+                ("GROUP_RANK".into(), node_rank.to_string()),
+                ("GROUP_WORLD_SIZE".into(), machines.to_string()),
+                ("MASTER_ADDR".into(), master_addr.clone()),
+                ("MASTER_PORT".into(), master_port.to_string()),
+                (trl_runtime::dist::store::TOKEN_VAR.into(), token.clone()),
+                ("OMP_NUM_THREADS".into(), threads.to_string()),
+                ("RAYON_NUM_THREADS".into(), threads.to_string()),
+            ];
+            if !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu {
+                let gpu = match &cfg.gpu_ids {
+                    GpuIds::All => local as u32,
+                    GpuIds::List(l) => l[local],
+                };
+                env.push(("CUDA_VISIBLE_DEVICES".into(), gpu.to_string()));
+            }
+            env.extend(common.iter().cloned());
+            WorkerSpec {
+                rank,
+                local_rank: local,
+                env,
+            }
+        })
+        .collect();
+    Ok(Plan {
+        config: cfg,
+        dims,
+        world,
+        nproc,
+        node_rank,
+        master_addr,
+        master_port,
+        target,
+        workers,
+    })
+}
+
+/// Prints the plan: per rank its mesh coordinate, environment and the command.
+pub fn print_plan(plan: &Plan, args: &LaunchArgs) {
+    println!(
+        "plan: {} ({}) world {} = {} machine(s) x {} process(es); this is machine {}; master {}:{}",
+        plan.config.source,
+        plan.config.distributed_type.as_str(),
+        plan.world,
+        plan.config.num_machines,
+        plan.nproc,
+        plan.node_rank,
+        plan.master_addr,
+        plan.master_port
+    );
+    let d = plan.dims;
+    println!(
+        "mesh: dp_replicate={} dp_shard={} cp={} sp={} tp={}",
+        d.dp_replicate, d.dp_shard, d.cp, d.sp, d.tp
+    );
+    if let Some(build) = plan.target.build_command(!args.debug) {
+        println!("build: {}", build.join(" "));
+    }
+    let program = match &plan.target {
+        Target::Path(p) => p.display().to_string(),
+        Target::Cargo { name, .. } => name.clone(),
+    };
+    let mesh = DeviceMesh::new(plan.dims, plan.world).expect("validated");
+    for w in &plan.workers {
+        let c = mesh.coordinate(w.rank);
+        println!(
+            "rank {} (local {}): coordinate dp_replicate={} dp_shard={} cp={} sp={} tp={}",
+            w.rank, w.local_rank, c[0], c[1], c[2], c[3], c[4]
+        );
+        let env: Vec<String> = w
+            .env
+            .iter()
+            .map(|(k, v)| {
+                if k == trl_runtime::dist::store::TOKEN_VAR {
+                    format!("{k}=<secret>")
+                } else {
+                    format!("{k}={v}")
+                }
+            })
+            .collect();
+        println!("  env: {}", env.join(" "));
+        println!("  command: {program} {}", args.program_args.join(" "));
+    }
+}
+
+/// Runs the plan, restarting the whole group up to `max_restarts` times. Returns the exit code.
+pub fn run(plan: Plan, args: &LaunchArgs) -> u8 {
+    let program = match target::build(&plan.target, !args.debug) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_TARGET;
+        }
+    };
+    let mut attempt = 0;
+    loop {
+        let mut workers = plan.workers.clone();
+        for w in &mut workers {
+            w.env
+                .push(("TORCHELASTIC_RESTART_COUNT".into(), attempt.to_string()));
+        }
+        let job = Job {
+            program: program.clone(),
+            args: args.program_args.clone(),
+            workers,
+            grace: Duration::from_secs_f64(args.stop_grace),
+            monitor_interval: Duration::from_secs_f64(args.monitor_interval.max(0.001)),
+            log_dir: args.log_dir.clone(),
+            tee: args.tee,
+        };
+        let outcome = match spawn::run_job(&job) {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return EXIT_TARGET;
+            }
+        };
+        if outcome.success() {
+            return 0;
+        }
+        if let Some(f) = &outcome.failure {
+            eprintln!("{}", f.report());
+        }
+        if outcome.interrupted || attempt >= args.max_restarts {
+            eprintln!(
+                "error: the job failed{}",
+                if attempt > 0 {
+                    format!(" after {attempt} restart(s)")
+                } else {
+                    String::new()
+                }
+            );
+            return EXIT_WORKER_FAILED;
+        }
+        attempt += 1;
+        eprintln!(
+            "restarting the group (restart {attempt} of {})",
+            args.max_restarts
+        );
+    }
+}

@@ -1,0 +1,287 @@
+//! `cargo trl launch` end to end with the real binary and a real worker program
+//! (examples/launch_worker.rs): success, a failing rank, a killed rank, a restart that
+//! recovers, SIGTERM passed on to the workers, the dry-run plan, and every validation error.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
+
+fn worker() -> PathBuf {
+    let p = PathBuf::from(BIN)
+        .parent()
+        .unwrap()
+        .join("examples/launch_worker");
+    assert!(p.exists(), "{} is built by cargo test", p.display());
+    p
+}
+
+fn launch(args: &[&str]) -> Output {
+    Command::new(BIN).arg("launch").args(args).output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn two_processes_get_the_torchrun_contract() {
+    let w = worker();
+    let o = launch(&[
+        "--profile",
+        "multi_cpu",
+        "--main_process_port",
+        "0",
+        w.to_str().unwrap(),
+        "--",
+        "ok",
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("[rank 0] rank=0 local_rank=0 world=2 local_world=2 group_rank=0"),
+        "{t}"
+    );
+    assert!(t.contains("[rank 1] rank=1 local_rank=1 world=2"), "{t}");
+    assert!(t.contains("threads=1 token_set=true"), "{t}");
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_is_reported() {
+    let w = worker();
+    let start = Instant::now();
+    let o = launch(&[
+        "--profile",
+        "multi_cpu",
+        "--main_process_port",
+        "0",
+        "--stop_grace",
+        "2",
+        w.to_str().unwrap(),
+        "--",
+        "fail",
+        "1",
+        "7",
+    ]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("root cause: rank 1 (local rank 1)") && t.contains("exit code 7"),
+        "{t}"
+    );
+    assert!(
+        t.contains("| rank 1: something went wrong, exiting with 7"),
+        "{t}"
+    );
+    // Rank 0 sleeps 30 s unless stopped.
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn a_killed_rank_is_reported_with_its_signal() {
+    let w = worker();
+    let o = launch(&[
+        "--profile",
+        "multi_cpu",
+        "--main_process_port",
+        "0",
+        "--stop_grace",
+        "2",
+        w.to_str().unwrap(),
+        "--",
+        "kill",
+        "0",
+    ]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("root cause: rank 0") && t.contains("signal 9"),
+        "{t}"
+    );
+}
+
+#[test]
+fn max_restarts_recovers_from_a_one_time_failure() {
+    let w = worker();
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--profile",
+        "multi_cpu",
+        "--main_process_port",
+        "0",
+        "--stop_grace",
+        "2",
+    ];
+    let o = launch(
+        &[
+            &args[..],
+            &[
+                "--max_restarts",
+                "1",
+                w.to_str().unwrap(),
+                "--",
+                "flaky",
+                dir.path().to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("restarting the group (restart 1 of 1)") && t.contains("attempt 1 succeeded"),
+        "{t}"
+    );
+    // Without restarts the same failure ends the job.
+    let dir = tempfile::tempdir().unwrap();
+    let o = launch(
+        &[
+            &args[..],
+            &[
+                w.to_str().unwrap(),
+                "--",
+                "flaky",
+                dir.path().to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(o.status.code(), Some(1));
+}
+
+#[test]
+fn sigterm_to_the_launcher_reaches_every_worker() {
+    let w = worker();
+    let child = Command::new(BIN)
+        .args([
+            "launch",
+            "--profile",
+            "multi_cpu",
+            "--main_process_port",
+            "0",
+            w.to_str().unwrap(),
+            "--",
+            "wait",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let o = child.wait_with_output().unwrap();
+    let t = text(&o);
+    assert!(
+        t.contains("[rank 0] got SIGTERM") && t.contains("[rank 1] got SIGTERM"),
+        "{t}"
+    );
+}
+
+#[test]
+fn dry_run_prints_the_plan_without_building() {
+    let o = launch(&[
+        "--profile",
+        "alst_ulysses_cpu",
+        "--dry-run",
+        "launch_worker",
+        "--",
+        "ok",
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("world 4 = 1 machine(s) x 4 process(es)"), "{t}");
+    assert!(
+        t.contains("mesh: dp_replicate=1 dp_shard=2 cp=1 sp=2 tp=1"),
+        "{t}"
+    );
+    assert!(
+        t.contains("build: cargo build -p cargo-trl --example launch_worker --release"),
+        "{t}"
+    );
+    assert!(
+        t.contains("rank 3 (local 3): coordinate dp_replicate=0 dp_shard=1 cp=0 sp=1 tp=0"),
+        "{t}"
+    );
+    assert!(
+        t.contains("ACCELERATE_DEEPSPEED_ZERO_STAGE=3")
+            && t.contains("PARALLELISM_CONFIG_SP_SIZE=2"),
+        "{t}"
+    );
+    assert!(t.contains("TRL_JOB_TOKEN=<secret>"), "{t}");
+}
+
+#[test]
+fn invalid_launches_fail_before_starting_anything() {
+    let w = worker();
+    let w = w.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--profile", "zero3", w], "0 GPU(s) are present"),
+        (
+            vec![
+                "--profile",
+                "multi_cpu",
+                "--num_processes",
+                "3",
+                "--num_machines",
+                "2",
+                w,
+            ],
+            "must divide evenly by num_machines 2",
+        ),
+        (
+            vec![
+                "--profile",
+                "multi_cpu",
+                "--parallelism_config_tp_size",
+                "3",
+                w,
+            ],
+            "tp=3",
+        ),
+        (vec!["--profile", "no_such_profile", w], "use one of"),
+        (
+            vec!["--profile", "multi_cpu", "--mixed_precision", "fp64", w],
+            "--mixed_precision 'fp64'",
+        ),
+        (
+            vec![
+                "--profile",
+                "multi_cpu",
+                "--main_process_port",
+                "0",
+                "/no/such/program",
+            ],
+            "no such executable",
+        ),
+        (
+            vec!["--profile", "multi_cpu", "--machine_rank", "1", w],
+            "machine_rank 1 must be below num_machines 1",
+        ),
+    ];
+    for (args, want) in cases {
+        let o = launch(&args);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {t}");
+        assert!(t.contains(want), "{args:?}: expected '{want}' in {t}");
+    }
+    // A port already taken.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let o = launch(&["--profile", "multi_cpu", "--main_process_port", &port, w]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains(&format!("main_process_port {port}")) && t.contains("--main_process_port 0"),
+        "{t}"
+    );
+}
