@@ -36,7 +36,7 @@ enum Command {
     ///   cargo trl launch --profile multi_cpu sft -- --learning_rate 1e-3
     ///   cargo trl launch --config_file my.yaml --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 ./train
     ///   cargo trl launch --profile zero3_cpu --dry-run sft
-    Launch(launch::LaunchArgs),
+    Launch(Box<launch::LaunchArgs>),
     /// List the shipped launch profiles (Accelerate YAML).
     ///
     /// Example: cargo trl profiles
