@@ -7,6 +7,7 @@
 //! 2 usage error or a launch that fails validation before starting; 3 the target cannot be
 //! found, built or started.
 
+mod env;
 mod launch;
 mod profiles;
 mod target;
@@ -44,7 +45,14 @@ enum Command {
         /// Print the YAML of this profile instead of the list.
         #[arg(long)]
         show: Option<String>,
+        /// `show NAME` prints one profile's YAML.
+        #[arg(num_args = 0..=2)]
+        action: Vec<String>,
     },
+    /// Versions, CPU cores, GPUs, driver and NCCL presence, the default config.
+    ///
+    /// Example: cargo trl env
+    Env,
     /// Validate an Accelerate config file and print how it resolves.
     ///
     /// Example: cargo trl check ~/.cache/huggingface/accelerate/default_config.yaml
@@ -102,21 +110,40 @@ fn main() -> ExitCode {
                 ExitCode::from(launch::EXIT_INVALID)
             }
         },
-        Command::Profiles { show: Some(name) } => match PROFILES.iter().find(|(n, _)| *n == name) {
-            Some((_, yaml)) => {
-                print!("{yaml}");
-                ExitCode::SUCCESS
+        Command::Env => {
+            println!("{}", env::report());
+            ExitCode::SUCCESS
+        }
+        Command::Profiles { show, action }
+            if show.is_some() || action.first().map(String::as_str) == Some("show") =>
+        {
+            let Some(name) = show.or_else(|| action.get(1).cloned()) else {
+                eprintln!("error: `profiles show` needs a profile name");
+                return ExitCode::from(2);
+            };
+            match PROFILES.iter().find(|(n, _)| *n == name) {
+                Some((_, yaml)) => {
+                    print!("{yaml}");
+                    ExitCode::SUCCESS
+                }
+                None => {
+                    let names: Vec<_> = PROFILES.iter().map(|(n, _)| *n).collect();
+                    eprintln!(
+                        "error: no profile named '{name}': use one of {}",
+                        names.join(", ")
+                    );
+                    ExitCode::from(1)
+                }
             }
-            None => {
-                let names: Vec<_> = PROFILES.iter().map(|(n, _)| *n).collect();
-                eprintln!(
-                    "error: no profile named '{name}': use one of {}",
-                    names.join(", ")
-                );
-                ExitCode::from(1)
-            }
-        },
-        Command::Profiles { show: None } => {
+        }
+        Command::Profiles { action, .. } if !action.is_empty() => {
+            eprintln!(
+                "error: unknown profiles action '{}': use `profiles` or `profiles show NAME`",
+                action[0]
+            );
+            ExitCode::from(2)
+        }
+        Command::Profiles { .. } => {
             for (name, yaml) in PROFILES {
                 match LaunchConfig::from_yaml_str(yaml, name) {
                     Ok(cfg) => println!("{name:<22} {}", describe(&cfg)),

@@ -77,3 +77,18 @@ fn every_profile_file_is_embedded() {
         );
     }
 }
+
+#[test]
+fn env_and_profiles_show() {
+    let (code, out, _) = run(&["env"]);
+    assert_eq!(code, 0);
+    for field in ["cargo-trl:", "cpu cores:", "gpus:", "libnccl.so.2:", "default launch config:"] {
+        assert!(out.contains(field), "{out}");
+    }
+    let (code, out, _) = run(&["profiles", "show", "fsdp2"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("fsdp_version: 2"));
+    let (code, _, err) = run(&["profiles", "show"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("needs a profile name"), "{err}");
+}
