@@ -1,6 +1,7 @@
 //! `cargo trl`: scaffold, configure and launch distributed fine-tuning jobs.
 //!
-//! Commands: `launch` (run a program on local ranks, like `accelerate launch`), `profiles`
+//! Commands: `new` (scaffold a training crate), `launch` (run a program on local ranks, like
+//! `accelerate launch`), `env` (environment report), `profiles`
 //! (the shipped Accelerate profiles), `check FILE` (validate an Accelerate config file).
 //!
 //! Exit codes: 0 success; 1 a worker failed (launch) or the config is invalid (check);
@@ -9,6 +10,7 @@
 
 mod env;
 mod launch;
+mod new;
 mod profiles;
 mod target;
 
@@ -38,6 +40,10 @@ enum Command {
     ///   cargo trl launch --config_file my.yaml --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 ./train
     ///   cargo trl launch --profile zero3_cpu --dry-run sft
     Launch(Box<launch::LaunchArgs>),
+    /// Scaffold a training crate (tiny model and data included; trains offline).
+    ///
+    /// Example: cargo trl new my-sft && cd my-sft && cargo trl launch --profile multi_cpu
+    New(new::NewArgs),
     /// List the shipped launch profiles (Accelerate YAML).
     ///
     /// Example: cargo trl profiles
@@ -108,6 +114,16 @@ fn main() -> ExitCode {
             Err(e) => {
                 eprintln!("error: {e}");
                 ExitCode::from(launch::EXIT_INVALID)
+            }
+        },
+        Command::New(args) => match new::run(&args) {
+            Ok(msg) => {
+                println!("{msg}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
             }
         },
         Command::Env => {

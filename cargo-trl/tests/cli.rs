@@ -82,7 +82,13 @@ fn every_profile_file_is_embedded() {
 fn env_and_profiles_show() {
     let (code, out, _) = run(&["env"]);
     assert_eq!(code, 0);
-    for field in ["cargo-trl:", "cpu cores:", "gpus:", "libnccl.so.2:", "default launch config:"] {
+    for field in [
+        "cargo-trl:",
+        "cpu cores:",
+        "gpus:",
+        "libnccl.so.2:",
+        "default launch config:",
+    ] {
         assert!(out.contains(field), "{out}");
     }
     let (code, out, _) = run(&["profiles", "show", "fsdp2"]);

@@ -1,0 +1,147 @@
+//! `cargo trl new NAME`: a training crate from templates/ (embedded in the binary), with the
+//! bundled tiny model and data so that `cargo trl launch --profile multi_cpu` trains offline.
+
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, clap::Args)]
+#[command(rename_all = "snake_case")]
+pub struct NewArgs {
+    /// Directory (and crate name) to create.
+    pub name: PathBuf,
+    /// Project template.
+    #[arg(long, default_value = "sft", value_parser = ["sft"])]
+    pub template: String,
+    /// Depend on trl-runtime at this path (default: this repository when run inside it).
+    #[arg(long, conflicts_with = "published")]
+    pub trl_runtime_path: Option<PathBuf>,
+    /// Depend on the published trl-runtime release instead of a local path.
+    #[arg(long)]
+    pub published: bool,
+}
+
+const CARGO_TOML: &str = include_str!("../../templates/sft/Cargo.toml.jinja");
+const README: &str = include_str!("../../templates/sft/README.md.jinja");
+/// Files copied as they are: (path in the new crate, contents).
+const FILES: &[(&str, &[u8])] = &[
+    (
+        "src/main.rs",
+        include_bytes!("../../templates/sft/src/main.rs"),
+    ),
+    ("sft.yaml", include_bytes!("../../templates/sft/sft.yaml")),
+    (".gitignore", b"/target\n/output\n"),
+    (
+        "data/train.jsonl",
+        include_bytes!("../../assets/tiny/data/train.jsonl"),
+    ),
+    (
+        "data/eval.jsonl",
+        include_bytes!("../../assets/tiny/data/eval.jsonl"),
+    ),
+    (
+        "model/config.json",
+        include_bytes!("../../assets/tiny/model/config.json"),
+    ),
+    (
+        "model/model.safetensors",
+        include_bytes!("../../assets/tiny/model/model.safetensors"),
+    ),
+    (
+        "model/tokenizer.json",
+        include_bytes!("../../assets/tiny/model/tokenizer.json"),
+    ),
+    (
+        "model/tokenizer_config.json",
+        include_bytes!("../../assets/tiny/model/tokenizer_config.json"),
+    ),
+];
+
+/// The trl-runtime of the workspace around the current directory, if any.
+fn local_runtime() -> Option<PathBuf> {
+    let meta = cargo_metadata::MetadataCommand::new()
+        .no_deps()
+        .exec()
+        .ok()?;
+    meta.workspace_packages()
+        .into_iter()
+        .find(|p| p.name.as_str() == "trl-runtime")
+        .and_then(|p| {
+            p.manifest_path
+                .parent()
+                .map(|d| d.as_std_path().to_path_buf())
+        })
+}
+
+fn crate_name(path: &Path) -> Result<String, String> {
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or("the crate needs a directory name")?;
+    let valid = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if !valid {
+        return Err(format!("'{name}' is not a valid crate name: use letters, digits, - and _, starting with a letter"));
+    }
+    Ok(name.to_string())
+}
+
+fn write_all(root: &Path, name: &str, dependency: &str) -> Result<(), String> {
+    let env = minijinja::Environment::new();
+    let ctx = minijinja::context! { name => name, trl_runtime => dependency };
+    let render = |t: &str| {
+        env.render_str(t, &ctx)
+            .map_err(|e| format!("template error: {e}"))
+    };
+    let mut files: Vec<(String, Vec<u8>)> = vec![
+        (
+            "Cargo.toml".into(),
+            (render(CARGO_TOML)? + "\n").into_bytes(),
+        ),
+        ("README.md".into(), (render(README)? + "\n").into_bytes()),
+    ];
+    files.extend(FILES.iter().map(|(p, c)| (p.to_string(), c.to_vec())));
+    for (rel, contents) in files {
+        let path = root.join(&rel);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
+        std::fs::write(&path, contents)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Creates the crate; refuses to touch an existing path.
+pub fn run(args: &NewArgs) -> Result<String, String> {
+    let name = crate_name(&args.name)?;
+    if args.name.exists() {
+        return Err(format!(
+            "{} already exists: choose another name or remove it",
+            args.name.display()
+        ));
+    }
+    let dependency = if args.published {
+        format!("\"{}\"", env!("CARGO_PKG_VERSION"))
+    } else {
+        match args.trl_runtime_path.clone().or_else(local_runtime) {
+            Some(p) => {
+                let p = p
+                    .canonicalize()
+                    .map_err(|e| format!("--trl_runtime_path {}: {e}", p.display()))?;
+                format!("{{ path = {:?} }}", p.display().to_string())
+            }
+            None => format!("\"{}\"", env!("CARGO_PKG_VERSION")),
+        }
+    };
+    if let Err(e) = write_all(&args.name, &name, &dependency) {
+        let _ = std::fs::remove_dir_all(&args.name);
+        return Err(e);
+    }
+    Ok(format!(
+        "created {} (trl-runtime = {dependency})\nnext: cd {} && cargo trl launch --profile multi_cpu",
+        args.name.display(),
+        args.name.display()
+    ))
+}

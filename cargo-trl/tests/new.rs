@@ -1,0 +1,104 @@
+//! `cargo trl new` then build and launch the scaffold, as a user would: it must train offline
+//! out of the box. The scaffold shares this workspace's target directory so that its
+//! dependencies are not compiled again.
+
+use std::path::Path;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
+
+#[test]
+fn new_then_launch_the_scaffold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runtime = Path::new(env!("CARGO_MANIFEST_DIR")).join("../trl-runtime");
+    let out = Command::new(BIN)
+        .current_dir(tmp.path())
+        .args([
+            "new",
+            "my-sft",
+            "--trl_runtime_path",
+            runtime.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let krate = tmp.path().join("my-sft");
+    for f in [
+        "Cargo.toml",
+        "src/main.rs",
+        "sft.yaml",
+        "README.md",
+        "data/train.jsonl",
+        "model/model.safetensors",
+        "model/tokenizer.json",
+    ] {
+        assert!(krate.join(f).exists(), "{f} missing");
+    }
+    let toml = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
+    assert!(
+        toml.contains("name = \"my-sft\"") && toml.contains("path = "),
+        "{toml}"
+    );
+
+    // Refuses to overwrite.
+    let again = Command::new(BIN)
+        .current_dir(tmp.path())
+        .args(["new", "my-sft"])
+        .output()
+        .unwrap();
+    assert_eq!(again.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
+    let bad = Command::new(BIN)
+        .current_dir(tmp.path())
+        .args(["new", "9lives"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+
+    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let run = Command::new(BIN)
+        .current_dir(&krate)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO_NET_OFFLINE", "true")
+        .args([
+            "launch",
+            "--profile",
+            "multi_cpu",
+            "--main_process_port",
+            "0",
+            "--debug",
+            "--",
+        ])
+        .args([
+            "--max_steps",
+            "20",
+            "--eval_steps",
+            "20",
+            "--eval_generation_samples",
+            "4",
+            "--save_steps",
+            "20",
+        ])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(run.status.success(), "{text}");
+    assert!(
+        text.contains("[rank 0] held-out accuracy: before"),
+        "{text}"
+    );
+    assert!(
+        krate
+            .join("output/checkpoint-20/model.safetensors")
+            .exists(),
+        "{text}"
+    );
+}
