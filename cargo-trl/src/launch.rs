@@ -216,6 +216,69 @@ fn accelerate_env(cfg: &LaunchConfig) -> Vec<(String, String)> {
     env
 }
 
+/// Inside a SLURM allocation (one launcher per node under srun), machines, this machine's
+/// rank and the master address come from SLURM unless given as flags.
+fn slurm_defaults(cfg: &mut LaunchConfig, args: &LaunchArgs) -> Result<(), String> {
+    let var = |k: &str| std::env::var(k).ok();
+    let (Some(job), Some(node)) = (var("SLURM_JOB_ID"), var("SLURM_NODEID")) else {
+        return Ok(());
+    };
+    let num = |k: &str, v: String| {
+        v.trim()
+            .parse::<u32>()
+            .map_err(|_| format!("{k}='{v}' is not a number"))
+    };
+    let nodes = match var("SLURM_STEP_NUM_NODES")
+        .or(var("SLURM_NNODES"))
+        .or(var("SLURM_JOB_NUM_NODES"))
+    {
+        Some(v) => num("SLURM_NNODES", v)?,
+        None => 1,
+    };
+    if nodes > 1 && var("SLURM_STEP_ID").is_none() {
+        return Err(format!(
+            "SLURM job {job} spans {nodes} nodes but this launcher runs in the batch script, so only node 0 would start: run `srun --ntasks-per-node=1 cargo trl launch ...` (one launcher per node)"
+        ));
+    }
+    if var("SLURM_LOCALID").is_some_and(|v| v.trim() != "0") {
+        return Err("more than one `cargo trl launch` was started on this node: use srun --ntasks-per-node=1 (the launcher starts the per-GPU processes itself)".into());
+    }
+    if args.num_machines.is_none() {
+        cfg.num_machines = nodes;
+    }
+    if args.machine_rank.is_none() {
+        cfg.machine_rank = num("SLURM_NODEID", node)?;
+    }
+    if args.main_process_ip.is_none() {
+        let list = var("SLURM_STEP_NODELIST")
+            .or(var("SLURM_JOB_NODELIST"))
+            .unwrap_or_default();
+        let hosts = trl_runtime::dist::hostlist::expand(&list)
+            .map_err(|e| format!("SLURM_JOB_NODELIST: {e}"))?;
+        cfg.main_process_ip = Some(
+            hosts
+                .first()
+                .cloned()
+                .ok_or("SLURM_JOB_NODELIST is empty: cannot tell the master node")?,
+        );
+    }
+    if args.main_process_port.is_none() {
+        let id: u64 = job
+            .trim()
+            .parse()
+            .map_err(|_| format!("SLURM_JOB_ID='{job}' is not a number"))?;
+        cfg.main_process_port = Some(15000 + (id % 10000) as u16);
+    }
+    eprintln!(
+        "SLURM job {job}: machine {} of {}, master {}:{}",
+        cfg.machine_rank,
+        cfg.num_machines,
+        cfg.main_process_ip.as_deref().unwrap_or("?"),
+        cfg.main_process_port.unwrap_or(0)
+    );
+    Ok(())
+}
+
 /// Applies the flags, checks everything, and lays out the workers of this machine.
 pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     let mut cfg = load_config(args)?;
@@ -262,6 +325,7 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     if let Some(n) = args.parallelism_config_sp_size {
         p.sp = n;
     }
+    slurm_defaults(&mut cfg, args)?;
     if cfg.distributed_type == DistributedType::No && cfg.num_processes.unwrap_or(1) > 1 {
         cfg.distributed_type = if cfg.use_cpu {
             DistributedType::MultiCpu

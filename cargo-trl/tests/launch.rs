@@ -285,3 +285,86 @@ fn invalid_launches_fail_before_starting_anything() {
         "{t}"
     );
 }
+
+#[test]
+fn inside_slurm_machines_and_master_come_from_slurm() {
+    let slurm = |extra: &[(&str, &str)]| {
+        let mut c = Command::new(BIN);
+        c.args([
+            "launch",
+            "--profile",
+            "multi_cpu",
+            "--num_processes",
+            "4",
+            "--dry-run",
+            "launch_worker",
+        ])
+        .env("SLURM_JOB_ID", "4242")
+        .env("SLURM_NODEID", "1")
+        .env("SLURM_NNODES", "2")
+        .env("SLURM_JOB_NODELIST", "gpu[07-08]")
+        .env("SLURM_STEP_ID", "0")
+        .env("SLURM_LOCALID", "0");
+        for (k, v) in extra {
+            c.env(k, v);
+        }
+        c.output().unwrap()
+    };
+    let o = slurm(&[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("SLURM job 4242: machine 1 of 2, master gpu07:19242"),
+        "{t}"
+    );
+    assert!(
+        t.contains("rank 2 (local 0)")
+            && t.contains("rank 3 (local 1)")
+            && t.contains("GROUP_RANK=1"),
+        "{t}"
+    );
+    // Flags still win.
+    let o = Command::new(BIN)
+        .args([
+            "launch",
+            "--profile",
+            "multi_cpu",
+            "--dry-run",
+            "--machine_rank",
+            "0",
+            "--num_machines",
+            "1",
+            "launch_worker",
+        ])
+        .env("SLURM_JOB_ID", "4242")
+        .env("SLURM_NODEID", "1")
+        .env("SLURM_NNODES", "1")
+        .env("SLURM_JOB_NODELIST", "n1")
+        .output()
+        .unwrap();
+    assert!(text(&o).contains("this is machine 0"), "{}", text(&o));
+    // The classic mistakes are refused with the fix.
+    let mut c = Command::new(BIN);
+    c.args([
+        "launch",
+        "--profile",
+        "multi_cpu",
+        "--dry-run",
+        "launch_worker",
+    ])
+    .env("SLURM_JOB_ID", "7")
+    .env("SLURM_NODEID", "0")
+    .env("SLURM_NNODES", "2")
+    .env("SLURM_JOB_NODELIST", "n[1-2]")
+    .env_remove("SLURM_STEP_ID");
+    let o = c.output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).contains("srun --ntasks-per-node=1"),
+        "{}",
+        text(&o)
+    );
+    let o = slurm(&[("SLURM_LOCALID", "1")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("more than one"), "{}", text(&o));
+}
