@@ -12,6 +12,7 @@ mod env;
 mod launch;
 mod new;
 mod profiles;
+mod slurm;
 mod target;
 
 use clap::{Parser, Subcommand};
@@ -40,6 +41,10 @@ enum Command {
     ///   cargo trl launch --config_file my.yaml --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 ./train
     ///   cargo trl launch --profile zero3_cpu --dry-run sft
     Launch(Box<launch::LaunchArgs>),
+    /// Write and submit an sbatch script running one launcher per node under srun.
+    ///
+    /// Example: cargo trl slurm --nodes 2 --gpus-per-node 8 --partition gpu --profile fsdp2 sft -- --max_steps 1000
+    Slurm(slurm::SlurmArgs),
     /// Scaffold a training crate (tiny model and data included; trains offline).
     ///
     /// Example: cargo trl new my-sft && cd my-sft && cargo trl launch --profile multi_cpu
@@ -117,6 +122,16 @@ fn main() -> ExitCode {
             }
         },
         Command::New(args) => match new::run(&args) {
+            Ok(msg) => {
+                println!("{msg}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Slurm(args) => match slurm::run(&args) {
             Ok(msg) => {
                 println!("{msg}");
                 ExitCode::SUCCESS
