@@ -8,6 +8,7 @@
 //! 2 usage error or a launch that fails validation before starting; 3 the target cannot be
 //! found, built or started.
 
+mod config_cmd;
 mod env;
 mod launch;
 mod new;
@@ -60,6 +61,12 @@ enum Command {
         #[arg(num_args = 0..=2)]
         action: Vec<String>,
     },
+    /// Write a launch config by questions (like `accelerate config`) or from flags.
+    ///
+    /// Examples:
+    ///   cargo trl config
+    ///   cargo trl config --profile zero3_cpu --num_processes 4 --output zero3_4.yaml
+    Config(config_cmd::ConfigArgs),
     /// Versions, CPU cores, GPUs, driver and NCCL presence, the default config.
     ///
     /// Example: cargo trl env
@@ -132,6 +139,16 @@ fn main() -> ExitCode {
             }
         },
         Command::Slurm(args) => match slurm::run(&args) {
+            Ok(msg) => {
+                println!("{msg}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Config(args) => match config_cmd::run(&args) {
             Ok(msg) => {
                 println!("{msg}");
                 ExitCode::SUCCESS

@@ -98,3 +98,87 @@ fn env_and_profiles_show() {
     assert_eq!(code, 2);
     assert!(err.contains("needs a profile name"), "{err}");
 }
+
+#[test]
+fn config_wizard_and_flags_write_what_launch_reads() {
+    use std::io::Write;
+    let home = tempfile::tempdir().unwrap();
+    // The wizard, answered on stdin (one re-ask for an invalid ZeRO stage).
+    let mut child = Command::new(BIN)
+        .arg("config")
+        .env("XDG_CONFIG_HOME", home.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"1\nyes\nDEEPSPEED\n5\n3\n1\n1\n2\n4\nno\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use 0, 1, 2 or 3"));
+    let written = home.path().join("cargo-trl/default_config.yaml");
+    let yaml = std::fs::read_to_string(&written).unwrap();
+    assert!(
+        yaml.contains("zero_stage: 3")
+            && yaml.contains("parallelism_config_sp_size: 2")
+            && yaml.contains("num_processes: 4"),
+        "{yaml}"
+    );
+    // `launch` with nothing given reads it.
+    let plan = Command::new(BIN)
+        .args(["launch", "--dry-run", "launch_worker"])
+        .env("XDG_CONFIG_HOME", home.path())
+        .output()
+        .unwrap();
+    let plan = String::from_utf8_lossy(&plan.stdout).into_owned();
+    assert!(
+        plan.contains("world 4") && plan.contains("dp_shard=2 cp=1 sp=2"),
+        "{plan}"
+    );
+
+    // The non-interactive form, from a profile plus flags.
+    let file = home.path().join("fsdp.yaml");
+    let (code, _, err) = run(&[
+        "config",
+        "--profile",
+        "fsdp2_cpu",
+        "--num_processes",
+        "4",
+        "--parallelism_config_tp_size",
+        "2",
+        "--parallelism_config_dp_shard_size",
+        "2",
+        "--output",
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, _) = run(&["check", file.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("FSDP") && out.contains("dp_shard=2") && out.contains("tp=2"),
+        "{out}"
+    );
+    // An impossible shape is refused and nothing is written.
+    let bad = home.path().join("bad.yaml");
+    let (code, _, err) = run(&[
+        "config",
+        "--non_interactive",
+        "--num_processes",
+        "4",
+        "--parallelism_config_tp_size",
+        "3",
+        "--output",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("tp=3") && !bad.exists(), "{err}");
+}
