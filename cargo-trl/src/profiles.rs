@@ -34,6 +34,10 @@ pub const PROFILES: &[(&str, &str)] = &[
         include_str!("../../templates/profiles/multi_cpu.yaml"),
     ),
     (
+        "zero2_cpu",
+        include_str!("../../templates/profiles/zero2_cpu.yaml"),
+    ),
+    (
         "zero3_cpu",
         include_str!("../../templates/profiles/zero3_cpu.yaml"),
     ),

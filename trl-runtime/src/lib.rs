@@ -12,6 +12,7 @@ pub mod dist;
 pub mod error;
 pub mod models;
 pub mod nn;
+pub mod parallel;
 pub mod train;
 
 pub use error::{Error, Result};

@@ -34,6 +34,8 @@ pub struct ParamState {
     pub exp_avg_sq: Tensor,
     /// Whether weight decay applies (HF exempts biases and norm weights).
     pub decay: bool,
+    /// Per-element decay (1 or 0) for a flat shard that spans several parameters (ZeRO).
+    pub decay_mask: Option<Tensor>,
 }
 
 /// HF's rule: no weight decay for biases and normalisation weights.
@@ -65,6 +67,7 @@ impl AdamW {
                     exp_avg_sq: master.zeros_like()?,
                     master,
                     decay: decays(name),
+                    decay_mask: None,
                 },
             );
         }
@@ -98,8 +101,15 @@ impl AdamW {
                 )))
             })?;
             let g = g.to_dtype(DType::F32)?;
-            if s.decay && c.weight_decay != 0.0 {
-                s.master = (&s.master * (1.0 - lr * c.weight_decay))?;
+            if c.weight_decay != 0.0 {
+                match &s.decay_mask {
+                    Some(mask) => {
+                        s.master =
+                            (&s.master - (&s.master * mask)?.affine(lr * c.weight_decay, 0.0)?)?
+                    }
+                    None if s.decay => s.master = (&s.master * (1.0 - lr * c.weight_decay))?,
+                    None => {}
+                }
             }
             s.exp_avg = ((&s.exp_avg * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
             s.exp_avg_sq = ((&s.exp_avg_sq * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;

@@ -22,6 +22,7 @@ use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
 use crate::nn::causal_lm_loss;
+use crate::parallel::{ZeroOptimizer, ZeroStage};
 use candle_core::{DType, Device, Tensor, D};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -33,6 +34,54 @@ use std::time::Instant;
 /// Gradients are all-reduced in buckets of about this size (PyTorch DDP's default 25 MiB).
 const BUCKET_BYTES: usize = 25 << 20;
 const MAX_NEW_TOKENS: usize = 16;
+
+/// How data-parallel ranks hold the model state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Everything replicated; gradients all-reduced (DDP).
+    Ddp,
+    /// Optimizer state (and with stage 2 gradients) sharded over the data-parallel group.
+    Zero(ZeroStage),
+}
+
+impl Strategy {
+    /// What `cargo trl launch` asked for through Accelerate's variables (DeepSpeed ZeRO stage,
+    /// FSDP sharding strategy); plain DDP otherwise.
+    pub fn from_env() -> Result<Self> {
+        let var = |k: &str| std::env::var(k).ok();
+        let not_yet = |what: &str| {
+            Err(Error::Config {
+                file: "launch config".into(),
+                key: what.into(),
+                message: "parameter sharding (ZeRO stage 3 / FSDP FULL_SHARD) is not implemented yet: use zero1, zero2, or FSDP with fsdp_reshard_after_forward: false (SHARD_GRAD_OP)".into(),
+            })
+        };
+        if var("ACCELERATE_USE_DEEPSPEED").as_deref() == Some("true") {
+            return match var("ACCELERATE_DEEPSPEED_ZERO_STAGE").as_deref() {
+                Some("1") => Ok(Strategy::Zero(ZeroStage::One)),
+                Some("2") => Ok(Strategy::Zero(ZeroStage::Two)),
+                Some("3") => not_yet("deepspeed_config.zero_stage"),
+                _ => Ok(Strategy::Ddp),
+            };
+        }
+        if var("ACCELERATE_USE_FSDP").as_deref() == Some("true") {
+            return match var("FSDP_SHARDING_STRATEGY").as_deref() {
+                Some("ShardGradOp") | Some("HybridShardZero2") => {
+                    Ok(Strategy::Zero(ZeroStage::Two))
+                }
+                Some("NoShard") => Ok(Strategy::Ddp),
+                _ => not_yet("fsdp_config.fsdp_reshard_after_forward"),
+            };
+        }
+        Ok(Strategy::Ddp)
+    }
+}
+
+/// The optimizer as the strategy keeps it.
+pub enum Optimizer {
+    Replicated(AdamW),
+    Zero(ZeroOptimizer),
+}
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -68,7 +117,8 @@ pub struct Trainer<'a> {
     pub model: CausalLm,
     pub tokenizer: TextTokenizer,
     tokenizer_dir: PathBuf,
-    pub optimizer: AdamW,
+    pub optimizer: Optimizer,
+    pub strategy: Strategy,
     schedule: LrSchedule,
     train_rows: Vec<PackedSequence>,
     eval_rows: Vec<PackedSequence>,
@@ -117,8 +167,17 @@ fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>
 }
 
 impl<'a> Trainer<'a> {
-    /// Loads model, tokenizer and data as `config` says, resuming if asked.
+    /// Loads model, tokenizer and data as `config` says, resuming if asked; the strategy comes
+    /// from the launcher's environment.
     pub fn new(config: SFTConfig, ctx: &'a DistContext) -> Result<Self> {
+        Self::with_strategy(config, ctx, Strategy::from_env()?)
+    }
+
+    pub fn with_strategy(
+        config: SFTConfig,
+        ctx: &'a DistContext,
+        strategy: Strategy,
+    ) -> Result<Self> {
         config.validate("training arguments")?;
         let dp = ctx.group(DP);
         let dir = config.model_name_or_path.clone();
@@ -202,15 +261,16 @@ impl<'a> Trainer<'a> {
             seed: config.seed,
             ..Default::default()
         };
-        let mut optimizer;
+        let mut full_state = None;
         if let Some(spec) = &config.resume_from_checkpoint {
             let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
             model = CausalLm::new(
                 model.config.clone(),
                 Params::load(&ckpt, &model.config, DType::F32, &Device::Cpu)?,
             )?;
-            optimizer = AdamW::for_params(&model.params, adam)?;
-            state = checkpoint::load_training_state(&ckpt, &mut optimizer)?;
+            let mut full = AdamW::for_params(&model.params, adam)?;
+            state = checkpoint::load_training_state(&ckpt, &mut full)?;
+            full_state = Some(full);
             if state.total_steps != total_steps {
                 tracing::warn!(
                     "resuming a run planned for {} steps with a config that gives {total_steps}",
@@ -223,9 +283,21 @@ impl<'a> Trainer<'a> {
                 ckpt.display(),
                 state.global_step
             );
-        } else {
-            optimizer = AdamW::for_params(&model.params, adam)?;
         }
+        // Any checkpoint resumes under any strategy and world size: the state is per parameter.
+        let optimizer = match strategy {
+            Strategy::Ddp => Optimizer::Replicated(match full_state {
+                Some(full) => full,
+                None => AdamW::for_params(&model.params, adam)?,
+            }),
+            Strategy::Zero(stage) => {
+                let mut z = ZeroOptimizer::new(&model.params, adam, stage, dp.clone())?;
+                if let Some(full) = &full_state {
+                    z.load_full_state(full)?;
+                }
+                Optimizer::Zero(z)
+            }
+        };
         let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
         let schedule = LrSchedule::new(
             kind,
@@ -250,6 +322,7 @@ impl<'a> Trainer<'a> {
             model,
             tokenizer,
             optimizer,
+            strategy,
             schedule,
             train_rows,
             eval_rows,
@@ -397,11 +470,22 @@ impl<'a> Trainer<'a> {
             }
         }
         let t1 = Instant::now();
-        self.reduce_gradients(&mut grads)?;
-        let t2 = Instant::now();
-        let grad_norm = clip_grad_norm(&mut grads, self.config.max_grad_norm, None)?;
         let lr = self.schedule.lr(self.state.global_step);
-        self.optimizer.step(&self.model.params, &grads, lr)?;
+        if matches!(self.optimizer, Optimizer::Replicated(_)) {
+            self.reduce_gradients(&mut grads)?;
+        }
+        let t2 = Instant::now();
+        let grad_norm = match &mut self.optimizer {
+            Optimizer::Replicated(opt) => {
+                let norm = clip_grad_norm(&mut grads, self.config.max_grad_norm, None)?;
+                opt.step(&self.model.params, &grads, lr)?;
+                norm
+            }
+            // Reduction, clipping and the update of this rank's slice happen inside.
+            Optimizer::Zero(z) => {
+                z.step(&self.model.params, &grads, self.config.max_grad_norm, lr)?
+            }
+        };
         tracing::debug!(
             "step timing: forward+backward {:.3}s, gradient all-reduce {:.3}s, clip+optimizer {:.3}s",
             (t1 - t0).as_secs_f64(),
@@ -483,12 +567,21 @@ impl<'a> Trainer<'a> {
     }
 
     fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
+        // Sharded state is gathered per parameter first (every rank takes part).
+        let gathered;
+        let full = match &self.optimizer {
+            Optimizer::Replicated(opt) => opt,
+            Optimizer::Zero(z) => {
+                gathered = z.gather_full_state()?;
+                &gathered
+            }
+        };
         let path = if self.ctx.is_main_process() {
             Some(checkpoint::save(
                 &self.config.output_dir,
                 &self.model,
                 &self.tokenizer_dir,
-                &self.optimizer,
+                full,
                 &self.state,
                 self.config.save_total_limit,
             )?)

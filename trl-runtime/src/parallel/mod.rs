@@ -1,0 +1,5 @@
+//! Parallel training strategies beyond plain data parallelism.
+
+pub mod zero;
+
+pub use zero::{ZeroOptimizer, ZeroStage};

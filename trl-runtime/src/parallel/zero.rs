@@ -1,0 +1,275 @@
+//! ZeRO stages 1 and 2 (DeepSpeed's names; FSDP's SHARD_GRAD_OP is stage 2): the fp32 master
+//! weights and Adam moments are split over the data-parallel group, each rank updating only
+//! its slice of the flattened parameters, then the updated parameters are all-gathered.
+//! Stage 1 all-reduces the full gradients and keeps its slice; stage 2 reduce-scatters them,
+//! so each rank only ever holds its gradient slice after the reduction.
+//!
+//! The flat layout is every parameter, sorted by name, end to end, padded to a multiple of the
+//! group size. Checkpoints gather the state back per parameter (the same file as plain DDP),
+//! so a run can resume on any number of ranks and with any strategy.
+
+use crate::comm::{Communicator, ReduceOp};
+use crate::error::{Error, Result};
+use crate::models::Params;
+use crate::train::optim::{decays, AdamW, AdamWConfig, ParamState};
+use candle_core::{DType, Shape, Tensor};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ZeroStage {
+    One,
+    Two,
+}
+
+impl ZeroStage {
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+        }
+    }
+}
+
+const SHARD: &str = "zero_shard";
+
+/// Where each parameter lives in the flat vector.
+#[derive(Debug, Clone)]
+pub struct FlatLayout {
+    entries: Vec<(String, Shape, usize)>,
+    total: usize,
+    padded: usize,
+}
+
+impl FlatLayout {
+    pub fn new(params: &Params, world: usize) -> Self {
+        let mut entries = Vec::new();
+        let mut offset = 0;
+        for (name, var) in params.iter() {
+            entries.push((name.clone(), var.shape().clone(), offset));
+            offset += var.elem_count();
+        }
+        FlatLayout {
+            entries,
+            total: offset,
+            padded: offset.div_ceil(world) * world,
+        }
+    }
+
+    pub fn shard(&self, rank: usize, world: usize) -> Range<usize> {
+        let n = self.padded / world;
+        rank * n..(rank + 1) * n
+    }
+
+    /// The tensors of `map` (by parameter name) end to end in f32, zero-padded.
+    pub fn flatten(&self, map: &BTreeMap<String, Tensor>) -> Result<Tensor> {
+        let mut parts = Vec::with_capacity(self.entries.len() + 1);
+        for (name, shape, _) in &self.entries {
+            let t = map.get(name).ok_or_else(|| {
+                Error::Candle(candle_core::Error::Msg(format!("no tensor for {name}")))
+            })?;
+            if t.shape() != shape {
+                return Err(Error::Candle(candle_core::Error::Msg(format!(
+                    "{name}: shape {:?}, expected {shape:?}",
+                    t.shape()
+                ))));
+            }
+            parts.push(t.to_dtype(DType::F32)?.flatten_all()?);
+        }
+        let device = parts
+            .first()
+            .map(|t| t.device().clone())
+            .unwrap_or(candle_core::Device::Cpu);
+        if self.padded > self.total {
+            parts.push(Tensor::zeros(
+                self.padded - self.total,
+                DType::F32,
+                &device,
+            )?);
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// The parameters back out of a flat (full, padded or not) vector.
+    pub fn unflatten(&self, flat: &Tensor) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for (name, shape, offset) in &self.entries {
+            out.insert(
+                name.clone(),
+                flat.narrow(0, *offset, shape.elem_count())?
+                    .reshape(shape)?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// 1 where weight decay applies (HF's rule per parameter), 0 elsewhere and in the padding.
+    fn decay_mask(&self) -> Vec<f32> {
+        let mut mask = vec![0f32; self.padded];
+        for (name, shape, offset) in &self.entries {
+            if decays(name) {
+                mask[*offset..*offset + shape.elem_count()]
+                    .iter_mut()
+                    .for_each(|v| *v = 1.0);
+            }
+        }
+        mask
+    }
+}
+
+/// AdamW over this rank's slice of the flattened parameters.
+pub struct ZeroOptimizer {
+    pub stage: ZeroStage,
+    layout: FlatLayout,
+    comm: Arc<dyn Communicator>,
+    range: Range<usize>,
+    inner: AdamW,
+}
+
+impl ZeroOptimizer {
+    /// `comm` is the data-parallel group the state is sharded over.
+    pub fn new(
+        params: &Params,
+        config: AdamWConfig,
+        stage: ZeroStage,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        let layout = FlatLayout::new(params, comm.size());
+        let range = layout.shard(comm.rank(), comm.size());
+        let values: BTreeMap<String, Tensor> = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let master = layout
+            .flatten(&values)?
+            .narrow(0, range.start, range.len())?
+            .copy()?;
+        let mask = layout.decay_mask()[range.clone()].to_vec();
+        let device = master.device().clone();
+        let state = ParamState {
+            exp_avg: master.zeros_like()?,
+            exp_avg_sq: master.zeros_like()?,
+            master,
+            decay: true,
+            decay_mask: Some(Tensor::from_vec(mask, range.len(), &device)?),
+        };
+        let inner = AdamW {
+            config,
+            step: 0,
+            states: [(SHARD.to_string(), state)].into(),
+        };
+        Ok(ZeroOptimizer {
+            stage,
+            layout,
+            comm,
+            range,
+            inner,
+        })
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.inner.step
+    }
+
+    /// One update from this rank's local gradients (summed over its micro-batches, not yet
+    /// reduced): reduce, clip by the global norm, update the slice, all-gather the parameters.
+    /// Returns the gradient norm before clipping.
+    pub fn step(
+        &mut self,
+        params: &Params,
+        grads: &BTreeMap<String, Tensor>,
+        max_grad_norm: f64,
+        lr: f64,
+    ) -> Result<f64> {
+        let flat = self.layout.flatten(grads)?;
+        let shard = match self.stage {
+            ZeroStage::One => self.comm.all_reduce(&flat, ReduceOp::Sum)?.narrow(
+                0,
+                self.range.start,
+                self.range.len(),
+            )?,
+            ZeroStage::Two => self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?,
+        };
+        let local_sq = shard.sqr()?.sum_all()?.to_dtype(DType::F64)?.reshape(1)?;
+        let norm = self
+            .comm
+            .all_reduce(&local_sq, ReduceOp::Sum)?
+            .to_vec1::<f64>()?[0]
+            .sqrt();
+        let coef = max_grad_norm / (norm + 1e-6);
+        let shard = if max_grad_norm > 0.0 && coef < 1.0 {
+            (shard * coef)?
+        } else {
+            shard
+        };
+        self.inner
+            .update(&[(SHARD.to_string(), shard)].into(), lr)?;
+        let full = self.comm.all_gather(&self.inner.states[SHARD].master, 0)?;
+        for (name, t) in self.layout.unflatten(&full)? {
+            if let Some(var) = params.get(&name) {
+                var.set(&t.to_dtype(var.dtype())?)?;
+            }
+        }
+        Ok(norm)
+    }
+
+    /// The whole optimizer state per parameter (collective: every rank must call it), in the
+    /// form plain DDP keeps it, for checkpoints.
+    pub fn gather_full_state(&self) -> Result<AdamW> {
+        let s = &self.inner.states[SHARD];
+        let gather = |t: &Tensor| -> Result<BTreeMap<String, Tensor>> {
+            self.layout.unflatten(&self.comm.all_gather(t, 0)?)
+        };
+        let (master, m, v) = (
+            gather(&s.master)?,
+            gather(&s.exp_avg)?,
+            gather(&s.exp_avg_sq)?,
+        );
+        let states = master
+            .into_iter()
+            .map(|(name, master)| {
+                let st = ParamState {
+                    exp_avg: m[&name].clone(),
+                    exp_avg_sq: v[&name].clone(),
+                    decay: decays(&name),
+                    decay_mask: None,
+                    master,
+                };
+                (name, st)
+            })
+            .collect();
+        Ok(AdamW {
+            config: self.inner.config,
+            step: self.inner.step,
+            states,
+        })
+    }
+
+    /// Takes this rank's slice of a full per-parameter state (from any world size).
+    pub fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
+        let pick = |f: &dyn Fn(&ParamState) -> Tensor| -> Result<Tensor> {
+            let map: BTreeMap<String, Tensor> =
+                full.states.iter().map(|(n, s)| (n.clone(), f(s))).collect();
+            Ok(self
+                .layout
+                .flatten(&map)?
+                .narrow(0, self.range.start, self.range.len())?
+                .copy()?)
+        };
+        let master = pick(&|s| s.master.clone())?;
+        let exp_avg = pick(&|s| s.exp_avg.clone())?;
+        let exp_avg_sq = pick(&|s| s.exp_avg_sq.clone())?;
+        let st = self.inner.states.get_mut(SHARD).expect("shard state");
+        st.master = master;
+        st.exp_avg = exp_avg;
+        st.exp_avg_sq = exp_avg_sq;
+        self.inner.step = full.step;
+        Ok(())
+    }
+
+    /// Bytes of optimizer state this rank holds.
+    pub fn state_bytes(&self) -> usize {
+        self.inner.state_bytes()
+    }
+}
