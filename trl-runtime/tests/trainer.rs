@@ -250,3 +250,46 @@ fn zero_checkpoint_resumes_on_another_world_size_and_strategy() {
     )
     .unwrap();
 }
+
+#[test]
+fn memory_accounting_follows_the_zero_formula() {
+    // fp32 with AdamW master weights: DDP 4P + 4P + 12P, ZeRO-1 4P + 4P + 12P/N, ZeRO-2 4P + (4P + 12P)/N.
+    let w = InProcessWorld::new(2);
+    let dims = ParallelDims {
+        dp_replicate: 2,
+        dp_shard: 1,
+        cp: 1,
+        sp: 1,
+        tp: 1,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let reports: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (w, out) = (&w, tmp.path().to_path_buf());
+                s.spawn(move || {
+                    let ctx = DistContext::in_process(w, rank, DeviceMesh::new(dims, 2).unwrap())
+                        .unwrap();
+                    [
+                        Strategy::Ddp,
+                        Strategy::Zero(ZeroStage::One),
+                        Strategy::Zero(ZeroStage::Two),
+                    ]
+                    .map(|st| {
+                        Trainer::with_strategy(config(&out, 2, 1, 1), &ctx, st)
+                            .unwrap()
+                            .memory()
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let [ddp, z1, z2] = reports[0];
+    let p = ddp.parameters / 4;
+    let close =
+        |got: usize, want: usize| (got as f64 - want as f64).abs() <= 0.01 * want as f64 + 64.0;
+    assert!(close(ddp.total(), 20 * p), "{ddp:?}");
+    assert!(close(z1.total(), 8 * p + 12 * p / 2), "{z1:?}");
+    assert!(close(z2.total(), 4 * p + 16 * p / 2), "{z2:?}");
+}

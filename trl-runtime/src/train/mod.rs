@@ -11,4 +11,6 @@ pub mod trainer;
 pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use optim::{clip_grad_norm, AdamW, AdamWConfig, ParamState};
 pub use schedule::{LrSchedule, SchedulerKind};
-pub use trainer::{EvalResult, Optimizer, StepStats, Strategy, TrainOutcome, Trainer};
+pub use trainer::{
+    peak_rss_bytes, EvalResult, MemoryReport, Optimizer, StepStats, Strategy, TrainOutcome, Trainer,
+};

@@ -77,6 +77,28 @@ impl Strategy {
     }
 }
 
+/// Bytes of model state one rank holds (parameters, gradients after reduction, optimizer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryReport {
+    pub parameters: usize,
+    pub gradients: usize,
+    pub optimizer: usize,
+}
+
+impl MemoryReport {
+    pub fn total(&self) -> usize {
+        self.parameters + self.gradients + self.optimizer
+    }
+}
+
+/// Peak resident memory of this process so far (VmHWM), when the OS reports it.
+pub fn peak_rss_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// The optimizer as the strategy keeps it.
 pub enum Optimizer {
     Replicated(AdamW),
@@ -360,6 +382,34 @@ impl<'a> Trainer<'a> {
         self.steps_per_epoch
     }
 
+    /// Model state this rank holds under its strategy. Gradients count what is kept after the
+    /// reduction (ZeRO-2: this rank's slice); the full local gradient exists during backward.
+    pub fn memory(&self) -> MemoryReport {
+        let param_bytes: usize = self
+            .model
+            .params
+            .iter()
+            .map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes())
+            .sum();
+        let grad_full = self.model.params.num_elements() * 4;
+        let (gradients, optimizer) = match &self.optimizer {
+            Optimizer::Replicated(opt) => (grad_full, opt.state_bytes()),
+            Optimizer::Zero(z) => (
+                if z.stage == ZeroStage::Two {
+                    grad_full.div_ceil(self.dp.size())
+                } else {
+                    grad_full
+                },
+                z.state_bytes(),
+            ),
+        };
+        MemoryReport {
+            parameters: param_bytes,
+            gradients,
+            optimizer,
+        }
+    }
+
     /// Examples per optimizer step across all data-parallel ranks.
     pub fn effective_batch_size(&self) -> usize {
         self.config.per_device_train_batch_size
@@ -619,6 +669,16 @@ impl<'a> Trainer<'a> {
             self.config.per_device_train_batch_size,
             self.dp.size(),
             self.config.gradient_accumulation_steps
+        );
+        let mem = self.memory();
+        tracing::info!(
+            "{:?} over {} data-parallel rank(s): model state per rank {:.1} MiB = parameters {:.1} + gradients {:.1} + optimizer {:.1} (fp32 AdamW keeps master weights and two moments)",
+            self.strategy,
+            self.dp.size(),
+            mem.total() as f64 / 1048576.0,
+            mem.parameters as f64 / 1048576.0,
+            mem.gradients as f64 / 1048576.0,
+            mem.optimizer as f64 / 1048576.0
         );
         let mut outcome = TrainOutcome {
             initial_eval: self.evaluate()?,
