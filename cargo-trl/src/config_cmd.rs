@@ -3,6 +3,7 @@
 //! location that `cargo trl launch` reads when given no profile or file.
 
 use crate::launch::default_config_path;
+use crate::topology::TopologyArgs;
 use std::io::BufRead;
 use std::path::PathBuf;
 use trl_runtime::config::LaunchConfig;
@@ -13,16 +14,8 @@ pub struct ConfigArgs {
     /// Start from a shipped profile instead of the defaults.
     #[arg(long)]
     pub profile: Option<String>,
-    #[arg(long)]
-    pub num_processes: Option<u32>,
-    #[arg(long)]
-    pub num_machines: Option<u32>,
-    #[arg(long)]
-    pub machine_rank: Option<u32>,
-    #[arg(long)]
-    pub main_process_ip: Option<String>,
-    #[arg(long)]
-    pub main_process_port: Option<u16>,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
     /// NO, MULTI_GPU, MULTI_CPU, DEEPSPEED or FSDP.
     #[arg(long)]
     pub distributed_type: Option<String>,
@@ -32,18 +25,6 @@ pub struct ConfigArgs {
     /// FSDP version (1 or 2).
     #[arg(long)]
     pub fsdp_version: Option<u8>,
-    #[arg(long)]
-    pub mixed_precision: Option<String>,
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub use_cpu: Option<bool>,
-    #[arg(long)]
-    pub parallelism_config_dp_shard_size: Option<usize>,
-    #[arg(long)]
-    pub parallelism_config_tp_size: Option<usize>,
-    #[arg(long)]
-    pub parallelism_config_cp_size: Option<usize>,
-    #[arg(long)]
-    pub parallelism_config_sp_size: Option<usize>,
     /// Where to write (default: the file `cargo trl launch` reads).
     #[arg(long)]
     pub output: Option<PathBuf>,
@@ -311,32 +292,16 @@ pub fn run(args: &ConfigArgs) -> Result<String, String> {
         )
         .map_err(|e| e.to_string())?,
     };
+    let mut base = base;
+    args.topology.apply(&mut base)?;
     let mut s = Settings::from_config(&base);
-    let given = args.num_processes.is_some()
-        || args.num_machines.is_some()
+    let given = args.topology.any()
         || args.distributed_type.is_some()
-        || args.mixed_precision.is_some()
-        || args.use_cpu.is_some()
         || args.zero_stage.is_some()
         || args.fsdp_version.is_some();
     if !args.non_interactive && !given && args.profile.is_none() {
         let stdin = std::io::stdin();
         wizard(&mut s, &mut stdin.lock())?;
-    }
-    if let Some(v) = args.num_processes {
-        s.num_processes = v;
-    }
-    if let Some(v) = args.num_machines {
-        s.num_machines = v;
-    }
-    if let Some(v) = args.machine_rank {
-        s.machine_rank = v;
-    }
-    if let Some(v) = &args.main_process_ip {
-        s.main_process_ip = Some(v.clone());
-    }
-    if let Some(v) = args.main_process_port {
-        s.main_process_port = v;
     }
     if let Some(v) = &args.distributed_type {
         s.distributed_type = v.to_ascii_uppercase();
@@ -346,24 +311,6 @@ pub fn run(args: &ConfigArgs) -> Result<String, String> {
     }
     if let Some(v) = args.fsdp_version {
         s.fsdp_version = v;
-    }
-    if let Some(v) = &args.mixed_precision {
-        s.mixed_precision = v.clone();
-    }
-    if let Some(v) = args.use_cpu {
-        s.use_cpu = v;
-    }
-    if let Some(v) = args.parallelism_config_dp_shard_size {
-        s.dp_shard = Some(v);
-    }
-    if let Some(v) = args.parallelism_config_tp_size {
-        s.tp = v;
-    }
-    if let Some(v) = args.parallelism_config_cp_size {
-        s.cp = v;
-    }
-    if let Some(v) = args.parallelism_config_sp_size {
-        s.sp = v;
     }
     let yaml = s.yaml();
     let out = args.output.clone().unwrap_or_else(default_config_path);

@@ -4,9 +4,10 @@
 
 use crate::profiles;
 use crate::target::{self, Target};
+use crate::topology::TopologyArgs;
 use std::path::PathBuf;
 use std::time::Duration;
-use trl_runtime::config::launch::{DistributedType, GpuIds, MixedPrecision};
+use trl_runtime::config::launch::{DistributedType, GpuIds};
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::config::{LaunchConfig, OffloadDevice};
 use trl_runtime::dist::mesh::DeviceMesh;
@@ -26,27 +27,8 @@ pub struct LaunchArgs {
     /// An Accelerate config file.
     #[arg(long)]
     pub config_file: Option<PathBuf>,
-    /// Total processes across all machines.
-    #[arg(long)]
-    pub num_processes: Option<u32>,
-    #[arg(long)]
-    pub num_machines: Option<u32>,
-    #[arg(long)]
-    pub machine_rank: Option<u32>,
-    #[arg(long)]
-    pub main_process_ip: Option<String>,
-    /// 0 picks a free port.
-    #[arg(long)]
-    pub main_process_port: Option<u16>,
-    /// no, fp16, bf16 or fp8.
-    #[arg(long)]
-    pub mixed_precision: Option<String>,
-    /// `all` or a list like 0,1,3.
-    #[arg(long)]
-    pub gpu_ids: Option<String>,
-    /// Run on CPU (host backend).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub use_cpu: Option<bool>,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
     /// Restart the whole group this many times after a failure.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,
@@ -62,16 +44,6 @@ pub struct LaunchArgs {
     /// With --log_dir, also print the output here.
     #[arg(long)]
     pub tee: bool,
-    #[arg(long)]
-    pub parallelism_config_dp_replicate_size: Option<usize>,
-    #[arg(long)]
-    pub parallelism_config_dp_shard_size: Option<usize>,
-    #[arg(long)]
-    pub parallelism_config_tp_size: Option<usize>,
-    #[arg(long)]
-    pub parallelism_config_cp_size: Option<usize>,
-    #[arg(long)]
-    pub parallelism_config_sp_size: Option<usize>,
     /// Build cargo targets in debug mode instead of release.
     #[arg(long)]
     pub debug: bool,
@@ -243,13 +215,13 @@ fn slurm_defaults(cfg: &mut LaunchConfig, args: &LaunchArgs) -> Result<(), Strin
     if var("SLURM_LOCALID").is_some_and(|v| v.trim() != "0") {
         return Err("more than one `cargo trl launch` was started on this node: use srun --ntasks-per-node=1 (the launcher starts the per-GPU processes itself)".into());
     }
-    if args.num_machines.is_none() {
+    if args.topology.num_machines.is_none() {
         cfg.num_machines = nodes;
     }
-    if args.machine_rank.is_none() {
+    if args.topology.machine_rank.is_none() {
         cfg.machine_rank = num("SLURM_NODEID", node)?;
     }
-    if args.main_process_ip.is_none() {
+    if args.topology.main_process_ip.is_none() {
         let list = var("SLURM_STEP_NODELIST")
             .or(var("SLURM_JOB_NODELIST"))
             .unwrap_or_default();
@@ -262,7 +234,7 @@ fn slurm_defaults(cfg: &mut LaunchConfig, args: &LaunchArgs) -> Result<(), Strin
                 .ok_or("SLURM_JOB_NODELIST is empty: cannot tell the master node")?,
         );
     }
-    if args.main_process_port.is_none() {
+    if args.topology.main_process_port.is_none() {
         let id: u64 = job
             .trim()
             .parse()
@@ -283,48 +255,7 @@ fn slurm_defaults(cfg: &mut LaunchConfig, args: &LaunchArgs) -> Result<(), Strin
 pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     let mut cfg = load_config(args)?;
     let src = cfg.source.clone();
-    if let Some(n) = args.num_processes {
-        cfg.num_processes = Some(n);
-    }
-    if let Some(n) = args.num_machines {
-        cfg.num_machines = n;
-    }
-    if let Some(n) = args.machine_rank {
-        cfg.machine_rank = n;
-    }
-    if let Some(ip) = &args.main_process_ip {
-        cfg.main_process_ip = Some(ip.clone());
-    }
-    if let Some(p) = args.main_process_port {
-        cfg.main_process_port = Some(p);
-    }
-    if let Some(mp) = &args.mixed_precision {
-        cfg.mixed_precision = MixedPrecision::parse(mp).ok_or_else(|| {
-            format!("--mixed_precision '{mp}' is not accepted: use no, fp16, bf16 or fp8")
-        })?;
-    }
-    if let Some(ids) = &args.gpu_ids {
-        cfg.gpu_ids = GpuIds::parse(ids).map_err(|e| format!("--gpu_ids: {e}"))?;
-    }
-    if let Some(c) = args.use_cpu {
-        cfg.use_cpu = c;
-    }
-    let p = &mut cfg.parallelism;
-    if let Some(n) = args.parallelism_config_dp_replicate_size {
-        p.dp_replicate = Some(n);
-    }
-    if let Some(n) = args.parallelism_config_dp_shard_size {
-        p.dp_shard = Some(n);
-    }
-    if let Some(n) = args.parallelism_config_tp_size {
-        p.tp = n;
-    }
-    if let Some(n) = args.parallelism_config_cp_size {
-        p.cp = n;
-    }
-    if let Some(n) = args.parallelism_config_sp_size {
-        p.sp = n;
-    }
+    args.topology.apply(&mut cfg)?;
     slurm_defaults(&mut cfg, args)?;
     if cfg.distributed_type == DistributedType::No && cfg.num_processes.unwrap_or(1) > 1 {
         cfg.distributed_type = if cfg.use_cpu {

@@ -15,6 +15,7 @@ mod new;
 mod profiles;
 mod slurm;
 mod target;
+mod topology;
 
 use clap::{Parser, Subcommand};
 use profiles::PROFILES;
