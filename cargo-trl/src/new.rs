@@ -122,22 +122,32 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
             args.name.display()
         ));
     }
-    let dependency = if args.published {
-        format!("\"{}\"", env!("CARGO_PKG_VERSION"))
+    let runtime_dir = if args.published {
+        None
     } else {
         match args.trl_runtime_path.clone().or_else(local_runtime) {
-            Some(p) => {
-                let p = p
-                    .canonicalize()
-                    .map_err(|e| format!("--trl_runtime_path {}: {e}", p.display()))?;
-                format!("{{ path = {:?} }}", p.display().to_string())
-            }
-            None => format!("\"{}\"", env!("CARGO_PKG_VERSION")),
+            Some(p) => Some(
+                p.canonicalize()
+                    .map_err(|e| format!("--trl_runtime_path {}: {e}", p.display()))?,
+            ),
+            None => None,
         }
+    };
+    let dependency = match &runtime_dir {
+        Some(p) => format!("{{ path = {:?} }}", p.display().to_string()),
+        None => format!("\"{}\"", env!("CARGO_PKG_VERSION")),
     };
     if let Err(e) = write_all(&args.name, &name, &dependency) {
         let _ = std::fs::remove_dir_all(&args.name);
         return Err(e);
+    }
+    // With a local trl-runtime, start from its workspace's lock file: the same dependency
+    // versions build offline and reuse artifacts already compiled for that workspace.
+    if let Some(dir) = &runtime_dir {
+        let lock = dir.join("../Cargo.lock");
+        if lock.exists() {
+            let _ = std::fs::copy(&lock, args.name.join("Cargo.lock"));
+        }
     }
     Ok(format!(
         "created {} (trl-runtime = {dependency})\nnext: cd {} && cargo trl launch --profile multi_cpu",
