@@ -11,7 +11,7 @@ use trl_runtime::config::launch::{DistributedType, GpuIds};
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::config::{LaunchConfig, OffloadDevice};
 use trl_runtime::dist::mesh::DeviceMesh;
-use trl_runtime::dist::spawn::{self, Job, WorkerSpec};
+use trl_runtime::dist::spawn::{self, Job, RankPlace, WorkerSpec};
 
 /// Exit codes of `cargo trl launch`.
 pub const EXIT_WORKER_FAILED: u8 = 1;
@@ -334,19 +334,17 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     let workers = (0..nproc)
         .map(|local| {
             let rank = node_rank * nproc + local;
-            let mut env: Vec<(String, String)> = vec![
-                ("RANK".into(), rank.to_string()),
-                ("LOCAL_RANK".into(), local.to_string()),
-                ("WORLD_SIZE".into(), world.to_string()),
-                ("LOCAL_WORLD_SIZE".into(), nproc.to_string()),
-                ("GROUP_RANK".into(), node_rank.to_string()),
-                ("GROUP_WORLD_SIZE".into(), machines.to_string()),
-                ("MASTER_ADDR".into(), master_addr.clone()),
-                ("MASTER_PORT".into(), master_port.to_string()),
-                (trl_runtime::dist::store::TOKEN_VAR.into(), token.clone()),
-                ("OMP_NUM_THREADS".into(), threads.to_string()),
-                ("RAYON_NUM_THREADS".into(), threads.to_string()),
-            ];
+            let place = RankPlace {
+                rank,
+                local_rank: local,
+                world,
+                local_world: nproc,
+                node_rank,
+                nodes: machines,
+            };
+            let mut env = spawn::torchrun_env(place, &master_addr, master_port, &token);
+            env.push(("OMP_NUM_THREADS".into(), threads.to_string()));
+            env.push(("RAYON_NUM_THREADS".into(), threads.to_string()));
             if !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu {
                 let gpu = match &cfg.gpu_ids {
                     GpuIds::All => local as u32,

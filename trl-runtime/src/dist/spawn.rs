@@ -120,25 +120,53 @@ pub fn free_port() -> std::io::Result<u16> {
         .port())
 }
 
-/// The torchrun variables of local rank `rank` of `nproc` on a single machine whose store
-/// listens on 127.0.0.1:`port`, plus the job token.
-pub fn local_rank_env(
-    rank: usize,
-    nproc: usize,
-    port: u16,
+/// Where one worker stands in the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankPlace {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub world: usize,
+    pub local_world: usize,
+    pub node_rank: usize,
+    pub nodes: usize,
+}
+
+/// torchrun's environment contract for one worker (plus the job token): the one place that
+/// spells it, for the launcher and the local spawner alike.
+pub fn torchrun_env(
+    p: RankPlace,
+    master_addr: &str,
+    master_port: u16,
     token: &str,
-) -> Vec<(&'static str, String)> {
-    vec![
-        ("RANK", rank.to_string()),
-        ("LOCAL_RANK", rank.to_string()),
-        ("WORLD_SIZE", nproc.to_string()),
-        ("LOCAL_WORLD_SIZE", nproc.to_string()),
-        ("GROUP_RANK", "0".into()),
-        ("GROUP_WORLD_SIZE", "1".into()),
-        ("MASTER_ADDR", "127.0.0.1".into()),
-        ("MASTER_PORT", port.to_string()),
+) -> Vec<(String, String)> {
+    [
+        ("RANK", p.rank.to_string()),
+        ("LOCAL_RANK", p.local_rank.to_string()),
+        ("WORLD_SIZE", p.world.to_string()),
+        ("LOCAL_WORLD_SIZE", p.local_world.to_string()),
+        ("GROUP_RANK", p.node_rank.to_string()),
+        ("GROUP_WORLD_SIZE", p.nodes.to_string()),
+        ("MASTER_ADDR", master_addr.to_string()),
+        ("MASTER_PORT", master_port.to_string()),
         (TOKEN_VAR, token.to_string()),
     ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// The torchrun variables of local rank `rank` of `nproc` on a single machine whose store
+/// listens on 127.0.0.1:`port`, plus the job token.
+pub fn local_rank_env(rank: usize, nproc: usize, port: u16, token: &str) -> Vec<(String, String)> {
+    let place = RankPlace {
+        rank,
+        local_rank: rank,
+        world: nproc,
+        local_world: nproc,
+        node_rank: 0,
+        nodes: 1,
+    };
+    torchrun_env(place, "127.0.0.1", port, token)
 }
 
 /// A fresh random job token.
@@ -315,10 +343,7 @@ pub fn run_local(
         .to_string();
     let workers = (0..nproc)
         .map(|rank| {
-            let mut e: Vec<(String, String)> = local_rank_env(rank, nproc, port, &token)
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect();
+            let mut e = local_rank_env(rank, nproc, port, &token);
             e.push(("OMP_NUM_THREADS".into(), threads.clone()));
             e.push(("RAYON_NUM_THREADS".into(), threads.clone()));
             e.extend(env.iter().cloned());
