@@ -125,20 +125,19 @@ impl<T: Transport> RingComm<T> {
         })
     }
 
-    /// After this, rank r holds the full reduction of segment (r + shift) mod n.
+    /// After this, rank r holds the full reduction of segment r.
     fn ring_reduce_scatter<E: Elem>(
         &self,
         op: OpCode,
         buf: &mut [E],
         reduce: ReduceOp,
-        shift: usize,
     ) -> Result<()> {
         let (r, n) = (self.transport.rank(), self.transport.size());
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let size = std::mem::size_of::<E>();
         for step in 0..n - 1 {
-            let send_seg = segment(buf.len(), n, (r + shift + 2 * n - 1 - step) % n);
-            let recv_seg = segment(buf.len(), n, (r + shift + 2 * n - 2 - step) % n);
+            let send_seg = segment(buf.len(), n, (r + 2 * n - 1 - step) % n);
+            let recv_seg = segment(buf.len(), n, (r + 2 * n - 2 - step) % n);
             let recv_len = recv_seg.len() * size;
             let (send, recv) = split_pair(buf, send_seg, recv_seg);
             self.exchange(
@@ -156,14 +155,14 @@ impl<T: Transport> RingComm<T> {
         Ok(())
     }
 
-    /// Given rank r holding segment (r + shift) mod n, fills every segment on every rank.
-    fn ring_all_gather<E: Elem>(&self, op: OpCode, buf: &mut [E], shift: usize) -> Result<()> {
+    /// Given rank r holding segment r, fills every segment on every rank.
+    fn ring_all_gather<E: Elem>(&self, op: OpCode, buf: &mut [E]) -> Result<()> {
         let (r, n) = (self.transport.rank(), self.transport.size());
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let size = std::mem::size_of::<E>();
         for step in 0..n - 1 {
-            let send_seg = segment(buf.len(), n, (r + shift + n - step) % n);
-            let recv_seg = segment(buf.len(), n, (r + shift + 2 * n - step - 1) % n);
+            let send_seg = segment(buf.len(), n, (r + n - step) % n);
+            let recv_seg = segment(buf.len(), n, (r + 2 * n - step - 1) % n);
             let recv_len = recv_seg.len() * size;
             let (send, recv) = split_pair(buf, send_seg, recv_seg);
             let recv_bytes: &mut [u8] = bytemuck::cast_slice_mut(recv);
@@ -186,8 +185,8 @@ impl<T: Transport> RingComm<T> {
         let mut buf = host_vec::<E>(x)?;
         if n > 1 {
             let op = OpCode::AllReduce;
-            self.ring_reduce_scatter(op, &mut buf, reduce, 0)?;
-            self.ring_all_gather(op, &mut buf, 0)?;
+            self.ring_reduce_scatter(op, &mut buf, reduce)?;
+            self.ring_all_gather(op, &mut buf)?;
         }
         if reduce == ReduceOp::Avg {
             buf.iter_mut().for_each(|v| *v = v.divide(n));
@@ -233,7 +232,7 @@ impl<T: Transport> RingComm<T> {
         let (flat, chunk_shape) = self.chunk_major(op, x, dim)?;
         let mut buf = host_vec::<E>(&flat)?;
         if n > 1 {
-            self.ring_reduce_scatter(op, &mut buf, reduce, 0)?;
+            self.ring_reduce_scatter(op, &mut buf, reduce)?;
         }
         let mut mine = buf[segment(buf.len(), n, r)].to_vec();
         if reduce == ReduceOp::Avg {
@@ -256,7 +255,7 @@ impl<T: Transport> RingComm<T> {
         let mut buf = vec![E::zero(); len * n];
         buf[r * len..(r + 1) * len].copy_from_slice(&local);
         if n > 1 {
-            self.ring_all_gather(op, &mut buf, 0)?;
+            self.ring_all_gather(op, &mut buf)?;
         }
         let mut stacked_shape = vec![n];
         stacked_shape.extend_from_slice(x.dims());
@@ -459,8 +458,8 @@ impl<T: Transport> Communicator for RingComm<T> {
         let n = self.transport.size();
         if n > 1 {
             let mut buf = vec![1u8; n];
-            self.ring_reduce_scatter(OpCode::Barrier, &mut buf, ReduceOp::Sum, 0)?;
-            self.ring_all_gather(OpCode::Barrier, &mut buf, 0)?;
+            self.ring_reduce_scatter(OpCode::Barrier, &mut buf, ReduceOp::Sum)?;
+            self.ring_all_gather(OpCode::Barrier, &mut buf)?;
         }
         Ok(())
     }
