@@ -160,18 +160,28 @@ pub fn load_training_state(dir: &Path, optimizer: &mut AdamW) -> Result<TrainerS
         message: format!("not a trainer state: {e}"),
     })?;
     let opt_path = dir.join(OPTIMIZER_FILE);
-    let tensors =
-        candle_core::safetensors::load(&opt_path, &Device::Cpu).map_err(|e| Error::Config {
-            file: opt_path.display().to_string(),
-            key: "<safetensors>".into(),
-            message: format!("cannot read the optimizer state: {e}"),
-        })?;
+    let bad = |key: &str, message: String| Error::Config {
+        file: opt_path.display().to_string(),
+        key: key.into(),
+        message,
+    };
+    // One read: the tensors and, in the header's metadata, the step count.
+    let bytes = std::fs::read(&opt_path)
+        .map_err(|e| Error::io(format!("cannot read {}", opt_path.display()), e))?;
+    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| {
+        bad(
+            "<safetensors>",
+            format!("cannot read the optimizer state: {e}"),
+        )
+    })?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| bad("<metadata>", e.to_string()))?;
     let take = |key: String| {
-        tensors.get(&key).cloned().ok_or_else(|| Error::Config {
-            file: opt_path.display().to_string(),
-            key: key.clone(),
-            message: "missing from the optimizer state: the checkpoint does not match this model"
-                .into(),
+        tensors.get(&key).cloned().ok_or_else(|| {
+            bad(
+                &key,
+                "missing from the optimizer state: the checkpoint does not match this model".into(),
+            )
         })
     };
     for (name, s) in optimizer.states.iter_mut() {
@@ -180,14 +190,6 @@ pub fn load_training_state(dir: &Path, optimizer: &mut AdamW) -> Result<TrainerS
         s.exp_avg = take(format!("{name}::exp_avg"))?.to_device(&device)?;
         s.exp_avg_sq = take(format!("{name}::exp_avg_sq"))?.to_device(&device)?;
     }
-    // The step count travels in the file's metadata.
-    let bytes = std::fs::read(&opt_path)
-        .map_err(|e| Error::io(format!("cannot read {}", opt_path.display()), e))?;
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::Config {
-        file: opt_path.display().to_string(),
-        key: "<metadata>".into(),
-        message: e.to_string(),
-    })?;
     optimizer.step = meta
         .metadata()
         .as_ref()
