@@ -180,7 +180,7 @@ fn collation_padded_and_padding_free() {
         padding_free: false,
         pad_to_multiple_of: Some(4),
     };
-    let b = collate(&rows, opts, &Device::Cpu).unwrap();
+    let b = collate(&rows.iter().collect::<Vec<_>>(), opts, &Device::Cpu).unwrap();
     assert_eq!(
         b.input_ids.to_vec2::<u32>().unwrap(),
         vec![vec![5, 6, 7, 0], vec![8, 9, 0, 0]]
@@ -200,7 +200,7 @@ fn collation_padded_and_padding_free() {
         padding_free: true,
         pad_to_multiple_of: Some(4),
     };
-    let b = collate(&rows, opts, &Device::Cpu).unwrap();
+    let b = collate(&rows.iter().collect::<Vec<_>>(), opts, &Device::Cpu).unwrap();
     assert_eq!(
         b.input_ids.to_vec2::<u32>().unwrap(),
         vec![vec![5, 6, 7, 8, 9, 0, 0, 0]]

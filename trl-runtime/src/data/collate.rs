@@ -66,9 +66,9 @@ fn pad(row: &mut Row, len: usize, pad_id: u32) {
 }
 
 /// Collates `rows` (packed or single examples) into one batch on `device`.
-pub fn collate(rows: &[PackedSequence], opts: CollateOptions, device: &Device) -> Result<Batch> {
+pub fn collate(rows: &[&PackedSequence], opts: CollateOptions, device: &Device) -> Result<Batch> {
     let mut out: Vec<Row> = if opts.padding_free {
-        vec![row_of(&rows.iter().collect::<Vec<_>>())]
+        vec![row_of(rows)]
     } else {
         rows.iter().map(|r| row_of(&[r])).collect()
     };

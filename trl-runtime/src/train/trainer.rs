@@ -147,6 +147,8 @@ pub struct Trainer<'a> {
     eval_prompts: Vec<(Vec<u32>, String)>,
     collate_options: CollateOptions,
     sampler: DistributedSampler,
+    /// This epoch's sample order (epoch, indices), cached across its steps.
+    order: Option<(u64, Vec<usize>)>,
     pub state: TrainerState,
     steps_per_epoch: usize,
     stop: Arc<AtomicBool>,
@@ -351,6 +353,7 @@ impl<'a> Trainer<'a> {
             eval_prompts,
             collate_options,
             sampler,
+            order: None,
             state,
             steps_per_epoch,
             stop,
@@ -359,7 +362,7 @@ impl<'a> Trainer<'a> {
         Ok(trainer)
     }
 
-    /// Rank 0's weights on every rank (DDP's start), in buckets.
+    /// Rank 0's weights on every rank (DDP's start), one broadcast per parameter (once, at start).
     fn sync_parameters(&self) -> Result<()> {
         if self.dp.size() == 1 {
             return Ok(());
@@ -484,16 +487,21 @@ impl<'a> Trainer<'a> {
             self.config.per_device_train_batch_size,
             self.config.gradient_accumulation_steps,
         );
-        let order = self.sampler.indices(self.state.epoch as u64);
+        // The epoch's order is computed once per epoch, not every step.
+        let epoch = self.state.epoch as u64;
+        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.order = Some((epoch, self.sampler.indices(epoch)));
+        }
+        let order = &self.order.as_ref().expect("set above").1;
         let start = self.state.step_in_epoch * b * a;
         let mut batches = Vec::with_capacity(a);
         let mut local_tokens = 0usize;
         for m in 0..a {
-            let rows: Vec<PackedSequence> = order[start + m * b..start + (m + 1) * b]
+            let rows: Vec<&PackedSequence> = order[start + m * b..start + (m + 1) * b]
                 .iter()
-                .map(|&i| self.train_rows[i].clone())
+                .map(|&i| &self.train_rows[i])
                 .collect();
-            local_tokens += rows.iter().map(PackedSequence::len).sum::<usize>();
+            local_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
             batches.push(collate(&rows, self.collate_options, &Device::Cpu)?);
         }
         let local_targets: usize = batches.iter().map(|x| x.num_target_tokens).sum();
@@ -585,13 +593,7 @@ impl<'a> Trainer<'a> {
             return Ok(None);
         }
         let (rank, world) = (self.dp.rank(), self.dp.size());
-        let mine: Vec<PackedSequence> = self
-            .eval_rows
-            .iter()
-            .skip(rank)
-            .step_by(world)
-            .cloned()
-            .collect();
+        let mine: Vec<&PackedSequence> = self.eval_rows.iter().skip(rank).step_by(world).collect();
         let (mut sum, mut count) = (0.0, 0.0);
         for chunk in mine.chunks(self.config.per_device_eval_batch_size) {
             let batch = collate(chunk, self.collate_options, &Device::Cpu)?;
