@@ -4,44 +4,22 @@
 //! resident memory of a rank over one training step. One JSON object per line on stdout.
 //! (zero3 comes with parameter sharding.)
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
-use trl_runtime::dist::{spawn, DistContext};
-use trl_runtime::models::{ModelConfig, Params};
+use trl_runtime::dist::DistContext;
 use trl_runtime::parallel::ZeroStage;
 use trl_runtime::train::{peak_rss_bytes, SFTConfig, Strategy, Trainer};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+mod support;
 
 fn prepare(dir: &Path) -> usize {
-    let cfg = ModelConfig::from_json(
-        &serde_json::json!({
-            "model_type": "qwen2", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
-            "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
-            "max_position_embeddings": 1024, "tie_word_embeddings": true,
-        })
-        .to_string(),
-        "memory bench model",
-    )
-    .unwrap();
-    let model = dir.join("model");
-    Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
-        .unwrap()
-        .save(&model, &cfg, None)
-        .unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(repo().join("assets/tiny/model").join(f), model.join(f)).unwrap();
-    }
-    let rows: String = (0..16)
-        .map(|r| serde_json::json!({ "input_ids": (0..64).map(|i| (r * 31 + i * 17) % 8000 + 3).collect::<Vec<_>>() }).to_string() + "\n")
-        .collect();
-    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
-    cfg.num_parameters()
+    let config = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
+        "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 1024, "tie_word_embeddings": true,
+    });
+    support::write_model_and_rows(dir, config, 16, 64)
 }
 
 fn strategy(name: &str) -> Strategy {
@@ -81,42 +59,15 @@ fn main() {
     let tmp = tempfile::tempdir().unwrap();
     let p = prepare(tmp.path());
     eprintln!("memory bench: {p} parameters, fp32 AdamW, 1 step per run");
-    let exe = std::env::current_exe().unwrap();
     for name in ["ddp", "zero1", "zero2"] {
         for world in [1usize, 2, 4] {
-            let port = spawn::free_port().unwrap();
-            let mut children: Vec<_> = (0..world)
-                .map(|rank| {
-                    Command::new(&exe)
-                        .env("TRL_BENCH_WORKER", name)
-                        .env("TRL_BENCH_DIR", tmp.path())
-                        .env("RAYON_NUM_THREADS", "1")
-                        .envs(spawn::local_rank_env(rank, world, port, "memory"))
-                        .stdout(if rank == 0 {
-                            Stdio::piped()
-                        } else {
-                            Stdio::null()
-                        })
-                        .spawn()
-                        .unwrap()
-                })
-                .collect();
             let mut report = None;
-            for line in BufReader::new(children[0].stdout.take().unwrap())
-                .lines()
-                .map_while(Result::ok)
-            {
+            support::run_ranks(name, world, tmp.path(), |line, _| {
                 if let Some(rest) = line.strip_prefix("report ") {
                     let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
                     report = Some((v[0], v[1]));
                 }
-            }
-            for c in &mut children {
-                assert!(
-                    c.wait().unwrap().success(),
-                    "{name} on {world} ranks failed"
-                );
-            }
+            });
             let (state, peak) = report.expect("no report");
             let formula = match name {
                 "zero1" => 8 * p + 12 * p / world,

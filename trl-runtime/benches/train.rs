@@ -4,54 +4,27 @@
 //! scaling ratio between them, and the time from launching a process to its first finished
 //! step with the bundled tiny model. One JSON object per line on stdout; prose on stderr.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::time::Instant;
+
+mod support;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
-use trl_runtime::dist::{spawn, DistContext};
-use trl_runtime::models::{ModelConfig, Params};
+use trl_runtime::dist::DistContext;
 use trl_runtime::train::{SFTConfig, Trainer};
 
 const SEQ: usize = 512;
 const BATCH: usize = 4;
 const MEASURED_STEPS: usize = 5;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 /// The reference model and a pre-tokenized dataset of full-length rows, written once.
 fn prepare(dir: &Path) {
-    let cfg = ModelConfig::from_json(
-        &serde_json::json!({
-            "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
-            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-            "max_position_embeddings": 4096, "rope_theta": 1000000.0, "tie_word_embeddings": true,
-        })
-        .to_string(),
-        "reference shape",
-    )
-    .unwrap();
-    let model = dir.join("model");
-    Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
-        .unwrap()
-        .save(&model, &cfg, None)
-        .unwrap();
-    // Only the special tokens of the tokenizer matter here (pad / eos).
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(repo().join("assets/tiny/model").join(f), model.join(f)).unwrap();
-    }
-    let rows: String = (0..64)
-        .map(|r| {
-            let ids: Vec<usize> = (0..SEQ)
-                .map(|i| (r * 7919 + i * 104729) % 4000 + 3)
-                .collect();
-            serde_json::json!({ "input_ids": ids }).to_string() + "\n"
-        })
-        .collect();
-    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
+    let config = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "tie_word_embeddings": true,
+    });
+    support::write_model_and_rows(dir, config, 64, SEQ);
 }
 
 fn worker(kind: &str, dir: &Path) {
@@ -59,8 +32,8 @@ fn worker(kind: &str, dir: &Path) {
     trl_runtime::train::logging::init(ctx.rank());
     let config = if kind == "tiny" {
         SFTConfig {
-            model_name_or_path: repo().join("assets/tiny/model"),
-            dataset_name: repo().join("assets/tiny/data/train.jsonl"),
+            model_name_or_path: support::repo().join("assets/tiny/model"),
+            dataset_name: support::repo().join("assets/tiny/data/train.jsonl"),
             max_length: 64,
             ..SFTConfig::default()
         }
@@ -104,44 +77,19 @@ fn worker(kind: &str, dir: &Path) {
     }
 }
 
-/// Runs `world` ranks of this program as `kind` workers; returns (launch-to-first-step seconds,
-/// the "measured" line's numbers).
+/// Runs `world` ranks as `kind` workers; returns (launch-to-first-step seconds, the
+/// "measured" line's numbers).
 fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<(f64, f64)>) {
-    let exe = std::env::current_exe().unwrap();
-    let port = spawn::free_port().unwrap();
-    let start = Instant::now();
-    let mut children: Vec<_> = (0..world)
-        .map(|rank| {
-            Command::new(&exe)
-                .env("TRL_BENCH_WORKER", kind)
-                .env("TRL_BENCH_DIR", dir)
-                .env("RAYON_NUM_THREADS", "1")
-                .envs(spawn::local_rank_env(rank, world, port, "bench"))
-                .stdout(if rank == 0 {
-                    Stdio::piped()
-                } else {
-                    Stdio::null()
-                })
-                .spawn()
-                .unwrap()
-        })
-        .collect();
     let mut first = f64::NAN;
     let mut measured = None;
-    for line in BufReader::new(children[0].stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-    {
+    support::run_ranks(kind, world, dir, |line, elapsed| {
         if line == "first_step_done" {
-            first = start.elapsed().as_secs_f64();
+            first = elapsed;
         } else if let Some(rest) = line.strip_prefix("measured ") {
             let v: Vec<f64> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
             measured = Some((v[0], v[1]));
         }
-    }
-    for c in &mut children {
-        assert!(c.wait().unwrap().success(), "a {kind} worker failed");
-    }
+    });
     (first, measured)
 }
 

@@ -1,0 +1,81 @@
+//! What the training benchmarks share: a random-init model and token rows written to a
+//! directory, and ranks of the benchmark program itself started as workers.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+use trl_runtime::dist::spawn;
+use trl_runtime::models::{ModelConfig, Params};
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Writes `dir/model` (random init from `config`, plus the tiny tokenizer's files: only its
+/// pad and eos tokens matter here) and `rows` pre-tokenized rows of `len` ids to
+/// `dir/train.jsonl`. Returns the parameter count.
+pub fn write_model_and_rows(
+    dir: &Path,
+    config: serde_json::Value,
+    rows: usize,
+    len: usize,
+) -> usize {
+    let cfg = ModelConfig::from_json(&config.to_string(), "benchmark model").unwrap();
+    let model = dir.join("model");
+    Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
+        .unwrap()
+        .save(&model, &cfg, None)
+        .unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(repo().join("assets/tiny/model").join(f), model.join(f)).unwrap();
+    }
+    let vocab = cfg.vocab_size - 8;
+    let text: String = (0..rows)
+        .map(|r| {
+            let ids: Vec<usize> = (0..len)
+                .map(|i| (r * 7919 + i * 104729) % vocab + 3)
+                .collect();
+            serde_json::json!({ "input_ids": ids }).to_string() + "\n"
+        })
+        .collect();
+    std::fs::write(dir.join("train.jsonl"), text).unwrap();
+    cfg.num_parameters()
+}
+
+/// Runs `world` ranks of this program with TRL_BENCH_WORKER=`kind` and TRL_BENCH_DIR=`dir`
+/// (one compute thread each), handing rank 0's output lines and the seconds since the start
+/// to `on_line`. Panics if a rank fails.
+pub fn run_ranks(kind: &str, world: usize, dir: &Path, mut on_line: impl FnMut(&str, f64)) {
+    let exe = std::env::current_exe().unwrap();
+    let port = spawn::free_port().unwrap();
+    let start = Instant::now();
+    let mut children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .env("TRL_BENCH_WORKER", kind)
+                .env("TRL_BENCH_DIR", dir)
+                .env("RAYON_NUM_THREADS", "1")
+                .envs(spawn::local_rank_env(rank, world, port, "bench"))
+                .stdout(if rank == 0 {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for line in BufReader::new(children[0].stdout.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+    {
+        on_line(&line, start.elapsed().as_secs_f64());
+    }
+    for c in &mut children {
+        assert!(
+            c.wait().unwrap().success(),
+            "a {kind} worker on {world} rank(s) failed"
+        );
+    }
+}
