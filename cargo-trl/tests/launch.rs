@@ -29,18 +29,28 @@ fn text(o: &Output) -> String {
     )
 }
 
-#[test]
-fn two_processes_get_the_torchrun_contract() {
+/// `launch --profile multi_cpu` on a free port of the worker with `extra` launcher flags and
+/// `worker_args` for the worker.
+fn launch_worker(extra: &[&str], worker_args: &[&str]) -> Output {
     let w = worker();
-    let o = launch(&[
+    let mut args = vec![
         "--profile",
         "multi_cpu",
         "--main_process_port",
         "0",
-        w.to_str().unwrap(),
-        "--",
-        "ok",
-    ]);
+        "--stop_grace",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    args.push(w.to_str().unwrap());
+    args.push("--");
+    args.extend_from_slice(worker_args);
+    launch(&args)
+}
+
+#[test]
+fn two_processes_get_the_torchrun_contract() {
+    let o = launch_worker(&[], &["ok"]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(
@@ -53,21 +63,8 @@ fn two_processes_get_the_torchrun_contract() {
 
 #[test]
 fn a_failing_rank_stops_the_others_and_is_reported() {
-    let w = worker();
     let start = Instant::now();
-    let o = launch(&[
-        "--profile",
-        "multi_cpu",
-        "--main_process_port",
-        "0",
-        "--stop_grace",
-        "2",
-        w.to_str().unwrap(),
-        "--",
-        "fail",
-        "1",
-        "7",
-    ]);
+    let o = launch_worker(&[], &["fail", "1", "7"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(1), "{t}");
     assert!(
@@ -88,19 +85,7 @@ fn a_failing_rank_stops_the_others_and_is_reported() {
 
 #[test]
 fn a_killed_rank_is_reported_with_its_signal() {
-    let w = worker();
-    let o = launch(&[
-        "--profile",
-        "multi_cpu",
-        "--main_process_port",
-        "0",
-        "--stop_grace",
-        "2",
-        w.to_str().unwrap(),
-        "--",
-        "kill",
-        "0",
-    ]);
+    let o = launch_worker(&[], &["kill", "0"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(1), "{t}");
     assert!(
@@ -111,29 +96,10 @@ fn a_killed_rank_is_reported_with_its_signal() {
 
 #[test]
 fn max_restarts_recovers_from_a_one_time_failure() {
-    let w = worker();
     let dir = tempfile::tempdir().unwrap();
-    let args = [
-        "--profile",
-        "multi_cpu",
-        "--main_process_port",
-        "0",
-        "--stop_grace",
-        "2",
-    ];
-    let o = launch(
-        &[
-            &args[..],
-            &[
-                "--max_restarts",
-                "1",
-                w.to_str().unwrap(),
-                "--",
-                "flaky",
-                dir.path().to_str().unwrap(),
-            ],
-        ]
-        .concat(),
+    let o = launch_worker(
+        &["--max_restarts", "1"],
+        &["flaky", dir.path().to_str().unwrap()],
     );
     let t = text(&o);
     assert!(o.status.success(), "{t}");
@@ -143,18 +109,7 @@ fn max_restarts_recovers_from_a_one_time_failure() {
     );
     // Without restarts the same failure ends the job.
     let dir = tempfile::tempdir().unwrap();
-    let o = launch(
-        &[
-            &args[..],
-            &[
-                w.to_str().unwrap(),
-                "--",
-                "flaky",
-                dir.path().to_str().unwrap(),
-            ],
-        ]
-        .concat(),
-    );
+    let o = launch_worker(&[], &["flaky", dir.path().to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
 }
 

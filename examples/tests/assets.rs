@@ -6,7 +6,6 @@ use candle_core::{DType, Device};
 use trl_examples::assets;
 use trl_runtime::data::{load_jsonl, to_example, OnBadRow, TextTokenizer, TokenizeOptions};
 use trl_runtime::models::CausalLm;
-use trl_runtime::nn::IGNORE_INDEX;
 
 #[test]
 fn shipped_assets_are_reproducible() {
@@ -60,13 +59,7 @@ fn shipped_assets_fit_together() {
     }
     for r in train.records.iter().take(200) {
         let ex = to_example(r, &tok, opts).unwrap();
-        let target: Vec<u32> = ex
-            .input_ids
-            .iter()
-            .zip(&ex.labels)
-            .filter(|(_, &l)| l != IGNORE_INDEX)
-            .map(|(&t, _)| t)
-            .collect();
+        let target = ex.target_ids();
         let answer = match r {
             trl_runtime::data::Record::Messages(m) => m[1].content.clone(),
             _ => unreachable!(),

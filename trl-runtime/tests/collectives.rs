@@ -263,7 +263,7 @@ fn non_divisible_reduce_scatter_is_a_clear_error() {
 }
 
 #[test]
-fn async_all_reduce_overlaps_with_the_caller() {
+fn async_all_reduce_returns_the_sum_while_the_caller_computes() {
     for backend in BACKENDS {
         run(backend, 2, |rank, comm| {
             let x = Tensor::new(&[rank as f32 + 1.0; 8], &Device::Cpu).unwrap();

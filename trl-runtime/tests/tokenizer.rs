@@ -72,13 +72,7 @@ fn chat_template_renders_with_generation_spans() {
     assert!(prompt.text.ends_with("<|im_start|>assistant\n"));
 
     let ex = tok.tokenize_chat(&conversation(), true).unwrap();
-    let targets: Vec<u32> = ex
-        .input_ids
-        .iter()
-        .zip(&ex.labels)
-        .filter(|(_, &l)| l != IGNORE_INDEX)
-        .map(|(&t, _)| t)
-        .collect();
+    let targets = ex.target_ids();
     assert_eq!(
         tok.decode(&targets, false).unwrap(),
         "The answer is 5.<|im_end|>"
@@ -185,13 +179,7 @@ not json at all
 "#;
 
     fn targets(tok: &TextTokenizer, ex: &trl_runtime::data::Example) -> String {
-        let ids: Vec<u32> = ex
-            .input_ids
-            .iter()
-            .zip(&ex.labels)
-            .filter(|(_, &l)| l != IGNORE_INDEX)
-            .map(|(&t, _)| t)
-            .collect();
+        let ids = ex.target_ids();
         tok.decode(&ids, false).unwrap()
     }
 

@@ -20,6 +20,18 @@ fn input(rank: usize) -> Tensor {
     Tensor::from_vec(v, (10, 100), &Device::Cpu).unwrap()
 }
 
+/// Sum of |a - b| over all elements.
+fn abs_diff_sum(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
 fn collectives(ctx: &DistContext) -> Result<(), String> {
     let world = ctx.world();
     let (rank, n) = (world.rank(), world.size());
@@ -31,14 +43,7 @@ fn collectives(ctx: &DistContext) -> Result<(), String> {
     let got = world
         .all_reduce(&x, ReduceOp::Sum)
         .map_err(|e| e.to_string())?;
-    let diff: f32 = (got - &want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap();
+    let diff = abs_diff_sum(&got, &want);
     if diff != 0.0 {
         return Err(format!("all_reduce differs by {diff}"));
     }
@@ -47,14 +52,7 @@ fn collectives(ctx: &DistContext) -> Result<(), String> {
         .all_gather(&x.t().unwrap(), 1)
         .map_err(|e| e.to_string())?;
     let want_g = Tensor::cat(&all.iter().map(|t| t.t().unwrap()).collect::<Vec<_>>(), 1).unwrap();
-    let diff: f32 = (gathered - want_g)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap();
+    let diff = abs_diff_sum(&gathered, &want_g);
     if diff != 0.0 {
         return Err(format!("all_gather differs by {diff}"));
     }

@@ -34,6 +34,16 @@ impl Example {
         self.input_ids.len()
     }
 
+    /// The tokens the loss applies to (labels not -100), in order.
+    pub fn target_ids(&self) -> Vec<u32> {
+        self.input_ids
+            .iter()
+            .zip(&self.labels)
+            .filter(|(_, &l)| l != crate::nn::IGNORE_INDEX)
+            .map(|(&t, _)| t)
+            .collect()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.input_ids.is_empty()
     }
