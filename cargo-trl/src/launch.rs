@@ -7,7 +7,7 @@ use crate::target::{self, Target};
 use crate::topology::TopologyArgs;
 use std::path::PathBuf;
 use std::time::Duration;
-use trl_runtime::config::launch::{DistributedType, GpuIds};
+use trl_runtime::config::launch::{DistributedType, FsdpAutoWrapPolicy, GpuIds};
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::config::{LaunchConfig, OffloadDevice};
 use trl_runtime::dist::mesh::DeviceMesh;
@@ -173,6 +173,21 @@ fn accelerate_env(cfg: &LaunchConfig) -> Vec<(String, String)> {
             "FSDP_RESHARD_AFTER_FORWARD".into(),
             f.reshard_after_forward.to_string(),
         ));
+        env.push((
+            "FSDP_AUTO_WRAP_POLICY".into(),
+            match f.auto_wrap_policy {
+                FsdpAutoWrapPolicy::TransformerBasedWrap => "TRANSFORMER_BASED_WRAP",
+                FsdpAutoWrapPolicy::SizeBasedWrap => "SIZE_BASED_WRAP",
+                FsdpAutoWrapPolicy::NoWrap => "NO_WRAP",
+            }
+            .into(),
+        ));
+        if let Some(n) = f.min_num_params {
+            env.push(("FSDP_MIN_NUM_PARAMS".into(), n.to_string()));
+        }
+        if let Some(cls) = &f.transformer_layer_cls_to_wrap {
+            env.push(("FSDP_TRANSFORMER_CLS_TO_WRAP".into(), cls.clone()));
+        }
         env.push(("FSDP_OFFLOAD_PARAMS".into(), f.offload_params.to_string()));
         env.push((
             "FSDP_STATE_DICT_TYPE".into(),

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use trl_runtime::comm::InProcessWorld;
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
-use trl_runtime::parallel::ZeroStage;
+use trl_runtime::parallel::{WrapPolicy, ZeroStage};
 use trl_runtime::train::{SFTConfig, Strategy, Trainer};
 
 fn assets() -> PathBuf {
@@ -40,15 +40,30 @@ fn run(world: usize, cfg: SFTConfig) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
     run_with(world, cfg, Strategy::Ddp)
 }
 
+/// DDP replicates over `world` ranks; sharding strategies shard over all of them.
 fn run_with(
     world: usize,
     cfg: SFTConfig,
     strategy: Strategy,
 ) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
+    let (replicate, shard) = match strategy {
+        Strategy::Ddp => (world, 1),
+        _ => (1, world),
+    };
+    run_mesh(replicate, shard, cfg, strategy)
+}
+
+fn run_mesh(
+    dp_replicate: usize,
+    dp_shard: usize,
+    cfg: SFTConfig,
+    strategy: Strategy,
+) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
+    let world = dp_replicate * dp_shard;
     let w = InProcessWorld::new(world);
     let dims = ParallelDims {
-        dp_replicate: world,
-        dp_shard: 1,
+        dp_replicate,
+        dp_shard,
         cp: 1,
         sp: 1,
         tp: 1,
@@ -64,15 +79,10 @@ fn run_with(
                     let mut trainer = Trainer::with_strategy(cfg, &ctx, strategy).unwrap();
                     let outcome = trainer.train().unwrap();
                     let weights: Vec<(String, Vec<f32>)> = trainer
-                        .model
-                        .params
-                        .iter()
-                        .map(|(n, v)| {
-                            (
-                                n.clone(),
-                                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
-                            )
-                        })
+                        .gather_weights()
+                        .unwrap()
+                        .into_iter()
+                        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1().unwrap()))
                         .collect();
                     (outcome.losses, weights)
                 })
@@ -222,6 +232,52 @@ fn zero_stages_match_ddp() {
 }
 
 #[test]
+fn zero3_matches_ddp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
+    let per_layer = Strategy::Fsdp(WrapPolicy::PerLayer);
+    let cases = [
+        ("2 ranks x batch 2", 2, 2, 1, per_layer),
+        ("4 ranks x batch 1", 4, 1, 1, per_layer),
+        ("2 ranks x 2 accumulation x batch 1", 2, 1, 2, per_layer),
+        // Two layers per unit (the tiny model's layers are ~40k parameters each).
+        (
+            "SIZE_BASED_WRAP, 2 ranks",
+            2,
+            2,
+            1,
+            Strategy::Fsdp(WrapPolicy::MinParams(50_000)),
+        ),
+        (
+            "NO_WRAP, 2 ranks",
+            2,
+            2,
+            1,
+            Strategy::Fsdp(WrapPolicy::Whole),
+        ),
+    ];
+    for (i, (what, world, batch, accumulation, strategy)) in cases.into_iter().enumerate() {
+        let cfg = config(&tmp.path().join(format!("z3-{i}")), batch, accumulation, 5);
+        let got = run_with(world, cfg, strategy);
+        assert_close(&got, &ddp, &format!("zero3 {what} vs DDP 1 x 4"));
+    }
+}
+
+#[test]
+fn hsdp_matches_ddp() {
+    // dp_replicate 2 x dp_shard 2: shards within pairs, gradient slices summed across them.
+    let tmp = tempfile::tempdir().unwrap();
+    let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
+    for (name, strategy) in [
+        ("HYBRID_SHARD", Strategy::Fsdp(WrapPolicy::PerLayer)),
+        ("HYBRID_SHARD_ZERO2", Strategy::Zero(ZeroStage::Two)),
+    ] {
+        let got = run_mesh(2, 2, config(&tmp.path().join(name), 1, 1, 5), strategy);
+        assert_close(&got, &ddp, &format!("{name} 2 x 2 vs DDP 1 x 4"));
+    }
+}
+
+#[test]
 fn zero_checkpoint_resumes_on_another_world_size_and_strategy() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("z4");
@@ -254,10 +310,11 @@ fn zero_checkpoint_resumes_on_another_world_size_and_strategy() {
 #[test]
 fn memory_accounting_follows_the_zero_formula() {
     // fp32 with AdamW master weights: DDP 4P + 4P + 12P, ZeRO-1 4P + 4P + 12P/N, ZeRO-2 4P + (4P + 12P)/N.
+    // Sharding strategies shard over dp_shard.
     let w = InProcessWorld::new(2);
     let dims = ParallelDims {
-        dp_replicate: 2,
-        dp_shard: 1,
+        dp_replicate: 1,
+        dp_shard: 2,
         cp: 1,
         sp: 1,
         tp: 1,
@@ -274,6 +331,7 @@ fn memory_accounting_follows_the_zero_formula() {
                         Strategy::Ddp,
                         Strategy::Zero(ZeroStage::One),
                         Strategy::Zero(ZeroStage::Two),
+                        Strategy::Fsdp(WrapPolicy::PerLayer),
                     ]
                     .map(|st| {
                         Trainer::with_strategy(config(&out, 2, 1, 1), &ctx, st)
@@ -285,11 +343,15 @@ fn memory_accounting_follows_the_zero_formula() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let [ddp, z1, z2] = reports[0];
+    let [ddp, z1, z2, z3] = reports[0];
     let p = ddp.parameters / 4;
     let close =
         |got: usize, want: usize| (got as f64 - want as f64).abs() <= 0.01 * want as f64 + 64.0;
     assert!(close(ddp.total(), 20 * p), "{ddp:?}");
     assert!(close(z1.total(), 8 * p + 12 * p / 2), "{z1:?}");
     assert!(close(z2.total(), 4 * p + 16 * p / 2), "{z2:?}");
+    // ZeRO-3: fp32 parameters are their own master copy, so 4P (params) + 4P (grads) + 8P
+    // (moments), all over N: 16P/N, the figure the ZeRO paper gives for mixed precision.
+    assert!(close(z3.total(), 16 * p / 2), "{z3:?}");
+    assert_eq!(z3.parameters, z3.gradients, "{z3:?}");
 }

@@ -6,9 +6,11 @@ use super::config::ModelConfig;
 use super::params::Params;
 use crate::error::{Error, Result};
 use crate::nn::rope::apply_rotary;
-use crate::nn::{attention, AttentionMask, Linear, RmsNorm, RotaryEmbedding};
-use candle_core::{DType, Tensor};
+use crate::nn::{attention, AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
+use crate::parallel::ShardedModel;
+use candle_core::{DType, Device, Tensor};
 use std::path::Path;
+use std::sync::Arc;
 
 struct DecoderLayer {
     input_layernorm: RmsNorm,
@@ -24,9 +26,12 @@ struct DecoderLayer {
 
 pub struct CausalLm {
     pub config: ModelConfig,
+    /// The parameters when this rank holds them whole (empty when they are sharded).
     pub params: Params,
+    /// The wrap units when parameters are sharded (ZeRO-3 / FSDP).
+    pub sharding: Option<Arc<ShardedModel>>,
     rope: RotaryEmbedding,
-    embed_tokens: Tensor,
+    embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
@@ -35,20 +40,44 @@ pub struct CausalLm {
 impl CausalLm {
     /// Builds the model over `params` (whose tensors it shares: optimizer updates are seen).
     pub fn new(config: ModelConfig, params: Params) -> Result<Self> {
+        let lookup = |name: &str| {
+            params
+                .get(name)
+                .map(|v| Weight::Local(v.as_tensor().clone()))
+        };
+        let mut model = Self::build(config, &lookup)?;
+        model.params = params;
+        Ok(model)
+    }
+
+    /// Builds the model over sharded wrap units (ZeRO-3 / FSDP).
+    pub fn sharded(config: ModelConfig, sharding: Arc<ShardedModel>) -> Result<Self> {
+        let lookup = |name: &str| sharding.weight(name);
+        let mut model = Self::build(config, &lookup)?;
+        model.sharding = Some(sharding);
+        Ok(model)
+    }
+
+    fn build(config: ModelConfig, lookup: &dyn Fn(&str) -> Option<Weight>) -> Result<Self> {
         let rope = config.rotary().map_err(|m| Error::Config {
             file: "config.json".into(),
             key: "rope_scaling".into(),
             message: m,
         })?;
         let eps = config.rms_norm_eps;
+        let weight = |name: &str| -> Result<Weight> {
+            lookup(name).ok_or_else(|| {
+                Error::Candle(candle_core::Error::Msg(format!(
+                    "no parameter named {name}"
+                )))
+            })
+        };
         let linear = |name: &str| -> Result<Linear> {
-            let bias = params
-                .get(&format!("{name}.bias"))
-                .map(|v| v.as_tensor().clone());
-            Ok(Linear::new(params.tensor(&format!("{name}.weight"))?, bias))
+            let bias = lookup(&format!("{name}.bias"));
+            Ok(Linear::new(weight(&format!("{name}.weight"))?, bias))
         };
         let norm = |name: &str| -> Result<RmsNorm> {
-            Ok(RmsNorm::new(params.tensor(&format!("{name}.weight"))?, eps))
+            Ok(RmsNorm::new(weight(&format!("{name}.weight"))?, eps))
         };
         let layers = (0..config.num_hidden_layers)
             .map(|l| {
@@ -66,21 +95,30 @@ impl CausalLm {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let embed_tokens = params.tensor("model.embed_tokens.weight")?;
+        let embed_weight = weight("model.embed_tokens.weight")?;
         let lm_head = if config.tie_word_embeddings {
-            Linear::new(embed_tokens.clone(), None)
+            Linear::new(embed_weight.clone(), None)
         } else {
             linear("lm_head")?
         };
         Ok(CausalLm {
             rope,
-            embed_tokens,
+            embed_tokens: Embedding::new(embed_weight),
             layers,
             norm: norm("model.norm")?,
             lm_head,
             config,
-            params,
+            params: Params::default(),
+            sharding: None,
         })
+    }
+
+    /// Parameter count (whole or sharded).
+    pub fn num_parameters(&self) -> usize {
+        match &self.sharding {
+            Some(s) => s.num_elements(),
+            None => self.params.num_elements(),
+        }
     }
 
     /// Loads `config.json` and the weights from an HF checkpoint directory.
@@ -110,15 +148,22 @@ impl CausalLm {
         let (b, s) = input_ids.dims2()?;
         let cfg = &self.config;
         let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.num_kv_heads(), cfg.head_dim());
-        let dtype = self.embed_tokens.dtype();
-        let device = self.embed_tokens.device();
-        let mut x = self
-            .embed_tokens
-            .index_select(&input_ids.flatten_all()?.to_dtype(DType::U32)?, 0)?
-            .reshape((b, s, cfg.hidden_size))?;
-        let mask = AttentionMask::causal(position_ids, dtype, device)?;
-        let (cos, sin) = self.rope.cos_sin(position_ids, dtype, device)?;
-        for layer in &self.layers {
+        // Sharded parameters: the root unit (embedding, final norm, LM head) is gathered for
+        // the whole pass, each layer's unit only while the layer runs.
+        let _root = match &self.sharding {
+            Some(sh) => Some(sh.begin_forward()?),
+            None => None,
+        };
+        let mut x = self.embed_tokens.forward(input_ids)?;
+        let dtype = x.dtype();
+        let device: Device = x.device().clone();
+        let mask = AttentionMask::causal(position_ids, dtype, &device)?;
+        let (cos, sin) = self.rope.cos_sin(position_ids, dtype, &device)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let _unit = match &self.sharding {
+                Some(sh) => sh.enter_layer(l)?,
+                None => None,
+            };
             let h = layer.input_layernorm.forward(&x)?;
             let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
                 t.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()

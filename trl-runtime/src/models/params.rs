@@ -16,7 +16,7 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub const CONFIG_FILE: &str = "config.json";
 
 /// Parameters in HF naming order-independent storage (sorted by name).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Params {
     vars: BTreeMap<String, Var>,
 }
@@ -54,6 +54,15 @@ impl Params {
             let t = Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?;
             vars.insert(name, Var::from_tensor(&t)?);
         }
+        Ok(Params { vars })
+    }
+
+    /// Parameters holding these tensors (as new variables).
+    pub fn from_tensors(tensors: BTreeMap<String, Tensor>) -> Result<Self> {
+        let vars = tensors
+            .into_iter()
+            .map(|(n, t)| Ok((n, Var::from_tensor(&t)?)))
+            .collect::<Result<_>>()?;
         Ok(Params { vars })
     }
 

@@ -3,14 +3,18 @@
 //! silently drop gradients, so they are not used).
 
 pub mod attention;
+pub mod embedding;
 pub mod linear;
 pub mod loss;
 pub mod rmsnorm;
 pub mod rope;
 pub mod softmax;
+pub mod weight;
 
 pub use attention::{attention, AttentionMask};
+pub use embedding::Embedding;
 pub use linear::Linear;
 pub use loss::{causal_lm_loss, LossSum, IGNORE_INDEX};
 pub use rmsnorm::RmsNorm;
 pub use rope::{RopeScaling, RotaryEmbedding};
+pub use weight::Weight;

@@ -1,5 +1,7 @@
 //! Parallel training strategies beyond plain data parallelism.
 
+pub mod fsdp;
 pub mod zero;
 
+pub use fsdp::{FsdpOptimizer, ShardedModel, WrapPolicy};
 pub use zero::{ZeroOptimizer, ZeroStage};

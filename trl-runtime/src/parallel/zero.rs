@@ -44,17 +44,41 @@ pub struct FlatLayout {
 
 impl FlatLayout {
     pub fn new(params: &Params, world: usize) -> Self {
+        Self::from_shapes(
+            params.iter().map(|(n, v)| (n.clone(), v.shape().clone())),
+            world,
+        )
+    }
+
+    /// Parameters in the given order, end to end, padded to a multiple of `world`.
+    pub fn from_shapes(shapes: impl IntoIterator<Item = (String, Shape)>, world: usize) -> Self {
         let mut entries = Vec::new();
         let mut offset = 0;
-        for (name, var) in params.iter() {
-            entries.push((name.clone(), var.shape().clone(), offset));
-            offset += var.elem_count();
+        for (name, shape) in shapes {
+            let n = shape.elem_count();
+            entries.push((name, shape, offset));
+            offset += n;
         }
         FlatLayout {
             entries,
             total: offset,
             padded: offset.div_ceil(world) * world,
         }
+    }
+
+    /// (name, shape, offset in the flat vector) of every parameter.
+    pub fn entries(&self) -> &[(String, Shape, usize)] {
+        &self.entries
+    }
+
+    /// Elements of the parameters (without padding).
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Elements with the padding that makes the vector split evenly.
+    pub fn padded(&self) -> usize {
+        self.padded
     }
 
     pub fn shard(&self, rank: usize, world: usize) -> Range<usize> {
@@ -116,6 +140,77 @@ impl FlatLayout {
         }
         mask
     }
+
+    /// Fresh AdamW state for the slice `range` whose master weights are `master` (f32).
+    pub(crate) fn shard_state(&self, master: Tensor, range: Range<usize>) -> Result<ParamState> {
+        let mask = self.decay_mask()[range.clone()].to_vec();
+        let device = master.device().clone();
+        Ok(ParamState {
+            exp_avg: master.zeros_like()?,
+            exp_avg_sq: master.zeros_like()?,
+            master,
+            decay: true,
+            decay_mask: Some(Tensor::from_vec(mask, range.len(), &device)?),
+        })
+    }
+
+    /// The per-parameter states of the whole vector from every rank's slice `s` (collective).
+    pub(crate) fn gather_states(
+        &self,
+        comm: &dyn Communicator,
+        s: &ParamState,
+    ) -> Result<BTreeMap<String, ParamState>> {
+        let gather = |t: &Tensor| -> Result<BTreeMap<String, Tensor>> {
+            self.unflatten(&comm.all_gather(t, 0)?)
+        };
+        let (master, m, v) = (
+            gather(&s.master)?,
+            gather(&s.exp_avg)?,
+            gather(&s.exp_avg_sq)?,
+        );
+        Ok(master
+            .into_iter()
+            .map(|(name, master)| {
+                let st = ParamState {
+                    exp_avg: m[&name].clone(),
+                    exp_avg_sq: v[&name].clone(),
+                    decay: decays(&name),
+                    decay_mask: None,
+                    master,
+                };
+                (name, st)
+            })
+            .collect())
+    }
+
+    /// Replaces `into`'s master and moments with the slice `range` of a full per-parameter
+    /// state (saved by any world size and strategy).
+    pub(crate) fn take_slice(
+        &self,
+        full: &AdamW,
+        range: Range<usize>,
+        into: &mut ParamState,
+    ) -> Result<()> {
+        let pick = |f: &dyn Fn(&ParamState) -> Tensor| -> Result<Tensor> {
+            let mut map = BTreeMap::new();
+            for (name, _, _) in &self.entries {
+                let s = full.states.get(name).ok_or_else(|| Error::Config {
+                    file: "optimizer state".into(),
+                    key: name.clone(),
+                    message: "missing: the checkpoint does not match this model".into(),
+                })?;
+                map.insert(name.clone(), f(s));
+            }
+            Ok(self
+                .flatten(&map)?
+                .narrow(0, range.start, range.len())?
+                .copy()?)
+        };
+        into.master = pick(&|s| s.master.clone())?;
+        into.exp_avg = pick(&|s| s.exp_avg.clone())?;
+        into.exp_avg_sq = pick(&|s| s.exp_avg_sq.clone())?;
+        Ok(())
+    }
 }
 
 /// AdamW over this rank's slice of the flattened parameters.
@@ -123,17 +218,21 @@ pub struct ZeroOptimizer {
     pub stage: ZeroStage,
     layout: FlatLayout,
     comm: Arc<dyn Communicator>,
+    /// HSDP: the replicas holding the same slices, across which reduced slices are summed.
+    replicate: Option<Arc<dyn Communicator>>,
     range: Range<usize>,
     inner: AdamW,
 }
 
 impl ZeroOptimizer {
-    /// `comm` is the data-parallel group the state is sharded over.
+    /// `comm` is the group the state is sharded over (dp_shard); `replicate` the dp_replicate
+    /// group when there is more than one replica (HSDP), else `None`.
     pub fn new(
         params: &Params,
         config: AdamWConfig,
         stage: ZeroStage,
         comm: Arc<dyn Communicator>,
+        replicate: Option<Arc<dyn Communicator>>,
     ) -> Result<Self> {
         let layout = FlatLayout::new(params, comm.size());
         let range = layout.shard(comm.rank(), comm.size());
@@ -145,15 +244,7 @@ impl ZeroOptimizer {
             .flatten(&values)?
             .narrow(0, range.start, range.len())?
             .copy()?;
-        let mask = layout.decay_mask()[range.clone()].to_vec();
-        let device = master.device().clone();
-        let state = ParamState {
-            exp_avg: master.zeros_like()?,
-            exp_avg_sq: master.zeros_like()?,
-            master,
-            decay: true,
-            decay_mask: Some(Tensor::from_vec(mask, range.len(), &device)?),
-        };
+        let state = layout.shard_state(master, range.clone())?;
         let inner = AdamW {
             config,
             step: 0,
@@ -163,6 +254,7 @@ impl ZeroOptimizer {
             stage,
             layout,
             comm,
+            replicate: replicate.filter(|c| c.size() > 1),
             range,
             inner,
         })
@@ -170,6 +262,11 @@ impl ZeroOptimizer {
 
     pub fn step_count(&self) -> u64 {
         self.inner.step
+    }
+
+    /// Ranks the state is split over.
+    pub fn shard_size(&self) -> usize {
+        self.comm.size()
     }
 
     /// One update from this rank's local gradients (summed over its micro-batches, not yet
@@ -190,6 +287,11 @@ impl ZeroOptimizer {
                 self.range.len(),
             )?,
             ZeroStage::Two => self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?,
+        };
+        drop(flat);
+        let shard = match &self.replicate {
+            Some(r) => r.all_reduce(&shard, ReduceOp::Sum)?,
+            None => shard,
         };
         let local_sq = shard.sqr()?.sum_all()?.to_dtype(DType::F64)?.reshape(1)?;
         let norm = self
@@ -217,53 +319,19 @@ impl ZeroOptimizer {
     /// The whole optimizer state per parameter (collective: every rank must call it), in the
     /// form plain DDP keeps it, for checkpoints.
     pub fn gather_full_state(&self) -> Result<AdamW> {
-        let s = &self.inner.states[SHARD];
-        let gather = |t: &Tensor| -> Result<BTreeMap<String, Tensor>> {
-            self.layout.unflatten(&self.comm.all_gather(t, 0)?)
-        };
-        let (master, m, v) = (
-            gather(&s.master)?,
-            gather(&s.exp_avg)?,
-            gather(&s.exp_avg_sq)?,
-        );
-        let states = master
-            .into_iter()
-            .map(|(name, master)| {
-                let st = ParamState {
-                    exp_avg: m[&name].clone(),
-                    exp_avg_sq: v[&name].clone(),
-                    decay: decays(&name),
-                    decay_mask: None,
-                    master,
-                };
-                (name, st)
-            })
-            .collect();
         Ok(AdamW {
             config: self.inner.config,
             step: self.inner.step,
-            states,
+            states: self
+                .layout
+                .gather_states(self.comm.as_ref(), &self.inner.states[SHARD])?,
         })
     }
 
     /// Takes this rank's slice of a full per-parameter state (from any world size).
     pub fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
-        let pick = |f: &dyn Fn(&ParamState) -> Tensor| -> Result<Tensor> {
-            let map: BTreeMap<String, Tensor> =
-                full.states.iter().map(|(n, s)| (n.clone(), f(s))).collect();
-            Ok(self
-                .layout
-                .flatten(&map)?
-                .narrow(0, self.range.start, self.range.len())?
-                .copy()?)
-        };
-        let master = pick(&|s| s.master.clone())?;
-        let exp_avg = pick(&|s| s.exp_avg.clone())?;
-        let exp_avg_sq = pick(&|s| s.exp_avg_sq.clone())?;
         let st = self.inner.states.get_mut(SHARD).expect("shard state");
-        st.master = master;
-        st.exp_avg = exp_avg;
-        st.exp_avg_sq = exp_avg_sq;
+        self.layout.take_slice(full, self.range.clone(), st)?;
         self.inner.step = full.step;
         Ok(())
     }

@@ -8,7 +8,7 @@
 
 use super::optim::AdamW;
 use crate::error::{Error, Result};
-use crate::models::CausalLm;
+use crate::models::{ModelConfig, Params};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -88,7 +88,8 @@ pub fn resolve(output_dir: &Path, spec: &str) -> Result<PathBuf> {
 /// beyond `keep` (the newest are kept). Returns the checkpoint's path.
 pub fn save(
     output_dir: &Path,
-    model: &CausalLm,
+    params: &Params,
+    model_config: &ModelConfig,
     tokenizer_dir: &Path,
     optimizer: &AdamW,
     state: &TrainerState,
@@ -106,7 +107,7 @@ pub fn save(
             .map_err(|e| io(format!("cannot clear {}", tmp.display()), e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| io(format!("cannot create {}", tmp.display()), e))?;
-    model.save_pretrained(&tmp, None)?;
+    params.save(&tmp, model_config, None)?;
     for f in TOKENIZER_FILES {
         let src = tokenizer_dir.join(f);
         if src.exists() {

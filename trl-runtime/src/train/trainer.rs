@@ -17,12 +17,12 @@ use crate::data::{
     collate, pack, CollateOptions, DistributedSampler, Example, PackedSequence, PackingStrategy,
     TextTokenizer,
 };
-use crate::dist::mesh::DP;
+use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
 use crate::nn::causal_lm_loss;
-use crate::parallel::{ZeroOptimizer, ZeroStage};
+use crate::parallel::{FsdpOptimizer, ShardedModel, WrapPolicy, ZeroOptimizer, ZeroStage};
 use candle_core::{DType, Device, Tensor, D};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -42,27 +42,23 @@ pub enum Strategy {
     Ddp,
     /// Optimizer state (and with stage 2 gradients) sharded over the data-parallel group.
     Zero(ZeroStage),
+    /// ZeRO stage 3 / FSDP FULL_SHARD: parameters too, gathered per wrap unit when used.
+    Fsdp(WrapPolicy),
 }
 
 impl Strategy {
     /// What `cargo trl launch` asked for through Accelerate's variables (DeepSpeed ZeRO stage,
-    /// FSDP sharding strategy); plain DDP otherwise.
+    /// FSDP sharding strategy and wrap policy); plain DDP otherwise.
     pub fn from_env() -> Result<Self> {
         let var = |k: &str| std::env::var(k).ok();
-        let not_yet = |what: &str| {
-            Err(Error::Config {
-                file: "launch config".into(),
-                key: what.into(),
-                message: "parameter sharding (ZeRO stage 3 / FSDP FULL_SHARD) is not implemented yet: use zero1, zero2, or FSDP with fsdp_reshard_after_forward: false (SHARD_GRAD_OP)".into(),
-            })
-        };
         if var("ACCELERATE_USE_DEEPSPEED").as_deref() == Some("true") {
-            return match var("ACCELERATE_DEEPSPEED_ZERO_STAGE").as_deref() {
-                Some("1") => Ok(Strategy::Zero(ZeroStage::One)),
-                Some("2") => Ok(Strategy::Zero(ZeroStage::Two)),
-                Some("3") => not_yet("deepspeed_config.zero_stage"),
-                _ => Ok(Strategy::Ddp),
-            };
+            return Ok(match var("ACCELERATE_DEEPSPEED_ZERO_STAGE").as_deref() {
+                Some("1") => Strategy::Zero(ZeroStage::One),
+                Some("2") => Strategy::Zero(ZeroStage::Two),
+                // DeepSpeed gathers ZeRO-3 parameters module by module: one unit per layer.
+                Some("3") => Strategy::Fsdp(WrapPolicy::PerLayer),
+                _ => Strategy::Ddp,
+            });
         }
         if var("ACCELERATE_USE_FSDP").as_deref() == Some("true") {
             return match var("FSDP_SHARDING_STRATEGY").as_deref() {
@@ -70,10 +66,56 @@ impl Strategy {
                     Ok(Strategy::Zero(ZeroStage::Two))
                 }
                 Some("NoShard") => Ok(Strategy::Ddp),
-                _ => not_yet("fsdp_config.fsdp_reshard_after_forward"),
+                _ => Ok(Strategy::Fsdp(wrap_policy_from_env()?)),
             };
         }
         Ok(Strategy::Ddp)
+    }
+}
+
+/// FSDP_AUTO_WRAP_POLICY (and FSDP_MIN_NUM_PARAMS for SIZE_BASED_WRAP), as Accelerate sets them.
+fn wrap_policy_from_env() -> Result<WrapPolicy> {
+    let policy = std::env::var("FSDP_AUTO_WRAP_POLICY").unwrap_or_default();
+    match policy.as_str() {
+        "" | "TRANSFORMER_BASED_WRAP" => Ok(WrapPolicy::PerLayer),
+        "NO_WRAP" => Ok(WrapPolicy::Whole),
+        "SIZE_BASED_WRAP" => {
+            let raw = std::env::var("FSDP_MIN_NUM_PARAMS").unwrap_or_else(|_| "100000000".into());
+            raw.trim()
+                .parse()
+                .map(WrapPolicy::MinParams)
+                .map_err(|_| Error::Config {
+                    file: "FSDP_MIN_NUM_PARAMS".into(),
+                    key: "fsdp_config.fsdp_min_num_params".into(),
+                    message: format!("`{raw}` is not a parameter count"),
+                })
+        }
+        other => Err(Error::Config {
+            file: "FSDP_AUTO_WRAP_POLICY".into(),
+            key: "fsdp_config.fsdp_auto_wrap_policy".into(),
+            message: format!(
+                "`{other}` is not a wrap policy: use TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP"
+            ),
+        }),
+    }
+}
+
+/// CPU offload asks to keep optimizer state (and parameters) in host memory between steps;
+/// on a CPU run they already are, so there is nothing to move. Said once, at start.
+fn note_offload() {
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    let optimizer = var("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE") == "cpu";
+    let params = var("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE") == "cpu"
+        || var("FSDP_OFFLOAD_PARAMS") == "true";
+    if optimizer || params {
+        tracing::info!(
+            "CPU offload of {} requested: this run computes on the CPU, where parameters and optimizer state already live in host memory, so offloading moves nothing",
+            match (optimizer, params) {
+                (true, true) => "optimizer state and parameters",
+                (true, false) => "optimizer state",
+                _ => "parameters",
+            }
+        );
     }
 }
 
@@ -103,6 +145,7 @@ pub fn peak_rss_bytes() -> Option<usize> {
 pub enum Optimizer {
     Replicated(AdamW),
     Zero(ZeroOptimizer),
+    Fsdp(FsdpOptimizer),
 }
 
 /// What one optimizer step did.
@@ -309,19 +352,37 @@ impl<'a> Trainer<'a> {
             );
         }
         // Any checkpoint resumes under any strategy and world size: the state is per parameter.
+        // Sharding strategies split over dp_shard; with dp_replicate > 1 (HSDP) the slices
+        // are also summed across replicas.
+        let shard = ctx.group(&[Axis::DpShard]);
+        let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
         let optimizer = match strategy {
             Strategy::Ddp => Optimizer::Replicated(match full_state {
                 Some(full) => full,
                 None => AdamW::for_params(&model.params, adam)?,
             }),
             Strategy::Zero(stage) => {
-                let mut z = ZeroOptimizer::new(&model.params, adam, stage, dp.clone())?;
+                let mut z =
+                    ZeroOptimizer::new(&model.params, adam, stage, shard.clone(), replicate)?;
                 if let Some(full) = &full_state {
                     z.load_full_state(full)?;
                 }
                 Optimizer::Zero(z)
             }
+            Strategy::Fsdp(policy) => {
+                // Every rank cuts its slices from rank 0's values, then drops the full tensors.
+                sync_parameters(&dp, &model.params)?;
+                let layers = model.config.num_hidden_layers;
+                let sharded = Arc::new(ShardedModel::new(&model.params, layers, policy, shard)?);
+                model = CausalLm::sharded(model.config.clone(), sharded.clone())?;
+                let mut f = FsdpOptimizer::new(sharded, adam, replicate)?;
+                if let Some(full) = &full_state {
+                    f.load_full_state(full)?;
+                }
+                Optimizer::Fsdp(f)
+            }
         };
+        note_offload();
         let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
         let schedule = LrSchedule::new(
             kind,
@@ -358,23 +419,22 @@ impl<'a> Trainer<'a> {
             steps_per_epoch,
             stop,
         };
-        trainer.sync_parameters()?;
+        sync_parameters(&trainer.dp, &trainer.model.params)?;
         Ok(trainer)
     }
 
-    /// Rank 0's weights on every rank (DDP's start), one broadcast per parameter (once, at start).
-    fn sync_parameters(&self) -> Result<()> {
-        if self.dp.size() == 1 {
-            return Ok(());
+    /// Every parameter's full value, whichever strategy holds them (collective under ZeRO-3 /
+    /// FSDP: every rank calls it).
+    pub fn gather_weights(&self) -> Result<BTreeMap<String, Tensor>> {
+        match &self.model.sharding {
+            Some(sharding) => sharding.gather_full(),
+            None => Ok(self
+                .model
+                .params
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect()),
         }
-        let vars: Vec<_> = self.model.params.iter().collect();
-        for (_, var) in vars {
-            let t = self.dp.broadcast(var.as_tensor(), 0)?;
-            if self.dp.rank() != 0 {
-                var.set(&t)?;
-            }
-        }
-        Ok(())
     }
 
     pub fn total_steps(&self) -> usize {
@@ -395,21 +455,26 @@ impl<'a> Trainer<'a> {
             .map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes())
             .sum();
         let grad_full = self.model.params.num_elements() * 4;
-        let (gradients, optimizer) = match &self.optimizer {
-            Optimizer::Replicated(opt) => (grad_full, opt.state_bytes()),
-            Optimizer::Zero(z) => (
-                if z.stage == ZeroStage::Two {
-                    grad_full.div_ceil(self.dp.size())
+        match &self.optimizer {
+            Optimizer::Replicated(opt) => MemoryReport {
+                parameters: param_bytes,
+                gradients: grad_full,
+                optimizer: opt.state_bytes(),
+            },
+            Optimizer::Zero(z) => MemoryReport {
+                parameters: param_bytes,
+                gradients: if z.stage == ZeroStage::Two {
+                    grad_full.div_ceil(z.shard_size())
                 } else {
                     grad_full
                 },
-                z.state_bytes(),
-            ),
-        };
-        MemoryReport {
-            parameters: param_bytes,
-            gradients,
-            optimizer,
+                optimizer: z.state_bytes(),
+            },
+            Optimizer::Fsdp(f) => MemoryReport {
+                parameters: self.model.sharding.as_ref().map_or(0, |s| s.shard_bytes()),
+                gradients: f.grad_bytes(),
+                optimizer: f.state_bytes(),
+            },
         }
     }
 
@@ -515,6 +580,11 @@ impl<'a> Trainer<'a> {
             let ls = causal_lm_loss(&logits, &batch.labels)?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
             let store = (ls.sum / targets)?.backward()?;
+            if let Some(sharding) = &self.model.sharding {
+                // Sharded units reduced their gradients during the backward itself.
+                sharding.finish_backward()?;
+                continue;
+            }
             for (name, var) in self.model.params.iter() {
                 let g = match store.get(var.as_tensor()) {
                     Some(g) => g.clone(),
@@ -543,6 +613,7 @@ impl<'a> Trainer<'a> {
             Optimizer::Zero(z) => {
                 z.step(&self.model.params, &grads, self.config.max_grad_norm, lr)?
             }
+            Optimizer::Fsdp(f) => f.step(self.config.max_grad_norm, lr)?,
         };
         tracing::debug!(
             "step timing: forward+backward {:.3}s, gradient all-reduce {:.3}s, clip+optimizer {:.3}s",
@@ -565,9 +636,13 @@ impl<'a> Trainer<'a> {
         })
     }
 
-    /// Greedy continuation of `prompt` until EOS or `max_new` tokens.
+    /// Greedy continuation of `prompt` until EOS or `max_new` tokens. With sharded
+    /// parameters every forward is collective, so all ranks run exactly `max_new` steps
+    /// (tokens after EOS are computed and dropped).
     pub fn generate(&self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        let lockstep = self.model.sharding.is_some();
         let mut ids = prompt.to_vec();
+        let mut answer_len = None;
         for _ in 0..max_new {
             let n = ids.len();
             let input = Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu)?;
@@ -578,35 +653,59 @@ impl<'a> Trainer<'a> {
                 .get(n - 1)?
                 .argmax(D::Minus1)?
                 .to_scalar::<u32>()?;
-            if Some(next) == self.tokenizer.eos_token_id {
-                break;
+            if answer_len.is_none() && Some(next) == self.tokenizer.eos_token_id {
+                answer_len = Some(n - prompt.len());
+                if !lockstep {
+                    break;
+                }
             }
             ids.push(next);
         }
-        Ok(ids[prompt.len()..].to_vec())
+        let end = prompt.len() + answer_len.unwrap_or(ids.len() - prompt.len());
+        Ok(ids[prompt.len()..end].to_vec())
     }
 
     /// Eval loss over the held-out rows and exact-match accuracy of greedy answers, each rank
-    /// taking every dp-th row and prompt.
+    /// taking every dp-th row and prompt. With sharded parameters the ranks run the same
+    /// number of forwards (ranks with fewer rows repeat a row and drop the result).
     pub fn evaluate(&self) -> Result<Option<EvalResult>> {
         if self.eval_rows.is_empty() {
             return Ok(None);
         }
+        let lockstep = self.model.sharding.is_some();
         let (rank, world) = (self.dp.rank(), self.dp.size());
+        let bs = self.config.per_device_eval_batch_size;
         let mine: Vec<&PackedSequence> = self.eval_rows.iter().skip(rank).step_by(world).collect();
+        let chunks: Vec<&[&PackedSequence]> = mine.chunks(bs).collect();
+        // Rank 0 has the most rows and prompts.
+        let rounds = |total: usize, per: usize, own: usize| {
+            if lockstep {
+                total.div_ceil(world).div_ceil(per)
+            } else {
+                own
+            }
+        };
         let (mut sum, mut count) = (0.0, 0.0);
-        for chunk in mine.chunks(self.config.per_device_eval_batch_size) {
+        let filler = [&self.eval_rows[0]];
+        for i in 0..rounds(self.eval_rows.len(), bs, chunks.len()) {
+            let chunk = chunks.get(i).copied().unwrap_or(&filler);
             let batch = collate(chunk, self.collate_options, &Device::Cpu)?;
             let logits = self.model.forward(&batch.input_ids, &batch.position_ids)?;
             let ls = causal_lm_loss(&logits, &batch.labels)?;
-            sum += ls.sum.to_scalar::<f32>()? as f64;
-            count += ls.count as f64;
+            if i < chunks.len() {
+                sum += ls.sum.to_scalar::<f32>()? as f64;
+                count += ls.count as f64;
+            }
         }
         let mut correct = 0.0;
         let prompts: Vec<_> = self.eval_prompts.iter().skip(rank).step_by(world).collect();
-        for (prompt, answer) in &prompts {
+        for i in 0..rounds(self.eval_prompts.len(), 1, prompts.len()) {
+            let Some((prompt, answer)) = prompts.get(i).copied().or(self.eval_prompts.first())
+            else {
+                break;
+            };
             let out = self.generate(prompt, MAX_NEW_TOKENS)?;
-            if self.tokenizer.decode(&out, true)?.trim() == answer {
+            if i < prompts.len() && self.tokenizer.decode(&out, true)?.trim() == answer {
                 correct += 1.0;
             }
         }
@@ -621,17 +720,25 @@ impl<'a> Trainer<'a> {
     fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
         // Sharded state is gathered per parameter first (every rank takes part).
         let gathered;
-        let full = match &self.optimizer {
-            Optimizer::Replicated(opt) => opt,
+        let gathered_params;
+        let (params, full) = match &self.optimizer {
+            Optimizer::Replicated(opt) => (&self.model.params, opt),
             Optimizer::Zero(z) => {
                 gathered = z.gather_full_state()?;
-                &gathered
+                (&self.model.params, &gathered)
+            }
+            Optimizer::Fsdp(f) => {
+                let sharding = self.model.sharding.as_ref().expect("sharded model");
+                gathered_params = Params::from_tensors(sharding.gather_full()?)?;
+                gathered = f.gather_full_state()?;
+                (&gathered_params, &gathered)
             }
         };
         let path = if self.ctx.is_main_process() {
             Some(checkpoint::save(
                 &self.config.output_dir,
-                &self.model,
+                params,
+                &self.model.config,
                 &self.tokenizer_dir,
                 full,
                 &self.state,
@@ -664,7 +771,7 @@ impl<'a> Trainer<'a> {
         }
         tracing::info!(
             "training {} parameters for {} steps ({} per epoch): effective batch {} = {} per device x {} data-parallel ranks x {} accumulation steps",
-            self.model.params.num_elements(),
+            self.model.num_parameters(),
             self.state.total_steps,
             self.steps_per_epoch,
             self.effective_batch_size(),
@@ -804,4 +911,18 @@ fn progress_bar(visible: bool, total: usize, position: usize) -> indicatif::Prog
     );
     bar.set_position(position as u64);
     bar
+}
+
+/// Rank 0's weights on every rank (DDP's start), one broadcast per parameter (once, at start).
+fn sync_parameters(dp: &Arc<dyn Communicator>, params: &Params) -> Result<()> {
+    if dp.size() == 1 {
+        return Ok(());
+    }
+    for (_, var) in params.iter() {
+        let t = dp.broadcast(var.as_tensor(), 0)?;
+        if dp.rank() != 0 {
+            var.set(&t)?;
+        }
+    }
+    Ok(())
 }

@@ -1,0 +1,631 @@
+//! ZeRO stage 3 / FSDP FULL_SHARD: parameters, gradients and optimizer state all split over
+//! the data-parallel shard group.
+//!
+//! The model is cut into wrap units: by default one per decoder layer (FSDP's
+//! TRANSFORMER_BASED_WRAP), plus the root unit holding the embedding, the final norm and the
+//! LM head. A unit keeps its parameters as one flat vector (sorted by name, padded to the group
+//! size) of which this rank holds a slice.
+//!
+//! The layers that use a unit's parameters (linear, norm scale, embedding lookup) run as custom
+//! ops. Forward: the unit's flat parameters are all-gathered when the unit starts and freed when
+//! it ends; each op computes from a detached input, so Candle's graph never holds a gathered
+//! weight, only activations. Backward: the unit's first op gathers the parameters again, every
+//! op accumulates its weight gradients in the unit (beside Candle's gradient store), and once
+//! the unit's last op has run the gradients are reduce-scattered into this rank's slice and the
+//! gathered parameters freed. The root unit stays gathered from forward to the end of backward
+//! (its parameters are needed first and last), as FSDP2 does for the root.
+
+use super::zero::FlatLayout;
+use crate::comm::{Communicator, ReduceOp};
+use crate::error::{Error, Result};
+use crate::models::Params;
+use crate::nn::Weight;
+use crate::train::optim::{AdamW, AdamWConfig};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// How parameters are grouped into units (FSDP's auto-wrap policies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WrapPolicy {
+    /// One unit per decoder layer (TRANSFORMER_BASED_WRAP; DeepSpeed ZeRO-3 gathers per layer too).
+    PerLayer,
+    /// Consecutive layers grouped until a unit has at least this many parameters (SIZE_BASED_WRAP).
+    MinParams(usize),
+    /// The whole model in the root unit (NO_WRAP): gathered for the whole step.
+    Whole,
+}
+
+struct UnitState {
+    /// This rank's slice of the flat parameters, in the model dtype.
+    shard: Tensor,
+    /// The gathered flat parameters while the unit is in use.
+    full: Option<Tensor>,
+    /// Ops applied in this forward whose backward has not run yet.
+    pending: usize,
+    /// Full gradients per entry, accumulated during this backward.
+    grads: Vec<Option<Tensor>>,
+    /// This rank's reduced gradient slice (f32), summed over micro-batches until the step.
+    grad_shard: Option<Tensor>,
+}
+
+/// One wrap unit: a flat parameter vector sharded over `comm`.
+pub struct Unit {
+    pub name: String,
+    pub layout: FlatLayout,
+    comm: Arc<dyn Communicator>,
+    /// The root unit is not freed after its forward.
+    keep_gathered: bool,
+    /// A one-element variable the embedding op hangs off, so that Candle's backward reaches
+    /// the unit ops even though no parameter is a `Var`.
+    anchor: Var,
+    state: Mutex<UnitState>,
+}
+
+fn failed(e: Error) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+impl Unit {
+    fn lock(&self) -> MutexGuard<'_, UnitState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn gathered(&self, st: &mut UnitState) -> Result<Tensor> {
+        if st.full.is_none() {
+            st.full = Some(self.comm.all_gather(&st.shard, 0)?);
+        }
+        Ok(st.full.clone().expect("gathered above"))
+    }
+
+    /// The full value of entry `i` (gathering the unit if it is not).
+    fn weight(&self, i: usize) -> Result<Tensor> {
+        let mut st = self.lock();
+        let full = self.gathered(&mut st)?;
+        let (_, shape, offset) = &self.layout.entries()[i];
+        Ok(full
+            .narrow(0, *offset, shape.elem_count())?
+            .reshape(shape)?)
+    }
+
+    /// Starts this unit's forward: its parameters are gathered until `UnitScope` drops.
+    pub fn enter(&self) -> Result<UnitScope<'_>> {
+        let mut st = self.lock();
+        self.gathered(&mut st)?;
+        Ok(UnitScope(self))
+    }
+
+    /// Clears what a previous forward left (an evaluation forward has no backward).
+    fn reset(&self) {
+        let mut st = self.lock();
+        st.full = None;
+        st.pending = 0;
+        st.grads.iter_mut().for_each(|g| *g = None);
+    }
+
+    /// Adds gradients of one op's entries; after the unit's last op, reduce-scatters.
+    fn deposit(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
+        let mut st = self.lock();
+        for (i, g) in grads {
+            st.grads[i] = Some(match st.grads[i].take() {
+                Some(prev) => (prev + g)?,
+                None => g,
+            });
+        }
+        st.pending = st.pending.saturating_sub(1);
+        if st.pending == 0 {
+            self.finish(&mut st)?;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters the unit's full gradients into the slice this rank keeps.
+    fn finish(&self, st: &mut UnitState) -> Result<()> {
+        let mut by_name = BTreeMap::new();
+        for (i, (name, shape, _)) in self.layout.entries().iter().enumerate() {
+            let g = match st.grads[i].take() {
+                Some(g) => g,
+                None => Tensor::zeros(shape, DType::F32, st.shard.device())?,
+            };
+            by_name.insert(name.clone(), g);
+        }
+        st.full = None;
+        let flat = self.layout.flatten(&by_name)?;
+        drop(by_name);
+        let mine = self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?;
+        st.grad_shard = Some(match st.grad_shard.take() {
+            Some(prev) => (prev + mine)?,
+            None => mine,
+        });
+        Ok(())
+    }
+
+    fn shard_elems(&self) -> usize {
+        self.layout.padded() / self.comm.size()
+    }
+}
+
+/// Frees the unit's gathered parameters when its forward ends (not for the root).
+pub struct UnitScope<'a>(&'a Unit);
+
+impl Drop for UnitScope<'_> {
+    fn drop(&mut self) {
+        if !self.0.keep_gathered {
+            self.0.lock().full = None;
+        }
+    }
+}
+
+/// A parameter's place in a unit.
+#[derive(Clone)]
+pub struct ShardedWeight {
+    unit: Arc<Unit>,
+    entry: usize,
+}
+
+impl ShardedWeight {
+    pub fn dims(&self) -> &[usize] {
+        self.unit.layout.entries()[self.entry].1.dims()
+    }
+}
+
+enum OpKind {
+    Linear { weight: usize, bias: Option<usize> },
+    Scale { weight: usize },
+    Embedding { weight: usize, ids: Tensor },
+}
+
+/// A layer computation on a unit's parameters whose backward fetches them again.
+struct UnitOp {
+    unit: Arc<Unit>,
+    kind: OpKind,
+    /// The forward result, computed outside the op from detached inputs (taken by `cpu_fwd`).
+    out: Mutex<Option<Tensor>>,
+}
+
+/// Copies a tensor into a fresh CPU storage (the op's result).
+fn cpu_storage(t: &Tensor) -> candle_core::Result<CpuStorage> {
+    let flat = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => CpuStorage::F32(flat.to_vec1()?),
+        DType::F64 => CpuStorage::F64(flat.to_vec1()?),
+        DType::BF16 => CpuStorage::BF16(flat.to_vec1()?),
+        DType::F16 => CpuStorage::F16(flat.to_vec1()?),
+        other => candle_core::bail!("sharded parameters in {other:?} are not supported"),
+    })
+}
+
+impl CustomOp1 for UnitOp {
+    fn name(&self) -> &'static str {
+        "fsdp-unit-op"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = self
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| candle_core::Error::msg("fsdp op evaluated twice"))?;
+        Ok((cpu_storage(&y)?, y.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let unit = &self.unit;
+        let fetch = |i: usize| unit.weight(i).map_err(failed);
+        let (dx, grads) = match &self.kind {
+            OpKind::Linear { weight, bias } => {
+                let w = fetch(*weight)?;
+                let (out, inner) = w.dims2()?;
+                let rows = arg.elem_count() / inner;
+                let g2 = grad.reshape((rows, out))?;
+                let dx = g2.matmul(&w)?.reshape(arg.shape())?;
+                let dw = g2.t()?.matmul(&arg.reshape((rows, inner))?)?;
+                let mut grads = vec![(*weight, dw)];
+                if let Some(b) = bias {
+                    grads.push((*b, g2.sum(0)?));
+                }
+                (dx, grads)
+            }
+            OpKind::Scale { weight } => {
+                let w = fetch(*weight)?;
+                let h = w.elem_count();
+                let dx = grad.broadcast_mul(&w)?;
+                let dw = (grad * arg)?.reshape(((), h))?.sum(0)?;
+                (dx, vec![(*weight, dw)])
+            }
+            OpKind::Embedding { weight, ids } => {
+                let shape = unit.layout.entries()[*weight].1.clone();
+                let h = shape.dims()[1];
+                let g2 = grad.reshape(((), h))?;
+                let dw = Tensor::zeros(&shape, g2.dtype(), g2.device())?.index_add(ids, &g2, 0)?;
+                (arg.zeros_like()?, vec![(*weight, dw)])
+            }
+        };
+        unit.deposit(grads).map_err(failed)?;
+        Ok(Some(dx))
+    }
+}
+
+fn apply(arg: &Tensor, unit: &Arc<Unit>, kind: OpKind, y: Tensor) -> candle_core::Result<Tensor> {
+    unit.lock().pending += 1;
+    arg.apply_op1(UnitOp {
+        unit: unit.clone(),
+        kind,
+        out: Mutex::new(Some(y)),
+    })
+}
+
+fn same_unit(w: &ShardedWeight, b: &ShardedWeight) -> candle_core::Result<()> {
+    if !Arc::ptr_eq(&w.unit, &b.unit) {
+        candle_core::bail!("a layer's weight and bias must be in the same wrap unit");
+    }
+    Ok(())
+}
+
+/// `x W^T + b` on a unit's parameters.
+pub fn linear(
+    x: &Tensor,
+    w: &ShardedWeight,
+    b: Option<&ShardedWeight>,
+) -> candle_core::Result<Tensor> {
+    let weight = w.unit.weight(w.entry).map_err(failed)?;
+    let bias = match b {
+        Some(b) => {
+            same_unit(w, b)?;
+            Some(b.unit.weight(b.entry).map_err(failed)?)
+        }
+        None => None,
+    };
+    let y = crate::nn::linear::local_linear(&x.detach(), &weight, bias.as_ref())?;
+    let kind = OpKind::Linear {
+        weight: w.entry,
+        bias: b.map(|b| b.entry),
+    };
+    apply(x, &w.unit, kind, y)
+}
+
+/// `x * w` broadcast over the last dimension (a norm's weight).
+pub fn scale(x: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
+    let weight = w.unit.weight(w.entry).map_err(failed)?;
+    let y = x.detach().broadcast_mul(&weight)?;
+    apply(x, &w.unit, OpKind::Scale { weight: w.entry }, y)
+}
+
+/// Rows `ids` (u32, flat) of an embedding table: [n, hidden].
+pub fn embedding(ids: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
+    let table = w.unit.weight(w.entry).map_err(failed)?;
+    let y = table.index_select(ids, 0)?;
+    let kind = OpKind::Embedding {
+        weight: w.entry,
+        ids: ids.clone(),
+    };
+    apply(w.unit.anchor.as_tensor(), &w.unit, kind, y)
+}
+
+/// The layer index of an HF decoder parameter name (`model.layers.{l}.…`).
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A model's parameters as sharded wrap units.
+pub struct ShardedModel {
+    /// The root unit first, then the layer units in forward order.
+    pub units: Vec<Arc<Unit>>,
+    weights: BTreeMap<String, ShardedWeight>,
+    /// Per decoder layer: its unit and whether it is that unit's last layer.
+    layers: Vec<Option<(Arc<Unit>, bool)>>,
+    /// Parameter count (without padding).
+    num_elements: usize,
+}
+
+impl ShardedModel {
+    /// Shards `params` (the same full values on every rank) over `comm`; this rank keeps its
+    /// slice of every unit and the full tensors can be dropped afterwards.
+    pub fn new(
+        params: &Params,
+        num_layers: usize,
+        policy: WrapPolicy,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        // Which unit each layer joins (unit 0 is the root).
+        let mut layer_unit = vec![0usize; num_layers];
+        let mut next = 1;
+        let mut size = 0usize;
+        for (l, unit) in layer_unit.iter_mut().enumerate() {
+            match policy {
+                WrapPolicy::Whole => {}
+                WrapPolicy::PerLayer => {
+                    *unit = next;
+                    next += 1;
+                }
+                WrapPolicy::MinParams(min) => {
+                    *unit = next;
+                    size += params
+                        .iter()
+                        .filter(|(n, _)| layer_of(n) == Some(l))
+                        .map(|(_, v)| v.elem_count())
+                        .sum::<usize>();
+                    if size >= min {
+                        next += 1;
+                        size = 0;
+                    }
+                }
+            }
+        }
+        let count = layer_unit.iter().copied().max().unwrap_or(0) + 1;
+        let mut members: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); count];
+        for (name, var) in params.iter() {
+            let u = layer_of(name).map(|l| layer_unit[l]).unwrap_or(0);
+            members[u].push((name.clone(), var.as_tensor().clone()));
+        }
+        let (rank, world) = (comm.rank(), comm.size());
+        let mut units = Vec::with_capacity(count);
+        let mut weights = BTreeMap::new();
+        for (u, tensors) in members.into_iter().enumerate() {
+            if tensors.is_empty() {
+                continue;
+            }
+            let layout = FlatLayout::from_shapes(
+                tensors.iter().map(|(n, t)| (n.clone(), t.shape().clone())),
+                world,
+            );
+            let dtype = tensors[0].1.dtype();
+            let device = tensors[0].1.device().clone();
+            let map: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+            let range = layout.shard(rank, world);
+            let shard = layout
+                .flatten(&map)?
+                .narrow(0, range.start, range.len())?
+                .to_dtype(dtype)?
+                .copy()?;
+            let entries = layout.entries().len();
+            let unit = Arc::new(Unit {
+                name: if u == 0 {
+                    "root".into()
+                } else {
+                    format!("unit{u}")
+                },
+                layout,
+                comm: comm.clone(),
+                keep_gathered: u == 0,
+                anchor: Var::zeros(1, dtype, &device)?,
+                state: Mutex::new(UnitState {
+                    shard,
+                    full: None,
+                    pending: 0,
+                    grads: vec![None; entries],
+                    grad_shard: None,
+                }),
+            });
+            for (i, (name, _, _)) in unit.layout.entries().iter().enumerate() {
+                weights.insert(
+                    name.clone(),
+                    ShardedWeight {
+                        unit: unit.clone(),
+                        entry: i,
+                    },
+                );
+            }
+            units.push(unit);
+        }
+        let find = |u: usize| units.iter().find(|x| x.name == format!("unit{u}")).cloned();
+        let layers = (0..num_layers)
+            .map(|l| {
+                let u = layer_unit[l];
+                let last = l + 1 == num_layers || layer_unit[l + 1] != u;
+                (u != 0).then(|| find(u).map(|unit| (unit, last))).flatten()
+            })
+            .collect();
+        Ok(ShardedModel {
+            units,
+            weights,
+            layers,
+            num_elements: params.num_elements(),
+        })
+    }
+
+    /// The layer-facing handle of parameter `name`.
+    pub fn weight(&self, name: &str) -> Option<Weight> {
+        self.weights.get(name).cloned().map(Weight::Sharded)
+    }
+
+    pub fn root(&self) -> &Arc<Unit> {
+        &self.units[0]
+    }
+
+    pub fn num_elements(&self) -> usize {
+        self.num_elements
+    }
+
+    /// Starts a forward pass: clears what an earlier forward left and gathers the root unit.
+    pub fn begin_forward(&self) -> Result<UnitScope<'_>> {
+        self.units.iter().for_each(|u| u.reset());
+        self.root().enter()
+    }
+
+    /// Enters layer `l`'s unit; the returned scope frees it if `l` is the unit's last layer.
+    pub fn enter_layer(&self, l: usize) -> Result<Option<UnitScope<'_>>> {
+        match &self.layers[l] {
+            Some((unit, true)) => Ok(Some(unit.enter()?)),
+            Some((unit, false)) => {
+                let mut st = unit.lock();
+                unit.gathered(&mut st)?;
+                Ok(None)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// After a backward: reduces any unit whose ops did not all receive a gradient (a
+    /// parameter off the loss path), last unit first, so every rank issues the same collectives.
+    pub fn finish_backward(&self) -> Result<()> {
+        for unit in self.units.iter().rev() {
+            let mut st = unit.lock();
+            if st.pending > 0 {
+                st.pending = 0;
+                unit.finish(&mut st)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every parameter's full value (collective: every rank calls it; one unit at a time).
+    pub fn gather_full(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for unit in &self.units {
+            let shard = unit.lock().shard.clone();
+            out.extend(unit.layout.unflatten(&unit.comm.all_gather(&shard, 0)?)?);
+        }
+        Ok(out)
+    }
+
+    /// Bytes of the parameter slices this rank holds.
+    pub fn shard_bytes(&self) -> usize {
+        self.units
+            .iter()
+            .map(|u| u.shard_elems() * u.lock().shard.dtype().size_in_bytes())
+            .sum()
+    }
+}
+
+/// AdamW over this rank's slices of every unit. With `replicate` (HSDP), gradient slices are
+/// also summed across the replicas, which hold the same slices of the model.
+pub struct FsdpOptimizer {
+    model: Arc<ShardedModel>,
+    replicate: Option<Arc<dyn Communicator>>,
+    inner: AdamW,
+}
+
+impl FsdpOptimizer {
+    pub fn new(
+        model: Arc<ShardedModel>,
+        config: AdamWConfig,
+        replicate: Option<Arc<dyn Communicator>>,
+    ) -> Result<Self> {
+        let mut states = BTreeMap::new();
+        for unit in &model.units {
+            let range = unit.layout.shard(unit.comm.rank(), unit.comm.size());
+            // fp32 parameters are their own master copy (the same storage).
+            let master = unit.lock().shard.to_dtype(DType::F32)?;
+            let state = unit.layout.shard_state(master, range)?;
+            states.insert(unit.name.clone(), state);
+        }
+        Ok(FsdpOptimizer {
+            model,
+            replicate: replicate.filter(|c| c.size() > 1),
+            inner: AdamW {
+                config,
+                step: 0,
+                states,
+            },
+        })
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.inner.step
+    }
+
+    /// One update from the gradient slices the backward passes left in the units: (HSDP:
+    /// sum across replicas), clip by the global norm, update, and write the new slices back.
+    /// Returns the gradient norm before clipping.
+    pub fn step(&mut self, max_grad_norm: f64, lr: f64) -> Result<f64> {
+        let mut grads = BTreeMap::new();
+        let mut local_sq = 0f64;
+        for unit in &self.model.units {
+            let g = match unit.lock().grad_shard.take() {
+                Some(g) => g,
+                None => Tensor::zeros(unit.shard_elems(), DType::F32, unit.anchor.device())?,
+            };
+            let g = match &self.replicate {
+                Some(r) => r.all_reduce(&g, ReduceOp::Sum)?,
+                None => g,
+            };
+            local_sq += g
+                .sqr()?
+                .sum_all()?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+            grads.insert(unit.name.clone(), g);
+        }
+        let shard_comm = &self.model.root().comm;
+        let sq = Tensor::new(&[local_sq], &candle_core::Device::Cpu)?;
+        let norm = shard_comm
+            .all_reduce(&sq, ReduceOp::Sum)?
+            .to_vec1::<f64>()?[0]
+            .sqrt();
+        let coef = max_grad_norm / (norm + 1e-6);
+        if max_grad_norm > 0.0 && coef < 1.0 {
+            for g in grads.values_mut() {
+                *g = (&*g * coef)?;
+            }
+        }
+        self.inner.update(&grads, lr)?;
+        for unit in &self.model.units {
+            let master = &self.inner.states[&unit.name].master;
+            let mut st = unit.lock();
+            st.shard = master.to_dtype(st.shard.dtype())?;
+        }
+        Ok(norm)
+    }
+
+    /// The whole optimizer state per parameter (collective), as plain DDP keeps it.
+    pub fn gather_full_state(&self) -> Result<AdamW> {
+        let mut states = BTreeMap::new();
+        for unit in &self.model.units {
+            let s = &self.inner.states[&unit.name];
+            states.extend(unit.layout.gather_states(unit.comm.as_ref(), s)?);
+        }
+        Ok(AdamW {
+            config: self.inner.config,
+            step: self.inner.step,
+            states,
+        })
+    }
+
+    /// Takes this rank's slices of a full per-parameter state (from any world size) and
+    /// sets the parameters to its master weights.
+    pub fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
+        for unit in &self.model.units {
+            let range = unit.layout.shard(unit.comm.rank(), unit.comm.size());
+            let st = self.inner.states.get_mut(&unit.name).expect("unit state");
+            unit.layout.take_slice(full, range, st)?;
+            let mut us = unit.lock();
+            us.shard = st.master.to_dtype(us.shard.dtype())?;
+        }
+        self.inner.step = full.step;
+        Ok(())
+    }
+
+    /// Bytes of optimizer state this rank holds beyond the parameters: the two moments, plus
+    /// the master copy when the parameters are not fp32 (in fp32 they are the master).
+    pub fn state_bytes(&self) -> usize {
+        self.model
+            .units
+            .iter()
+            .map(|u| {
+                let n = u.shard_elems();
+                let master = if u.lock().shard.dtype() == DType::F32 {
+                    0
+                } else {
+                    4 * n
+                };
+                8 * n + master
+            })
+            .sum()
+    }
+
+    /// Bytes of the gradient slices kept between backward and step.
+    pub fn grad_bytes(&self) -> usize {
+        self.model.units.iter().map(|u| 4 * u.shard_elems()).sum()
+    }
+}
