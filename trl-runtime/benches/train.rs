@@ -1,7 +1,8 @@
 //! `cargo bench -p trl-runtime --bench train`: DDP training throughput of the reference shape
 //! (Qwen2 hidden 256, intermediate 768, 4 layers, 8/4 heads, vocab 4096, seq 512, batch 4 per
 //! process, fp32, 1 compute thread per process) on 1 and 2 processes of the host backend, the
-//! scaling ratio between them, and the time from launching a process to its first finished
+//! scaling ratio between them, ZeRO-3 (per-layer units) on 2 processes against DDP on 2 in the
+//! same run, and the time from launching a process to its first finished
 //! step with the bundled tiny model. One JSON object per line on stdout; prose on stderr.
 
 use std::path::Path;
@@ -11,7 +12,8 @@ mod support;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::DistContext;
-use trl_runtime::train::{SFTConfig, Trainer};
+use trl_runtime::parallel::WrapPolicy;
+use trl_runtime::train::{SFTConfig, Strategy, Trainer};
 
 const SEQ: usize = 512;
 const BATCH: usize = 4;
@@ -28,7 +30,14 @@ fn prepare(dir: &Path) {
 }
 
 fn worker(kind: &str, dir: &Path) {
-    let ctx = DistContext::init(&ParallelismConfig::default(), DistributedType::MultiCpu).unwrap();
+    let zero3 = kind == "ref-zero3";
+    // ZeRO-3 shards over dp_shard, which the DeepSpeed type fills from the world size.
+    let dist = if zero3 {
+        DistributedType::DeepSpeed
+    } else {
+        DistributedType::MultiCpu
+    };
+    let ctx = DistContext::init(&ParallelismConfig::default(), dist).unwrap();
     trl_runtime::train::logging::init(ctx.rank());
     let config = if kind == "tiny" {
         SFTConfig {
@@ -53,7 +62,12 @@ fn worker(kind: &str, dir: &Path) {
         max_steps: 1000,
         ..config
     };
-    let mut trainer = Trainer::new(config, &ctx).unwrap();
+    let strategy = if zero3 {
+        Strategy::Fsdp(WrapPolicy::PerLayer)
+    } else {
+        Strategy::Ddp
+    };
+    let mut trainer = Trainer::with_strategy(config, &ctx, strategy).unwrap();
     let first = trainer.train_step().unwrap();
     if ctx.is_main_process() {
         println!("first_step_done");
@@ -110,6 +124,13 @@ fn main() {
         println!("{{\"bench\":\"train\",\"strategy\":\"ddp\",\"world\":{world},\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4}}}");
         per_world.push(tokens_per_s);
     }
+    let (_, measured) = launch("ref-zero3", 2, tmp.path());
+    let (step_s, tokens_per_s) = measured.expect("worker reported no measurement");
+    println!("{{\"bench\":\"train\",\"strategy\":\"zero3\",\"world\":2,\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4}}}");
+    println!(
+        "{{\"bench\":\"train\",\"strategy\":\"zero3\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_zero3_over_ddp\":{:.3}}}",
+        tokens_per_s / per_world[1]
+    );
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"ddp\",\"what\":\"scaling\",\"world\":2,\"tokens_per_s_ratio_2_over_1\":{:.3}}}",
         per_world[1] / per_world[0]

@@ -7,7 +7,7 @@ use trl_runtime::comm::InProcessWorld;
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
 use trl_runtime::parallel::{WrapPolicy, ZeroStage};
-use trl_runtime::train::{SFTConfig, Strategy, Trainer};
+use trl_runtime::train::{CheckpointFormat, SFTConfig, Strategy, Trainer};
 
 fn assets() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny")
@@ -59,6 +59,22 @@ fn run_mesh(
     cfg: SFTConfig,
     strategy: Strategy,
 ) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
+    run_saving(
+        dp_replicate,
+        dp_shard,
+        cfg,
+        strategy,
+        CheckpointFormat::Full,
+    )
+}
+
+fn run_saving(
+    dp_replicate: usize,
+    dp_shard: usize,
+    cfg: SFTConfig,
+    strategy: Strategy,
+    format: CheckpointFormat,
+) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
     let world = dp_replicate * dp_shard;
     let w = InProcessWorld::new(world);
     let dims = ParallelDims {
@@ -77,6 +93,7 @@ fn run_mesh(
                         DistContext::in_process(w, rank, DeviceMesh::new(dims, world).unwrap())
                             .unwrap();
                     let mut trainer = Trainer::with_strategy(cfg, &ctx, strategy).unwrap();
+                    trainer.checkpoint_format = format;
                     let outcome = trainer.train().unwrap();
                     let weights: Vec<(String, Vec<f32>)> = trainer
                         .gather_weights()
@@ -305,6 +322,83 @@ fn zero_checkpoint_resumes_on_another_world_size_and_strategy() {
         &candle_core::Device::Cpu,
     )
     .unwrap();
+}
+
+#[test]
+fn sharded_checkpoints_reshard_across_world_sizes_and_strategies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("z3");
+    let zero3 = Strategy::Fsdp(WrapPolicy::PerLayer);
+    // 4 ranks of ZeRO-3 write checkpoint-3 as SHARDED_STATE_DICT (one file per rank) ...
+    let full = run_saving(
+        1,
+        4,
+        config(&dir, 1, 1, 6),
+        zero3,
+        CheckpointFormat::Sharded,
+    );
+    let ckpt = dir.join("checkpoint-3");
+    assert!(ckpt
+        .join("sharded/shard-00003-of-00004.safetensors")
+        .exists());
+    assert!(!ckpt.join("model.safetensors").exists(), "nothing gathered");
+    // ... which 2 ranks of ZeRO-3 (resharding 4 -> 2), 2 of ZeRO-2 with a different layout,
+    // and 1 rank of DDP (reassembling everything) continue exactly.
+    for (world, batch, strategy) in [
+        (2, 2, zero3),
+        (2, 2, Strategy::Zero(ZeroStage::Two)),
+        (1, 4, Strategy::Ddp),
+    ] {
+        let mut cfg = config(&dir, batch, 1, 6);
+        cfg.resume_from_checkpoint = Some(ckpt.display().to_string());
+        cfg.output_dir = tmp.path().join(format!("resumed-{world}-{strategy:?}"));
+        let resumed = run_with(world, cfg, strategy);
+        assert_close(
+            &resumed,
+            &(full.0[3..].to_vec(), full.1.clone()),
+            &format!("sharded resume on {world} rank(s) of {strategy:?}"),
+        );
+    }
+    // The final checkpoint is full: a plain HF model for the loader.
+    trl_runtime::models::CausalLm::from_pretrained(
+        dir.join("checkpoint-6"),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    // A missing rank file is named, with what it means.
+    std::fs::remove_file(ckpt.join("sharded/shard-00001-of-00004.safetensors")).unwrap();
+    let mut cfg = config(&dir, 4, 1, 6);
+    cfg.resume_from_checkpoint = Some(ckpt.display().to_string());
+    let w = InProcessWorld::new(1);
+    let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(ParallelDims::single(), 1).unwrap())
+        .unwrap();
+    let err = match Trainer::with_strategy(cfg, &ctx, Strategy::Ddp) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("resumed from an incomplete checkpoint"),
+    };
+    assert!(
+        err.contains("shard-00001-of-00004.safetensors") && err.contains("written by 4 ranks"),
+        "{err}"
+    );
+}
+
+#[test]
+fn zero3_full_checkpoint_resumes_on_more_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("z3full");
+    let zero3 = Strategy::Fsdp(WrapPolicy::PerLayer);
+    let full = run_with(2, config(&dir, 2, 1, 6), zero3);
+    assert!(dir.join("checkpoint-3/model.safetensors").exists());
+    let mut cfg = config(&dir, 1, 1, 6);
+    cfg.resume_from_checkpoint = Some(dir.join("checkpoint-3").display().to_string());
+    cfg.output_dir = tmp.path().join("resumed");
+    let resumed = run_with(4, cfg, zero3);
+    assert_close(
+        &resumed,
+        &(full.0[3..].to_vec(), full.1.clone()),
+        "zero3 full checkpoint from 2 ranks resumed on 4",
+    );
 }
 
 #[test]

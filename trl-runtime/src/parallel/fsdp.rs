@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::models::Params;
 use crate::nn::Weight;
 use crate::train::optim::{AdamW, AdamWConfig};
+use crate::train::sharded_state::{Piece, ShardedReader};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -603,6 +604,30 @@ impl FsdpOptimizer {
             us.shard = st.master.to_dtype(us.shard.dtype())?;
         }
         self.inner.step = full.step;
+        Ok(())
+    }
+
+    /// This rank's slices of every unit as per-parameter pieces (SHARDED_STATE_DICT).
+    pub fn pieces(&self) -> Result<Vec<Piece>> {
+        let mut out = Vec::new();
+        for unit in &self.model.units {
+            let range = unit.layout.shard(unit.comm.rank(), unit.comm.size());
+            out.extend(unit.layout.pieces(range, &self.inner.states[&unit.name])?);
+        }
+        Ok(out)
+    }
+
+    /// Reads this rank's slices from a sharded checkpoint (any world size, wrap policy or
+    /// strategy wrote it): only the ranges this rank owns are read.
+    pub fn load_sharded(&mut self, reader: &ShardedReader) -> Result<()> {
+        for unit in &self.model.units {
+            let range = unit.layout.shard(unit.comm.rank(), unit.comm.size());
+            let st = self.inner.states.get_mut(&unit.name).expect("unit state");
+            unit.layout.read_slice(reader, range, st)?;
+            let mut us = unit.lock();
+            us.shard = st.master.to_dtype(us.shard.dtype())?;
+        }
+        self.inner.step = reader.optimizer_step;
         Ok(())
     }
 

@@ -12,6 +12,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
 use crate::train::optim::{decays, AdamW, AdamWConfig, ParamState};
+use crate::train::sharded_state::{self, Piece, ShardedReader};
 use candle_core::{DType, Shape, Tensor};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -183,6 +184,35 @@ impl FlatLayout {
             .collect())
     }
 
+    /// (name, elements, flat offset) of every parameter, for sharded checkpoints.
+    fn piece_entries(&self) -> Vec<(String, usize, usize)> {
+        self.entries
+            .iter()
+            .map(|(n, s, o)| (n.clone(), s.elem_count(), *o))
+            .collect()
+    }
+
+    /// This rank's slice `range` as per-parameter pieces (SHARDED_STATE_DICT).
+    pub(crate) fn pieces(&self, range: Range<usize>, state: &ParamState) -> Result<Vec<Piece>> {
+        sharded_state::flat_pieces(&self.piece_entries(), range, state)
+    }
+
+    /// Replaces `into`'s master and moments with the slice `range` read from a sharded
+    /// checkpoint written by any world size and strategy.
+    pub(crate) fn read_slice(
+        &self,
+        reader: &ShardedReader,
+        range: Range<usize>,
+        into: &mut ParamState,
+    ) -> Result<()> {
+        let entries = self.piece_entries();
+        let read = |kind| sharded_state::read_flat_slice(reader, &entries, range.clone(), kind);
+        into.master = read(0)?.to_device(into.master.device())?;
+        into.exp_avg = read(1)?.to_device(into.master.device())?;
+        into.exp_avg_sq = read(2)?.to_device(into.master.device())?;
+        Ok(())
+    }
+
     /// Replaces `into`'s master and moments with the slice `range` of a full per-parameter
     /// state (saved by any world size and strategy).
     pub(crate) fn take_slice(
@@ -333,6 +363,27 @@ impl ZeroOptimizer {
         let st = self.inner.states.get_mut(SHARD).expect("shard state");
         self.layout.take_slice(full, self.range.clone(), st)?;
         self.inner.step = full.step;
+        Ok(())
+    }
+
+    /// This rank's slice of the parameters' state as pieces (SHARDED_STATE_DICT).
+    pub fn pieces(&self) -> Result<Vec<Piece>> {
+        self.layout
+            .pieces(self.range.clone(), &self.inner.states[SHARD])
+    }
+
+    /// Takes this rank's slice from a sharded checkpoint and sets the parameters to it
+    /// (collective: the slices are all-gathered).
+    pub fn load_sharded(&mut self, reader: &ShardedReader, params: &Params) -> Result<()> {
+        let st = self.inner.states.get_mut(SHARD).expect("shard state");
+        self.layout.read_slice(reader, self.range.clone(), st)?;
+        self.inner.step = reader.optimizer_step;
+        let full = self.comm.all_gather(&st.master, 0)?;
+        for (name, t) in self.layout.unflatten(&full)? {
+            if let Some(var) = params.get(&name) {
+                var.set(&t.to_dtype(var.dtype())?)?;
+            }
+        }
         Ok(())
     }
 

@@ -85,7 +85,7 @@ pub fn resolve(output_dir: &Path, spec: &str) -> Result<PathBuf> {
 }
 
 /// Writes checkpoint `state.global_step` under `output_dir` atomically and prunes old ones
-/// beyond `keep` (the newest are kept). Returns the checkpoint's path.
+/// beyond `keep` (the newest are kept). Returns the checkpoint's path. One writer (rank 0).
 pub fn save(
     output_dir: &Path,
     params: &Params,
@@ -95,19 +95,48 @@ pub fn save(
     state: &TrainerState,
     keep: Option<usize>,
 ) -> Result<PathBuf> {
-    let final_dir = output_dir.join(format!("checkpoint-{}", state.global_step));
-    let tmp = output_dir.join(format!(
-        ".checkpoint-{}.tmp-{}",
-        state.global_step,
-        std::process::id()
-    ));
-    let io = |what: String, e: std::io::Error| Error::io(what, e);
+    let tmp = begin(output_dir, state.global_step)?;
+    write_model_files(&tmp, Some(params), model_config, tokenizer_dir)?;
+    write_optimizer(&tmp, optimizer)?;
+    finish(output_dir, &tmp, state, keep)
+}
+
+/// The hidden directory checkpoint `step` is written into before it is renamed into place.
+/// The name is the same on every rank, so that several ranks can write into it.
+pub fn staging_dir(output_dir: &Path, step: usize) -> PathBuf {
+    output_dir.join(format!(".checkpoint-{step}.tmp"))
+}
+
+fn io(what: String, e: std::io::Error) -> Error {
+    Error::io(what, e)
+}
+
+/// Creates (empty) the staging directory of checkpoint `step`; one rank calls it.
+pub fn begin(output_dir: &Path, step: usize) -> Result<PathBuf> {
+    let tmp = staging_dir(output_dir, step);
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)
             .map_err(|e| io(format!("cannot clear {}", tmp.display()), e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| io(format!("cannot create {}", tmp.display()), e))?;
-    params.save(&tmp, model_config, None)?;
+    Ok(tmp)
+}
+
+/// config.json, the tokenizer files and, when given, the weights in HF layout.
+pub fn write_model_files(
+    tmp: &Path,
+    params: Option<&Params>,
+    model_config: &ModelConfig,
+    tokenizer_dir: &Path,
+) -> Result<()> {
+    match params {
+        Some(p) => p.save(tmp, model_config, None)?,
+        None => std::fs::write(
+            tmp.join(crate::models::params::CONFIG_FILE),
+            model_config.to_json_pretty(),
+        )
+        .map_err(|e| io("cannot write config.json".into(), e))?,
+    }
     for f in TOKENIZER_FILES {
         let src = tokenizer_dir.join(f);
         if src.exists() {
@@ -115,6 +144,11 @@ pub fn save(
                 .map_err(|e| io(format!("cannot copy {}", src.display()), e))?;
         }
     }
+    Ok(())
+}
+
+/// optimizer.safetensors: master weights and moments by parameter name, and the step count.
+pub fn write_optimizer(tmp: &Path, optimizer: &AdamW) -> Result<()> {
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     for (name, s) in &optimizer.states {
         tensors.push((format!("{name}::master"), s.master.clone()));
@@ -129,8 +163,19 @@ pub fn save(
             format!("cannot write {OPTIMIZER_FILE}"),
             std::io::Error::other(e.to_string()),
         )
-    })?;
-    // The state file goes last: its presence marks the checkpoint complete.
+    })
+}
+
+/// Writes the trainer state (its presence marks the checkpoint complete), renames the staging
+/// directory into place and prunes old checkpoints beyond `keep`. One rank calls it, after
+/// every rank has written its part.
+pub fn finish(
+    output_dir: &Path,
+    tmp: &Path,
+    state: &TrainerState,
+    keep: Option<usize>,
+) -> Result<PathBuf> {
+    let final_dir = output_dir.join(format!("checkpoint-{}", state.global_step));
     let json = serde_json::to_string_pretty(state).expect("state serialises");
     std::fs::write(tmp.join(STATE_FILE), json)
         .map_err(|e| io(format!("cannot write {STATE_FILE}"), e))?;
@@ -138,7 +183,7 @@ pub fn save(
         std::fs::remove_dir_all(&final_dir)
             .map_err(|e| io(format!("cannot replace {}", final_dir.display()), e))?;
     }
-    std::fs::rename(&tmp, &final_dir)
+    std::fs::rename(tmp, &final_dir)
         .map_err(|e| io(format!("cannot move {} into place", final_dir.display()), e))?;
     if let Some(keep) = keep {
         let all = list(output_dir);
@@ -149,17 +194,22 @@ pub fn save(
     Ok(final_dir)
 }
 
-/// Loads a checkpoint's optimizer state into `optimizer` (same parameter names) and returns
-/// the trainer state. The model weights are loaded separately (`CausalLm::from_pretrained`).
-pub fn load_training_state(dir: &Path, optimizer: &mut AdamW) -> Result<TrainerState> {
+/// The trainer state of a checkpoint (where training stands).
+pub fn read_trainer_state(dir: &Path) -> Result<TrainerState> {
     let state_path = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&state_path)
         .map_err(|e| Error::io(format!("cannot read {}", state_path.display()), e))?;
-    let state: TrainerState = serde_json::from_str(&text).map_err(|e| Error::Config {
+    serde_json::from_str(&text).map_err(|e| Error::Config {
         file: state_path.display().to_string(),
         key: "<document>".into(),
         message: format!("not a trainer state: {e}"),
-    })?;
+    })
+}
+
+/// Loads a checkpoint's optimizer state into `optimizer` (same parameter names) and returns
+/// the trainer state. The model weights are loaded separately (`CausalLm::from_pretrained`).
+pub fn load_training_state(dir: &Path, optimizer: &mut AdamW) -> Result<TrainerState> {
+    let state = read_trainer_state(dir)?;
     let opt_path = dir.join(OPTIMIZER_FILE);
     let bad = |key: &str, message: String| Error::Config {
         file: opt_path.display().to_string(),

@@ -6,11 +6,13 @@ pub mod logging;
 pub mod optim;
 mod plot;
 pub mod schedule;
+pub mod sharded_state;
 pub mod trainer;
 
 pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use optim::{clip_grad_norm, AdamW, AdamWConfig, ParamState};
 pub use schedule::{LrSchedule, SchedulerKind};
 pub use trainer::{
-    peak_rss_bytes, EvalResult, MemoryReport, Optimizer, StepStats, Strategy, TrainOutcome, Trainer,
+    peak_rss_bytes, reset_peak_rss, CheckpointFormat, EvalResult, MemoryReport, Optimizer,
+    StepStats, Strategy, TrainOutcome, Trainer,
 };

@@ -11,6 +11,7 @@ use super::checkpoint::{self, TrainerState};
 use super::config::SFTConfig;
 use super::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use super::schedule::{LrSchedule, SchedulerKind};
+use super::sharded_state::{self, ShardedReader};
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::{
@@ -119,6 +120,31 @@ fn note_offload() {
     }
 }
 
+/// FSDP's state_dict_type: FULL_STATE_DICT gathers everything and rank 0 writes HF
+/// safetensors; SHARDED_STATE_DICT has every rank write its own slices in parallel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointFormat {
+    Full,
+    Sharded,
+}
+
+impl CheckpointFormat {
+    /// FSDP_STATE_DICT_TYPE as the launcher sets it; DeepSpeed ZeRO-3 saves sharded, as
+    /// DeepSpeed does.
+    pub fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).unwrap_or_default();
+        let fsdp_sharded = var("ACCELERATE_USE_FSDP") == "true"
+            && var("FSDP_STATE_DICT_TYPE") == "ShardedStateDict";
+        let zero3 = var("ACCELERATE_USE_DEEPSPEED") == "true"
+            && var("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3";
+        if fsdp_sharded || zero3 {
+            CheckpointFormat::Sharded
+        } else {
+            CheckpointFormat::Full
+        }
+    }
+}
+
 /// Bytes of model state one rank holds (parameters, gradients after reduction, optimizer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryReport {
@@ -131,6 +157,12 @@ impl MemoryReport {
     pub fn total(&self) -> usize {
         self.parameters + self.gradients + self.optimizer
     }
+}
+
+/// Restarts the peak-resident-memory count (Linux: `5` into /proc/self/clear_refs), so that
+/// `peak_rss_bytes` measures from here. Returns false where the OS does not allow it.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
 /// Peak resident memory of this process so far (VmHWM), when the OS reports it.
@@ -184,6 +216,8 @@ pub struct Trainer<'a> {
     tokenizer_dir: PathBuf,
     pub optimizer: Optimizer,
     pub strategy: Strategy,
+    /// How intermediate checkpoints hold sharded state (the final one is always full).
+    pub checkpoint_format: CheckpointFormat,
     schedule: LrSchedule,
     train_rows: Vec<PackedSequence>,
     eval_rows: Vec<PackedSequence>,
@@ -329,15 +363,28 @@ impl<'a> Trainer<'a> {
             ..Default::default()
         };
         let mut full_state = None;
+        let mut sharded_checkpoint = None;
         if let Some(spec) = &config.resume_from_checkpoint {
             let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
-            model = CausalLm::new(
-                model.config.clone(),
-                Params::load(&ckpt, &model.config, DType::F32, &Device::Cpu)?,
-            )?;
-            let mut full = AdamW::for_params(&model.params, adam)?;
-            state = checkpoint::load_training_state(&ckpt, &mut full)?;
-            full_state = Some(full);
+            if sharded_state::is_sharded(&ckpt) {
+                // Slices are read by whoever owns them; unsharded strategies read it all.
+                let reader = ShardedReader::open(&ckpt)?;
+                state = checkpoint::read_trainer_state(&ckpt)?;
+                if !matches!(strategy, Strategy::Fsdp(_) | Strategy::Zero(_)) {
+                    let (params, full) = reader.full_state(adam)?;
+                    model = CausalLm::new(model.config.clone(), Params::from_tensors(params)?)?;
+                    full_state = Some(full);
+                }
+                sharded_checkpoint = Some(reader);
+            } else {
+                model = CausalLm::new(
+                    model.config.clone(),
+                    Params::load(&ckpt, &model.config, DType::F32, &Device::Cpu)?,
+                )?;
+                let mut full = AdamW::for_params(&model.params, adam)?;
+                state = checkpoint::load_training_state(&ckpt, &mut full)?;
+                full_state = Some(full);
+            }
             if state.total_steps != total_steps {
                 tracing::warn!(
                     "resuming a run planned for {} steps with a config that gives {total_steps}",
@@ -367,6 +414,9 @@ impl<'a> Trainer<'a> {
                 if let Some(full) = &full_state {
                     z.load_full_state(full)?;
                 }
+                if let Some(reader) = &sharded_checkpoint {
+                    z.load_sharded(reader, &model.params)?;
+                }
                 Optimizer::Zero(z)
             }
             Strategy::Fsdp(policy) => {
@@ -378,6 +428,9 @@ impl<'a> Trainer<'a> {
                 let mut f = FsdpOptimizer::new(sharded, adam, replicate)?;
                 if let Some(full) = &full_state {
                     f.load_full_state(full)?;
+                }
+                if let Some(reader) = &sharded_checkpoint {
+                    f.load_sharded(reader)?;
                 }
                 Optimizer::Fsdp(f)
             }
@@ -400,6 +453,7 @@ impl<'a> Trainer<'a> {
         // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
         let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone());
         let trainer = Trainer {
+            checkpoint_format: CheckpointFormat::from_env(),
             tokenizer_dir: dir,
             config,
             ctx,
@@ -718,6 +772,53 @@ impl<'a> Trainer<'a> {
     }
 
     fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
+        self.save_checkpoint_as(self.checkpoint_format)
+    }
+
+    /// Every rank writes its slices into the staging directory; rank 0 adds the config,
+    /// tokenizer and index and renames it into place. With HSDP only the first replica writes.
+    fn save_sharded_checkpoint(&self) -> Result<Option<PathBuf>> {
+        let (pieces, step) = match &self.optimizer {
+            Optimizer::Zero(z) => (z.pieces()?, z.step_count()),
+            Optimizer::Fsdp(f) => (f.pieces()?, f.step_count()),
+            Optimizer::Replicated(_) => unreachable!("DDP checkpoints are written full"),
+        };
+        let out = &self.config.output_dir;
+        let main = self.ctx.is_main_process();
+        let world = self.ctx.world();
+        let tmp = checkpoint::staging_dir(out, self.state.global_step);
+        if main {
+            checkpoint::begin(out, self.state.global_step)?;
+            checkpoint::write_model_files(&tmp, None, &self.model.config, &self.tokenizer_dir)?;
+        }
+        world.barrier()?;
+        let shard = self.ctx.group(&[Axis::DpShard]);
+        if self.ctx.group(&[Axis::DpReplicate]).rank() == 0 {
+            sharded_state::write_rank(&tmp, shard.rank(), shard.size(), &pieces)?;
+        }
+        world.barrier()?;
+        let path = if main {
+            let shapes = self.model.config.parameter_shapes().into_iter().collect();
+            sharded_state::write_index(&tmp, shard.size(), &shapes, step)?;
+            Some(checkpoint::finish(
+                out,
+                &tmp,
+                &self.state,
+                self.config.save_total_limit,
+            )?)
+        } else {
+            None
+        };
+        world.barrier()?;
+        Ok(path)
+    }
+
+    fn save_checkpoint_as(&self, format: CheckpointFormat) -> Result<Option<PathBuf>> {
+        if format == CheckpointFormat::Sharded
+            && !matches!(self.optimizer, Optimizer::Replicated(_))
+        {
+            return self.save_sharded_checkpoint();
+        }
         // Sharded state is gathered per parameter first (every rank takes part).
         let gathered;
         let gathered_params;
@@ -874,8 +975,11 @@ impl<'a> Trainer<'a> {
         }
         bar.finish();
         // The final checkpoint, unless the last step just wrote it (the same on every rank).
-        if self.state.global_step % self.config.save_steps != 0 {
-            outcome.last_checkpoint = self.save_checkpoint()?;
+        // It is always full, so that the result opens in transformers.
+        if self.state.global_step % self.config.save_steps != 0
+            || self.checkpoint_format == CheckpointFormat::Sharded
+        {
+            outcome.last_checkpoint = self.save_checkpoint_as(CheckpointFormat::Full)?;
         } else if self.ctx.is_main_process() {
             outcome.last_checkpoint = Some(
                 self.config
