@@ -22,3 +22,14 @@ pub fn keep_freed_memory() {
         }
     });
 }
+
+/// Returns the memory freed so far to the OS (glibc `malloc_trim`). Called once start-up is
+/// done: what loading and sharding the model freed is not reused by the steps, so keeping it
+/// would only inflate the process (ZeRO-3 ranks drop the full model after taking their slices).
+pub fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only gives free heap pages back to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

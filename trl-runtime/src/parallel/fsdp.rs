@@ -388,7 +388,8 @@ impl ShardedModel {
                 .flatten(&map)?
                 .narrow(0, range.start, range.len())?
                 .to_dtype(dtype)?
-                .copy()?;
+                .copy()?
+                .detach();
             let entries = layout.entries().len();
             let unit = Arc::new(Unit {
                 name: if u == 0 {

@@ -273,7 +273,8 @@ impl ZeroOptimizer {
         let master = layout
             .flatten(&values)?
             .narrow(0, range.start, range.len())?
-            .copy()?;
+            .copy()?
+            .detach();
         let state = layout.shard_state(master, range.clone())?;
         let inner = AdamW {
             config,

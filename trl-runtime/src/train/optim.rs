@@ -59,7 +59,7 @@ impl AdamW {
     ) -> Result<Self> {
         let mut states = BTreeMap::new();
         for (name, p) in params {
-            let master = p.to_dtype(DType::F32)?.copy()?;
+            let master = p.to_dtype(DType::F32)?.copy()?.detach();
             states.insert(
                 name.clone(),
                 ParamState {
@@ -111,10 +111,12 @@ impl AdamW {
                     None => {}
                 }
             }
-            s.exp_avg = ((&s.exp_avg * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
-            s.exp_avg_sq = ((&s.exp_avg_sq * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+            s.exp_avg = ((&s.exp_avg * c.beta1)? + (&g * (1.0 - c.beta1))?)?.detach();
+            s.exp_avg_sq = ((&s.exp_avg_sq * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?.detach();
             let denom = ((s.exp_avg_sq.sqrt()? / bc2.sqrt())? + c.eps)?;
-            s.master = (&s.master - (s.exp_avg.broadcast_div(&denom)? * (lr / bc1))?)?;
+            // Detached: state built from a parameter `Var` records the op, and each update
+            // would otherwise chain onto the last, keeping every step's tensors alive.
+            s.master = (&s.master - (s.exp_avg.broadcast_div(&denom)? * (lr / bc1))?)?.detach();
         }
         Ok(())
     }

@@ -474,6 +474,7 @@ impl<'a> Trainer<'a> {
             stop,
         };
         sync_parameters(&trainer.dp, &trainer.model.params)?;
+        crate::alloc::release_freed_memory();
         Ok(trainer)
     }
 
@@ -890,6 +891,7 @@ impl<'a> Trainer<'a> {
             mem.gradients as f64 / 1048576.0,
             mem.optimizer as f64 / 1048576.0
         );
+        reset_peak_rss();
         let mut outcome = TrainOutcome {
             initial_eval: self.evaluate()?,
             ..Default::default()
@@ -949,6 +951,11 @@ impl<'a> Trainer<'a> {
                     "grad_norm": stats.grad_norm,
                     "tokens_per_s": tokens_per_s,
                 });
+                // This rank's resident-memory peak since training began (activations and
+                // collective buffers on top of the model state logged at start).
+                if let Some(peak) = peak_rss_bytes() {
+                    line["peak_memory_mib"] = (peak as f64 / 1048576.0).round().into();
+                }
                 if let Some(e) = eval {
                     line["eval_loss"] = e.loss.into();
                     if let Some(acc) = e.accuracy {
