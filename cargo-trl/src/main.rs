@@ -104,6 +104,20 @@ fn describe(cfg: &LaunchConfig) -> String {
     )
 }
 
+/// A subcommand's outcome: its message on stdout, or its error on stderr with exit code 2.
+fn report<E: std::fmt::Display>(outcome: Result<String, E>) -> ExitCode {
+    match outcome {
+        Ok(msg) => {
+            println!("{msg}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // Invoked directly (`cargo-trl profiles`) or by cargo (`cargo trl profiles`).
     let mut args: Vec<String> = std::env::args().collect();
@@ -129,36 +143,9 @@ fn main() -> ExitCode {
                 ExitCode::from(launch::EXIT_INVALID)
             }
         },
-        Command::New(args) => match new::run(&args) {
-            Ok(msg) => {
-                println!("{msg}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(2)
-            }
-        },
-        Command::Slurm(args) => match slurm::run(&args) {
-            Ok(msg) => {
-                println!("{msg}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(2)
-            }
-        },
-        Command::Config(args) => match config_cmd::run(&args) {
-            Ok(msg) => {
-                println!("{msg}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(2)
-            }
-        },
+        Command::New(args) => report(new::run(&args)),
+        Command::Slurm(args) => report(slurm::run(&args)),
+        Command::Config(args) => report(config_cmd::run(&args)),
         Command::Env => {
             println!("{}", env::report());
             ExitCode::SUCCESS

@@ -3,7 +3,8 @@
 //! --main_process_ip of the first). The workers run real collectives across them over TCP.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Command;
+use trl_tests::text;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
 
@@ -63,21 +64,7 @@ impl Drop for Machines {
 }
 
 fn launcher() -> PathBuf {
-    let p = PathBuf::from(WORKER).parent().unwrap().join("cargo-trl");
-    assert!(
-        p.exists(),
-        "{} is built by `cargo test --workspace`",
-        p.display()
-    );
-    p
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    trl_tests::launcher(WORKER)
 }
 
 #[test]

@@ -7,17 +7,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 use trl_runtime::dist::hostlist::expand;
+use trl_tests::text;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_comm_worker");
 
 fn launcher() -> PathBuf {
-    let p = PathBuf::from(WORKER).parent().unwrap().join("cargo-trl");
-    assert!(
-        p.exists(),
-        "{} is built by `cargo test --workspace`",
-        p.display()
-    );
-    p
+    trl_tests::launcher(WORKER)
 }
 
 fn cluster_up() {
@@ -32,14 +27,6 @@ fn cluster_up() {
         text.contains("n1") && text.contains("n2"),
         "the local SLURM cluster is not running ({text:?}): start it with .ci/slurm-cluster (as .ci/run does)"
     );
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 #[test]

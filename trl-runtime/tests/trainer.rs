@@ -448,4 +448,31 @@ fn memory_accounting_follows_the_zero_formula() {
     // (moments), all over N: 16P/N, the figure the ZeRO paper gives for mixed precision.
     assert!(close(z3.total(), 16 * p / 2), "{z3:?}");
     assert_eq!(z3.parameters, z3.gradients, "{z3:?}");
+    // HSDP (dp_replicate 2 x dp_shard 2 on 4 ranks) shards over the pair only: 16P/2, not 16P/4.
+    let w = InProcessWorld::new(4);
+    let dims = ParallelDims {
+        dp_replicate: 2,
+        dp_shard: 2,
+        ..dims
+    };
+    let hsdp = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|rank| {
+                let (w, out) = (&w, tmp.path().to_path_buf());
+                s.spawn(move || {
+                    let ctx = DistContext::in_process(w, rank, DeviceMesh::new(dims, 4).unwrap())
+                        .unwrap();
+                    let st = Strategy::Fsdp(WrapPolicy::PerLayer);
+                    Trainer::with_strategy(config(&out, 1, 1, 1), &ctx, st)
+                        .unwrap()
+                        .memory()
+                })
+            })
+            .collect::<Vec<_>>();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert!(close(hsdp[0].total(), 16 * p / 2), "{:?}", hsdp[0]);
 }

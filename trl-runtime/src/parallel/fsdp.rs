@@ -122,17 +122,22 @@ impl Unit {
 
     /// Reduce-scatters the unit's full gradients into the slice this rank keeps.
     fn finish(&self, st: &mut UnitState) -> Result<()> {
-        let mut by_name = BTreeMap::new();
-        for (i, (name, shape, _)) in self.layout.entries().iter().enumerate() {
-            let g = match st.grads[i].take() {
-                Some(g) => g,
-                None => Tensor::zeros(shape, DType::F32, st.shard.device())?,
-            };
-            by_name.insert(name.clone(), g);
-        }
+        let device = st.shard.device().clone();
+        let grads = self
+            .layout
+            .entries()
+            .iter()
+            .zip(st.grads.iter_mut())
+            .map(|((_, shape, _), g)| match g.take() {
+                Some(g) => Ok(g),
+                None => Tensor::zeros(shape, DType::F32, &device),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         st.full = None;
-        let flat = self.layout.flatten(&by_name)?;
-        drop(by_name);
+        let flat = self
+            .layout
+            .flatten_ordered(&grads.iter().collect::<Vec<_>>())?;
+        drop(grads);
         let mine = self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?;
         st.grad_shard = Some(match st.grad_shard.take() {
             Some(prev) => (prev + mine)?,
@@ -338,11 +343,17 @@ impl ShardedModel {
         policy: WrapPolicy,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
+        let mut layer_sizes = vec![0usize; num_layers];
+        for (name, var) in params.iter() {
+            if let Some(l) = layer_of(name) {
+                layer_sizes[l] += var.elem_count();
+            }
+        }
         // Which unit each layer joins (unit 0 is the root).
         let mut layer_unit = vec![0usize; num_layers];
         let mut next = 1;
         let mut size = 0usize;
-        for (l, unit) in layer_unit.iter_mut().enumerate() {
+        for (unit, layer_size) in layer_unit.iter_mut().zip(&layer_sizes) {
             match policy {
                 WrapPolicy::Whole => {}
                 WrapPolicy::PerLayer => {
@@ -351,11 +362,7 @@ impl ShardedModel {
                 }
                 WrapPolicy::MinParams(min) => {
                     *unit = next;
-                    size += params
-                        .iter()
-                        .filter(|(n, _)| layer_of(n) == Some(l))
-                        .map(|(_, v)| v.elem_count())
-                        .sum::<usize>();
+                    size += layer_size;
                     if size >= min {
                         next += 1;
                         size = 0;
@@ -370,22 +377,23 @@ impl ShardedModel {
             members[u].push((name.clone(), var.as_tensor().clone()));
         }
         let (rank, world) = (comm.rank(), comm.size());
-        let mut units = Vec::with_capacity(count);
+        let mut units: Vec<Arc<Unit>> = Vec::with_capacity(count);
         let mut weights = BTreeMap::new();
-        for (u, tensors) in members.into_iter().enumerate() {
-            if tensors.is_empty() {
-                continue;
-            }
+        for (u, tensors) in members.iter().enumerate() {
             let layout = FlatLayout::from_shapes(
                 tensors.iter().map(|(n, t)| (n.clone(), t.shape().clone())),
                 world,
             );
-            let dtype = tensors[0].1.dtype();
-            let device = tensors[0].1.device().clone();
-            let map: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+            // The root always holds the embedding; every other unit at least one layer.
+            let Some((_, first)) = tensors.first() else {
+                return Err(Error::Candle(candle_core::Error::Msg(
+                    "a model without an embedding cannot be sharded".into(),
+                )));
+            };
+            let (dtype, device) = (first.dtype(), first.device().clone());
             let range = layout.shard(rank, world);
             let shard = layout
-                .flatten(&map)?
+                .flatten_ordered(&tensors.iter().map(|(_, t)| t).collect::<Vec<_>>())?
                 .narrow(0, range.start, range.len())?
                 .to_dtype(dtype)?
                 .copy()?
@@ -420,12 +428,11 @@ impl ShardedModel {
             }
             units.push(unit);
         }
-        let find = |u: usize| units.iter().find(|x| x.name == format!("unit{u}")).cloned();
         let layers = (0..num_layers)
             .map(|l| {
                 let u = layer_unit[l];
                 let last = l + 1 == num_layers || layer_unit[l + 1] != u;
-                (u != 0).then(|| find(u).map(|unit| (unit, last))).flatten()
+                (u != 0).then(|| (units[u].clone(), last))
             })
             .collect();
         Ok(ShardedModel {
@@ -650,8 +657,100 @@ impl FsdpOptimizer {
             .sum()
     }
 
+    /// Bytes of the parameter slices this rank holds.
+    pub fn param_bytes(&self) -> usize {
+        self.model.shard_bytes()
+    }
+
     /// Bytes of the gradient slices kept between backward and step.
     pub fn grad_bytes(&self) -> usize {
         self.model.units.iter().map(|u| 4 * u.shard_elems()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::InProcessWorld;
+    use crate::models::{CausalLm, ModelConfig};
+    use crate::nn::causal_lm_loss;
+    use candle_core::Device;
+
+    /// The bundled tiny Qwen2: 2 layers of 49,408 parameters each.
+    fn tiny() -> (ModelConfig, Params) {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../assets/tiny/model/config.json"
+        );
+        let cfg = ModelConfig::from_file(dir).unwrap();
+        let params = Params::init(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
+        (cfg, params)
+    }
+
+    fn sharded(policy: WrapPolicy) -> (ModelConfig, Arc<ShardedModel>) {
+        let (cfg, params) = tiny();
+        let comm = InProcessWorld::new(1).world(0).unwrap();
+        let model = ShardedModel::new(&params, cfg.num_hidden_layers, policy, comm).unwrap();
+        (cfg, Arc::new(model))
+    }
+
+    #[test]
+    fn wrap_policies_group_layers_into_units() {
+        let units = |policy| sharded(policy).1.units.len();
+        assert_eq!(units(WrapPolicy::PerLayer), 3, "root + one per layer");
+        assert_eq!(
+            units(WrapPolicy::MinParams(40_000)),
+            3,
+            "each layer is enough"
+        );
+        assert_eq!(
+            units(WrapPolicy::MinParams(50_000)),
+            2,
+            "both layers in one unit"
+        );
+        assert_eq!(units(WrapPolicy::Whole), 1, "everything in the root");
+    }
+
+    #[test]
+    fn units_are_freed_after_forward_and_reduced_during_backward() {
+        let (cfg, sharding) = sharded(WrapPolicy::PerLayer);
+        let model = CausalLm::sharded(cfg, sharding.clone()).unwrap();
+        let ids = Tensor::new(&[[5u32, 9, 14, 3, 7, 21]], &Device::Cpu).unwrap();
+        let pos = Tensor::arange(0i64, 6, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let labels = Tensor::new(&[[5i64, 9, 14, 3, 7, 21]], &Device::Cpu).unwrap();
+        let logits = model.forward(&ids, &pos).unwrap();
+        let gathered = |u: &Unit| u.lock().full.is_some();
+        assert!(
+            gathered(sharding.root()),
+            "the root stays gathered for backward"
+        );
+        for unit in &sharding.units[1..] {
+            assert!(
+                !gathered(unit),
+                "{} kept its parameters after forward",
+                unit.name
+            );
+            assert!(unit.lock().pending > 0);
+        }
+        let loss = causal_lm_loss(&logits, &labels).unwrap().sum;
+        loss.backward().unwrap();
+        // No finish_backward: every unit reduced its gradients when its last op ran.
+        for unit in &sharding.units {
+            let st = unit.lock();
+            assert!(st.full.is_none(), "{} still gathered", unit.name);
+            assert_eq!(st.pending, 0, "{}", unit.name);
+            let g = st.grad_shard.as_ref().expect("reduced gradient slice");
+            let norm = g
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(norm > 0.0, "{} got a zero gradient", unit.name);
+        }
     }
 }

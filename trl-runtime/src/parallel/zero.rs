@@ -72,11 +72,6 @@ impl FlatLayout {
         &self.entries
     }
 
-    /// Elements of the parameters (without padding).
-    pub fn total(&self) -> usize {
-        self.total
-    }
-
     /// Elements with the padding that makes the vector split evenly.
     pub fn padded(&self) -> usize {
         self.padded
@@ -89,11 +84,22 @@ impl FlatLayout {
 
     /// The tensors of `map` (by parameter name) end to end in f32, zero-padded.
     pub fn flatten(&self, map: &BTreeMap<String, Tensor>) -> Result<Tensor> {
+        let ordered = self
+            .entries
+            .iter()
+            .map(|(name, _, _)| {
+                map.get(name).ok_or_else(|| {
+                    Error::Candle(candle_core::Error::Msg(format!("no tensor for {name}")))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.flatten_ordered(&ordered)
+    }
+
+    /// One tensor per entry, in the layout's order, end to end in f32, zero-padded.
+    pub fn flatten_ordered(&self, tensors: &[&Tensor]) -> Result<Tensor> {
         let mut parts = Vec::with_capacity(self.entries.len() + 1);
-        for (name, shape, _) in &self.entries {
-            let t = map.get(name).ok_or_else(|| {
-                Error::Candle(candle_core::Error::Msg(format!("no tensor for {name}")))
-            })?;
+        for ((name, shape, _), t) in self.entries.iter().zip(tensors) {
             if t.shape() != shape {
                 return Err(Error::Candle(candle_core::Error::Msg(format!(
                     "{name}: shape {:?}, expected {shape:?}",
@@ -184,17 +190,9 @@ impl FlatLayout {
             .collect())
     }
 
-    /// (name, elements, flat offset) of every parameter, for sharded checkpoints.
-    fn piece_entries(&self) -> Vec<(String, usize, usize)> {
-        self.entries
-            .iter()
-            .map(|(n, s, o)| (n.clone(), s.elem_count(), *o))
-            .collect()
-    }
-
     /// This rank's slice `range` as per-parameter pieces (SHARDED_STATE_DICT).
     pub(crate) fn pieces(&self, range: Range<usize>, state: &ParamState) -> Result<Vec<Piece>> {
-        sharded_state::flat_pieces(&self.piece_entries(), range, state)
+        sharded_state::flat_pieces(&self.entries, range, state)
     }
 
     /// Replaces `into`'s master and moments with the slice `range` read from a sharded
@@ -205,8 +203,8 @@ impl FlatLayout {
         range: Range<usize>,
         into: &mut ParamState,
     ) -> Result<()> {
-        let entries = self.piece_entries();
-        let read = |kind| sharded_state::read_flat_slice(reader, &entries, range.clone(), kind);
+        let read =
+            |kind| sharded_state::read_flat_slice(reader, &self.entries, range.clone(), kind);
         into.master = read(0)?.to_device(into.master.device())?;
         into.exp_avg = read(1)?.to_device(into.master.device())?;
         into.exp_avg_sq = read(2)?.to_device(into.master.device())?;

@@ -10,7 +10,7 @@
 
 use super::optim::{decays, AdamW, AdamWConfig, ParamState};
 use crate::error::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -256,17 +256,20 @@ impl ShardedReader {
     }
 }
 
-/// Reads one flat slice: `entries` are (name, elements, offset in the flat vector), `range`
+/// Reads one flat slice: `entries` are (name, shape, offset in the flat vector), `range`
 /// the slice of the flat vector this rank owns. Padding beyond the parameters stays zero.
 pub fn read_flat_slice(
     reader: &ShardedReader,
-    entries: &[(String, usize, usize)],
+    entries: &[(String, Shape, usize)],
     range: Range<usize>,
     kind: usize,
 ) -> Result<Tensor> {
     let mut out = vec![0f32; range.len()];
-    for (name, len, offset) in entries {
-        let (lo, hi) = (range.start.max(*offset), range.end.min(offset + len));
+    for (name, shape, offset) in entries {
+        let (lo, hi) = (
+            range.start.max(*offset),
+            range.end.min(offset + shape.elem_count()),
+        );
         if lo >= hi {
             continue;
         }
@@ -279,13 +282,16 @@ pub fn read_flat_slice(
 /// The pieces of a flat slice: for each parameter overlapping `range` (in flat coordinates),
 /// its piece of the slice's state tensors.
 pub fn flat_pieces(
-    entries: &[(String, usize, usize)],
+    entries: &[(String, Shape, usize)],
     range: Range<usize>,
     state: &ParamState,
 ) -> Result<Vec<Piece>> {
     let mut pieces = Vec::new();
-    for (name, len, offset) in entries {
-        let (lo, hi) = (range.start.max(*offset), range.end.min(offset + len));
+    for (name, shape, offset) in entries {
+        let (lo, hi) = (
+            range.start.max(*offset),
+            range.end.min(offset + shape.elem_count()),
+        );
         if lo >= hi {
             continue;
         }

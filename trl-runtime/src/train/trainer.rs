@@ -403,6 +403,8 @@ impl<'a> Trainer<'a> {
         // are also summed across replicas.
         let shard = ctx.group(&[Axis::DpShard]);
         let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
+        // Rank 0's weights on every rank (DDP's start) before any strategy takes its share.
+        sync_parameters(&dp, &model.params)?;
         let optimizer = match strategy {
             Strategy::Ddp => Optimizer::Replicated(match full_state {
                 Some(full) => full,
@@ -420,8 +422,7 @@ impl<'a> Trainer<'a> {
                 Optimizer::Zero(z)
             }
             Strategy::Fsdp(policy) => {
-                // Every rank cuts its slices from rank 0's values, then drops the full tensors.
-                sync_parameters(&dp, &model.params)?;
+                // Every rank cuts its slices from the synced values, then drops the full tensors.
                 let layers = model.config.num_hidden_layers;
                 let sharded = Arc::new(ShardedModel::new(&model.params, layers, policy, shard)?);
                 model = CausalLm::sharded(model.config.clone(), sharded.clone())?;
@@ -473,7 +474,6 @@ impl<'a> Trainer<'a> {
             steps_per_epoch,
             stop,
         };
-        sync_parameters(&trainer.dp, &trainer.model.params)?;
         crate::alloc::release_freed_memory();
         Ok(trainer)
     }
@@ -526,7 +526,7 @@ impl<'a> Trainer<'a> {
                 optimizer: z.state_bytes(),
             },
             Optimizer::Fsdp(f) => MemoryReport {
-                parameters: self.model.sharding.as_ref().map_or(0, |s| s.shard_bytes()),
+                parameters: f.param_bytes(),
                 gradients: f.grad_bytes(),
                 optimizer: f.state_bytes(),
             },
