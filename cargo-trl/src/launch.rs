@@ -7,7 +7,9 @@ use crate::target::{self, Target};
 use crate::topology::TopologyArgs;
 use std::path::PathBuf;
 use std::time::Duration;
-use trl_runtime::config::launch::{DistributedType, FsdpAutoWrapPolicy, GpuIds};
+use trl_runtime::config::launch::{
+    DistributedType, FsdpAutoWrapPolicy, FsdpBackwardPrefetch, GpuIds,
+};
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::config::{LaunchConfig, OffloadDevice};
 use trl_runtime::dist::mesh::DeviceMesh;
@@ -188,6 +190,19 @@ fn accelerate_env(cfg: &LaunchConfig) -> Vec<(String, String)> {
         if let Some(cls) = &f.transformer_layer_cls_to_wrap {
             env.push(("FSDP_TRANSFORMER_CLS_TO_WRAP".into(), cls.clone()));
         }
+        env.push((
+            "FSDP_BACKWARD_PREFETCH".into(),
+            match f.backward_prefetch {
+                FsdpBackwardPrefetch::BackwardPre => "BACKWARD_PRE",
+                FsdpBackwardPrefetch::BackwardPost => "BACKWARD_POST",
+                FsdpBackwardPrefetch::NoPrefetch => "NO_PREFETCH",
+            }
+            .into(),
+        ));
+        env.push((
+            "FSDP_FORWARD_PREFETCH".into(),
+            f.forward_prefetch.to_string(),
+        ));
         env.push(("FSDP_OFFLOAD_PARAMS".into(), f.offload_params.to_string()));
         env.push((
             "FSDP_STATE_DICT_TYPE".into(),

@@ -173,6 +173,20 @@ fn dry_run_prints_the_plan_without_building() {
         "{t}"
     );
     assert!(t.contains("TRL_JOB_TOKEN=<secret>"), "{t}");
+
+    // FSDP's settings travel as Accelerate names them (prefetch included).
+    let o = launch(&["--profile", "fsdp2_cpu", "--dry-run", "launch_worker"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    for var in [
+        "ACCELERATE_USE_FSDP=true",
+        "FSDP_VERSION=2",
+        "FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP",
+        "FSDP_BACKWARD_PREFETCH=BACKWARD_PRE",
+        "FSDP_FORWARD_PREFETCH=false",
+    ] {
+        assert!(t.contains(var), "{var} missing from\n{t}");
+    }
 }
 
 #[test]

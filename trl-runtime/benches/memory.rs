@@ -27,7 +27,7 @@ fn strategy(name: &str) -> Strategy {
     match name {
         "zero1" => Strategy::Zero(ZeroStage::One),
         "zero2" => Strategy::Zero(ZeroStage::Two),
-        "zero3" => Strategy::Fsdp(WrapPolicy::PerLayer),
+        "zero3" => Strategy::fsdp(WrapPolicy::PerLayer),
         _ => Strategy::Ddp,
     }
 }

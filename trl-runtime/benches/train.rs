@@ -2,7 +2,7 @@
 //! (Qwen2 hidden 256, intermediate 768, 4 layers, 8/4 heads, vocab 4096, seq 512, batch 4 per
 //! process, fp32, 1 compute thread per process) on 1 and 2 processes of the host backend, the
 //! scaling ratio between them, ZeRO-3 (per-layer units) on 2 processes against DDP on 2 in the
-//! same run, and the time from launching a process to its first finished
+//! same run and against itself without prefetching, and the time from launching a process to its first finished
 //! step with the bundled tiny model. One JSON object per line on stdout; prose on stderr.
 
 use std::path::Path;
@@ -12,7 +12,7 @@ mod support;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::DistContext;
-use trl_runtime::parallel::WrapPolicy;
+use trl_runtime::parallel::{Prefetch, WrapPolicy};
 use trl_runtime::train::{SFTConfig, Strategy, Trainer};
 
 const SEQ: usize = 512;
@@ -30,7 +30,7 @@ fn prepare(dir: &Path) {
 }
 
 fn worker(kind: &str, dir: &Path) {
-    let zero3 = kind == "ref-zero3";
+    let zero3 = kind.starts_with("ref-zero3");
     // ZeRO-3 shards over dp_shard, which the DeepSpeed type fills from the world size.
     let dist = if zero3 {
         DistributedType::DeepSpeed
@@ -62,10 +62,10 @@ fn worker(kind: &str, dir: &Path) {
         max_steps: 1000,
         ..config
     };
-    let strategy = if zero3 {
-        Strategy::Fsdp(WrapPolicy::PerLayer)
-    } else {
-        Strategy::Ddp
+    let strategy = match kind {
+        "ref-zero3" => Strategy::fsdp(WrapPolicy::PerLayer),
+        "ref-zero3-no-prefetch" => Strategy::Fsdp(WrapPolicy::PerLayer, Prefetch::NONE),
+        _ => Strategy::Ddp,
     };
     let mut trainer = Trainer::with_strategy(config, &ctx, strategy).unwrap();
     let first = trainer.train_step().unwrap();
@@ -130,6 +130,14 @@ fn main() {
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"zero3\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_zero3_over_ddp\":{:.3}}}",
         tokens_per_s / per_world[1]
+    );
+    // The same run without starting any all-gather ahead: what prefetching buys.
+    let (_, measured) = launch("ref-zero3-no-prefetch", 2, tmp.path());
+    let (step_s, plain) = measured.expect("worker reported no measurement");
+    println!("{{\"bench\":\"train\",\"strategy\":\"zero3\",\"prefetch\":false,\"world\":2,\"tokens_per_s\":{plain:.1},\"step_s\":{step_s:.4}}}");
+    println!(
+        "{{\"bench\":\"train\",\"strategy\":\"zero3\",\"what\":\"prefetch\",\"world\":2,\"tokens_per_s_ratio_prefetch_over_none\":{:.3}}}",
+        tokens_per_s / plain
     );
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"ddp\",\"what\":\"scaling\",\"world\":2,\"tokens_per_s_ratio_2_over_1\":{:.3}}}",

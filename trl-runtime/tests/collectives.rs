@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, D};
 use common::{run, Backend, BACKENDS};
-use trl_runtime::comm::{all_reduce_async, ReduceOp};
+use trl_runtime::comm::{CommQueue, ReduceOp};
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::mesh::{Axis, DeviceMesh};
 use trl_runtime::dist::DistContext;
@@ -263,18 +263,29 @@ fn non_divisible_reduce_scatter_is_a_clear_error() {
 }
 
 #[test]
-fn async_all_reduce_returns_the_sum_while_the_caller_computes() {
+fn queued_collectives_run_in_order_while_the_caller_computes() {
     for backend in BACKENDS {
         run(backend, 2, |rank, comm| {
+            let queue = CommQueue::new(comm.clone()).unwrap();
             let x = Tensor::new(&[rank as f32 + 1.0; 8], &Device::Cpu).unwrap();
-            let pending = all_reduce_async(comm.clone(), x, ReduceOp::Sum);
+            let pending = queue.submit(move |c| c.all_reduce(&x, ReduceOp::Sum));
+            let y = Tensor::new(&[rank as f32], &Device::Cpu).unwrap();
+            let gathered = queue.submit(move |c| c.all_gather(&y, 0));
             // The caller keeps computing while the collective runs.
             let local = Tensor::ones(4, DType::F32, &Device::Cpu)
                 .unwrap()
                 .sum_all()
                 .unwrap();
+            // Waited out of order: each result is still its own collective's.
+            let order: Vec<f32> = gathered.wait().unwrap().to_vec1().unwrap();
+            assert_eq!(order, vec![0.0, 1.0]);
             let got: Vec<f32> = pending.wait().unwrap().to_vec1().unwrap();
             assert_eq!(got, vec![3.0; 8]);
+            // `run` waits for its own result, after everything queued before it.
+            let direct = queue
+                .run(|c| c.all_reduce(&Tensor::new(&[1f32], &Device::Cpu)?, ReduceOp::Max))
+                .unwrap();
+            assert_eq!(direct.to_vec1::<f32>().unwrap(), vec![1.0]);
             assert_eq!(local.to_scalar::<f32>().unwrap(), 4.0);
         });
     }

@@ -1,7 +1,7 @@
 //! The launcher's Accelerate variables select the trainer's strategy and checkpoint format as
 //! the profiles intend (its own test binary: it changes the process environment).
 
-use trl_runtime::parallel::{WrapPolicy, ZeroStage};
+use trl_runtime::parallel::{Prefetch, WrapPolicy, ZeroStage};
 use trl_runtime::train::{CheckpointFormat, Strategy};
 
 const VARS: &[&str] = &[
@@ -12,6 +12,9 @@ const VARS: &[&str] = &[
     "FSDP_AUTO_WRAP_POLICY",
     "FSDP_MIN_NUM_PARAMS",
     "FSDP_STATE_DICT_TYPE",
+    "FSDP_VERSION",
+    "FSDP_FORWARD_PREFETCH",
+    "FSDP_BACKWARD_PREFETCH",
 ];
 
 fn with_env(vars: &[(&str, &str)]) -> (Result<Strategy, String>, CheckpointFormat) {
@@ -40,15 +43,47 @@ fn profiles_map_to_strategies() {
     assert_eq!(ds("1"), (Ok(Strategy::Zero(ZeroStage::One)), Full));
     assert_eq!(ds("2"), (Ok(Strategy::Zero(ZeroStage::Two)), Full));
     // DeepSpeed saves ZeRO-3 checkpoints sharded.
-    assert_eq!(ds("3"), (Ok(Strategy::Fsdp(WrapPolicy::PerLayer)), Sharded));
+    assert_eq!(ds("3"), (Ok(Strategy::fsdp(WrapPolicy::PerLayer)), Sharded));
     let fsdp = |extra: &[(&'static str, &'static str)]| {
         let mut v = vec![("ACCELERATE_USE_FSDP", "true")];
         v.extend_from_slice(extra);
         with_env(&v)
     };
+    // FSDP1 prefetches forward only when asked (fsdp_forward_prefetch), backward unless
+    // NO_PREFETCH; FSDP2 always overlaps the next forward gather.
+    let backward_only = Prefetch {
+        forward: false,
+        backward: true,
+    };
     assert_eq!(
         fsdp(&[("FSDP_SHARDING_STRATEGY", "FullShard")]),
-        (Ok(Strategy::Fsdp(WrapPolicy::PerLayer)), Full)
+        (
+            Ok(Strategy::Fsdp(WrapPolicy::PerLayer, backward_only)),
+            Full
+        )
+    );
+    assert_eq!(
+        fsdp(&[
+            ("FSDP_VERSION", "1"),
+            ("FSDP_FORWARD_PREFETCH", "true"),
+            ("FSDP_BACKWARD_PREFETCH", "BACKWARD_PRE"),
+        ])
+        .0,
+        Ok(Strategy::fsdp(WrapPolicy::PerLayer))
+    );
+    assert_eq!(
+        fsdp(&[
+            ("FSDP_VERSION", "2"),
+            ("FSDP_BACKWARD_PREFETCH", "NO_PREFETCH")
+        ])
+        .0,
+        Ok(Strategy::Fsdp(
+            WrapPolicy::PerLayer,
+            Prefetch {
+                forward: true,
+                backward: false
+            }
+        ))
     );
     assert_eq!(
         fsdp(&[("FSDP_SHARDING_STRATEGY", "ShardGradOp")]),
@@ -62,13 +97,16 @@ fn profiles_map_to_strategies() {
             ("FSDP_STATE_DICT_TYPE", "ShardedStateDict"),
         ]),
         (
-            Ok(Strategy::Fsdp(WrapPolicy::MinParams(1_000_000))),
+            Ok(Strategy::Fsdp(
+                WrapPolicy::MinParams(1_000_000),
+                backward_only
+            )),
             Sharded
         )
     );
     assert_eq!(
         fsdp(&[("FSDP_AUTO_WRAP_POLICY", "NO_WRAP")]).0,
-        Ok(Strategy::Fsdp(WrapPolicy::Whole))
+        Ok(Strategy::Fsdp(WrapPolicy::Whole, backward_only))
     );
     let (bad, _) = fsdp(&[("FSDP_AUTO_WRAP_POLICY", "LAMBDA_WRAP")]);
     let msg = bad.unwrap_err();

@@ -252,7 +252,7 @@ fn zero_stages_match_ddp() {
 fn zero3_matches_ddp() {
     let tmp = tempfile::tempdir().unwrap();
     let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
-    let per_layer = Strategy::Fsdp(WrapPolicy::PerLayer);
+    let per_layer = Strategy::fsdp(WrapPolicy::PerLayer);
     let cases = [
         ("2 ranks x batch 2", 2, 2, 1, per_layer),
         ("4 ranks x batch 1", 4, 1, 1, per_layer),
@@ -263,14 +263,14 @@ fn zero3_matches_ddp() {
             2,
             2,
             1,
-            Strategy::Fsdp(WrapPolicy::MinParams(50_000)),
+            Strategy::fsdp(WrapPolicy::MinParams(50_000)),
         ),
         (
             "NO_WRAP, 2 ranks",
             2,
             2,
             1,
-            Strategy::Fsdp(WrapPolicy::Whole),
+            Strategy::fsdp(WrapPolicy::Whole),
         ),
     ];
     for (i, (what, world, batch, accumulation, strategy)) in cases.into_iter().enumerate() {
@@ -286,7 +286,7 @@ fn hsdp_matches_ddp() {
     let tmp = tempfile::tempdir().unwrap();
     let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
     for (name, strategy) in [
-        ("HYBRID_SHARD", Strategy::Fsdp(WrapPolicy::PerLayer)),
+        ("HYBRID_SHARD", Strategy::fsdp(WrapPolicy::PerLayer)),
         ("HYBRID_SHARD_ZERO2", Strategy::Zero(ZeroStage::Two)),
     ] {
         let got = run_mesh(2, 2, config(&tmp.path().join(name), 1, 1, 5), strategy);
@@ -328,7 +328,7 @@ fn zero_checkpoint_resumes_on_another_world_size_and_strategy() {
 fn sharded_checkpoints_reshard_across_world_sizes_and_strategies() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("z3");
-    let zero3 = Strategy::Fsdp(WrapPolicy::PerLayer);
+    let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);
     // 4 ranks of ZeRO-3 write checkpoint-3 as SHARDED_STATE_DICT (one file per rank) ...
     let full = run_saving(
         1,
@@ -387,7 +387,7 @@ fn sharded_checkpoints_reshard_across_world_sizes_and_strategies() {
 fn zero3_full_checkpoint_resumes_on_more_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("z3full");
-    let zero3 = Strategy::Fsdp(WrapPolicy::PerLayer);
+    let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);
     let full = run_with(2, config(&dir, 2, 1, 6), zero3);
     assert!(dir.join("checkpoint-3/model.safetensors").exists());
     let mut cfg = config(&dir, 1, 1, 6);
@@ -425,7 +425,7 @@ fn memory_accounting_follows_the_zero_formula() {
                         Strategy::Ddp,
                         Strategy::Zero(ZeroStage::One),
                         Strategy::Zero(ZeroStage::Two),
-                        Strategy::Fsdp(WrapPolicy::PerLayer),
+                        Strategy::fsdp(WrapPolicy::PerLayer),
                     ]
                     .map(|st| {
                         Trainer::with_strategy(config(&out, 2, 1, 1), &ctx, st)
@@ -462,7 +462,7 @@ fn memory_accounting_follows_the_zero_formula() {
                 s.spawn(move || {
                     let ctx = DistContext::in_process(w, rank, DeviceMesh::new(dims, 4).unwrap())
                         .unwrap();
-                    let st = Strategy::Fsdp(WrapPolicy::PerLayer);
+                    let st = Strategy::fsdp(WrapPolicy::PerLayer);
                     Trainer::with_strategy(config(&out, 1, 1, 1), &ctx, st)
                         .unwrap()
                         .memory()

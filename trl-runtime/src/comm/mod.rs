@@ -13,16 +13,17 @@ pub mod autograd;
 mod elem;
 pub mod host;
 pub mod inprocess;
+mod queue;
 mod ring;
 mod shm;
 mod transport;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use candle_core::{DType, Device, Shape, Tensor};
-use std::sync::{mpsc, Arc};
 
 pub use host::HostBackend;
 pub use inprocess::InProcessWorld;
+pub use queue::{CommQueue, Pending};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
@@ -61,34 +62,4 @@ pub trait Communicator: Send + Sync {
     /// the chunks received along `concat_dim` in rank order. The inverse swaps the two dims.
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor>;
     fn barrier(&self) -> Result<()>;
-}
-
-/// A collective running in the background; [`Pending::wait`] returns its result.
-/// (NCCL will order these on a stream; the CPU backends run them on a helper thread.)
-pub struct Pending {
-    rx: mpsc::Receiver<Result<Tensor>>,
-}
-
-impl Pending {
-    pub fn wait(self) -> Result<Tensor> {
-        self.rx.recv().unwrap_or_else(|_| {
-            Err(Error::Comm {
-                op: "async collective",
-                group: String::new(),
-                rank: 0,
-                message: "the background collective thread died".into(),
-            })
-        })
-    }
-}
-
-/// Starts `all_reduce` on a helper thread, so the caller can compute meanwhile.
-/// Wait for it before starting another collective on the same communicator: two in flight
-/// could run in either order, and every rank must issue collectives in the same order.
-pub fn all_reduce_async(comm: Arc<dyn Communicator>, x: Tensor, op: ReduceOp) -> Pending {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(comm.all_reduce(&x, op));
-    });
-    Pending { rx }
 }

@@ -14,9 +14,15 @@
 //! the unit's last op has run the gradients are reduce-scattered into this rank's slice and the
 //! gathered parameters freed. The root unit stays gathered from forward to the end of backward
 //! (its parameters are needed first and last), as FSDP2 does for the root.
+//!
+//! Communication overlaps compute: every unit collective runs on the model's [`CommQueue`]
+//! (one thread, first in first out, so all ranks still issue them in one order). Entering a
+//! unit in forward starts the next unit's all-gather; a unit's first op in backward starts the
+//! previous unit's; reduce-scatters run while the backward goes on, and
+//! [`ShardedModel::finish_backward`] waits for them. At most two units are gathered at once.
 
 use super::zero::FlatLayout;
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
 use crate::nn::Weight;
@@ -24,7 +30,7 @@ use crate::train::optim::{AdamW, AdamWConfig};
 use crate::train::sharded_state::{Piece, ShardedReader};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 /// How parameters are grouped into units (FSDP's auto-wrap policies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,17 +43,42 @@ pub enum WrapPolicy {
     Whole,
 }
 
+/// Which all-gathers start one unit ahead of use (FSDP's forward_prefetch and
+/// backward_prefetch; DeepSpeed ZeRO-3 prefetches both ways).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefetch {
+    pub forward: bool,
+    pub backward: bool,
+}
+
+impl Prefetch {
+    pub const BOTH: Prefetch = Prefetch {
+        forward: true,
+        backward: true,
+    };
+    pub const NONE: Prefetch = Prefetch {
+        forward: false,
+        backward: false,
+    };
+}
+
 struct UnitState {
     /// This rank's slice of the flat parameters, in the model dtype.
     shard: Tensor,
     /// The gathered flat parameters while the unit is in use.
     full: Option<Tensor>,
+    /// An all-gather started ahead of use (prefetch).
+    gathering: Option<Pending>,
     /// Ops applied in this forward whose backward has not run yet.
     pending: usize,
     /// Full gradients per entry, accumulated during this backward.
     grads: Vec<Option<Tensor>>,
     /// This rank's reduced gradient slice (f32), summed over micro-batches until the step.
     grad_shard: Option<Tensor>,
+    /// A reduce-scatter still running; added to `grad_shard` when waited.
+    reducing: Option<Pending>,
+    /// Set by the unit's first op in backward.
+    in_backward: bool,
 }
 
 /// One wrap unit: a flat parameter vector sharded over `comm`.
@@ -55,6 +86,11 @@ pub struct Unit {
     pub name: String,
     pub layout: FlatLayout,
     comm: Arc<dyn Communicator>,
+    /// Runs the unit's collectives during forward and backward (shared by the model's units).
+    queue: Arc<CommQueue>,
+    /// The unit whose backward follows this one's: the previous layer unit, or for the root
+    /// (whose LM head runs first in backward) the last layer unit.
+    backward_next: OnceLock<Weak<Unit>>,
     /// The root unit is not freed after its forward.
     keep_gathered: bool,
     /// A one-element variable the embedding op hangs off, so that Candle's backward reaches
@@ -72,17 +108,49 @@ impl Unit {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn start_gather(&self, st: &UnitState) -> Pending {
+        let shard = st.shard.clone();
+        self.queue.submit(move |c| c.all_gather(&shard, 0))
+    }
+
+    /// The gathered flat parameters, waiting for a prefetch or gathering now.
     fn gathered(&self, st: &mut UnitState) -> Result<Tensor> {
-        if st.full.is_none() {
-            st.full = Some(self.comm.all_gather(&st.shard, 0)?);
+        if let Some(full) = &st.full {
+            return Ok(full.clone());
         }
-        Ok(st.full.clone().expect("gathered above"))
+        let pending = match st.gathering.take() {
+            Some(p) => p,
+            None => self.start_gather(st),
+        };
+        let full = pending.wait()?;
+        st.full = Some(full.clone());
+        Ok(full)
+    }
+
+    /// Starts gathering this unit in the background unless it is gathered or on its way.
+    fn prefetch(&self) {
+        let mut st = self.lock();
+        if st.full.is_none() && st.gathering.is_none() {
+            st.gathering = Some(self.start_gather(&st));
+        }
+    }
+
+    /// Called by each backward op once it has its parameters: the unit's first one starts
+    /// gathering the unit whose backward runs next.
+    fn backward_began(&self) {
+        let first = !std::mem::replace(&mut self.lock().in_backward, true);
+        if first {
+            if let Some(next) = self.backward_next.get().and_then(Weak::upgrade) {
+                next.prefetch();
+            }
+        }
     }
 
     /// The full value of entry `i` (gathering the unit if it is not).
     fn weight(&self, i: usize) -> Result<Tensor> {
         let mut st = self.lock();
         let full = self.gathered(&mut st)?;
+        drop(st);
         let (_, shape, offset) = &self.layout.entries()[i];
         Ok(full
             .narrow(0, *offset, shape.elem_count())?
@@ -97,11 +165,16 @@ impl Unit {
     }
 
     /// Clears what a previous forward left (an evaluation forward has no backward).
-    fn reset(&self) {
+    fn reset(&self) -> Result<()> {
         let mut st = self.lock();
         st.full = None;
+        if let Some(p) = st.gathering.take() {
+            p.wait()?;
+        }
         st.pending = 0;
+        st.in_backward = false;
         st.grads.iter_mut().for_each(|g| *g = None);
+        Ok(())
     }
 
     /// Adds gradients of one op's entries; after the unit's last op, reduce-scatters.
@@ -138,11 +211,23 @@ impl Unit {
             .layout
             .flatten_ordered(&grads.iter().collect::<Vec<_>>())?;
         drop(grads);
-        let mine = self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?;
-        st.grad_shard = Some(match st.grad_shard.take() {
-            Some(prev) => (prev + mine)?,
-            None => mine,
-        });
+        Self::collect_reduced(st)?;
+        st.reducing = Some(
+            self.queue
+                .submit(move |c| c.reduce_scatter(&flat, 0, ReduceOp::Sum)),
+        );
+        Ok(())
+    }
+
+    /// Waits for a running reduce-scatter and adds its slice to the step's gradient.
+    fn collect_reduced(st: &mut UnitState) -> Result<()> {
+        if let Some(p) = st.reducing.take() {
+            let mine = p.wait()?;
+            st.grad_shard = Some(match st.grad_shard.take() {
+                Some(prev) => (prev + mine)?,
+                None => mine,
+            });
+        }
         Ok(())
     }
 
@@ -223,7 +308,11 @@ impl CustomOp1 for UnitOp {
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
         let unit = &self.unit;
-        let fetch = |i: usize| unit.weight(i).map_err(failed);
+        let fetch = |i: usize| {
+            let w = unit.weight(i).map_err(failed)?;
+            unit.backward_began();
+            Ok::<_, candle_core::Error>(w)
+        };
         let (dx, grads) = match &self.kind {
             OpKind::Linear { weight, bias } => {
                 let w = fetch(*weight)?;
@@ -246,6 +335,7 @@ impl CustomOp1 for UnitOp {
                 (dx, vec![(*weight, dw)])
             }
             OpKind::Embedding { weight, ids } => {
+                unit.backward_began();
                 let shape = unit.layout.entries()[*weight].1.clone();
                 let h = shape.dims()[1];
                 let g2 = grad.reshape(((), h))?;
@@ -330,6 +420,7 @@ pub struct ShardedModel {
     weights: BTreeMap<String, ShardedWeight>,
     /// Per decoder layer: its unit and whether it is that unit's last layer.
     layers: Vec<Option<(Arc<Unit>, bool)>>,
+    prefetch: Prefetch,
     /// Parameter count (without padding).
     num_elements: usize,
 }
@@ -341,6 +432,7 @@ impl ShardedModel {
         params: &Params,
         num_layers: usize,
         policy: WrapPolicy,
+        prefetch: Prefetch,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
         let mut layer_sizes = vec![0usize; num_layers];
@@ -377,6 +469,7 @@ impl ShardedModel {
             members[u].push((name.clone(), var.as_tensor().clone()));
         }
         let (rank, world) = (comm.rank(), comm.size());
+        let queue = Arc::new(CommQueue::new(comm.clone())?);
         let mut units: Vec<Arc<Unit>> = Vec::with_capacity(count);
         let mut weights = BTreeMap::new();
         for (u, tensors) in members.iter().enumerate() {
@@ -407,14 +500,19 @@ impl ShardedModel {
                 },
                 layout,
                 comm: comm.clone(),
+                queue: queue.clone(),
+                backward_next: OnceLock::new(),
                 keep_gathered: u == 0,
                 anchor: Var::zeros(1, dtype, &device)?,
                 state: Mutex::new(UnitState {
                     shard,
                     full: None,
+                    gathering: None,
                     pending: 0,
                     grads: vec![None; entries],
                     grad_shard: None,
+                    reducing: None,
+                    in_backward: false,
                 }),
             });
             for (i, (name, _, _)) in unit.layout.entries().iter().enumerate() {
@@ -428,6 +526,16 @@ impl ShardedModel {
             }
             units.push(unit);
         }
+        for (u, unit) in units.iter().enumerate().filter(|_| prefetch.backward) {
+            let next = if u == 0 {
+                units.last()
+            } else {
+                units.get(u - 1)
+            };
+            if let Some(next) = next.filter(|n| !Arc::ptr_eq(n, unit)) {
+                let _ = unit.backward_next.set(Arc::downgrade(next));
+            }
+        }
         let layers = (0..num_layers)
             .map(|l| {
                 let u = layer_unit[l];
@@ -439,6 +547,7 @@ impl ShardedModel {
             units,
             weights,
             layers,
+            prefetch,
             num_elements: params.num_elements(),
         })
     }
@@ -456,27 +565,40 @@ impl ShardedModel {
         self.num_elements
     }
 
-    /// Starts a forward pass: clears what an earlier forward left and gathers the root unit.
+    /// Starts a forward pass: clears what an earlier forward left, gathers the root unit and
+    /// starts gathering the first layer's.
     pub fn begin_forward(&self) -> Result<UnitScope<'_>> {
-        self.units.iter().for_each(|u| u.reset());
-        self.root().enter()
+        for unit in &self.units {
+            unit.reset()?;
+        }
+        let scope = self.root().enter()?;
+        let first = self.layers.iter().flatten().next();
+        if let Some((first, _)) = first.filter(|_| self.prefetch.forward) {
+            first.prefetch();
+        }
+        Ok(scope)
     }
 
-    /// Enters layer `l`'s unit; the returned scope frees it if `l` is the unit's last layer.
+    /// Enters layer `l`'s unit (and starts gathering the next unit); the returned scope frees
+    /// it if `l` is the unit's last layer.
     pub fn enter_layer(&self, l: usize) -> Result<Option<UnitScope<'_>>> {
-        match &self.layers[l] {
-            Some((unit, true)) => Ok(Some(unit.enter()?)),
-            Some((unit, false)) => {
-                let mut st = unit.lock();
-                unit.gathered(&mut st)?;
-                Ok(None)
-            }
-            None => Ok(None),
+        let Some((unit, last)) = &self.layers[l] else {
+            return Ok(None);
+        };
+        unit.gathered(&mut unit.lock())?;
+        let next = self.layers[l + 1..]
+            .iter()
+            .flatten()
+            .find(|(u, _)| !Arc::ptr_eq(u, unit));
+        if let Some((next, _)) = next.filter(|_| self.prefetch.forward) {
+            next.prefetch();
         }
+        Ok(last.then(|| UnitScope(unit)))
     }
 
     /// After a backward: reduces any unit whose ops did not all receive a gradient (a
     /// parameter off the loss path), last unit first, so every rank issues the same collectives.
+    /// Then waits for every reduce-scatter, so the communicator is idle when it returns.
     pub fn finish_backward(&self) -> Result<()> {
         for unit in self.units.iter().rev() {
             let mut st = unit.lock();
@@ -484,6 +606,13 @@ impl ShardedModel {
                 st.pending = 0;
                 unit.finish(&mut st)?;
             }
+        }
+        for unit in self.units.iter().rev() {
+            let mut st = unit.lock();
+            if let Some(p) = st.gathering.take() {
+                p.wait()?;
+            }
+            Unit::collect_reduced(&mut st)?;
         }
         Ok(())
     }
@@ -690,7 +819,8 @@ mod tests {
     fn sharded(policy: WrapPolicy) -> (ModelConfig, Arc<ShardedModel>) {
         let (cfg, params) = tiny();
         let comm = InProcessWorld::new(1).world(0).unwrap();
-        let model = ShardedModel::new(&params, cfg.num_hidden_layers, policy, comm).unwrap();
+        let model = ShardedModel::new(&params, cfg.num_hidden_layers, policy, Prefetch::BOTH, comm)
+            .unwrap();
         (cfg, Arc::new(model))
     }
 
@@ -737,11 +867,17 @@ mod tests {
         }
         let loss = causal_lm_loss(&logits, &labels).unwrap().sum;
         loss.backward().unwrap();
-        // No finish_backward: every unit reduced its gradients when its last op ran.
+        // Every unit started its reduce-scatter when its last op ran, before finish_backward.
         for unit in &sharding.units {
             let st = unit.lock();
             assert!(st.full.is_none(), "{} still gathered", unit.name);
             assert_eq!(st.pending, 0, "{}", unit.name);
+            assert!(st.reducing.is_some(), "{} did not reduce", unit.name);
+        }
+        sharding.finish_backward().unwrap();
+        for unit in &sharding.units {
+            let st = unit.lock();
+            assert!(st.reducing.is_none() && st.gathering.is_none());
             let g = st.grad_shard.as_ref().expect("reduced gradient slice");
             let norm = g
                 .sqr()
@@ -752,5 +888,35 @@ mod tests {
                 .unwrap();
             assert!(norm > 0.0, "{} got a zero gradient", unit.name);
         }
+    }
+
+    #[test]
+    fn gathers_are_prefetched_one_unit_ahead() {
+        let (_, sharding) = sharded(WrapPolicy::PerLayer);
+        let in_flight = |u: usize| sharding.units[u].lock().gathering.is_some();
+        let gathered = |u: usize| sharding.units[u].lock().full.is_some();
+        let _root = sharding.begin_forward().unwrap();
+        assert!(
+            in_flight(1),
+            "the first layer's gather starts with the forward"
+        );
+        let scope = sharding.enter_layer(0).unwrap();
+        assert!(
+            gathered(1) && in_flight(2),
+            "entering a layer prefetches the next"
+        );
+        drop(scope);
+        assert!(!gathered(1), "a layer unit is freed when its forward ends");
+        let scope = sharding.enter_layer(1).unwrap();
+        drop(scope);
+        assert!(!gathered(2) && !in_flight(1) && !in_flight(2));
+        // Backward starts at the root's LM head, whose first op fetches the last layer unit.
+        sharding.root().backward_began();
+        assert!(
+            in_flight(2),
+            "the root's backward prefetches the last layer"
+        );
+        sharding.finish_backward().unwrap();
+        assert!(!in_flight(2), "finish_backward leaves nothing in flight");
     }
 }

@@ -3,5 +3,5 @@
 pub mod fsdp;
 pub mod zero;
 
-pub use fsdp::{FsdpOptimizer, ShardedModel, WrapPolicy};
+pub use fsdp::{FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy};
 pub use zero::{ZeroOptimizer, ZeroStage};

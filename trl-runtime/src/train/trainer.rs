@@ -12,7 +12,7 @@ use super::config::SFTConfig;
 use super::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use super::schedule::{LrSchedule, SchedulerKind};
 use super::sharded_state::{self, ShardedReader};
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{CommQueue, Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::{
     collate, pack, CollateOptions, DistributedSampler, Example, PackedSequence, PackingStrategy,
@@ -23,7 +23,9 @@ use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
 use crate::nn::causal_lm_loss;
-use crate::parallel::{FsdpOptimizer, ShardedModel, WrapPolicy, ZeroOptimizer, ZeroStage};
+use crate::parallel::{
+    FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy, ZeroOptimizer, ZeroStage,
+};
 use candle_core::{DType, Device, Tensor, D};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -43,11 +45,17 @@ pub enum Strategy {
     Ddp,
     /// Optimizer state (and with stage 2 gradients) sharded over the data-parallel group.
     Zero(ZeroStage),
-    /// ZeRO stage 3 / FSDP FULL_SHARD: parameters too, gathered per wrap unit when used.
-    Fsdp(WrapPolicy),
+    /// ZeRO stage 3 / FSDP FULL_SHARD: parameters too, gathered per wrap unit when used, with
+    /// the next unit's gather started ahead as `Prefetch` says.
+    Fsdp(WrapPolicy, Prefetch),
 }
 
 impl Strategy {
+    /// ZeRO-3 / FSDP with `wrap` units, prefetching in both directions.
+    pub fn fsdp(wrap: WrapPolicy) -> Self {
+        Strategy::Fsdp(wrap, Prefetch::BOTH)
+    }
+
     /// What `cargo trl launch` asked for through Accelerate's variables (DeepSpeed ZeRO stage,
     /// FSDP sharding strategy and wrap policy); plain DDP otherwise.
     pub fn from_env() -> Result<Self> {
@@ -57,7 +65,7 @@ impl Strategy {
                 Some("1") => Strategy::Zero(ZeroStage::One),
                 Some("2") => Strategy::Zero(ZeroStage::Two),
                 // DeepSpeed gathers ZeRO-3 parameters module by module: one unit per layer.
-                Some("3") => Strategy::Fsdp(WrapPolicy::PerLayer),
+                Some("3") => Strategy::fsdp(WrapPolicy::PerLayer),
                 _ => Strategy::Ddp,
             });
         }
@@ -67,10 +75,22 @@ impl Strategy {
                     Ok(Strategy::Zero(ZeroStage::Two))
                 }
                 Some("NoShard") => Ok(Strategy::Ddp),
-                _ => Ok(Strategy::Fsdp(wrap_policy_from_env()?)),
+                _ => Ok(Strategy::Fsdp(wrap_policy_from_env()?, prefetch_from_env())),
             };
         }
         Ok(Strategy::Ddp)
+    }
+}
+
+/// FSDP's prefetch settings as Accelerate exports them: FSDP_BACKWARD_PREFETCH (BACKWARD_PRE
+/// and BACKWARD_POST both start the next unit's gather during backward; NO_PREFETCH does not)
+/// and FSDP_FORWARD_PREFETCH. FSDP2 always overlaps the next forward gather (its implicit
+/// prefetch), so forward prefetch is on for version 2 whatever the flag says.
+fn prefetch_from_env() -> Prefetch {
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    Prefetch {
+        forward: var("FSDP_FORWARD_PREFETCH") == "true" || var("FSDP_VERSION") == "2",
+        backward: var("FSDP_BACKWARD_PREFETCH") != "NO_PREFETCH",
     }
 }
 
@@ -211,6 +231,8 @@ pub struct Trainer<'a> {
     pub config: SFTConfig,
     ctx: &'a DistContext,
     dp: Arc<dyn Communicator>,
+    /// Background collectives on `dp` (gradient buckets); drained before `dp` is used directly.
+    dp_queue: CommQueue,
     pub model: CausalLm,
     pub tokenizer: TextTokenizer,
     tokenizer_dir: PathBuf,
@@ -370,7 +392,7 @@ impl<'a> Trainer<'a> {
                 // Slices are read by whoever owns them; unsharded strategies read it all.
                 let reader = ShardedReader::open(&ckpt)?;
                 state = checkpoint::read_trainer_state(&ckpt)?;
-                if !matches!(strategy, Strategy::Fsdp(_) | Strategy::Zero(_)) {
+                if !matches!(strategy, Strategy::Fsdp(..) | Strategy::Zero(_)) {
                     let (params, full) = reader.full_state(adam)?;
                     model = CausalLm::new(model.config.clone(), Params::from_tensors(params)?)?;
                     full_state = Some(full);
@@ -421,10 +443,16 @@ impl<'a> Trainer<'a> {
                 }
                 Optimizer::Zero(z)
             }
-            Strategy::Fsdp(policy) => {
+            Strategy::Fsdp(policy, prefetch) => {
                 // Every rank cuts its slices from the synced values, then drops the full tensors.
                 let layers = model.config.num_hidden_layers;
-                let sharded = Arc::new(ShardedModel::new(&model.params, layers, policy, shard)?);
+                let sharded = Arc::new(ShardedModel::new(
+                    &model.params,
+                    layers,
+                    policy,
+                    prefetch,
+                    shard,
+                )?);
                 model = CausalLm::sharded(model.config.clone(), sharded.clone())?;
                 let mut f = FsdpOptimizer::new(sharded, adam, replicate)?;
                 if let Some(full) = &full_state {
@@ -458,6 +486,7 @@ impl<'a> Trainer<'a> {
             tokenizer_dir: dir,
             config,
             ctx,
+            dp_queue: CommQueue::new(dp.clone())?,
             dp,
             model,
             tokenizer,
@@ -541,7 +570,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// Sums gradients across data-parallel ranks in buckets, last parameters first (the order
-    /// backward produces them). One helper thread runs the collectives in order while this
+    /// backward produces them). The queue's thread runs the collectives in order while this
     /// thread flattens the next bucket. Candle's backward returns all gradients at once, so
     /// the overlap is with bucket packing, not with the backward pass itself.
     fn reduce_gradients(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<()> {
@@ -560,40 +589,29 @@ impl<'a> Trainer<'a> {
             size += bytes;
             buckets.last_mut().unwrap().push(n);
         }
-        let dp = self.dp.clone();
-        let (to_comm, comm_in) = std::sync::mpsc::channel::<Tensor>();
-        let (comm_out, from_comm) = std::sync::mpsc::channel::<Result<Tensor>>();
-        std::thread::scope(|s| -> Result<()> {
-            s.spawn(move || {
-                for flat in comm_in {
-                    let _ = comm_out.send(dp.all_reduce(&flat, ReduceOp::Sum));
-                }
-            });
-            for bucket in &buckets {
-                let parts: Vec<Tensor> = bucket
-                    .iter()
-                    .map(|n| grads[n].flatten_all())
-                    .collect::<candle_core::Result<_>>()?;
-                let _ = to_comm.send(Tensor::cat(&parts, 0)?);
+        let mut pending = Vec::with_capacity(buckets.len());
+        for bucket in &buckets {
+            let parts: Vec<Tensor> = bucket
+                .iter()
+                .map(|n| grads[n].flatten_all())
+                .collect::<candle_core::Result<_>>()?;
+            let flat = Tensor::cat(&parts, 0)?;
+            pending.push(
+                self.dp_queue
+                    .submit(move |c| c.all_reduce(&flat, ReduceOp::Sum)),
+            );
+        }
+        for (bucket, reduced) in buckets.iter().zip(pending) {
+            let flat = reduced.wait()?;
+            let mut offset = 0;
+            for n in bucket {
+                let g = grads.get_mut(n).unwrap();
+                let count = g.elem_count();
+                *g = flat.narrow(0, offset, count)?.reshape(g.shape())?;
+                offset += count;
             }
-            drop(to_comm);
-            for bucket in &buckets {
-                let flat = from_comm.recv().map_err(|_| Error::Comm {
-                    op: "all_reduce",
-                    group: self.dp.name().into(),
-                    rank: self.dp.rank(),
-                    message: "gradient communication thread ended".into(),
-                })??;
-                let mut offset = 0;
-                for n in bucket {
-                    let g = grads.get_mut(n).unwrap();
-                    let count = g.elem_count();
-                    *g = flat.narrow(0, offset, count)?.reshape(g.shape())?;
-                    offset += count;
-                }
-            }
-            Ok(())
-        })
+        }
+        Ok(())
     }
 
     fn global_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
