@@ -43,6 +43,10 @@ pub enum Error {
         message: String,
     },
 
+    /// A parameter or count cannot be split over the tensor-parallel group as annotated.
+    #[error("tensor parallelism: {name}: {message}")]
+    TensorParallel { name: String, message: String },
+
     #[error("{context}: {source}")]
     Io {
         context: String,

@@ -3,6 +3,10 @@
 //! - [`config`]: Accelerate launch YAML and the parallelism config.
 //! - [`dist`]: process environment (torchrun / SLURM), rendezvous store, device mesh.
 //! - [`comm`]: the `Communicator` trait, its backends and differentiable collectives.
+//! - [`tp`]: tensor parallelism from `#[derive(Parallelize)]` annotations.
+
+// The derive macros name this crate `::trl_runtime`, also when used inside it.
+extern crate self as trl_runtime;
 
 pub mod alloc;
 pub mod comm;
@@ -13,6 +17,11 @@ pub mod error;
 pub mod models;
 pub mod nn;
 pub mod parallel;
+pub mod tp;
 pub mod train;
 
+pub use candle_core;
 pub use error::{Error, Result};
+// The trait and its derive share the name, as serde does.
+pub use tp::Parallelize;
+pub use trl_macros::Parallelize;

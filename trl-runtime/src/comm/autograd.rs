@@ -18,10 +18,24 @@ use std::sync::Arc;
 enum Adjoint {
     Identity,
     AllReduce,
-    ReduceScatter { dim: usize },
-    AllGather { dim: usize },
-    AllToAll { split_dim: usize, concat_dim: usize },
-    Shift { offset: isize },
+    ReduceScatter {
+        dim: usize,
+    },
+    AllGather {
+        dim: usize,
+    },
+    AllToAll {
+        split_dim: usize,
+        concat_dim: usize,
+    },
+    Shift {
+        offset: isize,
+    },
+    /// Keep this rank's chunk along `dim` (the gradient of a gather whose result every rank
+    /// uses whole, so every rank holds the same full gradient).
+    Split {
+        dim: usize,
+    },
 }
 
 struct WithBackward {
@@ -94,6 +108,10 @@ impl CustomOp2 for WithBackward {
                 concat_dim,
             } => c.all_to_all(grad, split_dim, concat_dim),
             Adjoint::Shift { offset } => shift(c, grad, offset),
+            Adjoint::Split { dim } => {
+                let chunk = grad.dim(dim)? / c.size();
+                Ok(grad.narrow(dim, c.rank() * chunk, chunk)?)
+            }
         }
         .map_err(|e| e.into_candle())?;
         Ok((Some(g), None))
@@ -131,6 +149,14 @@ pub fn reduce_from_group(x: &Tensor, comm: &Arc<dyn Communicator>) -> Result<Ten
 pub fn all_gather(x: &Tensor, comm: &Arc<dyn Communicator>, dim: usize) -> Result<Tensor> {
     let value = comm.all_gather(&x.detach(), dim)?;
     attach(x, value, comm, Adjoint::ReduceScatter { dim })
+}
+
+/// Megatron's gather: all-gather along `dim` forward; backward keeps this rank's chunk of the
+/// gradient (the ranks compute the same thing from the gathered value, so the gradient is
+/// already whole on each). Put it after a column-parallel layer whose output is needed whole.
+pub fn gather_from_group(x: &Tensor, comm: &Arc<dyn Communicator>, dim: usize) -> Result<Tensor> {
+    let value = comm.all_gather(&x.detach(), dim)?;
+    attach(x, value, comm, Adjoint::Split { dim })
 }
 
 /// Reduce-scatter (sum) along `dim` forward; all-gather of the gradient backward.

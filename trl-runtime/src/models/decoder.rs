@@ -74,7 +74,10 @@ impl CausalLm {
         };
         let linear = |name: &str| -> Result<Linear> {
             let bias = lookup(&format!("{name}.bias"));
-            Ok(Linear::new(weight(&format!("{name}.weight"))?, bias))
+            Ok(Linear::from_weights(
+                weight(&format!("{name}.weight"))?,
+                bias,
+            ))
         };
         let norm = |name: &str| -> Result<RmsNorm> {
             Ok(RmsNorm::new(weight(&format!("{name}.weight"))?, eps))
@@ -97,13 +100,13 @@ impl CausalLm {
             .collect::<Result<Vec<_>>>()?;
         let embed_weight = weight("model.embed_tokens.weight")?;
         let lm_head = if config.tie_word_embeddings {
-            Linear::new(embed_weight.clone(), None)
+            Linear::from_weights(embed_weight.clone(), None)
         } else {
             linear("lm_head")?
         };
         Ok(CausalLm {
             rope,
-            embed_tokens: Embedding::new(embed_weight),
+            embed_tokens: Embedding::from_weight(embed_weight),
             layers,
             norm: norm("model.norm")?,
             lm_head,

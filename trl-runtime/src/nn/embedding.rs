@@ -1,31 +1,132 @@
-//! Token embedding: rows of a [vocab, hidden] table.
+//! Token embedding: rows of a [vocab, hidden] table. A drop-in for `candle_nn::Embedding` that
+//! can also be vocab-parallel (each rank holds a slice of the rows; see [`crate::tp`]).
 
 use super::Weight;
+use crate::comm::autograd::reduce_from_group;
+use crate::comm::Communicator;
+use crate::error::Result as TrlResult;
 use crate::parallel::fsdp;
+use crate::tp::{child_name, Parallelize, Split, TpContext, TpLayer, TpStyle, VocabParallel};
 use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
 
 #[derive(Clone)]
 pub struct Embedding {
     pub weight: Weight,
+    /// The group the rows are split over (vocab-parallel), once split.
+    tp: Option<Arc<dyn Communicator>>,
 }
 
 impl Embedding {
-    pub fn new(weight: impl Into<Weight>) -> Self {
-        Embedding {
-            weight: weight.into(),
-        }
+    /// As `candle_nn::Embedding::new`: a [vocab, hidden_size] table.
+    pub fn new(embeddings: Tensor, hidden_size: usize) -> Self {
+        debug_assert_eq!(embeddings.dims().last(), Some(&hidden_size));
+        Self::from_weight(Weight::Local(embeddings))
+    }
+
+    pub fn from_weight(weight: Weight) -> Self {
+        Embedding { weight, tp: None }
     }
 
     /// `ids` [..] (any integer dtype) -> [.., hidden].
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let flat = ids.flatten_all()?.to_dtype(DType::U32)?;
         let hidden = self.weight.dims()[1];
-        let rows = match &self.weight {
-            Weight::Local(w) => w.index_select(&flat, 0)?,
-            Weight::Sharded(w) => fsdp::embedding(&flat, w)?,
+        let rows = match &self.tp {
+            None => self.lookup(&flat)?,
+            Some(comm) => {
+                // Ids outside this rank's rows look up row 0 and are zeroed; the sum over the
+                // group then holds every id's row exactly once.
+                let local = self.weight.dims()[0] as u32;
+                let start = comm.rank() as u32 * local;
+                let ids: Vec<u32> = flat.to_vec1()?;
+                let here: Vec<f32> = ids
+                    .iter()
+                    .map(|&i| (start..start + local).contains(&i) as u8 as f32)
+                    .collect();
+                let shifted: Vec<u32> = ids
+                    .iter()
+                    .zip(&here)
+                    .map(|(&i, &h)| if h > 0.0 { i - start } else { 0 })
+                    .collect();
+                let n = ids.len();
+                let shifted = Tensor::from_vec(shifted, n, flat.device())?;
+                let rows = self.lookup(&shifted)?;
+                let here = Tensor::from_vec(here, (n, 1), flat.device())?.to_dtype(rows.dtype())?;
+                reduce_from_group(&rows.broadcast_mul(&here)?, comm).map_err(|e| e.into_candle())?
+            }
         };
         let mut dims = ids.dims().to_vec();
         dims.push(hidden);
         rows.reshape(dims)
     }
+
+    fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
+        match &self.weight {
+            Weight::Local(w) => w.index_select(ids, 0),
+            Weight::Sharded(w) => fsdp::embedding(ids, w),
+        }
+    }
+}
+
+impl candle_core::Module for Embedding {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Embedding::forward(self, x)
+    }
+}
+
+impl TpLayer for Embedding {
+    fn shard(&mut self, name: &str, style: TpStyle, tp: &TpContext) -> TrlResult<()> {
+        let weight_name = child_name(name, "weight");
+        let Weight::Local(w) = &self.weight else {
+            return Err(crate::Error::TensorParallel {
+                name: weight_name,
+                message: "already sharded by FSDP: split tensor-parallel layers before wrapping"
+                    .into(),
+            });
+        };
+        if style != TpStyle::Vocab {
+            return Err(crate::Error::TensorParallel {
+                name: weight_name,
+                message: format!(
+                    "an embedding can only be vocab-parallel, not {}",
+                    style.name()
+                ),
+            });
+        }
+        self.weight = Weight::Local(tp.shard(&weight_name, w, 0)?);
+        self.tp = Some(tp.comm().clone());
+        Ok(())
+    }
+
+    fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        if let Weight::Local(w) = &self.weight {
+            let dim = (style == TpStyle::Vocab).then_some(0);
+            f(&child_name(name, "weight"), w, Split { style, dim });
+        }
+    }
+}
+
+impl VocabParallel for Embedding {}
+
+impl Parallelize for Embedding {
+    fn parallelize(&mut self, _: &str, _: &TpContext) -> TrlResult<()> {
+        Ok(())
+    }
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        self.visit_split(name, TpStyle::Replicate, f)
+    }
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
+    ) -> TrlResult<()> {
+        f(&child_name(name, "weight"), &mut self.weight)
+    }
+}
+
+/// As `candle_nn::embedding`: a [vocab, hidden] table from `vb`.
+pub fn embedding(vocab: usize, hidden: usize, vb: candle_nn::VarBuilder) -> Result<Embedding> {
+    let e = candle_nn::embedding(vocab, hidden, vb)?;
+    Ok(Embedding::new(e.embeddings().clone(), hidden))
 }

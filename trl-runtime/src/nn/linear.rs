@@ -1,32 +1,168 @@
 //! y = x W^T + b with W stored [out_features, in_features], as in PyTorch and HF checkpoints.
+//! A drop-in for `candle_nn::Linear` (same constructor, `Module`) that can also be split over a
+//! tensor-parallel group (column, row or vocab; see [`crate::tp`]) and hold ZeRO-3 / FSDP
+//! sharded weights.
 
 use super::Weight;
+use crate::comm::autograd::{copy_to_group, gather_from_group, reduce_from_group};
+use crate::comm::Communicator;
+use crate::error::Result as TrlResult;
 use crate::parallel::fsdp;
+use crate::tp::{
+    child_name, ColumnParallel, Parallelize, RowParallel, Split, TpContext, TpLayer, TpStyle,
+    VocabParallel,
+};
 use candle_core::{Result, Tensor};
+use std::sync::Arc;
 
 #[derive(Clone)]
 pub struct Linear {
     pub weight: Weight,
     pub bias: Option<Weight>,
+    /// How this layer is split over the tensor-parallel group, and the group (once split).
+    tp: Option<(TpStyle, Arc<dyn Communicator>)>,
 }
 
 impl Linear {
-    pub fn new(weight: impl Into<Weight>, bias: Option<Weight>) -> Self {
+    /// As `candle_nn::Linear::new`: `weight` [out, in], optional `bias` [out].
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self::from_weights(Weight::Local(weight), bias.map(Weight::Local))
+    }
+
+    pub fn from_weights(weight: Weight, bias: Option<Weight>) -> Self {
         Linear {
-            weight: weight.into(),
+            weight,
             bias,
+            tp: None,
         }
     }
 
     /// `x`: [..., in] -> [..., out]. Leading dims are flattened into one matmul.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match (&self.weight, &self.bias) {
+        let Some((style, comm)) = &self.tp else {
+            return self.compute(x, self.bias.as_ref());
+        };
+        let wrap = |e: crate::Error| e.into_candle();
+        match style {
+            TpStyle::Column { gather_output } => {
+                let x = copy_to_group(x, comm).map_err(wrap)?;
+                let y = self.compute(&x, self.bias.as_ref())?;
+                if *gather_output {
+                    let last = y.rank() - 1;
+                    gather_from_group(&y, comm, last).map_err(wrap)
+                } else {
+                    Ok(y)
+                }
+            }
+            TpStyle::Vocab => {
+                let x = copy_to_group(x, comm).map_err(wrap)?;
+                self.compute(&x, self.bias.as_ref())
+            }
+            TpStyle::Row => {
+                // Partial sums of the split input features, summed over the group; the bias
+                // (kept whole) is added once, after the sum.
+                let partial = self.compute(x, None)?;
+                let y = reduce_from_group(&partial, comm).map_err(wrap)?;
+                match &self.bias {
+                    None => Ok(y),
+                    Some(Weight::Local(b)) => y.broadcast_add(b),
+                    Some(Weight::Sharded(b)) => fsdp::add_bias(&y, b),
+                }
+            }
+            TpStyle::Replicate => self.compute(x, self.bias.as_ref()),
+        }
+    }
+
+    fn compute(&self, x: &Tensor, bias: Option<&Weight>) -> Result<Tensor> {
+        match (&self.weight, bias) {
             (Weight::Local(w), None) => local_linear(x, w, None),
             (Weight::Local(w), Some(Weight::Local(b))) => local_linear(x, w, Some(b)),
             (Weight::Sharded(w), None) => fsdp::linear(x, w, None),
             (Weight::Sharded(w), Some(Weight::Sharded(b))) => fsdp::linear(x, w, Some(b)),
             _ => candle_core::bail!("a linear layer's weight and bias must be held the same way"),
         }
+    }
+
+    /// The dimension of the weight and of the bias split under `style` (None: kept whole).
+    fn split_dims(style: TpStyle) -> (Option<usize>, Option<usize>) {
+        match style {
+            TpStyle::Column { .. } | TpStyle::Vocab => (Some(0), Some(0)),
+            TpStyle::Row => (Some(1), None),
+            TpStyle::Replicate => (None, None),
+        }
+    }
+}
+
+impl candle_core::Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Linear::forward(self, x)
+    }
+}
+
+fn local(name: &str, w: &Weight) -> TrlResult<Tensor> {
+    match w {
+        Weight::Local(t) => Ok(t.clone()),
+        Weight::Sharded(_) => Err(crate::Error::TensorParallel {
+            name: name.into(),
+            message: "already sharded by FSDP: split tensor-parallel layers before wrapping".into(),
+        }),
+    }
+}
+
+impl TpLayer for Linear {
+    fn shard(&mut self, name: &str, style: TpStyle, tp: &TpContext) -> TrlResult<()> {
+        if self.tp.is_some() {
+            return Err(crate::Error::TensorParallel {
+                name: name.into(),
+                message: "this layer is already split (parallelize runs once per model)".into(),
+            });
+        }
+        let (wd, bd) = Self::split_dims(style);
+        if let Some(d) = wd {
+            let w = local(&child_name(name, "weight"), &self.weight)?;
+            self.weight = Weight::Local(tp.shard(&child_name(name, "weight"), &w, d)?);
+        }
+        if let (Some(d), Some(b)) = (bd, &self.bias) {
+            let b = local(&child_name(name, "bias"), b)?;
+            self.bias = Some(Weight::Local(tp.shard(&child_name(name, "bias"), &b, d)?));
+        }
+        self.tp = Some((style, tp.comm().clone()));
+        Ok(())
+    }
+
+    fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        let (wd, bd) = Self::split_dims(style);
+        if let Weight::Local(w) = &self.weight {
+            f(&child_name(name, "weight"), w, Split { style, dim: wd });
+        }
+        if let Some(Weight::Local(b)) = &self.bias {
+            f(&child_name(name, "bias"), b, Split { style, dim: bd });
+        }
+    }
+}
+
+impl ColumnParallel for Linear {}
+impl RowParallel for Linear {}
+impl VocabParallel for Linear {}
+
+/// Unannotated: replicated on every rank.
+impl Parallelize for Linear {
+    fn parallelize(&mut self, _: &str, _: &TpContext) -> TrlResult<()> {
+        Ok(())
+    }
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        self.visit_split(name, TpStyle::Replicate, f)
+    }
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
+    ) -> TrlResult<()> {
+        f(&child_name(name, "weight"), &mut self.weight)?;
+        if let Some(b) = &mut self.bias {
+            f(&child_name(name, "bias"), b)?;
+        }
+        Ok(())
     }
 }
 
@@ -43,4 +179,16 @@ pub fn local_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Resul
     let mut out_dims = dims.to_vec();
     *out_dims.last_mut().unwrap() = weight.dim(0)?;
     y.reshape(out_dims)
+}
+
+/// As `candle_nn::linear`: a [out, in] weight and a bias from `vb`.
+pub fn linear(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
+    let l = candle_nn::linear(in_dim, out_dim, vb)?;
+    Ok(Linear::new(l.weight().clone(), l.bias().cloned()))
+}
+
+/// As `candle_nn::linear_no_bias`.
+pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: candle_nn::VarBuilder) -> Result<Linear> {
+    let l = candle_nn::linear_no_bias(in_dim, out_dim, vb)?;
+    Ok(Linear::new(l.weight().clone(), None))
 }

@@ -12,9 +12,9 @@ pub mod softmax;
 pub mod weight;
 
 pub use attention::{attention, AttentionMask};
-pub use embedding::Embedding;
-pub use linear::Linear;
+pub use embedding::{embedding, Embedding};
+pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{causal_lm_loss, LossSum, IGNORE_INDEX};
-pub use rmsnorm::RmsNorm;
+pub use rmsnorm::{rms_norm, RmsNorm};
 pub use rope::{RopeScaling, RotaryEmbedding};
 pub use weight::Weight;

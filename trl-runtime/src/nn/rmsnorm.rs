@@ -1,8 +1,10 @@
 //! RMSNorm as in Llama/Qwen2: x / sqrt(mean(x^2) + eps) * weight, computed in f32 (f64 inputs
-//! stay f64).
+//! stay f64). A drop-in for `candle_nn::RmsNorm`; replicated under tensor parallelism.
 
 use super::Weight;
+use crate::error::Result as TrlResult;
 use crate::parallel::fsdp;
+use crate::tp::{child_name, Parallelize, Split, TpContext};
 use candle_core::{DType, Result, Tensor, D};
 
 #[derive(Clone)]
@@ -36,4 +38,35 @@ impl RmsNorm {
             Weight::Sharded(w) => fsdp::scale(&normed, w),
         }
     }
+}
+
+impl candle_core::Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        RmsNorm::forward(self, x)
+    }
+}
+
+/// A norm's weight scales every feature, so it stays whole on every tensor-parallel rank.
+impl Parallelize for RmsNorm {
+    fn parallelize(&mut self, _: &str, _: &TpContext) -> TrlResult<()> {
+        Ok(())
+    }
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        if let Weight::Local(w) = &self.weight {
+            f(&child_name(name, "weight"), w, Split::REPLICATED)
+        }
+    }
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
+    ) -> TrlResult<()> {
+        f(&child_name(name, "weight"), &mut self.weight)
+    }
+}
+
+/// As `candle_nn::rms_norm`: a weight of `size` ones from `vb`.
+pub fn rms_norm(size: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<RmsNorm> {
+    let w = vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.0))?;
+    Ok(RmsNorm::new(w, eps))
 }

@@ -263,6 +263,7 @@ impl ShardedWeight {
 enum OpKind {
     Linear { weight: usize, bias: Option<usize> },
     Scale { weight: usize },
+    Bias { weight: usize },
     Embedding { weight: usize, ids: Tensor },
 }
 
@@ -334,6 +335,11 @@ impl CustomOp1 for UnitOp {
                 let dw = (grad * arg)?.reshape(((), h))?.sum(0)?;
                 (dx, vec![(*weight, dw)])
             }
+            OpKind::Bias { weight } => {
+                let b = fetch(*weight)?;
+                let db = grad.reshape(((), b.elem_count()))?.sum(0)?;
+                (grad.clone(), vec![(*weight, db)])
+            }
             OpKind::Embedding { weight, ids } => {
                 unit.backward_began();
                 let shape = unit.layout.entries()[*weight].1.clone();
@@ -391,6 +397,14 @@ pub fn scale(x: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
     let weight = w.unit.weight(w.entry).map_err(failed)?;
     let y = x.detach().broadcast_mul(&weight)?;
     apply(x, &w.unit, OpKind::Scale { weight: w.entry }, y)
+}
+
+/// `x + b` broadcast over the last dimension (a row-parallel layer's bias, added after the
+/// tensor-parallel sum).
+pub fn add_bias(x: &Tensor, b: &ShardedWeight) -> candle_core::Result<Tensor> {
+    let bias = b.unit.weight(b.entry).map_err(failed)?;
+    let y = x.detach().broadcast_add(&bias)?;
+    apply(x, &b.unit, OpKind::Bias { weight: b.entry }, y)
 }
 
 /// Rows `ids` (u32, flat) of an embedding table: [n, hidden].

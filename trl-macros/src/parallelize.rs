@@ -1,0 +1,525 @@
+//! `#[derive(Parallelize)]`: attribute parsing and checks (all errors of one struct are
+//! reported together), then the generated `impl trl_runtime::tp::Parallelize`.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned, ToTokens};
+use syn::spanned::Spanned;
+use syn::{Data, DeriveInput, Field, LitStr, Type};
+
+const FIELD_KEYS: &str = "`tp = \"...\"`, `gather_output`, `name = \"...\"`, `fsdp_unit`, `skip`";
+const STYLES: &str = "\"column\", \"row\", \"vocab\", \"replicate\", \"divide\"";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Style {
+    Column,
+    Row,
+    Vocab,
+    Replicate,
+    Divide,
+}
+
+impl Style {
+    fn parse(s: &str) -> Option<Style> {
+        Some(match s {
+            "column" => Style::Column,
+            "row" => Style::Row,
+            "vocab" => Style::Vocab,
+            "replicate" => Style::Replicate,
+            "divide" => Style::Divide,
+            _ => return None,
+        })
+    }
+}
+
+/// What one field's `#[parallel(...)]` attributes say.
+#[derive(Default)]
+struct FieldAttrs {
+    style: Option<(Style, Span)>,
+    gather_output: Option<Span>,
+    name: Option<LitStr>,
+    fsdp_unit: Option<Span>,
+    skip: Option<Span>,
+}
+
+/// Collects errors so that every mistake of a struct is reported in one compile.
+#[derive(Default)]
+struct Errors(Option<syn::Error>);
+
+impl Errors {
+    fn push(&mut self, span: Span, msg: impl std::fmt::Display) {
+        let e = syn::Error::new(span, msg);
+        match &mut self.0 {
+            Some(all) => all.combine(e),
+            None => self.0 = Some(e),
+        }
+    }
+    fn add(&mut self, e: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(e),
+            None => self.0 = Some(e),
+        }
+    }
+}
+
+fn set_once<T>(slot: &mut Option<T>, value: T, span: Span, key: &str, errors: &mut Errors) {
+    if slot.is_some() {
+        errors.push(
+            span,
+            format!("duplicate `{key}` in #[parallel(...)]: give it once"),
+        );
+    } else {
+        *slot = Some(value);
+    }
+}
+
+fn parse_field_attrs(field: &Field, errors: &mut Errors) -> FieldAttrs {
+    let mut out = FieldAttrs::default();
+    for attr in field.attrs.iter().filter(|a| a.path().is_ident("parallel")) {
+        let res = attr.parse_nested_meta(|meta| {
+            let span = meta.path.span();
+            let key = meta
+                .path
+                .get_ident()
+                .map(|i| i.to_string())
+                .unwrap_or_default();
+            match key.as_str() {
+                "tp" => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    match Style::parse(&lit.value()) {
+                        Some(style) => {
+                            set_once(&mut out.style, (style, lit.span()), span, "tp", errors)
+                        }
+                        None => errors.push(
+                            lit.span(),
+                            format!(
+                                "unknown tensor-parallel style \"{}\": use one of {STYLES}",
+                                lit.value()
+                            ),
+                        ),
+                    }
+                }
+                "name" => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    set_once(&mut out.name, lit, span, "name", errors);
+                }
+                "gather_output" => set_once(&mut out.gather_output, span, span, &key, errors),
+                "fsdp_unit" => set_once(&mut out.fsdp_unit, span, span, &key, errors),
+                "skip" => set_once(&mut out.skip, span, span, &key, errors),
+                _ => {
+                    // Consume a value if one was given, so parsing goes on to the next key.
+                    if meta.input.peek(syn::Token![=]) {
+                        let _: syn::Expr = meta.value()?.parse()?;
+                    }
+                    errors.push(
+                        span,
+                        format!(
+                            "unknown key `{}` in #[parallel(...)] on a field: use {FIELD_KEYS}",
+                            meta.path.to_token_stream()
+                        ),
+                    );
+                }
+            }
+            Ok(())
+        });
+        if let Err(e) = res {
+            errors.add(e);
+        }
+    }
+    out
+}
+
+/// The last path segment of a type (`Linear` for `trl_runtime::nn::Linear`), if a path.
+fn type_name(ty: &Type) -> Option<String> {
+    match ty {
+        Type::Path(p) => p.path.segments.last().map(|s| s.ident.to_string()),
+        _ => None,
+    }
+}
+
+/// A style on a type the macro can see cannot take it: why, or None (the trait bound on the
+/// generated call checks the types it does not know).
+fn style_misfit(style: Style, ty: &Type) -> Option<String> {
+    let name = type_name(ty)?;
+    let container = matches!(name.as_str(), "Vec" | "Option" | "Box");
+    let norm = name.ends_with("Norm");
+    match style {
+        Style::Replicate => None,
+        Style::Divide => match name.as_str() {
+            "usize" | "u32" | "u64" | "i32" | "i64" => None,
+            _ => Some(format!(
+                "`tp = \"divide\"` divides a count (such as the number of attention heads) by the \
+                 tp size; it needs an integer field, not `{name}`"
+            )),
+        },
+        _ if container => Some(format!(
+            "a tensor-parallel style goes on a layer, not on a `{name}`: annotate the layer \
+             fields of the element type (deriving Parallelize for it) and leave this field \
+             unannotated, or mark it `fsdp_unit`"
+        )),
+        _ if norm => Some(format!(
+            "`{name}` cannot be split over tp ranks: a norm's weight scales every feature of \
+             its input, so each rank needs all of it; leave it unannotated (replicated)"
+        )),
+        Style::Column | Style::Row if name == "Embedding" => Some(
+            "an embedding is split by vocabulary rows: use `tp = \"vocab\"` (column and row \
+             styles apply to Linear layers)"
+                .into(),
+        ),
+        _ if name == "Tensor" || name == "Var" => Some(format!(
+            "a bare `{name}` does not know how to split itself or communicate: wrap it in \
+             trl_runtime::nn::Linear or Embedding (column, row: Linear; vocab: Linear or \
+             Embedding)"
+        )),
+        _ => None,
+    }
+}
+
+struct Plan {
+    parallelize: Vec<TokenStream>,
+    visit: Vec<TokenStream>,
+    visit_mut: Vec<TokenStream>,
+    units: Vec<TokenStream>,
+}
+
+pub fn expand(input: TokenStream) -> TokenStream {
+    match syn::parse2::<DeriveInput>(input) {
+        Ok(input) => expand_struct(&input).unwrap_or_else(|e| e.to_compile_error()),
+        Err(e) => e.to_compile_error(),
+    }
+}
+
+fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
+    let mut errors = Errors::default();
+    let fields =
+        match &input.data {
+            Data::Struct(s) => &s.fields,
+            Data::Enum(e) => return Err(syn::Error::new(
+                e.enum_token.span,
+                "#[derive(Parallelize)] applies to structs: a model's layers are the fields of \
+                 a struct; derive it on the structs that hold them",
+            )),
+            Data::Union(u) => {
+                return Err(syn::Error::new(
+                    u.union_token.span,
+                    "#[derive(Parallelize)] applies to structs, not unions",
+                ))
+            }
+        };
+
+    let mut struct_unit = false;
+    for attr in input.attrs.iter().filter(|a| a.path().is_ident("parallel")) {
+        let res = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident("fsdp_unit") {
+                if struct_unit {
+                    errors.push(meta.path.span(), "duplicate `fsdp_unit`: give it once");
+                }
+                struct_unit = true;
+            } else {
+                if meta.input.peek(syn::Token![=]) {
+                    let _: syn::Expr = meta.value()?.parse()?;
+                }
+                errors.push(
+                    meta.path.span(),
+                    format!(
+                        "unknown key `{}` in #[parallel(...)] on a struct: only `fsdp_unit` goes \
+                         there (tensor-parallel styles go on fields)",
+                        meta.path.to_token_stream()
+                    ),
+                );
+            }
+            Ok(())
+        });
+        if let Err(e) = res {
+            errors.add(e);
+        }
+    }
+
+    let parsed: Vec<(usize, &Field, FieldAttrs)> = fields
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (i, f, parse_field_attrs(f, &mut errors)))
+        .collect();
+
+    // Per-field consistency.
+    for (_, field, a) in &parsed {
+        if let Some(skip) = a.skip {
+            if a.style.is_some() || a.fsdp_unit.is_some() || a.gather_output.is_some() {
+                errors.push(
+                    skip,
+                    "`skip` conflicts with the other keys on this field: a skipped field holds \
+                     no parameters, so it has no style or unit",
+                );
+            }
+        }
+        if let (Some(unit), Some((style, _))) = (a.fsdp_unit, a.style) {
+            if style != Style::Replicate {
+                errors.push(
+                    unit,
+                    "`fsdp_unit` marks a module (or a Vec of modules) as an FSDP wrap unit; a \
+                     tensor-parallel style marks a layer: put the style on the layers inside",
+                );
+            }
+        }
+        if let Some(g) = a.gather_output {
+            if !matches!(a.style, Some((Style::Column, _))) {
+                errors.push(
+                    g,
+                    "`gather_output` applies to `tp = \"column\"` only (it all-gathers the \
+                     column-split output)",
+                );
+            }
+        }
+        if let Some((style, span)) = a.style {
+            if let Some(why) = style_misfit(style, &field.ty) {
+                errors.push(field.ty.span().join(span).unwrap_or(field.ty.span()), why);
+            }
+        }
+    }
+
+    // Column / row pairing inside this struct.
+    let has = |s: Style, gathered: Option<bool>| {
+        parsed.iter().any(|(_, _, a)| {
+            matches!(a.style, Some((x, _)) if x == s)
+                && gathered.is_none_or(|g| a.gather_output.is_some() == g)
+        })
+    };
+    let struct_name = &input.ident;
+    let field_label = |i: usize, f: &Field| {
+        f.ident
+            .as_ref()
+            .map(|x| x.to_string())
+            .unwrap_or_else(|| i.to_string())
+    };
+    if has(Style::Column, Some(false)) && !has(Style::Row, None) {
+        for (i, f, a) in &parsed {
+            if let (Some((Style::Column, span)), None) = (a.style, a.gather_output) {
+                errors.push(
+                    span,
+                    format!(
+                        "column-parallel `{}` leaves its output split over the tp ranks, and no \
+                         field of `{struct_name}` is row-parallel to consume it: mark the layer \
+                         that reads this output `tp = \"row\"`, or add `gather_output` here",
+                        field_label(*i, f)
+                    ),
+                );
+            }
+        }
+    }
+    if has(Style::Row, None) && !has(Style::Column, Some(false)) {
+        for (i, f, a) in &parsed {
+            if let Some((Style::Row, span)) = a.style {
+                errors.push(
+                    span,
+                    format!(
+                        "row-parallel `{}` expects its input split over the tp ranks, but no \
+                         field of `{struct_name}` is column-parallel (without gather_output) \
+                         to produce it: mark the layers that feed it `tp = \"column\"`",
+                        field_label(*i, f)
+                    ),
+                );
+            }
+        }
+    }
+    if let Some(e) = errors.0 {
+        return Err(e);
+    }
+
+    let tp = quote!(::trl_runtime::tp);
+    let mut plan = Plan {
+        parallelize: Vec::new(),
+        visit: Vec::new(),
+        visit_mut: Vec::new(),
+        units: Vec::new(),
+    };
+    let mut bounds = Vec::new();
+    for (i, field, a) in &parsed {
+        if a.skip.is_some() {
+            continue;
+        }
+        let member = match &field.ident {
+            Some(id) => quote!(#id),
+            None => {
+                let idx = syn::Index::from(*i);
+                quote!(#idx)
+            }
+        };
+        let segment = match &a.name {
+            Some(lit) => lit.value(),
+            None => field_label(*i, field),
+        };
+        let child = if segment.is_empty() {
+            quote!(name.to_string())
+        } else {
+            quote!(#tp::child_name(name, #segment))
+        };
+        let ty = &field.ty;
+        let span = ty.span();
+        let style = a.style.map(|(s, _)| s).unwrap_or(Style::Replicate);
+        let tp_style = match style {
+            Style::Column => {
+                let gather = a.gather_output.is_some();
+                Some((
+                    format_ident!("ColumnParallel"),
+                    quote!(#tp::TpStyle::Column { gather_output: #gather }),
+                ))
+            }
+            Style::Row => Some((format_ident!("RowParallel"), quote!(#tp::TpStyle::Row))),
+            Style::Vocab => Some((format_ident!("VocabParallel"), quote!(#tp::TpStyle::Vocab))),
+            Style::Replicate | Style::Divide => None,
+        };
+        match (style, tp_style) {
+            (Style::Divide, _) => {
+                plan.parallelize.push(quote_spanned! {span=>
+                    #tp::DividedByTp::divide(&mut self.#member, &#child, tp)?;
+                });
+            }
+            (_, Some((marker, style_value))) => {
+                plan.parallelize.push(quote_spanned! {span=>
+                    {
+                        fn layer<T: #tp::#marker>(layer: &mut T) -> &mut T { layer }
+                        #tp::TpLayer::shard(layer(&mut self.#member), &#child, #style_value, tp)?;
+                    }
+                });
+                plan.visit.push(quote! {
+                    #tp::TpLayer::visit_split(&self.#member, &#child, #style_value, f);
+                });
+                plan.visit_mut.push(quote! {
+                    #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;
+                });
+            }
+            _ => {
+                bounds.push(quote_spanned!(span=> #ty: #tp::Parallelize));
+                plan.parallelize.push(quote_spanned! {span=>
+                    #tp::Parallelize::parallelize(&mut self.#member, &#child, tp)?;
+                });
+                plan.visit.push(quote! {
+                    #tp::Parallelize::visit_params(&self.#member, &#child, f);
+                });
+                plan.visit_mut.push(quote! {
+                    #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;
+                });
+                plan.units.push(if a.fsdp_unit.is_some() {
+                    quote!(#tp::Parallelize::visit_as_unit(&self.#member, &#child, f);)
+                } else {
+                    quote!(#tp::Parallelize::visit_units(&self.#member, &#child, f);)
+                });
+            }
+        }
+    }
+
+    let ident = &input.ident;
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    // Generic structs: each visited field type must itself be Parallelize.
+    let where_clause = if input.generics.params.is_empty() {
+        quote!(#where_clause)
+    } else {
+        let existing = where_clause.map(|w| {
+            let preds = &w.predicates;
+            quote!(#preds,)
+        });
+        quote!(where #existing #(#bounds,)*)
+    };
+    let Plan {
+        parallelize,
+        visit,
+        visit_mut,
+        units,
+    } = plan;
+    let uses_name = !parallelize.is_empty();
+    let name_arg = |used: bool| if used { quote!(name) } else { quote!(_name) };
+    let (p_name, v_name, m_name, u_name) = (
+        name_arg(uses_name),
+        name_arg(!visit.is_empty()),
+        name_arg(!visit_mut.is_empty()),
+        name_arg(!units.is_empty()),
+    );
+    let (p_tp, v_f, m_f, u_f) = (
+        if uses_name { quote!(tp) } else { quote!(_tp) },
+        if visit.is_empty() {
+            quote!(_f)
+        } else {
+            quote!(f)
+        },
+        if visit_mut.is_empty() {
+            quote!(_f)
+        } else {
+            quote!(f)
+        },
+        if units.is_empty() {
+            quote!(_f)
+        } else {
+            quote!(f)
+        },
+    );
+    Ok(quote! {
+        #[automatically_derived]
+        impl #impl_generics #tp::Parallelize for #ident #ty_generics #where_clause {
+            const FSDP_UNIT: bool = #struct_unit;
+
+            fn parallelize(&mut self, #p_name: &str, #p_tp: &#tp::TpContext) -> ::trl_runtime::Result<()> {
+                #(#parallelize)*
+                Ok(())
+            }
+
+            fn visit_params(
+                &self,
+                #v_name: &str,
+                #v_f: &mut dyn FnMut(&str, &::trl_runtime::candle_core::Tensor, #tp::Split),
+            ) {
+                #(#visit)*
+            }
+
+            fn visit_weights_mut(
+                &mut self,
+                #m_name: &str,
+                #m_f: &mut dyn FnMut(&str, &mut ::trl_runtime::nn::Weight) -> ::trl_runtime::Result<()>,
+            ) -> ::trl_runtime::Result<()> {
+                #(#visit_mut)*
+                Ok(())
+            }
+
+            fn visit_units(&self, #u_name: &str, #u_f: &mut dyn FnMut(&str)) {
+                #(#units)*
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The generated code of one annotated attention block, kept in the repository so that a
+    /// change to it shows in review. `TRL_BLESS=1 cargo test -p trl-macros` rewrites it.
+    #[test]
+    fn expansion_snapshot() {
+        let input = quote! {
+            #[parallel(fsdp_unit)]
+            struct Attention {
+                #[parallel(tp = "column")]
+                q_proj: Linear,
+                #[parallel(tp = "row", name = "out")]
+                o_proj: Linear,
+                #[parallel(tp = "divide")]
+                num_heads: usize,
+                #[parallel(skip)]
+                rotary: Rotary,
+                norm: RmsNorm,
+            }
+        };
+        let file: syn::File = syn::parse2(expand(input)).expect("expansion parses");
+        let got = prettyplease::unparse(&file);
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/expand/attention.expanded.rs"
+        );
+        if std::env::var_os("TRL_BLESS").is_some() {
+            std::fs::write(path, &got).unwrap();
+        }
+        let want = std::fs::read_to_string(path).unwrap_or_default();
+        assert_eq!(
+            got, want,
+            "the expansion changed: review it and rerun with TRL_BLESS=1 to accept"
+        );
+    }
+}
