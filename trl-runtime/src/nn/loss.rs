@@ -20,6 +20,19 @@ impl LossSum {
     }
 }
 
+/// The targets as a list, checked against the vocabulary, and how many are not ignored.
+pub(crate) fn checked_targets(targets: &Tensor, vocab: usize) -> Result<(Vec<i64>, usize)> {
+    let targets: Vec<i64> = targets.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
+    if let Some(bad) = targets
+        .iter()
+        .find(|&&t| t != IGNORE_INDEX && (t < 0 || t as usize >= vocab))
+    {
+        candle_core::bail!("label {bad} is outside the vocabulary of {vocab} tokens (use -100 to ignore a position)");
+    }
+    let count = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
+    Ok((targets, count))
+}
+
 /// Summed cross-entropy of `logits` [.., vocab] against aligned `targets` [..] (i64, -100
 /// ignored), computed in f32 (f64 inputs stay f64).
 pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
@@ -30,14 +43,7 @@ pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
         DType::F32
     };
     let logits = logits.reshape(((), vocab))?.to_dtype(compute)?;
-    let targets: Vec<i64> = targets.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
-    if let Some(bad) = targets
-        .iter()
-        .find(|&&t| t != IGNORE_INDEX && (t < 0 || t as usize >= vocab))
-    {
-        candle_core::bail!("label {bad} is outside the vocabulary of {vocab} tokens (use -100 to ignore a position)");
-    }
-    let count = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
+    let (targets, count) = checked_targets(targets, vocab)?;
     let device = logits.device();
     let index: Vec<u32> = targets
         .iter()

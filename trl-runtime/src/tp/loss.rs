@@ -5,7 +5,7 @@
 use crate::comm::autograd::reduce_from_group;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
-use crate::nn::loss::{cross_entropy_sum, LossSum, IGNORE_INDEX};
+use crate::nn::loss::{checked_targets, cross_entropy_sum, LossSum, IGNORE_INDEX};
 use candle_core::{DType, Tensor, D};
 use std::sync::Arc;
 
@@ -29,17 +29,7 @@ pub fn vocab_parallel_cross_entropy(
         DType::F32
     };
     let logits = logits.reshape(((), local_vocab))?.to_dtype(compute)?;
-    let targets: Vec<i64> = targets.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
-    if let Some(bad) = targets
-        .iter()
-        .find(|&&t| t != IGNORE_INDEX && (t < 0 || t as usize >= vocab))
-    {
-        return Err(candle_core::Error::msg(format!(
-            "label {bad} is outside the vocabulary of {vocab} tokens (use -100 to ignore a position)"
-        ))
-        .into());
-    }
-    let count = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
+    let (targets, count) = checked_targets(targets, vocab)?;
     let mine = |t: i64| t != IGNORE_INDEX && (start..start + local_vocab).contains(&(t as usize));
     let n = targets.len();
     let device = logits.device();
