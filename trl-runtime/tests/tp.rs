@@ -350,3 +350,141 @@ fn indivisible_shapes_name_the_tensor() {
         errs[0]
     );
 }
+
+mod qwen2 {
+    //! Our own Qwen2 decoder is annotated the same way: tp = 2 and 4 give the logits, loss and
+    //! gradients of tp = 1, with tied embeddings and GQA (the bundled tiny model) and untied,
+    //! with q/k/v biases.
+    use super::*;
+    use trl_runtime::models::{CausalLm, ModelConfig, Params};
+
+    fn config(edit: &[(&str, serde_json::Value)]) -> ModelConfig {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../assets/tiny/model/config.json"
+        );
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        for (k, v) in edit {
+            json[*k] = v.clone();
+        }
+        ModelConfig::from_json(&json.to_string(), "test config").unwrap()
+    }
+
+    struct Pass {
+        logits: Tensor,
+        loss: f64,
+        grads: BTreeMap<String, Tensor>,
+        splits: BTreeMap<String, Split>,
+    }
+
+    fn pass(cfg: &ModelConfig, params: &Params, comm: Arc<dyn Communicator>) -> Pass {
+        let copies = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
+            .collect();
+        let mut model = CausalLm::new(cfg.clone(), Params::from_tensors(copies).unwrap()).unwrap();
+        model.parallelize(comm).unwrap();
+        let ids = Tensor::new(
+            &[[5u32, 9, 14, 3, 7, 21, 100, 283], [1, 2, 3, 4, 5, 6, 7, 8]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        // Two packed documents in the second row.
+        let pos = Tensor::new(
+            &[[0i64, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 0, 1, 2, 3]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let labels = ids.to_dtype(DType::I64).unwrap();
+        let logits = model.forward(&ids, &pos).unwrap();
+        let ls = model.loss(&logits, &labels).unwrap();
+        let mean = (ls.sum / ls.count as f64).unwrap();
+        let store = mean.backward().unwrap();
+        let mut splits = BTreeMap::new();
+        model.visit_params("", &mut |n, _, s| {
+            splits.entry(n.to_string()).or_insert(s);
+        });
+        Pass {
+            logits: model.forward_full(&ids, &pos).unwrap(),
+            loss: mean.to_scalar::<f32>().unwrap() as f64,
+            grads: model
+                .params
+                .iter()
+                .map(|(n, v)| (n.clone(), store.get(v.as_tensor()).unwrap().clone()))
+                .collect(),
+            splits,
+        }
+    }
+
+    fn check(cfg: &ModelConfig, sizes: &[usize]) {
+        let params = Params::init(cfg, 11, DType::F32, &Device::Cpu).unwrap();
+        let reference = InProcessWorld::run(1, |_, c| pass(cfg, &params, c)).remove(0);
+        // A key bias has a zero gradient up to rounding (softmax ignores a shift shared by a
+        // row's scores): gradients are compared against the largest gradient of the model.
+        let scale = reference
+            .grads
+            .values()
+            .map(|g| {
+                g.abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+            })
+            .fold(0f32, f32::max) as f64;
+        for &tp in sizes {
+            for (rank, run) in InProcessWorld::run(tp, |_, c| pass(cfg, &params, c))
+                .iter()
+                .enumerate()
+            {
+                let d = rel_diff(&run.logits, &reference.logits);
+                assert!(d < TOL, "tp={tp} rank {rank}: logits differ by {d:e}");
+                assert!((run.loss - reference.loss).abs() / reference.loss < TOL);
+                assert_eq!(run.grads.len(), reference.grads.len());
+                for (name, g) in &run.grads {
+                    let want = slice(&reference.grads[name], run.splits[name], rank, tp);
+                    let diff = (g - &want).unwrap().abs().unwrap().max_all().unwrap();
+                    let d = diff.to_scalar::<f32>().unwrap() as f64 / scale;
+                    assert!(
+                        d < TOL,
+                        "tp={tp} rank {rank}: gradient of {name} differs by {d:e}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tied_gqa_model_at_tp_2() {
+        check(&config(&[]), &[2]);
+    }
+
+    #[test]
+    fn untied_model_with_biases_at_tp_2_and_4() {
+        let cfg = config(&[
+            ("tie_word_embeddings", false.into()),
+            ("attention_bias", true.into()),
+            ("num_key_value_heads", 4.into()),
+        ]);
+        assert!(cfg.qkv_bias() && !cfg.tie_word_embeddings);
+        check(&cfg, &[2, 4]);
+    }
+
+    #[test]
+    fn heads_that_do_not_divide_are_a_clear_error() {
+        // The tiny model has 2 key/value heads: tp = 4 cannot split them.
+        let cfg = config(&[]);
+        let params = Params::init(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        let errs = InProcessWorld::run(4, |_, comm| {
+            let mut model = CausalLm::new(cfg.clone(), params.clone()).unwrap();
+            model.parallelize(comm).unwrap_err().to_string()
+        });
+        assert!(
+            errs[0].contains("num_kv_heads") && errs[0].contains("2 is not divisible by tp = 4"),
+            "{}",
+            errs[0]
+        );
+    }
+}

@@ -1,39 +1,75 @@
 //! The Llama / Qwen2 decoder: token embedding, N x (RMSNorm -> attention with rotary
 //! embeddings and grouped-query heads -> residual, RMSNorm -> SwiGLU MLP -> residual), final
 //! RMSNorm, LM head (tied to the embedding or not). Logits for every position.
+//!
+//! The model is annotated for tensor parallelism like any user model (`#[derive(Parallelize)]`):
+//! q/k/v and gate/up are column-parallel, o and down row-parallel, the embedding and the LM
+//! head vocab-parallel (logits stay split over the vocabulary; [`CausalLm::loss`] never gathers
+//! them), and head counts are divided by the tp size.
 
 use super::config::ModelConfig;
 use super::params::Params;
+use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::rope::apply_rotary;
+use crate::nn::LossSum;
 use crate::nn::{attention, AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
 use crate::parallel::ShardedModel;
+use crate::tp::{vocab_parallel_cross_entropy, TpContext};
+use crate::Parallelize;
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::sync::Arc;
 
+#[derive(Parallelize)]
+#[parallel(fsdp_unit)]
 struct DecoderLayer {
     input_layernorm: RmsNorm,
+    #[parallel(tp = "column", name = "self_attn.q_proj")]
     q_proj: Linear,
+    #[parallel(tp = "column", name = "self_attn.k_proj")]
     k_proj: Linear,
+    #[parallel(tp = "column", name = "self_attn.v_proj")]
     v_proj: Linear,
+    #[parallel(tp = "row", name = "self_attn.o_proj")]
     o_proj: Linear,
     post_attention_layernorm: RmsNorm,
+    #[parallel(tp = "column", name = "mlp.gate_proj")]
     gate_proj: Linear,
+    #[parallel(tp = "column", name = "mlp.up_proj")]
     up_proj: Linear,
+    #[parallel(tp = "row", name = "mlp.down_proj")]
     down_proj: Linear,
+    /// Query and key/value heads on this rank.
+    #[parallel(tp = "divide")]
+    num_heads: usize,
+    #[parallel(tp = "divide")]
+    num_kv_heads: usize,
 }
 
+#[derive(Parallelize)]
 pub struct CausalLm {
+    #[parallel(skip)]
     pub config: ModelConfig,
-    /// The parameters when this rank holds them whole (empty when they are sharded).
+    /// The parameters this rank holds whole (its tensor-parallel slices under tp; empty when
+    /// they are sharded by ZeRO-3 / FSDP).
+    #[parallel(skip)]
     pub params: Params,
     /// The wrap units when parameters are sharded (ZeRO-3 / FSDP).
+    #[parallel(skip)]
     pub sharding: Option<Arc<ShardedModel>>,
+    /// The tensor-parallel group once split (logits are then split over the vocabulary).
+    #[parallel(skip)]
+    tp: Option<Arc<dyn Communicator>>,
+    #[parallel(skip)]
     rope: RotaryEmbedding,
+    #[parallel(tp = "vocab", name = "model.embed_tokens")]
     embed_tokens: Embedding,
+    #[parallel(name = "model.layers")]
     layers: Vec<DecoderLayer>,
+    #[parallel(name = "model.norm")]
     norm: RmsNorm,
+    #[parallel(tp = "vocab")]
     lm_head: Linear,
 }
 
@@ -95,6 +131,8 @@ impl CausalLm {
                     gate_proj: linear(&format!("{p}.mlp.gate_proj"))?,
                     up_proj: linear(&format!("{p}.mlp.up_proj"))?,
                     down_proj: linear(&format!("{p}.mlp.down_proj"))?,
+                    num_heads: config.num_attention_heads,
+                    num_kv_heads: config.num_kv_heads(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -113,7 +151,57 @@ impl CausalLm {
             config,
             params: Params::default(),
             sharding: None,
+            tp: None,
         })
+    }
+
+    /// Splits the model over the tensor-parallel group `tp` (Megatron layout, see the module
+    /// docs); `params` then holds this rank's slices. Heads must divide by the group size.
+    pub fn parallelize(&mut self, tp: Arc<dyn Communicator>) -> Result<()> {
+        if tp.size() == 1 {
+            return Ok(());
+        }
+        if self.sharding.is_some() {
+            return Err(Error::TensorParallel {
+                name: "model".into(),
+                message: "split tensor-parallel layers before sharding with ZeRO-3 / FSDP".into(),
+            });
+        }
+        crate::tp::parallelize(self, &TpContext::new(tp.clone()))?;
+        self.params = crate::tp::named_parameters(self)?;
+        self.tp = Some(tp);
+        Ok(())
+    }
+
+    /// The tensor-parallel group, once split.
+    pub fn tp(&self) -> Option<&Arc<dyn Communicator>> {
+        self.tp.as_ref()
+    }
+
+    /// Next-token loss of `logits` from [`Self::forward`] (vocabulary-split under tp: the
+    /// vocab-parallel cross-entropy, which never gathers them).
+    pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<LossSum> {
+        let Some(tp) = &self.tp else {
+            return Ok(crate::nn::causal_lm_loss(logits, labels)?);
+        };
+        let s = logits.dim(1)?;
+        if s < 2 {
+            return Ok(crate::nn::causal_lm_loss(logits, labels)?);
+        }
+        vocab_parallel_cross_entropy(
+            &logits.narrow(1, 0, s - 1)?,
+            &labels.narrow(1, 1, s - 1)?,
+            tp,
+        )
+    }
+
+    /// Logits over the whole vocabulary (gathered under tp), for generation and evaluation.
+    pub fn forward_full(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(input_ids, position_ids)?;
+        match &self.tp {
+            Some(tp) => tp.all_gather(&logits.detach(), 2),
+            None => Ok(logits),
+        }
     }
 
     /// Parameter count (whole or sharded).
@@ -150,7 +238,7 @@ impl CausalLm {
     pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let cfg = &self.config;
-        let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.num_kv_heads(), cfg.head_dim());
+        let d = cfg.head_dim();
         // Sharded parameters: the root unit (embedding, final norm, LM head) is gathered for
         // the whole pass, each layer's unit only while the layer runs.
         let _root = match &self.sharding {
@@ -167,6 +255,7 @@ impl CausalLm {
                 Some(sh) => sh.enter_layer(l)?,
                 None => None,
             };
+            let (heads, kv_heads) = (layer.num_heads, layer.num_kv_heads);
             let h = layer.input_layernorm.forward(&x)?;
             let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
                 t.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()

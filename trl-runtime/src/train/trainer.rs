@@ -121,6 +121,29 @@ fn wrap_policy_from_env() -> Result<WrapPolicy> {
     }
 }
 
+/// The trainer does not split the model over tp, cp or sp yet (the model itself can be split:
+/// `CausalLm::parallelize`): ranks along those axes get the same batches and compute the same
+/// step, which is correct but does no parallel work. Said loudly, once, so no one pays for
+/// ranks that do nothing new.
+fn note_unsplit_axes(ctx: &DistContext) {
+    let axes = [
+        (Axis::Tp, "parallelism_config_tp_size"),
+        (Axis::Cp, "parallelism_config_cp_size"),
+        (Axis::Sp, "parallelism_config_sp_size"),
+    ];
+    for (axis, key) in axes {
+        let n = ctx.mesh.size(axis);
+        if n > 1 && ctx.is_main_process() {
+            tracing::warn!(
+                "{key} = {n}, but the SFT trainer does not split work along that axis yet: \
+                 those {n} ranks repeat the same computation (the results are right, the \
+                 speed is that of {n}x fewer ranks). Set {key} to 1 to use them for data \
+                 parallelism instead."
+            );
+        }
+    }
+}
+
 /// CPU offload asks to keep optimizer state (and parameters) in host memory between steps;
 /// on a CPU run they already are, so there is nothing to move. Said once, at start.
 fn note_offload() {
@@ -465,6 +488,7 @@ impl<'a> Trainer<'a> {
             }
         };
         note_offload();
+        note_unsplit_axes(ctx);
         let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
         let schedule = LrSchedule::new(
             kind,
