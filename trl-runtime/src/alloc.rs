@@ -33,3 +33,48 @@ pub fn release_freed_memory() {
         libc::malloc_trim(0);
     }
 }
+
+/// Bytes the given tensors keep allocated, each allocation counted once: tensors sharing a
+/// storage count it once, and a view (a slice) counts the whole storage it keeps alive, which
+/// is what it really costs. Memory reports are measured with it rather than computed from shapes.
+#[derive(Default)]
+pub struct StorageBytes {
+    seen: std::collections::HashSet<usize>,
+    pub total: usize,
+}
+
+impl StorageBytes {
+    pub fn add(&mut self, t: &candle_core::Tensor) {
+        let (storage, layout) = t.storage_and_layout();
+        // The storage lives behind the tensor's lock: its address names the allocation.
+        if !self
+            .seen
+            .insert(&*storage as *const candle_core::Storage as usize)
+        {
+            return;
+        }
+        self.total += match &*storage {
+            candle_core::Storage::Cpu(cpu) => cpu_bytes(cpu),
+            // Device storages are allocated at their tensor's size; views are counted as such.
+            _ => layout.shape().elem_count() * t.dtype().size_in_bytes(),
+        };
+    }
+}
+
+/// Bytes of a CPU storage.
+fn cpu_bytes(s: &candle_core::CpuStorage) -> usize {
+    use candle_core::CpuStorage as S;
+    use std::mem::size_of_val;
+    match s {
+        S::U8(v) | S::F6E2M3(v) | S::F6E3M2(v) | S::F4(v) | S::F8E8M0(v) => v.len(),
+        S::U32(v) => size_of_val(v.as_slice()),
+        S::I16(v) => size_of_val(v.as_slice()),
+        S::I32(v) => size_of_val(v.as_slice()),
+        S::I64(v) => size_of_val(v.as_slice()),
+        S::BF16(v) => size_of_val(v.as_slice()),
+        S::F16(v) => size_of_val(v.as_slice()),
+        S::F32(v) => size_of_val(v.as_slice()),
+        S::F64(v) => size_of_val(v.as_slice()),
+        S::F8E4M3(v) => size_of_val(v.as_slice()),
+    }
+}

@@ -488,3 +488,25 @@ mod qwen2 {
         );
     }
 }
+
+#[test]
+fn slices_hold_only_their_elements() {
+    // A slice that kept the full tensor's storage alive would save no memory.
+    let values = reference_values();
+    let full: usize = values.values().map(|t| t.elem_count() * 4).sum();
+    let held = InProcessWorld::run(2, |_, comm| {
+        let mut model = build(&values);
+        tp::parallelize(&mut model, &TpContext::new(comm)).unwrap();
+        let mut held = trl_runtime::alloc::StorageBytes::default();
+        let mut elems = 0;
+        model.visit_params("", &mut |_, t, _| {
+            held.add(t);
+            elems += t.elem_count();
+        });
+        (held.total, elems * 4)
+    });
+    for (bytes, shown) in held {
+        assert_eq!(bytes, shown, "storage beyond the slices");
+        assert!(bytes < full, "{bytes} of {full}: nothing was split");
+    }
+}

@@ -22,6 +22,7 @@
 //! [`ShardedModel::finish_backward`] waits for them. At most two units are gathered at once.
 
 use super::zero::FlatLayout;
+use crate::alloc::StorageBytes;
 use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
@@ -503,7 +504,8 @@ impl ShardedModel {
                 .flatten_ordered(&tensors.iter().map(|(_, t)| t).collect::<Vec<_>>())?
                 .narrow(0, range.start, range.len())?
                 .to_dtype(dtype)?
-                .copy()?
+                // A copy of the slice alone: `copy()` would keep the whole flat unit alive.
+                .force_contiguous()?
                 .detach();
             let entries = layout.entries().len();
             let unit = Arc::new(Unit {
@@ -641,12 +643,11 @@ impl ShardedModel {
         Ok(out)
     }
 
-    /// Bytes of the parameter slices this rank holds.
-    pub fn shard_bytes(&self) -> usize {
-        self.units
-            .iter()
-            .map(|u| u.shard_elems() * u.lock().shard.dtype().size_in_bytes())
-            .sum()
+    /// Adds the storage of the parameter slices this rank holds to `held`.
+    pub fn add_storage(&self, held: &mut StorageBytes) {
+        for u in &self.units {
+            held.add(&u.lock().shard);
+        }
     }
 }
 
@@ -782,27 +783,10 @@ impl FsdpOptimizer {
         Ok(())
     }
 
-    /// Bytes of optimizer state this rank holds beyond the parameters: the two moments, plus
-    /// the master copy when the parameters are not fp32 (in fp32 they are the master).
-    pub fn state_bytes(&self) -> usize {
-        self.model
-            .units
-            .iter()
-            .map(|u| {
-                let n = u.shard_elems();
-                let master = if u.lock().shard.dtype() == DType::F32 {
-                    0
-                } else {
-                    4 * n
-                };
-                8 * n + master
-            })
-            .sum()
-    }
-
-    /// Bytes of the parameter slices this rank holds.
-    pub fn param_bytes(&self) -> usize {
-        self.model.shard_bytes()
+    /// Adds the storage of the optimizer state to `held`: the two moments, and the master
+    /// weights unless they are the parameter slices themselves (fp32, already counted).
+    pub fn add_storage(&self, held: &mut StorageBytes) {
+        self.inner.add_storage(held)
     }
 
     /// Bytes of the gradient slices kept between backward and step.

@@ -8,6 +8,7 @@
 //! group size. Checkpoints gather the state back per parameter (the same file as plain DDP),
 //! so a run can resume on any number of ranks and with any strategy.
 
+use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
@@ -232,7 +233,8 @@ impl FlatLayout {
             Ok(self
                 .flatten(&map)?
                 .narrow(0, range.start, range.len())?
-                .copy()?)
+                .force_contiguous()?
+                .detach())
         };
         into.master = pick(&|s| s.master.clone())?;
         into.exp_avg = pick(&|s| s.exp_avg.clone())?;
@@ -271,7 +273,8 @@ impl ZeroOptimizer {
         let master = layout
             .flatten(&values)?
             .narrow(0, range.start, range.len())?
-            .copy()?
+            // A copy of the slice alone: `copy()` would keep the whole flat vector alive.
+            .force_contiguous()?
             .detach();
         let state = layout.shard_state(master, range.clone())?;
         let inner = AdamW {
@@ -386,8 +389,8 @@ impl ZeroOptimizer {
         Ok(())
     }
 
-    /// Bytes of optimizer state this rank holds.
-    pub fn state_bytes(&self) -> usize {
-        self.inner.state_bytes()
+    /// Adds the storage of this rank's optimizer state to `held`.
+    pub fn add_storage(&self, held: &mut StorageBytes) {
+        self.inner.add_storage(held)
     }
 }

@@ -123,10 +123,9 @@ impl TpContext {
             return Ok(done.clone());
         }
         let chunk = full / n;
-        let slice = t.narrow(dim, self.rank() * chunk, chunk)?.contiguous()?;
-        let var = Var::from_tensor(&slice.copy()?.detach())?
-            .as_tensor()
-            .clone();
+        // A new variable copies only the elements the slice shows.
+        let slice = t.narrow(dim, self.rank() * chunk, chunk)?.detach();
+        let var = Var::from_tensor(&slice)?.as_tensor().clone();
         cut.insert((t.id(), dim), var.clone());
         Ok(var)
     }

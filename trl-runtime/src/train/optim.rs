@@ -1,6 +1,7 @@
 //! AdamW with decoupled weight decay (PyTorch's algorithm), fp32 master weights and moments
 //! kept per parameter in plain sight: ZeRO shards them and checkpoints save them.
 
+use crate::alloc::StorageBytes;
 use crate::error::{Error, Result};
 use crate::models::Params;
 use candle_core::{DType, Tensor};
@@ -59,7 +60,7 @@ impl AdamW {
     ) -> Result<Self> {
         let mut states = BTreeMap::new();
         for (name, p) in params {
-            let master = p.to_dtype(DType::F32)?.copy()?.detach();
+            let master = p.to_dtype(DType::F32)?.force_contiguous()?.detach();
             states.insert(
                 name.clone(),
                 ParamState {
@@ -137,12 +138,20 @@ impl AdamW {
         Ok(())
     }
 
-    /// Bytes of optimizer state held (master + two moments), for memory accounting.
+    /// Adds the storage the state holds (master weights and both moments) to `held`.
+    pub fn add_storage(&self, held: &mut StorageBytes) {
+        for s in self.states.values() {
+            for t in [&s.master, &s.exp_avg, &s.exp_avg_sq] {
+                held.add(t);
+            }
+        }
+    }
+
+    /// Bytes of optimizer state held, measured from the storages.
     pub fn state_bytes(&self) -> usize {
-        self.states
-            .values()
-            .map(|s| 3 * 4 * s.master.elem_count())
-            .sum()
+        let mut held = StorageBytes::default();
+        self.add_storage(&mut held);
+        held.total
     }
 }
 

@@ -12,6 +12,7 @@ use super::config::SFTConfig;
 use super::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use super::schedule::{LrSchedule, SchedulerKind};
 use super::sharded_state::{self, ShardedReader};
+use crate::alloc::StorageBytes;
 use crate::comm::{CommQueue, Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::{
@@ -553,36 +554,33 @@ impl<'a> Trainer<'a> {
         self.steps_per_epoch
     }
 
-    /// Model state this rank holds under its strategy. Gradients count what is kept after the
-    /// reduction (ZeRO-2: this rank's slice); the full local gradient exists during backward.
+    /// Model state this rank holds under its strategy. Parameters and optimizer state are
+    /// measured from the storages they keep allocated (shared storage counted once, a slice
+    /// counting what it keeps alive); gradients, which exist only during a step, count what is
+    /// kept after the reduction (ZeRO-2 / ZeRO-3: this rank's slice).
     pub fn memory(&self) -> MemoryReport {
-        let param_bytes: usize = self
-            .model
-            .params
-            .iter()
-            .map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes())
-            .sum();
-        let grad_full = self.model.params.num_elements() * 4;
+        let mut held = StorageBytes::default();
+        match &self.model.sharding {
+            Some(sharding) => sharding.add_storage(&mut held),
+            None => self.model.params.iter().for_each(|(_, v)| held.add(v)),
+        }
+        let parameters = held.total;
         match &self.optimizer {
-            Optimizer::Replicated(opt) => MemoryReport {
-                parameters: param_bytes,
-                gradients: grad_full,
-                optimizer: opt.state_bytes(),
-            },
-            Optimizer::Zero(z) => MemoryReport {
-                parameters: param_bytes,
-                gradients: if z.stage == ZeroStage::Two {
-                    grad_full.div_ceil(z.shard_size())
-                } else {
-                    grad_full
-                },
-                optimizer: z.state_bytes(),
-            },
-            Optimizer::Fsdp(f) => MemoryReport {
-                parameters: f.param_bytes(),
-                gradients: f.grad_bytes(),
-                optimizer: f.state_bytes(),
-            },
+            Optimizer::Replicated(opt) => opt.add_storage(&mut held),
+            Optimizer::Zero(z) => z.add_storage(&mut held),
+            Optimizer::Fsdp(f) => f.add_storage(&mut held),
+        }
+        let grad_full = self.model.params.num_elements() * 4;
+        let gradients = match &self.optimizer {
+            Optimizer::Replicated(_) => grad_full,
+            Optimizer::Zero(z) if z.stage == ZeroStage::Two => grad_full.div_ceil(z.shard_size()),
+            Optimizer::Zero(_) => grad_full,
+            Optimizer::Fsdp(f) => f.grad_bytes(),
+        };
+        MemoryReport {
+            parameters,
+            gradients,
+            optimizer: held.total - parameters,
         }
     }
 
