@@ -1,7 +1,10 @@
 //! The decoder models train: every parameter gets a gradient, autograd agrees with finite
 //! differences, packed documents do not see each other, and checkpoints round-trip.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::max_abs_diff;
 use trl_runtime::models::{CausalLm, ModelConfig, Params};
 use trl_runtime::nn::causal_lm_loss;
 
@@ -29,20 +32,6 @@ fn model(model_type: &str, tied: bool, dtype: DType) -> CausalLm {
     let cfg = tiny_config(model_type, tied);
     let params = Params::init(&cfg, 7, dtype, &Device::Cpu).unwrap();
     CausalLm::new(cfg, params).unwrap()
-}
-
-/// Largest absolute element-wise difference of two f32 tensors.
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn batch() -> (Tensor, Tensor, Tensor) {
@@ -165,7 +154,7 @@ fn packed_documents_do_not_attend_to_each_other() {
         .narrow(1, 3, 4)
         .unwrap();
     let alone = m.forward(&alone_ids, &alone_pos).unwrap();
-    let diff = max_diff(&packed, &alone);
+    let diff = max_abs_diff(&packed, &alone);
     assert!(diff < 1e-5, "document B saw document A: max diff {diff}");
     // And a continued position (no restart) does change them: the mask is not vacuous.
     let joined_pos = Tensor::new(&[[0i64, 1, 2, 3, 4, 5, 6]], &Device::Cpu).unwrap();
@@ -175,7 +164,7 @@ fn packed_documents_do_not_attend_to_each_other() {
         .narrow(1, 3, 4)
         .unwrap();
     let alone = m.forward(&alone_ids, &alone_pos).unwrap();
-    let diff = max_diff(&joined, &alone);
+    let diff = max_abs_diff(&joined, &alone);
     assert!(diff > 1e-3);
 }
 
@@ -192,7 +181,7 @@ fn checkpoints_round_trip_single_and_sharded() {
         let loaded = CausalLm::from_pretrained(dir.path(), DType::F32, &Device::Cpu).unwrap();
         assert_eq!(loaded.config, m.config);
         let got = loaded.forward(&ids, &pos).unwrap();
-        let diff = max_diff(&got, &want);
+        let diff = max_abs_diff(&got, &want);
         assert_eq!(diff, 0.0);
     }
 }
@@ -254,7 +243,7 @@ fn matches_transformers_fixture() {
         let logits = m.forward(&ids, &batch["position_ids"]).unwrap();
         let want = &batch["logits"];
         assert_eq!(logits.dims(), want.dims());
-        let diff = max_diff(&logits, want);
+        let diff = max_abs_diff(&logits, want);
         eprintln!("{name}: max |logits - transformers| = {diff:e}");
         assert!(
             diff < 1e-4,

@@ -3,8 +3,11 @@
 //! and tp = 4 exactly as at tp = 1 (fp32, CPU): logits, loss, every gradient and the weights
 //! after three AdamW steps within 1e-5 relative.
 
+mod common;
+
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
+use common::{max_abs, max_abs_diff, rel_diff};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use trl_runtime::comm::{Communicator, InProcessWorld};
@@ -190,7 +193,7 @@ struct Run {
     splits: BTreeMap<String, Split>,
 }
 
-fn train(rank: usize, comm: Arc<dyn Communicator>, values: &HashMap<String, Tensor>) -> Run {
+fn train(comm: Arc<dyn Communicator>, values: &HashMap<String, Tensor>) -> Run {
     let mut model = build(values);
     let ctx = TpContext::new(comm.clone());
     tp::parallelize(&mut model, &ctx).unwrap();
@@ -225,7 +228,6 @@ fn train(rank: usize, comm: Arc<dyn Communicator>, values: &HashMap<String, Tens
         }
         opt.step(&g).unwrap();
     }
-    let _ = rank;
     let weights = params
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
@@ -237,18 +239,6 @@ fn train(rank: usize, comm: Arc<dyn Communicator>, values: &HashMap<String, Tens
         weights,
         splits,
     }
-}
-
-fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
-    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    let scale = b
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64;
-    diff.to_scalar::<f32>().unwrap() as f64 / scale.max(1e-12)
 }
 
 /// This rank's slice of a full tensor under `split`.
@@ -265,13 +255,13 @@ fn slice(full: &Tensor, split: Split, rank: usize, tp: usize) -> Tensor {
 #[test]
 fn tp_2_and_4_train_like_tp_1() {
     let values = reference_values();
-    let reference = InProcessWorld::run(1, |r, c| train(r, c, &values)).remove(0);
+    let reference = InProcessWorld::run(1, |_, c| train(c, &values)).remove(0);
     assert!(
         reference.losses[STEPS - 1] < reference.losses[0],
         "training lowers the loss"
     );
     for tp in [2, 4] {
-        let runs = InProcessWorld::run(tp, |r, c| train(r, c, &values));
+        let runs = InProcessWorld::run(tp, |_, c| train(c, &values));
         for (rank, run) in runs.iter().enumerate() {
             let d = rel_diff(&run.logits, &reference.logits);
             assert!(d < TOL, "tp={tp} rank {rank}: logits differ by {d:e}");
@@ -422,18 +412,7 @@ mod qwen2 {
         let reference = InProcessWorld::run(1, |_, c| pass(cfg, &params, c)).remove(0);
         // A key bias has a zero gradient up to rounding (softmax ignores a shift shared by a
         // row's scores): gradients are compared against the largest gradient of the model.
-        let scale = reference
-            .grads
-            .values()
-            .map(|g| {
-                g.abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap()
-            })
-            .fold(0f32, f32::max) as f64;
+        let scale = reference.grads.values().map(max_abs).fold(0f64, f64::max);
         for &tp in sizes {
             for (rank, run) in InProcessWorld::run(tp, |_, c| pass(cfg, &params, c))
                 .iter()
@@ -445,8 +424,7 @@ mod qwen2 {
                 assert_eq!(run.grads.len(), reference.grads.len());
                 for (name, g) in &run.grads {
                     let want = slice(&reference.grads[name], run.splits[name], rank, tp);
-                    let diff = (g - &want).unwrap().abs().unwrap().max_all().unwrap();
-                    let d = diff.to_scalar::<f32>().unwrap() as f64 / scale;
+                    let d = max_abs_diff(g, &want) / scale;
                     assert!(
                         d < TOL,
                         "tp={tp} rank {rank}: gradient of {name} differs by {d:e}"

@@ -37,22 +37,17 @@ impl Embedding {
             Some(comm) => {
                 // Ids outside this rank's rows look up row 0 and are zeroed; the sum over the
                 // group then holds every id's row exactly once.
-                let local = self.weight.dims()[0] as u32;
-                let start = comm.rank() as u32 * local;
-                let ids: Vec<u32> = flat.to_vec1()?;
-                let here: Vec<f32> = ids
-                    .iter()
-                    .map(|&i| (start..start + local).contains(&i) as u8 as f32)
-                    .collect();
-                let shifted: Vec<u32> = ids
-                    .iter()
-                    .zip(&here)
-                    .map(|(&i, &h)| if h > 0.0 { i - start } else { 0 })
-                    .collect();
-                let n = ids.len();
-                let shifted = Tensor::from_vec(shifted, n, flat.device())?;
-                let rows = self.lookup(&shifted)?;
-                let here = Tensor::from_vec(here, (n, 1), flat.device())?.to_dtype(rows.dtype())?;
+                let local = self.weight.dims()[0] as i64;
+                let start = comm.rank() as i64 * local;
+                let shifted = flat
+                    .to_dtype(DType::I64)?
+                    .broadcast_sub(&Tensor::new(start, flat.device())?)?;
+                let here = (shifted.ge(0i64)? * shifted.lt(local)?)?;
+                let index = here
+                    .where_cond(&shifted, &shifted.zeros_like()?)?
+                    .to_dtype(DType::U32)?;
+                let rows = self.lookup(&index)?;
+                let here = here.to_dtype(rows.dtype())?.unsqueeze(1)?;
                 reduce_from_group(&rows.broadcast_mul(&here)?, comm).map_err(|e| e.into_candle())?
             }
         };
@@ -110,9 +105,6 @@ impl TpLayer for Embedding {
 impl VocabParallel for Embedding {}
 
 impl Parallelize for Embedding {
-    fn parallelize(&mut self, _: &str, _: &TpContext) -> TrlResult<()> {
-        Ok(())
-    }
     fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
         self.visit_split(name, TpStyle::Replicate, f)
     }

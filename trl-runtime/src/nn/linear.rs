@@ -44,19 +44,21 @@ impl Linear {
         };
         let wrap = |e: crate::Error| e.into_candle();
         match style {
-            TpStyle::Column { gather_output } => {
+            // Vocab on a linear layer is an LM head: column-split, logits left split.
+            TpStyle::Column { .. } | TpStyle::Vocab => {
                 let x = copy_to_group(x, comm).map_err(wrap)?;
                 let y = self.compute(&x, self.bias.as_ref())?;
-                if *gather_output {
+                if matches!(
+                    style,
+                    TpStyle::Column {
+                        gather_output: true
+                    }
+                ) {
                     let last = y.rank() - 1;
                     gather_from_group(&y, comm, last).map_err(wrap)
                 } else {
                     Ok(y)
                 }
-            }
-            TpStyle::Vocab => {
-                let x = copy_to_group(x, comm).map_err(wrap)?;
-                self.compute(&x, self.bias.as_ref())
             }
             TpStyle::Row => {
                 // Partial sums of the split input features, summed over the group; the bias
@@ -147,9 +149,6 @@ impl VocabParallel for Linear {}
 
 /// Unannotated: replicated on every rank.
 impl Parallelize for Linear {
-    fn parallelize(&mut self, _: &str, _: &TpContext) -> TrlResult<()> {
-        Ok(())
-    }
     fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
         self.visit_split(name, TpStyle::Replicate, f)
     }

@@ -4,7 +4,7 @@
 use super::Weight;
 use crate::error::Result as TrlResult;
 use crate::parallel::fsdp;
-use crate::tp::{child_name, Parallelize, Split, TpContext};
+use crate::tp::{child_name, Parallelize, Split};
 use candle_core::{DType, Result, Tensor, D};
 
 #[derive(Clone)]
@@ -48,9 +48,6 @@ impl candle_core::Module for RmsNorm {
 
 /// A norm's weight scales every feature, so it stays whole on every tensor-parallel rank.
 impl Parallelize for RmsNorm {
-    fn parallelize(&mut self, _: &str, _: &TpContext) -> TrlResult<()> {
-        Ok(())
-    }
     fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
         if let Weight::Local(w) = &self.weight {
             f(&child_name(name, "weight"), w, Split::REPLICATED)

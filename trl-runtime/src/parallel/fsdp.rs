@@ -86,7 +86,6 @@ struct UnitState {
 pub struct Unit {
     pub name: String,
     pub layout: FlatLayout,
-    comm: Arc<dyn Communicator>,
     /// Runs the unit's collectives during forward and backward (shared by the model's units).
     queue: Arc<CommQueue>,
     /// The unit whose backward follows this one's: the previous layer unit, or for the root
@@ -232,8 +231,17 @@ impl Unit {
         Ok(())
     }
 
+    fn comm(&self) -> &Arc<dyn Communicator> {
+        self.queue.comm()
+    }
+
+    /// The range of the flat vector this rank holds.
+    fn range(&self) -> std::ops::Range<usize> {
+        self.layout.shard(self.comm().rank(), self.comm().size())
+    }
+
     fn shard_elems(&self) -> usize {
-        self.layout.padded() / self.comm.size()
+        self.layout.padded() / self.comm().size()
     }
 }
 
@@ -433,8 +441,9 @@ pub struct ShardedModel {
     /// The root unit first, then the layer units in forward order.
     pub units: Vec<Arc<Unit>>,
     weights: BTreeMap<String, ShardedWeight>,
-    /// Per decoder layer: its unit and whether it is that unit's last layer.
-    layers: Vec<Option<(Arc<Unit>, bool)>>,
+    /// Per decoder layer: the index of its unit in `units` and whether it is that unit's last
+    /// layer (None: the layer is in the root).
+    layers: Vec<Option<(usize, bool)>>,
     prefetch: Prefetch,
     /// Parameter count (without padding).
     num_elements: usize,
@@ -515,7 +524,6 @@ impl ShardedModel {
                     format!("unit{u}")
                 },
                 layout,
-                comm: comm.clone(),
                 queue: queue.clone(),
                 backward_next: OnceLock::new(),
                 keep_gathered: u == 0,
@@ -556,7 +564,7 @@ impl ShardedModel {
             .map(|l| {
                 let u = layer_unit[l];
                 let last = l + 1 == num_layers || layer_unit[l + 1] != u;
-                (u != 0).then(|| (units[u].clone(), last))
+                (u != 0).then_some((u, last))
             })
             .collect();
         Ok(ShardedModel {
@@ -588,8 +596,8 @@ impl ShardedModel {
             unit.reset()?;
         }
         let scope = self.root().enter()?;
-        let first = self.layers.iter().flatten().next();
-        if let Some((first, _)) = first.filter(|_| self.prefetch.forward) {
+        // Units are in forward order: the first layer unit follows the root.
+        if let Some(first) = self.units.get(1).filter(|_| self.prefetch.forward) {
             first.prefetch();
         }
         Ok(scope)
@@ -598,15 +606,12 @@ impl ShardedModel {
     /// Enters layer `l`'s unit (and starts gathering the next unit); the returned scope frees
     /// it if `l` is the unit's last layer.
     pub fn enter_layer(&self, l: usize) -> Result<Option<UnitScope<'_>>> {
-        let Some((unit, last)) = &self.layers[l] else {
+        let Some((u, last)) = self.layers[l] else {
             return Ok(None);
         };
+        let unit = &self.units[u];
         unit.gathered(&mut unit.lock())?;
-        let next = self.layers[l + 1..]
-            .iter()
-            .flatten()
-            .find(|(u, _)| !Arc::ptr_eq(u, unit));
-        if let Some((next, _)) = next.filter(|_| self.prefetch.forward) {
+        if let Some(next) = self.units.get(u + 1).filter(|_| self.prefetch.forward) {
             next.prefetch();
         }
         Ok(last.then(|| UnitScope(unit)))
@@ -638,7 +643,7 @@ impl ShardedModel {
         let mut out = BTreeMap::new();
         for unit in &self.units {
             let shard = unit.lock().shard.clone();
-            out.extend(unit.layout.unflatten(&unit.comm.all_gather(&shard, 0)?)?);
+            out.extend(unit.layout.unflatten(&unit.comm().all_gather(&shard, 0)?)?);
         }
         Ok(out)
     }
@@ -667,7 +672,7 @@ impl FsdpOptimizer {
     ) -> Result<Self> {
         let mut states = BTreeMap::new();
         for unit in &model.units {
-            let range = unit.layout.shard(unit.comm.rank(), unit.comm.size());
+            let range = unit.range();
             // fp32 parameters are their own master copy (the same storage).
             let master = unit.lock().shard.to_dtype(DType::F32)?;
             let state = unit.layout.shard_state(master, range)?;
@@ -710,7 +715,7 @@ impl FsdpOptimizer {
                 .to_scalar::<f64>()?;
             grads.insert(unit.name.clone(), g);
         }
-        let shard_comm = &self.model.root().comm;
+        let shard_comm = self.model.root().comm();
         let sq = Tensor::new(&[local_sq], &candle_core::Device::Cpu)?;
         let norm = shard_comm
             .all_reduce(&sq, ReduceOp::Sum)?
@@ -736,7 +741,7 @@ impl FsdpOptimizer {
         let mut states = BTreeMap::new();
         for unit in &self.model.units {
             let s = &self.inner.states[&unit.name];
-            states.extend(unit.layout.gather_states(unit.comm.as_ref(), s)?);
+            states.extend(unit.layout.gather_states(unit.comm().as_ref(), s)?);
         }
         Ok(AdamW {
             config: self.inner.config,
@@ -749,7 +754,7 @@ impl FsdpOptimizer {
     /// sets the parameters to its master weights.
     pub fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
         for unit in &self.model.units {
-            let range = unit.layout.shard(unit.comm.rank(), unit.comm.size());
+            let range = unit.range();
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
             unit.layout.take_slice(full, range, st)?;
             let mut us = unit.lock();
@@ -763,7 +768,7 @@ impl FsdpOptimizer {
     pub fn pieces(&self) -> Result<Vec<Piece>> {
         let mut out = Vec::new();
         for unit in &self.model.units {
-            let range = unit.layout.shard(unit.comm.rank(), unit.comm.size());
+            let range = unit.range();
             out.extend(unit.layout.pieces(range, &self.inner.states[&unit.name])?);
         }
         Ok(out)
@@ -773,7 +778,7 @@ impl FsdpOptimizer {
     /// strategy wrote it): only the ranges this rank owns are read.
     pub fn load_sharded(&mut self, reader: &ShardedReader) -> Result<()> {
         for unit in &self.model.units {
-            let range = unit.layout.shard(unit.comm.rank(), unit.comm.size());
+            let range = unit.range();
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
             unit.layout.read_slice(reader, range, st)?;
             let mut us = unit.lock();

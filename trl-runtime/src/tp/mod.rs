@@ -172,17 +172,25 @@ pub trait Parallelize {
     const FSDP_UNIT: bool = false;
 
     /// Splits the annotated layers inside for this rank of `tp`; `name` is this value's HF name.
-    fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()>;
+    /// Nothing to do for what is replicated (the default).
+    fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
+        let _ = (name, tp);
+        Ok(())
+    }
 
     /// Calls `f` with every parameter's HF name, tensor and split.
     fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split));
 
-    /// Calls `f` with every parameter slot, to swap how it is held (FSDP wraps them).
+    /// Calls `f` with every parameter slot, to swap how it is held (FSDP wraps them). None by
+    /// default (plain values, bare tensors).
     fn visit_weights_mut(
         &mut self,
         name: &str,
         f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let _ = (name, f);
+        Ok(())
+    }
 
     /// Calls `f` with the name of every FSDP wrap unit inside, in forward (field) order.
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
@@ -257,17 +265,7 @@ counts!(usize, u32, u64, i32, i64);
 macro_rules! no_params {
     ($($t:ty),*) => {$(
         impl Parallelize for $t {
-            fn parallelize(&mut self, _: &str, _: &TpContext) -> Result<()> {
-                Ok(())
-            }
             fn visit_params(&self, _: &str, _: &mut dyn FnMut(&str, &Tensor, Split)) {}
-            fn visit_weights_mut(
-                &mut self,
-                _: &str,
-                _: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
-            ) -> Result<()> {
-                Ok(())
-            }
         }
     )*};
 }
@@ -275,20 +273,10 @@ no_params!(usize, u32, u64, i32, i64, f32, f64, bool, String);
 
 /// A `Tensor` field is a parameter when it is trainable (a `Var`), else a buffer.
 impl Parallelize for Tensor {
-    fn parallelize(&mut self, _: &str, _: &TpContext) -> Result<()> {
-        Ok(())
-    }
     fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
         if self.is_variable() {
             f(name, self, Split::REPLICATED)
         }
-    }
-    fn visit_weights_mut(
-        &mut self,
-        _: &str,
-        _: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
-    ) -> Result<()> {
-        Ok(())
     }
 }
 

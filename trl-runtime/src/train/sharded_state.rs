@@ -256,6 +256,19 @@ impl ShardedReader {
     }
 }
 
+/// The parameters of a flat layout that overlap `range`: (name, the parameter's offset, and
+/// the overlap `lo..hi`, all in flat coordinates).
+fn overlaps<'a>(
+    entries: &'a [(String, Shape, usize)],
+    range: &'a Range<usize>,
+) -> impl Iterator<Item = (&'a String, usize, usize, usize)> + 'a {
+    entries.iter().filter_map(move |(name, shape, offset)| {
+        let lo = range.start.max(*offset);
+        let hi = range.end.min(offset + shape.elem_count());
+        (lo < hi).then_some((name, *offset, lo, hi))
+    })
+}
+
 /// Reads one flat slice: `entries` are (name, shape, offset in the flat vector), `range`
 /// the slice of the flat vector this rank owns. Padding beyond the parameters stays zero.
 pub fn read_flat_slice(
@@ -265,14 +278,7 @@ pub fn read_flat_slice(
     kind: usize,
 ) -> Result<Tensor> {
     let mut out = vec![0f32; range.len()];
-    for (name, shape, offset) in entries {
-        let (lo, hi) = (
-            range.start.max(*offset),
-            range.end.min(offset + shape.elem_count()),
-        );
-        if lo >= hi {
-            continue;
-        }
+    for (name, offset, lo, hi) in overlaps(entries, &range) {
         let part = reader.read(name, kind, lo - offset..hi - offset)?;
         out[lo - range.start..hi - range.start].copy_from_slice(&part);
     }
@@ -287,14 +293,7 @@ pub fn flat_pieces(
     state: &ParamState,
 ) -> Result<Vec<Piece>> {
     let mut pieces = Vec::new();
-    for (name, shape, offset) in entries {
-        let (lo, hi) = (
-            range.start.max(*offset),
-            range.end.min(offset + shape.elem_count()),
-        );
-        if lo >= hi {
-            continue;
-        }
+    for (name, offset, lo, hi) in overlaps(entries, &range) {
         let cut = |t: &Tensor| t.narrow(0, lo - range.start, hi - lo);
         pieces.push(Piece {
             name: name.clone(),

@@ -59,3 +59,27 @@ pub fn run_host<R: Send>(
             .collect()
     })
 }
+
+/// Largest absolute element-wise difference of two tensors of the same shape.
+pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
+    max_abs(&(a - b).unwrap())
+}
+
+/// Largest absolute element of a tensor.
+pub fn max_abs(t: &candle_core::Tensor) -> f64 {
+    t.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+/// `max |a - b| / max |b|`: a difference relative to the reference's scale.
+pub fn rel_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
+    max_abs_diff(a, b) / max_abs(b).max(1e-12)
+}
