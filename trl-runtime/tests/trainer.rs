@@ -75,15 +75,27 @@ fn run_saving(
     strategy: Strategy,
     format: CheckpointFormat,
 ) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
-    let world = dp_replicate * dp_shard;
-    let w = InProcessWorld::new(world);
-    let dims = ParallelDims {
+    run_dims(dims(dp_replicate, dp_shard, 1), cfg, strategy, format)
+}
+
+fn dims(dp_replicate: usize, dp_shard: usize, tp: usize) -> ParallelDims {
+    ParallelDims {
         dp_replicate,
         dp_shard,
         cp: 1,
         sp: 1,
-        tp: 1,
-    };
+        tp,
+    }
+}
+
+fn run_dims(
+    dims: ParallelDims,
+    cfg: SFTConfig,
+    strategy: Strategy,
+    format: CheckpointFormat,
+) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
+    let world = dims.dp_replicate * dims.dp_shard * dims.tp;
+    let w = InProcessWorld::new(world);
     let results: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
@@ -475,4 +487,126 @@ fn memory_accounting_follows_the_zero_formula() {
             .collect::<Vec<_>>()
     });
     assert!(close(hsdp[0].total(), 16 * p / 2), "{:?}", hsdp[0]);
+}
+
+/// A random-init Qwen2 in `dir` that splits 4 ways (4 key/value heads) with q/k/v biases and
+/// an untied LM head, beside the bundled tokenizer.
+fn model_for_tp4(dir: &Path) -> PathBuf {
+    let src = assets().join("model");
+    let model = dir.join("model-tp4");
+    std::fs::create_dir_all(&model).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), model.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["num_key_value_heads"] = 4.into();
+    cfg["attention_bias"] = true.into();
+    cfg["tie_word_embeddings"] = false.into();
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let cfg = trl_runtime::models::ModelConfig::from_file(model.join("config.json")).unwrap();
+    trl_runtime::models::Params::init(&cfg, 7, candle_core::DType::F32, &candle_core::Device::Cpu)
+        .unwrap()
+        .save(&model, &cfg, None)
+        .unwrap();
+    model
+}
+
+#[test]
+fn tensor_parallel_matches_ddp() {
+    // The bundled model (tied embeddings, grouped-query attention) split over tp = 2, alone,
+    // beside data parallelism, and under ZeRO and FSDP over dp_shard (2-D FSDP x TP).
+    let tmp = tempfile::tempdir().unwrap();
+    let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
+    let cases = [
+        ("tp 2", dims(1, 1, 2), 4, Strategy::Ddp),
+        ("DDP dp 2 x tp 2", dims(1, 2, 2), 2, Strategy::Ddp),
+        (
+            "ZeRO-2 dp_shard 2 x tp 2",
+            dims(1, 2, 2),
+            2,
+            Strategy::Zero(ZeroStage::Two),
+        ),
+        (
+            "FSDP dp_shard 2 x tp 2",
+            dims(1, 2, 2),
+            2,
+            Strategy::fsdp(WrapPolicy::PerLayer),
+        ),
+    ];
+    for (i, (what, dims, batch, strategy)) in cases.into_iter().enumerate() {
+        let cfg = config(&tmp.path().join(format!("tp-{i}")), batch, 1, 5);
+        let got = run_dims(dims, cfg, strategy, CheckpointFormat::Full);
+        assert_close(&got, &ddp, &format!("{what} vs DDP 1 x 4"));
+    }
+}
+
+#[test]
+fn tensor_parallel_checkpoints_load_under_any_tp_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_for_tp4(tmp.path());
+    let cfg = |out: &str, batch: usize, resume: Option<PathBuf>| SFTConfig {
+        model_name_or_path: model.clone(),
+        resume_from_checkpoint: resume.map(|p| p.display().to_string()),
+        ..config(&tmp.path().join(out), batch, 1, 6)
+    };
+    // tp = 2 under FSDP over 2 ranks writes checkpoint-3 (whole tensors) on the way ...
+    let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);
+    let full = run_dims(
+        dims(1, 2, 2),
+        cfg("tp2", 2, None),
+        zero3,
+        CheckpointFormat::Sharded,
+    );
+    let ckpt = tmp.path().join("tp2/checkpoint-3");
+    // ... a plain HF model with the full shapes ...
+    let loaded = trl_runtime::models::CausalLm::from_pretrained(
+        &ckpt,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(loaded.params.num_elements(), loaded.num_parameters());
+    // ... which tp = 1 and tp = 4 continue exactly.
+    for tp in [1, 4] {
+        let resumed = run_dims(
+            dims(1, 1, tp),
+            cfg(&format!("tp{tp}"), 4, Some(ckpt.clone())),
+            Strategy::Ddp,
+            CheckpointFormat::Full,
+        );
+        assert_close(
+            &resumed,
+            &(full.0[3..].to_vec(), full.1.clone()),
+            &format!("tp 2 checkpoint resumed under tp {tp}"),
+        );
+    }
+}
+
+#[test]
+fn tensor_parallel_size_must_divide_the_heads() {
+    // The bundled model has 2 key/value heads: tp = 4 cannot split them.
+    let tmp = tempfile::tempdir().unwrap();
+    let w = InProcessWorld::new(4);
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|rank| {
+                let (w, cfg) = (&w, config(tmp.path(), 4, 1, 1));
+                s.spawn(move || {
+                    let mesh = DeviceMesh::new(dims(1, 1, 4), 4).unwrap();
+                    let ctx = DistContext::in_process(w, rank, mesh).unwrap();
+                    match Trainer::with_strategy(cfg, &ctx, Strategy::Ddp) {
+                        Ok(_) => panic!("tp = 4 over 2 key/value heads was accepted"),
+                        Err(e) => e.to_string(),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let e = &errors[0];
+    assert!(
+        e.contains("parallelism_config_tp_size") && e.contains("num_kv_heads") && e.contains("2"),
+        "{e}"
+    );
 }

@@ -14,8 +14,9 @@ use crate::error::{Error, Result};
 use crate::nn::rope::apply_rotary;
 use crate::nn::LossSum;
 use crate::nn::{attention, AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
-use crate::parallel::ShardedModel;
-use crate::tp::{vocab_parallel_cross_entropy, TpContext};
+use crate::parallel::fsdp::shard_model;
+use crate::parallel::{Prefetch, ShardedModel, WrapPolicy};
+use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
 use crate::Parallelize;
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
@@ -61,6 +62,9 @@ pub struct CausalLm {
     /// The tensor-parallel group once split (logits are then split over the vocabulary).
     #[parallel(skip)]
     tp: Option<Arc<dyn Communicator>>,
+    /// The split of every parameter, recorded when split (the weights may be sharded later).
+    #[parallel(skip)]
+    tp_plan: Vec<PlanEntry>,
     #[parallel(skip)]
     rope: RotaryEmbedding,
     #[parallel(tp = "vocab", name = "model.embed_tokens")]
@@ -86,12 +90,26 @@ impl CausalLm {
         Ok(model)
     }
 
-    /// Builds the model over sharded wrap units (ZeRO-3 / FSDP).
-    pub fn sharded(config: ModelConfig, sharding: Arc<ShardedModel>) -> Result<Self> {
-        let lookup = |name: &str| sharding.weight(name);
-        let mut model = Self::build(config, &lookup)?;
-        model.sharding = Some(sharding);
-        Ok(model)
+    /// Shards the parameters (this rank's tensor-parallel slices, if split) over `comm` in
+    /// wrap units for ZeRO-3 / FSDP: one per decoder layer (`#[parallel(fsdp_unit)]`), grouped
+    /// by `policy`, plus the root. `params` is emptied; the units hold the values.
+    pub fn shard(
+        &mut self,
+        policy: WrapPolicy,
+        prefetch: Prefetch,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<()> {
+        if self.sharding.is_some() {
+            return Err(Error::TensorParallel {
+                name: "model".into(),
+                message: "the model is already sharded".into(),
+            });
+        }
+        // The layers' weights are swapped for unit slots; these handles would keep the full
+        // tensors alive.
+        self.params = Params::default();
+        self.sharding = Some(shard_model(self, policy, prefetch, comm)?);
+        Ok(())
     }
 
     fn build(config: ModelConfig, lookup: &dyn Fn(&str) -> Option<Weight>) -> Result<Self> {
@@ -152,6 +170,7 @@ impl CausalLm {
             params: Params::default(),
             sharding: None,
             tp: None,
+            tp_plan: Vec::new(),
         })
     }
 
@@ -169,8 +188,15 @@ impl CausalLm {
         }
         crate::tp::parallelize(self, &TpContext::new(tp.clone()))?;
         self.params = crate::tp::named_parameters(self)?;
+        self.tp_plan = crate::tp::plan(self, tp.size(), true);
         self.tp = Some(tp);
         Ok(())
+    }
+
+    /// How each parameter is split over the tensor-parallel group (empty before
+    /// [`Self::parallelize`] or for a group of one).
+    pub fn tp_plan(&self) -> &[PlanEntry] {
+        &self.tp_plan
     }
 
     /// The tensor-parallel group, once split.
@@ -204,8 +230,15 @@ impl CausalLm {
         }
     }
 
-    /// Parameter count (whole or sharded).
+    /// Parameter count of the whole model (however it is split or sharded).
     pub fn num_parameters(&self) -> usize {
+        if !self.tp_plan.is_empty() {
+            return self
+                .tp_plan
+                .iter()
+                .map(|e| e.full_shape.iter().product::<usize>())
+                .sum();
+        }
         match &self.sharding {
             Some(s) => s.num_elements(),
             None => self.params.num_elements(),

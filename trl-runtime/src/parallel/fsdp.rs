@@ -27,10 +27,11 @@ use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
 use crate::nn::Weight;
+use crate::tp::{named_parameters, Parallelize, TpNorm};
 use crate::train::optim::{AdamW, AdamWConfig};
 use crate::train::sharded_state::{Piece, ShardedReader};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
-use std::collections::BTreeMap;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, TensorId, Var};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 /// How parameters are grouped into units (FSDP's auto-wrap policies).
@@ -427,13 +428,58 @@ pub fn embedding(ids: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor>
     apply(w.unit.anchor.as_tensor(), &w.unit, kind, y)
 }
 
-/// The layer index of an HF decoder parameter name (`model.layers.{l}.…`).
-fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
+/// The wrap unit (index into `unit_names`) a parameter belongs to: the one whose name is a
+/// prefix of it (`model.layers.3` holds `model.layers.3.mlp.up_proj.weight`).
+fn unit_of(name: &str, unit_names: &[String]) -> Option<usize> {
+    unit_names.iter().position(|u| {
+        name.strip_prefix(u.as_str())
+            .is_some_and(|rest| rest.starts_with('.'))
+    })
+}
+
+/// Shards `model` over `comm` in place: its parameters (this rank's tensor-parallel slices if
+/// it was split) go into wrap units, one per value marked `#[parallel(fsdp_unit)]` (grouped by
+/// `policy`) plus the root holding the rest, and every layer's weight is swapped for its slot
+/// in a unit. A weight shared by two layers (tied embeddings) stays one slot. The model's own
+/// tensors are dropped: call it before anything else holds them.
+pub fn shard_model(
+    model: &mut impl Parallelize,
+    policy: WrapPolicy,
+    prefetch: Prefetch,
+    comm: Arc<dyn Communicator>,
+) -> Result<Arc<ShardedModel>> {
+    let params = named_parameters(model)?;
+    let mut unit_names = Vec::new();
+    model.visit_units("", &mut |n| unit_names.push(n.to_string()));
+    let sharding = Arc::new(ShardedModel::new(
+        &params,
+        &unit_names,
+        policy,
+        prefetch,
+        comm,
+    )?);
+    // The name each tensor is stored under (the first one visited, as named_parameters keeps).
+    let mut canonical: HashMap<TensorId, String> = HashMap::new();
+    model.visit_params("", &mut |name, t, _| {
+        canonical.entry(t.id()).or_insert_with(|| name.to_string());
+    });
+    drop(params);
+    model.visit_weights_mut("", &mut |name, w| {
+        let Weight::Local(t) = w else {
+            return Err(Error::TensorParallel {
+                name: name.into(),
+                message: "already sharded: a model is wrapped for FSDP once".into(),
+            });
+        };
+        let key = canonical.get(&t.id()).map(String::as_str).unwrap_or(name);
+        *w = sharding.weight(key).ok_or_else(|| {
+            Error::Candle(candle_core::Error::Msg(format!(
+                "{name} is not among the parameters the model lists"
+            )))
+        })?;
+        Ok(())
+    })?;
+    Ok(sharding)
 }
 
 /// A model's parameters as sharded wrap units.
@@ -441,8 +487,8 @@ pub struct ShardedModel {
     /// The root unit first, then the layer units in forward order.
     pub units: Vec<Arc<Unit>>,
     weights: BTreeMap<String, ShardedWeight>,
-    /// Per decoder layer: the index of its unit in `units` and whether it is that unit's last
-    /// layer (None: the layer is in the root).
+    /// Per marked unit of the model (a decoder layer): the index of the wrap unit in `units`
+    /// holding it and whether it is that unit's last (None: it is in the root).
     layers: Vec<Option<(usize, bool)>>,
     prefetch: Prefetch,
     /// Parameter count (without padding).
@@ -450,15 +496,19 @@ pub struct ShardedModel {
 }
 
 impl ShardedModel {
-    /// Shards `params` (the same full values on every rank) over `comm`; this rank keeps its
-    /// slice of every unit and the full tensors can be dropped afterwards.
+    /// Shards `params` (the same values on every rank of `comm`) over `comm`, in units made
+    /// of the marked units `unit_names` (the model's `visit_units`, in forward order, grouped as
+    /// `policy` says) and a root with every other parameter. This rank keeps its slice of every
+    /// unit; the full tensors can be dropped afterwards. See [`shard_model`].
     pub fn new(
         params: &Params,
-        num_layers: usize,
+        unit_names: &[String],
         policy: WrapPolicy,
         prefetch: Prefetch,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
+        let num_layers = unit_names.len();
+        let layer_of = |name: &str| unit_of(name, unit_names);
         let mut layer_sizes = vec![0usize; num_layers];
         for (name, var) in params.iter() {
             if let Some(l) = layer_of(name) {
@@ -662,6 +712,9 @@ pub struct FsdpOptimizer {
     model: Arc<ShardedModel>,
     replicate: Option<Arc<dyn Communicator>>,
     inner: AdamW,
+    /// Under tensor parallelism: how each unit slice's squared gradients count in the global
+    /// norm (per element, by unit name).
+    tp_norm: Option<(TpNorm, BTreeMap<String, Tensor>)>,
 }
 
 impl FsdpOptimizer {
@@ -686,7 +739,24 @@ impl FsdpOptimizer {
                 step: 0,
                 states,
             },
+            tp_norm: None,
         })
+    }
+
+    /// Clips by the norm over the tensor-parallel group too (the units hold tp slices).
+    pub fn set_tp_norm(&mut self, norm: TpNorm) -> Result<()> {
+        let mut weights = BTreeMap::new();
+        for unit in &self.model.units {
+            let range = unit.range();
+            let w = unit.layout.per_element(|n| norm.weight(n) as f32)[range.clone()].to_vec();
+            let device = unit.anchor.device().clone();
+            weights.insert(
+                unit.name.clone(),
+                Tensor::from_vec(w, range.len(), &device)?,
+            );
+        }
+        self.tp_norm = Some((norm, weights));
+        Ok(())
     }
 
     pub fn step_count(&self) -> u64 {
@@ -708,19 +778,22 @@ impl FsdpOptimizer {
                 Some(r) => r.all_reduce(&g, ReduceOp::Sum)?,
                 None => g,
             };
-            local_sq += g
-                .sqr()?
-                .sum_all()?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
+            let sq = match &self.tp_norm {
+                Some((_, weights)) => (g.sqr()? * &weights[&unit.name])?,
+                None => g.sqr()?,
+            };
+            local_sq += sq.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             grads.insert(unit.name.clone(), g);
         }
         let shard_comm = self.model.root().comm();
         let sq = Tensor::new(&[local_sq], &candle_core::Device::Cpu)?;
-        let norm = shard_comm
+        let mut norm_sq = shard_comm
             .all_reduce(&sq, ReduceOp::Sum)?
-            .to_vec1::<f64>()?[0]
-            .sqrt();
+            .to_vec1::<f64>()?[0];
+        if let Some((tp, _)) = &self.tp_norm {
+            norm_sq = tp.sum(norm_sq)?;
+        }
+        let norm = norm_sq.sqrt();
         let coef = max_grad_norm / (norm + 1e-6);
         if max_grad_norm > 0.0 && coef < 1.0 {
             for g in grads.values_mut() {
@@ -819,12 +892,14 @@ mod tests {
         (cfg, params)
     }
 
-    fn sharded(policy: WrapPolicy) -> (ModelConfig, Arc<ShardedModel>) {
+    /// The tiny model wrapped by `policy` on one rank.
+    fn sharded(policy: WrapPolicy) -> (CausalLm, Arc<ShardedModel>) {
         let (cfg, params) = tiny();
         let comm = InProcessWorld::new(1).world(0).unwrap();
-        let model = ShardedModel::new(&params, cfg.num_hidden_layers, policy, Prefetch::BOTH, comm)
-            .unwrap();
-        (cfg, Arc::new(model))
+        let mut model = CausalLm::new(cfg, params).unwrap();
+        model.shard(policy, Prefetch::BOTH, comm).unwrap();
+        let sharding = model.sharding.clone().unwrap();
+        (model, sharding)
     }
 
     #[test]
@@ -846,8 +921,7 @@ mod tests {
 
     #[test]
     fn units_are_freed_after_forward_and_reduced_during_backward() {
-        let (cfg, sharding) = sharded(WrapPolicy::PerLayer);
-        let model = CausalLm::sharded(cfg, sharding.clone()).unwrap();
+        let (model, sharding) = sharded(WrapPolicy::PerLayer);
         let ids = Tensor::new(&[[5u32, 9, 14, 3, 7, 21]], &Device::Cpu).unwrap();
         let pos = Tensor::arange(0i64, 6, &Device::Cpu)
             .unwrap()

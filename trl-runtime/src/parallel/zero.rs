@@ -12,6 +12,7 @@ use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
+use crate::tp::TpNorm;
 use crate::train::optim::{decays, AdamW, AdamWConfig, ParamState};
 use crate::train::sharded_state::{self, Piece, ShardedReader};
 use candle_core::{DType, Shape, Tensor};
@@ -138,15 +139,20 @@ impl FlatLayout {
 
     /// 1 where weight decay applies (HF's rule per parameter), 0 elsewhere and in the padding.
     fn decay_mask(&self) -> Vec<f32> {
-        let mut mask = vec![0f32; self.padded];
+        self.per_element(|name| if decays(name) { 1.0 } else { 0.0 })
+    }
+
+    /// `value(name)` at every element of that parameter (0 in the padding), over the padded
+    /// vector.
+    pub(crate) fn per_element(&self, value: impl Fn(&str) -> f32) -> Vec<f32> {
+        let mut out = vec![0f32; self.padded];
         for (name, shape, offset) in &self.entries {
-            if decays(name) {
-                mask[*offset..*offset + shape.elem_count()]
-                    .iter_mut()
-                    .for_each(|v| *v = 1.0);
-            }
+            let v = value(name);
+            out[*offset..*offset + shape.elem_count()]
+                .iter_mut()
+                .for_each(|x| *x = v);
         }
-        mask
+        out
     }
 
     /// Fresh AdamW state for the slice `range` whose master weights are `master` (f32).
@@ -252,6 +258,9 @@ pub struct ZeroOptimizer {
     replicate: Option<Arc<dyn Communicator>>,
     range: Range<usize>,
     inner: AdamW,
+    /// Under tensor parallelism: how the slice's squared gradients count in the global norm
+    /// (per element of this rank's range).
+    tp_norm: Option<(TpNorm, Tensor)>,
 }
 
 impl ZeroOptimizer {
@@ -289,7 +298,18 @@ impl ZeroOptimizer {
             replicate: replicate.filter(|c| c.size() > 1),
             range,
             inner,
+            tp_norm: None,
         })
+    }
+
+    /// Clips by the norm over the tensor-parallel group too (the parameters are tp slices).
+    pub fn set_tp_norm(&mut self, norm: TpNorm) -> Result<()> {
+        let weights =
+            self.layout.per_element(|n| norm.weight(n) as f32)[self.range.clone()].to_vec();
+        let device = self.inner.states[SHARD].master.device().clone();
+        let weights = Tensor::from_vec(weights, self.range.len(), &device)?;
+        self.tp_norm = Some((norm, weights));
+        Ok(())
     }
 
     pub fn step_count(&self) -> u64 {
@@ -325,12 +345,19 @@ impl ZeroOptimizer {
             Some(r) => r.all_reduce(&shard, ReduceOp::Sum)?,
             None => shard,
         };
-        let local_sq = shard.sqr()?.sum_all()?.to_dtype(DType::F64)?.reshape(1)?;
-        let norm = self
+        let sq = match &self.tp_norm {
+            Some((_, weights)) => (shard.sqr()? * weights)?,
+            None => shard.sqr()?,
+        };
+        let local_sq = sq.sum_all()?.to_dtype(DType::F64)?.reshape(1)?;
+        let mut norm_sq = self
             .comm
             .all_reduce(&local_sq, ReduceOp::Sum)?
-            .to_vec1::<f64>()?[0]
-            .sqrt();
+            .to_vec1::<f64>()?[0];
+        if let Some((tp, _)) = &self.tp_norm {
+            norm_sq = tp.sum(norm_sq)?;
+        }
+        let norm = norm_sq.sqrt();
         let coef = max_grad_norm / (norm + 1e-6);
         let shard = if max_grad_norm > 0.0 && coef < 1.0 {
             (shard * coef)?

@@ -21,8 +21,10 @@
 //! - `divide`: an integer count (heads) divided by the group size.
 
 mod loss;
+pub mod state;
 
 pub use loss::vocab_parallel_cross_entropy;
+pub use state::TpNorm;
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};

@@ -23,10 +23,8 @@ use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
-use crate::nn::causal_lm_loss;
-use crate::parallel::{
-    FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy, ZeroOptimizer, ZeroStage,
-};
+use crate::parallel::{FsdpOptimizer, Prefetch, WrapPolicy, ZeroOptimizer, ZeroStage};
+use crate::tp::{state as tp_state, TpNorm};
 use candle_core::{DType, Device, Tensor, D};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -122,13 +120,11 @@ fn wrap_policy_from_env() -> Result<WrapPolicy> {
     }
 }
 
-/// The trainer does not split the model over tp, cp or sp yet (the model itself can be split:
-/// `CausalLm::parallelize`): ranks along those axes get the same batches and compute the same
-/// step, which is correct but does no parallel work. Said loudly, once, so no one pays for
-/// ranks that do nothing new.
+/// The trainer does not split sequences over cp or sp yet: ranks along those axes get the
+/// same batches and compute the same step, which is correct but does no parallel work. Said
+/// loudly, once, so no one pays for ranks that do nothing new.
 fn note_unsplit_axes(ctx: &DistContext) {
     let axes = [
-        (Axis::Tp, "parallelism_config_tp_size"),
         (Axis::Cp, "parallelism_config_cp_size"),
         (Axis::Sp, "parallelism_config_sp_size"),
     ];
@@ -262,6 +258,9 @@ pub struct Trainer<'a> {
     tokenizer_dir: PathBuf,
     pub optimizer: Optimizer,
     pub strategy: Strategy,
+    /// Under tensor parallelism: the global gradient norm over the tp group (DDP clips with
+    /// it; ZeRO and FSDP optimizers hold their own copy).
+    tp_norm: Option<TpNorm>,
     /// How intermediate checkpoints hold sharded state (the final one is always full).
     pub checkpoint_format: CheckpointFormat,
     schedule: LrSchedule,
@@ -327,6 +326,7 @@ impl<'a> Trainer<'a> {
     ) -> Result<Self> {
         config.validate("training arguments")?;
         let dp = ctx.group(DP);
+        let tp = ctx.group(&[Axis::Tp]);
         let dir = config.model_name_or_path.clone();
         let tokenizer = TextTokenizer::from_dir(&dir)?;
         let mut model = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu)?;
@@ -413,15 +413,17 @@ impl<'a> Trainer<'a> {
         if let Some(spec) = &config.resume_from_checkpoint {
             let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
             if sharded_state::is_sharded(&ckpt) {
-                // Slices are read by whoever owns them; unsharded strategies read it all.
+                // Slices are read by whoever owns them; unsharded strategies, and tensor-
+                // parallel runs (which cut their tp slices from whole tensors), read it all.
                 let reader = ShardedReader::open(&ckpt)?;
                 state = checkpoint::read_trainer_state(&ckpt)?;
-                if !matches!(strategy, Strategy::Fsdp(..) | Strategy::Zero(_)) {
+                if tp.size() > 1 || !matches!(strategy, Strategy::Fsdp(..) | Strategy::Zero(_)) {
                     let (params, full) = reader.full_state(adam)?;
                     model = CausalLm::new(model.config.clone(), Params::from_tensors(params)?)?;
                     full_state = Some(full);
+                } else {
+                    sharded_checkpoint = Some(reader);
                 }
-                sharded_checkpoint = Some(reader);
             } else {
                 model = CausalLm::new(
                     model.config.clone(),
@@ -451,6 +453,32 @@ impl<'a> Trainer<'a> {
         let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
         // Rank 0's weights on every rank (DDP's start) before any strategy takes its share.
         sync_parameters(&dp, &model.params)?;
+        // Tensor parallelism first: each rank keeps its slices, which ZeRO / FSDP then shard
+        // over the data-parallel group (2-D FSDP x TP).
+        let mut tp_norm = None;
+        if tp.size() > 1 {
+            model.parallelize(tp.clone()).map_err(|e| Error::Config {
+                file: dir.join("config.json").display().to_string(),
+                key: "parallelism_config_tp_size".into(),
+                message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
+            })?;
+            if let Some(full) = &full_state {
+                full_state = Some(tp_state::slice_state(
+                    full,
+                    model.tp_plan(),
+                    tp.rank(),
+                    tp.size(),
+                )?);
+            }
+            tp_norm = Some(TpNorm::new(model.tp_plan(), tp.clone()));
+            if CheckpointFormat::from_env() == CheckpointFormat::Sharded && ctx.is_main_process() {
+                tracing::warn!(
+                    "sharded checkpoints are written full under tensor parallelism (tp = {}): \
+                     each parameter is gathered and rank 0 writes HF safetensors",
+                    tp.size()
+                );
+            }
+        }
         let optimizer = match strategy {
             Strategy::Ddp => Optimizer::Replicated(match full_state {
                 Some(full) => full,
@@ -459,6 +487,9 @@ impl<'a> Trainer<'a> {
             Strategy::Zero(stage) => {
                 let mut z =
                     ZeroOptimizer::new(&model.params, adam, stage, shard.clone(), replicate)?;
+                if let Some(norm) = &tp_norm {
+                    z.set_tp_norm(norm.clone())?;
+                }
                 if let Some(full) = &full_state {
                     z.load_full_state(full)?;
                 }
@@ -469,16 +500,12 @@ impl<'a> Trainer<'a> {
             }
             Strategy::Fsdp(policy, prefetch) => {
                 // Every rank cuts its slices from the synced values, then drops the full tensors.
-                let layers = model.config.num_hidden_layers;
-                let sharded = Arc::new(ShardedModel::new(
-                    &model.params,
-                    layers,
-                    policy,
-                    prefetch,
-                    shard,
-                )?);
-                model = CausalLm::sharded(model.config.clone(), sharded.clone())?;
+                model.shard(policy, prefetch, shard)?;
+                let sharded = model.sharding.clone().expect("sharded above");
                 let mut f = FsdpOptimizer::new(sharded, adam, replicate)?;
+                if let Some(norm) = &tp_norm {
+                    f.set_tp_norm(norm.clone())?;
+                }
                 if let Some(full) = &full_state {
                     f.load_full_state(full)?;
                 }
@@ -517,6 +544,7 @@ impl<'a> Trainer<'a> {
             tokenizer,
             optimizer,
             strategy,
+            tp_norm,
             schedule,
             train_rows,
             eval_rows,
@@ -533,16 +561,20 @@ impl<'a> Trainer<'a> {
     }
 
     /// Every parameter's full value, whichever strategy holds them (collective under ZeRO-3 /
-    /// FSDP: every rank calls it).
+    /// FSDP and tensor parallelism: every rank calls it).
     pub fn gather_weights(&self) -> Result<BTreeMap<String, Tensor>> {
-        match &self.model.sharding {
-            Some(sharding) => sharding.gather_full(),
-            None => Ok(self
+        let mine = match &self.model.sharding {
+            Some(sharding) => sharding.gather_full()?,
+            None => self
                 .model
                 .params
                 .iter()
                 .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-                .collect()),
+                .collect(),
+        };
+        match self.model.tp() {
+            Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref()),
+            None => Ok(mine),
         }
     }
 
@@ -672,7 +704,7 @@ impl<'a> Trainer<'a> {
         let t0 = Instant::now();
         for batch in &batches {
             let logits = self.model.forward(&batch.input_ids, &batch.position_ids)?;
-            let ls = causal_lm_loss(&logits, &batch.labels)?;
+            let ls = self.model.loss(&logits, &batch.labels)?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
             let store = (ls.sum / targets)?.backward()?;
             if let Some(sharding) = &self.model.sharding {
@@ -700,7 +732,11 @@ impl<'a> Trainer<'a> {
         let t2 = Instant::now();
         let grad_norm = match &mut self.optimizer {
             Optimizer::Replicated(opt) => {
-                let norm = clip_grad_norm(&mut grads, self.config.max_grad_norm, None)?;
+                let norm_sq = match &self.tp_norm {
+                    Some(tp) => Some(tp.norm_sq(&grads)?),
+                    None => None,
+                };
+                let norm = clip_grad_norm(&mut grads, self.config.max_grad_norm, norm_sq)?;
                 opt.step(&self.model.params, &grads, lr)?;
                 norm
             }
@@ -735,14 +771,14 @@ impl<'a> Trainer<'a> {
     /// parameters every forward is collective, so all ranks run exactly `max_new` steps
     /// (tokens after EOS are computed and dropped).
     pub fn generate(&self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
-        let lockstep = self.model.sharding.is_some();
+        let lockstep = self.lockstep();
         let mut ids = prompt.to_vec();
         let mut answer_len = None;
         for _ in 0..max_new {
             let n = ids.len();
             let input = Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu)?;
             let pos = Tensor::arange(0i64, n as i64, &Device::Cpu)?.unsqueeze(0)?;
-            let logits = self.model.forward(&input, &pos)?;
+            let logits = self.model.forward_full(&input, &pos)?;
             let next = logits
                 .get(0)?
                 .get(n - 1)?
@@ -767,7 +803,7 @@ impl<'a> Trainer<'a> {
         if self.eval_rows.is_empty() {
             return Ok(None);
         }
-        let lockstep = self.model.sharding.is_some();
+        let lockstep = self.lockstep();
         let (rank, world) = (self.dp.rank(), self.dp.size());
         let bs = self.config.per_device_eval_batch_size;
         let mine: Vec<&PackedSequence> = self.eval_rows.iter().skip(rank).step_by(world).collect();
@@ -786,7 +822,7 @@ impl<'a> Trainer<'a> {
             let chunk = chunks.get(i).copied().unwrap_or(&filler);
             let batch = collate(chunk, self.collate_options, &Device::Cpu)?;
             let logits = self.model.forward(&batch.input_ids, &batch.position_ids)?;
-            let ls = causal_lm_loss(&logits, &batch.labels)?;
+            let ls = self.model.loss(&logits, &batch.labels)?;
             if i < chunks.len() {
                 sum += ls.sum.to_scalar::<f32>()? as f64;
                 count += ls.count as f64;
@@ -810,6 +846,12 @@ impl<'a> Trainer<'a> {
             accuracy: (!self.eval_prompts.is_empty())
                 .then(|| totals[2] / self.eval_prompts.len() as f64),
         }))
+    }
+
+    /// Whether every forward is collective (sharded parameters, or layers split over tp), so
+    /// that all ranks must run the same number of them.
+    fn lockstep(&self) -> bool {
+        self.model.sharding.is_some() || self.model.tp().is_some()
     }
 
     fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
@@ -855,24 +897,34 @@ impl<'a> Trainer<'a> {
     }
 
     fn save_checkpoint_as(&self, format: CheckpointFormat) -> Result<Option<PathBuf>> {
+        let tp = self.model.tp();
         if format == CheckpointFormat::Sharded
+            && tp.is_none()
             && !matches!(self.optimizer, Optimizer::Replicated(_))
         {
             return self.save_sharded_checkpoint();
         }
-        // Sharded state is gathered per parameter first (every rank takes part).
+        // Sharded state is gathered per parameter first, then tensor-parallel slices along
+        // their split dimension (every rank takes part).
         let gathered;
         let gathered_params;
-        let (params, full) = match &self.optimizer {
-            Optimizer::Replicated(opt) => (&self.model.params, opt),
-            Optimizer::Zero(z) => {
+        let (params, full) = match (&self.optimizer, tp) {
+            (Optimizer::Replicated(opt), None) => (&self.model.params, opt),
+            (Optimizer::Zero(z), None) => {
                 gathered = z.gather_full_state()?;
                 (&self.model.params, &gathered)
             }
-            Optimizer::Fsdp(f) => {
-                let sharding = self.model.sharding.as_ref().expect("sharded model");
-                gathered_params = Params::from_tensors(sharding.gather_full()?)?;
-                gathered = f.gather_full_state()?;
+            (optimizer, _) => {
+                let full = match optimizer {
+                    Optimizer::Replicated(opt) => opt.clone(),
+                    Optimizer::Zero(z) => z.gather_full_state()?,
+                    Optimizer::Fsdp(f) => f.gather_full_state()?,
+                };
+                gathered = match tp {
+                    Some(tp) => tp_state::gather_state(full, self.model.tp_plan(), tp.as_ref())?,
+                    None => full,
+                };
+                gathered_params = Params::from_tensors(self.gather_weights()?)?;
                 (&gathered_params, &gathered)
             }
         };
@@ -911,8 +963,15 @@ impl<'a> Trainer<'a> {
             std::fs::create_dir_all(&out_dir)
                 .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
         }
+        let tp_note = match self.model.tp() {
+            Some(tp) => format!(
+                "; each data-parallel rank is {} tensor-parallel ranks splitting every layer",
+                tp.size()
+            ),
+            None => String::new(),
+        };
         tracing::info!(
-            "training {} parameters for {} steps ({} per epoch): effective batch {} = {} per device x {} data-parallel ranks x {} accumulation steps",
+            "training {} parameters for {} steps ({} per epoch): effective batch {} = {} per device x {} data-parallel ranks x {} accumulation steps{tp_note}",
             self.model.num_parameters(),
             self.state.total_steps,
             self.steps_per_epoch,
