@@ -451,6 +451,61 @@ mod qwen2 {
     }
 
     #[test]
+    fn each_rank_reads_only_its_slices_from_the_checkpoint() {
+        // Untied, with biases, saved as a sharded index of several files.
+        let cfg = config(&[
+            ("tie_word_embeddings", false.into()),
+            ("attention_bias", true.into()),
+            ("num_key_value_heads", 4.into()),
+        ]);
+        let tmp = tempfile::tempdir().unwrap();
+        let params = Params::init(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
+        params.save(tmp.path(), &cfg, Some(60_000)).unwrap();
+        assert!(tmp.path().join("model.safetensors.index.json").exists());
+        let whole = CausalLm::from_pretrained(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+        for tp in [2, 4] {
+            let loaded = InProcessWorld::run(tp, |rank, comm| {
+                let model =
+                    CausalLm::from_pretrained_split(tmp.path(), DType::F32, &Device::Cpu, comm)
+                        .unwrap();
+                let mut held = trl_runtime::alloc::StorageBytes::default();
+                for (name, var) in model.params.iter() {
+                    let split = model
+                        .tp_plan()
+                        .iter()
+                        .find(|e| &e.name == name)
+                        .unwrap()
+                        .split;
+                    let want = slice(&whole.params.tensor(name).unwrap(), split, rank, tp);
+                    assert_eq!(
+                        max_abs_diff(var.as_tensor(), &want),
+                        0.0,
+                        "tp={tp} rank {rank}: {name} is not its slice"
+                    );
+                    held.add(var);
+                }
+                (held.total, model.params.num_elements() * 4)
+            });
+            for (held, slices) in loaded {
+                assert_eq!(held, slices, "tp={tp}: storage beyond the slices");
+                assert!(slices < whole.params.num_elements() * 4);
+            }
+        }
+        // A size that does not divide a tensor names it.
+        let errs = InProcessWorld::run(3, |_, comm| {
+            CausalLm::from_pretrained_split(tmp.path(), DType::F32, &Device::Cpu, comm)
+                .err()
+                .expect("tp = 3 accepted")
+                .to_string()
+        });
+        assert!(
+            errs[0].contains("not divisible by tp = 3") && errs[0].contains(".weight"),
+            "{}",
+            errs[0]
+        );
+    }
+
+    #[test]
     fn heads_that_do_not_divide_are_a_clear_error() {
         // The tiny model has 2 key/value heads: tp = 4 cannot split them.
         let cfg = config(&[]);

@@ -8,7 +8,7 @@
 //! them), and head counts are divided by the tp size.
 
 use super::config::ModelConfig;
-use super::params::Params;
+use super::params::{Params, WeightFiles};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::rope::apply_rotary;
@@ -187,6 +187,7 @@ impl CausalLm {
             });
         }
         crate::tp::parallelize(self, &TpContext::new(tp.clone()))?;
+        crate::tp::make_variables(self)?;
         self.params = crate::tp::named_parameters(self)?;
         self.tp_plan = crate::tp::plan(self, tp.size(), true);
         self.tp = Some(tp);
@@ -255,6 +256,47 @@ impl CausalLm {
         let config = ModelConfig::from_file(dir.join(super::params::CONFIG_FILE))?;
         let params = Params::load(dir, &config, dtype, device)?;
         Self::new(config, params)
+    }
+
+    /// Loads an HF checkpoint directory split over `tp`: each rank reads only its slices of
+    /// the split tensors from the safetensors files (and the replicated ones whole), so no rank
+    /// ever holds the full model. A dimension or head count the group size does not divide is
+    /// an error naming the tensor.
+    pub fn from_pretrained_split(
+        dir: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        if tp.size() == 1 {
+            return Self::from_pretrained(dir, dtype, device);
+        }
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_file(dir.join(super::params::CONFIG_FILE))?;
+        let files = WeightFiles::open(dir, &config)?;
+        // A skeleton whose weights are views of one zero at the full shapes: splitting it
+        // allocates only this rank's slices, which are then filled from the files.
+        let zero = Tensor::zeros((), dtype, device)?;
+        let shapes: std::collections::HashMap<String, Vec<usize>> =
+            config.parameter_shapes().into_iter().collect();
+        let lookup = |name: &str| {
+            let shape = shapes.get(name)?;
+            zero.broadcast_as(shape.as_slice()).ok().map(Weight::Local)
+        };
+        let mut model = Self::build(config, &lookup)?;
+        model.parallelize(tp.clone())?;
+        for entry in &model.tp_plan {
+            let value = match entry.split.dim {
+                Some(d) => files.load_part(&entry.name, d, tp.rank(), tp.size(), dtype, device)?,
+                None => files.load(&entry.name, dtype, device)?,
+            };
+            model
+                .params
+                .get(&entry.name)
+                .expect("planned")
+                .set(&value)?;
+        }
+        Ok(model)
     }
 
     /// Writes the model in HF layout (config.json + safetensors).

@@ -4,10 +4,11 @@
 
 use super::config::ModelConfig;
 use crate::error::{Error, Result};
-use candle_core::safetensors::MmapedSafetensors;
+use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Tensor, Var};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
+use safetensors::slice::TensorIndexer;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -74,59 +75,11 @@ impl Params {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let dir = dir.as_ref();
-        let (files, where_is) = weight_files(dir)?;
-        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::Config {
-            file: files
-                .iter()
-                .map(|f| f.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            key: "<safetensors>".into(),
-            message: format!("cannot read the weights: {e}"),
-        })?;
-        let present: HashMap<String, Vec<usize>> = st
-            .tensors()
-            .into_iter()
-            .map(|(name, view)| (name, view.shape().to_vec()))
-            .collect();
-        let expected = cfg.parameter_shapes();
-        let file_of = |name: &str| {
-            where_is(name).unwrap_or_else(|| dir.join(SINGLE_FILE).display().to_string())
-        };
+        let files = WeightFiles::open(dir.as_ref(), cfg)?;
         let mut vars = BTreeMap::new();
-        for (name, shape) in &expected {
-            let Some(found) = present.get(name) else {
-                return Err(Error::Config {
-                    file: dir.display().to_string(),
-                    key: name.clone(),
-                    message: format!("tensor missing from the checkpoint (expected shape {shape:?} from config.json)"),
-                });
-            };
-            if found != shape {
-                return Err(Error::Config {
-                    file: file_of(name),
-                    key: name.clone(),
-                    message: format!("tensor has shape {found:?} but config.json implies {shape:?}: the weights and config.json do not belong together"),
-                });
-            }
-            let t = st.load(name, device)?.to_dtype(dtype)?;
-            vars.insert(name.clone(), Var::from_tensor(&t)?);
-        }
-        let known: std::collections::HashSet<&str> =
-            expected.iter().map(|(n, _)| n.as_str()).collect();
-        for name in present.keys() {
-            let tied_head = cfg.tie_word_embeddings && name == "lm_head.weight";
-            if !known.contains(name.as_str()) && !is_ignorable(name) && !tied_head {
-                return Err(Error::Config {
-                    file: file_of(name),
-                    key: name.clone(),
-                    message: format!(
-                        "unexpected tensor for a {} model with this config.json",
-                        cfg.model_type
-                    ),
-                });
-            }
+        for (name, _) in cfg.parameter_shapes() {
+            let t = files.load(&name, dtype, device)?;
+            vars.insert(name, Var::from_tensor(&t)?);
         }
         Ok(Params { vars })
     }
@@ -217,6 +170,133 @@ impl Params {
 
     pub fn num_elements(&self) -> usize {
         self.vars.values().map(|v| v.elem_count()).sum()
+    }
+}
+
+/// A checkpoint's weights (one file or a sharded index), memory-mapped and checked against a
+/// config: tensors are read when asked for, whole or in parts.
+pub struct WeightFiles {
+    st: MmapedSafetensors,
+    where_is: Box<dyn Fn(&str) -> Option<String>>,
+    dir: PathBuf,
+}
+
+impl WeightFiles {
+    /// Opens the weights of `dir` and checks them against `cfg`: every parameter present
+    /// with the right shape, nothing unexpected.
+    pub fn open(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
+        let (files, where_is) = weight_files(dir)?;
+        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::Config {
+            file: files
+                .iter()
+                .map(|f| f.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            key: "<safetensors>".into(),
+            message: format!("cannot read the weights: {e}"),
+        })?;
+        let this = WeightFiles {
+            st,
+            where_is,
+            dir: dir.to_path_buf(),
+        };
+        let present: HashMap<String, Vec<usize>> = this
+            .st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, view.shape().to_vec()))
+            .collect();
+        let expected = cfg.parameter_shapes();
+        for (name, shape) in &expected {
+            let Some(found) = present.get(name) else {
+                return Err(Error::Config {
+                    file: dir.display().to_string(),
+                    key: name.clone(),
+                    message: format!("tensor missing from the checkpoint (expected shape {shape:?} from config.json)"),
+                });
+            };
+            if found != shape {
+                return Err(Error::Config {
+                    file: this.file_of(name),
+                    key: name.clone(),
+                    message: format!("tensor has shape {found:?} but config.json implies {shape:?}: the weights and config.json do not belong together"),
+                });
+            }
+        }
+        let known: std::collections::HashSet<&str> =
+            expected.iter().map(|(n, _)| n.as_str()).collect();
+        for name in present.keys() {
+            let tied_head = cfg.tie_word_embeddings && name == "lm_head.weight";
+            if !known.contains(name.as_str()) && !is_ignorable(name) && !tied_head {
+                return Err(Error::Config {
+                    file: this.file_of(name),
+                    key: name.clone(),
+                    message: format!(
+                        "unexpected tensor for a {} model with this config.json",
+                        cfg.model_type
+                    ),
+                });
+            }
+        }
+        Ok(this)
+    }
+
+    fn file_of(&self, name: &str) -> String {
+        (self.where_is)(name).unwrap_or_else(|| self.dir.join(SINGLE_FILE).display().to_string())
+    }
+
+    /// Tensor `name`, whole.
+    pub fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
+        Ok(self.st.load(name, device)?.to_dtype(dtype)?)
+    }
+
+    /// Part `rank` of `parts` equal parts of tensor `name` along `dim`, reading only the bytes
+    /// of that part from the file (a tensor-parallel slice).
+    pub fn load_part(
+        &self,
+        name: &str,
+        dim: usize,
+        rank: usize,
+        parts: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let view = self.st.get(name)?;
+        let full = view.shape()[dim];
+        if full % parts != 0 {
+            return Err(Error::TensorParallel {
+                name: name.into(),
+                message: format!(
+                    "dimension {dim} has size {full} in {}, which is not divisible by tp = {parts}; \
+                     choose a tp size that divides it",
+                    self.file_of(name)
+                ),
+            });
+        }
+        let chunk = full / parts;
+        let index: Vec<TensorIndexer> = (0..view.shape().len())
+            .map(|d| {
+                if d == dim {
+                    (rank * chunk..(rank + 1) * chunk).into()
+                } else {
+                    (..).into()
+                }
+            })
+            .collect();
+        let bad = |e: &dyn std::fmt::Display| Error::Config {
+            file: self.file_of(name),
+            key: name.into(),
+            message: format!("cannot read part {rank} of {parts} along dimension {dim}: {e}"),
+        };
+        let slices = view.sliced_data(&index).map_err(|e| bad(&e))?;
+        let shape = slices.newshape();
+        let mut bytes = Vec::with_capacity(slices.remaining_byte_len());
+        for chunk in slices {
+            bytes.extend_from_slice(chunk);
+        }
+        let part = safetensors::tensor::TensorView::new(view.dtype(), shape, &bytes)
+            .map_err(|e| bad(&e))?;
+        Ok(part.load(device)?.to_dtype(dtype)?)
     }
 }
 

@@ -416,6 +416,28 @@ pub fn plan(model: &impl Parallelize, tp: usize, sharded: bool) -> Vec<PlanEntry
     out
 }
 
+/// Makes every weight that is not yet a trainable variable (a view, such as the skeleton a
+/// sliced load splits) a variable of its own; a weight shared by two layers stays shared.
+pub fn make_variables(model: &mut impl Parallelize) -> Result<()> {
+    let mut made: HashMap<TensorId, Tensor> = HashMap::new();
+    model.visit_weights_mut("", &mut |_, w| {
+        if let Weight::Local(t) = w {
+            if !t.is_variable() {
+                let var = match made.get(&t.id()) {
+                    Some(v) => v.clone(),
+                    None => {
+                        let v = Var::from_tensor(t)?.as_tensor().clone();
+                        made.insert(t.id(), v.clone());
+                        v
+                    }
+                };
+                *w = Weight::Local(var);
+            }
+        }
+        Ok(())
+    })
+}
+
 /// Splits `model` over `tp` (a no-op for a group of one).
 pub fn parallelize(model: &mut impl Parallelize, tp: &TpContext) -> Result<()> {
     if tp.size() == 1 {

@@ -329,7 +329,17 @@ impl<'a> Trainer<'a> {
         let tp = ctx.group(&[Axis::Tp]);
         let dir = config.model_name_or_path.clone();
         let tokenizer = TextTokenizer::from_dir(&dir)?;
-        let mut model = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu)?;
+        // Split over tp as it is read: each rank reads only its slices.
+        let tp_error = |e: Error| match e {
+            Error::TensorParallel { .. } => Error::Config {
+                file: dir.join("config.json").display().to_string(),
+                key: "parallelism_config_tp_size".into(),
+                message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
+            },
+            other => other,
+        };
+        let mut model = CausalLm::from_pretrained_split(&dir, DType::F32, &Device::Cpu, tp.clone())
+            .map_err(tp_error)?;
         let policy = if config.skip_bad_rows {
             OnBadRow::Skip
         } else {
@@ -451,17 +461,17 @@ impl<'a> Trainer<'a> {
         // are also summed across replicas.
         let shard = ctx.group(&[Axis::DpShard]);
         let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
-        // Rank 0's weights on every rank (DDP's start) before any strategy takes its share.
+        // Rank 0's weights on every rank (DDP's start; under tp, every data-parallel rank holds
+        // the same slices) before any strategy takes its share.
         sync_parameters(&dp, &model.params)?;
         // Tensor parallelism first: each rank keeps its slices, which ZeRO / FSDP then shard
         // over the data-parallel group (2-D FSDP x TP).
         let mut tp_norm = None;
         if tp.size() > 1 {
-            model.parallelize(tp.clone()).map_err(|e| Error::Config {
-                file: dir.join("config.json").display().to_string(),
-                key: "parallelism_config_tp_size".into(),
-                message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
-            })?;
+            // A resumed model was read whole (with its whole optimizer state).
+            if model.tp().is_none() {
+                model.parallelize(tp.clone()).map_err(tp_error)?;
+            }
             if let Some(full) = &full_state {
                 full_state = Some(tp_state::slice_state(
                     full,
