@@ -177,7 +177,7 @@ impl Params {
 /// config: tensors are read when asked for, whole or in parts.
 pub struct WeightFiles {
     st: MmapedSafetensors,
-    where_is: Box<dyn Fn(&str) -> Option<String>>,
+    where_is: FileOf,
     dir: PathBuf,
 }
 
@@ -300,9 +300,11 @@ impl WeightFiles {
     }
 }
 
+/// Which file of a sharded index holds a tensor (None: the single file).
+type FileOf = Box<dyn Fn(&str) -> Option<String>>;
+
 /// The weight files of a checkpoint directory and a lookup from tensor name to its file.
-#[allow(clippy::type_complexity)]
-fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Box<dyn Fn(&str) -> Option<String>>)> {
+fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {
     let index = dir.join(INDEX_FILE);
     if index.exists() {
         let text = std::fs::read_to_string(&index)
