@@ -5,6 +5,7 @@
 use crate::profiles;
 use crate::target::{self, Target};
 use crate::topology::TopologyArgs;
+use crate::tp_plan;
 use std::path::PathBuf;
 use std::time::Duration;
 use trl_runtime::config::launch::{
@@ -14,6 +15,7 @@ use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::config::{LaunchConfig, OffloadDevice};
 use trl_runtime::dist::mesh::DeviceMesh;
 use trl_runtime::dist::spawn::{self, Job, RankPlace, WorkerSpec};
+use trl_runtime::tp::PlanEntry;
 
 /// Exit codes of `cargo trl launch`.
 pub const EXIT_WORKER_FAILED: u8 = 1;
@@ -71,6 +73,8 @@ pub struct Plan {
     pub master_port: u16,
     pub target: Target,
     pub workers: Vec<WorkerSpec>,
+    /// Under tp > 1, the model directory the program names and how it is split.
+    pub tp_plan: Option<(PathBuf, Vec<PlanEntry>)>,
 }
 
 fn gpus_present() -> usize {
@@ -313,6 +317,21 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
         .parallelism
         .resolve(world, cfg.distributed_type)
         .map_err(|e| format!("{src}: {e}"))?;
+    // Under tensor parallelism, the model the program names must split over tp: checked here
+    // from its config.json, before any process starts.
+    let tp_plan = match tp_plan::model_dir(&args.program_args).filter(|_| dims.tp > 1) {
+        Some(dir) => {
+            let entries = tp_plan::plan(&dir, dims.tp).map_err(|e| {
+                format!(
+                    "{src}: parallelism_config_tp_size = {} cannot split the model in {}: {e}",
+                    dims.tp,
+                    dir.display()
+                )
+            })?;
+            Some((dir, entries))
+        }
+        None => None,
+    };
     if !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu {
         let present = gpus_present();
         let wanted: Vec<u32> = match &cfg.gpu_ids {
@@ -400,6 +419,7 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
         master_port,
         target,
         workers,
+        tp_plan,
     })
 }
 
@@ -421,6 +441,13 @@ pub fn print_plan(plan: &Plan, args: &LaunchArgs) {
         "mesh: dp_replicate={} dp_shard={} cp={} sp={} tp={}",
         d.dp_replicate, d.dp_shard, d.cp, d.sp, d.tp
     );
+    match &plan.tp_plan {
+        Some((dir, entries)) => println!("{}", tp_plan::render(entries, d.tp, dir)),
+        None if d.tp > 1 => println!(
+            "tensor-parallel plan: pass --model_name_or_path DIR (or --config FILE) to the program to see how its model is split"
+        ),
+        None => {}
+    }
     if let Some(build) = plan.target.build_command(!args.debug) {
         println!("build: {}", build.join(" "));
     }

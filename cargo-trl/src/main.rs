@@ -16,6 +16,7 @@ mod profiles;
 mod slurm;
 mod target;
 mod topology;
+mod tp_plan;
 
 use clap::{Parser, Subcommand};
 use profiles::PROFILES;

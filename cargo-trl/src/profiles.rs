@@ -46,6 +46,10 @@ pub const PROFILES: &[(&str, &str)] = &[
         include_str!("../../templates/profiles/fsdp2_cpu.yaml"),
     ),
     (
+        "fsdp2_tp_cpu",
+        include_str!("../../templates/profiles/fsdp2_tp_cpu.yaml"),
+    ),
+    (
         "context_parallel_cpu",
         include_str!("../../templates/profiles/context_parallel_cpu.yaml"),
     ),

@@ -190,6 +190,69 @@ fn dry_run_prints_the_plan_without_building() {
 }
 
 #[test]
+fn dry_run_shows_the_tensor_parallel_plan() {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny/model");
+    let o = launch(&[
+        "--profile",
+        "fsdp2_tp_cpu",
+        "--dry-run",
+        "launch_worker",
+        "--",
+        "--model_name_or_path",
+        model,
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    for want in [
+        "mesh: dp_replicate=1 dp_shard=2 cp=1 sp=1 tp=2",
+        "tensor-parallel plan (tp = 2)",
+        "[284, 64] -> [142, 64] per rank",
+        "(layers 1 and up are split as layer 0)",
+        "rank 1 (local 1): coordinate dp_replicate=0 dp_shard=0 cp=0 sp=0 tp=1",
+    ] {
+        assert!(t.contains(want), "{want} missing from\n{t}");
+    }
+    let line = |name: &str| {
+        t.lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no line for {name} in\n{t}"))
+            .to_string()
+    };
+    let q = line("model.layers.0.self_attn.q_proj.weight");
+    assert!(
+        q.contains("column") && q.contains("[64, 64] -> [32, 64]"),
+        "{q}"
+    );
+    let o_proj = line("model.layers.0.self_attn.o_proj.weight");
+    assert!(
+        o_proj.contains("row") && o_proj.contains("dim 1"),
+        "{o_proj}"
+    );
+    assert!(line("model.norm.weight").contains("whole"));
+    assert!(!t.contains("model.layers.1."), "{t}");
+
+    // A tp size the model cannot take is refused before anything starts.
+    let o = launch(&[
+        "--profile",
+        "fsdp2_tp_cpu",
+        "--parallelism_config_tp_size",
+        "4",
+        "--parallelism_config_dp_shard_size",
+        "1",
+        "launch_worker",
+        "--",
+        "--model_name_or_path",
+        model,
+    ]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains("parallelism_config_tp_size = 4") && t.contains("num_kv_heads"),
+        "{t}"
+    );
+}
+
+#[test]
 fn invalid_launches_fail_before_starting_anything() {
     let w = worker();
     let w = w.to_str().unwrap();

@@ -2,8 +2,13 @@
 //! (Qwen2 hidden 256, intermediate 768, 4 layers, 8/4 heads, vocab 4096, seq 512, batch 4 per
 //! process, fp32, 1 compute thread per process) on 1 and 2 processes of the host backend, the
 //! scaling ratio between them, ZeRO-3 (per-layer units) on 2 processes against DDP on 2 in the
-//! same run and against itself without prefetching, and the time from launching a process to its first finished
-//! step with the bundled tiny model. One JSON object per line on stdout; prose on stderr.
+//! same run and against itself without prefetching, tensor parallelism (tp = 2 on 2 processes:
+//! every layer split, the same global batch as DDP on 1) against DDP on 1 and 2, and the time
+//! from launching a process to its first finished step with the bundled tiny model.
+//! `comm_share` is the time a rank spent inside collectives (tensor-parallel and data-parallel
+//! groups) over the step time; collectives queued in the background (DDP buckets, ZeRO-3
+//! gathers) partly overlap compute, so for those it is an upper bound of the exposed share.
+//! One JSON object per line on stdout; prose on stderr.
 
 use std::path::Path;
 use std::time::Instant;
@@ -11,6 +16,7 @@ use std::time::Instant;
 mod support;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::dist::mesh::{Axis, DP};
 use trl_runtime::dist::DistContext;
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
 use trl_runtime::train::{SFTConfig, Strategy, Trainer};
@@ -37,7 +43,11 @@ fn worker(kind: &str, dir: &Path) {
     } else {
         DistributedType::MultiCpu
     };
-    let ctx = DistContext::init(&ParallelismConfig::default(), dist).unwrap();
+    let parallelism = ParallelismConfig {
+        tp: if kind == "ref-tp" { 2 } else { 1 },
+        ..ParallelismConfig::default()
+    };
+    let ctx = DistContext::init(&parallelism, dist).unwrap();
     trl_runtime::train::logging::init(ctx.rank());
     let config = if kind == "tiny" {
         SFTConfig {
@@ -75,7 +85,14 @@ fn worker(kind: &str, dir: &Path) {
     if kind == "tiny" {
         return;
     }
-    let start = Instant::now();
+    // Every group a strategy talks over (each communicator is timed on its own).
+    let comm = || {
+        [&[Axis::Tp][..], DP, &[Axis::DpShard], &[Axis::DpReplicate]]
+            .iter()
+            .map(|axes| ctx.comm_seconds(axes))
+            .sum::<f64>()
+    };
+    let (start, comm_start) = (Instant::now(), comm());
     let _ = first;
     let mut tokens = 0;
     for _ in 0..MEASURED_STEPS {
@@ -84,16 +101,24 @@ fn worker(kind: &str, dir: &Path) {
     let secs = start.elapsed().as_secs_f64();
     if ctx.is_main_process() {
         println!(
-            "measured {} {}",
+            "measured {} {} {}",
             secs / MEASURED_STEPS as f64,
-            tokens as f64 / secs
+            tokens as f64 / secs,
+            (comm() - comm_start) / secs
         );
     }
 }
 
-/// Runs `world` ranks as `kind` workers; returns (launch-to-first-step seconds, the
-/// "measured" line's numbers).
-fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<(f64, f64)>) {
+/// What the main rank measured: seconds per step, tokens per second, communication share.
+struct Measured {
+    step_s: f64,
+    tokens_per_s: f64,
+    comm_share: f64,
+}
+
+/// Runs `world` ranks as `kind` workers; returns launch-to-first-step seconds and the
+/// measurement.
+fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<Measured>) {
     let mut first = f64::NAN;
     let mut measured = None;
     support::run_ranks(kind, world, dir, |line, elapsed| {
@@ -101,10 +126,20 @@ fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<(f64, f64)>) {
             first = elapsed;
         } else if let Some(rest) = line.strip_prefix("measured ") {
             let v: Vec<f64> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
-            measured = Some((v[0], v[1]));
+            measured = Some(Measured {
+                step_s: v[0],
+                tokens_per_s: v[1],
+                comm_share: v[2],
+            });
         }
     });
     (first, measured)
+}
+
+fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
+    launch(kind, world, dir)
+        .1
+        .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"))
 }
 
 fn main() {
@@ -117,23 +152,36 @@ fn main() {
     eprintln!(
         "train bench: reference shape, batch {BATCH} x seq {SEQ} per process, 1 thread per process"
     );
+    let line = |strategy: &str, world: usize, m: &Measured| {
+        println!(
+            "{{\"bench\":\"train\",\"strategy\":\"{strategy}\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}}}",
+            m.tokens_per_s, m.step_s, m.comm_share
+        )
+    };
     let mut per_world = Vec::new();
     for world in [1, 2] {
-        let (_, measured) = launch("ref", world, tmp.path());
-        let (step_s, tokens_per_s) = measured.expect("worker reported no measurement");
-        println!("{{\"bench\":\"train\",\"strategy\":\"ddp\",\"world\":{world},\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4}}}");
-        per_world.push(tokens_per_s);
+        let m = measure("ref", world, tmp.path());
+        line("ddp", world, &m);
+        per_world.push(m.tokens_per_s);
     }
-    let (_, measured) = launch("ref-zero3", 2, tmp.path());
-    let (step_s, tokens_per_s) = measured.expect("worker reported no measurement");
-    println!("{{\"bench\":\"train\",\"strategy\":\"zero3\",\"world\":2,\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4}}}");
+    // Tensor parallelism: 2 ranks share every layer of one replica.
+    let tp = measure("ref-tp", 2, tmp.path());
+    line("tp", 2, &tp);
+    println!(
+        "{{\"bench\":\"train\",\"strategy\":\"tp\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_tp_over_ddp_1\":{:.3},\"tokens_per_s_ratio_tp_over_ddp_2\":{:.3}}}",
+        tp.tokens_per_s / per_world[0],
+        tp.tokens_per_s / per_world[1]
+    );
+    let zero3 = measure("ref-zero3", 2, tmp.path());
+    line("zero3", 2, &zero3);
+    let tokens_per_s = zero3.tokens_per_s;
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"zero3\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_zero3_over_ddp\":{:.3}}}",
         tokens_per_s / per_world[1]
     );
     // The same run without starting any all-gather ahead: what prefetching buys.
-    let (_, measured) = launch("ref-zero3-no-prefetch", 2, tmp.path());
-    let (step_s, plain) = measured.expect("worker reported no measurement");
+    let none = measure("ref-zero3-no-prefetch", 2, tmp.path());
+    let (step_s, plain) = (none.step_s, none.tokens_per_s);
     println!("{{\"bench\":\"train\",\"strategy\":\"zero3\",\"prefetch\":false,\"world\":2,\"tokens_per_s\":{plain:.1},\"step_s\":{step_s:.4}}}");
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"zero3\",\"what\":\"prefetch\",\"world\":2,\"tokens_per_s_ratio_prefetch_over_none\":{:.3}}}",

@@ -16,6 +16,7 @@ pub mod inprocess;
 mod queue;
 mod ring;
 mod shm;
+pub mod timed;
 mod transport;
 
 use crate::error::Result;
@@ -24,6 +25,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 pub use host::HostBackend;
 pub use inprocess::InProcessWorld;
 pub use queue::{CommQueue, Pending};
+pub use timed::Timed;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {

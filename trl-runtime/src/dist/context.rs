@@ -4,7 +4,7 @@
 use super::env::ProcessEnv;
 use super::mesh::{Axis, DeviceMesh, DP, DP_CP, DP_SHARD_CP};
 use super::store::Store;
-use crate::comm::{Communicator, HostBackend, InProcessWorld};
+use crate::comm::{Communicator, HostBackend, InProcessWorld, Timed};
 use crate::config::launch::DistributedType;
 use crate::config::parallelism::ParallelismConfig;
 use crate::error::{Error, Result};
@@ -40,7 +40,8 @@ pub struct DistContext {
     pub mesh: DeviceMesh,
     /// None for a single process or in-process ranks.
     pub store: Option<Arc<Store>>,
-    groups: BTreeMap<Vec<Axis>, Arc<dyn Communicator>>,
+    /// Every group's communicator, timed (see [`Self::comm_seconds`]).
+    groups: BTreeMap<Vec<Axis>, Arc<Timed>>,
 }
 
 fn key(axes: &[Axis]) -> Vec<Axis> {
@@ -98,7 +99,7 @@ impl DistContext {
                 Some(h) => h.group(&name, &members)?,
                 None => InProcessWorld::new(1).world(0)?,
             };
-            groups.insert(key(axes), comm);
+            groups.insert(key(axes), Arc::new(Timed::new(comm)));
         }
         tracing::debug!(
             rank = env.rank,
@@ -130,10 +131,8 @@ impl DistContext {
         let mut groups = BTreeMap::new();
         for axes in GROUP_AXES {
             let members = mesh.group(rank, axes);
-            groups.insert(
-                key(axes),
-                world.group(&mesh.group_name(rank, axes), &members, rank)?,
-            );
+            let comm = world.group(&mesh.group_name(rank, axes), &members, rank)?;
+            groups.insert(key(axes), Arc::new(Timed::new(comm)));
         }
         Ok(DistContext {
             env,
@@ -157,10 +156,19 @@ impl DistContext {
 
     /// The communicator of this rank's group along `axes` (any of [`GROUP_AXES`]).
     pub fn group(&self, axes: &[Axis]) -> Arc<dyn Communicator> {
+        self.timed(axes).clone()
+    }
+
+    fn timed(&self, axes: &[Axis]) -> &Arc<Timed> {
         self.groups
             .get(&key(axes))
             .unwrap_or_else(|| panic!("no communicator for axes {axes:?}: use one of GROUP_AXES"))
-            .clone()
+    }
+
+    /// Seconds this rank has spent inside the collectives of its group along `axes` (all
+    /// threads; collectives queued in the background overlap other work).
+    pub fn comm_seconds(&self, axes: &[Axis]) -> f64 {
+        self.timed(axes).seconds()
     }
 
     pub fn world(&self) -> Arc<dyn Communicator> {

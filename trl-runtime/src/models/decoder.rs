@@ -258,6 +258,19 @@ impl CausalLm {
         Self::new(config, params)
     }
 
+    /// The model's structure without its values: every weight is a view of one zero at its
+    /// full shape (nothing full-size is allocated). For plans, and for loading slices into.
+    pub fn skeleton(config: ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let zero = Tensor::zeros((), dtype, device)?;
+        let shapes: std::collections::HashMap<String, Vec<usize>> =
+            config.parameter_shapes().into_iter().collect();
+        let lookup = |name: &str| {
+            let shape = shapes.get(name)?;
+            zero.broadcast_as(shape.as_slice()).ok().map(Weight::Local)
+        };
+        Self::build(config, &lookup)
+    }
+
     /// Loads an HF checkpoint directory split over `tp`: each rank reads only its slices of
     /// the split tensors from the safetensors files (and the replicated ones whole), so no rank
     /// ever holds the full model. A dimension or head count the group size does not divide is
@@ -274,16 +287,8 @@ impl CausalLm {
         let dir = dir.as_ref();
         let config = ModelConfig::from_file(dir.join(super::params::CONFIG_FILE))?;
         let files = WeightFiles::open(dir, &config)?;
-        // A skeleton whose weights are views of one zero at the full shapes: splitting it
-        // allocates only this rank's slices, which are then filled from the files.
-        let zero = Tensor::zeros((), dtype, device)?;
-        let shapes: std::collections::HashMap<String, Vec<usize>> =
-            config.parameter_shapes().into_iter().collect();
-        let lookup = |name: &str| {
-            let shape = shapes.get(name)?;
-            zero.broadcast_as(shape.as_slice()).ok().map(Weight::Local)
-        };
-        let mut model = Self::build(config, &lookup)?;
+        // Splitting the skeleton allocates only this rank's slices, then filled from the files.
+        let mut model = Self::skeleton(config, dtype, device)?;
         model.parallelize(tp.clone())?;
         for entry in &model.tp_plan {
             let value = match entry.split.dim {
