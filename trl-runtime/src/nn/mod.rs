@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod flash;
 pub mod linear;
 pub mod loss;
 pub mod rmsnorm;
@@ -13,6 +14,7 @@ pub mod weight;
 
 pub use attention::{attention, AttentionMask};
 pub use embedding::{embedding, Embedding};
+pub use flash::flash_attention;
 pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{causal_lm_loss, LossSum, IGNORE_INDEX};
 pub use rmsnorm::{rms_norm, RmsNorm};

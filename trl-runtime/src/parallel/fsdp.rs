@@ -286,7 +286,7 @@ struct UnitOp {
 }
 
 /// Copies a tensor into a fresh CPU storage (the op's result).
-fn cpu_storage(t: &Tensor) -> candle_core::Result<CpuStorage> {
+pub(crate) fn cpu_storage(t: &Tensor) -> candle_core::Result<CpuStorage> {
     let flat = t.flatten_all()?;
     Ok(match t.dtype() {
         DType::F32 => CpuStorage::F32(flat.to_vec1()?),

@@ -1,0 +1,428 @@
+//! Blockwise (flash-style) attention whose memory grows linearly with the sequence length.
+//!
+//! Forward: queries and keys are cut into blocks; for each query block the visible key blocks
+//! are visited with the online softmax (running row maximum and sum), so only one block of
+//! scores exists at a time. What is kept for backward is the output and the per-row
+//! log-sum-exp, not the [seq x seq] probabilities. Backward recomputes each block's scores from
+//! q, k and the log-sum-exp and accumulates dq, dk and dv block by block (FlashAttention-2's
+//! algorithm). Key blocks that no query of a block may see (after it causally, or before the
+//! start of every document in it) are skipped in both directions.
+//!
+//! The mask is the one [`super::attention`] uses: causal within the documents of packed rows.
+//! Grouped-query heads share their key/value head without copying it.
+
+use super::attention::AttentionMask;
+use crate::parallel::fsdp::cpu_storage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use std::sync::Mutex;
+
+/// Queries and keys per block: large enough for efficient matmuls, small enough that a block
+/// of scores ([batch, heads, BLOCK, BLOCK]) stays small.
+pub const BLOCK: usize = 128;
+
+/// Added to masked scores: its exp() is 0, without the NaN that -inf - -inf would give.
+const MASKED: f32 = -1e30;
+
+/// The geometry of one call: batch, key/value heads, query heads per kv head, sequence
+/// length, head size, and the block size.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    kv: usize,
+    group: usize,
+    s: usize,
+    d: usize,
+    block: usize,
+}
+
+impl Dims {
+    fn blocks(&self) -> usize {
+        self.s.div_ceil(self.block)
+    }
+
+    /// First index and length of block `i`.
+    fn range(&self, i: usize) -> (usize, usize) {
+        let start = i * self.block;
+        (start, self.block.min(self.s - start))
+    }
+}
+
+/// Per batch row, the first key every query may see (the start of its document).
+struct Starts(Vec<Vec<u32>>);
+
+impl Starts {
+    fn new(mask: &AttentionMask) -> Self {
+        let r = mask.ranges();
+        Starts(
+            r.starts
+                .chunks(r.rows.max(1))
+                .map(<[u32]>::to_vec)
+                .collect(),
+        )
+    }
+
+    /// Whether some query of block `(q0, qn)` may see a key of block `(k0, kn)`, for key
+    /// blocks at or before the query block. Earlier key blocks are then invisible too.
+    fn visible(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> bool {
+        let last_key = k0 + kn - 1;
+        self.0
+            .iter()
+            .any(|row| row[q0..q0 + qn].iter().any(|&st| st as usize <= last_key))
+    }
+
+    /// The additive mask of one block pair: [batch, 1, 1, qn, kn].
+    fn bias(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.0.len() * qn * kn);
+        for row in &self.0 {
+            for q in q0..q0 + qn {
+                let start = row[q] as usize;
+                out.extend((k0..k0 + kn).map(|k| if k >= start && k <= q { 0.0 } else { MASKED }));
+            }
+        }
+        out
+    }
+}
+
+struct Inputs<'a> {
+    /// Queries scaled by 1/sqrt(d), as [b, kv, group, s, d].
+    q: Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    dims: Dims,
+    starts: &'a Starts,
+}
+
+impl Inputs<'_> {
+    /// Rows of block `i` of a [b, kv, group, s, x] tensor, as [b, kv, group * len, x].
+    fn rows(&self, t: &Tensor, i: usize) -> Result<Tensor> {
+        let (q0, qn) = self.dims.range(i);
+        let x = t.dim(4)?;
+        let Dims { b, kv, group, .. } = self.dims;
+        t.narrow(3, q0, qn)?
+            .contiguous()?
+            .reshape((b, kv, group * qn, x))
+    }
+
+    /// The visible key blocks of query block `i`, the diagonal first.
+    fn key_blocks(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
+        let q = self.dims.range(i);
+        (0..=i)
+            .rev()
+            .take_while(move |&j| self.starts.visible(q, self.dims.range(j)))
+    }
+
+    /// Scores of query block `i` against key block `j` with the mask added:
+    /// [b, kv, group, qn, kn].
+    fn scores(&self, qi: &Tensor, i: usize, j: usize) -> Result<Tensor> {
+        let Dims { b, kv, group, .. } = self.dims;
+        let (q, k) = (self.dims.range(i), self.dims.range(j));
+        let kj = self.k.narrow(2, k.0, k.1)?;
+        let bias = Tensor::from_vec(self.starts.bias(q, k), (b, 1, 1, q.1, k.1), qi.device())?
+            .to_dtype(qi.dtype())?;
+        qi.matmul(&kj.t()?)?
+            .reshape((b, kv, group, q.1, k.1))?
+            .broadcast_add(&bias)
+    }
+
+    /// Output [b, heads, s, d] and per-row log-sum-exp [b, kv, group, s, 1].
+    fn forward(&self) -> Result<(Tensor, Tensor)> {
+        let Dims {
+            b, kv, group, s, d, ..
+        } = self.dims;
+        let (mut outs, mut lses) = (Vec::new(), Vec::new());
+        for i in 0..self.dims.blocks() {
+            let qn = self.dims.range(i).1;
+            let qi = self.rows(&self.q, i)?;
+            let mut acc: Option<(Tensor, Tensor, Tensor)> = None; // (max, sum, weighted v)
+            for j in self.key_blocks(i) {
+                let (k0, kn) = self.dims.range(j);
+                let scores = self.scores(&qi, i, j)?;
+                let block_max = scores.max_keepdim(D::Minus1)?;
+                let max = match &acc {
+                    Some((m, _, _)) => m.maximum(&block_max)?,
+                    None => block_max,
+                };
+                let p = scores.broadcast_sub(&max)?.exp()?;
+                let pv = p
+                    .reshape((b, kv, group * qn, kn))?
+                    .matmul(&self.v.narrow(2, k0, kn)?)?
+                    .reshape((b, kv, group, qn, d))?;
+                let sum = p.sum_keepdim(D::Minus1)?;
+                acc = Some(match acc {
+                    None => (max, sum, pv),
+                    Some((m, l, o)) => {
+                        let correction = (m - &max)?.exp()?;
+                        let l = ((l * &correction)? + sum)?;
+                        let o = (o.broadcast_mul(&correction)? + pv)?;
+                        (max, l, o)
+                    }
+                });
+            }
+            let (m, l, o) = acc.expect("the diagonal block is always visible");
+            outs.push(o.broadcast_div(&l)?);
+            lses.push((m + l.log()?)?);
+        }
+        let out = Tensor::cat(&outs, 3)?.reshape((b, kv * group, s, d))?;
+        Ok((out, Tensor::cat(&lses, 3)?))
+    }
+
+    /// dq, dk, dv from the output's gradient `dout`, the output and the log-sum-exp.
+    fn backward(&self, out: &Tensor, lse: &Tensor, dout: &Tensor) -> Result<[Tensor; 3]> {
+        let Dims {
+            b, kv, group, s, d, ..
+        } = self.dims;
+        let five = (b, kv, group, s, d);
+        let dout = dout.reshape(five)?;
+        // D_i = <dO_i, O_i>, the softmax backward's row term.
+        let dsum = (&dout * out.reshape(five)?)?.sum_keepdim(D::Minus1)?;
+        let blocks = self.dims.blocks();
+        let (mut dks, mut dvs): (Vec<Option<Tensor>>, Vec<Option<Tensor>>) =
+            (vec![None; blocks], vec![None; blocks]);
+        let mut dqs = Vec::with_capacity(blocks);
+        let add = |slot: &mut Option<Tensor>, t: Tensor| -> Result<()> {
+            *slot = Some(match slot.take() {
+                Some(prev) => (prev + t)?,
+                None => t,
+            });
+            Ok(())
+        };
+        for i in 0..blocks {
+            let qn = self.dims.range(i).1;
+            let qi = self.rows(&self.q, i)?;
+            let doi = self.rows(&dout, i)?;
+            let lse_i = lse.narrow(3, self.dims.range(i).0, qn)?;
+            let dsum_i = dsum.narrow(3, self.dims.range(i).0, qn)?;
+            let mut dqi: Option<Tensor> = None;
+            for j in self.key_blocks(i) {
+                let (k0, kn) = self.dims.range(j);
+                let (kj, vj) = (self.k.narrow(2, k0, kn)?, self.v.narrow(2, k0, kn)?);
+                let p5 = self.scores(&qi, i, j)?.broadcast_sub(&lse_i)?.exp()?;
+                let p = p5.reshape((b, kv, group * qn, kn))?;
+                add(&mut dvs[j], p.t()?.matmul(&doi)?)?;
+                let dp = doi.matmul(&vj.t()?)?.reshape((b, kv, group, qn, kn))?;
+                let ds = (p5 * dp.broadcast_sub(&dsum_i)?)?.reshape((b, kv, group * qn, kn))?;
+                add(&mut dqi, ds.matmul(&kj)?)?;
+                add(&mut dks[j], ds.t()?.matmul(&qi)?)?;
+            }
+            dqs.push(
+                dqi.expect("the diagonal block is always visible")
+                    .reshape((b, kv, group, qn, d))?,
+            );
+        }
+        let scale = 1.0 / (d as f64).sqrt();
+        let dq = (Tensor::cat(&dqs, 3)?.reshape((b, kv * group, s, d))? * scale)?;
+        let whole = |parts: Vec<Option<Tensor>>| -> Result<Tensor> {
+            let parts = parts
+                .into_iter()
+                .enumerate()
+                .map(|(j, p)| match p {
+                    Some(p) => Ok(p),
+                    None => {
+                        Tensor::zeros((b, kv, self.dims.range(j).1, d), out.dtype(), out.device())
+                    }
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&parts, 2)
+        };
+        Ok([dq, whole(dks)?, whole(dvs)?])
+    }
+}
+
+/// The custom op that ties the blockwise forward (computed outside, from detached inputs) to
+/// its blockwise backward in Candle's graph. Keeps only the output and the log-sum-exp.
+struct FlashOp {
+    starts: Starts,
+    dims: Dims,
+    /// The forward's output until `cpu_fwd` hands it to the graph.
+    out: Mutex<Option<Tensor>>,
+    lse: Tensor,
+}
+
+impl CustomOp3 for FlashOp {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = self
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("flash attention ran twice".into()))?;
+        Ok((cpu_storage(&out)?, out.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let inputs = prepare(q, k, v, self.dims, &self.starts)?;
+        let [dq, dk, dv] = inputs.backward(&out.detach(), &self.lse, &dout.detach())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+fn prepare<'a>(
+    q: &Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    dims: Dims,
+    starts: &'a Starts,
+) -> Result<Inputs<'a>> {
+    let Dims {
+        b, kv, group, s, d, ..
+    } = dims;
+    let q = (q.detach() * (1.0 / (d as f64).sqrt()))?.reshape((b, kv, group, s, d))?;
+    Ok(Inputs {
+        q,
+        k,
+        v,
+        dims,
+        starts,
+    })
+}
+
+/// Attention of `q` [batch, heads, seq, head_dim] over `k`, `v` [batch, kv_heads, seq,
+/// head_dim] under `mask`, computed in blocks of `block` queries and keys: the same result as
+/// [`super::attention`] without ever holding a [seq x seq] matrix.
+pub fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    block: usize,
+) -> Result<Tensor> {
+    let (b, heads, s, d) = q.dims4()?;
+    let (_, kv, k_len, _) = k.dims4()?;
+    if heads % kv != 0 || k_len != s {
+        candle_core::bail!(
+            "flash attention: {heads} query heads over {kv} key/value heads of length {k_len} \
+             (queries of length {s}): heads must share kv heads evenly and lengths must match"
+        );
+    }
+    if q.dtype() != DType::F32 && q.dtype() != DType::F64 {
+        candle_core::bail!(
+            "flash attention runs in f32 or f64 on CPU, not {:?}",
+            q.dtype()
+        );
+    }
+    let dims = Dims {
+        b,
+        kv,
+        group: heads / kv,
+        s,
+        d,
+        block: block.max(1),
+    };
+    let starts = Starts::new(mask);
+    let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
+    let (out, lse) = prepare(q, &k_in, &v_in, dims, &starts)?.forward()?;
+    let op = FlashOp {
+        starts,
+        dims,
+        out: Mutex::new(Some(out)),
+        lse,
+    };
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::attention;
+    use candle_core::{Device, Var};
+
+    fn max_diff(x: &Tensor, y: &Tensor) -> f32 {
+        (x - y)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Values and gradients equal the plain attention's on packed rows (documents that start
+    /// inside blocks, a document spanning blocks), with grouped heads and a ragged last block.
+    #[test]
+    fn matches_plain_attention_values_and_gradients() {
+        let dev = Device::Cpu;
+        let s = 23;
+        let docs = [vec![0..9, 0..14], vec![0..23], vec![0..3, 0..5, 0..15]];
+        let pos: Vec<i64> = docs
+            .iter()
+            .flat_map(|row| row.iter().flat_map(|r| r.clone().map(|p| p as i64)))
+            .collect();
+        let pos = Tensor::from_vec(pos, (3, s), &dev).unwrap();
+        let mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();
+        let q = Var::randn(0f32, 1.0, (3, 4, s, 8), &dev).unwrap();
+        let k = Var::randn(0f32, 1.0, (3, 2, s, 8), &dev).unwrap();
+        let v = Var::randn(0f32, 1.0, (3, 2, s, 8), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (3, 4, s, 8), &dev).unwrap();
+        let run = |f: &dyn Fn() -> Tensor| {
+            let out = f();
+            let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let g: Vec<Tensor> = [&q, &k, &v]
+                .iter()
+                .map(|t| grads.get(t).unwrap().clone())
+                .collect();
+            (out, g)
+        };
+        let (want, want_grads) = run(&|| attention(&q, &k, &v, &mask).unwrap());
+        for block in [4, 5, 23, 64] {
+            let (got, grads) = run(&|| flash_attention(&q, &k, &v, &mask, block).unwrap());
+            let d = max_diff(&got, &want);
+            assert!(d < 1e-5, "block {block}: output differs by {d}");
+            for (name, (g, w)) in ["q", "k", "v"].iter().zip(grads.iter().zip(&want_grads)) {
+                let d = max_diff(g, w);
+                assert!(d < 1e-5, "block {block}: d{name} differs by {d}");
+            }
+        }
+    }
+
+    #[test]
+    fn masked_key_blocks_are_skipped() {
+        // Two documents of 8 in a row of 16, blocks of 4: the second document's query blocks
+        // never visit the first document's key blocks.
+        let pos: Vec<i64> = (0..8).chain(0..8).collect();
+        let pos = Tensor::from_vec(pos, (1, 16), &Device::Cpu).unwrap();
+        let mask = AttentionMask::causal(&pos, DType::F32, &Device::Cpu).unwrap();
+        let starts = Starts::new(&mask);
+        let dims = Dims {
+            b: 1,
+            kv: 1,
+            group: 1,
+            s: 16,
+            d: 1,
+            block: 4,
+        };
+        let q = Tensor::zeros((1, 1, 1, 16, 1), DType::F32, &Device::Cpu).unwrap();
+        let k = Tensor::zeros((1, 1, 16, 1), DType::F32, &Device::Cpu).unwrap();
+        let inputs = Inputs {
+            q,
+            k: &k,
+            v: &k,
+            dims,
+            starts: &starts,
+        };
+        let visited: Vec<Vec<usize>> = (0..4).map(|i| inputs.key_blocks(i).collect()).collect();
+        assert_eq!(visited, vec![vec![0], vec![1, 0], vec![2], vec![3, 2]]);
+    }
+}
