@@ -610,3 +610,27 @@ fn tensor_parallel_size_must_divide_the_heads() {
         "{e}"
     );
 }
+
+#[test]
+fn flash_attention_trains_like_the_whole_score_matrix() {
+    // Packed rows of 256 tokens: several documents per row and two attention blocks.
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |out: &str, attn: &str| SFTConfig {
+        packing: true,
+        max_length: 256,
+        attn_implementation: attn.into(),
+        ..config(&tmp.path().join(out), 2, 1, 3)
+    };
+    let sdpa = run(1, cfg("sdpa", "sdpa"));
+    let flash = run(1, cfg("flash", "flash_attention_2"));
+    assert_close(&flash, &sdpa, "flash_attention_2 vs sdpa");
+    // A name transformers does not know is refused with the accepted ones.
+    let e = cfg("bad", "flash")
+        .validate("args")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("attn_implementation") && e.contains("flash_attention_2"),
+        "{e}"
+    );
+}

@@ -13,7 +13,9 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::rope::apply_rotary;
 use crate::nn::LossSum;
-use crate::nn::{attention, AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
+use crate::nn::{
+    AttentionImpl, AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight,
+};
 use crate::parallel::fsdp::shard_model;
 use crate::parallel::{Prefetch, ShardedModel, WrapPolicy};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
@@ -67,6 +69,9 @@ pub struct CausalLm {
     tp_plan: Vec<PlanEntry>,
     #[parallel(skip)]
     rope: RotaryEmbedding,
+    /// How attention is computed (transformers' attn_implementation).
+    #[parallel(skip)]
+    pub attention: AttentionImpl,
     #[parallel(tp = "vocab", name = "model.embed_tokens")]
     embed_tokens: Embedding,
     #[parallel(name = "model.layers")]
@@ -162,6 +167,7 @@ impl CausalLm {
         };
         Ok(CausalLm {
             rope,
+            attention: AttentionImpl::default(),
             embed_tokens: Embedding::from_weight(embed_weight),
             layers,
             norm: norm("model.norm")?,
@@ -343,7 +349,9 @@ impl CausalLm {
             let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
             let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
             let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-            let a = attention(&q, &k, &v, &mask)?
+            let a = self
+                .attention
+                .apply(&q, &k, &v, &mask)?
                 .transpose(1, 2)?
                 .reshape((b, s, heads * d))?;
             x = (x + layer.o_proj.forward(&a)?)?;

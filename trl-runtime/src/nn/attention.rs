@@ -81,6 +81,39 @@ impl AttentionMask {
     }
 }
 
+/// How attention is computed: transformers' `attn_implementation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionImpl {
+    /// The whole [seq x seq] score matrix per head, with a fused causal softmax on CPU
+    /// (`eager` or `sdpa`): fastest at short lengths, memory quadratic in the length.
+    #[default]
+    Eager,
+    /// Blockwise attention ([`super::flash_attention`], `flash_attention_2`): memory linear
+    /// in the length.
+    Flash,
+}
+
+impl AttentionImpl {
+    pub const NAMES: &'static [&'static str] =
+        &["eager", "sdpa", "flash_attention_2", "flash_attention_3"];
+
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "eager" | "sdpa" => Some(AttentionImpl::Eager),
+            "flash_attention_2" | "flash_attention_3" => Some(AttentionImpl::Flash),
+            _ => None,
+        }
+    }
+
+    /// Runs attention this way (see [`attention`] for the shapes).
+    pub fn apply(self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
+        match self {
+            AttentionImpl::Eager => attention(q, k, v, mask),
+            AttentionImpl::Flash => super::flash_attention(q, k, v, mask, super::flash::BLOCK),
+        }
+    }
+}
+
 /// Attention of `q` [batch, heads, seq, head_dim] over `k`, `v` [batch, kv_heads, seq, head_dim].
 /// Query head h reads key/value head h / (heads / kv_heads), without copying the kv heads.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Result<Tensor> {

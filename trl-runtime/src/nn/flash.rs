@@ -74,8 +74,8 @@ impl Starts {
     fn bias(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.0.len() * qn * kn);
         for row in &self.0 {
-            for q in q0..q0 + qn {
-                let start = row[q] as usize;
+            for (q, &start) in (q0..).zip(&row[q0..q0 + qn]) {
+                let start = start as usize;
                 out.extend((k0..k0 + kn).map(|k| if k >= start && k <= q { 0.0 } else { MASKED }));
             }
         }
@@ -365,10 +365,11 @@ mod tests {
     fn matches_plain_attention_values_and_gradients() {
         let dev = Device::Cpu;
         let s = 23;
-        let docs = [vec![0..9, 0..14], vec![0..23], vec![0..3, 0..5, 0..15]];
+        // Document lengths per row.
+        let docs: [&[i64]; 3] = [&[9, 14], &[23], &[3, 5, 15]];
         let pos: Vec<i64> = docs
             .iter()
-            .flat_map(|row| row.iter().flat_map(|r| r.clone().map(|p| p as i64)))
+            .flat_map(|row| row.iter().flat_map(|&n| 0..n))
             .collect();
         let pos = Tensor::from_vec(pos, (3, s), &dev).unwrap();
         let mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();

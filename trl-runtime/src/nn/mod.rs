@@ -12,7 +12,7 @@ pub mod rope;
 pub mod softmax;
 pub mod weight;
 
-pub use attention::{attention, AttentionMask};
+pub use attention::{attention, AttentionImpl, AttentionMask};
 pub use embedding::{embedding, Embedding};
 pub use flash::flash_attention;
 pub use linear::{linear, linear_no_bias, Linear};

@@ -138,6 +138,9 @@ sft_config! {
     resume_from_checkpoint: Option<String> = None;
     /// no (fp32). bf16 and fp16 need the GPU path.
     mixed_precision: String = "no".into();
+    /// eager / sdpa (whole score matrix, fastest at short lengths) or flash_attention_2
+    /// (blockwise, memory linear in the sequence length), as transformers names them.
+    attn_implementation: String = "sdpa".into();
     /// Show the progress bar on rank 0.
     disable_tqdm: bool = false;
 }
@@ -202,6 +205,16 @@ impl SFTConfig {
             key: "lr_scheduler_type".into(),
             message: e.to_string(),
         })?;
+        if crate::nn::AttentionImpl::parse(&self.attn_implementation).is_none() {
+            return err(
+                "attn_implementation",
+                format!(
+                    "'{}' is not accepted: use one of {}",
+                    self.attn_implementation,
+                    crate::nn::AttentionImpl::NAMES.join(", ")
+                ),
+            );
+        }
         if crate::data::PackingStrategy::parse(&self.packing_strategy).is_none() {
             return err(
                 "packing_strategy",

@@ -23,6 +23,7 @@ use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
+use crate::nn::AttentionImpl;
 use crate::parallel::{FsdpOptimizer, Prefetch, WrapPolicy, ZeroOptimizer, ZeroStage};
 use crate::tp::{state as tp_state, TpNorm};
 use candle_core::{DType, Device, Tensor, D};
@@ -489,6 +490,7 @@ impl<'a> Trainer<'a> {
                 );
             }
         }
+        model.attention = AttentionImpl::parse(&config.attn_implementation).expect("validated");
         let optimizer = match strategy {
             Strategy::Ddp => Optimizer::Replicated(match full_state {
                 Some(full) => full,
