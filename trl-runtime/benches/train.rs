@@ -27,11 +27,7 @@ const MEASURED_STEPS: usize = 5;
 
 /// The reference model and a pre-tokenized dataset of full-length rows, written once.
 fn prepare(dir: &Path) {
-    let config = serde_json::json!({
-        "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
-        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "tie_word_embeddings": true,
-    });
+    let config = support::reference_config(4096);
     support::write_model_and_rows(dir, config, 64, SEQ);
 }
 

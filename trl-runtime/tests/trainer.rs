@@ -612,7 +612,7 @@ fn tensor_parallel_size_must_divide_the_heads() {
 }
 
 #[test]
-fn flash_attention_trains_like_the_whole_score_matrix() {
+fn flash_attention_and_tiled_loss_train_like_the_whole_matrices() {
     // Packed rows of 256 tokens: several documents per row and two attention blocks.
     let tmp = tempfile::tempdir().unwrap();
     let cfg = |out: &str, attn: &str| SFTConfig {
@@ -624,6 +624,15 @@ fn flash_attention_trains_like_the_whole_score_matrix() {
     let sdpa = run(1, cfg("sdpa", "sdpa"));
     let flash = run(1, cfg("flash", "flash_attention_2"));
     assert_close(&flash, &sdpa, "flash_attention_2 vs sdpa");
+    // With the LM head and loss fused in tiles (use_liger_kernel) too.
+    let tiled = run(
+        1,
+        SFTConfig {
+            use_liger_kernel: true,
+            ..cfg("tiled", "flash_attention_2")
+        },
+    );
+    assert_close(&tiled, &sdpa, "flash_attention_2 + tiled loss vs sdpa");
     // A name transformers does not know is refused with the accepted ones.
     let e = cfg("bad", "flash")
         .validate("args")

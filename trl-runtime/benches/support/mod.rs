@@ -12,6 +12,18 @@ pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The reference shape of the training benchmarks: Qwen2 with hidden 256, intermediate 768,
+/// 4 layers, 8 query / 4 key-value heads, vocabulary 4096, tied embeddings.
+#[allow(dead_code)] // the memory bench uses a larger shape
+pub fn reference_config(max_positions: usize) -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": max_positions, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true,
+    })
+}
+
 /// Writes `dir/model` (random init from `config`, plus the tiny tokenizer's files: only its
 /// pad and eos tokens matter here) and `rows` pre-tokenized rows of `len` ids to
 /// `dir/train.jsonl`. Returns the parameter count.

@@ -12,7 +12,7 @@ use super::params::{Params, WeightFiles};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::rope::apply_rotary;
-use crate::nn::LossSum;
+use crate::nn::{tiled_linear_cross_entropy, LossSum};
 use crate::nn::{
     AttentionImpl, AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight,
 };
@@ -72,6 +72,9 @@ pub struct CausalLm {
     /// How attention is computed (transformers' attn_implementation).
     #[parallel(skip)]
     pub attention: AttentionImpl,
+    /// Fuse the LM head with the loss in sequence tiles ([`Self::forward_loss`]).
+    #[parallel(skip)]
+    pub tiled_loss: bool,
     #[parallel(tp = "vocab", name = "model.embed_tokens")]
     embed_tokens: Embedding,
     #[parallel(name = "model.layers")]
@@ -168,6 +171,7 @@ impl CausalLm {
         Ok(CausalLm {
             rope,
             attention: AttentionImpl::default(),
+            tiled_loss: false,
             embed_tokens: Embedding::from_weight(embed_weight),
             layers,
             norm: norm("model.norm")?,
@@ -322,6 +326,39 @@ impl CausalLm {
     /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] (u32) at `position_ids`
     /// [batch, seq]. Positions that restart mark document boundaries of packed rows.
     pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        let hidden = self.hidden_states(input_ids, position_ids)?;
+        Ok(self.lm_head.forward(&hidden)?)
+    }
+
+    /// The next-token loss of `labels` (not yet shifted) for `input_ids` at `position_ids`.
+    /// With `tiled_loss` the LM head and the cross-entropy run fused in sequence tiles and
+    /// the logits never exist whole (the head must be held whole: not under tp or FSDP, which
+    /// take the logits path).
+    pub fn forward_loss(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        labels: &Tensor,
+    ) -> Result<LossSum> {
+        let head = match (&self.lm_head.weight, &self.tp) {
+            (Weight::Local(w), None) if self.tiled_loss => w.clone(),
+            _ => return self.loss(&self.forward(input_ids, position_ids)?, labels),
+        };
+        let hidden = self.hidden_states(input_ids, position_ids)?;
+        let (b, s, h) = hidden.dims3()?;
+        if s < 2 {
+            return Ok(crate::nn::causal_lm_loss(
+                &self.lm_head.forward(&hidden)?,
+                labels,
+            )?);
+        }
+        let inputs = hidden.narrow(1, 0, s - 1)?.reshape((b * (s - 1), h))?;
+        let targets = labels.narrow(1, 1, s - 1)?;
+        Ok(tiled_linear_cross_entropy(&inputs, &head, &targets)?)
+    }
+
+    /// The final hidden states [batch, seq, hidden] (after the last norm).
+    fn hidden_states(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let cfg = &self.config;
         let d = cfg.head_dim();
@@ -359,6 +396,6 @@ impl CausalLm {
             let mlp = (layer.gate_proj.forward(&h)?.silu()? * layer.up_proj.forward(&h)?)?;
             x = (x + layer.down_proj.forward(&mlp)?)?;
         }
-        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?)
+        Ok(self.norm.forward(&x)?)
     }
 }

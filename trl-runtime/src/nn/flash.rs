@@ -12,9 +12,8 @@
 //! Grouped-query heads share their key/value head without copying it.
 
 use super::attention::AttentionMask;
-use crate::parallel::fsdp::cpu_storage;
+use super::precomputed::Precomputed;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
-use std::sync::Mutex;
 
 /// Queries and keys per block: large enough for efficient matmuls, small enough that a block
 /// of scores ([batch, heads, BLOCK, BLOCK]) stays small.
@@ -233,8 +232,7 @@ impl Inputs<'_> {
 struct FlashOp {
     starts: Starts,
     dims: Dims,
-    /// The forward's output until `cpu_fwd` hands it to the graph.
-    out: Mutex<Option<Tensor>>,
+    out: Precomputed,
     lse: Tensor,
 }
 
@@ -252,13 +250,7 @@ impl CustomOp3 for FlashOp {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = self
-            .out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("flash attention ran twice".into()))?;
-        Ok((cpu_storage(&out)?, out.shape().clone()))
+        self.out.take("flash attention")
     }
 
     fn bwd(
@@ -269,7 +261,10 @@ impl CustomOp3 for FlashOp {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let inputs = prepare(q, k, v, self.dims, &self.starts)?;
+        // Detached: results computed from graph tensors would record their inputs, and the
+        // accumulated gradients would then keep every block's scores alive.
+        let (k, v) = (k.detach(), v.detach());
+        let inputs = prepare(q, &k, &v, self.dims, &self.starts)?;
         let [dq, dk, dv] = inputs.backward(&out.detach(), &self.lse, &dout.detach())?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
@@ -333,7 +328,7 @@ pub fn flash_attention(
     let op = FlashOp {
         starts,
         dims,
-        out: Mutex::new(Some(out)),
+        out: Precomputed::new(out),
         lse,
     };
     q.contiguous()?

@@ -33,6 +33,28 @@ pub(crate) fn checked_targets(targets: &Tensor, vocab: usize) -> Result<(Vec<i64
     Ok((targets, count))
 }
 
+/// Per target: the column to gather, [n, 1] (0 where ignored), and whether it counts, [n]
+/// (1 or 0, in `dtype`).
+pub(crate) fn target_index_and_weight(
+    targets: &[i64],
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<(Tensor, Tensor)> {
+    let index: Vec<u32> = targets
+        .iter()
+        .map(|&t| if t == IGNORE_INDEX { 0 } else { t as u32 })
+        .collect();
+    let weight: Vec<f32> = targets
+        .iter()
+        .map(|&t| if t == IGNORE_INDEX { 0.0 } else { 1.0 })
+        .collect();
+    let n = index.len();
+    Ok((
+        Tensor::from_vec(index, (n, 1), device)?,
+        Tensor::from_vec(weight, n, device)?.to_dtype(dtype)?,
+    ))
+}
+
 /// Summed cross-entropy of `logits` [.., vocab] against aligned `targets` [..] (i64, -100
 /// ignored), computed in f32 (f64 inputs stay f64).
 pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
@@ -44,18 +66,7 @@ pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
     };
     let logits = logits.reshape(((), vocab))?.to_dtype(compute)?;
     let (targets, count) = checked_targets(targets, vocab)?;
-    let device = logits.device();
-    let index: Vec<u32> = targets
-        .iter()
-        .map(|&t| if t == IGNORE_INDEX { 0 } else { t as u32 })
-        .collect();
-    let weight: Vec<f32> = targets
-        .iter()
-        .map(|&t| if t == IGNORE_INDEX { 0.0 } else { 1.0 })
-        .collect();
-    let n = index.len();
-    let index = Tensor::from_vec(index, (n, 1), device)?;
-    let weight = Tensor::from_vec(weight, n, device)?.to_dtype(compute)?;
+    let (index, weight) = target_index_and_weight(&targets, compute, logits.device())?;
     let max = logits.max_keepdim(1)?.detach();
     let shifted = logits.broadcast_sub(&max)?;
     let log_z = shifted.exp()?.sum_keepdim(1)?.log()?;

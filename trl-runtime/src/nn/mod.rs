@@ -7,9 +7,11 @@ pub mod embedding;
 pub mod flash;
 pub mod linear;
 pub mod loss;
+pub(crate) mod precomputed;
 pub mod rmsnorm;
 pub mod rope;
 pub mod softmax;
+pub mod tiled_loss;
 pub mod weight;
 
 pub use attention::{attention, AttentionImpl, AttentionMask};
@@ -19,4 +21,5 @@ pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{causal_lm_loss, LossSum, IGNORE_INDEX};
 pub use rmsnorm::{rms_norm, RmsNorm};
 pub use rope::{RopeScaling, RotaryEmbedding};
+pub use tiled_loss::tiled_linear_cross_entropy;
 pub use weight::Weight;

@@ -26,6 +26,7 @@ use crate::alloc::StorageBytes;
 use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
+use crate::nn::precomputed::Precomputed;
 use crate::nn::Weight;
 use crate::tp::{named_parameters, Parallelize, TpNorm};
 use crate::train::optim::{AdamW, AdamWConfig};
@@ -282,19 +283,7 @@ struct UnitOp {
     unit: Arc<Unit>,
     kind: OpKind,
     /// The forward result, computed outside the op from detached inputs (taken by `cpu_fwd`).
-    out: Mutex<Option<Tensor>>,
-}
-
-/// Copies a tensor into a fresh CPU storage (the op's result).
-pub(crate) fn cpu_storage(t: &Tensor) -> candle_core::Result<CpuStorage> {
-    let flat = t.flatten_all()?;
-    Ok(match t.dtype() {
-        DType::F32 => CpuStorage::F32(flat.to_vec1()?),
-        DType::F64 => CpuStorage::F64(flat.to_vec1()?),
-        DType::BF16 => CpuStorage::BF16(flat.to_vec1()?),
-        DType::F16 => CpuStorage::F16(flat.to_vec1()?),
-        other => candle_core::bail!("sharded parameters in {other:?} are not supported"),
-    })
+    out: Precomputed,
 }
 
 impl CustomOp1 for UnitOp {
@@ -303,13 +292,7 @@ impl CustomOp1 for UnitOp {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = self
-            .out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| candle_core::Error::msg("fsdp op evaluated twice"))?;
-        Ok((cpu_storage(&y)?, y.shape().clone()))
+        self.out.take("an fsdp unit op")
     }
 
     fn bwd(
@@ -369,7 +352,7 @@ fn apply(arg: &Tensor, unit: &Arc<Unit>, kind: OpKind, y: Tensor) -> candle_core
     arg.apply_op1(UnitOp {
         unit: unit.clone(),
         kind,
-        out: Mutex::new(Some(y)),
+        out: Precomputed::new(y),
     })
 }
 

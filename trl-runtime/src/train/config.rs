@@ -141,6 +141,10 @@ sft_config! {
     /// eager / sdpa (whole score matrix, fastest at short lengths) or flash_attention_2
     /// (blockwise, memory linear in the sequence length), as transformers names them.
     attn_implementation: String = "sdpa".into();
+    /// Liger's fused linear cross-entropy: the LM head and the loss run in sequence tiles, so
+    /// the [tokens x vocab] logits never exist whole (the other Liger kernels are not needed
+    /// on CPU, where Candle's ops are already fused where it matters).
+    use_liger_kernel: bool = false;
     /// Show the progress bar on rank 0.
     disable_tqdm: bool = false;
 }

@@ -491,6 +491,16 @@ impl<'a> Trainer<'a> {
             }
         }
         model.attention = AttentionImpl::parse(&config.attn_implementation).expect("validated");
+        model.tiled_loss = config.use_liger_kernel;
+        if config.use_liger_kernel
+            && (tp.size() > 1 || matches!(strategy, Strategy::Fsdp(..)))
+            && ctx.is_main_process()
+        {
+            tracing::warn!(
+                "use_liger_kernel: the fused, tiled loss needs the LM head whole on each rank; \
+                 under tensor parallelism or FSDP the loss is computed from the logits instead"
+            );
+        }
         let optimizer = match strategy {
             Strategy::Ddp => Optimizer::Replicated(match full_state {
                 Some(full) => full,
@@ -715,8 +725,9 @@ impl<'a> Trainer<'a> {
         let mut local_loss = 0.0;
         let t0 = Instant::now();
         for batch in &batches {
-            let logits = self.model.forward(&batch.input_ids, &batch.position_ids)?;
-            let ls = self.model.loss(&logits, &batch.labels)?;
+            let ls =
+                self.model
+                    .forward_loss(&batch.input_ids, &batch.position_ids, &batch.labels)?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
             let store = (ls.sum / targets)?.backward()?;
             if let Some(sharding) = &self.model.sharding {
@@ -833,8 +844,9 @@ impl<'a> Trainer<'a> {
         for i in 0..rounds(self.eval_rows.len(), bs, chunks.len()) {
             let chunk = chunks.get(i).copied().unwrap_or(&filler);
             let batch = collate(chunk, self.collate_options, &Device::Cpu)?;
-            let logits = self.model.forward(&batch.input_ids, &batch.position_ids)?;
-            let ls = self.model.loss(&logits, &batch.labels)?;
+            let ls =
+                self.model
+                    .forward_loss(&batch.input_ids, &batch.position_ids, &batch.labels)?;
             if i < chunks.len() {
                 sum += ls.sum.to_scalar::<f32>()? as f64;
                 count += ls.count as f64;

@@ -1,0 +1,149 @@
+//! `cargo bench -p trl-runtime --bench long_context`: the longest sequence one training step
+//! (forward, backward, AdamW update; batch 1, fp32) of the reference model fits in a fixed
+//! per-rank memory budget, with the whole-matrix attention (`plain`), the blockwise one
+//! (`flash`), and the blockwise one with the LM head and loss fused in tiles (`flash_tiled`,
+//! `use_liger_kernel`). Each probe runs in a fresh process (1 compute thread) whose peak resident memory
+//! over the step is compared with the budget; lengths are searched by doubling, then bisection
+//! to 256 tokens. One JSON object per line on stdout; prose on stderr.
+//!
+//! Context and sequence parallelism (cp / sp at 2 and 4 ranks) are not built yet, so only the
+//! single-rank modes are measured.
+
+use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+use std::time::Instant;
+
+mod support;
+use trl_runtime::models::CausalLm;
+use trl_runtime::nn::AttentionImpl;
+use trl_runtime::train::optim::{AdamW, AdamWConfig};
+use trl_runtime::train::{peak_rss_bytes, reset_peak_rss};
+
+/// Peak resident memory one rank may use during a step.
+const BUDGET_MIB: usize = 1024;
+const GRANULARITY: usize = 256;
+
+fn prepare(dir: &Path) {
+    let config = support::reference_config(1048576);
+    support::write_model_and_rows(dir, config, 1, 8);
+}
+
+/// One training step at `seq` tokens; prints the step's peak memory and time.
+fn worker(mode: &str, seq: usize, dir: &Path) {
+    let mut model = CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
+    let (attn, tiled) = match mode.strip_suffix("+tiled") {
+        Some(attn) => (attn, true),
+        None => (mode, false),
+    };
+    model.attention = AttentionImpl::parse(attn).unwrap();
+    model.tiled_loss = tiled;
+    let mut opt = AdamW::for_params(&model.params, AdamWConfig::default()).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    let ids: Vec<u32> = (0..seq as u32).map(|i| (i * 7919 + 3) % vocab).collect();
+    let ids = Tensor::from_vec(ids, (1, seq), &Device::Cpu).unwrap();
+    let pos = Tensor::arange(0i64, seq as i64, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let labels = ids.to_dtype(DType::I64).unwrap();
+    trl_runtime::alloc::release_freed_memory();
+    reset_peak_rss();
+    let start = Instant::now();
+    let loss = model.forward_loss(&ids, &pos, &labels).unwrap();
+    let store = (loss.sum / loss.count as f64).unwrap().backward().unwrap();
+    let grads = model
+        .params
+        .iter()
+        .map(|(n, v)| (n.clone(), store.get(v.as_tensor()).unwrap().clone()))
+        .collect();
+    drop(store);
+    opt.step(&model.params, &grads, 1e-4).unwrap();
+    let secs = start.elapsed().as_secs_f64();
+    println!("probe {} {secs}", peak_rss_bytes().unwrap_or(usize::MAX));
+}
+
+/// (peak bytes, step seconds) of one probe.
+fn probe(mode: &str, seq: usize, dir: &Path) -> (usize, f64) {
+    let mut out = None;
+    support::run_ranks(&format!("{mode}:{seq}"), 1, dir, |line, _| {
+        if let Some(rest) = line.strip_prefix("probe ") {
+            let v: Vec<&str> = rest.split(' ').collect();
+            out = Some((v[0].parse().unwrap(), v[1].parse().unwrap()));
+        }
+    });
+    let (peak, secs) = out.expect("the probe reported nothing");
+    eprintln!(
+        "  {mode} seq {seq}: peak {} MiB, step {secs:.2} s",
+        peak >> 20
+    );
+    (peak, secs)
+}
+
+/// The longest multiple of GRANULARITY whose step fits the budget, and its step time.
+fn max_seq(mode: &str, dir: &Path) -> (usize, f64) {
+    let budget = BUDGET_MIB << 20;
+    let (mut ok, mut ok_secs) = (0usize, f64::NAN);
+    let mut seq = 2 * GRANULARITY;
+    // Double until a length does not fit ...
+    let mut bad = loop {
+        let (peak, secs) = probe(mode, seq, dir);
+        if peak > budget {
+            break seq;
+        }
+        (ok, ok_secs) = (seq, secs);
+        seq *= 2;
+    };
+    // ... then halve the gap.
+    while bad - ok > GRANULARITY {
+        let mid = (ok + bad) / 2 / GRANULARITY * GRANULARITY;
+        let (peak, secs) = probe(mode, mid, dir);
+        if peak > budget {
+            bad = mid;
+        } else {
+            (ok, ok_secs) = (mid, secs);
+        }
+    }
+    (ok, ok_secs)
+}
+
+fn main() {
+    if let Ok(kind) = std::env::var("TRL_BENCH_WORKER") {
+        let (mode, seq) = kind.split_once(':').unwrap();
+        let dir = std::env::var("TRL_BENCH_DIR").unwrap();
+        worker(mode, seq.parse().unwrap(), Path::new(&dir));
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    prepare(tmp.path());
+    if let Some((mode, seq)) = std::env::args().find_map(|a| {
+        a.strip_prefix("--probe=")
+            .and_then(|p| p.split_once(':'))
+            .map(|(m, s)| (m.to_string(), s.parse::<usize>().unwrap()))
+    }) {
+        // One probe by hand: `cargo bench ... -- --probe=flash_attention_2:4096`.
+        probe(&mode, seq, tmp.path());
+        return;
+    }
+    eprintln!(
+        "long_context bench: reference model, batch 1, fp32, one step incl. AdamW, budget {BUDGET_MIB} MiB peak RSS per rank"
+    );
+    let mut found = Vec::new();
+    let modes = [
+        ("plain", "sdpa"),
+        ("flash", "flash_attention_2"),
+        ("flash_tiled", "flash_attention_2+tiled"),
+    ];
+    for (mode, attn) in modes {
+        let (seq, step_s) = max_seq(attn, tmp.path());
+        println!(
+            "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":1,\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
+        );
+        found.push(seq);
+    }
+    for (i, what) in [(1, "flash_over_plain"), (2, "flash_tiled_over_plain")] {
+        println!(
+            "{{\"bench\":\"long_context\",\"what\":\"{what}\",\"ranks\":1,\"max_seq_ratio\":{:.3}}}",
+            found[i] as f64 / found[0].max(1) as f64
+        );
+    }
+}
