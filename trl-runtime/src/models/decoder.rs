@@ -12,6 +12,7 @@ use super::params::{Params, WeightFiles};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::rope::apply_rotary;
+use crate::nn::ulysses::ulysses_attention;
 use crate::nn::{tiled_linear_cross_entropy, LossSum};
 use crate::nn::{
     AttentionImpl, AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight,
@@ -67,6 +68,9 @@ pub struct CausalLm {
     /// The split of every parameter, recorded when split (the weights may be sharded later).
     #[parallel(skip)]
     tp_plan: Vec<PlanEntry>,
+    /// The sequence-parallel (Ulysses) group: inputs are this rank's chunk of the sequence.
+    #[parallel(skip)]
+    sp: Option<Arc<dyn Communicator>>,
     #[parallel(skip)]
     rope: RotaryEmbedding,
     /// How attention is computed (transformers' attn_implementation).
@@ -181,6 +185,7 @@ impl CausalLm {
             sharding: None,
             tp: None,
             tp_plan: Vec::new(),
+            sp: None,
         })
     }
 
@@ -208,6 +213,21 @@ impl CausalLm {
     /// [`Self::parallelize`] or for a group of one).
     pub fn tp_plan(&self) -> &[PlanEntry] {
         &self.tp_plan
+    }
+
+    /// Runs attention sequence-parallel over `sp` (Ulysses): from then on `forward` takes
+    /// this rank's chunk of every row (chunks in rank order; position ids are the global
+    /// ones) and returns that chunk's logits. Head counts (per tp rank) must split over `sp`.
+    pub fn sequence_parallel(&mut self, sp: Arc<dyn Communicator>) -> Result<()> {
+        if sp.size() == 1 {
+            return Ok(());
+        }
+        if let Some(layer) = self.layers.first() {
+            crate::nn::ulysses::kv_repeats(layer.num_heads, layer.num_kv_heads, sp.size())
+                .map_err(Error::Parallelism)?;
+        }
+        self.sp = Some(sp);
+        Ok(())
     }
 
     /// The tensor-parallel group, once split.
@@ -371,7 +391,15 @@ impl CausalLm {
         let mut x = self.embed_tokens.forward(input_ids)?;
         let dtype = x.dtype();
         let device: Device = x.device().clone();
-        let mask = AttentionMask::causal(position_ids, dtype, &device)?;
+        // Documents span chunks: the mask is the whole sequence's.
+        let mask = match &self.sp {
+            Some(sp) => AttentionMask::causal(
+                &sp.all_gather(&position_ids.to_dtype(DType::I64)?, 1)?,
+                dtype,
+                &device,
+            )?,
+            None => AttentionMask::causal(position_ids, dtype, &device)?,
+        };
         let (cos, sin) = self.rope.cos_sin(position_ids, dtype, &device)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let _unit = match &self.sharding {
@@ -386,11 +414,12 @@ impl CausalLm {
             let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
             let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
             let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-            let a = self
-                .attention
-                .apply(&q, &k, &v, &mask)?
-                .transpose(1, 2)?
-                .reshape((b, s, heads * d))?;
+            let a = match &self.sp {
+                Some(sp) => ulysses_attention(&q, &k, &v, &mask, self.attention, sp)?,
+                None => self.attention.apply(&q, &k, &v, &mask)?,
+            }
+            .transpose(1, 2)?
+            .reshape((b, s, heads * d))?;
             x = (x + layer.o_proj.forward(&a)?)?;
             let h = layer.post_attention_layernorm.forward(&x)?;
             let mlp = (layer.gate_proj.forward(&h)?.silu()? * layer.up_proj.forward(&h)?)?;

@@ -12,6 +12,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod softmax;
 pub mod tiled_loss;
+pub mod ulysses;
 pub mod weight;
 
 pub use attention::{attention, AttentionImpl, AttentionMask};

@@ -1,0 +1,70 @@
+//! Ulysses sequence parallelism (DeepSpeed-Ulysses, as ALST uses it): each rank of the sp
+//! group holds a chunk of the sequence. Around attention, an all-to-all turns sequence-split
+//! q, k, v (all heads, one chunk) into head-split ones (some heads, the whole sequence); each
+//! rank attends over the whole sequence for its heads, and a second all-to-all turns the
+//! output back. Everything else in the model works token by token on the local chunk.
+//!
+//! Query heads must divide by the sp size. Key/value heads too, or, when there are fewer of
+//! them than ranks, the group size must be a multiple of their count: each is then repeated so
+//! that every rank gets the one its query heads read.
+
+use super::attention::{AttentionImpl, AttentionMask};
+use crate::comm::autograd::all_to_all;
+use crate::comm::Communicator;
+use candle_core::{Result, Tensor};
+use std::sync::Arc;
+
+/// Checks that `heads` query and `kv_heads` key/value heads can be split over `sp` ranks;
+/// returns how many times each kv head is repeated (1 when they divide).
+pub fn kv_repeats(heads: usize, kv_heads: usize, sp: usize) -> std::result::Result<usize, String> {
+    if heads % sp != 0 {
+        return Err(format!(
+            "{heads} attention heads are not divisible by sp = {sp}: Ulysses gives each rank \
+             the same number of heads; pick an sp size that divides {heads}"
+        ));
+    }
+    if kv_heads % sp == 0 {
+        Ok(1)
+    } else if sp % kv_heads == 0 {
+        Ok(sp / kv_heads)
+    } else {
+        Err(format!(
+            "{kv_heads} key/value heads cannot be split over sp = {sp}: the sp size must divide \
+             them or be a multiple of them"
+        ))
+    }
+}
+
+/// Attention of this rank's sequence chunk: `q` [b, heads, chunk, d], `k`, `v` [b, kv_heads,
+/// chunk, d], chunks in rank order along the sequence. `mask` is the whole sequence's (built
+/// from every rank's position ids). Returns [b, heads, chunk, d].
+pub fn ulysses_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    how: AttentionImpl,
+    sp: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
+    let (heads, kv_heads) = (q.dim(1)?, k.dim(1)?);
+    let repeats = kv_repeats(heads, kv_heads, sp.size()).map_err(candle_core::Error::Msg)?;
+    // Sequence-split, all heads -> head-split, whole sequence.
+    let spread = |t: &Tensor| all_to_all(t, sp, 1, 2).map_err(|e| e.into_candle());
+    let q = spread(q)?;
+    let k = spread(&repeat_heads(k, repeats)?)?;
+    let v = spread(&repeat_heads(v, repeats)?)?;
+    let out = how.apply(&q, &k, &v, mask)?;
+    all_to_all(&out, sp, 2, 1).map_err(|e| e.into_candle())
+}
+
+/// Each head of `t` [b, heads, s, d] `n` times in a row: [b, heads * n, s, d].
+fn repeat_heads(t: &Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(t.clone());
+    }
+    let (b, h, s, d) = t.dims4()?;
+    t.unsqueeze(2)?
+        .broadcast_as((b, h, n, s, d))?
+        .contiguous()?
+        .reshape((b, h * n, s, d))
+}

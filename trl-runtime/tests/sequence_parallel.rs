@@ -1,0 +1,113 @@
+//! Ulysses sequence parallelism on our Qwen2 decoder: with the sequence split over sp = 2 and
+//! 4 ranks (all-to-all around attention), the chunks' logits, the summed loss and the summed
+//! gradients equal one process's, on packed rows whose documents cross chunk boundaries, with
+//! the whole-matrix and the blockwise attention, and with fewer key/value heads than ranks.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{max_abs, max_abs_diff, rel_diff};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use trl_runtime::comm::{Communicator, InProcessWorld, ReduceOp};
+use trl_runtime::models::{CausalLm, ModelConfig, Params};
+use trl_runtime::nn::loss::{cross_entropy_sum, IGNORE_INDEX};
+use trl_runtime::nn::AttentionImpl;
+
+const TOL: f64 = 1e-5;
+
+fn config() -> ModelConfig {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../assets/tiny/model/config.json"
+    );
+    ModelConfig::from_file(path).unwrap()
+}
+
+struct Pass {
+    logits: Tensor,
+    loss: f64,
+    grads: BTreeMap<String, Tensor>,
+}
+
+/// Ids, global position ids (documents of 5 and 11 tokens, then one of 16) and next-token
+/// targets shifted before any split (the last position predicts nothing).
+fn batch() -> (Tensor, Tensor, Tensor) {
+    let dev = Device::Cpu;
+    let ids: Vec<u32> = (0..32u32).map(|i| (i * 37 + 11) % 284).collect();
+    let ids = Tensor::from_vec(ids, (2, 16), &dev).unwrap();
+    let pos: Vec<i64> = (0..5).chain(0..11).chain(0..16).collect();
+    let pos = Tensor::from_vec(pos, (2, 16), &dev).unwrap();
+    let labels = ids.to_dtype(DType::I64).unwrap();
+    let ignore = Tensor::full(IGNORE_INDEX, (2, 1), &dev).unwrap();
+    let targets = Tensor::cat(&[labels.narrow(1, 1, 15).unwrap(), ignore], 1).unwrap();
+    (ids, pos, targets)
+}
+
+fn pass(params: &Params, how: AttentionImpl, comm: Arc<dyn Communicator>) -> Pass {
+    let copies = params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
+        .collect();
+    let mut model = CausalLm::new(config(), Params::from_tensors(copies).unwrap()).unwrap();
+    model.attention = how;
+    model.sequence_parallel(comm.clone()).unwrap();
+    let (ids, pos, targets) = batch();
+    let (n, r) = (comm.size(), comm.rank());
+    let chunk = 16 / n;
+    let mine = |t: &Tensor| t.narrow(1, r * chunk, chunk).unwrap();
+    let logits = model.forward(&mine(&ids), &mine(&pos)).unwrap();
+    let loss = cross_entropy_sum(&logits, &mine(&targets)).unwrap().sum;
+    let store = loss.backward().unwrap();
+    let sum = |t: &Tensor| comm.all_reduce(t, ReduceOp::Sum).unwrap();
+    Pass {
+        logits: comm.all_gather(&logits, 1).unwrap(),
+        loss: sum(&loss.reshape(1).unwrap()).to_vec1::<f32>().unwrap()[0] as f64,
+        grads: model
+            .params
+            .iter()
+            .map(|(name, v)| (name.clone(), sum(store.get(v.as_tensor()).unwrap())))
+            .collect(),
+    }
+}
+
+#[test]
+fn ulysses_sp_2_and_4_match_one_process() {
+    let params = Params::init(&config(), 13, DType::F32, &Device::Cpu).unwrap();
+    for how in [AttentionImpl::Eager, AttentionImpl::Flash] {
+        let reference = InProcessWorld::run(1, |_, c| pass(&params, how, c)).remove(0);
+        let scale = reference.grads.values().map(max_abs).fold(0f64, f64::max);
+        // sp = 4 over the tiny model's 2 key/value heads repeats each of them twice.
+        for sp in [2, 4] {
+            for (rank, run) in InProcessWorld::run(sp, |_, c| pass(&params, how, c))
+                .iter()
+                .enumerate()
+            {
+                let what = format!("{how:?} sp={sp} rank {rank}");
+                let d = rel_diff(&run.logits, &reference.logits);
+                assert!(d < TOL, "{what}: logits differ by {d:e}");
+                let d = (run.loss - reference.loss).abs() / reference.loss;
+                assert!(d < TOL, "{what}: loss differs by {d:e}");
+                for (name, g) in &run.grads {
+                    let d = max_abs_diff(g, &reference.grads[name]) / scale;
+                    assert!(d < TOL, "{what}: gradient of {name} differs by {d:e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn heads_that_do_not_split_are_a_clear_error() {
+    // 4 query heads over sp = 3.
+    let params = Params::init(&config(), 1, DType::F32, &Device::Cpu).unwrap();
+    let errs = InProcessWorld::run(3, |_, comm| {
+        let mut model = CausalLm::new(config(), params.clone()).unwrap();
+        model.sequence_parallel(comm).unwrap_err().to_string()
+    });
+    assert!(
+        errs[0].contains("4 attention heads are not divisible by sp = 3"),
+        "{}",
+        errs[0]
+    );
+}
