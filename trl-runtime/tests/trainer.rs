@@ -94,7 +94,7 @@ fn run_dims(
     strategy: Strategy,
     format: CheckpointFormat,
 ) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
-    let world = dims.dp_replicate * dims.dp_shard * dims.tp;
+    let world = dims.dp_replicate * dims.dp_shard * dims.cp * dims.sp * dims.tp;
     let w = InProcessWorld::new(world);
     let results: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
@@ -642,4 +642,37 @@ fn flash_attention_and_tiled_loss_train_like_the_whole_matrices() {
         e.contains("attn_implementation") && e.contains("flash_attention_2"),
         "{e}"
     );
+}
+
+#[test]
+fn sequence_parallel_matches_ddp() {
+    // Ulysses: every row's sequence split over sp ranks (the tiny model's 2 kv heads repeated
+    // at sp 4), alone and beside ZeRO-3 over dp_shard as alst_ulysses_4gpu (dp_shard 2 x sp 2).
+    let tmp = tempfile::tempdir().unwrap();
+    let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
+    let sp = |dp_shard: usize, sp: usize| ParallelDims {
+        sp,
+        ..dims(1, dp_shard, 1)
+    };
+    let cases = [
+        ("sp 2", sp(1, 2), 4, Strategy::Ddp),
+        ("sp 4", sp(1, 4), 4, Strategy::Ddp),
+        (
+            "ZeRO-3 dp_shard 2 x sp 2",
+            sp(2, 2),
+            2,
+            Strategy::fsdp(WrapPolicy::PerLayer),
+        ),
+        (
+            "ZeRO-2 dp_shard 2 x sp 2",
+            sp(2, 2),
+            2,
+            Strategy::Zero(ZeroStage::Two),
+        ),
+    ];
+    for (i, (what, dims, batch, strategy)) in cases.into_iter().enumerate() {
+        let cfg = config(&tmp.path().join(format!("sp-{i}")), batch, 1, 5);
+        let got = run_dims(dims, cfg, strategy, CheckpointFormat::Full);
+        assert_close(&got, &ddp, &format!("{what} vs DDP 1 x 4"));
+    }
 }

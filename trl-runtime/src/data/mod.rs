@@ -5,6 +5,7 @@ pub mod collate;
 pub mod dataset;
 pub mod pack;
 pub mod sampler;
+pub mod sequence;
 pub mod tokenize;
 
 pub use collate::{collate, Batch, CollateOptions};
@@ -13,6 +14,7 @@ pub use dataset::{
 };
 pub use pack::{pack, PackedSequence, PackingStrategy};
 pub use sampler::DistributedSampler;
+pub use sequence::SequenceChunk;
 pub use tokenize::{Message, RenderedChat, TextTokenizer};
 
 /// One tokenized training example: `labels` holds the token where the loss applies and

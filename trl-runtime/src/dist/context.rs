@@ -2,7 +2,7 @@
 //! store (served by rank 0), the mesh, and a host-backend communicator per mesh group.
 
 use super::env::ProcessEnv;
-use super::mesh::{Axis, DeviceMesh, DP, DP_CP, DP_SHARD_CP};
+use super::mesh::{Axis, DeviceMesh, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
 use super::store::Store;
 use crate::comm::{Communicator, HostBackend, InProcessWorld, Timed};
 use crate::config::launch::DistributedType;
@@ -26,6 +26,8 @@ pub const GROUP_AXES: &[&[Axis]] = &[
     DP,
     DP_SHARD_CP,
     DP_CP,
+    DP_SP,
+    DP_SHARD_SP,
     &[
         Axis::DpReplicate,
         Axis::DpShard,

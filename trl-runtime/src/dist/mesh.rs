@@ -44,6 +44,12 @@ pub const DP: &[Axis] = &[Axis::DpReplicate, Axis::DpShard];
 pub const DP_SHARD_CP: &[Axis] = &[Axis::DpShard, Axis::Cp];
 /// What the loss is averaged over.
 pub const DP_CP: &[Axis] = &[Axis::DpReplicate, Axis::DpShard, Axis::Cp];
+/// Ranks that see different tokens under sequence parallelism (data-parallel ranks and the
+/// sp chunks): token counts and gradients are summed over them.
+pub const DP_SP: &[Axis] = &[Axis::DpReplicate, Axis::DpShard, Axis::Sp];
+/// What ZeRO / FSDP shard over when sequences are split (DeepSpeed's ALST shards over the
+/// sequence-parallel ranks as well).
+pub const DP_SHARD_SP: &[Axis] = &[Axis::DpShard, Axis::Sp];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceMesh {

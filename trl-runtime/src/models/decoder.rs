@@ -11,6 +11,7 @@ use super::config::ModelConfig;
 use super::params::{Params, WeightFiles};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::rope::apply_rotary;
 use crate::nn::ulysses::ulysses_attention;
 use crate::nn::{tiled_linear_cross_entropy, LossSum};
@@ -230,6 +231,11 @@ impl CausalLm {
         Ok(())
     }
 
+    /// The sequence-parallel group, when sequences are split.
+    pub fn sp(&self) -> Option<&Arc<dyn Communicator>> {
+        self.sp.as_ref()
+    }
+
     /// The tensor-parallel group, once split.
     pub fn tp(&self) -> Option<&Arc<dyn Communicator>> {
         self.tp.as_ref()
@@ -252,9 +258,12 @@ impl CausalLm {
         )
     }
 
-    /// Logits over the whole vocabulary (gathered under tp), for generation and evaluation.
+    /// Logits over the whole vocabulary (gathered under tp) of whole sequences (not split
+    /// over sp: every rank of the group computes them all), for generation.
     pub fn forward_full(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
-        let logits = self.forward(input_ids, position_ids)?;
+        let logits = self
+            .lm_head
+            .forward(&self.hidden_states(input_ids, position_ids, None)?)?;
         match &self.tp {
             Some(tp) => tp.all_gather(&logits.detach(), 2),
             None => Ok(logits),
@@ -346,39 +355,58 @@ impl CausalLm {
     /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] (u32) at `position_ids`
     /// [batch, seq]. Positions that restart mark document boundaries of packed rows.
     pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
-        let hidden = self.hidden_states(input_ids, position_ids)?;
+        let hidden = self.hidden_states(input_ids, position_ids, self.sp.as_ref())?;
         Ok(self.lm_head.forward(&hidden)?)
     }
 
     /// The next-token loss of `labels` (not yet shifted) for `input_ids` at `position_ids`.
-    /// With `tiled_loss` the LM head and the cross-entropy run fused in sequence tiles and
-    /// the logits never exist whole (the head must be held whole: not under tp or FSDP, which
-    /// take the logits path).
     pub fn forward_loss(
         &self,
         input_ids: &Tensor,
         position_ids: &Tensor,
         labels: &Tensor,
     ) -> Result<LossSum> {
-        let head = match (&self.lm_head.weight, &self.tp) {
-            (Weight::Local(w), None) if self.tiled_loss => w.clone(),
-            _ => return self.loss(&self.forward(input_ids, position_ids)?, labels),
-        };
-        let hidden = self.hidden_states(input_ids, position_ids)?;
-        let (b, s, h) = hidden.dims3()?;
-        if s < 2 {
-            return Ok(crate::nn::causal_lm_loss(
-                &self.lm_head.forward(&hidden)?,
-                labels,
-            )?);
-        }
-        let inputs = hidden.narrow(1, 0, s - 1)?.reshape((b * (s - 1), h))?;
-        let targets = labels.narrow(1, 1, s - 1)?;
-        Ok(tiled_linear_cross_entropy(&inputs, &head, &targets)?)
+        self.forward_targets(input_ids, position_ids, &shift_labels(labels)?)
     }
 
-    /// The final hidden states [batch, seq, hidden] (after the last norm).
-    fn hidden_states(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+    /// The loss of aligned `targets` (position t's own target, -100 for none: labels already
+    /// shifted, as sequence chunks carry them). With `tiled_loss` the LM head and the
+    /// cross-entropy run fused in sequence tiles and the logits never exist whole (the head
+    /// must be held whole: under tp or FSDP the loss is computed from the logits).
+    pub fn forward_targets(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        targets: &Tensor,
+    ) -> Result<LossSum> {
+        let head = match (&self.lm_head.weight, &self.tp) {
+            (Weight::Local(w), None) if self.tiled_loss => w.clone(),
+            (_, Some(tp)) => {
+                let logits = self.forward(input_ids, position_ids)?;
+                return vocab_parallel_cross_entropy(&logits, targets, tp);
+            }
+            _ => {
+                let logits = self.forward(input_ids, position_ids)?;
+                return Ok(cross_entropy_sum(&logits, targets)?);
+            }
+        };
+        let hidden = self.hidden_states(input_ids, position_ids, self.sp.as_ref())?;
+        let (b, s, h) = hidden.dims3()?;
+        Ok(tiled_linear_cross_entropy(
+            &hidden.reshape((b * s, h))?,
+            &head,
+            targets,
+        )?)
+    }
+
+    /// The final hidden states [batch, seq, hidden] (after the last norm); with `sp`, of this
+    /// rank's chunk of the sequence.
+    fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        sp: Option<&Arc<dyn Communicator>>,
+    ) -> Result<Tensor> {
         let (b, s) = input_ids.dims2()?;
         let cfg = &self.config;
         let d = cfg.head_dim();
@@ -392,7 +420,7 @@ impl CausalLm {
         let dtype = x.dtype();
         let device: Device = x.device().clone();
         // Documents span chunks: the mask is the whole sequence's.
-        let mask = match &self.sp {
+        let mask = match sp {
             Some(sp) => AttentionMask::causal(
                 &sp.all_gather(&position_ids.to_dtype(DType::I64)?, 1)?,
                 dtype,
@@ -414,7 +442,7 @@ impl CausalLm {
             let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
             let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
             let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-            let a = match &self.sp {
+            let a = match sp {
                 Some(sp) => ulysses_attention(&q, &k, &v, &mask, self.attention, sp)?,
                 None => self.attention.apply(&q, &k, &v, &mask)?,
             }

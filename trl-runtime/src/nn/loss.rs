@@ -76,6 +76,21 @@ pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
     Ok(LossSum { sum, count })
 }
 
+/// Next-token targets of `labels` [batch, seq] (i64): position t's target is label t+1, and
+/// the last position predicts nothing (-100). Shifting before a sequence is split across ranks
+/// keeps the target of a chunk's last token, which lives in the next chunk.
+pub fn shift_labels(labels: &Tensor) -> Result<Tensor> {
+    let (b, s) = labels.dims2()?;
+    let ignore = Tensor::full(IGNORE_INDEX, (b, 1), labels.device())?;
+    if s < 2 {
+        return ignore.narrow(1, 0, s);
+    }
+    Tensor::cat(
+        &[&labels.to_dtype(DType::I64)?.narrow(1, 1, s - 1)?, &ignore],
+        1,
+    )
+}
+
 /// Next-token loss: position t predicts label t+1 (labels not yet shifted, as HF models take them).
 pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor) -> Result<LossSum> {
     let s = logits.dim(1)?;

@@ -15,11 +15,12 @@ use super::sharded_state::{self, ShardedReader};
 use crate::alloc::StorageBytes;
 use crate::comm::{CommQueue, Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
+use crate::data::sequence::lcm;
 use crate::data::{
-    collate, pack, CollateOptions, DistributedSampler, Example, PackedSequence, PackingStrategy,
-    TextTokenizer,
+    collate, pack, Batch, CollateOptions, DistributedSampler, Example, PackedSequence,
+    PackingStrategy, SequenceChunk, TextTokenizer,
 };
-use crate::dist::mesh::{Axis, DP};
+use crate::dist::mesh::{Axis, DP, DP_SHARD_SP, DP_SP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
@@ -121,14 +122,11 @@ fn wrap_policy_from_env() -> Result<WrapPolicy> {
     }
 }
 
-/// The trainer does not split sequences over cp or sp yet: ranks along those axes get the
-/// same batches and compute the same step, which is correct but does no parallel work. Said
+/// The trainer does not split sequences over cp yet: ranks along that axis get the same
+/// batches and compute the same step, which is correct but does no parallel work. Said
 /// loudly, once, so no one pays for ranks that do nothing new.
 fn note_unsplit_axes(ctx: &DistContext) {
-    let axes = [
-        (Axis::Cp, "parallelism_config_cp_size"),
-        (Axis::Sp, "parallelism_config_sp_size"),
-    ];
+    let axes = [(Axis::Cp, "parallelism_config_cp_size")];
     for (axis, key) in axes {
         let n = ctx.mesh.size(axis);
         if n > 1 && ctx.is_main_process() {
@@ -251,9 +249,13 @@ pub struct TrainOutcome {
 pub struct Trainer<'a> {
     pub config: SFTConfig,
     ctx: &'a DistContext,
+    /// The data-parallel ranks: they draw different examples.
     dp: Arc<dyn Communicator>,
-    /// Background collectives on `dp` (gradient buckets); drained before `dp` is used directly.
-    dp_queue: CommQueue,
+    /// The ranks that see different tokens: `dp` and, under sequence parallelism, the sp
+    /// ranks holding the other chunks. Token counts and gradients are summed over it.
+    batch_group: Arc<dyn Communicator>,
+    /// Background collectives on `batch_group` (gradient buckets).
+    grad_queue: CommQueue,
     pub model: CausalLm,
     pub tokenizer: TextTokenizer,
     tokenizer_dir: PathBuf,
@@ -328,6 +330,8 @@ impl<'a> Trainer<'a> {
         config.validate("training arguments")?;
         let dp = ctx.group(DP);
         let tp = ctx.group(&[Axis::Tp]);
+        let sp = ctx.group(&[Axis::Sp]);
+        let batch_group = ctx.group(if sp.size() > 1 { DP_SP } else { DP });
         let dir = config.model_name_or_path.clone();
         let tokenizer = TextTokenizer::from_dir(&dir)?;
         // Split over tp as it is read: each rank reads only its slices.
@@ -460,11 +464,16 @@ impl<'a> Trainer<'a> {
         // Any checkpoint resumes under any strategy and world size: the state is per parameter.
         // Sharding strategies split over dp_shard; with dp_replicate > 1 (HSDP) the slices
         // are also summed across replicas.
-        let shard = ctx.group(&[Axis::DpShard]);
+        // Under sp the sequence chunks' ranks hold different gradients: they shard too.
+        let shard = ctx.group(if sp.size() > 1 {
+            DP_SHARD_SP
+        } else {
+            &[Axis::DpShard]
+        });
         let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
         // Rank 0's weights on every rank (DDP's start; under tp, every data-parallel rank holds
         // the same slices) before any strategy takes its share.
-        sync_parameters(&dp, &model.params)?;
+        sync_parameters(&batch_group, &model.params)?;
         // Tensor parallelism first: each rank keeps its slices, which ZeRO / FSDP then shard
         // over the data-parallel group (2-D FSDP x TP).
         let mut tp_norm = None;
@@ -491,6 +500,13 @@ impl<'a> Trainer<'a> {
             }
         }
         model.attention = AttentionImpl::parse(&config.attn_implementation).expect("validated");
+        model
+            .sequence_parallel(sp.clone())
+            .map_err(|e| Error::Config {
+                file: dir.join("config.json").display().to_string(),
+                key: "parallelism_config_sp_size".into(),
+                message: e.to_string(),
+            })?;
         model.tiled_loss = config.use_liger_kernel;
         if config.use_liger_kernel
             && (tp.size() > 1 || matches!(strategy, Strategy::Fsdp(..)))
@@ -547,10 +563,15 @@ impl<'a> Trainer<'a> {
             config.warmup_steps,
             config.warmup_ratio,
         );
+        // Sequences split over sp need lengths that divide into equal chunks.
+        let pad_to_multiple_of = match (config.pad_to_multiple_of, sp.size()) {
+            (multiple, 1) => multiple,
+            (multiple, n) => Some(lcm(multiple.unwrap_or(1), n)),
+        };
         let collate_options = CollateOptions {
             pad_token_id: tokenizer.pad_token_id,
             padding_free: config.padding_free,
-            pad_to_multiple_of: config.pad_to_multiple_of,
+            pad_to_multiple_of,
         };
         let stop = Arc::new(AtomicBool::new(false));
         // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
@@ -560,7 +581,8 @@ impl<'a> Trainer<'a> {
             tokenizer_dir: dir,
             config,
             ctx,
-            dp_queue: CommQueue::new(dp.clone())?,
+            grad_queue: CommQueue::new(batch_group.clone())?,
+            batch_group,
             dp,
             model,
             tokenizer,
@@ -650,7 +672,7 @@ impl<'a> Trainer<'a> {
     /// thread flattens the next bucket. Candle's backward returns all gradients at once, so
     /// the overlap is with bucket packing, not with the backward pass itself.
     fn reduce_gradients(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<()> {
-        if self.dp.size() == 1 {
+        if self.batch_group.size() == 1 {
             return Ok(());
         }
         let names: Vec<String> = grads.keys().rev().cloned().collect();
@@ -673,7 +695,7 @@ impl<'a> Trainer<'a> {
                 .collect::<candle_core::Result<_>>()?;
             let flat = Tensor::cat(&parts, 0)?;
             pending.push(
-                self.dp_queue
+                self.grad_queue
                     .submit(move |c| c.all_reduce(&flat, ReduceOp::Sum)),
             );
         }
@@ -690,9 +712,27 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
+    /// Sums over the data-parallel ranks (each counted once).
     fn global_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
         let t = Tensor::new(values, &Device::Cpu)?;
         Ok(self.dp.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
+    }
+
+    /// Sums over every rank that sees different tokens (sequence chunks included).
+    fn batch_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let t = Tensor::new(values, &Device::Cpu)?;
+        Ok(self
+            .batch_group
+            .all_reduce(&t, ReduceOp::Sum)?
+            .to_vec1::<f64>()?)
+    }
+
+    /// This rank's chunk of `batch` (the whole batch without sequence parallelism).
+    fn chunk(&self, batch: &Batch) -> Result<SequenceChunk> {
+        match self.model.sp() {
+            Some(sp) => SequenceChunk::of(batch, sp.rank(), sp.size()),
+            None => SequenceChunk::of(batch, 0, 1),
+        }
     }
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
@@ -710,24 +750,31 @@ impl<'a> Trainer<'a> {
         let start = self.state.step_in_epoch * b * a;
         let mut batches = Vec::with_capacity(a);
         let mut local_tokens = 0usize;
+        // The rows' tokens are counted once, by the first rank of their sequence group.
+        let counts_tokens = self.model.sp().is_none_or(|sp| sp.rank() == 0);
         for m in 0..a {
             let rows: Vec<&PackedSequence> = order[start + m * b..start + (m + 1) * b]
                 .iter()
                 .map(|&i| &self.train_rows[i])
                 .collect();
-            local_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
-            batches.push(collate(&rows, self.collate_options, &Device::Cpu)?);
+            if counts_tokens {
+                local_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
+            }
+            let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
+            batches.push(self.chunk(&batch)?);
         }
         let local_targets: usize = batches.iter().map(|x| x.num_target_tokens).sum();
-        let totals = self.global_sum(&[local_targets as f64, local_tokens as f64])?;
+        let totals = self.batch_sum(&[local_targets as f64, local_tokens as f64])?;
         let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut local_loss = 0.0;
         let t0 = Instant::now();
         for batch in &batches {
-            let ls =
-                self.model
-                    .forward_loss(&batch.input_ids, &batch.position_ids, &batch.labels)?;
+            let ls = self.model.forward_targets(
+                &batch.input_ids,
+                &batch.position_ids,
+                &batch.targets,
+            )?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
             let store = (ls.sum / targets)?.backward()?;
             if let Some(sharding) = &self.model.sharding {
@@ -775,7 +822,7 @@ impl<'a> Trainer<'a> {
             (t2 - t1).as_secs_f64(),
             t2.elapsed().as_secs_f64()
         );
-        let loss = self.global_sum(&[local_loss])?[0] / targets;
+        let loss = self.batch_sum(&[local_loss])?[0] / targets;
         self.state.global_step += 1;
         self.state.step_in_epoch += 1;
         if self.state.step_in_epoch == self.steps_per_epoch {
@@ -843,10 +890,12 @@ impl<'a> Trainer<'a> {
         let filler = [&self.eval_rows[0]];
         for i in 0..rounds(self.eval_rows.len(), bs, chunks.len()) {
             let chunk = chunks.get(i).copied().unwrap_or(&filler);
-            let batch = collate(chunk, self.collate_options, &Device::Cpu)?;
-            let ls =
-                self.model
-                    .forward_loss(&batch.input_ids, &batch.position_ids, &batch.labels)?;
+            let batch = self.chunk(&collate(chunk, self.collate_options, &Device::Cpu)?)?;
+            let ls = self.model.forward_targets(
+                &batch.input_ids,
+                &batch.position_ids,
+                &batch.targets,
+            )?;
             if i < chunks.len() {
                 sum += ls.sum.to_scalar::<f32>()? as f64;
                 count += ls.count as f64;
@@ -864,11 +913,13 @@ impl<'a> Trainer<'a> {
                 correct += 1.0;
             }
         }
-        let totals = self.global_sum(&[sum, count, correct])?;
+        // Loss sums come from every sequence chunk; answers are generated whole on each.
+        let totals = self.batch_sum(&[sum, count])?;
+        let correct = self.global_sum(&[correct])?[0];
         Ok(Some(EvalResult {
             loss: totals[0] / totals[1].max(1.0),
             accuracy: (!self.eval_prompts.is_empty())
-                .then(|| totals[2] / self.eval_prompts.len() as f64),
+                .then(|| correct / self.eval_prompts.len() as f64),
         }))
     }
 
@@ -899,7 +950,12 @@ impl<'a> Trainer<'a> {
             checkpoint::write_model_files(&tmp, None, &self.model.config, &self.tokenizer_dir)?;
         }
         world.barrier()?;
-        let shard = self.ctx.group(&[Axis::DpShard]);
+        // The group the optimizer state is sharded over (sp ranks included under sp).
+        let shard = self.ctx.group(if self.model.sp().is_some() {
+            DP_SHARD_SP
+        } else {
+            &[Axis::DpShard]
+        });
         if self.ctx.group(&[Axis::DpReplicate]).rank() == 0 {
             sharded_state::write_rank(&tmp, shard.rank(), shard.size(), &pieces)?;
         }

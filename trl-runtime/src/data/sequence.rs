@@ -1,0 +1,99 @@
+//! A batch cut along the sequence for context / sequence parallelism: every rank of the group
+//! takes one contiguous chunk of each row. Labels are shifted into next-token targets before
+//! the cut, so the last token of a chunk keeps its target (the first token of the next chunk).
+
+use super::collate::Batch;
+use crate::error::{Error, Result};
+use crate::nn::loss::{shift_labels, IGNORE_INDEX};
+use candle_core::Tensor;
+
+/// This rank's part of a batch.
+#[derive(Debug, Clone)]
+pub struct SequenceChunk {
+    /// [rows, len / group] u32.
+    pub input_ids: Tensor,
+    /// The global positions of the chunk's tokens (documents restart at 0).
+    pub position_ids: Tensor,
+    /// Next-token targets of the chunk's positions, aligned (-100: no loss).
+    pub targets: Tensor,
+    /// Targets of this chunk that count.
+    pub num_target_tokens: usize,
+}
+
+impl SequenceChunk {
+    /// Chunk `rank` of `size` of every row of `batch` (the whole batch for a group of one).
+    pub fn of(batch: &Batch, rank: usize, size: usize) -> Result<Self> {
+        let len = batch.input_ids.dim(1)?;
+        if len % size != 0 {
+            return Err(Error::Config {
+                file: "training arguments".into(),
+                key: "pad_to_multiple_of".into(),
+                message: format!(
+                    "a batch of length {len} cannot be split into {size} equal sequence chunks: \
+                     pad_to_multiple_of must be a multiple of {size} (the trainer sets it so \
+                     unless it was given)"
+                ),
+            });
+        }
+        let chunk = len / size;
+        let cut = |t: &Tensor| t.narrow(1, rank * chunk, chunk);
+        let targets = cut(&shift_labels(&batch.labels)?)?;
+        let num_target_tokens = targets
+            .flatten_all()?
+            .to_vec1::<i64>()?
+            .iter()
+            .filter(|&&t| t != IGNORE_INDEX)
+            .count();
+        Ok(SequenceChunk {
+            input_ids: cut(&batch.input_ids)?,
+            position_ids: cut(&batch.position_ids)?,
+            targets,
+            num_target_tokens,
+        })
+    }
+}
+
+/// The smallest multiple of both (the padding a split into `parts` chunks needs).
+pub fn lcm(a: usize, parts: usize) -> usize {
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, parts) * parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn chunks_keep_the_targets_across_their_edges() {
+        let dev = Device::Cpu;
+        let batch = Batch {
+            input_ids: Tensor::new(&[[10u32, 11, 12, 13, 14, 15]], &dev).unwrap(),
+            labels: Tensor::new(&[[-100i64, 11, 12, -100, 14, 15]], &dev).unwrap(),
+            position_ids: Tensor::new(&[[0i64, 1, 2, 0, 1, 2]], &dev).unwrap(),
+            num_target_tokens: 4,
+        };
+        let chunks: Vec<SequenceChunk> = (0..3)
+            .map(|r| SequenceChunk::of(&batch, r, 3).unwrap())
+            .collect();
+        let targets: Vec<Vec<i64>> = chunks
+            .iter()
+            .map(|c| c.targets.flatten_all().unwrap().to_vec1().unwrap())
+            .collect();
+        assert_eq!(targets, vec![vec![11, 12], vec![-100, 14], vec![15, -100]]);
+        let counted: usize = chunks.iter().map(|c| c.num_target_tokens).sum();
+        assert_eq!(counted, batch.num_target_tokens);
+        let e = SequenceChunk::of(&batch, 0, 4).unwrap_err().to_string();
+        assert!(
+            e.contains("pad_to_multiple_of must be a multiple of 4"),
+            "{e}"
+        );
+        assert_eq!(lcm(8, 3), 24);
+        assert_eq!(lcm(1, 4), 4);
+    }
+}
