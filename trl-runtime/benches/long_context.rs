@@ -6,15 +6,22 @@
 //! over the step is compared with the budget; lengths are searched by doubling, then bisection
 //! to 256 tokens. One JSON object per line on stdout; prose on stderr.
 //!
-//! Context and sequence parallelism (cp / sp at 2 and 4 ranks) are not built yet, so only the
-//! single-rank modes are measured.
+//! Then Ulysses sequence parallelism (`sp`, blockwise attention and tiled loss) at 1, 2 and 4
+//! ranks, each rank holding its chunk of the sequence: the longest sequence whose step fits the
+//! same budget on every rank (rank 0's peak is measured; the ranks hold the same amounts).
+//! Ring-attention context parallelism is not built yet.
 
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::time::Instant;
 
 mod support;
+use trl_runtime::config::launch::DistributedType;
+use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::dist::mesh::Axis;
+use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalLm;
+use trl_runtime::nn::loss::shift_labels;
 use trl_runtime::nn::AttentionImpl;
 use trl_runtime::train::optim::{AdamW, AdamWConfig};
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss};
@@ -28,9 +35,20 @@ fn prepare(dir: &Path) {
     support::write_model_and_rows(dir, config, 1, 8);
 }
 
-/// One training step at `seq` tokens; prints the step's peak memory and time.
+/// One training step at `seq` tokens; prints the step's peak memory and time (rank 0).
 fn worker(mode: &str, seq: usize, dir: &Path) {
     let mut model = CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
+    // Launched as several ranks: split the sequence over all of them (Ulysses).
+    let ctx = DistContext::init(
+        &ParallelismConfig {
+            sp: std::env::var("WORLD_SIZE").map_or(1, |w| w.parse().unwrap()),
+            ..ParallelismConfig::default()
+        },
+        DistributedType::MultiCpu,
+    )
+    .unwrap();
+    let sp = ctx.group(&[Axis::Sp]);
+    model.sequence_parallel(sp.clone()).unwrap();
     let (attn, tiled) = match mode.strip_suffix("+tiled") {
         Some(attn) => (attn, true),
         None => (mode, false),
@@ -45,11 +63,14 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let labels = ids.to_dtype(DType::I64).unwrap();
+    let targets = shift_labels(&ids.to_dtype(DType::I64).unwrap()).unwrap();
+    let chunk = seq / sp.size();
+    let mine = |t: &Tensor| t.narrow(1, sp.rank() * chunk, chunk).unwrap();
+    let (ids, pos, targets) = (mine(&ids), mine(&pos), mine(&targets));
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
     let start = Instant::now();
-    let loss = model.forward_loss(&ids, &pos, &labels).unwrap();
+    let loss = model.forward_targets(&ids, &pos, &targets).unwrap();
     let store = (loss.sum / loss.count as f64).unwrap().backward().unwrap();
     let grads = model
         .params
@@ -59,13 +80,15 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
     drop(store);
     opt.step(&model.params, &grads, 1e-4).unwrap();
     let secs = start.elapsed().as_secs_f64();
-    println!("probe {} {secs}", peak_rss_bytes().unwrap_or(usize::MAX));
+    if ctx.is_main_process() {
+        println!("probe {} {secs}", peak_rss_bytes().unwrap_or(usize::MAX));
+    }
 }
 
-/// (peak bytes, step seconds) of one probe.
-fn probe(mode: &str, seq: usize, dir: &Path) -> (usize, f64) {
+/// (peak bytes, step seconds) of one probe on `ranks` processes.
+fn probe(mode: &str, ranks: usize, seq: usize, dir: &Path) -> (usize, f64) {
     let mut out = None;
-    support::run_ranks(&format!("{mode}:{seq}"), 1, dir, |line, _| {
+    support::run_ranks(&format!("{mode}:{seq}"), ranks, dir, |line, _| {
         if let Some(rest) = line.strip_prefix("probe ") {
             let v: Vec<&str> = rest.split(' ').collect();
             out = Some((v[0].parse().unwrap(), v[1].parse().unwrap()));
@@ -73,20 +96,22 @@ fn probe(mode: &str, seq: usize, dir: &Path) -> (usize, f64) {
     });
     let (peak, secs) = out.expect("the probe reported nothing");
     eprintln!(
-        "  {mode} seq {seq}: peak {} MiB, step {secs:.2} s",
+        "  {mode} on {ranks} rank(s), seq {seq}: peak {} MiB per rank, step {secs:.2} s",
         peak >> 20
     );
     (peak, secs)
 }
 
-/// The longest multiple of GRANULARITY whose step fits the budget, and its step time.
-fn max_seq(mode: &str, dir: &Path) -> (usize, f64) {
+/// The longest multiple of GRANULARITY (which every rank count here divides) whose step fits
+/// the budget on `ranks` processes, and its step time.
+fn max_seq(mode: &str, ranks: usize, dir: &Path) -> (usize, f64) {
     let budget = BUDGET_MIB << 20;
+    let step = GRANULARITY;
     let (mut ok, mut ok_secs) = (0usize, f64::NAN);
-    let mut seq = 2 * GRANULARITY;
+    let mut seq = 2 * step;
     // Double until a length does not fit ...
     let mut bad = loop {
-        let (peak, secs) = probe(mode, seq, dir);
+        let (peak, secs) = probe(mode, ranks, seq, dir);
         if peak > budget {
             break seq;
         }
@@ -94,9 +119,9 @@ fn max_seq(mode: &str, dir: &Path) -> (usize, f64) {
         seq *= 2;
     };
     // ... then halve the gap.
-    while bad - ok > GRANULARITY {
-        let mid = (ok + bad) / 2 / GRANULARITY * GRANULARITY;
-        let (peak, secs) = probe(mode, mid, dir);
+    while bad - ok > step {
+        let mid = (ok + bad) / 2 / step * step;
+        let (peak, secs) = probe(mode, ranks, mid, dir);
         if peak > budget {
             bad = mid;
         } else {
@@ -115,13 +140,20 @@ fn main() {
     }
     let tmp = tempfile::tempdir().unwrap();
     prepare(tmp.path());
-    if let Some((mode, seq)) = std::env::args().find_map(|a| {
-        a.strip_prefix("--probe=")
-            .and_then(|p| p.split_once(':'))
-            .map(|(m, s)| (m.to_string(), s.parse::<usize>().unwrap()))
+    if let Some((mode, ranks, seq)) = std::env::args().find_map(|a| {
+        let v: Vec<String> = a
+            .strip_prefix("--probe=")?
+            .split(':')
+            .map(String::from)
+            .collect();
+        Some((
+            v[0].clone(),
+            v[1].parse::<usize>().ok()?,
+            v[2].parse::<usize>().ok()?,
+        ))
     }) {
-        // One probe by hand: `cargo bench ... -- --probe=flash_attention_2:4096`.
-        probe(&mode, seq, tmp.path());
+        // One probe by hand: `cargo bench ... -- --probe=flash_attention_2+tiled:4:8192`.
+        probe(&mode, ranks, seq, tmp.path());
         return;
     }
     eprintln!(
@@ -134,7 +166,7 @@ fn main() {
         ("flash_tiled", "flash_attention_2+tiled"),
     ];
     for (mode, attn) in modes {
-        let (seq, step_s) = max_seq(attn, tmp.path());
+        let (seq, step_s) = max_seq(attn, 1, tmp.path());
         println!(
             "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":1,\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
         );
@@ -144,6 +176,21 @@ fn main() {
         println!(
             "{{\"bench\":\"long_context\",\"what\":\"{what}\",\"ranks\":1,\"max_seq_ratio\":{:.3}}}",
             found[i] as f64 / found[0].max(1) as f64
+        );
+    }
+    // Ulysses: the same mode as flash_tiled, the sequence split over the ranks.
+    let mut sp = Vec::new();
+    for ranks in [1, 2, 4] {
+        let (seq, step_s) = max_seq("flash_attention_2+tiled", ranks, tmp.path());
+        println!(
+            "{{\"bench\":\"long_context\",\"mode\":\"sp\",\"ranks\":{ranks},\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
+        );
+        sp.push(seq);
+    }
+    for (i, ranks) in [(1, 2), (2, 4)] {
+        println!(
+            "{{\"bench\":\"long_context\",\"mode\":\"sp\",\"what\":\"scaling\",\"ranks\":{ranks},\"max_seq_ratio_over_1_rank\":{:.3}}}",
+            sp[i] as f64 / sp[0].max(1) as f64
         );
     }
 }
