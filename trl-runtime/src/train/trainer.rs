@@ -1061,8 +1061,12 @@ impl<'a> Trainer<'a> {
             self.config.gradient_accumulation_steps
         );
         let mem = self.memory();
+        let sp_note = match self.model.sp() {
+            Some(sp) => format!(" x {} sequence-parallel", sp.size()),
+            None => String::new(),
+        };
         tracing::info!(
-            "{:?} over {} data-parallel rank(s): model state per rank {:.1} MiB = parameters {:.1} + gradients {:.1} + optimizer {:.1} (fp32 AdamW keeps master weights and two moments)",
+            "{:?} over {} data-parallel{sp_note} rank(s): model state per rank {:.1} MiB = parameters {:.1} + gradients {:.1} + optimizer {:.1} (fp32 AdamW keeps master weights and two moments)",
             self.strategy,
             self.dp.size(),
             mem.total() as f64 / 1048576.0,
