@@ -1,7 +1,8 @@
-//! Ulysses sequence parallelism on our Qwen2 decoder: with the sequence split over sp = 2 and
-//! 4 ranks (all-to-all around attention), the chunks' logits, the summed loss and the summed
-//! gradients equal one process's, on packed rows whose documents cross chunk boundaries, with
-//! the whole-matrix and the blockwise attention, and with fewer key/value heads than ranks.
+//! Sequence splitting on our Qwen2 decoder, on packed rows whose documents cross chunk
+//! boundaries: Ulysses (sp = 2 and 4, all-to-all around attention; whole-matrix and blockwise
+//! attention; fewer key/value heads than ranks) and ring attention (cp = 2 and 4, head-tail
+//! balanced chunks, keys and values around the ring). The chunks' logits, the summed loss and
+//! the summed gradients equal one process's.
 
 mod common;
 
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use trl_runtime::comm::{Communicator, InProcessWorld, ReduceOp};
 use trl_runtime::models::{CausalLm, ModelConfig, Params};
 use trl_runtime::nn::loss::{cross_entropy_sum, IGNORE_INDEX};
+use trl_runtime::nn::ring::balanced_indices;
 use trl_runtime::nn::AttentionImpl;
 
 const TOL: f64 = 1e-5;
@@ -44,24 +46,52 @@ fn batch() -> (Tensor, Tensor, Tensor) {
     (ids, pos, targets)
 }
 
-fn pass(params: &Params, how: AttentionImpl, comm: Arc<dyn Communicator>) -> Pass {
+/// How the sequence is split over the group.
+#[derive(Clone, Copy, Debug)]
+enum Split {
+    Ulysses(AttentionImpl),
+    Ring,
+}
+
+fn pass(params: &Params, split: Split, comm: Arc<dyn Communicator>) -> Pass {
     let copies = params
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
         .collect();
     let mut model = CausalLm::new(config(), Params::from_tensors(copies).unwrap()).unwrap();
-    model.attention = how;
-    model.sequence_parallel(comm.clone()).unwrap();
     let (ids, pos, targets) = batch();
     let (n, r) = (comm.size(), comm.rank());
-    let chunk = 16 / n;
-    let mine = |t: &Tensor| t.narrow(1, r * chunk, chunk).unwrap();
+    // The global index of each local position, per rank.
+    let indices = |rank: usize| -> Vec<usize> {
+        match split {
+            Split::Ulysses(_) => (rank * 16 / n..(rank + 1) * 16 / n).collect(),
+            Split::Ring => balanced_indices(rank, n, 16 / (2 * n)),
+        }
+    };
+    match split {
+        Split::Ulysses(how) => {
+            model.attention = how;
+            model.sequence_parallel(comm.clone()).unwrap();
+        }
+        Split::Ring => model.context_parallel(comm.clone()).unwrap(),
+    }
+    let index: Vec<u32> = indices(r).iter().map(|&i| i as u32).collect();
+    let index = Tensor::new(index.as_slice(), &Device::Cpu).unwrap();
+    let mine = |t: &Tensor| t.index_select(&index, 1).unwrap();
     let logits = model.forward(&mine(&ids), &mine(&pos)).unwrap();
     let loss = cross_entropy_sum(&logits, &mine(&targets)).unwrap().sum;
     let store = loss.backward().unwrap();
     let sum = |t: &Tensor| comm.all_reduce(t, ReduceOp::Sum).unwrap();
+    // Every rank's logits, put back in sequence order.
+    let gathered = comm.all_gather(&logits, 1).unwrap();
+    let order: Vec<usize> = (0..n).flat_map(indices).collect();
+    let mut back = vec![0u32; 16];
+    for (k, &g) in order.iter().enumerate() {
+        back[g] = k as u32;
+    }
+    let back = Tensor::new(back.as_slice(), &Device::Cpu).unwrap();
     Pass {
-        logits: comm.all_gather(&logits, 1).unwrap(),
+        logits: gathered.index_select(&back, 1).unwrap(),
         loss: sum(&loss.reshape(1).unwrap()).to_vec1::<f32>().unwrap()[0] as f64,
         grads: model
             .params
@@ -71,19 +101,17 @@ fn pass(params: &Params, how: AttentionImpl, comm: Arc<dyn Communicator>) -> Pas
     }
 }
 
-#[test]
-fn ulysses_sp_2_and_4_match_one_process() {
+fn check(split: Split) {
     let params = Params::init(&config(), 13, DType::F32, &Device::Cpu).unwrap();
-    for how in [AttentionImpl::Eager, AttentionImpl::Flash] {
-        let reference = InProcessWorld::run(1, |_, c| pass(&params, how, c)).remove(0);
-        let scale = reference.grads.values().map(max_abs).fold(0f64, f64::max);
-        // sp = 4 over the tiny model's 2 key/value heads repeats each of them twice.
-        for sp in [2, 4] {
-            for (rank, run) in InProcessWorld::run(sp, |_, c| pass(&params, how, c))
-                .iter()
-                .enumerate()
+    let reference = InProcessWorld::run(1, |_, c| pass(&params, split, c)).remove(0);
+    let scale = reference.grads.values().map(max_abs).fold(0f64, f64::max);
+    for size in [2, 4] {
+        for (rank, run) in InProcessWorld::run(size, |_, c| pass(&params, split, c))
+            .iter()
+            .enumerate()
+        {
             {
-                let what = format!("{how:?} sp={sp} rank {rank}");
+                let what = format!("{split:?} over {size} ranks, rank {rank}");
                 let d = rel_diff(&run.logits, &reference.logits);
                 assert!(d < TOL, "{what}: logits differ by {d:e}");
                 let d = (run.loss - reference.loss).abs() / reference.loss;
@@ -95,6 +123,18 @@ fn ulysses_sp_2_and_4_match_one_process() {
             }
         }
     }
+}
+
+#[test]
+fn ulysses_sp_2_and_4_match_one_process() {
+    // sp = 4 over the tiny model's 2 key/value heads repeats each of them twice.
+    check(Split::Ulysses(AttentionImpl::Eager));
+    check(Split::Ulysses(AttentionImpl::Flash));
+}
+
+#[test]
+fn ring_attention_cp_2_and_4_match_one_process() {
+    check(Split::Ring);
 }
 
 #[test]

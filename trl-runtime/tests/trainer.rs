@@ -676,3 +676,36 @@ fn sequence_parallel_matches_ddp() {
         assert_close(&got, &ddp, &format!("{what} vs DDP 1 x 4"));
     }
 }
+
+#[test]
+fn context_parallel_matches_ddp() {
+    // Ring attention: rows cut into 2 x cp chunks, rank r holding chunks r and 2cp-1-r, alone
+    // and beside ZeRO-3 / ZeRO-2 over dp_shard (dp_shard 2 x cp 2).
+    let tmp = tempfile::tempdir().unwrap();
+    let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
+    let cp = |dp_shard: usize, cp: usize| ParallelDims {
+        cp,
+        ..dims(1, dp_shard, 1)
+    };
+    let cases = [
+        ("cp 2", cp(1, 2), 4, Strategy::Ddp),
+        ("cp 4", cp(1, 4), 4, Strategy::Ddp),
+        (
+            "ZeRO-3 dp_shard 2 x cp 2",
+            cp(2, 2),
+            2,
+            Strategy::fsdp(WrapPolicy::PerLayer),
+        ),
+        (
+            "ZeRO-2 dp_shard 2 x cp 2",
+            cp(2, 2),
+            2,
+            Strategy::Zero(ZeroStage::Two),
+        ),
+    ];
+    for (i, (what, dims, batch, strategy)) in cases.into_iter().enumerate() {
+        let cfg = config(&tmp.path().join(format!("cp-{i}")), batch, 1, 5);
+        let got = run_dims(dims, cfg, strategy, CheckpointFormat::Full);
+        assert_close(&got, &ddp, &format!("{what} vs DDP 1 x 4"));
+    }
+}

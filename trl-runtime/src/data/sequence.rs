@@ -5,6 +5,7 @@
 use super::collate::Batch;
 use crate::error::{Error, Result};
 use crate::nn::loss::{shift_labels, IGNORE_INDEX};
+use crate::nn::ring::balanced_indices;
 use candle_core::Tensor;
 
 /// This rank's part of a batch.
@@ -21,22 +22,25 @@ pub struct SequenceChunk {
 }
 
 impl SequenceChunk {
-    /// Chunk `rank` of `size` of every row of `batch` (the whole batch for a group of one).
+    /// Chunk `rank` of `size` of every row of `batch` (the whole batch for a group of one):
+    /// Ulysses' split.
     pub fn of(batch: &Batch, rank: usize, size: usize) -> Result<Self> {
-        let len = batch.input_ids.dim(1)?;
-        if len % size != 0 {
-            return Err(Error::Config {
-                file: "training arguments".into(),
-                key: "pad_to_multiple_of".into(),
-                message: format!(
-                    "a batch of length {len} cannot be split into {size} equal sequence chunks: \
-                     pad_to_multiple_of must be a multiple of {size} (the trainer sets it so \
-                     unless it was given)"
-                ),
-            });
-        }
-        let chunk = len / size;
-        let cut = |t: &Tensor| t.narrow(1, rank * chunk, chunk);
+        let chunk = chunk_len(batch, size)?;
+        Self::take(batch, (rank * chunk..(rank + 1) * chunk).collect())
+    }
+
+    /// Chunks `rank` and `2 * size - 1 - rank` of `2 * size` (ring attention's head-tail
+    /// balance: with a causal mask every rank then does the same work).
+    pub fn balanced(batch: &Batch, rank: usize, size: usize) -> Result<Self> {
+        let chunk = chunk_len(batch, 2 * size)?;
+        Self::take(batch, balanced_indices(rank, size, chunk))
+    }
+
+    /// The positions `index` of every row.
+    fn take(batch: &Batch, index: Vec<usize>) -> Result<Self> {
+        let index: Vec<u32> = index.into_iter().map(|i| i as u32).collect();
+        let index = Tensor::new(index.as_slice(), batch.input_ids.device())?;
+        let cut = |t: &Tensor| t.index_select(&index, 1);
         let targets = cut(&shift_labels(&batch.labels)?)?;
         let num_target_tokens = targets
             .flatten_all()?
@@ -51,6 +55,23 @@ impl SequenceChunk {
             num_target_tokens,
         })
     }
+}
+
+/// The length of each of `parts` equal chunks of the batch's rows.
+fn chunk_len(batch: &Batch, parts: usize) -> Result<usize> {
+    let len = batch.input_ids.dim(1)?;
+    if len % parts != 0 {
+        return Err(Error::Config {
+            file: "training arguments".into(),
+            key: "pad_to_multiple_of".into(),
+            message: format!(
+                "a batch of length {len} cannot be split into {parts} equal sequence chunks: \
+                 pad_to_multiple_of must be a multiple of {parts} (the trainer sets it so \
+                 unless it was given)"
+            ),
+        });
+    }
+    Ok(len / parts)
 }
 
 /// The smallest multiple of both (the padding a split into `parts` chunks needs).
@@ -93,6 +114,10 @@ mod tests {
             e.contains("pad_to_multiple_of must be a multiple of 4"),
             "{e}"
         );
+        // Ring: chunks 0 and 3 of 4 on rank 0 (rows of 6 split in 4 do not divide).
+        assert!(SequenceChunk::balanced(&batch, 0, 2).is_err());
+        let whole = SequenceChunk::balanced(&batch, 0, 1).unwrap();
+        assert_eq!(whole.num_target_tokens, 4);
         assert_eq!(lcm(8, 3), 24);
         assert_eq!(lcm(1, 4), 4);
     }

@@ -12,6 +12,7 @@ use super::params::{Params, WeightFiles};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
+use crate::nn::ring::{ring_attention, RingMask};
 use crate::nn::rope::apply_rotary;
 use crate::nn::ulysses::ulysses_attention;
 use crate::nn::{tiled_linear_cross_entropy, LossSum};
@@ -72,6 +73,9 @@ pub struct CausalLm {
     /// The sequence-parallel (Ulysses) group: inputs are this rank's chunk of the sequence.
     #[parallel(skip)]
     sp: Option<Arc<dyn Communicator>>,
+    /// The context-parallel (ring attention) group: inputs are this rank's two chunks.
+    #[parallel(skip)]
+    cp: Option<Arc<dyn Communicator>>,
     #[parallel(skip)]
     rope: RotaryEmbedding,
     /// How attention is computed (transformers' attn_implementation).
@@ -187,6 +191,7 @@ impl CausalLm {
             tp: None,
             tp_plan: Vec::new(),
             sp: None,
+            cp: None,
         })
     }
 
@@ -223,12 +228,38 @@ impl CausalLm {
         if sp.size() == 1 {
             return Ok(());
         }
+        if self.cp.is_some() {
+            return Err(Error::Parallelism(
+                "context and sequence parallelism together are not supported: set cp or sp".into(),
+            ));
+        }
         if let Some(layer) = self.layers.first() {
             crate::nn::ulysses::kv_repeats(layer.num_heads, layer.num_kv_heads, sp.size())
                 .map_err(Error::Parallelism)?;
         }
         self.sp = Some(sp);
         Ok(())
+    }
+
+    /// Runs attention context-parallel over `cp` (ring attention): from then on `forward`
+    /// takes this rank's two chunks of every row (chunks r and 2cp-1-r of 2cp, concatenated;
+    /// position ids are the global ones) and returns their logits.
+    pub fn context_parallel(&mut self, cp: Arc<dyn Communicator>) -> Result<()> {
+        if cp.size() == 1 {
+            return Ok(());
+        }
+        if self.sp.is_some() {
+            return Err(Error::Parallelism(
+                "context and sequence parallelism together are not supported: set cp or sp".into(),
+            ));
+        }
+        self.cp = Some(cp);
+        Ok(())
+    }
+
+    /// The context-parallel group, when sequences are split over a ring.
+    pub fn cp(&self) -> Option<&Arc<dyn Communicator>> {
+        self.cp.as_ref()
     }
 
     /// The sequence-parallel group, when sequences are split.
@@ -261,9 +292,9 @@ impl CausalLm {
     /// Logits over the whole vocabulary (gathered under tp) of whole sequences (not split
     /// over sp: every rank of the group computes them all), for generation.
     pub fn forward_full(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
-        let logits = self
-            .lm_head
-            .forward(&self.hidden_states(input_ids, position_ids, None)?)?;
+        let logits =
+            self.lm_head
+                .forward(&self.hidden_states(input_ids, position_ids, false)?)?;
         match &self.tp {
             Some(tp) => tp.all_gather(&logits.detach(), 2),
             None => Ok(logits),
@@ -355,7 +386,7 @@ impl CausalLm {
     /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] (u32) at `position_ids`
     /// [batch, seq]. Positions that restart mark document boundaries of packed rows.
     pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
-        let hidden = self.hidden_states(input_ids, position_ids, self.sp.as_ref())?;
+        let hidden = self.hidden_states(input_ids, position_ids, true)?;
         Ok(self.lm_head.forward(&hidden)?)
     }
 
@@ -390,7 +421,7 @@ impl CausalLm {
                 return Ok(cross_entropy_sum(&logits, targets)?);
             }
         };
-        let hidden = self.hidden_states(input_ids, position_ids, self.sp.as_ref())?;
+        let hidden = self.hidden_states(input_ids, position_ids, true)?;
         let (b, s, h) = hidden.dims3()?;
         Ok(tiled_linear_cross_entropy(
             &hidden.reshape((b * s, h))?,
@@ -399,14 +430,16 @@ impl CausalLm {
         )?)
     }
 
-    /// The final hidden states [batch, seq, hidden] (after the last norm); with `sp`, of this
-    /// rank's chunk of the sequence.
+    /// The final hidden states [batch, seq, hidden] (after the last norm). `chunked`: the
+    /// inputs are this rank's part of the sequence under sp or cp (else whole sequences).
     fn hidden_states(
         &self,
         input_ids: &Tensor,
         position_ids: &Tensor,
-        sp: Option<&Arc<dyn Communicator>>,
+        chunked: bool,
     ) -> Result<Tensor> {
+        let sp = self.sp.as_ref().filter(|_| chunked);
+        let cp = self.cp.as_ref().filter(|_| chunked);
         let (b, s) = input_ids.dims2()?;
         let cfg = &self.config;
         let d = cfg.head_dim();
@@ -420,13 +453,18 @@ impl CausalLm {
         let dtype = x.dtype();
         let device: Device = x.device().clone();
         // Documents span chunks: the mask is the whole sequence's.
-        let mask = match sp {
-            Some(sp) => AttentionMask::causal(
+        let ring_mask = match cp {
+            Some(cp) => Some(RingMask::new(position_ids, cp.as_ref())?),
+            None => None,
+        };
+        let mask = match (sp, &ring_mask) {
+            (_, Some(_)) => None,
+            (Some(sp), None) => Some(AttentionMask::causal(
                 &sp.all_gather(&position_ids.to_dtype(DType::I64)?, 1)?,
                 dtype,
                 &device,
-            )?,
-            None => AttentionMask::causal(position_ids, dtype, &device)?,
+            )?),
+            (None, None) => Some(AttentionMask::causal(position_ids, dtype, &device)?),
         };
         let (cos, sin) = self.rope.cos_sin(position_ids, dtype, &device)?;
         for (l, layer) in self.layers.iter().enumerate() {
@@ -442,9 +480,13 @@ impl CausalLm {
             let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
             let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
             let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-            let a = match sp {
-                Some(sp) => ulysses_attention(&q, &k, &v, &mask, self.attention, sp)?,
-                None => self.attention.apply(&q, &k, &v, &mask)?,
+            let a = match (&ring_mask, &mask, sp, cp) {
+                (Some(ring), _, _, Some(cp)) => ring_attention(&q, &k, &v, ring, cp)?,
+                (_, Some(mask), Some(sp), _) => {
+                    ulysses_attention(&q, &k, &v, mask, self.attention, sp)?
+                }
+                (_, Some(mask), _, _) => self.attention.apply(&q, &k, &v, mask)?,
+                _ => unreachable!("a mask for every way of attending"),
             }
             .transpose(1, 2)?
             .reshape((b, s, heads * d))?;

@@ -12,8 +12,8 @@
 //! Grouped-query heads share their key/value head without copying it.
 
 use super::attention::AttentionMask;
-use super::precomputed::Precomputed;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use super::precomputed::{attention_result, AttentionBackward};
+use candle_core::{DType, Result, Tensor, D};
 
 /// Queries and keys per block: large enough for efficient matmuls, small enough that a block
 /// of scores ([batch, heads, BLOCK, BLOCK]) stays small.
@@ -227,46 +227,26 @@ impl Inputs<'_> {
     }
 }
 
-/// The custom op that ties the blockwise forward (computed outside, from detached inputs) to
-/// its blockwise backward in Candle's graph. Keeps only the output and the log-sum-exp.
-struct FlashOp {
+/// What the blockwise backward needs besides q, k, v: the mask, the geometry and the
+/// forward's log-sum-exp.
+struct FlashBackward {
     starts: Starts,
     dims: Dims,
-    out: Precomputed,
     lse: Tensor,
 }
 
-impl CustomOp3 for FlashOp {
-    fn name(&self) -> &'static str {
-        "flash-attention"
-    }
+impl AttentionBackward for FlashBackward {
+    const NAME: &'static str = "flash attention";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.out.take("flash attention")
-    }
-
-    fn bwd(
+    fn backward(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         out: &Tensor,
         dout: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // Detached: results computed from graph tensors would record their inputs, and the
-        // accumulated gradients would then keep every block's scores alive.
-        let (k, v) = (k.detach(), v.detach());
-        let inputs = prepare(q, &k, &v, self.dims, &self.starts)?;
-        let [dq, dk, dv] = inputs.backward(&out.detach(), &self.lse, &dout.detach())?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+    ) -> Result<[Tensor; 3]> {
+        prepare(q, k, v, self.dims, &self.starts)?.backward(out, &self.lse, dout)
     }
 }
 
@@ -325,14 +305,7 @@ pub fn flash_attention(
     let starts = Starts::new(mask);
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
     let (out, lse) = prepare(q, &k_in, &v_in, dims, &starts)?.forward()?;
-    let op = FlashOp {
-        starts,
-        dims,
-        out: Precomputed::new(out),
-        lse,
-    };
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    attention_result(q, k, v, out, FlashBackward { starts, dims, lse })
 }
 
 #[cfg(test)]

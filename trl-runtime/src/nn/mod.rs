@@ -8,6 +8,7 @@ pub mod flash;
 pub mod linear;
 pub mod loss;
 pub(crate) mod precomputed;
+pub mod ring;
 pub mod rmsnorm;
 pub mod rope;
 pub mod softmax;

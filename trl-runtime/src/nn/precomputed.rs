@@ -38,3 +38,78 @@ fn cpu_storage(t: &Tensor) -> Result<CpuStorage> {
         other => candle_core::bail!("custom op results in {other:?} are not supported"),
     })
 }
+
+/// The backward of an attention computed outside its op (blockwise, ring): what it needs
+/// besides q, k, v, the output and its gradient, which it gets detached.
+pub(crate) trait AttentionBackward: Send + Sync {
+    const NAME: &'static str;
+    /// dq, dk, dv.
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<[Tensor; 3]>;
+}
+
+struct AttentionOp<B> {
+    backward: B,
+    out: Precomputed,
+}
+
+impl<B: AttentionBackward> candle_core::CustomOp3 for AttentionOp<B> {
+    fn name(&self) -> &'static str {
+        B::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &candle_core::Layout,
+        _: &CpuStorage,
+        _: &candle_core::Layout,
+        _: &CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.out.take(B::NAME)
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // Detached: gradients built from graph tensors would record (and keep alive) every
+        // block they were computed from.
+        let [dq, dk, dv] = self.backward.backward(
+            &q.detach(),
+            &k.detach(),
+            &v.detach(),
+            &out.detach(),
+            &dout.detach(),
+        )?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// `out`, computed from q, k and v outside the graph, as the result of an op on them whose
+/// backward is `backward`'s.
+pub(crate) fn attention_result<B: AttentionBackward + 'static>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: Tensor,
+    backward: B,
+) -> Result<Tensor> {
+    let op = AttentionOp {
+        backward,
+        out: Precomputed::new(out),
+    };
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}

@@ -20,7 +20,7 @@ use crate::data::{
     collate, pack, Batch, CollateOptions, DistributedSampler, Example, PackedSequence,
     PackingStrategy, SequenceChunk, TextTokenizer,
 };
-use crate::dist::mesh::{Axis, DP, DP_SHARD_SP, DP_SP};
+use crate::dist::mesh::{Axis, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
@@ -122,21 +122,15 @@ fn wrap_policy_from_env() -> Result<WrapPolicy> {
     }
 }
 
-/// The trainer does not split sequences over cp yet: ranks along that axis get the same
-/// batches and compute the same step, which is correct but does no parallel work. Said
-/// loudly, once, so no one pays for ranks that do nothing new.
-fn note_unsplit_axes(ctx: &DistContext) {
-    let axes = [(Axis::Cp, "parallelism_config_cp_size")];
-    for (axis, key) in axes {
-        let n = ctx.mesh.size(axis);
-        if n > 1 && ctx.is_main_process() {
-            tracing::warn!(
-                "{key} = {n}, but the SFT trainer does not split work along that axis yet: \
-                 those {n} ranks repeat the same computation (the results are right, the \
-                 speed is that of {n}x fewer ranks). Set {key} to 1 to use them for data \
-                 parallelism instead."
-            );
-        }
+/// What ZeRO / FSDP shard over: dp_shard, and the ranks of the sequence chunks (which hold
+/// different gradients) under sp or cp.
+fn shard_axes(sp: usize, cp: usize) -> &'static [Axis] {
+    if sp > 1 {
+        DP_SHARD_SP
+    } else if cp > 1 {
+        DP_SHARD_CP
+    } else {
+        &[Axis::DpShard]
     }
 }
 
@@ -331,7 +325,15 @@ impl<'a> Trainer<'a> {
         let dp = ctx.group(DP);
         let tp = ctx.group(&[Axis::Tp]);
         let sp = ctx.group(&[Axis::Sp]);
-        let batch_group = ctx.group(if sp.size() > 1 { DP_SP } else { DP });
+        let cp = ctx.group(&[Axis::Cp]);
+        // Ranks holding other chunks of the same rows see different tokens too.
+        let batch_group = ctx.group(if sp.size() > 1 {
+            DP_SP
+        } else if cp.size() > 1 {
+            DP_CP
+        } else {
+            DP
+        });
         let dir = config.model_name_or_path.clone();
         let tokenizer = TextTokenizer::from_dir(&dir)?;
         // Split over tp as it is read: each rank reads only its slices.
@@ -464,12 +466,8 @@ impl<'a> Trainer<'a> {
         // Any checkpoint resumes under any strategy and world size: the state is per parameter.
         // Sharding strategies split over dp_shard; with dp_replicate > 1 (HSDP) the slices
         // are also summed across replicas.
-        // Under sp the sequence chunks' ranks hold different gradients: they shard too.
-        let shard = ctx.group(if sp.size() > 1 {
-            DP_SHARD_SP
-        } else {
-            &[Axis::DpShard]
-        });
+        // The ranks of the sequence chunks hold different gradients: they shard too.
+        let shard = ctx.group(shard_axes(sp.size(), cp.size()));
         let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
         // Rank 0's weights on every rank (DDP's start; under tp, every data-parallel rank holds
         // the same slices) before any strategy takes its share.
@@ -500,13 +498,21 @@ impl<'a> Trainer<'a> {
             }
         }
         model.attention = AttentionImpl::parse(&config.attn_implementation).expect("validated");
+        let split_error = |key: &str| {
+            let file = dir.join("config.json").display().to_string();
+            let key = key.to_string();
+            move |e: Error| Error::Config {
+                file,
+                key,
+                message: e.to_string(),
+            }
+        };
         model
             .sequence_parallel(sp.clone())
-            .map_err(|e| Error::Config {
-                file: dir.join("config.json").display().to_string(),
-                key: "parallelism_config_sp_size".into(),
-                message: e.to_string(),
-            })?;
+            .map_err(split_error("parallelism_config_sp_size"))?;
+        model
+            .context_parallel(cp.clone())
+            .map_err(split_error("parallelism_config_cp_size"))?;
         model.tiled_loss = config.use_liger_kernel;
         if config.use_liger_kernel
             && (tp.size() > 1 || matches!(strategy, Strategy::Fsdp(..)))
@@ -554,7 +560,6 @@ impl<'a> Trainer<'a> {
             }
         };
         note_offload();
-        note_unsplit_axes(ctx);
         let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
         let schedule = LrSchedule::new(
             kind,
@@ -563,8 +568,13 @@ impl<'a> Trainer<'a> {
             config.warmup_steps,
             config.warmup_ratio,
         );
-        // Sequences split over sp need lengths that divide into equal chunks.
-        let pad_to_multiple_of = match (config.pad_to_multiple_of, sp.size()) {
+        // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
+        let parts = if cp.size() > 1 {
+            2 * cp.size()
+        } else {
+            sp.size()
+        };
+        let pad_to_multiple_of = match (config.pad_to_multiple_of, parts) {
             (multiple, 1) => multiple,
             (multiple, n) => Some(lcm(multiple.unwrap_or(1), n)),
         };
@@ -727,11 +737,12 @@ impl<'a> Trainer<'a> {
             .to_vec1::<f64>()?)
     }
 
-    /// This rank's chunk of `batch` (the whole batch without sequence parallelism).
+    /// This rank's chunk of `batch` (the whole batch without sequence or context parallelism).
     fn chunk(&self, batch: &Batch) -> Result<SequenceChunk> {
-        match self.model.sp() {
-            Some(sp) => SequenceChunk::of(batch, sp.rank(), sp.size()),
-            None => SequenceChunk::of(batch, 0, 1),
+        match (self.model.sp(), self.model.cp()) {
+            (Some(sp), _) => SequenceChunk::of(batch, sp.rank(), sp.size()),
+            (_, Some(cp)) => SequenceChunk::balanced(batch, cp.rank(), cp.size()),
+            _ => SequenceChunk::of(batch, 0, 1),
         }
     }
 
@@ -751,7 +762,11 @@ impl<'a> Trainer<'a> {
         let mut batches = Vec::with_capacity(a);
         let mut local_tokens = 0usize;
         // The rows' tokens are counted once, by the first rank of their sequence group.
-        let counts_tokens = self.model.sp().is_none_or(|sp| sp.rank() == 0);
+        let counts_tokens = self
+            .model
+            .sp()
+            .or(self.model.cp())
+            .is_none_or(|g| g.rank() == 0);
         for m in 0..a {
             let rows: Vec<&PackedSequence> = order[start + m * b..start + (m + 1) * b]
                 .iter()
@@ -950,12 +965,11 @@ impl<'a> Trainer<'a> {
             checkpoint::write_model_files(&tmp, None, &self.model.config, &self.tokenizer_dir)?;
         }
         world.barrier()?;
-        // The group the optimizer state is sharded over (sp ranks included under sp).
-        let shard = self.ctx.group(if self.model.sp().is_some() {
-            DP_SHARD_SP
-        } else {
-            &[Axis::DpShard]
-        });
+        // The group the optimizer state is sharded over (sequence chunks' ranks included).
+        let size = |g: Option<&Arc<dyn Communicator>>| g.map_or(1, |g| g.size());
+        let shard = self
+            .ctx
+            .group(shard_axes(size(self.model.sp()), size(self.model.cp())));
         if self.ctx.group(&[Axis::DpReplicate]).rank() == 0 {
             sharded_state::write_rank(&tmp, shard.rank(), shard.size(), &pieces)?;
         }
@@ -1061,9 +1075,10 @@ impl<'a> Trainer<'a> {
             self.config.gradient_accumulation_steps
         );
         let mem = self.memory();
-        let sp_note = match self.model.sp() {
-            Some(sp) => format!(" x {} sequence-parallel", sp.size()),
-            None => String::new(),
+        let sp_note = match (self.model.sp(), self.model.cp()) {
+            (Some(sp), _) => format!(" x {} sequence-parallel", sp.size()),
+            (_, Some(cp)) => format!(" x {} context-parallel", cp.size()),
+            _ => String::new(),
         };
         tracing::info!(
             "{:?} over {} data-parallel{sp_note} rank(s): model state per rank {:.1} MiB = parameters {:.1} + gradients {:.1} + optimizer {:.1} (fp32 AdamW keeps master weights and two moments)",
