@@ -9,7 +9,8 @@
 //! Then Ulysses sequence parallelism (`sp`, blockwise attention and tiled loss) at 1, 2 and 4
 //! ranks, each rank holding its chunk of the sequence: the longest sequence whose step fits the
 //! same budget on every rank (rank 0's peak is measured; the ranks hold the same amounts).
-//! Ring-attention context parallelism is not built yet.
+//! And ring-attention context parallelism (`cp`) the same way, each rank holding two chunks of
+//! 2 x ranks (head-tail balanced).
 
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
@@ -18,10 +19,10 @@ use std::time::Instant;
 mod support;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::data::{Batch, SequenceChunk};
 use trl_runtime::dist::mesh::Axis;
 use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalLm;
-use trl_runtime::nn::loss::shift_labels;
 use trl_runtime::nn::AttentionImpl;
 use trl_runtime::train::optim::{AdamW, AdamWConfig};
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss};
@@ -38,17 +39,26 @@ fn prepare(dir: &Path) {
 /// One training step at `seq` tokens; prints the step's peak memory and time (rank 0).
 fn worker(mode: &str, seq: usize, dir: &Path) {
     let mut model = CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
-    // Launched as several ranks: split the sequence over all of them (Ulysses).
-    let ctx = DistContext::init(
-        &ParallelismConfig {
-            sp: std::env::var("WORLD_SIZE").map_or(1, |w| w.parse().unwrap()),
+    // Launched as several ranks: split the sequence over all of them (Ulysses, or a ring).
+    let (mode, ring) = match mode.strip_prefix("ring/") {
+        Some(rest) => (rest, true),
+        None => (mode, false),
+    };
+    let world = std::env::var("WORLD_SIZE").map_or(1, |w| w.parse().unwrap());
+    let parallelism = match ring {
+        true => ParallelismConfig {
+            cp: world,
             ..ParallelismConfig::default()
         },
-        DistributedType::MultiCpu,
-    )
-    .unwrap();
-    let sp = ctx.group(&[Axis::Sp]);
+        false => ParallelismConfig {
+            sp: world,
+            ..ParallelismConfig::default()
+        },
+    };
+    let ctx = DistContext::init(&parallelism, DistributedType::MultiCpu).unwrap();
+    let (sp, cp) = (ctx.group(&[Axis::Sp]), ctx.group(&[Axis::Cp]));
     model.sequence_parallel(sp.clone()).unwrap();
+    model.context_parallel(cp.clone()).unwrap();
     let (attn, tiled) = match mode.strip_suffix("+tiled") {
         Some(attn) => (attn, true),
         None => (mode, false),
@@ -63,10 +73,18 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let targets = shift_labels(&ids.to_dtype(DType::I64).unwrap()).unwrap();
-    let chunk = seq / sp.size();
-    let mine = |t: &Tensor| t.narrow(1, sp.rank() * chunk, chunk).unwrap();
-    let (ids, pos, targets) = (mine(&ids), mine(&pos), mine(&targets));
+    let batch = Batch {
+        labels: ids.to_dtype(DType::I64).unwrap(),
+        input_ids: ids,
+        position_ids: pos,
+        num_target_tokens: seq - 1,
+    };
+    let chunk = match ring {
+        true => SequenceChunk::balanced(&batch, cp.rank(), cp.size()),
+        false => SequenceChunk::of(&batch, sp.rank(), sp.size()),
+    }
+    .unwrap();
+    let (ids, pos, targets) = (chunk.input_ids, chunk.position_ids, chunk.targets);
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
     let start = Instant::now();
@@ -191,6 +209,22 @@ fn main() {
         println!(
             "{{\"bench\":\"long_context\",\"mode\":\"sp\",\"what\":\"scaling\",\"ranks\":{ranks},\"max_seq_ratio_over_1_rank\":{:.3}}}",
             sp[i] as f64 / sp[0].max(1) as f64
+        );
+    }
+    // Ring attention: the same, the sequence in 2 x ranks chunks (at 1 rank, the same as
+    // flash + tiled: a ring of one is plain blockwise attention).
+    let mut cp = vec![sp[0]];
+    for ranks in [2, 4] {
+        let (seq, step_s) = max_seq("ring/flash_attention_2+tiled", ranks, tmp.path());
+        println!(
+            "{{\"bench\":\"long_context\",\"mode\":\"cp\",\"ranks\":{ranks},\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
+        );
+        cp.push(seq);
+    }
+    for (i, ranks) in [(1, 2), (2, 4)] {
+        println!(
+            "{{\"bench\":\"long_context\",\"mode\":\"cp\",\"what\":\"scaling\",\"ranks\":{ranks},\"max_seq_ratio_over_1_rank\":{:.3}}}",
+            cp[i] as f64 / cp[0].max(1) as f64
         );
     }
 }

@@ -10,9 +10,11 @@
 //! documents do not see each other): a query at global index i of a document starting at st
 //! sees the keys at global indices st..=i, wherever they are held.
 //!
-//! Each step holds one local-by-remote block of scores ([2L/2cp]^2 per head), not [L x L].
+//! Within a step the local queries and the visiting keys are taken in blocks (as in the
+//! blockwise attention), so memory stays linear in the length: one block of scores at a time.
 
 use super::attention::document_ids;
+use super::flash::BLOCK;
 use super::precomputed::{attention_result, AttentionBackward};
 use crate::comm::Communicator;
 use candle_core::{DType, Result, Tensor, D};
@@ -39,8 +41,9 @@ pub struct RingMask {
     query_index: Vec<usize>,
     /// Per batch row, the document start of each local position.
     starts: Vec<Vec<usize>>,
-    size: usize,
     chunk: usize,
+    /// Queries and keys per block within a ring step.
+    block: usize,
 }
 
 impl RingMask {
@@ -78,24 +81,55 @@ impl RingMask {
         Ok(RingMask {
             query_index,
             starts,
-            size,
             chunk,
+            block: BLOCK,
         })
     }
 
-    /// Additive mask and 0/1 visibility of the local queries over rank `src`'s keys:
-    /// [batch, 1, 1, nq, nk] each.
+    /// The same mask computed in blocks of `block` queries and keys.
+    pub fn with_block(mut self, block: usize) -> Self {
+        self.block = block.max(1);
+        self
+    }
+
+    /// Whether some local query of `queries` (a range of local positions) may see some key
+    /// of `keys` (global indices) in any row: a cheap test that lets invisible blocks be
+    /// skipped (it may say yes for a block that turns out all masked).
+    fn any_visible(&self, queries: std::ops::Range<usize>, keys: &[usize]) -> bool {
+        let (lo, hi) = (
+            keys.iter().copied().min().unwrap_or(usize::MAX),
+            keys.iter().copied().max().unwrap_or(0),
+        );
+        let latest = self.query_index[queries.clone()]
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0);
+        let earliest_start = self
+            .starts
+            .iter()
+            .flat_map(|row| row[queries.clone()].iter().copied())
+            .min()
+            .unwrap_or(usize::MAX);
+        lo <= latest && hi >= earliest_start
+    }
+
+    /// Additive mask and 0/1 visibility of local queries `queries` over the keys at global
+    /// indices `keys`: [batch, 1, 1, nq, nk] each.
     fn block(
         &self,
-        src: usize,
+        queries: std::ops::Range<usize>,
+        keys: &[usize],
         dtype: DType,
         device: &candle_core::Device,
     ) -> Result<(Tensor, Tensor)> {
-        let keys = balanced_indices(src, self.size, self.chunk);
-        let (b, nq, nk) = (self.starts.len(), self.query_index.len(), keys.len());
+        let (b, nq, nk) = (self.starts.len(), queries.len(), keys.len());
         let mut vis = Vec::with_capacity(b * nq * nk);
         for row in &self.starts {
-            for (&q, &st) in self.query_index.iter().zip(row) {
+            for (&q, &st) in self.query_index[queries.clone()]
+                .iter()
+                .zip(&row[queries.clone()])
+            {
                 vis.extend(keys.iter().map(|&k| (k >= st && k <= q) as u8 as f32));
             }
         }
@@ -108,7 +142,7 @@ impl RingMask {
 struct Ring<'a> {
     cp: &'a Arc<dyn Communicator>,
     mask: &'a RingMask,
-    /// Queries scaled by 1/sqrt(d): [b, kv, group * n, d].
+    /// Queries scaled by 1/sqrt(d): [b, kv, group, n, d].
     q: Tensor,
     b: usize,
     kv: usize,
@@ -131,49 +165,103 @@ impl Ring<'_> {
             .map_err(|e| e.into_candle())
     }
 
-    /// Scores over `k` [b, kv, n, d] with the mask added, and the 0/1 visibility:
-    /// [b, kv, group, n, n] each (visibility broadcast).
-    fn scores(&self, k: &Tensor, src: usize) -> Result<(Tensor, Tensor)> {
-        let (bias, vis) = self.mask.block(src, self.q.dtype(), self.q.device())?;
-        let s = self
-            .q
-            .matmul(&k.t()?)?
-            .reshape((self.b, self.kv, self.group, self.n, self.n))?
+    /// Local positions of block `i` (the last one may be shorter).
+    fn rows(&self, i: usize) -> std::ops::Range<usize> {
+        i * self.mask.block..((i + 1) * self.mask.block).min(self.n)
+    }
+
+    /// Rows `r` of a [b, kv, group, n, x] tensor as [b, kv, group * len, x].
+    fn take(&self, t: &Tensor, r: &std::ops::Range<usize>) -> Result<Tensor> {
+        let x = t.dim(4)?;
+        t.narrow(3, r.start, r.len())?.contiguous()?.reshape((
+            self.b,
+            self.kv,
+            self.group * r.len(),
+            x,
+        ))
+    }
+
+    /// The (query block, key block) pairs of a step over `src`'s keys that may see each
+    /// other, with the key blocks' global indices.
+    fn pairs(&self, src: usize) -> Vec<(usize, usize, Vec<usize>)> {
+        let keys = balanced_indices(src, self.cp.size(), self.mask.chunk);
+        let blocks = self.n.div_ceil(self.mask.block);
+        let mut out = Vec::new();
+        for i in 0..blocks {
+            for j in 0..blocks {
+                let k = keys[self.rows(j)].to_vec();
+                if self.mask.any_visible(self.rows(i), &k) {
+                    out.push((i, j, k));
+                }
+            }
+        }
+        out
+    }
+
+    /// Scores of query rows `qi` (block `i`) over `kj` (keys at global indices `keys`) with
+    /// the mask added, and the 0/1 visibility: [b, kv, group, qn, kn].
+    fn scores(
+        &self,
+        qi: &Tensor,
+        i: usize,
+        kj: &Tensor,
+        keys: &[usize],
+    ) -> Result<(Tensor, Tensor)> {
+        let rows = self.rows(i);
+        let (bias, vis) = self
+            .mask
+            .block(rows.clone(), keys, qi.dtype(), qi.device())?;
+        let s = qi
+            .matmul(&kj.t()?)?
+            .reshape((self.b, self.kv, self.group, rows.len(), keys.len()))?
             .broadcast_add(&bias)?;
         Ok((s, vis))
     }
 
     fn forward(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (b, kv, g, n, d) = (self.b, self.kv, self.group, self.n, self.d);
+        let (b, kv, g, d) = (self.b, self.kv, self.group, self.d);
+        let blocks = self.n.div_ceil(self.mask.block);
         let (mut k, mut v) = (k.clone(), v.clone());
-        let mut acc: Option<(Tensor, Tensor, Tensor)> = None;
+        // Per query block: running maximum, sum and weighted values.
+        let mut acc: Vec<Option<(Tensor, Tensor, Tensor)>> = vec![None; blocks];
         for t in 0..self.cp.size() {
             if t > 0 {
                 (k, v) = (self.pass(&k)?, self.pass(&v)?);
             }
-            let (s, vis) = self.scores(&k, self.source(t))?;
-            let block_max = s.max_keepdim(D::Minus1)?;
-            let max = match &acc {
-                Some((m, _, _)) => m.maximum(&block_max)?,
-                None => block_max,
-            };
-            let p = s.broadcast_sub(&max)?.exp()?.broadcast_mul(&vis)?;
-            let pv = p
-                .reshape((b, kv, g * n, n))?
-                .matmul(&v)?
-                .reshape((b, kv, g, n, d))?;
-            let sum = p.sum_keepdim(D::Minus1)?;
-            acc = Some(match acc {
-                None => (max, sum, pv),
-                Some((m, l, o)) => {
-                    let c = (m - &max)?.exp()?;
-                    (max, ((l * &c)? + sum)?, (o.broadcast_mul(&c)? + pv)?)
-                }
-            });
+            for (i, j, keys) in self.pairs(self.source(t)) {
+                let (qr, kr) = (self.rows(i), self.rows(j));
+                let qi = self.take(&self.q, &qr)?;
+                let kj = k.narrow(2, kr.start, kr.len())?;
+                let (s, vis) = self.scores(&qi, i, &kj, &keys)?;
+                let block_max = s.max_keepdim(D::Minus1)?;
+                let max = match &acc[i] {
+                    Some((m, _, _)) => m.maximum(&block_max)?,
+                    None => block_max,
+                };
+                let p = s.broadcast_sub(&max)?.exp()?.broadcast_mul(&vis)?;
+                let pv = p
+                    .reshape((b, kv, g * qr.len(), kr.len()))?
+                    .matmul(&v.narrow(2, kr.start, kr.len())?)?
+                    .reshape((b, kv, g, qr.len(), d))?;
+                let sum = p.sum_keepdim(D::Minus1)?;
+                acc[i] = Some(match acc[i].take() {
+                    None => (max, sum, pv),
+                    Some((m, l, o)) => {
+                        let c = (m - &max)?.exp()?;
+                        (max, ((l * &c)? + sum)?, (o.broadcast_mul(&c)? + pv)?)
+                    }
+                });
+            }
         }
-        let (m, l, o) = acc.expect("at least one rank");
-        let out = o.broadcast_div(&l)?.reshape((b, kv * g, n, d))?;
-        Ok((out, (m + l.log()?)?))
+        let (mut outs, mut lses) = (Vec::new(), Vec::new());
+        for a in acc {
+            // Every query sees itself, in its own chunk, at step 0.
+            let (m, l, o) = a.expect("every query block sees its own keys");
+            outs.push(o.broadcast_div(&l)?);
+            lses.push((m + l.log()?)?);
+        }
+        let out = Tensor::cat(&outs, 3)?.reshape((b, kv * g, self.n, d))?;
+        Ok((out, Tensor::cat(&lses, 3)?))
     }
 
     fn backward(
@@ -186,33 +274,90 @@ impl Ring<'_> {
     ) -> Result<[Tensor; 3]> {
         let (b, kv, g, n, d) = (self.b, self.kv, self.group, self.n, self.d);
         let five = (b, kv, g, n, d);
-        let dsum = (dout.reshape(five)? * out.reshape(five)?)?.sum_keepdim(D::Minus1)?;
-        let dout = dout.reshape((b, kv, g * n, d))?;
+        let dout = dout.reshape(five)?;
+        let dsum = (&dout * out.reshape(five)?)?.sum_keepdim(D::Minus1)?;
+        let blocks = n.div_ceil(self.mask.block);
         let (mut k, mut v) = (k.clone(), v.clone());
         let mut dk = k.zeros_like()?;
         let mut dv = v.zeros_like()?;
-        let mut dq = self.q.zeros_like()?;
+        let mut dq: Vec<Option<Tensor>> = vec![None; blocks];
         for t in 0..self.cp.size() {
             if t > 0 {
                 (k, v) = (self.pass(&k)?, self.pass(&v)?);
                 (dk, dv) = (self.pass(&dk)?, self.pass(&dv)?);
             }
-            let (s, vis) = self.scores(&k, self.source(t))?;
-            let p5 = s.broadcast_sub(lse)?.exp()?.broadcast_mul(&vis)?;
-            let p = p5.reshape((b, kv, g * n, n))?;
-            dv = (dv + p.t()?.matmul(&dout)?)?;
-            let dp = dout.matmul(&v.t()?)?.reshape((b, kv, g, n, n))?;
-            let ds = (p5 * dp.broadcast_sub(&dsum)?)?.reshape((b, kv, g * n, n))?;
-            dq = (dq + ds.matmul(&k)?)?;
-            dk = (dk + ds.t()?.matmul(&self.q)?)?;
+            // Per key block of the keys held now, the gradient from every query block.
+            let mut dk_blocks: Vec<Option<Tensor>> = vec![None; blocks];
+            let mut dv_blocks: Vec<Option<Tensor>> = vec![None; blocks];
+            for (i, j, keys) in self.pairs(self.source(t)) {
+                let (qr, kr) = (self.rows(i), self.rows(j));
+                let qi = self.take(&self.q, &qr)?;
+                let doi = self.take(&dout, &qr)?;
+                let (kj, vj) = (
+                    k.narrow(2, kr.start, kr.len())?,
+                    v.narrow(2, kr.start, kr.len())?,
+                );
+                let (s, vis) = self.scores(&qi, i, &kj, &keys)?;
+                let lse_i = lse.narrow(3, qr.start, qr.len())?;
+                let dsum_i = dsum.narrow(3, qr.start, qr.len())?;
+                let p5 = s.broadcast_sub(&lse_i)?.exp()?.broadcast_mul(&vis)?;
+                let p = p5.reshape((b, kv, g * qr.len(), kr.len()))?;
+                add(&mut dv_blocks[j], p.t()?.matmul(&doi)?)?;
+                let dp = doi
+                    .matmul(&vj.t()?)?
+                    .reshape((b, kv, g, qr.len(), kr.len()))?;
+                let ds =
+                    (p5 * dp.broadcast_sub(&dsum_i)?)?.reshape((b, kv, g * qr.len(), kr.len()))?;
+                add(
+                    &mut dq[i],
+                    ds.matmul(&kj)?.reshape((b, kv, g, qr.len(), d))?,
+                )?;
+                add(&mut dk_blocks[j], ds.t()?.matmul(&qi)?)?;
+            }
+            dk = (dk + self.whole(dk_blocks)?)?;
+            dv = (dv + self.whole(dv_blocks)?)?;
         }
         // The gradients of the keys held last belong to the next rank: one more hop home.
         if self.cp.size() > 1 {
             (dk, dv) = (self.pass(&dk)?, self.pass(&dv)?);
         }
-        let dq = (dq.reshape((b, kv * g, n, d))? * (1.0 / (d as f64).sqrt()))?;
+        let dq = dq
+            .into_iter()
+            .enumerate()
+            .map(|(i, x)| match x {
+                Some(x) => Ok(x),
+                None => Tensor::zeros((b, kv, g, self.rows(i).len(), d), out.dtype(), out.device()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let dq = (Tensor::cat(&dq, 3)?.reshape((b, kv * g, n, d))? * (1.0 / (d as f64).sqrt()))?;
         Ok([dq, dk, dv])
     }
+
+    /// Key-block gradients [b, kv, len, d] end to end (zeros where no query saw the block).
+    fn whole(&self, parts: Vec<Option<Tensor>>) -> Result<Tensor> {
+        let parts = parts
+            .into_iter()
+            .enumerate()
+            .map(|(j, p)| match p {
+                Some(p) => Ok(p),
+                None => Tensor::zeros(
+                    (self.b, self.kv, self.rows(j).len(), self.d),
+                    self.q.dtype(),
+                    self.q.device(),
+                ),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 2)
+    }
+}
+
+/// Adds `t` into an accumulator slot.
+fn add(slot: &mut Option<Tensor>, t: Tensor) -> Result<()> {
+    *slot = Some(match slot.take() {
+        Some(prev) => (prev + t)?,
+        None => t,
+    });
+    Ok(())
 }
 
 fn ring<'a>(
@@ -223,7 +368,7 @@ fn ring<'a>(
 ) -> Result<Ring<'a>> {
     let (b, heads, n, d) = q.dims4()?;
     let group = heads / kv;
-    let q = (q.detach() * (1.0 / (d as f64).sqrt()))?.reshape((b, kv, group * n, d))?;
+    let q = (q.detach() * (1.0 / (d as f64).sqrt()))?.reshape((b, kv, group, n, d))?;
     Ok(Ring {
         cp,
         mask,
@@ -280,4 +425,71 @@ pub fn ring_attention(
         lse,
     };
     attention_result(q, k, v, out, backward)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::InProcessWorld;
+    use candle_core::{Device, Var};
+
+    /// Blocks within a ring step change nothing: values and gradients at block 3 (ragged,
+    /// spanning the two chunks) equal one block per step, on 2 ranks with packed documents.
+    #[test]
+    fn blocks_within_a_step_change_nothing() {
+        let dev = Device::Cpu;
+        // Per rank: 2 chunks of 5 of a row of 20 tokens; documents of 7 and 13.
+        let global: Vec<i64> = (0..7).chain(0..13).collect();
+        let q = Tensor::randn(0f32, 1.0, (1, 4, 20, 8), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, 2, 20, 8), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, 2, 20, 8), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (1, 4, 20, 8), &dev).unwrap();
+        let run = |block: usize| {
+            InProcessWorld::run(2, |rank, cp| {
+                let index: Vec<u32> = balanced_indices(rank, 2, 5)
+                    .into_iter()
+                    .map(|i| i as u32)
+                    .collect();
+                let index = Tensor::new(index.as_slice(), &dev).unwrap();
+                let pos = Tensor::new(global.as_slice(), &dev)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap()
+                    .index_select(&index, 1)
+                    .unwrap();
+                let mask = RingMask::new(&pos, cp.as_ref()).unwrap().with_block(block);
+                let mine =
+                    |t: &Tensor| Var::from_tensor(&t.index_select(&index, 2).unwrap()).unwrap();
+                let (q, k, v) = (mine(&q), mine(&k), mine(&v));
+                let out = ring_attention(&q, &k, &v, &mask, &cp).unwrap();
+                let loss = (&out * w.index_select(&index, 2).unwrap())
+                    .unwrap()
+                    .sum_all()
+                    .unwrap();
+                let g = loss.backward().unwrap();
+                let grads: Vec<Tensor> = [&q, &k, &v]
+                    .iter()
+                    .map(|t| g.get(t).unwrap().clone())
+                    .collect();
+                (out, grads)
+            })
+        };
+        let (whole, blocked) = (run(128), run(3));
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        for ((o1, g1), (o2, g2)) in whole.iter().zip(&blocked) {
+            assert!(diff(o1, o2) < 1e-5, "outputs differ by {}", diff(o1, o2));
+            for (a, b) in g1.iter().zip(g2) {
+                assert!(diff(a, b) < 1e-5, "gradients differ by {}", diff(a, b));
+            }
+        }
+    }
 }
