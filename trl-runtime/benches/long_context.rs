@@ -196,35 +196,29 @@ fn main() {
             found[i] as f64 / found[0].max(1) as f64
         );
     }
-    // Ulysses: the same mode as flash_tiled, the sequence split over the ranks.
-    let mut sp = Vec::new();
-    for ranks in [1, 2, 4] {
-        let (seq, step_s) = max_seq("flash_attention_2+tiled", ranks, tmp.path());
-        println!(
-            "{{\"bench\":\"long_context\",\"mode\":\"sp\",\"ranks\":{ranks},\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
-        );
-        sp.push(seq);
-    }
-    for (i, ranks) in [(1, 2), (2, 4)] {
-        println!(
-            "{{\"bench\":\"long_context\",\"mode\":\"sp\",\"what\":\"scaling\",\"ranks\":{ranks},\"max_seq_ratio_over_1_rank\":{:.3}}}",
-            sp[i] as f64 / sp[0].max(1) as f64
-        );
-    }
-    // Ring attention: the same, the sequence in 2 x ranks chunks (at 1 rank, the same as
-    // flash + tiled: a ring of one is plain blockwise attention).
-    let mut cp = vec![sp[0]];
-    for ranks in [2, 4] {
-        let (seq, step_s) = max_seq("ring/flash_attention_2+tiled", ranks, tmp.path());
-        println!(
-            "{{\"bench\":\"long_context\",\"mode\":\"cp\",\"ranks\":{ranks},\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
-        );
-        cp.push(seq);
-    }
-    for (i, ranks) in [(1, 2), (2, 4)] {
-        println!(
-            "{{\"bench\":\"long_context\",\"mode\":\"cp\",\"what\":\"scaling\",\"ranks\":{ranks},\"max_seq_ratio_over_1_rank\":{:.3}}}",
-            cp[i] as f64 / cp[0].max(1) as f64
-        );
+    // Ulysses (sp) and ring attention (cp): the flash + tiled step with the sequence split
+    // over the ranks. At 1 rank both are that step itself, measured once.
+    let one = max_seq("flash_attention_2+tiled", 1, tmp.path());
+    for (mode, worker) in [
+        ("sp", "flash_attention_2+tiled"),
+        ("cp", "ring/flash_attention_2+tiled"),
+    ] {
+        let mut found = Vec::new();
+        for ranks in [1, 2, 4] {
+            let (seq, step_s) = match ranks {
+                1 => one,
+                _ => max_seq(worker, ranks, tmp.path()),
+            };
+            println!(
+                "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":{ranks},\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
+            );
+            found.push(seq);
+        }
+        for (i, ranks) in [(1, 2), (2, 4)] {
+            println!(
+                "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"what\":\"scaling\",\"ranks\":{ranks},\"max_seq_ratio_over_1_rank\":{:.3}}}",
+                found[i] as f64 / found[0].max(1) as f64
+            );
+        }
     }
 }
