@@ -17,6 +17,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Set for workers whose output the launcher shows with a `[rank N]` prefix (and writes
+/// nowhere else), so that their logger does not add the rank again.
+pub const PREFIXED_VAR: &str = "TRL_OUTPUT_PREFIXED";
 /// Lines of output kept per rank for the failure report.
 const TAIL_LINES: usize = 20;
 
@@ -218,6 +221,9 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
             .stderr(Stdio::piped());
         for (k, v) in &w.env {
             cmd.env(k, v);
+        }
+        if job.log_dir.is_none() {
+            cmd.env(PREFIXED_VAR, "1");
         }
         let mut child = cmd.spawn().map_err(|e| {
             std::io::Error::new(

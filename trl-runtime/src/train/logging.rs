@@ -4,6 +4,7 @@
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::time::FormatTime;
 
+/// The rank in front of every line.
 struct RankStamp(usize);
 
 impl FormatTime for RankStamp {
@@ -19,12 +20,16 @@ pub fn init(rank: usize) -> usize {
     let default = if rank == 0 { "info" } else { "warn" };
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_timer(RankStamp(rank))
         .with_target(false)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    // Under our launcher every line already shows `[rank N]` in front.
+    let _ = if std::env::var(crate::dist::spawn::PREFIXED_VAR).is_ok() {
+        builder.without_time().try_init()
+    } else {
+        builder.with_timer(RankStamp(rank)).try_init()
+    };
     rank
 }
