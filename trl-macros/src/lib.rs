@@ -3,6 +3,7 @@
 //! `#[derive(Parallelize)]` implements `trl_runtime::tp::Parallelize` for a model struct from
 //! `#[parallel(...)]` attributes on its fields: see [`macro@Parallelize`].
 
+mod context_parallel;
 mod parallelize;
 
 use proc_macro::TokenStream;
@@ -29,4 +30,23 @@ use proc_macro::TokenStream;
 #[proc_macro_derive(Parallelize, attributes(parallel))]
 pub fn derive_parallelize(input: TokenStream) -> TokenStream {
     parallelize::expand(input.into()).into()
+}
+
+/// Splits a training step along the sequence over the cp group (ring attention) or the sp
+/// group (Ulysses), as the launch's parallelism config says; a no-op when cp = sp = 1.
+///
+/// ```ignore
+/// #[context_parallel]
+/// fn step(model: &Model, batch: &Batch, ctx: &DistContext) -> trl_runtime::Result<LossSum> {
+///     let logits = model.forward(&batch.input_ids, &batch.position_ids)?; // calls context_parallel::attention
+///     Ok(cross_entropy_sum(&logits, &batch.targets()?)?)
+/// }
+/// ```
+///
+/// Inside, `batch` is this rank's part of the rows (labels shifted into `targets()` before
+/// the cut), `trl_runtime::context_parallel::attention` attends over the whole sequence, and
+/// the returned loss's count becomes the whole rows' token count.
+#[proc_macro_attribute]
+pub fn context_parallel(attr: TokenStream, item: TokenStream) -> TokenStream {
+    context_parallel::expand(attr.into(), item.into()).into()
 }

@@ -78,6 +78,7 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
         input_ids: ids,
         position_ids: pos,
         num_target_tokens: seq - 1,
+        shifted_targets: None,
     };
     let chunk = match ring {
         true => SequenceChunk::balanced(&batch, cp.rank(), cp.size()),

@@ -4,6 +4,7 @@
 //! - [`dist`]: process environment (torchrun / SLURM), rendezvous store, device mesh.
 //! - [`comm`]: the `Communicator` trait, its backends and differentiable collectives.
 //! - [`tp`]: tensor parallelism from `#[derive(Parallelize)]` annotations.
+//! - [`context_parallel`]: what `#[context_parallel]` runs around a training step.
 
 // The derive macros name this crate `::trl_runtime`, also when used inside it.
 extern crate self as trl_runtime;
@@ -11,6 +12,7 @@ extern crate self as trl_runtime;
 pub mod alloc;
 pub mod comm;
 pub mod config;
+pub mod context_parallel;
 pub mod data;
 pub mod dist;
 pub mod error;
@@ -24,4 +26,4 @@ pub use candle_core;
 pub use error::{Error, Result};
 // The trait and its derive share the name, as serde does.
 pub use tp::Parallelize;
-pub use trl_macros::Parallelize;
+pub use trl_macros::{context_parallel, Parallelize};

@@ -23,6 +23,20 @@ pub struct Batch {
     pub position_ids: Tensor,
     /// Tokens the next-token loss is computed on (labels after the shift that are not -100).
     pub num_target_tokens: usize,
+    /// The next-token targets, when they were taken before the rows were cut along the
+    /// sequence (a chunk's last token predicts the next chunk's first); None: shift `labels`.
+    pub shifted_targets: Option<Tensor>,
+}
+
+impl Batch {
+    /// Next-token targets aligned with the positions (-100: no loss): what a loss over this
+    /// batch's logits compares with, whole or cut along the sequence.
+    pub fn targets(&self) -> candle_core::Result<Tensor> {
+        match &self.shifted_targets {
+            Some(t) => Ok(t.clone()),
+            None => crate::nn::loss::shift_labels(&self.labels),
+        }
+    }
 }
 
 struct Row {
@@ -101,5 +115,6 @@ pub fn collate(rows: &[&PackedSequence], opts: CollateOptions, device: &Device) 
         labels: Tensor::from_vec(labels, (n, len), device)?,
         position_ids: Tensor::from_vec(positions, (n, len), device)?,
         num_target_tokens,
+        shifted_targets: None,
     })
 }

@@ -4,7 +4,7 @@
 
 use super::collate::Batch;
 use crate::error::{Error, Result};
-use crate::nn::loss::{shift_labels, IGNORE_INDEX};
+use crate::nn::loss::IGNORE_INDEX;
 use crate::nn::ring::balanced_indices;
 use candle_core::Tensor;
 
@@ -41,7 +41,7 @@ impl SequenceChunk {
         let index: Vec<u32> = index.into_iter().map(|i| i as u32).collect();
         let index = Tensor::new(index.as_slice(), batch.input_ids.device())?;
         let cut = |t: &Tensor| t.index_select(&index, 1);
-        let targets = cut(&shift_labels(&batch.labels)?)?;
+        let targets = cut(&batch.targets()?)?;
         let num_target_tokens = targets
             .flatten_all()?
             .to_vec1::<i64>()?
@@ -98,6 +98,7 @@ mod tests {
             labels: Tensor::new(&[[-100i64, 11, 12, -100, 14, 15]], &dev).unwrap(),
             position_ids: Tensor::new(&[[0i64, 1, 2, 0, 1, 2]], &dev).unwrap(),
             num_target_tokens: 4,
+            shifted_targets: None,
         };
         let chunks: Vec<SequenceChunk> = (0..3)
             .map(|r| SequenceChunk::of(&batch, r, 3).unwrap())

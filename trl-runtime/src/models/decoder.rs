@@ -438,8 +438,18 @@ impl CausalLm {
         position_ids: &Tensor,
         chunked: bool,
     ) -> Result<Tensor> {
-        let sp = self.sp.as_ref().filter(|_| chunked);
-        let cp = self.cp.as_ref().filter(|_| chunked);
+        // Split by `sequence_parallel` / `context_parallel`, or by a #[context_parallel] step.
+        let routed = match (&self.sp, &self.cp) {
+            (None, None) if chunked => crate::context_parallel::active_route(),
+            _ => None,
+        };
+        let (routed_sp, routed_cp) = match &routed {
+            Some((g, true)) => (None, Some(g)),
+            Some((g, false)) => (Some(g), None),
+            None => (None, None),
+        };
+        let sp = self.sp.as_ref().filter(|_| chunked).or(routed_sp);
+        let cp = self.cp.as_ref().filter(|_| chunked).or(routed_cp);
         let (b, s) = input_ids.dims2()?;
         let cfg = &self.config;
         let d = cfg.head_dim();

@@ -1,0 +1,209 @@
+//! `#[context_parallel]` on a user's training step: a small model written the plain Candle
+//! way, whose attention calls `trl_runtime::context_parallel::attention`, gives the loss and
+//! gradients of one process when its step runs with cp = 2 and 4 (ring attention) or sp = 2
+//! and 4 (Ulysses), on packed rows whose documents cross the chunks. Our own decoder follows
+//! the step's routing too.
+
+mod common;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use common::max_abs_diff;
+use std::collections::BTreeMap;
+use trl_runtime::comm::{InProcessWorld, ReduceOp};
+use trl_runtime::config::parallelism::ParallelDims;
+use trl_runtime::context_parallel;
+use trl_runtime::data::Batch;
+use trl_runtime::dist::{DeviceMesh, DistContext};
+use trl_runtime::nn::loss::cross_entropy_sum;
+use trl_runtime::nn::LossSum;
+
+const VOCAB: usize = 40;
+const HIDDEN: usize = 16;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = HIDDEN / HEADS;
+
+/// One attention block over an embedding, with an LM head: plain Candle.
+struct TinyModel {
+    embed: candle_nn::Embedding,
+    q: candle_nn::Linear,
+    k: candle_nn::Linear,
+    v: candle_nn::Linear,
+    o: candle_nn::Linear,
+    head: candle_nn::Linear,
+}
+
+impl TinyModel {
+    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        let kv = KV_HEADS * HEAD_DIM;
+        Ok(TinyModel {
+            embed: candle_nn::embedding(VOCAB, HIDDEN, vb.pp("embed"))?,
+            q: candle_nn::linear(HIDDEN, HIDDEN, vb.pp("q"))?,
+            k: candle_nn::linear_no_bias(HIDDEN, kv, vb.pp("k"))?,
+            v: candle_nn::linear(HIDDEN, kv, vb.pp("v"))?,
+            o: candle_nn::linear(HIDDEN, HIDDEN, vb.pp("o"))?,
+            head: candle_nn::linear_no_bias(HIDDEN, VOCAB, vb.pp("head"))?,
+        })
+    }
+
+    fn forward(&self, ids: &Tensor, pos: &Tensor) -> trl_runtime::Result<Tensor> {
+        let (b, n) = ids.dims2()?;
+        let x = self.embed.forward(ids)?;
+        let heads = |t: Tensor, h: usize| -> candle_core::Result<Tensor> {
+            t.reshape((b, n, h, HEAD_DIM))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let q = heads(self.q.forward(&x)?, HEADS)?;
+        let k = heads(self.k.forward(&x)?, KV_HEADS)?;
+        let v = heads(self.v.forward(&x)?, KV_HEADS)?;
+        // The one line that makes the model take part: attention through the step's routing.
+        let a = context_parallel::attention(&q, &k, &v, pos)?;
+        let a = a.transpose(1, 2)?.reshape((b, n, HIDDEN))?;
+        let x = (x + self.o.forward(&a)?)?;
+        Ok(self.head.forward(&x)?)
+    }
+}
+
+#[trl_runtime::context_parallel]
+fn step(model: &TinyModel, batch: &Batch, ctx: &DistContext) -> trl_runtime::Result<LossSum> {
+    let logits = model.forward(&batch.input_ids, &batch.position_ids)?;
+    Ok(cross_entropy_sum(&logits, &batch.targets()?)?)
+}
+
+/// Two rows of 16: documents of 6 and 10, then one of 16; a few ignored labels.
+fn batch() -> Batch {
+    let dev = Device::Cpu;
+    let ids: Vec<u32> = (0..32u32).map(|i| (i * 17 + 5) % VOCAB as u32).collect();
+    let mut labels: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    labels[3] = -100;
+    labels[20] = -100;
+    let pos: Vec<i64> = (0..6).chain(0..10).chain(0..16).collect();
+    Batch {
+        input_ids: Tensor::from_vec(ids, (2, 16), &dev).unwrap(),
+        labels: Tensor::from_vec(labels, (2, 16), &dev).unwrap(),
+        position_ids: Tensor::from_vec(pos, (2, 16), &dev).unwrap(),
+        num_target_tokens: 28,
+        shifted_targets: None,
+    }
+}
+
+/// `f` on every rank of a mesh of `cp` x `sp` in-process ranks; rank 0's result.
+fn on_ranks<R: Send>(cp: usize, sp: usize, f: impl Fn(&DistContext) -> R + Sync) -> R {
+    let world = cp * sp;
+    let dims = ParallelDims {
+        dp_replicate: 1,
+        dp_shard: 1,
+        cp,
+        sp,
+        tp: 1,
+    };
+    let w = InProcessWorld::new(world);
+    let results: Vec<R> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (w, f) = (&w, &f);
+                s.spawn(move || {
+                    let mesh = DeviceMesh::new(dims, world).unwrap();
+                    f(&DistContext::in_process(w, rank, mesh).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    results.into_iter().next().unwrap()
+}
+
+/// The step's mean loss and the gradients summed over the ranks, on a mesh of `cp` x `sp`.
+fn run(cp: usize, sp: usize) -> (f64, BTreeMap<String, Tensor>) {
+    on_ranks(cp, sp, |ctx| {
+        let vm = VarMap::new();
+        let model = TinyModel::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+        // The same values everywhere, by name.
+        for (name, var) in vm.data().lock().unwrap().iter() {
+            let seed = name.bytes().map(|b| b as f32).sum::<f32>();
+            let values: Vec<f32> = (0..var.elem_count())
+                .map(|i| ((i as f32 + seed) * 0.7).sin() * 0.3)
+                .collect();
+            var.set(&Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+        let mean = step(&model, &batch(), ctx).unwrap().mean().unwrap();
+        let grads = mean.backward().unwrap();
+        let world = ctx.world();
+        let total = world
+            .all_reduce(&mean.reshape(1).unwrap(), ReduceOp::Sum)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()[0] as f64;
+        // In name order: every rank issues the same collectives in one order.
+        let vars: BTreeMap<String, candle_core::Var> =
+            vm.data().lock().unwrap().clone().into_iter().collect();
+        let summed = vars
+            .iter()
+            .map(|(name, var)| {
+                let g = grads.get(var.as_tensor()).unwrap();
+                (name.clone(), world.all_reduce(g, ReduceOp::Sum).unwrap())
+            })
+            .collect();
+        (total, summed)
+    })
+}
+
+#[test]
+fn steps_split_over_cp_or_sp_equal_one_process() {
+    let (loss, grads) = run(1, 1);
+    let scale = grads.values().map(common::max_abs).fold(0f64, f64::max);
+    for (cp, sp) in [(2, 1), (4, 1), (1, 2), (1, 4)] {
+        let (got, got_grads) = run(cp, sp);
+        let what = format!("cp {cp} sp {sp}");
+        assert!(
+            (got - loss).abs() / loss < 1e-5,
+            "{what}: mean loss {got} vs {loss}"
+        );
+        for (name, g) in &got_grads {
+            let d = max_abs_diff(g, &grads[name]) / scale;
+            assert!(d < 1e-5, "{what}: gradient of {name} differs by {d:e}");
+        }
+    }
+}
+
+#[trl_runtime::context_parallel]
+fn decoder_step(
+    model: &trl_runtime::models::CausalLm,
+    batch: &Batch,
+    ctx: &DistContext,
+) -> trl_runtime::Result<LossSum> {
+    model.forward_targets(&batch.input_ids, &batch.position_ids, &batch.targets()?)
+}
+
+#[test]
+fn our_decoder_follows_the_step() {
+    use trl_runtime::models::{CausalLm, ModelConfig, Params};
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../assets/tiny/model/config.json"
+    );
+    let cfg = ModelConfig::from_file(path).unwrap();
+    let params = Params::init(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
+    let mean_loss = |cp: usize, sp: usize| -> f64 {
+        on_ranks(cp, sp, |ctx| {
+            let model = CausalLm::new(cfg.clone(), params.clone()).unwrap();
+            let mean = decoder_step(&model, &batch(), ctx).unwrap().mean().unwrap();
+            ctx.world()
+                .all_reduce(&mean.reshape(1).unwrap(), ReduceOp::Sum)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()[0] as f64
+        })
+    };
+    let whole = mean_loss(1, 1);
+    for (cp, sp) in [(2, 1), (1, 2)] {
+        let got = mean_loss(cp, sp);
+        assert!(
+            (got - whole).abs() / whole < 1e-5,
+            "cp {cp} sp {sp}: {got} vs {whole}"
+        );
+    }
+}
