@@ -16,7 +16,7 @@
 use super::attention::document_ids;
 use super::flash::BLOCK;
 use super::precomputed::{attention_result, AttentionBackward};
-use crate::comm::Communicator;
+use crate::comm::{CommQueue, Communicator, Pending};
 use candle_core::{DType, Result, Tensor, D};
 use std::sync::Arc;
 
@@ -141,6 +141,9 @@ impl RingMask {
 
 struct Ring<'a> {
     cp: &'a Arc<dyn Communicator>,
+    /// Runs the hops of keys and values in the background, so that the next step's blocks
+    /// travel while this step computes.
+    queue: CommQueue,
     mask: &'a RingMask,
     /// Queries scaled by 1/sqrt(d): [b, kv, group, n, d].
     q: Tensor,
@@ -157,12 +160,23 @@ impl Ring<'_> {
         (self.cp.rank() + self.cp.size() - t) % self.cp.size()
     }
 
-    /// Sends `t` one hop along the ring (to rank + 1) and returns what rank - 1 sent.
-    fn pass(&self, t: &Tensor) -> Result<Tensor> {
+    /// Starts sending `t` one hop along the ring (to rank + 1); the result is what rank - 1
+    /// sent. Hops run in the order they are started, on every rank alike.
+    fn start_pass(&self, t: &Tensor) -> Pending {
         let (r, n) = (self.cp.rank(), self.cp.size());
-        self.cp
-            .send_recv(t, (r + 1) % n, (r + n - 1) % n)
-            .map_err(|e| e.into_candle())
+        let t = t.clone();
+        self.queue
+            .submit(move |c| c.send_recv(&t, (r + 1) % n, (r + n - 1) % n))
+    }
+
+    /// One hop, waited for.
+    fn pass(&self, t: &Tensor) -> Result<Tensor> {
+        self.start_pass(t).wait().map_err(|e| e.into_candle())
+    }
+
+    /// Starts the hop of the keys and values held now, unless this is the last step.
+    fn prefetch(&self, t: usize, k: &Tensor, v: &Tensor) -> Option<(Pending, Pending)> {
+        (t + 1 < self.cp.size()).then(|| (self.start_pass(k), self.start_pass(v)))
     }
 
     /// Local positions of block `i` (the last one may be shorter).
@@ -224,10 +238,12 @@ impl Ring<'_> {
         let (mut k, mut v) = (k.clone(), v.clone());
         // Per query block: running maximum, sum and weighted values.
         let mut acc: Vec<Option<(Tensor, Tensor, Tensor)>> = vec![None; blocks];
+        let mut next = None;
         for t in 0..self.cp.size() {
-            if t > 0 {
-                (k, v) = (self.pass(&k)?, self.pass(&v)?);
+            if let Some((pk, pv)) = next.take() {
+                (k, v) = (wait(pk)?, wait(pv)?);
             }
+            next = self.prefetch(t, &k, &v);
             for (i, j, keys) in self.pairs(self.source(t)) {
                 let (qr, kr) = (self.rows(i), self.rows(j));
                 let qi = self.take(&self.q, &qr)?;
@@ -281,11 +297,14 @@ impl Ring<'_> {
         let mut dk = k.zeros_like()?;
         let mut dv = v.zeros_like()?;
         let mut dq: Vec<Option<Tensor>> = vec![None; blocks];
+        let mut next = None;
         for t in 0..self.cp.size() {
-            if t > 0 {
-                (k, v) = (self.pass(&k)?, self.pass(&v)?);
+            if let Some((pk, pv)) = next.take() {
+                (k, v) = (wait(pk)?, wait(pv)?);
+                // The key gradients follow their keys once the previous rank added its part.
                 (dk, dv) = (self.pass(&dk)?, self.pass(&dv)?);
             }
+            next = self.prefetch(t, &k, &v);
             // Per key block of the keys held now, the gradient from every query block.
             let mut dk_blocks: Vec<Option<Tensor>> = vec![None; blocks];
             let mut dv_blocks: Vec<Option<Tensor>> = vec![None; blocks];
@@ -351,6 +370,10 @@ impl Ring<'_> {
     }
 }
 
+fn wait(p: Pending) -> Result<Tensor> {
+    p.wait().map_err(|e| e.into_candle())
+}
+
 /// Adds `t` into an accumulator slot.
 fn add(slot: &mut Option<Tensor>, t: Tensor) -> Result<()> {
     *slot = Some(match slot.take() {
@@ -371,6 +394,7 @@ fn ring<'a>(
     let q = (q.detach() * (1.0 / (d as f64).sqrt()))?.reshape((b, kv, group, n, d))?;
     Ok(Ring {
         cp,
+        queue: CommQueue::new(cp.clone()).map_err(|e| e.into_candle())?,
         mask,
         q,
         b,
