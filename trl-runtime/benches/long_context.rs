@@ -1,8 +1,8 @@
 //! `cargo bench -p trl-runtime --bench long_context`: the longest sequence one training step
 //! (forward, backward, AdamW update; batch 1, fp32) of the reference model fits in a fixed
 //! per-rank memory budget, with the whole-matrix attention (`plain`), the blockwise one
-//! (`flash`), and the blockwise one with the LM head and loss fused in tiles (`flash_tiled`,
-//! `use_liger_kernel`). Each probe runs in a fresh process (1 compute thread) whose peak resident memory
+//! (`flash`), the blockwise one with the LM head and loss fused in tiles (`flash_tiled`,
+//! `use_liger_kernel`), and with the MLPs in tiles too (`flash_tiled_mlp`, `tiled_mlp`). Each probe runs in a fresh process (1 compute thread) whose peak resident memory
 //! over the step is compared with the budget; lengths are searched by doubling, then bisection
 //! to 256 tokens. One JSON object per line on stdout; prose on stderr.
 //!
@@ -59,12 +59,17 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
     let (sp, cp) = (ctx.group(&[Axis::Sp]), ctx.group(&[Axis::Cp]));
     model.sequence_parallel(sp.clone()).unwrap();
     model.context_parallel(cp.clone()).unwrap();
+    let (mode, tiled_mlp) = match mode.strip_suffix("+mlp") {
+        Some(rest) => (rest, true),
+        None => (mode, false),
+    };
     let (attn, tiled) = match mode.strip_suffix("+tiled") {
         Some(attn) => (attn, true),
         None => (mode, false),
     };
     model.attention = AttentionImpl::parse(attn).unwrap();
     model.tiled_loss = tiled;
+    model.tiled_mlp = tiled_mlp;
     let mut opt = AdamW::for_params(&model.params, AdamWConfig::default()).unwrap();
     let vocab = model.config.vocab_size as u32;
     let ids: Vec<u32> = (0..seq as u32).map(|i| (i * 7919 + 3) % vocab).collect();
@@ -183,6 +188,7 @@ fn main() {
         ("plain", "sdpa"),
         ("flash", "flash_attention_2"),
         ("flash_tiled", "flash_attention_2+tiled"),
+        ("flash_tiled_mlp", "flash_attention_2+tiled+mlp"),
     ];
     for (mode, attn) in modes {
         let (seq, step_s) = max_seq(attn, 1, tmp.path());
@@ -191,7 +197,11 @@ fn main() {
         );
         found.push(seq);
     }
-    for (i, what) in [(1, "flash_over_plain"), (2, "flash_tiled_over_plain")] {
+    for (i, what) in [
+        (1, "flash_over_plain"),
+        (2, "flash_tiled_over_plain"),
+        (3, "flash_tiled_mlp_over_plain"),
+    ] {
         println!(
             "{{\"bench\":\"long_context\",\"what\":\"{what}\",\"ranks\":1,\"max_seq_ratio\":{:.3}}}",
             found[i] as f64 / found[0].max(1) as f64

@@ -633,6 +633,19 @@ fn flash_attention_and_tiled_loss_train_like_the_whole_matrices() {
         },
     );
     assert_close(&tiled, &sdpa, "flash_attention_2 + tiled loss vs sdpa");
+    // And the MLPs in tiles (tiled_mlp), also under tensor parallelism.
+    let all = SFTConfig {
+        use_liger_kernel: true,
+        tiled_mlp: true,
+        ..cfg("tiled-mlp", "flash_attention_2")
+    };
+    assert_close(
+        &run(1, all.clone()),
+        &sdpa,
+        "flash + tiled loss + tiled MLP vs sdpa",
+    );
+    let tp2 = run_dims(dims(1, 1, 2), all, Strategy::Ddp, CheckpointFormat::Full);
+    assert_close(&tp2, &sdpa, "tiled MLP at tp 2 vs sdpa");
     // A name transformers does not know is refused with the accepted ones.
     let e = cfg("bad", "flash")
         .validate("args")

@@ -9,11 +9,13 @@
 
 use super::config::ModelConfig;
 use super::params::{Params, WeightFiles};
+use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::ring::{ring_attention, RingMask};
 use crate::nn::rope::apply_rotary;
+use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::ulysses::ulysses_attention;
 use crate::nn::{tiled_linear_cross_entropy, LossSum};
 use crate::nn::{
@@ -84,6 +86,9 @@ pub struct CausalLm {
     /// Fuse the LM head with the loss in sequence tiles ([`Self::forward_loss`]).
     #[parallel(skip)]
     pub tiled_loss: bool,
+    /// Compute the MLPs in sequence tiles, recomputed in backward (ALST's TiledMLP).
+    #[parallel(skip)]
+    pub tiled_mlp: bool,
     #[parallel(tp = "vocab", name = "model.embed_tokens")]
     embed_tokens: Embedding,
     #[parallel(name = "model.layers")]
@@ -181,6 +186,7 @@ impl CausalLm {
             rope,
             attention: AttentionImpl::default(),
             tiled_loss: false,
+            tiled_mlp: false,
             embed_tokens: Embedding::from_weight(embed_weight),
             layers,
             norm: norm("model.norm")?,
@@ -430,6 +436,43 @@ impl CausalLm {
         )?)
     }
 
+    /// A layer's SwiGLU MLP; with `tiled_mlp` (and the weights held whole on this rank, no
+    /// biases) computed in sequence tiles that keep no [tokens x intermediate] activations.
+    fn mlp(&self, layer: &DecoderLayer, h: &Tensor) -> Result<Tensor> {
+        let weights = (
+            &layer.gate_proj.weight,
+            &layer.up_proj.weight,
+            &layer.down_proj.weight,
+        );
+        let no_bias = [&layer.gate_proj, &layer.up_proj, &layer.down_proj]
+            .iter()
+            .all(|l| l.bias.is_none());
+        let (Weight::Local(gate), Weight::Local(up), Weight::Local(down)) = weights else {
+            return self.plain_mlp(layer, h);
+        };
+        if !self.tiled_mlp || !no_bias {
+            return self.plain_mlp(layer, h);
+        }
+        let (b, s, hidden) = h.dims3()?;
+        let x = h.reshape((b * s, hidden))?;
+        // Under tp: Megatron's f before the column-split gate/up and g after the row-split down.
+        let x = match &self.tp {
+            Some(tp) => copy_to_group(&x, tp)?,
+            None => x,
+        };
+        let y = tiled_swiglu(&x, &Tensor::cat(&[gate, up], 0)?, down)?;
+        let y = match &self.tp {
+            Some(tp) => reduce_from_group(&y, tp)?,
+            None => y,
+        };
+        Ok(y.reshape((b, s, hidden))?)
+    }
+
+    fn plain_mlp(&self, layer: &DecoderLayer, h: &Tensor) -> Result<Tensor> {
+        let mlp = (layer.gate_proj.forward(h)?.silu()? * layer.up_proj.forward(h)?)?;
+        Ok(layer.down_proj.forward(&mlp)?)
+    }
+
     /// The final hidden states [batch, seq, hidden] (after the last norm). `chunked`: the
     /// inputs are this rank's part of the sequence under sp or cp (else whole sequences).
     fn hidden_states(
@@ -502,8 +545,7 @@ impl CausalLm {
             .reshape((b, s, heads * d))?;
             x = (x + layer.o_proj.forward(&a)?)?;
             let h = layer.post_attention_layernorm.forward(&x)?;
-            let mlp = (layer.gate_proj.forward(&h)?.silu()? * layer.up_proj.forward(&h)?)?;
-            x = (x + layer.down_proj.forward(&mlp)?)?;
+            x = (x + self.mlp(layer, &h)?)?;
         }
         Ok(self.norm.forward(&x)?)
     }

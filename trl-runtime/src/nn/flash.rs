@@ -12,7 +12,7 @@
 //! Grouped-query heads share their key/value head without copying it.
 
 use super::attention::AttentionMask;
-use super::precomputed::{attention_result, AttentionBackward};
+use super::precomputed::{with_backward3, Backward3};
 use candle_core::{DType, Result, Tensor, D};
 
 /// Queries and keys per block: large enough for efficient matmuls, small enough that a block
@@ -235,7 +235,7 @@ struct FlashBackward {
     lse: Tensor,
 }
 
-impl AttentionBackward for FlashBackward {
+impl Backward3 for FlashBackward {
     const NAME: &'static str = "flash attention";
 
     fn backward(
@@ -305,7 +305,7 @@ pub fn flash_attention(
     let starts = Starts::new(mask);
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
     let (out, lse) = prepare(q, &k_in, &v_in, dims, &starts)?.forward()?;
-    attention_result(q, k, v, out, FlashBackward { starts, dims, lse })
+    with_backward3(q, k, v, out, FlashBackward { starts, dims, lse })
 }
 
 #[cfg(test)]

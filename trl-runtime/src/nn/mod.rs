@@ -13,6 +13,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod softmax;
 pub mod tiled_loss;
+pub mod tiled_mlp;
 pub mod ulysses;
 pub mod weight;
 

@@ -39,11 +39,12 @@ fn cpu_storage(t: &Tensor) -> Result<CpuStorage> {
     })
 }
 
-/// The backward of an attention computed outside its op (blockwise, ring): what it needs
-/// besides q, k, v, the output and its gradient, which it gets detached.
-pub(crate) trait AttentionBackward: Send + Sync {
+/// The backward of a three-input computation done outside its op (blockwise and ring
+/// attention, the tiled MLP): what it needs besides its inputs, the output and the output's
+/// gradient, which it gets detached.
+pub(crate) trait Backward3: Send + Sync {
     const NAME: &'static str;
-    /// dq, dk, dv.
+    /// The gradients of the three inputs.
     fn backward(
         &self,
         q: &Tensor,
@@ -54,12 +55,12 @@ pub(crate) trait AttentionBackward: Send + Sync {
     ) -> Result<[Tensor; 3]>;
 }
 
-struct AttentionOp<B> {
+struct Op3<B> {
     backward: B,
     out: Precomputed,
 }
 
-impl<B: AttentionBackward> candle_core::CustomOp3 for AttentionOp<B> {
+impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
     fn name(&self) -> &'static str {
         B::NAME
     }
@@ -97,16 +98,16 @@ impl<B: AttentionBackward> candle_core::CustomOp3 for AttentionOp<B> {
     }
 }
 
-/// `out`, computed from q, k and v outside the graph, as the result of an op on them whose
-/// backward is `backward`'s.
-pub(crate) fn attention_result<B: AttentionBackward + 'static>(
+/// `out`, computed from the three inputs outside the graph, as the result of an op on them
+/// whose backward is `backward`'s.
+pub(crate) fn with_backward3<B: Backward3 + 'static>(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     out: Tensor,
     backward: B,
 ) -> Result<Tensor> {
-    let op = AttentionOp {
+    let op = Op3 {
         backward,
         out: Precomputed::new(out),
     };

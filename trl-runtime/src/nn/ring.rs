@@ -15,7 +15,7 @@
 
 use super::attention::document_ids;
 use super::flash::BLOCK;
-use super::precomputed::{attention_result, AttentionBackward};
+use super::precomputed::{with_backward3, Backward3};
 use crate::comm::{CommQueue, Communicator, Pending};
 use candle_core::{DType, Result, Tensor, D};
 use std::sync::Arc;
@@ -413,7 +413,7 @@ struct RingBackward {
     lse: Tensor,
 }
 
-impl AttentionBackward for RingBackward {
+impl Backward3 for RingBackward {
     const NAME: &'static str = "ring attention";
 
     fn backward(
@@ -448,7 +448,7 @@ pub fn ring_attention(
         mask: mask.clone(),
         lse,
     };
-    attention_result(q, k, v, out, backward)
+    with_backward3(q, k, v, out, backward)
 }
 
 #[cfg(test)]

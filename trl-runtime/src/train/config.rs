@@ -145,6 +145,9 @@ sft_config! {
     /// the [tokens x vocab] logits never exist whole (the other Liger kernels are not needed
     /// on CPU, where Candle's ops are already fused where it matters).
     use_liger_kernel: bool = false;
+    /// ALST's TiledMLP: the MLPs run in sequence tiles and are recomputed in backward, so the
+    /// [tokens x intermediate] activations are not kept (an extension of TRL's arguments).
+    tiled_mlp: bool = false;
     /// Show the progress bar on rank 0.
     disable_tqdm: bool = false;
 }

@@ -514,6 +514,13 @@ impl<'a> Trainer<'a> {
             .context_parallel(cp.clone())
             .map_err(split_error("parallelism_config_cp_size"))?;
         model.tiled_loss = config.use_liger_kernel;
+        model.tiled_mlp = config.tiled_mlp;
+        if config.tiled_mlp && matches!(strategy, Strategy::Fsdp(..)) && ctx.is_main_process() {
+            tracing::warn!(
+                "tiled_mlp: the tiled MLP needs each layer's weights whole on the rank; under \
+                 ZeRO-3 / FSDP the MLPs run untiled"
+            );
+        }
         if config.use_liger_kernel
             && (tp.size() > 1 || matches!(strategy, Strategy::Fsdp(..)))
             && ctx.is_main_process()

@@ -1,0 +1,143 @@
+//! The SwiGLU MLP computed in sequence tiles (ALST's TiledMLP): `down(silu(gate(x)) * up(x))`
+//! without keeping the [tokens x intermediate] activations for backward. Forward runs tile by
+//! tile and keeps only its inputs; backward recomputes each tile's activations and
+//! accumulates the weight gradients. Gate and up weights enter as one [2 x intermediate,
+//! hidden] tensor (Candle's custom ops take three inputs; the concatenation's own backward
+//! splits the gradient).
+
+use super::precomputed::{with_backward3, Backward3};
+use candle_core::{Result, Tensor, D};
+
+/// Rows per tile.
+const TILE_ROWS: usize = 1024;
+
+struct TiledMlp;
+
+/// One tile's activations: gate pre-activation `a`, up `b`, silu(a) `s`.
+fn activations(x: &Tensor, gate_up: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let inter = gate_up.dim(0)? / 2;
+    let ab = x.matmul(&gate_up.t()?)?;
+    let (a, b) = (ab.narrow(1, 0, inter)?, ab.narrow(1, inter, inter)?);
+    let s = a.silu()?;
+    Ok((a, b, s))
+}
+
+fn tiles(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n)
+        .step_by(TILE_ROWS)
+        .map(move |start| (start, TILE_ROWS.min(n - start)))
+}
+
+fn forward(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    let mut out = Vec::new();
+    for (start, len) in tiles(x.dim(0)?) {
+        let (_, b, s) = activations(&x.narrow(0, start, len)?, gate_up)?;
+        out.push((s * b)?.matmul(&down.t()?)?);
+    }
+    Tensor::cat(&out, 0)
+}
+
+impl Backward3 for TiledMlp {
+    const NAME: &'static str = "the tiled MLP";
+
+    fn backward(
+        &self,
+        x: &Tensor,
+        gate_up: &Tensor,
+        down: &Tensor,
+        _: &Tensor,
+        dy: &Tensor,
+    ) -> Result<[Tensor; 3]> {
+        let (mut dx, mut dgu, mut ddown) = (Vec::new(), None::<Tensor>, None::<Tensor>);
+        for (start, len) in tiles(x.dim(0)?) {
+            let xt = x.narrow(0, start, len)?;
+            let dyt = dy.narrow(0, start, len)?;
+            let (a, b, s) = activations(&xt, gate_up)?;
+            let dh = dyt.matmul(down)?;
+            let dd = dyt.t()?.matmul(&(&s * &b)?)?;
+            let db = (&dh * &s)?;
+            // d silu(a) / da = sigmoid(a) * (1 + a * (1 - sigmoid(a))).
+            let sig = candle_nn::ops::sigmoid(&a)?;
+            let dsilu = (&sig * ((&a * (1.0 - &sig)?)? + 1.0)?)?;
+            let da = ((dh * b)? * dsilu)?;
+            let dab = Tensor::cat(&[&da, &db], D::Minus1)?;
+            dx.push(dab.matmul(gate_up)?);
+            let g = dab.t()?.matmul(&xt)?;
+            dgu = Some(match dgu {
+                Some(prev) => (prev + g)?,
+                None => g,
+            });
+            ddown = Some(match ddown {
+                Some(prev) => (prev + dd)?,
+                None => dd,
+            });
+        }
+        let missing = || candle_core::Error::Msg("the tiled MLP had no rows".into());
+        Ok([
+            Tensor::cat(&dx, 0)?,
+            dgu.ok_or_else(missing)?,
+            ddown.ok_or_else(missing)?,
+        ])
+    }
+}
+
+/// `down(silu(x gate^T) * (x up^T))` for `x` [n, hidden], `gate_up` [2 x inter, hidden]
+/// (gate rows first), `down` [hidden, inter], holding one tile's activations at a time.
+pub fn tiled_swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    let (x, gate_up, down) = (x.contiguous()?, gate_up.contiguous()?, down.contiguous()?);
+    let out = forward(&x.detach(), &gate_up.detach(), &down.detach())?;
+    with_backward3(&x, &gate_up, &down, out, TiledMlp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    #[test]
+    fn equals_the_plain_mlp() {
+        // 2500 rows: three tiles, the last one short.
+        let dev = Device::Cpu;
+        let x = Var::randn(0f32, 1.0, (2500, 16), &dev).unwrap();
+        let gate = Var::randn(0f32, 0.3, (24, 16), &dev).unwrap();
+        let up = Var::randn(0f32, 0.3, (24, 16), &dev).unwrap();
+        let down = Var::randn(0f32, 0.3, (16, 24), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (2500, 16), &dev).unwrap();
+        let run = |tiled: bool| {
+            let y = if tiled {
+                let gu = Tensor::cat(&[gate.as_tensor(), up.as_tensor()], 0).unwrap();
+                tiled_swiglu(&x, &gu, &down).unwrap()
+            } else {
+                let h = (x.matmul(&gate.t().unwrap()).unwrap().silu().unwrap()
+                    * x.matmul(&up.t().unwrap()).unwrap())
+                .unwrap();
+                h.matmul(&down.t().unwrap()).unwrap()
+            };
+            let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let grads: Vec<Tensor> = [&x, &gate, &up, &down]
+                .iter()
+                .map(|t| g.get(t).unwrap().clone())
+                .collect();
+            (y, grads)
+        };
+        let (want, want_grads) = run(false);
+        let (got, grads) = run(true);
+        let rel = |a: &Tensor, b: &Tensor| {
+            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+            let s = b.abs().unwrap().max_all().unwrap();
+            (d / s)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert!(rel(&got, &want) < 1e-5, "output {}", rel(&got, &want));
+        for (name, (g, w)) in ["x", "gate", "up", "down"]
+            .iter()
+            .zip(grads.iter().zip(&want_grads))
+        {
+            assert!(rel(g, w) < 1e-5, "gradient of {name}: {}", rel(g, w));
+        }
+    }
+}
