@@ -19,10 +19,10 @@ use std::time::Instant;
 mod support;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
-use trl_runtime::data::{Batch, SequenceChunk};
-use trl_runtime::dist::mesh::Axis;
+use trl_runtime::data::Batch;
 use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalLm;
+use trl_runtime::nn::seq_attention::SeqSplit;
 use trl_runtime::nn::AttentionImpl;
 use trl_runtime::train::optim::{AdamW, AdamWConfig};
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss};
@@ -56,9 +56,10 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
         },
     };
     let ctx = DistContext::init(&parallelism, DistributedType::MultiCpu).unwrap();
-    let (sp, cp) = (ctx.group(&[Axis::Sp]), ctx.group(&[Axis::Cp]));
-    model.sequence_parallel(sp.clone()).unwrap();
-    model.context_parallel(cp.clone()).unwrap();
+    let split = SeqSplit::from_context(&ctx).unwrap();
+    if let Some(split) = &split {
+        model.split_sequences(split.clone()).unwrap();
+    }
     let (mode, tiled_mlp) = match mode.strip_suffix("+mlp") {
         Some(rest) => (rest, true),
         None => (mode, false),
@@ -85,12 +86,9 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
         num_target_tokens: seq - 1,
         shifted_targets: None,
     };
-    let chunk = match ring {
-        true => SequenceChunk::balanced(&batch, cp.rank(), cp.size()),
-        false => SequenceChunk::of(&batch, sp.rank(), sp.size()),
-    }
-    .unwrap();
-    let (ids, pos, targets) = (chunk.input_ids, chunk.position_ids, chunk.targets);
+    let part = batch.part(split.as_ref()).unwrap();
+    let targets = part.targets().unwrap();
+    let (ids, pos) = (part.input_ids, part.position_ids);
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
     let start = Instant::now();

@@ -11,71 +11,44 @@
 //! `batch.targets()` (not shifting `labels` itself).
 
 use crate::comm::{Communicator, ReduceOp};
-use crate::data::{Batch, SequenceChunk};
-use crate::dist::mesh::Axis;
+use crate::data::Batch;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::nn::ring::{ring_attention, RingMask};
-use crate::nn::ulysses::ulysses_attention;
-use crate::nn::{AttentionImpl, AttentionMask, LossSum};
-use candle_core::{DType, Tensor};
+use crate::nn::seq_attention::{SeqAttention, SeqSplit};
+use crate::nn::{AttentionImpl, LossSum};
+use candle_core::{Tensor, TensorId};
 use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::Arc;
 
-/// Where attention goes while a step runs on this thread.
-#[derive(Clone)]
-struct Route {
-    group: Arc<dyn Communicator>,
-    ring: bool,
+/// The split of the step running on this thread, and the attention built for its position
+/// ids (the mask and its gathers are made once per step, not once per layer).
+struct Active {
+    split: SeqSplit,
+    built: Option<(TensorId, Rc<SeqAttention>)>,
 }
 
 thread_local! {
-    static ROUTE: RefCell<Option<Route>> = const { RefCell::new(None) };
+    static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
 }
 
 /// A step in progress: this rank's part of the batch, and the routing (undone on drop).
 pub struct StepScope {
     batch: Batch,
     group: Option<Arc<dyn Communicator>>,
-    previous: Option<Route>,
+    previous: Option<Active>,
 }
 
 impl StepScope {
     /// Cuts `batch` for this rank and routes attention for the rest of the step.
     pub fn enter(ctx: &DistContext, batch: &Batch) -> Result<Self> {
-        let (sp, cp) = (ctx.group(&[Axis::Sp]), ctx.group(&[Axis::Cp]));
-        let (chunk, route) = match (sp.size(), cp.size()) {
-            (1, 1) => (SequenceChunk::of(batch, 0, 1)?, None),
-            (_, 1) => (
-                SequenceChunk::of(batch, sp.rank(), sp.size())?,
-                Some(Route {
-                    group: sp,
-                    ring: false,
-                }),
-            ),
-            (1, _) => (
-                SequenceChunk::balanced(batch, cp.rank(), cp.size())?,
-                Some(Route {
-                    group: cp,
-                    ring: true,
-                }),
-            ),
-            (s, c) => {
-                return Err(Error::Parallelism(format!(
-                    "#[context_parallel] splits a step over cp or sp, not both (cp = {c}, sp = {s})"
-                )))
-            }
-        };
-        let group = route.as_ref().map(|r| r.group.clone());
-        let previous = ROUTE.with(|r| r.replace(route));
+        let split = SeqSplit::from_context(ctx)?;
+        let batch = batch.part(split.as_ref())?;
+        let group = split.as_ref().map(|s| s.group.clone());
+        let active = split.map(|split| Active { split, built: None });
+        let previous = ACTIVE.with(|a| a.replace(active));
         Ok(StepScope {
-            batch: Batch {
-                input_ids: chunk.input_ids,
-                labels: chunk.targets.clone(),
-                position_ids: chunk.position_ids,
-                num_target_tokens: chunk.num_target_tokens,
-                shifted_targets: Some(chunk.targets),
-            },
+            batch,
             group,
             previous,
         })
@@ -95,7 +68,7 @@ impl StepScope {
 impl Drop for StepScope {
     fn drop(&mut self) {
         let previous = self.previous.take();
-        ROUTE.with(|r| *r.borrow_mut() = previous);
+        ACTIVE.with(|a| *a.borrow_mut() = previous);
     }
 }
 
@@ -123,34 +96,40 @@ impl<E: From<Error>> StepOutput for std::result::Result<LossSum, E> {
     }
 }
 
-/// The group attention is routed over in the step running on this thread, and whether it
-/// is a ring (cp) rather than Ulysses (sp). Our decoder follows it when it was not split itself.
-pub(crate) fn active_route() -> Option<(Arc<dyn Communicator>, bool)> {
-    ROUTE.with(|r| r.borrow().as_ref().map(|r| (r.group.clone(), r.ring)))
+/// The split of the step running on this thread, if any. Our decoder follows it when it was
+/// not split itself.
+pub(crate) fn active_split() -> Option<SeqSplit> {
+    ACTIVE.with(|a| a.borrow().as_ref().map(|a| a.split.clone()))
 }
 
 /// Causal, document-aware attention of `q` [b, heads, n, d] over `k`, `v` [b, kv_heads, n,
 /// d] at `position_ids` [b, n] (this rank's positions inside a `#[context_parallel]` step):
 /// ring attention under cp, Ulysses under sp, plain attention otherwise.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
-    let route = ROUTE.with(|r| r.borrow().clone());
+    let how = AttentionImpl::Eager;
     let (dtype, device) = (q.dtype(), q.device());
-    Ok(match route {
-        None => {
-            let mask = AttentionMask::causal(position_ids, dtype, device)?;
-            AttentionImpl::Eager.apply(q, k, v, &mask)?
+    let built = ACTIVE.with(|a| -> Result<Option<Rc<SeqAttention>>> {
+        let mut a = a.borrow_mut();
+        let Some(active) = a.as_mut() else {
+            return Ok(None);
+        };
+        match &active.built {
+            Some((id, built)) if *id == position_ids.id() => Ok(Some(built.clone())),
+            _ => {
+                let built = Rc::new(SeqAttention::new(
+                    Some(&active.split),
+                    position_ids,
+                    how,
+                    dtype,
+                    device,
+                )?);
+                active.built = Some((position_ids.id(), built.clone()));
+                Ok(Some(built))
+            }
         }
-        Some(Route { group, ring: true }) => ring_attention(
-            q,
-            k,
-            v,
-            &RingMask::new(position_ids, group.as_ref())?,
-            &group,
-        )?,
-        Some(Route { group, ring: false }) => {
-            let everyone = group.all_gather(&position_ids.to_dtype(DType::I64)?, 1)?;
-            let mask = AttentionMask::causal(&everyone, dtype, device)?;
-            ulysses_attention(q, k, v, &mask, AttentionImpl::Eager, &group)?
-        }
+    })?;
+    Ok(match built {
+        Some(attention) => attention.apply(q, k, v)?,
+        None => SeqAttention::new(None, position_ids, how, dtype, device)?.apply(q, k, v)?,
     })
 }

@@ -14,7 +14,6 @@ pub use dataset::{
 };
 pub use pack::{pack, PackedSequence, PackingStrategy};
 pub use sampler::DistributedSampler;
-pub use sequence::SequenceChunk;
 pub use tokenize::{Message, RenderedChat, TextTokenizer};
 
 /// One tokenized training example: `labels` holds the token where the loss applies and

@@ -1,58 +1,63 @@
 //! A batch cut along the sequence for context / sequence parallelism: every rank of the group
-//! takes one contiguous chunk of each row. Labels are shifted into next-token targets before
-//! the cut, so the last token of a chunk keeps its target (the first token of the next chunk).
+//! takes its chunks of each row. Labels are shifted into next-token targets before the cut
+//! (`Batch::targets`), so the last token of a chunk keeps its target (the first token of the
+//! next chunk).
 
 use super::collate::Batch;
 use crate::error::{Error, Result};
 use crate::nn::loss::IGNORE_INDEX;
 use crate::nn::ring::balanced_indices;
+use crate::nn::seq_attention::SeqSplit;
 use candle_core::Tensor;
 
-/// This rank's part of a batch.
-#[derive(Debug, Clone)]
-pub struct SequenceChunk {
-    /// [rows, len / group] u32.
-    pub input_ids: Tensor,
-    /// The global positions of the chunk's tokens (documents restart at 0).
-    pub position_ids: Tensor,
-    /// Next-token targets of the chunk's positions, aligned (-100: no loss).
-    pub targets: Tensor,
-    /// Targets of this chunk that count.
-    pub num_target_tokens: usize,
-}
+impl Batch {
+    /// This rank's part of the rows under `split`: one contiguous chunk (Ulysses) or two
+    /// balanced chunks (ring); the batch itself when sequences are not split.
+    pub fn part(&self, split: Option<&SeqSplit>) -> Result<Batch> {
+        match split {
+            None => Ok(self.clone()),
+            Some(s) if s.ring => self.balanced_chunks(s.group.rank(), s.group.size()),
+            Some(s) => self.chunk(s.group.rank(), s.group.size()),
+        }
+    }
 
-impl SequenceChunk {
-    /// Chunk `rank` of `size` of every row of `batch` (the whole batch for a group of one):
-    /// Ulysses' split.
-    pub fn of(batch: &Batch, rank: usize, size: usize) -> Result<Self> {
-        let chunk = chunk_len(batch, size)?;
-        Self::take(batch, (rank * chunk..(rank + 1) * chunk).collect())
+    /// Chunk `rank` of `size` of every row: Ulysses' split.
+    pub fn chunk(&self, rank: usize, size: usize) -> Result<Batch> {
+        if size == 1 {
+            return Ok(self.clone());
+        }
+        let chunk = chunk_len(self, size)?;
+        self.take((rank * chunk..(rank + 1) * chunk).collect())
     }
 
     /// Chunks `rank` and `2 * size - 1 - rank` of `2 * size` (ring attention's head-tail
     /// balance: with a causal mask every rank then does the same work).
-    pub fn balanced(batch: &Batch, rank: usize, size: usize) -> Result<Self> {
-        let chunk = chunk_len(batch, 2 * size)?;
-        Self::take(batch, balanced_indices(rank, size, chunk))
+    pub fn balanced_chunks(&self, rank: usize, size: usize) -> Result<Batch> {
+        if size == 1 {
+            return Ok(self.clone());
+        }
+        let chunk = chunk_len(self, 2 * size)?;
+        self.take(balanced_indices(rank, size, chunk))
     }
 
-    /// The positions `index` of every row.
-    fn take(batch: &Batch, index: Vec<usize>) -> Result<Self> {
+    /// The positions `index` of every row; the targets are taken from the whole rows.
+    fn take(&self, index: Vec<usize>) -> Result<Batch> {
         let index: Vec<u32> = index.into_iter().map(|i| i as u32).collect();
-        let index = Tensor::new(index.as_slice(), batch.input_ids.device())?;
+        let index = Tensor::new(index.as_slice(), self.input_ids.device())?;
         let cut = |t: &Tensor| t.index_select(&index, 1);
-        let targets = cut(&batch.targets()?)?;
+        let targets = cut(&self.targets()?)?;
         let num_target_tokens = targets
             .flatten_all()?
             .to_vec1::<i64>()?
             .iter()
             .filter(|&&t| t != IGNORE_INDEX)
             .count();
-        Ok(SequenceChunk {
-            input_ids: cut(&batch.input_ids)?,
-            position_ids: cut(&batch.position_ids)?,
-            targets,
+        Ok(Batch {
+            input_ids: cut(&self.input_ids)?,
+            labels: cut(&self.labels)?,
+            position_ids: cut(&self.position_ids)?,
             num_target_tokens,
+            shifted_targets: Some(targets),
         })
     }
 }
@@ -100,24 +105,41 @@ mod tests {
             num_target_tokens: 4,
             shifted_targets: None,
         };
-        let chunks: Vec<SequenceChunk> = (0..3)
-            .map(|r| SequenceChunk::of(&batch, r, 3).unwrap())
-            .collect();
+        let chunks: Vec<Batch> = (0..3).map(|r| batch.chunk(r, 3).unwrap()).collect();
         let targets: Vec<Vec<i64>> = chunks
             .iter()
-            .map(|c| c.targets.flatten_all().unwrap().to_vec1().unwrap())
+            .map(|c| {
+                c.targets()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            })
             .collect();
         assert_eq!(targets, vec![vec![11, 12], vec![-100, 14], vec![15, -100]]);
         let counted: usize = chunks.iter().map(|c| c.num_target_tokens).sum();
         assert_eq!(counted, batch.num_target_tokens);
-        let e = SequenceChunk::of(&batch, 0, 4).unwrap_err().to_string();
+        // Labels keep their meaning (not shifted) in a chunk.
+        let labels: Vec<i64> = chunks[1].labels.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(labels, vec![12, -100]);
+        let e = batch.chunk(0, 4).unwrap_err().to_string();
         assert!(
             e.contains("pad_to_multiple_of must be a multiple of 4"),
             "{e}"
         );
-        // Ring: chunks 0 and 3 of 4 on rank 0 (rows of 6 split in 4 do not divide).
-        assert!(SequenceChunk::balanced(&batch, 0, 2).is_err());
-        let whole = SequenceChunk::balanced(&batch, 0, 1).unwrap();
+        // Ring: rank 0 of 3 holds chunks 0 and 5 of 6; rows of 6 do not split into 2 x 2.
+        let ring = batch.balanced_chunks(0, 3).unwrap();
+        let ring_targets: Vec<i64> = ring
+            .targets()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(ring_targets, vec![11, -100]);
+        assert!(batch.balanced_chunks(0, 2).is_err());
+        let whole = batch.balanced_chunks(0, 1).unwrap();
         assert_eq!(whole.num_target_tokens, 4);
         assert_eq!(lcm(8, 3), 24);
         assert_eq!(lcm(1, 4), 4);

@@ -13,14 +13,11 @@ use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
-use crate::nn::ring::{ring_attention, RingMask};
 use crate::nn::rope::apply_rotary;
+use crate::nn::seq_attention::{SeqAttention, SeqSplit};
 use crate::nn::tiled_mlp::tiled_swiglu;
-use crate::nn::ulysses::ulysses_attention;
 use crate::nn::{tiled_linear_cross_entropy, LossSum};
-use crate::nn::{
-    AttentionImpl, AttentionMask, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight,
-};
+use crate::nn::{AttentionImpl, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
 use crate::parallel::fsdp::shard_model;
 use crate::parallel::{Prefetch, ShardedModel, WrapPolicy};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
@@ -72,12 +69,10 @@ pub struct CausalLm {
     /// The split of every parameter, recorded when split (the weights may be sharded later).
     #[parallel(skip)]
     tp_plan: Vec<PlanEntry>,
-    /// The sequence-parallel (Ulysses) group: inputs are this rank's chunk of the sequence.
+    /// How sequences are split (Ulysses over sp: inputs are this rank's chunk; ring over cp:
+    /// its two balanced chunks).
     #[parallel(skip)]
-    sp: Option<Arc<dyn Communicator>>,
-    /// The context-parallel (ring attention) group: inputs are this rank's two chunks.
-    #[parallel(skip)]
-    cp: Option<Arc<dyn Communicator>>,
+    split: Option<SeqSplit>,
     #[parallel(skip)]
     rope: RotaryEmbedding,
     /// How attention is computed (transformers' attn_implementation).
@@ -196,8 +191,7 @@ impl CausalLm {
             sharding: None,
             tp: None,
             tp_plan: Vec::new(),
-            sp: None,
-            cp: None,
+            split: None,
         })
     }
 
@@ -231,46 +225,55 @@ impl CausalLm {
     /// this rank's chunk of every row (chunks in rank order; position ids are the global
     /// ones) and returns that chunk's logits. Head counts (per tp rank) must split over `sp`.
     pub fn sequence_parallel(&mut self, sp: Arc<dyn Communicator>) -> Result<()> {
-        if sp.size() == 1 {
-            return Ok(());
-        }
-        if self.cp.is_some() {
-            return Err(Error::Parallelism(
-                "context and sequence parallelism together are not supported: set cp or sp".into(),
-            ));
-        }
-        if let Some(layer) = self.layers.first() {
-            crate::nn::ulysses::kv_repeats(layer.num_heads, layer.num_kv_heads, sp.size())
-                .map_err(Error::Parallelism)?;
-        }
-        self.sp = Some(sp);
-        Ok(())
+        self.split_sequences(SeqSplit {
+            group: sp,
+            ring: false,
+        })
     }
 
     /// Runs attention context-parallel over `cp` (ring attention): from then on `forward`
     /// takes this rank's two chunks of every row (chunks r and 2cp-1-r of 2cp, concatenated;
     /// position ids are the global ones) and returns their logits.
     pub fn context_parallel(&mut self, cp: Arc<dyn Communicator>) -> Result<()> {
-        if cp.size() == 1 {
+        self.split_sequences(SeqSplit {
+            group: cp,
+            ring: true,
+        })
+    }
+
+    /// Splits sequences as `split` says (see [`Self::sequence_parallel`] and
+    /// [`Self::context_parallel`]); a group of one changes nothing.
+    pub fn split_sequences(&mut self, split: SeqSplit) -> Result<()> {
+        let n = split.group.size();
+        if n == 1 {
             return Ok(());
         }
-        if self.sp.is_some() {
+        if self.split.is_some() {
             return Err(Error::Parallelism(
                 "context and sequence parallelism together are not supported: set cp or sp".into(),
             ));
         }
-        self.cp = Some(cp);
+        if let Some(layer) = self.layers.first().filter(|_| !split.ring) {
+            crate::nn::ulysses::kv_repeats(layer.num_heads, layer.num_kv_heads, n)
+                .map_err(Error::Parallelism)?;
+        }
+        self.split = Some(split);
         Ok(())
+    }
+
+    /// How sequences are split, when they are.
+    pub fn split(&self) -> Option<&SeqSplit> {
+        self.split.as_ref()
     }
 
     /// The context-parallel group, when sequences are split over a ring.
     pub fn cp(&self) -> Option<&Arc<dyn Communicator>> {
-        self.cp.as_ref()
+        self.split.as_ref().filter(|s| s.ring).map(|s| &s.group)
     }
 
-    /// The sequence-parallel group, when sequences are split.
+    /// The sequence-parallel group, when sequences are split by Ulysses.
     pub fn sp(&self) -> Option<&Arc<dyn Communicator>> {
-        self.sp.as_ref()
+        self.split.as_ref().filter(|s| !s.ring).map(|s| &s.group)
     }
 
     /// The tensor-parallel group, once split.
@@ -482,17 +485,13 @@ impl CausalLm {
         chunked: bool,
     ) -> Result<Tensor> {
         // Split by `sequence_parallel` / `context_parallel`, or by a #[context_parallel] step.
-        let routed = match (&self.sp, &self.cp) {
-            (None, None) if chunked => crate::context_parallel::active_route(),
-            _ => None,
+        let split = match chunked {
+            true => self
+                .split
+                .clone()
+                .or_else(crate::context_parallel::active_split),
+            false => None,
         };
-        let (routed_sp, routed_cp) = match &routed {
-            Some((g, true)) => (None, Some(g)),
-            Some((g, false)) => (Some(g), None),
-            None => (None, None),
-        };
-        let sp = self.sp.as_ref().filter(|_| chunked).or(routed_sp);
-        let cp = self.cp.as_ref().filter(|_| chunked).or(routed_cp);
         let (b, s) = input_ids.dims2()?;
         let cfg = &self.config;
         let d = cfg.head_dim();
@@ -505,20 +504,8 @@ impl CausalLm {
         let mut x = self.embed_tokens.forward(input_ids)?;
         let dtype = x.dtype();
         let device: Device = x.device().clone();
-        // Documents span chunks: the mask is the whole sequence's.
-        let ring_mask = match cp {
-            Some(cp) => Some(RingMask::new(position_ids, cp.as_ref())?),
-            None => None,
-        };
-        let mask = match (sp, &ring_mask) {
-            (_, Some(_)) => None,
-            (Some(sp), None) => Some(AttentionMask::causal(
-                &sp.all_gather(&position_ids.to_dtype(DType::I64)?, 1)?,
-                dtype,
-                &device,
-            )?),
-            (None, None) => Some(AttentionMask::causal(position_ids, dtype, &device)?),
-        };
+        let attention =
+            SeqAttention::new(split.as_ref(), position_ids, self.attention, dtype, &device)?;
         let (cos, sin) = self.rope.cos_sin(position_ids, dtype, &device)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let _unit = match &self.sharding {
@@ -533,16 +520,10 @@ impl CausalLm {
             let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
             let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
             let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-            let a = match (&ring_mask, &mask, sp, cp) {
-                (Some(ring), _, _, Some(cp)) => ring_attention(&q, &k, &v, ring, cp)?,
-                (_, Some(mask), Some(sp), _) => {
-                    ulysses_attention(&q, &k, &v, mask, self.attention, sp)?
-                }
-                (_, Some(mask), _, _) => self.attention.apply(&q, &k, &v, mask)?,
-                _ => unreachable!("a mask for every way of attending"),
-            }
-            .transpose(1, 2)?
-            .reshape((b, s, heads * d))?;
+            let a = attention
+                .apply(&q, &k, &v)?
+                .transpose(1, 2)?
+                .reshape((b, s, heads * d))?;
             x = (x + layer.o_proj.forward(&a)?)?;
             let h = layer.post_attention_layernorm.forward(&x)?;
             x = (x + self.mlp(layer, &h)?)?;

@@ -11,6 +11,7 @@ pub(crate) mod precomputed;
 pub mod ring;
 pub mod rmsnorm;
 pub mod rope;
+pub mod seq_attention;
 pub mod softmax;
 pub mod tiled_loss;
 pub mod tiled_mlp;

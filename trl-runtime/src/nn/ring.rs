@@ -13,7 +13,7 @@
 //! Within a step the local queries and the visiting keys are taken in blocks (as in the
 //! blockwise attention), so memory stays linear in the length: one block of scores at a time.
 
-use super::attention::document_ids;
+use super::attention::AttentionMask;
 use super::flash::BLOCK;
 use super::precomputed::{with_backward3, Backward3};
 use crate::comm::{CommQueue, Communicator, Pending};
@@ -33,9 +33,9 @@ pub fn balanced_indices(rank: usize, size: usize, chunk: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Which keys every local query sees: its global index and the global index where its
-/// document starts, per batch row.
-#[derive(Debug, Clone)]
+/// Which keys every local query sees (its global index and the global index where its
+/// document starts, per batch row), and the ring the keys travel around.
+#[derive(Clone)]
 pub struct RingMask {
     /// Global index of each local position.
     query_index: Vec<usize>,
@@ -44,45 +44,49 @@ pub struct RingMask {
     chunk: usize,
     /// Queries and keys per block within a ring step.
     block: usize,
+    group: Arc<dyn Communicator>,
+    /// Runs the hops in the background (one thread for every layer of the forward and its
+    /// backward), so that the next step's keys travel while this step computes.
+    queue: Arc<CommQueue>,
 }
 
 impl RingMask {
     /// From this rank's global position ids [batch, 2 * chunk] (documents restart at 0),
     /// gathering every rank's to find where documents start (collective over `cp`).
-    pub fn new(position_ids: &Tensor, cp: &dyn Communicator) -> Result<Self> {
+    pub fn new(position_ids: &Tensor, cp: &Arc<dyn Communicator>) -> Result<Self> {
         let (size, rank) = (cp.size(), cp.rank());
         let local = position_ids.to_dtype(DType::I64)?;
-        let chunk = local.dim(1)? / 2;
-        let all: Vec<Vec<i64>> = cp
-            .all_gather(&local, 1)
-            .map_err(|e| e.into_candle())?
-            .to_vec2()?;
-        let query_index = balanced_indices(rank, size, chunk);
-        let mut starts = Vec::with_capacity(all.len());
-        for row in &all {
-            // Rows in global order: rank j's two chunks go to their places.
-            let mut global = vec![0i64; row.len()];
-            for j in 0..size {
-                for (k, g) in balanced_indices(j, size, chunk).into_iter().enumerate() {
-                    global[g] = row[j * 2 * chunk + k];
-                }
+        let (b, chunk) = (local.dim(0)?, local.dim(1)? / 2);
+        let gathered = cp.all_gather(&local, 1).map_err(|e| e.into_candle())?;
+        // Columns in global order: rank j's two chunks go to their places.
+        let mut order = vec![0u32; 2 * size * chunk];
+        for j in 0..size {
+            for (k, g) in balanced_indices(j, size, chunk).into_iter().enumerate() {
+                order[g] = (j * 2 * chunk + k) as u32;
             }
-            let docs = document_ids(&global);
-            let mut start_of = vec![0usize; global.len()];
-            for i in 1..global.len() {
-                start_of[i] = if docs[i] == docs[i - 1] {
-                    start_of[i - 1]
-                } else {
-                    i
-                };
-            }
-            starts.push(query_index.iter().map(|&g| start_of[g]).collect());
         }
+        let order = Tensor::new(order.as_slice(), gathered.device())?;
+        let global = gathered.index_select(&order, 1)?;
+        // The attention mask of the whole sequence knows every document's start.
+        let whole = AttentionMask::causal(&global, DType::F32, &candle_core::Device::Cpu)?;
+        let all_starts = &whole.ranges().starts;
+        let len = 2 * size * chunk;
+        let query_index = balanced_indices(rank, size, chunk);
+        let starts = (0..b)
+            .map(|row| {
+                query_index
+                    .iter()
+                    .map(|&g| all_starts[row * len + g] as usize)
+                    .collect()
+            })
+            .collect();
         Ok(RingMask {
             query_index,
             starts,
             chunk,
             block: BLOCK,
+            group: cp.clone(),
+            queue: Arc::new(CommQueue::new(cp.clone()).map_err(|e| e.into_candle())?),
         })
     }
 
@@ -141,9 +145,6 @@ impl RingMask {
 
 struct Ring<'a> {
     cp: &'a Arc<dyn Communicator>,
-    /// Runs the hops of keys and values in the background, so that the next step's blocks
-    /// travel while this step computes.
-    queue: CommQueue,
     mask: &'a RingMask,
     /// Queries scaled by 1/sqrt(d): [b, kv, group, n, d].
     q: Tensor,
@@ -165,7 +166,8 @@ impl Ring<'_> {
     fn start_pass(&self, t: &Tensor) -> Pending {
         let (r, n) = (self.cp.rank(), self.cp.size());
         let t = t.clone();
-        self.queue
+        self.mask
+            .queue
             .submit(move |c| c.send_recv(&t, (r + 1) % n, (r + n - 1) % n))
     }
 
@@ -383,18 +385,12 @@ fn add(slot: &mut Option<Tensor>, t: Tensor) -> Result<()> {
     Ok(())
 }
 
-fn ring<'a>(
-    q: &Tensor,
-    kv: usize,
-    mask: &'a RingMask,
-    cp: &'a Arc<dyn Communicator>,
-) -> Result<Ring<'a>> {
+fn ring<'a>(q: &Tensor, kv: usize, mask: &'a RingMask) -> Result<Ring<'a>> {
     let (b, heads, n, d) = q.dims4()?;
     let group = heads / kv;
     let q = (q.detach() * (1.0 / (d as f64).sqrt()))?.reshape((b, kv, group, n, d))?;
     Ok(Ring {
-        cp,
-        queue: CommQueue::new(cp.clone()).map_err(|e| e.into_candle())?,
+        cp: &mask.group,
         mask,
         q,
         b,
@@ -405,10 +401,9 @@ fn ring<'a>(
     })
 }
 
-/// What the ring backward needs besides q, k, v: the group, the mask and the forward's
+/// What the ring backward needs besides q, k, v: the mask (with its ring) and the forward's
 /// log-sum-exp.
 struct RingBackward {
-    cp: Arc<dyn Communicator>,
     mask: RingMask,
     lse: Tensor,
 }
@@ -424,27 +419,20 @@ impl Backward3 for RingBackward {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<[Tensor; 3]> {
-        ring(q, k.dim(1)?, &self.mask, &self.cp)?.backward(k, v, out, &self.lse, dout)
+        ring(q, k.dim(1)?, &self.mask)?.backward(k, v, out, &self.lse, dout)
     }
 }
 
 /// Attention of this rank's queries `q` [b, heads, 2 * chunk, d] over the keys and values of
-/// every rank of `cp` (`k`, `v` [b, kv_heads, 2 * chunk, d] held here), under `mask`.
-pub fn ring_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &RingMask,
-    cp: &Arc<dyn Communicator>,
-) -> Result<Tensor> {
+/// every rank of the mask's ring (`k`, `v` [b, kv_heads, 2 * chunk, d] held here).
+pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Result<Tensor> {
     let (heads, kv) = (q.dim(1)?, k.dim(1)?);
     if heads % kv != 0 {
         candle_core::bail!("{heads} attention heads cannot share {kv} key/value heads evenly");
     }
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
-    let (out, lse) = ring(q, kv, mask, cp)?.forward(&k_in, &v_in)?;
+    let (out, lse) = ring(q, kv, mask)?.forward(&k_in, &v_in)?;
     let backward = RingBackward {
-        cp: cp.clone(),
         mask: mask.clone(),
         lse,
     };
@@ -481,11 +469,11 @@ mod tests {
                     .unwrap()
                     .index_select(&index, 1)
                     .unwrap();
-                let mask = RingMask::new(&pos, cp.as_ref()).unwrap().with_block(block);
+                let mask = RingMask::new(&pos, &cp).unwrap().with_block(block);
                 let mine =
                     |t: &Tensor| Var::from_tensor(&t.index_select(&index, 2).unwrap()).unwrap();
                 let (q, k, v) = (mine(&q), mine(&k), mine(&v));
-                let out = ring_attention(&q, &k, &v, &mask, &cp).unwrap();
+                let out = ring_attention(&q, &k, &v, &mask).unwrap();
                 let loss = (&out * w.index_select(&index, 2).unwrap())
                     .unwrap()
                     .sum_all()

@@ -17,13 +17,14 @@ use crate::comm::{CommQueue, Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::sequence::lcm;
 use crate::data::{
-    collate, pack, Batch, CollateOptions, DistributedSampler, Example, PackedSequence,
-    PackingStrategy, SequenceChunk, TextTokenizer,
+    collate, pack, CollateOptions, DistributedSampler, Example, PackedSequence, PackingStrategy,
+    TextTokenizer,
 };
 use crate::dist::mesh::{Axis, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
+use crate::nn::seq_attention::SeqSplit;
 use crate::nn::AttentionImpl;
 use crate::parallel::{FsdpOptimizer, Prefetch, WrapPolicy, ZeroOptimizer, ZeroStage};
 use crate::tp::{state as tp_state, TpNorm};
@@ -123,14 +124,22 @@ fn wrap_policy_from_env() -> Result<WrapPolicy> {
 }
 
 /// What ZeRO / FSDP shard over: dp_shard, and the ranks of the sequence chunks (which hold
-/// different gradients) under sp or cp.
-fn shard_axes(sp: usize, cp: usize) -> &'static [Axis] {
-    if sp > 1 {
-        DP_SHARD_SP
-    } else if cp > 1 {
-        DP_SHARD_CP
-    } else {
-        &[Axis::DpShard]
+/// different gradients) when sequences are split.
+fn shard_axes(split: Option<&SeqSplit>) -> &'static [Axis] {
+    match split {
+        Some(s) if s.ring => DP_SHARD_CP,
+        Some(_) => DP_SHARD_SP,
+        None => &[Axis::DpShard],
+    }
+}
+
+/// The ranks that see different tokens: data-parallel ranks, and those holding the other
+/// chunks of the same rows.
+fn batch_axes(split: Option<&SeqSplit>) -> &'static [Axis] {
+    match split {
+        Some(s) if s.ring => DP_CP,
+        Some(_) => DP_SP,
+        None => DP,
     }
 }
 
@@ -324,17 +333,13 @@ impl<'a> Trainer<'a> {
         config.validate("training arguments")?;
         let dp = ctx.group(DP);
         let tp = ctx.group(&[Axis::Tp]);
-        let sp = ctx.group(&[Axis::Sp]);
-        let cp = ctx.group(&[Axis::Cp]);
-        // Ranks holding other chunks of the same rows see different tokens too.
-        let batch_group = ctx.group(if sp.size() > 1 {
-            DP_SP
-        } else if cp.size() > 1 {
-            DP_CP
-        } else {
-            DP
-        });
         let dir = config.model_name_or_path.clone();
+        let split = SeqSplit::from_context(ctx).map_err(|e| Error::Config {
+            file: "the launch's parallelism config".into(),
+            key: "parallelism_config_cp_size".into(),
+            message: e.to_string(),
+        })?;
+        let batch_group = ctx.group(batch_axes(split.as_ref()));
         let tokenizer = TextTokenizer::from_dir(&dir)?;
         // Split over tp as it is read: each rank reads only its slices.
         let tp_error = |e: Error| match e {
@@ -467,7 +472,7 @@ impl<'a> Trainer<'a> {
         // Sharding strategies split over dp_shard; with dp_replicate > 1 (HSDP) the slices
         // are also summed across replicas.
         // The ranks of the sequence chunks hold different gradients: they shard too.
-        let shard = ctx.group(shard_axes(sp.size(), cp.size()));
+        let shard = ctx.group(shard_axes(split.as_ref()));
         let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
         // Rank 0's weights on every rank (DDP's start; under tp, every data-parallel rank holds
         // the same slices) before any strategy takes its share.
@@ -498,21 +503,19 @@ impl<'a> Trainer<'a> {
             }
         }
         model.attention = AttentionImpl::parse(&config.attn_implementation).expect("validated");
-        let split_error = |key: &str| {
-            let file = dir.join("config.json").display().to_string();
-            let key = key.to_string();
-            move |e: Error| Error::Config {
-                file,
-                key,
-                message: e.to_string(),
-            }
-        };
-        model
-            .sequence_parallel(sp.clone())
-            .map_err(split_error("parallelism_config_sp_size"))?;
-        model
-            .context_parallel(cp.clone())
-            .map_err(split_error("parallelism_config_cp_size"))?;
+        if let Some(split) = &split {
+            model
+                .split_sequences(split.clone())
+                .map_err(|e| Error::Config {
+                    file: dir.join("config.json").display().to_string(),
+                    key: match split.ring {
+                        true => "parallelism_config_cp_size",
+                        false => "parallelism_config_sp_size",
+                    }
+                    .into(),
+                    message: e.to_string(),
+                })?;
+        }
         model.tiled_loss = config.use_liger_kernel;
         model.tiled_mlp = config.tiled_mlp;
         if config.tiled_mlp && matches!(strategy, Strategy::Fsdp(..)) && ctx.is_main_process() {
@@ -576,10 +579,10 @@ impl<'a> Trainer<'a> {
             config.warmup_ratio,
         );
         // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
-        let parts = if cp.size() > 1 {
-            2 * cp.size()
-        } else {
-            sp.size()
+        let parts = match &split {
+            Some(s) if s.ring => 2 * s.group.size(),
+            Some(s) => s.group.size(),
+            None => 1,
         };
         let pad_to_multiple_of = match (config.pad_to_multiple_of, parts) {
             (multiple, 1) => multiple,
@@ -744,15 +747,6 @@ impl<'a> Trainer<'a> {
             .to_vec1::<f64>()?)
     }
 
-    /// This rank's chunk of `batch` (the whole batch without sequence or context parallelism).
-    fn chunk(&self, batch: &Batch) -> Result<SequenceChunk> {
-        match (self.model.sp(), self.model.cp()) {
-            (Some(sp), _) => SequenceChunk::of(batch, sp.rank(), sp.size()),
-            (_, Some(cp)) => SequenceChunk::balanced(batch, cp.rank(), cp.size()),
-            _ => SequenceChunk::of(batch, 0, 1),
-        }
-    }
-
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn train_step(&mut self) -> Result<StepStats> {
         let (b, a) = (
@@ -769,11 +763,7 @@ impl<'a> Trainer<'a> {
         let mut batches = Vec::with_capacity(a);
         let mut local_tokens = 0usize;
         // The rows' tokens are counted once, by the first rank of their sequence group.
-        let counts_tokens = self
-            .model
-            .sp()
-            .or(self.model.cp())
-            .is_none_or(|g| g.rank() == 0);
+        let counts_tokens = self.model.split().is_none_or(|s| s.group.rank() == 0);
         for m in 0..a {
             let rows: Vec<&PackedSequence> = order[start + m * b..start + (m + 1) * b]
                 .iter()
@@ -783,7 +773,7 @@ impl<'a> Trainer<'a> {
                 local_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
             }
             let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
-            batches.push(self.chunk(&batch)?);
+            batches.push(batch.part(self.model.split())?);
         }
         let local_targets: usize = batches.iter().map(|x| x.num_target_tokens).sum();
         let totals = self.batch_sum(&[local_targets as f64, local_tokens as f64])?;
@@ -795,7 +785,7 @@ impl<'a> Trainer<'a> {
             let ls = self.model.forward_targets(
                 &batch.input_ids,
                 &batch.position_ids,
-                &batch.targets,
+                &batch.targets()?,
             )?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
             let store = (ls.sum / targets)?.backward()?;
@@ -912,11 +902,12 @@ impl<'a> Trainer<'a> {
         let filler = [&self.eval_rows[0]];
         for i in 0..rounds(self.eval_rows.len(), bs, chunks.len()) {
             let chunk = chunks.get(i).copied().unwrap_or(&filler);
-            let batch = self.chunk(&collate(chunk, self.collate_options, &Device::Cpu)?)?;
+            let batch =
+                collate(chunk, self.collate_options, &Device::Cpu)?.part(self.model.split())?;
             let ls = self.model.forward_targets(
                 &batch.input_ids,
                 &batch.position_ids,
-                &batch.targets,
+                &batch.targets()?,
             )?;
             if i < chunks.len() {
                 sum += ls.sum.to_scalar::<f32>()? as f64;
@@ -973,10 +964,7 @@ impl<'a> Trainer<'a> {
         }
         world.barrier()?;
         // The group the optimizer state is sharded over (sequence chunks' ranks included).
-        let size = |g: Option<&Arc<dyn Communicator>>| g.map_or(1, |g| g.size());
-        let shard = self
-            .ctx
-            .group(shard_axes(size(self.model.sp()), size(self.model.cp())));
+        let shard = self.ctx.group(shard_axes(self.model.split()));
         if self.ctx.group(&[Axis::DpReplicate]).rank() == 0 {
             sharded_state::write_rank(&tmp, shard.rank(), shard.size(), &pieces)?;
         }
@@ -1082,10 +1070,10 @@ impl<'a> Trainer<'a> {
             self.config.gradient_accumulation_steps
         );
         let mem = self.memory();
-        let sp_note = match (self.model.sp(), self.model.cp()) {
-            (Some(sp), _) => format!(" x {} sequence-parallel", sp.size()),
-            (_, Some(cp)) => format!(" x {} context-parallel", cp.size()),
-            _ => String::new(),
+        let sp_note = match self.model.split() {
+            Some(s) if s.ring => format!(" x {} context-parallel", s.group.size()),
+            Some(s) => format!(" x {} sequence-parallel", s.group.size()),
+            None => String::new(),
         };
         tracing::info!(
             "{:?} over {} data-parallel{sp_note} rank(s): model state per rank {:.1} MiB = parameters {:.1} + gradients {:.1} + optimizer {:.1} (fp32 AdamW keeps master weights and two moments)",

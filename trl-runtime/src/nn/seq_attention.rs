@@ -1,0 +1,88 @@
+//! How one forward pass attends when its sequences may be split across ranks: whole on this
+//! rank, Ulysses over an sp group (one chunk each), or a ring over a cp group (two balanced
+//! chunks each). The mask is built once per forward, for every layer.
+
+use super::attention::{AttentionImpl, AttentionMask};
+use super::ring::{ring_attention, RingMask};
+use super::ulysses::ulysses_attention;
+use crate::comm::Communicator;
+use crate::dist::mesh::Axis;
+use crate::dist::DistContext;
+use candle_core::{DType, Device, Result, Tensor};
+use std::sync::Arc;
+
+/// Sequences split across a group: over a ring (cp) or by Ulysses (sp).
+#[derive(Clone)]
+pub struct SeqSplit {
+    pub group: Arc<dyn Communicator>,
+    pub ring: bool,
+}
+
+impl SeqSplit {
+    /// The split the launch asks for: a ring over cp, Ulysses over sp, or none. Both at once
+    /// is refused.
+    pub fn from_context(ctx: &DistContext) -> crate::Result<Option<SeqSplit>> {
+        let (sp, cp) = (ctx.group(&[Axis::Sp]), ctx.group(&[Axis::Cp]));
+        Ok(match (sp.size(), cp.size()) {
+            (1, 1) => None,
+            (_, 1) => Some(SeqSplit {
+                group: sp,
+                ring: false,
+            }),
+            (1, _) => Some(SeqSplit {
+                group: cp,
+                ring: true,
+            }),
+            (s, c) => {
+                return Err(crate::Error::Parallelism(format!(
+                    "context and sequence parallelism together are not supported (cp = {c}, \
+                     sp = {s}): set one of parallelism_config_cp_size / _sp_size to 1"
+                )))
+            }
+        })
+    }
+}
+
+/// One forward's attention, its mask built.
+pub enum SeqAttention {
+    Whole(AttentionMask, AttentionImpl),
+    Ulysses(AttentionMask, AttentionImpl, Arc<dyn Communicator>),
+    Ring(RingMask),
+}
+
+impl SeqAttention {
+    /// For this rank's `position_ids` [batch, len] (global positions of its part when split).
+    pub fn new(
+        split: Option<&SeqSplit>,
+        position_ids: &Tensor,
+        how: AttentionImpl,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(match split {
+            None => SeqAttention::Whole(AttentionMask::causal(position_ids, dtype, device)?, how),
+            Some(SeqSplit { group, ring: true }) => {
+                SeqAttention::Ring(RingMask::new(position_ids, group)?)
+            }
+            Some(SeqSplit { group, ring: false }) => {
+                // Documents span chunks: the mask is the whole sequence's.
+                let everyone = group
+                    .all_gather(&position_ids.to_dtype(DType::I64)?, 1)
+                    .map_err(|e| e.into_candle())?;
+                let mask = AttentionMask::causal(&everyone, dtype, device)?;
+                SeqAttention::Ulysses(mask, how, group.clone())
+            }
+        })
+    }
+
+    /// Attention of `q` [b, heads, len, d] over `k`, `v` [b, kv_heads, len, d].
+    pub fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        match self {
+            SeqAttention::Whole(mask, how) => how.apply(q, k, v, mask),
+            SeqAttention::Ulysses(mask, how, group) => {
+                ulysses_attention(q, k, v, mask, *how, group)
+            }
+            SeqAttention::Ring(mask) => ring_attention(q, k, v, mask),
+        }
+    }
+}
