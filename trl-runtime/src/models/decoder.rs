@@ -284,18 +284,15 @@ impl CausalLm {
     /// Next-token loss of `logits` from [`Self::forward`] (vocabulary-split under tp: the
     /// vocab-parallel cross-entropy, which never gathers them).
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<LossSum> {
-        let Some(tp) = &self.tp else {
-            return Ok(crate::nn::causal_lm_loss(logits, labels)?);
-        };
-        let s = logits.dim(1)?;
-        if s < 2 {
-            return Ok(crate::nn::causal_lm_loss(logits, labels)?);
+        self.logits_loss(logits, &shift_labels(labels)?)
+    }
+
+    /// The loss of `logits` against aligned `targets`: vocab-parallel under tp.
+    fn logits_loss(&self, logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
+        match &self.tp {
+            Some(tp) => vocab_parallel_cross_entropy(logits, targets, tp),
+            None => Ok(cross_entropy_sum(logits, targets)?),
         }
-        vocab_parallel_cross_entropy(
-            &logits.narrow(1, 0, s - 1)?,
-            &labels.narrow(1, 1, s - 1)?,
-            tp,
-        )
     }
 
     /// Logits over the whole vocabulary (gathered under tp) of whole sequences (not split
@@ -421,14 +418,7 @@ impl CausalLm {
     ) -> Result<LossSum> {
         let head = match (&self.lm_head.weight, &self.tp) {
             (Weight::Local(w), None) if self.tiled_loss => w.clone(),
-            (_, Some(tp)) => {
-                let logits = self.forward(input_ids, position_ids)?;
-                return vocab_parallel_cross_entropy(&logits, targets, tp);
-            }
-            _ => {
-                let logits = self.forward(input_ids, position_ids)?;
-                return Ok(cross_entropy_sum(&logits, targets)?);
-            }
+            _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
         };
         let hidden = self.hidden_states(input_ids, position_ids, true)?;
         let (b, s, h) = hidden.dims3()?;

@@ -262,22 +262,12 @@ impl WeightFiles {
         device: &Device,
     ) -> Result<Tensor> {
         let view = self.st.get(name)?;
-        let full = view.shape()[dim];
-        if full % parts != 0 {
-            return Err(Error::TensorParallel {
-                name: name.into(),
-                message: format!(
-                    "dimension {dim} has size {full} in {}, which is not divisible by tp = {parts}; \
-                     choose a tp size that divides it",
-                    self.file_of(name)
-                ),
-            });
-        }
-        let chunk = full / parts;
+        let whence = format!("{name} in {}", self.file_of(name));
+        let (start, len) = crate::tp::slice_range(&whence, view.shape(), dim, rank, parts)?;
         let index: Vec<TensorIndexer> = (0..view.shape().len())
             .map(|d| {
                 if d == dim {
-                    (rank * chunk..(rank + 1) * chunk).into()
+                    (start..start + len).into()
                 } else {
                     (..).into()
                 }

@@ -108,25 +108,13 @@ impl TpContext {
 
     /// This rank's equal slice of `t` along `dim`, as a new trainable variable.
     pub fn shard(&self, name: &str, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let n = self.size();
-        let full = t.dim(dim)?;
-        if full % n != 0 {
-            return Err(Error::TensorParallel {
-                name: name.into(),
-                message: format!(
-                    "dimension {dim} has size {full}, which is not divisible by tp = {n} \
-                     (shape {:?}); choose a tp size that divides it",
-                    t.dims()
-                ),
-            });
-        }
+        let (start, len) = slice_range(name, t.dims(), dim, self.rank(), self.size())?;
         let mut cut = self.cut.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(done) = cut.get(&(t.id(), dim)) {
             return Ok(done.clone());
         }
-        let chunk = full / n;
         // A new variable copies only the elements the slice shows.
-        let slice = t.narrow(dim, self.rank() * chunk, chunk)?.detach();
+        let slice = t.narrow(dim, start, len)?.detach();
         let var = Var::from_tensor(&slice)?.as_tensor().clone();
         cut.insert((t.id(), dim), var.clone());
         Ok(var)
@@ -147,6 +135,29 @@ impl TpContext {
         }
         Ok(count / n)
     }
+}
+
+/// Where rank `rank`'s slice of dimension `dim` of `shape` starts and how long it is, when
+/// that dimension splits into `parts` equal slices; else an error naming tensor `name`.
+pub fn slice_range(
+    name: &str,
+    shape: &[usize],
+    dim: usize,
+    rank: usize,
+    parts: usize,
+) -> Result<(usize, usize)> {
+    let full = shape[dim];
+    if full % parts != 0 {
+        return Err(Error::TensorParallel {
+            name: name.into(),
+            message: format!(
+                "dimension {dim} has size {full}, which is not divisible by tp = {parts} \
+                 (shape {shape:?}); choose a tp size that divides it"
+            ),
+        });
+    }
+    let len = full / parts;
+    Ok((rank * len, len))
 }
 
 /// `name.segment`, or `segment` at the top.

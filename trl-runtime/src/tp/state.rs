@@ -6,7 +6,7 @@
 
 use super::{PlanEntry, Split};
 use crate::comm::{Communicator, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::train::optim::{AdamW, ParamState};
 use candle_core::{Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
@@ -53,20 +53,8 @@ pub fn slice_full(
     let Some(d) = split else {
         return Ok(t.clone());
     };
-    let full = t.dim(d)?;
-    if full % size != 0 {
-        return Err(Error::TensorParallel {
-            name: name.into(),
-            message: format!(
-                "dimension {d} has size {full}, which is not divisible by tp = {size}; choose \
-                 a tp size that divides it"
-            ),
-        });
-    }
-    let chunk = full / size;
-    Ok(t.narrow(d, rank * chunk, chunk)?
-        .force_contiguous()?
-        .detach())
+    let (start, len) = super::slice_range(name, t.dims(), d, rank, size)?;
+    Ok(t.narrow(d, start, len)?.force_contiguous()?.detach())
 }
 
 /// The whole per-parameter optimizer state from every rank's slices (collective over `tp`).
