@@ -207,3 +207,29 @@ fn our_decoder_follows_the_step() {
         );
     }
 }
+
+/// The step sees its own chunk: its length, and the whole rows' count once summed.
+#[trl_runtime::context_parallel]
+fn chunk_step(batch: &Batch, ctx: &DistContext) -> trl_runtime::Result<LossSum> {
+    let _ = ctx;
+    Ok(LossSum {
+        sum: Tensor::new(batch.input_ids.dim(1)? as f32, &Device::Cpu)?,
+        count: batch.num_target_tokens,
+    })
+}
+
+#[test]
+fn the_step_gets_this_ranks_chunk() {
+    for (cp, sp) in [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4)] {
+        let (len, count) = on_ranks(cp, sp, |ctx| {
+            let loss = chunk_step(&batch(), ctx).unwrap();
+            (loss.sum.to_scalar::<f32>().unwrap() as usize, loss.count)
+        });
+        assert_eq!(len, 16 / (cp * sp), "cp {cp} sp {sp}: chunk length");
+        assert_eq!(
+            count,
+            batch().num_target_tokens,
+            "cp {cp} sp {sp}: rows' count"
+        );
+    }
+}

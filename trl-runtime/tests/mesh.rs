@@ -268,3 +268,31 @@ fn env_variables_override_sizes() {
         "{e}"
     );
 }
+
+#[test]
+fn every_group_counts_the_time_spent_in_its_collectives() {
+    use trl_runtime::comm::{InProcessWorld, ReduceOp};
+    use trl_runtime::dist::DistContext;
+    let dims = ParallelDims {
+        dp_replicate: 1,
+        dp_shard: 2,
+        cp: 1,
+        sp: 1,
+        tp: 1,
+    };
+    let w = InProcessWorld::new(2);
+    let seconds = InProcessWorld::run(2, |rank, _| {
+        let ctx = DistContext::in_process(&w, rank, DeviceMesh::new(dims, 2).unwrap()).unwrap();
+        let before = (ctx.comm_seconds(DP), ctx.comm_seconds(&[Axis::Tp]));
+        // Rank 1 arrives late: rank 0's all-reduce waits for it, inside the collective.
+        if rank == 1 {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let x = candle_core::Tensor::new(&[1f32, 2.0], &candle_core::Device::Cpu).unwrap();
+        ctx.group(DP).all_reduce(&x, ReduceOp::Sum).unwrap();
+        let after = (ctx.comm_seconds(DP), ctx.comm_seconds(&[Axis::Tp]));
+        (after.0 - before.0, after.1 - before.1)
+    });
+    assert!(seconds[0].0 >= 0.04, "rank 0 waited {} s", seconds[0].0);
+    assert_eq!(seconds[0].1, 0.0, "no tp collective ran");
+}

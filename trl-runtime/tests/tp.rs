@@ -470,7 +470,7 @@ mod qwen2 {
     }
 
     #[test]
-    fn each_rank_reads_only_its_slices_from_the_checkpoint() {
+    fn sliced_loading_holds_exactly_each_ranks_slices() {
         // Untied, with biases, saved as a sharded index of several files.
         let cfg = config(&[
             ("tie_word_embeddings", false.into()),
@@ -510,6 +510,23 @@ mod qwen2 {
                 assert!(slices < whole.params.num_elements() * 4);
             }
         }
+        // Reading a part the size does not divide names the tensor and its file.
+        let files = trl_runtime::models::params::WeightFiles::open(tmp.path(), &cfg).unwrap();
+        let e = files
+            .load_part(
+                "model.embed_tokens.weight",
+                0,
+                0,
+                3,
+                DType::F32,
+                &Device::Cpu,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.embed_tokens.weight in ") && e.contains(".safetensors"),
+            "{e}"
+        );
         // A size that does not divide a tensor names it.
         let errs = InProcessWorld::run(3, |_, comm| {
             CausalLm::from_pretrained_split(tmp.path(), DType::F32, &Device::Cpu, comm)

@@ -3,9 +3,11 @@
 //! continues exactly like the uninterrupted one.
 
 use std::path::{Path, PathBuf};
-use trl_runtime::comm::InProcessWorld;
+use std::sync::Arc;
+use trl_runtime::comm::{Communicator, InProcessWorld};
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
+use trl_runtime::nn::AttentionImpl;
 use trl_runtime::parallel::{WrapPolicy, ZeroStage};
 use trl_runtime::train::{CheckpointFormat, SFTConfig, Strategy, Trainer};
 
@@ -104,7 +106,21 @@ fn run_dims(
                     let ctx =
                         DistContext::in_process(w, rank, DeviceMesh::new(dims, world).unwrap())
                             .unwrap();
+                    let attention = AttentionImpl::parse(&cfg.attn_implementation).unwrap();
+                    let (tiled_loss, tiled_mlp) = (cfg.use_liger_kernel, cfg.tiled_mlp);
                     let mut trainer = Trainer::with_strategy(cfg, &ctx, strategy).unwrap();
+                    // The model really is split as the mesh says (an unsplit run on the same
+                    // ranks would compute the same numbers), and runs as configured.
+                    let model = &trainer.model;
+                    let size = |g: Option<&Arc<dyn Communicator>>| g.map_or(1, |g| g.size());
+                    assert_eq!(size(model.tp()), dims.tp, "tensor-parallel split");
+                    assert_eq!(size(model.sp()), dims.sp, "sequence-parallel split");
+                    assert_eq!(size(model.cp()), dims.cp, "context-parallel split");
+                    if dims.tp > 1 && model.sharding.is_none() {
+                        assert!(model.params.num_elements() < model.num_parameters());
+                    }
+                    assert_eq!(model.attention, attention);
+                    assert_eq!((model.tiled_loss, model.tiled_mlp), (tiled_loss, tiled_mlp));
                     trainer.checkpoint_format = format;
                     let outcome = trainer.train().unwrap();
                     let weights: Vec<(String, Vec<f32>)> = trainer
