@@ -148,6 +148,7 @@ fn softmax(x: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::testing::max_abs_diff as max_diff;
     use candle_core::Var;
 
     /// The fused CPU softmax and the additive-mask path (used on other devices) agree, values
@@ -176,18 +177,6 @@ mod tests {
         };
         let (a, ga) = run(&fused_mask);
         let (b, gb) = run(&bias_mask);
-        let max_diff = |x: &Tensor, y: &Tensor| {
-            (x - y)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
         assert!(max_diff(&a, &b) < 1e-5);
         for (x, y) in ga.iter().zip(&gb) {
             assert!(max_diff(x, y) < 1e-5);

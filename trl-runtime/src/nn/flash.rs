@@ -312,20 +312,8 @@ pub fn flash_attention(
 mod tests {
     use super::*;
     use crate::nn::attention;
+    use crate::nn::testing::max_abs_diff as max_diff;
     use candle_core::{Device, Var};
-
-    fn max_diff(x: &Tensor, y: &Tensor) -> f32 {
-        (x - y)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
 
     /// Values and gradients equal the plain attention's on packed rows (documents that start
     /// inside blocks, a document spanning blocks), with grouped heads and a ragged last block.

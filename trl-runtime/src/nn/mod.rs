@@ -13,6 +13,8 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod seq_attention;
 pub mod softmax;
+#[cfg(test)]
+mod testing;
 pub mod tiled_loss;
 pub mod tiled_mlp;
 pub mod ulysses;

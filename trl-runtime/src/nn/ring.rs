@@ -443,6 +443,7 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
 mod tests {
     use super::*;
     use crate::comm::InProcessWorld;
+    use crate::nn::testing::max_abs_diff as diff;
     use candle_core::{Device, Var};
 
     /// Blocks within a ring step change nothing: values and gradients at block 3 (ragged,
@@ -487,16 +488,6 @@ mod tests {
             })
         };
         let (whole, blocked) = (run(128), run(3));
-        let diff = |a: &Tensor, b: &Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
         for ((o1, g1), (o2, g2)) in whole.iter().zip(&blocked) {
             assert!(diff(o1, o2) < 1e-5, "outputs differ by {}", diff(o1, o2));
             for (a, b) in g1.iter().zip(g2) {

@@ -138,6 +138,7 @@ pub fn tiled_linear_cross_entropy(
 mod tests {
     use super::*;
     use crate::nn::loss::{cross_entropy_sum, IGNORE_INDEX};
+    use crate::nn::testing::rel_diff as rel;
     use candle_core::{Device, Var};
 
     #[test]
@@ -174,11 +175,6 @@ mod tests {
         let (got, count, gh, gw) = run(true);
         assert_eq!(count, want_count);
         assert!((got - want).abs() <= 1e-5 * want.abs(), "{got} vs {want}");
-        let rel = |a: &Tensor, b: &Tensor| {
-            let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-            let scale = b.abs().unwrap().max_all().unwrap();
-            (diff / scale).unwrap().to_scalar::<f32>().unwrap()
-        };
         assert!(
             rel(&gh, &want_gh) < 1e-5,
             "hidden gradient {}",

@@ -92,7 +92,8 @@ pub fn tiled_swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tenso
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var};
+    use crate::nn::testing::rel_diff as rel;
+    use candle_core::{Device, Var};
 
     #[test]
     fn equals_the_plain_mlp() {
@@ -122,16 +123,6 @@ mod tests {
         };
         let (want, want_grads) = run(false);
         let (got, grads) = run(true);
-        let rel = |a: &Tensor, b: &Tensor| {
-            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-            let s = b.abs().unwrap().max_all().unwrap();
-            (d / s)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
         assert!(rel(&got, &want) < 1e-5, "output {}", rel(&got, &want));
         for (name, (g, w)) in ["x", "gate", "up", "down"]
             .iter()
