@@ -7,7 +7,7 @@
 use super::{PlanEntry, Split};
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
-use crate::train::optim::{AdamW, ParamState};
+use crate::train::optim::{sum_of_squares, AdamW, ParamState};
 use candle_core::{Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -137,12 +137,7 @@ impl TpNorm {
     pub fn norm_sq(&self, grads: &BTreeMap<String, Tensor>) -> Result<f64> {
         let mut local = 0.0;
         for (name, g) in grads {
-            let sq = g
-                .to_dtype(candle_core::DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?;
-            local += sq * self.weight(name);
+            local += sum_of_squares(g)? * self.weight(name);
         }
         self.sum(local)
     }

@@ -157,16 +157,16 @@ impl AdamW {
 
 /// Sum of squares of all gradients (f64), so sharded callers can add theirs across ranks.
 pub fn grad_norm_sq(grads: &BTreeMap<String, Tensor>) -> Result<f64> {
-    let mut total = 0.0;
-    for g in grads.values() {
-        total += g
-            .to_dtype(DType::F32)?
-            .sqr()?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?;
-    }
-    Ok(total)
+    grads.values().map(sum_of_squares).sum()
+}
+
+/// Sum of the squares of one gradient's elements (computed in f32, added up in f64).
+pub fn sum_of_squares(g: &Tensor) -> Result<f64> {
+    Ok(g.to_dtype(DType::F32)?
+        .sqr()?
+        .sum_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?)
 }
 
 /// Scales all gradients so that their global L2 norm is at most `max_norm` (PyTorch's
