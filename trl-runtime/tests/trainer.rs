@@ -127,7 +127,10 @@ fn run_dims(
                         .gather_weights()
                         .unwrap()
                         .into_iter()
-                        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1().unwrap()))
+                        .map(|(n, t)| {
+                            let t = t.to_dtype(candle_core::DType::F32).unwrap();
+                            (n, t.flatten_all().unwrap().to_vec1().unwrap())
+                        })
                         .collect();
                     (outcome.losses, weights)
                 })
@@ -737,4 +740,94 @@ fn context_parallel_matches_ddp() {
         let got = run_dims(dims, cfg, strategy, CheckpointFormat::Full);
         assert_close(&got, &ddp, &format!("{what} vs DDP 1 x 4"));
     }
+}
+
+/// How far apart two runs are: the largest relative loss difference, the mean absolute weight
+/// difference relative to the mean absolute weight (over all weights), and the largest
+/// absolute weight difference. Under bf16 single elements whose gradients sit at the rounding
+/// noise can take opposite AdamW steps (each at most about the learning rate), so the
+/// largest difference is only bounded and the mean says whether the runs agree.
+fn differences(
+    a: &(Vec<f64>, Vec<(String, Vec<f32>)>),
+    b: &(Vec<f64>, Vec<(String, Vec<f32>)>),
+) -> (f64, f64, f32) {
+    let loss =
+        a.0.iter()
+            .zip(&b.0)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs() / y.abs()));
+    let (mut diff, mut size, mut largest) = (0f64, 0f64, 0f32);
+    for ((_, x), (_, y)) in a.1.iter().zip(&b.1) {
+        for (p, q) in x.iter().zip(y) {
+            diff += (p - q).abs() as f64;
+            size += q.abs() as f64;
+            largest = largest.max((p - q).abs());
+        }
+    }
+    (loss, diff / size, largest)
+}
+
+/// bf16 mixed precision (bf16 weights and compute; fp32 master weights, optimizer state and
+/// gradient accumulation) trains on CPU: data parallelism and ZeRO-2 stay equal to one
+/// process up to bf16 rounding, and the run follows the fp32 run closely.
+#[test]
+fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bf16 = |name: &str, batch, accumulation| SFTConfig {
+        bf16: true,
+        ..config(&tmp.path().join(name), batch, accumulation, 5)
+    };
+    let one = run(1, bf16("one", 4, 1));
+    let ddp = run(2, bf16("ddp", 2, 1));
+    let accum = run(1, bf16("accum", 2, 2));
+    let zero2 = run_with(2, bf16("zero2", 2, 1), Strategy::Zero(ZeroStage::Two));
+    let fsdp = run_with(2, bf16("fsdp", 2, 1), Strategy::fsdp(WrapPolicy::PerLayer));
+    let fp32 = run(1, config(&tmp.path().join("fp32"), 4, 1, 5));
+    assert!(one.0[4] < one.0[0], "the loss goes down: {:?}", one.0);
+    for (what, run) in [
+        ("DDP 2 x 2", &ddp),
+        ("1 x 2 accumulation x 2", &accum),
+        ("ZeRO-2 2 x 2", &zero2),
+        ("FSDP (ZeRO-3) 2 x 2", &fsdp),
+    ] {
+        let (loss, mean, largest) = differences(run, &one);
+        eprintln!("bf16 {what} vs 1 x 4: loss {loss:e}, mean weight {mean:e}, largest {largest:e}");
+        assert!(
+            loss < 1e-3 && mean < 2e-3 && largest <= 2.0 * 3e-3 * 5.0,
+            "bf16 {what} vs 1 x 4: loss {loss:e}, mean weight {mean:e}, largest {largest:e}"
+        );
+    }
+    let (loss, mean, largest) = differences(&one, &fp32);
+    eprintln!("bf16 vs fp32, 1 x 4: loss {loss:e}, mean weight {mean:e}, largest {largest:e}");
+    assert!(
+        loss < 1e-2 && mean < 1e-2 && largest <= 2.0 * 3e-3 * 5.0,
+        "bf16 vs fp32: loss {loss:e}, mean weight {mean:e}, largest {largest:e}"
+    );
+    // The f32-only kernels are refused by name before anything loads.
+    let ctx = DistContext::in_process(
+        &InProcessWorld::new(1),
+        0,
+        DeviceMesh::new(dims(1, 1, 1), 1).unwrap(),
+    )
+    .unwrap();
+    let flash = SFTConfig {
+        attn_implementation: "flash_attention_2".into(),
+        ..bf16("flash", 4, 1)
+    };
+    let e = Trainer::with_strategy(flash, &ctx, Strategy::Ddp)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("mixed_precision") && e.contains("flash_attention_2"),
+        "{e}"
+    );
+    let fp16 = SFTConfig {
+        mixed_precision: Some("fp16".into()),
+        ..config(&tmp.path().join("fp16"), 4, 1, 5)
+    };
+    let e = fp16.validate("sft.yaml").unwrap_err().to_string();
+    assert!(
+        e.contains("sft.yaml") && e.contains("loss scaling") && e.contains("bf16"),
+        "{e}"
+    );
 }

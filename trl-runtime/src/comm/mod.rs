@@ -3,7 +3,7 @@
 //! One [`Communicator`] trait; backends implement it for one group of ranks:
 //! - [`inprocess`]: ranks are threads of one process (fast numerical tests);
 //! - [`host`]: ranks are processes talking TCP (CPU training, multi-node capable);
-//! - NCCL (GPU) comes behind a feature and implements the same trait.
+//! - [`nccl`]: ranks are GPUs (feature `nccl`; libnccl is loaded at run time).
 //!
 //! Both CPU backends share the ring algorithms of [`ring`] over a byte [`transport`].
 //! Every rank of a group must issue the same collectives in the same order, as with NCCL;
@@ -13,6 +13,7 @@ pub mod autograd;
 mod elem;
 pub mod host;
 pub mod inprocess;
+pub mod nccl;
 mod queue;
 mod ring;
 mod shm;

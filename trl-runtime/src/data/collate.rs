@@ -29,6 +29,23 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// The same batch on `device` (collation happens on the CPU).
+    pub fn to_device(self, device: &candle_core::Device) -> candle_core::Result<Batch> {
+        if device.is_cpu() {
+            return Ok(self);
+        }
+        Ok(Batch {
+            input_ids: self.input_ids.to_device(device)?,
+            labels: self.labels.to_device(device)?,
+            position_ids: self.position_ids.to_device(device)?,
+            num_target_tokens: self.num_target_tokens,
+            shifted_targets: self
+                .shifted_targets
+                .map(|t| t.to_device(device))
+                .transpose()?,
+        })
+    }
+
     /// Next-token targets aligned with the positions (-100: no loss): what a loss over this
     /// batch's logits compares with, whole or cut along the sequence.
     pub fn targets(&self) -> candle_core::Result<Tensor> {

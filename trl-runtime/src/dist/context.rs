@@ -1,5 +1,6 @@
 //! One call that turns the process environment into a working distributed context: the
-//! store (served by rank 0), the mesh, and a host-backend communicator per mesh group.
+//! store (served by rank 0), the mesh, the device, and a communicator per mesh group: NCCL
+//! when the device is a GPU and the `nccl` feature is on, the host backend otherwise.
 
 use super::env::ProcessEnv;
 use super::mesh::{Axis, DeviceMesh, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
@@ -8,6 +9,7 @@ use crate::comm::{Communicator, HostBackend, InProcessWorld, Timed};
 use crate::config::launch::DistributedType;
 use crate::config::parallelism::ParallelismConfig;
 use crate::error::{Error, Result};
+use candle_core::Device;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,6 +46,8 @@ pub struct DistContext {
     pub store: Option<Arc<Store>>,
     /// Every group's communicator, timed (see [`Self::comm_seconds`]).
     groups: BTreeMap<Vec<Axis>, Arc<Timed>>,
+    /// Where this rank computes (Accelerate's `accelerator.device`).
+    device: Device,
 }
 
 fn key(axes: &[Axis]) -> Vec<Axis> {
@@ -69,6 +73,58 @@ pub fn timeout_from_env() -> Result<Duration> {
     }
 }
 
+/// One communicator per mesh group; groups of one rank need no backend.
+fn make_groups(
+    env: &ProcessEnv,
+    mesh: &DeviceMesh,
+    store: Option<&(Arc<Store>, String)>,
+    timeout: Duration,
+    device: &Device,
+) -> Result<BTreeMap<Vec<Axis>, Arc<Timed>>> {
+    enum Backend {
+        Host(HostBackend),
+        #[cfg(feature = "nccl")]
+        Nccl(crate::comm::nccl::NcclBackend),
+        Single,
+    }
+    let backend = match store {
+        #[cfg(feature = "nccl")]
+        Some((s, _)) if device.is_cuda() => Backend::Nccl(crate::comm::nccl::NcclBackend::new(
+            Some(s.clone()),
+            env.rank,
+            timeout,
+            device,
+        )?),
+        Some((s, token)) => {
+            if device.is_cuda() {
+                tracing::warn!("built without the `nccl` feature: collectives between GPUs go through host memory over the host backend");
+            }
+            Backend::Host(HostBackend::new(
+                s.clone(),
+                token.clone(),
+                env.rank,
+                timeout,
+            ))
+        }
+        None => Backend::Single,
+    };
+    let mut groups = BTreeMap::new();
+    for axes in GROUP_AXES {
+        let members = mesh.group(env.rank, axes);
+        let name = mesh.group_name(env.rank, axes);
+        let comm: Arc<dyn Communicator> = match &backend {
+            Backend::Host(h) => h.group(&name, &members)?,
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(_) if members.len() == 1 => InProcessWorld::new(1).world(0)?,
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(n) => n.group(&name, &members)?,
+            Backend::Single => InProcessWorld::new(1).world(0)?,
+        };
+        groups.insert(key(axes), Arc::new(Timed::new(comm)));
+    }
+    Ok(groups)
+}
+
 impl DistContext {
     /// Reads the environment (torchrun / SLURM / single), the PARALLELISM_CONFIG_* variables
     /// over `parallelism`, connects to the store and builds every group's communicator.
@@ -90,29 +146,20 @@ impl DistContext {
         } else {
             None
         };
-        let mut groups = BTreeMap::new();
-        let host = store
-            .as_ref()
-            .map(|(s, token)| HostBackend::new(s.clone(), token.clone(), env.rank, timeout));
-        for axes in GROUP_AXES {
-            let members = mesh.group(env.rank, axes);
-            let name = mesh.group_name(env.rank, axes);
-            let comm: Arc<dyn Communicator> = match &host {
-                Some(h) => h.group(&name, &members)?,
-                None => InProcessWorld::new(1).world(0)?,
-            };
-            groups.insert(key(axes), Arc::new(Timed::new(comm)));
-        }
+        let device = super::device::select(env.local_rank)?;
+        let groups = make_groups(&env, &mesh, store.as_ref(), timeout, &device)?;
         tracing::debug!(
             rank = env.rank,
-            "distributed context ready: {:?}",
-            mesh.dims()
+            "distributed context ready: {:?} on {device:?}, {} backend",
+            mesh.dims(),
+            groups.values().next().map_or("none", |c| c.backend())
         );
         Ok(DistContext {
             env,
             mesh,
             store: store.map(|(s, _)| s),
             groups,
+            device,
         })
     }
 
@@ -141,7 +188,20 @@ impl DistContext {
             mesh,
             store: None,
             groups,
+            device: Device::Cpu,
         })
+    }
+
+    /// The same context with its ranks computing on `device` (the in-process backend moves
+    /// tensors through host memory): several ranks on one GPU, for tests.
+    pub fn on_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Where this rank computes: a GPU when one was selected, else the CPU.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     pub fn rank(&self) -> usize {

@@ -1,6 +1,7 @@
 //! Where this process stands in the job: its environment, the rendezvous store, the device mesh.
 
 pub mod context;
+pub mod device;
 pub mod env;
 pub mod hostlist;
 pub mod mesh;

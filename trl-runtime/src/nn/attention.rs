@@ -13,8 +13,8 @@ use std::sync::Arc;
 pub struct AttentionMask {
     /// First visible key of every (batch, row): the start of the row's document.
     ranges: RowRanges,
-    /// Additive mask [batch, 1, 1, q_len, k_len] (0 allowed, dtype minimum elsewhere), built
-    /// only where the fused CPU softmax does not apply (other devices and dtypes).
+    /// Additive mask [batch, 1, 1, q_len, k_len] (0 allowed, f32 minimum elsewhere) in the
+    /// softmax's dtype, built only where the fused CPU softmax does not apply (other devices).
     bias: Option<Tensor>,
 }
 
@@ -33,13 +33,24 @@ pub fn document_ids(positions: &[i64]) -> Vec<u32> {
         .collect()
 }
 
-fn fused(dtype: DType, device: &Device) -> bool {
-    device.is_cpu() && matches!(dtype, DType::F32 | DType::F64)
+/// The softmax runs in f32 whatever the activations' dtype (f64 stays f64), as transformers'
+/// eager attention does: bf16 probabilities would lose most of a long row's small weights.
+fn softmax_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
 }
 
 impl AttentionMask {
-    /// Causal, document-aware mask for `position_ids` [batch, seq].
+    /// Causal, document-aware mask for `position_ids` [batch, seq], for activations of `dtype`
+    /// on `device` (the fused softmax on CPU, an additive mask elsewhere).
     pub fn causal(position_ids: &Tensor, dtype: DType, device: &Device) -> Result<Self> {
+        Self::build(position_ids, dtype, device, device.is_cpu())
+    }
+
+    fn build(position_ids: &Tensor, dtype: DType, device: &Device, fused: bool) -> Result<Self> {
         let rows: Vec<Vec<i64>> = position_ids.to_dtype(DType::I64)?.to_vec2()?;
         let (b, s) = (rows.len(), rows.first().map_or(0, Vec::len));
         let mut starts = Vec::with_capacity(b * s);
@@ -53,7 +64,7 @@ impl AttentionMask {
                 starts.push(start as u32);
             }
         }
-        let bias = if fused(dtype, device) {
+        let bias = if fused {
             None
         } else {
             let mut bias = vec![f32::MIN; b * s * s];
@@ -64,7 +75,7 @@ impl AttentionMask {
                     .iter_mut()
                     .for_each(|v| *v = 0.0);
             }
-            Some(Tensor::from_vec(bias, (b, 1, 1, s, s), device)?.to_dtype(dtype)?)
+            Some(Tensor::from_vec(bias, (b, 1, 1, s, s), device)?.to_dtype(softmax_dtype(dtype))?)
         };
         Ok(AttentionMask {
             ranges: RowRanges {
@@ -130,10 +141,13 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Re
     // q (s x d) instead of the scores (s x s) saves a pass over the largest tensor.
     let q = (q * scale)?.reshape((b, kv_heads, group * s, d))?;
     let scores = q.matmul(&k.t()?)?.reshape((b, kv_heads, group, s, k_len))?;
+    let dtype = scores.dtype();
+    let scores = scores.to_dtype(softmax_dtype(dtype))?;
     let probs = match &mask.bias {
         None => causal_softmax(&scores, &mask.ranges)?,
         Some(bias) => softmax(&scores.broadcast_add(bias)?)?,
     }
+    .to_dtype(dtype)?
     .reshape((b, kv_heads, group * s, k_len))?;
     probs.matmul(v)?.reshape((b, heads, s, d))
 }
@@ -160,8 +174,8 @@ mod tests {
         let fused_mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();
         assert!(fused_mask.bias.is_none());
         // Same ranges, with the bias built as for a GPU.
-        let mut bias_mask = AttentionMask::causal(&pos, DType::BF16, &dev).unwrap();
-        bias_mask.bias = Some(bias_mask.bias.unwrap().to_dtype(DType::F32).unwrap());
+        let bias_mask = AttentionMask::build(&pos, DType::F32, &dev, false).unwrap();
+        assert!(bias_mask.bias.is_some());
         let q = Var::randn(0f32, 1.0, (2, 4, 7, 8), &dev).unwrap();
         let k = Var::randn(0f32, 1.0, (2, 2, 7, 8), &dev).unwrap();
         let v = Var::randn(0f32, 1.0, (2, 2, 7, 8), &dev).unwrap();

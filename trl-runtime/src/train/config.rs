@@ -136,8 +136,11 @@ sft_config! {
     seed: u64 = 42;
     /// A checkpoint directory, or `latest` for the newest in output_dir.
     resume_from_checkpoint: Option<String> = None;
-    /// no (fp32). bf16 and fp16 need the GPU path.
-    mixed_precision: String = "no".into();
+    /// Accelerate's mixed precision: no (fp32) or bf16 (bf16 weights and compute, fp32 master
+    /// weights and optimizer state). Unset: the launcher's ACCELERATE_MIXED_PRECISION.
+    mixed_precision: Option<String> = None;
+    /// TRL/transformers' switch for bf16 mixed precision (the same as mixed_precision: bf16).
+    bf16: bool = false;
     /// eager / sdpa (whole score matrix, fastest at short lengths) or flash_attention_2
     /// (blockwise, memory linear in the sequence length), as transformers names them.
     attn_implementation: String = "sdpa".into();
@@ -150,6 +153,39 @@ sft_config! {
     tiled_mlp: bool = false;
     /// Show the progress bar on rank 0.
     disable_tqdm: bool = false;
+}
+
+/// The compute dtype of a mixed-precision name (Accelerate's values).
+fn precision(name: &str) -> std::result::Result<candle_core::DType, String> {
+    match name.trim().to_ascii_lowercase().as_str() {
+        "no" | "fp32" => Ok(candle_core::DType::F32),
+        "bf16" => Ok(candle_core::DType::BF16),
+        "fp16" => Err("fp16 needs dynamic loss scaling, which is not implemented: use bf16 (same speed on Ampere and newer GPUs, no scaling needed)".into()),
+        "fp8" => Err("fp8 training is not implemented: use bf16".into()),
+        other => Err(format!("'{other}' is not accepted: use no or bf16")),
+    }
+}
+
+impl SFTConfig {
+    /// The dtype weights and activations are computed in: `bf16` or `mixed_precision`, else
+    /// the launcher's ACCELERATE_MIXED_PRECISION (as transformers' Trainer defers to it).
+    pub fn compute_dtype(&self) -> Result<candle_core::DType> {
+        if self.bf16 {
+            return Ok(candle_core::DType::BF16);
+        }
+        let (source, name) = match &self.mixed_precision {
+            Some(mp) => ("training arguments", mp.clone()),
+            None => match std::env::var("ACCELERATE_MIXED_PRECISION") {
+                Ok(v) => ("ACCELERATE_MIXED_PRECISION", v),
+                Err(_) => return Ok(candle_core::DType::F32),
+            },
+        };
+        precision(&name).map_err(|message| Error::Config {
+            file: source.into(),
+            key: "mixed_precision".into(),
+            message,
+        })
+    }
 }
 
 /// `trl sft`-style command line: an optional config file and flags that override it.
@@ -265,23 +301,12 @@ impl SFTConfig {
                 format!("{} must be between 0 and 1", self.warmup_ratio),
             );
         }
-        match self.mixed_precision.as_str() {
-            "no" | "fp32" => {}
-            "bf16" | "fp16" => {
-                return err(
-                    "mixed_precision",
-                    format!(
-                    "{} training runs on the GPU path only; on CPU use mixed_precision: no (fp32)",
-                    self.mixed_precision
-                ),
-                )
-            }
-            other => {
-                return err(
-                    "mixed_precision",
-                    format!("'{other}' is not accepted: use no, bf16 or fp16"),
-                )
-            }
+        if let Some(mp) = &self.mixed_precision {
+            precision(mp).map_err(|message| Error::Config {
+                file: source.into(),
+                key: "mixed_precision".into(),
+                message,
+            })?;
         }
         if self.max_steps <= 0 && self.num_train_epochs <= 0.0 {
             return err(

@@ -282,6 +282,34 @@ pub struct Trainer<'a> {
     stop: Arc<AtomicBool>,
 }
 
+/// The blockwise kernels (flash attention, the tiled loss and MLP, ring attention) compute in
+/// f32: with bf16 they are refused before anything is loaded.
+fn refuse_reduced_precision(config: &SFTConfig, split: Option<&SeqSplit>) -> Result<()> {
+    let uses = [
+        (
+            AttentionImpl::parse(&config.attn_implementation) == Some(AttentionImpl::Flash),
+            "attn_implementation: flash_attention_2 (use sdpa)",
+        ),
+        (
+            config.use_liger_kernel,
+            "use_liger_kernel (set it to false)",
+        ),
+        (config.tiled_mlp, "tiled_mlp (set it to false)"),
+        (
+            split.is_some_and(|s| s.ring),
+            "context parallelism (use sequence parallelism, parallelism_config_sp_size)",
+        ),
+    ];
+    match uses.iter().find(|(on, _)| *on) {
+        Some((_, what)) => Err(Error::Config {
+            file: "training arguments".into(),
+            key: "mixed_precision".into(),
+            message: format!("bf16 is not implemented with {what}: its kernels compute in f32; or train in fp32 with mixed_precision: no"),
+        }),
+        None => Ok(()),
+    }
+}
+
 fn tokenize_all(
     records: &[Record],
     tok: &TextTokenizer,
@@ -350,8 +378,16 @@ impl<'a> Trainer<'a> {
             },
             other => other,
         };
-        let mut model = CausalLm::from_pretrained_split(&dir, DType::F32, &Device::Cpu, tp.clone())
-            .map_err(tp_error)?;
+        let device = ctx.device().clone();
+        let dtype = config.compute_dtype()?;
+        if dtype != DType::F32 {
+            tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
+        }
+        if dtype != DType::F32 {
+            refuse_reduced_precision(&config, split.as_ref())?;
+        }
+        let mut model =
+            CausalLm::from_pretrained_split(&dir, dtype, &device, tp.clone()).map_err(tp_error)?;
         let policy = if config.skip_bad_rows {
             OnBadRow::Skip
         } else {
@@ -441,6 +477,10 @@ impl<'a> Trainer<'a> {
                 state = checkpoint::read_trainer_state(&ckpt)?;
                 if tp.size() > 1 || !matches!(strategy, Strategy::Fsdp(..) | Strategy::Zero(_)) {
                     let (params, full) = reader.full_state(adam)?;
+                    let params = params
+                        .into_iter()
+                        .map(|(n, t)| Ok((n, t.to_dtype(dtype)?.to_device(&device)?)))
+                        .collect::<Result<_>>()?;
                     model = CausalLm::new(model.config.clone(), Params::from_tensors(params)?)?;
                     full_state = Some(full);
                 } else {
@@ -449,7 +489,7 @@ impl<'a> Trainer<'a> {
             } else {
                 model = CausalLm::new(
                     model.config.clone(),
-                    Params::load(&ckpt, &model.config, DType::F32, &Device::Cpu)?,
+                    Params::load(&ckpt, &model.config, dtype, &device)?,
                 )?;
                 let mut full = AdamW::for_params(&model.params, adam)?;
                 state = checkpoint::load_training_state(&ckpt, &mut full)?;
@@ -773,7 +813,11 @@ impl<'a> Trainer<'a> {
                 local_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
             }
             let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
-            batches.push(batch.part(self.model.split())?);
+            batches.push(
+                batch
+                    .part(self.model.split())?
+                    .to_device(self.ctx.device())?,
+            );
         }
         let local_targets: usize = batches.iter().map(|x| x.num_target_tokens).sum();
         let totals = self.batch_sum(&[local_targets as f64, local_tokens as f64])?;
@@ -799,6 +843,8 @@ impl<'a> Trainer<'a> {
                     Some(g) => g.clone(),
                     None => var.as_tensor().zeros_like()?,
                 };
+                // Accumulated in fp32 whatever the compute dtype (DeepSpeed's bf16 default).
+                let g = g.to_dtype(DType::F32)?;
                 let acc = match grads.remove(name) {
                     Some(prev) => (prev + g)?,
                     None => g,
@@ -858,8 +904,9 @@ impl<'a> Trainer<'a> {
         let mut answer_len = None;
         for _ in 0..max_new {
             let n = ids.len();
-            let input = Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu)?;
-            let pos = Tensor::arange(0i64, n as i64, &Device::Cpu)?.unsqueeze(0)?;
+            let device = self.ctx.device();
+            let input = Tensor::from_vec(ids.clone(), (1, n), device)?;
+            let pos = Tensor::arange(0i64, n as i64, device)?.unsqueeze(0)?;
             let logits = self.model.forward_full(&input, &pos)?;
             let next = logits
                 .get(0)?
@@ -902,8 +949,9 @@ impl<'a> Trainer<'a> {
         let filler = [&self.eval_rows[0]];
         for i in 0..rounds(self.eval_rows.len(), bs, chunks.len()) {
             let chunk = chunks.get(i).copied().unwrap_or(&filler);
-            let batch =
-                collate(chunk, self.collate_options, &Device::Cpu)?.part(self.model.split())?;
+            let batch = collate(chunk, self.collate_options, &Device::Cpu)?
+                .part(self.model.split())?
+                .to_device(self.ctx.device())?;
             let ls = self.model.forward_targets(
                 &batch.input_ids,
                 &batch.position_ids,
