@@ -1,19 +1,21 @@
 //! `cargo trl env`: what a bug report needs — versions, CPU cores, GPUs with driver and NCCL
 //! presence, the default launch config, and the distributed variables already set.
 
-use std::ffi::CString;
-
 fn library_present(name: &str) -> bool {
-    let c = CString::new(name).expect("no NUL");
-    // SAFETY: dlopen with a valid C string; the handle is closed right away.
+    // SAFETY: opening a system library runs only its initialisers; it is closed right away.
+    unsafe { libloading::Library::new(name) }.is_ok()
+}
+
+/// The CUDA version the driver supports (cuDriverGetVersion), as major.minor.
+fn cuda_driver_version() -> Option<String> {
+    // SAFETY: libcuda's initialisers only; cuDriverGetVersion writes one int and needs no
+    // cuInit.
     unsafe {
-        let h = libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
-        if h.is_null() {
-            false
-        } else {
-            libc::dlclose(h);
-            true
-        }
+        let lib = libloading::Library::new("libcuda.so.1").ok()?;
+        let get: libloading::Symbol<unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int> =
+            lib.get(b"cuDriverGetVersion\0").ok()?;
+        let mut v = 0;
+        (get(&mut v) == 0).then(|| format!("{}.{}", v / 1000, v % 1000 / 10))
     }
 }
 
@@ -60,21 +62,27 @@ pub fn report() -> String {
         driver.unwrap_or_else(|| "not loaded".into())
     ));
     lines.push(format!(
-        "libcuda.so.1: {}",
-        if library_present("libcuda.so.1") {
-            "found"
-        } else {
-            "not found"
+        "cuda driver api: {}",
+        match cuda_driver_version() {
+            Some(v) => format!("{v} (libcuda.so.1)"),
+            None if library_present("libcuda.so.1") => "libcuda.so.1 found, version unknown".into(),
+            None => "libcuda.so.1 not found (no NVIDIA driver)".into(),
         }
     ));
     lines.push(format!(
-        "libnccl.so.2: {}",
-        if library_present("libnccl.so.2") {
-            "found"
-        } else {
-            "not found (GPU collectives need it)"
+        "nccl: {}",
+        match trl_runtime::comm::nccl::NcclLibrary::get() {
+            Ok(lib) => match lib.version() {
+                Ok(v) => format!("{v} ({})", lib.path),
+                Err(e) => format!("{} loaded but its version is unknown: {e}", lib.path),
+            },
+            Err(e) => format!("not usable: {e}"),
         }
     ));
+    lines.push(
+        "gpu build: a training crate uses GPUs when built with `--features trl-runtime/cuda,trl-runtime/nccl` (nvcc needed; see the README)"
+            .into(),
+    );
     let default = crate::launch::default_config_path();
     lines.push(format!(
         "default launch config: {} ({})",

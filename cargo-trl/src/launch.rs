@@ -364,7 +364,8 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
             ));
         }
     }
-    let target = target::resolve(args.target.as_deref())?;
+    let on_gpu = !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu;
+    let target = target::resolve(args.target.as_deref())?.for_gpu(on_gpu);
     let token = std::env::var(trl_runtime::dist::store::TOKEN_VAR).unwrap_or_else(|_| {
         if machines > 1 {
             eprintln!("warning: TRL_JOB_TOKEN is not set: machines derive a shared token from the master address; export the same secret on every machine");

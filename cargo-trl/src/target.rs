@@ -11,10 +11,22 @@ pub enum Target {
         package: String,
         name: String,
         example: bool,
+        /// The package's GPU features (`cuda`, `nccl`), switched on for a launch on GPUs.
+        gpu_features: Vec<String>,
+        on_gpu: bool,
     },
 }
 
 impl Target {
+    /// Builds with the package's GPU features when `on_gpu` (a launch on GPUs). A package
+    /// without them still builds and trains on CPU (the worker warns).
+    pub fn for_gpu(mut self, gpu: bool) -> Self {
+        if let Target::Cargo { on_gpu, .. } = &mut self {
+            *on_gpu = gpu;
+        }
+        self
+    }
+
     /// The cargo command that builds it (none for a path).
     pub fn build_command(&self, release: bool) -> Option<Vec<String>> {
         match self {
@@ -23,6 +35,8 @@ impl Target {
                 package,
                 name,
                 example,
+                gpu_features,
+                on_gpu,
             } => {
                 let mut c = vec!["cargo".into(), "build".into(), "-p".into(), package.clone()];
                 c.push(if *example {
@@ -33,6 +47,10 @@ impl Target {
                 c.push(name.clone());
                 if release {
                     c.push("--release".into());
+                }
+                if *on_gpu && !gpu_features.is_empty() {
+                    c.push("--features".into());
+                    c.push(gpu_features.join(","));
                 }
                 Some(c)
             }
@@ -78,6 +96,12 @@ pub fn resolve(name: Option<&str>) -> Result<Target, String> {
                     package: pkg.name.to_string(),
                     name: t.name.clone(),
                     example: is_example,
+                    gpu_features: ["cuda", "nccl"]
+                        .into_iter()
+                        .filter(|f| pkg.features.contains_key(*f))
+                        .map(String::from)
+                        .collect(),
+                    on_gpu: false,
                 });
             }
         }
@@ -115,5 +139,36 @@ pub fn build(target: &Target, release: bool) -> Result<PathBuf, String> {
             }
             Ok(dir.join(name))
         }
+    }
+}
+
+#[cfg(test)]
+mod gpu_build_tests {
+    use super::Target;
+
+    /// A launch on GPUs builds with the package's GPU features; on CPU, and for a package
+    /// without them, the command is unchanged.
+    #[test]
+    fn gpu_launches_build_with_the_gpu_features() {
+        let target = |features: &[&str]| Target::Cargo {
+            package: "my-sft".into(),
+            name: "my-sft".into(),
+            example: false,
+            gpu_features: features.iter().map(|f| f.to_string()).collect(),
+            on_gpu: false,
+        };
+        let cmd = |t: Target| t.build_command(true).unwrap().join(" ");
+        assert_eq!(
+            cmd(target(&["cuda", "nccl"]).for_gpu(true)),
+            "cargo build -p my-sft --bin my-sft --release --features cuda,nccl"
+        );
+        assert_eq!(
+            cmd(target(&["cuda", "nccl"]).for_gpu(false)),
+            "cargo build -p my-sft --bin my-sft --release"
+        );
+        assert_eq!(
+            cmd(target(&[]).for_gpu(true)),
+            "cargo build -p my-sft --bin my-sft --release"
+        );
     }
 }

@@ -86,11 +86,19 @@ fn env_and_profiles_show() {
         "cargo-trl:",
         "cpu cores:",
         "gpus:",
-        "libnccl.so.2:",
+        "nvidia driver:",
+        "cuda driver api:",
+        "nccl:",
         "default launch config:",
     ] {
         assert!(out.contains(field), "{out}");
     }
+    // NCCL is reported by version where it loads, else with what to install.
+    let nccl = out.lines().find(|l| l.starts_with("nccl:")).unwrap();
+    assert!(
+        nccl.contains("libnccl.so") && (nccl.contains("nvidia-nccl") || nccl.contains("nccl: 2.")),
+        "{nccl}"
+    );
     let (code, out, _) = run(&["profiles", "show", "fsdp2"]);
     assert_eq!(code, 0);
     assert!(out.contains("fsdp_version: 2"));

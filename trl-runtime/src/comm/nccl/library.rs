@@ -137,7 +137,10 @@ impl NcclLibrary {
             // SAFETY: loading NCCL runs only its (side-effect free) initialisers.
             match unsafe { libloading::Library::new(path) } {
                 Ok(library) => return Self::resolve(path, library),
-                Err(e) => failures.push(format!("{path}: {e}")),
+                Err(e) => failures.push(match std::error::Error::source(&e) {
+                    Some(cause) => format!("{cause}"),
+                    None => format!("{path}: {e}"),
+                }),
             }
         }
         Err(format!(
