@@ -14,7 +14,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::{max_abs_diff, run, Backend};
 use std::path::{Path, PathBuf};
-use trl_runtime::comm::{Communicator, InProcessWorld, ReduceOp};
+use trl_runtime::comm::{InProcessWorld, ReduceOp};
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
 use trl_runtime::train::{SFTConfig, Strategy, Trainer};
