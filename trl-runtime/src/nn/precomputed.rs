@@ -1,9 +1,11 @@
 //! Custom ops whose forward is computed outside them. FSDP units, the blockwise attention and
 //! the tiled loss compute their result with ordinary tensor ops on detached inputs (so Candle's
 //! graph keeps none of the intermediates) and hand it to a custom op, whose backward is theirs.
-//! Candle asks the op for a fresh storage, so the result is copied once.
+//! Candle asks the op for a fresh storage, so the result is copied once (on the CPU or, for
+//! ops evaluated on a GPU, on the device).
 
-use candle_core::{CpuStorage, DType, Result, Shape, Tensor};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{CpuStorage, CudaStorage, DType, Result, Shape, Storage, Tensor};
 use std::sync::Mutex;
 
 /// A result waiting for its op's `cpu_fwd`.
@@ -15,15 +17,33 @@ impl Precomputed {
         Precomputed(Mutex::new(Some(t)))
     }
 
-    /// The result as the op's output storage (once: a second call is an error naming `op`).
-    pub(crate) fn take(&self, op: &str) -> Result<(CpuStorage, Shape)> {
-        let t = self
-            .0
+    fn take_tensor(&self, op: &str) -> Result<Tensor> {
+        self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            .ok_or_else(|| candle_core::Error::Msg(format!("{op} was evaluated twice")))?;
+            .ok_or_else(|| candle_core::Error::Msg(format!("{op} was evaluated twice")))
+    }
+
+    /// The result as the op's output storage (once: a second call is an error naming `op`).
+    pub(crate) fn take(&self, op: &str) -> Result<(CpuStorage, Shape)> {
+        let t = self.take_tensor(op)?;
         Ok((cpu_storage(&t)?, t.shape().clone()))
+    }
+
+    /// The same for an op evaluated on a GPU: a device-side copy of the result.
+    pub(crate) fn take_cuda(&self, op: &str) -> Result<(CudaStorage, Shape)> {
+        let t = self.take_tensor(op)?;
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(s) = &*storage else {
+            candle_core::bail!(
+                "{op}: the result is on {:?}, its inputs on a GPU",
+                t.device()
+            )
+        };
+        let mut out = s.device().zeros_impl(layout.shape(), s.dtype())?;
+        s.copy_strided_src(&mut out, 0, layout)?;
+        Ok((out, t.shape().clone()))
     }
 }
 
@@ -75,6 +95,18 @@ impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
         _: &candle_core::Layout,
     ) -> Result<(CpuStorage, Shape)> {
         self.out.take(B::NAME)
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &candle_core::Layout,
+        _: &CudaStorage,
+        _: &candle_core::Layout,
+        _: &CudaStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.out.take_cuda(B::NAME)
     }
 
     fn bwd(

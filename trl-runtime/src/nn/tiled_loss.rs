@@ -57,6 +57,16 @@ impl CustomOp2 for TiledLoss {
         self.sum.take("the tiled loss")
     }
 
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.sum.take_cuda("the tiled loss")
+    }
+
     fn bwd(
         &self,
         hidden: &Tensor,

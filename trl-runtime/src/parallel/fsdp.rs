@@ -295,6 +295,14 @@ impl CustomOp1 for UnitOp {
         self.out.take("an fsdp unit op")
     }
 
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.out.take_cuda("an fsdp unit op")
+    }
+
     fn bwd(
         &self,
         arg: &Tensor,
