@@ -118,8 +118,22 @@ fn bad_values_name_the_key() {
         e.contains("packing_strategy") && e.contains("bfd_split"),
         "{e}"
     );
-    let e = cli(&["--mixed_precision", "bf16"]).unwrap_err();
-    assert!(e.contains("mixed_precision") && e.contains("GPU"), "{e}");
+    let e = cli(&["--mixed_precision", "fp16"]).unwrap_err();
+    assert!(e.contains("mixed_precision") && e.contains("bf16"), "{e}");
+    let e = cli(&["--mixed_precision", "fp64"]).unwrap_err();
+    assert!(
+        e.contains("mixed_precision") && e.contains("no or bf16"),
+        "{e}"
+    );
+    // bf16 is accepted (on CPU too), by Accelerate's name or TRL's flag.
+    for flags in [&["--mixed_precision", "bf16"][..], &["--bf16"][..]] {
+        let c = cli(flags).unwrap();
+        assert_eq!(
+            c.compute_dtype().unwrap(),
+            candle_core::DType::BF16,
+            "{flags:?}"
+        );
+    }
     let e = cli(&["--per_device_train_batch_size", "0"]).unwrap_err();
     assert!(e.contains("per_device_train_batch_size"), "{e}");
     let e = cli(&["--packing", "maybe"]).unwrap_err();
