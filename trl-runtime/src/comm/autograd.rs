@@ -9,7 +9,7 @@
 
 use super::{Communicator, ReduceOp};
 use crate::error::Result;
-use candle_core::backend::{BackendDevice, BackendStorage};
+use crate::nn::precomputed::copy_storage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Tensor};
 use std::sync::Arc;
 
@@ -41,16 +41,6 @@ enum Adjoint {
 struct WithBackward {
     comm: Arc<dyn Communicator>,
     adjoint: Adjoint,
-}
-
-fn copy_storage<S>(s: &S, l: &Layout) -> candle_core::Result<(S, Shape)>
-where
-    S: BackendStorage,
-    S::Device: BackendDevice<Storage = S>,
-{
-    let mut out = s.device().zeros_impl(l.shape(), s.dtype())?;
-    s.copy_strided_src(&mut out, 0, l)?;
-    Ok((out, l.shape().clone()))
 }
 
 /// Sends to rank + offset and receives from rank - offset (modulo the group size).

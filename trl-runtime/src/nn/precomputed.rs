@@ -5,7 +5,7 @@
 //! ops evaluated on a GPU, on the device).
 
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{CpuStorage, CudaStorage, DType, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CudaStorage, Layout, Result, Shape, Storage, Tensor};
 use std::sync::Mutex;
 
 /// A result waiting for its op's `cpu_fwd`.
@@ -28,35 +28,40 @@ impl Precomputed {
     /// The result as the op's output storage (once: a second call is an error naming `op`).
     pub(crate) fn take(&self, op: &str) -> Result<(CpuStorage, Shape)> {
         let t = self.take_tensor(op)?;
-        Ok((cpu_storage(&t)?, t.shape().clone()))
+        let (storage, layout) = t.storage_and_layout();
+        match &*storage {
+            Storage::Cpu(s) => copy_storage(s, layout),
+            _ => candle_core::bail!(
+                "{op}: the result is on {:?}, its inputs on the CPU",
+                t.device()
+            ),
+        }
     }
 
     /// The same for an op evaluated on a GPU: a device-side copy of the result.
     pub(crate) fn take_cuda(&self, op: &str) -> Result<(CudaStorage, Shape)> {
         let t = self.take_tensor(op)?;
         let (storage, layout) = t.storage_and_layout();
-        let Storage::Cuda(s) = &*storage else {
-            candle_core::bail!(
+        match &*storage {
+            Storage::Cuda(s) => copy_storage(s, layout),
+            _ => candle_core::bail!(
                 "{op}: the result is on {:?}, its inputs on a GPU",
                 t.device()
-            )
-        };
-        let mut out = s.device().zeros_impl(layout.shape(), s.dtype())?;
-        s.copy_strided_src(&mut out, 0, layout)?;
-        Ok((out, t.shape().clone()))
+            ),
+        }
     }
 }
 
-/// Copies a tensor into a fresh CPU storage.
-fn cpu_storage(t: &Tensor) -> Result<CpuStorage> {
-    let flat = t.flatten_all()?;
-    Ok(match t.dtype() {
-        DType::F32 => CpuStorage::F32(flat.to_vec1()?),
-        DType::F64 => CpuStorage::F64(flat.to_vec1()?),
-        DType::BF16 => CpuStorage::BF16(flat.to_vec1()?),
-        DType::F16 => CpuStorage::F16(flat.to_vec1()?),
-        other => candle_core::bail!("custom op results in {other:?} are not supported"),
-    })
+/// A fresh, contiguous copy of `s` viewed through `l`, on its own device: what a custom op
+/// hands back to Candle.
+pub(crate) fn copy_storage<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let mut out = s.device().zeros_impl(l.shape(), s.dtype())?;
+    s.copy_strided_src(&mut out, 0, l)?;
+    Ok((out, l.shape().clone()))
 }
 
 /// The backward of a three-input computation done outside its op (blockwise and ring

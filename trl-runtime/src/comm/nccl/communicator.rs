@@ -29,6 +29,8 @@ pub struct NcclBackend {
     rank: usize,
     timeout: Duration,
     device: Device,
+    /// Candle's stream on `device`: every communicator issues its calls on it.
+    stream: Arc<CudaStream>,
     /// Groups with the same members share one NCCL communicator (each costs GPU memory and
     /// setup time); the mesh names several such groups when an axis has size 1.
     by_members: Mutex<HashMap<Vec<usize>, Arc<dyn Communicator>>>,
@@ -54,16 +56,17 @@ impl NcclBackend {
             message,
         };
         NcclLibrary::get().map_err(fail)?;
-        if !device.is_cuda() {
+        let Device::Cuda(cuda) = device else {
             return Err(fail(format!(
                 "the NCCL backend needs a CUDA device, not {device:?}"
             )));
-        }
+        };
         Ok(NcclBackend {
             store,
             rank,
             timeout,
             device: device.clone(),
+            stream: cuda.cuda_stream(),
             by_members: Mutex::new(HashMap::new()),
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
         })
@@ -120,11 +123,7 @@ impl NcclBackend {
                 }
             }
         }
-        let Device::Cuda(cuda) = &self.device else {
-            return Err(fail("the NCCL backend needs a CUDA device".into()));
-        };
-        let stream = cuda.cuda_stream();
-        stream
+        self.stream
             .context()
             .bind_to_thread()
             .map_err(|e| fail(format!("cannot make the CUDA device current: {e}")))?;
@@ -142,9 +141,18 @@ impl NcclBackend {
             size: members.len(),
             name: name.to_string(),
             device: self.device.clone(),
-            stream,
+            stream: self.stream.clone(),
         }))
     }
+}
+
+/// Where a same-shape collective reads and writes, and what.
+#[derive(Clone, Copy)]
+struct Addresses {
+    src: *mut c_void,
+    dst: *mut c_void,
+    count: usize,
+    dtype: c_int,
 }
 
 struct Handle(NcclCommHandle);
@@ -263,12 +271,25 @@ impl NcclCommunicator {
         end.map_err(|m| self.fail(op, m))
     }
 
-    fn back_to(&self, y: Tensor, device: &Device) -> Result<Tensor> {
-        Ok(if device.same_device(&self.device) {
-            y
-        } else {
-            y.to_device(device)?
-        })
+    /// A collective whose result has `x`'s shape (all-reduce, broadcast, send/recv): `calls`
+    /// gets the input and output addresses, the element count and the NCCL type. The result
+    /// comes back on `x`'s device.
+    fn same_shape(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        calls: impl FnOnce(&NcclLibrary, Addresses, NcclCommHandle, *mut c_void) -> Vec<c_int>,
+    ) -> Result<Tensor> {
+        let (input, dtype) = self.prepare(op, x)?;
+        let out = input.zeros_like()?;
+        let at = Addresses {
+            src: self.address(&input)?,
+            dst: self.address(&out)?,
+            count: input.elem_count(),
+            dtype,
+        };
+        self.issue(op, |l, c, s| calls(l, at, c, s))?;
+        Ok(out.to_device(x.device())?)
     }
 
     /// `x`'s `size()` equal chunks along `dim`, stacked into one contiguous [size, ..] buffer.
@@ -313,14 +334,9 @@ impl Communicator for NcclCommunicator {
     }
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let (input, dtype) = self.prepare("all_reduce", x)?;
-        let out = input.zeros_like()?;
-        let (src, dst) = (self.address(&input)?, self.address(&out)?);
-        let n = input.elem_count();
-        self.issue("all_reduce", |l, c, s| {
-            vec![unsafe { (l.all_reduce)(src, dst, n, dtype, nccl_op(op), c, s) }]
-        })?;
-        self.back_to(out, x.device())
+        self.same_shape("all_reduce", x, |l, a, c, s| {
+            vec![unsafe { (l.all_reduce)(a.src, a.dst, a.count, a.dtype, nccl_op(op), c, s) }]
+        })
     }
 
     fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
@@ -334,7 +350,7 @@ impl Communicator for NcclCommunicator {
             vec![unsafe { (l.all_gather)(src, dst, n, dtype, c, s) }]
         })?;
         let out = self.concat_rows(&rows, dim)?;
-        self.back_to(out, x.device())
+        Ok(out.to_device(x.device())?)
     }
 
     fn reduce_scatter(&self, x: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
@@ -346,18 +362,13 @@ impl Communicator for NcclCommunicator {
         self.issue("reduce_scatter", |l, c, s| {
             vec![unsafe { (l.reduce_scatter)(src, dst, n, dtype, nccl_op(op), c, s) }]
         })?;
-        self.back_to(out, x.device())
+        Ok(out.to_device(x.device())?)
     }
 
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
-        let (input, dtype) = self.prepare("broadcast", x)?;
-        let out = input.zeros_like()?;
-        let (src, dst) = (self.address(&input)?, self.address(&out)?);
-        let n = input.elem_count();
-        self.issue("broadcast", |l, c, s| {
-            vec![unsafe { (l.broadcast)(src, dst, n, dtype, root as c_int, c, s) }]
-        })?;
-        self.back_to(out, x.device())
+        self.same_shape("broadcast", x, |l, a, c, s| {
+            vec![unsafe { (l.broadcast)(a.src, a.dst, a.count, a.dtype, root as c_int, c, s) }]
+        })
     }
 
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
@@ -378,21 +389,16 @@ impl Communicator for NcclCommunicator {
         self.issue("recv", |l, c, s| {
             vec![unsafe { (l.recv)(dst, n, nccl_dtype, src as c_int, c, s) }]
         })?;
-        self.back_to(out, device)
+        Ok(out.to_device(device)?)
     }
 
     fn send_recv(&self, x: &Tensor, dst: usize, src: usize) -> Result<Tensor> {
-        let (input, dtype) = self.prepare("send_recv", x)?;
-        let out = input.zeros_like()?;
-        let (from, into) = (self.address(&input)?, self.address(&out)?);
-        let n = input.elem_count();
-        self.issue("send_recv", |l, c, s| unsafe {
+        self.same_shape("send_recv", x, |l, a, c, s| unsafe {
             vec![
-                (l.send)(from, n, dtype, dst as c_int, c, s),
-                (l.recv)(into, n, dtype, src as c_int, c, s),
+                (l.send)(a.src, a.count, a.dtype, dst as c_int, c, s),
+                (l.recv)(a.dst, a.count, a.dtype, src as c_int, c, s),
             ]
-        })?;
-        self.back_to(out, x.device())
+        })
     }
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
@@ -430,7 +436,7 @@ impl Communicator for NcclCommunicator {
             results
         })?;
         let out = self.concat_rows(&rows, concat_dim)?;
-        self.back_to(out, x.device())
+        Ok(out.to_device(x.device())?)
     }
 
     fn barrier(&self) -> Result<()> {

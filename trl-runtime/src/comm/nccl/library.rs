@@ -28,7 +28,6 @@ pub struct UniqueId {
 /// ncclDataType_t values.
 pub mod data_type {
     use std::ffi::c_int;
-    pub const INT8: c_int = 0;
     pub const UINT8: c_int = 1;
     pub const UINT32: c_int = 3;
     pub const INT64: c_int = 4;
@@ -50,6 +49,18 @@ pub mod red_op {
 
 type Count = usize;
 
+/// ncclAllReduce, ncclReduceScatter and ncclBroadcast: send buffer, receive buffer, count,
+/// data type, then the reduction op (or the broadcast root), communicator and stream.
+type BufferOp = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    Count,
+    c_int,
+    c_int,
+    NcclCommHandle,
+    Stream,
+) -> NcclResult;
+
 /// The NCCL entry points the communicator uses.
 pub struct NcclLibrary {
     /// Which file was opened (for messages).
@@ -60,15 +71,7 @@ pub struct NcclLibrary {
         unsafe extern "C" fn(*mut NcclCommHandle, c_int, UniqueId, c_int) -> NcclResult,
     pub comm_destroy: unsafe extern "C" fn(NcclCommHandle) -> NcclResult,
     pub get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
-    pub all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        Count,
-        c_int,
-        c_int,
-        NcclCommHandle,
-        Stream,
-    ) -> NcclResult,
+    pub all_reduce: BufferOp,
     pub all_gather: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -77,24 +80,8 @@ pub struct NcclLibrary {
         NcclCommHandle,
         Stream,
     ) -> NcclResult,
-    pub reduce_scatter: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        Count,
-        c_int,
-        c_int,
-        NcclCommHandle,
-        Stream,
-    ) -> NcclResult,
-    pub broadcast: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        Count,
-        c_int,
-        c_int,
-        NcclCommHandle,
-        Stream,
-    ) -> NcclResult,
+    pub reduce_scatter: BufferOp,
+    pub broadcast: BufferOp,
     pub send: unsafe extern "C" fn(
         *const c_void,
         Count,
