@@ -142,6 +142,7 @@ fn train(world: usize, cfg: SFTConfig, device: &Device) -> Run {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
                 let (w, cfg, device) = (&w, cfg.clone(), device.clone());
+                let cfg_bf16 = cfg.bf16;
                 s.spawn(move || {
                     let ctx =
                         DistContext::in_process(w, rank, DeviceMesh::new(dims, world).unwrap())
@@ -150,6 +151,8 @@ fn train(world: usize, cfg: SFTConfig, device: &Device) -> Run {
                     let mut trainer = Trainer::with_strategy(cfg, &ctx, Strategy::Ddp).unwrap();
                     let (_, weight) = trainer.model.params.iter().next().unwrap();
                     assert!(weight.device().same_device(ctx.device()));
+                    let dtype = if cfg_bf16 { DType::BF16 } else { DType::F32 };
+                    assert_eq!(weight.dtype(), dtype);
                     let losses = trainer.train().unwrap().losses;
                     let mut weights = Vec::new();
                     for (_, t) in trainer.gather_weights().unwrap() {

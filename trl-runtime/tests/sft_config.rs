@@ -139,3 +139,27 @@ fn bad_values_name_the_key() {
     let e = cli(&["--packing", "maybe"]).unwrap_err();
     assert!(e.contains("packing") && e.contains("boolean"), "{e}");
 }
+
+/// Unset in the training arguments, the precision comes from the launcher's
+/// ACCELERATE_MIXED_PRECISION, as transformers' Trainer defers to it; set, it wins. (The only
+/// test of this binary that reads the variable.)
+#[test]
+fn mixed_precision_follows_the_launcher_unless_set() {
+    use candle_core::DType;
+    std::env::set_var("ACCELERATE_MIXED_PRECISION", "bf16");
+    let unset = SFTConfig::default().compute_dtype();
+    let explicit = cli(&["--mixed_precision", "no"]).unwrap().compute_dtype();
+    std::env::set_var("ACCELERATE_MIXED_PRECISION", "fp16");
+    let refused = SFTConfig::default()
+        .compute_dtype()
+        .unwrap_err()
+        .to_string();
+    std::env::remove_var("ACCELERATE_MIXED_PRECISION");
+    assert_eq!(unset.unwrap(), DType::BF16);
+    assert_eq!(explicit.unwrap(), DType::F32);
+    assert!(
+        refused.contains("ACCELERATE_MIXED_PRECISION") && refused.contains("bf16"),
+        "{refused}"
+    );
+    assert_eq!(SFTConfig::default().compute_dtype().unwrap(), DType::F32);
+}

@@ -9,7 +9,7 @@ use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
 use trl_runtime::nn::AttentionImpl;
 use trl_runtime::parallel::{WrapPolicy, ZeroStage};
-use trl_runtime::train::{CheckpointFormat, SFTConfig, Strategy, Trainer};
+use trl_runtime::train::{CheckpointFormat, Optimizer, SFTConfig, Strategy, Trainer};
 
 fn assets() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny")
@@ -802,13 +802,28 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
         loss < 1e-2 && mean < 1e-2 && largest <= 2.0 * 3e-3 * 5.0,
         "bf16 vs fp32: loss {loss:e}, mean weight {mean:e}, largest {largest:e}"
     );
-    // The f32-only kernels are refused by name before anything loads.
     let ctx = DistContext::in_process(
         &InProcessWorld::new(1),
         0,
-        DeviceMesh::new(dims(1, 1, 1), 1).unwrap(),
+        DeviceMesh::new(ParallelDims::single(), 1).unwrap(),
     )
     .unwrap();
+    // The runs above really were mixed precision: bf16 weights, fp32 master weights and
+    // moments.
+    let trainer = Trainer::with_strategy(bf16("dtypes", 4, 1), &ctx, Strategy::Ddp).unwrap();
+    for (name, w) in trainer.model.params.iter() {
+        assert_eq!(w.dtype(), candle_core::DType::BF16, "{name}");
+    }
+    let Optimizer::Replicated(adam) = &trainer.optimizer else {
+        panic!("DDP keeps a replicated optimizer")
+    };
+    for (name, s) in &adam.states {
+        for t in [&s.master, &s.exp_avg, &s.exp_avg_sq] {
+            assert_eq!(t.dtype(), candle_core::DType::F32, "{name}");
+        }
+    }
+    drop(trainer);
+    // The f32-only kernels are refused by name before anything loads.
     let flash = SFTConfig {
         attn_implementation: "flash_attention_2".into(),
         ..bf16("flash", 4, 1)

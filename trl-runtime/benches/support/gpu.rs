@@ -6,9 +6,9 @@
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::time::Instant;
-use trl_runtime::comm::InProcessWorld;
-use trl_runtime::config::parallelism::ParallelDims;
-use trl_runtime::dist::{DeviceMesh, DistContext};
+use trl_runtime::config::launch::DistributedType;
+use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::dist::DistContext;
 use trl_runtime::train::{SFTConfig, Strategy, Trainer};
 
 pub const SEQ: usize = 2048;
@@ -58,13 +58,14 @@ pub fn flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize) 
 
 /// Prints the `"device":"cuda"` lines, or says on stderr why there are none.
 pub fn run(dir: &Path, batch: usize) {
-    let dev = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no GPU ({e}): the cuda lines are skipped");
-            return;
-        }
-    };
+    // The launcher's way in: the context picks the GPU by itself (dist::device); the matmul
+    // rate is measured on the same device (and stream) the trainer uses.
+    let ctx = DistContext::init(&ParallelismConfig::default(), DistributedType::No).unwrap();
+    if !ctx.device().is_cuda() {
+        eprintln!("no GPU selected (see dist::device): the cuda lines are skipped");
+        return;
+    }
+    let dev = ctx.device().clone();
     let rate = matmul_rate(&dev);
     eprintln!("bf16 matmul: {:.1} TFLOP/s", rate / 1e12);
     let model_dir = dir.join("qwen2-0.5b");
@@ -75,17 +76,6 @@ pub fn run(dir: &Path, batch: usize) {
         SEQ,
     );
     let per_token = flops_per_token(params, 24, 896, SEQ);
-    let world = InProcessWorld::new(1);
-    let dims = ParallelDims {
-        dp_replicate: 1,
-        dp_shard: 1,
-        cp: 1,
-        sp: 1,
-        tp: 1,
-    };
-    let ctx = DistContext::in_process(&world, 0, DeviceMesh::new(dims, 1).unwrap())
-        .unwrap()
-        .on_device(dev.clone());
     let config = SFTConfig {
         model_name_or_path: model_dir.join("model"),
         dataset_name: model_dir.join("train.jsonl"),

@@ -31,9 +31,6 @@ pub struct Batch {
 impl Batch {
     /// The same batch on `device` (collation happens on the CPU).
     pub fn to_device(self, device: &candle_core::Device) -> candle_core::Result<Batch> {
-        if device.is_cpu() {
-            return Ok(self);
-        }
         Ok(Batch {
             input_ids: self.input_ids.to_device(device)?,
             labels: self.labels.to_device(device)?,

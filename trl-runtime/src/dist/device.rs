@@ -4,14 +4,15 @@
 //! A GPU the launcher pinned but that cannot be opened is an error, not a silent CPU run.
 
 use crate::error::Result;
+use crate::train::config::CliValue;
 use candle_core::Device;
 
 /// Accelerate's switch to the CPU (`--use_cpu`, `use_cpu: true`).
 pub const USE_CPU_VAR: &str = "ACCELERATE_USE_CPU";
 
+/// A boolean variable read the way HF's argument parser reads booleans (true/yes/1, ...).
 fn env_true(var: &str) -> bool {
-    std::env::var(var)
-        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
+    std::env::var(var).is_ok_and(|v| <bool as CliValue>::parse_cli(v.trim()).unwrap_or(false))
 }
 
 /// The launcher (or the user) asked for GPUs: CUDA_VISIBLE_DEVICES names some.
