@@ -111,6 +111,19 @@ fn io(what: String, e: std::io::Error) -> Error {
     Error::io(what, e)
 }
 
+/// Deletes a checkpoint so that no half-deleted `checkpoint-N` can be seen: it is renamed out
+/// of the checkpoint names first (atomic), then removed. A process killed in between leaves
+/// only a `.retired-*` directory, which the next save clears.
+fn retire(dir: &Path) -> std::io::Result<()> {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let trash = dir.with_file_name(format!(".retired-{name}"));
+    if trash.exists() {
+        std::fs::remove_dir_all(&trash)?;
+    }
+    std::fs::rename(dir, &trash)?;
+    std::fs::remove_dir_all(&trash)
+}
+
 /// Creates (empty) the staging directory of checkpoint `step`; one rank calls it.
 pub fn begin(output_dir: &Path, step: usize) -> Result<PathBuf> {
     let tmp = staging_dir(output_dir, step);
@@ -180,15 +193,14 @@ pub fn finish(
     std::fs::write(tmp.join(STATE_FILE), json)
         .map_err(|e| io(format!("cannot write {STATE_FILE}"), e))?;
     if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir)
-            .map_err(|e| io(format!("cannot replace {}", final_dir.display()), e))?;
+        retire(&final_dir).map_err(|e| io(format!("cannot replace {}", final_dir.display()), e))?;
     }
     std::fs::rename(tmp, &final_dir)
         .map_err(|e| io(format!("cannot move {} into place", final_dir.display()), e))?;
     if let Some(keep) = keep {
         let all = list(output_dir);
         for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
-            let _ = std::fs::remove_dir_all(old);
+            let _ = retire(old);
         }
     }
     Ok(final_dir)
