@@ -2,23 +2,41 @@
 init, trained on one GPU at the same batch and sequence length, bf16 as TRL runs it
 (`bf16=True`: fp32 weights under bf16 autocast, fused AdamW), and through TRL's SFTTrainer when
 trl and datasets import. Prints one JSON line per framework: {"framework", "tokens_per_s"}.
-Run by the Rust bench; usable alone: python3 hf_train.py --seq 2048 --batch 2."""
+Run by the Rust bench; usable alone: python3 hf_train.py --seq 2048 --batch 2. `--device cpu
+--shape tiny` runs the same code on a CPU in seconds (a check that it works with the installed
+transformers and TRL before GPU time is spent on it)."""
 
 import argparse
 import json
 import sys
 import time
+from pathlib import Path
+import traceback
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 
-def config():
+SHAPES = {
+    # Qwen2-0.5B: the bench's shape.
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    # For checking the script itself.
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def config(shape):
     return Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        **SHAPES[shape], max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
     )
+
+
+def synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def batches(n, batch, seq, vocab):
@@ -30,13 +48,15 @@ def plain_loop(args):
     """What transformers' Trainer does per step with bf16=True: autocast forward, backward,
     clip, fused AdamW."""
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM._from_config(config(), attn_implementation=args.attn).cuda()
+    cfg = config(args.shape)
+    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn).to(args.device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    data = [b.cuda() for b in batches(args.warmup + args.steps, args.batch, args.seq, 151936)]
+    data = batches(args.warmup + args.steps, args.batch, args.seq, cfg.vocab_size)
+    data = [b.to(args.device) for b in data]
 
     def step(ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -45,11 +65,11 @@ def plain_loop(args):
 
     for ids in data[: args.warmup]:
         step(ids)
-    torch.cuda.synchronize()
+    synchronize(args.device)
     start = time.perf_counter()
     for ids in data[args.warmup:]:
         step(ids)
-    torch.cuda.synchronize()
+    synchronize(args.device)
     secs = time.perf_counter() - start
     return args.steps * args.batch * args.seq / secs
 
@@ -59,25 +79,28 @@ def trl_sft(args):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    rows = batches(args.warmup + args.steps, args.batch, args.seq, 151936)
+    cfg = config(args.shape)
+    rows = batches(args.warmup + args.steps, args.batch, args.seq, cfg.vocab_size)
     ids = [r.tolist() for b in rows for r in b]
-    model = Qwen2ForCausalLM._from_config(config(), attn_implementation=args.attn)
+    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn)
     timings = []
 
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def on_step_end(self, *_, **__):
-            torch.cuda.synchronize()
+            synchronize(args.device)
             timings.append(time.perf_counter())
 
     cfg = SFTConfig(
         output_dir="/tmp/hf-train-bench", per_device_train_batch_size=args.batch,
         max_length=args.seq, bf16=True, learning_rate=1e-5, max_steps=args.warmup + args.steps,
         logging_steps=1000, save_strategy="no", report_to=[], dataset_num_proc=None,
-        optim="adamw_torch_fused",
+        optim="adamw_torch_fused", use_cpu=args.device == "cpu",
     )
-    trainer = SFTTrainer(model=model, args=cfg,
+    # A tokenizer only for its pad and eos ids (the rows are token ids already): the bundled one.
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
+    trainer = SFTTrainer(model=model, args=cfg, processing_class=tokenizer,
                          train_dataset=Dataset.from_dict({"input_ids": ids}),
                          callbacks=[Clock()])
     trainer.train()
@@ -93,13 +116,19 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     # Ours computes attention from the whole score matrix; sdpa is transformers' default.
     p.add_argument("--attn", default="sdpa")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
     args = p.parse_args()
     print(json.dumps({"framework": "transformers", "tokens_per_s": plain_loop(args)}), flush=True)
-    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     try:
         print(json.dumps({"framework": "trl", "tokens_per_s": trl_sft(args)}), flush=True)
     except ImportError as e:
         print(f"TRL comparison skipped: {e}", file=sys.stderr)
+    except Exception:  # the transformers line above still counts
+        print("TRL comparison failed:", file=sys.stderr)
+        traceback.print_exc()
 
 
 if __name__ == "__main__":

@@ -782,8 +782,17 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
     let zero2 = run_with(2, bf16("zero2", 2, 1), Strategy::Zero(ZeroStage::Two));
     let fsdp = run_with(2, bf16("fsdp", 2, 1), Strategy::fsdp(WrapPolicy::PerLayer));
     let fp32 = run(1, config(&tmp.path().join("fp32"), 4, 1, 5));
+    // Blockwise attention in bf16: matmuls in bf16, softmax and accumulators in f32.
+    let flash = run(
+        1,
+        SFTConfig {
+            attn_implementation: "flash_attention_2".into(),
+            ..bf16("flash", 4, 1)
+        },
+    );
     assert!(one.0[4] < one.0[0], "the loss goes down: {:?}", one.0);
     for (what, run) in [
+        ("flash_attention_2 1 x 4", &flash),
         ("DDP 2 x 2", &ddp),
         ("1 x 2 accumulation x 2", &accum),
         ("ZeRO-2 2 x 2", &zero2),
@@ -824,16 +833,16 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
     }
     drop(trainer);
     // The f32-only kernels are refused by name before anything loads.
-    let flash = SFTConfig {
-        attn_implementation: "flash_attention_2".into(),
-        ..bf16("flash", 4, 1)
+    let tiled = SFTConfig {
+        use_liger_kernel: true,
+        ..bf16("tiled", 4, 1)
     };
-    let e = Trainer::with_strategy(flash, &ctx, Strategy::Ddp)
+    let e = Trainer::with_strategy(tiled, &ctx, Strategy::Ddp)
         .err()
         .unwrap()
         .to_string();
     assert!(
-        e.contains("mixed_precision") && e.contains("flash_attention_2"),
+        e.contains("mixed_precision") && e.contains("use_liger_kernel"),
         "{e}"
     );
     let fp16 = SFTConfig {

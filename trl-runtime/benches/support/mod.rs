@@ -8,8 +8,12 @@ use std::time::Instant;
 use trl_runtime::dist::spawn;
 use trl_runtime::models::{ModelConfig, Params};
 
+/// The repository root. Read at run time first (cargo sets CARGO_MANIFEST_DIR when it runs a
+/// bench) so a bench binary carried to another machine (scripts/gpu-run) finds that checkout.
 pub fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+        .join("..")
 }
 
 /// The reference shape of the training benchmarks: Qwen2 with hidden 256, intermediate 768,

@@ -5,7 +5,8 @@
 
 use super::softmax::{causal_softmax, RowRanges};
 use candle_core::{DType, Device, Result, Tensor, D};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// Which keys each query may see, derived from position ids: a position that does not follow
 /// its predecessor (it restarts, typically at 0) opens a new document.
@@ -13,10 +14,31 @@ use std::sync::Arc;
 pub struct AttentionMask {
     /// First visible key of every (batch, row): the start of the row's document.
     ranges: RowRanges,
-    /// Additive mask [batch, 1, 1, q_len, k_len] (0 allowed, f32 minimum elsewhere) in the
-    /// softmax's dtype, built only where the fused CPU softmax does not apply (other devices).
-    bias: Option<Tensor>,
+    /// Where and in which dtype the additive masks are built: the activations' device and
+    /// their softmax dtype.
+    device: Device,
+    softmax: DType,
+    /// Whether the whole-matrix path uses the fused CPU softmax (then it needs no additive mask).
+    fused: bool,
+    /// Additive masks (0 allowed, a large negative number elsewhere), built on first use and
+    /// shared by every layer of one forward and its backward.
+    cache: Arc<MaskCache>,
 }
+
+#[derive(Debug, Default)]
+struct MaskCache {
+    /// [batch, 1, 1, q_len, k_len], for the whole-matrix path off the CPU.
+    whole: Mutex<Option<Tensor>>,
+    /// Per (query block, key block) of the blockwise path: None where every query of the
+    /// block sees every key of it.
+    blocks: Mutex<HashMap<BlockPair, Option<Tensor>>>,
+}
+
+/// (first query, queries, first key, keys) of one block pair.
+type BlockPair = (usize, usize, usize, usize);
+
+/// Added to masked scores: its exp() is 0, without the NaN that -inf - -inf would give.
+pub(crate) const MASKED: f32 = -1e30;
 
 /// Document index of every token of one row of position ids.
 pub fn document_ids(positions: &[i64]) -> Vec<u32> {
@@ -35,7 +57,7 @@ pub fn document_ids(positions: &[i64]) -> Vec<u32> {
 
 /// The softmax runs in f32 whatever the activations' dtype (f64 stays f64), as transformers'
 /// eager attention does: bf16 probabilities would lose most of a long row's small weights.
-fn softmax_dtype(dtype: DType) -> DType {
+pub(crate) fn softmax_dtype(dtype: DType) -> DType {
     if dtype == DType::F64 {
         DType::F64
     } else {
@@ -45,7 +67,7 @@ fn softmax_dtype(dtype: DType) -> DType {
 
 impl AttentionMask {
     /// Causal, document-aware mask for `position_ids` [batch, seq], for activations of `dtype`
-    /// on `device` (the fused softmax on CPU, an additive mask elsewhere).
+    /// on `device` (the fused softmax on CPU, additive masks elsewhere).
     pub fn causal(position_ids: &Tensor, dtype: DType, device: &Device) -> Result<Self> {
         Self::build(position_ids, dtype, device, device.is_cpu())
     }
@@ -64,31 +86,80 @@ impl AttentionMask {
                 starts.push(start as u32);
             }
         }
-        let bias = if fused {
-            None
-        } else {
-            let mut bias = vec![f32::MIN; b * s * s];
-            for (i, &start) in starts.iter().enumerate() {
-                let (row, q) = (i / s, i % s);
-                let base = row * s * s + q * s;
-                bias[base + start as usize..=base + q]
-                    .iter_mut()
-                    .for_each(|v| *v = 0.0);
-            }
-            Some(Tensor::from_vec(bias, (b, 1, 1, s, s), device)?.to_dtype(softmax_dtype(dtype))?)
-        };
         Ok(AttentionMask {
             ranges: RowRanges {
                 batch: b,
                 rows: s,
                 starts: Arc::new(starts),
             },
-            bias,
+            device: device.clone(),
+            softmax: softmax_dtype(dtype),
+            fused,
+            cache: Arc::default(),
         })
     }
 
     pub fn ranges(&self) -> &RowRanges {
         &self.ranges
+    }
+
+    /// The additive mask of queries `q` (first, count) over keys `k` (first, count), [batch, 1,
+    /// 1, q count, k count], built on the host once per forward and moved to the device.
+    fn bias(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> Result<Tensor> {
+        let r = &self.ranges;
+        let mut out = Vec::with_capacity(r.batch * qn * kn);
+        for row in r.starts.chunks(r.rows.max(1)) {
+            for (q, &start) in (q0..).zip(&row[q0..q0 + qn]) {
+                let start = start as usize;
+                out.extend((k0..k0 + kn).map(|k| if k >= start && k <= q { 0.0 } else { MASKED }));
+            }
+        }
+        Tensor::from_vec(out, (r.batch, 1, 1, qn, kn), &self.device)?.to_dtype(self.softmax)
+    }
+
+    /// The whole-matrix mask, for the path without the fused softmax.
+    fn whole_bias(&self) -> Result<Tensor> {
+        let mut whole = self.cache.whole.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = &*whole {
+            return Ok(t.clone());
+        }
+        let s = self.ranges.rows;
+        let t = self.bias((0, s), (0, s))?;
+        *whole = Some(t.clone());
+        Ok(t)
+    }
+
+    /// Whether some query of block `q` may see a key of block `k`, for key blocks at or before
+    /// the query block. Earlier key blocks are then invisible too.
+    pub(crate) fn block_visible(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> bool {
+        let last_key = k0 + kn - 1;
+        let r = &self.ranges;
+        r.starts
+            .chunks(r.rows.max(1))
+            .any(|row| row[q0..q0 + qn].iter().any(|&st| st as usize <= last_key))
+    }
+
+    /// The additive mask of one block pair of the blockwise path, or None when every query of
+    /// block `q` sees every key of block `k` (a key block wholly before the query block and
+    /// inside every query's document): most block pairs of long rows need no mask at all.
+    pub(crate) fn block_bias(
+        &self,
+        q: (usize, usize),
+        k: (usize, usize),
+    ) -> Result<Option<Tensor>> {
+        let key = (q.0, q.1, k.0, k.1);
+        let mut blocks = self.cache.blocks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = blocks.get(&key) {
+            return Ok(t.clone());
+        }
+        let r = &self.ranges;
+        let open = k.0 + k.1 <= q.0
+            && r.starts
+                .chunks(r.rows.max(1))
+                .all(|row| row[q.0..q.0 + q.1].iter().all(|&st| st as usize <= k.0));
+        let t = if open { None } else { Some(self.bias(q, k)?) };
+        blocks.insert(key, t.clone());
+        Ok(t)
     }
 }
 
@@ -96,11 +167,11 @@ impl AttentionMask {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionImpl {
     /// The whole [seq x seq] score matrix per head, with a fused causal softmax on CPU
-    /// (`eager` or `sdpa`): fastest at short lengths, memory quadratic in the length.
+    /// (`eager`, and `sdpa` on CPU): fastest at short lengths, memory quadratic in the length.
     #[default]
     Eager,
-    /// Blockwise attention ([`super::flash_attention`], `flash_attention_2`): memory linear
-    /// in the length.
+    /// Blockwise attention ([`super::flash_attention`], `flash_attention_2`, and `sdpa` on a
+    /// GPU): memory linear in the length.
     Flash,
 }
 
@@ -116,11 +187,25 @@ impl AttentionImpl {
         }
     }
 
+    /// `name` as it runs on `device`. PyTorch's `sdpa` dispatches by device: on a GPU to a
+    /// fused memory-efficient (blockwise) kernel, on a CPU to the whole matrix. Ours follows,
+    /// so a GPU run of TRL's default keeps attention memory linear in the length as there.
+    pub fn for_device(name: &str, device: &Device) -> Option<Self> {
+        match Self::parse(name)? {
+            AttentionImpl::Eager if name == "sdpa" && device.is_cuda() => {
+                Some(AttentionImpl::Flash)
+            }
+            how => Some(how),
+        }
+    }
+
     /// Runs attention this way (see [`attention`] for the shapes).
     pub fn apply(self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
         match self {
             AttentionImpl::Eager => attention(q, k, v, mask),
-            AttentionImpl::Flash => super::flash_attention(q, k, v, mask, super::flash::BLOCK),
+            AttentionImpl::Flash => {
+                super::flash_attention(q, k, v, mask, super::flash::block_for(q.device()))
+            }
         }
     }
 }
@@ -143,9 +228,9 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Re
     let scores = q.matmul(&k.t()?)?.reshape((b, kv_heads, group, s, k_len))?;
     let dtype = scores.dtype();
     let scores = scores.to_dtype(softmax_dtype(dtype))?;
-    let probs = match &mask.bias {
-        None => causal_softmax(&scores, &mask.ranges)?,
-        Some(bias) => softmax(&scores.broadcast_add(bias)?)?,
+    let probs = match mask.fused {
+        true => causal_softmax(&scores, &mask.ranges)?,
+        false => softmax(&scores.broadcast_add(&mask.whole_bias()?.to_dtype(scores.dtype())?)?)?,
     }
     .to_dtype(dtype)?
     .reshape((b, kv_heads, group * s, k_len))?;
@@ -172,10 +257,10 @@ mod tests {
         let dev = Device::Cpu;
         let pos = Tensor::new(&[[0i64, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]], &dev).unwrap();
         let fused_mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();
-        assert!(fused_mask.bias.is_none());
-        // Same ranges, with the bias built as for a GPU.
+        assert!(fused_mask.fused);
+        // Same ranges, with the additive mask as on a GPU.
         let bias_mask = AttentionMask::build(&pos, DType::F32, &dev, false).unwrap();
-        assert!(bias_mask.bias.is_some());
+        assert!(!bias_mask.fused);
         let q = Var::randn(0f32, 1.0, (2, 4, 7, 8), &dev).unwrap();
         let k = Var::randn(0f32, 1.0, (2, 2, 7, 8), &dev).unwrap();
         let v = Var::randn(0f32, 1.0, (2, 2, 7, 8), &dev).unwrap();

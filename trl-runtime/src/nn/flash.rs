@@ -6,21 +6,37 @@
 //! log-sum-exp, not the [seq x seq] probabilities. Backward recomputes each block's scores from
 //! q, k and the log-sum-exp and accumulates dq, dk and dv block by block (FlashAttention-2's
 //! algorithm). Key blocks that no query of a block may see (after it causally, or before the
-//! start of every document in it) are skipped in both directions.
+//! start of every document in it) are skipped in both directions, and blocks every query sees
+//! whole get no mask.
 //!
 //! The mask is the one [`super::attention`] uses: causal within the documents of packed rows.
 //! Grouped-query heads share their key/value head without copying it.
+//!
+//! Precision: the matmuls run in the inputs' dtype (bf16 on tensor cores under mixed
+//! precision); scores, the softmax, its running statistics and every accumulator are f32 (f64
+//! for f64 inputs), as in FlashAttention's kernels. Results are cast back to the inputs' dtype.
 
-use super::attention::AttentionMask;
+use super::attention::{softmax_dtype, AttentionMask};
 use super::precomputed::{with_backward3, Backward3};
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 
-/// Queries and keys per block: large enough for efficient matmuls, small enough that a block
-/// of scores ([batch, heads, BLOCK, BLOCK]) stays small.
+/// Queries and keys per block on the CPU: large enough for efficient matmuls, small enough
+/// that a block of scores ([batch, heads, BLOCK, BLOCK]) stays small.
 pub const BLOCK: usize = 128;
 
-/// Added to masked scores: its exp() is 0, without the NaN that -inf - -inf would give.
-const MASKED: f32 = -1e30;
+/// The same on a GPU, where each block costs a dozen kernel launches: larger blocks keep the
+/// launches few (3 block pairs per layer at 2048 tokens) while a block of scores stays far
+/// below the whole matrix (1024 x 1024 per head).
+pub const GPU_BLOCK: usize = 1024;
+
+/// The block size for tensors on `device`.
+pub fn block_for(device: &Device) -> usize {
+    if device.is_cpu() {
+        BLOCK
+    } else {
+        GPU_BLOCK
+    }
+}
 
 /// The geometry of one call: batch, key/value heads, query heads per kv head, sequence
 /// length, head size, and the block size.
@@ -46,49 +62,15 @@ impl Dims {
     }
 }
 
-/// Per batch row, the first key every query may see (the start of its document).
-struct Starts(Vec<Vec<u32>>);
-
-impl Starts {
-    fn new(mask: &AttentionMask) -> Self {
-        let r = mask.ranges();
-        Starts(
-            r.starts
-                .chunks(r.rows.max(1))
-                .map(<[u32]>::to_vec)
-                .collect(),
-        )
-    }
-
-    /// Whether some query of block `(q0, qn)` may see a key of block `(k0, kn)`, for key
-    /// blocks at or before the query block. Earlier key blocks are then invisible too.
-    fn visible(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> bool {
-        let last_key = k0 + kn - 1;
-        self.0
-            .iter()
-            .any(|row| row[q0..q0 + qn].iter().any(|&st| st as usize <= last_key))
-    }
-
-    /// The additive mask of one block pair: [batch, 1, 1, qn, kn].
-    fn bias(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.0.len() * qn * kn);
-        for row in &self.0 {
-            for (q, &start) in (q0..).zip(&row[q0..q0 + qn]) {
-                let start = start as usize;
-                out.extend((k0..k0 + kn).map(|k| if k >= start && k <= q { 0.0 } else { MASKED }));
-            }
-        }
-        out
-    }
-}
-
 struct Inputs<'a> {
     /// Queries scaled by 1/sqrt(d), as [b, kv, group, s, d].
     q: Tensor,
     k: &'a Tensor,
     v: &'a Tensor,
     dims: Dims,
-    starts: &'a Starts,
+    mask: &'a AttentionMask,
+    /// The dtype of scores, softmax and accumulators.
+    wide: DType,
 }
 
 impl Inputs<'_> {
@@ -107,27 +89,32 @@ impl Inputs<'_> {
         let q = self.dims.range(i);
         (0..=i)
             .rev()
-            .take_while(move |&j| self.starts.visible(q, self.dims.range(j)))
+            .take_while(move |&j| self.mask.block_visible(q, self.dims.range(j)))
     }
 
-    /// Scores of query block `i` against key block `j` with the mask added:
+    /// Scores of query block `i` against key block `j` with the mask added, in the wide dtype:
     /// [b, kv, group, qn, kn].
     fn scores(&self, qi: &Tensor, i: usize, j: usize) -> Result<Tensor> {
         let Dims { b, kv, group, .. } = self.dims;
         let (q, k) = (self.dims.range(i), self.dims.range(j));
         let kj = self.k.narrow(2, k.0, k.1)?;
-        let bias = Tensor::from_vec(self.starts.bias(q, k), (b, 1, 1, q.1, k.1), qi.device())?
-            .to_dtype(qi.dtype())?;
-        qi.matmul(&kj.t()?)?
+        let scores = qi
+            .matmul(&kj.t()?)?
             .reshape((b, kv, group, q.1, k.1))?
-            .broadcast_add(&bias)
+            .to_dtype(self.wide)?;
+        match self.mask.block_bias(q, k)? {
+            Some(bias) => scores.broadcast_add(&bias.to_dtype(self.wide)?),
+            None => Ok(scores),
+        }
     }
 
-    /// Output [b, heads, s, d] and per-row log-sum-exp [b, kv, group, s, 1].
+    /// Output [b, heads, s, d] (the inputs' dtype) and per-row log-sum-exp [b, kv, group, s, 1]
+    /// (wide).
     fn forward(&self) -> Result<(Tensor, Tensor)> {
         let Dims {
             b, kv, group, s, d, ..
         } = self.dims;
+        let io = self.v.dtype();
         let (mut outs, mut lses) = (Vec::new(), Vec::new());
         for i in 0..self.dims.blocks() {
             let qn = self.dims.range(i).1;
@@ -143,9 +130,11 @@ impl Inputs<'_> {
                 };
                 let p = scores.broadcast_sub(&max)?.exp()?;
                 let pv = p
+                    .to_dtype(io)?
                     .reshape((b, kv, group * qn, kn))?
                     .matmul(&self.v.narrow(2, k0, kn)?)?
-                    .reshape((b, kv, group, qn, d))?;
+                    .reshape((b, kv, group, qn, d))?
+                    .to_dtype(self.wide)?;
                 let sum = p.sum_keepdim(D::Minus1)?;
                 acc = Some(match acc {
                     None => (max, sum, pv),
@@ -158,7 +147,7 @@ impl Inputs<'_> {
                 });
             }
             let (m, l, o) = acc.expect("the diagonal block is always visible");
-            outs.push(o.broadcast_div(&l)?);
+            outs.push(o.broadcast_div(&l)?.to_dtype(io)?);
             lses.push((m + l.log()?)?);
         }
         let out = Tensor::cat(&outs, 3)?.reshape((b, kv * group, s, d))?;
@@ -170,15 +159,19 @@ impl Inputs<'_> {
         let Dims {
             b, kv, group, s, d, ..
         } = self.dims;
+        let (io, wide) = (self.v.dtype(), self.wide);
         let five = (b, kv, group, s, d);
-        let dout = dout.reshape(five)?;
+        let dout = dout.to_dtype(io)?.reshape(five)?;
         // D_i = <dO_i, O_i>, the softmax backward's row term.
-        let dsum = (&dout * out.reshape(five)?)?.sum_keepdim(D::Minus1)?;
+        let dsum =
+            (dout.to_dtype(wide)? * out.reshape(five)?.to_dtype(wide)?)?.sum_keepdim(D::Minus1)?;
         let blocks = self.dims.blocks();
         let (mut dks, mut dvs): (Vec<Option<Tensor>>, Vec<Option<Tensor>>) =
             (vec![None; blocks], vec![None; blocks]);
         let mut dqs = Vec::with_capacity(blocks);
+        // Accumulated in the wide dtype: a sum of bf16 partial products loses the small ones.
         let add = |slot: &mut Option<Tensor>, t: Tensor| -> Result<()> {
+            let t = t.to_dtype(wide)?;
             *slot = Some(match slot.take() {
                 Some(prev) => (prev + t)?,
                 None => t,
@@ -196,10 +189,18 @@ impl Inputs<'_> {
                 let (k0, kn) = self.dims.range(j);
                 let (kj, vj) = (self.k.narrow(2, k0, kn)?, self.v.narrow(2, k0, kn)?);
                 let p5 = self.scores(&qi, i, j)?.broadcast_sub(&lse_i)?.exp()?;
-                let p = p5.reshape((b, kv, group * qn, kn))?;
+                let p = p5.to_dtype(io)?.reshape((b, kv, group * qn, kn))?;
                 add(&mut dvs[j], p.t()?.matmul(&doi)?)?;
-                let dp = doi.matmul(&vj.t()?)?.reshape((b, kv, group, qn, kn))?;
-                let ds = (p5 * dp.broadcast_sub(&dsum_i)?)?.reshape((b, kv, group * qn, kn))?;
+                let dp = doi
+                    .matmul(&vj.t()?)?
+                    .reshape((b, kv, group, qn, kn))?
+                    .to_dtype(wide)?;
+                let ds = (p5 * dp.broadcast_sub(&dsum_i)?)?.to_dtype(io)?.reshape((
+                    b,
+                    kv,
+                    group * qn,
+                    kn,
+                ))?;
                 add(&mut dqi, ds.matmul(&kj)?)?;
                 add(&mut dks[j], ds.t()?.matmul(&qi)?)?;
             }
@@ -216,21 +217,19 @@ impl Inputs<'_> {
                 .enumerate()
                 .map(|(j, p)| match p {
                     Some(p) => Ok(p),
-                    None => {
-                        Tensor::zeros((b, kv, self.dims.range(j).1, d), out.dtype(), out.device())
-                    }
+                    None => Tensor::zeros((b, kv, self.dims.range(j).1, d), wide, out.device()),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            Tensor::cat(&parts, 2)
+            Tensor::cat(&parts, 2)?.to_dtype(io)
         };
-        Ok([dq, whole(dks)?, whole(dvs)?])
+        Ok([dq.to_dtype(io)?, whole(dks)?, whole(dvs)?])
     }
 }
 
-/// What the blockwise backward needs besides q, k, v: the mask, the geometry and the
-/// forward's log-sum-exp.
+/// What the blockwise backward needs besides q, k, v: the mask (its block masks cached from
+/// the forward), the geometry and the forward's log-sum-exp.
 struct FlashBackward {
-    starts: Starts,
+    mask: AttentionMask,
     dims: Dims,
     lse: Tensor,
 }
@@ -246,7 +245,7 @@ impl Backward3 for FlashBackward {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<[Tensor; 3]> {
-        prepare(q, k, v, self.dims, &self.starts)?.backward(out, &self.lse, dout)
+        prepare(q, k, v, self.dims, &self.mask)?.backward(out, &self.lse, dout)
     }
 }
 
@@ -255,7 +254,7 @@ fn prepare<'a>(
     k: &'a Tensor,
     v: &'a Tensor,
     dims: Dims,
-    starts: &'a Starts,
+    mask: &'a AttentionMask,
 ) -> Result<Inputs<'a>> {
     let Dims {
         b, kv, group, s, d, ..
@@ -266,7 +265,8 @@ fn prepare<'a>(
         k,
         v,
         dims,
-        starts,
+        mask,
+        wide: softmax_dtype(v.dtype()),
     })
 }
 
@@ -288,10 +288,12 @@ pub fn flash_attention(
              (queries of length {s}): heads must share kv heads evenly and lengths must match"
         );
     }
-    if q.dtype() != DType::F32 && q.dtype() != DType::F64 {
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
         candle_core::bail!(
-            "flash attention runs in f32 or f64 on CPU, not {:?}",
-            q.dtype()
+            "flash attention: q, k and v differ in dtype ({:?}, {:?}, {:?})",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
         );
     }
     let dims = Dims {
@@ -302,17 +304,21 @@ pub fn flash_attention(
         d,
         block: block.max(1),
     };
-    let starts = Starts::new(mask);
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
-    let (out, lse) = prepare(q, &k_in, &v_in, dims, &starts)?.forward()?;
-    with_backward3(q, k, v, out, FlashBackward { starts, dims, lse })
+    let (out, lse) = prepare(q, &k_in, &v_in, dims, mask)?.forward()?;
+    let backward = FlashBackward {
+        mask: mask.clone(),
+        dims,
+        lse,
+    };
+    with_backward3(q, k, v, out, backward)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::nn::attention;
-    use crate::nn::testing::max_abs_diff as max_diff;
+    use crate::nn::testing::{max_abs_diff as max_diff, rel_diff};
     use candle_core::{Device, Var};
 
     /// Values and gradients equal the plain attention's on packed rows (documents that start
@@ -361,7 +367,6 @@ mod tests {
         let pos: Vec<i64> = (0..8).chain(0..8).collect();
         let pos = Tensor::from_vec(pos, (1, 16), &Device::Cpu).unwrap();
         let mask = AttentionMask::causal(&pos, DType::F32, &Device::Cpu).unwrap();
-        let starts = Starts::new(&mask);
         let dims = Dims {
             b: 1,
             kv: 1,
@@ -377,9 +382,71 @@ mod tests {
             k: &k,
             v: &k,
             dims,
-            starts: &starts,
+            mask: &mask,
+            wide: DType::F32,
         };
         let visited: Vec<Vec<usize>> = (0..4).map(|i| inputs.key_blocks(i).collect()).collect();
         assert_eq!(visited, vec![vec![0], vec![1, 0], vec![2], vec![3, 2]]);
+        // Key block 0 is wholly before query block 1 and inside its one document: no mask.
+        // Diagonal blocks are causal; key block 2 seen from block 3 is open again.
+        let masked =
+            |q: usize, k: usize| mask.block_bias((4 * q, 4), (4 * k, 4)).unwrap().is_some();
+        assert!(!masked(1, 0) && !masked(3, 2));
+        assert!((0..4).all(|i| masked(i, i)));
+    }
+
+    /// In bf16 (the matmuls in bf16, softmax and accumulators in f32) the values and gradients
+    /// follow the f32 plain attention of the same (bf16-rounded) inputs within a few bf16
+    /// roundings, with and without masks on the blocks.
+    #[test]
+    fn bf16_follows_f32_within_bf16_resolution() {
+        let dev = Device::Cpu;
+        let s = 96;
+        let pos: Vec<i64> = (0..2).flat_map(|_| (0..40).chain(0..56)).collect();
+        let pos = Tensor::from_vec(pos, (2, s), &dev).unwrap();
+        let mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();
+        // Values bf16 holds exactly, so both runs see the same inputs.
+        let var = |heads| {
+            let t = Tensor::randn(0f32, 1.0, (2, heads, s, 16), &dev).unwrap();
+            Var::from_tensor(
+                &t.to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let (q, k, v) = (var(4), var(2), var(2));
+        let w = Tensor::randn(0f32, 1.0, (2, 4, s, 16), &dev).unwrap();
+        let grads_of = |out: &Tensor| {
+            let loss = (out.to_dtype(DType::F32).unwrap() * &w)
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let grads = loss.backward().unwrap();
+            // Gradients reach the f32 variables through the casts.
+            [&q, &k, &v].map(|t| grads.get(t).unwrap().clone())
+        };
+        let want = attention(&q, &k, &v, &mask).unwrap();
+        let want_grads = grads_of(&want);
+        let low = [&q, &k, &v].map(|t| t.to_dtype(DType::BF16).unwrap());
+        for block in [16, 40, 96] {
+            let got = flash_attention(&low[0], &low[1], &low[2], &mask, block).unwrap();
+            assert_eq!(got.dtype(), DType::BF16);
+            let grads = grads_of(&got);
+            let got = got.to_dtype(DType::F32).unwrap();
+            let outputs = std::iter::once(("output", &got, &want));
+            let gradients = ["dq", "dk", "dv"]
+                .into_iter()
+                .zip(grads.iter().zip(&want_grads));
+            for (name, g, w) in outputs.chain(gradients.map(|(n, (g, w))| (n, g, w))) {
+                let d = rel_diff(g, w);
+                eprintln!("block {block}: {name} differs by {d:e} of its largest");
+                assert!(
+                    d < 1e-2,
+                    "block {block}: {name} differs by {d:e} of its largest"
+                );
+            }
+        }
     }
 }

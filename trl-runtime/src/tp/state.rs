@@ -7,7 +7,7 @@
 use super::{PlanEntry, Split};
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
-use crate::train::optim::{sum_of_squares, AdamW, ParamState};
+use crate::train::optim::{sums_of_squares, AdamW, ParamState};
 use candle_core::{Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -135,10 +135,11 @@ impl TpNorm {
 
     /// The squared global norm of per-parameter gradients `grads` (this rank's slices).
     pub fn norm_sq(&self, grads: &BTreeMap<String, Tensor>) -> Result<f64> {
-        let mut local = 0.0;
-        for (name, g) in grads {
-            local += sum_of_squares(g)? * self.weight(name);
-        }
-        self.sum(local)
+        let sums = sums_of_squares(grads.values())?;
+        let local = grads
+            .keys()
+            .zip(sums)
+            .map(|(name, sq)| sq * self.weight(name));
+        self.sum(local.sum())
     }
 }

@@ -141,8 +141,9 @@ sft_config! {
     mixed_precision: Option<String> = None;
     /// TRL/transformers' switch for bf16 mixed precision (the same as mixed_precision: bf16).
     bf16: bool = false;
-    /// eager / sdpa (whole score matrix, fastest at short lengths) or flash_attention_2
-    /// (blockwise, memory linear in the sequence length), as transformers names them.
+    /// eager (whole score matrix, fastest at short lengths) or flash_attention_2 (blockwise,
+    /// memory linear in the sequence length), as transformers names them; sdpa is the first on
+    /// a CPU and the second on a GPU, as PyTorch's sdpa dispatches.
     attn_implementation: String = "sdpa".into();
     /// Liger's fused linear cross-entropy: the LM head and the loss run in sequence tiles, so
     /// the [tokens x vocab] logits never exist whole (the other Liger kernels are not needed

@@ -282,14 +282,11 @@ pub struct Trainer<'a> {
     stop: Arc<AtomicBool>,
 }
 
-/// The blockwise kernels (flash attention, the tiled loss and MLP, ring attention) compute in
-/// f32: with bf16 they are refused before anything is loaded.
+/// The tiled loss and MLP and ring attention compute in f32: with bf16 they are refused
+/// before anything is loaded. (Blockwise attention runs its matmuls in bf16 and the rest in
+/// f32, and is accepted.)
 fn refuse_reduced_precision(config: &SFTConfig, split: Option<&SeqSplit>) -> Result<()> {
     let uses = [
-        (
-            AttentionImpl::parse(&config.attn_implementation) == Some(AttentionImpl::Flash),
-            "attn_implementation: flash_attention_2 (use sdpa)",
-        ),
         (
             config.use_liger_kernel,
             "use_liger_kernel (set it to false)",
@@ -542,7 +539,8 @@ impl<'a> Trainer<'a> {
                 );
             }
         }
-        model.attention = AttentionImpl::parse(&config.attn_implementation).expect("validated");
+        model.attention = AttentionImpl::for_device(&config.attn_implementation, ctx.device())
+            .expect("validated");
         if let Some(split) = &split {
             model
                 .split_sequences(split.clone())
