@@ -782,7 +782,7 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
     let zero2 = run_with(2, bf16("zero2", 2, 1), Strategy::Zero(ZeroStage::Two));
     let fsdp = run_with(2, bf16("fsdp", 2, 1), Strategy::fsdp(WrapPolicy::PerLayer));
     let fp32 = run(1, config(&tmp.path().join("fp32"), 4, 1, 5));
-    // Blockwise attention in bf16: matmuls in bf16, softmax and accumulators in f32.
+    // The blockwise kernels in bf16: matmuls in bf16; softmax, loss and accumulators in f32.
     let flash = run(
         1,
         SFTConfig {
@@ -790,9 +790,29 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
             ..bf16("flash", 4, 1)
         },
     );
+    let tiled = run(
+        1,
+        SFTConfig {
+            attn_implementation: "flash_attention_2".into(),
+            use_liger_kernel: true,
+            tiled_mlp: true,
+            ..bf16("tiled", 4, 1)
+        },
+    );
+    let ring = run_dims(
+        ParallelDims {
+            cp: 2,
+            ..dims(1, 1, 1)
+        },
+        bf16("cp", 4, 1),
+        Strategy::Ddp,
+        CheckpointFormat::Full,
+    );
     assert!(one.0[4] < one.0[0], "the loss goes down: {:?}", one.0);
     for (what, run) in [
         ("flash_attention_2 1 x 4", &flash),
+        ("flash_attention_2 + tiled loss and MLP 1 x 4", &tiled),
+        ("ring attention cp 2", &ring),
         ("DDP 2 x 2", &ddp),
         ("1 x 2 accumulation x 2", &accum),
         ("ZeRO-2 2 x 2", &zero2),
@@ -832,19 +852,6 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
         }
     }
     drop(trainer);
-    // The f32-only kernels are refused by name before anything loads.
-    let tiled = SFTConfig {
-        use_liger_kernel: true,
-        ..bf16("tiled", 4, 1)
-    };
-    let e = Trainer::with_strategy(tiled, &ctx, Strategy::Ddp)
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        e.contains("mixed_precision") && e.contains("use_liger_kernel"),
-        "{e}"
-    );
     let fp16 = SFTConfig {
         mixed_precision: Some("fp16".into()),
         ..config(&tmp.path().join("fp16"), 4, 1, 5)

@@ -318,7 +318,7 @@ pub fn flash_attention(
 mod tests {
     use super::*;
     use crate::nn::attention;
-    use crate::nn::testing::{max_abs_diff as max_diff, rel_diff};
+    use crate::nn::testing::{bf16_exact_randn as randn, max_abs_diff as max_diff, rel_diff};
     use candle_core::{Device, Var};
 
     /// Values and gradients equal the plain attention's on packed rows (documents that start
@@ -405,19 +405,9 @@ mod tests {
         let pos: Vec<i64> = (0..2).flat_map(|_| (0..40).chain(0..56)).collect();
         let pos = Tensor::from_vec(pos, (2, s), &dev).unwrap();
         let mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();
-        // Values bf16 holds exactly, so both runs see the same inputs.
-        let var = |heads| {
-            let t = Tensor::randn(0f32, 1.0, (2, heads, s, 16), &dev).unwrap();
-            Var::from_tensor(
-                &t.to_dtype(DType::BF16)
-                    .unwrap()
-                    .to_dtype(DType::F32)
-                    .unwrap(),
-            )
-            .unwrap()
-        };
-        let (q, k, v) = (var(4), var(2), var(2));
-        let w = Tensor::randn(0f32, 1.0, (2, 4, s, 16), &dev).unwrap();
+        let var = |heads, seed| Var::from_tensor(&randn((2, heads, s, 16), 1.0, seed)).unwrap();
+        let (q, k, v) = (var(4, 1), var(2, 2), var(2, 3));
+        let w = randn((2, 4, s, 16), 1.0, 4);
         let grads_of = |out: &Tensor| {
             let loss = (out.to_dtype(DType::F32).unwrap() * &w)
                 .unwrap()

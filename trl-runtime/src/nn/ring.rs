@@ -12,8 +12,12 @@
 //!
 //! Within a step the local queries and the visiting keys are taken in blocks (as in the
 //! blockwise attention), so memory stays linear in the length: one block of scores at a time.
+//!
+//! Precision as in the blockwise attention: matmuls in the inputs' dtype (bf16 under mixed
+//! precision), scores, softmax and accumulators in f32 (f64 for f64 inputs). The key and value
+//! gradients travel around the ring in f32 too, so each hop adds to an unrounded sum.
 
-use super::attention::AttentionMask;
+use super::attention::{softmax_dtype, AttentionMask};
 use super::flash::BLOCK;
 use super::precomputed::{with_backward3, Backward3};
 use crate::comm::{CommQueue, Communicator, Pending};
@@ -153,6 +157,9 @@ struct Ring<'a> {
     group: usize,
     n: usize,
     d: usize,
+    /// The inputs' dtype, and that of scores, softmax and accumulators.
+    io: DType,
+    wide: DType,
 }
 
 impl Ring<'_> {
@@ -226,10 +233,11 @@ impl Ring<'_> {
         let rows = self.rows(i);
         let (bias, vis) = self
             .mask
-            .block(rows.clone(), keys, qi.dtype(), qi.device())?;
+            .block(rows.clone(), keys, self.wide, qi.device())?;
         let s = qi
             .matmul(&kj.t()?)?
             .reshape((self.b, self.kv, self.group, rows.len(), keys.len()))?
+            .to_dtype(self.wide)?
             .broadcast_add(&bias)?;
         Ok((s, vis))
     }
@@ -258,9 +266,11 @@ impl Ring<'_> {
                 };
                 let p = s.broadcast_sub(&max)?.exp()?.broadcast_mul(&vis)?;
                 let pv = p
+                    .to_dtype(self.io)?
                     .reshape((b, kv, g * qr.len(), kr.len()))?
                     .matmul(&v.narrow(2, kr.start, kr.len())?)?
-                    .reshape((b, kv, g, qr.len(), d))?;
+                    .reshape((b, kv, g, qr.len(), d))?
+                    .to_dtype(self.wide)?;
                 let sum = p.sum_keepdim(D::Minus1)?;
                 acc[i] = Some(match acc[i].take() {
                     None => (max, sum, pv),
@@ -275,7 +285,7 @@ impl Ring<'_> {
         for a in acc {
             // Every query sees itself, in its own chunk, at step 0.
             let (m, l, o) = a.expect("every query block sees its own keys");
-            outs.push(o.broadcast_div(&l)?);
+            outs.push(o.broadcast_div(&l)?.to_dtype(self.io)?);
             lses.push((m + l.log()?)?);
         }
         let out = Tensor::cat(&outs, 3)?.reshape((b, kv * g, self.n, d))?;
@@ -291,13 +301,15 @@ impl Ring<'_> {
         dout: &Tensor,
     ) -> Result<[Tensor; 3]> {
         let (b, kv, g, n, d) = (self.b, self.kv, self.group, self.n, self.d);
+        let (io, wide) = (self.io, self.wide);
         let five = (b, kv, g, n, d);
-        let dout = dout.reshape(five)?;
-        let dsum = (&dout * out.reshape(five)?)?.sum_keepdim(D::Minus1)?;
+        let dout = dout.to_dtype(io)?.reshape(five)?;
+        let dsum =
+            (dout.to_dtype(wide)? * out.reshape(five)?.to_dtype(wide)?)?.sum_keepdim(D::Minus1)?;
         let blocks = n.div_ceil(self.mask.block);
         let (mut k, mut v) = (k.clone(), v.clone());
-        let mut dk = k.zeros_like()?;
-        let mut dv = v.zeros_like()?;
+        let mut dk = k.zeros_like()?.to_dtype(wide)?;
+        let mut dv = v.zeros_like()?.to_dtype(wide)?;
         let mut dq: Vec<Option<Tensor>> = vec![None; blocks];
         let mut next = None;
         for t in 0..self.cp.size() {
@@ -322,18 +334,25 @@ impl Ring<'_> {
                 let lse_i = lse.narrow(3, qr.start, qr.len())?;
                 let dsum_i = dsum.narrow(3, qr.start, qr.len())?;
                 let p5 = s.broadcast_sub(&lse_i)?.exp()?.broadcast_mul(&vis)?;
-                let p = p5.reshape((b, kv, g * qr.len(), kr.len()))?;
-                add(&mut dv_blocks[j], p.t()?.matmul(&doi)?)?;
+                let p = p5.to_dtype(io)?.reshape((b, kv, g * qr.len(), kr.len()))?;
+                add(&mut dv_blocks[j], p.t()?.matmul(&doi)?.to_dtype(wide)?)?;
                 let dp = doi
                     .matmul(&vj.t()?)?
-                    .reshape((b, kv, g, qr.len(), kr.len()))?;
-                let ds =
-                    (p5 * dp.broadcast_sub(&dsum_i)?)?.reshape((b, kv, g * qr.len(), kr.len()))?;
+                    .reshape((b, kv, g, qr.len(), kr.len()))?
+                    .to_dtype(wide)?;
+                let ds = (p5 * dp.broadcast_sub(&dsum_i)?)?.to_dtype(io)?.reshape((
+                    b,
+                    kv,
+                    g * qr.len(),
+                    kr.len(),
+                ))?;
                 add(
                     &mut dq[i],
-                    ds.matmul(&kj)?.reshape((b, kv, g, qr.len(), d))?,
+                    ds.matmul(&kj)?
+                        .reshape((b, kv, g, qr.len(), d))?
+                        .to_dtype(wide)?,
                 )?;
-                add(&mut dk_blocks[j], ds.t()?.matmul(&qi)?)?;
+                add(&mut dk_blocks[j], ds.t()?.matmul(&qi)?.to_dtype(wide)?)?;
             }
             dk = (dk + self.whole(dk_blocks)?)?;
             dv = (dv + self.whole(dv_blocks)?)?;
@@ -347,14 +366,15 @@ impl Ring<'_> {
             .enumerate()
             .map(|(i, x)| match x {
                 Some(x) => Ok(x),
-                None => Tensor::zeros((b, kv, g, self.rows(i).len(), d), out.dtype(), out.device()),
+                None => Tensor::zeros((b, kv, g, self.rows(i).len(), d), wide, out.device()),
             })
             .collect::<Result<Vec<_>>>()?;
         let dq = (Tensor::cat(&dq, 3)?.reshape((b, kv * g, n, d))? * (1.0 / (d as f64).sqrt()))?;
-        Ok([dq, dk, dv])
+        Ok([dq.to_dtype(io)?, dk.to_dtype(io)?, dv.to_dtype(io)?])
     }
 
-    /// Key-block gradients [b, kv, len, d] end to end (zeros where no query saw the block).
+    /// Key-block gradients [b, kv, len, d] end to end (zeros where no query saw the block), in
+    /// the wide dtype.
     fn whole(&self, parts: Vec<Option<Tensor>>) -> Result<Tensor> {
         let parts = parts
             .into_iter()
@@ -363,7 +383,7 @@ impl Ring<'_> {
                 Some(p) => Ok(p),
                 None => Tensor::zeros(
                     (self.b, self.kv, self.rows(j).len(), self.d),
-                    self.q.dtype(),
+                    self.wide,
                     self.q.device(),
                 ),
             })
@@ -388,6 +408,7 @@ fn add(slot: &mut Option<Tensor>, t: Tensor) -> Result<()> {
 fn ring<'a>(q: &Tensor, kv: usize, mask: &'a RingMask) -> Result<Ring<'a>> {
     let (b, heads, n, d) = q.dims4()?;
     let group = heads / kv;
+    let io = q.dtype();
     let q = (q.detach() * (1.0 / (d as f64).sqrt()))?.reshape((b, kv, group, n, d))?;
     Ok(Ring {
         cp: &mask.group,
@@ -398,6 +419,8 @@ fn ring<'a>(q: &Tensor, kv: usize, mask: &'a RingMask) -> Result<Ring<'a>> {
         group,
         n,
         d,
+        io,
+        wide: softmax_dtype(io),
     })
 }
 
@@ -443,21 +466,23 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
 mod tests {
     use super::*;
     use crate::comm::InProcessWorld;
-    use crate::nn::testing::max_abs_diff as diff;
+    use crate::nn::testing::{bf16_exact_randn as randn, rel_diff as rel};
     use candle_core::{Device, Var};
 
     /// Blocks within a ring step change nothing: values and gradients at block 3 (ragged,
     /// spanning the two chunks) equal one block per step, on 2 ranks with packed documents.
+    /// In bf16 (inputs bf16 holds exactly) they follow the f32 ones within a few bf16
+    /// roundings of the largest value.
     #[test]
     fn blocks_within_a_step_change_nothing() {
         let dev = Device::Cpu;
         // Per rank: 2 chunks of 5 of a row of 20 tokens; documents of 7 and 13.
         let global: Vec<i64> = (0..7).chain(0..13).collect();
-        let q = Tensor::randn(0f32, 1.0, (1, 4, 20, 8), &dev).unwrap();
-        let k = Tensor::randn(0f32, 1.0, (1, 2, 20, 8), &dev).unwrap();
-        let v = Tensor::randn(0f32, 1.0, (1, 2, 20, 8), &dev).unwrap();
-        let w = Tensor::randn(0f32, 1.0, (1, 4, 20, 8), &dev).unwrap();
-        let run = |block: usize| {
+        let q = randn((1, 4, 20, 8), 1.0, 1);
+        let k = randn((1, 2, 20, 8), 1.0, 2);
+        let v = randn((1, 2, 20, 8), 1.0, 3);
+        let w = randn((1, 4, 20, 8), 1.0, 4);
+        let run = |block: usize, dtype: DType| {
             InProcessWorld::run(2, |rank, cp| {
                 let index: Vec<u32> = balanced_indices(rank, 2, 5)
                     .into_iter()
@@ -474,7 +499,10 @@ mod tests {
                 let mine =
                     |t: &Tensor| Var::from_tensor(&t.index_select(&index, 2).unwrap()).unwrap();
                 let (q, k, v) = (mine(&q), mine(&k), mine(&v));
-                let out = ring_attention(&q, &k, &v, &mask).unwrap();
+                let [ql, kl, vl] = [&q, &k, &v].map(|t| t.to_dtype(dtype).unwrap());
+                let out = ring_attention(&ql, &kl, &vl, &mask).unwrap();
+                assert_eq!(out.dtype(), dtype);
+                let out = out.to_dtype(DType::F32).unwrap();
                 let loss = (&out * w.index_select(&index, 2).unwrap())
                     .unwrap()
                     .sum_all()
@@ -487,11 +515,25 @@ mod tests {
                 (out, grads)
             })
         };
-        let (whole, blocked) = (run(128), run(3));
-        for ((o1, g1), (o2, g2)) in whole.iter().zip(&blocked) {
-            assert!(diff(o1, o2) < 1e-5, "outputs differ by {}", diff(o1, o2));
-            for (a, b) in g1.iter().zip(g2) {
-                assert!(diff(a, b) < 1e-5, "gradients differ by {}", diff(a, b));
+        let whole = run(128, DType::F32);
+        // bf16: a few roundings (of dout, ds and the products) of the largest value.
+        for (block, dtype, bound) in [(3, DType::F32, 1e-5), (3, DType::BF16, 2e-2)] {
+            let blocked = run(block, dtype);
+            for ((o1, g1), (o2, g2)) in whole.iter().zip(&blocked) {
+                let d = rel(o2, o1);
+                eprintln!("{dtype:?}, block {block}: output differs by {d:e} of the largest");
+                assert!(
+                    d < bound,
+                    "{dtype:?}: outputs differ by {d:e} of the largest"
+                );
+                for (a, b) in g1.iter().zip(g2) {
+                    let d = rel(b, a);
+                    eprintln!("{dtype:?}, block {block}: gradient differs by {d:e} of the largest");
+                    assert!(
+                        d < bound,
+                        "{dtype:?}: gradients differ by {d:e} of the largest"
+                    );
+                }
             }
         }
     }

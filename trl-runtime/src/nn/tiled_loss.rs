@@ -3,7 +3,12 @@
 //! once, in forward or backward. Forward keeps nothing but the inputs; backward recomputes
 //! each tile's logits, turns them into the gradient of the loss (softmax minus the one-hot
 //! target), and accumulates the hidden states' and the head weight's gradients tile by tile.
+//!
+//! Precision: the head's matmuls run in the inputs' dtype (bf16 under mixed precision), the
+//! log-softmax, the loss and the weight gradient's accumulation in f32 (f64 for f64 inputs),
+//! as the untiled head followed by [`super::cross_entropy_sum`] computes.
 
+use super::attention::softmax_dtype;
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
 use super::precomputed::Precomputed;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
@@ -23,13 +28,17 @@ struct TiledLoss {
 }
 
 impl TiledLoss {
-    /// One tile's logits (f32 or f64) from detached `hidden` and `weight`.
+    /// One tile's logits from detached `hidden` and `weight`, in the wide dtype (f32, or f64).
     fn logits(hidden: &Tensor, weight: &Tensor, start: usize, len: usize) -> Result<Tensor> {
-        hidden.narrow(0, start, len)?.matmul(&weight.t()?)
+        hidden
+            .narrow(0, start, len)?
+            .matmul(&weight.t()?)?
+            .to_dtype(softmax_dtype(hidden.dtype()))
     }
 
     fn forward(&self, hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
-        let mut total = Tensor::zeros((), hidden.dtype(), hidden.device())?;
+        let wide = softmax_dtype(hidden.dtype());
+        let mut total = Tensor::zeros((), wide, hidden.device())?;
         for (start, len, t) in &self.tiles {
             let logits = Self::logits(hidden, weight, *start, *len)?;
             let max = logits.max_keepdim(D::Minus1)?;
@@ -76,6 +85,7 @@ impl CustomOp2 for TiledLoss {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // Detached, so that the accumulated gradients do not record (and keep) every tile.
         let (hidden, weight, grad) = (hidden.detach(), weight.detach(), grad.detach());
+        let (io, wide) = (hidden.dtype(), softmax_dtype(hidden.dtype()));
         let mut dhidden = Vec::with_capacity(self.tiles.len());
         let mut dweight: Option<Tensor> = None;
         for (start, len, t) in &self.tiles {
@@ -87,14 +97,20 @@ impl CustomOp2 for TiledLoss {
             let dlogits = probs
                 .scatter_add(&t.index, &t.weight.neg()?, 1)?
                 .broadcast_mul(&t.weight)?
-                .broadcast_mul(&grad)?;
+                .broadcast_mul(&grad.to_dtype(wide)?)?
+                .to_dtype(io)?;
             dhidden.push(dlogits.matmul(&weight)?);
-            let dw = dlogits.t()?.matmul(&hidden.narrow(0, *start, *len)?)?;
+            // Summed over tiles in the wide dtype: bf16 partial sums would drop small terms.
+            let dw = dlogits
+                .t()?
+                .matmul(&hidden.narrow(0, *start, *len)?)?
+                .to_dtype(wide)?;
             dweight = Some(match dweight {
                 Some(prev) => (prev + dw)?,
                 None => dw,
             });
         }
+        let dweight = dweight.map(|d| d.to_dtype(io)).transpose()?;
         Ok((Some(Tensor::cat(&dhidden, 0)?), dweight))
     }
 }
@@ -109,20 +125,20 @@ pub fn tiled_linear_cross_entropy(
 ) -> Result<LossSum> {
     let (n, _) = hidden.dims2()?;
     let vocab = weight.dim(0)?;
-    if !matches!(hidden.dtype(), DType::F32 | DType::F64) {
+    if !matches!(hidden.dtype(), DType::F32 | DType::F64 | DType::BF16) {
         candle_core::bail!(
-            "the tiled loss runs in f32 or f64, not {:?}",
+            "the tiled loss runs in f32, f64 or bf16, not {:?}",
             hidden.dtype()
         );
     }
     let (targets, count) = checked_targets(targets, vocab)?;
+    let wide = softmax_dtype(hidden.dtype());
     let rows = (TILE_BYTES / (4 * vocab)).max(16);
     let device = hidden.device();
     let mut tiles = Vec::new();
     for start in (0..n).step_by(rows) {
         let len = rows.min(n - start);
-        let (index, weight) =
-            target_index_and_weight(&targets[start..start + len], hidden.dtype(), device)?;
+        let (index, weight) = target_index_and_weight(&targets[start..start + len], wide, device)?;
         tiles.push((
             start,
             len,
@@ -148,16 +164,18 @@ pub fn tiled_linear_cross_entropy(
 mod tests {
     use super::*;
     use crate::nn::loss::{cross_entropy_sum, IGNORE_INDEX};
-    use crate::nn::testing::rel_diff as rel;
+    use crate::nn::testing::{bf16_exact_randn as randn, rel_diff as rel};
     use candle_core::{Device, Var};
 
+    /// In f32 and in bf16 (inputs bf16 holds exactly, so both paths see the same values), the
+    /// tiled loss equals the LM head followed by the cross-entropy: value and gradients.
     #[test]
     fn equals_the_head_and_cross_entropy() {
         // 600 rows over a vocabulary of 20,000: tiles of 209 rows, the last one short.
         let dev = Device::Cpu;
         let (n, h, vocab) = (600, 16, 20_000);
-        let hidden = Var::randn(0f32, 1.0, (n, h), &dev).unwrap();
-        let weight = Var::randn(0f32, 0.2, (vocab, h), &dev).unwrap();
+        let hidden = Var::from_tensor(&randn((n, h), 1.0, 1)).unwrap();
+        let weight = Var::from_tensor(&randn((vocab, h), 0.2, 2)).unwrap();
         let targets: Vec<i64> = (0..n as i64)
             .map(|i| {
                 if i % 7 == 3 {
@@ -168,32 +186,39 @@ mod tests {
             })
             .collect();
         let targets = Tensor::new(targets.as_slice(), &dev).unwrap();
-        let run = |tiled: bool| {
+        let run = |tiled: bool, dtype: DType| {
+            let (x, w) = (
+                hidden.to_dtype(dtype).unwrap(),
+                weight.to_dtype(dtype).unwrap(),
+            );
             let ls = if tiled {
-                tiled_linear_cross_entropy(&hidden, &weight, &targets).unwrap()
+                tiled_linear_cross_entropy(&x, &w, &targets).unwrap()
             } else {
-                let logits = hidden.matmul(&weight.t().unwrap()).unwrap();
+                let logits = x.matmul(&w.t().unwrap()).unwrap();
                 cross_entropy_sum(&logits, &targets).unwrap()
             };
+            assert_eq!(ls.sum.dtype(), DType::F32, "the loss is summed in f32");
             let grads = (&ls.sum * 0.5).unwrap().backward().unwrap();
             let value = ls.sum.to_scalar::<f32>().unwrap();
             let gh = grads.get(&hidden).unwrap().clone();
             let gw = grads.get(&weight).unwrap().clone();
             (value, ls.count, gh, gw)
         };
-        let (want, want_count, want_gh, want_gw) = run(false);
-        let (got, count, gh, gw) = run(true);
-        assert_eq!(count, want_count);
-        assert!((got - want).abs() <= 1e-5 * want.abs(), "{got} vs {want}");
-        assert!(
-            rel(&gh, &want_gh) < 1e-5,
-            "hidden gradient {}",
-            rel(&gh, &want_gh)
-        );
-        assert!(
-            rel(&gw, &want_gw) < 1e-5,
-            "weight gradient {}",
-            rel(&gw, &want_gw)
-        );
+        for (dtype, value_bound, grad_bound) in
+            [(DType::F32, 1e-5, 1e-5), (DType::BF16, 1e-4, 1e-2)]
+        {
+            let (want, want_count, want_gh, want_gw) = run(false, dtype);
+            let (got, count, gh, gw) = run(true, dtype);
+            let (dv, dh, dw) = (
+                (got - want).abs() / want.abs(),
+                rel(&gh, &want_gh),
+                rel(&gw, &want_gw),
+            );
+            eprintln!("{dtype:?}: value {dv:e}, hidden gradient {dh:e}, weight gradient {dw:e}");
+            assert_eq!(count, want_count);
+            assert!(dv <= value_bound, "{dtype:?}: {got} vs {want}");
+            assert!(dh < grad_bound, "{dtype:?}: hidden gradient {dh:e}");
+            assert!(dw < grad_bound, "{dtype:?}: weight gradient {dw:e}");
+        }
     }
 }

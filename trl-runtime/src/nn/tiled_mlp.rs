@@ -4,7 +4,11 @@
 //! accumulates the weight gradients. Gate and up weights enter as one [2 x intermediate,
 //! hidden] tensor (Candle's custom ops take three inputs; the concatenation's own backward
 //! splits the gradient).
+//!
+//! Precision: everything runs in the inputs' dtype, as the untiled MLP does, except the weight
+//! gradients' sums over tiles, which are f32 (bf16 partial sums would drop small terms).
 
+use super::attention::softmax_dtype;
 use super::precomputed::{with_backward3, Backward3};
 use candle_core::{Result, Tensor, D};
 
@@ -49,6 +53,14 @@ impl Backward3 for TiledMlp {
         dy: &Tensor,
     ) -> Result<[Tensor; 3]> {
         let (mut dx, mut dgu, mut ddown) = (Vec::new(), None::<Tensor>, None::<Tensor>);
+        let (io, wide) = (x.dtype(), softmax_dtype(x.dtype()));
+        let add = |sum: Option<Tensor>, t: Tensor| -> Result<Tensor> {
+            let t = t.to_dtype(wide)?;
+            match sum {
+                Some(prev) => prev + t,
+                None => Ok(t),
+            }
+        };
         for (start, len) in tiles(x.dim(0)?) {
             let xt = x.narrow(0, start, len)?;
             let dyt = dy.narrow(0, start, len)?;
@@ -62,21 +74,14 @@ impl Backward3 for TiledMlp {
             let da = ((dh * b)? * dsilu)?;
             let dab = Tensor::cat(&[&da, &db], D::Minus1)?;
             dx.push(dab.matmul(gate_up)?);
-            let g = dab.t()?.matmul(&xt)?;
-            dgu = Some(match dgu {
-                Some(prev) => (prev + g)?,
-                None => g,
-            });
-            ddown = Some(match ddown {
-                Some(prev) => (prev + dd)?,
-                None => dd,
-            });
+            dgu = Some(add(dgu, dab.t()?.matmul(&xt)?)?);
+            ddown = Some(add(ddown, dd)?);
         }
         let missing = || candle_core::Error::Msg("the tiled MLP had no rows".into());
         Ok([
             Tensor::cat(&dx, 0)?,
-            dgu.ok_or_else(missing)?,
-            ddown.ok_or_else(missing)?,
+            dgu.ok_or_else(missing)?.to_dtype(io)?,
+            ddown.ok_or_else(missing)?.to_dtype(io)?,
         ])
     }
 }
@@ -92,43 +97,56 @@ pub fn tiled_swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tenso
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::testing::rel_diff as rel;
-    use candle_core::{Device, Var};
+    use crate::nn::testing::{bf16_exact_randn as randn, rel_diff as rel};
+    use candle_core::{DType, Var};
 
+    /// In f32 and in bf16 (inputs bf16 holds exactly) the tiled MLP equals the plain one:
+    /// output and gradients.
     #[test]
     fn equals_the_plain_mlp() {
         // 2500 rows: three tiles, the last one short.
-        let dev = Device::Cpu;
-        let x = Var::randn(0f32, 1.0, (2500, 16), &dev).unwrap();
-        let gate = Var::randn(0f32, 0.3, (24, 16), &dev).unwrap();
-        let up = Var::randn(0f32, 0.3, (24, 16), &dev).unwrap();
-        let down = Var::randn(0f32, 0.3, (16, 24), &dev).unwrap();
-        let w = Tensor::randn(0f32, 1.0, (2500, 16), &dev).unwrap();
-        let run = |tiled: bool| {
+        let var =
+            |shape: (usize, usize), std, seed| Var::from_tensor(&randn(shape, std, seed)).unwrap();
+        let x = var((2500, 16), 1.0, 1);
+        let gate = var((24, 16), 0.3, 2);
+        let up = var((24, 16), 0.3, 3);
+        let down = var((16, 24), 0.3, 4);
+        let w = randn((2500, 16), 1.0, 5);
+        let run = |tiled: bool, dtype: DType| {
+            let [xc, gc, uc, dc] = [&x, &gate, &up, &down].map(|t| t.to_dtype(dtype).unwrap());
             let y = if tiled {
-                let gu = Tensor::cat(&[gate.as_tensor(), up.as_tensor()], 0).unwrap();
-                tiled_swiglu(&x, &gu, &down).unwrap()
+                let gu = Tensor::cat(&[&gc, &uc], 0).unwrap();
+                tiled_swiglu(&xc, &gu, &dc).unwrap()
             } else {
-                let h = (x.matmul(&gate.t().unwrap()).unwrap().silu().unwrap()
-                    * x.matmul(&up.t().unwrap()).unwrap())
+                let h = (xc.matmul(&gc.t().unwrap()).unwrap().silu().unwrap()
+                    * xc.matmul(&uc.t().unwrap()).unwrap())
                 .unwrap();
-                h.matmul(&down.t().unwrap()).unwrap()
+                h.matmul(&dc.t().unwrap()).unwrap()
             };
+            assert_eq!(y.dtype(), dtype);
+            let y = y.to_dtype(DType::F32).unwrap();
             let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            // Gradients reach the f32 variables through the casts.
             let grads: Vec<Tensor> = [&x, &gate, &up, &down]
                 .iter()
                 .map(|t| g.get(t).unwrap().clone())
                 .collect();
             (y, grads)
         };
-        let (want, want_grads) = run(false);
-        let (got, grads) = run(true);
-        assert!(rel(&got, &want) < 1e-5, "output {}", rel(&got, &want));
-        for (name, (g, w)) in ["x", "gate", "up", "down"]
-            .iter()
-            .zip(grads.iter().zip(&want_grads))
-        {
-            assert!(rel(g, w) < 1e-5, "gradient of {name}: {}", rel(g, w));
+        for (dtype, bound) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+            let (want, want_grads) = run(false, dtype);
+            let (got, grads) = run(true, dtype);
+            let d = rel(&got, &want);
+            eprintln!("{dtype:?}: output {d:e}");
+            assert!(d < bound, "{dtype:?}: output {d:e}");
+            for (name, (g, w)) in ["x", "gate", "up", "down"]
+                .iter()
+                .zip(grads.iter().zip(&want_grads))
+            {
+                let d = rel(g, w);
+                eprintln!("{dtype:?}: gradient of {name} {d:e}");
+                assert!(d < bound, "{dtype:?}: gradient of {name}: {d:e}");
+            }
         }
     }
 }

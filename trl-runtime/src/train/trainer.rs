@@ -282,31 +282,6 @@ pub struct Trainer<'a> {
     stop: Arc<AtomicBool>,
 }
 
-/// The tiled loss and MLP and ring attention compute in f32: with bf16 they are refused
-/// before anything is loaded. (Blockwise attention runs its matmuls in bf16 and the rest in
-/// f32, and is accepted.)
-fn refuse_reduced_precision(config: &SFTConfig, split: Option<&SeqSplit>) -> Result<()> {
-    let uses = [
-        (
-            config.use_liger_kernel,
-            "use_liger_kernel (set it to false)",
-        ),
-        (config.tiled_mlp, "tiled_mlp (set it to false)"),
-        (
-            split.is_some_and(|s| s.ring),
-            "context parallelism (use sequence parallelism, parallelism_config_sp_size)",
-        ),
-    ];
-    match uses.iter().find(|(on, _)| *on) {
-        Some((_, what)) => Err(Error::Config {
-            file: "training arguments".into(),
-            key: "mixed_precision".into(),
-            message: format!("bf16 is not implemented with {what}: its kernels compute in f32; or train in fp32 with mixed_precision: no"),
-        }),
-        None => Ok(()),
-    }
-}
-
 fn tokenize_all(
     records: &[Record],
     tok: &TextTokenizer,
@@ -379,9 +354,6 @@ impl<'a> Trainer<'a> {
         let dtype = config.compute_dtype()?;
         if dtype != DType::F32 {
             tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
-        }
-        if dtype != DType::F32 {
-            refuse_reduced_precision(&config, split.as_ref())?;
         }
         let mut model =
             CausalLm::from_pretrained_split(&dir, dtype, &device, tp.clone()).map_err(tp_error)?;
