@@ -4,6 +4,8 @@
 //!   the definitions give;
 //! - the host and in-process backends moving CUDA tensors between several ranks on one GPU
 //!   (one GPU cannot host several NCCL ranks);
+//! - the blockwise kernels (flash attention, the tiled loss and MLP) in bf16 on the GPU
+//!   against the same computation in f32 on the CPU;
 //! - the trainer on the GPU: bf16 DDP over 2 ranks (in-process, sharing the GPU) equal to one
 //!   process within the bf16 tolerances of the CPU test, and fp32 on the GPU equal to fp32 on
 //!   the CPU.
@@ -11,8 +13,8 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
-use common::{max_abs_diff, run, Backend};
+use candle_core::{DType, Device, Tensor, Var};
+use common::{max_abs_diff, rel_diff, run, Backend};
 use std::path::{Path, PathBuf};
 use trl_runtime::comm::{InProcessWorld, ReduceOp};
 use trl_runtime::config::parallelism::ParallelDims;
@@ -106,6 +108,139 @@ fn cpu_backends_carry_cuda_tensors_between_ranks() {
 
 /// Read at run time first (cargo sets CARGO_MANIFEST_DIR when it runs a test) so the test
 /// binary carried to a GPU machine (scripts/gpu-run) finds that machine's checkout.
+/// Seeded normal draws on the CPU, rounded to values bf16 holds exactly (so the bf16 and f32
+/// runs start from the same inputs).
+fn draws(shape: &[usize], std: f32, seed: u64) -> Tensor {
+    use rand::SeedableRng;
+    use rand_distr::Distribution;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let normal = rand_distr::Normal::new(0f32, std).unwrap();
+    let n = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| half::bf16::from_f32(normal.sample(&mut rng)).to_f32())
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// `f` of `inputs` on `dev` in `dtype`: its output and the gradients of `<output, w>` with
+/// respect to the f32 inputs, all as f32 on the CPU.
+fn output_and_grads(
+    inputs: &[&Tensor],
+    w: &Tensor,
+    dev: &Device,
+    dtype: DType,
+    f: impl Fn(&[Tensor]) -> Tensor,
+) -> (Tensor, Vec<Tensor>) {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_device(dev).unwrap()).unwrap())
+        .collect();
+    let cast: Vec<Tensor> = vars.iter().map(|v| v.to_dtype(dtype).unwrap()).collect();
+    let out = f(&cast).to_dtype(DType::F32).unwrap();
+    let loss = out
+        .broadcast_mul(&w.to_device(dev).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+    (
+        cpu(&out),
+        vars.iter().map(|v| cpu(grads.get(v).unwrap())).collect(),
+    )
+}
+
+/// The blockwise kernels in bf16 on the GPU follow the same computation in f32 on the CPU
+/// (flash attention over several GPU blocks of packed rows, masked and open; the tiled loss;
+/// the tiled MLP): outputs and gradients within a few bf16 roundings of the largest value
+/// (the CPU tests see up to 1.4e-2 between bf16 and f32 on the CPU).
+#[test]
+fn blockwise_kernels_in_bf16_on_gpu_follow_f32_on_cpu() {
+    use trl_runtime::nn::{flash, loss, tiled_mlp, AttentionMask};
+    let Some(dev) = gpu() else { return };
+    let cpu = Device::Cpu;
+    let check = |what: &str, got: (Tensor, Vec<Tensor>), want: (Tensor, Vec<Tensor>)| {
+        let d = rel_diff(&got.0, &want.0);
+        eprintln!("{what}: output differs by {d:e} of the largest");
+        assert!(d < 2e-2, "{what}: output differs by {d:e} of the largest");
+        for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
+            let d = rel_diff(g, w);
+            eprintln!("{what}: gradient {i} differs by {d:e} of the largest");
+            assert!(
+                d < 2e-2,
+                "{what}: gradient {i} differs by {d:e} of the largest"
+            );
+        }
+    };
+
+    // Attention: 2 rows of 2304 tokens (3 GPU blocks), documents of 1500 + 804 and one whole.
+    let s = 2304;
+    let pos: Vec<i64> = (0..1500).chain(0..804).chain(0..s as i64).collect();
+    let pos = Tensor::from_vec(pos, (2, s), &cpu).unwrap();
+    let (q, k, v) = (
+        draws(&[2, 4, s, 32], 1.0, 1),
+        draws(&[2, 2, s, 32], 1.0, 2),
+        draws(&[2, 2, s, 32], 1.0, 3),
+    );
+    let w = draws(&[2, 4, s, 32], 1.0, 4);
+    let on_gpu = output_and_grads(&[&q, &k, &v], &w, &dev, DType::BF16, |t| {
+        let mask = AttentionMask::causal(&pos, DType::BF16, &dev).unwrap();
+        let block = flash::block_for(&dev);
+        flash::flash_attention(&t[0], &t[1], &t[2], &mask, block).unwrap()
+    });
+    let on_cpu = output_and_grads(&[&q, &k, &v], &w, &cpu, DType::F32, |t| {
+        let mask = AttentionMask::causal(&pos, DType::F32, &cpu).unwrap();
+        trl_runtime::nn::attention(&t[0], &t[1], &t[2], &mask).unwrap()
+    });
+    check("flash attention", on_gpu, on_cpu);
+
+    // The tiled loss: 1024 rows over a vocabulary of 32,000 (many tiles), some ignored.
+    let (hidden, head) = (draws(&[1024, 64], 1.0, 5), draws(&[32_000, 64], 0.2, 6));
+    let targets: Vec<i64> = (0..1024i64)
+        .map(|i| {
+            if i % 9 == 4 {
+                -100
+            } else {
+                (i * 7919) % 32_000
+            }
+        })
+        .collect();
+    let targets = Tensor::new(targets.as_slice(), &cpu).unwrap();
+    let one = Tensor::new(1f32, &cpu).unwrap();
+    let on_gpu = output_and_grads(&[&hidden, &head], &one, &dev, DType::BF16, |t| {
+        let targets = targets.to_device(&dev).unwrap();
+        trl_runtime::nn::tiled_linear_cross_entropy(&t[0], &t[1], &targets)
+            .unwrap()
+            .sum
+    });
+    let on_cpu = output_and_grads(&[&hidden, &head], &one, &cpu, DType::F32, |t| {
+        let logits = t[0].matmul(&t[1].t().unwrap()).unwrap();
+        loss::cross_entropy_sum(&logits, &targets).unwrap().sum
+    });
+    check("tiled loss", on_gpu, on_cpu);
+
+    // The tiled MLP: 3000 rows (three tiles, the last one short).
+    let (x, gate_up, down) = (
+        draws(&[3000, 64], 1.0, 7),
+        draws(&[512, 64], 0.2, 8),
+        draws(&[64, 256], 0.2, 9),
+    );
+    let w = draws(&[3000, 64], 1.0, 10);
+    let on_gpu = output_and_grads(&[&x, &gate_up, &down], &w, &dev, DType::BF16, |t| {
+        tiled_mlp::tiled_swiglu(&t[0], &t[1], &t[2]).unwrap()
+    });
+    let on_cpu = output_and_grads(&[&x, &gate_up, &down], &w, &cpu, DType::F32, |t| {
+        let ab = t[0].matmul(&t[1].t().unwrap()).unwrap();
+        let (a, b) = (
+            ab.narrow(1, 0, 256).unwrap(),
+            ab.narrow(1, 256, 256).unwrap(),
+        );
+        let h = (a.silu().unwrap() * b).unwrap();
+        h.matmul(&t[2].t().unwrap()).unwrap()
+    });
+    check("tiled MLP", on_gpu, on_cpu);
+}
+
 fn assets() -> PathBuf {
     std::env::var_os("CARGO_MANIFEST_DIR")
         .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
