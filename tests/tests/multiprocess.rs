@@ -34,7 +34,7 @@ fn collectives_across_processes() {
 
 #[test]
 fn a_killed_peer_is_reported_by_the_others() {
-    let port = trl_runtime::dist::spawn::free_port().unwrap();
+    let port = trl_tests::listen_port();
     let start = Instant::now();
     let mut children: Vec<_> = (0..3)
         .map(|r| launch(3, r, port, "crash", "tok").output_async())
@@ -61,7 +61,7 @@ fn a_killed_peer_is_reported_by_the_others() {
 
 #[test]
 fn a_stray_process_with_another_token_cannot_join() {
-    let port = trl_runtime::dist::spawn::free_port().unwrap();
+    let port = trl_tests::listen_port();
     let mut rank0 = launch(2, 0, port, "collectives", "job-a")
         .env("TRL_COMM_TIMEOUT", "3")
         .output_async();

@@ -88,7 +88,7 @@ fn launch_under_srun_on_one_and_two_nodes() {
         "{t}"
     );
     // Two nodes, one process each: machine ranks from SLURM_NODEID, master = first node.
-    let port = trl_runtime::dist::spawn::free_port().unwrap().to_string();
+    let port = trl_tests::listen_port().to_string();
     let o = srun("2", &["--num_processes", "2"], &port);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
