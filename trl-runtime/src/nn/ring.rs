@@ -22,7 +22,8 @@ use super::flash::BLOCK;
 use super::precomputed::{with_backward3, Backward3};
 use crate::comm::{CommQueue, Communicator, Pending};
 use candle_core::{DType, Result, Tensor, D};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// Added to masked scores; the 0/1 mask multiplies the probabilities as well, so a row that
 /// sees nothing in one step adds nothing.
@@ -52,7 +53,13 @@ pub struct RingMask {
     /// Runs the hops in the background (one thread for every layer of the forward and its
     /// backward), so that the next step's keys travel while this step computes.
     queue: Arc<CommQueue>,
+    /// The masks of each block pair, built once for every layer of the forward and its
+    /// backward: by (first local query, key source rank, key block, dtype).
+    masks: Arc<Mutex<HashMap<(usize, usize, usize, DType), Option<BlockMask>>>>,
 }
+
+/// Additive mask and 0/1 visibility of one block pair: [batch, 1, 1, nq, nk] each.
+type BlockMask = (Tensor, Tensor);
 
 impl RingMask {
     /// From this rank's global position ids [batch, 2 * chunk] (documents restart at 0),
@@ -91,6 +98,7 @@ impl RingMask {
             block: BLOCK,
             group: cp.clone(),
             queue: Arc::new(CommQueue::new(cp.clone()).map_err(|e| e.into_candle())?),
+            masks: Arc::default(),
         })
     }
 
@@ -122,6 +130,40 @@ impl RingMask {
         lo <= latest && hi >= earliest_start
     }
 
+    /// The masks of local queries `queries` over key block `(source rank, block)` at global
+    /// indices `keys`, or None when every query sees every key of it (keys wholly before the
+    /// queries and inside their documents): built once, then shared.
+    fn block_mask(
+        &self,
+        queries: std::ops::Range<usize>,
+        key_block: (usize, usize),
+        keys: &[usize],
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Result<Option<BlockMask>> {
+        let id = (queries.start, key_block.0, key_block.1, dtype);
+        let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = masks.get(&id) {
+            return Ok(m.clone());
+        }
+        let first_key = keys.iter().copied().min().unwrap_or(0);
+        let last_key = keys.iter().copied().max().unwrap_or(0);
+        let earliest_query = self.query_index[queries.clone()].iter().copied().min();
+        let latest_start = self
+            .starts
+            .iter()
+            .flat_map(|row| row[queries.clone()].iter().copied())
+            .max();
+        let open = earliest_query.is_some_and(|q| last_key <= q)
+            && latest_start.is_some_and(|st| st <= first_key);
+        let m = match open {
+            true => None,
+            false => Some(self.block(queries, keys, dtype, device)?),
+        };
+        masks.insert(id, m.clone());
+        Ok(m)
+    }
+
     /// Additive mask and 0/1 visibility of local queries `queries` over the keys at global
     /// indices `keys`: [batch, 1, 1, nq, nk] each.
     fn block(
@@ -130,7 +172,7 @@ impl RingMask {
         keys: &[usize],
         dtype: DType,
         device: &candle_core::Device,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<BlockMask> {
         let (b, nq, nk) = (self.starts.len(), queries.len(), keys.len());
         let mut vis = Vec::with_capacity(b * nq * nk);
         for row in &self.starts {
@@ -221,25 +263,29 @@ impl Ring<'_> {
         out
     }
 
-    /// Scores of query rows `qi` (block `i`) over `kj` (keys at global indices `keys`) with
-    /// the mask added, and the 0/1 visibility: [b, kv, group, qn, kn].
+    /// Scores of query rows `qi` (block `i`) over `kj` (key block `key_block`, at global
+    /// indices `keys`) with the mask added, and the 0/1 visibility (None: all visible):
+    /// [b, kv, group, qn, kn].
     fn scores(
         &self,
         qi: &Tensor,
         i: usize,
         kj: &Tensor,
+        key_block: (usize, usize),
         keys: &[usize],
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let rows = self.rows(i);
-        let (bias, vis) = self
-            .mask
-            .block(rows.clone(), keys, self.wide, qi.device())?;
         let s = qi
             .matmul(&kj.t()?)?
             .reshape((self.b, self.kv, self.group, rows.len(), keys.len()))?
-            .to_dtype(self.wide)?
-            .broadcast_add(&bias)?;
-        Ok((s, vis))
+            .to_dtype(self.wide)?;
+        match self
+            .mask
+            .block_mask(rows, key_block, keys, self.wide, qi.device())?
+        {
+            Some((bias, vis)) => Ok((s.broadcast_add(&bias)?, Some(vis))),
+            None => Ok((s, None)),
+        }
     }
 
     fn forward(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -254,17 +300,18 @@ impl Ring<'_> {
                 (k, v) = (wait(pk)?, wait(pv)?);
             }
             next = self.prefetch(t, &k, &v);
-            for (i, j, keys) in self.pairs(self.source(t)) {
+            let src = self.source(t);
+            for (i, j, keys) in self.pairs(src) {
                 let (qr, kr) = (self.rows(i), self.rows(j));
                 let qi = self.take(&self.q, &qr)?;
                 let kj = k.narrow(2, kr.start, kr.len())?;
-                let (s, vis) = self.scores(&qi, i, &kj, &keys)?;
+                let (s, vis) = self.scores(&qi, i, &kj, (src, j), &keys)?;
                 let block_max = s.max_keepdim(D::Minus1)?;
                 let max = match &acc[i] {
                     Some((m, _, _)) => m.maximum(&block_max)?,
                     None => block_max,
                 };
-                let p = s.broadcast_sub(&max)?.exp()?.broadcast_mul(&vis)?;
+                let p = masked(s.broadcast_sub(&max)?.exp()?, &vis)?;
                 let pv = p
                     .to_dtype(self.io)?
                     .reshape((b, kv, g * qr.len(), kr.len()))?
@@ -322,7 +369,8 @@ impl Ring<'_> {
             // Per key block of the keys held now, the gradient from every query block.
             let mut dk_blocks: Vec<Option<Tensor>> = vec![None; blocks];
             let mut dv_blocks: Vec<Option<Tensor>> = vec![None; blocks];
-            for (i, j, keys) in self.pairs(self.source(t)) {
+            let src = self.source(t);
+            for (i, j, keys) in self.pairs(src) {
                 let (qr, kr) = (self.rows(i), self.rows(j));
                 let qi = self.take(&self.q, &qr)?;
                 let doi = self.take(&dout, &qr)?;
@@ -330,10 +378,10 @@ impl Ring<'_> {
                     k.narrow(2, kr.start, kr.len())?,
                     v.narrow(2, kr.start, kr.len())?,
                 );
-                let (s, vis) = self.scores(&qi, i, &kj, &keys)?;
+                let (s, vis) = self.scores(&qi, i, &kj, (src, j), &keys)?;
                 let lse_i = lse.narrow(3, qr.start, qr.len())?;
                 let dsum_i = dsum.narrow(3, qr.start, qr.len())?;
-                let p5 = s.broadcast_sub(&lse_i)?.exp()?.broadcast_mul(&vis)?;
+                let p5 = masked(s.broadcast_sub(&lse_i)?.exp()?, &vis)?;
                 let p = p5.to_dtype(io)?.reshape((b, kv, g * qr.len(), kr.len()))?;
                 add(&mut dv_blocks[j], p.t()?.matmul(&doi)?.to_dtype(wide)?)?;
                 let dp = doi
@@ -389,6 +437,15 @@ impl Ring<'_> {
             })
             .collect::<Result<Vec<_>>>()?;
         Tensor::cat(&parts, 2)
+    }
+}
+
+/// Probabilities `p` with the invisible keys zeroed (a row that sees nothing of a block must
+/// add nothing, though its masked scores are all equal).
+fn masked(p: Tensor, vis: &Option<Tensor>) -> Result<Tensor> {
+    match vis {
+        Some(vis) => p.broadcast_mul(vis),
+        None => Ok(p),
     }
 }
 
@@ -501,6 +558,18 @@ mod tests {
                 let (q, k, v) = (mine(&q), mine(&k), mine(&v));
                 let [ql, kl, vl] = [&q, &k, &v].map(|t| t.to_dtype(dtype).unwrap());
                 let out = ring_attention(&ql, &kl, &vl, &mask).unwrap();
+                // Small blocks include pairs every query sees whole: their mask is skipped.
+                let open = mask
+                    .masks
+                    .lock()
+                    .unwrap()
+                    .values()
+                    .filter(|m| m.is_none())
+                    .count();
+                assert!(
+                    block > 5 || open > 0,
+                    "rank {rank}: no open block pair at block {block}"
+                );
                 assert_eq!(out.dtype(), dtype);
                 let out = out.to_dtype(DType::F32).unwrap();
                 let loss = (&out * w.index_select(&index, 2).unwrap())
