@@ -54,12 +54,16 @@ pub struct RingMask {
     /// backward), so that the next step's keys travel while this step computes.
     queue: Arc<CommQueue>,
     /// The masks of each block pair, built once for every layer of the forward and its
-    /// backward: by (first local query, key source rank, key block, dtype).
-    masks: Arc<Mutex<HashMap<(usize, usize, usize, DType), Option<BlockMask>>>>,
+    /// backward.
+    masks: Arc<Mutex<BlockMasks>>,
 }
 
 /// Additive mask and 0/1 visibility of one block pair: [batch, 1, 1, nq, nk] each.
 type BlockMask = (Tensor, Tensor);
+
+/// Block masks by (first local query, key source rank, key block, dtype); None where every
+/// query sees the whole key block.
+type BlockMasks = HashMap<(usize, usize, usize, DType), Option<BlockMask>>;
 
 impl RingMask {
     /// From this rank's global position ids [batch, 2 * chunk] (documents restart at 0),
