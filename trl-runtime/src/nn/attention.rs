@@ -3,10 +3,11 @@
 //! document). Every model calls [`attention`]; the context- and sequence-parallel issues route
 //! it to ring or Ulysses attention.
 
+use super::memo::Memo;
+use super::precision;
 use super::softmax::{causal_softmax, RowRanges};
 use candle_core::{DType, Device, Result, Tensor, D};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Which keys each query may see, derived from position ids: a position that does not follow
 /// its predecessor (it restarts, typically at 0) opens a new document.
@@ -20,21 +21,13 @@ pub struct AttentionMask {
     softmax: DType,
     /// Whether the whole-matrix path uses the fused CPU softmax (then it needs no additive mask).
     fused: bool,
-    /// Additive masks (0 allowed, a large negative number elsewhere), built on first use and
-    /// shared by every layer of one forward and its backward.
-    cache: Arc<MaskCache>,
+    /// Additive masks (0 allowed, a large negative number elsewhere) by (first query, queries,
+    /// first key, keys), built on first use and shared by every layer of one forward and its
+    /// backward; None where every query sees every key. The whole matrix is one such pair.
+    masks: Arc<Memo<BlockPair, Option<Tensor>>>,
 }
 
-#[derive(Debug, Default)]
-struct MaskCache {
-    /// [batch, 1, 1, q_len, k_len], for the whole-matrix path off the CPU.
-    whole: Mutex<Option<Tensor>>,
-    /// Per (query block, key block) of the blockwise path: None where every query of the
-    /// block sees every key of it.
-    blocks: Mutex<HashMap<BlockPair, Option<Tensor>>>,
-}
-
-/// (first query, queries, first key, keys) of one block pair.
+/// (first query, queries, first key, keys).
 type BlockPair = (usize, usize, usize, usize);
 
 /// Added to masked scores: its exp() is 0, without the NaN that -inf - -inf would give.
@@ -53,16 +46,6 @@ pub fn document_ids(positions: &[i64]) -> Vec<u32> {
             doc
         })
         .collect()
-}
-
-/// The softmax runs in f32 whatever the activations' dtype (f64 stays f64), as transformers'
-/// eager attention does: bf16 probabilities would lose most of a long row's small weights.
-pub(crate) fn softmax_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 impl AttentionMask {
@@ -93,9 +76,9 @@ impl AttentionMask {
                 starts: Arc::new(starts),
             },
             device: device.clone(),
-            softmax: softmax_dtype(dtype),
+            softmax: precision::wide(dtype),
             fused,
-            cache: Arc::default(),
+            masks: Arc::default(),
         })
     }
 
@@ -104,7 +87,7 @@ impl AttentionMask {
     }
 
     /// The additive mask of queries `q` (first, count) over keys `k` (first, count), [batch, 1,
-    /// 1, q count, k count], built on the host once per forward and moved to the device.
+    /// 1, q count, k count], built on the host and moved to the device.
     fn bias(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> Result<Tensor> {
         let r = &self.ranges;
         let mut out = Vec::with_capacity(r.batch * qn * kn);
@@ -117,18 +100,6 @@ impl AttentionMask {
         Tensor::from_vec(out, (r.batch, 1, 1, qn, kn), &self.device)?.to_dtype(self.softmax)
     }
 
-    /// The whole-matrix mask, for the path without the fused softmax.
-    fn whole_bias(&self) -> Result<Tensor> {
-        let mut whole = self.cache.whole.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = &*whole {
-            return Ok(t.clone());
-        }
-        let s = self.ranges.rows;
-        let t = self.bias((0, s), (0, s))?;
-        *whole = Some(t.clone());
-        Ok(t)
-    }
-
     /// Whether some query of block `q` may see a key of block `k`, for key blocks at or before
     /// the query block. Earlier key blocks are then invisible too.
     pub(crate) fn block_visible(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> bool {
@@ -139,27 +110,25 @@ impl AttentionMask {
             .any(|row| row[q0..q0 + qn].iter().any(|&st| st as usize <= last_key))
     }
 
-    /// The additive mask of one block pair of the blockwise path, or None when every query of
-    /// block `q` sees every key of block `k` (a key block wholly before the query block and
-    /// inside every query's document): most block pairs of long rows need no mask at all.
+    /// The additive mask of queries `q` over keys `k`, or None when every query of `q` sees
+    /// every key of `k` (a key block wholly before the query block and inside every query's
+    /// document): most block pairs of long rows need no mask at all.
     pub(crate) fn block_bias(
         &self,
         q: (usize, usize),
         k: (usize, usize),
     ) -> Result<Option<Tensor>> {
-        let key = (q.0, q.1, k.0, k.1);
-        let mut blocks = self.cache.blocks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = blocks.get(&key) {
-            return Ok(t.clone());
-        }
-        let r = &self.ranges;
-        let open = k.0 + k.1 <= q.0
-            && r.starts
-                .chunks(r.rows.max(1))
-                .all(|row| row[q.0..q.0 + q.1].iter().all(|&st| st as usize <= k.0));
-        let t = if open { None } else { Some(self.bias(q, k)?) };
-        blocks.insert(key, t.clone());
-        Ok(t)
+        self.masks.get_or_build((q.0, q.1, k.0, k.1), || {
+            let r = &self.ranges;
+            let open = k.0 + k.1 <= q.0
+                && r.starts
+                    .chunks(r.rows.max(1))
+                    .all(|row| row[q.0..q.0 + q.1].iter().all(|&st| st as usize <= k.0));
+            match open {
+                true => Ok(None),
+                false => self.bias(q, k).map(Some),
+            }
+        })
     }
 }
 
@@ -227,10 +196,13 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Re
     let q = (q * scale)?.reshape((b, kv_heads, group * s, d))?;
     let scores = q.matmul(&k.t()?)?.reshape((b, kv_heads, group, s, k_len))?;
     let dtype = scores.dtype();
-    let scores = scores.to_dtype(softmax_dtype(dtype))?;
+    let scores = scores.to_dtype(precision::wide(dtype))?;
     let probs = match mask.fused {
         true => causal_softmax(&scores, &mask.ranges)?,
-        false => softmax(&scores.broadcast_add(&mask.whole_bias()?.to_dtype(scores.dtype())?)?)?,
+        false => match mask.block_bias((0, s), (0, k_len))? {
+            Some(bias) => softmax(&scores.broadcast_add(&bias.to_dtype(scores.dtype())?)?)?,
+            None => softmax(&scores)?,
+        },
     }
     .to_dtype(dtype)?
     .reshape((b, kv_heads, group * s, k_len))?;

@@ -16,7 +16,8 @@
 //! precision); scores, the softmax, its running statistics and every accumulator are f32 (f64
 //! for f64 inputs), as in FlashAttention's kernels. Results are cast back to the inputs' dtype.
 
-use super::attention::{softmax_dtype, AttentionMask};
+use super::attention::AttentionMask;
+use super::precision::{self, accumulate};
 use super::precomputed::{with_backward3, Backward3};
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -169,15 +170,6 @@ impl Inputs<'_> {
         let (mut dks, mut dvs): (Vec<Option<Tensor>>, Vec<Option<Tensor>>) =
             (vec![None; blocks], vec![None; blocks]);
         let mut dqs = Vec::with_capacity(blocks);
-        // Accumulated in the wide dtype: a sum of bf16 partial products loses the small ones.
-        let add = |slot: &mut Option<Tensor>, t: Tensor| -> Result<()> {
-            let t = t.to_dtype(wide)?;
-            *slot = Some(match slot.take() {
-                Some(prev) => (prev + t)?,
-                None => t,
-            });
-            Ok(())
-        };
         for i in 0..blocks {
             let qn = self.dims.range(i).1;
             let qi = self.rows(&self.q, i)?;
@@ -190,7 +182,7 @@ impl Inputs<'_> {
                 let (kj, vj) = (self.k.narrow(2, k0, kn)?, self.v.narrow(2, k0, kn)?);
                 let p5 = self.scores(&qi, i, j)?.broadcast_sub(&lse_i)?.exp()?;
                 let p = p5.to_dtype(io)?.reshape((b, kv, group * qn, kn))?;
-                add(&mut dvs[j], p.t()?.matmul(&doi)?)?;
+                accumulate(&mut dvs[j], p.t()?.matmul(&doi)?, wide)?;
                 let dp = doi
                     .matmul(&vj.t()?)?
                     .reshape((b, kv, group, qn, kn))?
@@ -201,8 +193,8 @@ impl Inputs<'_> {
                     group * qn,
                     kn,
                 ))?;
-                add(&mut dqi, ds.matmul(&kj)?)?;
-                add(&mut dks[j], ds.t()?.matmul(&qi)?)?;
+                accumulate(&mut dqi, ds.matmul(&kj)?, wide)?;
+                accumulate(&mut dks[j], ds.t()?.matmul(&qi)?, wide)?;
             }
             dqs.push(
                 dqi.expect("the diagonal block is always visible")
@@ -266,7 +258,7 @@ fn prepare<'a>(
         v,
         dims,
         mask,
-        wide: softmax_dtype(v.dtype()),
+        wide: precision::wide(v.dtype()),
     })
 }
 

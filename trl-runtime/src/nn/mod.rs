@@ -7,6 +7,8 @@ pub mod embedding;
 pub mod flash;
 pub mod linear;
 pub mod loss;
+pub(crate) mod memo;
+pub(crate) mod precision;
 pub(crate) mod precomputed;
 pub mod ring;
 pub mod rmsnorm;

@@ -17,17 +17,14 @@
 //! precision), scores, softmax and accumulators in f32 (f64 for f64 inputs). The key and value
 //! gradients travel around the ring in f32 too, so each hop adds to an unrounded sum.
 
-use super::attention::{softmax_dtype, AttentionMask};
+use super::attention::{AttentionMask, MASKED};
 use super::flash::BLOCK;
+use super::memo::Memo;
+use super::precision::{self, accumulate};
 use super::precomputed::{with_backward3, Backward3};
 use crate::comm::{CommQueue, Communicator, Pending};
 use candle_core::{DType, Result, Tensor, D};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-
-/// Added to masked scores; the 0/1 mask multiplies the probabilities as well, so a row that
-/// sees nothing in one step adds nothing.
-const MASKED: f32 = -1e30;
+use std::sync::Arc;
 
 /// The global token index of each of rank `rank`'s local positions (its two chunks of `chunk`
 /// tokens) among `2 * size` chunks.
@@ -53,17 +50,19 @@ pub struct RingMask {
     /// Runs the hops in the background (one thread for every layer of the forward and its
     /// backward), so that the next step's keys travel while this step computes.
     queue: Arc<CommQueue>,
-    /// The masks of each block pair, built once for every layer of the forward and its
-    /// backward.
-    masks: Arc<Mutex<BlockMasks>>,
+    /// The masks of each block pair by (first local query, key source rank, key block, dtype),
+    /// built once for every layer of the forward and its backward; None where every query
+    /// sees the whole key block.
+    masks: Arc<Memo<RingBlock, Option<BlockMask>>>,
 }
 
-/// Additive mask and 0/1 visibility of one block pair: [batch, 1, 1, nq, nk] each.
-type BlockMask = (Tensor, Tensor);
+/// (first local query, key source rank, key block, dtype).
+type RingBlock = (usize, usize, usize, DType);
 
-/// Block masks by (first local query, key source rank, key block, dtype); None where every
-/// query sees the whole key block.
-type BlockMasks = HashMap<(usize, usize, usize, DType), Option<BlockMask>>;
+/// Additive mask and 0/1 visibility of one block pair: [batch, 1, 1, nq, nk] each. The 0/1
+/// mask multiplies the probabilities as well, so a row that sees nothing in one step adds
+/// nothing.
+type BlockMask = (Tensor, Tensor);
 
 impl RingMask {
     /// From this rank's global position ids [batch, 2 * chunk] (documents restart at 0),
@@ -146,26 +145,22 @@ impl RingMask {
         device: &candle_core::Device,
     ) -> Result<Option<BlockMask>> {
         let id = (queries.start, key_block.0, key_block.1, dtype);
-        let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = masks.get(&id) {
-            return Ok(m.clone());
-        }
-        let first_key = keys.iter().copied().min().unwrap_or(0);
-        let last_key = keys.iter().copied().max().unwrap_or(0);
-        let earliest_query = self.query_index[queries.clone()].iter().copied().min();
-        let latest_start = self
-            .starts
-            .iter()
-            .flat_map(|row| row[queries.clone()].iter().copied())
-            .max();
-        let open = earliest_query.is_some_and(|q| last_key <= q)
-            && latest_start.is_some_and(|st| st <= first_key);
-        let m = match open {
-            true => None,
-            false => Some(self.block(queries, keys, dtype, device)?),
-        };
-        masks.insert(id, m.clone());
-        Ok(m)
+        self.masks.get_or_build(id, || {
+            let first_key = keys.iter().copied().min().unwrap_or(0);
+            let last_key = keys.iter().copied().max().unwrap_or(0);
+            let earliest_query = self.query_index[queries.clone()].iter().copied().min();
+            let latest_start = self
+                .starts
+                .iter()
+                .flat_map(|row| row[queries.clone()].iter().copied())
+                .max();
+            let open = earliest_query.is_some_and(|q| last_key <= q)
+                && latest_start.is_some_and(|st| st <= first_key);
+            match open {
+                true => Ok(None),
+                false => self.block(queries, keys, dtype, device).map(Some),
+            }
+        })
     }
 
     /// Additive mask and 0/1 visibility of local queries `queries` over the keys at global
@@ -387,7 +382,7 @@ impl Ring<'_> {
                 let dsum_i = dsum.narrow(3, qr.start, qr.len())?;
                 let p5 = masked(s.broadcast_sub(&lse_i)?.exp()?, &vis)?;
                 let p = p5.to_dtype(io)?.reshape((b, kv, g * qr.len(), kr.len()))?;
-                add(&mut dv_blocks[j], p.t()?.matmul(&doi)?.to_dtype(wide)?)?;
+                accumulate(&mut dv_blocks[j], p.t()?.matmul(&doi)?, wide)?;
                 let dp = doi
                     .matmul(&vj.t()?)?
                     .reshape((b, kv, g, qr.len(), kr.len()))?
@@ -398,13 +393,9 @@ impl Ring<'_> {
                     g * qr.len(),
                     kr.len(),
                 ))?;
-                add(
-                    &mut dq[i],
-                    ds.matmul(&kj)?
-                        .reshape((b, kv, g, qr.len(), d))?
-                        .to_dtype(wide)?,
-                )?;
-                add(&mut dk_blocks[j], ds.t()?.matmul(&qi)?.to_dtype(wide)?)?;
+                let dqi = ds.matmul(&kj)?.reshape((b, kv, g, qr.len(), d))?;
+                accumulate(&mut dq[i], dqi, wide)?;
+                accumulate(&mut dk_blocks[j], ds.t()?.matmul(&qi)?, wide)?;
             }
             dk = (dk + self.whole(dk_blocks)?)?;
             dv = (dv + self.whole(dv_blocks)?)?;
@@ -457,15 +448,6 @@ fn wait(p: Pending) -> Result<Tensor> {
     p.wait().map_err(|e| e.into_candle())
 }
 
-/// Adds `t` into an accumulator slot.
-fn add(slot: &mut Option<Tensor>, t: Tensor) -> Result<()> {
-    *slot = Some(match slot.take() {
-        Some(prev) => (prev + t)?,
-        None => t,
-    });
-    Ok(())
-}
-
 fn ring<'a>(q: &Tensor, kv: usize, mask: &'a RingMask) -> Result<Ring<'a>> {
     let (b, heads, n, d) = q.dims4()?;
     let group = heads / kv;
@@ -481,7 +463,7 @@ fn ring<'a>(q: &Tensor, kv: usize, mask: &'a RingMask) -> Result<Ring<'a>> {
         n,
         d,
         io,
-        wide: softmax_dtype(io),
+        wide: precision::wide(io),
     })
 }
 
@@ -563,13 +545,7 @@ mod tests {
                 let [ql, kl, vl] = [&q, &k, &v].map(|t| t.to_dtype(dtype).unwrap());
                 let out = ring_attention(&ql, &kl, &vl, &mask).unwrap();
                 // Small blocks include pairs every query sees whole: their mask is skipped.
-                let open = mask
-                    .masks
-                    .lock()
-                    .unwrap()
-                    .values()
-                    .filter(|m| m.is_none())
-                    .count();
+                let open = mask.masks.values().iter().filter(|m| m.is_none()).count();
                 assert!(
                     block > 5 || open > 0,
                     "rank {rank}: no open block pair at block {block}"
@@ -594,14 +570,12 @@ mod tests {
             let blocked = run(block, dtype);
             for ((o1, g1), (o2, g2)) in whole.iter().zip(&blocked) {
                 let d = rel(o2, o1);
-                eprintln!("{dtype:?}, block {block}: output differs by {d:e} of the largest");
                 assert!(
                     d < bound,
                     "{dtype:?}: outputs differ by {d:e} of the largest"
                 );
                 for (a, b) in g1.iter().zip(g2) {
                     let d = rel(b, a);
-                    eprintln!("{dtype:?}, block {block}: gradient differs by {d:e} of the largest");
                     assert!(
                         d < bound,
                         "{dtype:?}: gradients differ by {d:e} of the largest"

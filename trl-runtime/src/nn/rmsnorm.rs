@@ -5,7 +5,7 @@ use super::Weight;
 use crate::error::Result as TrlResult;
 use crate::parallel::fsdp;
 use crate::tp::{child_name, Parallelize, Split};
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{Result, Tensor, D};
 
 #[derive(Clone)]
 pub struct RmsNorm {
@@ -23,12 +23,7 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
-        let compute = if dtype == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
-        let x32 = x.to_dtype(compute)?;
+        let x32 = x.to_dtype(super::precision::wide(dtype))?;
         let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = x32.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
         // HF casts back to the input dtype before applying the weight.

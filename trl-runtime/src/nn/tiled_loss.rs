@@ -8,8 +8,8 @@
 //! log-softmax, the loss and the weight gradient's accumulation in f32 (f64 for f64 inputs),
 //! as the untiled head followed by [`super::cross_entropy_sum`] computes.
 
-use super::attention::softmax_dtype;
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
+use super::precision::{self, accumulate};
 use super::precomputed::Precomputed;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 
@@ -33,11 +33,11 @@ impl TiledLoss {
         hidden
             .narrow(0, start, len)?
             .matmul(&weight.t()?)?
-            .to_dtype(softmax_dtype(hidden.dtype()))
+            .to_dtype(precision::wide(hidden.dtype()))
     }
 
     fn forward(&self, hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
-        let wide = softmax_dtype(hidden.dtype());
+        let wide = precision::wide(hidden.dtype());
         let mut total = Tensor::zeros((), wide, hidden.device())?;
         for (start, len, t) in &self.tiles {
             let logits = Self::logits(hidden, weight, *start, *len)?;
@@ -85,7 +85,7 @@ impl CustomOp2 for TiledLoss {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // Detached, so that the accumulated gradients do not record (and keep) every tile.
         let (hidden, weight, grad) = (hidden.detach(), weight.detach(), grad.detach());
-        let (io, wide) = (hidden.dtype(), softmax_dtype(hidden.dtype()));
+        let (io, wide) = (hidden.dtype(), precision::wide(hidden.dtype()));
         let mut dhidden = Vec::with_capacity(self.tiles.len());
         let mut dweight: Option<Tensor> = None;
         for (start, len, t) in &self.tiles {
@@ -100,15 +100,8 @@ impl CustomOp2 for TiledLoss {
                 .broadcast_mul(&grad.to_dtype(wide)?)?
                 .to_dtype(io)?;
             dhidden.push(dlogits.matmul(&weight)?);
-            // Summed over tiles in the wide dtype: bf16 partial sums would drop small terms.
-            let dw = dlogits
-                .t()?
-                .matmul(&hidden.narrow(0, *start, *len)?)?
-                .to_dtype(wide)?;
-            dweight = Some(match dweight {
-                Some(prev) => (prev + dw)?,
-                None => dw,
-            });
+            let dw = dlogits.t()?.matmul(&hidden.narrow(0, *start, *len)?)?;
+            accumulate(&mut dweight, dw, wide)?;
         }
         let dweight = dweight.map(|d| d.to_dtype(io)).transpose()?;
         Ok((Some(Tensor::cat(&dhidden, 0)?), dweight))
@@ -132,7 +125,7 @@ pub fn tiled_linear_cross_entropy(
         );
     }
     let (targets, count) = checked_targets(targets, vocab)?;
-    let wide = softmax_dtype(hidden.dtype());
+    let wide = precision::wide(hidden.dtype());
     let rows = (TILE_BYTES / (4 * vocab)).max(16);
     let device = hidden.device();
     let mut tiles = Vec::new();

@@ -8,7 +8,7 @@
 //! Precision: everything runs in the inputs' dtype, as the untiled MLP does, except the weight
 //! gradients' sums over tiles, which are f32 (bf16 partial sums would drop small terms).
 
-use super::attention::softmax_dtype;
+use super::precision::{self, accumulate};
 use super::precomputed::{with_backward3, Backward3};
 use candle_core::{Result, Tensor, D};
 
@@ -53,14 +53,7 @@ impl Backward3 for TiledMlp {
         dy: &Tensor,
     ) -> Result<[Tensor; 3]> {
         let (mut dx, mut dgu, mut ddown) = (Vec::new(), None::<Tensor>, None::<Tensor>);
-        let (io, wide) = (x.dtype(), softmax_dtype(x.dtype()));
-        let add = |sum: Option<Tensor>, t: Tensor| -> Result<Tensor> {
-            let t = t.to_dtype(wide)?;
-            match sum {
-                Some(prev) => prev + t,
-                None => Ok(t),
-            }
-        };
+        let (io, wide) = (x.dtype(), precision::wide(x.dtype()));
         for (start, len) in tiles(x.dim(0)?) {
             let xt = x.narrow(0, start, len)?;
             let dyt = dy.narrow(0, start, len)?;
@@ -74,8 +67,8 @@ impl Backward3 for TiledMlp {
             let da = ((dh * b)? * dsilu)?;
             let dab = Tensor::cat(&[&da, &db], D::Minus1)?;
             dx.push(dab.matmul(gate_up)?);
-            dgu = Some(add(dgu, dab.t()?.matmul(&xt)?)?);
-            ddown = Some(add(ddown, dd)?);
+            accumulate(&mut dgu, dab.t()?.matmul(&xt)?, wide)?;
+            accumulate(&mut ddown, dd, wide)?;
         }
         let missing = || candle_core::Error::Msg("the tiled MLP had no rows".into());
         Ok([
