@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use trl_runtime::comm::{InProcessWorld, ReduceOp};
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
+use trl_runtime::nn::AttentionImpl;
 use trl_runtime::train::{SFTConfig, Strategy, Trainer};
 
 fn gpu() -> Option<Device> {
@@ -288,6 +289,10 @@ fn train(world: usize, cfg: SFTConfig, device: &Device) -> Run {
                             .unwrap()
                             .on_device(device);
                     let mut trainer = Trainer::with_strategy(cfg, &ctx, Strategy::Ddp).unwrap();
+                    // TRL's default, sdpa, runs blockwise on a GPU (as PyTorch's does).
+                    if ctx.device().is_cuda() {
+                        assert_eq!(trainer.model.attention, AttentionImpl::Flash);
+                    }
                     let (_, weight) = trainer.model.params.iter().next().unwrap();
                     assert!(weight.device().same_device(ctx.device()));
                     let dtype = if cfg_bf16 { DType::BF16 } else { DType::F32 };

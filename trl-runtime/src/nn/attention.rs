@@ -222,6 +222,19 @@ mod tests {
     use crate::nn::testing::max_abs_diff as max_diff;
     use candle_core::Var;
 
+    /// transformers' names: sdpa is the whole matrix on a CPU (a GPU runs it blockwise; the GPU
+    /// tests check that), eager always, flash_attention_2/3 blockwise; others are refused.
+    #[test]
+    fn attention_names_resolve_per_device() {
+        let cpu = Device::Cpu;
+        let on_cpu = |name| AttentionImpl::for_device(name, &cpu);
+        assert_eq!(on_cpu("sdpa"), Some(AttentionImpl::Eager));
+        assert_eq!(on_cpu("eager"), Some(AttentionImpl::Eager));
+        assert_eq!(on_cpu("flash_attention_2"), Some(AttentionImpl::Flash));
+        assert_eq!(on_cpu("flash_attention_3"), Some(AttentionImpl::Flash));
+        assert_eq!(on_cpu("flex_attention"), None);
+    }
+
     /// The fused CPU softmax and the additive-mask path (used on other devices) agree, values
     /// and gradients, on packed rows with grouped heads.
     #[test]

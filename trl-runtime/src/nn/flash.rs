@@ -385,6 +385,9 @@ mod tests {
             |q: usize, k: usize| mask.block_bias((4 * q, 4), (4 * k, 4)).unwrap().is_some();
         assert!(!masked(1, 0) && !masked(3, 2));
         assert!((0..4).all(|i| masked(i, i)));
+        // Built once: every later layer (and the backward) gets the same tensor.
+        let diagonal = || mask.block_bias((4, 4), (4, 4)).unwrap().unwrap();
+        assert_eq!(diagonal().id(), diagonal().id());
     }
 
     /// In bf16 (the matmuls in bf16, softmax and accumulators in f32) the values and gradients
