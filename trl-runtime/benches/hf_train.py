@@ -92,7 +92,7 @@ def trl_sft(args):
             synchronize(args.device)
             timings.append(time.perf_counter())
 
-    cfg = SFTConfig(
+    sft_args = SFTConfig(
         output_dir="/tmp/hf-train-bench", per_device_train_batch_size=args.batch,
         max_length=args.seq, bf16=True, learning_rate=1e-5, max_steps=args.warmup + args.steps,
         logging_steps=1000, save_strategy="no", report_to=[], dataset_num_proc=None,
@@ -100,7 +100,7 @@ def trl_sft(args):
     )
     # A tokenizer only for its pad and eos ids (the rows are token ids already): the bundled one.
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
-    trainer = SFTTrainer(model=model, args=cfg, processing_class=tokenizer,
+    trainer = SFTTrainer(model=model, args=sft_args, processing_class=tokenizer,
                          train_dataset=Dataset.from_dict({"input_ids": ids}),
                          callbacks=[Clock()])
     trainer.train()
@@ -114,7 +114,7 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    # Ours computes attention from the whole score matrix; sdpa is transformers' default.
+    # sdpa is transformers' default (and ours, which runs it blockwise on a GPU).
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
