@@ -8,11 +8,10 @@ use crate::topology::TopologyArgs;
 use crate::tp_plan;
 use std::path::PathBuf;
 use std::time::Duration;
-use trl_runtime::config::launch::{
-    DistributedType, FsdpAutoWrapPolicy, FsdpBackwardPrefetch, GpuIds,
-};
+use trl_runtime::config::launch::{DistributedType, FsdpShardingStrategy, GpuIds};
 use trl_runtime::config::parallelism::ParallelDims;
-use trl_runtime::config::{LaunchConfig, OffloadDevice};
+use trl_runtime::config::{LaunchConfig, LaunchPlan};
+use trl_runtime::parallel::Strategy;
 use trl_runtime::dist::mesh::DeviceMesh;
 use trl_runtime::dist::spawn::{self, Job, RankPlace, WorkerSpec};
 use trl_runtime::tp::PlanEntry;
@@ -135,93 +134,6 @@ pub fn default_config_path() -> PathBuf {
     base.join("cargo-trl/default_config.yaml")
 }
 
-/// The Accelerate variables workers read (mixed precision, ZeRO / FSDP settings, parallelism).
-fn accelerate_env(cfg: &LaunchConfig) -> Vec<(String, String)> {
-    let mut env = vec![
-        (
-            "ACCELERATE_MIXED_PRECISION".to_string(),
-            cfg.mixed_precision.as_str().to_string(),
-        ),
-        ("ACCELERATE_USE_CPU".into(), cfg.use_cpu.to_string()),
-        (
-            "TRL_DISTRIBUTED_TYPE".into(),
-            cfg.distributed_type.as_str().into(),
-        ),
-    ];
-    if let (DistributedType::DeepSpeed, Some(ds)) = (cfg.distributed_type, &cfg.deepspeed) {
-        let dev = |d: OffloadDevice| match d {
-            OffloadDevice::None => "none",
-            OffloadDevice::Cpu => "cpu",
-            OffloadDevice::Nvme => "nvme",
-        };
-        env.push(("ACCELERATE_USE_DEEPSPEED".into(), "true".into()));
-        env.push((
-            "ACCELERATE_DEEPSPEED_ZERO_STAGE".into(),
-            ds.zero_stage.to_string(),
-        ));
-        env.push((
-            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE".into(),
-            dev(ds.offload_optimizer_device).into(),
-        ));
-        env.push((
-            "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE".into(),
-            dev(ds.offload_param_device).into(),
-        ));
-    }
-    if let (DistributedType::Fsdp, Some(f)) = (cfg.distributed_type, &cfg.fsdp) {
-        env.push(("ACCELERATE_USE_FSDP".into(), "true".into()));
-        env.push(("FSDP_VERSION".into(), f.version.to_string()));
-        env.push((
-            "FSDP_SHARDING_STRATEGY".into(),
-            format!("{:?}", f.sharding_strategy),
-        ));
-        env.push((
-            "FSDP_RESHARD_AFTER_FORWARD".into(),
-            f.reshard_after_forward.to_string(),
-        ));
-        env.push((
-            "FSDP_AUTO_WRAP_POLICY".into(),
-            match f.auto_wrap_policy {
-                FsdpAutoWrapPolicy::TransformerBasedWrap => "TRANSFORMER_BASED_WRAP",
-                FsdpAutoWrapPolicy::SizeBasedWrap => "SIZE_BASED_WRAP",
-                FsdpAutoWrapPolicy::NoWrap => "NO_WRAP",
-            }
-            .into(),
-        ));
-        if let Some(n) = f.min_num_params {
-            env.push(("FSDP_MIN_NUM_PARAMS".into(), n.to_string()));
-        }
-        if let Some(cls) = &f.transformer_layer_cls_to_wrap {
-            env.push(("FSDP_TRANSFORMER_CLS_TO_WRAP".into(), cls.clone()));
-        }
-        env.push((
-            "FSDP_BACKWARD_PREFETCH".into(),
-            match f.backward_prefetch {
-                FsdpBackwardPrefetch::BackwardPre => "BACKWARD_PRE",
-                FsdpBackwardPrefetch::BackwardPost => "BACKWARD_POST",
-                FsdpBackwardPrefetch::NoPrefetch => "NO_PREFETCH",
-            }
-            .into(),
-        ));
-        env.push((
-            "FSDP_FORWARD_PREFETCH".into(),
-            f.forward_prefetch.to_string(),
-        ));
-        env.push(("FSDP_OFFLOAD_PARAMS".into(), f.offload_params.to_string()));
-        env.push((
-            "FSDP_STATE_DICT_TYPE".into(),
-            format!("{:?}", f.state_dict_type),
-        ));
-        env.push((
-            "FSDP_ACTIVATION_CHECKPOINTING".into(),
-            f.activation_checkpointing.to_string(),
-        ));
-    }
-    env.push(("ACCELERATE_USE_PARALLELISM_CONFIG".into(), "true".into()));
-    env.extend(cfg.parallelism.to_env());
-    env
-}
-
 /// Inside a SLURM allocation (one launcher per node under srun), machines, this machine's
 /// rank and the master address come from SLURM unless given as flags.
 fn slurm_defaults(cfg: &mut LaunchConfig, args: &LaunchArgs) -> Result<(), String> {
@@ -313,9 +225,20 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
         ));
     }
     let nproc = world / machines;
-    let dims = cfg
-        .parallelism
-        .resolve(world, cfg.distributed_type)
+    // FSDP's hybrid strategies shard within a machine and replicate across machines.
+    let hybrid = cfg.fsdp.as_ref().is_some_and(|f| {
+        matches!(
+            f.sharding_strategy,
+            FsdpShardingStrategy::HybridShard | FsdpShardingStrategy::HybridShardZero2
+        )
+    });
+    let p = &mut cfg.parallelism;
+    if hybrid && p.dp_replicate.is_none() && p.dp_shard.is_none() {
+        p.dp_shard = Some(nproc / (p.tp * p.cp * p.sp).max(1));
+    }
+    let launch_plan = LaunchPlan::from_config(&cfg);
+    let dims = launch_plan
+        .resolve(world)
         .map_err(|e| format!("{src}: {e}"))?;
     // Under tensor parallelism, the model the program names must split over tp: checked here
     // from its config.json, before any process starts.
@@ -380,7 +303,9 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     } else {
         1
     };
-    let common = accelerate_env(&cfg);
+    // The launch contract: the resolved plan in Accelerate's variables, read back by
+    // DistContext::from_env() in every worker.
+    let common = launch_plan.to_env(&dims);
     let workers = (0..nproc)
         .map(|local| {
             let rank = node_rank * nproc + local;
@@ -441,6 +366,13 @@ pub fn print_plan(plan: &Plan, args: &LaunchArgs) {
     println!(
         "mesh: dp_replicate={} dp_shard={} cp={} sp={} tp={}",
         d.dp_replicate, d.dp_shard, d.cp, d.sp, d.tp
+    );
+    let launch_plan = LaunchPlan::from_config(&plan.config);
+    println!(
+        "strategy: {} (activation_checkpointing={}, offload_optimizer={})",
+        Strategy::from_plan(&launch_plan).name(),
+        launch_plan.activation_checkpointing(),
+        launch_plan.offload_optimizer()
     );
     match &plan.tp_plan {
         Some((dir, entries)) => println!("{}", tp_plan::render(entries, d.tp, dir)),

@@ -11,8 +11,6 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use trl_runtime::comm::{Communicator, ReduceOp};
-use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::DistContext;
 
 const WORLD: usize = 2;
@@ -55,8 +53,7 @@ fn memcpy_seconds(bytes: usize) -> f64 {
 }
 
 fn worker() {
-    let ctx =
-        DistContext::init(&ParallelismConfig::default(), DistributedType::MultiCpu).expect("init");
+    let ctx = DistContext::from_env().expect("init");
     let comm = ctx.world();
     let n = comm.size();
     for mib in SIZES_MIB {

@@ -18,6 +18,7 @@ use std::time::Instant;
 
 mod support;
 use trl_runtime::config::launch::DistributedType;
+use trl_runtime::config::LaunchPlan;
 use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::data::Batch;
 use trl_runtime::dist::DistContext;
@@ -55,7 +56,11 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
             ..ParallelismConfig::default()
         },
     };
-    let ctx = DistContext::init(&parallelism, DistributedType::MultiCpu).unwrap();
+    let ctx = DistContext::with_plan(LaunchPlan {
+        distributed_type: DistributedType::MultiCpu,
+        parallelism,
+        ..LaunchPlan::default()
+    }).unwrap();
     let split = SeqSplit::from_context(&ctx).unwrap();
     if let Some(split) = &split {
         model.split_sequences(split.clone()).unwrap();

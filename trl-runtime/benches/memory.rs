@@ -7,7 +7,7 @@
 
 use std::path::Path;
 use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::config::LaunchPlan;
 use trl_runtime::dist::DistContext;
 use trl_runtime::parallel::{WrapPolicy, ZeroStage};
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss, SFTConfig, Strategy, Trainer};
@@ -38,7 +38,10 @@ fn worker(name: &str, dir: &Path) {
         Strategy::Ddp => DistributedType::MultiCpu,
         _ => DistributedType::DeepSpeed,
     };
-    let ctx = DistContext::init(&ParallelismConfig::default(), kind).unwrap();
+    let ctx = DistContext::with_plan(LaunchPlan {
+        distributed_type: kind,
+        ..LaunchPlan::default()
+    }).unwrap();
     let config = SFTConfig {
         model_name_or_path: dir.join("model"),
         dataset_name: dir.join("train.jsonl"),

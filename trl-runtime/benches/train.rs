@@ -22,6 +22,7 @@ use std::time::Instant;
 mod gpu;
 mod support;
 use trl_runtime::config::launch::DistributedType;
+use trl_runtime::config::LaunchPlan;
 use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::mesh::{Axis, DP};
 use trl_runtime::dist::DistContext;
@@ -50,7 +51,11 @@ fn worker(kind: &str, dir: &Path) {
         tp: if kind == "ref-tp" { 2 } else { 1 },
         ..ParallelismConfig::default()
     };
-    let ctx = DistContext::init(&parallelism, dist).unwrap();
+    let ctx = DistContext::with_plan(LaunchPlan {
+        distributed_type: dist,
+        parallelism,
+        ..LaunchPlan::default()
+    }).unwrap();
     trl_runtime::train::logging::init(ctx.rank());
     let config = if kind == "tiny" {
         SFTConfig {

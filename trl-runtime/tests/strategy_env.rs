@@ -1,33 +1,23 @@
-//! The launcher's Accelerate variables select the trainer's strategy and checkpoint format as
-//! the profiles intend (its own test binary: it changes the process environment).
+//! Accelerate's variables (as `cargo trl launch` and `accelerate launch` export them) select
+//! the trainer's strategy and checkpoint format as the profiles intend.
 
+use std::collections::HashMap;
+use trl_runtime::config::LaunchPlan;
 use trl_runtime::parallel::{Prefetch, WrapPolicy, ZeroStage};
 use trl_runtime::train::{CheckpointFormat, Strategy};
 
-const VARS: &[&str] = &[
-    "ACCELERATE_USE_DEEPSPEED",
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-    "ACCELERATE_USE_FSDP",
-    "FSDP_SHARDING_STRATEGY",
-    "FSDP_AUTO_WRAP_POLICY",
-    "FSDP_MIN_NUM_PARAMS",
-    "FSDP_STATE_DICT_TYPE",
-    "FSDP_VERSION",
-    "FSDP_FORWARD_PREFETCH",
-    "FSDP_BACKWARD_PREFETCH",
-];
-
 fn with_env(vars: &[(&str, &str)]) -> (Result<Strategy, String>, CheckpointFormat) {
-    for v in VARS {
-        std::env::remove_var(v);
+    let map: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    match LaunchPlan::from_env(|k| map.get(k).cloned(), 2) {
+        Ok(plan) => (
+            Ok(Strategy::from_plan(&plan)),
+            CheckpointFormat::from_plan(&plan),
+        ),
+        Err(e) => (Err(e.to_string()), CheckpointFormat::Full),
     }
-    for (k, v) in vars {
-        std::env::set_var(k, v);
-    }
-    (
-        Strategy::from_env().map_err(|e| e.to_string()),
-        CheckpointFormat::from_env(),
-    )
 }
 
 #[test]
@@ -56,7 +46,7 @@ fn profiles_map_to_strategies() {
         backward: true,
     };
     assert_eq!(
-        fsdp(&[("FSDP_SHARDING_STRATEGY", "FullShard")]),
+        fsdp(&[("FSDP_SHARDING_STRATEGY", "FULL_SHARD")]),
         (
             Ok(Strategy::Fsdp(WrapPolicy::PerLayer, backward_only)),
             Full
@@ -86,15 +76,15 @@ fn profiles_map_to_strategies() {
         ))
     );
     assert_eq!(
-        fsdp(&[("FSDP_SHARDING_STRATEGY", "ShardGradOp")]),
+        fsdp(&[("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")]),
         (Ok(Strategy::Zero(ZeroStage::Two)), Full)
     );
     assert_eq!(
         fsdp(&[
-            ("FSDP_SHARDING_STRATEGY", "HybridShard"),
+            ("FSDP_SHARDING_STRATEGY", "HYBRID_SHARD"),
             ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP"),
             ("FSDP_MIN_NUM_PARAMS", "1000000"),
-            ("FSDP_STATE_DICT_TYPE", "ShardedStateDict"),
+            ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"),
         ]),
         (
             Ok(Strategy::Fsdp(
@@ -111,7 +101,7 @@ fn profiles_map_to_strategies() {
     let (bad, _) = fsdp(&[("FSDP_AUTO_WRAP_POLICY", "LAMBDA_WRAP")]);
     let msg = bad.unwrap_err();
     assert!(
-        msg.contains("fsdp_auto_wrap_policy") && msg.contains("TRANSFORMER_BASED_WRAP"),
+        msg.contains("FSDP_AUTO_WRAP_POLICY") && msg.contains("TRANSFORMER_BASED_WRAP"),
         "{msg}"
     );
 }

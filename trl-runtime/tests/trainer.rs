@@ -843,7 +843,7 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
     for (name, w) in trainer.model.params.iter() {
         assert_eq!(w.dtype(), candle_core::DType::BF16, "{name}");
     }
-    let Optimizer::Replicated(adam) = &trainer.optimizer else {
+    let Optimizer::Replicated(adam, _) = &trainer.optimizer else {
         panic!("DDP keeps a replicated optimizer")
     };
     for (name, s) in &adam.states {

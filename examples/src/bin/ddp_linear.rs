@@ -10,8 +10,6 @@
 use candle_core::{Device, Tensor, Var};
 use std::process::ExitCode;
 use trl_runtime::comm::ReduceOp;
-use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::{spawn, DistContext};
 
 const FEATURES: usize = 16;
@@ -78,7 +76,7 @@ fn main() -> ExitCode {
     if let Some(code) = spawn::relaunch_unless_launched(2) {
         return code;
     }
-    let result = DistContext::init(&ParallelismConfig::default(), DistributedType::MultiCpu)
+    let result = DistContext::from_env()
         .and_then(|ctx| train(&ctx));
     match result {
         Ok(loss) if loss < 1e-4 => ExitCode::SUCCESS,

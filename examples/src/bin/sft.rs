@@ -8,8 +8,6 @@
 
 use clap::Parser;
 use std::process::ExitCode;
-use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::{spawn, DistContext};
 use trl_runtime::train::{SFTConfig, SftCli, Trainer};
 
@@ -40,7 +38,7 @@ fn embedded_defaults() -> SFTConfig {
 }
 
 fn run(config: SFTConfig) -> trl_runtime::Result<()> {
-    let ctx = DistContext::init(&ParallelismConfig::default(), DistributedType::MultiCpu)?;
+    let ctx = DistContext::from_env()?;
     let _rank = trl_runtime::train::logging::init(ctx.rank());
     let mut trainer = Trainer::new(config, &ctx)?;
     let outcome = trainer.train()?;

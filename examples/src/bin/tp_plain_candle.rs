@@ -33,8 +33,7 @@ use candle_nn::{Optimizer, VarBuilder, VarMap};
 use std::process::ExitCode;
 use std::sync::Arc;
 use trl_runtime::comm::Communicator;
-use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::config::LaunchPlan;
 use trl_runtime::dist::mesh::Axis;
 use trl_runtime::dist::{spawn, DistContext};
 use trl_runtime::nn::{embedding, linear, linear_no_bias, rms_norm, Embedding, Linear, RmsNorm};
@@ -290,11 +289,14 @@ fn main() -> ExitCode {
         .ok()
         .and_then(|w| w.parse().ok())
         .unwrap_or(1);
-    let parallelism = ParallelismConfig {
-        tp: world,
-        ..ParallelismConfig::default()
-    };
-    let result = DistContext::init(&parallelism, DistributedType::MultiCpu)
+    let result = LaunchPlan::from_process_env(world)
+        .map(|mut plan| {
+            if std::env::var("PARALLELISM_CONFIG_TP_SIZE").is_err() {
+                plan.parallelism.tp = world;
+            }
+            plan
+        })
+        .and_then(DistContext::with_plan)
         .and_then(|ctx| Ok((train(&ctx)?, ctx.is_main_process())));
     match result {
         Ok((worst, true)) if worst > 1e-4 => {

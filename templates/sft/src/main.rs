@@ -4,8 +4,6 @@
 
 use clap::Parser;
 use std::process::ExitCode;
-use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::DistContext;
 use trl_runtime::train::{SFTConfig, SftCli, Trainer};
 
@@ -14,7 +12,7 @@ fn run() -> trl_runtime::Result<()> {
     let mut config = SFTConfig::from_file(cli.config.as_deref().unwrap_or("sft.yaml".as_ref()))?;
     cli.args.apply(&mut config);
     config.validate("command line")?;
-    let ctx = DistContext::init(&ParallelismConfig::default(), DistributedType::MultiCpu)?;
+    let ctx = DistContext::from_env()?;
     trl_runtime::train::logging::init(ctx.rank());
     let mut trainer = Trainer::new(config, &ctx)?;
     let outcome = trainer.train()?;

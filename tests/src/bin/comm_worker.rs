@@ -8,8 +8,6 @@
 use candle_core::{DType, Device, Tensor};
 use std::process::ExitCode;
 use trl_runtime::comm::ReduceOp;
-use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::mesh::Axis;
 use trl_runtime::dist::DistContext;
 
@@ -74,7 +72,7 @@ fn collectives(ctx: &DistContext) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let mode = std::env::args().nth(1).unwrap_or_default();
-    let ctx = match DistContext::init(&ParallelismConfig::default(), DistributedType::MultiCpu) {
+    let ctx = match DistContext::from_env() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("init failed: {e}");

@@ -6,8 +6,6 @@
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::time::Instant;
-use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::dist::DistContext;
 use trl_runtime::train::{SFTConfig, Strategy, Trainer};
 
@@ -60,7 +58,7 @@ pub fn flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize) 
 pub fn run(dir: &Path, batch: usize) {
     // The launcher's way in: the context picks the GPU by itself (dist::device); the matmul
     // rate is measured on the same device (and stream) the trainer uses.
-    let ctx = DistContext::init(&ParallelismConfig::default(), DistributedType::No).unwrap();
+    let ctx = DistContext::from_env().unwrap();
     if !ctx.device().is_cuda() {
         eprintln!("no GPU selected (see dist::device): the cuda lines are skipped");
         return;

@@ -2,6 +2,7 @@
 //! read as is. Unknown keys are kept as warnings; a wrong type or value is an error naming the
 //! file, the key and the accepted values.
 
+use super::deepspeed_json::DeepSpeedJson;
 use super::parallelism::{ParallelismConfig, SpBackend};
 use super::yaml::Section;
 use crate::error::{Error, Result};
@@ -187,6 +188,10 @@ pub struct DeepSpeedConfig {
     pub config_file: Option<PathBuf>,
     /// Ulysses all-to-all precision (`seq_parallel_communication_data_type`).
     pub seq_parallel_communication_data_type: Option<String>,
+    /// From a DeepSpeed JSON: its micro-batch size (checked against the training arguments).
+    pub train_micro_batch_size_per_gpu: Option<u64>,
+    /// From a DeepSpeed JSON: its bf16 / fp16 section.
+    pub mixed_precision: Option<MixedPrecision>,
 }
 
 impl Default for DeepSpeedConfig {
@@ -202,6 +207,8 @@ impl Default for DeepSpeedConfig {
             multinode_launcher: None,
             config_file: None,
             seq_parallel_communication_data_type: None,
+            train_micro_batch_size_per_gpu: None,
+            mixed_precision: None,
         }
     }
 }
@@ -640,13 +647,45 @@ fn parse_deepspeed(
             ],
         )?
         .map(str::to_string);
-    c.config_file = s.string("deepspeed_config_file")?.map(PathBuf::from);
     c.seq_parallel_communication_data_type = s
         .choice(
             "seq_parallel_communication_data_type",
             &["fp32", "fp16", "bf16"],
         )?
         .map(str::to_string);
+    if let Some(path) = s.string("deepspeed_config_file")? {
+        // As in Accelerate, the JSON is then the whole DeepSpeed config: fields that it
+        // owns may not also be set here.
+        let owned: Vec<&str> = [
+            "zero_stage",
+            "offload_optimizer_device",
+            "offload_param_device",
+            "zero3_save_16bit_model",
+            "gradient_accumulation_steps",
+            "gradient_clipping",
+        ]
+        .into_iter()
+        .filter(|k| map.contains_key(*k))
+        .collect();
+        if !owned.is_empty() {
+            return Err(s.error(
+                "deepspeed_config_file",
+                format!(
+                    "is set together with {}: with a DeepSpeed JSON these belong in the JSON (Accelerate refuses both too); remove them here",
+                    owned.join(", ")
+                ),
+            ));
+        }
+        let json = DeepSpeedJson::from_file(&path).map_err(|e| {
+            s.error(
+                "deepspeed_config_file",
+                format!("{e} (a relative path is read from the directory you launch in)"),
+            )
+        })?;
+        c = DeepSpeedConfig::default();
+        json.apply(&mut c);
+        c.config_file = Some(PathBuf::from(path));
+    }
     unknown.extend(s.unknown_keys());
     Ok(c)
 }

@@ -1,7 +1,9 @@
 //! Configuration users already have: Accelerate's launch YAML and the parallelism config.
 
+pub mod deepspeed_json;
 pub mod launch;
 pub mod parallelism;
+pub mod plan;
 mod yaml;
 
 pub use launch::{
@@ -10,3 +12,4 @@ pub use launch::{
     OffloadDevice,
 };
 pub use parallelism::{ParallelismConfig, SpBackend};
+pub use plan::LaunchPlan;

@@ -6,8 +6,7 @@ use super::env::ProcessEnv;
 use super::mesh::{Axis, DeviceMesh, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
 use super::store::Store;
 use crate::comm::{Communicator, HostBackend, InProcessWorld, Timed};
-use crate::config::launch::DistributedType;
-use crate::config::parallelism::ParallelismConfig;
+use crate::config::LaunchPlan;
 use crate::error::{Error, Result};
 use candle_core::Device;
 use std::collections::BTreeMap;
@@ -48,6 +47,8 @@ pub struct DistContext {
     groups: BTreeMap<Vec<Axis>, Arc<Timed>>,
     /// Where this rank computes (Accelerate's `accelerator.device`).
     device: Device,
+    /// What the launch asked every worker to run.
+    plan: LaunchPlan,
 }
 
 fn key(axes: &[Axis]) -> Vec<Axis> {
@@ -126,16 +127,26 @@ fn make_groups(
 }
 
 impl DistContext {
-    /// Reads the environment (torchrun / SLURM / single), the PARALLELISM_CONFIG_* variables
-    /// over `parallelism`, connects to the store and builds every group's communicator.
-    pub fn init(
-        parallelism: &ParallelismConfig,
-        distributed_type: DistributedType,
-    ) -> Result<Self> {
-        crate::alloc::keep_freed_memory();
+    /// The launch contract: reads the process environment (torchrun / SLURM / single) and the
+    /// plan the launcher exported in Accelerate's variables ([`LaunchPlan::from_env`]: the
+    /// distributed type, every mesh size, the strategy settings), connects to the store and
+    /// builds every group's communicator. The same under `cargo trl launch`, `accelerate
+    /// launch` and torchrun with Accelerate's variables.
+    pub fn from_env() -> Result<Self> {
         let env = ProcessEnv::from_process()?;
-        let parallelism = parallelism.clone().with_process_env()?;
-        let dims = parallelism.resolve(env.world_size, distributed_type)?;
+        let plan = LaunchPlan::from_process_env(env.world_size)?;
+        Self::with_env_and_plan(env, plan)
+    }
+
+    /// As [`Self::from_env`], with the plan given in code instead of read from the
+    /// environment (benchmarks and programs that choose their own strategy).
+    pub fn with_plan(plan: LaunchPlan) -> Result<Self> {
+        Self::with_env_and_plan(ProcessEnv::from_process()?, plan)
+    }
+
+    fn with_env_and_plan(env: ProcessEnv, plan: LaunchPlan) -> Result<Self> {
+        crate::alloc::keep_freed_memory();
+        let dims = plan.resolve(env.world_size)?;
         let mesh = DeviceMesh::new(dims, env.world_size)?;
         let timeout = timeout_from_env()?;
         let store = if env.world_size > 1 {
@@ -160,6 +171,7 @@ impl DistContext {
             store: store.map(|(s, _)| s),
             groups,
             device,
+            plan,
         })
     }
 
@@ -189,6 +201,7 @@ impl DistContext {
             store: None,
             groups,
             device: Device::Cpu,
+            plan: LaunchPlan::default(),
         })
     }
 
@@ -196,6 +209,17 @@ impl DistContext {
     /// tensors through host memory): several ranks on one GPU, for tests.
     pub fn on_device(mut self, device: Device) -> Self {
         self.device = device;
+        self
+    }
+
+    /// What the launch asked every worker to run (strategy settings beside the mesh).
+    pub fn plan(&self) -> &LaunchPlan {
+        &self.plan
+    }
+
+    /// The same context running `plan` (tests of in-process ranks choose their strategy).
+    pub fn with_launch_plan(mut self, plan: LaunchPlan) -> Self {
+        self.plan = plan;
         self
     }
 

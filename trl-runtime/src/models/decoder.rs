@@ -19,14 +19,16 @@ use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{tiled_linear_cross_entropy, LossSum};
 use crate::nn::{AttentionImpl, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
 use crate::parallel::fsdp::shard_model;
+use crate::parallel::checkpointing::{Checkpointing, Layers};
 use crate::parallel::{Prefetch, ShardedModel, WrapPolicy};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
 use crate::Parallelize;
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::sync::Arc;
 
-#[derive(Parallelize)]
+#[derive(Clone, Parallelize)]
 #[parallel(fsdp_unit)]
 struct DecoderLayer {
     input_layernorm: RmsNorm,
@@ -84,6 +86,10 @@ pub struct CausalLm {
     /// Compute the MLPs in sequence tiles, recomputed in backward (ALST's TiledMLP).
     #[parallel(skip)]
     pub tiled_mlp: bool,
+    /// Recompute each decoder layer in backward, keeping only its input (activation
+    /// checkpointing; see [`Self::backward`]).
+    #[parallel(skip)]
+    pub checkpointing: Option<Arc<Checkpointing>>,
     #[parallel(tp = "vocab", name = "model.embed_tokens")]
     embed_tokens: Embedding,
     #[parallel(name = "model.layers")]
@@ -182,6 +188,7 @@ impl CausalLm {
             attention: AttentionImpl::default(),
             tiled_loss: false,
             tiled_mlp: false,
+            checkpointing: None,
             embed_tokens: Embedding::from_weight(embed_weight),
             layers,
             norm: norm("model.norm")?,
@@ -429,41 +436,14 @@ impl CausalLm {
         )?)
     }
 
-    /// A layer's SwiGLU MLP; with `tiled_mlp` (and the weights held whole on this rank, no
-    /// biases) computed in sequence tiles that keep no [tokens x intermediate] activations.
-    fn mlp(&self, layer: &DecoderLayer, h: &Tensor) -> Result<Tensor> {
-        let weights = (
-            &layer.gate_proj.weight,
-            &layer.up_proj.weight,
-            &layer.down_proj.weight,
-        );
-        let no_bias = [&layer.gate_proj, &layer.up_proj, &layer.down_proj]
-            .iter()
-            .all(|l| l.bias.is_none());
-        let (Weight::Local(gate), Weight::Local(up), Weight::Local(down)) = weights else {
-            return self.plain_mlp(layer, h);
-        };
-        if !self.tiled_mlp || !no_bias {
-            return self.plain_mlp(layer, h);
+    /// Gradients of `loss` (a scalar of this model's forward) for every parameter: Candle's
+    /// backward, plus the gradients of layers recomputed by activation checkpointing.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let mut store = loss.backward()?;
+        if let Some(c) = &self.checkpointing {
+            c.merge_into(&mut store)?;
         }
-        let (b, s, hidden) = h.dims3()?;
-        let x = h.reshape((b * s, hidden))?;
-        // Under tp: Megatron's f before the column-split gate/up and g after the row-split down.
-        let x = match &self.tp {
-            Some(tp) => copy_to_group(&x, tp)?,
-            None => x,
-        };
-        let y = tiled_swiglu(&x, &Tensor::cat(&[gate, up], 0)?, down)?;
-        let y = match &self.tp {
-            Some(tp) => reduce_from_group(&y, tp)?,
-            None => y,
-        };
-        Ok(y.reshape((b, s, hidden))?)
-    }
-
-    fn plain_mlp(&self, layer: &DecoderLayer, h: &Tensor) -> Result<Tensor> {
-        let mlp = (layer.gate_proj.forward(h)?.silu()? * layer.up_proj.forward(h)?)?;
-        Ok(layer.down_proj.forward(&mlp)?)
+        Ok(store)
     }
 
     /// The final hidden states [batch, seq, hidden] (after the last norm). `chunked`: the
@@ -482,42 +462,136 @@ impl CausalLm {
                 .or_else(crate::context_parallel::active_split),
             false => None,
         };
-        let (b, s) = input_ids.dims2()?;
-        let cfg = &self.config;
-        let d = cfg.head_dim();
         // Sharded parameters: the root unit (embedding, final norm, LM head) is gathered for
         // the whole pass, each layer's unit only while the layer runs.
         let _root = match &self.sharding {
             Some(sh) => Some(sh.begin_forward()?),
             None => None,
         };
-        let mut x = self.embed_tokens.forward(input_ids)?;
-        let dtype = x.dtype();
-        let device: Device = x.device().clone();
+        let x = self.embed_tokens.forward(input_ids)?;
+        let (dtype, device) = (x.dtype(), x.device().clone());
         let attention =
             SeqAttention::new(split.as_ref(), position_ids, self.attention, dtype, &device)?;
         let (cos, sin) = self.rope.cos_sin(position_ids, dtype, &device)?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let _unit = match &self.sharding {
-                Some(sh) => sh.enter_layer(l)?,
-                None => None,
-            };
-            let (heads, kv_heads) = (layer.num_heads, layer.num_kv_heads);
-            let h = layer.input_layernorm.forward(&x)?;
-            let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
-                t.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()
-            };
-            let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
-            let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
-            let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-            let a = attention
-                .apply(&q, &k, &v)?
-                .transpose(1, 2)?
-                .reshape((b, s, heads * d))?;
-            x = (x + layer.o_proj.forward(&a)?)?;
-            let h = layer.post_attention_layernorm.forward(&x)?;
-            x = (x + self.mlp(layer, &h)?)?;
-        }
+        let stack = DecoderStack {
+            layers: self.layers.clone(),
+            cx: LayerCtx {
+                attention: Arc::new(attention),
+                cos,
+                sin,
+                tp: self.tp.clone(),
+                tiled_mlp: self.tiled_mlp,
+                head_dim: self.config.head_dim(),
+            },
+            sharding: self.sharding.clone(),
+        };
+        let x = match &self.checkpointing {
+            Some(c) => c.run(&x, Arc::new(stack))?,
+            None => {
+                let mut x = x;
+                for l in 0..stack.len() {
+                    x = stack.forward(l, &x, false)?;
+                }
+                x
+            }
+        };
         Ok(self.norm.forward(&x)?)
     }
+}
+
+/// What every layer of one forward shares.
+struct LayerCtx {
+    attention: Arc<SeqAttention>,
+    cos: Tensor,
+    sin: Tensor,
+    tp: Option<Arc<dyn Communicator>>,
+    tiled_mlp: bool,
+    head_dim: usize,
+}
+
+/// The decoder layers of one forward, runnable again in backward (activation checkpointing).
+struct DecoderStack {
+    layers: Vec<DecoderLayer>,
+    cx: LayerCtx,
+    sharding: Option<Arc<ShardedModel>>,
+}
+
+impl Layers for DecoderStack {
+    fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn forward(&self, l: usize, x: &Tensor, recompute: bool) -> candle_core::Result<Tensor> {
+        // A recomputed layer's unit is gathered on demand and freed by its backward.
+        let _unit = match (&self.sharding, recompute) {
+            (Some(sh), false) => sh.enter_layer(l).map_err(Error::into_candle)?,
+            _ => None,
+        };
+        layer_forward(&self.layers[l], &self.cx, x).map_err(Error::into_candle)
+    }
+
+    fn params(&self, l: usize) -> Vec<Tensor> {
+        let mut out = Vec::new();
+        self.layers[l].visit_params("", &mut |_, t, _| out.push(t.clone()));
+        out
+    }
+}
+
+/// One decoder layer: x + attention(norm(x)), then + mlp(norm(x)).
+fn layer_forward(layer: &DecoderLayer, cx: &LayerCtx, x: &Tensor) -> Result<Tensor> {
+    let (b, s, _) = x.dims3()?;
+    let d = cx.head_dim;
+    let (heads, kv_heads) = (layer.num_heads, layer.num_kv_heads);
+    let h = layer.input_layernorm.forward(x)?;
+    let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
+        t.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()
+    };
+    let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cx.cos, &cx.sin)?;
+    let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cx.cos, &cx.sin)?;
+    let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
+    let a = cx
+        .attention
+        .apply(&q, &k, &v)?
+        .transpose(1, 2)?
+        .reshape((b, s, heads * d))?;
+    let x = (x + layer.o_proj.forward(&a)?)?;
+    let h = layer.post_attention_layernorm.forward(&x)?;
+    Ok((&x + mlp(layer, cx, &h)?)?)
+}
+
+/// A layer's SwiGLU MLP; with `tiled_mlp` (and the weights held whole on this rank, no
+/// biases) computed in sequence tiles that keep no [tokens x intermediate] activations.
+fn mlp(layer: &DecoderLayer, cx: &LayerCtx, h: &Tensor) -> Result<Tensor> {
+    let weights = (
+        &layer.gate_proj.weight,
+        &layer.up_proj.weight,
+        &layer.down_proj.weight,
+    );
+    let no_bias = [&layer.gate_proj, &layer.up_proj, &layer.down_proj]
+        .iter()
+        .all(|l| l.bias.is_none());
+    let (Weight::Local(gate), Weight::Local(up), Weight::Local(down)) = weights else {
+        return plain_mlp(layer, h);
+    };
+    if !cx.tiled_mlp || !no_bias {
+        return plain_mlp(layer, h);
+    }
+    let (b, s, hidden) = h.dims3()?;
+    let x = h.reshape((b * s, hidden))?;
+    // Under tp: Megatron's f before the column-split gate/up and g after the row-split down.
+    let x = match &cx.tp {
+        Some(tp) => copy_to_group(&x, tp)?,
+        None => x,
+    };
+    let y = tiled_swiglu(&x, &Tensor::cat(&[gate, up], 0)?, down)?;
+    let y = match &cx.tp {
+        Some(tp) => reduce_from_group(&y, tp)?,
+        None => y,
+    };
+    Ok(y.reshape((b, s, hidden))?)
+}
+
+fn plain_mlp(layer: &DecoderLayer, h: &Tensor) -> Result<Tensor> {
+    let mlp = (layer.gate_proj.forward(h)?.silu()? * layer.up_proj.forward(h)?)?;
+    Ok(layer.down_proj.forward(&mlp)?)
 }

@@ -355,8 +355,24 @@ impl CustomOp1 for UnitOp {
     }
 }
 
+thread_local! {
+    /// Set while activation checkpointing recomputes a layer in backward.
+    static RECOMPUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (a layer recomputed in backward by activation checkpointing): its unit ops were
+/// counted when the layer first ran, and their backward passes are the ones that count down.
+pub fn recomputing<T>(f: impl FnOnce() -> T) -> T {
+    let before = RECOMPUTING.with(|r| r.replace(true));
+    let out = f();
+    RECOMPUTING.with(|r| r.set(before));
+    out
+}
+
 fn apply(arg: &Tensor, unit: &Arc<Unit>, kind: OpKind, y: Tensor) -> candle_core::Result<Tensor> {
-    unit.lock().pending += 1;
+    if !RECOMPUTING.with(|r| r.get()) {
+        unit.lock().pending += 1;
+    }
     arg.apply_op1(UnitOp {
         unit: unit.clone(),
         kind,
@@ -754,6 +770,16 @@ impl FsdpOptimizer {
         self.inner.step
     }
 
+    /// The AdamW state of this rank's slices.
+    pub fn state(&self) -> &AdamW {
+        &self.inner
+    }
+
+    /// Keeps the optimizer state in host memory (CPU offload).
+    pub fn offload_to_host(&mut self) -> Result<()> {
+        super::offload::to_host(&mut self.inner)
+    }
+
     /// One update from the gradient slices the backward passes left in the units: (HSDP:
     /// sum across replicas), clip by the global norm, update, and write the new slices back.
     /// Returns the gradient norm before clipping.
@@ -795,7 +821,7 @@ impl FsdpOptimizer {
         for unit in &self.model.units {
             let master = &self.inner.states[&unit.name].master;
             let mut st = unit.lock();
-            st.shard = master.to_dtype(st.shard.dtype())?;
+            st.shard = master.to_dtype(st.shard.dtype())?.to_device(st.shard.device())?;
         }
         Ok(norm)
     }
@@ -822,7 +848,7 @@ impl FsdpOptimizer {
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
             unit.layout.take_slice(full, range, st)?;
             let mut us = unit.lock();
-            us.shard = st.master.to_dtype(us.shard.dtype())?;
+            us.shard = st.master.to_dtype(us.shard.dtype())?.to_device(us.shard.device())?;
         }
         self.inner.step = full.step;
         Ok(())
@@ -846,7 +872,7 @@ impl FsdpOptimizer {
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
             unit.layout.read_slice(reader, range, st)?;
             let mut us = unit.lock();
-            us.shard = st.master.to_dtype(us.shard.dtype())?;
+            us.shard = st.master.to_dtype(us.shard.dtype())?.to_device(us.shard.device())?;
         }
         self.inner.step = reader.optimizer_step;
         Ok(())

@@ -1,7 +1,336 @@
-//! Parallel training strategies beyond plain data parallelism.
+//! The parallel training strategies, one file each, and the one function that composes them.
+//!
+//! [`parallelize`] applies them in a fixed order, as torchtitan's `parallelize` does:
+//! tensor parallelism (`crate::tp`, each rank keeps its slices) -> sequence split (ring
+//! attention over cp, Ulysses over sp) -> activation checkpointing ([`checkpointing`]) ->
+//! data parallelism: [`ddp`] (replicated, bucketed all-reduce), [`zero`] (ZeRO-1/2: optimizer
+//! state and gradients sharded) or [`fsdp`] (ZeRO-3 / FSDP: parameters too), with the
+//! optimizer state in host memory when [`offload`] asks for it.
 
+pub mod checkpointing;
+pub mod ddp;
 pub mod fsdp;
+pub mod offload;
 pub mod zero;
 
+pub use checkpointing::Checkpointing;
 pub use fsdp::{FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy};
 pub use zero::{ZeroOptimizer, ZeroStage};
+
+use crate::config::launch::{
+    DistributedType, FsdpAutoWrapPolicy, FsdpBackwardPrefetch, FsdpShardingStrategy,
+    FsdpStateDictType,
+};
+use crate::config::LaunchPlan;
+use crate::dist::mesh::{Axis, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
+use crate::dist::DistContext;
+use crate::error::{Error, Result};
+use crate::models::CausalLm;
+use crate::nn::seq_attention::SeqSplit;
+use crate::nn::AttentionImpl;
+use crate::tp::{state as tp_state, TpNorm};
+use crate::train::optim::{AdamW, AdamWConfig};
+use crate::train::sharded_state::ShardedReader;
+use ddp::Ddp;
+use std::path::PathBuf;
+
+/// How data-parallel ranks hold the model state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Everything replicated; gradients all-reduced (DDP).
+    Ddp,
+    /// Optimizer state (and with stage 2 gradients) sharded over the data-parallel group.
+    Zero(ZeroStage),
+    /// ZeRO stage 3 / FSDP FULL_SHARD: parameters too, gathered per wrap unit when used, with
+    /// the next unit's gather started ahead as `Prefetch` says.
+    Fsdp(WrapPolicy, Prefetch),
+}
+
+/// FSDP's SIZE_BASED_WRAP default (Accelerate's fsdp_min_num_params default).
+const DEFAULT_MIN_NUM_PARAMS: u64 = 100_000_000;
+
+impl Strategy {
+    /// ZeRO-3 / FSDP with `wrap` units, prefetching in both directions.
+    pub fn fsdp(wrap: WrapPolicy) -> Self {
+        Strategy::Fsdp(wrap, Prefetch::BOTH)
+    }
+
+    /// What a launch plan asks for: DeepSpeed's ZeRO stage, FSDP's sharding strategy, wrap
+    /// policy and prefetch settings; plain DDP otherwise.
+    pub fn from_plan(plan: &LaunchPlan) -> Self {
+        if let (DistributedType::DeepSpeed, Some(ds)) = (plan.distributed_type, &plan.deepspeed) {
+            return match ds.zero_stage {
+                0 => Strategy::Ddp,
+                1 => Strategy::Zero(ZeroStage::One),
+                2 => Strategy::Zero(ZeroStage::Two),
+                // DeepSpeed gathers ZeRO-3 parameters module by module: one unit per layer.
+                _ => Strategy::fsdp(WrapPolicy::PerLayer),
+            };
+        }
+        let Some(f) = plan.fsdp.as_ref() else {
+            return Strategy::Ddp;
+        };
+        match f.sharding_strategy {
+            FsdpShardingStrategy::NoShard => Strategy::Ddp,
+            FsdpShardingStrategy::ShardGradOp | FsdpShardingStrategy::HybridShardZero2 => {
+                Strategy::Zero(ZeroStage::Two)
+            }
+            FsdpShardingStrategy::FullShard | FsdpShardingStrategy::HybridShard => {
+                let wrap = match f.auto_wrap_policy {
+                    FsdpAutoWrapPolicy::TransformerBasedWrap => WrapPolicy::PerLayer,
+                    FsdpAutoWrapPolicy::NoWrap => WrapPolicy::Whole,
+                    FsdpAutoWrapPolicy::SizeBasedWrap => WrapPolicy::MinParams(
+                        f.min_num_params.unwrap_or(DEFAULT_MIN_NUM_PARAMS) as usize,
+                    ),
+                };
+                // BACKWARD_PRE and BACKWARD_POST both start the next unit's gather during
+                // backward; FSDP2 always overlaps the next forward gather (its implicit
+                // prefetch), so forward prefetch is on for version 2 whatever the flag says.
+                Strategy::Fsdp(
+                    wrap,
+                    Prefetch {
+                        forward: f.forward_prefetch || f.version == 2,
+                        backward: f.backward_prefetch != FsdpBackwardPrefetch::NoPrefetch,
+                    },
+                )
+            }
+        }
+    }
+
+    /// A short name for reports: `ddp`, `zero1`, `zero2`, `zero3`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Strategy::Ddp => "ddp",
+            Strategy::Zero(ZeroStage::One) => "zero1",
+            Strategy::Zero(ZeroStage::Two) => "zero2",
+            Strategy::Fsdp(..) => "zero3",
+        }
+    }
+}
+
+/// FSDP's state_dict_type: FULL_STATE_DICT gathers everything and rank 0 writes HF
+/// safetensors; SHARDED_STATE_DICT has every rank write its own slices in parallel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointFormat {
+    Full,
+    Sharded,
+}
+
+impl CheckpointFormat {
+    /// FSDP's SHARDED_STATE_DICT (LOCAL_STATE_DICT, each rank's own flat slices, is written
+    /// the same way) and DeepSpeed ZeRO-3, which saves its partitions, are sharded.
+    pub fn from_plan(plan: &LaunchPlan) -> Self {
+        let fsdp_sharded = plan
+            .fsdp
+            .as_ref()
+            .is_some_and(|f| f.state_dict_type != FsdpStateDictType::FullStateDict);
+        let zero3 = plan.deepspeed.as_ref().is_some_and(|d| d.zero_stage == 3);
+        if fsdp_sharded || zero3 {
+            CheckpointFormat::Sharded
+        } else {
+            CheckpointFormat::Full
+        }
+    }
+}
+
+/// What ZeRO / FSDP shard over: dp_shard, and the ranks of the sequence chunks (which hold
+/// different gradients) when sequences are split.
+pub fn shard_axes(split: Option<&SeqSplit>) -> &'static [Axis] {
+    match split {
+        Some(s) if s.ring => DP_SHARD_CP,
+        Some(_) => DP_SHARD_SP,
+        None => &[Axis::DpShard],
+    }
+}
+
+/// The ranks that see different tokens: data-parallel ranks, and those holding the other
+/// chunks of the same rows.
+pub fn batch_axes(split: Option<&SeqSplit>) -> &'static [Axis] {
+    match split {
+        Some(s) if s.ring => DP_CP,
+        Some(_) => DP_SP,
+        None => DP,
+    }
+}
+
+/// How [`parallelize`] sets a model up, beyond the mesh of the context.
+#[derive(Debug, Clone)]
+pub struct ParallelOptions {
+    pub strategy: Strategy,
+    /// The model directory (named in errors about splitting it).
+    pub model_dir: PathBuf,
+    pub attention: AttentionImpl,
+    /// Fused, tiled LM head + loss (use_liger_kernel).
+    pub tiled_loss: bool,
+    pub tiled_mlp: bool,
+    /// Recompute each decoder layer in backward (fsdp_activation_checkpointing,
+    /// gradient_checkpointing).
+    pub activation_checkpointing: bool,
+    /// Keep the checkpointed layer inputs in host memory (GPU runs).
+    pub offload_activations: bool,
+    /// Keep the optimizer state in host memory (GPU runs).
+    pub offload_optimizer: bool,
+    pub adam: AdamWConfig,
+}
+
+/// Where a resumed run's optimizer state comes from.
+pub enum Resume {
+    Fresh,
+    /// Every parameter's whole state (a full checkpoint).
+    Full(AdamW),
+    /// A sharded checkpoint, read slice by slice.
+    Sharded(ShardedReader),
+}
+
+/// The optimizer as the strategy keeps it.
+pub enum Optimizer {
+    /// DDP: the whole state on every rank; gradients reduced by [`ddp::Ddp`] first.
+    Replicated(AdamW, Ddp),
+    Zero(ZeroOptimizer),
+    Fsdp(FsdpOptimizer),
+}
+
+/// A model made parallel.
+pub struct Parallelized {
+    pub optimizer: Optimizer,
+    /// Under tensor parallelism: the global gradient norm over the tp group.
+    pub tp_norm: Option<TpNorm>,
+}
+
+/// Applies the strategies to `model` in their fixed order (see the module docs) and builds
+/// the optimizer the data-parallel strategy keeps, from `resume`'s state when resuming.
+pub fn parallelize(
+    model: &mut CausalLm,
+    ctx: &DistContext,
+    opts: &ParallelOptions,
+    resume: Resume,
+) -> Result<Parallelized> {
+    let main = ctx.is_main_process();
+    let config_json = opts.model_dir.join("config.json").display().to_string();
+    let tp = ctx.group(&[Axis::Tp]);
+    let split = SeqSplit::from_context(ctx).map_err(|e| Error::Config {
+        file: "the launch's parallelism config".into(),
+        key: "parallelism_config_cp_size".into(),
+        message: e.to_string(),
+    })?;
+    // Rank 0's weights on every rank (DDP's start; under tp, every data-parallel rank holds
+    // the same slices) before any strategy takes its share.
+    ddp::sync_parameters(&ctx.group(batch_axes(split.as_ref())), &model.params)?;
+    let (mut full_state, sharded_state) = match resume {
+        Resume::Fresh => (None, None),
+        Resume::Full(full) => (Some(full), None),
+        Resume::Sharded(reader) => (None, Some(reader)),
+    };
+
+    // 1. Tensor parallelism: each rank keeps its slices (a resumed model was read whole).
+    let mut tp_norm = None;
+    if tp.size() > 1 {
+        if model.tp().is_none() {
+            model.parallelize(tp.clone()).map_err(|e| Error::Config {
+                file: config_json.clone(),
+                key: "parallelism_config_tp_size".into(),
+                message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
+            })?;
+        }
+        if let Some(full) = &full_state {
+            full_state = Some(tp_state::slice_state(
+                full,
+                model.tp_plan(),
+                tp.rank(),
+                tp.size(),
+            )?);
+        }
+        tp_norm = Some(TpNorm::new(model.tp_plan(), tp.clone()));
+    }
+
+    // 2. Sequence split: ring attention over cp or Ulysses over sp; attention and tiling.
+    model.attention = opts.attention;
+    if let Some(split) = &split {
+        model
+            .split_sequences(split.clone())
+            .map_err(|e| Error::Config {
+                file: config_json.clone(),
+                key: match split.ring {
+                    true => "parallelism_config_cp_size",
+                    false => "parallelism_config_sp_size",
+                }
+                .into(),
+                message: e.to_string(),
+            })?;
+    }
+    model.tiled_loss = opts.tiled_loss;
+    model.tiled_mlp = opts.tiled_mlp;
+    let fsdp = matches!(opts.strategy, Strategy::Fsdp(..));
+    if opts.tiled_mlp && fsdp && main {
+        tracing::warn!(
+            "tiled_mlp: the tiled MLP needs each layer's weights whole on the rank; under \
+             ZeRO-3 / FSDP the MLPs run untiled"
+        );
+    }
+    if opts.tiled_loss && (tp.size() > 1 || fsdp) && main {
+        tracing::warn!(
+            "use_liger_kernel: the fused, tiled loss needs the LM head whole on each rank; \
+             under tensor parallelism or FSDP the loss is computed from the logits instead"
+        );
+    }
+
+    // 3. Activation checkpointing: each decoder layer recomputed in backward.
+    if opts.activation_checkpointing {
+        let offload = opts.offload_activations && !ctx.device().is_cpu();
+        model.checkpointing = Some(Checkpointing::new(offload));
+    }
+
+    // 4. Data parallelism over the ranks that see different tokens; ZeRO / FSDP shard over
+    // dp_shard (and the sequence chunks' ranks), summing across dp_replicate (HSDP).
+    let shard = ctx.group(shard_axes(split.as_ref()));
+    let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
+    let offload = offload::decide(opts.offload_optimizer, ctx.device(), main);
+    let optimizer = match opts.strategy {
+        Strategy::Ddp => {
+            let mut adam = match full_state {
+                Some(full) => full,
+                None => AdamW::for_params(&model.params, opts.adam)?,
+            };
+            if offload {
+                offload::to_host(&mut adam)?;
+            }
+            Optimizer::Replicated(adam, Ddp::new(ctx.group(batch_axes(split.as_ref())))?)
+        }
+        Strategy::Zero(stage) => {
+            let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, shard, replicate)?;
+            if let Some(norm) = &tp_norm {
+                z.set_tp_norm(norm.clone())?;
+            }
+            if let Some(full) = &full_state {
+                z.load_full_state(full)?;
+            }
+            if let Some(reader) = &sharded_state {
+                z.load_sharded(reader, &model.params)?;
+            }
+            if offload {
+                z.offload_to_host()?;
+            }
+            Optimizer::Zero(z)
+        }
+        Strategy::Fsdp(policy, prefetch) => {
+            // Every rank cuts its slices from the synced values, then drops the full tensors.
+            model.shard(policy, prefetch, shard)?;
+            let sharded = model.sharding.clone().expect("sharded above");
+            let mut f = FsdpOptimizer::new(sharded, opts.adam, replicate)?;
+            if let Some(norm) = &tp_norm {
+                f.set_tp_norm(norm.clone())?;
+            }
+            if let Some(full) = &full_state {
+                f.load_full_state(full)?;
+            }
+            if let Some(reader) = &sharded_state {
+                f.load_sharded(reader)?;
+            }
+            if offload {
+                f.offload_to_host()?;
+            }
+            Optimizer::Fsdp(f)
+        }
+    };
+    Ok(Parallelized { optimizer, tp_norm })
+}

@@ -316,6 +316,16 @@ impl ZeroOptimizer {
         self.inner.step
     }
 
+    /// The AdamW state of this rank's slices.
+    pub fn state(&self) -> &AdamW {
+        &self.inner
+    }
+
+    /// Keeps the optimizer state in host memory (CPU offload).
+    pub fn offload_to_host(&mut self) -> Result<()> {
+        super::offload::to_host(&mut self.inner)
+    }
+
     /// Ranks the state is split over.
     pub fn shard_size(&self) -> usize {
         self.comm.size()
@@ -332,6 +342,7 @@ impl ZeroOptimizer {
         lr: f64,
     ) -> Result<f64> {
         let flat = self.layout.flatten(grads)?;
+        let shard_device = &flat.device().clone();
         let shard = match self.stage {
             ZeroStage::One => self.comm.all_reduce(&flat, ReduceOp::Sum)?.narrow(
                 0,
@@ -366,7 +377,9 @@ impl ZeroOptimizer {
         };
         self.inner
             .update(&[(SHARD.to_string(), shard)].into(), lr)?;
-        let full = self.comm.all_gather(&self.inner.states[SHARD].master, 0)?;
+        // Gathered on the compute device (the state may live in host memory).
+        let master = self.inner.states[SHARD].master.to_device(shard_device)?;
+        let full = self.comm.all_gather(&master, 0)?;
         for (name, t) in self.layout.unflatten(&full)? {
             if let Some(var) = params.get(&name) {
                 var.set(&t.to_dtype(var.dtype())?)?;

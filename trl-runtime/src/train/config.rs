@@ -152,6 +152,12 @@ sft_config! {
     /// ALST's TiledMLP: the MLPs run in sequence tiles and are recomputed in backward, so the
     /// [tokens x intermediate] activations are not kept (an extension of TRL's arguments).
     tiled_mlp: bool = false;
+    /// Recompute each decoder layer in backward, keeping only its input (activation
+    /// checkpointing; also turned on by the launch's fsdp_activation_checkpointing).
+    gradient_checkpointing: bool = false;
+    /// With activation checkpointing on a GPU: keep each layer's input in host memory
+    /// between forward and backward (ALST's activation offload; TRL's name).
+    activation_offloading: bool = false;
     /// Show the progress bar on rank 0.
     disable_tqdm: bool = false;
 }

@@ -101,7 +101,8 @@ impl AdamW {
                     "no gradient for parameter {name}"
                 )))
             })?;
-            let g = g.to_dtype(DType::F32)?;
+            // The state may live in host memory (CPU offload): the gradient goes there.
+            let g = g.to_dtype(DType::F32)?.to_device(s.master.device())?;
             if c.weight_decay != 0.0 {
                 match &s.decay_mask {
                     Some(mask) => {
@@ -132,7 +133,7 @@ impl AdamW {
         self.update(grads, lr)?;
         for (name, s) in &self.states {
             if let Some(var) = params.get(name) {
-                var.set(&s.master.to_dtype(var.dtype())?)?;
+                var.set(&s.master.to_dtype(var.dtype())?.to_device(var.device())?)?;
             }
         }
         Ok(())

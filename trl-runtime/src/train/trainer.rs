@@ -13,20 +13,23 @@ use super::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use super::schedule::{LrSchedule, SchedulerKind};
 use super::sharded_state::{self, ShardedReader};
 use crate::alloc::StorageBytes;
-use crate::comm::{CommQueue, Communicator, ReduceOp};
+use crate::comm::{Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::sequence::lcm;
 use crate::data::{
     collate, pack, CollateOptions, DistributedSampler, Example, PackedSequence, PackingStrategy,
     TextTokenizer,
 };
-use crate::dist::mesh::{Axis, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
+use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
 use crate::nn::seq_attention::SeqSplit;
 use crate::nn::AttentionImpl;
-use crate::parallel::{FsdpOptimizer, Prefetch, WrapPolicy, ZeroOptimizer, ZeroStage};
+use crate::parallel::{
+    batch_axes, parallelize, shard_axes, CheckpointFormat, Optimizer, ParallelOptions,
+    Parallelized, Resume, Strategy, ZeroStage,
+};
 use crate::tp::{state as tp_state, TpNorm};
 use candle_core::{DType, Device, Tensor, D};
 use std::collections::BTreeMap;
@@ -36,156 +39,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Gradients are all-reduced in buckets of about this size (PyTorch DDP's default 25 MiB).
-const BUCKET_BYTES: usize = 25 << 20;
 const MAX_NEW_TOKENS: usize = 16;
-
-/// How data-parallel ranks hold the model state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Strategy {
-    /// Everything replicated; gradients all-reduced (DDP).
-    Ddp,
-    /// Optimizer state (and with stage 2 gradients) sharded over the data-parallel group.
-    Zero(ZeroStage),
-    /// ZeRO stage 3 / FSDP FULL_SHARD: parameters too, gathered per wrap unit when used, with
-    /// the next unit's gather started ahead as `Prefetch` says.
-    Fsdp(WrapPolicy, Prefetch),
-}
-
-impl Strategy {
-    /// ZeRO-3 / FSDP with `wrap` units, prefetching in both directions.
-    pub fn fsdp(wrap: WrapPolicy) -> Self {
-        Strategy::Fsdp(wrap, Prefetch::BOTH)
-    }
-
-    /// What `cargo trl launch` asked for through Accelerate's variables (DeepSpeed ZeRO stage,
-    /// FSDP sharding strategy and wrap policy); plain DDP otherwise.
-    pub fn from_env() -> Result<Self> {
-        let var = |k: &str| std::env::var(k).ok();
-        if var("ACCELERATE_USE_DEEPSPEED").as_deref() == Some("true") {
-            return Ok(match var("ACCELERATE_DEEPSPEED_ZERO_STAGE").as_deref() {
-                Some("1") => Strategy::Zero(ZeroStage::One),
-                Some("2") => Strategy::Zero(ZeroStage::Two),
-                // DeepSpeed gathers ZeRO-3 parameters module by module: one unit per layer.
-                Some("3") => Strategy::fsdp(WrapPolicy::PerLayer),
-                _ => Strategy::Ddp,
-            });
-        }
-        if var("ACCELERATE_USE_FSDP").as_deref() == Some("true") {
-            return match var("FSDP_SHARDING_STRATEGY").as_deref() {
-                Some("ShardGradOp") | Some("HybridShardZero2") => {
-                    Ok(Strategy::Zero(ZeroStage::Two))
-                }
-                Some("NoShard") => Ok(Strategy::Ddp),
-                _ => Ok(Strategy::Fsdp(wrap_policy_from_env()?, prefetch_from_env())),
-            };
-        }
-        Ok(Strategy::Ddp)
-    }
-}
-
-/// FSDP's prefetch settings as Accelerate exports them: FSDP_BACKWARD_PREFETCH (BACKWARD_PRE
-/// and BACKWARD_POST both start the next unit's gather during backward; NO_PREFETCH does not)
-/// and FSDP_FORWARD_PREFETCH. FSDP2 always overlaps the next forward gather (its implicit
-/// prefetch), so forward prefetch is on for version 2 whatever the flag says.
-fn prefetch_from_env() -> Prefetch {
-    let var = |k: &str| std::env::var(k).unwrap_or_default();
-    Prefetch {
-        forward: var("FSDP_FORWARD_PREFETCH") == "true" || var("FSDP_VERSION") == "2",
-        backward: var("FSDP_BACKWARD_PREFETCH") != "NO_PREFETCH",
-    }
-}
-
-/// FSDP_AUTO_WRAP_POLICY (and FSDP_MIN_NUM_PARAMS for SIZE_BASED_WRAP), as Accelerate sets them.
-fn wrap_policy_from_env() -> Result<WrapPolicy> {
-    let policy = std::env::var("FSDP_AUTO_WRAP_POLICY").unwrap_or_default();
-    match policy.as_str() {
-        "" | "TRANSFORMER_BASED_WRAP" => Ok(WrapPolicy::PerLayer),
-        "NO_WRAP" => Ok(WrapPolicy::Whole),
-        "SIZE_BASED_WRAP" => {
-            let raw = std::env::var("FSDP_MIN_NUM_PARAMS").unwrap_or_else(|_| "100000000".into());
-            raw.trim()
-                .parse()
-                .map(WrapPolicy::MinParams)
-                .map_err(|_| Error::Config {
-                    file: "FSDP_MIN_NUM_PARAMS".into(),
-                    key: "fsdp_config.fsdp_min_num_params".into(),
-                    message: format!("`{raw}` is not a parameter count"),
-                })
-        }
-        other => Err(Error::Config {
-            file: "FSDP_AUTO_WRAP_POLICY".into(),
-            key: "fsdp_config.fsdp_auto_wrap_policy".into(),
-            message: format!(
-                "`{other}` is not a wrap policy: use TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP"
-            ),
-        }),
-    }
-}
-
-/// What ZeRO / FSDP shard over: dp_shard, and the ranks of the sequence chunks (which hold
-/// different gradients) when sequences are split.
-fn shard_axes(split: Option<&SeqSplit>) -> &'static [Axis] {
-    match split {
-        Some(s) if s.ring => DP_SHARD_CP,
-        Some(_) => DP_SHARD_SP,
-        None => &[Axis::DpShard],
-    }
-}
-
-/// The ranks that see different tokens: data-parallel ranks, and those holding the other
-/// chunks of the same rows.
-fn batch_axes(split: Option<&SeqSplit>) -> &'static [Axis] {
-    match split {
-        Some(s) if s.ring => DP_CP,
-        Some(_) => DP_SP,
-        None => DP,
-    }
-}
-
-/// CPU offload asks to keep optimizer state (and parameters) in host memory between steps;
-/// on a CPU run they already are, so there is nothing to move. Said once, at start.
-fn note_offload() {
-    let var = |k: &str| std::env::var(k).unwrap_or_default();
-    let optimizer = var("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE") == "cpu";
-    let params = var("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE") == "cpu"
-        || var("FSDP_OFFLOAD_PARAMS") == "true";
-    if optimizer || params {
-        tracing::info!(
-            "CPU offload of {} requested: this run computes on the CPU, where parameters and optimizer state already live in host memory, so offloading moves nothing",
-            match (optimizer, params) {
-                (true, true) => "optimizer state and parameters",
-                (true, false) => "optimizer state",
-                _ => "parameters",
-            }
-        );
-    }
-}
-
-/// FSDP's state_dict_type: FULL_STATE_DICT gathers everything and rank 0 writes HF
-/// safetensors; SHARDED_STATE_DICT has every rank write its own slices in parallel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CheckpointFormat {
-    Full,
-    Sharded,
-}
-
-impl CheckpointFormat {
-    /// FSDP_STATE_DICT_TYPE as the launcher sets it; DeepSpeed ZeRO-3 saves sharded, as
-    /// DeepSpeed does.
-    pub fn from_env() -> Self {
-        let var = |k: &str| std::env::var(k).unwrap_or_default();
-        let fsdp_sharded = var("ACCELERATE_USE_FSDP") == "true"
-            && var("FSDP_STATE_DICT_TYPE") == "ShardedStateDict";
-        let zero3 = var("ACCELERATE_USE_DEEPSPEED") == "true"
-            && var("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3";
-        if fsdp_sharded || zero3 {
-            CheckpointFormat::Sharded
-        } else {
-            CheckpointFormat::Full
-        }
-    }
-}
 
 /// Bytes of model state one rank holds (parameters, gradients after reduction, optimizer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,12 +69,6 @@ pub fn peak_rss_bytes() -> Option<usize> {
     Some(kib * 1024)
 }
 
-/// The optimizer as the strategy keeps it.
-pub enum Optimizer {
-    Replicated(AdamW),
-    Zero(ZeroOptimizer),
-    Fsdp(FsdpOptimizer),
-}
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -257,8 +105,6 @@ pub struct Trainer<'a> {
     /// The ranks that see different tokens: `dp` and, under sequence parallelism, the sp
     /// ranks holding the other chunks. Token counts and gradients are summed over it.
     batch_group: Arc<dyn Communicator>,
-    /// Background collectives on `batch_group` (gradient buckets).
-    grad_queue: CommQueue,
     pub model: CausalLm,
     pub tokenizer: TextTokenizer,
     tokenizer_dir: PathBuf,
@@ -322,7 +168,7 @@ impl<'a> Trainer<'a> {
     /// Loads model, tokenizer and data as `config` says, resuming if asked; the strategy comes
     /// from the launcher's environment.
     pub fn new(config: SFTConfig, ctx: &'a DistContext) -> Result<Self> {
-        Self::with_strategy(config, ctx, Strategy::from_env()?)
+        Self::with_strategy(config, ctx, Strategy::from_plan(ctx.plan()))
     }
 
     pub fn with_strategy(
@@ -435,8 +281,7 @@ impl<'a> Trainer<'a> {
             seed: config.seed,
             ..Default::default()
         };
-        let mut full_state = None;
-        let mut sharded_checkpoint = None;
+        let mut resume = Resume::Fresh;
         if let Some(spec) = &config.resume_from_checkpoint {
             let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
             if sharded_state::is_sharded(&ckpt) {
@@ -451,9 +296,9 @@ impl<'a> Trainer<'a> {
                         .map(|(n, t)| Ok((n, t.to_dtype(dtype)?.to_device(&device)?)))
                         .collect::<Result<_>>()?;
                     model = CausalLm::new(model.config.clone(), Params::from_tensors(params)?)?;
-                    full_state = Some(full);
+                    resume = Resume::Full(full);
                 } else {
-                    sharded_checkpoint = Some(reader);
+                    resume = Resume::Sharded(reader);
                 }
             } else {
                 model = CausalLm::new(
@@ -462,7 +307,7 @@ impl<'a> Trainer<'a> {
                 )?;
                 let mut full = AdamW::for_params(&model.params, adam)?;
                 state = checkpoint::load_training_state(&ckpt, &mut full)?;
-                full_state = Some(full);
+                resume = Resume::Full(full);
             }
             if state.total_steps != total_steps {
                 tracing::warn!(
@@ -478,108 +323,31 @@ impl<'a> Trainer<'a> {
             );
         }
         // Any checkpoint resumes under any strategy and world size: the state is per parameter.
-        // Sharding strategies split over dp_shard; with dp_replicate > 1 (HSDP) the slices
-        // are also summed across replicas.
-        // The ranks of the sequence chunks hold different gradients: they shard too.
-        let shard = ctx.group(shard_axes(split.as_ref()));
-        let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
-        // Rank 0's weights on every rank (DDP's start; under tp, every data-parallel rank holds
-        // the same slices) before any strategy takes its share.
-        sync_parameters(&batch_group, &model.params)?;
-        // Tensor parallelism first: each rank keeps its slices, which ZeRO / FSDP then shard
-        // over the data-parallel group (2-D FSDP x TP).
-        let mut tp_norm = None;
-        if tp.size() > 1 {
-            // A resumed model was read whole (with its whole optimizer state).
-            if model.tp().is_none() {
-                model.parallelize(tp.clone()).map_err(tp_error)?;
-            }
-            if let Some(full) = &full_state {
-                full_state = Some(tp_state::slice_state(
-                    full,
-                    model.tp_plan(),
-                    tp.rank(),
-                    tp.size(),
-                )?);
-            }
-            tp_norm = Some(TpNorm::new(model.tp_plan(), tp.clone()));
-            if CheckpointFormat::from_env() == CheckpointFormat::Sharded && ctx.is_main_process() {
-                tracing::warn!(
-                    "sharded checkpoints are written full under tensor parallelism (tp = {}): \
-                     each parameter is gathered and rank 0 writes HF safetensors",
-                    tp.size()
-                );
-            }
-        }
-        model.attention = AttentionImpl::for_device(&config.attn_implementation, ctx.device())
-            .expect("validated");
-        if let Some(split) = &split {
-            model
-                .split_sequences(split.clone())
-                .map_err(|e| Error::Config {
-                    file: dir.join("config.json").display().to_string(),
-                    key: match split.ring {
-                        true => "parallelism_config_cp_size",
-                        false => "parallelism_config_sp_size",
-                    }
-                    .into(),
-                    message: e.to_string(),
-                })?;
-        }
-        model.tiled_loss = config.use_liger_kernel;
-        model.tiled_mlp = config.tiled_mlp;
-        if config.tiled_mlp && matches!(strategy, Strategy::Fsdp(..)) && ctx.is_main_process() {
-            tracing::warn!(
-                "tiled_mlp: the tiled MLP needs each layer's weights whole on the rank; under \
-                 ZeRO-3 / FSDP the MLPs run untiled"
-            );
-        }
-        if config.use_liger_kernel
-            && (tp.size() > 1 || matches!(strategy, Strategy::Fsdp(..)))
-            && ctx.is_main_process()
+        let plan = ctx.plan();
+        let checkpoint_format = CheckpointFormat::from_plan(plan);
+        if tp.size() > 1 && checkpoint_format == CheckpointFormat::Sharded && ctx.is_main_process()
         {
             tracing::warn!(
-                "use_liger_kernel: the fused, tiled loss needs the LM head whole on each rank; \
-                 under tensor parallelism or FSDP the loss is computed from the logits instead"
+                "sharded checkpoints are written full under tensor parallelism (tp = {}): \
+                 each parameter is gathered and rank 0 writes HF safetensors",
+                tp.size()
             );
         }
-        let optimizer = match strategy {
-            Strategy::Ddp => Optimizer::Replicated(match full_state {
-                Some(full) => full,
-                None => AdamW::for_params(&model.params, adam)?,
-            }),
-            Strategy::Zero(stage) => {
-                let mut z =
-                    ZeroOptimizer::new(&model.params, adam, stage, shard.clone(), replicate)?;
-                if let Some(norm) = &tp_norm {
-                    z.set_tp_norm(norm.clone())?;
-                }
-                if let Some(full) = &full_state {
-                    z.load_full_state(full)?;
-                }
-                if let Some(reader) = &sharded_checkpoint {
-                    z.load_sharded(reader, &model.params)?;
-                }
-                Optimizer::Zero(z)
-            }
-            Strategy::Fsdp(policy, prefetch) => {
-                // Every rank cuts its slices from the synced values, then drops the full tensors.
-                model.shard(policy, prefetch, shard)?;
-                let sharded = model.sharding.clone().expect("sharded above");
-                let mut f = FsdpOptimizer::new(sharded, adam, replicate)?;
-                if let Some(norm) = &tp_norm {
-                    f.set_tp_norm(norm.clone())?;
-                }
-                if let Some(full) = &full_state {
-                    f.load_full_state(full)?;
-                }
-                if let Some(reader) = &sharded_checkpoint {
-                    f.load_sharded(reader)?;
-                }
-                Optimizer::Fsdp(f)
-            }
+        let options = ParallelOptions {
+            strategy,
+            model_dir: dir.clone(),
+            attention: AttentionImpl::for_device(&config.attn_implementation, ctx.device())
+                .expect("validated"),
+            tiled_loss: config.use_liger_kernel,
+            tiled_mlp: config.tiled_mlp,
+            activation_checkpointing: config.gradient_checkpointing
+                || plan.activation_checkpointing(),
+            offload_activations: config.activation_offloading,
+            offload_optimizer: plan.offload_optimizer(),
+            adam,
         };
-        note_offload();
+        let Parallelized { optimizer, tp_norm } =
+            parallelize(&mut model, ctx, &options, resume)?;
         let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
         let schedule = LrSchedule::new(
             kind,
@@ -607,11 +375,10 @@ impl<'a> Trainer<'a> {
         // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
         let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone());
         let trainer = Trainer {
-            checkpoint_format: CheckpointFormat::from_env(),
+            checkpoint_format,
             tokenizer_dir: dir,
             config,
             ctx,
-            grad_queue: CommQueue::new(batch_group.clone())?,
             batch_group,
             dp,
             model,
@@ -672,13 +439,13 @@ impl<'a> Trainer<'a> {
         }
         let parameters = held.total;
         match &self.optimizer {
-            Optimizer::Replicated(opt) => opt.add_storage(&mut held),
+            Optimizer::Replicated(opt, _) => opt.add_storage(&mut held),
             Optimizer::Zero(z) => z.add_storage(&mut held),
             Optimizer::Fsdp(f) => f.add_storage(&mut held),
         }
         let grad_full = self.model.params.num_elements() * 4;
         let gradients = match &self.optimizer {
-            Optimizer::Replicated(_) => grad_full,
+            Optimizer::Replicated(..) => grad_full,
             Optimizer::Zero(z) if z.stage == ZeroStage::Two => grad_full.div_ceil(z.shard_size()),
             Optimizer::Zero(_) => grad_full,
             Optimizer::Fsdp(f) => f.grad_bytes(),
@@ -690,56 +457,45 @@ impl<'a> Trainer<'a> {
         }
     }
 
+    /// What this job runs, as the workers see it (collective: every rank calls it): the
+    /// distributed type, the mesh, the strategy and its settings, and the model-state bytes
+    /// of every rank. `cargo trl launch --dry-run` prints the same plan before anything runs.
+    pub fn report(&self) -> Result<serde_json::Value> {
+        let world = self.ctx.world();
+        let mine = Tensor::new(&[self.memory().total() as f64], &Device::Cpu)?;
+        let bytes = world.all_gather(&mine, 0)?.to_vec1::<f64>()?;
+        let d = self.ctx.mesh.dims();
+        Ok(serde_json::json!({
+            "distributed_type": self.ctx.plan().distributed_type.as_str(),
+            "mesh": {
+                "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
+                "cp": d.cp, "sp": d.sp, "tp": d.tp,
+            },
+            "strategy": self.strategy.name(),
+            "activation_checkpointing": self.model.checkpointing.is_some(),
+            "offload_optimizer": self.offloaded(),
+            "model_state_bytes": bytes.iter().map(|b| *b as u64).collect::<Vec<_>>(),
+        }))
+    }
+
+    /// Whether the optimizer state lives in host memory while the model computes elsewhere.
+    fn offloaded(&self) -> bool {
+        let on_host = |a: &crate::train::optim::AdamW| {
+            a.states.values().next().is_some_and(|s| s.master.device().is_cpu())
+        };
+        !self.ctx.device().is_cpu()
+            && match &self.optimizer {
+                Optimizer::Replicated(a, _) => on_host(a),
+                Optimizer::Zero(z) => on_host(z.state()),
+                Optimizer::Fsdp(f) => on_host(f.state()),
+            }
+    }
+
     /// Examples per optimizer step across all data-parallel ranks.
     pub fn effective_batch_size(&self) -> usize {
         self.config.per_device_train_batch_size
             * self.dp.size()
             * self.config.gradient_accumulation_steps
-    }
-
-    /// Sums gradients across data-parallel ranks in buckets, last parameters first (the order
-    /// backward produces them). The queue's thread runs the collectives in order while this
-    /// thread flattens the next bucket. Candle's backward returns all gradients at once, so
-    /// the overlap is with bucket packing, not with the backward pass itself.
-    fn reduce_gradients(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<()> {
-        if self.batch_group.size() == 1 {
-            return Ok(());
-        }
-        let names: Vec<String> = grads.keys().rev().cloned().collect();
-        let mut buckets: Vec<Vec<String>> = vec![Vec::new()];
-        let mut size = 0;
-        for n in names {
-            let bytes = grads[&n].elem_count() * 4;
-            if size > 0 && size + bytes > BUCKET_BYTES {
-                buckets.push(Vec::new());
-                size = 0;
-            }
-            size += bytes;
-            buckets.last_mut().unwrap().push(n);
-        }
-        let mut pending = Vec::with_capacity(buckets.len());
-        for bucket in &buckets {
-            let parts: Vec<Tensor> = bucket
-                .iter()
-                .map(|n| grads[n].flatten_all())
-                .collect::<candle_core::Result<_>>()?;
-            let flat = Tensor::cat(&parts, 0)?;
-            pending.push(
-                self.grad_queue
-                    .submit(move |c| c.all_reduce(&flat, ReduceOp::Sum)),
-            );
-        }
-        for (bucket, reduced) in buckets.iter().zip(pending) {
-            let flat = reduced.wait()?;
-            let mut offset = 0;
-            for n in bucket {
-                let g = grads.get_mut(n).unwrap();
-                let count = g.elem_count();
-                *g = flat.narrow(0, offset, count)?.reshape(g.shape())?;
-                offset += count;
-            }
-        }
-        Ok(())
     }
 
     /// Sums over the data-parallel ranks (each counted once).
@@ -802,7 +558,7 @@ impl<'a> Trainer<'a> {
                 &batch.targets()?,
             )?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
-            let store = (ls.sum / targets)?.backward()?;
+            let store = self.model.backward(&(ls.sum / targets)?)?;
             if let Some(sharding) = &self.model.sharding {
                 // Sharded units reduced their gradients during the backward itself.
                 sharding.finish_backward()?;
@@ -824,12 +580,12 @@ impl<'a> Trainer<'a> {
         }
         let t1 = Instant::now();
         let lr = self.schedule.lr(self.state.global_step);
-        if matches!(self.optimizer, Optimizer::Replicated(_)) {
-            self.reduce_gradients(&mut grads)?;
+        if let Optimizer::Replicated(_, ddp) = &self.optimizer {
+            ddp.reduce(&mut grads)?;
         }
         let t2 = Instant::now();
         let grad_norm = match &mut self.optimizer {
-            Optimizer::Replicated(opt) => {
+            Optimizer::Replicated(opt, _) => {
                 let norm_sq = match &self.tp_norm {
                     Some(tp) => Some(tp.norm_sq(&grads)?),
                     None => None,
@@ -970,7 +726,7 @@ impl<'a> Trainer<'a> {
         let (pieces, step) = match &self.optimizer {
             Optimizer::Zero(z) => (z.pieces()?, z.step_count()),
             Optimizer::Fsdp(f) => (f.pieces()?, f.step_count()),
-            Optimizer::Replicated(_) => unreachable!("DDP checkpoints are written full"),
+            Optimizer::Replicated(..) => unreachable!("DDP checkpoints are written full"),
         };
         let out = &self.config.output_dir;
         let main = self.ctx.is_main_process();
@@ -1007,7 +763,7 @@ impl<'a> Trainer<'a> {
         let tp = self.model.tp();
         if format == CheckpointFormat::Sharded
             && tp.is_none()
-            && !matches!(self.optimizer, Optimizer::Replicated(_))
+            && !matches!(self.optimizer, Optimizer::Replicated(..))
         {
             return self.save_sharded_checkpoint();
         }
@@ -1016,14 +772,14 @@ impl<'a> Trainer<'a> {
         let gathered;
         let gathered_params;
         let (params, full) = match (&self.optimizer, tp) {
-            (Optimizer::Replicated(opt), None) => (&self.model.params, opt),
+            (Optimizer::Replicated(opt, _), None) => (&self.model.params, opt),
             (Optimizer::Zero(z), None) => {
                 gathered = z.gather_full_state()?;
                 (&self.model.params, &gathered)
             }
             (optimizer, _) => {
                 let full = match optimizer {
-                    Optimizer::Replicated(opt) => opt.clone(),
+                    Optimizer::Replicated(opt, _) => opt.clone(),
                     Optimizer::Zero(z) => z.gather_full_state()?,
                     Optimizer::Fsdp(f) => f.gather_full_state()?,
                 };
@@ -1102,6 +858,10 @@ impl<'a> Trainer<'a> {
             mem.gradients as f64 / 1048576.0,
             mem.optimizer as f64 / 1048576.0
         );
+        let report = self.report()?;
+        if main {
+            tracing::info!("worker report: {report}");
+        }
         reset_peak_rss();
         let mut outcome = TrainOutcome {
             initial_eval: self.evaluate()?,
@@ -1233,18 +993,4 @@ fn progress_bar(visible: bool, total: usize, position: usize) -> indicatif::Prog
     );
     bar.set_position(position as u64);
     bar
-}
-
-/// Rank 0's weights on every rank (DDP's start), one broadcast per parameter (once, at start).
-fn sync_parameters(dp: &Arc<dyn Communicator>, params: &Params) -> Result<()> {
-    if dp.size() == 1 {
-        return Ok(());
-    }
-    for (_, var) in params.iter() {
-        let t = dp.broadcast(var.as_tensor(), 0)?;
-        if dp.rank() != 0 {
-            var.set(&t)?;
-        }
-    }
-    Ok(())
 }

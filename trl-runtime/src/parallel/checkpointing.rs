@@ -1,0 +1,154 @@
+//! Activation checkpointing (FSDP's `fsdp_activation_checkpointing`, TRL's
+//! `gradient_checkpointing`): the decoder layers run in forward without keeping their
+//! intermediate activations, only each layer's input; backward recomputes one layer at a time
+//! from its input and backpropagates through it. Optionally the kept inputs live in host
+//! memory between forward and backward (ALST's activation offload).
+//!
+//! Candle has no checkpointing, so the whole layer stack is one custom op over its input
+//! (the embeddings): forward runs the layers on detached tensors (Candle's graph keeps none of
+//! their intermediates), backward walks the layers last to first, recomputing each on a fresh
+//! variable holding its saved input and running a nested backward seeded with the incoming
+//! gradient. The gradient of the layer's input continues down the stack; the gradients of
+//! parameters held as variables are collected in [`Checkpointing`] and merged into the outer
+//! gradient store by [`Checkpointing::merge_into`]. Parameters sharded by ZeRO-3 / FSDP
+//! deposit their gradients in their unit as they always do ([`super::fsdp::recomputing`]
+//! keeps the recomputed ops from being counted twice).
+//!
+//! Every collective inside a layer (tensor-parallel sums, Ulysses all-to-alls, ring hops,
+//! FSDP gathers) runs again in the recompute, in the same order on every rank.
+
+use super::fsdp;
+use crate::nn::precomputed::Precomputed;
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor, TensorId, Var};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// A stack of layers that can be run again in backward.
+pub trait Layers: Send + Sync {
+    fn len(&self) -> usize;
+
+    /// Layer `l` applied to `x`; `recompute` is true when called again during backward.
+    fn forward(&self, l: usize, x: &Tensor, recompute: bool) -> Result<Tensor>;
+
+    /// The parameters of layer `l` held as variables on this rank (empty when sharded).
+    fn params(&self, l: usize) -> Vec<Tensor>;
+}
+
+/// The setting and the parameter gradients of the recomputed layers until merged.
+#[derive(Default)]
+pub struct Checkpointing {
+    /// Keep each layer's input in host memory between forward and backward.
+    pub offload: bool,
+    grads: Mutex<HashMap<TensorId, (Tensor, Tensor)>>,
+}
+
+impl std::fmt::Debug for Checkpointing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Checkpointing {{ offload: {} }}", self.offload)
+    }
+}
+
+impl Checkpointing {
+    pub fn new(offload: bool) -> Arc<Self> {
+        Arc::new(Checkpointing {
+            offload,
+            grads: Mutex::default(),
+        })
+    }
+
+    fn deposit(&self, param: &Tensor, grad: Tensor) -> Result<()> {
+        let mut grads = self.grads.lock().unwrap_or_else(|e| e.into_inner());
+        let grad = match grads.remove(&param.id()) {
+            Some((_, prev)) => (prev + grad)?,
+            None => grad,
+        };
+        grads.insert(param.id(), (param.clone(), grad));
+        Ok(())
+    }
+
+    /// Adds the recomputed layers' parameter gradients to `store` (call after each backward).
+    pub fn merge_into(&self, store: &mut GradStore) -> Result<()> {
+        let grads = std::mem::take(&mut *self.grads.lock().unwrap_or_else(|e| e.into_inner()));
+        for (_, (param, grad)) in grads {
+            let total = match store.remove(&param) {
+                Some(prev) => (prev + grad)?,
+                None => grad,
+            };
+            store.insert(&param, total);
+        }
+        Ok(())
+    }
+
+    /// Runs `layers` over `x` keeping only each layer's input (see the module docs).
+    pub fn run(self: &Arc<Self>, x: &Tensor, layers: Arc<dyn Layers>) -> Result<Tensor> {
+        let device = x.device().clone();
+        let keep = |t: &Tensor| -> Result<Tensor> {
+            match self.offload && !device.is_cpu() {
+                true => t.to_device(&Device::Cpu),
+                false => Ok(t.clone()),
+            }
+        };
+        let mut inputs = Vec::with_capacity(layers.len());
+        let mut h = x.detach();
+        for l in 0..layers.len() {
+            inputs.push(keep(&h)?);
+            h = layers.forward(l, &h, false)?.detach();
+        }
+        x.apply_op1(Stack {
+            layers,
+            inputs,
+            device,
+            owner: self.clone(),
+            out: Precomputed::new(h),
+        })
+    }
+}
+
+struct Stack {
+    layers: Arc<dyn Layers>,
+    /// Each layer's input (in host memory when offloaded).
+    inputs: Vec<Tensor>,
+    device: Device,
+    owner: Arc<Checkpointing>,
+    out: Precomputed,
+}
+
+impl CustomOp1 for Stack {
+    fn name(&self) -> &'static str {
+        "checkpointed-layers"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.out.take("the checkpointed layers")
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.out.take_cuda("the checkpointed layers")
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut g = grad.detach();
+        for l in (0..self.layers.len()).rev() {
+            let input = Var::from_tensor(&self.inputs[l].to_device(&self.device)?)?;
+            let store = fsdp::recomputing(|| -> Result<GradStore> {
+                let y = self.layers.forward(l, input.as_tensor(), true)?;
+                (y * &g)?.sum_all()?.backward()
+            })?;
+            for p in self.layers.params(l) {
+                if let Some(gp) = store.get(&p) {
+                    self.owner.deposit(&p, gp.clone())?;
+                }
+            }
+            g = match store.get(input.as_tensor()) {
+                Some(dx) => dx.clone(),
+                None => g.zeros_like()?,
+            };
+        }
+        Ok(Some(g))
+    }
+}
