@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 use trl_runtime::config::launch::{DistributedType, FsdpShardingStrategy, GpuIds};
 use trl_runtime::config::parallelism::ParallelDims;
-use trl_runtime::config::{LaunchConfig, LaunchPlan};
-use trl_runtime::parallel::Strategy;
+use trl_runtime::config::{effects, LaunchConfig, LaunchPlan};
 use trl_runtime::dist::mesh::DeviceMesh;
 use trl_runtime::dist::spawn::{self, Job, RankPlace, WorkerSpec};
+use trl_runtime::parallel::Strategy;
 use trl_runtime::tp::PlanEntry;
 
 /// Exit codes of `cargo trl launch`.
@@ -202,6 +202,11 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     let mut cfg = load_config(args)?;
     let src = cfg.source.clone();
     args.topology.apply(&mut cfg)?;
+    // Every accepted key has its effect, is refused here, or is named with why it has none.
+    effects::refused(&cfg).map_err(|e| e.to_string())?;
+    for note in effects::ignored(&cfg) {
+        eprintln!("warning: {src}: ignored: {note}");
+    }
     slurm_defaults(&mut cfg, args)?;
     if cfg.distributed_type == DistributedType::No && cfg.num_processes.unwrap_or(1) > 1 {
         cfg.distributed_type = if cfg.use_cpu {

@@ -18,8 +18,8 @@ use std::time::Instant;
 
 mod support;
 use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::LaunchPlan;
 use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::config::LaunchPlan;
 use trl_runtime::data::Batch;
 use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalLm;
@@ -60,7 +60,8 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
         distributed_type: DistributedType::MultiCpu,
         parallelism,
         ..LaunchPlan::default()
-    }).unwrap();
+    })
+    .unwrap();
     let split = SeqSplit::from_context(&ctx).unwrap();
     if let Some(split) = &split {
         model.split_sequences(split.clone()).unwrap();

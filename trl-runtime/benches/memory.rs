@@ -41,7 +41,8 @@ fn worker(name: &str, dir: &Path) {
     let ctx = DistContext::with_plan(LaunchPlan {
         distributed_type: kind,
         ..LaunchPlan::default()
-    }).unwrap();
+    })
+    .unwrap();
     let config = SFTConfig {
         model_name_or_path: dir.join("model"),
         dataset_name: dir.join("train.jsonl"),

@@ -22,8 +22,8 @@ use std::time::Instant;
 mod gpu;
 mod support;
 use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::LaunchPlan;
 use trl_runtime::config::parallelism::ParallelismConfig;
+use trl_runtime::config::LaunchPlan;
 use trl_runtime::dist::mesh::{Axis, DP};
 use trl_runtime::dist::DistContext;
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
@@ -55,7 +55,8 @@ fn worker(kind: &str, dir: &Path) {
         distributed_type: dist,
         parallelism,
         ..LaunchPlan::default()
-    }).unwrap();
+    })
+    .unwrap();
     trl_runtime::train::logging::init(ctx.rank());
     let config = if kind == "tiny" {
         SFTConfig {

@@ -108,6 +108,7 @@ fn run_dims(
                             .unwrap();
                     let attention = AttentionImpl::parse(&cfg.attn_implementation).unwrap();
                     let (tiled_loss, tiled_mlp) = (cfg.use_liger_kernel, cfg.tiled_mlp);
+                    let checkpointing = cfg.gradient_checkpointing;
                     let mut trainer = Trainer::with_strategy(cfg, &ctx, strategy).unwrap();
                     // The model really is split as the mesh says (an unsplit run on the same
                     // ranks would compute the same numbers), and runs as configured.
@@ -121,6 +122,7 @@ fn run_dims(
                     }
                     assert_eq!(model.attention, attention);
                     assert_eq!((model.tiled_loss, model.tiled_mlp), (tiled_loss, tiled_mlp));
+                    assert_eq!(model.checkpointing.is_some(), checkpointing);
                     trainer.checkpoint_format = format;
                     let outcome = trainer.train().unwrap();
                     let weights: Vec<(String, Vec<f32>)> = trainer
@@ -627,6 +629,66 @@ fn tensor_parallel_size_must_divide_the_heads() {
     assert!(
         e.contains("parallelism_config_tp_size") && e.contains("num_kv_heads") && e.contains("2"),
         "{e}"
+    );
+}
+
+#[test]
+fn activation_checkpointing_trains_like_the_plain_run() {
+    // Each decoder layer recomputed in backward from its kept input: the same losses and
+    // weights as without, alone and composed with every strategy that touches the layers
+    // (ZeRO-3 units of one layer and of both layers, tensor and sequence parallelism), and
+    // with the blockwise kernels inside the recomputed layers.
+    let tmp = tempfile::tempdir().unwrap();
+    let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
+    let on = |out: &str, batch: usize| SFTConfig {
+        gradient_checkpointing: true,
+        ..config(&tmp.path().join(out), batch, 1, 5)
+    };
+    let seq = |dp_shard: usize, cp: usize, sp: usize| ParallelDims {
+        cp,
+        sp,
+        ..dims(1, dp_shard, 1)
+    };
+    let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);
+    let cases = [
+        ("1 rank", dims(1, 1, 1), 4, Strategy::Ddp),
+        ("DDP 2", dims(2, 1, 1), 2, Strategy::Ddp),
+        (
+            "ZeRO-2 dp_shard 2",
+            dims(1, 2, 1),
+            2,
+            Strategy::Zero(ZeroStage::Two),
+        ),
+        ("ZeRO-3 dp_shard 2", dims(1, 2, 1), 2, zero3),
+        (
+            "ZeRO-3 dp_shard 2, both layers in one unit",
+            dims(1, 2, 1),
+            2,
+            Strategy::fsdp(WrapPolicy::MinParams(1 << 20)),
+        ),
+        ("tp 2 x ZeRO-3 dp_shard 2", dims(1, 2, 2), 2, zero3),
+        ("cp 2 x ZeRO-3 dp_shard 2", seq(2, 2, 1), 2, zero3),
+        ("sp 2", seq(1, 1, 2), 4, Strategy::Ddp),
+    ];
+    for (i, (what, dims, batch, strategy)) in cases.into_iter().enumerate() {
+        let got = run_dims(
+            dims,
+            on(&format!("ac-{i}"), batch),
+            strategy,
+            CheckpointFormat::Full,
+        );
+        assert_close(&got, &ddp, &format!("checkpointed {what} vs plain 1 x 4"));
+    }
+    let kernels = SFTConfig {
+        attn_implementation: "flash_attention_2".into(),
+        use_liger_kernel: true,
+        tiled_mlp: true,
+        ..on("ac-kernels", 4)
+    };
+    assert_close(
+        &run(1, kernels),
+        &ddp,
+        "checkpointed flash + tiled loss + tiled MLP vs plain",
     );
 }
 

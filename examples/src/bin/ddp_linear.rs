@@ -76,8 +76,7 @@ fn main() -> ExitCode {
     if let Some(code) = spawn::relaunch_unless_launched(2) {
         return code;
     }
-    let result = DistContext::from_env()
-        .and_then(|ctx| train(&ctx));
+    let result = DistContext::from_env().and_then(|ctx| train(&ctx));
     match result {
         Ok(loss) if loss < 1e-4 => ExitCode::SUCCESS,
         Ok(loss) => {

@@ -60,8 +60,8 @@ impl DeepSpeedJson {
             key: key.into(),
             message,
         };
-        let root: Value =
-            serde_json::from_str(text).map_err(|e| err("<document>", format!("not valid JSON: {e}")))?;
+        let root: Value = serde_json::from_str(text)
+            .map_err(|e| err("<document>", format!("not valid JSON: {e}")))?;
         let Value::Object(root) = root else {
             return Err(err("<document>", "expected a JSON object".into()));
         };
@@ -74,14 +74,20 @@ impl DeepSpeedJson {
             match v {
                 Value::String(s) if s == "auto" => Ok(None),
                 Value::Number(n) => Ok(n.as_f64()),
-                other => Err(err(key, format!("expected a number or \"auto\", found {other}"))),
+                other => Err(err(
+                    key,
+                    format!("expected a number or \"auto\", found {other}"),
+                )),
             }
         };
         let flag = |key: &str, v: &Value| -> Result<Option<bool>> {
             match v {
                 Value::String(s) if s == "auto" => Ok(None),
                 Value::Bool(b) => Ok(Some(*b)),
-                other => Err(err(key, format!("expected true, false or \"auto\", found {other}"))),
+                other => Err(err(
+                    key,
+                    format!("expected true, false or \"auto\", found {other}"),
+                )),
             }
         };
         let device = |key: &str, v: &Value| -> Result<OffloadDevice> {
@@ -214,6 +220,9 @@ mod tests {
         let bad = DeepSpeedJson::from_str(r#"{"zero_optimization": {"stage": 5}}"#, "ds.json")
             .unwrap_err()
             .to_string();
-        assert!(bad.contains("ds.json") && bad.contains("zero_optimization.stage"), "{bad}");
+        assert!(
+            bad.contains("ds.json") && bad.contains("zero_optimization.stage"),
+            "{bad}"
+        );
     }
 }

@@ -159,7 +159,7 @@ impl Default for FsdpConfig {
             forward_prefetch: false,
             offload_params: false,
             state_dict_type: FsdpStateDictType::FullStateDict,
-            cpu_ram_efficient_loading: true,
+            cpu_ram_efficient_loading: false,
             sync_module_states: true,
             use_orig_params: true,
             activation_checkpointing: false,

@@ -1,6 +1,7 @@
 //! Configuration users already have: Accelerate's launch YAML and the parallelism config.
 
 pub mod deepspeed_json;
+pub mod effects;
 pub mod launch;
 pub mod parallelism;
 pub mod plan;

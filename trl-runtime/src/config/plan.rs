@@ -76,7 +76,9 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
                 str_to_bool(&v).ok_or_else(|| {
                     Self::bad(
                         var,
-                        format!("'{v}' is not a boolean: use true or false (or yes/no, 1/0, on/off)"),
+                        format!(
+                            "'{v}' is not a boolean: use true or false (or yes/no, 1/0, on/off)"
+                        ),
                     )
                 })
             })
@@ -290,7 +292,10 @@ impl LaunchPlan {
         if let Some(f) = &self.fsdp {
             put("ACCELERATE_USE_FSDP", "true".into());
             put("FSDP_VERSION", f.version.to_string());
-            put("FSDP_SHARDING_STRATEGY", f.sharding_strategy.as_str().into());
+            put(
+                "FSDP_SHARDING_STRATEGY",
+                f.sharding_strategy.as_str().into(),
+            );
             put(
                 "FSDP_RESHARD_AFTER_FORWARD",
                 f.reshard_after_forward.to_string(),
@@ -303,7 +308,10 @@ impl LaunchPlan {
             if let Some(cls) = &f.transformer_layer_cls_to_wrap {
                 put("FSDP_TRANSFORMER_CLS_TO_WRAP", cls.clone());
             }
-            put("FSDP_BACKWARD_PREFETCH", f.backward_prefetch.as_str().into());
+            put(
+                "FSDP_BACKWARD_PREFETCH",
+                f.backward_prefetch.as_str().into(),
+            );
             put("FSDP_FORWARD_PREFETCH", f.forward_prefetch.to_string());
             put("FSDP_STATE_DICT_TYPE", f.state_dict_type.as_str().into());
             put("FSDP_USE_ORIG_PARAMS", f.use_orig_params.to_string());
@@ -384,7 +392,9 @@ impl LaunchPlan {
 
     /// Whether each decoder layer is recomputed in backward (FSDP's activation checkpointing).
     pub fn activation_checkpointing(&self) -> bool {
-        self.fsdp.as_ref().is_some_and(|f| f.activation_checkpointing)
+        self.fsdp
+            .as_ref()
+            .is_some_and(|f| f.activation_checkpointing)
     }
 
     /// Whether optimizer state (and master weights) live in host memory (DeepSpeed's
@@ -611,7 +621,10 @@ mod tests {
     #[test]
     fn invalid_values_name_the_variable() {
         for (vars, var) in [
-            (vec![("ACCELERATE_USE_FSDP", "maybe")], "ACCELERATE_USE_FSDP"),
+            (
+                vec![("ACCELERATE_USE_FSDP", "maybe")],
+                "ACCELERATE_USE_FSDP",
+            ),
             (
                 vec![
                     ("ACCELERATE_USE_FSDP", "true"),

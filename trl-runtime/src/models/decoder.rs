@@ -18,8 +18,8 @@ use crate::nn::seq_attention::{SeqAttention, SeqSplit};
 use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{tiled_linear_cross_entropy, LossSum};
 use crate::nn::{AttentionImpl, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
-use crate::parallel::fsdp::shard_model;
 use crate::parallel::checkpointing::{Checkpointing, Layers};
+use crate::parallel::fsdp::shard_model;
 use crate::parallel::{Prefetch, ShardedModel, WrapPolicy};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
 use crate::Parallelize;
@@ -489,7 +489,7 @@ impl CausalLm {
             Some(c) => c.run(&x, Arc::new(stack))?,
             None => {
                 let mut x = x;
-                for l in 0..stack.len() {
+                for l in 0..stack.count() {
                     x = stack.forward(l, &x, false)?;
                 }
                 x
@@ -517,7 +517,7 @@ struct DecoderStack {
 }
 
 impl Layers for DecoderStack {
-    fn len(&self) -> usize {
+    fn count(&self) -> usize {
         self.layers.len()
     }
 
@@ -547,7 +547,11 @@ fn layer_forward(layer: &DecoderLayer, cx: &LayerCtx, x: &Tensor) -> Result<Tens
         t.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()
     };
     let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cx.cos, &cx.sin)?;
-    let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cx.cos, &cx.sin)?;
+    let k = apply_rotary(
+        &split(layer.k_proj.forward(&h)?, kv_heads)?,
+        &cx.cos,
+        &cx.sin,
+    )?;
     let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
     let a = cx
         .attention

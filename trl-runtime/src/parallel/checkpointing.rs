@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 /// A stack of layers that can be run again in backward.
 pub trait Layers: Send + Sync {
-    fn len(&self) -> usize;
+    fn count(&self) -> usize;
 
     /// Layer `l` applied to `x`; `recompute` is true when called again during backward.
     fn forward(&self, l: usize, x: &Tensor, recompute: bool) -> Result<Tensor>;
@@ -89,9 +89,9 @@ impl Checkpointing {
                 false => Ok(t.clone()),
             }
         };
-        let mut inputs = Vec::with_capacity(layers.len());
+        let mut inputs = Vec::with_capacity(layers.count());
         let mut h = x.detach();
-        for l in 0..layers.len() {
+        for l in 0..layers.count() {
             inputs.push(keep(&h)?);
             h = layers.forward(l, &h, false)?.detach();
         }
@@ -133,7 +133,7 @@ impl CustomOp1 for Stack {
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let mut g = grad.detach();
-        for l in (0..self.layers.len()).rev() {
+        for l in (0..self.layers.count()).rev() {
             let input = Var::from_tensor(&self.inputs[l].to_device(&self.device)?)?;
             let store = fsdp::recomputing(|| -> Result<GradStore> {
                 let y = self.layers.forward(l, input.as_tensor(), true)?;

@@ -53,7 +53,10 @@ impl Ddp {
                 .map(|n| grads[n].flatten_all())
                 .collect::<candle_core::Result<_>>()?;
             let flat = Tensor::cat(&parts, 0)?;
-            pending.push(self.queue.submit(move |c| c.all_reduce(&flat, ReduceOp::Sum)));
+            pending.push(
+                self.queue
+                    .submit(move |c| c.all_reduce(&flat, ReduceOp::Sum)),
+            );
         }
         for (bucket, reduced) in buckets.iter().zip(pending) {
             let flat = reduced.wait()?;

@@ -821,7 +821,9 @@ impl FsdpOptimizer {
         for unit in &self.model.units {
             let master = &self.inner.states[&unit.name].master;
             let mut st = unit.lock();
-            st.shard = master.to_dtype(st.shard.dtype())?.to_device(st.shard.device())?;
+            st.shard = master
+                .to_dtype(st.shard.dtype())?
+                .to_device(st.shard.device())?;
         }
         Ok(norm)
     }
@@ -848,7 +850,10 @@ impl FsdpOptimizer {
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
             unit.layout.take_slice(full, range, st)?;
             let mut us = unit.lock();
-            us.shard = st.master.to_dtype(us.shard.dtype())?.to_device(us.shard.device())?;
+            us.shard = st
+                .master
+                .to_dtype(us.shard.dtype())?
+                .to_device(us.shard.device())?;
         }
         self.inner.step = full.step;
         Ok(())
@@ -872,7 +877,10 @@ impl FsdpOptimizer {
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
             unit.layout.read_slice(reader, range, st)?;
             let mut us = unit.lock();
-            us.shard = st.master.to_dtype(us.shard.dtype())?.to_device(us.shard.device())?;
+            us.shard = st
+                .master
+                .to_dtype(us.shard.dtype())?
+                .to_device(us.shard.device())?;
         }
         self.inner.step = reader.optimizer_step;
         Ok(())

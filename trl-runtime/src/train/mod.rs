@@ -9,10 +9,10 @@ pub mod schedule;
 pub mod sharded_state;
 pub mod trainer;
 
+pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
 pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use optim::{clip_grad_norm, AdamW, AdamWConfig, ParamState};
 pub use schedule::{LrSchedule, SchedulerKind};
-pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
 pub use trainer::{
     peak_rss_bytes, reset_peak_rss, EvalResult, MemoryReport, StepStats, TrainOutcome, Trainer,
 };

@@ -69,7 +69,6 @@ pub fn peak_rss_bytes() -> Option<usize> {
     Some(kib * 1024)
 }
 
-
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepStats {
@@ -346,8 +345,7 @@ impl<'a> Trainer<'a> {
             offload_optimizer: plan.offload_optimizer(),
             adam,
         };
-        let Parallelized { optimizer, tp_norm } =
-            parallelize(&mut model, ctx, &options, resume)?;
+        let Parallelized { optimizer, tp_norm } = parallelize(&mut model, ctx, &options, resume)?;
         let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
         let schedule = LrSchedule::new(
             kind,
@@ -481,7 +479,10 @@ impl<'a> Trainer<'a> {
     /// Whether the optimizer state lives in host memory while the model computes elsewhere.
     fn offloaded(&self) -> bool {
         let on_host = |a: &crate::train::optim::AdamW| {
-            a.states.values().next().is_some_and(|s| s.master.device().is_cpu())
+            a.states
+                .values()
+                .next()
+                .is_some_and(|s| s.master.device().is_cpu())
         };
         !self.ctx.device().is_cpu()
             && match &self.optimizer {

@@ -1,0 +1,195 @@
+//! The launch contract end to end: every CPU profile launched with the real `cargo trl launch`
+//! on the real SFT program (examples/src/bin/sft.rs), whose own report (distributed type,
+//! mesh, strategy, model-state bytes per rank) must equal the dry-run plan; ZeRO-3's state per
+//! rank is about half of DDP's on 2 ranks. The same program started torchrun-style with only
+//! Accelerate's variables chooses the same strategy.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// One short training run's arguments: 1 step, no evaluation, output under `out`.
+fn train_args(out: &Path) -> Vec<String> {
+    [
+        "--max_steps",
+        "1",
+        "--eval_dataset_name",
+        "none",
+        "--save_steps",
+        "1000",
+        "--output_dir",
+        out.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn launch(profile: &str, dry_run: bool, out: &Path) -> String {
+    let mut c = Command::new(BIN);
+    c.current_dir(workspace())
+        .env("CARGO_NET_OFFLINE", "true")
+        .args(["launch", "--profile", profile, "--main_process_port", "0"])
+        .arg("--debug");
+    if dry_run {
+        c.arg("--dry-run");
+    }
+    let o = c
+        .arg("sft")
+        .arg("--")
+        .args(train_args(out))
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(o.status.success(), "{profile}: {t}");
+    t
+}
+
+/// The JSON after `worker report: ` in a worker's output.
+fn report(t: &str) -> serde_json::Value {
+    let line = t
+        .lines()
+        .find_map(|l| l.split_once("worker report: ").map(|(_, r)| r))
+        .unwrap_or_else(|| panic!("no worker report in:\n{t}"));
+    serde_json::from_str(line).unwrap()
+}
+
+/// `key=value` pairs of the dry run's line that starts with `prefix`.
+fn plan_line(t: &str, prefix: &str) -> String {
+    t.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no `{prefix}` line in:\n{t}"))
+        .to_string()
+}
+
+#[test]
+fn every_cpu_profile_runs_the_plan_it_prints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut state = std::collections::BTreeMap::new();
+    for profile in [
+        "multi_cpu",
+        "zero2_cpu",
+        "zero3_cpu",
+        "fsdp2_cpu",
+        "fsdp2_tp_cpu",
+        "context_parallel_cpu",
+        "alst_ulysses_cpu",
+    ] {
+        let out = tmp.path().join(profile);
+        let plan = launch(profile, true, &out);
+        let ran = report(&launch(profile, false, &out));
+        let m = &ran["mesh"];
+        let mesh = format!(
+            "mesh: dp_replicate={} dp_shard={} cp={} sp={} tp={}",
+            m["dp_replicate"], m["dp_shard"], m["cp"], m["sp"], m["tp"]
+        );
+        assert_eq!(mesh, plan_line(&plan, "mesh:"), "{profile}");
+        let strategy = plan_line(&plan, "strategy:");
+        assert!(
+            strategy.starts_with(&format!(
+                "strategy: {} (activation_checkpointing={}",
+                ran["strategy"].as_str().unwrap(),
+                ran["activation_checkpointing"]
+            )),
+            "{profile}: the plan says `{strategy}`, the worker ran {ran}"
+        );
+        let kind = ran["distributed_type"].as_str().unwrap();
+        assert!(
+            plan_line(&plan, "plan:").contains(&format!("({kind})")),
+            "{profile}: {kind}"
+        );
+        let bytes: Vec<u64> = ran["model_state_bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap())
+            .collect();
+        state.insert(profile, bytes);
+    }
+    // fp32 AdamW keeps per parameter: DDP 20 bytes (weights, gradients, master, two moments),
+    // ZeRO-2 4 + 16/N, ZeRO-3 / FSDP FULL_SHARD 16/N (the fp32 weights are their own master):
+    // on 2 ranks 0.6 and 0.4 of DDP's (padding of each unit to the group size aside).
+    let ddp = state["multi_cpu"][0] as f64;
+    for (profile, expected) in [("zero3_cpu", 0.4), ("fsdp2_cpu", 0.4), ("zero2_cpu", 0.6)] {
+        for &b in &state[profile] {
+            let ratio = b as f64 / ddp;
+            assert!(
+                (ratio - expected).abs() < 0.02,
+                "{profile}: {b} bytes per rank vs DDP's {ddp} (ratio {ratio:.3}, expected {expected})"
+            );
+        }
+    }
+}
+
+#[test]
+fn accelerate_variables_alone_choose_the_same_strategy() {
+    // As `accelerate launch` (or torchrun with Accelerate's variables) starts a worker: no
+    // PARALLELISM_CONFIG_*, FSDP's settings in Accelerate's spellings.
+    let tmp = tempfile::tempdir().unwrap();
+    // The launcher builds the program (the same launch as a user's).
+    let launched = report(&launch("fsdp2_cpu", false, &tmp.path().join("launched")));
+    let program = workspace().join("target/debug/sft");
+    assert!(program.exists(), "{}", program.display());
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let out = tmp.path().join("accelerate");
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(&program)
+                .args(train_args(&out))
+                .envs(trl_runtime::dist::spawn::local_rank_env(
+                    rank,
+                    2,
+                    port,
+                    "accelerate-test",
+                ))
+                .env("ACCELERATE_USE_FSDP", "true")
+                .env("ACCELERATE_USE_CPU", "True")
+                .env("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+                .env("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
+                .env("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
+                .env("FSDP_ACTIVATION_CHECKPOINTING", "true")
+                .env("OMP_NUM_THREADS", "1")
+                .env("TRL_COMM_TIMEOUT", "60")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        // Every rank is started before any is waited for (they meet at the rendezvous).
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let all: String = children.iter().map(text).collect();
+    for c in &children {
+        assert!(c.status.success(), "{all}");
+    }
+    let ran = report(&all);
+    assert_eq!(ran["activation_checkpointing"], true, "{ran}");
+    for key in ["distributed_type", "strategy", "mesh", "model_state_bytes"] {
+        assert_eq!(ran[key], launched[key], "{key}: {ran} vs {launched}");
+    }
+    // A value Accelerate would not accept is an error naming the variable.
+    let bad = Command::new(&program)
+        .args(train_args(&tmp.path().join("bad")))
+        .env("ACCELERATE_USE_FSDP", "ture")
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(text(&bad).contains("ACCELERATE_USE_FSDP"), "{}", text(&bad));
+}
