@@ -2,7 +2,10 @@
 //! (forward, backward, AdamW update; batch 1, fp32) of the reference model fits in a fixed
 //! per-rank memory budget, with the whole-matrix attention (`plain`), the blockwise one
 //! (`flash`), the blockwise one with the LM head and loss fused in tiles (`flash_tiled`,
-//! `use_liger_kernel`), and with the MLPs in tiles too (`flash_tiled_mlp`, `tiled_mlp`). Each probe runs in a fresh process (1 compute thread) whose peak resident memory
+//! `use_liger_kernel`), with the MLPs in tiles too (`flash_tiled_mlp`, `tiled_mlp`), and with
+//! activation checkpointing on top (`flash_tiled_mlp_ckpt`, `gradient_checkpointing`: each
+//! decoder layer recomputed in backward), at 1 rank and at 4 ranks of Ulysses, with the loss of
+//! both at one length. Each probe runs in a fresh process (1 compute thread) whose peak resident memory
 //! over the step is compared with the budget; lengths are searched by doubling, then bisection
 //! to 256 tokens. One JSON object per line on stdout; prose on stderr.
 //!
@@ -25,6 +28,7 @@ use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalLm;
 use trl_runtime::nn::seq_attention::SeqSplit;
 use trl_runtime::nn::AttentionImpl;
+use trl_runtime::parallel::Checkpointing;
 use trl_runtime::train::optim::{AdamW, AdamWConfig};
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss};
 
@@ -66,6 +70,10 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
     if let Some(split) = &split {
         model.split_sequences(split.clone()).unwrap();
     }
+    let (mode, checkpointing) = match mode.strip_suffix("+ckpt") {
+        Some(rest) => (rest, true),
+        None => (mode, false),
+    };
     let (mode, tiled_mlp) = match mode.strip_suffix("+mlp") {
         Some(rest) => (rest, true),
         None => (mode, false),
@@ -77,6 +85,9 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
     model.attention = AttentionImpl::parse(attn).unwrap();
     model.tiled_loss = tiled;
     model.tiled_mlp = tiled_mlp;
+    if checkpointing {
+        model.checkpointing = Some(Checkpointing::new(false));
+    }
     let mut opt = AdamW::for_params(&model.params, AdamWConfig::default()).unwrap();
     let vocab = model.config.vocab_size as u32;
     let ids: Vec<u32> = (0..seq as u32).map(|i| (i * 7919 + 3) % vocab).collect();
@@ -99,7 +110,9 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
     reset_peak_rss();
     let start = Instant::now();
     let loss = model.forward_targets(&ids, &pos, &targets).unwrap();
-    let store = (loss.sum / loss.count as f64).unwrap().backward().unwrap();
+    let mean = (loss.sum / loss.count as f64).unwrap();
+    let value = mean.to_scalar::<f32>().unwrap();
+    let store = model.backward(&mean).unwrap();
     let grads = model
         .params
         .iter()
@@ -109,25 +122,38 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
     opt.step(&model.params, &grads, 1e-4).unwrap();
     let secs = start.elapsed().as_secs_f64();
     if ctx.is_main_process() {
-        println!("probe {} {secs}", peak_rss_bytes().unwrap_or(usize::MAX));
+        println!(
+            "probe {} {secs} {value}",
+            peak_rss_bytes().unwrap_or(usize::MAX)
+        );
     }
 }
 
 /// (peak bytes, step seconds) of one probe on `ranks` processes.
 fn probe(mode: &str, ranks: usize, seq: usize, dir: &Path) -> (usize, f64) {
+    let (peak, secs, _) = probe_loss(mode, ranks, seq, dir);
+    (peak, secs)
+}
+
+/// (peak bytes, step seconds, loss) of one probe on `ranks` processes.
+fn probe_loss(mode: &str, ranks: usize, seq: usize, dir: &Path) -> (usize, f64, f64) {
     let mut out = None;
     support::run_ranks(&format!("{mode}:{seq}"), ranks, dir, |line, _| {
         if let Some(rest) = line.strip_prefix("probe ") {
             let v: Vec<&str> = rest.split(' ').collect();
-            out = Some((v[0].parse().unwrap(), v[1].parse().unwrap()));
+            out = Some((
+                v[0].parse().unwrap(),
+                v[1].parse().unwrap(),
+                v[2].parse().unwrap(),
+            ));
         }
     });
-    let (peak, secs) = out.expect("the probe reported nothing");
+    let (peak, secs, loss) = out.expect("the probe reported nothing");
     eprintln!(
         "  {mode} on {ranks} rank(s), seq {seq}: peak {} MiB per rank, step {secs:.2} s",
         peak >> 20
     );
-    (peak, secs)
+    (peak, secs, loss)
 }
 
 /// The longest multiple of GRANULARITY (which every rank count here divides) whose step fits
@@ -193,6 +219,7 @@ fn main() {
         ("flash", "flash_attention_2"),
         ("flash_tiled", "flash_attention_2+tiled"),
         ("flash_tiled_mlp", "flash_attention_2+tiled+mlp"),
+        ("flash_tiled_mlp_ckpt", "flash_attention_2+tiled+mlp+ckpt"),
     ];
     for (mode, attn) in modes {
         let (seq, step_s) = max_seq(attn, 1, tmp.path());
@@ -205,12 +232,39 @@ fn main() {
         (1, "flash_over_plain"),
         (2, "flash_tiled_over_plain"),
         (3, "flash_tiled_mlp_over_plain"),
+        (4, "flash_tiled_mlp_ckpt_over_plain"),
     ] {
         println!(
             "{{\"bench\":\"long_context\",\"what\":\"{what}\",\"ranks\":1,\"max_seq_ratio\":{:.3}}}",
             found[i] as f64 / found[0].max(1) as f64
         );
     }
+    // Activation checkpointing (gradient_checkpointing): the same step keeping only each
+    // layer's input, against the same kernels without it; its loss at the longest length
+    // both fit must be the same.
+    println!(
+        "{{\"bench\":\"long_context\",\"what\":\"checkpointing_over_none\",\"ranks\":1,\"max_seq_ratio\":{:.3}}}",
+        found[4] as f64 / found[3].max(1) as f64
+    );
+    let at = found[3].max(GRANULARITY);
+    let (_, _, plain_loss) = probe_loss("flash_attention_2+tiled+mlp", 1, at, tmp.path());
+    let (_, _, ckpt_loss) = probe_loss("flash_attention_2+tiled+mlp+ckpt", 1, at, tmp.path());
+    println!(
+        "{{\"bench\":\"long_context\",\"what\":\"checkpointing_loss\",\"seq\":{at},\"loss\":{plain_loss},\"loss_checkpointed\":{ckpt_loss},\"rel_diff\":{:.2e}}}",
+        (ckpt_loss - plain_loss).abs() / plain_loss.abs()
+    );
+    // The same at 4 ranks of Ulysses sequence parallelism.
+    let sp4 = max_seq("flash_attention_2+tiled+mlp", 4, tmp.path());
+    let sp4_ckpt = max_seq("flash_attention_2+tiled+mlp+ckpt", 4, tmp.path());
+    for (mode, (seq, step_s)) in [("sp_tiled_mlp", sp4), ("sp_tiled_mlp_ckpt", sp4_ckpt)] {
+        println!(
+            "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":4,\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
+        );
+    }
+    println!(
+        "{{\"bench\":\"long_context\",\"what\":\"checkpointing_over_none\",\"ranks\":4,\"max_seq_ratio\":{:.3}}}",
+        sp4_ckpt.0 as f64 / sp4.0.max(1) as f64
+    );
     // Ulysses (sp) and ring attention (cp): the flash + tiled step with the sequence split
     // over the ranks. At 1 rank both are that step itself, measured once.
     let one = max_seq("flash_attention_2+tiled", 1, tmp.path());

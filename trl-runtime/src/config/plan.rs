@@ -222,7 +222,7 @@ impl LaunchPlan {
     pub fn from_config(cfg: &LaunchConfig) -> Self {
         LaunchPlan {
             distributed_type: cfg.distributed_type,
-            mixed_precision: cfg.mixed_precision,
+            mixed_precision: json_precision(cfg.mixed_precision, cfg.deepspeed.as_ref()),
             // MULTI_CPU runs on the CPU whatever use_cpu says.
             use_cpu: cfg.use_cpu || cfg.distributed_type == DistributedType::MultiCpu,
             parallelism: cfg.parallelism.clone(),
@@ -372,6 +372,7 @@ impl LaunchPlan {
             true => Some(fsdp_from_env(&vars)?),
             false => None,
         };
+        let mixed_precision = json_precision(mixed_precision, deepspeed.as_ref());
         let distributed_type = match (&deepspeed, &fsdp) {
             (Some(_), _) => DistributedType::DeepSpeed,
             (_, Some(_)) => DistributedType::Fsdp,
@@ -405,6 +406,15 @@ impl LaunchPlan {
                 || d.offload_param_device != OffloadDevice::None
         });
         ds || self.fsdp.as_ref().is_some_and(|f| f.offload_params)
+    }
+}
+
+/// A DeepSpeed JSON's bf16 section turns bf16 on when nothing else asked for a precision (as
+/// Accelerate takes it from the JSON).
+fn json_precision(asked: MixedPrecision, ds: Option<&DeepSpeedConfig>) -> MixedPrecision {
+    match (asked, ds.and_then(|d| d.mixed_precision)) {
+        (MixedPrecision::No, Some(json)) => json,
+        _ => asked,
     }
 }
 

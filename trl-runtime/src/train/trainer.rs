@@ -127,6 +127,60 @@ pub struct Trainer<'a> {
     stop: Arc<AtomicBool>,
 }
 
+/// Values a DeepSpeed config fixes must match the training arguments (transformers refuses a
+/// mismatch too); "auto" in a JSON leaves them to the arguments.
+fn check_deepspeed_values(config: &SFTConfig, plan: &crate::config::LaunchPlan) -> Result<()> {
+    let Some(ds) = &plan.deepspeed else {
+        return Ok(());
+    };
+    let file = ds
+        .config_file
+        .as_ref()
+        .map_or("the launch's deepspeed_config".into(), |p| {
+            p.display().to_string()
+        });
+    let mismatch = |key: &str, theirs: String, arg: &str, ours: String| {
+        Err(Error::Config {
+            file: file.clone(),
+            key: key.into(),
+            message: format!(
+                "{theirs} differs from the training argument {arg} = {ours}: make them equal (or write \"auto\" in the DeepSpeed JSON)"
+            ),
+        })
+    };
+    if let Some(n) = ds.gradient_accumulation_steps {
+        if n as usize != config.gradient_accumulation_steps {
+            return mismatch(
+                "gradient_accumulation_steps",
+                n.to_string(),
+                "gradient_accumulation_steps",
+                config.gradient_accumulation_steps.to_string(),
+            );
+        }
+    }
+    if let Some(c) = ds.gradient_clipping {
+        if (c - config.max_grad_norm).abs() > 1e-12 {
+            return mismatch(
+                "gradient_clipping",
+                c.to_string(),
+                "max_grad_norm",
+                config.max_grad_norm.to_string(),
+            );
+        }
+    }
+    if let Some(m) = ds.train_micro_batch_size_per_gpu {
+        if m as usize != config.per_device_train_batch_size {
+            return mismatch(
+                "train_micro_batch_size_per_gpu",
+                m.to_string(),
+                "per_device_train_batch_size",
+                config.per_device_train_batch_size.to_string(),
+            );
+        }
+    }
+    Ok(())
+}
+
 fn tokenize_all(
     records: &[Record],
     tok: &TextTokenizer,
@@ -176,6 +230,7 @@ impl<'a> Trainer<'a> {
         strategy: Strategy,
     ) -> Result<Self> {
         config.validate("training arguments")?;
+        check_deepspeed_values(&config, ctx.plan())?;
         let dp = ctx.group(DP);
         let tp = ctx.group(&[Axis::Tp]);
         let dir = config.model_name_or_path.clone();
