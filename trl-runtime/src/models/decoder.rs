@@ -235,6 +235,7 @@ impl CausalLm {
         self.split_sequences(SeqSplit {
             group: sp,
             ring: false,
+            comm_dtype: None,
         })
     }
 
@@ -245,6 +246,7 @@ impl CausalLm {
         self.split_sequences(SeqSplit {
             group: cp,
             ring: true,
+            comm_dtype: None,
         })
     }
 

@@ -16,6 +16,9 @@ use std::sync::Arc;
 pub struct SeqSplit {
     pub group: Arc<dyn Communicator>,
     pub ring: bool,
+    /// Ulysses' all-to-alls carry activations (and their gradients) in this dtype
+    /// (DeepSpeed's seq_parallel_communication_data_type); None: the compute dtype.
+    pub comm_dtype: Option<DType>,
 }
 
 impl SeqSplit {
@@ -23,15 +26,27 @@ impl SeqSplit {
     /// is refused.
     pub fn from_context(ctx: &DistContext) -> crate::Result<Option<SeqSplit>> {
         let (sp, cp) = (ctx.group(&[Axis::Sp]), ctx.group(&[Axis::Cp]));
+        let comm_dtype = ctx
+            .plan()
+            .deepspeed
+            .as_ref()
+            .and_then(|d| d.seq_parallel_communication_data_type.as_deref())
+            .map(|t| match t {
+                "bf16" => DType::BF16,
+                "fp16" => DType::F16,
+                _ => DType::F32,
+            });
         Ok(match (sp.size(), cp.size()) {
             (1, 1) => None,
             (_, 1) => Some(SeqSplit {
                 group: sp,
                 ring: false,
+                comm_dtype,
             }),
             (1, _) => Some(SeqSplit {
                 group: cp,
                 ring: true,
+                comm_dtype: None,
             }),
             (s, c) => {
                 return Err(crate::Error::Parallelism(format!(
@@ -46,7 +61,12 @@ impl SeqSplit {
 /// One forward's attention, its mask built.
 pub enum SeqAttention {
     Whole(AttentionMask, AttentionImpl),
-    Ulysses(AttentionMask, AttentionImpl, Arc<dyn Communicator>),
+    Ulysses(
+        AttentionMask,
+        AttentionImpl,
+        Arc<dyn Communicator>,
+        Option<DType>,
+    ),
     Ring(RingMask),
 }
 
@@ -61,16 +81,20 @@ impl SeqAttention {
     ) -> Result<Self> {
         Ok(match split {
             None => SeqAttention::Whole(AttentionMask::causal(position_ids, dtype, device)?, how),
-            Some(SeqSplit { group, ring: true }) => {
-                SeqAttention::Ring(RingMask::new(position_ids, group)?)
-            }
-            Some(SeqSplit { group, ring: false }) => {
+            Some(SeqSplit {
+                group, ring: true, ..
+            }) => SeqAttention::Ring(RingMask::new(position_ids, group)?),
+            Some(SeqSplit {
+                group,
+                ring: false,
+                comm_dtype,
+            }) => {
                 // Documents span chunks: the mask is the whole sequence's.
                 let everyone = group
                     .all_gather(&position_ids.to_dtype(DType::I64)?, 1)
                     .map_err(|e| e.into_candle())?;
                 let mask = AttentionMask::causal(&everyone, dtype, device)?;
-                SeqAttention::Ulysses(mask, how, group.clone())
+                SeqAttention::Ulysses(mask, how, group.clone(), *comm_dtype)
             }
         })
     }
@@ -79,8 +103,8 @@ impl SeqAttention {
     pub fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         match self {
             SeqAttention::Whole(mask, how) => how.apply(q, k, v, mask),
-            SeqAttention::Ulysses(mask, how, group) => {
-                ulysses_attention(q, k, v, mask, *how, group)
+            SeqAttention::Ulysses(mask, how, group, comm) => {
+                ulysses_attention(q, k, v, mask, *how, group, *comm)
             }
             SeqAttention::Ring(mask) => ring_attention(q, k, v, mask),
         }

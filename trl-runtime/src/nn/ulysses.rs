@@ -11,7 +11,7 @@
 use super::attention::{AttentionImpl, AttentionMask};
 use crate::comm::autograd::all_to_all;
 use crate::comm::Communicator;
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use std::sync::Arc;
 
 /// Checks that `heads` query and `kv_heads` key/value heads can be split over `sp` ranks;
@@ -45,16 +45,27 @@ pub fn ulysses_attention(
     mask: &AttentionMask,
     how: AttentionImpl,
     sp: &Arc<dyn Communicator>,
+    comm_dtype: Option<DType>,
 ) -> Result<Tensor> {
     let (heads, kv_heads) = (q.dim(1)?, k.dim(1)?);
     let repeats = kv_repeats(heads, kv_heads, sp.size()).map_err(candle_core::Error::Msg)?;
     // Sequence-split, all heads -> head-split, whole sequence.
-    let spread = |t: &Tensor| all_to_all(t, sp, 1, 2).map_err(|e| e.into_candle());
+    // In `comm_dtype` over the wire (a cast is differentiable: gradients travel the same way).
+    let exchange = |t: &Tensor, split: usize, concat: usize| -> Result<Tensor> {
+        let wire = match comm_dtype {
+            Some(d) if d != t.dtype() => t.to_dtype(d)?,
+            _ => t.clone(),
+        };
+        all_to_all(&wire, sp, split, concat)
+            .map_err(|e| e.into_candle())?
+            .to_dtype(t.dtype())
+    };
+    let spread = |t: &Tensor| exchange(t, 1, 2);
     let q = spread(q)?;
     let k = spread(&repeat_heads(k, repeats)?)?;
     let v = spread(&repeat_heads(v, repeats)?)?;
     let out = how.apply(&q, &k, &v, mask)?;
-    all_to_all(&out, sp, 2, 1).map_err(|e| e.into_candle())
+    exchange(&out, 2, 1)
 }
 
 /// Each head of `t` [b, heads, s, d] `n` times in a row: [b, heads * n, s, d].
