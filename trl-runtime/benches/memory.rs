@@ -1,16 +1,17 @@
 //! `cargo bench -p trl-runtime --bench memory`: model-state bytes per rank for ddp, zero1,
 //! zero2 and zero3 on 1, 2 and 4 processes with a 24M-parameter Qwen2, against the ZeRO formula
 //! for fp32 AdamW with master weights (ddp 20P, zero1 8P + 12P/N, zero2 4P + 16P/N; zero3 16P/N,
-//! the fp32 parameters being their own master copy), the peak resident memory of a rank during
-//! one training step (peak count restarted after start-up) and over the whole run including
-//! loading the model. One JSON object per line on stdout.
+//! the fp32 parameters being their own master copy), the peak resident memory of a rank while
+//! loading the model and setting up its strategy, during one training step (peak count
+//! restarted after start-up) and over the whole run; ZeRO-3 also with zero3_init_flag (each
+//! rank reads only its slices), and every strategy with offload_optimizer_device: cpu. Every
+//! run enters through its launch plan, as under `cargo trl launch`. One JSON object per line
+//! on stdout.
 
 use std::path::Path;
-use trl_runtime::config::launch::DistributedType;
-use trl_runtime::config::LaunchPlan;
+use trl_runtime::config::{DeepSpeedConfig, DistributedType, LaunchPlan, OffloadDevice};
 use trl_runtime::dist::DistContext;
-use trl_runtime::parallel::{WrapPolicy, ZeroStage};
-use trl_runtime::train::{peak_rss_bytes, reset_peak_rss, SFTConfig, Strategy, Trainer};
+use trl_runtime::train::{peak_rss_bytes, reset_peak_rss, SFTConfig, Trainer};
 
 mod support;
 
@@ -23,26 +24,33 @@ fn prepare(dir: &Path) -> usize {
     support::write_model_and_rows(dir, config, 16, 64)
 }
 
-fn strategy(name: &str) -> Strategy {
-    match name {
-        "zero1" => Strategy::Zero(ZeroStage::One),
-        "zero2" => Strategy::Zero(ZeroStage::Two),
-        "zero3" => Strategy::fsdp(WrapPolicy::PerLayer),
-        _ => Strategy::Ddp,
+/// The launch plan of a bench run: `ddp` (DeepSpeed stage 0), `zero1`..`zero3`, with
+/// `+init` (zero3_init_flag: each rank reads only its slices) and `+offload`
+/// (offload_optimizer_device: cpu).
+fn plan(name: &str) -> LaunchPlan {
+    let stage = match name.split('+').next().unwrap() {
+        "zero1" => 1,
+        "zero2" => 2,
+        "zero3" => 3,
+        _ => 0,
+    };
+    LaunchPlan {
+        distributed_type: DistributedType::DeepSpeed,
+        deepspeed: Some(DeepSpeedConfig {
+            zero_stage: stage,
+            zero3_init_flag: name.contains("+init"),
+            offload_optimizer_device: match name.contains("+offload") {
+                true => OffloadDevice::Cpu,
+                false => OffloadDevice::None,
+            },
+            ..DeepSpeedConfig::default()
+        }),
+        ..LaunchPlan::default()
     }
 }
 
 fn worker(name: &str, dir: &Path) {
-    // Sharding strategies split over dp_shard, which the DeepSpeed type fills from the world.
-    let kind = match strategy(name) {
-        Strategy::Ddp => DistributedType::MultiCpu,
-        _ => DistributedType::DeepSpeed,
-    };
-    let ctx = DistContext::with_plan(LaunchPlan {
-        distributed_type: kind,
-        ..LaunchPlan::default()
-    })
-    .unwrap();
+    let ctx = DistContext::with_plan(plan(name)).unwrap();
     let config = SFTConfig {
         model_name_or_path: dir.join("model"),
         dataset_name: dir.join("train.jsonl"),
@@ -53,18 +61,26 @@ fn worker(name: &str, dir: &Path) {
         disable_tqdm: true,
         ..SFTConfig::default()
     };
-    let mut trainer = Trainer::with_strategy(config, &ctx, strategy(name)).unwrap();
-    let run_peak = peak_rss_bytes().unwrap_or(0);
+    // Peak from here: loading the model and setting up the strategy.
+    trl_runtime::alloc::release_freed_memory();
+    reset_peak_rss();
+    let mut trainer = Trainer::new(config, &ctx).unwrap();
+    let load_peak = peak_rss_bytes().unwrap_or(0);
+    let offloaded = trainer.report().unwrap()["offload_optimizer"] == true;
     // The first step allocates the optimizer's moments and warms the allocator; the second
     // is the steady state measured.
     trainer.train_step().unwrap();
-    let run_peak = run_peak.max(peak_rss_bytes().unwrap_or(0));
+    let run_peak = load_peak.max(peak_rss_bytes().unwrap_or(0));
     reset_peak_rss();
     trainer.train_step().unwrap();
     let step_peak = peak_rss_bytes().unwrap_or(0);
     let mem = trainer.memory();
     if ctx.is_main_process() {
-        println!("report {} {step_peak} {run_peak}", mem.total());
+        println!(
+            "report {} {step_peak} {run_peak} {load_peak} {}",
+            mem.total(),
+            offloaded as usize
+        );
     }
 }
 
@@ -76,26 +92,34 @@ fn main() {
     let tmp = tempfile::tempdir().unwrap();
     let p = prepare(tmp.path());
     eprintln!("memory bench: {p} parameters, fp32 AdamW, 1 step per run");
-    for name in ["ddp", "zero1", "zero2", "zero3"] {
-        for world in [1usize, 2, 4] {
-            let mut report = None;
-            support::run_ranks(name, world, tmp.path(), |line, _| {
-                if let Some(rest) = line.strip_prefix("report ") {
-                    let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
-                    report = Some((v[0], v[1], v[2]));
-                }
-            });
-            let (state, peak, run_peak) = report.expect("no report");
-            let formula = match name {
-                "zero1" => 8 * p + 12 * p / world,
-                "zero2" => 4 * p + 16 * p / world,
-                "zero3" => 16 * p / world,
-                _ => 20 * p,
-            };
-            println!(
-                "{{\"bench\":\"memory\",\"strategy\":\"{name}\",\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak}}}",
-                state as f64 / formula as f64
-            );
-        }
+    let runs = ["ddp", "zero1", "zero2", "zero3"]
+        .into_iter()
+        .flat_map(|n| [1usize, 2, 4].map(|w| (n.to_string(), w)))
+        .chain([2usize, 4].map(|w| ("zero3+init".to_string(), w)))
+        .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+offload"), 2)));
+    for (name, world) in runs {
+        let mut report = None;
+        support::run_ranks(&name, world, tmp.path(), |line, _| {
+            if let Some(rest) = line.strip_prefix("report ") {
+                let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
+                report = Some((v[0], v[1], v[2], v[3], v[4] == 1));
+            }
+        });
+        let (state, peak, run_peak, load_peak, offloaded) = report.expect("no report");
+        let strategy = name.split('+').next().unwrap();
+        let formula = match strategy {
+            "zero1" => 8 * p + 12 * p / world,
+            "zero2" => 4 * p + 16 * p / world,
+            "zero3" => 16 * p / world,
+            _ => 20 * p,
+        };
+        // On a CPU run offload has nothing to move to (the trainer says so): the offloaded
+        // field shows whether the state really left the compute device.
+        println!(
+            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offloaded\":{offloaded},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak}}}",
+            name.contains("+init"),
+            name.contains("+offload"),
+            state as f64 / formula as f64
+        );
     }
 }

@@ -924,3 +924,61 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
         "{e}"
     );
 }
+
+#[test]
+fn efficient_loading_reads_the_same_shards() {
+    // DeepSpeed's zero3_init_flag (FSDP's cpu_ram_efficient_loading): each rank reads only its
+    // slices of the ZeRO-3 units from the checkpoint instead of loading the whole model and
+    // cutting them. The strategy comes from the launch plan, as under `cargo trl launch`.
+    use trl_runtime::config::{DeepSpeedConfig, DistributedType, LaunchPlan};
+    let tmp = tempfile::tempdir().unwrap();
+    let run_plan = |out: &str, zero3_init_flag: bool| {
+        let plan = LaunchPlan {
+            distributed_type: DistributedType::DeepSpeed,
+            deepspeed: Some(DeepSpeedConfig {
+                zero_stage: 3,
+                zero3_init_flag,
+                ..DeepSpeedConfig::default()
+            }),
+            ..LaunchPlan::default()
+        };
+        assert_eq!(plan.efficient_loading(), zero3_init_flag);
+        let w = InProcessWorld::new(2);
+        let out = tmp.path().join(out);
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (w, plan, out) = (&w, plan.clone(), out.clone());
+                    s.spawn(move || {
+                        let mesh = DeviceMesh::new(dims(1, 2, 1), 2).unwrap();
+                        let ctx = DistContext::in_process(w, rank, mesh)
+                            .unwrap()
+                            .with_launch_plan(plan);
+                        let mut trainer = Trainer::new(config(&out, 2, 1, 3), &ctx).unwrap();
+                        assert_eq!(trainer.strategy, Strategy::fsdp(WrapPolicy::PerLayer));
+                        assert!(trainer.model.params.is_empty(), "parameters are sharded");
+                        let losses = trainer.train().unwrap().losses;
+                        let weights = trainer.gather_weights().unwrap();
+                        (losses, weights)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        results.into_iter().next().unwrap()
+    };
+    let (read, read_w) = run_plan("read", true);
+    let (cut, cut_w) = run_plan("cut", false);
+    assert_eq!(read, cut, "losses");
+    for (name, t) in &cut_w {
+        let diff = (t - &read_w[name])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(diff, 0.0, "{name}");
+    }
+}

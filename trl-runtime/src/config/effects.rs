@@ -119,10 +119,10 @@ pub fn ignored(cfg: &LaunchConfig) -> Vec<String> {
                 "the optimizer always keeps per-parameter state, as with true",
             );
         }
-        if f.cpu_ram_efficient_loading {
+        if f.cpu_ram_efficient_loading && !f.sharding_strategy.reshards() {
             note(
                 "fsdp_config.fsdp_cpu_ram_efficient_loading",
-                "not implemented yet: every rank reads the whole model, then keeps its shard (tensor-parallel runs read only their slices)",
+                "parameters stay whole on every rank under this sharding strategy, so each rank reads the whole model",
             );
         }
         if let Some(cls) = &f.transformer_layer_cls_to_wrap {
@@ -139,10 +139,10 @@ pub fn ignored(cfg: &LaunchConfig) -> Vec<String> {
         .as_ref()
         .filter(|_| cfg.distributed_type == DistributedType::DeepSpeed)
     {
-        if ds.zero3_init_flag {
+        if ds.zero3_init_flag && ds.zero_stage != 3 {
             note(
                 "deepspeed_config.zero3_init_flag",
-                "not implemented yet: every rank reads the whole model, then keeps its shard",
+                "only ZeRO stage 3 shards parameters; below it every rank reads the whole model",
             );
         }
         if ds.zero_stage == 3 && !ds.zero3_save_16bit_model {

@@ -398,6 +398,15 @@ impl LaunchPlan {
             .is_some_and(|f| f.activation_checkpointing)
     }
 
+    /// Whether each rank should read only the model slices it keeps (FSDP's
+    /// cpu_ram_efficient_loading, DeepSpeed's zero3_init_flag).
+    pub fn efficient_loading(&self) -> bool {
+        self.fsdp
+            .as_ref()
+            .is_some_and(|f| f.cpu_ram_efficient_loading)
+            || self.deepspeed.as_ref().is_some_and(|d| d.zero3_init_flag)
+    }
+
     /// Whether optimizer state (and master weights) live in host memory (DeepSpeed's
     /// offload_optimizer_device / offload_param_device cpu, FSDP's offload_params).
     pub fn offload_optimizer(&self) -> bool {

@@ -19,7 +19,7 @@ use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{tiled_linear_cross_entropy, LossSum};
 use crate::nn::{AttentionImpl, Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
 use crate::parallel::checkpointing::{Checkpointing, Layers};
-use crate::parallel::fsdp::shard_model;
+use crate::parallel::fsdp::{shard_model, shard_model_reading};
 use crate::parallel::{Prefetch, ShardedModel, WrapPolicy};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
 use crate::Parallelize;
@@ -132,6 +132,47 @@ impl CausalLm {
         // tensors alive.
         self.params = Params::default();
         self.sharding = Some(shard_model(self, policy, prefetch, comm)?);
+        Ok(())
+    }
+
+    /// Shards a [`Self::skeleton`] over `comm` in ZeRO-3 / FSDP units read straight from the
+    /// checkpoint in `dir`: each rank reads only its slice of every unit, so no rank ever
+    /// holds the whole model (FSDP's cpu_ram_efficient_loading, DeepSpeed's zero3_init). The
+    /// same units and values as loading the model whole and calling [`Self::shard`].
+    pub fn shard_reading(
+        &mut self,
+        dir: impl AsRef<Path>,
+        policy: WrapPolicy,
+        prefetch: Prefetch,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<()> {
+        let files = WeightFiles::open(dir.as_ref(), &self.config)?;
+        let Weight::Local(embed) = &self.embed_tokens.weight else {
+            return Err(Error::TensorParallel {
+                name: "model".into(),
+                message: "the model is already sharded".into(),
+            });
+        };
+        let (dtype, device) = (embed.dtype(), embed.device().clone());
+        let shapes = self
+            .config
+            .parameter_shapes()
+            .into_iter()
+            .map(|(n, s)| (n, candle_core::Shape::from(s)))
+            .collect();
+        let read = |name: &str, start: usize, len: usize| {
+            files.load_flat(name, start, len, DType::F32, &device)
+        };
+        self.params = Params::default();
+        self.sharding = Some(shard_model_reading(
+            self,
+            shapes,
+            (dtype, &device),
+            &read,
+            policy,
+            prefetch,
+            comm,
+        )?);
         Ok(())
     }
 

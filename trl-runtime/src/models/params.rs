@@ -264,29 +264,77 @@ impl WeightFiles {
         let view = self.st.get(name)?;
         let whence = format!("{name} in {}", self.file_of(name));
         let (start, len) = crate::tp::slice_range(&whence, view.shape(), dim, rank, parts)?;
+        self.read_span(name, dim, start..start + len, dtype, device)
+            .map_err(|e| Error::Config {
+                file: self.file_of(name),
+                key: name.into(),
+                message: format!("cannot read part {rank} of {parts} along dimension {dim}: {e}"),
+            })
+    }
+
+    /// Elements `start..start + len` of tensor `name` in row-major order, flat, reading only
+    /// the rows that hold them (a ZeRO-3 / FSDP shard).
+    pub fn load_flat(
+        &self,
+        name: &str,
+        start: usize,
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let view = self.st.get(name)?;
+        let shape = view.shape().to_vec();
+        let row: usize = shape.iter().skip(1).product();
+        let total = shape.first().copied().unwrap_or(1) * row;
+        if start + len > total || shape.is_empty() {
+            return Err(Error::Config {
+                file: self.file_of(name),
+                key: name.into(),
+                message: format!(
+                    "elements {start}..{} of a tensor of shape {shape:?}",
+                    start + len
+                ),
+            });
+        }
+        let rows = start / row..(start + len).div_ceil(row);
+        let first = rows.start * row;
+        let part = self
+            .read_span(name, 0, rows, dtype, device)
+            .map_err(|e| Error::Config {
+                file: self.file_of(name),
+                key: name.into(),
+                message: format!("cannot read elements {start}..{}: {e}", start + len),
+            })?;
+        Ok(part.flatten_all()?.narrow(0, start - first, len)?)
+    }
+
+    /// Indices `span` of tensor `name` along `dim` (everything along the others), read from
+    /// the memory-mapped file without touching the rest.
+    fn read_span(
+        &self,
+        name: &str,
+        dim: usize,
+        span: std::ops::Range<usize>,
+        dtype: DType,
+        device: &Device,
+    ) -> std::result::Result<Tensor, String> {
+        let view = self.st.get(name).map_err(|e| e.to_string())?;
         let index: Vec<TensorIndexer> = (0..view.shape().len())
-            .map(|d| {
-                if d == dim {
-                    (start..start + len).into()
-                } else {
-                    (..).into()
-                }
+            .map(|d| match d == dim {
+                true => span.clone().into(),
+                false => (..).into(),
             })
             .collect();
-        let bad = |e: &dyn std::fmt::Display| Error::Config {
-            file: self.file_of(name),
-            key: name.into(),
-            message: format!("cannot read part {rank} of {parts} along dimension {dim}: {e}"),
-        };
-        let slices = view.sliced_data(&index).map_err(|e| bad(&e))?;
+        let slices = view.sliced_data(&index).map_err(|e| e.to_string())?;
         let shape = slices.newshape();
         let mut bytes = Vec::with_capacity(slices.remaining_byte_len());
         for chunk in slices {
             bytes.extend_from_slice(chunk);
         }
         let part = safetensors::tensor::TensorView::new(view.dtype(), shape, &bytes)
-            .map_err(|e| bad(&e))?;
-        Ok(part.load(device)?.to_dtype(dtype)?)
+            .map_err(|e| e.to_string())?;
+        let t = part.load(device).map_err(|e| e.to_string())?;
+        t.to_dtype(dtype).map_err(|e| e.to_string())
     }
 }
 

@@ -465,12 +465,57 @@ pub fn shard_model(
         prefetch,
         comm,
     )?);
-    // The name each tensor is stored under (the first one visited, as named_parameters keeps).
-    let mut canonical: HashMap<TensorId, String> = HashMap::new();
-    model.visit_params("", &mut |name, t, _| {
-        canonical.entry(t.id()).or_insert_with(|| name.to_string());
-    });
     drop(params);
+    swap_weights(model, &sharding)?;
+    Ok(sharding)
+}
+
+/// Reads one parameter's elements `start..start + len` (row-major) from where the weights
+/// live, in f32.
+pub type ReadRange<'a> = dyn Fn(&str, usize, usize) -> Result<Tensor> + 'a;
+
+/// As [`shard_model`] for a model whose weights are not loaded (a skeleton): each rank reads
+/// only its slice of every unit through `read`, so no rank ever holds the whole model (FSDP's
+/// cpu_ram_efficient_loading, DeepSpeed's zero3_init). `shapes` names every parameter once.
+pub fn shard_model_reading(
+    model: &mut impl Parallelize,
+    shapes: Vec<(String, Shape)>,
+    (dtype, device): (DType, &candle_core::Device),
+    read: &ReadRange<'_>,
+    policy: WrapPolicy,
+    prefetch: Prefetch,
+    comm: Arc<dyn Communicator>,
+) -> Result<Arc<ShardedModel>> {
+    let mut unit_names = Vec::new();
+    model.visit_units("", &mut |n| unit_names.push(n.to_string()));
+    let mut sorted = shapes;
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let slice = |layout: &FlatLayout, range: std::ops::Range<usize>| -> Result<Tensor> {
+        layout.read_range(range, read, device)
+    };
+    let sharding = Arc::new(ShardedModel::build(
+        sorted,
+        (dtype, device),
+        &slice,
+        &unit_names,
+        policy,
+        prefetch,
+        comm,
+    )?);
+    swap_weights(model, &sharding)?;
+    Ok(sharding)
+}
+
+/// Swaps every weight of `model` for its slot in `sharding`, a tensor shared by two layers
+/// (tied embeddings) going to the slot of the name it was first seen under.
+fn swap_weights(model: &mut impl Parallelize, sharding: &ShardedModel) -> Result<()> {
+    let mut canonical: HashMap<TensorId, String> = HashMap::new();
+    model.visit_weights_mut("", &mut |name, w| {
+        if let Weight::Local(t) = w {
+            canonical.entry(t.id()).or_insert_with(|| name.to_string());
+        }
+        Ok(())
+    })?;
     model.visit_weights_mut("", &mut |name, w| {
         let Weight::Local(t) = w else {
             return Err(Error::TensorParallel {
@@ -485,8 +530,7 @@ pub fn shard_model(
             )))
         })?;
         Ok(())
-    })?;
-    Ok(sharding)
+    })
 }
 
 /// A model's parameters as sharded wrap units.
@@ -514,12 +558,54 @@ impl ShardedModel {
         prefetch: Prefetch,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
+        let values: BTreeMap<String, Tensor> = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let Some(first) = values.values().next() else {
+            return Err(Error::Candle(candle_core::Error::Msg(
+                "a model without parameters cannot be sharded".into(),
+            )));
+        };
+        let (dtype, device) = (first.dtype(), first.device().clone());
+        let shapes = values
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shape().clone()))
+            .collect();
+        let slice = |layout: &FlatLayout, range: std::ops::Range<usize>| -> Result<Tensor> {
+            Ok(layout
+                .flatten(&values)?
+                .narrow(0, range.start, range.len())?)
+        };
+        Self::build(
+            shapes,
+            (dtype, &device),
+            &slice,
+            unit_names,
+            policy,
+            prefetch,
+            comm,
+        )
+    }
+
+    /// Units over parameters `shapes` (sorted by name), this rank's slice of each cut by
+    /// `slice` (f32, from the unit's layout and this rank's range).
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        shapes: Vec<(String, Shape)>,
+        (dtype, device): (DType, &candle_core::Device),
+        slice: &dyn Fn(&FlatLayout, std::ops::Range<usize>) -> Result<Tensor>,
+        unit_names: &[String],
+        policy: WrapPolicy,
+        prefetch: Prefetch,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
         let num_layers = unit_names.len();
         let layer_of = |name: &str| unit_of(name, unit_names);
         let mut layer_sizes = vec![0usize; num_layers];
-        for (name, var) in params.iter() {
+        for (name, shape) in &shapes {
             if let Some(l) = layer_of(name) {
-                layer_sizes[l] += var.elem_count();
+                layer_sizes[l] += shape.elem_count();
             }
         }
         // Which unit each layer joins (unit 0 is the root).
@@ -544,31 +630,26 @@ impl ShardedModel {
             }
         }
         let count = layer_unit.iter().copied().max().unwrap_or(0) + 1;
-        let mut members: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); count];
-        for (name, var) in params.iter() {
-            let u = layer_of(name).map(|l| layer_unit[l]).unwrap_or(0);
-            members[u].push((name.clone(), var.as_tensor().clone()));
+        let num_elements = shapes.iter().map(|(_, s)| s.elem_count()).sum();
+        let mut members: Vec<Vec<(String, Shape)>> = vec![Vec::new(); count];
+        for (name, shape) in shapes {
+            let u = layer_of(&name).map(|l| layer_unit[l]).unwrap_or(0);
+            members[u].push((name, shape));
         }
         let (rank, world) = (comm.rank(), comm.size());
         let queue = Arc::new(CommQueue::new(comm.clone())?);
         let mut units: Vec<Arc<Unit>> = Vec::with_capacity(count);
         let mut weights = BTreeMap::new();
-        for (u, tensors) in members.iter().enumerate() {
-            let layout = FlatLayout::from_shapes(
-                tensors.iter().map(|(n, t)| (n.clone(), t.shape().clone())),
-                world,
-            );
+        for (u, entries) in members.into_iter().enumerate() {
             // The root always holds the embedding; every other unit at least one layer.
-            let Some((_, first)) = tensors.first() else {
+            if entries.is_empty() {
                 return Err(Error::Candle(candle_core::Error::Msg(
                     "a model without an embedding cannot be sharded".into(),
                 )));
-            };
-            let (dtype, device) = (first.dtype(), first.device().clone());
+            }
+            let layout = FlatLayout::from_shapes(entries, world);
             let range = layout.shard(rank, world);
-            let shard = layout
-                .flatten_ordered(&tensors.iter().map(|(_, t)| t).collect::<Vec<_>>())?
-                .narrow(0, range.start, range.len())?
+            let shard = slice(&layout, range)?
                 .to_dtype(dtype)?
                 // A copy of the slice alone: `copy()` would keep the whole flat unit alive.
                 .force_contiguous()?
@@ -584,7 +665,7 @@ impl ShardedModel {
                 queue: queue.clone(),
                 backward_next: OnceLock::new(),
                 keep_gathered: u == 0,
-                anchor: Var::zeros(1, dtype, &device)?,
+                anchor: Var::zeros(1, dtype, device)?,
                 state: Mutex::new(UnitState {
                     shard,
                     full: None,
@@ -629,7 +710,7 @@ impl ShardedModel {
             weights,
             layers,
             prefetch,
-            num_elements: params.num_elements(),
+            num_elements,
         })
     }
 

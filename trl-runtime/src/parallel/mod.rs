@@ -170,6 +170,9 @@ pub struct ParallelOptions {
     pub offload_activations: bool,
     /// Keep the optimizer state in host memory (GPU runs).
     pub offload_optimizer: bool,
+    /// The model is a skeleton: ZeRO-3 / FSDP read each rank's slices from `model_dir`
+    /// (efficient loading: no rank holds the whole model).
+    pub read_shards: bool,
     pub adam: AdamWConfig,
 }
 
@@ -313,8 +316,13 @@ pub fn parallelize(
             Optimizer::Zero(z)
         }
         Strategy::Fsdp(policy, prefetch) => {
-            // Every rank cuts its slices from the synced values, then drops the full tensors.
-            model.shard(policy, prefetch, shard)?;
+            if opts.read_shards {
+                // Each rank reads only its slices from the checkpoint files.
+                model.shard_reading(&opts.model_dir, policy, prefetch, shard)?;
+            } else {
+                // Every rank cuts its slices from the synced values, then drops the full tensors.
+                model.shard(policy, prefetch, shard)?;
+            }
             let sharded = model.sharding.clone().expect("sharded above");
             let mut f = FsdpOptimizer::new(sharded, opts.adam, replicate)?;
             if let Some(norm) = &tp_norm {

@@ -124,6 +124,29 @@ impl FlatLayout {
         Ok(Tensor::cat(&parts, 0)?)
     }
 
+    /// Elements `range` of the flat vector, reading each parameter's overlapping part
+    /// through `read` (name, first element, count) and zeros for the padding, in f32.
+    pub fn read_range(
+        &self,
+        range: Range<usize>,
+        read: &dyn Fn(&str, usize, usize) -> Result<Tensor>,
+        device: &candle_core::Device,
+    ) -> Result<Tensor> {
+        let mut parts = Vec::new();
+        for (name, shape, offset) in &self.entries {
+            let (start, end) = (*offset, offset + shape.elem_count());
+            let (a, b) = (range.start.max(start), range.end.min(end));
+            if a < b {
+                parts.push(read(name, a - start, b - a)?.to_dtype(DType::F32)?);
+            }
+        }
+        let tail = range.end.saturating_sub(range.start.max(self.total));
+        if tail > 0 {
+            parts.push(Tensor::zeros(tail, DType::F32, device)?);
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
     /// The parameters back out of a flat (full, padded or not) vector.
     pub fn unflatten(&self, flat: &Tensor) -> Result<BTreeMap<String, Tensor>> {
         let mut out = BTreeMap::new();

@@ -255,8 +255,20 @@ impl<'a> Trainer<'a> {
         if dtype != DType::F32 {
             tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
         }
-        let mut model =
-            CausalLm::from_pretrained_split(&dir, dtype, &device, tp.clone()).map_err(tp_error)?;
+        // ZeRO-3 / FSDP with efficient loading (and tp 1, a fresh start): the model's
+        // structure only; each rank reads its slices when it is sharded.
+        let read_shards = ctx.plan().efficient_loading()
+            && matches!(strategy, Strategy::Fsdp(..))
+            && tp.size() == 1
+            && config.resume_from_checkpoint.is_none();
+        let mut model = match read_shards {
+            true => {
+                let model_config = crate::models::ModelConfig::from_file(dir.join("config.json"))?;
+                CausalLm::skeleton(model_config, dtype, &device)?
+            }
+            false => CausalLm::from_pretrained_split(&dir, dtype, &device, tp.clone())
+                .map_err(tp_error)?,
+        };
         let policy = if config.skip_bad_rows {
             OnBadRow::Skip
         } else {
@@ -398,6 +410,7 @@ impl<'a> Trainer<'a> {
                 || plan.activation_checkpointing(),
             offload_activations: config.activation_offloading,
             offload_optimizer: plan.offload_optimizer(),
+            read_shards,
             adam,
         };
         let Parallelized { optimizer, tp_norm } = parallelize(&mut model, ctx, &options, resume)?;
