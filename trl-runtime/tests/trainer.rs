@@ -2,6 +2,8 @@
 //! == 1 x 4 == 1 x 2 accumulation x 2, losses and weights after 5 steps), and a resumed run
 //! continues exactly like the uninterrupted one.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use trl_runtime::comm::{Communicator, InProcessWorld};
@@ -971,14 +973,6 @@ fn efficient_loading_reads_the_same_shards() {
     let (cut, cut_w) = run_plan("cut", false);
     assert_eq!(read, cut, "losses");
     for (name, t) in &cut_w {
-        let diff = (t - &read_w[name])
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert_eq!(diff, 0.0, "{name}");
+        assert_eq!(common::max_abs_diff(t, &read_w[name]), 0.0, "{name}");
     }
 }

@@ -16,7 +16,7 @@ pub mod rope;
 pub mod seq_attention;
 pub mod softmax;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 pub mod tiled_loss;
 pub mod tiled_mlp;
 pub mod ulysses;
