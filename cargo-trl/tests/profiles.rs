@@ -142,10 +142,7 @@ fn accelerate_variables_alone_choose_the_same_strategy() {
     let launched = report(&launch("fsdp2_cpu", false, &tmp.path().join("launched")));
     let program = workspace().join("target/debug/sft");
     assert!(program.exists(), "{}", program.display());
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port_below_ephemeral();
     let out = tmp.path().join("accelerate");
     let children: Vec<_> = (0..2)
         .map(|rank| {
@@ -192,4 +189,20 @@ fn accelerate_variables_alone_choose_the_same_strategy() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(text(&bad).contains("ACCELERATE_USE_FSDP"), "{}", text(&bad));
+}
+
+/// A free port below the kernel's ephemeral range: a port from bind(0) can be handed to an
+/// outgoing connection before rank 0 binds it.
+fn free_port_below_ephemeral() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768)
+        .max(20001);
+    let span = u32::from(low - 20000);
+    let start = 20000 + (std::process::id().wrapping_mul(7919) % span) as u16;
+    (start..low)
+        .chain(20000..start)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port below the ephemeral range")
 }
