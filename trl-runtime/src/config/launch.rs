@@ -466,23 +466,13 @@ impl LaunchConfig {
     }
 }
 
-const SHARDING_STRATEGIES: &[&str] = &[
+pub(crate) const SHARDING_STRATEGIES: &[&str] = &[
     "FULL_SHARD",
     "SHARD_GRAD_OP",
     "NO_SHARD",
     "HYBRID_SHARD",
     "HYBRID_SHARD_ZERO2",
 ];
-
-fn sharding_from_name(name: &str) -> FsdpShardingStrategy {
-    match name {
-        "SHARD_GRAD_OP" => FsdpShardingStrategy::ShardGradOp,
-        "NO_SHARD" => FsdpShardingStrategy::NoShard,
-        "HYBRID_SHARD" => FsdpShardingStrategy::HybridShard,
-        "HYBRID_SHARD_ZERO2" => FsdpShardingStrategy::HybridShardZero2,
-        _ => FsdpShardingStrategy::FullShard,
-    }
-}
 
 /// Accelerate also accepts FSDP1 strategies by number (1 = FULL_SHARD ... 5 = HYBRID_SHARD_ZERO2).
 fn sharding_from_value(s: &Section, key: &str, v: &Value) -> Result<FsdpShardingStrategy> {
@@ -493,11 +483,11 @@ fn sharding_from_value(s: &Section, key: &str, v: &Value) -> Result<FsdpSharding
     };
     if let Ok(n) = text.parse::<usize>() {
         if (1..=5).contains(&n) {
-            return Ok(sharding_from_name(SHARDING_STRATEGIES[n - 1]));
+            return Ok(FsdpShardingStrategy::from_name(SHARDING_STRATEGIES[n - 1]));
         }
     }
     if SHARDING_STRATEGIES.contains(&text.as_str()) {
-        return Ok(sharding_from_name(&text));
+        return Ok(FsdpShardingStrategy::from_name(&text));
     }
     Err(s.error(
         key,

@@ -126,13 +126,7 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
     }
 }
 
-const SHARDING: &[&str] = &[
-    "FULL_SHARD",
-    "SHARD_GRAD_OP",
-    "NO_SHARD",
-    "HYBRID_SHARD",
-    "HYBRID_SHARD_ZERO2",
-];
+use super::launch::SHARDING_STRATEGIES as SHARDING;
 const WRAP: &[&str] = &["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"];
 const PREFETCH: &[&str] = &["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"];
 const STATE_DICT: &[&str] = &["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"];
@@ -149,7 +143,7 @@ impl FsdpShardingStrategy {
         }
     }
 
-    fn from_name(name: &str) -> Self {
+    pub(crate) fn from_name(name: &str) -> Self {
         match name {
             "SHARD_GRAD_OP" => FsdpShardingStrategy::ShardGradOp,
             "NO_SHARD" => FsdpShardingStrategy::NoShard,
