@@ -4,8 +4,9 @@
 //! (`flash`), the blockwise one with the LM head and loss fused in tiles (`flash_tiled`,
 //! `use_liger_kernel`), with the MLPs in tiles too (`flash_tiled_mlp`, `tiled_mlp`), and with
 //! activation checkpointing on top (`flash_tiled_mlp_ckpt`, `gradient_checkpointing`: each
-//! decoder layer recomputed in backward), at 1 rank and at 4 ranks of Ulysses, with the loss of
-//! both at one length. Each probe runs in a fresh process (1 compute thread) whose peak resident memory
+//! decoder layer recomputed in backward) on the reference model and on an 8-layer one, at 1
+//! rank and at 4 ranks of Ulysses, with the loss of both at one length (`-- --only=checkpointing`
+//! runs just that; TRL_BENCH_BUDGET_MIB changes the budget). Each probe runs in a fresh process (1 compute thread) whose peak resident memory
 //! over the step is compared with the budget; lengths are searched by doubling, then bisection
 //! to 256 tokens. One JSON object per line on stdout; prose on stderr.
 //!
@@ -33,16 +34,70 @@ use trl_runtime::train::optim::{AdamW, AdamWConfig};
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss};
 
 /// Peak resident memory one rank may use during a step.
-const BUDGET_MIB: usize = 1024;
+const DEFAULT_BUDGET_MIB: usize = 1024;
+
+/// The budget: 1 GiB, or TRL_BENCH_BUDGET_MIB (a smaller one makes the 4-rank searches,
+/// whose steps grow with the square of the length, finish sooner).
+fn budget_mib() -> usize {
+    std::env::var("TRL_BENCH_BUDGET_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_BUDGET_MIB)
+}
 const GRANULARITY: usize = 256;
+
+/// Layers of the deeper model the checkpointing comparison also runs on: checkpointing keeps
+/// one layer's activations instead of all of them, so what it gains grows with depth (4 layers
+/// bound it below 2x; Qwen2-0.5B has 24).
+const DEEP_LAYERS: usize = 8;
 
 fn prepare(dir: &Path) {
     let config = support::reference_config(1048576);
-    support::write_model_and_rows(dir, config, 1, 8);
+    support::write_model_and_rows(dir, config.clone(), 1, 8);
+    let mut deep = config;
+    deep["num_hidden_layers"] = DEEP_LAYERS.into();
+    support::write_model_and_rows(&dir.join("deep"), deep, 1, 8);
+}
+
+/// The checkpointing comparison on the model of `prefix` ("" or "deep/") with `layers`
+/// layers, at 1 and 4 ranks (Ulysses), with the loss of both at one length.
+fn checkpointing(prefix: &str, layers: usize, dir: &Path) {
+    let mode = format!("{prefix}flash_attention_2+tiled+mlp");
+    let ckpt = format!("{mode}+ckpt");
+    for ranks in [1, 4] {
+        let (plain, plain_s) = max_seq(&mode, ranks, dir);
+        let (with, with_s) = max_seq(&ckpt, ranks, dir);
+        for (what, seq, step_s) in [
+            ("flash_tiled_mlp", plain, plain_s),
+            ("flash_tiled_mlp_ckpt", with, with_s),
+        ] {
+            println!(
+                "{{\"bench\":\"long_context\",\"mode\":\"{what}\",\"layers\":{layers},\"ranks\":{ranks},\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{}}}",
+            budget_mib()
+            );
+        }
+        println!(
+            "{{\"bench\":\"long_context\",\"what\":\"checkpointing_over_none\",\"layers\":{layers},\"ranks\":{ranks},\"max_seq_ratio\":{:.3}}}",
+            with as f64 / plain.max(1) as f64
+        );
+        if ranks == 1 {
+            let at = plain.max(GRANULARITY);
+            let (_, _, plain_loss) = probe_loss(&mode, 1, at, dir);
+            let (_, _, ckpt_loss) = probe_loss(&ckpt, 1, at, dir);
+            println!(
+                "{{\"bench\":\"long_context\",\"what\":\"checkpointing_loss\",\"layers\":{layers},\"seq\":{at},\"loss\":{plain_loss},\"loss_checkpointed\":{ckpt_loss},\"rel_diff\":{:.2e}}}",
+                (ckpt_loss - plain_loss).abs() / plain_loss.abs()
+            );
+        }
+    }
 }
 
 /// One training step at `seq` tokens; prints the step's peak memory and time (rank 0).
 fn worker(mode: &str, seq: usize, dir: &Path) {
+    let (mode, dir) = match mode.strip_prefix("deep/") {
+        Some(rest) => (rest, dir.join("deep")),
+        None => (mode, dir.to_path_buf()),
+    };
     let mut model = CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
     // Launched as several ranks: split the sequence over all of them (Ulysses, or a ring).
     let (mode, ring) = match mode.strip_prefix("ring/") {
@@ -159,7 +214,7 @@ fn probe_loss(mode: &str, ranks: usize, seq: usize, dir: &Path) -> (usize, f64, 
 /// The longest multiple of GRANULARITY (which every rank count here divides) whose step fits
 /// the budget on `ranks` processes, and its step time.
 fn max_seq(mode: &str, ranks: usize, dir: &Path) -> (usize, f64) {
-    let budget = BUDGET_MIB << 20;
+    let budget = budget_mib() << 20;
     let step = GRANULARITY;
     let (mut ok, mut ok_secs) = (0usize, f64::NAN);
     let mut seq = 2 * step;
@@ -211,20 +266,27 @@ fn main() {
         return;
     }
     eprintln!(
-        "long_context bench: reference model, batch 1, fp32, one step incl. AdamW, budget {BUDGET_MIB} MiB peak RSS per rank"
+        "long_context bench: reference model, batch 1, fp32, one step incl. AdamW, budget {} MiB peak RSS per rank",
+        budget_mib()
     );
+    // `-- --only=checkpointing`: just the checkpointing comparison.
+    if std::env::args().any(|a| a == "--only=checkpointing") {
+        checkpointing("", 4, tmp.path());
+        checkpointing("deep/", DEEP_LAYERS, tmp.path());
+        return;
+    }
     let mut found = Vec::new();
     let modes = [
         ("plain", "sdpa"),
         ("flash", "flash_attention_2"),
         ("flash_tiled", "flash_attention_2+tiled"),
         ("flash_tiled_mlp", "flash_attention_2+tiled+mlp"),
-        ("flash_tiled_mlp_ckpt", "flash_attention_2+tiled+mlp+ckpt"),
     ];
     for (mode, attn) in modes {
         let (seq, step_s) = max_seq(attn, 1, tmp.path());
         println!(
-            "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":1,\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
+            "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":1,\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{}}}",
+            budget_mib()
         );
         found.push(seq);
     }
@@ -232,7 +294,6 @@ fn main() {
         (1, "flash_over_plain"),
         (2, "flash_tiled_over_plain"),
         (3, "flash_tiled_mlp_over_plain"),
-        (4, "flash_tiled_mlp_ckpt_over_plain"),
     ] {
         println!(
             "{{\"bench\":\"long_context\",\"what\":\"{what}\",\"ranks\":1,\"max_seq_ratio\":{:.3}}}",
@@ -240,31 +301,10 @@ fn main() {
         );
     }
     // Activation checkpointing (gradient_checkpointing): the same step keeping only each
-    // layer's input, against the same kernels without it; its loss at the longest length
-    // both fit must be the same.
-    println!(
-        "{{\"bench\":\"long_context\",\"what\":\"checkpointing_over_none\",\"ranks\":1,\"max_seq_ratio\":{:.3}}}",
-        found[4] as f64 / found[3].max(1) as f64
-    );
-    let at = found[3].max(GRANULARITY);
-    let (_, _, plain_loss) = probe_loss("flash_attention_2+tiled+mlp", 1, at, tmp.path());
-    let (_, _, ckpt_loss) = probe_loss("flash_attention_2+tiled+mlp+ckpt", 1, at, tmp.path());
-    println!(
-        "{{\"bench\":\"long_context\",\"what\":\"checkpointing_loss\",\"seq\":{at},\"loss\":{plain_loss},\"loss_checkpointed\":{ckpt_loss},\"rel_diff\":{:.2e}}}",
-        (ckpt_loss - plain_loss).abs() / plain_loss.abs()
-    );
-    // The same at 4 ranks of Ulysses sequence parallelism.
-    let sp4 = max_seq("flash_attention_2+tiled+mlp", 4, tmp.path());
-    let sp4_ckpt = max_seq("flash_attention_2+tiled+mlp+ckpt", 4, tmp.path());
-    for (mode, (seq, step_s)) in [("sp_tiled_mlp", sp4), ("sp_tiled_mlp_ckpt", sp4_ckpt)] {
-        println!(
-            "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":4,\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
-        );
-    }
-    println!(
-        "{{\"bench\":\"long_context\",\"what\":\"checkpointing_over_none\",\"ranks\":4,\"max_seq_ratio\":{:.3}}}",
-        sp4_ckpt.0 as f64 / sp4.0.max(1) as f64
-    );
+    // layer's input, against the same kernels without it, on the reference model and on a
+    // deeper one.
+    checkpointing("", 4, tmp.path());
+    checkpointing("deep/", DEEP_LAYERS, tmp.path());
     // Ulysses (sp) and ring attention (cp): the flash + tiled step with the sequence split
     // over the ranks. At 1 rank both are that step itself, measured once.
     let one = max_seq("flash_attention_2+tiled", 1, tmp.path());
@@ -279,7 +319,8 @@ fn main() {
                 _ => max_seq(worker, ranks, tmp.path()),
             };
             println!(
-                "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":{ranks},\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{BUDGET_MIB}}}"
+                "{{\"bench\":\"long_context\",\"mode\":\"{mode}\",\"ranks\":{ranks},\"max_seq\":{seq},\"step_s\":{step_s:.3},\"budget_mib\":{}}}",
+            budget_mib()
             );
             found.push(seq);
         }
