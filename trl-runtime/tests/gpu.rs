@@ -8,7 +8,9 @@
 //!   against the same computation in f32 on the CPU;
 //! - the trainer on the GPU: bf16 DDP over 2 ranks (in-process, sharing the GPU) equal to one
 //!   process within the bf16 tolerances of the CPU test, and fp32 on the GPU equal to fp32 on
-//!   the CPU.
+//!   the CPU;
+//! - ZeRO-3 with the optimizer state and the checkpointed layer inputs in host memory, equal to
+//!   the plain run.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -351,5 +353,85 @@ fn trainer_on_gpu_matches_cpu_and_ddp_in_bf16() {
     assert!(
         loss < 1e-2 && mean < 1e-2,
         "bf16 GPU vs fp32: loss {loss:e}, weights {mean:e}"
+    );
+}
+
+/// ZeRO-3 over `world` in-process ranks on `device`, entered through a launch plan as under
+/// `cargo trl launch`; with `offload`, the plan keeps the optimizer state in host memory and the
+/// run checkpoints activations, keeping the layer inputs in host memory too.
+fn train_zero3(world: usize, cfg: SFTConfig, device: &Device, offload: bool) -> Run {
+    use trl_runtime::config::{DeepSpeedConfig, DistributedType, LaunchPlan, OffloadDevice};
+    let plan = LaunchPlan {
+        distributed_type: DistributedType::DeepSpeed,
+        deepspeed: Some(DeepSpeedConfig {
+            zero_stage: 3,
+            offload_optimizer_device: match offload {
+                true => OffloadDevice::Cpu,
+                false => OffloadDevice::None,
+            },
+            ..DeepSpeedConfig::default()
+        }),
+        ..LaunchPlan::default()
+    };
+    let cfg = SFTConfig {
+        gradient_checkpointing: offload,
+        activation_offloading: offload,
+        ..cfg
+    };
+    let dims = ParallelDims {
+        dp_replicate: 1,
+        dp_shard: world,
+        cp: 1,
+        sp: 1,
+        tp: 1,
+    };
+    let w = InProcessWorld::new(world);
+    let mut results: Vec<Run> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (w, cfg, device, plan) = (&w, cfg.clone(), device.clone(), plan.clone());
+                s.spawn(move || {
+                    let ctx =
+                        DistContext::in_process(w, rank, DeviceMesh::new(dims, world).unwrap())
+                            .unwrap()
+                            .on_device(device)
+                            .with_launch_plan(plan);
+                    let mut trainer = Trainer::new(cfg, &ctx).unwrap();
+                    let report = trainer.report().unwrap();
+                    assert_eq!(report["strategy"], "zero3", "{report}");
+                    assert_eq!(report["offload_optimizer"], offload, "{report}");
+                    assert_eq!(report["activation_checkpointing"], offload, "{report}");
+                    let losses = trainer.train().unwrap().losses;
+                    let mut weights = Vec::new();
+                    for (_, t) in trainer.gather_weights().unwrap() {
+                        let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                        weights.extend(t.to_vec1::<f32>().unwrap());
+                    }
+                    (losses, weights)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    results.swap_remove(0)
+}
+
+#[test]
+fn offload_and_activation_checkpointing_on_gpu_match_the_plain_run() {
+    // The optimizer update in host memory (offload_optimizer_device: cpu) and every decoder
+    // layer recomputed from inputs kept in host memory (gradient_checkpointing +
+    // activation_offloading), ZeRO-3 over 2 ranks sharing the GPU, fp32: the same run as
+    // without them.
+    let Some(dev) = gpu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let plain = train_zero3(2, config(&tmp.path().join("plain"), 2, false), &dev, false);
+    let offloaded = train_zero3(2, config(&tmp.path().join("offload"), 2, false), &dev, true);
+    let (loss, mean) = differences(&offloaded, &plain);
+    eprintln!(
+        "ZeRO-3 offload + checkpointing vs plain on GPU: loss {loss:e}, mean weight {mean:e}"
+    );
+    assert!(
+        loss < 1e-4 && mean < 1e-4,
+        "offload + checkpointing on GPU: loss {loss:e}, weights {mean:e}"
     );
 }
