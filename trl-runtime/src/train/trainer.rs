@@ -1,6 +1,7 @@
-//! The SFT trainer: data-parallel training with gradient accumulation, TRL's loss averaging
-//! over the target tokens of the whole optimizer step, bucketed gradient all-reduce, logging,
-//! evaluation, checkpoints and exact resumption, and a clean stop on SIGTERM.
+//! The SFT trainer: data, model and resume state wired to `parallel::parallelize` (which
+//! applies the strategies the launch plan asks for), gradient accumulation, TRL's loss
+//! averaging over the target tokens of the whole optimizer step, logging, evaluation,
+//! checkpoints and exact resumption, and a clean stop on SIGTERM.
 //!
 //! Loss rule (DESIGN.md): per optimizer step, count the target tokens of every micro-batch on
 //! every data-parallel rank; each micro-batch contributes sum(token losses) / that count;
@@ -24,7 +25,6 @@ use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalLm, Params};
-use crate::nn::seq_attention::SeqSplit;
 use crate::nn::AttentionImpl;
 use crate::parallel::{
     batch_axes, parallelize, shard_axes, CheckpointFormat, Optimizer, ParallelOptions,
@@ -234,12 +234,6 @@ impl<'a> Trainer<'a> {
         let dp = ctx.group(DP);
         let tp = ctx.group(&[Axis::Tp]);
         let dir = config.model_name_or_path.clone();
-        let split = SeqSplit::from_context(ctx).map_err(|e| Error::Config {
-            file: "the launch's parallelism config".into(),
-            key: "parallelism_config_cp_size".into(),
-            message: e.to_string(),
-        })?;
-        let batch_group = ctx.group(batch_axes(split.as_ref()));
         let tokenizer = TextTokenizer::from_dir(&dir)?;
         // Split over tp as it is read: each rank reads only its slices.
         let tp_error = |e: Error| match e {
@@ -414,6 +408,10 @@ impl<'a> Trainer<'a> {
             adam,
         };
         let Parallelized { optimizer, tp_norm } = parallelize(&mut model, ctx, &options, resume)?;
+        // The ranks that see different tokens: data-parallel ones, and those holding the other
+        // chunks of the same rows.
+        let split = model.split().cloned();
+        let batch_group = ctx.group(batch_axes(split.as_ref()));
         let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
         let schedule = LrSchedule::new(
             kind,
