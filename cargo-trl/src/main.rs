@@ -31,7 +31,7 @@ use trl_runtime::config::LaunchConfig;
     about = "Distributed fine-tuning for Candle models"
 )]
 enum Cargo {
-    #[command(subcommand)]
+    #[command(subcommand, version, display_name = "cargo-trl")]
     Trl(Command),
 }
 

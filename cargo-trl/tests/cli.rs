@@ -190,3 +190,28 @@ fn config_wizard_and_flags_write_what_launch_reads() {
     assert_eq!(code, 2);
     assert!(err.contains("tp=3") && !bad.exists(), "{err}");
 }
+
+#[test]
+fn version_and_a_gpu_plan_on_a_machine_without_gpus() {
+    let (code, out, _) = run(&["trl", "--version"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("cargo-trl "), "{out}");
+    // A dry run prints a GPU profile's plan here too (with a warning), so a cluster config can
+    // be checked on a laptop; a real launch refuses (launch.rs tests it).
+    let gpus = std::fs::read_dir("/dev")
+        .map(|d| d.filter_map(|e| e.ok()).any(|e| e.file_name() == "nvidia0"))
+        .unwrap_or(false);
+    if gpus {
+        return;
+    }
+    let (code, out, err) = run(&["launch", "--profile", "multi_gpu", "--dry-run", "/bin/true"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("warning:") && err.contains("GPU(s) are present"),
+        "{err}"
+    );
+    assert!(
+        out.contains("mesh: dp_replicate=8") && out.contains("strategy: ddp"),
+        "{out}"
+    );
+}
