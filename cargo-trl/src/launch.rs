@@ -110,10 +110,14 @@ fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
         }
         return Ok(cfg);
     }
-    let default = default_config_path();
-    if default.exists() {
-        return LaunchConfig::from_file(&default).map_err(|e| e.to_string());
+    // What `accelerate config` wrote comes first, then our own `cargo trl config`'s.
+    for default in [accelerate_default_config_path(), default_config_path()] {
+        if default.exists() {
+            eprintln!("note: using {}", default.display());
+            return LaunchConfig::from_file(&default).map_err(|e| e.to_string());
+        }
     }
+    let default = default_config_path();
     eprintln!(
         "note: no --profile or --config_file and no {}: running 1 process on CPU",
         default.display()
@@ -125,7 +129,25 @@ fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
     .map_err(|e| e.to_string())
 }
 
-/// Where `cargo trl config` writes and `launch` looks when nothing is given.
+/// Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml, HF_HOME
+/// being $XDG_CACHE_HOME/huggingface (~/.cache/huggingface) unless set.
+pub fn accelerate_default_config_path() -> PathBuf {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let hf_home = var("HF_HOME").unwrap_or_else(|| {
+        var("XDG_CACHE_HOME")
+            .or_else(|| var("HOME").map(|h| h.join(".cache")))
+            .unwrap_or_else(|| PathBuf::from("."))
+            .join("huggingface")
+    });
+    hf_home.join("accelerate/default_config.yaml")
+}
+
+/// Where `cargo trl config` writes and `launch` looks when nothing is given (after
+/// Accelerate's own default).
 pub fn default_config_path() -> PathBuf {
     let base = std::env::var_os("XDG_CONFIG_HOME")
         .map(PathBuf::from)

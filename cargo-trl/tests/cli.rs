@@ -142,16 +142,30 @@ fn config_wizard_and_flags_write_what_launch_reads() {
         "{yaml}"
     );
     // `launch` with nothing given reads it.
-    let plan = Command::new(BIN)
-        .args(["launch", "--dry-run", "launch_worker"])
-        .env("XDG_CONFIG_HOME", home.path())
-        .output()
-        .unwrap();
-    let plan = String::from_utf8_lossy(&plan.stdout).into_owned();
+    let hf_home = home.path().join("hf");
+    let plan = || {
+        let o = Command::new(BIN)
+            .args(["launch", "--dry-run", "launch_worker"])
+            .env("XDG_CONFIG_HOME", home.path())
+            .env("HF_HOME", &hf_home)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let p = plan();
     assert!(
-        plan.contains("world 4") && plan.contains("dp_shard=2 cp=1 sp=2"),
-        "{plan}"
+        p.contains("world 4") && p.contains("dp_shard=2 cp=1 sp=2"),
+        "{p}"
     );
+    // What `accelerate config` wrote ($HF_HOME/accelerate/default_config.yaml) comes first.
+    std::fs::create_dir_all(hf_home.join("accelerate")).unwrap();
+    std::fs::write(
+        hf_home.join("accelerate/default_config.yaml"),
+        "distributed_type: MULTI_CPU\nnum_processes: 3\nuse_cpu: true\n",
+    )
+    .unwrap();
+    let p = plan();
+    assert!(p.contains("world 3") && p.contains("MULTI_CPU"), "{p}");
 
     // The non-interactive form, from a profile plus flags.
     let file = home.path().join("fsdp.yaml");

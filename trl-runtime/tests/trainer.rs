@@ -218,6 +218,17 @@ fn resume_continues_exactly() {
     // `latest` finds the newest complete checkpoint.
     let latest = trl_runtime::train::checkpoint::resolve(&full_dir, "latest").unwrap();
     assert!(latest.ends_with("checkpoint-6"), "{}", latest.display());
+    // So does a bare `--resume_from_checkpoint` (the flag's value is then `true`).
+    let cli = <trl_runtime::train::SftCli as clap::Parser>::try_parse_from([
+        "sft",
+        "--resume_from_checkpoint",
+    ])
+    .unwrap();
+    let mut bare = config(&full_dir, 2, 1, 6);
+    cli.args.apply(&mut bare);
+    let spec = bare.resume_from_checkpoint.unwrap();
+    let found = trl_runtime::train::checkpoint::resolve(&full_dir, &spec).unwrap();
+    assert_eq!(found, latest);
 }
 
 #[test]

@@ -63,7 +63,8 @@ pub fn list(output_dir: &Path) -> Vec<(usize, PathBuf)> {
 
 /// Resolves `resume_from_checkpoint`: a path, or `latest` (the newest complete checkpoint).
 pub fn resolve(output_dir: &Path, spec: &str) -> Result<PathBuf> {
-    if spec == "latest" {
+    // A bare `--resume_from_checkpoint` (true, as transformers' Trainer takes it) means latest.
+    if spec == "latest" || spec.eq_ignore_ascii_case("true") {
         return list(output_dir)
             .pop()
             .map(|(_, p)| p)
