@@ -2,6 +2,7 @@
 //! before anything starts, then one worker per local rank with torchrun's environment,
 //! supervised (first failure stops the rest with a root-cause report; `--max_restarts`).
 
+use crate::accelerate_flags::AccelerateFlags;
 use crate::profiles;
 use crate::target::{self, Target};
 use crate::topology::TopologyArgs;
@@ -32,6 +33,8 @@ pub struct LaunchArgs {
     pub config_file: Option<PathBuf>,
     #[command(flatten)]
     pub topology: TopologyArgs,
+    #[command(flatten)]
+    pub accelerate: AccelerateFlags,
     /// Restart the whole group this many times after a failure.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,
@@ -224,6 +227,7 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     let mut cfg = load_config(args)?;
     let src = cfg.source.clone();
     args.topology.apply(&mut cfg)?;
+    args.accelerate.apply(&mut cfg)?;
     // Every accepted key has its effect, is refused here, or is named with why it has none.
     effects::refused(&cfg).map_err(|e| e.to_string())?;
     for note in effects::ignored(&cfg) {
@@ -332,10 +336,12 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
         }
     });
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = if cfg.use_cpu || cfg.distributed_type == DistributedType::MultiCpu {
-        (cores / nproc).max(1)
-    } else {
-        1
+    let threads = match args.accelerate.num_cpu_threads_per_process {
+        Some(n) => n.max(1),
+        None if cfg.use_cpu || cfg.distributed_type == DistributedType::MultiCpu => {
+            (cores / nproc).max(1)
+        }
+        None => 1,
     };
     // The launch contract: the resolved plan in Accelerate's variables, read back by
     // DistContext::from_env() in every worker.

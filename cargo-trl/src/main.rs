@@ -8,6 +8,7 @@
 //! 2 usage error or a launch that fails validation before starting; 3 the target cannot be
 //! found, built or started.
 
+mod accelerate_flags;
 mod config_cmd;
 mod env;
 mod launch;
@@ -124,6 +125,9 @@ fn main() -> ExitCode {
     let mut args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) != Some("trl") {
         args.insert(1, "trl".into());
+    }
+    if args.get(2).map(String::as_str) == Some("launch") {
+        accelerate_flags::underscore_flags(&mut args[3..]);
     }
     let Cargo::Trl(command) = match Cargo::try_parse_from(&args) {
         Ok(c) => c,

@@ -25,8 +25,8 @@ pub struct TopologyArgs {
     /// `all` or a list like 0,1,3.
     #[arg(long)]
     pub gpu_ids: Option<String>,
-    /// Run on CPU (host backend).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    /// Run on CPU (host backend). Also `--cpu`, Accelerate's name.
+    #[arg(long, alias = "cpu", num_args = 0..=1, default_missing_value = "true")]
     pub use_cpu: Option<bool>,
     #[arg(long)]
     pub parallelism_config_dp_replicate_size: Option<usize>,

@@ -229,3 +229,77 @@ fn version_and_a_gpu_plan_on_a_machine_without_gpus() {
         "{out}"
     );
 }
+
+#[test]
+fn accelerate_launch_flags_by_their_names() {
+    // `accelerate launch`'s strategy flags, in either spelling, change the plan the workers get.
+    let (code, out, err) = run(&[
+        "launch",
+        "--profile",
+        "multi_cpu",
+        "--use-fsdp",
+        "--fsdp_activation_checkpointing",
+        "--fsdp-state-dict-type",
+        "SHARDED_STATE_DICT",
+        "--num_cpu_threads_per_process",
+        "1",
+        "--dynamo_backend",
+        "inductor",
+        "--dry-run",
+        "/bin/true",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("(FSDP)") && out.contains("dp_shard=2"),
+        "{out}"
+    );
+    assert!(
+        out.contains("strategy: zero3 (activation_checkpointing=true"),
+        "{out}"
+    );
+    assert!(
+        out.contains("FSDP_ACTIVATION_CHECKPOINTING=true")
+            && out.contains("FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT")
+            && out.contains("OMP_NUM_THREADS=1"),
+        "{out}"
+    );
+    assert!(err.contains("--dynamo_backend inductor: ignored"), "{err}");
+    let (code, out, err) = run(&[
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--use_deepspeed",
+        "--zero_stage",
+        "2",
+        "--dry-run",
+        "/bin/true",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("strategy: zero2") && out.contains("ACCELERATE_USE_CPU=true"),
+        "{out}"
+    );
+    // Errors name the flag.
+    for (args, expect) in [
+        (
+            &["--use_fsdp", "--fsdp_sharding_strategy", "FullShard"][..],
+            "--fsdp_sharding_strategy: 'FullShard' is not accepted",
+        ),
+        (
+            &["--zero_stage", "3"][..],
+            "--zero_stage applies to DeepSpeed",
+        ),
+        (
+            &["--use_fsdp", "--use_deepspeed"][..],
+            "choose one distributed type",
+        ),
+    ] {
+        let mut all = vec!["launch", "--profile", "multi_cpu"];
+        all.extend_from_slice(args);
+        all.extend(["--dry-run", "/bin/true"]);
+        let (code, _, err) = run(&all);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(expect), "{args:?}: {err}");
+    }
+}

@@ -359,11 +359,11 @@ impl LaunchPlan {
             })?,
         };
         let deepspeed = match use_deepspeed {
-            true => Some(deepspeed_from_env(&vars)?),
+            true => Some(deepspeed_from_env(&vars, DeepSpeedConfig::default())?),
             false => None,
         };
         let fsdp = match use_fsdp {
-            true => Some(fsdp_from_env(&vars)?),
+            true => Some(fsdp_from_env(&vars, FsdpConfig::default())?),
             false => None,
         };
         let mixed_precision = json_precision(mixed_precision, deepspeed.as_ref());
@@ -383,6 +383,35 @@ impl LaunchPlan {
             fsdp,
             deepspeed,
         })
+    }
+
+    /// Writes Accelerate's variables given in `vars` over a launch config (how `launch` applies
+    /// Accelerate's flags, which are those variables by another name): ACCELERATE_USE_DEEPSPEED
+    /// / ACCELERATE_USE_FSDP switch the distributed type, and the DeepSpeed / FSDP settings
+    /// apply over the config's own. An invalid value is an error naming the variable.
+    pub fn overlay(
+        cfg: &mut LaunchConfig,
+        vars: &std::collections::HashMap<String, String>,
+    ) -> Result<()> {
+        let vars = Vars(|k: &str| vars.get(k).cloned());
+        if vars.flag("ACCELERATE_USE_DEEPSPEED")?.unwrap_or(false) {
+            cfg.distributed_type = DistributedType::DeepSpeed;
+        }
+        if vars.flag("ACCELERATE_USE_FSDP")?.unwrap_or(false) {
+            cfg.distributed_type = DistributedType::Fsdp;
+        }
+        match cfg.distributed_type {
+            DistributedType::DeepSpeed => {
+                let base = cfg.deepspeed.clone().unwrap_or_default();
+                cfg.deepspeed = Some(deepspeed_from_env(&vars, base)?);
+            }
+            DistributedType::Fsdp => {
+                let base = cfg.fsdp.clone().unwrap_or_default();
+                cfg.fsdp = Some(fsdp_from_env(&vars, base)?);
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// Whether each decoder layer is recomputed in backward (FSDP's activation checkpointing).
@@ -425,8 +454,11 @@ fn json_precision(asked: MixedPrecision, ds: Option<&DeepSpeedConfig>) -> MixedP
 /// Accelerate keeps in its plugin object and has no variable for).
 pub const SEQ_COMM_DTYPE_VAR: &str = "TRL_SEQ_PARALLEL_COMMUNICATION_DATA_TYPE";
 
-fn deepspeed_from_env<F: Fn(&str) -> Option<String>>(vars: &Vars<F>) -> Result<DeepSpeedConfig> {
-    let mut c = DeepSpeedConfig::default();
+fn deepspeed_from_env<F: Fn(&str) -> Option<String>>(
+    vars: &Vars<F>,
+    base: DeepSpeedConfig,
+) -> Result<DeepSpeedConfig> {
+    let mut c = base;
     if let Some(path) = vars.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") {
         // The JSON is the whole DeepSpeed config (Accelerate then ignores its own fields).
         let json = DeepSpeedJson::from_file(&path)?;
@@ -474,8 +506,11 @@ fn deepspeed_from_env<F: Fn(&str) -> Option<String>>(vars: &Vars<F>) -> Result<D
     Ok(c)
 }
 
-fn fsdp_from_env<F: Fn(&str) -> Option<String>>(vars: &Vars<F>) -> Result<FsdpConfig> {
-    let mut c = FsdpConfig::default();
+fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
+    vars: &Vars<F>,
+    base: FsdpConfig,
+) -> Result<FsdpConfig> {
+    let mut c = base;
     if let Some(v) = vars.number::<u8>("FSDP_VERSION", "1 or 2")? {
         if v != 1 && v != 2 {
             return Err(Vars::<F>::bad(
