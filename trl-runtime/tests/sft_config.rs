@@ -163,3 +163,50 @@ fn mixed_precision_follows_the_launcher_unless_set() {
     );
     assert_eq!(SFTConfig::default().compute_dtype().unwrap(), DType::F32);
 }
+
+#[test]
+fn trl_recipes_are_read_with_their_extra_keys() {
+    // A YAML written for `trl sft`: keys we implement, aliases of them, keys without effect
+    // here (named once), and keys whose absence would change what is trained (refused).
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("recipe.yaml");
+    std::fs::write(
+        &yaml,
+        "model_name_or_path: assets/tiny/model\nlearning_rate: 2.0e-5\nbf16: true\n\
+         report_to: wandb\nrun_name: sft-run\neval_strategy: steps\nlogging_first_step: true\n\
+         dataset_text_field: text\noptim: adamw_torch_fused\nactivation_checkpointing: true\n\
+         max_seq_length: 512\npush_to_hub: false\nuse_peft: false\nlora_r: 16\n",
+    )
+    .unwrap();
+    let (c, ignored) = SFTConfig::read(&yaml).unwrap();
+    assert!(c.bf16 && c.gradient_checkpointing, "aliases applied");
+    assert_eq!(c.max_length, 512);
+    assert!(c.other.is_empty());
+    for key in [
+        "report_to",
+        "run_name",
+        "eval_strategy",
+        "logging_first_step",
+        "push_to_hub",
+    ] {
+        assert!(
+            ignored.iter().any(|l| l.starts_with(&format!("{key}: "))),
+            "{key} not named: {ignored:?}"
+        );
+    }
+    for (line, expect) in [
+        ("use_peft: true\n", "LoRA"),
+        ("fp16: true\n", "bf16"),
+        ("optim: sgd\n", "AdamW"),
+        ("dataset_text_field: content\n", "text"),
+        ("learning_rat: 1.0\n", "did you mean `learning_rate`"),
+    ] {
+        std::fs::write(&yaml, line).unwrap();
+        let e = SFTConfig::read(&yaml).unwrap_err().to_string();
+        let key = line.split(':').next().unwrap();
+        assert!(
+            e.contains("recipe.yaml") && e.contains(key) && e.contains(expect),
+            "{line}: {e}"
+        );
+    }
+}

@@ -57,16 +57,24 @@ macro_rules! sft_config {
     ($( $(#[doc = $doc:literal])* $name:ident : $ty:ty = $default:expr ;)*) => {
         /// Training arguments, with TRL's names.
         #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-        #[serde(default, deny_unknown_fields)]
+        #[serde(default)]
         pub struct SFTConfig {
             $( $(#[doc = $doc])* pub $name: $ty, )*
+            /// Keys of a file that have no field here (TRL / transformers arguments we do not
+            /// implement, or typos): `SFTConfig::read` applies or refuses them
+            /// (train::trl_keys) and leaves this empty.
+            #[serde(flatten, skip_serializing)]
+            pub other: std::collections::BTreeMap<String, serde_yaml::Value>,
         }
 
         impl Default for SFTConfig {
             fn default() -> Self {
-                SFTConfig { $( $name: $default, )* }
+                SFTConfig { $( $name: $default, )* other: Default::default() }
             }
         }
+
+        /// Every field name of [`SFTConfig`].
+        pub const FIELDS: &[&str] = &[$( stringify!($name) ),*];
 
         /// Command-line overrides: every field of [`SFTConfig`] as `--name value`.
         #[derive(Debug, Clone, Default, clap::Args)]
@@ -212,9 +220,20 @@ pub struct SftCli {
 }
 
 impl SFTConfig {
-    /// Reads a YAML (.yaml/.yml) or TOML (.toml) file; unknown keys are errors naming them.
+    /// Reads a YAML (.yaml/.yml) or TOML (.toml) file. TRL's and transformers' arguments
+    /// without a field here are applied, refused or named once (printed by the main process);
+    /// any other key is an error naming it.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref();
+        let (config, ignored) = Self::read(path.as_ref())?;
+        let main = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
+        for line in ignored.iter().filter(|_| main) {
+            eprintln!("warning: {}: ignored: {line}", path.as_ref().display());
+        }
+        Ok(config)
+    }
+
+    /// As [`Self::from_file`], returning the `KEY: why` lines of the keys without effect.
+    pub fn read(path: &Path) -> Result<(Self, Vec<String>)> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
         let bad = |message: String| Error::Config {
@@ -226,8 +245,10 @@ impl SFTConfig {
             Some("toml") => toml::from_str(&text).map_err(|e| bad(e.to_string()))?,
             _ => serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?,
         };
+        let mut config = config;
+        let ignored = super::trl_keys::apply(&mut config, &path.display().to_string())?;
         config.validate(&path.display().to_string())?;
-        Ok(config)
+        Ok((config, ignored))
     }
 
     /// Defaults, then the `--config` file, then the flags.

@@ -8,6 +8,7 @@ mod plot;
 pub mod schedule;
 pub mod sharded_state;
 pub mod trainer;
+pub mod trl_keys;
 
 pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
 pub use config::{SFTArgs, SFTConfig, SftCli};

@@ -1,0 +1,329 @@
+//! Keys of TRL's and transformers' training arguments (SFTConfig, TrainingArguments, TRL's
+//! ModelConfig and ScriptArguments, as of TRL 1.16 / transformers 5.23, and a few older names)
+//! that SFTConfig has no field for. A recipe written for `trl sft` keeps working: each such key
+//! is applied (an alias of one we have), refused when ignoring it would change what is trained
+//! (LoRA, quantization, fp16, a different optimizer or loss), or named once with why it has no
+//! effect here. A key in none of these lists is a typo: an error naming the file and the key.
+
+use crate::error::{Error, Result};
+use serde_yaml::Value;
+
+use super::config::SFTConfig;
+
+const KNOWN: &[&str] = &[
+    "accelerator_config",
+    "activation_checkpointing",
+    "activation_checkpointing_kwargs",
+    "auto_find_batch_size",
+    "average_tokens_across_devices",
+    "batch_eval_metrics",
+    "bf16_full_eval",
+    "bnb_4bit_quant_storage",
+    "bnb_4bit_quant_type",
+    "chat_template_path",
+    "data_seed",
+    "dataloader_drop_last",
+    "dataloader_in_order",
+    "dataloader_multiprocessing_context",
+    "dataloader_num_workers",
+    "dataloader_persistent_workers",
+    "dataloader_pin_memory",
+    "dataloader_prefetch_factor",
+    "dataset_config",
+    "dataset_kwargs",
+    "dataset_num_proc",
+    "dataset_streaming",
+    "dataset_test_split",
+    "dataset_text_field",
+    "dataset_train_split",
+    "datasets",
+    "ddp_backend",
+    "ddp_broadcast_buffers",
+    "ddp_bucket_cap_mb",
+    "ddp_find_unused_parameters",
+    "ddp_static_graph",
+    "ddp_timeout",
+    "debug",
+    "deepspeed",
+    "dispatch_batches",
+    "do_eval",
+    "do_predict",
+    "do_train",
+    "dtype",
+    "enable_jit_checkpoint",
+    "eos_token",
+    "eval_accumulation_steps",
+    "eval_delay",
+    "eval_do_concat_batches",
+    "eval_on_start",
+    "eval_packing",
+    "eval_strategy",
+    "eval_use_gather_object",
+    "evaluation_strategy",
+    "fp16",
+    "fp16_full_eval",
+    "fp16_opt_level",
+    "fsdp",
+    "fsdp_config",
+    "fsdp_min_num_params",
+    "fsdp_transformer_layer_cls_to_wrap",
+    "full_determinism",
+    "gradient_checkpointing_kwargs",
+    "greater_is_better",
+    "half_precision_backend",
+    "hub_always_push",
+    "hub_model_id",
+    "hub_private_repo",
+    "hub_revision",
+    "hub_strategy",
+    "hub_token",
+    "ignore_bias_buffers",
+    "ignore_data_skip",
+    "include_for_metrics",
+    "include_inputs_for_metrics",
+    "include_num_input_tokens_seen",
+    "include_tokens_per_second",
+    "jit_mode_eval",
+    "label_names",
+    "label_smoothing_factor",
+    "length_column_name",
+    "liger_kernel_config",
+    "load_best_model_at_end",
+    "load_in_4bit",
+    "load_in_8bit",
+    "local_rank",
+    "log_level",
+    "log_level_replica",
+    "log_on_each_node",
+    "logging_dir",
+    "logging_first_step",
+    "logging_nan_inf_filter",
+    "logging_strategy",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_modules_to_save",
+    "lora_r",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_task_type",
+    "loss_type",
+    "lr_scheduler_kwargs",
+    "max_seq_length",
+    "metric_for_best_model",
+    "model_init_kwargs",
+    "model_revision",
+    "mp_parameters",
+    "neftune_noise_alpha",
+    "no_cuda",
+    "optim",
+    "optim_args",
+    "optim_target_modules",
+    "overwrite_output_dir",
+    "pad_token",
+    "parallelism_config",
+    "past_index",
+    "prediction_loss_only",
+    "project",
+    "push_to_hub",
+    "ray_scope",
+    "remove_unused_columns",
+    "report_to",
+    "restore_callback_states_from_checkpoint",
+    "router_aux_loss_coef",
+    "run_name",
+    "save_on_each_node",
+    "save_only_model",
+    "save_safetensors",
+    "save_strategy",
+    "shuffle_dataset",
+    "skip_memory_metrics",
+    "split_batches",
+    "streaming",
+    "test_split_size",
+    "tf32",
+    "torch_compile",
+    "torch_compile_backend",
+    "torch_compile_mode",
+    "torch_dtype",
+    "torch_empty_cache_steps",
+    "torchdynamo",
+    "tpu_num_cores",
+    "trackio_bucket_id",
+    "trackio_space_id",
+    "trackio_static_space_id",
+    "train_sampling_strategy",
+    "truncation_mode",
+    "trust_remote_code",
+    "use_bnb_nested_quant",
+    "use_cache",
+    "use_cpu",
+    "use_dora",
+    "use_ipex",
+    "use_legacy_prediction_loop",
+    "use_mps_device",
+    "use_peft",
+    "use_rslora",
+];
+
+/// Why a key has no effect here, by what it is about.
+fn why(key: &str) -> &'static str {
+    let any = |prefixes: &[&str]| prefixes.iter().any(|p| key.starts_with(p));
+    if any(&["hub_", "push_to_hub"]) {
+        "no model hub here: checkpoints are written to output_dir"
+    } else if any(&[
+        "report_to",
+        "run_name",
+        "project",
+        "trackio_",
+        "logging_",
+        "log_",
+        "include_num_input_tokens_seen",
+        "include_tokens_per_second",
+    ]) {
+        "metrics go to output_dir/metrics.jsonl (and the log) every logging_steps"
+    } else if any(&[
+        "eval_",
+        "evaluation_strategy",
+        "do_",
+        "prediction_loss_only",
+        "batch_eval_metrics",
+        "include_for_metrics",
+        "include_inputs_for_metrics",
+        "load_best_model_at_end",
+        "metric_for_best_model",
+        "greater_is_better",
+        "bf16_full_eval",
+        "fp16_full_eval",
+        "jit_mode_eval",
+        "use_legacy_prediction_loop",
+        "past_index",
+    ]) {
+        "evaluation runs every eval_steps (and at the end) on eval_dataset_name"
+    } else if any(&[
+        "save_",
+        "restore_callback_states_from_checkpoint",
+        "ignore_data_skip",
+        "overwrite_output_dir",
+    ]) {
+        "checkpoints (HF safetensors, written atomically) every save_steps, save_total_limit kept"
+    } else if any(&[
+        "ddp_",
+        "fsdp",
+        "deepspeed",
+        "accelerator_config",
+        "parallelism_config",
+        "local_rank",
+        "use_cpu",
+        "no_cuda",
+        "use_mps_device",
+        "tpu_num_cores",
+        "split_batches",
+        "dispatch_batches",
+        "mp_parameters",
+        "ray_scope",
+    ]) {
+        "distribution comes from the launch (cargo trl launch's profile or Accelerate config)"
+    } else if any(&[
+        "dataloader_",
+        "dataset_",
+        "datasets",
+        "streaming",
+        "test_split_size",
+        "remove_unused_columns",
+        "label_names",
+        "length_column_name",
+        "train_sampling_strategy",
+        "shuffle_dataset",
+        "data_seed",
+    ]) {
+        "the dataset is dataset_name (a .jsonl or .parquet file in one of TRL's formats), read and shuffled in-process by seed"
+    } else if any(&[
+        "model_init_kwargs",
+        "trust_remote_code",
+        "model_revision",
+        "dtype",
+        "torch_dtype",
+        "chat_template_path",
+        "eos_token",
+        "pad_token",
+        "router_aux_loss_coef",
+        "ignore_bias_buffers",
+        "lora_",
+        "bnb_",
+        "use_rslora",
+        "use_dora",
+    ]) {
+        "the model, its dtype and tokenizer come from model_name_or_path (weights are trained in fp32, or bf16 with bf16 / mixed_precision)"
+    } else {
+        "a PyTorch / transformers runtime setting with no counterpart here"
+    }
+}
+
+fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
+        Value::String(s) => !matches!(
+            s.to_ascii_lowercase().as_str(),
+            "" | "false" | "no" | "0" | "none"
+        ),
+        _ => true,
+    }
+}
+
+/// Applies `config.other` (keys SFTConfig has no field for) as the module docs say, and
+/// returns one `KEY: why` line per key that has no effect. Errors name `source` and the key.
+pub fn apply(config: &mut SFTConfig, source: &str) -> Result<Vec<String>> {
+    let err = |key: &str, message: String| Error::Config {
+        file: source.into(),
+        key: key.into(),
+        message,
+    };
+    let mut ignored = Vec::new();
+    for (key, value) in std::mem::take(&mut config.other) {
+        match key.as_str() {
+            // transformers 5's name, and TRL's older one, for fields we have.
+            "activation_checkpointing" => config.gradient_checkpointing = truthy(&value),
+            "max_seq_length" => match value.as_u64() {
+                Some(n) => config.max_length = n as usize,
+                None if value.is_null() => {}
+                None => return Err(err(&key, format!("expected a token count, found {value:?}"))),
+            },
+            "use_peft" | "load_in_8bit" | "load_in_4bit" if truthy(&value) => {
+                return Err(err(&key, "LoRA and quantized training are not implemented: the whole model would be trained instead; remove it (or set it to false)".into()))
+            }
+            "fp16" if truthy(&value) => {
+                return Err(err(&key, "fp16 needs dynamic loss scaling, which is not implemented: use bf16: true".into()))
+            }
+            "neftune_noise_alpha" | "label_smoothing_factor" if truthy(&value) => {
+                return Err(err(&key, "changes the loss and is not implemented: remove it".into()))
+            }
+            "optim" if !value.is_null() && !value.as_str().is_some_and(|o| o.starts_with("adamw")) => {
+                return Err(err(&key, format!("{value:?}: only AdamW (adamw_torch, adamw_torch_fused, ...) is implemented")))
+            }
+            "loss_type" if !value.is_null() && value.as_str() != Some("nll") => {
+                return Err(err(&key, format!("{value:?}: only the nll loss is implemented")))
+            }
+            "truncation_mode" if !value.is_null() && value.as_str() != Some("keep_start") => {
+                return Err(err(&key, format!("{value:?}: rows longer than max_length keep their start (keep_start)")))
+            }
+            "dataset_text_field" if value.as_str().is_some_and(|f| f != "text") => {
+                return Err(err(&key, format!("{value:?}: the loader reads the `text` column (or TRL's messages / prompt-completion columns); rename the column")))
+            }
+            k if KNOWN.contains(&k) => ignored.push(format!("{k}: {}", why(k))),
+            k => {
+                let hint = KNOWN
+                    .iter()
+                    .copied()
+                    .chain(super::config::FIELDS.iter().copied())
+                    .min_by_key(|c| strsim::levenshtein(c, k))
+                    .filter(|c| strsim::levenshtein(c, k) <= 3)
+                    .map(|c| format!(" (did you mean `{c}`?)"))
+                    .unwrap_or_default();
+                return Err(err(k, format!("not a training argument of TRL or transformers{hint}")));
+            }
+        }
+    }
+    Ok(ignored)
+}
