@@ -210,3 +210,36 @@ fn trl_recipes_are_read_with_their_extra_keys() {
         );
     }
 }
+
+#[test]
+fn trl_flags_without_a_field_are_taken_like_file_keys() {
+    let cli = trl_runtime::train::SftCli::parse_trl_from(
+        [
+            "sft",
+            "--report_to",
+            "wandb",
+            "--max-seq-length",
+            "128",
+            "--learning_rate",
+            "1e-3",
+            "--activation_checkpointing",
+            "--eval_strategy=steps",
+        ]
+        .map(String::from),
+    );
+    let mut c = SFTConfig::default();
+    let ignored = cli.apply(&mut c).unwrap();
+    assert_eq!((c.max_length, c.learning_rate), (128, 1e-3));
+    assert!(c.gradient_checkpointing);
+    assert!(
+        ignored.iter().any(|l| l.starts_with("report_to: "))
+            && ignored.iter().any(|l| l.starts_with("eval_strategy: ")),
+        "{ignored:?}"
+    );
+    let cli = trl_runtime::train::SftCli::parse_trl_from(["sft", "--use_peft"].map(String::from));
+    let e = cli
+        .apply(&mut SFTConfig::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("use_peft") && e.contains("LoRA"), "{e}");
+}

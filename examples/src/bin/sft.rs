@@ -6,7 +6,6 @@
 //! `cargo trl launch` or torchrun (RANK, WORLD_SIZE, ... set) it runs as one rank; started
 //! directly it spawns TRL_LOCAL_PROCESSES local ranks (default 2) of itself.
 
-use clap::Parser;
 use std::process::ExitCode;
 use trl_runtime::dist::{spawn, DistContext};
 use trl_runtime::train::{SFTConfig, SftCli, Trainer};
@@ -69,7 +68,7 @@ fn run(config: SFTConfig) -> trl_runtime::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let cli = SftCli::parse();
+    let cli = SftCli::parse_trl();
     let mut config = match &cli.config {
         Some(path) => match SFTConfig::from_file(path) {
             Ok(c) => c,
@@ -80,13 +79,24 @@ fn main() -> ExitCode {
         },
         None => embedded_defaults(),
     };
-    cli.args.apply(&mut config);
+    let ignored = match cli.apply(&mut config) {
+        Ok(ignored) => ignored,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     if let Err(e) = config.validate("command line") {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
     if let Some(code) = spawn::relaunch_unless_launched(2) {
         return code;
+    }
+    if std::env::var("RANK").map_or(true, |r| r == "0") {
+        for line in ignored {
+            eprintln!("warning: command line: ignored: {line}");
+        }
     }
     match run(config) {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,15 +2,18 @@
 //! `cargo trl launch --profile multi_cpu`, or with any Accelerate profile / config file.
 //! Settings come from sft.yaml; any field can be overridden: `-- --learning_rate 1e-3`.
 
-use clap::Parser;
 use std::process::ExitCode;
 use trl_runtime::dist::DistContext;
 use trl_runtime::train::{SFTConfig, SftCli, Trainer};
 
 fn run() -> trl_runtime::Result<()> {
-    let cli = SftCli::parse();
+    let cli = SftCli::parse_trl();
     let mut config = SFTConfig::from_file(cli.config.as_deref().unwrap_or("sft.yaml".as_ref()))?;
-    cli.args.apply(&mut config);
+    for line in cli.apply(&mut config)? {
+        if std::env::var("RANK").map_or(true, |r| r == "0") {
+            eprintln!("warning: command line: ignored: {line}");
+        }
+    }
     config.validate("command line")?;
     let ctx = DistContext::from_env()?;
     trl_runtime::train::logging::init(ctx.rank());

@@ -217,6 +217,36 @@ pub struct SftCli {
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub args: SFTArgs,
+    /// TRL / transformers flags without a field here (`--report_to wandb`), taken out before
+    /// clap parses the rest ([`SftCli::parse_trl`]) and handled as in a file.
+    #[arg(skip)]
+    pub other: std::collections::BTreeMap<String, serde_yaml::Value>,
+}
+
+impl SftCli {
+    /// Parses the process's arguments like `trl sft` does: TRL's and transformers' flags that
+    /// SFTConfig has no field for are accepted (see [`Self::apply`]); anything else is clap's.
+    pub fn parse_trl() -> Self {
+        Self::parse_trl_from(std::env::args())
+    }
+
+    /// As [`Self::parse_trl`] over `args` (the program name first). Exits on bad flags, as
+    /// clap's `parse` does.
+    pub fn parse_trl_from(args: impl IntoIterator<Item = String>) -> Self {
+        use clap::Parser;
+        let (rest, other) = super::trl_keys::take_flags(args);
+        let mut cli = Self::parse_from(rest);
+        cli.other = other;
+        cli
+    }
+
+    /// Writes the flags over `config`, then applies, refuses or names the TRL flags without a
+    /// field (as for a file); returns the `KEY: why` lines of those without effect.
+    pub fn apply(&self, config: &mut SFTConfig) -> Result<Vec<String>> {
+        self.args.apply(config);
+        config.other.extend(self.other.clone());
+        super::trl_keys::apply(config, "command line")
+    }
 }
 
 impl SFTConfig {
@@ -257,7 +287,9 @@ impl SFTConfig {
             Some(path) => Self::from_file(path)?,
             None => SFTConfig::default(),
         };
-        cli.args.apply(&mut config);
+        for line in cli.apply(&mut config)? {
+            eprintln!("warning: command line: ignored: {line}");
+        }
         config.validate("command line")?;
         Ok(config)
     }

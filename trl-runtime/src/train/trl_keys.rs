@@ -7,6 +7,7 @@
 
 use crate::error::{Error, Result};
 use serde_yaml::Value;
+use std::collections::BTreeMap;
 
 use super::config::SFTConfig;
 
@@ -270,6 +271,41 @@ fn truthy(v: &Value) -> bool {
         ),
         _ => true,
     }
+}
+
+/// Takes the `--KEY [VALUE]` / `--KEY=VALUE` flags whose KEY (either spelling) is one of the
+/// known keys out of `args`; a flag without a value (or followed by another flag) is `true`.
+/// Values are read as YAML scalars (`512` a number, `true` a boolean).
+pub fn take_flags(
+    args: impl IntoIterator<Item = String>,
+) -> (Vec<String>, BTreeMap<String, Value>) {
+    let mut rest = Vec::new();
+    let mut taken = BTreeMap::new();
+    let mut args = args.into_iter().peekable();
+    while let Some(a) = args.next() {
+        let Some(flag) = a.strip_prefix("--") else {
+            rest.push(a);
+            continue;
+        };
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) => (n.replace('-', "_"), Some(v.to_string())),
+            None => (flag.replace('-', "_"), None),
+        };
+        if !KNOWN.contains(&name.as_str()) {
+            rest.push(a);
+            continue;
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => match args.peek() {
+                Some(next) if !next.starts_with("--") => args.next().expect("peeked"),
+                _ => "true".to_string(),
+            },
+        };
+        let value = serde_yaml::from_str(&value).unwrap_or(Value::String(value));
+        taken.insert(name, value);
+    }
+    (rest, taken)
 }
 
 /// Applies `config.other` (keys SFTConfig has no field for) as the module docs say, and
