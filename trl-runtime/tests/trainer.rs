@@ -970,6 +970,12 @@ fn efficient_loading_reads_the_same_shards() {
                         let mut trainer = Trainer::new(config(&out, 2, 1, 3), &ctx).unwrap();
                         assert_eq!(trainer.strategy, Strategy::fsdp(WrapPolicy::PerLayer));
                         assert!(trainer.model.params.is_empty(), "parameters are sharded");
+                        assert_eq!(
+                            trainer.read_shards, zero3_init_flag,
+                            "the loading path taken"
+                        );
+                        let report = trainer.report().unwrap();
+                        assert_eq!(report["read_shards"], zero3_init_flag, "{report}");
                         let losses = trainer.train().unwrap().losses;
                         let weights = trainer.gather_weights().unwrap();
                         (losses, weights)

@@ -109,6 +109,8 @@ pub struct Trainer<'a> {
     tokenizer_dir: PathBuf,
     pub optimizer: Optimizer,
     pub strategy: Strategy,
+    /// Each rank read only its ZeRO-3 / FSDP slices of the model (efficient loading).
+    pub read_shards: bool,
     /// Under tensor parallelism: the global gradient norm over the tp group (DDP clips with
     /// it; ZeRO and FSDP optimizers hold their own copy).
     tp_norm: Option<TpNorm>,
@@ -449,6 +451,7 @@ impl<'a> Trainer<'a> {
             tokenizer,
             optimizer,
             strategy,
+            read_shards,
             tp_norm,
             schedule,
             train_rows,
@@ -537,6 +540,7 @@ impl<'a> Trainer<'a> {
             },
             "strategy": self.strategy.name(),
             "activation_checkpointing": self.model.checkpointing.is_some(),
+            "read_shards": self.read_shards,
             "offload_optimizer": self.offloaded(),
             "model_state_bytes": bytes.iter().map(|b| *b as u64).collect::<Vec<_>>(),
         }))
