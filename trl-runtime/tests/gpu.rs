@@ -270,35 +270,27 @@ fn config(out: &Path, batch: usize, bf16: bool) -> SFTConfig {
 
 type Run = (Vec<f64>, Vec<f32>);
 
-/// Losses and all final weights (f32, by name order) of `world` in-process ranks on `device`.
-fn train(world: usize, cfg: SFTConfig, device: &Device) -> Run {
+/// Losses and all final weights (f32, by name order) of in-process ranks laid out as `dims` on
+/// `device`, each running the launch `plan` with the trainer `make` builds (and checks).
+fn run_ranks(
+    dims: ParallelDims,
+    device: &Device,
+    plan: trl_runtime::config::LaunchPlan,
+    make: impl Fn(&DistContext) -> Trainer<'_> + Sync,
+) -> Run {
+    let world = dims.dp_replicate * dims.dp_shard * dims.cp * dims.sp * dims.tp;
     let w = InProcessWorld::new(world);
-    let dims = ParallelDims {
-        dp_replicate: world,
-        dp_shard: 1,
-        cp: 1,
-        sp: 1,
-        tp: 1,
-    };
     let mut results: Vec<Run> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
-                let (w, cfg, device) = (&w, cfg.clone(), device.clone());
-                let cfg_bf16 = cfg.bf16;
+                let (w, device, plan, make) = (&w, device.clone(), plan.clone(), &make);
                 s.spawn(move || {
                     let ctx =
                         DistContext::in_process(w, rank, DeviceMesh::new(dims, world).unwrap())
                             .unwrap()
-                            .on_device(device);
-                    let mut trainer = Trainer::with_strategy(cfg, &ctx, Strategy::Ddp).unwrap();
-                    // TRL's default, sdpa, runs blockwise on a GPU (as PyTorch's does).
-                    if ctx.device().is_cuda() {
-                        assert_eq!(trainer.model.attention, AttentionImpl::Flash);
-                    }
-                    let (_, weight) = trainer.model.params.iter().next().unwrap();
-                    assert!(weight.device().same_device(ctx.device()));
-                    let dtype = if cfg_bf16 { DType::BF16 } else { DType::F32 };
-                    assert_eq!(weight.dtype(), dtype);
+                            .on_device(device)
+                            .with_launch_plan(plan);
+                    let mut trainer = make(&ctx);
                     let losses = trainer.train().unwrap().losses;
                     let mut weights = Vec::new();
                     for (_, t) in trainer.gather_weights().unwrap() {
@@ -312,6 +304,29 @@ fn train(world: usize, cfg: SFTConfig, device: &Device) -> Run {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     results.swap_remove(0)
+}
+
+/// DDP over `world` in-process ranks on `device`.
+fn train(world: usize, cfg: SFTConfig, device: &Device) -> Run {
+    let dims = ParallelDims {
+        dp_replicate: world,
+        dp_shard: 1,
+        cp: 1,
+        sp: 1,
+        tp: 1,
+    };
+    run_ranks(dims, device, Default::default(), |ctx| {
+        let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
+        let trainer = Trainer::with_strategy(cfg.clone(), ctx, Strategy::Ddp).unwrap();
+        // TRL's default, sdpa, runs blockwise on a GPU (as PyTorch's does).
+        if ctx.device().is_cuda() {
+            assert_eq!(trainer.model.attention, AttentionImpl::Flash);
+        }
+        let (_, weight) = trainer.model.params.iter().next().unwrap();
+        assert!(weight.device().same_device(ctx.device()));
+        assert_eq!(weight.dtype(), dtype);
+        trainer
+    })
 }
 
 /// Largest relative loss difference and mean absolute weight difference relative to the mean
@@ -385,35 +400,14 @@ fn train_zero3(world: usize, cfg: SFTConfig, device: &Device, offload: bool) -> 
         sp: 1,
         tp: 1,
     };
-    let w = InProcessWorld::new(world);
-    let mut results: Vec<Run> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let (w, cfg, device, plan) = (&w, cfg.clone(), device.clone(), plan.clone());
-                s.spawn(move || {
-                    let ctx =
-                        DistContext::in_process(w, rank, DeviceMesh::new(dims, world).unwrap())
-                            .unwrap()
-                            .on_device(device)
-                            .with_launch_plan(plan);
-                    let mut trainer = Trainer::new(cfg, &ctx).unwrap();
-                    let report = trainer.report().unwrap();
-                    assert_eq!(report["strategy"], "zero3", "{report}");
-                    assert_eq!(report["offload_optimizer"], offload, "{report}");
-                    assert_eq!(report["activation_checkpointing"], offload, "{report}");
-                    let losses = trainer.train().unwrap().losses;
-                    let mut weights = Vec::new();
-                    for (_, t) in trainer.gather_weights().unwrap() {
-                        let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-                        weights.extend(t.to_vec1::<f32>().unwrap());
-                    }
-                    (losses, weights)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    results.swap_remove(0)
+    run_ranks(dims, device, plan, |ctx| {
+        let trainer = Trainer::new(cfg.clone(), ctx).unwrap();
+        let report = trainer.report().unwrap();
+        assert_eq!(report["strategy"], "zero3", "{report}");
+        assert_eq!(report["offload_optimizer"], offload, "{report}");
+        assert_eq!(report["activation_checkpointing"], offload, "{report}");
+        trainer
+    })
 }
 
 #[test]

@@ -127,6 +127,15 @@ fn run_dims(
                     assert_eq!(model.checkpointing.is_some(), checkpointing);
                     trainer.checkpoint_format = format;
                     let outcome = trainer.train().unwrap();
+                    // Checkpointing really ran: every layer of every step was recomputed.
+                    if let Some(c) = &trainer.model.checkpointing {
+                        let layers = trainer.model.config.num_hidden_layers;
+                        assert!(
+                            c.recomputed() >= layers * outcome.losses.len(),
+                            "{}",
+                            c.recomputed()
+                        );
+                    }
                     let weights: Vec<(String, Vec<f32>)> = trainer
                         .gather_weights()
                         .unwrap()
@@ -992,4 +1001,57 @@ fn efficient_loading_reads_the_same_shards() {
     for (name, t) in &cut_w {
         assert_eq!(common::max_abs_diff(t, &read_w[name]), 0.0, "{name}");
     }
+}
+
+#[test]
+fn deepspeed_values_must_match_the_training_arguments() {
+    // As transformers refuses it: a DeepSpeed config fixing gradient accumulation or clipping
+    // to another value than the training arguments is an error naming both.
+    use trl_runtime::config::{DeepSpeedConfig, DistributedType, LaunchPlan};
+    let tmp = tempfile::tempdir().unwrap();
+    let w = InProcessWorld::new(1);
+    for (ds, expect) in [
+        (
+            DeepSpeedConfig {
+                gradient_accumulation_steps: Some(4),
+                ..DeepSpeedConfig::default()
+            },
+            "gradient_accumulation_steps = 1",
+        ),
+        (
+            DeepSpeedConfig {
+                gradient_clipping: Some(0.5),
+                ..DeepSpeedConfig::default()
+            },
+            "max_grad_norm = 1",
+        ),
+    ] {
+        let plan = LaunchPlan {
+            distributed_type: DistributedType::DeepSpeed,
+            deepspeed: Some(ds),
+            ..LaunchPlan::default()
+        };
+        let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(dims(1, 1, 1), 1).unwrap())
+            .unwrap()
+            .with_launch_plan(plan);
+        let e = match Trainer::new(config(tmp.path(), 2, 1, 1), &ctx) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{expect}: accepted"),
+        };
+        assert!(e.contains(expect) && e.contains("DeepSpeed"), "{e}");
+    }
+    // Equal values (and unset ones) are fine.
+    let plan = LaunchPlan {
+        distributed_type: DistributedType::DeepSpeed,
+        deepspeed: Some(DeepSpeedConfig {
+            gradient_accumulation_steps: Some(1),
+            gradient_clipping: Some(1.0),
+            ..DeepSpeedConfig::default()
+        }),
+        ..LaunchPlan::default()
+    };
+    let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(dims(1, 1, 1), 1).unwrap())
+        .unwrap()
+        .with_launch_plan(plan);
+    assert!(Trainer::new(config(tmp.path(), 2, 1, 1), &ctx).is_ok());
 }

@@ -22,6 +22,7 @@ use crate::nn::precomputed::Precomputed;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor, TensorId, Var};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A stack of layers that can be run again in backward.
@@ -41,6 +42,8 @@ pub struct Checkpointing {
     /// Keep each layer's input in host memory between forward and backward.
     pub offload: bool,
     grads: Mutex<HashMap<TensorId, (Tensor, Tensor)>>,
+    /// Layers recomputed so far (what a run with checkpointing on can be checked by).
+    recomputed: AtomicUsize,
 }
 
 impl std::fmt::Debug for Checkpointing {
@@ -54,7 +57,13 @@ impl Checkpointing {
         Arc::new(Checkpointing {
             offload,
             grads: Mutex::default(),
+            recomputed: AtomicUsize::new(0),
         })
+    }
+
+    /// Layers recomputed in backward so far.
+    pub fn recomputed(&self) -> usize {
+        self.recomputed.load(Ordering::Relaxed)
     }
 
     fn deposit(&self, param: &Tensor, grad: Tensor) -> Result<()> {
@@ -135,6 +144,7 @@ impl CustomOp1 for Stack {
         let mut g = grad.detach();
         for l in (0..self.layers.count()).rev() {
             let input = Var::from_tensor(&self.inputs[l].to_device(&self.device)?)?;
+            self.owner.recomputed.fetch_add(1, Ordering::Relaxed);
             let store = fsdp::recomputing(|| -> Result<GradStore> {
                 let y = self.layers.forward(l, input.as_tensor(), true)?;
                 (y * &g)?.sum_all()?.backward()
@@ -157,7 +167,6 @@ impl CustomOp1 for Stack {
 mod tests {
     use super::*;
     use crate::nn::testing::max_abs_diff;
-    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// tanh(x * w_l) per layer, counting the recomputations.
     struct Toy {
@@ -208,6 +217,7 @@ mod tests {
             3,
             "one recompute per layer"
         );
+        assert_eq!(ckpt.recomputed(), 3);
         // Before the merge the layer weights have no gradient: the graph never saw them.
         assert!(got.get(toy.weights[0].as_tensor()).is_none());
         ckpt.merge_into(&mut got).unwrap();

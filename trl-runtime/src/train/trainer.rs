@@ -141,43 +141,36 @@ fn check_deepspeed_values(config: &SFTConfig, plan: &crate::config::LaunchPlan) 
         .map_or("the launch's deepspeed_config".into(), |p| {
             p.display().to_string()
         });
-    let mismatch = |key: &str, theirs: String, arg: &str, ours: String| {
-        Err(Error::Config {
-            file: file.clone(),
-            key: key.into(),
-            message: format!(
-                "{theirs} differs from the training argument {arg} = {ours}: make them equal (or write \"auto\" in the DeepSpeed JSON)"
-            ),
-        })
-    };
-    if let Some(n) = ds.gradient_accumulation_steps {
-        if n as usize != config.gradient_accumulation_steps {
-            return mismatch(
-                "gradient_accumulation_steps",
-                n.to_string(),
-                "gradient_accumulation_steps",
-                config.gradient_accumulation_steps.to_string(),
-            );
-        }
-    }
-    if let Some(c) = ds.gradient_clipping {
-        if (c - config.max_grad_norm).abs() > 1e-12 {
-            return mismatch(
-                "gradient_clipping",
-                c.to_string(),
-                "max_grad_norm",
-                config.max_grad_norm.to_string(),
-            );
-        }
-    }
-    if let Some(m) = ds.train_micro_batch_size_per_gpu {
-        if m as usize != config.per_device_train_batch_size {
-            return mismatch(
-                "train_micro_batch_size_per_gpu",
-                m.to_string(),
-                "per_device_train_batch_size",
-                config.per_device_train_batch_size.to_string(),
-            );
+    // (DeepSpeed's key, its value, the training argument, ours)
+    let pairs = [
+        (
+            "gradient_accumulation_steps",
+            ds.gradient_accumulation_steps.map(|n| n as f64),
+            "gradient_accumulation_steps",
+            config.gradient_accumulation_steps as f64,
+        ),
+        (
+            "gradient_clipping",
+            ds.gradient_clipping,
+            "max_grad_norm",
+            config.max_grad_norm,
+        ),
+        (
+            "train_micro_batch_size_per_gpu",
+            ds.train_micro_batch_size_per_gpu.map(|n| n as f64),
+            "per_device_train_batch_size",
+            config.per_device_train_batch_size as f64,
+        ),
+    ];
+    for (key, theirs, arg, ours) in pairs {
+        if let Some(theirs) = theirs.filter(|t| (t - ours).abs() > 1e-12) {
+            return Err(Error::Config {
+                file,
+                key: key.into(),
+                message: format!(
+                    "{theirs} differs from the training argument {arg} = {ours}: make them equal (or write \"auto\" in the DeepSpeed JSON)"
+                ),
+            });
         }
     }
     Ok(())
