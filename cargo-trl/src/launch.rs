@@ -21,6 +21,8 @@ use trl_runtime::tp::PlanEntry;
 pub const EXIT_WORKER_FAILED: u8 = 1;
 pub const EXIT_INVALID: u8 = 2;
 pub const EXIT_TARGET: u8 = 3;
+/// Stopped by Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports it).
+pub const EXIT_INTERRUPTED: u8 = 130;
 
 #[derive(Debug, clap::Args)]
 #[command(rename_all = "snake_case")]
@@ -243,7 +245,7 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     }
     let world = cfg.num_processes.unwrap_or(1) as usize;
     let machines = cfg.num_machines as usize;
-    if machines == 0 || world % machines != 0 {
+    if machines == 0 || !world.is_multiple_of(machines) {
         return Err(format!(
             "num_processes {world} is the total over all machines and must divide evenly by num_machines {machines} (it gives {:.2} per machine)",
             world as f64 / machines.max(1) as f64
@@ -483,6 +485,9 @@ pub fn run(plan: Plan, args: &LaunchArgs) -> u8 {
                 return EXIT_TARGET;
             }
         };
+        if outcome.interrupted {
+            return interrupted(&outcome);
+        }
         if outcome.success() {
             return 0;
         }
@@ -506,4 +511,25 @@ pub fn run(plan: Plan, args: &LaunchArgs) -> u8 {
             args.max_restarts
         );
     }
+}
+
+/// What a stopped job left behind, and how to go on from it.
+fn interrupted(outcome: &spawn::JobOutcome) -> u8 {
+    let clean = outcome
+        .statuses
+        .iter()
+        .all(|s| s.is_some_and(|s| s.success()));
+    match (&outcome.last_checkpoint, clean) {
+        (Some(path), true) => eprintln!(
+            "interrupted: the workers saved {path} and stopped; go on with the same command and `-- --resume_from_checkpoint {path}`"
+        ),
+        (Some(path), false) => eprintln!(
+            "interrupted: the workers were stopped before they finished saving; the last complete checkpoint is {path}"
+        ),
+        (None, true) => eprintln!("interrupted: the workers stopped"),
+        (None, false) => eprintln!(
+            "interrupted: the workers were stopped before they saved (no checkpoint was reported on this node)"
+        ),
+    }
+    EXIT_INTERRUPTED
 }

@@ -11,7 +11,8 @@ pub struct NewArgs {
     /// Project template.
     #[arg(long, default_value = "sft", value_parser = ["sft"])]
     pub template: String,
-    /// Depend on trl-runtime at this path (default: this repository when run inside it).
+    /// Depend on trl-runtime at this path (default: the workspace around the current
+    /// directory, else the source this cargo-trl was built from).
     #[arg(long, conflicts_with = "published")]
     pub trl_runtime_path: Option<PathBuf>,
     /// Depend on the published trl-runtime release instead of a local path.
@@ -71,6 +72,13 @@ fn local_runtime() -> Option<PathBuf> {
         })
 }
 
+/// The trl-runtime beside the source this cargo-trl was built from (`cargo install --path
+/// cargo-trl` keeps it there); absent for a cargo-trl installed from crates.io.
+fn own_source_runtime() -> Option<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../trl-runtime");
+    dir.join("Cargo.toml").is_file().then_some(dir)
+}
+
 fn crate_name(path: &Path) -> Result<String, String> {
     let name = path
         .file_name()
@@ -122,16 +130,28 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
             args.name.display()
         ));
     }
-    let runtime_dir = if args.published {
-        None
+    // Until trl-runtime is published, a project outside this repository depends on the
+    // source the installed cargo-trl came from.
+    let (runtime_dir, why) = if args.published {
+        (None, "the published release (--published)")
+    } else if let Some(p) = &args.trl_runtime_path {
+        (Some(p.clone()), "--trl_runtime_path")
+    } else if let Some(p) = local_runtime() {
+        (Some(p), "the workspace around the current directory")
+    } else if let Some(p) = own_source_runtime() {
+        (
+            Some(p),
+            "the source this cargo-trl was built from, until trl-runtime is published; --trl_runtime_path or --published to choose",
+        )
     } else {
-        match args.trl_runtime_path.clone().or_else(local_runtime) {
-            Some(p) => Some(
-                p.canonicalize()
-                    .map_err(|e| format!("--trl_runtime_path {}: {e}", p.display()))?,
-            ),
-            None => None,
-        }
+        (None, "the published release")
+    };
+    let runtime_dir = match runtime_dir {
+        Some(p) => Some(
+            p.canonicalize()
+                .map_err(|e| format!("--trl_runtime_path {}: {e}", p.display()))?,
+        ),
+        None => None,
     };
     let dependency = match &runtime_dir {
         Some(p) => format!("{{ path = {:?} }}", p.display().to_string()),
@@ -150,7 +170,7 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
         }
     }
     Ok(format!(
-        "created {} (trl-runtime = {dependency})\nnext: cd {} && cargo trl launch --profile multi_cpu",
+        "created {} (trl-runtime = {dependency}: {why})\nnext: cd {} && cargo trl launch --profile multi_cpu",
         args.name.display(),
         args.name.display()
     ))

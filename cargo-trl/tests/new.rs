@@ -9,22 +9,27 @@ const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
 
 #[test]
 fn new_then_launch_the_scaffold() {
+    // Outside any workspace, as after `cargo install --path cargo-trl`: until trl-runtime is
+    // published, the scaffold depends on the source this cargo-trl was built from.
     let tmp = tempfile::tempdir().unwrap();
-    let runtime = Path::new(env!("CARGO_MANIFEST_DIR")).join("../trl-runtime");
+    let runtime = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../trl-runtime")
+        .canonicalize()
+        .unwrap();
     let out = Command::new(BIN)
         .current_dir(tmp.path())
-        .args([
-            "new",
-            "my-sft",
-            "--trl_runtime_path",
-            runtime.to_str().unwrap(),
-        ])
+        .args(["new", "my-sft"])
         .output()
         .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("the source this cargo-trl was built from"),
+        "{said}"
     );
     let krate = tmp.path().join("my-sft");
     for f in [
@@ -40,7 +45,8 @@ fn new_then_launch_the_scaffold() {
     }
     let toml = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
     assert!(
-        toml.contains("name = \"my-sft\"") && toml.contains("path = "),
+        toml.contains("name = \"my-sft\"")
+            && toml.contains(&format!("path = {:?}", runtime.display().to_string())),
         "{toml}"
     );
 

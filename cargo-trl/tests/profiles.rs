@@ -37,6 +37,14 @@ fn train_args(out: &Path) -> Vec<String> {
     .to_vec()
 }
 
+/// The tests of this file take turns: each launch builds the program and starts up to 4 ranks,
+/// and two at once on CI's 2 cores only slow each other (and double the build's disk use).
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn launch(profile: &str, dry_run: bool, out: &Path) -> String {
     let mut c = Command::new(BIN);
     c.current_dir(workspace())
@@ -76,6 +84,7 @@ fn plan_line(t: &str, prefix: &str) -> String {
 
 #[test]
 fn every_cpu_profile_runs_the_plan_it_prints() {
+    let _turn = turn();
     let tmp = tempfile::tempdir().unwrap();
     let mut state = std::collections::BTreeMap::new();
     for profile in [
@@ -137,6 +146,7 @@ fn every_cpu_profile_runs_the_plan_it_prints() {
 fn accelerate_variables_alone_choose_the_same_strategy() {
     // As `accelerate launch` (or torchrun with Accelerate's variables) starts a worker: no
     // PARALLELISM_CONFIG_*, FSDP's settings in Accelerate's spellings.
+    let _turn = turn();
     let tmp = tempfile::tempdir().unwrap();
     // The launcher builds the program (the same launch as a user's).
     let launched = report(&launch("fsdp2_cpu", false, &tmp.path().join("launched")));
@@ -205,4 +215,67 @@ fn free_port_below_ephemeral() -> u16 {
         .chain(20000..start)
         .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
         .expect("a free port below the ephemeral range")
+}
+
+#[test]
+fn ctrl_c_saves_a_checkpoint_and_the_launcher_says_where() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let _turn = turn();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let mut args = train_args(&out);
+    args[1] = "100000".into(); // --max_steps: far more than will run
+    let mut child = Command::new(BIN)
+        .current_dir(workspace())
+        .env("CARGO_NET_OFFLINE", "true")
+        // Not a terminal here: a plain progress line for every step.
+        .env("TRL_PROGRESS_SECONDS", "0")
+        .args([
+            "launch",
+            "--profile",
+            "multi_cpu",
+            "--main_process_port",
+            "0",
+        ])
+        .args(["--debug", "sft", "--"])
+        .args(&args)
+        // Its own process group, which receives the Ctrl-C as a terminal sends it.
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let stdout = std::thread::spawn(move || std::io::read_to_string(stdout).unwrap());
+    let mut stderr = String::new();
+    let mut interrupted = false;
+    for line in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if !interrupted && line.starts_with("progress: step 3/100000") {
+            // SAFETY: signalling the process group of our own child, as a terminal's Ctrl-C.
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) };
+            interrupted = true;
+        }
+        stderr.push_str(&line);
+        stderr.push('\n');
+    }
+    let status = child.wait().unwrap();
+    let all = format!("{}{stderr}", stdout.join().unwrap());
+    assert!(interrupted, "no progress line for step 3:\n{all}");
+    assert_eq!(status.code(), Some(130), "{all}");
+    assert!(
+        !all.contains("SIGINT"),
+        "a worker got the Ctrl-C itself:\n{all}"
+    );
+    let said = all
+        .lines()
+        .find_map(|l| l.strip_prefix("interrupted: the workers saved "))
+        .unwrap_or_else(|| panic!("no checkpoint named:\n{all}"));
+    let path = said.split_once(" and stopped").unwrap().0;
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(Path::new(path).join("trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(state["global_step"].as_u64().unwrap() >= 3, "{state}");
 }

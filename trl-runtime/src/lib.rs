@@ -5,6 +5,7 @@
 //! - [`comm`]: the `Communicator` trait, its backends and differentiable collectives.
 //! - [`tp`]: tensor parallelism from `#[derive(Parallelize)]` annotations.
 //! - [`context_parallel`]: what `#[context_parallel]` runs around a training step.
+//! - [`progress`]: rank 0's training progress as the launcher shows it.
 
 // The derive macros name this crate `::trl_runtime`, also when used inside it.
 extern crate self as trl_runtime;
@@ -19,6 +20,7 @@ pub mod error;
 pub mod models;
 pub mod nn;
 pub mod parallel;
+pub mod progress;
 pub mod tp;
 pub mod train;
 

@@ -7,7 +7,7 @@ use trl_runtime::config::parallelism::{ParallelDims, ParallelismConfig};
 use trl_runtime::dist::mesh::{Axis, DeviceMesh, DP, DP_CP, DP_SHARD_CP};
 
 fn all_shapes(world: usize) -> Vec<ParallelDims> {
-    let divs = |n: usize| (1..=n).filter(move |d| n % d == 0);
+    let divs = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
     for a in divs(world) {
         for b in divs(world / a) {

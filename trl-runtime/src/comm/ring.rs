@@ -201,7 +201,7 @@ impl<T: Transport> RingComm<T> {
         if dim >= dims.len() {
             return Err(self.err(op, format!("dim {dim} out of range for shape {:?}", dims)));
         }
-        if dims[dim] % n != 0 {
+        if !dims[dim].is_multiple_of(n) {
             return Err(self.err(
                 op,
                 format!("dimension {dim} of shape {dims:?} is not divisible by the group size {n}: pad it to a multiple of {n}"),

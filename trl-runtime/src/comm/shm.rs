@@ -72,7 +72,7 @@ pub(crate) type Check<'a> = &'a mut dyn FnMut() -> Result<(), String>;
 impl ShmRing {
     /// Creates a new ring file (failing if it exists) with `cap` data bytes.
     pub fn create(path: &Path, cap: usize) -> std::io::Result<Self> {
-        assert!(cap % 8 == 0);
+        assert!(cap.is_multiple_of(8));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -88,7 +88,7 @@ impl ShmRing {
     pub fn open(path: &Path) -> std::io::Result<Self> {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
         let len = file.metadata()?.len() as usize;
-        if len <= HEADER || (len - HEADER) % 8 != 0 {
+        if len <= HEADER || !(len - HEADER).is_multiple_of(8) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 "not a ring file",

@@ -140,7 +140,7 @@ impl ParallelismConfig {
             (Some(r), Some(s)) => (r, s),
             (r, s) => {
                 let known = r.unwrap_or(1) * s.unwrap_or(1) * inner;
-                if known == 0 || world_size % known != 0 {
+                if known == 0 || !world_size.is_multiple_of(known) {
                     // Let validate() produce the full message.
                     (r.unwrap_or(1), s.unwrap_or(1))
                 } else {

@@ -2,15 +2,19 @@
 //! process per local rank with its environment, output prefixed `[rank N]` (optionally teed to
 //! per-rank log files), the first failure stops the others (SIGTERM, a grace period, SIGKILL)
 //! and is reported with its rank, host, exit code or signal and last lines of output.
-//! SIGINT/SIGTERM sent to the supervisor are passed to every worker so they can checkpoint.
+//! Workers run in their own process groups, so a terminal's Ctrl-C reaches only the supervisor:
+//! the first SIGINT/SIGTERM is passed on as SIGTERM (the trainer saves a checkpoint and exits),
+//! a second one kills them. Rank 0's progress events become one live bar (see
+//! [`crate::progress`]).
 //!
 //! `cargo trl launch` builds the workers' environments; examples started by hand use
 //! [`relaunch_unless_launched`].
 
 use super::store::TOKEN_VAR;
+use crate::progress::{self, Event, View};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -108,6 +112,8 @@ pub struct JobOutcome {
     pub failure: Option<Failure>,
     /// The supervisor was asked to stop (SIGINT/SIGTERM) and passed it on.
     pub interrupted: bool,
+    /// The last checkpoint rank 0 reported saving (when rank 0 ran here).
+    pub last_checkpoint: Option<String>,
 }
 
 impl JobOutcome {
@@ -204,6 +210,7 @@ fn signal_all(children: &[Child], done: &[Option<ExitStatus>], sig: libc::c_int)
 
 /// Runs the job once and supervises it until every worker has exited.
 pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
+    let view = Arc::new(Mutex::new(View::for_this_terminal()));
     let interrupted = Arc::new(AtomicBool::new(false));
     let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, interrupted.clone());
     let _ = signal_hook::flag::register(signal_hook::consts::SIGINT, interrupted.clone());
@@ -224,6 +231,18 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         }
         if job.log_dir.is_none() {
             cmd.env(PREFIXED_VAR, "1");
+        }
+        cmd.env(progress::LINES_VAR, "1");
+        // Its own process group: the terminal's Ctrl-C goes to the supervisor alone, which
+        // asks the workers to save and stop.
+        cmd.process_group(0);
+        // SAFETY: prctl(2) is async-signal-safe; it only sets a flag of the child process.
+        unsafe {
+            cmd.pre_exec(|| {
+                // Outside the terminal's group a worker would outlive a killed supervisor.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
         }
         let mut child = cmd.spawn().map_err(|e| {
             std::io::Error::new(
@@ -257,15 +276,19 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         ];
         for (stream, is_err) in streams {
             let Some(stream) = stream else { continue };
-            let (tail, log, rank) = (tail.clone(), log.clone(), w.rank);
+            let (tail, log, rank, view) = (tail.clone(), log.clone(), w.rank, view.clone());
             pumps.push(std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    if show {
-                        if is_err {
-                            eprintln!("[rank {rank}] {line}");
-                        } else {
-                            println!("[rank {rank}] {line}");
+                    if let Some(event) = Event::parse(&line) {
+                        if rank == 0 {
+                            view.lock().unwrap().update(event);
                         }
+                        continue;
+                    }
+                    if show {
+                        view.lock()
+                            .unwrap()
+                            .println(&format!("[rank {rank}] {line}"), is_err);
                     }
                     if let Some(f) = &log {
                         let _ = writeln!(f.lock().unwrap(), "{line}");
@@ -305,11 +328,22 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
             signal_all(&children, &statuses, libc::SIGTERM);
             kill_at = Some(Instant::now() + job.grace);
         }
-        if interrupted.load(Ordering::Relaxed) && !forwarded {
-            // Pass the stop request on; workers save a checkpoint and exit.
-            forwarded = true;
-            signal_all(&children, &statuses, libc::SIGTERM);
-            kill_at.get_or_insert(Instant::now() + job.grace.max(Duration::from_secs(30)));
+        if interrupted.swap(false, Ordering::Relaxed) {
+            if !forwarded {
+                // Pass the stop request on; workers save a checkpoint and exit.
+                forwarded = true;
+                view.lock().unwrap().println(
+                    "interrupted: the workers save a checkpoint and stop (press Ctrl-C again to kill them)",
+                    true,
+                );
+                signal_all(&children, &statuses, libc::SIGTERM);
+                kill_at.get_or_insert(Instant::now() + job.grace.max(Duration::from_secs(30)));
+            } else {
+                view.lock()
+                    .unwrap()
+                    .println("interrupted again: killing the workers", true);
+                signal_all(&children, &statuses, libc::SIGKILL);
+            }
         }
         if kill_at.is_some_and(|t| Instant::now() > t) {
             signal_all(&children, &statuses, libc::SIGKILL);
@@ -320,6 +354,8 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
     for p in pumps {
         let _ = p.join();
     }
+    let view = view.lock().unwrap();
+    view.finish();
     let failure = failure.map(|(i, status)| Failure {
         rank: job.workers[i].rank,
         local_rank: job.workers[i].local_rank,
@@ -331,6 +367,7 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         statuses,
         failure,
         interrupted: forwarded,
+        last_checkpoint: view.last_checkpoint.clone(),
     })
 }
 

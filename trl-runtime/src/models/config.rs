@@ -121,7 +121,7 @@ impl ModelConfig {
                 return err(key, "must be at least 1".into());
             }
         }
-        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return err(
                 "num_attention_heads",
                 format!(
@@ -130,7 +130,7 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.num_attention_heads % self.num_kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_kv_heads()) {
             return err(
                 "num_key_value_heads",
                 format!(
@@ -140,7 +140,7 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return err(
                 "head_dim",
                 format!("{} must be even for rotary embeddings", self.head_dim()),

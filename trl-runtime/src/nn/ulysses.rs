@@ -17,15 +17,15 @@ use std::sync::Arc;
 /// Checks that `heads` query and `kv_heads` key/value heads can be split over `sp` ranks;
 /// returns how many times each kv head is repeated (1 when they divide).
 pub fn kv_repeats(heads: usize, kv_heads: usize, sp: usize) -> std::result::Result<usize, String> {
-    if heads % sp != 0 {
+    if !heads.is_multiple_of(sp) {
         return Err(format!(
             "{heads} attention heads are not divisible by sp = {sp}: Ulysses gives each rank \
              the same number of heads; pick an sp size that divides {heads}"
         ));
     }
-    if kv_heads % sp == 0 {
+    if kv_heads.is_multiple_of(sp) {
         Ok(1)
-    } else if sp % kv_heads == 0 {
+    } else if sp.is_multiple_of(kv_heads) {
         Ok(sp / kv_heads)
     } else {
         Err(format!(

@@ -123,7 +123,7 @@ impl TpContext {
     /// `count / tp`, for per-rank counts such as attention heads.
     pub fn divide(&self, name: &str, count: usize) -> Result<usize> {
         let n = self.size();
-        if count % n != 0 {
+        if !count.is_multiple_of(n) {
             return Err(Error::TensorParallel {
                 name: name.into(),
                 message: format!(
@@ -147,7 +147,7 @@ pub fn slice_range(
     parts: usize,
 ) -> Result<(usize, usize)> {
     let full = shape[dim];
-    if full % parts != 0 {
+    if !full.is_multiple_of(parts) {
         return Err(Error::TensorParallel {
             name: name.into(),
             message: format!(

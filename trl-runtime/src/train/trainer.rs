@@ -938,8 +938,10 @@ impl<'a> Trainer<'a> {
                 e.accuracy
             );
         }
+        // Under the launcher, rank 0 sends its progress there (its own bar would be piped away).
+        let to_launcher = main && crate::progress::lines_requested();
         let bar = progress_bar(
-            main && !self.config.disable_tqdm,
+            main && !self.config.disable_tqdm && !to_launcher,
             self.state.total_steps,
             self.state.global_step,
         );
@@ -972,9 +974,21 @@ impl<'a> Trainer<'a> {
                 "loss {:.4} lr {:.2e} grad_norm {:.3} {:.0} tok/s",
                 stats.loss, stats.learning_rate, stats.grad_norm, tokens_per_s
             ));
-            let eval_now = self.config.eval_steps.is_some_and(|n| step % n == 0);
+            if to_launcher && !self.config.disable_tqdm {
+                crate::progress::emit(&crate::progress::Event::Step {
+                    step: step as u64,
+                    total: self.state.total_steps as u64,
+                    loss: stats.loss,
+                    lr: stats.learning_rate,
+                    tokens_per_s,
+                });
+            }
+            let eval_now = self
+                .config
+                .eval_steps
+                .is_some_and(|n| step.is_multiple_of(n));
             let eval = if eval_now { self.evaluate()? } else { None };
-            if step % self.config.logging_steps == 0
+            if step.is_multiple_of(self.config.logging_steps)
                 || step == self.state.total_steps
                 || eval.is_some()
             {
@@ -1005,12 +1019,23 @@ impl<'a> Trainer<'a> {
                 self.state.log_history.push(line);
                 (window_tokens, window_start) = (0, Instant::now());
             }
-            if step % self.config.save_steps == 0 {
+            if step.is_multiple_of(self.config.save_steps) {
                 outcome.last_checkpoint = self.save_checkpoint()?;
+                announce_saved(to_launcher, &outcome.last_checkpoint);
             }
             if self.stop_requested()? {
                 bar.abandon_with_message("SIGTERM: saving a checkpoint and stopping");
-                outcome.last_checkpoint = self.save_checkpoint()?;
+                // Unless this very step was just saved.
+                if !step.is_multiple_of(self.config.save_steps) {
+                    outcome.last_checkpoint = self.save_checkpoint()?;
+                    announce_saved(to_launcher, &outcome.last_checkpoint);
+                }
+                if let Some(path) = &outcome.last_checkpoint {
+                    tracing::info!(
+                        "stopped by SIGTERM after step {step}: checkpoint saved at {}",
+                        path.display()
+                    );
+                }
                 outcome.preempted = true;
                 return Ok(outcome);
             }
@@ -1018,10 +1043,14 @@ impl<'a> Trainer<'a> {
         bar.finish();
         // The final checkpoint, unless the last step just wrote it (the same on every rank).
         // It is always full, so that the result opens in transformers.
-        if self.state.global_step % self.config.save_steps != 0
+        if !self
+            .state
+            .global_step
+            .is_multiple_of(self.config.save_steps)
             || self.checkpoint_format == CheckpointFormat::Sharded
         {
             outcome.last_checkpoint = self.save_checkpoint_as(CheckpointFormat::Full)?;
+            announce_saved(to_launcher, &outcome.last_checkpoint);
         } else if self.ctx.is_main_process() {
             outcome.last_checkpoint = Some(
                 self.config
@@ -1041,6 +1070,15 @@ impl<'a> Trainer<'a> {
             super::plot::loss_curve(&out_dir.join("loss.svg"), &curve, &self.state.log_history)?;
         }
         Ok(outcome)
+    }
+}
+
+/// Tells the launcher where the latest checkpoint is (it names it when a job is interrupted).
+fn announce_saved(to_launcher: bool, path: &Option<PathBuf>) {
+    if let (true, Some(p)) = (to_launcher, path) {
+        crate::progress::emit(&crate::progress::Event::Saved {
+            path: p.display().to_string(),
+        });
     }
 }
 
