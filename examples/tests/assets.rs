@@ -49,7 +49,7 @@ fn shipped_assets_fit_together() {
         assistant_only_loss: true,
     };
     let question = |r: &trl_runtime::data::Record| match r {
-        trl_runtime::data::Record::Messages(m) => m[0].content.clone(),
+        trl_runtime::data::Record::Messages { messages: m, .. } => m[0].text(),
         _ => panic!("rows are conversations"),
     };
     let train_questions: std::collections::HashSet<String> =
@@ -61,7 +61,7 @@ fn shipped_assets_fit_together() {
         let ex = to_example(r, &tok, opts).unwrap();
         let target = ex.target_ids();
         let answer = match r {
-            trl_runtime::data::Record::Messages(m) => m[1].content.clone(),
+            trl_runtime::data::Record::Messages { messages: m, .. } => m[1].text(),
             _ => unreachable!(),
         };
         assert_eq!(

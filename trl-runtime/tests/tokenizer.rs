@@ -30,14 +30,8 @@ fn model_dir(template: Option<&str>) -> tempfile::TempDir {
 
 fn conversation() -> Vec<Message> {
     vec![
-        Message {
-            role: "user".into(),
-            content: "  What is 2 plus 3?  ".into(),
-        },
-        Message {
-            role: "assistant".into(),
-            content: "The answer is 5.".into(),
-        },
+        Message::new("user", "  What is 2 plus 3?  "),
+        Message::new("assistant", "The answer is 5."),
     ]
 }
 
@@ -58,7 +52,9 @@ fn trained_tokenizer_round_trips_text() {
 fn chat_template_renders_with_generation_spans() {
     let dir = model_dir(Some(CHATML));
     let tok = TextTokenizer::from_dir(dir.path()).unwrap();
-    let chat = tok.apply_chat_template(&conversation(), false).unwrap();
+    let chat = tok
+        .apply_chat_template(&conversation(), None, false)
+        .unwrap();
     assert_eq!(
         chat.text,
         "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\nThe answer is 5.<|im_end|>\n"
@@ -68,17 +64,19 @@ fn chat_template_renders_with_generation_spans() {
         &chat.text[chat.generation_spans[0].clone()],
         "The answer is 5.<|im_end|>"
     );
-    let prompt = tok.apply_chat_template(&conversation()[..1], true).unwrap();
+    let prompt = tok
+        .apply_chat_template(&conversation()[..1], None, true)
+        .unwrap();
     assert!(prompt.text.ends_with("<|im_start|>assistant\n"));
 
-    let ex = tok.tokenize_chat(&conversation(), true).unwrap();
+    let ex = tok.tokenize_chat(&conversation(), None, true).unwrap();
     let targets = ex.target_ids();
     assert_eq!(
         tok.decode(&targets, false).unwrap(),
         "The answer is 5.<|im_end|>"
     );
     // Without assistant-only loss every token is a target.
-    let all = tok.tokenize_chat(&conversation(), false).unwrap();
+    let all = tok.tokenize_chat(&conversation(), None, false).unwrap();
     assert!(all.labels.iter().all(|&l| l != IGNORE_INDEX));
 }
 
@@ -91,7 +89,7 @@ fn template_problems_are_clear_errors() {
     let dir = model_dir(Some(&plain));
     let tok = TextTokenizer::from_dir(dir.path()).unwrap();
     let e = tok
-        .tokenize_chat(&conversation(), true)
+        .tokenize_chat(&conversation(), None, true)
         .unwrap_err()
         .to_string();
     assert!(
@@ -104,7 +102,7 @@ fn template_problems_are_clear_errors() {
     let dir = model_dir(Some(raising));
     let e = TextTokenizer::from_dir(dir.path())
         .unwrap()
-        .apply_chat_template(&conversation(), false)
+        .apply_chat_template(&conversation(), None, false)
         .unwrap_err()
         .to_string();
     assert!(e.contains("first message must be a system message"), "{e}");
@@ -113,7 +111,7 @@ fn template_problems_are_clear_errors() {
     let dir = model_dir(Some("{% for m in messages %}"));
     let e = TextTokenizer::from_dir(dir.path())
         .unwrap()
-        .apply_chat_template(&conversation(), false)
+        .apply_chat_template(&conversation(), None, false)
         .unwrap_err()
         .to_string();
     assert!(
@@ -125,7 +123,7 @@ fn template_problems_are_clear_errors() {
     let dir = model_dir(None);
     let e = TextTokenizer::from_dir(dir.path())
         .unwrap()
-        .apply_chat_template(&conversation(), false)
+        .apply_chat_template(&conversation(), None, false)
         .unwrap_err()
         .to_string();
     assert!(e.contains("no chat template"), "{e}");

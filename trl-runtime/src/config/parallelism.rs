@@ -188,7 +188,8 @@ impl ParallelDims {
         )
     }
 
-    /// The rules of DESIGN.md; every message names all factors and the world size.
+    /// The mesh rules (docs/architecture.md, docs/launch-config.md); every message names all
+    /// factors and the world size.
     pub fn validate(&self, world_size: usize) -> Result<()> {
         let fail = |why: String| {
             Err(Error::Parallelism(format!(

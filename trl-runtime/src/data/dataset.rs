@@ -1,7 +1,9 @@
 //! SFT datasets in TRL's formats, from JSONL or Parquet files (as HF datasets ships them):
 //! `{"text"}` (language modeling), `{"prompt", "completion"}` (strings, or message lists for the
-//! conversational form), `{"messages": [{"role", "content"}]}`, and pre-tokenized
-//! `{"input_ids"}` (optionally with `completion_mask`). A malformed row is reported with its
+//! conversational form), `{"messages": [{"role", "content", ...}]}` (with a `tools` column of
+//! function schemas, and messages keeping `tool_calls`, `name`, `reasoning_content` and any
+//! other key for the chat template), and pre-tokenized `{"input_ids"}` (optionally with
+//! `completion_mask`). A malformed row is reported with its
 //! line number; [`OnBadRow`] decides between failing and skipping with a count.
 
 use super::tokenize::{Message, TextTokenizer};
@@ -24,8 +26,12 @@ pub enum Record {
     PromptCompletion {
         prompt: Content,
         completion: Content,
+        tools: Option<Vec<Value>>,
     },
-    Messages(Vec<Message>),
+    Messages {
+        messages: Vec<Message>,
+        tools: Option<Vec<Value>>,
+    },
     Tokens {
         input_ids: Vec<u32>,
         completion_mask: Option<Vec<bool>>,
@@ -52,18 +58,61 @@ fn messages(v: &Value, key: &str) -> std::result::Result<Vec<Message>, String> {
     list.iter()
         .enumerate()
         .map(|(i, m)| {
-            let field = |f: &str| {
-                m.get(f)
-                    .and_then(Value::as_str)
-                    .map(str::to_string)
-                    .ok_or_else(|| format!("`{key}[{i}].{f}` is missing or not a string"))
+            let obj = m
+                .as_object()
+                .ok_or_else(|| format!("`{key}[{i}]` must be an object with role and content"))?;
+            let role = obj
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("`{key}[{i}].role` is missing or not a string"))?;
+            let content = match obj.get("content") {
+                None | Some(Value::Null) if obj.contains_key("tool_calls") => None,
+                Some(c @ (Value::String(_) | Value::Array(_))) => Some(c.clone()),
+                _ => {
+                    return Err(format!(
+                        "`{key}[{i}].content` must be a string or a list of content blocks (it may be left out only beside tool_calls)"
+                    ))
+                }
             };
+            // Columnar files carry every key in every message, null where unused.
+            let fields = obj
+                .iter()
+                .filter(|(k, v)| *k != "role" && *k != "content" && !v.is_null())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
             Ok(Message {
-                role: field("role")?,
-                content: field("content")?,
+                role: role.to_string(),
+                content,
+                fields,
             })
         })
         .collect()
+}
+
+/// TRL's `tools` column: a list of function schemas (JSON objects, or JSON text of one).
+fn tools(obj: &serde_json::Map<String, Value>) -> std::result::Result<Option<Vec<Value>>, String> {
+    let Some(t) = obj.get("tools") else {
+        return Ok(None);
+    };
+    let list = match t {
+        Value::String(s) => serde_json::from_str::<Value>(s)
+            .map_err(|e| format!("`tools` is text but not JSON: {e}"))?,
+        other => other.clone(),
+    };
+    match list {
+        Value::Array(items) => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(s) => serde_json::from_str(&s)
+                    .map_err(|e| format!("`tools[{i}]` is text but not JSON: {e}")),
+                Value::Object(_) => Ok(item),
+                _ => Err(format!("`tools[{i}]` must be a function schema object")),
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map(Some),
+        _ => Err("`tools` must be a list of function schemas".into()),
+    }
 }
 
 fn content(v: &Value, key: &str) -> std::result::Result<Content, String> {
@@ -119,7 +168,10 @@ pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
         });
     }
     if let Some(m) = obj.get("messages") {
-        return Ok(Record::Messages(messages(m, "messages")?));
+        return Ok(Record::Messages {
+            messages: messages(m, "messages")?,
+            tools: tools(&obj)?,
+        });
     }
     match (obj.get("prompt"), obj.get("completion")) {
         (Some(p), Some(c)) => {
@@ -129,7 +181,12 @@ pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
                     "`prompt` and `completion` must both be strings or both message lists".into(),
                 );
             }
-            return Ok(Record::PromptCompletion { prompt, completion });
+            let tools = tools(&obj)?;
+            return Ok(Record::PromptCompletion {
+                prompt,
+                completion,
+                tools,
+            });
         }
         (Some(_), None) => return Err("`prompt` without `completion`".into()),
         (None, Some(_)) => return Err("`completion` without `prompt`".into()),
@@ -290,7 +347,9 @@ fn with_eos(tok: &TextTokenizer, mut ids: Vec<u32>) -> Vec<u32> {
 pub fn to_example(record: &Record, tok: &TextTokenizer, opts: TokenizeOptions) -> Result<Example> {
     match record {
         Record::Text(t) => Ok(Example::full(with_eos(tok, tok.encode(t, false)?))),
-        Record::Messages(m) => tok.tokenize_chat(m, opts.assistant_only_loss),
+        Record::Messages { messages, tools } => {
+            tok.tokenize_chat(messages, tools.as_deref(), opts.assistant_only_loss)
+        }
         Record::Tokens {
             input_ids,
             completion_mask,
@@ -308,7 +367,11 @@ pub fn to_example(record: &Record, tok: &TextTokenizer, opts: TokenizeOptions) -
                 labels,
             })
         }
-        Record::PromptCompletion { prompt, completion } => {
+        Record::PromptCompletion {
+            prompt,
+            completion,
+            tools,
+        } => {
             let (prompt_ids, full_ids) = match (prompt, completion) {
                 (Content::Text(p), Content::Text(c)) => {
                     let p_ids = tok.encode(p, false)?;
@@ -316,9 +379,10 @@ pub fn to_example(record: &Record, tok: &TextTokenizer, opts: TokenizeOptions) -
                     (p_ids, full)
                 }
                 (Content::Messages(p), Content::Messages(c)) => {
-                    let p_text = tok.apply_chat_template(p, true)?.text;
+                    let tools = tools.as_deref();
+                    let p_text = tok.apply_chat_template(p, tools, true)?.text;
                     let all: Vec<Message> = p.iter().chain(c).cloned().collect();
-                    let full_text = tok.apply_chat_template(&all, false)?.text;
+                    let full_text = tok.apply_chat_template(&all, tools, false)?.text;
                     (tok.encode(&p_text, false)?, tok.encode(&full_text, false)?)
                 }
                 _ => unreachable!("parse_record rejects mixed prompt/completion kinds"),

@@ -19,10 +19,70 @@ pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 const GEN_START: char = '\u{E000}';
 const GEN_END: char = '\u{E001}';
 
+/// One chat message as datasets and transformers carry it: a role, content (a string, a list
+/// of content blocks, or absent for an assistant turn that only calls tools), and every other
+/// key kept as it is (`tool_calls`, a tool message's `name` and `tool_call_id`,
+/// `reasoning_content`, ...), for the template to read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     pub role: String,
-    pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<serde_json::Value>,
+    #[serde(flatten)]
+    pub fields: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Message {
+    /// A message with text content and nothing else.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
+        Message {
+            role: role.into(),
+            content: Some(content.into().into()),
+            fields: Default::default(),
+        }
+    }
+
+    /// The text of the content: the string, or the `text` of its text blocks joined.
+    pub fn text(&self) -> String {
+        match &self.content {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(blocks)) => blocks
+                .iter()
+                .filter_map(|b| b.get("text").and_then(|t| t.as_str()))
+                .collect(),
+            _ => String::new(),
+        }
+    }
+
+    /// As transformers hands it to a template: keys whose value is null dropped, and the
+    /// reasoning under every name templates read (`reasoning_content`, and `thinking` for
+    /// gpt-oss), taken from whichever of `reasoning_content`, `thinking`, `reasoning` is set.
+    fn for_template(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        m.insert("role".into(), self.role.clone().into());
+        if let Some(c) = self.content.as_ref().filter(|c| !c.is_null()) {
+            m.insert("content".into(), c.clone());
+        }
+        for (k, v) in &self.fields {
+            if !v.is_null() {
+                m.insert(k.clone(), v.clone());
+            }
+        }
+        let reasoning = ["reasoning_content", "thinking", "reasoning"]
+            .iter()
+            .find_map(|k| m.get(*k).cloned());
+        if let Some(r) = reasoning {
+            // Python: {"thinking": r, **message, "reasoning_content": r}
+            let mut out = serde_json::Map::new();
+            out.insert("thinking".into(), r.clone());
+            for (k, v) in m {
+                out.insert(k, v);
+            }
+            out.insert("reasoning_content".into(), r);
+            return out.into();
+        }
+        m.into()
+    }
 }
 
 /// Rendered chat text and the byte ranges the template marked as generated.
@@ -36,6 +96,9 @@ pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     chat_template: Option<String>,
     template_source: PathBuf,
+    /// transformers' `special_tokens_map`: the special tokens tokenizer_config.json names,
+    /// which every template sees as variables (`bos_token`, `eos_token`, ...).
+    special_tokens: Vec<(&'static str, String)>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     pub eos_token_id: Option<u32>,
@@ -93,11 +156,25 @@ fn rewrite_generation_tags(template: &str) -> String {
     out
 }
 
-/// Today's date for `strftime_now` (%d %m %Y %b %B %y, others passed through).
+/// The local time for `strftime_now` as Python's `datetime.now().strftime` writes it (UTC
+/// here), or SOURCE_DATE_EPOCH's when set (reproducible renders, the fixture's pinned date).
+/// Codes: %d %m %Y %y %B %b %A %a %H %I %M %S %p %j %%; others are kept as written.
 fn strftime_now(format: String) -> String {
-    let days = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() / 86_400) as i64;
+    let secs = std::env::var("SOURCE_DATE_EPOCH")
+        .ok()
+        .and_then(|s| s.trim().parse::<i64>().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64)
+        });
+    strftime(&format, secs)
+}
+
+fn strftime(format: &str, secs: i64) -> String {
+    let days = secs.div_euclid(86_400);
+    let of_day = secs.rem_euclid(86_400);
+    let (hour, minute, second) = (of_day / 3600, of_day / 60 % 60, of_day % 60);
     // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -122,14 +199,300 @@ fn strftime_now(format: String) -> String {
         "November",
         "December",
     ];
+    const WEEKDAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
     let name = MONTHS[(month - 1) as usize];
-    format
-        .replace("%d", &format!("{day:02}"))
-        .replace("%m", &format!("{month:02}"))
-        .replace("%Y", &year.to_string())
-        .replace("%y", &format!("{:02}", year % 100))
-        .replace("%B", name)
-        .replace("%b", &name[..3])
+    // 1970-01-01 was a Thursday.
+    let weekday = WEEKDAYS[(days + 3).rem_euclid(7) as usize];
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const BEFORE: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = BEFORE[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let mut out = String::with_capacity(format.len() + 16);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('B') => out.push_str(name),
+            Some('b') => out.push_str(&name[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('H') => out.push_str(&format!("{hour:02}")),
+            Some('I') => out.push_str(&format!("{:02}", (hour + 11) % 12 + 1)),
+            Some('M') => out.push_str(&format!("{minute:02}")),
+            Some('S') => out.push_str(&format!("{second:02}")),
+            Some('p') => out.push_str(if hour < 12 { "AM" } else { "PM" }),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// transformers' `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`, with no HTML escaping (Jinja's own filter escapes).
+fn tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let indent = match kwargs.get::<Option<minijinja::Value>>("indent")? {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => match v.as_str() {
+            Some(s) => Some(s.to_string()),
+            None => Some(" ".repeat(usize::try_from(v.as_i64().unwrap_or(0)).unwrap_or(0))),
+        },
+    };
+    let separators = match kwargs.get::<Option<minijinja::Value>>("separators")? {
+        Some(v) if !v.is_none() && !v.is_undefined() => {
+            let items: Vec<String> = v
+                .try_iter()?
+                .map(|s| s.as_str().unwrap_or_default().to_string())
+                .collect();
+            match items.as_slice() {
+                [item, key] => (item.clone(), key.clone()),
+                _ => {
+                    return Err(minijinja::Error::new(
+                        minijinja::ErrorKind::InvalidOperation,
+                        "tojson: separators must be a pair (item, key)",
+                    ))
+                }
+            }
+        }
+        // Python's defaults: no space before a newline when indenting.
+        _ if indent.is_some() => (",".into(), ": ".into()),
+        _ => (", ".into(), ": ".into()),
+    };
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    let mut out = String::new();
+    let opts = PyJson {
+        ensure_ascii,
+        sort_keys,
+        indent,
+        item_sep: separators.0,
+        key_sep: separators.1,
+    };
+    opts.write(&json, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+/// Python's json.dumps layout.
+struct PyJson {
+    ensure_ascii: bool,
+    sort_keys: bool,
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+}
+
+impl PyJson {
+    fn newline(&self, depth: usize, out: &mut String) {
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn write(&self, v: &serde_json::Value, depth: usize, out: &mut String) {
+        use serde_json::Value as J;
+        match v {
+            J::Null => out.push_str("null"),
+            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            J::Number(n) => match n.as_f64() {
+                Some(f) if !n.is_i64() && !n.is_u64() => out.push_str(&py_float(f)),
+                _ => out.push_str(&n.to_string()),
+            },
+            J::String(s) => self.string(s, out),
+            J::Array(items) if items.is_empty() => out.push_str("[]"),
+            J::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item_sep);
+                    }
+                    self.newline(depth + 1, out);
+                    self.write(item, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push(']');
+            }
+            J::Object(map) if map.is_empty() => out.push_str("{}"),
+            J::Object(map) => {
+                let mut entries: Vec<(&String, &serde_json::Value)> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, item)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item_sep);
+                    }
+                    self.newline(depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key_sep);
+                    self.write(item, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push('}');
+            }
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{:04x}", u));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// What Python's `str()` gives for a value, as Jinja2 prints it: `None`, `True`, `3.0`, and
+/// lists and dicts in Python's repr (`[{'type': 'text'}]`); strings as they are.
+fn py_str(v: &minijinja::Value) -> Option<String> {
+    use minijinja::value::ValueKind as K;
+    match v.kind() {
+        K::String | K::Undefined => None,
+        K::None | K::Bool | K::Seq | K::Map => Some(py_repr(v)),
+        K::Number if !v.is_integer() => Some(py_repr(v)),
+        _ => None,
+    }
+}
+
+/// Python's `repr()` of a template value.
+fn py_repr(v: &minijinja::Value) -> String {
+    use minijinja::value::ValueKind as K;
+    match v.kind() {
+        K::None | K::Undefined => "None".into(),
+        K::Bool => if v.is_true() { "True" } else { "False" }.into(),
+        K::Number if v.is_integer() => v.to_string(),
+        K::Number => {
+            let f = f64::try_from(v.clone()).unwrap_or(f64::NAN);
+            match py_float(f).as_str() {
+                "NaN" => "nan".into(),
+                "Infinity" => "inf".into(),
+                "-Infinity" => "-inf".into(),
+                s => s.into(),
+            }
+        }
+        K::String => py_repr_str(v.as_str().unwrap_or_default()),
+        K::Map => {
+            let items: Vec<String> = v
+                .try_iter()
+                .into_iter()
+                .flatten()
+                .map(|k| {
+                    let item = v.get_item(&k).unwrap_or_default();
+                    format!("{}: {}", py_repr(&k), py_repr(&item))
+                })
+                .collect();
+            format!("{{{}}}", items.join(", "))
+        }
+        K::Seq | K::Iterable => {
+            let items: Vec<String> = v
+                .try_iter()
+                .into_iter()
+                .flatten()
+                .map(|x| py_repr(&x))
+                .collect();
+            format!("[{}]", items.join(", "))
+        }
+        _ => v.to_string(),
+    }
+}
+
+/// Python's repr of a string: single quotes unless it holds one and no double quote.
+fn py_repr_str(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32))
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
+}
+
+/// A float as Python's repr writes it: shortest digits, exponent form below 1e-4 and from
+/// 1e16 on (`1e-05`, `1e+16`), otherwise fixed with at least one decimal (`3.0`).
+fn py_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let sci = format!("{f:e}"); // shortest round-trip digits: "-1.2345e-5"
+    let (mantissa, exp) = sci.split_once('e').expect("LowerExp has an exponent");
+    let exp: i32 = exp.parse().expect("integer exponent");
+    if (-4..16).contains(&exp) {
+        let s = f.to_string();
+        if s.contains('.') {
+            s
+        } else {
+            format!("{s}.0")
+        }
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exp.abs())
+    }
 }
 
 impl TextTokenizer {
@@ -190,6 +553,18 @@ impl TextTokenizer {
             };
             (t, cfg_path.clone())
         };
+        let special_tokens = [
+            "bos_token",
+            "eos_token",
+            "unk_token",
+            "sep_token",
+            "pad_token",
+            "cls_token",
+            "mask_token",
+        ]
+        .into_iter()
+        .filter_map(|k| Some((k, token_text(cfg.get(k))?)))
+        .collect();
         let bos_token = token_text(cfg.get("bos_token"));
         let eos_token = token_text(cfg.get("eos_token"));
         let pad_token = token_text(cfg.get("pad_token"));
@@ -210,11 +585,19 @@ impl TextTokenizer {
             inner,
             chat_template,
             template_source,
+            special_tokens,
             bos_token,
             eos_token,
             eos_token_id,
             pad_token_id,
         })
+    }
+
+    /// The same tokenizer with another chat template (`source` names it in errors).
+    pub fn with_chat_template(mut self, template: String, source: PathBuf) -> Self {
+        self.chat_template = Some(template);
+        self.template_source = source;
+        self
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -247,11 +630,13 @@ impl TextTokenizer {
         self.chat_template.is_some()
     }
 
-    /// Renders `messages` with the chat template, returning the text and the byte spans of
-    /// `{% generation %}` blocks.
+    /// Renders `messages` (and the `tools` schemas, TRL's `tools` column) with the chat
+    /// template as transformers' `apply_chat_template` does, returning the text and the byte
+    /// spans of `{% generation %}` blocks.
     pub fn apply_chat_template(
         &self,
         messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<RenderedChat> {
         let source = self.template_source.display().to_string();
@@ -260,7 +645,42 @@ impl TextTokenizer {
             key: "chat_template".into(),
             message: "this tokenizer has no chat template: conversational data needs one (add chat_template to tokenizer_config.json)".into(),
         })?;
+        // transformers' environment: trim_blocks and lstrip_blocks, its own tojson,
+        // raise_exception and strftime_now, loop controls.
         let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_filter("tojson", tojson);
+        // Printed values and `|string` as Python's str(): None, True, [{'a': 1}].
+        env.set_formatter(|out, state, value| match py_str(value) {
+            Some(s) => out.write_str(&s).map_err(|_| {
+                minijinja::Error::new(minijinja::ErrorKind::WriteFailure, "cannot write")
+            }),
+            None => minijinja::escape_formatter(out, state, value),
+        });
+        env.add_filter("string", |v: minijinja::Value| match py_str(&v) {
+            Some(s) => minijinja::Value::from(s),
+            None if v.is_undefined() => minijinja::Value::from(""),
+            None => minijinja::Value::from(v.to_string()),
+        });
+        env.add_filter(
+            "trim",
+            |v: minijinja::Value, chars: Option<String>| -> String {
+                let text = py_str(&v).unwrap_or_else(|| v.to_string());
+                match chars {
+                    Some(c) => text.trim_matches(|x| c.contains(x)).to_string(),
+                    None => text.trim().to_string(),
+                }
+            },
+        );
+        // Jinja2: None is not iterable (minijinja iterates it as empty); undefined is.
+        env.add_test("iterable", |v: minijinja::Value| {
+            use minijinja::value::ValueKind as K;
+            matches!(
+                v.kind(),
+                K::Undefined | K::String | K::Seq | K::Map | K::Iterable
+            )
+        });
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -277,14 +697,23 @@ impl TextTokenizer {
             key: "chat_template".into(),
             message: format!("template error: {e}"),
         };
-        env.add_template_owned("chat", rewrite_generation_tags(template))
+        // Jinja2 reads every newline of a template as "\n" (its newline_sequence).
+        let template = template.replace("\r\n", "\n").replace('\r', "\n");
+        env.add_template_owned("chat", rewrite_generation_tags(&template))
             .map_err(template_error)?;
-        let ctx = minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.clone().unwrap_or_default(),
-            eos_token => self.eos_token.clone().unwrap_or_default(),
-        };
+        let messages: Vec<serde_json::Value> = messages.iter().map(Message::for_template).collect();
+        let mut ctx: std::collections::BTreeMap<&str, minijinja::Value> = self
+            .special_tokens
+            .iter()
+            .map(|(k, v)| (*k, minijinja::Value::from(v.as_str())))
+            .collect();
+        ctx.insert("messages", minijinja::Value::from_serialize(&messages));
+        ctx.insert("tools", minijinja::Value::from_serialize(tools));
+        ctx.insert("documents", minijinja::Value::from(()));
+        ctx.insert(
+            "add_generation_prompt",
+            minijinja::Value::from(add_generation_prompt),
+        );
         let raw = env
             .get_template("chat")
             .and_then(|t| t.render(ctx))
@@ -314,9 +743,10 @@ impl TextTokenizer {
     pub fn tokenize_chat(
         &self,
         messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
         assistant_only_loss: bool,
     ) -> Result<Example> {
-        let chat = self.apply_chat_template(messages, false)?;
+        let chat = self.apply_chat_template(messages, tools, false)?;
         let (ids, offsets) = self.encode_with_offsets(&chat.text, false)?;
         let labels = if assistant_only_loss {
             if chat.generation_spans.is_empty() {
@@ -326,19 +756,10 @@ impl TextTokenizer {
                     message: "assistant_only_loss needs {% generation %} ... {% endgeneration %} around assistant replies in the chat template".into(),
                 });
             }
+            let mask = assistant_mask(&chat, &offsets);
             ids.iter()
-                .zip(&offsets)
-                .map(|(&id, &(s, e))| {
-                    let inside = chat
-                        .generation_spans
-                        .iter()
-                        .any(|g| s < g.end && e > g.start);
-                    if inside {
-                        id as i64
-                    } else {
-                        IGNORE_INDEX
-                    }
-                })
+                .zip(mask)
+                .map(|(&id, m)| if m { id as i64 } else { IGNORE_INDEX })
                 .collect()
         } else {
             ids.iter().map(|&t| t as i64).collect()
@@ -348,6 +769,35 @@ impl TextTokenizer {
             labels,
         })
     }
+}
+
+/// Which tokens are generated text, exactly as transformers' `return_assistant_tokens_mask`
+/// computes it (the mask TRL trains on): for each `{% generation %}` span, the tokens from the
+/// first one holding its first character to the first one holding its last character. A
+/// character split over several byte-level tokens at a span's end thus counts only its first
+/// token, as there.
+fn assistant_mask(chat: &RenderedChat, offsets: &[(usize, usize)]) -> Vec<bool> {
+    let mut mask = vec![false; offsets.len()];
+    let token_at = |byte: usize| offsets.iter().position(|&(s, e)| s <= byte && byte < e);
+    for span in &chat.generation_spans {
+        if span.is_empty() {
+            continue;
+        }
+        // The first byte of the span's last character.
+        let last = (span.start..span.end)
+            .rev()
+            .find(|&b| chat.text.is_char_boundary(b))
+            .unwrap_or(span.start);
+        let Some(first) = token_at(span.start) else {
+            // transformers stops at a span it cannot place (truncated text).
+            break;
+        };
+        let end = token_at(last).map_or(offsets.len(), |t| t + 1);
+        for m in mask.iter_mut().take(end).skip(first) {
+            *m = true;
+        }
+    }
+    mask
 }
 
 /// Trains a byte-level BPE tokenizer (Qwen style: digits split one by one) on `texts`, with `special_tokens`
@@ -399,4 +849,64 @@ pub fn train_bpe(
     tok.add_special_tokens(specials.clone()).map_err(fail)?;
     let json = tok.to_string(false).map_err(fail)?;
     json.parse::<tokenizers::Tokenizer>().map_err(fail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(template: &str, ctx: serde_json::Value) -> String {
+        let mut env = minijinja::Environment::new();
+        env.add_filter("tojson", tojson);
+        env.set_formatter(|out, state, value| match py_str(value) {
+            Some(s) => out.write_str(&s).map_err(|_| {
+                minijinja::Error::new(minijinja::ErrorKind::WriteFailure, "cannot write")
+            }),
+            None => minijinja::escape_formatter(out, state, value),
+        });
+        env.render_str(template, ctx).unwrap()
+    }
+
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let v = serde_json::json!({"b": [1, 2.5, 1e-5, 1e16, 3.0], "a": "é<&>\"\n", "e": {}});
+        // Keys keep their order; no HTML escaping; Python's float spellings.
+        assert_eq!(
+            render("{{ v | tojson }}", serde_json::json!({ "v": v })),
+            r#"{"b": [1, 2.5, 1e-05, 1e+16, 3.0], "a": "é<&>\"\n", "e": {}}"#
+        );
+        assert_eq!(
+            render(
+                "{{ v | tojson(indent=2, ensure_ascii=true) }}",
+                serde_json::json!({ "v": {"k": ["é"]} })
+            ),
+            "{\n  \"k\": [\n    \"\\u00e9\"\n  ]\n}"
+        );
+        assert_eq!(
+            render(
+                "{{ v | tojson(separators=(',', ':'), sort_keys=true) }}",
+                serde_json::json!({ "v": {"z": 1, "a": [1, 2]} })
+            ),
+            r#"{"a":[1,2],"z":1}"#
+        );
+    }
+
+    #[test]
+    fn printed_values_are_pythons_str() {
+        let ctx = serde_json::json!({"l": [{"t": "it's"}, null, true, 1.5], "n": null, "b": false});
+        assert_eq!(
+            render("{{ l }}|{{ n }}|{{ b }}", ctx),
+            r#"[{'t': "it's"}, None, True, 1.5]|None|False"#
+        );
+    }
+
+    #[test]
+    fn strftime_speaks_pythons_codes() {
+        // 2026-11-23 13:05:09 UTC, a Monday, day 327 of the year.
+        let t = 1_795_392_000 + 13 * 3600 + 5 * 60 + 9;
+        assert_eq!(
+            strftime("%A %a %d %b %B %Y %y %H:%M:%S %I%p %j %% %Q", t),
+            "Monday Mon 23 Nov November 2026 26 13:05:09 01PM 327 % %Q"
+        );
+    }
 }

@@ -3,8 +3,8 @@
 //! averaging over the target tokens of the whole optimizer step, logging, evaluation,
 //! checkpoints and exact resumption, and a clean stop on SIGTERM.
 //!
-//! Loss rule (DESIGN.md): per optimizer step, count the target tokens of every micro-batch on
-//! every data-parallel rank; each micro-batch contributes sum(token losses) / that count;
+//! Loss rule (docs/architecture.md): per optimizer step, count the target tokens of every
+//! micro-batch on every data-parallel rank; each micro-batch contributes sum(token losses) / that count;
 //! gradients are summed across micro-batches and ranks. So 2 ranks x batch 2, 1 rank x 2
 //! accumulation steps x batch 2 and 1 rank x batch 4 take the same steps.
 
@@ -197,16 +197,21 @@ fn truncate(mut e: Example, max_length: usize) -> PackedSequence {
 /// A held-out prompt and its expected answer (the last assistant message / the completion).
 fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>, String)>> {
     Ok(match r {
-        Record::Messages(m) if m.len() >= 2 && m.last().is_some_and(|x| x.role == "assistant") => {
-            let prompt = tok.apply_chat_template(&m[..m.len() - 1], true)?.text;
+        Record::Messages { messages: m, tools }
+            if m.len() >= 2 && m.last().is_some_and(|x| x.role == "assistant") =>
+        {
+            let prompt = tok
+                .apply_chat_template(&m[..m.len() - 1], tools.as_deref(), true)?
+                .text;
             Some((
                 tok.encode(&prompt, false)?,
-                m.last().unwrap().content.trim().to_string(),
+                m.last().unwrap().text().trim().to_string(),
             ))
         }
         Record::PromptCompletion {
             prompt: Content::Text(p),
             completion: Content::Text(c),
+            ..
         } => Some((tok.encode(p, false)?, c.trim().to_string())),
         _ => None,
     })
