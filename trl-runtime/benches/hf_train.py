@@ -21,6 +21,9 @@ SHAPES = {
     # Qwen2-0.5B: the bench's shape.
     "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    # `bench train`'s CPU reference shape (benches/support reference_config).
+    "ref": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4),
     # For checking the script itself.
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
@@ -56,7 +59,7 @@ def plain_loop(args):
     data = [b.to(args.device) for b in data]
 
     def step(ids):
-        with torch.autocast(args.device, dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -94,9 +97,11 @@ def trl_sft(args):
 
     sft_args = SFTConfig(
         output_dir="/tmp/hf-train-bench", per_device_train_batch_size=args.batch,
-        max_length=args.seq, bf16=True, learning_rate=1e-5, max_steps=args.warmup + args.steps,
+        max_length=args.seq, bf16=args.dtype == "bf16", learning_rate=1e-5, max_steps=args.warmup + args.steps,
         logging_steps=1000, save_strategy="no", report_to=[], dataset_num_proc=None,
         optim="adamw_torch_fused", use_cpu=args.device == "cpu",
+        # Stated, not left to TRL's default (on), so the comparison's setting is known.
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     # A tokenizer only for its pad and eos ids (the rows are token ids already): the bundled one.
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
@@ -118,12 +123,20 @@ def main():
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    # fp32 for the CPU comparison (ours trains the CPU shape in fp32).
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="TRL's run with it on")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(json.dumps({"framework": "transformers", "tokens_per_s": plain_loop(args)}), flush=True)
+    gc = args.gradient_checkpointing
     if args.device == "cuda":
         torch.cuda.empty_cache()
     try:
-        print(json.dumps({"framework": "trl", "tokens_per_s": trl_sft(args)}), flush=True)
+        print(json.dumps({"framework": "trl", "tokens_per_s": trl_sft(args),
+                          "gradient_checkpointing": gc}), flush=True)
     except ImportError as e:
         print(f"TRL comparison skipped: {e}", file=sys.stderr)
     except Exception:  # the transformers line above still counts

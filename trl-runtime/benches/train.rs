@@ -4,7 +4,9 @@
 //! scaling ratio between them, ZeRO-3 (per-layer units) on 2 processes against DDP on 2 in the
 //! same run and against itself without prefetching, tensor parallelism (tp = 2 on 2 processes:
 //! every layer split, the same global batch as DDP on 1) against DDP on 1 and 2, and the time
-//! from launching a process to its first finished step with the bundled tiny model.
+//! from launching a process to its first finished step with the bundled tiny model. When
+//! `python3` (or $PYTHON) imports torch, transformers (and TRL) train the same shape on one CPU
+//! thread in the same run (hf_train.py --device cpu) and the ratio to ours is printed.
 //! `comm_share` is the time a rank spent inside collectives (tensor-parallel and data-parallel
 //! groups) over the step time; collectives queued in the background (DDP buckets, ZeRO-3
 //! gathers) partly overlap compute, so for those it is an upper bound of the exposed share.
@@ -151,6 +153,50 @@ fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
         .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"))
 }
 
+/// transformers' and TRL's tokens/s on this CPU at the reference shape, fp32, one thread,
+/// without gradient checkpointing (benches/hf_train.py; nothing when torch is missing).
+fn cpu_peers() -> Vec<serde_json::Value> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/hf_train.py");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .arg(&script)
+        .args([
+            "--device",
+            "cpu",
+            "--shape",
+            "ref",
+            "--dtype",
+            "fp32",
+            "--threads",
+            "1",
+        ])
+        .args(["--seq", &SEQ.to_string(), "--batch", &BATCH.to_string()])
+        .args(["--steps", &MEASURED_STEPS.to_string(), "--warmup", "2"])
+        .output();
+    match out {
+        Ok(o) => {
+            if !o.status.success() {
+                eprintln!(
+                    "no CPU peers ({python} {}): {}",
+                    script.display(),
+                    String::from_utf8_lossy(&o.stderr)
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                );
+            }
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect()
+        }
+        Err(e) => {
+            eprintln!("no CPU peers: cannot run {python}: {e}");
+            Vec::new()
+        }
+    }
+}
+
 fn main() {
     if let Ok(kind) = std::env::var("TRL_BENCH_WORKER") {
         worker(&kind, Path::new(&std::env::var("TRL_BENCH_DIR").unwrap()));
@@ -184,6 +230,18 @@ fn main() {
         let m = measure("ref", world, tmp.path());
         line("ddp", world, &m);
         per_world.push(m.tokens_per_s);
+    }
+    // The same shape through transformers and TRL on this CPU's torch (when importable).
+    for peer in cpu_peers() {
+        let (name, theirs) = (
+            &peer["framework"],
+            peer["tokens_per_s"].as_f64().unwrap_or(0.0),
+        );
+        println!(
+            "{{\"bench\":\"train\",\"device\":\"cpu\",\"peer\":{name},\"world\":1,\"peer_tokens_per_s\":{theirs:.1},\"tokens_per_s\":{:.1},\"ratio_ours_over_peer\":{:.3},\"gradient_checkpointing\":false}}",
+            per_world[0],
+            per_world[0] / theirs
+        );
     }
     // Tensor parallelism: 2 ranks share every layer of one replica.
     let tp = measure("ref-tp", 2, tmp.path());

@@ -639,6 +639,6 @@ fn mlp(layer: &DecoderLayer, cx: &LayerCtx, h: &Tensor) -> Result<Tensor> {
 }
 
 fn plain_mlp(layer: &DecoderLayer, h: &Tensor) -> Result<Tensor> {
-    let mlp = (layer.gate_proj.forward(h)?.silu()? * layer.up_proj.forward(h)?)?;
+    let mlp = crate::nn::fused::swiglu(&layer.gate_proj.forward(h)?, &layer.up_proj.forward(h)?)?;
     Ok(layer.down_proj.forward(&mlp)?)
 }

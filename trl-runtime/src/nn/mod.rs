@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod embedding;
 pub mod flash;
+pub mod fused;
 pub mod linear;
 pub mod loss;
 pub(crate) mod memo;

@@ -22,15 +22,17 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x32 = x.to_dtype(super::precision::wide(dtype))?;
-        let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = x32.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
-        // HF casts back to the input dtype before applying the weight.
-        let normed = normed.to_dtype(dtype)?;
         match &self.weight {
-            Weight::Local(w) => normed.broadcast_mul(w),
-            Weight::Sharded(w) => fsdp::scale(&normed, w),
+            // One fused pass forward and backward (see nn::fused).
+            Weight::Local(w) => super::fused::rms_norm(x, w, self.eps),
+            Weight::Sharded(w) => {
+                let dtype = x.dtype();
+                let x32 = x.to_dtype(super::precision::wide(dtype))?;
+                let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
+                let normed = x32.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
+                // HF casts back to the input dtype before applying the weight.
+                fsdp::scale(&normed.to_dtype(dtype)?, w)
+            }
         }
     }
 }

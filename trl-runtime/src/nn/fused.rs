@@ -1,0 +1,578 @@
+//! Fused training ops: each one pass over its rows, forward and backward, instead of a chain of
+//! Candle ops that each write a full tensor (RMSNorm alone is seven forward).
+//!
+//! - [`rms_norm`]: `x / sqrt(mean(x^2) + eps) * w`, statistics in f32, the normalized value cast
+//!   to the input dtype before the weight as transformers does. Backward gives dx and dw in one
+//!   pass over the rows (dw summed per thread, then across threads).
+//! - [`swiglu`]: `silu(gate) * up`; backward gives both gradients in one pass.
+//!
+//! On CPU they run as Candle custom ops (rayon across rows, f32 math for f32/bf16/f16 inputs, no
+//! temporary tensors). Elsewhere, and for f64, they fall back to the same math in Candle ops.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D,
+};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Rows handed to one rayon task (amortizes scheduling over small hidden sizes).
+const ROWS_PER_TASK: usize = 16;
+
+/// Defines `$name` to run `$body` (an `#[inline(always)]` function) compiled for AVX2 + FMA when
+/// the CPU has them (checked once per call, cached by std), for the baseline target otherwise:
+/// the loops below are written branch-free so that LLVM vectorizes them either way.
+macro_rules! simd_dispatch {
+    ($name:ident, $avx2:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
+        fn $name<T: F32Math>($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                return unsafe { $avx2::<T>($($arg),*) };
+            }
+            $body::<T>($($arg),*)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn $avx2<T: F32Math>($($arg: $ty),*) {
+            $body::<T>($($arg),*)
+        }
+    };
+}
+
+/// e^x in f32 without branches (so it vectorizes): 2^n * p(r) with n = round(x / ln 2) and a
+/// degree-7 polynomial on |r| <= ln(2)/2 (relative error below 1e-7); x is clamped to the
+/// range where 2^n is a normal f32.
+#[inline(always)]
+fn exp_f32(x: f32) -> f32 {
+    let x = x.clamp(-87.3, 88.3);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r / 5040.0))))));
+    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
+}
+
+#[inline(always)]
+fn sigmoid(v: f32) -> f32 {
+    1.0 / (1.0 + exp_f32(-v))
+}
+
+/// Sum of squares in eight lanes (a sequential f32 sum would not vectorize).
+#[inline(always)]
+fn sum_sq<T: F32Math>(x: &[T]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v.f() * v.f();
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().map(|v| v.f() * v.f()).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Element types computed in f32.
+trait F32Math: WithDType + Send + Sync {
+    fn f(self) -> f32;
+    fn of(v: f32) -> Self;
+}
+
+impl F32Math for f32 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn of(v: f32) -> Self {
+        v
+    }
+}
+
+impl F32Math for bf16 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn of(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+impl F32Math for f16 {
+    #[inline(always)]
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn of(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+/// The contiguous elements of one input.
+fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        bail!("fused op: input is not contiguous")
+    };
+    Ok(&s.as_slice::<T>()?[start..end])
+}
+
+fn fused_on_cpu(ts: &[&Tensor]) -> bool {
+    let dtype = ts[0].dtype();
+    ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype)
+        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+struct RmsNormFwd {
+    eps: f32,
+}
+
+fn rms_norm_fwd<T: F32Math>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
+    let h = w.len();
+    let mut y = vec![T::of(0.0); x.len()];
+    y.par_chunks_mut(h * ROWS_PER_TASK)
+        .zip(x.par_chunks(h * ROWS_PER_TASK))
+        .for_each(|(ys, xs)| rms_norm_fwd_rows(ys, xs, w, eps));
+    y
+}
+
+simd_dispatch!(rms_norm_fwd_rows, rms_norm_fwd_rows_avx2, rms_norm_fwd_body, (ys: &mut [T], xs: &[T], w: &[T], eps: f32));
+
+#[inline(always)]
+fn rms_norm_fwd_body<T: F32Math>(ys: &mut [T], xs: &[T], w: &[T], eps: f32) {
+    let h = w.len();
+    for (yr, xr) in ys.chunks_mut(h).zip(xs.chunks(h)) {
+        let rstd = 1.0 / (sum_sq(xr) / h as f32 + eps).sqrt();
+        for ((o, &xi), &wi) in yr.iter_mut().zip(xr).zip(w) {
+            // Rounded to the input dtype before the weight, as transformers does.
+            *o = T::of(T::of(xi.f() * rstd).f() * wi.f());
+        }
+    }
+}
+
+impl CustomOp2 for RmsNormFwd {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(rms_norm_fwd(
+                slice::<f32>(s1, l1)?,
+                slice(s2, l2)?,
+                self.eps,
+            )),
+            DType::BF16 => CpuStorage::BF16(rms_norm_fwd(
+                slice::<bf16>(s1, l1)?,
+                slice(s2, l2)?,
+                self.eps,
+            )),
+            DType::F16 => CpuStorage::F16(rms_norm_fwd(
+                slice::<f16>(s1, l1)?,
+                slice(s2, l2)?,
+                self.eps,
+            )),
+            d => bail!("fused rms_norm: {d:?} is not supported"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let h = w.dim(0)?;
+        let rows = x.elem_count() / h;
+        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: self.eps })?;
+        let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let dw = both.narrow(0, rows, 1)?.reshape(h)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+struct RmsNormBwd {
+    eps: f32,
+}
+
+/// dx (rows x h) followed by dw (one row): for each row, with x^ = x * rstd and g = dy * w,
+/// dx = rstd * (g - x^ * mean(g * x^)), dw += dy * round(x^).
+fn rms_norm_bwd<T: F32Math>(x: &[T], w: &[T], dy: &[T], eps: f32) -> Vec<T> {
+    let h = w.len();
+    let rows = x.len() / h;
+    let mut out = vec![T::of(0.0); (rows + 1) * h];
+    let (dx, _) = out.split_at_mut(rows * h);
+    let dw = dx
+        .par_chunks_mut(h * ROWS_PER_TASK)
+        .zip(x.par_chunks(h * ROWS_PER_TASK))
+        .zip(dy.par_chunks(h * ROWS_PER_TASK))
+        .map(|((dxs, xs), dys)| {
+            let mut dw = vec![0f32; h];
+            rms_norm_bwd_rows(dxs, &mut dw, xs, dys, w, eps);
+            dw
+        })
+        .reduce(
+            || vec![0f32; h],
+            |mut a, b| {
+                a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                a
+            },
+        );
+    for (o, v) in out[rows * h..].iter_mut().zip(dw) {
+        *o = T::of(v);
+    }
+    out
+}
+
+simd_dispatch!(rms_norm_bwd_rows, rms_norm_bwd_rows_avx2, rms_norm_bwd_body, (dxs: &mut [T], dw: &mut [f32], xs: &[T], dys: &[T], w: &[T], eps: f32));
+
+#[inline(always)]
+fn rms_norm_bwd_body<T: F32Math>(
+    dxs: &mut [T],
+    dw: &mut [f32],
+    xs: &[T],
+    dys: &[T],
+    w: &[T],
+    eps: f32,
+) {
+    let h = w.len();
+    for ((dxr, xr), dyr) in dxs.chunks_mut(h).zip(xs.chunks(h)).zip(dys.chunks(h)) {
+        let rstd = 1.0 / (sum_sq(xr) / h as f32 + eps).sqrt();
+        // mean(g * x^) in eight lanes, with g = dy * w.
+        let mut acc = [0f32; 8];
+        for (i, ((&xi, &dyi), &wi)) in xr.iter().zip(dyr).zip(w).enumerate() {
+            acc[i % 8] += dyi.f() * wi.f() * xi.f();
+        }
+        let mean = acc.iter().sum::<f32>() * rstd / h as f32;
+        for ((((dx, dwi), &xi), &dyi), &wi) in
+            dxr.iter_mut().zip(dw.iter_mut()).zip(xr).zip(dyr).zip(w)
+        {
+            let xh = xi.f() * rstd;
+            *dwi += dyi.f() * T::of(xh).f();
+            *dx = T::of(rstd * (dyi.f() * wi.f() - xh * mean));
+        }
+    }
+}
+
+impl CustomOp3 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let h = l2.shape().elem_count();
+        let rows = l1.shape().elem_count() / h;
+        let out = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(rms_norm_bwd(
+                slice::<f32>(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+                self.eps,
+            )),
+            DType::BF16 => CpuStorage::BF16(rms_norm_bwd(
+                slice::<bf16>(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+                self.eps,
+            )),
+            DType::F16 => CpuStorage::F16(rms_norm_bwd(
+                slice::<f16>(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+                self.eps,
+            )),
+            d => bail!("fused rms_norm backward: {d:?} is not supported"),
+        };
+        Ok((out, Shape::from((rows + 1, h))))
+    }
+}
+
+/// RMSNorm over the last dimension of `x` with weight `w` (one value per feature).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if !fused_on_cpu(&[x, w]) {
+        return rms_norm_reference(x, w, eps);
+    }
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, RmsNormFwd { eps: eps as f32 })
+}
+
+/// The same math in Candle ops (statistics in f32 or f64).
+pub fn rms_norm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x32 = x.to_dtype(super::precision::wide(dtype))?;
+    let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = x32.broadcast_div(&(variance + eps)?.sqrt()?)?;
+    normed.to_dtype(dtype)?.broadcast_mul(w)
+}
+
+// ---------------------------------------------------------------- SwiGLU
+
+struct SwigluFwd;
+
+const ELEMS_PER_TASK: usize = 4096;
+
+fn swiglu_fwd<T: F32Math>(g: &[T], u: &[T]) -> Vec<T> {
+    let mut out = vec![T::of(0.0); g.len()];
+    out.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(
+            g.par_chunks(ELEMS_PER_TASK)
+                .zip(u.par_chunks(ELEMS_PER_TASK)),
+        )
+        .for_each(|(o, (g, u))| swiglu_fwd_chunk(o, g, u));
+    out
+}
+
+simd_dispatch!(swiglu_fwd_chunk, swiglu_fwd_chunk_avx2, swiglu_fwd_body, (o: &mut [T], g: &[T], u: &[T]));
+
+#[inline(always)]
+fn swiglu_fwd_body<T: F32Math>(o: &mut [T], g: &[T], u: &[T]) {
+    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+        let g = g.f();
+        *o = T::of(g * sigmoid(g) * u.f());
+    }
+}
+
+impl CustomOp2 for SwigluFwd {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(swiglu_fwd::<f32>(slice(s1, l1)?, slice(s2, l2)?)),
+            DType::BF16 => CpuStorage::BF16(swiglu_fwd::<bf16>(slice(s1, l1)?, slice(s2, l2)?)),
+            DType::F16 => CpuStorage::F16(swiglu_fwd::<f16>(slice(s1, l1)?, slice(s2, l2)?)),
+            d => bail!("fused swiglu: {d:?} is not supported"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = g.apply_op3_no_bwd(u, &dout.contiguous()?, &SwigluBwd)?;
+        let dg = both.narrow(0, 0, 1)?.reshape(g.shape())?;
+        let du = both.narrow(0, 1, 1)?.reshape(u.shape())?;
+        Ok((Some(dg), Some(du)))
+    }
+}
+
+struct SwigluBwd;
+
+/// dg then du: with s = sigmoid(g), dg = dout * u * s * (1 + g * (1 - s)), du = dout * g * s.
+fn swiglu_bwd<T: F32Math>(g: &[T], u: &[T], d: &[T]) -> Vec<T> {
+    let n = g.len();
+    let mut out = vec![T::of(0.0); 2 * n];
+    let (dg, du) = out.split_at_mut(n);
+    dg.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(du.par_chunks_mut(ELEMS_PER_TASK))
+        .zip(g.par_chunks(ELEMS_PER_TASK))
+        .zip(
+            u.par_chunks(ELEMS_PER_TASK)
+                .zip(d.par_chunks(ELEMS_PER_TASK)),
+        )
+        .for_each(|(((dg, du), g), (u, d))| swiglu_bwd_chunk(dg, du, g, u, d));
+    out
+}
+
+simd_dispatch!(swiglu_bwd_chunk, swiglu_bwd_chunk_avx2, swiglu_bwd_body, (dg: &mut [T], du: &mut [T], g: &[T], u: &[T], d: &[T]));
+
+#[inline(always)]
+fn swiglu_bwd_body<T: F32Math>(dg: &mut [T], du: &mut [T], g: &[T], u: &[T], d: &[T]) {
+    for ((((dg, du), &g), &u), &d) in dg.iter_mut().zip(du.iter_mut()).zip(g).zip(u).zip(d) {
+        let (gv, uv, dv) = (g.f(), u.f(), d.f());
+        let s = sigmoid(gv);
+        *dg = T::of(dv * uv * s * (1.0 + gv * (1.0 - s)));
+        *du = T::of(dv * gv * s);
+    }
+}
+
+impl CustomOp3 for SwigluBwd {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = l1.shape().elem_count();
+        let out = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(swiglu_bwd::<f32>(
+                slice(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+            )),
+            DType::BF16 => CpuStorage::BF16(swiglu_bwd::<bf16>(
+                slice(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+            )),
+            DType::F16 => CpuStorage::F16(swiglu_bwd::<f16>(
+                slice(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+            )),
+            d => bail!("fused swiglu backward: {d:?} is not supported"),
+        };
+        Ok((out, Shape::from((2, n))))
+    }
+}
+
+/// `silu(gate) * up`, elementwise (same shapes).
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if !fused_on_cpu(&[gate, up]) || gate.shape() != up.shape() {
+        return gate.silu()? * up;
+    }
+    gate.contiguous()?.apply_op2(&up.contiguous()?, SwigluFwd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn rel(a: &Tensor, b: &Tensor) -> f32 {
+        let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        let diff = (&a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
+        let norm = b.sqr().unwrap().sum_all().unwrap();
+        (diff.to_scalar::<f32>().unwrap() / norm.to_scalar::<f32>().unwrap().max(1e-30)).sqrt()
+    }
+
+    /// Forward and both gradients of `fused` against `reference` on fresh random inputs.
+    fn check(
+        dtype: DType,
+        tol: f32,
+        shape: (usize, usize, usize),
+        fused: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+        reference: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+        second_is_row: bool,
+    ) {
+        let dev = Device::Cpu;
+        let a = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, shape, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let b_shape: Shape = if second_is_row {
+            shape.2.into()
+        } else {
+            shape.into()
+        };
+        let b = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, b_shape, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let probe = Tensor::randn(0f32, 1.0, shape, &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let run = |f: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>| {
+            let y = f(a.as_tensor(), b.as_tensor()).unwrap();
+            let loss = (y.to_dtype(DType::F32).unwrap() * probe.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let g = loss.backward().unwrap();
+            (
+                y,
+                g.get(a.as_tensor()).unwrap().clone(),
+                g.get(b.as_tensor()).unwrap().clone(),
+            )
+        };
+        let (y1, da1, db1) = run(&fused);
+        let (y0, da0, db0) = run(&reference);
+        for (what, ours, theirs) in [
+            ("out", &y1, &y0),
+            ("grad a", &da1, &da0),
+            ("grad b", &db1, &db0),
+        ] {
+            let e = rel(ours, theirs);
+            assert!(e < tol, "{dtype:?} {what}: relative error {e}");
+        }
+    }
+
+    #[test]
+    fn exp_is_accurate_over_the_f32_range() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -87.0 + 175.0 * i as f64 / 200_000.0;
+            let ours = exp_f32(x as f32) as f64;
+            let exact = (x as f32 as f64).exp();
+            worst = worst.max(((ours - exact) / exact).abs());
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert!(sigmoid(-200.0) < 1e-37 && sigmoid(200.0) == 1.0);
+    }
+
+    #[test]
+    fn rms_norm_matches_the_candle_ops() {
+        let eps = 1e-6;
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+            for shape in [(2, 7, 64), (1, 33, 96), (3, 1, 8)] {
+                check(
+                    dtype,
+                    tol,
+                    shape,
+                    |x, w| rms_norm(x, w, eps),
+                    |x, w| rms_norm_reference(x, w, eps),
+                    true,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn swiglu_matches_the_candle_ops() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+            for shape in [(2, 7, 64), (1, 5000, 3)] {
+                check(dtype, tol, shape, swiglu, |g, u| g.silu()? * u, false);
+            }
+        }
+    }
+}
