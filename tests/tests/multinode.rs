@@ -68,7 +68,7 @@ fn launcher() -> PathBuf {
 }
 
 #[test]
-#[ignore = "needs root and iproute2 (network namespaces): run with `cargo test --tests -- --ignored` as root"]
+#[ignore = "needs root and iproute2 (network namespaces): run with `cargo test -- --include-ignored` as root"]
 fn two_machines_over_two_network_namespaces() {
     let m = Machines::new();
     let ip = m.master_ip();

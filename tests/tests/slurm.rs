@@ -30,7 +30,7 @@ fn cluster_up() {
 }
 
 #[test]
-#[ignore = "needs the local two-node SLURM cluster: run .ci/slurm-cluster as root, then `cargo test --tests -- --ignored`"]
+#[ignore = "needs the local two-node SLURM cluster: run .ci/slurm-cluster as root, then `cargo test -- --include-ignored`"]
 fn hostlists_expand_like_scontrol() {
     cluster_up();
     for list in [
@@ -78,7 +78,7 @@ fn srun(nodes: &str, extra: &[&str], port: &str) -> Output {
 }
 
 #[test]
-#[ignore = "needs the local two-node SLURM cluster: run .ci/slurm-cluster as root, then `cargo test --tests -- --ignored`"]
+#[ignore = "needs the local two-node SLURM cluster: run .ci/slurm-cluster as root, then `cargo test -- --include-ignored`"]
 fn launch_under_srun_on_one_and_two_nodes() {
     cluster_up();
     // One node, two processes on it.
@@ -124,7 +124,7 @@ fn wait_for_job(id: &str) {
 }
 
 #[test]
-#[ignore = "needs the local two-node SLURM cluster: run .ci/slurm-cluster as root, then `cargo test --tests -- --ignored`"]
+#[ignore = "needs the local two-node SLURM cluster: run .ci/slurm-cluster as root, then `cargo test -- --include-ignored`"]
 fn sbatch_script_runs_on_both_nodes() {
     cluster_up();
     let dir = tempfile::tempdir().unwrap();

@@ -10,7 +10,7 @@ use proc_macro::TokenStream;
 
 /// Tensor parallelism (and FSDP wrap units) from field annotations.
 ///
-/// ```ignore
+/// ```text
 /// #[derive(Parallelize)]
 /// struct Attention {
 ///     #[parallel(tp = "column")] q_proj: Linear,
@@ -35,7 +35,7 @@ pub fn derive_parallelize(input: TokenStream) -> TokenStream {
 /// Splits a training step along the sequence over the cp group (ring attention) or the sp
 /// group (Ulysses), as the launch's parallelism config says; a no-op when cp = sp = 1.
 ///
-/// ```ignore
+/// ```text
 /// #[context_parallel]
 /// fn step(model: &Model, batch: &Batch, ctx: &DistContext) -> trl_runtime::Result<LossSum> {
 ///     let logits = model.forward(&batch.input_ids, &batch.position_ids)?; // calls context_parallel::attention
