@@ -103,6 +103,25 @@ fn main() {
         ops,
         torch.get("rms_norm"),
     );
+    // Rotary on the queries: 8 heads of 32 (the reference shape), angles per position.
+    let (heads, d, seq) = (8, HIDDEN / 8, 512);
+    let q = Tensor::randn(0f32, 1.0, (TOKENS / seq, heads, seq, d), &dev).unwrap();
+    let ang = Tensor::randn(0f32, 3.0, (TOKENS / seq, seq, d), &dev).unwrap();
+    let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
+    // (The second input is unused: the angles are constants, as in the model.)
+    let ours = timed(&|q, _| fused::rotary(q, &cos, &sin), &q, &q);
+    let ops = timed(
+        &|q, _| trl_runtime::nn::rope::apply_rotary(q, &cos, &sin),
+        &q,
+        &q,
+    );
+    report(
+        "rotary",
+        &format!("{}x{heads}x{seq}x{d}", TOKENS / seq),
+        ours,
+        ops,
+        torch.get("rotary"),
+    );
     let g = Tensor::randn(0f32, 1.0, (TOKENS, INTERMEDIATE), &dev).unwrap();
     let u = Tensor::randn(0f32, 1.0, (TOKENS, INTERMEDIATE), &dev).unwrap();
     let ours = timed(&fused::swiglu, &g, &u);

@@ -50,6 +50,19 @@ def main():
     w = torch.randn(a.hidden, requires_grad=True)
     ms = timed(lambda x, w: rms_norm(x, w, 1e-6), [x, w], a.reps)
     print(json.dumps({"op": "rms_norm", "torch_ms": ms}))
+    # Rotary on the queries as transformers applies it: [batch, heads, seq, head_dim].
+    heads, seq = 8, 512
+    d = a.hidden // heads
+    q = torch.randn(a.tokens // seq, heads, seq, d, requires_grad=True)
+    ang = torch.randn(a.tokens // seq, seq, d)
+    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+
+    def rotary(q):
+        q1, q2 = q[..., : d // 2], q[..., d // 2:]
+        return q * cos + torch.cat((-q2, q1), dim=-1) * sin
+
+    ms = timed(rotary, [q], a.reps)
+    print(json.dumps({"op": "rotary", "torch_ms": ms}))
     g = torch.randn(a.tokens, a.intermediate, requires_grad=True)
     u = torch.randn(a.tokens, a.intermediate, requires_grad=True)
     ms = timed(swiglu, [g, u], a.reps)

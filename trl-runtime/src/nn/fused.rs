@@ -5,6 +5,8 @@
 //!   to the input dtype before the weight as transformers does. Backward gives dx and dw in one
 //!   pass over the rows (dw summed per thread, then across threads).
 //! - [`swiglu`]: `silu(gate) * up`; backward gives both gradients in one pass.
+//! - [`rotary`]: `x * cos + rotate_half(x) * sin` over [batch, heads, seq, head_dim] with the
+//!   angles of each (batch, position) shared by all heads; backward is the inverse rotation.
 //!
 //! On CPU they run as Candle custom ops (rayon across rows, f32 math for f32/bf16/f16 inputs, no
 //! temporary tensors). Elsewhere, and for f64, they fall back to the same math in Candle ops.
@@ -466,6 +468,150 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwigluFwd)
 }
 
+// ---------------------------------------------------------------- Rotary embedding
+
+/// Forward (`sign` 1) or its transpose, the backward (`sign` -1), for one (batch, position)
+/// row of every head: out_j = v_j cos_j - v_{j+h} sin_j (j < h) and v_j cos_j + v_{j-h} sin_j
+/// (j >= h) forward; the transpose swaps which sin each term takes.
+#[inline(always)]
+fn rotary_body<T: F32Math>(out: &mut [T], v: &[T], cos: &[T], sin: &[T], sign: f32) {
+    let half = cos.len() / 2;
+    let (o1, o2) = out.split_at_mut(half);
+    let (v1, v2) = v.split_at(half);
+    let (c1, c2) = cos.split_at(half);
+    let (s1, s2) = sin.split_at(half);
+    for j in 0..half {
+        let (a, b) = (v1[j].f(), v2[j].f());
+        if sign > 0.0 {
+            o1[j] = T::of(a * c1[j].f() - b * s1[j].f());
+            o2[j] = T::of(b * c2[j].f() + a * s2[j].f());
+        } else {
+            o1[j] = T::of(a * c1[j].f() + b * s2[j].f());
+            o2[j] = T::of(b * c2[j].f() - a * s1[j].f());
+        }
+    }
+}
+
+#[inline(always)]
+fn rotary_rows_body<T: F32Math>(
+    out: &mut [T],
+    v: &[T],
+    cos: &[T],
+    sin: &[T],
+    first_row: usize,
+    dims: (usize, usize, usize),
+    sign: f32,
+) {
+    let (heads, seq, d) = dims;
+    for (i, (o, x)) in out.chunks_mut(d).zip(v.chunks(d)).enumerate() {
+        let row = first_row + i;
+        let (batch, pos) = (row / (heads * seq), row % seq);
+        let at = (batch * seq + pos) * d;
+        rotary_body(o, x, &cos[at..at + d], &sin[at..at + d], sign);
+    }
+}
+
+simd_dispatch!(rotary_rows, rotary_rows_avx2, rotary_rows_body, (out: &mut [T], v: &[T], cos: &[T], sin: &[T], first_row: usize, dims: (usize, usize, usize), sign: f32));
+
+fn rotary_cpu<T: F32Math>(
+    v: &[T],
+    cos: &[T],
+    sin: &[T],
+    dims: (usize, usize, usize),
+    sign: f32,
+) -> Vec<T> {
+    let d = dims.2;
+    let mut out = vec![T::of(0.0); v.len()];
+    out.par_chunks_mut(d * ROWS_PER_TASK)
+        .zip(v.par_chunks(d * ROWS_PER_TASK))
+        .enumerate()
+        .for_each(|(t, (o, x))| rotary_rows(o, x, cos, sin, t * ROWS_PER_TASK, dims, sign));
+    out
+}
+
+struct Rotary {
+    /// 1 forward, -1 the backward (the transposed rotation).
+    sign: f32,
+}
+
+impl CustomOp3 for Rotary {
+    fn name(&self) -> &'static str {
+        if self.sign > 0.0 {
+            "fused-rotary"
+        } else {
+            "fused-rotary-bwd"
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, heads, seq, d) = l1.shape().dims4()?;
+        let dims = (heads, seq, d);
+        let sign = self.sign;
+        let out = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(rotary_cpu::<f32>(
+                slice(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+                dims,
+                sign,
+            )),
+            DType::BF16 => CpuStorage::BF16(rotary_cpu::<bf16>(
+                slice(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+                dims,
+                sign,
+            )),
+            DType::F16 => CpuStorage::F16(rotary_cpu::<f16>(
+                slice(s1, l1)?,
+                slice(s2, l2)?,
+                slice(s3, l3)?,
+                dims,
+                sign,
+            )),
+            d => bail!("fused rotary: {d:?} is not supported"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // The angles come from position ids: no gradient for them.
+        let dx = dy
+            .contiguous()?
+            .apply_op3_no_bwd(cos, sin, &Rotary { sign: -self.sign })?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+/// Rotates `x` [batch, heads, seq, head_dim] by `cos`/`sin` [batch, seq, head_dim] (as
+/// `nn::rope::apply_rotary`).
+pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let shapes_fit = x.rank() == 4 && cos.rank() == 3 && {
+        let (b, _, s, d) = x.dims4()?;
+        cos.dims() == [b, s, d] && sin.dims() == [b, s, d] && d % 2 == 0
+    };
+    if !fused_on_cpu(&[x, cos, sin]) || !shapes_fit {
+        return super::rope::apply_rotary(x, cos, sin);
+    }
+    x.contiguous()?
+        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary { sign: 1.0 })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -563,6 +709,43 @@ mod tests {
                     |x, w| rms_norm_reference(x, w, eps),
                     true,
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn rotary_matches_the_candle_ops() {
+        let dev = Device::Cpu;
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+            for (b, h, s, d) in [(2, 3, 5, 8), (1, 4, 33, 64)] {
+                // Angles as the model makes them: per batch row and position, halves repeated.
+                let ang = Tensor::randn(0f32, 3.0, (b, s, d / 2), &dev).unwrap();
+                let ang = Tensor::cat(&[&ang, &ang], 2).unwrap();
+                let (cos, sin) = (
+                    ang.cos().unwrap().to_dtype(dtype).unwrap(),
+                    ang.sin().unwrap().to_dtype(dtype).unwrap(),
+                );
+                let x = Var::from_tensor(
+                    &Tensor::randn(0f32, 1.0, (b, h, s, d), &dev)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap(),
+                )
+                .unwrap();
+                let probe = Tensor::randn(0f32, 1.0, (b, h, s, d), &dev).unwrap();
+                let run = |f: &dyn Fn(&Tensor) -> Result<Tensor>| {
+                    let y = f(x.as_tensor()).unwrap();
+                    let loss = (y.to_dtype(DType::F32).unwrap() * &probe)
+                        .unwrap()
+                        .sum_all()
+                        .unwrap();
+                    let g = loss.backward().unwrap();
+                    (y, g.get(x.as_tensor()).unwrap().clone())
+                };
+                let (y1, g1) = run(&|x| rotary(x, &cos, &sin));
+                let (y0, g0) = run(&|x| crate::nn::rope::apply_rotary(x, &cos, &sin));
+                assert!(rel(&y1, &y0) < tol, "{dtype:?} out {}", rel(&y1, &y0));
+                assert!(rel(&g1, &g0) < tol, "{dtype:?} grad {}", rel(&g1, &g0));
             }
         }
     }
