@@ -117,6 +117,28 @@ impl F32Math for f16 {
     }
 }
 
+/// The result of `$body`, computed with `$t` the element type of `$dtype` (f32, bf16 or f16),
+/// as CPU storage.
+macro_rules! per_dtype {
+    ($dtype:expr, $what:literal, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                CpuStorage::F32($body)
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                CpuStorage::BF16($body)
+            }
+            DType::F16 => {
+                type $t = f16;
+                CpuStorage::F16($body)
+            }
+            d => bail!("{}: {d:?} is not supported", $what),
+        }
+    };
+}
+
 /// The contiguous elements of one input.
 fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     let Some((start, end)) = l.contiguous_offsets() else {
@@ -172,24 +194,11 @@ impl CustomOp2 for RmsNormFwd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(rms_norm_fwd(
-                slice::<f32>(s1, l1)?,
-                slice(s2, l2)?,
-                self.eps,
-            )),
-            DType::BF16 => CpuStorage::BF16(rms_norm_fwd(
-                slice::<bf16>(s1, l1)?,
-                slice(s2, l2)?,
-                self.eps,
-            )),
-            DType::F16 => CpuStorage::F16(rms_norm_fwd(
-                slice::<f16>(s1, l1)?,
-                slice(s2, l2)?,
-                self.eps,
-            )),
-            d => bail!("fused rms_norm: {d:?} is not supported"),
-        };
+        let out = per_dtype!(s1.dtype(), "fused rms_norm", |T| rms_norm_fwd(
+            slice::<T>(s1, l1)?,
+            slice(s2, l2)?,
+            self.eps,
+        ));
         Ok((out, l1.shape().clone()))
     }
 
@@ -288,27 +297,12 @@ impl CustomOp3 for RmsNormBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let h = l2.shape().elem_count();
         let rows = l1.shape().elem_count() / h;
-        let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(rms_norm_bwd(
-                slice::<f32>(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-                self.eps,
-            )),
-            DType::BF16 => CpuStorage::BF16(rms_norm_bwd(
-                slice::<bf16>(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-                self.eps,
-            )),
-            DType::F16 => CpuStorage::F16(rms_norm_bwd(
-                slice::<f16>(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-                self.eps,
-            )),
-            d => bail!("fused rms_norm backward: {d:?} is not supported"),
-        };
+        let out = per_dtype!(s1.dtype(), "fused rms_norm backward", |T| rms_norm_bwd(
+            slice::<T>(s1, l1)?,
+            slice(s2, l2)?,
+            slice(s3, l3)?,
+            self.eps,
+        ));
         Ok((out, Shape::from((rows + 1, h))))
     }
 }
@@ -370,12 +364,10 @@ impl CustomOp2 for SwigluFwd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(swiglu_fwd::<f32>(slice(s1, l1)?, slice(s2, l2)?)),
-            DType::BF16 => CpuStorage::BF16(swiglu_fwd::<bf16>(slice(s1, l1)?, slice(s2, l2)?)),
-            DType::F16 => CpuStorage::F16(swiglu_fwd::<f16>(slice(s1, l1)?, slice(s2, l2)?)),
-            d => bail!("fused swiglu: {d:?} is not supported"),
-        };
+        let out = per_dtype!(s1.dtype(), "fused swiglu", |T| swiglu_fwd::<T>(
+            slice(s1, l1)?,
+            slice(s2, l2)?
+        ));
         Ok((out, l1.shape().clone()))
     }
 
@@ -438,24 +430,11 @@ impl CustomOp3 for SwigluBwd {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let n = l1.shape().elem_count();
-        let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(swiglu_bwd::<f32>(
-                slice(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-            )),
-            DType::BF16 => CpuStorage::BF16(swiglu_bwd::<bf16>(
-                slice(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-            )),
-            DType::F16 => CpuStorage::F16(swiglu_bwd::<f16>(
-                slice(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-            )),
-            d => bail!("fused swiglu backward: {d:?} is not supported"),
-        };
+        let out = per_dtype!(s1.dtype(), "fused swiglu backward", |T| swiglu_bwd::<T>(
+            slice(s1, l1)?,
+            slice(s2, l2)?,
+            slice(s3, l3)?,
+        ));
         Ok((out, Shape::from((2, n))))
     }
 }
@@ -555,30 +534,13 @@ impl CustomOp3 for Rotary {
         let (_, heads, seq, d) = l1.shape().dims4()?;
         let dims = (heads, seq, d);
         let sign = self.sign;
-        let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(rotary_cpu::<f32>(
-                slice(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-                dims,
-                sign,
-            )),
-            DType::BF16 => CpuStorage::BF16(rotary_cpu::<bf16>(
-                slice(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-                dims,
-                sign,
-            )),
-            DType::F16 => CpuStorage::F16(rotary_cpu::<f16>(
-                slice(s1, l1)?,
-                slice(s2, l2)?,
-                slice(s3, l3)?,
-                dims,
-                sign,
-            )),
-            d => bail!("fused rotary: {d:?} is not supported"),
-        };
+        let out = per_dtype!(s1.dtype(), "fused rotary", |T| rotary_cpu::<T>(
+            slice(s1, l1)?,
+            slice(s2, l2)?,
+            slice(s3, l3)?,
+            dims,
+            sign,
+        ));
         Ok((out, l1.shape().clone()))
     }
 
