@@ -65,7 +65,6 @@ pub struct View {
     last_plain: Option<Instant>,
     /// The first step seen and when (for the plain line's rate and ETA).
     first: Option<(u64, Instant)>,
-    last_step: Option<Event>,
     /// The last checkpoint rank 0 reported.
     pub last_checkpoint: Option<String>,
 }
@@ -74,20 +73,11 @@ impl View {
     /// A bar on a terminal, plain lines every `plain_every` otherwise.
     pub fn new(interactive: bool, plain_every: Duration) -> View {
         View {
-            bar: interactive.then(|| {
-                let bar = indicatif::ProgressBar::hidden();
-                bar.set_style(
-                    indicatif::ProgressStyle::with_template(
-                        "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-                    )
-                    .expect("valid template"),
-                );
-                bar
-            }),
+            // Hidden until rank 0's first step (the launcher builds the program first).
+            bar: interactive.then(|| styled(indicatif::ProgressBar::hidden())),
             plain_every,
             last_plain: None,
             first: None,
-            last_step: None,
             last_checkpoint: None,
         }
     }
@@ -151,7 +141,6 @@ impl View {
                         let _ = writeln!(std::io::stderr().lock(), "{line}");
                     }
                 }
-                self.last_step = Some(event);
             }
         }
     }
@@ -162,6 +151,17 @@ impl View {
             bar.abandon();
         }
     }
+}
+
+/// The one look of a training progress bar (the trainer's own, and the launcher's).
+pub fn styled(bar: indicatif::ProgressBar) -> indicatif::ProgressBar {
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .expect("valid template"),
+    );
+    bar
 }
 
 /// `progress: step 40/100 (40%) loss 2.1234 lr 1.00e-04 1234 tok/s elapsed 0:12 eta 0:18`

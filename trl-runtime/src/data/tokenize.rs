@@ -99,6 +99,8 @@ pub struct TextTokenizer {
     /// transformers' `special_tokens_map`: the special tokens tokenizer_config.json names,
     /// which every template sees as variables (`bos_token`, `eos_token`, ...).
     special_tokens: Vec<(&'static str, String)>,
+    /// The chat template compiled in [`template_env`], or why it does not compile.
+    compiled: std::sync::OnceLock<std::result::Result<minijinja::Environment<'static>, String>>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     pub eos_token_id: Option<u32>,
@@ -156,95 +158,40 @@ fn rewrite_generation_tags(template: &str) -> String {
     out
 }
 
-/// The local time for `strftime_now` as Python's `datetime.now().strftime` writes it (UTC
-/// here), or SOURCE_DATE_EPOCH's when set (reproducible renders, the fixture's pinned date).
-/// Codes: %d %m %Y %y %B %b %A %a %H %I %M %S %p %j %%; others are kept as written.
+/// The time for `strftime_now` as Python's `datetime.now().strftime` writes it (UTC here), or
+/// SOURCE_DATE_EPOCH's when set (reproducible renders, the fixture's pinned date).
 fn strftime_now(format: String) -> String {
     let secs = std::env::var("SOURCE_DATE_EPOCH")
         .ok()
         .and_then(|s| s.trim().parse::<i64>().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs() as i64)
-        });
+        .unwrap_or_else(|| chrono::Utc::now().timestamp());
     strftime(&format, secs)
 }
 
+/// chrono's strftime, with codes it does not know kept as written (as Python's strftime keeps
+/// them) instead of failing.
 fn strftime(format: &str, secs: i64) -> String {
-    let days = secs.div_euclid(86_400);
-    let of_day = secs.rem_euclid(86_400);
-    let (hour, minute, second) = (of_day / 3600, of_day / 60 % 60, of_day % 60);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const WEEKDAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
-    let name = MONTHS[(month - 1) as usize];
-    // 1970-01-01 was a Thursday.
-    let weekday = WEEKDAYS[(days + 3).rem_euclid(7) as usize];
-    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    const BEFORE: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = BEFORE[(month - 1) as usize] + day + i64::from(leap && month > 2);
-    let mut out = String::with_capacity(format.len() + 16);
+    use chrono::format::{Item, StrftimeItems};
+    let known = |code: char| !StrftimeItems::new(&format!("%{code}")).any(|i| i == Item::Error);
+    let mut escaped = String::with_capacity(format.len() + 4);
     let mut chars = format.chars();
     while let Some(c) = chars.next() {
         if c != '%' {
-            out.push(c);
+            escaped.push(c);
             continue;
         }
         match chars.next() {
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", year % 100)),
-            Some('B') => out.push_str(name),
-            Some('b') => out.push_str(&name[..3]),
-            Some('A') => out.push_str(weekday),
-            Some('a') => out.push_str(&weekday[..3]),
-            Some('H') => out.push_str(&format!("{hour:02}")),
-            Some('I') => out.push_str(&format!("{:02}", (hour + 11) % 12 + 1)),
-            Some('M') => out.push_str(&format!("{minute:02}")),
-            Some('S') => out.push_str(&format!("{second:02}")),
-            Some('p') => out.push_str(if hour < 12 { "AM" } else { "PM" }),
-            Some('j') => out.push_str(&format!("{yday:03}")),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
+            Some(code) => {
+                escaped.push_str(if known(code) { "%" } else { "%%" });
+                escaped.push(code);
             }
-            None => out.push('%'),
+            None => escaped.push_str("%%"),
         }
     }
-    out
+    chrono::DateTime::from_timestamp(secs, 0)
+        .unwrap_or_default()
+        .format(&escaped)
+        .to_string()
 }
 
 /// transformers' `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=None,
@@ -495,6 +442,58 @@ fn py_float(f: f64) -> String {
     }
 }
 
+/// transformers' Jinja environment for chat templates: trim_blocks and lstrip_blocks, its
+/// own tojson, raise_exception and strftime_now, values printed as Python's str(), loop
+/// controls and Python's string methods.
+fn template_env() -> minijinja::Environment<'static> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.add_filter("tojson", tojson);
+    // Printed values and `|string` as Python's str(): None, True, [{'a': 1}].
+    env.set_formatter(|out, state, value| match py_str(value) {
+        Some(s) => out
+            .write_str(&s)
+            .map_err(|_| minijinja::Error::new(minijinja::ErrorKind::WriteFailure, "cannot write")),
+        None => minijinja::escape_formatter(out, state, value),
+    });
+    env.add_filter("string", |v: minijinja::Value| match py_str(&v) {
+        Some(s) => minijinja::Value::from(s),
+        None if v.is_undefined() => minijinja::Value::from(""),
+        None => minijinja::Value::from(v.to_string()),
+    });
+    env.add_filter(
+        "trim",
+        |v: minijinja::Value, chars: Option<String>| -> String {
+            let text = py_str(&v).unwrap_or_else(|| v.to_string());
+            match chars {
+                Some(c) => text.trim_matches(|x| c.contains(x)).to_string(),
+                None => text.trim().to_string(),
+            }
+        },
+    );
+    // Jinja2: None is not iterable (minijinja iterates it as empty); undefined is.
+    env.add_test("iterable", |v: minijinja::Value| {
+        use minijinja::value::ValueKind as K;
+        matches!(
+            v.kind(),
+            K::Undefined | K::String | K::Seq | K::Map | K::Iterable
+        )
+    });
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_function("strftime_now", strftime_now);
+    env
+}
+
 impl TextTokenizer {
     /// Loads `tokenizer.json` and `tokenizer_config.json` (and `chat_template.jinja` if present)
     /// from a model directory.
@@ -586,6 +585,7 @@ impl TextTokenizer {
             chat_template,
             template_source,
             special_tokens,
+            compiled: std::sync::OnceLock::new(),
             bos_token,
             eos_token,
             eos_token_id,
@@ -597,6 +597,7 @@ impl TextTokenizer {
     pub fn with_chat_template(mut self, template: String, source: PathBuf) -> Self {
         self.chat_template = Some(template);
         self.template_source = source;
+        self.compiled = std::sync::OnceLock::new();
         self
     }
 
@@ -645,62 +646,24 @@ impl TextTokenizer {
             key: "chat_template".into(),
             message: "this tokenizer has no chat template: conversational data needs one (add chat_template to tokenizer_config.json)".into(),
         })?;
-        // transformers' environment: trim_blocks and lstrip_blocks, its own tojson,
-        // raise_exception and strftime_now, loop controls.
-        let mut env = minijinja::Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.add_filter("tojson", tojson);
-        // Printed values and `|string` as Python's str(): None, True, [{'a': 1}].
-        env.set_formatter(|out, state, value| match py_str(value) {
-            Some(s) => out.write_str(&s).map_err(|_| {
-                minijinja::Error::new(minijinja::ErrorKind::WriteFailure, "cannot write")
-            }),
-            None => minijinja::escape_formatter(out, state, value),
-        });
-        env.add_filter("string", |v: minijinja::Value| match py_str(&v) {
-            Some(s) => minijinja::Value::from(s),
-            None if v.is_undefined() => minijinja::Value::from(""),
-            None => minijinja::Value::from(v.to_string()),
-        });
-        env.add_filter(
-            "trim",
-            |v: minijinja::Value, chars: Option<String>| -> String {
-                let text = py_str(&v).unwrap_or_else(|| v.to_string());
-                match chars {
-                    Some(c) => text.trim_matches(|x| c.contains(x)).to_string(),
-                    None => text.trim().to_string(),
-                }
-            },
-        );
-        // Jinja2: None is not iterable (minijinja iterates it as empty); undefined is.
-        env.add_test("iterable", |v: minijinja::Value| {
-            use minijinja::value::ValueKind as K;
-            matches!(
-                v.kind(),
-                K::Undefined | K::String | K::Seq | K::Map | K::Iterable
-            )
-        });
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_function("strftime_now", strftime_now);
-        let template_error = |e: minijinja::Error| Error::Config {
+        let template_error = |message: String| Error::Config {
             file: source.clone(),
             key: "chat_template".into(),
-            message: format!("template error: {e}"),
+            message,
         };
-        // Jinja2 reads every newline of a template as "\n" (its newline_sequence).
-        let template = template.replace("\r\n", "\n").replace('\r', "\n");
-        env.add_template_owned("chat", rewrite_generation_tags(&template))
-            .map_err(template_error)?;
+        // Compiled once per tokenizer, not per conversation.
+        let env = self
+            .compiled
+            .get_or_init(|| {
+                let mut env = template_env();
+                // Jinja2 reads every newline of a template as "\n" (its newline_sequence).
+                let template = template.replace("\r\n", "\n").replace('\r', "\n");
+                env.add_template_owned("chat", rewrite_generation_tags(&template))
+                    .map_err(|e| format!("template error: {e}"))?;
+                Ok(env)
+            })
+            .as_ref()
+            .map_err(|m| template_error(m.clone()))?;
         let messages: Vec<serde_json::Value> = messages.iter().map(Message::for_template).collect();
         let mut ctx: std::collections::BTreeMap<&str, minijinja::Value> = self
             .special_tokens
@@ -717,7 +680,7 @@ impl TextTokenizer {
         let raw = env
             .get_template("chat")
             .and_then(|t| t.render(ctx))
-            .map_err(template_error)?;
+            .map_err(|e| template_error(format!("template error: {e}")))?;
         let mut text = String::with_capacity(raw.len());
         let mut spans = Vec::new();
         let mut open: Option<usize> = None;
@@ -856,15 +819,7 @@ mod tests {
     use super::*;
 
     fn render(template: &str, ctx: serde_json::Value) -> String {
-        let mut env = minijinja::Environment::new();
-        env.add_filter("tojson", tojson);
-        env.set_formatter(|out, state, value| match py_str(value) {
-            Some(s) => out.write_str(&s).map_err(|_| {
-                minijinja::Error::new(minijinja::ErrorKind::WriteFailure, "cannot write")
-            }),
-            None => minijinja::escape_formatter(out, state, value),
-        });
-        env.render_str(template, ctx).unwrap()
+        template_env().render_str(template, ctx).unwrap()
     }
 
     #[test]

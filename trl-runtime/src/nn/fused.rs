@@ -309,7 +309,9 @@ impl CustomOp3 for RmsNormBwd {
 
 /// RMSNorm over the last dimension of `x` with weight `w` (one value per feature).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if !fused_on_cpu(&[x, w]) {
+    // The kernel reads `w` as one value per feature of `x`'s rows.
+    let one_per_feature = w.rank() == 1 && x.rank() > 0 && w.dim(0)? == x.dim(D::Minus1)?;
+    if !fused_on_cpu(&[x, w]) || !one_per_feature {
         return rms_norm_reference(x, w, eps);
     }
     x.contiguous()?
@@ -318,11 +320,17 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 
 /// The same math in Candle ops (statistics in f32 or f64).
 pub fn rms_norm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    rms_normalize(x, eps)?.broadcast_mul(w)
+}
+
+/// `x / sqrt(mean(x^2) + eps)` in Candle ops, cast back to `x`'s dtype before any weight (as
+/// transformers does); for weights this rank does not hold whole (`nn::RmsNorm`).
+pub fn rms_normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let x32 = x.to_dtype(super::precision::wide(dtype))?;
     let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = x32.broadcast_div(&(variance + eps)?.sqrt()?)?;
-    normed.to_dtype(dtype)?.broadcast_mul(w)
+    x32.broadcast_div(&(variance + eps)?.sqrt()?)?
+        .to_dtype(dtype)
 }
 
 // ---------------------------------------------------------------- SwiGLU

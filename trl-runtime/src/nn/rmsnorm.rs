@@ -5,7 +5,7 @@ use super::Weight;
 use crate::error::Result as TrlResult;
 use crate::parallel::fsdp;
 use crate::tp::{child_name, Parallelize, Split};
-use candle_core::{Result, Tensor, D};
+use candle_core::{Result, Tensor};
 
 #[derive(Clone)]
 pub struct RmsNorm {
@@ -25,14 +25,7 @@ impl RmsNorm {
         match &self.weight {
             // One fused pass forward and backward (see nn::fused).
             Weight::Local(w) => super::fused::rms_norm(x, w, self.eps),
-            Weight::Sharded(w) => {
-                let dtype = x.dtype();
-                let x32 = x.to_dtype(super::precision::wide(dtype))?;
-                let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
-                let normed = x32.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
-                // HF casts back to the input dtype before applying the weight.
-                fsdp::scale(&normed.to_dtype(dtype)?, w)
-            }
+            Weight::Sharded(w) => fsdp::scale(&super::fused::rms_normalize(x, self.eps)?, w),
         }
     }
 }

@@ -1091,13 +1091,7 @@ fn progress_bar(visible: bool, total: usize, position: usize) -> indicatif::Prog
     if !visible {
         return indicatif::ProgressBar::hidden();
     }
-    let bar = indicatif::ProgressBar::new(total as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .expect("valid template"),
-    );
+    let bar = crate::progress::styled(indicatif::ProgressBar::new(total as u64));
     bar.set_position(position as u64);
     bar
 }
