@@ -112,5 +112,5 @@ pub fn write_all(dir: &Path) -> trl_runtime::Result<()> {
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
     )?;
-    params.save(&model_dir, &cfg, None)
+    params.save(&model_dir, &cfg.to_json_pretty(), None)
 }

@@ -199,9 +199,9 @@ fn mismatched_weights_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("model.layers.0.mlp.gate_proj.weight")
-            && e.contains("[24, 16]")
-            && e.contains("[32, 16]"),
+        e.contains("model.layers.0.mlp.down_proj.weight")
+            && e.contains("[16, 24]")
+            && e.contains("[16, 32]"),
         "{e}"
     );
     // An untied config misses lm_head.

@@ -1,11 +1,14 @@
-//! Trainable decoder-only models in Hugging Face formats: Llama and Qwen2 (one implementation,
-//! the differences are configuration), built from `config.json`, loaded from and saved to
-//! `model.safetensors` or a sharded `model.safetensors.index.json` with HF tensor names.
+//! Trainable decoder-only models in Hugging Face formats, loaded from and saved to
+//! `model.safetensors` or a sharded `model.safetensors.index.json` with HF tensor names:
+//! any model implementing [`CausalModel`] (trained as a [`Model`]), and the built-in Llama /
+//! Qwen2 decoder (one implementation, the differences are configuration).
 
+pub mod causal;
 pub mod config;
 pub mod decoder;
 pub mod params;
 
 pub use config::{Architecture, ModelConfig};
-pub use decoder::CausalLm;
+pub use causal::{CausalModel, LayerInputs, Model};
+pub use decoder::{CausalLm, Llama};
 pub use params::Params;

@@ -75,7 +75,7 @@ impl Params {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let files = WeightFiles::open(dir.as_ref(), cfg)?;
+        let files = WeightFiles::open_for(dir.as_ref(), cfg)?;
         let mut vars = BTreeMap::new();
         for (name, _) in cfg.parameter_shapes() {
             let t = files.load(&name, dtype, device)?;
@@ -90,13 +90,13 @@ impl Params {
     pub fn save(
         &self,
         dir: impl AsRef<Path>,
-        cfg: &ModelConfig,
+        config_json: &str,
         max_shard_bytes: Option<usize>,
     ) -> Result<()> {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
-        write_atomic(&dir.join(CONFIG_FILE), cfg.to_json_pretty().as_bytes())?;
+        write_atomic(&dir.join(CONFIG_FILE), config_json.as_bytes())?;
         let tensors: Vec<(String, Tensor)> = self
             .vars
             .iter()
@@ -182,9 +182,8 @@ pub struct WeightFiles {
 }
 
 impl WeightFiles {
-    /// Opens the weights of `dir` and checks them against `cfg`: every parameter present
-    /// with the right shape, nothing unexpected.
-    pub fn open(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
+    /// Opens the weights of `dir` (one file or a sharded index), memory-mapped.
+    pub fn open(dir: &Path) -> Result<Self> {
         let (files, where_is) = weight_files(dir)?;
         let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::Config {
             file: files
@@ -195,49 +194,76 @@ impl WeightFiles {
             key: "<safetensors>".into(),
             message: format!("cannot read the weights: {e}"),
         })?;
-        let this = WeightFiles {
+        Ok(WeightFiles {
             st,
             where_is,
             dir: dir.to_path_buf(),
-        };
-        let present: HashMap<String, Vec<usize>> = this
+        })
+    }
+
+    /// Whether the files hold tensor `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.st.get(name).is_ok()
+    }
+
+    /// Checks the files against the parameters a model expects: every one present with its
+    /// shape, nothing unexpected but `aliases` (names a tied weight also goes by) and buffers
+    /// that are not parameters.
+    pub fn check(
+        &self,
+        expected: &BTreeMap<String, Vec<usize>>,
+        aliases: &std::collections::HashSet<String>,
+    ) -> Result<()> {
+        let present: HashMap<String, Vec<usize>> = self
             .st
             .tensors()
             .into_iter()
             .map(|(name, view)| (name, view.shape().to_vec()))
             .collect();
-        let expected = cfg.parameter_shapes();
-        for (name, shape) in &expected {
+        for (name, shape) in expected {
             let Some(found) = present.get(name) else {
                 return Err(Error::Config {
-                    file: dir.display().to_string(),
+                    file: self.dir.display().to_string(),
                     key: name.clone(),
                     message: format!("tensor missing from the checkpoint (expected shape {shape:?} from config.json)"),
                 });
             };
             if found != shape {
                 return Err(Error::Config {
-                    file: this.file_of(name),
+                    file: self.file_of(name),
                     key: name.clone(),
                     message: format!("tensor has shape {found:?} but config.json implies {shape:?}: the weights and config.json do not belong together"),
                 });
             }
         }
-        let known: std::collections::HashSet<&str> =
-            expected.iter().map(|(n, _)| n.as_str()).collect();
-        for name in present.keys() {
-            let tied_head = cfg.tie_word_embeddings && name == "lm_head.weight";
-            if !known.contains(name.as_str()) && !is_ignorable(name) && !tied_head {
-                return Err(Error::Config {
-                    file: this.file_of(name),
-                    key: name.clone(),
-                    message: format!(
-                        "unexpected tensor for a {} model with this config.json",
-                        cfg.model_type
-                    ),
-                });
-            }
+        let mut unexpected: Vec<&String> = present
+            .keys()
+            .filter(|n| !expected.contains_key(*n) && !aliases.contains(*n) && !is_ignorable(n))
+            .collect();
+        unexpected.sort();
+        if let Some(name) = unexpected.first() {
+            return Err(Error::Config {
+                file: self.file_of(name),
+                key: (*name).clone(),
+                message: format!(
+                    "unexpected tensor for this model and config.json ({} unexpected in all): \
+                     the weights and config.json do not belong together",
+                    unexpected.len()
+                ),
+            });
         }
+        Ok(())
+    }
+
+    /// Opens the weights of `dir` and checks them against a Llama / Qwen2 `cfg`.
+    pub fn open_for(dir: &Path, cfg: &ModelConfig) -> Result<Self> {
+        let this = Self::open(dir)?;
+        let expected: BTreeMap<String, Vec<usize>> = cfg.parameter_shapes().into_iter().collect();
+        let aliases = match cfg.tie_word_embeddings {
+            true => ["lm_head.weight".to_string()].into(),
+            false => Default::default(),
+        };
+        this.check(&expected, &aliases)?;
         Ok(this)
     }
 
@@ -339,7 +365,7 @@ impl WeightFiles {
 }
 
 /// Which file of a sharded index holds a tensor (None: the single file).
-type FileOf = Box<dyn Fn(&str) -> Option<String>>;
+type FileOf = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 /// The weight files of a checkpoint directory and a lookup from tensor name to its file.
 fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {

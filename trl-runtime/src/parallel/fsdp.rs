@@ -269,6 +269,11 @@ impl ShardedWeight {
     pub fn dims(&self) -> &[usize] {
         self.unit.layout.entries()[self.entry].1.dims()
     }
+
+    /// The compute dtype (the unit's).
+    pub fn dtype(&self) -> DType {
+        self.unit.lock().shard.dtype()
+    }
 }
 
 enum OpKind {
@@ -744,7 +749,7 @@ impl ShardedModel {
     /// Enters layer `l`'s unit (and starts gathering the next unit); the returned scope frees
     /// it if `l` is the unit's last layer.
     pub fn enter_layer(&self, l: usize) -> Result<Option<UnitScope<'_>>> {
-        let Some((u, last)) = self.layers[l] else {
+        let Some((u, last)) = self.layers.get(l).copied().flatten() else {
             return Ok(None);
         };
         let unit = &self.units[u];

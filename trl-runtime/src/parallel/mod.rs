@@ -25,7 +25,7 @@ use crate::config::LaunchPlan;
 use crate::dist::mesh::{Axis, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::models::CausalLm;
+use crate::models::{CausalModel, Model};
 use crate::nn::seq_attention::SeqSplit;
 use crate::nn::AttentionImpl;
 use crate::tp::{state as tp_state, TpNorm};
@@ -202,8 +202,8 @@ pub struct Parallelized {
 
 /// Applies the strategies to `model` in their fixed order (see the module docs) and builds
 /// the optimizer the data-parallel strategy keeps, from `resume`'s state when resuming.
-pub fn parallelize(
-    model: &mut CausalLm,
+pub fn parallelize<N: CausalModel>(
+    model: &mut Model<N>,
     ctx: &DistContext,
     opts: &ParallelOptions,
     resume: Resume,
@@ -264,6 +264,12 @@ pub fn parallelize(
     model.tiled_loss = opts.tiled_loss;
     model.tiled_mlp = opts.tiled_mlp;
     let fsdp = matches!(opts.strategy, Strategy::Fsdp(..));
+    if opts.tiled_mlp && !N::supports_tiled_mlp() && main {
+        tracing::warn!(
+            "tiled_mlp: ignored, this model's layers do not tile their MLP \
+             (CausalModel::supports_tiled_mlp is false)"
+        );
+    }
     if opts.tiled_mlp && fsdp && main {
         tracing::warn!(
             "tiled_mlp: the tiled MLP needs each layer's weights whole on the rank; under \

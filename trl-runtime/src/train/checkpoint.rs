@@ -8,7 +8,7 @@
 
 use super::optim::AdamW;
 use crate::error::{Error, Result};
-use crate::models::{ModelConfig, Params};
+use crate::models::Params;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -90,14 +90,14 @@ pub fn resolve(output_dir: &Path, spec: &str) -> Result<PathBuf> {
 pub fn save(
     output_dir: &Path,
     params: &Params,
-    model_config: &ModelConfig,
+    config_json: &str,
     tokenizer_dir: &Path,
     optimizer: &AdamW,
     state: &TrainerState,
     keep: Option<usize>,
 ) -> Result<PathBuf> {
     let tmp = begin(output_dir, state.global_step)?;
-    write_model_files(&tmp, Some(params), model_config, tokenizer_dir)?;
+    write_model_files(&tmp, Some(params), config_json, tokenizer_dir)?;
     write_optimizer(&tmp, optimizer)?;
     finish(output_dir, &tmp, state, keep)
 }
@@ -140,15 +140,12 @@ pub fn begin(output_dir: &Path, step: usize) -> Result<PathBuf> {
 pub fn write_model_files(
     tmp: &Path,
     params: Option<&Params>,
-    model_config: &ModelConfig,
+    config_json: &str,
     tokenizer_dir: &Path,
 ) -> Result<()> {
     match params {
-        Some(p) => p.save(tmp, model_config, None)?,
-        None => std::fs::write(
-            tmp.join(crate::models::params::CONFIG_FILE),
-            model_config.to_json_pretty(),
-        )
+        Some(p) => p.save(tmp, config_json, None)?,
+        None => std::fs::write(tmp.join(crate::models::params::CONFIG_FILE), config_json)
         .map_err(|e| io("cannot write config.json".into(), e))?,
     }
     for f in TOKENIZER_FILES {

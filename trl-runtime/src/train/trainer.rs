@@ -24,7 +24,7 @@ use crate::data::{
 use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::models::{CausalLm, Params};
+use crate::models::{CausalModel, Llama, Model, Params};
 use crate::nn::AttentionImpl;
 use crate::parallel::{
     batch_axes, parallelize, shard_axes, CheckpointFormat, Optimizer, ParallelOptions,
@@ -96,7 +96,7 @@ pub struct TrainOutcome {
     pub last_checkpoint: Option<PathBuf>,
 }
 
-pub struct Trainer<'a> {
+pub struct Trainer<'a, N: CausalModel = Llama> {
     pub config: SFTConfig,
     ctx: &'a DistContext,
     /// The data-parallel ranks: they draw different examples.
@@ -104,7 +104,7 @@ pub struct Trainer<'a> {
     /// The ranks that see different tokens: `dp` and, under sequence parallelism, the sp
     /// ranks holding the other chunks. Token counts and gradients are summed over it.
     batch_group: Arc<dyn Communicator>,
-    pub model: CausalLm,
+    pub model: Model<N>,
     pub tokenizer: TextTokenizer,
     tokenizer_dir: PathBuf,
     pub optimizer: Optimizer,
@@ -218,13 +218,29 @@ fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>
 }
 
 impl<'a> Trainer<'a> {
-    /// Loads model, tokenizer and data as `config` says, resuming if asked; the strategy comes
-    /// from the launcher's environment.
+    /// The built-in Llama / Qwen2 decoder: loads model, tokenizer and data as `config` says,
+    /// resuming if asked; the strategy comes from the launcher's environment.
     pub fn new(config: SFTConfig, ctx: &'a DistContext) -> Result<Self> {
-        Self::with_strategy(config, ctx, Strategy::from_plan(ctx.plan()))
+        Self::load(config, ctx)
     }
 
     pub fn with_strategy(
+        config: SFTConfig,
+        ctx: &'a DistContext,
+        strategy: Strategy,
+    ) -> Result<Self> {
+        Self::load_with_strategy(config, ctx, strategy)
+    }
+}
+
+impl<'a, N: CausalModel> Trainer<'a, N> {
+    /// Model `N` (`Trainer::<MyModel>::load`): loads model, tokenizer and data as `config`
+    /// says, resuming if asked; the strategy comes from the launcher's environment.
+    pub fn load(config: SFTConfig, ctx: &'a DistContext) -> Result<Self> {
+        Self::load_with_strategy(config, ctx, Strategy::from_plan(ctx.plan()))
+    }
+
+    pub fn load_with_strategy(
         config: SFTConfig,
         ctx: &'a DistContext,
         strategy: Strategy,
@@ -256,11 +272,8 @@ impl<'a> Trainer<'a> {
             && tp.size() == 1
             && config.resume_from_checkpoint.is_none();
         let mut model = match read_shards {
-            true => {
-                let model_config = crate::models::ModelConfig::from_file(dir.join("config.json"))?;
-                CausalLm::skeleton(model_config, dtype, &device)?
-            }
-            false => CausalLm::from_pretrained_split(&dir, dtype, &device, tp.clone())
+            true => Model::<N>::skeleton_for(&dir, dtype, &device)?,
+            false => Model::<N>::from_pretrained_split(&dir, dtype, &device, tp.clone())
                 .map_err(tp_error)?,
         };
         let policy = if config.skip_bad_rows {
@@ -355,16 +368,14 @@ impl<'a> Trainer<'a> {
                         .into_iter()
                         .map(|(n, t)| Ok((n, t.to_dtype(dtype)?.to_device(&device)?)))
                         .collect::<Result<_>>()?;
-                    model = CausalLm::new(model.config.clone(), Params::from_tensors(params)?)?;
+                    let json = model.config_json().to_string();
+                    model = Model::with_params(json, Params::from_tensors(params)?)?;
                     resume = Resume::Full(full);
                 } else {
                     resume = Resume::Sharded(reader);
                 }
             } else {
-                model = CausalLm::new(
-                    model.config.clone(),
-                    Params::load(&ckpt, &model.config, dtype, &device)?,
-                )?;
+                model = Model::from_pretrained(&ckpt, dtype, &device)?;
                 let mut full = AdamW::for_params(&model.params, adam)?;
                 state = checkpoint::load_training_state(&ckpt, &mut full)?;
                 resume = Resume::Full(full);
@@ -803,7 +814,7 @@ impl<'a> Trainer<'a> {
         let tmp = checkpoint::staging_dir(out, self.state.global_step);
         if main {
             checkpoint::begin(out, self.state.global_step)?;
-            checkpoint::write_model_files(&tmp, None, &self.model.config, &self.tokenizer_dir)?;
+            checkpoint::write_model_files(&tmp, None, self.model.config_json(), &self.tokenizer_dir)?;
         }
         world.barrier()?;
         // The group the optimizer state is sharded over (sequence chunks' ranks included).
@@ -813,8 +824,8 @@ impl<'a> Trainer<'a> {
         }
         world.barrier()?;
         let path = if main {
-            let shapes = self.model.config.parameter_shapes().into_iter().collect();
-            sharded_state::write_index(&tmp, shard.size(), &shapes, step)?;
+            let shapes = self.model.parameter_shapes();
+            sharded_state::write_index(&tmp, shard.size(), shapes, step)?;
             Some(checkpoint::finish(
                 out,
                 &tmp,
@@ -864,7 +875,7 @@ impl<'a> Trainer<'a> {
             Some(checkpoint::save(
                 &self.config.output_dir,
                 params,
-                &self.model.config,
+                self.model.config_json(),
                 &self.tokenizer_dir,
                 full,
                 &self.state,
