@@ -4,3 +4,4 @@
 //! `assets/tiny/` deterministically; nothing is downloaded.
 
 pub mod assets;
+pub mod phi;

@@ -79,7 +79,7 @@ pub struct LayerInputs {
     /// Global positions [batch, seq] of this rank's tokens; restarting positions mark the
     /// documents of a packed row.
     pub position_ids: Tensor,
-    attention: SeqAttention,
+    attention: Arc<SeqAttention>,
     tp: Option<Arc<dyn Communicator>>,
     /// Compute MLPs in sequence tiles (`tiled_mlp`), for models that can.
     pub tiled_mlp: bool,
@@ -100,7 +100,13 @@ impl LayerInputs {
     ) -> Result<Self> {
         Ok(LayerInputs {
             position_ids: position_ids.clone(),
-            attention: SeqAttention::new(split, position_ids, attention, dtype, device)?,
+            attention: Arc::new(SeqAttention::new(
+                split,
+                position_ids,
+                attention,
+                dtype,
+                device,
+            )?),
             tp: None,
             tiled_mlp: false,
             dtype,
@@ -111,7 +117,8 @@ impl LayerInputs {
 
     /// Causal attention of `q` [batch, heads, seq, head_dim] over `k`, `v` [batch, kv_heads,
     /// seq, head_dim] (fewer key/value heads: grouped-query attention), documents of packed
-    /// rows kept apart; the ring or Ulysses exchange when sequences are split.
+    /// rows kept apart; the ring or Ulysses exchange when sequences are split. (A model
+    /// written for `candle_flash_attn::flash_attn` can call [`crate::nn::flash_attn`] instead.)
     pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
         self.attention.apply(q, k, v)
     }
@@ -700,6 +707,8 @@ impl<N: CausalModel> Layers for Stack<N> {
             (Some(sh), false) => sh.enter_layer(l).map_err(Error::into_candle)?,
             _ => None,
         };
+        // What `nn::flash_attn` runs inside the layer.
+        let _attention = crate::nn::seq_attention::enter(self.cx.attention.clone());
         self.net.layer(l, x, &self.cx)
     }
 

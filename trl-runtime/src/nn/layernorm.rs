@@ -1,0 +1,113 @@
+//! LayerNorm as in GPT-2 / Phi: (x - mean) / sqrt(var + eps) * weight + bias over the last
+//! dimension, computed in f32 (f64 inputs stay f64). A drop-in for `candle_nn::LayerNorm`;
+//! replicated under tensor parallelism, its weight and bias FSDP-shardable.
+
+use super::Weight;
+use crate::error::Result as TrlResult;
+use crate::parallel::fsdp;
+use crate::tp::{child_name, Parallelize, Split};
+use candle_core::{DType, Result, Tensor, D};
+
+#[derive(Clone)]
+pub struct LayerNorm {
+    pub weight: Weight,
+    pub bias: Option<Weight>,
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    pub fn new(weight: impl Into<Weight>, bias: Option<Tensor>, eps: f64) -> Self {
+        LayerNorm {
+            weight: weight.into(),
+            bias: bias.map(Weight::Local),
+            eps,
+        }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let inner = match dtype {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        };
+        let x = x.to_dtype(inner)?;
+        let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = centered
+            .broadcast_div(&(var + self.eps)?.sqrt()?)?
+            .to_dtype(dtype)?;
+        let y = match &self.weight {
+            Weight::Local(w) => normed.broadcast_mul(w)?,
+            Weight::Sharded(w) => fsdp::scale(&normed, w)?,
+        };
+        match &self.bias {
+            None => Ok(y),
+            Some(Weight::Local(b)) => y.broadcast_add(b),
+            Some(Weight::Sharded(b)) => fsdp::add_bias(&y, b),
+        }
+    }
+}
+
+impl candle_core::Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        LayerNorm::forward(self, x)
+    }
+}
+
+/// A norm acts on every feature, so it stays whole on every tensor-parallel rank.
+impl Parallelize for LayerNorm {
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        if let Weight::Local(w) = &self.weight {
+            f(&child_name(name, "weight"), w, Split::REPLICATED)
+        }
+        if let Some(Weight::Local(b)) = &self.bias {
+            f(&child_name(name, "bias"), b, Split::REPLICATED)
+        }
+    }
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
+    ) -> TrlResult<()> {
+        f(&child_name(name, "weight"), &mut self.weight)?;
+        if let Some(b) = &mut self.bias {
+            f(&child_name(name, "bias"), b)?;
+        }
+        Ok(())
+    }
+}
+
+/// As `candle_nn::layer_norm`: a weight of `size` ones and a bias of zeros from `vb`.
+pub fn layer_norm(size: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<LayerNorm> {
+    let w = vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.0))?;
+    let b = vb.get_with_hints(size, "bias", candle_nn::Init::Const(0.0))?;
+    Ok(LayerNorm::new(w, Some(b), eps))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn matches_candle_nn() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1., (3, 5, 8), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1., 8, &dev).unwrap();
+        let b = Tensor::randn(0f32, 1., 8, &dev).unwrap();
+        let ours = LayerNorm::new(w.clone(), Some(b.clone()), 1e-5)
+            .forward(&x)
+            .unwrap();
+        let theirs = candle_nn::LayerNorm::new(w, b, 1e-5);
+        let theirs = candle_core::Module::forward(&theirs, &x).unwrap();
+        let diff = (ours - theirs)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-5, "{diff}");
+    }
+}
