@@ -5,3 +5,4 @@
 
 pub mod assets;
 pub mod phi;
+pub mod sft;

@@ -1,0 +1,106 @@
+//! The SFT program shared by the `sft` binaries: `trl sft` + `accelerate launch` behaviour
+//! for any [`CausalModel`].
+
+use std::process::ExitCode;
+use trl_runtime::dist::{spawn, DistContext};
+use trl_runtime::models::CausalModel;
+use trl_runtime::train::{SFTConfig, SftCli, Trainer};
+
+/// Defaults of the embedded job: the bundled assets, and settings that train the tiny model
+/// in a few minutes on two cores.
+pub fn embedded_defaults() -> SFTConfig {
+    let assets = crate::assets::default_dir();
+    SFTConfig {
+        model_name_or_path: assets.join("model"),
+        dataset_name: assets.join("data/train.jsonl"),
+        eval_dataset_name: Some(assets.join("data/eval.jsonl")),
+        output_dir: "output/sft-tiny".into(),
+        per_device_train_batch_size: 16,
+        learning_rate: 2e-3,
+        lr_scheduler_type: "cosine".into(),
+        warmup_ratio: 0.05,
+        weight_decay: 0.01,
+        num_train_epochs: 24.0,
+        max_length: 64,
+        assistant_only_loss: true,
+        logging_steps: 25,
+        save_steps: 1000,
+        save_total_limit: Some(2),
+        eval_steps: Some(500),
+        eval_generation_samples: 200,
+        ..SFTConfig::default()
+    }
+}
+
+fn run<N: CausalModel>(config: SFTConfig) -> trl_runtime::Result<()> {
+    let ctx = DistContext::from_env()?;
+    let _rank = trl_runtime::train::logging::init(ctx.rank());
+    let mut trainer = Trainer::<N>::load(config, &ctx)?;
+    let outcome = trainer.train()?;
+    if ctx.is_main_process() && outcome.preempted {
+        println!(
+            "preempted by SIGTERM after step {}: saved {}",
+            trainer.state.global_step,
+            outcome
+                .last_checkpoint
+                .as_ref()
+                .map_or("nothing".into(), |p| p.display().to_string())
+        );
+    } else if ctx.is_main_process() {
+        let acc = |e: Option<trl_runtime::train::EvalResult>| {
+            e.and_then(|e| e.accuracy)
+                .map_or("n/a".into(), |a| format!("{:.1}%", 100.0 * a))
+        };
+        println!(
+            "held-out accuracy: before {} -> after {}; final train loss {:.4}; checkpoint {}; loss curve {}",
+            acc(outcome.initial_eval),
+            acc(outcome.final_eval),
+            outcome.losses.last().copied().unwrap_or(f64::NAN),
+            outcome.last_checkpoint.as_ref().map_or("none".into(), |p| p.display().to_string()),
+            trainer.config.output_dir.join("loss.svg").display()
+        );
+    }
+    Ok(())
+}
+
+/// `trl sft` for model `N`: TRL's flags and YAML over `defaults`, one rank when launched,
+/// else TRL_LOCAL_PROCESSES local ranks (default 2) of this program.
+pub fn main<N: CausalModel>(defaults: fn() -> SFTConfig) -> ExitCode {
+    let cli = SftCli::parse_trl();
+    let mut config = match &cli.config {
+        Some(path) => match SFTConfig::from_file(path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => defaults(),
+    };
+    let ignored = match cli.apply(&mut config) {
+        Ok(ignored) => ignored,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = config.validate("command line") {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    if let Some(code) = spawn::relaunch_unless_launched(2) {
+        return code;
+    }
+    if std::env::var("RANK").map_or(true, |r| r == "0") {
+        for line in ignored {
+            eprintln!("warning: command line: ignored: {line}");
+        }
+    }
+    match run::<N>(config) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
