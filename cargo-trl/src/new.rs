@@ -11,6 +11,11 @@ pub struct NewArgs {
     /// Project template.
     #[arg(long, default_value = "sft", value_parser = ["sft"])]
     pub template: String,
+    /// The model: `qwen2`, the built-in Llama / Qwen2 decoder; `plain-candle`, a Phi-style
+    /// decoder written the plain Candle way in src/model.rs, yours to change, trained under
+    /// every strategy.
+    #[arg(long, default_value = "qwen2", value_parser = ["qwen2", "plain-candle"])]
+    pub model: String,
     /// Depend on trl-runtime at this path (default: the workspace around the current
     /// directory, else the source this cargo-trl was built from).
     #[arg(long, conflicts_with = "published")]
@@ -22,12 +27,9 @@ pub struct NewArgs {
 
 const CARGO_TOML: &str = include_str!("../../templates/sft/Cargo.toml.jinja");
 const README: &str = include_str!("../../templates/sft/README.md.jinja");
+const MAIN: &str = include_str!("../../templates/sft/src/main.rs.jinja");
 /// Files copied as they are: (path in the new crate, contents).
 const FILES: &[(&str, &[u8])] = &[
-    (
-        "src/main.rs",
-        include_bytes!("../../templates/sft/src/main.rs"),
-    ),
     ("sft.yaml", include_bytes!("../../templates/sft/sft.yaml")),
     (".gitignore", b"/target\n/output\n"),
     (
@@ -38,6 +40,10 @@ const FILES: &[(&str, &[u8])] = &[
         "data/eval.jsonl",
         include_bytes!("../../assets/tiny/data/eval.jsonl"),
     ),
+];
+
+/// The built-in model's checkpoint.
+const QWEN2_FILES: &[(&str, &[u8])] = &[
     (
         "model/config.json",
         include_bytes!("../../assets/tiny/model/config.json"),
@@ -53,6 +59,28 @@ const FILES: &[(&str, &[u8])] = &[
     (
         "model/tokenizer_config.json",
         include_bytes!("../../assets/tiny/model/tokenizer_config.json"),
+    ),
+];
+
+/// `--model plain-candle`: the Phi example's code (the one trained under every profile in
+/// cargo-trl's tests) and its checkpoint.
+const PLAIN_CANDLE_FILES: &[(&str, &[u8])] = &[
+    ("src/model.rs", include_bytes!("../../examples/src/phi.rs")),
+    (
+        "model/config.json",
+        include_bytes!("../../assets/tiny-phi/model/config.json"),
+    ),
+    (
+        "model/model.safetensors",
+        include_bytes!("../../assets/tiny-phi/model/model.safetensors"),
+    ),
+    (
+        "model/tokenizer.json",
+        include_bytes!("../../assets/tiny-phi/model/tokenizer.json"),
+    ),
+    (
+        "model/tokenizer_config.json",
+        include_bytes!("../../assets/tiny-phi/model/tokenizer_config.json"),
     ),
 ];
 
@@ -94,9 +122,10 @@ fn crate_name(path: &Path) -> Result<String, String> {
     Ok(name.to_string())
 }
 
-fn write_all(root: &Path, name: &str, dependency: &str) -> Result<(), String> {
+fn write_all(root: &Path, name: &str, dependency: &str, model: &str) -> Result<(), String> {
     let env = minijinja::Environment::new();
-    let ctx = minijinja::context! { name => name, trl_runtime => dependency };
+    let plain_candle = model == "plain-candle";
+    let ctx = minijinja::context! { name => name, trl_runtime => dependency, plain_candle };
     let render = |t: &str| {
         env.render_str(t, &ctx)
             .map_err(|e| format!("template error: {e}"))
@@ -107,8 +136,18 @@ fn write_all(root: &Path, name: &str, dependency: &str) -> Result<(), String> {
             (render(CARGO_TOML)? + "\n").into_bytes(),
         ),
         ("README.md".into(), (render(README)? + "\n").into_bytes()),
+        ("src/main.rs".into(), (render(MAIN)? + "\n").into_bytes()),
     ];
-    files.extend(FILES.iter().map(|(p, c)| (p.to_string(), c.to_vec())));
+    let model_files = match plain_candle {
+        true => PLAIN_CANDLE_FILES,
+        false => QWEN2_FILES,
+    };
+    files.extend(
+        FILES
+            .iter()
+            .chain(model_files)
+            .map(|(p, c)| (p.to_string(), c.to_vec())),
+    );
     for (rel, contents) in files {
         let path = root.join(&rel);
         if let Some(dir) = path.parent() {
@@ -157,7 +196,7 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
         Some(p) => format!("{{ path = {:?} }}", p.display().to_string()),
         None => format!("\"{}\"", env!("CARGO_PKG_VERSION")),
     };
-    if let Err(e) = write_all(&args.name, &name, &dependency) {
+    if let Err(e) = write_all(&args.name, &name, &dependency, &args.model) {
         let _ = std::fs::remove_dir_all(&args.name);
         return Err(e);
     }

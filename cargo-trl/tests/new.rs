@@ -108,3 +108,49 @@ fn new_then_launch_the_scaffold() {
         "{text}"
     );
 }
+
+#[test]
+fn new_plain_candle_scaffold_trains_its_own_model_sharded() {
+    // `--model plain-candle`: the model's code is in the project (src/model.rs) and trains
+    // under FSDP + tensor parallelism like the built-in one.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .current_dir(tmp.path())
+        .args(["new", "my-model", "--model", "plain-candle"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let krate = tmp.path().join("my-model");
+    let model_rs = std::fs::read_to_string(krate.join("src/model.rs")).unwrap();
+    assert!(model_rs.contains("impl CausalModel for Phi"), "{model_rs}");
+    let main_rs = std::fs::read_to_string(krate.join("src/main.rs")).unwrap();
+    assert!(main_rs.contains("Trainer::<model::Phi>::load"), "{main_rs}");
+    let config = std::fs::read_to_string(krate.join("model/config.json")).unwrap();
+    assert!(config.contains("PhiForCausalLM"), "{config}");
+
+    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let run = Command::new(BIN)
+        .current_dir(&krate)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO_NET_OFFLINE", "true")
+        .args(["launch", "--profile", "fsdp2_tp_cpu", "--main_process_port", "0"])
+        .args(["--", "--max_steps", "4", "--eval_steps", "4"])
+        .args(["--eval_generation_samples", "2", "--save_steps", "4"])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(run.status.success(), "{text}");
+    assert!(text.contains(r#""strategy":"zero3""#) && text.contains(r#""tp":2"#), "{text}");
+    assert!(
+        krate.join("output/checkpoint-4/model.safetensors").exists(),
+        "{text}"
+    );
+}
