@@ -137,7 +137,13 @@ fn new_plain_candle_scaffold_trains_its_own_model_sharded() {
         .current_dir(&krate)
         .env("CARGO_TARGET_DIR", target_dir)
         .env("CARGO_NET_OFFLINE", "true")
-        .args(["launch", "--profile", "fsdp2_tp_cpu", "--main_process_port", "0"])
+        .args([
+            "launch",
+            "--profile",
+            "fsdp2_tp_cpu",
+            "--main_process_port",
+            "0",
+        ])
         .args(["--", "--max_steps", "4", "--eval_steps", "4"])
         .args(["--eval_generation_samples", "2", "--save_steps", "4"])
         .output()
@@ -148,7 +154,10 @@ fn new_plain_candle_scaffold_trains_its_own_model_sharded() {
         String::from_utf8_lossy(&run.stderr)
     );
     assert!(run.status.success(), "{text}");
-    assert!(text.contains(r#""strategy":"zero3""#) && text.contains(r#""tp":2"#), "{text}");
+    assert!(
+        text.contains(r#""strategy":"zero3""#) && text.contains(r#""tp":2"#),
+        "{text}"
+    );
     assert!(
         krate.join("output/checkpoint-4/model.safetensors").exists(),
         "{text}"

@@ -95,7 +95,11 @@ fn phi_under_every_cpu_profile_equals_one_process() {
             true,
         ),
         ("fsdp2_tp_cpu", &["--profile", "fsdp2_tp_cpu"], true),
-        ("context_parallel_cpu", &["--profile", "context_parallel_cpu"], false),
+        (
+            "context_parallel_cpu",
+            &["--profile", "context_parallel_cpu"],
+            false,
+        ),
         ("alst_ulysses_cpu", &["--profile", "alst_ulysses_cpu"], true),
     ];
     for (name, args, two_dp) in cases {

@@ -57,7 +57,10 @@ impl Config {
     }
 
     fn partial_rotary_factor(&self) -> f64 {
-        let nested = self.rope_parameters.as_ref().and_then(|r| r.partial_rotary_factor);
+        let nested = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|r| r.partial_rotary_factor);
         self.partial_rotary_factor.or(nested).unwrap_or(0.5)
     }
 }
@@ -247,13 +250,17 @@ impl Phi {
             .collect::<Result<Vec<_>>>()?;
         let embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
         let lm_head = match cfg.tie_word_embeddings {
-            true => Linear::from_weights(embed_tokens.weight.clone(), None),
+            true => Linear::new(embed_tokens.embeddings().clone(), None),
             false => linear(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?,
         };
         Ok(Phi {
             embed_tokens,
             layers,
-            final_layernorm: layer_norm(cfg.hidden_size, cfg.layer_norm_eps, m.pp("final_layernorm"))?,
+            final_layernorm: layer_norm(
+                cfg.hidden_size,
+                cfg.layer_norm_eps,
+                m.pp("final_layernorm"),
+            )?,
             lm_head,
             rotary: Rotary::new(cfg, vb.device())?,
         })

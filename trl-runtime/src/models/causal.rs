@@ -16,8 +16,8 @@ use crate::error::{Error, Result};
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::memo::Memo;
 use crate::nn::seq_attention::{SeqAttention, SeqSplit};
-use crate::nn::{tiled_linear_cross_entropy, AttentionImpl, Linear, LossSum, RotaryEmbedding};
 use crate::nn::Weight;
+use crate::nn::{tiled_linear_cross_entropy, AttentionImpl, Linear, LossSum, RotaryEmbedding};
 use crate::parallel::checkpointing::{Checkpointing, Layers};
 use crate::parallel::fsdp::{shard_model, shard_model_reading};
 use crate::parallel::{Prefetch, ShardedModel, WrapPolicy};
@@ -193,10 +193,10 @@ impl<N: CausalModel> Model<N> {
             asked: Mutex::default(),
         });
         // Models read the VarBuilder's dtype and device for their own tables (rotary).
-        let vb = VarBuilder::from_backend(Box::new(Recording(recorder.clone())), dtype, device.clone());
-        let mut net = N::new(&config, vb).map_err(|e| {
-            config_error(source, format!("the model cannot be built from it: {e}"))
-        })?;
+        let vb =
+            VarBuilder::from_backend(Box::new(Recording(recorder.clone())), dtype, device.clone());
+        let mut net = N::new(&config, vb)
+            .map_err(|e| config_error(source, format!("the model cannot be built from it: {e}")))?;
         // The names the model was loaded under must be the names it is saved under.
         let asked = std::mem::take(&mut *recorder.asked.lock().unwrap_or_else(|e| e.into_inner()));
         let mut visited = HashSet::new();
@@ -252,7 +252,9 @@ impl<N: CausalModel> Model<N> {
         let (dtype, device) = tensors
             .values()
             .next()
-            .map_or((DType::F32, Device::Cpu), |t| (t.dtype(), t.device().clone()));
+            .map_or((DType::F32, Device::Cpu), |t| {
+                (t.dtype(), t.device().clone())
+            });
         Self::build(
             config_json,
             "config.json",
@@ -302,7 +304,12 @@ impl<N: CausalModel> Model<N> {
     ) -> Result<Self> {
         let zero = Tensor::zeros((), dtype, device)?;
         let backend = ZerosBackend { zero, files };
-        Self::build(config_json, "config.json", Box::new(backend), (dtype, device))
+        Self::build(
+            config_json,
+            "config.json",
+            Box::new(backend),
+            (dtype, device),
+        )
     }
 
     /// Names a tied weight is also visited under (an LM head sharing the embedding).
@@ -379,7 +386,7 @@ impl<N: CausalModel> Model<N> {
         prefetch: Prefetch,
         comm: Arc<dyn Communicator>,
     ) -> Result<()> {
-        self.check_units()?;
+        self.check_units(policy)?;
         // The layers' weights are swapped for unit slots; these handles would keep the full
         // tensors alive.
         self.params = Params::default();
@@ -399,7 +406,7 @@ impl<N: CausalModel> Model<N> {
         prefetch: Prefetch,
         comm: Arc<dyn Communicator>,
     ) -> Result<()> {
-        self.check_units()?;
+        self.check_units(policy)?;
         let files = WeightFiles::open(dir.as_ref())?;
         files.check(&self.shapes, &self.aliases())?;
         let Weight::Local(embed) = &self.net.lm_head().weight else {
@@ -432,8 +439,8 @@ impl<N: CausalModel> Model<N> {
     }
 
     /// ZeRO-3 / FSDP gathers one unit per layer around the layer's forward: the layers must
-    /// be the units.
-    fn check_units(&self) -> Result<()> {
+    /// be the units (unless the whole model is one, NO_WRAP).
+    fn check_units(&self, policy: WrapPolicy) -> Result<()> {
         if self.sharding.is_some() {
             return Err(Error::TensorParallel {
                 name: "model".into(),
@@ -442,7 +449,7 @@ impl<N: CausalModel> Model<N> {
         }
         let mut units = 0;
         self.net.visit_units("", &mut |_| units += 1);
-        if units != self.net.num_layers() {
+        if units != self.net.num_layers() && policy != WrapPolicy::Whole {
             return Err(Error::Parallelism(format!(
                 "ZeRO-3 / FSDP wraps each layer in a unit, but the model marks {units} \
                  #[parallel(fsdp_unit)] value(s) for {} layers: put #[parallel(fsdp_unit)] on \
@@ -662,7 +669,8 @@ impl<N: CausalModel> Model<N> {
             Weight::Local(w) => w.dtype(),
             Weight::Sharded(s) => s.dtype(),
         };
-        let mut cx = LayerInputs::new(position_ids, split.as_ref(), self.attention, dtype, &device)?;
+        let mut cx =
+            LayerInputs::new(position_ids, split.as_ref(), self.attention, dtype, &device)?;
         cx.tp = self.tp.clone();
         cx.tiled_mlp = self.tiled_mlp;
         let x = self.net.embed(input_ids, &cx)?;
@@ -670,7 +678,11 @@ impl<N: CausalModel> Model<N> {
             net: self.net.clone(),
             cx,
             sharding: self.sharding.clone(),
-            params: self.params.iter().map(|(_, v)| v.as_tensor().clone()).collect(),
+            params: self
+                .params
+                .iter()
+                .map(|(_, v)| v.as_tensor().clone())
+                .collect(),
         };
         let x = match &self.checkpointing {
             Some(c) => c.run(&x, Arc::new(stack))?,

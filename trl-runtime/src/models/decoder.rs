@@ -86,9 +86,9 @@ impl CausalModel for Llama {
     }
 
     fn new(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Self> {
-        let rope = config.rotary().map_err(|m| {
-            candle_core::Error::Msg(format!("config.json, rope_scaling: {m}"))
-        })?;
+        let rope = config
+            .rotary()
+            .map_err(|m| candle_core::Error::Msg(format!("config.json, rope_scaling: {m}")))?;
         let (h, i, v, d) = (
             config.hidden_size,
             config.intermediate_size,
@@ -166,7 +166,12 @@ impl CausalModel for Llama {
 }
 
 /// One decoder layer: x + attention(norm(x)), then + mlp(norm(x)).
-fn layer_forward(layer: &DecoderLayer, net: &Llama, cx: &LayerInputs, x: &Tensor) -> Result<Tensor> {
+fn layer_forward(
+    layer: &DecoderLayer,
+    net: &Llama,
+    cx: &LayerInputs,
+    x: &Tensor,
+) -> Result<Tensor> {
     let (b, s, _) = x.dims3()?;
     let d = net.head_dim;
     let (cos, sin) = cx.cos_sin(&net.rope)?;

@@ -8,7 +8,7 @@ pub mod config;
 pub mod decoder;
 pub mod params;
 
-pub use config::{Architecture, ModelConfig};
 pub use causal::{CausalModel, LayerInputs, Model};
+pub use config::{Architecture, ModelConfig};
 pub use decoder::{CausalLm, Llama};
 pub use params::Params;

@@ -28,6 +28,12 @@ impl Embedding {
         Embedding { weight, tp: None }
     }
 
+    /// The table, as `candle_nn::Embedding::embeddings` (to tie an LM head to it:
+    /// `Linear::new(embed.embeddings().clone(), None)` builds the same with both crates).
+    pub fn embeddings(&self) -> &Weight {
+        &self.weight
+    }
+
     /// `ids` [..] (any integer dtype) -> [.., hidden].
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let flat = ids.flatten_all()?.to_dtype(DType::U32)?;

@@ -25,8 +25,8 @@ pub struct Linear {
 
 impl Linear {
     /// As `candle_nn::Linear::new`: `weight` [out, in], optional `bias` [out].
-    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self::from_weights(Weight::Local(weight), bias.map(Weight::Local))
+    pub fn new(weight: impl Into<Weight>, bias: Option<Tensor>) -> Self {
+        Self::from_weights(weight.into(), bias.map(Weight::Local))
     }
 
     pub fn from_weights(weight: Weight, bias: Option<Weight>) -> Self {

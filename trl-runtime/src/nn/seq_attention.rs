@@ -147,7 +147,9 @@ pub fn flash_attn(
     causal: bool,
 ) -> Result<Tensor> {
     if !causal {
-        candle_core::bail!("flash_attn: a causal language model attends causally (pass causal = true)");
+        candle_core::bail!(
+            "flash_attn: a causal language model attends causally (pass causal = true)"
+        );
     }
     let (b, s, _, d) = q.dims4()?;
     // The attention kernels scale by 1/sqrt(head_dim); another scale goes into q.

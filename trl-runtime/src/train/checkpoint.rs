@@ -146,7 +146,7 @@ pub fn write_model_files(
     match params {
         Some(p) => p.save(tmp, config_json, None)?,
         None => std::fs::write(tmp.join(crate::models::params::CONFIG_FILE), config_json)
-        .map_err(|e| io("cannot write config.json".into(), e))?,
+            .map_err(|e| io("cannot write config.json".into(), e))?,
     }
     for f in TOKENIZER_FILES {
         let src = tokenizer_dir.join(f);

@@ -814,7 +814,12 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         let tmp = checkpoint::staging_dir(out, self.state.global_step);
         if main {
             checkpoint::begin(out, self.state.global_step)?;
-            checkpoint::write_model_files(&tmp, None, self.model.config_json(), &self.tokenizer_dir)?;
+            checkpoint::write_model_files(
+                &tmp,
+                None,
+                self.model.config_json(),
+                &self.tokenizer_dir,
+            )?;
         }
         world.barrier()?;
         // The group the optimizer state is sharded over (sequence chunks' ranks included).
