@@ -9,7 +9,6 @@
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
 use trl_runtime::models::{CausalLm, ModelConfig, Params};
-use trl_runtime::nn::causal_lm_loss;
 
 const BATCH: usize = 4;
 const SEQ: usize = 512;
@@ -71,8 +70,12 @@ fn main() {
         .unwrap();
     let labels = ids.to_dtype(DType::I64).unwrap();
     let step = || {
-        let logits = model.forward(&ids, &pos).unwrap();
-        let loss = causal_lm_loss(&logits, &labels).unwrap().mean().unwrap();
+        // The trainer's path: the LM head fused with the loss where it applies.
+        let loss = model
+            .forward_loss(&ids, &pos, &labels)
+            .unwrap()
+            .mean()
+            .unwrap();
         std::hint::black_box(loss.backward().unwrap());
     };
     eprintln!(

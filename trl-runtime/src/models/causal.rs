@@ -608,9 +608,10 @@ impl<N: CausalModel> Model<N> {
     }
 
     /// The loss of aligned `targets` (position t's own target, -100 for none: labels already
-    /// shifted, as sequence chunks carry them). With `tiled_loss` the LM head and the
-    /// cross-entropy run fused in sequence tiles and the logits never exist whole (the head
-    /// must be held whole, without bias: under tp or FSDP the loss is computed from the logits).
+    /// shifted, as sequence chunks carry them). With `tiled_loss`, and always on CPU in f32,
+    /// the LM head and the cross-entropy run fused in sequence tiles and the logits never
+    /// exist whole (the head must be held whole, without bias: under tp or FSDP the loss is
+    /// computed from the logits).
     pub fn forward_targets(
         &self,
         input_ids: &Tensor,
@@ -618,8 +619,11 @@ impl<N: CausalModel> Model<N> {
         targets: &Tensor,
     ) -> Result<LossSum> {
         let head = self.net.lm_head();
+        // The fused loss runs whenever the head is whole here: asked for (use_liger_kernel),
+        // or where it is one pass per row (CPU, f32) and so faster than the logits path.
+        let fused = |w: &Tensor| self.tiled_loss || crate::nn::tiled_loss::fused_applies(w, w);
         let head = match (&head.weight, &head.bias, &self.tp) {
-            (Weight::Local(w), None, None) if self.tiled_loss => w.clone(),
+            (Weight::Local(w), None, None) if fused(w) => w.clone(),
             _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
         };
         let hidden = self.hidden_states(input_ids, position_ids, true)?;

@@ -729,3 +729,83 @@ mod tests {
         }
     }
 }
+
+// ---------------------------------------------------------------- cross-entropy rows
+
+/// Max of a row in eight lanes.
+#[inline(always)]
+fn row_max<T: F32Math>(x: &[T]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a = a.max(v.f());
+        }
+    }
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, v| m.max(v.f()));
+    acc.iter().fold(tail, |m, v| m.max(*v))
+}
+
+/// One logits row: sets `loss` to its log-sum-exp minus the target's logit and, with
+/// `grads`, turns the row in place into the loss's gradient: softmax minus the one-hot target.
+#[inline(always)]
+fn cross_entropy_row_body<T: F32Math>(row: &mut [T], target: usize, grads: bool, loss: &mut f64) {
+    let max = row_max(row);
+    let picked = row[target].f();
+    let mut acc = [0f32; 8];
+    let mut chunks = row.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
+            let e = exp_f32(v.f() - max);
+            *v = T::of(e);
+            *a += e;
+        }
+    }
+    let mut tail = 0f32;
+    for v in chunks.into_remainder() {
+        let e = exp_f32(v.f() - max);
+        *v = T::of(e);
+        tail += e;
+    }
+    let sum = acc.iter().sum::<f32>() + tail;
+    if grads {
+        let inv = 1.0 / sum;
+        for v in row.iter_mut() {
+            *v = T::of(v.f() * inv);
+        }
+        row[target] = T::of(row[target].f() - 1.0);
+    }
+    *loss = (max as f64 + (sum as f64).ln()) - picked as f64;
+}
+
+simd_dispatch!(cross_entropy_row, cross_entropy_row_avx2, cross_entropy_row_body, (row: &mut [T], target: usize, grads: bool, loss: &mut f64));
+
+/// Cross-entropy of every row of `logits` (rows of `vocab`) against `targets` (-100:
+/// ignored), in place and in parallel: returns the summed loss of the counted rows and, with
+/// `grads`, leaves in `logits` the gradient of that sum (softmax minus one-hot; zero rows for
+/// ignored targets). Targets are checked by the caller.
+pub(crate) fn cross_entropy_rows(
+    logits: &mut [f32],
+    vocab: usize,
+    targets: &[i64],
+    grads: bool,
+) -> f64 {
+    logits
+        .par_chunks_mut(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| {
+            let mut loss = 0.0;
+            if t < 0 {
+                if grads {
+                    row.fill(0.0);
+                }
+            } else {
+                cross_entropy_row::<f32>(row, t as usize, grads, &mut loss);
+            }
+            loss
+        })
+        .sum()
+}

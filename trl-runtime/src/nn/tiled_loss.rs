@@ -11,7 +11,9 @@
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
 use super::precision::{self, accumulate};
 use super::precomputed::Precomputed;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp1, Layout, Result, Shape, Tensor, D};
+use std::cell::Cell;
+use std::sync::Mutex;
 
 /// Rows per tile: as many as keep one tile's logits near this many bytes (at least 16 rows).
 const TILE_BYTES: usize = 16 << 20;
@@ -108,9 +110,124 @@ impl CustomOp2 for TiledLoss {
     }
 }
 
+/// One tile of f32 logits turned in place into the gradient of its summed loss (see
+/// [`super::fused::cross_entropy_rows`]); the loss is left in `loss`.
+struct CrossEntropyRows<'a> {
+    targets: &'a [i64],
+    grads: bool,
+    loss: Cell<f64>,
+}
+
+impl InplaceOp1 for CrossEntropyRows<'_> {
+    fn name(&self) -> &'static str {
+        "cross-entropy-rows"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let (CpuStorage::F32(v), Some((start, end))) = (storage, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("cross-entropy rows: contiguous f32 logits expected")
+        };
+        let vocab = layout.dims()[1];
+        let loss =
+            super::fused::cross_entropy_rows(&mut v[start..end], vocab, self.targets, self.grads);
+        self.loss.set(loss);
+        Ok(())
+    }
+}
+
+/// Liger's fused linear cross-entropy, on CPU in f32: per tile of rows, the logits by one
+/// GEMM, then one in-place pass computing each row's loss and turning the logits into their
+/// gradient, then the two gradient GEMMs, all during forward. Backward only scales the kept
+/// gradients (of the hidden states and of the head) by the incoming one. No broadcast op, and
+/// nothing [tokens x vocab] outlives its tile.
+struct FusedLoss {
+    sum: Precomputed,
+    grads: Mutex<Option<(Tensor, Tensor)>>,
+}
+
+impl FusedLoss {
+    /// Loss sum, and with `grads` the gradients of hidden and weight, of contiguous f32 inputs.
+    fn compute(
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &[i64],
+        grads: bool,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let (n, _) = hidden.dims2()?;
+        let vocab = weight.dim(0)?;
+        let rows = (TILE_BYTES / (4 * vocab)).max(16);
+        let mut total = 0f64;
+        let mut dhidden = Vec::new();
+        let mut dweight: Option<Tensor> = None;
+        for start in (0..n).step_by(rows) {
+            let len = rows.min(n - start);
+            let h = hidden.narrow(0, start, len)?;
+            let logits = h.matmul(&weight.t()?)?;
+            let pass = CrossEntropyRows {
+                targets: &targets[start..start + len],
+                grads,
+                loss: Cell::new(0.0),
+            };
+            logits.inplace_op1(&pass)?;
+            total += pass.loss.get();
+            if grads {
+                dhidden.push(logits.matmul(weight)?);
+                accumulate(&mut dweight, logits.t()?.matmul(&h)?, DType::F32)?;
+            }
+        }
+        let sum = Tensor::new(total as f32, hidden.device())?;
+        let grads = match (grads, dweight) {
+            (true, Some(dw)) => Some((Tensor::cat(&dhidden, 0)?, dw)),
+            _ => None,
+        };
+        Ok((sum, grads))
+    }
+}
+
+impl CustomOp2 for FusedLoss {
+    fn name(&self) -> &'static str {
+        "fused-linear-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.sum.take("the fused loss")
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let kept = self.grads.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some((dh, dw)) = kept else {
+            candle_core::bail!("the fused loss ran its backward twice (or without gradients)")
+        };
+        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        Ok((Some(dh.affine(g, 0.0)?), Some(dw.affine(g, 0.0)?)))
+    }
+}
+
+/// Whether [`tiled_linear_cross_entropy`] runs fused in one pass per row (CPU, f32).
+pub fn fused_applies(hidden: &Tensor, weight: &Tensor) -> bool {
+    [hidden, weight]
+        .iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+}
+
 /// Summed cross-entropy of the logits `hidden` [n, h] x `weight`^T ([vocab, h]) would give,
 /// against `targets` [n] (i64, -100 ignored), without ever holding more than one tile of
 /// logits. The same value and gradients as the LM head followed by [`super::cross_entropy_sum`].
+/// On CPU in f32 it is Liger's fused linear cross-entropy (gradients computed in forward,
+/// when either input needs them); elsewhere the tiles are recomputed in backward.
 pub fn tiled_linear_cross_entropy(
     hidden: &Tensor,
     weight: &Tensor,
@@ -118,6 +235,23 @@ pub fn tiled_linear_cross_entropy(
 ) -> Result<LossSum> {
     let (n, _) = hidden.dims2()?;
     let vocab = weight.dim(0)?;
+    if fused_applies(hidden, weight) {
+        let (targets, count) = checked_targets(targets, vocab)?;
+        let grads = hidden.track_op() || weight.track_op();
+        let (h, w) = (hidden.detach().contiguous()?, weight.detach().contiguous()?);
+        let (sum, kept) = FusedLoss::compute(&h, &w, &targets, grads)?;
+        if !grads {
+            return Ok(LossSum { sum, count });
+        }
+        let op = FusedLoss {
+            sum: Precomputed::new(sum),
+            grads: Mutex::new(kept),
+        };
+        return Ok(LossSum {
+            sum: hidden.apply_op2(weight, op)?,
+            count,
+        });
+    }
     if !matches!(hidden.dtype(), DType::F32 | DType::F64 | DType::BF16) {
         candle_core::bail!(
             "the tiled loss runs in f32, f64 or bf16, not {:?}",
