@@ -7,6 +7,7 @@ Run by the Rust bench; usable alone: python3 hf_train.py --seq 2048 --batch 2. `
 transformers and TRL before GPU time is spent on it)."""
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -95,6 +96,9 @@ def trl_sft(args):
             synchronize(args.device)
             timings.append(time.perf_counter())
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Under torchrun: DDP over gloo on CPU, as accelerate launch --multi_cpu sets it up.
+    ddp = {"ddp_backend": "gloo"} if world > 1 and args.device == "cpu" else {}
     sft_args = SFTConfig(
         output_dir="/tmp/hf-train-bench", per_device_train_batch_size=args.batch,
         max_length=args.seq, bf16=args.dtype == "bf16", learning_rate=1e-5, max_steps=args.warmup + args.steps,
@@ -102,6 +106,7 @@ def trl_sft(args):
         optim="adamw_torch_fused", use_cpu=args.device == "cpu",
         # Stated, not left to TRL's default (on), so the comparison's setting is known.
         gradient_checkpointing=args.gradient_checkpointing,
+        **ddp,
     )
     # A tokenizer only for its pad and eos ids (the rows are token ids already): the bundled one.
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
@@ -110,7 +115,7 @@ def trl_sft(args):
                          callbacks=[Clock()])
     trainer.train()
     secs = timings[-1] - timings[args.warmup - 1]
-    return args.steps * args.batch * args.seq / secs
+    return world * args.steps * args.batch * args.seq / secs
 
 
 def main():
@@ -130,13 +135,19 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(json.dumps({"framework": "transformers", "tokens_per_s": plain_loop(args)}), flush=True)
+    # Under torchrun (WORLD_SIZE > 1) only TRL runs, as DDP; rank 0 prints.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if world == 1:
+        print(json.dumps({"framework": "transformers", "tokens_per_s": plain_loop(args)}), flush=True)
     gc = args.gradient_checkpointing
     if args.device == "cuda":
         torch.cuda.empty_cache()
     try:
-        print(json.dumps({"framework": "trl", "tokens_per_s": trl_sft(args),
-                          "gradient_checkpointing": gc}), flush=True)
+        tokens_per_s = trl_sft(args)
+        if main_rank:
+            print(json.dumps({"framework": "trl", "tokens_per_s": tokens_per_s, "world": world,
+                              "gradient_checkpointing": gc}), flush=True)
     except ImportError as e:
         print(f"TRL comparison skipped: {e}", file=sys.stderr)
     except Exception:  # the transformers line above still counts

@@ -153,12 +153,19 @@ fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
         .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"))
 }
 
-/// transformers' and TRL's tokens/s on this CPU at the reference shape, fp32, one thread,
-/// without gradient checkpointing (benches/hf_train.py; nothing when torch is missing).
-fn cpu_peers() -> Vec<serde_json::Value> {
+/// transformers' and TRL's tokens/s on this CPU at the reference shape, fp32, one thread per
+/// process, without gradient checkpointing (benches/hf_train.py; nothing when torch is
+/// missing). On `world` > 1 processes only TRL runs, as DDP over gloo under torchrun.
+fn cpu_peers(world: usize) -> Vec<serde_json::Value> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/hf_train.py");
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = std::process::Command::new(&python)
+    let mut command = std::process::Command::new(&python);
+    if world > 1 {
+        command
+            .args(["-m", "torch.distributed.run", "--standalone"])
+            .arg(format!("--nproc_per_node={world}"));
+    }
+    let out = command
         .arg(&script)
         .args([
             "--device",
@@ -231,17 +238,20 @@ fn main() {
         line("ddp", world, &m);
         per_world.push(m.tokens_per_s);
     }
-    // The same shape through transformers and TRL on this CPU's torch (when importable).
-    for peer in cpu_peers() {
-        let (name, theirs) = (
-            &peer["framework"],
-            peer["tokens_per_s"].as_f64().unwrap_or(0.0),
-        );
-        println!(
-            "{{\"bench\":\"train\",\"device\":\"cpu\",\"peer\":{name},\"world\":1,\"peer_tokens_per_s\":{theirs:.1},\"tokens_per_s\":{:.1},\"ratio_ours_over_peer\":{:.3},\"gradient_checkpointing\":false}}",
-            per_world[0],
-            per_world[0] / theirs
-        );
+    // The same shape through transformers and TRL on this CPU's torch (when importable), on
+    // one process and (TRL, DDP) on two.
+    for world in [1, 2] {
+        for peer in cpu_peers(world) {
+            let (name, theirs) = (
+                &peer["framework"],
+                peer["tokens_per_s"].as_f64().unwrap_or(0.0),
+            );
+            let ours = per_world[world - 1];
+            println!(
+                "{{\"bench\":\"train\",\"device\":\"cpu\",\"peer\":{name},\"world\":{world},\"peer_tokens_per_s\":{theirs:.1},\"tokens_per_s\":{ours:.1},\"ratio_ours_over_peer\":{:.3},\"gradient_checkpointing\":false}}",
+                ours / theirs
+            );
+        }
     }
     // Tensor parallelism: 2 ranks share every layer of one replica.
     let tp = measure("ref-tp", 2, tmp.path());

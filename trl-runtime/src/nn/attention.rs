@@ -172,6 +172,10 @@ impl AttentionImpl {
     pub fn apply(self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
         match self {
             AttentionImpl::Eager => attention(q, k, v, mask),
+            // On CPU in f32 both are the fused blockwise kernel.
+            AttentionImpl::Flash if mask.fused && super::cpu_flash::applies(q, k) => {
+                super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges)
+            }
             AttentionImpl::Flash => {
                 super::flash_attention(q, k, v, mask, super::flash::block_for(q.device()))
             }
@@ -182,6 +186,20 @@ impl AttentionImpl {
 /// Attention of `q` [batch, heads, seq, head_dim] over `k`, `v` [batch, kv_heads, seq, head_dim].
 /// Query head h reads key/value head h / (heads / kv_heads), without copying the kv heads.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
+    if mask.fused && super::cpu_flash::applies(q, k) {
+        return super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges);
+    }
+    whole_matrix_attention(q, k, v, mask)
+}
+
+/// [`attention`] through the whole [seq x seq] score matrix (the reference the fused kernels
+/// are tested against).
+pub fn whole_matrix_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+) -> Result<Tensor> {
     let (b, heads, s, d) = q.dims4()?;
     let (_, kv_heads, k_len, _) = k.dims4()?;
     if heads % kv_heads != 0 {

@@ -47,7 +47,7 @@ macro_rules! simd_dispatch {
 /// degree-7 polynomial on |r| <= ln(2)/2 (relative error below 1e-7); x is clamped to the
 /// range where 2^n is a normal f32.
 #[inline(always)]
-fn exp_f32(x: f32) -> f32 {
+pub(crate) fn exp_f32(x: f32) -> f32 {
     let x = x.clamp(-87.3, 88.3);
     let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
     let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
@@ -779,6 +779,11 @@ fn cross_entropy_row_body<T: F32Math>(row: &mut [T], target: usize, grads: bool,
         row[target] = T::of(row[target].f() - 1.0);
     }
     *loss = (max as f64 + (sum as f64).ln()) - picked as f64;
+}
+
+/// Max of an f32 row.
+pub(crate) fn row_max_f32(x: &[f32]) -> f32 {
+    row_max(x)
 }
 
 simd_dispatch!(cross_entropy_row, cross_entropy_row_avx2, cross_entropy_row_body, (row: &mut [T], target: usize, grads: bool, loss: &mut f64));

@@ -3,6 +3,7 @@
 //! silently drop gradients, so they are not used).
 
 pub mod attention;
+pub mod cpu_flash;
 pub mod embedding;
 pub mod flash;
 pub mod fused;

@@ -1,0 +1,630 @@
+//! Fused attention on CPU, forward and backward: FlashAttention-2's algorithm over blocks of
+//! 64 queries x 64 keys, each (batch, key/value head) one rayon task.
+//!
+//! Forward, per query block: the visible key blocks (causal, and from the start of the row's
+//! document) are visited with the online softmax: scores by one small GEMM, then per row the
+//! running maximum and sum updated and the probabilities written in place, then the output
+//! rescaled and accumulated by a second GEMM. The score matrix never exists beyond one block;
+//! key blocks after the query block, or before every query's document, are skipped. What is
+//! kept for backward is the output and each row's log-sum-exp.
+//!
+//! Backward, per key block: for every query block that sees it, the probabilities are
+//! recomputed from the scores and the log-sum-exp, and dV, dP = dO V^T, dS = P (dP - D) with
+//! D = rowsum(dO * O), dQ and dK follow by GEMMs; dK and dV accumulate in the key block, dQ in
+//! the query rows. Query heads sharing a key/value head (GQA) are handled by the same task, so
+//! dK and dV need no synchronisation.
+//!
+//! This is the tiling the CUDA kernel uses (issue: flash attention on GPU); on CPU it replaces
+//! the whole-matrix path for f32 inputs.
+
+use super::fused::{exp_f32, row_max_f32};
+use super::softmax::RowRanges;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+use std::sync::Mutex;
+
+/// Queries and keys per block.
+pub const BLOCK: usize = 64;
+
+/// A row-major view: element (r, c) at `r * rs + c * cs`.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+/// `dst[m x n] (+)= beta * a[m x k] * b[k x n]`; `dst` rows are `dst_rs` apart. With
+/// `accumulate` the product is added to what `dst` holds, else it replaces it.
+#[allow(clippy::too_many_arguments)]
+fn mm(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    a: Mat,
+    b: Mat,
+    beta: f32,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
+    assert!(last(m, n, dst_rs, 1) < dst.len());
+    assert!(last(m, k, a.rs, a.cs) < a.data.len());
+    assert!(last(k, n, b.rs, b.cs) < b.data.len());
+    // SAFETY: the asserts above keep every element gemm touches inside the three slices, and
+    // `dst` is borrowed mutably (no aliasing with `a` or `b`).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The geometry of one call: q [b, heads, s, d], k and v [b, kv_heads, s, d].
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    heads: usize,
+    kv_heads: usize,
+    s: usize,
+    d: usize,
+}
+
+impl Dims {
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+/// Rows `[r0, r0 + m)` of batch row `bi`: the first key each may see.
+fn starts(ranges: &RowRanges, bi: usize, r0: usize, m: usize) -> &[u32] {
+    &ranges.starts[bi * ranges.rows + r0..bi * ranges.rows + r0 + m]
+}
+
+/// The visible keys of query `q` (whose document starts at `start`) within keys
+/// `[j0, j0 + n)`, as a range of block columns (empty when none).
+fn visible(q: usize, start: usize, j0: usize, n: usize) -> std::ops::Range<usize> {
+    let lo = start.max(j0);
+    let hi = (q + 1).min(j0 + n);
+    if lo >= hi {
+        0..0
+    } else {
+        lo - j0..hi - j0
+    }
+}
+
+/// Whether any query of `[i0, i0 + m)` sees a key of `[j0, j0 + n)`.
+fn block_visible(row_starts: &[u32], i0: usize, j0: usize, n: usize) -> bool {
+    row_starts
+        .iter()
+        .enumerate()
+        .any(|(r, &st)| !visible(i0 + r, st as usize, j0, n).is_empty())
+}
+
+/// One block of rows: queries `[i0, i0 + m)` against keys `[j0, j0 + n)`, and the first
+/// visible key of each query.
+#[derive(Clone, Copy)]
+struct BlockRows<'a> {
+    i0: usize,
+    j0: usize,
+    m: usize,
+    n: usize,
+    starts: &'a [u32],
+}
+
+impl BlockRows<'_> {
+    fn cols(&self, r: usize) -> std::ops::Range<usize> {
+        visible(self.i0 + r, self.starts[r] as usize, self.j0, self.n)
+    }
+}
+
+/// Runs `$body` compiled for AVX2 + FMA when the CPU has them (so that the exp polynomial
+/// and the row loops vectorize), for the baseline target otherwise.
+macro_rules! with_avx2 {
+    ($name:ident, $avx2:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
+        fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                return unsafe { $avx2($($arg),*) };
+            }
+            $body($($arg),*)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn $avx2($($arg: $ty),*) {
+            $body($($arg),*)
+        }
+    };
+}
+
+/// Sum of a row in eight lanes.
+#[inline(always)]
+fn lane_sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// `row[cols] = exp(row[cols] - shift)`, zero elsewhere; returns the sum.
+#[inline(always)]
+fn exp_visible(row: &mut [f32], cols: std::ops::Range<usize>, shift: f32) -> f32 {
+    let (head, rest) = row.split_at_mut(cols.start);
+    head.fill(0.0);
+    let (vis, tail) = rest.split_at_mut(cols.end - cols.start);
+    tail.fill(0.0);
+    for x in vis.iter_mut() {
+        *x = exp_f32(*x - shift);
+    }
+    lane_sum(vis)
+}
+
+/// Forward: the scores of a block become probabilities under the running maximum; the
+/// running maximum and sum of each row are updated and its output row rescaled.
+#[inline(always)]
+fn online_softmax_body(
+    scores: &mut [f32],
+    rows: BlockRows,
+    m_run: &mut [f32],
+    l_run: &mut [f32],
+    o: &mut [f32],
+    d: usize,
+) {
+    for r in 0..rows.m {
+        let row = &mut scores[r * BLOCK..r * BLOCK + rows.n];
+        let cols = rows.cols(r);
+        if cols.is_empty() {
+            row.fill(0.0);
+            continue;
+        }
+        let m_new = m_run[r].max(row_max_f32(&row[cols.clone()]));
+        let alpha = exp_f32(m_run[r] - m_new);
+        let sum = exp_visible(row, cols, m_new);
+        l_run[r] = alpha * l_run[r] + sum;
+        m_run[r] = m_new;
+        for x in o[r * d..(r + 1) * d].iter_mut() {
+            *x *= alpha;
+        }
+    }
+}
+
+with_avx2!(online_softmax, online_softmax_avx2, online_softmax_body, (scores: &mut [f32], rows: BlockRows, m_run: &mut [f32], l_run: &mut [f32], o: &mut [f32], d: usize));
+
+/// Backward: a block's scores become the probabilities `exp(score - lse)` (zero where masked).
+#[inline(always)]
+fn probabilities_body(p: &mut [f32], rows: BlockRows, lse: &[f32]) {
+    for r in 0..rows.m {
+        let cols = rows.cols(r);
+        let row = &mut p[r * BLOCK..r * BLOCK + rows.n];
+        if cols.is_empty() {
+            row.fill(0.0);
+        } else {
+            exp_visible(row, cols, lse[r]);
+        }
+    }
+}
+
+with_avx2!(probabilities, probabilities_avx2, probabilities_body, (p: &mut [f32], rows: BlockRows, lse: &[f32]));
+
+/// Backward: `dS = P (dP - D)` in place of dP.
+#[inline(always)]
+fn score_grads_body(dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]) {
+    for (r, dl) in delta.iter().enumerate().take(rows.m) {
+        let span = r * BLOCK..r * BLOCK + rows.n;
+        for (g, pv) in dp[span.clone()].iter_mut().zip(&p[span]) {
+            *g = pv * (*g - dl);
+        }
+    }
+}
+
+with_avx2!(score_grads, score_grads_avx2, score_grads_body, (dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]));
+
+/// Forward of one (batch, kv head): outputs and log-sum-exps of its `group` query heads.
+fn forward_task(
+    dims: Dims,
+    bi: usize,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    ranges: &RowRanges,
+    (out, lse): (&mut [f32], &mut [f32]),
+) {
+    let Dims { s, d, .. } = dims;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut scores = vec![0f32; BLOCK * BLOCK];
+    let (mut m_run, mut l_run) = (vec![0f32; BLOCK], vec![0f32; BLOCK]);
+    for h in 0..dims.group() {
+        let qh = &q[h * s * d..(h + 1) * s * d];
+        let oh = &mut out[h * s * d..(h + 1) * s * d];
+        let lh = &mut lse[h * s..(h + 1) * s];
+        for i0 in (0..s).step_by(BLOCK) {
+            let m = BLOCK.min(s - i0);
+            let row_starts = starts(ranges, bi, i0, m);
+            let o = &mut oh[i0 * d..(i0 + m) * d];
+            o.fill(0.0);
+            m_run[..m].fill(f32::NEG_INFINITY);
+            l_run[..m].fill(0.0);
+            for j0 in (0..=(i0 + m - 1)).step_by(BLOCK) {
+                let n = BLOCK.min(s - j0);
+                if !block_visible(row_starts, i0, j0, n) {
+                    continue;
+                }
+                let qi = Mat {
+                    data: &qh[i0 * d..],
+                    rs: d,
+                    cs: 1,
+                };
+                let kt = Mat {
+                    data: &k[j0 * d..],
+                    rs: 1,
+                    cs: d,
+                };
+                mm((m, n, d), &mut scores, BLOCK, qi, kt, scale, false);
+                let rows = BlockRows {
+                    i0,
+                    j0,
+                    m,
+                    n,
+                    starts: row_starts,
+                };
+                online_softmax(&mut scores, rows, &mut m_run, &mut l_run, o, d);
+                let p = Mat {
+                    data: &scores,
+                    rs: BLOCK,
+                    cs: 1,
+                };
+                let vj = Mat {
+                    data: &v[j0 * d..],
+                    rs: d,
+                    cs: 1,
+                };
+                mm((m, d, n), o, d, p, vj, 1.0, true);
+            }
+            for r in 0..m {
+                let inv = 1.0 / l_run[r];
+                o[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= inv);
+                lh[i0 + r] = m_run[r] + l_run[r].ln();
+            }
+        }
+    }
+}
+
+/// Backward of one (batch, kv head): dq of its query heads, dk and dv of the kv head.
+#[allow(clippy::too_many_arguments)]
+fn backward_task(
+    dims: Dims,
+    bi: usize,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (out, lse, dout): (&[f32], &[f32], &[f32]),
+    ranges: &RowRanges,
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    let Dims { s, d, .. } = dims;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut p = vec![0f32; BLOCK * BLOCK];
+    let mut dp = vec![0f32; BLOCK * BLOCK];
+    let mut delta = vec![0f32; s];
+    dq.fill(0.0);
+    dk.fill(0.0);
+    dv.fill(0.0);
+    for h in 0..dims.group() {
+        let span = h * s * d..(h + 1) * s * d;
+        let (qh, oh, doh) = (&q[span.clone()], &out[span.clone()], &dout[span.clone()]);
+        let dqh = &mut dq[span];
+        let lh = &lse[h * s..(h + 1) * s];
+        for (r, dl) in delta.iter_mut().enumerate() {
+            let row = r * d..(r + 1) * d;
+            *dl = doh[row.clone()]
+                .iter()
+                .zip(&oh[row])
+                .map(|(a, b)| a * b)
+                .sum();
+        }
+        for j0 in (0..s).step_by(BLOCK) {
+            let n = BLOCK.min(s - j0);
+            for i0 in (j0 / BLOCK * BLOCK..s).step_by(BLOCK) {
+                let m = BLOCK.min(s - i0);
+                let row_starts = starts(ranges, bi, i0, m);
+                if !block_visible(row_starts, i0, j0, n) {
+                    continue;
+                }
+                let qi = Mat {
+                    data: &qh[i0 * d..],
+                    rs: d,
+                    cs: 1,
+                };
+                let kt = Mat {
+                    data: &k[j0 * d..],
+                    rs: 1,
+                    cs: d,
+                };
+                mm((m, n, d), &mut p, BLOCK, qi, kt, scale, false);
+                let rows = BlockRows {
+                    i0,
+                    j0,
+                    m,
+                    n,
+                    starts: row_starts,
+                };
+                probabilities(&mut p, rows, &lh[i0..i0 + m]);
+                // dV_j += P^T dO_i
+                let pt = Mat {
+                    data: &p,
+                    rs: 1,
+                    cs: BLOCK,
+                };
+                let doi = Mat {
+                    data: &doh[i0 * d..],
+                    rs: d,
+                    cs: 1,
+                };
+                mm((n, d, m), &mut dv[j0 * d..], d, pt, doi, 1.0, true);
+                // dP = dO_i V_j^T, then dS = P (dP - D) in place of dP.
+                let vt = Mat {
+                    data: &v[j0 * d..],
+                    rs: 1,
+                    cs: d,
+                };
+                mm((m, n, d), &mut dp, BLOCK, doi, vt, 1.0, false);
+                score_grads(&mut dp, &p, rows, &delta[i0..i0 + m]);
+                // dQ_i += scale dS K_j; dK_j += scale dS^T Q_i
+                let ds = Mat {
+                    data: &dp,
+                    rs: BLOCK,
+                    cs: 1,
+                };
+                let kj = Mat {
+                    data: &k[j0 * d..],
+                    rs: d,
+                    cs: 1,
+                };
+                mm((m, d, n), &mut dqh[i0 * d..], d, ds, kj, scale, true);
+                let dst = Mat {
+                    data: &dp,
+                    rs: 1,
+                    cs: BLOCK,
+                };
+                mm((n, d, m), &mut dk[j0 * d..], d, dst, qi, scale, true);
+            }
+        }
+    }
+}
+
+struct FlashCpu {
+    ranges: RowRanges,
+    /// Every query row's log-sum-exp, from forward to backward.
+    lse: Mutex<Option<Vec<f32>>>,
+}
+
+fn contiguous<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => candle_core::bail!("cpu flash attention: contiguous f32 inputs expected"),
+    }
+}
+
+fn dims_of(q: &Layout, k: &Layout) -> Result<Dims> {
+    let (b, heads, s, d) = q.shape().dims4()?;
+    let (_, kv_heads, k_len, _) = k.shape().dims4()?;
+    if k_len != s || heads % kv_heads != 0 {
+        candle_core::bail!(
+            "cpu flash attention: q {:?} and k {:?} do not match",
+            q.dims(),
+            k.dims()
+        );
+    }
+    Ok(Dims {
+        b,
+        heads,
+        kv_heads,
+        s,
+        d,
+    })
+}
+
+impl FlashCpu {
+    fn run_forward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let Dims { s, d, .. } = dims;
+        let g = dims.group();
+        let mut out = vec![0f32; q.len()];
+        let mut lse = vec![0f32; dims.b * dims.heads * s];
+        out.par_chunks_mut(g * s * d)
+            .zip(lse.par_chunks_mut(g * s))
+            .enumerate()
+            .for_each(|(t, (o, l))| {
+                let (bi, kv) = (t / dims.kv_heads, t % dims.kv_heads);
+                let qs = &q[t * g * s * d..(t + 1) * g * s * d];
+                let kv_span =
+                    (bi * dims.kv_heads + kv) * s * d..(bi * dims.kv_heads + kv + 1) * s * d;
+                forward_task(
+                    dims,
+                    bi,
+                    (qs, &k[kv_span.clone()], &v[kv_span]),
+                    &self.ranges,
+                    (o, l),
+                );
+            });
+        (out, lse)
+    }
+}
+
+impl CustomOp3 for FlashCpu {
+    fn name(&self) -> &'static str {
+        "cpu-flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = dims_of(ql, kl)?;
+        let (q, k, v) = (
+            contiguous(qs, ql)?,
+            contiguous(ks, kl)?,
+            contiguous(vs, vl)?,
+        );
+        let (out, lse) = self.run_forward(dims, q, k, v);
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        Ok((CpuStorage::F32(out), ql.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Some(lse) = self.lse.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            candle_core::bail!("cpu flash attention: backward ran twice")
+        };
+        let ts = [q, k, v, out, &grad.contiguous()?].map(|t| t.clone());
+        let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+        let mut slices = Vec::with_capacity(5);
+        for (storage, layout) in &guards {
+            match &**storage {
+                candle_core::Storage::Cpu(c) => slices.push(contiguous(c, layout)?),
+                _ => candle_core::bail!("cpu flash attention: CPU tensors expected"),
+            }
+        }
+        let (qv, kv, vv, ov, gv) = (slices[0], slices[1], slices[2], slices[3], slices[4]);
+        let dims = dims_of(q.layout(), k.layout())?;
+        let Dims { s, d, .. } = dims;
+        let g = dims.group();
+        let mut dq = vec![0f32; qv.len()];
+        let mut dk = vec![0f32; kv.len()];
+        let mut dv = vec![0f32; vv.len()];
+        dq.par_chunks_mut(g * s * d)
+            .zip(dk.par_chunks_mut(s * d).zip(dv.par_chunks_mut(s * d)))
+            .enumerate()
+            .for_each(|(t, (dqt, (dkt, dvt)))| {
+                let bi = t / dims.kv_heads;
+                let qspan = t * g * s * d..(t + 1) * g * s * d;
+                let kspan = t * s * d..(t + 1) * s * d;
+                backward_task(
+                    dims,
+                    bi,
+                    (&qv[qspan.clone()], &kv[kspan.clone()], &vv[kspan]),
+                    (
+                        &ov[qspan.clone()],
+                        &lse[t * g * s..(t + 1) * g * s],
+                        &gv[qspan],
+                    ),
+                    &self.ranges,
+                    (dqt, dkt, dvt),
+                );
+            });
+        drop(guards);
+        let dev = q.device();
+        Ok((
+            Some(Tensor::from_vec(dq, q.shape(), dev)?),
+            Some(Tensor::from_vec(dk, k.shape(), dev)?),
+            Some(Tensor::from_vec(dv, v.shape(), dev)?),
+        ))
+    }
+}
+
+/// Whether [`flash_attention_cpu`] takes these inputs: f32 on the CPU, keys as long as queries.
+pub fn applies(q: &Tensor, k: &Tensor) -> bool {
+    q.device().is_cpu()
+        && q.dtype() == DType::F32
+        && k.dtype() == DType::F32
+        && q.rank() == 4
+        && k.rank() == 4
+        && q.dim(2).ok() == k.dim(2).ok()
+}
+
+/// Causal attention of `q` [b, heads, s, d] over `k`, `v` [b, kv_heads, s, d] with the
+/// document ranges of `ranges` (each row sees keys from its document's start to itself),
+/// fused as described in the module docs.
+pub fn flash_attention_cpu(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ranges: &RowRanges,
+) -> Result<Tensor> {
+    let op = FlashCpu {
+        ranges: ranges.clone(),
+        lse: Mutex::new(None),
+    };
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::attention::{whole_matrix_attention, AttentionMask};
+    use crate::nn::testing::max_abs_diff;
+    use candle_core::{Device, Var};
+
+    /// Against the whole-matrix attention (fused causal softmax), values and every gradient, on
+    /// packed rows, grouped heads, lengths that leave partial blocks.
+    #[test]
+    fn equals_whole_matrix_attention() {
+        let dev = Device::Cpu;
+        for (s, heads, kv_heads, d) in [(150, 4, 2, 32), (64, 2, 2, 16), (9, 3, 1, 8)] {
+            let mut pos = Vec::new();
+            for b in 0..2i64 {
+                // Row 0 packs documents of 40 and the rest; row 1 is one document.
+                pos.extend((0..s as i64).map(|i| if b == 0 && i >= 40 { i - 40 } else { i }));
+            }
+            let pos = Tensor::from_vec(pos, (2, s), &dev).unwrap();
+            let mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();
+            let q = Var::randn(0f32, 1.0, (2, heads, s, d), &dev).unwrap();
+            let k = Var::randn(0f32, 1.0, (2, kv_heads, s, d), &dev).unwrap();
+            let v = Var::randn(0f32, 1.0, (2, kv_heads, s, d), &dev).unwrap();
+            let w = Tensor::randn(0f32, 1.0, (2, heads, s, d), &dev).unwrap();
+            let run = |fused: bool| {
+                let out = match fused {
+                    true => flash_attention_cpu(&q, &k, &v, mask.ranges()).unwrap(),
+                    false => whole_matrix_attention(&q, &k, &v, &mask).unwrap(),
+                };
+                let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let g: Vec<Tensor> = [&q, &k, &v]
+                    .iter()
+                    .map(|t| grads.get(t).unwrap().clone())
+                    .collect();
+                (out, g)
+            };
+            let (want, want_g) = run(false);
+            let (got, got_g) = run(true);
+            let diff = max_abs_diff(&got, &want);
+            assert!(diff < 1e-5, "s {s}: output differs by {diff}");
+            for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(got_g.iter().zip(&want_g)) {
+                let diff = max_abs_diff(a, b);
+                assert!(diff < 1e-4, "s {s}: {name} differs by {diff}");
+            }
+        }
+    }
+}
