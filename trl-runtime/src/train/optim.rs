@@ -103,22 +103,20 @@ impl AdamW {
             })?;
             // The state may live in host memory (CPU offload): the gradient goes there.
             let g = g.to_dtype(DType::F32)?.to_device(s.master.device())?;
-            if c.weight_decay != 0.0 {
-                match &s.decay_mask {
-                    Some(mask) => {
-                        s.master =
-                            (&s.master - (&s.master * mask)?.affine(lr * c.weight_decay, 0.0)?)?
-                    }
-                    None if s.decay => s.master = (&s.master * (1.0 - lr * c.weight_decay))?,
-                    None => {}
-                }
-            }
-            s.exp_avg = ((&s.exp_avg * c.beta1)? + (&g * (1.0 - c.beta1))?)?.detach();
-            s.exp_avg_sq = ((&s.exp_avg_sq * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?.detach();
-            let denom = ((s.exp_avg_sq.sqrt()? / bc2.sqrt())? + c.eps)?;
-            // Detached: state built from a parameter `Var` records the op, and each update
-            // would otherwise chain onto the last, keeping every step's tensors alive.
-            s.master = (&s.master - (s.exp_avg.broadcast_div(&denom)? * (lr / bc1))?)?.detach();
+            let hyper = Hyper {
+                lr,
+                decay: c.weight_decay,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                bc1,
+                bc2,
+            };
+            let (master, m, v) = match fused_update(s, &g, hyper)? {
+                Some(new) => new,
+                None => chain_update(s, &g, hyper)?,
+            };
+            (s.master, s.exp_avg, s.exp_avg_sq) = (master, m, v);
         }
         Ok(())
     }
@@ -156,6 +154,102 @@ impl AdamW {
     }
 }
 
+/// One AdamW step's constants.
+#[derive(Clone, Copy)]
+struct Hyper {
+    lr: f64,
+    /// The weight decay (applied where the parameter, or the element of a flat shard, decays).
+    decay: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    bc1: f64,
+    bc2: f64,
+}
+
+/// AdamW in Candle ops (any device and dtype): the new (master, exp_avg, exp_avg_sq).
+fn chain_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<(Tensor, Tensor, Tensor)> {
+    let mut master = s.master.clone();
+    if h.decay != 0.0 {
+        match &s.decay_mask {
+            Some(mask) => master = (&master - (&master * mask)?.affine(h.lr * h.decay, 0.0)?)?,
+            None if s.decay => master = (&master * (1.0 - h.lr * h.decay))?,
+            None => {}
+        }
+    }
+    let m = ((&s.exp_avg * h.beta1)? + (g * (1.0 - h.beta1))?)?.detach();
+    let v = ((&s.exp_avg_sq * h.beta2)? + (g.sqr()? * (1.0 - h.beta2))?)?.detach();
+    let denom = ((v.sqrt()? / h.bc2.sqrt())? + h.eps)?;
+    // Detached: state built from a parameter `Var` records the op, and each update would
+    // otherwise chain onto the last, keeping every step's tensors alive.
+    let master = (&master - (m.broadcast_div(&denom)? * (h.lr / h.bc1))?)?.detach();
+    Ok((master, m, v))
+}
+
+/// The contiguous f32 elements of a CPU tensor, read under its storage lock.
+fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) => {
+            Some(f(&v[a..b]))
+        }
+        _ => None,
+    }
+}
+
+/// AdamW on CPU in one pass over the master weights, both moments and the gradient (instead
+/// of a dozen Candle ops, each a pass and a fresh tensor): the new (master, exp_avg,
+/// exp_avg_sq), or None where it does not apply (not CPU f32 contiguous).
+fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    // Per element: 1 where weight decay applies (a flat ZeRO shard spans several parameters).
+    let mask: Option<Vec<f32>> = match &s.decay_mask {
+        Some(mask) => match with_cpu_f32(mask, <[f32]>::to_vec) {
+            Some(m) => Some(m),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    let decay = match (&mask, s.decay) {
+        (None, false) => 0.0,
+        _ => h.decay,
+    };
+    let out = with_cpu_f32(&s.master, |w| {
+        with_cpu_f32(&s.exp_avg, |m| {
+            with_cpu_f32(&s.exp_avg_sq, |v| {
+                with_cpu_f32(g, |g| {
+                    let n = w.len();
+                    let (mut w2, mut m2, mut v2) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+                    let shrink = (h.lr * decay) as f32;
+                    let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
+                    let step = (h.lr / h.bc1) as f32;
+                    let inv_bc2 = (1.0 / h.bc2.sqrt()) as f32;
+                    let eps = h.eps as f32;
+                    for i in 0..n {
+                        let keep = 1.0 - shrink * mask.as_ref().map_or(1.0, |m| m[i]);
+                        let gi = g[i];
+                        let mi = b1 * m[i] + (1.0 - b1) * gi;
+                        let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
+                        m2[i] = mi;
+                        v2[i] = vi;
+                        w2[i] = w[i] * keep - step * mi / (vi.sqrt() * inv_bc2 + eps);
+                    }
+                    (w2, m2, v2)
+                })
+            })
+        })
+    });
+    let Some(Some(Some(Some((w, m, v))))) = out else {
+        return Ok(None);
+    };
+    let shape = s.master.shape();
+    let dev = s.master.device();
+    Ok(Some((
+        Tensor::from_vec(w, shape, dev)?,
+        Tensor::from_vec(m, shape, dev)?,
+        Tensor::from_vec(v, shape, dev)?,
+    )))
+}
+
 /// Sum of squares of all gradients (f64), so sharded callers can add theirs across ranks.
 pub fn grad_norm_sq(grads: &BTreeMap<String, Tensor>) -> Result<f64> {
     Ok(sums_of_squares(grads.values())?.iter().sum())
@@ -165,6 +259,15 @@ pub fn grad_norm_sq(grads: &BTreeMap<String, Tensor>) -> Result<f64> {
 /// and added up in f64. The per-tensor sums are read back together: on a GPU that is one
 /// synchronisation per step instead of one per parameter.
 pub fn sums_of_squares<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<Vec<f64>> {
+    let tensors: Vec<&Tensor> = tensors.into_iter().collect();
+    // On CPU in f32: one pass per tensor, nothing allocated.
+    let cpu: Option<Vec<f64>> = tensors
+        .iter()
+        .map(|t| with_cpu_f32(t, |v| v.iter().map(|x| (x * x) as f64).sum()))
+        .collect();
+    if let Some(sums) = cpu {
+        return Ok(sums);
+    }
     let sums = tensors
         .into_iter()
         .map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all())
@@ -195,4 +298,66 @@ pub fn clip_grad_norm(
         }
     }
     Ok(norm)
+}
+
+#[cfg(test)]
+mod fused_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The one-pass CPU update equals the Candle-op chain (with decay, without, and with a
+    /// flat shard's per-element mask) over several steps.
+    #[test]
+    fn fused_update_equals_the_op_chain() {
+        let dev = Device::Cpu;
+        let n = 1000;
+        let randn = |seed: f32| {
+            (Tensor::arange(0f32, n as f32, &dev).unwrap() * (0.37 + seed as f64))
+                .unwrap()
+                .sin()
+                .unwrap()
+        };
+        let mask = Tensor::from_vec(
+            (0..n)
+                .map(|i| (i % 3 == 0) as u8 as f32)
+                .collect::<Vec<_>>(),
+            n,
+            &dev,
+        )
+        .unwrap();
+        for (decay, decay_mask) in [(true, None), (false, None), (true, Some(mask))] {
+            let mut s = ParamState {
+                master: randn(0.0),
+                exp_avg: randn(1.0).affine(0.01, 0.0).unwrap(),
+                exp_avg_sq: randn(2.0).sqr().unwrap().affine(0.001, 0.0).unwrap(),
+                decay,
+                decay_mask,
+            };
+            let mut reference = s.clone();
+            for step in 1..4 {
+                let h = Hyper {
+                    lr: 1e-2,
+                    decay: 0.1,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    bc1: 1.0 - 0.9f64.powi(step),
+                    bc2: 1.0 - 0.999f64.powi(step),
+                };
+                let g = randn(step as f32 + 3.0);
+                let (w, m, v) = fused_update(&s, &g, h).unwrap().expect("CPU f32 is fused");
+                (s.master, s.exp_avg, s.exp_avg_sq) = (w, m, v);
+                let (w, m, v) = chain_update(&reference, &g, h).unwrap();
+                (reference.master, reference.exp_avg, reference.exp_avg_sq) = (w, m, v);
+            }
+            for (a, b) in [
+                (&s.master, &reference.master),
+                (&s.exp_avg, &reference.exp_avg),
+                (&s.exp_avg_sq, &reference.exp_avg_sq),
+            ] {
+                let d = crate::nn::testing::max_abs_diff(a, b);
+                assert!(d < 1e-6, "decay {decay}: differs by {d}");
+            }
+        }
+    }
 }
