@@ -9,7 +9,8 @@
 //!   angles of each (batch, position) shared by all heads; backward is the inverse rotation.
 //!
 //! On CPU they run as Candle custom ops (rayon across rows, f32 math for f32/bf16/f16 inputs, no
-//! temporary tensors). Elsewhere, and for f64, they fall back to the same math in Candle ops.
+//! temporary tensors); on a GPU (feature `cuda`) the same ops launch the kernels of
+//! `kernels/fused.cu` (see `cuda_fused`). For f64 they fall back to the same math in Candle ops.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -147,10 +148,26 @@ fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     Ok(&s.as_slice::<T>()?[start..end])
 }
 
+/// Whether the fused kernels take these tensors: f32, bf16 or f16, all alike, on the CPU or
+/// (built with `cuda`) on a GPU.
 fn fused_on_cpu(ts: &[&Tensor]) -> bool {
     let dtype = ts[0].dtype();
-    ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype)
+    let device = ts[0].device();
+    let here = device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda() && cuda_enabled());
+    here && ts
+        .iter()
+        .all(|t| t.device().same_device(device) && t.dtype() == dtype)
         && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_enabled() -> bool {
+    super::cuda_fused::enabled()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_enabled() -> bool {
+    false
 }
 
 // ---------------------------------------------------------------- RMSNorm
@@ -200,6 +217,17 @@ impl CustomOp2 for RmsNormFwd {
             self.eps,
         ));
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_fused::rms_norm_fwd((s1, l1), (s2, l2), self.eps)
     }
 
     fn bwd(
@@ -305,6 +333,19 @@ impl CustomOp3 for RmsNormBwd {
         ));
         Ok((out, Shape::from((rows + 1, h))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_fused::rms_norm_bwd((s1, l1), (s2, l2), (s3, l3), self.eps)
+    }
 }
 
 /// RMSNorm over the last dimension of `x` with weight `w` (one value per feature).
@@ -379,6 +420,17 @@ impl CustomOp2 for SwigluFwd {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_fused::swiglu_fwd((s1, l1), (s2, l2))
+    }
+
     fn bwd(
         &self,
         g: &Tensor,
@@ -444,6 +496,19 @@ impl CustomOp3 for SwigluBwd {
             slice(s3, l3)?,
         ));
         Ok((out, Shape::from((2, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_fused::swiglu_bwd((s1, l1), (s2, l2), (s3, l3))
     }
 }
 
@@ -550,6 +615,19 @@ impl CustomOp3 for Rotary {
             sign,
         ));
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_fused::rotary((s1, l1), (s2, l2), (s3, l3), self.sign)
     }
 
     fn bwd(

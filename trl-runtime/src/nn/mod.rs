@@ -4,6 +4,8 @@
 
 pub mod attention;
 pub mod cpu_flash;
+#[cfg(feature = "cuda")]
+pub mod cuda_fused;
 pub mod embedding;
 pub mod flash;
 pub mod fused;

@@ -1,0 +1,254 @@
+//! Launches the fused CUDA kernels of `kernels/fused.cu` (compiled to PTX by build.rs) for the
+//! custom ops of [`super::fused`]: RMSNorm, SwiGLU and the rotary embedding, forward and
+//! backward, on contiguous f32, bf16 and f16 tensors. `TRL_FUSED_CUDA=0` turns them off (the
+//! ops then run as Candle ops on the GPU, as before).
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+const MODULE: &str = "trl_fused";
+const THREADS: u32 = 256;
+
+/// Whether the fused kernels run on GPUs (`TRL_FUSED_CUDA=0` turns them off).
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TRL_FUSED_CUDA").map_or(true, |v| v != "0"))
+}
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        d => bail!("fused CUDA ops: {d:?} is not supported"),
+    })
+}
+
+/// Blocks for a grid-stride loop over `n` items.
+fn grid(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block).clamp(1, 65_535) as u32
+}
+
+fn config(blocks: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// Runs `$body` with `$t` the Rust element type of `$dtype`.
+macro_rules! typed {
+    ($dtype:expr, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            d => bail!("fused CUDA ops: {d:?} is not supported"),
+        }
+    };
+}
+
+fn check(l: &Layout, what: &str) -> Result<()> {
+    if !l.is_contiguous() {
+        bail!("fused CUDA {what}: inputs must be contiguous");
+    }
+    Ok(())
+}
+
+fn view<'a, T: CudaDType + DeviceRepr>(
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+}
+
+/// RMSNorm forward of contiguous `x` (rows of `w`'s length) with weight `w`.
+pub fn rms_norm_fwd(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<(CudaStorage, Shape)> {
+    check(x.1, "rms_norm")?;
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let h = w.1.shape().elem_count();
+    let rows = x.1.shape().elem_count() / h;
+    let f =
+        dev.get_or_load_custom_func(&format!("rms_norm_fwd_{}", suffix(dtype)?), MODULE, PTX)?;
+    let out = typed!(dtype, |T| {
+        let (xs, ws) = (view::<T>(x.0, x.1)?, view::<T>(w.0, w.1)?);
+        // SAFETY: every element is written by the kernel.
+        let y = unsafe { dev.alloc::<T>(rows * h)? };
+        let (rows_i, h_i) = (rows as i32, h as i32);
+        let mut b = f.builder();
+        b.arg(&xs).arg(&ws).arg(&y).arg(&rows_i).arg(&h_i).arg(&eps);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(rows, 1), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(y, dev.clone())
+    });
+    Ok((out, x.1.shape().clone()))
+}
+
+/// RMSNorm backward: `[dx rows; dw]` as [(rows + 1), h], as the CPU kernel returns it.
+pub fn rms_norm_bwd(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<(CudaStorage, Shape)> {
+    check(x.1, "rms_norm backward")?;
+    check(dy.1, "rms_norm backward")?;
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let sfx = suffix(dtype)?;
+    let h = w.1.shape().elem_count();
+    let rows = x.1.shape().elem_count() / h;
+    let bwd = dev.get_or_load_custom_func(&format!("rms_norm_bwd_{sfx}"), MODULE, PTX)?;
+    let cast = dev.get_or_load_custom_func(&format!("cast_from_f32_{sfx}"), MODULE, PTX)?;
+    let out = typed!(dtype, |T| {
+        let (xs, ws, dys) = (
+            view::<T>(x.0, x.1)?,
+            view::<T>(w.0, w.1)?,
+            view::<T>(dy.0, dy.1)?,
+        );
+        // SAFETY: every element is written (dx by the first kernel, dw's row by the cast).
+        let both = unsafe { dev.alloc::<T>((rows + 1) * h)? };
+        let dw = dev.alloc_zeros::<f32>(h)?;
+        let (rows_i, h_i) = (rows as i32, h as i32);
+        let blocks = grid(rows, 1).min(1024);
+        {
+            let dx = both.slice(..rows * h);
+            let mut b = bwd.builder();
+            b.arg(&xs)
+                .arg(&ws)
+                .arg(&dys)
+                .arg(&dx)
+                .arg(&dw)
+                .arg(&rows_i)
+                .arg(&h_i)
+                .arg(&eps);
+            // SAFETY: the arguments match the kernel's signature; shared memory holds h floats.
+            unsafe { b.launch(config(blocks, (h * 4) as u32)) }.w()?;
+        }
+        {
+            let dw_row = both.slice(rows * h..);
+            let mut b = cast.builder();
+            b.arg(&dw).arg(&dw_row).arg(&h_i);
+            // SAFETY: as above.
+            unsafe { b.launch(config(grid(h, THREADS as usize), 0)) }.w()?;
+        }
+        CudaStorage::wrap_cuda_slice(both, dev.clone())
+    });
+    Ok((out, Shape::from((rows + 1, h))))
+}
+
+/// SwiGLU forward of contiguous `g` and `u` (same shapes).
+pub fn swiglu_fwd(
+    g: (&CudaStorage, &Layout),
+    u: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    check(g.1, "swiglu")?;
+    check(u.1, "swiglu")?;
+    let dev = g.0.device().clone();
+    let dtype = g.0.dtype();
+    let n = g.1.shape().elem_count();
+    let f = dev.get_or_load_custom_func(&format!("swiglu_fwd_{}", suffix(dtype)?), MODULE, PTX)?;
+    let out = typed!(dtype, |T| {
+        let (gs, us) = (view::<T>(g.0, g.1)?, view::<T>(u.0, u.1)?);
+        // SAFETY: every element is written by the kernel.
+        let o = unsafe { dev.alloc::<T>(n)? };
+        let n64 = n as u64;
+        let mut b = f.builder();
+        b.arg(&gs).arg(&us).arg(&o).arg(&n64);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(o, dev.clone())
+    });
+    Ok((out, g.1.shape().clone()))
+}
+
+/// SwiGLU backward: `[dg; du]` as [2, n], as the CPU kernel returns it.
+pub fn swiglu_bwd(
+    g: (&CudaStorage, &Layout),
+    u: (&CudaStorage, &Layout),
+    d: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    for l in [g.1, u.1, d.1] {
+        check(l, "swiglu backward")?;
+    }
+    let dev = g.0.device().clone();
+    let dtype = g.0.dtype();
+    let n = g.1.shape().elem_count();
+    let f = dev.get_or_load_custom_func(&format!("swiglu_bwd_{}", suffix(dtype)?), MODULE, PTX)?;
+    let out = typed!(dtype, |T| {
+        let (gs, us, ds) = (
+            view::<T>(g.0, g.1)?,
+            view::<T>(u.0, u.1)?,
+            view::<T>(d.0, d.1)?,
+        );
+        // SAFETY: every element is written by the kernel.
+        let o = unsafe { dev.alloc::<T>(2 * n)? };
+        let n64 = n as u64;
+        let mut b = f.builder();
+        b.arg(&gs).arg(&us).arg(&ds).arg(&o).arg(&n64);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(o, dev.clone())
+    });
+    Ok((out, Shape::from((2, n))))
+}
+
+/// Rotary embedding (`sign` 1) or its backward (`sign` -1) of `x` [b, heads, seq, d] by `cos`,
+/// `sin` [b, seq, d].
+pub fn rotary(
+    x: (&CudaStorage, &Layout),
+    cos: (&CudaStorage, &Layout),
+    sin: (&CudaStorage, &Layout),
+    sign: f32,
+) -> Result<(CudaStorage, Shape)> {
+    for l in [x.1, cos.1, sin.1] {
+        check(l, "rotary")?;
+    }
+    let dev: CudaDevice = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let (_, heads, seq, d) = x.1.shape().dims4()?;
+    let pairs = x.1.shape().elem_count() / 2;
+    let f = dev.get_or_load_custom_func(&format!("rotary_{}", suffix(dtype)?), MODULE, PTX)?;
+    let out = typed!(dtype, |T| {
+        let (xs, cs, ss) = (
+            view::<T>(x.0, x.1)?,
+            view::<T>(cos.0, cos.1)?,
+            view::<T>(sin.0, sin.1)?,
+        );
+        // SAFETY: every element is written by the kernel.
+        let o = unsafe { dev.alloc::<T>(2 * pairs)? };
+        let (h_i, s_i, d_i, p64) = (heads as i32, seq as i32, d as i32, pairs as u64);
+        let mut b = f.builder();
+        b.arg(&xs)
+            .arg(&cs)
+            .arg(&ss)
+            .arg(&o)
+            .arg(&h_i)
+            .arg(&s_i)
+            .arg(&d_i)
+            .arg(&p64)
+            .arg(&sign);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(pairs, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(o, dev.clone())
+    });
+    Ok((out, x.1.shape().clone()))
+}

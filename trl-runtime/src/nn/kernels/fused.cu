@@ -1,0 +1,173 @@
+// Fused training ops on CUDA: the same math as the CPU kernels of src/nn/fused.rs (RMSNorm,
+// SwiGLU, rotary embedding, forward and backward), f32 math inside for f32, bf16 and f16
+// tensors. Compiled to PTX by build.rs (nvcc, compute_80: loaded on sm_80 and newer, JIT-compiled
+// by the driver) and launched from src/nn/cuda_fused.rs. Inputs are contiguous.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T of(float v);
+template <> __device__ __forceinline__ float of<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 of<__nv_bfloat16>(float v) {
+    return __float2bfloat16(v);
+}
+template <> __device__ __forceinline__ __half of<__half>(float v) { return __float2half(v); }
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), returned to every
+// thread.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // an earlier call's readers are done with `partial` and `total`
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) total = v;
+    }
+    __syncthreads();
+    return total;
+}
+
+// RMSNorm forward, one block per row: y = round(x * rstd) * w, rstd = 1 / sqrt(mean(x^2) + eps)
+// (rounded to the input dtype before the weight, as transformers does).
+template <typename T>
+__device__ void rms_norm_fwd(const T* x, const T* w, T* y, int rows, int h, float eps) {
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* xr = x + (size_t)row * h;
+        T* yr = y + (size_t)row * h;
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            const float v = to_f(xr[i]);
+            ss += v * v;
+        }
+        const float rstd = 1.f / sqrtf(block_sum(ss) / h + eps);
+        for (int i = threadIdx.x; i < h; i += blockDim.x)
+            yr[i] = of<T>(to_f(of<T>(to_f(xr[i]) * rstd)) * to_f(w[i]));
+    }
+}
+
+// RMSNorm backward: dx per row, with x^ = x * rstd and g = dy * w,
+// dx = rstd * (g - x^ * mean(g * x^)); dw = sum over rows of dy * round(x^), accumulated per
+// block in shared memory (h floats) and added to `dw` (f32, zeroed) once per block.
+template <typename T>
+__device__ void rms_norm_bwd(const T* x, const T* w, const T* dy, T* dx, float* dw, int rows,
+                             int h, float eps) {
+    extern __shared__ float dw_block[];
+    for (int i = threadIdx.x; i < h; i += blockDim.x) dw_block[i] = 0.f;
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        const size_t at = (size_t)row * h;
+        float ss = 0.f, dot = 0.f;
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            const float xv = to_f(x[at + i]);
+            ss += xv * xv;
+            dot += to_f(dy[at + i]) * to_f(w[i]) * xv;
+        }
+        const float rstd = 1.f / sqrtf(block_sum(ss) / h + eps);
+        const float mean = block_sum(dot) * rstd / h;
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            const float xh = to_f(x[at + i]) * rstd, d = to_f(dy[at + i]);
+            dw_block[i] += d * to_f(of<T>(xh));
+            dx[at + i] = of<T>(rstd * (d * to_f(w[i]) - xh * mean));
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < h; i += blockDim.x) atomicAdd(&dw[i], dw_block[i]);
+}
+
+template <typename T>
+__device__ void cast_from_f32(const float* src, T* dst, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        dst[i] = of<T>(src[i]);
+}
+
+__device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
+
+// SwiGLU: out = silu(g) * u.
+template <typename T>
+__device__ void swiglu_fwd(const T* g, const T* u, T* out, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float gv = to_f(g[i]);
+        out[i] = of<T>(gv * sigmoid(gv) * to_f(u[i]));
+    }
+}
+
+// SwiGLU backward into out = [dg | du]: with s = sigmoid(g),
+// dg = d * u * s * (1 + g * (1 - s)), du = d * g * s.
+template <typename T>
+__device__ void swiglu_bwd(const T* g, const T* u, const T* d, T* out, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float gv = to_f(g[i]), uv = to_f(u[i]), dv = to_f(d[i]);
+        const float s = sigmoid(gv);
+        out[i] = of<T>(dv * uv * s * (1.f + gv * (1.f - s)));
+        out[n + i] = of<T>(dv * gv * s);
+    }
+}
+
+// Rotary embedding of x [batch, heads, seq, d] by cos, sin [batch, seq, d] (rotate_half
+// layout): forward (sign > 0) out_j = x_j c_j - x_{j+h} s_j, out_{j+h} = x_{j+h} c_{j+h} +
+// x_j s_{j+h}; backward (sign < 0) is its transpose. One thread per pair (j, j + d/2).
+template <typename T>
+__device__ void rotary(const T* x, const T* cos, const T* sin, T* out, int heads, int seq,
+                       int d, size_t pairs, float sign) {
+    const int half = d / 2;
+    for (size_t p = blockIdx.x * (size_t)blockDim.x + threadIdx.x; p < pairs;
+         p += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = p / half;
+        const int j = (int)(p % half);
+        const size_t batch = row / ((size_t)heads * seq);
+        const size_t pos = row % seq;
+        const size_t at = (batch * seq + pos) * d;
+        const size_t xi = row * d;
+        const float a = to_f(x[xi + j]), b = to_f(x[xi + j + half]);
+        const float c1 = to_f(cos[at + j]), c2 = to_f(cos[at + j + half]);
+        const float s1 = to_f(sin[at + j]), s2 = to_f(sin[at + j + half]);
+        if (sign > 0.f) {
+            out[xi + j] = of<T>(a * c1 - b * s1);
+            out[xi + j + half] = of<T>(b * c2 + a * s2);
+        } else {
+            out[xi + j] = of<T>(a * c1 + b * s2);
+            out[xi + j + half] = of<T>(b * c2 - a * s1);
+        }
+    }
+}
+
+#define FOR_EACH_DTYPE(M) M(f32, float) M(bf16, __nv_bfloat16) M(f16, __half)
+
+#define ENTRY_POINTS(SUFFIX, T)                                                              \
+    extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int rows,  \
+                                                     int h, float eps) {                      \
+        rms_norm_fwd<T>(x, w, y, rows, h, eps);                                               \
+    }                                                                                         \
+    extern "C" __global__ void rms_norm_bwd_##SUFFIX(const T* x, const T* w, const T* dy,     \
+                                                     T* dx, float* dw, int rows, int h,       \
+                                                     float eps) {                             \
+        rms_norm_bwd<T>(x, w, dy, dx, dw, rows, h, eps);                                      \
+    }                                                                                         \
+    extern "C" __global__ void cast_from_f32_##SUFFIX(const float* src, T* dst, int n) {      \
+        cast_from_f32<T>(src, dst, n);                                                        \
+    }                                                                                         \
+    extern "C" __global__ void swiglu_fwd_##SUFFIX(const T* g, const T* u, T* out, size_t n) { \
+        swiglu_fwd<T>(g, u, out, n);                                                          \
+    }                                                                                         \
+    extern "C" __global__ void swiglu_bwd_##SUFFIX(const T* g, const T* u, const T* d, T* out, \
+                                                   size_t n) {                                \
+        swiglu_bwd<T>(g, u, d, out, n);                                                       \
+    }                                                                                         \
+    extern "C" __global__ void rotary_##SUFFIX(const T* x, const T* cos, const T* sin, T* out, \
+                                               int heads, int seq, int d, size_t pairs,       \
+                                               float sign) {                                  \
+        rotary<T>(x, cos, sin, out, heads, seq, d, pairs, sign);                              \
+    }
+
+FOR_EACH_DTYPE(ENTRY_POINTS)
