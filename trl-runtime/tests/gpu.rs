@@ -430,6 +430,14 @@ fn offload_and_activation_checkpointing_on_gpu_match_the_plain_run() {
     );
 }
 
+/// (name, inputs, the probe the output is dotted with, the op)
+type FusedCase<'a> = (
+    &'static str,
+    Vec<&'a Tensor>,
+    &'a Tensor,
+    Box<dyn Fn(&[Tensor]) -> Tensor + 'a>,
+);
+
 /// The fused CUDA kernels (kernels/fused.cu: RMSNorm, SwiGLU, rotary, forward and backward)
 /// against the f32 CPU kernels on fresh random inputs: in f32 to 1e-5 (max |difference| over
 /// max |reference|, outputs and every gradient), in bf16 within bf16 rounding (2e-2), with
@@ -451,12 +459,7 @@ fn fused_cuda_kernels_follow_the_cpu_kernels() {
     let probe4 = draws(&[b, heads, s, d], 1.0, 17);
     for (dtype, bound) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
         let (cos, sin) = (cos.clone(), sin.clone());
-        let cases: Vec<(
-            &str,
-            Vec<&Tensor>,
-            &Tensor,
-            Box<dyn Fn(&[Tensor]) -> Tensor>,
-        )> = vec![
+        let cases: Vec<FusedCase> = vec![
             (
                 "rms_norm",
                 vec![&x, &w_norm],
@@ -500,5 +503,71 @@ fn fused_cuda_kernels_follow_the_cpu_kernels() {
                 assert!(e < bound, "{name} {dtype:?}: gradient {i} differs by {e}");
             }
         }
+    }
+}
+
+/// The fused linear cross-entropy on the GPU (the LM head and the loss per tile, the CUDA
+/// row pass in place) against the LM head followed by the cross-entropy in f32 on the CPU:
+/// the loss and both gradients, in f32 (1e-4) and bf16 (3e-2), over a vocabulary that leaves
+/// a partial tile, with ignored targets.
+#[test]
+fn fused_linear_cross_entropy_on_gpu_follows_cpu() {
+    use trl_runtime::nn::loss::cross_entropy_sum;
+    use trl_runtime::nn::tiled_linear_cross_entropy;
+    let Some(dev) = gpu() else { return };
+    let (n, h, vocab) = (300, 64, 50_000);
+    let hidden = draws(&[n, h], 1.0, 21);
+    let weight = draws(&[vocab, h], 0.1, 22);
+    let targets: Vec<i64> = (0..n as i64)
+        .map(|i| {
+            if i % 5 == 2 {
+                -100
+            } else {
+                (i * 7919) % vocab as i64
+            }
+        })
+        .collect();
+    let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    let run = |device: &Device, dtype: DType, fused: bool| {
+        let x = Var::from_tensor(&hidden.to_device(device).unwrap()).unwrap();
+        let w = Var::from_tensor(&weight.to_device(device).unwrap()).unwrap();
+        let (xc, wc) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
+        let t = targets.to_device(device).unwrap();
+        let ls = match fused {
+            true => tiled_linear_cross_entropy(&xc, &wc, &t).unwrap(),
+            false => cross_entropy_sum(&xc.matmul(&wc.t().unwrap()).unwrap(), &t).unwrap(),
+        };
+        let grads = ls.sum.backward().unwrap();
+        let cpu = |t: &Tensor| {
+            t.to_device(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        (
+            ls.sum
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap() as f64,
+            cpu(grads.get(&x).unwrap()),
+            cpu(grads.get(&w).unwrap()),
+        )
+    };
+    let (want, want_dx, want_dw) = run(&Device::Cpu, DType::F32, false);
+    for (dtype, bound) in [(DType::F32, 1e-4), (DType::BF16, 3e-2)] {
+        let (got, dx, dw) = run(&dev, dtype, true);
+        let (e, ex, ew) = (
+            (got - want).abs() / want.abs(),
+            rel_diff(&dx, &want_dx),
+            rel_diff(&dw, &want_dw),
+        );
+        eprintln!(
+            "fused loss {dtype:?}: value {e:e}, hidden gradient {ex:e}, weight gradient {ew:e}"
+        );
+        assert!(
+            e < bound && ex < bound && ew < bound,
+            "{dtype:?}: {e} {ex} {ew}"
+        );
     }
 }

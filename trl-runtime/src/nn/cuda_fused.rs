@@ -252,3 +252,37 @@ pub fn rotary(
     });
     Ok((out, x.1.shape().clone()))
 }
+
+/// The fused linear cross-entropy's per-row pass on a contiguous [rows, vocab] logits tile,
+/// in place (see `kernels/fused.cu`): returns the summed loss of the counted rows (read back
+/// once per tile).
+pub fn cross_entropy_rows(
+    logits: &mut CudaStorage,
+    l: &Layout,
+    targets: &[i64],
+    grads: bool,
+) -> Result<f64> {
+    check(l, "cross-entropy")?;
+    let dev = logits.device().clone();
+    let dtype = logits.dtype();
+    let (rows, vocab) = l.shape().dims2()?;
+    let f = dev.get_or_load_custom_func(
+        &format!("cross_entropy_rows_{}", suffix(dtype)?),
+        MODULE,
+        PTX,
+    )?;
+    let stream = dev.cuda_stream();
+    let t = stream.clone_htod(targets).w()?;
+    let loss = dev.alloc_zeros::<f32>(rows)?;
+    typed!(dtype, |T| {
+        let slice = logits.as_cuda_slice_mut::<T>()?;
+        let mut view = slice.slice_mut(l.start_offset()..);
+        let (r, v, g) = (rows as i32, vocab as i32, grads as i32);
+        let mut b = f.builder();
+        b.arg(&mut view).arg(&t).arg(&loss).arg(&r).arg(&v).arg(&g);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(rows, 1), 0)) }.w()?;
+    });
+    let host = stream.clone_dtoh(&loss).w()?;
+    Ok(host.iter().map(|&x| x as f64).sum())
+}

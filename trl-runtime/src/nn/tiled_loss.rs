@@ -136,9 +136,10 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
     }
 }
 
-/// Liger's fused linear cross-entropy, on CPU in f32: per tile of rows, the logits by one
-/// GEMM, then one in-place pass computing each row's loss and turning the logits into their
-/// gradient, then the two gradient GEMMs, all during forward. Backward only scales the kept
+/// Liger's fused linear cross-entropy (on CPU in f32; on a GPU in f32, bf16 or f16): per tile
+/// of rows, the logits by one GEMM, then one in-place pass computing each row's loss (f32
+/// math) and turning the logits into their gradient, then the two gradient GEMMs, all during
+/// forward. Backward only scales the kept
 /// gradients (of the hidden states and of the head) by the incoming one. No broadcast op, and
 /// nothing [tokens x vocab] outlives its tile.
 struct FusedLoss {
@@ -178,7 +179,8 @@ impl FusedLoss {
         }
         let sum = Tensor::new(total as f32, hidden.device())?;
         let grads = match (grads, dweight) {
-            (true, Some(dw)) => Some((Tensor::cat(&dhidden, 0)?, dw)),
+            // The weight's gradient summed in f32, handed back in its dtype.
+            (true, Some(dw)) => Some((Tensor::cat(&dhidden, 0)?, dw.to_dtype(weight.dtype())?)),
             _ => None,
         };
         Ok((sum, grads))
@@ -216,18 +218,33 @@ impl CustomOp2 for FusedLoss {
     }
 }
 
-/// Whether [`tiled_linear_cross_entropy`] runs fused in one pass per row (CPU, f32).
+/// Whether [`tiled_linear_cross_entropy`] runs fused in one pass per row: on CPU in f32, on
+/// a GPU (feature `cuda`) in f32, bf16 or f16.
 pub fn fused_applies(hidden: &Tensor, weight: &Tensor) -> bool {
-    [hidden, weight]
-        .iter()
-        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+    let dtype = hidden.dtype();
+    let on_cpu = hidden.device().is_cpu() && dtype == DType::F32;
+    let on_gpu = cfg!(feature = "cuda")
+        && hidden.device().is_cuda()
+        && cuda_fused_enabled()
+        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
+    weight.dtype() == dtype && weight.device().same_device(hidden.device()) && (on_cpu || on_gpu)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_fused_enabled() -> bool {
+    super::cuda_fused::enabled()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_fused_enabled() -> bool {
+    false
 }
 
 /// Summed cross-entropy of the logits `hidden` [n, h] x `weight`^T ([vocab, h]) would give,
 /// against `targets` [n] (i64, -100 ignored), without ever holding more than one tile of
 /// logits. The same value and gradients as the LM head followed by [`super::cross_entropy_sum`].
-/// On CPU in f32 it is Liger's fused linear cross-entropy (gradients computed in forward,
-/// when either input needs them); elsewhere the tiles are recomputed in backward.
+/// Where [`fused_applies`] it is Liger's fused linear cross-entropy (gradients computed in
+/// forward, when either input needs them); elsewhere the tiles are recomputed in backward.
 pub fn tiled_linear_cross_entropy(
     hidden: &Tensor,
     weight: &Tensor,

@@ -83,6 +83,55 @@ __device__ void rms_norm_bwd(const T* x, const T* w, const T* dy, T* dx, float* 
     for (int i = threadIdx.x; i < h; i += blockDim.x) atomicAdd(&dw[i], dw_block[i]);
 }
 
+// Maximum of `v` over the block, as block_sum.
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : -INFINITY;
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0) total = v;
+    }
+    __syncthreads();
+    return total;
+}
+
+// Cross-entropy of logits rows against targets (-100 and other negatives: ignored), in place:
+// loss[row] = log-sum-exp - logit[target] and, with `grads`, the row becomes softmax minus the
+// one-hot target (zero for ignored rows). The fused linear cross-entropy's per-row pass.
+template <typename T>
+__device__ void cross_entropy_rows(T* logits, const int64_t* targets, float* loss, int rows,
+                                   int vocab, int grads) {
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        T* r = logits + (size_t)row * vocab;
+        const int64_t t = targets[row];
+        if (t < 0) {
+            if (grads)
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) r[i] = of<T>(0.f);
+            if (threadIdx.x == 0) loss[row] = 0.f;
+            continue;
+        }
+        const float picked = to_f(r[t]);  // read by every thread before any write below
+        float m = -INFINITY;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, to_f(r[i]));
+        m = block_max(m);
+        float sum = 0.f;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(to_f(r[i]) - m);
+        sum = block_sum(sum);
+        if (threadIdx.x == 0) loss[row] = m + logf(sum) - picked;
+        if (grads) {
+            const float inv = 1.f / sum;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+                r[i] = of<T>(expf(to_f(r[i]) - m) * inv - (i == t ? 1.f : 0.f));
+        }
+    }
+}
+
 template <typename T>
 __device__ void cast_from_f32(const float* src, T* dst, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
@@ -153,6 +202,11 @@ __device__ void rotary(const T* x, const T* cos, const T* sin, T* out, int heads
                                                      T* dx, float* dw, int rows, int h,       \
                                                      float eps) {                             \
         rms_norm_bwd<T>(x, w, dy, dx, dw, rows, h, eps);                                      \
+    }                                                                                         \
+    extern "C" __global__ void cross_entropy_rows_##SUFFIX(T* logits, const int64_t* targets,  \
+                                                           float* loss, int rows, int vocab,  \
+                                                           int grads) {                       \
+        cross_entropy_rows<T>(logits, targets, loss, rows, vocab, grads);                     \
     }                                                                                         \
     extern "C" __global__ void cast_from_f32_##SUFFIX(const float* src, T* dst, int n) {      \
         cast_from_f32<T>(src, dst, n);                                                        \
