@@ -571,3 +571,52 @@ fn fused_linear_cross_entropy_on_gpu_follows_cpu() {
         );
     }
 }
+
+/// The fused CUDA flash attention (kernels/flash.cu, tensor cores) against the whole score
+/// matrix in f32 on the CPU, output and every gradient, in bf16 and f16: head dims 64 and
+/// 128, grouped-query ratios 1, 2 and 4, lengths that leave partial blocks, packed rows
+/// (documents restarting their positions). Bound: 2e-2 of the largest value (bf16 rounding).
+#[test]
+fn cuda_flash_attention_follows_the_f32_reference() {
+    use trl_runtime::nn::attention::whole_matrix_attention;
+    use trl_runtime::nn::cuda_flash::{applies, flash_attention_cuda};
+    use trl_runtime::nn::AttentionMask;
+    let Some(dev) = gpu() else { return };
+    let cpu = Device::Cpu;
+    for (b, hq, hk, s, d) in [
+        (2, 4, 2, 150, 64),
+        (1, 4, 1, 300, 128),
+        (2, 2, 2, 64, 64),
+        (1, 8, 2, 1000, 128),
+    ] {
+        // Row 0 packs documents of 40 and the rest; other rows are one document.
+        let pos: Vec<i64> = (0..b)
+            .flat_map(|r| (0..s as i64).map(move |i| if r == 0 && i >= 40 { i - 40 } else { i }))
+            .collect();
+        let pos = Tensor::from_vec(pos, (b, s), &cpu).unwrap();
+        let q = draws(&[b, hq, s, d], 1.0, 31);
+        let k = draws(&[b, hk, s, d], 1.0, 32);
+        let v = draws(&[b, hk, s, d], 1.0, 33);
+        let w = draws(&[b, hq, s, d], 1.0, 34);
+        let want = output_and_grads(&[&q, &k, &v], &w, &cpu, DType::F32, |t| {
+            let mask = AttentionMask::causal(&pos, DType::F32, &cpu).unwrap();
+            whole_matrix_attention(&t[0], &t[1], &t[2], &mask).unwrap()
+        });
+        for dtype in [DType::BF16, DType::F16] {
+            let got = output_and_grads(&[&q, &k, &v], &w, &dev, dtype, |t| {
+                assert!(applies(&t[0], &t[1]), "the fused kernel takes these inputs");
+                let mask = AttentionMask::causal(&pos, dtype, &dev).unwrap();
+                flash_attention_cuda(&t[0], &t[1], &t[2], mask.ranges()).unwrap()
+            });
+            let what = format!("b {b} heads {hq}/{hk} s {s} d {d} {dtype:?}");
+            let e = rel_diff(&got.0, &want.0);
+            eprintln!("cuda flash {what}: output {e:e}");
+            assert!(e < 2e-2, "cuda flash {what}: output differs by {e}");
+            for (name, (g, r)) in ["dq", "dk", "dv"].iter().zip(got.1.iter().zip(&want.1)) {
+                let e = rel_diff(g, r);
+                eprintln!("cuda flash {what}: {name} {e:e}");
+                assert!(e < 2e-2, "cuda flash {what}: {name} differs by {e}");
+            }
+        }
+    }
+}

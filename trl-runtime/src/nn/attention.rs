@@ -176,6 +176,10 @@ impl AttentionImpl {
             AttentionImpl::Flash if mask.fused && super::cpu_flash::applies(q, k) => {
                 super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges)
             }
+            #[cfg(feature = "cuda")]
+            AttentionImpl::Flash if super::cuda_flash::applies(q, k) => {
+                super::cuda_flash::flash_attention_cuda(q, k, v, &mask.ranges)
+            }
             AttentionImpl::Flash => {
                 super::flash_attention(q, k, v, mask, super::flash::block_for(q.device()))
             }
@@ -188,6 +192,10 @@ impl AttentionImpl {
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
     if mask.fused && super::cpu_flash::applies(q, k) {
         return super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges);
+    }
+    #[cfg(feature = "cuda")]
+    if super::cuda_flash::applies(q, k) {
+        return super::cuda_flash::flash_attention_cuda(q, k, v, &mask.ranges);
     }
     whole_matrix_attention(q, k, v, mask)
 }

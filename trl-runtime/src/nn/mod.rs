@@ -5,6 +5,8 @@
 pub mod attention;
 pub mod cpu_flash;
 #[cfg(feature = "cuda")]
+pub mod cuda_flash;
+#[cfg(feature = "cuda")]
 pub mod cuda_fused;
 pub mod embedding;
 pub mod flash;
