@@ -9,7 +9,7 @@
 
 use super::{Communicator, ReduceOp};
 use crate::error::Result;
-use crate::nn::precomputed::copy_storage;
+use crate::precomputed::copy_storage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Tensor};
 use std::sync::Arc;
 

@@ -1,5 +1,6 @@
 //! Configuration users already have: Accelerate's launch YAML and the parallelism config.
 
+pub mod cli_value;
 pub mod deepspeed_json;
 pub mod effects;
 pub mod launch;

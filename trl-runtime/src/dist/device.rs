@@ -3,8 +3,8 @@
 //! with CUDA_VISIBLE_DEVICES), the CPU when ACCELERATE_USE_CPU is true or no GPU is visible.
 //! A GPU the launcher pinned but that cannot be opened is an error, not a silent CPU run.
 
+use crate::config::cli_value::CliValue;
 use crate::error::Result;
-use crate::train::config::CliValue;
 use candle_core::Device;
 
 /// Accelerate's switch to the CPU (`--use_cpu`, `use_cpu: true`).

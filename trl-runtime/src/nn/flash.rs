@@ -18,7 +18,7 @@
 
 use super::attention::AttentionMask;
 use super::precision::{self, accumulate};
-use super::precomputed::{with_backward3, Backward3};
+use crate::precomputed::{with_backward3, Backward3};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// Queries and keys per block on the CPU: large enough for efficient matmuls, small enough

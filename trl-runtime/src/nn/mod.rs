@@ -16,7 +16,6 @@ pub mod linear;
 pub mod loss;
 pub(crate) mod memo;
 pub(crate) mod precision;
-pub(crate) mod precomputed;
 pub mod ring;
 pub mod rmsnorm;
 pub mod rope;

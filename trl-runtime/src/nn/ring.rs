@@ -21,8 +21,8 @@ use super::attention::{AttentionMask, MASKED};
 use super::flash::BLOCK;
 use super::memo::Memo;
 use super::precision::{self, accumulate};
-use super::precomputed::{with_backward3, Backward3};
 use crate::comm::{CommQueue, Communicator, Pending};
+use crate::precomputed::{with_backward3, Backward3};
 use candle_core::{DType, Result, Tensor, D};
 use std::sync::Arc;
 

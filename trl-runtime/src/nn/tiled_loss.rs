@@ -10,7 +10,7 @@
 
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
 use super::precision::{self, accumulate};
-use super::precomputed::Precomputed;
+use crate::precomputed::Precomputed;
 use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp1, Layout, Result, Shape, Tensor, D};
 use std::cell::Cell;
 use std::sync::Mutex;

@@ -9,7 +9,7 @@
 //! gradients' sums over tiles, which are f32 (bf16 partial sums would drop small terms).
 
 use super::precision::{self, accumulate};
-use super::precomputed::{with_backward3, Backward3};
+use crate::precomputed::{with_backward3, Backward3};
 use candle_core::{Result, Tensor, D};
 
 /// Rows per tile.

@@ -18,7 +18,7 @@
 //! FSDP gathers) runs again in the recompute, in the same order on every rank.
 
 use super::fsdp;
-use crate::nn::precomputed::Precomputed;
+use crate::precomputed::Precomputed;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor, TensorId, Var};
 use std::collections::HashMap;

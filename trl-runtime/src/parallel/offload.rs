@@ -8,7 +8,7 @@
 //! in host memory, and [`decide`] says so instead of pretending to move it.
 
 use crate::error::Result;
-use crate::train::optim::AdamW;
+use crate::optim::AdamW;
 use candle_core::Device;
 
 /// Whether to offload on `device`, given that the launch asked for it (`requested`); logs

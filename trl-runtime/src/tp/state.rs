@@ -7,7 +7,7 @@
 use super::{PlanEntry, Split};
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
-use crate::train::optim::{sums_of_squares, AdamW, ParamState};
+use crate::optim::{sums_of_squares, AdamW, ParamState};
 use candle_core::{Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

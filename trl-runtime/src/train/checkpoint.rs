@@ -6,9 +6,9 @@
 //! A checkpoint is written into a hidden temporary directory and renamed into place, so a
 //! crash mid-save never leaves a half-written `checkpoint-N`; `latest` only sees complete ones.
 
-use super::optim::AdamW;
 use crate::error::{Error, Result};
 use crate::models::Params;
+use crate::optim::AdamW;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

@@ -7,42 +7,7 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-/// Parses a command-line value the way HF's argument parser does (bools: true/false/yes/no/1/0
-/// in any case; `none` for optional values).
-pub trait CliValue: Sized + Clone + Send + Sync + 'static {
-    fn parse_cli(s: &str) -> std::result::Result<Self, String>;
-}
-
-impl CliValue for bool {
-    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "true" | "t" | "yes" | "y" | "1" => Ok(true),
-            "false" | "f" | "no" | "n" | "0" => Ok(false),
-            _ => Err(format!("'{s}' is not a boolean: use true or false")),
-        }
-    }
-}
-
-macro_rules! from_str_value {
-    ($($t:ty),*) => {$(
-        impl CliValue for $t {
-            fn parse_cli(s: &str) -> std::result::Result<Self, String> {
-                s.parse::<$t>().map_err(|e| format!("'{s}': {e}"))
-            }
-        }
-    )*};
-}
-from_str_value!(usize, u64, i64, f64, String, PathBuf);
-
-impl<T: CliValue> CliValue for Option<T> {
-    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
-        if s.eq_ignore_ascii_case("none") || s.eq_ignore_ascii_case("null") {
-            Ok(None)
-        } else {
-            T::parse_cli(s).map(Some)
-        }
-    }
-}
+pub use crate::config::cli_value::CliValue;
 
 /// A parsed flag value. The wrapper keeps clap from giving `Option<Option<T>>` fields its
 /// special optional-value meaning: every flag here takes one value of the field's type.

@@ -8,8 +8,8 @@
 //! coordinates, so a reader with any world size, wrap policy or strategy takes exactly the
 //! ranges it needs from the memory-mapped files (resharding).
 
-use super::optim::{decays, AdamW, AdamWConfig, ParamState};
 use crate::error::{Error, Result};
+use crate::optim::{decays, AdamW, AdamWConfig, ParamState};
 use candle_core::{DType, Device, Shape, Tensor};
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};

@@ -10,7 +10,6 @@
 
 use super::checkpoint::{self, TrainerState};
 use super::config::SFTConfig;
-use super::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use super::schedule::{LrSchedule, SchedulerKind};
 use super::sharded_state::{self, ShardedReader};
 use crate::alloc::StorageBytes;
@@ -26,6 +25,7 @@ use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalModel, Llama, Model, Params};
 use crate::nn::AttentionImpl;
+use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use crate::parallel::{
     batch_axes, parallelize, shard_axes, CheckpointFormat, Optimizer, ParallelOptions,
     Parallelized, Resume, Strategy, ZeroStage,
@@ -557,7 +557,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
 
     /// Whether the optimizer state lives in host memory while the model computes elsewhere.
     fn offloaded(&self) -> bool {
-        let on_host = |a: &crate::train::optim::AdamW| {
+        let on_host = |a: &crate::optim::AdamW| {
             a.states
                 .values()
                 .next()
