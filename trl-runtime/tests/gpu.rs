@@ -533,6 +533,10 @@ fn fused_linear_cross_entropy_on_gpu_follows_cpu() {
         let w = Var::from_tensor(&weight.to_device(device).unwrap()).unwrap();
         let (xc, wc) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
         let t = targets.to_device(device).unwrap();
+        if fused {
+            let on = trl_runtime::nn::tiled_loss::fused_applies(&xc, &wc);
+            assert!(on, "the fused loss takes {dtype:?} on the GPU");
+        }
         let ls = match fused {
             true => tiled_linear_cross_entropy(&xc, &wc, &t).unwrap(),
             false => cross_entropy_sum(&xc.matmul(&wc.t().unwrap()).unwrap(), &t).unwrap(),

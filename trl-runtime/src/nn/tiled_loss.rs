@@ -1,8 +1,9 @@
 //! The LM head and its cross-entropy fused and computed in sequence tiles (what Liger's fused
 //! linear cross-entropy and ALST's tiled loss do): the [tokens x vocab] logits never exist at
-//! once, in forward or backward. Forward keeps nothing but the inputs; backward recomputes
-//! each tile's logits, turns them into the gradient of the loss (softmax minus the one-hot
-//! target), and accumulates the hidden states' and the head weight's gradients tile by tile.
+//! once, in forward or backward. Where the in-place row pass exists (CPU f32, GPUs) the
+//! gradients are computed in forward and kept (Liger); elsewhere forward keeps nothing but the
+//! inputs and backward recomputes each tile's logits, turns them into the gradient of the loss
+//! (softmax minus the one-hot target), and accumulates the gradients tile by tile.
 //!
 //! Precision: the head's matmuls run in the inputs' dtype (bf16 under mixed precision), the
 //! log-softmax, the loss and the weight gradient's accumulation in f32 (f64 for f64 inputs),
@@ -24,38 +25,84 @@ struct Targets {
     weight: Tensor,
 }
 
-struct TiledLoss {
-    tiles: Vec<(usize, usize, Targets)>,
+type Tiles = Vec<(usize, usize, Targets)>;
+
+/// One tile's logits from detached `hidden` and `weight`, in the wide dtype (f32, or f64).
+fn tile_logits(hidden: &Tensor, weight: &Tensor, start: usize, len: usize) -> Result<Tensor> {
+    hidden
+        .narrow(0, start, len)?
+        .matmul(&weight.t()?)?
+        .to_dtype(precision::wide(hidden.dtype()))
+}
+
+/// The summed loss of the tiles, in Candle ops (the recomputing path's forward).
+fn tiles_loss(tiles: &Tiles, hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let wide = precision::wide(hidden.dtype());
+    let mut total = Tensor::zeros((), wide, hidden.device())?;
+    for (start, len, t) in tiles {
+        let logits = tile_logits(hidden, weight, *start, *len)?;
+        let max = logits.max_keepdim(D::Minus1)?;
+        let shifted = logits.broadcast_sub(&max)?;
+        let log_z = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+        let nll = (log_z - shifted.gather(&t.index, 1)?)?;
+        total = (total + (nll * &t.weight)?.sum_all()?)?;
+    }
+    Ok(total)
+}
+
+/// The gradients of the tiles' loss, recomputing each tile's logits (its backward).
+fn tiles_grads(
+    tiles: &Tiles,
+    hidden: &Tensor,
+    weight: &Tensor,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (io, wide) = (hidden.dtype(), precision::wide(hidden.dtype()));
+    let mut dhidden = Vec::with_capacity(tiles.len());
+    let mut dweight: Option<Tensor> = None;
+    for (start, len, t) in tiles {
+        let logits = tile_logits(hidden, weight, *start, *len)?;
+        let max = logits.max_keepdim(D::Minus1)?;
+        let e = logits.broadcast_sub(&max)?.exp()?;
+        let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        // d(loss)/d(logits) = softmax - one_hot(target), for the rows that count.
+        let dlogits = probs
+            .scatter_add(&t.index, &t.weight.neg()?, 1)?
+            .broadcast_mul(&t.weight)?
+            .broadcast_mul(&grad.to_dtype(wide)?)?
+            .to_dtype(io)?;
+        dhidden.push(dlogits.matmul(weight)?);
+        let dw = dlogits.t()?.matmul(&hidden.narrow(0, *start, *len)?)?;
+        accumulate(&mut dweight, dw, wide)?;
+    }
+    let dweight = match dweight {
+        Some(d) => d.to_dtype(io)?,
+        None => weight.zeros_like()?,
+    };
+    Ok((Tensor::cat(&dhidden, 0)?, dweight))
+}
+
+/// How the loss op gets its inputs' gradients.
+enum Backward {
+    /// The tiled loss: each tile's logits recomputed in backward.
+    Recompute(Tiles),
+    /// The fused loss: the gradients were computed in forward (for an incoming gradient of
+    /// one) and are only scaled.
+    Kept(Mutex<Option<(Tensor, Tensor)>>),
+}
+
+/// The loss of the LM head over (hidden, weight), computed outside the op.
+struct LossOp {
     sum: Precomputed,
+    backward: Backward,
 }
 
-impl TiledLoss {
-    /// One tile's logits from detached `hidden` and `weight`, in the wide dtype (f32, or f64).
-    fn logits(hidden: &Tensor, weight: &Tensor, start: usize, len: usize) -> Result<Tensor> {
-        hidden
-            .narrow(0, start, len)?
-            .matmul(&weight.t()?)?
-            .to_dtype(precision::wide(hidden.dtype()))
-    }
-
-    fn forward(&self, hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
-        let wide = precision::wide(hidden.dtype());
-        let mut total = Tensor::zeros((), wide, hidden.device())?;
-        for (start, len, t) in &self.tiles {
-            let logits = Self::logits(hidden, weight, *start, *len)?;
-            let max = logits.max_keepdim(D::Minus1)?;
-            let shifted = logits.broadcast_sub(&max)?;
-            let log_z = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-            let nll = (log_z - shifted.gather(&t.index, 1)?)?;
-            total = (total + (nll * &t.weight)?.sum_all()?)?;
-        }
-        Ok(total)
-    }
-}
-
-impl CustomOp2 for TiledLoss {
+impl CustomOp2 for LossOp {
     fn name(&self) -> &'static str {
-        "tiled-lm-loss"
+        match self.backward {
+            Backward::Recompute(_) => "tiled-lm-loss",
+            Backward::Kept(_) => "fused-linear-cross-entropy",
+        }
     }
 
     fn cpu_fwd(
@@ -65,7 +112,7 @@ impl CustomOp2 for TiledLoss {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.sum.take("the tiled loss")
+        self.sum.take(self.name())
     }
 
     fn cuda_fwd(
@@ -75,7 +122,7 @@ impl CustomOp2 for TiledLoss {
         _: &candle_core::CudaStorage,
         _: &candle_core::Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.sum.take_cuda("the tiled loss")
+        self.sum.take_cuda(self.name())
     }
 
     fn bwd(
@@ -85,28 +132,21 @@ impl CustomOp2 for TiledLoss {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        // Detached, so that the accumulated gradients do not record (and keep) every tile.
-        let (hidden, weight, grad) = (hidden.detach(), weight.detach(), grad.detach());
-        let (io, wide) = (hidden.dtype(), precision::wide(hidden.dtype()));
-        let mut dhidden = Vec::with_capacity(self.tiles.len());
-        let mut dweight: Option<Tensor> = None;
-        for (start, len, t) in &self.tiles {
-            let logits = Self::logits(&hidden, &weight, *start, *len)?;
-            let max = logits.max_keepdim(D::Minus1)?;
-            let e = logits.broadcast_sub(&max)?.exp()?;
-            let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-            // d(loss)/d(logits) = softmax - one_hot(target), for the rows that count.
-            let dlogits = probs
-                .scatter_add(&t.index, &t.weight.neg()?, 1)?
-                .broadcast_mul(&t.weight)?
-                .broadcast_mul(&grad.to_dtype(wide)?)?
-                .to_dtype(io)?;
-            dhidden.push(dlogits.matmul(&weight)?);
-            let dw = dlogits.t()?.matmul(&hidden.narrow(0, *start, *len)?)?;
-            accumulate(&mut dweight, dw, wide)?;
-        }
-        let dweight = dweight.map(|d| d.to_dtype(io)).transpose()?;
-        Ok((Some(Tensor::cat(&dhidden, 0)?), dweight))
+        let (dh, dw) = match &self.backward {
+            // Detached, so that the accumulated gradients do not record (and keep) every tile.
+            Backward::Recompute(tiles) => {
+                tiles_grads(tiles, &hidden.detach(), &weight.detach(), &grad.detach())?
+            }
+            Backward::Kept(kept) => {
+                let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let Some((dh, dw)) = kept else {
+                    candle_core::bail!("the fused loss ran its backward twice")
+                };
+                let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                (dh.affine(g, 0.0)?, dw.affine(g, 0.0)?)
+            }
+        };
+        Ok((Some(dh), Some(dw)))
     }
 }
 
@@ -139,83 +179,43 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
 /// Liger's fused linear cross-entropy (on CPU in f32; on a GPU in f32, bf16 or f16): per tile
 /// of rows, the logits by one GEMM, then one in-place pass computing each row's loss (f32
 /// math) and turning the logits into their gradient, then the two gradient GEMMs, all during
-/// forward. Backward only scales the kept
-/// gradients (of the hidden states and of the head) by the incoming one. No broadcast op, and
-/// nothing [tokens x vocab] outlives its tile.
-struct FusedLoss {
-    sum: Precomputed,
-    grads: Mutex<Option<(Tensor, Tensor)>>,
-}
-
-impl FusedLoss {
-    /// Loss sum, and with `grads` the gradients of hidden and weight, of contiguous f32 inputs.
-    fn compute(
-        hidden: &Tensor,
-        weight: &Tensor,
-        targets: &[i64],
-        grads: bool,
-    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
-        let (n, _) = hidden.dims2()?;
-        let vocab = weight.dim(0)?;
-        let rows = (TILE_BYTES / (4 * vocab)).max(16);
-        let mut total = 0f64;
-        let mut dhidden = Vec::new();
-        let mut dweight: Option<Tensor> = None;
-        for start in (0..n).step_by(rows) {
-            let len = rows.min(n - start);
-            let h = hidden.narrow(0, start, len)?;
-            let logits = h.matmul(&weight.t()?)?;
-            let pass = CrossEntropyRows {
-                targets: &targets[start..start + len],
-                grads,
-                loss: Cell::new(0.0),
-            };
-            logits.inplace_op1(&pass)?;
-            total += pass.loss.get();
-            if grads {
-                dhidden.push(logits.matmul(weight)?);
-                accumulate(&mut dweight, logits.t()?.matmul(&h)?, DType::F32)?;
-            }
+/// forward. No broadcast op, and nothing [tokens x vocab] outlives its tile. Returns the loss
+/// sum and, with `grads`, the gradients of hidden and weight (contiguous inputs).
+fn fused_loss(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &[i64],
+    grads: bool,
+) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+    let (n, _) = hidden.dims2()?;
+    let vocab = weight.dim(0)?;
+    let rows = (TILE_BYTES / (4 * vocab)).max(16);
+    let mut total = 0f64;
+    let mut dhidden = Vec::new();
+    let mut dweight: Option<Tensor> = None;
+    for start in (0..n).step_by(rows) {
+        let len = rows.min(n - start);
+        let h = hidden.narrow(0, start, len)?;
+        let logits = h.matmul(&weight.t()?)?;
+        let pass = CrossEntropyRows {
+            targets: &targets[start..start + len],
+            grads,
+            loss: Cell::new(0.0),
+        };
+        logits.inplace_op1(&pass)?;
+        total += pass.loss.get();
+        if grads {
+            dhidden.push(logits.matmul(weight)?);
+            accumulate(&mut dweight, logits.t()?.matmul(&h)?, DType::F32)?;
         }
-        let sum = Tensor::new(total as f32, hidden.device())?;
-        let grads = match (grads, dweight) {
-            // The weight's gradient summed in f32, handed back in its dtype.
-            (true, Some(dw)) => Some((Tensor::cat(&dhidden, 0)?, dw.to_dtype(weight.dtype())?)),
-            _ => None,
-        };
-        Ok((sum, grads))
     }
-}
-
-impl CustomOp2 for FusedLoss {
-    fn name(&self) -> &'static str {
-        "fused-linear-cross-entropy"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.sum.take("the fused loss")
-    }
-
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let kept = self.grads.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some((dh, dw)) = kept else {
-            candle_core::bail!("the fused loss ran its backward twice (or without gradients)")
-        };
-        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        Ok((Some(dh.affine(g, 0.0)?), Some(dw.affine(g, 0.0)?)))
-    }
+    let sum = Tensor::new(total as f32, hidden.device())?;
+    let grads = match (grads, dweight) {
+        // The weight's gradient summed in f32, handed back in its dtype.
+        (true, Some(dw)) => Some((Tensor::cat(&dhidden, 0)?, dw.to_dtype(weight.dtype())?)),
+        _ => None,
+    };
+    Ok((sum, grads))
 }
 
 /// Whether [`tiled_linear_cross_entropy`] runs fused in one pass per row: on CPU in f32, on
@@ -256,13 +256,13 @@ pub fn tiled_linear_cross_entropy(
         let (targets, count) = checked_targets(targets, vocab)?;
         let grads = hidden.track_op() || weight.track_op();
         let (h, w) = (hidden.detach().contiguous()?, weight.detach().contiguous()?);
-        let (sum, kept) = FusedLoss::compute(&h, &w, &targets, grads)?;
+        let (sum, kept) = fused_loss(&h, &w, &targets, grads)?;
         if !grads {
             return Ok(LossSum { sum, count });
         }
-        let op = FusedLoss {
+        let op = LossOp {
             sum: Precomputed::new(sum),
-            grads: Mutex::new(kept),
+            backward: Backward::Kept(Mutex::new(kept)),
         };
         return Ok(LossSum {
             sum: hidden.apply_op2(weight, op)?,
@@ -293,11 +293,11 @@ pub fn tiled_linear_cross_entropy(
         ));
     }
     let (hidden, weight) = (hidden.contiguous()?, weight.contiguous()?);
-    let mut op = TiledLoss {
-        tiles,
-        sum: Precomputed::default(),
+    let sum = tiles_loss(&tiles, &hidden.detach(), &weight.detach())?;
+    let op = LossOp {
+        sum: Precomputed::new(sum),
+        backward: Backward::Recompute(tiles),
     };
-    op.sum = Precomputed::new(op.forward(&hidden.detach(), &weight.detach())?);
     Ok(LossSum {
         sum: hidden.apply_op2(&weight, op)?,
         count,
@@ -311,8 +311,10 @@ mod tests {
     use crate::nn::testing::{bf16_exact_randn as randn, rel_diff as rel};
     use candle_core::{Device, Var};
 
-    /// In f32 and in bf16 (inputs bf16 holds exactly, so both paths see the same values), the
-    /// tiled loss equals the LM head followed by the cross-entropy: value and gradients.
+    /// In f32 (the fused path: gradients computed in forward) and in bf16 (the recomputing
+    /// path; inputs bf16 holds exactly, so both see the same values), the tiled loss equals the
+    /// LM head followed by the cross-entropy: value and gradients; without gradients (eval) the
+    /// fused path gives the same value.
     #[test]
     fn equals_the_head_and_cross_entropy() {
         // 600 rows over a vocabulary of 20,000: tiles of 209 rows, the last one short.
@@ -351,8 +353,16 @@ mod tests {
         for (dtype, value_bound, grad_bound) in
             [(DType::F32, 1e-5, 1e-5), (DType::BF16, 1e-4, 1e-2)]
         {
+            let (x, w) = (hidden.to_dtype(dtype).unwrap(), weight.to_dtype(dtype).unwrap());
+            assert_eq!(fused_applies(&x, &w), dtype == DType::F32, "{dtype:?}: which path");
             let (want, want_count, want_gh, want_gw) = run(false, dtype);
             let (got, count, gh, gw) = run(true, dtype);
+            let eval = tiled_linear_cross_entropy(&x.detach(), &w.detach(), &targets)
+                .unwrap()
+                .sum
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(eval, got, "{dtype:?}: the loss without gradients");
             let (dv, dh, dw) = (
                 (got - want).abs() / want.abs(),
                 rel(&gh, &want_gh),
