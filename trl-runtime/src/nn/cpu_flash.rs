@@ -18,6 +18,7 @@
 //! the whole-matrix path for f32 inputs.
 
 use super::fused::{exp_f32, row_max_f32};
+use super::simd::simd_dispatch;
 use super::softmax::RowRanges;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -32,6 +33,26 @@ struct Mat<'a> {
     data: &'a [f32],
     rs: usize,
     cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// Row-major with rows `ld` apart.
+    fn rows(data: &'a [f32], ld: usize) -> Self {
+        Mat {
+            data,
+            rs: ld,
+            cs: 1,
+        }
+    }
+
+    /// The transpose of a row-major matrix with rows `ld` apart.
+    fn transposed(data: &'a [f32], ld: usize) -> Self {
+        Mat {
+            data,
+            rs: 1,
+            cs: ld,
+        }
+    }
 }
 
 /// `dst[m x n] (+)= beta * a[m x k] * b[k x n]`; `dst` rows are `dst_rs` apart. With
@@ -138,27 +159,6 @@ impl BlockRows<'_> {
     }
 }
 
-/// Runs `$body` compiled for AVX2 + FMA when the CPU has them (so that the exp polynomial
-/// and the row loops vectorize), for the baseline target otherwise.
-macro_rules! with_avx2 {
-    ($name:ident, $avx2:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
-        fn $name($($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-                return unsafe { $avx2($($arg),*) };
-            }
-            $body($($arg),*)
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn $avx2($($arg: $ty),*) {
-            $body($($arg),*)
-        }
-    };
-}
-
 /// Sum of a row in eight lanes.
 #[inline(always)]
 fn lane_sum(x: &[f32]) -> f32 {
@@ -214,7 +214,7 @@ fn online_softmax_body(
     }
 }
 
-with_avx2!(online_softmax, online_softmax_avx2, online_softmax_body, (scores: &mut [f32], rows: BlockRows, m_run: &mut [f32], l_run: &mut [f32], o: &mut [f32], d: usize));
+simd_dispatch!(online_softmax, online_softmax_avx2, online_softmax_body, (scores: &mut [f32], rows: BlockRows, m_run: &mut [f32], l_run: &mut [f32], o: &mut [f32], d: usize));
 
 /// Backward: a block's scores become the probabilities `exp(score - lse)` (zero where masked).
 #[inline(always)]
@@ -230,7 +230,7 @@ fn probabilities_body(p: &mut [f32], rows: BlockRows, lse: &[f32]) {
     }
 }
 
-with_avx2!(probabilities, probabilities_avx2, probabilities_body, (p: &mut [f32], rows: BlockRows, lse: &[f32]));
+simd_dispatch!(probabilities, probabilities_avx2, probabilities_body, (p: &mut [f32], rows: BlockRows, lse: &[f32]));
 
 /// Backward: `dS = P (dP - D)` in place of dP.
 #[inline(always)]
@@ -243,7 +243,7 @@ fn score_grads_body(dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]) {
     }
 }
 
-with_avx2!(score_grads, score_grads_avx2, score_grads_body, (dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]));
+simd_dispatch!(score_grads, score_grads_avx2, score_grads_body, (dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]));
 
 /// Forward of one (batch, kv head): outputs and log-sum-exps of its `group` query heads.
 fn forward_task(
@@ -264,8 +264,8 @@ fn forward_task(
         for i0 in (0..s).step_by(BLOCK) {
             let m = BLOCK.min(s - i0);
             let row_starts = starts(ranges, bi, i0, m);
+            // Zero from its allocation: the first visible block adds into it.
             let o = &mut oh[i0 * d..(i0 + m) * d];
-            o.fill(0.0);
             m_run[..m].fill(f32::NEG_INFINITY);
             l_run[..m].fill(0.0);
             for j0 in (0..=(i0 + m - 1)).step_by(BLOCK) {
@@ -273,16 +273,8 @@ fn forward_task(
                 if !block_visible(row_starts, i0, j0, n) {
                     continue;
                 }
-                let qi = Mat {
-                    data: &qh[i0 * d..],
-                    rs: d,
-                    cs: 1,
-                };
-                let kt = Mat {
-                    data: &k[j0 * d..],
-                    rs: 1,
-                    cs: d,
-                };
+                let qi = Mat::rows(&qh[i0 * d..], d);
+                let kt = Mat::transposed(&k[j0 * d..], d);
                 mm((m, n, d), &mut scores, BLOCK, qi, kt, scale, false);
                 let rows = BlockRows {
                     i0,
@@ -292,16 +284,8 @@ fn forward_task(
                     starts: row_starts,
                 };
                 online_softmax(&mut scores, rows, &mut m_run, &mut l_run, o, d);
-                let p = Mat {
-                    data: &scores,
-                    rs: BLOCK,
-                    cs: 1,
-                };
-                let vj = Mat {
-                    data: &v[j0 * d..],
-                    rs: d,
-                    cs: 1,
-                };
+                let p = Mat::rows(&scores, BLOCK);
+                let vj = Mat::rows(&v[j0 * d..], d);
                 mm((m, d, n), o, d, p, vj, 1.0, true);
             }
             for r in 0..m {
@@ -328,9 +312,7 @@ fn backward_task(
     let mut p = vec![0f32; BLOCK * BLOCK];
     let mut dp = vec![0f32; BLOCK * BLOCK];
     let mut delta = vec![0f32; s];
-    dq.fill(0.0);
-    dk.fill(0.0);
-    dv.fill(0.0);
+    // dq, dk and dv are zero from their allocation: blocks add into them.
     for h in 0..dims.group() {
         let span = h * s * d..(h + 1) * s * d;
         let (qh, oh, doh) = (&q[span.clone()], &out[span.clone()], &dout[span.clone()]);
@@ -352,16 +334,8 @@ fn backward_task(
                 if !block_visible(row_starts, i0, j0, n) {
                     continue;
                 }
-                let qi = Mat {
-                    data: &qh[i0 * d..],
-                    rs: d,
-                    cs: 1,
-                };
-                let kt = Mat {
-                    data: &k[j0 * d..],
-                    rs: 1,
-                    cs: d,
-                };
+                let qi = Mat::rows(&qh[i0 * d..], d);
+                let kt = Mat::transposed(&k[j0 * d..], d);
                 mm((m, n, d), &mut p, BLOCK, qi, kt, scale, false);
                 let rows = BlockRows {
                     i0,
@@ -372,42 +346,18 @@ fn backward_task(
                 };
                 probabilities(&mut p, rows, &lh[i0..i0 + m]);
                 // dV_j += P^T dO_i
-                let pt = Mat {
-                    data: &p,
-                    rs: 1,
-                    cs: BLOCK,
-                };
-                let doi = Mat {
-                    data: &doh[i0 * d..],
-                    rs: d,
-                    cs: 1,
-                };
+                let pt = Mat::transposed(&p, BLOCK);
+                let doi = Mat::rows(&doh[i0 * d..], d);
                 mm((n, d, m), &mut dv[j0 * d..], d, pt, doi, 1.0, true);
                 // dP = dO_i V_j^T, then dS = P (dP - D) in place of dP.
-                let vt = Mat {
-                    data: &v[j0 * d..],
-                    rs: 1,
-                    cs: d,
-                };
+                let vt = Mat::transposed(&v[j0 * d..], d);
                 mm((m, n, d), &mut dp, BLOCK, doi, vt, 1.0, false);
                 score_grads(&mut dp, &p, rows, &delta[i0..i0 + m]);
                 // dQ_i += scale dS K_j; dK_j += scale dS^T Q_i
-                let ds = Mat {
-                    data: &dp,
-                    rs: BLOCK,
-                    cs: 1,
-                };
-                let kj = Mat {
-                    data: &k[j0 * d..],
-                    rs: d,
-                    cs: 1,
-                };
+                let ds = Mat::rows(&dp, BLOCK);
+                let kj = Mat::rows(&k[j0 * d..], d);
                 mm((m, d, n), &mut dqh[i0 * d..], d, ds, kj, scale, true);
-                let dst = Mat {
-                    data: &dp,
-                    rs: 1,
-                    cs: BLOCK,
-                };
+                let dst = Mat::transposed(&dp, BLOCK);
                 mm((n, d, m), &mut dk[j0 * d..], d, dst, qi, scale, true);
             }
         }

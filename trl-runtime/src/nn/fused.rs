@@ -22,27 +22,7 @@ use rayon::prelude::*;
 /// Rows handed to one rayon task (amortizes scheduling over small hidden sizes).
 const ROWS_PER_TASK: usize = 16;
 
-/// Defines `$name` to run `$body` (an `#[inline(always)]` function) compiled for AVX2 + FMA when
-/// the CPU has them (checked once per call, cached by std), for the baseline target otherwise:
-/// the loops below are written branch-free so that LLVM vectorizes them either way.
-macro_rules! simd_dispatch {
-    ($name:ident, $avx2:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
-        fn $name<T: F32Math>($($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-                return unsafe { $avx2::<T>($($arg),*) };
-            }
-            $body::<T>($($arg),*)
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn $avx2<T: F32Math>($($arg: $ty),*) {
-            $body::<T>($($arg),*)
-        }
-    };
-}
+use super::simd::simd_dispatch;
 
 /// e^x in f32 without branches (so it vectorizes): 2^n * p(r) with n = round(x / ln 2) and a
 /// degree-7 polynomial on |r| <= ln(2)/2 (relative error below 1e-7); x is clamped to the
@@ -185,7 +165,7 @@ fn rms_norm_fwd<T: F32Math>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
     y
 }
 
-simd_dispatch!(rms_norm_fwd_rows, rms_norm_fwd_rows_avx2, rms_norm_fwd_body, (ys: &mut [T], xs: &[T], w: &[T], eps: f32));
+simd_dispatch!(rms_norm_fwd_rows, rms_norm_fwd_rows_avx2, rms_norm_fwd_body, <T: F32Math>, (ys: &mut [T], xs: &[T], w: &[T], eps: f32));
 
 #[inline(always)]
 fn rms_norm_fwd_body<T: F32Math>(ys: &mut [T], xs: &[T], w: &[T], eps: f32) {
@@ -279,7 +259,7 @@ fn rms_norm_bwd<T: F32Math>(x: &[T], w: &[T], dy: &[T], eps: f32) -> Vec<T> {
     out
 }
 
-simd_dispatch!(rms_norm_bwd_rows, rms_norm_bwd_rows_avx2, rms_norm_bwd_body, (dxs: &mut [T], dw: &mut [f32], xs: &[T], dys: &[T], w: &[T], eps: f32));
+simd_dispatch!(rms_norm_bwd_rows, rms_norm_bwd_rows_avx2, rms_norm_bwd_body, <T: F32Math>, (dxs: &mut [T], dw: &mut [f32], xs: &[T], dys: &[T], w: &[T], eps: f32));
 
 #[inline(always)]
 fn rms_norm_bwd_body<T: F32Math>(
@@ -391,7 +371,7 @@ fn swiglu_fwd<T: F32Math>(g: &[T], u: &[T]) -> Vec<T> {
     out
 }
 
-simd_dispatch!(swiglu_fwd_chunk, swiglu_fwd_chunk_avx2, swiglu_fwd_body, (o: &mut [T], g: &[T], u: &[T]));
+simd_dispatch!(swiglu_fwd_chunk, swiglu_fwd_chunk_avx2, swiglu_fwd_body, <T: F32Math>, (o: &mut [T], g: &[T], u: &[T]));
 
 #[inline(always)]
 fn swiglu_fwd_body<T: F32Math>(o: &mut [T], g: &[T], u: &[T]) {
@@ -463,7 +443,7 @@ fn swiglu_bwd<T: F32Math>(g: &[T], u: &[T], d: &[T]) -> Vec<T> {
     out
 }
 
-simd_dispatch!(swiglu_bwd_chunk, swiglu_bwd_chunk_avx2, swiglu_bwd_body, (dg: &mut [T], du: &mut [T], g: &[T], u: &[T], d: &[T]));
+simd_dispatch!(swiglu_bwd_chunk, swiglu_bwd_chunk_avx2, swiglu_bwd_body, <T: F32Math>, (dg: &mut [T], du: &mut [T], g: &[T], u: &[T], d: &[T]));
 
 #[inline(always)]
 fn swiglu_bwd_body<T: F32Math>(dg: &mut [T], du: &mut [T], g: &[T], u: &[T], d: &[T]) {
@@ -563,7 +543,7 @@ fn rotary_rows_body<T: F32Math>(
     }
 }
 
-simd_dispatch!(rotary_rows, rotary_rows_avx2, rotary_rows_body, (out: &mut [T], v: &[T], cos: &[T], sin: &[T], first_row: usize, dims: (usize, usize, usize), sign: f32));
+simd_dispatch!(rotary_rows, rotary_rows_avx2, rotary_rows_body, <T: F32Math>, (out: &mut [T], v: &[T], cos: &[T], sin: &[T], first_row: usize, dims: (usize, usize, usize), sign: f32));
 
 fn rotary_cpu<T: F32Math>(
     v: &[T],
@@ -864,7 +844,7 @@ pub(crate) fn row_max_f32(x: &[f32]) -> f32 {
     row_max(x)
 }
 
-simd_dispatch!(cross_entropy_row, cross_entropy_row_avx2, cross_entropy_row_body, (row: &mut [T], target: usize, grads: bool, loss: &mut f64));
+simd_dispatch!(cross_entropy_row, cross_entropy_row_avx2, cross_entropy_row_body, <T: F32Math>, (row: &mut [T], target: usize, grads: bool, loss: &mut f64));
 
 /// Cross-entropy of every row of `logits` (rows of `vocab`) against `targets` (-100:
 /// ignored), in place and in parallel: returns the summed loss of the counted rows and, with

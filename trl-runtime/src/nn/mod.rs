@@ -20,6 +20,7 @@ pub mod ring;
 pub mod rmsnorm;
 pub mod rope;
 pub mod seq_attention;
+mod simd;
 pub mod softmax;
 #[cfg(test)]
 pub(crate) mod testing;

@@ -353,8 +353,15 @@ mod tests {
         for (dtype, value_bound, grad_bound) in
             [(DType::F32, 1e-5, 1e-5), (DType::BF16, 1e-4, 1e-2)]
         {
-            let (x, w) = (hidden.to_dtype(dtype).unwrap(), weight.to_dtype(dtype).unwrap());
-            assert_eq!(fused_applies(&x, &w), dtype == DType::F32, "{dtype:?}: which path");
+            let (x, w) = (
+                hidden.to_dtype(dtype).unwrap(),
+                weight.to_dtype(dtype).unwrap(),
+            );
+            assert_eq!(
+                fused_applies(&x, &w),
+                dtype == DType::F32,
+                "{dtype:?}: which path"
+            );
             let (want, want_count, want_gh, want_gw) = run(false, dtype);
             let (got, count, gh, gw) = run(true, dtype);
             let eval = tiled_linear_cross_entropy(&x.detach(), &w.detach(), &targets)
