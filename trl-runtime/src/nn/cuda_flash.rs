@@ -8,13 +8,14 @@
 //! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks), cast to the
 //! inputs' dtype by one more kernel; the log-sum-exp of every row is kept for backward.
 
+use super::cuda_fused::{switch, typed, view};
 use super::softmax::RowRanges;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::WrapErr;
 use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Storage,
     Tensor,
@@ -30,7 +31,7 @@ const THREADS: u32 = 128;
 /// Whether the fused kernels run on GPUs (`TRL_FLASH_CUDA=0` turns them off).
 fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TRL_FLASH_CUDA").map_or(true, |v| v != "0"))
+    switch(&ON, "TRL_FLASH_CUDA")
 }
 
 /// Whether [`flash_attention_cuda`] takes these inputs: on a GPU, bf16 or f16, head dim 64
@@ -97,33 +98,6 @@ fn bwd_shared(d: usize) -> usize {
         + 4 * br * (d / 4) * 4
 }
 
-/// Runs `$body` with `$t` the Rust element type of `$dtype`.
-macro_rules! typed {
-    ($dtype:expr, |$t:ident| $body:expr) => {
-        match $dtype {
-            DType::BF16 => {
-                type $t = half::bf16;
-                $body
-            }
-            DType::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            d => bail!("cuda flash attention: {d:?} is not supported"),
-        }
-    };
-}
-
-fn view<'a, T: CudaDType + DeviceRepr>(
-    s: &'a CudaStorage,
-    l: &Layout,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    if !l.is_contiguous() {
-        bail!("cuda flash attention: inputs must be contiguous");
-    }
-    Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
-}
-
 /// (batch, query heads, kv heads, length, head dim) of q and k.
 fn dims(q: &Layout, k: &Layout) -> Result<(usize, usize, usize, usize, usize)> {
     let (b, hq, s, d) = q.shape().dims4()?;
@@ -157,8 +131,9 @@ fn unpad_cast<T: DeviceRepr>(
 
 struct FlashCuda {
     ranges: RowRanges,
-    /// Every row's log-sum-exp ([batch x heads, padded rows]), from forward to backward.
-    lse: Mutex<Option<CudaSlice<f32>>>,
+    /// From forward to backward: every row's log-sum-exp ([batch x heads, padded rows]) and
+    /// the document starts as uploaded.
+    saved: Mutex<Option<(CudaSlice<f32>, CudaSlice<u32>)>>,
 }
 
 impl CustomOp3 for FlashCuda {
@@ -221,7 +196,7 @@ impl CustomOp3 for FlashCuda {
             )?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         });
-        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some((lse, starts));
         Ok((out, ql.shape().clone()))
     }
 
@@ -233,11 +208,12 @@ impl CustomOp3 for FlashCuda {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some(lse) = self.lse.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        let Some((lse, starts)) = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take()
+        else {
             bail!("cuda flash attention: backward ran twice")
         };
         let op = FlashCudaBwd {
-            ranges: self.ranges.clone(),
+            starts,
             lse,
             out: out.contiguous()?,
             grad: grad.contiguous()?,
@@ -254,7 +230,7 @@ impl CustomOp3 for FlashCuda {
 
 /// The backward, as an op over (q, k, v) returning dq, dk and dv packed in one vector.
 struct FlashCudaBwd {
-    ranges: RowRanges,
+    starts: CudaSlice<u32>,
     lse: CudaSlice<f32>,
     out: Tensor,
     grad: Tensor,
@@ -292,7 +268,7 @@ impl CustomOp3 for FlashCudaBwd {
         let (b, hq, hk, s, d) = dims(ql, kl)?;
         let s_pad = s.div_ceil(BLOCK) * BLOCK;
         let stream = dev.cuda_stream();
-        let starts = stream.clone_htod(self.ranges.starts.as_slice()).w()?;
+        let starts = &self.starts;
         let (out_guard, out_layout) = self.out.storage_and_layout();
         let (grad_guard, grad_layout) = self.grad.storage_and_layout();
         let (Storage::Cuda(os), Storage::Cuda(gs)) = (&*out_guard, &*grad_guard) else {
@@ -326,7 +302,7 @@ impl CustomOp3 for FlashCudaBwd {
                 .arg(&g)
                 .arg(&self.lse)
                 .arg(&delta)
-                .arg(&starts);
+                .arg(starts);
             lb.arg(&dq).arg(&dk).arg(&dv);
             lb.arg(&hq_i).arg(&hk_i).arg(&s_i).arg(&sp_i).arg(&scale);
             let grid = ((s_pad / BLOCK) as u32, (b * hk) as u32);
@@ -382,7 +358,7 @@ pub fn flash_attention_cuda(
 ) -> Result<Tensor> {
     let op = FlashCuda {
         ranges: ranges.clone(),
-        lse: Mutex::new(None),
+        saved: Mutex::new(None),
     };
     q.contiguous()?
         .apply_op3(&k.contiguous()?, &v.contiguous()?, op)

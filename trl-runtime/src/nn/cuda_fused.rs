@@ -12,10 +12,15 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 const MODULE: &str = "trl_fused";
 const THREADS: u32 = 256;
 
+/// An on/off switch read once from `var` (on unless it is `0`).
+pub(super) fn switch(cell: &'static std::sync::OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
+}
+
 /// Whether the fused kernels run on GPUs (`TRL_FUSED_CUDA=0` turns them off).
 pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TRL_FUSED_CUDA").map_or(true, |v| v != "0"))
+    switch(&ON, "TRL_FUSED_CUDA")
 }
 
 fn suffix(dtype: DType) -> Result<&'static str> {
@@ -61,6 +66,8 @@ macro_rules! typed {
     };
 }
 
+pub(super) use typed;
+
 fn check(l: &Layout, what: &str) -> Result<()> {
     if !l.is_contiguous() {
         bail!("fused CUDA {what}: inputs must be contiguous");
@@ -68,10 +75,12 @@ fn check(l: &Layout, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn view<'a, T: CudaDType + DeviceRepr>(
+/// The elements of a contiguous input, as the kernels read them.
+pub(super) fn view<'a, T: CudaDType + DeviceRepr>(
     s: &'a CudaStorage,
     l: &Layout,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    check(l, "op")?;
     Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
 }
 
@@ -81,7 +90,6 @@ pub fn rms_norm_fwd(
     w: (&CudaStorage, &Layout),
     eps: f32,
 ) -> Result<(CudaStorage, Shape)> {
-    check(x.1, "rms_norm")?;
     let dev = x.0.device().clone();
     let dtype = x.0.dtype();
     let h = w.1.shape().elem_count();
@@ -109,8 +117,6 @@ pub fn rms_norm_bwd(
     dy: (&CudaStorage, &Layout),
     eps: f32,
 ) -> Result<(CudaStorage, Shape)> {
-    check(x.1, "rms_norm backward")?;
-    check(dy.1, "rms_norm backward")?;
     let dev = x.0.device().clone();
     let dtype = x.0.dtype();
     let sfx = suffix(dtype)?;
@@ -160,8 +166,6 @@ pub fn swiglu_fwd(
     g: (&CudaStorage, &Layout),
     u: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Shape)> {
-    check(g.1, "swiglu")?;
-    check(u.1, "swiglu")?;
     let dev = g.0.device().clone();
     let dtype = g.0.dtype();
     let n = g.1.shape().elem_count();
@@ -186,9 +190,6 @@ pub fn swiglu_bwd(
     u: (&CudaStorage, &Layout),
     d: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Shape)> {
-    for l in [g.1, u.1, d.1] {
-        check(l, "swiglu backward")?;
-    }
     let dev = g.0.device().clone();
     let dtype = g.0.dtype();
     let n = g.1.shape().elem_count();
@@ -219,9 +220,6 @@ pub fn rotary(
     sin: (&CudaStorage, &Layout),
     sign: f32,
 ) -> Result<(CudaStorage, Shape)> {
-    for l in [x.1, cos.1, sin.1] {
-        check(l, "rotary")?;
-    }
     let dev: CudaDevice = x.0.device().clone();
     let dtype = x.0.dtype();
     let (_, heads, seq, d) = x.1.shape().dims4()?;

@@ -130,23 +130,24 @@ fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
 
 /// Whether the fused kernels take these tensors: f32, bf16 or f16, all alike, on the CPU or
 /// (built with `cuda`) on a GPU.
-fn fused_on_cpu(ts: &[&Tensor]) -> bool {
+fn fused_here(ts: &[&Tensor]) -> bool {
     let dtype = ts[0].dtype();
     let device = ts[0].device();
-    let here = device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda() && cuda_enabled());
+    let here = device.is_cpu() || (device.is_cuda() && cuda_fused_on());
     here && ts
         .iter()
         .all(|t| t.device().same_device(device) && t.dtype() == dtype)
         && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
 }
 
+/// Whether the fused CUDA kernels are built (feature `cuda`) and switched on.
 #[cfg(feature = "cuda")]
-fn cuda_enabled() -> bool {
+pub(crate) fn cuda_fused_on() -> bool {
     super::cuda_fused::enabled()
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_enabled() -> bool {
+pub(crate) fn cuda_fused_on() -> bool {
     false
 }
 
@@ -332,7 +333,7 @@ impl CustomOp3 for RmsNormBwd {
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     // The kernel reads `w` as one value per feature of `x`'s rows.
     let one_per_feature = w.rank() == 1 && x.rank() > 0 && w.dim(0)? == x.dim(D::Minus1)?;
-    if !fused_on_cpu(&[x, w]) || !one_per_feature {
+    if !fused_here(&[x, w]) || !one_per_feature {
         return rms_norm_reference(x, w, eps);
     }
     x.contiguous()?
@@ -494,7 +495,7 @@ impl CustomOp3 for SwigluBwd {
 
 /// `silu(gate) * up`, elementwise (same shapes).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if !fused_on_cpu(&[gate, up]) || gate.shape() != up.shape() {
+    if !fused_here(&[gate, up]) || gate.shape() != up.shape() {
         return gate.silu()? * up;
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwigluFwd)
@@ -633,7 +634,7 @@ pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let (b, _, s, d) = x.dims4()?;
         cos.dims() == [b, s, d] && sin.dims() == [b, s, d] && d % 2 == 0
     };
-    if !fused_on_cpu(&[x, cos, sin]) || !shapes_fit {
+    if !fused_here(&[x, cos, sin]) || !shapes_fit {
         return super::rope::apply_rotary(x, cos, sin);
     }
     x.contiguous()?

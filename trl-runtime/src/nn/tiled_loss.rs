@@ -223,21 +223,10 @@ fn fused_loss(
 pub fn fused_applies(hidden: &Tensor, weight: &Tensor) -> bool {
     let dtype = hidden.dtype();
     let on_cpu = hidden.device().is_cpu() && dtype == DType::F32;
-    let on_gpu = cfg!(feature = "cuda")
-        && hidden.device().is_cuda()
-        && cuda_fused_enabled()
+    let on_gpu = hidden.device().is_cuda()
+        && super::fused::cuda_fused_on()
         && matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
     weight.dtype() == dtype && weight.device().same_device(hidden.device()) && (on_cpu || on_gpu)
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_fused_enabled() -> bool {
-    super::cuda_fused::enabled()
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_fused_enabled() -> bool {
-    false
 }
 
 /// Summed cross-entropy of the logits `hidden` [n, h] x `weight`^T ([vocab, h]) would give,
