@@ -53,14 +53,11 @@ fn main() {
     std::env::set_var("RAYON_NUM_THREADS", "1");
     trl_runtime::alloc::keep_freed_memory();
     let cfg = config();
-    let mut model = CausalLm::new(
+    let model = CausalLm::new(
         cfg.clone(),
         Params::init(&cfg, 0, DType::F32, &Device::Cpu).unwrap(),
     )
     .unwrap();
-    if std::env::var("ATTN").as_deref() == Ok("flash") {
-        model.attention = trl_runtime::nn::AttentionImpl::Flash;
-    }
     let ids: Vec<u32> = (0..BATCH * SEQ)
         .map(|i| (i * 7919 % cfg.vocab_size) as u32)
         .collect();

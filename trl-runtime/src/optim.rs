@@ -4,7 +4,7 @@
 use crate::alloc::StorageBytes;
 use crate::error::{Error, Result};
 use crate::models::Params;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Layout, Tensor};
 use std::collections::BTreeMap;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -186,67 +186,69 @@ fn chain_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<(Tensor, Tensor,
     Ok((master, m, v))
 }
 
-/// The contiguous f32 elements of a CPU tensor, read under its storage lock.
-fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
-    let (storage, layout) = t.storage_and_layout();
-    match (&*storage, layout.contiguous_offsets()) {
+/// The contiguous f32 elements of a CPU storage viewed through `layout`.
+fn cpu_f32<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Option<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
         (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) => {
-            Some(f(&v[a..b]))
+            Some(&v[a..b])
         }
         _ => None,
     }
+}
+
+/// `f` of the contiguous f32 elements of a CPU tensor, read under its storage lock.
+fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
+    let (storage, layout) = t.storage_and_layout();
+    cpu_f32(&storage, layout).map(f)
 }
 
 /// AdamW on CPU in one pass over the master weights, both moments and the gradient (instead
 /// of a dozen Candle ops, each a pass and a fresh tensor): the new (master, exp_avg,
 /// exp_avg_sq), or None where it does not apply (not CPU f32 contiguous).
 fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-    // Per element: 1 where weight decay applies (a flat ZeRO shard spans several parameters).
-    let mask: Option<Vec<f32>> = match &s.decay_mask {
-        Some(mask) => match with_cpu_f32(mask, <[f32]>::to_vec) {
-            Some(m) => Some(m),
-            None => return Ok(None),
-        },
-        None => None,
+    // Read in place under their locks; the decay mask (1 where weight decay applies: a flat
+    // ZeRO shard spans several parameters) last, when there is one.
+    let inputs = [&s.master, &s.exp_avg, &s.exp_avg_sq, g];
+    let guards: Vec<_> = inputs
+        .into_iter()
+        .chain(s.decay_mask.as_ref())
+        .map(|t| t.storage_and_layout())
+        .collect();
+    let Some(slices) = guards
+        .iter()
+        .map(|(storage, layout)| cpu_f32(storage, layout))
+        .collect::<Option<Vec<&[f32]>>>()
+    else {
+        return Ok(None);
     };
-    let decay = match (&mask, s.decay) {
+    let (w, m, v, g, mask) = (slices[0], slices[1], slices[2], slices[3], slices.get(4));
+    let decay = match (mask, s.decay) {
         (None, false) => 0.0,
         _ => h.decay,
     };
-    let out = with_cpu_f32(&s.master, |w| {
-        with_cpu_f32(&s.exp_avg, |m| {
-            with_cpu_f32(&s.exp_avg_sq, |v| {
-                with_cpu_f32(g, |g| {
-                    let n = w.len();
-                    let (mut w2, mut m2, mut v2) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-                    let shrink = (h.lr * decay) as f32;
-                    let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
-                    let step = (h.lr / h.bc1) as f32;
-                    let inv_bc2 = (1.0 / h.bc2.sqrt()) as f32;
-                    let eps = h.eps as f32;
-                    for i in 0..n {
-                        let keep = 1.0 - shrink * mask.as_ref().map_or(1.0, |m| m[i]);
-                        let gi = g[i];
-                        let mi = b1 * m[i] + (1.0 - b1) * gi;
-                        let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
-                        m2[i] = mi;
-                        v2[i] = vi;
-                        w2[i] = w[i] * keep - step * mi / (vi.sqrt() * inv_bc2 + eps);
-                    }
-                    (w2, m2, v2)
-                })
-            })
-        })
-    });
-    let Some(Some(Some(Some((w, m, v))))) = out else {
-        return Ok(None);
-    };
+    let n = w.len();
+    let (mut w2, mut m2, mut v2) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let shrink = (h.lr * decay) as f32;
+    let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
+    let step = (h.lr / h.bc1) as f32;
+    let inv_bc2 = (1.0 / h.bc2.sqrt()) as f32;
+    let eps = h.eps as f32;
+    for i in 0..n {
+        let keep = 1.0 - shrink * mask.map_or(1.0, |mask| mask[i]);
+        let gi = g[i];
+        let mi = b1 * m[i] + (1.0 - b1) * gi;
+        let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
+        m2[i] = mi;
+        v2[i] = vi;
+        w2[i] = w[i] * keep - step * mi / (vi.sqrt() * inv_bc2 + eps);
+    }
+    drop(guards);
     let shape = s.master.shape();
     let dev = s.master.device();
     Ok(Some((
-        Tensor::from_vec(w, shape, dev)?,
-        Tensor::from_vec(m, shape, dev)?,
-        Tensor::from_vec(v, shape, dev)?,
+        Tensor::from_vec(w2, shape, dev)?,
+        Tensor::from_vec(m2, shape, dev)?,
+        Tensor::from_vec(v2, shape, dev)?,
     )))
 }
 
