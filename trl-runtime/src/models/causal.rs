@@ -608,8 +608,8 @@ impl<N: CausalModel> Model<N> {
     }
 
     /// The loss of aligned `targets` (position t's own target, -100 for none: labels already
-    /// shifted, as sequence chunks carry them). With `tiled_loss`, and always on CPU in f32,
-    /// the LM head and the cross-entropy run fused in sequence tiles and the logits never
+    /// shifted, as sequence chunks carry them). With `tiled_loss`, and always where the fused
+    /// loss has its one-pass kernel (CPU f32, GPUs), the LM head and the cross-entropy run fused in sequence tiles and the logits never
     /// exist whole (the head must be held whole, without bias: under tp or FSDP the loss is
     /// computed from the logits).
     pub fn forward_targets(
@@ -620,7 +620,7 @@ impl<N: CausalModel> Model<N> {
     ) -> Result<LossSum> {
         let head = self.net.lm_head();
         // The fused loss runs whenever the head is whole here: asked for (use_liger_kernel),
-        // or where it is one pass per row (CPU, f32) and so faster than the logits path.
+        // or where it is one pass per row (CPU f32, GPUs) and so faster than the logits path.
         let fused = |w: &Tensor| self.tiled_loss || crate::nn::tiled_loss::fused_applies(w, w);
         let head = match (&head.weight, &head.bias, &self.tp) {
             (Weight::Local(w), None, None) if fused(w) => w.clone(),

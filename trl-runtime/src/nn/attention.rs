@@ -172,17 +172,10 @@ impl AttentionImpl {
     pub fn apply(self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
         match self {
             AttentionImpl::Eager => attention(q, k, v, mask),
-            // On CPU in f32 both are the fused blockwise kernel.
-            AttentionImpl::Flash if mask.fused && super::cpu_flash::applies(q, k) => {
-                super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges)
-            }
-            #[cfg(feature = "cuda")]
-            AttentionImpl::Flash if super::cuda_flash::applies(q, k) => {
-                super::cuda_flash::flash_attention_cuda(q, k, v, &mask.ranges)
-            }
-            AttentionImpl::Flash => {
+            // Where a fused kernel takes the inputs, both names run it.
+            AttentionImpl::Flash => fused_kernel(q, k, v, mask).unwrap_or_else(|| {
                 super::flash_attention(q, k, v, mask, super::flash::block_for(q.device()))
-            }
+            }),
         }
     }
 }
@@ -190,14 +183,30 @@ impl AttentionImpl {
 /// Attention of `q` [batch, heads, seq, head_dim] over `k`, `v` [batch, kv_heads, seq, head_dim].
 /// Query head h reads key/value head h / (heads / kv_heads), without copying the kv heads.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
+    fused_kernel(q, k, v, mask).unwrap_or_else(|| whole_matrix_attention(q, k, v, mask))
+}
+
+/// The fused attention kernel for these inputs, when one takes them: `cpu_flash` for f32 on
+/// the CPU, `cuda_flash` for bf16 / f16 (head dims 64, 128) on a GPU.
+fn fused_kernel(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+) -> Option<Result<Tensor>> {
     if mask.fused && super::cpu_flash::applies(q, k) {
-        return super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges);
+        return Some(super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges));
     }
     #[cfg(feature = "cuda")]
     if super::cuda_flash::applies(q, k) {
-        return super::cuda_flash::flash_attention_cuda(q, k, v, &mask.ranges);
+        return Some(super::cuda_flash::flash_attention_cuda(
+            q,
+            k,
+            v,
+            &mask.ranges,
+        ));
     }
-    whole_matrix_attention(q, k, v, mask)
+    None
 }
 
 /// [`attention`] through the whole [seq x seq] score matrix (the reference the fused kernels

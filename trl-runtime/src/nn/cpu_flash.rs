@@ -539,7 +539,8 @@ mod tests {
     use candle_core::{Device, Var};
 
     /// Against the whole-matrix attention (fused causal softmax), values and every gradient, on
-    /// packed rows, grouped heads, lengths that leave partial blocks.
+    /// packed rows, grouped heads, lengths that leave partial blocks; and it is what the
+    /// attention entry points run on CPU in f32.
     #[test]
     fn equals_whole_matrix_attention() {
         let dev = Device::Cpu;
@@ -569,6 +570,18 @@ mod tests {
             };
             let (want, want_g) = run(false);
             let (got, got_g) = run(true);
+            // What every f32 CPU attention runs (eager, sdpa and flash_attention_2 alike).
+            for how in [
+                crate::nn::AttentionImpl::Eager,
+                crate::nn::AttentionImpl::Flash,
+            ] {
+                let routed = how.apply(&q, &k, &v, &mask).unwrap();
+                assert_eq!(
+                    max_abs_diff(&routed, &got),
+                    0.0,
+                    "{how:?} runs the fused kernel"
+                );
+            }
             let diff = max_abs_diff(&got, &want);
             assert!(diff < 1e-5, "s {s}: output differs by {diff}");
             for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(got_g.iter().zip(&want_g)) {
