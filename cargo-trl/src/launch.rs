@@ -329,7 +329,7 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     }
     let on_gpu = !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu;
     let target = target::resolve(args.target.as_deref())?.for_gpu(on_gpu);
-    let token = std::env::var(trl_runtime::dist::store::TOKEN_VAR).unwrap_or_else(|_| {
+    let token = std::env::var(trl_runtime::comm::store::TOKEN_VAR).unwrap_or_else(|_| {
         if machines > 1 {
             eprintln!("warning: TRL_JOB_TOKEN is not set: machines derive a shared token from the master address; export the same secret on every machine");
             format!("trl-{master_addr}-{master_port}")
@@ -441,7 +441,7 @@ pub fn print_plan(plan: &Plan, args: &LaunchArgs) {
             .env
             .iter()
             .map(|(k, v)| {
-                if k == trl_runtime::dist::store::TOKEN_VAR {
+                if k == trl_runtime::comm::store::TOKEN_VAR {
                     format!("{k}=<secret>")
                 } else {
                     format!("{k}={v}")

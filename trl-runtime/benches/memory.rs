@@ -59,6 +59,8 @@ fn worker(name: &str, dir: &Path) {
         max_length: 64,
         max_steps: 10,
         disable_tqdm: true,
+        // Model state per strategy, not activations: measured without recompute.
+        gradient_checkpointing: false,
         ..SFTConfig::default()
     };
     // Peak from here: loading the model and setting up the strategy.

@@ -81,6 +81,8 @@ fn worker(kind: &str, dir: &Path) {
         output_dir: dir.join("out"),
         disable_tqdm: true,
         max_steps: 1000,
+        // The peers run without it too (stated in each JSON line).
+        gradient_checkpointing: false,
         ..config
     };
     let strategy = match kind {

@@ -212,6 +212,21 @@ fn trl_recipes_are_read_with_their_extra_keys() {
 }
 
 #[test]
+fn gradient_checkpointing_is_on_by_default_as_in_trl() {
+    // TRL's SFTConfig turns it on; a recipe or flag turns it off.
+    assert!(SFTConfig::default().gradient_checkpointing);
+    for off in [
+        &["sft", "--gradient_checkpointing", "false"][..],
+        &["sft", "--gradient-checkpointing=False"][..],
+    ] {
+        let cli = trl_runtime::train::SftCli::parse_trl_from(off.iter().map(|s| s.to_string()));
+        let mut c = SFTConfig::default();
+        cli.apply(&mut c).unwrap();
+        assert!(!c.gradient_checkpointing, "{off:?}");
+    }
+}
+
+#[test]
 fn trl_flags_without_a_field_are_taken_like_file_keys() {
     let cli = trl_runtime::train::SftCli::parse_trl_from(
         [

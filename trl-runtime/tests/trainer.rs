@@ -35,6 +35,8 @@ fn config(out: &Path, batch: usize, accumulation: usize, steps: i64) -> SFTConfi
         logging_steps: 1,
         save_steps: 3,
         disable_tqdm: true,
+        // The plain run each strategy is compared with; checkpointing has its own test.
+        gradient_checkpointing: false,
         ..SFTConfig::default()
     }
 }

@@ -17,6 +17,7 @@ pub mod nccl;
 mod queue;
 mod ring;
 mod shm;
+pub mod store;
 pub mod timed;
 mod transport;
 

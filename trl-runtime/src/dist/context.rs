@@ -4,9 +4,9 @@
 
 use super::env::ProcessEnv;
 use super::mesh::{Axis, DeviceMesh, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
-use super::store::Store;
+use crate::comm::store::Store;
 use crate::comm::{Communicator, HostBackend, InProcessWorld, Timed};
-use crate::config::LaunchPlan;
+use crate::config::{DistributedType, LaunchPlan};
 use crate::error::{Error, Result};
 use candle_core::Device;
 use std::collections::BTreeMap;
@@ -144,7 +144,7 @@ impl DistContext {
         Self::with_env_and_plan(ProcessEnv::from_process()?, plan)
     }
 
-    fn with_env_and_plan(env: ProcessEnv, plan: LaunchPlan) -> Result<Self> {
+    fn with_env_and_plan(env: ProcessEnv, mut plan: LaunchPlan) -> Result<Self> {
         crate::alloc::keep_freed_memory();
         let dims = plan.resolve(env.world_size)?;
         let mesh = DeviceMesh::new(dims, env.world_size)?;
@@ -158,6 +158,11 @@ impl DistContext {
             None
         };
         let device = super::device::select(env.local_rank)?;
+        // Accelerate's rule: several processes without a GPU are MULTI_CPU, whatever the
+        // variables guessed (torchrun sets no ACCELERATE_USE_CPU).
+        if plan.distributed_type == DistributedType::MultiGpu && device.is_cpu() {
+            plan.distributed_type = DistributedType::MultiCpu;
+        }
         let groups = make_groups(&env, &mesh, store.as_ref(), timeout, &device)?;
         tracing::debug!(
             rank = env.rank,

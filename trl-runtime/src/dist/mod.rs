@@ -6,9 +6,9 @@ pub mod env;
 pub mod hostlist;
 pub mod mesh;
 pub mod spawn;
-pub mod store;
 
 pub use context::DistContext;
 pub use env::{EnvSource, ProcessEnv};
 pub use mesh::{Axis, DeviceMesh};
-pub use store::{Store, StoreServer};
+// The rendezvous store is a collective transport concern; it lives in `comm`.
+pub use crate::comm::store::{Store, StoreServer};

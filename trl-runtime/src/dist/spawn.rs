@@ -10,7 +10,7 @@
 //! `cargo trl launch` builds the workers' environments; examples started by hand use
 //! [`relaunch_unless_launched`].
 
-use super::store::TOKEN_VAR;
+use crate::comm::store::TOKEN_VAR;
 use crate::progress::{self, Event, View};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};

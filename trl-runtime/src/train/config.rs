@@ -126,8 +126,9 @@ sft_config! {
     /// [tokens x intermediate] activations are not kept (an extension of TRL's arguments).
     tiled_mlp: bool = false;
     /// Recompute each decoder layer in backward, keeping only its input (activation
-    /// checkpointing; also turned on by the launch's fsdp_activation_checkpointing).
-    gradient_checkpointing: bool = false;
+    /// checkpointing; also turned on by the launch's fsdp_activation_checkpointing). On by
+    /// default, as in TRL's SFTConfig: `--gradient_checkpointing false` trades memory for speed.
+    gradient_checkpointing: bool = true;
     /// With activation checkpointing on a GPU: keep each layer's input in host memory
     /// between forward and backward (ALST's activation offload; TRL's name).
     activation_offloading: bool = false;

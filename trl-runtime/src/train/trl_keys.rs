@@ -292,7 +292,12 @@ pub fn take_flags(
             None => (flag.replace('-', "_"), None),
         };
         if !KNOWN.contains(&name.as_str()) {
-            rest.push(a);
+            // HfArgumentParser accepts `--per-device-train-batch-size` for every field, and
+            // every flag clap knows here is snake_case.
+            rest.push(match &inline {
+                Some(v) => format!("--{name}={v}"),
+                None => format!("--{name}"),
+            });
             continue;
         }
         let value = match inline {

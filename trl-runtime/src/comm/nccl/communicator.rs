@@ -9,7 +9,7 @@
 
 use super::library::{data_type, red_op, NcclCommHandle, NcclLibrary, UniqueId};
 use crate::comm::{Communicator, ReduceOp};
-use crate::dist::store::Store;
+use crate::comm::store::Store;
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Device, Shape, Storage, Tensor};
