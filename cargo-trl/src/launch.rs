@@ -410,11 +410,20 @@ pub fn print_plan(plan: &Plan, args: &LaunchArgs) {
         d.dp_replicate, d.dp_shard, d.cp, d.sp, d.tp
     );
     let launch_plan = LaunchPlan::from_config(&plan.config);
+    // The launch config's fsdp_activation_checkpointing, or the training arguments'
+    // gradient_checkpointing (on by default in TRL's SFTConfig, and here).
+    let from_args = tp_plan::gradient_checkpointing(&args.program_args);
     println!(
-        "strategy: {} (activation_checkpointing={}, offload_optimizer={})",
+        "strategy: {} (activation_checkpointing={}, offload_optimizer={}){}",
         Strategy::from_plan(&launch_plan).name(),
-        launch_plan.activation_checkpointing(),
-        launch_plan.offload_optimizer()
+        launch_plan.activation_checkpointing() || from_args,
+        launch_plan.offload_optimizer(),
+        match (launch_plan.activation_checkpointing(), from_args) {
+            (true, _) => " [checkpointing: fsdp_activation_checkpointing]",
+            (false, true) =>
+                " [checkpointing: the program's gradient_checkpointing, on by default as in TRL]",
+            (false, false) => "",
+        }
     );
     match &plan.tp_plan {
         Some((dir, entries)) => println!("{}", tp_plan::render(entries, d.tp, dir)),

@@ -4,27 +4,62 @@
 
 use std::path::{Path, PathBuf};
 use trl_runtime::comm::InProcessWorld;
-use trl_runtime::models::{CausalLm, ModelConfig};
+use trl_runtime::models::ModelConfig;
+use trl_runtime::parallel::CausalLm;
 use trl_runtime::tp::PlanEntry;
 use trl_runtime::train::SFTConfig;
+
+/// The value of TRL flag `name` (snake_case) among the program's arguments, in either
+/// spelling (`--a_b`, `--a-b`, `=VALUE` or the next argument); `Some("")` for a bare flag.
+fn flag_value(program_args: &[String], name: &str) -> Option<String> {
+    let mut found = None;
+    for (i, a) in program_args.iter().enumerate() {
+        let Some(flag) = a.strip_prefix("--") else {
+            continue;
+        };
+        let (key, inline) = match flag.split_once('=') {
+            Some((k, v)) => (k, Some(v.to_string())),
+            None => (flag, None),
+        };
+        if key.replace('-', "_") != name {
+            continue;
+        }
+        // The last one wins, as with HF's argument parser.
+        found = Some(inline.unwrap_or_else(|| match program_args.get(i + 1) {
+            Some(next) if !next.starts_with("--") => next.clone(),
+            _ => String::new(),
+        }));
+    }
+    found
+}
+
+/// The `--config FILE` the program's arguments pass, read as TRL's SFTConfig.
+fn config_file(program_args: &[String]) -> Option<SFTConfig> {
+    SFTConfig::from_file(flag_value(program_args, "config")?).ok()
+}
 
 /// The model directory the program's arguments name: TRL's `--model_name_or_path DIR`, or
 /// `model_name_or_path` in the `--config FILE` they pass. None when they name neither.
 pub fn model_dir(program_args: &[String]) -> Option<PathBuf> {
-    let value = |flag: &str| {
-        program_args.iter().enumerate().find_map(|(i, a)| {
-            match a.strip_prefix(flag)?.strip_prefix('=') {
-                Some(v) => Some(v.to_string()),
-                None if a == flag => program_args.get(i + 1).cloned(),
-                None => None,
-            }
-        })
-    };
-    if let Some(dir) = value("--model_name_or_path") {
+    if let Some(dir) = flag_value(program_args, "model_name_or_path") {
         return Some(dir.into());
     }
-    let config = SFTConfig::from_file(value("--config")?).ok()?;
-    Some(config.model_name_or_path)
+    Some(config_file(program_args)?.model_name_or_path)
+}
+
+/// Whether a TRL-style program recomputes layers in backward: `--gradient_checkpointing`
+/// (or transformers 5's `--activation_checkpointing`), else its `--config FILE`, else TRL's
+/// SFTConfig default (on).
+pub fn gradient_checkpointing(program_args: &[String]) -> bool {
+    use trl_runtime::config::cli_value::CliValue;
+    for name in ["gradient_checkpointing", "activation_checkpointing"] {
+        if let Some(v) = flag_value(program_args, name) {
+            return v.is_empty() || bool::parse_cli(v.trim()).unwrap_or(true);
+        }
+    }
+    config_file(program_args).map_or(SFTConfig::default().gradient_checkpointing, |c| {
+        c.gradient_checkpointing
+    })
 }
 
 /// The plan for the model in `dir` split over `tp` ranks, from its config.json alone (no

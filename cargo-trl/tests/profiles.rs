@@ -46,6 +46,11 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn launch(profile: &str, dry_run: bool, out: &Path) -> String {
+    launch_with(profile, dry_run, out, &[])
+}
+
+/// As [`launch`], with `extra` training arguments.
+fn launch_with(profile: &str, dry_run: bool, out: &Path, extra: &[&str]) -> String {
     let mut c = Command::new(BIN);
     c.current_dir(workspace())
         .env("CARGO_NET_OFFLINE", "true")
@@ -58,6 +63,7 @@ fn launch(profile: &str, dry_run: bool, out: &Path) -> String {
         .arg("sft")
         .arg("--")
         .args(train_args(out))
+        .args(extra)
         .output()
         .unwrap();
     let t = text(&o);
@@ -97,8 +103,19 @@ fn every_cpu_profile_runs_the_plan_it_prints() {
         "alst_ulysses_cpu",
     ] {
         let out = tmp.path().join(profile);
-        let plan = launch(profile, true, &out);
-        let ran = report(&launch(profile, false, &out));
+        // Checkpointing is on by default (TRL's SFTConfig); one profile turns it off with the
+        // HfArgumentParser spelling, and the plan must say so too.
+        let extra: &[&str] = match profile {
+            "zero2_cpu" => &["--gradient-checkpointing", "false"],
+            _ => &[],
+        };
+        let plan = launch_with(profile, true, &out, extra);
+        let ran = report(&launch_with(profile, false, &out, extra));
+        assert_eq!(
+            ran["activation_checkpointing"].as_bool(),
+            Some(profile != "zero2_cpu"),
+            "{profile}: {ran}"
+        );
         let m = &ran["mesh"];
         let mesh = format!(
             "mesh: dp_replicate={} dp_shard={} cp={} sp={} tp={}",

@@ -5,7 +5,7 @@
 use candle_core::{DType, Device};
 use trl_examples::assets;
 use trl_runtime::data::{load_jsonl, to_example, OnBadRow, TextTokenizer, TokenizeOptions};
-use trl_runtime::models::CausalLm;
+use trl_runtime::parallel::CausalLm;
 
 #[test]
 fn shipped_assets_are_reproducible() {

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use trl_examples::phi::Phi;
-use trl_runtime::models::Model;
+use trl_runtime::parallel::Model;
 
 #[test]
 fn phi_logits_match_transformers() {

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use trl_runtime::models::CausalLm;
+use trl_runtime::parallel::CausalLm;
 use trl_runtime::train::{checkpoint, AdamW, AdamWConfig};
 
 const SFT: &str = env!("CARGO_BIN_EXE_sft");

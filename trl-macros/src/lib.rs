@@ -1,6 +1,6 @@
 //! Procedural macros of trl-runtime (use them through `trl_runtime`).
 //!
-//! `#[derive(Parallelize)]` implements `trl_runtime::tp::Parallelize` for a model struct from
+//! `#[derive(Parallelize)]` implements `trl_runtime::nn::Parallelize` for a model struct from
 //! `#[parallel(...)]` attributes on its fields: see [`macro@Parallelize`].
 
 mod context_parallel;

@@ -1,5 +1,5 @@
 //! `#[derive(Parallelize)]`: attribute parsing and checks (all errors of one struct are
-//! reported together), then the generated `impl trl_runtime::tp::Parallelize`.
+//! reported together), then the generated `impl trl_runtime::nn::Parallelize`.
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
@@ -324,7 +324,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
         return Err(e);
     }
 
-    let tp = quote!(::trl_runtime::tp);
+    let tp = quote!(::trl_runtime::nn::module);
     let mut plan = Plan {
         parallelize: Vec::new(),
         visit: Vec::new(),

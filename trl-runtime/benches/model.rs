@@ -8,7 +8,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
-use trl_runtime::models::{CausalLm, ModelConfig, Params};
+use trl_runtime::models::{ModelConfig, Params};
+use trl_runtime::parallel::CausalLm;
 
 const BATCH: usize = 4;
 const SEQ: usize = 512;

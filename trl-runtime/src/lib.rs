@@ -29,5 +29,5 @@ pub mod train;
 pub use candle_core;
 pub use error::{Error, Result};
 // The trait and its derive share the name, as serde does.
-pub use tp::Parallelize;
+pub use nn::module::Parallelize;
 pub use trl_macros::{context_parallel, Parallelize};

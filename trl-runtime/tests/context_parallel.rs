@@ -171,7 +171,7 @@ fn steps_split_over_cp_or_sp_equal_one_process() {
 
 #[trl_runtime::context_parallel]
 fn decoder_step(
-    model: &trl_runtime::models::CausalLm,
+    model: &trl_runtime::parallel::CausalLm,
     batch: &Batch,
     ctx: &DistContext,
 ) -> trl_runtime::Result<LossSum> {
@@ -180,7 +180,8 @@ fn decoder_step(
 
 #[test]
 fn our_decoder_follows_the_step() {
-    use trl_runtime::models::{CausalLm, ModelConfig, Params};
+    use trl_runtime::models::{ModelConfig, Params};
+    use trl_runtime::parallel::CausalLm;
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../assets/tiny/model/config.json"

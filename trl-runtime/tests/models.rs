@@ -5,8 +5,9 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::max_abs_diff;
-use trl_runtime::models::{CausalLm, ModelConfig, Params};
+use trl_runtime::models::{ModelConfig, Params};
 use trl_runtime::nn::causal_lm_loss;
+use trl_runtime::parallel::CausalLm;
 
 fn tiny_config(model_type: &str, tied: bool) -> ModelConfig {
     let json = serde_json::json!({

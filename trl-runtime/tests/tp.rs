@@ -365,7 +365,8 @@ mod qwen2 {
     //! gradients of tp = 1, with tied embeddings and GQA (the bundled tiny model) and untied,
     //! with q/k/v biases.
     use super::*;
-    use trl_runtime::models::{CausalLm, ModelConfig, Params};
+    use trl_runtime::models::{ModelConfig, Params};
+    use trl_runtime::parallel::CausalLm;
 
     fn config(edit: &[(&str, serde_json::Value)]) -> ModelConfig {
         let path = concat!(

@@ -373,7 +373,7 @@ fn zero_checkpoint_resumes_on_another_world_size_and_strategy() {
         );
     }
     // The checkpoint is a plain HF model for the loader.
-    trl_runtime::models::CausalLm::from_pretrained(
+    trl_runtime::parallel::CausalLm::from_pretrained(
         dir.join("checkpoint-6"),
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
@@ -417,7 +417,7 @@ fn sharded_checkpoints_reshard_across_world_sizes_and_strategies() {
         );
     }
     // The final checkpoint is full: a plain HF model for the loader.
-    trl_runtime::models::CausalLm::from_pretrained(
+    trl_runtime::parallel::CausalLm::from_pretrained(
         dir.join("checkpoint-6"),
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
@@ -605,7 +605,7 @@ fn tensor_parallel_checkpoints_load_under_any_tp_size() {
     );
     let ckpt = tmp.path().join("tp2/checkpoint-3");
     // ... a plain HF model with the full shapes ...
-    let loaded = trl_runtime::models::CausalLm::from_pretrained(
+    let loaded = trl_runtime::parallel::CausalLm::from_pretrained(
         &ckpt,
         candle_core::DType::F32,
         &candle_core::Device::Cpu,

@@ -1,43 +1,47 @@
 #[automatically_derived]
-impl ::trl_runtime::tp::Parallelize for Attention {
+impl ::trl_runtime::nn::module::Parallelize for Attention {
     const FSDP_UNIT: bool = true;
     fn parallelize(
         &mut self,
         name: &str,
-        tp: &::trl_runtime::tp::TpContext,
+        tp: &::trl_runtime::nn::module::TpContext,
     ) -> ::trl_runtime::Result<()> {
         {
-            fn layer<T: ::trl_runtime::tp::ColumnParallel>(layer: &mut T) -> &mut T {
+            fn layer<T: ::trl_runtime::nn::module::ColumnParallel>(
+                layer: &mut T,
+            ) -> &mut T {
                 layer
             }
-            ::trl_runtime::tp::TpLayer::shard(
+            ::trl_runtime::nn::module::TpLayer::shard(
                 layer(&mut self.q_proj),
-                &::trl_runtime::tp::child_name(name, "q_proj"),
-                ::trl_runtime::tp::TpStyle::Column {
+                &::trl_runtime::nn::module::child_name(name, "q_proj"),
+                ::trl_runtime::nn::module::TpStyle::Column {
                     gather_output: false,
                 },
                 tp,
             )?;
         }
         {
-            fn layer<T: ::trl_runtime::tp::RowParallel>(layer: &mut T) -> &mut T {
+            fn layer<T: ::trl_runtime::nn::module::RowParallel>(
+                layer: &mut T,
+            ) -> &mut T {
                 layer
             }
-            ::trl_runtime::tp::TpLayer::shard(
+            ::trl_runtime::nn::module::TpLayer::shard(
                 layer(&mut self.o_proj),
-                &::trl_runtime::tp::child_name(name, "out"),
-                ::trl_runtime::tp::TpStyle::Row,
+                &::trl_runtime::nn::module::child_name(name, "out"),
+                ::trl_runtime::nn::module::TpStyle::Row,
                 tp,
             )?;
         }
-        ::trl_runtime::tp::DividedByTp::divide(
+        ::trl_runtime::nn::module::DividedByTp::divide(
             &mut self.num_heads,
-            &::trl_runtime::tp::child_name(name, "num_heads"),
+            &::trl_runtime::nn::module::child_name(name, "num_heads"),
             tp,
         )?;
-        ::trl_runtime::tp::Parallelize::parallelize(
+        ::trl_runtime::nn::module::Parallelize::parallelize(
             &mut self.norm,
-            &::trl_runtime::tp::child_name(name, "norm"),
+            &::trl_runtime::nn::module::child_name(name, "norm"),
             tp,
         )?;
         Ok(())
@@ -48,26 +52,26 @@ impl ::trl_runtime::tp::Parallelize for Attention {
         f: &mut dyn FnMut(
             &str,
             &::trl_runtime::candle_core::Tensor,
-            ::trl_runtime::tp::Split,
+            ::trl_runtime::nn::module::Split,
         ),
     ) {
-        ::trl_runtime::tp::TpLayer::visit_split(
+        ::trl_runtime::nn::module::TpLayer::visit_split(
             &self.q_proj,
-            &::trl_runtime::tp::child_name(name, "q_proj"),
-            ::trl_runtime::tp::TpStyle::Column {
+            &::trl_runtime::nn::module::child_name(name, "q_proj"),
+            ::trl_runtime::nn::module::TpStyle::Column {
                 gather_output: false,
             },
             f,
         );
-        ::trl_runtime::tp::TpLayer::visit_split(
+        ::trl_runtime::nn::module::TpLayer::visit_split(
             &self.o_proj,
-            &::trl_runtime::tp::child_name(name, "out"),
-            ::trl_runtime::tp::TpStyle::Row,
+            &::trl_runtime::nn::module::child_name(name, "out"),
+            ::trl_runtime::nn::module::TpStyle::Row,
             f,
         );
-        ::trl_runtime::tp::Parallelize::visit_params(
+        ::trl_runtime::nn::module::Parallelize::visit_params(
             &self.norm,
-            &::trl_runtime::tp::child_name(name, "norm"),
+            &::trl_runtime::nn::module::child_name(name, "norm"),
             f,
         );
     }
@@ -79,27 +83,27 @@ impl ::trl_runtime::tp::Parallelize for Attention {
             &mut ::trl_runtime::nn::Weight,
         ) -> ::trl_runtime::Result<()>,
     ) -> ::trl_runtime::Result<()> {
-        ::trl_runtime::tp::Parallelize::visit_weights_mut(
+        ::trl_runtime::nn::module::Parallelize::visit_weights_mut(
             &mut self.q_proj,
-            &::trl_runtime::tp::child_name(name, "q_proj"),
+            &::trl_runtime::nn::module::child_name(name, "q_proj"),
             f,
         )?;
-        ::trl_runtime::tp::Parallelize::visit_weights_mut(
+        ::trl_runtime::nn::module::Parallelize::visit_weights_mut(
             &mut self.o_proj,
-            &::trl_runtime::tp::child_name(name, "out"),
+            &::trl_runtime::nn::module::child_name(name, "out"),
             f,
         )?;
-        ::trl_runtime::tp::Parallelize::visit_weights_mut(
+        ::trl_runtime::nn::module::Parallelize::visit_weights_mut(
             &mut self.norm,
-            &::trl_runtime::tp::child_name(name, "norm"),
+            &::trl_runtime::nn::module::child_name(name, "norm"),
             f,
         )?;
         Ok(())
     }
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
-        ::trl_runtime::tp::Parallelize::visit_units(
+        ::trl_runtime::nn::module::Parallelize::visit_units(
             &self.norm,
-            &::trl_runtime::tp::child_name(name, "norm"),
+            &::trl_runtime::nn::module::child_name(name, "norm"),
             f,
         );
     }

@@ -7,9 +7,9 @@
 
 use super::ring::RingComm;
 use super::shm::{ring_path, ShmRing};
+use super::store::Store;
 use super::transport::{mismatch, OpCode, Transport};
 use super::Communicator;
-use super::store::Store;
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};

@@ -4,12 +4,11 @@
 //!
 //! The model is annotated for tensor parallelism like any user model (`#[derive(Parallelize)]`):
 //! q/k/v and gate/up are column-parallel, o and down row-parallel, the embedding and the LM
-//! head vocab-parallel (logits stay split over the vocabulary; [`Model::loss`] never gathers
+//! head vocab-parallel (logits stay split over the vocabulary; `parallel::Model::loss` never gathers
 //! them), and head counts are divided by the tp size.
 
-use super::causal::{CausalModel, LayerInputs, Model};
+use super::causal::{CausalModel, LayerInputs};
 use super::config::ModelConfig;
-use super::params::Params;
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
 use crate::nn::fused::rotary as apply_rotary;
@@ -17,7 +16,7 @@ use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{embedding, linear, linear_no_bias, rms_norm};
 use crate::nn::{Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
 use crate::Parallelize;
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 #[derive(Clone, Parallelize)]
@@ -46,7 +45,7 @@ struct DecoderLayer {
     num_kv_heads: usize,
 }
 
-/// The Llama / Qwen2 network. Trained as [`CausalLm`], which attaches the strategies.
+/// The Llama / Qwen2 network. Trained as `parallel::CausalLm`, which attaches the strategies.
 #[derive(Parallelize)]
 pub struct Llama {
     #[parallel(skip)]
@@ -61,21 +60,6 @@ pub struct Llama {
     norm: RmsNorm,
     #[parallel(tp = "vocab")]
     lm_head: Linear,
-}
-
-/// The built-in decoder as the trainer runs it.
-pub type CausalLm = Model<Llama>;
-
-impl Model<Llama> {
-    /// Builds the model over `params` (whose tensors it shares: optimizer updates are seen).
-    pub fn new(config: ModelConfig, params: Params) -> Result<Self> {
-        Self::with_params(config.to_json_pretty(), params)
-    }
-
-    /// The model's structure without its values (see [`Model::skeleton_of`]).
-    pub fn skeleton(config: ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
-        Self::skeleton_of(config.to_json_pretty(), dtype, device)
-    }
 }
 
 impl CausalModel for Llama {

@@ -1,6 +1,6 @@
 //! Trainable decoder-only models in Hugging Face formats, loaded from and saved to
 //! `model.safetensors` or a sharded `model.safetensors.index.json` with HF tensor names:
-//! any model implementing [`CausalModel`] (trained as a [`Model`]), and the built-in Llama /
+//! any model implementing [`CausalModel`] (trained as a `crate::parallel::Model`), and the built-in Llama /
 //! Qwen2 decoder (one implementation, the differences are configuration).
 
 pub mod causal;
@@ -8,7 +8,7 @@ pub mod config;
 pub mod decoder;
 pub mod params;
 
-pub use causal::{CausalModel, LayerInputs, Model};
+pub use causal::{CausalModel, LayerInputs};
 pub use config::{Architecture, ModelConfig};
-pub use decoder::{CausalLm, Llama};
+pub use decoder::Llama;
 pub use params::Params;

@@ -289,7 +289,7 @@ impl WeightFiles {
     ) -> Result<Tensor> {
         let view = self.st.get(name)?;
         let whence = format!("{name} in {}", self.file_of(name));
-        let (start, len) = crate::tp::slice_range(&whence, view.shape(), dim, rank, parts)?;
+        let (start, len) = crate::nn::module::slice_range(&whence, view.shape(), dim, rank, parts)?;
         self.read_span(name, dim, start..start + len, dtype, device)
             .map_err(|e| Error::Config {
                 file: self.file_of(name),

@@ -1,12 +1,12 @@
 //! Token embedding: rows of a [vocab, hidden] table. A drop-in for `candle_nn::Embedding` that
 //! can also be vocab-parallel (each rank holds a slice of the rows; see [`crate::tp`]).
 
+use super::module::{child_name, Parallelize, Split, TpContext, TpLayer, TpStyle, VocabParallel};
+use super::sharded;
 use super::Weight;
 use crate::comm::autograd::reduce_from_group;
 use crate::comm::Communicator;
 use crate::error::Result as TrlResult;
-use crate::parallel::fsdp;
-use crate::tp::{child_name, Parallelize, Split, TpContext, TpLayer, TpStyle, VocabParallel};
 use candle_core::{DType, Result, Tensor};
 use std::sync::Arc;
 
@@ -65,7 +65,7 @@ impl Embedding {
     fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
         match &self.weight {
             Weight::Local(w) => w.index_select(ids, 0),
-            Weight::Sharded(w) => fsdp::embedding(ids, w),
+            Weight::Sharded(w) => sharded::embedding(ids, w),
         }
     }
 }

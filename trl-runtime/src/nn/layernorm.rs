@@ -2,10 +2,10 @@
 //! dimension, computed in f32 (f64 inputs stay f64). A drop-in for `candle_nn::LayerNorm`;
 //! replicated under tensor parallelism, its weight and bias FSDP-shardable.
 
+use super::module::{child_name, Parallelize, Split};
+use super::sharded;
 use super::Weight;
 use crate::error::Result as TrlResult;
-use crate::parallel::fsdp;
-use crate::tp::{child_name, Parallelize, Split};
 use candle_core::{DType, Result, Tensor, D};
 
 #[derive(Clone)]
@@ -38,12 +38,12 @@ impl LayerNorm {
             .to_dtype(dtype)?;
         let y = match &self.weight {
             Weight::Local(w) => normed.broadcast_mul(w)?,
-            Weight::Sharded(w) => fsdp::scale(&normed, w)?,
+            Weight::Sharded(w) => sharded::scale(&normed, w)?,
         };
         match &self.bias {
             None => Ok(y),
             Some(Weight::Local(b)) => y.broadcast_add(b),
-            Some(Weight::Sharded(b)) => fsdp::add_bias(&y, b),
+            Some(Weight::Sharded(b)) => sharded::add_bias(&y, b),
         }
     }
 }

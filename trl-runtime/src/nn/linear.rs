@@ -3,15 +3,15 @@
 //! tensor-parallel group (column, row or vocab; see [`crate::tp`]) and hold ZeRO-3 / FSDP
 //! sharded weights.
 
+use super::module::{
+    child_name, ColumnParallel, Parallelize, RowParallel, Split, TpContext, TpLayer, TpStyle,
+    VocabParallel,
+};
+use super::sharded;
 use super::Weight;
 use crate::comm::autograd::{copy_to_group, gather_from_group, reduce_from_group};
 use crate::comm::Communicator;
 use crate::error::Result as TrlResult;
-use crate::parallel::fsdp;
-use crate::tp::{
-    child_name, ColumnParallel, Parallelize, RowParallel, Split, TpContext, TpLayer, TpStyle,
-    VocabParallel,
-};
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
 
@@ -68,7 +68,7 @@ impl Linear {
                 match &self.bias {
                     None => Ok(y),
                     Some(Weight::Local(b)) => y.broadcast_add(b),
-                    Some(Weight::Sharded(b)) => fsdp::add_bias(&y, b),
+                    Some(Weight::Sharded(b)) => sharded::add_bias(&y, b),
                 }
             }
             TpStyle::Replicate => self.compute(x, self.bias.as_ref()),
@@ -79,8 +79,8 @@ impl Linear {
         match (&self.weight, bias) {
             (Weight::Local(w), None) => local_linear(x, w, None),
             (Weight::Local(w), Some(Weight::Local(b))) => local_linear(x, w, Some(b)),
-            (Weight::Sharded(w), None) => fsdp::linear(x, w, None),
-            (Weight::Sharded(w), Some(Weight::Sharded(b))) => fsdp::linear(x, w, Some(b)),
+            (Weight::Sharded(w), None) => sharded::linear(x, w, None),
+            (Weight::Sharded(w), Some(Weight::Sharded(b))) => sharded::linear(x, w, Some(b)),
             _ => candle_core::bail!("a linear layer's weight and bias must be held the same way"),
         }
     }

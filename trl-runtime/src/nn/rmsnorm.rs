@@ -1,10 +1,10 @@
 //! RMSNorm as in Llama/Qwen2: x / sqrt(mean(x^2) + eps) * weight, computed in f32 (f64 inputs
 //! stay f64). A drop-in for `candle_nn::RmsNorm`; replicated under tensor parallelism.
 
+use super::module::{child_name, Parallelize, Split};
+use super::sharded;
 use super::Weight;
 use crate::error::Result as TrlResult;
-use crate::parallel::fsdp;
-use crate::tp::{child_name, Parallelize, Split};
 use candle_core::{Result, Tensor};
 
 #[derive(Clone)]
@@ -25,7 +25,7 @@ impl RmsNorm {
         match &self.weight {
             // One fused pass forward and backward (see nn::fused).
             Weight::Local(w) => super::fused::rms_norm(x, w, self.eps),
-            Weight::Sharded(w) => fsdp::scale(&super::fused::rms_normalize(x, self.eps)?, w),
+            Weight::Sharded(w) => sharded::scale(&super::fused::rms_normalize(x, self.eps)?, w),
         }
     }
 }

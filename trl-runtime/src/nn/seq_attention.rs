@@ -136,7 +136,7 @@ impl Drop for CurrentAttention {
 /// A drop-in for `candle_flash_attn::flash_attn` (same arguments and layout: `q` [batch,
 /// seq, heads, head_dim], `k`, `v` [batch, seq, kv_heads, head_dim]), so that a Candle model
 /// written for it runs under every strategy by changing its import. Inside a
-/// `models::Model` forward it runs that forward's attention: the documents of packed rows
+/// `parallel::Model` forward it runs that forward's attention: the documents of packed rows
 /// kept apart, ring attention or Ulysses when sequences are split. Elsewhere it is plain
 /// causal attention over each whole row.
 pub fn flash_attn(

@@ -1,7 +1,7 @@
 //! A layer's parameter: a tensor this rank holds whole, or a slot in a ZeRO-3 / FSDP unit
 //! whose full value exists only while the layer runs (see `parallel::fsdp`).
 
-use crate::parallel::fsdp::ShardedWeight;
+use super::sharded::ShardedWeight;
 use candle_core::Tensor;
 
 #[derive(Clone)]

@@ -11,13 +11,13 @@
 //! gradient. The gradient of the layer's input continues down the stack; the gradients of
 //! parameters held as variables are collected in [`Checkpointing`] and merged into the outer
 //! gradient store by [`Checkpointing::merge_into`]. Parameters sharded by ZeRO-3 / FSDP
-//! deposit their gradients in their unit as they always do ([`super::fsdp::recomputing`]
+//! deposit their gradients in their unit as they always do ([`crate::nn::sharded::recomputing`]
 //! keeps the recomputed ops from being counted twice).
 //!
 //! Every collective inside a layer (tensor-parallel sums, Ulysses all-to-alls, ring hops,
 //! FSDP gathers) runs again in the recompute, in the same order on every rank.
 
-use super::fsdp;
+use crate::nn::sharded;
 use crate::precomputed::Precomputed;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor, TensorId, Var};
@@ -145,7 +145,7 @@ impl CustomOp1 for Stack {
         for l in (0..self.layers.count()).rev() {
             let input = Var::from_tensor(&self.inputs[l].to_device(&self.device)?)?;
             self.owner.recomputed.fetch_add(1, Ordering::Relaxed);
-            let store = fsdp::recomputing(|| -> Result<GradStore> {
+            let store = sharded::recomputing(|| -> Result<GradStore> {
                 let y = self.layers.forward(l, input.as_tensor(), true)?;
                 (y * &g)?.sum_all()?.backward()
             })?;

@@ -6,14 +6,11 @@
 //! LM head. A unit keeps its parameters as one flat vector (sorted by name, padded to the group
 //! size) of which this rank holds a slice.
 //!
-//! The layers that use a unit's parameters (linear, norm scale, embedding lookup) run as custom
-//! ops. Forward: the unit's flat parameters are all-gathered when the unit starts and freed when
-//! it ends; each op computes from a detached input, so Candle's graph never holds a gathered
-//! weight, only activations. Backward: the unit's first op gathers the parameters again, every
-//! op accumulates its weight gradients in the unit (beside Candle's gradient store), and once
-//! the unit's last op has run the gradients are reduce-scattered into this rank's slice and the
-//! gathered parameters freed. The root unit stays gathered from forward to the end of backward
-//! (its parameters are needed first and last), as FSDP2 does for the root.
+//! How a layer computes with a unit's parameters (gathered for its forward, gathered again
+//! in backward, gradients reduce-scattered after the unit's last op) is the layer side, in
+//! [`crate::nn::sharded`]; here the model is cut into units and their optimizer runs. The
+//! root unit stays gathered from forward to the end of backward (its parameters are needed
+//! first and last), as FSDP2 does for the root.
 //!
 //! Communication overlaps compute: every unit collective runs on the model's [`CommQueue`]
 //! (one thread, first in first out, so all ranks still issue them in one order). Entering a
@@ -21,19 +18,18 @@
 //! previous unit's; reduce-scatters run while the backward goes on, and
 //! [`ShardedModel::finish_backward`] waits for them. At most two units are gathered at once.
 
-use super::zero::FlatLayout;
+use super::sharded_state::{Piece, ShardedReader};
 use crate::alloc::StorageBytes;
-use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
+use crate::comm::{CommQueue, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
+use crate::nn::sharded::{FlatLayout, ShardedWeight, Unit, UnitScope, UnitState};
 use crate::nn::Weight;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::precomputed::Precomputed;
 use crate::tp::{named_parameters, Parallelize, TpNorm};
-use crate::train::sharded_state::{Piece, ShardedReader};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, TensorId, Var};
+use candle_core::{DType, Shape, Tensor, TensorId, Var};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// How parameters are grouped into units (FSDP's auto-wrap policies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,381 +59,6 @@ impl Prefetch {
         forward: false,
         backward: false,
     };
-}
-
-struct UnitState {
-    /// This rank's slice of the flat parameters, in the model dtype.
-    shard: Tensor,
-    /// The gathered flat parameters while the unit is in use.
-    full: Option<Tensor>,
-    /// An all-gather started ahead of use (prefetch).
-    gathering: Option<Pending>,
-    /// Ops applied in this forward whose backward has not run yet.
-    pending: usize,
-    /// Full gradients per entry, accumulated during this backward.
-    grads: Vec<Option<Tensor>>,
-    /// This rank's reduced gradient slice (f32), summed over micro-batches until the step.
-    grad_shard: Option<Tensor>,
-    /// A reduce-scatter still running; added to `grad_shard` when waited.
-    reducing: Option<Pending>,
-    /// Set by the unit's first op in backward.
-    in_backward: bool,
-}
-
-/// One wrap unit: a flat parameter vector sharded over `comm`.
-pub struct Unit {
-    pub name: String,
-    pub layout: FlatLayout,
-    /// Runs the unit's collectives during forward and backward (shared by the model's units).
-    queue: Arc<CommQueue>,
-    /// The unit whose backward follows this one's: the previous layer unit, or for the root
-    /// (whose LM head runs first in backward) the last layer unit.
-    backward_next: OnceLock<Weak<Unit>>,
-    /// The root unit is not freed after its forward.
-    keep_gathered: bool,
-    /// A one-element variable the embedding op hangs off, so that Candle's backward reaches
-    /// the unit ops even though no parameter is a `Var`.
-    anchor: Var,
-    state: Mutex<UnitState>,
-}
-
-fn failed(e: Error) -> candle_core::Error {
-    candle_core::Error::wrap(e)
-}
-
-impl Unit {
-    fn lock(&self) -> MutexGuard<'_, UnitState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn start_gather(&self, st: &UnitState) -> Pending {
-        let shard = st.shard.clone();
-        self.queue.submit(move |c| c.all_gather(&shard, 0))
-    }
-
-    /// The gathered flat parameters, waiting for a prefetch or gathering now.
-    fn gathered(&self, st: &mut UnitState) -> Result<Tensor> {
-        if let Some(full) = &st.full {
-            return Ok(full.clone());
-        }
-        let pending = match st.gathering.take() {
-            Some(p) => p,
-            None => self.start_gather(st),
-        };
-        let full = pending.wait()?;
-        st.full = Some(full.clone());
-        Ok(full)
-    }
-
-    /// Starts gathering this unit in the background unless it is gathered or on its way.
-    fn prefetch(&self) {
-        let mut st = self.lock();
-        if st.full.is_none() && st.gathering.is_none() {
-            st.gathering = Some(self.start_gather(&st));
-        }
-    }
-
-    /// Called by each backward op once it has its parameters: the unit's first one starts
-    /// gathering the unit whose backward runs next.
-    fn backward_began(&self) {
-        let first = !std::mem::replace(&mut self.lock().in_backward, true);
-        if first {
-            if let Some(next) = self.backward_next.get().and_then(Weak::upgrade) {
-                next.prefetch();
-            }
-        }
-    }
-
-    /// The full value of entry `i` (gathering the unit if it is not).
-    fn weight(&self, i: usize) -> Result<Tensor> {
-        let mut st = self.lock();
-        let full = self.gathered(&mut st)?;
-        drop(st);
-        let (_, shape, offset) = &self.layout.entries()[i];
-        Ok(full
-            .narrow(0, *offset, shape.elem_count())?
-            .reshape(shape)?)
-    }
-
-    /// Starts this unit's forward: its parameters are gathered until `UnitScope` drops.
-    pub fn enter(&self) -> Result<UnitScope<'_>> {
-        let mut st = self.lock();
-        self.gathered(&mut st)?;
-        Ok(UnitScope(self))
-    }
-
-    /// Clears what a previous forward left (an evaluation forward has no backward).
-    fn reset(&self) -> Result<()> {
-        let mut st = self.lock();
-        st.full = None;
-        if let Some(p) = st.gathering.take() {
-            p.wait()?;
-        }
-        st.pending = 0;
-        st.in_backward = false;
-        st.grads.iter_mut().for_each(|g| *g = None);
-        Ok(())
-    }
-
-    /// Adds gradients of one op's entries; after the unit's last op, reduce-scatters.
-    fn deposit(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
-        let mut st = self.lock();
-        for (i, g) in grads {
-            st.grads[i] = Some(match st.grads[i].take() {
-                Some(prev) => (prev + g)?,
-                None => g,
-            });
-        }
-        st.pending = st.pending.saturating_sub(1);
-        if st.pending == 0 {
-            self.finish(&mut st)?;
-        }
-        Ok(())
-    }
-
-    /// Reduce-scatters the unit's full gradients into the slice this rank keeps.
-    fn finish(&self, st: &mut UnitState) -> Result<()> {
-        let device = st.shard.device().clone();
-        let grads = self
-            .layout
-            .entries()
-            .iter()
-            .zip(st.grads.iter_mut())
-            .map(|((_, shape, _), g)| match g.take() {
-                Some(g) => Ok(g),
-                None => Tensor::zeros(shape, DType::F32, &device),
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        st.full = None;
-        let flat = self
-            .layout
-            .flatten_ordered(&grads.iter().collect::<Vec<_>>())?;
-        drop(grads);
-        Self::collect_reduced(st)?;
-        st.reducing = Some(
-            self.queue
-                .submit(move |c| c.reduce_scatter(&flat, 0, ReduceOp::Sum)),
-        );
-        Ok(())
-    }
-
-    /// Waits for a running reduce-scatter and adds its slice to the step's gradient.
-    fn collect_reduced(st: &mut UnitState) -> Result<()> {
-        if let Some(p) = st.reducing.take() {
-            let mine = p.wait()?;
-            st.grad_shard = Some(match st.grad_shard.take() {
-                Some(prev) => (prev + mine)?,
-                None => mine,
-            });
-        }
-        Ok(())
-    }
-
-    fn comm(&self) -> &Arc<dyn Communicator> {
-        self.queue.comm()
-    }
-
-    /// The range of the flat vector this rank holds.
-    fn range(&self) -> std::ops::Range<usize> {
-        self.layout.shard(self.comm().rank(), self.comm().size())
-    }
-
-    fn shard_elems(&self) -> usize {
-        self.layout.padded() / self.comm().size()
-    }
-}
-
-/// Frees the unit's gathered parameters when its forward ends (not for the root).
-pub struct UnitScope<'a>(&'a Unit);
-
-impl Drop for UnitScope<'_> {
-    fn drop(&mut self) {
-        if !self.0.keep_gathered {
-            self.0.lock().full = None;
-        }
-    }
-}
-
-/// A parameter's place in a unit.
-#[derive(Clone)]
-pub struct ShardedWeight {
-    unit: Arc<Unit>,
-    entry: usize,
-}
-
-impl ShardedWeight {
-    pub fn dims(&self) -> &[usize] {
-        self.unit.layout.entries()[self.entry].1.dims()
-    }
-
-    /// The compute dtype (the unit's).
-    pub fn dtype(&self) -> DType {
-        self.unit.lock().shard.dtype()
-    }
-}
-
-enum OpKind {
-    Linear { weight: usize, bias: Option<usize> },
-    Scale { weight: usize },
-    Bias { weight: usize },
-    Embedding { weight: usize, ids: Tensor },
-}
-
-/// A layer computation on a unit's parameters whose backward fetches them again.
-struct UnitOp {
-    unit: Arc<Unit>,
-    kind: OpKind,
-    /// The forward result, computed outside the op from detached inputs (taken by `cpu_fwd`).
-    out: Precomputed,
-}
-
-impl CustomOp1 for UnitOp {
-    fn name(&self) -> &'static str {
-        "fsdp-unit-op"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.out.take("an fsdp unit op")
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        self.out.take_cuda("an fsdp unit op")
-    }
-
-    fn bwd(
-        &self,
-        arg: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        let unit = &self.unit;
-        let fetch = |i: usize| {
-            let w = unit.weight(i).map_err(failed)?;
-            unit.backward_began();
-            Ok::<_, candle_core::Error>(w)
-        };
-        let (dx, grads) = match &self.kind {
-            OpKind::Linear { weight, bias } => {
-                let w = fetch(*weight)?;
-                let (out, inner) = w.dims2()?;
-                let rows = arg.elem_count() / inner;
-                let g2 = grad.reshape((rows, out))?;
-                let dx = g2.matmul(&w)?.reshape(arg.shape())?;
-                let dw = g2.t()?.matmul(&arg.reshape((rows, inner))?)?;
-                let mut grads = vec![(*weight, dw)];
-                if let Some(b) = bias {
-                    grads.push((*b, g2.sum(0)?));
-                }
-                (dx, grads)
-            }
-            OpKind::Scale { weight } => {
-                let w = fetch(*weight)?;
-                let h = w.elem_count();
-                let dx = grad.broadcast_mul(&w)?;
-                let dw = (grad * arg)?.reshape(((), h))?.sum(0)?;
-                (dx, vec![(*weight, dw)])
-            }
-            OpKind::Bias { weight } => {
-                let b = fetch(*weight)?;
-                let db = grad.reshape(((), b.elem_count()))?.sum(0)?;
-                (grad.clone(), vec![(*weight, db)])
-            }
-            OpKind::Embedding { weight, ids } => {
-                unit.backward_began();
-                let shape = unit.layout.entries()[*weight].1.clone();
-                let h = shape.dims()[1];
-                let g2 = grad.reshape(((), h))?;
-                let dw = Tensor::zeros(&shape, g2.dtype(), g2.device())?.index_add(ids, &g2, 0)?;
-                (arg.zeros_like()?, vec![(*weight, dw)])
-            }
-        };
-        unit.deposit(grads).map_err(failed)?;
-        Ok(Some(dx))
-    }
-}
-
-thread_local! {
-    /// Set while activation checkpointing recomputes a layer in backward.
-    static RECOMPUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f` (a layer recomputed in backward by activation checkpointing): its unit ops were
-/// counted when the layer first ran, and their backward passes are the ones that count down.
-pub fn recomputing<T>(f: impl FnOnce() -> T) -> T {
-    let before = RECOMPUTING.with(|r| r.replace(true));
-    let out = f();
-    RECOMPUTING.with(|r| r.set(before));
-    out
-}
-
-fn apply(arg: &Tensor, unit: &Arc<Unit>, kind: OpKind, y: Tensor) -> candle_core::Result<Tensor> {
-    if !RECOMPUTING.with(|r| r.get()) {
-        unit.lock().pending += 1;
-    }
-    arg.apply_op1(UnitOp {
-        unit: unit.clone(),
-        kind,
-        out: Precomputed::new(y),
-    })
-}
-
-fn same_unit(w: &ShardedWeight, b: &ShardedWeight) -> candle_core::Result<()> {
-    if !Arc::ptr_eq(&w.unit, &b.unit) {
-        candle_core::bail!("a layer's weight and bias must be in the same wrap unit");
-    }
-    Ok(())
-}
-
-/// `x W^T + b` on a unit's parameters.
-pub fn linear(
-    x: &Tensor,
-    w: &ShardedWeight,
-    b: Option<&ShardedWeight>,
-) -> candle_core::Result<Tensor> {
-    let weight = w.unit.weight(w.entry).map_err(failed)?;
-    let bias = match b {
-        Some(b) => {
-            same_unit(w, b)?;
-            Some(b.unit.weight(b.entry).map_err(failed)?)
-        }
-        None => None,
-    };
-    let y = crate::nn::linear::local_linear(&x.detach(), &weight, bias.as_ref())?;
-    let kind = OpKind::Linear {
-        weight: w.entry,
-        bias: b.map(|b| b.entry),
-    };
-    apply(x, &w.unit, kind, y)
-}
-
-/// `x * w` broadcast over the last dimension (a norm's weight).
-pub fn scale(x: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
-    let weight = w.unit.weight(w.entry).map_err(failed)?;
-    let y = x.detach().broadcast_mul(&weight)?;
-    apply(x, &w.unit, OpKind::Scale { weight: w.entry }, y)
-}
-
-/// `x + b` broadcast over the last dimension (a row-parallel layer's bias, added after the
-/// tensor-parallel sum).
-pub fn add_bias(x: &Tensor, b: &ShardedWeight) -> candle_core::Result<Tensor> {
-    let bias = b.unit.weight(b.entry).map_err(failed)?;
-    let y = x.detach().broadcast_add(&bias)?;
-    apply(x, &b.unit, OpKind::Bias { weight: b.entry }, y)
-}
-
-/// Rows `ids` (u32, flat) of an embedding table: [n, hidden].
-pub fn embedding(ids: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
-    let table = w.unit.weight(w.entry).map_err(failed)?;
-    let y = table.index_select(ids, 0)?;
-    let kind = OpKind::Embedding {
-        weight: w.entry,
-        ids: ids.clone(),
-    };
-    apply(w.unit.anchor.as_tensor(), &w.unit, kind, y)
 }
 
 /// The wrap unit (index into `unit_names`) a parameter belongs to: the one whose name is a
@@ -988,8 +609,9 @@ impl FsdpOptimizer {
 mod tests {
     use super::*;
     use crate::comm::InProcessWorld;
-    use crate::models::{CausalLm, ModelConfig};
+    use crate::models::ModelConfig;
     use crate::nn::causal_lm_loss;
+    use crate::parallel::CausalLm;
     use candle_core::Device;
 
     /// The bundled tiny Qwen2: 2 layers of 49,408 parameters each.

@@ -10,11 +10,14 @@
 pub mod checkpointing;
 pub mod ddp;
 pub mod fsdp;
+pub mod model;
 pub mod offload;
+pub mod sharded_state;
 pub mod zero;
 
 pub use checkpointing::Checkpointing;
 pub use fsdp::{FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy};
+pub use model::{CausalLm, Model};
 pub use zero::{ZeroOptimizer, ZeroStage};
 
 use crate::config::launch::{
@@ -25,13 +28,13 @@ use crate::config::LaunchPlan;
 use crate::dist::mesh::{Axis, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::models::{CausalModel, Model};
+use crate::models::CausalModel;
 use crate::nn::seq_attention::SeqSplit;
 use crate::nn::AttentionImpl;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::tp::{state as tp_state, TpNorm};
-use crate::train::sharded_state::ShardedReader;
 use ddp::Ddp;
+use sharded_state::ShardedReader;
 use std::path::PathBuf;
 
 /// How data-parallel ranks hold the model state.

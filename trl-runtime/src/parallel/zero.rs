@@ -8,14 +8,15 @@
 //! group size. Checkpoints gather the state back per parameter (the same file as plain DDP),
 //! so a run can resume on any number of ranks and with any strategy.
 
+use super::sharded_state::{self, Piece, ShardedReader};
 use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
+pub use crate::nn::sharded::FlatLayout;
 use crate::optim::{decays, AdamW, AdamWConfig, ParamState};
 use crate::tp::TpNorm;
-use crate::train::sharded_state::{self, Piece, ShardedReader};
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -37,14 +38,8 @@ impl ZeroStage {
 
 const SHARD: &str = "zero_shard";
 
-/// Where each parameter lives in the flat vector.
-#[derive(Debug, Clone)]
-pub struct FlatLayout {
-    entries: Vec<(String, Shape, usize)>,
-    total: usize,
-    padded: usize,
-}
-
+// The flat layout itself is the layer side's (`nn::sharded`); what the optimizer keeps per
+// slice of it is here.
 impl FlatLayout {
     pub fn new(params: &Params, world: usize) -> Self {
         Self::from_shapes(
@@ -53,129 +48,9 @@ impl FlatLayout {
         )
     }
 
-    /// Parameters in the given order, end to end, padded to a multiple of `world`.
-    pub fn from_shapes(shapes: impl IntoIterator<Item = (String, Shape)>, world: usize) -> Self {
-        let mut entries = Vec::new();
-        let mut offset = 0;
-        for (name, shape) in shapes {
-            let n = shape.elem_count();
-            entries.push((name, shape, offset));
-            offset += n;
-        }
-        FlatLayout {
-            entries,
-            total: offset,
-            padded: offset.div_ceil(world) * world,
-        }
-    }
-
-    /// (name, shape, offset in the flat vector) of every parameter.
-    pub fn entries(&self) -> &[(String, Shape, usize)] {
-        &self.entries
-    }
-
-    /// Elements with the padding that makes the vector split evenly.
-    pub fn padded(&self) -> usize {
-        self.padded
-    }
-
-    pub fn shard(&self, rank: usize, world: usize) -> Range<usize> {
-        let n = self.padded / world;
-        rank * n..(rank + 1) * n
-    }
-
-    /// The tensors of `map` (by parameter name) end to end in f32, zero-padded.
-    pub fn flatten(&self, map: &BTreeMap<String, Tensor>) -> Result<Tensor> {
-        let ordered = self
-            .entries
-            .iter()
-            .map(|(name, _, _)| {
-                map.get(name).ok_or_else(|| {
-                    Error::Candle(candle_core::Error::Msg(format!("no tensor for {name}")))
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        self.flatten_ordered(&ordered)
-    }
-
-    /// One tensor per entry, in the layout's order, end to end in f32, zero-padded.
-    pub fn flatten_ordered(&self, tensors: &[&Tensor]) -> Result<Tensor> {
-        let mut parts = Vec::with_capacity(self.entries.len() + 1);
-        for ((name, shape, _), t) in self.entries.iter().zip(tensors) {
-            if t.shape() != shape {
-                return Err(Error::Candle(candle_core::Error::Msg(format!(
-                    "{name}: shape {:?}, expected {shape:?}",
-                    t.shape()
-                ))));
-            }
-            parts.push(t.to_dtype(DType::F32)?.flatten_all()?);
-        }
-        let device = parts
-            .first()
-            .map(|t| t.device().clone())
-            .unwrap_or(candle_core::Device::Cpu);
-        if self.padded > self.total {
-            parts.push(Tensor::zeros(
-                self.padded - self.total,
-                DType::F32,
-                &device,
-            )?);
-        }
-        Ok(Tensor::cat(&parts, 0)?)
-    }
-
-    /// Elements `range` of the flat vector, reading each parameter's overlapping part
-    /// through `read` (name, first element, count) and zeros for the padding, in f32.
-    pub fn read_range(
-        &self,
-        range: Range<usize>,
-        read: &dyn Fn(&str, usize, usize) -> Result<Tensor>,
-        device: &candle_core::Device,
-    ) -> Result<Tensor> {
-        let mut parts = Vec::new();
-        for (name, shape, offset) in &self.entries {
-            let (start, end) = (*offset, offset + shape.elem_count());
-            let (a, b) = (range.start.max(start), range.end.min(end));
-            if a < b {
-                parts.push(read(name, a - start, b - a)?.to_dtype(DType::F32)?);
-            }
-        }
-        let tail = range.end.saturating_sub(range.start.max(self.total));
-        if tail > 0 {
-            parts.push(Tensor::zeros(tail, DType::F32, device)?);
-        }
-        Ok(Tensor::cat(&parts, 0)?)
-    }
-
-    /// The parameters back out of a flat (full, padded or not) vector.
-    pub fn unflatten(&self, flat: &Tensor) -> Result<BTreeMap<String, Tensor>> {
-        let mut out = BTreeMap::new();
-        for (name, shape, offset) in &self.entries {
-            out.insert(
-                name.clone(),
-                flat.narrow(0, *offset, shape.elem_count())?
-                    .reshape(shape)?,
-            );
-        }
-        Ok(out)
-    }
-
     /// 1 where weight decay applies (HF's rule per parameter), 0 elsewhere and in the padding.
     fn decay_mask(&self) -> Vec<f32> {
         self.per_element(|name| if decays(name) { 1.0 } else { 0.0 })
-    }
-
-    /// `value(name)` at every element of that parameter (0 in the padding), over the padded
-    /// vector.
-    pub(crate) fn per_element(&self, value: impl Fn(&str) -> f32) -> Vec<f32> {
-        let mut out = vec![0f32; self.padded];
-        for (name, shape, offset) in &self.entries {
-            let v = value(name);
-            out[*offset..*offset + shape.elem_count()]
-                .iter_mut()
-                .for_each(|x| *x = v);
-        }
-        out
     }
 
     /// Fresh AdamW state for the slice `range` whose master weights are `master` (f32).
@@ -222,7 +97,7 @@ impl FlatLayout {
 
     /// This rank's slice `range` as per-parameter pieces (SHARDED_STATE_DICT).
     pub(crate) fn pieces(&self, range: Range<usize>, state: &ParamState) -> Result<Vec<Piece>> {
-        sharded_state::flat_pieces(&self.entries, range, state)
+        sharded_state::flat_pieces(self.entries(), range, state)
     }
 
     /// Replaces `into`'s master and moments with the slice `range` read from a sharded
@@ -234,7 +109,7 @@ impl FlatLayout {
         into: &mut ParamState,
     ) -> Result<()> {
         let read =
-            |kind| sharded_state::read_flat_slice(reader, &self.entries, range.clone(), kind);
+            |kind| sharded_state::read_flat_slice(reader, self.entries(), range.clone(), kind);
         into.master = read(0)?.to_device(into.master.device())?;
         into.exp_avg = read(1)?.to_device(into.master.device())?;
         into.exp_avg_sq = read(2)?.to_device(into.master.device())?;
@@ -251,7 +126,7 @@ impl FlatLayout {
     ) -> Result<()> {
         let pick = |f: &dyn Fn(&ParamState) -> Tensor| -> Result<Tensor> {
             let mut map = BTreeMap::new();
-            for (name, _, _) in &self.entries {
+            for (name, _, _) in self.entries() {
                 let s = full.states.get(name).ok_or_else(|| Error::Config {
                     file: "optimizer state".into(),
                     key: name.clone(),

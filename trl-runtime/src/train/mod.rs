@@ -5,7 +5,6 @@ pub mod config;
 pub mod logging;
 mod plot;
 pub mod schedule;
-pub mod sharded_state;
 pub mod trainer;
 pub mod trl_keys;
 

@@ -11,7 +11,6 @@
 use super::checkpoint::{self, TrainerState};
 use super::config::SFTConfig;
 use super::schedule::{LrSchedule, SchedulerKind};
-use super::sharded_state::{self, ShardedReader};
 use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
@@ -23,9 +22,11 @@ use crate::data::{
 use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::models::{CausalModel, Llama, Model, Params};
+use crate::models::{CausalModel, Llama, Params};
 use crate::nn::AttentionImpl;
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use crate::parallel::sharded_state::{self, ShardedReader};
+use crate::parallel::Model;
 use crate::parallel::{
     batch_axes, parallelize, shard_axes, CheckpointFormat, Optimizer, ParallelOptions,
     Parallelized, Resume, Strategy, ZeroStage,

@@ -8,8 +8,8 @@
 //! asynchronously on the stream), so a tensor dropped right after a call stays valid for it.
 
 use super::library::{data_type, red_op, NcclCommHandle, NcclLibrary, UniqueId};
-use crate::comm::{Communicator, ReduceOp};
 use crate::comm::store::Store;
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Device, Shape, Storage, Tensor};

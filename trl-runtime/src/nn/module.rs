@@ -1,0 +1,356 @@
+//! The module trait every layer and model implements ([`Parallelize`], derived with
+//! `#[derive(Parallelize)]`): list its parameters under their HF names, split them over a
+//! tensor-parallel group, swap how each weight is held (FSDP units), and name its FSDP wrap
+//! units. It is what torch's `nn.Module` gives `named_parameters()` and DTensor's
+//! `parallelize_module` in one. The layers of this module implement it; `crate::tp` plans and
+//! applies the split, `crate::parallel` the sharding.
+
+use super::Weight;
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use candle_core::{Tensor, TensorId, Var};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// How one parameter is split over the tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpStyle {
+    Column { gather_output: bool },
+    Row,
+    Vocab,
+    Replicate,
+}
+
+impl TpStyle {
+    pub fn name(&self) -> &'static str {
+        match self {
+            TpStyle::Column { .. } => "column",
+            TpStyle::Row => "row",
+            TpStyle::Vocab => "vocab",
+            TpStyle::Replicate => "replicate",
+        }
+    }
+}
+
+/// Where a parameter sits in the plan: the style of its layer and the dimension split over
+/// the group (None: replicated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    pub style: TpStyle,
+    pub dim: Option<usize>,
+}
+
+impl Split {
+    pub const REPLICATED: Split = Split {
+        style: TpStyle::Replicate,
+        dim: None,
+    };
+}
+
+/// The tensor-parallel group a model is split over.
+pub struct TpContext {
+    comm: Arc<dyn Communicator>,
+    /// Slices already cut, by the full tensor and dimension, so that a weight shared by two
+    /// layers (tied embeddings) stays one parameter after splitting.
+    cut: Mutex<HashMap<(TensorId, usize), Tensor>>,
+}
+
+impl TpContext {
+    pub fn new(comm: Arc<dyn Communicator>) -> Self {
+        TpContext {
+            comm,
+            cut: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// This rank's equal slice of `t` along `dim`, as a new trainable variable.
+    pub fn shard(&self, name: &str, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let (start, len) = slice_range(name, t.dims(), dim, self.rank(), self.size())?;
+        let mut cut = self.cut.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(done) = cut.get(&(t.id(), dim)) {
+            return Ok(done.clone());
+        }
+        // A new variable copies only the elements the slice shows.
+        let slice = t.narrow(dim, start, len)?.detach();
+        let var = Var::from_tensor(&slice)?.as_tensor().clone();
+        cut.insert((t.id(), dim), var.clone());
+        Ok(var)
+    }
+
+    /// `count / tp`, for per-rank counts such as attention heads.
+    pub fn divide(&self, name: &str, count: usize) -> Result<usize> {
+        let n = self.size();
+        if !count.is_multiple_of(n) {
+            return Err(Error::TensorParallel {
+                name: name.into(),
+                message: format!(
+                    "{count} is not divisible by tp = {n}: each rank must get the same number \
+                     (for attention heads, pick a tp size that divides both the query and the \
+                     key/value head counts)"
+                ),
+            });
+        }
+        Ok(count / n)
+    }
+}
+
+/// Where rank `rank`'s slice of dimension `dim` of `shape` starts and how long it is, when
+/// that dimension splits into `parts` equal slices; else an error naming tensor `name`.
+pub fn slice_range(
+    name: &str,
+    shape: &[usize],
+    dim: usize,
+    rank: usize,
+    parts: usize,
+) -> Result<(usize, usize)> {
+    let full = shape[dim];
+    if !full.is_multiple_of(parts) {
+        return Err(Error::TensorParallel {
+            name: name.into(),
+            message: format!(
+                "dimension {dim} has size {full}, which is not divisible by tp = {parts} \
+                 (shape {shape:?}); choose a tp size that divides it"
+            ),
+        });
+    }
+    let len = full / parts;
+    Ok((rank * len, len))
+}
+
+/// `name.segment`, or `segment` at the top.
+pub fn child_name(name: &str, segment: &str) -> String {
+    if name.is_empty() {
+        segment.to_string()
+    } else {
+        format!("{name}.{segment}")
+    }
+}
+
+/// A model (or part of one) that can be split over a tensor-parallel group and whose
+/// parameters can be listed. Derive it with `#[derive(Parallelize)]`; the layers of
+/// [`crate::nn`], `Vec`, `Option`, `Box`, trainable `Tensor`s and plain numbers implement it.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not implement `Parallelize`, so #[derive(Parallelize)] cannot visit it",
+    label = "this field's type holds no known parameters",
+    note = "layers: use trl_runtime::nn::{{Linear, Embedding, RmsNorm}} (drop-in for candle_nn's)",
+    note = "your own module types: add #[derive(Parallelize)] to them",
+    note = "fields without parameters (rotary tables, configs, activations): mark them #[parallel(skip)]"
+)]
+pub trait Parallelize {
+    /// Whether every value of this type is one FSDP wrap unit (`#[parallel(fsdp_unit)]` on
+    /// the struct).
+    const FSDP_UNIT: bool = false;
+
+    /// Splits the annotated layers inside for this rank of `tp`; `name` is this value's HF name.
+    /// Nothing to do for what is replicated (the default).
+    fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
+        let _ = (name, tp);
+        Ok(())
+    }
+
+    /// Calls `f` with every parameter's HF name, tensor and split.
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split));
+
+    /// Calls `f` with every parameter slot, to swap how it is held (FSDP wraps them). None by
+    /// default (plain values, bare tensors).
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
+    ) -> Result<()> {
+        let _ = (name, f);
+        Ok(())
+    }
+
+    /// Calls `f` with the name of every FSDP wrap unit inside, in forward (field) order.
+    fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
+        let _ = (name, f);
+    }
+
+    /// This value as a wrap unit (a field marked `#[parallel(fsdp_unit)]`): itself, or for a
+    /// `Vec` each element.
+    fn visit_as_unit(&self, name: &str, f: &mut dyn FnMut(&str)) {
+        f(name)
+    }
+}
+
+/// A layer whose parameters can be split as `style` (implemented by [`crate::nn::Linear`]
+/// and [`crate::nn::Embedding`]).
+pub trait TpLayer {
+    fn shard(&mut self, name: &str, style: TpStyle, tp: &TpContext) -> Result<()>;
+    /// The split of each parameter under `style` (before or after sharding).
+    fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split));
+}
+
+/// Layers that can be column-parallel (output features split).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be column-parallel",
+    label = "#[parallel(tp = \"column\")] needs a linear layer",
+    note = "column parallelism splits a weight's output features: it applies to trl_runtime::nn::Linear \
+            (swap `candle_nn::Linear` for it; the constructor is the same)"
+)]
+pub trait ColumnParallel: TpLayer {}
+
+/// Layers that can be row-parallel (input features split, outputs summed over the group).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be row-parallel",
+    label = "#[parallel(tp = \"row\")] needs a linear layer",
+    note = "row parallelism splits a weight's input features and sums the partial outputs: it \
+            applies to trl_runtime::nn::Linear (swap `candle_nn::Linear` for it)"
+)]
+pub trait RowParallel: TpLayer {}
+
+/// Layers that can be vocab-parallel (vocabulary rows split).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be vocab-parallel",
+    label = "#[parallel(tp = \"vocab\")] needs an embedding or an LM head",
+    note = "vocab parallelism splits the vocabulary rows: it applies to trl_runtime::nn::Embedding \
+            (masked lookup) and to an LM head trl_runtime::nn::Linear (vocabulary-sharded logits)"
+)]
+pub trait VocabParallel: TpLayer {}
+
+/// Counts split over the group (`#[parallel(tp = "divide")]`).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be divided by the tp size",
+    label = "#[parallel(tp = \"divide\")] needs an integer count",
+    note = "`divide` is for counts such as attention heads (usize, u32, ...)"
+)]
+pub trait DividedByTp {
+    fn divide(&mut self, name: &str, tp: &TpContext) -> Result<()>;
+}
+
+macro_rules! counts {
+    ($($t:ty),*) => {$(
+        impl DividedByTp for $t {
+            fn divide(&mut self, name: &str, tp: &TpContext) -> Result<()> {
+                *self = tp.divide(name, *self as usize)? as $t;
+                Ok(())
+            }
+        }
+    )*};
+}
+counts!(usize, u32, u64, i32, i64);
+
+/// Plain values hold no parameters.
+macro_rules! no_params {
+    ($($t:ty),*) => {$(
+        impl Parallelize for $t {
+            fn visit_params(&self, _: &str, _: &mut dyn FnMut(&str, &Tensor, Split)) {}
+        }
+    )*};
+}
+no_params!(usize, u32, u64, i32, i64, f32, f64, bool, String);
+
+/// A `Tensor` field is a parameter when it is trainable (a `Var`), else a buffer.
+impl Parallelize for Tensor {
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        if self.is_variable() {
+            f(name, self, Split::REPLICATED)
+        }
+    }
+}
+
+/// Elements are named by index (`layers.0`, `layers.1`, ...), as in HF checkpoints.
+impl<T: Parallelize> Parallelize for Vec<T> {
+    fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
+        for (i, x) in self.iter_mut().enumerate() {
+            x.parallelize(&child_name(name, &i.to_string()), tp)?;
+        }
+        Ok(())
+    }
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        for (i, x) in self.iter().enumerate() {
+            x.visit_params(&child_name(name, &i.to_string()), f);
+        }
+    }
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
+    ) -> Result<()> {
+        for (i, x) in self.iter_mut().enumerate() {
+            x.visit_weights_mut(&child_name(name, &i.to_string()), f)?;
+        }
+        Ok(())
+    }
+    fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
+        for (i, x) in self.iter().enumerate() {
+            let n = child_name(name, &i.to_string());
+            if T::FSDP_UNIT {
+                f(&n)
+            } else {
+                x.visit_units(&n, f)
+            }
+        }
+    }
+    fn visit_as_unit(&self, name: &str, f: &mut dyn FnMut(&str)) {
+        for i in 0..self.len() {
+            f(&child_name(name, &i.to_string()))
+        }
+    }
+}
+
+impl<T: Parallelize> Parallelize for Option<T> {
+    fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
+        match self {
+            Some(x) => x.parallelize(name, tp),
+            None => Ok(()),
+        }
+    }
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        if let Some(x) = self {
+            x.visit_params(name, f)
+        }
+    }
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            Some(x) => x.visit_weights_mut(name, f),
+            None => Ok(()),
+        }
+    }
+    fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
+        if let Some(x) = self {
+            if T::FSDP_UNIT {
+                f(name)
+            } else {
+                x.visit_units(name, f)
+            }
+        }
+    }
+}
+
+impl<T: Parallelize> Parallelize for Box<T> {
+    const FSDP_UNIT: bool = T::FSDP_UNIT;
+    fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
+        (**self).parallelize(name, tp)
+    }
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+        (**self).visit_params(name, f)
+    }
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
+    ) -> Result<()> {
+        (**self).visit_weights_mut(name, f)
+    }
+    fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
+        (**self).visit_units(name, f)
+    }
+}

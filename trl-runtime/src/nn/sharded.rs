@@ -1,0 +1,525 @@
+//! The layer side of ZeRO-3 / FSDP: a weight held as a slot of a wrap unit, a flat
+//! parameter vector sharded over the data-parallel group whose full value exists only while
+//! the layers using it run. `crate::parallel::fsdp` cuts a model into units and steps their
+//! optimizer; this module is what the layers call.
+//!
+//! The layers that use a unit's parameters (linear, norm scale, embedding lookup) run as custom
+//! ops. Forward: the unit's flat parameters are all-gathered when the unit starts and freed when
+//! it ends; each op computes from a detached input, so Candle's graph never holds a gathered
+//! weight, only activations. Backward: the unit's first op gathers the parameters again, every
+//! op accumulates its weight gradients in the unit (beside Candle's gradient store), and once
+//! the unit's last op has run the gradients are reduce-scattered into this rank's slice and the
+//! gathered parameters freed.
+
+use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
+use crate::error::{Error, Result};
+use crate::precomputed::Precomputed;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+/// Where each parameter lives in the flat vector.
+#[derive(Debug, Clone)]
+pub struct FlatLayout {
+    entries: Vec<(String, Shape, usize)>,
+    total: usize,
+    padded: usize,
+}
+
+impl FlatLayout {
+    /// Parameters in the given order, end to end, padded to a multiple of `world`.
+    pub fn from_shapes(shapes: impl IntoIterator<Item = (String, Shape)>, world: usize) -> Self {
+        let mut entries = Vec::new();
+        let mut offset = 0;
+        for (name, shape) in shapes {
+            let n = shape.elem_count();
+            entries.push((name, shape, offset));
+            offset += n;
+        }
+        FlatLayout {
+            entries,
+            total: offset,
+            padded: offset.div_ceil(world) * world,
+        }
+    }
+
+    /// (name, shape, offset in the flat vector) of every parameter.
+    pub fn entries(&self) -> &[(String, Shape, usize)] {
+        &self.entries
+    }
+
+    /// Elements with the padding that makes the vector split evenly.
+    pub fn padded(&self) -> usize {
+        self.padded
+    }
+
+    pub fn shard(&self, rank: usize, world: usize) -> Range<usize> {
+        let n = self.padded / world;
+        rank * n..(rank + 1) * n
+    }
+
+    /// The tensors of `map` (by parameter name) end to end in f32, zero-padded.
+    pub fn flatten(&self, map: &BTreeMap<String, Tensor>) -> Result<Tensor> {
+        let ordered = self
+            .entries
+            .iter()
+            .map(|(name, _, _)| {
+                map.get(name).ok_or_else(|| {
+                    Error::Candle(candle_core::Error::Msg(format!("no tensor for {name}")))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.flatten_ordered(&ordered)
+    }
+
+    /// One tensor per entry, in the layout's order, end to end in f32, zero-padded.
+    pub fn flatten_ordered(&self, tensors: &[&Tensor]) -> Result<Tensor> {
+        let mut parts = Vec::with_capacity(self.entries.len() + 1);
+        for ((name, shape, _), t) in self.entries.iter().zip(tensors) {
+            if t.shape() != shape {
+                return Err(Error::Candle(candle_core::Error::Msg(format!(
+                    "{name}: shape {:?}, expected {shape:?}",
+                    t.shape()
+                ))));
+            }
+            parts.push(t.to_dtype(DType::F32)?.flatten_all()?);
+        }
+        let device = parts
+            .first()
+            .map(|t| t.device().clone())
+            .unwrap_or(candle_core::Device::Cpu);
+        if self.padded > self.total {
+            parts.push(Tensor::zeros(
+                self.padded - self.total,
+                DType::F32,
+                &device,
+            )?);
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// Elements `range` of the flat vector, reading each parameter's overlapping part
+    /// through `read` (name, first element, count) and zeros for the padding, in f32.
+    pub fn read_range(
+        &self,
+        range: Range<usize>,
+        read: &dyn Fn(&str, usize, usize) -> Result<Tensor>,
+        device: &candle_core::Device,
+    ) -> Result<Tensor> {
+        let mut parts = Vec::new();
+        for (name, shape, offset) in &self.entries {
+            let (start, end) = (*offset, offset + shape.elem_count());
+            let (a, b) = (range.start.max(start), range.end.min(end));
+            if a < b {
+                parts.push(read(name, a - start, b - a)?.to_dtype(DType::F32)?);
+            }
+        }
+        let tail = range.end.saturating_sub(range.start.max(self.total));
+        if tail > 0 {
+            parts.push(Tensor::zeros(tail, DType::F32, device)?);
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// The parameters back out of a flat (full, padded or not) vector.
+    pub fn unflatten(&self, flat: &Tensor) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for (name, shape, offset) in &self.entries {
+            out.insert(
+                name.clone(),
+                flat.narrow(0, *offset, shape.elem_count())?
+                    .reshape(shape)?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// `value(name)` at every element of that parameter (0 in the padding), over the padded
+    /// vector.
+    pub fn per_element(&self, value: impl Fn(&str) -> f32) -> Vec<f32> {
+        let mut out = vec![0f32; self.padded];
+        for (name, shape, offset) in &self.entries {
+            let v = value(name);
+            out[*offset..*offset + shape.elem_count()]
+                .iter_mut()
+                .for_each(|x| *x = v);
+        }
+        out
+    }
+}
+
+pub(crate) struct UnitState {
+    /// This rank's slice of the flat parameters, in the model dtype.
+    pub(crate) shard: Tensor,
+    /// The gathered flat parameters while the unit is in use.
+    pub(crate) full: Option<Tensor>,
+    /// An all-gather started ahead of use (prefetch).
+    pub(crate) gathering: Option<Pending>,
+    /// Ops applied in this forward whose backward has not run yet.
+    pub(crate) pending: usize,
+    /// Full gradients per entry, accumulated during this backward.
+    pub(crate) grads: Vec<Option<Tensor>>,
+    /// This rank's reduced gradient slice (f32), summed over micro-batches until the step.
+    pub(crate) grad_shard: Option<Tensor>,
+    /// A reduce-scatter still running; added to `grad_shard` when waited.
+    pub(crate) reducing: Option<Pending>,
+    /// Set by the unit's first op in backward.
+    pub(crate) in_backward: bool,
+}
+
+/// One wrap unit: a flat parameter vector sharded over `comm`.
+pub struct Unit {
+    pub name: String,
+    pub layout: FlatLayout,
+    /// Runs the unit's collectives during forward and backward (shared by the model's units).
+    pub(crate) queue: Arc<CommQueue>,
+    /// The unit whose backward follows this one's: the previous layer unit, or for the root
+    /// (whose LM head runs first in backward) the last layer unit.
+    pub(crate) backward_next: OnceLock<Weak<Unit>>,
+    /// The root unit is not freed after its forward.
+    pub(crate) keep_gathered: bool,
+    /// A one-element variable the embedding op hangs off, so that Candle's backward reaches
+    /// the unit ops even though no parameter is a `Var`.
+    pub(crate) anchor: Var,
+    pub(crate) state: Mutex<UnitState>,
+}
+
+fn failed(e: Error) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+impl Unit {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, UnitState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn start_gather(&self, st: &UnitState) -> Pending {
+        let shard = st.shard.clone();
+        self.queue.submit(move |c| c.all_gather(&shard, 0))
+    }
+
+    /// The gathered flat parameters, waiting for a prefetch or gathering now.
+    pub(crate) fn gathered(&self, st: &mut UnitState) -> Result<Tensor> {
+        if let Some(full) = &st.full {
+            return Ok(full.clone());
+        }
+        let pending = match st.gathering.take() {
+            Some(p) => p,
+            None => self.start_gather(st),
+        };
+        let full = pending.wait()?;
+        st.full = Some(full.clone());
+        Ok(full)
+    }
+
+    /// Starts gathering this unit in the background unless it is gathered or on its way.
+    pub(crate) fn prefetch(&self) {
+        let mut st = self.lock();
+        if st.full.is_none() && st.gathering.is_none() {
+            st.gathering = Some(self.start_gather(&st));
+        }
+    }
+
+    /// Called by each backward op once it has its parameters: the unit's first one starts
+    /// gathering the unit whose backward runs next.
+    pub(crate) fn backward_began(&self) {
+        let first = !std::mem::replace(&mut self.lock().in_backward, true);
+        if first {
+            if let Some(next) = self.backward_next.get().and_then(Weak::upgrade) {
+                next.prefetch();
+            }
+        }
+    }
+
+    /// The full value of entry `i` (gathering the unit if it is not).
+    pub(crate) fn weight(&self, i: usize) -> Result<Tensor> {
+        let mut st = self.lock();
+        let full = self.gathered(&mut st)?;
+        drop(st);
+        let (_, shape, offset) = &self.layout.entries()[i];
+        Ok(full
+            .narrow(0, *offset, shape.elem_count())?
+            .reshape(shape)?)
+    }
+
+    /// Starts this unit's forward: its parameters are gathered until `UnitScope` drops.
+    pub fn enter(&self) -> Result<UnitScope<'_>> {
+        let mut st = self.lock();
+        self.gathered(&mut st)?;
+        Ok(UnitScope(self))
+    }
+
+    /// Clears what a previous forward left (an evaluation forward has no backward).
+    pub(crate) fn reset(&self) -> Result<()> {
+        let mut st = self.lock();
+        st.full = None;
+        if let Some(p) = st.gathering.take() {
+            p.wait()?;
+        }
+        st.pending = 0;
+        st.in_backward = false;
+        st.grads.iter_mut().for_each(|g| *g = None);
+        Ok(())
+    }
+
+    /// Adds gradients of one op's entries; after the unit's last op, reduce-scatters.
+    pub(crate) fn deposit(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
+        let mut st = self.lock();
+        for (i, g) in grads {
+            st.grads[i] = Some(match st.grads[i].take() {
+                Some(prev) => (prev + g)?,
+                None => g,
+            });
+        }
+        st.pending = st.pending.saturating_sub(1);
+        if st.pending == 0 {
+            self.finish(&mut st)?;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters the unit's full gradients into the slice this rank keeps.
+    pub(crate) fn finish(&self, st: &mut UnitState) -> Result<()> {
+        let device = st.shard.device().clone();
+        let grads = self
+            .layout
+            .entries()
+            .iter()
+            .zip(st.grads.iter_mut())
+            .map(|((_, shape, _), g)| match g.take() {
+                Some(g) => Ok(g),
+                None => Tensor::zeros(shape, DType::F32, &device),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        st.full = None;
+        let flat = self
+            .layout
+            .flatten_ordered(&grads.iter().collect::<Vec<_>>())?;
+        drop(grads);
+        Self::collect_reduced(st)?;
+        st.reducing = Some(
+            self.queue
+                .submit(move |c| c.reduce_scatter(&flat, 0, ReduceOp::Sum)),
+        );
+        Ok(())
+    }
+
+    /// Waits for a running reduce-scatter and adds its slice to the step's gradient.
+    pub(crate) fn collect_reduced(st: &mut UnitState) -> Result<()> {
+        if let Some(p) = st.reducing.take() {
+            let mine = p.wait()?;
+            st.grad_shard = Some(match st.grad_shard.take() {
+                Some(prev) => (prev + mine)?,
+                None => mine,
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn comm(&self) -> &Arc<dyn Communicator> {
+        self.queue.comm()
+    }
+
+    /// The range of the flat vector this rank holds.
+    pub(crate) fn range(&self) -> std::ops::Range<usize> {
+        self.layout.shard(self.comm().rank(), self.comm().size())
+    }
+
+    pub(crate) fn shard_elems(&self) -> usize {
+        self.layout.padded() / self.comm().size()
+    }
+}
+
+/// Frees the unit's gathered parameters when its forward ends (not for the root).
+pub struct UnitScope<'a>(pub(crate) &'a Unit);
+
+impl Drop for UnitScope<'_> {
+    fn drop(&mut self) {
+        if !self.0.keep_gathered {
+            self.0.lock().full = None;
+        }
+    }
+}
+
+/// A parameter's place in a unit.
+#[derive(Clone)]
+pub struct ShardedWeight {
+    pub(crate) unit: Arc<Unit>,
+    pub(crate) entry: usize,
+}
+
+impl ShardedWeight {
+    pub fn dims(&self) -> &[usize] {
+        self.unit.layout.entries()[self.entry].1.dims()
+    }
+
+    /// The compute dtype (the unit's).
+    pub fn dtype(&self) -> DType {
+        self.unit.lock().shard.dtype()
+    }
+}
+
+enum OpKind {
+    Linear { weight: usize, bias: Option<usize> },
+    Scale { weight: usize },
+    Bias { weight: usize },
+    Embedding { weight: usize, ids: Tensor },
+}
+
+/// A layer computation on a unit's parameters whose backward fetches them again.
+struct UnitOp {
+    unit: Arc<Unit>,
+    kind: OpKind,
+    /// The forward result, computed outside the op from detached inputs (taken by `cpu_fwd`).
+    out: Precomputed,
+}
+
+impl CustomOp1 for UnitOp {
+    fn name(&self) -> &'static str {
+        "fsdp-unit-op"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.out.take("an fsdp unit op")
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.out.take_cuda("an fsdp unit op")
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let unit = &self.unit;
+        let fetch = |i: usize| {
+            let w = unit.weight(i).map_err(failed)?;
+            unit.backward_began();
+            Ok::<_, candle_core::Error>(w)
+        };
+        let (dx, grads) = match &self.kind {
+            OpKind::Linear { weight, bias } => {
+                let w = fetch(*weight)?;
+                let (out, inner) = w.dims2()?;
+                let rows = arg.elem_count() / inner;
+                let g2 = grad.reshape((rows, out))?;
+                let dx = g2.matmul(&w)?.reshape(arg.shape())?;
+                let dw = g2.t()?.matmul(&arg.reshape((rows, inner))?)?;
+                let mut grads = vec![(*weight, dw)];
+                if let Some(b) = bias {
+                    grads.push((*b, g2.sum(0)?));
+                }
+                (dx, grads)
+            }
+            OpKind::Scale { weight } => {
+                let w = fetch(*weight)?;
+                let h = w.elem_count();
+                let dx = grad.broadcast_mul(&w)?;
+                let dw = (grad * arg)?.reshape(((), h))?.sum(0)?;
+                (dx, vec![(*weight, dw)])
+            }
+            OpKind::Bias { weight } => {
+                let b = fetch(*weight)?;
+                let db = grad.reshape(((), b.elem_count()))?.sum(0)?;
+                (grad.clone(), vec![(*weight, db)])
+            }
+            OpKind::Embedding { weight, ids } => {
+                unit.backward_began();
+                let shape = unit.layout.entries()[*weight].1.clone();
+                let h = shape.dims()[1];
+                let g2 = grad.reshape(((), h))?;
+                let dw = Tensor::zeros(&shape, g2.dtype(), g2.device())?.index_add(ids, &g2, 0)?;
+                (arg.zeros_like()?, vec![(*weight, dw)])
+            }
+        };
+        unit.deposit(grads).map_err(failed)?;
+        Ok(Some(dx))
+    }
+}
+
+thread_local! {
+    /// Set while activation checkpointing recomputes a layer in backward.
+    static RECOMPUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (a layer recomputed in backward by activation checkpointing): its unit ops were
+/// counted when the layer first ran, and their backward passes are the ones that count down.
+pub fn recomputing<T>(f: impl FnOnce() -> T) -> T {
+    let before = RECOMPUTING.with(|r| r.replace(true));
+    let out = f();
+    RECOMPUTING.with(|r| r.set(before));
+    out
+}
+
+fn apply(arg: &Tensor, unit: &Arc<Unit>, kind: OpKind, y: Tensor) -> candle_core::Result<Tensor> {
+    if !RECOMPUTING.with(|r| r.get()) {
+        unit.lock().pending += 1;
+    }
+    arg.apply_op1(UnitOp {
+        unit: unit.clone(),
+        kind,
+        out: Precomputed::new(y),
+    })
+}
+
+fn same_unit(w: &ShardedWeight, b: &ShardedWeight) -> candle_core::Result<()> {
+    if !Arc::ptr_eq(&w.unit, &b.unit) {
+        candle_core::bail!("a layer's weight and bias must be in the same wrap unit");
+    }
+    Ok(())
+}
+
+/// `x W^T + b` on a unit's parameters.
+pub fn linear(
+    x: &Tensor,
+    w: &ShardedWeight,
+    b: Option<&ShardedWeight>,
+) -> candle_core::Result<Tensor> {
+    let weight = w.unit.weight(w.entry).map_err(failed)?;
+    let bias = match b {
+        Some(b) => {
+            same_unit(w, b)?;
+            Some(b.unit.weight(b.entry).map_err(failed)?)
+        }
+        None => None,
+    };
+    let y = crate::nn::linear::local_linear(&x.detach(), &weight, bias.as_ref())?;
+    let kind = OpKind::Linear {
+        weight: w.entry,
+        bias: b.map(|b| b.entry),
+    };
+    apply(x, &w.unit, kind, y)
+}
+
+/// `x * w` broadcast over the last dimension (a norm's weight).
+pub fn scale(x: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
+    let weight = w.unit.weight(w.entry).map_err(failed)?;
+    let y = x.detach().broadcast_mul(&weight)?;
+    apply(x, &w.unit, OpKind::Scale { weight: w.entry }, y)
+}
+
+/// `x + b` broadcast over the last dimension (a row-parallel layer's bias, added after the
+/// tensor-parallel sum).
+pub fn add_bias(x: &Tensor, b: &ShardedWeight) -> candle_core::Result<Tensor> {
+    let bias = b.unit.weight(b.entry).map_err(failed)?;
+    let y = x.detach().broadcast_add(&bias)?;
+    apply(x, &b.unit, OpKind::Bias { weight: b.entry }, y)
+}
+
+/// Rows `ids` (u32, flat) of an embedding table: [n, hidden].
+pub fn embedding(ids: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
+    let table = w.unit.weight(w.entry).map_err(failed)?;
+    let y = table.index_select(ids, 0)?;
+    let kind = OpKind::Embedding {
+        weight: w.entry,
+        ids: ids.clone(),
+    };
+    apply(w.unit.anchor.as_tensor(), &w.unit, kind, y)
+}

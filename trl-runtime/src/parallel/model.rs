@@ -1,0 +1,784 @@
+//! A [`CausalModel`] with the strategies applied to it: [`Model`] holds the network and the
+//! state `parallelize` attaches (tensor-parallel group, sequence split, ZeRO-3 / FSDP units,
+//! activation checkpointing) and runs the forward itself, layer by layer, so that it can
+//! gather a layer's FSDP unit before the layer and free it after, and recompute a layer in
+//! backward. The user's model stays a plain model and never calls a hook.
+
+use super::checkpointing::{Checkpointing, Layers};
+use super::fsdp::{shard_model, shard_model_reading};
+use super::{Prefetch, ShardedModel, WrapPolicy};
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::models::params::{Params, WeightFiles, CONFIG_FILE};
+use crate::models::{CausalModel, LayerInputs, Llama, ModelConfig};
+use crate::nn::loss::{cross_entropy_sum, shift_labels};
+use crate::nn::seq_attention::SeqSplit;
+use crate::nn::Weight;
+use crate::nn::{tiled_linear_cross_entropy, AttentionImpl, LossSum};
+use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::VarBuilder;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+/// A model `N` with what the strategies attach to it. `parallel::parallelize` sets it up;
+/// the trainer runs it.
+pub struct Model<N: CausalModel> {
+    pub config: N::Config,
+    /// `config.json` as read (written back unchanged into checkpoints).
+    config_json: String,
+    /// Every parameter's full shape by HF name (before any split).
+    shapes: BTreeMap<String, Vec<usize>>,
+    net: Arc<N>,
+    /// The parameters this rank holds whole (its tensor-parallel slices under tp; empty when
+    /// they are sharded by ZeRO-3 / FSDP).
+    pub params: Params,
+    /// The wrap units when parameters are sharded (ZeRO-3 / FSDP).
+    pub sharding: Option<Arc<ShardedModel>>,
+    /// The tensor-parallel group once split (logits are then split over the vocabulary).
+    tp: Option<Arc<dyn Communicator>>,
+    /// The split of every parameter, recorded when split (the weights may be sharded later).
+    tp_plan: Vec<PlanEntry>,
+    /// How sequences are split (Ulysses over sp: inputs are this rank's chunk; ring over cp:
+    /// its two balanced chunks).
+    split: Option<SeqSplit>,
+    /// How attention is computed (transformers' attn_implementation).
+    pub attention: AttentionImpl,
+    /// Fuse the LM head with the loss in sequence tiles ([`Self::forward_targets`]).
+    pub tiled_loss: bool,
+    /// Compute the MLPs in sequence tiles, recomputed in backward (ALST's TiledMLP).
+    pub tiled_mlp: bool,
+    /// Recompute each layer in backward, keeping only its input (activation checkpointing;
+    /// see [`Self::backward`]).
+    pub checkpointing: Option<Arc<Checkpointing>>,
+}
+
+fn config_error(source: &str, message: String) -> Error {
+    Error::Config {
+        file: source.into(),
+        key: "<model>".into(),
+        message,
+    }
+}
+
+impl<N: CausalModel> Model<N> {
+    /// Builds `N` from `config.json`'s text with the tensors `backend` hands out, then makes
+    /// every weight a trainable variable (a weight shared by two layers stays one).
+    fn build(
+        config_json: String,
+        source: &str,
+        backend: Box<dyn SimpleBackend>,
+        (dtype, device): (DType, &Device),
+    ) -> Result<Self> {
+        let config = N::parse_config(&config_json, source)?;
+        let recorder = Arc::new(Recorder {
+            inner: backend,
+            asked: Mutex::default(),
+        });
+        // Models read the VarBuilder's dtype and device for their own tables (rotary).
+        let vb =
+            VarBuilder::from_backend(Box::new(Recording(recorder.clone())), dtype, device.clone());
+        let mut net = N::new(&config, vb)
+            .map_err(|e| config_error(source, format!("the model cannot be built from it: {e}")))?;
+        // The names the model was loaded under must be the names it is saved under.
+        let asked = std::mem::take(&mut *recorder.asked.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut visited = HashSet::new();
+        let mut shapes = BTreeMap::new();
+        let mut seen = HashSet::new();
+        net.visit_params("", &mut |name, t, _| {
+            visited.insert(name.to_string());
+            if seen.insert(t.id()) {
+                shapes.insert(name.to_string(), t.dims().to_vec());
+            }
+        });
+        if let Some(name) = asked.iter().find(|n| !visited.contains(*n)) {
+            let mut names: Vec<&String> = visited.iter().collect();
+            names.sort();
+            return Err(Error::TensorParallel {
+                name: name.clone(),
+                message: format!(
+                    "loaded through the VarBuilder but #[derive(Parallelize)] names no field so \
+                     (it names {} parameters, e.g. {:?}): give the field \
+                     #[parallel(name = \"...\")] with its HF path, or mark a field that is not a \
+                     parameter #[parallel(skip)]",
+                    names.len(),
+                    names.iter().take(3).collect::<Vec<_>>()
+                ),
+            });
+        }
+        crate::tp::make_variables(&mut net)?;
+        let params = crate::tp::named_parameters(&net)?;
+        Ok(Model {
+            config,
+            config_json,
+            shapes,
+            net: Arc::new(net),
+            params,
+            sharding: None,
+            tp: None,
+            tp_plan: Vec::new(),
+            split: None,
+            attention: AttentionImpl::default(),
+            tiled_loss: false,
+            tiled_mlp: false,
+            checkpointing: None,
+        })
+    }
+
+    /// The model of `config_json` over `params` (whose tensors it shares: optimizer updates
+    /// are seen).
+    pub fn with_params(config_json: String, params: Params) -> Result<Self> {
+        let tensors: HashMap<String, Tensor> = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let (dtype, device) = tensors
+            .values()
+            .next()
+            .map_or((DType::F32, Device::Cpu), |t| {
+                (t.dtype(), t.device().clone())
+            });
+        Self::build(
+            config_json,
+            "config.json",
+            Box::new(TensorsBackend { tensors }),
+            (dtype, &device),
+        )
+    }
+
+    /// Loads `config.json` and the weights from an HF checkpoint directory: every parameter
+    /// the model asks for present with its shape, nothing unexpected in the files.
+    pub fn from_pretrained(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let (json, source) = read_config(dir)?;
+        let files = Arc::new(WeightFiles::open(dir)?);
+        let backend = FilesBackend {
+            files: files.clone(),
+            dtype,
+            device: device.clone(),
+        };
+        let model = Self::build(json, &source, Box::new(backend), (dtype, device))?;
+        files.check(&model.shapes, &model.aliases())?;
+        Ok(model)
+    }
+
+    /// The model's structure without its values: every weight is a view of one zero at its
+    /// full shape (nothing full-size is allocated). For plans, and for loading slices into.
+    pub fn skeleton_of(config_json: String, dtype: DType, device: &Device) -> Result<Self> {
+        Self::skeleton_with(config_json, dtype, device, None)
+    }
+
+    /// A skeleton of the checkpoint in `dir` (its config; its tensor names answer the
+    /// model's `vb.contains_tensor`).
+    pub fn skeleton_for(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let (json, _) = read_config(dir)?;
+        let files = Arc::new(WeightFiles::open(dir)?);
+        let model = Self::skeleton_with(json, dtype, device, Some(files.clone()))?;
+        files.check(&model.shapes, &model.aliases())?;
+        Ok(model)
+    }
+
+    fn skeleton_with(
+        config_json: String,
+        dtype: DType,
+        device: &Device,
+        files: Option<Arc<WeightFiles>>,
+    ) -> Result<Self> {
+        let zero = Tensor::zeros((), dtype, device)?;
+        let backend = ZerosBackend { zero, files };
+        Self::build(
+            config_json,
+            "config.json",
+            Box::new(backend),
+            (dtype, device),
+        )
+    }
+
+    /// Names a tied weight is also visited under (an LM head sharing the embedding).
+    fn aliases(&self) -> HashSet<String> {
+        let mut all = HashSet::new();
+        self.net.visit_params("", &mut |name, _, _| {
+            all.insert(name.to_string());
+        });
+        all.retain(|n| !self.shapes.contains_key(n));
+        all
+    }
+
+    /// Loads an HF checkpoint directory split over `tp`: each rank reads only its slices of
+    /// the split tensors from the safetensors files (and the replicated ones whole), so no rank
+    /// ever holds the full model. A dimension or head count the group size does not divide is
+    /// an error naming the tensor.
+    pub fn from_pretrained_split(
+        dir: impl AsRef<Path>,
+        dtype: DType,
+        device: &Device,
+        tp: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        if tp.size() == 1 {
+            return Self::from_pretrained(dir, dtype, device);
+        }
+        let dir = dir.as_ref();
+        let files = WeightFiles::open(dir)?;
+        // Splitting the skeleton allocates only this rank's slices, then filled from the files.
+        let mut model = Self::skeleton_for(dir, dtype, device)?;
+        model.parallelize(tp.clone())?;
+        for entry in &model.tp_plan {
+            let value = match entry.split.dim {
+                Some(d) => files.load_part(&entry.name, d, tp.rank(), tp.size(), dtype, device)?,
+                None => files.load(&entry.name, dtype, device)?,
+            };
+            model
+                .params
+                .get(&entry.name)
+                .expect("planned")
+                .set(&value)?;
+        }
+        Ok(model)
+    }
+
+    /// `config.json` as read.
+    pub fn config_json(&self) -> &str {
+        &self.config_json
+    }
+
+    /// Every parameter's full shape by HF name (tied weights once).
+    pub fn parameter_shapes(&self) -> &BTreeMap<String, Vec<usize>> {
+        &self.shapes
+    }
+
+    /// The network itself.
+    pub fn net(&self) -> &N {
+        &self.net
+    }
+
+    fn net_mut(&mut self) -> Result<&mut N> {
+        Arc::get_mut(&mut self.net).ok_or_else(|| {
+            Error::Parallelism(
+                "the model is still in use by a forward: set it up before running it".into(),
+            )
+        })
+    }
+
+    /// Shards the parameters (this rank's tensor-parallel slices, if split) over `comm` in
+    /// wrap units for ZeRO-3 / FSDP: one per `#[parallel(fsdp_unit)]` layer, grouped by
+    /// `policy`, plus the root. `params` is emptied; the units hold the values.
+    pub fn shard(
+        &mut self,
+        policy: WrapPolicy,
+        prefetch: Prefetch,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<()> {
+        self.check_units(policy)?;
+        // The layers' weights are swapped for unit slots; these handles would keep the full
+        // tensors alive.
+        self.params = Params::default();
+        let sharding = shard_model(self.net_mut()?, policy, prefetch, comm)?;
+        self.sharding = Some(sharding);
+        Ok(())
+    }
+
+    /// Shards a skeleton over `comm` in ZeRO-3 / FSDP units read straight from the
+    /// checkpoint in `dir`: each rank reads only its slice of every unit, so no rank ever
+    /// holds the whole model (FSDP's cpu_ram_efficient_loading, DeepSpeed's zero3_init). The
+    /// same units and values as loading the model whole and calling [`Self::shard`].
+    pub fn shard_reading(
+        &mut self,
+        dir: impl AsRef<Path>,
+        policy: WrapPolicy,
+        prefetch: Prefetch,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<()> {
+        self.check_units(policy)?;
+        let files = WeightFiles::open(dir.as_ref())?;
+        files.check(&self.shapes, &self.aliases())?;
+        let Weight::Local(embed) = &self.net.lm_head().weight else {
+            return Err(Error::TensorParallel {
+                name: "model".into(),
+                message: "the model is already sharded".into(),
+            });
+        };
+        let (dtype, device) = (embed.dtype(), embed.device().clone());
+        let shapes = self
+            .shapes
+            .iter()
+            .map(|(n, s)| (n.clone(), Shape::from(s.clone())))
+            .collect();
+        let read = |name: &str, start: usize, len: usize| {
+            files.load_flat(name, start, len, DType::F32, &device)
+        };
+        self.params = Params::default();
+        let sharding = shard_model_reading(
+            self.net_mut()?,
+            shapes,
+            (dtype, &device),
+            &read,
+            policy,
+            prefetch,
+            comm,
+        )?;
+        self.sharding = Some(sharding);
+        Ok(())
+    }
+
+    /// ZeRO-3 / FSDP gathers one unit per layer around the layer's forward: the layers must
+    /// be the units (unless the whole model is one, NO_WRAP).
+    fn check_units(&self, policy: WrapPolicy) -> Result<()> {
+        if self.sharding.is_some() {
+            return Err(Error::TensorParallel {
+                name: "model".into(),
+                message: "the model is already sharded".into(),
+            });
+        }
+        let mut units = 0;
+        self.net.visit_units("", &mut |_| units += 1);
+        if units != self.net.num_layers() && policy != WrapPolicy::Whole {
+            return Err(Error::Parallelism(format!(
+                "ZeRO-3 / FSDP wraps each layer in a unit, but the model marks {units} \
+                 #[parallel(fsdp_unit)] value(s) for {} layers: put #[parallel(fsdp_unit)] on \
+                 the layer struct (the type of the `layers: Vec<...>` field)",
+                self.net.num_layers()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Splits the model over the tensor-parallel group `tp` (Megatron layout, as the
+    /// annotations say); `params` then holds this rank's slices.
+    pub fn parallelize(&mut self, tp: Arc<dyn Communicator>) -> Result<()> {
+        if tp.size() == 1 {
+            return Ok(());
+        }
+        if self.sharding.is_some() {
+            return Err(Error::TensorParallel {
+                name: "model".into(),
+                message: "split tensor-parallel layers before sharding with ZeRO-3 / FSDP".into(),
+            });
+        }
+        let net = self.net_mut()?;
+        crate::tp::parallelize(net, &TpContext::new(tp.clone()))?;
+        crate::tp::make_variables(net)?;
+        self.params = crate::tp::named_parameters(&*self.net)?;
+        self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
+        self.tp = Some(tp);
+        Ok(())
+    }
+
+    /// How each parameter is split over the tensor-parallel group (empty before
+    /// [`Self::parallelize`] or for a group of one).
+    pub fn tp_plan(&self) -> &[PlanEntry] {
+        &self.tp_plan
+    }
+
+    /// Runs attention sequence-parallel over `sp` (Ulysses): from then on `forward` takes
+    /// this rank's chunk of every row (chunks in rank order; position ids are the global
+    /// ones) and returns that chunk's logits. Head counts (per tp rank) must split over `sp`.
+    pub fn sequence_parallel(&mut self, sp: Arc<dyn Communicator>) -> Result<()> {
+        self.split_sequences(SeqSplit {
+            group: sp,
+            ring: false,
+            comm_dtype: None,
+        })
+    }
+
+    /// Runs attention context-parallel over `cp` (ring attention): from then on `forward`
+    /// takes this rank's two chunks of every row (chunks r and 2cp-1-r of 2cp, concatenated;
+    /// position ids are the global ones) and returns their logits.
+    pub fn context_parallel(&mut self, cp: Arc<dyn Communicator>) -> Result<()> {
+        self.split_sequences(SeqSplit {
+            group: cp,
+            ring: true,
+            comm_dtype: None,
+        })
+    }
+
+    /// Splits sequences as `split` says (see [`Self::sequence_parallel`] and
+    /// [`Self::context_parallel`]); a group of one changes nothing.
+    pub fn split_sequences(&mut self, split: SeqSplit) -> Result<()> {
+        let n = split.group.size();
+        if n == 1 {
+            return Ok(());
+        }
+        if self.split.is_some() {
+            return Err(Error::Parallelism(
+                "context and sequence parallelism together are not supported: set cp or sp".into(),
+            ));
+        }
+        if let Some((heads, kv_heads)) = self.net.heads().filter(|_| !split.ring) {
+            crate::nn::ulysses::kv_repeats(heads, kv_heads, n).map_err(Error::Parallelism)?;
+        }
+        self.split = Some(split);
+        Ok(())
+    }
+
+    /// How sequences are split, when they are.
+    pub fn split(&self) -> Option<&SeqSplit> {
+        self.split.as_ref()
+    }
+
+    /// The context-parallel group, when sequences are split over a ring.
+    pub fn cp(&self) -> Option<&Arc<dyn Communicator>> {
+        self.split.as_ref().filter(|s| s.ring).map(|s| &s.group)
+    }
+
+    /// The sequence-parallel group, when sequences are split by Ulysses.
+    pub fn sp(&self) -> Option<&Arc<dyn Communicator>> {
+        self.split.as_ref().filter(|s| !s.ring).map(|s| &s.group)
+    }
+
+    /// The tensor-parallel group, once split.
+    pub fn tp(&self) -> Option<&Arc<dyn Communicator>> {
+        self.tp.as_ref()
+    }
+
+    /// Parameter count of the whole model (however it is split or sharded; tied once).
+    pub fn num_parameters(&self) -> usize {
+        self.shapes
+            .values()
+            .map(|s| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Writes the model in HF layout (config.json + safetensors).
+    pub fn save_pretrained(
+        &self,
+        dir: impl AsRef<Path>,
+        max_shard_bytes: Option<usize>,
+    ) -> Result<()> {
+        self.params.save(dir, &self.config_json, max_shard_bytes)
+    }
+
+    /// Next-token loss of `logits` from [`Self::forward`] (vocabulary-split under tp: the
+    /// vocab-parallel cross-entropy, which never gathers them).
+    pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<LossSum> {
+        self.logits_loss(logits, &shift_labels(labels)?)
+    }
+
+    /// The loss of `logits` against aligned `targets`: vocab-parallel under tp.
+    fn logits_loss(&self, logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
+        match &self.tp {
+            Some(tp) => vocab_parallel_cross_entropy(logits, targets, tp),
+            None => Ok(cross_entropy_sum(logits, targets)?),
+        }
+    }
+
+    /// Logits over the whole vocabulary (gathered under tp) of whole sequences (not split
+    /// over sp: every rank of the group computes them all), for generation.
+    pub fn forward_full(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        let hidden = self.hidden_states(input_ids, position_ids, false)?;
+        let logits = self.net.lm_head().forward(&hidden)?;
+        match &self.tp {
+            Some(tp) => tp.all_gather(&logits.detach(), 2),
+            None => Ok(logits),
+        }
+    }
+
+    /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] (u32) at `position_ids`
+    /// [batch, seq]. Positions that restart mark document boundaries of packed rows.
+    pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        let hidden = self.hidden_states(input_ids, position_ids, true)?;
+        Ok(self.net.lm_head().forward(&hidden)?)
+    }
+
+    /// The next-token loss of `labels` (not yet shifted) for `input_ids` at `position_ids`.
+    pub fn forward_loss(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        labels: &Tensor,
+    ) -> Result<LossSum> {
+        self.forward_targets(input_ids, position_ids, &shift_labels(labels)?)
+    }
+
+    /// The loss of aligned `targets` (position t's own target, -100 for none: labels already
+    /// shifted, as sequence chunks carry them). With `tiled_loss`, and always where the fused
+    /// loss has its one-pass kernel (CPU f32, GPUs), the LM head and the cross-entropy run fused in sequence tiles and the logits never
+    /// exist whole (the head must be held whole, without bias: under tp or FSDP the loss is
+    /// computed from the logits).
+    pub fn forward_targets(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        targets: &Tensor,
+    ) -> Result<LossSum> {
+        let head = self.net.lm_head();
+        // The fused loss runs whenever the head is whole here: asked for (use_liger_kernel),
+        // or where it is one pass per row (CPU f32, GPUs) and so faster than the logits path.
+        let fused = |w: &Tensor| self.tiled_loss || crate::nn::tiled_loss::fused_applies(w, w);
+        let head = match (&head.weight, &head.bias, &self.tp) {
+            (Weight::Local(w), None, None) if fused(w) => w.clone(),
+            _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
+        };
+        let hidden = self.hidden_states(input_ids, position_ids, true)?;
+        let (b, s, h) = hidden.dims3()?;
+        Ok(tiled_linear_cross_entropy(
+            &hidden.reshape((b * s, h))?,
+            &head,
+            targets,
+        )?)
+    }
+
+    /// Gradients of `loss` (a scalar of this model's forward) for every parameter: Candle's
+    /// backward, plus the gradients of layers recomputed by activation checkpointing.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let mut store = loss.backward()?;
+        if let Some(c) = &self.checkpointing {
+            c.merge_into(&mut store)?;
+        }
+        Ok(store)
+    }
+
+    /// The final hidden states [batch, seq, hidden] (after the final norm). `chunked`: the
+    /// inputs are this rank's part of the sequence under sp or cp (else whole sequences).
+    fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        chunked: bool,
+    ) -> Result<Tensor> {
+        // Split by `sequence_parallel` / `context_parallel`, or by a #[context_parallel] step.
+        let split = match chunked {
+            true => self
+                .split
+                .clone()
+                .or_else(crate::context_parallel::active_split),
+            false => None,
+        };
+        // Sharded parameters: the root unit (embedding, final norm, LM head) is gathered for
+        // the whole pass, each layer's unit only while the layer runs.
+        let _root = match &self.sharding {
+            Some(sh) => Some(sh.begin_forward()?),
+            None => None,
+        };
+        let device = input_ids.device().clone();
+        // The compute dtype is the weights'.
+        let dtype = match &self.net.lm_head().weight {
+            Weight::Local(w) => w.dtype(),
+            Weight::Sharded(s) => s.dtype(),
+        };
+        let mut cx =
+            LayerInputs::new(position_ids, split.as_ref(), self.attention, dtype, &device)?;
+        cx.tp = self.tp.clone();
+        cx.tiled_mlp = self.tiled_mlp;
+        let x = self.net.embed(input_ids, &cx)?;
+        let stack = Stack {
+            net: self.net.clone(),
+            cx,
+            sharding: self.sharding.clone(),
+            params: self
+                .params
+                .iter()
+                .map(|(_, v)| v.as_tensor().clone())
+                .collect(),
+        };
+        let x = match &self.checkpointing {
+            Some(c) => c.run(&x, Arc::new(stack))?,
+            None => {
+                let mut x = x;
+                for l in 0..stack.count() {
+                    x = stack.forward(l, &x, false)?;
+                }
+                x
+            }
+        };
+        Ok(self.net.final_norm(&x)?)
+    }
+}
+
+/// The layers of one forward, runnable again in backward (activation checkpointing).
+struct Stack<N: CausalModel> {
+    net: Arc<N>,
+    cx: LayerInputs,
+    sharding: Option<Arc<ShardedModel>>,
+    /// The parameters held as variables (a recomputed layer's gradients are looked up among
+    /// them; those of other layers simply get none).
+    params: Vec<Tensor>,
+}
+
+impl<N: CausalModel> Layers for Stack<N> {
+    fn count(&self) -> usize {
+        self.net.num_layers()
+    }
+
+    fn forward(&self, l: usize, x: &Tensor, recompute: bool) -> candle_core::Result<Tensor> {
+        // A recomputed layer's unit is gathered on demand and freed by its backward.
+        let _unit = match (&self.sharding, recompute) {
+            (Some(sh), false) => sh.enter_layer(l).map_err(Error::into_candle)?,
+            _ => None,
+        };
+        // What `nn::flash_attn` runs inside the layer.
+        let _attention = crate::nn::seq_attention::enter(self.cx.attention.clone());
+        self.net.layer(l, x, &self.cx)
+    }
+
+    fn params(&self, _l: usize) -> Vec<Tensor> {
+        self.params.clone()
+    }
+}
+
+/// `config.json` of `dir`, and its path for errors.
+fn read_config(dir: &Path) -> Result<(String, String)> {
+    let path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    Ok((text, path.display().to_string()))
+}
+
+/// Remembers which names the model asked its VarBuilder for.
+struct Recorder {
+    inner: Box<dyn SimpleBackend>,
+    asked: Mutex<Vec<String>>,
+}
+
+impl Recorder {
+    fn record(&self, name: &str) {
+        let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+        asked.push(name.to_string());
+    }
+}
+
+/// The recorder as the VarBuilder's backend.
+struct Recording(Arc<Recorder>);
+
+impl SimpleBackend for Recording {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0.record(name);
+        self.0.inner.get(s, name, h, dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.0.record(name);
+        self.0.inner.get_unchecked(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.inner.contains_tensor(name)
+    }
+}
+
+fn check_shape(name: &str, t: Tensor, s: &Shape) -> candle_core::Result<Tensor> {
+    if t.shape() != s {
+        candle_core::bail!(
+            "{name} has shape {:?} but the model expects {:?}: the weights and config.json do \
+             not belong together",
+            t.dims(),
+            s.dims()
+        );
+    }
+    Ok(t)
+}
+
+/// Weights from a checkpoint's files, in the compute dtype and device of the load (the
+/// VarBuilder's own are ignored: the trainer decides them).
+struct FilesBackend {
+    files: Arc<WeightFiles>,
+    dtype: DType,
+    device: Device,
+}
+
+impl SimpleBackend for FilesBackend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        _: DType,
+        _: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.get_unchecked(name, self.dtype, &self.device)?;
+        check_shape(name, t, &s)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        self.files
+            .load(name, self.dtype, &self.device)
+            .map_err(Error::into_candle)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.files.contains(name)
+    }
+}
+
+/// Weights already in memory (a model over given parameters).
+struct TensorsBackend {
+    tensors: HashMap<String, Tensor>,
+}
+
+impl SimpleBackend for TensorsBackend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        _: DType,
+        _: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.get_unchecked(name, DType::F32, &Device::Cpu)?;
+        check_shape(name, t, &s)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        match self.tensors.get(name) {
+            Some(t) => Ok(t.clone()),
+            None => candle_core::bail!("no parameter named {name}"),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// A skeleton: every weight a broadcast view of one zero.
+struct ZerosBackend {
+    zero: Tensor,
+    /// The checkpoint the skeleton stands for, if any.
+    files: Option<Arc<WeightFiles>>,
+}
+
+impl SimpleBackend for ZerosBackend {
+    fn get(
+        &self,
+        s: Shape,
+        _: &str,
+        _: candle_nn::Init,
+        _: DType,
+        _: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.zero.broadcast_as(s)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("{name}: a skeleton needs the shape of every weight (use vb.get)")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.files.as_ref().is_some_and(|f| f.contains(name))
+    }
+}
+
+/// The built-in decoder as the trainer runs it.
+pub type CausalLm = Model<Llama>;
+
+impl Model<Llama> {
+    /// Builds the model over `params` (whose tensors it shares: optimizer updates are seen).
+    pub fn new(config: ModelConfig, params: Params) -> Result<Self> {
+        Self::with_params(config.to_json_pretty(), params)
+    }
+
+    /// The model's structure without its values (see [`Model::skeleton_of`]).
+    pub fn skeleton(config: ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
+        Self::skeleton_of(config.to_json_pretty(), dtype, device)
+    }
+}
