@@ -194,7 +194,8 @@ fn fused_kernel(
     v: &Tensor,
     mask: &AttentionMask,
 ) -> Option<Result<Tensor>> {
-    if mask.fused && super::cpu_flash::applies(q, k) {
+    let square = q.dim(2).ok() == k.dim(2).ok();
+    if mask.fused && square && super::cpu_flash::applies(q, k) {
         return Some(super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges));
     }
     #[cfg(feature = "cuda")]

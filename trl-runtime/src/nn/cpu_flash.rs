@@ -101,13 +101,14 @@ fn mm(
     }
 }
 
-/// The geometry of one call: q [b, heads, s, d], k and v [b, kv_heads, s, d].
+/// The geometry of one call: q [b, heads, sq, d], k and v [b, kv_heads, sk, d].
 #[derive(Clone, Copy)]
 struct Dims {
     b: usize,
     heads: usize,
     kv_heads: usize,
-    s: usize,
+    sq: usize,
+    sk: usize,
     d: usize,
 }
 
@@ -117,45 +118,111 @@ impl Dims {
     }
 }
 
-/// Rows `[r0, r0 + m)` of batch row `bi`: the first key each may see.
-fn starts(ranges: &RowRanges, bi: usize, r0: usize, m: usize) -> &[u32] {
-    &ranges.starts[bi * ranges.rows + r0..bi * ranges.rows + r0 + m]
+/// Which keys each query row sees: per (batch row, query) a span `lo..hi` of key indices
+/// (empty when `lo >= hi`). The decoder's causal attention over packed rows is one case
+/// ([`KeySpans::causal`]); one step of ring attention, queries and keys from two chunks of
+/// the sequence, is another ([`KeySpans::shifted`]).
+#[derive(Debug, Clone)]
+pub struct KeySpans {
+    queries: usize,
+    lo: Vec<u32>,
+    hi: Vec<u32>,
 }
 
-/// The visible keys of query `q` (whose document starts at `start`) within keys
-/// `[j0, j0 + n)`, as a range of block columns (empty when none).
-fn visible(q: usize, start: usize, j0: usize, n: usize) -> std::ops::Range<usize> {
-    let lo = start.max(j0);
-    let hi = (q + 1).min(j0 + n);
-    if lo >= hi {
-        0..0
-    } else {
-        lo - j0..hi - j0
+impl KeySpans {
+    /// Causal within documents: query `r` sees keys `start..=r` (keys are the queries).
+    pub fn causal(ranges: &RowRanges) -> Self {
+        let rows = ranges.rows;
+        KeySpans {
+            queries: rows,
+            lo: ranges.starts.to_vec(),
+            hi: (0..ranges.batch * rows)
+                .map(|i| (i % rows + 1) as u32)
+                .collect(),
+        }
+    }
+
+    /// Queries at global indices `q0..q0 + nq` over keys at `k0..k0 + nk`, each query seeing
+    /// the keys from its document's start (`starts`, global, per batch row and query) to
+    /// itself. None when no query sees any key.
+    pub fn shifted(
+        starts: &[&[usize]],
+        q0: usize,
+        nq: usize,
+        k0: usize,
+        nk: usize,
+    ) -> Option<Self> {
+        let (mut lo, mut hi) = (Vec::new(), Vec::new());
+        let mut any = false;
+        for row in starts {
+            for (r, &st) in row[..nq].iter().enumerate() {
+                let a = st.max(k0).min(k0 + nk) - k0;
+                let b = (q0 + r + 1).clamp(k0, k0 + nk) - k0;
+                any |= a < b;
+                lo.push(a as u32);
+                hi.push(b.max(a) as u32);
+            }
+        }
+        any.then_some(KeySpans {
+            queries: nq,
+            lo,
+            hi,
+        })
+    }
+
+    /// The spans of rows `[r0, r0 + m)` of batch row `bi`.
+    fn rows(&self, bi: usize, r0: usize, m: usize) -> (&[u32], &[u32]) {
+        let span = bi * self.queries + r0..bi * self.queries + r0 + m;
+        (&self.lo[span.clone()], &self.hi[span])
     }
 }
 
-/// Whether any query of `[i0, i0 + m)` sees a key of `[j0, j0 + n)`.
-fn block_visible(row_starts: &[u32], i0: usize, j0: usize, n: usize) -> bool {
-    row_starts
+/// The key blocks a block of rows may see: from the block holding the first visible key to
+/// the last visible key (an empty range when none).
+fn key_range(lo: &[u32], hi: &[u32]) -> std::ops::Range<usize> {
+    let first = lo
         .iter()
-        .enumerate()
-        .any(|(r, &st)| !visible(i0 + r, st as usize, j0, n).is_empty())
+        .zip(hi)
+        .filter(|(l, h)| l < h)
+        .map(|(l, _)| *l)
+        .min();
+    let end = lo
+        .iter()
+        .zip(hi)
+        .filter(|(l, h)| l < h)
+        .map(|(_, h)| *h)
+        .max();
+    match (first, end) {
+        (Some(f), Some(e)) => f as usize / BLOCK * BLOCK..e as usize,
+        _ => 0..0,
+    }
 }
 
-/// One block of rows: queries `[i0, i0 + m)` against keys `[j0, j0 + n)`, and the first
-/// visible key of each query.
+/// One block of rows against keys `[j0, j0 + n)`, with each row's visible key span.
 #[derive(Clone, Copy)]
 struct BlockRows<'a> {
-    i0: usize,
     j0: usize,
     m: usize,
     n: usize,
-    starts: &'a [u32],
+    lo: &'a [u32],
+    hi: &'a [u32],
 }
 
 impl BlockRows<'_> {
+    /// Row `r`'s visible columns of the block (empty when none).
     fn cols(&self, r: usize) -> std::ops::Range<usize> {
-        visible(self.i0 + r, self.starts[r] as usize, self.j0, self.n)
+        let a = (self.lo[r] as usize).max(self.j0);
+        let b = (self.hi[r] as usize).min(self.j0 + self.n);
+        if a >= b {
+            0..0
+        } else {
+            a - self.j0..b - self.j0
+        }
+    }
+
+    /// Whether any row sees a key of the block.
+    fn any(&self) -> bool {
+        (0..self.m).any(|r| !self.cols(r).is_empty())
     }
 }
 
@@ -245,50 +312,50 @@ fn score_grads_body(dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]) {
 
 simd_dispatch!(score_grads, score_grads_avx2, score_grads_body, (dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]));
 
-/// Forward of one (batch, kv head): outputs and log-sum-exps of its `group` query heads.
+/// Forward of one (batch, kv head): outputs and log-sum-exps of its `group` query heads. A
+/// row that sees no key gets a zero output and a log-sum-exp of minus infinity (a ring step
+/// then adds nothing to it).
 fn forward_task(
     dims: Dims,
     bi: usize,
     (q, k, v): (&[f32], &[f32], &[f32]),
-    ranges: &RowRanges,
+    spans: &KeySpans,
     (out, lse): (&mut [f32], &mut [f32]),
 ) {
-    let Dims { s, d, .. } = dims;
+    let Dims { sq, sk, d, .. } = dims;
     let scale = 1.0 / (d as f32).sqrt();
     let mut scores = vec![0f32; BLOCK * BLOCK];
     let (mut m_run, mut l_run) = (vec![0f32; BLOCK], vec![0f32; BLOCK]);
     for h in 0..dims.group() {
-        let qh = &q[h * s * d..(h + 1) * s * d];
-        let oh = &mut out[h * s * d..(h + 1) * s * d];
-        let lh = &mut lse[h * s..(h + 1) * s];
-        for i0 in (0..s).step_by(BLOCK) {
-            let m = BLOCK.min(s - i0);
-            let row_starts = starts(ranges, bi, i0, m);
+        let qh = &q[h * sq * d..(h + 1) * sq * d];
+        let oh = &mut out[h * sq * d..(h + 1) * sq * d];
+        let lh = &mut lse[h * sq..(h + 1) * sq];
+        for i0 in (0..sq).step_by(BLOCK) {
+            let m = BLOCK.min(sq - i0);
+            let (lo, hi) = spans.rows(bi, i0, m);
             // Zero from its allocation: the first visible block adds into it.
             let o = &mut oh[i0 * d..(i0 + m) * d];
             m_run[..m].fill(f32::NEG_INFINITY);
             l_run[..m].fill(0.0);
-            for j0 in (0..=(i0 + m - 1)).step_by(BLOCK) {
-                let n = BLOCK.min(s - j0);
-                if !block_visible(row_starts, i0, j0, n) {
+            for j0 in key_range(lo, hi).step_by(BLOCK) {
+                let n = BLOCK.min(sk - j0);
+                let rows = BlockRows { j0, m, n, lo, hi };
+                if !rows.any() {
                     continue;
                 }
                 let qi = Mat::rows(&qh[i0 * d..], d);
                 let kt = Mat::transposed(&k[j0 * d..], d);
                 mm((m, n, d), &mut scores, BLOCK, qi, kt, scale, false);
-                let rows = BlockRows {
-                    i0,
-                    j0,
-                    m,
-                    n,
-                    starts: row_starts,
-                };
                 online_softmax(&mut scores, rows, &mut m_run, &mut l_run, o, d);
                 let p = Mat::rows(&scores, BLOCK);
                 let vj = Mat::rows(&v[j0 * d..], d);
                 mm((m, d, n), o, d, p, vj, 1.0, true);
             }
             for r in 0..m {
+                if l_run[r] == 0.0 {
+                    lh[i0 + r] = f32::NEG_INFINITY;
+                    continue;
+                }
                 let inv = 1.0 / l_run[r];
                 o[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= inv);
                 lh[i0 + r] = m_run[r] + l_run[r].ln();
@@ -297,27 +364,37 @@ fn forward_task(
     }
 }
 
-/// Backward of one (batch, kv head): dq of its query heads, dk and dv of the kv head.
+/// Backward of one (batch, kv head): dq of its query heads, dk and dv of the kv head. `out`
+/// and `lse` are those of the whole attention the keys here are part of (a ring step's keys
+/// are one part), so the gradients of this part come out exact.
 #[allow(clippy::too_many_arguments)]
 fn backward_task(
     dims: Dims,
     bi: usize,
     (q, k, v): (&[f32], &[f32], &[f32]),
     (out, lse, dout): (&[f32], &[f32], &[f32]),
-    ranges: &RowRanges,
+    spans: &KeySpans,
     (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
-    let Dims { s, d, .. } = dims;
+    let Dims { sq, sk, d, .. } = dims;
     let scale = 1.0 / (d as f32).sqrt();
     let mut p = vec![0f32; BLOCK * BLOCK];
     let mut dp = vec![0f32; BLOCK * BLOCK];
-    let mut delta = vec![0f32; s];
+    let mut delta = vec![0f32; sq];
+    // The key blocks each query block may see.
+    let reach: Vec<_> = (0..sq)
+        .step_by(BLOCK)
+        .map(|i0| {
+            let (lo, hi) = spans.rows(bi, i0, BLOCK.min(sq - i0));
+            key_range(lo, hi)
+        })
+        .collect();
     // dq, dk and dv are zero from their allocation: blocks add into them.
     for h in 0..dims.group() {
-        let span = h * s * d..(h + 1) * s * d;
+        let span = h * sq * d..(h + 1) * sq * d;
         let (qh, oh, doh) = (&q[span.clone()], &out[span.clone()], &dout[span.clone()]);
         let dqh = &mut dq[span];
-        let lh = &lse[h * s..(h + 1) * s];
+        let lh = &lse[h * sq..(h + 1) * sq];
         for (r, dl) in delta.iter_mut().enumerate() {
             let row = r * d..(r + 1) * d;
             *dl = doh[row.clone()]
@@ -326,24 +403,22 @@ fn backward_task(
                 .map(|(a, b)| a * b)
                 .sum();
         }
-        for j0 in (0..s).step_by(BLOCK) {
-            let n = BLOCK.min(s - j0);
-            for i0 in (j0 / BLOCK * BLOCK..s).step_by(BLOCK) {
-                let m = BLOCK.min(s - i0);
-                let row_starts = starts(ranges, bi, i0, m);
-                if !block_visible(row_starts, i0, j0, n) {
+        for j0 in (0..sk).step_by(BLOCK) {
+            let n = BLOCK.min(sk - j0);
+            for (bi0, keys) in reach.iter().enumerate() {
+                if !keys.contains(&j0) {
+                    continue;
+                }
+                let i0 = bi0 * BLOCK;
+                let m = BLOCK.min(sq - i0);
+                let (lo, hi) = spans.rows(bi, i0, m);
+                let rows = BlockRows { j0, m, n, lo, hi };
+                if !rows.any() {
                     continue;
                 }
                 let qi = Mat::rows(&qh[i0 * d..], d);
                 let kt = Mat::transposed(&k[j0 * d..], d);
                 mm((m, n, d), &mut p, BLOCK, qi, kt, scale, false);
-                let rows = BlockRows {
-                    i0,
-                    j0,
-                    m,
-                    n,
-                    starts: row_starts,
-                };
                 probabilities(&mut p, rows, &lh[i0..i0 + m]);
                 // dV_j += P^T dO_i
                 let pt = Mat::transposed(&p, BLOCK);
@@ -364,12 +439,6 @@ fn backward_task(
     }
 }
 
-struct FlashCpu {
-    ranges: RowRanges,
-    /// Every query row's log-sum-exp, from forward to backward.
-    lse: Mutex<Option<Vec<f32>>>,
-}
-
 fn contiguous<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
@@ -377,49 +446,152 @@ fn contiguous<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     }
 }
 
-fn dims_of(q: &Layout, k: &Layout) -> Result<Dims> {
-    let (b, heads, s, d) = q.shape().dims4()?;
-    let (_, kv_heads, k_len, _) = k.shape().dims4()?;
-    if k_len != s || heads % kv_heads != 0 {
+fn dims_of(q: &Layout, k: &Layout, spans: &KeySpans) -> Result<Dims> {
+    let (b, heads, sq, d) = q.shape().dims4()?;
+    let (kb, kv_heads, sk, kd) = k.shape().dims4()?;
+    if kb != b || kd != d || heads % kv_heads != 0 || spans.lo.len() != b * sq {
         candle_core::bail!(
-            "cpu flash attention: q {:?} and k {:?} do not match",
+            "cpu flash attention: q {:?}, k {:?} and {} key spans do not match",
             q.dims(),
-            k.dims()
+            k.dims(),
+            spans.lo.len()
         );
     }
     Ok(Dims {
         b,
         heads,
         kv_heads,
-        s,
+        sq,
+        sk,
         d,
     })
 }
 
-impl FlashCpu {
-    fn run_forward(&self, dims: Dims, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
-        let Dims { s, d, .. } = dims;
-        let g = dims.group();
-        let mut out = vec![0f32; q.len()];
-        let mut lse = vec![0f32; dims.b * dims.heads * s];
-        out.par_chunks_mut(g * s * d)
-            .zip(lse.par_chunks_mut(g * s))
-            .enumerate()
-            .for_each(|(t, (o, l))| {
-                let (bi, kv) = (t / dims.kv_heads, t % dims.kv_heads);
-                let qs = &q[t * g * s * d..(t + 1) * g * s * d];
-                let kv_span =
-                    (bi * dims.kv_heads + kv) * s * d..(bi * dims.kv_heads + kv + 1) * s * d;
-                forward_task(
-                    dims,
-                    bi,
-                    (qs, &k[kv_span.clone()], &v[kv_span]),
-                    &self.ranges,
-                    (o, l),
-                );
-            });
-        (out, lse)
+/// Outputs [b, heads, sq, d] and log-sum-exps [b, heads, sq] of contiguous f32 inputs.
+fn run_forward(
+    dims: Dims,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    spans: &KeySpans,
+) -> (Vec<f32>, Vec<f32>) {
+    let Dims { sq, sk, d, .. } = dims;
+    let g = dims.group();
+    let mut out = vec![0f32; q.len()];
+    let mut lse = vec![0f32; dims.b * dims.heads * sq];
+    out.par_chunks_mut(g * sq * d)
+        .zip(lse.par_chunks_mut(g * sq))
+        .enumerate()
+        .for_each(|(t, (o, l))| {
+            let bi = t / dims.kv_heads;
+            let qs = &q[t * g * sq * d..(t + 1) * g * sq * d];
+            let kv_span = t * sk * d..(t + 1) * sk * d;
+            forward_task(
+                dims,
+                bi,
+                (qs, &k[kv_span.clone()], &v[kv_span]),
+                spans,
+                (o, l),
+            );
+        });
+    (out, lse)
+}
+
+/// dq, dk, dv of contiguous f32 inputs (see [`backward_task`]).
+fn run_backward(
+    dims: Dims,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (out, lse, dout): (&[f32], &[f32], &[f32]),
+    spans: &KeySpans,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let Dims { sq, sk, d, .. } = dims;
+    let g = dims.group();
+    let mut dq = vec![0f32; q.len()];
+    let mut dk = vec![0f32; k.len()];
+    let mut dv = vec![0f32; v.len()];
+    dq.par_chunks_mut(g * sq * d)
+        .zip(dk.par_chunks_mut(sk * d).zip(dv.par_chunks_mut(sk * d)))
+        .enumerate()
+        .for_each(|(t, (dqt, (dkt, dvt)))| {
+            let bi = t / dims.kv_heads;
+            let qspan = t * g * sq * d..(t + 1) * g * sq * d;
+            let kspan = t * sk * d..(t + 1) * sk * d;
+            backward_task(
+                dims,
+                bi,
+                (&q[qspan.clone()], &k[kspan.clone()], &v[kspan]),
+                (
+                    &out[qspan.clone()],
+                    &lse[t * g * sq..(t + 1) * g * sq],
+                    &dout[qspan],
+                ),
+                spans,
+                (dqt, dkt, dvt),
+            );
+        });
+    (dq, dk, dv)
+}
+
+/// Runs `f` over the contiguous f32 data of CPU tensors.
+fn with_slices<T>(ts: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> Result<T>) -> Result<T> {
+    let ts: Vec<Tensor> = ts.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut slices = Vec::with_capacity(ts.len());
+    for (storage, layout) in &guards {
+        match &**storage {
+            candle_core::Storage::Cpu(c) => slices.push(contiguous(c, layout)?),
+            _ => candle_core::bail!("cpu flash attention: CPU tensors expected"),
+        }
     }
+    f(&slices)
+}
+
+/// Attention of `q` [b, heads, sq, d] over `k`, `v` [b, kv_heads, sk, d] (f32, CPU) as
+/// `spans` say, without autograd: the output and each row's log-sum-exp [b, heads, sq] (minus
+/// infinity where a row sees no key). Ring attention merges its steps with them.
+pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<(Tensor, Tensor)> {
+    let dims = dims_of(q.layout(), k.layout(), spans)?;
+    let (out, lse) = with_slices(&[q, k, v], |s| {
+        Ok(run_forward(dims, (s[0], s[1], s[2]), spans))
+    })?;
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(out, q.shape(), dev)?,
+        Tensor::from_vec(lse, (dims.b, dims.heads, dims.sq), dev)?,
+    ))
+}
+
+/// The gradients of `q`, `k`, `v` for output gradient `dout`, given the output `out` and
+/// log-sum-exp `lse` of the whole attention these keys are part of (see [`forward`]).
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    spans: &KeySpans,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = dims_of(q.layout(), k.layout(), spans)?;
+    let (dq, dk, dv) = with_slices(&[q, k, v, out, lse, dout], |s| {
+        Ok(run_backward(
+            dims,
+            (s[0], s[1], s[2]),
+            (s[3], s[4], s[5]),
+            spans,
+        ))
+    })?;
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(dq, q.shape(), dev)?,
+        Tensor::from_vec(dk, k.shape(), dev)?,
+        Tensor::from_vec(dv, v.shape(), dev)?,
+    ))
+}
+
+struct FlashCpu {
+    spans: KeySpans,
+    /// Every query row's log-sum-exp, from forward to backward.
+    lse: Mutex<Option<Tensor>>,
 }
 
 impl CustomOp3 for FlashCpu {
@@ -436,13 +608,18 @@ impl CustomOp3 for FlashCpu {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let dims = dims_of(ql, kl)?;
+        let dims = dims_of(ql, kl, &self.spans)?;
         let (q, k, v) = (
             contiguous(qs, ql)?,
             contiguous(ks, kl)?,
             contiguous(vs, vl)?,
         );
-        let (out, lse) = self.run_forward(dims, q, k, v);
+        let (out, lse) = run_forward(dims, (q, k, v), &self.spans);
+        let lse = Tensor::from_vec(
+            lse,
+            (dims.b, dims.heads, dims.sq),
+            &candle_core::Device::Cpu,
+        )?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
@@ -458,60 +635,18 @@ impl CustomOp3 for FlashCpu {
         let Some(lse) = self.lse.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             candle_core::bail!("cpu flash attention: backward ran twice")
         };
-        let ts = [q, k, v, out, &grad.contiguous()?].map(|t| t.clone());
-        let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-        let mut slices = Vec::with_capacity(5);
-        for (storage, layout) in &guards {
-            match &**storage {
-                candle_core::Storage::Cpu(c) => slices.push(contiguous(c, layout)?),
-                _ => candle_core::bail!("cpu flash attention: CPU tensors expected"),
-            }
-        }
-        let (qv, kv, vv, ov, gv) = (slices[0], slices[1], slices[2], slices[3], slices[4]);
-        let dims = dims_of(q.layout(), k.layout())?;
-        let Dims { s, d, .. } = dims;
-        let g = dims.group();
-        let mut dq = vec![0f32; qv.len()];
-        let mut dk = vec![0f32; kv.len()];
-        let mut dv = vec![0f32; vv.len()];
-        dq.par_chunks_mut(g * s * d)
-            .zip(dk.par_chunks_mut(s * d).zip(dv.par_chunks_mut(s * d)))
-            .enumerate()
-            .for_each(|(t, (dqt, (dkt, dvt)))| {
-                let bi = t / dims.kv_heads;
-                let qspan = t * g * s * d..(t + 1) * g * s * d;
-                let kspan = t * s * d..(t + 1) * s * d;
-                backward_task(
-                    dims,
-                    bi,
-                    (&qv[qspan.clone()], &kv[kspan.clone()], &vv[kspan]),
-                    (
-                        &ov[qspan.clone()],
-                        &lse[t * g * s..(t + 1) * g * s],
-                        &gv[qspan],
-                    ),
-                    &self.ranges,
-                    (dqt, dkt, dvt),
-                );
-            });
-        drop(guards);
-        let dev = q.device();
-        Ok((
-            Some(Tensor::from_vec(dq, q.shape(), dev)?),
-            Some(Tensor::from_vec(dk, k.shape(), dev)?),
-            Some(Tensor::from_vec(dv, v.shape(), dev)?),
-        ))
+        let (dq, dk, dv) = backward(q, k, v, out, &lse, grad, &self.spans)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
 
-/// Whether [`flash_attention_cpu`] takes these inputs: f32 on the CPU, keys as long as queries.
+/// Whether the fused CPU kernels take these inputs: f32 on the CPU.
 pub fn applies(q: &Tensor, k: &Tensor) -> bool {
     q.device().is_cpu()
         && q.dtype() == DType::F32
         && k.dtype() == DType::F32
         && q.rank() == 4
         && k.rank() == 4
-        && q.dim(2).ok() == k.dim(2).ok()
 }
 
 /// Causal attention of `q` [b, heads, s, d] over `k`, `v` [b, kv_heads, s, d] with the
@@ -523,8 +658,11 @@ pub fn flash_attention_cpu(
     v: &Tensor,
     ranges: &RowRanges,
 ) -> Result<Tensor> {
+    if q.dim(2)? != k.dim(2)? {
+        candle_core::bail!("cpu flash attention: keys must be as many as queries");
+    }
     let op = FlashCpu {
-        ranges: ranges.clone(),
+        spans: KeySpans::causal(ranges),
         lse: Mutex::new(None),
     };
     q.contiguous()?

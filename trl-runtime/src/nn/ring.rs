@@ -13,11 +13,18 @@
 //! Within a step the local queries and the visiting keys are taken in blocks (as in the
 //! blockwise attention), so memory stays linear in the length: one block of scores at a time.
 //!
+//! On the CPU in f32 each (query chunk, key chunk) pair of a step runs the fused kernel of
+//! [`super::cpu_flash`] with the pair's key spans, and the steps merge by their log-sum-exps;
+//! backward runs the kernel's backward per pair with the whole attention's output and
+//! log-sum-exp, which makes each pair's gradients exact. Other dtypes and devices take the
+//! blockwise path below.
+//!
 //! Precision as in the blockwise attention: matmuls in the inputs' dtype (bf16 under mixed
 //! precision), scores, softmax and accumulators in f32 (f64 for f64 inputs). The key and value
 //! gradients travel around the ring in f32 too, so each hop adds to an unrounded sum.
 
 use super::attention::{AttentionMask, MASKED};
+use super::cpu_flash::{self, KeySpans};
 use super::flash::BLOCK;
 use super::memo::Memo;
 use super::precision::{self, accumulate};
@@ -54,6 +61,8 @@ pub struct RingMask {
     /// built once for every layer of the forward and its backward; None where every query
     /// sees the whole key block.
     masks: Arc<Memo<RingBlock, Option<BlockMask>>>,
+    /// Whether inputs the fused kernels take run them (else always the blockwise path).
+    fused: bool,
 }
 
 /// (first local query, key source rank, key block, dtype).
@@ -102,7 +111,44 @@ impl RingMask {
             group: cp.clone(),
             queue: Arc::new(CommQueue::new(cp.clone()).map_err(|e| e.into_candle())?),
             masks: Arc::default(),
+            fused: true,
         })
+    }
+
+    /// Always the blockwise path of Candle ops, also where a fused kernel applies (to
+    /// compare the two).
+    pub fn blockwise(mut self) -> Self {
+        self.fused = false;
+        self
+    }
+
+    /// Starts sending `t` one hop along the ring (to rank + 1); the result is what rank - 1
+    /// sent. Hops run in the order they are started, on every rank alike.
+    fn start_pass(&self, t: &Tensor) -> Pending {
+        let (r, n) = (self.group.rank(), self.group.size());
+        let t = t.clone();
+        self.queue
+            .submit(move |c| c.send_recv(&t, (r + 1) % n, (r + n - 1) % n))
+    }
+
+    /// The rank whose keys this rank holds at step `t`.
+    fn source(&self, t: usize) -> usize {
+        let (r, n) = (self.group.rank(), self.group.size());
+        (r + n - t) % n
+    }
+
+    /// The key spans of local query chunk `a` (0: the head chunk, 1: the tail) over key chunk
+    /// `c` of rank `src`'s keys; None when no query of it sees a key of it.
+    fn chunk_spans(&self, a: usize, src: usize, c: usize) -> Option<KeySpans> {
+        let chunk = self.chunk;
+        let q0 = self.query_index[a * chunk];
+        let k0 = balanced_indices(src, self.group.size(), chunk)[c * chunk];
+        let starts: Vec<&[usize]> = self
+            .starts
+            .iter()
+            .map(|row| &row[a * chunk..(a + 1) * chunk])
+            .collect();
+        KeySpans::shifted(&starts, q0, chunk, k0, chunk)
     }
 
     /// The same mask computed in blocks of `block` queries and keys.
@@ -204,29 +250,16 @@ struct Ring<'a> {
 }
 
 impl Ring<'_> {
-    /// The rank whose keys this rank holds at step `t`.
     fn source(&self, t: usize) -> usize {
-        (self.cp.rank() + self.cp.size() - t) % self.cp.size()
+        self.mask.source(t)
     }
 
-    /// Starts sending `t` one hop along the ring (to rank + 1); the result is what rank - 1
-    /// sent. Hops run in the order they are started, on every rank alike.
-    fn start_pass(&self, t: &Tensor) -> Pending {
-        let (r, n) = (self.cp.rank(), self.cp.size());
-        let t = t.clone();
-        self.mask
-            .queue
-            .submit(move |c| c.send_recv(&t, (r + 1) % n, (r + n - 1) % n))
-    }
-
-    /// One hop, waited for.
     fn pass(&self, t: &Tensor) -> Result<Tensor> {
-        self.start_pass(t).wait().map_err(|e| e.into_candle())
+        pass(self.mask, t)
     }
 
-    /// Starts the hop of the keys and values held now, unless this is the last step.
     fn prefetch(&self, t: usize, k: &Tensor, v: &Tensor) -> Option<(Pending, Pending)> {
-        (t + 1 < self.cp.size()).then(|| (self.start_pass(k), self.start_pass(v)))
+        prefetch(self.mask, t, k, v)
     }
 
     /// Local positions of block `i` (the last one may be shorter).
@@ -448,6 +481,151 @@ fn wait(p: Pending) -> Result<Tensor> {
     p.wait().map_err(|e| e.into_candle())
 }
 
+/// One hop of `t` along the ring, waited for.
+fn pass(mask: &RingMask, t: &Tensor) -> Result<Tensor> {
+    wait(mask.start_pass(t))
+}
+
+/// Starts the hop of the keys and values held at step `t`, unless it is the last step.
+fn prefetch(mask: &RingMask, t: usize, k: &Tensor, v: &Tensor) -> Option<(Pending, Pending)> {
+    (t + 1 < mask.group.size()).then(|| (mask.start_pass(k), mask.start_pass(v)))
+}
+
+/// A running (output, log-sum-exp) of one query chunk, flat [b, heads, chunk, d] and
+/// [b, heads, chunk]; `part` merges in by the log-sum-exps (a row `part` does not reach has
+/// minus infinity and adds nothing).
+fn merge(acc: &mut Option<(Vec<f32>, Vec<f32>)>, part: (Tensor, Tensor)) -> Result<()> {
+    let (o, l) = (
+        part.0.flatten_all()?.to_vec1::<f32>()?,
+        part.1.flatten_all()?.to_vec1::<f32>()?,
+    );
+    let Some((ao, al)) = acc.as_mut() else {
+        *acc = Some((o, l));
+        return Ok(());
+    };
+    let d = o.len() / l.len();
+    for (r, (la, lb)) in al.iter_mut().zip(&l).enumerate() {
+        if *lb == f32::NEG_INFINITY {
+            continue;
+        }
+        let m = la.max(*lb);
+        let (wa, wb) = ((*la - m).exp(), (lb - m).exp());
+        let total = wa + wb;
+        let (wa, wb) = (wa / total, wb / total);
+        for (x, y) in ao[r * d..(r + 1) * d]
+            .iter_mut()
+            .zip(&o[r * d..(r + 1) * d])
+        {
+            *x = *x * wa + y * wb;
+        }
+        *la = m + total.ln();
+    }
+    Ok(())
+}
+
+/// The fused ring forward (f32 on the CPU): every step's (query chunk, key chunk) pairs by
+/// the fused kernel, merged by log-sum-exp. Output [b, heads, n, d], log-sum-exp [b, heads, n].
+fn fused_forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Result<(Tensor, Tensor)> {
+    let (b, heads, n, d) = q.dims4()?;
+    let chunk = mask.chunk;
+    let qa = [
+        q.narrow(2, 0, chunk)?.contiguous()?,
+        q.narrow(2, chunk, chunk)?.contiguous()?,
+    ];
+    let mut acc: [Option<(Vec<f32>, Vec<f32>)>; 2] = [None, None];
+    let (mut k, mut v) = (k.clone(), v.clone());
+    let mut next = None;
+    for t in 0..mask.group.size() {
+        if let Some((pk, pv)) = next.take() {
+            (k, v) = (wait(pk)?, wait(pv)?);
+        }
+        next = prefetch(mask, t, &k, &v);
+        let src = mask.source(t);
+        for c in 0..2 {
+            let kc = k.narrow(2, c * chunk, chunk)?.contiguous()?;
+            let vc = v.narrow(2, c * chunk, chunk)?.contiguous()?;
+            for (a, qa) in qa.iter().enumerate() {
+                if let Some(spans) = mask.chunk_spans(a, src, c) {
+                    merge(&mut acc[a], cpu_flash::forward(qa, &kc, &vc, &spans)?)?;
+                }
+            }
+        }
+    }
+    let dev = q.device();
+    let mut outs = Vec::with_capacity(2);
+    let mut lses = Vec::with_capacity(2);
+    for a in acc {
+        // Every query sees itself, in its own chunk, at step 0.
+        let (o, l) = a.expect("every query chunk sees its own keys");
+        outs.push(Tensor::from_vec(o, (b, heads, chunk, d), dev)?);
+        lses.push(Tensor::from_vec(l, (b, heads, chunk), dev)?);
+    }
+    debug_assert_eq!(2 * chunk, n);
+    Ok((Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?))
+}
+
+/// The fused ring backward: per step and (query chunk, key chunk) pair the fused kernel's
+/// backward with the whole attention's output and log-sum-exp; the key and value gradients
+/// travel with their keys as in the blockwise backward.
+fn fused_backward(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    mask: &RingMask,
+) -> Result<[Tensor; 3]> {
+    let chunk = mask.chunk;
+    let part = |t: &Tensor, a: usize| t.narrow(2, a * chunk, chunk)?.contiguous();
+    let qa = [part(q, 0)?, part(q, 1)?];
+    let oa = [part(out, 0)?, part(out, 1)?];
+    let la = [part(lse, 0)?, part(lse, 1)?];
+    let da = [part(dout, 0)?, part(dout, 1)?];
+    let mut dq: [Option<Tensor>; 2] = [None, None];
+    let (mut k, mut v) = (k.clone(), v.clone());
+    let (mut dk, mut dv) = (k.zeros_like()?, v.zeros_like()?);
+    let mut next = None;
+    for t in 0..mask.group.size() {
+        if let Some((pk, pv)) = next.take() {
+            (k, v) = (wait(pk)?, wait(pv)?);
+            // The key gradients follow their keys once the previous rank added its part.
+            (dk, dv) = (pass(mask, &dk)?, pass(mask, &dv)?);
+        }
+        next = prefetch(mask, t, &k, &v);
+        let src = mask.source(t);
+        let (mut dks, mut dvs) = (Vec::with_capacity(2), Vec::with_capacity(2));
+        for c in 0..2 {
+            let kc = k.narrow(2, c * chunk, chunk)?.contiguous()?;
+            let vc = v.narrow(2, c * chunk, chunk)?.contiguous()?;
+            let (mut dkc, mut dvc) = (kc.zeros_like()?, vc.zeros_like()?);
+            for a in 0..2 {
+                let Some(spans) = mask.chunk_spans(a, src, c) else {
+                    continue;
+                };
+                let (g_q, g_k, g_v) =
+                    cpu_flash::backward(&qa[a], &kc, &vc, &oa[a], &la[a], &da[a], &spans)?;
+                dq[a] = Some(match dq[a].take() {
+                    Some(prev) => (prev + g_q)?,
+                    None => g_q,
+                });
+                dkc = (dkc + g_k)?;
+                dvc = (dvc + g_v)?;
+            }
+            dks.push(dkc);
+            dvs.push(dvc);
+        }
+        dk = (dk + Tensor::cat(&dks, 2)?)?;
+        dv = (dv + Tensor::cat(&dvs, 2)?)?;
+    }
+    // The gradients of the keys held last belong to the next rank: one more hop home.
+    if mask.group.size() > 1 {
+        (dk, dv) = (pass(mask, &dk)?, pass(mask, &dv)?);
+    }
+    let dq = dq
+        .into_iter()
+        .zip(&qa)
+        .map(|(g, q)| g.map_or_else(|| q.zeros_like(), Ok))
+        .collect::<Result<Vec<_>>>()?;
+    Ok([Tensor::cat(&dq, 2)?, dk, dv])
+}
+
 fn ring<'a>(q: &Tensor, kv: usize, mask: &'a RingMask) -> Result<Ring<'a>> {
     let (b, heads, n, d) = q.dims4()?;
     let group = heads / kv;
@@ -472,6 +650,8 @@ fn ring<'a>(q: &Tensor, kv: usize, mask: &'a RingMask) -> Result<Ring<'a>> {
 struct RingBackward {
     mask: RingMask,
     lse: Tensor,
+    /// The forward ran the fused kernels (the log-sum-exp is then [b, heads, n]).
+    fused: bool,
 }
 
 impl Backward3 for RingBackward {
@@ -485,7 +665,10 @@ impl Backward3 for RingBackward {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<[Tensor; 3]> {
-        ring(q, k.dim(1)?, &self.mask)?.backward(k, v, out, &self.lse, dout)
+        match self.fused {
+            true => fused_backward((q, k, v), (out, &self.lse, &dout.contiguous()?), &self.mask),
+            false => ring(q, k.dim(1)?, &self.mask)?.backward(k, v, out, &self.lse, dout),
+        }
     }
 }
 
@@ -497,10 +680,15 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
         candle_core::bail!("{heads} attention heads cannot share {kv} key/value heads evenly");
     }
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
-    let (out, lse) = ring(q, kv, mask)?.forward(&k_in, &v_in)?;
+    let fused = mask.fused && cpu_flash::applies(q, k);
+    let (out, lse) = match fused {
+        true => fused_forward(&q.detach().contiguous()?, &k_in, &v_in, mask)?,
+        false => ring(q, kv, mask)?.forward(&k_in, &v_in)?,
+    };
     let backward = RingBackward {
         mask: mask.clone(),
         lse,
+        fused,
     };
     with_backward3(q, k, v, out, backward)
 }
@@ -538,7 +726,10 @@ mod tests {
                     .unwrap()
                     .index_select(&index, 1)
                     .unwrap();
-                let mask = RingMask::new(&pos, &cp).unwrap().with_block(block);
+                let mask = RingMask::new(&pos, &cp)
+                    .unwrap()
+                    .with_block(block)
+                    .blockwise();
                 let mine =
                     |t: &Tensor| Var::from_tensor(&t.index_select(&index, 2).unwrap()).unwrap();
                 let (q, k, v) = (mine(&q), mine(&k), mine(&v));
@@ -579,6 +770,73 @@ mod tests {
                 for (a, b) in g1.iter().zip(g2) {
                     let d = measure(dtype, b, a);
                     assert!(d < bound, "{dtype:?}: gradients differ by {d:e}");
+                }
+            }
+        }
+    }
+
+    /// The fused path (f32 CPU: the flash kernel per chunk pair, merged by log-sum-exp) equals
+    /// the blockwise one, values and every gradient, on 2 and 3 ranks with packed documents
+    /// that cross chunk and rank boundaries and chunks longer than a kernel block.
+    #[test]
+    fn fused_pairs_equal_the_blockwise_ring() {
+        let dev = Device::Cpu;
+        for (ranks, chunk) in [(2usize, 70usize), (3, 9)] {
+            let len = 2 * ranks * chunk;
+            // Documents of 31, 100 and the rest.
+            let global: Vec<i64> = (0..len as i64)
+                .map(|i| match i {
+                    i if i < 31 => i,
+                    i if i < 131 => i - 31,
+                    i => i - 131,
+                })
+                .collect();
+            let q = randn((2, 4, len, 16), 1.0, 11);
+            let k = randn((2, 2, len, 16), 1.0, 12);
+            let v = randn((2, 2, len, 16), 1.0, 13);
+            let w = randn((2, 4, len, 16), 1.0, 14);
+            let run = |fused: bool| {
+                InProcessWorld::run(ranks, |rank, cp| {
+                    let index: Vec<u32> = balanced_indices(rank, ranks, chunk)
+                        .into_iter()
+                        .map(|i| i as u32)
+                        .collect();
+                    let index = Tensor::new(index.as_slice(), &dev).unwrap();
+                    let pos = Tensor::new(global.as_slice(), &dev)
+                        .unwrap()
+                        .unsqueeze(0)
+                        .unwrap()
+                        .repeat((2, 1))
+                        .unwrap()
+                        .index_select(&index, 1)
+                        .unwrap();
+                    let mask = RingMask::new(&pos, &cp).unwrap();
+                    let mask = if fused { mask } else { mask.blockwise() };
+                    let mine =
+                        |t: &Tensor| Var::from_tensor(&t.index_select(&index, 2).unwrap()).unwrap();
+                    let (q, k, v) = (mine(&q), mine(&k), mine(&v));
+                    let out = ring_attention(&q, &k, &v, &mask).unwrap();
+                    // Only the blockwise path builds block masks.
+                    assert_eq!(mask.masks.values().is_empty(), fused, "rank {rank}");
+                    let loss = (&out * w.index_select(&index, 2).unwrap())
+                        .unwrap()
+                        .sum_all()
+                        .unwrap();
+                    let g = loss.backward().unwrap();
+                    let grads: Vec<Tensor> = [&q, &k, &v]
+                        .iter()
+                        .map(|t| g.get(t).unwrap().clone())
+                        .collect();
+                    (out, grads)
+                })
+            };
+            let (fused, blockwise) = (run(true), run(false));
+            for ((o1, g1), (o2, g2)) in fused.iter().zip(&blockwise) {
+                let d = diff(o1, o2);
+                assert!(d < 1e-5, "{ranks} ranks: outputs differ by {d:e}");
+                for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(g1.iter().zip(g2)) {
+                    let d = diff(a, b);
+                    assert!(d < 1e-4, "{ranks} ranks: {name} differs by {d:e}");
                 }
             }
         }
