@@ -10,7 +10,9 @@
 //!   process within the bf16 tolerances of the CPU test, and fp32 on the GPU equal to fp32 on
 //!   the CPU;
 //! - ZeRO-3 with the optimizer state and the checkpointed layer inputs in host memory, equal to
-//!   the plain run.
+//!   the plain run;
+//! - the fused kernels (RMSNorm, SwiGLU, rotary, the fused loss, flash attention: causal, with
+//!   key spans, and ring attention per chunk pair) against the CPU kernels in f32.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -620,6 +622,143 @@ fn cuda_flash_attention_follows_the_f32_reference() {
                 let e = rel_diff(g, r);
                 eprintln!("cuda flash {what}: {name} {e:e}");
                 assert!(e < 2e-2, "cuda flash {what}: {name} differs by {e}");
+            }
+        }
+    }
+}
+
+/// The kernels' general form, which ring attention runs per (query chunk, key chunk) pair:
+/// queries and keys of different lengths, each query seeing a span of keys (here queries at
+/// global 200.. over keys at 130.., documents starting at 0, 150 and 260), with the whole
+/// attention's log-sum-exp given to the backward. bf16 and f16 on the GPU against the CPU
+/// kernels in f32.
+#[test]
+fn cuda_flash_key_spans_follow_the_cpu_kernels() {
+    use trl_runtime::nn::cpu_flash::{self, KeySpans};
+    use trl_runtime::nn::cuda_flash;
+    let Some(dev) = gpu() else { return };
+    let (b, hq, hk, nq, nk, d) = (2, 4, 2, 100, 150, 64);
+    let starts: Vec<Vec<usize>> = (0..b)
+        .map(|row| {
+            (200..200 + nq)
+                .map(|g| match (row, g) {
+                    (0, g) if g >= 260 => 260,
+                    (0, g) if g >= 150 => 150,
+                    _ => 0,
+                })
+                .collect()
+        })
+        .collect();
+    let rows: Vec<&[usize]> = starts.iter().map(|r| r.as_slice()).collect();
+    let spans = KeySpans::shifted(&rows, 200, nq, 130, nk).expect("some keys visible");
+    let q = draws(&[b, hq, nq, d], 1.0, 41);
+    let k = draws(&[b, hk, nk, d], 1.0, 42);
+    let v = draws(&[b, hk, nk, d], 1.0, 43);
+    let dout = draws(&[b, hq, nq, d], 1.0, 44);
+    let (want_o, want_l) = cpu_flash::forward(&q, &k, &v, &spans).unwrap();
+    let want_g = cpu_flash::backward(&q, &k, &v, &want_o, &want_l, &dout, &spans).unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let on = |t: &Tensor| t.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
+        let cpu = |t: &Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .to_device(&Device::Cpu)
+                .unwrap()
+        };
+        let (o, l) = cuda_flash::forward(&on(&q), &on(&k), &on(&v), &spans).unwrap();
+        let e = rel_diff(&cpu(&o), &want_o);
+        let le = (cpu(&l) - &want_l)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        eprintln!("cuda flash spans {dtype:?}: output {e:e}, log-sum-exp {le:e}");
+        assert!(
+            e < 2e-2 && le < 2e-2,
+            "{dtype:?}: output {e}, log-sum-exp {le}"
+        );
+        // The backward from the reference output and log-sum-exp, as a ring step gets them.
+        let (dq, dk, dv) = cuda_flash::backward(
+            &on(&q),
+            &on(&k),
+            &on(&v),
+            &want_o.to_device(&dev).unwrap(),
+            &want_l.to_device(&dev).unwrap(),
+            &on(&dout),
+            &spans,
+        )
+        .unwrap();
+        for (name, (g, r)) in ["dq", "dk", "dv"]
+            .iter()
+            .zip([dq, dk, dv].iter().zip([&want_g.0, &want_g.1, &want_g.2]))
+        {
+            let e = rel_diff(&cpu(g), r);
+            eprintln!("cuda flash spans {dtype:?}: {name} {e:e}");
+            assert!(e < 2e-2, "{dtype:?}: {name} differs by {e}");
+        }
+    }
+}
+
+/// Ring attention on the GPU (two in-process ranks, bf16 and f16) runs the fused kernel per
+/// chunk pair and follows the fused ring on the CPU in f32, values and gradients.
+#[test]
+fn ring_attention_on_gpu_follows_the_cpu_ring() {
+    use trl_runtime::nn::ring::{balanced_indices, ring_attention, RingMask};
+    let Some(dev) = gpu() else { return };
+    let (ranks, chunk, d) = (2usize, 70usize, 64usize);
+    let len = 2 * ranks * chunk;
+    // Documents of 31, 100 and the rest, crossing chunk and rank boundaries.
+    let global: Vec<i64> = (0..len as i64)
+        .map(|i| match i {
+            i if i < 31 => i,
+            i if i < 131 => i - 31,
+            i => i - 131,
+        })
+        .collect();
+    let q = draws(&[1, 4, len, d], 1.0, 51);
+    let k = draws(&[1, 2, len, d], 1.0, 52);
+    let v = draws(&[1, 2, len, d], 1.0, 53);
+    let w = draws(&[1, 4, len, d], 1.0, 54);
+    let run = |device: &Device, dtype: DType| {
+        InProcessWorld::run(ranks, |rank, cp| {
+            let index: Vec<u32> = balanced_indices(rank, ranks, chunk)
+                .into_iter()
+                .map(|i| i as u32)
+                .collect();
+            let index = Tensor::new(index.as_slice(), &Device::Cpu).unwrap();
+            let pos = Tensor::new(global.as_slice(), &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap()
+                .index_select(&index, 1)
+                .unwrap();
+            let mask = RingMask::new(&pos, &cp).unwrap();
+            let mine = |t: &Tensor| t.index_select(&index, 2).unwrap();
+            output_and_grads(
+                &[&mine(&q), &mine(&k), &mine(&v)],
+                &mine(&w),
+                device,
+                dtype,
+                |t| ring_attention(&t[0], &t[1], &t[2], &mask).unwrap(),
+            )
+        })
+    };
+    let want = run(&Device::Cpu, DType::F32);
+    for dtype in [DType::BF16, DType::F16] {
+        let got = run(&dev, dtype);
+        for (rank, ((o, g), (wo, wg))) in got.iter().zip(&want).enumerate() {
+            let e = rel_diff(o, wo);
+            eprintln!("ring on gpu {dtype:?} rank {rank}: output {e:e}");
+            assert!(e < 2e-2, "{dtype:?} rank {rank}: output differs by {e}");
+            for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(g.iter().zip(wg)) {
+                let e = rel_diff(a, b);
+                eprintln!("ring on gpu {dtype:?} rank {rank}: {name} {e:e}");
+                assert!(e < 2e-2, "{dtype:?} rank {rank}: {name} differs by {e}");
             }
         }
     }

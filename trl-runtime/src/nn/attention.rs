@@ -199,7 +199,7 @@ fn fused_kernel(
         return Some(super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges));
     }
     #[cfg(feature = "cuda")]
-    if super::cuda_flash::applies(q, k) {
+    if square && super::cuda_flash::applies(q, k) {
         return Some(super::cuda_flash::flash_attention_cuda(
             q,
             k,

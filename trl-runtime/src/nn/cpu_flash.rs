@@ -170,6 +170,25 @@ impl KeySpans {
         })
     }
 
+    /// Queries times batch rows.
+    pub fn len(&self) -> usize {
+        self.lo.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lo.is_empty()
+    }
+
+    /// The first visible key of every (batch row, query).
+    pub fn lo(&self) -> &[u32] {
+        &self.lo
+    }
+
+    /// One past the last visible key of every (batch row, query).
+    pub fn hi(&self) -> &[u32] {
+        &self.hi
+    }
+
     /// The spans of rows `[r0, r0 + m)` of batch row `bi`.
     fn rows(&self, bi: usize, r0: usize, m: usize) -> (&[u32], &[u32]) {
         let span = bi * self.queries + r0..bi * self.queries + r0 + m;

@@ -1,15 +1,20 @@
-//! Fused causal attention on CUDA (`kernels/flash.cu`: FlashAttention-2's tiling on tensor
-//! cores through WMMA), forward and backward, for bf16 and f16 with head dims 64 and 128:
-//! what `sdpa` / `flash_attention_2` / `eager` run on a GPU for those inputs (others keep the
-//! blockwise Candle-op path). Packed rows and grouped-query heads as on CPU
-//! (`cpu_flash`, the same tiling, tested against the whole score matrix). `TRL_FLASH_CUDA=0`
-//! turns it off.
+//! Fused attention on CUDA (`kernels/flash.cu`: FlashAttention-2's tiling on tensor cores
+//! through WMMA), forward and backward, for bf16 and f16 with head dims 64 and 128: what
+//! `sdpa` / `flash_attention_2` / `eager` run on a GPU for those inputs (others keep the
+//! blockwise Candle-op path), and what ring attention runs per (query chunk, key chunk) pair.
+//! Key spans, packed rows and grouped-query heads as on CPU (`cpu_flash`, the same tiling,
+//! tested against the whole score matrix and the blockwise ring). `TRL_FLASH_CUDA=0` turns it
+//! off.
 //!
-//! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks), cast to the
-//! inputs' dtype by one more kernel; the log-sum-exp of every row is kept for backward.
+//! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks). [`forward`]
+//! returns the output in f32 with each row's log-sum-exp (ring attention merges them);
+//! [`backward`] takes the whole attention's output and log-sum-exp and casts the gradients
+//! to the inputs' dtype by one more kernel.
 
+use super::cpu_flash::KeySpans;
 use super::cuda_fused::{switch, typed, view};
 use super::softmax::RowRanges;
+use crate::precomputed::{with_backward3, Backward3};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -20,7 +25,6 @@ use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Storage,
     Tensor,
 };
-use std::sync::Mutex;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
 const MODULE: &str = "trl_flash";
@@ -34,13 +38,12 @@ fn enabled() -> bool {
     switch(&ON, "TRL_FLASH_CUDA")
 }
 
-/// Whether [`flash_attention_cuda`] takes these inputs: on a GPU, bf16 or f16, head dim 64
-/// or 128, keys as long as queries.
+/// Whether the fused kernels take these inputs: on a GPU, bf16 or f16, head dim 64 or 128.
 pub fn applies(q: &Tensor, k: &Tensor) -> bool {
-    let Ok((_, heads, s, d)) = q.dims4() else {
+    let Ok((_, heads, _, d)) = q.dims4() else {
         return false;
     };
-    let Ok((_, kv_heads, k_len, _)) = k.dims4() else {
+    let Ok((_, kv_heads, _, _)) = k.dims4() else {
         return false;
     };
     enabled()
@@ -48,7 +51,6 @@ pub fn applies(q: &Tensor, k: &Tensor) -> bool {
         && matches!(q.dtype(), DType::BF16 | DType::F16)
         && k.dtype() == q.dtype()
         && matches!(d, 64 | 128)
-        && k_len == s
         && kv_heads > 0
         && heads % kv_heads == 0
 }
@@ -98,11 +100,42 @@ fn bwd_shared(d: usize) -> usize {
         + 4 * br * (d / 4) * 4
 }
 
-/// (batch, query heads, kv heads, length, head dim) of q and k.
-fn dims(q: &Layout, k: &Layout) -> Result<(usize, usize, usize, usize, usize)> {
-    let (b, hq, s, d) = q.shape().dims4()?;
-    let (_, hk, _, _) = k.shape().dims4()?;
-    Ok((b, hq, hk, s, d))
+/// The geometry of one call: q [b, hq, nq, d], k and v [b, hk, nk, d].
+struct Dims {
+    b: usize,
+    hq: usize,
+    hk: usize,
+    nq: usize,
+    nk: usize,
+    d: usize,
+}
+
+fn dims(q: &Layout, k: &Layout, spans: &KeySpans) -> Result<Dims> {
+    let (b, hq, nq, d) = q.shape().dims4()?;
+    let (_, hk, nk, _) = k.shape().dims4()?;
+    if spans.len() != b * nq {
+        bail!(
+            "cuda flash attention: {} key spans for {b} x {nq} queries",
+            spans.len()
+        );
+    }
+    Ok(Dims {
+        b,
+        hq,
+        hk,
+        nq,
+        nk,
+        d,
+    })
+}
+
+/// The spans on the GPU: (lo, hi) per (batch row, query).
+fn upload(dev: &CudaDevice, spans: &KeySpans) -> Result<(CudaSlice<u32>, CudaSlice<u32>)> {
+    let stream = dev.cuda_stream();
+    Ok((
+        stream.clone_htod(spans.lo()).w()?,
+        stream.clone_htod(spans.hi()).w()?,
+    ))
 }
 
 /// Casts `src` (f32, `groups` blocks of `rows_pad` rows of `d`) into `dst` (T, `rows` rows).
@@ -129,14 +162,13 @@ fn unpad_cast<T: DeviceRepr>(
     Ok(())
 }
 
-struct FlashCuda {
-    ranges: RowRanges,
-    /// From forward to backward: every row's log-sum-exp ([batch x heads, padded rows]) and
-    /// the document starts as uploaded.
-    saved: Mutex<Option<(CudaSlice<f32>, CudaSlice<u32>)>>,
+/// The forward as an op over (q, k, v): the f32 outputs [b x hq, nq_pad, d] and then the
+/// log-sum-exps [b x hq, nq_pad], in one vector.
+struct Fwd<'a> {
+    spans: &'a KeySpans,
 }
 
-impl CustomOp3 for FlashCuda {
+impl CustomOp3 for Fwd<'_> {
     fn name(&self) -> &'static str {
         "cuda-flash-attention"
     }
@@ -164,79 +196,83 @@ impl CustomOp3 for FlashCuda {
     ) -> Result<(CudaStorage, Shape)> {
         let dev = qs.device().clone();
         let dtype = qs.dtype();
-        let (b, hq, hk, s, d) = dims(ql, kl)?;
-        let s_pad = s.div_ceil(BLOCK) * BLOCK;
-        let stream = dev.cuda_stream();
-        let starts = stream.clone_htod(self.ranges.starts.as_slice()).w()?;
-        let o32 = dev.alloc_zeros::<f32>(b * hq * s_pad * d)?;
-        let lse = dev.alloc_zeros::<f32>(b * hq * s_pad)?;
+        let Dims {
+            b,
+            hq,
+            hk,
+            nq,
+            nk,
+            d,
+        } = dims(ql, kl, self.spans)?;
+        let nq_pad = nq.div_ceil(BLOCK) * BLOCK;
+        let (lo, hi) = upload(&dev, self.spans)?;
+        let n_out = b * hq * nq_pad * d;
+        let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
         let shared = fwd_shared(d);
         let f = kernel(&dev, &format!("flash_fwd_{}_d{d}", suffix(dtype)?), shared)?;
-        let out = typed!(dtype, |T| {
+        let stream = dev.cuda_stream();
+        typed!(dtype, |T| {
             let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
+            let (o, lse) = (packed.slice(..n_out), packed.slice(n_out..));
             let scale = 1.0 / (d as f32).sqrt();
-            let (hq_i, hk_i, s_i, sp_i) = (hq as i32, hk as i32, s as i32, s_pad as i32);
+            let (hq_i, hk_i) = (hq as i32, hk as i32);
+            let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nq_pad as i32);
             let mut lb = stream.launch_builder(&f);
-            lb.arg(&q).arg(&k).arg(&v).arg(&starts).arg(&o32).arg(&lse);
-            lb.arg(&hq_i).arg(&hk_i).arg(&s_i).arg(&sp_i).arg(&scale);
-            let grid = ((s_pad / BLOCK) as u32, (b * hq) as u32);
+            lb.arg(&q)
+                .arg(&k)
+                .arg(&v)
+                .arg(&lo)
+                .arg(&hi)
+                .arg(&o)
+                .arg(&lse);
+            lb.arg(&hq_i)
+                .arg(&hk_i)
+                .arg(&nq_i)
+                .arg(&nk_i)
+                .arg(&np_i)
+                .arg(&scale);
+            let grid = ((nq_pad / BLOCK) as u32, (b * hq) as u32);
             // SAFETY: the arguments match the kernel's signature; shared memory as computed.
             unsafe { lb.launch(config(grid, shared)) }.w()?;
-            // SAFETY: every element is written by the cast.
-            let mut out = unsafe { dev.alloc::<T>(b * hq * s * d)? };
-            unpad_cast(
-                &dev,
-                dtype,
-                &o32,
-                &mut out.slice_mut(..),
-                b * hq,
-                s,
-                s_pad,
-                d,
-            )?;
-            CudaStorage::wrap_cuda_slice(out, dev.clone())
         });
-        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some((lse, starts));
-        Ok((out, ql.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some((lse, starts)) = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take()
-        else {
-            bail!("cuda flash attention: backward ran twice")
-        };
-        let op = FlashCudaBwd {
-            starts,
-            lse,
-            out: out.contiguous()?,
-            grad: grad.contiguous()?,
-        };
-        let packed = q.apply_op3_no_bwd(k, v, &op)?;
-        let (nq, nk) = (q.elem_count(), k.elem_count());
-        Ok((
-            Some(packed.narrow(0, 0, nq)?.reshape(q.shape())?),
-            Some(packed.narrow(0, nq, nk)?.reshape(k.shape())?),
-            Some(packed.narrow(0, nq + nk, nk)?.reshape(v.shape())?),
-        ))
+        let n = packed.len();
+        Ok((CudaStorage::wrap_cuda_slice(packed, dev), Shape::from(n)))
     }
 }
 
-/// The backward, as an op over (q, k, v) returning dq, dk and dv packed in one vector.
-struct FlashCudaBwd {
-    starts: CudaSlice<u32>,
-    lse: CudaSlice<f32>,
+/// Attention of `q` [b, heads, nq, d] over `k`, `v` [b, kv_heads, nk, d] (bf16 / f16, on a
+/// GPU) as `spans` say, without autograd: the output in f32 and each row's log-sum-exp
+/// [b, heads, nq] (minus infinity where a row sees no key).
+pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<(Tensor, Tensor)> {
+    let (b, hq, nq, d) = q.dims4()?;
+    let nq_pad = nq.div_ceil(BLOCK) * BLOCK;
+    let packed =
+        q.contiguous()?
+            .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &Fwd { spans })?;
+    let n_out = b * hq * nq_pad * d;
+    let out = packed
+        .narrow(0, 0, n_out)?
+        .reshape((b, hq, nq_pad, d))?
+        .narrow(2, 0, nq)?;
+    let lse = packed
+        .narrow(0, n_out, b * hq * nq_pad)?
+        .reshape((b, hq, nq_pad))?
+        .narrow(2, 0, nq)?
+        .contiguous()?;
+    Ok((out, lse))
+}
+
+/// The backward as an op over (q, k, v) returning dq, dk and dv packed in one vector.
+struct Bwd<'a> {
+    spans: &'a KeySpans,
+    /// The whole attention's output and its gradient (the inputs' dtype), and log-sum-exp
+    /// (f32), all contiguous.
     out: Tensor,
-    grad: Tensor,
+    dout: Tensor,
+    lse: Tensor,
 }
 
-impl CustomOp3 for FlashCudaBwd {
+impl CustomOp3 for Bwd<'_> {
     fn name(&self) -> &'static str {
         "cuda-flash-attention-bwd"
     }
@@ -265,21 +301,32 @@ impl CustomOp3 for FlashCudaBwd {
         let dev = qs.device().clone();
         let dtype = qs.dtype();
         let sfx = suffix(dtype)?;
-        let (b, hq, hk, s, d) = dims(ql, kl)?;
-        let s_pad = s.div_ceil(BLOCK) * BLOCK;
+        let Dims {
+            b,
+            hq,
+            hk,
+            nq,
+            nk,
+            d,
+        } = dims(ql, kl, self.spans)?;
+        let nk_pad = nk.div_ceil(BLOCK) * BLOCK;
         let stream = dev.cuda_stream();
-        let starts = &self.starts;
+        let (lo, hi) = upload(&dev, self.spans)?;
         let (out_guard, out_layout) = self.out.storage_and_layout();
-        let (grad_guard, grad_layout) = self.grad.storage_and_layout();
-        let (Storage::Cuda(os), Storage::Cuda(gs)) = (&*out_guard, &*grad_guard) else {
-            bail!("cuda flash attention: the output and its gradient must be on the GPU")
+        let (grad_guard, grad_layout) = self.dout.storage_and_layout();
+        let (lse_guard, lse_layout) = self.lse.storage_and_layout();
+        let (Storage::Cuda(os), Storage::Cuda(gs), Storage::Cuda(ls)) =
+            (&*out_guard, &*grad_guard, &*lse_guard)
+        else {
+            bail!("cuda flash attention: the output, its gradient and the log-sum-exp must be on the GPU")
         };
-        let rows = b * hq * s;
+        let lse = view::<f32>(ls, lse_layout)?;
+        let rows = b * hq * nq;
         let delta = dev.alloc_zeros::<f32>(rows)?;
-        let dq = dev.alloc_zeros::<f32>(b * hq * s * d)?;
-        let dk = dev.alloc_zeros::<f32>(b * hk * s_pad * d)?;
-        let dv = dev.alloc_zeros::<f32>(b * hk * s_pad * d)?;
-        let (nq, nk) = (b * hq * s * d, b * hk * s * d);
+        let dq = dev.alloc_zeros::<f32>(b * hq * nq * d)?;
+        let dk = dev.alloc_zeros::<f32>(b * hk * nk_pad * d)?;
+        let dv = dev.alloc_zeros::<f32>(b * hk * nk_pad * d)?;
+        let (n_q, n_k) = (b * hq * nq * d, b * hk * nk * d);
         let packed = typed!(dtype, |T| {
             let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
             let (o, g) = (view::<T>(os, out_layout)?, view::<T>(gs, grad_layout)?);
@@ -294,57 +341,94 @@ impl CustomOp3 for FlashCudaBwd {
             let shared = bwd_shared(d);
             let f = kernel(&dev, &format!("flash_bwd_{sfx}_d{d}"), shared)?;
             let scale = 1.0 / (d as f32).sqrt();
-            let (hq_i, hk_i, s_i, sp_i) = (hq as i32, hk as i32, s as i32, s_pad as i32);
+            let (hq_i, hk_i) = (hq as i32, hk as i32);
+            let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nk_pad as i32);
             let mut lb = stream.launch_builder(&f);
-            lb.arg(&q)
-                .arg(&k)
-                .arg(&v)
-                .arg(&g)
-                .arg(&self.lse)
-                .arg(&delta)
-                .arg(starts);
-            lb.arg(&dq).arg(&dk).arg(&dv);
-            lb.arg(&hq_i).arg(&hk_i).arg(&s_i).arg(&sp_i).arg(&scale);
-            let grid = ((s_pad / BLOCK) as u32, (b * hk) as u32);
+            lb.arg(&q).arg(&k).arg(&v).arg(&g).arg(&lse).arg(&delta);
+            lb.arg(&lo).arg(&hi).arg(&dq).arg(&dk).arg(&dv);
+            lb.arg(&hq_i)
+                .arg(&hk_i)
+                .arg(&nq_i)
+                .arg(&nk_i)
+                .arg(&np_i)
+                .arg(&scale);
+            let grid = ((nk_pad / BLOCK) as u32, (b * hk) as u32);
             // SAFETY: the arguments match the kernel's signature; shared memory as computed.
             unsafe { lb.launch(config(grid, shared)) }.w()?;
 
             // SAFETY: every element is written by the three casts.
-            let mut packed = unsafe { dev.alloc::<T>(nq + 2 * nk)? };
-            unpad_cast(
-                &dev,
-                dtype,
-                &dq,
-                &mut packed.slice_mut(..nq),
-                b * hq,
-                s,
-                s,
-                d,
-            )?;
-            let at = nq + nk;
-            unpad_cast(
-                &dev,
-                dtype,
-                &dk,
-                &mut packed.slice_mut(nq..at),
-                b * hk,
-                s,
-                s_pad,
-                d,
-            )?;
-            unpad_cast(
-                &dev,
-                dtype,
-                &dv,
-                &mut packed.slice_mut(at..),
-                b * hk,
-                s,
-                s_pad,
-                d,
-            )?;
+            let mut packed = unsafe { dev.alloc::<T>(n_q + 2 * n_k)? };
+            let mut cast = |src: &CudaSlice<f32>, at: std::ops::Range<usize>, groups, rows, pad| {
+                unpad_cast(
+                    &dev,
+                    dtype,
+                    src,
+                    &mut packed.slice_mut(at),
+                    groups,
+                    rows,
+                    pad,
+                    d,
+                )
+            };
+            cast(&dq, 0..n_q, b * hq, nq, nq)?;
+            cast(&dk, n_q..n_q + n_k, b * hk, nk, nk_pad)?;
+            cast(&dv, n_q + n_k..n_q + 2 * n_k, b * hk, nk, nk_pad)?;
             CudaStorage::wrap_cuda_slice(packed, dev.clone())
         });
-        Ok((packed, Shape::from(nq + 2 * nk)))
+        Ok((packed, Shape::from(n_q + 2 * n_k)))
+    }
+}
+
+/// The gradients of `q`, `k`, `v` for output gradient `dout`, given the output `out` (any
+/// float dtype) and log-sum-exp `lse` [b, heads, nq] of the whole attention these keys are
+/// part of (see [`forward`]); in the inputs' dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    spans: &KeySpans,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dtype = q.dtype();
+    let op = Bwd {
+        spans,
+        out: out.to_dtype(dtype)?.contiguous()?,
+        dout: dout.to_dtype(dtype)?.contiguous()?,
+        lse: lse.to_dtype(DType::F32)?.contiguous()?,
+    };
+    let packed = q
+        .contiguous()?
+        .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
+    let (nq, nk) = (q.elem_count(), k.elem_count());
+    Ok((
+        packed.narrow(0, 0, nq)?.reshape(q.shape())?,
+        packed.narrow(0, nq, nk)?.reshape(k.shape())?,
+        packed.narrow(0, nq + nk, nk)?.reshape(v.shape())?,
+    ))
+}
+
+/// The decoder's attention: its spans and the forward's log-sum-exp, for backward.
+struct Flash {
+    spans: KeySpans,
+    lse: Tensor,
+}
+
+impl Backward3 for Flash {
+    const NAME: &'static str = "cuda flash attention";
+
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<[Tensor; 3]> {
+        let (dq, dk, dv) = backward(q, k, v, out, &self.lse, dout, &self.spans)?;
+        Ok([dq, dk, dv])
     }
 }
 
@@ -356,10 +440,10 @@ pub fn flash_attention_cuda(
     v: &Tensor,
     ranges: &RowRanges,
 ) -> Result<Tensor> {
-    let op = FlashCuda {
-        ranges: ranges.clone(),
-        saved: Mutex::new(None),
-    };
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    if q.dim(2)? != k.dim(2)? {
+        bail!("cuda flash attention: keys must be as many as queries");
+    }
+    let spans = KeySpans::causal(ranges);
+    let (out, lse) = forward(&q.detach(), &k.detach(), &v.detach(), &spans)?;
+    with_backward3(q, k, v, out.to_dtype(q.dtype())?, Flash { spans, lse })
 }

@@ -13,11 +13,11 @@
 //! Within a step the local queries and the visiting keys are taken in blocks (as in the
 //! blockwise attention), so memory stays linear in the length: one block of scores at a time.
 //!
-//! On the CPU in f32 each (query chunk, key chunk) pair of a step runs the fused kernel of
-//! [`super::cpu_flash`] with the pair's key spans, and the steps merge by their log-sum-exps;
-//! backward runs the kernel's backward per pair with the whole attention's output and
-//! log-sum-exp, which makes each pair's gradients exact. Other dtypes and devices take the
-//! blockwise path below.
+//! Where a fused kernel applies (f32 on the CPU: [`super::cpu_flash`]; bf16 / f16 on a GPU:
+//! `cuda_flash`, the same tiling) each (query chunk, key chunk) pair of a step runs it with
+//! the pair's key spans, and the pairs merge by their log-sum-exps in f32; backward runs the
+//! kernel's backward per pair with the whole attention's output and log-sum-exp, which makes
+//! each pair's gradients exact. Other inputs take the blockwise path below.
 //!
 //! Precision as in the blockwise attention: matmuls in the inputs' dtype (bf16 under mixed
 //! precision), scores, softmax and accumulators in f32 (f64 for f64 inputs). The key and value
@@ -491,48 +491,68 @@ fn prefetch(mask: &RingMask, t: usize, k: &Tensor, v: &Tensor) -> Option<(Pendin
     (t + 1 < mask.group.size()).then(|| (mask.start_pass(k), mask.start_pass(v)))
 }
 
-/// A running (output, log-sum-exp) of one query chunk, flat [b, heads, chunk, d] and
-/// [b, heads, chunk]; `part` merges in by the log-sum-exps (a row `part` does not reach has
-/// minus infinity and adds nothing).
-fn merge(acc: &mut Option<(Vec<f32>, Vec<f32>)>, part: (Tensor, Tensor)) -> Result<()> {
-    let (o, l) = (
-        part.0.flatten_all()?.to_vec1::<f32>()?,
-        part.1.flatten_all()?.to_vec1::<f32>()?,
-    );
-    let Some((ao, al)) = acc.as_mut() else {
-        *acc = Some((o, l));
-        return Ok(());
-    };
-    let d = o.len() / l.len();
-    for (r, (la, lb)) in al.iter_mut().zip(&l).enumerate() {
-        if *lb == f32::NEG_INFINITY {
-            continue;
-        }
-        let m = la.max(*lb);
-        let (wa, wb) = ((*la - m).exp(), (lb - m).exp());
-        let total = wa + wb;
-        let (wa, wb) = (wa / total, wb / total);
-        for (x, y) in ao[r * d..(r + 1) * d]
-            .iter_mut()
-            .zip(&o[r * d..(r + 1) * d])
-        {
-            *x = *x * wa + y * wb;
-        }
-        *la = m + total.ln();
+/// Whether a fused kernel runs the chunk pairs of these inputs.
+fn fused_applies(q: &Tensor, k: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    if super::cuda_flash::applies(q, k) {
+        return true;
     }
-    Ok(())
+    cpu_flash::applies(q, k)
 }
 
-/// The fused ring forward (f32 on the CPU): every step's (query chunk, key chunk) pairs by
-/// the fused kernel, merged by log-sum-exp. Output [b, heads, n, d], log-sum-exp [b, heads, n].
+/// One chunk pair's output and log-sum-exp (f32) by the fused kernel of the inputs' device.
+fn pair_forward(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return super::cuda_flash::forward(q, k, v, spans);
+    }
+    cpu_flash::forward(q, k, v, spans)
+}
+
+/// One chunk pair's gradients (f32) by the fused kernel of the inputs' device.
+fn pair_backward(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    spans: &KeySpans,
+) -> Result<[Tensor; 3]> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        let (dq, dk, dv) = super::cuda_flash::backward(q, k, v, out, lse, dout, spans)?;
+        return Ok([
+            dq.to_dtype(DType::F32)?,
+            dk.to_dtype(DType::F32)?,
+            dv.to_dtype(DType::F32)?,
+        ]);
+    }
+    let (dq, dk, dv) = cpu_flash::backward(q, k, v, out, lse, dout, spans)?;
+    Ok([dq, dk, dv])
+}
+
+/// Merges a pair's (output, log-sum-exp) into the running ones of its query chunk (f32,
+/// [b, heads, chunk, d] and [b, heads, chunk]). A row the pair does not reach has a
+/// log-sum-exp of minus infinity and gets nothing from it; a row nothing has reached yet
+/// stays zero (the sum of its weights is clamped, not divided by).
+fn merge(acc: Option<(Tensor, Tensor)>, (o, l): (Tensor, Tensor)) -> Result<(Tensor, Tensor)> {
+    let Some((ao, al)) = acc else {
+        return Ok((o, l));
+    };
+    let m = al.maximum(&l)?.clamp(-1e30f32, f32::MAX)?;
+    let (wa, wb) = ((&al - &m)?.exp()?, (&l - &m)?.exp()?);
+    let total = (&wa + &wb)?;
+    let inv = total.clamp(1e-30f32, f32::MAX)?.recip()?;
+    let (wa, wb) = ((wa * &inv)?.unsqueeze(3)?, (wb * &inv)?.unsqueeze(3)?);
+    let out = (ao.broadcast_mul(&wa)? + o.broadcast_mul(&wb)?)?;
+    Ok((out, (m + total.log()?)?))
+}
+
+/// The fused ring forward: every step's (query chunk, key chunk) pairs by the fused kernel,
+/// merged by log-sum-exp. Output [b, heads, n, d] in the inputs' dtype, log-sum-exp
+/// [b, heads, n] in f32.
 fn fused_forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Result<(Tensor, Tensor)> {
-    let (b, heads, n, d) = q.dims4()?;
     let chunk = mask.chunk;
-    let qa = [
-        q.narrow(2, 0, chunk)?.contiguous()?,
-        q.narrow(2, chunk, chunk)?.contiguous()?,
-    ];
-    let mut acc: [Option<(Vec<f32>, Vec<f32>)>; 2] = [None, None];
+    let part = |t: &Tensor, a: usize| t.narrow(2, a * chunk, chunk)?.contiguous();
+    let qa = [part(q, 0)?, part(q, 1)?];
+    let mut acc: [Option<(Tensor, Tensor)>; 2] = [None, None];
     let (mut k, mut v) = (k.clone(), v.clone());
     let mut next = None;
     for t in 0..mask.group.size() {
@@ -542,31 +562,31 @@ fn fused_forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Result<
         next = prefetch(mask, t, &k, &v);
         let src = mask.source(t);
         for c in 0..2 {
-            let kc = k.narrow(2, c * chunk, chunk)?.contiguous()?;
-            let vc = v.narrow(2, c * chunk, chunk)?.contiguous()?;
+            let (kc, vc) = (part(&k, c)?, part(&v, c)?);
             for (a, qa) in qa.iter().enumerate() {
                 if let Some(spans) = mask.chunk_spans(a, src, c) {
-                    merge(&mut acc[a], cpu_flash::forward(qa, &kc, &vc, &spans)?)?;
+                    let (o, l) = pair_forward(qa, &kc, &vc, &spans)?;
+                    acc[a] = Some(merge(acc[a].take(), (o.to_dtype(DType::F32)?, l))?);
                 }
             }
         }
     }
-    let dev = q.device();
-    let mut outs = Vec::with_capacity(2);
-    let mut lses = Vec::with_capacity(2);
+    let (mut outs, mut lses) = (Vec::with_capacity(2), Vec::with_capacity(2));
     for a in acc {
         // Every query sees itself, in its own chunk, at step 0.
         let (o, l) = a.expect("every query chunk sees its own keys");
-        outs.push(Tensor::from_vec(o, (b, heads, chunk, d), dev)?);
-        lses.push(Tensor::from_vec(l, (b, heads, chunk), dev)?);
+        outs.push(o);
+        lses.push(l);
     }
-    debug_assert_eq!(2 * chunk, n);
-    Ok((Tensor::cat(&outs, 2)?, Tensor::cat(&lses, 2)?))
+    Ok((
+        Tensor::cat(&outs, 2)?.to_dtype(q.dtype())?,
+        Tensor::cat(&lses, 2)?,
+    ))
 }
 
 /// The fused ring backward: per step and (query chunk, key chunk) pair the fused kernel's
 /// backward with the whole attention's output and log-sum-exp; the key and value gradients
-/// travel with their keys as in the blockwise backward.
+/// travel with their keys as in the blockwise backward, in f32.
 fn fused_backward(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     (out, lse, dout): (&Tensor, &Tensor, &Tensor),
@@ -578,9 +598,10 @@ fn fused_backward(
     let oa = [part(out, 0)?, part(out, 1)?];
     let la = [part(lse, 0)?, part(lse, 1)?];
     let da = [part(dout, 0)?, part(dout, 1)?];
+    let zeros = |t: &Tensor| Tensor::zeros(t.shape(), DType::F32, t.device());
     let mut dq: [Option<Tensor>; 2] = [None, None];
     let (mut k, mut v) = (k.clone(), v.clone());
-    let (mut dk, mut dv) = (k.zeros_like()?, v.zeros_like()?);
+    let (mut dk, mut dv) = (zeros(&k)?, zeros(&v)?);
     let mut next = None;
     for t in 0..mask.group.size() {
         if let Some((pk, pv)) = next.take() {
@@ -592,15 +613,14 @@ fn fused_backward(
         let src = mask.source(t);
         let (mut dks, mut dvs) = (Vec::with_capacity(2), Vec::with_capacity(2));
         for c in 0..2 {
-            let kc = k.narrow(2, c * chunk, chunk)?.contiguous()?;
-            let vc = v.narrow(2, c * chunk, chunk)?.contiguous()?;
-            let (mut dkc, mut dvc) = (kc.zeros_like()?, vc.zeros_like()?);
+            let (kc, vc) = (part(&k, c)?, part(&v, c)?);
+            let (mut dkc, mut dvc) = (zeros(&kc)?, zeros(&vc)?);
             for a in 0..2 {
                 let Some(spans) = mask.chunk_spans(a, src, c) else {
                     continue;
                 };
-                let (g_q, g_k, g_v) =
-                    cpu_flash::backward(&qa[a], &kc, &vc, &oa[a], &la[a], &da[a], &spans)?;
+                let [g_q, g_k, g_v] =
+                    pair_backward((&qa[a], &kc, &vc), (&oa[a], &la[a], &da[a]), &spans)?;
                 dq[a] = Some(match dq[a].take() {
                     Some(prev) => (prev + g_q)?,
                     None => g_q,
@@ -621,9 +641,14 @@ fn fused_backward(
     let dq = dq
         .into_iter()
         .zip(&qa)
-        .map(|(g, q)| g.map_or_else(|| q.zeros_like(), Ok))
+        .map(|(g, q)| g.map_or_else(|| zeros(q), Ok))
         .collect::<Result<Vec<_>>>()?;
-    Ok([Tensor::cat(&dq, 2)?, dk, dv])
+    let io = q.dtype();
+    Ok([
+        Tensor::cat(&dq, 2)?.to_dtype(io)?,
+        dk.to_dtype(io)?,
+        dv.to_dtype(io)?,
+    ])
 }
 
 fn ring<'a>(q: &Tensor, kv: usize, mask: &'a RingMask) -> Result<Ring<'a>> {
@@ -680,7 +705,7 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
         candle_core::bail!("{heads} attention heads cannot share {kv} key/value heads evenly");
     }
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
-    let fused = mask.fused && cpu_flash::applies(q, k);
+    let fused = mask.fused && fused_applies(q, k);
     let (out, lse) = match fused {
         true => fused_forward(&q.detach().contiguous()?, &k_in, &v_in, mask)?,
         false => ring(q, kv, mask)?.forward(&k_in, &v_in)?,
@@ -840,5 +865,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Merging by log-sum-exp: a part a row does not reach changes nothing, a row no part has
+    /// reached stays zero with minus infinity, and two parts weigh by their sums.
+    #[test]
+    fn merge_weighs_by_log_sum_exp() {
+        let dev = Device::Cpu;
+        let inf = f32::NEG_INFINITY;
+        let t = |v: &[f32], shape: (usize, usize, usize, usize)| {
+            Tensor::from_vec(v.to_vec(), shape, &dev).unwrap()
+        };
+        // Three rows of d = 1: reached by the first part only, by neither, by both.
+        let a = (
+            t(&[1.0, 0.0, 2.0], (1, 1, 3, 1)),
+            t(&[0.5, inf, 0.0], (1, 1, 1, 3)).squeeze(2).unwrap(),
+        );
+        let b = (
+            t(&[7.0, 0.0, 4.0], (1, 1, 3, 1)),
+            t(&[inf, inf, 0.0], (1, 1, 1, 3)).squeeze(2).unwrap(),
+        );
+        let (o, l) = merge(Some(a), b).unwrap();
+        let o = o.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let l = l.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(o, [1.0, 0.0, 3.0]);
+        assert_eq!(l[0], 0.5);
+        assert_eq!(l[1], inf);
+        assert!((l[2] - 2f32.ln()).abs() < 1e-6);
     }
 }
