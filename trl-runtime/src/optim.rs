@@ -114,7 +114,10 @@ impl AdamW {
             };
             let (master, m, v) = match fused_update(s, &g, hyper)? {
                 Some(new) => new,
-                None => chain_update(s, &g, hyper)?,
+                None => match cuda_update(s, &g, hyper)? {
+                    Some(new) => new,
+                    None => chain_update(s, &g, hyper)?,
+                },
             };
             (s.master, s.exp_avg, s.exp_avg_sq) = (master, m, v);
         }
@@ -250,6 +253,101 @@ fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, 
         Tensor::from_vec(m2, shape, dev)?,
         Tensor::from_vec(v2, shape, dev)?,
     )))
+}
+
+/// AdamW on a GPU in one kernel pass (`nn::cuda_fused::adamw`, the same arithmetic as
+/// [`fused_update`]): the new (master, exp_avg, exp_avg_sq), views of one fresh vector, or
+/// None where it does not apply (not f32 on a GPU, or the fused kernels turned off).
+#[cfg(feature = "cuda")]
+fn cuda_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    let all_f32 = [&s.master, &s.exp_avg, &s.exp_avg_sq, g]
+        .into_iter()
+        .chain(s.decay_mask.as_ref())
+        .all(|t| t.dtype() == DType::F32 && t.device().is_cuda());
+    if !all_f32 || !crate::nn::cuda_fused::enabled() {
+        return Ok(None);
+    }
+    let decay = match (&s.decay_mask, s.decay) {
+        (None, false) => 0.0,
+        _ => h.decay,
+    };
+    let op = AdamWCuda {
+        moments: [s.exp_avg.contiguous()?, s.exp_avg_sq.contiguous()?],
+        mask: s.decay_mask.as_ref().map(|m| m.contiguous()).transpose()?,
+        consts: crate::nn::cuda_fused::AdamWConsts {
+            shrink: (h.lr * decay) as f32,
+            beta1: h.beta1 as f32,
+            beta2: h.beta2 as f32,
+            step: (h.lr / h.bc1) as f32,
+            inv_bc2: (1.0 / h.bc2.sqrt()) as f32,
+            eps: h.eps as f32,
+        },
+    };
+    let packed = s
+        .master
+        .contiguous()?
+        .apply_op2_no_bwd(&g.contiguous()?, &op)?;
+    let (shape, n) = (s.master.shape(), s.master.elem_count());
+    let part = |i: usize| packed.narrow(0, i * n, n)?.reshape(shape);
+    Ok(Some((part(0)?, part(1)?, part(2)?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_update(_: &ParamState, _: &Tensor, _: Hyper) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    Ok(None)
+}
+
+/// The GPU AdamW as an op over (master, gradient), with the moments and the decay mask.
+#[cfg(feature = "cuda")]
+struct AdamWCuda {
+    moments: [Tensor; 2],
+    mask: Option<Tensor>,
+    consts: crate::nn::cuda_fused::AdamWConsts,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp2 for AdamWCuda {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("the CUDA AdamW runs on GPUs (the CPU has its own pass)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        let (m_guard, m_layout) = self.moments[0].storage_and_layout();
+        let (v_guard, v_layout) = self.moments[1].storage_and_layout();
+        let mask = self.mask.as_ref().map(|t| t.storage_and_layout());
+        fn cuda(s: &candle_core::Storage) -> candle_core::Result<&candle_core::CudaStorage> {
+            match s {
+                candle_core::Storage::Cuda(c) => Ok(c),
+                _ => candle_core::bail!("AdamW state must be on the GPU"),
+            }
+        }
+        let (ms, vs) = (cuda(&m_guard)?, cuda(&v_guard)?);
+        let mask = match &mask {
+            Some((g, l)) => Some((cuda(g)?, *l)),
+            None => None,
+        };
+        crate::nn::cuda_fused::adamw(
+            [(ws, wl), (ms, m_layout), (vs, v_layout), (gs, gl)],
+            mask,
+            self.consts,
+        )
+    }
 }
 
 /// Sum of squares of all gradients (f64), so sharded callers can add theirs across ranks.

@@ -1,6 +1,6 @@
 //! Launches the fused CUDA kernels of `kernels/fused.cu` (compiled to PTX by build.rs) for the
 //! custom ops of [`super::fused`]: RMSNorm, SwiGLU and the rotary embedding, forward and
-//! backward, on contiguous f32, bf16 and f16 tensors. `TRL_FUSED_CUDA=0` turns them off (the
+//! backward, on contiguous f32, bf16 and f16 tensors; and the one-pass AdamW of `optim`. `TRL_FUSED_CUDA=0` turns them off (the
 //! ops then run as Candle ops on the GPU, as before).
 
 use candle_core::backend::BackendStorage;
@@ -283,4 +283,56 @@ pub fn cross_entropy_rows(
     });
     let host = stream.clone_dtoh(&loss).w()?;
     Ok(host.iter().map(|&x| x as f64).sum())
+}
+
+/// AdamW's constants for [`adamw`]: weight-decay shrink (lr x decay), beta1, beta2, lr / bc1,
+/// 1 / sqrt(bc2), eps.
+#[derive(Clone, Copy)]
+pub struct AdamWConsts {
+    pub shrink: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub step: f32,
+    pub inv_bc2: f32,
+    pub eps: f32,
+}
+
+/// One AdamW step over contiguous f32 `w` (master), `m`, `v` and gradient `g` (and the decay
+/// mask, 1 where decay applies) in one pass: `[new master, exp_avg, exp_avg_sq]` as one f32
+/// vector of 3n.
+pub fn adamw(
+    [w, m, v, g]: [(&CudaStorage, &Layout); 4],
+    mask: Option<(&CudaStorage, &Layout)>,
+    c: AdamWConsts,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = w.0.device().clone();
+    let n = w.1.shape().elem_count();
+    let f = dev.get_or_load_custom_func("adamw_f32", MODULE, PTX)?;
+    let (ws, ms, vs, gs) = (
+        view::<f32>(w.0, w.1)?,
+        view::<f32>(m.0, m.1)?,
+        view::<f32>(v.0, v.1)?,
+        view::<f32>(g.0, g.1)?,
+    );
+    // Without a mask the kernel never reads it; the gradient stands in for the pointer.
+    let (mask, has_mask) = match mask {
+        Some(k) => (view::<f32>(k.0, k.1)?, 1i32),
+        None => (view::<f32>(g.0, g.1)?, 0i32),
+    };
+    // SAFETY: every element is written by the kernel.
+    let out = unsafe { dev.alloc::<f32>(3 * n)? };
+    let n64 = n as u64;
+    let mut b = f.builder();
+    b.arg(&ws)
+        .arg(&ms)
+        .arg(&vs)
+        .arg(&gs)
+        .arg(&mask)
+        .arg(&has_mask);
+    b.arg(&out).arg(&n64);
+    b.arg(&c.shrink).arg(&c.beta1).arg(&c.beta2);
+    b.arg(&c.step).arg(&c.inv_bc2).arg(&c.eps);
+    // SAFETY: the arguments match the kernel's signature.
+    unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(3 * n)))
 }

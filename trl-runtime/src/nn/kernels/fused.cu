@@ -191,6 +191,25 @@ __device__ void rotary(const T* x, const T* cos, const T* sin, T* out, int heads
     }
 }
 
+// AdamW over one parameter (or flat shard) in one pass, all in f32: out = [new master,
+// exp_avg, exp_avg_sq], 3n values. `mask` (read when has_mask) is 1 where weight decay
+// applies; the bias corrections are folded into `step` (lr / bc1) and `inv_bc2`.
+extern "C" __global__ void adamw_f32(const float* w, const float* m, const float* v,
+                                     const float* g, const float* mask, int has_mask,
+                                     float* out, size_t n, float shrink, float b1, float b2,
+                                     float step, float inv_bc2, float eps) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float keep = 1.f - shrink * (has_mask ? mask[i] : 1.f);
+        const float gi = g[i];
+        const float mi = b1 * m[i] + (1.f - b1) * gi;
+        const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+        out[i] = w[i] * keep - step * mi / (sqrtf(vi) * inv_bc2 + eps);
+        out[n + i] = mi;
+        out[2 * n + i] = vi;
+    }
+}
+
 #define FOR_EACH_DTYPE(M) M(f32, float) M(bf16, __nv_bfloat16) M(f16, __half)
 
 #define ENTRY_POINTS(SUFFIX, T)                                                              \
