@@ -725,6 +725,12 @@ mod tests {
     use crate::nn::testing::{bf16_exact_randn as randn, max_abs_diff as diff, rel_diff as rel};
     use candle_core::{Device, Var};
 
+    /// The gradients of `<out, w>` with respect to `inputs`.
+    fn grads_of(out: &Tensor, w: &Tensor, inputs: [&Var; 3]) -> Vec<Tensor> {
+        let g = (out * w).unwrap().sum_all().unwrap().backward().unwrap();
+        inputs.iter().map(|t| g.get(t).unwrap().clone()).collect()
+    }
+
     /// Blocks within a ring step change nothing: values and gradients at block 3 (ragged,
     /// spanning the two chunks) equal one block per step, on 2 ranks with packed documents.
     /// In bf16 (inputs bf16 holds exactly) they follow the f32 ones within a few bf16
@@ -768,15 +774,7 @@ mod tests {
                 );
                 assert_eq!(out.dtype(), dtype);
                 let out = out.to_dtype(DType::F32).unwrap();
-                let loss = (&out * w.index_select(&index, 2).unwrap())
-                    .unwrap()
-                    .sum_all()
-                    .unwrap();
-                let g = loss.backward().unwrap();
-                let grads: Vec<Tensor> = [&q, &k, &v]
-                    .iter()
-                    .map(|t| g.get(t).unwrap().clone())
-                    .collect();
+                let grads = grads_of(&out, &w.index_select(&index, 2).unwrap(), [&q, &k, &v]);
                 (out, grads)
             })
         };
@@ -843,16 +841,8 @@ mod tests {
                     let out = ring_attention(&q, &k, &v, &mask).unwrap();
                     // Only the blockwise path builds block masks.
                     assert_eq!(mask.masks.values().is_empty(), fused, "rank {rank}");
-                    let loss = (&out * w.index_select(&index, 2).unwrap())
-                        .unwrap()
-                        .sum_all()
-                        .unwrap();
-                    let g = loss.backward().unwrap();
-                    let grads: Vec<Tensor> = [&q, &k, &v]
-                        .iter()
-                        .map(|t| g.get(t).unwrap().clone())
-                        .collect();
-                    (out, grads)
+                    let w = w.index_select(&index, 2).unwrap();
+                    (out.clone(), grads_of(&out, &w, [&q, &k, &v]))
                 })
             };
             let (fused, blockwise) = (run(true), run(false));
