@@ -612,7 +612,7 @@ fn cuda_flash_attention_follows_the_f32_reference() {
             let got = output_and_grads(&[&q, &k, &v], &w, &dev, dtype, |t| {
                 assert!(applies(&t[0], &t[1]), "the fused kernel takes these inputs");
                 let mask = AttentionMask::causal(&pos, dtype, &dev).unwrap();
-                flash_attention_cuda(&t[0], &t[1], &t[2], mask.ranges()).unwrap()
+                flash_attention_cuda(&t[0], &t[1], &t[2], mask.key_spans()).unwrap()
             });
             let what = format!("b {b} heads {hq}/{hk} s {s} d {d} {dtype:?}");
             let e = rel_diff(&got.0, &want.0);
@@ -744,7 +744,16 @@ fn ring_attention_on_gpu_follows_the_cpu_ring() {
                 &mine(&w),
                 device,
                 dtype,
-                |t| ring_attention(&t[0], &t[1], &t[2], &mask).unwrap(),
+                |t| {
+                    // On the GPU the ring's pairs go to the fused kernel.
+                    let fused = trl_runtime::nn::cuda_flash::applies(&t[0], &t[1]);
+                    assert_eq!(
+                        fused,
+                        t[0].device().is_cuda(),
+                        "the fused kernel takes these"
+                    );
+                    ring_attention(&t[0], &t[1], &t[2], &mask).unwrap()
+                },
             )
         })
     };
@@ -814,6 +823,17 @@ fn fused_adamw_on_gpu_follows_the_cpu() {
     }
     for name in names {
         let (c, g) = (&cpu_opt.states[name], &gpu_opt.states[name]);
+        // The kernel's output: the three are views of one [master | m | v] vector (the op
+        // chain would give three tensors of their own, each at offset 0).
+        let n = g.master.elem_count();
+        assert_eq!(
+            (
+                g.exp_avg.layout().start_offset(),
+                g.exp_avg_sq.layout().start_offset()
+            ),
+            (n, 2 * n),
+            "{name}: the fused kernel ran"
+        );
         for (what, a, b) in [
             ("master", &c.master, &g.master),
             ("exp_avg", &c.exp_avg, &g.exp_avg),

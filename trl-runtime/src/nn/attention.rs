@@ -3,6 +3,7 @@
 //! document). Every model calls [`attention`]; the context- and sequence-parallel issues route
 //! it to ring or Ulysses attention.
 
+use super::cpu_flash::KeySpans;
 use super::memo::Memo;
 use super::precision;
 use super::softmax::{causal_softmax, RowRanges};
@@ -25,6 +26,8 @@ pub struct AttentionMask {
     /// first key, keys), built on first use and shared by every layer of one forward and its
     /// backward; None where every query sees every key. The whole matrix is one such pair.
     masks: Arc<Memo<BlockPair, Option<Tensor>>>,
+    /// The same ranges as the fused kernels take them, built on first use and shared too.
+    spans: Arc<std::sync::OnceLock<KeySpans>>,
 }
 
 /// (first query, queries, first key, keys).
@@ -79,11 +82,17 @@ impl AttentionMask {
             softmax: precision::wide(dtype),
             fused,
             masks: Arc::default(),
+            spans: Arc::default(),
         })
     }
 
     pub fn ranges(&self) -> &RowRanges {
         &self.ranges
+    }
+
+    /// Every row's visible keys as the fused kernels take them (causal within documents).
+    pub fn key_spans(&self) -> &KeySpans {
+        self.spans.get_or_init(|| KeySpans::causal(&self.ranges))
     }
 
     /// The additive mask of queries `q` (first, count) over keys `k` (first, count), [batch, 1,
@@ -196,7 +205,12 @@ fn fused_kernel(
 ) -> Option<Result<Tensor>> {
     let square = q.dim(2).ok() == k.dim(2).ok();
     if mask.fused && square && super::cpu_flash::applies(q, k) {
-        return Some(super::cpu_flash::flash_attention_cpu(q, k, v, &mask.ranges));
+        return Some(super::cpu_flash::flash_attention_cpu(
+            q,
+            k,
+            v,
+            mask.key_spans(),
+        ));
     }
     #[cfg(feature = "cuda")]
     if square && super::cuda_flash::applies(q, k) {
@@ -204,7 +218,7 @@ fn fused_kernel(
             q,
             k,
             v,
-            &mask.ranges,
+            mask.key_spans(),
         ));
     }
     None

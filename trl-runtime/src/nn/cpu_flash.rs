@@ -22,7 +22,7 @@ use super::simd::simd_dispatch;
 use super::softmax::RowRanges;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Queries and keys per block.
 pub const BLOCK: usize = 64;
@@ -125,8 +125,9 @@ impl Dims {
 #[derive(Debug, Clone)]
 pub struct KeySpans {
     queries: usize,
-    lo: Vec<u32>,
-    hi: Vec<u32>,
+    // Shared: every layer of a forward (and its backward) uses the same spans.
+    lo: Arc<[u32]>,
+    hi: Arc<[u32]>,
 }
 
 impl KeySpans {
@@ -135,10 +136,11 @@ impl KeySpans {
         let rows = ranges.rows;
         KeySpans {
             queries: rows,
-            lo: ranges.starts.to_vec(),
+            lo: ranges.starts.as_slice().into(),
             hi: (0..ranges.batch * rows)
                 .map(|i| (i % rows + 1) as u32)
-                .collect(),
+                .collect::<Vec<_>>()
+                .into(),
         }
     }
 
@@ -163,10 +165,10 @@ impl KeySpans {
                 hi.push(b.max(a) as u32);
             }
         }
-        any.then_some(KeySpans {
+        any.then(|| KeySpans {
             queries: nq,
-            lo,
-            hi,
+            lo: lo.into(),
+            hi: hi.into(),
         })
     }
 
@@ -668,20 +670,12 @@ pub fn applies(q: &Tensor, k: &Tensor) -> bool {
         && k.rank() == 4
 }
 
-/// Causal attention of `q` [b, heads, s, d] over `k`, `v` [b, kv_heads, s, d] with the
-/// document ranges of `ranges` (each row sees keys from its document's start to itself),
-/// fused as described in the module docs.
-pub fn flash_attention_cpu(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    ranges: &RowRanges,
-) -> Result<Tensor> {
-    if q.dim(2)? != k.dim(2)? {
-        candle_core::bail!("cpu flash attention: keys must be as many as queries");
-    }
+/// Attention of `q` [b, heads, sq, d] over `k`, `v` [b, kv_heads, sk, d] as `spans` say (the
+/// decoder's: [`crate::nn::AttentionMask::key_spans`]), with autograd, fused as described in
+/// the module docs.
+pub fn flash_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<Tensor> {
     let op = FlashCpu {
-        spans: KeySpans::causal(ranges),
+        spans: spans.clone(),
         lse: Mutex::new(None),
     };
     q.contiguous()?
@@ -715,7 +709,7 @@ mod tests {
             let w = Tensor::randn(0f32, 1.0, (2, heads, s, d), &dev).unwrap();
             let run = |fused: bool| {
                 let out = match fused {
-                    true => flash_attention_cpu(&q, &k, &v, mask.ranges()).unwrap(),
+                    true => flash_attention_cpu(&q, &k, &v, mask.key_spans()).unwrap(),
                     false => whole_matrix_attention(&q, &k, &v, &mask).unwrap(),
                 };
                 let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();

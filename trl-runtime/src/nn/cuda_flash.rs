@@ -13,7 +13,6 @@
 
 use super::cpu_flash::KeySpans;
 use super::cuda_fused::{switch, typed, view};
-use super::softmax::RowRanges;
 use crate::precomputed::{with_backward3, Backward3};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
@@ -432,18 +431,16 @@ impl Backward3 for Flash {
     }
 }
 
-/// Causal attention of `q` [b, heads, s, d] over `k`, `v` [b, kv_heads, s, d] with the
-/// document ranges of `ranges`, by the fused kernels (see the module docs).
+/// Attention of `q` [b, heads, sq, d] over `k`, `v` [b, kv_heads, sk, d] as `spans` say (the
+/// decoder's: [`crate::nn::AttentionMask::key_spans`]), with autograd, by the fused kernels
+/// (see the module docs).
 pub fn flash_attention_cuda(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    ranges: &RowRanges,
+    spans: &KeySpans,
 ) -> Result<Tensor> {
-    if q.dim(2)? != k.dim(2)? {
-        bail!("cuda flash attention: keys must be as many as queries");
-    }
-    let spans = KeySpans::causal(ranges);
-    let (out, lse) = forward(&q.detach(), &k.detach(), &v.detach(), &spans)?;
+    let (out, lse) = forward(&q.detach(), &k.detach(), &v.detach(), spans)?;
+    let spans = spans.clone();
     with_backward3(q, k, v, out.to_dtype(q.dtype())?, Flash { spans, lse })
 }

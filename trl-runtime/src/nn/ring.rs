@@ -725,6 +725,32 @@ mod tests {
     use crate::nn::testing::{bf16_exact_randn as randn, max_abs_diff as diff, rel_diff as rel};
     use candle_core::{Device, Var};
 
+    /// Rank `rank`'s token indices among `ranks` (chunks of `chunk`) and its position ids
+    /// [rows, 2 * chunk] cut from the `global` ones (every row the same).
+    fn local(
+        rank: usize,
+        ranks: usize,
+        chunk: usize,
+        global: &[i64],
+        rows: usize,
+    ) -> (Tensor, Tensor) {
+        let dev = Device::Cpu;
+        let index: Vec<u32> = balanced_indices(rank, ranks, chunk)
+            .into_iter()
+            .map(|i| i as u32)
+            .collect();
+        let index = Tensor::new(index.as_slice(), &dev).unwrap();
+        let pos = Tensor::new(global, &dev)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap()
+            .repeat((rows, 1))
+            .unwrap()
+            .index_select(&index, 1)
+            .unwrap();
+        (index, pos)
+    }
+
     /// The gradients of `<out, w>` with respect to `inputs`.
     fn grads_of(out: &Tensor, w: &Tensor, inputs: [&Var; 3]) -> Vec<Tensor> {
         let g = (out * w).unwrap().sum_all().unwrap().backward().unwrap();
@@ -737,7 +763,6 @@ mod tests {
     /// roundings of the largest value.
     #[test]
     fn blocks_within_a_step_change_nothing() {
-        let dev = Device::Cpu;
         // Per rank: 2 chunks of 5 of a row of 20 tokens; documents of 7 and 13.
         let global: Vec<i64> = (0..7).chain(0..13).collect();
         let q = randn((1, 4, 20, 8), 1.0, 1);
@@ -746,17 +771,7 @@ mod tests {
         let w = randn((1, 4, 20, 8), 1.0, 4);
         let run = |block: usize, dtype: DType| {
             InProcessWorld::run(2, |rank, cp| {
-                let index: Vec<u32> = balanced_indices(rank, 2, 5)
-                    .into_iter()
-                    .map(|i| i as u32)
-                    .collect();
-                let index = Tensor::new(index.as_slice(), &dev).unwrap();
-                let pos = Tensor::new(global.as_slice(), &dev)
-                    .unwrap()
-                    .unsqueeze(0)
-                    .unwrap()
-                    .index_select(&index, 1)
-                    .unwrap();
+                let (index, pos) = local(rank, 2, 5, &global, 1);
                 let mask = RingMask::new(&pos, &cp)
                     .unwrap()
                     .with_block(block)
@@ -803,7 +818,6 @@ mod tests {
     /// that cross chunk and rank boundaries and chunks longer than a kernel block.
     #[test]
     fn fused_pairs_equal_the_blockwise_ring() {
-        let dev = Device::Cpu;
         for (ranks, chunk) in [(2usize, 70usize), (3, 9)] {
             let len = 2 * ranks * chunk;
             // Documents of 31, 100 and the rest.
@@ -820,19 +834,7 @@ mod tests {
             let w = randn((2, 4, len, 16), 1.0, 14);
             let run = |fused: bool| {
                 InProcessWorld::run(ranks, |rank, cp| {
-                    let index: Vec<u32> = balanced_indices(rank, ranks, chunk)
-                        .into_iter()
-                        .map(|i| i as u32)
-                        .collect();
-                    let index = Tensor::new(index.as_slice(), &dev).unwrap();
-                    let pos = Tensor::new(global.as_slice(), &dev)
-                        .unwrap()
-                        .unsqueeze(0)
-                        .unwrap()
-                        .repeat((2, 1))
-                        .unwrap()
-                        .index_select(&index, 1)
-                        .unwrap();
+                    let (index, pos) = local(rank, ranks, chunk, &global, 2);
                     let mask = RingMask::new(&pos, &cp).unwrap();
                     let mask = if fused { mask } else { mask.blockwise() };
                     let mine =
