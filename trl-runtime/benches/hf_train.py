@@ -7,6 +7,7 @@ Run by the Rust bench; usable alone: python3 hf_train.py --seq 2048 --batch 2. `
 transformers and TRL before GPU time is spent on it)."""
 
 import argparse
+import gc as gc_module
 import os
 import json
 import sys
@@ -48,15 +49,17 @@ def batches(n, batch, seq, vocab):
     return [torch.randint(3, vocab - 8, (batch, seq), generator=g) for _ in range(n)]
 
 
-def plain_loop(args):
+def plain_loop(args, batch, gc):
     """What transformers' Trainer does per step with bf16=True: autocast forward, backward,
     clip, fused AdamW."""
     torch.manual_seed(0)
     cfg = config(args.shape)
     model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn).to(args.device)
+    if gc:
+        model.gradient_checkpointing_enable()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    data = batches(args.warmup + args.steps, args.batch, args.seq, cfg.vocab_size)
+    data = batches(args.warmup + args.steps, batch, args.seq, cfg.vocab_size)
     data = [b.to(args.device) for b in data]
 
     def step(ids):
@@ -75,16 +78,18 @@ def plain_loop(args):
         step(ids)
     synchronize(args.device)
     secs = time.perf_counter() - start
-    return args.steps * args.batch * args.seq / secs
+    return args.steps * batch * args.seq / secs
 
 
-def trl_sft(args):
-    """TRL's SFTTrainer on pre-tokenized rows of the same length (no packing needed)."""
+def trl_sft(args, batch, gc, liger=False):
+    """TRL's SFTTrainer on pre-tokenized rows of the same length (no packing needed); with
+    `liger`, its use_liger_kernel (Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and linear
+    cross-entropy)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     cfg = config(args.shape)
-    rows = batches(args.warmup + args.steps, args.batch, args.seq, cfg.vocab_size)
+    rows = batches(args.warmup + args.steps, batch, args.seq, cfg.vocab_size)
     ids = [r.tolist() for b in rows for r in b]
     model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn)
     timings = []
@@ -100,12 +105,12 @@ def trl_sft(args):
     # Under torchrun: DDP over gloo on CPU, as accelerate launch --multi_cpu sets it up.
     ddp = {"ddp_backend": "gloo"} if world > 1 and args.device == "cpu" else {}
     sft_args = SFTConfig(
-        output_dir="/tmp/hf-train-bench", per_device_train_batch_size=args.batch,
+        output_dir="/tmp/hf-train-bench", per_device_train_batch_size=batch,
         max_length=args.seq, bf16=args.dtype == "bf16", learning_rate=1e-5, max_steps=args.warmup + args.steps,
         logging_steps=1000, save_strategy="no", report_to=[], dataset_num_proc=None,
         optim="adamw_torch_fused", use_cpu=args.device == "cpu",
         # Stated, not left to TRL's default (on), so the comparison's setting is known.
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=gc, use_liger_kernel=liger,
         **ddp,
     )
     # A tokenizer only for its pad and eos ids (the rows are token ids already): the bundled one.
@@ -115,7 +120,7 @@ def trl_sft(args):
                          callbacks=[Clock()])
     trainer.train()
     secs = timings[-1] - timings[args.warmup - 1]
-    return world * args.steps * args.batch * args.seq / secs
+    return world * args.steps * batch * args.seq / secs
 
 
 def main():
@@ -132,27 +137,49 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--gradient_checkpointing", action="store_true", help="TRL's run with it on")
+    p.add_argument("--runs", default="",
+                   help="BATCH:on|off,... (gradient checkpointing); overrides --batch and "
+                        "--gradient_checkpointing")
+    p.add_argument("--peers", default="transformers,trl,trl_liger",
+                   help="which peers run (trl_liger: TRL with use_liger_kernel, on a GPU)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    runs = [(args.batch, args.gradient_checkpointing)]
+    if args.runs:
+        runs = [(int(b), gc == "on") for b, gc in (r.split(":") for r in args.runs.split(","))]
+    peers = args.peers.split(",")
     # Under torchrun (WORLD_SIZE > 1) only TRL runs, as DDP; rank 0 prints.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     main_rank = os.environ.get("RANK", "0") == "0"
-    if world == 1:
-        print(json.dumps({"framework": "transformers", "tokens_per_s": plain_loop(args)}), flush=True)
-    gc = args.gradient_checkpointing
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    try:
-        tokens_per_s = trl_sft(args)
-        if main_rank:
-            print(json.dumps({"framework": "trl", "tokens_per_s": tokens_per_s, "world": world,
-                              "gradient_checkpointing": gc}), flush=True)
-    except ImportError as e:
-        print(f"TRL comparison skipped: {e}", file=sys.stderr)
-    except Exception:  # the transformers line above still counts
-        print("TRL comparison failed:", file=sys.stderr)
-        traceback.print_exc()
+    for batch, gc in runs:
+        for peer in peers:
+            if peer == "transformers" and world > 1:
+                continue
+            if peer == "trl_liger" and args.device != "cuda":
+                continue
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                if peer == "transformers":
+                    tokens_per_s = plain_loop(args, batch, gc)
+                else:
+                    tokens_per_s = trl_sft(args, batch, gc, liger=peer == "trl_liger")
+            except ImportError as e:
+                print(f"{peer} skipped: {e}", file=sys.stderr)
+                continue
+            except Exception:  # the other peers still count
+                print(f"{peer} at batch {batch} failed:", file=sys.stderr)
+                traceback.print_exc()
+                continue
+            line = {"framework": peer, "tokens_per_s": tokens_per_s, "world": world,
+                    "batch": batch, "gradient_checkpointing": gc}
+            if args.device == "cuda":
+                line["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if main_rank:
+                print(json.dumps(line), flush=True)
+            gc_module.collect()
 
 
 if __name__ == "__main__":

@@ -213,13 +213,7 @@ fn main() {
     }
     let tmp = tempfile::tempdir().unwrap();
     #[cfg(feature = "cuda")]
-    {
-        let batch = std::env::var("TRL_BENCH_CUDA_BATCH")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2);
-        gpu::run(tmp.path(), batch);
-    }
+    gpu::run(tmp.path());
     // TRL_BENCH_ONLY=cuda skips the CPU part (GPU sessions are short).
     if std::env::var("TRL_BENCH_ONLY").is_ok_and(|v| v == "cuda") {
         return;

@@ -78,3 +78,67 @@ fn cpu_bytes(s: &candle_core::CpuStorage) -> usize {
         S::F8E4M3(v) => size_of_val(v.as_slice()),
     }
 }
+
+/// GPU memory: Candle allocates through CUDA's stream-ordered pool (`cuMemAllocAsync`, each
+/// device's default pool). Its default release threshold (0) hands every freed block back to
+/// the driver at each synchronization, so the next step maps it again; like PyTorch's caching
+/// allocator we keep it. The pool's high-water mark of used bytes is the peak of live
+/// allocations (what torch reports as `max_memory_allocated`), read by the benches.
+#[cfg(feature = "cuda")]
+pub mod gpu {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::{CudaDevice, Result};
+
+    fn pool(dev: &CudaDevice) -> Result<sys::CUmemoryPool> {
+        let mut pool = std::ptr::null_mut();
+        let ordinal = dev.cuda_stream().context().cu_device();
+        // SAFETY: `pool` is a valid out-pointer; the device ordinal comes from a live context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ordinal) }
+            .result()
+            .map_err(|e| candle_core::Error::Msg(format!("GPU memory pool: {e}")))?;
+        Ok(pool)
+    }
+
+    fn set(dev: &CudaDevice, attr: sys::CUmemPool_attribute, mut value: u64) -> Result<()> {
+        let pool = pool(dev)?;
+        // SAFETY: both attributes set here take a u64 (cuuint64_t).
+        unsafe { sys::cuMemPoolSetAttribute(pool, attr, &mut value as *mut u64 as *mut _) }
+            .result()
+            .map_err(|e| candle_core::Error::Msg(format!("GPU memory pool: {e}")))
+    }
+
+    /// Keeps freed blocks in the pool for reuse (release threshold: unlimited).
+    pub fn keep_freed_memory(dev: &CudaDevice) -> Result<()> {
+        set(
+            dev,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            u64::MAX,
+        )
+    }
+
+    /// Peak bytes of live allocations since the last [`reset_peak`] (or the start).
+    pub fn peak_bytes(dev: &CudaDevice) -> Result<u64> {
+        let pool = pool(dev)?;
+        let mut value = 0u64;
+        // SAFETY: USED_MEM_HIGH is a u64 (cuuint64_t).
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut value as *mut u64 as *mut _,
+            )
+        }
+        .result()
+        .map_err(|e| candle_core::Error::Msg(format!("GPU memory pool: {e}")))?;
+        Ok(value)
+    }
+
+    /// Starts a new peak from the bytes live now (the driver accepts only 0 as the reset value).
+    pub fn reset_peak(dev: &CudaDevice) -> Result<()> {
+        set(
+            dev,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            0,
+        )
+    }
+}

@@ -13,6 +13,12 @@ pub const SEQ: usize = 2048;
 const WARMUP_STEPS: usize = 2;
 const MEASURED_STEPS: usize = 5;
 
+/// `TRL_BENCH_GPU_PROFILE=1`: one warm-up and one measured step per run and no peers, for a
+/// kernel profile of a step (`scripts/gpu-run profile` runs it under Nsight Compute).
+fn profiling() -> bool {
+    std::env::var("TRL_BENCH_GPU_PROFILE").is_ok_and(|v| v == "1")
+}
+
 /// Qwen2-0.5B's shape (hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocabulary
 /// 151936, tied embeddings).
 pub fn qwen2_05b_config() -> serde_json::Value {
@@ -54,83 +60,159 @@ pub fn flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize) 
     6.0 * params as f64 + 6.0 * (layers * hidden * seq) as f64
 }
 
+/// One configuration of the comparison: batch per step and gradient checkpointing.
+#[derive(Clone, Copy, PartialEq)]
+struct Run {
+    batch: usize,
+    gc: bool,
+}
+
+/// `TRL_BENCH_GPU_RUNS`: comma-separated `BATCH:on|off` (gradient checkpointing); default
+/// batch 2 with and without it and batch 8 without, the issue's comparison points.
+fn runs() -> Vec<Run> {
+    let spec = std::env::var("TRL_BENCH_GPU_RUNS").unwrap_or_else(|_| "2:off,2:on,8:off".into());
+    spec.split(',')
+        .map(|r| {
+            let (b, gc) = r.split_once(':').unwrap_or((r, "off"));
+            Run {
+                batch: b
+                    .trim()
+                    .parse()
+                    .expect("TRL_BENCH_GPU_RUNS: BATCH:on|off, ..."),
+                gc: gc.trim() == "on",
+            }
+        })
+        .collect()
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
 /// Prints the `"device":"cuda"` lines, or says on stderr why there are none.
-pub fn run(dir: &Path, batch: usize) {
+pub fn run(dir: &Path) {
     // The launcher's way in: the context picks the GPU by itself (dist::device); the matmul
     // rate is measured on the same device (and stream) the trainer uses.
     let ctx = DistContext::from_env().unwrap();
-    if !ctx.device().is_cuda() {
+    let Device::Cuda(cuda) = ctx.device().clone() else {
         eprintln!("no GPU selected (see dist::device): the cuda lines are skipped");
         return;
-    }
+    };
     let dev = ctx.device().clone();
     let rate = matmul_rate(&dev);
     eprintln!("bf16 matmul: {:.1} TFLOP/s", rate / 1e12);
+    let runs = runs();
+    let most = runs.iter().map(|r| r.batch).max().unwrap_or(2);
     let model_dir = dir.join("qwen2-0.5b");
     let params = crate::support::write_model_and_rows(
         &model_dir,
         qwen2_05b_config(),
-        4 * batch * (WARMUP_STEPS + MEASURED_STEPS),
+        most * (WARMUP_STEPS + MEASURED_STEPS),
         SEQ,
     );
     let per_token = flops_per_token(params, 24, 896, SEQ);
-    let config = SFTConfig {
-        model_name_or_path: model_dir.join("model"),
-        dataset_name: model_dir.join("train.jsonl"),
-        output_dir: dir.join("out-gpu"),
-        per_device_train_batch_size: batch,
-        max_length: SEQ,
-        learning_rate: 1e-5,
-        bf16: true,
-        disable_tqdm: true,
-        max_steps: 1000,
-        ..SFTConfig::default()
+    let (warmup, measured) = if profiling() {
+        (1, 1)
+    } else {
+        (WARMUP_STEPS, MEASURED_STEPS)
     };
-    let mut trainer = Trainer::with_strategy(config, &ctx, Strategy::Ddp).unwrap();
-    // sdpa (the default, as in TRL) runs blockwise on a GPU.
-    let attention = format!("{:?}", trainer.model.attention).to_lowercase();
-    for _ in 0..WARMUP_STEPS {
-        trainer.train_step().unwrap();
+    let mut ours = Vec::new();
+    for &run in &runs {
+        let config = SFTConfig {
+            model_name_or_path: model_dir.join("model"),
+            dataset_name: model_dir.join("train.jsonl"),
+            output_dir: dir.join("out-gpu"),
+            per_device_train_batch_size: run.batch,
+            max_length: SEQ,
+            learning_rate: 1e-5,
+            bf16: true,
+            disable_tqdm: true,
+            max_steps: 1000,
+            gradient_checkpointing: run.gc,
+            ..SFTConfig::default()
+        };
+        trl_runtime::alloc::gpu::reset_peak(&cuda).unwrap();
+        let result = (|| -> trl_runtime::Result<(f64, f64, String)> {
+            let mut trainer = Trainer::with_strategy(config, &ctx, Strategy::Ddp)?;
+            let attention = format!("{:?}", trainer.model.attention).to_lowercase();
+            for _ in 0..warmup {
+                trainer.train_step()?;
+            }
+            dev.synchronize()?;
+            let start = Instant::now();
+            let mut tokens = 0;
+            // Under `ncu --profile-from-start off` only the measured steps are profiled.
+            let profiler = |start: bool| {
+                use candle_core::cuda_backend::cudarc::driver::sys;
+                if profiling() {
+                    // SAFETY: plain driver calls on the current context; failure is ignored
+                    // (without a profiler attached they do nothing).
+                    let _ = unsafe {
+                        if start {
+                            sys::cuProfilerStart()
+                        } else {
+                            sys::cuProfilerStop()
+                        }
+                    };
+                }
+            };
+            profiler(true);
+            for _ in 0..measured {
+                tokens += trainer.train_step()?.tokens;
+            }
+            dev.synchronize()?;
+            profiler(false);
+            let secs = start.elapsed().as_secs_f64();
+            Ok((tokens as f64 / secs, secs / measured as f64, attention))
+        })();
+        let peak = gib(trl_runtime::alloc::gpu::peak_bytes(&cuda).unwrap_or(0));
+        let gc = if run.gc { "on" } else { "off" };
+        match result {
+            Ok((tokens_per_s, step_s, attention)) => {
+                let mfu = tokens_per_s * per_token / rate;
+                println!(
+                    "{{\"bench\":\"train\",\"device\":\"cuda\",\"model\":\"qwen2-0.5b-shape\",\"params\":{params},\"dtype\":\"bf16\",\"attention\":\"{attention}\",\"seq\":{SEQ},\"batch\":{},\"gradient_checkpointing\":\"{gc}\",\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4},\"mfu\":{mfu:.4},\"peak_gpu_mem_gib\":{peak:.2},\"matmul_tflops\":{:.1}}}",
+                    run.batch,
+                    rate / 1e12
+                );
+                ours.push((run, tokens_per_s, peak));
+            }
+            // Out of memory at a batch is a result too (the issue asks whether batch 8 fits).
+            Err(e) => println!(
+                "{{\"bench\":\"train\",\"device\":\"cuda\",\"batch\":{},\"gradient_checkpointing\":\"{gc}\",\"error\":{:?},\"peak_gpu_mem_gib\":{peak:.2}}}",
+                run.batch,
+                e.to_string()
+            ),
+        }
     }
-    dev.synchronize().unwrap();
-    let start = Instant::now();
-    let mut tokens = 0;
-    for _ in 0..MEASURED_STEPS {
-        tokens += trainer.train_step().unwrap().tokens;
+    if profiling() {
+        return;
     }
-    dev.synchronize().unwrap();
-    let secs = start.elapsed().as_secs_f64();
-    let tokens_per_s = tokens as f64 / secs;
-    let mfu = tokens_per_s * per_token / rate;
-    println!(
-        "{{\"bench\":\"train\",\"device\":\"cuda\",\"model\":\"qwen2-0.5b-shape\",\"params\":{params},\"dtype\":\"bf16\",\"attention\":\"{attention}\",\"seq\":{SEQ},\"batch\":{batch},\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{:.4},\"mfu\":{mfu:.4},\"matmul_tflops\":{:.1}}}",
-        secs / MEASURED_STEPS as f64,
-        rate / 1e12
-    );
-    drop(trainer);
-    // The same shape through transformers (and TRL when importable) on this GPU's torch.
+    // The same shapes through transformers, TRL and TRL + Liger on this GPU's torch.
     let script = crate::support::repo().join("trl-runtime/benches/hf_train.py");
+    let spec = runs
+        .iter()
+        .map(|r| format!("{}:{}", r.batch, if r.gc { "on" } else { "off" }))
+        .collect::<Vec<_>>()
+        .join(",");
     let out =
         std::process::Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
             .arg(&script)
-            .args(["--seq", &SEQ.to_string(), "--batch", &batch.to_string()])
+            .args(["--seq", &SEQ.to_string(), "--runs", &spec])
             .args([
                 "--steps",
                 &MEASURED_STEPS.to_string(),
                 "--warmup",
                 &WARMUP_STEPS.to_string(),
             ])
+            .stderr(std::process::Stdio::inherit())
             .output();
-    // Lines printed before a failure (transformers' before TRL's) still count.
     let hf = match out {
         Ok(o) => {
             if !o.status.success() {
-                eprintln!(
-                    "{} failed: {}",
-                    script.display(),
-                    String::from_utf8_lossy(&o.stderr)
-                );
+                eprintln!("{} failed ({})", script.display(), o.status);
             }
+            // Lines printed before a failure still count.
             String::from_utf8_lossy(&o.stdout)
                 .lines()
                 .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -142,15 +224,27 @@ pub fn run(dir: &Path, batch: usize) {
         }
     };
     for line in hf {
-        let (Some(name), Some(theirs)) =
-            (line["framework"].as_str(), line["tokens_per_s"].as_f64())
-        else {
+        let (Some(name), Some(theirs), Some(batch), Some(gc)) = (
+            line["framework"].as_str(),
+            line["tokens_per_s"].as_f64(),
+            line["batch"].as_u64(),
+            line["gradient_checkpointing"].as_bool(),
+        ) else {
+            continue;
+        };
+        let their_peak = line["peak_gpu_mem_gib"].as_f64().unwrap_or(f64::NAN);
+        let run = Run {
+            batch: batch as usize,
+            gc,
+        };
+        let Some(&(_, mine, my_peak)) = ours.iter().find(|(r, _, _)| *r == run) else {
             continue;
         };
         let hf_mfu = theirs * per_token / rate;
         println!(
-            "{{\"bench\":\"train\",\"device\":\"cuda\",\"what\":\"vs_{name}\",\"seq\":{SEQ},\"batch\":{batch},\"{name}_tokens_per_s\":{theirs:.1},\"{name}_mfu\":{hf_mfu:.4},\"tokens_per_s_ratio_ours_over_{name}\":{:.3}}}",
-            tokens_per_s / theirs
+            "{{\"bench\":\"train\",\"device\":\"cuda\",\"peer\":\"{name}\",\"seq\":{SEQ},\"batch\":{batch},\"gradient_checkpointing\":\"{}\",\"peer_tokens_per_s\":{theirs:.1},\"peer_mfu\":{hf_mfu:.4},\"peer_peak_gpu_mem_gib\":{their_peak:.2},\"tokens_per_s\":{mine:.1},\"peak_gpu_mem_gib\":{my_peak:.2},\"ratio_ours_over_peer\":{:.3}}}",
+            if gc { "on" } else { "off" },
+            mine / theirs
         );
     }
 }

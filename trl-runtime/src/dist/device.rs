@@ -80,8 +80,15 @@ fn select_gpu(local_rank: usize) -> Result<Device> {
             ),
         });
     }
-    Device::new_cuda(ordinal).map_err(|e| Error::Env {
+    let device = Device::new_cuda(ordinal).map_err(|e| Error::Env {
         var: "CUDA_VISIBLE_DEVICES".into(),
         message: format!("GPU {ordinal} of {count} visible ({visible}) cannot be opened: {e}"),
-    })
+    })?;
+    if let Device::Cuda(dev) = &device {
+        // Not fatal: without it freed memory goes back to the driver at each synchronization.
+        if let Err(e) = crate::alloc::gpu::keep_freed_memory(dev) {
+            tracing::warn!("GPU {ordinal}: freed memory is not kept for reuse ({e})");
+        }
+    }
+    Ok(device)
 }
