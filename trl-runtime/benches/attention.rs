@@ -152,6 +152,8 @@ fn gpu() {
         (1, 14, 2, 8192, 64),
         (1, 14, 2, 32768, 64),
     ];
+    // Which kernel pair nn::cuda_flash runs (TRL_FLASH_CUDA_KERNEL: mma, the default, or wmma).
+    let kernel = std::env::var("TRL_FLASH_CUDA_KERNEL").unwrap_or_else(|_| "mma".into());
     let args: Vec<String> = shapes.iter().map(|s| shape_arg(*s)).collect();
     let torch = torch_ms("cuda", "bf16", &args);
     for (shape, theirs) in shapes.iter().zip(torch) {
@@ -162,7 +164,7 @@ fn gpu() {
         let (b, h, _, s, d) = *shape;
         let flops = 3.5 * 4.0 * (b * h * s * s * d) as f64 / 2.0;
         println!(
-            "{{\"bench\":\"attention\",\"device\":\"cuda\",\"dtype\":\"bf16\",\"shape\":\"{}\",\"ms\":{ours:.3},\"tflops\":{:.1},\"torch_sdpa_ms\":{},\"ratio_ours_over_torch\":{}}}",
+            "{{\"bench\":\"attention\",\"device\":\"cuda\",\"dtype\":\"bf16\",\"kernel\":\"{kernel}\",\"shape\":\"{}\",\"ms\":{ours:.3},\"tflops\":{:.1},\"torch_sdpa_ms\":{},\"ratio_ours_over_torch\":{}}}",
             shape_arg(*shape),
             flops / (ours * 1e-3) / 1e12,
             theirs.map_or("null".into(), |t| format!("{t:.3}")),

@@ -1,10 +1,14 @@
-//! Fused attention on CUDA (`kernels/flash.cu`: FlashAttention-2's tiling on tensor cores
-//! through WMMA), forward and backward, for bf16 and f16 with head dims 64 and 128: what
-//! `sdpa` / `flash_attention_2` / `eager` run on a GPU for those inputs (others keep the
+//! Fused attention on CUDA, forward and backward, for bf16 and f16 with head dims 64 and 128:
+//! what `sdpa` / `flash_attention_2` / `eager` run on a GPU for those inputs (others keep the
 //! blockwise Candle-op path), and what ring attention runs per (query chunk, key chunk) pair.
 //! Key spans, packed rows and grouped-query heads as on CPU (`cpu_flash`, the same tiling,
 //! tested against the whole score matrix and the blockwise ring). `TRL_FLASH_CUDA=0` turns it
 //! off.
+//!
+//! Two kernel pairs: `kernels/flash.cu` (FlashAttention-2 with the operands in registers,
+//! `mma.sync` and `ldmatrix`; the default) and `kernels/flash_wmma.cu` (the first version,
+//! through WMMA with the scores in shared memory; `TRL_FLASH_CUDA_KERNEL=wmma`), kept while the
+//! first is new, for comparison on a GPU.
 //!
 //! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks). [`forward`]
 //! returns the output in f32 with each row's log-sum-exp (ring attention merges them);
@@ -27,6 +31,8 @@ use candle_core::{
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
 const MODULE: &str = "trl_flash";
+const WMMA_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_wmma.ptx"));
+const WMMA_MODULE: &str = "trl_flash_wmma";
 /// Query rows per forward block and keys per backward block (the padding of outputs).
 const BLOCK: usize = 64;
 const THREADS: u32 = 128;
@@ -54,6 +60,25 @@ pub fn applies(q: &Tensor, k: &Tensor) -> bool {
         && heads % kv_heads == 0
 }
 
+/// Which kernel pair runs (see the module docs).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Engine {
+    Mma,
+    Wmma,
+}
+
+fn engine() -> Engine {
+    static ENGINE: std::sync::OnceLock<Engine> = std::sync::OnceLock::new();
+    *ENGINE.get_or_init(|| match std::env::var("TRL_FLASH_CUDA_KERNEL").as_deref() {
+        Ok("wmma") => Engine::Wmma,
+        Ok("mma") | Err(_) => Engine::Mma,
+        Ok(other) => {
+            tracing::warn!("TRL_FLASH_CUDA_KERNEL={other}: expected mma or wmma; using mma");
+            Engine::Mma
+        }
+    })
+}
+
 fn suffix(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
         DType::BF16 => "bf16",
@@ -62,10 +87,14 @@ fn suffix(dtype: DType) -> Result<&'static str> {
     })
 }
 
-/// A kernel allowed `shared` bytes of dynamic shared memory.
-fn kernel(dev: &CudaDevice, name: &str, shared: usize) -> Result<CudaFunction> {
+/// A kernel of `engine`'s module allowed `shared` bytes of dynamic shared memory.
+fn kernel(dev: &CudaDevice, engine: Engine, name: &str, shared: usize) -> Result<CudaFunction> {
+    let (module, ptx) = match engine {
+        Engine::Mma => (MODULE, PTX),
+        Engine::Wmma => (WMMA_MODULE, WMMA_PTX),
+    };
     let f = dev
-        .get_or_load_custom_func(name, MODULE, PTX)?
+        .get_or_load_custom_func(name, module, ptx)?
         .into_cuda_function();
     f.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -84,19 +113,43 @@ fn config(grid: (u32, u32), shared: usize) -> LaunchConfig {
 }
 
 /// Shared memory of the forward and backward kernels for head dim `d` (2-byte elements).
-fn fwd_shared(d: usize) -> usize {
-    let (br, bc) = (64, 32);
-    br * d * 2 + 2 * bc * d * 2 + 4 * 16 * bc * 4 + 4 * 16 * bc * 2
+fn fwd_shared(engine: Engine, d: usize) -> usize {
+    match engine {
+        // Q, K and V tiles of 64 rows, padded by 8 elements.
+        Engine::Mma => 3 * 64 * (d + 8) * 2,
+        Engine::Wmma => {
+            let (br, bc) = (64, 32);
+            br * d * 2 + 2 * bc * d * 2 + 4 * 16 * bc * 4 + 4 * 16 * bc * 2
+        }
+    }
 }
 
-fn bwd_shared(d: usize) -> usize {
-    let (bc, br) = (64, 32);
-    2 * bc * d * 2
-        + 2 * br * d * 2
-        + 2 * (4 * 16 * br * 4)
-        + 4 * 16 * br * 2
-        + bc * br * 2
-        + 4 * br * (d / 4) * 4
+/// Query rows per backward tile of the mma kernel (flash.cu's FLASH_DTYPE).
+fn bwd_rows(d: usize) -> usize {
+    if d == 64 {
+        64
+    } else {
+        32
+    }
+}
+
+fn bwd_shared(engine: Engine, d: usize) -> usize {
+    match engine {
+        // K and V tiles of 64 rows, Q and dO of `bwd_rows`, padded; dS (rows x 72).
+        Engine::Mma => {
+            let br = bwd_rows(d);
+            (2 * 64 + 2 * br) * (d + 8) * 2 + br * 72 * 2
+        }
+        Engine::Wmma => {
+            let (bc, br) = (64, 32);
+            2 * bc * d * 2
+                + 2 * br * d * 2
+                + 2 * (4 * 16 * br * 4)
+                + 4 * 16 * br * 2
+                + bc * br * 2
+                + 4 * br * (d / 4) * 4
+        }
+    }
 }
 
 /// The geometry of one call: q [b, hq, nq, d], k and v [b, hk, nk, d].
@@ -137,23 +190,43 @@ fn upload(dev: &CudaDevice, spans: &KeySpans) -> Result<(CudaSlice<u32>, CudaSli
     ))
 }
 
-/// Casts `src` (f32, `groups` blocks of `rows_pad` rows of `d`) into `dst` (T, `rows` rows).
+/// Casts `src` (f32, `groups` x `sum` blocks of `rows_pad` rows of `d`) into `dst` (T,
+/// `groups` blocks of `rows` rows), adding each group's `sum` blocks (query heads sharing a
+/// key/value head).
 #[allow(clippy::too_many_arguments)]
-fn unpad_cast<T: DeviceRepr>(
+fn unpad_sum_cast<T: DeviceRepr>(
     dev: &CudaDevice,
     dtype: DType,
     src: &CudaSlice<f32>,
     dst: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, T>,
     groups: usize,
+    sum: usize,
     rows: usize,
     rows_pad: usize,
     d: usize,
 ) -> Result<()> {
-    let f = kernel(dev, &format!("unpad_cast_{}", suffix(dtype)?), 0)?;
+    let f = kernel(
+        dev,
+        Engine::Mma,
+        &format!("unpad_sum_cast_{}", suffix(dtype)?),
+        0,
+    )?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
-    let (g64, r, rp, di) = (groups as u64, rows as i32, rows_pad as i32, d as i32);
-    b.arg(src).arg(dst).arg(&g64).arg(&r).arg(&rp).arg(&di);
+    let (g64, s, r, rp, di) = (
+        groups as u64,
+        sum as i32,
+        rows as i32,
+        rows_pad as i32,
+        d as i32,
+    );
+    b.arg(src)
+        .arg(dst)
+        .arg(&g64)
+        .arg(&s)
+        .arg(&r)
+        .arg(&rp)
+        .arg(&di);
     let n = groups * rows * d;
     let blocks = n.div_ceil(THREADS as usize).clamp(1, 65_535) as u32;
     // SAFETY: the arguments match the kernel's signature.
@@ -207,8 +280,14 @@ impl CustomOp3 for Fwd<'_> {
         let (lo, hi) = upload(&dev, self.spans)?;
         let n_out = b * hq * nq_pad * d;
         let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
-        let shared = fwd_shared(d);
-        let f = kernel(&dev, &format!("flash_fwd_{}_d{d}", suffix(dtype)?), shared)?;
+        let engine = engine();
+        let shared = fwd_shared(engine, d);
+        let f = kernel(
+            &dev,
+            engine,
+            &format!("flash_fwd_{}_d{d}", suffix(dtype)?),
+            shared,
+        )?;
         let stream = dev.cuda_stream();
         typed!(dtype, |T| {
             let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
@@ -321,15 +400,24 @@ impl CustomOp3 for Bwd<'_> {
         };
         let lse = view::<f32>(ls, lse_layout)?;
         let rows = b * hq * nq;
+        let engine = engine();
+        // The mma kernel runs a block per query head and writes dK, dV per query head (summed
+        // over each group by the cast); the wmma one loops over a group's heads itself.
+        let kv_blocks = match engine {
+            Engine::Mma => b * hq,
+            Engine::Wmma => b * hk,
+        };
         let delta = dev.alloc_zeros::<f32>(rows)?;
         let dq = dev.alloc_zeros::<f32>(b * hq * nq * d)?;
-        let dk = dev.alloc_zeros::<f32>(b * hk * nk_pad * d)?;
-        let dv = dev.alloc_zeros::<f32>(b * hk * nk_pad * d)?;
+        // Fully written by the kernel (padding rows included).
+        // SAFETY: every element is written before it is read.
+        let dk = unsafe { dev.alloc::<f32>(kv_blocks * nk_pad * d)? };
+        let dv = unsafe { dev.alloc::<f32>(kv_blocks * nk_pad * d)? };
         let (n_q, n_k) = (b * hq * nq * d, b * hk * nk * d);
         let packed = typed!(dtype, |T| {
             let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
             let (o, g) = (view::<T>(os, out_layout)?, view::<T>(gs, grad_layout)?);
-            let f = kernel(&dev, &format!("flash_delta_{sfx}"), 0)?;
+            let f = kernel(&dev, Engine::Mma, &format!("flash_delta_{sfx}"), 0)?;
             let (rows_i, d_i) = (rows as i32, d as i32);
             let mut lb = stream.launch_builder(&f);
             lb.arg(&o).arg(&g).arg(&delta).arg(&rows_i).arg(&d_i);
@@ -337,8 +425,8 @@ impl CustomOp3 for Bwd<'_> {
             // SAFETY: the arguments match the kernel's signature.
             unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
-            let shared = bwd_shared(d);
-            let f = kernel(&dev, &format!("flash_bwd_{sfx}_d{d}"), shared)?;
+            let shared = bwd_shared(engine, d);
+            let f = kernel(&dev, engine, &format!("flash_bwd_{sfx}_d{d}"), shared)?;
             let scale = 1.0 / (d as f32).sqrt();
             let (hq_i, hk_i) = (hq as i32, hk as i32);
             let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nk_pad as i32);
@@ -351,27 +439,30 @@ impl CustomOp3 for Bwd<'_> {
                 .arg(&nk_i)
                 .arg(&np_i)
                 .arg(&scale);
-            let grid = ((nk_pad / BLOCK) as u32, (b * hk) as u32);
+            let grid = ((nk_pad / BLOCK) as u32, kv_blocks as u32);
             // SAFETY: the arguments match the kernel's signature; shared memory as computed.
             unsafe { lb.launch(config(grid, shared)) }.w()?;
 
+            let group = kv_blocks / (b * hk);
             // SAFETY: every element is written by the three casts.
             let mut packed = unsafe { dev.alloc::<T>(n_q + 2 * n_k)? };
-            let mut cast = |src: &CudaSlice<f32>, at: std::ops::Range<usize>, groups, rows, pad| {
-                unpad_cast(
-                    &dev,
-                    dtype,
-                    src,
-                    &mut packed.slice_mut(at),
-                    groups,
-                    rows,
-                    pad,
-                    d,
-                )
-            };
-            cast(&dq, 0..n_q, b * hq, nq, nq)?;
-            cast(&dk, n_q..n_q + n_k, b * hk, nk, nk_pad)?;
-            cast(&dv, n_q + n_k..n_q + 2 * n_k, b * hk, nk, nk_pad)?;
+            let mut cast =
+                |src: &CudaSlice<f32>, at: std::ops::Range<usize>, groups, sum, rows, pad| {
+                    unpad_sum_cast(
+                        &dev,
+                        dtype,
+                        src,
+                        &mut packed.slice_mut(at),
+                        groups,
+                        sum,
+                        rows,
+                        pad,
+                        d,
+                    )
+                };
+            cast(&dq, 0..n_q, b * hq, 1, nq, nq)?;
+            cast(&dk, n_q..n_q + n_k, b * hk, group, nk, nk_pad)?;
+            cast(&dv, n_q + n_k..n_q + 2 * n_k, b * hk, group, nk, nk_pad)?;
             CudaStorage::wrap_cuda_slice(packed, dev.clone())
         });
         Ok((packed, Shape::from(n_q + 2 * n_k)))

@@ -1,32 +1,33 @@
-// Fused attention on CUDA (FlashAttention-2's tiling, tensor cores through WMMA), forward and
-// backward, for bf16 and f16 inputs with head dims 64 and 128; f32 accumulation, grouped-query
-// heads without repeating key/value heads. Each query row sees the keys of its span lo..hi
-// (per batch row and query): causal attention over packed rows is one case (lo = the
-// document's start, hi = the row + 1), one (query chunk, key chunk) pair of a ring-attention
-// step another; queries and keys may differ in number. The same tiling as src/nn/cpu_flash.rs,
-// proven against the whole score matrix and the blockwise ring on CPU. Launched from
-// src/nn/cuda_flash.rs.
+// Fused attention on CUDA, forward and backward: FlashAttention-2's algorithm with the
+// operands in registers, on tensor cores through `mma.sync.m16n8k16` (bf16 / f16 in, f32
+// accumulate; sm_80 and newer) fed by `ldmatrix` from padded shared-memory tiles. Head dims 64
+// and 128; grouped-query heads without repeating key/value heads. Each query row sees the keys
+// of its span lo..hi (per batch row and query): causal attention over packed rows is one case,
+// one (query chunk, key chunk) pair of a ring-attention step another; queries and keys may
+// differ in number. The tiling is src/nn/cpu_flash.rs's (64 queries x 64 keys, online softmax
+// forward; per key block, every query block that sees it, backward), proven on CPU against the
+// whole score matrix and the blockwise ring. Launched from src/nn/cuda_flash.rs.
 //
-// Forward, one block per (batch x head, 64 queries), 4 warps of 16 query rows: two passes over
-// the visible key tiles of 32 keys. Pass 1 computes each row's maximum and sum (online, scalar);
-// pass 2 the probabilities, final at once, and O += P V in tensor-core accumulators. (Scores
-// are computed twice; in exchange no rescaling of the accumulators is needed.) Output rows are
-// written in f32, padded to the block (`nq_pad` rows per head), with the log-sum-exp per row
-// (minus infinity for a row that sees no key).
+// Forward: one block per (batch x head, 64 queries), 4 warps of 16 query rows. The warp keeps
+// its Q fragments, the scores S (16 x 64) and the output O (16 x D) in registers; per key tile
+// (64 keys, K and V in shared memory) it computes S = Q K^T, masks, updates the running max m
+// and sum l (base 2: exp2 of scores pre-scaled by log2 e), rescales O and adds P V, P taken
+// straight from S's accumulators (their layout is the A operand's). Output in f32, padded to
+// the 64-row block (`nq_pad` rows per head), with each row's log-sum-exp (natural log; minus
+// infinity for a row that sees no key).
 //
-// Backward, one block per (batch x kv head, 64 keys), 4 warps of 16 keys, over every query
-// head of the group and every query tile of 32 rows that sees the keys (given the whole
-// attention's log-sum-exp, so a part of the keys gets its exact gradients): P^T from the scores and
-// the log-sum-exp, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q in
-// accumulators; dQ += dS K computed by the 4 warps over column quarters and added to an f32
-// buffer with atomics (other key blocks add to the same rows).
+// Backward: one block per (batch x query head, 64 keys), 4 warps of 16 keys, over every query
+// tile of BR rows that sees the keys, given the whole attention's log-sum-exp (so a part of the
+// keys gets its exact gradients): S^T = K_w Q^T and dP^T = V_w dO^T in registers, P^T from S^T
+// and the log-sum-exp, dS^T = P^T (dP^T - Delta); dV_w += P^T dO and dK_w += dS^T Q in
+// registers; dS goes to shared memory and dQ += dS K is split among the warps and added to an
+// f32 buffer with atomics (other key blocks add to the same rows). dK and dV are written per
+// query head (f32, rows padded to the block) and summed over the heads of a group by
+// `unpad_sum_cast`, which keeps the grid at batch x query heads wide.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 #include <stdint.h>
-
-using namespace nvcuda;
 
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
@@ -36,14 +37,90 @@ template <> __device__ __forceinline__ __nv_bfloat16 of<__nv_bfloat16>(float v) 
 }
 template <> __device__ __forceinline__ __half of<__half>(float v) { return __float2half(v); }
 
-constexpr unsigned FULL = 0xffffffffu;
+// Two floats as one register of two 16-bit values (the lower one first).
+template <typename T> __device__ __forceinline__ uint32_t pack(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack<__half>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
 
-// Copies rows [r0, r0 + rows) of a [s, D] matrix into shared memory, zeros past row s.
+constexpr unsigned FULL = 0xffffffffu;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+// D += A B for one m16n8k16 tile: A 16x16 (4 registers), B 16x8 (2), D 16x8 f32 (4).
+template <typename T>
+__device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float* d, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float* d, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// Four 8x8 matrices of 16-bit values; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm4(uint32_t* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm4_t(uint32_t* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// Fragment loads from a row-major shared tile with rows `ld` elements apart. Lane `lane`.
+// A (16x16 at row r0, col c0), the matrix stored as is: a[0..4] for mma.
+template <typename T>
+__device__ __forceinline__ void load_a(uint32_t* a, const T* s, int ld, int r0, int c0, int lane) {
+    const int mi = lane >> 3, r = lane & 7;
+    ldsm4(a, s + (r0 + r + (mi & 1) * 8) * ld + c0 + (mi >> 1) * 8);
+}
+// B for two n8 tiles (n0.., n0 + 8..) x k16 at k0, B[k][n] = s[n][k] (the rows are the n
+// index, as K is for Q K^T): b[0..2] the first tile, b[2..4] the second.
+template <typename T>
+__device__ __forceinline__ void load_b_nk(uint32_t* b, const T* s, int ld, int n0, int k0,
+                                          int lane) {
+    const int mi = lane >> 3, r = lane & 7;
+    ldsm4(b, s + (n0 + r + (mi >> 1) * 8) * ld + k0 + (mi & 1) * 8);
+}
+// B for two n8 tiles x k16, B[k][n] = s[k][n] (rows are the k index, as V is for P V).
+template <typename T>
+__device__ __forceinline__ void load_b_kn(uint32_t* b, const T* s, int ld, int k0, int n0,
+                                          int lane) {
+    const int mi = lane >> 3, r = lane & 7;
+    ldsm4_t(b, s + (k0 + r + (mi & 1) * 8) * ld + n0 + (mi >> 1) * 8);
+}
+
+// Copies rows [r0, r0 + rows) of a [n, D] matrix into a shared tile with rows `ld` apart, 16
+// bytes per access; rows past n are zeros.
 template <typename T, int D>
-__device__ void load_tile(T* dst, const T* src, int r0, int rows, int s) {
-    for (int idx = threadIdx.x; idx < rows * D; idx += blockDim.x) {
-        const int r = idx / D, c = idx % D;
-        dst[idx] = (r0 + r < s) ? src[(size_t)(r0 + r) * D + c] : of<T>(0.f);
+__device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int r0, int rows, int n) {
+    constexpr int V = 8;  // 16-bit values per 16 bytes
+    for (int idx = threadIdx.x; idx < rows * (D / V); idx += blockDim.x) {
+        const int r = idx / (D / V), c = (idx % (D / V)) * V;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r0 + r < n) v = *reinterpret_cast<const uint4*>(src + (size_t)(r0 + r) * D + c);
+        *reinterpret_cast<uint4*>(dst + r * ld + c) = v;
     }
 }
 
@@ -54,25 +131,24 @@ template <typename T, int D>
 __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo,
                           const uint32_t* hi, float* o, float* lse, int hq, int hk, int nq,
                           int nk, int nq_pad, float scale) {
-    constexpr int BR = 64, BC = 32;
+    constexpr int BR = 64, BC = 64, LD = D + 8;  // rows padded by 16 bytes: no bank conflicts
     extern __shared__ __align__(128) unsigned char smem[];
     T* sq = (T*)smem;
-    T* sk = sq + BR * D;
-    T* sv = sk + BC * D;
-    float* ss = (float*)(sv + BC * D);  // 4 warps x 16 x BC scores
-    T* sp = (T*)(ss + 4 * 16 * BC);     // 4 warps x 16 x BC probabilities
+    T* sk = sq + BR * LD;
+    T* sv = sk + BC * LD;
     __shared__ int kfirst, kend;
 
     const int bh = blockIdx.y, bi = bh / hq, h = bh % hq, kvh = h / (hq / hk);
     const int i0 = blockIdx.x * BR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;  // the accumulator layout: rows g, g + 8; cols 2t, 2t+1
     const T* qb = q + (size_t)bh * nq * D;
     const T* kb = k + (size_t)(bi * hk + kvh) * nk * D;
     const T* vb = v + (size_t)(bi * hk + kvh) * nk * D;
     const uint32_t* lob = lo + (size_t)bi * nq;
     const uint32_t* hib = hi + (size_t)bi * nq;
 
-    load_tile<T, D>(sq, qb, i0, BR, nq);
+    load_rows<T, D>(sq, LD, qb, i0, BR, nq);
     if (threadIdx.x == 0) {
         kfirst = nk;
         kend = 0;
@@ -86,89 +162,118 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
         }
     }
     __syncthreads();
-    const int j_begin = (kfirst / BC) * BC;
+    const int j_begin = (kfirst / BC) * BC, j_end = kend;
 
-    // This lane's row of the warp (two lanes per row) and its half of the tile's columns.
-    const int rr = lane >> 1, c0 = (lane & 1) * (BC / 2);
-    const int qrow = i0 + warp * 16 + rr;
-    const int qlo = qrow < nq ? (int)lob[qrow] : 0;
-    const int qhi = qrow < nq ? (int)hib[qrow] : 0;
-    float m = -INFINITY, l = 0.f;
+    // This thread's two rows and their spans (rows past nq see nothing).
+    int rlo[2], rhi[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const int row = i0 + warp * 16 + g + 8 * x;
+        rlo[x] = row < nq ? (int)lob[row] : 0;
+        rhi[x] = row < nq ? (int)hib[row] : 0;
+    }
+    uint32_t qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) load_a<T>(qf[kk], sq, LD, warp * 16, kk * 16, lane);
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const float sl2 = scale * LOG2E;
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc_o[D / 16];
-    for (int n = 0; n < D / 16; ++n) wmma::fill_fragment(acc_o[n], 0.f);
-    float* sw = ss + warp * 16 * BC;
-    T* pw = sp + warp * 16 * BC;
-
-    for (int pass = 0; pass < 2; ++pass) {
-        for (int j0 = j_begin; j0 < kend; j0 += BC) {
-            __syncthreads();
-            load_tile<T, D>(sk, kb, j0, BC, nk);
-            if (pass == 1) load_tile<T, D>(sv, vb, j0, BC, nk);
-            __syncthreads();
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc_s[BC / 16];
-            for (int n = 0; n < BC / 16; ++n) wmma::fill_fragment(acc_s[n], 0.f);
-            for (int kk = 0; kk < D; kk += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                wmma::load_matrix_sync(a, sq + (warp * 16) * D + kk, D);
-                for (int n = 0; n < BC / 16; ++n) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-                    wmma::load_matrix_sync(b, sk + (n * 16) * D + kk, D);
-                    wmma::mma_sync(acc_s[n], a, b, acc_s[n]);
-                }
+    for (int j0 = j_begin; j0 < j_end; j0 += BC) {
+        __syncthreads();  // the previous tile is no longer read
+        load_rows<T, D>(sk, LD, kb, j0, BC, nk);
+        load_rows<T, D>(sv, LD, vb, j0, BC, nk);
+        __syncthreads();
+        float s[BC / 8][4];
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < BC / 16; ++np) {
+                uint32_t b[4];
+                load_b_nk<T>(b, sk, LD, np * 16, kk * 16, lane);
+                mma<T>(s[2 * np], qf[kk], b);
+                mma<T>(s[2 * np + 1], qf[kk], b + 2);
             }
-            for (int n = 0; n < BC / 16; ++n)
-                wmma::store_matrix_sync(sw + n * 16, acc_s[n], BC, wmma::mem_row_major);
-            __syncwarp();
-            if (pass == 0) {
-                float mx = -INFINITY;
-                for (int c = 0; c < BC / 2; ++c) {
-                    const int key = j0 + c0 + c;
-                    if (sees(qlo, qhi, key)) mx = fmaxf(mx, sw[rr * BC + c0 + c] * scale);
-                }
-                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
-                const float m_new = fmaxf(m, mx);
-                float sum = 0.f;
-                if (m_new > -INFINITY) {
-                    for (int c = 0; c < BC / 2; ++c) {
-                        const int key = j0 + c0 + c;
-                        if (sees(qlo, qhi, key))
-                            sum += __expf(sw[rr * BC + c0 + c] * scale - m_new);
-                    }
-                }
-                sum += __shfl_xor_sync(FULL, sum, 1);
-                if (m_new > -INFINITY) {
-                    l = l * __expf(m - m_new) + sum;
-                    m = m_new;
-                }
-            } else {
-                const float inv = l > 0.f ? 1.f / l : 0.f;
-                for (int c = 0; c < BC / 2; ++c) {
-                    const int key = j0 + c0 + c;
-                    const float p = sees(qlo, qhi, key)
-                                        ? __expf(sw[rr * BC + c0 + c] * scale - m) * inv
-                                        : 0.f;
-                    pw[rr * BC + c0 + c] = of<T>(p);
-                }
-                __syncwarp();
-                for (int kk = 0; kk < BC; kk += 16) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                    wmma::load_matrix_sync(a, pw + kk, BC);
-                    for (int n = 0; n < D / 16; ++n) {
-                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-                        wmma::load_matrix_sync(b, sv + kk * D + n * 16, D);
-                        wmma::mma_sync(acc_o[n], a, b, acc_o[n]);
-                    }
-                }
+        }
+        // Mask and scale (base 2), then the rows' new maxima over the quad of lanes.
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int x = e >> 1, key = j0 + n * 8 + 2 * t + (e & 1);
+                s[n][e] = sees(rlo[x], rhi[x], key) ? s[n][e] * sl2 : -INFINITY;
+                mx[x] = fmaxf(mx[x], s[n][e]);
             }
-            __syncwarp();
+        float alpha[2], mu[2];
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            mx[x] = fmaxf(mx[x], __shfl_xor_sync(FULL, mx[x], 1));
+            mx[x] = fmaxf(mx[x], __shfl_xor_sync(FULL, mx[x], 2));
+            const float m_new = fmaxf(m[x], mx[x]);
+            // A row that has seen no key yet keeps 0 as its reference (no inf - inf).
+            mu[x] = m_new == -INFINITY ? 0.f : m_new;
+            alpha[x] = exp2f(m[x] - mu[x]);
+            m[x] = m_new;
+            l[x] *= alpha[x];
+        }
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int x = e >> 1;
+                s[n][e] = exp2f(s[n][e] - mu[x]);
+                l[x] += s[n][e];
+            }
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            acc[n][0] *= alpha[0];
+            acc[n][1] *= alpha[0];
+            acc[n][2] *= alpha[1];
+            acc[n][3] *= alpha[1];
+        }
+        // O += P V: two score tiles (16 keys) are one A fragment.
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            uint32_t a[4] = {pack<T>(s[2 * kk][0], s[2 * kk][1]),
+                             pack<T>(s[2 * kk][2], s[2 * kk][3]),
+                             pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int np = 0; np < D / 16; ++np) {
+                uint32_t b[4];
+                load_b_kn<T>(b, sv, LD, kk * 16, np * 16, lane);
+                mma<T>(acc[2 * np], a, b);
+                mma<T>(acc[2 * np + 1], a, b + 2);
+            }
         }
     }
-    float* ob = o + ((size_t)bh * nq_pad + i0 + warp * 16) * D;
-    for (int n = 0; n < D / 16; ++n)
-        wmma::store_matrix_sync(ob + n * 16, acc_o[n], D, wmma::mem_row_major);
-    if ((lane & 1) == 0)
-        lse[(size_t)bh * nq_pad + qrow] = l > 0.f ? m + logf(l) : -INFINITY;
+    // Each lane summed its own columns: the rows' sums over the quad.
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        l[x] += __shfl_xor_sync(FULL, l[x], 1);
+        l[x] += __shfl_xor_sync(FULL, l[x], 2);
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const int row = i0 + warp * 16 + g + 8 * x;
+        const float inv = l[x] > 0.f ? 1.f / l[x] : 0.f;
+        float* orow = o + ((size_t)bh * nq_pad + row) * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<float2*>(orow + n * 8 + 2 * t) =
+                make_float2(acc[n][2 * x] * inv, acc[n][2 * x + 1] * inv);
+        if (t == 0)
+            lse[(size_t)bh * nq_pad + row] = l[x] > 0.f ? (m[x] + log2f(l[x])) * LN2 : -INFINITY;
+    }
 }
 
 // D[row] = sum over the head dim of dO * O, one warp per row of [rows, D].
@@ -184,196 +289,212 @@ __device__ void flash_delta(const T* o, const T* dout, float* delta, int rows, i
     if (lane == 0) delta[row] = acc;
 }
 
-// `lse` and `delta` are [batch x heads, nq]; dq is [batch x heads, nq, D], dk and dv
-// [batch x kv heads, nk_pad, D].
-template <typename T, int D>
+// `lse` and `delta` are [batch x heads, nq]; dq is [batch x heads, nq, D] (f32, accumulated
+// with atomics), dk and dv [batch x heads, nk_pad, D] (per query head, f32).
+template <typename T, int D, int BR>
 __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                           const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq,
                           float* dk, float* dv, int hq, int hk, int nq, int nk, int nk_pad,
                           float scale) {
-    constexpr int BC = 64, BR = 32;
+    constexpr int BC = 64, LD = D + 8, LDS = BC + 8;
+    // dQ (BR x D) among the 4 warps: BR / 16 row groups, the columns split over the rest.
+    constexpr int RG = BR / 16, QC = D / (4 / RG);
     extern __shared__ __align__(128) unsigned char smem[];
-    T* sk = (T*)smem;                    // BC x D
-    T* sv = sk + BC * D;                 // BC x D
-    T* sq = sv + BC * D;                 // BR x D
-    T* sdo = sq + BR * D;                // BR x D
-    float* ss = (float*)(sdo + BR * D);  // 4 warps x 16 x BR (scores, then P)
-    float* sdp = ss + 4 * 16 * BR;       // 4 warps x 16 x BR (dP)
-    T* spt = (T*)(sdp + 4 * 16 * BR);    // 4 warps x 16 x BR (P^T as T)
-    T* sdst = spt + 4 * 16 * BR;         // BC x BR (dS^T as T)
-    float* stage = (float*)(sdst + BC * BR);  // 4 warps x BR x D/4 (dQ staging)
+    T* sk = (T*)smem;       // BC x LD
+    T* sv = sk + BC * LD;   // BC x LD
+    T* sq = sv + BC * LD;   // BR x LD
+    T* sdo = sq + BR * LD;  // BR x LD
+    T* sds = sdo + BR * LD; // BR x LDS: dS, query-major
     __shared__ float s_lse[BR], s_delta[BR];
     __shared__ int s_lo[BR], s_hi[BR];
 
-    const int bk = blockIdx.y, bi = bk / hk, kvh = bk % hk, group = hq / hk;
+    const int bh = blockIdx.y, bi = bh / hq, h = bh % hq, kvh = h / (hq / hk);
     const int j0 = blockIdx.x * BC;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const T* kb = k + (size_t)bk * nk * D;
-    const T* vb = v + (size_t)bk * nk * D;
+    const int g = lane >> 2, t = lane & 3;
+    const T* kb = k + (size_t)(bi * hk + kvh) * nk * D;
+    const T* vb = v + (size_t)(bi * hk + kvh) * nk * D;
+    const T* qb = q + (size_t)bh * nq * D;
+    const T* dob = dout + (size_t)bh * nq * D;
     const uint32_t* lob = lo + (size_t)bi * nq;
     const uint32_t* hib = hi + (size_t)bi * nq;
 
-    load_tile<T, D>(sk, kb, j0, BC, nk);
-    load_tile<T, D>(sv, vb, j0, BC, nk);
+    load_rows<T, D>(sk, LD, kb, j0, BC, nk);
+    load_rows<T, D>(sv, LD, vb, j0, BC, nk);
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc_dk[D / 16], acc_dv[D / 16];
-    for (int n = 0; n < D / 16; ++n) {
-        wmma::fill_fragment(acc_dk[n], 0.f);
-        wmma::fill_fragment(acc_dv[n], 0.f);
-    }
-    float* sw = ss + warp * 16 * BR;
-    float* dpw = sdp + warp * 16 * BR;
-    T* ptw = spt + warp * 16 * BR;
-    // This lane's key row of the warp's 16 keys (two lanes per key) and its half of the queries.
-    const int kr = lane >> 1, q0 = (lane & 1) * (BR / 2);
-    const int key = j0 + warp * 16 + kr;
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
+    // This thread's two keys (rows of S^T).
+    const int key0 = j0 + warp * 16 + g;
+    const float sl2 = scale * LOG2E;
 
-    for (int hh = 0; hh < group; ++hh) {
-        const int h = kvh * group + hh, bh = bi * hq + h;
-        const T* qb = q + (size_t)bh * nq * D;
-        const T* dob = dout + (size_t)bh * nq * D;
-        for (int i0 = 0; i0 < nq; i0 += BR) {
-            __syncthreads();
-            // The tile's spans first: a tile none of whose rows sees this key block is skipped.
-            int any = 0;
-            for (int r = threadIdx.x; r < BR; r += blockDim.x) {
-                const int qi = i0 + r;
-                const bool in = qi < nq;
-                s_lo[r] = in ? (int)lob[qi] : 0;
-                s_hi[r] = in ? (int)hib[qi] : 0;
-                s_lse[r] = in ? lse[(size_t)bh * nq + qi] : 0.f;
-                s_delta[r] = in ? delta[(size_t)bh * nq + qi] : 0.f;
-                any |= max(s_lo[r], j0) < min(s_hi[r], j0 + BC);
+    for (int i0 = 0; i0 < nq; i0 += BR) {
+        __syncthreads();  // the previous tile is no longer read
+        // The tile's spans first: a tile none of whose rows sees this key block is skipped.
+        int any = 0;
+        for (int r = threadIdx.x; r < BR; r += blockDim.x) {
+            const int qi = i0 + r;
+            const bool in = qi < nq;
+            s_lo[r] = in ? (int)lob[qi] : 0;
+            s_hi[r] = in ? (int)hib[qi] : 0;
+            s_lse[r] = in ? lse[(size_t)bh * nq + qi] * LOG2E : 0.f;
+            s_delta[r] = in ? delta[(size_t)bh * nq + qi] : 0.f;
+            any |= max(s_lo[r], j0) < min(s_hi[r], j0 + BC);
+        }
+        if (!__syncthreads_or(any)) continue;
+        load_rows<T, D>(sq, LD, qb, i0, BR, nq);
+        load_rows<T, D>(sdo, LD, dob, i0, BR, nq);
+        __syncthreads();
+        // S^T = K_w Q^T and dP^T = V_w dO^T, 16 keys x BR queries each.
+        float st[BR / 8][4], dpt[BR / 8][4];
+#pragma unroll
+        for (int n = 0; n < BR / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t ak[4], av[4];
+            load_a<T>(ak, sk, LD, warp * 16, kk * 16, lane);
+            load_a<T>(av, sv, LD, warp * 16, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < BR / 16; ++np) {
+                uint32_t b[4];
+                load_b_nk<T>(b, sq, LD, np * 16, kk * 16, lane);
+                mma<T>(st[2 * np], ak, b);
+                mma<T>(st[2 * np + 1], ak, b + 2);
+                load_b_nk<T>(b, sdo, LD, np * 16, kk * 16, lane);
+                mma<T>(dpt[2 * np], av, b);
+                mma<T>(dpt[2 * np + 1], av, b + 2);
             }
-            if (!__syncthreads_or(any)) continue;
-            load_tile<T, D>(sq, qb, i0, BR, nq);
-            load_tile<T, D>(sdo, dob, i0, BR, nq);
-            __syncthreads();
-            // S^T = K_w Q^T (16 keys x BR queries)
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[BR / 16];
-            for (int n = 0; n < BR / 16; ++n) wmma::fill_fragment(acc[n], 0.f);
-            for (int kk = 0; kk < D; kk += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                wmma::load_matrix_sync(a, sk + (warp * 16) * D + kk, D);
-                for (int n = 0; n < BR / 16; ++n) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-                    wmma::load_matrix_sync(b, sq + (n * 16) * D + kk, D);
-                    wmma::mma_sync(acc[n], a, b, acc[n]);
-                }
+        }
+        // P^T and dS^T = P^T (dP^T - Delta), masked; dS to shared memory (query-major).
+#pragma unroll
+        for (int n = 0; n < BR / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int kr = g + 8 * (e >> 1), key = key0 + 8 * (e >> 1);
+                const int qc = n * 8 + 2 * t + (e & 1);
+                const bool vis =
+                    key < nk && i0 + qc < nq && sees(s_lo[qc], s_hi[qc], key);
+                const float p = vis ? exp2f(st[n][e] * sl2 - s_lse[qc]) : 0.f;
+                const float ds = p * (dpt[n][e] - s_delta[qc]);
+                st[n][e] = p;
+                dpt[n][e] = ds;
+                sds[qc * LDS + warp * 16 + kr] = of<T>(ds);
             }
-            for (int n = 0; n < BR / 16; ++n)
-                wmma::store_matrix_sync(sw + n * 16, acc[n], BR, wmma::mem_row_major);
-            // dP^T = V_w dO^T (16 keys x BR queries)
-            for (int n = 0; n < BR / 16; ++n) wmma::fill_fragment(acc[n], 0.f);
-            for (int kk = 0; kk < D; kk += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                wmma::load_matrix_sync(a, sv + (warp * 16) * D + kk, D);
-                for (int n = 0; n < BR / 16; ++n) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-                    wmma::load_matrix_sync(b, sdo + (n * 16) * D + kk, D);
-                    wmma::mma_sync(acc[n], a, b, acc[n]);
-                }
+        // dV_w += P^T dO and dK_w += dS^T Q: two query tiles of P^T (dS^T) are one A fragment.
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk) {
+            uint32_t ap[4] = {pack<T>(st[2 * kk][0], st[2 * kk][1]),
+                              pack<T>(st[2 * kk][2], st[2 * kk][3]),
+                              pack<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                              pack<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+            uint32_t ad[4] = {pack<T>(dpt[2 * kk][0], dpt[2 * kk][1]),
+                              pack<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
+                              pack<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                              pack<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+            for (int np = 0; np < D / 16; ++np) {
+                uint32_t b[4];
+                load_b_kn<T>(b, sdo, LD, kk * 16, np * 16, lane);
+                mma<T>(dva[2 * np], ap, b);
+                mma<T>(dva[2 * np + 1], ap, b + 2);
+                load_b_kn<T>(b, sq, LD, kk * 16, np * 16, lane);
+                mma<T>(dka[2 * np], ad, b);
+                mma<T>(dka[2 * np + 1], ad, b + 2);
             }
-            for (int n = 0; n < BR / 16; ++n)
-                wmma::store_matrix_sync(dpw + n * 16, acc[n], BR, wmma::mem_row_major);
-            __syncwarp();
-            // P^T and dS^T = P^T (dP^T - D), masked
-            for (int c = 0; c < BR / 2; ++c) {
-                const int qc = q0 + c, qi = i0 + qc;
-                const float p = (key < nk && qi < nq && sees(s_lo[qc], s_hi[qc], key))
-                                    ? __expf(sw[kr * BR + qc] * scale - s_lse[qc])
-                                    : 0.f;
-                ptw[kr * BR + qc] = of<T>(p);
-                sdst[(warp * 16 + kr) * BR + qc] = of<T>(p * (dpw[kr * BR + qc] - s_delta[qc]));
+        }
+        __syncthreads();  // every warp's dS is in place
+        // dQ (BR x D) += dS (BR x BC) K (BC x D): this warp's 16 rows x QC columns.
+        const int rg = warp % RG, c0 = (warp / RG) * QC;
+        float qa[QC / 8][4];
+#pragma unroll
+        for (int n = 0; n < QC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qa[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            uint32_t a[4];
+            load_a<T>(a, sds, LDS, rg * 16, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < QC / 16; ++np) {
+                uint32_t b[4];
+                load_b_kn<T>(b, sk, LD, kk * 16, c0 + np * 16, lane);
+                mma<T>(qa[2 * np], a, b);
+                mma<T>(qa[2 * np + 1], a, b + 2);
             }
-            __syncwarp();
-            // dV_w += P^T dO; dK_w += dS^T Q
-            for (int kk = 0; kk < BR; kk += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a_p, a_ds;
-                wmma::load_matrix_sync(a_p, ptw + kk, BR);
-                wmma::load_matrix_sync(a_ds, sdst + (warp * 16) * BR + kk, BR);
-                for (int n = 0; n < D / 16; ++n) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-                    wmma::load_matrix_sync(b, sdo + kk * D + n * 16, D);
-                    wmma::mma_sync(acc_dv[n], a_p, b, acc_dv[n]);
-                    wmma::load_matrix_sync(b, sq + kk * D + n * 16, D);
-                    wmma::mma_sync(acc_dk[n], a_ds, b, acc_dk[n]);
-                }
-            }
-            __syncthreads();  // every warp's dS^T is in place
-            // dQ (BR x D) += dS (BR x BC) K (BC x D), warp w taking columns [w D/4, (w+1) D/4)
-            constexpr int QC = D / 4;
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc_q[BR / 16][QC / 16];
-            for (int mi = 0; mi < BR / 16; ++mi)
-                for (int n = 0; n < QC / 16; ++n) wmma::fill_fragment(acc_q[mi][n], 0.f);
-            for (int kk = 0; kk < BC; kk += 16) {
-                for (int mi = 0; mi < BR / 16; ++mi) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;
-                    wmma::load_matrix_sync(a, sdst + kk * BR + mi * 16, BR);
-                    for (int n = 0; n < QC / 16; ++n) {
-                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-                        wmma::load_matrix_sync(b, sk + kk * D + warp * QC + n * 16, D);
-                        wmma::mma_sync(acc_q[mi][n], a, b, acc_q[mi][n]);
-                    }
-                }
-            }
-            float* sg = stage + warp * BR * QC;
-            for (int mi = 0; mi < BR / 16; ++mi)
-                for (int n = 0; n < QC / 16; ++n)
-                    wmma::store_matrix_sync(sg + (mi * 16) * QC + n * 16, acc_q[mi][n], QC,
-                                            wmma::mem_row_major);
-            __syncwarp();
-            for (int idx = lane; idx < BR * QC; idx += 32) {
-                const int r = idx / QC, c = idx % QC, qi = i0 + r;
-                if (qi < nq)
-                    atomicAdd(&dq[((size_t)bh * nq + qi) * D + warp * QC + c], sg[idx] * scale);
+        }
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            const int qi = i0 + rg * 16 + g + 8 * x;
+            if (qi >= nq) continue;
+            float* row = dq + ((size_t)bh * nq + qi) * D + c0 + 2 * t;
+#pragma unroll
+            for (int n = 0; n < QC / 8; ++n) {
+                atomicAdd(row + n * 8, qa[n][2 * x] * scale);
+                atomicAdd(row + n * 8 + 1, qa[n][2 * x + 1] * scale);
             }
         }
     }
-    for (int n = 0; n < D / 16; ++n) {
-        for (int e = 0; e < acc_dk[n].num_elements; ++e) acc_dk[n].x[e] *= scale;
-        float* dkb = dk + ((size_t)bk * nk_pad + j0 + warp * 16) * D;
-        float* dvb = dv + ((size_t)bk * nk_pad + j0 + warp * 16) * D;
-        wmma::store_matrix_sync(dkb + n * 16, acc_dk[n], D, wmma::mem_row_major);
-        wmma::store_matrix_sync(dvb + n * 16, acc_dv[n], D, wmma::mem_row_major);
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const size_t row = (size_t)bh * nk_pad + j0 + warp * 16 + g + 8 * x;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<float2*>(dk + row * D + n * 8 + 2 * t) =
+                make_float2(dka[n][2 * x] * scale, dka[n][2 * x + 1] * scale);
+            *reinterpret_cast<float2*>(dv + row * D + n * 8 + 2 * t) =
+                make_float2(dva[n][2 * x], dva[n][2 * x + 1]);
+        }
     }
 }
 
-// dst[(g * rows + r) * d + c] = src[(g * rows_pad + r) * d + c], cast to T.
+// dst[(g * rows + r) * d + c] = sum over h < sum of src[((g * sum + h) * rows_pad + r) * d + c],
+// cast to T: drops the padding rows and adds the query heads of a group (sum = 1: a cast).
 template <typename T>
-__device__ void unpad_cast(const float* src, T* dst, size_t groups, int rows, int rows_pad, int d) {
-    const size_t n = groups * rows * d;
+__device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum, int rows,
+                               int rows_pad, int d) {
+    const size_t n = groups * rows * d, per = (size_t)rows * d, per_pad = (size_t)rows_pad * d;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
-        const size_t g = i / ((size_t)rows * d), rem = i % ((size_t)rows * d);
-        dst[i] = of<T>(src[g * (size_t)rows_pad * d + rem]);
+        const size_t gi = i / per, rem = i % per;
+        float acc = 0.f;
+        for (int h = 0; h < sum; ++h) acc += src[(gi * sum + h) * per_pad + rem];
+        dst[i] = of<T>(acc);
     }
 }
 
-#define FLASH_ENTRY(SUFFIX, T, D)                                                              \
-    extern "C" __global__ void flash_fwd_##SUFFIX##_d##D(                                      \
-        const T* q, const T* k, const T* v, const uint32_t* lo, const uint32_t* hi, float* o,  \
-        float* lse, int hq, int hk, int nq, int nk, int nq_pad, float scale) {                 \
+#define FLASH_ENTRY(SUFFIX, T, D, BR)                                                          \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        flash_fwd_##SUFFIX##_d##D(const T* q, const T* k, const T* v, const uint32_t* lo,      \
+                                  const uint32_t* hi, float* o, float* lse, int hq, int hk,    \
+                                  int nq, int nk, int nq_pad, float scale) {                   \
         flash_fwd<T, D>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale);               \
     }                                                                                          \
-    extern "C" __global__ void flash_bwd_##SUFFIX##_d##D(                                      \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_##SUFFIX##_d##D(               \
         const T* q, const T* k, const T* v, const T* dout, const float* lse,                   \
         const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,      \
         float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale) {                  \
-        flash_bwd<T, D>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq, hk, nq, nk, nk_pad, \
-                        scale);                                                                \
+        flash_bwd<T, D, BR>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq, hk, nq, nk,     \
+                            nk_pad, scale);                                                    \
     }
 
+// Query rows per backward tile: 64 for head dim 64; 32 for 128, where the dK and dV
+// accumulators take 128 registers per thread.
 #define FLASH_DTYPE(SUFFIX, T)                                                                 \
-    FLASH_ENTRY(SUFFIX, T, 64)                                                                 \
-    FLASH_ENTRY(SUFFIX, T, 128)                                                                \
+    FLASH_ENTRY(SUFFIX, T, 64, 64)                                                             \
+    FLASH_ENTRY(SUFFIX, T, 128, 32)                                                            \
     extern "C" __global__ void flash_delta_##SUFFIX(const T* o, const T* dout, float* delta,   \
                                                     int rows, int d) {                         \
         flash_delta<T>(o, dout, delta, rows, d);                                               \
     }                                                                                          \
-    extern "C" __global__ void unpad_cast_##SUFFIX(const float* src, T* dst, size_t groups,    \
-                                                   int rows, int rows_pad, int d) {            \
-        unpad_cast<T>(src, dst, groups, rows, rows_pad, d);                                    \
+    extern "C" __global__ void unpad_sum_cast_##SUFFIX(const float* src, T* dst,               \
+                                                       size_t groups, int sum, int rows,       \
+                                                       int rows_pad, int d) {                  \
+        unpad_sum_cast<T>(src, dst, groups, sum, rows, rows_pad, d);                           \
     }
 
 FLASH_DTYPE(bf16, __nv_bfloat16)
