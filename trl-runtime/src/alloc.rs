@@ -116,6 +116,16 @@ pub mod gpu {
         )
     }
 
+    /// Returns the pool's free blocks to the driver (for another process on the same GPU).
+    pub fn release_freed_memory(dev: &CudaDevice) -> Result<()> {
+        candle_core::backend::BackendDevice::synchronize(dev)?;
+        let pool = pool(dev)?;
+        // SAFETY: trimming only unmaps blocks no allocation uses.
+        unsafe { sys::cuMemPoolTrimTo(pool, 0) }
+            .result()
+            .map_err(|e| candle_core::Error::Msg(format!("GPU memory pool: {e}")))
+    }
+
     /// Peak bytes of live allocations since the last [`reset_peak`] (or the start).
     pub fn peak_bytes(dev: &CudaDevice) -> Result<u64> {
         let pool = pool(dev)?;

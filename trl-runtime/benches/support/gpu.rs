@@ -188,7 +188,11 @@ pub fn run(dir: &Path) {
     if profiling() {
         return;
     }
-    // The same shapes through transformers, TRL and TRL + Liger on this GPU's torch.
+    // The same shapes through transformers, TRL and TRL + Liger on this GPU's torch, which
+    // needs the memory our pool keeps.
+    if let Err(e) = trl_runtime::alloc::gpu::release_freed_memory(&cuda) {
+        eprintln!("cannot release GPU memory for the peers: {e}");
+    }
     let script = crate::support::repo().join("trl-runtime/benches/hf_train.py");
     let spec = runs
         .iter()
