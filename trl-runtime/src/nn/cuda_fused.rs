@@ -4,7 +4,7 @@
 //! ops then run as Candle ops on the GPU, as before).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
@@ -252,37 +252,39 @@ pub fn rotary(
 }
 
 /// The fused linear cross-entropy's per-row pass on a contiguous [rows, vocab] logits tile,
-/// in place (see `kernels/fused.cu`): returns the summed loss of the counted rows (read back
-/// once per tile).
+/// in place (see `kernels/fused.cu`): `targets` and `loss` are the tile's rows of the
+/// device-resident targets (i64) and per-row losses (f32, written here). Nothing is read back:
+/// the caller sums the losses on the device once, so the tiles run without synchronizing.
 pub fn cross_entropy_rows(
     logits: &mut CudaStorage,
     l: &Layout,
-    targets: &[i64],
+    targets: &CudaView<'_, i64>,
+    loss: &CudaView<'_, f32>,
     grads: bool,
-) -> Result<f64> {
+) -> Result<()> {
     check(l, "cross-entropy")?;
     let dev = logits.device().clone();
     let dtype = logits.dtype();
     let (rows, vocab) = l.shape().dims2()?;
+    if targets.len() != rows || loss.len() != rows {
+        bail!("cross-entropy rows: {rows} logits rows, {} targets", targets.len());
+    }
     let f = dev.get_or_load_custom_func(
         &format!("cross_entropy_rows_{}", suffix(dtype)?),
         MODULE,
         PTX,
     )?;
-    let stream = dev.cuda_stream();
-    let t = stream.clone_htod(targets).w()?;
-    let loss = dev.alloc_zeros::<f32>(rows)?;
     typed!(dtype, |T| {
         let slice = logits.as_cuda_slice_mut::<T>()?;
         let mut view = slice.slice_mut(l.start_offset()..);
         let (r, v, g) = (rows as i32, vocab as i32, grads as i32);
         let mut b = f.builder();
-        b.arg(&mut view).arg(&t).arg(&loss).arg(&r).arg(&v).arg(&g);
+        // The kernel writes `loss` (a view of a buffer only this pass uses).
+        b.arg(&mut view).arg(targets).arg(loss).arg(&r).arg(&v).arg(&g);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { b.launch(config(grid(rows, 1), 0)) }.w()?;
     });
-    let host = stream.clone_dtoh(&loss).w()?;
-    Ok(host.iter().map(|&x| x as f64).sum())
+    Ok(())
 }
 
 /// AdamW's constants for [`adamw`]: weight-decay shrink (lr x decay), beta1, beta2, lr / bc1,

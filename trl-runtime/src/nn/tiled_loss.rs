@@ -150,12 +150,26 @@ impl CustomOp2 for LossOp {
     }
 }
 
-/// One tile of f32 logits turned in place into the gradient of its summed loss (see
-/// [`super::fused::cross_entropy_rows`]); the loss is left in `loss`.
+/// One tile of logits turned in place into the gradient of its summed loss (see
+/// [`super::fused::cross_entropy_rows`]). On CPU the loss is left in `loss`; on a GPU the
+/// rows' losses go to `on_device`'s buffer from row `first` on, and its targets are read there.
 struct CrossEntropyRows<'a> {
     targets: &'a [i64],
     grads: bool,
     loss: Cell<f64>,
+    // Read by the CUDA pass only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    on_device: Option<&'a DeviceRows>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    first: usize,
+}
+
+/// The targets (i64) and per-row losses (f32, [n]) of a fused loss on a GPU: written by the
+/// tiles' passes, summed once on the device.
+struct DeviceRows {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    targets: Tensor,
+    loss: Tensor,
 }
 
 impl InplaceOp1 for CrossEntropyRows<'_> {
@@ -174,6 +188,28 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
         self.loss.set(loss);
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> Result<()> {
+        use candle_core::Storage;
+        let Some(rows) = self.on_device else {
+            candle_core::bail!("cross-entropy rows: the GPU pass needs its device buffers")
+        };
+        let len = layout.dims()[0];
+        let (t_guard, _) = rows.targets.storage_and_layout();
+        let (l_guard, _) = rows.loss.storage_and_layout();
+        let (Storage::Cuda(t), Storage::Cuda(l)) = (&*t_guard, &*l_guard) else {
+            candle_core::bail!("cross-entropy rows: targets and losses must be on the GPU")
+        };
+        let range = self.first..self.first + len;
+        super::cuda_fused::cross_entropy_rows(
+            storage,
+            layout,
+            &t.as_cuda_slice::<i64>()?.slice(range.clone()),
+            &l.as_cuda_slice::<f32>()?.slice(range),
+            self.grads,
+        )
+    }
 }
 
 /// Liger's fused linear cross-entropy (on CPU in f32; on a GPU in f32, bf16 or f16): per tile
@@ -191,6 +227,15 @@ fn fused_loss(
     let vocab = weight.dim(0)?;
     let rows = (TILE_BYTES / (4 * vocab)).max(16);
     let mut total = 0f64;
+    let dev = hidden.device();
+    let on_device = if dev.is_cpu() {
+        None
+    } else {
+        Some(DeviceRows {
+            targets: Tensor::new(targets, dev)?,
+            loss: Tensor::zeros(n, DType::F32, dev)?,
+        })
+    };
     let mut dhidden = Vec::new();
     let mut dweight: Option<Tensor> = None;
     for start in (0..n).step_by(rows) {
@@ -201,6 +246,8 @@ fn fused_loss(
             targets: &targets[start..start + len],
             grads,
             loss: Cell::new(0.0),
+            on_device: on_device.as_ref(),
+            first: start,
         };
         logits.inplace_op1(&pass)?;
         total += pass.loss.get();
@@ -209,7 +256,10 @@ fn fused_loss(
             accumulate(&mut dweight, logits.t()?.matmul(&h)?, DType::F32)?;
         }
     }
-    let sum = Tensor::new(total as f32, hidden.device())?;
+    let sum = match on_device {
+        Some(rows) => rows.loss.sum_all()?,
+        None => Tensor::new(total as f32, dev)?,
+    };
     let grads = match (grads, dweight) {
         // The weight's gradient summed in f32, handed back in its dtype.
         (true, Some(dw)) => Some((Tensor::cat(&dhidden, 0)?, dw.to_dtype(weight.dtype())?)),
