@@ -102,7 +102,7 @@ impl AdamW {
                 )))
             })?;
             // The state may live in host memory (CPU offload): the gradient goes there.
-            let g = g.to_dtype(DType::F32)?.to_device(s.master.device())?;
+            let g = g.to_device(s.master.device())?;
             let hyper = Hyper {
                 lr,
                 decay: c.weight_decay,
@@ -112,12 +112,14 @@ impl AdamW {
                 bc1,
                 bc2,
             };
+            // On a GPU: in place, the gradient read in its own dtype.
+            if cuda_update_in_place(s, &g, hyper)? {
+                continue;
+            }
+            let g = g.to_dtype(DType::F32)?;
             let (master, m, v) = match fused_update(s, &g, hyper)? {
                 Some(new) => new,
-                None => match cuda_update(s, &g, hyper)? {
-                    Some(new) => new,
-                    None => chain_update(s, &g, hyper)?,
-                },
+                None => chain_update(s, &g, hyper)?,
             };
             (s.master, s.exp_avg, s.exp_avg_sq) = (master, m, v);
         }
@@ -255,24 +257,35 @@ fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, 
     )))
 }
 
-/// AdamW on a GPU in one kernel pass (`nn::cuda_fused::adamw`, the same arithmetic as
-/// [`fused_update`]): the new (master, exp_avg, exp_avg_sq), views of one fresh vector, or
-/// None where it does not apply (not f32 on a GPU, or the fused kernels turned off).
+/// AdamW on a GPU in one kernel pass, in place (`nn::cuda_fused::adamw_in_place`, the same
+/// arithmetic as [`fused_update`]): the master weights and both moments are updated where they
+/// are, from the gradient in its own dtype. False where it does not apply (state not f32 on a
+/// GPU, or the fused kernels turned off); the caller then runs the CPU or op-chain update.
 #[cfg(feature = "cuda")]
-fn cuda_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-    let all_f32 = [&s.master, &s.exp_avg, &s.exp_avg_sq, g]
+fn cuda_update_in_place(s: &mut ParamState, g: &Tensor, h: Hyper) -> Result<bool> {
+    let state_f32 = [&s.master, &s.exp_avg, &s.exp_avg_sq]
         .into_iter()
         .chain(s.decay_mask.as_ref())
         .all(|t| t.dtype() == DType::F32 && t.device().is_cuda());
-    if !all_f32 || !crate::nn::cuda_fused::enabled() {
-        return Ok(None);
+    let grad_ok =
+        g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if !state_f32 || !grad_ok || !crate::nn::cuda_fused::enabled() {
+        return Ok(false);
+    }
+    // In place needs storages of their own, contiguous: copies the first time if not (a
+    // loaded checkpoint's views), after which they stay so.
+    for t in [&mut s.master, &mut s.exp_avg, &mut s.exp_avg_sq] {
+        if !t.is_contiguous() || t.layout().start_offset() != 0 {
+            *t = t.force_contiguous()?;
+        }
     }
     let decay = match (&s.decay_mask, s.decay) {
         (None, false) => 0.0,
         _ => h.decay,
     };
-    let op = AdamWCuda {
-        moments: [s.exp_avg.contiguous()?, s.exp_avg_sq.contiguous()?],
+    let op = AdamWInPlace {
+        moments: [&s.exp_avg, &s.exp_avg_sq],
+        grad: g.contiguous()?,
         mask: s.decay_mask.as_ref().map(|m| m.contiguous()).transpose()?,
         consts: crate::nn::cuda_fused::AdamWConsts {
             shrink: (h.lr * decay) as f32,
@@ -283,53 +296,39 @@ fn cuda_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, T
             eps: h.eps as f32,
         },
     };
-    let packed = s
-        .master
-        .contiguous()?
-        .apply_op2_no_bwd(&g.contiguous()?, &op)?;
-    let (shape, n) = (s.master.shape(), s.master.elem_count());
-    let part = |i: usize| packed.narrow(0, i * n, n)?.reshape(shape);
-    Ok(Some((part(0)?, part(1)?, part(2)?)))
+    s.master.inplace_op1(&op)?;
+    Ok(true)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_update(_: &ParamState, _: &Tensor, _: Hyper) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-    Ok(None)
+fn cuda_update_in_place(_: &mut ParamState, _: &Tensor, _: Hyper) -> Result<bool> {
+    Ok(false)
 }
 
-/// The GPU AdamW as an op over (master, gradient), with the moments and the decay mask.
+/// The GPU AdamW as an in-place op on the master weights, with the moments (written in place
+/// too), the gradient and the decay mask.
 #[cfg(feature = "cuda")]
-struct AdamWCuda {
-    moments: [Tensor; 2],
+struct AdamWInPlace<'a> {
+    moments: [&'a Tensor; 2],
+    grad: Tensor,
     mask: Option<Tensor>,
     consts: crate::nn::cuda_fused::AdamWConsts,
 }
 
 #[cfg(feature = "cuda")]
-impl candle_core::CustomOp2 for AdamWCuda {
+impl candle_core::InplaceOp1 for AdamWInPlace<'_> {
     fn name(&self) -> &'static str {
         "adamw"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
         candle_core::bail!("the CUDA AdamW runs on GPUs (the CPU has its own pass)")
     }
 
-    fn cuda_fwd(
-        &self,
-        ws: &candle_core::CudaStorage,
-        wl: &Layout,
-        gs: &candle_core::CudaStorage,
-        gl: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+    fn cuda_fwd(&self, ws: &mut candle_core::CudaStorage, wl: &Layout) -> candle_core::Result<()> {
         let (m_guard, m_layout) = self.moments[0].storage_and_layout();
         let (v_guard, v_layout) = self.moments[1].storage_and_layout();
+        let (g_guard, g_layout) = self.grad.storage_and_layout();
         let mask = self.mask.as_ref().map(|t| t.storage_and_layout());
         fn cuda(s: &candle_core::Storage) -> candle_core::Result<&candle_core::CudaStorage> {
             match s {
@@ -337,13 +336,17 @@ impl candle_core::CustomOp2 for AdamWCuda {
                 _ => candle_core::bail!("AdamW state must be on the GPU"),
             }
         }
-        let (ms, vs) = (cuda(&m_guard)?, cuda(&v_guard)?);
         let mask = match &mask {
             Some((g, l)) => Some((cuda(g)?, *l)),
             None => None,
         };
-        crate::nn::cuda_fused::adamw(
-            [(ws, wl), (ms, m_layout), (vs, v_layout), (gs, gl)],
+        crate::nn::cuda_fused::adamw_in_place(
+            (ws, wl),
+            [
+                (cuda(&m_guard)?, m_layout),
+                (cuda(&v_guard)?, v_layout),
+                (cuda(&g_guard)?, g_layout),
+            ],
             mask,
             self.consts,
         )
@@ -367,6 +370,17 @@ pub fn sums_of_squares<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Res
         .collect();
     if let Some(sums) = cpu {
         return Ok(sums);
+    }
+    #[cfg(feature = "cuda")]
+    if crate::nn::cuda_fused::enabled()
+        && tensors.iter().all(|t| {
+            t.device().is_cuda()
+                && t.device().same_device(tensors[0].device())
+                && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        })
+    {
+        let sums = crate::nn::cuda_fused::sums_of_squares(&tensors)?;
+        return Ok(sums.into_iter().map(f64::from).collect());
     }
     let sums = tensors
         .into_iter()

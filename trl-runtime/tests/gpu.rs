@@ -773,10 +773,10 @@ fn ring_attention_on_gpu_follows_the_cpu_ring() {
     }
 }
 
-/// AdamW on the GPU (one kernel pass per parameter) follows the CPU's one-pass update in f32
-/// (within 1e-5: the GPU contracts products into FMAs)
-/// over three steps: a decaying weight, an exempt norm weight and a flat shard with a decay
-/// mask.
+/// AdamW on the GPU (one kernel pass per parameter, in place, the gradient read in bf16 as
+/// the model hands it over) follows the CPU's one-pass update in f32 on the same gradient
+/// values (within 1e-5: the GPU contracts products into FMAs) over three steps: a decaying
+/// weight, an exempt norm weight and a flat shard with a decay mask.
 #[test]
 fn fused_adamw_on_gpu_follows_the_cpu() {
     use std::collections::BTreeMap;
@@ -808,31 +808,42 @@ fn fused_adamw_on_gpu_follows_the_cpu() {
         opt
     };
     let (mut cpu_opt, mut gpu_opt) = (make(&Device::Cpu), make(&dev));
+    // The in-place kernel keeps each state tensor (the op chain would replace them).
+    let ids: Vec<_> = names
+        .iter()
+        .map(|n| {
+            let s = &gpu_opt.states[*n];
+            (s.master.id(), s.exp_avg.id(), s.exp_avg_sq.id())
+        })
+        .collect();
     for step in 0..3u64 {
+        // bf16 gradients; the CPU gets the same values in f32.
         let grads: BTreeMap<String, Tensor> = names
             .iter()
             .enumerate()
-            .map(|(i, n)| (n.to_string(), draws(&[37, 29], 0.1, 100 * step + i as u64)))
+            .map(|(i, n)| {
+                let g = draws(&[37, 29], 0.1, 100 * step + i as u64).to_dtype(DType::BF16);
+                (n.to_string(), g.unwrap())
+            })
             .collect();
         let on_gpu = grads
             .iter()
             .map(|(n, g)| (n.clone(), g.to_device(&dev).unwrap()))
             .collect();
-        cpu_opt.update(&grads, 1e-2).unwrap();
+        let on_cpu = grads
+            .iter()
+            .map(|(n, g)| (n.clone(), g.to_dtype(DType::F32).unwrap()))
+            .collect();
+        cpu_opt.update(&on_cpu, 1e-2).unwrap();
         gpu_opt.update(&on_gpu, 1e-2).unwrap();
     }
-    for name in names {
+    for (name, id) in names.iter().zip(&ids) {
+        let name = *name;
         let (c, g) = (&cpu_opt.states[name], &gpu_opt.states[name]);
-        // The kernel's output: the three are views of one [master | m | v] vector (the op
-        // chain would give three tensors of their own, each at offset 0).
-        let n = g.master.elem_count();
         assert_eq!(
-            (
-                g.exp_avg.layout().start_offset(),
-                g.exp_avg_sq.layout().start_offset()
-            ),
-            (n, 2 * n),
-            "{name}: the fused kernel ran"
+            (g.master.id(), g.exp_avg.id(), g.exp_avg_sq.id()),
+            *id,
+            "{name}: the in-place kernel ran"
         );
         for (what, a, b) in [
             ("master", &c.master, &g.master),
@@ -842,6 +853,43 @@ fn fused_adamw_on_gpu_follows_the_cpu() {
             assert!(b.device().is_cuda(), "{name} {what} stays on the GPU");
             let d = max_abs_diff(a, &b.to_device(&Device::Cpu).unwrap());
             assert!(d < 1e-5, "{name} {what}: GPU and CPU differ by {d:e}");
+        }
+    }
+}
+
+/// The gradient norm's sums of squares on the GPU (one kernel pass per tensor, f32 and bf16
+/// read as they are) equal the CPU's in f64 within 1e-5 relative, on sizes that leave partial
+/// blocks and one that takes the whole grid.
+#[test]
+fn sums_of_squares_on_gpu_follow_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    let shapes: [&[usize]; 3] = [&[37, 29], &[1], &[1 << 20, 3]];
+    let host: Vec<Tensor> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| draws(s, 1.0, 300 + i as u64))
+        .collect();
+    for dtype in [DType::F32, DType::BF16] {
+        let on: Vec<Tensor> = host
+            .iter()
+            .map(|t| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap())
+            .collect();
+        let got = trl_runtime::optim::sums_of_squares(on.iter()).unwrap();
+        for (t, g) in host.iter().zip(got) {
+            let want: f64 = t
+                .to_dtype(dtype)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            let rel = (g - want).abs() / want;
+            eprintln!("sums of squares {dtype:?} {:?}: {rel:e}", t.dims());
+            assert!(rel < 1e-5, "{dtype:?} {:?}: {g} against {want}", t.dims());
         }
     }
 }

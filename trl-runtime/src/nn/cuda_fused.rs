@@ -1,10 +1,14 @@
 //! Launches the fused CUDA kernels of `kernels/fused.cu` (compiled to PTX by build.rs) for the
 //! custom ops of [`super::fused`]: RMSNorm, SwiGLU and the rotary embedding, forward and
-//! backward, on contiguous f32, bf16 and f16 tensors; and the one-pass AdamW of `optim`. `TRL_FUSED_CUDA=0` turns them off (the
+//! backward, on contiguous f32, bf16 and f16 tensors; the fused loss's per-row pass; and for
+//! `optim` and the tiled ops the in-place AdamW, the gradient norm's sums of squares and the
+//! in-place f32 accumulation. `TRL_FUSED_CUDA=0` turns them off (the
 //! ops then run as Candle ops on the GPU, as before).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
@@ -267,7 +271,10 @@ pub fn cross_entropy_rows(
     let dtype = logits.dtype();
     let (rows, vocab) = l.shape().dims2()?;
     if targets.len() != rows || loss.len() != rows {
-        bail!("cross-entropy rows: {rows} logits rows, {} targets", targets.len());
+        bail!(
+            "cross-entropy rows: {rows} logits rows, {} targets",
+            targets.len()
+        );
     }
     let f = dev.get_or_load_custom_func(
         &format!("cross_entropy_rows_{}", suffix(dtype)?),
@@ -280,7 +287,12 @@ pub fn cross_entropy_rows(
         let (r, v, g) = (rows as i32, vocab as i32, grads as i32);
         let mut b = f.builder();
         // The kernel writes `loss` (a view of a buffer only this pass uses).
-        b.arg(&mut view).arg(targets).arg(loss).arg(&r).arg(&v).arg(&g);
+        b.arg(&mut view)
+            .arg(targets)
+            .arg(loss)
+            .arg(&r)
+            .arg(&v)
+            .arg(&g);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { b.launch(config(grid(rows, 1), 0)) }.w()?;
     });
@@ -299,42 +311,115 @@ pub struct AdamWConsts {
     pub eps: f32,
 }
 
-/// One AdamW step over contiguous f32 `w` (master), `m`, `v` and gradient `g` (and the decay
-/// mask, 1 where decay applies) in one pass: `[new master, exp_avg, exp_avg_sq]` as one f32
-/// vector of 3n.
-pub fn adamw(
-    [w, m, v, g]: [(&CudaStorage, &Layout); 4],
+/// One AdamW step in place: the contiguous f32 master `w` (mutable here), moments `m` and `v`
+/// (written through their views: the caller hands over tensors nothing else reads) from the
+/// gradient `g` in f32, bf16 or f16 (read as it is: no cast pass), with an optional decay
+/// `mask` (f32, 1 where decay applies).
+pub fn adamw_in_place(
+    w: (&mut CudaStorage, &Layout),
+    [m, v, g]: [(&CudaStorage, &Layout); 3],
     mask: Option<(&CudaStorage, &Layout)>,
     c: AdamWConsts,
-) -> Result<(CudaStorage, Shape)> {
+) -> Result<()> {
+    check(w.1, "AdamW")?;
     let dev = w.0.device().clone();
     let n = w.1.shape().elem_count();
-    let f = dev.get_or_load_custom_func("adamw_f32", MODULE, PTX)?;
-    let (ws, ms, vs, gs) = (
-        view::<f32>(w.0, w.1)?,
-        view::<f32>(m.0, m.1)?,
-        view::<f32>(v.0, v.1)?,
-        view::<f32>(g.0, g.1)?,
-    );
-    // Without a mask the kernel never reads it; the gradient stands in for the pointer.
-    let (mask, has_mask) = match mask {
-        Some(k) => (view::<f32>(k.0, k.1)?, 1i32),
-        None => (view::<f32>(g.0, g.1)?, 0i32),
+    for (t, what) in [(m, "exp_avg"), (v, "exp_avg_sq"), (g, "gradient")] {
+        if t.1.shape().elem_count() != n {
+            bail!(
+                "fused CUDA AdamW: the {what} has {} elements, the weight {n}",
+                t.1.shape().elem_count()
+            );
+        }
+    }
+    let gtype = g.0.dtype();
+    let f = dev.get_or_load_custom_func(&format!("adamw_{}", suffix(gtype)?), MODULE, PTX)?;
+    let (ms, vs) = (view::<f32>(m.0, m.1)?, view::<f32>(v.0, v.1)?);
+    let mask = match mask {
+        Some(k) => Some(view::<f32>(k.0, k.1)?),
+        None => None,
     };
-    // SAFETY: every element is written by the kernel.
-    let out = unsafe { dev.alloc::<f32>(3 * n)? };
+    let start = w.1.start_offset();
     let n64 = n as u64;
-    let mut b = f.builder();
-    b.arg(&ws)
-        .arg(&ms)
-        .arg(&vs)
-        .arg(&gs)
-        .arg(&mask)
-        .arg(&has_mask);
-    b.arg(&out).arg(&n64);
-    b.arg(&c.shrink).arg(&c.beta1).arg(&c.beta2);
-    b.arg(&c.step).arg(&c.inv_bc2).arg(&c.eps);
-    // SAFETY: the arguments match the kernel's signature.
-    unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
-    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(3 * n)))
+    typed!(gtype, |T| {
+        let gs = view::<T>(g.0, g.1)?;
+        let mut ws = w.0.as_cuda_slice_mut::<f32>()?.slice_mut(start..);
+        let mut b = f.builder();
+        b.arg(&mut ws).arg(&ms).arg(&vs).arg(&gs);
+        // Without a mask the kernel never reads it; the first moment stands in for the pointer.
+        let has_mask = mask.is_some() as i32;
+        b.arg(mask.as_ref().unwrap_or(&ms)).arg(&has_mask).arg(&n64);
+        b.arg(&c.shrink).arg(&c.beta1).arg(&c.beta2);
+        b.arg(&c.step).arg(&c.inv_bc2).arg(&c.eps);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+    });
+    Ok(())
+}
+
+/// The sum of the squares of each tensor's elements (f32, bf16 or f16, contiguous, on one
+/// GPU), one kernel pass per tensor into one device vector read back once: what the gradient
+/// norm needs, without a cast or a squared copy per tensor.
+pub fn sums_of_squares(tensors: &[&candle_core::Tensor]) -> Result<Vec<f32>> {
+    use candle_core::Storage;
+    let Some(first) = tensors.first() else {
+        return Ok(Vec::new());
+    };
+    let candle_core::Device::Cuda(dev) = first.device() else {
+        bail!("fused CUDA sums of squares: the tensors must be on a GPU")
+    };
+    let stream = dev.cuda_stream();
+    let out = dev.alloc_zeros::<f32>(tensors.len())?;
+    for (i, t) in tensors.iter().enumerate() {
+        let t = t.contiguous()?;
+        let (guard, layout) = t.storage_and_layout();
+        let Storage::Cuda(st) = &*guard else {
+            bail!("fused CUDA sums of squares: the tensors must be on a GPU")
+        };
+        let n = layout.shape().elem_count();
+        let f = dev.get_or_load_custom_func(
+            &format!("sum_squares_{}", suffix(t.dtype())?),
+            MODULE,
+            PTX,
+        )?;
+        let slot = out.slice(i..i + 1);
+        let n64 = n as u64;
+        typed!(t.dtype(), |T| {
+            let xs = view::<T>(st, layout)?;
+            let mut b = f.builder();
+            b.arg(&xs).arg(&n64).arg(&slot);
+            // At most a few blocks per multiprocessor: one atomic add each.
+            let blocks = grid(n, THREADS as usize).min(1024);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { b.launch(config(blocks, 0)) }.w()?;
+        });
+    }
+    stream.clone_dtoh(&out).w()
+}
+
+/// `acc += x` in place, `acc` a contiguous f32 running sum, `x` f32, bf16 or f16 of as many
+/// elements.
+pub fn add_into(acc: (&mut CudaStorage, &Layout), x: (&CudaStorage, &Layout)) -> Result<()> {
+    check(acc.1, "add")?;
+    let n = acc.1.shape().elem_count();
+    if x.1.shape().elem_count() != n {
+        bail!(
+            "fused CUDA add: {} elements into {n}",
+            x.1.shape().elem_count()
+        );
+    }
+    let dev = acc.0.device().clone();
+    let xtype = x.0.dtype();
+    let f = dev.get_or_load_custom_func(&format!("add_into_{}", suffix(xtype)?), MODULE, PTX)?;
+    let start = acc.1.start_offset();
+    let n64 = n as u64;
+    typed!(xtype, |T| {
+        let xs = view::<T>(x.0, x.1)?;
+        let mut a = acc.0.as_cuda_slice_mut::<f32>()?.slice_mut(start..);
+        let mut b = f.builder();
+        b.arg(&mut a).arg(&xs).arg(&n64);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+    });
+    Ok(())
 }

@@ -16,10 +16,57 @@ pub(crate) fn wide(dtype: DType) -> DType {
 /// Adds `t`, cast to `wide`, into the running sum `slot` (bf16 partial sums would drop the
 /// small terms).
 pub(crate) fn accumulate(slot: &mut Option<Tensor>, t: Tensor, wide: DType) -> Result<()> {
-    let t = t.to_dtype(wide)?;
+    #[cfg(feature = "cuda")]
+    if let Some(prev) = slot.as_ref() {
+        // On a GPU the f32 sum grows in place, reading `t` as it is: no cast, no new buffer.
+        if wide == DType::F32
+            && prev.dtype() == DType::F32
+            && prev.device().is_cuda()
+            && prev.is_contiguous()
+            && super::cuda_fused::enabled()
+            && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        {
+            return prev.inplace_op2(&t.contiguous()?, &AddInto);
+        }
+    }
+    // A sum that may later grow in place must own its buffer: `t` already in `wide` could
+    // share the caller's.
+    let fresh = t.device().is_cuda() && t.dtype() == wide && slot.is_none();
+    let t = if fresh { t.copy()? } else { t.to_dtype(wide)? };
     *slot = Some(match slot.take() {
         Some(prev) => (prev + t)?,
         None => t,
     });
     Ok(())
+}
+
+/// `acc += x` in place on a GPU (acc f32; the running sums above, which only they hold).
+#[cfg(feature = "cuda")]
+struct AddInto;
+
+#[cfg(feature = "cuda")]
+impl candle_core::InplaceOp2 for AddInto {
+    fn name(&self) -> &'static str {
+        "add-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<()> {
+        candle_core::bail!("add-into runs on GPUs")
+    }
+
+    fn cuda_fwd(
+        &self,
+        acc: &mut candle_core::CudaStorage,
+        al: &candle_core::Layout,
+        x: &candle_core::CudaStorage,
+        xl: &candle_core::Layout,
+    ) -> Result<()> {
+        super::cuda_fused::add_into((acc, al), (x, xl))
+    }
 }

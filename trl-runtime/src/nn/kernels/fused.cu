@@ -191,23 +191,45 @@ __device__ void rotary(const T* x, const T* cos, const T* sin, T* out, int heads
     }
 }
 
-// AdamW over one parameter (or flat shard) in one pass, all in f32: out = [new master,
-// exp_avg, exp_avg_sq], 3n values. `mask` (read when has_mask) is 1 where weight decay
-// applies; the bias corrections are folded into `step` (lr / bc1) and `inv_bc2`.
-extern "C" __global__ void adamw_f32(const float* w, const float* m, const float* v,
-                                     const float* g, const float* mask, int has_mask,
-                                     float* out, size_t n, float shrink, float b1, float b2,
-                                     float step, float inv_bc2, float eps) {
+// AdamW over one parameter (or flat shard) in one pass, in place: the f32 master `w` and
+// moments `m`, `v` are updated where they are, from the gradient in its own dtype (no cast
+// pass, no new buffers). `mask` (read when has_mask) is 1 where weight decay applies; the bias
+// corrections are folded into `step` (lr / bc1) and `inv_bc2`.
+template <typename G>
+__device__ void adamw(float* w, float* m, float* v, const G* g, const float* mask, int has_mask,
+                      size_t n, float shrink, float b1, float b2, float step, float inv_bc2,
+                      float eps) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const float keep = 1.f - shrink * (has_mask ? mask[i] : 1.f);
-        const float gi = g[i];
+        const float gi = to_f(g[i]);
         const float mi = b1 * m[i] + (1.f - b1) * gi;
         const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-        out[i] = w[i] * keep - step * mi / (sqrtf(vi) * inv_bc2 + eps);
-        out[n + i] = mi;
-        out[2 * n + i] = vi;
+        w[i] = w[i] * keep - step * mi / (sqrtf(vi) * inv_bc2 + eps);
+        m[i] = mi;
+        v[i] = vi;
     }
+}
+
+// out[0] += the sum of the squares of x (f32 math; one atomic add per block).
+template <typename T>
+__device__ void sum_squares(const T* x, size_t n, float* out) {
+    float acc = 0.f;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const float xi = to_f(x[i]);
+        acc += xi * xi;
+    }
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) atomicAdd(out, acc);
+}
+
+// acc += x, acc in f32: a running sum of partial products without a cast pass or a new buffer.
+template <typename T>
+__device__ void add_into(float* acc, const T* x, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        acc[i] += to_f(x[i]);
 }
 
 #define FOR_EACH_DTYPE(M) M(f32, float) M(bf16, __nv_bfloat16) M(f16, __half)
@@ -236,6 +258,18 @@ extern "C" __global__ void adamw_f32(const float* w, const float* m, const float
     extern "C" __global__ void swiglu_bwd_##SUFFIX(const T* g, const T* u, const T* d, T* out, \
                                                    size_t n) {                                \
         swiglu_bwd<T>(g, u, d, out, n);                                                       \
+    }                                                                                         \
+    extern "C" __global__ void adamw_##SUFFIX(float* w, float* m, float* v, const T* g,         \
+                                              const float* mask, int has_mask, size_t n,       \
+                                              float shrink, float b1, float b2, float step,    \
+                                              float inv_bc2, float eps) {                      \
+        adamw<T>(w, m, v, g, mask, has_mask, n, shrink, b1, b2, step, inv_bc2, eps);           \
+    }                                                                                         \
+    extern "C" __global__ void sum_squares_##SUFFIX(const T* x, size_t n, float* out) {        \
+        sum_squares<T>(x, n, out);                                                            \
+    }                                                                                         \
+    extern "C" __global__ void add_into_##SUFFIX(float* acc, const T* x, size_t n) {           \
+        add_into<T>(acc, x, n);                                                               \
     }                                                                                         \
     extern "C" __global__ void rotary_##SUFFIX(const T* x, const T* cos, const T* sin, T* out, \
                                                int heads, int seq, int d, size_t pairs,       \
