@@ -91,6 +91,20 @@ impl AdamW {
     /// One update of the master weights from `grads` (by parameter name) at learning rate `lr`.
     /// Every parameter with state must have a gradient. Returns the new master weights.
     pub fn update(&mut self, grads: &BTreeMap<String, Tensor>, lr: f64) -> Result<()> {
+        self.update_scaled(grads, lr, 1.0, None).map(|_| ())
+    }
+
+    /// `update` with every gradient multiplied by `grad_scale` (the clipping coefficient,
+    /// folded into the GPU kernel's pass); with `params`, the GPU kernel also writes each new
+    /// weight into its model parameter, and the returned names are those it wrote.
+    fn update_scaled(
+        &mut self,
+        grads: &BTreeMap<String, Tensor>,
+        lr: f64,
+        grad_scale: f64,
+        params: Option<&Params>,
+    ) -> Result<Vec<String>> {
+        let mut written = Vec::new();
         self.step += 1;
         let c = self.config;
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
@@ -112,18 +126,27 @@ impl AdamW {
                 bc1,
                 bc2,
             };
-            // On a GPU: in place, the gradient read in its own dtype.
-            if cuda_update_in_place(s, &g, hyper)? {
-                continue;
+            // On a GPU: in place, the gradient read in its own dtype, the weight written too.
+            let weight = params.and_then(|p| p.get(name)).map(|v| v.as_tensor());
+            match cuda_update_in_place(s, &g, grad_scale, weight, hyper)? {
+                InPlace::No => {}
+                InPlace::Master => continue,
+                InPlace::MasterAndWeight => {
+                    written.push(name.clone());
+                    continue;
+                }
             }
-            let g = g.to_dtype(DType::F32)?;
+            let mut g = g.to_dtype(DType::F32)?;
+            if grad_scale != 1.0 {
+                g = (g * grad_scale)?;
+            }
             let (master, m, v) = match fused_update(s, &g, hyper)? {
                 Some(new) => new,
                 None => chain_update(s, &g, hyper)?,
             };
             (s.master, s.exp_avg, s.exp_avg_sq) = (master, m, v);
         }
-        Ok(())
+        Ok(written)
     }
 
     /// `update`, then copies the master weights into the model (cast to its dtype).
@@ -133,8 +156,24 @@ impl AdamW {
         grads: &BTreeMap<String, Tensor>,
         lr: f64,
     ) -> Result<()> {
-        self.update(grads, lr)?;
+        self.step_scaled(params, grads, lr, 1.0)
+    }
+
+    /// `step` with the gradients multiplied by `grad_scale` (the clipping coefficient of
+    /// [`grad_clip_coef`]), which on a GPU costs no pass of its own; there the new weights are
+    /// written into the model by the update's kernel.
+    pub fn step_scaled(
+        &mut self,
+        params: &Params,
+        grads: &BTreeMap<String, Tensor>,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
+        let written = self.update_scaled(grads, lr, grad_scale, Some(params))?;
         for (name, s) in &self.states {
+            if written.contains(name) {
+                continue;
+            }
             if let Some(var) = params.get(name) {
                 var.set(&s.master.to_dtype(var.dtype())?.to_device(var.device())?)?;
             }
@@ -257,20 +296,39 @@ fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, 
     )))
 }
 
+/// What [`cuda_update_in_place`] did.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+enum InPlace {
+    /// Nothing: it does not apply here.
+    No,
+    /// Updated the master weights and moments.
+    Master,
+    /// And wrote the new weight into the model's parameter.
+    MasterAndWeight,
+}
+
 /// AdamW on a GPU in one kernel pass, in place (`nn::cuda_fused::adamw_in_place`, the same
 /// arithmetic as [`fused_update`]): the master weights and both moments are updated where they
-/// are, from the gradient in its own dtype. False where it does not apply (state not f32 on a
-/// GPU, or the fused kernels turned off); the caller then runs the CPU or op-chain update.
+/// are, from the gradient in its own dtype times `grad_scale`, and `weight` (the model's
+/// parameter, when given and contiguous on the same GPU) receives the new value in the same
+/// pass. `No` where it does not apply (state not f32 on a GPU, or the fused kernels turned
+/// off); the caller then runs the CPU or op-chain update.
 #[cfg(feature = "cuda")]
-fn cuda_update_in_place(s: &mut ParamState, g: &Tensor, h: Hyper) -> Result<bool> {
+fn cuda_update_in_place(
+    s: &mut ParamState,
+    g: &Tensor,
+    grad_scale: f64,
+    weight: Option<&Tensor>,
+    h: Hyper,
+) -> Result<InPlace> {
     let state_f32 = [&s.master, &s.exp_avg, &s.exp_avg_sq]
         .into_iter()
         .chain(s.decay_mask.as_ref())
         .all(|t| t.dtype() == DType::F32 && t.device().is_cuda());
-    let grad_ok =
-        g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    let grad_ok = g.device().is_cuda() && float(g);
     if !state_f32 || !grad_ok || !crate::nn::cuda_fused::enabled() {
-        return Ok(false);
+        return Ok(InPlace::No);
     }
     // In place needs storages of their own, contiguous: copies the first time if not (a
     // loaded checkpoint's views), after which they stay so.
@@ -279,6 +337,12 @@ fn cuda_update_in_place(s: &mut ParamState, g: &Tensor, h: Hyper) -> Result<bool
             *t = t.force_contiguous()?;
         }
     }
+    let weight = weight.filter(|w| {
+        float(w)
+            && w.is_contiguous()
+            && w.device().same_device(s.master.device())
+            && w.elem_count() == s.master.elem_count()
+    });
     let decay = match (&s.decay_mask, s.decay) {
         (None, false) => 0.0,
         _ => h.decay,
@@ -287,7 +351,9 @@ fn cuda_update_in_place(s: &mut ParamState, g: &Tensor, h: Hyper) -> Result<bool
         moments: [&s.exp_avg, &s.exp_avg_sq],
         grad: g.contiguous()?,
         mask: s.decay_mask.as_ref().map(|m| m.contiguous()).transpose()?,
+        weight,
         consts: crate::nn::cuda_fused::AdamWConsts {
+            grad_scale: grad_scale as f32,
             shrink: (h.lr * decay) as f32,
             beta1: h.beta1 as f32,
             beta2: h.beta2 as f32,
@@ -297,12 +363,21 @@ fn cuda_update_in_place(s: &mut ParamState, g: &Tensor, h: Hyper) -> Result<bool
         },
     };
     s.master.inplace_op1(&op)?;
-    Ok(true)
+    Ok(match weight {
+        Some(_) => InPlace::MasterAndWeight,
+        None => InPlace::Master,
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_update_in_place(_: &mut ParamState, _: &Tensor, _: Hyper) -> Result<bool> {
-    Ok(false)
+fn cuda_update_in_place(
+    _: &mut ParamState,
+    _: &Tensor,
+    _: f64,
+    _: Option<&Tensor>,
+    _: Hyper,
+) -> Result<InPlace> {
+    Ok(InPlace::No)
 }
 
 /// The GPU AdamW as an in-place op on the master weights, with the moments (written in place
@@ -312,6 +387,9 @@ struct AdamWInPlace<'a> {
     moments: [&'a Tensor; 2],
     grad: Tensor,
     mask: Option<Tensor>,
+    /// The model's parameter, written in the same pass (through its storage: the step owns
+    /// the model between forward passes).
+    weight: Option<&'a Tensor>,
     consts: crate::nn::cuda_fused::AdamWConsts,
 }
 
@@ -340,6 +418,11 @@ impl candle_core::InplaceOp1 for AdamWInPlace<'_> {
             Some((g, l)) => Some((cuda(g)?, *l)),
             None => None,
         };
+        let weight = self.weight.map(|t| t.storage_and_layout());
+        let weight = match &weight {
+            Some((g, l)) => Some((cuda(g)?, *l)),
+            None => None,
+        };
         crate::nn::cuda_fused::adamw_in_place(
             (ws, wl),
             [
@@ -348,6 +431,7 @@ impl candle_core::InplaceOp1 for AdamWInPlace<'_> {
                 (cuda(&g_guard)?, g_layout),
             ],
             mask,
+            weight,
             self.consts,
         )
     }
@@ -401,17 +485,35 @@ pub fn clip_grad_norm(
     max_norm: f64,
     norm_sq: Option<f64>,
 ) -> Result<f64> {
-    let norm = match norm_sq {
-        Some(sq) => sq.sqrt(),
-        None => grad_norm_sq(grads)?.sqrt(),
-    };
-    let coef = max_norm / (norm + 1e-6);
-    if max_norm > 0.0 && coef < 1.0 {
+    let (norm, coef) = grad_clip_coef(grads, max_norm, norm_sq)?;
+    if coef != 1.0 {
         for g in grads.values_mut() {
             *g = (&*g * coef)?;
         }
     }
     Ok(norm)
+}
+
+/// The gradient norm and the factor [`clip_grad_norm`] would scale the gradients by (1 when
+/// no clipping applies), without scaling them: for [`AdamW::step_scaled`].
+pub fn grad_clip_coef(
+    grads: &BTreeMap<String, Tensor>,
+    max_norm: f64,
+    norm_sq: Option<f64>,
+) -> Result<(f64, f64)> {
+    let norm = match norm_sq {
+        Some(sq) => sq.sqrt(),
+        None => grad_norm_sq(grads)?.sqrt(),
+    };
+    let coef = max_norm / (norm + 1e-6);
+    Ok((
+        norm,
+        if max_norm > 0.0 && coef < 1.0 {
+            coef
+        } else {
+            1.0
+        },
+    ))
 }
 
 #[cfg(test)]

@@ -303,6 +303,8 @@ pub fn cross_entropy_rows(
 /// 1 / sqrt(bc2), eps.
 #[derive(Clone, Copy)]
 pub struct AdamWConsts {
+    /// Multiplies the gradient (the clipping coefficient, 1 without).
+    pub grad_scale: f32,
     pub shrink: f32,
     pub beta1: f32,
     pub beta2: f32,
@@ -313,27 +315,31 @@ pub struct AdamWConsts {
 
 /// One AdamW step in place: the contiguous f32 master `w` (mutable here), moments `m` and `v`
 /// (written through their views: the caller hands over tensors nothing else reads) from the
-/// gradient `g` in f32, bf16 or f16 (read as it is: no cast pass), with an optional decay
-/// `mask` (f32, 1 where decay applies).
+/// gradient `g` in f32, bf16 or f16 times `c.grad_scale` (read as it is: no cast or scaling
+/// pass), with an optional decay `mask` (f32, 1 where decay applies); with `out` (the model's
+/// weight, contiguous, f32, bf16 or f16) the new weight is written there in the same pass.
 pub fn adamw_in_place(
     w: (&mut CudaStorage, &Layout),
     [m, v, g]: [(&CudaStorage, &Layout); 3],
     mask: Option<(&CudaStorage, &Layout)>,
+    out: Option<(&CudaStorage, &Layout)>,
     c: AdamWConsts,
 ) -> Result<()> {
     check(w.1, "AdamW")?;
     let dev = w.0.device().clone();
     let n = w.1.shape().elem_count();
-    for (t, what) in [(m, "exp_avg"), (v, "exp_avg_sq"), (g, "gradient")] {
+    let others = [(m, "exp_avg"), (v, "exp_avg_sq"), (g, "gradient")];
+    for (t, what) in others.into_iter().chain(out.map(|o| (o, "weight"))) {
         if t.1.shape().elem_count() != n {
             bail!(
-                "fused CUDA AdamW: the {what} has {} elements, the weight {n}",
+                "fused CUDA AdamW: the {what} has {} elements, the master {n}",
                 t.1.shape().elem_count()
             );
         }
     }
-    let gtype = g.0.dtype();
-    let f = dev.get_or_load_custom_func(&format!("adamw_{}", suffix(gtype)?), MODULE, PTX)?;
+    let (gtype, wtype) = (g.0.dtype(), out.map_or(DType::F32, |o| o.0.dtype()));
+    let name = format!("adamw_{}_{}", suffix(gtype)?, suffix(wtype)?);
+    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let (ms, vs) = (view::<f32>(m.0, m.1)?, view::<f32>(v.0, v.1)?);
     let mask = match mask {
         Some(k) => Some(view::<f32>(k.0, k.1)?),
@@ -341,18 +347,30 @@ pub fn adamw_in_place(
     };
     let start = w.1.start_offset();
     let n64 = n as u64;
-    typed!(gtype, |T| {
-        let gs = view::<T>(g.0, g.1)?;
-        let mut ws = w.0.as_cuda_slice_mut::<f32>()?.slice_mut(start..);
-        let mut b = f.builder();
-        b.arg(&mut ws).arg(&ms).arg(&vs).arg(&gs);
-        // Without a mask the kernel never reads it; the first moment stands in for the pointer.
-        let has_mask = mask.is_some() as i32;
-        b.arg(mask.as_ref().unwrap_or(&ms)).arg(&has_mask).arg(&n64);
-        b.arg(&c.shrink).arg(&c.beta1).arg(&c.beta2);
-        b.arg(&c.step).arg(&c.inv_bc2).arg(&c.eps);
-        // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+    let (has_mask, has_out) = (mask.is_some() as i32, out.is_some() as i32);
+    typed!(gtype, |G| {
+        let gs = view::<G>(g.0, g.1)?;
+        typed!(wtype, |W| {
+            // Without a weight to write the kernel never touches `out`; the first moment stands
+            // in for the pointer (and for the mask's).
+            let os = match out {
+                Some(o) => Some(view::<W>(o.0, o.1)?),
+                None => None,
+            };
+            let mut ws = w.0.as_cuda_slice_mut::<f32>()?.slice_mut(start..);
+            let mut b = f.builder();
+            b.arg(&mut ws).arg(&ms).arg(&vs).arg(&gs);
+            b.arg(mask.as_ref().unwrap_or(&ms)).arg(&has_mask);
+            match &os {
+                Some(o) => b.arg(o),
+                None => b.arg(&ms),
+            };
+            b.arg(&has_out).arg(&n64).arg(&c.grad_scale);
+            b.arg(&c.shrink).arg(&c.beta1).arg(&c.beta2);
+            b.arg(&c.step).arg(&c.inv_bc2).arg(&c.eps);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        });
     });
     Ok(())
 }

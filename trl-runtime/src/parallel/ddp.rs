@@ -27,6 +27,11 @@ impl Ddp {
         })
     }
 
+    /// How many replicas the gradients are summed over (1: nothing to reduce).
+    pub fn replicas(&self) -> usize {
+        self.queue.comm().size()
+    }
+
     /// Sums gradients across the group in buckets. The queue's thread runs the collectives in
     /// order while this thread flattens the next bucket. Candle's backward returns all
     /// gradients at once, so the overlap is with bucket packing, not with the backward pass.

@@ -9,7 +9,7 @@ pub mod trainer;
 pub mod trl_keys;
 
 pub use crate::optim;
-pub use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, ParamState};
+pub use crate::optim::{clip_grad_norm, grad_clip_coef, AdamW, AdamWConfig, ParamState};
 pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
 pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use schedule::{LrSchedule, SchedulerKind};

@@ -24,7 +24,7 @@ use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalModel, Llama, Params};
 use crate::nn::AttentionImpl;
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use crate::optim::{grad_clip_coef, AdamW, AdamWConfig};
 use crate::parallel::sharded_state::{self, ShardedReader};
 use crate::parallel::Model;
 use crate::parallel::{
@@ -630,6 +630,12 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         let totals = self.batch_sum(&[local_targets as f64, local_tokens as f64])?;
         let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+        // One micro-batch on a GPU with nothing to all-reduce: the gradients stay in the
+        // compute dtype (the GPU optimizer reads them as they are, in f32 math); otherwise
+        // they are summed in fp32.
+        let native_grads = batches.len() == 1
+            && self.ctx.device().is_cuda()
+            && matches!(&self.optimizer, Optimizer::Replicated(_, ddp) if ddp.replicas() == 1);
         let mut local_loss = 0.0;
         let t0 = Instant::now();
         for batch in &batches {
@@ -651,7 +657,11 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                     None => var.as_tensor().zeros_like()?,
                 };
                 // Accumulated in fp32 whatever the compute dtype (DeepSpeed's bf16 default).
-                let g = g.to_dtype(DType::F32)?;
+                let g = if native_grads {
+                    g
+                } else {
+                    g.to_dtype(DType::F32)?
+                };
                 let acc = match grads.remove(name) {
                     Some(prev) => (prev + g)?,
                     None => g,
@@ -671,8 +681,9 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                     Some(tp) => Some(tp.norm_sq(&grads)?),
                     None => None,
                 };
-                let norm = clip_grad_norm(&mut grads, self.config.max_grad_norm, norm_sq)?;
-                opt.step(&self.model.params, &grads, lr)?;
+                // The clipping factor is applied by the update's own pass.
+                let (norm, coef) = grad_clip_coef(&grads, self.config.max_grad_norm, norm_sq)?;
+                opt.step_scaled(&self.model.params, &grads, lr, coef)?;
                 norm
             }
             // Reduction, clipping and the update of this rank's slice happen inside.

@@ -192,24 +192,43 @@ __device__ void rotary(const T* x, const T* cos, const T* sin, T* out, int heads
 }
 
 // AdamW over one parameter (or flat shard) in one pass, in place: the f32 master `w` and
-// moments `m`, `v` are updated where they are, from the gradient in its own dtype (no cast
-// pass, no new buffers). `mask` (read when has_mask) is 1 where weight decay applies; the bias
-// corrections are folded into `step` (lr / bc1) and `inv_bc2`.
-template <typename G>
+// moments `m`, `v` are updated where they are, from the gradient in its own dtype times
+// `gscale` (the clipping coefficient: no cast or scaling pass), and with `has_out` the model's
+// weight `out` (its own dtype) receives the new value in the same pass. `mask` (read when
+// has_mask) is 1 where weight decay applies; the bias corrections are folded into `step`
+// (lr / bc1) and `inv_bc2`.
+template <typename G, typename W>
 __device__ void adamw(float* w, float* m, float* v, const G* g, const float* mask, int has_mask,
-                      size_t n, float shrink, float b1, float b2, float step, float inv_bc2,
-                      float eps) {
+                      W* out, int has_out, size_t n, float gscale, float shrink, float b1,
+                      float b2, float step, float inv_bc2, float eps) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const float keep = 1.f - shrink * (has_mask ? mask[i] : 1.f);
-        const float gi = to_f(g[i]);
+        const float gi = to_f(g[i]) * gscale;
         const float mi = b1 * m[i] + (1.f - b1) * gi;
         const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-        w[i] = w[i] * keep - step * mi / (sqrtf(vi) * inv_bc2 + eps);
+        const float wi = w[i] * keep - step * mi / (sqrtf(vi) * inv_bc2 + eps);
+        w[i] = wi;
         m[i] = mi;
         v[i] = vi;
+        if (has_out) out[i] = of<W>(wi);
     }
 }
+
+#define ADAMW_ENTRY(GS, G, WS, W)                                                              \
+    extern "C" __global__ void adamw_##GS##_##WS(                                              \
+        float* w, float* m, float* v, const G* g, const float* mask, int has_mask, W* out,     \
+        int has_out, size_t n, float gscale, float shrink, float b1, float b2, float step,     \
+        float inv_bc2, float eps) {                                                            \
+        adamw<G, W>(w, m, v, g, mask, has_mask, out, has_out, n, gscale, shrink, b1, b2, step, \
+                    inv_bc2, eps);                                                             \
+    }
+#define ADAMW_FOR_WEIGHT(GS, G)                                                                \
+    ADAMW_ENTRY(GS, G, f32, float) ADAMW_ENTRY(GS, G, bf16, __nv_bfloat16)                     \
+    ADAMW_ENTRY(GS, G, f16, __half)
+ADAMW_FOR_WEIGHT(f32, float)
+ADAMW_FOR_WEIGHT(bf16, __nv_bfloat16)
+ADAMW_FOR_WEIGHT(f16, __half)
 
 // out[0] += the sum of the squares of x (f32 math; one atomic add per block).
 template <typename T>
@@ -258,12 +277,6 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
     extern "C" __global__ void swiglu_bwd_##SUFFIX(const T* g, const T* u, const T* d, T* out, \
                                                    size_t n) {                                \
         swiglu_bwd<T>(g, u, d, out, n);                                                       \
-    }                                                                                         \
-    extern "C" __global__ void adamw_##SUFFIX(float* w, float* m, float* v, const T* g,         \
-                                              const float* mask, int has_mask, size_t n,       \
-                                              float shrink, float b1, float b2, float step,    \
-                                              float inv_bc2, float eps) {                      \
-        adamw<T>(w, m, v, g, mask, has_mask, n, shrink, b1, b2, step, inv_bc2, eps);           \
     }                                                                                         \
     extern "C" __global__ void sum_squares_##SUFFIX(const T* x, size_t n, float* out) {        \
         sum_squares<T>(x, n, out);                                                            \
