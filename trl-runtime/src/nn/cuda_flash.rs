@@ -105,10 +105,31 @@ fn kernel(dev: &CudaDevice, engine: Engine, name: &str, shared: usize) -> Result
 }
 
 fn config(grid: (u32, u32), shared: usize) -> LaunchConfig {
+    config_threads(grid, THREADS, shared)
+}
+
+fn config_threads(grid: (u32, u32), threads: u32, shared: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.0, grid.1, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: shared as u32,
+    }
+}
+
+/// Keys per block of the mma backward: 128 (8 warps; half the dQ atomic adds of 64), or 64
+/// (4 warps) with `TRL_FLASH_BWD_KEYS=64`. The wmma backward always takes 64.
+fn bwd_keys(engine: Engine) -> usize {
+    static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    match engine {
+        Engine::Wmma => 64,
+        Engine::Mma => *KEYS.get_or_init(|| match std::env::var("TRL_FLASH_BWD_KEYS").as_deref() {
+            Ok("64") => 64,
+            Ok("128") | Err(_) => 128,
+            Ok(other) => {
+                tracing::warn!("TRL_FLASH_BWD_KEYS={other}: expected 64 or 128; using 128");
+                128
+            }
+        }),
     }
 }
 
@@ -135,10 +156,11 @@ fn bwd_rows(d: usize) -> usize {
 
 fn bwd_shared(engine: Engine, d: usize) -> usize {
     match engine {
-        // K and V tiles of 64 rows, Q and dO of `bwd_rows`, padded; dS (rows x 72).
+        // K and V tiles of `bwd_keys` rows, Q and dO of `bwd_rows`, padded by 8 elements; dS
+        // (rows x keys + 8).
         Engine::Mma => {
-            let br = bwd_rows(d);
-            (2 * 64 + 2 * br) * (d + 8) * 2 + br * 72 * 2
+            let (keys, br) = (bwd_keys(engine), bwd_rows(d));
+            (2 * keys + 2 * br) * (d + 8) * 2 + br * (keys + 8) * 2
         }
         Engine::Wmma => {
             let (bc, br) = (64, 32);
@@ -387,7 +409,9 @@ impl CustomOp3 for Bwd<'_> {
             nk,
             d,
         } = dims(ql, kl, self.spans)?;
-        let nk_pad = nk.div_ceil(BLOCK) * BLOCK;
+        let engine = engine();
+        let keys = bwd_keys(engine);
+        let nk_pad = nk.div_ceil(keys) * keys;
         let stream = dev.cuda_stream();
         let (lo, hi) = upload(&dev, self.spans)?;
         let (out_guard, out_layout) = self.out.storage_and_layout();
@@ -400,7 +424,6 @@ impl CustomOp3 for Bwd<'_> {
         };
         let lse = view::<f32>(ls, lse_layout)?;
         let rows = b * hq * nq;
-        let engine = engine();
         // The mma kernel runs a block per query head and writes dK, dV per query head (summed
         // over each group by the cast); the wmma one loops over a group's heads itself.
         let kv_blocks = match engine {
@@ -426,7 +449,11 @@ impl CustomOp3 for Bwd<'_> {
             unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
             let shared = bwd_shared(engine, d);
-            let f = kernel(&dev, engine, &format!("flash_bwd_{sfx}_d{d}"), shared)?;
+            let name = match engine {
+                Engine::Mma => format!("flash_bwd{keys}_{sfx}_d{d}"),
+                Engine::Wmma => format!("flash_bwd_{sfx}_d{d}"),
+            };
+            let f = kernel(&dev, engine, &name, shared)?;
             let scale = 1.0 / (d as f32).sqrt();
             let (hq_i, hk_i) = (hq as i32, hk as i32);
             let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nk_pad as i32);
@@ -439,9 +466,11 @@ impl CustomOp3 for Bwd<'_> {
                 .arg(&nk_i)
                 .arg(&np_i)
                 .arg(&scale);
-            let grid = ((nk_pad / BLOCK) as u32, kv_blocks as u32);
+            let grid = ((nk_pad / keys) as u32, kv_blocks as u32);
+            // 16 keys per warp.
+            let threads = (keys / 16 * 32) as u32;
             // SAFETY: the arguments match the kernel's signature; shared memory as computed.
-            unsafe { lb.launch(config(grid, shared)) }.w()?;
+            unsafe { lb.launch(config_threads(grid, threads, shared)) }.w()?;
 
             let group = kv_blocks / (b * hk);
             // SAFETY: every element is written by the three casts.

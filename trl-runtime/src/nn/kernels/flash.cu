@@ -16,7 +16,8 @@
 // the 64-row block (`nq_pad` rows per head), with each row's log-sum-exp (natural log; minus
 // infinity for a row that sees no key).
 //
-// Backward: one block per (batch x query head, 64 keys), 4 warps of 16 keys, over every query
+// Backward: one block per (batch x query head, 128 keys), 8 warps of 16 keys (or 64 keys and
+// 4 warps: TRL_FLASH_BWD_KEYS=64), over every query
 // tile of BR rows that sees the keys, given the whole attention's log-sum-exp (so a part of the
 // keys gets its exact gradients): S^T = K_w Q^T and dP^T = V_w dO^T in registers, P^T from S^T
 // and the log-sum-exp, dS^T = P^T (dP^T - Delta); dV_w += P^T dO and dK_w += dS^T Q in
@@ -290,15 +291,18 @@ __device__ void flash_delta(const T* o, const T* dout, float* delta, int rows, i
 }
 
 // `lse` and `delta` are [batch x heads, nq]; dq is [batch x heads, nq, D] (f32, accumulated
-// with atomics), dk and dv [batch x heads, nk_pad, D] (per query head, f32).
-template <typename T, int D, int BR>
+// with atomics), dk and dv [batch x heads, nk_pad, D] (per query head, f32). A block is WARPS
+// warps of 16 keys: with 8, each query tile loaded serves 128 keys and dQ takes half the
+// atomic adds of 4.
+template <typename T, int D, int BR, int WARPS>
 __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                           const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq,
                           float* dk, float* dv, int hq, int hk, int nq, int nk, int nk_pad,
                           float scale) {
-    constexpr int BC = 64, LD = D + 8, LDS = BC + 8;
-    // dQ (BR x D) among the 4 warps: BR / 16 row groups, the columns split over the rest.
-    constexpr int RG = BR / 16, QC = D / (4 / RG);
+    constexpr int BC = 16 * WARPS, LD = D + 8, LDS = BC + 8;
+    // dQ (BR x D) among the warps: BR / 16 row groups, the columns split over the rest.
+    constexpr int RG = BR / 16, QC = D / (WARPS / RG);
+    static_assert(WARPS % RG == 0 && QC % 16 == 0, "dQ split");
     extern __shared__ __align__(128) unsigned char smem[];
     T* sk = (T*)smem;       // BC x LD
     T* sv = sk + BC * LD;   // BC x LD
@@ -474,12 +478,17 @@ __device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum,
                                   int nq, int nk, int nq_pad, float scale) {                   \
         flash_fwd<T, D>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale);               \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) flash_bwd_##SUFFIX##_d##D(               \
+    FLASH_BWD_ENTRY(SUFFIX, T, D, BR, 4, 64)                                                   \
+    FLASH_BWD_ENTRY(SUFFIX, T, D, BR, 8, 128)
+
+// The backward with blocks of KEYS keys (WARPS warps): flash_bwd<KEYS>_<dtype>_d<D>.
+#define FLASH_BWD_ENTRY(SUFFIX, T, D, BR, WARPS, KEYS)                                         \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_bwd##KEYS##_##SUFFIX##_d##D( \
         const T* q, const T* k, const T* v, const T* dout, const float* lse,                   \
         const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,      \
         float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale) {                  \
-        flash_bwd<T, D, BR>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq, hk, nq, nk,     \
-                            nk_pad, scale);                                                    \
+        flash_bwd<T, D, BR, WARPS>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq, hk, nq,  \
+                                   nk, nk_pad, scale);                                         \
     }
 
 // Query rows per backward tile: 64 for head dim 64; 32 for 128, where the dK and dV
