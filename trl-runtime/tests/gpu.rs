@@ -893,3 +893,32 @@ fn sums_of_squares_on_gpu_follow_the_cpu() {
         }
     }
 }
+
+/// The embedding lookup on the GPU (a gather forward, a scatter-add backward with atomics in
+/// f32) equals the CPU's index_select in f32 and bf16: rows and the table's gradient, with
+/// ids repeated many times (a small vocabulary) and ids never used (zero gradient rows).
+#[test]
+fn embedding_on_gpu_follows_the_cpu() {
+    use trl_runtime::nn::Embedding;
+    let Some(dev) = gpu() else { return };
+    let (vocab, hidden, n) = (300usize, 96usize, 2000usize);
+    let table = draws(&[vocab, hidden], 1.0, 400);
+    let ids: Vec<u32> = (0..n).map(|i| ((i * 7919) % 257) as u32).collect();
+    let w = draws(&[n, hidden], 1.0, 401);
+    let run = |dev: &Device, dtype: DType| {
+        output_and_grads(&[&table], &w, dev, dtype, |t| {
+            let ids = Tensor::new(ids.as_slice(), dev).unwrap();
+            Embedding::new(t[0].clone(), hidden).forward(&ids).unwrap()
+        })
+    };
+    let want = run(&Device::Cpu, DType::F32);
+    for (dtype, bound) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+        let got = run(&dev, dtype);
+        let (e, eg) = (rel_diff(&got.0, &want.0), rel_diff(&got.1[0], &want.1[0]));
+        eprintln!("embedding {dtype:?}: rows {e:e}, table gradient {eg:e}");
+        assert!(
+            e < bound && eg < bound,
+            "{dtype:?}: rows {e}, gradient {eg}"
+        );
+    }
+}

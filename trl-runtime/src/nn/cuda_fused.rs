@@ -441,3 +441,64 @@ pub fn add_into(acc: (&mut CudaStorage, &Layout), x: (&CudaStorage, &Layout)) ->
     });
     Ok(())
 }
+
+/// Embedding rows: `w` [vocab, hidden] (contiguous) at `ids` (u32, contiguous) -> [n, hidden].
+pub fn embedding_fwd(
+    w: (&CudaStorage, &Layout),
+    ids: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = w.0.device().clone();
+    let dtype = w.0.dtype();
+    let (_, hidden) = w.1.shape().dims2()?;
+    let n_ids = ids.1.shape().elem_count();
+    let f =
+        dev.get_or_load_custom_func(&format!("embedding_fwd_{}", suffix(dtype)?), MODULE, PTX)?;
+    let n = n_ids * hidden;
+    let out = typed!(dtype, |T| {
+        let (ws, is) = (view::<T>(w.0, w.1)?, view::<u32>(ids.0, ids.1)?);
+        // SAFETY: every element is written by the kernel.
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let (n64, h) = (n as u64, hidden as i32);
+        let mut b = f.builder();
+        b.arg(&ws).arg(&is).arg(&out).arg(&n64).arg(&h);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, Shape::from((n_ids, hidden))))
+}
+
+/// The embedding table's gradient [vocab, hidden] (the dtype of `dy`) from the rows' gradient
+/// `dy` [n, hidden] at `ids`: summed in f32 with atomics, then cast.
+pub fn embedding_bwd(
+    dy: (&CudaStorage, &Layout),
+    ids: (&CudaStorage, &Layout),
+    vocab: usize,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = dy.0.device().clone();
+    let dtype = dy.0.dtype();
+    let sfx = suffix(dtype)?;
+    let (n_ids, hidden) = dy.1.shape().dims2()?;
+    let bwd = dev.get_or_load_custom_func(&format!("embedding_bwd_{sfx}"), MODULE, PTX)?;
+    let cast = dev.get_or_load_custom_func(&format!("cast_from_f32_{sfx}"), MODULE, PTX)?;
+    let table = vocab * hidden;
+    let dw = dev.alloc_zeros::<f32>(table)?;
+    let out = typed!(dtype, |T| {
+        let (dys, is) = (view::<T>(dy.0, dy.1)?, view::<u32>(ids.0, ids.1)?);
+        let n = n_ids * hidden;
+        let (n64, h) = (n as u64, hidden as i32);
+        let mut b = bwd.builder();
+        b.arg(&dys).arg(&is).arg(&dw).arg(&n64).arg(&h);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        // SAFETY: every element is written by the cast.
+        let out = unsafe { dev.alloc::<T>(table)? };
+        let t = table as i32;
+        let mut b = cast.builder();
+        b.arg(&dw).arg(&out).arg(&t);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(table, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, Shape::from((vocab, hidden))))
+}

@@ -117,12 +117,21 @@ __device__ void cross_entropy_rows(T* logits, const int64_t* targets, float* los
             continue;
         }
         const float picked = to_f(r[t]);  // read by every thread before any write below
-        float m = -INFINITY;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, to_f(r[i]));
+        // One pass for the maximum and the sum (online: the sum rescaled when the maximum
+        // grows), then the block's maximum and each thread's sum brought to it.
+        float m = -INFINITY, sum = 0.f;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float x = to_f(r[i]);
+            if (x > m) {
+                sum = sum * expf(m - x) + 1.f;
+                m = x;
+            } else {
+                sum += expf(x - m);
+            }
+        }
+        const float mt = m;
         m = block_max(m);
-        float sum = 0.f;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(to_f(r[i]) - m);
-        sum = block_sum(sum);
+        sum = block_sum(mt == -INFINITY ? 0.f : sum * expf(mt - m));
         if (threadIdx.x == 0) loss[row] = m + logf(sum) - picked;
         if (grads) {
             const float inv = 1.f / sum;
@@ -230,6 +239,27 @@ ADAMW_FOR_WEIGHT(f32, float)
 ADAMW_FOR_WEIGHT(bf16, __nv_bfloat16)
 ADAMW_FOR_WEIGHT(f16, __half)
 
+// Embedding rows: out[t, :] = w[ids[t], :] (one thread per element).
+template <typename T>
+__device__ void embedding_fwd(const T* w, const uint32_t* ids, T* out, size_t n, int hidden) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = i / hidden, c = i % hidden;
+        out[i] = w[(size_t)ids[t] * hidden + c];
+    }
+}
+
+// Embedding backward: dw[ids[t], :] += dy[t, :] into an f32 table (zeroed), with atomics
+// (repeated ids add up); cast to the weight's dtype after.
+template <typename T>
+__device__ void embedding_bwd(const T* dy, const uint32_t* ids, float* dw, size_t n, int hidden) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = i / hidden, c = i % hidden;
+        atomicAdd(dw + (size_t)ids[t] * hidden + c, to_f(dy[i]));
+    }
+}
+
 // out[0] += the sum of the squares of x (f32 math; one atomic add per block).
 template <typename T>
 __device__ void sum_squares(const T* x, size_t n, float* out) {
@@ -277,6 +307,14 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
     extern "C" __global__ void swiglu_bwd_##SUFFIX(const T* g, const T* u, const T* d, T* out, \
                                                    size_t n) {                                \
         swiglu_bwd<T>(g, u, d, out, n);                                                       \
+    }                                                                                         \
+    extern "C" __global__ void embedding_fwd_##SUFFIX(const T* w, const uint32_t* ids, T* out,  \
+                                                      size_t n, int hidden) {                  \
+        embedding_fwd<T>(w, ids, out, n, hidden);                                              \
+    }                                                                                         \
+    extern "C" __global__ void embedding_bwd_##SUFFIX(const T* dy, const uint32_t* ids,        \
+                                                      float* dw, size_t n, int hidden) {       \
+        embedding_bwd<T>(dy, ids, dw, n, hidden);                                              \
     }                                                                                         \
     extern "C" __global__ void sum_squares_##SUFFIX(const T* x, size_t n, float* out) {        \
         sum_squares<T>(x, n, out);                                                            \
