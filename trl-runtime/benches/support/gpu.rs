@@ -185,7 +185,8 @@ pub fn run(dir: &Path) {
             ),
         }
     }
-    if profiling() {
+    // TRL_BENCH_GPU_PEERS=0: ours only (a short check of our numbers).
+    if profiling() || std::env::var("TRL_BENCH_GPU_PEERS").is_ok_and(|v| v == "0") {
         return;
     }
     // The same shapes through transformers, TRL and TRL + Liger on this GPU's torch, which

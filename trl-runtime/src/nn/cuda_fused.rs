@@ -469,35 +469,49 @@ pub fn embedding_fwd(
 }
 
 /// The embedding table's gradient [vocab, hidden] (the dtype of `dy`) from the rows' gradient
-/// `dy` [n, hidden] at `ids`: summed in f32 with atomics, then cast.
+/// `dy` [n, hidden] at `ids`: summed in f32 with atomics, a slab of columns at a time (a
+/// [vocab, 128] f32 buffer instead of the whole table), each slab cast into its columns.
 pub fn embedding_bwd(
     dy: (&CudaStorage, &Layout),
     ids: (&CudaStorage, &Layout),
     vocab: usize,
 ) -> Result<(CudaStorage, Shape)> {
+    const SLAB: usize = 128;
     let dev = dy.0.device().clone();
     let dtype = dy.0.dtype();
     let sfx = suffix(dtype)?;
     let (n_ids, hidden) = dy.1.shape().dims2()?;
     let bwd = dev.get_or_load_custom_func(&format!("embedding_bwd_{sfx}"), MODULE, PTX)?;
-    let cast = dev.get_or_load_custom_func(&format!("cast_from_f32_{sfx}"), MODULE, PTX)?;
-    let table = vocab * hidden;
-    let dw = dev.alloc_zeros::<f32>(table)?;
+    let cast = dev.get_or_load_custom_func(&format!("embedding_slab_cast_{sfx}"), MODULE, PTX)?;
+    let stream = dev.cuda_stream();
+    let slab = SLAB.min(hidden);
+    let mut dw = dev.alloc_zeros::<f32>(vocab * slab)?;
     let out = typed!(dtype, |T| {
         let (dys, is) = (view::<T>(dy.0, dy.1)?, view::<u32>(ids.0, ids.1)?);
-        let n = n_ids * hidden;
-        let (n64, h) = (n as u64, hidden as i32);
-        let mut b = bwd.builder();
-        b.arg(&dys).arg(&is).arg(&dw).arg(&n64).arg(&h);
-        // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
-        // SAFETY: every element is written by the cast.
-        let out = unsafe { dev.alloc::<T>(table)? };
-        let t = table as i32;
-        let mut b = cast.builder();
-        b.arg(&dw).arg(&out).arg(&t);
-        // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(config(grid(table, THREADS as usize), 0)) }.w()?;
+        // SAFETY: every element is written by the slabs' casts (they tile the columns).
+        let out = unsafe { dev.alloc::<T>(vocab * hidden)? };
+        let (n_ids64, vocab64, h) = (n_ids as u64, vocab as u64, hidden as i32);
+        for c0 in (0..hidden).step_by(slab) {
+            let ch = slab.min(hidden - c0);
+            if c0 > 0 {
+                stream.memset_zeros(&mut dw).w()?;
+            }
+            let (c0_i, ch_i) = (c0 as i32, ch as i32);
+            let mut b = bwd.builder();
+            b.arg(&dys).arg(&is).arg(&dw).arg(&n_ids64).arg(&h);
+            b.arg(&c0_i).arg(&ch_i);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { b.launch(config(grid(n_ids * ch, THREADS as usize), 0)) }.w()?;
+            let mut b = cast.builder();
+            b.arg(&dw)
+                .arg(&out)
+                .arg(&vocab64)
+                .arg(&h)
+                .arg(&c0_i)
+                .arg(&ch_i);
+            // SAFETY: the arguments match the kernel's signature.
+            unsafe { b.launch(config(grid(vocab * ch, THREADS as usize), 0)) }.w()?;
+        }
         CudaStorage::wrap_cuda_slice(out, dev.clone())
     });
     Ok((out, Shape::from((vocab, hidden))))

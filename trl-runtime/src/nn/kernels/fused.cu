@@ -249,14 +249,29 @@ __device__ void embedding_fwd(const T* w, const uint32_t* ids, T* out, size_t n,
     }
 }
 
-// Embedding backward: dw[ids[t], :] += dy[t, :] into an f32 table (zeroed), with atomics
-// (repeated ids add up); cast to the weight's dtype after.
+// Embedding backward for columns [c0, c0 + ch) of the table: dw[ids[t], c - c0] += dy[t, c]
+// into an f32 slab [vocab, ch] (zeroed), with atomics (repeated ids add up); the slab is cast
+// into the table's columns after (`embedding_slab_cast`). Column slabs keep the f32 buffer
+// small (Qwen2's table in f32 would be 544 MB).
 template <typename T>
-__device__ void embedding_bwd(const T* dy, const uint32_t* ids, float* dw, size_t n, int hidden) {
+__device__ void embedding_bwd(const T* dy, const uint32_t* ids, float* dw, size_t n_ids,
+                              int hidden, int c0, int ch) {
+    const size_t n = n_ids * ch;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
-        const size_t t = i / hidden, c = i % hidden;
-        atomicAdd(dw + (size_t)ids[t] * hidden + c, to_f(dy[i]));
+        const size_t t = i / ch, c = i % ch;
+        atomicAdd(dw + (size_t)ids[t] * ch + c, to_f(dy[t * hidden + c0 + c]));
+    }
+}
+
+template <typename T>
+__device__ void embedding_slab_cast(const float* dw, T* out, size_t vocab, int hidden, int c0,
+                                    int ch) {
+    const size_t n = vocab * ch;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t v = i / ch, c = i % ch;
+        out[v * hidden + c0 + c] = of<T>(dw[i]);
     }
 }
 
@@ -313,8 +328,14 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
         embedding_fwd<T>(w, ids, out, n, hidden);                                              \
     }                                                                                         \
     extern "C" __global__ void embedding_bwd_##SUFFIX(const T* dy, const uint32_t* ids,        \
-                                                      float* dw, size_t n, int hidden) {       \
-        embedding_bwd<T>(dy, ids, dw, n, hidden);                                              \
+                                                      float* dw, size_t n_ids, int hidden,     \
+                                                      int c0, int ch) {                        \
+        embedding_bwd<T>(dy, ids, dw, n_ids, hidden, c0, ch);                                  \
+    }                                                                                         \
+    extern "C" __global__ void embedding_slab_cast_##SUFFIX(const float* dw, T* out,           \
+                                                            size_t vocab, int hidden, int c0,  \
+                                                            int ch) {                          \
+        embedding_slab_cast<T>(dw, out, vocab, hidden, c0, ch);                                \
     }                                                                                         \
     extern "C" __global__ void sum_squares_##SUFFIX(const T* x, size_t n, float* out) {        \
         sum_squares<T>(x, n, out);                                                            \
