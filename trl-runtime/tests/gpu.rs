@@ -923,3 +923,49 @@ fn embedding_on_gpu_follows_the_cpu() {
         );
     }
 }
+
+/// The GPU layout and bias kernels (heads swapped by whole rows, a linear layer's bias added
+/// in one pass) against the CPU's transpose and broadcast add in f32, values and gradients:
+/// f32 and bf16, a row of 64 (16-byte units) and of 5 (2- and 4-byte units).
+#[test]
+fn swap_heads_and_bias_on_gpu_follow_the_cpu() {
+    use trl_runtime::nn::fused::{add_bias, swap_heads};
+    let Some(dev) = gpu() else { return };
+    for d in [64usize, 5] {
+        let x = draws(&[2, 7, 3, d], 1.0, 500);
+        let w = draws(&[2, 3, 7, d], 1.0, 501);
+        let want = output_and_grads(&[&x], &w, &Device::Cpu, DType::F32, |t| {
+            t[0].transpose(1, 2).unwrap().contiguous().unwrap()
+        });
+        for dtype in [DType::F32, DType::BF16] {
+            let got = output_and_grads(&[&x], &w, &dev, dtype, |t| swap_heads(&t[0]).unwrap());
+            let (e, eg) = (rel_diff(&got.0, &want.0), rel_diff(&got.1[0], &want.1[0]));
+            eprintln!("swap heads d {d} {dtype:?}: {e:e}, gradient {eg:e}");
+            assert!(
+                e < 1e-2 && eg < 1e-2,
+                "swap heads d {d} {dtype:?}: {e} {eg}"
+            );
+        }
+    }
+    let y = draws(&[37, 29], 1.0, 502);
+    let bias = draws(&[29], 1.0, 503);
+    let w = draws(&[37, 29], 1.0, 504);
+    let want = output_and_grads(&[&y, &bias], &w, &Device::Cpu, DType::F32, |t| {
+        t[0].broadcast_add(&t[1]).unwrap()
+    });
+    for (dtype, bound) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+        let got = output_and_grads(&[&y, &bias], &w, &dev, dtype, |t| {
+            add_bias(&t[0], &t[1]).unwrap()
+        });
+        let e = rel_diff(&got.0, &want.0);
+        let (ey, eb) = (
+            rel_diff(&got.1[0], &want.1[0]),
+            rel_diff(&got.1[1], &want.1[1]),
+        );
+        eprintln!("bias {dtype:?}: {e:e}, gradients {ey:e} {eb:e}");
+        assert!(
+            e < bound && ey < bound && eb < bound,
+            "bias {dtype:?}: {e} {ey} {eb}"
+        );
+    }
+}

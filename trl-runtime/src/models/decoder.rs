@@ -162,15 +162,12 @@ fn layer_forward(
     let (heads, kv_heads) = (layer.num_heads, layer.num_kv_heads);
     let h = layer.input_layernorm.forward(x)?;
     let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
-        t.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()
+        crate::nn::fused::swap_heads(&t.reshape((b, s, n, d))?)
     };
     let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
     let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
     let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-    let a = cx
-        .attention(&q, &k, &v)?
-        .transpose(1, 2)?
-        .reshape((b, s, heads * d))?;
+    let a = crate::nn::fused::swap_heads(&cx.attention(&q, &k, &v)?)?.reshape((b, s, heads * d))?;
     let x = (x + layer.o_proj.forward(&a)?)?;
     let h = layer.post_attention_layernorm.forward(&x)?;
     Ok((&x + mlp(layer, cx, &h)?)?)

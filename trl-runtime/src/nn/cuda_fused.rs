@@ -516,3 +516,69 @@ pub fn embedding_bwd(
     });
     Ok((out, Shape::from((vocab, hidden))))
 }
+
+/// `x` [a, b, c, d] (contiguous) -> [a, c, b, d]: dims 1 and 2 swapped, moving whole rows of
+/// `d` (16 bytes a thread when a row is a multiple of 16 bytes).
+pub fn swap12(x: (&CudaStorage, &Layout)) -> Result<(CudaStorage, Shape)> {
+    check(x.1, "swap")?;
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let (a, b, c, d) = x.1.shape().dims4()?;
+    let bytes = d * dtype.size_in_bytes();
+    let (kernel, unit) = match (bytes % 16, dtype.size_in_bytes()) {
+        (0, _) => ("swap12_u128", 16),
+        (_, 2) => ("swap12_u16", 2),
+        (_, 4) => ("swap12_u32", 4),
+        (_, size) => bail!("fused CUDA swap: {size}-byte elements are not supported"),
+    };
+    let f = dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
+    let row = bytes / unit;
+    let n = a * b * c * row;
+    let (a64, b64, c64, r64) = (a as u64, b as u64, c as u64, row as u64);
+    let out = typed!(dtype, |T| {
+        let xs = view::<T>(x.0, x.1)?;
+        // SAFETY: every element is written by the kernel.
+        let out = unsafe { dev.alloc::<T>(a * b * c * d)? };
+        let mut builder = f.builder();
+        // The kernel reads and writes the same bytes as units of `unit` bytes.
+        builder
+            .arg(&xs)
+            .arg(&out)
+            .arg(&a64)
+            .arg(&b64)
+            .arg(&c64)
+            .arg(&r64);
+        // SAFETY: the arguments match the kernel's signature; the buffers hold n units.
+        unsafe { builder.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, Shape::from((a, c, b, d))))
+}
+
+/// `x` [rows, cols] + `bias` [cols] (contiguous, one dtype).
+pub fn bias_add(
+    x: (&CudaStorage, &Layout),
+    bias: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    check(x.1, "bias")?;
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let n = x.1.shape().elem_count();
+    let cols = bias.1.shape().elem_count();
+    if cols == 0 || !n.is_multiple_of(cols) || x.1.dims().last() != Some(&cols) {
+        bail!("fused CUDA bias: {:?} + [{cols}]", x.1.dims());
+    }
+    let f = dev.get_or_load_custom_func(&format!("bias_add_{}", suffix(dtype)?), MODULE, PTX)?;
+    let out = typed!(dtype, |T| {
+        let (xs, bs) = (view::<T>(x.0, x.1)?, view::<T>(bias.0, bias.1)?);
+        // SAFETY: every element is written by the kernel.
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let (n64, c) = (n as u64, cols as i32);
+        let mut b = f.builder();
+        b.arg(&xs).arg(&bs).arg(&out).arg(&n64).arg(&c);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, x.1.shape().clone()))
+}

@@ -172,7 +172,7 @@ pub fn local_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Resul
     let rows = x.elem_count() / inner;
     let y = x.reshape((rows, inner))?.matmul(&weight.t()?)?;
     let y = match bias {
-        Some(b) => y.broadcast_add(b)?,
+        Some(b) => super::fused::add_bias(&y, b)?,
         None => y,
     };
     let mut out_dims = dims.to_vec();

@@ -275,6 +275,42 @@ __device__ void embedding_slab_cast(const float* dw, T* out, size_t vocab, int h
     }
 }
 
+// x [a, b, c, row] -> out [a, c, b, row] (dims 1 and 2 swapped: attention's heads moved
+// ahead of the sequence, or back), `row` units of U each (16 bytes when the row allows it):
+// each thread moves one unit, reading and writing whole rows in order.
+template <typename U>
+__device__ void swap12(const U* x, U* out, size_t a, size_t b, size_t c, size_t row) {
+    const size_t n = a * b * c * row;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t e = i % row, r = i / row;  // r indexes [a, b, c] of the input
+        const size_t k = r % c, j = (r / c) % b, h = r / (b * c);
+        out[((h * c + k) * b + j) * row + e] = x[i];
+    }
+}
+
+// out = x + bias over the last dim (`cols`), f32 math: a linear layer's bias without a
+// broadcast kernel.
+template <typename T>
+__device__ void bias_add(const T* x, const T* bias, T* out, size_t n, int cols) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        out[i] = of<T>(to_f(x[i]) + to_f(bias[i % cols]));
+}
+
+extern "C" __global__ void swap12_u128(const uint4* x, uint4* out, size_t a, size_t b, size_t c,
+                                       size_t row) {
+    swap12<uint4>(x, out, a, b, c, row);
+}
+extern "C" __global__ void swap12_u16(const uint16_t* x, uint16_t* out, size_t a, size_t b,
+                                      size_t c, size_t row) {
+    swap12<uint16_t>(x, out, a, b, c, row);
+}
+extern "C" __global__ void swap12_u32(const uint32_t* x, uint32_t* out, size_t a, size_t b,
+                                      size_t c, size_t row) {
+    swap12<uint32_t>(x, out, a, b, c, row);
+}
+
 // out[0] += the sum of the squares of x (f32 math; one atomic add per block).
 template <typename T>
 __device__ void sum_squares(const T* x, size_t n, float* out) {
@@ -336,6 +372,10 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
                                                             size_t vocab, int hidden, int c0,  \
                                                             int ch) {                          \
         embedding_slab_cast<T>(dw, out, vocab, hidden, c0, ch);                                \
+    }                                                                                         \
+    extern "C" __global__ void bias_add_##SUFFIX(const T* x, const T* bias, T* out, size_t n,  \
+                                                 int cols) {                                  \
+        bias_add<T>(x, bias, out, n, cols);                                                   \
     }                                                                                         \
     extern "C" __global__ void sum_squares_##SUFFIX(const T* x, size_t n, float* out) {        \
         sum_squares<T>(x, n, out);                                                            \
