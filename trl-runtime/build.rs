@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const SOURCES: &[&str] = &["fused", "flash", "flash_wmma"];
+const SOURCES: &[&str] = &["fused", "flash"];
 
 fn main() {
     for name in SOURCES {

@@ -152,13 +152,9 @@ fn gpu() {
         (1, 14, 2, 8192, 64),
         (1, 14, 2, 32768, 64),
     ];
-    // Which kernel pair nn::cuda_flash runs (TRL_FLASH_CUDA_KERNEL: mma, the default, or wmma).
-    // and keys per backward block of the mma pair (TRL_FLASH_BWD_KEYS: 128, the default, or 64).
-    let mut kernel = std::env::var("TRL_FLASH_CUDA_KERNEL").unwrap_or_else(|_| "mma".into());
-    if kernel == "mma" {
-        let keys = std::env::var("TRL_FLASH_BWD_KEYS").unwrap_or_else(|_| "128".into());
-        kernel = format!("mma-bwd{keys}");
-    }
+    // Keys per backward block (TRL_FLASH_BWD_KEYS: 128, the default, or 64).
+    let keys = std::env::var("TRL_FLASH_BWD_KEYS").unwrap_or_else(|_| "128".into());
+    let kernel = format!("mma-bwd{keys}");
     let args: Vec<String> = shapes.iter().map(|s| shape_arg(*s)).collect();
     let torch = torch_ms("cuda", "bf16", &args);
     for (shape, theirs) in shapes.iter().zip(torch) {

@@ -5,10 +5,9 @@
 //! tested against the whole score matrix and the blockwise ring). `TRL_FLASH_CUDA=0` turns it
 //! off.
 //!
-//! Two kernel pairs: `kernels/flash.cu` (FlashAttention-2 with the operands in registers,
-//! `mma.sync` and `ldmatrix`; the default) and `kernels/flash_wmma.cu` (the first version,
-//! through WMMA with the scores in shared memory; `TRL_FLASH_CUDA_KERNEL=wmma`), kept while the
-//! first is new, for comparison on a GPU.
+//! The kernels (`kernels/flash.cu`) are FlashAttention-2 with the operands in registers,
+//! `mma.sync` and `ldmatrix`; docs/gpu.md has their measurements. (A first version through
+//! WMMA, with the scores in shared memory, ran 7-8x slower on an H100 and is gone.)
 //!
 //! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks). [`forward`]
 //! returns the output in f32 with each row's log-sum-exp (ring attention merges them);
@@ -31,8 +30,6 @@ use candle_core::{
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
 const MODULE: &str = "trl_flash";
-const WMMA_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_wmma.ptx"));
-const WMMA_MODULE: &str = "trl_flash_wmma";
 /// Query rows per forward block and keys per backward block (the padding of outputs).
 const BLOCK: usize = 64;
 const THREADS: u32 = 128;
@@ -60,25 +57,6 @@ pub fn applies(q: &Tensor, k: &Tensor) -> bool {
         && heads % kv_heads == 0
 }
 
-/// Which kernel pair runs (see the module docs).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Engine {
-    Mma,
-    Wmma,
-}
-
-fn engine() -> Engine {
-    static ENGINE: std::sync::OnceLock<Engine> = std::sync::OnceLock::new();
-    *ENGINE.get_or_init(|| match std::env::var("TRL_FLASH_CUDA_KERNEL").as_deref() {
-        Ok("wmma") => Engine::Wmma,
-        Ok("mma") | Err(_) => Engine::Mma,
-        Ok(other) => {
-            tracing::warn!("TRL_FLASH_CUDA_KERNEL={other}: expected mma or wmma; using mma");
-            Engine::Mma
-        }
-    })
-}
-
 fn suffix(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
         DType::BF16 => "bf16",
@@ -87,14 +65,10 @@ fn suffix(dtype: DType) -> Result<&'static str> {
     })
 }
 
-/// A kernel of `engine`'s module allowed `shared` bytes of dynamic shared memory.
-fn kernel(dev: &CudaDevice, engine: Engine, name: &str, shared: usize) -> Result<CudaFunction> {
-    let (module, ptx) = match engine {
-        Engine::Mma => (MODULE, PTX),
-        Engine::Wmma => (WMMA_MODULE, WMMA_PTX),
-    };
+/// A kernel allowed `shared` bytes of dynamic shared memory.
+fn kernel(dev: &CudaDevice, name: &str, shared: usize) -> Result<CudaFunction> {
     let f = dev
-        .get_or_load_custom_func(name, module, ptx)?
+        .get_or_load_custom_func(name, MODULE, PTX)?
         .into_cuda_function();
     f.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -116,36 +90,27 @@ fn config_threads(grid: (u32, u32), threads: u32, shared: usize) -> LaunchConfig
     }
 }
 
-/// Keys per block of the mma backward: 128 (8 warps; half the dQ atomic adds of 64), or 64
-/// (4 warps) with `TRL_FLASH_BWD_KEYS=64`. The wmma backward always takes 64.
-fn bwd_keys(engine: Engine) -> usize {
+/// Keys per backward block: 128 (8 warps; half the dQ atomic adds of 64), or 64 (4 warps)
+/// with `TRL_FLASH_BWD_KEYS=64`.
+fn bwd_keys() -> usize {
     static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    match engine {
-        Engine::Wmma => 64,
-        Engine::Mma => *KEYS.get_or_init(|| match std::env::var("TRL_FLASH_BWD_KEYS").as_deref() {
-            Ok("64") => 64,
-            Ok("128") | Err(_) => 128,
-            Ok(other) => {
-                tracing::warn!("TRL_FLASH_BWD_KEYS={other}: expected 64 or 128; using 128");
-                128
-            }
-        }),
-    }
-}
-
-/// Shared memory of the forward and backward kernels for head dim `d` (2-byte elements).
-fn fwd_shared(engine: Engine, d: usize) -> usize {
-    match engine {
-        // Q, K and V tiles of 64 rows, padded by 8 elements.
-        Engine::Mma => 3 * 64 * (d + 8) * 2,
-        Engine::Wmma => {
-            let (br, bc) = (64, 32);
-            br * d * 2 + 2 * bc * d * 2 + 4 * 16 * bc * 4 + 4 * 16 * bc * 2
+    *KEYS.get_or_init(|| match std::env::var("TRL_FLASH_BWD_KEYS").as_deref() {
+        Ok("64") => 64,
+        Ok("128") | Err(_) => 128,
+        Ok(other) => {
+            tracing::warn!("TRL_FLASH_BWD_KEYS={other}: expected 64 or 128; using 128");
+            128
         }
-    }
+    })
 }
 
-/// Query rows per backward tile of the mma kernel (flash.cu's FLASH_DTYPE).
+/// Shared memory of the forward for head dim `d` (2-byte elements): Q, K and V tiles of 64
+/// rows, padded by 8 elements.
+fn fwd_shared(d: usize) -> usize {
+    3 * 64 * (d + 8) * 2
+}
+
+/// Query rows per backward tile (flash.cu's FLASH_DTYPE).
 fn bwd_rows(d: usize) -> usize {
     if d == 64 {
         64
@@ -154,24 +119,11 @@ fn bwd_rows(d: usize) -> usize {
     }
 }
 
-fn bwd_shared(engine: Engine, d: usize) -> usize {
-    match engine {
-        // K and V tiles of `bwd_keys` rows, Q and dO of `bwd_rows`, padded by 8 elements; dS
-        // (rows x keys + 8).
-        Engine::Mma => {
-            let (keys, br) = (bwd_keys(engine), bwd_rows(d));
-            (2 * keys + 2 * br) * (d + 8) * 2 + br * (keys + 8) * 2
-        }
-        Engine::Wmma => {
-            let (bc, br) = (64, 32);
-            2 * bc * d * 2
-                + 2 * br * d * 2
-                + 2 * (4 * 16 * br * 4)
-                + 4 * 16 * br * 2
-                + bc * br * 2
-                + 4 * br * (d / 4) * 4
-        }
-    }
+/// Shared memory of the backward: K and V tiles of `bwd_keys` rows, Q and dO of `bwd_rows`,
+/// padded by 8 elements; dS (rows x keys + 8).
+fn bwd_shared(d: usize) -> usize {
+    let (keys, br) = (bwd_keys(), bwd_rows(d));
+    (2 * keys + 2 * br) * (d + 8) * 2 + br * (keys + 8) * 2
 }
 
 /// The geometry of one call: q [b, hq, nq, d], k and v [b, hk, nk, d].
@@ -227,12 +179,7 @@ fn unpad_sum_cast<T: DeviceRepr>(
     rows_pad: usize,
     d: usize,
 ) -> Result<()> {
-    let f = kernel(
-        dev,
-        Engine::Mma,
-        &format!("unpad_sum_cast_{}", suffix(dtype)?),
-        0,
-    )?;
+    let f = kernel(dev, &format!("unpad_sum_cast_{}", suffix(dtype)?), 0)?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&f);
     let (g64, s, r, rp, di) = (
@@ -302,14 +249,8 @@ impl CustomOp3 for Fwd<'_> {
         let (lo, hi) = upload(&dev, self.spans)?;
         let n_out = b * hq * nq_pad * d;
         let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
-        let engine = engine();
-        let shared = fwd_shared(engine, d);
-        let f = kernel(
-            &dev,
-            engine,
-            &format!("flash_fwd_{}_d{d}", suffix(dtype)?),
-            shared,
-        )?;
+        let shared = fwd_shared(d);
+        let f = kernel(&dev, &format!("flash_fwd_{}_d{d}", suffix(dtype)?), shared)?;
         let stream = dev.cuda_stream();
         typed!(dtype, |T| {
             let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
@@ -409,8 +350,7 @@ impl CustomOp3 for Bwd<'_> {
             nk,
             d,
         } = dims(ql, kl, self.spans)?;
-        let engine = engine();
-        let keys = bwd_keys(engine);
+        let keys = bwd_keys();
         let nk_pad = nk.div_ceil(keys) * keys;
         let stream = dev.cuda_stream();
         let (lo, hi) = upload(&dev, self.spans)?;
@@ -424,12 +364,9 @@ impl CustomOp3 for Bwd<'_> {
         };
         let lse = view::<f32>(ls, lse_layout)?;
         let rows = b * hq * nq;
-        // The mma kernel runs a block per query head and writes dK, dV per query head (summed
-        // over each group by the cast); the wmma one loops over a group's heads itself.
-        let kv_blocks = match engine {
-            Engine::Mma => b * hq,
-            Engine::Wmma => b * hk,
-        };
+        // A block per query head, writing dK and dV per query head (summed over each group
+        // by the cast): the grid stays batch x query heads wide.
+        let kv_blocks = b * hq;
         let delta = dev.alloc_zeros::<f32>(rows)?;
         let dq = dev.alloc_zeros::<f32>(b * hq * nq * d)?;
         // Fully written by the kernel (padding rows included).
@@ -440,7 +377,7 @@ impl CustomOp3 for Bwd<'_> {
         let packed = typed!(dtype, |T| {
             let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
             let (o, g) = (view::<T>(os, out_layout)?, view::<T>(gs, grad_layout)?);
-            let f = kernel(&dev, Engine::Mma, &format!("flash_delta_{sfx}"), 0)?;
+            let f = kernel(&dev, &format!("flash_delta_{sfx}"), 0)?;
             let (rows_i, d_i) = (rows as i32, d as i32);
             let mut lb = stream.launch_builder(&f);
             lb.arg(&o).arg(&g).arg(&delta).arg(&rows_i).arg(&d_i);
@@ -448,12 +385,8 @@ impl CustomOp3 for Bwd<'_> {
             // SAFETY: the arguments match the kernel's signature.
             unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
-            let shared = bwd_shared(engine, d);
-            let name = match engine {
-                Engine::Mma => format!("flash_bwd{keys}_{sfx}_d{d}"),
-                Engine::Wmma => format!("flash_bwd_{sfx}_d{d}"),
-            };
-            let f = kernel(&dev, engine, &name, shared)?;
+            let shared = bwd_shared(d);
+            let f = kernel(&dev, &format!("flash_bwd{keys}_{sfx}_d{d}"), shared)?;
             let scale = 1.0 / (d as f32).sqrt();
             let (hq_i, hk_i) = (hq as i32, hk as i32);
             let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nk_pad as i32);
