@@ -656,17 +656,17 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                     Some(g) => g.clone(),
                     None => var.as_tensor().zeros_like()?,
                 };
-                // Accumulated in fp32 whatever the compute dtype (DeepSpeed's bf16 default).
-                let g = if native_grads {
-                    g
-                } else {
-                    g.to_dtype(DType::F32)?
-                };
-                let acc = match grads.remove(name) {
-                    Some(prev) => (prev + g)?,
-                    None => g,
-                };
-                grads.insert(name.clone(), acc);
+                if native_grads {
+                    grads.insert(name.clone(), g);
+                    continue;
+                }
+                // Accumulated in fp32 whatever the compute dtype (DeepSpeed's bf16 default); on
+                // a GPU the sum grows in place, reading each micro-batch's gradient as it is.
+                let mut slot = grads.remove(name);
+                crate::nn::precision::accumulate(&mut slot, g, DType::F32)?;
+                if let Some(acc) = slot {
+                    grads.insert(name.clone(), acc);
+                }
             }
         }
         let t1 = Instant::now();
