@@ -84,7 +84,11 @@ fn main() {
         cfg.num_parameters()
     );
     step(); // warm-up
-    let reps = 3;
+            // More steps for profiling (`perf record`), three by default.
+    let reps: usize = std::env::var("TRL_BENCH_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     let t = Instant::now();
     for _ in 0..reps {
         step();

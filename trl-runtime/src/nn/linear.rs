@@ -67,7 +67,7 @@ impl Linear {
                 let y = reduce_from_group(&partial, comm).map_err(wrap)?;
                 match &self.bias {
                     None => Ok(y),
-                    Some(Weight::Local(b)) => y.broadcast_add(b),
+                    Some(Weight::Local(b)) => super::fused::add_bias(&y, b),
                     Some(Weight::Sharded(b)) => sharded::add_bias(&y, b),
                 }
             }

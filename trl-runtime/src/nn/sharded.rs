@@ -414,7 +414,7 @@ impl CustomOp1 for UnitOp {
                 let dw = g2.t()?.matmul(&arg.reshape((rows, inner))?)?;
                 let mut grads = vec![(*weight, dw)];
                 if let Some(b) = bias {
-                    grads.push((*b, g2.sum(0)?));
+                    grads.push((*b, super::fused::sum_rows(&g2)?));
                 }
                 (dx, grads)
             }
@@ -422,12 +422,12 @@ impl CustomOp1 for UnitOp {
                 let w = fetch(*weight)?;
                 let h = w.elem_count();
                 let dx = grad.broadcast_mul(&w)?;
-                let dw = (grad * arg)?.reshape(((), h))?.sum(0)?;
+                let dw = super::fused::sum_rows(&(grad * arg)?.reshape(((), h))?)?;
                 (dx, vec![(*weight, dw)])
             }
             OpKind::Bias { weight } => {
                 let b = fetch(*weight)?;
-                let db = grad.reshape(((), b.elem_count()))?.sum(0)?;
+                let db = super::fused::sum_rows(&grad.reshape(((), b.elem_count()))?)?;
                 (grad.clone(), vec![(*weight, db)])
             }
             OpKind::Embedding { weight, ids } => {
@@ -509,7 +509,7 @@ pub fn scale(x: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
 /// tensor-parallel sum).
 pub fn add_bias(x: &Tensor, b: &ShardedWeight) -> candle_core::Result<Tensor> {
     let bias = b.unit.weight(b.entry).map_err(failed)?;
-    let y = x.detach().broadcast_add(&bias)?;
+    let y = super::fused::add_bias(&x.detach(), &bias)?;
     apply(x, &b.unit, OpKind::Bias { weight: b.entry }, y)
 }
 
