@@ -6,7 +6,8 @@
 //! activation checkpointing on top (`flash_tiled_mlp_ckpt`, `gradient_checkpointing`: each
 //! decoder layer recomputed in backward) on the reference model and on an 8-layer one, at 1
 //! rank and at 4 ranks of Ulysses, with the loss of both at one length (`-- --only=checkpointing`
-//! runs just that; TRL_BENCH_BUDGET_MIB changes the budget). Each probe runs in a fresh process (1 compute thread) whose peak resident memory
+//! runs just that; TRL_BENCH_BUDGET_MIB changes the budget, TRL_BENCH_RANKS the rank counts).
+//! Each probe runs in a fresh process (1 compute thread) whose peak resident memory
 //! over the step is compared with the budget; lengths are searched by doubling, then bisection
 //! to 256 tokens. One JSON object per line on stdout; prose on stderr.
 //!
@@ -59,12 +60,21 @@ fn prepare(dir: &Path) {
     support::write_model_and_rows(&dir.join("deep"), deep, 1, 8);
 }
 
+/// Rank counts of the checkpointing comparison: 1 and 4, or TRL_BENCH_RANKS (e.g. `1`: the
+/// 4-rank searches take about an hour on 2 cores).
+fn checkpointing_ranks() -> Vec<usize> {
+    std::env::var("TRL_BENCH_RANKS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|r| r.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 4])
+}
+
 /// The checkpointing comparison on the model of `prefix` ("" or "deep/") with `layers`
 /// layers, at 1 and 4 ranks (Ulysses), with the loss of both at one length.
 fn checkpointing(prefix: &str, layers: usize, dir: &Path) {
     let mode = format!("{prefix}flash_attention_2+tiled+mlp");
     let ckpt = format!("{mode}+ckpt");
-    for ranks in [1, 4] {
+    for ranks in checkpointing_ranks() {
         let (plain, plain_s) = max_seq(&mode, ranks, dir);
         let (with, with_s) = max_seq(&ckpt, ranks, dir);
         for (what, seq, step_s) in [

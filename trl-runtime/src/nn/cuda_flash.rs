@@ -119,11 +119,29 @@ fn bwd_rows(d: usize) -> usize {
     }
 }
 
-/// Shared memory of the backward: K and V tiles of `bwd_keys` rows, Q and dO of `bwd_rows`,
-/// padded by 8 elements; dS (rows x keys + 8).
+/// Shared memory of the backward: K and V tiles of `bwd_keys` rows, Q and dO of `bwd_rows`
+/// (twice with [`pipelined`]), padded by 8 elements; dS (rows x keys + 8).
 fn bwd_shared(d: usize) -> usize {
     let (keys, br) = (bwd_keys(), bwd_rows(d));
-    (2 * keys + 2 * br) * (d + 8) * 2 + br * (keys + 8) * 2
+    let tiles = if pipelined() { 4 } else { 2 };
+    (2 * keys + tiles * br) * (d + 8) * 2 + br * (keys + 8) * 2
+}
+
+/// Whether the kernels load their tiles by `cp.async`, overlapping loads with the math
+/// (`TRL_FLASH_ASYNC=1`): K/V in the forward, the next query tile in the backward. Off by
+/// default until measured on a GPU (written in a session without one; `scripts/gpu-run tests`
+/// and `attention` run both).
+fn pipelined() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TRL_FLASH_ASYNC").is_ok_and(|v| v == "1"))
+}
+
+/// `flash_fwd_` / `flash_bwd128_` with `_async` when [`pipelined`].
+fn variant(stem: &str) -> String {
+    match pipelined() {
+        true => format!("{stem}async_"),
+        false => stem.to_string(),
+    }
 }
 
 /// The geometry of one call: q [b, hq, nq, d], k and v [b, hk, nk, d].
@@ -250,7 +268,8 @@ impl CustomOp3 for Fwd<'_> {
         let n_out = b * hq * nq_pad * d;
         let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
         let shared = fwd_shared(d);
-        let f = kernel(&dev, &format!("flash_fwd_{}_d{d}", suffix(dtype)?), shared)?;
+        let name = format!("{}{}_d{d}", variant("flash_fwd_"), suffix(dtype)?);
+        let f = kernel(&dev, &name, shared)?;
         let stream = dev.cuda_stream();
         typed!(dtype, |T| {
             let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
@@ -386,7 +405,8 @@ impl CustomOp3 for Bwd<'_> {
             unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
             let shared = bwd_shared(d);
-            let f = kernel(&dev, &format!("flash_bwd{keys}_{sfx}_d{d}"), shared)?;
+            let name = format!("{}{sfx}_d{d}", variant(&format!("flash_bwd{keys}_")));
+            let f = kernel(&dev, &name, shared)?;
             let scale = 1.0 / (d as f32).sqrt();
             let (hq_i, hk_i) = (hq as i32, hk as i32);
             let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nk_pad as i32);

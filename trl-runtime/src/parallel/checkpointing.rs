@@ -146,8 +146,11 @@ impl CustomOp1 for Stack {
             let input = Var::from_tensor(&self.inputs[l].to_device(&self.device)?)?;
             self.owner.recomputed.fetch_add(1, Ordering::Relaxed);
             let store = sharded::recomputing(|| -> Result<GradStore> {
-                let y = self.layers.forward(l, input.as_tensor(), true)?;
-                (y * &g)?.sum_all()?.backward()
+                // Seeded with the incoming gradient: no (y * g).sum() node, whose backward
+                // would make two more activation-sized tensors.
+                self.layers
+                    .forward(l, input.as_tensor(), true)?
+                    .backward_with(&g)
             })?;
             for p in self.layers.params(l) {
                 if let Some(gp) = store.get(&p) {

@@ -125,10 +125,37 @@ __device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int r0, 
     }
 }
 
+// cp.async (sm_80+): 16 bytes from global to shared memory without passing through registers;
+// with `bytes` 0 the destination is zero-filled and nothing is read.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// load_rows issued as cp.async (the caller commits and waits).
+template <typename T, int D>
+__device__ __forceinline__ void load_rows_async(T* dst, int ld, const T* src, int r0, int rows,
+                                                int n) {
+    constexpr int V = 8;
+    for (int idx = threadIdx.x; idx < rows * (D / V); idx += blockDim.x) {
+        const int r = idx / (D / V), c = (idx % (D / V)) * V;
+        const bool in = r0 + r < n;
+        // Out of range: row 0's address (valid) with nothing read.
+        cp_async16(dst + r * ld + c, src + (size_t)(in ? r0 + r : 0) * D + c, in ? 16 : 0);
+    }
+}
+
 // Whether a query with key span [lo, hi) sees key `key`.
 __device__ __forceinline__ bool sees(int lo, int hi, int key) { return key >= lo && key < hi; }
 
-template <typename T, int D>
+// ASYNC: K and V tiles come by cp.async, each overlapping the other's math (FlashAttention-2's
+// schedule): V_j loads while S = Q K_j^T and the softmax run, K_{j+1} while O += P V_j.
+template <typename T, int D, bool ASYNC>
 __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo,
                           const uint32_t* hi, float* o, float* lse, int hq, int hk, int nq,
                           int nk, int nq_pad, float scale) {
@@ -149,7 +176,7 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
     const uint32_t* lob = lo + (size_t)bi * nq;
     const uint32_t* hib = hi + (size_t)bi * nq;
 
-    load_rows<T, D>(sq, LD, qb, i0, BR, nq);
+    if (!ASYNC) load_rows<T, D>(sq, LD, qb, i0, BR, nq);
     if (threadIdx.x == 0) {
         kfirst = nk;
         kend = 0;
@@ -164,6 +191,13 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
     }
     __syncthreads();
     const int j_begin = (kfirst / BC) * BC, j_end = kend;
+    if (ASYNC) {
+        load_rows_async<T, D>(sq, LD, qb, i0, BR, nq);
+        if (j_begin < j_end) load_rows_async<T, D>(sk, LD, kb, j_begin, BC, nk);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+    }
 
     // This thread's two rows and their spans (rows past nq see nothing).
     int rlo[2], rhi[2];
@@ -185,10 +219,16 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
     const float sl2 = scale * LOG2E;
 
     for (int j0 = j_begin; j0 < j_end; j0 += BC) {
-        __syncthreads();  // the previous tile is no longer read
-        load_rows<T, D>(sk, LD, kb, j0, BC, nk);
-        load_rows<T, D>(sv, LD, vb, j0, BC, nk);
-        __syncthreads();
+        if (ASYNC) {
+            // K_j is in place (loaded before the loop or during the last P V).
+            load_rows_async<T, D>(sv, LD, vb, j0, BC, nk);
+            cp_async_commit();
+        } else {
+            __syncthreads();  // the previous tile is no longer read
+            load_rows<T, D>(sk, LD, kb, j0, BC, nk);
+            load_rows<T, D>(sv, LD, vb, j0, BC, nk);
+            __syncthreads();
+        }
         float s[BC / 8][4];
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n)
@@ -241,6 +281,14 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
             acc[n][2] *= alpha[1];
             acc[n][3] *= alpha[1];
         }
+        if (ASYNC) {
+            cp_async_wait<0>();
+            __syncthreads();  // V_j is in place and no warp reads K_j any more
+            if (j0 + BC < j_end) {
+                load_rows_async<T, D>(sk, LD, kb, j0 + BC, BC, nk);
+                cp_async_commit();
+            }
+        }
         // O += P V: two score tiles (16 keys) are one A fragment.
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) {
@@ -255,6 +303,10 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
                 mma<T>(acc[2 * np], a, b);
                 mma<T>(acc[2 * np + 1], a, b + 2);
             }
+        }
+        if (ASYNC) {
+            cp_async_wait<0>();
+            __syncthreads();  // K_{j+1} is in place and no warp reads V_j any more
         }
     }
     // Each lane summed its own columns: the rows' sums over the quad.
@@ -294,7 +346,10 @@ __device__ void flash_delta(const T* o, const T* dout, float* delta, int rows, i
 // with atomics), dk and dv [batch x heads, nk_pad, D] (per query head, f32). A block is WARPS
 // warps of 16 keys: with 8, each query tile loaded serves 128 keys and dQ takes half the
 // atomic adds of 4.
-template <typename T, int D, int BR, int WARPS>
+//
+// ASYNC: the query tiles are double-buffered: while one is computed, the next visible one
+// (Q, dO by cp.async; spans, lse, delta) is loaded into the other buffer.
+template <typename T, int D, int BR, int WARPS, bool ASYNC>
 __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                           const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq,
                           float* dk, float* dv, int hq, int hk, int nq, int nk, int nk_pad,
@@ -309,8 +364,11 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
     T* sq = sv + BC * LD;   // BR x LD
     T* sdo = sq + BR * LD;  // BR x LD
     T* sds = sdo + BR * LD; // BR x LDS: dS, query-major
-    __shared__ float s_lse[BR], s_delta[BR];
-    __shared__ int s_lo[BR], s_hi[BR];
+    // ASYNC: the second query-tile buffer, Q then dO.
+    T* sq2 = sds + BR * LDS;
+    T* sdo2 = sq2 + BR * LD;
+    __shared__ float s_lse[2][BR], s_delta[2][BR];
+    __shared__ int s_lo[2][BR], s_hi[2][BR];
 
     const int bh = blockIdx.y, bi = bh / hq, h = bh % hq, kvh = h / (hq / hk);
     const int j0 = blockIdx.x * BC;
@@ -323,8 +381,43 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
     const uint32_t* lob = lo + (size_t)bi * nq;
     const uint32_t* hib = hi + (size_t)bi * nq;
 
-    load_rows<T, D>(sk, LD, kb, j0, BC, nk);
-    load_rows<T, D>(sv, LD, vb, j0, BC, nk);
+    // Stages tile i0's spans, lse and delta in buffer `b`; whether any row sees the key block.
+    auto stage = [&](int i0, int b) -> int {
+        int any = 0;
+        for (int r = threadIdx.x; r < BR; r += blockDim.x) {
+            const int qi = i0 + r;
+            const bool in = qi < nq;
+            s_lo[b][r] = in ? (int)lob[qi] : 0;
+            s_hi[b][r] = in ? (int)hib[qi] : 0;
+            s_lse[b][r] = in ? lse[(size_t)bh * nq + qi] * LOG2E : 0.f;
+            s_delta[b][r] = in ? delta[(size_t)bh * nq + qi] : 0.f;
+            any |= max(s_lo[b][r], j0) < min(s_hi[b][r], j0 + BC);
+        }
+        return any;
+    };
+    // The first tile at or after i0 that sees the key block (nq when none), staged in `b`.
+    auto next_visible = [&](int i0, int b) -> int {
+        for (; i0 < nq; i0 += BR) {
+            __syncthreads();  // buffer b's spans are no longer read
+            if (__syncthreads_or(stage(i0, b))) return i0;
+        }
+        return nq;
+    };
+
+    int i_first = 0;
+    if (ASYNC) {
+        load_rows_async<T, D>(sk, LD, kb, j0, BC, nk);
+        load_rows_async<T, D>(sv, LD, vb, j0, BC, nk);
+        i_first = next_visible(0, 0);
+        if (i_first < nq) {
+            load_rows_async<T, D>(sq, LD, qb, i_first, BR, nq);
+            load_rows_async<T, D>(sdo, LD, dob, i_first, BR, nq);
+        }
+        cp_async_commit();
+    } else {
+        load_rows<T, D>(sk, LD, kb, j0, BC, nk);
+        load_rows<T, D>(sv, LD, vb, j0, BC, nk);
+    }
 
     float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
@@ -335,23 +428,39 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
     const int key0 = j0 + warp * 16 + g;
     const float sl2 = scale * LOG2E;
 
-    for (int i0 = 0; i0 < nq; i0 += BR) {
-        __syncthreads();  // the previous tile is no longer read
-        // The tile's spans first: a tile none of whose rows sees this key block is skipped.
-        int any = 0;
-        for (int r = threadIdx.x; r < BR; r += blockDim.x) {
-            const int qi = i0 + r;
-            const bool in = qi < nq;
-            s_lo[r] = in ? (int)lob[qi] : 0;
-            s_hi[r] = in ? (int)hib[qi] : 0;
-            s_lse[r] = in ? lse[(size_t)bh * nq + qi] * LOG2E : 0.f;
-            s_delta[r] = in ? delta[(size_t)bh * nq + qi] : 0.f;
-            any |= max(s_lo[r], j0) < min(s_hi[r], j0 + BC);
+    int buf = 0;
+    for (int i0 = ASYNC ? i_first : 0; i0 < nq;) {
+        int i_next;
+        if (ASYNC) {
+            // The next visible tile into the other buffer while this one is computed.
+            i_next = next_visible(i0 + BR, buf ^ 1);
+            if (i_next < nq) {
+                load_rows_async<T, D>(buf ? sq : sq2, LD, qb, i_next, BR, nq);
+                load_rows_async<T, D>(buf ? sdo : sdo2, LD, dob, i_next, BR, nq);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();  // this tile (and K, V) in place for every thread
+        } else {
+            i_next = i0 + BR;
+            __syncthreads();  // the previous tile is no longer read
+            // The tile's spans first: a tile none of whose rows sees this key block is skipped.
+            if (!__syncthreads_or(stage(i0, 0))) {
+                i0 = i_next;
+                continue;
+            }
+            load_rows<T, D>(sq, LD, qb, i0, BR, nq);
+            load_rows<T, D>(sdo, LD, dob, i0, BR, nq);
+            __syncthreads();
         }
-        if (!__syncthreads_or(any)) continue;
-        load_rows<T, D>(sq, LD, qb, i0, BR, nq);
-        load_rows<T, D>(sdo, LD, dob, i0, BR, nq);
-        __syncthreads();
+        const T* tq = buf ? sq2 : sq;
+        const T* tdo = buf ? sdo2 : sdo;
+        const int* t_lo = s_lo[buf];
+        const int* t_hi = s_hi[buf];
+        const float* t_lse = s_lse[buf];
+        const float* t_delta = s_delta[buf];
         // S^T = K_w Q^T and dP^T = V_w dO^T, 16 keys x BR queries each.
         float st[BR / 8][4], dpt[BR / 8][4];
 #pragma unroll
@@ -366,10 +475,10 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
 #pragma unroll
             for (int np = 0; np < BR / 16; ++np) {
                 uint32_t b[4];
-                load_b_nk<T>(b, sq, LD, np * 16, kk * 16, lane);
+                load_b_nk<T>(b, tq, LD, np * 16, kk * 16, lane);
                 mma<T>(st[2 * np], ak, b);
                 mma<T>(st[2 * np + 1], ak, b + 2);
-                load_b_nk<T>(b, sdo, LD, np * 16, kk * 16, lane);
+                load_b_nk<T>(b, tdo, LD, np * 16, kk * 16, lane);
                 mma<T>(dpt[2 * np], av, b);
                 mma<T>(dpt[2 * np + 1], av, b + 2);
             }
@@ -382,9 +491,9 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
                 const int kr = g + 8 * (e >> 1), key = key0 + 8 * (e >> 1);
                 const int qc = n * 8 + 2 * t + (e & 1);
                 const bool vis =
-                    key < nk && i0 + qc < nq && sees(s_lo[qc], s_hi[qc], key);
-                const float p = vis ? exp2f(st[n][e] * sl2 - s_lse[qc]) : 0.f;
-                const float ds = p * (dpt[n][e] - s_delta[qc]);
+                    key < nk && i0 + qc < nq && sees(t_lo[qc], t_hi[qc], key);
+                const float p = vis ? exp2f(st[n][e] * sl2 - t_lse[qc]) : 0.f;
+                const float ds = p * (dpt[n][e] - t_delta[qc]);
                 st[n][e] = p;
                 dpt[n][e] = ds;
                 sds[qc * LDS + warp * 16 + kr] = of<T>(ds);
@@ -403,10 +512,10 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
 #pragma unroll
             for (int np = 0; np < D / 16; ++np) {
                 uint32_t b[4];
-                load_b_kn<T>(b, sdo, LD, kk * 16, np * 16, lane);
+                load_b_kn<T>(b, tdo, LD, kk * 16, np * 16, lane);
                 mma<T>(dva[2 * np], ap, b);
                 mma<T>(dva[2 * np + 1], ap, b + 2);
-                load_b_kn<T>(b, sq, LD, kk * 16, np * 16, lane);
+                load_b_kn<T>(b, tq, LD, kk * 16, np * 16, lane);
                 mma<T>(dka[2 * np], ad, b);
                 mma<T>(dka[2 * np + 1], ad, b + 2);
             }
@@ -442,7 +551,13 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
                 atomicAdd(row + n * 8 + 1, qa[n][2 * x + 1] * scale);
             }
         }
+        if (ASYNC) {
+            __syncthreads();  // no warp reads this buffer (or dS) any more
+            buf ^= 1;
+        }
+        i0 = i_next;
     }
+    if (ASYNC) cp_async_wait<0>();  // nothing left in flight when no tile was visible
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
         const size_t row = (size_t)bh * nk_pad + j0 + warp * 16 + g + 8 * x;
@@ -476,7 +591,12 @@ __device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum,
         flash_fwd_##SUFFIX##_d##D(const T* q, const T* k, const T* v, const uint32_t* lo,      \
                                   const uint32_t* hi, float* o, float* lse, int hq, int hk,    \
                                   int nq, int nk, int nq_pad, float scale) {                   \
-        flash_fwd<T, D>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale);               \
+        flash_fwd<T, D, false>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale);        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) flash_fwd_async_##SUFFIX##_d##D(         \
+        const T* q, const T* k, const T* v, const uint32_t* lo, const uint32_t* hi, float* o,  \
+        float* lse, int hq, int hk, int nq, int nk, int nq_pad, float scale) {                 \
+        flash_fwd<T, D, true>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale);         \
     }                                                                                          \
     FLASH_BWD_ENTRY(SUFFIX, T, D, BR, 4, 64)                                                   \
     FLASH_BWD_ENTRY(SUFFIX, T, D, BR, 8, 128)
@@ -487,8 +607,16 @@ __device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum,
         const T* q, const T* k, const T* v, const T* dout, const float* lse,                   \
         const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,      \
         float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale) {                  \
-        flash_bwd<T, D, BR, WARPS>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq, hk, nq,  \
-                                   nk, nk_pad, scale);                                         \
+        flash_bwd<T, D, BR, WARPS, false>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq,   \
+                                          hk, nq, nk, nk_pad, scale);                          \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        flash_bwd##KEYS##_async_##SUFFIX##_d##D(                                               \
+            const T* q, const T* k, const T* v, const T* dout, const float* lse,               \
+            const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,  \
+            float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale) {              \
+        flash_bwd<T, D, BR, WARPS, true>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq,    \
+                                         hk, nq, nk, nk_pad, scale);                           \
     }
 
 // Query rows per backward tile: 64 for head dim 64; 32 for 128, where the dK and dV
