@@ -510,14 +510,16 @@ fn fused_cuda_kernels_follow_the_cpu_kernels() {
 
 /// The fused linear cross-entropy on the GPU (the LM head and the loss per tile, the CUDA
 /// row pass in place) against the LM head followed by the cross-entropy in f32 on the CPU:
-/// the loss and both gradients, in f32 (1e-4) and bf16 (3e-2), over a vocabulary that leaves
-/// a partial tile, with ignored targets.
+/// the loss and both gradients, in f32 (1e-4) and bf16 (3e-2), over several tiles, the last
+/// one partial, with ignored targets.
 #[test]
 fn fused_linear_cross_entropy_on_gpu_follows_cpu() {
     use trl_runtime::nn::loss::cross_entropy_sum;
     use trl_runtime::nn::tiled_linear_cross_entropy;
     let Some(dev) = gpu() else { return };
-    let (n, h, vocab) = (300, 64, 50_000);
+    // 3000 rows: several 256 MiB logits tiles (3 in f32, 2 in bf16), each adding its weight
+    // gradient into the f32 sum by one cuBLAS GEMM (beta = 1).
+    let (n, h, vocab) = (3000, 64, 50_000);
     let hidden = draws(&[n, h], 1.0, 21);
     let weight = draws(&[vocab, h], 0.1, 22);
     let targets: Vec<i64> = (0..n as i64)

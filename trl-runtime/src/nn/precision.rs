@@ -40,6 +40,64 @@ pub(crate) fn accumulate(slot: &mut Option<Tensor>, t: Tensor, wide: DType) -> R
     Ok(())
 }
 
+/// Adds `a^T b` (`a` [k, m], `b` [k, n]) into the f32 running sum `slot` ([m, n]). On a GPU
+/// one GEMM accumulating into the sum (`TRL_FUSED_CUDA=0`: the product, then [`accumulate`]).
+pub(crate) fn accumulate_product(slot: &mut Option<Tensor>, a: &Tensor, b: &Tensor) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if a.device().is_cuda()
+        && super::cuda_fused::enabled()
+        && a.dtype() == b.dtype()
+        && matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    {
+        let (m, n) = (a.dim(1)?, b.dim(1)?);
+        if slot.is_none() {
+            *slot = Some(Tensor::zeros((m, n), DType::F32, a.device())?);
+        }
+        if let Some(acc) = slot
+            .as_ref()
+            .filter(|t| t.dtype() == DType::F32 && t.is_contiguous())
+        {
+            return acc.inplace_op3(&a.contiguous()?, &b.contiguous()?, &AddProductT);
+        }
+    }
+    accumulate(slot, a.t()?.matmul(b)?, DType::F32)
+}
+
+/// `acc += a^T b` in place on a GPU (see [`accumulate_product`]).
+#[cfg(feature = "cuda")]
+struct AddProductT;
+
+#[cfg(feature = "cuda")]
+impl candle_core::InplaceOp3 for AddProductT {
+    fn name(&self) -> &'static str {
+        "add-product-t"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<()> {
+        candle_core::bail!("add-product-t runs on GPUs")
+    }
+
+    fn cuda_fwd(
+        &self,
+        acc: &mut candle_core::CudaStorage,
+        al: &candle_core::Layout,
+        a: &candle_core::CudaStorage,
+        a_l: &candle_core::Layout,
+        b: &candle_core::CudaStorage,
+        bl: &candle_core::Layout,
+    ) -> Result<()> {
+        super::cuda_fused::add_product_t((acc, al), (a, a_l), (b, bl))
+    }
+}
+
 /// `acc += x` in place on a GPU (acc f32; the running sums above, which only they hold).
 #[cfg(feature = "cuda")]
 struct AddInto;

@@ -10,7 +10,7 @@
 //! as the untiled head followed by [`super::cross_entropy_sum`] computes.
 
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
-use super::precision::{self, accumulate};
+use super::precision::{self, accumulate, accumulate_product};
 use crate::precomputed::Precomputed;
 use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp1, Layout, Result, Shape, Tensor, D};
 use std::cell::Cell;
@@ -262,7 +262,8 @@ fn fused_loss(
         total += pass.loss.get();
         if grads {
             dhidden.push(logits.matmul(weight)?);
-            accumulate(&mut dweight, logits.t()?.matmul(&h)?, DType::F32)?;
+            // dW += logits^T h: on a GPU into the f32 sum by the GEMM itself.
+            accumulate_product(&mut dweight, &logits, &h)?;
         }
     }
     let sum = match on_device {
