@@ -176,7 +176,10 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
     const uint32_t* lob = lo + (size_t)bi * nq;
     const uint32_t* hib = hi + (size_t)bi * nq;
 
-    if (!ASYNC) load_rows<T, D>(sq, LD, qb, i0, BR, nq);
+    if (ASYNC)
+        load_rows_async<T, D>(sq, LD, qb, i0, BR, nq);  // in flight during the span scan
+    else
+        load_rows<T, D>(sq, LD, qb, i0, BR, nq);
     if (threadIdx.x == 0) {
         kfirst = nk;
         kend = 0;
@@ -192,7 +195,6 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
     __syncthreads();
     const int j_begin = (kfirst / BC) * BC, j_end = kend;
     if (ASYNC) {
-        load_rows_async<T, D>(sq, LD, qb, i0, BR, nq);
         if (j_begin < j_end) load_rows_async<T, D>(sk, LD, kb, j_begin, BC, nk);
         cp_async_commit();
         cp_async_wait<0>();
