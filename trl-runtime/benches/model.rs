@@ -1,7 +1,7 @@
 //! `cargo bench -p trl-runtime --bench model`: forward+backward of the reference Qwen2 shape
 //! (hidden 256, intermediate 768, 4 layers, 8 heads, 4 kv heads, vocab 4096, seq 512, batch 4,
 //! fp32) on one thread, next to a plain 1024^3 f32 Candle matmul on one thread measured in
-//! the same run. One JSON object per line on stdout; prose on stderr.
+//! the same run (the median of 5 steps against the median of 7 matmuls). One JSON object per line on stdout; prose on stderr.
 //!
 //! FLOPs count the matmuls as computed: 2 per multiply-add for every projection, the LM head,
 //! and the full (masked, not skipped) attention score and value products; backward = 2 x forward.
@@ -41,12 +41,24 @@ fn matmul_flops_per_s() -> f64 {
     let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu).unwrap();
     let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu).unwrap();
     a.matmul(&b).unwrap(); // warm-up
-    let reps = 5;
-    let t = Instant::now();
-    for _ in 0..reps {
+    let secs = median_secs(7, || {
         std::hint::black_box(a.matmul(&b).unwrap());
-    }
-    2.0 * (n * n * n) as f64 * reps as f64 / t.elapsed().as_secs_f64()
+    });
+    2.0 * (n * n * n) as f64 / secs
+}
+
+/// The median time of `reps` runs of `f` (both sides of the ratio alike: a run slowed by the
+/// shared machine moves the median less than the mean).
+fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
+    let mut times: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[reps / 2]
 }
 
 fn main() {
@@ -83,17 +95,14 @@ fn main() {
         "model bench: {} parameters, batch {BATCH} x seq {SEQ}, 1 thread",
         cfg.num_parameters()
     );
-    step(); // warm-up
-            // More steps for profiling (`perf record`), three by default.
+    // A warm-up step, then five (TRL_BENCH_STEPS: more, for `perf record`).
+    step();
     let reps: usize = std::env::var("TRL_BENCH_STEPS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
-    let t = Instant::now();
-    for _ in 0..reps {
-        step();
-    }
-    let secs = t.elapsed().as_secs_f64() / reps as f64;
+        .unwrap_or(5)
+        .max(1);
+    let secs = median_secs(reps, step);
     let tokens = (BATCH * SEQ) as f64;
     let flops = 3.0 * forward_flops_per_token(&cfg, SEQ) * tokens;
     let matmul = matmul_flops_per_s();
