@@ -1,7 +1,7 @@
 //! `cargo bench -p trl-runtime --bench model`: forward+backward of the reference Qwen2 shape
 //! (hidden 256, intermediate 768, 4 layers, 8 heads, 4 kv heads, vocab 4096, seq 512, batch 4,
 //! fp32) on one thread, next to a plain 1024^3 f32 Candle matmul on one thread measured in
-//! the same run (the median of 5 steps against the median of 7 matmuls). One JSON object per line on stdout; prose on stderr.
+//! the same run (the median of 5 steps against the median of 15 matmuls). One JSON object per line on stdout; prose on stderr.
 //!
 //! FLOPs count the matmuls as computed: 2 per multiply-add for every projection, the LM head,
 //! and the full (masked, not skipped) attention score and value products; backward = 2 x forward.
@@ -41,7 +41,7 @@ fn matmul_flops_per_s() -> f64 {
     let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu).unwrap();
     let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu).unwrap();
     a.matmul(&b).unwrap(); // warm-up
-    let secs = median_secs(7, || {
+    let secs = median_secs(15, || {
         std::hint::black_box(a.matmul(&b).unwrap());
     });
     2.0 * (n * n * n) as f64 / secs
