@@ -133,7 +133,14 @@ fn bwd_shared(d: usize) -> usize {
 /// and `attention` run both).
 fn pipelined() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TRL_FLASH_ASYNC").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| match std::env::var("TRL_FLASH_ASYNC").as_deref() {
+        Ok("1") => true,
+        Ok("0") | Err(_) => false,
+        Ok(other) => {
+            tracing::warn!("TRL_FLASH_ASYNC={other}: expected 1 or 0; using 0");
+            false
+        }
+    })
 }
 
 /// `flash_fwd_` / `flash_bwd128_` with `_async` when [`pipelined`].

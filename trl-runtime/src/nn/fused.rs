@@ -938,7 +938,10 @@ impl candle_core::CustomOp1 for SwapHeads {
 /// broadcast add ran at ~0.1 TB/s on a GPU). The bias gradient is the output gradient summed
 /// over the rows ([`sum_rows`]).
 pub fn add_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    let fits = bias.rank() == 1 && y.dims().last() == Some(&bias.dim(0)?) && fused_here(&[y, bias]);
+    let fits = bias.rank() == 1
+        && bias.elem_count() > 0
+        && y.dims().last() == Some(&bias.dim(0)?)
+        && fused_here(&[y, bias]);
     if fits {
         return y.contiguous()?.apply_op2(&bias.contiguous()?, BiasAdd);
     }
@@ -1002,11 +1005,12 @@ impl CustomOp2 for BiasAdd {
     }
 }
 
-/// The sum over the rows of `x` [rows, n]: a bias's or a norm weight's gradient. On the CPU one
-/// pass adding whole rows in f32 (Candle's `sum(0)` walks the columns with a stride: ~3% of a
-/// training step); elsewhere `sum(0)`.
+/// The sum over the rows of `x` [rows, n]: a bias's or a norm weight's gradient, for backward
+/// passes (it records no gradient of its own). On the CPU one pass adding whole rows in f32
+/// (Candle's `sum(0)` walks the columns with a stride: ~3% of a training step); elsewhere
+/// `sum(0)`.
 pub fn sum_rows(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && x.rank() == 2 && fused_here(&[x]) {
+    if x.device().is_cpu() && x.rank() == 2 && x.elem_count() > 0 && fused_here(&[x]) {
         return x.contiguous()?.apply_op1_no_bwd(&SumRows);
     }
     x.sum(0)

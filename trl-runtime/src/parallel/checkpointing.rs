@@ -146,11 +146,8 @@ impl CustomOp1 for Stack {
             let input = Var::from_tensor(&self.inputs[l].to_device(&self.device)?)?;
             self.owner.recomputed.fetch_add(1, Ordering::Relaxed);
             let store = sharded::recomputing(|| -> Result<GradStore> {
-                // Seeded with the incoming gradient: no (y * g).sum() node, whose backward
-                // would make two more activation-sized tensors.
-                self.layers
-                    .forward(l, input.as_tensor(), true)?
-                    .backward_with(&g)
+                let y = self.layers.forward(l, input.as_tensor(), true)?;
+                y.apply_op1(Seed { grad: g.clone() })?.backward()
             })?;
             for p in self.layers.params(l) {
                 if let Some(gp) = store.get(&p) {
@@ -163,6 +160,47 @@ impl CustomOp1 for Stack {
             };
         }
         Ok(Some(g))
+    }
+}
+
+/// A scalar whose backward hands `grad` to its input: `y.apply_op1(Seed { grad })`'s backward
+/// backpropagates `grad` from `y` (a vector-Jacobian product). `(y * grad).sum()` would do the
+/// same with two more tensors of y's size alive (the product, and a gradient for `grad`):
+/// ~8% of what a checkpointed step holds per token on the reference model.
+struct Seed {
+    grad: Tensor,
+}
+
+impl CustomOp1 for Seed {
+    fn name(&self) -> &'static str {
+        "checkpoint-seed"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
+    }
+
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let zero = s
+            .device()
+            .zeros_impl(&Shape::from(()), candle_core::DType::F32)?;
+        Ok((zero, Shape::from(())))
+    }
+
+    fn bwd(&self, arg: &Tensor, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
+        if self.grad.shape() != arg.shape() {
+            candle_core::bail!(
+                "checkpointing: gradient {:?} for a layer output {:?}",
+                self.grad.dims(),
+                arg.dims()
+            );
+        }
+        Ok(Some(self.grad.clone()))
     }
 }
 

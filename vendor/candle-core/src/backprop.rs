@@ -163,23 +163,9 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
-        self.backward_with(&self.ones_like()?.contiguous()?)
-    }
-
-    /// Backpropagates `grad`, the gradient of some outer loss with respect to `self` (same
-    /// shape), instead of ones: a vector-Jacobian product, with no `(self * grad).sum()` node.
-    pub fn backward_with(&self, grad: &Tensor) -> Result<GradStore> {
-        if grad.shape() != self.shape() {
-            Err(Error::ShapeMismatchBinaryOp {
-                lhs: self.shape().clone(),
-                rhs: grad.shape().clone(),
-                op: "backward_with",
-            }
-            .bt())?
-        }
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
-        grads.insert(self, grad.detach());
+        grads.insert(self, self.ones_like()?.contiguous()?);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
                 continue;
