@@ -40,18 +40,24 @@ pub(crate) fn accumulate(slot: &mut Option<Tensor>, t: Tensor, wide: DType) -> R
     Ok(())
 }
 
-/// Adds `a^T b` (`a` [k, m], `b` [k, n]) into the f32 running sum `slot` ([m, n]). On a GPU
-/// one GEMM accumulating into the sum (`TRL_FUSED_CUDA=0`: the product, then [`accumulate`]).
+/// Adds `a^T b` (`a` [k, m], `b` [k, n]) into the f32 running sum `slot` ([m, n]): one GEMM
+/// accumulating into the sum, on the CPU (f32) and on a GPU (f32, bf16, f16; cuBLAS with
+/// beta = 1), so no [m, n] product is allocated and no pass adds it. Elsewhere (or with
+/// `TRL_FUSED_CUDA=0`) the product, then [`accumulate`].
 pub(crate) fn accumulate_product(slot: &mut Option<Tensor>, a: &Tensor, b: &Tensor) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if a.device().is_cuda()
-        && super::cuda_fused::enabled()
-        && a.dtype() == b.dtype()
-        && matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16)
-    {
-        let (m, n) = (a.dim(1)?, b.dim(1)?);
+    let dtype = a.dtype();
+    let dev = a.device();
+    let in_place = b.dtype() == dtype
+        && b.device().same_device(dev)
+        && a.rank() == 2
+        && b.rank() == 2
+        && ((dev.is_cpu() && dtype == DType::F32)
+            || (dev.is_cuda()
+                && super::fused::cuda_fused_on()
+                && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)));
+    if in_place {
         if slot.is_none() {
-            *slot = Some(Tensor::zeros((m, n), DType::F32, a.device())?);
+            *slot = Some(Tensor::zeros((a.dim(1)?, b.dim(1)?), DType::F32, dev)?);
         }
         if let Some(acc) = slot
             .as_ref()
@@ -63,11 +69,9 @@ pub(crate) fn accumulate_product(slot: &mut Option<Tensor>, a: &Tensor, b: &Tens
     accumulate(slot, a.t()?.matmul(b)?, DType::F32)
 }
 
-/// `acc += a^T b` in place on a GPU (see [`accumulate_product`]).
-#[cfg(feature = "cuda")]
+/// `acc += a^T b` in place (see [`accumulate_product`]).
 struct AddProductT;
 
-#[cfg(feature = "cuda")]
 impl candle_core::InplaceOp3 for AddProductT {
     fn name(&self) -> &'static str {
         "add-product-t"
@@ -75,16 +79,67 @@ impl candle_core::InplaceOp3 for AddProductT {
 
     fn cpu_fwd(
         &self,
-        _: &mut candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
+        acc: &mut candle_core::CpuStorage,
+        al: &candle_core::Layout,
+        a: &candle_core::CpuStorage,
+        a_l: &candle_core::Layout,
+        b: &candle_core::CpuStorage,
+        bl: &candle_core::Layout,
     ) -> Result<()> {
-        candle_core::bail!("add-product-t runs on GPUs")
+        use candle_core::CpuStorage::F32;
+        let (F32(acc), F32(a), F32(b)) = (acc, a, b) else {
+            candle_core::bail!("add-product-t on the CPU takes f32")
+        };
+        let (Some((c0, c1)), Some((a0, a1)), Some((b0, b1))) = (
+            al.contiguous_offsets(),
+            a_l.contiguous_offsets(),
+            bl.contiguous_offsets(),
+        ) else {
+            candle_core::bail!("add-product-t: contiguous inputs expected")
+        };
+        let (k, m) = a_l.shape().dims2()?;
+        let (kb, n) = bl.shape().dims2()?;
+        let (acc, a, b) = (&mut acc[c0..c1], &a[a0..a1], &b[b0..b1]);
+        if kb != k || acc.len() != m * n || a.len() != k * m || b.len() != k * n {
+            candle_core::bail!("add-product-t: [{m}, {n}] += [{k}, {m}]^T x [{kb}, {n}]");
+        }
+        if k == 0 || m == 0 || n == 0 {
+            return Ok(());
+        }
+        let threads = rayon::current_num_threads();
+        let parallelism = match threads {
+            1 => gemm::Parallelism::None,
+            t => gemm::Parallelism::Rayon(t),
+        };
+        // SAFETY: the three slices hold exactly m x n, k x m and k x n elements (checked
+        // above), addressed by the strides below; `acc` is borrowed mutably alone.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                acc.as_mut_ptr(),
+                1,          // acc: row-major [m, n]
+                n as isize, // (column stride 1, row stride n)
+                true,       // read acc: the product is added to it
+                a.as_ptr(), // lhs = a^T: element (i, l) at a[l * m + i]
+                m as isize, // lhs column stride (along l)
+                1,          // lhs row stride (along i)
+                b.as_ptr(), // rhs = b: element (l, j) at b[l * n + j]
+                1,          // rhs column stride (along j)
+                n as isize, // rhs row stride (along l)
+                1.0,        // acc scale
+                1.0,        // product scale
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
+        Ok(())
     }
 
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         acc: &mut candle_core::CudaStorage,
@@ -126,5 +181,31 @@ impl candle_core::InplaceOp2 for AddInto {
         xl: &candle_core::Layout,
     ) -> Result<()> {
         super::cuda_fused::add_into((acc, al), (x, xl))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Two products summed in place on the CPU equal the matmuls added in f32.
+    #[test]
+    fn products_add_into_the_sum_in_place() {
+        let dev = Device::Cpu;
+        let draw = |shape: (usize, usize)| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+        let (a1, b1, a2, b2) = (draw((37, 5)), draw((37, 7)), draw((19, 5)), draw((19, 7)));
+        let mut slot = None;
+        accumulate_product(&mut slot, &a1, &b1).unwrap();
+        let first = slot.as_ref().unwrap().clone();
+        accumulate_product(&mut slot, &a2, &b2).unwrap();
+        let sum = slot.unwrap();
+        let want =
+            (a1.t().unwrap().matmul(&b1).unwrap() + a2.t().unwrap().matmul(&b2).unwrap()).unwrap();
+        let diff = (&sum - &want).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(diff.to_scalar::<f32>().unwrap() < 1e-4);
+        // The sum grew in place: the tensor taken after the first product sees the second.
+        let diff = (&first - &sum).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0);
     }
 }
