@@ -101,11 +101,8 @@ __device__ float block_max(float v) {
     return total;
 }
 
-// Cross-entropy of logits rows against targets (-100 and other negatives: ignored), in place:
-// loss[row] = log-sum-exp - logit[target] and, with `grads`, the row becomes softmax minus the
-// one-hot target (zero for ignored rows). The fused linear cross-entropy's per-row pass.
-// The running maximum `m` and sum `sum` of exp(x - m) taking `x` (the sum rescaled when the
-// maximum grows). Base 2 with the logits pre-scaled: exp2 is one instruction, expf several.
+// The running maximum `m2` and sum of 2^(x2 - m2) taking `x2`, a logit times log2(e) (the sum
+// rescaled when the maximum grows). Base 2: exp2 is one instruction, expf several.
 __device__ __forceinline__ void online_take(float x2, float& m2, float& sum) {
     if (x2 > m2) {
         sum = sum * exp2f(m2 - x2) + 1.f;
@@ -115,6 +112,7 @@ __device__ __forceinline__ void online_take(float x2, float& m2, float& sum) {
     }
 }
 
+// Cross-entropy of logits rows against targets (-100 and other negatives: ignored), in place:
 // loss[row] = log-sum-exp - logit[target] and, with `grads`, the row becomes softmax minus the
 // one-hot target (zero for ignored rows). The fused linear cross-entropy's per-row pass. Rows
 // whose length and start allow it are read and written 16 bytes at a time (the pass is bound
