@@ -25,6 +25,9 @@
 // f32 buffer with atomics (other key blocks add to the same rows). dK and dV are written per
 // query head (f32, rows padded to the block) and summed over the heads of a group by
 // `unpad_sum_cast`, which keeps the grid at batch x query heads wide.
+//
+// Each kernel has a `_async` variant (TRL_FLASH_ASYNC=1) that loads its tiles by cp.async,
+// overlapped with the math: K and V in the forward, the next query tile in the backward.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
