@@ -952,14 +952,20 @@ struct BiasAdd;
 
 fn bias_add_rows<T: F32Math>(y: &[T], b: &[T]) -> Vec<T> {
     let n = b.len();
-    let mut out = y.to_vec();
-    out.par_chunks_mut(n * ROWS_PER_TASK).for_each(|rows| {
-        for row in rows.chunks_mut(n) {
-            for (o, &bi) in row.iter_mut().zip(b) {
-                *o = T::of(o.f() + bi.f());
+    // Written once, straight from `y` (a copy then an add would be two passes).
+    let mut out: Vec<T> = Vec::with_capacity(y.len());
+    out.spare_capacity_mut()[..y.len()]
+        .par_chunks_mut(n * ROWS_PER_TASK)
+        .zip(y.par_chunks(n * ROWS_PER_TASK))
+        .for_each(|(os, ys)| {
+            for (orow, yrow) in os.chunks_mut(n).zip(ys.chunks(n)) {
+                for ((o, &v), &bi) in orow.iter_mut().zip(yrow).zip(b) {
+                    o.write(T::of(v.f() + bi.f()));
+                }
             }
-        }
-    });
+        });
+    // SAFETY: every element below y.len() was written just above.
+    unsafe { out.set_len(y.len()) };
     out
 }
 
