@@ -1,7 +1,8 @@
 //! `cargo bench -p trl-runtime --bench model`: forward+backward of the reference Qwen2 shape
 //! (hidden 256, intermediate 768, 4 layers, 8 heads, 4 kv heads, vocab 4096, seq 512, batch 4,
 //! fp32) on one thread, next to a plain 1024^3 f32 Candle matmul on one thread measured in
-//! the same run (5 rounds of a step next to 3 matmuls; the median round's ratio). One JSON object per line on stdout; prose on stderr.
+//! the same run (5 rounds of a step next to 3 matmuls; the median round's ratio). One JSON
+//! object per line on stdout; prose on stderr.
 //!
 //! FLOPs count the matmuls as computed: 2 per multiply-add for every projection, the LM head,
 //! and the full (masked, not skipped) attention score and value products; backward = 2 x forward.
@@ -123,8 +124,9 @@ fn main() {
     let flops = 3.0 * forward_flops_per_token(&cfg, SEQ) * tokens;
     let mut measured: Vec<(f64, f64)> = (0..rounds)
         .map(|_| {
-            let secs = median_secs(1, &step);
-            (secs, reference.flops_per_s(3))
+            let t = Instant::now();
+            step();
+            (t.elapsed().as_secs_f64(), reference.flops_per_s(3))
         })
         .collect();
     measured.sort_by(|x, y| (flops / x.0 / x.1).total_cmp(&(flops / y.0 / y.1)));

@@ -17,6 +17,7 @@
 //! This is the tiling the CUDA kernel uses (issue: flash attention on GPU); on CPU it replaces
 //! the whole-matrix path for f32 inputs.
 
+use super::cpu_gemm::{mm, Mat};
 use super::fused::{exp_f32, row_max_f32};
 use super::simd::simd_dispatch;
 use super::softmax::RowRanges;
@@ -26,80 +27,6 @@ use std::sync::{Arc, Mutex};
 
 /// Queries and keys per block.
 pub const BLOCK: usize = 64;
-
-/// A row-major view: element (r, c) at `r * rs + c * cs`.
-#[derive(Clone, Copy)]
-struct Mat<'a> {
-    data: &'a [f32],
-    rs: usize,
-    cs: usize,
-}
-
-impl<'a> Mat<'a> {
-    /// Row-major with rows `ld` apart.
-    fn rows(data: &'a [f32], ld: usize) -> Self {
-        Mat {
-            data,
-            rs: ld,
-            cs: 1,
-        }
-    }
-
-    /// The transpose of a row-major matrix with rows `ld` apart.
-    fn transposed(data: &'a [f32], ld: usize) -> Self {
-        Mat {
-            data,
-            rs: 1,
-            cs: ld,
-        }
-    }
-}
-
-/// `dst[m x n] (+)= beta * a[m x k] * b[k x n]`; `dst` rows are `dst_rs` apart. With
-/// `accumulate` the product is added to what `dst` holds, else it replaces it.
-#[allow(clippy::too_many_arguments)]
-fn mm(
-    (m, n, k): (usize, usize, usize),
-    dst: &mut [f32],
-    dst_rs: usize,
-    a: Mat,
-    b: Mat,
-    beta: f32,
-    accumulate: bool,
-) {
-    if m == 0 || n == 0 || k == 0 {
-        return;
-    }
-    let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
-    assert!(last(m, n, dst_rs, 1) < dst.len());
-    assert!(last(m, k, a.rs, a.cs) < a.data.len());
-    assert!(last(k, n, b.rs, b.cs) < b.data.len());
-    // SAFETY: the asserts above keep every element gemm touches inside the three slices, and
-    // `dst` is borrowed mutably (no aliasing with `a` or `b`).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            a.data.as_ptr(),
-            a.cs as isize,
-            a.rs as isize,
-            b.data.as_ptr(),
-            b.cs as isize,
-            b.rs as isize,
-            1.0,
-            beta,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
-}
 
 /// The geometry of one call: q [b, heads, sq, d], k and v [b, kv_heads, sk, d].
 #[derive(Clone, Copy)]

@@ -2,8 +2,8 @@
 //! custom ops of [`super::fused`]: RMSNorm, SwiGLU and the rotary embedding, forward and
 //! backward, on contiguous f32, bf16 and f16 tensors; the fused loss's per-row pass; and for
 //! `optim` and the tiled ops the in-place AdamW, the gradient norm's sums of squares and the
-//! in-place f32 accumulation (of a tensor, or of a product by cuBLAS). `TRL_FUSED_CUDA=0` turns them off (the
-//! ops then run as Candle ops on the GPU, as before).
+//! in-place f32 accumulation (of a tensor, or of a product by cuBLAS). `TRL_FUSED_CUDA=0` turns
+//! them off (the ops then run as Candle ops on the GPU, as before).
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{

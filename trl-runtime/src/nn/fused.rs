@@ -133,6 +133,12 @@ fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     Ok(&s.as_slice::<T>()?[start..end])
 }
 
+/// Two rayon tasks' partial column sums, added.
+fn add_partial(mut a: Vec<f32>, b: Vec<f32>) -> Vec<f32> {
+    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+    a
+}
+
 /// Whether the fused kernels take these tensors: f32, bf16 or f16, all alike, on the CPU or
 /// (built with `cuda`) on a GPU.
 fn fused_here(ts: &[&Tensor]) -> bool {
@@ -252,13 +258,7 @@ fn rms_norm_bwd<T: F32Math>(x: &[T], w: &[T], dy: &[T], eps: f32) -> Vec<T> {
             rms_norm_bwd_rows(dxs, &mut dw, xs, dys, w, eps);
             dw
         })
-        .reduce(
-            || vec![0f32; h],
-            |mut a, b| {
-                a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                a
-            },
-        );
+        .reduce(|| vec![0f32; h], add_partial);
     for (o, v) in out[rows * h..].iter_mut().zip(dw) {
         *o = T::of(v);
     }
@@ -1032,13 +1032,7 @@ fn sum_rows_f32<T: F32Math>(x: &[T], n: usize) -> Vec<T> {
             sum_rows_into(&mut acc, rows);
             acc
         })
-        .reduce(
-            || vec![0f32; n],
-            |mut a, b| {
-                a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                a
-            },
-        );
+        .reduce(|| vec![0f32; n], add_partial);
     sums.into_iter().map(T::of).collect()
 }
 

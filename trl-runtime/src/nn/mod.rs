@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod cpu_flash;
+pub(crate) mod cpu_gemm;
 #[cfg(feature = "cuda")]
 pub mod cuda_flash;
 #[cfg(feature = "cuda")]

@@ -2,6 +2,7 @@
 //! cores), while softmax, norms, losses and every sum over blocks, tiles or ring hops run in a
 //! wider one, as transformers and FlashAttention's kernels do.
 
+use super::cpu_gemm::{mm_with, Mat};
 use candle_core::{DType, Result, Tensor};
 
 /// The dtype of softmax, statistics and sums for activations of `dtype`: f32, or f64 for f64.
@@ -100,42 +101,16 @@ impl candle_core::InplaceOp3 for AddProductT {
         let (k, m) = a_l.shape().dims2()?;
         let (kb, n) = bl.shape().dims2()?;
         let (acc, a, b) = (&mut acc[c0..c1], &a[a0..a1], &b[b0..b1]);
-        if kb != k || acc.len() != m * n || a.len() != k * m || b.len() != k * n {
+        if kb != k || acc.len() != m * n {
             candle_core::bail!("add-product-t: [{m}, {n}] += [{k}, {m}]^T x [{kb}, {n}]");
         }
-        if k == 0 || m == 0 || n == 0 {
-            return Ok(());
-        }
-        let threads = rayon::current_num_threads();
-        let parallelism = match threads {
+        let parallelism = match rayon::current_num_threads() {
             1 => gemm::Parallelism::None,
             t => gemm::Parallelism::Rayon(t),
         };
-        // SAFETY: the three slices hold exactly m x n, k x m and k x n elements (checked
-        // above), addressed by the strides below; `acc` is borrowed mutably alone.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                acc.as_mut_ptr(),
-                1,          // acc: row-major [m, n]
-                n as isize, // (column stride 1, row stride n)
-                true,       // read acc: the product is added to it
-                a.as_ptr(), // lhs = a^T: element (i, l) at a[l * m + i]
-                m as isize, // lhs column stride (along l)
-                1,          // lhs row stride (along i)
-                b.as_ptr(), // rhs = b: element (l, j) at b[l * n + j]
-                1,          // rhs column stride (along j)
-                n as isize, // rhs row stride (along l)
-                1.0,        // acc scale
-                1.0,        // product scale
-                false,
-                false,
-                false,
-                parallelism,
-            )
-        }
+        // acc (row-major [m, n]) += a^T (a as stored, transposed) x b.
+        let (a_t, b) = (Mat::transposed(a, m), Mat::rows(b, n));
+        mm_with(parallelism, (m, n, k), acc, n, a_t, b, 1.0, true);
         Ok(())
     }
 

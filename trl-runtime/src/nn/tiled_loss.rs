@@ -262,7 +262,7 @@ fn fused_loss(
         total += pass.loss.get();
         if grads {
             dhidden.push(logits.matmul(weight)?);
-            // dW += logits^T h: on a GPU into the f32 sum by the GEMM itself.
+            // dW += logits^T h, into the f32 sum by the GEMM itself.
             accumulate_product(&mut dweight, &logits, &h)?;
         }
     }
