@@ -926,6 +926,108 @@ fn embedding_on_gpu_follows_the_cpu() {
     }
 }
 
+/// The trainer's loss path on the GPU (the fused LM head and loss, its weight gradient scaled
+/// in place and completed by the tied embedding's lookup adding its rows into it) against the
+/// plain path (logits, then the loss) in f32 on the CPU: loss and every parameter's gradient,
+/// f32 and bf16, with a vocabulary of 3,000 (several ids repeated).
+#[test]
+fn tied_head_loss_path_on_gpu_follows_the_cpu() {
+    use trl_runtime::models::{ModelConfig, Params};
+    use trl_runtime::nn::causal_lm_loss;
+    use trl_runtime::parallel::CausalLm;
+    let Some(dev) = gpu() else { return };
+    let json = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": 3000, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": true, "initializer_range": 0.2,
+    });
+    let cfg = ModelConfig::from_json(&json.to_string(), "tied").unwrap();
+    let params = Params::init(&cfg, 11, DType::F32, &Device::Cpu).unwrap();
+    let (b, s) = (2usize, 96usize);
+    let ids: Vec<u32> = (0..b * s).map(|i| ((i * 7919) % 2999) as u32).collect();
+    let pos: Vec<i64> = (0..b * s).map(|i| (i % s) as i64).collect();
+    let labels: Vec<i64> = (0..b * s)
+        .map(|i| {
+            if i % 11 == 0 {
+                -100
+            } else {
+                ((i * 7919) % 2999) as i64
+            }
+        })
+        .collect();
+    let grads = |dev: &Device, dtype: DType, plain: bool| {
+        let p = Params::from_tensors(
+            params
+                .iter()
+                .map(|(n, v)| {
+                    (
+                        n.clone(),
+                        v.as_tensor()
+                            .to_dtype(dtype)
+                            .unwrap()
+                            .to_device(dev)
+                            .unwrap(),
+                    )
+                })
+                .collect(),
+        )
+        .unwrap();
+        let m = CausalLm::new(cfg.clone(), p).unwrap();
+        let ids = Tensor::from_vec(ids.clone(), (b, s), dev).unwrap();
+        let pos = Tensor::from_vec(pos.clone(), (b, s), dev).unwrap();
+        let labels = Tensor::from_vec(labels.clone(), (b, s), dev).unwrap();
+        let (loss, store) = if plain {
+            let loss = causal_lm_loss(&m.forward(&ids, &pos).unwrap(), &labels)
+                .unwrap()
+                .mean()
+                .unwrap();
+            let store = loss.backward().unwrap();
+            (loss, store)
+        } else {
+            let targets = trl_runtime::nn::loss::shift_labels(&labels).unwrap();
+            let ls = m.forward_targets(&ids, &pos, &targets).unwrap();
+            let loss = (ls.sum / ls.count as f64).unwrap();
+            let store = m.backward(&loss).unwrap();
+            (loss, store)
+        };
+        let loss = loss
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let gs: Vec<(String, Tensor)> = m
+            .params
+            .iter()
+            .map(|(n, v)| {
+                (
+                    n.clone(),
+                    store
+                        .get(v.as_tensor())
+                        .unwrap()
+                        .to_dtype(DType::F32)
+                        .unwrap()
+                        .to_device(&Device::Cpu)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        (loss, gs)
+    };
+    let (want_loss, want) = grads(&Device::Cpu, DType::F32, true);
+    for (dtype, bound) in [(DType::F32, 1e-4f32), (DType::BF16, 3e-2)] {
+        let (loss, got) = grads(&dev, dtype, false);
+        let dl = ((loss - want_loss) / want_loss).abs();
+        eprintln!("tied loss path {dtype:?}: loss {dl:e}");
+        assert!(dl < bound, "{dtype:?}: loss {loss} vs {want_loss}");
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            let e = rel_diff(g, w) as f32;
+            eprintln!("  {name}: {e:e}");
+            assert!(e < bound, "{dtype:?}: gradient of {name} differs by {e:e}");
+        }
+    }
+}
+
 /// The GPU layout and bias kernels (heads swapped by whole rows, a linear layer's bias added
 /// in one pass) against the CPU's transpose and broadcast add in f32, values and gradients:
 /// f32 and bf16, a row of 64 (16-byte units) and of 5 (2- and 4-byte units).

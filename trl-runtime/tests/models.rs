@@ -90,6 +90,58 @@ fn every_parameter_gets_a_nonzero_gradient() {
     }
 }
 
+/// The loss path the trainer takes (`forward_targets`: the fused LM head and loss, whose
+/// weight gradient the tied embedding's lookup adds its rows into in place) gives the
+/// gradients of the plain path (logits, then the loss; Candle's lookup and head): f32 (the
+/// fused loss), f64 and bf16 (the tiled loss, which recomputes in backward), tied or not.
+#[test]
+fn the_training_loss_path_gives_the_plain_gradients() {
+    for (ty, tied, dtype, bound) in [
+        ("qwen2", true, DType::F32, 1e-5),
+        ("llama", false, DType::F32, 1e-5),
+        ("qwen2", true, DType::F64, 1e-12),
+        ("qwen2", true, DType::BF16, 2e-2),
+    ] {
+        let mut m = model(ty, tied, dtype);
+        m.tiled_loss = dtype != DType::F32;
+        let (ids, pos, labels) = batch();
+        let plain = causal_lm_loss(&m.forward(&ids, &pos).unwrap(), &labels)
+            .unwrap()
+            .mean()
+            .unwrap();
+        let want = plain.backward().unwrap();
+        let targets = trl_runtime::nn::loss::shift_labels(&labels).unwrap();
+        let ls = m.forward_targets(&ids, &pos, &targets).unwrap();
+        let loss = (ls.sum.to_dtype(DType::F64).unwrap() / ls.count as f64).unwrap();
+        let got = m.backward(&loss).unwrap();
+        let close = (loss.to_scalar::<f64>().unwrap()
+            - plain
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap())
+        .abs();
+        assert!(close < 1e-3, "{ty} {dtype:?}: loss differs by {close}");
+        for (name, var) in m.params.iter() {
+            let (g, w) = (got.get(var.as_tensor()), want.get(var.as_tensor()));
+            let (g, w) = (
+                g.unwrap_or_else(|| panic!("{ty} {dtype:?}: no gradient for {name}")),
+                w.unwrap(),
+            );
+            let (g, w) = (
+                g.to_dtype(DType::F64).unwrap(),
+                w.to_dtype(DType::F64).unwrap(),
+            );
+            let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().sqrt().unwrap();
+            let rel = (norm(&(&g - &w).unwrap()) / norm(&w))
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            assert!(rel < bound, "{ty} {dtype:?}: {name} differs by {rel:e}");
+        }
+    }
+}
+
 #[test]
 fn autograd_matches_finite_differences() {
     for (ty, tied) in [("qwen2", true), ("llama", false)] {

@@ -541,28 +541,41 @@ pub fn embedding_fwd(
     Ok((out, Shape::from((n_ids, hidden))))
 }
 
-/// The embedding table's gradient [vocab, hidden] (the dtype of `dy`) from the rows' gradient
-/// `dy` [n, hidden] at `ids`: summed in f32 with atomics, a slab of columns at a time (a
-/// [vocab, 128] f32 buffer instead of the whole table), each slab cast into its columns.
-pub fn embedding_bwd(
+/// `acc[ids[t], :] += dy[t, :]` in place, `acc` [vocab, hidden] of `dy`'s dtype (the
+/// embedding's gradient, begun by a tied LM head's loss or zeros): the rows are scatter-added
+/// with f32 atomics into a column slab (a [vocab, 128] f32 buffer instead of the whole table),
+/// which is then added into its columns, slab after slab.
+pub fn embedding_add_rows(
+    acc: (&mut CudaStorage, &Layout),
     dy: (&CudaStorage, &Layout),
     ids: (&CudaStorage, &Layout),
-    vocab: usize,
-) -> Result<(CudaStorage, Shape)> {
+) -> Result<()> {
     const SLAB: usize = 128;
+    check(acc.1, "embedding gradient")?;
+    let (n_ids, hidden) = dy.1.shape().dims2()?;
+    let (vocab, acc_hidden) = acc.1.shape().dims2()?;
+    if acc.0.dtype() != dy.0.dtype() || acc_hidden != hidden || ids.1.shape().elem_count() != n_ids
+    {
+        bail!(
+            "fused CUDA embedding gradient: {n_ids} ids, rows {:?} {:?}, table {:?} {:?}",
+            dy.0.dtype(),
+            dy.1.dims(),
+            acc.0.dtype(),
+            acc.1.dims()
+        );
+    }
     let dev = dy.0.device().clone();
     let dtype = dy.0.dtype();
     let sfx = suffix(dtype)?;
-    let (n_ids, hidden) = dy.1.shape().dims2()?;
     let bwd = dev.get_or_load_custom_func(&format!("embedding_bwd_{sfx}"), MODULE, PTX)?;
-    let cast = dev.get_or_load_custom_func(&format!("embedding_slab_cast_{sfx}"), MODULE, PTX)?;
+    let add = dev.get_or_load_custom_func(&format!("embedding_slab_add_{sfx}"), MODULE, PTX)?;
     let stream = dev.cuda_stream();
     let slab = SLAB.min(hidden);
     let mut dw = dev.alloc_zeros::<f32>(vocab * slab)?;
-    let out = typed!(dtype, |T| {
+    let start = acc.1.start_offset();
+    typed!(dtype, |T| {
         let (dys, is) = (view::<T>(dy.0, dy.1)?, view::<u32>(ids.0, ids.1)?);
-        // SAFETY: every element is written by the slabs' casts (they tile the columns).
-        let out = unsafe { dev.alloc::<T>(vocab * hidden)? };
+        let mut out = acc.0.as_cuda_slice_mut::<T>()?.slice_mut(start..);
         let (n_ids64, vocab64, h) = (n_ids as u64, vocab as u64, hidden as i32);
         for c0 in (0..hidden).step_by(slab) {
             let ch = slab.min(hidden - c0);
@@ -575,9 +588,9 @@ pub fn embedding_bwd(
             b.arg(&c0_i).arg(&ch_i);
             // SAFETY: the arguments match the kernel's signature.
             unsafe { b.launch(config(grid(n_ids * ch, THREADS as usize), 0)) }.w()?;
-            let mut b = cast.builder();
+            let mut b = add.builder();
             b.arg(&dw)
-                .arg(&out)
+                .arg(&mut out)
                 .arg(&vocab64)
                 .arg(&h)
                 .arg(&c0_i)
@@ -585,9 +598,26 @@ pub fn embedding_bwd(
             // SAFETY: the arguments match the kernel's signature.
             unsafe { b.launch(config(grid(vocab * ch, THREADS as usize), 0)) }.w()?;
         }
-        CudaStorage::wrap_cuda_slice(out, dev.clone())
     });
-    Ok((out, Shape::from((vocab, hidden))))
+    Ok(())
+}
+
+/// `x *= s` in place (contiguous f32, bf16 or f16; f32 math).
+pub fn scale_in_place(x: (&mut CudaStorage, &Layout), s: f32) -> Result<()> {
+    check(x.1, "scale")?;
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let f = dev.get_or_load_custom_func(&format!("scale_{}", suffix(dtype)?), MODULE, PTX)?;
+    let (n, start) = (x.1.shape().elem_count(), x.1.start_offset());
+    let n64 = n as u64;
+    typed!(dtype, |T| {
+        let mut xs = x.0.as_cuda_slice_mut::<T>()?.slice_mut(start..);
+        let mut b = f.builder();
+        b.arg(&mut xs).arg(&n64).arg(&s);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+    });
+    Ok(())
 }
 
 /// `x` [a, b, c, d] (contiguous) -> [a, c, b, d]: dims 1 and 2 swapped, moving whole rows of

@@ -7,8 +7,11 @@ use super::Weight;
 use crate::comm::autograd::reduce_from_group;
 use crate::comm::Communicator;
 use crate::error::Result as TrlResult;
-use candle_core::{DType, Result, Tensor};
-use std::sync::Arc;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, TensorId};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 #[derive(Clone)]
 pub struct Embedding {
@@ -64,19 +67,24 @@ impl Embedding {
 
     fn lookup(&self, ids: &Tensor) -> Result<Tensor> {
         match &self.weight {
-            #[cfg(feature = "cuda")]
-            Weight::Local(w) if gpu_lookup_applies(w) => {
-                w.contiguous()?.apply_op2(&ids.contiguous()?, GpuLookup)
+            Weight::Local(w) => {
+                // A vocab-parallel slice is not the (whole) head's table.
+                let tied = self.tp.is_none().then(|| TiedGrad::claim(w)).flatten();
+                if tied.is_none() && !gpu_lookup_applies(w) {
+                    return w.index_select(ids, 0);
+                }
+                let tied = tied.unwrap_or_default();
+                w.contiguous()?
+                    .apply_op2(&ids.contiguous()?, Lookup { tied })
             }
-            Weight::Local(w) => w.index_select(ids, 0),
             Weight::Sharded(w) => sharded::embedding(ids, w),
         }
     }
 }
 
-/// On a GPU the lookup's backward is a scatter-add with atomics into an f32 table (Candle's
-/// index_add walks the ids one after another per column: 9.5 ms for 16k tokens of Qwen2's
-/// table on an H100).
+/// Whether the lookup runs as [`Lookup`] on a GPU: its backward is a scatter-add with atomics
+/// (Candle's index_add walks the ids one after another per column: 9.5 ms for 16k tokens of
+/// Qwen2's table on an H100).
 #[cfg(feature = "cuda")]
 fn gpu_lookup_applies(w: &Tensor) -> bool {
     w.device().is_cuda()
@@ -85,33 +93,135 @@ fn gpu_lookup_applies(w: &Tensor) -> bool {
         && w.rank() == 2
 }
 
-/// Rows of the table at the ids, with the scatter-add backward (see [`gpu_lookup_applies`]).
-#[cfg(feature = "cuda")]
-struct GpuLookup;
+#[cfg(not(feature = "cuda"))]
+fn gpu_lookup_applies(_: &Tensor) -> bool {
+    false
+}
 
-#[cfg(feature = "cuda")]
-impl candle_core::CustomOp2 for GpuLookup {
+/// The gradient of a table that is also the LM head, which the fused loss computes during
+/// forward: the lookup's backward adds its rows into it in place. Otherwise the lookup makes a
+/// second [vocab, hidden] gradient and the autograd a third, their sum, at the end of the
+/// backward, when every other gradient is held (2 x 272 MB of Qwen2's table in bf16, 3 x 544 MB
+/// in f32 on the CPU).
+///
+/// [`crate::parallel::Model`] opens a [`TieScope`] around the forward; the first lookup of
+/// that same table on this thread takes the slot. The loss's backward (run first) puts its
+/// scaled gradient in, the lookup's backward takes it out; a gradient left in (a lookup whose
+/// backward did not run) is added by the model after the backward.
+#[derive(Clone, Default)]
+pub(crate) struct TiedGrad(Arc<TiedInner>);
+
+#[derive(Default)]
+pub(crate) struct TiedInner {
+    grad: Mutex<Option<Tensor>>,
+    claimed: AtomicBool,
+}
+
+thread_local! {
+    /// The open scope: the head's weight and the slot its lookup takes.
+    static SCOPE: RefCell<Option<(TensorId, TiedGrad)>> = const { RefCell::new(None) };
+}
+
+/// Closes the scope when dropped.
+pub(crate) struct TieScope(());
+
+impl Drop for TieScope {
+    fn drop(&mut self) {
+        SCOPE.with(|s| s.borrow_mut().take());
+    }
+}
+
+impl TiedGrad {
+    /// Until the guard drops, the first lookup of `weight` on this thread takes this slot.
+    pub(crate) fn scope(&self, weight: &Tensor) -> TieScope {
+        SCOPE.with(|s| *s.borrow_mut() = Some((weight.id(), self.clone())));
+        TieScope(())
+    }
+
+    /// Whether a lookup took the slot.
+    pub(crate) fn claimed(&self) -> bool {
+        self.0.claimed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn put(&self, grad: Tensor) {
+        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = Some(grad);
+    }
+
+    pub(crate) fn take(&self) -> Option<Tensor> {
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// The open scope's slot, for a lookup of `w` (the scope's table) that will have a
+    /// backward and whose gradient can be added in place (CPU; a GPU where the kernels run).
+    fn claim(w: &Tensor) -> Option<TiedGrad> {
+        let in_place = w.device().is_cpu() || gpu_lookup_applies(w);
+        if !in_place || !w.track_op() || w.rank() != 2 {
+            return None;
+        }
+        SCOPE.with(|s| {
+            let scope = s.borrow();
+            let (_, tied) = scope.as_ref().filter(|(id, _)| *id == w.id())?;
+            let first = !tied.0.claimed.swap(true, Ordering::AcqRel);
+            first.then(|| tied.clone())
+        })
+    }
+}
+
+/// Rows of the table at the ids; backward, the rows' gradients added in place into the tied
+/// head's gradient, or into zeros when there is none (see [`TiedGrad`]). The lookup on GPUs,
+/// and on the CPU for a tied table.
+struct Lookup {
+    tied: TiedGrad,
+}
+
+impl candle_core::CustomOp2 for Lookup {
     fn name(&self) -> &'static str {
         "embedding"
     }
 
     fn cpu_fwd(
         &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        candle_core::bail!("the GPU embedding lookup runs on GPUs")
+        w: &CpuStorage,
+        wl: &Layout,
+        ids: &CpuStorage,
+        il: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (vocab, hidden) = wl.shape().dims2()?;
+        let (CpuStorage::U32(ids), Some((i0, i1))) = (ids, il.contiguous_offsets()) else {
+            candle_core::bail!("tied embedding: contiguous u32 ids expected")
+        };
+        let ids = &ids[i0..i1];
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            candle_core::bail!("token id {bad} is outside the embedding's {vocab} rows")
+        }
+        let Some((w0, w1)) = wl.contiguous_offsets() else {
+            candle_core::bail!("tied embedding: contiguous table expected")
+        };
+        fn gather<T: Copy>(w: &[T], ids: &[u32], hidden: usize) -> Vec<T> {
+            let mut out = Vec::with_capacity(ids.len() * hidden);
+            for &i in ids {
+                out.extend_from_slice(&w[i as usize * hidden..(i as usize + 1) * hidden]);
+            }
+            out
+        }
+        let out = match w {
+            CpuStorage::F32(w) => CpuStorage::F32(gather(&w[w0..w1], ids, hidden)),
+            CpuStorage::F64(w) => CpuStorage::F64(gather(&w[w0..w1], ids, hidden)),
+            CpuStorage::BF16(w) => CpuStorage::BF16(gather(&w[w0..w1], ids, hidden)),
+            CpuStorage::F16(w) => CpuStorage::F16(gather(&w[w0..w1], ids, hidden)),
+            other => candle_core::bail!("tied embedding: a {:?} table", other.dtype()),
+        };
+        Ok((out, Shape::from((ids.len(), hidden))))
     }
 
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         w: &candle_core::CudaStorage,
-        wl: &candle_core::Layout,
+        wl: &Layout,
         ids: &candle_core::CudaStorage,
-        il: &candle_core::Layout,
-    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        il: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
         super::cuda_fused::embedding_fwd((w, wl), (ids, il))
     }
 
@@ -122,43 +232,103 @@ impl candle_core::CustomOp2 for GpuLookup {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let vocab = w.dim(0)?;
-        let dw = grad
-            .contiguous()?
-            .apply_op2_no_bwd(&ids.contiguous()?, &GpuLookupGrad { vocab })?;
-        Ok((Some(dw), None))
+        let acc = match self.tied.take() {
+            Some(g) if g.dims() == w.dims() && g.dtype() == w.dtype() && g.is_contiguous() => g,
+            Some(_) => candle_core::bail!("tied embedding: the head's gradient does not match"),
+            None => w.zeros_like()?,
+        };
+        acc.inplace_op3(&grad.contiguous()?, &ids.contiguous()?, &AddRows)?;
+        Ok((Some(acc), None))
     }
 }
 
-#[cfg(feature = "cuda")]
-struct GpuLookupGrad {
-    vocab: usize,
-}
+/// `acc[ids[t], :] += dy[t, :]` in place (repeated ids add up).
+struct AddRows;
 
-#[cfg(feature = "cuda")]
-impl candle_core::CustomOp2 for GpuLookupGrad {
+impl candle_core::InplaceOp3 for AddRows {
     fn name(&self) -> &'static str {
-        "embedding-grad"
+        "embedding-add-rows"
     }
 
     fn cpu_fwd(
         &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        candle_core::bail!("the GPU embedding gradient runs on GPUs")
+        acc: &mut CpuStorage,
+        al: &Layout,
+        dy: &CpuStorage,
+        dl: &Layout,
+        ids: &CpuStorage,
+        il: &Layout,
+    ) -> Result<()> {
+        let (vocab, hidden) = al.shape().dims2()?;
+        let (Some((a0, a1)), Some((d0, d1)), Some((i0, i1))) = (
+            al.contiguous_offsets(),
+            dl.contiguous_offsets(),
+            il.contiguous_offsets(),
+        ) else {
+            candle_core::bail!("embedding-add-rows: contiguous inputs expected")
+        };
+        let CpuStorage::U32(ids) = ids else {
+            candle_core::bail!("embedding-add-rows: u32 ids expected")
+        };
+        let ids = &ids[i0..i1];
+        if d1 - d0 != ids.len() * hidden || ids.iter().any(|&i| i as usize >= vocab) {
+            candle_core::bail!(
+                "embedding-add-rows: {} ids for [{}, {hidden}] rows",
+                ids.len(),
+                (d1 - d0) / hidden.max(1)
+            )
+        }
+        fn add<T: Copy>(
+            acc: &mut [T],
+            dy: &[T],
+            ids: &[u32],
+            hidden: usize,
+            f: impl Fn(T, T) -> T,
+        ) {
+            for (t, &i) in ids.iter().enumerate() {
+                let row = &mut acc[i as usize * hidden..(i as usize + 1) * hidden];
+                for (a, &d) in row.iter_mut().zip(&dy[t * hidden..(t + 1) * hidden]) {
+                    *a = f(*a, d);
+                }
+            }
+        }
+        match (acc, dy) {
+            (CpuStorage::F32(a), CpuStorage::F32(d)) => {
+                add(&mut a[a0..a1], &d[d0..d1], ids, hidden, |a, d| a + d)
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(d)) => {
+                add(&mut a[a0..a1], &d[d0..d1], ids, hidden, |a, d| a + d)
+            }
+            (CpuStorage::BF16(a), CpuStorage::BF16(d)) => {
+                add(&mut a[a0..a1], &d[d0..d1], ids, hidden, |a, d| {
+                    half::bf16::from_f32(a.to_f32() + d.to_f32())
+                })
+            }
+            (CpuStorage::F16(a), CpuStorage::F16(d)) => {
+                add(&mut a[a0..a1], &d[d0..d1], ids, hidden, |a, d| {
+                    half::f16::from_f32(a.to_f32() + d.to_f32())
+                })
+            }
+            (a, d) => candle_core::bail!(
+                "embedding-add-rows: {:?} rows into a {:?} table",
+                d.dtype(),
+                a.dtype()
+            ),
+        }
+        Ok(())
     }
 
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
+        acc: &mut candle_core::CudaStorage,
+        al: &Layout,
         dy: &candle_core::CudaStorage,
-        dl: &candle_core::Layout,
+        dl: &Layout,
         ids: &candle_core::CudaStorage,
-        il: &candle_core::Layout,
-    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        super::cuda_fused::embedding_bwd((dy, dl), (ids, il), self.vocab)
+        il: &Layout,
+    ) -> Result<()> {
+        super::cuda_fused::embedding_add_rows((acc, al), (dy, dl), (ids, il))
     }
 }
 

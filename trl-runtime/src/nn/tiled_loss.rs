@@ -9,6 +9,7 @@
 //! log-softmax, the loss and the weight gradient's accumulation in f32 (f64 for f64 inputs),
 //! as the untiled head followed by [`super::cross_entropy_sum`] computes.
 
+use super::embedding::TiedGrad;
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
 use super::precision::{self, accumulate, accumulate_product};
 use crate::precomputed::Precomputed;
@@ -90,8 +91,9 @@ enum Backward {
     /// The tiled loss: each tile's logits recomputed in backward.
     Recompute(Tiles),
     /// The fused loss: the gradients were computed in forward (for an incoming gradient of
-    /// one) and are only scaled.
-    Kept(Mutex<Option<(Tensor, Tensor)>>),
+    /// one) and are only scaled, in place. With a tied table, the weight's gradient goes to
+    /// the embedding's lookup, which adds its rows into it.
+    Kept(Mutex<Option<(Tensor, Tensor)>>, Option<TiedGrad>),
 }
 
 /// The loss of the LM head over (hidden, weight), computed outside the op.
@@ -104,7 +106,7 @@ impl CustomOp2 for LossOp {
     fn name(&self) -> &'static str {
         match self.backward {
             Backward::Recompute(_) => "tiled-lm-loss",
-            Backward::Kept(_) => "fused-linear-cross-entropy",
+            Backward::Kept(..) => "fused-linear-cross-entropy",
         }
     }
 
@@ -140,16 +142,61 @@ impl CustomOp2 for LossOp {
             Backward::Recompute(tiles) => {
                 tiles_grads(tiles, &hidden.detach(), &weight.detach(), &grad.detach())?
             }
-            Backward::Kept(kept) => {
+            Backward::Kept(kept, tied) => {
                 let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).take();
                 let Some((dh, dw)) = kept else {
                     candle_core::bail!("the fused loss ran its backward twice")
                 };
+                // Only this op holds them: scaled in place, no second [vocab, hidden] copy.
                 let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                (dh.affine(g, 0.0)?, dw.affine(g, 0.0)?)
+                if g != 1.0 {
+                    dh.inplace_op1(&Scale(g))?;
+                    dw.inplace_op1(&Scale(g))?;
+                }
+                if let Some(tied) = tied.as_ref().filter(|t| t.claimed()) {
+                    tied.put(dw);
+                    return Ok((Some(dh), None));
+                }
+                (dh, dw)
             }
         };
         Ok((Some(dh), Some(dw)))
+    }
+}
+
+/// `x *= s` in place.
+struct Scale(f64);
+
+impl InplaceOp1 for Scale {
+    fn name(&self) -> &'static str {
+        "scale"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("scale: a contiguous tensor expected")
+        };
+        let s = self.0;
+        match storage {
+            CpuStorage::F32(v) => v[start..end].iter_mut().for_each(|x| *x *= s as f32),
+            CpuStorage::F64(v) => v[start..end].iter_mut().for_each(|x| *x *= s),
+            CpuStorage::BF16(v) => v[start..end]
+                .iter_mut()
+                .for_each(|x| *x = half::bf16::from_f64(x.to_f64() * s)),
+            CpuStorage::F16(v) => v[start..end]
+                .iter_mut()
+                .for_each(|x| *x = half::f16::from_f64(x.to_f64() * s)),
+            other => candle_core::bail!(
+                "scale: {:?} is not a float dtype",
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> Result<()> {
+        super::cuda_fused::scale_in_place((storage, layout), self.0 as f32)
     }
 }
 
@@ -299,6 +346,18 @@ pub fn tiled_linear_cross_entropy(
     weight: &Tensor,
     targets: &Tensor,
 ) -> Result<LossSum> {
+    tied_linear_cross_entropy(hidden, weight, targets, None)
+}
+
+/// [`tiled_linear_cross_entropy`] whose weight is also an embedding table looked up in
+/// `hidden`'s forward: on the fused path the weight's gradient goes to the lookup through
+/// `tied` when a lookup claimed it (see [`TiedGrad`]).
+pub(crate) fn tied_linear_cross_entropy(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    tied: Option<TiedGrad>,
+) -> Result<LossSum> {
     let (n, _) = hidden.dims2()?;
     let vocab = weight.dim(0)?;
     if fused_applies(hidden, weight) {
@@ -311,7 +370,7 @@ pub fn tiled_linear_cross_entropy(
         }
         let op = LossOp {
             sum: Precomputed::new(sum),
-            backward: Backward::Kept(Mutex::new(kept)),
+            backward: Backward::Kept(Mutex::new(kept), tied),
         };
         return Ok(LossSum {
             sum: hidden.apply_op2(weight, op)?,

@@ -11,10 +11,12 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::models::params::{Params, WeightFiles, CONFIG_FILE};
 use crate::models::{CausalModel, LayerInputs, Llama, ModelConfig};
+use crate::nn::embedding::TiedGrad;
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::seq_attention::SeqSplit;
+use crate::nn::tiled_loss::tied_linear_cross_entropy;
 use crate::nn::Weight;
-use crate::nn::{tiled_linear_cross_entropy, AttentionImpl, LossSum};
+use crate::nn::{AttentionImpl, LossSum};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor};
@@ -54,6 +56,9 @@ pub struct Model<N: CausalModel> {
     /// Recompute each layer in backward, keeping only its input (activation checkpointing;
     /// see [`Self::backward`]).
     pub checkpointing: Option<Arc<Checkpointing>>,
+    /// The last forward's tied LM head gradient, for the embedding's backward to add into
+    /// (see [`TiedGrad`]); whatever the backward left in it is added after.
+    tied: Mutex<Option<(Tensor, TiedGrad)>>,
 }
 
 fn config_error(source: &str, message: String) -> Error {
@@ -125,6 +130,7 @@ impl<N: CausalModel> Model<N> {
             tiled_loss: false,
             tiled_mlp: false,
             checkpointing: None,
+            tied: Mutex::new(None),
         })
     }
 
@@ -512,12 +518,22 @@ impl<N: CausalModel> Model<N> {
             (Weight::Local(w), None, None) if fused(w) => w.clone(),
             _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
         };
-        let hidden = self.hidden_states(input_ids, position_ids, true)?;
+        // A table that is also the head gets its whole gradient in one buffer: the loss's
+        // part (computed in forward) plus the lookup's rows, added in place.
+        let tied = TiedGrad::default();
+        let hidden = {
+            let _scope = tied.scope(&head);
+            self.hidden_states(input_ids, position_ids, true)?
+        };
+        let tied = tied.claimed().then_some(tied);
+        *self.tied.lock().unwrap_or_else(|e| e.into_inner()) =
+            tied.clone().map(|t| (head.clone(), t));
         let (b, s, h) = hidden.dims3()?;
-        Ok(tiled_linear_cross_entropy(
+        Ok(tied_linear_cross_entropy(
             &hidden.reshape((b * s, h))?,
             &head,
             targets,
+            tied,
         )?)
     }
 
@@ -527,6 +543,15 @@ impl<N: CausalModel> Model<N> {
         let mut store = loss.backward()?;
         if let Some(c) = &self.checkpointing {
             c.merge_into(&mut store)?;
+        }
+        let tied = self.tied.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // The head's gradient still in the slot: the lookup's backward did not run.
+        if let Some((head, grad)) = tied.and_then(|(h, t)| Some(h).zip(t.take())) {
+            let sum = match store.remove(&head) {
+                Some(g) => (g + grad)?,
+                None => grad,
+            };
+            store.insert(&head, sum);
         }
         Ok(store)
     }

@@ -288,9 +288,9 @@ __device__ void embedding_fwd(const T* w, const uint32_t* ids, T* out, size_t n,
 }
 
 // Embedding backward for columns [c0, c0 + ch) of the table: dw[ids[t], c - c0] += dy[t, c]
-// into an f32 slab [vocab, ch] (zeroed), with atomics (repeated ids add up); the slab is cast
-// into the table's columns after (`embedding_slab_cast`). Column slabs keep the f32 buffer
-// small (Qwen2's table in f32 would be 544 MB).
+// into an f32 slab [vocab, ch] (zeroed), with atomics (repeated ids add up); the slab is added
+// into the table gradient's columns after (`embedding_slab_add`). Column slabs keep the f32
+// buffer small (Qwen2's table in f32 would be 544 MB).
 template <typename T>
 __device__ void embedding_bwd(const T* dy, const uint32_t* ids, float* dw, size_t n_ids,
                               int hidden, int c0, int ch) {
@@ -302,15 +302,25 @@ __device__ void embedding_bwd(const T* dy, const uint32_t* ids, float* dw, size_
     }
 }
 
+// The slab added into the table gradient's columns (zeros, or a tied table's gradient begun
+// by the LM head's loss).
 template <typename T>
-__device__ void embedding_slab_cast(const float* dw, T* out, size_t vocab, int hidden, int c0,
-                                    int ch) {
+__device__ void embedding_slab_add(const float* dw, T* out, size_t vocab, int hidden, int c0,
+                                   int ch) {
     const size_t n = vocab * ch;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t v = i / ch, c = i % ch;
-        out[v * hidden + c0 + c] = of<T>(dw[i]);
+        T* o = out + v * hidden + c0 + c;
+        *o = of<T>(dw[i] + to_f(*o));
     }
+}
+
+// x *= s in place (the fused loss's kept gradients times the loss's incoming gradient).
+template <typename T> __device__ void scale(T* x, size_t n, float s) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        x[i] = of<T>(to_f(x[i]) * s);
 }
 
 // x [a, b, c, row] -> out [a, c, b, row] (dims 1 and 2 swapped: attention's heads moved
@@ -406,11 +416,12 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
                                                       int c0, int ch) {                        \
         embedding_bwd<T>(dy, ids, dw, n_ids, hidden, c0, ch);                                  \
     }                                                                                         \
-    extern "C" __global__ void embedding_slab_cast_##SUFFIX(const float* dw, T* out,           \
-                                                            size_t vocab, int hidden, int c0,  \
-                                                            int ch) {                          \
-        embedding_slab_cast<T>(dw, out, vocab, hidden, c0, ch);                                \
+    extern "C" __global__ void embedding_slab_add_##SUFFIX(const float* dw, T* out,            \
+                                                           size_t vocab, int hidden, int c0,   \
+                                                           int ch) {                           \
+        embedding_slab_add<T>(dw, out, vocab, hidden, c0, ch);                                 \
     }                                                                                         \
+    extern "C" __global__ void scale_##SUFFIX(T* x, size_t n, float s) { scale<T>(x, n, s); } \
     extern "C" __global__ void bias_add_##SUFFIX(const T* x, const T* bias, T* out, size_t n,  \
                                                  int cols) {                                  \
         bias_add<T>(x, bias, out, n, cols);                                                   \
