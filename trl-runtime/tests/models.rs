@@ -91,8 +91,8 @@ fn every_parameter_gets_a_nonzero_gradient() {
 }
 
 /// The loss path the trainer takes (`forward_targets`: the fused LM head and loss, whose
-/// weight gradient the tied embedding's lookup adds its rows into in place) gives the
-/// gradients of the plain path (logits, then the loss; Candle's lookup and head): f32 (the
+/// weight gradient the tied embedding's lookup adds its rows into in place; `eval_targets`
+/// for its value alone) gives the value and gradients of the plain path (logits, then the loss; Candle's lookup and head): f32 (the
 /// fused loss), f64 and bf16 (the tiled loss, which recomputes in backward), tied or not.
 #[test]
 fn the_training_loss_path_gives_the_plain_gradients() {
@@ -112,6 +112,14 @@ fn the_training_loss_path_gives_the_plain_gradients() {
         let want = plain.backward().unwrap();
         let targets = trl_runtime::nn::loss::shift_labels(&labels).unwrap();
         let ls = m.forward_targets(&ids, &pos, &targets).unwrap();
+        // Evaluation's path (no gradients computed) gives the same value.
+        let eval = m.eval_targets(&ids, &pos, &targets).unwrap();
+        let value = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+        assert_eq!(
+            value(&eval.sum),
+            value(&ls.sum),
+            "{ty} {dtype:?}: eval loss"
+        );
         let loss = (ls.sum.to_dtype(DType::F64).unwrap() / ls.count as f64).unwrap();
         let got = m.backward(&loss).unwrap();
         let close = (loss.to_scalar::<f64>().unwrap()

@@ -14,7 +14,7 @@ use crate::models::{CausalModel, LayerInputs, Llama, ModelConfig};
 use crate::nn::embedding::TiedGrad;
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::seq_attention::SeqSplit;
-use crate::nn::tiled_loss::tied_linear_cross_entropy;
+use crate::nn::tiled_loss::{tied_linear_cross_entropy, tiled_linear_cross_entropy};
 use crate::nn::Weight;
 use crate::nn::{AttentionImpl, LossSum};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
@@ -510,6 +510,27 @@ impl<N: CausalModel> Model<N> {
         position_ids: &Tensor,
         targets: &Tensor,
     ) -> Result<LossSum> {
+        self.targets_loss(input_ids, position_ids, targets, true)
+    }
+
+    /// [`Self::forward_targets`] for evaluation: the same value, but the fused loss computes
+    /// no gradients (it would in forward: two more GEMMs per tile).
+    pub fn eval_targets(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        targets: &Tensor,
+    ) -> Result<LossSum> {
+        self.targets_loss(input_ids, position_ids, targets, false)
+    }
+
+    fn targets_loss(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        targets: &Tensor,
+        train: bool,
+    ) -> Result<LossSum> {
         let head = self.net.lm_head();
         // The fused loss runs whenever the head is whole here: asked for (use_liger_kernel),
         // or where it is one pass per row (CPU f32, GPUs) and so faster than the logits path.
@@ -518,6 +539,12 @@ impl<N: CausalModel> Model<N> {
             (Weight::Local(w), None, None) if fused(w) => w.clone(),
             _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
         };
+        if !train {
+            let hidden = self.hidden_states(input_ids, position_ids, true)?.detach();
+            let (b, s, h) = hidden.dims3()?;
+            let flat = hidden.reshape((b * s, h))?;
+            return Ok(tiled_linear_cross_entropy(&flat, &head.detach(), targets)?);
+        }
         // A table that is also the head gets its whole gradient in one buffer: the loss's
         // part (computed in forward) plus the lookup's rows, added in place.
         let tied = TiedGrad::default();

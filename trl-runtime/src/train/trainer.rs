@@ -770,7 +770,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             let batch = collate(chunk, self.collate_options, &Device::Cpu)?
                 .part(self.model.split())?
                 .to_device(self.ctx.device())?;
-            let ls = self.model.forward_targets(
+            let ls = self.model.eval_targets(
                 &batch.input_ids,
                 &batch.position_ids,
                 &batch.targets()?,
