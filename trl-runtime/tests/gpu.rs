@@ -443,66 +443,68 @@ type FusedCase<'a> = (
 /// The fused CUDA kernels (kernels/fused.cu: RMSNorm, SwiGLU, rotary, forward and backward)
 /// against the f32 CPU kernels on fresh random inputs: in f32 to 1e-5 (max |difference| over
 /// max |reference|, outputs and every gradient), in bf16 within bf16 rounding (2e-2), with
-/// hidden sizes that are not
-/// multiples of the block (1000) and odd row counts.
+/// hidden sizes that are not multiples of the block, one of whole 16-byte units (1000) and one
+/// not (1003, the element-wise paths), and odd row counts.
 #[test]
 fn fused_cuda_kernels_follow_the_cpu_kernels() {
     use trl_runtime::nn::fused::{rms_norm, rotary, swiglu};
     let Some(dev) = gpu() else { return };
-    let (rows, h) = (37, 1000);
-    let x = draws(&[rows, h], 1.0, 11);
-    let g = draws(&[rows, h], 1.0, 12);
-    let w_norm = draws(&[h], 0.5, 13).affine(1.0, 1.0).unwrap();
-    let probe = draws(&[rows, h], 1.0, 14);
-    let (b, heads, s, d) = (2, 3, 17, 64);
-    let q = draws(&[b, heads, s, d], 1.0, 15);
-    let angles = draws(&[b, s, d], 1.0, 16);
-    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
-    let probe4 = draws(&[b, heads, s, d], 1.0, 17);
-    for (dtype, bound) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
-        let (cos, sin) = (cos.clone(), sin.clone());
-        let cases: Vec<FusedCase> = vec![
-            (
-                "rms_norm",
-                vec![&x, &w_norm],
-                &probe,
-                Box::new(|t: &[Tensor]| rms_norm(&t[0], &t[1], 1e-6).unwrap()),
-            ),
-            (
-                "swiglu",
-                vec![&g, &x],
-                &probe,
-                Box::new(|t: &[Tensor]| swiglu(&t[0], &t[1]).unwrap()),
-            ),
-            (
-                "rotary",
-                vec![&q],
-                &probe4,
-                Box::new(move |t: &[Tensor]| {
-                    let (c, s) = (
-                        cos.to_device(t[0].device())
-                            .unwrap()
-                            .to_dtype(t[0].dtype())
-                            .unwrap(),
-                        sin.to_device(t[0].device())
-                            .unwrap()
-                            .to_dtype(t[0].dtype())
-                            .unwrap(),
-                    );
-                    rotary(&t[0], &c, &s).unwrap()
-                }),
-            ),
-        ];
-        for (name, inputs, probe, f) in &cases {
-            let (want, want_g) = output_and_grads(inputs, probe, &Device::Cpu, DType::F32, f);
-            let (got, got_g) = output_and_grads(inputs, probe, &dev, dtype, f);
-            let e = rel_diff(&got, &want);
-            eprintln!("{name} {dtype:?}: output {e:e}");
-            assert!(e < bound, "{name} {dtype:?}: output differs by {e}");
-            for (i, (a, b)) in got_g.iter().zip(&want_g).enumerate() {
-                let e = rel_diff(a, b);
-                eprintln!("{name} {dtype:?}: gradient {i} {e:e}");
-                assert!(e < bound, "{name} {dtype:?}: gradient {i} differs by {e}");
+    // 1000: rows of whole 16-byte units (the wide paths); 1003: the element-wise ones.
+    for (rows, h) in [(37usize, 1000usize), (37, 1003)] {
+        let x = draws(&[rows, h], 1.0, 11);
+        let g = draws(&[rows, h], 1.0, 12);
+        let w_norm = draws(&[h], 0.5, 13).affine(1.0, 1.0).unwrap();
+        let probe = draws(&[rows, h], 1.0, 14);
+        let (b, heads, s, d) = (2, 3, 17, 64);
+        let q = draws(&[b, heads, s, d], 1.0, 15);
+        let angles = draws(&[b, s, d], 1.0, 16);
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        let probe4 = draws(&[b, heads, s, d], 1.0, 17);
+        for (dtype, bound) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+            let (cos, sin) = (cos.clone(), sin.clone());
+            let cases: Vec<FusedCase> = vec![
+                (
+                    "rms_norm",
+                    vec![&x, &w_norm],
+                    &probe,
+                    Box::new(|t: &[Tensor]| rms_norm(&t[0], &t[1], 1e-6).unwrap()),
+                ),
+                (
+                    "swiglu",
+                    vec![&g, &x],
+                    &probe,
+                    Box::new(|t: &[Tensor]| swiglu(&t[0], &t[1]).unwrap()),
+                ),
+                (
+                    "rotary",
+                    vec![&q],
+                    &probe4,
+                    Box::new(move |t: &[Tensor]| {
+                        let (c, s) = (
+                            cos.to_device(t[0].device())
+                                .unwrap()
+                                .to_dtype(t[0].dtype())
+                                .unwrap(),
+                            sin.to_device(t[0].device())
+                                .unwrap()
+                                .to_dtype(t[0].dtype())
+                                .unwrap(),
+                        );
+                        rotary(&t[0], &c, &s).unwrap()
+                    }),
+                ),
+            ];
+            for (name, inputs, probe, f) in &cases {
+                let (want, want_g) = output_and_grads(inputs, probe, &Device::Cpu, DType::F32, f);
+                let (got, got_g) = output_and_grads(inputs, probe, &dev, dtype, f);
+                let e = rel_diff(&got, &want);
+                eprintln!("{name} {dtype:?}: output {e:e}");
+                assert!(e < bound, "{name} {dtype:?}: output differs by {e}");
+                for (i, (a, b)) in got_g.iter().zip(&want_g).enumerate() {
+                    let e = rel_diff(a, b);
+                    eprintln!("{name} {dtype:?}: gradient {i} {e:e}");
+                    assert!(e < bound, "{name} {dtype:?}: gradient {i} differs by {e}");
+                }
             }
         }
     }
@@ -871,13 +873,32 @@ fn sums_of_squares_on_gpu_follow_the_cpu() {
         .enumerate()
         .map(|(i, s)| draws(s, 1.0, 300 + i as u64))
         .collect();
-    for dtype in [DType::F32, DType::BF16] {
-        let on: Vec<Tensor> = host
+    // One per dtype, then both dtypes in one call (f32 for the even tensors). The last tensor
+    // is a view starting 3 elements into its buffer (not 16-byte aligned).
+    for mix in [Some(DType::F32), Some(DType::BF16), None] {
+        let dtype_of = |i: usize| {
+            mix.unwrap_or(if i.is_multiple_of(2) {
+                DType::F32
+            } else {
+                DType::BF16
+            })
+        };
+        let mut on: Vec<Tensor> = host
             .iter()
-            .map(|t| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap())
+            .enumerate()
+            .map(|(i, t)| t.to_dtype(dtype_of(i)).unwrap().to_device(&dev).unwrap())
             .collect();
+        let last = on.len() - 1;
+        on[last] = on[last].narrow(0, 1, (1 << 20) - 1).unwrap();
         let got = trl_runtime::optim::sums_of_squares(on.iter()).unwrap();
-        for (t, g) in host.iter().zip(got) {
+        for (i, ((t, g), o)) in host.iter().zip(got).zip(&on).enumerate() {
+            let dtype = dtype_of(i);
+            let t = if i == last {
+                t.narrow(0, 1, (1 << 20) - 1).unwrap()
+            } else {
+                t.clone()
+            };
+            assert_eq!(t.dims(), o.dims());
             let want: f64 = t
                 .to_dtype(dtype)
                 .unwrap()

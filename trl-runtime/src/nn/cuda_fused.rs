@@ -107,8 +107,8 @@ pub fn rms_norm_fwd(
         let (rows_i, h_i) = (rows as i32, h as i32);
         let mut b = f.builder();
         b.arg(&xs).arg(&ws).arg(&y).arg(&rows_i).arg(&h_i).arg(&eps);
-        // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(config(grid(rows, 1), 0)) }.w()?;
+        // SAFETY: the arguments match the kernel's signature (a warp per row).
+        unsafe { b.launch(config(grid(rows, THREADS as usize / 32), 0)) }.w()?;
         CudaStorage::wrap_cuda_slice(y, dev.clone())
     });
     Ok((out, x.1.shape().clone()))
@@ -138,7 +138,14 @@ pub fn rms_norm_bwd(
         let both = unsafe { dev.alloc::<T>((rows + 1) * h)? };
         let dw = dev.alloc_zeros::<f32>(h)?;
         let (rows_i, h_i) = (rows as i32, h as i32);
-        let blocks = grid(rows, 1).min(1024);
+        // A warp per row, each with its own row of dw partial sums in shared memory: up to 8
+        // warps, as many as keep that within the default 48 KiB.
+        let warps = (12 * 1024 / h).clamp(1, 8);
+        let launch = LaunchConfig {
+            grid_dim: (grid(rows, warps).min(1024), 1, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: (warps * h * 4) as u32,
+        };
         {
             let dx = both.slice(..rows * h);
             let mut b = bwd.builder();
@@ -150,8 +157,9 @@ pub fn rms_norm_bwd(
                 .arg(&rows_i)
                 .arg(&h_i)
                 .arg(&eps);
-            // SAFETY: the arguments match the kernel's signature; shared memory holds h floats.
-            unsafe { b.launch(config(blocks, (h * 4) as u32)) }.w()?;
+            // SAFETY: the arguments match the kernel's signature; shared memory holds a row of
+            // h floats per warp.
+            unsafe { b.launch(launch) }.w()?;
         }
         {
             let dw_row = both.slice(rows * h..);
@@ -375,11 +383,14 @@ pub fn adamw_in_place(
     Ok(())
 }
 
-/// The sum of the squares of each tensor's elements (f32, bf16 or f16, contiguous, on one
-/// GPU), one kernel pass per tensor into one device vector read back once: what the gradient
-/// norm needs, without a cast or a squared copy per tensor.
+/// The sum of the squares of each tensor (f32 math), on the GPU, read back once: one launch per
+/// dtype over all the tensors (the gradient norm of a model's ~300 gradients, most of them
+/// small, took ~300 launches).
 pub fn sums_of_squares(tensors: &[&candle_core::Tensor]) -> Result<Vec<f32>> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     use candle_core::Storage;
+    // Elements per block: 256 threads x 16 units of 16 bytes (a multiple of any unit).
+    const PER_BLOCK: usize = 256 * 16 * 8;
     let Some(first) = tensors.first() else {
         return Ok(Vec::new());
     };
@@ -387,32 +398,73 @@ pub fn sums_of_squares(tensors: &[&candle_core::Tensor]) -> Result<Vec<f32>> {
         bail!("fused CUDA sums of squares: the tensors must be on a GPU")
     };
     let stream = dev.cuda_stream();
-    let out = dev.alloc_zeros::<f32>(tensors.len())?;
-    for (i, t) in tensors.iter().enumerate() {
-        let t = t.contiguous()?;
-        let (guard, layout) = t.storage_and_layout();
-        let Storage::Cuda(st) = &*guard else {
-            bail!("fused CUDA sums of squares: the tensors must be on a GPU")
-        };
-        let n = layout.shape().elem_count();
-        let f = dev.get_or_load_custom_func(
-            &format!("sum_squares_{}", suffix(t.dtype())?),
-            MODULE,
-            PTX,
-        )?;
-        let slot = out.slice(i..i + 1);
-        let n64 = n as u64;
-        typed!(t.dtype(), |T| {
-            let xs = view::<T>(st, layout)?;
+    let mut out = vec![0f32; tensors.len()];
+    let contiguous: Vec<candle_core::Tensor> = tensors
+        .iter()
+        .map(|t| t.contiguous())
+        .collect::<Result<_>>()?;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let group: Vec<usize> = (0..contiguous.len())
+            .filter(|&i| contiguous[i].dtype() == dtype && contiguous[i].elem_count() > 0)
+            .collect();
+        if group.is_empty() {
+            continue;
+        }
+        let f =
+            dev.get_or_load_custom_func(&format!("sums_squares_{}", suffix(dtype)?), MODULE, PTX)?;
+        typed!(dtype, |T| {
+            let locked: Vec<_> = group
+                .iter()
+                .map(|&i| contiguous[i].storage_and_layout())
+                .collect();
+            let mut views = Vec::with_capacity(group.len());
+            for (guard, layout) in &locked {
+                let Storage::Cuda(st) = &**guard else {
+                    bail!("fused CUDA sums of squares: the tensors must be on a GPU")
+                };
+                views.push(view::<T>(st, layout)?);
+            }
+            let (mut ptrs, mut syncs) = (Vec::new(), Vec::new());
+            for v in &views {
+                let (ptr, sync) = v.device_ptr(&stream);
+                ptrs.push(ptr);
+                syncs.push(sync);
+            }
+            // A view runs to its storage's end: the lengths are the tensors'.
+            let lens: Vec<u64> = group
+                .iter()
+                .map(|&i| contiguous[i].elem_count() as u64)
+                .collect();
+            let mut firsts = Vec::with_capacity(group.len());
+            let mut blocks = 0usize;
+            for &n in &lens {
+                firsts.push(blocks as u32);
+                blocks += (n as usize).div_ceil(PER_BLOCK);
+            }
+            let sums = dev.alloc_zeros::<f32>(group.len())?;
+            let (ptrs, lens, firsts) = (
+                stream.clone_htod(&ptrs).w()?,
+                stream.clone_htod(&lens).w()?,
+                stream.clone_htod(&firsts).w()?,
+            );
+            let (count, per_block) = (group.len() as i32, PER_BLOCK as u64);
             let mut b = f.builder();
-            b.arg(&xs).arg(&n64).arg(&slot);
-            // At most a few blocks per multiprocessor: one atomic add each.
-            let blocks = grid(n, THREADS as usize).min(1024);
-            // SAFETY: the arguments match the kernel's signature.
-            unsafe { b.launch(config(blocks, 0)) }.w()?;
+            b.arg(&ptrs)
+                .arg(&lens)
+                .arg(&firsts)
+                .arg(&count)
+                .arg(&per_block)
+                .arg(&sums);
+            // SAFETY: the arguments match the kernel's signature; every pointer is a live
+            // buffer of its length (the views stay borrowed until the launch is queued).
+            unsafe { b.launch(config(blocks as u32, 0)) }.w()?;
+            drop(syncs);
+            for (k, sum) in stream.clone_dtoh(&sums).w()?.into_iter().enumerate() {
+                out[group[k]] = sum;
+            }
         });
     }
-    stream.clone_dtoh(&out).w()
+    Ok(out)
 }
 
 /// `acc += x` in place, `acc` a contiguous f32 running sum, `x` f32, bf16 or f16 of as many

@@ -18,6 +18,29 @@ template <> __device__ __forceinline__ __nv_bfloat16 of<__nv_bfloat16>(float v) 
 }
 template <> __device__ __forceinline__ __half of<__half>(float v) { return __float2half(v); }
 
+// 16 bytes of T, moved as one access (these passes are bound by memory: 2-byte accesses leave
+// them at a fraction of an H100's bandwidth).
+template <typename T> struct Pack16 {
+    static constexpr int N = 16 / sizeof(T);
+    alignas(16) T e[N];
+};
+template <typename T> __device__ __forceinline__ Pack16<T> load16(const T* p) {
+    Pack16<T> v;
+    *reinterpret_cast<uint4*>(v.e) = *reinterpret_cast<const uint4*>(p);
+    return v;
+}
+template <typename T> __device__ __forceinline__ void store16(T* p, const Pack16<T>& v) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v.e);
+}
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), returned to every
 // thread.
 __device__ float block_sum(float v) {
@@ -37,50 +60,114 @@ __device__ float block_sum(float v) {
     return total;
 }
 
-// RMSNorm forward, one block per row: y = round(x * rstd) * w, rstd = 1 / sqrt(mean(x^2) + eps)
-// (rounded to the input dtype before the weight, as transformers does).
+// RMSNorm forward, one warp per row: y = round(x * rstd) * w, rstd = 1 / sqrt(mean(x^2) + eps)
+// (rounded to the input dtype before the weight, as transformers does). Rows of a multiple of
+// 16 bytes are read and written 16 bytes at a time; the second pass reads the row again from
+// cache.
 template <typename T>
 __device__ void rms_norm_fwd(const T* x, const T* w, T* y, int rows, int h, float eps) {
-    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    constexpr int V = Pack16<T>::N;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const bool wide = h % V == 0 && aligned16(x) && aligned16(w) && aligned16(y);
+    for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows;
+         row += gridDim.x * warps) {
         const T* xr = x + (size_t)row * h;
         T* yr = y + (size_t)row * h;
         float ss = 0.f;
-        for (int i = threadIdx.x; i < h; i += blockDim.x) {
-            const float v = to_f(xr[i]);
-            ss += v * v;
+        if (wide) {
+            for (int i = lane; i < h / V; i += 32) {
+                const Pack16<T> xv = load16(xr + i * V);
+#pragma unroll
+                for (int j = 0; j < V; ++j) ss += to_f(xv.e[j]) * to_f(xv.e[j]);
+            }
+        } else {
+            for (int i = lane; i < h; i += 32) ss += to_f(xr[i]) * to_f(xr[i]);
         }
-        const float rstd = 1.f / sqrtf(block_sum(ss) / h + eps);
-        for (int i = threadIdx.x; i < h; i += blockDim.x)
-            yr[i] = of<T>(to_f(of<T>(to_f(xr[i]) * rstd)) * to_f(w[i]));
+        const float rstd = 1.f / sqrtf(warp_sum(ss) / h + eps);
+        if (wide) {
+            for (int i = lane; i < h / V; i += 32) {
+                const Pack16<T> xv = load16(xr + i * V), wv = load16(w + i * V);
+                Pack16<T> yv;
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    yv.e[j] = of<T>(to_f(of<T>(to_f(xv.e[j]) * rstd)) * to_f(wv.e[j]));
+                store16(yr + i * V, yv);
+            }
+        } else {
+            for (int i = lane; i < h; i += 32)
+                yr[i] = of<T>(to_f(of<T>(to_f(xr[i]) * rstd)) * to_f(w[i]));
+        }
     }
 }
 
-// RMSNorm backward: dx per row, with x^ = x * rstd and g = dy * w,
+// RMSNorm backward, one warp per row: dx with x^ = x * rstd and g = dy * w,
 // dx = rstd * (g - x^ * mean(g * x^)); dw = sum over rows of dy * round(x^), accumulated per
-// block in shared memory (h floats) and added to `dw` (f32, zeroed) once per block.
+// warp in its own row of shared memory (warps x h floats), those rows summed and added to `dw`
+// (f32, zeroed) once per block.
 template <typename T>
 __device__ void rms_norm_bwd(const T* x, const T* w, const T* dy, T* dx, float* dw, int rows,
                              int h, float eps) {
+    constexpr int V = Pack16<T>::N;
     extern __shared__ float dw_block[];
-    for (int i = threadIdx.x; i < h; i += blockDim.x) dw_block[i] = 0.f;
-    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float* dw_warp = dw_block + (size_t)warp * h;
+    for (int i = threadIdx.x; i < warps * h; i += blockDim.x) dw_block[i] = 0.f;
+    __syncthreads();
+    const bool wide =
+        h % V == 0 && aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
+    for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
         const size_t at = (size_t)row * h;
         float ss = 0.f, dot = 0.f;
-        for (int i = threadIdx.x; i < h; i += blockDim.x) {
-            const float xv = to_f(x[at + i]);
-            ss += xv * xv;
-            dot += to_f(dy[at + i]) * to_f(w[i]) * xv;
+        if (wide) {
+            for (int i = lane; i < h / V; i += 32) {
+                const Pack16<T> xv = load16(x + at + i * V), dv = load16(dy + at + i * V),
+                                wv = load16(w + i * V);
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const float xf = to_f(xv.e[j]);
+                    ss += xf * xf;
+                    dot += to_f(dv.e[j]) * to_f(wv.e[j]) * xf;
+                }
+            }
+        } else {
+            for (int i = lane; i < h; i += 32) {
+                const float xf = to_f(x[at + i]);
+                ss += xf * xf;
+                dot += to_f(dy[at + i]) * to_f(w[i]) * xf;
+            }
         }
-        const float rstd = 1.f / sqrtf(block_sum(ss) / h + eps);
-        const float mean = block_sum(dot) * rstd / h;
-        for (int i = threadIdx.x; i < h; i += blockDim.x) {
-            const float xh = to_f(x[at + i]) * rstd, d = to_f(dy[at + i]);
-            dw_block[i] += d * to_f(of<T>(xh));
-            dx[at + i] = of<T>(rstd * (d * to_f(w[i]) - xh * mean));
+        const float rstd = 1.f / sqrtf(warp_sum(ss) / h + eps);
+        const float mean = warp_sum(dot) * rstd / h;
+        if (wide) {
+            for (int i = lane; i < h / V; i += 32) {
+                const Pack16<T> xv = load16(x + at + i * V), dv = load16(dy + at + i * V),
+                                wv = load16(w + i * V);
+                Pack16<T> out;
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const float xh = to_f(xv.e[j]) * rstd, d = to_f(dv.e[j]);
+                    // Column i * V + j kept at j * (h / V) + i: a warp's lanes hit
+                    // consecutive words (no bank conflicts).
+                    dw_warp[j * (h / V) + i] += d * to_f(of<T>(xh));
+                    out.e[j] = of<T>(rstd * (d * to_f(wv.e[j]) - xh * mean));
+                }
+                store16(dx + at + i * V, out);
+            }
+        } else {
+            for (int i = lane; i < h; i += 32) {
+                const float xh = to_f(x[at + i]) * rstd, d = to_f(dy[at + i]);
+                dw_warp[i] += d * to_f(of<T>(xh));
+                dx[at + i] = of<T>(rstd * (d * to_f(w[i]) - xh * mean));
+            }
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < h; i += blockDim.x) atomicAdd(&dw[i], dw_block[i]);
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        const int at = wide ? (c % V) * (h / V) + c / V : c;
+        float sum = 0.f;
+        for (int k = 0; k < warps; ++k) sum += dw_block[(size_t)k * h + at];
+        atomicAdd(&dw[c], sum);
+    }
 }
 
 // Maximum of `v` over the block, as block_sum.
@@ -187,11 +274,27 @@ __device__ void cast_from_f32(const float* src, T* dst, int n) {
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 
-// SwiGLU: out = silu(g) * u.
+// SwiGLU: out = silu(g) * u, 16 bytes at a time where the buffers allow it.
 template <typename T>
 __device__ void swiglu_fwd(const T* g, const T* u, T* out, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
+    constexpr int V = Pack16<T>::N;
+    const size_t start = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t done = 0;
+    if (aligned16(g) && aligned16(u) && aligned16(out)) {
+        for (size_t i = start; i < n / V; i += stride) {
+            const Pack16<T> gv = load16(g + i * V), uv = load16(u + i * V);
+            Pack16<T> o;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const float gf = to_f(gv.e[j]);
+                o.e[j] = of<T>(gf * sigmoid(gf) * to_f(uv.e[j]));
+            }
+            store16(out + i * V, o);
+        }
+        done = n / V * V;
+    }
+    for (size_t i = done + start; i < n; i += stride) {
         const float gv = to_f(g[i]);
         out[i] = of<T>(gv * sigmoid(gv) * to_f(u[i]));
     }
@@ -200,14 +303,32 @@ __device__ void swiglu_fwd(const T* g, const T* u, T* out, size_t n) {
 // SwiGLU backward into out = [dg | du]: with s = sigmoid(g),
 // dg = d * u * s * (1 + g * (1 - s)), du = d * g * s.
 template <typename T>
+__device__ __forceinline__ void swiglu_grads(float gv, float uv, float dv, T& dg, T& du) {
+    const float s = sigmoid(gv);
+    dg = of<T>(dv * uv * s * (1.f + gv * (1.f - s)));
+    du = of<T>(dv * gv * s);
+}
+
+template <typename T>
 __device__ void swiglu_bwd(const T* g, const T* u, const T* d, T* out, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const float gv = to_f(g[i]), uv = to_f(u[i]), dv = to_f(d[i]);
-        const float s = sigmoid(gv);
-        out[i] = of<T>(dv * uv * s * (1.f + gv * (1.f - s)));
-        out[n + i] = of<T>(dv * gv * s);
+    constexpr int V = Pack16<T>::N;
+    const size_t start = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t done = 0;
+    if (aligned16(g) && aligned16(u) && aligned16(d) && aligned16(out) && aligned16(out + n)) {
+        for (size_t i = start; i < n / V; i += stride) {
+            const Pack16<T> gv = load16(g + i * V), uv = load16(u + i * V), dv = load16(d + i * V);
+            Pack16<T> dg, du;
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                swiglu_grads(to_f(gv.e[j]), to_f(uv.e[j]), to_f(dv.e[j]), dg.e[j], du.e[j]);
+            store16(out + i * V, dg);
+            store16(out + n + i * V, du);
+        }
+        done = n / V * V;
     }
+    for (size_t i = done + start; i < n; i += stride)
+        swiglu_grads(to_f(g[i]), to_f(u[i]), to_f(d[i]), out[i], out[n + i]);
 }
 
 // Rotary embedding of x [batch, heads, seq, d] by cos, sin [batch, seq, d] (rotate_half
@@ -359,17 +480,40 @@ extern "C" __global__ void swap12_u32(const uint32_t* x, uint32_t* out, size_t a
     swap12<uint32_t>(x, out, a, b, c, row);
 }
 
-// out[0] += the sum of the squares of x (f32 math; one atomic add per block).
+// The sums of the squares of many tensors in one launch (f32 math): tensor k (at ptrs[k], of
+// lens[k] elements) takes blocks first[k] .. first[k + 1], `per_block` elements each (a
+// multiple of 16 bytes), and each block adds its part to out[k]. One launch for a model's
+// gradients instead of one per tensor, most of them small.
 template <typename T>
-__device__ void sum_squares(const T* x, size_t n, float* out) {
+__device__ void sums_squares(const uint64_t* ptrs, const uint64_t* lens, const uint32_t* first,
+                             int count, size_t per_block, float* out) {
+    constexpr int V = Pack16<T>::N;
+    // This block's tensor: the last k with first[k] <= blockIdx.x.
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= blockIdx.x) lo = mid;
+        else hi = mid - 1;
+    }
+    const T* x = reinterpret_cast<const T*>(ptrs[lo]);
+    const size_t n = lens[lo], begin = (size_t)(blockIdx.x - first[lo]) * per_block;
+    const size_t end = min(n, begin + per_block);
     float acc = 0.f;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const float xi = to_f(x[i]);
-        acc += xi * xi;
+    size_t i = begin + threadIdx.x * V;
+    if (aligned16(x)) {
+        for (; i + V <= end; i += (size_t)blockDim.x * V) {
+            const Pack16<T> v = load16(x + i);
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc += to_f(v.e[j]) * to_f(v.e[j]);
+        }
+        // The last, partial unit of the tensor: its elements one by one.
+        if (i < end)
+            for (size_t e = i; e < end; ++e) acc += to_f(x[e]) * to_f(x[e]);
+    } else {
+        for (i = begin + threadIdx.x; i < end; i += blockDim.x) acc += to_f(x[i]) * to_f(x[i]);
     }
     acc = block_sum(acc);
-    if (threadIdx.x == 0) atomicAdd(out, acc);
+    if (threadIdx.x == 0) atomicAdd(out + lo, acc);
 }
 
 // acc += x, acc in f32: a running sum of partial products without a cast pass or a new buffer.
@@ -426,8 +570,11 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
                                                  int cols) {                                  \
         bias_add<T>(x, bias, out, n, cols);                                                   \
     }                                                                                         \
-    extern "C" __global__ void sum_squares_##SUFFIX(const T* x, size_t n, float* out) {        \
-        sum_squares<T>(x, n, out);                                                            \
+    extern "C" __global__ void sums_squares_##SUFFIX(const uint64_t* ptrs,                    \
+                                                     const uint64_t* lens,                    \
+                                                     const uint32_t* first, int count,        \
+                                                     size_t per_block, float* out) {          \
+        sums_squares<T>(ptrs, lens, first, count, per_block, out);                            \
     }                                                                                         \
     extern "C" __global__ void add_into_##SUFFIX(float* acc, const T* x, size_t n) {           \
         add_into<T>(acc, x, n);                                                               \
