@@ -467,6 +467,45 @@ pub fn sums_of_squares(tensors: &[&candle_core::Tensor]) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// The sum over the rows of contiguous `x` [rows, n], in f32, cast to `x`'s dtype: [n].
+pub fn sum_rows(x: (&CudaStorage, &Layout)) -> Result<(CudaStorage, Shape)> {
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let sfx = suffix(dtype)?;
+    let (rows, n) = x.1.shape().dims2()?;
+    // Rows per block: enough for each thread to add a few dozen values, few enough for a wide
+    // grid (a bias of 896 over 4,096 tokens: 4 x 128 blocks); more past 65,535 row blocks.
+    let per_block = 32.max(rows.div_ceil(65_535));
+    let f = dev.get_or_load_custom_func(&format!("sum_rows_{sfx}"), MODULE, PTX)?;
+    let cast = dev.get_or_load_custom_func(&format!("cast_from_f32_{sfx}"), MODULE, PTX)?;
+    let acc = dev.alloc_zeros::<f32>(n)?;
+    let out = typed!(dtype, |T| {
+        let xs = view::<T>(x.0, x.1)?;
+        let (rows_i, n_i, per) = (rows as i32, n as i32, per_block as i32);
+        let mut b = f.builder();
+        b.arg(&xs).arg(&rows_i).arg(&n_i).arg(&per).arg(&acc);
+        let launch = LaunchConfig {
+            grid_dim: (
+                n.div_ceil(THREADS as usize) as u32,
+                rows.div_ceil(per_block) as u32,
+                1,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(launch) }.w()?;
+        // SAFETY: every element is written by the cast.
+        let o = unsafe { dev.alloc::<T>(n)? };
+        let mut b = cast.builder();
+        b.arg(&acc).arg(&o).arg(&n_i);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(o, dev.clone())
+    });
+    Ok((out, Shape::from(n)))
+}
+
 /// `acc += x` in place, `acc` a contiguous f32 running sum, `x` f32, bf16 or f16 of as many
 /// elements.
 pub fn add_into(acc: (&mut CudaStorage, &Layout), x: (&CudaStorage, &Layout)) -> Result<()> {

@@ -1012,11 +1012,11 @@ impl CustomOp2 for BiasAdd {
 }
 
 /// The sum over the rows of `x` [rows, n]: a bias's or a norm weight's gradient, for backward
-/// passes (it records no gradient of its own). On the CPU one pass adding whole rows in f32
-/// (Candle's `sum(0)` walks the columns with a stride: ~3% of a training step); elsewhere
-/// `sum(0)`.
+/// passes (it records no gradient of its own). One pass adding whole rows in f32: on the CPU
+/// (Candle's `sum(0)` walks the columns with a stride: ~3% of a training step) and on GPUs
+/// (Candle's took 17 us per bias of a Qwen2-0.5B step); `sum(0)` elsewhere.
 pub fn sum_rows(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && x.rank() == 2 && x.elem_count() > 0 && fused_here(&[x]) {
+    if x.rank() == 2 && x.elem_count() > 0 && fused_here(&[x]) {
         return x.contiguous()?.apply_op1_no_bwd(&SumRows);
     }
     x.sum(0)
@@ -1059,5 +1059,14 @@ impl candle_core::CustomOp1 for SumRows {
             n
         ));
         Ok((out, Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_fused::sum_rows((s, l))
     }
 }

@@ -516,6 +516,19 @@ __device__ void sums_squares(const uint64_t* ptrs, const uint64_t* lens, const u
     if (threadIdx.x == 0) atomicAdd(out + lo, acc);
 }
 
+// acc[c] += the sum over rows [r0, r0 + rows_per_block) of x[r, c] (x [rows, n]; acc f32,
+// zeroed): a block of columns (blockIdx.x) by a chunk of rows (blockIdx.y), consecutive
+// threads on consecutive columns, one atomic add per column and block.
+template <typename T>
+__device__ void sum_rows(const T* x, int rows, int n, int rows_per_block, float* acc) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= n) return;
+    const int r0 = blockIdx.y * rows_per_block, r1 = min(rows, r0 + rows_per_block);
+    float sum = 0.f;
+    for (int r = r0; r < r1; ++r) sum += to_f(x[(size_t)r * n + c]);
+    atomicAdd(acc + c, sum);
+}
+
 // acc += x, acc in f32: a running sum of partial products without a cast pass or a new buffer.
 template <typename T>
 __device__ void add_into(float* acc, const T* x, size_t n) {
@@ -575,6 +588,10 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
                                                      const uint32_t* first, int count,        \
                                                      size_t per_block, float* out) {          \
         sums_squares<T>(ptrs, lens, first, count, per_block, out);                            \
+    }                                                                                         \
+    extern "C" __global__ void sum_rows_##SUFFIX(const T* x, int rows, int n,                 \
+                                                 int rows_per_block, float* acc) {            \
+        sum_rows<T>(x, rows, n, rows_per_block, acc);                                         \
     }                                                                                         \
     extern "C" __global__ void add_into_##SUFFIX(float* acc, const T* x, size_t n) {           \
         add_into<T>(acc, x, n);                                                               \
