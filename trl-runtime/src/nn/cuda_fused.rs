@@ -256,8 +256,13 @@ pub fn rotary(
             .arg(&d_i)
             .arg(&p64)
             .arg(&sign);
+        // A thread per 16 bytes of pairs where half a row is whole 16-byte units.
+        let per = match (d / 2 * dtype.size_in_bytes()) % 16 {
+            0 => 16 / dtype.size_in_bytes(),
+            _ => 1,
+        };
         // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(config(grid(pairs, THREADS as usize), 0)) }.w()?;
+        unsafe { b.launch(config(grid(pairs.div_ceil(per), THREADS as usize), 0)) }.w()?;
         CudaStorage::wrap_cuda_slice(o, dev.clone())
     });
     Ok((out, x.1.shape().clone()))
