@@ -112,7 +112,7 @@ fn gpu_lookup_applies(_: &Tensor) -> bool {
 pub(crate) struct TiedGrad(Arc<TiedInner>);
 
 #[derive(Default)]
-pub(crate) struct TiedInner {
+struct TiedInner {
     grad: Mutex<Option<Tensor>>,
     claimed: AtomicBool,
 }
@@ -186,32 +186,9 @@ impl candle_core::CustomOp2 for Lookup {
         ids: &CpuStorage,
         il: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (vocab, hidden) = wl.shape().dims2()?;
-        let (CpuStorage::U32(ids), Some((i0, i1))) = (ids, il.contiguous_offsets()) else {
-            candle_core::bail!("tied embedding: contiguous u32 ids expected")
-        };
-        let ids = &ids[i0..i1];
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            candle_core::bail!("token id {bad} is outside the embedding's {vocab} rows")
-        }
-        let Some((w0, w1)) = wl.contiguous_offsets() else {
-            candle_core::bail!("tied embedding: contiguous table expected")
-        };
-        fn gather<T: Copy>(w: &[T], ids: &[u32], hidden: usize) -> Vec<T> {
-            let mut out = Vec::with_capacity(ids.len() * hidden);
-            for &i in ids {
-                out.extend_from_slice(&w[i as usize * hidden..(i as usize + 1) * hidden]);
-            }
-            out
-        }
-        let out = match w {
-            CpuStorage::F32(w) => CpuStorage::F32(gather(&w[w0..w1], ids, hidden)),
-            CpuStorage::F64(w) => CpuStorage::F64(gather(&w[w0..w1], ids, hidden)),
-            CpuStorage::BF16(w) => CpuStorage::BF16(gather(&w[w0..w1], ids, hidden)),
-            CpuStorage::F16(w) => CpuStorage::F16(gather(&w[w0..w1], ids, hidden)),
-            other => candle_core::bail!("tied embedding: a {:?} table", other.dtype()),
-        };
-        Ok((out, Shape::from((ids.len(), hidden))))
+        let hidden = wl.shape().dims2()?.1;
+        let rows = w.index_select(ids, wl, il, 0)?;
+        Ok((rows, Shape::from((il.shape().elem_count(), hidden))))
     }
 
     #[cfg(feature = "cuda")]

@@ -58,7 +58,7 @@ pub struct Model<N: CausalModel> {
     pub checkpointing: Option<Arc<Checkpointing>>,
     /// The last forward's tied LM head gradient, for the embedding's backward to add into
     /// (see [`TiedGrad`]); whatever the backward left in it is added after.
-    tied: Mutex<Option<(Tensor, TiedGrad)>>,
+    tied: Mutex<Option<TiedGrad>>,
 }
 
 fn config_error(source: &str, message: String) -> Error {
@@ -553,8 +553,7 @@ impl<N: CausalModel> Model<N> {
             self.hidden_states(input_ids, position_ids, true)?
         };
         let tied = tied.claimed().then_some(tied);
-        *self.tied.lock().unwrap_or_else(|e| e.into_inner()) =
-            tied.clone().map(|t| (head.clone(), t));
+        *self.tied.lock().unwrap_or_else(|e| e.into_inner()) = tied.clone();
         let (b, s, h) = hidden.dims3()?;
         Ok(tied_linear_cross_entropy(
             &hidden.reshape((b * s, h))?,
@@ -572,13 +571,16 @@ impl<N: CausalModel> Model<N> {
             c.merge_into(&mut store)?;
         }
         let tied = self.tied.lock().unwrap_or_else(|e| e.into_inner()).take();
-        // The head's gradient still in the slot: the lookup's backward did not run.
-        if let Some((head, grad)) = tied.and_then(|(h, t)| Some(h).zip(t.take())) {
-            let sum = match store.remove(&head) {
+        // The head's gradient still in the slot: the lookup's backward did not run. (A slot is
+        // only opened for a head held whole.)
+        if let (Some(grad), Weight::Local(head)) =
+            (tied.and_then(|t| t.take()), &self.net.lm_head().weight)
+        {
+            let sum = match store.remove(head) {
                 Some(g) => (g + grad)?,
                 None => grad,
             };
-            store.insert(&head, sum);
+            store.insert(head, sum);
         }
         Ok(store)
     }
@@ -832,5 +834,51 @@ impl Model<Llama> {
     /// The model's structure without its values (see [`Model::skeleton_of`]).
     pub fn skeleton(config: ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
         Self::skeleton_of(config.to_json_pretty(), dtype, device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(tied: bool) -> CausalLm {
+        let json = serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 37, "hidden_size": 16,
+            "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "tie_word_embeddings": tied, "initializer_range": 0.2,
+        });
+        let cfg = ModelConfig::from_json(&json.to_string(), "tiny").unwrap();
+        let params = Params::init(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+        CausalLm::new(cfg, params).unwrap()
+    }
+
+    /// With a tied table (f32 on the CPU: the fused loss), the forward opens the slot, the
+    /// lookup claims it, and Candle's own backward leaves it empty: the loss put the head's
+    /// gradient in and the lookup took it (not `Model::backward`'s fallback), and the table has
+    /// one gradient. An untied model opens none. (Gradient values: tests/models.rs.)
+    #[test]
+    fn the_lookup_takes_the_tied_heads_gradient() {
+        let ids = Tensor::new(&[[3u32, 9, 12, 5, 1, 30, 2, 8]], &Device::Cpu).unwrap();
+        let pos = Tensor::new(&[[0i64, 1, 2, 3, 4, 5, 6, 7]], &Device::Cpu).unwrap();
+        let targets = Tensor::new(&[[9i64, 12, 5, 1, 30, 2, 8, -100]], &Device::Cpu).unwrap();
+        for tied in [true, false] {
+            let m = tiny(tied);
+            let ls = m.forward_targets(&ids, &pos, &targets).unwrap();
+            let slot = m.tied.lock().unwrap().clone();
+            assert_eq!(slot.is_some(), tied, "tied {tied}: the slot");
+            let store = ls.sum.backward().unwrap();
+            if let Some(slot) = slot {
+                assert!(slot.claimed());
+                assert!(
+                    slot.take().is_none(),
+                    "the lookup did not take the head's gradient"
+                );
+            }
+            let Weight::Local(head) = &m.net.lm_head().weight else {
+                panic!("a whole head")
+            };
+            assert!(store.get(head).is_some(), "tied {tied}: no head gradient");
+        }
     }
 }
