@@ -2,12 +2,17 @@
 sharing the bundled tokenizer, and parity.safetensors: input ids and the logits transformers
 computes for them, which examples/tests/phi.rs checks our Phi against.
 
+With --qk it writes assets/tiny-phi-qk instead: the same with qk_layernorm (a LayerNorm over
+each attention head's queries and keys), the per-head norms that tensor parallelism must sum
+the gradients of.
+
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_phi_fixture.py
+    python scripts/make_phi_fixture.py [--qk]
 """
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -16,7 +21,8 @@ from transformers import PhiConfig, PhiForCausalLM
 
 root = Path(__file__).resolve().parent.parent
 tokenizer_dir = root / "assets/tiny/model"
-out = root / "assets/tiny-phi"
+qk = "--qk" in sys.argv[1:]
+out = root / ("assets/tiny-phi-qk" if qk else "assets/tiny-phi")
 model_dir = out / "model"
 model_dir.mkdir(parents=True, exist_ok=True)
 
@@ -39,6 +45,7 @@ config = PhiConfig(
     tie_word_embeddings=False,
     eos_token_id=2,
     bos_token_id=1,
+    qk_layernorm=qk,
 )
 torch.manual_seed(0)
 model = PhiForCausalLM(config).eval()

@@ -5,7 +5,8 @@
 //! Its differences from the built-in Llama / Qwen2 decoder are the point: LayerNorm with
 //! biases, biases on every projection, GELU (tanh) MLP, rotary embeddings on only part of
 //! each head (`partial_rotary_factor`), attention and MLP in parallel on the same normed
-//! input, an LM head with a bias.
+//! input, an LM head with a bias, and optionally (`qk_layernorm`) a LayerNorm over each
+//! head's queries and keys.
 //!
 //! What changed against the plain Candle model (docs/your-model.md shows the whole diff):
 //! the `trl_runtime::nn` layers instead of candle_nn's (same constructors), `flash_attn`
@@ -135,6 +136,11 @@ struct Attention {
     v_proj: Linear,
     #[parallel(tp = "row")]
     dense: Linear,
+    // Per-head norms (qk_layernorm) act on heads split over tp, so each rank computes part
+    // of their gradients. Unannotated beside column and row layers they are `auto`: the first
+    // step finds their gradients differ across ranks and sums them from then on.
+    q_layernorm: Option<LayerNorm>,
+    k_layernorm: Option<LayerNorm>,
     #[parallel(tp = "divide")]
     num_heads: usize,
     #[parallel(tp = "divide")]
@@ -148,7 +154,13 @@ impl Attention {
         let (h, d) = (cfg.hidden_size, cfg.head_dim());
         let heads = cfg.num_attention_heads;
         let kv_heads = cfg.num_key_value_heads.unwrap_or(heads);
+        let qk_norm = |name: &str| match cfg.qk_layernorm {
+            true => layer_norm(d, cfg.layer_norm_eps, vb.pp(name)).map(Some),
+            false => Ok(None),
+        };
         Ok(Attention {
+            q_layernorm: qk_norm("q_layernorm")?,
+            k_layernorm: qk_norm("k_layernorm")?,
             q_proj: linear(h, heads * d, vb.pp("q_proj"))?,
             k_proj: linear(h, kv_heads * d, vb.pp("k_proj"))?,
             v_proj: linear(h, kv_heads * d, vb.pp("v_proj"))?,
@@ -165,6 +177,11 @@ impl Attention {
         let q = heads(self.q_proj.forward(x)?, self.num_heads)?;
         let k = heads(self.k_proj.forward(x)?, self.num_kv_heads)?;
         let v = heads(self.v_proj.forward(x)?, self.num_kv_heads)?;
+        let norm = |t: Tensor, n: &Option<LayerNorm>| match n {
+            Some(n) => n.forward(&t),
+            None => Ok(t),
+        };
+        let (q, k) = (norm(q, &self.q_layernorm)?, norm(k, &self.k_layernorm)?);
         let (q, k) = (rotary.apply(&q, cos, sin)?, rotary.apply(&k, cos, sin)?);
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let y = flash_attn(&q, &k, &v, scale, true)?;
@@ -235,9 +252,6 @@ pub struct Phi {
 
 impl Phi {
     pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
-        if cfg.qk_layernorm {
-            candle_core::bail!("config.json: qk_layernorm = true is not supported by this model");
-        }
         if cfg.hidden_act != "gelu_new" {
             candle_core::bail!(
                 "config.json: hidden_act = {} (this model implements gelu_new)",

@@ -7,10 +7,20 @@ use trl_runtime::parallel::Model;
 
 #[test]
 fn phi_logits_match_transformers() {
+    logits_match("tiny-phi");
+}
+
+/// With qk_layernorm: per-head LayerNorms on queries and keys.
+#[test]
+fn phi_with_qk_norms_logits_match_transformers() {
+    logits_match("tiny-phi-qk");
+}
+
+fn logits_match(fixture: &str) {
     let dir = trl_examples::assets::default_dir()
         .parent()
         .unwrap()
-        .join("tiny-phi");
+        .join(fixture);
     let model = Model::<Phi>::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
     let parity =
         candle_core::safetensors::load(dir.join("parity.safetensors"), &Device::Cpu).unwrap();

@@ -7,7 +7,7 @@ use syn::spanned::Spanned;
 use syn::{Data, DeriveInput, Field, LitStr, Type};
 
 const FIELD_KEYS: &str = "`tp = \"...\"`, `gather_output`, `name = \"...\"`, `fsdp_unit`, `skip`";
-const STYLES: &str = "\"column\", \"row\", \"vocab\", \"replicate\", \"divide\"";
+const STYLES: &str = "\"column\", \"row\", \"vocab\", \"replicate\", \"partial\", \"divide\"";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Style {
@@ -15,6 +15,9 @@ enum Style {
     Row,
     Vocab,
     Replicate,
+    /// Replicated, but used on features split over tp (per-head q/k norms): each rank
+    /// computes part of its gradient, so the gradient is summed over the group.
+    Partial,
     Divide,
 }
 
@@ -25,6 +28,7 @@ impl Style {
             "row" => Style::Row,
             "vocab" => Style::Vocab,
             "replicate" => Style::Replicate,
+            "partial" => Style::Partial,
             "divide" => Style::Divide,
             _ => return None,
         })
@@ -143,7 +147,7 @@ fn style_misfit(style: Style, ty: &Type) -> Option<String> {
     let container = matches!(name.as_str(), "Vec" | "Option" | "Box");
     let norm = name.ends_with("Norm");
     match style {
-        Style::Replicate => None,
+        Style::Replicate | Style::Partial => None,
         Style::Divide => match name.as_str() {
             "usize" | "u32" | "u64" | "i32" | "i64" => None,
             _ => Some(format!(
@@ -158,7 +162,8 @@ fn style_misfit(style: Style, ty: &Type) -> Option<String> {
         )),
         _ if norm => Some(format!(
             "`{name}` cannot be split over tp ranks: a norm's weight scales every feature of \
-             its input, so each rank needs all of it; leave it unannotated (replicated)"
+             its input, so each rank needs all of it; leave it unannotated (replicated), or mark it `tp = \"partial\"` when it acts on split \
+             features (per-head q/k norms)"
         )),
         Style::Column | Style::Row if name == "Embedding" => Some(
             "an embedding is split by vocabulary rows: use `tp = \"vocab\"` (column and row \
@@ -252,7 +257,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
             }
         }
         if let (Some(unit), Some((style, _))) = (a.fsdp_unit, a.style) {
-            if style != Style::Replicate {
+            if !matches!(style, Style::Replicate | Style::Partial) {
                 errors.push(
                     unit,
                     "`fsdp_unit` marks a module (or a Vec of modules) as an FSDP wrap unit; a \
@@ -324,6 +329,11 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
         return Err(e);
     }
 
+    // A struct with column layers feeding a row layer owns a region whose activations are
+    // split over tp: its unannotated parameters may act on split features (per-head q/k
+    // norms, partial gradients) or on whole ones (a layer's input norm). They are `auto`:
+    // the first step's gradients tell which.
+    let split_region = has(Style::Column, Some(false)) && has(Style::Row, None);
     let tp = quote!(::trl_runtime::nn::module);
     let mut plan = Plan {
         parallelize: Vec::new(),
@@ -355,6 +365,13 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
         let ty = &field.ty;
         let span = ty.span();
         let style = a.style.map(|(s, _)| s).unwrap_or(Style::Replicate);
+        // How the field's whole parameters are marked in the plan.
+        let whole = match (a.style, split_region) {
+            (Some((Style::Partial, _)), _) => Some(quote!(s.whole_as(#tp::TpStyle::Partial))),
+            (Some((Style::Replicate, _)), _) => Some(quote!(s.whole_as(#tp::TpStyle::Replicate))),
+            (None, true) => Some(quote!(s.in_split_region())),
+            _ => None,
+        };
         let tp_style = match style {
             Style::Column => {
                 let gather = a.gather_output.is_some();
@@ -365,7 +382,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
             }
             Style::Row => Some((format_ident!("RowParallel"), quote!(#tp::TpStyle::Row))),
             Style::Vocab => Some((format_ident!("VocabParallel"), quote!(#tp::TpStyle::Vocab))),
-            Style::Replicate | Style::Divide => None,
+            Style::Replicate | Style::Partial | Style::Divide => None,
         };
         match (style, tp_style) {
             (Style::Divide, _) => {
@@ -392,8 +409,13 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
                 plan.parallelize.push(quote_spanned! {span=>
                     #tp::Parallelize::parallelize(&mut self.#member, &#child, tp)?;
                 });
-                plan.visit.push(quote! {
-                    #tp::Parallelize::visit_params(&self.#member, &#child, f);
+                plan.visit.push(match whole {
+                    Some(mark) => quote! {
+                        #tp::Parallelize::visit_params(&self.#member, &#child, &mut |n, t, s: #tp::Split| f(n, t, #mark));
+                    },
+                    None => quote! {
+                        #tp::Parallelize::visit_params(&self.#member, &#child, f);
+                    },
                 });
                 plan.visit_mut.push(quote! {
                     #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;

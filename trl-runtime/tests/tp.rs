@@ -334,6 +334,10 @@ fn the_plan_names_every_parameter_as_hf_does() {
     assert_eq!(find("model.embed_tokens.weight").split.dim, Some(0));
     assert_eq!(find("lm_head.weight").local_shape, vec![16, 16]);
     assert_eq!(find("model.norm.weight").split.style, TpStyle::Replicate);
+    // A norm in a struct with column and row layers may act on split features: the first
+    // step's gradients decide (the trainer's TpGrads).
+    let norm = find("model.layers.0.input_layernorm.weight").split;
+    assert_eq!((norm.style, norm.dim), (TpStyle::Auto, None));
     // 2 layers x (2 norms + 4 attention weights + 3 biases + 3 MLP) + embedding, norm, head.
     assert_eq!(plan.len(), 2 * 12 + 3);
     let mut units = Vec::new();

@@ -72,7 +72,7 @@ impl ::trl_runtime::nn::module::Parallelize for Attention {
         ::trl_runtime::nn::module::Parallelize::visit_params(
             &self.norm,
             &::trl_runtime::nn::module::child_name(name, "norm"),
-            f,
+            &mut |n, t, s: ::trl_runtime::nn::module::Split| f(n, t, s.in_split_region()),
         );
     }
     fn visit_weights_mut(

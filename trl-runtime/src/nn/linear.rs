@@ -71,7 +71,9 @@ impl Linear {
                     Some(Weight::Sharded(b)) => sharded::add_bias(&y, b),
                 }
             }
-            TpStyle::Replicate => self.compute(x, self.bias.as_ref()),
+            TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto => {
+                self.compute(x, self.bias.as_ref())
+            }
         }
     }
 
@@ -90,7 +92,7 @@ impl Linear {
         match style {
             TpStyle::Column { .. } | TpStyle::Vocab => (Some(0), Some(0)),
             TpStyle::Row => (Some(1), None),
-            TpStyle::Replicate => (None, None),
+            TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto => (None, None),
         }
     }
 }

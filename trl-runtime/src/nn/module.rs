@@ -15,10 +15,19 @@ use std::sync::{Arc, Mutex};
 /// How one parameter is split over the tensor-parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TpStyle {
-    Column { gather_output: bool },
+    Column {
+        gather_output: bool,
+    },
     Row,
     Vocab,
     Replicate,
+    /// Whole on every rank but applied to features split over the group (per-head q/k
+    /// norms): each rank computes part of its gradient, which is summed over the group.
+    Partial,
+    /// Whole on every rank, not annotated, in a struct whose column layers split its
+    /// activations: replicated or partial, as the first step's gradients show (the same on
+    /// every rank, or not).
+    Auto,
 }
 
 impl TpStyle {
@@ -28,6 +37,8 @@ impl TpStyle {
             TpStyle::Row => "row",
             TpStyle::Vocab => "vocab",
             TpStyle::Replicate => "replicate",
+            TpStyle::Partial => "partial",
+            TpStyle::Auto => "auto",
         }
     }
 }
@@ -45,6 +56,38 @@ impl Split {
         style: TpStyle::Replicate,
         dim: None,
     };
+    pub const PARTIAL: Split = Split {
+        style: TpStyle::Partial,
+        dim: None,
+    };
+
+    pub const AUTO: Split = Split {
+        style: TpStyle::Auto,
+        dim: None,
+    };
+
+    /// This split under a field annotated `style` (`replicate` or `partial`): a whole
+    /// parameter takes the style; a split one is unchanged.
+    pub fn whole_as(self, style: TpStyle) -> Split {
+        match self.dim {
+            None => Split { style, dim: None },
+            Some(_) => self,
+        }
+    }
+
+    /// This split under an unannotated field of a struct with column and row layers: a
+    /// replicated parameter becomes `auto` (found from its gradients); others are unchanged.
+    pub fn in_split_region(self) -> Split {
+        match self.style {
+            TpStyle::Replicate => Split::AUTO,
+            _ => self,
+        }
+    }
+
+    /// Whether each tensor-parallel rank holds only part of this parameter's gradient.
+    pub fn is_partial(&self) -> bool {
+        self.style == TpStyle::Partial
+    }
 }
 
 /// The tensor-parallel group a model is split over.

@@ -166,6 +166,8 @@ pub(crate) struct UnitState {
     pub(crate) reducing: Option<Pending>,
     /// Set by the unit's first op in backward.
     pub(crate) in_backward: bool,
+    /// Per entry: whether a backward has deposited a gradient since the last check.
+    pub(crate) got_grad: Vec<bool>,
 }
 
 /// One wrap unit: a flat parameter vector sharded over `comm`.
@@ -267,6 +269,7 @@ impl Unit {
     pub(crate) fn deposit(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
         let mut st = self.lock();
         for (i, g) in grads {
+            st.got_grad[i] = true;
             st.grads[i] = Some(match st.grads[i].take() {
                 Some(prev) => (prev + g)?,
                 None => g,
@@ -328,6 +331,38 @@ impl Unit {
 
     pub(crate) fn shard_elems(&self) -> usize {
         self.layout.padded() / self.comm().size()
+    }
+
+    /// The parameters this rank's slice covers: (name, element range within the slice).
+    pub fn entry_ranges(&self) -> Vec<(String, Range<usize>)> {
+        let mine = self.range();
+        self.layout
+            .entries()
+            .iter()
+            .filter_map(|(name, shape, offset)| {
+                let (a, b) = (
+                    mine.start.max(*offset),
+                    mine.end.min(offset + shape.elem_count()),
+                );
+                (a < b).then(|| (name.clone(), a - mine.start..b - mine.start))
+            })
+            .collect()
+    }
+
+    /// The parameters of this unit that no backward reached since the last call (their
+    /// gradient was taken as zero).
+    pub fn take_without_grad(&self) -> Vec<String> {
+        let mut st = self.lock();
+        let out = self
+            .layout
+            .entries()
+            .iter()
+            .zip(&st.got_grad)
+            .filter(|(_, got)| !**got)
+            .map(|((name, _, _), _)| name.clone())
+            .collect();
+        st.got_grad.iter_mut().for_each(|g| *g = false);
+        out
     }
 }
 

@@ -26,7 +26,7 @@ use crate::models::Params;
 use crate::nn::sharded::{FlatLayout, ShardedWeight, Unit, UnitScope, UnitState};
 use crate::nn::Weight;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::tp::{named_parameters, Parallelize, TpNorm};
+use crate::tp::{named_parameters, Parallelize, TpGrads};
 use candle_core::{DType, Shape, Tensor, TensorId, Var};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -301,6 +301,7 @@ impl ShardedModel {
                     grad_shard: None,
                     reducing: None,
                     in_backward: false,
+                    got_grad: vec![false; entries],
                 }),
             });
             for (i, (name, _, _)) in unit.layout.entries().iter().enumerate() {
@@ -347,6 +348,14 @@ impl ShardedModel {
 
     pub fn root(&self) -> &Arc<Unit> {
         &self.units[0]
+    }
+
+    /// The parameters no backward reached since the last call, in every unit.
+    pub fn take_without_grad(&self) -> Vec<String> {
+        self.units
+            .iter()
+            .flat_map(|u| u.take_without_grad())
+            .collect()
     }
 
     pub fn num_elements(&self) -> usize {
@@ -428,7 +437,9 @@ pub struct FsdpOptimizer {
     inner: AdamW,
     /// Under tensor parallelism: how each unit slice's squared gradients count in the global
     /// norm (per element, by unit name).
-    tp_norm: Option<(TpNorm, BTreeMap<String, Tensor>)>,
+    tp_grads: Option<(TpGrads, BTreeMap<String, Tensor>)>,
+    /// Whether this run has stepped (the first step checks the tp plan).
+    stepped: bool,
 }
 
 impl FsdpOptimizer {
@@ -453,12 +464,13 @@ impl FsdpOptimizer {
                 step: 0,
                 states,
             },
-            tp_norm: None,
+            tp_grads: None,
+            stepped: false,
         })
     }
 
     /// Clips by the norm over the tensor-parallel group too (the units hold tp slices).
-    pub fn set_tp_norm(&mut self, norm: TpNorm) -> Result<()> {
+    pub fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
         let mut weights = BTreeMap::new();
         for unit in &self.model.units {
             let range = unit.range();
@@ -469,7 +481,7 @@ impl FsdpOptimizer {
                 Tensor::from_vec(w, range.len(), &device)?,
             );
         }
-        self.tp_norm = Some((norm, weights));
+        self.tp_grads = Some((norm, weights));
         Ok(())
     }
 
@@ -491,6 +503,8 @@ impl FsdpOptimizer {
     /// sum across replicas), clip by the global norm, update, and write the new slices back.
     /// Returns the gradient norm before clipping.
     pub fn step(&mut self, max_grad_norm: f64, lr: f64) -> Result<f64> {
+        // The first step of this run checks the tensor-parallel plan against the gradients.
+        let first = !std::mem::replace(&mut self.stepped, true);
         let mut grads = BTreeMap::new();
         let mut local_sq = 0f64;
         for unit in &self.model.units {
@@ -502,7 +516,12 @@ impl FsdpOptimizer {
                 Some(r) => r.all_reduce(&g, ReduceOp::Sum)?,
                 None => g,
             };
-            let sq = match &self.tp_norm {
+            // Partial parameters' slices summed over tp.
+            let g = match &self.tp_grads {
+                Some((tp, _)) => tp.sync_flat(&g, &unit.entry_ranges(), first)?,
+                None => g,
+            };
+            let sq = match &self.tp_grads {
                 Some((_, weights)) => (g.sqr()? * &weights[&unit.name])?,
                 None => g.sqr()?,
             };
@@ -514,7 +533,7 @@ impl FsdpOptimizer {
         let mut norm_sq = shard_comm
             .all_reduce(&sq, ReduceOp::Sum)?
             .to_vec1::<f64>()?[0];
-        if let Some((tp, _)) = &self.tp_norm {
+        if let Some((tp, _)) = &self.tp_grads {
             norm_sq = tp.sum(norm_sq)?;
         }
         let norm = norm_sq.sqrt();

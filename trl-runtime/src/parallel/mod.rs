@@ -32,7 +32,7 @@ use crate::models::CausalModel;
 use crate::nn::seq_attention::SeqSplit;
 use crate::nn::AttentionImpl;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::tp::{state as tp_state, TpNorm};
+use crate::tp::{state as tp_state, TpGrads};
 use ddp::Ddp;
 use sharded_state::ShardedReader;
 use std::path::PathBuf;
@@ -200,7 +200,7 @@ pub enum Optimizer {
 pub struct Parallelized {
     pub optimizer: Optimizer,
     /// Under tensor parallelism: the global gradient norm over the tp group.
-    pub tp_norm: Option<TpNorm>,
+    pub tp_grads: Option<TpGrads>,
 }
 
 /// Applies the strategies to `model` in their fixed order (see the module docs) and builds
@@ -229,7 +229,7 @@ pub fn parallelize<N: CausalModel>(
     };
 
     // 1. Tensor parallelism: each rank keeps its slices (a resumed model was read whole).
-    let mut tp_norm = None;
+    let mut tp_grads = None;
     if tp.size() > 1 {
         if model.tp().is_none() {
             model.parallelize(tp.clone()).map_err(|e| Error::Config {
@@ -246,7 +246,7 @@ pub fn parallelize<N: CausalModel>(
                 tp.size(),
             )?);
         }
-        tp_norm = Some(TpNorm::new(model.tp_plan(), tp.clone()));
+        tp_grads = Some(TpGrads::new(model.tp_plan(), tp.clone()));
     }
 
     // 2. Sequence split: ring attention over cp or Ulysses over sp; attention and tiling.
@@ -310,8 +310,8 @@ pub fn parallelize<N: CausalModel>(
         }
         Strategy::Zero(stage) => {
             let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, shard, replicate)?;
-            if let Some(norm) = &tp_norm {
-                z.set_tp_norm(norm.clone())?;
+            if let Some(norm) = &tp_grads {
+                z.set_tp_grads(norm.clone())?;
             }
             if let Some(full) = &full_state {
                 z.load_full_state(full)?;
@@ -334,8 +334,8 @@ pub fn parallelize<N: CausalModel>(
             }
             let sharded = model.sharding.clone().expect("sharded above");
             let mut f = FsdpOptimizer::new(sharded, opts.adam, replicate)?;
-            if let Some(norm) = &tp_norm {
-                f.set_tp_norm(norm.clone())?;
+            if let Some(norm) = &tp_grads {
+                f.set_tp_grads(norm.clone())?;
             }
             if let Some(full) = &full_state {
                 f.load_full_state(full)?;
@@ -349,5 +349,8 @@ pub fn parallelize<N: CausalModel>(
             Optimizer::Fsdp(f)
         }
     };
-    Ok(Parallelized { optimizer, tp_norm })
+    Ok(Parallelized {
+        optimizer,
+        tp_grads,
+    })
 }

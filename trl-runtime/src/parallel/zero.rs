@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::models::Params;
 pub use crate::nn::sharded::FlatLayout;
 use crate::optim::{decays, AdamW, AdamWConfig, ParamState};
-use crate::tp::TpNorm;
+use crate::tp::TpGrads;
 use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -158,7 +158,7 @@ pub struct ZeroOptimizer {
     inner: AdamW,
     /// Under tensor parallelism: how the slice's squared gradients count in the global norm
     /// (per element of this rank's range).
-    tp_norm: Option<(TpNorm, Tensor)>,
+    tp_grads: Option<(TpGrads, Tensor)>,
 }
 
 impl ZeroOptimizer {
@@ -196,17 +196,17 @@ impl ZeroOptimizer {
             replicate: replicate.filter(|c| c.size() > 1),
             range,
             inner,
-            tp_norm: None,
+            tp_grads: None,
         })
     }
 
     /// Clips by the norm over the tensor-parallel group too (the parameters are tp slices).
-    pub fn set_tp_norm(&mut self, norm: TpNorm) -> Result<()> {
+    pub fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
         let weights =
             self.layout.per_element(|n| norm.weight(n) as f32)[self.range.clone()].to_vec();
         let device = self.inner.states[SHARD].master.device().clone();
         let weights = Tensor::from_vec(weights, self.range.len(), &device)?;
-        self.tp_norm = Some((norm, weights));
+        self.tp_grads = Some((norm, weights));
         Ok(())
     }
 
@@ -254,7 +254,7 @@ impl ZeroOptimizer {
             Some(r) => r.all_reduce(&shard, ReduceOp::Sum)?,
             None => shard,
         };
-        let sq = match &self.tp_norm {
+        let sq = match &self.tp_grads {
             Some((_, weights)) => (shard.sqr()? * weights)?,
             None => shard.sqr()?,
         };
@@ -263,7 +263,7 @@ impl ZeroOptimizer {
             .comm
             .all_reduce(&local_sq, ReduceOp::Sum)?
             .to_vec1::<f64>()?[0];
-        if let Some((tp, _)) = &self.tp_norm {
+        if let Some((tp, _)) = &self.tp_grads {
             norm_sq = tp.sum(norm_sq)?;
         }
         let norm = norm_sq.sqrt();

@@ -24,7 +24,7 @@ mod loss;
 pub mod state;
 
 pub use loss::vocab_parallel_cross_entropy;
-pub use state::TpNorm;
+pub use state::TpGrads;
 
 // The layer-side vocabulary (the trait the layers implement) lives with the layers.
 pub use crate::nn::module::{

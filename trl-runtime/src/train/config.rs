@@ -134,6 +134,11 @@ sft_config! {
     activation_offloading: bool = false;
     /// Show the progress bar on rank 0.
     disable_tqdm: bool = false;
+    /// Parameters that get no gradient are expected (transformers' name for DDP's
+    /// find_unused_parameters): they train with zero gradients. Otherwise (unset or false) a
+    /// trainable parameter that the first step's backward does not reach is an error naming
+    /// it, in every strategy.
+    ddp_find_unused_parameters: Option<bool> = None;
 }
 
 /// The compute dtype of a mixed-precision name (Accelerate's values).

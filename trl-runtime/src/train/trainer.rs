@@ -31,9 +31,9 @@ use crate::parallel::{
     batch_axes, parallelize, shard_axes, CheckpointFormat, Optimizer, ParallelOptions,
     Parallelized, Resume, Strategy, ZeroStage,
 };
-use crate::tp::{state as tp_state, TpNorm};
+use crate::tp::{state as tp_state, TpGrads};
 use candle_core::{DType, Device, Tensor, D};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -114,7 +114,7 @@ pub struct Trainer<'a, N: CausalModel = Llama> {
     pub read_shards: bool,
     /// Under tensor parallelism: the global gradient norm over the tp group (DDP clips with
     /// it; ZeRO and FSDP optimizers hold their own copy).
-    tp_norm: Option<TpNorm>,
+    tp_grads: Option<TpGrads>,
     /// How intermediate checkpoints hold sharded state (the final one is always full).
     pub checkpoint_format: CheckpointFormat,
     schedule: LrSchedule,
@@ -128,6 +128,49 @@ pub struct Trainer<'a, N: CausalModel = Llama> {
     pub state: TrainerState,
     steps_per_epoch: usize,
     stop: Arc<AtomicBool>,
+    /// Whether the first step's gradients were checked for parameters that got none.
+    unused_checked: bool,
+}
+
+/// Trainable parameters that the first step's backward did not reach are an error (they
+/// would train on silently: only weight decay would move them), unless
+/// `ddp_find_unused_parameters` says they are expected, as PyTorch's DDP asks.
+fn check_unused(without: &[String], find_unused: Option<bool>) -> Result<()> {
+    if without.is_empty() {
+        return Ok(());
+    }
+    let shown = without
+        .iter()
+        .take(8)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let more = match without.len() {
+        n if n > 8 => format!(" and {} more", n - 8),
+        _ => String::new(),
+    };
+    if find_unused == Some(true) {
+        tracing::warn!(
+            "{} parameter(s) got no gradient in the first step ({shown}{more}); \
+             ddp_find_unused_parameters is true, so they are updated with zero gradients",
+            without.len()
+        );
+        return Ok(());
+    }
+    Err(Error::Config {
+        file: "the training arguments".into(),
+        key: "ddp_find_unused_parameters".into(),
+        message: format!(
+            "{} trainable parameter(s) got no gradient in the first step: {shown}{more}. \
+             Usual causes: an op without a backward pass between the parameter and the loss \
+             (candle_nn::rotary_emb::rope / rope_i, candle_nn::ops::rms_norm, softmax_last_dim, \
+             candle_flash_attn on a CPU: use trl_runtime::nn's drop-ins, which have one), a \
+             tensor detached on the way, or a branch the forward did not take. If parameters \
+             are unused on purpose, pass --ddp_find_unused_parameters true (they then get \
+             zero gradients)",
+            without.len()
+        ),
+    })
 }
 
 /// Values a DeepSpeed config fixes must match the training arguments (transformers refuses a
@@ -419,7 +462,10 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             read_shards,
             adam,
         };
-        let Parallelized { optimizer, tp_norm } = parallelize(&mut model, ctx, &options, resume)?;
+        let Parallelized {
+            optimizer,
+            tp_grads,
+        } = parallelize(&mut model, ctx, &options, resume)?;
         // The ranks that see different tokens: data-parallel ones, and those holding the other
         // chunks of the same rows.
         let split = model.split().cloned();
@@ -462,7 +508,8 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             optimizer,
             strategy,
             read_shards,
-            tp_norm,
+            tp_grads,
+            unused_checked: false,
             schedule,
             train_rows,
             eval_rows,
@@ -637,6 +684,8 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             && self.ctx.device().is_cuda()
             && matches!(&self.optimizer, Optimizer::Replicated(_, ddp) if ddp.replicas() == 1);
         let mut local_loss = 0.0;
+        // Parameters that got a gradient from some micro-batch of this step.
+        let mut reached: HashSet<&str> = HashSet::new();
         let t0 = Instant::now();
         for batch in &batches {
             let ls = self.model.forward_targets(
@@ -653,7 +702,10 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             }
             for (name, var) in self.model.params.iter() {
                 let g = match store.get(var.as_tensor()) {
-                    Some(g) => g.clone(),
+                    Some(g) => {
+                        reached.insert(name.as_str());
+                        g.clone()
+                    }
                     None => var.as_tensor().zeros_like()?,
                 };
                 if native_grads {
@@ -670,14 +722,36 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             }
         }
         let t1 = Instant::now();
+        // The run's first step checks that every parameter got a gradient, and under tp
+        // that the plan's replicated and partial parameters are what their gradients say.
+        let first = !self.unused_checked;
+        if first {
+            self.unused_checked = true;
+            let without: Vec<String> = match &self.model.sharding {
+                Some(sharding) => sharding.take_without_grad(),
+                None => self
+                    .model
+                    .params
+                    .iter()
+                    .map(|(name, _)| name)
+                    .filter(|n| !reached.contains(n.as_str()))
+                    .cloned()
+                    .collect(),
+            };
+            check_unused(&without, self.config.ddp_find_unused_parameters)?;
+        }
         let lr = self.schedule.lr(self.state.global_step);
+        // Partial parameters' gradients summed over tp (FSDP does it on its slices).
+        if let (Some(tp), None) = (&self.tp_grads, &self.model.sharding) {
+            tp.sync(&mut grads, first)?;
+        }
         if let Optimizer::Replicated(_, ddp) = &self.optimizer {
             ddp.reduce(&mut grads)?;
         }
         let t2 = Instant::now();
         let grad_norm = match &mut self.optimizer {
             Optimizer::Replicated(opt, _) => {
-                let norm_sq = match &self.tp_norm {
+                let norm_sq = match &self.tp_grads {
                     Some(tp) => Some(tp.norm_sq(&grads)?),
                     None => None,
                 };

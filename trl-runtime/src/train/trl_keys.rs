@@ -41,7 +41,6 @@ const KNOWN: &[&str] = &[
     "ddp_backend",
     "ddp_broadcast_buffers",
     "ddp_bucket_cap_mb",
-    "ddp_find_unused_parameters",
     "ddp_static_graph",
     "ddp_timeout",
     "debug",
