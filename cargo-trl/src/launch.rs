@@ -6,8 +6,8 @@ use crate::accelerate_flags::AccelerateFlags;
 use crate::profiles;
 use crate::target::{self, Target};
 use crate::topology::TopologyArgs;
-use crate::tp_plan;
-use std::path::PathBuf;
+use crate::tp_plan::{self, PlanLine};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use trl_runtime::config::launch::{DistributedType, FsdpShardingStrategy, GpuIds};
 use trl_runtime::config::parallelism::ParallelDims;
@@ -15,7 +15,6 @@ use trl_runtime::config::{effects, LaunchConfig, LaunchPlan};
 use trl_runtime::dist::mesh::DeviceMesh;
 use trl_runtime::dist::spawn::{self, Job, RankPlace, WorkerSpec};
 use trl_runtime::parallel::Strategy;
-use trl_runtime::tp::PlanEntry;
 
 /// Exit codes of `cargo trl launch`.
 pub const EXIT_WORKER_FAILED: u8 = 1;
@@ -78,7 +77,9 @@ pub struct Plan {
     pub target: Target,
     pub workers: Vec<WorkerSpec>,
     /// Under tp > 1, the model directory the program names and how it is split.
-    pub tp_plan: Option<(PathBuf, Vec<PlanEntry>)>,
+    /// The built-in decoder's tensor-parallel plan for the model directory the program's
+    /// arguments name, or why it cannot split it (see `run` for the program's own).
+    pub tp_plan: Option<(PathBuf, Result<Vec<PlanLine>, String>)>,
 }
 
 fn gpus_present() -> usize {
@@ -273,21 +274,16 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     let dims = launch_plan
         .resolve(world)
         .map_err(|e| format!("{src}: {e}"))?;
-    // Under tensor parallelism, the model the program names must split over tp: checked here
-    // from its config.json, before any process starts.
-    let tp_plan = match tp_plan::model_dir(&args.program_args).filter(|_| dims.tp > 1) {
-        Some(dir) => {
-            let entries = tp_plan::plan(&dir, dims.tp).map_err(|e| {
-                format!(
-                    "{src}: parallelism_config_tp_size = {} cannot split the model in {}: {e}",
-                    dims.tp,
-                    dir.display()
-                )
-            })?;
-            Some((dir, entries))
-        }
-        None => None,
-    };
+    // Under tensor parallelism the model must split over tp. Only the built program knows its
+    // model type: `run` asks it before starting the workers. Here, with nothing built, the
+    // built-in decoder's reading of the model directory the arguments name (if any) is what
+    // the dry run shows and what `run` falls back to for a program that does not answer.
+    let tp_plan = tp_plan::model_dir(&args.program_args)
+        .filter(|_| dims.tp > 1)
+        .map(|dir| {
+            let entries = tp_plan::builtin(&dir, dims.tp).map_err(|e| e.to_string());
+            (dir, entries)
+        });
     if !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu {
         let present = gpus_present();
         let wanted: Vec<u32> = match &cfg.gpu_ids {
@@ -426,9 +422,16 @@ pub fn print_plan(plan: &Plan, args: &LaunchArgs) {
         }
     );
     match &plan.tp_plan {
-        Some((dir, entries)) => println!("{}", tp_plan::render(entries, d.tp, dir)),
+        Some((dir, Ok(entries))) => println!(
+            "{}\n  (as the built-in decoder splits it; a launch asks the built program for its own model's plan)",
+            tp_plan::render(entries, d.tp, dir)
+        ),
+        Some((dir, Err(e))) => println!(
+            "tensor-parallel plan: the built-in decoder cannot split {}: {e}\n  (a launch asks the built program, whose own model may differ)",
+            dir.display()
+        ),
         None if d.tp > 1 => println!(
-            "tensor-parallel plan: pass --model_name_or_path DIR (or --config FILE) to the program to see how its model is split"
+            "tensor-parallel plan: a launch asks the built program for its model's plan (or pass --model_name_or_path DIR to the program to see the built-in decoder's here)"
         ),
         None => {}
     }
@@ -471,6 +474,10 @@ pub fn run(plan: Plan, args: &LaunchArgs) -> u8 {
             return EXIT_TARGET;
         }
     };
+    if let Err(e) = check_tp_plan(&plan, &program, args) {
+        eprintln!("error: {e}");
+        return EXIT_INVALID;
+    }
     let mut attempt = 0;
     loop {
         let mut workers = plan.workers.clone();
@@ -519,6 +526,37 @@ pub fn run(plan: Plan, args: &LaunchArgs) -> u8 {
             "restarting the group (restart {attempt} of {})",
             args.max_restarts
         );
+    }
+}
+
+/// Under tensor parallelism, the program's own model must split over tp: the built program
+/// is asked for its plan (as it reads its flags and YAML), before any worker starts. A program
+/// that does not answer (it does not train through trl_runtime's Trainer) is checked with the
+/// built-in decoder's reading of the model directory its arguments name, if any.
+fn check_tp_plan(plan: &Plan, program: &Path, args: &LaunchArgs) -> Result<(), String> {
+    let tp = plan.dims.tp;
+    if tp == 1 {
+        return Ok(());
+    }
+    let src = &plan.config.source;
+    let refuse = |dir: &Path, e: &str| {
+        format!(
+            "{src}: parallelism_config_tp_size = {tp} cannot split the model in {}: {e}",
+            dir.display()
+        )
+    };
+    match tp_plan::ask(program, &args.program_args, tp) {
+        tp_plan::Answer::Plan(dir, Err(e)) => Err(refuse(&dir, &e)),
+        tp_plan::Answer::Plan(..) => Ok(()),
+        tp_plan::Answer::None(why) => match &plan.tp_plan {
+            Some((dir, Err(e))) => Err(refuse(dir, e)),
+            _ => {
+                eprintln!(
+                    "note: the program did not report its model's tensor-parallel plan ({why}); the workers check it as they load"
+                );
+                Ok(())
+            }
+        },
     }
 }
 

@@ -1,13 +1,136 @@
 //! The tensor-parallel plan of the model a launch will train: which tensors are split how and
-//! the shape each rank holds. `--dry-run` prints it; a launch checks it first, so a tp size
-//! that does not divide the heads or a dimension fails before any process starts.
+//! the shape each rank holds. A launch asks the built program for its own model's plan
+//! ([`ask`]: only the program knows its model type), so a tp size that does not divide the
+//! heads or a dimension fails before any process starts; `--dry-run`, which builds nothing,
+//! prints the plan of the built-in decoder for the model directory the arguments name.
 
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 use trl_runtime::comm::InProcessWorld;
 use trl_runtime::models::ModelConfig;
 use trl_runtime::parallel::CausalLm;
-use trl_runtime::tp::PlanEntry;
+use trl_runtime::train::plan_query::{QUERY_OUT_VAR, QUERY_TP_VAR};
 use trl_runtime::train::SFTConfig;
+
+/// One parameter of the plan: its split style, the dimension split (None: whole on every
+/// rank) and its full and per-rank shapes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanLine {
+    pub name: String,
+    pub style: String,
+    pub dim: Option<usize>,
+    pub full_shape: Vec<usize>,
+    pub local_shape: Vec<usize>,
+}
+
+/// What the program said when asked for its plan.
+pub enum Answer {
+    /// The plan of its model in the directory, or why that model cannot be split.
+    Plan(PathBuf, Result<Vec<PlanLine>, String>),
+    /// It did not answer (it does not train through trl_runtime's Trainer): why.
+    None(String),
+}
+
+/// How long a program may take to answer (it reads only config.json and the weight files'
+/// headers).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs `program` once as a single CPU process with `args`, asking its trainer for the plan
+/// of its model over `tp` ranks; see `trl_runtime::train::plan_query`.
+pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
+    let out = std::env::temp_dir().join(format!(
+        "trl-tp-plan-{}-{}.json",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let _ = std::fs::remove_file(&out);
+    let child = Command::new(program)
+        .args(args)
+        .env(QUERY_TP_VAR, tp.to_string())
+        .env(QUERY_OUT_VAR, &out)
+        // One process, on the CPU, outside any launch.
+        .envs([
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_WORLD_SIZE", "1"),
+            ("ACCELERATE_USE_CPU", "true"),
+            // A world of one starts no rendezvous; the address is only read.
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .env_remove("TRL_LOCAL_PROCESSES")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return Answer::None(format!("cannot run {}: {e}", program.display())),
+    };
+    let start = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if start.elapsed() < ANSWER_TIMEOUT => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Answer::None(format!(
+                    "it did not answer within {} s",
+                    ANSWER_TIMEOUT.as_secs()
+                ));
+            }
+        }
+    };
+    let text = std::fs::read_to_string(&out);
+    let _ = std::fs::remove_file(&out);
+    let Ok(text) = text else {
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut err);
+        }
+        let last = err.lines().last().unwrap_or("").trim().to_string();
+        return Answer::None(format!("it exited ({status}) without answering: {last}"));
+    };
+    parse_answer(&text).unwrap_or_else(|e| Answer::None(format!("its answer is unreadable: {e}")))
+}
+
+fn parse_answer(text: &str) -> Result<Answer, String> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    let dir = PathBuf::from(v["model_dir"].as_str().unwrap_or_default());
+    if let Some(e) = v["error"].as_str() {
+        return Ok(Answer::Plan(dir, Err(e.to_string())));
+    }
+    let shape = |x: &serde_json::Value| -> Vec<usize> {
+        x.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|d| d.as_u64())
+                    .map(|d| d as usize)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let entries = v["entries"]
+        .as_array()
+        .ok_or("no entries")?
+        .iter()
+        .map(|e| PlanLine {
+            name: e["name"].as_str().unwrap_or_default().to_string(),
+            style: e["style"].as_str().unwrap_or_default().to_string(),
+            dim: e["dim"].as_u64().map(|d| d as usize),
+            full_shape: shape(&e["full_shape"]),
+            local_shape: shape(&e["local_shape"]),
+        })
+        .collect();
+    Ok(Answer::Plan(dir, Ok(entries)))
+}
 
 /// The value of TRL flag `name` (snake_case) among the program's arguments, in either
 /// spelling (`--a_b`, `--a-b`, `=VALUE` or the next argument); `Some("")` for a bare flag.
@@ -62,9 +185,9 @@ pub fn gradient_checkpointing(program_args: &[String]) -> bool {
     })
 }
 
-/// The plan for the model in `dir` split over `tp` ranks, from its config.json alone (no
-/// weights are read): every parameter once, with its style and full and per-rank shapes.
-pub fn plan(dir: &Path, tp: usize) -> trl_runtime::Result<Vec<PlanEntry>> {
+/// The plan of the built-in decoder (Llama / Qwen2) for the model in `dir` split over `tp`
+/// ranks, from its config.json alone (no weights are read): every parameter once.
+pub fn builtin(dir: &Path, tp: usize) -> trl_runtime::Result<Vec<PlanLine>> {
     let config = ModelConfig::from_file(dir.join("config.json"))?;
     let mut model = CausalLm::skeleton(
         config,
@@ -73,12 +196,22 @@ pub fn plan(dir: &Path, tp: usize) -> trl_runtime::Result<Vec<PlanEntry>> {
     )?;
     // Splitting needs only the group's size and a rank: no collective runs.
     model.parallelize(InProcessWorld::new(tp).world(0)?)?;
-    Ok(model.tp_plan().to_vec())
+    Ok(model
+        .tp_plan()
+        .iter()
+        .map(|e| PlanLine {
+            name: e.name.clone(),
+            style: e.split.style.name().to_string(),
+            dim: e.split.dim,
+            full_shape: e.full_shape.clone(),
+            local_shape: e.local_shape.clone(),
+        })
+        .collect())
 }
 
 /// The plan as the dry run prints it. Decoder layers after the first are split like it, so
 /// only layer 0 is listed.
-pub fn render(entries: &[PlanEntry], tp: usize, dir: &Path) -> String {
+pub fn render(entries: &[PlanLine], tp: usize, dir: &Path) -> String {
     let later_layer = |name: &str| {
         name.split('.')
             .collect::<Vec<_>>()
@@ -88,17 +221,13 @@ pub fn render(entries: &[PlanEntry], tp: usize, dir: &Path) -> String {
     let mut out = format!("tensor-parallel plan (tp = {tp}) of {}:\n", dir.display());
     let width = entries.iter().map(|e| e.name.len()).max().unwrap_or(0);
     for e in entries.iter().filter(|e| !later_layer(&e.name)) {
-        let split = match e.split.dim {
+        let split = match e.dim {
             Some(d) => format!("dim {d}"),
             None => "whole".into(),
         };
         out += &format!(
             "  {:width$}  {:9}  {:5}  {:?} -> {:?} per rank\n",
-            e.name,
-            e.split.style.name(),
-            split,
-            e.full_shape,
-            e.local_shape
+            e.name, e.style, split, e.full_shape, e.local_shape
         );
     }
     if entries.iter().any(|e| later_layer(&e.name)) {

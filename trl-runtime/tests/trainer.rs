@@ -1057,3 +1057,106 @@ fn deepspeed_values_must_match_the_training_arguments() {
         .with_launch_plan(plan);
     assert!(Trainer::new(config(tmp.path(), 2, 1, 1), &ctx).is_ok());
 }
+
+/// The built-in decoder with the first layer's output cut from the graph, as an op without a
+/// backward (candle_nn's rope, say) would cut it: the embedding and layer 0 get no gradient.
+#[derive(trl_runtime::Parallelize)]
+struct Cut {
+    #[parallel(name = "")]
+    inner: trl_runtime::models::Llama,
+}
+
+impl trl_runtime::models::CausalModel for Cut {
+    type Config = trl_runtime::models::ModelConfig;
+    fn parse_config(text: &str, source: &str) -> trl_runtime::Result<Self::Config> {
+        trl_runtime::models::Llama::parse_config(text, source)
+    }
+    fn new(cfg: &Self::Config, vb: candle_nn::VarBuilder) -> candle_core::Result<Self> {
+        Ok(Cut {
+            inner: trl_runtime::models::Llama::new(cfg, vb)?,
+        })
+    }
+    fn embed(
+        &self,
+        ids: &candle_core::Tensor,
+        cx: &trl_runtime::models::LayerInputs,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        self.inner.embed(ids, cx)
+    }
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+    fn layer(
+        &self,
+        l: usize,
+        x: &candle_core::Tensor,
+        cx: &trl_runtime::models::LayerInputs,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        let y = self.inner.layer(l, x, cx)?;
+        Ok(if l == 0 { y.detach() } else { y })
+    }
+    fn final_norm(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        self.inner.final_norm(x)
+    }
+    fn lm_head(&self) -> &trl_runtime::nn::Linear {
+        self.inner.lm_head()
+    }
+}
+
+#[test]
+fn parameters_without_a_gradient_stop_the_first_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = [
+        ("DDP", dims(2, 1, 1), Strategy::Ddp),
+        ("ZeRO-2", dims(1, 2, 1), Strategy::Zero(ZeroStage::Two)),
+        ("FSDP", dims(1, 2, 1), Strategy::fsdp(WrapPolicy::PerLayer)),
+    ];
+    for (what, dims, strategy) in cases {
+        for find_unused in [None, Some(true)] {
+            let cfg = SFTConfig {
+                // Untied, so that the head (after the cut) still trains.
+                model_name_or_path: model_for_tp4(tmp.path()),
+                ddp_find_unused_parameters: find_unused,
+                save_steps: 1000,
+                ..config(&tmp.path().join(format!("{what}-{find_unused:?}")), 2, 1, 2)
+            };
+            let w = InProcessWorld::new(2);
+            let results: Vec<Result<usize, String>> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..2)
+                    .map(|rank| {
+                        let (w, cfg) = (&w, cfg.clone());
+                        s.spawn(move || {
+                            let mesh = DeviceMesh::new(dims, 2).unwrap();
+                            let ctx = DistContext::in_process(w, rank, mesh).unwrap();
+                            let mut trainer =
+                                Trainer::<Cut>::load_with_strategy(cfg, &ctx, strategy).unwrap();
+                            trainer
+                                .train()
+                                .map(|o| o.losses.len())
+                                .map_err(|e| e.to_string())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for r in results {
+                match (find_unused, r) {
+                    (None, Err(e)) => assert!(
+                        // The embedding and layer 0's 12 tensors, named. (Under FSDP no
+                        // parameter is a Candle variable, so nothing after the cut is
+                        // tracked either: every parameter is unreached, and named.)
+                        (e.contains("13 trainable parameter(s)")
+                            || (what == "FSDP" && e.contains("27 trainable parameter(s)")))
+                            && e.contains("model.embed_tokens.weight")
+                            && e.contains("model.layers.0.")
+                            && e.contains("no gradient")
+                            && e.contains("--ddp_find_unused_parameters true"),
+                        "{what}: {e}"
+                    ),
+                    (Some(true), Ok(steps)) => assert_eq!(steps, 2, "{what}"),
+                    (f, r) => panic!("{what}, ddp_find_unused_parameters {f:?}: {r:?}"),
+                }
+            }
+        }
+    }
+}

@@ -387,3 +387,144 @@ impl TpGrads {
         self.sum(local.sum())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::InProcessWorld;
+    use crate::nn::module::Split;
+
+    fn entry(name: &str, split: Split) -> PlanEntry {
+        PlanEntry {
+            name: name.into(),
+            split,
+            local_shape: vec![3],
+            full_shape: vec![3],
+        }
+    }
+
+    /// Runs `f` on every rank of a tp group of 2 with the gradients `grads(rank)`.
+    fn on_two_ranks<T: Send>(
+        plan: &[PlanEntry],
+        grads: impl Fn(usize) -> BTreeMap<String, Tensor> + Sync,
+        f: impl Fn(&TpGrads, BTreeMap<String, Tensor>) -> T + Sync,
+    ) -> Vec<T> {
+        let world = InProcessWorld::new(2);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (world, grads, f) = (&world, &grads, &f);
+                    s.spawn(move || {
+                        let tp = TpGrads::new(plan, world.world(rank).unwrap());
+                        f(&tp, grads(rank))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn t(v: [f32; 3]) -> Tensor {
+        Tensor::new(&v, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn auto_parameters_are_decided_by_their_gradients_and_partial_ones_summed() {
+        let plan = [
+            entry("q_norm", Split::AUTO),
+            entry("input_norm", Split::AUTO),
+            entry("k_norm", Split::PARTIAL),
+        ];
+        let grads = |rank: usize| {
+            let r = rank as f32;
+            BTreeMap::from([
+                ("q_norm".to_string(), t([1.0 + r, 2.0, 3.0 - r])),
+                ("input_norm".to_string(), t([0.5, -1.0, 2.0])),
+                ("k_norm".to_string(), t([r, 1.0, 0.0])),
+            ])
+        };
+        let out = on_two_ranks(&plan, grads, |tp, mut g| {
+            tp.sync(&mut g, true).unwrap();
+            let flat = Tensor::cat(&[&g["input_norm"], &g["k_norm"], &g["q_norm"]], 0).unwrap();
+            (flat.to_vec1::<f32>().unwrap(), tp.is_partial("q_norm"))
+        });
+        for (values, q_partial) in out {
+            assert!(q_partial, "q_norm's gradients differ: partial");
+            // input_norm kept, k_norm and q_norm summed over both ranks.
+            assert_eq!(
+                values,
+                [0.5, -1.0, 2.0, 1.0, 2.0, 0.0, 3.0, 4.0, 5.0],
+                "after sync"
+            );
+        }
+    }
+
+    #[test]
+    fn annotations_that_the_gradients_contradict_are_errors() {
+        // A replicated parameter whose gradients differ: it needs `partial`.
+        let plan = [entry("q_norm", Split::REPLICATED)];
+        let errors = on_two_ranks(
+            &plan,
+            |rank| BTreeMap::from([("q_norm".to_string(), t([rank as f32, 1.0, 2.0]))]),
+            |tp, mut g| tp.sync(&mut g, true).unwrap_err().to_string(),
+        );
+        assert!(
+            errors[0].contains("q_norm") && errors[0].contains("tp = \"partial\""),
+            "{}",
+            errors[0]
+        );
+        // A partial parameter whose gradients agree: it needs `replicate`.
+        let plan = [entry("norm", Split::PARTIAL)];
+        let errors = on_two_ranks(
+            &plan,
+            |_| BTreeMap::from([("norm".to_string(), t([1.0, 1.0, 2.0]))]),
+            |tp, mut g| tp.sync(&mut g, true).unwrap_err().to_string(),
+        );
+        assert!(
+            errors[0].contains("norm") && errors[0].contains("tp = \"replicate\""),
+            "{}",
+            errors[0]
+        );
+        // Not checked after the first step (without TRL_CHECK_TP_GRADS): summed as declared.
+        let sums = on_two_ranks(
+            &plan,
+            |_| BTreeMap::from([("norm".to_string(), t([1.0, 1.0, 2.0]))]),
+            |tp, mut g| {
+                tp.sync(&mut g, false).unwrap();
+                g["norm"].to_vec1::<f32>().unwrap()
+            },
+        );
+        assert_eq!(sums[0], [2.0, 2.0, 4.0]);
+    }
+
+    #[test]
+    fn flat_slices_sync_like_named_gradients() {
+        let plan = [
+            entry("a", Split::REPLICATED),
+            entry("b", Split::AUTO),
+            entry("c", Split::PARTIAL),
+        ];
+        let out = on_two_ranks(
+            &plan,
+            |rank| {
+                let r = rank as f32;
+                BTreeMap::from([("flat".to_string(), {
+                    Tensor::new(&[1f32, 2., 3., 4. + r, 5., 6., r, 0., 1.], &Device::Cpu).unwrap()
+                })])
+            },
+            |tp, g| {
+                let entries = [
+                    ("a".to_string(), 0..3),
+                    ("b".to_string(), 3..6),
+                    ("c".to_string(), 6..9),
+                ];
+                tp.sync_flat(&g["flat"], &entries, true)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            },
+        );
+        assert_eq!(out[0], [1., 2., 3., 9., 10., 12., 1., 0., 2.]);
+        assert_eq!(out[0], out[1]);
+    }
+}

@@ -3,6 +3,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod logging;
+pub mod plan_query;
 mod plot;
 pub mod schedule;
 pub mod trainer;

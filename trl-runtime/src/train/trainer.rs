@@ -289,6 +289,8 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         ctx: &'a DistContext,
         strategy: Strategy,
     ) -> Result<Self> {
+        // `cargo trl launch` asking for this program's tensor-parallel plan.
+        super::plan_query::answer_if_asked::<N>(&config.model_name_or_path)?;
         config.validate("training arguments")?;
         check_deepspeed_values(&config, ctx.plan())?;
         let dp = ctx.group(DP);

@@ -1,0 +1,64 @@
+//! The launcher's question to a built training program: "how does your model split over tp?"
+//! Only the program knows its model type, so `cargo trl launch` runs it once with
+//! [`QUERY_TP_VAR`] and [`QUERY_OUT_VAR`] set before starting the workers; the trainer answers
+//! as it loads (the plan of the program's own model over its model directory, read from
+//! config.json and the weight files' shapes, no weights read), writes the answer as JSON to
+//! the file and exits. The launcher then refuses a tp size the model cannot take, with
+//! nothing started, for models named by flags and by YAML alike.
+
+use crate::comm::InProcessWorld;
+use crate::error::{Error, Result};
+use crate::models::CausalModel;
+use crate::parallel::Model;
+use candle_core::{DType, Device};
+use std::path::Path;
+
+/// The tp size the launcher asks about.
+pub const QUERY_TP_VAR: &str = "TRL_TP_PLAN_QUERY";
+/// Where the answer goes.
+pub const QUERY_OUT_VAR: &str = "TRL_TP_PLAN_OUT";
+
+/// When the launcher asks, writes the plan of model `N` in `model_dir` split over the asked
+/// tp size to the asked file and exits the process; otherwise returns.
+pub fn answer_if_asked<N: CausalModel>(model_dir: &Path) -> Result<()> {
+    let (Ok(tp), Ok(out)) = (std::env::var(QUERY_TP_VAR), std::env::var(QUERY_OUT_VAR)) else {
+        return Ok(());
+    };
+    let tp: usize = tp.parse().map_err(|_| Error::Env {
+        var: QUERY_TP_VAR.into(),
+        message: format!("'{tp}' is not a tp size"),
+    })?;
+    let answer = match plan::<N>(model_dir, tp) {
+        Ok(entries) => serde_json::json!({
+            "model_dir": model_dir,
+            "entries": entries,
+        }),
+        Err(e) => serde_json::json!({
+            "model_dir": model_dir,
+            "error": e.to_string(),
+        }),
+    };
+    std::fs::write(&out, answer.to_string())
+        .map_err(|e| Error::io(format!("cannot write the plan to {out}"), e))?;
+    std::process::exit(0)
+}
+
+/// Every parameter's name, style, split dimension and full and per-rank shapes.
+fn plan<N: CausalModel>(dir: &Path, tp: usize) -> Result<Vec<serde_json::Value>> {
+    let mut model = Model::<N>::skeleton_for(dir, DType::F32, &Device::Cpu)?;
+    // Splitting needs only the group's size and a rank: no collective runs.
+    model.parallelize(InProcessWorld::new(tp).world(0)?)?;
+    Ok(model
+        .tp_plan()
+        .iter()
+        .map(|e| {
+            serde_json::json!({
+                "name": e.name,
+                "style": e.split.style.name(),
+                "dim": e.split.dim,
+                "full_shape": e.full_shape,
+                "local_shape": e.local_shape,
+            })
+        })
+        .collect())
+}
