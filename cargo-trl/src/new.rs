@@ -122,10 +122,21 @@ fn crate_name(path: &Path) -> Result<String, String> {
     Ok(name.to_string())
 }
 
-fn write_all(root: &Path, name: &str, dependency: &str, model: &str) -> Result<(), String> {
+fn write_all(
+    root: &Path,
+    name: &str,
+    dependency: &str,
+    candle_core_patch: Option<&str>,
+    model: &str,
+) -> Result<(), String> {
     let env = minijinja::Environment::new();
     let plain_candle = model == "plain-candle";
-    let ctx = minijinja::context! { name => name, trl_runtime => dependency, plain_candle };
+    let ctx = minijinja::context! {
+        name => name,
+        trl_runtime => dependency,
+        candle_core_patch => candle_core_patch,
+        plain_candle
+    };
     let render = |t: &str| {
         env.render_str(t, &ctx)
             .map_err(|e| format!("template error: {e}"))
@@ -196,7 +207,21 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
         Some(p) => format!("{{ path = {:?} }}", p.display().to_string()),
         None => format!("\"{}\"", env!("CARGO_PKG_VERSION")),
     };
-    if let Err(e) = write_all(&args.name, &name, &dependency, &args.model) {
+    // A local trl-runtime builds with its workspace's patched candle-core (vendor/): the
+    // project patches it the same way, or it would build with the unpatched release.
+    let candle_core_patch = runtime_dir
+        .as_ref()
+        .map(|d| d.join("../vendor/candle-core"))
+        .filter(|v| v.join("Cargo.toml").is_file())
+        .and_then(|v| v.canonicalize().ok())
+        .map(|v| format!("{{ path = {:?} }}", v.display().to_string()));
+    if let Err(e) = write_all(
+        &args.name,
+        &name,
+        &dependency,
+        candle_core_patch.as_deref(),
+        &args.model,
+    ) {
         let _ = std::fs::remove_dir_all(&args.name);
         return Err(e);
     }

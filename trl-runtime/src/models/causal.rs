@@ -111,6 +111,29 @@ impl LayerInputs {
         self.attention.apply(q, k, v)
     }
 
+    /// Rows of `table` [max_positions, dim] at this forward's position ids: [batch, seq, dim].
+    /// What a model written with an `offset` (`cos.narrow(0, offset, seq_len)`, as
+    /// candle-transformers' models do) takes instead: positions that restart in packed rows,
+    /// and the global positions of this rank's chunk under cp or sp. The result goes to
+    /// `nn::rotary_emb::rope` as its 3-D cos / sin.
+    pub fn at_positions(&self, table: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, s) = self.position_ids.dims2()?;
+        let ids = self
+            .position_ids
+            .flatten_all()?
+            .to_dtype(DType::U32)?
+            .to_device(table.device())?;
+        let (rows, dim) = table.dims2()?;
+        let max = ids.max_all()?.to_scalar::<u32>()? as usize;
+        if max >= rows {
+            candle_core::bail!(
+                "position {max} is beyond the {rows} rows of the position table \
+                 (max_position_embeddings): lower max_length"
+            );
+        }
+        table.index_select(&ids, 0)?.reshape((b, s, dim))
+    }
+
     /// `rope`'s cos and sin [batch, seq, dim] at this forward's positions, computed once per
     /// forward and shared by every layer.
     pub fn cos_sin(&self, rope: &RotaryEmbedding) -> candle_core::Result<(Tensor, Tensor)> {

@@ -20,6 +20,15 @@ pub struct Embedding {
     tp: Option<Arc<dyn Communicator>>,
 }
 
+impl std::fmt::Debug for Embedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Embedding")
+            .field("weight", &self.weight)
+            .field("vocab_parallel", &self.tp.as_ref().map(|c| c.size()))
+            .finish()
+    }
+}
+
 impl Embedding {
     /// As `candle_nn::Embedding::new`: a [vocab, hidden_size] table.
     pub fn new(embeddings: Tensor, hidden_size: usize) -> Self {

@@ -8,7 +8,7 @@ use super::Weight;
 use crate::error::Result as TrlResult;
 use candle_core::{DType, Result, Tensor, D};
 
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct LayerNorm {
     pub weight: Weight,
     pub bias: Option<Weight>,

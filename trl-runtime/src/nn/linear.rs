@@ -29,9 +29,11 @@ impl Linear {
         Self::from_weights(weight.into(), bias.map(Weight::Local))
     }
 
-    pub fn from_weights(weight: Weight, bias: Option<Weight>) -> Self {
+    /// From a weight (a tensor, or a layer's weight: `embed.embeddings().clone()` ties a
+    /// head to an embedding) and an optional bias.
+    pub fn from_weights(weight: impl Into<Weight>, bias: Option<Weight>) -> Self {
         Linear {
-            weight,
+            weight: weight.into(),
             bias,
             tp: None,
         }
@@ -94,6 +96,19 @@ impl Linear {
             TpStyle::Row => (Some(1), None),
             TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto => (None, None),
         }
+    }
+}
+
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Linear")
+            .field("weight", &self.weight)
+            .field("bias", &self.bias)
+            .field(
+                "tp",
+                &self.tp.as_ref().map(|(style, c)| (style.name(), c.size())),
+            )
+            .finish()
     }
 }
 

@@ -21,6 +21,7 @@ pub(crate) mod precision;
 pub mod ring;
 pub mod rmsnorm;
 pub mod rope;
+pub mod rotary_emb;
 pub mod seq_attention;
 pub mod sharded;
 mod simd;
@@ -31,6 +32,7 @@ pub mod tiled_loss;
 pub mod tiled_mlp;
 pub mod ulysses;
 pub mod weight;
+pub mod with_tracing;
 
 pub use attention::{attention, AttentionImpl, AttentionMask};
 pub use embedding::{embedding, Embedding};

@@ -7,7 +7,7 @@ use super::Weight;
 use crate::error::Result as TrlResult;
 use candle_core::{Result, Tensor};
 
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct RmsNorm {
     pub weight: Weight,
     pub eps: f64,

@@ -19,6 +19,16 @@ impl Weight {
     }
 }
 
+/// Shapes and dtypes, not values (as candle_nn's layers print).
+impl std::fmt::Debug for Weight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Weight::Local(t) => write!(f, "Weight({:?}, {:?})", t.dims(), t.dtype()),
+            Weight::Sharded(s) => write!(f, "Weight(sharded, {:?}, {:?})", s.dims(), s.dtype()),
+        }
+    }
+}
+
 impl From<Tensor> for Weight {
     fn from(t: Tensor) -> Self {
         Weight::Local(t)
