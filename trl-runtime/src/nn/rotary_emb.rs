@@ -78,6 +78,8 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
+    type Rope = fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
             .unwrap()
