@@ -104,12 +104,8 @@ mod tests {
             cos.narrow(0, 0, t).unwrap().contiguous().unwrap(),
             sin.narrow(0, 0, t).unwrap().contiguous().unwrap(),
         );
-        let cases: [(&str, fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, _); 2] = [
-            (
-                "rope",
-                rope,
-                candle_nn::rotary_emb::rope as fn(&_, &_, &_) -> _,
-            ),
+        let cases: [(&str, Rope, Rope); 2] = [
+            ("rope", rope, candle_nn::rotary_emb::rope),
             ("rope_i", rope_i, candle_nn::rotary_emb::rope_i),
         ];
         for (what, ours, theirs) in cases {
