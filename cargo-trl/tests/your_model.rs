@@ -6,15 +6,15 @@
 //! 2e-5. Under tp the q/k norms' gradients are partial sums, found at the first step and
 //! summed over the group; TRL_CHECK_TP_GRADS=1 checks the plan against every step's gradients.
 
-use candle_core::{Device, Tensor};
-use std::collections::HashMap;
+mod common;
+
+use candle_core::Tensor;
+use common::{assert_equal, max_diff, Run};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
 const STEPS: usize = 5;
-const LOSS_TOLERANCE: f64 = 1e-5;
-const WEIGHT_TOLERANCE: f32 = 2e-5;
 /// The fixture's head size is 16, half of it rotated (partial_rotary_factor 0.5).
 const ROTARY_DIM: usize = 8;
 
@@ -54,31 +54,6 @@ fn launch(launch_args: &[&str], per_device: usize, out: &Path) -> String {
     text
 }
 
-fn losses(out: &Path) -> Vec<f64> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["loss"].as_f64())
-        .collect()
-}
-
-fn weights(out: &Path) -> HashMap<String, Tensor> {
-    let file = out.join(format!("checkpoint-{STEPS}/model.safetensors"));
-    candle_core::safetensors::load(file, &Device::Cpu).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
-}
-
 #[test]
 fn phi_under_every_cpu_profile_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
@@ -88,47 +63,11 @@ fn phi_under_every_cpu_profile_equals_one_process() {
     launch(&["--num_processes", "1"], 8, &out("one8"));
     launch(&["--num_processes", "1"], 4, &out("one4"));
     let (one8, one4) = (
-        (losses(&out("one8")), weights(&out("one8"))),
-        (losses(&out("one4")), weights(&out("one4"))),
+        Run::read(&out("one8"), STEPS),
+        Run::read(&out("one4"), STEPS),
     );
-    assert_eq!(one8.0.len(), STEPS);
-    let cases: &[(&str, &[&str], bool)] = &[
-        ("multi_cpu", &["--profile", "multi_cpu"], true),
-        ("zero3_cpu", &["--profile", "zero3_cpu"], true),
-        ("fsdp2_cpu", &["--profile", "fsdp2_cpu"], true),
-        (
-            // ZeRO-3 units read straight from the files, layers recomputed in backward.
-            "fsdp2_cpu_efficient_loading",
-            &[
-                "--profile",
-                "fsdp2_cpu",
-                "--fsdp_cpu_ram_efficient_loading",
-                "true",
-                "--fsdp_activation_checkpointing",
-                "true",
-            ],
-            true,
-        ),
-        ("fsdp2_tp_cpu", &["--profile", "fsdp2_tp_cpu"], true),
-        (
-            // Tensor parallelism alone: 2 ranks share each row.
-            "tp_cpu",
-            &[
-                "--profile",
-                "multi_cpu",
-                "--parallelism_config_tp_size",
-                "2",
-            ],
-            false,
-        ),
-        (
-            "context_parallel_cpu",
-            &["--profile", "context_parallel_cpu"],
-            false,
-        ),
-        ("alst_ulysses_cpu", &["--profile", "alst_ulysses_cpu"], true),
-    ];
-    for (name, args, two_dp) in cases {
+    assert_eq!(one8.losses.len(), STEPS);
+    for (name, args, two_dp) in common::CPU_CASES {
         let text = launch(args, 4, &out(name));
         if name.ends_with("efficient_loading") {
             assert!(
@@ -145,52 +84,27 @@ fn phi_under_every_cpu_profile_equals_one_process() {
                 "{name}: {text}"
             );
         }
-        let (want_losses, want_weights) = if *two_dp { &one8 } else { &one4 };
-        let got = losses(&out(name));
-        assert_eq!(got.len(), STEPS, "{name}");
-        let mut worst_loss = 0f64;
-        for (step, (g, w)) in got.iter().zip(want_losses).enumerate() {
-            worst_loss = worst_loss.max((g - w).abs());
-            assert!(
-                (g - w).abs() < LOSS_TOLERANCE,
-                "{name}: step {} loss {g} vs one process {w}",
-                step + 1
-            );
-        }
-        let got = weights(&out(name));
-        assert_eq!(got.len(), want_weights.len(), "{name}");
-        let (mut worst, mut worst_qk) = (0f32, 0f32);
-        for (param, w) in want_weights {
-            let d = if param.ends_with("k_layernorm.bias") {
-                // The key norm's bias adds the same vector to every key of a head; on the
-                // features rotary leaves alone (the last ROTARY_DIM of each head) that shifts
-                // every score of a row equally, so their gradient is zero in exact arithmetic
-                // and AdamW turns rounding noise into updates (as for the built-in decoder's
-                // key bias in trl-runtime's trainer tests): those are only bounded, by AdamW's
-                // step size x steps; the rotated features must match.
-                let (rot, pass) = (
-                    w.narrow(0, 0, ROTARY_DIM).unwrap(),
-                    w.narrow(0, ROTARY_DIM, ROTARY_DIM).unwrap(),
-                );
-                let g = &got[param];
-                let noise = max_diff(&g.narrow(0, ROTARY_DIM, ROTARY_DIM).unwrap(), &pass);
-                assert!(
-                    noise <= 2.0 * 2e-3 * STEPS as f32,
-                    "{name}: {param} moved by {noise}"
-                );
-                max_diff(&g.narrow(0, 0, ROTARY_DIM).unwrap(), &rot)
-            } else {
-                max_diff(&got[param], w)
-            };
-            worst = worst.max(d);
-            if param.contains("q_layernorm") || param.contains("k_layernorm") {
-                worst_qk = worst_qk.max(d);
+        let want = if *two_dp { &one8 } else { &one4 };
+        let got = Run::read(&out(name), STEPS);
+        let qk = ["q_layernorm", "k_layernorm"];
+        assert_equal(name, &got, want, &qk, |param, g, w| {
+            if !param.ends_with("k_layernorm.bias") {
+                return max_diff(g, w);
             }
-            assert!(d < WEIGHT_TOLERANCE, "{name}: {param} differs by {d}");
-        }
-        eprintln!(
-            "{name}: losses within {worst_loss:.1e}, weights within {worst:.1e} (q/k norms {worst_qk:.1e})"
-        );
+            // The key norm's bias adds the same vector to every key of a head; on the
+            // features rotary leaves alone (the last ROTARY_DIM of each head) that shifts
+            // every score of a row equally, so their gradient is zero in exact arithmetic and
+            // AdamW turns rounding noise into updates (as for the built-in decoder's key bias
+            // in trl-runtime's trainer tests): those are only bounded, by AdamW's step size x
+            // steps; the rotated features must match.
+            let part = |t: &Tensor, from: usize| t.narrow(0, from, ROTARY_DIM).unwrap();
+            let noise = max_diff(&part(g, ROTARY_DIM), &part(w, ROTARY_DIM));
+            assert!(
+                noise <= 2.0 * 2e-3 * STEPS as f32,
+                "{name}: {param} moved by {noise}"
+            );
+            max_diff(&part(g, 0), &part(w, 0))
+        });
     }
 }
 

@@ -31,6 +31,7 @@ pub(crate) mod testing;
 pub mod tiled_loss;
 pub mod tiled_mlp;
 pub mod ulysses;
+pub mod utils;
 pub mod weight;
 pub mod with_tracing;
 

@@ -76,20 +76,10 @@ pub fn rope_thd(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::testing::max_abs_diff as max_diff;
     use candle_core::{Device, Var};
 
     type Rope = fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
 
     /// Same values as candle_nn's kernels, and gradients that flow (checked against the
     /// adjoint: the rotation by the opposite angle).

@@ -1,0 +1,116 @@
+//! What the model tests share: reading a run's losses and final weights, and comparing a
+//! launched run with one process.
+
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Every CPU profile (and tensor parallelism alone, and FSDP with efficient loading and
+/// activation checkpointing): (name, launch flags, whether 2 data-parallel ranks see
+/// different rows; else the 2 ranks share each row).
+pub const CPU_CASES: &[(&str, &[&str], bool)] = &[
+    ("multi_cpu", &["--profile", "multi_cpu"], true),
+    ("zero2_cpu", &["--profile", "zero2_cpu"], true),
+    ("zero3_cpu", &["--profile", "zero3_cpu"], true),
+    ("fsdp2_cpu", &["--profile", "fsdp2_cpu"], true),
+    (
+        // ZeRO-3 units read straight from the files, layers recomputed in backward.
+        "fsdp2_cpu_efficient_loading",
+        &[
+            "--profile",
+            "fsdp2_cpu",
+            "--fsdp_cpu_ram_efficient_loading",
+            "true",
+            "--fsdp_activation_checkpointing",
+            "true",
+        ],
+        true,
+    ),
+    ("fsdp2_tp_cpu", &["--profile", "fsdp2_tp_cpu"], true),
+    (
+        "tp_cpu",
+        &[
+            "--profile",
+            "multi_cpu",
+            "--parallelism_config_tp_size",
+            "2",
+        ],
+        false,
+    ),
+    (
+        "context_parallel_cpu",
+        &["--profile", "context_parallel_cpu"],
+        false,
+    ),
+    ("alst_ulysses_cpu", &["--profile", "alst_ulysses_cpu"], true),
+];
+
+pub const LOSS_TOLERANCE: f64 = 1e-5;
+pub const WEIGHT_TOLERANCE: f32 = 2e-5;
+
+/// A finished run: every step's loss (metrics.jsonl) and the weights of its checkpoint after
+/// `steps` steps.
+pub struct Run {
+    pub losses: Vec<f64>,
+    pub weights: HashMap<String, Tensor>,
+}
+
+impl Run {
+    pub fn read(out: &Path, steps: usize) -> Run {
+        let losses = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["loss"].as_f64())
+            .collect();
+        let file = out.join(format!("checkpoint-{steps}/model.safetensors"));
+        let weights = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+        Run { losses, weights }
+    }
+}
+
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+/// Asserts that run `name` equals `want`: every step's loss within [`LOSS_TOLERANCE`], every
+/// weight within [`WEIGHT_TOLERANCE`] as `diff` (param, got, want) measures it, and prints
+/// the largest differences (those of parameters whose name contains one of `qk` apart).
+pub fn assert_equal(
+    name: &str,
+    got: &Run,
+    want: &Run,
+    qk: &[&str],
+    diff: impl Fn(&str, &Tensor, &Tensor) -> f32,
+) {
+    assert_eq!(got.losses.len(), want.losses.len(), "{name}");
+    let mut worst_loss = 0f64;
+    for (step, (g, w)) in got.losses.iter().zip(&want.losses).enumerate() {
+        worst_loss = worst_loss.max((g - w).abs());
+        assert!(
+            (g - w).abs() < LOSS_TOLERANCE,
+            "{name}: step {} loss {g} vs one process {w}",
+            step + 1
+        );
+    }
+    assert_eq!(got.weights.len(), want.weights.len(), "{name}");
+    let (mut worst, mut worst_qk) = (0f32, 0f32);
+    for (param, w) in &want.weights {
+        let d = diff(param, &got.weights[param], w);
+        worst = worst.max(d);
+        if qk.iter().any(|q| param.contains(q)) {
+            worst_qk = worst_qk.max(d);
+        }
+        assert!(d < WEIGHT_TOLERANCE, "{name}: {param} differs by {d}");
+    }
+    eprintln!(
+        "{name}: losses within {worst_loss:.1e}, weights within {worst:.1e} (q/k norms {worst_qk:.1e})"
+    );
+}
