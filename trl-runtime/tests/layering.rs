@@ -111,3 +111,155 @@ fn the_check_sees_a_use_upwards() {
         ["nn".to_string(), "parallel".to_string()]
     );
 }
+
+/// The sibling files (modules of one folder) that `code`, a file of folder `dir`, uses:
+/// `super::NAME`, `self::NAME` or `crate::<path of dir>::NAME` for a sibling NAME, or an item
+/// the folder's mod.rs re-exports from NAME (`pub use NAME::...`).
+fn sibling_uses(
+    code: &str,
+    module_path: &str,
+    siblings: &BTreeSet<String>,
+    reexports: &[(String, String)],
+) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let prefixes = [
+        "super::".to_string(),
+        "self::".to_string(),
+        format!("crate::{module_path}::"),
+    ];
+    for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
+        for prefix in &prefixes {
+            for (i, _) in line.match_indices(prefix.as_str()) {
+                let before = line[..i].chars().next_back();
+                if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                    continue;
+                }
+                let rest = &line[i + prefix.len()..];
+                // `super::{a, b::C}`: every name in the braces.
+                let names: Vec<String> = match rest.strip_prefix('{') {
+                    Some(inner) => inner
+                        .split('}')
+                        .next()
+                        .unwrap_or("")
+                        .split(',')
+                        .map(|n| n.trim().split("::").next().unwrap_or("").to_string())
+                        .collect(),
+                    None => vec![rest
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect()],
+                };
+                for name in names {
+                    if siblings.contains(&name) {
+                        out.insert(name.clone());
+                    }
+                    for (item, from) in reexports {
+                        if *item == name {
+                            out.insert(from.clone());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Items a mod.rs re-exports from its files: (item, file) for `pub use NAME::{A, B}` and
+/// `pub use NAME::A`.
+fn reexports(mod_rs: &str, siblings: &BTreeSet<String>) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let text = mod_rs.replace('\n', " ");
+    for stmt in text.split(';') {
+        let Some(rest) = stmt.trim().strip_prefix("pub use ") else {
+            continue;
+        };
+        let Some((from, items)) = rest.split_once("::") else {
+            continue;
+        };
+        if !siblings.contains(from.trim()) {
+            continue;
+        }
+        let items = items.trim().trim_start_matches('{').trim_end_matches('}');
+        for item in items.split(',') {
+            let item = item.trim().rsplit("::").next().unwrap_or("").trim();
+            let item = item.split(" as ").last().unwrap_or(item).trim();
+            if !item.is_empty() {
+                out.push((item.to_string(), from.trim().to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// Cycles among the files of every folder of trl-runtime/src: no two files of a module (nor a
+/// longer ring of them) may use each other, so each file reads on top of the ones it uses.
+#[test]
+fn no_file_uses_a_sibling_that_uses_it_back() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut dirs = vec![src.clone()];
+    let mut cycles = Vec::new();
+    while let Some(dir) = dirs.pop() {
+        let mut siblings = BTreeSet::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let p = entry.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                let stem = p.file_stem().unwrap().to_string_lossy().to_string();
+                if stem != "mod" && stem != "lib" {
+                    siblings.insert(stem);
+                }
+            }
+        }
+        let module_path = dir
+            .strip_prefix(&src)
+            .unwrap()
+            .to_string_lossy()
+            .replace('/', "::");
+        let mod_rs = std::fs::read_to_string(dir.join("mod.rs")).unwrap_or_default();
+        let reexported = reexports(&mod_rs, &siblings);
+        let mut edges: std::collections::BTreeMap<String, BTreeSet<String>> = Default::default();
+        for name in &siblings {
+            let code = std::fs::read_to_string(dir.join(format!("{name}.rs"))).unwrap();
+            // A file's unit tests (its `#[cfg(test)]` module, at the end) may use anything.
+            let code = code.split("#[cfg(test)]\nmod tests").next().unwrap_or("");
+            let mut uses = sibling_uses(&code, &module_path, &siblings, &reexported);
+            uses.remove(name);
+            edges.insert(name.clone(), uses);
+        }
+        // A file reaches itself through its uses: a cycle.
+        for start in &siblings {
+            let mut seen = BTreeSet::new();
+            let mut stack: Vec<(String, Vec<String>)> = vec![(start.clone(), vec![start.clone()])];
+            while let Some((at, path)) = stack.pop() {
+                for next in &edges[&at] {
+                    if next == start {
+                        let mut ring = path.clone();
+                        ring.push(start.clone());
+                        cycles.push(format!(
+                            "{}: {}",
+                            dir.strip_prefix(&src).unwrap().display(),
+                            ring.join(" -> ")
+                        ));
+                    } else if seen.insert(next.clone()) {
+                        let mut p = path.clone();
+                        p.push(next.clone());
+                        stack.push((next.clone(), p));
+                    }
+                }
+            }
+        }
+    }
+    // Each ring is found once per member: keep the one starting at its smallest name.
+    cycles.retain(|c| {
+        let ring = c.split(": ").nth(1).unwrap();
+        let names: Vec<&str> = ring.split(" -> ").collect();
+        names[0] == *names.iter().min().unwrap()
+    });
+    assert!(
+        cycles.is_empty(),
+        "files that use each other:\n{}",
+        cycles.join("\n")
+    );
+}

@@ -4,7 +4,7 @@
 //! to the training arguments. Keys that tune DeepSpeed's own engine (bucket sizes, overlap)
 //! are listed as ignored with the reason, never silently dropped.
 
-use super::launch::{DeepSpeedConfig, MixedPrecision, OffloadDevice};
+use super::sections::{DeepSpeedConfig, MixedPrecision, OffloadDevice};
 use crate::error::{Error, Result};
 use serde_json::Value;
 use std::path::Path;

@@ -6,12 +6,13 @@ pub mod effects;
 pub mod launch;
 pub mod parallelism;
 pub mod plan;
+pub mod sections;
 mod yaml;
 
-pub use launch::{
-    ComputeEnvironment, DeepSpeedConfig, DistributedType, FsdpAutoWrapPolicy, FsdpBackwardPrefetch,
-    FsdpConfig, FsdpShardingStrategy, FsdpStateDictType, GpuIds, LaunchConfig, MixedPrecision,
-    OffloadDevice,
-};
+pub use launch::LaunchConfig;
 pub use parallelism::{ParallelismConfig, SpBackend};
 pub use plan::LaunchPlan;
+pub use sections::{
+    ComputeEnvironment, DeepSpeedConfig, DistributedType, FsdpAutoWrapPolicy, FsdpBackwardPrefetch,
+    FsdpConfig, FsdpShardingStrategy, FsdpStateDictType, GpuIds, MixedPrecision, OffloadDevice,
+};

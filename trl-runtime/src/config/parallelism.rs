@@ -1,7 +1,7 @@
 //! The parallelism config: how the world is factored into data, context, sequence and tensor
 //! parallel axes. Mirrors Accelerate's `ParallelismConfig` (same sizes, same env variables).
 
-use crate::config::launch::DistributedType;
+use super::sections::DistributedType;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

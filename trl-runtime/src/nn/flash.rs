@@ -16,7 +16,7 @@
 //! precision); scores, the softmax, its running statistics and every accumulator are f32 (f64
 //! for f64 inputs), as in FlashAttention's kernels. Results are cast back to the inputs' dtype.
 
-use super::attention::AttentionMask;
+use super::mask::AttentionMask;
 use super::precision::{self, accumulate};
 use crate::precomputed::{with_backward3, Backward3};
 use candle_core::{DType, Device, Result, Tensor, D};

@@ -144,22 +144,11 @@ fn add_partial(mut a: Vec<f32>, b: Vec<f32>) -> Vec<f32> {
 fn fused_here(ts: &[&Tensor]) -> bool {
     let dtype = ts[0].dtype();
     let device = ts[0].device();
-    let here = device.is_cpu() || (device.is_cuda() && cuda_fused_on());
+    let here = device.is_cpu() || (device.is_cuda() && super::precision::cuda_fused_on());
     here && ts
         .iter()
         .all(|t| t.device().same_device(device) && t.dtype() == dtype)
         && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-}
-
-/// Whether the fused CUDA kernels are built (feature `cuda`) and switched on.
-#[cfg(feature = "cuda")]
-pub(crate) fn cuda_fused_on() -> bool {
-    super::cuda_fused::enabled()
-}
-
-#[cfg(not(feature = "cuda"))]
-pub(crate) fn cuda_fused_on() -> bool {
-    false
 }
 
 // ---------------------------------------------------------------- RMSNorm
@@ -646,6 +635,21 @@ pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary { sign: 1.0 })
 }
 
+/// The plain computation (also what the sharded op runs once its weights are gathered).
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims();
+    let inner = dims[dims.len() - 1];
+    let rows = x.elem_count() / inner;
+    let y = x.reshape((rows, inner))?.matmul(&weight.t()?)?;
+    let y = match bias {
+        Some(b) => add_bias(&y, b)?,
+        None => y,
+    };
+    let mut out_dims = dims.to_vec();
+    *out_dims.last_mut().unwrap() = weight.dim(0)?;
+    y.reshape(out_dims)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -902,7 +906,7 @@ pub(crate) fn cross_entropy_rows(
 /// On a GPU one kernel that moves whole rows (Candle's strided copy moves 2 bytes a thread and
 /// took ~11% of a Qwen2-0.5B step); elsewhere the transpose and copy.
 pub fn swap_heads(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cuda() && cuda_fused_on() && x.rank() == 4 {
+    if x.device().is_cuda() && super::precision::cuda_fused_on() && x.rank() == 4 {
         return x.contiguous()?.apply_op1(SwapHeads);
     }
     x.transpose(1, 2)?.contiguous()

@@ -81,8 +81,8 @@ impl Linear {
 
     fn compute(&self, x: &Tensor, bias: Option<&Weight>) -> Result<Tensor> {
         match (&self.weight, bias) {
-            (Weight::Local(w), None) => local_linear(x, w, None),
-            (Weight::Local(w), Some(Weight::Local(b))) => local_linear(x, w, Some(b)),
+            (Weight::Local(w), None) => super::fused::linear(x, w, None),
+            (Weight::Local(w), Some(Weight::Local(b))) => super::fused::linear(x, w, Some(b)),
             (Weight::Sharded(w), None) => sharded::linear(x, w, None),
             (Weight::Sharded(w), Some(Weight::Sharded(b))) => sharded::linear(x, w, Some(b)),
             _ => candle_core::bail!("a linear layer's weight and bias must be held the same way"),
@@ -180,21 +180,6 @@ impl Parallelize for Linear {
         }
         Ok(())
     }
-}
-
-/// The plain computation (also what the sharded op runs once its weights are gathered).
-pub fn local_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let dims = x.dims();
-    let inner = dims[dims.len() - 1];
-    let rows = x.elem_count() / inner;
-    let y = x.reshape((rows, inner))?.matmul(&weight.t()?)?;
-    let y = match bias {
-        Some(b) => super::fused::add_bias(&y, b)?,
-        None => y,
-    };
-    let mut out_dims = dims.to_vec();
-    *out_dims.last_mut().unwrap() = weight.dim(0)?;
-    y.reshape(out_dims)
 }
 
 /// As `candle_nn::linear`: a [out, in] weight and a bias from `vb`.

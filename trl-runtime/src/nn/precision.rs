@@ -54,7 +54,7 @@ pub(crate) fn accumulate_product(slot: &mut Option<Tensor>, a: &Tensor, b: &Tens
         && b.rank() == 2
         && ((dev.is_cpu() && dtype == DType::F32)
             || (dev.is_cuda()
-                && super::fused::cuda_fused_on()
+                && cuda_fused_on()
                 && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)));
     if in_place {
         if slot.is_none() {
@@ -157,6 +157,17 @@ impl candle_core::InplaceOp2 for AddInto {
     ) -> Result<()> {
         super::cuda_fused::add_into((acc, al), (x, xl))
     }
+}
+
+/// Whether the fused CUDA kernels are built (feature `cuda`) and switched on.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_fused_on() -> bool {
+    super::cuda_fused::enabled()
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn cuda_fused_on() -> bool {
+    false
 }
 
 #[cfg(test)]

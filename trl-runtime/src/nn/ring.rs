@@ -23,9 +23,9 @@
 //! precision), scores, softmax and accumulators in f32 (f64 for f64 inputs). The key and value
 //! gradients travel around the ring in f32 too, so each hop adds to an unrounded sum.
 
-use super::attention::{AttentionMask, MASKED};
 use super::cpu_flash::{self, KeySpans};
 use super::flash::BLOCK;
+use super::mask::{AttentionMask, MASKED};
 use super::memo::Memo;
 use super::precision::{self, accumulate};
 use crate::comm::{CommQueue, Communicator, Pending};

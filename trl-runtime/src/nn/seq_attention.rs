@@ -2,7 +2,8 @@
 //! rank, Ulysses over an sp group (one chunk each), or a ring over a cp group (two balanced
 //! chunks each). The mask is built once per forward, for every layer.
 
-use super::attention::{AttentionImpl, AttentionMask};
+use super::attention::AttentionImpl;
+use super::mask::AttentionMask;
 use super::ring::{ring_attention, RingMask};
 use super::ulysses::ulysses_attention;
 use crate::comm::Communicator;

@@ -525,7 +525,7 @@ pub fn linear(
         }
         None => None,
     };
-    let y = crate::nn::linear::local_linear(&x.detach(), &weight, bias.as_ref())?;
+    let y = super::fused::linear(&x.detach(), &weight, bias.as_ref())?;
     let kind = OpKind::Linear {
         weight: w.entry,
         bias: b.map(|b| b.entry),

@@ -331,7 +331,7 @@ pub fn fused_applies(hidden: &Tensor, weight: &Tensor) -> bool {
     let dtype = hidden.dtype();
     let on_cpu = hidden.device().is_cpu() && dtype == DType::F32;
     let on_gpu = hidden.device().is_cuda()
-        && super::fused::cuda_fused_on()
+        && super::precision::cuda_fused_on()
         && matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
     weight.dtype() == dtype && weight.device().same_device(hidden.device()) && (on_cpu || on_gpu)
 }

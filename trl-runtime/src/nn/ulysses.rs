@@ -8,7 +8,8 @@
 //! them than ranks, the group size must be a multiple of their count: each is then repeated so
 //! that every rank gets the one its query heads read.
 
-use super::attention::{AttentionImpl, AttentionMask};
+use super::attention::AttentionImpl;
+use super::mask::AttentionMask;
 use crate::comm::autograd::all_to_all;
 use crate::comm::Communicator;
 use candle_core::{DType, Result, Tensor};

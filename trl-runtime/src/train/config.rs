@@ -3,6 +3,7 @@
 //! `trl sft --config file.yaml --learning_rate 1e-4` does. One field list feeds the struct, its
 //! defaults, the command-line flags and the merge, so they cannot drift apart.
 
+use super::trl_keys::Alias;
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -216,11 +217,26 @@ impl SftCli {
     pub fn apply(&self, config: &mut SFTConfig) -> Result<Vec<String>> {
         self.args.apply(config);
         config.other.extend(self.other.clone());
-        super::trl_keys::apply(config, "command line")
+        config.apply_other("command line")
     }
 }
 
 impl SFTConfig {
+    /// Applies `other` (TRL's and transformers' keys without a field here; see
+    /// [`super::trl_keys`]): sets the fields aliases name, refuses what would change what is
+    /// trained, and returns the `KEY: why` lines of those without effect.
+    fn apply_other(&mut self, source: &str) -> Result<Vec<String>> {
+        let other = std::mem::take(&mut self.other);
+        let (aliases, ignored) = super::trl_keys::classify(other, FIELDS, source)?;
+        for alias in aliases {
+            match alias {
+                Alias::GradientCheckpointing(on) => self.gradient_checkpointing = on,
+                Alias::MaxLength(n) => self.max_length = n,
+            }
+        }
+        Ok(ignored)
+    }
+
     /// Reads a YAML (.yaml/.yml) or TOML (.toml) file. TRL's and transformers' arguments
     /// without a field here are applied, refused or named once (printed by the main process);
     /// any other key is an error naming it.
@@ -247,7 +263,7 @@ impl SFTConfig {
             _ => serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?,
         };
         let mut config = config;
-        let ignored = super::trl_keys::apply(&mut config, &path.display().to_string())?;
+        let ignored = config.apply_other(&path.display().to_string())?;
         config.validate(&path.display().to_string())?;
         Ok((config, ignored))
     }

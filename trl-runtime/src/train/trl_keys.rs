@@ -9,8 +9,6 @@ use crate::error::{Error, Result};
 use serde_yaml::Value;
 use std::collections::BTreeMap;
 
-use super::config::SFTConfig;
-
 const KNOWN: &[&str] = &[
     "accelerator_config",
     "activation_checkpointing",
@@ -312,21 +310,36 @@ pub fn take_flags(
     (rest, taken)
 }
 
-/// Applies `config.other` (keys SFTConfig has no field for) as the module docs say, and
-/// returns one `KEY: why` line per key that has no effect. Errors name `source` and the key.
-pub fn apply(config: &mut SFTConfig, source: &str) -> Result<Vec<String>> {
+/// A key that sets a field under another name (transformers 5's and TRL's older names).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Alias {
+    GradientCheckpointing(bool),
+    MaxLength(usize),
+}
+
+/// Sorts `other` (keys the training config has no field for; `fields` are the ones it has,
+/// for suggestions) as the module docs say: the aliases to apply, and one `KEY: why` line per
+/// key that has no effect. Errors name `source` and the key.
+pub fn classify(
+    other: BTreeMap<String, Value>,
+    fields: &[&str],
+    source: &str,
+) -> Result<(Vec<Alias>, Vec<String>)> {
     let err = |key: &str, message: String| Error::Config {
         file: source.into(),
         key: key.into(),
         message,
     };
+    let mut aliases = Vec::new();
     let mut ignored = Vec::new();
-    for (key, value) in std::mem::take(&mut config.other) {
+    for (key, value) in other {
         match key.as_str() {
             // transformers 5's name, and TRL's older one, for fields we have.
-            "activation_checkpointing" => config.gradient_checkpointing = truthy(&value),
+            "activation_checkpointing" => {
+                aliases.push(Alias::GradientCheckpointing(truthy(&value)))
+            }
             "max_seq_length" => match value.as_u64() {
-                Some(n) => config.max_length = n as usize,
+                Some(n) => aliases.push(Alias::MaxLength(n as usize)),
                 None if value.is_null() => {}
                 None => return Err(err(&key, format!("expected a token count, found {value:?}"))),
             },
@@ -356,7 +369,7 @@ pub fn apply(config: &mut SFTConfig, source: &str) -> Result<Vec<String>> {
                 let hint = KNOWN
                     .iter()
                     .copied()
-                    .chain(super::config::FIELDS.iter().copied())
+                    .chain(fields.iter().copied())
                     .min_by_key(|c| strsim::levenshtein(c, k))
                     .filter(|c| strsim::levenshtein(c, k) <= 3)
                     .map(|c| format!(" (did you mean `{c}`?)"))
@@ -365,5 +378,5 @@ pub fn apply(config: &mut SFTConfig, source: &str) -> Result<Vec<String>> {
             }
         }
     }
-    Ok(ignored)
+    Ok((aliases, ignored))
 }

@@ -1,0 +1,209 @@
+//! The sections of Accelerate's launch config as values: the distributed type, mixed
+//! precision, GPU ids, and the FSDP and DeepSpeed sections. `launch` reads them from YAML,
+//! `deepspeed_json` from a DeepSpeed JSON, `parallelism` and `plan` use them.
+
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComputeEnvironment {
+    LocalMachine,
+    AmazonSagemaker,
+}
+
+/// How the processes cooperate. Only the variants this project runs are accepted; the others
+/// Accelerate knows (TPUs, NPUs, ...) are rejected with a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DistributedType {
+    No,
+    MultiGpu,
+    MultiCpu,
+    DeepSpeed,
+    Fsdp,
+}
+
+impl DistributedType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DistributedType::No => "NO",
+            DistributedType::MultiGpu => "MULTI_GPU",
+            DistributedType::MultiCpu => "MULTI_CPU",
+            DistributedType::DeepSpeed => "DEEPSPEED",
+            DistributedType::Fsdp => "FSDP",
+        }
+    }
+
+    /// Whether data parallelism shards model state (ZeRO / FSDP) rather than replicating it.
+    pub fn shards_model_state(self) -> bool {
+        matches!(self, DistributedType::DeepSpeed | DistributedType::Fsdp)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MixedPrecision {
+    No,
+    Fp16,
+    Bf16,
+    Fp8,
+}
+
+impl MixedPrecision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MixedPrecision::No => "no",
+            MixedPrecision::Fp16 => "fp16",
+            MixedPrecision::Bf16 => "bf16",
+            MixedPrecision::Fp8 => "fp8",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "no" | "false" | "fp32" => Some(MixedPrecision::No),
+            "fp16" => Some(MixedPrecision::Fp16),
+            "bf16" => Some(MixedPrecision::Bf16),
+            "fp8" => Some(MixedPrecision::Fp8),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuIds {
+    All,
+    List(Vec<u32>),
+}
+
+impl GpuIds {
+    /// Parses Accelerate's `gpu_ids`: `all` or a comma-separated list such as `0,1,3`.
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("all") || s.is_empty() {
+            return Ok(GpuIds::All);
+        }
+        s.split(',')
+            .map(|p| {
+                p.trim().parse::<u32>().map_err(|_| {
+                    format!("'{p}' is not a GPU index: use `all` or a list like 0,1,3")
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map(GpuIds::List)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsdpShardingStrategy {
+    FullShard,
+    ShardGradOp,
+    NoShard,
+    HybridShard,
+    HybridShardZero2,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsdpAutoWrapPolicy {
+    TransformerBasedWrap,
+    SizeBasedWrap,
+    NoWrap,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsdpBackwardPrefetch {
+    BackwardPre,
+    BackwardPost,
+    NoPrefetch,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsdpStateDictType {
+    FullStateDict,
+    ShardedStateDict,
+    LocalStateDict,
+}
+
+/// `fsdp_config.*`. Version 1 names a sharding strategy; version 2 only says whether to
+/// reshard after forward (FULL_SHARD when true, SHARD_GRAD_OP when false).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FsdpConfig {
+    pub version: u8,
+    pub sharding_strategy: FsdpShardingStrategy,
+    pub reshard_after_forward: bool,
+    pub auto_wrap_policy: FsdpAutoWrapPolicy,
+    pub transformer_layer_cls_to_wrap: Option<String>,
+    pub min_num_params: Option<u64>,
+    pub backward_prefetch: FsdpBackwardPrefetch,
+    pub forward_prefetch: bool,
+    pub offload_params: bool,
+    pub state_dict_type: FsdpStateDictType,
+    pub cpu_ram_efficient_loading: bool,
+    pub sync_module_states: bool,
+    pub use_orig_params: bool,
+    pub activation_checkpointing: bool,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig {
+            version: 1,
+            sharding_strategy: FsdpShardingStrategy::FullShard,
+            reshard_after_forward: true,
+            auto_wrap_policy: FsdpAutoWrapPolicy::TransformerBasedWrap,
+            transformer_layer_cls_to_wrap: None,
+            min_num_params: None,
+            backward_prefetch: FsdpBackwardPrefetch::BackwardPre,
+            forward_prefetch: false,
+            offload_params: false,
+            state_dict_type: FsdpStateDictType::FullStateDict,
+            cpu_ram_efficient_loading: false,
+            sync_module_states: true,
+            use_orig_params: true,
+            activation_checkpointing: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OffloadDevice {
+    None,
+    Cpu,
+    Nvme,
+}
+
+/// `deepspeed_config.*`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeepSpeedConfig {
+    pub zero_stage: u8,
+    pub offload_optimizer_device: OffloadDevice,
+    pub offload_param_device: OffloadDevice,
+    pub zero3_init_flag: bool,
+    pub zero3_save_16bit_model: bool,
+    pub gradient_accumulation_steps: Option<u64>,
+    pub gradient_clipping: Option<f64>,
+    pub multinode_launcher: Option<String>,
+    pub config_file: Option<PathBuf>,
+    /// Ulysses all-to-all precision (`seq_parallel_communication_data_type`).
+    pub seq_parallel_communication_data_type: Option<String>,
+    /// From a DeepSpeed JSON: its micro-batch size (checked against the training arguments).
+    pub train_micro_batch_size_per_gpu: Option<u64>,
+    /// From a DeepSpeed JSON: its bf16 / fp16 section.
+    pub mixed_precision: Option<MixedPrecision>,
+}
+
+impl Default for DeepSpeedConfig {
+    fn default() -> Self {
+        DeepSpeedConfig {
+            zero_stage: 2,
+            offload_optimizer_device: OffloadDevice::None,
+            offload_param_device: OffloadDevice::None,
+            zero3_init_flag: false,
+            zero3_save_16bit_model: false,
+            gradient_accumulation_steps: None,
+            gradient_clipping: None,
+            multinode_launcher: None,
+            config_file: None,
+            seq_parallel_communication_data_type: None,
+            train_micro_batch_size_per_gpu: None,
+            mixed_precision: None,
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Which keys each query may see: causal, within the documents of packed rows (positions
+//! that restart open a new document). Built once per forward from the position ids and shared
+//! by every layer, by the whole-matrix, blockwise, fused and ring attention paths.
+
+use super::cpu_flash::KeySpans;
+use super::memo::Memo;
+use super::precision;
+use super::softmax::RowRanges;
+use candle_core::{DType, Device, Result, Tensor};
+use std::sync::Arc;
+
+/// Which keys each query may see, derived from position ids: a position that does not follow
+/// its predecessor (it restarts, typically at 0) opens a new document.
+#[derive(Debug, Clone)]
+pub struct AttentionMask {
+    /// First visible key of every (batch, row): the start of the row's document.
+    pub(super) ranges: RowRanges,
+    /// Where and in which dtype the additive masks are built: the activations' device and
+    /// their softmax dtype.
+    device: Device,
+    softmax: DType,
+    /// Whether the whole-matrix path uses the fused CPU softmax (then it needs no additive mask).
+    pub(super) fused: bool,
+    /// Additive masks (0 allowed, a large negative number elsewhere) by (first query, queries,
+    /// first key, keys), built on first use and shared by every layer of one forward and its
+    /// backward; None where every query sees every key. The whole matrix is one such pair.
+    masks: Arc<Memo<BlockPair, Option<Tensor>>>,
+    /// The same ranges as the fused kernels take them, built on first use and shared too.
+    spans: Arc<std::sync::OnceLock<KeySpans>>,
+}
+
+/// (first query, queries, first key, keys).
+type BlockPair = (usize, usize, usize, usize);
+
+/// Added to masked scores: its exp() is 0, without the NaN that -inf - -inf would give.
+pub(crate) const MASKED: f32 = -1e30;
+
+/// Document index of every token of one row of position ids.
+pub fn document_ids(positions: &[i64]) -> Vec<u32> {
+    let mut doc = 0u32;
+    positions
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| {
+            if i > 0 && p != positions[i - 1] + 1 {
+                doc += 1;
+            }
+            doc
+        })
+        .collect()
+}
+
+impl AttentionMask {
+    /// Causal, document-aware mask for `position_ids` [batch, seq], for activations of `dtype`
+    /// on `device` (the fused softmax on CPU, additive masks elsewhere).
+    pub fn causal(position_ids: &Tensor, dtype: DType, device: &Device) -> Result<Self> {
+        Self::build(position_ids, dtype, device, device.is_cpu())
+    }
+
+    pub(super) fn build(
+        position_ids: &Tensor,
+        dtype: DType,
+        device: &Device,
+        fused: bool,
+    ) -> Result<Self> {
+        let rows: Vec<Vec<i64>> = position_ids.to_dtype(DType::I64)?.to_vec2()?;
+        let (b, s) = (rows.len(), rows.first().map_or(0, Vec::len));
+        let mut starts = Vec::with_capacity(b * s);
+        for row in &rows {
+            let docs = document_ids(row);
+            let mut start = 0;
+            for i in 0..s {
+                if i > 0 && docs[i] != docs[i - 1] {
+                    start = i;
+                }
+                starts.push(start as u32);
+            }
+        }
+        Ok(AttentionMask {
+            ranges: RowRanges {
+                batch: b,
+                rows: s,
+                starts: Arc::new(starts),
+            },
+            device: device.clone(),
+            softmax: precision::wide(dtype),
+            fused,
+            masks: Arc::default(),
+            spans: Arc::default(),
+        })
+    }
+
+    pub fn ranges(&self) -> &RowRanges {
+        &self.ranges
+    }
+
+    /// Every row's visible keys as the fused kernels take them (causal within documents).
+    pub fn key_spans(&self) -> &KeySpans {
+        self.spans.get_or_init(|| KeySpans::causal(&self.ranges))
+    }
+
+    /// The additive mask of queries `q` (first, count) over keys `k` (first, count), [batch, 1,
+    /// 1, q count, k count], built on the host and moved to the device.
+    fn bias(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> Result<Tensor> {
+        let r = &self.ranges;
+        let mut out = Vec::with_capacity(r.batch * qn * kn);
+        for row in r.starts.chunks(r.rows.max(1)) {
+            for (q, &start) in (q0..).zip(&row[q0..q0 + qn]) {
+                let start = start as usize;
+                out.extend((k0..k0 + kn).map(|k| if k >= start && k <= q { 0.0 } else { MASKED }));
+            }
+        }
+        Tensor::from_vec(out, (r.batch, 1, 1, qn, kn), &self.device)?.to_dtype(self.softmax)
+    }
+
+    /// Whether some query of block `q` may see a key of block `k`, for key blocks at or before
+    /// the query block. Earlier key blocks are then invisible too.
+    pub(crate) fn block_visible(&self, (q0, qn): (usize, usize), (k0, kn): (usize, usize)) -> bool {
+        let last_key = k0 + kn - 1;
+        let r = &self.ranges;
+        r.starts
+            .chunks(r.rows.max(1))
+            .any(|row| row[q0..q0 + qn].iter().any(|&st| st as usize <= last_key))
+    }
+
+    /// The additive mask of queries `q` over keys `k`, or None when every query of `q` sees
+    /// every key of `k` (a key block wholly before the query block and inside every query's
+    /// document): most block pairs of long rows need no mask at all.
+    pub(crate) fn block_bias(
+        &self,
+        q: (usize, usize),
+        k: (usize, usize),
+    ) -> Result<Option<Tensor>> {
+        self.masks.get_or_build((q.0, q.1, k.0, k.1), || {
+            let r = &self.ranges;
+            let open = k.0 + k.1 <= q.0
+                && r.starts
+                    .chunks(r.rows.max(1))
+                    .all(|row| row[q.0..q.0 + q.1].iter().all(|&st| st as usize <= k.0));
+            match open {
+                true => Ok(None),
+                false => self.bias(q, k).map(Some),
+            }
+        })
+    }
+}
