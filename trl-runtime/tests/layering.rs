@@ -224,7 +224,7 @@ fn no_file_uses_a_sibling_that_uses_it_back() {
             let code = std::fs::read_to_string(dir.join(format!("{name}.rs"))).unwrap();
             // A file's unit tests (its `#[cfg(test)]` module, at the end) may use anything.
             let code = code.split("#[cfg(test)]\nmod tests").next().unwrap_or("");
-            let mut uses = sibling_uses(&code, &module_path, &siblings, &reexported);
+            let mut uses = sibling_uses(code, &module_path, &siblings, &reexported);
             uses.remove(name);
             edges.insert(name.clone(), uses);
         }
