@@ -313,41 +313,28 @@ fn parse_fsdp(
         c.version = v as u8;
     }
     if let Some(v) = s.raw("fsdp_sharding_strategy") {
-        c.sharding_strategy = sharding_from_value(&s, "fsdp_sharding_strategy", v)?;
-        c.reshard_after_forward = matches!(
-            c.sharding_strategy,
-            FsdpShardingStrategy::FullShard | FsdpShardingStrategy::HybridShard
-        );
+        c.set_sharding_strategy(sharding_from_value(&s, "fsdp_sharding_strategy", v)?);
     }
     // FSDP1 profiles put the strategy name here; FSDP2 a boolean.
     if let Some(v) = s.raw("fsdp_reshard_after_forward") {
         match v {
-            Value::Bool(b) => c.reshard_after_forward = *b,
+            Value::Bool(b) => c.set_reshard_after_forward(*b),
             Value::String(t)
                 if t.eq_ignore_ascii_case("true") || t.eq_ignore_ascii_case("false") =>
             {
-                c.reshard_after_forward = t.eq_ignore_ascii_case("true")
+                c.set_reshard_after_forward(t.eq_ignore_ascii_case("true"))
             }
-            other if c.version == 1 => {
-                c.sharding_strategy = sharding_from_value(&s, "fsdp_reshard_after_forward", other)?;
-                c.reshard_after_forward = matches!(
-                    c.sharding_strategy,
-                    FsdpShardingStrategy::FullShard | FsdpShardingStrategy::HybridShard
-                );
-            }
+            other if c.version == 1 => c.set_sharding_strategy(sharding_from_value(
+                &s,
+                "fsdp_reshard_after_forward",
+                other,
+            )?),
             other => {
                 return Err(s.error(
                     "fsdp_reshard_after_forward",
                     format!("fsdp_version 2 expects true or false, found {other:?}"),
                 ))
             }
-        }
-        if c.version == 2 {
-            c.sharding_strategy = if c.reshard_after_forward {
-                FsdpShardingStrategy::FullShard
-            } else {
-                FsdpShardingStrategy::ShardGradOp
-            };
         }
     }
     if let Some(p) = s.choice(

@@ -132,36 +132,6 @@ const PREFETCH: &[&str] = &["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"];
 const STATE_DICT: &[&str] = &["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"];
 const OFFLOAD: &[&str] = &["none", "cpu", "nvme"];
 
-impl FsdpShardingStrategy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsdpShardingStrategy::FullShard => "FULL_SHARD",
-            FsdpShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
-            FsdpShardingStrategy::NoShard => "NO_SHARD",
-            FsdpShardingStrategy::HybridShard => "HYBRID_SHARD",
-            FsdpShardingStrategy::HybridShardZero2 => "HYBRID_SHARD_ZERO2",
-        }
-    }
-
-    pub(crate) fn from_name(name: &str) -> Self {
-        match name {
-            "SHARD_GRAD_OP" => FsdpShardingStrategy::ShardGradOp,
-            "NO_SHARD" => FsdpShardingStrategy::NoShard,
-            "HYBRID_SHARD" => FsdpShardingStrategy::HybridShard,
-            "HYBRID_SHARD_ZERO2" => FsdpShardingStrategy::HybridShardZero2,
-            _ => FsdpShardingStrategy::FullShard,
-        }
-    }
-
-    /// Whether parameters stay sharded between uses (FULL_SHARD, HYBRID_SHARD).
-    pub fn reshards(self) -> bool {
-        matches!(
-            self,
-            FsdpShardingStrategy::FullShard | FsdpShardingStrategy::HybridShard
-        )
-    }
-}
-
 impl FsdpAutoWrapPolicy {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -521,27 +491,17 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
         c.version = v;
     }
     if let Some(s) = vars.choice("FSDP_SHARDING_STRATEGY", SHARDING, true)? {
-        c.sharding_strategy = FsdpShardingStrategy::from_name(s);
-        c.reshard_after_forward = c.sharding_strategy.reshards();
+        c.set_sharding_strategy(FsdpShardingStrategy::from_name(s));
     }
     // FSDP2 says only whether to reshard after forward; FSDP1 may carry a strategy name here.
     if let Some(v) = vars.get("FSDP_RESHARD_AFTER_FORWARD") {
         match str_to_bool(&v) {
-            Some(b) => {
-                c.reshard_after_forward = b;
-                if c.version == 2 {
-                    c.sharding_strategy = match b {
-                        true => FsdpShardingStrategy::FullShard,
-                        false => FsdpShardingStrategy::ShardGradOp,
-                    };
-                }
-            }
+            Some(b) => c.set_reshard_after_forward(b),
             None if c.version == 1 => {
                 let s = vars
                     .choice("FSDP_RESHARD_AFTER_FORWARD", SHARDING, true)?
                     .expect("set");
-                c.sharding_strategy = FsdpShardingStrategy::from_name(s);
-                c.reshard_after_forward = c.sharding_strategy.reshards();
+                c.set_sharding_strategy(FsdpShardingStrategy::from_name(s));
             }
             None => {
                 return Err(Vars::<F>::bad(

@@ -207,3 +207,54 @@ impl Default for DeepSpeedConfig {
         }
     }
 }
+
+impl FsdpShardingStrategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsdpShardingStrategy::FullShard => "FULL_SHARD",
+            FsdpShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
+            FsdpShardingStrategy::NoShard => "NO_SHARD",
+            FsdpShardingStrategy::HybridShard => "HYBRID_SHARD",
+            FsdpShardingStrategy::HybridShardZero2 => "HYBRID_SHARD_ZERO2",
+        }
+    }
+
+    pub(crate) fn from_name(name: &str) -> Self {
+        match name {
+            "SHARD_GRAD_OP" => FsdpShardingStrategy::ShardGradOp,
+            "NO_SHARD" => FsdpShardingStrategy::NoShard,
+            "HYBRID_SHARD" => FsdpShardingStrategy::HybridShard,
+            "HYBRID_SHARD_ZERO2" => FsdpShardingStrategy::HybridShardZero2,
+            _ => FsdpShardingStrategy::FullShard,
+        }
+    }
+
+    /// Whether parameters stay sharded between uses (FULL_SHARD, HYBRID_SHARD).
+    pub fn reshards(self) -> bool {
+        matches!(
+            self,
+            FsdpShardingStrategy::FullShard | FsdpShardingStrategy::HybridShard
+        )
+    }
+}
+
+impl FsdpConfig {
+    /// `fsdp_sharding_strategy` (FSDP_SHARDING_STRATEGY, or FSDP1's name in the reshard key):
+    /// the strategy, and whether it reshards after forward.
+    pub fn set_sharding_strategy(&mut self, s: FsdpShardingStrategy) {
+        self.sharding_strategy = s;
+        self.reshard_after_forward = s.reshards();
+    }
+
+    /// FSDP2's `fsdp_reshard_after_forward` boolean, which under version 2 also picks the
+    /// strategy (FULL_SHARD when true, SHARD_GRAD_OP when false).
+    pub fn set_reshard_after_forward(&mut self, reshard: bool) {
+        self.reshard_after_forward = reshard;
+        if self.version == 2 {
+            self.sharding_strategy = match reshard {
+                true => FsdpShardingStrategy::FullShard,
+                false => FsdpShardingStrategy::ShardGradOp,
+            };
+        }
+    }
+}
