@@ -11,7 +11,7 @@ use trl_runtime::comm::InProcessWorld;
 use trl_runtime::models::ModelConfig;
 use trl_runtime::parallel::CausalLm;
 use trl_runtime::train::plan_query::{QUERY_OUT_VAR, QUERY_TP_VAR};
-use trl_runtime::train::SFTConfig;
+use trl_runtime::train::{SFTConfig, SftCli};
 
 /// One parameter of the plan: its split style, the dimension split (None: whole on every
 /// rank) and its full and per-rank shapes.
@@ -132,57 +132,30 @@ fn parse_answer(text: &str) -> Result<Answer, String> {
     Ok(Answer::Plan(dir, Ok(entries)))
 }
 
-/// The value of TRL flag `name` (snake_case) among the program's arguments, in either
-/// spelling (`--a_b`, `--a-b`, `=VALUE` or the next argument); `Some("")` for a bare flag.
-fn flag_value(program_args: &[String], name: &str) -> Option<String> {
-    let mut found = None;
-    for (i, a) in program_args.iter().enumerate() {
-        let Some(flag) = a.strip_prefix("--") else {
-            continue;
-        };
-        let (key, inline) = match flag.split_once('=') {
-            Some((k, v)) => (k, Some(v.to_string())),
-            None => (flag, None),
-        };
-        if key.replace('-', "_") != name {
-            continue;
-        }
-        // The last one wins, as with HF's argument parser.
-        found = Some(inline.unwrap_or_else(|| match program_args.get(i + 1) {
-            Some(next) if !next.starts_with("--") => next.clone(),
-            _ => String::new(),
-        }));
-    }
-    found
+/// The training arguments a TRL-style program reads from `program_args` (its `--config` file,
+/// then its flags), parsed as the program parses them; None when they are not TRL's (another
+/// program's flags) or do not resolve.
+fn training_args(program_args: &[String]) -> Option<SFTConfig> {
+    let argv = std::iter::once("program".to_string()).chain(program_args.iter().cloned());
+    SftCli::try_parse_trl_from(argv).ok()?.resolve().ok()
 }
 
-/// The `--config FILE` the program's arguments pass, read as TRL's SFTConfig.
-fn config_file(program_args: &[String]) -> Option<SFTConfig> {
-    SFTConfig::from_file(flag_value(program_args, "config")?).ok()
-}
-
-/// The model directory the program's arguments name: TRL's `--model_name_or_path DIR`, or
-/// `model_name_or_path` in the `--config FILE` they pass. None when they name neither.
+/// The model directory the program's arguments name (`--model_name_or_path DIR`, or
+/// `model_name_or_path` in the `--config FILE` they pass). None when they name neither.
 pub fn model_dir(program_args: &[String]) -> Option<PathBuf> {
-    if let Some(dir) = flag_value(program_args, "model_name_or_path") {
-        return Some(dir.into());
-    }
-    Some(config_file(program_args)?.model_name_or_path)
+    let config = training_args(program_args)?;
+    // SFTConfig's default is not a choice the arguments made.
+    (config.model_name_or_path != SFTConfig::default().model_name_or_path)
+        .then_some(config.model_name_or_path)
 }
 
 /// Whether a TRL-style program recomputes layers in backward: `--gradient_checkpointing`
 /// (or transformers 5's `--activation_checkpointing`), else its `--config FILE`, else TRL's
 /// SFTConfig default (on).
 pub fn gradient_checkpointing(program_args: &[String]) -> bool {
-    use trl_runtime::config::cli_value::CliValue;
-    for name in ["gradient_checkpointing", "activation_checkpointing"] {
-        if let Some(v) = flag_value(program_args, name) {
-            return v.is_empty() || bool::parse_cli(v.trim()).unwrap_or(true);
-        }
-    }
-    config_file(program_args).map_or(SFTConfig::default().gradient_checkpointing, |c| {
-        c.gradient_checkpointing
-    })
+    training_args(program_args)
+        .unwrap_or_default()
+        .gradient_checkpointing
 }
 
 /// The plan of the built-in decoder (Llama / Qwen2) for the model in `dir` split over `tp`

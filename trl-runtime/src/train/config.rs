@@ -212,6 +212,29 @@ impl SftCli {
         cli
     }
 
+    /// As [`Self::parse_trl_from`], returning clap's error instead of exiting (for tools that
+    /// read a training program's arguments, such as the launcher).
+    pub fn try_parse_trl_from(
+        args: impl IntoIterator<Item = String>,
+    ) -> std::result::Result<Self, clap::Error> {
+        use clap::Parser;
+        let (rest, other) = super::trl_keys::take_flags(args);
+        let mut cli = Self::try_parse_from(rest)?;
+        cli.other = other;
+        Ok(cli)
+    }
+
+    /// The training arguments these flags give: the `--config` file (if any) read, the flags
+    /// written over it, as a TRL program does.
+    pub fn resolve(&self) -> Result<SFTConfig> {
+        let mut config = match &self.config {
+            Some(path) => SFTConfig::read(path)?.0,
+            None => SFTConfig::default(),
+        };
+        self.apply(&mut config)?;
+        Ok(config)
+    }
+
     /// Writes the flags over `config`, then applies, refuses or names the TRL flags without a
     /// field (as for a file); returns the `KEY: why` lines of those without effect.
     pub fn apply(&self, config: &mut SFTConfig) -> Result<Vec<String>> {
