@@ -52,7 +52,73 @@ pub struct AdamW {
     pub states: BTreeMap<String, ParamState>,
 }
 
+/// The file a checkpoint keeps the optimizer state in ([`AdamW::write_file`]).
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
 impl AdamW {
+    /// Writes the master weights and moments by parameter name (`NAME::master`,
+    /// `NAME::exp_avg`, `NAME::exp_avg_sq`) and the step count (metadata `optimizer_step`) to
+    /// the safetensors file `path`.
+    pub fn write_file(&self, path: &std::path::Path) -> Result<()> {
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        for (name, s) in &self.states {
+            tensors.push((format!("{name}::master"), s.master.clone()));
+            tensors.push((format!("{name}::exp_avg"), s.exp_avg.clone()));
+            tensors.push((format!("{name}::exp_avg_sq"), s.exp_avg_sq.clone()));
+        }
+        let meta: std::collections::HashMap<String, String> =
+            [("optimizer_step".to_string(), self.step.to_string())].into();
+        let data: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        safetensors::serialize_to_file(data, Some(meta), path).map_err(|e| {
+            Error::io(
+                format!("cannot write {}", path.display()),
+                std::io::Error::other(e.to_string()),
+            )
+        })
+    }
+
+    /// Reads every parameter's state from a file [`Self::write_file`] wrote (onto each
+    /// state's device); returns the step count it holds, if any.
+    pub fn read_file(&mut self, path: &std::path::Path) -> Result<Option<u64>> {
+        let bad = |key: &str, message: String| Error::Config {
+            file: path.display().to_string(),
+            key: key.into(),
+            message,
+        };
+        // One read: the tensors and, in the header's metadata, the step count.
+        let bytes = std::fs::read(path)
+            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        let tensors = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)
+            .map_err(|e| {
+                bad(
+                    "<safetensors>",
+                    format!("cannot read the optimizer state: {e}"),
+                )
+            })?;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+            .map_err(|e| bad("<metadata>", e.to_string()))?;
+        let take = |key: String| {
+            tensors.get(&key).cloned().ok_or_else(|| {
+                bad(
+                    &key,
+                    "missing from the optimizer state: the checkpoint does not match this model"
+                        .into(),
+                )
+            })
+        };
+        for (name, s) in self.states.iter_mut() {
+            let device = s.master.device().clone();
+            s.master = take(format!("{name}::master"))?.to_device(&device)?;
+            s.exp_avg = take(format!("{name}::exp_avg"))?.to_device(&device)?;
+            s.exp_avg_sq = take(format!("{name}::exp_avg_sq"))?.to_device(&device)?;
+        }
+        Ok(meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("optimizer_step"))
+            .and_then(|v| v.parse().ok()))
+    }
+
     /// State for every parameter of `params` (or the subset a ZeRO rank owns: pass those).
     pub fn new<'a>(
         params: impl IntoIterator<Item = (&'a String, &'a Tensor)>,

@@ -7,6 +7,7 @@
 //! state and gradients sharded) or [`fsdp`] (ZeRO-3 / FSDP: parameters too), with the
 //! optimizer state in host memory when [`offload`] asks for it.
 
+pub mod build;
 pub mod checkpointing;
 pub mod ddp;
 pub mod fsdp;
@@ -15,6 +16,7 @@ pub mod offload;
 pub mod sharded_state;
 pub mod zero;
 
+pub use build::{build, Built, ModelSpec};
 pub use checkpointing::Checkpointing;
 pub use fsdp::{FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy};
 pub use model::{CausalLm, Model};

@@ -9,12 +9,10 @@
 use crate::error::{Error, Result};
 use crate::models::Params;
 use crate::optim::AdamW;
-use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub use crate::optim::OPTIMIZER_FILE;
 pub const STATE_FILE: &str = "trainer_state.json";
 const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.json",
@@ -160,21 +158,7 @@ pub fn write_model_files(
 
 /// optimizer.safetensors: master weights and moments by parameter name, and the step count.
 pub fn write_optimizer(tmp: &Path, optimizer: &AdamW) -> Result<()> {
-    let mut tensors: Vec<(String, Tensor)> = Vec::new();
-    for (name, s) in &optimizer.states {
-        tensors.push((format!("{name}::master"), s.master.clone()));
-        tensors.push((format!("{name}::exp_avg"), s.exp_avg.clone()));
-        tensors.push((format!("{name}::exp_avg_sq"), s.exp_avg_sq.clone()));
-    }
-    let meta: HashMap<String, String> =
-        [("optimizer_step".to_string(), optimizer.step.to_string())].into();
-    let data: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    safetensors::serialize_to_file(data, Some(meta), &tmp.join(OPTIMIZER_FILE)).map_err(|e| {
-        io(
-            format!("cannot write {OPTIMIZER_FILE}"),
-            std::io::Error::other(e.to_string()),
-        )
-    })
+    optimizer.write_file(&tmp.join(OPTIMIZER_FILE))
 }
 
 /// Writes the trainer state (its presence marks the checkpoint complete), renames the staging
@@ -220,42 +204,7 @@ pub fn read_trainer_state(dir: &Path) -> Result<TrainerState> {
 /// the trainer state. The model weights are loaded separately (`CausalLm::from_pretrained`).
 pub fn load_training_state(dir: &Path, optimizer: &mut AdamW) -> Result<TrainerState> {
     let state = read_trainer_state(dir)?;
-    let opt_path = dir.join(OPTIMIZER_FILE);
-    let bad = |key: &str, message: String| Error::Config {
-        file: opt_path.display().to_string(),
-        key: key.into(),
-        message,
-    };
-    // One read: the tensors and, in the header's metadata, the step count.
-    let bytes = std::fs::read(&opt_path)
-        .map_err(|e| Error::io(format!("cannot read {}", opt_path.display()), e))?;
-    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| {
-        bad(
-            "<safetensors>",
-            format!("cannot read the optimizer state: {e}"),
-        )
-    })?;
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
-        .map_err(|e| bad("<metadata>", e.to_string()))?;
-    let take = |key: String| {
-        tensors.get(&key).cloned().ok_or_else(|| {
-            bad(
-                &key,
-                "missing from the optimizer state: the checkpoint does not match this model".into(),
-            )
-        })
-    };
-    for (name, s) in optimizer.states.iter_mut() {
-        let device = s.master.device().clone();
-        s.master = take(format!("{name}::master"))?.to_device(&device)?;
-        s.exp_avg = take(format!("{name}::exp_avg"))?.to_device(&device)?;
-        s.exp_avg_sq = take(format!("{name}::exp_avg_sq"))?.to_device(&device)?;
-    }
-    optimizer.step = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("optimizer_step"))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(state.global_step as u64);
+    let step = optimizer.read_file(&dir.join(OPTIMIZER_FILE))?;
+    optimizer.step = step.unwrap_or(state.global_step as u64);
     Ok(state)
 }

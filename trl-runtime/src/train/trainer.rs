@@ -24,12 +24,12 @@ use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalModel, Llama, Params};
 use crate::nn::AttentionImpl;
-use crate::optim::{grad_clip_coef, AdamW, AdamWConfig};
-use crate::parallel::sharded_state::{self, ShardedReader};
+use crate::optim::{grad_clip_coef, AdamWConfig};
+use crate::parallel::sharded_state;
 use crate::parallel::Model;
 use crate::parallel::{
-    batch_axes, parallelize, shard_axes, CheckpointFormat, Optimizer, ParallelOptions,
-    Parallelized, Resume, Strategy, ZeroStage,
+    batch_axes, build, shard_axes, Built, CheckpointFormat, ModelSpec, Optimizer, Strategy,
+    ZeroStage,
 };
 use crate::tp::{state as tp_state, TpGrads};
 use candle_core::{DType, Device, Tensor, D};
@@ -294,34 +294,12 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         config.validate("training arguments")?;
         check_deepspeed_values(&config, ctx.plan())?;
         let dp = ctx.group(DP);
-        let tp = ctx.group(&[Axis::Tp]);
         let dir = config.model_name_or_path.clone();
         let tokenizer = TextTokenizer::from_dir(&dir)?;
-        // Split over tp as it is read: each rank reads only its slices.
-        let tp_error = |e: Error| match e {
-            Error::TensorParallel { .. } => Error::Config {
-                file: dir.join("config.json").display().to_string(),
-                key: "parallelism_config_tp_size".into(),
-                message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
-            },
-            other => other,
-        };
-        let device = ctx.device().clone();
         let dtype = config.compute_dtype()?;
         if dtype != DType::F32 {
             tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
         }
-        // ZeRO-3 / FSDP with efficient loading (and tp 1, a fresh start): the model's
-        // structure only; each rank reads its slices when it is sharded.
-        let read_shards = ctx.plan().efficient_loading()
-            && matches!(strategy, Strategy::Fsdp(..))
-            && tp.size() == 1
-            && config.resume_from_checkpoint.is_none();
-        let mut model = match read_shards {
-            true => Model::<N>::skeleton_for(&dir, dtype, &device)?,
-            false => Model::<N>::from_pretrained_split(&dir, dtype, &device, tp.clone())
-                .map_err(tp_error)?,
-        };
         let policy = if config.skip_bad_rows {
             OnBadRow::Skip
         } else {
@@ -400,32 +378,10 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             seed: config.seed,
             ..Default::default()
         };
-        let mut resume = Resume::Fresh;
+        let mut resume_from = None;
         if let Some(spec) = &config.resume_from_checkpoint {
             let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
-            if sharded_state::is_sharded(&ckpt) {
-                // Slices are read by whoever owns them; unsharded strategies, and tensor-
-                // parallel runs (which cut their tp slices from whole tensors), read it all.
-                let reader = ShardedReader::open(&ckpt)?;
-                state = checkpoint::read_trainer_state(&ckpt)?;
-                if tp.size() > 1 || !matches!(strategy, Strategy::Fsdp(..) | Strategy::Zero(_)) {
-                    let (params, full) = reader.full_state(adam)?;
-                    let params = params
-                        .into_iter()
-                        .map(|(n, t)| Ok((n, t.to_dtype(dtype)?.to_device(&device)?)))
-                        .collect::<Result<_>>()?;
-                    let json = model.config_json().to_string();
-                    model = Model::with_params(json, Params::from_tensors(params)?)?;
-                    resume = Resume::Full(full);
-                } else {
-                    resume = Resume::Sharded(reader);
-                }
-            } else {
-                model = Model::from_pretrained(&ckpt, dtype, &device)?;
-                let mut full = AdamW::for_params(&model.params, adam)?;
-                state = checkpoint::load_training_state(&ckpt, &mut full)?;
-                resume = Resume::Full(full);
-            }
+            state = checkpoint::read_trainer_state(&ckpt)?;
             if state.total_steps != total_steps {
                 tracing::warn!(
                     "resuming a run planned for {} steps with a config that gives {total_steps}",
@@ -438,36 +394,31 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 ckpt.display(),
                 state.global_step
             );
+            resume_from = Some((ckpt, state.global_step as u64));
         }
-        // Any checkpoint resumes under any strategy and world size: the state is per parameter.
-        let plan = ctx.plan();
-        let checkpoint_format = CheckpointFormat::from_plan(plan);
-        if tp.size() > 1 && checkpoint_format == CheckpointFormat::Sharded && ctx.is_main_process()
-        {
-            tracing::warn!(
-                "sharded checkpoints are written full under tensor parallelism (tp = {}): \
-                 each parameter is gathered and rank 0 writes HF safetensors",
-                tp.size()
-            );
-        }
-        let options = ParallelOptions {
-            strategy,
-            model_dir: dir.clone(),
-            attention: AttentionImpl::for_device(&config.attn_implementation, ctx.device())
-                .expect("validated"),
-            tiled_loss: config.use_liger_kernel,
-            tiled_mlp: config.tiled_mlp,
-            activation_checkpointing: config.gradient_checkpointing
-                || plan.activation_checkpointing(),
-            offload_activations: config.activation_offloading,
-            offload_optimizer: plan.offload_optimizer(),
-            read_shards,
-            adam,
-        };
-        let Parallelized {
+        // The model, parallel as the launch says, resumed where asked.
+        let Built {
+            model,
             optimizer,
             tp_grads,
-        } = parallelize(&mut model, ctx, &options, resume)?;
+            checkpoint_format,
+            read_shards,
+        } = build::<N>(
+            ctx,
+            ModelSpec {
+                model_dir: dir.clone(),
+                dtype,
+                strategy,
+                attention: AttentionImpl::for_device(&config.attn_implementation, ctx.device())
+                    .expect("validated"),
+                tiled_loss: config.use_liger_kernel,
+                tiled_mlp: config.tiled_mlp,
+                gradient_checkpointing: config.gradient_checkpointing,
+                activation_offloading: config.activation_offloading,
+                adam,
+                resume_from,
+            },
+        )?;
         // The ranks that see different tokens: data-parallel ones, and those holding the other
         // chunks of the same rows.
         let split = model.split().cloned();
