@@ -154,6 +154,15 @@ fn precision(name: &str) -> std::result::Result<candle_core::DType, String> {
 }
 
 impl SFTConfig {
+    /// Optimizer steps of the run: max_steps when positive, else num_train_epochs' worth.
+    pub fn total_steps(&self, steps_per_epoch: usize) -> usize {
+        if self.max_steps > 0 {
+            self.max_steps as usize
+        } else {
+            (self.num_train_epochs * steps_per_epoch as f64).ceil() as usize
+        }
+    }
+
     /// The dtype weights and activations are computed in: `bf16` or `mixed_precision`, else
     /// the launcher's ACCELERATE_MIXED_PRECISION (as transformers' Trainer defers to it).
     pub fn compute_dtype(&self) -> Result<candle_core::DType> {

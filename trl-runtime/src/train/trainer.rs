@@ -16,8 +16,8 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::sequence::lcm;
 use crate::data::{
-    collate, pack, CollateOptions, DistributedSampler, Example, PackedSequence, PackingStrategy,
-    TextTokenizer,
+    collate, pack, Batch, CollateOptions, DistributedSampler, Example, PackedSequence,
+    PackingStrategy, TextTokenizer,
 };
 use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
@@ -130,6 +130,120 @@ pub struct Trainer<'a, N: CausalModel = Llama> {
     stop: Arc<AtomicBool>,
     /// Whether the first step's gradients were checked for parameters that got none.
     unused_checked: bool,
+}
+
+/// Where a run starts: a fresh state, or the trainer state of the checkpoint
+/// `resume_from_checkpoint` names (its directory and step, for the model's resume).
+fn resume_state(
+    config: &SFTConfig,
+    total_steps: usize,
+) -> Result<(TrainerState, Option<(PathBuf, u64)>)> {
+    let mut state = TrainerState {
+        total_steps,
+        seed: config.seed,
+        ..Default::default()
+    };
+    let mut resume_from = None;
+    if let Some(spec) = &config.resume_from_checkpoint {
+        let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
+        state = checkpoint::read_trainer_state(&ckpt)?;
+        if state.total_steps != total_steps {
+            tracing::warn!(
+                "resuming a run planned for {} steps with a config that gives {total_steps}",
+                state.total_steps
+            );
+        }
+        state.total_steps = total_steps;
+        tracing::info!(
+            "resumed from {} at step {}",
+            ckpt.display(),
+            state.global_step
+        );
+        resume_from = Some((ckpt, state.global_step as u64));
+    }
+    Ok((state, resume_from))
+}
+
+/// How micro-batches are collated: padding-free rows or padding, lengths rounded so that
+/// sequences split over sp (cp) divide into sp (2 x cp) chunks.
+fn collate_options(
+    config: &SFTConfig,
+    split: Option<&crate::nn::seq_attention::SeqSplit>,
+    pad_token_id: u32,
+) -> CollateOptions {
+    // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
+    let parts = match split {
+        Some(s) if s.ring => 2 * s.group.size(),
+        Some(s) => s.group.size(),
+        None => 1,
+    };
+    let pad_to_multiple_of = match (config.pad_to_multiple_of, parts) {
+        (multiple, 1) => multiple,
+        (multiple, n) => Some(lcm(multiple.unwrap_or(1), n)),
+    };
+    CollateOptions {
+        pad_token_id,
+        padding_free: config.padding_free,
+        pad_to_multiple_of,
+    }
+}
+
+/// The tokenized training rows (packed or truncated to max_length), the held-out rows and
+/// the held-out prompts scored by generation.
+struct TrainData {
+    train_rows: Vec<PackedSequence>,
+    eval_rows: Vec<PackedSequence>,
+    eval_prompts: Vec<(Vec<u32>, String)>,
+}
+
+impl TrainData {
+    fn load(config: &SFTConfig, tokenizer: &TextTokenizer) -> Result<Self> {
+        let policy = if config.skip_bad_rows {
+            OnBadRow::Skip
+        } else {
+            OnBadRow::Fail
+        };
+        let opts = TokenizeOptions {
+            completion_only_loss: config.completion_only_loss.unwrap_or(true),
+            assistant_only_loss: config.assistant_only_loss,
+        };
+        let train_examples = tokenize_all(
+            &load(&config.dataset_name, policy)?.records,
+            tokenizer,
+            opts,
+        )?;
+        let train_rows: Vec<PackedSequence> = if config.packing {
+            let strategy = PackingStrategy::parse(&config.packing_strategy).expect("validated");
+            pack(&train_examples, config.max_length, strategy)
+        } else {
+            train_examples
+                .into_iter()
+                .map(|e| truncate(e, config.max_length))
+                .collect()
+        };
+        let (eval_rows, eval_prompts) = match &config.eval_dataset_name {
+            Some(path) => {
+                let records = load(path, policy)?.records;
+                let rows = tokenize_all(&records, tokenizer, opts)?
+                    .into_iter()
+                    .map(|e| truncate(e, config.max_length))
+                    .collect();
+                let mut prompts = Vec::new();
+                for r in records.iter().take(config.eval_generation_samples) {
+                    if let Some(p) = prompt_and_answer(r, tokenizer)? {
+                        prompts.push(p);
+                    }
+                }
+                (rows, prompts)
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        Ok(TrainData {
+            train_rows,
+            eval_rows,
+            eval_prompts,
+        })
+    }
 }
 
 /// Trainable parameters that the first step's backward did not reach are an error (they
@@ -300,46 +414,11 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         if dtype != DType::F32 {
             tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
         }
-        let policy = if config.skip_bad_rows {
-            OnBadRow::Skip
-        } else {
-            OnBadRow::Fail
-        };
-        let opts = TokenizeOptions {
-            completion_only_loss: config.completion_only_loss.unwrap_or(true),
-            assistant_only_loss: config.assistant_only_loss,
-        };
-        let train_examples = tokenize_all(
-            &load(&config.dataset_name, policy)?.records,
-            &tokenizer,
-            opts,
-        )?;
-        let train_rows: Vec<PackedSequence> = if config.packing {
-            let strategy = PackingStrategy::parse(&config.packing_strategy).expect("validated");
-            pack(&train_examples, config.max_length, strategy)
-        } else {
-            train_examples
-                .into_iter()
-                .map(|e| truncate(e, config.max_length))
-                .collect()
-        };
-        let (eval_rows, eval_prompts) = match &config.eval_dataset_name {
-            Some(path) => {
-                let records = load(path, policy)?.records;
-                let rows = tokenize_all(&records, &tokenizer, opts)?
-                    .into_iter()
-                    .map(|e| truncate(e, config.max_length))
-                    .collect();
-                let mut prompts = Vec::new();
-                for r in records.iter().take(config.eval_generation_samples) {
-                    if let Some(p) = prompt_and_answer(r, &tokenizer)? {
-                        prompts.push(p);
-                    }
-                }
-                (rows, prompts)
-            }
-            None => (Vec::new(), Vec::new()),
-        };
+        let TrainData {
+            train_rows,
+            eval_rows,
+            eval_prompts,
+        } = TrainData::load(&config, &tokenizer)?;
         let sampler = DistributedSampler {
             len: train_rows.len(),
             world: dp.size(),
@@ -362,40 +441,14 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 ),
             });
         }
-        let total_steps = if config.max_steps > 0 {
-            config.max_steps as usize
-        } else {
-            (config.num_train_epochs * steps_per_epoch as f64).ceil() as usize
-        };
+        let total_steps = config.total_steps(steps_per_epoch);
         let adam = AdamWConfig {
             beta1: config.adam_beta1,
             beta2: config.adam_beta2,
             eps: config.adam_epsilon,
             weight_decay: config.weight_decay,
         };
-        let mut state = TrainerState {
-            total_steps,
-            seed: config.seed,
-            ..Default::default()
-        };
-        let mut resume_from = None;
-        if let Some(spec) = &config.resume_from_checkpoint {
-            let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
-            state = checkpoint::read_trainer_state(&ckpt)?;
-            if state.total_steps != total_steps {
-                tracing::warn!(
-                    "resuming a run planned for {} steps with a config that gives {total_steps}",
-                    state.total_steps
-                );
-            }
-            state.total_steps = total_steps;
-            tracing::info!(
-                "resumed from {} at step {}",
-                ckpt.display(),
-                state.global_step
-            );
-            resume_from = Some((ckpt, state.global_step as u64));
-        }
+        let (state, resume_from) = resume_state(&config, total_steps)?;
         // The model, parallel as the launch says, resumed where asked.
         let Built {
             model,
@@ -431,21 +484,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             config.warmup_steps,
             config.warmup_ratio,
         );
-        // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
-        let parts = match &split {
-            Some(s) if s.ring => 2 * s.group.size(),
-            Some(s) => s.group.size(),
-            None => 1,
-        };
-        let pad_to_multiple_of = match (config.pad_to_multiple_of, parts) {
-            (multiple, 1) => multiple,
-            (multiple, n) => Some(lcm(multiple.unwrap_or(1), n)),
-        };
-        let collate_options = CollateOptions {
-            pad_token_id: tokenizer.pad_token_id,
-            padding_free: config.padding_free,
-            pad_to_multiple_of,
-        };
+        let collate_options = collate_options(&config, split.as_ref(), tokenizer.pad_token_id);
         let stop = Arc::new(AtomicBool::new(false));
         // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
         let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone());
@@ -594,8 +633,10 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             .to_vec1::<f64>()?)
     }
 
-    /// One optimizer step over `gradient_accumulation_steps` micro-batches.
-    pub fn train_step(&mut self) -> Result<StepStats> {
+    /// This step's micro-batches (this rank's part of their rows, on its device) and the
+    /// tokens of their rows that this rank counts (each row's once, by the first rank of its
+    /// sequence group).
+    fn micro_batches(&mut self) -> Result<(Vec<Batch>, usize)> {
         let (b, a) = (
             self.config.per_device_train_batch_size,
             self.config.gradient_accumulation_steps,
@@ -626,6 +667,12 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                     .to_device(self.ctx.device())?,
             );
         }
+        Ok((batches, local_tokens))
+    }
+
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches.
+    pub fn train_step(&mut self) -> Result<StepStats> {
+        let (batches, local_tokens) = self.micro_batches()?;
         let local_targets: usize = batches.iter().map(|x| x.num_target_tokens).sum();
         let totals = self.batch_sum(&[local_targets as f64, local_tokens as f64])?;
         let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
@@ -942,14 +989,9 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             == 1)
     }
 
-    /// Runs to `total_steps`, logging, evaluating and checkpointing as configured.
-    pub fn train(&mut self) -> Result<TrainOutcome> {
-        let main = self.ctx.is_main_process();
-        let out_dir = self.config.output_dir.clone();
-        if main {
-            std::fs::create_dir_all(&out_dir)
-                .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
-        }
+    /// What the run is about to do: sizes, batch, strategy and memory, and the worker report
+    /// (on the main process).
+    fn announce_start(&self) -> Result<()> {
         let tp_note = match self.model.tp() {
             Some(tp) => format!(
                 "; each data-parallel rank is {} tensor-parallel ranks splitting every layer",
@@ -983,9 +1025,75 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             mem.optimizer as f64 / 1048576.0
         );
         let report = self.report()?;
-        if main {
+        if self.ctx.is_main_process() {
             tracing::info!("worker report: {report}");
         }
+        Ok(())
+    }
+
+    /// metrics.jsonl on the main process: a resumed run continues it, a fresh run starts it over.
+    fn open_metrics(&self) -> Result<Option<std::fs::File>> {
+        let out_dir = &self.config.output_dir;
+        Ok(if self.ctx.is_main_process() {
+            Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(self.config.resume_from_checkpoint.is_some())
+                    .write(true)
+                    .truncate(self.config.resume_from_checkpoint.is_none())
+                    .open(out_dir.join("metrics.jsonl"))
+                    .map_err(|e| Error::io("cannot open metrics.jsonl", e))?,
+            )
+        } else {
+            None
+        })
+    }
+
+    /// One metrics line: the step's figures (and evaluation's, when it ran), to metrics.jsonl,
+    /// the log and the trainer state's history.
+    fn log_step(
+        &mut self,
+        stats: &StepStats,
+        tokens_per_s: f64,
+        eval: Option<EvalResult>,
+        metrics: Option<&mut std::fs::File>,
+    ) -> Result<()> {
+        let mut line = serde_json::json!({
+            "step": self.state.global_step,
+            "epoch": self.state.epoch as f64 + self.state.step_in_epoch as f64 / self.steps_per_epoch as f64,
+            "loss": stats.loss,
+            "learning_rate": stats.learning_rate,
+            "grad_norm": stats.grad_norm,
+            "tokens_per_s": tokens_per_s,
+        });
+        // This rank's resident-memory peak since training began (activations and
+        // collective buffers on top of the model state logged at start).
+        if let Some(peak) = peak_rss_bytes() {
+            line["peak_memory_mib"] = (peak as f64 / 1048576.0).round().into();
+        }
+        if let Some(e) = eval {
+            line["eval_loss"] = e.loss.into();
+            if let Some(acc) = e.accuracy {
+                line["eval_accuracy"] = acc.into();
+            }
+        }
+        if let Some(f) = metrics {
+            writeln!(f, "{line}").map_err(|e| Error::io("cannot write metrics.jsonl", e))?;
+        }
+        tracing::info!("{line}");
+        self.state.log_history.push(line);
+        Ok(())
+    }
+
+    /// Runs to `total_steps`, logging, evaluating and checkpointing as configured.
+    pub fn train(&mut self) -> Result<TrainOutcome> {
+        let main = self.ctx.is_main_process();
+        let out_dir = self.config.output_dir.clone();
+        if main {
+            std::fs::create_dir_all(&out_dir)
+                .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
+        }
+        self.announce_start()?;
         reset_peak_rss();
         let mut outcome = TrainOutcome {
             initial_eval: self.evaluate()?,
@@ -1005,20 +1113,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             self.state.total_steps,
             self.state.global_step,
         );
-        let mut metrics = if main {
-            Some(
-                // A resumed run continues the file; a fresh run starts it over.
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(self.config.resume_from_checkpoint.is_some())
-                    .write(true)
-                    .truncate(self.config.resume_from_checkpoint.is_none())
-                    .open(out_dir.join("metrics.jsonl"))
-                    .map_err(|e| Error::io("cannot open metrics.jsonl", e))?,
-            )
-        } else {
-            None
-        };
+        let mut metrics = self.open_metrics()?;
         let (mut window_tokens, mut window_start) = (0usize, Instant::now());
         let mut curve: Vec<(f64, f64)> = Vec::new();
         while self.state.global_step < self.state.total_steps {
@@ -1052,31 +1147,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 || step == self.state.total_steps
                 || eval.is_some()
             {
-                let mut line = serde_json::json!({
-                    "step": step,
-                    "epoch": self.state.epoch as f64 + self.state.step_in_epoch as f64 / self.steps_per_epoch as f64,
-                    "loss": stats.loss,
-                    "learning_rate": stats.learning_rate,
-                    "grad_norm": stats.grad_norm,
-                    "tokens_per_s": tokens_per_s,
-                });
-                // This rank's resident-memory peak since training began (activations and
-                // collective buffers on top of the model state logged at start).
-                if let Some(peak) = peak_rss_bytes() {
-                    line["peak_memory_mib"] = (peak as f64 / 1048576.0).round().into();
-                }
-                if let Some(e) = eval {
-                    line["eval_loss"] = e.loss.into();
-                    if let Some(acc) = e.accuracy {
-                        line["eval_accuracy"] = acc.into();
-                    }
-                }
-                if let Some(f) = metrics.as_mut() {
-                    writeln!(f, "{line}")
-                        .map_err(|e| Error::io("cannot write metrics.jsonl", e))?;
-                }
-                tracing::info!("{line}");
-                self.state.log_history.push(line);
+                self.log_step(&stats, tokens_per_s, eval, metrics.as_mut())?;
                 (window_tokens, window_start) = (0, Instant::now());
             }
             if step.is_multiple_of(self.config.save_steps) {
