@@ -147,8 +147,8 @@ fn ported(upstream: &str) -> String {
 }
 
 fn launch(krate: &Path, args: &[&str], per_device: usize, out: &Path) -> String {
-    let o = Command::new(BIN)
-        .current_dir(krate)
+    let mut cmd = Command::new(BIN);
+    cmd.current_dir(krate)
         .env("CARGO_TARGET_DIR", repo().join("target"))
         .env("CARGO_NET_OFFLINE", "true")
         .env("TRL_CHECK_TP_GRADS", "1")
@@ -156,21 +156,8 @@ fn launch(krate: &Path, args: &[&str], per_device: usize, out: &Path) -> String 
         .args(args)
         .args(["--", "--model_name_or_path"])
         .arg(repo().join("assets/tiny-qwen3/model"))
-        .args(["--max_steps", &STEPS.to_string(), "--seed", "7"])
-        .args(["--eval_dataset_name", "none", "--save_steps", "1000"])
-        .args(["--logging_steps", "1", "--learning_rate", "2e-3"])
-        .args(["--per_device_train_batch_size", &per_device.to_string()])
-        .arg("--output_dir")
-        .arg(out)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(o.status.success(), "{args:?}: {text}");
-    text
+        .args(["--learning_rate", "2e-3"]);
+    common::run_launch(cmd, STEPS, per_device, out)
 }
 
 #[test]

@@ -36,22 +36,7 @@ fn command(launch_args: &[&str]) -> Command {
 
 /// Launches `sft_phi` with `launch_args` and `per_device` examples per data-parallel rank.
 fn launch(launch_args: &[&str], per_device: usize, out: &Path) -> String {
-    let o = command(launch_args)
-        .args(["--max_steps", &STEPS.to_string(), "--seed", "7"])
-        .args(["--eval_dataset_name", "none", "--save_steps", "1000"])
-        .args(["--logging_steps", "1"])
-        .args(["--per_device_train_batch_size", &per_device.to_string()])
-        .arg("--output_dir")
-        .arg(out)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(o.status.success(), "{launch_args:?}: {text}");
-    text
+    common::run_launch(command(launch_args), STEPS, per_device, out)
 }
 
 #[test]

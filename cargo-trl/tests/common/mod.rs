@@ -4,6 +4,7 @@
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
+use std::process::Command;
 
 /// Every CPU profile (and tensor parallelism alone, and FSDP with efficient loading and
 /// activation checkpointing): (name, launch flags, whether 2 data-parallel ranks see
@@ -113,4 +114,26 @@ pub fn assert_equal(
     eprintln!(
         "{name}: losses within {worst_loss:.1e}, weights within {worst:.1e} (q/k norms {worst_qk:.1e})"
     );
+}
+
+/// Runs a `cargo trl launch` command for `steps` fp32 steps (seed 7, no evaluation, a metrics
+/// line per step, the checkpoint at the end) of `per_device` rows per rank into `out`;
+/// asserts it succeeded and returns its output.
+pub fn run_launch(mut cmd: Command, steps: usize, per_device: usize, out: &Path) -> String {
+    let o = cmd
+        .args(["--max_steps", &steps.to_string(), "--seed", "7"])
+        .args(["--eval_dataset_name", "none", "--save_steps", "1000"])
+        .args(["--logging_steps", "1"])
+        .args(["--per_device_train_batch_size", &per_device.to_string()])
+        .arg("--output_dir")
+        .arg(out)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{cmd:?}: {text}");
+    text
 }
