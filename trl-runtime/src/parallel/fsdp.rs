@@ -18,6 +18,7 @@
 //! previous unit's; reduce-scatters run while the backward goes on, and
 //! [`ShardedModel::finish_backward`] waits for them. At most two units are gathered at once.
 
+use super::sharded_optimizer::ShardedOptimizer;
 use super::sharded_state::{Piece, ShardedReader};
 use crate::alloc::StorageBytes;
 use crate::comm::{CommQueue, Communicator, ReduceOp};
@@ -469,36 +470,6 @@ impl FsdpOptimizer {
         })
     }
 
-    /// Clips by the norm over the tensor-parallel group too (the units hold tp slices).
-    pub fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
-        let mut weights = BTreeMap::new();
-        for unit in &self.model.units {
-            let range = unit.range();
-            let w = unit.layout.per_element(|n| norm.weight(n) as f32)[range.clone()].to_vec();
-            let device = unit.anchor.device().clone();
-            weights.insert(
-                unit.name.clone(),
-                Tensor::from_vec(w, range.len(), &device)?,
-            );
-        }
-        self.tp_grads = Some((norm, weights));
-        Ok(())
-    }
-
-    pub fn step_count(&self) -> u64 {
-        self.inner.step
-    }
-
-    /// The AdamW state of this rank's slices.
-    pub fn state(&self) -> &AdamW {
-        &self.inner
-    }
-
-    /// Keeps the optimizer state in host memory (CPU offload).
-    pub fn offload_to_host(&mut self) -> Result<()> {
-        super::offload::to_host(&mut self.inner)
-    }
-
     /// One update from the gradient slices the backward passes left in the units: (HSDP:
     /// sum across replicas), clip by the global norm, update, and write the new slices back.
     /// Returns the gradient norm before clipping.
@@ -554,8 +525,45 @@ impl FsdpOptimizer {
         Ok(norm)
     }
 
+    /// Bytes of the gradient slices kept between backward and step.
+    pub fn grad_bytes(&self) -> usize {
+        self.model.units.iter().map(|u| 4 * u.shard_elems()).sum()
+    }
+}
+
+impl ShardedOptimizer for FsdpOptimizer {
+    /// Clips by the norm over the tensor-parallel group too (the units hold tp slices).
+    fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
+        let mut weights = BTreeMap::new();
+        for unit in &self.model.units {
+            let range = unit.range();
+            let w = unit.layout.per_element(|n| norm.weight(n) as f32)[range.clone()].to_vec();
+            let device = unit.anchor.device().clone();
+            weights.insert(
+                unit.name.clone(),
+                Tensor::from_vec(w, range.len(), &device)?,
+            );
+        }
+        self.tp_grads = Some((norm, weights));
+        Ok(())
+    }
+
+    fn step_count(&self) -> u64 {
+        self.inner.step
+    }
+
+    /// The AdamW state of this rank's slices.
+    fn state(&self) -> &AdamW {
+        &self.inner
+    }
+
+    /// Keeps the optimizer state in host memory (CPU offload).
+    fn offload_to_host(&mut self) -> Result<()> {
+        super::offload::to_host(&mut self.inner)
+    }
+
     /// The whole optimizer state per parameter (collective), as plain DDP keeps it.
-    pub fn gather_full_state(&self) -> Result<AdamW> {
+    fn gather_full_state(&self) -> Result<AdamW> {
         let mut states = BTreeMap::new();
         for unit in &self.model.units {
             let s = &self.inner.states[&unit.name];
@@ -570,7 +578,7 @@ impl FsdpOptimizer {
 
     /// Takes this rank's slices of a full per-parameter state (from any world size) and
     /// sets the parameters to its master weights.
-    pub fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
+    fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
         for unit in &self.model.units {
             let range = unit.range();
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
@@ -586,7 +594,7 @@ impl FsdpOptimizer {
     }
 
     /// This rank's slices of every unit as per-parameter pieces (SHARDED_STATE_DICT).
-    pub fn pieces(&self) -> Result<Vec<Piece>> {
+    fn pieces(&self) -> Result<Vec<Piece>> {
         let mut out = Vec::new();
         for unit in &self.model.units {
             let range = unit.range();
@@ -597,7 +605,7 @@ impl FsdpOptimizer {
 
     /// Reads this rank's slices from a sharded checkpoint (any world size, wrap policy or
     /// strategy wrote it): only the ranges this rank owns are read.
-    pub fn load_sharded(&mut self, reader: &ShardedReader) -> Result<()> {
+    fn load_sharded(&mut self, reader: &ShardedReader, _params: &Params) -> Result<()> {
         for unit in &self.model.units {
             let range = unit.range();
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
@@ -614,13 +622,8 @@ impl FsdpOptimizer {
 
     /// Adds the storage of the optimizer state to `held`: the two moments, and the master
     /// weights unless they are the parameter slices themselves (fp32, already counted).
-    pub fn add_storage(&self, held: &mut StorageBytes) {
+    fn add_storage(&self, held: &mut StorageBytes) {
         self.inner.add_storage(held)
-    }
-
-    /// Bytes of the gradient slices kept between backward and step.
-    pub fn grad_bytes(&self) -> usize {
-        self.model.units.iter().map(|u| 4 * u.shard_elems()).sum()
     }
 }
 

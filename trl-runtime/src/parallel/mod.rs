@@ -13,6 +13,7 @@ pub mod ddp;
 pub mod fsdp;
 pub mod model;
 pub mod offload;
+pub mod sharded_optimizer;
 pub mod sharded_state;
 pub mod zero;
 
@@ -20,6 +21,7 @@ pub use build::{build, Built, ModelSpec};
 pub use checkpointing::Checkpointing;
 pub use fsdp::{FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy};
 pub use model::{CausalLm, Model};
+pub use sharded_optimizer::ShardedOptimizer;
 pub use zero::{ZeroOptimizer, ZeroStage};
 
 use crate::config::launch::{
@@ -198,6 +200,26 @@ pub enum Optimizer {
     Fsdp(FsdpOptimizer),
 }
 
+impl Optimizer {
+    /// This rank's AdamW state: the whole of it under DDP, its slices under ZeRO and FSDP.
+    pub fn state(&self) -> &AdamW {
+        match self {
+            Optimizer::Replicated(opt, _) => opt,
+            Optimizer::Zero(z) => z.state(),
+            Optimizer::Fsdp(f) => f.state(),
+        }
+    }
+
+    /// The ZeRO or FSDP optimizer, whose ranks each keep a slice of the state.
+    pub fn sharded(&self) -> Option<&dyn ShardedOptimizer> {
+        match self {
+            Optimizer::Replicated(..) => None,
+            Optimizer::Zero(z) => Some(z),
+            Optimizer::Fsdp(f) => Some(f),
+        }
+    }
+}
+
 /// A model made parallel.
 pub struct Parallelized {
     pub optimizer: Optimizer,
@@ -312,18 +334,15 @@ pub fn parallelize<N: CausalModel>(
         }
         Strategy::Zero(stage) => {
             let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, shard, replicate)?;
-            if let Some(norm) = &tp_grads {
-                z.set_tp_grads(norm.clone())?;
-            }
-            if let Some(full) = &full_state {
-                z.load_full_state(full)?;
-            }
-            if let Some(reader) = &sharded_state {
-                z.load_sharded(reader, &model.params)?;
-            }
-            if offload {
-                z.offload_to_host()?;
-            }
+            let (full, sharded) = (full_state.as_ref(), sharded_state.as_ref());
+            sharded_optimizer::prepare(
+                &mut z,
+                tp_grads.as_ref(),
+                full,
+                sharded,
+                &model.params,
+                offload,
+            )?;
             Optimizer::Zero(z)
         }
         Strategy::Fsdp(policy, prefetch) => {
@@ -336,18 +355,15 @@ pub fn parallelize<N: CausalModel>(
             }
             let sharded = model.sharding.clone().expect("sharded above");
             let mut f = FsdpOptimizer::new(sharded, opts.adam, replicate)?;
-            if let Some(norm) = &tp_grads {
-                f.set_tp_grads(norm.clone())?;
-            }
-            if let Some(full) = &full_state {
-                f.load_full_state(full)?;
-            }
-            if let Some(reader) = &sharded_state {
-                f.load_sharded(reader)?;
-            }
-            if offload {
-                f.offload_to_host()?;
-            }
+            let (full, sharded) = (full_state.as_ref(), sharded_state.as_ref());
+            sharded_optimizer::prepare(
+                &mut f,
+                tp_grads.as_ref(),
+                full,
+                sharded,
+                &model.params,
+                offload,
+            )?;
             Optimizer::Fsdp(f)
         }
     };

@@ -8,6 +8,7 @@
 //! group size. Checkpoints gather the state back per parameter (the same file as plain DDP),
 //! so a run can resume on any number of ranks and with any strategy.
 
+use super::sharded_optimizer::ShardedOptimizer;
 use super::sharded_state::{self, Piece, ShardedReader};
 use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
@@ -200,30 +201,6 @@ impl ZeroOptimizer {
         })
     }
 
-    /// Clips by the norm over the tensor-parallel group too (the parameters are tp slices).
-    pub fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
-        let weights =
-            self.layout.per_element(|n| norm.weight(n) as f32)[self.range.clone()].to_vec();
-        let device = self.inner.states[SHARD].master.device().clone();
-        let weights = Tensor::from_vec(weights, self.range.len(), &device)?;
-        self.tp_grads = Some((norm, weights));
-        Ok(())
-    }
-
-    pub fn step_count(&self) -> u64 {
-        self.inner.step
-    }
-
-    /// The AdamW state of this rank's slices.
-    pub fn state(&self) -> &AdamW {
-        &self.inner
-    }
-
-    /// Keeps the optimizer state in host memory (CPU offload).
-    pub fn offload_to_host(&mut self) -> Result<()> {
-        super::offload::to_host(&mut self.inner)
-    }
-
     /// Ranks the state is split over.
     pub fn shard_size(&self) -> usize {
         self.comm.size()
@@ -285,10 +262,36 @@ impl ZeroOptimizer {
         }
         Ok(norm)
     }
+}
+
+impl ShardedOptimizer for ZeroOptimizer {
+    /// Clips by the norm over the tensor-parallel group too (the parameters are tp slices).
+    fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
+        let weights =
+            self.layout.per_element(|n| norm.weight(n) as f32)[self.range.clone()].to_vec();
+        let device = self.inner.states[SHARD].master.device().clone();
+        let weights = Tensor::from_vec(weights, self.range.len(), &device)?;
+        self.tp_grads = Some((norm, weights));
+        Ok(())
+    }
+
+    fn step_count(&self) -> u64 {
+        self.inner.step
+    }
+
+    /// The AdamW state of this rank's slices.
+    fn state(&self) -> &AdamW {
+        &self.inner
+    }
+
+    /// Keeps the optimizer state in host memory (CPU offload).
+    fn offload_to_host(&mut self) -> Result<()> {
+        super::offload::to_host(&mut self.inner)
+    }
 
     /// The whole optimizer state per parameter (collective: every rank must call it), in the
     /// form plain DDP keeps it, for checkpoints.
-    pub fn gather_full_state(&self) -> Result<AdamW> {
+    fn gather_full_state(&self) -> Result<AdamW> {
         Ok(AdamW {
             config: self.inner.config,
             step: self.inner.step,
@@ -299,7 +302,7 @@ impl ZeroOptimizer {
     }
 
     /// Takes this rank's slice of a full per-parameter state (from any world size).
-    pub fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
+    fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
         let st = self.inner.states.get_mut(SHARD).expect("shard state");
         self.layout.take_slice(full, self.range.clone(), st)?;
         self.inner.step = full.step;
@@ -307,14 +310,14 @@ impl ZeroOptimizer {
     }
 
     /// This rank's slice of the parameters' state as pieces (SHARDED_STATE_DICT).
-    pub fn pieces(&self) -> Result<Vec<Piece>> {
+    fn pieces(&self) -> Result<Vec<Piece>> {
         self.layout
             .pieces(self.range.clone(), &self.inner.states[SHARD])
     }
 
     /// Takes this rank's slice from a sharded checkpoint and sets the parameters to it
     /// (collective: the slices are all-gathered).
-    pub fn load_sharded(&mut self, reader: &ShardedReader, params: &Params) -> Result<()> {
+    fn load_sharded(&mut self, reader: &ShardedReader, params: &Params) -> Result<()> {
         let st = self.inner.states.get_mut(SHARD).expect("shard state");
         self.layout.read_slice(reader, self.range.clone(), st)?;
         self.inner.step = reader.optimizer_step;
@@ -328,7 +331,7 @@ impl ZeroOptimizer {
     }
 
     /// Adds the storage of this rank's optimizer state to `held`.
-    pub fn add_storage(&self, held: &mut StorageBytes) {
+    fn add_storage(&self, held: &mut StorageBytes) {
         self.inner.add_storage(held)
     }
 }

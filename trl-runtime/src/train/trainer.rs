@@ -28,8 +28,8 @@ use crate::optim::{grad_clip_coef, AdamWConfig};
 use crate::parallel::sharded_state;
 use crate::parallel::Model;
 use crate::parallel::{
-    batch_axes, build, shard_axes, Built, CheckpointFormat, ModelSpec, Optimizer, Strategy,
-    ZeroStage,
+    batch_axes, build, shard_axes, Built, CheckpointFormat, ModelSpec, Optimizer, ShardedOptimizer,
+    Strategy, ZeroStage,
 };
 use crate::tp::{state as tp_state, TpGrads};
 use candle_core::{DType, Device, Tensor, D};
@@ -554,11 +554,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             None => self.model.params.iter().for_each(|(_, v)| held.add(v)),
         }
         let parameters = held.total;
-        match &self.optimizer {
-            Optimizer::Replicated(opt, _) => opt.add_storage(&mut held),
-            Optimizer::Zero(z) => z.add_storage(&mut held),
-            Optimizer::Fsdp(f) => f.add_storage(&mut held),
-        }
+        self.optimizer.state().add_storage(&mut held);
         let grad_full = self.model.params.num_elements() * 4;
         let gradients = match &self.optimizer {
             Optimizer::Replicated(..) => grad_full,
@@ -603,12 +599,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 .next()
                 .is_some_and(|s| s.master.device().is_cpu())
         };
-        !self.ctx.device().is_cpu()
-            && match &self.optimizer {
-                Optimizer::Replicated(a, _) => on_host(a),
-                Optimizer::Zero(z) => on_host(z.state()),
-                Optimizer::Fsdp(f) => on_host(f.state()),
-            }
+        !self.ctx.device().is_cpu() && on_host(self.optimizer.state())
     }
 
     /// Examples per optimizer step across all data-parallel ranks.
@@ -889,11 +880,11 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
     /// Every rank writes its slices into the staging directory; rank 0 adds the config,
     /// tokenizer and index and renames it into place. With HSDP only the first replica writes.
     fn save_sharded_checkpoint(&self) -> Result<Option<PathBuf>> {
-        let (pieces, step) = match &self.optimizer {
-            Optimizer::Zero(z) => (z.pieces()?, z.step_count()),
-            Optimizer::Fsdp(f) => (f.pieces()?, f.step_count()),
-            Optimizer::Replicated(..) => unreachable!("DDP checkpoints are written full"),
-        };
+        let sharded = self
+            .optimizer
+            .sharded()
+            .expect("DDP checkpoints are written full");
+        let (pieces, step) = (sharded.pieces()?, sharded.step_count());
         let out = &self.config.output_dir;
         let main = self.ctx.is_main_process();
         let world = self.ctx.world();
@@ -949,10 +940,9 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 (&self.model.params, &gathered)
             }
             (optimizer, _) => {
-                let full = match optimizer {
-                    Optimizer::Replicated(opt, _) => opt.clone(),
-                    Optimizer::Zero(z) => z.gather_full_state()?,
-                    Optimizer::Fsdp(f) => f.gather_full_state()?,
+                let full = match optimizer.sharded() {
+                    Some(sharded) => sharded.gather_full_state()?,
+                    None => optimizer.state().clone(),
                 };
                 gathered = match tp {
                     Some(tp) => tp_state::gather_state(full, self.model.tp_plan(), tp.as_ref())?,
