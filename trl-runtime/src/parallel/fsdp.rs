@@ -548,18 +548,13 @@ impl ShardedOptimizer for FsdpOptimizer {
         Ok(())
     }
 
-    fn step_count(&self) -> u64 {
-        self.inner.step
-    }
-
     /// The AdamW state of this rank's slices.
     fn state(&self) -> &AdamW {
         &self.inner
     }
 
-    /// Keeps the optimizer state in host memory (CPU offload).
-    fn offload_to_host(&mut self) -> Result<()> {
-        super::offload::to_host(&mut self.inner)
+    fn state_mut(&mut self) -> &mut AdamW {
+        &mut self.inner
     }
 
     /// The whole optimizer state per parameter (collective), as plain DDP keeps it.
@@ -618,12 +613,6 @@ impl ShardedOptimizer for FsdpOptimizer {
         }
         self.inner.step = reader.optimizer_step;
         Ok(())
-    }
-
-    /// Adds the storage of the optimizer state to `held`: the two moments, and the master
-    /// weights unless they are the parameter slices themselves (fp32, already counted).
-    fn add_storage(&self, held: &mut StorageBytes) {
-        self.inner.add_storage(held)
     }
 }
 

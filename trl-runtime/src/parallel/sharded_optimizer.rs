@@ -15,14 +15,20 @@ pub trait ShardedOptimizer {
     /// and sums partial parameters' gradients over it.
     fn set_tp_grads(&mut self, tp: TpGrads) -> Result<()>;
 
-    /// Optimizer steps taken.
-    fn step_count(&self) -> u64;
-
     /// The AdamW state of this rank's slices.
     fn state(&self) -> &AdamW;
 
+    fn state_mut(&mut self) -> &mut AdamW;
+
+    /// Optimizer steps taken.
+    fn step_count(&self) -> u64 {
+        self.state().step
+    }
+
     /// Keeps the optimizer state in host memory (CPU offload).
-    fn offload_to_host(&mut self) -> Result<()>;
+    fn offload_to_host(&mut self) -> Result<()> {
+        super::offload::to_host(self.state_mut())
+    }
 
     /// The whole optimizer state per parameter (collective: every rank calls it), as plain
     /// DDP keeps it, for full checkpoints.
@@ -39,8 +45,11 @@ pub trait ShardedOptimizer {
     /// policy or strategy, and sets `params` (those the strategy keeps whole) to them.
     fn load_sharded(&mut self, reader: &ShardedReader, params: &Params) -> Result<()>;
 
-    /// Adds the storage of this rank's optimizer state to `held`.
-    fn add_storage(&self, held: &mut StorageBytes);
+    /// Adds the storage of this rank's optimizer state to `held` (the master weights only
+    /// where they are not the parameters themselves).
+    fn add_storage(&self, held: &mut StorageBytes) {
+        self.state().add_storage(held)
+    }
 }
 
 /// Sets up a freshly built sharded optimizer: tensor-parallel gradients, a resumed run's

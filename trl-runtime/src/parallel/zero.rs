@@ -10,7 +10,6 @@
 
 use super::sharded_optimizer::ShardedOptimizer;
 use super::sharded_state::{self, Piece, ShardedReader};
-use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
@@ -275,18 +274,13 @@ impl ShardedOptimizer for ZeroOptimizer {
         Ok(())
     }
 
-    fn step_count(&self) -> u64 {
-        self.inner.step
-    }
-
     /// The AdamW state of this rank's slices.
     fn state(&self) -> &AdamW {
         &self.inner
     }
 
-    /// Keeps the optimizer state in host memory (CPU offload).
-    fn offload_to_host(&mut self) -> Result<()> {
-        super::offload::to_host(&mut self.inner)
+    fn state_mut(&mut self) -> &mut AdamW {
+        &mut self.inner
     }
 
     /// The whole optimizer state per parameter (collective: every rank must call it), in the
@@ -328,10 +322,5 @@ impl ShardedOptimizer for ZeroOptimizer {
             }
         }
         Ok(())
-    }
-
-    /// Adds the storage of this rank's optimizer state to `held`.
-    fn add_storage(&self, held: &mut StorageBytes) {
-        self.inner.add_storage(held)
     }
 }
