@@ -1,4 +1,4 @@
-//! With the `cuda` feature: compiles the CUDA kernels (src/nn/kernels/*.cu: the fused ops and
+//! With the `cuda` feature: compiles the CUDA kernels (src/kernels/*.cu: the fused ops and
 //! flash attention) to PTX with nvcc, for compute capability 8.0 (the driver JIT-compiles it for newer GPUs, Hopper
 //! included). nvcc is `$NVCC`, else `$CUDA_ROOT/bin/nvcc`, else `nvcc` on the PATH: the same
 //! toolkit Candle's own kernels are built with.
@@ -10,7 +10,7 @@ const SOURCES: &[&str] = &["fused", "flash"];
 
 fn main() {
     for name in SOURCES {
-        println!("cargo::rerun-if-changed=src/nn/kernels/{name}.cu");
+        println!("cargo::rerun-if-changed=src/kernels/{name}.cu");
     }
     println!("cargo::rerun-if-env-changed=NVCC");
     println!("cargo::rerun-if-env-changed=CUDA_ROOT");
@@ -23,7 +23,7 @@ fn main() {
         .or_else(|| std::env::var_os("CUDA_ROOT").map(|r| PathBuf::from(r).join("bin/nvcc")))
         .unwrap_or_else(|| PathBuf::from("nvcc"));
     for name in SOURCES {
-        let source = format!("src/nn/kernels/{name}.cu");
+        let source = format!("src/kernels/{name}.cu");
         let status = Command::new(&nvcc)
             .args(["--ptx", "-O3", "-arch=compute_80", "-std=c++17", "-o"])
             .arg(out_dir.join(format!("{name}.ptx")))

@@ -2,11 +2,11 @@
 //! against torch's `scaled_dot_product_attention` (benches/torch_attention.py) measured in the
 //! same run, one JSON object per line on stdout (prose on stderr).
 //!
-//! - CPU (always): the fused CPU kernel (nn::cpu_flash) against the whole-matrix path it
+//! - CPU (always): the fused CPU kernel (kernels::cpu_flash) against the whole-matrix path it
 //!   replaced and against torch on one thread, f32, 8 query / 2 key-value heads, head dim 64,
 //!   sequence 1024.
 //! - GPU (built with `--features cuda`, run by scripts/gpu-run): the fused CUDA kernel
-//!   (nn::cuda_flash) in bf16 at the Qwen2-0.5B shape (14 query / 2 key-value heads, head dim
+//!   (kernels::cuda_flash) in bf16 at the Qwen2-0.5B shape (14 query / 2 key-value heads, head dim
 //!   64): batch 2 x 2048, and 1 x 8192 and 1 x 32768; ms per layer and achieved TFLOP/s
 //!   (causal: half the score matrix; forward 4 b h s^2 d / 2 FLOPs, backward 2.5 times that).
 

@@ -1,4 +1,4 @@
-//! `cargo bench -p trl-runtime --bench fused`: the fused CPU ops (nn::fused) against the same
+//! `cargo bench -p trl-runtime --bench fused`: the fused CPU ops (kernels::fused) against the same
 //! math in Candle ops and against torch's own ops (benches/torch_ops.py, run in the same bench
 //! when `python3` (or $PYTHON) imports torch), forward + backward at the reference training
 //! shape (4 x 512 tokens, hidden 256, intermediate 768, fp32) on one thread. One JSON object
@@ -8,7 +8,7 @@
 
 use candle_core::{Device, Result, Tensor, Var};
 use std::time::Instant;
-use trl_runtime::nn::fused;
+use trl_runtime::kernels::fused;
 
 const TOKENS: usize = 4 * 512;
 const HIDDEN: usize = 256;

@@ -373,7 +373,7 @@ enum InPlace {
     MasterAndWeight,
 }
 
-/// AdamW on a GPU in one kernel pass, in place (`nn::cuda_fused::adamw_in_place`, the same
+/// AdamW on a GPU in one kernel pass, in place (`kernels::cuda_fused::adamw_in_place`, the same
 /// arithmetic as [`fused_update`]): the master weights and both moments are updated where they
 /// are, from the gradient in its own dtype times `grad_scale`, and `weight` (the model's
 /// parameter, when given and contiguous on the same GPU) receives the new value in the same
@@ -393,7 +393,7 @@ fn cuda_update_in_place(
         .all(|t| t.dtype() == DType::F32 && t.device().is_cuda());
     let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16);
     let grad_ok = g.device().is_cuda() && float(g);
-    if !state_f32 || !grad_ok || !crate::nn::cuda_fused::enabled() {
+    if !state_f32 || !grad_ok || !crate::kernels::cuda_fused::enabled() {
         return Ok(InPlace::No);
     }
     // In place needs storages of their own, contiguous: copies the first time if not (a
@@ -418,7 +418,7 @@ fn cuda_update_in_place(
         grad: g.contiguous()?,
         mask: s.decay_mask.as_ref().map(|m| m.contiguous()).transpose()?,
         weight,
-        consts: crate::nn::cuda_fused::AdamWConsts {
+        consts: crate::kernels::cuda_fused::AdamWConsts {
             grad_scale: grad_scale as f32,
             shrink: (h.lr * decay) as f32,
             beta1: h.beta1 as f32,
@@ -456,7 +456,7 @@ struct AdamWInPlace<'a> {
     /// The model's parameter, written in the same pass (through its storage: the step owns
     /// the model between forward passes).
     weight: Option<&'a Tensor>,
-    consts: crate::nn::cuda_fused::AdamWConsts,
+    consts: crate::kernels::cuda_fused::AdamWConsts,
 }
 
 #[cfg(feature = "cuda")]
@@ -489,7 +489,7 @@ impl candle_core::InplaceOp1 for AdamWInPlace<'_> {
             Some((g, l)) => Some((cuda(g)?, *l)),
             None => None,
         };
-        crate::nn::cuda_fused::adamw_in_place(
+        crate::kernels::cuda_fused::adamw_in_place(
             (ws, wl),
             [
                 (cuda(&m_guard)?, m_layout),
@@ -522,14 +522,14 @@ pub fn sums_of_squares<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Res
         return Ok(sums);
     }
     #[cfg(feature = "cuda")]
-    if crate::nn::cuda_fused::enabled()
+    if crate::kernels::cuda_fused::enabled()
         && tensors.iter().all(|t| {
             t.device().is_cuda()
                 && t.device().same_device(tensors[0].device())
                 && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
         })
     {
-        let sums = crate::nn::cuda_fused::sums_of_squares(&tensors)?;
+        let sums = crate::kernels::cuda_fused::sums_of_squares(&tensors)?;
         return Ok(sums.into_iter().map(f64::from).collect());
     }
     let sums = tensors
@@ -637,7 +637,7 @@ mod fused_tests {
                 (&s.exp_avg, &reference.exp_avg),
                 (&s.exp_avg_sq, &reference.exp_avg_sq),
             ] {
-                let d = crate::nn::testing::max_abs_diff(a, b);
+                let d = crate::kernels::testing::max_abs_diff(a, b);
                 assert!(d < 1e-6, "decay {decay}: differs by {d}");
             }
         }

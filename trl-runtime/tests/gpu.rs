@@ -447,7 +447,7 @@ type FusedCase<'a> = (
 /// not (1003, the element-wise paths), and odd row counts.
 #[test]
 fn fused_cuda_kernels_follow_the_cpu_kernels() {
-    use trl_runtime::nn::fused::{rms_norm, rotary, swiglu};
+    use trl_runtime::kernels::fused::{rms_norm, rotary, swiglu};
     let Some(dev) = gpu() else { return };
     // 1000: rows of whole 16-byte units (the wide paths); 1003: the element-wise ones.
     for (rows, h) in [(37usize, 1000usize), (37, 1003)] {
@@ -589,8 +589,8 @@ fn fused_linear_cross_entropy_on_gpu_follows_cpu() {
 /// (documents restarting their positions). Bound: 2e-2 of the largest value (bf16 rounding).
 #[test]
 fn cuda_flash_attention_follows_the_f32_reference() {
+    use trl_runtime::kernels::cuda_flash::{applies, flash_attention_cuda};
     use trl_runtime::nn::attention::whole_matrix_attention;
-    use trl_runtime::nn::cuda_flash::{applies, flash_attention_cuda};
     use trl_runtime::nn::AttentionMask;
     let Some(dev) = gpu() else { return };
     let cpu = Device::Cpu;
@@ -639,8 +639,8 @@ fn cuda_flash_attention_follows_the_f32_reference() {
 /// kernels in f32.
 #[test]
 fn cuda_flash_key_spans_follow_the_cpu_kernels() {
-    use trl_runtime::nn::cpu_flash::{self, KeySpans};
-    use trl_runtime::nn::cuda_flash;
+    use trl_runtime::kernels::cpu_flash::{self, KeySpans};
+    use trl_runtime::kernels::cuda_flash;
     let Some(dev) = gpu() else { return };
     let (b, hq, hk, nq, nk, d) = (2, 4, 2, 100, 150, 64);
     let starts: Vec<Vec<usize>> = (0..b)
@@ -751,7 +751,7 @@ fn ring_attention_on_gpu_follows_the_cpu_ring() {
                 dtype,
                 |t| {
                     // On the GPU the ring's pairs go to the fused kernel.
-                    let fused = trl_runtime::nn::cuda_flash::applies(&t[0], &t[1]);
+                    let fused = trl_runtime::kernels::cuda_flash::applies(&t[0], &t[1]);
                     assert_eq!(
                         fused,
                         t[0].device().is_cuda(),
@@ -1055,7 +1055,7 @@ fn tied_head_loss_path_on_gpu_follows_the_cpu() {
 /// f32 and bf16, a row of 64 (16-byte units) and of 5 (2- and 4-byte units).
 #[test]
 fn swap_heads_and_bias_on_gpu_follow_the_cpu() {
-    use trl_runtime::nn::fused::{add_bias, swap_heads};
+    use trl_runtime::kernels::fused::{add_bias, swap_heads};
     let Some(dev) = gpu() else { return };
     for d in [64usize, 5] {
         let x = draws(&[2, 7, 3, d], 1.0, 500);

@@ -11,7 +11,7 @@ use super::causal::{CausalModel, LayerInputs};
 use super::config::ModelConfig;
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
-use crate::nn::fused::rotary as apply_rotary;
+use crate::kernels::fused::rotary as apply_rotary;
 use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{embedding, linear, linear_no_bias, rms_norm};
 use crate::nn::{Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
@@ -162,12 +162,16 @@ fn layer_forward(
     let (heads, kv_heads) = (layer.num_heads, layer.num_kv_heads);
     let h = layer.input_layernorm.forward(x)?;
     let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
-        crate::nn::fused::swap_heads(&t.reshape((b, s, n, d))?)
+        crate::kernels::fused::swap_heads(&t.reshape((b, s, n, d))?)
     };
     let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
     let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
     let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-    let a = crate::nn::fused::swap_heads(&cx.attention(&q, &k, &v)?)?.reshape((b, s, heads * d))?;
+    let a = crate::kernels::fused::swap_heads(&cx.attention(&q, &k, &v)?)?.reshape((
+        b,
+        s,
+        heads * d,
+    ))?;
     let x = (x + layer.o_proj.forward(&a)?)?;
     let h = layer.post_attention_layernorm.forward(&x)?;
     Ok((&x + mlp(layer, cx, &h)?)?)
@@ -206,6 +210,7 @@ fn mlp(layer: &DecoderLayer, cx: &LayerInputs, h: &Tensor) -> Result<Tensor> {
 }
 
 fn plain_mlp(layer: &DecoderLayer, h: &Tensor) -> Result<Tensor> {
-    let mlp = crate::nn::fused::swiglu(&layer.gate_proj.forward(h)?, &layer.up_proj.forward(h)?)?;
+    let mlp =
+        crate::kernels::fused::swiglu(&layer.gate_proj.forward(h)?, &layer.up_proj.forward(h)?)?;
     Ok(layer.down_proj.forward(&mlp)?)
 }

@@ -3,8 +3,8 @@
 //! document). Every model calls [`attention`]; the context- and sequence-parallel issues route
 //! it to ring or Ulysses attention.
 
-use super::precision;
-use super::softmax::causal_softmax;
+use crate::kernels::precision;
+use crate::kernels::softmax::causal_softmax;
 use candle_core::{Device, Result, Tensor, D};
 
 pub use super::mask::{document_ids, AttentionMask};
@@ -72,8 +72,8 @@ fn fused_kernel(
     mask: &AttentionMask,
 ) -> Option<Result<Tensor>> {
     let square = q.dim(2).ok() == k.dim(2).ok();
-    if mask.fused && square && super::cpu_flash::applies(q, k) {
-        return Some(super::cpu_flash::flash_attention_cpu(
+    if mask.fused && square && crate::kernels::cpu_flash::applies(q, k) {
+        return Some(crate::kernels::cpu_flash::flash_attention_cpu(
             q,
             k,
             v,
@@ -81,8 +81,8 @@ fn fused_kernel(
         ));
     }
     #[cfg(feature = "cuda")]
-    if square && super::cuda_flash::applies(q, k) {
-        return Some(super::cuda_flash::flash_attention_cuda(
+    if square && crate::kernels::cuda_flash::applies(q, k) {
+        return Some(crate::kernels::cuda_flash::flash_attention_cuda(
             q,
             k,
             v,
@@ -137,7 +137,7 @@ fn softmax(x: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::testing::max_abs_diff as max_diff;
+    use crate::kernels::testing::max_abs_diff as max_diff;
     use candle_core::{DType, Var};
 
     /// transformers' names: sdpa is the whole matrix on a CPU (a GPU runs it blockwise; the GPU

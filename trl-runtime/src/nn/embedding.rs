@@ -97,7 +97,7 @@ impl Embedding {
 #[cfg(feature = "cuda")]
 fn gpu_lookup_applies(w: &Tensor) -> bool {
     w.device().is_cuda()
-        && super::cuda_fused::enabled()
+        && crate::kernels::cuda_fused::enabled()
         && matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && w.rank() == 2
 }
@@ -208,7 +208,7 @@ impl candle_core::CustomOp2 for Lookup {
         ids: &candle_core::CudaStorage,
         il: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda_fused::embedding_fwd((w, wl), (ids, il))
+        crate::kernels::cuda_fused::embedding_fwd((w, wl), (ids, il))
     }
 
     fn bwd(
@@ -314,7 +314,7 @@ impl candle_core::InplaceOp3 for AddRows {
         ids: &candle_core::CudaStorage,
         il: &Layout,
     ) -> Result<()> {
-        super::cuda_fused::embedding_add_rows((acc, al), (dy, dl), (ids, il))
+        crate::kernels::cuda_fused::embedding_add_rows((acc, al), (dy, dl), (ids, il))
     }
 }
 

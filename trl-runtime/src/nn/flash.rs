@@ -17,7 +17,7 @@
 //! for f64 inputs), as in FlashAttention's kernels. Results are cast back to the inputs' dtype.
 
 use super::mask::AttentionMask;
-use super::precision::{self, accumulate};
+use crate::kernels::precision::{self, accumulate};
 use crate::precomputed::{with_backward3, Backward3};
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -309,8 +309,8 @@ pub fn flash_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::testing::{bf16_exact_randn as randn, max_abs_diff as max_diff, rel_diff};
     use crate::nn::attention;
-    use crate::nn::testing::{bf16_exact_randn as randn, max_abs_diff as max_diff, rel_diff};
     use candle_core::{Device, Var};
 
     /// Values and gradients equal the plain attention's on packed rows (documents that start

@@ -42,7 +42,7 @@ impl LayerNorm {
         };
         match &self.bias {
             None => Ok(y),
-            Some(Weight::Local(b)) => super::fused::add_bias(&y, b),
+            Some(Weight::Local(b)) => crate::kernels::fused::add_bias(&y, b),
             Some(Weight::Sharded(b)) => sharded::add_bias(&y, b),
         }
     }

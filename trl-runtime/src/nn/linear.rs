@@ -69,7 +69,7 @@ impl Linear {
                 let y = reduce_from_group(&partial, comm).map_err(wrap)?;
                 match &self.bias {
                     None => Ok(y),
-                    Some(Weight::Local(b)) => super::fused::add_bias(&y, b),
+                    Some(Weight::Local(b)) => crate::kernels::fused::add_bias(&y, b),
                     Some(Weight::Sharded(b)) => sharded::add_bias(&y, b),
                 }
             }
@@ -81,8 +81,10 @@ impl Linear {
 
     fn compute(&self, x: &Tensor, bias: Option<&Weight>) -> Result<Tensor> {
         match (&self.weight, bias) {
-            (Weight::Local(w), None) => super::fused::linear(x, w, None),
-            (Weight::Local(w), Some(Weight::Local(b))) => super::fused::linear(x, w, Some(b)),
+            (Weight::Local(w), None) => crate::kernels::fused::linear(x, w, None),
+            (Weight::Local(w), Some(Weight::Local(b))) => {
+                crate::kernels::fused::linear(x, w, Some(b))
+            }
             (Weight::Sharded(w), None) => sharded::linear(x, w, None),
             (Weight::Sharded(w), Some(Weight::Sharded(b))) => sharded::linear(x, w, Some(b)),
             _ => candle_core::bail!("a linear layer's weight and bias must be held the same way"),

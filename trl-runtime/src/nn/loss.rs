@@ -59,7 +59,7 @@ pub(crate) fn target_index_and_weight(
 /// ignored), computed in f32 (f64 inputs stay f64).
 pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
     let vocab = logits.dim(D::Minus1)?;
-    let compute = super::precision::wide(logits.dtype());
+    let compute = crate::kernels::precision::wide(logits.dtype());
     let logits = logits.reshape(((), vocab))?.to_dtype(compute)?;
     let (targets, count) = checked_targets(targets, vocab)?;
     let (index, weight) = target_index_and_weight(&targets, compute, logits.device())?;

@@ -2,10 +2,10 @@
 //! that restart open a new document). Built once per forward from the position ids and shared
 //! by every layer, by the whole-matrix, blockwise, fused and ring attention paths.
 
-use super::cpu_flash::KeySpans;
 use super::memo::Memo;
-use super::precision;
-use super::softmax::RowRanges;
+use crate::kernels::cpu_flash::KeySpans;
+use crate::kernels::precision;
+use crate::kernels::softmax::RowRanges;
 use candle_core::{DType, Device, Result, Tensor};
 use std::sync::Arc;
 

@@ -1,34 +1,23 @@
-//! Differentiable building blocks of the decoder models. Everything here is made of Candle ops
+//! Differentiable building blocks of the decoder models: the layers a model is written with
+//! (linear, embedding, norms, rotary, attention's API, the loss), built on `crate::kernels`. Everything here is made of Candle ops
 //! that have a backward pass (Candle's fused `softmax_last_dim`, `rms_norm` and `rope` kernels
 //! silently drop gradients, so they are not used).
 
 pub mod attention;
-pub mod cpu_flash;
-pub(crate) mod cpu_gemm;
-#[cfg(feature = "cuda")]
-pub mod cuda_flash;
-#[cfg(feature = "cuda")]
-pub mod cuda_fused;
 pub mod embedding;
 pub mod flash;
-pub mod fused;
 pub mod layernorm;
 pub mod linear;
 pub mod loss;
 pub mod mask;
 pub(crate) mod memo;
 pub mod module;
-pub(crate) mod precision;
 pub mod ring;
 pub mod rmsnorm;
 pub mod rope;
 pub mod rotary_emb;
 pub mod seq_attention;
 pub mod sharded;
-mod simd;
-pub mod softmax;
-#[cfg(test)]
-pub(crate) mod testing;
 pub mod tiled_loss;
 pub mod tiled_mlp;
 pub mod ulysses;

@@ -13,7 +13,7 @@
 //! Within a step the local queries and the visiting keys are taken in blocks (as in the
 //! blockwise attention), so memory stays linear in the length: one block of scores at a time.
 //!
-//! Where a fused kernel applies (f32 on the CPU: [`super::cpu_flash`]; bf16 / f16 on a GPU:
+//! Where a fused kernel applies (f32 on the CPU: [`crate::kernels::cpu_flash`]; bf16 / f16 on a GPU:
 //! `cuda_flash`, the same tiling) each (query chunk, key chunk) pair of a step runs it with
 //! the pair's key spans, and the pairs merge by their log-sum-exps in f32; backward runs the
 //! kernel's backward per pair with the whole attention's output and log-sum-exp, which makes
@@ -23,12 +23,12 @@
 //! precision), scores, softmax and accumulators in f32 (f64 for f64 inputs). The key and value
 //! gradients travel around the ring in f32 too, so each hop adds to an unrounded sum.
 
-use super::cpu_flash::{self, KeySpans};
 use super::flash::BLOCK;
 use super::mask::{AttentionMask, MASKED};
 use super::memo::Memo;
-use super::precision::{self, accumulate};
 use crate::comm::{CommQueue, Communicator, Pending};
+use crate::kernels::cpu_flash::{self, KeySpans};
+use crate::kernels::precision::{self, accumulate};
 use crate::precomputed::{with_backward3, Backward3};
 use candle_core::{DType, Result, Tensor, D};
 use std::sync::Arc;
@@ -494,7 +494,7 @@ fn prefetch(mask: &RingMask, t: usize, k: &Tensor, v: &Tensor) -> Option<(Pendin
 /// Whether a fused kernel runs the chunk pairs of these inputs.
 fn fused_applies(q: &Tensor, k: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
-    if super::cuda_flash::applies(q, k) {
+    if crate::kernels::cuda_flash::applies(q, k) {
         return true;
     }
     cpu_flash::applies(q, k)
@@ -504,7 +504,7 @@ fn fused_applies(q: &Tensor, k: &Tensor) -> bool {
 fn pair_forward(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        return super::cuda_flash::forward(q, k, v, spans);
+        return crate::kernels::cuda_flash::forward(q, k, v, spans);
     }
     cpu_flash::forward(q, k, v, spans)
 }
@@ -517,7 +517,7 @@ fn pair_backward(
 ) -> Result<[Tensor; 3]> {
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        let (dq, dk, dv) = super::cuda_flash::backward(q, k, v, out, lse, dout, spans)?;
+        let (dq, dk, dv) = crate::kernels::cuda_flash::backward(q, k, v, out, lse, dout, spans)?;
         return Ok([
             dq.to_dtype(DType::F32)?,
             dk.to_dtype(DType::F32)?,
@@ -722,7 +722,9 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
 mod tests {
     use super::*;
     use crate::comm::InProcessWorld;
-    use crate::nn::testing::{bf16_exact_randn as randn, max_abs_diff as diff, rel_diff as rel};
+    use crate::kernels::testing::{
+        bf16_exact_randn as randn, max_abs_diff as diff, rel_diff as rel,
+    };
     use candle_core::{Device, Var};
 
     /// Rank `rank`'s token indices among `ranks` (chunks of `chunk`) and its position ids

@@ -23,9 +23,11 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match &self.weight {
-            // One fused pass forward and backward (see nn::fused).
-            Weight::Local(w) => super::fused::rms_norm(x, w, self.eps),
-            Weight::Sharded(w) => sharded::scale(&super::fused::rms_normalize(x, self.eps)?, w),
+            // One fused pass forward and backward (see kernels::fused).
+            Weight::Local(w) => crate::kernels::fused::rms_norm(x, w, self.eps),
+            Weight::Sharded(w) => {
+                sharded::scale(&crate::kernels::fused::rms_normalize(x, self.eps)?, w)
+            }
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Rotary position embeddings with HF's rope scaling kinds (default, linear, dynamic NTK,
 //! llama3, yarn), indexed by position ids so that packed documents restart at position 0.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// `rope_scaling` of an HF config.json. HF writes the kind as `rope_type` (older: `type`).
@@ -196,12 +196,4 @@ impl RotaryEmbedding {
     }
 }
 
-/// Rotates `x` [batch, heads, seq, head_dim] by the angles in `cos`/`sin` [batch, seq, head_dim].
-pub fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
-    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
-}
+pub use crate::kernels::fused::apply_rotary;

@@ -47,7 +47,7 @@ pub fn rope(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let cs = per_row(cs, b, t, d / 2)?;
         Tensor::cat(&[&cs, &cs], D::Minus1)
     };
-    super::fused::rotary(xs, &full(cos)?, &full(sin)?)
+    crate::kernels::fused::rotary(xs, &full(cos)?, &full(sin)?)
 }
 
 /// Rotary embeddings on interleaved pairs (x0, x1), (x2, x3), ... of each head (GPT-J,
@@ -76,7 +76,7 @@ pub fn rope_thd(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::testing::max_abs_diff as max_diff;
+    use crate::kernels::testing::max_abs_diff as max_diff;
     use candle_core::{Device, Var};
 
     type Rope = fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;

@@ -449,7 +449,7 @@ impl CustomOp1 for UnitOp {
                 let dw = g2.t()?.matmul(&arg.reshape((rows, inner))?)?;
                 let mut grads = vec![(*weight, dw)];
                 if let Some(b) = bias {
-                    grads.push((*b, super::fused::sum_rows(&g2)?));
+                    grads.push((*b, crate::kernels::fused::sum_rows(&g2)?));
                 }
                 (dx, grads)
             }
@@ -457,12 +457,12 @@ impl CustomOp1 for UnitOp {
                 let w = fetch(*weight)?;
                 let h = w.elem_count();
                 let dx = grad.broadcast_mul(&w)?;
-                let dw = super::fused::sum_rows(&(grad * arg)?.reshape(((), h))?)?;
+                let dw = crate::kernels::fused::sum_rows(&(grad * arg)?.reshape(((), h))?)?;
                 (dx, vec![(*weight, dw)])
             }
             OpKind::Bias { weight } => {
                 let b = fetch(*weight)?;
-                let db = super::fused::sum_rows(&grad.reshape(((), b.elem_count()))?)?;
+                let db = crate::kernels::fused::sum_rows(&grad.reshape(((), b.elem_count()))?)?;
                 (grad.clone(), vec![(*weight, db)])
             }
             OpKind::Embedding { weight, ids } => {
@@ -525,7 +525,7 @@ pub fn linear(
         }
         None => None,
     };
-    let y = super::fused::linear(&x.detach(), &weight, bias.as_ref())?;
+    let y = crate::kernels::fused::linear(&x.detach(), &weight, bias.as_ref())?;
     let kind = OpKind::Linear {
         weight: w.entry,
         bias: b.map(|b| b.entry),
@@ -544,7 +544,7 @@ pub fn scale(x: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor> {
 /// tensor-parallel sum).
 pub fn add_bias(x: &Tensor, b: &ShardedWeight) -> candle_core::Result<Tensor> {
     let bias = b.unit.weight(b.entry).map_err(failed)?;
-    let y = super::fused::add_bias(&x.detach(), &bias)?;
+    let y = crate::kernels::fused::add_bias(&x.detach(), &bias)?;
     apply(x, &b.unit, OpKind::Bias { weight: b.entry }, y)
 }
 

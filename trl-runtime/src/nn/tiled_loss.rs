@@ -11,7 +11,7 @@
 
 use super::embedding::TiedGrad;
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
-use super::precision::{self, accumulate, accumulate_product};
+use crate::kernels::precision::{self, accumulate, accumulate_product};
 use crate::precomputed::Precomputed;
 use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp1, Layout, Result, Shape, Tensor, D};
 use std::cell::Cell;
@@ -196,12 +196,12 @@ impl InplaceOp1 for Scale {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> Result<()> {
-        super::cuda_fused::scale_in_place((storage, layout), self.0 as f32)
+        crate::kernels::cuda_fused::scale_in_place((storage, layout), self.0 as f32)
     }
 }
 
 /// One tile of logits turned in place into the gradient of its summed loss (see
-/// [`super::fused::cross_entropy_rows`]). On CPU the loss is left in `loss`; on a GPU the
+/// [`crate::kernels::fused::cross_entropy_rows`]). On CPU the loss is left in `loss`; on a GPU the
 /// rows' losses go to `on_device`'s buffer from row `first` on, and its targets are read there.
 struct CrossEntropyRows<'a> {
     targets: &'a [i64],
@@ -233,8 +233,12 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
             candle_core::bail!("cross-entropy rows: contiguous f32 logits expected")
         };
         let vocab = layout.dims()[1];
-        let loss =
-            super::fused::cross_entropy_rows(&mut v[start..end], vocab, self.targets, self.grads);
+        let loss = crate::kernels::fused::cross_entropy_rows(
+            &mut v[start..end],
+            vocab,
+            self.targets,
+            self.grads,
+        );
         self.loss.set(loss);
         Ok(())
     }
@@ -252,7 +256,7 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
             candle_core::bail!("cross-entropy rows: targets and losses must be on the GPU")
         };
         let range = self.first..self.first + len;
-        super::cuda_fused::cross_entropy_rows(
+        crate::kernels::cuda_fused::cross_entropy_rows(
             storage,
             layout,
             &t.as_cuda_slice::<i64>()?.slice(range.clone()),
@@ -331,7 +335,7 @@ pub fn fused_applies(hidden: &Tensor, weight: &Tensor) -> bool {
     let dtype = hidden.dtype();
     let on_cpu = hidden.device().is_cpu() && dtype == DType::F32;
     let on_gpu = hidden.device().is_cuda()
-        && super::precision::cuda_fused_on()
+        && crate::kernels::precision::cuda_fused_on()
         && matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
     weight.dtype() == dtype && weight.device().same_device(hidden.device()) && (on_cpu || on_gpu)
 }
@@ -415,8 +419,8 @@ pub(crate) fn tied_linear_cross_entropy(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::testing::{bf16_exact_randn as randn, rel_diff as rel};
     use crate::nn::loss::{cross_entropy_sum, IGNORE_INDEX};
-    use crate::nn::testing::{bf16_exact_randn as randn, rel_diff as rel};
     use candle_core::{Device, Var};
 
     /// In f32 (the fused path: gradients computed in forward) and in bf16 (the recomputing

@@ -8,7 +8,7 @@
 //! Precision: everything runs in the inputs' dtype, as the untiled MLP does, except the weight
 //! gradients' sums over tiles, which are f32 (bf16 partial sums would drop small terms).
 
-use super::precision::{self, accumulate};
+use crate::kernels::precision::{self, accumulate};
 use crate::precomputed::{with_backward3, Backward3};
 use candle_core::{Result, Tensor, D};
 
@@ -90,7 +90,7 @@ pub fn tiled_swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tenso
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::testing::{bf16_exact_randn as randn, rel_diff as rel};
+    use crate::kernels::testing::{bf16_exact_randn as randn, rel_diff as rel};
     use candle_core::{DType, Var};
 
     /// In f32 and in bf16 (inputs bf16 holds exactly) the tiled MLP equals the plain one:

@@ -231,7 +231,7 @@ impl CustomOp1 for Seed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::testing::max_abs_diff;
+    use crate::kernels::testing::max_abs_diff;
 
     /// tanh(x * w_l) per layer, counting the recomputations.
     struct Toy {

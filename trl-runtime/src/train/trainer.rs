@@ -706,7 +706,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 // Accumulated in fp32 whatever the compute dtype (DeepSpeed's bf16 default); on
                 // a GPU the sum grows in place, reading each micro-batch's gradient as it is.
                 let mut slot = grads.remove(name);
-                crate::nn::precision::accumulate(&mut slot, g, DType::F32)?;
+                crate::kernels::precision::accumulate(&mut slot, g, DType::F32)?;
                 if let Some(acc) = slot {
                     grads.insert(name.clone(), acc);
                 }

@@ -612,8 +612,8 @@ pub fn flash_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::testing::max_abs_diff;
     use crate::nn::attention::{whole_matrix_attention, AttentionMask};
-    use crate::nn::testing::max_abs_diff;
     use candle_core::{Device, Var};
 
     /// Against the whole-matrix attention (fused causal softmax), values and every gradient, on

@@ -621,6 +621,17 @@ impl CustomOp3 for Rotary {
     }
 }
 
+/// Rotates `x` [batch, heads, seq, head_dim] by the angles in `cos`/`sin` [batch, seq, head_dim],
+/// in Candle ops (where the fused kernel does not apply).
+pub fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+    x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+}
+
 /// Rotates `x` [batch, heads, seq, head_dim] by `cos`/`sin` [batch, seq, head_dim] (as
 /// `nn::rope::apply_rotary`).
 pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -629,7 +640,7 @@ pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         cos.dims() == [b, s, d] && sin.dims() == [b, s, d] && d % 2 == 0
     };
     if !fused_here(&[x, cos, sin]) || !shapes_fit {
-        return super::rope::apply_rotary(x, cos, sin);
+        return apply_rotary(x, cos, sin);
     }
     x.contiguous()?
         .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary { sign: 1.0 })
@@ -781,7 +792,7 @@ mod tests {
                     (y, g.get(x.as_tensor()).unwrap().clone())
                 };
                 let (y1, g1) = run(&|x| rotary(x, &cos, &sin));
-                let (y0, g0) = run(&|x| crate::nn::rope::apply_rotary(x, &cos, &sin));
+                let (y0, g0) = run(&|x| apply_rotary(x, &cos, &sin));
                 assert!(rel(&y1, &y0) < tol, "{dtype:?} out {}", rel(&y1, &y0));
                 assert!(rel(&g1, &g0) < tol, "{dtype:?} grad {}", rel(&g1, &g0));
             }

@@ -248,7 +248,7 @@ impl CustomOp3 for Fwd<'_> {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        bail!("cuda flash attention runs on GPUs (the CPU has nn::cpu_flash)")
+        bail!("cuda flash attention runs on GPUs (the CPU has kernels::cpu_flash)")
     }
 
     fn cuda_fwd(

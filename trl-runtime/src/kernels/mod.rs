@@ -1,0 +1,17 @@
+//! The CPU and CUDA kernels behind the layers of `crate::nn`: fused element-wise ops (RMSNorm,
+//! SwiGLU, rotary, bias) with their backward passes, the flash attention kernels (CPU, and
+//! CUDA from flash.cu), the causal softmax, GEMM helpers and the dtype rules of mixed
+//! precision. Kernels know tensors and storage, never layers or strategies.
+
+pub mod cpu_flash;
+pub(crate) mod cpu_gemm;
+#[cfg(feature = "cuda")]
+pub mod cuda_flash;
+#[cfg(feature = "cuda")]
+pub mod cuda_fused;
+pub mod fused;
+pub(crate) mod precision;
+mod simd;
+pub mod softmax;
+#[cfg(test)]
+pub(crate) mod testing;
