@@ -1,8 +1,9 @@
 """Writes assets/tiny-qwen3: a tiny random Qwen3 (transformers' Qwen3ForCausalLM: per-head
 q/k RMSNorms, tied embeddings) in HF format, sharing the bundled tokenizer, and
-parity.safetensors: input ids and the logits transformers computes for them. The test that
-ports candle-transformers' qwen3.rs (cargo-trl/tests/port.rs) trains it and checks the port's
-logits against these.
+parity.safetensors: input ids and the logits transformers computes for them. The built-in
+Qwen3 (trl-runtime/tests/models.rs, cargo-trl/tests/builtin_models.rs) and the port of
+candle-transformers' qwen3.rs (cargo-trl/tests/port.rs) are checked against these and trained
+on it.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
     python scripts/make_qwen3_fixture.py

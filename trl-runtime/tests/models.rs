@@ -12,7 +12,7 @@ use trl_runtime::parallel::CausalLm;
 fn tiny_config(model_type: &str, tied: bool) -> ModelConfig {
     let json = serde_json::json!({
         "model_type": model_type,
-        "architectures": [if model_type == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        "architectures": [match model_type { "qwen2" => "Qwen2ForCausalLM", "qwen3" => "Qwen3ForCausalLM", _ => "LlamaForCausalLM" }],
         "vocab_size": 37,
         "hidden_size": 16,
         "intermediate_size": 24,
@@ -65,6 +65,7 @@ fn every_parameter_gets_a_nonzero_gradient() {
         ("qwen2", false),
         ("llama", false),
         ("llama", true),
+        ("qwen3", true),
     ] {
         let m = model(ty, tied, DType::F32);
         let (ids, pos, labels) = batch();
@@ -282,7 +283,7 @@ fn mismatched_weights_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("model_type") && e.contains("llama or qwen2"),
+        e.contains("model_type") && e.contains("llama, qwen2 or qwen3"),
         "{e}"
     );
     let e = ModelConfig::from_json(r#"{"model_type":"llama","vocab_size":1,"hidden_size":4,"intermediate_size":4,"num_hidden_layers":1,"num_attention_heads":1,"rope_scaling":{"rope_type":"longrope","factor":2.0}}"#, "config.json")
@@ -322,4 +323,32 @@ fn matches_transformers_fixture() {
             "{name}: loss {loss} vs transformers {want_loss}"
         );
     }
+}
+
+/// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings) against transformers'
+/// Qwen3ForCausalLM on assets/tiny-qwen3 (scripts/make_qwen3_fixture.py).
+#[test]
+fn qwen3_matches_transformers() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3");
+    let m = CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
+    assert!(m
+        .params
+        .get("model.layers.1.self_attn.k_norm.weight")
+        .is_some());
+    let want =
+        candle_core::safetensors::load(dir.join("parity.safetensors"), &Device::Cpu).unwrap();
+    let ids = want["input_ids"].to_dtype(DType::U32).unwrap();
+    let (b, s) = ids.dims2().unwrap();
+    let pos = Tensor::arange(0i64, s as i64, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .repeat((b, 1))
+        .unwrap();
+    let diff = max_abs_diff(&m.forward(&ids, &pos).unwrap(), &want["logits"]);
+    eprintln!("qwen3: max |logits - transformers| = {diff:e}");
+    assert!(
+        diff < 1e-4,
+        "qwen3: logits differ from transformers by {diff}"
+    );
 }

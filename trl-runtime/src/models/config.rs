@@ -1,4 +1,4 @@
-//! An HF `config.json` for Llama and Qwen2 models.
+//! An HF `config.json` for Llama, Qwen2 and Qwen3 models.
 
 use crate::error::{Error, Result};
 use crate::nn::RopeScaling;
@@ -9,6 +9,9 @@ use std::path::Path;
 pub enum Architecture {
     Llama,
     Qwen2,
+    /// Qwen2's layout without q/k/v biases (unless `attention_bias`), with an RMSNorm over
+    /// each head's queries and keys before rotary.
+    Qwen3,
 }
 
 fn default_rms_eps() -> f64 {
@@ -105,7 +108,7 @@ impl ModelConfig {
             return err(
                 "hidden_act",
                 format!(
-                    "'{}' is not supported: Llama and Qwen2 use silu",
+                    "'{}' is not supported: Llama, Qwen2 and Qwen3 use silu",
                     self.hidden_act
                 ),
             );
@@ -194,8 +197,10 @@ impl ModelConfig {
         match self.model_type.as_str() {
             "llama" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
+            "qwen3" => Ok(Architecture::Qwen3),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama or qwen2"
+                "model_type '{other}' is not supported: use llama, qwen2 or qwen3 (or your own \
+                 model: docs/your-model.md)"
             )),
         }
     }
@@ -209,14 +214,20 @@ impl ModelConfig {
             .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
-    /// q/k/v projections carry a bias (always for Qwen2, by `attention_bias` for Llama).
+    /// q/k/v projections carry a bias (always for Qwen2, by `attention_bias` for Llama and
+    /// Qwen3).
     pub fn qkv_bias(&self) -> bool {
         self.model_type == "qwen2" || self.attention_bias
     }
 
-    /// The output projection carries a bias (Llama with `attention_bias` only).
+    /// The output projection carries a bias (Llama and Qwen3 with `attention_bias`).
     pub fn o_bias(&self) -> bool {
-        self.model_type == "llama" && self.attention_bias
+        matches!(self.model_type.as_str(), "llama" | "qwen3") && self.attention_bias
+    }
+
+    /// An RMSNorm over each head's queries and keys (Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.model_type == "qwen3"
     }
 
     pub fn to_json_pretty(&self) -> String {
@@ -242,6 +253,10 @@ impl ModelConfig {
                 add("self_attn.q_proj.bias", vec![q]);
                 add("self_attn.k_proj.bias", vec![kv]);
                 add("self_attn.v_proj.bias", vec![kv]);
+            }
+            if self.qk_norm() {
+                add("self_attn.q_norm.weight", vec![self.head_dim()]);
+                add("self_attn.k_norm.weight", vec![self.head_dim()]);
             }
             add("self_attn.o_proj.weight", vec![h, q]);
             if self.o_bias() {

@@ -31,6 +31,13 @@ struct DecoderLayer {
     v_proj: Linear,
     #[parallel(tp = "row", name = "self_attn.o_proj")]
     o_proj: Linear,
+    // Qwen3's per-head norms: they act on the heads this rank holds, so under tp their
+    // gradients are partial sums (found at the first step; this struct's unannotated
+    // parameters are `auto`).
+    #[parallel(name = "self_attn.q_norm")]
+    q_norm: Option<RmsNorm>,
+    #[parallel(name = "self_attn.k_norm")]
+    k_norm: Option<RmsNorm>,
     post_attention_layernorm: RmsNorm,
     #[parallel(tp = "column", name = "mlp.gate_proj")]
     gate_proj: Linear,
@@ -85,6 +92,10 @@ impl CausalModel for Llama {
             true => linear(i, o, vb),
             false => linear_no_bias(i, o, vb),
         };
+        let qk_norm = |vb: VarBuilder| match config.qk_norm() {
+            true => rms_norm(d, eps, vb).map(Some),
+            false => Ok(None),
+        };
         let m = vb.pp("model");
         let layers = (0..config.num_hidden_layers)
             .map(|l| {
@@ -96,6 +107,8 @@ impl CausalModel for Llama {
                     k_proj: lin(attn.pp("k_proj"), (h, kv), config.qkv_bias())?,
                     v_proj: lin(attn.pp("v_proj"), (h, kv), config.qkv_bias())?,
                     o_proj: lin(attn.pp("o_proj"), (q, h), config.o_bias())?,
+                    q_norm: qk_norm(attn.pp("q_norm"))?,
+                    k_norm: qk_norm(attn.pp("k_norm"))?,
                     post_attention_layernorm: rms_norm(h, eps, vb.pp("post_attention_layernorm"))?,
                     gate_proj: lin(mlp.pp("gate_proj"), (h, i), config.mlp_bias)?,
                     up_proj: lin(mlp.pp("up_proj"), (h, i), config.mlp_bias)?,
@@ -164,8 +177,16 @@ fn layer_forward(
     let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
         crate::kernels::fused::swap_heads(&t.reshape((b, s, n, d))?)
     };
-    let q = apply_rotary(&split(layer.q_proj.forward(&h)?, heads)?, &cos, &sin)?;
-    let k = apply_rotary(&split(layer.k_proj.forward(&h)?, kv_heads)?, &cos, &sin)?;
+    // Qwen3 normalises each head's queries and keys (over head_dim) before rotary.
+    let norm = |t: Tensor, n: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
+        match n {
+            Some(n) => n.forward(&t),
+            None => Ok(t),
+        }
+    };
+    let q = norm(split(layer.q_proj.forward(&h)?, heads)?, &layer.q_norm)?;
+    let k = norm(split(layer.k_proj.forward(&h)?, kv_heads)?, &layer.k_norm)?;
+    let (q, k) = (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?);
     let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
     let a = crate::kernels::fused::swap_heads(&cx.attention(&q, &k, &v)?)?.reshape((
         b,

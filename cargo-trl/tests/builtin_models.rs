@@ -1,0 +1,57 @@
+//! The built-in models beyond the bundled Qwen2, trained by the `sft` example (TRL's flags)
+//! through the real `cargo trl launch` under every CPU profile, each equal to one process
+//! after 5 steps (fp32; every step's loss within 1e-5, every weight within 2e-5): Qwen3, whose
+//! per-head q/k norms make partial gradients under tensor parallelism (found at the first
+//! step; TRL_CHECK_TP_GRADS=1 checks every step).
+
+mod common;
+
+use common::{assert_equal, max_diff, Run};
+use std::path::Path;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
+const STEPS: usize = 5;
+
+fn launch(model: &Path, launch_args: &[&str], per_device: usize, out: &Path) -> String {
+    let mut cmd = Command::new(BIN);
+    cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .env("CARGO_NET_OFFLINE", "true")
+        .env("TRL_CHECK_TP_GRADS", "1")
+        .args(["launch", "--main_process_port", "0"])
+        .args(launch_args)
+        .args(["sft", "--", "--model_name_or_path"])
+        .arg(model);
+    common::run_launch(cmd, STEPS, per_device, out)
+}
+
+#[test]
+fn qwen3_under_every_cpu_profile_equals_one_process() {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3/model");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = |name: &str| tmp.path().join(name);
+    launch(&model, &["--num_processes", "1"], 8, &out("one8"));
+    launch(&model, &["--num_processes", "1"], 4, &out("one4"));
+    let (one8, one4) = (
+        Run::read(&out("one8"), STEPS),
+        Run::read(&out("one4"), STEPS),
+    );
+    for (name, args, two_dp) in common::CPU_CASES {
+        let text = launch(&model, args, 4, &out(name));
+        if *name == "tp_cpu" {
+            assert!(
+                text.contains("act on features split over tp")
+                    && text.contains("model.layers.0.self_attn.q_norm.weight"),
+                "{name}: {text}"
+            );
+        }
+        let want = if *two_dp { &one8 } else { &one4 };
+        let got = Run::read(&out(name), STEPS);
+        assert_equal(name, &got, want, &["q_norm", "k_norm"], |_, g, w| {
+            max_diff(g, w)
+        });
+    }
+    // The checkpoint is Qwen3's, with its q/k norms, as transformers names them.
+    let config = std::fs::read_to_string(out("tp_cpu").join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"qwen3\""), "{config}");
+}
