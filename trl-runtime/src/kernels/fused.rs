@@ -19,6 +19,163 @@ use candle_core::{
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+/// Declares a fused op in one place: its name, its CPU kernel, its CUDA kernel (compiled with the
+/// `cuda` feature) and, where it has one, its backward. `[this]` names `self` in the clauses;
+/// each clause names the storages and layouts (or tensors) it takes. Written out, every op
+/// repeated the same four Candle signatures.
+macro_rules! fused_op {
+    (@name $this:ident $self_:ident $name:expr) => {{
+        #[allow(unused_variables)]
+        let $this = $self_;
+        $name
+    }};
+    ($op:ty: CustomOp1 [$this:ident] {
+        name: $name:expr,
+        cpu($s1:pat_param, $l1:pat_param) $cpu:block
+        cuda($c1:pat_param, $cl1:pat_param) $cuda:block
+        $(bwd($a1:pat_param, $res:pat_param, $grad:pat_param) $bwd:block)?
+    }) => {
+        impl candle_core::CustomOp1 for $op {
+            fn name(&self) -> &'static str {
+                fused_op!(@name $this self $name)
+            }
+
+            fn cpu_fwd(&self, $s1: &CpuStorage, $l1: &Layout) -> Result<(CpuStorage, Shape)> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $cpu
+            }
+
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $c1: &candle_core::CudaStorage,
+                $cl1: &Layout,
+            ) -> Result<(candle_core::CudaStorage, Shape)> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $cuda
+            }
+
+            $(
+            fn bwd(&self, $a1: &Tensor, $res: &Tensor, $grad: &Tensor) -> Result<Option<Tensor>> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $bwd
+            }
+            )?
+        }
+    };
+    ($op:ty: CustomOp2 [$this:ident] {
+        name: $name:expr,
+        cpu($s1:pat_param, $l1:pat_param, $s2:pat_param, $l2:pat_param) $cpu:block
+        cuda($c1:pat_param, $cl1:pat_param, $c2:pat_param, $cl2:pat_param) $cuda:block
+        $(bwd($a1:pat_param, $a2:pat_param, $res:pat_param, $grad:pat_param) $bwd:block)?
+    }) => {
+        impl CustomOp2 for $op {
+            fn name(&self) -> &'static str {
+                fused_op!(@name $this self $name)
+            }
+
+            fn cpu_fwd(
+                &self,
+                $s1: &CpuStorage,
+                $l1: &Layout,
+                $s2: &CpuStorage,
+                $l2: &Layout,
+            ) -> Result<(CpuStorage, Shape)> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $cpu
+            }
+
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $c1: &candle_core::CudaStorage,
+                $cl1: &Layout,
+                $c2: &candle_core::CudaStorage,
+                $cl2: &Layout,
+            ) -> Result<(candle_core::CudaStorage, Shape)> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $cuda
+            }
+
+            $(
+            fn bwd(
+                &self,
+                $a1: &Tensor,
+                $a2: &Tensor,
+                $res: &Tensor,
+                $grad: &Tensor,
+            ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $bwd
+            }
+            )?
+        }
+    };
+    ($op:ty: CustomOp3 [$this:ident] {
+        name: $name:expr,
+        cpu($s1:pat_param, $l1:pat_param, $s2:pat_param, $l2:pat_param, $s3:pat_param, $l3:pat_param) $cpu:block
+        cuda($c1:pat_param, $cl1:pat_param, $c2:pat_param, $cl2:pat_param, $c3:pat_param, $cl3:pat_param) $cuda:block
+        $(bwd($a1:pat_param, $a2:pat_param, $a3:pat_param, $res:pat_param, $grad:pat_param) $bwd:block)?
+    }) => {
+        impl CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                fused_op!(@name $this self $name)
+            }
+
+            fn cpu_fwd(
+                &self,
+                $s1: &CpuStorage,
+                $l1: &Layout,
+                $s2: &CpuStorage,
+                $l2: &Layout,
+                $s3: &CpuStorage,
+                $l3: &Layout,
+            ) -> Result<(CpuStorage, Shape)> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $cpu
+            }
+
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $c1: &candle_core::CudaStorage,
+                $cl1: &Layout,
+                $c2: &candle_core::CudaStorage,
+                $cl2: &Layout,
+                $c3: &candle_core::CudaStorage,
+                $cl3: &Layout,
+            ) -> Result<(candle_core::CudaStorage, Shape)> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $cuda
+            }
+
+            $(
+            #[allow(clippy::type_complexity)]
+            fn bwd(
+                &self,
+                $a1: &Tensor,
+                $a2: &Tensor,
+                $a3: &Tensor,
+                $res: &Tensor,
+                $grad: &Tensor,
+            ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $bwd
+            }
+            )?
+        }
+    };
+}
+
 /// Rows handed to one rayon task (amortizes scheduling over small hidden sizes).
 const ROWS_PER_TASK: usize = 16;
 
@@ -180,52 +337,28 @@ fn rms_norm_fwd_body<T: F32Math>(ys: &mut [T], xs: &[T], w: &[T], eps: f32) {
     }
 }
 
-impl CustomOp2 for RmsNormFwd {
-    fn name(&self) -> &'static str {
-        "fused-rms-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+fused_op!(RmsNormFwd: CustomOp2 [this] {
+    name: "fused-rms-norm",
+    cpu(s1, l1, s2, l2) {
         let out = per_dtype!(s1.dtype(), "fused rms_norm", |T| rms_norm_fwd(
             slice::<T>(s1, l1)?,
             slice(s2, l2)?,
-            self.eps,
+            this.eps,
         ));
         Ok((out, l1.shape().clone()))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda_fused::rms_norm_fwd((s1, l1), (s2, l2), self.eps)
+    cuda(s1, l1, s2, l2) {
+        super::cuda_fused::rms_norm_fwd((s1, l1), (s2, l2), this.eps)
     }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    bwd(x, w, _y, dy) {
         let h = w.dim(0)?;
         let rows = x.elem_count() / h;
-        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: self.eps })?;
+        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: this.eps })?;
         let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
         let dw = both.narrow(0, rows, 1)?.reshape(h)?;
         Ok((Some(dx), Some(dw)))
     }
-}
+});
 
 struct RmsNormBwd {
     eps: f32,
@@ -284,44 +417,23 @@ fn rms_norm_bwd_body<T: F32Math>(
     }
 }
 
-impl CustomOp3 for RmsNormBwd {
-    fn name(&self) -> &'static str {
-        "fused-rms-norm-bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+fused_op!(RmsNormBwd: CustomOp3 [this] {
+    name: "fused-rms-norm-bwd",
+    cpu(s1, l1, s2, l2, s3, l3) {
         let h = l2.shape().elem_count();
         let rows = l1.shape().elem_count() / h;
         let out = per_dtype!(s1.dtype(), "fused rms_norm backward", |T| rms_norm_bwd(
             slice::<T>(s1, l1)?,
             slice(s2, l2)?,
             slice(s3, l3)?,
-            self.eps,
+            this.eps,
         ));
         Ok((out, Shape::from((rows + 1, h))))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda_fused::rms_norm_bwd((s1, l1), (s2, l2), (s3, l3), self.eps)
+    cuda(s1, l1, s2, l2, s3, l3) {
+        super::cuda_fused::rms_norm_bwd((s1, l1), (s2, l2), (s3, l3), this.eps)
     }
-}
+});
 
 /// RMSNorm over the last dimension of `x` with weight `w` (one value per feature).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -376,49 +488,25 @@ fn swiglu_fwd_body<T: F32Math>(o: &mut [T], g: &[T], u: &[T]) {
     }
 }
 
-impl CustomOp2 for SwigluFwd {
-    fn name(&self) -> &'static str {
-        "fused-swiglu"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+fused_op!(SwigluFwd: CustomOp2 [this] {
+    name: "fused-swiglu",
+    cpu(s1, l1, s2, l2) {
         let out = per_dtype!(s1.dtype(), "fused swiglu", |T| swiglu_fwd::<T>(
             slice(s1, l1)?,
             slice(s2, l2)?
         ));
         Ok((out, l1.shape().clone()))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    cuda(s1, l1, s2, l2) {
         super::cuda_fused::swiglu_fwd((s1, l1), (s2, l2))
     }
-
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    bwd(g, u, _out, dout) {
         let both = g.apply_op3_no_bwd(u, &dout.contiguous()?, &SwigluBwd)?;
         let dg = both.narrow(0, 0, 1)?.reshape(g.shape())?;
         let du = both.narrow(0, 1, 1)?.reshape(u.shape())?;
         Ok((Some(dg), Some(du)))
     }
-}
+});
 
 struct SwigluBwd;
 
@@ -450,20 +538,9 @@ fn swiglu_bwd_body<T: F32Math>(dg: &mut [T], du: &mut [T], g: &[T], u: &[T], d: 
     }
 }
 
-impl CustomOp3 for SwigluBwd {
-    fn name(&self) -> &'static str {
-        "fused-swiglu-bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+fused_op!(SwigluBwd: CustomOp3 [this] {
+    name: "fused-swiglu-bwd",
+    cpu(s1, l1, s2, l2, s3, l3) {
         let n = l1.shape().elem_count();
         let out = per_dtype!(s1.dtype(), "fused swiglu backward", |T| swiglu_bwd::<T>(
             slice(s1, l1)?,
@@ -472,20 +549,10 @@ impl CustomOp3 for SwigluBwd {
         ));
         Ok((out, Shape::from((2, n))))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    cuda(s1, l1, s2, l2, s3, l3) {
         super::cuda_fused::swiglu_bwd((s1, l1), (s2, l2), (s3, l3))
     }
-}
+});
 
 /// `silu(gate) * up`, elementwise (same shapes).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
@@ -561,27 +628,16 @@ struct Rotary {
     sign: f32,
 }
 
-impl CustomOp3 for Rotary {
-    fn name(&self) -> &'static str {
-        if self.sign > 0.0 {
-            "fused-rotary"
-        } else {
-            "fused-rotary-bwd"
-        }
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+fused_op!(Rotary: CustomOp3 [this] {
+    name: if this.sign > 0.0 {
+        "fused-rotary"
+    } else {
+        "fused-rotary-bwd"
+    },
+    cpu(s1, l1, s2, l2, s3, l3) {
         let (_, heads, seq, d) = l1.shape().dims4()?;
         let dims = (heads, seq, d);
-        let sign = self.sign;
+        let sign = this.sign;
         let out = per_dtype!(s1.dtype(), "fused rotary", |T| rotary_cpu::<T>(
             slice(s1, l1)?,
             slice(s2, l2)?,
@@ -591,35 +647,17 @@ impl CustomOp3 for Rotary {
         ));
         Ok((out, l1.shape().clone()))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda_fused::rotary((s1, l1), (s2, l2), (s3, l3), self.sign)
+    cuda(s1, l1, s2, l2, s3, l3) {
+        super::cuda_fused::rotary((s1, l1), (s2, l2), (s3, l3), this.sign)
     }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    bwd(_x, cos, sin, _y, dy) {
         // The angles come from position ids: no gradient for them.
         let dx = dy
             .contiguous()?
-            .apply_op3_no_bwd(cos, sin, &Rotary { sign: -self.sign })?;
+            .apply_op3_no_bwd(cos, sin, &Rotary { sign: -this.sign })?;
         Ok((Some(dx), None, None))
     }
-}
+});
 
 /// Rotates `x` [batch, heads, seq, head_dim] by the angles in `cos`/`sin` [batch, seq, head_dim],
 /// in Candle ops (where the fused kernel does not apply).
@@ -926,28 +964,18 @@ pub fn swap_heads(x: &Tensor) -> Result<Tensor> {
 /// Swapping dims 1 and 2 again is the backward.
 struct SwapHeads;
 
-impl candle_core::CustomOp1 for SwapHeads {
-    fn name(&self) -> &'static str {
-        "swap-heads"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+fused_op!(SwapHeads: CustomOp1 [this] {
+    name: "swap-heads",
+    cpu(_, _) {
         candle_core::bail!("swap-heads runs on GPUs (the CPU transposes)")
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    cuda(s, l) {
         super::cuda_fused::swap12((s, l))
     }
-
-    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    bwd(_, _, grad) {
         Ok(Some(grad.contiguous()?.apply_op1(SwapHeads)?))
     }
-}
+});
 
 /// `y` [.., n] + `bias` [n]: a linear layer's bias, in one pass over contiguous `y` (Candle's
 /// broadcast add ran at ~0.1 TB/s on a GPU). The bias gradient is the output gradient summed
@@ -984,47 +1012,23 @@ fn bias_add_rows<T: F32Math>(y: &[T], b: &[T]) -> Vec<T> {
     out
 }
 
-impl CustomOp2 for BiasAdd {
-    fn name(&self) -> &'static str {
-        "bias-add"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+fused_op!(BiasAdd: CustomOp2 [this] {
+    name: "bias-add",
+    cpu(s1, l1, s2, l2) {
         let out = per_dtype!(s1.dtype(), "bias add", |T| bias_add_rows::<T>(
             slice(s1, l1)?,
             slice(s2, l2)?
         ));
         Ok((out, l1.shape().clone()))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    cuda(s1, l1, s2, l2) {
         super::cuda_fused::bias_add((s1, l1), (s2, l2))
     }
-
-    fn bwd(
-        &self,
-        _: &Tensor,
-        bias: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    bwd(_, bias, _, grad) {
         let db = sum_rows(&grad.reshape(((), bias.elem_count()))?)?;
         Ok((Some(grad.clone()), Some(db)))
     }
-}
+});
 
 /// The sum over the rows of `x` [rows, n]: a bias's or a norm weight's gradient, for backward
 /// passes (it records no gradient of its own). One pass adding whole rows in f32: on the CPU
@@ -1062,12 +1066,9 @@ fn sum_rows_body<T: F32Math>(acc: &mut [f32], rows: &[T]) {
     }
 }
 
-impl candle_core::CustomOp1 for SumRows {
-    fn name(&self) -> &'static str {
-        "sum-rows"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+fused_op!(SumRows: CustomOp1 [this] {
+    name: "sum-rows",
+    cpu(s, l) {
         let n = l.dims()[1];
         let out = per_dtype!(s.dtype(), "sum over rows", |T| sum_rows_f32::<T>(
             slice(s, l)?,
@@ -1075,13 +1076,7 @@ impl candle_core::CustomOp1 for SumRows {
         ));
         Ok((out, Shape::from(n)))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    cuda(s, l) {
         super::cuda_fused::sum_rows((s, l))
     }
-}
+});
