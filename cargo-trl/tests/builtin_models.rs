@@ -2,7 +2,8 @@
 //! through the real `cargo trl launch` under every CPU profile, each equal to one process
 //! after 5 steps (fp32; every step's loss within 1e-5, every weight within 2e-5): Qwen3, whose
 //! per-head q/k norms make partial gradients under tensor parallelism (found at the first
-//! step; TRL_CHECK_TP_GRADS=1 checks every step).
+//! step; TRL_CHECK_TP_GRADS=1 checks every step), and Mistral, whose sliding window (6 tokens
+//! in the fixture, shorter than the rows) crosses the chunks of ring attention and Ulysses.
 
 mod common;
 
@@ -25,11 +26,13 @@ fn launch(model: &Path, launch_args: &[&str], per_device: usize, out: &Path) -> 
     common::run_launch(cmd, STEPS, per_device, out)
 }
 
-#[test]
-fn qwen3_under_every_cpu_profile_equals_one_process() {
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3/model");
-    let tmp = tempfile::tempdir().unwrap();
-    let out = |name: &str| tmp.path().join(name);
+/// Trains assets/tiny-`kind` under every CPU profile against one process; returns the tp-alone
+/// run's output directory.
+fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../assets")
+        .join(format!("tiny-{kind}/model"));
+    let out = |name: &str| tmp.join(format!("{kind}-{name}"));
     launch(&model, &["--num_processes", "1"], 8, &out("one8"));
     launch(&model, &["--num_processes", "1"], 4, &out("one4"));
     let (one8, one4) = (
@@ -38,7 +41,7 @@ fn qwen3_under_every_cpu_profile_equals_one_process() {
     );
     for (name, args, two_dp) in common::CPU_CASES {
         let text = launch(&model, args, 4, &out(name));
-        if *name == "tp_cpu" {
+        if *name == "tp_cpu" && kind == "qwen3" {
             assert!(
                 text.contains("act on features split over tp")
                     && text.contains("model.layers.0.self_attn.q_norm.weight"),
@@ -47,11 +50,30 @@ fn qwen3_under_every_cpu_profile_equals_one_process() {
         }
         let want = if *two_dp { &one8 } else { &one4 };
         let got = Run::read(&out(name), STEPS);
-        assert_equal(name, &got, want, &["q_norm", "k_norm"], |_, g, w| {
-            max_diff(g, w)
-        });
+        assert_equal(
+            &format!("{kind} {name}"),
+            &got,
+            want,
+            &["q_norm", "k_norm"],
+            |_, g, w| max_diff(g, w),
+        );
     }
+    out("tp_cpu")
+}
+
+#[test]
+fn qwen3_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("qwen3", tmp.path());
     // The checkpoint is Qwen3's, with its q/k norms, as transformers names them.
-    let config = std::fs::read_to_string(out("tp_cpu").join("checkpoint-5/config.json")).unwrap();
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"qwen3\""), "{config}");
+}
+
+#[test]
+fn mistral_with_a_sliding_window_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("mistral", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"sliding_window\": 6"), "{config}");
 }

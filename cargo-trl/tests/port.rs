@@ -2,7 +2,7 @@
 //! published on crates.io, with the changes docs/your-model.md lists (and nothing else) put
 //! into a `cargo trl new --model plain-candle` project, trained through `cargo trl launch`
 //! under every CPU profile (and tp alone) on a tiny Qwen3 with per-head q/k norms and tied
-//! embeddings (assets/tiny-qwen3, written by scripts/make_qwen3_fixture.py): each equal to one
+//! embeddings (assets/tiny-qwen3, written by scripts/make_decoder_fixture.py): each equal to one
 //! process after 5 steps (fp32; every step's loss within 1e-5, every weight within 2e-5),
 //! its logits equal to transformers' (training path and the upstream cached forward).
 //!

@@ -120,6 +120,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, position_ids: &Tensor) -> R
                     Some(&active.split),
                     position_ids,
                     how,
+                    None,
                     dtype,
                     device,
                 )?);
@@ -130,6 +131,6 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, position_ids: &Tensor) -> R
     })?;
     Ok(match built {
         Some(attention) => attention.apply(q, k, v)?,
-        None => SeqAttention::new(None, position_ids, how, dtype, device)?.apply(q, k, v)?,
+        None => SeqAttention::new(None, position_ids, how, None, dtype, device)?.apply(q, k, v)?,
     })
 }

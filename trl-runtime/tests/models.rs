@@ -283,7 +283,7 @@ fn mismatched_weights_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("model_type") && e.contains("llama, qwen2 or qwen3"),
+        e.contains("model_type") && e.contains("llama, qwen2, qwen3 or mistral"),
         "{e}"
     );
     let e = ModelConfig::from_json(r#"{"model_type":"llama","vocab_size":1,"hidden_size":4,"intermediate_size":4,"num_hidden_layers":1,"num_attention_heads":1,"rope_scaling":{"rope_type":"longrope","factor":2.0}}"#, "config.json")
@@ -325,30 +325,61 @@ fn matches_transformers_fixture() {
     }
 }
 
-/// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings) against transformers'
-/// Qwen3ForCausalLM on assets/tiny-qwen3 (scripts/make_qwen3_fixture.py).
+/// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings) and Mistral (a sliding window of
+/// 6 tokens over 24-token rows) against transformers on assets/tiny-qwen3 and tiny-mistral
+/// (scripts/make_decoder_fixture.py).
 #[test]
-fn qwen3_matches_transformers() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3");
-    let m = CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
-    assert!(m
-        .params
-        .get("model.layers.1.self_attn.k_norm.weight")
-        .is_some());
-    let want =
-        candle_core::safetensors::load(dir.join("parity.safetensors"), &Device::Cpu).unwrap();
-    let ids = want["input_ids"].to_dtype(DType::U32).unwrap();
-    let (b, s) = ids.dims2().unwrap();
-    let pos = Tensor::arange(0i64, s as i64, &Device::Cpu)
+fn qwen3_and_mistral_match_transformers() {
+    for (kind, param) in [
+        ("qwen3", "model.layers.1.self_attn.k_norm.weight"),
+        ("mistral", "lm_head.weight"),
+    ] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../assets")
+            .join(format!("tiny-{kind}"));
+        let m = CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
+        assert!(m.params.get(param).is_some(), "{kind}: {param}");
+        let want =
+            candle_core::safetensors::load(dir.join("parity.safetensors"), &Device::Cpu).unwrap();
+        let ids = want["input_ids"].to_dtype(DType::U32).unwrap();
+        let (b, s) = ids.dims2().unwrap();
+        let pos = Tensor::arange(0i64, s as i64, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap()
+            .repeat((b, 1))
+            .unwrap();
+        let diff = max_abs_diff(&m.forward(&ids, &pos).unwrap(), &want["logits"]);
+        eprintln!("{kind}: max |logits - transformers| = {diff:e}");
+        assert!(
+            diff < 1e-4,
+            "{kind}: logits differ from transformers by {diff}"
+        );
+    }
+}
+
+/// The window shows: Mistral's logits over rows longer than its window differ from full
+/// attention's beyond the window, and equal them within it.
+#[test]
+fn a_sliding_window_limits_what_a_token_sees() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-mistral/model");
+    let windowed = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(windowed.config_json()).unwrap();
+    json["sliding_window"] = serde_json::Value::Null;
+    let full = CausalLm::with_params(json.to_string(), windowed.params.clone()).unwrap();
+    let ids = Tensor::arange(1u32, 17, &Device::Cpu)
         .unwrap()
         .unsqueeze(0)
-        .unwrap()
-        .repeat((b, 1))
         .unwrap();
-    let diff = max_abs_diff(&m.forward(&ids, &pos).unwrap(), &want["logits"]);
-    eprintln!("qwen3: max |logits - transformers| = {diff:e}");
-    assert!(
-        diff < 1e-4,
-        "qwen3: logits differ from transformers by {diff}"
+    let pos = Tensor::arange(0i64, 16, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let (a, b) = (
+        windowed.forward(&ids, &pos).unwrap(),
+        full.forward(&ids, &pos).unwrap(),
     );
+    // Window 6: the first 6 positions see the same keys either way.
+    assert!(max_abs_diff(&a.narrow(1, 0, 6).unwrap(), &b.narrow(1, 0, 6).unwrap()) < 1e-5);
+    assert!(max_abs_diff(&a.narrow(1, 6, 10).unwrap(), &b.narrow(1, 6, 10).unwrap()) > 1e-3);
 }

@@ -68,6 +68,10 @@ pub struct LayerInputs {
     /// documents of a packed row.
     pub position_ids: Tensor,
     pub(crate) attention: Arc<SeqAttention>,
+    /// Sliding-window attention of this forward, by window, built on first use.
+    windowed: Memo<usize, Arc<SeqAttention>>,
+    split: Option<SeqSplit>,
+    how: AttentionImpl,
     pub(crate) tp: Option<Arc<dyn Communicator>>,
     /// Compute MLPs in sequence tiles (`tiled_mlp`), for models that can.
     pub tiled_mlp: bool,
@@ -92,9 +96,13 @@ impl LayerInputs {
                 split,
                 position_ids,
                 attention,
+                None,
                 dtype,
                 device,
             )?),
+            windowed: Memo::default(),
+            split: split.cloned(),
+            how: attention,
             tp: None,
             tiled_mlp: false,
             dtype,
@@ -132,6 +140,34 @@ impl LayerInputs {
             );
         }
         table.index_select(&ids, 0)?.reshape((b, s, dim))
+    }
+
+    /// [`Self::attention`] with each query seeing at most the `window` latest keys of its
+    /// document (sliding-window layers: Mistral, Qwen2/3's `layer_types`); None: every
+    /// earlier key. Under cp and sp the window is over global positions, as without a split.
+    pub fn attention_in_window(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        window: Option<usize>,
+    ) -> candle_core::Result<Tensor> {
+        let Some(w) = window else {
+            return self.attention.apply(q, k, v);
+        };
+        // Built lazily in the first layer that asks, on every rank of a split in the same
+        // order (Ulysses gathers the positions), and shared by the layers after it.
+        let attention = self.windowed.get_or_build(w, || {
+            Ok(Arc::new(SeqAttention::new(
+                self.split.as_ref(),
+                &self.position_ids,
+                self.how,
+                Some(w),
+                self.dtype,
+                &self.device,
+            )?))
+        })?;
+        attention.apply(q, k, v)
     }
 
     /// `rope`'s cos and sin [batch, seq, dim] at this forward's positions, computed once per

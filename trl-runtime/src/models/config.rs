@@ -12,6 +12,8 @@ pub enum Architecture {
     /// Qwen2's layout without q/k/v biases (unless `attention_bias`), with an RMSNorm over
     /// each head's queries and keys before rotary.
     Qwen3,
+    /// Llama's layout without biases, attending within a sliding window (`sliding_window`).
+    Mistral,
 }
 
 fn default_rms_eps() -> f64 {
@@ -108,7 +110,7 @@ impl ModelConfig {
             return err(
                 "hidden_act",
                 format!(
-                    "'{}' is not supported: Llama, Qwen2 and Qwen3 use silu",
+                    "'{}' is not supported: Llama, Qwen2, Qwen3 and Mistral use silu",
                     self.hidden_act
                 ),
             );
@@ -159,22 +161,8 @@ impl ModelConfig {
                 m,
             );
         }
-        let sliding = self
-            .extra
-            .get("use_sliding_window")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false)
-            || self
-                .extra
-                .get("layer_types")
-                .and_then(|v| v.as_array())
-                .is_some_and(|a| a.iter().any(|t| t.as_str() != Some("full_attention")));
-        if sliding {
-            return err(
-                "use_sliding_window",
-                "sliding-window attention is not supported: every layer must use full attention"
-                    .into(),
-            );
+        if let Err((key, m)) = self.layer_windows() {
+            return err(key, m);
         }
         Ok(())
     }
@@ -198,11 +186,84 @@ impl ModelConfig {
             "llama" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
+            "mistral" => Ok(Architecture::Mistral),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2 or qwen3 (or your own \
-                 model: docs/your-model.md)"
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3 or mistral (or \
+                 your own model: docs/your-model.md)"
             )),
         }
+    }
+
+    /// Each layer's sliding attention window (None: full attention), as transformers reads
+    /// the config: `layer_types` ("sliding_attention" layers use `sliding_window`), else for
+    /// Mistral `sliding_window` on every layer, else Qwen2/Qwen3's `use_sliding_window` from
+    /// layer `max_window_layers` on. Err names the key and why.
+    pub fn layer_windows(&self) -> std::result::Result<Vec<Option<usize>>, (&'static str, String)> {
+        let n = self.num_hidden_layers;
+        let window = match self.extra.get("sliding_window") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(w) if w >= 1 => Some(w as usize),
+                _ => {
+                    return Err((
+                        "sliding_window",
+                        format!("{v} is not a window: give a positive number of tokens, or null"),
+                    ))
+                }
+            },
+        };
+        let need = |what: String| match window {
+            Some(w) => Ok(Some(w)),
+            None => Err((
+                "sliding_window",
+                format!("{what}, but sliding_window is null"),
+            )),
+        };
+        if let Some(types) = self.extra.get("layer_types").and_then(|v| v.as_array()) {
+            if types.len() != n {
+                return Err((
+                    "layer_types",
+                    format!("{} entries for {n} layers", types.len()),
+                ));
+            }
+            return types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match t.as_str() {
+                    Some("full_attention") => Ok(None),
+                    Some("sliding_attention") => need(format!("layer {i} is sliding_attention")),
+                    _ => Err((
+                        "layer_types",
+                        format!(
+                            "{t} (layer {i}) is not supported: use full_attention or \
+                             sliding_attention"
+                        ),
+                    )),
+                })
+                .collect();
+        }
+        if self.model_type == "mistral" {
+            return Ok(vec![window; n]);
+        }
+        let sliding = self
+            .extra
+            .get("use_sliding_window")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        if !sliding {
+            return Ok(vec![None; n]);
+        }
+        let from = self
+            .extra
+            .get("max_window_layers")
+            .and_then(|v| v.as_u64())
+            .map_or(0, |m| m as usize);
+        (0..n)
+            .map(|i| match i >= from {
+                true => need("use_sliding_window is true".into()),
+                false => Ok(None),
+            })
+            .collect()
     }
 
     pub fn num_kv_heads(&self) -> usize {

@@ -57,6 +57,9 @@ struct DecoderLayer {
 pub struct Llama {
     #[parallel(skip)]
     rope: RotaryEmbedding,
+    /// Each layer's sliding attention window (None: full attention).
+    #[parallel(skip)]
+    windows: Vec<Option<usize>>,
     #[parallel(skip)]
     head_dim: usize,
     #[parallel(tp = "vocab", name = "model.embed_tokens")]
@@ -123,8 +126,12 @@ impl CausalModel for Llama {
             true => Linear::from_weights(embed_tokens.weight.clone(), None),
             false => linear_no_bias(h, v, vb.pp("lm_head"))?,
         };
+        let windows = config
+            .layer_windows()
+            .map_err(|(key, m)| candle_core::Error::Msg(format!("config.json, {key}: {m}")))?;
         Ok(Llama {
             rope,
+            windows,
             head_dim: d,
             embed_tokens,
             layers,
@@ -142,7 +149,7 @@ impl CausalModel for Llama {
     }
 
     fn layer(&self, l: usize, x: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
-        layer_forward(&self.layers[l], self, cx, x).map_err(Error::into_candle)
+        layer_forward(&self.layers[l], self.windows[l], self, cx, x).map_err(Error::into_candle)
     }
 
     fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -165,6 +172,7 @@ impl CausalModel for Llama {
 /// One decoder layer: x + attention(norm(x)), then + mlp(norm(x)).
 fn layer_forward(
     layer: &DecoderLayer,
+    window: Option<usize>,
     net: &Llama,
     cx: &LayerInputs,
     x: &Tensor,
@@ -188,11 +196,8 @@ fn layer_forward(
     let k = norm(split(layer.k_proj.forward(&h)?, kv_heads)?, &layer.k_norm)?;
     let (q, k) = (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?);
     let v = split(layer.v_proj.forward(&h)?, kv_heads)?;
-    let a = crate::kernels::fused::swap_heads(&cx.attention(&q, &k, &v)?)?.reshape((
-        b,
-        s,
-        heads * d,
-    ))?;
+    let a = crate::kernels::fused::swap_heads(&cx.attention_in_window(&q, &k, &v, window)?)?
+        .reshape((b, s, heads * d))?;
     let x = (x + layer.o_proj.forward(&a)?)?;
     let h = layer.post_attention_layernorm.forward(&x)?;
     Ok((&x + mlp(layer, cx, &h)?)?)

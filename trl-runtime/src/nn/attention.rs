@@ -162,7 +162,7 @@ mod tests {
         let fused_mask = AttentionMask::causal(&pos, DType::F32, &dev).unwrap();
         assert!(fused_mask.fused);
         // Same ranges, with the additive mask as on a GPU.
-        let bias_mask = AttentionMask::build(&pos, DType::F32, &dev, false).unwrap();
+        let bias_mask = AttentionMask::build(&pos, None, DType::F32, &dev, false).unwrap();
         assert!(!bias_mask.fused);
         let q = Var::randn(0f32, 1.0, (2, 4, 7, 8), &dev).unwrap();
         let k = Var::randn(0f32, 1.0, (2, 2, 7, 8), &dev).unwrap();

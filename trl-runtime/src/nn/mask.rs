@@ -54,11 +54,24 @@ impl AttentionMask {
     /// Causal, document-aware mask for `position_ids` [batch, seq], for activations of `dtype`
     /// on `device` (the fused softmax on CPU, additive masks elsewhere).
     pub fn causal(position_ids: &Tensor, dtype: DType, device: &Device) -> Result<Self> {
-        Self::build(position_ids, dtype, device, device.is_cpu())
+        Self::windowed(position_ids, None, dtype, device)
+    }
+
+    /// [`Self::causal`], each query seeing at most the `window` latest keys of its document
+    /// (itself included) when a sliding window is given, as transformers' sliding attention
+    /// (key j visible from query i when i - window < j <= i).
+    pub fn windowed(
+        position_ids: &Tensor,
+        window: Option<usize>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::build(position_ids, window, dtype, device, device.is_cpu())
     }
 
     pub(super) fn build(
         position_ids: &Tensor,
+        window: Option<usize>,
         dtype: DType,
         device: &Device,
         fused: bool,
@@ -73,7 +86,12 @@ impl AttentionMask {
                 if i > 0 && docs[i] != docs[i - 1] {
                     start = i;
                 }
-                starts.push(start as u32);
+                // Every query sees the start of its document and, in a window, no further back.
+                let first = match window {
+                    Some(w) => start.max((i + 1).saturating_sub(w.max(1))),
+                    None => start,
+                };
+                starts.push(first as u32);
             }
         }
         Ok(AttentionMask {

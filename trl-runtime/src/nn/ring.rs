@@ -76,7 +76,11 @@ type BlockMask = (Tensor, Tensor);
 impl RingMask {
     /// From this rank's global position ids [batch, 2 * chunk] (documents restart at 0),
     /// gathering every rank's to find where documents start (collective over `cp`).
-    pub fn new(position_ids: &Tensor, cp: &Arc<dyn Communicator>) -> Result<Self> {
+    pub fn new(
+        position_ids: &Tensor,
+        cp: &Arc<dyn Communicator>,
+        window: Option<usize>,
+    ) -> Result<Self> {
         let (size, rank) = (cp.size(), cp.rank());
         let local = position_ids.to_dtype(DType::I64)?;
         let (b, chunk) = (local.dim(0)?, local.dim(1)? / 2);
@@ -91,7 +95,8 @@ impl RingMask {
         let order = Tensor::new(order.as_slice(), gathered.device())?;
         let global = gathered.index_select(&order, 1)?;
         // The attention mask of the whole sequence knows every document's start.
-        let whole = AttentionMask::causal(&global, DType::F32, &candle_core::Device::Cpu)?;
+        let whole =
+            AttentionMask::windowed(&global, window, DType::F32, &candle_core::Device::Cpu)?;
         let all_starts = &whole.ranges().starts;
         let len = 2 * size * chunk;
         let query_index = balanced_indices(rank, size, chunk);
@@ -774,7 +779,7 @@ mod tests {
         let run = |block: usize, dtype: DType| {
             InProcessWorld::run(2, |rank, cp| {
                 let (index, pos) = local(rank, 2, 5, &global, 1);
-                let mask = RingMask::new(&pos, &cp)
+                let mask = RingMask::new(&pos, &cp, None)
                     .unwrap()
                     .with_block(block)
                     .blockwise();
@@ -837,7 +842,7 @@ mod tests {
             let run = |fused: bool| {
                 InProcessWorld::run(ranks, |rank, cp| {
                     let (index, pos) = local(rank, ranks, chunk, &global, 2);
-                    let mask = RingMask::new(&pos, &cp).unwrap();
+                    let mask = RingMask::new(&pos, &cp, None).unwrap();
                     let mask = if fused { mask } else { mask.blockwise() };
                     let mine =
                         |t: &Tensor| Var::from_tensor(&t.index_select(&index, 2).unwrap()).unwrap();

@@ -72,19 +72,24 @@ pub enum SeqAttention {
 }
 
 impl SeqAttention {
-    /// For this rank's `position_ids` [batch, len] (global positions of its part when split).
+    /// For this rank's `position_ids` [batch, len] (global positions of its part when split),
+    /// within a sliding `window` of keys when given.
     pub fn new(
         split: Option<&SeqSplit>,
         position_ids: &Tensor,
         how: AttentionImpl,
+        window: Option<usize>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
         Ok(match split {
-            None => SeqAttention::Whole(AttentionMask::causal(position_ids, dtype, device)?, how),
+            None => SeqAttention::Whole(
+                AttentionMask::windowed(position_ids, window, dtype, device)?,
+                how,
+            ),
             Some(SeqSplit {
                 group, ring: true, ..
-            }) => SeqAttention::Ring(RingMask::new(position_ids, group)?),
+            }) => SeqAttention::Ring(RingMask::new(position_ids, group, window)?),
             Some(SeqSplit {
                 group,
                 ring: false,
@@ -94,7 +99,7 @@ impl SeqAttention {
                 let everyone = group
                     .all_gather(&position_ids.to_dtype(DType::I64)?, 1)
                     .map_err(|e| e.into_candle())?;
-                let mask = AttentionMask::causal(&everyone, dtype, device)?;
+                let mask = AttentionMask::windowed(&everyone, window, dtype, device)?;
                 SeqAttention::Ulysses(mask, how, group.clone(), *comm_dtype)
             }
         })

@@ -1,12 +1,17 @@
-"""Writes assets/tiny-qwen3: a tiny random Qwen3 (transformers' Qwen3ForCausalLM: per-head
-q/k RMSNorms, tied embeddings) in HF format, sharing the bundled tokenizer, and
-parity.safetensors: input ids and the logits transformers computes for them. The built-in
-Qwen3 (trl-runtime/tests/models.rs, cargo-trl/tests/builtin_models.rs) and the port of
-candle-transformers' qwen3.rs (cargo-trl/tests/port.rs) are checked against these and trained
-on it.
+"""Writes assets/tiny-<type>: a tiny random decoder of a built-in model type, in HF format,
+sharing the bundled tokenizer, and parity.safetensors: input ids and the logits transformers
+computes for them.
+
+- qwen3: Qwen3ForCausalLM (per-head q/k RMSNorms, tied embeddings). The built-in Qwen3 and the
+  port of candle-transformers' qwen3.rs (cargo-trl/tests/port.rs) are checked against it.
+- mistral: MistralForCausalLM with a sliding window of 6 tokens, shorter than the 24-token
+  inputs, so that the window shows in the logits.
+
+trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs trains each
+under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_qwen3_fixture.py
+    python scripts/make_decoder_fixture.py qwen3|mistral
 """
 
 import json
@@ -15,16 +20,19 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+import sys
+
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 root = Path(__file__).resolve().parent.parent
 tokenizer_dir = root / "assets/tiny/model"
-out = root / "assets/tiny-qwen3"
+kind = sys.argv[1] if len(sys.argv) > 1 else "qwen3"
+out = root / f"assets/tiny-{kind}"
 model_dir = out / "model"
 model_dir.mkdir(parents=True, exist_ok=True)
 
 vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-config = Qwen3Config(
+common = dict(
     vocab_size=vocab,
     hidden_size=64,
     intermediate_size=128,
@@ -34,13 +42,19 @@ config = Qwen3Config(
     head_dim=16,
     max_position_embeddings=256,
     rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    attention_bias=False,
     eos_token_id=2,
     bos_token_id=1,
 )
+if kind == "qwen3":
+    config = Qwen3Config(tie_word_embeddings=True, attention_bias=False, **common)
+    model_class = Qwen3ForCausalLM
+elif kind == "mistral":
+    config = MistralConfig(tie_word_embeddings=False, sliding_window=6, **common)
+    model_class = MistralForCausalLM
+else:
+    sys.exit(f"unknown kind {kind}: qwen3 or mistral")
 torch.manual_seed(0)
-model = Qwen3ForCausalLM(config).eval()
+model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
 with torch.no_grad():
     for name, p in model.named_parameters():
