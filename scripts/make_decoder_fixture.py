@@ -6,12 +6,14 @@ computes for them.
   port of candle-transformers' qwen3.rs (cargo-trl/tests/port.rs) are checked against it.
 - mistral: MistralForCausalLM with a sliding window of 6 tokens, shorter than the 24-token
   inputs, so that the window shows in the logits.
+- qwen2-sliding: Qwen2ForCausalLM with use_sliding_window (window 6) from layer 1 on
+  (max_window_layers 1): one full-attention layer, one sliding.
 
 trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs trains each
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding
 """
 
 import json
@@ -22,7 +24,14 @@ import torch
 from safetensors.torch import save_file
 import sys
 
-from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 root = Path(__file__).resolve().parent.parent
 tokenizer_dir = root / "assets/tiny/model"
@@ -48,11 +57,20 @@ common = dict(
 if kind == "qwen3":
     config = Qwen3Config(tie_word_embeddings=True, attention_bias=False, **common)
     model_class = Qwen3ForCausalLM
+elif kind == "qwen2-sliding":
+    config = Qwen2Config(
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+        **common,
+    )
+    model_class = Qwen2ForCausalLM
 elif kind == "mistral":
     config = MistralConfig(tie_word_embeddings=False, sliding_window=6, **common)
     model_class = MistralForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3 or mistral")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral or qwen2-sliding")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.

@@ -325,14 +325,16 @@ fn matches_transformers_fixture() {
     }
 }
 
-/// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings) and Mistral (a sliding window of
-/// 6 tokens over 24-token rows) against transformers on assets/tiny-qwen3 and tiny-mistral
+/// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
+/// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
+/// transformers on assets/tiny-qwen3, tiny-mistral and tiny-qwen2-sliding
 /// (scripts/make_decoder_fixture.py).
 #[test]
-fn qwen3_and_mistral_match_transformers() {
+fn qwen3_mistral_and_sliding_qwen2_match_transformers() {
     for (kind, param) in [
         ("qwen3", "model.layers.1.self_attn.k_norm.weight"),
         ("mistral", "lm_head.weight"),
+        ("qwen2-sliding", "model.layers.1.self_attn.q_proj.bias"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
