@@ -742,7 +742,7 @@ fn ring_attention_on_gpu_follows_the_cpu_ring() {
                 .unwrap()
                 .index_select(&index, 1)
                 .unwrap();
-            let mask = RingMask::new(&pos, &cp).unwrap();
+            let mask = RingMask::new(&pos, &cp, None).unwrap();
             let mine = |t: &Tensor| t.index_select(&index, 2).unwrap();
             output_and_grads(
                 &[&mine(&q), &mine(&k), &mine(&v)],
