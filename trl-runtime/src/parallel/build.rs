@@ -1,9 +1,9 @@
 //! Builds the parallel model a trainer trains, in one call: the model read from its
 //! checkpoint directory (sliced for tensor parallelism as it is read, or only its structure
-//! when ZeRO-3 / FSDP read their slices themselves), a resumed run's weights and optimizer state
-//! read as the strategy holds them, the strategies applied by [`super::parallelize`], and the
-//! checkpoint format the launch asks for. Trainers keep their data, schedule and loop; none
-//! of them decides anything about a strategy.
+//! when ZeRO-3 / FSDP read their slices themselves), or from the checkpoint a resumed run
+//! continues, with its optimizer state read as the strategy holds it; the strategies applied
+//! by [`super::parallelize`]; and the checkpoint format the launch asks for. Trainers keep
+//! their data, schedule and loop; none of them decides anything about a strategy.
 
 use super::sharded_state::{self, ShardedReader};
 use super::{parallelize, CheckpointFormat, Model, Optimizer, ParallelOptions, Resume, Strategy};
@@ -11,34 +11,8 @@ use crate::dist::mesh::Axis;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{CausalModel, Params};
-use crate::nn::AttentionImpl;
-use crate::optim::{AdamW, AdamWConfig, OPTIMIZER_FILE};
+use crate::optim::{AdamW, OPTIMIZER_FILE};
 use crate::tp::TpGrads;
-use candle_core::DType;
-use std::path::PathBuf;
-
-/// What a trainer asks for: the model, how it computes, and where a resumed run continues.
-/// The strategy's settings that the launch fixes (activation checkpointing, offload, the
-/// checkpoint format) come from the context's plan.
-#[derive(Debug, Clone)]
-pub struct ModelSpec {
-    pub model_dir: PathBuf,
-    pub dtype: DType,
-    pub strategy: Strategy,
-    pub attention: AttentionImpl,
-    /// Fused, tiled LM head + loss (use_liger_kernel).
-    pub tiled_loss: bool,
-    pub tiled_mlp: bool,
-    /// The training arguments' gradient_checkpointing (or-ed with the launch's
-    /// fsdp_activation_checkpointing).
-    pub gradient_checkpointing: bool,
-    /// Keep checkpointed layer inputs in host memory (activation_offloading).
-    pub activation_offloading: bool,
-    pub adam: AdamWConfig,
-    /// A checkpoint directory to continue from, and the optimizer step its trainer state is
-    /// at (for optimizer files that do not record it).
-    pub resume_from: Option<(PathBuf, u64)>,
-}
 
 /// The model made parallel, ready to train.
 pub struct Built<N: CausalModel> {
@@ -52,17 +26,11 @@ pub struct Built<N: CausalModel> {
     pub read_shards: bool,
 }
 
-/// Loads, resumes and parallelizes model `N` as `spec` and the context's plan say.
-pub fn build<N: CausalModel>(ctx: &DistContext, spec: ModelSpec) -> Result<Built<N>> {
+/// Loads, resumes and parallelizes model `N` as `opts` and the context's plan say.
+pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Result<Built<N>> {
     let tp = ctx.group(&[Axis::Tp]);
-    let dir = &spec.model_dir;
-    let device = ctx.device().clone();
-    let plan = ctx.plan();
-    let sharding = matches!(spec.strategy, Strategy::Fsdp(..));
-    // ZeRO-3 / FSDP with efficient loading (and tp 1, a fresh start): the model's structure
-    // only; each rank reads its slices when it is sharded.
-    let read_shards =
-        plan.efficient_loading() && sharding && tp.size() == 1 && spec.resume_from.is_none();
+    let (dir, dtype, device) = (&opts.model_dir, opts.dtype, ctx.device().clone());
+    let read_shards = opts.reads_shards(ctx);
     let tp_error = |e: Error| match e {
         Error::TensorParallel { .. } => Error::Config {
             file: dir.join("config.json").display().to_string(),
@@ -72,39 +40,43 @@ pub fn build<N: CausalModel>(ctx: &DistContext, spec: ModelSpec) -> Result<Built
         other => other,
     };
     // Split over tp as it is read: each rank reads only its slices.
-    let mut model = match read_shards {
-        true => Model::<N>::skeleton_for(dir, spec.dtype, &device)?,
-        false => Model::<N>::from_pretrained_split(dir, spec.dtype, &device, tp.clone())
-            .map_err(tp_error)?,
-    };
-    let mut resume = Resume::Fresh;
-    if let Some((ckpt, step)) = &spec.resume_from {
-        if sharded_state::is_sharded(ckpt) {
+    let read_split = || Model::<N>::from_pretrained_split(dir, dtype, &device, tp.clone());
+    let (mut model, resume) = match &opts.resume_from {
+        None if read_shards => (
+            Model::<N>::skeleton_for(dir, dtype, &device)?,
+            Resume::Fresh,
+        ),
+        None => (read_split().map_err(tp_error)?, Resume::Fresh),
+        Some((ckpt, _)) if sharded_state::is_sharded(ckpt) => {
             // Slices are read by whoever owns them; unsharded strategies, and tensor-parallel
             // runs (which cut their tp slices from whole tensors), read it all.
             let reader = ShardedReader::open(ckpt)?;
-            let slices = matches!(spec.strategy, Strategy::Fsdp(..) | Strategy::Zero(_));
+            let slices = matches!(opts.strategy, Strategy::Fsdp(..) | Strategy::Zero(_));
             if tp.size() > 1 || !slices {
-                let (params, full) = reader.full_state(spec.adam)?;
+                let (params, full) = reader.full_state(opts.adam)?;
                 let params = params
                     .into_iter()
-                    .map(|(n, t)| Ok((n, t.to_dtype(spec.dtype)?.to_device(&device)?)))
+                    .map(|(n, t)| Ok((n, t.to_dtype(dtype)?.to_device(&device)?)))
                     .collect::<Result<_>>()?;
-                let json = model.config_json().to_string();
-                model = Model::with_params(json, Params::from_tensors(params)?)?;
-                resume = Resume::Full(full);
+                // The model directory gives only the config: the weights are the checkpoint's.
+                let json = Model::<N>::skeleton_for(dir, dtype, &device)?
+                    .config_json()
+                    .to_string();
+                let model = Model::with_params(json, Params::from_tensors(params)?)?;
+                (model, Resume::Full(full))
             } else {
-                resume = Resume::Sharded(reader);
+                (read_split().map_err(tp_error)?, Resume::Sharded(reader))
             }
-        } else {
-            model = Model::from_pretrained(ckpt, spec.dtype, &device)?;
-            let mut full = AdamW::for_params(&model.params, spec.adam)?;
-            full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(*step);
-            resume = Resume::Full(full);
         }
-    }
+        Some((ckpt, step)) => {
+            let model = Model::from_pretrained(ckpt, dtype, &device)?;
+            let mut full = AdamW::for_params(&model.params, opts.adam)?;
+            full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(*step);
+            (model, Resume::Full(full))
+        }
+    };
     // Any checkpoint resumes under any strategy and world size: the state is per parameter.
-    let checkpoint_format = CheckpointFormat::from_plan(plan);
+    let checkpoint_format = CheckpointFormat::from_plan(ctx.plan());
     if tp.size() > 1 && checkpoint_format == CheckpointFormat::Sharded && ctx.is_main_process() {
         tracing::warn!(
             "sharded checkpoints are written full under tensor parallelism (tp = {}): each \
@@ -112,19 +84,7 @@ pub fn build<N: CausalModel>(ctx: &DistContext, spec: ModelSpec) -> Result<Built
             tp.size()
         );
     }
-    let options = ParallelOptions {
-        strategy: spec.strategy,
-        model_dir: dir.clone(),
-        attention: spec.attention,
-        tiled_loss: spec.tiled_loss,
-        tiled_mlp: spec.tiled_mlp,
-        activation_checkpointing: spec.gradient_checkpointing || plan.activation_checkpointing(),
-        offload_activations: spec.activation_offloading,
-        offload_optimizer: plan.offload_optimizer(),
-        read_shards,
-        adam: spec.adam,
-    };
-    let parallel = parallelize(&mut model, ctx, &options, resume)?;
+    let parallel = parallelize(&mut model, ctx, opts, resume)?;
     Ok(Built {
         model,
         optimizer: parallel.optimizer,

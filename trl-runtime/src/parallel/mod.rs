@@ -17,7 +17,7 @@ pub mod sharded_optimizer;
 pub mod sharded_state;
 pub mod zero;
 
-pub use build::{build, Built, ModelSpec};
+pub use build::{build, Built};
 pub use checkpointing::Checkpointing;
 pub use fsdp::{FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy};
 pub use model::{CausalLm, Model};
@@ -37,6 +37,7 @@ use crate::nn::seq_attention::SeqSplit;
 use crate::nn::AttentionImpl;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::tp::{state as tp_state, TpGrads};
+use candle_core::DType;
 use ddp::Ddp;
 use sharded_state::ShardedReader;
 use std::path::PathBuf;
@@ -160,27 +161,39 @@ pub fn batch_axes(split: Option<&SeqSplit>) -> &'static [Axis] {
     }
 }
 
-/// How [`parallelize`] sets a model up, beyond the mesh of the context.
+/// What a trainer asks of [`build`] and [`parallelize`]: the model, how it computes, and where
+/// a resumed run continues. The settings the launch fixes (its activation checkpointing and
+/// optimizer offload, efficient loading, the checkpoint format) come from the context's plan.
 #[derive(Debug, Clone)]
 pub struct ParallelOptions {
     pub strategy: Strategy,
-    /// The model directory (named in errors about splitting it).
+    /// The model directory (read, and named in errors about splitting it).
     pub model_dir: PathBuf,
+    pub dtype: DType,
     pub attention: AttentionImpl,
     /// Fused, tiled LM head + loss (use_liger_kernel).
     pub tiled_loss: bool,
     pub tiled_mlp: bool,
-    /// Recompute each decoder layer in backward (fsdp_activation_checkpointing,
-    /// gradient_checkpointing).
-    pub activation_checkpointing: bool,
-    /// Keep the checkpointed layer inputs in host memory (GPU runs).
+    /// The training arguments' gradient_checkpointing (or-ed with the launch's
+    /// fsdp_activation_checkpointing).
+    pub gradient_checkpointing: bool,
+    /// Keep checkpointed layer inputs in host memory (activation_offloading, GPU runs).
     pub offload_activations: bool,
-    /// Keep the optimizer state in host memory (GPU runs).
-    pub offload_optimizer: bool,
-    /// The model is a skeleton: ZeRO-3 / FSDP read each rank's slices from `model_dir`
-    /// (efficient loading: no rank holds the whole model).
-    pub read_shards: bool,
     pub adam: AdamWConfig,
+    /// A checkpoint directory to continue from, and the optimizer step its trainer state is
+    /// at (for optimizer files that do not record it).
+    pub resume_from: Option<(PathBuf, u64)>,
+}
+
+impl ParallelOptions {
+    /// Whether each rank reads only its ZeRO-3 / FSDP slices from `model_dir` (efficient
+    /// loading, on a fresh start without tensor parallelism): the model is first a skeleton.
+    pub fn reads_shards(&self, ctx: &DistContext) -> bool {
+        ctx.plan().efficient_loading()
+            && matches!(self.strategy, Strategy::Fsdp(..))
+            && ctx.group(&[Axis::Tp]).size() == 1
+            && self.resume_from.is_none()
+    }
 }
 
 /// Where a resumed run's optimizer state comes from.
@@ -237,6 +250,7 @@ pub fn parallelize<N: CausalModel>(
 ) -> Result<Parallelized> {
     let main = ctx.is_main_process();
     let config_json = opts.model_dir.join("config.json").display().to_string();
+    let plan = ctx.plan();
     let tp = ctx.group(&[Axis::Tp]);
     let split = SeqSplit::from_context(ctx).map_err(|e| Error::Config {
         file: "the launch's parallelism config".into(),
@@ -311,7 +325,7 @@ pub fn parallelize<N: CausalModel>(
     }
 
     // 3. Activation checkpointing: each decoder layer recomputed in backward.
-    if opts.activation_checkpointing {
+    if opts.gradient_checkpointing || plan.activation_checkpointing() {
         let offload = opts.offload_activations && !ctx.device().is_cpu();
         model.checkpointing = Some(Checkpointing::new(offload));
     }
@@ -320,7 +334,7 @@ pub fn parallelize<N: CausalModel>(
     // dp_shard (and the sequence chunks' ranks), summing across dp_replicate (HSDP).
     let shard = ctx.group(shard_axes(split.as_ref()));
     let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
-    let offload = offload::decide(opts.offload_optimizer, ctx.device(), main);
+    let offload = offload::decide(plan.offload_optimizer(), ctx.device(), main);
     let optimizer = match opts.strategy {
         Strategy::Ddp => {
             let mut adam = match full_state {
@@ -346,7 +360,7 @@ pub fn parallelize<N: CausalModel>(
             Optimizer::Zero(z)
         }
         Strategy::Fsdp(policy, prefetch) => {
-            if opts.read_shards {
+            if opts.reads_shards(ctx) {
                 // Each rank reads only its slices from the checkpoint files.
                 model.shard_reading(&opts.model_dir, policy, prefetch, shard)?;
             } else {

@@ -28,8 +28,8 @@ use crate::optim::{grad_clip_coef, AdamWConfig};
 use crate::parallel::sharded_state;
 use crate::parallel::Model;
 use crate::parallel::{
-    batch_axes, build, shard_axes, Built, CheckpointFormat, ModelSpec, Optimizer, ShardedOptimizer,
-    Strategy, ZeroStage,
+    batch_axes, build, shard_axes, Built, CheckpointFormat, Optimizer, ParallelOptions,
+    ShardedOptimizer, Strategy, ZeroStage,
 };
 use crate::tp::{state as tp_state, TpGrads};
 use candle_core::{DType, Device, Tensor, D};
@@ -458,16 +458,16 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             read_shards,
         } = build::<N>(
             ctx,
-            ModelSpec {
+            &ParallelOptions {
+                strategy,
                 model_dir: dir.clone(),
                 dtype,
-                strategy,
                 attention: AttentionImpl::for_device(&config.attn_implementation, ctx.device())
                     .expect("validated"),
                 tiled_loss: config.use_liger_kernel,
                 tiled_mlp: config.tiled_mlp,
                 gradient_checkpointing: config.gradient_checkpointing,
-                activation_offloading: config.activation_offloading,
+                offload_activations: config.activation_offloading,
                 adam,
                 resume_from,
             },
