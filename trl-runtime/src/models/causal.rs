@@ -70,6 +70,8 @@ pub struct LayerInputs {
     pub(crate) attention: Arc<SeqAttention>,
     /// Sliding-window attention of this forward, by window, built on first use.
     windowed: Memo<usize, Arc<SeqAttention>>,
+    /// The largest position id, for [`Self::at_positions`]' bound check.
+    max_position: std::sync::OnceLock<u32>,
     split: Option<SeqSplit>,
     how: AttentionImpl,
     pub(crate) tp: Option<Arc<dyn Communicator>>,
@@ -101,6 +103,7 @@ impl LayerInputs {
                 device,
             )?),
             windowed: Memo::default(),
+            max_position: std::sync::OnceLock::new(),
             split: split.cloned(),
             how: attention,
             tp: None,
@@ -132,7 +135,15 @@ impl LayerInputs {
             .to_dtype(DType::U32)?
             .to_device(table.device())?;
         let (rows, dim) = table.dims2()?;
-        let max = ids.max_all()?.to_scalar::<u32>()? as usize;
+        // The largest position, read once per forward (a device sync on a GPU).
+        let max = match self.max_position.get() {
+            Some(&m) => m,
+            None => {
+                let m = ids.max_all()?.to_scalar::<u32>()?;
+                let _ = self.max_position.set(m);
+                m
+            }
+        } as usize;
         if max >= rows {
             candle_core::bail!(
                 "position {max} is beyond the {rows} rows of the position table \

@@ -430,6 +430,13 @@ impl ShardedModel {
     }
 }
 
+/// What tensor parallelism needs of one unit's gradient slice, fixed by the layout: the
+/// weight of each element's square in the global norm, and the parameters the slice covers.
+struct UnitTp {
+    weights: Tensor,
+    entries: Vec<(String, std::ops::Range<usize>)>,
+}
+
 /// AdamW over this rank's slices of every unit. With `replicate` (HSDP), gradient slices are
 /// also summed across the replicas, which hold the same slices of the model.
 pub struct FsdpOptimizer {
@@ -438,7 +445,7 @@ pub struct FsdpOptimizer {
     inner: AdamW,
     /// Under tensor parallelism: how each unit slice's squared gradients count in the global
     /// norm (per element, by unit name).
-    tp_grads: Option<(TpGrads, BTreeMap<String, Tensor>)>,
+    tp_grads: Option<(TpGrads, BTreeMap<String, UnitTp>)>,
     /// Whether this run has stepped (the first step checks the tp plan).
     stepped: bool,
 }
@@ -488,13 +495,17 @@ impl FsdpOptimizer {
                 None => g,
             };
             // Partial parameters' slices summed over tp.
-            let g = match &self.tp_grads {
-                Some((tp, _)) => tp.sync_flat(&g, &unit.entry_ranges(), first)?,
-                None => g,
-            };
-            let sq = match &self.tp_grads {
-                Some((_, weights)) => (g.sqr()? * &weights[&unit.name])?,
-                None => g.sqr()?,
+            let (g, sq) = match &self.tp_grads {
+                Some((tp, units)) => {
+                    let u = &units[&unit.name];
+                    let g = tp.sync_flat(&g, &u.entries, first)?;
+                    let sq = (g.sqr()? * &u.weights)?;
+                    (g, sq)
+                }
+                None => {
+                    let sq = g.sqr()?;
+                    (g, sq)
+                }
             };
             local_sq += sq.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             grads.insert(unit.name.clone(), g);
@@ -534,17 +545,18 @@ impl FsdpOptimizer {
 impl ShardedOptimizer for FsdpOptimizer {
     /// Clips by the norm over the tensor-parallel group too (the units hold tp slices).
     fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
-        let mut weights = BTreeMap::new();
+        let mut units = BTreeMap::new();
         for unit in &self.model.units {
             let range = unit.range();
             let w = unit.layout.per_element(|n| norm.weight(n) as f32)[range.clone()].to_vec();
             let device = unit.anchor.device().clone();
-            weights.insert(
-                unit.name.clone(),
-                Tensor::from_vec(w, range.len(), &device)?,
-            );
+            let tp = UnitTp {
+                weights: Tensor::from_vec(w, range.len(), &device)?,
+                entries: unit.entry_ranges(),
+            };
+            units.insert(unit.name.clone(), tp);
         }
-        self.tp_grads = Some((norm, weights));
+        self.tp_grads = Some((norm, units));
         Ok(())
     }
 

@@ -675,7 +675,8 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             && self.ctx.device().is_cuda()
             && matches!(&self.optimizer, Optimizer::Replicated(_, ddp) if ddp.replicas() == 1);
         let mut local_loss = 0.0;
-        // Parameters that got a gradient from some micro-batch of this step.
+        // On the run's first step: the parameters that got a gradient from some micro-batch.
+        let first = !self.unused_checked;
         let mut reached: HashSet<&str> = HashSet::new();
         let t0 = Instant::now();
         for batch in &batches {
@@ -694,7 +695,9 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             for (name, var) in self.model.params.iter() {
                 let g = match store.get(var.as_tensor()) {
                     Some(g) => {
-                        reached.insert(name.as_str());
+                        if first {
+                            reached.insert(name.as_str());
+                        }
                         g.clone()
                     }
                     None => var.as_tensor().zeros_like()?,
@@ -715,7 +718,6 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         let t1 = Instant::now();
         // The run's first step checks that every parameter got a gradient, and under tp
         // that the plan's replicated and partial parameters are what their gradients say.
-        let first = !self.unused_checked;
         if first {
             self.unused_checked = true;
             let without: Vec<String> = match &self.model.sharding {
