@@ -6,7 +6,7 @@ use crate::accelerate_flags::AccelerateFlags;
 use crate::profiles;
 use crate::target::{self, Target};
 use crate::topology::TopologyArgs;
-use crate::tp_plan::{self, PlanLine};
+use crate::tp_plan;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use trl_runtime::config::launch::{DistributedType, FsdpShardingStrategy, GpuIds};
@@ -15,6 +15,7 @@ use trl_runtime::config::{effects, LaunchConfig, LaunchPlan};
 use trl_runtime::dist::mesh::DeviceMesh;
 use trl_runtime::dist::spawn::{self, Job, RankPlace, WorkerSpec};
 use trl_runtime::parallel::Strategy;
+use trl_runtime::tp::PlanEntry;
 
 /// Exit codes of `cargo trl launch`.
 pub const EXIT_WORKER_FAILED: u8 = 1;
@@ -79,7 +80,7 @@ pub struct Plan {
     /// Under tp > 1, the model directory the program names and how it is split.
     /// The built-in decoder's tensor-parallel plan for the model directory the program's
     /// arguments name, or why it cannot split it (see `run` for the program's own).
-    pub tp_plan: Option<(PathBuf, Result<Vec<PlanLine>, String>)>,
+    pub tp_plan: Option<(PathBuf, Result<Vec<PlanEntry>, String>)>,
 }
 
 fn gpus_present() -> usize {
@@ -546,8 +547,10 @@ fn check_tp_plan(plan: &Plan, program: &Path, args: &LaunchArgs) -> Result<(), S
         )
     };
     match tp_plan::ask(program, &args.program_args, tp) {
-        tp_plan::Answer::Plan(dir, Err(e)) => Err(refuse(&dir, &e)),
-        tp_plan::Answer::Plan(..) => Ok(()),
+        tp_plan::Answer::Plan(answer) => match answer.plan {
+            Err(e) => Err(refuse(&answer.model_dir, &e)),
+            Ok(_) => Ok(()),
+        },
         tp_plan::Answer::None(why) => match &plan.tp_plan {
             Some((dir, Err(e))) => Err(refuse(dir, e)),
             _ => {

@@ -10,24 +10,14 @@ use std::time::{Duration, Instant};
 use trl_runtime::comm::InProcessWorld;
 use trl_runtime::models::ModelConfig;
 use trl_runtime::parallel::CausalLm;
-use trl_runtime::train::plan_query::{QUERY_OUT_VAR, QUERY_TP_VAR};
+use trl_runtime::tp::PlanEntry;
+use trl_runtime::train::plan_query::{PlanAnswer, QUERY_OUT_VAR, QUERY_TP_VAR};
 use trl_runtime::train::{SFTConfig, SftCli};
-
-/// One parameter of the plan: its split style, the dimension split (None: whole on every
-/// rank) and its full and per-rank shapes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlanLine {
-    pub name: String,
-    pub style: String,
-    pub dim: Option<usize>,
-    pub full_shape: Vec<usize>,
-    pub local_shape: Vec<usize>,
-}
 
 /// What the program said when asked for its plan.
 pub enum Answer {
     /// The plan of its model in the directory, or why that model cannot be split.
-    Plan(PathBuf, Result<Vec<PlanLine>, String>),
+    Plan(PlanAnswer),
     /// It did not answer (it does not train through trl_runtime's Trainer): why.
     None(String),
 }
@@ -39,14 +29,16 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 /// Runs `program` once as a single CPU process with `args`, asking its trainer for the plan
 /// of its model over `tp` ranks; see `trl_runtime::train::plan_query`.
 pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
-    let out = std::env::temp_dir().join(format!(
-        "trl-tp-plan-{}-{}.json",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
-    let _ = std::fs::remove_file(&out);
+    let files = match tempfile::tempdir() {
+        Ok(d) => d,
+        Err(e) => return Answer::None(format!("no temporary directory: {e}")),
+    };
+    let (out, log) = (files.path().join("plan.json"), files.path().join("stderr"));
+    // Its stderr goes to a file: a pipe nobody reads until it exits could fill and stall it.
+    let stderr = match std::fs::File::create(&log) {
+        Ok(f) => f,
+        Err(e) => return Answer::None(format!("cannot create {}: {e}", log.display())),
+    };
     let child = Command::new(program)
         .args(args)
         .env(QUERY_TP_VAR, tp.to_string())
@@ -65,7 +57,7 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
         .env_remove("TRL_LOCAL_PROCESSES")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(stderr)
         .spawn();
     let mut child = match child {
         Ok(c) => c,
@@ -88,64 +80,32 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
             }
         }
     };
-    let text = std::fs::read_to_string(&out);
-    let _ = std::fs::remove_file(&out);
-    let Ok(text) = text else {
-        let mut err = String::new();
-        if let Some(mut e) = child.stderr.take() {
-            let _ = std::io::Read::read_to_string(&mut e, &mut err);
-        }
+    let Ok(text) = std::fs::read_to_string(&out) else {
+        let err = std::fs::read_to_string(&log).unwrap_or_default();
         let last = err.lines().last().unwrap_or("").trim().to_string();
         return Answer::None(format!("it exited ({status}) without answering: {last}"));
     };
-    parse_answer(&text).unwrap_or_else(|e| Answer::None(format!("its answer is unreadable: {e}")))
-}
-
-fn parse_answer(text: &str) -> Result<Answer, String> {
-    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
-    let dir = PathBuf::from(v["model_dir"].as_str().unwrap_or_default());
-    if let Some(e) = v["error"].as_str() {
-        return Ok(Answer::Plan(dir, Err(e.to_string())));
+    match serde_json::from_str::<PlanAnswer>(&text) {
+        Ok(answer) => Answer::Plan(answer),
+        Err(e) => Answer::None(format!("its answer is unreadable: {e}")),
     }
-    let shape = |x: &serde_json::Value| -> Vec<usize> {
-        x.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|d| d.as_u64())
-                    .map(|d| d as usize)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let entries = v["entries"]
-        .as_array()
-        .ok_or("no entries")?
-        .iter()
-        .map(|e| PlanLine {
-            name: e["name"].as_str().unwrap_or_default().to_string(),
-            style: e["style"].as_str().unwrap_or_default().to_string(),
-            dim: e["dim"].as_u64().map(|d| d as usize),
-            full_shape: shape(&e["full_shape"]),
-            local_shape: shape(&e["local_shape"]),
-        })
-        .collect();
-    Ok(Answer::Plan(dir, Ok(entries)))
 }
 
 /// The training arguments a TRL-style program reads from `program_args` (its `--config` file,
 /// then its flags), parsed as the program parses them; None when they are not TRL's (another
 /// program's flags) or do not resolve.
-fn training_args(program_args: &[String]) -> Option<SFTConfig> {
+fn training_args(program_args: &[String]) -> Option<(SftCli, SFTConfig)> {
     let argv = std::iter::once("program".to_string()).chain(program_args.iter().cloned());
-    SftCli::try_parse_trl_from(argv).ok()?.resolve().ok()
+    let cli = SftCli::try_parse_trl_from(argv).ok()?;
+    let config = cli.resolve().ok()?;
+    Some((cli, config))
 }
 
 /// The model directory the program's arguments name (`--model_name_or_path DIR`, or
 /// `model_name_or_path` in the `--config FILE` they pass). None when they name neither.
 pub fn model_dir(program_args: &[String]) -> Option<PathBuf> {
-    let config = training_args(program_args)?;
-    // SFTConfig's default is not a choice the arguments made.
-    (config.model_name_or_path != SFTConfig::default().model_name_or_path)
+    let (cli, config) = training_args(program_args)?;
+    (cli.args.model_name_or_path.is_some() || cli.config.is_some())
         .then_some(config.model_name_or_path)
 }
 
@@ -153,14 +113,14 @@ pub fn model_dir(program_args: &[String]) -> Option<PathBuf> {
 /// (or transformers 5's `--activation_checkpointing`), else its `--config FILE`, else TRL's
 /// SFTConfig default (on).
 pub fn gradient_checkpointing(program_args: &[String]) -> bool {
-    training_args(program_args)
-        .unwrap_or_default()
-        .gradient_checkpointing
+    training_args(program_args).map_or(SFTConfig::default().gradient_checkpointing, |(_, c)| {
+        c.gradient_checkpointing
+    })
 }
 
-/// The plan of the built-in decoder (Llama / Qwen2) for the model in `dir` split over `tp`
+/// The plan of the built-in decoder (Llama, Qwen2, Qwen3, Mistral) for the model in `dir` split over `tp`
 /// ranks, from its config.json alone (no weights are read): every parameter once.
-pub fn builtin(dir: &Path, tp: usize) -> trl_runtime::Result<Vec<PlanLine>> {
+pub fn builtin(dir: &Path, tp: usize) -> trl_runtime::Result<Vec<PlanEntry>> {
     let config = ModelConfig::from_file(dir.join("config.json"))?;
     let mut model = CausalLm::skeleton(
         config,
@@ -169,22 +129,12 @@ pub fn builtin(dir: &Path, tp: usize) -> trl_runtime::Result<Vec<PlanLine>> {
     )?;
     // Splitting needs only the group's size and a rank: no collective runs.
     model.parallelize(InProcessWorld::new(tp).world(0)?)?;
-    Ok(model
-        .tp_plan()
-        .iter()
-        .map(|e| PlanLine {
-            name: e.name.clone(),
-            style: e.split.style.name().to_string(),
-            dim: e.split.dim,
-            full_shape: e.full_shape.clone(),
-            local_shape: e.local_shape.clone(),
-        })
-        .collect())
+    Ok(model.tp_plan().to_vec())
 }
 
 /// The plan as the dry run prints it. Decoder layers after the first are split like it, so
 /// only layer 0 is listed.
-pub fn render(entries: &[PlanLine], tp: usize, dir: &Path) -> String {
+pub fn render(entries: &[PlanEntry], tp: usize, dir: &Path) -> String {
     let later_layer = |name: &str| {
         name.split('.')
             .collect::<Vec<_>>()
@@ -194,13 +144,17 @@ pub fn render(entries: &[PlanLine], tp: usize, dir: &Path) -> String {
     let mut out = format!("tensor-parallel plan (tp = {tp}) of {}:\n", dir.display());
     let width = entries.iter().map(|e| e.name.len()).max().unwrap_or(0);
     for e in entries.iter().filter(|e| !later_layer(&e.name)) {
-        let split = match e.dim {
+        let split = match e.split.dim {
             Some(d) => format!("dim {d}"),
             None => "whole".into(),
         };
         out += &format!(
             "  {:width$}  {:9}  {:5}  {:?} -> {:?} per rank\n",
-            e.name, e.style, split, e.full_shape, e.local_shape
+            e.name,
+            e.split.style.name(),
+            split,
+            e.full_shape,
+            e.local_shape
         );
     }
     if entries.iter().any(|e| later_layer(&e.name)) {

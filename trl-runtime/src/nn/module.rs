@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// How one parameter is split over the tensor-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum TpStyle {
     Column {
         gather_output: bool,
@@ -45,7 +45,7 @@ impl TpStyle {
 
 /// Where a parameter sits in the plan: the style of its layer and the dimension split over
 /// the group (None: replicated).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Split {
     pub style: TpStyle,
     pub dim: Option<usize>,

@@ -39,7 +39,7 @@ use candle_core::{Tensor, TensorId, Var};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// One line of the plan: a parameter's HF name, its split and its full and per-rank shapes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PlanEntry {
     pub name: String,
     pub split: Split,

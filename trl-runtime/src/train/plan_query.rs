@@ -10,13 +10,22 @@ use crate::comm::InProcessWorld;
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
 use crate::parallel::Model;
+use crate::tp::PlanEntry;
 use candle_core::{DType, Device};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The tp size the launcher asks about.
 pub const QUERY_TP_VAR: &str = "TRL_TP_PLAN_QUERY";
 /// Where the answer goes.
 pub const QUERY_OUT_VAR: &str = "TRL_TP_PLAN_OUT";
+
+/// The answer: the model directory the program reads, and the plan of its model there, or why
+/// that model cannot be split over the asked size.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct PlanAnswer {
+    pub model_dir: PathBuf,
+    pub plan: std::result::Result<Vec<PlanEntry>, String>,
+}
 
 /// When the launcher asks, writes the plan of model `N` in `model_dir` split over the asked
 /// tp size to the asked file and exits the process; otherwise returns.
@@ -28,37 +37,23 @@ pub fn answer_if_asked<N: CausalModel>(model_dir: &Path) -> Result<()> {
         var: QUERY_TP_VAR.into(),
         message: format!("'{tp}' is not a tp size"),
     })?;
-    let answer = match plan::<N>(model_dir, tp) {
-        Ok(entries) => serde_json::json!({
-            "model_dir": model_dir,
-            "entries": entries,
-        }),
-        Err(e) => serde_json::json!({
-            "model_dir": model_dir,
-            "error": e.to_string(),
-        }),
+    let answer = PlanAnswer {
+        model_dir: model_dir.to_path_buf(),
+        plan: plan::<N>(model_dir, tp).map_err(|e| e.to_string()),
     };
-    std::fs::write(&out, answer.to_string())
+    let json = serde_json::to_string(&answer).map_err(|e| Error::Env {
+        var: QUERY_OUT_VAR.into(),
+        message: format!("cannot write the plan: {e}"),
+    })?;
+    std::fs::write(&out, json)
         .map_err(|e| Error::io(format!("cannot write the plan to {out}"), e))?;
     std::process::exit(0)
 }
 
-/// Every parameter's name, style, split dimension and full and per-rank shapes.
-fn plan<N: CausalModel>(dir: &Path, tp: usize) -> Result<Vec<serde_json::Value>> {
+/// Every parameter's name, split and full and per-rank shapes.
+fn plan<N: CausalModel>(dir: &Path, tp: usize) -> Result<Vec<PlanEntry>> {
     let mut model = Model::<N>::skeleton_for(dir, DType::F32, &Device::Cpu)?;
     // Splitting needs only the group's size and a rank: no collective runs.
     model.parallelize(InProcessWorld::new(tp).world(0)?)?;
-    Ok(model
-        .tp_plan()
-        .iter()
-        .map(|e| {
-            serde_json::json!({
-                "name": e.name,
-                "style": e.split.style.name(),
-                "dim": e.split.dim,
-                "full_shape": e.full_shape,
-                "local_shape": e.local_shape,
-            })
-        })
-        .collect())
+    Ok(model.tp_plan().to_vec())
 }
