@@ -13,34 +13,32 @@
 //! `kernels/fused.cu` (see `cuda_fused`). For f64 they fall back to the same math in Candle ops.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D,
-};
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType, D};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Declares a fused op in one place: its name, its CPU kernel, its CUDA kernel (compiled with the
 /// `cuda` feature) and, where it has one, its backward. `[this]` names `self` in the clauses;
-/// each clause names the storages and layouts (or tensors) it takes. Written out, every op
-/// repeated the same four Candle signatures.
+/// `cpu` and `cuda` name each input's storage and layout, `bwd` the inputs, then after `;` the
+/// output and its gradient. Written out, every op repeated the same Candle signatures.
 macro_rules! fused_op {
-    (@name $this:ident $self_:ident $name:expr) => {{
-        #[allow(unused_variables)]
-        let $this = $self_;
-        $name
-    }};
-    ($op:ty: CustomOp1 [$this:ident] {
+    (@grads CustomOp1) => { Option<Tensor> };
+    (@grads CustomOp2) => { (Option<Tensor>, Option<Tensor>) };
+    (@grads CustomOp3) => { (Option<Tensor>, Option<Tensor>, Option<Tensor>) };
+    ($op:ty: $trait:ident [$this:ident] {
         name: $name:expr,
-        cpu($s1:pat_param, $l1:pat_param) $cpu:block
-        cuda($c1:pat_param, $cl1:pat_param) $cuda:block
-        $(bwd($a1:pat_param, $res:pat_param, $grad:pat_param) $bwd:block)?
+        cpu($($s:pat_param, $l:pat_param),+) $cpu:block
+        cuda($($c:pat_param, $cl:pat_param),+) $cuda:block
+        $(bwd($($a:tt),+; $res:tt, $grad:tt) $bwd:block)?
     }) => {
-        impl candle_core::CustomOp1 for $op {
+        impl candle_core::$trait for $op {
             fn name(&self) -> &'static str {
-                fused_op!(@name $this self $name)
+                #[allow(unused_variables)]
+                let $this = self;
+                $name
             }
 
-            fn cpu_fwd(&self, $s1: &CpuStorage, $l1: &Layout) -> Result<(CpuStorage, Shape)> {
+            fn cpu_fwd(&self, $($s: &CpuStorage, $l: &Layout),+) -> Result<(CpuStorage, Shape)> {
                 #[allow(unused_variables)]
                 let $this = self;
                 $cpu
@@ -49,53 +47,7 @@ macro_rules! fused_op {
             #[cfg(feature = "cuda")]
             fn cuda_fwd(
                 &self,
-                $c1: &candle_core::CudaStorage,
-                $cl1: &Layout,
-            ) -> Result<(candle_core::CudaStorage, Shape)> {
-                #[allow(unused_variables)]
-                let $this = self;
-                $cuda
-            }
-
-            $(
-            fn bwd(&self, $a1: &Tensor, $res: &Tensor, $grad: &Tensor) -> Result<Option<Tensor>> {
-                #[allow(unused_variables)]
-                let $this = self;
-                $bwd
-            }
-            )?
-        }
-    };
-    ($op:ty: CustomOp2 [$this:ident] {
-        name: $name:expr,
-        cpu($s1:pat_param, $l1:pat_param, $s2:pat_param, $l2:pat_param) $cpu:block
-        cuda($c1:pat_param, $cl1:pat_param, $c2:pat_param, $cl2:pat_param) $cuda:block
-        $(bwd($a1:pat_param, $a2:pat_param, $res:pat_param, $grad:pat_param) $bwd:block)?
-    }) => {
-        impl CustomOp2 for $op {
-            fn name(&self) -> &'static str {
-                fused_op!(@name $this self $name)
-            }
-
-            fn cpu_fwd(
-                &self,
-                $s1: &CpuStorage,
-                $l1: &Layout,
-                $s2: &CpuStorage,
-                $l2: &Layout,
-            ) -> Result<(CpuStorage, Shape)> {
-                #[allow(unused_variables)]
-                let $this = self;
-                $cpu
-            }
-
-            #[cfg(feature = "cuda")]
-            fn cuda_fwd(
-                &self,
-                $c1: &candle_core::CudaStorage,
-                $cl1: &Layout,
-                $c2: &candle_core::CudaStorage,
-                $cl2: &Layout,
+                $($c: &candle_core::CudaStorage, $cl: &Layout),+
             ) -> Result<(candle_core::CudaStorage, Shape)> {
                 #[allow(unused_variables)]
                 let $this = self;
@@ -105,68 +57,10 @@ macro_rules! fused_op {
             $(
             fn bwd(
                 &self,
-                $a1: &Tensor,
-                $a2: &Tensor,
+                $($a: &Tensor,)+
                 $res: &Tensor,
                 $grad: &Tensor,
-            ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-                #[allow(unused_variables)]
-                let $this = self;
-                $bwd
-            }
-            )?
-        }
-    };
-    ($op:ty: CustomOp3 [$this:ident] {
-        name: $name:expr,
-        cpu($s1:pat_param, $l1:pat_param, $s2:pat_param, $l2:pat_param, $s3:pat_param, $l3:pat_param) $cpu:block
-        cuda($c1:pat_param, $cl1:pat_param, $c2:pat_param, $cl2:pat_param, $c3:pat_param, $cl3:pat_param) $cuda:block
-        $(bwd($a1:pat_param, $a2:pat_param, $a3:pat_param, $res:pat_param, $grad:pat_param) $bwd:block)?
-    }) => {
-        impl CustomOp3 for $op {
-            fn name(&self) -> &'static str {
-                fused_op!(@name $this self $name)
-            }
-
-            fn cpu_fwd(
-                &self,
-                $s1: &CpuStorage,
-                $l1: &Layout,
-                $s2: &CpuStorage,
-                $l2: &Layout,
-                $s3: &CpuStorage,
-                $l3: &Layout,
-            ) -> Result<(CpuStorage, Shape)> {
-                #[allow(unused_variables)]
-                let $this = self;
-                $cpu
-            }
-
-            #[cfg(feature = "cuda")]
-            fn cuda_fwd(
-                &self,
-                $c1: &candle_core::CudaStorage,
-                $cl1: &Layout,
-                $c2: &candle_core::CudaStorage,
-                $cl2: &Layout,
-                $c3: &candle_core::CudaStorage,
-                $cl3: &Layout,
-            ) -> Result<(candle_core::CudaStorage, Shape)> {
-                #[allow(unused_variables)]
-                let $this = self;
-                $cuda
-            }
-
-            $(
-            #[allow(clippy::type_complexity)]
-            fn bwd(
-                &self,
-                $a1: &Tensor,
-                $a2: &Tensor,
-                $a3: &Tensor,
-                $res: &Tensor,
-                $grad: &Tensor,
-            ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+            ) -> Result<fused_op!(@grads $trait)> {
                 #[allow(unused_variables)]
                 let $this = self;
                 $bwd
@@ -350,7 +244,7 @@ fused_op!(RmsNormFwd: CustomOp2 [this] {
     cuda(s1, l1, s2, l2) {
         super::cuda_fused::rms_norm_fwd((s1, l1), (s2, l2), this.eps)
     }
-    bwd(x, w, _y, dy) {
+    bwd(x, w; _y, dy) {
         let h = w.dim(0)?;
         let rows = x.elem_count() / h;
         let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: this.eps })?;
@@ -500,7 +394,7 @@ fused_op!(SwigluFwd: CustomOp2 [this] {
     cuda(s1, l1, s2, l2) {
         super::cuda_fused::swiglu_fwd((s1, l1), (s2, l2))
     }
-    bwd(g, u, _out, dout) {
+    bwd(g, u; _out, dout) {
         let both = g.apply_op3_no_bwd(u, &dout.contiguous()?, &SwigluBwd)?;
         let dg = both.narrow(0, 0, 1)?.reshape(g.shape())?;
         let du = both.narrow(0, 1, 1)?.reshape(u.shape())?;
@@ -650,7 +544,7 @@ fused_op!(Rotary: CustomOp3 [this] {
     cuda(s1, l1, s2, l2, s3, l3) {
         super::cuda_fused::rotary((s1, l1), (s2, l2), (s3, l3), this.sign)
     }
-    bwd(_x, cos, sin, _y, dy) {
+    bwd(_x, cos, sin; _y, dy) {
         // The angles come from position ids: no gradient for them.
         let dx = dy
             .contiguous()?
@@ -972,7 +866,7 @@ fused_op!(SwapHeads: CustomOp1 [this] {
     cuda(s, l) {
         super::cuda_fused::swap12((s, l))
     }
-    bwd(_, _, grad) {
+    bwd(_; _, grad) {
         Ok(Some(grad.contiguous()?.apply_op1(SwapHeads)?))
     }
 });
@@ -1024,7 +918,7 @@ fused_op!(BiasAdd: CustomOp2 [this] {
     cuda(s1, l1, s2, l2) {
         super::cuda_fused::bias_add((s1, l1), (s2, l2))
     }
-    bwd(_, bias, _, grad) {
+    bwd(_, bias; _, grad) {
         let db = sum_rows(&grad.reshape(((), bias.elem_count()))?)?;
         Ok((Some(grad.clone()), Some(db)))
     }
