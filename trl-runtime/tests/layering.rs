@@ -267,3 +267,32 @@ fn no_file_uses_a_sibling_that_uses_it_back() {
         cycles.join("\n")
     );
 }
+
+#[test]
+fn the_file_check_sees_siblings_through_every_path() {
+    let siblings: BTreeSet<String> = ["flash", "mask", "linear", "sharded"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    let reexported = reexports(
+        "pub mod mask;\npub use mask::{AttentionMask, document_ids as docs};\npub use linear::Linear;",
+        &siblings,
+    );
+    assert_eq!(
+        reexported,
+        [
+            ("AttentionMask".to_string(), "mask".to_string()),
+            ("docs".to_string(), "mask".to_string()),
+            ("Linear".to_string(), "linear".to_string()),
+        ]
+    );
+    let code = "use super::{flash, other::X};\n\
+                // super::sharded in a comment\n\
+                let y = crate::nn::linear::f();\n\
+                let m: super::AttentionMask = todo!();";
+    let found = sibling_uses(code, "nn", &siblings, &reexported);
+    assert_eq!(
+        found.into_iter().collect::<Vec<_>>(),
+        ["flash", "linear", "mask"]
+    );
+}
