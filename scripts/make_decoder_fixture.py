@@ -16,14 +16,9 @@ Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
     python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding
 """
 
-import json
-import shutil
-from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
 import sys
 
+import torch
 from transformers import (
     MistralConfig,
     MistralForCausalLM,
@@ -33,16 +28,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-root = Path(__file__).resolve().parent.parent
-tokenizer_dir = root / "assets/tiny/model"
-kind = sys.argv[1] if len(sys.argv) > 1 else "qwen3"
-out = root / f"assets/tiny-{kind}"
-model_dir = out / "model"
-model_dir.mkdir(parents=True, exist_ok=True)
+from tiny_fixture import VOCAB, write
 
-vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+kind = sys.argv[1] if len(sys.argv) > 1 else "qwen3"
 common = dict(
-    vocab_size=vocab,
+    vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -78,16 +68,4 @@ with torch.no_grad():
     for name, p in model.named_parameters():
         if "norm" in name:
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
-model.save_pretrained(model_dir, safe_serialization=True)
-for f in ["tokenizer.json", "tokenizer_config.json"]:
-    shutil.copy(tokenizer_dir / f, model_dir / f)
-
-gen = torch.Generator().manual_seed(1)
-input_ids = torch.randint(0, vocab, (2, 24), generator=gen)
-with torch.no_grad():
-    logits = model(input_ids=input_ids).logits.float()
-save_file(
-    {"input_ids": input_ids.to(torch.int64).contiguous(), "logits": logits.contiguous()},
-    str(out / "parity.safetensors"),
-)
-print("wrote", out)
+write(model, f"tiny-{kind}")

@@ -10,25 +10,16 @@ Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
     python scripts/make_phi_fixture.py [--qk]
 """
 
-import json
-import shutil
 import sys
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import PhiConfig, PhiForCausalLM
 
-root = Path(__file__).resolve().parent.parent
-tokenizer_dir = root / "assets/tiny/model"
-qk = "--qk" in sys.argv[1:]
-out = root / ("assets/tiny-phi-qk" if qk else "assets/tiny-phi")
-model_dir = out / "model"
-model_dir.mkdir(parents=True, exist_ok=True)
+from tiny_fixture import VOCAB, write
 
-vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+qk = "--qk" in sys.argv[1:]
 config = PhiConfig(
-    vocab_size=vocab,
+    vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -56,17 +47,4 @@ with torch.no_grad():
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
         elif name.endswith("bias"):
             p.copy_(0.1 * torch.randn_like(p))
-model.save_pretrained(model_dir, safe_serialization=True)
-for f in ["tokenizer.json", "tokenizer_config.json"]:
-    shutil.copy(tokenizer_dir / f, model_dir / f)
-
-gen = torch.Generator().manual_seed(1)
-input_ids = torch.randint(0, vocab, (2, 24), generator=gen)
-position_ids = torch.arange(24).unsqueeze(0).repeat(2, 1)
-with torch.no_grad():
-    logits = model(input_ids=input_ids, position_ids=position_ids).logits.float()
-save_file(
-    {"input_ids": input_ids.to(torch.int64).contiguous(), "logits": logits.contiguous()},
-    str(out / "parity.safetensors"),
-)
-print("wrote", out)
+write(model, "tiny-phi-qk" if qk else "tiny-phi")
