@@ -6,7 +6,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::max_abs_diff;
 use trl_runtime::models::{ModelConfig, Params};
-use trl_runtime::nn::causal_lm_loss;
+use trl_runtime::nn::{causal_lm_loss, AttentionImpl};
 use trl_runtime::parallel::CausalLm;
 
 fn tiny_config(model_type: &str, tied: bool) -> ModelConfig {
@@ -339,8 +339,6 @@ fn qwen3_mistral_and_sliding_qwen2_match_transformers() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
             .join(format!("tiny-{kind}"));
-        let m = CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
-        assert!(m.params.get(param).is_some(), "{kind}: {param}");
         let want =
             candle_core::safetensors::load(dir.join("parity.safetensors"), &Device::Cpu).unwrap();
         let ids = want["input_ids"].to_dtype(DType::U32).unwrap();
@@ -351,12 +349,25 @@ fn qwen3_mistral_and_sliding_qwen2_match_transformers() {
             .unwrap()
             .repeat((b, 1))
             .unwrap();
-        let diff = max_abs_diff(&m.forward(&ids, &pos).unwrap(), &want["logits"]);
-        eprintln!("{kind}: max |logits - transformers| = {diff:e}");
-        assert!(
-            diff < 1e-4,
-            "{kind}: logits differ from transformers by {diff}"
-        );
+        // Every CPU path: the fused kernel (f32, under either name), and in f64 the whole
+        // score matrix (eager) and the blockwise one (flash_attention_2); windows are row
+        // starts for all of them.
+        for (dtype, how) in [
+            (DType::F32, AttentionImpl::Eager),
+            (DType::F64, AttentionImpl::Eager),
+            (DType::F64, AttentionImpl::Flash),
+        ] {
+            let mut m = CausalLm::from_pretrained(dir.join("model"), dtype, &Device::Cpu).unwrap();
+            assert!(m.params.get(param).is_some(), "{kind}: {param}");
+            m.attention = how;
+            let logits = m.forward(&ids, &pos).unwrap().to_dtype(DType::F32).unwrap();
+            let diff = max_abs_diff(&logits, &want["logits"]);
+            eprintln!("{kind} {dtype:?} {how:?}: max |logits - transformers| = {diff:e}");
+            assert!(
+                diff < 1e-4,
+                "{kind} {dtype:?} {how:?}: logits differ from transformers by {diff}"
+            );
+        }
     }
 }
 
