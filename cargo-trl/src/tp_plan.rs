@@ -97,7 +97,7 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
 fn training_args(program_args: &[String]) -> Option<(SftCli, SFTConfig)> {
     let argv = std::iter::once("program".to_string()).chain(program_args.iter().cloned());
     let cli = SftCli::try_parse_trl_from(argv).ok()?;
-    let config = cli.resolve().ok()?;
+    let (config, _) = cli.resolve().ok()?;
     Some((cli, config))
 }
 

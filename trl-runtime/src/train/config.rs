@@ -233,15 +233,21 @@ impl SftCli {
         Ok(cli)
     }
 
-    /// The training arguments these flags give: the `--config` file (if any) read, the flags
-    /// written over it, as a TRL program does.
-    pub fn resolve(&self) -> Result<SFTConfig> {
-        let mut config = match &self.config {
-            Some(path) => SFTConfig::read(path)?.0,
-            None => SFTConfig::default(),
+    /// The training arguments these flags give, as a TRL program reads them: defaults, then
+    /// the `--config` file, then the flags, validated; with the `SOURCE: ignored: KEY: why`
+    /// lines of the keys that have no effect.
+    pub fn resolve(&self) -> Result<(SFTConfig, Vec<String>)> {
+        let (mut config, mut ignored) = match &self.config {
+            Some(path) => {
+                let (config, lines) = SFTConfig::read(path)?;
+                let source = path.display().to_string();
+                (config, ignored_lines(&source, lines))
+            }
+            None => (SFTConfig::default(), Vec::new()),
         };
-        self.apply(&mut config)?;
-        Ok(config)
+        ignored.extend(ignored_lines("command line", self.apply(&mut config)?));
+        config.validate("command line")?;
+        Ok((config, ignored))
     }
 
     /// Writes the flags over `config`, then applies, refuses or names the TRL flags without a
@@ -251,6 +257,13 @@ impl SftCli {
         config.other.extend(self.other.clone());
         config.apply_other("command line")
     }
+}
+
+fn ignored_lines(source: &str, lines: Vec<String>) -> Vec<String> {
+    lines
+        .into_iter()
+        .map(|l| format!("{source}: ignored: {l}"))
+        .collect()
 }
 
 impl SFTConfig {
@@ -300,16 +313,15 @@ impl SFTConfig {
         Ok((config, ignored))
     }
 
-    /// Defaults, then the `--config` file, then the flags.
+    /// Defaults, then the `--config` file, then the flags ([`SftCli::resolve`]); the keys
+    /// without effect are named on the main process.
     pub fn from_cli(cli: &SftCli) -> Result<Self> {
-        let mut config = match &cli.config {
-            Some(path) => Self::from_file(path)?,
-            None => SFTConfig::default(),
-        };
-        for line in cli.apply(&mut config)? {
-            eprintln!("warning: command line: ignored: {line}");
+        let (config, ignored) = cli.resolve()?;
+        if std::env::var("RANK").map_or(true, |r| r.trim() == "0") {
+            for line in ignored {
+                eprintln!("warning: {line}");
+            }
         }
-        config.validate("command line")?;
         Ok(config)
     }
 
