@@ -446,8 +446,6 @@ pub struct FsdpOptimizer {
     /// Under tensor parallelism: how each unit slice's squared gradients count in the global
     /// norm (per element, by unit name).
     tp_grads: Option<(TpGrads, BTreeMap<String, UnitTp>)>,
-    /// Whether this run has stepped (the first step checks the tp plan).
-    stepped: bool,
 }
 
 impl FsdpOptimizer {
@@ -473,16 +471,14 @@ impl FsdpOptimizer {
                 states,
             },
             tp_grads: None,
-            stepped: false,
         })
     }
 
     /// One update from the gradient slices the backward passes left in the units: (HSDP:
     /// sum across replicas), clip by the global norm, update, and write the new slices back.
-    /// Returns the gradient norm before clipping.
-    pub fn step(&mut self, max_grad_norm: f64, lr: f64) -> Result<f64> {
-        // The first step of this run checks the tensor-parallel plan against the gradients.
-        let first = !std::mem::replace(&mut self.stepped, true);
+    /// Returns the gradient norm before clipping. `first`: the run's first step, which checks
+    /// the tensor-parallel plan against the gradients ([`TpGrads::sync_flat`]).
+    pub fn step(&mut self, max_grad_norm: f64, lr: f64, first: bool) -> Result<f64> {
         let mut grads = BTreeMap::new();
         let mut local_sq = 0f64;
         for unit in &self.model.units {

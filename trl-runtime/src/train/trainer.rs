@@ -757,7 +757,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             Optimizer::Zero(z) => {
                 z.step(&self.model.params, &grads, self.config.max_grad_norm, lr)?
             }
-            Optimizer::Fsdp(f) => f.step(self.config.max_grad_norm, lr)?,
+            Optimizer::Fsdp(f) => f.step(self.config.max_grad_norm, lr, first)?,
         };
         tracing::debug!(
             "step timing: forward+backward {:.3}s, gradient all-reduce {:.3}s, clip+optimizer {:.3}s",
