@@ -713,7 +713,7 @@ fn cuda_flash_key_spans_follow_the_cpu_kernels() {
 /// chunk pair and follows the fused ring on the CPU in f32, values and gradients.
 #[test]
 fn ring_attention_on_gpu_follows_the_cpu_ring() {
-    use trl_runtime::nn::ring::{balanced_indices, ring_attention, RingMask};
+    use trl_runtime::context_parallel::ring::{balanced_indices, ring_attention, RingMask};
     let Some(dev) = gpu() else { return };
     let (ranks, chunk, d) = (2usize, 70usize, 64usize);
     let len = 2 * ranks * chunk;

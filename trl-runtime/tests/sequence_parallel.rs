@@ -11,10 +11,10 @@ use common::{max_abs, max_abs_diff, rel_diff};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use trl_runtime::comm::{Communicator, InProcessWorld, ReduceOp};
+use trl_runtime::context_parallel::SeqSplit;
+use trl_runtime::data::sequence::balanced_indices;
 use trl_runtime::models::{ModelConfig, Params};
 use trl_runtime::nn::loss::{cross_entropy_sum, IGNORE_INDEX};
-use trl_runtime::nn::ring::balanced_indices;
-use trl_runtime::nn::seq_attention::SeqSplit;
 use trl_runtime::nn::AttentionImpl;
 use trl_runtime::parallel::CausalLm;
 

@@ -6,21 +6,18 @@
 use super::collate::Batch;
 use crate::error::{Error, Result};
 use crate::nn::loss::IGNORE_INDEX;
-use crate::nn::ring::balanced_indices;
-use crate::nn::seq_attention::SeqSplit;
 use candle_core::Tensor;
 
-impl Batch {
-    /// This rank's part of the rows under `split`: one contiguous chunk (Ulysses) or two
-    /// balanced chunks (ring); the batch itself when sequences are not split.
-    pub fn part(&self, split: Option<&SeqSplit>) -> Result<Batch> {
-        match split {
-            None => Ok(self.clone()),
-            Some(s) if s.ring => self.balanced_chunks(s.group.rank(), s.group.size()),
-            Some(s) => self.chunk(s.group.rank(), s.group.size()),
-        }
-    }
+/// The global token index of each of rank `rank`'s local positions (its two chunks of `chunk`
+/// tokens) among `2 * size` chunks: ring attention's head-tail balance.
+pub fn balanced_indices(rank: usize, size: usize, chunk: usize) -> Vec<usize> {
+    let tail = 2 * size - 1 - rank;
+    (rank * chunk..(rank + 1) * chunk)
+        .chain(tail * chunk..(tail + 1) * chunk)
+        .collect()
+}
 
+impl Batch {
     /// Chunk `rank` of `size` of every row: Ulysses' split.
     pub fn chunk(&self, rank: usize, size: usize) -> Result<Batch> {
         if size == 1 {

@@ -9,10 +9,10 @@
 //! such model.
 
 use crate::comm::Communicator;
+use crate::context_parallel::{SeqAttention, SeqSplit};
 use crate::error::Result;
 use crate::nn::memo::Memo;
 use crate::nn::module::Parallelize;
-use crate::nn::seq_attention::{SeqAttention, SeqSplit};
 use crate::nn::{AttentionImpl, Linear, RotaryEmbedding};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;

@@ -29,11 +29,11 @@ use crate::config::launch::{
     FsdpStateDictType,
 };
 use crate::config::LaunchPlan;
+use crate::context_parallel::SeqSplit;
 use crate::dist::mesh::{Axis, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
-use crate::nn::seq_attention::SeqSplit;
 use crate::nn::AttentionImpl;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::tp::{state as tp_state, TpGrads};

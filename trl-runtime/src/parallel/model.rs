@@ -8,12 +8,12 @@ use super::checkpointing::{Checkpointing, Layers};
 use super::fsdp::{shard_model, shard_model_reading};
 use super::{Prefetch, ShardedModel, WrapPolicy};
 use crate::comm::Communicator;
+use crate::context_parallel::SeqSplit;
 use crate::error::{Error, Result};
 use crate::models::params::{Params, WeightFiles, CONFIG_FILE};
 use crate::models::{CausalModel, LayerInputs, Llama, ModelConfig};
 use crate::nn::embedding::TiedGrad;
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
-use crate::nn::seq_attention::SeqSplit;
 use crate::nn::tiled_loss::{tied_linear_cross_entropy, tiled_linear_cross_entropy};
 use crate::nn::Weight;
 use crate::nn::{AttentionImpl, LossSum};
@@ -414,7 +414,8 @@ impl<N: CausalModel> Model<N> {
             ));
         }
         if let Some((heads, kv_heads)) = self.net.heads().filter(|_| !split.ring) {
-            crate::nn::ulysses::kv_repeats(heads, kv_heads, n).map_err(Error::Parallelism)?;
+            crate::context_parallel::ulysses::kv_repeats(heads, kv_heads, n)
+                .map_err(Error::Parallelism)?;
         }
         self.split = Some(split);
         Ok(())
@@ -664,7 +665,7 @@ impl<N: CausalModel> Layers for Stack<N> {
             _ => None,
         };
         // What `nn::flash_attn` runs inside the layer.
-        let _attention = crate::nn::seq_attention::enter(self.cx.attention.clone());
+        let _attention = crate::nn::flash_attn::enter(self.cx.attention.clone());
         self.net.layer(l, x, &self.cx)
     }
 

@@ -168,7 +168,7 @@ fn resume_state(
 /// sequences split over sp (cp) divide into sp (2 x cp) chunks.
 fn collate_options(
     config: &SFTConfig,
-    split: Option<&crate::nn::seq_attention::SeqSplit>,
+    split: Option<&crate::context_parallel::SeqSplit>,
     pad_token_id: u32,
 ) -> CollateOptions {
     // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.

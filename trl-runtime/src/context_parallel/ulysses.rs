@@ -8,10 +8,10 @@
 //! them than ranks, the group size must be a multiple of their count: each is then repeated so
 //! that every rank gets the one its query heads read.
 
-use super::attention::AttentionImpl;
-use super::mask::AttentionMask;
 use crate::comm::autograd::all_to_all;
 use crate::comm::Communicator;
+use crate::nn::attention::AttentionImpl;
+use crate::nn::mask::AttentionMask;
 use candle_core::{DType, Result, Tensor};
 use std::sync::Arc;
 

@@ -23,24 +23,16 @@
 //! precision), scores, softmax and accumulators in f32 (f64 for f64 inputs). The key and value
 //! gradients travel around the ring in f32 too, so each hop adds to an unrounded sum.
 
-use super::flash::BLOCK;
-use super::mask::{AttentionMask, MASKED};
-use super::memo::Memo;
 use crate::comm::{CommQueue, Communicator, Pending};
+use crate::data::sequence::balanced_indices;
 use crate::kernels::cpu_flash::{self, KeySpans};
 use crate::kernels::precision::{self, accumulate};
+use crate::nn::flash::BLOCK;
+use crate::nn::mask::{AttentionMask, MASKED};
+use crate::nn::memo::Memo;
 use crate::precomputed::{with_backward3, Backward3};
 use candle_core::{DType, Result, Tensor, D};
 use std::sync::Arc;
-
-/// The global token index of each of rank `rank`'s local positions (its two chunks of `chunk`
-/// tokens) among `2 * size` chunks.
-pub fn balanced_indices(rank: usize, size: usize, chunk: usize) -> Vec<usize> {
-    let tail = 2 * size - 1 - rank;
-    (rank * chunk..(rank + 1) * chunk)
-        .chain(tail * chunk..(tail + 1) * chunk)
-        .collect()
-}
 
 /// Which keys every local query sees (its global index and the global index where its
 /// document starts, per batch row), and the ring the keys travel around.

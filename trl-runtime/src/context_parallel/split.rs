@@ -1,14 +1,17 @@
 //! How one forward pass attends when its sequences may be split across ranks: whole on this
 //! rank, Ulysses over an sp group (one chunk each), or a ring over a cp group (two balanced
-//! chunks each). The mask is built once per forward, for every layer.
+//! chunks each). The mask is built once per forward, for every layer; `nn::flash_attn` runs
+//! it through [`Attend`].
 
-use super::attention::AttentionImpl;
-use super::mask::AttentionMask;
 use super::ring::{ring_attention, RingMask};
 use super::ulysses::ulysses_attention;
 use crate::comm::Communicator;
+use crate::data::Batch;
 use crate::dist::mesh::Axis;
 use crate::dist::DistContext;
+use crate::nn::attention::AttentionImpl;
+use crate::nn::flash_attn::Attend;
+use crate::nn::mask::AttentionMask;
 use candle_core::{DType, Device, Result, Tensor};
 use std::sync::Arc;
 
@@ -107,6 +110,12 @@ impl SeqAttention {
 
     /// Attention of `q` [b, heads, len, d] over `k`, `v` [b, kv_heads, len, d].
     pub fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        Attend::apply(self, q, k, v)
+    }
+}
+
+impl Attend for SeqAttention {
+    fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         match self {
             SeqAttention::Whole(mask, how) => how.apply(q, k, v, mask),
             SeqAttention::Ulysses(mask, how, group, comm) => {
@@ -117,65 +126,14 @@ impl SeqAttention {
     }
 }
 
-thread_local! {
-    /// The attention of the forward running on this thread (see [`flash_attn`]).
-    static CURRENT: std::cell::RefCell<Option<Arc<SeqAttention>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// Makes `attention` what [`flash_attn`] runs on this thread until the guard drops (the
-/// model's forward sets it around each layer, and again when a layer is recomputed).
-pub fn enter(attention: Arc<SeqAttention>) -> CurrentAttention {
-    CurrentAttention(CURRENT.with(|c| c.replace(Some(attention))))
-}
-
-/// Restores the attention that was current before [`enter`].
-pub struct CurrentAttention(Option<Arc<SeqAttention>>);
-
-impl Drop for CurrentAttention {
-    fn drop(&mut self) {
-        let previous = self.0.take();
-        CURRENT.with(|c| *c.borrow_mut() = previous);
-    }
-}
-
-/// A drop-in for `candle_flash_attn::flash_attn` (same arguments and layout: `q` [batch,
-/// seq, heads, head_dim], `k`, `v` [batch, seq, kv_heads, head_dim]), so that a Candle model
-/// written for it runs under every strategy by changing its import. Inside a
-/// `parallel::Model` forward it runs that forward's attention: the documents of packed rows
-/// kept apart, ring attention or Ulysses when sequences are split. Elsewhere it is plain
-/// causal attention over each whole row.
-pub fn flash_attn(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    softmax_scale: f32,
-    causal: bool,
-) -> Result<Tensor> {
-    if !causal {
-        candle_core::bail!(
-            "flash_attn: a causal language model attends causally (pass causal = true)"
-        );
-    }
-    let (b, s, _, d) = q.dims4()?;
-    // The attention kernels scale by 1/sqrt(head_dim); another scale goes into q.
-    let rescale = softmax_scale as f64 * (d as f64).sqrt();
-    let q = match (rescale - 1.0).abs() < 1e-6 {
-        true => q.clone(),
-        false => (q * rescale)?,
-    };
-    let heads_first = |t: &Tensor| t.transpose(1, 2)?.contiguous();
-    let (q, k, v) = (heads_first(&q)?, heads_first(k)?, heads_first(v)?);
-    let current = CURRENT.with(|c| c.borrow().clone());
-    let out = match current {
-        Some(attention) => attention.apply(&q, &k, &v)?,
-        None => {
-            let pos = Tensor::arange(0i64, s as i64, q.device())?
-                .unsqueeze(0)?
-                .repeat((b, 1))?;
-            let mask = AttentionMask::causal(&pos, q.dtype(), q.device())?;
-            AttentionImpl::default().apply(&q, &k, &v, &mask)?
+impl Batch {
+    /// This rank's part of the rows under `split`: one contiguous chunk (Ulysses) or two
+    /// balanced chunks (ring); the batch itself when sequences are not split.
+    pub fn part(&self, split: Option<&SeqSplit>) -> crate::Result<Batch> {
+        match split {
+            None => Ok(self.clone()),
+            Some(s) if s.ring => self.balanced_chunks(s.group.rank(), s.group.size()),
+            Some(s) => self.chunk(s.group.rank(), s.group.size()),
         }
-    };
-    out.transpose(1, 2)?.contiguous()
+    }
 }

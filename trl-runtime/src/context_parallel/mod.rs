@@ -9,12 +9,20 @@
 //!
 //! A model takes part by computing attention with [`attention`] and its loss against
 //! `batch.targets()` (not shifting `labels` itself).
+//!
+//! The strategies themselves live here too: [`ring`] attention (cp), [`ulysses`] (sp), and
+//! [`split`], which picks one for a forward and cuts the batch for it.
+
+pub mod ring;
+pub mod split;
+pub mod ulysses;
+
+pub use split::{SeqAttention, SeqSplit};
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::Batch;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::nn::seq_attention::{SeqAttention, SeqSplit};
 use crate::nn::{AttentionImpl, LossSum};
 use candle_core::{Tensor, TensorId};
 use std::cell::RefCell;
