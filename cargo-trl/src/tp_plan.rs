@@ -105,17 +105,18 @@ fn training_args(program_args: &[String]) -> Option<(SftCli, SFTConfig)> {
 /// `model_name_or_path` in the `--config FILE` they pass). None when they name neither.
 pub fn model_dir(program_args: &[String]) -> Option<PathBuf> {
     let (cli, config) = training_args(program_args)?;
-    (cli.args.model_name_or_path.is_some() || cli.config.is_some())
-        .then_some(config.model_name_or_path)
+    (cli.args.training.model_name_or_path.is_some() || cli.config.is_some())
+        .then_some(config.training.model_name_or_path)
 }
 
 /// Whether a TRL-style program recomputes layers in backward: `--gradient_checkpointing`
 /// (or transformers 5's `--activation_checkpointing`), else its `--config FILE`, else TRL's
 /// SFTConfig default (on).
 pub fn gradient_checkpointing(program_args: &[String]) -> bool {
-    training_args(program_args).map_or(SFTConfig::default().gradient_checkpointing, |(_, c)| {
-        c.gradient_checkpointing
-    })
+    training_args(program_args).map_or(
+        SFTConfig::default().training.gradient_checkpointing,
+        |(_, c)| c.training.gradient_checkpointing,
+    )
 }
 
 /// The plan of the built-in decoder (Llama, Qwen2, Qwen3, Mistral) for the model in `dir` split over `tp`

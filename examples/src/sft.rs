@@ -4,29 +4,32 @@
 use std::process::ExitCode;
 use trl_runtime::dist::{spawn, DistContext};
 use trl_runtime::models::CausalModel;
-use trl_runtime::train::{SFTConfig, SftCli, Trainer};
+use trl_runtime::train::{SFTConfig, SftCli, Trainer, TrainerConfig};
 
 /// Defaults of the embedded job: the bundled assets, and settings that train the tiny model
 /// in a few minutes on two cores.
 pub fn embedded_defaults() -> SFTConfig {
     let assets = crate::assets::default_dir();
     SFTConfig {
-        model_name_or_path: assets.join("model"),
-        dataset_name: assets.join("data/train.jsonl"),
-        eval_dataset_name: Some(assets.join("data/eval.jsonl")),
-        output_dir: "output/sft-tiny".into(),
-        per_device_train_batch_size: 16,
-        learning_rate: 2e-3,
-        lr_scheduler_type: "cosine".into(),
-        warmup_ratio: 0.05,
-        weight_decay: 0.01,
-        num_train_epochs: 24.0,
-        max_length: 64,
+        training: trl_runtime::train::TrainingArguments {
+            model_name_or_path: assets.join("model"),
+            dataset_name: assets.join("data/train.jsonl"),
+            eval_dataset_name: Some(assets.join("data/eval.jsonl")),
+            output_dir: "output/sft-tiny".into(),
+            per_device_train_batch_size: 16,
+            learning_rate: 2e-3,
+            lr_scheduler_type: "cosine".into(),
+            warmup_ratio: 0.05,
+            weight_decay: 0.01,
+            num_train_epochs: 24.0,
+            max_length: 64,
+            logging_steps: 25,
+            save_steps: 1000,
+            save_total_limit: Some(2),
+            eval_steps: Some(500),
+            ..Default::default()
+        },
         assistant_only_loss: true,
-        logging_steps: 25,
-        save_steps: 1000,
-        save_total_limit: Some(2),
-        eval_steps: Some(500),
         eval_generation_samples: 200,
         ..SFTConfig::default()
     }
@@ -57,7 +60,7 @@ fn run<N: CausalModel>(config: SFTConfig) -> trl_runtime::Result<()> {
             acc(outcome.final_eval),
             outcome.losses.last().copied().unwrap_or(f64::NAN),
             outcome.last_checkpoint.as_ref().map_or("none".into(), |p| p.display().to_string()),
-            trainer.config.output_dir.join("loss.svg").display()
+            trainer.config.training.output_dir.join("loss.svg").display()
         );
     }
     Ok(())

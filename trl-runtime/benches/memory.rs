@@ -52,15 +52,18 @@ fn plan(name: &str) -> LaunchPlan {
 fn worker(name: &str, dir: &Path) {
     let ctx = DistContext::with_plan(plan(name)).unwrap();
     let config = SFTConfig {
-        model_name_or_path: dir.join("model"),
-        dataset_name: dir.join("train.jsonl"),
-        output_dir: dir.join("out"),
-        per_device_train_batch_size: 1,
-        max_length: 64,
-        max_steps: 10,
-        disable_tqdm: true,
-        // Model state per strategy, not activations: measured without recompute.
-        gradient_checkpointing: false,
+        training: trl_runtime::train::TrainingArguments {
+            model_name_or_path: dir.join("model"),
+            dataset_name: dir.join("train.jsonl"),
+            output_dir: dir.join("out"),
+            per_device_train_batch_size: 1,
+            max_length: 64,
+            max_steps: 10,
+            disable_tqdm: true,
+            // Model state per strategy, not activations: measured without recompute.
+            gradient_checkpointing: false,
+            ..Default::default()
+        },
         ..SFTConfig::default()
     };
     // Peak from here: loading the model and setting up the strategy.

@@ -62,28 +62,39 @@ fn worker(kind: &str, dir: &Path) {
     trl_runtime::train::logging::init(ctx.rank());
     let config = if kind == "tiny" {
         SFTConfig {
-            model_name_or_path: support::repo().join("assets/tiny/model"),
-            dataset_name: support::repo().join("assets/tiny/data/train.jsonl"),
-            max_length: 64,
+            training: trl_runtime::train::TrainingArguments {
+                model_name_or_path: support::repo().join("assets/tiny/model"),
+                dataset_name: support::repo().join("assets/tiny/data/train.jsonl"),
+                max_length: 64,
+                ..Default::default()
+            },
             ..SFTConfig::default()
         }
     } else {
         SFTConfig {
-            model_name_or_path: dir.join("model"),
-            dataset_name: dir.join("train.jsonl"),
-            per_device_train_batch_size: BATCH,
-            max_length: SEQ,
-            learning_rate: 1e-4,
+            training: trl_runtime::train::TrainingArguments {
+                model_name_or_path: dir.join("model"),
+                dataset_name: dir.join("train.jsonl"),
+                per_device_train_batch_size: BATCH,
+                max_length: SEQ,
+                learning_rate: 1e-4,
+                ..Default::default()
+            },
             ..SFTConfig::default()
         }
     };
-    let config = SFTConfig {
-        output_dir: dir.join("out"),
-        disable_tqdm: true,
-        max_steps: 1000,
-        // The peers run without it too (stated in each JSON line).
-        gradient_checkpointing: false,
-        ..config
+    let config = {
+        let base = config;
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                output_dir: dir.join("out"),
+                disable_tqdm: true,
+                max_steps: 1000,
+                gradient_checkpointing: false,
+                ..base.training
+            },
+            ..base
+        }
     };
     let strategy = match kind {
         "ref-zero3" => Strategy::fsdp(WrapPolicy::PerLayer),

@@ -254,18 +254,21 @@ fn assets() -> PathBuf {
 
 fn config(out: &Path, batch: usize, bf16: bool) -> SFTConfig {
     SFTConfig {
-        model_name_or_path: assets().join("model"),
-        dataset_name: assets().join("data/train.jsonl"),
-        output_dir: out.to_path_buf(),
-        per_device_train_batch_size: batch,
-        learning_rate: 3e-3,
-        warmup_steps: 2,
-        max_steps: 5,
-        max_length: 64,
+        training: trl_runtime::train::TrainingArguments {
+            model_name_or_path: assets().join("model"),
+            dataset_name: assets().join("data/train.jsonl"),
+            output_dir: out.to_path_buf(),
+            per_device_train_batch_size: batch,
+            learning_rate: 3e-3,
+            warmup_steps: 2,
+            max_steps: 5,
+            max_length: 64,
+            save_steps: 100,
+            disable_tqdm: true,
+            bf16,
+            ..Default::default()
+        },
         assistant_only_loss: true,
-        save_steps: 100,
-        disable_tqdm: true,
-        bf16,
         ..SFTConfig::default()
     }
 }
@@ -390,10 +393,16 @@ fn train_zero3(world: usize, cfg: SFTConfig, device: &Device, offload: bool) -> 
         }),
         ..LaunchPlan::default()
     };
-    let cfg = SFTConfig {
-        gradient_checkpointing: offload,
-        activation_offloading: offload,
-        ..cfg
+    let cfg = {
+        let base = cfg;
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                gradient_checkpointing: offload,
+                activation_offloading: offload,
+                ..base.training
+            },
+            ..base
+        }
     };
     let dims = ParallelDims {
         dp_replicate: 1,

@@ -2,7 +2,7 @@
 //! booleans, repeated flags), and errors naming the file and key.
 
 use clap::Parser;
-use trl_runtime::train::{SFTConfig, SftCli};
+use trl_runtime::train::{SFTConfig, SftCli, TrainerConfig};
 
 fn cli(args: &[&str]) -> Result<SFTConfig, String> {
     let cli = SftCli::try_parse_from(std::iter::once("sft").chain(args.iter().copied()))
@@ -14,23 +14,35 @@ fn cli(args: &[&str]) -> Result<SFTConfig, String> {
 fn defaults_follow_trl() {
     let c = SFTConfig::default();
     assert_eq!(
-        (c.per_device_train_batch_size, c.gradient_accumulation_steps),
+        (
+            c.training.per_device_train_batch_size,
+            c.training.gradient_accumulation_steps
+        ),
         (8, 1)
     );
     assert_eq!(
         (
-            c.learning_rate,
-            c.lr_scheduler_type.as_str(),
-            c.max_grad_norm
+            c.training.learning_rate,
+            c.training.lr_scheduler_type.as_str(),
+            c.training.max_grad_norm
         ),
         (2e-5, "linear", 1.0)
     );
     assert_eq!(
-        (c.max_length, c.packing, c.packing_strategy.as_str()),
+        (
+            c.training.max_length,
+            c.packing,
+            c.packing_strategy.as_str()
+        ),
         (1024, false, "bfd")
     );
     assert_eq!(
-        (c.num_train_epochs, c.max_steps, c.logging_steps, c.seed),
+        (
+            c.training.num_train_epochs,
+            c.training.max_steps,
+            c.training.logging_steps,
+            c.training.seed
+        ),
         (3.0, -1, 10, 42)
     );
 }
@@ -57,11 +69,11 @@ fn file_then_flags() {
     .unwrap();
     assert_eq!(
         (
-            c.learning_rate,
+            c.training.learning_rate,
             c.packing,
             c.pad_to_multiple_of,
-            c.save_total_limit,
-            c.gradient_accumulation_steps
+            c.training.save_total_limit,
+            c.training.gradient_accumulation_steps
         ),
         (3e-4, false, Some(4), Some(2), 4)
     );
@@ -77,7 +89,7 @@ fn file_then_flags() {
     ])
     .unwrap();
     assert_eq!(
-        (c.packing, c.max_steps, c.pad_to_multiple_of),
+        (c.packing, c.training.max_steps, c.pad_to_multiple_of),
         (true, 7, None)
     );
 
@@ -90,9 +102,9 @@ fn file_then_flags() {
     let c = SFTConfig::from_file(&toml).unwrap();
     assert_eq!(
         (
-            c.learning_rate,
-            c.lr_scheduler_type.as_str(),
-            c.warmup_ratio
+            c.training.learning_rate,
+            c.training.lr_scheduler_type.as_str(),
+            c.training.warmup_ratio
         ),
         (5e-4, "cosine", 0.1)
     );
@@ -129,7 +141,7 @@ fn bad_values_name_the_key() {
     for flags in [&["--mixed_precision", "bf16"][..], &["--bf16"][..]] {
         let c = cli(flags).unwrap();
         assert_eq!(
-            c.compute_dtype().unwrap(),
+            c.training.compute_dtype().unwrap(),
             candle_core::DType::BF16,
             "{flags:?}"
         );
@@ -147,10 +159,14 @@ fn bad_values_name_the_key() {
 fn mixed_precision_follows_the_launcher_unless_set() {
     use candle_core::DType;
     std::env::set_var("ACCELERATE_MIXED_PRECISION", "bf16");
-    let unset = SFTConfig::default().compute_dtype();
-    let explicit = cli(&["--mixed_precision", "no"]).unwrap().compute_dtype();
+    let unset = SFTConfig::default().training.compute_dtype();
+    let explicit = cli(&["--mixed_precision", "no"])
+        .unwrap()
+        .training
+        .compute_dtype();
     std::env::set_var("ACCELERATE_MIXED_PRECISION", "fp16");
     let refused = SFTConfig::default()
+        .training
         .compute_dtype()
         .unwrap_err()
         .to_string();
@@ -161,7 +177,10 @@ fn mixed_precision_follows_the_launcher_unless_set() {
         refused.contains("ACCELERATE_MIXED_PRECISION") && refused.contains("bf16"),
         "{refused}"
     );
-    assert_eq!(SFTConfig::default().compute_dtype().unwrap(), DType::F32);
+    assert_eq!(
+        SFTConfig::default().training.compute_dtype().unwrap(),
+        DType::F32
+    );
 }
 
 #[test]
@@ -179,8 +198,11 @@ fn trl_recipes_are_read_with_their_extra_keys() {
     )
     .unwrap();
     let (c, ignored) = SFTConfig::read(&yaml).unwrap();
-    assert!(c.bf16 && c.gradient_checkpointing, "aliases applied");
-    assert_eq!(c.max_length, 512);
+    assert!(
+        c.training.bf16 && c.training.gradient_checkpointing,
+        "aliases applied"
+    );
+    assert_eq!(c.training.max_length, 512);
     assert!(c.other.is_empty());
     for key in [
         "report_to",
@@ -214,7 +236,7 @@ fn trl_recipes_are_read_with_their_extra_keys() {
 #[test]
 fn gradient_checkpointing_is_on_by_default_as_in_trl() {
     // TRL's SFTConfig turns it on; a recipe or flag turns it off.
-    assert!(SFTConfig::default().gradient_checkpointing);
+    assert!(SFTConfig::default().training.gradient_checkpointing);
     for off in [
         &["sft", "--gradient_checkpointing", "false"][..],
         &["sft", "--gradient-checkpointing=False"][..],
@@ -222,7 +244,7 @@ fn gradient_checkpointing_is_on_by_default_as_in_trl() {
         let cli = trl_runtime::train::SftCli::parse_trl_from(off.iter().map(|s| s.to_string()));
         let mut c = SFTConfig::default();
         cli.apply(&mut c).unwrap();
-        assert!(!c.gradient_checkpointing, "{off:?}");
+        assert!(!c.training.gradient_checkpointing, "{off:?}");
     }
 }
 
@@ -244,8 +266,11 @@ fn trl_flags_without_a_field_are_taken_like_file_keys() {
     );
     let mut c = SFTConfig::default();
     let ignored = cli.apply(&mut c).unwrap();
-    assert_eq!((c.max_length, c.learning_rate), (128, 1e-3));
-    assert!(c.gradient_checkpointing);
+    assert_eq!(
+        (c.training.max_length, c.training.learning_rate),
+        (128, 1e-3)
+    );
+    assert!(c.training.gradient_checkpointing);
     assert!(
         ignored.iter().any(|l| l.starts_with("report_to: "))
             && ignored.iter().any(|l| l.starts_with("eval_strategy: ")),

@@ -11,7 +11,9 @@ use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
 use trl_runtime::nn::AttentionImpl;
 use trl_runtime::parallel::{WrapPolicy, ZeroStage};
-use trl_runtime::train::{CheckpointFormat, Optimizer, SFTConfig, Strategy, Trainer};
+use trl_runtime::train::{
+    CheckpointFormat, Optimizer, SFTConfig, Strategy, Trainer, TrainerConfig,
+};
 
 fn assets() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny")
@@ -19,24 +21,27 @@ fn assets() -> PathBuf {
 
 fn config(out: &Path, batch: usize, accumulation: usize, steps: i64) -> SFTConfig {
     SFTConfig {
-        model_name_or_path: assets().join("model"),
-        dataset_name: assets().join("data/train.jsonl"),
-        output_dir: out.to_path_buf(),
-        per_device_train_batch_size: batch,
-        gradient_accumulation_steps: accumulation,
-        learning_rate: 3e-3,
-        lr_scheduler_type: "cosine".into(),
-        warmup_steps: 2,
-        weight_decay: 0.01,
-        max_grad_norm: 1.0,
-        max_steps: steps,
-        max_length: 64,
+        training: trl_runtime::train::TrainingArguments {
+            model_name_or_path: assets().join("model"),
+            dataset_name: assets().join("data/train.jsonl"),
+            output_dir: out.to_path_buf(),
+            per_device_train_batch_size: batch,
+            gradient_accumulation_steps: accumulation,
+            learning_rate: 3e-3,
+            lr_scheduler_type: "cosine".into(),
+            warmup_steps: 2,
+            weight_decay: 0.01,
+            max_grad_norm: 1.0,
+            max_steps: steps,
+            max_length: 64,
+            logging_steps: 1,
+            save_steps: 3,
+            disable_tqdm: true,
+            // The plain run each strategy is compared with; checkpointing has its own test.
+            gradient_checkpointing: false,
+            ..Default::default()
+        },
         assistant_only_loss: true,
-        logging_steps: 1,
-        save_steps: 3,
-        disable_tqdm: true,
-        // The plain run each strategy is compared with; checkpointing has its own test.
-        gradient_checkpointing: false,
         ..SFTConfig::default()
     }
 }
@@ -110,9 +115,11 @@ fn run_dims(
                     let ctx =
                         DistContext::in_process(w, rank, DeviceMesh::new(dims, world).unwrap())
                             .unwrap();
-                    let attention = AttentionImpl::parse(&cfg.attn_implementation).unwrap();
-                    let (tiled_loss, tiled_mlp) = (cfg.use_liger_kernel, cfg.tiled_mlp);
-                    let checkpointing = cfg.gradient_checkpointing;
+                    let attention =
+                        AttentionImpl::parse(&cfg.training.attn_implementation).unwrap();
+                    let (tiled_loss, tiled_mlp) =
+                        (cfg.training.use_liger_kernel, cfg.training.tiled_mlp);
+                    let checkpointing = cfg.training.gradient_checkpointing;
                     let mut trainer = Trainer::with_strategy(cfg, &ctx, strategy).unwrap();
                     // The model really is split as the mesh says (an unsplit run on the same
                     // ranks would compute the same numbers), and runs as configured.
@@ -218,8 +225,8 @@ fn resume_continues_exactly() {
     let full = run(2, config(&full_dir, 2, 1, 6));
     // checkpoint-3 was written on the way; resume a fresh run from it.
     let mut cfg = config(&full_dir, 2, 1, 6);
-    cfg.resume_from_checkpoint = Some(full_dir.join("checkpoint-3").display().to_string());
-    cfg.output_dir = tmp.path().join("resumed");
+    cfg.training.resume_from_checkpoint = Some(full_dir.join("checkpoint-3").display().to_string());
+    cfg.training.output_dir = tmp.path().join("resumed");
     let resumed = run(2, cfg);
     assert_eq!(resumed.0.len(), 3, "steps 4..6 only");
     for (i, (x, y)) in resumed.0.iter().zip(&full.0[3..]).enumerate() {
@@ -237,7 +244,7 @@ fn resume_continues_exactly() {
     .unwrap();
     let mut bare = config(&full_dir, 2, 1, 6);
     cli.args.apply(&mut bare);
-    let spec = bare.resume_from_checkpoint.unwrap();
+    let spec = bare.training.resume_from_checkpoint.unwrap();
     let found = trl_runtime::train::checkpoint::resolve(&full_dir, &spec).unwrap();
     assert_eq!(found, latest);
 }
@@ -246,8 +253,8 @@ fn resume_continues_exactly() {
 fn save_total_limit_keeps_the_newest() {
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = config(tmp.path(), 4, 1, 6);
-    cfg.save_steps = 1;
-    cfg.save_total_limit = Some(2);
+    cfg.training.save_steps = 1;
+    cfg.training.save_total_limit = Some(2);
     run(1, cfg);
     let kept: Vec<usize> = trl_runtime::train::checkpoint::list(tmp.path())
         .into_iter()
@@ -363,8 +370,8 @@ fn zero_checkpoint_resumes_on_another_world_size_and_strategy() {
         (1, 4, Strategy::Ddp),
     ] {
         let mut cfg = config(&dir, batch, 1, 6);
-        cfg.resume_from_checkpoint = Some(dir.join("checkpoint-3").display().to_string());
-        cfg.output_dir = tmp.path().join(format!("resumed-{world}"));
+        cfg.training.resume_from_checkpoint = Some(dir.join("checkpoint-3").display().to_string());
+        cfg.training.output_dir = tmp.path().join(format!("resumed-{world}"));
         let resumed = run_with(world, cfg, strategy);
         assert_close(
             &(resumed.0.clone(), resumed.1.clone()),
@@ -407,8 +414,8 @@ fn sharded_checkpoints_reshard_across_world_sizes_and_strategies() {
         (1, 4, Strategy::Ddp),
     ] {
         let mut cfg = config(&dir, batch, 1, 6);
-        cfg.resume_from_checkpoint = Some(ckpt.display().to_string());
-        cfg.output_dir = tmp.path().join(format!("resumed-{world}-{strategy:?}"));
+        cfg.training.resume_from_checkpoint = Some(ckpt.display().to_string());
+        cfg.training.output_dir = tmp.path().join(format!("resumed-{world}-{strategy:?}"));
         let resumed = run_with(world, cfg, strategy);
         assert_close(
             &resumed,
@@ -426,7 +433,7 @@ fn sharded_checkpoints_reshard_across_world_sizes_and_strategies() {
     // A missing rank file is named, with what it means.
     std::fs::remove_file(ckpt.join("sharded/shard-00001-of-00004.safetensors")).unwrap();
     let mut cfg = config(&dir, 4, 1, 6);
-    cfg.resume_from_checkpoint = Some(ckpt.display().to_string());
+    cfg.training.resume_from_checkpoint = Some(ckpt.display().to_string());
     let w = InProcessWorld::new(1);
     let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(ParallelDims::single(), 1).unwrap())
         .unwrap();
@@ -448,8 +455,8 @@ fn zero3_full_checkpoint_resumes_on_more_ranks() {
     let full = run_with(2, config(&dir, 2, 1, 6), zero3);
     assert!(dir.join("checkpoint-3/model.safetensors").exists());
     let mut cfg = config(&dir, 1, 1, 6);
-    cfg.resume_from_checkpoint = Some(dir.join("checkpoint-3").display().to_string());
-    cfg.output_dir = tmp.path().join("resumed");
+    cfg.training.resume_from_checkpoint = Some(dir.join("checkpoint-3").display().to_string());
+    cfg.training.output_dir = tmp.path().join("resumed");
     let resumed = run_with(4, cfg, zero3);
     assert_close(
         &resumed,
@@ -590,10 +597,16 @@ fn tensor_parallel_matches_ddp() {
 fn tensor_parallel_checkpoints_load_under_any_tp_size() {
     let tmp = tempfile::tempdir().unwrap();
     let model = model_for_tp4(tmp.path());
-    let cfg = |out: &str, batch: usize, resume: Option<PathBuf>| SFTConfig {
-        model_name_or_path: model.clone(),
-        resume_from_checkpoint: resume.map(|p| p.display().to_string()),
-        ..config(&tmp.path().join(out), batch, 1, 6)
+    let cfg = |out: &str, batch: usize, resume: Option<PathBuf>| {
+        let base = config(&tmp.path().join(out), batch, 1, 6);
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                model_name_or_path: model.clone(),
+                resume_from_checkpoint: resume.map(|p| p.display().to_string()),
+                ..base.training
+            },
+            ..base
+        }
     };
     // tp = 2 under FSDP over 2 ranks writes checkpoint-3 (whole tensors) on the way ...
     let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);
@@ -664,9 +677,15 @@ fn activation_checkpointing_trains_like_the_plain_run() {
     // with the blockwise kernels inside the recomputed layers.
     let tmp = tempfile::tempdir().unwrap();
     let ddp = run(1, config(&tmp.path().join("ddp"), 4, 1, 5));
-    let on = |out: &str, batch: usize| SFTConfig {
-        gradient_checkpointing: true,
-        ..config(&tmp.path().join(out), batch, 1, 5)
+    let on = |out: &str, batch: usize| {
+        let base = config(&tmp.path().join(out), batch, 1, 5);
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                gradient_checkpointing: true,
+                ..base.training
+            },
+            ..base
+        }
     };
     let seq = |dp_shard: usize, cp: usize, sp: usize| ParallelDims {
         cp,
@@ -703,11 +722,17 @@ fn activation_checkpointing_trains_like_the_plain_run() {
         );
         assert_close(&got, &ddp, &format!("checkpointed {what} vs plain 1 x 4"));
     }
-    let kernels = SFTConfig {
-        attn_implementation: "flash_attention_2".into(),
-        use_liger_kernel: true,
-        tiled_mlp: true,
-        ..on("ac-kernels", 4)
+    let kernels = {
+        let base = on("ac-kernels", 4);
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                attn_implementation: "flash_attention_2".into(),
+                use_liger_kernel: true,
+                tiled_mlp: true,
+                ..base.training
+            },
+            ..base
+        }
     };
     assert_close(
         &run(1, kernels),
@@ -720,29 +745,44 @@ fn activation_checkpointing_trains_like_the_plain_run() {
 fn flash_attention_and_tiled_loss_train_like_the_whole_matrices() {
     // Packed rows of 256 tokens: several documents per row and two attention blocks.
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = |out: &str, attn: &str| SFTConfig {
-        packing: true,
-        max_length: 256,
-        attn_implementation: attn.into(),
-        ..config(&tmp.path().join(out), 2, 1, 3)
+    let cfg = |out: &str, attn: &str| {
+        let base = config(&tmp.path().join(out), 2, 1, 3);
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                max_length: 256,
+                attn_implementation: attn.into(),
+                ..base.training
+            },
+            packing: true,
+            ..base
+        }
     };
     let sdpa = run(1, cfg("sdpa", "sdpa"));
     let flash = run(1, cfg("flash", "flash_attention_2"));
     assert_close(&flash, &sdpa, "flash_attention_2 vs sdpa");
     // With the LM head and loss fused in tiles (use_liger_kernel) too.
-    let tiled = run(
-        1,
+    let tiled = run(1, {
+        let base = cfg("tiled", "flash_attention_2");
         SFTConfig {
-            use_liger_kernel: true,
-            ..cfg("tiled", "flash_attention_2")
-        },
-    );
+            training: trl_runtime::train::TrainingArguments {
+                use_liger_kernel: true,
+                ..base.training
+            },
+            ..base
+        }
+    });
     assert_close(&tiled, &sdpa, "flash_attention_2 + tiled loss vs sdpa");
     // And the MLPs in tiles (tiled_mlp), also under tensor parallelism.
-    let all = SFTConfig {
-        use_liger_kernel: true,
-        tiled_mlp: true,
-        ..cfg("tiled-mlp", "flash_attention_2")
+    let all = {
+        let base = cfg("tiled-mlp", "flash_attention_2");
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                use_liger_kernel: true,
+                tiled_mlp: true,
+                ..base.training
+            },
+            ..base
+        }
     };
     assert_close(
         &run(1, all.clone()),
@@ -858,9 +898,15 @@ fn differences(
 #[test]
 fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
     let tmp = tempfile::tempdir().unwrap();
-    let bf16 = |name: &str, batch, accumulation| SFTConfig {
-        bf16: true,
-        ..config(&tmp.path().join(name), batch, accumulation, 5)
+    let bf16 = |name: &str, batch, accumulation| {
+        let base = config(&tmp.path().join(name), batch, accumulation, 5);
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                bf16: true,
+                ..base.training
+            },
+            ..base
+        }
     };
     let one = run(1, bf16("one", 4, 1));
     let ddp = run(2, bf16("ddp", 2, 1));
@@ -869,22 +915,28 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
     let fsdp = run_with(2, bf16("fsdp", 2, 1), Strategy::fsdp(WrapPolicy::PerLayer));
     let fp32 = run(1, config(&tmp.path().join("fp32"), 4, 1, 5));
     // The blockwise kernels in bf16: matmuls in bf16; softmax, loss and accumulators in f32.
-    let flash = run(
-        1,
+    let flash = run(1, {
+        let base = bf16("flash", 4, 1);
         SFTConfig {
-            attn_implementation: "flash_attention_2".into(),
-            ..bf16("flash", 4, 1)
-        },
-    );
-    let tiled = run(
-        1,
+            training: trl_runtime::train::TrainingArguments {
+                attn_implementation: "flash_attention_2".into(),
+                ..base.training
+            },
+            ..base
+        }
+    });
+    let tiled = run(1, {
+        let base = bf16("tiled", 4, 1);
         SFTConfig {
-            attn_implementation: "flash_attention_2".into(),
-            use_liger_kernel: true,
-            tiled_mlp: true,
-            ..bf16("tiled", 4, 1)
-        },
-    );
+            training: trl_runtime::train::TrainingArguments {
+                attn_implementation: "flash_attention_2".into(),
+                use_liger_kernel: true,
+                tiled_mlp: true,
+                ..base.training
+            },
+            ..base
+        }
+    });
     let ring = run_dims(
         ParallelDims {
             cp: 2,
@@ -938,9 +990,15 @@ fn bf16_mixed_precision_matches_across_strategies_and_follows_fp32() {
         }
     }
     drop(trainer);
-    let fp16 = SFTConfig {
-        mixed_precision: Some("fp16".into()),
-        ..config(&tmp.path().join("fp16"), 4, 1, 5)
+    let fp16 = {
+        let base = config(&tmp.path().join("fp16"), 4, 1, 5);
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                mixed_precision: Some("fp16".into()),
+                ..base.training
+            },
+            ..base
+        }
     };
     let e = fp16.validate("sft.yaml").unwrap_err().to_string();
     assert!(
@@ -1113,12 +1171,18 @@ fn parameters_without_a_gradient_stop_the_first_step() {
     ];
     for (what, dims, strategy) in cases {
         for find_unused in [None, Some(true)] {
-            let cfg = SFTConfig {
-                // Untied, so that the head (after the cut) still trains.
-                model_name_or_path: model_for_tp4(tmp.path()),
-                ddp_find_unused_parameters: find_unused,
-                save_steps: 1000,
-                ..config(&tmp.path().join(format!("{what}-{find_unused:?}")), 2, 1, 2)
+            let cfg = {
+                let base = config(&tmp.path().join(format!("{what}-{find_unused:?}")), 2, 1, 2);
+                SFTConfig {
+                    training: trl_runtime::train::TrainingArguments {
+                        // Untied, so that the head (after the cut) still trains.
+                        model_name_or_path: model_for_tp4(tmp.path()),
+                        ddp_find_unused_parameters: find_unused,
+                        save_steps: 1000,
+                        ..base.training
+                    },
+                    ..base
+                }
             };
             let w = InProcessWorld::new(2);
             let results: Vec<Result<usize, String>> = std::thread::scope(|s| {

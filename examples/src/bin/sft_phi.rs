@@ -10,10 +10,16 @@ use trl_runtime::train::SFTConfig;
 /// The embedded job on the bundled tiny Phi (same tokenizer and data).
 fn defaults() -> SFTConfig {
     let phi = trl_examples::assets::default_dir().join("../tiny-phi/model");
-    SFTConfig {
-        model_name_or_path: phi,
-        output_dir: "output/sft-tiny-phi".into(),
-        ..sft::embedded_defaults()
+    {
+        let base = sft::embedded_defaults();
+        SFTConfig {
+            training: trl_runtime::train::TrainingArguments {
+                model_name_or_path: phi,
+                output_dir: "output/sft-tiny-phi".into(),
+                ..base.training
+            },
+            ..base
+        }
     }
 }
 

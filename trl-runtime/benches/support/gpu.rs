@@ -119,16 +119,19 @@ pub fn run(dir: &Path) {
     let mut ours = Vec::new();
     for &run in &runs {
         let config = SFTConfig {
-            model_name_or_path: model_dir.join("model"),
-            dataset_name: model_dir.join("train.jsonl"),
-            output_dir: dir.join("out-gpu"),
-            per_device_train_batch_size: run.batch,
-            max_length: SEQ,
-            learning_rate: 1e-5,
-            bf16: true,
-            disable_tqdm: true,
-            max_steps: 1000,
-            gradient_checkpointing: run.gc,
+            training: trl_runtime::train::TrainingArguments {
+                model_name_or_path: model_dir.join("model"),
+                dataset_name: model_dir.join("train.jsonl"),
+                output_dir: dir.join("out-gpu"),
+                per_device_train_batch_size: run.batch,
+                max_length: SEQ,
+                learning_rate: 1e-5,
+                bf16: true,
+                disable_tqdm: true,
+                max_steps: 1000,
+                gradient_checkpointing: run.gc,
+                ..Default::default()
+            },
             ..SFTConfig::default()
         };
         trl_runtime::alloc::gpu::reset_peak(&cuda).unwrap();

@@ -1,5 +1,6 @@
-//! Training: SFT configuration, the trainer, optimizer, schedules, checkpoints, plots.
+//! Training: the shared training arguments and SFT's configuration, the trainer, optimizer, schedules, checkpoints, plots.
 
+pub mod args;
 pub mod checkpoint;
 pub mod config;
 pub mod logging;
@@ -12,6 +13,7 @@ pub mod trl_keys;
 pub use crate::optim;
 pub use crate::optim::{clip_grad_norm, grad_clip_coef, AdamW, AdamWConfig, ParamState};
 pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
+pub use args::{Cli, TrainerConfig, TrainingArguments, TrainingFlags};
 pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use schedule::{LrSchedule, SchedulerKind};
 pub use trainer::{

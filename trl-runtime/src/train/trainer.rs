@@ -8,6 +8,7 @@
 //! gradients are summed across micro-batches and ranks. So 2 ranks x batch 2, 1 rank x 2
 //! accumulation steps x batch 2 and 1 rank x batch 4 take the same steps.
 
+use super::args::TrainerConfig;
 use super::checkpoint::{self, TrainerState};
 use super::config::SFTConfig;
 use super::schedule::{LrSchedule, SchedulerKind};
@@ -140,12 +141,12 @@ fn resume_state(
 ) -> Result<(TrainerState, Option<(PathBuf, u64)>)> {
     let mut state = TrainerState {
         total_steps,
-        seed: config.seed,
+        seed: config.training.seed,
         ..Default::default()
     };
     let mut resume_from = None;
-    if let Some(spec) = &config.resume_from_checkpoint {
-        let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
+    if let Some(spec) = &config.training.resume_from_checkpoint {
+        let ckpt = checkpoint::resolve(&config.training.output_dir, spec)?;
         state = checkpoint::read_trainer_state(&ckpt)?;
         if state.total_steps != total_steps {
             tracing::warn!(
@@ -198,7 +199,7 @@ struct TrainData {
 
 impl TrainData {
     fn load(config: &SFTConfig, tokenizer: &TextTokenizer) -> Result<Self> {
-        let policy = if config.skip_bad_rows {
+        let policy = if config.training.skip_bad_rows {
             OnBadRow::Skip
         } else {
             OnBadRow::Fail
@@ -208,25 +209,25 @@ impl TrainData {
             assistant_only_loss: config.assistant_only_loss,
         };
         let train_examples = tokenize_all(
-            &load(&config.dataset_name, policy)?.records,
+            &load(&config.training.dataset_name, policy)?.records,
             tokenizer,
             opts,
         )?;
         let train_rows: Vec<PackedSequence> = if config.packing {
             let strategy = PackingStrategy::parse(&config.packing_strategy).expect("validated");
-            pack(&train_examples, config.max_length, strategy)
+            pack(&train_examples, config.training.max_length, strategy)
         } else {
             train_examples
                 .into_iter()
-                .map(|e| truncate(e, config.max_length))
+                .map(|e| truncate(e, config.training.max_length))
                 .collect()
         };
-        let (eval_rows, eval_prompts) = match &config.eval_dataset_name {
+        let (eval_rows, eval_prompts) = match &config.training.eval_dataset_name {
             Some(path) => {
                 let records = load(path, policy)?.records;
                 let rows = tokenize_all(&records, tokenizer, opts)?
                     .into_iter()
-                    .map(|e| truncate(e, config.max_length))
+                    .map(|e| truncate(e, config.training.max_length))
                     .collect();
                 let mut prompts = Vec::new();
                 for r in records.iter().take(config.eval_generation_samples) {
@@ -305,19 +306,19 @@ fn check_deepspeed_values(config: &SFTConfig, plan: &crate::config::LaunchPlan) 
             "gradient_accumulation_steps",
             ds.gradient_accumulation_steps.map(|n| n as f64),
             "gradient_accumulation_steps",
-            config.gradient_accumulation_steps as f64,
+            config.training.gradient_accumulation_steps as f64,
         ),
         (
             "gradient_clipping",
             ds.gradient_clipping,
             "max_grad_norm",
-            config.max_grad_norm,
+            config.training.max_grad_norm,
         ),
         (
             "train_micro_batch_size_per_gpu",
             ds.train_micro_batch_size_per_gpu.map(|n| n as f64),
             "per_device_train_batch_size",
-            config.per_device_train_batch_size as f64,
+            config.training.per_device_train_batch_size as f64,
         ),
     ];
     for (key, theirs, arg, ours) in pairs {
@@ -404,13 +405,13 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         strategy: Strategy,
     ) -> Result<Self> {
         // `cargo trl launch` asking for this program's tensor-parallel plan.
-        super::plan_query::answer_if_asked::<N>(&config.model_name_or_path)?;
+        super::plan_query::answer_if_asked::<N>(&config.training.model_name_or_path)?;
         config.validate("training arguments")?;
         check_deepspeed_values(&config, ctx.plan())?;
         let dp = ctx.group(DP);
-        let dir = config.model_name_or_path.clone();
+        let dir = config.training.model_name_or_path.clone();
         let tokenizer = TextTokenizer::from_dir(&dir)?;
-        let dtype = config.compute_dtype()?;
+        let dtype = config.training.compute_dtype()?;
         if dtype != DType::F32 {
             tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
         }
@@ -423,15 +424,16 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             len: train_rows.len(),
             world: dp.size(),
             rank: dp.rank(),
-            seed: config.seed,
+            seed: config.training.seed,
             shuffle: true,
             drop_last: true,
         };
-        let per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps;
+        let per_step = config.training.per_device_train_batch_size
+            * config.training.gradient_accumulation_steps;
         let steps_per_epoch = sampler.num_samples() / per_step;
         if steps_per_epoch == 0 {
             return Err(Error::Config {
-                file: config.dataset_name.display().to_string(),
+                file: config.training.dataset_name.display().to_string(),
                 key: "per_device_train_batch_size".into(),
                 message: format!(
                     "{} training rows cannot fill one global batch of {} (per_device_train_batch_size x {} ranks x gradient_accumulation_steps): lower them or add data",
@@ -441,12 +443,12 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 ),
             });
         }
-        let total_steps = config.total_steps(steps_per_epoch);
+        let total_steps = config.training.total_steps(steps_per_epoch);
         let adam = AdamWConfig {
-            beta1: config.adam_beta1,
-            beta2: config.adam_beta2,
-            eps: config.adam_epsilon,
-            weight_decay: config.weight_decay,
+            beta1: config.training.adam_beta1,
+            beta2: config.training.adam_beta2,
+            eps: config.training.adam_epsilon,
+            weight_decay: config.training.weight_decay,
         };
         let (state, resume_from) = resume_state(&config, total_steps)?;
         // The model, parallel as the launch says, resumed where asked.
@@ -462,12 +464,15 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 strategy,
                 model_dir: dir.clone(),
                 dtype,
-                attention: AttentionImpl::for_device(&config.attn_implementation, ctx.device())
-                    .expect("validated"),
-                tiled_loss: config.use_liger_kernel,
-                tiled_mlp: config.tiled_mlp,
-                gradient_checkpointing: config.gradient_checkpointing,
-                offload_activations: config.activation_offloading,
+                attention: AttentionImpl::for_device(
+                    &config.training.attn_implementation,
+                    ctx.device(),
+                )
+                .expect("validated"),
+                tiled_loss: config.training.use_liger_kernel,
+                tiled_mlp: config.training.tiled_mlp,
+                gradient_checkpointing: config.training.gradient_checkpointing,
+                offload_activations: config.training.activation_offloading,
                 adam,
                 resume_from,
             },
@@ -476,13 +481,13 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         // chunks of the same rows.
         let split = model.split().cloned();
         let batch_group = ctx.group(batch_axes(split.as_ref()));
-        let kind = SchedulerKind::parse(&config.lr_scheduler_type)?;
+        let kind = SchedulerKind::parse(&config.training.lr_scheduler_type)?;
         let schedule = LrSchedule::new(
             kind,
-            config.learning_rate,
+            config.training.learning_rate,
             total_steps,
-            config.warmup_steps,
-            config.warmup_ratio,
+            config.training.warmup_steps,
+            config.training.warmup_ratio,
         );
         let collate_options = collate_options(&config, split.as_ref(), tokenizer.pad_token_id);
         let stop = Arc::new(AtomicBool::new(false));
@@ -604,9 +609,9 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
 
     /// Examples per optimizer step across all data-parallel ranks.
     pub fn effective_batch_size(&self) -> usize {
-        self.config.per_device_train_batch_size
+        self.config.training.per_device_train_batch_size
             * self.dp.size()
-            * self.config.gradient_accumulation_steps
+            * self.config.training.gradient_accumulation_steps
     }
 
     /// Sums over the data-parallel ranks (each counted once).
@@ -629,8 +634,8 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
     /// sequence group).
     fn micro_batches(&mut self) -> Result<(Vec<Batch>, usize)> {
         let (b, a) = (
-            self.config.per_device_train_batch_size,
-            self.config.gradient_accumulation_steps,
+            self.config.training.per_device_train_batch_size,
+            self.config.training.gradient_accumulation_steps,
         );
         // The epoch's order is computed once per epoch, not every step.
         let epoch = self.state.epoch as u64;
@@ -731,7 +736,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                     .cloned()
                     .collect(),
             };
-            check_unused(&without, self.config.ddp_find_unused_parameters)?;
+            check_unused(&without, self.config.training.ddp_find_unused_parameters)?;
         }
         let lr = self.schedule.lr(self.state.global_step);
         // Partial parameters' gradients summed over tp (FSDP does it on its slices).
@@ -749,15 +754,19 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                     None => None,
                 };
                 // The clipping factor is applied by the update's own pass.
-                let (norm, coef) = grad_clip_coef(&grads, self.config.max_grad_norm, norm_sq)?;
+                let (norm, coef) =
+                    grad_clip_coef(&grads, self.config.training.max_grad_norm, norm_sq)?;
                 opt.step_scaled(&self.model.params, &grads, lr, coef)?;
                 norm
             }
             // Reduction, clipping and the update of this rank's slice happen inside.
-            Optimizer::Zero(z) => {
-                z.step(&self.model.params, &grads, self.config.max_grad_norm, lr)?
-            }
-            Optimizer::Fsdp(f) => f.step(self.config.max_grad_norm, lr, first)?,
+            Optimizer::Zero(z) => z.step(
+                &self.model.params,
+                &grads,
+                self.config.training.max_grad_norm,
+                lr,
+            )?,
+            Optimizer::Fsdp(f) => f.step(self.config.training.max_grad_norm, lr, first)?,
         };
         tracing::debug!(
             "step timing: forward+backward {:.3}s, gradient all-reduce {:.3}s, clip+optimizer {:.3}s",
@@ -819,7 +828,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         }
         let lockstep = self.lockstep();
         let (rank, world) = (self.dp.rank(), self.dp.size());
-        let bs = self.config.per_device_eval_batch_size;
+        let bs = self.config.training.per_device_eval_batch_size;
         let mine: Vec<&PackedSequence> = self.eval_rows.iter().skip(rank).step_by(world).collect();
         let chunks: Vec<&[&PackedSequence]> = mine.chunks(bs).collect();
         // Rank 0 has the most rows and prompts.
@@ -887,7 +896,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             .sharded()
             .expect("DDP checkpoints are written full");
         let (pieces, step) = (sharded.pieces()?, sharded.step_count());
-        let out = &self.config.output_dir;
+        let out = &self.config.training.output_dir;
         let main = self.ctx.is_main_process();
         let world = self.ctx.world();
         let tmp = checkpoint::staging_dir(out, self.state.global_step);
@@ -914,7 +923,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 out,
                 &tmp,
                 &self.state,
-                self.config.save_total_limit,
+                self.config.training.save_total_limit,
             )?)
         } else {
             None
@@ -956,13 +965,13 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         };
         let path = if self.ctx.is_main_process() {
             Some(checkpoint::save(
-                &self.config.output_dir,
+                &self.config.training.output_dir,
                 params,
                 self.model.config_json(),
                 &self.tokenizer_dir,
                 full,
                 &self.state,
-                self.config.save_total_limit,
+                self.config.training.save_total_limit,
             )?)
         } else {
             None
@@ -997,9 +1006,9 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             self.state.total_steps,
             self.steps_per_epoch,
             self.effective_batch_size(),
-            self.config.per_device_train_batch_size,
+            self.config.training.per_device_train_batch_size,
             self.dp.size(),
-            self.config.gradient_accumulation_steps
+            self.config.training.gradient_accumulation_steps
         );
         let mem = self.memory();
         let sp_note = match self.model.split() {
@@ -1025,14 +1034,14 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
 
     /// metrics.jsonl on the main process: a resumed run continues it, a fresh run starts it over.
     fn open_metrics(&self) -> Result<Option<std::fs::File>> {
-        let out_dir = &self.config.output_dir;
+        let out_dir = &self.config.training.output_dir;
         Ok(if self.ctx.is_main_process() {
             Some(
                 std::fs::OpenOptions::new()
                     .create(true)
-                    .append(self.config.resume_from_checkpoint.is_some())
+                    .append(self.config.training.resume_from_checkpoint.is_some())
                     .write(true)
-                    .truncate(self.config.resume_from_checkpoint.is_none())
+                    .truncate(self.config.training.resume_from_checkpoint.is_none())
                     .open(out_dir.join("metrics.jsonl"))
                     .map_err(|e| Error::io("cannot open metrics.jsonl", e))?,
             )
@@ -1080,7 +1089,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
     /// Runs to `total_steps`, logging, evaluating and checkpointing as configured.
     pub fn train(&mut self) -> Result<TrainOutcome> {
         let main = self.ctx.is_main_process();
-        let out_dir = self.config.output_dir.clone();
+        let out_dir = self.config.training.output_dir.clone();
         if main {
             std::fs::create_dir_all(&out_dir)
                 .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
@@ -1101,7 +1110,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         // Under the launcher, rank 0 sends its progress there (its own bar would be piped away).
         let to_launcher = main && crate::progress::lines_requested();
         let bar = progress_bar(
-            main && !self.config.disable_tqdm && !to_launcher,
+            main && !self.config.training.disable_tqdm && !to_launcher,
             self.state.total_steps,
             self.state.global_step,
         );
@@ -1121,7 +1130,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 "loss {:.4} lr {:.2e} grad_norm {:.3} {:.0} tok/s",
                 stats.loss, stats.learning_rate, stats.grad_norm, tokens_per_s
             ));
-            if to_launcher && !self.config.disable_tqdm {
+            if to_launcher && !self.config.training.disable_tqdm {
                 crate::progress::emit(&crate::progress::Event::Step {
                     step: step as u64,
                     total: self.state.total_steps as u64,
@@ -1132,24 +1141,25 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             }
             let eval_now = self
                 .config
+                .training
                 .eval_steps
                 .is_some_and(|n| step.is_multiple_of(n));
             let eval = if eval_now { self.evaluate()? } else { None };
-            if step.is_multiple_of(self.config.logging_steps)
+            if step.is_multiple_of(self.config.training.logging_steps)
                 || step == self.state.total_steps
                 || eval.is_some()
             {
                 self.log_step(&stats, tokens_per_s, eval, metrics.as_mut())?;
                 (window_tokens, window_start) = (0, Instant::now());
             }
-            if step.is_multiple_of(self.config.save_steps) {
+            if step.is_multiple_of(self.config.training.save_steps) {
                 outcome.last_checkpoint = self.save_checkpoint()?;
                 announce_saved(to_launcher, &outcome.last_checkpoint);
             }
             if self.stop_requested()? {
                 bar.abandon_with_message("SIGTERM: saving a checkpoint and stopping");
                 // Unless this very step was just saved.
-                if !step.is_multiple_of(self.config.save_steps) {
+                if !step.is_multiple_of(self.config.training.save_steps) {
                     outcome.last_checkpoint = self.save_checkpoint()?;
                     announce_saved(to_launcher, &outcome.last_checkpoint);
                 }
@@ -1169,7 +1179,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         if !self
             .state
             .global_step
-            .is_multiple_of(self.config.save_steps)
+            .is_multiple_of(self.config.training.save_steps)
             || self.checkpoint_format == CheckpointFormat::Sharded
         {
             outcome.last_checkpoint = self.save_checkpoint_as(CheckpointFormat::Full)?;
@@ -1177,6 +1187,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         } else if self.ctx.is_main_process() {
             outcome.last_checkpoint = Some(
                 self.config
+                    .training
                     .output_dir
                     .join(format!("checkpoint-{}", self.state.global_step)),
             );

@@ -5,7 +5,7 @@
 use qwen3_port::models::qwen3::ModelForCausalLM;
 use std::process::ExitCode;
 use trl_runtime::dist::DistContext;
-use trl_runtime::train::{SFTConfig, SftCli, Trainer};
+use trl_runtime::train::{SFTConfig, SftCli, TrainerConfig, Trainer};
 
 fn run() -> trl_runtime::Result<()> {
     let cli = SftCli::parse_trl();
@@ -30,7 +30,7 @@ fn parity(config: &SFTConfig, file: &str) -> trl_runtime::Result<()> {
     use trl_runtime::candle_core::{DType, Device, Tensor};
     let dev = Device::Cpu;
     let model = trl_runtime::parallel::Model::<ModelForCausalLM>::from_pretrained(
-        &config.model_name_or_path,
+        &config.training.model_name_or_path,
         DType::F32,
         &dev,
     )?;

@@ -1,0 +1,469 @@
+//! What every trainer's configuration shares, as transformers' TrainingArguments underlies
+//! TRL's SFTConfig and DPOConfig: [`TrainingArguments`] (the common keys), the
+//! [`TrainerConfig`] trait a trainer's config implements (its own keys beside them), and one
+//! reading of defaults, a YAML/TOML file and the command line for all of them ([`Cli`]).
+//! One field list feeds each struct, its defaults, its command-line flags and the merge, so
+//! they cannot drift apart.
+
+use super::trl_keys::Alias;
+use crate::error::{Error, Result};
+use serde::{de::DeserializeOwned, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub use crate::config::cli_value::CliValue;
+
+/// A parsed flag value. The wrapper keeps clap from giving `Option<Option<T>>` fields its
+/// special optional-value meaning: every flag here takes one value of the field's type.
+#[derive(Debug, Clone)]
+pub struct Flag<T>(pub T);
+
+/// clap's value parser for a field of type `T`.
+pub fn parse<T: CliValue>(s: &str) -> std::result::Result<Flag<T>, String> {
+    T::parse_cli(s).map(Flag)
+}
+
+/// A config struct (serde, defaults, `FIELDS`) and its command-line flags (`--name value` for
+/// every field, `apply` writing the given ones over a config). With `base`, the struct
+/// flattens [`TrainingArguments`] into that field (the file's keys and the flags are one flat
+/// list, as in TRL) and keeps the keys it has no field for in `other`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! training_arguments {
+    (
+        $(#[doc = $sdoc:literal])*
+        struct $Config:ident, flags $Flags:ident $(, base $base:ident)?;
+        $( $(#[doc = $doc:literal])* $name:ident : $ty:ty = $default:expr ;)*
+    ) => {
+        $(#[doc = $sdoc])*
+        #[derive(Debug, Clone, PartialEq, ::serde::Serialize, ::serde::Deserialize)]
+        #[serde(default)]
+        pub struct $Config {
+            $(
+                /// The keys every trainer shares.
+                #[serde(flatten)]
+                pub $base: $crate::train::TrainingArguments,
+            )?
+            $( $(#[doc = $doc])* pub $name: $ty, )*
+            $(
+                #[doc = concat!("Keys of a file that are no field here or in `", stringify!($base), "` (TRL / transformers arguments we do not implement, or typos): reading applies or refuses them (train::trl_keys) and leaves this empty.")]
+                #[serde(flatten, skip_serializing)]
+                pub other: std::collections::BTreeMap<String, serde_yaml::Value>,
+            )?
+        }
+
+        impl Default for $Config {
+            fn default() -> Self {
+                $Config {
+                    $( $base: Default::default(), other: Default::default(), )?
+                    $( $name: $default, )*
+                }
+            }
+        }
+
+        impl $Config {
+            /// The field names of this struct (not of a flattened base).
+            pub const FIELDS: &'static [&'static str] = &[$( stringify!($name) ),*];
+        }
+
+        #[doc = concat!("Command-line overrides: every field of [`", stringify!($Config), "`] as `--name value`.")]
+        #[derive(Debug, Clone, Default, clap::Args)]
+        #[command(rename_all = "snake_case")]
+        pub struct $Flags {
+            $(
+                #[command(flatten)]
+                pub $base: $crate::train::TrainingFlags,
+            )?
+            $( $(#[doc = $doc])*
+               #[arg(long, value_parser = $crate::train::args::parse::<$ty>, num_args = 0..=1, default_missing_value = "true")]
+               pub $name: Option<$crate::train::args::Flag<$ty>>, )*
+        }
+
+        impl $Flags {
+            /// Writes the flags that were given over `config`.
+            pub fn apply(&self, config: &mut $Config) {
+                $( self.$base.apply(&mut config.$base); )?
+                $( if let Some(v) = &self.$name { config.$name = v.0.clone(); } )*
+            }
+        }
+    };
+}
+
+training_arguments! {
+    /// The training arguments every trainer shares, with transformers' and TRL's names
+    /// (TrainingArguments, and ScriptArguments' / ModelConfig's model and data keys).
+    struct TrainingArguments, flags TrainingFlags;
+    /// Where checkpoints, metrics.jsonl and the loss plot go.
+    output_dir: PathBuf = PathBuf::from("output");
+    /// A model directory in HF format (config.json, safetensors, tokenizer files).
+    model_name_or_path: PathBuf = PathBuf::from("assets/tiny/model");
+    /// Training data: a .jsonl or .parquet file in one of TRL's formats.
+    dataset_name: PathBuf = PathBuf::from("assets/tiny/data/train.jsonl");
+    /// Held-out data for eval loss (and task accuracy for the bundled task).
+    eval_dataset_name: Option<PathBuf> = None;
+    /// Skip malformed dataset rows (with a count) instead of failing.
+    skip_bad_rows: bool = false;
+    per_device_train_batch_size: usize = 8;
+    per_device_eval_batch_size: usize = 8;
+    gradient_accumulation_steps: usize = 1;
+    learning_rate: f64 = 2e-5;
+    /// constant, constant_with_warmup, linear or cosine.
+    lr_scheduler_type: String = "linear".into();
+    warmup_steps: usize = 0;
+    warmup_ratio: f64 = 0.0;
+    weight_decay: f64 = 0.0;
+    adam_beta1: f64 = 0.9;
+    adam_beta2: f64 = 0.999;
+    adam_epsilon: f64 = 1e-8;
+    /// Clip gradients to this global L2 norm (0 disables).
+    max_grad_norm: f64 = 1.0;
+    num_train_epochs: f64 = 3.0;
+    /// Optimizer steps to run; overrides num_train_epochs when positive.
+    max_steps: i64 = -1;
+    /// Examples (or packed rows) are cut to this many tokens.
+    max_length: usize = 1024;
+    logging_steps: usize = 10;
+    save_steps: usize = 500;
+    save_total_limit: Option<usize> = None;
+    /// Evaluate every this many steps (and at the end) when an eval dataset is given.
+    eval_steps: Option<usize> = None;
+    seed: u64 = 42;
+    /// A checkpoint directory, or `latest` for the newest in output_dir.
+    resume_from_checkpoint: Option<String> = None;
+    /// Accelerate's mixed precision: no (fp32) or bf16 (bf16 weights and compute, fp32 master
+    /// weights and optimizer state). Unset: the launcher's ACCELERATE_MIXED_PRECISION.
+    mixed_precision: Option<String> = None;
+    /// TRL/transformers' switch for bf16 mixed precision (the same as mixed_precision: bf16).
+    bf16: bool = false;
+    /// eager (whole score matrix, fastest at short lengths) or flash_attention_2 (blockwise,
+    /// memory linear in the sequence length), as transformers names them; sdpa is the first on
+    /// a CPU and the second on a GPU, as PyTorch's sdpa dispatches.
+    attn_implementation: String = "sdpa".into();
+    /// Liger's fused linear cross-entropy: the LM head and the loss run in sequence tiles, so
+    /// the [tokens x vocab] logits never exist whole (the other Liger kernels are not needed
+    /// on CPU, where Candle's ops are already fused where it matters).
+    use_liger_kernel: bool = false;
+    /// ALST's TiledMLP: the MLPs run in sequence tiles and are recomputed in backward, so the
+    /// [tokens x intermediate] activations are not kept (an extension of TRL's arguments).
+    tiled_mlp: bool = false;
+    /// Recompute each decoder layer in backward, keeping only its input (activation
+    /// checkpointing; also turned on by the launch's fsdp_activation_checkpointing). On by
+    /// default, as in TRL's configs: `--gradient_checkpointing false` trades memory for speed.
+    gradient_checkpointing: bool = true;
+    /// With activation checkpointing on a GPU: keep each layer's input in host memory
+    /// between forward and backward (ALST's activation offload; TRL's name).
+    activation_offloading: bool = false;
+    /// Show the progress bar on rank 0.
+    disable_tqdm: bool = false;
+    /// Parameters that get no gradient are expected (transformers' name for DDP's
+    /// find_unused_parameters): they train with zero gradients. Otherwise (unset or false) a
+    /// trainable parameter that the first step's backward does not reach is an error naming
+    /// it, in every strategy.
+    ddp_find_unused_parameters: Option<bool> = None;
+}
+
+/// The compute dtype of a mixed-precision name (Accelerate's values).
+fn precision(name: &str) -> std::result::Result<candle_core::DType, String> {
+    match name.trim().to_ascii_lowercase().as_str() {
+        "no" | "fp32" => Ok(candle_core::DType::F32),
+        "bf16" => Ok(candle_core::DType::BF16),
+        "fp16" => Err("fp16 needs dynamic loss scaling, which is not implemented: use bf16 (same speed on Ampere and newer GPUs, no scaling needed)".into()),
+        "fp8" => Err("fp8 training is not implemented: use bf16".into()),
+        other => Err(format!("'{other}' is not accepted: use no or bf16")),
+    }
+}
+
+impl TrainingArguments {
+    /// Optimizer steps of the run: max_steps when positive, else num_train_epochs' worth.
+    pub fn total_steps(&self, steps_per_epoch: usize) -> usize {
+        if self.max_steps > 0 {
+            self.max_steps as usize
+        } else {
+            (self.num_train_epochs * steps_per_epoch as f64).ceil() as usize
+        }
+    }
+
+    /// The dtype weights and activations are computed in: `bf16` or `mixed_precision`, else
+    /// the launcher's ACCELERATE_MIXED_PRECISION (as transformers' Trainer defers to it).
+    pub fn compute_dtype(&self) -> Result<candle_core::DType> {
+        if self.bf16 {
+            return Ok(candle_core::DType::BF16);
+        }
+        let (source, name) = match &self.mixed_precision {
+            Some(mp) => ("training arguments", mp.clone()),
+            None => match std::env::var("ACCELERATE_MIXED_PRECISION") {
+                Ok(v) => ("ACCELERATE_MIXED_PRECISION", v),
+                Err(_) => return Ok(candle_core::DType::F32),
+            },
+        };
+        precision(&name).map_err(|message| Error::Config {
+            file: source.into(),
+            key: "mixed_precision".into(),
+            message,
+        })
+    }
+
+    /// Applies a key that sets one of these fields under another name.
+    fn apply_alias(&mut self, alias: Alias) {
+        match alias {
+            Alias::GradientCheckpointing(on) => self.gradient_checkpointing = on,
+            Alias::MaxLength(n) => self.max_length = n,
+        }
+    }
+
+    /// Checks values that have a fixed set of choices or bounds.
+    pub fn validate(&self, source: &str) -> Result<()> {
+        let err = |key: &str, message: String| config_error(source, key, message);
+        crate::train::SchedulerKind::parse(&self.lr_scheduler_type)
+            .map_err(|e| err("lr_scheduler_type", e.to_string()))?;
+        if crate::nn::AttentionImpl::parse(&self.attn_implementation).is_none() {
+            return Err(err(
+                "attn_implementation",
+                format!(
+                    "'{}' is not accepted: use one of {}",
+                    self.attn_implementation,
+                    crate::nn::AttentionImpl::NAMES.join(", ")
+                ),
+            ));
+        }
+        for (key, v) in [
+            (
+                "per_device_train_batch_size",
+                self.per_device_train_batch_size,
+            ),
+            (
+                "per_device_eval_batch_size",
+                self.per_device_eval_batch_size,
+            ),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+            ),
+            ("max_length", self.max_length),
+            ("logging_steps", self.logging_steps),
+            ("save_steps", self.save_steps),
+        ] {
+            if v == 0 {
+                return Err(err(key, "must be at least 1".into()));
+            }
+        }
+        if self.learning_rate.is_nan() || self.learning_rate < 0.0 {
+            return Err(err(
+                "learning_rate",
+                format!("{} must be a non-negative number", self.learning_rate),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.warmup_ratio) {
+            return Err(err(
+                "warmup_ratio",
+                format!("{} must be between 0 and 1", self.warmup_ratio),
+            ));
+        }
+        if let Some(mp) = &self.mixed_precision {
+            precision(mp).map_err(|message| err("mixed_precision", message))?;
+        }
+        if self.max_steps <= 0 && self.num_train_epochs <= 0.0 {
+            return Err(err(
+                "max_steps",
+                "set max_steps or a positive num_train_epochs".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A config error naming where the value came from and its key.
+pub fn config_error(source: &str, key: &str, message: String) -> Error {
+    Error::Config {
+        file: source.into(),
+        key: key.into(),
+        message,
+    }
+}
+
+/// A trainer's configuration: [`TrainingArguments`] and its own keys (written with
+/// [`training_arguments!`] and `base`), read the same way for every trainer.
+pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
+    /// Its command-line flags.
+    type Flags: clap::Args + Clone + std::fmt::Debug;
+    /// What `--help` says the program does.
+    const ABOUT: &'static str;
+    fn training(&self) -> &TrainingArguments;
+    fn training_mut(&mut self) -> &mut TrainingArguments;
+    /// The keys read that have no field (emptied by reading).
+    fn other_mut(&mut self) -> &mut BTreeMap<String, serde_yaml::Value>;
+    /// Its own field names (suggested for typos beside the shared ones).
+    fn own_fields() -> &'static [&'static str];
+    fn apply_flags(flags: &Self::Flags, config: &mut Self);
+    /// Checks its own keys (the shared ones are checked by [`TrainingArguments::validate`]).
+    fn validate_own(&self, source: &str) -> Result<()>;
+
+    /// Checks every key.
+    fn validate(&self, source: &str) -> Result<()> {
+        self.training().validate(source)?;
+        self.validate_own(source)
+    }
+
+    /// Applies the keys without a field (TRL's and transformers' keys; see
+    /// [`super::trl_keys`]): sets the fields aliases name, refuses what would change what is
+    /// trained, and returns the `KEY: why` lines of those without effect.
+    fn apply_other(&mut self, source: &str) -> Result<Vec<String>> {
+        let other = std::mem::take(self.other_mut());
+        let fields: Vec<&str> = TrainingArguments::FIELDS
+            .iter()
+            .chain(Self::own_fields())
+            .copied()
+            .collect();
+        let (aliases, ignored) = super::trl_keys::classify(other, &fields, source)?;
+        for alias in aliases {
+            self.training_mut().apply_alias(alias);
+        }
+        Ok(ignored)
+    }
+
+    /// Reads a YAML (.yaml/.yml) or TOML (.toml) file, returning the `KEY: why` lines of the
+    /// keys without effect. TRL's and transformers' arguments without a field here are
+    /// applied, refused or named; any other key is an error naming it.
+    fn read(path: &Path) -> Result<(Self, Vec<String>)> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        let source = path.display().to_string();
+        let bad = |message: String| config_error(&source, "<document>", message);
+        let mut config: Self = match path.extension().and_then(|e| e.to_str()) {
+            Some("toml") => toml::from_str(&text).map_err(|e| bad(e.to_string()))?,
+            _ => serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?,
+        };
+        let ignored = config.apply_other(&source)?;
+        config.validate(&source)?;
+        Ok((config, ignored))
+    }
+
+    /// As [`Self::read`], the keys without effect printed on the main process.
+    fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let (config, ignored) = Self::read(path.as_ref())?;
+        let source = path.as_ref().display().to_string();
+        warn_on_main(&ignored_lines(&source, ignored));
+        Ok(config)
+    }
+
+    /// Defaults, then the `--config` file, then the flags ([`Cli::resolve`]); the keys
+    /// without effect are named on the main process.
+    fn from_cli(cli: &Cli<Self>) -> Result<Self> {
+        let (config, ignored) = cli.resolve()?;
+        warn_on_main(&ignored);
+        Ok(config)
+    }
+}
+
+fn warn_on_main(lines: &[String]) {
+    if std::env::var("RANK").map_or(true, |r| r.trim() == "0") {
+        for line in lines {
+            eprintln!("warning: {line}");
+        }
+    }
+}
+
+fn ignored_lines(source: &str, lines: Vec<String>) -> Vec<String> {
+    lines
+        .into_iter()
+        .map(|l| format!("{source}: ignored: {l}"))
+        .collect()
+}
+
+/// A TRL-style command line (`trl sft --config file.yaml --learning_rate 1e-4`): an optional
+/// config file and flags that override it.
+#[derive(Debug, Clone, clap::Parser)]
+// Repeated flags: the last one wins, as with HF's argument parser.
+#[command(rename_all = "snake_case", args_override_self = true)]
+pub struct Cli<C: TrainerConfig> {
+    /// A YAML or TOML file with the config's fields.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub args: C::Flags,
+    /// TRL / transformers flags without a field here (`--report_to wandb`), taken out before
+    /// clap parses the rest ([`Cli::parse_trl`]) and handled as in a file.
+    #[arg(skip)]
+    pub other: BTreeMap<String, serde_yaml::Value>,
+}
+
+impl<C: TrainerConfig> Cli<C> {
+    /// Parses the process's arguments like `trl sft` does: TRL's and transformers' flags that
+    /// the config has no field for are accepted (see [`Self::apply`]); anything else is clap's.
+    pub fn parse_trl() -> Self {
+        Self::parse_trl_from(std::env::args())
+    }
+
+    /// As [`Self::parse_trl`] over `args` (the program name first). Exits on bad flags, as
+    /// clap's `parse` does.
+    pub fn parse_trl_from(args: impl IntoIterator<Item = String>) -> Self {
+        Self::try_parse_trl_from(args).unwrap_or_else(|e| e.exit())
+    }
+
+    /// As [`Self::parse_trl_from`], returning clap's error instead of exiting (for tools that
+    /// read a training program's arguments, such as the launcher).
+    pub fn try_parse_trl_from(
+        args: impl IntoIterator<Item = String>,
+    ) -> std::result::Result<Self, clap::Error> {
+        use clap::{CommandFactory, FromArgMatches};
+        let (rest, other) = super::trl_keys::take_flags(args);
+        let matches = Self::command().about(C::ABOUT).try_get_matches_from(rest)?;
+        let mut cli = Self::from_arg_matches(&matches)?;
+        cli.other = other;
+        Ok(cli)
+    }
+
+    /// The training arguments these flags give, as a TRL program reads them: defaults, then
+    /// the `--config` file, then the flags, validated; with the `SOURCE: ignored: KEY: why`
+    /// lines of the keys that have no effect.
+    pub fn resolve(&self) -> Result<(C, Vec<String>)> {
+        let (mut config, mut ignored) = match &self.config {
+            Some(path) => {
+                let (config, lines) = C::read(path)?;
+                (config, ignored_lines(&path.display().to_string(), lines))
+            }
+            None => (C::default(), Vec::new()),
+        };
+        ignored.extend(ignored_lines("command line", self.apply(&mut config)?));
+        config.validate("command line")?;
+        Ok((config, ignored))
+    }
+
+    /// Writes the flags over `config`, then applies, refuses or names the TRL flags without a
+    /// field (as for a file); returns the `KEY: why` lines of those without effect.
+    pub fn apply(&self, config: &mut C) -> Result<Vec<String>> {
+        C::apply_flags(&self.args, config);
+        config.other_mut().extend(self.other.clone());
+        config.apply_other("command line")
+    }
+}
+
+/// Implements [`TrainerConfig`] for a struct written with [`training_arguments!`] and `base`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! trainer_config {
+    ($Config:ident, flags $Flags:ident, base $base:ident, about $about:literal, validate $validate:path) => {
+        impl $crate::train::TrainerConfig for $Config {
+            type Flags = $Flags;
+            const ABOUT: &'static str = $about;
+            fn training(&self) -> &$crate::train::TrainingArguments {
+                &self.$base
+            }
+            fn training_mut(&mut self) -> &mut $crate::train::TrainingArguments {
+                &mut self.$base
+            }
+            fn other_mut(&mut self) -> &mut std::collections::BTreeMap<String, serde_yaml::Value> {
+                &mut self.other
+            }
+            fn own_fields() -> &'static [&'static str] {
+                Self::FIELDS
+            }
+            fn apply_flags(flags: &$Flags, config: &mut Self) {
+                flags.apply(config)
+            }
+            fn validate_own(&self, source: &str) -> $crate::Result<()> {
+                $validate(self, source)
+            }
+        }
+    };
+}
