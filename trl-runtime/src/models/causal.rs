@@ -5,7 +5,7 @@
 //! and implements [`CausalModel`]: its embedding, its layers one at a time, its final norm and
 //! its LM head. That split is all the strategies need: `crate::parallel::Model` holds the
 //! network and the state the strategies attach and runs the forward itself, layer by layer.
-//! The user never calls a hook. The built-in Llama / Qwen2 decoder ([`super::decoder::Llama`]) is one
+//! The user never calls a hook. The built-in Llama / Qwen2 decoder ([`super::llama::Llama`]) is one
 //! such model.
 
 use crate::comm::Communicator;
@@ -56,7 +56,7 @@ pub trait CausalModel: Parallelize + Send + Sync + Sized + 'static {
 
     /// Whether the layers compute their MLP in sequence tiles when [`LayerInputs::tiled_mlp`]
     /// asks (ALST's TiledMLP); others get a warning at launch.
-    fn supports_tiled_mlp() -> bool {
+    fn supports_tiled_mlp(&self) -> bool {
         false
     }
 }

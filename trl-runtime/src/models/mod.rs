@@ -3,12 +3,13 @@
 //! any model implementing [`CausalModel`] (trained as a `crate::parallel::Model`), and the built-in Llama /
 //! Qwen2 decoder (one implementation, the differences are configuration).
 
+pub mod blocks;
 pub mod causal;
 pub mod config;
-pub mod decoder;
+pub mod llama;
 pub mod params;
 
 pub use causal::{CausalModel, LayerInputs};
 pub use config::{Architecture, ModelConfig};
-pub use decoder::Llama;
+pub use llama::Llama;
 pub use params::Params;

@@ -305,7 +305,7 @@ pub fn parallelize<N: CausalModel>(
     model.tiled_loss = opts.tiled_loss;
     model.tiled_mlp = opts.tiled_mlp;
     let fsdp = matches!(opts.strategy, Strategy::Fsdp(..));
-    if opts.tiled_mlp && !N::supports_tiled_mlp() && main {
+    if opts.tiled_mlp && !model.net().supports_tiled_mlp() && main {
         tracing::warn!(
             "tiled_mlp: ignored, this model's layers do not tile their MLP \
              (CausalModel::supports_tiled_mlp is false)"

@@ -1,0 +1,246 @@
+//! Blocks the built-in models share, each a plain `#[derive(Parallelize)]` struct with its tp
+//! plan: self-attention (grouped-query heads, optional per-head q/k norms, rotary, an optional
+//! sliding window) and the gated MLP (SwiGLU, or GeGLU with tanh GELU).
+
+use super::causal::LayerInputs;
+use crate::comm::autograd::{copy_to_group, reduce_from_group};
+use crate::error::{Error, Result};
+use crate::kernels::fused::{rotary as apply_rotary, swap_heads};
+use crate::nn::tiled_mlp::tiled_swiglu;
+use crate::nn::{linear, linear_no_bias, rms_norm, Linear, RmsNorm, RotaryEmbedding, Weight};
+use crate::Parallelize;
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+
+/// A linear layer from `vb`, with or without a bias.
+pub fn lin(vb: VarBuilder, (i, o): (usize, usize), bias: bool) -> candle_core::Result<Linear> {
+    match bias {
+        true => linear(i, o, vb),
+        false => linear_no_bias(i, o, vb),
+    }
+}
+
+/// Self-attention as transformers' Llama family writes it (`self_attn.{q,k,v,o}_proj`): q/k/v
+/// column-parallel, o row-parallel, head counts divided by the tp size.
+#[derive(Debug, Clone, Parallelize)]
+pub struct SelfAttention {
+    #[parallel(tp = "column")]
+    pub q_proj: Linear,
+    #[parallel(tp = "column")]
+    pub k_proj: Linear,
+    #[parallel(tp = "column")]
+    pub v_proj: Linear,
+    #[parallel(tp = "row")]
+    pub o_proj: Linear,
+    // Per-head norms (Qwen3, Gemma 3): they act on the heads this rank holds, so under tp
+    // their gradients are partial sums (found at the first step; this struct's unannotated
+    // parameters are `auto`).
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    /// Query and key/value heads on this rank.
+    #[parallel(tp = "divide")]
+    pub num_heads: usize,
+    #[parallel(tp = "divide")]
+    pub num_kv_heads: usize,
+    #[parallel(skip)]
+    pub head_dim: usize,
+    /// Queries are scaled by this times 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar);
+    /// None: 1/sqrt(head_dim) alone.
+    #[parallel(skip)]
+    pub query_scale: Option<f64>,
+}
+
+/// How a model's RMSNorms scale: by the weight, or Gemma's (1 + weight).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormKind {
+    pub eps: f64,
+    pub gemma: bool,
+}
+
+impl NormKind {
+    /// A norm of `size` features from `vb`.
+    pub fn build(self, size: usize, vb: VarBuilder) -> candle_core::Result<RmsNorm> {
+        let norm = rms_norm(size, self.eps, vb)?;
+        Ok(match self.gemma {
+            true => RmsNorm::gemma(norm.weight, self.eps),
+            false => norm,
+        })
+    }
+}
+
+/// The shapes of a [`SelfAttention`].
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+}
+
+impl SelfAttention {
+    /// From `vb` (the `self_attn` prefix), with per-head q/k norms when `qk_norm` is given.
+    pub fn new(
+        s: AttentionShape,
+        vb: VarBuilder,
+        qk_norm: Option<NormKind>,
+    ) -> candle_core::Result<Self> {
+        let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+        let norm = |name: &str| {
+            qk_norm
+                .map(|n| n.build(s.head_dim, vb.pp(name)))
+                .transpose()
+        };
+        Ok(SelfAttention {
+            q_proj: lin(vb.pp("q_proj"), (s.hidden, q), s.qkv_bias)?,
+            k_proj: lin(vb.pp("k_proj"), (s.hidden, kv), s.qkv_bias)?,
+            v_proj: lin(vb.pp("v_proj"), (s.hidden, kv), s.qkv_bias)?,
+            o_proj: lin(vb.pp("o_proj"), (q, s.hidden), s.o_bias)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            num_heads: s.heads,
+            num_kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            query_scale: None,
+        })
+    }
+
+    /// Attention over `h` [batch, seq, hidden] with `rope` (None: no rotary, SmolLM3's NoPE
+    /// layers) within `window` keys (None: every earlier key of the document).
+    pub fn forward(
+        &self,
+        h: &Tensor,
+        cx: &LayerInputs,
+        rope: Option<&RotaryEmbedding>,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
+        let (b, s, _) = h.dims3()?;
+        let d = self.head_dim;
+        let (heads, kv_heads) = (self.num_heads, self.num_kv_heads);
+        let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
+            swap_heads(&t.reshape((b, s, n, d))?)
+        };
+        // Per-head norms act over head_dim, before rotary.
+        let norm = |t: Tensor, n: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
+            match n {
+                Some(n) => n.forward(&t),
+                None => Ok(t),
+            }
+        };
+        let q = norm(split(self.q_proj.forward(h)?, heads)?, &self.q_norm)?;
+        let k = norm(split(self.k_proj.forward(h)?, kv_heads)?, &self.k_norm)?;
+        let (q, k) = match rope {
+            Some(rope) => {
+                let (cos, sin) = cx.cos_sin(rope)?;
+                (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?)
+            }
+            None => (q, k),
+        };
+        let q = match self.query_scale {
+            Some(scale) => (q * scale)?,
+            None => q,
+        };
+        let v = split(self.v_proj.forward(h)?, kv_heads)?;
+        let a =
+            swap_heads(&cx.attention_in_window(&q, &k, &v, window)?)?.reshape((b, s, heads * d))?;
+        Ok(self.o_proj.forward(&a)?)
+    }
+}
+
+/// The gate's activation of a [`GatedMlp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU): Llama, Qwen, Mistral.
+    Silu,
+    /// GELU, tanh approximation (GeGLU: Gemma's gelu_pytorch_tanh).
+    GeluTanh,
+}
+
+impl Activation {
+    /// transformers' `hidden_act` / `hidden_activation` name.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Some(Activation::GeluTanh),
+            _ => None,
+        }
+    }
+}
+
+/// `down(act(gate(x)) * up(x))` (`mlp.{gate,up,down}_proj`): gate and up column-parallel,
+/// down row-parallel.
+#[derive(Debug, Clone, Parallelize)]
+pub struct GatedMlp {
+    #[parallel(tp = "column")]
+    pub gate_proj: Linear,
+    #[parallel(tp = "column")]
+    pub up_proj: Linear,
+    #[parallel(tp = "row")]
+    pub down_proj: Linear,
+    #[parallel(skip)]
+    pub act: Activation,
+}
+
+impl GatedMlp {
+    pub fn new(
+        (hidden, inter): (usize, usize),
+        bias: bool,
+        act: Activation,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
+        Ok(GatedMlp {
+            gate_proj: lin(vb.pp("gate_proj"), (hidden, inter), bias)?,
+            up_proj: lin(vb.pp("up_proj"), (hidden, inter), bias)?,
+            down_proj: lin(vb.pp("down_proj"), (inter, hidden), bias)?,
+            act,
+        })
+    }
+
+    /// The MLP of `h` [batch, seq, hidden]; with `tiled_mlp` (SwiGLU, the weights held whole
+    /// on this rank, no biases) computed in sequence tiles that keep no [tokens x
+    /// intermediate] activations.
+    pub fn forward(&self, cx: &LayerInputs, h: &Tensor) -> Result<Tensor> {
+        let weights = (
+            &self.gate_proj.weight,
+            &self.up_proj.weight,
+            &self.down_proj.weight,
+        );
+        let no_bias = [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .iter()
+            .all(|l| l.bias.is_none());
+        let (Weight::Local(gate), Weight::Local(up), Weight::Local(down)) = weights else {
+            return self.plain(h);
+        };
+        if !cx.tiled_mlp || !no_bias || self.act != Activation::Silu {
+            return self.plain(h);
+        }
+        let (b, s, hidden) = h.dims3()?;
+        let x = h.reshape((b * s, hidden))?;
+        // Under tp: Megatron's f before the column-split gate/up and g after the row-split down.
+        let x = match cx.tp() {
+            Some(tp) => copy_to_group(&x, tp)?,
+            None => x,
+        };
+        let y = tiled_swiglu(&x, &Tensor::cat(&[gate, up], 0)?, down)?;
+        let y = match cx.tp() {
+            Some(tp) => reduce_from_group(&y, tp)?,
+            None => y,
+        };
+        Ok(y.reshape((b, s, hidden))?)
+    }
+
+    fn plain(&self, h: &Tensor) -> Result<Tensor> {
+        let (gate, up) = (self.gate_proj.forward(h)?, self.up_proj.forward(h)?);
+        let mlp = match self.act {
+            Activation::Silu => crate::kernels::fused::swiglu(&gate, &up)?,
+            Activation::GeluTanh => (gate.gelu()? * up)?,
+        };
+        Ok(self.down_proj.forward(&mlp)?)
+    }
+}
+
+/// A model error as Candle's (what `CausalModel::layer` returns).
+pub fn candle(e: Error) -> candle_core::Error {
+    e.into_candle()
+}
