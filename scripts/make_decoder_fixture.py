@@ -8,18 +8,23 @@ computes for them.
   inputs, so that the window shows in the logits.
 - qwen2-sliding: Qwen2ForCausalLM with use_sliding_window (window 6) from layer 1 on
   (max_window_layers 1): one full-attention layer, one sliding.
+- gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
+  linear RoPE scaling on the global layers, query_pre_attn_scalar 24 (not head_dim), random
+  (1 + w) norms.
 
 trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs trains each
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|gemma3
 """
 
 import sys
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -59,8 +64,20 @@ elif kind == "qwen2-sliding":
 elif kind == "mistral":
     config = MistralConfig(tie_word_embeddings=False, sliding_window=6, **common)
     model_class = MistralForCausalLM
+elif kind == "gemma3":
+    config = Gemma3TextConfig(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        **{**common, "num_hidden_layers": 3},
+    )
+    model_class = Gemma3ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral or qwen2-sliding")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding or gemma3")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.

@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::max_abs_diff;
-use trl_runtime::models::{ModelConfig, Params};
+use trl_runtime::models::{AutoModelForCausalLM, CausalModel, ModelConfig, Params};
 use trl_runtime::nn::{causal_lm_loss, AttentionImpl};
 use trl_runtime::parallel::CausalLm;
 
@@ -327,14 +327,15 @@ fn matches_transformers_fixture() {
 
 /// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
-/// transformers on assets/tiny-qwen3, tiny-mistral and tiny-qwen2-sliding
+/// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding and tiny-gemma3
 /// (scripts/make_decoder_fixture.py).
 #[test]
-fn qwen3_mistral_and_sliding_qwen2_match_transformers() {
+fn qwen3_mistral_sliding_qwen2_and_gemma3_match_transformers() {
     for (kind, param) in [
         ("qwen3", "model.layers.1.self_attn.k_norm.weight"),
         ("mistral", "lm_head.weight"),
         ("qwen2-sliding", "model.layers.1.self_attn.q_proj.bias"),
+        ("gemma3", "model.layers.2.post_feedforward_layernorm.weight"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
@@ -368,7 +369,46 @@ fn qwen3_mistral_and_sliding_qwen2_match_transformers() {
                 "{kind} {dtype:?} {how:?}: logits differ from transformers by {diff}"
             );
         }
+        // The evaluation entry point, on one process.
+        let auto =
+            AutoModelForCausalLM::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu)
+                .unwrap();
+        let diff = max_abs_diff(&auto.forward(&ids, &pos).unwrap(), &want["logits"]);
+        eprintln!("{kind} AutoModelForCausalLM: max |logits - transformers| = {diff:e}");
+        assert!(
+            diff < 1e-4,
+            "{kind}: AutoModelForCausalLM's logits differ by {diff}"
+        );
     }
+}
+
+/// An unknown model type, and a Gemma 3 value the kernels do not have, are errors naming the
+/// key, the value and what is supported.
+#[test]
+fn unsupported_model_types_and_values_are_named() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gemma3/model");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let parse = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut j = json.clone();
+        edit(&mut j);
+        <AutoModelForCausalLM as CausalModel>::parse_config(&j.to_string(), "config.json")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = parse(&|j| j["model_type"] = "falcon".into());
+    assert!(
+        e.contains("model_type") && e.contains("'falcon'") && e.contains("gemma3_text"),
+        "{e}"
+    );
+    let e = parse(&|j| j["attn_logit_softcapping"] = 50.0.into());
+    assert!(e.contains("attn_logit_softcapping"), "{e}");
+    let e = parse(&|j| j["layer_types"][1] = "chunked_attention".into());
+    assert!(
+        e.contains("layer_types") && e.contains("chunked_attention"),
+        "{e}"
+    );
 }
 
 /// The window shows: Mistral's logits over rows longer than its window differ from full

@@ -8,8 +8,8 @@
 
 use std::process::ExitCode;
 use trl_examples::sft;
-use trl_runtime::models::Llama;
+use trl_runtime::models::AutoModelForCausalLM;
 
 fn main() -> ExitCode {
-    sft::main::<Llama>(sft::embedded_defaults)
+    sft::main::<AutoModelForCausalLM>(sft::embedded_defaults)
 }

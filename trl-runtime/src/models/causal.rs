@@ -48,6 +48,12 @@ pub trait CausalModel: Parallelize + Send + Sync + Sized + 'static {
     /// The LM head (an [`crate::nn::Linear`], `#[parallel(tp = "vocab")]` to split it).
     fn lm_head(&self) -> &Linear;
 
+    /// Final-logit soft-capping (Gemma 2's `final_logit_softcapping`): logits become
+    /// `cap * tanh(logits / cap)` before the loss. None by default.
+    fn logit_softcap(&self) -> Option<f64> {
+        None
+    }
+
     /// Query and key/value heads per rank, when attention has heads: checked against the
     /// sequence-parallel size before training starts (else at the first step).
     fn heads(&self) -> Option<(usize, usize)> {

@@ -3,13 +3,17 @@
 //! any model implementing [`CausalModel`] (trained as a `crate::parallel::Model`), and the built-in Llama /
 //! Qwen2 decoder (one implementation, the differences are configuration).
 
+pub mod auto;
 pub mod blocks;
 pub mod causal;
 pub mod config;
+pub mod gemma3;
 pub mod llama;
 pub mod params;
 
+pub use auto::{AutoModelForCausalLM, MODEL_TYPES};
 pub use causal::{CausalModel, LayerInputs};
 pub use config::{Architecture, ModelConfig};
+pub use gemma3::Gemma3;
 pub use llama::Llama;
 pub use params::Params;

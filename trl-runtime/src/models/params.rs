@@ -5,7 +5,8 @@
 use super::config::ModelConfig;
 use crate::error::{Error, Result};
 use candle_core::safetensors::{Load, MmapedSafetensors};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use safetensors::slice::TensorIndexer;
@@ -444,4 +445,48 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| Error::io(format!("cannot write {}", tmp.display()), e))?;
     std::fs::rename(&tmp, path)
         .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))
+}
+
+pub fn check_shape(name: &str, t: Tensor, s: &Shape) -> candle_core::Result<Tensor> {
+    if t.shape() != s {
+        candle_core::bail!(
+            "{name} has shape {:?} but the model expects {:?}: the weights and config.json do \
+             not belong together",
+            t.dims(),
+            s.dims()
+        );
+    }
+    Ok(t)
+}
+
+/// Weights from a checkpoint's files, in the compute dtype and device of the load (the
+/// VarBuilder's own are ignored: the trainer decides them).
+pub struct FilesBackend {
+    pub files: std::sync::Arc<WeightFiles>,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl SimpleBackend for FilesBackend {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        _: DType,
+        _: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.get_unchecked(name, self.dtype, &self.device)?;
+        check_shape(name, t, &s)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        self.files
+            .load(name, self.dtype, &self.device)
+            .map_err(Error::into_candle)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.files.contains(name)
+    }
 }

@@ -311,6 +311,12 @@ pub fn parallelize<N: CausalModel>(
              (CausalModel::supports_tiled_mlp is false)"
         );
     }
+    if opts.tiled_loss && model.net().logit_softcap().is_some() && main {
+        tracing::warn!(
+            "use_liger_kernel: the fused linear cross-entropy has no logit soft-capping; this \
+             model (final_logit_softcapping) computes its loss from the logits"
+        );
+    }
     if opts.tiled_mlp && fsdp && main {
         tracing::warn!(
             "tiled_mlp: the tiled MLP needs each layer's weights whole on the rank; under \

@@ -10,8 +10,8 @@ use super::{Prefetch, ShardedModel, WrapPolicy};
 use crate::comm::Communicator;
 use crate::context_parallel::SeqSplit;
 use crate::error::{Error, Result};
-use crate::models::params::{Params, WeightFiles, CONFIG_FILE};
-use crate::models::{CausalModel, LayerInputs, Llama, ModelConfig};
+use crate::models::params::{check_shape, FilesBackend, Params, WeightFiles, CONFIG_FILE};
+use crate::models::{AutoModelForCausalLM, CausalModel, LayerInputs, ModelConfig};
 use crate::nn::embedding::TiedGrad;
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::tiled_loss::{tied_linear_cross_entropy, tiled_linear_cross_entropy};
@@ -476,7 +476,7 @@ impl<N: CausalModel> Model<N> {
     /// over sp: every rank of the group computes them all), for generation.
     pub fn forward_full(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
         let hidden = self.hidden_states(input_ids, position_ids, false)?;
-        let logits = self.net.lm_head().forward(&hidden)?;
+        let logits = self.head_logits(&hidden)?;
         match &self.tp {
             Some(tp) => tp.all_gather(&logits.detach(), 2),
             None => Ok(logits),
@@ -487,7 +487,17 @@ impl<N: CausalModel> Model<N> {
     /// [batch, seq]. Positions that restart mark document boundaries of packed rows.
     pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
         let hidden = self.hidden_states(input_ids, position_ids, true)?;
-        Ok(self.net.lm_head().forward(&hidden)?)
+        self.head_logits(&hidden)
+    }
+
+    /// The LM head's logits of `hidden`, soft-capped when the model asks (elementwise, so
+    /// also on this rank's vocabulary part under tp).
+    fn head_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let logits = self.net.lm_head().forward(hidden)?;
+        Ok(match self.net.logit_softcap() {
+            Some(cap) => ((logits / cap)?.tanh()? * cap)?,
+            None => logits,
+        })
     }
 
     /// The next-token loss of `labels` (not yet shifted) for `input_ids` at `position_ids`.
@@ -537,7 +547,9 @@ impl<N: CausalModel> Model<N> {
         // or where it is one pass per row (CPU f32, GPUs) and so faster than the logits path.
         let fused = |w: &Tensor| self.tiled_loss || crate::nn::tiled_loss::fused_applies(w, w);
         let head = match (&head.weight, &head.bias, &self.tp) {
-            (Weight::Local(w), None, None) if fused(w) => w.clone(),
+            (Weight::Local(w), None, None) if fused(w) && self.net.logit_softcap().is_none() => {
+                w.clone()
+            }
             _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
         };
         if !train {
@@ -721,50 +733,6 @@ impl SimpleBackend for Recording {
     }
 }
 
-fn check_shape(name: &str, t: Tensor, s: &Shape) -> candle_core::Result<Tensor> {
-    if t.shape() != s {
-        candle_core::bail!(
-            "{name} has shape {:?} but the model expects {:?}: the weights and config.json do \
-             not belong together",
-            t.dims(),
-            s.dims()
-        );
-    }
-    Ok(t)
-}
-
-/// Weights from a checkpoint's files, in the compute dtype and device of the load (the
-/// VarBuilder's own are ignored: the trainer decides them).
-struct FilesBackend {
-    files: Arc<WeightFiles>,
-    dtype: DType,
-    device: Device,
-}
-
-impl SimpleBackend for FilesBackend {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        _: candle_nn::Init,
-        _: DType,
-        _: &Device,
-    ) -> candle_core::Result<Tensor> {
-        let t = self.get_unchecked(name, self.dtype, &self.device)?;
-        check_shape(name, t, &s)
-    }
-
-    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
-        self.files
-            .load(name, self.dtype, &self.device)
-            .map_err(Error::into_candle)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.files.contains(name)
-    }
-}
-
 /// Weights already in memory (a model over given parameters).
 struct TensorsBackend {
     tensors: HashMap<String, Tensor>,
@@ -823,10 +791,10 @@ impl SimpleBackend for ZerosBackend {
     }
 }
 
-/// The built-in decoder as the trainer runs it.
-pub type CausalLm = Model<Llama>;
+/// The built-in model of a checkpoint's `model_type` as the trainer runs it.
+pub type CausalLm = Model<AutoModelForCausalLM>;
 
-impl Model<Llama> {
+impl Model<AutoModelForCausalLM> {
     /// Builds the model over `params` (whose tensors it shares: optimizer updates are seen).
     pub fn new(config: ModelConfig, params: Params) -> Result<Self> {
         Self::with_params(config.to_json_pretty(), params)

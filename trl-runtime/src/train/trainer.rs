@@ -23,7 +23,7 @@ use crate::data::{
 use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::models::{CausalModel, Llama, Params};
+use crate::models::{AutoModelForCausalLM, CausalModel, Params};
 use crate::nn::AttentionImpl;
 use crate::optim::{grad_clip_coef, AdamWConfig};
 use crate::parallel::sharded_state;
@@ -98,7 +98,7 @@ pub struct TrainOutcome {
     pub last_checkpoint: Option<PathBuf>,
 }
 
-pub struct Trainer<'a, N: CausalModel = Llama> {
+pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM> {
     pub config: SFTConfig,
     ctx: &'a DistContext,
     /// The data-parallel ranks: they draw different examples.
@@ -377,7 +377,7 @@ fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>
 }
 
 impl<'a> Trainer<'a> {
-    /// The built-in Llama / Qwen2 decoder: loads model, tokenizer and data as `config` says,
+    /// The built-in model of the checkpoint's `model_type`: loads model, tokenizer and data as `config` says,
     /// resuming if asked; the strategy comes from the launcher's environment.
     pub fn new(config: SFTConfig, ctx: &'a DistContext) -> Result<Self> {
         Self::load(config, ctx)

@@ -1,0 +1,197 @@
+//! The built-in model for a checkpoint's `model_type`, as transformers'
+//! `AutoModelForCausalLM` picks it: [`AutoModelForCausalLM`] is a [`CausalModel`] (the
+//! trainer's `Trainer::<AutoModelForCausalLM>` trains any supported checkpoint), and
+//! [`AutoModelForCausalLM::from_pretrained`] + [`AutoModelForCausalLM::forward`] give logits
+//! on one process, for evaluation scripts and for checking against transformers.
+//!
+//! Adding a model type: write it in its own file over [`CausalModel`] and add a line to the
+//! `registry!` below (docs/models.md).
+
+use super::causal::{CausalModel, LayerInputs};
+use super::params::{FilesBackend, WeightFiles, CONFIG_FILE};
+use super::{gemma3, llama};
+use crate::error::{Error, Result};
+use crate::nn::module::{Parallelize, Split};
+use crate::nn::{AttentionImpl, Linear, Weight};
+use crate::tp::TpContext;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+
+/// One variant per model file, with the `model_type`s it reads.
+macro_rules! registry {
+    ($( $Variant:ident($Net:ty) = [$($model_type:literal),+] ),* $(,)?) => {
+        /// A built-in model of any supported `model_type` ([`MODEL_TYPES`]).
+        pub enum AutoModelForCausalLM {
+            $( $Variant($Net), )*
+        }
+
+        /// The config of an [`AutoModelForCausalLM`]: its model file's.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum AutoConfig {
+            $( $Variant(<$Net as CausalModel>::Config), )*
+        }
+
+        /// Every `model_type` with a built-in model.
+        pub const MODEL_TYPES: &[&str] = &[$( $($model_type,)+ )*];
+
+        /// Delegates to the model inside.
+        macro_rules! each {
+            ($self:expr, $m:ident => $e:expr) => {
+                match $self { $( AutoModelForCausalLM::$Variant($m) => $e, )* }
+            };
+        }
+
+        impl CausalModel for AutoModelForCausalLM {
+            type Config = AutoConfig;
+
+            fn parse_config(text: &str, source: &str) -> Result<AutoConfig> {
+                let model_type = model_type(text, source)?;
+                $(
+                    if [$($model_type),+].contains(&model_type.as_str()) {
+                        return Ok(AutoConfig::$Variant(<$Net>::parse_config(text, source)?));
+                    }
+                )*
+                Err(Error::Config {
+                    file: source.into(),
+                    key: "model_type".into(),
+                    message: format!(
+                        "'{model_type}' has no built-in model: supported are {} (or write \
+                         your own model over CausalModel: docs/your-model.md)",
+                        MODEL_TYPES.join(", ")
+                    ),
+                })
+            }
+
+            fn new(config: &AutoConfig, vb: VarBuilder) -> candle_core::Result<Self> {
+                Ok(match config {
+                    $( AutoConfig::$Variant(c) => AutoModelForCausalLM::$Variant(<$Net>::new(c, vb)?), )*
+                })
+            }
+
+            fn embed(&self, input_ids: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
+                each!(self, m => m.embed(input_ids, cx))
+            }
+            fn num_layers(&self) -> usize {
+                each!(self, m => m.num_layers())
+            }
+            fn layer(&self, l: usize, x: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
+                each!(self, m => m.layer(l, x, cx))
+            }
+            fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+                each!(self, m => m.final_norm(x))
+            }
+            fn lm_head(&self) -> &Linear {
+                each!(self, m => m.lm_head())
+            }
+            fn logit_softcap(&self) -> Option<f64> {
+                each!(self, m => m.logit_softcap())
+            }
+            fn heads(&self) -> Option<(usize, usize)> {
+                each!(self, m => m.heads())
+            }
+            fn supports_tiled_mlp(&self) -> bool {
+                each!(self, m => m.supports_tiled_mlp())
+            }
+        }
+
+        impl Parallelize for AutoModelForCausalLM {
+            fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
+                each!(self, m => m.parallelize(name, tp))
+            }
+            fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+                each!(self, m => m.visit_params(name, f))
+            }
+            fn visit_weights_mut(
+                &mut self,
+                name: &str,
+                f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
+            ) -> Result<()> {
+                each!(self, m => m.visit_weights_mut(name, f))
+            }
+            fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
+                each!(self, m => m.visit_units(name, f))
+            }
+        }
+    };
+}
+
+registry! {
+    Llama(llama::Llama) = ["llama", "qwen2", "qwen3", "mistral"],
+    Gemma3(gemma3::Gemma3) = ["gemma3_text"],
+}
+
+/// `model_type` of a config.json's text.
+fn model_type(text: &str, source: &str) -> Result<String> {
+    #[derive(serde::Deserialize)]
+    struct Head {
+        model_type: Option<String>,
+    }
+    let head: Head = serde_json::from_str(text).map_err(|e| Error::Config {
+        file: source.into(),
+        key: format!("<line {} column {}>", e.line(), e.column()),
+        message: format!("not a valid model config: {e}"),
+    })?;
+    head.model_type.ok_or_else(|| Error::Config {
+        file: source.into(),
+        key: "model_type".into(),
+        message: format!(
+            "missing: transformers' config.json names its model type (one of {})",
+            MODEL_TYPES.join(", ")
+        ),
+    })
+}
+
+impl AutoModelForCausalLM {
+    /// The model of the HF checkpoint in `dir` (config.json, and model.safetensors or a
+    /// sharded index), in `dtype` on `device`: every tensor the model needs present with its
+    /// shape, nothing unexpected.
+    pub fn from_pretrained(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let path = dir.join(CONFIG_FILE);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        let config = Self::parse_config(&text, &path.display().to_string())?;
+        let files = Arc::new(WeightFiles::open(dir)?);
+        let backend = FilesBackend {
+            files: files.clone(),
+            dtype,
+            device: device.clone(),
+        };
+        let vb = VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
+        let model = Self::new(&config, vb)?;
+        let (mut shapes, mut seen, mut aliases) = (BTreeMap::new(), HashSet::new(), HashSet::new());
+        model.visit_params("", &mut |name, t, _| match seen.insert(t.id()) {
+            true => drop(shapes.insert(name.to_string(), t.dims().to_vec())),
+            false => drop(aliases.insert(name.to_string())),
+        });
+        files.check(&shapes, &aliases)?;
+        Ok(model)
+    }
+
+    /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] (u32) at `position_ids`
+    /// [batch, seq] (i64; positions restarting inside a row start a new document, which
+    /// does not see the ones before it).
+    pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        let Weight::Local(head) = &self.lm_head().weight else {
+            return Err(Error::Parallelism(
+                "forward: the model's weights are sharded; use parallel::Model's forward".into(),
+            ));
+        };
+        let (dtype, device) = (head.dtype(), head.device().clone());
+        let cx = LayerInputs::new(position_ids, None, AttentionImpl::default(), dtype, &device)?;
+        // What `nn::flash_attn` runs inside the layers.
+        let _attention = crate::nn::flash_attn::enter(cx.attention.clone());
+        let mut x = self.embed(input_ids, &cx)?;
+        for l in 0..self.num_layers() {
+            x = self.layer(l, &x, &cx)?;
+        }
+        let logits = self.lm_head().forward(&self.final_norm(&x)?)?;
+        Ok(match self.logit_softcap() {
+            Some(cap) => ((logits / cap)?.tanh()? * cap)?,
+            None => logits,
+        })
+    }
+}

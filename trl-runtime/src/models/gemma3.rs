@@ -1,0 +1,365 @@
+//! Gemma 3 (text; `model_type` gemma3_text), as transformers' Gemma3ForCausalLM: embeddings
+//! scaled by sqrt(hidden), N x (norm -> attention -> norm -> residual, norm -> GeGLU MLP ->
+//! norm -> residual), final norm, LM head tied to the embedding. Its differences from Llama:
+//! RMSNorms scale by (1 + w); per-head q/k norms; queries scaled by
+//! `query_pre_attn_scalar`^-1/2; sliding-window layers (`layer_types`, or every
+//! `sliding_window_pattern`-th layer global) with their own RoPE base; tanh-GELU MLPs.
+//!
+//! The tp plan is Llama's (blocks.rs); each layer is one FSDP unit.
+
+use super::blocks::{candle, Activation, AttentionShape, GatedMlp, NormKind, SelfAttention};
+use super::causal::{CausalModel, LayerInputs};
+use crate::error::{Error, Result};
+use crate::nn::RotaryEmbedding;
+use crate::nn::{embedding, linear_no_bias, Embedding, Linear, RmsNorm, RopeScaling};
+use crate::Parallelize;
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use serde::Deserialize;
+
+/// The keys of a gemma3_text config.json this model reads (transformers' defaults).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Gemma3Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default = "one")]
+    pub num_key_value_heads: usize,
+    #[serde(default = "d256")]
+    pub head_dim: usize,
+    #[serde(default = "eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "d256")]
+    pub query_pre_attn_scalar: usize,
+    #[serde(default = "window")]
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    #[serde(default = "max_pos")]
+    pub max_position_embeddings: usize,
+    /// transformers 5: `{full_attention: {...}, sliding_attention: {...}}`.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    /// transformers 4: the global layers' base, scaling and the local layers' base.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default = "gelu")]
+    pub hidden_activation: String,
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub use_bidirectional_attention: Option<bool>,
+}
+
+fn one() -> usize {
+    1
+}
+fn d256() -> usize {
+    256
+}
+fn eps() -> f64 {
+    1e-6
+}
+fn window() -> Option<usize> {
+    Some(4096)
+}
+fn max_pos() -> usize {
+    131072
+}
+fn gelu() -> String {
+    "gelu_pytorch_tanh".into()
+}
+fn yes() -> bool {
+    true
+}
+
+impl Gemma3Config {
+    fn parse(text: &str, source: &str) -> Result<Self> {
+        let err = |key: &str, message: String| Error::Config {
+            file: source.into(),
+            key: key.into(),
+            message,
+        };
+        let c: Gemma3Config = serde_json::from_str(text).map_err(|e| {
+            err(
+                &format!("<line {} column {}>", e.line(), e.column()),
+                format!("not a valid gemma3_text config: {e}"),
+            )
+        })?;
+        if Activation::parse(&c.hidden_activation) != Some(Activation::GeluTanh) {
+            return Err(err(
+                "hidden_activation",
+                format!(
+                    "'{}' is not supported: Gemma 3 uses gelu_pytorch_tanh",
+                    c.hidden_activation
+                ),
+            ));
+        }
+        if c.attn_logit_softcapping.is_some() {
+            return Err(err(
+                "attn_logit_softcapping",
+                "attention soft-capping is not implemented in the attention kernels: set it to \
+                 null (Gemma 3 checkpoints do)"
+                    .into(),
+            ));
+        }
+        if c.use_bidirectional_attention == Some(true) {
+            return Err(err(
+                "use_bidirectional_attention",
+                "a causal language model attends causally: set it to false".into(),
+            ));
+        }
+        if c.num_key_value_heads == 0
+            || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads)
+        {
+            return Err(err(
+                "num_key_value_heads",
+                format!(
+                    "{} attention heads cannot be grouped over {} key/value heads",
+                    c.num_attention_heads, c.num_key_value_heads
+                ),
+            ));
+        }
+        c.layer_kinds().map_err(|(k, m)| err(k, m))?;
+        c.ropes().map_err(|(k, m)| err(k, m))?;
+        Ok(c)
+    }
+
+    /// Whether each layer is a sliding-window one: `layer_types`, else every layer but each
+    /// `sliding_window_pattern`-th (6 by default), as transformers fills them in.
+    fn layer_kinds(&self) -> std::result::Result<Vec<bool>, (&'static str, String)> {
+        let n = self.num_hidden_layers;
+        let kinds: Vec<bool> = match &self.layer_types {
+            Some(types) if types.len() != n => {
+                return Err((
+                    "layer_types",
+                    format!("{} entries for {n} layers", types.len()),
+                ))
+            }
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err((
+                        "layer_types",
+                        format!(
+                            "'{other}' is not supported: use full_attention or sliding_attention"
+                        ),
+                    )),
+                })
+                .collect::<std::result::Result<_, _>>()?,
+            None => {
+                let p = self.sliding_window_pattern.unwrap_or(6).max(1);
+                (0..n).map(|i| !(i + 1).is_multiple_of(p)).collect()
+            }
+        };
+        if kinds.iter().any(|&s| s) && self.sliding_window.is_none() {
+            return Err((
+                "sliding_window",
+                "null, but some layers are sliding_attention".into(),
+            ));
+        }
+        Ok(kinds)
+    }
+
+    /// The global and the local (sliding layers') rotary embeddings, from either layout.
+    fn ropes(
+        &self,
+    ) -> std::result::Result<(RotaryEmbedding, RotaryEmbedding), (&'static str, String)> {
+        let (global, local) = match &self.rope_parameters {
+            Some(p) => {
+                let read = |kind: &str| -> std::result::Result<Option<RopeScaling>, _> {
+                    p.get(kind)
+                        .map(|v| serde_json::from_value::<RopeScaling>(v.clone()))
+                        .transpose()
+                        .map_err(|e| ("rope_parameters", format!("{kind}: {e}")))
+                };
+                (read("full_attention")?, read("sliding_attention")?)
+            }
+            None => (self.rope_scaling.clone(), None),
+        };
+        let theta = |p: &Option<RopeScaling>, old: Option<f64>, default: f64| {
+            p.as_ref()
+                .and_then(|p| p.rope_theta)
+                .or(old)
+                .unwrap_or(default)
+        };
+        let make = |p: &Option<RopeScaling>, theta: f64| {
+            let scaling = p.as_ref().filter(|p| p.rope_type != "default");
+            RotaryEmbedding::new(self.head_dim, theta, self.max_position_embeddings, scaling)
+                .map_err(|m| ("rope_parameters", m))
+        };
+        Ok((
+            make(&global, theta(&global, self.rope_theta, 1_000_000.0))?,
+            make(&local, theta(&local, self.rope_local_base_freq, 10_000.0))?,
+        ))
+    }
+}
+
+#[derive(Debug, Clone, Parallelize)]
+#[parallel(fsdp_unit)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    mlp: GatedMlp,
+    post_feedforward_layernorm: RmsNorm,
+}
+
+/// Gemma3ForCausalLM.
+#[derive(Parallelize)]
+pub struct Gemma3 {
+    #[parallel(skip)]
+    global_rope: RotaryEmbedding,
+    #[parallel(skip)]
+    local_rope: RotaryEmbedding,
+    /// Each layer's sliding window (None: a global layer).
+    #[parallel(skip)]
+    windows: Vec<Option<usize>>,
+    #[parallel(skip)]
+    embed_scale: f64,
+    #[parallel(skip)]
+    final_logit_softcapping: Option<f64>,
+    #[parallel(tp = "vocab", name = "model.embed_tokens")]
+    embed_tokens: Embedding,
+    #[parallel(name = "model.layers")]
+    layers: Vec<DecoderLayer>,
+    #[parallel(name = "model.norm")]
+    norm: RmsNorm,
+    #[parallel(tp = "vocab")]
+    lm_head: Linear,
+}
+
+impl CausalModel for Gemma3 {
+    type Config = Gemma3Config;
+
+    fn parse_config(text: &str, source: &str) -> Result<Gemma3Config> {
+        Gemma3Config::parse(text, source)
+    }
+
+    fn new(c: &Gemma3Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        let bad = |(key, m): (&str, String)| candle_core::Error::Msg(format!("{key}: {m}"));
+        let (global_rope, local_rope) = c.ropes().map_err(bad)?;
+        let windows = c
+            .layer_kinds()
+            .map_err(bad)?
+            .into_iter()
+            .map(|sliding| c.sliding_window.filter(|_| sliding))
+            .collect();
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let norm = NormKind {
+            eps: c.rms_norm_eps,
+            gemma: true,
+        };
+        let shape = AttentionShape {
+            hidden: h,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: d,
+            qkv_bias: c.attention_bias,
+            o_bias: c.attention_bias,
+        };
+        // The kernels scale scores by 1/sqrt(head_dim); Gemma's is 1/sqrt(query_pre_attn_scalar).
+        let query_scale = (d as f64 / c.query_pre_attn_scalar as f64).sqrt();
+        let m = vb.pp("model");
+        let layers = (0..c.num_hidden_layers)
+            .map(|l| {
+                let vb = m.pp("layers").pp(l);
+                let mut self_attn = SelfAttention::new(shape, vb.pp("self_attn"), Some(norm))?;
+                self_attn.query_scale = Some(query_scale).filter(|s| (s - 1.0).abs() > 1e-12);
+                Ok(DecoderLayer {
+                    input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
+                    self_attn,
+                    post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                    pre_feedforward_layernorm: norm.build(h, vb.pp("pre_feedforward_layernorm"))?,
+                    mlp: GatedMlp::new(
+                        (h, c.intermediate_size),
+                        false,
+                        Activation::GeluTanh,
+                        vb.pp("mlp"),
+                    )?,
+                    post_feedforward_layernorm: norm
+                        .build(h, vb.pp("post_feedforward_layernorm"))?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let embed_tokens = embedding(c.vocab_size, h, m.pp("embed_tokens"))?;
+        let lm_head = match c.tie_word_embeddings {
+            true => Linear::from_weights(embed_tokens.weight.clone(), None),
+            false => linear_no_bias(h, c.vocab_size, vb.pp("lm_head"))?,
+        };
+        Ok(Gemma3 {
+            global_rope,
+            local_rope,
+            windows,
+            embed_scale: (h as f64).sqrt(),
+            final_logit_softcapping: c.final_logit_softcapping,
+            embed_tokens,
+            layers,
+            norm: norm.build(h, m.pp("norm"))?,
+            lm_head,
+        })
+    }
+
+    fn embed(&self, input_ids: &Tensor, _: &LayerInputs) -> candle_core::Result<Tensor> {
+        let x = self.embed_tokens.forward(input_ids)?;
+        // transformers multiplies by the scale cast to the weights' dtype.
+        let scale = Tensor::new(&[self.embed_scale as f32], x.device())?.to_dtype(x.dtype())?;
+        x.broadcast_mul(&scale)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer(&self, l: usize, x: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
+        let layer = &self.layers[l];
+        let window = self.windows[l];
+        let rope = match window {
+            Some(_) => &self.local_rope,
+            None => &self.global_rope,
+        };
+        let run = || -> Result<Tensor> {
+            let h = layer.input_layernorm.forward(x)?;
+            let a = layer.self_attn.forward(&h, cx, Some(rope), window)?;
+            let x = (x + layer.post_attention_layernorm.forward(&a)?)?;
+            let h = layer.pre_feedforward_layernorm.forward(&x)?;
+            let m = layer.mlp.forward(cx, &h)?;
+            Ok((&x + layer.post_feedforward_layernorm.forward(&m)?)?)
+        };
+        run().map_err(candle)
+    }
+
+    fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.norm.forward(x)
+    }
+
+    fn lm_head(&self) -> &Linear {
+        &self.lm_head
+    }
+
+    fn logit_softcap(&self) -> Option<f64> {
+        self.final_logit_softcapping
+    }
+
+    fn heads(&self) -> Option<(usize, usize)> {
+        let attn = &self.layers.first()?.self_attn;
+        Some((attn.num_heads, attn.num_kv_heads))
+    }
+}
