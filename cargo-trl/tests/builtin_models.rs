@@ -2,8 +2,10 @@
 //! through the real `cargo trl launch` under every CPU profile, each equal to one process
 //! after 5 steps (fp32; every step's loss within 1e-5, every weight within 2e-5): Qwen3, whose
 //! per-head q/k norms make partial gradients under tensor parallelism (found at the first
-//! step; TRL_CHECK_TP_GRADS=1 checks every step), and Mistral, whose sliding window (6 tokens
-//! in the fixture, shorter than the rows) crosses the chunks of ring attention and Ulysses.
+//! step; TRL_CHECK_TP_GRADS=1 checks every step), Mistral, whose sliding window (6 tokens
+//! in the fixture, shorter than the rows) crosses the chunks of ring attention and Ulysses, and
+//! Gemma 3 (sliding and global layers, (1 + w) norms, per-head q/k norms). Each saved
+//! checkpoint opens in transformers with our logits (when a Python with transformers is there).
 
 mod common;
 
@@ -41,7 +43,7 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
     );
     for (name, args, two_dp) in common::CPU_CASES {
         let text = launch(&model, args, 4, &out(name));
-        if *name == "tp_cpu" && kind == "qwen3" {
+        if *name == "tp_cpu" && kind != "mistral" {
             assert!(
                 text.contains("act on features split over tp")
                     && text.contains("model.layers.0.self_attn.q_norm.weight"),
@@ -68,6 +70,7 @@ fn qwen3_under_every_cpu_profile_equals_one_process() {
     // The checkpoint is Qwen3's, with its q/k norms, as transformers names them.
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"qwen3\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
 }
 
 #[test]
@@ -76,4 +79,14 @@ fn mistral_with_a_sliding_window_under_every_cpu_profile_equals_one_process() {
     let tp = every_profile("mistral", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"sliding_window\": 6"), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+#[test]
+fn gemma3_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("gemma3", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"gemma3_text\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
 }

@@ -137,3 +137,88 @@ pub fn run_launch(mut cmd: Command, steps: usize, per_device: usize, out: &Path)
     assert!(o.status.success(), "{cmd:?}: {text}");
     text
 }
+
+/// A Python with torch and transformers (TRL_PYTHON, else `python3`), to check our outputs
+/// against transformers; None, with the reason printed, when there is none.
+pub fn transformers_python() -> Option<std::path::PathBuf> {
+    let python = std::env::var_os("TRL_PYTHON").map_or("python3".into(), std::path::PathBuf::from);
+    let ok = Command::new(&python)
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!(
+            "skipped: no Python with torch and transformers ({}; set TRL_PYTHON to one: \
+             `python3 -m venv v && v/bin/pip install torch transformers safetensors`)",
+            python.display()
+        );
+    }
+    ok.then_some(python)
+}
+
+/// Checks that transformers opens the checkpoint `dir` we saved and computes the logits we
+/// do (within 1e-4, f32) on two random rows; skipped with a message without transformers.
+pub fn opens_in_transformers(dir: &Path) {
+    use trl_runtime::candle_core::{DType, Device, Tensor};
+    use trl_runtime::models::AutoModelForCausalLM;
+    let Some(python) = transformers_python() else {
+        return;
+    };
+    let model = AutoModelForCausalLM::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap();
+    let vocab = {
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        config["vocab_size"].as_u64().unwrap() as u32
+    };
+    let ids: Vec<u32> = (0..48u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let ids = Tensor::from_vec(ids, (2, 24), &Device::Cpu).unwrap();
+    let pos = Tensor::arange(0i64, 24, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .repeat((2, 1))
+        .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let (ids_file, out_file) = (
+        tmp.path().join("ids.safetensors"),
+        tmp.path().join("out.safetensors"),
+    );
+    let ids_i64 = ids.to_dtype(DType::I64).unwrap();
+    trl_runtime::candle_core::safetensors::save(
+        &std::collections::HashMap::from([("input_ids".to_string(), ids_i64)]),
+        &ids_file,
+    )
+    .unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/transformers_logits.py");
+    let out = Command::new(python)
+        .arg(script)
+        .args([dir, &ids_file, &out_file])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "transformers cannot open {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = trl_runtime::candle_core::safetensors::load(&out_file, &Device::Cpu).unwrap();
+    let got = model.forward(&ids, &pos).unwrap();
+    let diff = (got - &want["logits"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    eprintln!(
+        "{}: transformers opens it, max |logits - ours| = {diff:e}",
+        dir.display()
+    );
+    assert!(
+        diff < 1e-4,
+        "{}: logits differ from transformers' by {diff}",
+        dir.display()
+    );
+}
