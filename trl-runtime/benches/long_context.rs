@@ -154,7 +154,7 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
         model.checkpointing = Some(Checkpointing::new(false));
     }
     let mut opt = AdamW::for_params(&model.params, AdamWConfig::default()).unwrap();
-    let vocab = model.config.vocab_size as u32;
+    let vocab = model.config.vocab_size() as u32;
     let ids: Vec<u32> = (0..seq as u32).map(|i| (i * 7919 + 3) % vocab).collect();
     let ids = Tensor::from_vec(ids, (1, seq), &Device::Cpu).unwrap();
     let pos = Tensor::arange(0i64, seq as i64, &Device::Cpu)

@@ -138,7 +138,7 @@ fn run_dims(
                     let outcome = trainer.train().unwrap();
                     // Checkpointing really ran: every layer of every step was recomputed.
                     if let Some(c) = &trainer.model.checkpointing {
-                        let layers = trainer.model.config.num_hidden_layers;
+                        let layers = trainer.model.config.num_hidden_layers();
                         assert!(
                             c.recomputed() >= layers * outcome.losses.len(),
                             "{}",

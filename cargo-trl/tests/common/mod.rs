@@ -140,6 +140,8 @@ pub fn run_launch(mut cmd: Command, steps: usize, per_device: usize, out: &Path)
 
 /// A Python with torch and transformers (TRL_PYTHON, else `python3`), to check our outputs
 /// against transformers; None, with the reason printed, when there is none.
+// Each test binary compiles this module; not all of them check against transformers.
+#[allow(dead_code)]
 pub fn transformers_python() -> Option<std::path::PathBuf> {
     let python = std::env::var_os("TRL_PYTHON").map_or("python3".into(), std::path::PathBuf::from);
     let ok = Command::new(&python)
@@ -158,6 +160,7 @@ pub fn transformers_python() -> Option<std::path::PathBuf> {
 
 /// Checks that transformers opens the checkpoint `dir` we saved and computes the logits we
 /// do (within 1e-4, f32) on two random rows; skipped with a message without transformers.
+#[allow(dead_code)]
 pub fn opens_in_transformers(dir: &Path) {
     use trl_runtime::candle_core::{DType, Device, Tensor};
     use trl_runtime::models::AutoModelForCausalLM;

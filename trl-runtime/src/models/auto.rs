@@ -30,8 +30,23 @@ macro_rules! registry {
 
         /// The config of an [`AutoModelForCausalLM`]: its model file's.
         #[derive(Debug, Clone, PartialEq)]
+        // Built once per model: the variants' sizes do not matter.
+        #[allow(clippy::large_enum_variant)]
         pub enum AutoConfig {
             $( $Variant(<$Net as CausalModel>::Config), )*
+        }
+
+        /// The sizes every transformers config names alike.
+        impl AutoConfig {
+            pub fn vocab_size(&self) -> usize {
+                match self { $( AutoConfig::$Variant(c) => c.vocab_size, )* }
+            }
+            pub fn hidden_size(&self) -> usize {
+                match self { $( AutoConfig::$Variant(c) => c.hidden_size, )* }
+            }
+            pub fn num_hidden_layers(&self) -> usize {
+                match self { $( AutoConfig::$Variant(c) => c.num_hidden_layers, )* }
+            }
         }
 
         /// Every `model_type` with a built-in model.
