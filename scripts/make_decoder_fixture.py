@@ -8,6 +8,10 @@ computes for them.
   inputs, so that the window shows in the logits.
 - qwen2-sliding: Qwen2ForCausalLM with use_sliding_window (window 6) from layer 1 on
   (max_window_layers 1): one full-attention layer, one sliding.
+- smollm3: SmolLM3ForCausalLM with 4 layers, every second one without rotary embeddings
+  (no_rope_layer_interval 2).
+- olmo2: Olmo2ForCausalLM (norms after attention and MLP, q/k norms over the whole
+  projections), untied.
 - gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
   linear RoPE scaling on the global layers, query_pre_attn_scalar 24 (not head_dim), random
   (1 + w) norms.
@@ -16,7 +20,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|gemma3
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3
 """
 
 import sys
@@ -27,10 +31,14 @@ from transformers import (
     Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from tiny_fixture import VOCAB, write
@@ -64,6 +72,14 @@ elif kind == "qwen2-sliding":
 elif kind == "mistral":
     config = MistralConfig(tie_word_embeddings=False, sliding_window=6, **common)
     model_class = MistralForCausalLM
+elif kind == "smollm3":
+    config = SmolLM3Config(
+        no_rope_layer_interval=2, pad_token_id=0, **{**common, "num_hidden_layers": 4}
+    )
+    model_class = SmolLM3ForCausalLM
+elif kind == "olmo2":
+    config = Olmo2Config(tie_word_embeddings=False, pad_token_id=0, **common)
+    model_class = Olmo2ForCausalLM
 elif kind == "gemma3":
     config = Gemma3TextConfig(
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -77,7 +93,7 @@ elif kind == "gemma3":
     )
     model_class = Gemma3ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding or gemma3")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2 or gemma3")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.

@@ -4,7 +4,8 @@
 //! per-head q/k norms make partial gradients under tensor parallelism (found at the first
 //! step; TRL_CHECK_TP_GRADS=1 checks every step), Mistral, whose sliding window (6 tokens
 //! in the fixture, shorter than the rows) crosses the chunks of ring attention and Ulysses, and
-//! Gemma 3 (sliding and global layers, (1 + w) norms, per-head q/k norms). Each saved
+//! Gemma 3 (sliding and global layers, (1 + w) norms, per-head q/k norms), SmolLM3 (NoPE
+//! layers) and OLMo 2 (q/k norms over the whole projections: gathered under tp). Each saved
 //! checkpoint opens in transformers with our logits (when a Python with transformers is there).
 
 mod common;
@@ -43,7 +44,7 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
     );
     for (name, args, two_dp) in common::CPU_CASES {
         let text = launch(&model, args, 4, &out(name));
-        if *name == "tp_cpu" && kind != "mistral" {
+        if *name == "tp_cpu" && matches!(kind, "qwen3" | "gemma3" | "olmo2") {
             assert!(
                 text.contains("act on features split over tp")
                     && text.contains("model.layers.0.self_attn.q_norm.weight"),
@@ -88,5 +89,23 @@ fn gemma3_under_every_cpu_profile_equals_one_process() {
     let tp = every_profile("gemma3", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"gemma3_text\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+#[test]
+fn smollm3_with_nope_layers_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("smollm3", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"no_rope_layers\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+#[test]
+fn olmo2_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("olmo2", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"olmo2\""), "{config}");
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }

@@ -283,7 +283,7 @@ fn mismatched_weights_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("model_type") && e.contains("llama, qwen2, qwen3 or mistral"),
+        e.contains("model_type") && e.contains("qwen3, mistral, smollm3 or olmo2"),
         "{e}"
     );
     let e = ModelConfig::from_json(r#"{"model_type":"llama","vocab_size":1,"hidden_size":4,"intermediate_size":4,"num_hidden_layers":1,"num_attention_heads":1,"rope_scaling":{"rope_type":"longrope","factor":2.0}}"#, "config.json")
@@ -327,15 +327,18 @@ fn matches_transformers_fixture() {
 
 /// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
-/// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding and tiny-gemma3
+/// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
+/// tiny-smollm3 and tiny-olmo2
 /// (scripts/make_decoder_fixture.py).
 #[test]
-fn qwen3_mistral_sliding_qwen2_and_gemma3_match_transformers() {
+fn every_built_in_model_type_matches_transformers() {
     for (kind, param) in [
         ("qwen3", "model.layers.1.self_attn.k_norm.weight"),
         ("mistral", "lm_head.weight"),
         ("qwen2-sliding", "model.layers.1.self_attn.q_proj.bias"),
         ("gemma3", "model.layers.2.post_feedforward_layernorm.weight"),
+        ("smollm3", "model.layers.3.self_attn.q_proj.weight"),
+        ("olmo2", "model.layers.1.self_attn.k_norm.weight"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

@@ -9,11 +9,11 @@
 
 use super::causal::{CausalModel, LayerInputs};
 use super::params::{FilesBackend, WeightFiles, CONFIG_FILE};
-use super::{gemma3, llama};
+use super::{gemma3, llama, olmo2};
 use crate::error::{Error, Result};
+use crate::nn::module::TpContext;
 use crate::nn::module::{Parallelize, Split};
 use crate::nn::{AttentionImpl, Linear, Weight};
-use crate::tp::TpContext;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::{BTreeMap, HashSet};
@@ -22,8 +22,8 @@ use std::sync::Arc;
 
 /// One variant per model file, with the `model_type`s it reads.
 macro_rules! registry {
-    ($( $Variant:ident($Net:ty) = [$($model_type:literal),+] ),* $(,)?) => {
-        /// A built-in model of any supported `model_type` ([`MODEL_TYPES`]).
+    ($( $Variant:ident($Net:ty) = $model_types:expr ),* $(,)?) => {
+        /// A built-in model of any supported `model_type` ([`model_types`]).
         pub enum AutoModelForCausalLM {
             $( $Variant($Net), )*
         }
@@ -50,7 +50,9 @@ macro_rules! registry {
         }
 
         /// Every `model_type` with a built-in model.
-        pub const MODEL_TYPES: &[&str] = &[$( $($model_type,)+ )*];
+        pub fn model_types() -> Vec<&'static str> {
+            [$( $model_types, )*].concat()
+        }
 
         /// Delegates to the model inside.
         macro_rules! each {
@@ -65,7 +67,7 @@ macro_rules! registry {
             fn parse_config(text: &str, source: &str) -> Result<AutoConfig> {
                 let model_type = model_type(text, source)?;
                 $(
-                    if [$($model_type),+].contains(&model_type.as_str()) {
+                    if $model_types.contains(&model_type.as_str()) {
                         return Ok(AutoConfig::$Variant(<$Net>::parse_config(text, source)?));
                     }
                 )*
@@ -75,7 +77,7 @@ macro_rules! registry {
                     message: format!(
                         "'{model_type}' has no built-in model: supported are {} (or write \
                          your own model over CausalModel: docs/your-model.md)",
-                        MODEL_TYPES.join(", ")
+                        model_types().join(", ")
                     ),
                 })
             }
@@ -134,8 +136,9 @@ macro_rules! registry {
 }
 
 registry! {
-    Llama(llama::Llama) = ["llama", "qwen2", "qwen3", "mistral"],
-    Gemma3(gemma3::Gemma3) = ["gemma3_text"],
+    Llama(llama::Llama) = llama::MODEL_TYPES,
+    Gemma3(gemma3::Gemma3) = gemma3::MODEL_TYPES,
+    Olmo2(olmo2::Olmo2) = olmo2::MODEL_TYPES,
 }
 
 /// `model_type` of a config.json's text.
@@ -154,7 +157,7 @@ fn model_type(text: &str, source: &str) -> Result<String> {
         key: "model_type".into(),
         message: format!(
             "missing: transformers' config.json names its model type (one of {})",
-            MODEL_TYPES.join(", ")
+            model_types().join(", ")
         ),
     })
 }

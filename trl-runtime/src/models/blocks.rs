@@ -37,6 +37,10 @@ pub struct SelfAttention {
     // parameters are `auto`).
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
+    /// q/k norms over the whole projection (OLMo 2) instead of each head: under tp the
+    /// projection is gathered for the norm (all-gather forward, reduce-scatter backward).
+    #[parallel(skip)]
+    pub norm_whole_projection: bool,
     /// Query and key/value heads on this rank.
     #[parallel(tp = "divide")]
     pub num_heads: usize,
@@ -99,6 +103,7 @@ impl SelfAttention {
             o_proj: lin(vb.pp("o_proj"), (q, s.hidden), s.o_bias)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
+            norm_whole_projection: false,
             num_heads: s.heads,
             num_kv_heads: s.kv_heads,
             head_dim: s.head_dim,
@@ -121,15 +126,20 @@ impl SelfAttention {
         let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
             swap_heads(&t.reshape((b, s, n, d))?)
         };
-        // Per-head norms act over head_dim, before rotary.
-        let norm = |t: Tensor, n: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
+        // q/k norms act over head_dim (or the whole projection), before rotary.
+        let whole = self.norm_whole_projection;
+        // `here`: whether this is where the norm goes (before the head split, or after it).
+        let norm = |t: Tensor, n: &Option<RmsNorm>, here: bool| -> Result<Tensor> {
             match n {
-                Some(n) => n.forward(&t),
-                None => Ok(t),
+                Some(n) if here && whole => norm_whole(&t, n, cx),
+                Some(n) if here => Ok(n.forward(&t)?),
+                _ => Ok(t),
             }
         };
-        let q = norm(split(self.q_proj.forward(h)?, heads)?, &self.q_norm)?;
-        let k = norm(split(self.k_proj.forward(h)?, kv_heads)?, &self.k_norm)?;
+        let (q, k) = (self.q_proj.forward(h)?, self.k_proj.forward(h)?);
+        let (q, k) = (norm(q, &self.q_norm, whole)?, norm(k, &self.k_norm, whole)?);
+        let q = norm(split(q, heads)?, &self.q_norm, !whole)?;
+        let k = norm(split(k, kv_heads)?, &self.k_norm, !whole)?;
         let (q, k) = match rope {
             Some(rope) => {
                 let (cos, sin) = cx.cos_sin(rope)?;
@@ -146,6 +156,21 @@ impl SelfAttention {
             swap_heads(&cx.attention_in_window(&q, &k, &v, window)?)?.reshape((b, s, heads * d))?;
         Ok(self.o_proj.forward(&a)?)
     }
+}
+
+/// `norm` over the last dimension of `t`, a projection split over tp when layers are: the
+/// ranks' parts are gathered, normed whole, and this rank's part kept. The all-gather's
+/// backward sums the ranks' partial gradients of the whole projection.
+fn norm_whole(t: &Tensor, norm: &RmsNorm, cx: &LayerInputs) -> Result<Tensor> {
+    let Some(tp) = cx.tp().filter(|tp| tp.size() > 1) else {
+        return Ok(norm.forward(t)?);
+    };
+    let last = t.rank() - 1;
+    let local = t.dim(last)?;
+    let whole = crate::comm::autograd::all_gather(t, tp, last)?;
+    Ok(norm
+        .forward(&whole)?
+        .narrow(last, tp.rank() * local, local)?)
 }
 
 /// The gate's activation of a [`GatedMlp`].

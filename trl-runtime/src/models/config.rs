@@ -1,4 +1,4 @@
-//! An HF `config.json` for Llama, Qwen2 and Qwen3 models.
+//! An HF `config.json` of the Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, OLMo 2).
 
 use crate::error::{Error, Result};
 use crate::nn::RopeScaling;
@@ -14,6 +14,10 @@ pub enum Architecture {
     Qwen3,
     /// Llama's layout without biases, attending within a sliding window (`sliding_window`).
     Mistral,
+    /// Llama's layout with some layers without rotary embeddings (`no_rope_layers`, NoPE).
+    SmolLm3,
+    /// Norms after attention and the MLP, q/k norms over the whole projections (models/olmo2.rs).
+    Olmo2,
 }
 
 fn default_rms_eps() -> f64 {
@@ -83,6 +87,24 @@ impl ModelConfig {
         Self::from_json(&text, &path.display().to_string())
     }
 
+    /// As [`Self::from_json`], for a model that reads only `model_types`.
+    pub fn from_json_for(text: &str, source: &str, model_types: &[&str]) -> Result<Self> {
+        let cfg = Self::from_json(text, source)?;
+        if !model_types.contains(&cfg.model_type.as_str()) {
+            return Err(Error::Config {
+                file: source.into(),
+                key: "model_type".into(),
+                message: format!(
+                    "'{}' is not read by this model (it reads {}): load it with \
+                     AutoModelForCausalLM",
+                    cfg.model_type,
+                    model_types.join(", ")
+                ),
+            });
+        }
+        Ok(cfg)
+    }
+
     pub fn from_json(text: &str, source: &str) -> Result<Self> {
         let cfg: ModelConfig = serde_json::from_str(text).map_err(|e| Error::Config {
             file: source.into(),
@@ -110,7 +132,7 @@ impl ModelConfig {
             return err(
                 "hidden_act",
                 format!(
-                    "'{}' is not supported: Llama, Qwen2, Qwen3 and Mistral use silu",
+                    "'{}' is not supported: the Llama family's models use silu",
                     self.hidden_act
                 ),
             );
@@ -164,6 +186,9 @@ impl ModelConfig {
         if let Err((key, m)) = self.layer_windows() {
             return err(key, m);
         }
+        if let Err((key, m)) = self.layer_ropes() {
+            return err(key, m);
+        }
         Ok(())
     }
 
@@ -187,8 +212,10 @@ impl ModelConfig {
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
             "mistral" => Ok(Architecture::Mistral),
+            "smollm3" => Ok(Architecture::SmolLm3),
+            "olmo2" => Ok(Architecture::Olmo2),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3 or mistral (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, mistral, smollm3 or olmo2 (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -266,6 +293,42 @@ impl ModelConfig {
             .collect()
     }
 
+    /// Whether each layer applies rotary embeddings: all but SmolLM3's NoPE layers
+    /// (`no_rope_layers`, 1 = rotary, else every `no_rope_layer_interval`-th layer, 4 by
+    /// default, has none), as transformers reads them.
+    pub fn layer_ropes(&self) -> std::result::Result<Vec<bool>, (&'static str, String)> {
+        let n = self.num_hidden_layers;
+        if self.model_type != "smollm3" {
+            return Ok(vec![true; n]);
+        }
+        if let Some(v) = self.extra.get("no_rope_layers").filter(|v| !v.is_null()) {
+            let flags: Option<Vec<bool>> = v
+                .as_array()
+                .map(|a| a.iter().map(|f| f.as_u64().map(|f| f != 0)).collect())
+                .and_then(|f: Option<Vec<bool>>| f);
+            return match flags {
+                Some(f) if f.len() == n => Ok(f),
+                _ => Err((
+                    "no_rope_layers",
+                    format!("{v} is not one 0/1 flag per layer ({n} layers)"),
+                )),
+            };
+        }
+        let interval = match self.extra.get("no_rope_layer_interval") {
+            None | Some(serde_json::Value::Null) => 4,
+            Some(v) => match v.as_u64() {
+                Some(i) if i >= 1 => i as usize,
+                _ => {
+                    return Err((
+                        "no_rope_layer_interval",
+                        format!("{v} is not a positive layer count"),
+                    ))
+                }
+            },
+        };
+        Ok((0..n).map(|l| !(l + 1).is_multiple_of(interval)).collect())
+    }
+
     pub fn num_kv_heads(&self) -> usize {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
@@ -283,7 +346,10 @@ impl ModelConfig {
 
     /// The output projection carries a bias (Llama and Qwen3 with `attention_bias`).
     pub fn o_bias(&self) -> bool {
-        matches!(self.model_type.as_str(), "llama" | "qwen3") && self.attention_bias
+        matches!(
+            self.model_type.as_str(),
+            "llama" | "qwen3" | "smollm3" | "olmo2"
+        ) && self.attention_bias
     }
 
     /// An RMSNorm over each head's queries and keys (Qwen3).

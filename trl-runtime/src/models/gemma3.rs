@@ -17,9 +17,13 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 
+/// The `model_type`s this file reads.
+pub const MODEL_TYPES: &[&str] = &["gemma3_text"];
+
 /// The keys of a gemma3_text config.json this model reads (transformers' defaults).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct Gemma3Config {
+    pub model_type: String,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -100,6 +104,17 @@ impl Gemma3Config {
                 format!("not a valid gemma3_text config: {e}"),
             )
         })?;
+        if !MODEL_TYPES.contains(&c.model_type.as_str()) {
+            return Err(err(
+                "model_type",
+                format!(
+                    "'{}' is not read by this model (it reads {}): load it with \
+                     AutoModelForCausalLM",
+                    c.model_type,
+                    MODEL_TYPES.join(", ")
+                ),
+            ));
+        }
         if Activation::parse(&c.hidden_activation) != Some(Activation::GeluTanh) {
             return Err(err(
                 "hidden_activation",

@@ -1,4 +1,4 @@
-//! The Llama / Qwen2 decoder: token embedding, N x (RMSNorm -> attention with rotary
+//! The Llama family's decoder (llama, qwen2, qwen3, mistral, smollm3): token embedding, N x (RMSNorm -> attention with rotary
 //! embeddings and grouped-query heads -> residual, RMSNorm -> SwiGLU MLP -> residual), final
 //! RMSNorm, LM head (tied to the embedding or not). Logits for every position.
 //!
@@ -17,6 +17,9 @@ use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
+/// The `model_type`s this file reads.
+pub const MODEL_TYPES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "smollm3"];
+
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]
 struct DecoderLayer {
@@ -34,6 +37,9 @@ pub struct Llama {
     /// Each layer's sliding attention window (None: full attention).
     #[parallel(skip)]
     windows: Vec<Option<usize>>,
+    /// Whether each layer applies rotary embeddings (SmolLM3's NoPE layers do not).
+    #[parallel(skip)]
+    ropes: Vec<bool>,
     #[parallel(tp = "vocab", name = "model.embed_tokens")]
     embed_tokens: Embedding,
     #[parallel(name = "model.layers")]
@@ -48,7 +54,7 @@ impl CausalModel for Llama {
     type Config = ModelConfig;
 
     fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
-        ModelConfig::from_json(text, source)
+        ModelConfig::from_json_for(text, source, MODEL_TYPES)
     }
 
     fn new(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Self> {
@@ -91,9 +97,13 @@ impl CausalModel for Llama {
         let windows = config
             .layer_windows()
             .map_err(|(key, m)| candle_core::Error::Msg(format!("config.json, {key}: {m}")))?;
+        let ropes = config
+            .layer_ropes()
+            .map_err(|(key, m)| candle_core::Error::Msg(format!("config.json, {key}: {m}")))?;
         Ok(Llama {
             rope,
             windows,
+            ropes,
             embed_tokens,
             layers,
             norm: rms_norm(h, eps, m.pp("norm"))?,
@@ -110,7 +120,8 @@ impl CausalModel for Llama {
     }
 
     fn layer(&self, l: usize, x: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
-        layer_forward(&self.layers[l], self.windows[l], &self.rope, cx, x).map_err(candle)
+        let rope = self.ropes[l].then_some(&self.rope);
+        layer_forward(&self.layers[l], self.windows[l], rope, cx, x).map_err(candle)
     }
 
     fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -135,12 +146,12 @@ impl CausalModel for Llama {
 fn layer_forward(
     layer: &DecoderLayer,
     window: Option<usize>,
-    rope: &RotaryEmbedding,
+    rope: Option<&RotaryEmbedding>,
     cx: &LayerInputs,
     x: &Tensor,
 ) -> Result<Tensor> {
     let h = layer.input_layernorm.forward(x)?;
-    let x = (x + layer.self_attn.forward(&h, cx, Some(rope), window)?)?;
+    let x = (x + layer.self_attn.forward(&h, cx, rope, window)?)?;
     let h = layer.post_attention_layernorm.forward(&x)?;
     Ok((&x + layer.mlp.forward(cx, &h)?)?)
 }

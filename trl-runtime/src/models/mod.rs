@@ -9,9 +9,10 @@ pub mod causal;
 pub mod config;
 pub mod gemma3;
 pub mod llama;
+pub mod olmo2;
 pub mod params;
 
-pub use auto::{AutoModelForCausalLM, MODEL_TYPES};
+pub use auto::{model_types, AutoModelForCausalLM};
 pub use causal::{CausalModel, LayerInputs};
 pub use config::{Architecture, ModelConfig};
 pub use gemma3::Gemma3;
