@@ -68,7 +68,7 @@ macro_rules! registry {
                 let model_type = model_type(text, source)?;
                 $(
                     if $model_types.contains(&model_type.as_str()) {
-                        return Ok(AutoConfig::$Variant(<$Net>::parse_config(text, source)?));
+                        return Ok(AutoConfig::$Variant(<$Net as CausalModel>::parse_config(text, source)?));
                     }
                 )*
                 Err(Error::Config {
@@ -84,7 +84,7 @@ macro_rules! registry {
 
             fn new(config: &AutoConfig, vb: VarBuilder) -> candle_core::Result<Self> {
                 Ok(match config {
-                    $( AutoConfig::$Variant(c) => AutoModelForCausalLM::$Variant(<$Net>::new(c, vb)?), )*
+                    $( AutoConfig::$Variant(c) => AutoModelForCausalLM::$Variant(<$Net as CausalModel>::new(c, vb)?), )*
                 })
             }
 

@@ -1,13 +1,15 @@
 //! Blocks the built-in models share, each a plain `#[derive(Parallelize)]` struct with its tp
-//! plan: self-attention (grouped-query heads, optional per-head q/k norms, rotary, an optional
-//! sliding window) and the gated MLP (SwiGLU, or GeGLU with tanh GELU).
+//! plan: self-attention (grouped-query heads, optional q/k norms, rotary, an optional sliding
+//! window), the gated MLP (SwiGLU, or GeGLU with tanh GELU), and the [`Decoder`] body
+//! (embedding, layers, final norm, LM head) that makes a model file's [`Layer`] a model.
 
-use super::causal::LayerInputs;
+use super::causal::{CausalModel, LayerInputs};
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
 use crate::kernels::fused::{rotary as apply_rotary, swap_heads};
 use crate::nn::tiled_mlp::tiled_swiglu;
-use crate::nn::{linear, linear_no_bias, rms_norm, Linear, RmsNorm, RotaryEmbedding, Weight};
+use crate::nn::{embedding, linear, linear_no_bias, rms_norm};
+use crate::nn::{Embedding, Linear, RmsNorm, RotaryEmbedding, Weight};
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
@@ -268,4 +270,129 @@ impl GatedMlp {
 /// A model error as Candle's (what `CausalModel::layer` returns).
 pub fn candle(e: Error) -> candle_core::Error {
     e.into_candle()
+}
+
+/// A decoder layer as a model file writes it (its struct, with what it needs per layer:
+/// window, rotary table), turned into a whole model by [`Decoder`].
+pub trait Layer: Parallelize + Send + Sync + Sized + 'static {
+    /// The model's config.json, as this file reads it.
+    type Config;
+    /// Reads config.json, refusing `model_type`s this file does not read and values it does
+    /// not implement (errors name `source` and the key).
+    fn parse_config(text: &str, source: &str) -> Result<Self::Config>;
+    /// The model: usually [`Decoder::from_layers`] over this file's layers.
+    fn build(config: &Self::Config, vb: VarBuilder) -> candle_core::Result<Decoder<Self>>;
+    fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor>;
+    /// Its attention (head counts for sequence parallelism's checks).
+    fn attention(&self) -> &SelfAttention;
+    /// Whether its MLP runs in sequence tiles under `tiled_mlp`.
+    fn tiles_mlp(&self) -> bool;
+}
+
+/// transformers' body around a model's layers: `model.embed_tokens`, `model.layers`,
+/// `model.norm` and `lm_head` (tied to the embedding or its own), vocab-parallel under tp.
+#[derive(Parallelize)]
+pub struct Decoder<L: Layer> {
+    /// Embeddings are multiplied by this (Gemma: sqrt(hidden), in the weights' dtype).
+    #[parallel(skip)]
+    pub embed_scale: Option<f64>,
+    /// Final-logit soft-capping.
+    #[parallel(skip)]
+    pub logit_softcap: Option<f64>,
+    #[parallel(tp = "vocab", name = "model.embed_tokens")]
+    pub embed_tokens: Embedding,
+    #[parallel(name = "model.layers")]
+    pub layers: Vec<L>,
+    #[parallel(name = "model.norm")]
+    pub norm: RmsNorm,
+    #[parallel(tp = "vocab")]
+    pub lm_head: Linear,
+}
+
+/// The sizes of a [`Decoder`]'s body.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyShape {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub layers: usize,
+    pub tied: bool,
+    pub norm: NormKind,
+}
+
+impl<L: Layer> Decoder<L> {
+    /// The body of `shape` from `vb` with `layer(l, vb)` building layer `l` from its prefix
+    /// (`model.layers.l`).
+    pub fn from_layers(
+        shape: BodyShape,
+        vb: VarBuilder,
+        layer: impl Fn(usize, VarBuilder) -> candle_core::Result<L>,
+    ) -> candle_core::Result<Self> {
+        let m = vb.pp("model");
+        let layers = (0..shape.layers)
+            .map(|l| layer(l, m.pp("layers").pp(l)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let embed_tokens = embedding(shape.vocab, shape.hidden, m.pp("embed_tokens"))?;
+        let lm_head = match shape.tied {
+            true => Linear::from_weights(embed_tokens.weight.clone(), None),
+            false => linear_no_bias(shape.hidden, shape.vocab, vb.pp("lm_head"))?,
+        };
+        Ok(Decoder {
+            embed_scale: None,
+            logit_softcap: None,
+            embed_tokens,
+            layers,
+            norm: shape.norm.build(shape.hidden, m.pp("norm"))?,
+            lm_head,
+        })
+    }
+}
+
+impl<L: Layer> CausalModel for Decoder<L> {
+    type Config = L::Config;
+
+    fn parse_config(text: &str, source: &str) -> Result<L::Config> {
+        L::parse_config(text, source)
+    }
+
+    fn new(config: &L::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        L::build(config, vb)
+    }
+
+    fn embed(&self, input_ids: &Tensor, _: &LayerInputs) -> candle_core::Result<Tensor> {
+        let x = self.embed_tokens.forward(input_ids)?;
+        match self.embed_scale {
+            // transformers multiplies by the scale cast to the weights' dtype.
+            Some(s) => x.broadcast_mul(&Tensor::new(&[s as f32], x.device())?.to_dtype(x.dtype())?),
+            None => Ok(x),
+        }
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer(&self, l: usize, x: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
+        self.layers[l].forward(x, cx).map_err(candle)
+    }
+
+    fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.norm.forward(x)
+    }
+
+    fn lm_head(&self) -> &Linear {
+        &self.lm_head
+    }
+
+    fn logit_softcap(&self) -> Option<f64> {
+        self.logit_softcap
+    }
+
+    fn heads(&self) -> Option<(usize, usize)> {
+        let attn = self.layers.first()?.attention();
+        Some((attn.num_heads, attn.num_kv_heads))
+    }
+
+    fn supports_tiled_mlp(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.tiles_mlp())
+    }
 }

@@ -7,15 +7,16 @@
 //!
 //! The tp plan is Llama's (blocks.rs); each layer is one FSDP unit.
 
-use super::blocks::{candle, Activation, AttentionShape, GatedMlp, NormKind, SelfAttention};
-use super::causal::{CausalModel, LayerInputs};
+use super::blocks::SelfAttention;
+use super::blocks::{Activation, AttentionShape, BodyShape, Decoder, GatedMlp, Layer, NormKind};
+use super::causal::LayerInputs;
 use crate::error::{Error, Result};
-use crate::nn::RotaryEmbedding;
-use crate::nn::{embedding, linear_no_bias, Embedding, Linear, RmsNorm, RopeScaling};
+use crate::nn::{RmsNorm, RopeScaling, RotaryEmbedding};
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use serde::Deserialize;
+use std::sync::Arc;
 
 /// The `model_type`s this file reads.
 pub const MODEL_TYPES: &[&str] = &["gemma3_text"];
@@ -226,57 +227,39 @@ impl Gemma3Config {
     }
 }
 
+/// Gemma3ForCausalLM.
+pub type Gemma3 = Decoder<Gemma3Layer>;
+
+/// x + norm(attention(norm(x))), then + norm(mlp(norm(x))).
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]
-struct DecoderLayer {
+pub struct Gemma3Layer {
     input_layernorm: RmsNorm,
     self_attn: SelfAttention,
     post_attention_layernorm: RmsNorm,
     pre_feedforward_layernorm: RmsNorm,
     mlp: GatedMlp,
     post_feedforward_layernorm: RmsNorm,
+    /// The global or the local (sliding layers') rotary table.
+    #[parallel(skip)]
+    rope: Arc<RotaryEmbedding>,
+    /// The sliding window (None: a global layer).
+    #[parallel(skip)]
+    window: Option<usize>,
 }
 
-/// Gemma3ForCausalLM.
-#[derive(Parallelize)]
-pub struct Gemma3 {
-    #[parallel(skip)]
-    global_rope: RotaryEmbedding,
-    #[parallel(skip)]
-    local_rope: RotaryEmbedding,
-    /// Each layer's sliding window (None: a global layer).
-    #[parallel(skip)]
-    windows: Vec<Option<usize>>,
-    #[parallel(skip)]
-    embed_scale: f64,
-    #[parallel(skip)]
-    final_logit_softcapping: Option<f64>,
-    #[parallel(tp = "vocab", name = "model.embed_tokens")]
-    embed_tokens: Embedding,
-    #[parallel(name = "model.layers")]
-    layers: Vec<DecoderLayer>,
-    #[parallel(name = "model.norm")]
-    norm: RmsNorm,
-    #[parallel(tp = "vocab")]
-    lm_head: Linear,
-}
-
-impl CausalModel for Gemma3 {
+impl Layer for Gemma3Layer {
     type Config = Gemma3Config;
 
     fn parse_config(text: &str, source: &str) -> Result<Gemma3Config> {
         Gemma3Config::parse(text, source)
     }
 
-    fn new(c: &Gemma3Config, vb: VarBuilder) -> candle_core::Result<Self> {
+    fn build(c: &Gemma3Config, vb: VarBuilder) -> candle_core::Result<Gemma3> {
         let bad = |(key, m): (&str, String)| candle_core::Error::Msg(format!("{key}: {m}"));
-        let (global_rope, local_rope) = c.ropes().map_err(bad)?;
-        let windows = c
-            .layer_kinds()
-            .map_err(bad)?
-            .into_iter()
-            .map(|sliding| c.sliding_window.filter(|_| sliding))
-            .collect();
+        let (global, local) = c.ropes().map_err(bad)?;
+        let (global, local) = (Arc::new(global), Arc::new(local));
+        let sliding = c.layer_kinds().map_err(bad)?;
         let (h, d) = (c.hidden_size, c.head_dim);
         let norm = NormKind {
             eps: c.rms_norm_eps,
@@ -292,89 +275,52 @@ impl CausalModel for Gemma3 {
         };
         // The kernels scale scores by 1/sqrt(head_dim); Gemma's is 1/sqrt(query_pre_attn_scalar).
         let query_scale = (d as f64 / c.query_pre_attn_scalar as f64).sqrt();
-        let m = vb.pp("model");
-        let layers = (0..c.num_hidden_layers)
-            .map(|l| {
-                let vb = m.pp("layers").pp(l);
-                let mut self_attn = SelfAttention::new(shape, vb.pp("self_attn"), Some(norm))?;
-                self_attn.query_scale = Some(query_scale).filter(|s| (s - 1.0).abs() > 1e-12);
-                Ok(DecoderLayer {
-                    input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                    self_attn,
-                    post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
-                    pre_feedforward_layernorm: norm.build(h, vb.pp("pre_feedforward_layernorm"))?,
-                    mlp: GatedMlp::new(
-                        (h, c.intermediate_size),
-                        false,
-                        Activation::GeluTanh,
-                        vb.pp("mlp"),
-                    )?,
-                    post_feedforward_layernorm: norm
-                        .build(h, vb.pp("post_feedforward_layernorm"))?,
-                })
+        let body = BodyShape {
+            vocab: c.vocab_size,
+            hidden: h,
+            layers: c.num_hidden_layers,
+            tied: c.tie_word_embeddings,
+            norm,
+        };
+        let mut model = Decoder::from_layers(body, vb, |l, vb| {
+            let mut self_attn = SelfAttention::new(shape, vb.pp("self_attn"), Some(norm))?;
+            self_attn.query_scale = Some(query_scale).filter(|s| (s - 1.0).abs() > 1e-12);
+            let mlp = (h, c.intermediate_size);
+            Ok(Gemma3Layer {
+                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
+                self_attn,
+                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                pre_feedforward_layernorm: norm.build(h, vb.pp("pre_feedforward_layernorm"))?,
+                mlp: GatedMlp::new(mlp, false, Activation::GeluTanh, vb.pp("mlp"))?,
+                post_feedforward_layernorm: norm.build(h, vb.pp("post_feedforward_layernorm"))?,
+                rope: match sliding[l] {
+                    true => local.clone(),
+                    false => global.clone(),
+                },
+                window: c.sliding_window.filter(|_| sliding[l]),
             })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let embed_tokens = embedding(c.vocab_size, h, m.pp("embed_tokens"))?;
-        let lm_head = match c.tie_word_embeddings {
-            true => Linear::from_weights(embed_tokens.weight.clone(), None),
-            false => linear_no_bias(h, c.vocab_size, vb.pp("lm_head"))?,
-        };
-        Ok(Gemma3 {
-            global_rope,
-            local_rope,
-            windows,
-            embed_scale: (h as f64).sqrt(),
-            final_logit_softcapping: c.final_logit_softcapping,
-            embed_tokens,
-            layers,
-            norm: norm.build(h, m.pp("norm"))?,
-            lm_head,
-        })
+        })?;
+        model.embed_scale = Some((h as f64).sqrt());
+        model.logit_softcap = c.final_logit_softcapping;
+        Ok(model)
     }
 
-    fn embed(&self, input_ids: &Tensor, _: &LayerInputs) -> candle_core::Result<Tensor> {
-        let x = self.embed_tokens.forward(input_ids)?;
-        // transformers multiplies by the scale cast to the weights' dtype.
-        let scale = Tensor::new(&[self.embed_scale as f32], x.device())?.to_dtype(x.dtype())?;
-        x.broadcast_mul(&scale)
+    fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let a = self
+            .self_attn
+            .forward(&h, cx, Some(&self.rope), self.window)?;
+        let x = (x + self.post_attention_layernorm.forward(&a)?)?;
+        let h = self.pre_feedforward_layernorm.forward(&x)?;
+        let m = self.mlp.forward(cx, &h)?;
+        Ok((&x + self.post_feedforward_layernorm.forward(&m)?)?)
     }
 
-    fn num_layers(&self) -> usize {
-        self.layers.len()
+    fn attention(&self) -> &SelfAttention {
+        &self.self_attn
     }
 
-    fn layer(&self, l: usize, x: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
-        let layer = &self.layers[l];
-        let window = self.windows[l];
-        let rope = match window {
-            Some(_) => &self.local_rope,
-            None => &self.global_rope,
-        };
-        let run = || -> Result<Tensor> {
-            let h = layer.input_layernorm.forward(x)?;
-            let a = layer.self_attn.forward(&h, cx, Some(rope), window)?;
-            let x = (x + layer.post_attention_layernorm.forward(&a)?)?;
-            let h = layer.pre_feedforward_layernorm.forward(&x)?;
-            let m = layer.mlp.forward(cx, &h)?;
-            Ok((&x + layer.post_feedforward_layernorm.forward(&m)?)?)
-        };
-        run().map_err(candle)
-    }
-
-    fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.norm.forward(x)
-    }
-
-    fn lm_head(&self) -> &Linear {
-        &self.lm_head
-    }
-
-    fn logit_softcap(&self) -> Option<f64> {
-        self.final_logit_softcapping
-    }
-
-    fn heads(&self) -> Option<(usize, usize)> {
-        let attn = &self.layers.first()?.self_attn;
-        Some((attn.num_heads, attn.num_kv_heads))
+    fn tiles_mlp(&self) -> bool {
+        false
     }
 }
