@@ -162,7 +162,7 @@ pub fn transformers_python() -> Option<std::path::PathBuf> {
 /// do (within 1e-4, f32) on two random rows; skipped with a message without transformers.
 #[allow(dead_code)]
 pub fn opens_in_transformers(dir: &Path) {
-    use trl_runtime::candle_core::{DType, Device, Tensor};
+    use trl_runtime::candle_core::DType;
     use trl_runtime::models::AutoModelForCausalLM;
     let Some(python) = transformers_python() else {
         return;
@@ -207,14 +207,7 @@ pub fn opens_in_transformers(dir: &Path) {
     );
     let want = trl_runtime::candle_core::safetensors::load(&out_file, &Device::Cpu).unwrap();
     let got = model.forward(&ids, &pos).unwrap();
-    let diff = (got - &want["logits"])
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_diff(&got, &want["logits"]);
     eprintln!(
         "{}: transformers opens it, max |logits - ours| = {diff:e}",
         dir.display()

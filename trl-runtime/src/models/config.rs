@@ -1,5 +1,6 @@
 //! An HF `config.json` of the Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, OLMo 2).
 
+use super::blocks::{AttentionShape, BodyShape, NormKind};
 use crate::error::{Error, Result};
 use crate::nn::RopeScaling;
 use serde::{Deserialize, Serialize};
@@ -327,6 +328,30 @@ impl ModelConfig {
             },
         };
         Ok((0..n).map(|l| !(l + 1).is_multiple_of(interval)).collect())
+    }
+
+    /// The Llama family's shapes of its blocks: RMSNorms, attention, the decoder's body.
+    pub fn shapes(&self) -> (NormKind, AttentionShape, BodyShape) {
+        let norm = NormKind {
+            eps: self.rms_norm_eps,
+            gemma: false,
+        };
+        let attention = AttentionShape {
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_kv_heads(),
+            head_dim: self.head_dim(),
+            qkv_bias: self.qkv_bias(),
+            o_bias: self.o_bias(),
+        };
+        let body = BodyShape {
+            vocab: self.vocab_size,
+            hidden: self.hidden_size,
+            layers: self.num_hidden_layers,
+            tied: self.tie_word_embeddings,
+            norm,
+        };
+        (norm, attention, body)
     }
 
     pub fn num_kv_heads(&self) -> usize {

@@ -8,7 +8,7 @@
 //! `parallel::Model::loss` never gathers them), and head counts are divided by the tp size.
 
 use super::blocks::SelfAttention;
-use super::blocks::{Activation, AttentionShape, BodyShape, Decoder, GatedMlp, Layer, NormKind};
+use super::blocks::{Activation, Decoder, GatedMlp, Layer};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use crate::error::Result;
@@ -57,26 +57,8 @@ impl Layer for LlamaLayer {
         let windows = config.layer_windows().map_err(bad)?;
         let ropes = config.layer_ropes().map_err(bad)?;
         let (h, i) = (config.hidden_size, config.intermediate_size);
-        let norm = NormKind {
-            eps: config.rms_norm_eps,
-            gemma: false,
-        };
-        let shape = AttentionShape {
-            hidden: h,
-            heads: config.num_attention_heads,
-            kv_heads: config.num_kv_heads(),
-            head_dim: config.head_dim(),
-            qkv_bias: config.qkv_bias(),
-            o_bias: config.o_bias(),
-        };
+        let (norm, shape, body) = config.shapes();
         let qk_norm = config.qk_norm().then_some(norm);
-        let body = BodyShape {
-            vocab: config.vocab_size,
-            hidden: h,
-            layers: config.num_hidden_layers,
-            tied: config.tie_word_embeddings,
-            norm,
-        };
         Decoder::from_layers(body, vb, |l, vb| {
             Ok(LlamaLayer {
                 input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,

@@ -7,7 +7,7 @@
 //! gradients are partial sums over tp (found at the first step, as Qwen3's).
 
 use super::blocks::SelfAttention;
-use super::blocks::{Activation, AttentionShape, BodyShape, Decoder, GatedMlp, Layer, NormKind};
+use super::blocks::{Activation, Decoder, GatedMlp, Layer};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use crate::error::Result;
@@ -49,25 +49,8 @@ impl Layer for Olmo2Layer {
         let rope = Arc::new(rope);
         let (h, d) = (config.hidden_size, config.head_dim());
         let (heads, kv_heads) = (config.num_attention_heads, config.num_kv_heads());
-        let norm = NormKind {
-            eps: config.rms_norm_eps,
-            gemma: false,
-        };
-        let shape = AttentionShape {
-            hidden: h,
-            heads,
-            kv_heads,
-            head_dim: d,
-            qkv_bias: config.attention_bias,
-            o_bias: config.attention_bias,
-        };
-        let body = BodyShape {
-            vocab: config.vocab_size,
-            hidden: h,
-            layers: config.num_hidden_layers,
-            tied: config.tie_word_embeddings,
-            norm,
-        };
+        // OLMo 2's attention_bias puts a bias on o too.
+        let (norm, shape, body) = config.shapes();
         Decoder::from_layers(body, vb, |_, vb| {
             let attn = vb.pp("self_attn");
             let mut self_attn = SelfAttention::new(shape, attn.clone(), None)?;
