@@ -10,6 +10,8 @@ computes for them.
   (max_window_layers 1): one full-attention layer, one sliding.
 - smollm3: SmolLM3ForCausalLM with 4 layers, every second one without rotary embeddings
   (no_rope_layer_interval 2).
+- llama-longrope: LlamaForCausalLM with longrope scaling (Phi-3's) from 16 original positions:
+  the 24-token inputs use the long factors and the attention factor.
 - olmo2: Olmo2ForCausalLM (norms after attention and MLP, q/k norms over the whole
   projections), untied.
 - gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
@@ -20,7 +22,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|llama-longrope
 """
 
 import sys
@@ -29,6 +31,8 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Olmo2Config,
@@ -77,6 +81,20 @@ elif kind == "smollm3":
         no_rope_layer_interval=2, pad_token_id=0, **{**common, "num_hidden_layers": 4}
     )
     model_class = SmolLM3ForCausalLM
+elif kind == "llama-longrope":
+    half = common["head_dim"] // 2
+    config = LlamaConfig(
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [1.0 + 0.7 * i for i in range(half)],
+        },
+        **common,
+    )
+    model_class = LlamaForCausalLM
 elif kind == "olmo2":
     config = Olmo2Config(tie_word_embeddings=False, pad_token_id=0, **common)
     model_class = Olmo2ForCausalLM
@@ -93,7 +111,7 @@ elif kind == "gemma3":
     )
     model_class = Gemma3ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2 or gemma3")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3 or llama-longrope")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.

@@ -5,7 +5,9 @@
 //! step; TRL_CHECK_TP_GRADS=1 checks every step), Mistral, whose sliding window (6 tokens
 //! in the fixture, shorter than the rows) crosses the chunks of ring attention and Ulysses, and
 //! Gemma 3 (sliding and global layers, (1 + w) norms, per-head q/k norms), SmolLM3 (NoPE
-//! layers) and OLMo 2 (q/k norms over the whole projections: gathered under tp). Each saved
+//! layers), OLMo 2 (q/k norms over the whole projections: gathered under tp), and a Llama with
+//! longrope from 16 original positions, whose tables follow the whole row's length under ring
+//! attention and Ulysses (a rank's part alone would pick the other factors). Each saved
 //! checkpoint opens in transformers with our logits (when a Python with transformers is there).
 
 mod common;
@@ -107,5 +109,14 @@ fn olmo2_under_every_cpu_profile_equals_one_process() {
     let tp = every_profile("olmo2", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"olmo2\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+#[test]
+fn longrope_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("llama-longrope", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"longrope\""), "{config}");
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }

@@ -328,7 +328,7 @@ fn matches_transformers_fixture() {
 /// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
 /// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
-/// tiny-smollm3 and tiny-olmo2
+/// tiny-smollm3, tiny-olmo2 and tiny-llama-longrope
 /// (scripts/make_decoder_fixture.py).
 #[test]
 fn every_built_in_model_type_matches_transformers() {
@@ -339,6 +339,7 @@ fn every_built_in_model_type_matches_transformers() {
         ("gemma3", "model.layers.2.post_feedforward_layernorm.weight"),
         ("smollm3", "model.layers.3.self_attn.q_proj.weight"),
         ("olmo2", "model.layers.1.self_attn.k_norm.weight"),
+        ("llama-longrope", "lm_head.weight"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

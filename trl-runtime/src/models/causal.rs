@@ -192,7 +192,20 @@ impl LayerInputs {
     pub fn cos_sin(&self, rope: &RotaryEmbedding) -> candle_core::Result<(Tensor, Tensor)> {
         let key = rope as *const RotaryEmbedding as usize;
         self.rotary.get_or_build(key, || {
-            rope.cos_sin(&self.position_ids, self.dtype, &self.device)
+            // Tables that depend on the length (dynamic NTK, longrope) follow the whole
+            // sequence's, not this rank's part of it.
+            let max_position = match (&self.split, rope.depends_on_length()) {
+                (Some(split), true) => {
+                    let local = self.position_ids.to_dtype(DType::F64)?.max_all()?;
+                    let global = split
+                        .group
+                        .all_reduce(&local.reshape(1)?, crate::comm::ReduceOp::Max)
+                        .map_err(|e| e.into_candle())?;
+                    Some(global.to_vec1::<f64>()?[0] as i64)
+                }
+                _ => None,
+            };
+            rope.cos_sin_within(&self.position_ids, max_position, self.dtype, &self.device)
         })
     }
 

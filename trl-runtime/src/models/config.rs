@@ -199,11 +199,23 @@ impl ModelConfig {
             Some(p) => (p.rope_theta.unwrap_or(self.rope_theta), Some(p)),
             None => (self.rope_theta, self.rope_scaling.as_ref()),
         };
+        // Phi-3's configs keep original_max_position_embeddings beside rope_scaling.
+        let mut scaling = scaling.cloned();
+        if let Some(s) = scaling
+            .as_mut()
+            .filter(|s| s.original_max_position_embeddings.is_none())
+        {
+            s.original_max_position_embeddings = self
+                .extra
+                .get("original_max_position_embeddings")
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize);
+        }
         crate::nn::RotaryEmbedding::new(
             self.head_dim(),
             theta,
             self.max_position_embeddings,
-            scaling,
+            scaling.as_ref(),
         )
     }
 

@@ -28,6 +28,11 @@ pub struct RopeScaling {
     pub attention_factor: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub truncate: Option<bool>,
+    /// longrope's per-frequency divisors for rows within / beyond the original length.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_factor: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_factor: Option<Vec<f64>>,
     /// Keys this code does not read, kept so a saved config.json carries them.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -37,7 +42,16 @@ fn default_rope_type() -> String {
     "default".into()
 }
 
-pub const ROPE_TYPES: &[&str] = &["default", "linear", "dynamic", "llama3", "yarn"];
+pub const ROPE_TYPES: &[&str] = &["default", "linear", "dynamic", "llama3", "yarn", "longrope"];
+
+/// longrope (Phi-3's): the frequencies divided by `short` while a forward's positions stay
+/// within `original` tokens, by `long` beyond.
+#[derive(Debug, Clone)]
+struct LongRope {
+    short: Vec<f64>,
+    long: Vec<f64>,
+    original: usize,
+}
 
 #[derive(Debug, Clone)]
 pub struct RotaryEmbedding {
@@ -46,6 +60,7 @@ pub struct RotaryEmbedding {
     attention_scaling: f64,
     /// Dynamic NTK: (factor, max_position_embeddings, base) to rescale for longer inputs.
     dynamic: Option<(f64, usize, f64)>,
+    longrope: Option<LongRope>,
     head_dim: usize,
 }
 
@@ -67,6 +82,7 @@ impl RotaryEmbedding {
             inv_freq: base_inv_freq(rope_theta, head_dim),
             attention_scaling: 1.0,
             dynamic: None,
+            longrope: None,
             head_dim,
         };
         let Some(s) = scaling else { return Ok(rope) };
@@ -135,6 +151,38 @@ impl RotaryEmbedding {
                     s.attention_factor
                         .unwrap_or(if f <= 1.0 { 1.0 } else { 0.1 * f.ln() + 1.0 });
             }
+            "longrope" => {
+                let original = s.original_max_position_embeddings.ok_or(
+                    "rope_scaling of type longrope needs `original_max_position_embeddings`",
+                )?;
+                let half = head_dim / 2;
+                let factors = |f: &Option<Vec<f64>>, key: &str| match f {
+                    Some(f) if f.len() == half => Ok(f.clone()),
+                    Some(f) => Err(format!(
+                        "longrope's {key} has {} values: give one per rotary frequency ({half})",
+                        f.len()
+                    )),
+                    None => Err(format!("rope_scaling of type longrope needs `{key}`")),
+                };
+                let (short, long) = (
+                    factors(&s.short_factor, "short_factor")?,
+                    factors(&s.long_factor, "long_factor")?,
+                );
+                // transformers: the factor defaults to the ratio of the lengths.
+                let f = s
+                    .factor
+                    .unwrap_or(max_position_embeddings as f64 / original as f64);
+                rope.attention_scaling = s.attention_factor.unwrap_or(if f <= 1.0 {
+                    1.0
+                } else {
+                    (1.0 + f.ln() / (original as f64).ln()).sqrt()
+                });
+                rope.longrope = Some(LongRope {
+                    short,
+                    long,
+                    original,
+                });
+            }
             other => {
                 return Err(format!(
                     "rope_scaling type '{other}' is not supported: use one of {}",
@@ -145,6 +193,13 @@ impl RotaryEmbedding {
         Ok(rope)
     }
 
+    /// Whether the tables depend on the largest position of the forward (dynamic NTK,
+    /// longrope): under a sequence split it must be the whole sequence's
+    /// ([`Self::cos_sin_within`]).
+    pub fn depends_on_length(&self) -> bool {
+        self.dynamic.is_some() || self.longrope.is_some()
+    }
+
     /// cos and sin, each [batch, seq, head_dim], for integer `position_ids` [batch, seq].
     pub fn cos_sin(
         &self,
@@ -152,12 +207,38 @@ impl RotaryEmbedding {
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
+        self.cos_sin_within(position_ids, None, dtype, device)
+    }
+
+    /// [`Self::cos_sin`] for part of a sequence whose largest position is `max_position`
+    /// (None: the largest of `position_ids`).
+    pub fn cos_sin_within(
+        &self,
+        position_ids: &Tensor,
+        max_position: Option<i64>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let positions: Vec<Vec<i64>> = position_ids.to_dtype(DType::I64)?.to_vec2()?;
         let (b, s) = (positions.len(), positions.first().map_or(0, Vec::len));
         let half = self.head_dim / 2;
-        let inv_freq = match self.dynamic {
-            Some((factor, max_pos, base)) => {
-                let seq_len = positions.iter().flatten().copied().max().unwrap_or(0) as usize + 1;
+        let max_position =
+            max_position.unwrap_or_else(|| positions.iter().flatten().copied().max().unwrap_or(0));
+        let seq_len = max_position.max(0) as usize + 1;
+        let inv_freq = match (self.dynamic, &self.longrope) {
+            (_, Some(l)) => {
+                let factors = if seq_len > l.original {
+                    &l.long
+                } else {
+                    &l.short
+                };
+                self.inv_freq
+                    .iter()
+                    .zip(factors)
+                    .map(|(f, e)| f / e)
+                    .collect()
+            }
+            (Some((factor, max_pos, base)), None) => {
                 if seq_len > max_pos {
                     let d = self.head_dim as f64;
                     let scaled = base
@@ -168,7 +249,7 @@ impl RotaryEmbedding {
                     self.inv_freq.clone()
                 }
             }
-            None => self.inv_freq.clone(),
+            (None, None) => self.inv_freq.clone(),
         };
         let mut cos = Vec::with_capacity(b * s * self.head_dim);
         let mut sin = Vec::with_capacity(b * s * self.head_dim);
@@ -197,3 +278,40 @@ impl RotaryEmbedding {
 }
 
 pub use crate::kernels::fused::apply_rotary;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// longrope divides by the short factors while the largest position stays within the
+    /// original length, by the long ones beyond, and scales by its attention factor; a part
+    /// of a sequence follows the largest position it is given.
+    #[test]
+    fn longrope_picks_its_factors_by_length() {
+        let scaling = RopeScaling {
+            rope_type: "longrope".into(),
+            original_max_position_embeddings: Some(8),
+            short_factor: Some(vec![2.0, 1.0]),
+            long_factor: Some(vec![4.0, 1.0]),
+            ..serde_json::from_str(r#"{"rope_type": "longrope"}"#).unwrap()
+        };
+        let rope = RotaryEmbedding::new(4, 10000.0, 32, Some(&scaling)).unwrap();
+        let scale = (1.0 + 4f64.ln() / 8f64.ln()).sqrt();
+        let pos = Tensor::new(&[[1i64, 2]], &Device::Cpu).unwrap();
+        let cos0 = |max: Option<i64>| -> f64 {
+            let (cos, _) = rope
+                .cos_sin_within(&pos, max, DType::F64, &Device::Cpu)
+                .unwrap();
+            cos.flatten_all().unwrap().to_vec1::<f64>().unwrap()[0]
+        };
+        assert!((cos0(None) - (1.0f64 / 2.0).cos() * scale).abs() < 1e-6);
+        assert!((cos0(Some(20)) - (1.0f64 / 4.0).cos() * scale).abs() < 1e-6);
+        // A factor list of the wrong length is named.
+        let bad = RopeScaling {
+            short_factor: Some(vec![1.0]),
+            ..scaling
+        };
+        let e = RotaryEmbedding::new(4, 10000.0, 32, Some(&bad)).unwrap_err();
+        assert!(e.contains("short_factor"), "{e}");
+    }
+}
