@@ -12,6 +12,8 @@ computes for them.
   (no_rope_layer_interval 2).
 - llama-longrope: LlamaForCausalLM with longrope scaling (Phi-3's) from 16 original positions:
   the 24-token inputs use the long factors and the attention factor.
+- phi3: Phi3ForCausalLM (fused qkv_proj and gate_up_proj) with partial rotary embeddings
+  (factor 0.5), longrope from 16 original positions and a 10-token sliding window.
 - olmo2: Olmo2ForCausalLM (norms after attention and MLP, q/k norms over the whole
   projections), untied.
 - gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
@@ -22,7 +24,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|llama-longrope
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|llama-longrope|phi3
 """
 
 import sys
@@ -37,6 +39,8 @@ from transformers import (
     MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -95,6 +99,25 @@ elif kind == "llama-longrope":
         **common,
     )
     model_class = LlamaForCausalLM
+elif kind == "phi3":
+    rotary_half = common["head_dim"] // 4
+    config = Phi3Config(
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        sliding_window=10,
+        # Phi3Config writes its own original_max_position_embeddings into rope_parameters.
+        original_max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+            "long_factor": [1.0 + 0.7 * i for i in range(rotary_half)],
+        },
+        **common,
+    )
+    model_class = Phi3ForCausalLM
 elif kind == "olmo2":
     config = Olmo2Config(tie_word_embeddings=False, pad_token_id=0, **common)
     model_class = Olmo2ForCausalLM
@@ -111,7 +134,7 @@ elif kind == "gemma3":
     )
     model_class = Gemma3ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3 or llama-longrope")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, llama-longrope or phi3")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.

@@ -7,7 +7,8 @@
 //! Gemma 3 (sliding and global layers, (1 + w) norms, per-head q/k norms), SmolLM3 (NoPE
 //! layers), OLMo 2 (q/k norms over the whole projections: gathered under tp), and a Llama with
 //! longrope from 16 original positions, whose tables follow the whole row's length under ring
-//! attention and Ulysses (a rank's part alone would pick the other factors). Each saved
+//! attention and Ulysses (a rank's part alone would pick the other factors), and Phi-3 (fused
+//! projections, whole on every tp rank; partial rotary; longrope; a sliding window). Each saved
 //! checkpoint opens in transformers with our logits (when a Python with transformers is there).
 
 mod common;
@@ -118,5 +119,14 @@ fn longrope_under_every_cpu_profile_equals_one_process() {
     let tp = every_profile("llama-longrope", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"longrope\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+#[test]
+fn phi3_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("phi3", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"phi3\""), "{config}");
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }

@@ -9,7 +9,7 @@
 
 use super::causal::{CausalModel, LayerInputs};
 use super::params::{FilesBackend, WeightFiles, CONFIG_FILE};
-use super::{gemma3, llama, olmo2};
+use super::{gemma3, llama, olmo2, phi3};
 use crate::error::{Error, Result};
 use crate::nn::module::TpContext;
 use crate::nn::module::{Parallelize, Split};
@@ -139,6 +139,7 @@ registry! {
     Llama(llama::Llama) = llama::MODEL_TYPES,
     Gemma3(gemma3::Gemma3) = gemma3::MODEL_TYPES,
     Olmo2(olmo2::Olmo2) = olmo2::MODEL_TYPES,
+    Phi3(phi3::Phi3) = phi3::MODEL_TYPES,
 }
 
 /// `model_type` of a config.json's text.

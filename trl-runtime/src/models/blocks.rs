@@ -122,30 +122,86 @@ impl SelfAttention {
         rope: Option<&RotaryEmbedding>,
         window: Option<usize>,
     ) -> Result<Tensor> {
-        let (b, s, _) = h.dims3()?;
+        let (q, k) = (self.q_proj.forward(h)?, self.k_proj.forward(h)?);
+        let v = self.v_proj.forward(h)?;
+        let a = self.heads().attend((q, k, v), cx, rope, window)?;
+        Ok(self.o_proj.forward(&a)?)
+    }
+
+    /// What happens between its projections.
+    pub fn heads(&self) -> Heads<'_> {
+        Heads {
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            q_norm: self.q_norm.as_ref(),
+            k_norm: self.k_norm.as_ref(),
+            norm_whole_projection: self.norm_whole_projection,
+            query_scale: self.query_scale,
+            rotary_dim: None,
+        }
+    }
+}
+
+/// Attention between the projections: heads split, q/k norms, rotary (on the first
+/// `rotary_dim` features of each head when given: partial rotary), the query scale, and
+/// attention within an optional window.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads<'a> {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub q_norm: Option<&'a RmsNorm>,
+    pub k_norm: Option<&'a RmsNorm>,
+    pub norm_whole_projection: bool,
+    pub query_scale: Option<f64>,
+    pub rotary_dim: Option<usize>,
+}
+
+impl Heads<'_> {
+    /// Projections q [b, s, heads * d] and k, v [b, s, kv_heads * d] (this rank's heads) to
+    /// attention's output [b, s, heads * d], before the output projection.
+    pub fn attend(
+        &self,
+        (q, k, v): (Tensor, Tensor, Tensor),
+        cx: &LayerInputs,
+        rope: Option<&RotaryEmbedding>,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
+        let (b, s, _) = q.dims3()?;
         let d = self.head_dim;
-        let (heads, kv_heads) = (self.num_heads, self.num_kv_heads);
         let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
             swap_heads(&t.reshape((b, s, n, d))?)
         };
         // q/k norms act over head_dim (or the whole projection), before rotary.
         let whole = self.norm_whole_projection;
         // `here`: whether this is where the norm goes (before the head split, or after it).
-        let norm = |t: Tensor, n: &Option<RmsNorm>, here: bool| -> Result<Tensor> {
+        let norm = |t: Tensor, n: Option<&RmsNorm>, here: bool| -> Result<Tensor> {
             match n {
                 Some(n) if here && whole => norm_whole(&t, n, cx),
                 Some(n) if here => Ok(n.forward(&t)?),
                 _ => Ok(t),
             }
         };
-        let (q, k) = (self.q_proj.forward(h)?, self.k_proj.forward(h)?);
-        let (q, k) = (norm(q, &self.q_norm, whole)?, norm(k, &self.k_norm, whole)?);
-        let q = norm(split(q, heads)?, &self.q_norm, !whole)?;
-        let k = norm(split(k, kv_heads)?, &self.k_norm, !whole)?;
+        let (q, k) = (norm(q, self.q_norm, whole)?, norm(k, self.k_norm, whole)?);
+        let q = norm(split(q, self.heads)?, self.q_norm, !whole)?;
+        let k = norm(split(k, self.kv_heads)?, self.k_norm, !whole)?;
         let (q, k) = match rope {
             Some(rope) => {
                 let (cos, sin) = cx.cos_sin(rope)?;
-                (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?)
+                let rotate = |t: &Tensor| -> candle_core::Result<Tensor> {
+                    match self.rotary_dim.filter(|&r| r < d) {
+                        Some(r) => Tensor::cat(
+                            &[
+                                apply_rotary(&t.narrow(3, 0, r)?.contiguous()?, &cos, &sin)?,
+                                t.narrow(3, r, d - r)?,
+                            ],
+                            3,
+                        ),
+                        None => apply_rotary(t, &cos, &sin),
+                    }
+                };
+                (rotate(&q)?, rotate(&k)?)
             }
             None => (q, k),
         };
@@ -153,10 +209,9 @@ impl SelfAttention {
             Some(scale) => (q * scale)?,
             None => q,
         };
-        let v = split(self.v_proj.forward(h)?, kv_heads)?;
-        let a =
-            swap_heads(&cx.attention_in_window(&q, &k, &v, window)?)?.reshape((b, s, heads * d))?;
-        Ok(self.o_proj.forward(&a)?)
+        let v = split(v, self.kv_heads)?;
+        let a = cx.attention_in_window(&q, &k, &v, window)?;
+        Ok(swap_heads(&a)?.reshape((b, s, self.heads * d))?)
     }
 }
 
@@ -283,8 +338,8 @@ pub trait Layer: Parallelize + Send + Sync + Sized + 'static {
     /// The model: usually [`Decoder::from_layers`] over this file's layers.
     fn build(config: &Self::Config, vb: VarBuilder) -> candle_core::Result<Decoder<Self>>;
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor>;
-    /// Its attention (head counts for sequence parallelism's checks).
-    fn attention(&self) -> &SelfAttention;
+    /// Its query and key/value heads on this rank (for sequence parallelism's checks).
+    fn attention_heads(&self) -> (usize, usize);
     /// Whether its MLP runs in sequence tiles under `tiled_mlp`.
     fn tiles_mlp(&self) -> bool;
 }
@@ -388,8 +443,7 @@ impl<L: Layer> CausalModel for Decoder<L> {
     }
 
     fn heads(&self) -> Option<(usize, usize)> {
-        let attn = self.layers.first()?.attention();
-        Some((attn.num_heads, attn.num_kv_heads))
+        Some(self.layers.first()?.attention_heads())
     }
 
     fn supports_tiled_mlp(&self) -> bool {

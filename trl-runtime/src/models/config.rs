@@ -19,6 +19,8 @@ pub enum Architecture {
     SmolLm3,
     /// Norms after attention and the MLP, q/k norms over the whole projections (models/olmo2.rs).
     Olmo2,
+    /// Fused qkv and gate/up projections, partial rotary (models/phi3.rs).
+    Phi3,
 }
 
 fn default_rms_eps() -> f64 {
@@ -174,6 +176,16 @@ impl ModelConfig {
                 format!("{} must be even for rotary embeddings", self.head_dim()),
             );
         }
+        let r = self.rotary_dim();
+        if r == 0 || !r.is_multiple_of(2) || r > self.head_dim() {
+            return err(
+                "partial_rotary_factor",
+                format!(
+                    "turns {r} of {} features per head: it must turn an even number, at least 2",
+                    self.head_dim()
+                ),
+            );
+        }
         if let Err(m) = self.rotary() {
             return err(
                 if self.rope_parameters.is_some() {
@@ -212,7 +224,7 @@ impl ModelConfig {
                 .map(|v| v as usize);
         }
         crate::nn::RotaryEmbedding::new(
-            self.head_dim(),
+            self.rotary_dim(),
             theta,
             self.max_position_embeddings,
             scaling.as_ref(),
@@ -227,8 +239,9 @@ impl ModelConfig {
             "mistral" => Ok(Architecture::Mistral),
             "smollm3" => Ok(Architecture::SmolLm3),
             "olmo2" => Ok(Architecture::Olmo2),
+            "phi3" => Ok(Architecture::Phi3),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, mistral, smollm3 or olmo2 (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, mistral, smollm3, olmo2 or phi3 (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -282,7 +295,7 @@ impl ModelConfig {
                 })
                 .collect();
         }
-        if self.model_type == "mistral" {
+        if matches!(self.model_type.as_str(), "mistral" | "phi3") {
             return Ok(vec![window; n]);
         }
         let sliding = self
@@ -364,6 +377,25 @@ impl ModelConfig {
             norm,
         };
         (norm, attention, body)
+    }
+
+    /// The features of each head that rotary embeddings turn: `partial_rotary_factor` of
+    /// them (at the top level, or in rope_parameters / rope_scaling), all by default.
+    pub fn rotary_dim(&self) -> usize {
+        let factor = [
+            self.extra.get("partial_rotary_factor"),
+            self.rope_parameters
+                .as_ref()
+                .and_then(|p| p.extra.get("partial_rotary_factor")),
+            self.rope_scaling
+                .as_ref()
+                .and_then(|p| p.extra.get("partial_rotary_factor")),
+        ]
+        .into_iter()
+        .flatten()
+        .find_map(|v| v.as_f64())
+        .unwrap_or(1.0);
+        (self.head_dim() as f64 * factor) as usize
     }
 
     pub fn num_kv_heads(&self) -> usize {

@@ -316,8 +316,8 @@ impl Layer for Gemma3Layer {
         Ok((&x + self.post_feedforward_layernorm.forward(&m)?)?)
     }
 
-    fn attention(&self) -> &SelfAttention {
-        &self.self_attn
+    fn attention_heads(&self) -> (usize, usize) {
+        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
     }
 
     fn tiles_mlp(&self) -> bool {

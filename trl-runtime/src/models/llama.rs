@@ -81,8 +81,8 @@ impl Layer for LlamaLayer {
         Ok((&x + self.mlp.forward(cx, &h)?)?)
     }
 
-    fn attention(&self) -> &SelfAttention {
-        &self.self_attn
+    fn attention_heads(&self) -> (usize, usize) {
+        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
     }
 
     fn tiles_mlp(&self) -> bool {

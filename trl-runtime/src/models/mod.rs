@@ -11,6 +11,7 @@ pub mod gemma3;
 pub mod llama;
 pub mod olmo2;
 pub mod params;
+pub mod phi3;
 
 pub use auto::{model_types, AutoModelForCausalLM};
 pub use causal::{CausalModel, LayerInputs};

@@ -75,8 +75,8 @@ impl Layer for Olmo2Layer {
         Ok((&x + self.post_feedforward_layernorm.forward(&m)?)?)
     }
 
-    fn attention(&self) -> &SelfAttention {
-        &self.self_attn
+    fn attention_heads(&self) -> (usize, usize) {
+        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
     }
 
     fn tiles_mlp(&self) -> bool {

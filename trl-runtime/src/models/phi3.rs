@@ -1,0 +1,145 @@
+//! Phi-3 and Phi-4-mini (`model_type` phi3), as transformers' Phi3ForCausalLM: Llama's layer
+//! with fused projections (`qkv_proj`: queries, keys and values in one weight; `gate_up_proj`:
+//! gate and up), partial rotary embeddings (`partial_rotary_factor`), longrope scaling, and an
+//! optional sliding window on every layer.
+//!
+//! Under tensor parallelism the fused projections are not split (a column split of a fused
+//! weight would need each section split apart): attention and MLP stay whole on every rank,
+//! the embedding and LM head are vocab-parallel, and the launch says so once.
+
+use super::blocks::{Decoder, Heads, Layer};
+use super::causal::LayerInputs;
+use super::config::ModelConfig;
+use crate::error::Result;
+use crate::nn::{linear_no_bias, Linear, RmsNorm, RotaryEmbedding};
+use crate::Parallelize;
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// The `model_type`s this file reads.
+pub const MODEL_TYPES: &[&str] = &["phi3"];
+
+/// Phi3ForCausalLM.
+pub type Phi3 = Decoder<Phi3Layer>;
+
+/// x + attention(norm(x)), then + mlp(norm(x)), with fused projections.
+#[derive(Debug, Clone, Parallelize)]
+#[parallel(fsdp_unit)]
+pub struct Phi3Layer {
+    input_layernorm: RmsNorm,
+    #[parallel(tp = "replicate", name = "self_attn.qkv_proj")]
+    qkv_proj: Linear,
+    #[parallel(tp = "replicate", name = "self_attn.o_proj")]
+    o_proj: Linear,
+    post_attention_layernorm: RmsNorm,
+    #[parallel(tp = "replicate", name = "mlp.gate_up_proj")]
+    gate_up_proj: Linear,
+    #[parallel(tp = "replicate", name = "mlp.down_proj")]
+    down_proj: Linear,
+    /// Heads (whole on every rank), head size, rotary features per head.
+    #[parallel(skip)]
+    shape: (usize, usize, usize, usize),
+    #[parallel(skip)]
+    rope: Arc<RotaryEmbedding>,
+    #[parallel(skip)]
+    window: Option<usize>,
+}
+
+impl Layer for Phi3Layer {
+    type Config = ModelConfig;
+
+    fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
+        let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
+        for key in ["resid_pdrop", "embd_pdrop", "attention_dropout"] {
+            let p = config
+                .extra
+                .get(key)
+                .and_then(|v| v.as_f64())
+                .unwrap_or(0.0);
+            if p != 0.0 {
+                return Err(crate::Error::Config {
+                    file: source.into(),
+                    key: key.into(),
+                    message: format!("{p}: dropout is not implemented; set it to 0.0"),
+                });
+            }
+        }
+        Ok(config)
+    }
+
+    fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Phi3> {
+        let bad =
+            |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
+        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_scaling", m)))?);
+        let windows = config.layer_windows().map_err(bad)?;
+        let (norm, _, body) = config.shapes();
+        let (h, i, d) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.head_dim(),
+        );
+        let (heads, kv_heads) = (config.num_attention_heads, config.num_kv_heads());
+        let rotary_dim = config.rotary_dim();
+        Decoder::from_layers(body, vb, |l, vb| {
+            let (attn, mlp) = (vb.pp("self_attn"), vb.pp("mlp"));
+            Ok(Phi3Layer {
+                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
+                qkv_proj: linear_no_bias(h, (heads + 2 * kv_heads) * d, attn.pp("qkv_proj"))?,
+                o_proj: linear_no_bias(heads * d, h, attn.pp("o_proj"))?,
+                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                gate_up_proj: linear_no_bias(h, 2 * i, mlp.pp("gate_up_proj"))?,
+                down_proj: linear_no_bias(i, h, mlp.pp("down_proj"))?,
+                shape: (heads, kv_heads, d, rotary_dim),
+                rope: rope.clone(),
+                window: windows[l],
+            })
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        if cx.tp().is_some_and(|tp| tp.size() > 1 && tp.rank() == 0) {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                tracing::warn!(
+                    "phi3: the fused qkv_proj and gate_up_proj are not split under tensor \
+                     parallelism; attention and MLPs run whole on every tp rank (the \
+                     embedding and LM head are split)"
+                )
+            });
+        }
+        let (heads, kv_heads, d, rotary_dim) = self.shape;
+        let h = self.input_layernorm.forward(x)?;
+        let qkv = self.qkv_proj.forward(&h)?;
+        let last = qkv.rank() - 1;
+        let q = qkv.narrow(last, 0, heads * d)?;
+        let k = qkv.narrow(last, heads * d, kv_heads * d)?;
+        let v = qkv.narrow(last, (heads + kv_heads) * d, kv_heads * d)?;
+        let attend = Heads {
+            heads,
+            kv_heads,
+            head_dim: d,
+            q_norm: None,
+            k_norm: None,
+            norm_whole_projection: false,
+            query_scale: None,
+            rotary_dim: Some(rotary_dim),
+        };
+        let a = attend.attend((q, k, v), cx, Some(&self.rope), self.window)?;
+        let x = (x + self.o_proj.forward(&a)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let gate_up = self.gate_up_proj.forward(&h)?;
+        let i = gate_up.dim(last)? / 2;
+        let (gate, up) = (gate_up.narrow(last, 0, i)?, gate_up.narrow(last, i, i)?);
+        let m = crate::kernels::fused::swiglu(&gate.contiguous()?, &up.contiguous()?)?;
+        Ok((&x + self.down_proj.forward(&m)?)?)
+    }
+
+    fn attention_heads(&self) -> (usize, usize) {
+        (self.shape.0, self.shape.1)
+    }
+
+    fn tiles_mlp(&self) -> bool {
+        false
+    }
+}
