@@ -321,7 +321,11 @@ fn train(world: usize, cfg: SFTConfig, device: &Device) -> Run {
         tp: 1,
     };
     run_ranks(dims, device, Default::default(), |ctx| {
-        let dtype = if cfg.bf16 { DType::BF16 } else { DType::F32 };
+        let dtype = if cfg.training.bf16 {
+            DType::BF16
+        } else {
+            DType::F32
+        };
         let trainer = Trainer::with_strategy(cfg.clone(), ctx, Strategy::Ddp).unwrap();
         // TRL's default, sdpa, runs blockwise on a GPU (as PyTorch's does).
         if ctx.device().is_cuda() {
@@ -722,7 +726,8 @@ fn cuda_flash_key_spans_follow_the_cpu_kernels() {
 /// chunk pair and follows the fused ring on the CPU in f32, values and gradients.
 #[test]
 fn ring_attention_on_gpu_follows_the_cpu_ring() {
-    use trl_runtime::context_parallel::ring::{balanced_indices, ring_attention, RingMask};
+    use trl_runtime::context_parallel::ring::{ring_attention, RingMask};
+    use trl_runtime::data::sequence::balanced_indices;
     let Some(dev) = gpu() else { return };
     let (ranks, chunk, d) = (2usize, 70usize, 64usize);
     let len = 2 * ranks * chunk;

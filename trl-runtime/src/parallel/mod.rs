@@ -34,12 +34,14 @@ use crate::dist::mesh::{Axis, DP, DP_CP, DP_SHARD_CP, DP_SHARD_SP, DP_SP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
+use crate::models::Params;
 use crate::nn::AttentionImpl;
-use crate::optim::{AdamW, AdamWConfig};
+use crate::optim::{grad_clip_coef, AdamW, AdamWConfig};
 use crate::tp::{state as tp_state, TpGrads};
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use ddp::Ddp;
 use sharded_state::ShardedReader;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// How data-parallel ranks hold the model state.
@@ -229,6 +231,54 @@ impl Optimizer {
             Optimizer::Replicated(..) => None,
             Optimizer::Zero(z) => Some(z),
             Optimizer::Fsdp(f) => Some(f),
+        }
+    }
+
+    /// One update from this rank's accumulated gradients (`grads`; empty under FSDP, whose
+    /// units hold theirs): partial tensor-parallel gradients summed over tp (`tp`), the
+    /// data-parallel reduction the strategy does, clipping to `max_grad_norm` by the global
+    /// norm, and AdamW at `lr`. `first`: the run's first step (tp's checks). Returns the
+    /// global gradient norm. Every trainer's step ends here.
+    pub fn step(
+        &mut self,
+        params: &Params,
+        grads: &mut BTreeMap<String, Tensor>,
+        tp: Option<&TpGrads>,
+        (max_grad_norm, lr): (f64, f64),
+        first: bool,
+    ) -> Result<f64> {
+        match self {
+            Optimizer::Replicated(opt, ddp) => {
+                if let Some(tp) = tp {
+                    tp.sync(grads, first)?;
+                }
+                ddp.reduce(grads)?;
+                let norm_sq = tp.map(|tp| tp.norm_sq(grads)).transpose()?;
+                // The clipping factor is applied by the update's own pass.
+                let (norm, coef) = grad_clip_coef(grads, max_grad_norm, norm_sq)?;
+                opt.step_scaled(params, grads, lr, coef)?;
+                Ok(norm)
+            }
+            // Reduction, clipping and the update of this rank's slice happen inside.
+            Optimizer::Zero(z) => {
+                if let Some(tp) = tp {
+                    tp.sync(grads, first)?;
+                }
+                z.step(params, grads, max_grad_norm, lr)
+            }
+            // Units sum their partial slices over tp themselves.
+            Optimizer::Fsdp(f) => f.step(max_grad_norm, lr, first),
+        }
+    }
+
+    /// Bytes of gradients this rank holds between backward and update, for `full` bytes of
+    /// whole fp32 gradients.
+    pub fn grad_bytes(&self, full: usize) -> usize {
+        match self {
+            Optimizer::Replicated(..) => full,
+            Optimizer::Zero(z) if z.stage == ZeroStage::Two => full.div_ceil(z.shard_size()),
+            Optimizer::Zero(_) => full,
+            Optimizer::Fsdp(f) => f.grad_bytes(),
         }
     }
 }

@@ -25,12 +25,12 @@ use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{AutoModelForCausalLM, CausalModel, Params};
 use crate::nn::AttentionImpl;
-use crate::optim::{grad_clip_coef, AdamWConfig};
+use crate::optim::AdamWConfig;
 use crate::parallel::sharded_state;
 use crate::parallel::Model;
 use crate::parallel::{
     batch_axes, build, shard_axes, Built, CheckpointFormat, Optimizer, ParallelOptions,
-    ShardedOptimizer, Strategy, ZeroStage,
+    ShardedOptimizer, Strategy,
 };
 use crate::tp::{state as tp_state, TpGrads};
 use candle_core::{DType, Device, Tensor, D};
@@ -561,12 +561,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         let parameters = held.total;
         self.optimizer.state().add_storage(&mut held);
         let grad_full = self.model.params.num_elements() * 4;
-        let gradients = match &self.optimizer {
-            Optimizer::Replicated(..) => grad_full,
-            Optimizer::Zero(z) if z.stage == ZeroStage::Two => grad_full.div_ceil(z.shard_size()),
-            Optimizer::Zero(_) => grad_full,
-            Optimizer::Fsdp(f) => f.grad_bytes(),
-        };
+        let gradients = self.optimizer.grad_bytes(grad_full);
         MemoryReport {
             parameters,
             gradients,
@@ -739,37 +734,17 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             check_unused(&without, self.config.training.ddp_find_unused_parameters)?;
         }
         let lr = self.schedule.lr(self.state.global_step);
-        // Partial parameters' gradients summed over tp (FSDP does it on its slices).
-        if let (Some(tp), None) = (&self.tp_grads, &self.model.sharding) {
-            tp.sync(&mut grads, first)?;
-        }
-        if let Optimizer::Replicated(_, ddp) = &self.optimizer {
-            ddp.reduce(&mut grads)?;
-        }
         let t2 = Instant::now();
-        let grad_norm = match &mut self.optimizer {
-            Optimizer::Replicated(opt, _) => {
-                let norm_sq = match &self.tp_grads {
-                    Some(tp) => Some(tp.norm_sq(&grads)?),
-                    None => None,
-                };
-                // The clipping factor is applied by the update's own pass.
-                let (norm, coef) =
-                    grad_clip_coef(&grads, self.config.training.max_grad_norm, norm_sq)?;
-                opt.step_scaled(&self.model.params, &grads, lr, coef)?;
-                norm
-            }
-            // Reduction, clipping and the update of this rank's slice happen inside.
-            Optimizer::Zero(z) => z.step(
-                &self.model.params,
-                &grads,
-                self.config.training.max_grad_norm,
-                lr,
-            )?,
-            Optimizer::Fsdp(f) => f.step(self.config.training.max_grad_norm, lr, first)?,
-        };
+        let training = &self.config.training;
+        let grad_norm = self.optimizer.step(
+            &self.model.params,
+            &mut grads,
+            self.tp_grads.as_ref(),
+            (training.max_grad_norm, lr),
+            first,
+        )?;
         tracing::debug!(
-            "step timing: forward+backward {:.3}s, gradient all-reduce {:.3}s, clip+optimizer {:.3}s",
+            "step timing: forward+backward {:.3}s, checks {:.3}s, reduce+clip+optimizer {:.3}s",
             (t1 - t0).as_secs_f64(),
             (t2 - t1).as_secs_f64(),
             t2.elapsed().as_secs_f64()
