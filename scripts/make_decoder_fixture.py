@@ -14,6 +14,8 @@ computes for them.
   the 24-token inputs use the long factors and the attention factor.
 - phi3: Phi3ForCausalLM (fused qkv_proj and gate_up_proj) with partial rotary embeddings
   (factor 0.5), longrope from 16 original positions and a 10-token sliding window.
+- qwen3-moe: Qwen3MoeForCausalLM with 4 experts, top-2 renormalised, layer 1 dense
+  (mlp_only_layers); random routers so that every expert gets tokens.
 - olmo2: Olmo2ForCausalLM (norms after attention and MLP, q/k norms over the whole
   projections), untied.
 - gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
@@ -24,7 +26,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|llama-longrope|phi3
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|llama-longrope|phi3|qwen3-moe
 """
 
 import sys
@@ -45,6 +47,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -118,6 +122,17 @@ elif kind == "phi3":
         **common,
     )
     model_class = Phi3ForCausalLM
+elif kind == "qwen3-moe":
+    config = Qwen3MoeConfig(
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        **common,
+    )
+    model_class = Qwen3MoeForCausalLM
 elif kind == "olmo2":
     config = Olmo2Config(tie_word_embeddings=False, pad_token_id=0, **common)
     model_class = Olmo2ForCausalLM
@@ -134,7 +149,7 @@ elif kind == "gemma3":
     )
     model_class = Gemma3ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, llama-longrope or phi3")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, llama-longrope, phi3 or qwen3-moe")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -142,4 +157,6 @@ with torch.no_grad():
     for name, p in model.named_parameters():
         if "norm" in name:
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        elif name.endswith("mlp.gate.weight"):
+            p.copy_(torch.randn_like(p))
 write(model, f"tiny-{kind}")

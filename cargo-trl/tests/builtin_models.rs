@@ -8,7 +8,8 @@
 //! layers), OLMo 2 (q/k norms over the whole projections: gathered under tp), and a Llama with
 //! longrope from 16 original positions, whose tables follow the whole row's length under ring
 //! attention and Ulysses (a rank's part alone would pick the other factors), and Phi-3 (fused
-//! projections, whole on every tp rank; partial rotary; longrope; a sliding window). Each saved
+//! projections, whole on every tp rank; partial rotary; longrope; a sliding window), and
+//! Qwen3-MoE (routed experts, sharded and split like dense MLPs). Each saved
 //! checkpoint opens in transformers with our logits (when a Python with transformers is there).
 
 mod common;
@@ -47,7 +48,7 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
     );
     for (name, args, two_dp) in common::CPU_CASES {
         let text = launch(&model, args, 4, &out(name));
-        if *name == "tp_cpu" && matches!(kind, "qwen3" | "gemma3" | "olmo2") {
+        if *name == "tp_cpu" && matches!(kind, "qwen3" | "gemma3" | "olmo2" | "qwen3-moe") {
             assert!(
                 text.contains("act on features split over tp")
                     && text.contains("model.layers.0.self_attn.q_norm.weight"),
@@ -128,5 +129,14 @@ fn phi3_under_every_cpu_profile_equals_one_process() {
     let tp = every_profile("phi3", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"phi3\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+#[test]
+fn qwen3_moe_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("qwen3-moe", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"qwen3_moe\""), "{config}");
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }

@@ -283,7 +283,7 @@ fn mismatched_weights_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("model_type") && e.contains("gpt2") && e.contains("qwen3, mistral"),
+        e.contains("model_type") && e.contains("gpt2") && e.contains("mistral"),
         "{e}"
     );
     let e = ModelConfig::from_json(r#"{"model_type":"llama","vocab_size":1,"hidden_size":4,"intermediate_size":4,"num_hidden_layers":1,"num_attention_heads":1,"rope_scaling":{"rope_type":"mrope","factor":2.0}}"#, "config.json")
@@ -328,7 +328,7 @@ fn matches_transformers_fixture() {
 /// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
 /// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
-/// tiny-smollm3, tiny-olmo2, tiny-llama-longrope and tiny-phi3
+/// tiny-smollm3, tiny-olmo2, tiny-llama-longrope, tiny-phi3 and tiny-qwen3-moe
 /// (scripts/make_decoder_fixture.py).
 #[test]
 fn every_built_in_model_type_matches_transformers() {
@@ -341,6 +341,7 @@ fn every_built_in_model_type_matches_transformers() {
         ("olmo2", "model.layers.1.self_attn.k_norm.weight"),
         ("llama-longrope", "lm_head.weight"),
         ("phi3", "model.layers.1.self_attn.qkv_proj.weight"),
+        ("qwen3-moe", "model.layers.0.mlp.experts.3.down_proj.weight"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

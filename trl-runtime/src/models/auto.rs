@@ -9,7 +9,7 @@
 
 use super::causal::{CausalModel, LayerInputs};
 use super::params::{FilesBackend, WeightFiles, CONFIG_FILE};
-use super::{gemma3, llama, olmo2, phi3};
+use super::{gemma3, llama, olmo2, phi3, qwen3_moe};
 use crate::error::{Error, Result};
 use crate::nn::module::TpContext;
 use crate::nn::module::{Parallelize, Split};
@@ -112,6 +112,9 @@ macro_rules! registry {
             fn supports_tiled_mlp(&self) -> bool {
                 each!(self, m => m.supports_tiled_mlp())
             }
+            fn may_skip_grad(&self, name: &str) -> bool {
+                each!(self, m => m.may_skip_grad(name))
+            }
         }
 
         impl Parallelize for AutoModelForCausalLM {
@@ -140,6 +143,7 @@ registry! {
     Gemma3(gemma3::Gemma3) = gemma3::MODEL_TYPES,
     Olmo2(olmo2::Olmo2) = olmo2::MODEL_TYPES,
     Phi3(phi3::Phi3) = phi3::MODEL_TYPES,
+    Qwen3Moe(qwen3_moe::Qwen3Moe) = qwen3_moe::MODEL_TYPES,
 }
 
 /// `model_type` of a config.json's text.

@@ -342,6 +342,11 @@ pub trait Layer: Parallelize + Send + Sync + Sized + 'static {
     fn attention_heads(&self) -> (usize, usize);
     /// Whether its MLP runs in sequence tiles under `tiled_mlp`.
     fn tiles_mlp(&self) -> bool;
+    /// Whether the parameter `name` may get no gradient in a step (routed experts).
+    fn may_skip_grad(name: &str) -> bool {
+        let _ = name;
+        false
+    }
 }
 
 /// transformers' body around a model's layers: `model.embed_tokens`, `model.layers`,
@@ -448,5 +453,9 @@ impl<L: Layer> CausalModel for Decoder<L> {
 
     fn supports_tiled_mlp(&self) -> bool {
         self.layers.first().is_some_and(|l| l.tiles_mlp())
+    }
+
+    fn may_skip_grad(&self, name: &str) -> bool {
+        L::may_skip_grad(name)
     }
 }

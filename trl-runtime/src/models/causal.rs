@@ -48,6 +48,13 @@ pub trait CausalModel: Parallelize + Send + Sync + Sized + 'static {
     /// The LM head (an [`crate::nn::Linear`], `#[parallel(tp = "vocab")]` to split it).
     fn lm_head(&self) -> &Linear;
 
+    /// Whether the parameter `name` may get no gradient in a step by design (a mixture of
+    /// experts' routed experts): the first step's unused-parameter check lets it be.
+    fn may_skip_grad(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+
     /// Final-logit soft-capping (Gemma 2's `final_logit_softcapping`): logits become
     /// `cap * tanh(logits / cap)` before the loss. None by default.
     fn logit_softcap(&self) -> Option<f64> {

@@ -21,6 +21,8 @@ pub enum Architecture {
     Olmo2,
     /// Fused qkv and gate/up projections, partial rotary (models/phi3.rs).
     Phi3,
+    /// Qwen3 with mixture-of-experts MLPs (models/qwen3_moe.rs).
+    Qwen3Moe,
 }
 
 fn default_rms_eps() -> f64 {
@@ -240,8 +242,9 @@ impl ModelConfig {
             "smollm3" => Ok(Architecture::SmolLm3),
             "olmo2" => Ok(Architecture::Olmo2),
             "phi3" => Ok(Architecture::Phi3),
+            "qwen3_moe" => Ok(Architecture::Qwen3Moe),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, mistral, smollm3, olmo2 or phi3 (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, smollm3, olmo2 or phi3 (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -417,13 +420,13 @@ impl ModelConfig {
     pub fn o_bias(&self) -> bool {
         matches!(
             self.model_type.as_str(),
-            "llama" | "qwen3" | "smollm3" | "olmo2"
+            "llama" | "qwen3" | "qwen3_moe" | "smollm3" | "olmo2"
         ) && self.attention_bias
     }
 
     /// An RMSNorm over each head's queries and keys (Qwen3).
     pub fn qk_norm(&self) -> bool {
-        self.model_type == "qwen3"
+        matches!(self.model_type.as_str(), "qwen3" | "qwen3_moe")
     }
 
     pub fn to_json_pretty(&self) -> String {

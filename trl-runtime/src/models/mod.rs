@@ -9,9 +9,11 @@ pub mod causal;
 pub mod config;
 pub mod gemma3;
 pub mod llama;
+pub mod moe;
 pub mod olmo2;
 pub mod params;
 pub mod phi3;
+pub mod qwen3_moe;
 
 pub use auto::{model_types, AutoModelForCausalLM};
 pub use causal::{CausalModel, LayerInputs};

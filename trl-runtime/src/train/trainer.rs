@@ -731,6 +731,12 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                     .cloned()
                     .collect(),
             };
+            // Routed experts may see no token in a step by design.
+            let net = self.model.net();
+            let without: Vec<String> = without
+                .into_iter()
+                .filter(|n| !net.may_skip_grad(n))
+                .collect();
             check_unused(&without, self.config.training.ddp_find_unused_parameters)?;
         }
         let lr = self.schedule.lr(self.state.global_step);

@@ -1,0 +1,186 @@
+//! Qwen3-MoE (`model_type` qwen3_moe), as transformers' Qwen3MoeForCausalLM: Qwen3's layer
+//! (per-head q/k norms) with a sparse mixture-of-experts MLP (moe.rs) on every
+//! `decoder_sparse_step`-th layer but those in `mlp_only_layers`, which keep a dense one.
+//! transformers' router auxiliary loss (`output_router_logits`) is not added.
+
+use super::blocks::{Activation, Decoder, GatedMlp, Layer, SelfAttention};
+use super::causal::LayerInputs;
+use super::config::ModelConfig;
+use super::moe::SparseMoe;
+use crate::error::{Error, Result};
+use crate::nn::{linear_no_bias, RmsNorm, RotaryEmbedding};
+use crate::Parallelize;
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// The `model_type`s this file reads.
+pub const MODEL_TYPES: &[&str] = &["qwen3_moe"];
+
+/// Qwen3MoeForCausalLM.
+pub type Qwen3Moe = Decoder<Qwen3MoeLayer>;
+
+/// x + attention(norm(x)), then + mlp(norm(x)) with a dense or a sparse MLP.
+#[derive(Debug, Clone, Parallelize)]
+#[parallel(fsdp_unit)]
+pub struct Qwen3MoeLayer {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    #[parallel(name = "mlp")]
+    dense: Option<GatedMlp>,
+    #[parallel(name = "mlp")]
+    sparse: Option<SparseMoe>,
+    #[parallel(skip)]
+    rope: Arc<RotaryEmbedding>,
+    #[parallel(skip)]
+    window: Option<usize>,
+}
+
+/// The MoE keys of a config.json.
+struct MoeConfig {
+    experts: usize,
+    top_k: usize,
+    inter: usize,
+    norm_topk_prob: bool,
+    /// Whether each layer's MLP is sparse.
+    sparse: Vec<bool>,
+}
+
+fn moe_config(c: &ModelConfig, source: &str) -> Result<MoeConfig> {
+    let err = |key: &str, message: String| Error::Config {
+        file: source.into(),
+        key: key.into(),
+        message,
+    };
+    let get = |key: &str| c.extra.get(key).filter(|v| !v.is_null());
+    let count = |key: &str, default: Option<u64>| -> Result<usize> {
+        match get(key).map(|v| v.as_u64()) {
+            Some(Some(n)) => Ok(n as usize),
+            Some(None) => Err(err(key, "is not a count".into())),
+            None => default
+                .map(|d| d as usize)
+                .ok_or_else(|| err(key, "missing".into())),
+        }
+    };
+    if get("output_router_logits").and_then(|v| v.as_bool()) == Some(true) {
+        return Err(err(
+            "output_router_logits",
+            "the router's auxiliary load-balancing loss is not implemented: set it to false \
+             (transformers' default), which trains on the language-model loss alone"
+                .into(),
+        ));
+    }
+    // transformers 5 writes num_local_experts (older: num_experts).
+    let experts = match get("num_local_experts") {
+        Some(_) => count("num_local_experts", None)?,
+        None => count("num_experts", None)?,
+    };
+    let top_k = count("num_experts_per_tok", None)?;
+    if top_k == 0 || top_k > experts {
+        return Err(err(
+            "num_experts_per_tok",
+            format!("{top_k} is not between 1 and num_experts ({experts})"),
+        ));
+    }
+    let step = count("decoder_sparse_step", Some(1))?.max(1);
+    let dense_layers: Vec<u64> = get("mlp_only_layers")
+        .and_then(|v| v.as_array())
+        .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+        .unwrap_or_default();
+    Ok(MoeConfig {
+        experts,
+        top_k,
+        inter: count("moe_intermediate_size", None)?,
+        norm_topk_prob: get("norm_topk_prob")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false),
+        sparse: (0..c.num_hidden_layers)
+            .map(|l| !dense_layers.contains(&(l as u64)) && experts > 0 && (l + 1) % step == 0)
+            .collect(),
+    })
+}
+
+impl Layer for Qwen3MoeLayer {
+    type Config = ModelConfig;
+
+    fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
+        let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
+        moe_config(&config, source)?;
+        Ok(config)
+    }
+
+    fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Qwen3Moe> {
+        let bad =
+            |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
+        let moe = moe_config(config, "config.json").map_err(Error::into_candle)?;
+        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_scaling", m)))?);
+        let windows = config.layer_windows().map_err(bad)?;
+        let (norm, shape, body) = config.shapes();
+        let h = config.hidden_size;
+        Decoder::from_layers(body, vb, |l, vb| {
+            let mlp = vb.pp("mlp");
+            let (dense, sparse) = match moe.sparse[l] {
+                false => {
+                    let size = (h, config.intermediate_size);
+                    (
+                        Some(GatedMlp::new(size, false, Activation::Silu, mlp)?),
+                        None,
+                    )
+                }
+                true => {
+                    let experts = (0..moe.experts)
+                        .map(|e| {
+                            let vb = mlp.pp("experts").pp(e);
+                            GatedMlp::new((h, moe.inter), false, Activation::Silu, vb)
+                        })
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    let gate = linear_no_bias(h, moe.experts, mlp.pp("gate"))?;
+                    let sparse = SparseMoe {
+                        gate,
+                        experts,
+                        top_k: moe.top_k,
+                        norm_topk_prob: moe.norm_topk_prob,
+                    };
+                    (None, Some(sparse))
+                }
+            };
+            Ok(Qwen3MoeLayer {
+                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
+                self_attn: SelfAttention::new(shape, vb.pp("self_attn"), Some(norm))?,
+                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                dense,
+                sparse,
+                rope: rope.clone(),
+                window: windows[l],
+            })
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let a = self
+            .self_attn
+            .forward(&h, cx, Some(&self.rope), self.window)?;
+        let x = (x + a)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let m = match (&self.dense, &self.sparse) {
+            (Some(dense), _) => dense.forward(cx, &h)?,
+            (None, Some(sparse)) => sparse.forward(cx, &h)?,
+            (None, None) => unreachable!("built with one MLP"),
+        };
+        Ok((&x + m)?)
+    }
+
+    fn attention_heads(&self) -> (usize, usize) {
+        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
+    }
+
+    fn tiles_mlp(&self) -> bool {
+        false
+    }
+
+    fn may_skip_grad(name: &str) -> bool {
+        SparseMoe::is_expert(name)
+    }
+}
