@@ -16,6 +16,7 @@ computes for them.
   (factor 0.5), longrope from 16 original positions and a 10-token sliding window.
 - qwen3-moe: Qwen3MoeForCausalLM with 4 experts, top-2 renormalised, layer 1 dense
   (mlp_only_layers); random routers so that every expert gets tokens.
+- mixtral: MixtralForCausalLM with 4 experts (w1/w2/w3), top 2, a sliding window of 8.
 - olmo2: Olmo2ForCausalLM (norms after attention and MLP, q/k norms over the whole
   projections), untied.
 - gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
@@ -26,7 +27,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|llama-longrope|phi3|qwen3-moe
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|llama-longrope|phi3|qwen3-moe|mixtral
 """
 
 import sys
@@ -39,6 +40,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
@@ -133,6 +136,15 @@ elif kind == "qwen3-moe":
         **common,
     )
     model_class = Qwen3MoeForCausalLM
+elif kind == "mixtral":
+    config = MixtralConfig(
+        tie_word_embeddings=False,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        **{**common, "intermediate_size": 32},
+    )
+    model_class = MixtralForCausalLM
 elif kind == "olmo2":
     config = Olmo2Config(tie_word_embeddings=False, pad_token_id=0, **common)
     model_class = Olmo2ForCausalLM
@@ -149,7 +161,7 @@ elif kind == "gemma3":
     )
     model_class = Gemma3ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, llama-longrope, phi3 or qwen3-moe")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, llama-longrope, phi3, qwen3-moe or mixtral")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -157,6 +169,6 @@ with torch.no_grad():
     for name, p in model.named_parameters():
         if "norm" in name:
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
-        elif name.endswith("mlp.gate.weight"):
+        elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
             p.copy_(torch.randn_like(p))
 write(model, f"tiny-{kind}")

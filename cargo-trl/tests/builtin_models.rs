@@ -9,7 +9,7 @@
 //! longrope from 16 original positions, whose tables follow the whole row's length under ring
 //! attention and Ulysses (a rank's part alone would pick the other factors), and Phi-3 (fused
 //! projections, whole on every tp rank; partial rotary; longrope; a sliding window), and
-//! Qwen3-MoE (routed experts, sharded and split like dense MLPs). Each saved
+//! Qwen3-MoE and Mixtral (routed experts, sharded and split like dense MLPs). Each saved
 //! checkpoint opens in transformers with our logits (when a Python with transformers is there).
 
 mod common;
@@ -138,5 +138,14 @@ fn qwen3_moe_under_every_cpu_profile_equals_one_process() {
     let tp = every_profile("qwen3-moe", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"qwen3_moe\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+#[test]
+fn mixtral_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("mixtral", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(config.contains("\"mixtral\""), "{config}");
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }

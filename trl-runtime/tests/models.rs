@@ -328,7 +328,7 @@ fn matches_transformers_fixture() {
 /// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
 /// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
-/// tiny-smollm3, tiny-olmo2, tiny-llama-longrope, tiny-phi3 and tiny-qwen3-moe
+/// tiny-smollm3, tiny-olmo2, tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe and tiny-mixtral
 /// (scripts/make_decoder_fixture.py).
 #[test]
 fn every_built_in_model_type_matches_transformers() {
@@ -342,6 +342,10 @@ fn every_built_in_model_type_matches_transformers() {
         ("llama-longrope", "lm_head.weight"),
         ("phi3", "model.layers.1.self_attn.qkv_proj.weight"),
         ("qwen3-moe", "model.layers.0.mlp.experts.3.down_proj.weight"),
+        (
+            "mixtral",
+            "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+        ),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

@@ -279,47 +279,49 @@ impl GatedMlp {
         })
     }
 
-    /// The MLP of `h` [batch, seq, hidden]; with `tiled_mlp` (SwiGLU, the weights held whole
-    /// on this rank, no biases) computed in sequence tiles that keep no [tokens x
-    /// intermediate] activations.
+    /// The MLP of `h` [batch, seq, hidden] ([`gated_mlp`]).
     pub fn forward(&self, cx: &LayerInputs, h: &Tensor) -> Result<Tensor> {
-        let weights = (
-            &self.gate_proj.weight,
-            &self.up_proj.weight,
-            &self.down_proj.weight,
-        );
-        let no_bias = [&self.gate_proj, &self.up_proj, &self.down_proj]
-            .iter()
-            .all(|l| l.bias.is_none());
-        let (Weight::Local(gate), Weight::Local(up), Weight::Local(down)) = weights else {
-            return self.plain(h);
-        };
-        if !cx.tiled_mlp || !no_bias || self.act != Activation::Silu {
-            return self.plain(h);
-        }
-        let (b, s, hidden) = h.dims3()?;
-        let x = h.reshape((b * s, hidden))?;
-        // Under tp: Megatron's f before the column-split gate/up and g after the row-split down.
-        let x = match cx.tp() {
-            Some(tp) => copy_to_group(&x, tp)?,
-            None => x,
-        };
-        let y = tiled_swiglu(&x, &Tensor::cat(&[gate, up], 0)?, down)?;
-        let y = match cx.tp() {
-            Some(tp) => reduce_from_group(&y, tp)?,
-            None => y,
-        };
-        Ok(y.reshape((b, s, hidden))?)
+        let projections = (&self.gate_proj, &self.up_proj, &self.down_proj);
+        gated_mlp(projections, self.act, cx, h)
     }
+}
 
-    fn plain(&self, h: &Tensor) -> Result<Tensor> {
-        let (gate, up) = (self.gate_proj.forward(h)?, self.up_proj.forward(h)?);
-        let mlp = match self.act {
+/// `down(act(gate(h)) * up(h))` for `h` [batch, seq, hidden]; with `tiled_mlp` (SwiGLU, the
+/// weights held whole on this rank, no biases) computed in sequence tiles that keep no
+/// [tokens x intermediate] activations.
+pub fn gated_mlp(
+    (gate, up, down): (&Linear, &Linear, &Linear),
+    act: Activation,
+    cx: &LayerInputs,
+    h: &Tensor,
+) -> Result<Tensor> {
+    let no_bias = [gate, up, down].iter().all(|l| l.bias.is_none());
+    let whole = match (&gate.weight, &up.weight, &down.weight) {
+        (Weight::Local(g), Weight::Local(u), Weight::Local(d)) => Some((g, u, d)),
+        _ => None,
+    };
+    let Some((g, u, d)) = whole.filter(|_| cx.tiled_mlp && no_bias && act == Activation::Silu)
+    else {
+        let (gate, up) = (gate.forward(h)?, up.forward(h)?);
+        let mlp = match act {
             Activation::Silu => crate::kernels::fused::swiglu(&gate, &up)?,
             Activation::GeluTanh => (gate.gelu()? * up)?,
         };
-        Ok(self.down_proj.forward(&mlp)?)
-    }
+        return Ok(down.forward(&mlp)?);
+    };
+    let (b, s, hidden) = h.dims3()?;
+    let x = h.reshape((b * s, hidden))?;
+    // Under tp: Megatron's f before the column-split gate/up and g after the row-split down.
+    let x = match cx.tp() {
+        Some(tp) => copy_to_group(&x, tp)?,
+        None => x,
+    };
+    let y = tiled_swiglu(&x, &Tensor::cat(&[g, u], 0)?, d)?;
+    let y = match cx.tp() {
+        Some(tp) => reduce_from_group(&y, tp)?,
+        None => y,
+    };
+    Ok(y.reshape((b, s, hidden))?)
 }
 
 /// A model error as Candle's (what `CausalModel::layer` returns).

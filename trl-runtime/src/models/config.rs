@@ -23,6 +23,8 @@ pub enum Architecture {
     Phi3,
     /// Qwen3 with mixture-of-experts MLPs (models/qwen3_moe.rs).
     Qwen3Moe,
+    /// Mistral with mixture-of-experts MLPs (models/mixtral.rs).
+    Mixtral,
 }
 
 fn default_rms_eps() -> f64 {
@@ -243,8 +245,9 @@ impl ModelConfig {
             "olmo2" => Ok(Architecture::Olmo2),
             "phi3" => Ok(Architecture::Phi3),
             "qwen3_moe" => Ok(Architecture::Qwen3Moe),
+            "mixtral" => Ok(Architecture::Mixtral),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, smollm3, olmo2 or phi3 (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2 or phi3 (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -298,7 +301,7 @@ impl ModelConfig {
                 })
                 .collect();
         }
-        if matches!(self.model_type.as_str(), "mistral" | "phi3") {
+        if matches!(self.model_type.as_str(), "mistral" | "mixtral" | "phi3") {
             return Ok(vec![window; n]);
         }
         let sliding = self

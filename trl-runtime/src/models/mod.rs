@@ -9,6 +9,7 @@ pub mod causal;
 pub mod config;
 pub mod gemma3;
 pub mod llama;
+pub mod mixtral;
 pub mod moe;
 pub mod olmo2;
 pub mod params;

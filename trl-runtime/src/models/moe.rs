@@ -12,28 +12,40 @@
 
 use super::blocks::GatedMlp;
 use super::causal::LayerInputs;
-use crate::error::Result;
+use super::config::ModelConfig;
+use crate::error::{Error, Result};
 use crate::nn::Linear;
 use crate::Parallelize;
 use candle_core::{DType, Tensor, D};
 
+/// One expert's MLP, on the tokens routed to it ([1, tokens, hidden]).
+pub trait Expert: Parallelize + Send + Sync {
+    fn forward(&self, cx: &LayerInputs, x: &Tensor) -> Result<Tensor>;
+}
+
+impl Expert for GatedMlp {
+    fn forward(&self, cx: &LayerInputs, x: &Tensor) -> Result<Tensor> {
+        GatedMlp::forward(self, cx, x)
+    }
+}
+
 #[derive(Debug, Clone, Parallelize)]
-pub struct SparseMoe {
+pub struct SparseMoe<E: Expert> {
     /// The router: one logit per expert.
     #[parallel(tp = "replicate")]
     pub gate: Linear,
-    pub experts: Vec<GatedMlp>,
+    pub experts: Vec<E>,
     #[parallel(skip)]
     pub top_k: usize,
     #[parallel(skip)]
     pub norm_topk_prob: bool,
 }
 
-impl SparseMoe {
+impl<E: Expert> SparseMoe<E> {
     /// Whether the parameter `name` (a full HF name) belongs to a routed expert, which a step
     /// may leave without tokens.
     pub fn is_expert(name: &str) -> bool {
-        name.contains(".mlp.experts.")
+        name.contains(".experts.")
     }
 
     /// The block's output for `x` [batch, seq, hidden].
@@ -85,5 +97,73 @@ impl SparseMoe {
             out = out.index_add(&tokens, &ys, 0)?;
         }
         Ok(out.reshape((b, s, h))?)
+    }
+}
+
+/// The mixture-of-experts keys of a config.json (Qwen3-MoE's and Mixtral's names).
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    /// `moe_intermediate_size`, when the config has one.
+    pub inter: Option<usize>,
+    pub norm_topk_prob: bool,
+    /// Whether each layer's MLP is sparse (`mlp_only_layers`, `decoder_sparse_step`).
+    pub sparse: Vec<bool>,
+}
+
+impl MoeConfig {
+    /// Reads them from `c`; errors name `source` and the key.
+    pub fn read(c: &ModelConfig, source: &str) -> Result<Self> {
+        let err = |key: &str, message: String| Error::Config {
+            file: source.into(),
+            key: key.into(),
+            message,
+        };
+        let get = |key: &str| c.extra.get(key).filter(|v| !v.is_null());
+        let count = |key: &str| -> Result<Option<usize>> {
+            match get(key).map(|v| v.as_u64()) {
+                Some(Some(n)) => Ok(Some(n as usize)),
+                Some(None) => Err(err(key, "is not a count".into())),
+                None => Ok(None),
+            }
+        };
+        if get("output_router_logits").and_then(|v| v.as_bool()) == Some(true) {
+            return Err(err(
+                "output_router_logits",
+                "the router's auxiliary load-balancing loss is not implemented: set it to \
+                 false (transformers' default), which trains on the language-model loss alone"
+                    .into(),
+            ));
+        }
+        // transformers 5 writes num_local_experts (Qwen3-MoE's older name: num_experts).
+        let experts = match count("num_local_experts")? {
+            Some(n) => n,
+            None => {
+                count("num_experts")?.ok_or_else(|| err("num_local_experts", "missing".into()))?
+            }
+        };
+        let top_k = count("num_experts_per_tok")?.unwrap_or(2);
+        if top_k == 0 || top_k > experts {
+            return Err(err(
+                "num_experts_per_tok",
+                format!("{top_k} is not between 1 and the {experts} experts"),
+            ));
+        }
+        let step = count("decoder_sparse_step")?.unwrap_or(1).max(1);
+        let dense: Vec<u64> = get("mlp_only_layers")
+            .and_then(|v| v.as_array())
+            .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+            .unwrap_or_default();
+        Ok(MoeConfig {
+            experts,
+            top_k,
+            inter: count("moe_intermediate_size")?,
+            norm_topk_prob: get("norm_topk_prob")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+            sparse: (0..c.num_hidden_layers)
+                .map(|l| !dense.contains(&(l as u64)) && (l + 1) % step == 0)
+                .collect(),
+        })
     }
 }

@@ -6,7 +6,7 @@
 use super::blocks::{Activation, Decoder, GatedMlp, Layer, SelfAttention};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
-use super::moe::SparseMoe;
+use super::moe::{MoeConfig, SparseMoe};
 use crate::error::{Error, Result};
 use crate::nn::{linear_no_bias, RmsNorm, RotaryEmbedding};
 use crate::Parallelize;
@@ -30,75 +30,11 @@ pub struct Qwen3MoeLayer {
     #[parallel(name = "mlp")]
     dense: Option<GatedMlp>,
     #[parallel(name = "mlp")]
-    sparse: Option<SparseMoe>,
+    sparse: Option<SparseMoe<GatedMlp>>,
     #[parallel(skip)]
     rope: Arc<RotaryEmbedding>,
     #[parallel(skip)]
     window: Option<usize>,
-}
-
-/// The MoE keys of a config.json.
-struct MoeConfig {
-    experts: usize,
-    top_k: usize,
-    inter: usize,
-    norm_topk_prob: bool,
-    /// Whether each layer's MLP is sparse.
-    sparse: Vec<bool>,
-}
-
-fn moe_config(c: &ModelConfig, source: &str) -> Result<MoeConfig> {
-    let err = |key: &str, message: String| Error::Config {
-        file: source.into(),
-        key: key.into(),
-        message,
-    };
-    let get = |key: &str| c.extra.get(key).filter(|v| !v.is_null());
-    let count = |key: &str, default: Option<u64>| -> Result<usize> {
-        match get(key).map(|v| v.as_u64()) {
-            Some(Some(n)) => Ok(n as usize),
-            Some(None) => Err(err(key, "is not a count".into())),
-            None => default
-                .map(|d| d as usize)
-                .ok_or_else(|| err(key, "missing".into())),
-        }
-    };
-    if get("output_router_logits").and_then(|v| v.as_bool()) == Some(true) {
-        return Err(err(
-            "output_router_logits",
-            "the router's auxiliary load-balancing loss is not implemented: set it to false \
-             (transformers' default), which trains on the language-model loss alone"
-                .into(),
-        ));
-    }
-    // transformers 5 writes num_local_experts (older: num_experts).
-    let experts = match get("num_local_experts") {
-        Some(_) => count("num_local_experts", None)?,
-        None => count("num_experts", None)?,
-    };
-    let top_k = count("num_experts_per_tok", None)?;
-    if top_k == 0 || top_k > experts {
-        return Err(err(
-            "num_experts_per_tok",
-            format!("{top_k} is not between 1 and num_experts ({experts})"),
-        ));
-    }
-    let step = count("decoder_sparse_step", Some(1))?.max(1);
-    let dense_layers: Vec<u64> = get("mlp_only_layers")
-        .and_then(|v| v.as_array())
-        .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
-        .unwrap_or_default();
-    Ok(MoeConfig {
-        experts,
-        top_k,
-        inter: count("moe_intermediate_size", None)?,
-        norm_topk_prob: get("norm_topk_prob")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false),
-        sparse: (0..c.num_hidden_layers)
-            .map(|l| !dense_layers.contains(&(l as u64)) && experts > 0 && (l + 1) % step == 0)
-            .collect(),
-    })
 }
 
 impl Layer for Qwen3MoeLayer {
@@ -106,14 +42,22 @@ impl Layer for Qwen3MoeLayer {
 
     fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
         let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
-        moe_config(&config, source)?;
+        let moe = MoeConfig::read(&config, source)?;
+        if moe.inter.is_none() {
+            return Err(Error::Config {
+                file: source.into(),
+                key: "moe_intermediate_size".into(),
+                message: "missing: the experts' hidden size".into(),
+            });
+        }
         Ok(config)
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Qwen3Moe> {
         let bad =
             |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
-        let moe = moe_config(config, "config.json").map_err(Error::into_candle)?;
+        let moe = MoeConfig::read(config, "config.json").map_err(Error::into_candle)?;
+        let inter = moe.inter.unwrap_or(config.intermediate_size);
         let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_scaling", m)))?);
         let windows = config.layer_windows().map_err(bad)?;
         let (norm, shape, body) = config.shapes();
@@ -132,7 +76,7 @@ impl Layer for Qwen3MoeLayer {
                     let experts = (0..moe.experts)
                         .map(|e| {
                             let vb = mlp.pp("experts").pp(e);
-                            GatedMlp::new((h, moe.inter), false, Activation::Silu, vb)
+                            GatedMlp::new((h, inter), false, Activation::Silu, vb)
                         })
                         .collect::<candle_core::Result<Vec<_>>>()?;
                     let gate = linear_no_bias(h, moe.experts, mlp.pp("gate"))?;
@@ -181,6 +125,6 @@ impl Layer for Qwen3MoeLayer {
     }
 
     fn may_skip_grad(name: &str) -> bool {
-        SparseMoe::is_expert(name)
+        SparseMoe::<GatedMlp>::is_expert(name)
     }
 }

@@ -1,0 +1,139 @@
+//! Mixtral (`model_type` mixtral), as transformers' MixtralForCausalLM: Mistral's layer (an
+//! optional sliding window on every layer) with a sparse mixture-of-experts MLP
+//! (`block_sparse_moe`, moe.rs) whose experts are `w1` (gate), `w3` (up) and `w2` (down), the
+//! top-k weights always renormalised. transformers' router auxiliary loss
+//! (`output_router_logits`) and jitter noise are not built.
+
+use super::blocks::{gated_mlp, Activation, Decoder, Layer, SelfAttention};
+use super::causal::LayerInputs;
+use super::config::ModelConfig;
+use super::moe::{Expert, MoeConfig, SparseMoe};
+use crate::error::{Error, Result};
+use crate::nn::{linear_no_bias, Linear, RmsNorm, RotaryEmbedding};
+use crate::Parallelize;
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// The `model_type`s this file reads.
+pub const MODEL_TYPES: &[&str] = &["mixtral"];
+
+/// MixtralForCausalLM.
+pub type Mixtral = Decoder<MixtralLayer>;
+
+/// One expert: `w2(silu(w1(x)) * w3(x))`, split under tp as a dense MLP.
+#[derive(Debug, Clone, Parallelize)]
+pub struct MixtralExpert {
+    #[parallel(tp = "column")]
+    w1: Linear,
+    #[parallel(tp = "row")]
+    w2: Linear,
+    #[parallel(tp = "column")]
+    w3: Linear,
+}
+
+impl Expert for MixtralExpert {
+    fn forward(&self, cx: &LayerInputs, x: &Tensor) -> Result<Tensor> {
+        gated_mlp((&self.w1, &self.w3, &self.w2), Activation::Silu, cx, x)
+    }
+}
+
+/// x + attention(norm(x)), then + moe(norm(x)).
+#[derive(Debug, Clone, Parallelize)]
+#[parallel(fsdp_unit)]
+pub struct MixtralLayer {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    block_sparse_moe: SparseMoe<MixtralExpert>,
+    #[parallel(skip)]
+    rope: Arc<RotaryEmbedding>,
+    #[parallel(skip)]
+    window: Option<usize>,
+}
+
+fn check(config: &ModelConfig, source: &str) -> Result<MoeConfig> {
+    let jitter = config
+        .extra
+        .get("router_jitter_noise")
+        .and_then(|v| v.as_f64());
+    if jitter.is_some_and(|j| j != 0.0) {
+        return Err(Error::Config {
+            file: source.into(),
+            key: "router_jitter_noise".into(),
+            message: format!(
+                "{}: router jitter is not implemented; set it to 0.0",
+                jitter.unwrap_or(0.0)
+            ),
+        });
+    }
+    MoeConfig::read(config, source)
+}
+
+impl Layer for MixtralLayer {
+    type Config = ModelConfig;
+
+    fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
+        let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
+        check(&config, source)?;
+        Ok(config)
+    }
+
+    fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Mixtral> {
+        let bad =
+            |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
+        let moe = check(config, "config.json").map_err(Error::into_candle)?;
+        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_scaling", m)))?);
+        let windows = config.layer_windows().map_err(bad)?;
+        let (norm, shape, body) = config.shapes();
+        let (h, i) = (config.hidden_size, config.intermediate_size);
+        Decoder::from_layers(body, vb, |l, vb| {
+            let block = vb.pp("block_sparse_moe");
+            let experts = (0..moe.experts)
+                .map(|e| {
+                    let vb = block.pp("experts").pp(e);
+                    Ok(MixtralExpert {
+                        w1: linear_no_bias(h, i, vb.pp("w1"))?,
+                        w2: linear_no_bias(i, h, vb.pp("w2"))?,
+                        w3: linear_no_bias(h, i, vb.pp("w3"))?,
+                    })
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(MixtralLayer {
+                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
+                self_attn: SelfAttention::new(shape, vb.pp("self_attn"), None)?,
+                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                block_sparse_moe: SparseMoe {
+                    gate: linear_no_bias(h, moe.experts, block.pp("gate"))?,
+                    experts,
+                    top_k: moe.top_k,
+                    norm_topk_prob: true,
+                },
+                rope: rope.clone(),
+                window: windows[l],
+            })
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let a = self
+            .self_attn
+            .forward(&h, cx, Some(&self.rope), self.window)?;
+        let x = (x + a)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        Ok((&x + self.block_sparse_moe.forward(cx, &h)?)?)
+    }
+
+    fn attention_heads(&self) -> (usize, usize) {
+        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
+    }
+
+    fn tiles_mlp(&self) -> bool {
+        false
+    }
+
+    fn may_skip_grad(name: &str) -> bool {
+        SparseMoe::<MixtralExpert>::is_expert(name)
+    }
+}
