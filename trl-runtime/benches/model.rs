@@ -1,8 +1,9 @@
 //! `cargo bench -p trl-runtime --bench model`: forward+backward of the reference Qwen2 shape
 //! (hidden 256, intermediate 768, 4 layers, 8 heads, 4 kv heads, vocab 4096, seq 512, batch 4,
-//! fp32) on one thread, next to a plain 1024^3 f32 Candle matmul on one thread measured in
-//! the same run (5 rounds of a step next to 3 matmuls; the median round's ratio). One JSON
-//! object per line on stdout; prose on stderr.
+//! fp32) and of a Qwen3-MoE shape of the same attention (8 experts of intermediate 384, top 2:
+//! the same active MLP FLOPs) on one thread, each next to a plain 1024^3 f32 Candle matmul on
+//! one thread measured in the same run (5 rounds of a step next to 3 matmuls; the median
+//! round's ratio). One JSON object per line on stdout; prose on stderr.
 //!
 //! FLOPs count the matmuls as computed: 2 per multiply-add for every projection, the LM head,
 //! and the full (masked, not skipped) attention score and value products; backward = 2 x forward.
@@ -22,6 +23,38 @@ fn config() -> ModelConfig {
         "max_position_embeddings": 4096, "rope_theta": 1000000.0, "tie_word_embeddings": true,
     });
     ModelConfig::from_json(&json.to_string(), "reference shape").unwrap()
+}
+
+/// The MoE shape: the reference's attention, 8 experts of intermediate 384, 2 per token.
+fn moe_json() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256,
+        "intermediate_size": 768, "moe_intermediate_size": 384, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": true,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 32, "max_position_embeddings": 4096, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true,
+    })
+}
+
+/// A model of `json` with random weights (normal, std 0.02; norms 1), written to `dir` as a
+/// checkpoint and loaded as the trainer loads one.
+fn random_model(json: &serde_json::Value, dir: &std::path::Path) -> CausalLm {
+    let skeleton = CausalLm::skeleton_of(json.to_string(), DType::F32, &Device::Cpu).unwrap();
+    let tensors: std::collections::HashMap<String, Tensor> = skeleton
+        .parameter_shapes()
+        .iter()
+        .map(|(name, shape)| {
+            let t = match name.contains("norm") {
+                true => Tensor::ones(shape.as_slice(), DType::F32, &Device::Cpu),
+                false => Tensor::randn(0f32, 0.02, shape.as_slice(), &Device::Cpu),
+            };
+            (name.clone(), t.unwrap())
+        })
+        .collect();
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    CausalLm::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap()
 }
 
 /// Forward FLOPs of one token at sequence length `seq`.
@@ -86,8 +119,27 @@ fn main() {
         Params::init(&cfg, 0, DType::F32, &Device::Cpu).unwrap(),
     )
     .unwrap();
+    eprintln!(
+        "model bench: {} parameters, batch {BATCH} x seq {SEQ}, 1 thread",
+        cfg.num_parameters()
+    );
+    let flops = 3.0 * forward_flops_per_token(&cfg, SEQ) * (BATCH * SEQ) as f64;
+    measure("fwd_bwd", &model, flops);
+    // The MoE shape does the dense one's FLOPs per token (2 of 8 experts of half the
+    // intermediate size), plus its router.
+    let dir = tempfile::tempdir().unwrap();
+    let moe = random_model(&moe_json(), dir.path());
+    let router = 2.0 * 2.0 * cfg.hidden_size as f64 * 8.0 * cfg.num_hidden_layers as f64;
+    let flops = 3.0 * (forward_flops_per_token(&cfg, SEQ) + router) * (BATCH * SEQ) as f64;
+    eprintln!("model bench: the MoE shape (8 experts, top 2)");
+    measure("fwd_bwd_moe", &moe, flops);
+}
+
+/// Prints the median round of `model`'s forward+backward against the matmul rate.
+fn measure(what: &str, model: &CausalLm, flops: f64) {
+    let vocab = 4096;
     let ids: Vec<u32> = (0..BATCH * SEQ)
-        .map(|i| (i * 7919 % cfg.vocab_size) as u32)
+        .map(|i| (i * 7919 % vocab) as u32)
         .collect();
     let ids = Tensor::from_vec(ids, (BATCH, SEQ), &Device::Cpu).unwrap();
     let pos = Tensor::arange(0i64, SEQ as i64, &Device::Cpu)
@@ -106,10 +158,6 @@ fn main() {
             .unwrap();
         std::hint::black_box(loss.backward().unwrap());
     };
-    eprintln!(
-        "model bench: {} parameters, batch {BATCH} x seq {SEQ}, 1 thread",
-        cfg.num_parameters()
-    );
     // A warm-up step, then five rounds (TRL_BENCH_STEPS: more, for `perf record`), each a
     // step next to three reference matmuls: a slow spell of the shared machine then slows
     // both sides of that round's ratio, and the median round is reported.
@@ -121,7 +169,6 @@ fn main() {
         .max(1);
     let reference = Reference::new();
     let tokens = (BATCH * SEQ) as f64;
-    let flops = 3.0 * forward_flops_per_token(&cfg, SEQ) * tokens;
     let mut measured: Vec<(f64, f64)> = (0..rounds)
         .map(|_| {
             let t = Instant::now();
@@ -132,7 +179,7 @@ fn main() {
     measured.sort_by(|x, y| (flops / x.0 / x.1).total_cmp(&(flops / y.0 / y.1)));
     let (secs, matmul) = measured[rounds / 2];
     println!(
-        "{{\"bench\":\"model\",\"what\":\"fwd_bwd\",\"tokens_per_s\":{:.1},\"step_s\":{secs:.4},\"flops_per_s\":{:.4e},\"matmul_flops_per_s\":{matmul:.4e},\"ratio_to_matmul\":{:.3}}}",
+        "{{\"bench\":\"model\",\"what\":\"{what}\",\"tokens_per_s\":{:.1},\"step_s\":{secs:.4},\"flops_per_s\":{:.4e},\"matmul_flops_per_s\":{matmul:.4e},\"ratio_to_matmul\":{:.3}}}",
         tokens / secs,
         flops / secs,
         flops / secs / matmul
