@@ -324,6 +324,21 @@ pub fn gated_mlp(
     Ok(y.reshape((b, s, hidden))?)
 }
 
+/// Llama's layer order: `x + attention(norm(x))`, then `+ mlp(norm(x))`, with `rope` (None:
+/// no rotary) and an optional sliding `window`.
+pub fn pre_norm_layer(
+    x: &Tensor,
+    cx: &LayerInputs,
+    (input_norm, post_attention_norm): (&RmsNorm, &RmsNorm),
+    (attention, rope, window): (&SelfAttention, Option<&RotaryEmbedding>, Option<usize>),
+    mlp: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let h = input_norm.forward(x)?;
+    let x = (x + attention.forward(&h, cx, rope, window)?)?;
+    let h = post_attention_norm.forward(&x)?;
+    Ok((&x + mlp(&h)?)?)
+}
+
 /// A model error as Candle's (what `CausalModel::layer` returns).
 pub fn candle(e: Error) -> candle_core::Error {
     e.into_candle()

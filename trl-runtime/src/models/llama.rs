@@ -8,7 +8,7 @@
 //! `parallel::Model::loss` never gathers them), and head counts are divided by the tp size.
 
 use super::blocks::SelfAttention;
-use super::blocks::{Activation, Decoder, GatedMlp, Layer};
+use super::blocks::{pre_norm_layer, Activation, Decoder, GatedMlp, Layer};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use crate::error::Result;
@@ -72,13 +72,9 @@ impl Layer for LlamaLayer {
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let h = self.input_layernorm.forward(x)?;
-        let a = self
-            .self_attn
-            .forward(&h, cx, self.rope.as_deref(), self.window)?;
-        let x = (x + a)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        Ok((&x + self.mlp.forward(cx, &h)?)?)
+        let norms = (&self.input_layernorm, &self.post_attention_layernorm);
+        let attention = (&self.self_attn, self.rope.as_deref(), self.window);
+        pre_norm_layer(x, cx, norms, attention, |h| self.mlp.forward(cx, h))
     }
 
     fn attention_heads(&self) -> (usize, usize) {

@@ -4,7 +4,7 @@
 //! top-k weights always renormalised. transformers' router auxiliary loss
 //! (`output_router_logits`) and jitter noise are not built.
 
-use super::blocks::{gated_mlp, Activation, Decoder, Layer, SelfAttention};
+use super::blocks::{gated_mlp, pre_norm_layer, Activation, Decoder, Layer, SelfAttention};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use super::moe::{Expert, MoeConfig, SparseMoe};
@@ -116,13 +116,11 @@ impl Layer for MixtralLayer {
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let h = self.input_layernorm.forward(x)?;
-        let a = self
-            .self_attn
-            .forward(&h, cx, Some(&self.rope), self.window)?;
-        let x = (x + a)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        Ok((&x + self.block_sparse_moe.forward(cx, &h)?)?)
+        let norms = (&self.input_layernorm, &self.post_attention_layernorm);
+        let attention = (&self.self_attn, Some(&*self.rope), self.window);
+        pre_norm_layer(x, cx, norms, attention, |h| {
+            self.block_sparse_moe.forward(cx, h)
+        })
     }
 
     fn attention_heads(&self) -> (usize, usize) {

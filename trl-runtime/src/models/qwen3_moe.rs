@@ -3,7 +3,7 @@
 //! `decoder_sparse_step`-th layer but those in `mlp_only_layers`, which keep a dense one.
 //! transformers' router auxiliary loss (`output_router_logits`) is not added.
 
-use super::blocks::{Activation, Decoder, GatedMlp, Layer, SelfAttention};
+use super::blocks::{pre_norm_layer, Activation, Decoder, GatedMlp, Layer, SelfAttention};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use super::moe::{MoeConfig, SparseMoe};
@@ -102,18 +102,17 @@ impl Layer for Qwen3MoeLayer {
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let h = self.input_layernorm.forward(x)?;
-        let a = self
-            .self_attn
-            .forward(&h, cx, Some(&self.rope), self.window)?;
-        let x = (x + a)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        let m = match (&self.dense, &self.sparse) {
-            (Some(dense), _) => dense.forward(cx, &h)?,
-            (None, Some(sparse)) => sparse.forward(cx, &h)?,
-            (None, None) => unreachable!("built with one MLP"),
-        };
-        Ok((&x + m)?)
+        let norms = (&self.input_layernorm, &self.post_attention_layernorm);
+        let attention = (&self.self_attn, Some(&*self.rope), self.window);
+        pre_norm_layer(x, cx, norms, attention, |h| {
+            match (&self.sparse, &self.dense) {
+                (Some(sparse), _) => sparse.forward(cx, h),
+                (None, Some(dense)) => dense.forward(cx, h),
+                (None, None) => Err(Error::Parallelism(
+                    "a Qwen3-MoE layer without an MLP".into(),
+                )),
+            }
+        })
     }
 
     fn attention_heads(&self) -> (usize, usize) {
