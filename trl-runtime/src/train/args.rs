@@ -203,6 +203,28 @@ impl TrainingArguments {
         })
     }
 
+    /// AdamW's settings.
+    pub fn adam(&self) -> crate::optim::AdamWConfig {
+        crate::optim::AdamWConfig {
+            beta1: self.adam_beta1,
+            beta2: self.adam_beta2,
+            eps: self.adam_epsilon,
+            weight_decay: self.weight_decay,
+        }
+    }
+
+    /// The learning-rate schedule of a run of `total_steps`.
+    pub fn schedule(&self, total_steps: usize) -> Result<super::LrSchedule> {
+        let kind = super::SchedulerKind::parse(&self.lr_scheduler_type)?;
+        Ok(super::LrSchedule::new(
+            kind,
+            self.learning_rate,
+            total_steps,
+            self.warmup_steps,
+            self.warmup_ratio,
+        ))
+    }
+
     /// Applies a key that sets one of these fields under another name.
     fn apply_alias(&mut self, alias: Alias) {
         match alias {

@@ -11,7 +11,7 @@
 use super::args::TrainerConfig;
 use super::checkpoint::{self, TrainerState};
 use super::config::SFTConfig;
-use super::schedule::{LrSchedule, SchedulerKind};
+use super::schedule::LrSchedule;
 use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
@@ -25,7 +25,6 @@ use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{AutoModelForCausalLM, CausalModel, Params};
 use crate::nn::AttentionImpl;
-use crate::optim::AdamWConfig;
 use crate::parallel::sharded_state;
 use crate::parallel::Model;
 use crate::parallel::{
@@ -444,12 +443,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             });
         }
         let total_steps = config.training.total_steps(steps_per_epoch);
-        let adam = AdamWConfig {
-            beta1: config.training.adam_beta1,
-            beta2: config.training.adam_beta2,
-            eps: config.training.adam_epsilon,
-            weight_decay: config.training.weight_decay,
-        };
+        let adam = config.training.adam();
         let (state, resume_from) = resume_state(&config, total_steps)?;
         // The model, parallel as the launch says, resumed where asked.
         let Built {
@@ -481,14 +475,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         // chunks of the same rows.
         let split = model.split().cloned();
         let batch_group = ctx.group(batch_axes(split.as_ref()));
-        let kind = SchedulerKind::parse(&config.training.lr_scheduler_type)?;
-        let schedule = LrSchedule::new(
-            kind,
-            config.training.learning_rate,
-            total_steps,
-            config.training.warmup_steps,
-            config.training.warmup_ratio,
-        );
+        let schedule = config.training.schedule(total_steps)?;
         let collate_options = collate_options(&config, split.as_ref(), tokenizer.pad_token_id);
         let stop = Arc::new(AtomicBool::new(false));
         // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
