@@ -4,7 +4,9 @@
 //!
 //! - CPU (always): the fused CPU kernel (kernels::cpu_flash) against the whole-matrix path it
 //!   replaced and against torch on one thread, f32, 8 query / 2 key-value heads, head dim 64,
-//!   sequence 1024.
+//!   sequence 1024; and a sliding window of 256 keys against full causal attention at sequence
+//!   4096 (a window's cost is O(seq x window): the full / windowed ratio approaches
+//!   seq / (2 x window) = 8).
 //! - GPU (built with `--features cuda`, run by scripts/gpu-run): the fused CUDA kernel
 //!   (kernels::cuda_flash) in bf16 at the Qwen2-0.5B shape (14 query / 2 key-value heads, head dim
 //!   64): batch 2 x 2048, and 1 x 8192 and 1 x 32768; ms per layer and achieved TFLOP/s
@@ -20,7 +22,7 @@ fn time_ms(
     dev: &Device,
     dtype: DType,
     (b, h, hk, s, d): (usize, usize, usize, usize, usize),
-    reps: usize,
+    (reps, window): (usize, Option<usize>),
     f: &dyn Fn(&Tensor, &Tensor, &Tensor, &AttentionMask) -> Tensor,
 ) -> f64 {
     let pos = Tensor::arange(0i64, s as i64, dev)
@@ -29,7 +31,7 @@ fn time_ms(
         .unwrap()
         .repeat((b, 1))
         .unwrap();
-    let mask = AttentionMask::causal(&pos, dtype, dev).unwrap();
+    let mask = AttentionMask::windowed(&pos, window, dtype, dev).unwrap();
     let make = |heads: usize| {
         Var::from_tensor(
             &Tensor::randn(0f32, 1.0, (b, heads, s, d), dev)
@@ -125,10 +127,10 @@ fn main() {
     }
     let cpu = Device::Cpu;
     let shape = (1, 8, 2, 1024, 64);
-    let fused = time_ms(&cpu, DType::F32, shape, 3, &|q, k, v, m| {
+    let fused = time_ms(&cpu, DType::F32, shape, (3, None), &|q, k, v, m| {
         trl_runtime::nn::attention(q, k, v, m).unwrap()
     });
-    let whole = time_ms(&cpu, DType::F32, shape, 3, &|q, k, v, m| {
+    let whole = time_ms(&cpu, DType::F32, shape, (3, None), &|q, k, v, m| {
         whole_matrix_attention(q, k, v, m).unwrap()
     });
     let torch = torch_ms("cpu", "fp32", &[shape_arg(shape)])[0];
@@ -138,6 +140,18 @@ fn main() {
         whole / fused,
         torch.map_or("null".into(), |t| format!("{t:.2}")),
         torch.map_or("null".into(), |t| format!("{:.3}", t / fused)),
+    );
+    // A sliding window: only the keys in each query's window are computed.
+    let (long, window) = ((1, 8, 2, 4096, 64), 256);
+    let attend = |q: &Tensor, k: &Tensor, v: &Tensor, m: &AttentionMask| {
+        trl_runtime::nn::attention(q, k, v, m).unwrap()
+    };
+    let full = time_ms(&cpu, DType::F32, long, (2, None), &attend);
+    let windowed = time_ms(&cpu, DType::F32, long, (2, Some(window)), &attend);
+    println!(
+        "{{\"bench\":\"attention\",\"device\":\"cpu\",\"what\":\"sliding_window\",\"shape\":\"{}\",\"window\":{window},\"ms\":{windowed:.2},\"full_causal_ms\":{full:.2},\"ratio_full_over_windowed\":{:.3}}}",
+        shape_arg(long),
+        full / windowed,
     );
 }
 
@@ -161,7 +175,7 @@ fn gpu() {
     let torch = torch_ms("cuda", "bf16", &args);
     for (shape, theirs) in shapes.iter().zip(torch) {
         let reps = if shape.3 > 8192 { 3 } else { 10 };
-        let ours = time_ms(&dev, DType::BF16, *shape, reps, &|q, k, v, m| {
+        let ours = time_ms(&dev, DType::BF16, *shape, (reps, None), &|q, k, v, m| {
             trl_runtime::nn::attention(q, k, v, m).unwrap()
         });
         let (b, h, _, s, d) = *shape;
