@@ -446,3 +446,30 @@ fn a_sliding_window_limits_what_a_token_sees() {
     assert!(max_abs_diff(&a.narrow(1, 0, 6).unwrap(), &b.narrow(1, 0, 6).unwrap()) < 1e-5);
     assert!(max_abs_diff(&a.narrow(1, 6, 10).unwrap(), &b.narrow(1, 6, 10).unwrap()) > 1e-3);
 }
+
+/// A mixture of experts tells the trainer's first-step check that its routed experts may get
+/// no gradient (a step can route no token to one), and nothing else; dense models say none.
+#[test]
+fn routed_experts_and_only_they_may_skip_a_gradient() {
+    for (kind, expert) in [
+        ("qwen3-moe", "model.layers.0.mlp.experts.1.up_proj.weight"),
+        (
+            "mixtral",
+            "model.layers.0.block_sparse_moe.experts.3.w2.weight",
+        ),
+    ] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../assets/tiny-{kind}/model"));
+        let m = AutoModelForCausalLM::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap();
+        assert!(m.may_skip_grad(expert), "{kind}");
+        for dense in [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.embed_tokens.weight",
+        ] {
+            assert!(!m.may_skip_grad(dense), "{kind}: {dense}");
+        }
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3/model");
+    let m = AutoModelForCausalLM::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap();
+    assert!(!m.may_skip_grad("model.layers.0.mlp.up_proj.weight"));
+}

@@ -71,19 +71,19 @@ impl<E: Expert> SparseMoe<E> {
                 chosen[t * k + j] = e as u32;
             }
         }
-        let index = Tensor::from_vec(chosen.clone(), (n, k), x.device())?;
+        let index = Tensor::new(chosen.as_slice(), x.device())?.reshape((n, k))?;
         let mut weights = probs.gather(&index, 1)?;
         if self.norm_topk_prob {
             weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
         }
         let weights = weights.to_dtype(x.dtype())?.flatten_all()?;
+        // Each expert's (token, slot) pairs, in one pass: slot i is token i / k's choice i % k.
+        let mut routed: Vec<Vec<u32>> = vec![Vec::new(); experts];
+        for (i, &e) in chosen.iter().enumerate() {
+            routed[e as usize].push(i as u32);
+        }
         let mut out = flat.zeros_like()?;
-        for (e, expert) in self.experts.iter().enumerate() {
-            // The (token, slot) pairs routed to expert e.
-            let slots: Vec<u32> = (0..n * k)
-                .filter(|&i| chosen[i] == e as u32)
-                .map(|i| i as u32)
-                .collect();
+        for (expert, slots) in self.experts.iter().zip(routed) {
             if slots.is_empty() {
                 continue;
             }
@@ -165,5 +165,106 @@ impl MoeConfig {
                 .map(|l| !dense.contains(&(l as u64)) && (l + 1) % step == 0)
                 .collect(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::max_abs_diff;
+    use crate::models::blocks::Activation;
+    use crate::nn::AttentionImpl;
+    use candle_core::{Device, Var};
+
+    fn var(shape: (usize, usize), seed: u64) -> Var {
+        let dev = Device::Cpu;
+        let n = shape.0 * shape.1;
+        let v: Vec<f32> = (0..n)
+            .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 1000.0 - 0.5) * 0.4)
+            .collect();
+        Var::from_tensor(&Tensor::from_vec(v, shape, &dev).unwrap()).unwrap()
+    }
+
+    /// The block equals a token-by-token reference (each token's top-2 experts, renormalised
+    /// weights), and an expert no token is routed to gets no gradient while the others do.
+    #[test]
+    fn routes_each_token_to_its_top_k_and_leaves_unrouted_experts_without_gradient() {
+        let dev = Device::Cpu;
+        let (h, inter, experts, n) = (4, 6, 3, 5);
+        let mlp = |e: u64| {
+            let (g, u, d) = (
+                var((inter, h), e),
+                var((inter, h), e + 10),
+                var((h, inter), e + 20),
+            );
+            let expert = GatedMlp {
+                gate_proj: Linear::new(g.as_tensor().clone(), None),
+                up_proj: Linear::new(u.as_tensor().clone(), None),
+                down_proj: Linear::new(d.as_tensor().clone(), None),
+                act: Activation::Silu,
+            };
+            (expert, [g, u, d])
+        };
+        let built: Vec<_> = (0..experts as u64).map(mlp).collect();
+        // Expert 2's logit is far below the others for inputs with a positive sum.
+        let router = Tensor::new(
+            &[
+                [1f32, 0.5, -0.2, 0.1],
+                [-0.3, 0.8, 0.4, 0.2],
+                [-50.0, -50.0, -50.0, -50.0],
+            ],
+            &dev,
+        )
+        .unwrap();
+        let moe = SparseMoe {
+            gate: Linear::new(router.clone(), None),
+            experts: built.iter().map(|(e, _)| e.clone()).collect(),
+            top_k: 2,
+            norm_topk_prob: true,
+        };
+        let x: Vec<f32> = (0..n * h).map(|i| 0.1 + (i % 7) as f32 * 0.05).collect();
+        let x = Tensor::from_vec(x, (1, n, h), &dev).unwrap();
+        let pos = Tensor::arange(0i64, n as i64, &dev)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let cx = LayerInputs::new(&pos, None, AttentionImpl::Eager, DType::F32, &dev).unwrap();
+        let y = moe.forward(&cx, &x).unwrap();
+        // Reference: token by token, experts 0 and 1 (expert 2 is never in a top 2).
+        let logits = x
+            .reshape((n, h))
+            .unwrap()
+            .matmul(&router.t().unwrap())
+            .unwrap();
+        let logits: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+        let rows: Vec<Tensor> = (0..n)
+            .map(|t| {
+                let xt = x.narrow(1, t, 1).unwrap();
+                let l = &logits[t];
+                let (p0, p1) = (l[0].exp(), l[1].exp());
+                let (w0, w1) = (p0 / (p0 + p1), p1 / (p0 + p1));
+                let y0 = built[0].0.forward(&cx, &xt).unwrap();
+                let y1 = built[1].0.forward(&cx, &xt).unwrap();
+                ((y0 * w0 as f64).unwrap() + (y1 * w1 as f64).unwrap()).unwrap()
+            })
+            .collect();
+        let want = Tensor::cat(&rows, 1).unwrap();
+        assert!(
+            max_abs_diff(&y, &want) < 1e-6,
+            "{}",
+            max_abs_diff(&y, &want)
+        );
+        let grads = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        for (e, (_, vars)) in built.iter().enumerate() {
+            for v in vars {
+                assert_eq!(grads.get(v.as_tensor()).is_some(), e != 2, "expert {e}");
+            }
+        }
+        assert!(SparseMoe::<GatedMlp>::is_expert(
+            "model.layers.0.mlp.experts.2.up_proj.weight"
+        ));
+        assert!(!SparseMoe::<GatedMlp>::is_expert(
+            "model.layers.0.mlp.gate.weight"
+        ));
     }
 }
