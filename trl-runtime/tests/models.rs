@@ -473,3 +473,55 @@ fn routed_experts_and_only_they_may_skip_a_gradient() {
     let m = AutoModelForCausalLM::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap();
     assert!(!m.may_skip_grad("model.layers.0.mlp.up_proj.weight"));
 }
+
+/// Final-logit soft-capping (Gemma's `final_logit_softcapping`): the logits are
+/// `cap * tanh(logits / cap)`, and the training loss (which otherwise takes the fused LM-head
+/// loss on a CPU) is the cross-entropy of the capped logits; `AutoModelForCausalLM` caps too.
+#[test]
+fn final_logit_softcapping_caps_logits_and_the_loss() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gemma3/model");
+    let plain = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(plain.config_json()).unwrap();
+    let cap = 0.5;
+    json["final_logit_softcapping"] = cap.into();
+    let capped = CausalLm::with_params(json.to_string(), plain.params.clone()).unwrap();
+    let (ids, pos, labels) = {
+        let (ids, pos, labels) = batch();
+        let vocab = plain.config.vocab_size() as u32;
+        (
+            ids.affine(1.0, 0.0)
+                .unwrap()
+                .clamp(0u32, vocab - 1)
+                .unwrap(),
+            pos,
+            labels,
+        )
+    };
+    let raw = plain.forward(&ids, &pos).unwrap();
+    let want = ((&raw / cap).unwrap().tanh().unwrap() * cap).unwrap();
+    let got = capped.forward(&ids, &pos).unwrap();
+    assert!(max_abs_diff(&got, &want) < 1e-6);
+    assert!(max_abs_diff(&raw, &want) > 1e-2, "the cap must show");
+    let loss = |m: &CausalLm| {
+        let ls = m.forward_loss(&ids, &pos, &labels).unwrap();
+        (ls.sum.to_scalar::<f32>().unwrap(), ls.count)
+    };
+    let reference = causal_lm_loss(&want, &labels).unwrap();
+    let (sum, count) = loss(&capped);
+    assert_eq!(count, reference.count);
+    assert!((sum - reference.sum.to_scalar::<f32>().unwrap()).abs() < 1e-4);
+    assert!(
+        (sum - loss(&plain).0).abs() > 1e-2,
+        "the loss must see the cap"
+    );
+    // The one-process entry point, from a checkpoint whose config caps.
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        dir.join("model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(tmp.path().join("config.json"), json.to_string()).unwrap();
+    let auto = AutoModelForCausalLM::from_pretrained(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    assert!(max_abs_diff(&auto.forward(&ids, &pos).unwrap(), &want) < 1e-6);
+}
