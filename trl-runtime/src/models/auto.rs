@@ -8,7 +8,7 @@
 //! `registry!` below (docs/models.md).
 
 use super::causal::{CausalModel, LayerInputs};
-use super::params::{FilesBackend, WeightFiles, CONFIG_FILE};
+use super::params::{shapes_and_aliases, FilesBackend, WeightFiles, CONFIG_FILE};
 use super::{gemma3, llama, mixtral, olmo2, phi3, qwen3_moe};
 use crate::error::{Error, Result};
 use crate::nn::module::TpContext;
@@ -16,7 +16,6 @@ use crate::nn::module::{Parallelize, Split};
 use crate::nn::{AttentionImpl, Linear, Weight};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -186,11 +185,7 @@ impl AutoModelForCausalLM {
         };
         let vb = VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
         let model = Self::new(&config, vb)?;
-        let (mut shapes, mut seen, mut aliases) = (BTreeMap::new(), HashSet::new(), HashSet::new());
-        model.visit_params("", &mut |name, t, _| match seen.insert(t.id()) {
-            true => drop(shapes.insert(name.to_string(), t.dims().to_vec())),
-            false => drop(aliases.insert(name.to_string())),
-        });
+        let (shapes, aliases) = shapes_and_aliases(&model);
         files.check(&shapes, &aliases)?;
         Ok(model)
     }

@@ -10,7 +10,7 @@ use candle_nn::var_builder::SimpleBackend;
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use safetensors::slice::TensorIndexer;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -172,6 +172,19 @@ impl Params {
     pub fn num_elements(&self) -> usize {
         self.vars.values().map(|v| v.elem_count()).sum()
     }
+}
+
+/// The parameters of `net` by HF name: each distinct tensor's shape under the first name it
+/// is visited under, and the other names a shared (tied) tensor also goes by.
+pub fn shapes_and_aliases<N: crate::nn::module::Parallelize>(
+    net: &N,
+) -> (BTreeMap<String, Vec<usize>>, HashSet<String>) {
+    let (mut shapes, mut aliases, mut seen) = (BTreeMap::new(), HashSet::new(), HashSet::new());
+    net.visit_params("", &mut |name, t, _| match seen.insert(t.id()) {
+        true => drop(shapes.insert(name.to_string(), t.dims().to_vec())),
+        false => drop(aliases.insert(name.to_string())),
+    });
+    (shapes, aliases)
 }
 
 /// A checkpoint's weights (one file or a sharded index), memory-mapped and checked against a

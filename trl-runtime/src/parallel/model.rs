@@ -10,7 +10,9 @@ use super::{Prefetch, ShardedModel, WrapPolicy};
 use crate::comm::Communicator;
 use crate::context_parallel::SeqSplit;
 use crate::error::{Error, Result};
-use crate::models::params::{check_shape, FilesBackend, Params, WeightFiles, CONFIG_FILE};
+use crate::models::params::{
+    check_shape, shapes_and_aliases, FilesBackend, Params, WeightFiles, CONFIG_FILE,
+};
 use crate::models::{AutoModelForCausalLM, CausalModel, LayerInputs, ModelConfig};
 use crate::nn::embedding::TiedGrad;
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
@@ -90,17 +92,12 @@ impl<N: CausalModel> Model<N> {
             .map_err(|e| config_error(source, format!("the model cannot be built from it: {e}")))?;
         // The names the model was loaded under must be the names it is saved under.
         let asked = std::mem::take(&mut *recorder.asked.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut visited = HashSet::new();
-        let mut shapes = BTreeMap::new();
-        let mut seen = HashSet::new();
-        net.visit_params("", &mut |name, t, _| {
-            visited.insert(name.to_string());
-            if seen.insert(t.id()) {
-                shapes.insert(name.to_string(), t.dims().to_vec());
-            }
-        });
-        if let Some(name) = asked.iter().find(|n| !visited.contains(*n)) {
-            let mut names: Vec<&String> = visited.iter().collect();
+        let (shapes, aliases) = shapes_and_aliases(&net);
+        if let Some(name) = asked
+            .iter()
+            .find(|n| !shapes.contains_key(*n) && !aliases.contains(*n))
+        {
+            let mut names: Vec<&String> = shapes.keys().chain(&aliases).collect();
             names.sort();
             return Err(Error::TensorParallel {
                 name: name.clone(),
@@ -206,12 +203,7 @@ impl<N: CausalModel> Model<N> {
 
     /// Names a tied weight is also visited under (an LM head sharing the embedding).
     fn aliases(&self) -> HashSet<String> {
-        let mut all = HashSet::new();
-        self.net.visit_params("", &mut |name, _, _| {
-            all.insert(name.to_string());
-        });
-        all.retain(|n| !self.shapes.contains_key(n));
-        all
+        shapes_and_aliases(&*self.net).1
     }
 
     /// Loads an HF checkpoint directory split over `tp`: each rank reads only its slices of
