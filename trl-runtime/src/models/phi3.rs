@@ -48,6 +48,10 @@ pub struct Phi3Layer {
 
 impl Layer for Phi3Layer {
     type Config = ModelConfig;
+    const TP_NOTE: Option<&'static str> = Some(
+        "phi3: the fused qkv_proj and gate_up_proj are not split under tensor parallelism; \
+         attention and MLPs run whole on every tp rank (the embedding and LM head are split)",
+    );
 
     fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
         let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
@@ -98,16 +102,6 @@ impl Layer for Phi3Layer {
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        if cx.tp().is_some_and(|tp| tp.size() > 1 && tp.rank() == 0) {
-            static ONCE: std::sync::Once = std::sync::Once::new();
-            ONCE.call_once(|| {
-                tracing::warn!(
-                    "phi3: the fused qkv_proj and gate_up_proj are not split under tensor \
-                     parallelism; attention and MLPs run whole on every tp rank (the \
-                     embedding and LM head are split)"
-                )
-            });
-        }
         let (heads, kv_heads, d, rotary_dim) = self.shape;
         let h = self.input_layernorm.forward(x)?;
         let qkv = self.qkv_proj.forward(&h)?;
