@@ -83,33 +83,43 @@ pub struct AttentionShape {
     pub head_dim: usize,
     pub qkv_bias: bool,
     pub o_bias: bool,
+    pub qk_norm: QkNorm,
+    /// See [`SelfAttention::query_scale`].
+    pub query_scale: Option<f64>,
+}
+
+/// The q/k RMSNorms of a [`SelfAttention`], applied before rotary.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum QkNorm {
+    None,
+    /// Over each head's features (Qwen3, Gemma 3).
+    PerHead(NormKind),
+    /// Over the whole q and k projections (OLMo 2).
+    WholeProjection(NormKind),
 }
 
 impl SelfAttention {
-    /// From `vb` (the `self_attn` prefix), with per-head q/k norms when `qk_norm` is given.
-    pub fn new(
-        s: AttentionShape,
-        vb: VarBuilder,
-        qk_norm: Option<NormKind>,
-    ) -> candle_core::Result<Self> {
+    /// From `vb` (the `self_attn` prefix).
+    pub fn new(s: AttentionShape, vb: VarBuilder) -> candle_core::Result<Self> {
         let (q, kv) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-        let norm = |name: &str| {
-            qk_norm
-                .map(|n| n.build(s.head_dim, vb.pp(name)))
-                .transpose()
+        let (kind, sizes) = match s.qk_norm {
+            QkNorm::None => (None, (0, 0)),
+            QkNorm::PerHead(n) => (Some(n), (s.head_dim, s.head_dim)),
+            QkNorm::WholeProjection(n) => (Some(n), (q, kv)),
         };
+        let norm = |name: &str, size: usize| kind.map(|n| n.build(size, vb.pp(name))).transpose();
         Ok(SelfAttention {
             q_proj: lin(vb.pp("q_proj"), (s.hidden, q), s.qkv_bias)?,
             k_proj: lin(vb.pp("k_proj"), (s.hidden, kv), s.qkv_bias)?,
             v_proj: lin(vb.pp("v_proj"), (s.hidden, kv), s.qkv_bias)?,
             o_proj: lin(vb.pp("o_proj"), (q, s.hidden), s.o_bias)?,
-            q_norm: norm("q_norm")?,
-            k_norm: norm("k_norm")?,
-            norm_whole_projection: false,
+            q_norm: norm("q_norm", sizes.0)?,
+            k_norm: norm("k_norm", sizes.1)?,
+            norm_whole_projection: matches!(s.qk_norm, QkNorm::WholeProjection(_)),
             num_heads: s.heads,
             num_kv_heads: s.kv_heads,
             head_dim: s.head_dim,
-            query_scale: None,
+            query_scale: s.query_scale.filter(|x| (x - 1.0).abs() > 1e-12),
         })
     }
 

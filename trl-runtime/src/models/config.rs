@@ -1,6 +1,6 @@
 //! An HF `config.json` of the Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, OLMo 2).
 
-use super::blocks::{AttentionShape, BodyShape, NormKind};
+use super::blocks::{AttentionShape, BodyShape, NormKind, QkNorm};
 use crate::error::{Error, Result};
 use crate::nn::RopeScaling;
 use serde::{Deserialize, Serialize};
@@ -374,6 +374,12 @@ impl ModelConfig {
             head_dim: self.head_dim(),
             qkv_bias: self.qkv_bias(),
             o_bias: self.o_bias(),
+            qk_norm: match self.model_type.as_str() {
+                _ if self.qk_norm() => QkNorm::PerHead(norm),
+                "olmo2" => QkNorm::WholeProjection(norm),
+                _ => QkNorm::None,
+            },
+            query_scale: None,
         };
         let body = BodyShape {
             vocab: self.vocab_size,
@@ -427,7 +433,7 @@ impl ModelConfig {
         ) && self.attention_bias
     }
 
-    /// An RMSNorm over each head's queries and keys (Qwen3).
+    /// An RMSNorm over each head's queries and keys (Qwen3, Qwen3-MoE).
     pub fn qk_norm(&self) -> bool {
         matches!(self.model_type.as_str(), "qwen3" | "qwen3_moe")
     }

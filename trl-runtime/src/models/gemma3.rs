@@ -8,7 +8,9 @@
 //! The tp plan is Llama's (blocks.rs); each layer is one FSDP unit.
 
 use super::blocks::SelfAttention;
-use super::blocks::{Activation, AttentionShape, BodyShape, Decoder, GatedMlp, Layer, NormKind};
+use super::blocks::{
+    Activation, AttentionShape, BodyShape, Decoder, GatedMlp, Layer, NormKind, QkNorm,
+};
 use super::causal::LayerInputs;
 use crate::error::{Error, Result};
 use crate::nn::{RmsNorm, RopeScaling, RotaryEmbedding};
@@ -272,9 +274,11 @@ impl Layer for Gemma3Layer {
             head_dim: d,
             qkv_bias: c.attention_bias,
             o_bias: c.attention_bias,
+            qk_norm: QkNorm::PerHead(norm),
+            // The kernels scale scores by 1/sqrt(head_dim); Gemma's is
+            // 1/sqrt(query_pre_attn_scalar).
+            query_scale: Some((d as f64 / c.query_pre_attn_scalar as f64).sqrt()),
         };
-        // The kernels scale scores by 1/sqrt(head_dim); Gemma's is 1/sqrt(query_pre_attn_scalar).
-        let query_scale = (d as f64 / c.query_pre_attn_scalar as f64).sqrt();
         let body = BodyShape {
             vocab: c.vocab_size,
             hidden: h,
@@ -283,8 +287,7 @@ impl Layer for Gemma3Layer {
             norm,
         };
         let mut model = Decoder::from_layers(body, vb, |l, vb| {
-            let mut self_attn = SelfAttention::new(shape, vb.pp("self_attn"), Some(norm))?;
-            self_attn.query_scale = Some(query_scale).filter(|s| (s - 1.0).abs() > 1e-12);
+            let self_attn = SelfAttention::new(shape, vb.pp("self_attn"))?;
             let mlp = (h, c.intermediate_size);
             Ok(Gemma3Layer {
                 input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,

@@ -58,11 +58,10 @@ impl Layer for LlamaLayer {
         let ropes = config.layer_ropes().map_err(bad)?;
         let (h, i) = (config.hidden_size, config.intermediate_size);
         let (norm, shape, body) = config.shapes();
-        let qk_norm = config.qk_norm().then_some(norm);
         Decoder::from_layers(body, vb, |l, vb| {
             Ok(LlamaLayer {
                 input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: SelfAttention::new(shape, vb.pp("self_attn"), qk_norm)?,
+                self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
                 post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
                 mlp: GatedMlp::new((h, i), config.mlp_bias, Activation::Silu, vb.pp("mlp"))?,
                 rope: ropes[l].then(|| rope.clone()),

@@ -101,7 +101,7 @@ impl Layer for MixtralLayer {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Ok(MixtralLayer {
                 input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: SelfAttention::new(shape, vb.pp("self_attn"), None)?,
+                self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
                 post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
                 block_sparse_moe: SparseMoe {
                     gate: linear_no_bias(h, moe.experts, block.pp("gate"))?,

@@ -47,16 +47,11 @@ impl Layer for Olmo2Layer {
             .rotary()
             .map_err(|m| candle_core::Error::Msg(format!("config.json, rope_scaling: {m}")))?;
         let rope = Arc::new(rope);
-        let (h, d) = (config.hidden_size, config.head_dim());
-        let (heads, kv_heads) = (config.num_attention_heads, config.num_kv_heads());
-        // OLMo 2's attention_bias puts a bias on o too.
+        let h = config.hidden_size;
+        // OLMo 2's attention_bias puts a bias on o too; its q/k norms span the projections.
         let (norm, shape, body) = config.shapes();
         Decoder::from_layers(body, vb, |_, vb| {
-            let attn = vb.pp("self_attn");
-            let mut self_attn = SelfAttention::new(shape, attn.clone(), None)?;
-            self_attn.q_norm = Some(norm.build(heads * d, attn.pp("q_norm"))?);
-            self_attn.k_norm = Some(norm.build(kv_heads * d, attn.pp("k_norm"))?);
-            self_attn.norm_whole_projection = true;
+            let self_attn = SelfAttention::new(shape, vb.pp("self_attn"))?;
             let mlp = (h, config.intermediate_size);
             Ok(Olmo2Layer {
                 self_attn,

@@ -91,7 +91,7 @@ impl Layer for Qwen3MoeLayer {
             };
             Ok(Qwen3MoeLayer {
                 input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: SelfAttention::new(shape, vb.pp("self_attn"), Some(norm))?,
+                self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
                 post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
                 dense,
                 sparse,
