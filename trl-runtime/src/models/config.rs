@@ -279,25 +279,12 @@ impl ModelConfig {
             )),
         };
         if let Some(types) = self.extra.get("layer_types").and_then(|v| v.as_array()) {
-            if types.len() != n {
-                return Err((
-                    "layer_types",
-                    format!("{} entries for {n} layers", types.len()),
-                ));
-            }
-            return types
-                .iter()
+            return sliding_layers(types, n)?
+                .into_iter()
                 .enumerate()
-                .map(|(i, t)| match t.as_str() {
-                    Some("full_attention") => Ok(None),
-                    Some("sliding_attention") => need(format!("layer {i} is sliding_attention")),
-                    _ => Err((
-                        "layer_types",
-                        format!(
-                            "{t} (layer {i}) is not supported: use full_attention or \
-                             sliding_attention"
-                        ),
-                    )),
+                .map(|(i, sliding)| match sliding {
+                    true => need(format!("layer {i} is sliding_attention")),
+                    false => Ok(None),
                 })
                 .collect();
         }
@@ -494,4 +481,32 @@ impl ModelConfig {
             .map(|(_, s)| s.iter().product::<usize>())
             .sum()
     }
+}
+
+/// Whether each of `n` layers attends in a sliding window by transformers' `layer_types`
+/// (`full_attention` or `sliding_attention`); Err names the key and why.
+pub fn sliding_layers(
+    types: &[serde_json::Value],
+    n: usize,
+) -> std::result::Result<Vec<bool>, (&'static str, String)> {
+    if types.len() != n {
+        return Err((
+            "layer_types",
+            format!("{} entries for {n} layers", types.len()),
+        ));
+    }
+    types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_str() {
+            Some("full_attention") => Ok(false),
+            Some("sliding_attention") => Ok(true),
+            _ => Err((
+                "layer_types",
+                format!(
+                    "{t} (layer {i}) is not supported: use full_attention or sliding_attention"
+                ),
+            )),
+        })
+        .collect()
 }

@@ -12,6 +12,7 @@ use super::blocks::{
     Activation, AttentionShape, BodyShape, Decoder, GatedMlp, Layer, NormKind, QkNorm,
 };
 use super::causal::LayerInputs;
+use super::config::sliding_layers;
 use crate::error::{Error, Result};
 use crate::nn::{RmsNorm, RopeScaling, RotaryEmbedding};
 use crate::Parallelize;
@@ -43,7 +44,7 @@ pub struct Gemma3Config {
     #[serde(default = "window")]
     pub sliding_window: Option<usize>,
     #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
+    pub layer_types: Option<Vec<serde_json::Value>>,
     #[serde(default)]
     pub sliding_window_pattern: Option<usize>,
     #[serde(default = "max_pos")]
@@ -162,25 +163,7 @@ impl Gemma3Config {
     fn layer_kinds(&self) -> std::result::Result<Vec<bool>, (&'static str, String)> {
         let n = self.num_hidden_layers;
         let kinds: Vec<bool> = match &self.layer_types {
-            Some(types) if types.len() != n => {
-                return Err((
-                    "layer_types",
-                    format!("{} entries for {n} layers", types.len()),
-                ))
-            }
-            Some(types) => types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "sliding_attention" => Ok(true),
-                    "full_attention" => Ok(false),
-                    other => Err((
-                        "layer_types",
-                        format!(
-                            "'{other}' is not supported: use full_attention or sliding_attention"
-                        ),
-                    )),
-                })
-                .collect::<std::result::Result<_, _>>()?,
+            Some(types) => sliding_layers(types, n)?,
             None => {
                 let p = self.sliding_window_pattern.unwrap_or(6).max(1);
                 (0..n).map(|i| !(i + 1).is_multiple_of(p)).collect()
