@@ -61,6 +61,19 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// A bad value: in `file` (or another source: "command line"), at `key`, and why.
+    pub fn config(
+        file: impl Into<String>,
+        key: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        Error::Config {
+            file: file.into(),
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),

@@ -155,10 +155,9 @@ fn model_type(text: &str, source: &str) -> Result<String> {
     struct Head {
         model_type: Option<String>,
     }
-    let head: Head = serde_json::from_str(text).map_err(|e| Error::Config {
-        file: source.into(),
-        key: format!("<line {} column {}>", e.line(), e.column()),
-        message: format!("not a valid model config: {e}"),
+    let head: Head = serde_json::from_str(text).map_err(|e| {
+        let at = format!("<line {} column {}>", e.line(), e.column());
+        Error::config(source, at, format!("not a valid model config: {e}"))
     })?;
     head.model_type.ok_or_else(|| Error::Config {
         file: source.into(),

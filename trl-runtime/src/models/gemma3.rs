@@ -97,11 +97,7 @@ fn yes() -> bool {
 
 impl Gemma3Config {
     fn parse(text: &str, source: &str) -> Result<Self> {
-        let err = |key: &str, message: String| Error::Config {
-            file: source.into(),
-            key: key.into(),
-            message,
-        };
+        let err = |key: &str, message: String| Error::config(source, key, message);
         let c: Gemma3Config = serde_json::from_str(text).map_err(|e| {
             err(
                 &format!("<line {} column {}>", e.line(), e.column()),

@@ -114,11 +114,7 @@ pub struct MoeConfig {
 impl MoeConfig {
     /// Reads them from `c`; errors name `source` and the key.
     pub fn read(c: &ModelConfig, source: &str) -> Result<Self> {
-        let err = |key: &str, message: String| Error::Config {
-            file: source.into(),
-            key: key.into(),
-            message,
-        };
+        let err = |key: &str, message: String| Error::config(source, key, message);
         let get = |key: &str| c.extra.get(key).filter(|v| !v.is_null());
         let count = |key: &str| -> Result<Option<usize>> {
             match get(key).map(|v| v.as_u64()) {

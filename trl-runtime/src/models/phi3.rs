@@ -62,11 +62,8 @@ impl Layer for Phi3Layer {
                 .and_then(|v| v.as_f64())
                 .unwrap_or(0.0);
             if p != 0.0 {
-                return Err(crate::Error::Config {
-                    file: source.into(),
-                    key: key.into(),
-                    message: format!("{p}: dropout is not implemented; set it to 0.0"),
-                });
+                let why = format!("{p}: dropout is not implemented; set it to 0.0");
+                return Err(crate::Error::config(source, key, why));
             }
         }
         Ok(config)

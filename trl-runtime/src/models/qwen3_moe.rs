@@ -44,11 +44,8 @@ impl Layer for Qwen3MoeLayer {
         let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
         let moe = MoeConfig::read(&config, source)?;
         if moe.inter.is_none() {
-            return Err(Error::Config {
-                file: source.into(),
-                key: "moe_intermediate_size".into(),
-                message: "missing: the experts' hidden size".into(),
-            });
+            let why = "missing: the experts' hidden size";
+            return Err(Error::config(source, "moe_intermediate_size", why));
         }
         Ok(config)
     }

@@ -235,7 +235,7 @@ impl TrainingArguments {
 
     /// Checks values that have a fixed set of choices or bounds.
     pub fn validate(&self, source: &str) -> Result<()> {
-        let err = |key: &str, message: String| config_error(source, key, message);
+        let err = |key: &str, message: String| Error::config(source, key, message);
         crate::train::SchedulerKind::parse(&self.lr_scheduler_type)
             .map_err(|e| err("lr_scheduler_type", e.to_string()))?;
         if crate::nn::AttentionImpl::parse(&self.attn_implementation).is_none() {
@@ -294,15 +294,6 @@ impl TrainingArguments {
     }
 }
 
-/// A config error naming where the value came from and its key.
-pub fn config_error(source: &str, key: &str, message: String) -> Error {
-    Error::Config {
-        file: source.into(),
-        key: key.into(),
-        message,
-    }
-}
-
 /// A trainer's configuration: [`TrainingArguments`] and its own keys (written with
 /// [`training_arguments!`] and `base`), read the same way for every trainer.
 pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
@@ -350,7 +341,7 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
         let source = path.display().to_string();
-        let bad = |message: String| config_error(&source, "<document>", message);
+        let bad = |message: String| Error::config(&source, "<document>", message);
         let mut config: Self = match path.extension().and_then(|e| e.to_str()) {
             Some("toml") => toml::from_str(&text).map_err(|e| bad(e.to_string()))?,
             _ => serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?,

@@ -3,7 +3,7 @@
 //! and overridden from the command line, as `trl sft --config file.yaml --learning_rate 1e-4`
 //! does ([`SftCli`]).
 
-use super::args::{config_error, Cli, TrainingArguments};
+use super::args::{Cli, TrainingArguments};
 use crate::error::Result;
 
 crate::training_arguments! {
@@ -32,7 +32,7 @@ pub type SftCli = Cli<SFTConfig>;
 /// SFTConfig's own checks.
 fn validate_sft(config: &SFTConfig, source: &str) -> Result<()> {
     if crate::data::PackingStrategy::parse(&config.packing_strategy).is_none() {
-        return Err(config_error(
+        return Err(crate::Error::config(
             source,
             "packing_strategy",
             format!(
