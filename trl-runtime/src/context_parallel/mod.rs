@@ -23,6 +23,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::data::Batch;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
+use crate::nn::flash_attn::Attend;
 use crate::nn::{AttentionImpl, LossSum};
 use candle_core::{Tensor, TensorId};
 use std::cell::RefCell;

@@ -107,14 +107,10 @@ impl SeqAttention {
             }
         })
     }
-
-    /// Attention of `q` [b, heads, len, d] over `k`, `v` [b, kv_heads, len, d].
-    pub fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        Attend::apply(self, q, k, v)
-    }
 }
 
 impl Attend for SeqAttention {
+    /// Attention of `q` [b, heads, len, d] over `k`, `v` [b, kv_heads, len, d].
     fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         match self {
             SeqAttention::Whole(mask, how) => how.apply(q, k, v, mask),

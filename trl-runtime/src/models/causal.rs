@@ -11,6 +11,7 @@
 use crate::comm::Communicator;
 use crate::context_parallel::{SeqAttention, SeqSplit};
 use crate::error::Result;
+use crate::nn::flash_attn::Attend;
 use crate::nn::memo::Memo;
 use crate::nn::module::Parallelize;
 use crate::nn::{AttentionImpl, Linear, RotaryEmbedding};
