@@ -59,6 +59,21 @@ from transformers import (
 from tiny_fixture import VOCAB, write
 
 kind = sys.argv[1] if len(sys.argv) > 1 else "qwen3"
+
+
+def longrope(frequencies, **extra):
+    """longrope from 16 original positions (the 24-token inputs go beyond), with distinct short
+    and long factors for each of `frequencies` rotary frequencies."""
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        **extra,
+        "original_max_position_embeddings": 16,
+        "short_factor": [1.0 + 0.1 * i for i in range(frequencies)],
+        "long_factor": [1.0 + 0.7 * i for i in range(frequencies)],
+    }
+
+
 common = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -93,35 +108,20 @@ elif kind == "smollm3":
     )
     model_class = SmolLM3ForCausalLM
 elif kind == "llama-longrope":
-    half = common["head_dim"] // 2
     config = LlamaConfig(
         tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "longrope",
-            "rope_theta": 10000.0,
-            "original_max_position_embeddings": 16,
-            "short_factor": [1.0 + 0.1 * i for i in range(half)],
-            "long_factor": [1.0 + 0.7 * i for i in range(half)],
-        },
+        rope_parameters=longrope(common["head_dim"] // 2),
         **common,
     )
     model_class = LlamaForCausalLM
 elif kind == "phi3":
-    rotary_half = common["head_dim"] // 4
     config = Phi3Config(
         tie_word_embeddings=False,
         pad_token_id=0,
         sliding_window=10,
         # Phi3Config writes its own original_max_position_embeddings into rope_parameters.
         original_max_position_embeddings=16,
-        rope_parameters={
-            "rope_type": "longrope",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "original_max_position_embeddings": 16,
-            "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
-            "long_factor": [1.0 + 0.7 * i for i in range(rotary_half)],
-        },
+        rope_parameters=longrope(common["head_dim"] // 4, partial_rotary_factor=0.5),
         **common,
     )
     model_class = Phi3ForCausalLM
