@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 use trl_runtime::dist::{spawn, DistContext};
 use trl_runtime::models::CausalModel;
-use trl_runtime::train::{SFTConfig, SftCli, Trainer, TrainerConfig};
+use trl_runtime::train::{SFTConfig, SftCli, Trainer};
 
 /// Defaults of the embedded job: the bundled assets, and settings that train the tiny model
 /// in a few minutes on two cores.
@@ -69,34 +69,19 @@ fn run<N: CausalModel>(config: SFTConfig) -> trl_runtime::Result<()> {
 /// `trl sft` for model `N`: TRL's flags and YAML over `defaults`, one rank when launched,
 /// else TRL_LOCAL_PROCESSES local ranks (default 2) of this program.
 pub fn main<N: CausalModel>(defaults: fn() -> SFTConfig) -> ExitCode {
-    let cli = SftCli::parse_trl();
-    let mut config = match &cli.config {
-        Some(path) => match SFTConfig::from_file(path) {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(2);
-            }
-        },
-        None => defaults(),
-    };
-    let ignored = match cli.apply(&mut config) {
-        Ok(ignored) => ignored,
+    let (config, ignored) = match SftCli::parse_trl().resolve_over(defaults()) {
+        Ok(resolved) => resolved,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
-    if let Err(e) = config.validate("command line") {
-        eprintln!("error: {e}");
-        return ExitCode::from(2);
-    }
     if let Some(code) = spawn::relaunch_unless_launched(2) {
         return code;
     }
     if std::env::var("RANK").map_or(true, |r| r == "0") {
         for line in ignored {
-            eprintln!("warning: command line: ignored: {line}");
+            eprintln!("warning: {line}");
         }
     }
     match run::<N>(config) {

@@ -283,3 +283,48 @@ fn trl_flags_without_a_field_are_taken_like_file_keys() {
         .to_string();
     assert!(e.contains("use_peft") && e.contains("LoRA"), "{e}");
 }
+
+/// A program's own defaults (the `sft` example's) stand without `--config`, under the flags;
+/// with `--config` the file replaces them; keys without effect are named by source.
+#[test]
+fn flags_go_over_a_programs_own_defaults() {
+    let mut defaults = SFTConfig::default();
+    defaults.training.learning_rate = 2e-3;
+    defaults.training.max_length = 64;
+    let parse = |args: &[&str]| {
+        SftCli::try_parse_trl_from(
+            std::iter::once("sft")
+                .chain(args.iter().copied())
+                .map(String::from),
+        )
+        .unwrap()
+    };
+    let (c, ignored) = parse(&["--max_length", "32", "--report_to", "wandb"])
+        .resolve_over(defaults.clone())
+        .unwrap();
+    assert_eq!(
+        (c.training.learning_rate, c.training.max_length),
+        (2e-3, 32)
+    );
+    assert!(
+        ignored
+            .iter()
+            .any(|l| l.starts_with("command line: ignored: report_to")),
+        "{ignored:?}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("sft.yaml");
+    std::fs::write(&file, "learning_rate: 1.0e-4\nlogging_dir: runs\n").unwrap();
+    let (c, ignored) = parse(&["--config", file.to_str().unwrap()])
+        .resolve_over(defaults)
+        .unwrap();
+    assert_eq!(
+        (c.training.learning_rate, c.training.max_length),
+        (1e-4, 1024)
+    );
+    let from_file = format!("{}: ignored: logging_dir", file.display());
+    assert!(
+        ignored.iter().any(|l| l.starts_with(&from_file)),
+        "{ignored:?}"
+    );
+}

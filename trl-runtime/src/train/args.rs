@@ -430,12 +430,18 @@ impl<C: TrainerConfig> Cli<C> {
     /// the `--config` file, then the flags, validated; with the `SOURCE: ignored: KEY: why`
     /// lines of the keys that have no effect.
     pub fn resolve(&self) -> Result<(C, Vec<String>)> {
+        self.resolve_over(C::default())
+    }
+
+    /// As [`Self::resolve`], starting from `defaults` instead of `C::default()` when no
+    /// `--config` is given (a program's own defaults).
+    pub fn resolve_over(&self, defaults: C) -> Result<(C, Vec<String>)> {
         let (mut config, mut ignored) = match &self.config {
             Some(path) => {
                 let (config, lines) = C::read(path)?;
                 (config, ignored_lines(&path.display().to_string(), lines))
             }
-            None => (C::default(), Vec::new()),
+            None => (defaults, Vec::new()),
         };
         ignored.extend(ignored_lines("command line", self.apply(&mut config)?));
         config.validate("command line")?;

@@ -8,14 +8,10 @@ use trl_runtime::dist::DistContext;
 use trl_runtime::train::{SFTConfig, SftCli, TrainerConfig, Trainer};
 
 fn run() -> trl_runtime::Result<()> {
-    let cli = SftCli::parse_trl();
-    let mut config = SFTConfig::from_file(cli.config.as_deref().unwrap_or("sft.yaml".as_ref()))?;
-    for line in cli.apply(&mut config)? {
-        if std::env::var("RANK").map_or(true, |r| r == "0") {
-            eprintln!("warning: command line: ignored: {line}");
-        }
-    }
-    config.validate("command line")?;
+    // TRL's flags over sft.yaml (or --config FILE); keys without effect are named on rank 0.
+    let mut cli = SftCli::parse_trl();
+    cli.config.get_or_insert("sft.yaml".into());
+    let config = SFTConfig::from_cli(&cli)?;
     if let Ok(file) = std::env::var("PORT_PARITY") {
         return parity(&config, &file);
     }
