@@ -40,9 +40,6 @@ macro_rules! registry {
             pub fn vocab_size(&self) -> usize {
                 match self { $( AutoConfig::$Variant(c) => c.vocab_size, )* }
             }
-            pub fn hidden_size(&self) -> usize {
-                match self { $( AutoConfig::$Variant(c) => c.hidden_size, )* }
-            }
             pub fn num_hidden_layers(&self) -> usize {
                 match self { $( AutoConfig::$Variant(c) => c.num_hidden_layers, )* }
             }

@@ -349,11 +349,6 @@ pub fn pre_norm_layer(
     Ok((&x + mlp(&h)?)?)
 }
 
-/// A model error as Candle's (what `CausalModel::layer` returns).
-pub fn candle(e: Error) -> candle_core::Error {
-    e.into_candle()
-}
-
 /// A decoder layer as a model file writes it (its struct, with what it needs per layer:
 /// window, rotary table), turned into a whole model by [`Decoder`].
 pub trait Layer: Parallelize + Send + Sync + Sized + 'static {
@@ -461,7 +456,7 @@ impl<L: Layer> CausalModel for Decoder<L> {
     }
 
     fn layer(&self, l: usize, x: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
-        self.layers[l].forward(x, cx).map_err(candle)
+        self.layers[l].forward(x, cx).map_err(Error::into_candle)
     }
 
     fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
