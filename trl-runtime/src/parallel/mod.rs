@@ -247,11 +247,12 @@ impl Optimizer {
         (max_grad_norm, lr): (f64, f64),
         first: bool,
     ) -> Result<f64> {
+        // FSDP's units sum their partial slices over tp themselves.
+        if let (Some(tp), false) = (tp, matches!(self, Optimizer::Fsdp(_))) {
+            tp.sync(grads, first)?;
+        }
         match self {
             Optimizer::Replicated(opt, ddp) => {
-                if let Some(tp) = tp {
-                    tp.sync(grads, first)?;
-                }
                 ddp.reduce(grads)?;
                 let norm_sq = tp.map(|tp| tp.norm_sq(grads)).transpose()?;
                 // The clipping factor is applied by the update's own pass.
@@ -260,13 +261,7 @@ impl Optimizer {
                 Ok(norm)
             }
             // Reduction, clipping and the update of this rank's slice happen inside.
-            Optimizer::Zero(z) => {
-                if let Some(tp) = tp {
-                    tp.sync(grads, first)?;
-                }
-                z.step(params, grads, max_grad_norm, lr)
-            }
-            // Units sum their partial slices over tp themselves.
+            Optimizer::Zero(z) => z.step(params, grads, max_grad_norm, lr),
             Optimizer::Fsdp(f) => f.step(max_grad_norm, lr, first),
         }
     }
