@@ -183,6 +183,7 @@ struct Plan {
     parallelize: Vec<TokenStream>,
     visit: Vec<TokenStream>,
     visit_mut: Vec<TokenStream>,
+    linears: Vec<TokenStream>,
     units: Vec<TokenStream>,
 }
 
@@ -339,6 +340,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
         parallelize: Vec::new(),
         visit: Vec::new(),
         visit_mut: Vec::new(),
+        linears: Vec::new(),
         units: Vec::new(),
     };
     let mut bounds = Vec::new();
@@ -403,6 +405,9 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
                 plan.visit_mut.push(quote! {
                     #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;
                 });
+                plan.linears.push(quote! {
+                    #tp::Parallelize::visit_linears_mut(&mut self.#member, &#child, f)?;
+                });
             }
             _ => {
                 bounds.push(quote_spanned!(span=> #ty: #tp::Parallelize));
@@ -419,6 +424,9 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
                 });
                 plan.visit_mut.push(quote! {
                     #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;
+                });
+                plan.linears.push(quote! {
+                    #tp::Parallelize::visit_linears_mut(&mut self.#member, &#child, f)?;
                 });
                 plan.units.push(if a.fsdp_unit.is_some() {
                     quote!(#tp::Parallelize::visit_as_unit(&self.#member, &#child, f);)
@@ -445,10 +453,17 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
         parallelize,
         visit,
         visit_mut,
+        linears,
         units,
     } = plan;
+    let l_f = if linears.is_empty() {
+        quote!(_f)
+    } else {
+        quote!(f)
+    };
     let uses_name = !parallelize.is_empty();
     let name_arg = |used: bool| if used { quote!(name) } else { quote!(_name) };
+    let l_name = name_arg(!linears.is_empty());
     let (p_name, v_name, m_name, u_name) = (
         name_arg(uses_name),
         name_arg(!visit.is_empty()),
@@ -497,6 +512,15 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
                 #m_f: &mut dyn FnMut(&str, &mut ::trl_runtime::nn::Weight) -> ::trl_runtime::Result<()>,
             ) -> ::trl_runtime::Result<()> {
                 #(#visit_mut)*
+                Ok(())
+            }
+
+            fn visit_linears_mut(
+                &mut self,
+                #l_name: &str,
+                #l_f: &mut dyn FnMut(&str, &mut ::trl_runtime::nn::Linear) -> ::trl_runtime::Result<()>,
+            ) -> ::trl_runtime::Result<()> {
+                #(#linears)*
                 Ok(())
             }
 

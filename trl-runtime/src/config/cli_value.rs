@@ -39,3 +39,46 @@ impl<T: CliValue> CliValue for Option<T> {
         }
     }
 }
+
+/// A list of names: a YAML list or one string, and on the command line one value with the
+/// names separated by commas or spaces (`--lora_target_modules q_proj,v_proj`; TRL's
+/// `--lora_target_modules q_proj v_proj` is joined into one value before parsing).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NameList(pub Vec<String>);
+
+impl NameList {
+    fn split(s: &str) -> Self {
+        NameList(
+            s.split([',', ' '])
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(String::from)
+                .collect(),
+        )
+    }
+}
+
+impl CliValue for NameList {
+    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
+        let list = NameList::split(s);
+        if list.0.is_empty() {
+            return Err(format!("'{s}': expected one or more names"));
+        }
+        Ok(list)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for NameList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(String),
+            Many(Vec<String>),
+        }
+        Ok(match OneOrMany::deserialize(d)? {
+            OneOrMany::One(s) => NameList::split(&s),
+            OneOrMany::Many(v) => NameList(v),
+        })
+    }
+}

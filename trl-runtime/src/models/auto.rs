@@ -130,6 +130,13 @@ macro_rules! registry {
             ) -> Result<()> {
                 each!(self, m => m.visit_weights_mut(name, f))
             }
+            fn visit_linears_mut(
+                &mut self,
+                name: &str,
+                f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+            ) -> Result<()> {
+                each!(self, m => m.visit_linears_mut(name, f))
+            }
             fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
                 each!(self, m => m.visit_units(name, f))
             }

@@ -305,7 +305,10 @@ pub fn gated_mlp(
     cx: &LayerInputs,
     h: &Tensor,
 ) -> Result<Tensor> {
-    let no_bias = [gate, up, down].iter().all(|l| l.bias.is_none());
+    // The tiled kernel reads the weights alone: not for biases or LoRA adapters.
+    let no_bias = [gate, up, down]
+        .iter()
+        .all(|l| l.bias.is_none() && l.lora.is_none());
     let whole = match (&gate.weight, &up.weight, &down.weight) {
         (Weight::Local(g), Weight::Local(u), Weight::Local(d)) => Some((g, u, d)),
         _ => None,

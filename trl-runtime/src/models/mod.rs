@@ -13,6 +13,7 @@ pub mod mixtral;
 pub mod moe;
 pub mod olmo2;
 pub mod params;
+pub mod peft;
 pub mod phi3;
 pub mod qwen3_moe;
 

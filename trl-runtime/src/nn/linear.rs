@@ -3,6 +3,7 @@
 //! tensor-parallel group (column, row or vocab; see [`crate::tp`]) and hold ZeRO-3 / FSDP
 //! sharded weights.
 
+use super::lora::{Lora, LoraConfig};
 use super::module::{
     child_name, ColumnParallel, Parallelize, RowParallel, Split, TpContext, TpLayer, TpStyle,
     VocabParallel,
@@ -19,6 +20,8 @@ use std::sync::Arc;
 pub struct Linear {
     pub weight: Weight,
     pub bias: Option<Weight>,
+    /// A LoRA adapter beside the (then frozen) weight: see [`crate::nn::lora`].
+    pub lora: Option<Lora>,
     /// How this layer is split over the tensor-parallel group, and the group (once split).
     tp: Option<(TpStyle, Arc<dyn Communicator>)>,
 }
@@ -35,21 +38,79 @@ impl Linear {
         Linear {
             weight: weight.into(),
             bias,
+            lora: None,
             tp: None,
+        }
+    }
+
+    /// Adds a LoRA adapter (named `name`, this layer's HF name) at this layer's full size,
+    /// sliced as its tensor-parallel split requires (a column-parallel layer keeps its rows of
+    /// `B`, a row-parallel one its columns of `A`), and freezes the base weight and bias:
+    /// they get no gradient from here on.
+    pub fn add_lora(&mut self, name: &str, config: &LoraConfig) -> TrlResult<()> {
+        let Weight::Local(w) = &self.weight else {
+            return Err(crate::Error::TensorParallel {
+                name: name.into(),
+                message: "add LoRA adapters before sharding the model for FSDP".into(),
+            });
+        };
+        let (out, inp) = w.dims2()?;
+        let (dtype, device) = (w.dtype(), w.device().clone());
+        let (size, rank) = self
+            .tp
+            .as_ref()
+            .map_or((1, 0), |(_, c)| (c.size(), c.rank()));
+        let (a_dim, b_dim) = self.lora_split_dims();
+        let full = (
+            if b_dim.is_some() { out * size } else { out },
+            if a_dim.is_some() { inp * size } else { inp },
+        );
+        let mut lora = Lora::init(name, full, config, (dtype, &device))?;
+        if let Some(d) = a_dim {
+            lora.a = lora.a.narrow(d, rank * inp, inp)?;
+        }
+        if let Some(d) = b_dim {
+            lora.b = lora.b.narrow(d, rank * out, out)?;
+        }
+        lora.a = candle_core::Var::from_tensor(&lora.a)?.as_tensor().clone();
+        lora.b = candle_core::Var::from_tensor(&lora.b)?.as_tensor().clone();
+        self.freeze();
+        self.lora = Some(lora);
+        Ok(())
+    }
+
+    /// Holds the weight and bias as constants (no gradient): a LoRA base.
+    pub fn freeze(&mut self) {
+        for w in std::iter::once(&mut self.weight).chain(self.bias.as_mut()) {
+            if let Weight::Local(t) = w {
+                if t.is_variable() {
+                    *w = Weight::Local(t.detach());
+                }
+            }
+        }
+    }
+
+    /// The dimensions of `A` and `B` split over the tensor-parallel group.
+    fn lora_split_dims(&self) -> (Option<usize>, Option<usize>) {
+        match self.tp.as_ref().map(|(s, _)| *s) {
+            Some(TpStyle::Column { .. } | TpStyle::Vocab) => (None, Some(0)),
+            Some(TpStyle::Row) => (Some(1), None),
+            _ => (None, None),
         }
     }
 
     /// `x`: [..., in] -> [..., out]. Leading dims are flattened into one matmul.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let Some((style, comm)) = &self.tp else {
-            return self.compute(x, self.bias.as_ref());
+            return self.adapted(x, self.compute(x, self.bias.as_ref())?);
         };
         let wrap = |e: crate::Error| e.into_candle();
         match style {
             // Vocab on a linear layer is an LM head: column-split, logits left split.
             TpStyle::Column { .. } | TpStyle::Vocab => {
                 let x = copy_to_group(x, comm).map_err(wrap)?;
-                let y = self.compute(&x, self.bias.as_ref())?;
+                // B holds this rank's output rows: the adapter's output is split as y is.
+                let y = self.adapted(&x, self.compute(&x, self.bias.as_ref())?)?;
                 if matches!(
                     style,
                     TpStyle::Column {
@@ -67,6 +128,14 @@ impl Linear {
                 // (kept whole) is added once, after the sum.
                 let partial = self.compute(x, None)?;
                 let y = reduce_from_group(&partial, comm).map_err(wrap)?;
+                // A holds this rank's input columns: x A^T is summed over the group too.
+                let y = match &self.lora {
+                    Some(lora) => {
+                        let h = reduce_from_group(&lora.down(x)?, comm).map_err(wrap)?;
+                        (y + lora.up(&h)?)?
+                    }
+                    None => y,
+                };
                 match &self.bias {
                     None => Ok(y),
                     Some(Weight::Local(b)) => crate::kernels::fused::add_bias(&y, b),
@@ -74,13 +143,28 @@ impl Linear {
                 }
             }
             TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto => {
-                self.compute(x, self.bias.as_ref())
+                self.adapted(x, self.compute(x, self.bias.as_ref())?)
             }
+        }
+    }
+
+    /// `y` plus the adapter's output for input `x`, if there is one.
+    fn adapted(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        match &self.lora {
+            Some(lora) => y + lora.delta(x)?,
+            None => Ok(y),
         }
     }
 
     fn compute(&self, x: &Tensor, bias: Option<&Weight>) -> Result<Tensor> {
         match (&self.weight, bias) {
+            // A frozen weight (a LoRA base) is not a variable: no weight gradient is computed.
+            (Weight::Local(w), None) if !w.is_variable() => {
+                crate::kernels::fused::linear_frozen(x, w, None)
+            }
+            (Weight::Local(w), Some(Weight::Local(b))) if !w.is_variable() => {
+                crate::kernels::fused::linear_frozen(x, w, Some(b))
+            }
             (Weight::Local(w), None) => crate::kernels::fused::linear(x, w, None),
             (Weight::Local(w), Some(Weight::Local(b))) => {
                 crate::kernels::fused::linear(x, w, Some(b))
@@ -106,6 +190,10 @@ impl std::fmt::Debug for Linear {
         f.debug_struct("Linear")
             .field("weight", &self.weight)
             .field("bias", &self.bias)
+            .field(
+                "lora_r",
+                &self.lora.as_ref().map(|l| l.a.dim(0).unwrap_or(0)),
+            )
             .field(
                 "tp",
                 &self.tp.as_ref().map(|(style, c)| (style.name(), c.size())),
@@ -148,6 +236,18 @@ impl TpLayer for Linear {
             self.bias = Some(Weight::Local(tp.shard(&child_name(name, "bias"), &b, d)?));
         }
         self.tp = Some((style, tp.comm().clone()));
+        let (a_dim, b_dim) = self.lora_split_dims();
+        if let Some(lora) = &mut self.lora {
+            let var = |t: Tensor| -> TrlResult<Tensor> {
+                Ok(candle_core::Var::from_tensor(&t)?.as_tensor().clone())
+            };
+            if let Some(d) = a_dim {
+                lora.a = var(tp.shard(&child_name(name, "lora_A.weight"), &lora.a, d)?)?;
+            }
+            if let Some(d) = b_dim {
+                lora.b = var(tp.shard(&child_name(name, "lora_B.weight"), &lora.b, d)?)?;
+            }
+        }
         Ok(())
     }
 
@@ -158,6 +258,29 @@ impl TpLayer for Linear {
         }
         if let Some(Weight::Local(b)) = &self.bias {
             f(&child_name(name, "bias"), b, Split { style, dim: bd });
+        }
+        if let Some(lora) = &self.lora {
+            // Column: A sees the whole input, and each rank's share of the output sends it a
+            // partial gradient. Row: B sees the summed x A^T, the same on every rank.
+            let (a, b) = match style {
+                TpStyle::Column { .. } | TpStyle::Vocab => (
+                    Split::PARTIAL,
+                    Split {
+                        style,
+                        dim: Some(0),
+                    },
+                ),
+                TpStyle::Row => (
+                    Split {
+                        style,
+                        dim: Some(1),
+                    },
+                    Split { style, dim: None },
+                ),
+                _ => (Split { style, dim: None }, Split { style, dim: None }),
+            };
+            f(&child_name(name, "lora_A.weight"), &lora.a, a);
+            f(&child_name(name, "lora_B.weight"), &lora.b, b);
         }
     }
 }
@@ -181,6 +304,13 @@ impl Parallelize for Linear {
             f(&child_name(name, "bias"), b)?;
         }
         Ok(())
+    }
+    fn visit_linears_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Linear) -> TrlResult<()>,
+    ) -> TrlResult<()> {
+        f(name, self)
     }
 }
 

@@ -9,6 +9,7 @@ pub mod flash;
 pub mod flash_attn;
 pub mod layernorm;
 pub mod linear;
+pub mod lora;
 pub mod loss;
 pub mod mask;
 pub(crate) mod memo;

@@ -217,6 +217,17 @@ pub trait Parallelize {
         Ok(())
     }
 
+    /// Calls `f` with every [`crate::nn::Linear`] inside (to add LoRA adapters). None by
+    /// default.
+    fn visit_linears_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+    ) -> Result<()> {
+        let _ = (name, f);
+        Ok(())
+    }
+
     /// Calls `f` with the name of every FSDP wrap unit inside, in forward (field) order.
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
         let _ = (name, f);
@@ -328,6 +339,16 @@ impl<T: Parallelize> Parallelize for Vec<T> {
         }
         Ok(())
     }
+    fn visit_linears_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+    ) -> Result<()> {
+        for (i, x) in self.iter_mut().enumerate() {
+            x.visit_linears_mut(&child_name(name, &i.to_string()), f)?;
+        }
+        Ok(())
+    }
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
         for (i, x) in self.iter().enumerate() {
             let n = child_name(name, &i.to_string());
@@ -367,6 +388,16 @@ impl<T: Parallelize> Parallelize for Option<T> {
             None => Ok(()),
         }
     }
+    fn visit_linears_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            Some(x) => x.visit_linears_mut(name, f),
+            None => Ok(()),
+        }
+    }
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
         if let Some(x) = self {
             if T::FSDP_UNIT {
@@ -392,6 +423,13 @@ impl<T: Parallelize> Parallelize for Box<T> {
         f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
     ) -> Result<()> {
         (**self).visit_weights_mut(name, f)
+    }
+    fn visit_linears_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+    ) -> Result<()> {
+        (**self).visit_linears_mut(name, f)
     }
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
         (**self).visit_units(name, f)

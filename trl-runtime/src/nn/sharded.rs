@@ -168,6 +168,9 @@ pub(crate) struct UnitState {
     pub(crate) in_backward: bool,
     /// Per entry: whether a backward has deposited a gradient since the last check.
     pub(crate) got_grad: Vec<bool>,
+    /// The parameters are constants (a LoRA base): backward computes no weight gradient and
+    /// reduces nothing; the unit is only gathered and freed.
+    pub(crate) frozen: bool,
 }
 
 /// One wrap unit: a flat parameter vector sharded over `comm`.
@@ -284,6 +287,10 @@ impl Unit {
 
     /// Reduce-scatters the unit's full gradients into the slice this rank keeps.
     pub(crate) fn finish(&self, st: &mut UnitState) -> Result<()> {
+        if st.frozen {
+            st.full = None;
+            return Ok(());
+        }
         let device = st.shard.device().clone();
         let grads = self
             .layout
@@ -353,6 +360,9 @@ impl Unit {
     /// gradient was taken as zero).
     pub fn take_without_grad(&self) -> Vec<String> {
         let mut st = self.lock();
+        if st.frozen {
+            return Vec::new();
+        }
         let out = self
             .layout
             .entries()
@@ -439,7 +449,17 @@ impl CustomOp1 for UnitOp {
             unit.backward_began();
             Ok::<_, candle_core::Error>(w)
         };
+        let frozen = unit.lock().frozen;
         let (dx, grads) = match &self.kind {
+            OpKind::Linear { weight, .. } if frozen => {
+                let w = fetch(*weight)?;
+                let (out, inner) = w.dims2()?;
+                let g2 = grad.reshape((arg.elem_count() / inner, out))?;
+                (g2.matmul(&w)?.reshape(arg.shape())?, vec![])
+            }
+            OpKind::Scale { weight } if frozen => (grad.broadcast_mul(&fetch(*weight)?)?, vec![]),
+            OpKind::Bias { .. } if frozen => (grad.clone(), vec![]),
+            OpKind::Embedding { .. } if frozen => (arg.zeros_like()?, vec![]),
             OpKind::Linear { weight, bias } => {
                 let w = fetch(*weight)?;
                 let (out, inner) = w.dims2()?;

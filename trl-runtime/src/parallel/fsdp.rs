@@ -27,9 +27,9 @@ use crate::models::Params;
 use crate::nn::sharded::{FlatLayout, ShardedWeight, Unit, UnitScope, UnitState};
 use crate::nn::Weight;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::tp::{named_parameters, Parallelize, TpGrads};
+use crate::tp::{named_tensors, Parallelize, TpGrads};
 use candle_core::{DType, Shape, Tensor, TensorId, Var};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// How parameters are grouped into units (FSDP's auto-wrap policies).
@@ -82,7 +82,10 @@ pub fn shard_model(
     prefetch: Prefetch,
     comm: Arc<dyn Communicator>,
 ) -> Result<Arc<ShardedModel>> {
-    let params = named_parameters(model)?;
+    let (slots, frozen) = weight_slots(model)?;
+    let mut params = named_tensors(model);
+    // LoRA adapters are parameters but no slots: they stay whole on every rank.
+    params.retain(|name, _| slots.contains(name));
     let mut unit_names = Vec::new();
     model.visit_units("", &mut |n| unit_names.push(n.to_string()));
     let sharding = Arc::new(ShardedModel::new(
@@ -94,7 +97,20 @@ pub fn shard_model(
     )?);
     drop(params);
     swap_weights(model, &sharding)?;
+    sharding.set_frozen(frozen);
     Ok(sharding)
+}
+
+/// The names of `model`'s weight slots, and whether none of them is trainable (a LoRA base,
+/// whose units then reduce nothing).
+fn weight_slots(model: &mut impl Parallelize) -> Result<(HashSet<String>, bool)> {
+    let (mut slots, mut frozen) = (HashSet::new(), true);
+    model.visit_weights_mut("", &mut |name, w| {
+        slots.insert(name.to_string());
+        frozen &= matches!(w, Weight::Local(t) if !t.is_variable());
+        Ok(())
+    })?;
+    Ok((slots, frozen))
 }
 
 /// Reads one parameter's elements `start..start + len` (row-major) from where the weights
@@ -113,6 +129,7 @@ pub fn shard_model_reading(
     prefetch: Prefetch,
     comm: Arc<dyn Communicator>,
 ) -> Result<Arc<ShardedModel>> {
+    let (_, frozen) = weight_slots(model)?;
     let mut unit_names = Vec::new();
     model.visit_units("", &mut |n| unit_names.push(n.to_string()));
     let mut sorted = shapes;
@@ -130,6 +147,7 @@ pub fn shard_model_reading(
         comm,
     )?);
     swap_weights(model, &sharding)?;
+    sharding.set_frozen(frozen);
     Ok(sharding)
 }
 
@@ -179,16 +197,13 @@ impl ShardedModel {
     /// `policy` says) and a root with every other parameter. This rank keeps its slice of every
     /// unit; the full tensors can be dropped afterwards. See [`shard_model`].
     pub fn new(
-        params: &Params,
+        params: &BTreeMap<String, Tensor>,
         unit_names: &[String],
         policy: WrapPolicy,
         prefetch: Prefetch,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
-        let values: BTreeMap<String, Tensor> = params
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
+        let values = params;
         let Some(first) = values.values().next() else {
             return Err(Error::Candle(candle_core::Error::Msg(
                 "a model without parameters cannot be sharded".into(),
@@ -303,6 +318,7 @@ impl ShardedModel {
                     reducing: None,
                     in_backward: false,
                     got_grad: vec![false; entries],
+                    frozen: false,
                 }),
             });
             for (i, (name, _, _)) in unit.layout.entries().iter().enumerate() {
@@ -340,6 +356,18 @@ impl ShardedModel {
             prefetch,
             num_elements,
         })
+    }
+
+    /// Makes every unit's parameters constants (a LoRA base) or trainable.
+    pub fn set_frozen(&self, frozen: bool) {
+        for unit in &self.units {
+            unit.lock().frozen = frozen;
+        }
+    }
+
+    /// Whether the units hold constants (a LoRA base).
+    pub fn frozen(&self) -> bool {
+        self.root().lock().frozen
     }
 
     /// The layer-facing handle of parameter `name`.

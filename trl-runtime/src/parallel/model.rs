@@ -15,6 +15,7 @@ use crate::models::params::{
 };
 use crate::models::{AutoModelForCausalLM, CausalModel, LayerInputs, ModelConfig};
 use crate::nn::embedding::TiedGrad;
+use crate::nn::lora::LoraConfig;
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::tiled_loss::{tied_linear_cross_entropy, tiled_linear_cross_entropy};
 use crate::nn::Weight;
@@ -58,6 +59,8 @@ pub struct Model<N: CausalModel> {
     /// Recompute each layer in backward, keeping only its input (activation checkpointing;
     /// see [`Self::backward`]).
     pub checkpointing: Option<Arc<Checkpointing>>,
+    /// LoRA adapters on a frozen base, when added ([`Self::add_adapters`]).
+    lora: Option<LoraConfig>,
     /// The last forward's tied LM head gradient, for the embedding's backward to add into
     /// (see [`TiedGrad`]); whatever the backward left in it is added after.
     tied: Mutex<Option<TiedGrad>>,
@@ -127,6 +130,7 @@ impl<N: CausalModel> Model<N> {
             tiled_loss: false,
             tiled_mlp: false,
             checkpointing: None,
+            lora: None,
             tied: Mutex::new(None),
         })
     }
@@ -276,6 +280,8 @@ impl<N: CausalModel> Model<N> {
         self.params = Params::default();
         let sharding = shard_model(self.net_mut()?, policy, prefetch, comm)?;
         self.sharding = Some(sharding);
+        // What is not in a unit (LoRA adapters) trains whole on every rank.
+        self.params = crate::tp::named_parameters(&*self.net)?;
         Ok(())
     }
 
@@ -359,9 +365,143 @@ impl<N: CausalModel> Model<N> {
         let net = self.net_mut()?;
         crate::tp::parallelize(net, &TpContext::new(tp.clone()))?;
         crate::tp::make_variables(net)?;
+        if let Some(lora) = self.lora.clone() {
+            // The slices were made variables with the rest: the base stays frozen.
+            freeze_base(self.net_mut()?, &lora)?;
+        }
         self.params = crate::tp::named_parameters(&*self.net)?;
         self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
         self.tp = Some(tp);
+        Ok(())
+    }
+
+    /// Trains LoRA adapters instead of the model (see [`crate::nn::lora`]): every weight
+    /// becomes a constant (no gradient, no optimizer state, kept in the compute dtype) but
+    /// those of `lora_modules_to_save`, and the linear layers `config` targets get adapters
+    /// (sliced as their tensor-parallel split requires). `params` then holds what trains.
+    /// Call it before sharding for ZeRO-3 / FSDP.
+    pub fn add_adapters(&mut self, config: &LoraConfig) -> Result<()> {
+        if self.sharding.is_some() {
+            return Err(Error::Parallelism(
+                "add LoRA adapters before sharding the model for ZeRO-3 / FSDP".into(),
+            ));
+        }
+        let net = self.net_mut()?;
+        freeze_base(net, config)?;
+        let (mut adapted, mut linears) = (0usize, Vec::new());
+        net.visit_linears_mut("", &mut |name, linear| {
+            let output = name == "lm_head" || name.ends_with(".lm_head");
+            linears.push(name.rsplit('.').next().unwrap_or(name).to_string());
+            if !config.targets(name, output) {
+                return Ok(());
+            }
+            if output {
+                return Err(Error::config(
+                    "training arguments",
+                    "lora_target_modules",
+                    format!(
+                        "{name} is the LM head, which takes no adapter here (its loss is \
+                         fused): list it in lora_modules_to_save to train it whole"
+                    ),
+                ));
+            }
+            adapted += 1;
+            linear.add_lora(name, config)
+        })?;
+        if adapted == 0 {
+            linears.sort();
+            linears.dedup();
+            return Err(Error::config(
+                "training arguments",
+                "lora_target_modules",
+                format!(
+                    "{:?} matches no linear layer of this model; its linear layers are {}",
+                    config.targets,
+                    linears.join(", ")
+                ),
+            ));
+        }
+        self.params = crate::tp::named_parameters(&*self.net)?;
+        if let Some(tp) = &self.tp {
+            self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
+        }
+        self.lora = Some(config.clone());
+        Ok(())
+    }
+
+    /// Applies a LoRA adapter saved by peft (`PeftModel.save_pretrained`) or by a LoRA run
+    /// here, to continue training it or to evaluate: adapters added as its
+    /// `adapter_config.json` says, with the values of its `adapter_model.safetensors`.
+    pub fn load_adapter(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let Weight::Local(head) = &self.net.lm_head().weight else {
+            return Err(Error::Parallelism(
+                "load the adapter before sharding the model for ZeRO-3 / FSDP".into(),
+            ));
+        };
+        let (dtype, device) = (head.dtype(), head.device().clone());
+        let (config, tensors) = crate::models::peft::read(dir, dtype, &device)?;
+        let source = dir.join(crate::models::peft::ADAPTER_WEIGHTS);
+        match &self.lora {
+            None => self.add_adapters(&config)?,
+            Some(mine) if mine.r != config.r => {
+                return Err(Error::config(
+                    dir.join(crate::models::peft::ADAPTER_CONFIG)
+                        .display()
+                        .to_string(),
+                    "r",
+                    format!("{}, this run's lora_r is {}", config.r, mine.r),
+                ))
+            }
+            Some(_) => {}
+        }
+        self.set_trainable(&tensors, &source.display().to_string())
+    }
+
+    /// The LoRA setup, when the model trains adapters.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
+    }
+
+    /// Sets the adapters (and modules trained whole) from `values`, full-size tensors by our
+    /// parameter names (`...q_proj.lora_A.weight`), each rank taking its tensor-parallel
+    /// slice. Every trainable parameter must be given.
+    pub fn set_trainable(&self, values: &BTreeMap<String, Tensor>, source: &str) -> Result<()> {
+        let tp = self.tp.as_ref().map(|c| (c.rank(), c.size()));
+        let splits: HashMap<&str, Option<usize>> = self
+            .tp_plan
+            .iter()
+            .map(|e| (e.name.as_str(), e.split.dim))
+            .collect();
+        for (name, var) in self.params.iter() {
+            let value = values.get(name).ok_or_else(|| {
+                Error::config(
+                    source,
+                    name,
+                    "missing: the adapter does not match this model's LoRA setup \
+                     (lora_target_modules, lora_r)",
+                )
+            })?;
+            let value = match (tp, splits.get(name.as_str()).copied().flatten()) {
+                (Some((rank, size)), Some(d)) => {
+                    let n = value.dim(d)? / size;
+                    value.narrow(d, rank * n, n)?
+                }
+                _ => value.clone(),
+            };
+            if value.dims() != var.dims() {
+                return Err(Error::config(
+                    source,
+                    name,
+                    format!(
+                        "shape {:?}, this model's is {:?} (a different lora_r or model?)",
+                        value.dims(),
+                        var.dims()
+                    ),
+                ));
+            }
+            var.set(&value.to_dtype(var.dtype())?.to_device(var.device())?)?;
+        }
         Ok(())
     }
 
@@ -679,6 +819,40 @@ impl<N: CausalModel> Layers for Stack<N> {
 }
 
 /// `config.json` of `dir`, and its path for errors.
+/// Makes every weight of `net` a constant but those of `config.modules_to_save` (a tied
+/// weight stays one tensor).
+fn freeze_base<N: crate::nn::Parallelize>(net: &mut N, config: &LoraConfig) -> Result<()> {
+    let mut frozen: HashMap<candle_core::TensorId, Tensor> = HashMap::new();
+    let mut saved: HashMap<candle_core::TensorId, Tensor> = HashMap::new();
+    net.visit_weights_mut("", &mut |name, w| {
+        let Weight::Local(t) = w else {
+            return Ok(());
+        };
+        if !t.is_variable() {
+            return Ok(());
+        }
+        if config.saves(name) {
+            // A copy of its own, as peft's ModulesToSaveWrapper makes: a head tied to the
+            // frozen embedding shares its storage, which its updates would write into.
+            let copy = match saved.get(&t.id()) {
+                Some(c) => c.clone(),
+                None => {
+                    let c = candle_core::Var::from_tensor(&t.copy()?)?
+                        .as_tensor()
+                        .clone();
+                    saved.insert(t.id(), c.clone());
+                    c
+                }
+            };
+            *w = Weight::Local(copy);
+        } else {
+            let constant = frozen.entry(t.id()).or_insert_with(|| t.detach()).clone();
+            *w = Weight::Local(constant);
+        }
+        Ok(())
+    })
+}
+
 fn read_config(dir: &Path) -> Result<(String, String)> {
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path)

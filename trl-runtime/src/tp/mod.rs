@@ -50,6 +50,15 @@ pub struct PlanEntry {
 /// Every parameter with its HF name, each once (a weight tied to another appears under the
 /// first name, as HF saves it).
 pub fn named_parameters(model: &impl Parallelize) -> Result<Params> {
+    let mut tensors = named_tensors(model);
+    // A frozen tensor (a LoRA base) is part of the model but not trained.
+    tensors.retain(|_, t| t.is_variable());
+    Params::from_tensors(tensors)
+}
+
+/// Every parameter tensor by HF name (a tied one once, under the first name), trainable or
+/// frozen.
+pub fn named_tensors(model: &impl Parallelize) -> BTreeMap<String, Tensor> {
     let mut seen = HashSet::new();
     let mut tensors = BTreeMap::new();
     model.visit_params("", &mut |name, t, _| {
@@ -57,7 +66,7 @@ pub fn named_parameters(model: &impl Parallelize) -> Result<Params> {
             tensors.insert(name.to_string(), t.clone());
         }
     });
-    Params::from_tensors(tensors)
+    tensors
 }
 
 /// The plan as data: every parameter (once) with its split and shapes for a group of `tp`.

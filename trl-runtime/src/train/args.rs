@@ -11,7 +11,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub use crate::config::cli_value::CliValue;
+pub use crate::config::cli_value::{CliValue, NameList};
 
 /// A parsed flag value. The wrapper keeps clap from giving `Option<Option<T>>` fields its
 /// special optional-value meaning: every flag here takes one value of the field's type.
@@ -160,6 +160,26 @@ training_arguments! {
     /// trainable parameter that the first step's backward does not reach is an error naming
     /// it, in every strategy.
     ddp_find_unused_parameters: Option<bool> = None;
+    /// Train LoRA adapters on a frozen base instead of every weight (TRL's ModelConfig keys
+    /// below; see `nn::lora`).
+    use_peft: bool = false;
+    /// The adapters' rank.
+    lora_r: usize = 16;
+    /// Adapter outputs are scaled by lora_alpha / lora_r (/ sqrt(lora_r) with use_rslora).
+    lora_alpha: f64 = 32.0;
+    lora_dropout: f64 = 0.05;
+    /// The linear layers to adapt: names (`q_proj v_proj`, matched as name suffixes) or
+    /// `all-linear` (every linear layer but the LM head); unset: peft's default for the model
+    /// type (q_proj and v_proj; Phi-3's qkv_proj).
+    lora_target_modules: Option<NameList> = None;
+    /// Layers trained whole beside the adapters (e.g. `lm_head embed_tokens`).
+    lora_modules_to_save: Option<NameList> = None;
+    /// peft's task type: CAUSAL_LM, the only one a causal LM trainer has.
+    lora_task_type: String = "CAUSAL_LM".into();
+    /// Rank-stabilised LoRA: scale by lora_alpha / sqrt(lora_r).
+    use_rslora: bool = false;
+    /// Weight-decomposed LoRA (DoRA): not implemented, refused when set.
+    use_dora: bool = false;
 }
 
 /// The compute dtype of a mixed-precision name (Accelerate's values).
@@ -225,6 +245,65 @@ impl TrainingArguments {
         ))
     }
 
+    fn validate_peft(&self, source: &str) -> Result<()> {
+        let err = |key: &str, message: String| Error::config(source, key, message);
+        if self.use_dora {
+            return Err(err(
+                "use_dora",
+                "DoRA is not implemented: remove it (plain LoRA, or use_rslora)".into(),
+            ));
+        }
+        if self.lora_task_type != "CAUSAL_LM" {
+            return Err(err(
+                "lora_task_type",
+                format!(
+                    "'{}': a causal language model trainer trains CAUSAL_LM adapters",
+                    self.lora_task_type
+                ),
+            ));
+        }
+        if self.lora_r == 0 {
+            return Err(err("lora_r", "must be at least 1".into()));
+        }
+        if !(0.0..1.0).contains(&self.lora_dropout) {
+            return Err(err(
+                "lora_dropout",
+                format!("{} must be in [0, 1)", self.lora_dropout),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The LoRA setup these arguments ask for (None without use_peft), for a model of
+    /// `model_type` (whose peft default targets apply when lora_target_modules is unset).
+    pub fn lora(&self, model_type: &str) -> Option<crate::nn::lora::LoraConfig> {
+        use crate::nn::lora::{LoraConfig, Targets};
+        if !self.use_peft {
+            return None;
+        }
+        let names = match &self.lora_target_modules {
+            Some(list) => list.0.clone(),
+            None => LoraConfig::default_targets(model_type),
+        };
+        // TRL passes a single name as a string, which peft reads as `all-linear` when it is.
+        let targets = match names.as_slice() {
+            [one] if one.eq_ignore_ascii_case("all-linear") => Targets::AllLinear,
+            _ => Targets::Names(names),
+        };
+        Some(LoraConfig {
+            r: self.lora_r,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+            targets,
+            modules_to_save: self
+                .lora_modules_to_save
+                .as_ref()
+                .map_or(Vec::new(), |l| l.0.clone()),
+            rslora: self.use_rslora,
+            seed: self.seed,
+        })
+    }
+
     /// Applies a key that sets one of these fields under another name.
     fn apply_alias(&mut self, alias: Alias) {
         match alias {
@@ -283,6 +362,9 @@ impl TrainingArguments {
         }
         if let Some(mp) = &self.mixed_precision {
             precision(mp).map_err(|message| err("mixed_precision", message))?;
+        }
+        if self.use_peft {
+            self.validate_peft(source)?;
         }
         if self.max_steps <= 0 && self.num_train_epochs <= 0.0 {
             return Err(err(
@@ -419,7 +501,7 @@ impl<C: TrainerConfig> Cli<C> {
         args: impl IntoIterator<Item = String>,
     ) -> std::result::Result<Self, clap::Error> {
         use clap::{CommandFactory, FromArgMatches};
-        let (rest, other) = super::trl_keys::take_flags(args);
+        let (rest, other) = super::trl_keys::take_flags(join_lists(args));
         let matches = Self::command().about(C::ABOUT).try_get_matches_from(rest)?;
         let mut cli = Self::from_arg_matches(&matches)?;
         cli.other = other;
@@ -455,6 +537,31 @@ impl<C: TrainerConfig> Cli<C> {
         config.other_mut().extend(self.other.clone());
         config.apply_other("command line")
     }
+}
+
+/// Flags that take several values in TRL (`--lora_target_modules q_proj v_proj`, argparse's
+/// nargs="+"): their values joined into one, which [`NameList`] splits.
+fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
+    const LISTS: &[&str] = &["lora_target_modules", "lora_modules_to_save"];
+    let mut out: Vec<String> = Vec::new();
+    // Where a list flag's value goes, once the flag is seen.
+    let mut list: Option<usize> = None;
+    for a in args {
+        if let Some(flag) = a.strip_prefix("--") {
+            let listed = LISTS.contains(&flag.replace('-', "_").as_str());
+            out.push(a);
+            list = listed.then_some(out.len());
+            continue;
+        }
+        match list {
+            Some(i) if out.len() > i => {
+                out[i].push(',');
+                out[i].push_str(&a);
+            }
+            _ => out.push(a),
+        }
+    }
+    out
 }
 
 /// Implements [`TrainerConfig`] for a struct written with [`training_arguments!`] and `base`.

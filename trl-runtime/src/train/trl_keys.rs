@@ -97,13 +97,7 @@ const KNOWN: &[&str] = &[
     "logging_first_step",
     "logging_nan_inf_filter",
     "logging_strategy",
-    "lora_alpha",
-    "lora_dropout",
-    "lora_modules_to_save",
-    "lora_r",
-    "lora_target_modules",
     "lora_target_parameters",
-    "lora_task_type",
     "loss_type",
     "lr_scheduler_kwargs",
     "max_seq_length",
@@ -155,12 +149,9 @@ const KNOWN: &[&str] = &[
     "use_bnb_nested_quant",
     "use_cache",
     "use_cpu",
-    "use_dora",
     "use_ipex",
     "use_legacy_prediction_loop",
     "use_mps_device",
-    "use_peft",
-    "use_rslora",
 ];
 
 /// Why a key has no effect here, by what it is about.
@@ -248,8 +239,6 @@ fn why(key: &str) -> &'static str {
         "ignore_bias_buffers",
         "lora_",
         "bnb_",
-        "use_rslora",
-        "use_dora",
     ]) {
         "the model, its dtype and tokenizer come from model_name_or_path (weights are trained in fp32, or bf16 with bf16 / mixed_precision)"
     } else {
@@ -343,8 +332,11 @@ pub fn classify(
                 None if value.is_null() => {}
                 None => return Err(err(&key, format!("expected a token count, found {value:?}"))),
             },
-            "use_peft" | "load_in_8bit" | "load_in_4bit" if truthy(&value) => {
-                return Err(err(&key, "LoRA and quantized training are not implemented: the whole model would be trained instead; remove it (or set it to false)".into()))
+            "load_in_8bit" | "load_in_4bit" if truthy(&value) => {
+                return Err(err(&key, "quantized training is not implemented: the base would be trained in full precision instead; remove it (or set it to false)".into()))
+            }
+            "lora_target_parameters" if truthy(&value) => {
+                return Err(err(&key, "adapters on parameters that are not linear layers (peft's target_parameters) are not implemented: use lora_target_modules".into()))
             }
             "fp16" if truthy(&value) => {
                 return Err(err(&key, "fp16 needs dynamic loss scaling, which is not implemented: use bf16: true".into()))

@@ -1,0 +1,296 @@
+//! LoRA, as peft's `LoraLayer` computes it: `y = x W^T + b + dropout(x) A^T B^T * scale`, with
+//! `A` [r, in] and `B` [out, r] trained and the base `W`, `b` frozen. The adapter path runs
+//! beside the base GEMM (two thin matmuls through rank r); no merged weight is built.
+//!
+//! What is adapted is chosen as peft chooses it ([`LoraConfig::targets`]); the layer side is
+//! [`crate::nn::Linear`] holding a [`Lora`]. Names follow peft: the adapter of
+//! `model.layers.0.self_attn.q_proj` is `model.layers.0.self_attn.q_proj.lora_A.weight` and
+//! `...lora_B.weight` (peft's files prefix them with `base_model.model.`).
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// Which linear layers get adapters (peft's `target_modules`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Targets {
+    /// Every linear layer but the output layer (peft's `all-linear`).
+    AllLinear,
+    /// Layers whose name is one of these or ends with `.` and one of these (peft's list
+    /// matching: `q_proj` matches `model.layers.0.self_attn.q_proj`).
+    Names(Vec<String>),
+}
+
+/// TRL's ModelConfig LoRA keys, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: Targets,
+    /// Layers trained whole beside the adapters (peft's `modules_to_save`), by name suffix.
+    pub modules_to_save: Vec<String>,
+    /// Scale by alpha / sqrt(r) instead of alpha / r (rank-stabilised LoRA).
+    pub rslora: bool,
+    /// Seeds `A`'s initialisation (per layer, from its name: the same on every rank).
+    pub seed: u64,
+}
+
+impl LoraConfig {
+    /// peft's `scaling`.
+    pub fn scale(&self) -> f64 {
+        if self.rslora {
+            self.alpha / (self.r as f64).sqrt()
+        } else {
+            self.alpha / self.r as f64
+        }
+    }
+
+    /// Whether the linear layer `name` gets an adapter (`output_layer`: the LM head, which
+    /// `all-linear` leaves out as peft does).
+    pub fn targets(&self, name: &str, output_layer: bool) -> bool {
+        match &self.targets {
+            Targets::AllLinear => !output_layer,
+            Targets::Names(names) => names.iter().any(|t| suffix_match(name, t)),
+        }
+    }
+
+    /// Whether parameter `name` belongs to a module trained whole (`modules_to_save`).
+    pub fn saves(&self, param: &str) -> bool {
+        let module = param.rsplit_once('.').map_or(param, |(m, _)| m);
+        self.modules_to_save.iter().any(|t| suffix_match(module, t))
+    }
+
+    /// peft's default targets for a model type when none are given
+    /// (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+    pub fn default_targets(model_type: &str) -> Vec<String> {
+        let names: &[&str] = match model_type {
+            "phi3" => &["qkv_proj"],
+            _ => &["q_proj", "v_proj"],
+        };
+        names.iter().map(|s| s.to_string()).collect()
+    }
+}
+
+fn suffix_match(name: &str, target: &str) -> bool {
+    name == target
+        || name
+            .strip_suffix(target)
+            .is_some_and(|rest| rest.ends_with('.'))
+}
+
+/// A layer's adapter: `A` [r, in], `B` [out, r] (this rank's slices under tensor
+/// parallelism), trainable variables.
+#[derive(Clone, Debug)]
+pub struct Lora {
+    pub a: Tensor,
+    pub b: Tensor,
+    pub scale: f64,
+    pub dropout: f64,
+}
+
+impl Lora {
+    /// peft's initialisation at full size: `A` Kaiming-uniform (a = sqrt(5), bound
+    /// 1/sqrt(in)), `B` zeros, so the adapted layer starts equal to the base. `A` is drawn
+    /// from `seed` and `name`, identically on every rank.
+    pub fn init(
+        name: &str,
+        (out_features, in_features): (usize, usize),
+        config: &LoraConfig,
+        (dtype, device): (DType, &Device),
+    ) -> Result<Self> {
+        let bound = 1.0 / (in_features as f64).sqrt();
+        let mut state = config.seed ^ fnv(name);
+        let a: Vec<f32> = (0..config.r * in_features)
+            .map(|_| ((uniform(&mut state) * 2.0 - 1.0) * bound) as f32)
+            .collect();
+        let a = Tensor::from_vec(a, (config.r, in_features), device)?.to_dtype(dtype)?;
+        let b = Tensor::zeros((out_features, config.r), dtype, device)?;
+        Ok(Lora {
+            a,
+            b,
+            scale: config.scale(),
+            dropout: config.dropout,
+        })
+    }
+
+    /// `dropout(x) A^T B^T * scale` for `x` [..., in] (`x` as the base layer sees it).
+    pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
+        self.up(&self.down(x)?)
+    }
+
+    /// `dropout(x) A^T`: [..., r] (a partial sum when `A` holds split input features).
+    pub fn down(&self, x: &Tensor) -> Result<Tensor> {
+        let x = dropout(x, self.dropout)?;
+        let dims = x.dims().to_vec();
+        let inner = dims[dims.len() - 1];
+        let rows = x.elem_count() / inner;
+        let h = x
+            .reshape((rows, inner))?
+            .matmul(&self.a.to_dtype(x.dtype())?.t()?)?;
+        let mut out = dims;
+        *out.last_mut().expect("rank >= 1") = self.a.dim(0)?;
+        h.reshape(out)
+    }
+
+    /// `h B^T * scale` for `h` [..., r].
+    pub fn up(&self, h: &Tensor) -> Result<Tensor> {
+        let dims = h.dims().to_vec();
+        let rows = h.elem_count() / dims[dims.len() - 1];
+        let y = h
+            .reshape((rows, dims[dims.len() - 1]))?
+            .matmul(&self.b.to_dtype(h.dtype())?.t()?)?;
+        let mut out = dims;
+        *out.last_mut().expect("rank >= 1") = self.b.dim(0)?;
+        y.reshape(out)? * self.scale
+    }
+}
+
+thread_local! {
+    /// Set while a training forward runs (dropout is on); its value keys the masks.
+    static DROPOUT_KEY: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+    /// Calls within the current key, so that each layer draws its own mask.
+    static DROPOUT_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` as a training forward with dropout masks drawn from `key` (a micro-batch's
+/// identity). A layer recomputed in backward (activation checkpointing) runs again under the
+/// same key with [`recompute_dropout`] and draws the same mask.
+pub fn with_dropout<T>(key: u64, f: impl FnOnce() -> T) -> T {
+    let before = DROPOUT_KEY.with(|k| k.replace(Some(key)));
+    let calls = DROPOUT_CALLS.with(|c| c.replace(0));
+    let out = f();
+    DROPOUT_KEY.with(|k| k.set(before));
+    DROPOUT_CALLS.with(|c| c.set(calls));
+    out
+}
+
+/// The dropout state at this point of a forward, to replay a stretch of it (a checkpointed
+/// layer's recomputation) with [`recompute_dropout`].
+pub fn dropout_state() -> (Option<u64>, u64) {
+    (
+        DROPOUT_KEY.with(|k| k.get()),
+        DROPOUT_CALLS.with(|c| c.get()),
+    )
+}
+
+/// Runs `f` from a state [`dropout_state`] returned (the same masks as then).
+pub fn recompute_dropout<T>(state: (Option<u64>, u64), f: impl FnOnce() -> T) -> T {
+    let before = (
+        DROPOUT_KEY.with(|k| k.replace(state.0)),
+        DROPOUT_CALLS.with(|c| c.replace(state.1)),
+    );
+    let out = f();
+    DROPOUT_KEY.with(|k| k.set(before.0));
+    DROPOUT_CALLS.with(|c| c.set(before.1));
+    out
+}
+
+/// Inverted dropout with probability `p` during a training forward; the identity otherwise
+/// (evaluation, generation). The mask is a function of the key, the call's order and the
+/// element, so a replayed forward draws the same one.
+fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
+    let Some(key) = DROPOUT_KEY.with(|k| k.get()).filter(|_| p > 0.0) else {
+        return Ok(x.clone());
+    };
+    let call = DROPOUT_CALLS.with(|c| {
+        let n = c.get();
+        c.set(n + 1);
+        n
+    });
+    let keep = 1.0 - p;
+    let mut state = key ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mask: Vec<f32> = (0..x.elem_count())
+        .map(|_| {
+            if uniform(&mut state) < keep {
+                (1.0 / keep) as f32
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    x * mask
+}
+
+/// splitmix64's next value as a uniform in [0, 1).
+fn uniform(state: &mut u64) -> f64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// FNV-1a of a name: a stable per-layer seed.
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(targets: Targets) -> LoraConfig {
+        LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets,
+            modules_to_save: vec!["lm_head".into()],
+            rslora: false,
+            seed: 1,
+        }
+    }
+
+    #[test]
+    fn targets_match_as_peft_matches_them() {
+        let c = config(Targets::Names(vec!["q_proj".into(), "v_proj".into()]));
+        assert!(c.targets("model.layers.0.self_attn.q_proj", false));
+        assert!(!c.targets("model.layers.0.self_attn.qq_proj", false));
+        assert!(!c.targets("model.layers.0.mlp.up_proj", false));
+        let all = config(Targets::AllLinear);
+        assert!(all.targets("model.layers.0.mlp.up_proj", false));
+        assert!(!all.targets("lm_head", true));
+        assert!(c.saves("lm_head.weight") && !c.saves("model.norm.weight"));
+        assert_eq!(c.scale(), 2.0);
+        assert_eq!(LoraConfig { rslora: true, ..c }.scale(), 4.0);
+    }
+
+    #[test]
+    fn a_starts_in_peft_bounds_and_b_at_zero() {
+        let c = config(Targets::AllLinear);
+        let l = Lora::init("x.q_proj", (6, 16), &c, (DType::F32, &Device::Cpu)).unwrap();
+        let a = l.a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(a.iter().all(|v| v.abs() <= 0.25) && a.iter().any(|v| v.abs() > 0.1));
+        let again = Lora::init("x.q_proj", (6, 16), &c, (DType::F32, &Device::Cpu)).unwrap();
+        assert_eq!(a, again.a.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        let b =
+            l.b.abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+        assert_eq!(b, 0.0);
+    }
+
+    #[test]
+    fn dropout_masks_replay_and_scale() {
+        let x = Tensor::ones((64, 32), DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(
+            dropout(&x, 0.5).unwrap().to_vec2::<f32>().unwrap()[0][0],
+            1.0
+        );
+        let (a, state) = with_dropout(3, || {
+            let s = dropout_state();
+            (dropout(&x, 0.5).unwrap(), s)
+        });
+        let b = with_dropout(3, || recompute_dropout(state, || dropout(&x, 0.5).unwrap()));
+        let (a, b) = (a.to_vec2::<f32>().unwrap(), b.to_vec2::<f32>().unwrap());
+        assert_eq!(a, b);
+        let kept = a.iter().flatten().filter(|v| **v == 2.0).count();
+        assert!((900..1150).contains(&kept), "{kept} of 2048 kept");
+    }
+}

@@ -1,0 +1,217 @@
+//! LoRA on the built-in models: the adapted layer equals its merged weight, the base gets no
+//! gradient, and adapters travel both ways between us and peft (PyPI's, when a Python with
+//! torch, transformers and peft is there: TRL_PYTHON or python3; skipped with a message
+//! otherwise): our saved adapter loads in `PeftModel.from_pretrained` with our logits, and an
+//! adapter peft wrote gives us peft's logits, within 1e-4 (f32).
+
+use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use trl_runtime::models::peft;
+use trl_runtime::nn::lora::{LoraConfig, Targets};
+use trl_runtime::parallel::CausalLm;
+
+fn tiny() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model")
+}
+
+fn config(targets: Targets) -> LoraConfig {
+    LoraConfig {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets,
+        modules_to_save: Vec::new(),
+        rslora: false,
+        seed: 3,
+    }
+}
+
+fn ids() -> (Tensor, Tensor) {
+    let ids: Vec<u32> = (0..48u32).map(|i| (i * 7919 + 13) % 284).collect();
+    let ids = Tensor::from_vec(ids, (2, 24), &Device::Cpu).unwrap();
+    let pos = Tensor::arange(0i64, 24, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .repeat((2, 1))
+        .unwrap();
+    (ids, pos)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+/// Gives every adapter a random `B` (peft starts it at zero, which would hide the path).
+fn randomize(model: &CausalLm) {
+    for (name, var) in model.params.iter() {
+        let noise = (Tensor::randn(0f32, 0.05, var.shape(), &Device::Cpu).unwrap()
+            + var.as_tensor())
+        .unwrap();
+        if name.contains("lora_B") {
+            var.set(&noise).unwrap();
+        }
+    }
+}
+
+#[test]
+fn adapters_train_alone_and_equal_the_merged_weights() {
+    let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+    let base = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+    model
+        .add_adapters(&config(Targets::Names(vec![
+            "q_proj".into(),
+            "down_proj".into(),
+        ])))
+        .unwrap();
+    // Only the adapters train: two layers x two projections x (A, B).
+    let names: Vec<&String> = model.params.iter().map(|(n, _)| n).collect();
+    assert_eq!(names.len(), 8, "{names:?}");
+    assert!(names.iter().all(|n| n.contains(".lora_")), "{names:?}");
+    randomize(&model);
+    let (ids, pos) = ids();
+    let logits = model.forward(&ids, &pos).unwrap();
+    // The same model with W + scale B A written into the base.
+    let scale = 2.0;
+    let mut merged = BTreeMap::new();
+    for (name, var) in base.params.iter() {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let w = var.as_tensor().clone();
+        let w = match (
+            model.params.get(&format!("{module}.lora_A.weight")),
+            model.params.get(&format!("{module}.lora_B.weight")),
+        ) {
+            (Some(a), Some(b)) => {
+                (w + (b.as_tensor().matmul(a.as_tensor()).unwrap() * scale).unwrap()).unwrap()
+            }
+            _ => w,
+        };
+        merged.insert(name.clone(), w);
+    }
+    let merged = CausalLm::with_params(
+        base.config_json().to_string(),
+        trl_runtime::models::Params::from_tensors(merged).unwrap(),
+    )
+    .unwrap();
+    let want = merged.forward(&ids, &pos).unwrap();
+    let d = max_diff(&logits, &want);
+    assert!(d < 1e-4, "adapted vs merged logits differ by {d}");
+    // The backward reaches the adapters and nothing else.
+    let targets = ids.to_dtype(DType::I64).unwrap();
+    let loss = model.forward_loss(&ids, &pos, &targets).unwrap();
+    let grads = model.backward(&loss.sum).unwrap();
+    for (name, var) in model.params.iter() {
+        let g = grads.get(var.as_tensor()).expect(name);
+        let n = g
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(n > 0.0, "{name} got a zero gradient");
+    }
+}
+
+fn python_with_peft() -> Option<PathBuf> {
+    let python = std::env::var_os("TRL_PYTHON").map_or("python3".into(), PathBuf::from);
+    let ok = Command::new(&python)
+        .args(["-c", "import torch, transformers, peft"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!(
+            "skipped: no Python with torch, transformers and peft ({}; set TRL_PYTHON to one: \
+             `python3 -m venv v && v/bin/pip install torch transformers peft safetensors`)",
+            python.display()
+        );
+    }
+    ok.then_some(python)
+}
+
+fn peft_script(python: &Path, args: &[&Path]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/peft_logits.py");
+    let out = Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "peft_logits.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// peft's logits for the tiny model with the adapter in `adapter`.
+fn peft_logits(python: &Path, adapter: &Path, tmp: &Path) -> Tensor {
+    let (ids, _) = ids();
+    let (ids_file, out_file) = (tmp.join("ids.safetensors"), tmp.join("out.safetensors"));
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([(
+            "input_ids".to_string(),
+            ids.to_dtype(DType::I64).unwrap(),
+        )]),
+        &ids_file,
+    )
+    .unwrap();
+    peft_script(
+        python,
+        &[Path::new("logits"), &tiny(), adapter, &ids_file, &out_file],
+    );
+    candle_core::safetensors::load(&out_file, &Device::Cpu).unwrap()["logits"].clone()
+}
+
+#[test]
+fn our_adapter_loads_in_peft_with_our_logits() {
+    let Some(python) = python_with_peft() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+    let mut lora = config(Targets::AllLinear);
+    lora.modules_to_save = vec!["lm_head".into()];
+    model.add_adapters(&lora).unwrap();
+    randomize(&model);
+    let (ids, pos) = ids();
+    let ours = model.forward(&ids, &pos).unwrap();
+    let adapter = tmp.path().join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let tensors = model
+        .params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    peft::save(&adapter, &tensors, &lora, &tiny()).unwrap();
+    let theirs = peft_logits(&python, &adapter, tmp.path());
+    let d = max_diff(&ours, &theirs);
+    eprintln!("our adapter in peft: logits within {d:.1e}");
+    assert!(d < 1e-4, "peft's logits with our adapter differ by {d}");
+}
+
+#[test]
+fn a_peft_adapter_gives_peft_logits_here() {
+    let Some(python) = python_with_peft() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter = tmp.path().join("peft-adapter");
+    peft_script(&python, &[Path::new("write"), &tiny(), &adapter]);
+    let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+    model.load_adapter(&adapter).unwrap();
+    let (ids, pos) = ids();
+    let ours = model.forward(&ids, &pos).unwrap();
+    let theirs = peft_logits(&python, &adapter, tmp.path());
+    let d = max_diff(&ours, &theirs);
+    eprintln!("peft's adapter here: logits within {d:.1e}");
+    assert!(d < 1e-4, "our logits with peft's adapter differ by {d}");
+}
