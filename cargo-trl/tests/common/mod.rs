@@ -57,16 +57,36 @@ pub struct Run {
 }
 
 impl Run {
+    #[allow(dead_code)]
     pub fn read(out: &Path, steps: usize) -> Run {
+        let mut run = Run::read_losses(out);
+        let file = out.join(format!("checkpoint-{steps}/model.safetensors"));
+        run.weights = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+        run
+    }
+}
+
+impl Run {
+    /// A LoRA run: its losses and the adapters of its checkpoint (peft's names).
+    #[allow(dead_code)]
+    pub fn read_adapter(out: &Path, steps: usize) -> Run {
+        let mut run = Run::read_losses(out);
+        let file = out.join(format!("checkpoint-{steps}/adapter_model.safetensors"));
+        run.weights = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+        run
+    }
+
+    fn read_losses(out: &Path) -> Run {
         let losses = std::fs::read_to_string(out.join("metrics.jsonl"))
             .unwrap()
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .filter_map(|v| v["loss"].as_f64())
             .collect();
-        let file = out.join(format!("checkpoint-{steps}/model.safetensors"));
-        let weights = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
-        Run { losses, weights }
+        Run {
+            losses,
+            weights: HashMap::new(),
+        }
     }
 }
 

@@ -163,9 +163,12 @@ pub fn with_dropout<T>(key: u64, f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// The dropout key and how many masks were drawn under it.
+pub type DropoutState = (Option<u64>, u64);
+
 /// The dropout state at this point of a forward, to replay a stretch of it (a checkpointed
 /// layer's recomputation) with [`recompute_dropout`].
-pub fn dropout_state() -> (Option<u64>, u64) {
+pub fn dropout_state() -> DropoutState {
     (
         DROPOUT_KEY.with(|k| k.get()),
         DROPOUT_CALLS.with(|c| c.get()),
@@ -173,7 +176,7 @@ pub fn dropout_state() -> (Option<u64>, u64) {
 }
 
 /// Runs `f` from a state [`dropout_state`] returned (the same masks as then).
-pub fn recompute_dropout<T>(state: (Option<u64>, u64), f: impl FnOnce() -> T) -> T {
+pub fn recompute_dropout<T>(state: DropoutState, f: impl FnOnce() -> T) -> T {
     let before = (
         DROPOUT_KEY.with(|k| k.replace(state.0)),
         DROPOUT_CALLS.with(|c| c.replace(state.1)),

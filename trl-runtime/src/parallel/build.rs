@@ -10,7 +10,7 @@ use super::{parallelize, CheckpointFormat, Model, Optimizer, ParallelOptions, Re
 use crate::dist::mesh::Axis;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::models::{CausalModel, Params};
+use crate::models::{peft, CausalModel, Params};
 use crate::optim::{AdamW, OPTIMIZER_FILE};
 use crate::tp::TpGrads;
 
@@ -41,13 +41,32 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
     };
     // Split over tp as it is read: each rank reads only its slices.
     let read_split = || Model::<N>::from_pretrained_split(dir, dtype, &device, tp.clone());
-    let (mut model, resume) = match &opts.resume_from {
-        None if read_shards => (
+    let (mut model, resume) = match (&opts.resume_from, &opts.lora) {
+        (None, _) if read_shards => (
             Model::<N>::skeleton_for(dir, dtype, &device)?,
             Resume::Fresh,
         ),
-        None => (read_split().map_err(tp_error)?, Resume::Fresh),
-        Some((ckpt, _)) if sharded_state::is_sharded(ckpt) => {
+        (None, _) => (read_split().map_err(tp_error)?, Resume::Fresh),
+        (Some((ckpt, step)), Some(lora)) => {
+            // A LoRA checkpoint holds the adapters: the base is the model directory's.
+            let mut model = read_split().map_err(tp_error)?;
+            model.add_adapters(lora)?;
+            if !ckpt.join(peft::ADAPTER_CONFIG).exists() {
+                return Err(Error::config(
+                    ckpt.display().to_string(),
+                    "resume_from_checkpoint",
+                    "not a LoRA checkpoint (no adapter_config.json): resume a use_peft run's \
+                     checkpoint, or drop use_peft",
+                ));
+            }
+            let (_, tensors) = peft::read(ckpt, dtype, &device)?;
+            let source = ckpt.join(peft::ADAPTER_WEIGHTS).display().to_string();
+            model.set_trainable(&tensors, &source)?;
+            let mut full = AdamW::for_params(&Params::from_tensors(tensors)?, opts.adam)?;
+            full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(*step);
+            (model, Resume::Full(full))
+        }
+        (Some((ckpt, _)), None) if sharded_state::is_sharded(ckpt) => {
             // Slices are read by whoever owns them; unsharded strategies, and tensor-parallel
             // runs (which cut their tp slices from whole tensors), read it all.
             let reader = ShardedReader::open(ckpt)?;
@@ -68,15 +87,28 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
                 (read_split().map_err(tp_error)?, Resume::Sharded(reader))
             }
         }
-        Some((ckpt, step)) => {
+        (Some((ckpt, step)), None) => {
             let model = Model::from_pretrained(ckpt, dtype, &device)?;
             let mut full = AdamW::for_params(&model.params, opts.adam)?;
             full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(*step);
             (model, Resume::Full(full))
         }
     };
+    if let (Some(lora), Resume::Fresh) = (&opts.lora, &resume) {
+        model.add_adapters(lora)?;
+    }
     // Any checkpoint resumes under any strategy and world size: the state is per parameter.
-    let checkpoint_format = CheckpointFormat::from_plan(ctx.plan());
+    let mut checkpoint_format = CheckpointFormat::from_plan(ctx.plan());
+    if opts.lora.is_some() && checkpoint_format == CheckpointFormat::Sharded {
+        // Adapters are small: gathered, they are one peft adapter file.
+        if ctx.is_main_process() {
+            tracing::warn!(
+                "use_peft: checkpoints hold the adapters in peft's format, gathered on rank 0, \
+                 not sharded (the launch's sharded state_dict_type applies to full fine-tuning)"
+            );
+        }
+        checkpoint_format = CheckpointFormat::Full;
+    }
     if tp.size() > 1 && checkpoint_format == CheckpointFormat::Sharded && ctx.is_main_process() {
         tracing::warn!(
             "sharded checkpoints are written full under tensor parallelism (tp = {}): each \

@@ -17,7 +17,7 @@
 //! Every collective inside a layer (tensor-parallel sums, Ulysses all-to-alls, ring hops,
 //! FSDP gathers) runs again in the recompute, in the same order on every rank.
 
-use crate::nn::sharded;
+use crate::nn::{lora, sharded};
 use crate::precomputed::Precomputed;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor, TensorId, Var};
@@ -99,18 +99,30 @@ impl Checkpointing {
             }
         };
         let mut inputs = Vec::with_capacity(layers.count());
+        let mut dropout = Vec::with_capacity(layers.count());
         let mut h = x.detach();
         for l in 0..layers.count() {
             inputs.push(keep(&h)?);
+            dropout.push(lora::dropout_state());
             h = layers.forward(l, &h, false)?.detach();
         }
-        x.apply_op1(Stack {
+        let stack = Stack {
             layers,
             inputs,
+            dropout,
             device,
             owner: self.clone(),
             out: Precomputed::new(h),
-        })
+            input_tracked: x.track_op(),
+        };
+        if stack.input_tracked {
+            return x.apply_op1(stack);
+        }
+        // An input without gradient (a LoRA run's frozen embedding) would leave the op out of
+        // Candle's backward: it hangs off a variable of its own instead (transformers'
+        // enable_input_require_grads, for the same reason).
+        let anchor = Var::zeros(1, x.dtype(), x.device())?;
+        anchor.as_tensor().apply_op1(stack)
     }
 }
 
@@ -118,9 +130,13 @@ struct Stack {
     layers: Arc<dyn Layers>,
     /// Each layer's input (in host memory when offloaded).
     inputs: Vec<Tensor>,
+    /// Where each layer's LoRA dropout masks start: the recompute draws the same ones.
+    dropout: Vec<lora::DropoutState>,
     device: Device,
     owner: Arc<Checkpointing>,
     out: Precomputed,
+    /// Whether the layers' input takes a gradient (else the op hangs off an anchor).
+    input_tracked: bool,
 }
 
 /// Layer inputs from this size up (8 MiB: 8,192 tokens at hidden 256 in f32) have host memory
@@ -162,13 +178,15 @@ impl CustomOp1 for Stack {
         self.out.take_cuda("the checkpointed layers")
     }
 
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let mut g = grad.detach();
         for l in (0..self.layers.count()).rev() {
             let input = Var::from_tensor(&self.inputs[l].to_device(&self.device)?)?;
             self.owner.recomputed.fetch_add(1, Ordering::Relaxed);
             let store = sharded::recomputing(|| -> Result<GradStore> {
-                let y = self.layers.forward(l, input.as_tensor(), true)?;
+                let y = lora::recompute_dropout(self.dropout[l], || {
+                    self.layers.forward(l, input.as_tensor(), true)
+                })?;
                 y.apply_op1(Seed { grad: g.clone() })?.backward()
             })?;
             for p in self.layers.params(l) {
@@ -183,7 +201,10 @@ impl CustomOp1 for Stack {
             drop(store);
             self.hand_back_freed(l);
         }
-        Ok(Some(g))
+        match self.input_tracked {
+            true => Ok(Some(g)),
+            false => Ok(Some(arg.zeros_like()?)),
+        }
     }
 }
 

@@ -35,6 +35,7 @@ use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
 use crate::models::Params;
+use crate::nn::lora::LoraConfig;
 use crate::nn::AttentionImpl;
 use crate::optim::{grad_clip_coef, AdamW, AdamWConfig};
 use crate::tp::{state as tp_state, TpGrads};
@@ -185,6 +186,8 @@ pub struct ParallelOptions {
     /// A checkpoint directory to continue from, and the optimizer step its trainer state is
     /// at (for optimizer files that do not record it).
     pub resume_from: Option<(PathBuf, u64)>,
+    /// Train LoRA adapters on a frozen base (use_peft).
+    pub lora: Option<LoraConfig>,
 }
 
 impl ParallelOptions {
@@ -378,6 +381,17 @@ pub fn parallelize<N: CausalModel>(
         );
     }
 
+    if let (Some(lora), true) = (model.lora(), fsdp) {
+        if !lora.modules_to_save.is_empty() {
+            return Err(Error::config(
+                "training arguments",
+                "lora_modules_to_save",
+                "under ZeRO-3 / FSDP the base is sharded frozen: modules trained whole beside \
+                 the adapters are not supported there (use ZeRO-2, DDP or tensor parallelism)",
+            ));
+        }
+    }
+
     // 3. Activation checkpointing: each decoder layer recomputed in backward.
     if opts.gradient_checkpointing || plan.activation_checkpointing() {
         let offload = opts.offload_activations && !ctx.device().is_cpu();
@@ -416,10 +430,29 @@ pub fn parallelize<N: CausalModel>(
         Strategy::Fsdp(policy, prefetch) => {
             if opts.reads_shards(ctx) {
                 // Each rank reads only its slices from the checkpoint files.
-                model.shard_reading(&opts.model_dir, policy, prefetch, shard)?;
+                model.shard_reading(&opts.model_dir, policy, prefetch, shard.clone())?;
             } else {
                 // Every rank cuts its slices from the synced values, then drops the full tensors.
-                model.shard(policy, prefetch, shard)?;
+                model.shard(policy, prefetch, shard.clone())?;
+            }
+            if model.lora().is_some() {
+                // The units hold the frozen base; the adapters, whole on every rank, are
+                // reduced and their optimizer state sharded as ZeRO-2 does.
+                let mut z =
+                    ZeroOptimizer::new(&model.params, opts.adam, ZeroStage::Two, shard, replicate)?;
+                let (full, sharded) = (full_state.as_ref(), sharded_state.as_ref());
+                sharded_optimizer::prepare(
+                    &mut z,
+                    tp_grads.as_ref(),
+                    full,
+                    sharded,
+                    &model.params,
+                    offload,
+                )?;
+                return Ok(Parallelized {
+                    optimizer: Optimizer::Zero(z),
+                    tp_grads,
+                });
             }
             let sharded = model.sharding.clone().expect("sharded above");
             let mut f = FsdpOptimizer::new(sharded, opts.adam, replicate)?;

@@ -325,6 +325,7 @@ impl<N: CausalModel> Model<N> {
             comm,
         )?;
         self.sharding = Some(sharding);
+        self.params = crate::tp::named_parameters(&*self.net)?;
         Ok(())
     }
 
@@ -818,7 +819,6 @@ impl<N: CausalModel> Layers for Stack<N> {
     }
 }
 
-/// `config.json` of `dir`, and its path for errors.
 /// Makes every weight of `net` a constant but those of `config.modules_to_save` (a tied
 /// weight stays one tensor).
 fn freeze_base<N: crate::nn::Parallelize>(net: &mut N, config: &LoraConfig) -> Result<()> {
@@ -853,6 +853,7 @@ fn freeze_base<N: crate::nn::Parallelize>(net: &mut N, config: &LoraConfig) -> R
     })
 }
 
+/// `config.json` of `dir`, and its path for errors.
 fn read_config(dir: &Path) -> Result<(String, String)> {
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path)

@@ -100,6 +100,27 @@ pub fn save(
     finish(output_dir, &tmp, state, keep)
 }
 
+/// As [`save`] for a LoRA run: the adapters (`tensors`, full-size, by our names) in peft's
+/// format (adapter_config.json + adapter_model.safetensors; `base` is the base model's
+/// directory), the tokenizer files, the adapters' optimizer state and the trainer state.
+#[allow(clippy::too_many_arguments)]
+pub fn save_adapter(
+    output_dir: &Path,
+    tensors: &std::collections::BTreeMap<String, candle_core::Tensor>,
+    lora: &crate::nn::lora::LoraConfig,
+    base: &Path,
+    tokenizer_dir: &Path,
+    optimizer: &AdamW,
+    state: &TrainerState,
+    keep: Option<usize>,
+) -> Result<PathBuf> {
+    let tmp = begin(output_dir, state.global_step)?;
+    crate::models::peft::save(&tmp, tensors, lora, base)?;
+    copy_tokenizer(&tmp, tokenizer_dir)?;
+    write_optimizer(&tmp, optimizer)?;
+    finish(output_dir, &tmp, state, keep)
+}
+
 /// The hidden directory checkpoint `step` is written into before it is renamed into place.
 /// The name is the same on every rank, so that several ranks can write into it.
 pub fn staging_dir(output_dir: &Path, step: usize) -> PathBuf {
@@ -146,6 +167,11 @@ pub fn write_model_files(
         None => std::fs::write(tmp.join(crate::models::params::CONFIG_FILE), config_json)
             .map_err(|e| io("cannot write config.json".into(), e))?,
     }
+    copy_tokenizer(tmp, tokenizer_dir)
+}
+
+/// The tokenizer files of `tokenizer_dir` that exist, into `tmp`.
+fn copy_tokenizer(tmp: &Path, tokenizer_dir: &Path) -> Result<()> {
     for f in TOKENIZER_FILES {
         let src = tokenizer_dir.join(f);
         if src.exists() {

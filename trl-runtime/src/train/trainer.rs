@@ -24,6 +24,7 @@ use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::models::{AutoModelForCausalLM, CausalModel, Params};
+use crate::nn::lora::LoraConfig;
 use crate::nn::AttentionImpl;
 use crate::parallel::sharded_state;
 use crate::parallel::Model;
@@ -249,6 +250,17 @@ impl TrainData {
 /// Trainable parameters that the first step's backward did not reach are an error (they
 /// would train on silently: only weight decay would move them), unless
 /// `ddp_find_unused_parameters` says they are expected, as PyTorch's DDP asks.
+/// `model_type` of the model directory's config.json (peft's default LoRA targets depend on
+/// it).
+fn model_type(dir: &std::path::Path) -> Result<String> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(path.display().to_string(), "<document>", e.to_string()))?;
+    Ok(json["model_type"].as_str().unwrap_or_default().to_string())
+}
+
 fn check_unused(without: &[String], find_unused: Option<bool>) -> Result<()> {
     if without.is_empty() {
         return Ok(());
@@ -469,6 +481,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 offload_activations: config.training.activation_offloading,
                 adam,
                 resume_from,
+                lora: config.training.lora(&model_type(&dir)?),
             },
         )?;
         // The ranks that see different tokens: data-parallel ones, and those holding the other
@@ -666,18 +679,25 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         let first = !self.unused_checked;
         let mut reached: HashSet<&str> = HashSet::new();
         let t0 = Instant::now();
-        for batch in &batches {
-            let ls = self.model.forward_targets(
-                &batch.input_ids,
-                &batch.position_ids,
-                &batch.targets()?,
-            )?;
+        for (micro, batch) in batches.iter().enumerate() {
+            // LoRA dropout masks are drawn from the step and micro-batch (the same on the
+            // ranks that share a row, and again when a layer is recomputed).
+            let key = (self.config.training.seed << 32)
+                ^ ((self.state.global_step as u64) << 8)
+                ^ micro as u64;
+            let ls = crate::nn::lora::with_dropout(key, || {
+                self.model
+                    .forward_targets(&batch.input_ids, &batch.position_ids, &batch.targets()?)
+            })?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
             let store = self.model.backward(&(ls.sum / targets)?)?;
             if let Some(sharding) = &self.model.sharding {
-                // Sharded units reduced their gradients during the backward itself.
+                // Sharded units reduced their gradients during the backward itself; a frozen
+                // base's units reduce nothing, and the adapters' gradients are collected below.
                 sharding.finish_backward()?;
-                continue;
+                if !sharding.frozen() {
+                    continue;
+                }
             }
             for (name, var) in self.model.params.iter() {
                 let g = match store.get(var.as_tensor()) {
@@ -707,17 +727,20 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         // that the plan's replicated and partial parameters are what their gradients say.
         if first {
             self.unused_checked = true;
-            let without: Vec<String> = match &self.model.sharding {
+            let mut without: Vec<String> = match &self.model.sharding {
                 Some(sharding) => sharding.take_without_grad(),
-                None => self
-                    .model
+                None => Vec::new(),
+            };
+            // Parameters outside the units (all of them unsharded; LoRA adapters beside a
+            // sharded base; none otherwise under FSDP).
+            without.extend(
+                self.model
                     .params
                     .iter()
                     .map(|(name, _)| name)
                     .filter(|n| !reached.contains(n.as_str()))
-                    .cloned()
-                    .collect(),
-            };
+                    .cloned(),
+            );
             // Routed experts may see no token in a step by design.
             let net = self.model.net();
             let without: Vec<String> = without
@@ -900,7 +923,48 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         Ok(path)
     }
 
+    /// A LoRA run's checkpoint: the adapters gathered whole (tensor-parallel slices joined)
+    /// and written by rank 0 in peft's format, with their optimizer state.
+    fn save_adapter_checkpoint(&self, lora: &LoraConfig) -> Result<Option<PathBuf>> {
+        let mine: BTreeMap<String, Tensor> = self
+            .model
+            .params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let state = match self.optimizer.sharded() {
+            Some(sharded) => sharded.gather_full_state()?,
+            None => self.optimizer.state().clone(),
+        };
+        let (tensors, state) = match self.model.tp() {
+            Some(tp) => (
+                tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
+                tp_state::gather_state(state, self.model.tp_plan(), tp.as_ref())?,
+            ),
+            None => (mine, state),
+        };
+        let path = if self.ctx.is_main_process() {
+            Some(checkpoint::save_adapter(
+                &self.config.training.output_dir,
+                &tensors,
+                lora,
+                &self.config.training.model_name_or_path,
+                &self.tokenizer_dir,
+                &state,
+                &self.state,
+                self.config.training.save_total_limit,
+            )?)
+        } else {
+            None
+        };
+        self.ctx.world().barrier()?;
+        Ok(path)
+    }
+
     fn save_checkpoint_as(&self, format: CheckpointFormat) -> Result<Option<PathBuf>> {
+        if let Some(lora) = self.model.lora() {
+            return self.save_adapter_checkpoint(lora);
+        }
         let tp = self.model.tp();
         if format == CheckpointFormat::Sharded
             && tp.is_none()
