@@ -5,8 +5,12 @@
 //! loading the model and setting up its strategy, during one training step (peak count
 //! restarted after start-up) and over the whole run; ZeRO-3 also with zero3_init_flag (each
 //! rank reads only its slices), and every strategy with offload_optimizer_device: cpu. Every
-//! run enters through its launch plan, as under `cargo trl launch`. One JSON object per line
-//! on stdout.
+//! run enters through its launch plan, as under `cargo trl launch`. With LoRA (`+lora`:
+//! use_peft, all-linear, r 16) against its formula: the frozen base B in the compute dtype
+//! (4B; 4B/N sharded under zero3) plus the adapters A as full fine-tuning keeps parameters
+//! (ddp 20A, zero1 8A + 12A/N, zero2 and zero3 4A + 16A/N: under ZeRO-3 the adapters stay
+//! whole and ZeRO-2 shards their gradients and optimizer state). One JSON object per line on
+//! stdout.
 
 use std::path::Path;
 use trl_runtime::config::{DeepSpeedConfig, DistributedType, LaunchPlan, OffloadDevice};
@@ -14,6 +18,16 @@ use trl_runtime::dist::DistContext;
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss, SFTConfig, Trainer};
 
 mod support;
+
+const LORA_R: usize = 16;
+
+/// Adapter parameters of the bench model at rank `LORA_R` on every linear layer but the head:
+/// r (in + out) per projection.
+fn adapter_params() -> usize {
+    let (h, kv, i, layers) = (512, 256, 1536, 6);
+    let per_layer = (h + h) + (h + kv) * 2 + (h + h) + (h + i) * 3;
+    per_layer * LORA_R * layers
+}
 
 fn prepare(dir: &Path) -> usize {
     let config = serde_json::json!({
@@ -62,6 +76,12 @@ fn worker(name: &str, dir: &Path) {
             disable_tqdm: true,
             // Model state per strategy, not activations: measured without recompute.
             gradient_checkpointing: false,
+            use_peft: name.contains("+lora"),
+            lora_target_modules: Some(trl_runtime::train::args::NameList(
+                vec!["all-linear".into()],
+            )),
+            lora_r: LORA_R,
+            lora_dropout: 0.0,
             ..Default::default()
         },
         ..SFTConfig::default()
@@ -101,7 +121,9 @@ fn main() {
         .into_iter()
         .flat_map(|n| [1usize, 2, 4].map(|w| (n.to_string(), w)))
         .chain([2usize, 4].map(|w| ("zero3+init".to_string(), w)))
-        .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+offload"), 2)));
+        .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+offload"), 2)))
+        .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+lora"), 2)));
+    let a = adapter_params();
     for (name, world) in runs {
         let mut report = None;
         support::run_ranks(&name, world, tmp.path(), |line, _| {
@@ -112,18 +134,24 @@ fn main() {
         });
         let (state, peak, run_peak, load_peak, offloaded) = report.expect("no report");
         let strategy = name.split('+').next().unwrap();
-        let formula = match strategy {
-            "zero1" => 8 * p + 12 * p / world,
-            "zero2" => 4 * p + 16 * p / world,
-            "zero3" => 16 * p / world,
-            _ => 20 * p,
+        let lora = name.contains("+lora");
+        let formula = match (strategy, lora) {
+            ("zero1", false) => 8 * p + 12 * p / world,
+            ("zero2", false) => 4 * p + 16 * p / world,
+            ("zero3", false) => 16 * p / world,
+            (_, false) => 20 * p,
+            ("zero1", true) => 4 * p + 8 * a + 12 * a / world,
+            ("zero2", true) => 4 * p + 4 * a + 16 * a / world,
+            ("zero3", true) => 4 * p / world + 4 * a + 16 * a / world,
+            (_, true) => 4 * p + 20 * a,
         };
         // On a CPU run offload has nothing to move to (the trainer says so): the offloaded
         // field shows whether the state really left the compute device.
         println!(
-            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offloaded\":{offloaded},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak}}}",
+            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offloaded\":{offloaded},\"lora\":{lora},\"trainable_params\":{},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak}}}",
             name.contains("+init"),
             name.contains("+offload"),
+            if lora { a } else { p },
             state as f64 / formula as f64
         );
     }

@@ -34,7 +34,7 @@ use crate::parallel::{
 };
 use crate::tp::{state as tp_state, TpGrads};
 use candle_core::{DType, Device, Tensor, D};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -554,10 +554,14 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
     /// kept after the reduction (ZeRO-2 / ZeRO-3: this rank's slice).
     pub fn memory(&self) -> MemoryReport {
         let mut held = StorageBytes::default();
-        match &self.model.sharding {
-            Some(sharding) => sharding.add_storage(&mut held),
-            None => self.model.params.iter().for_each(|(_, v)| held.add(v)),
+        if let Some(sharding) = &self.model.sharding {
+            sharding.add_storage(&mut held);
         }
+        // What the layers hold whole: every weight unsharded (a LoRA base among them, frozen
+        // in the compute dtype), else the adapters beside the units.
+        crate::tp::named_tensors(self.model.net())
+            .values()
+            .for_each(|t| held.add(t));
         let parameters = held.total;
         self.optimizer.state().add_storage(&mut held);
         let grad_full = self.model.params.num_elements() * 4;
@@ -1022,6 +1026,19 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             == 1)
     }
 
+    /// Trainable parameters at full size (tensor-parallel slices counted whole).
+    fn trainable_parameters(&self) -> usize {
+        let mut split = HashMap::new();
+        for e in self.model.tp_plan() {
+            split.insert(e.name.as_str(), e.full_shape.iter().product::<usize>());
+        }
+        self.model
+            .params
+            .iter()
+            .map(|(n, v)| split.get(n.as_str()).copied().unwrap_or(v.elem_count()))
+            .sum()
+    }
+
     /// What the run is about to do: sizes, batch, strategy and memory, and the worker report
     /// (on the main process).
     fn announce_start(&self) -> Result<()> {
@@ -1032,9 +1049,22 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             ),
             None => String::new(),
         };
+        let what = match self.model.lora() {
+            // peft's print_trainable_parameters, counted over the whole model.
+            Some(lora) => {
+                let trainable = self.trainable_parameters();
+                let all = self.model.num_parameters() + trainable;
+                format!(
+                    "LoRA adapters (r {}, {:?}): {trainable} trainable of {all} parameters ({:.2}%)",
+                    lora.r,
+                    lora.targets,
+                    100.0 * trainable as f64 / all as f64
+                )
+            }
+            None => format!("{} parameters", self.model.num_parameters()),
+        };
         tracing::info!(
-            "training {} parameters for {} steps ({} per epoch): effective batch {} = {} per device x {} data-parallel ranks x {} accumulation steps{tp_note}",
-            self.model.num_parameters(),
+            "training {what} for {} steps ({} per epoch): effective batch {} = {} per device x {} data-parallel ranks x {} accumulation steps{tp_note}",
             self.state.total_steps,
             self.steps_per_epoch,
             self.effective_batch_size(),
