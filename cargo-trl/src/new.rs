@@ -23,7 +23,24 @@ pub struct NewArgs {
     /// Depend on the published trl-runtime release instead of a local path.
     #[arg(long)]
     pub published: bool,
+    /// Train LoRA adapters on a frozen base: sft.yaml gets TRL's PEFT keys (use_peft,
+    /// lora_r, lora_target_modules, ...).
+    #[arg(long)]
+    pub peft: bool,
 }
+
+/// The LoRA keys `--peft` adds to sft.yaml. The bundled base is randomly initialised: the
+/// adapters take its full width and the embedding and head train whole, as README explains.
+const PEFT_KEYS: &str = "
+# LoRA (TRL's ModelConfig keys): adapters on a frozen base, saved in peft's format
+# (adapter_config.json + adapter_model.safetensors). On a pretrained base, r 16 is usual.
+use_peft: true
+lora_target_modules: all-linear
+lora_modules_to_save: [embed_tokens, lm_head]
+lora_r: 64
+lora_alpha: 64
+lora_dropout: 0.0
+";
 
 const CARGO_TOML: &str = include_str!("../../templates/sft/Cargo.toml.jinja");
 const README: &str = include_str!("../../templates/sft/README.md.jinja");
@@ -127,7 +144,7 @@ fn write_all(
     name: &str,
     dependency: &str,
     candle_core_patch: Option<&str>,
-    model: &str,
+    (model, peft): (&str, bool),
 ) -> Result<(), String> {
     let env = minijinja::Environment::new();
     let plain_candle = model == "plain-candle";
@@ -159,6 +176,13 @@ fn write_all(
             .chain(model_files)
             .map(|(p, c)| (p.to_string(), c.to_vec())),
     );
+    if peft {
+        let yaml = files
+            .iter_mut()
+            .find(|(p, _)| p == "sft.yaml")
+            .expect("sft.yaml is a template file");
+        yaml.1.extend_from_slice(PEFT_KEYS.as_bytes());
+    }
     for (rel, contents) in files {
         let path = root.join(&rel);
         if let Some(dir) = path.parent() {
@@ -220,7 +244,7 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
         &name,
         &dependency,
         candle_core_patch.as_deref(),
-        &args.model,
+        (&args.model, args.peft),
     ) {
         let _ = std::fs::remove_dir_all(&args.name);
         return Err(e);

@@ -1,6 +1,7 @@
 //! LoRA (`--use_peft`, TRL's keys) through the real `cargo trl launch` and the `sft` example:
 //! under every CPU profile the run equals one process (every step's loss within 1e-5, every
-//! adapter weight within 2e-5 after 5 steps, fp32), the base stays frozen (checkpoints hold
+//! adapter weight and the LM head trained whole (lora_modules_to_save) within 2e-5 after 5
+//! steps, fp32), the base stays frozen (checkpoints hold
 //! only the adapters, in peft's format), and a run resumed from an adapter checkpoint goes on
 //! as if never stopped.
 
@@ -26,8 +27,10 @@ const LORA: &[&str] = &[
     "8",
     "--lora_dropout",
     "0",
+    "--lora_modules_to_save",
+    "lm_head",
     "--learning_rate",
-    "1e-2",
+    "2e-3",
     "--lr_scheduler_type",
     "constant",
 ];
@@ -56,8 +59,9 @@ fn lora_under_every_cpu_profile_equals_one_process() {
         Run::read_adapter(&out("one8"), STEPS),
         Run::read_adapter(&out("one4"), STEPS),
     );
-    // Only adapters are saved: 2 layers x 7 projections x (A, B), nothing of the base.
-    assert_eq!(one8.weights.len(), 28, "{:?}", one8.weights.keys());
+    // Only adapters are saved (2 layers x 7 projections x (A, B)) and the head trained whole
+    // (tied to the frozen embedding in the base: a copy of its own, as peft makes).
+    assert_eq!(one8.weights.len(), 29, "{:?}", one8.weights.keys());
     assert!(!out("one8").join("checkpoint-5/model.safetensors").exists());
     // The adapters moved (B starts at zero).
     let b = &one8.weights["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"];

@@ -163,3 +163,55 @@ fn new_plain_candle_scaffold_trains_its_own_model_sharded() {
         "{text}"
     );
 }
+
+#[test]
+fn new_with_peft_trains_adapters() {
+    // `--peft`: sft.yaml carries TRL's LoRA keys; the launched run saves a peft adapter.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .current_dir(tmp.path())
+        .args(["new", "my-lora", "--peft"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let krate = tmp.path().join("my-lora");
+    let yaml = std::fs::read_to_string(krate.join("sft.yaml")).unwrap();
+    assert!(yaml.contains("use_peft: true"), "{yaml}");
+    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let run = Command::new(BIN)
+        .current_dir(&krate)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO_NET_OFFLINE", "true")
+        .args([
+            "launch",
+            "--profile",
+            "zero3_cpu",
+            "--main_process_port",
+            "0",
+            "--",
+        ])
+        .args([
+            "--max_steps",
+            "5",
+            "--eval_dataset_name",
+            "none",
+            "--save_steps",
+            "5",
+        ])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(run.status.success(), "{text}");
+    assert!(text.contains("trainable of"), "{text}");
+    let ckpt = krate.join("output/checkpoint-5");
+    assert!(ckpt.join("adapter_model.safetensors").exists(), "{text}");
+    assert!(!ckpt.join("model.safetensors").exists(), "{text}");
+}

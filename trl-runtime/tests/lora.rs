@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use trl_runtime::models::peft;
+use trl_runtime::models::{peft, AutoModelForCausalLM};
 use trl_runtime::nn::lora::{LoraConfig, Targets};
 use trl_runtime::parallel::CausalLm;
 
@@ -214,4 +214,13 @@ fn a_peft_adapter_gives_peft_logits_here() {
     let d = max_diff(&ours, &theirs);
     eprintln!("peft's adapter here: logits within {d:.1e}");
     assert!(d < 1e-4, "our logits with peft's adapter differ by {d}");
+    // The plain model takes it too, for evaluation.
+    let mut plain =
+        AutoModelForCausalLM::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+    plain.load_adapter(&adapter).unwrap();
+    let d = max_diff(&plain.forward(&ids, &pos).unwrap(), &theirs);
+    assert!(
+        d < 1e-4,
+        "AutoModelForCausalLM::load_adapter: logits differ by {d}"
+    );
 }

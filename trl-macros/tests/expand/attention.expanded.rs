@@ -100,6 +100,31 @@ impl ::trl_runtime::nn::module::Parallelize for Attention {
         )?;
         Ok(())
     }
+    fn visit_linears_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(
+            &str,
+            &mut ::trl_runtime::nn::Linear,
+        ) -> ::trl_runtime::Result<()>,
+    ) -> ::trl_runtime::Result<()> {
+        ::trl_runtime::nn::module::Parallelize::visit_linears_mut(
+            &mut self.q_proj,
+            &::trl_runtime::nn::module::child_name(name, "q_proj"),
+            f,
+        )?;
+        ::trl_runtime::nn::module::Parallelize::visit_linears_mut(
+            &mut self.o_proj,
+            &::trl_runtime::nn::module::child_name(name, "out"),
+            f,
+        )?;
+        ::trl_runtime::nn::module::Parallelize::visit_linears_mut(
+            &mut self.norm,
+            &::trl_runtime::nn::module::child_name(name, "norm"),
+            f,
+        )?;
+        Ok(())
+    }
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
         ::trl_runtime::nn::module::Parallelize::visit_units(
             &self.norm,

@@ -196,6 +196,71 @@ impl AutoModelForCausalLM {
         Ok(model)
     }
 
+    /// Applies a LoRA adapter that peft wrote (`PeftModel.save_pretrained`), or a LoRA run's
+    /// checkpoint, to evaluate it: each adapted layer computes `x W^T + x A^T B^T * scale`,
+    /// and the modules peft trained whole (`modules_to_save`) take their saved weights.
+    /// To train it further, `parallel::Model::load_adapter`.
+    pub fn load_adapter(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let Weight::Local(head) = &self.lm_head().weight else {
+            return Err(Error::Parallelism(
+                "load_adapter: the model is sharded".into(),
+            ));
+        };
+        let (dtype, device) = (head.dtype(), head.device().clone());
+        let (config, tensors) = super::peft::read(dir, dtype, &device)?;
+        let source = dir.join(super::peft::ADAPTER_WEIGHTS).display().to_string();
+        let mut used = 0;
+        self.visit_weights_mut("", &mut |name, w| {
+            if let Some(t) = tensors.get(name) {
+                if t.dims() != w.dims() {
+                    return Err(Error::config(
+                        &source,
+                        name,
+                        format!("shape {:?}, the model's is {:?}", t.dims(), w.dims()),
+                    ));
+                }
+                *w = Weight::Local(t.clone());
+                used += 1;
+            }
+            Ok(())
+        })?;
+        self.visit_linears_mut("", &mut |name, linear| {
+            let (a, b) = (
+                format!("{name}.lora_A.weight"),
+                format!("{name}.lora_B.weight"),
+            );
+            let (Some(a), Some(b)) = (tensors.get(&a), tensors.get(&b)) else {
+                return Ok(());
+            };
+            linear.add_lora(name, &config)?;
+            let lora = linear.lora.as_mut().expect("just added");
+            if a.dims() != lora.a.dims() || b.dims() != lora.b.dims() {
+                return Err(Error::config(
+                    &source,
+                    name,
+                    format!(
+                        "adapter shapes {:?} and {:?} do not fit this layer (r {})",
+                        a.dims(),
+                        b.dims(),
+                        config.r
+                    ),
+                ));
+            }
+            (lora.a, lora.b) = (a.clone(), b.clone());
+            used += 2;
+            Ok(())
+        })?;
+        if used != tensors.len() {
+            return Err(Error::config(
+                &source,
+                "<tensors>",
+                format!("{} of its {} tensors name no layer of this model: an adapter for another model?", tensors.len() - used, tensors.len()),
+            ));
+        }
+        Ok(())
+    }
+
     /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] (u32) at `position_ids`
     /// [batch, seq] (i64; positions restarting inside a row start a new document, which
     /// does not see the ones before it).

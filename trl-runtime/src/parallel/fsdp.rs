@@ -84,7 +84,8 @@ pub fn shard_model(
 ) -> Result<Arc<ShardedModel>> {
     let (slots, frozen) = weight_slots(model)?;
     let mut params = named_tensors(model);
-    // LoRA adapters are parameters but no slots: they stay whole on every rank.
+    // LoRA adapters are parameters but no slots, and the modules a LoRA run trains whole are
+    // left out of the frozen units: both stay whole on every rank.
     params.retain(|name, _| slots.contains(name));
     let mut unit_names = Vec::new();
     model.visit_units("", &mut |n| unit_names.push(n.to_string()));
@@ -101,16 +102,22 @@ pub fn shard_model(
     Ok(sharding)
 }
 
-/// The names of `model`'s weight slots, and whether none of them is trainable (a LoRA base,
-/// whose units then reduce nothing).
+/// The names of `model`'s weight slots that go into units, and whether those are constants:
+/// every slot when all are trainable (full fine-tuning), else the frozen ones alone (a LoRA
+/// base, whose units then reduce nothing; modules trained whole beside it stay whole).
 fn weight_slots(model: &mut impl Parallelize) -> Result<(HashSet<String>, bool)> {
-    let (mut slots, mut frozen) = (HashSet::new(), true);
+    let (mut all, mut frozen) = (HashSet::new(), HashSet::new());
     model.visit_weights_mut("", &mut |name, w| {
-        slots.insert(name.to_string());
-        frozen &= matches!(w, Weight::Local(t) if !t.is_variable());
+        all.insert(name.to_string());
+        if matches!(w, Weight::Local(t) if !t.is_variable()) {
+            frozen.insert(name.to_string());
+        }
         Ok(())
     })?;
-    Ok((slots, frozen))
+    Ok(match frozen.is_empty() {
+        true => (all, false),
+        false => (frozen, true),
+    })
 }
 
 /// Reads one parameter's elements `start..start + len` (row-major) from where the weights
@@ -129,10 +136,11 @@ pub fn shard_model_reading(
     prefetch: Prefetch,
     comm: Arc<dyn Communicator>,
 ) -> Result<Arc<ShardedModel>> {
-    let (_, frozen) = weight_slots(model)?;
+    let (slots, frozen) = weight_slots(model)?;
     let mut unit_names = Vec::new();
     model.visit_units("", &mut |n| unit_names.push(n.to_string()));
     let mut sorted = shapes;
+    sorted.retain(|(name, _)| slots.contains(name));
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
     let slice = |layout: &FlatLayout, range: std::ops::Range<usize>| -> Result<Tensor> {
         layout.read_range(range, read, device)
@@ -169,6 +177,10 @@ fn swap_weights(model: &mut impl Parallelize, sharding: &ShardedModel) -> Result
             });
         };
         let key = canonical.get(&t.id()).map(String::as_str).unwrap_or(name);
+        if t.is_variable() && sharding.weight(key).is_none() {
+            // Trained whole beside a frozen base (a LoRA run's modules_to_save).
+            return Ok(());
+        }
         *w = sharding.weight(key).ok_or_else(|| {
             Error::Candle(candle_core::Error::Msg(format!(
                 "{name} is not among the parameters the model lists"

@@ -194,7 +194,13 @@ impl ParallelOptions {
     /// Whether each rank reads only its ZeRO-3 / FSDP slices from `model_dir` (efficient
     /// loading, on a fresh start without tensor parallelism): the model is first a skeleton.
     pub fn reads_shards(&self, ctx: &DistContext) -> bool {
+        // The modules a LoRA run trains whole are read whole: the model is loaded first.
+        let whole_modules = self
+            .lora
+            .as_ref()
+            .is_some_and(|l| !l.modules_to_save.is_empty());
         ctx.plan().efficient_loading()
+            && !whole_modules
             && matches!(self.strategy, Strategy::Fsdp(..))
             && ctx.group(&[Axis::Tp]).size() == 1
             && self.resume_from.is_none()
@@ -379,17 +385,6 @@ pub fn parallelize<N: CausalModel>(
             "use_liger_kernel: the fused, tiled loss needs the LM head whole on each rank; \
              under tensor parallelism or FSDP the loss is computed from the logits instead"
         );
-    }
-
-    if let (Some(lora), true) = (model.lora(), fsdp) {
-        if !lora.modules_to_save.is_empty() {
-            return Err(Error::config(
-                "training arguments",
-                "lora_modules_to_save",
-                "under ZeRO-3 / FSDP the base is sharded frozen: modules trained whole beside \
-                 the adapters are not supported there (use ZeRO-2, DDP or tensor parallelism)",
-            ));
-        }
     }
 
     // 3. Activation checkpointing: each decoder layer recomputed in backward.
