@@ -228,7 +228,7 @@ impl ShardedModel {
             .collect();
         let slice = |layout: &FlatLayout, range: std::ops::Range<usize>| -> Result<Tensor> {
             Ok(layout
-                .flatten(&values)?
+                .flatten(values)?
                 .narrow(0, range.start, range.len())?)
         };
         Self::build(
