@@ -518,7 +518,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
             fn visit_linears_mut(
                 &mut self,
                 #l_name: &str,
-                #l_f: &mut dyn FnMut(&str, &mut ::trl_runtime::nn::Linear) -> ::trl_runtime::Result<()>,
+                #l_f: &mut dyn FnMut(&str, &mut dyn #tp::LoraTarget) -> ::trl_runtime::Result<()>,
             ) -> ::trl_runtime::Result<()> {
                 #(#linears)*
                 Ok(())

@@ -105,7 +105,7 @@ impl ::trl_runtime::nn::module::Parallelize for Attention {
         name: &str,
         f: &mut dyn FnMut(
             &str,
-            &mut ::trl_runtime::nn::Linear,
+            &mut dyn ::trl_runtime::nn::module::LoraTarget,
         ) -> ::trl_runtime::Result<()>,
     ) -> ::trl_runtime::Result<()> {
         ::trl_runtime::nn::module::Parallelize::visit_linears_mut(

@@ -133,7 +133,7 @@ macro_rules! registry {
             fn visit_linears_mut(
                 &mut self,
                 name: &str,
-                f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+                f: &mut dyn FnMut(&str, &mut dyn crate::nn::module::LoraTarget) -> Result<()>,
             ) -> Result<()> {
                 each!(self, m => m.visit_linears_mut(name, f))
             }
@@ -234,7 +234,7 @@ impl AutoModelForCausalLM {
                 return Ok(());
             };
             linear.add_lora(name, &config)?;
-            let lora = linear.lora.as_mut().expect("just added");
+            let lora = linear.lora_mut().expect("just added");
             if a.dims() != lora.a.dims() || b.dims() != lora.b.dims() {
                 return Err(Error::config(
                     &source,

@@ -5,8 +5,8 @@
 
 use super::lora::{Lora, LoraConfig};
 use super::module::{
-    child_name, ColumnParallel, Parallelize, RowParallel, Split, TpContext, TpLayer, TpStyle,
-    VocabParallel,
+    child_name, ColumnParallel, LoraTarget, Parallelize, RowParallel, Split, TpContext, TpLayer,
+    TpStyle, VocabParallel,
 };
 use super::sharded;
 use super::Weight;
@@ -308,9 +308,18 @@ impl Parallelize for Linear {
     fn visit_linears_mut(
         &mut self,
         name: &str,
-        f: &mut dyn FnMut(&str, &mut Linear) -> TrlResult<()>,
+        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> TrlResult<()>,
     ) -> TrlResult<()> {
         f(name, self)
+    }
+}
+
+impl LoraTarget for Linear {
+    fn add_lora(&mut self, name: &str, config: &LoraConfig) -> TrlResult<()> {
+        Linear::add_lora(self, name, config)
+    }
+    fn lora_mut(&mut self) -> Option<&mut Lora> {
+        self.lora.as_mut()
     }
 }
 

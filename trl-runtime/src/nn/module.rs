@@ -217,12 +217,12 @@ pub trait Parallelize {
         Ok(())
     }
 
-    /// Calls `f` with every [`crate::nn::Linear`] inside (to add LoRA adapters). None by
-    /// default.
+    /// Calls `f` with every layer that can take a LoRA adapter (each `nn::Linear`) inside.
+    /// None by default.
     fn visit_linears_mut(
         &mut self,
         name: &str,
-        f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()>,
     ) -> Result<()> {
         let _ = (name, f);
         Ok(())
@@ -238,6 +238,15 @@ pub trait Parallelize {
     fn visit_as_unit(&self, name: &str, f: &mut dyn FnMut(&str)) {
         f(name)
     }
+}
+
+/// A layer that can take a LoRA adapter (`nn::Linear`; see `nn::lora`).
+pub trait LoraTarget {
+    /// Adds an adapter at the layer's full size, sliced as its tensor-parallel split requires,
+    /// and freezes the layer's own weights.
+    fn add_lora(&mut self, name: &str, config: &super::lora::LoraConfig) -> Result<()>;
+    /// The adapter, once added.
+    fn lora_mut(&mut self) -> Option<&mut super::lora::Lora>;
 }
 
 /// A layer whose parameters can be split as `style` (implemented by [`crate::nn::Linear`]
@@ -342,7 +351,7 @@ impl<T: Parallelize> Parallelize for Vec<T> {
     fn visit_linears_mut(
         &mut self,
         name: &str,
-        f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()>,
     ) -> Result<()> {
         for (i, x) in self.iter_mut().enumerate() {
             x.visit_linears_mut(&child_name(name, &i.to_string()), f)?;
@@ -391,7 +400,7 @@ impl<T: Parallelize> Parallelize for Option<T> {
     fn visit_linears_mut(
         &mut self,
         name: &str,
-        f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()>,
     ) -> Result<()> {
         match self {
             Some(x) => x.visit_linears_mut(name, f),
@@ -427,7 +436,7 @@ impl<T: Parallelize> Parallelize for Box<T> {
     fn visit_linears_mut(
         &mut self,
         name: &str,
-        f: &mut dyn FnMut(&str, &mut crate::nn::Linear) -> Result<()>,
+        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()>,
     ) -> Result<()> {
         (**self).visit_linears_mut(name, f)
     }
