@@ -217,7 +217,8 @@ fn trl_recipes_are_read_with_their_extra_keys() {
         );
     }
     for (line, expect) in [
-        ("use_peft: true\n", "LoRA"),
+        ("load_in_4bit: true\n", "quantized"),
+        ("lora_target_parameters: [experts]\n", "lora_target_modules"),
         ("fp16: true\n", "bf16"),
         ("optim: sgd\n", "AdamW"),
         ("dataset_text_field: content\n", "text"),
@@ -276,12 +277,35 @@ fn trl_flags_without_a_field_are_taken_like_file_keys() {
             && ignored.iter().any(|l| l.starts_with("eval_strategy: ")),
         "{ignored:?}"
     );
-    let cli = trl_runtime::train::SftCli::parse_trl_from(["sft", "--use_peft"].map(String::from));
+    let cli =
+        trl_runtime::train::SftCli::parse_trl_from(["sft", "--load_in_4bit"].map(String::from));
     let e = cli
         .apply(&mut SFTConfig::default())
         .unwrap_err()
         .to_string();
-    assert!(e.contains("use_peft") && e.contains("LoRA"), "{e}");
+    assert!(e.contains("load_in_4bit") && e.contains("quantized"), "{e}");
+    // TRL's PEFT flags are fields; list flags take several values as TRL's argparse does.
+    let args = [
+        "sft",
+        "--use_peft",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+        "--lora_r",
+        "8",
+    ];
+    let (config, _) = trl_runtime::train::SftCli::parse_trl_from(args.map(String::from))
+        .resolve()
+        .unwrap();
+    let t = &config.training;
+    assert!(t.use_peft && t.lora_r == 8, "{t:?}");
+    let targets = t.lora_target_modules.as_ref().unwrap();
+    assert_eq!(targets.0, ["q_proj", "v_proj"]);
+    let dora = ["sft", "--use_peft", "--use_dora"].map(String::from);
+    let e = trl_runtime::train::SftCli::parse_trl_from(dora)
+        .resolve()
+        .unwrap_err();
+    assert!(e.to_string().contains("use_dora"), "{e}");
 }
 
 /// A program's own defaults (the `sft` example's) stand without `--config`, under the flags;
