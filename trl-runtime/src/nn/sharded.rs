@@ -449,49 +449,52 @@ impl CustomOp1 for UnitOp {
             unit.backward_began();
             Ok::<_, candle_core::Error>(w)
         };
-        let frozen = unit.lock().frozen;
-        let (dx, grads) = match &self.kind {
-            OpKind::Linear { weight, .. } if frozen => {
-                let w = fetch(*weight)?;
-                let (out, inner) = w.dims2()?;
-                let g2 = grad.reshape((arg.elem_count() / inner, out))?;
-                (g2.matmul(&w)?.reshape(arg.shape())?, vec![])
-            }
-            OpKind::Scale { weight } if frozen => (grad.broadcast_mul(&fetch(*weight)?)?, vec![]),
-            OpKind::Bias { .. } if frozen => (grad.clone(), vec![]),
-            OpKind::Embedding { .. } if frozen => (arg.zeros_like()?, vec![]),
+        // A frozen unit (a LoRA base) passes the input gradient on and computes no weight
+        // gradient.
+        let train = !unit.lock().frozen;
+        let mut grads = Vec::new();
+        let dx = match &self.kind {
             OpKind::Linear { weight, bias } => {
                 let w = fetch(*weight)?;
                 let (out, inner) = w.dims2()?;
                 let rows = arg.elem_count() / inner;
                 let g2 = grad.reshape((rows, out))?;
-                let dx = g2.matmul(&w)?.reshape(arg.shape())?;
-                let dw = g2.t()?.matmul(&arg.reshape((rows, inner))?)?;
-                let mut grads = vec![(*weight, dw)];
-                if let Some(b) = bias {
-                    grads.push((*b, crate::kernels::fused::sum_rows(&g2)?));
+                if train {
+                    let dw = g2.t()?.matmul(&arg.reshape((rows, inner))?)?;
+                    grads.push((*weight, dw));
+                    if let Some(b) = bias {
+                        grads.push((*b, crate::kernels::fused::sum_rows(&g2)?));
+                    }
                 }
-                (dx, grads)
+                g2.matmul(&w)?.reshape(arg.shape())?
             }
             OpKind::Scale { weight } => {
                 let w = fetch(*weight)?;
-                let h = w.elem_count();
-                let dx = grad.broadcast_mul(&w)?;
-                let dw = crate::kernels::fused::sum_rows(&(grad * arg)?.reshape(((), h))?)?;
-                (dx, vec![(*weight, dw)])
+                if train {
+                    let h = w.elem_count();
+                    let dw = crate::kernels::fused::sum_rows(&(grad * arg)?.reshape(((), h))?)?;
+                    grads.push((*weight, dw));
+                }
+                grad.broadcast_mul(&w)?
             }
             OpKind::Bias { weight } => {
                 let b = fetch(*weight)?;
-                let db = crate::kernels::fused::sum_rows(&grad.reshape(((), b.elem_count()))?)?;
-                (grad.clone(), vec![(*weight, db)])
+                if train {
+                    let db = crate::kernels::fused::sum_rows(&grad.reshape(((), b.elem_count()))?)?;
+                    grads.push((*weight, db));
+                }
+                grad.clone()
             }
             OpKind::Embedding { weight, ids } => {
                 unit.backward_began();
-                let shape = unit.layout.entries()[*weight].1.clone();
-                let h = shape.dims()[1];
-                let g2 = grad.reshape(((), h))?;
-                let dw = Tensor::zeros(&shape, g2.dtype(), g2.device())?.index_add(ids, &g2, 0)?;
-                (arg.zeros_like()?, vec![(*weight, dw)])
+                if train {
+                    let shape = unit.layout.entries()[*weight].1.clone();
+                    let g2 = grad.reshape(((), shape.dims()[1]))?;
+                    let dw =
+                        Tensor::zeros(&shape, g2.dtype(), g2.device())?.index_add(ids, &g2, 0)?;
+                    grads.push((*weight, dw));
+                }
+                arg.zeros_like()?
             }
         };
         unit.deposit(grads).map_err(failed)?;
