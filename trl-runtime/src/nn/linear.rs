@@ -126,16 +126,10 @@ impl Linear {
             TpStyle::Row => {
                 // Partial sums of the split input features, summed over the group; the bias
                 // (kept whole) is added once, after the sum.
-                let partial = self.compute(x, None)?;
+                // The adapter's share, x_i A_i^T B^T (A holds this rank's input columns),
+                // joins the partial sum: one all-reduce for both.
+                let partial = self.adapted(x, self.compute(x, None)?)?;
                 let y = reduce_from_group(&partial, comm).map_err(wrap)?;
-                // A holds this rank's input columns: x A^T is summed over the group too.
-                let y = match &self.lora {
-                    Some(lora) => {
-                        let h = reduce_from_group(&lora.down(x)?, comm).map_err(wrap)?;
-                        (y + lora.up(&h)?)?
-                    }
-                    None => y,
-                };
                 match &self.bias {
                     None => Ok(y),
                     Some(Weight::Local(b)) => crate::kernels::fused::add_bias(&y, b),
@@ -261,7 +255,8 @@ impl TpLayer for Linear {
         }
         if let Some(lora) = &self.lora {
             // Column: A sees the whole input, and each rank's share of the output sends it a
-            // partial gradient. Row: B sees the summed x A^T, the same on every rank.
+            // partial gradient. Row: B sees this rank's share of x A^T, so its gradient is
+            // partial too.
             let (a, b) = match style {
                 TpStyle::Column { .. } | TpStyle::Vocab => (
                     Split::PARTIAL,
@@ -275,7 +270,7 @@ impl TpLayer for Linear {
                         style,
                         dim: Some(1),
                     },
-                    Split { style, dim: None },
+                    Split::PARTIAL,
                 ),
                 _ => (Split { style, dim: None }, Split { style, dim: None }),
             };

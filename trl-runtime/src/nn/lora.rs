@@ -117,8 +117,8 @@ impl Lora {
         self.up(&self.down(x)?)
     }
 
-    /// `dropout(x) A^T`: [..., r] (a partial sum when `A` holds split input features).
-    pub fn down(&self, x: &Tensor) -> Result<Tensor> {
+    /// `dropout(x) A^T`: [..., r].
+    fn down(&self, x: &Tensor) -> Result<Tensor> {
         let x = dropout(x, self.dropout)?;
         let dims = x.dims().to_vec();
         let inner = dims[dims.len() - 1];
@@ -132,7 +132,7 @@ impl Lora {
     }
 
     /// `h B^T * scale` for `h` [..., r].
-    pub fn up(&self, h: &Tensor) -> Result<Tensor> {
+    fn up(&self, h: &Tensor) -> Result<Tensor> {
         let dims = h.dims().to_vec();
         let rows = h.elem_count() / dims[dims.len() - 1];
         let y = h
