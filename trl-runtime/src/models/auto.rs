@@ -210,55 +210,8 @@ impl AutoModelForCausalLM {
         let (dtype, device) = (head.dtype(), head.device().clone());
         let (config, tensors) = super::peft::read(dir, dtype, &device)?;
         let source = dir.join(super::peft::ADAPTER_WEIGHTS).display().to_string();
-        let mut used = 0;
-        self.visit_weights_mut("", &mut |name, w| {
-            if let Some(t) = tensors.get(name) {
-                if t.dims() != w.dims() {
-                    return Err(Error::config(
-                        &source,
-                        name,
-                        format!("shape {:?}, the model's is {:?}", t.dims(), w.dims()),
-                    ));
-                }
-                *w = Weight::Local(t.clone());
-                used += 1;
-            }
-            Ok(())
-        })?;
-        self.visit_linears_mut("", &mut |name, linear| {
-            let (a, b) = (
-                format!("{name}.lora_A.weight"),
-                format!("{name}.lora_B.weight"),
-            );
-            let (Some(a), Some(b)) = (tensors.get(&a), tensors.get(&b)) else {
-                return Ok(());
-            };
-            linear.add_lora(name, &config)?;
-            let lora = linear.lora_mut().expect("just added");
-            if a.dims() != lora.a.dims() || b.dims() != lora.b.dims() {
-                return Err(Error::config(
-                    &source,
-                    name,
-                    format!(
-                        "adapter shapes {:?} and {:?} do not fit this layer (r {})",
-                        a.dims(),
-                        b.dims(),
-                        config.r
-                    ),
-                ));
-            }
-            (lora.a, lora.b) = (a.clone(), b.clone());
-            used += 2;
-            Ok(())
-        })?;
-        if used != tensors.len() {
-            return Err(Error::config(
-                &source,
-                "<tensors>",
-                format!("{} of its {} tensors name no layer of this model: an adapter for another model?", tensors.len() - used, tensors.len()),
-            ));
-        }
-        Ok(())
+        super::peft::add_adapters(self, &config)?;
+        super::peft::set_trainable(self, &tensors, &|_, t| Ok(t.clone()), &source)
     }
 
     /// Logits [batch, seq, vocab] for `input_ids` [batch, seq] (u32) at `position_ids`

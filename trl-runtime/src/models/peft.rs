@@ -6,9 +6,133 @@
 
 use crate::error::{Error, Result};
 use crate::nn::lora::{LoraConfig, Targets};
-use candle_core::{DType, Device, Tensor};
-use std::collections::{BTreeMap, HashMap};
+use crate::nn::{Parallelize, Weight};
+use candle_core::{DType, Device, Tensor, TensorId, Var};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
+
+/// Trains LoRA adapters on `net` instead of its weights: every weight becomes a constant but
+/// those of `config.modules_to_save` ([`freeze_base`]), and the linear layers `config`
+/// targets get adapters (sliced as their tensor-parallel split requires). The LM head takes
+/// none; a target matching no layer is an error listing the layers there are.
+pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<()> {
+    freeze_base(net, config)?;
+    let (mut adapted, mut linears) = (0usize, Vec::new());
+    net.visit_linears_mut("", &mut |name, linear| {
+        let output = name == "lm_head" || name.ends_with(".lm_head");
+        linears.push(name.rsplit('.').next().unwrap_or(name).to_string());
+        if !config.targets(name, output) {
+            return Ok(());
+        }
+        if output {
+            return Err(Error::config(
+                "training arguments",
+                "lora_target_modules",
+                format!(
+                    "{name} is the LM head, which takes no adapter here (its loss is fused): \
+                     list it in lora_modules_to_save to train it whole"
+                ),
+            ));
+        }
+        adapted += 1;
+        linear.add_lora(name, config)
+    })?;
+    if adapted == 0 {
+        linears.sort();
+        linears.dedup();
+        return Err(Error::config(
+            "training arguments",
+            "lora_target_modules",
+            format!(
+                "{:?} matches no linear layer of this model; its linear layers are {}",
+                config.targets,
+                linears.join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Makes every weight of `net` a constant (a tied weight stays one tensor) but those of
+/// `config.modules_to_save`, which become trainable copies of their own, as peft's
+/// ModulesToSaveWrapper makes: a head tied to the frozen embedding shares its storage,
+/// which its updates would write into.
+pub fn freeze_base(net: &mut impl Parallelize, config: &LoraConfig) -> Result<()> {
+    let mut frozen: HashMap<TensorId, Tensor> = HashMap::new();
+    let mut saved: HashMap<TensorId, Tensor> = HashMap::new();
+    net.visit_weights_mut("", &mut |name, w| {
+        let Weight::Local(t) = w else {
+            return Ok(());
+        };
+        if config.saves(name) {
+            let copy = match saved.get(&t.id()) {
+                Some(c) => c.clone(),
+                None => {
+                    let c = Var::from_tensor(&t.copy()?)?.as_tensor().clone();
+                    saved.insert(t.id(), c.clone());
+                    c
+                }
+            };
+            *w = Weight::Local(copy);
+        } else if t.is_variable() {
+            let constant = frozen.entry(t.id()).or_insert_with(|| t.detach()).clone();
+            *w = Weight::Local(constant);
+        }
+        Ok(())
+    })
+}
+
+/// Sets the trainable tensors of `net` (adapters, modules trained whole) from `values`,
+/// full-size by our names, each cut to what this rank holds by `part` (name, value). Every
+/// trainable tensor must be given and every value must name one; errors name `source`.
+pub fn set_trainable(
+    net: &impl Parallelize,
+    values: &BTreeMap<String, Tensor>,
+    part: &dyn Fn(&str, &Tensor) -> Result<Tensor>,
+    source: &str,
+) -> Result<()> {
+    let mut seen = HashSet::new();
+    let mut trainable = Vec::new();
+    net.visit_params("", &mut |name, t, _| {
+        if t.is_variable() && seen.insert(t.id()) {
+            trainable.push((name.to_string(), t.clone()));
+        }
+    });
+    for (name, t) in &trainable {
+        let value = values.get(name).ok_or_else(|| {
+            Error::config(
+                source,
+                name,
+                "missing: the adapter does not match this model's LoRA setup \
+                 (lora_target_modules, lora_modules_to_save)",
+            )
+        })?;
+        let value = part(name, value)?;
+        if value.dims() != t.dims() {
+            return Err(Error::config(
+                source,
+                name,
+                format!(
+                    "shape {:?}, this model's is {:?} (a different lora_r or model?)",
+                    value.dims(),
+                    t.dims()
+                ),
+            ));
+        }
+        Var::from_tensor(t)?.set(&value.to_dtype(t.dtype())?.to_device(t.device())?)?;
+    }
+    if let Some(extra) = values
+        .keys()
+        .find(|k| !trainable.iter().any(|(n, _)| n == *k))
+    {
+        return Err(Error::config(
+            source,
+            extra,
+            "names no trainable tensor of this model: an adapter for another model or setup?",
+        ));
+    }
+    Ok(())
+}
 
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";

@@ -368,7 +368,7 @@ impl<N: CausalModel> Model<N> {
         crate::tp::make_variables(net)?;
         if let Some(lora) = self.lora.clone() {
             // The slices were made variables with the rest: the base stays frozen.
-            freeze_base(self.net_mut()?, &lora)?;
+            crate::models::peft::freeze_base(self.net_mut()?, &lora)?;
         }
         self.params = crate::tp::named_parameters(&*self.net)?;
         self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
@@ -387,41 +387,7 @@ impl<N: CausalModel> Model<N> {
                 "add LoRA adapters before sharding the model for ZeRO-3 / FSDP".into(),
             ));
         }
-        let net = self.net_mut()?;
-        freeze_base(net, config)?;
-        let (mut adapted, mut linears) = (0usize, Vec::new());
-        net.visit_linears_mut("", &mut |name, linear| {
-            let output = name == "lm_head" || name.ends_with(".lm_head");
-            linears.push(name.rsplit('.').next().unwrap_or(name).to_string());
-            if !config.targets(name, output) {
-                return Ok(());
-            }
-            if output {
-                return Err(Error::config(
-                    "training arguments",
-                    "lora_target_modules",
-                    format!(
-                        "{name} is the LM head, which takes no adapter here (its loss is \
-                         fused): list it in lora_modules_to_save to train it whole"
-                    ),
-                ));
-            }
-            adapted += 1;
-            linear.add_lora(name, config)
-        })?;
-        if adapted == 0 {
-            linears.sort();
-            linears.dedup();
-            return Err(Error::config(
-                "training arguments",
-                "lora_target_modules",
-                format!(
-                    "{:?} matches no linear layer of this model; its linear layers are {}",
-                    config.targets,
-                    linears.join(", ")
-                ),
-            ));
-        }
+        crate::models::peft::add_adapters(self.net_mut()?, config)?;
         self.params = crate::tp::named_parameters(&*self.net)?;
         if let Some(tp) = &self.tp {
             self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
@@ -468,42 +434,22 @@ impl<N: CausalModel> Model<N> {
     /// parameter names (`...q_proj.lora_A.weight`), each rank taking its tensor-parallel
     /// slice. Every trainable parameter must be given.
     pub fn set_trainable(&self, values: &BTreeMap<String, Tensor>, source: &str) -> Result<()> {
-        let tp = self.tp.as_ref().map(|c| (c.rank(), c.size()));
-        let splits: HashMap<&str, Option<usize>> = self
+        let splits: HashMap<&str, usize> = self
             .tp_plan
             .iter()
-            .map(|e| (e.name.as_str(), e.split.dim))
+            .filter_map(|e| Some((e.name.as_str(), e.split.dim?)))
             .collect();
-        for (name, var) in self.params.iter() {
-            let value = values.get(name).ok_or_else(|| {
-                Error::config(
-                    source,
-                    name,
-                    "missing: the adapter does not match this model's LoRA setup \
-                     (lora_target_modules, lora_r)",
-                )
-            })?;
-            let value = match (tp, splits.get(name.as_str()).copied().flatten()) {
-                (Some((rank, size)), Some(d)) => {
+        let tp = self.tp.as_ref().map(|c| (c.rank(), c.size()));
+        let part = |name: &str, value: &Tensor| -> Result<Tensor> {
+            Ok(match (tp, splits.get(name)) {
+                (Some((rank, size)), Some(&d)) => {
                     let n = value.dim(d)? / size;
                     value.narrow(d, rank * n, n)?
                 }
                 _ => value.clone(),
-            };
-            if value.dims() != var.dims() {
-                return Err(Error::config(
-                    source,
-                    name,
-                    format!(
-                        "shape {:?}, this model's is {:?} (a different lora_r or model?)",
-                        value.dims(),
-                        var.dims()
-                    ),
-                ));
-            }
-            var.set(&value.to_dtype(var.dtype())?.to_device(var.device())?)?;
-        }
-        Ok(())
+            })
+        };
+        crate::models::peft::set_trainable(&*self.net, values, &part, source)
     }
 
     /// How each parameter is split over the tensor-parallel group (empty before
@@ -817,40 +763,6 @@ impl<N: CausalModel> Layers for Stack<N> {
     fn params(&self, _l: usize) -> Vec<Tensor> {
         self.params.clone()
     }
-}
-
-/// Makes every weight of `net` a constant but those of `config.modules_to_save` (a tied
-/// weight stays one tensor).
-fn freeze_base<N: crate::nn::Parallelize>(net: &mut N, config: &LoraConfig) -> Result<()> {
-    let mut frozen: HashMap<candle_core::TensorId, Tensor> = HashMap::new();
-    let mut saved: HashMap<candle_core::TensorId, Tensor> = HashMap::new();
-    net.visit_weights_mut("", &mut |name, w| {
-        let Weight::Local(t) = w else {
-            return Ok(());
-        };
-        if !t.is_variable() {
-            return Ok(());
-        }
-        if config.saves(name) {
-            // A copy of its own, as peft's ModulesToSaveWrapper makes: a head tied to the
-            // frozen embedding shares its storage, which its updates would write into.
-            let copy = match saved.get(&t.id()) {
-                Some(c) => c.clone(),
-                None => {
-                    let c = candle_core::Var::from_tensor(&t.copy()?)?
-                        .as_tensor()
-                        .clone();
-                    saved.insert(t.id(), c.clone());
-                    c
-                }
-            };
-            *w = Weight::Local(copy);
-        } else {
-            let constant = frozen.entry(t.id()).or_insert_with(|| t.detach()).clone();
-            *w = Weight::Local(constant);
-        }
-        Ok(())
-    })
 }
 
 /// `config.json` of `dir`, and its path for errors.
