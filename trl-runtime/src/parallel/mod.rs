@@ -234,6 +234,16 @@ impl Optimizer {
         }
     }
 
+    /// The whole AdamW state of what this rank trains (its tensor-parallel slices): its own
+    /// under DDP, gathered from the data-parallel shards under ZeRO and FSDP (collective
+    /// there: every rank calls it).
+    pub fn gather_full_state(&self) -> Result<std::borrow::Cow<'_, AdamW>> {
+        Ok(match self.sharded() {
+            Some(sharded) => std::borrow::Cow::Owned(sharded.gather_full_state()?),
+            None => std::borrow::Cow::Borrowed(self.state()),
+        })
+    }
+
     /// The ZeRO or FSDP optimizer, whose ranks each keep a slice of the state.
     pub fn sharded(&self) -> Option<&dyn ShardedOptimizer> {
         match self {

@@ -26,14 +26,15 @@ use crate::error::{Error, Result};
 use crate::models::{AutoModelForCausalLM, CausalModel, Params};
 use crate::nn::lora::LoraConfig;
 use crate::nn::AttentionImpl;
+use crate::optim::AdamW;
 use crate::parallel::sharded_state;
 use crate::parallel::Model;
 use crate::parallel::{
-    batch_axes, build, shard_axes, Built, CheckpointFormat, Optimizer, ParallelOptions,
-    ShardedOptimizer, Strategy,
+    batch_axes, build, shard_axes, Built, CheckpointFormat, Optimizer, ParallelOptions, Strategy,
 };
 use crate::tp::{state as tp_state, TpGrads};
 use candle_core::{DType, Device, Tensor, D};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::PathBuf;
@@ -927,6 +928,20 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         Ok(path)
     }
 
+    /// The whole optimizer state: gathered from the data-parallel shards, then the
+    /// tensor-parallel slices joined (collective: every rank calls it).
+    fn gather_optimizer_state(&self) -> Result<Cow<'_, AdamW>> {
+        let state = self.optimizer.gather_full_state()?;
+        Ok(match self.model.tp() {
+            Some(tp) => Cow::Owned(tp_state::gather_state(
+                state.into_owned(),
+                self.model.tp_plan(),
+                tp.as_ref(),
+            )?),
+            None => state,
+        })
+    }
+
     /// A LoRA run's checkpoint: the adapters gathered whole (tensor-parallel slices joined)
     /// and written by rank 0 in peft's format, with their optimizer state.
     fn save_adapter_checkpoint(&self, lora: &LoraConfig) -> Result<Option<PathBuf>> {
@@ -936,17 +951,11 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
-        let state = match self.optimizer.sharded() {
-            Some(sharded) => sharded.gather_full_state()?,
-            None => self.optimizer.state().clone(),
+        let tensors = match self.model.tp() {
+            Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
+            None => mine,
         };
-        let (tensors, state) = match self.model.tp() {
-            Some(tp) => (
-                tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
-                tp_state::gather_state(state, self.model.tp_plan(), tp.as_ref())?,
-            ),
-            None => (mine, state),
-        };
+        let state = self.gather_optimizer_state()?;
         let path = if self.ctx.is_main_process() {
             Some(checkpoint::save_adapter(
                 &self.config.training.output_dir,
@@ -970,33 +979,18 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             return self.save_adapter_checkpoint(lora);
         }
         let tp = self.model.tp();
-        if format == CheckpointFormat::Sharded
-            && tp.is_none()
-            && !matches!(self.optimizer, Optimizer::Replicated(..))
+        if format == CheckpointFormat::Sharded && tp.is_none() && self.optimizer.sharded().is_some()
         {
             return self.save_sharded_checkpoint();
         }
-        // Sharded state is gathered per parameter first, then tensor-parallel slices along
-        // their split dimension (every rank takes part).
-        let gathered;
+        let full = self.gather_optimizer_state()?;
+        // Weights held whole and unsplit are saved as they are; others are gathered.
         let gathered_params;
-        let (params, full) = match (&self.optimizer, tp) {
-            (Optimizer::Replicated(opt, _), None) => (&self.model.params, opt),
-            (Optimizer::Zero(z), None) => {
-                gathered = z.gather_full_state()?;
-                (&self.model.params, &gathered)
-            }
-            (optimizer, _) => {
-                let full = match optimizer.sharded() {
-                    Some(sharded) => sharded.gather_full_state()?,
-                    None => optimizer.state().clone(),
-                };
-                gathered = match tp {
-                    Some(tp) => tp_state::gather_state(full, self.model.tp_plan(), tp.as_ref())?,
-                    None => full,
-                };
+        let params = match (&self.model.sharding, tp) {
+            (None, None) => &self.model.params,
+            _ => {
                 gathered_params = Params::from_tensors(self.gather_weights()?)?;
-                (&gathered_params, &gathered)
+                &gathered_params
             }
         };
         let path = if self.ctx.is_main_process() {
@@ -1005,7 +999,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 params,
                 self.model.config_json(),
                 &self.tokenizer_dir,
-                full,
+                &full,
                 &self.state,
                 self.config.training.save_total_limit,
             )?)
