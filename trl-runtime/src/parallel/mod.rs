@@ -408,8 +408,28 @@ pub fn parallelize<N: CausalModel>(
     let shard = ctx.group(shard_axes(split.as_ref()));
     let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
     let offload = offload::decide(plan.offload_optimizer(), ctx.device(), main);
-    let optimizer = match opts.strategy {
-        Strategy::Ddp => {
+    if let Strategy::Fsdp(policy, prefetch) = opts.strategy {
+        if opts.reads_shards(ctx) {
+            // Each rank reads only its slices from the checkpoint files.
+            model.shard_reading(&opts.model_dir, policy, prefetch, shard.clone())?;
+        } else {
+            // Every rank cuts its slices from the synced values, then drops the full tensors.
+            model.shard(policy, prefetch, shard.clone())?;
+        }
+    }
+    // Under FSDP a LoRA base in the units is frozen: its adapters, whole on every rank, are
+    // reduced and their optimizer state sharded as ZeRO-2 does.
+    let zero_stage = match opts.strategy {
+        Strategy::Zero(stage) => Some(stage),
+        Strategy::Fsdp(..) if model.lora().is_some() => Some(ZeroStage::Two),
+        _ => None,
+    };
+    let (full, sharded) = (full_state.as_ref(), sharded_state.as_ref());
+    let prepare = |opt: &mut dyn ShardedOptimizer, params: &Params| {
+        sharded_optimizer::prepare(opt, tp_grads.as_ref(), full, sharded, params, offload)
+    };
+    let optimizer = match (opts.strategy, zero_stage) {
+        (Strategy::Ddp, _) => {
             let mut adam = match full_state {
                 Some(full) => full,
                 None => AdamW::for_params(&model.params, opts.adam)?,
@@ -419,57 +439,15 @@ pub fn parallelize<N: CausalModel>(
             }
             Optimizer::Replicated(adam, Ddp::new(ctx.group(batch_axes(split.as_ref())))?)
         }
-        Strategy::Zero(stage) => {
+        (_, Some(stage)) => {
             let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, shard, replicate)?;
-            let (full, sharded) = (full_state.as_ref(), sharded_state.as_ref());
-            sharded_optimizer::prepare(
-                &mut z,
-                tp_grads.as_ref(),
-                full,
-                sharded,
-                &model.params,
-                offload,
-            )?;
+            prepare(&mut z, &model.params)?;
             Optimizer::Zero(z)
         }
-        Strategy::Fsdp(policy, prefetch) => {
-            if opts.reads_shards(ctx) {
-                // Each rank reads only its slices from the checkpoint files.
-                model.shard_reading(&opts.model_dir, policy, prefetch, shard.clone())?;
-            } else {
-                // Every rank cuts its slices from the synced values, then drops the full tensors.
-                model.shard(policy, prefetch, shard.clone())?;
-            }
-            if model.lora().is_some() {
-                // The units hold the frozen base; the adapters, whole on every rank, are
-                // reduced and their optimizer state sharded as ZeRO-2 does.
-                let mut z =
-                    ZeroOptimizer::new(&model.params, opts.adam, ZeroStage::Two, shard, replicate)?;
-                let (full, sharded) = (full_state.as_ref(), sharded_state.as_ref());
-                sharded_optimizer::prepare(
-                    &mut z,
-                    tp_grads.as_ref(),
-                    full,
-                    sharded,
-                    &model.params,
-                    offload,
-                )?;
-                return Ok(Parallelized {
-                    optimizer: Optimizer::Zero(z),
-                    tp_grads,
-                });
-            }
+        (_, None) => {
             let sharded = model.sharding.clone().expect("sharded above");
             let mut f = FsdpOptimizer::new(sharded, opts.adam, replicate)?;
-            let (full, sharded) = (full_state.as_ref(), sharded_state.as_ref());
-            sharded_optimizer::prepare(
-                &mut f,
-                tp_grads.as_ref(),
-                full,
-                sharded,
-                &model.params,
-                offload,
-            )?;
+            prepare(&mut f, &model.params)?;
             Optimizer::Fsdp(f)
         }
     };
