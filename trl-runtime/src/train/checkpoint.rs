@@ -8,8 +8,11 @@
 
 use crate::error::{Error, Result};
 use crate::models::Params;
+use crate::nn::lora::LoraConfig;
 use crate::optim::AdamW;
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use crate::optim::OPTIMIZER_FILE;
@@ -83,40 +86,48 @@ pub fn resolve(output_dir: &Path, spec: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
-/// Writes checkpoint `state.global_step` under `output_dir` atomically and prunes old ones
-/// beyond `keep` (the newest are kept). Returns the checkpoint's path. One writer (rank 0).
-pub fn save(
-    output_dir: &Path,
-    params: &Params,
-    config_json: &str,
-    tokenizer_dir: &Path,
-    optimizer: &AdamW,
-    state: &TrainerState,
-    keep: Option<usize>,
-) -> Result<PathBuf> {
-    let tmp = begin(output_dir, state.global_step)?;
-    write_model_files(&tmp, Some(params), config_json, tokenizer_dir)?;
-    write_optimizer(&tmp, optimizer)?;
-    finish(output_dir, &tmp, state, keep)
+/// What a checkpoint holds of the model.
+pub enum Weights<'a> {
+    /// The whole model in HF layout: config.json and safetensors (transformers opens it).
+    Full {
+        params: &'a Params,
+        config_json: &'a str,
+    },
+    /// A LoRA run's adapters (full-size, by our names) in peft's format
+    /// (adapter_config.json + adapter_model.safetensors); `base` is the base model's directory.
+    Adapter {
+        tensors: &'a BTreeMap<String, Tensor>,
+        lora: &'a LoraConfig,
+        base: &'a Path,
+    },
 }
 
-/// As [`save`] for a LoRA run: the adapters (`tensors`, full-size, by our names) in peft's
-/// format (adapter_config.json + adapter_model.safetensors; `base` is the base model's
-/// directory), the tokenizer files, the adapters' optimizer state and the trainer state.
-#[allow(clippy::too_many_arguments)]
-pub fn save_adapter(
+/// Writes checkpoint `state.global_step` under `output_dir` atomically (the weights, the
+/// tokenizer files, the optimizer state, the trainer state) and prunes old ones beyond `keep`
+/// (the newest are kept). Returns the checkpoint's path. One writer (rank 0).
+pub fn save(
     output_dir: &Path,
-    tensors: &std::collections::BTreeMap<String, candle_core::Tensor>,
-    lora: &crate::nn::lora::LoraConfig,
-    base: &Path,
+    weights: Weights<'_>,
     tokenizer_dir: &Path,
     optimizer: &AdamW,
     state: &TrainerState,
     keep: Option<usize>,
 ) -> Result<PathBuf> {
     let tmp = begin(output_dir, state.global_step)?;
-    crate::models::peft::save(&tmp, tensors, lora, base)?;
-    copy_tokenizer(&tmp, tokenizer_dir)?;
+    match weights {
+        Weights::Full {
+            params,
+            config_json,
+        } => write_model_files(&tmp, Some(params), config_json, tokenizer_dir)?,
+        Weights::Adapter {
+            tensors,
+            lora,
+            base,
+        } => {
+            crate::models::peft::save(&tmp, tensors, lora, base)?;
+            copy_tokenizer(&tmp, tokenizer_dir)?;
+        }
+    }
     write_optimizer(&tmp, optimizer)?;
     finish(output_dir, &tmp, state, keep)
 }

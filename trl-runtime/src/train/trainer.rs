@@ -955,13 +955,20 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
             None => mine,
         };
+        self.write_checkpoint(checkpoint::Weights::Adapter {
+            tensors: &tensors,
+            lora,
+            base: &self.config.training.model_name_or_path,
+        })
+    }
+
+    /// Gathers the optimizer state, then rank 0 writes the checkpoint of `weights`.
+    fn write_checkpoint(&self, weights: checkpoint::Weights<'_>) -> Result<Option<PathBuf>> {
         let state = self.gather_optimizer_state()?;
         let path = if self.ctx.is_main_process() {
-            Some(checkpoint::save_adapter(
+            Some(checkpoint::save(
                 &self.config.training.output_dir,
-                &tensors,
-                lora,
-                &self.config.training.model_name_or_path,
+                weights,
                 &self.tokenizer_dir,
                 &state,
                 &self.state,
@@ -983,7 +990,6 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         {
             return self.save_sharded_checkpoint();
         }
-        let full = self.gather_optimizer_state()?;
         // Weights held whole and unsplit are saved as they are; others are gathered.
         let gathered_params;
         let params = match (&self.model.sharding, tp) {
@@ -993,21 +999,10 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 &gathered_params
             }
         };
-        let path = if self.ctx.is_main_process() {
-            Some(checkpoint::save(
-                &self.config.training.output_dir,
-                params,
-                self.model.config_json(),
-                &self.tokenizer_dir,
-                &full,
-                &self.state,
-                self.config.training.save_total_limit,
-            )?)
-        } else {
-            None
-        };
-        self.ctx.world().barrier()?;
-        Ok(path)
+        self.write_checkpoint(checkpoint::Weights::Full {
+            params,
+            config_json: self.model.config_json(),
+        })
     }
 
     fn stop_requested(&self) -> Result<bool> {
