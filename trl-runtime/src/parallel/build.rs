@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::models::{peft, CausalModel, Params};
 use crate::optim::{AdamW, OPTIMIZER_FILE};
 use crate::tp::TpGrads;
+use std::path::Path;
 
 /// The model made parallel, ready to train.
 pub struct Built<N: CausalModel> {
@@ -73,9 +74,11 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
             let (_, tensors) = peft::read(ckpt, dtype, &device)?;
             let source = ckpt.join(peft::ADAPTER_WEIGHTS).display().to_string();
             model.set_trainable(&tensors, &source)?;
-            let mut full = AdamW::for_params(&Params::from_tensors(tensors)?, opts.adam)?;
-            full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(*step);
-            (model, Resume::Full(full))
+            let trained = Params::from_tensors(tensors)?;
+            (
+                model,
+                Resume::Full(read_state(&trained, ckpt, *step, opts)?),
+            )
         }
         (Some((ckpt, _)), None) if sharded_state::is_sharded(ckpt) => {
             // Slices are read by whoever owns them; unsharded strategies, and tensor-parallel
@@ -100,8 +103,7 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
         }
         (Some((ckpt, step)), None) => {
             let model = Model::from_pretrained(ckpt, dtype, &device)?;
-            let mut full = AdamW::for_params(&model.params, opts.adam)?;
-            full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(*step);
+            let full = read_state(&model.params, ckpt, *step, opts)?;
             (model, Resume::Full(full))
         }
     };
@@ -135,4 +137,12 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
         checkpoint_format,
         read_shards,
     })
+}
+
+/// The whole optimizer state of `params` in checkpoint `ckpt` (its step, or `step` for files
+/// that do not record it).
+fn read_state(params: &Params, ckpt: &Path, step: u64, opts: &ParallelOptions) -> Result<AdamW> {
+    let mut full = AdamW::for_params(params, opts.adam)?;
+    full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(step);
+    Ok(full)
 }
