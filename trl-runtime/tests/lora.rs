@@ -4,7 +4,10 @@
 //! otherwise): our saved adapter loads in `PeftModel.from_pretrained` with our logits, and an
 //! adapter peft wrote gives us peft's logits, within 1e-4 (f32).
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::max_abs_diff as max_diff;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -38,17 +41,6 @@ fn ids() -> (Tensor, Tensor) {
         .repeat((2, 1))
         .unwrap();
     (ids, pos)
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 /// Gives every adapter a nonzero `B` (peft starts it at zero, which would hide the path),
