@@ -56,24 +56,15 @@ impl Linear {
         };
         let (out, inp) = w.dims2()?;
         let (dtype, device) = (w.dtype(), w.device().clone());
-        let (size, rank) = self
-            .tp
-            .as_ref()
-            .map_or((1, 0), |(_, c)| (c.size(), c.rank()));
-        let (a_dim, b_dim) = self.lora_split_dims();
+        let size = self.tp.as_ref().map_or(1, |(_, c)| c.size());
+        let dims = Self::lora_split_dims(self.tp.as_ref().map(|(s, _)| *s));
         let full = (
-            if b_dim.is_some() { out * size } else { out },
-            if a_dim.is_some() { inp * size } else { inp },
+            if dims.1.is_some() { out * size } else { out },
+            if dims.0.is_some() { inp * size } else { inp },
         );
         let mut lora = Lora::init(name, full, config, (dtype, &device))?;
-        if let Some(d) = a_dim {
-            lora.a = lora.a.narrow(d, rank * inp, inp)?;
-        }
-        if let Some(d) = b_dim {
-            lora.b = lora.b.narrow(d, rank * out, out)?;
-        }
-        lora.a = candle_core::Var::from_tensor(&lora.a)?.as_tensor().clone();
-        lora.b = candle_core::Var::from_tensor(&lora.b)?.as_tensor().clone();
+        let tp = self.tp.as_ref().map(|(_, c)| TpContext::new(c.clone()));
+        split_lora(&mut lora, name, dims, tp.as_ref())?;
         self.freeze();
         self.lora = Some(lora);
         Ok(())
@@ -90,9 +81,9 @@ impl Linear {
         }
     }
 
-    /// The dimensions of `A` and `B` split over the tensor-parallel group.
-    fn lora_split_dims(&self) -> (Option<usize>, Option<usize>) {
-        match self.tp.as_ref().map(|(s, _)| *s) {
+    /// The dimensions of `A` and `B` split over the tensor-parallel group under `style`.
+    fn lora_split_dims(style: Option<TpStyle>) -> (Option<usize>, Option<usize>) {
+        match style {
             Some(TpStyle::Column { .. } | TpStyle::Vocab) => (None, Some(0)),
             Some(TpStyle::Row) => (Some(1), None),
             _ => (None, None),
@@ -152,17 +143,8 @@ impl Linear {
 
     fn compute(&self, x: &Tensor, bias: Option<&Weight>) -> Result<Tensor> {
         match (&self.weight, bias) {
-            // A frozen weight (a LoRA base) is not a variable: no weight gradient is computed.
-            (Weight::Local(w), None) if !w.is_variable() => {
-                crate::kernels::fused::linear_frozen(x, w, None)
-            }
-            (Weight::Local(w), Some(Weight::Local(b))) if !w.is_variable() => {
-                crate::kernels::fused::linear_frozen(x, w, Some(b))
-            }
-            (Weight::Local(w), None) => crate::kernels::fused::linear(x, w, None),
-            (Weight::Local(w), Some(Weight::Local(b))) => {
-                crate::kernels::fused::linear(x, w, Some(b))
-            }
+            (Weight::Local(w), None) => local_linear(x, w, None),
+            (Weight::Local(w), Some(Weight::Local(b))) => local_linear(x, w, Some(b)),
             (Weight::Sharded(w), None) => sharded::linear(x, w, None),
             (Weight::Sharded(w), Some(Weight::Sharded(b))) => sharded::linear(x, w, Some(b)),
             _ => candle_core::bail!("a linear layer's weight and bias must be held the same way"),
@@ -202,6 +184,35 @@ impl candle_core::Module for Linear {
     }
 }
 
+/// `x W^T + b` on a weight this rank holds; a frozen one (a LoRA base, not a variable) gets
+/// no weight gradient computed.
+fn local_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    match w.is_variable() {
+        true => crate::kernels::fused::linear(x, w, b),
+        false => crate::kernels::fused::linear_frozen(x, w, b),
+    }
+}
+
+/// Cuts an adapter's `A` and `B` to this rank's slices along `dims` (None: whole) and holds
+/// them as trainable variables.
+fn split_lora(
+    lora: &mut Lora,
+    name: &str,
+    (a_dim, b_dim): (Option<usize>, Option<usize>),
+    tp: Option<&TpContext>,
+) -> TrlResult<()> {
+    let cut = |t: &Tensor, part: &str, dim: Option<usize>| -> TrlResult<Tensor> {
+        let t = match (tp, dim) {
+            (Some(tp), Some(d)) => tp.shard(&child_name(name, part), t, d)?,
+            _ => t.clone(),
+        };
+        Ok(candle_core::Var::from_tensor(&t)?.as_tensor().clone())
+    };
+    lora.a = cut(&lora.a, "lora_A.weight", a_dim)?;
+    lora.b = cut(&lora.b, "lora_B.weight", b_dim)?;
+    Ok(())
+}
+
 fn local(name: &str, w: &Weight) -> TrlResult<Tensor> {
     match w {
         Weight::Local(t) => Ok(t.clone()),
@@ -230,17 +241,8 @@ impl TpLayer for Linear {
             self.bias = Some(Weight::Local(tp.shard(&child_name(name, "bias"), &b, d)?));
         }
         self.tp = Some((style, tp.comm().clone()));
-        let (a_dim, b_dim) = self.lora_split_dims();
         if let Some(lora) = &mut self.lora {
-            let var = |t: Tensor| -> TrlResult<Tensor> {
-                Ok(candle_core::Var::from_tensor(&t)?.as_tensor().clone())
-            };
-            if let Some(d) = a_dim {
-                lora.a = var(tp.shard(&child_name(name, "lora_A.weight"), &lora.a, d)?)?;
-            }
-            if let Some(d) = b_dim {
-                lora.b = var(tp.shard(&child_name(name, "lora_B.weight"), &lora.b, d)?)?;
-            }
+            split_lora(lora, name, Self::lora_split_dims(Some(style)), Some(tp))?;
         }
         Ok(())
     }

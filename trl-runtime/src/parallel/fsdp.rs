@@ -371,7 +371,7 @@ impl ShardedModel {
     }
 
     /// Makes every unit's parameters constants (a LoRA base) or trainable.
-    pub fn set_frozen(&self, frozen: bool) {
+    fn set_frozen(&self, frozen: bool) {
         for unit in &self.units {
             unit.lock().frozen = frozen;
         }
