@@ -7,6 +7,43 @@ use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
 
+/// `cargo trl new ARGS` in `dir`; asserts it succeeded and returns what it printed.
+fn new(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .current_dir(dir)
+        .arg("new")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `cargo trl launch ARGS` in the scaffold `krate` (building it in this workspace's target
+/// directory, offline); asserts it succeeded and returns its output.
+fn launch_in(krate: &Path, args: &[&str]) -> String {
+    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let run = Command::new(BIN)
+        .current_dir(krate)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env("CARGO_NET_OFFLINE", "true")
+        .args(["launch", "--main_process_port", "0"])
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(run.status.success(), "{text}");
+    text
+}
+
 #[test]
 fn new_then_launch_the_scaffold() {
     // Outside any workspace, as after `cargo install --path cargo-trl`: until trl-runtime is
@@ -16,17 +53,7 @@ fn new_then_launch_the_scaffold() {
         .join("../trl-runtime")
         .canonicalize()
         .unwrap();
-    let out = Command::new(BIN)
-        .current_dir(tmp.path())
-        .args(["new", "my-sft"])
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let said = new(tmp.path(), &["my-sft"]);
     assert!(
         said.contains("the source this cargo-trl was built from"),
         "{said}"
@@ -65,21 +92,13 @@ fn new_then_launch_the_scaffold() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 
-    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
-    let run = Command::new(BIN)
-        .current_dir(&krate)
-        .env("CARGO_TARGET_DIR", target_dir)
-        .env("CARGO_NET_OFFLINE", "true")
-        .args([
-            "launch",
+    let text = launch_in(
+        &krate,
+        &[
             "--profile",
             "multi_cpu",
-            "--main_process_port",
-            "0",
             "--debug",
             "--",
-        ])
-        .args([
             "--max_steps",
             "20",
             "--eval_steps",
@@ -88,15 +107,8 @@ fn new_then_launch_the_scaffold() {
             "4",
             "--save_steps",
             "20",
-        ])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
+        ],
     );
-    assert!(run.status.success(), "{text}");
     assert!(
         text.contains("[rank 0] held-out accuracy: before"),
         "{text}"
@@ -114,16 +126,7 @@ fn new_plain_candle_scaffold_trains_its_own_model_sharded() {
     // `--model plain-candle`: the model's code is in the project (src/model.rs) and trains
     // under FSDP + tensor parallelism like the built-in one.
     let tmp = tempfile::tempdir().unwrap();
-    let out = Command::new(BIN)
-        .current_dir(tmp.path())
-        .args(["new", "my-model", "--model", "plain-candle"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    new(tmp.path(), &["my-model", "--model", "plain-candle"]);
     let krate = tmp.path().join("my-model");
     let model_rs = std::fs::read_to_string(krate.join("src/model.rs")).unwrap();
     assert!(model_rs.contains("impl CausalModel for Phi"), "{model_rs}");
@@ -132,28 +135,22 @@ fn new_plain_candle_scaffold_trains_its_own_model_sharded() {
     let config = std::fs::read_to_string(krate.join("model/config.json")).unwrap();
     assert!(config.contains("PhiForCausalLM"), "{config}");
 
-    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
-    let run = Command::new(BIN)
-        .current_dir(&krate)
-        .env("CARGO_TARGET_DIR", target_dir)
-        .env("CARGO_NET_OFFLINE", "true")
-        .args([
-            "launch",
+    let text = launch_in(
+        &krate,
+        &[
             "--profile",
             "fsdp2_tp_cpu",
-            "--main_process_port",
-            "0",
-        ])
-        .args(["--", "--max_steps", "4", "--eval_steps", "4"])
-        .args(["--eval_generation_samples", "2", "--save_steps", "4"])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
+            "--",
+            "--max_steps",
+            "4",
+            "--eval_steps",
+            "4",
+            "--eval_generation_samples",
+            "2",
+            "--save_steps",
+            "4",
+        ],
     );
-    assert!(run.status.success(), "{text}");
     assert!(
         text.contains(r#""strategy":"zero3""#) && text.contains(r#""tp":2"#),
         "{text}"
@@ -168,48 +165,24 @@ fn new_plain_candle_scaffold_trains_its_own_model_sharded() {
 fn new_with_peft_trains_adapters() {
     // `--peft`: sft.yaml carries TRL's LoRA keys; the launched run saves a peft adapter.
     let tmp = tempfile::tempdir().unwrap();
-    let out = Command::new(BIN)
-        .current_dir(tmp.path())
-        .args(["new", "my-lora", "--peft"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    new(tmp.path(), &["my-lora", "--peft"]);
     let krate = tmp.path().join("my-lora");
     let yaml = std::fs::read_to_string(krate.join("sft.yaml")).unwrap();
     assert!(yaml.contains("use_peft: true"), "{yaml}");
-    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
-    let run = Command::new(BIN)
-        .current_dir(&krate)
-        .env("CARGO_TARGET_DIR", target_dir)
-        .env("CARGO_NET_OFFLINE", "true")
-        .args([
-            "launch",
+    let text = launch_in(
+        &krate,
+        &[
             "--profile",
             "zero3_cpu",
-            "--main_process_port",
-            "0",
             "--",
-        ])
-        .args([
             "--max_steps",
             "5",
             "--eval_dataset_name",
             "none",
             "--save_steps",
             "5",
-        ])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
+        ],
     );
-    assert!(run.status.success(), "{text}");
     assert!(text.contains("trainable of"), "{text}");
     let ckpt = krate.join("output/checkpoint-5");
     assert!(ckpt.join("adapter_model.safetensors").exists(), "{text}");
