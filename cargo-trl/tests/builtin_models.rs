@@ -16,20 +16,12 @@ mod common;
 
 use common::{assert_equal, max_diff, Run};
 use std::path::Path;
-use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
 const STEPS: usize = 5;
 
 fn launch(model: &Path, launch_args: &[&str], per_device: usize, out: &Path) -> String {
-    let mut cmd = Command::new(BIN);
-    cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .env("CARGO_NET_OFFLINE", "true")
-        .env("TRL_CHECK_TP_GRADS", "1")
-        .args(["launch", "--main_process_port", "0"])
-        .args(launch_args)
-        .args(["sft", "--", "--model_name_or_path"])
-        .arg(model);
+    let model: &std::ffi::OsStr = model.as_ref();
+    let cmd = common::sft_launch(launch_args, &["--model_name_or_path".as_ref(), model]);
     common::run_launch(cmd, STEPS, per_device, out)
 }
 

@@ -9,9 +9,7 @@ mod common;
 
 use common::{assert_equal, max_diff, Run};
 use std::path::Path;
-use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_cargo-trl");
 const STEPS: usize = 5;
 /// Every linear layer adapted; rank 4; no dropout (its masks follow each rank's share of the
 /// rows, so only a dropout-free run can equal one process exactly); a learning rate that
@@ -36,15 +34,7 @@ const LORA: &[&str] = &[
 ];
 
 fn launch(launch_args: &[&str], per_device: usize, out: &Path, extra: &[&str]) -> String {
-    let mut cmd = Command::new(BIN);
-    cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .env("CARGO_NET_OFFLINE", "true")
-        .env("TRL_CHECK_TP_GRADS", "1")
-        .args(["launch", "--main_process_port", "0"])
-        .args(launch_args)
-        .args(["sft", "--"])
-        .args(LORA)
-        .args(extra);
+    let cmd = common::sft_launch(launch_args, &[LORA, extra].concat());
     common::run_launch(cmd, STEPS, per_device, out)
 }
 
@@ -83,13 +73,7 @@ fn a_lora_run_resumes_from_its_adapter_checkpoint() {
     let zero2 = ["--profile", "zero2_cpu"];
     launch(&zero2, 4, &straight, &[]);
     // The same run stopped after step 3, then resumed from its checkpoint.
-    let mut cmd = Command::new(BIN);
-    cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
-        .env("CARGO_NET_OFFLINE", "true")
-        .args(["launch", "--main_process_port", "0"])
-        .args(zero2)
-        .args(["sft", "--"])
-        .args(LORA);
+    let cmd = common::sft_launch(&zero2, LORA);
     common::run_launch(cmd, 3, 4, &resumed);
     let text = launch(&zero2, 4, &resumed, &["--resume_from_checkpoint", "latest"]);
     assert!(text.contains("checkpoint-3"), "{text}");

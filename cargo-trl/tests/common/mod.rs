@@ -136,6 +136,21 @@ pub fn assert_equal(
     );
 }
 
+/// `cargo trl launch LAUNCH_ARGS sft -- SFT_ARGS` from the workspace root, offline, tp
+/// gradient checks at every step: add the run's flags and pass it to [`run_launch`].
+#[allow(dead_code)]
+pub fn sft_launch<S: AsRef<std::ffi::OsStr>>(launch_args: &[&str], sft_args: &[S]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cargo-trl"));
+    cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .env("CARGO_NET_OFFLINE", "true")
+        .env("TRL_CHECK_TP_GRADS", "1")
+        .args(["launch", "--main_process_port", "0"])
+        .args(launch_args)
+        .args(["sft", "--"])
+        .args(sft_args);
+    cmd
+}
+
 /// Runs a `cargo trl launch` command for `steps` fp32 steps (seed 7, no evaluation, a metrics
 /// line per step, the checkpoint at the end) of `per_device` rows per rank into `out`;
 /// asserts it succeeded and returns its output.
