@@ -58,6 +58,16 @@ pub(crate) fn target_index_and_weight(
 /// Summed cross-entropy of `logits` [.., vocab] against aligned `targets` [..] (i64, -100
 /// ignored), computed in f32 (f64 inputs stay f64).
 pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
+    let (nll, count) = cross_entropy_tokens(logits, targets)?;
+    Ok(LossSum {
+        sum: nll.sum_all()?,
+        count,
+    })
+}
+
+/// Each position's cross-entropy (minus its target's log-probability), [n] in f32 (f64 for
+/// f64 inputs), 0 where the target is ignored; and how many targets count.
+pub fn cross_entropy_tokens(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, usize)> {
     let vocab = logits.dim(D::Minus1)?;
     let compute = crate::kernels::precision::wide(logits.dtype());
     let logits = logits.reshape(((), vocab))?.to_dtype(compute)?;
@@ -68,8 +78,7 @@ pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
     let log_z = shifted.exp()?.sum_keepdim(1)?.log()?;
     let picked = shifted.gather(&index, 1)?;
     let nll = (log_z - picked)?.squeeze(1)?;
-    let sum = (nll * weight)?.sum_all()?;
-    Ok(LossSum { sum, count })
+    Ok(((nll * weight)?, count))
 }
 
 /// Next-token targets of `labels` [batch, seq] (i64): position t's target is label t+1, and

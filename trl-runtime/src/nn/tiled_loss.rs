@@ -39,22 +39,24 @@ fn tile_logits(hidden: &Tensor, weight: &Tensor, start: usize, len: usize) -> Re
         .to_dtype(precision::wide(hidden.dtype()))
 }
 
-/// The summed loss of the tiles, in Candle ops (the recomputing path's forward).
+/// Each row's loss over the tiles, [n] (0 where ignored), in Candle ops (the recomputing
+/// path's forward).
 fn tiles_loss(tiles: &Tiles, hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
-    let wide = precision::wide(hidden.dtype());
-    let mut total = Tensor::zeros((), wide, hidden.device())?;
+    let mut rows = Vec::with_capacity(tiles.len());
     for (start, len, t) in tiles {
         let logits = tile_logits(hidden, weight, *start, *len)?;
         let max = logits.max_keepdim(D::Minus1)?;
         let shifted = logits.broadcast_sub(&max)?;
         let log_z = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
         let nll = (log_z - shifted.gather(&t.index, 1)?)?;
-        total = (total + (nll * &t.weight)?.sum_all()?)?;
+        rows.push((nll * &t.weight)?.squeeze(1)?);
     }
-    Ok(total)
+    Tensor::cat(&rows, 0)
 }
 
-/// The gradients of the tiles' loss, recomputing each tile's logits (its backward).
+/// The gradients of the tiles' loss, recomputing each tile's logits (its backward). `grad`
+/// is the incoming gradient: a scalar for the summed loss, [n] for per-row losses (each row
+/// weighed by its own).
 fn tiles_grads(
     tiles: &Tiles,
     hidden: &Tensor,
@@ -69,11 +71,15 @@ fn tiles_grads(
         let max = logits.max_keepdim(D::Minus1)?;
         let e = logits.broadcast_sub(&max)?.exp()?;
         let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        let g = match grad.rank() {
+            0 => grad.to_dtype(wide)?,
+            _ => grad.narrow(0, *start, *len)?.unsqueeze(1)?.to_dtype(wide)?,
+        };
         // d(loss)/d(logits) = softmax - one_hot(target), for the rows that count.
         let dlogits = probs
             .scatter_add(&t.index, &t.weight.neg()?, 1)?
             .broadcast_mul(&t.weight)?
-            .broadcast_mul(&grad.to_dtype(wide)?)?
+            .broadcast_mul(&g)?
             .to_dtype(io)?;
         dhidden.push(dlogits.matmul(weight)?);
         let dw = dlogits.t()?.matmul(&hidden.narrow(0, *start, *len)?)?;
@@ -362,7 +368,6 @@ pub(crate) fn tied_linear_cross_entropy(
     targets: &Tensor,
     tied: Option<TiedGrad>,
 ) -> Result<LossSum> {
-    let (n, _) = hidden.dims2()?;
     let vocab = weight.dim(0)?;
     if fused_applies(hidden, weight) {
         let (targets, count) = checked_targets(targets, vocab)?;
@@ -381,12 +386,31 @@ pub(crate) fn tied_linear_cross_entropy(
             count,
         });
     }
+    let (rows, count) = tiled_token_nll(hidden, weight, targets)?;
+    Ok(LossSum {
+        sum: rows.sum_all()?,
+        count,
+    })
+}
+
+/// Each row's cross-entropy of the logits `hidden` [n, h] x `weight`^T would give against
+/// `targets` [n] (i64, -100 ignored): [n] in f32 (f64 for f64 inputs), 0 where ignored, and
+/// how many targets count. Tiled: forward keeps only the inputs, backward recomputes each
+/// tile's logits and weighs each row by its own incoming gradient, so a loss built on
+/// per-sequence sums (DPO) gets exact gradients without the logits ever existing whole.
+pub fn tiled_token_nll(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, usize)> {
     if !matches!(hidden.dtype(), DType::F32 | DType::F64 | DType::BF16) {
         candle_core::bail!(
             "the tiled loss runs in f32, f64 or bf16, not {:?}",
             hidden.dtype()
         );
     }
+    let (n, _) = hidden.dims2()?;
+    let vocab = weight.dim(0)?;
     let (targets, count) = checked_targets(targets, vocab)?;
     let wide = precision::wide(hidden.dtype());
     let rows = (TILE_BYTES / (4 * vocab)).max(16);
@@ -405,15 +429,15 @@ pub(crate) fn tied_linear_cross_entropy(
         ));
     }
     let (hidden, weight) = (hidden.contiguous()?, weight.contiguous()?);
-    let sum = tiles_loss(&tiles, &hidden.detach(), &weight.detach())?;
+    let per_row = tiles_loss(&tiles, &hidden.detach(), &weight.detach())?;
+    if !(hidden.track_op() || weight.track_op()) {
+        return Ok((per_row, count));
+    }
     let op = LossOp {
-        sum: Precomputed::new(sum),
+        sum: Precomputed::new(per_row),
         backward: Backward::Recompute(tiles),
     };
-    Ok(LossSum {
-        sum: hidden.apply_op2(&weight, op)?,
-        count,
-    })
+    Ok((hidden.apply_op2(&weight, op)?, count))
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ pub mod zero;
 pub use build::{build, Built};
 pub use checkpointing::Checkpointing;
 pub use fsdp::{FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy};
-pub use model::{CausalLm, Model};
+pub use model::{CausalLm, Model, TokenLogps};
 pub use sharded_optimizer::ShardedOptimizer;
 pub use zero::{ZeroOptimizer, ZeroStage};
 
@@ -242,6 +242,12 @@ impl Optimizer {
             Some(sharded) => std::borrow::Cow::Owned(sharded.gather_full_state()?),
             None => std::borrow::Cow::Borrowed(self.state()),
         })
+    }
+
+    /// Whether this rank's gradients need no data-parallel reduction (one replica, unsharded):
+    /// they may then stay in the compute dtype.
+    pub fn single_replica(&self) -> bool {
+        matches!(self, Optimizer::Replicated(_, ddp) if ddp.replicas() == 1)
     }
 
     /// The ZeRO or FSDP optimizer, whose ranks each keep a slice of the state.

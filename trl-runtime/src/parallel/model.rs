@@ -29,6 +29,14 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+/// Per-position figures of a forward (see [`Model::forward_token_logps`]).
+pub struct TokenLogps {
+    /// log p(target) per position, [n] f32, 0 where ignored; carries the graph when trained.
+    pub logps: Tensor,
+    /// The logits' mean over the vocabulary per position, [n] f32, detached.
+    pub mean_logits: Tensor,
+}
+
 /// A model `N` with what the strategies attach to it. `parallel::parallelize` sets it up;
 /// the trainer runs it.
 pub struct Model<N: CausalModel> {
@@ -653,6 +661,72 @@ impl<N: CausalModel> Model<N> {
             targets,
             tied,
         )?)
+    }
+
+    /// Each position's log-probability of its aligned target (`targets` as in
+    /// [`Self::forward_targets`]), [batch * seq] in f32, 0 where the target is ignored, and
+    /// each position's logits averaged over the vocabulary (detached; TRL's `logits/*`
+    /// metrics). With the head held whole the logits never exist at once (tiled, recomputed
+    /// in backward, each position weighed by its own gradient); under tp the vocab-parallel
+    /// loss gives them. `train`: whether gradients flow (else everything is detached).
+    pub fn forward_token_logps(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        targets: &Tensor,
+        train: bool,
+    ) -> Result<TokenLogps> {
+        let head = self.net.lm_head();
+        let whole = match (&head.weight, &head.bias, &self.tp) {
+            (Weight::Local(w), None, None) if self.net.logit_softcap().is_none() => {
+                Some(w.clone())
+            }
+            _ => None,
+        };
+        let (nll, mean_logits) = match whole {
+            Some(w) => {
+                let hidden = self.hidden_states(input_ids, position_ids, true)?;
+                let hidden = if train { hidden } else { hidden.detach() };
+                let (b, s, h) = hidden.dims3()?;
+                let flat = hidden.reshape((b * s, h))?;
+                let (nll, _) = crate::nn::tiled_loss::tiled_token_nll(&flat, &w, targets)?;
+                // The mean over the vocabulary of h.w_v is h . mean_v(w_v).
+                let mean_w = w.detach().to_dtype(DType::F32)?.mean_keepdim(0)?;
+                let mean_logits = flat
+                    .detach()
+                    .to_dtype(DType::F32)?
+                    .matmul(&mean_w.t()?)?
+                    .squeeze(1)?;
+                (nll, mean_logits)
+            }
+            None => {
+                let logits = self.forward(input_ids, position_ids)?;
+                let logits = if train { logits } else { logits.detach() };
+                let vocab = logits.dim(candle_core::D::Minus1)?;
+                let local_sum = logits
+                    .detach()
+                    .to_dtype(DType::F32)?
+                    .sum_keepdim(candle_core::D::Minus1)?
+                    .flatten_all()?;
+                let (nll, mean_logits) = match &self.tp {
+                    Some(tp) => {
+                        let sum = tp.all_reduce(&local_sum, crate::comm::ReduceOp::Sum)?;
+                        let (nll, _) =
+                            crate::tp::vocab_parallel_token_nll(&logits, targets, tp)?;
+                        (nll, (sum / (vocab * tp.size()) as f64)?)
+                    }
+                    None => {
+                        let (nll, _) = crate::nn::loss::cross_entropy_tokens(&logits, targets)?;
+                        (nll, (local_sum / vocab as f64)?)
+                    }
+                };
+                (nll, mean_logits)
+            }
+        };
+        Ok(TokenLogps {
+            logps: nll.to_dtype(DType::F32)?.neg()?,
+            mean_logits,
+        })
     }
 
     /// Gradients of `loss` (a scalar of this model's forward) for every parameter: Candle's

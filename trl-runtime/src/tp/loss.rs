@@ -5,7 +5,7 @@
 use crate::comm::autograd::reduce_from_group;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
-use crate::nn::loss::{checked_targets, cross_entropy_sum, LossSum, IGNORE_INDEX};
+use crate::nn::loss::{checked_targets, cross_entropy_tokens, LossSum, IGNORE_INDEX};
 use candle_core::{DType, Tensor, D};
 use std::sync::Arc;
 
@@ -17,8 +17,22 @@ pub fn vocab_parallel_cross_entropy(
     targets: &Tensor,
     comm: &Arc<dyn Communicator>,
 ) -> Result<LossSum> {
+    let (nll, count) = vocab_parallel_token_nll(logits, targets, comm)?;
+    Ok(LossSum {
+        sum: nll.sum_all()?,
+        count,
+    })
+}
+
+/// [`vocab_parallel_cross_entropy`] per position: [n], 0 where the target is ignored, and the
+/// number of targets that count.
+pub fn vocab_parallel_token_nll(
+    logits: &Tensor,
+    targets: &Tensor,
+    comm: &Arc<dyn Communicator>,
+) -> Result<(Tensor, usize)> {
     if comm.size() == 1 {
-        return Ok(cross_entropy_sum(logits, targets)?);
+        return Ok(cross_entropy_tokens(logits, targets)?);
     }
     let local_vocab = logits.dim(D::Minus1)?;
     let vocab = local_vocab * comm.size();
@@ -59,6 +73,5 @@ pub fn vocab_parallel_cross_entropy(
     // The target's logit lives on one rank; the others add zero.
     let picked = reduce_from_group(&(shifted.gather(&index, 1)? * here)?, comm)?;
     let nll = (sum_exp.log()? - picked)?.squeeze(1)?;
-    let sum = (nll * weight)?.sum_all()?;
-    Ok(LossSum { sum, count })
+    Ok(((nll * weight)?, count))
 }

@@ -7,6 +7,7 @@ pub mod logging;
 pub mod plan_query;
 mod plot;
 pub mod schedule;
+pub mod sft;
 pub mod trainer;
 pub mod trl_keys;
 
@@ -15,7 +16,9 @@ pub use crate::optim::{clip_grad_norm, grad_clip_coef, AdamW, AdamWConfig, Param
 pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
 pub use args::{Cli, TrainerConfig, TrainingArguments, TrainingFlags};
 pub use config::{SFTArgs, SFTConfig, SftCli};
+pub use sft::Sft;
 pub use schedule::{LrSchedule, SchedulerKind};
 pub use trainer::{
-    peak_rss_bytes, reset_peak_rss, EvalResult, MemoryReport, StepStats, TrainOutcome, Trainer,
+    peak_rss_bytes, reset_peak_rss, Core, EvalResult, MemoryReport, StepGrads, StepStats, Task,
+    TaskStep, TrainOutcome, Trainer,
 };

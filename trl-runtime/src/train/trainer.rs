@@ -1,25 +1,14 @@
-//! The SFT trainer: data, model and resume state wired to `parallel::parallelize` (which
-//! applies the strategies the launch plan asks for), gradient accumulation, TRL's loss
-//! averaging over the target tokens of the whole optimizer step, logging, evaluation,
-//! checkpoints and exact resumption, and a clean stop on SIGTERM.
-//!
-//! Loss rule (docs/architecture.md): per optimizer step, count the target tokens of every
-//! micro-batch on every data-parallel rank; each micro-batch contributes sum(token losses) / that count;
-//! gradients are summed across micro-batches and ranks. So 2 ranks x batch 2, 1 rank x 2
-//! accumulation steps x batch 2 and 1 rank x batch 4 take the same steps.
+//! The trainer: a [`Core`] (data-parallel groups, the model parallel as the launch plan says,
+//! its optimizer, schedule, resume state, checkpoints, logging and a clean stop on SIGTERM)
+//! driving a [`Task`] (SFT in `sft.rs`, DPO in `dpo.rs`) that turns rows into a loss and
+//! gradients. A new trainer is a new task: it never decides strategy.
 
-use super::args::TrainerConfig;
+use super::args::{TrainerConfig, TrainingArguments};
 use super::checkpoint::{self, TrainerState};
-use super::config::SFTConfig;
-use super::schedule::LrSchedule;
+use super::sft::Sft;
 use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
-use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
-use crate::data::sequence::lcm;
-use crate::data::{
-    collate, pack, Batch, CollateOptions, DistributedSampler, Example, PackedSequence,
-    PackingStrategy, TextTokenizer,
-};
+use crate::data::{DistributedSampler, TextTokenizer};
 use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
@@ -33,6 +22,7 @@ use crate::parallel::{
     batch_axes, build, shard_axes, Built, CheckpointFormat, Optimizer, ParallelOptions, Strategy,
 };
 use crate::tp::{state as tp_state, TpGrads};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, D};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -41,8 +31,6 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-
-const MAX_NEW_TOKENS: usize = 16;
 
 /// Bytes of model state one rank holds (parameters, gradients after reduction, optimizer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +73,8 @@ pub struct StepStats {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EvalResult {
     pub loss: f64,
-    /// Exact-match accuracy of greedy answers on held-out prompts (when there are any).
+    /// The task's accuracy: exact-match of greedy answers on held-out prompts (SFT), the
+    /// share of pairs whose chosen reward is the higher (DPO).
     pub accuracy: Option<f64>,
 }
 
@@ -99,14 +88,66 @@ pub struct TrainOutcome {
     pub last_checkpoint: Option<PathBuf>,
 }
 
-pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM> {
-    pub config: SFTConfig,
-    ctx: &'a DistContext,
+/// What a task's forward and backward over one step's micro-batches gave.
+#[derive(Debug, Clone, Default)]
+pub struct TaskStep {
+    /// The step's loss, the same on every rank.
+    pub loss: f64,
+    /// Input tokens processed by all ranks (padding excluded).
+    pub tokens: usize,
+    /// The task's own figures, logged under these names (TRL's).
+    pub metrics: Vec<(&'static str, f64)>,
+}
+
+/// What a trainer trains on and how: its rows, a step's loss and gradients, its evaluation.
+/// The [`Core`] it is handed holds the model (already parallel), the groups and the step
+/// state; the task never chooses a strategy.
+pub trait Task<N: CausalModel>: Sized {
+    /// Its arguments: [`TrainingArguments`] and the task's own keys.
+    type Config: TrainerConfig;
+    /// The name its evaluation's accuracy is logged under.
+    const EVAL_ACCURACY: &'static str;
+    /// Reads and tokenizes the data (before the model is built: the rows fix the steps).
+    fn load(config: &Self::Config, tokenizer: &TextTokenizer) -> Result<Self>;
+    /// Training rows the sampler deals out.
+    fn num_rows(&self) -> usize;
+    /// Once the model is built and parallel (collation for its sequence split; DPO's
+    /// reference log-probabilities).
+    fn prepare(&mut self, config: &Self::Config, core: &Core<'_, N>) -> Result<()>;
+    /// Forward and backward of this rank's micro-batches (`rows`: row indices per
+    /// micro-batch), each micro-batch's gradients handed to [`Core::accumulate`].
+    fn step(
+        &mut self,
+        core: &Core<'_, N>,
+        rows: &[Vec<usize>],
+        grads: &mut StepGrads,
+    ) -> Result<TaskStep>;
+    /// Evaluation on the held-out rows, if there are any (collective).
+    fn evaluate(&self, config: &Self::Config, core: &Core<'_, N>) -> Result<Option<EvalResult>>;
+    /// What the progress bar shows beside the loss.
+    fn progress_note(&self, _metrics: &[(&'static str, f64)]) -> String {
+        String::new()
+    }
+}
+
+/// One optimizer step's gradients, summed over its micro-batches.
+pub struct StepGrads {
+    grads: BTreeMap<String, Tensor>,
+    /// On the run's first step: the parameters that got a gradient from some micro-batch.
+    reached: Option<HashSet<String>>,
+}
+
+/// Everything a trainer does whatever it trains on: the model parallel as the launch says,
+/// the optimizer, the schedule, the data-parallel order of rows, resume state, checkpoints.
+pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
+    /// The shared training arguments of the task's config.
+    pub args: TrainingArguments,
+    pub ctx: &'a DistContext,
     /// The data-parallel ranks: they draw different examples.
-    dp: Arc<dyn Communicator>,
+    pub dp: Arc<dyn Communicator>,
     /// The ranks that see different tokens: `dp` and, under sequence parallelism, the sp
     /// ranks holding the other chunks. Token counts and gradients are summed over it.
-    batch_group: Arc<dyn Communicator>,
+    pub batch_group: Arc<dyn Communicator>,
     pub model: Model<N>,
     pub tokenizer: TextTokenizer,
     tokenizer_dir: PathBuf,
@@ -119,11 +160,7 @@ pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM> {
     tp_grads: Option<TpGrads>,
     /// How intermediate checkpoints hold sharded state (the final one is always full).
     pub checkpoint_format: CheckpointFormat,
-    schedule: LrSchedule,
-    train_rows: Vec<PackedSequence>,
-    eval_rows: Vec<PackedSequence>,
-    eval_prompts: Vec<(Vec<u32>, String)>,
-    collate_options: CollateOptions,
+    schedule: crate::train::LrSchedule,
     sampler: DistributedSampler,
     /// This epoch's sample order (epoch, indices), cached across its steps.
     order: Option<(u64, Vec<usize>)>,
@@ -134,20 +171,43 @@ pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM> {
     unused_checked: bool,
 }
 
+/// A trainer: the [`Core`] and the [`Task`] it runs (SFT unless named). It derefs to its core
+/// (`trainer.model`, `trainer.state`, ...).
+pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM, T: Task<N> = Sft> {
+    pub config: T::Config,
+    pub core: Core<'a, N>,
+    pub task: T,
+    /// The task's figures of the latest step.
+    last_metrics: Vec<(&'static str, f64)>,
+}
+
+impl<'a, N: CausalModel, T: Task<N>> std::ops::Deref for Trainer<'a, N, T> {
+    type Target = Core<'a, N>;
+    fn deref(&self) -> &Core<'a, N> {
+        &self.core
+    }
+}
+
+impl<'a, N: CausalModel, T: Task<N>> std::ops::DerefMut for Trainer<'a, N, T> {
+    fn deref_mut(&mut self) -> &mut Core<'a, N> {
+        &mut self.core
+    }
+}
+
 /// Where a run starts: a fresh state, or the trainer state of the checkpoint
 /// `resume_from_checkpoint` names (its directory and step, for the model's resume).
 fn resume_state(
-    config: &SFTConfig,
+    config: &TrainingArguments,
     total_steps: usize,
 ) -> Result<(TrainerState, Option<(PathBuf, u64)>)> {
     let mut state = TrainerState {
         total_steps,
-        seed: config.training.seed,
+        seed: config.seed,
         ..Default::default()
     };
     let mut resume_from = None;
-    if let Some(spec) = &config.training.resume_from_checkpoint {
-        let ckpt = checkpoint::resolve(&config.training.output_dir, spec)?;
+    if let Some(spec) = &config.resume_from_checkpoint {
+        let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
         state = checkpoint::read_trainer_state(&ckpt)?;
         if state.total_steps != total_steps {
             tracing::warn!(
@@ -166,91 +226,6 @@ fn resume_state(
     Ok((state, resume_from))
 }
 
-/// How micro-batches are collated: padding-free rows or padding, lengths rounded so that
-/// sequences split over sp (cp) divide into sp (2 x cp) chunks.
-fn collate_options(
-    config: &SFTConfig,
-    split: Option<&crate::context_parallel::SeqSplit>,
-    pad_token_id: u32,
-) -> CollateOptions {
-    // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
-    let parts = match split {
-        Some(s) if s.ring => 2 * s.group.size(),
-        Some(s) => s.group.size(),
-        None => 1,
-    };
-    let pad_to_multiple_of = match (config.pad_to_multiple_of, parts) {
-        (multiple, 1) => multiple,
-        (multiple, n) => Some(lcm(multiple.unwrap_or(1), n)),
-    };
-    CollateOptions {
-        pad_token_id,
-        padding_free: config.padding_free,
-        pad_to_multiple_of,
-    }
-}
-
-/// The tokenized training rows (packed or truncated to max_length), the held-out rows and
-/// the held-out prompts scored by generation.
-struct TrainData {
-    train_rows: Vec<PackedSequence>,
-    eval_rows: Vec<PackedSequence>,
-    eval_prompts: Vec<(Vec<u32>, String)>,
-}
-
-impl TrainData {
-    fn load(config: &SFTConfig, tokenizer: &TextTokenizer) -> Result<Self> {
-        let policy = if config.training.skip_bad_rows {
-            OnBadRow::Skip
-        } else {
-            OnBadRow::Fail
-        };
-        let opts = TokenizeOptions {
-            completion_only_loss: config.completion_only_loss.unwrap_or(true),
-            assistant_only_loss: config.assistant_only_loss,
-        };
-        let train_examples = tokenize_all(
-            &load(&config.training.dataset_name, policy)?.records,
-            tokenizer,
-            opts,
-        )?;
-        let train_rows: Vec<PackedSequence> = if config.packing {
-            let strategy = PackingStrategy::parse(&config.packing_strategy).expect("validated");
-            pack(&train_examples, config.training.max_length, strategy)
-        } else {
-            train_examples
-                .into_iter()
-                .map(|e| truncate(e, config.training.max_length))
-                .collect()
-        };
-        let (eval_rows, eval_prompts) = match &config.training.eval_dataset_name {
-            Some(path) => {
-                let records = load(path, policy)?.records;
-                let rows = tokenize_all(&records, tokenizer, opts)?
-                    .into_iter()
-                    .map(|e| truncate(e, config.training.max_length))
-                    .collect();
-                let mut prompts = Vec::new();
-                for r in records.iter().take(config.eval_generation_samples) {
-                    if let Some(p) = prompt_and_answer(r, tokenizer)? {
-                        prompts.push(p);
-                    }
-                }
-                (rows, prompts)
-            }
-            None => (Vec::new(), Vec::new()),
-        };
-        Ok(TrainData {
-            train_rows,
-            eval_rows,
-            eval_prompts,
-        })
-    }
-}
-
-/// Trainable parameters that the first step's backward did not reach are an error (they
-/// would train on silently: only weight decay would move them), unless
-/// `ddp_find_unused_parameters` says they are expected, as PyTorch's DDP asks.
 /// `model_type` of the model directory's config.json (peft's default LoRA targets depend on
 /// it).
 fn model_type(dir: &std::path::Path) -> Result<String> {
@@ -262,6 +237,9 @@ fn model_type(dir: &std::path::Path) -> Result<String> {
     Ok(json["model_type"].as_str().unwrap_or_default().to_string())
 }
 
+/// Trainable parameters that the first step's backward did not reach are an error (they
+/// would train on silently: only weight decay would move them), unless
+/// `ddp_find_unused_parameters` says they are expected, as PyTorch's DDP asks.
 fn check_unused(without: &[String], find_unused: Option<bool>) -> Result<()> {
     if without.is_empty() {
         return Ok(());
@@ -302,7 +280,7 @@ fn check_unused(without: &[String], find_unused: Option<bool>) -> Result<()> {
 
 /// Values a DeepSpeed config fixes must match the training arguments (transformers refuses a
 /// mismatch too); "auto" in a JSON leaves them to the arguments.
-fn check_deepspeed_values(config: &SFTConfig, plan: &crate::config::LaunchPlan) -> Result<()> {
+fn check_deepspeed_values(config: &TrainingArguments, plan: &crate::config::LaunchPlan) -> Result<()> {
     let Some(ds) = &plan.deepspeed else {
         return Ok(());
     };
@@ -318,19 +296,19 @@ fn check_deepspeed_values(config: &SFTConfig, plan: &crate::config::LaunchPlan) 
             "gradient_accumulation_steps",
             ds.gradient_accumulation_steps.map(|n| n as f64),
             "gradient_accumulation_steps",
-            config.training.gradient_accumulation_steps as f64,
+            config.gradient_accumulation_steps as f64,
         ),
         (
             "gradient_clipping",
             ds.gradient_clipping,
             "max_grad_norm",
-            config.training.max_grad_norm,
+            config.max_grad_norm,
         ),
         (
             "train_micro_batch_size_per_gpu",
             ds.train_micro_batch_size_per_gpu.map(|n| n as f64),
             "per_device_train_batch_size",
-            config.training.per_device_train_batch_size as f64,
+            config.per_device_train_batch_size as f64,
         ),
     ];
     for (key, theirs, arg, ours) in pairs {
@@ -347,117 +325,46 @@ fn check_deepspeed_values(config: &SFTConfig, plan: &crate::config::LaunchPlan) 
     Ok(())
 }
 
-fn tokenize_all(
-    records: &[Record],
-    tok: &TextTokenizer,
-    opts: TokenizeOptions,
-) -> Result<Vec<Example>> {
-    records
-        .iter()
-        .map(|r| to_example(r, tok, opts))
-        .filter(|e| !e.as_ref().is_ok_and(Example::is_empty))
-        .collect()
-}
-
-fn truncate(mut e: Example, max_length: usize) -> PackedSequence {
-    e.input_ids.truncate(max_length);
-    e.labels.truncate(max_length);
-    PackedSequence::single(&e)
-}
-
-/// A held-out prompt and its expected answer (the last assistant message / the completion).
-fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>, String)>> {
-    Ok(match r {
-        Record::Messages { messages: m, tools }
-            if m.len() >= 2 && m.last().is_some_and(|x| x.role == "assistant") =>
-        {
-            let prompt = tok
-                .apply_chat_template(&m[..m.len() - 1], tools.as_deref(), true)?
-                .text;
-            Some((
-                tok.encode(&prompt, false)?,
-                m.last().unwrap().text().trim().to_string(),
-            ))
-        }
-        Record::PromptCompletion {
-            prompt: Content::Text(p),
-            completion: Content::Text(c),
-            ..
-        } => Some((tok.encode(p, false)?, c.trim().to_string())),
-        _ => None,
-    })
-}
-
-impl<'a> Trainer<'a> {
-    /// The built-in model of the checkpoint's `model_type`: loads model, tokenizer and data as `config` says,
-    /// resuming if asked; the strategy comes from the launcher's environment.
-    pub fn new(config: SFTConfig, ctx: &'a DistContext) -> Result<Self> {
-        Self::load(config, ctx)
-    }
-
-    pub fn with_strategy(
-        config: SFTConfig,
+impl<'a, N: CausalModel> Core<'a, N> {
+    /// The model of `args.model_name_or_path`, parallel as `strategy` says, resumed where
+    /// asked, for `rows` training rows.
+    fn load(
+        args: &TrainingArguments,
         ctx: &'a DistContext,
         strategy: Strategy,
+        rows: usize,
+        tokenizer: TextTokenizer,
     ) -> Result<Self> {
-        Self::load_with_strategy(config, ctx, strategy)
-    }
-}
-
-impl<'a, N: CausalModel> Trainer<'a, N> {
-    /// Model `N` (`Trainer::<MyModel>::load`): loads model, tokenizer and data as `config`
-    /// says, resuming if asked; the strategy comes from the launcher's environment.
-    pub fn load(config: SFTConfig, ctx: &'a DistContext) -> Result<Self> {
-        Self::load_with_strategy(config, ctx, Strategy::from_plan(ctx.plan()))
-    }
-
-    pub fn load_with_strategy(
-        config: SFTConfig,
-        ctx: &'a DistContext,
-        strategy: Strategy,
-    ) -> Result<Self> {
-        // `cargo trl launch` asking for this program's tensor-parallel plan.
-        super::plan_query::answer_if_asked::<N>(&config.training.model_name_or_path)?;
-        config.validate("training arguments")?;
-        check_deepspeed_values(&config, ctx.plan())?;
+        check_deepspeed_values(args, ctx.plan())?;
         let dp = ctx.group(DP);
-        let dir = config.training.model_name_or_path.clone();
-        let tokenizer = TextTokenizer::from_dir(&dir)?;
-        let dtype = config.training.compute_dtype()?;
+        let dir = args.model_name_or_path.clone();
+        let dtype = args.compute_dtype()?;
         if dtype != DType::F32 {
             tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
         }
-        let TrainData {
-            train_rows,
-            eval_rows,
-            eval_prompts,
-        } = TrainData::load(&config, &tokenizer)?;
         let sampler = DistributedSampler {
-            len: train_rows.len(),
+            len: rows,
             world: dp.size(),
             rank: dp.rank(),
-            seed: config.training.seed,
+            seed: args.seed,
             shuffle: true,
             drop_last: true,
         };
-        let per_step = config.training.per_device_train_batch_size
-            * config.training.gradient_accumulation_steps;
+        let per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps;
         let steps_per_epoch = sampler.num_samples() / per_step;
         if steps_per_epoch == 0 {
             return Err(Error::Config {
-                file: config.training.dataset_name.display().to_string(),
+                file: args.dataset_name.display().to_string(),
                 key: "per_device_train_batch_size".into(),
                 message: format!(
-                    "{} training rows cannot fill one global batch of {} (per_device_train_batch_size x {} ranks x gradient_accumulation_steps): lower them or add data",
-                    train_rows.len(),
+                    "{rows} training rows cannot fill one global batch of {} (per_device_train_batch_size x {} ranks x gradient_accumulation_steps): lower them or add data",
                     per_step * dp.size(),
                     dp.size()
                 ),
             });
         }
-        let total_steps = config.training.total_steps(steps_per_epoch);
-        let adam = config.training.adam();
-        let (state, resume_from) = resume_state(&config, total_steps)?;
+        let total_steps = args.total_steps(steps_per_epoch);
+        let (state, resume_from) = resume_state(args, total_steps)?;
         // The model, parallel as the launch says, resumed where asked.
         let Built {
             model,
@@ -471,33 +378,28 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 strategy,
                 model_dir: dir.clone(),
                 dtype,
-                attention: AttentionImpl::for_device(
-                    &config.training.attn_implementation,
-                    ctx.device(),
-                )
-                .expect("validated"),
-                tiled_loss: config.training.use_liger_kernel,
-                tiled_mlp: config.training.tiled_mlp,
-                gradient_checkpointing: config.training.gradient_checkpointing,
-                offload_activations: config.training.activation_offloading,
-                adam,
+                attention: AttentionImpl::for_device(&args.attn_implementation, ctx.device())
+                    .expect("validated"),
+                tiled_loss: args.use_liger_kernel,
+                tiled_mlp: args.tiled_mlp,
+                gradient_checkpointing: args.gradient_checkpointing,
+                offload_activations: args.activation_offloading,
+                adam: args.adam(),
                 resume_from,
-                lora: config.training.lora(&model_type(&dir)?),
+                lora: args.lora(&model_type(&dir)?),
             },
         )?;
         // The ranks that see different tokens: data-parallel ones, and those holding the other
         // chunks of the same rows.
-        let split = model.split().cloned();
-        let batch_group = ctx.group(batch_axes(split.as_ref()));
-        let schedule = config.training.schedule(total_steps)?;
-        let collate_options = collate_options(&config, split.as_ref(), tokenizer.pad_token_id);
+        let batch_group = ctx.group(batch_axes(model.split()));
+        let schedule = args.schedule(total_steps)?;
         let stop = Arc::new(AtomicBool::new(false));
         // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
         let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone());
-        let trainer = Trainer {
+        Ok(Core {
+            args: args.clone(),
             checkpoint_format,
             tokenizer_dir: dir,
-            config,
             ctx,
             batch_group,
             dp,
@@ -509,18 +411,12 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             tp_grads,
             unused_checked: false,
             schedule,
-            train_rows,
-            eval_rows,
-            eval_prompts,
-            collate_options,
             sampler,
             order: None,
             state,
             steps_per_epoch,
             stop,
-        };
-        crate::alloc::release_freed_memory();
-        Ok(trainer)
+        })
     }
 
     /// Every parameter's full value, whichever strategy holds them (collective under ZeRO-3 /
@@ -609,19 +505,17 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
 
     /// Examples per optimizer step across all data-parallel ranks.
     pub fn effective_batch_size(&self) -> usize {
-        self.config.training.per_device_train_batch_size
-            * self.dp.size()
-            * self.config.training.gradient_accumulation_steps
+        self.args.per_device_train_batch_size * self.dp.size() * self.args.gradient_accumulation_steps
     }
 
     /// Sums over the data-parallel ranks (each counted once).
-    fn global_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+    pub fn global_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
         let t = Tensor::new(values, &Device::Cpu)?;
         Ok(self.dp.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
     }
 
     /// Sums over every rank that sees different tokens (sequence chunks included).
-    fn batch_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+    pub fn batch_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
         let t = Tensor::new(values, &Device::Cpu)?;
         Ok(self
             .batch_group
@@ -629,13 +523,11 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             .to_vec1::<f64>()?)
     }
 
-    /// This step's micro-batches (this rank's part of their rows, on its device) and the
-    /// tokens of their rows that this rank counts (each row's once, by the first rank of its
-    /// sequence group).
-    fn micro_batches(&mut self) -> Result<(Vec<Batch>, usize)> {
+    /// The row indices of this rank's micro-batches in the current step.
+    fn step_rows(&mut self) -> Vec<Vec<usize>> {
         let (b, a) = (
-            self.config.training.per_device_train_batch_size,
-            self.config.training.gradient_accumulation_steps,
+            self.args.per_device_train_batch_size,
+            self.args.gradient_accumulation_steps,
         );
         // The epoch's order is computed once per epoch, not every step.
         let epoch = self.state.epoch as u64;
@@ -644,93 +536,83 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         }
         let order = &self.order.as_ref().expect("set above").1;
         let start = self.state.step_in_epoch * b * a;
-        let mut batches = Vec::with_capacity(a);
-        let mut local_tokens = 0usize;
-        // The rows' tokens are counted once, by the first rank of their sequence group.
-        let counts_tokens = self.model.split().is_none_or(|s| s.group.rank() == 0);
-        for m in 0..a {
-            let rows: Vec<&PackedSequence> = order[start + m * b..start + (m + 1) * b]
-                .iter()
-                .map(|&i| &self.train_rows[i])
-                .collect();
-            if counts_tokens {
-                local_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
-            }
-            let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
-            batches.push(
-                batch
-                    .part(self.model.split())?
-                    .to_device(self.ctx.device())?,
-            );
-        }
-        Ok((batches, local_tokens))
+        (0..a)
+            .map(|m| order[start + m * b..start + (m + 1) * b].to_vec())
+            .collect()
     }
 
-    /// One optimizer step over `gradient_accumulation_steps` micro-batches.
-    pub fn train_step(&mut self) -> Result<StepStats> {
-        let (batches, local_tokens) = self.micro_batches()?;
-        let local_targets: usize = batches.iter().map(|x| x.num_target_tokens).sum();
-        let totals = self.batch_sum(&[local_targets as f64, local_tokens as f64])?;
-        let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
-        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+    /// Runs `f` (a micro-batch's forward) with this step's LoRA dropout masks: drawn from the
+    /// step and micro-batch, the same on the ranks that share a row and when a layer is
+    /// recomputed.
+    pub fn with_dropout<R>(&self, micro: usize, f: impl FnOnce() -> R) -> R {
+        let key =
+            (self.args.seed << 32) ^ ((self.state.global_step as u64) << 8) ^ micro as u64;
+        crate::nn::lora::with_dropout(key, f)
+    }
+
+    /// Gradients for a new step (on the run's first step, it records which parameters got one).
+    fn begin_step(&self) -> StepGrads {
+        StepGrads {
+            grads: BTreeMap::new(),
+            reached: (!self.unused_checked).then(HashSet::new),
+        }
+    }
+
+    /// Adds one micro-batch's gradients (`store`, from [`Model::backward`]) to the step's, of
+    /// `micro_batches` in the step.
+    pub fn accumulate(
+        &self,
+        acc: &mut StepGrads,
+        store: GradStore,
+        micro_batches: usize,
+    ) -> Result<()> {
+        if let Some(sharding) = &self.model.sharding {
+            // Sharded units reduced their gradients during the backward itself; a frozen
+            // base's units reduce nothing, and the adapters' gradients are collected below.
+            sharding.finish_backward()?;
+            if !sharding.frozen() {
+                return Ok(());
+            }
+        }
         // One micro-batch on a GPU with nothing to all-reduce: the gradients stay in the
         // compute dtype (the GPU optimizer reads them as they are, in f32 math); otherwise
         // they are summed in fp32.
-        let native_grads = batches.len() == 1
+        let native_grads = micro_batches == 1
             && self.ctx.device().is_cuda()
-            && matches!(&self.optimizer, Optimizer::Replicated(_, ddp) if ddp.replicas() == 1);
-        let mut local_loss = 0.0;
-        // On the run's first step: the parameters that got a gradient from some micro-batch.
-        let first = !self.unused_checked;
-        let mut reached: HashSet<&str> = HashSet::new();
-        let t0 = Instant::now();
-        for (micro, batch) in batches.iter().enumerate() {
-            // LoRA dropout masks are drawn from the step and micro-batch (the same on the
-            // ranks that share a row, and again when a layer is recomputed).
-            let key = (self.config.training.seed << 32)
-                ^ ((self.state.global_step as u64) << 8)
-                ^ micro as u64;
-            let ls = crate::nn::lora::with_dropout(key, || {
-                self.model
-                    .forward_targets(&batch.input_ids, &batch.position_ids, &batch.targets()?)
-            })?;
-            local_loss += ls.sum.to_scalar::<f32>()? as f64;
-            let store = self.model.backward(&(ls.sum / targets)?)?;
-            if let Some(sharding) = &self.model.sharding {
-                // Sharded units reduced their gradients during the backward itself; a frozen
-                // base's units reduce nothing, and the adapters' gradients are collected below.
-                sharding.finish_backward()?;
-                if !sharding.frozen() {
-                    continue;
-                }
-            }
-            for (name, var) in self.model.params.iter() {
-                let g = match store.get(var.as_tensor()) {
-                    Some(g) => {
-                        if first {
-                            reached.insert(name.as_str());
-                        }
-                        g.clone()
+            && self.optimizer.single_replica();
+        for (name, var) in self.model.params.iter() {
+            let g = match store.get(var.as_tensor()) {
+                Some(g) => {
+                    if let Some(reached) = acc.reached.as_mut() {
+                        reached.insert(name.clone());
                     }
-                    None => var.as_tensor().zeros_like()?,
-                };
-                if native_grads {
-                    grads.insert(name.clone(), g);
-                    continue;
+                    g.clone()
                 }
-                // Accumulated in fp32 whatever the compute dtype (DeepSpeed's bf16 default); on
-                // a GPU the sum grows in place, reading each micro-batch's gradient as it is.
-                let mut slot = grads.remove(name);
-                crate::kernels::precision::accumulate(&mut slot, g, DType::F32)?;
-                if let Some(acc) = slot {
-                    grads.insert(name.clone(), acc);
-                }
+                None => var.as_tensor().zeros_like()?,
+            };
+            if native_grads {
+                acc.grads.insert(name.clone(), g);
+                continue;
+            }
+            // Accumulated in fp32 whatever the compute dtype (DeepSpeed's bf16 default); on
+            // a GPU the sum grows in place, reading each micro-batch's gradient as it is.
+            let mut slot = acc.grads.remove(name);
+            crate::kernels::precision::accumulate(&mut slot, g, DType::F32)?;
+            if let Some(sum) = slot {
+                acc.grads.insert(name.clone(), sum);
             }
         }
-        let t1 = Instant::now();
+        Ok(())
+    }
+
+    /// Ends a step: on the run's first, the check that every parameter got a gradient; then
+    /// the optimizer step and the state advanced. Returns (learning rate, gradient norm).
+    fn finish_step(&mut self, acc: StepGrads) -> Result<(f64, f64)> {
+        let StepGrads { mut grads, reached } = acc;
+        let first = reached.is_some();
         // The run's first step checks that every parameter got a gradient, and under tp
         // that the plan's replicated and partial parameters are what their gradients say.
-        if first {
+        if let Some(reached) = reached {
             self.unused_checked = true;
             let mut without: Vec<String> = match &self.model.sharding {
                 Some(sharding) => sharding.take_without_grad(),
@@ -752,37 +634,23 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 .into_iter()
                 .filter(|n| !net.may_skip_grad(n))
                 .collect();
-            check_unused(&without, self.config.training.ddp_find_unused_parameters)?;
+            check_unused(&without, self.args.ddp_find_unused_parameters)?;
         }
         let lr = self.schedule.lr(self.state.global_step);
-        let t2 = Instant::now();
-        let training = &self.config.training;
         let grad_norm = self.optimizer.step(
             &self.model.params,
             &mut grads,
             self.tp_grads.as_ref(),
-            (training.max_grad_norm, lr),
+            (self.args.max_grad_norm, lr),
             first,
         )?;
-        tracing::debug!(
-            "step timing: forward+backward {:.3}s, checks {:.3}s, reduce+clip+optimizer {:.3}s",
-            (t1 - t0).as_secs_f64(),
-            (t2 - t1).as_secs_f64(),
-            t2.elapsed().as_secs_f64()
-        );
-        let loss = self.batch_sum(&[local_loss])?[0] / targets;
         self.state.global_step += 1;
         self.state.step_in_epoch += 1;
         if self.state.step_in_epoch == self.steps_per_epoch {
             self.state.epoch += 1;
             self.state.step_in_epoch = 0;
         }
-        Ok(StepStats {
-            loss,
-            learning_rate: lr,
-            grad_norm,
-            tokens,
-        })
+        Ok((lr, grad_norm))
     }
 
     /// Greedy continuation of `prompt` until EOS or `max_new` tokens. With sharded
@@ -815,68 +683,19 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         Ok(ids[prompt.len()..end].to_vec())
     }
 
-    /// Eval loss over the held-out rows and exact-match accuracy of greedy answers, each rank
-    /// taking every dp-th row and prompt. With sharded parameters the ranks run the same
-    /// number of forwards (ranks with fewer rows repeat a row and drop the result).
-    pub fn evaluate(&self) -> Result<Option<EvalResult>> {
-        if self.eval_rows.is_empty() {
-            return Ok(None);
+    /// Forwards a rank runs for `own` batches of `per` out of `total` dealt over the
+    /// data-parallel ranks: with collective forwards every rank runs rank 0's count (the most).
+    pub fn rounds(&self, total: usize, per: usize, own: usize) -> usize {
+        if self.lockstep() {
+            total.div_ceil(self.dp.size()).div_ceil(per)
+        } else {
+            own
         }
-        let lockstep = self.lockstep();
-        let (rank, world) = (self.dp.rank(), self.dp.size());
-        let bs = self.config.training.per_device_eval_batch_size;
-        let mine: Vec<&PackedSequence> = self.eval_rows.iter().skip(rank).step_by(world).collect();
-        let chunks: Vec<&[&PackedSequence]> = mine.chunks(bs).collect();
-        // Rank 0 has the most rows and prompts.
-        let rounds = |total: usize, per: usize, own: usize| {
-            if lockstep {
-                total.div_ceil(world).div_ceil(per)
-            } else {
-                own
-            }
-        };
-        let (mut sum, mut count) = (0.0, 0.0);
-        let filler = [&self.eval_rows[0]];
-        for i in 0..rounds(self.eval_rows.len(), bs, chunks.len()) {
-            let chunk = chunks.get(i).copied().unwrap_or(&filler);
-            let batch = collate(chunk, self.collate_options, &Device::Cpu)?
-                .part(self.model.split())?
-                .to_device(self.ctx.device())?;
-            let ls = self.model.eval_targets(
-                &batch.input_ids,
-                &batch.position_ids,
-                &batch.targets()?,
-            )?;
-            if i < chunks.len() {
-                sum += ls.sum.to_scalar::<f32>()? as f64;
-                count += ls.count as f64;
-            }
-        }
-        let mut correct = 0.0;
-        let prompts: Vec<_> = self.eval_prompts.iter().skip(rank).step_by(world).collect();
-        for i in 0..rounds(self.eval_prompts.len(), 1, prompts.len()) {
-            let Some((prompt, answer)) = prompts.get(i).copied().or(self.eval_prompts.first())
-            else {
-                break;
-            };
-            let out = self.generate(prompt, MAX_NEW_TOKENS)?;
-            if i < prompts.len() && self.tokenizer.decode(&out, true)?.trim() == answer {
-                correct += 1.0;
-            }
-        }
-        // Loss sums come from every sequence chunk; answers are generated whole on each.
-        let totals = self.batch_sum(&[sum, count])?;
-        let correct = self.global_sum(&[correct])?[0];
-        Ok(Some(EvalResult {
-            loss: totals[0] / totals[1].max(1.0),
-            accuracy: (!self.eval_prompts.is_empty())
-                .then(|| correct / self.eval_prompts.len() as f64),
-        }))
     }
 
     /// Whether every forward is collective (sharded parameters, or layers split over tp), so
     /// that all ranks must run the same number of them.
-    fn lockstep(&self) -> bool {
+    pub fn lockstep(&self) -> bool {
         self.model.sharding.is_some() || self.model.tp().is_some()
     }
 
@@ -892,7 +711,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             .sharded()
             .expect("DDP checkpoints are written full");
         let (pieces, step) = (sharded.pieces()?, sharded.step_count());
-        let out = &self.config.training.output_dir;
+        let out = &self.args.output_dir;
         let main = self.ctx.is_main_process();
         let world = self.ctx.world();
         let tmp = checkpoint::staging_dir(out, self.state.global_step);
@@ -919,7 +738,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 out,
                 &tmp,
                 &self.state,
-                self.config.training.save_total_limit,
+                self.args.save_total_limit,
             )?)
         } else {
             None
@@ -958,7 +777,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         self.write_checkpoint(checkpoint::Weights::Adapter {
             tensors: &tensors,
             lora,
-            base: &self.config.training.model_name_or_path,
+            base: &self.args.model_name_or_path,
         })
     }
 
@@ -967,12 +786,12 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         let state = self.gather_optimizer_state()?;
         let path = if self.ctx.is_main_process() {
             Some(checkpoint::save(
-                &self.config.training.output_dir,
+                &self.args.output_dir,
                 weights,
                 &self.tokenizer_dir,
                 &state,
                 &self.state,
-                self.config.training.save_total_limit,
+                self.args.save_total_limit,
             )?)
         } else {
             None
@@ -1057,9 +876,9 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
             self.state.total_steps,
             self.steps_per_epoch,
             self.effective_batch_size(),
-            self.config.training.per_device_train_batch_size,
+            self.args.per_device_train_batch_size,
             self.dp.size(),
-            self.config.training.gradient_accumulation_steps
+            self.args.gradient_accumulation_steps
         );
         let mem = self.memory();
         let sp_note = match self.model.split() {
@@ -1085,20 +904,95 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
 
     /// metrics.jsonl on the main process: a resumed run continues it, a fresh run starts it over.
     fn open_metrics(&self) -> Result<Option<std::fs::File>> {
-        let out_dir = &self.config.training.output_dir;
+        let out_dir = &self.args.output_dir;
         Ok(if self.ctx.is_main_process() {
             Some(
                 std::fs::OpenOptions::new()
                     .create(true)
-                    .append(self.config.training.resume_from_checkpoint.is_some())
+                    .append(self.args.resume_from_checkpoint.is_some())
                     .write(true)
-                    .truncate(self.config.training.resume_from_checkpoint.is_none())
+                    .truncate(self.args.resume_from_checkpoint.is_none())
                     .open(out_dir.join("metrics.jsonl"))
                     .map_err(|e| Error::io("cannot open metrics.jsonl", e))?,
             )
         } else {
             None
         })
+    }
+
+}
+
+impl<'a> Trainer<'a> {
+    /// SFT of the built-in model of the checkpoint's `model_type`: loads model, tokenizer and
+    /// data as `config` says, resuming if asked; the strategy comes from the launcher's
+    /// environment.
+    pub fn new(config: crate::train::SFTConfig, ctx: &'a DistContext) -> Result<Self> {
+        Self::load(config, ctx)
+    }
+
+    pub fn with_strategy(
+        config: crate::train::SFTConfig,
+        ctx: &'a DistContext,
+        strategy: Strategy,
+    ) -> Result<Self> {
+        Self::load_with_strategy(config, ctx, strategy)
+    }
+}
+
+impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
+    /// Model `N` (`Trainer::<MyModel>::load`): loads model, tokenizer and data as `config`
+    /// says, resuming if asked; the strategy comes from the launcher's environment.
+    pub fn load(config: T::Config, ctx: &'a DistContext) -> Result<Self> {
+        Self::load_with_strategy(config, ctx, Strategy::from_plan(ctx.plan()))
+    }
+
+    pub fn load_with_strategy(
+        config: T::Config,
+        ctx: &'a DistContext,
+        strategy: Strategy,
+    ) -> Result<Self> {
+        let args = config.training().clone();
+        // `cargo trl launch` asking for this program's tensor-parallel plan.
+        super::plan_query::answer_if_asked::<N>(&args.model_name_or_path)?;
+        config.validate("training arguments")?;
+        let tokenizer = TextTokenizer::from_dir(&args.model_name_or_path)?;
+        let mut task = T::load(&config, &tokenizer)?;
+        let core = Core::load(&args, ctx, strategy, task.num_rows(), tokenizer)?;
+        task.prepare(&config, &core)?;
+        crate::alloc::release_freed_memory();
+        Ok(Trainer {
+            config,
+            core,
+            task,
+            last_metrics: Vec::new(),
+        })
+    }
+
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches.
+    pub fn train_step(&mut self) -> Result<StepStats> {
+        let rows = self.core.step_rows();
+        let mut grads = self.core.begin_step();
+        let t0 = Instant::now();
+        let out = self.task.step(&self.core, &rows, &mut grads)?;
+        let t1 = Instant::now();
+        let (learning_rate, grad_norm) = self.core.finish_step(grads)?;
+        tracing::debug!(
+            "step timing: forward+backward {:.3}s, checks+reduce+clip+optimizer {:.3}s",
+            (t1 - t0).as_secs_f64(),
+            t1.elapsed().as_secs_f64()
+        );
+        self.last_metrics = out.metrics;
+        Ok(StepStats {
+            loss: out.loss,
+            learning_rate,
+            grad_norm,
+            tokens: out.tokens,
+        })
+    }
+
+    /// The task's evaluation on the held-out rows (collective: every rank calls it).
+    pub fn evaluate(&self) -> Result<Option<EvalResult>> {
+        self.task.evaluate(&self.config, &self.core)
     }
 
     /// One metrics line: the step's figures (and evaluation's, when it ran), to metrics.jsonl,
@@ -1111,13 +1005,17 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         metrics: Option<&mut std::fs::File>,
     ) -> Result<()> {
         let mut line = serde_json::json!({
-            "step": self.state.global_step,
-            "epoch": self.state.epoch as f64 + self.state.step_in_epoch as f64 / self.steps_per_epoch as f64,
+            "step": self.core.state.global_step,
+            "epoch": self.core.state.epoch as f64 + self.core.state.step_in_epoch as f64 / self.core.steps_per_epoch as f64,
             "loss": stats.loss,
             "learning_rate": stats.learning_rate,
             "grad_norm": stats.grad_norm,
             "tokens_per_s": tokens_per_s,
         });
+        // The task's own figures (DPO's rewards and log-probs), under TRL's names.
+        for (key, value) in &self.last_metrics {
+            line[*key] = (*value).into();
+        }
         // This rank's resident-memory peak since training began (activations and
         // collective buffers on top of the model state logged at start).
         if let Some(peak) = peak_rss_bytes() {
@@ -1126,21 +1024,21 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         if let Some(e) = eval {
             line["eval_loss"] = e.loss.into();
             if let Some(acc) = e.accuracy {
-                line["eval_accuracy"] = acc.into();
+                line[T::EVAL_ACCURACY] = acc.into();
             }
         }
         if let Some(f) = metrics {
             writeln!(f, "{line}").map_err(|e| Error::io("cannot write metrics.jsonl", e))?;
         }
         tracing::info!("{line}");
-        self.state.log_history.push(line);
+        self.core.state.log_history.push(line);
         Ok(())
     }
 
     /// Runs to `total_steps`, logging, evaluating and checkpointing as configured.
     pub fn train(&mut self) -> Result<TrainOutcome> {
         let main = self.ctx.is_main_process();
-        let out_dir = self.config.training.output_dir.clone();
+        let out_dir = self.core.args.output_dir.clone();
         if main {
             std::fs::create_dir_all(&out_dir)
                 .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
@@ -1161,7 +1059,7 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         // Under the launcher, rank 0 sends its progress there (its own bar would be piped away).
         let to_launcher = main && crate::progress::lines_requested();
         let bar = progress_bar(
-            main && !self.config.training.disable_tqdm && !to_launcher,
+            main && !self.core.args.disable_tqdm && !to_launcher,
             self.state.total_steps,
             self.state.global_step,
         );
@@ -1178,10 +1076,14 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 window_tokens as f64 / window_start.elapsed().as_secs_f64().max(1e-9);
             bar.set_position(step as u64);
             bar.set_message(format!(
-                "loss {:.4} lr {:.2e} grad_norm {:.3} {:.0} tok/s",
-                stats.loss, stats.learning_rate, stats.grad_norm, tokens_per_s
+                "loss {:.4}{} lr {:.2e} grad_norm {:.3} {:.0} tok/s",
+                stats.loss,
+                self.task.progress_note(&self.last_metrics),
+                stats.learning_rate,
+                stats.grad_norm,
+                tokens_per_s
             ));
-            if to_launcher && !self.config.training.disable_tqdm {
+            if to_launcher && !self.core.args.disable_tqdm {
                 crate::progress::emit(&crate::progress::Event::Step {
                     step: step as u64,
                     total: self.state.total_steps as u64,
@@ -1191,26 +1093,26 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
                 });
             }
             let eval_now = self
-                .config
-                .training
+                .core
+                .args
                 .eval_steps
                 .is_some_and(|n| step.is_multiple_of(n));
             let eval = if eval_now { self.evaluate()? } else { None };
-            if step.is_multiple_of(self.config.training.logging_steps)
+            if step.is_multiple_of(self.core.args.logging_steps)
                 || step == self.state.total_steps
                 || eval.is_some()
             {
                 self.log_step(&stats, tokens_per_s, eval, metrics.as_mut())?;
                 (window_tokens, window_start) = (0, Instant::now());
             }
-            if step.is_multiple_of(self.config.training.save_steps) {
+            if step.is_multiple_of(self.core.args.save_steps) {
                 outcome.last_checkpoint = self.save_checkpoint()?;
                 announce_saved(to_launcher, &outcome.last_checkpoint);
             }
             if self.stop_requested()? {
                 bar.abandon_with_message("SIGTERM: saving a checkpoint and stopping");
                 // Unless this very step was just saved.
-                if !step.is_multiple_of(self.config.training.save_steps) {
+                if !step.is_multiple_of(self.core.args.save_steps) {
                     outcome.last_checkpoint = self.save_checkpoint()?;
                     announce_saved(to_launcher, &outcome.last_checkpoint);
                 }
@@ -1230,15 +1132,15 @@ impl<'a, N: CausalModel> Trainer<'a, N> {
         if !self
             .state
             .global_step
-            .is_multiple_of(self.config.training.save_steps)
+            .is_multiple_of(self.core.args.save_steps)
             || self.checkpoint_format == CheckpointFormat::Sharded
         {
             outcome.last_checkpoint = self.save_checkpoint_as(CheckpointFormat::Full)?;
             announce_saved(to_launcher, &outcome.last_checkpoint);
         } else if self.ctx.is_main_process() {
             outcome.last_checkpoint = Some(
-                self.config
-                    .training
+                self.core
+                    .args
                     .output_dir
                     .join(format!("checkpoint-{}", self.state.global_step)),
             );

@@ -1,0 +1,280 @@
+//! SFT as a [`Task`]: TRL's SFT data (packed or truncated rows, completion-only and
+//! assistant-only losses), TRL's loss averaging over the target tokens of the whole optimizer
+//! step, and evaluation by loss and by greedy answers on held-out prompts.
+//!
+//! Loss rule (docs/architecture.md): per optimizer step, count the target tokens of every
+//! micro-batch on every data-parallel rank; each micro-batch contributes sum(token losses) / that count;
+//! gradients are summed across micro-batches and ranks. So 2 ranks x batch 2, 1 rank x 2
+//! accumulation steps x batch 2 and 1 rank x batch 4 take the same steps.
+
+use super::config::SFTConfig;
+use super::trainer::{Core, EvalResult, StepGrads, Task, TaskStep};
+use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
+use crate::data::sequence::lcm;
+use crate::data::{
+    collate, pack, Batch, CollateOptions, Example, PackedSequence, PackingStrategy, TextTokenizer,
+};
+use crate::error::Result;
+use crate::models::CausalModel;
+use candle_core::Device;
+
+const MAX_NEW_TOKENS: usize = 16;
+
+/// How micro-batches are collated: padding-free rows or padding, lengths rounded so that
+/// sequences split over sp (cp) divide into sp (2 x cp) chunks.
+fn collate_options(
+    config: &SFTConfig,
+    split: Option<&crate::context_parallel::SeqSplit>,
+    pad_token_id: u32,
+) -> CollateOptions {
+    // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
+    let parts = match split {
+        Some(s) if s.ring => 2 * s.group.size(),
+        Some(s) => s.group.size(),
+        None => 1,
+    };
+    let pad_to_multiple_of = match (config.pad_to_multiple_of, parts) {
+        (multiple, 1) => multiple,
+        (multiple, n) => Some(lcm(multiple.unwrap_or(1), n)),
+    };
+    CollateOptions {
+        pad_token_id,
+        padding_free: config.padding_free,
+        pad_to_multiple_of,
+    }
+}
+
+/// The tokenized training rows (packed or truncated to max_length), the held-out rows and
+/// the held-out prompts scored by generation.
+struct TrainData {
+    train_rows: Vec<PackedSequence>,
+    eval_rows: Vec<PackedSequence>,
+    eval_prompts: Vec<(Vec<u32>, String)>,
+}
+
+impl TrainData {
+    fn load(config: &SFTConfig, tokenizer: &TextTokenizer) -> Result<Self> {
+        let policy = if config.training.skip_bad_rows {
+            OnBadRow::Skip
+        } else {
+            OnBadRow::Fail
+        };
+        let opts = TokenizeOptions {
+            completion_only_loss: config.completion_only_loss.unwrap_or(true),
+            assistant_only_loss: config.assistant_only_loss,
+        };
+        let train_examples = tokenize_all(
+            &load(&config.training.dataset_name, policy)?.records,
+            tokenizer,
+            opts,
+        )?;
+        let train_rows: Vec<PackedSequence> = if config.packing {
+            let strategy = PackingStrategy::parse(&config.packing_strategy).expect("validated");
+            pack(&train_examples, config.training.max_length, strategy)
+        } else {
+            train_examples
+                .into_iter()
+                .map(|e| truncate(e, config.training.max_length))
+                .collect()
+        };
+        let (eval_rows, eval_prompts) = match &config.training.eval_dataset_name {
+            Some(path) => {
+                let records = load(path, policy)?.records;
+                let rows = tokenize_all(&records, tokenizer, opts)?
+                    .into_iter()
+                    .map(|e| truncate(e, config.training.max_length))
+                    .collect();
+                let mut prompts = Vec::new();
+                for r in records.iter().take(config.eval_generation_samples) {
+                    if let Some(p) = prompt_and_answer(r, tokenizer)? {
+                        prompts.push(p);
+                    }
+                }
+                (rows, prompts)
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        Ok(TrainData {
+            train_rows,
+            eval_rows,
+            eval_prompts,
+        })
+    }
+}
+
+fn tokenize_all(
+    records: &[Record],
+    tok: &TextTokenizer,
+    opts: TokenizeOptions,
+) -> Result<Vec<Example>> {
+    records
+        .iter()
+        .map(|r| to_example(r, tok, opts))
+        .filter(|e| !e.as_ref().is_ok_and(Example::is_empty))
+        .collect()
+}
+
+fn truncate(mut e: Example, max_length: usize) -> PackedSequence {
+    e.input_ids.truncate(max_length);
+    e.labels.truncate(max_length);
+    PackedSequence::single(&e)
+}
+
+/// A held-out prompt and its expected answer (the last assistant message / the completion).
+fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>, String)>> {
+    Ok(match r {
+        Record::Messages { messages: m, tools }
+            if m.len() >= 2 && m.last().is_some_and(|x| x.role == "assistant") =>
+        {
+            let prompt = tok
+                .apply_chat_template(&m[..m.len() - 1], tools.as_deref(), true)?
+                .text;
+            Some((
+                tok.encode(&prompt, false)?,
+                m.last().unwrap().text().trim().to_string(),
+            ))
+        }
+        Record::PromptCompletion {
+            prompt: Content::Text(p),
+            completion: Content::Text(c),
+            ..
+        } => Some((tok.encode(p, false)?, c.trim().to_string())),
+        _ => None,
+    })
+}
+
+/// Supervised fine-tuning: the rows, how they are collated, and the held-out prompts.
+pub struct Sft {
+    data: TrainData,
+    collate_options: CollateOptions,
+}
+
+impl Sft {
+    /// This step's micro-batches (this rank's part of their rows, on its device) and the
+    /// tokens of their rows that this rank counts (each row's once, by the first rank of its
+    /// sequence group).
+    fn micro_batches<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        rows: &[Vec<usize>],
+    ) -> Result<(Vec<Batch>, usize)> {
+        let mut batches = Vec::with_capacity(rows.len());
+        let mut local_tokens = 0usize;
+        // The rows' tokens are counted once, by the first rank of their sequence group.
+        let counts_tokens = core.model.split().is_none_or(|s| s.group.rank() == 0);
+        for micro in rows {
+            let rows: Vec<&PackedSequence> =
+                micro.iter().map(|&i| &self.data.train_rows[i]).collect();
+            if counts_tokens {
+                local_tokens += rows.iter().map(|r| r.len()).sum::<usize>();
+            }
+            let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
+            batches.push(
+                batch
+                    .part(core.model.split())?
+                    .to_device(core.ctx.device())?,
+            );
+        }
+        Ok((batches, local_tokens))
+    }
+}
+
+impl<N: CausalModel> Task<N> for Sft {
+    type Config = SFTConfig;
+    const EVAL_ACCURACY: &'static str = "eval_accuracy";
+
+    fn load(config: &SFTConfig, tokenizer: &TextTokenizer) -> Result<Self> {
+        Ok(Sft {
+            data: TrainData::load(config, tokenizer)?,
+            collate_options: collate_options(config, None, tokenizer.pad_token_id),
+        })
+    }
+
+    fn num_rows(&self) -> usize {
+        self.data.train_rows.len()
+    }
+
+    fn prepare(&mut self, config: &SFTConfig, core: &Core<'_, N>) -> Result<()> {
+        self.collate_options =
+            collate_options(config, core.model.split(), core.tokenizer.pad_token_id);
+        Ok(())
+    }
+
+    fn step(
+        &mut self,
+        core: &Core<'_, N>,
+        rows: &[Vec<usize>],
+        grads: &mut StepGrads,
+    ) -> Result<TaskStep> {
+        let (batches, local_tokens) = self.micro_batches(core, rows)?;
+        let local_targets: usize = batches.iter().map(|x| x.num_target_tokens).sum();
+        let totals = core.batch_sum(&[local_targets as f64, local_tokens as f64])?;
+        let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
+        let mut local_loss = 0.0;
+        for (micro, batch) in batches.iter().enumerate() {
+            let ls = core.with_dropout(micro, || {
+                core.model
+                    .forward_targets(&batch.input_ids, &batch.position_ids, &batch.targets()?)
+            })?;
+            local_loss += ls.sum.to_scalar::<f32>()? as f64;
+            let store = core.model.backward(&(ls.sum / targets)?)?;
+            core.accumulate(grads, store, batches.len())?;
+        }
+        Ok(TaskStep {
+            loss: core.batch_sum(&[local_loss])?[0] / targets,
+            tokens,
+            metrics: Vec::new(),
+        })
+    }
+
+    /// Eval loss over the held-out rows and exact-match accuracy of greedy answers, each rank
+    /// taking every dp-th row and prompt. With sharded parameters the ranks run the same
+    /// number of forwards (ranks with fewer rows repeat a row and drop the result).
+    fn evaluate(&self, config: &SFTConfig, core: &Core<'_, N>) -> Result<Option<EvalResult>> {
+        let data = &self.data;
+        if data.eval_rows.is_empty() {
+            return Ok(None);
+        }
+        let (rank, world) = (core.dp.rank(), core.dp.size());
+        let bs = config.training.per_device_eval_batch_size;
+        let mine: Vec<&PackedSequence> = data.eval_rows.iter().skip(rank).step_by(world).collect();
+        let chunks: Vec<&[&PackedSequence]> = mine.chunks(bs).collect();
+        let (mut sum, mut count) = (0.0, 0.0);
+        let filler = [&data.eval_rows[0]];
+        for i in 0..core.rounds(data.eval_rows.len(), bs, chunks.len()) {
+            let chunk = chunks.get(i).copied().unwrap_or(&filler);
+            let batch = collate(chunk, self.collate_options, &Device::Cpu)?
+                .part(core.model.split())?
+                .to_device(core.ctx.device())?;
+            let ls = core.model.eval_targets(
+                &batch.input_ids,
+                &batch.position_ids,
+                &batch.targets()?,
+            )?;
+            if i < chunks.len() {
+                sum += ls.sum.to_scalar::<f32>()? as f64;
+                count += ls.count as f64;
+            }
+        }
+        let mut correct = 0.0;
+        let prompts: Vec<_> = data.eval_prompts.iter().skip(rank).step_by(world).collect();
+        for i in 0..core.rounds(data.eval_prompts.len(), 1, prompts.len()) {
+            let Some((prompt, answer)) = prompts.get(i).copied().or(data.eval_prompts.first())
+            else {
+                break;
+            };
+            let out = core.generate(prompt, MAX_NEW_TOKENS)?;
+            if i < prompts.len() && core.tokenizer.decode(&out, true)?.trim() == answer {
+                correct += 1.0;
+            }
+        }
+        // Loss sums come from every sequence chunk; answers are generated whole on each.
+        let totals = core.batch_sum(&[sum, count])?;
+        let correct = core.global_sum(&[correct])?[0];
+        Ok(Some(EvalResult {
+            loss: totals[0] / totals[1].max(1.0),
+            accuracy: (!data.eval_prompts.is_empty())
+                .then(|| correct / data.eval_prompts.len() as f64),
+        }))
+    }
+}
