@@ -9,6 +9,8 @@ use trl_runtime::models::{ModelConfig, Params};
 
 pub const TRAIN_ROWS: usize = 4000;
 pub const EVAL_ROWS: usize = 200;
+/// Preference pairs drawn from the first training questions.
+pub const PREF_TRAIN_ROWS: usize = 2000;
 pub const SEED: u64 = 20261122;
 
 pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
@@ -112,5 +114,47 @@ pub fn write_all(dir: &Path) -> trl_runtime::Result<()> {
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
     )?;
-    params.save(&model_dir, &cfg.to_json_pretty(), None)
+    params.save(&model_dir, &cfg.to_json_pretty(), None)?;
+    write_preferences(&data, train, eval)
+}
+
+/// `dir/pref_{train,eval}.jsonl`: DPO pairs on the same questions, the right sum chosen and,
+/// rejected, a near miss (half the pairs), an evasion or the sum repeated.
+pub fn write_preferences(
+    data: &Path,
+    train: &[(String, String)],
+    eval: &[(String, String)],
+) -> trl_runtime::Result<()> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(SEED + 1);
+    for (name, rows) in [
+        ("pref_train.jsonl", &train[..PREF_TRAIN_ROWS]),
+        ("pref_eval.jsonl", eval),
+    ] {
+        let mut text = String::new();
+        for (q, a) in rows {
+            let sum: i64 = a.parse().expect("a number");
+            let rejected = match rng.random_range(0..4u32) {
+                0 | 1 => {
+                    let off =
+                        rng.random_range(1..10i64) * if rng.random_bool(0.5) { 1 } else { -1 };
+                    (sum + off).abs().to_string()
+                }
+                2 => "I don't know.".to_string(),
+                _ => format!("{a} {a}"),
+            };
+            let msg =
+                |role: &str, content: &str| serde_json::json!({"role": role, "content": content});
+            let line = serde_json::json!({
+                "prompt": [msg("user", q)],
+                "chosen": [msg("assistant", a)],
+                "rejected": [msg("assistant", &rejected)],
+            });
+            text.push_str(&format!("{line}\n"));
+        }
+        std::fs::write(data.join(name), text).map_err(|e| trl_runtime::Error::Io {
+            context: name.to_string(),
+            source: e,
+        })?;
+    }
+    Ok(())
 }

@@ -2,9 +2,9 @@
 //! for any [`CausalModel`].
 
 use std::process::ExitCode;
-use trl_runtime::dist::{spawn, DistContext};
+use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalModel;
-use trl_runtime::train::{SFTConfig, SftCli, Trainer};
+use trl_runtime::train::{SFTConfig, Trainer};
 
 /// Defaults of the embedded job: the bundled assets, and settings that train the tiny model
 /// in a few minutes on two cores.
@@ -69,26 +69,5 @@ fn run<N: CausalModel>(config: SFTConfig) -> trl_runtime::Result<()> {
 /// `trl sft` for model `N`: TRL's flags and YAML over `defaults`, one rank when launched,
 /// else TRL_LOCAL_PROCESSES local ranks (default 2) of this program.
 pub fn main<N: CausalModel>(defaults: fn() -> SFTConfig) -> ExitCode {
-    let (config, ignored) = match SftCli::parse_trl().resolve_over(defaults()) {
-        Ok(resolved) => resolved,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    if let Some(code) = spawn::relaunch_unless_launched(2) {
-        return code;
-    }
-    if std::env::var("RANK").map_or(true, |r| r == "0") {
-        for line in ignored {
-            eprintln!("warning: {line}");
-        }
-    }
-    match run::<N>(config) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    crate::launch::<SFTConfig>(defaults, run::<N>)
 }

@@ -82,3 +82,37 @@ impl<'de> serde::Deserialize<'de> for NameList {
         })
     }
 }
+
+/// A list of numbers: a YAML list, or one value with the numbers separated by commas or
+/// spaces (`--loss_weights 0.8,0.2`; TRL's `--loss_weights 0.8 0.2` is joined before parsing).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct NumberList(pub Vec<f64>);
+
+impl CliValue for NumberList {
+    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
+        let names = NameList::parse_cli(s)?;
+        names
+            .0
+            .iter()
+            .map(|n| n.parse::<f64>().map_err(|e| format!("'{n}': {e}")))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map(NumberList)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for NumberList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(f64),
+            Many(Vec<f64>),
+            Text(String),
+        }
+        match OneOrMany::deserialize(d)? {
+            OneOrMany::One(x) => Ok(NumberList(vec![x])),
+            OneOrMany::Many(v) => Ok(NumberList(v)),
+            OneOrMany::Text(s) => NumberList::parse_cli(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}

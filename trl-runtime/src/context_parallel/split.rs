@@ -133,3 +133,16 @@ impl Batch {
         }
     }
 }
+
+/// The columns of a row of `len` positions that this rank keeps under `split` (what
+/// [`Batch::part`] keeps), or None when sequences are whole here.
+pub fn kept_columns(split: Option<&SeqSplit>, len: usize) -> Option<Vec<usize>> {
+    let s = split?;
+    let (rank, size) = (s.group.rank(), s.group.size());
+    Some(if s.ring {
+        crate::data::sequence::balanced_indices(rank, size, len / (2 * size))
+    } else {
+        let chunk = len / size;
+        (rank * chunk..(rank + 1) * chunk).collect()
+    })
+}

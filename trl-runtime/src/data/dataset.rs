@@ -44,9 +44,9 @@ pub enum OnBadRow {
     Skip,
 }
 
-#[derive(Debug, Clone, Default)]
-pub struct Loaded {
-    pub records: Vec<Record>,
+#[derive(Debug, Clone)]
+pub struct Loaded<R = Record> {
+    pub records: Vec<R>,
     /// (line number, what was wrong) of every skipped row.
     pub skipped: Vec<(usize, String)>,
 }
@@ -90,7 +90,9 @@ fn messages(v: &Value, key: &str) -> std::result::Result<Vec<Message>, String> {
 }
 
 /// TRL's `tools` column: a list of function schemas (JSON objects, or JSON text of one).
-fn tools(obj: &serde_json::Map<String, Value>) -> std::result::Result<Option<Vec<Value>>, String> {
+pub(crate) fn tools(
+    obj: &serde_json::Map<String, Value>,
+) -> std::result::Result<Option<Vec<Value>>, String> {
     let Some(t) = obj.get("tools") else {
         return Ok(None);
     };
@@ -115,7 +117,7 @@ fn tools(obj: &serde_json::Map<String, Value>) -> std::result::Result<Option<Vec
     }
 }
 
-fn content(v: &Value, key: &str) -> std::result::Result<Content, String> {
+pub(crate) fn content(v: &Value, key: &str) -> std::result::Result<Content, String> {
     match v {
         Value::String(s) => Ok(Content::Text(s.clone())),
         Value::Array(_) => Ok(Content::Messages(messages(v, key)?)),
@@ -204,16 +206,25 @@ pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
     ))
 }
 
+impl<R> Default for Loaded<R> {
+    fn default() -> Self {
+        Loaded {
+            records: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+}
+
 /// Collects parsed rows under the bad-row policy; `unit` is "line" or "row" for messages.
-struct Collector<'a> {
+struct Collector<'a, R> {
     path: &'a Path,
     unit: &'static str,
     on_bad: OnBadRow,
-    out: Loaded,
+    out: Loaded<R>,
 }
 
-impl Collector<'_> {
-    fn add(&mut self, at: usize, parsed: std::result::Result<Record, String>) -> Result<()> {
+impl<R> Collector<'_, R> {
+    fn add(&mut self, at: usize, parsed: std::result::Result<R, String>) -> Result<()> {
         match (parsed, self.on_bad) {
             (Ok(r), _) => self.out.records.push(r),
             (Err(why), OnBadRow::Skip) => self.out.skipped.push((at, why)),
@@ -228,7 +239,7 @@ impl Collector<'_> {
         Ok(())
     }
 
-    fn finish(self) -> Loaded {
+    fn finish(self) -> Loaded<R> {
         if let Some((first, _)) = self.out.skipped.first() {
             tracing::warn!(
                 "{}: skipped {} malformed row(s), first at {} {first}",
@@ -248,7 +259,11 @@ fn open(path: &Path) -> Result<std::fs::File> {
 
 /// Reads a JSONL file (one object per line; blank lines ignored).
 pub fn load_jsonl(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
-    let path = path.as_ref();
+    jsonl_rows(path.as_ref(), on_bad, parse_record)
+}
+
+/// A JSONL file's rows, each read by `parse`.
+fn jsonl_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<Loaded<R>> {
     let mut rows = Collector {
         path,
         unit: "line",
@@ -262,7 +277,7 @@ pub fn load_jsonl(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
         }
         let parsed = serde_json::from_str::<Value>(&line)
             .map_err(|e| format!("not valid JSON: {e}"))
-            .and_then(|v| parse_record(&v));
+            .and_then(|v| parse(&v));
         rows.add(i + 1, parsed)?;
     }
     Ok(rows.finish())
@@ -271,8 +286,12 @@ pub fn load_jsonl(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
 /// Reads a Parquet file row by row; each row becomes the same JSON object a JSONL line would
 /// be, so formats and errors are the same (rows are numbered from 1).
 pub fn load_parquet(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
+    parquet_rows(path.as_ref(), on_bad, parse_record)
+}
+
+/// A Parquet file's rows, each read by `parse`.
+fn parquet_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<Loaded<R>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    let path = path.as_ref();
     let bad_file = |e: String| Error::Config {
         file: path.display().to_string(),
         key: "<parquet>".into(),
@@ -293,18 +312,25 @@ pub fn load_parquet(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> 
     {
         let parsed = row
             .map_err(|e| format!("unreadable row: {e}"))
-            .and_then(|r| parse_record(&r.to_json_value()));
+            .and_then(|r| parse(&r.to_json_value()));
         rows.add(i + 1, parsed)?;
     }
     Ok(rows.finish())
 }
 
+/// Reads one row of a dataset (a JSON object, or a Parquet row as one) into a record.
+pub type RowParser<R> = fn(&Value) -> std::result::Result<R, String>;
+
 /// Reads a dataset file by its extension: `.jsonl`/`.json` or `.parquet`.
 pub fn load(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
-    let path = path.as_ref();
+    load_rows(path.as_ref(), on_bad, parse_record)
+}
+
+/// A dataset file's rows read by `parse` (another trainer's format), by the file's extension.
+pub fn load_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<Loaded<R>> {
     match path.extension().and_then(|e| e.to_str()) {
-        Some("parquet") => load_parquet(path, on_bad),
-        Some("jsonl") | Some("json") => load_jsonl(path, on_bad),
+        Some("parquet") => parquet_rows(path, on_bad, parse),
+        Some("jsonl") | Some("json") => jsonl_rows(path, on_bad, parse),
         _ => Err(Error::Config {
             file: path.display().to_string(),
             key: "<file>".into(),

@@ -1,9 +1,10 @@
-//! The SFT data pipeline: examples with loss masks, packing, collation into batches, and the
+//! The data pipeline (SFT's rows and DPO's preference pairs): examples with loss masks, packing, collation into batches, and the
 //! distributed sampler.
 
 pub mod collate;
 pub mod dataset;
 pub mod pack;
+pub mod preference;
 pub mod sampler;
 pub mod sequence;
 pub mod tokenize;

@@ -678,9 +678,7 @@ impl<N: CausalModel> Model<N> {
     ) -> Result<TokenLogps> {
         let head = self.net.lm_head();
         let whole = match (&head.weight, &head.bias, &self.tp) {
-            (Weight::Local(w), None, None) if self.net.logit_softcap().is_none() => {
-                Some(w.clone())
-            }
+            (Weight::Local(w), None, None) if self.net.logit_softcap().is_none() => Some(w.clone()),
             _ => None,
         };
         let (nll, mean_logits) = match whole {
@@ -711,8 +709,7 @@ impl<N: CausalModel> Model<N> {
                 let (nll, mean_logits) = match &self.tp {
                     Some(tp) => {
                         let sum = tp.all_reduce(&local_sum, crate::comm::ReduceOp::Sum)?;
-                        let (nll, _) =
-                            crate::tp::vocab_parallel_token_nll(&logits, targets, tp)?;
+                        let (nll, _) = crate::tp::vocab_parallel_token_nll(&logits, targets, tp)?;
                         (nll, (sum / (vocab * tp.size()) as f64)?)
                     }
                     None => {

@@ -542,7 +542,12 @@ impl<C: TrainerConfig> Cli<C> {
 /// Flags that take several values in TRL (`--lora_target_modules q_proj v_proj`, argparse's
 /// nargs="+"): their values joined into one, which [`NameList`] splits.
 fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
-    const LISTS: &[&str] = &["lora_target_modules", "lora_modules_to_save"];
+    const LISTS: &[&str] = &[
+        "lora_target_modules",
+        "lora_modules_to_save",
+        "loss_type",
+        "loss_weights",
+    ];
     let mut out: Vec<String> = Vec::new();
     // Where a list flag's value goes, once the flag is seen.
     let mut list: Option<usize> = None;

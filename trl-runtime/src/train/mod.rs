@@ -3,6 +3,8 @@
 pub mod args;
 pub mod checkpoint;
 pub mod config;
+pub mod dpo;
+pub mod dpo_loss;
 pub mod logging;
 pub mod plan_query;
 mod plot;
@@ -16,8 +18,9 @@ pub use crate::optim::{clip_grad_norm, grad_clip_coef, AdamW, AdamWConfig, Param
 pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
 pub use args::{Cli, TrainerConfig, TrainingArguments, TrainingFlags};
 pub use config::{SFTArgs, SFTConfig, SftCli};
-pub use sft::Sft;
+pub use dpo::{DPOArgs, DPOConfig, Dpo, DpoCli};
 pub use schedule::{LrSchedule, SchedulerKind};
+pub use sft::Sft;
 pub use trainer::{
     peak_rss_bytes, reset_peak_rss, Core, EvalResult, MemoryReport, StepGrads, StepStats, Task,
     TaskStep, TrainOutcome, Trainer,

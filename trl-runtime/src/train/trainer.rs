@@ -107,6 +107,10 @@ pub trait Task<N: CausalModel>: Sized {
     type Config: TrainerConfig;
     /// The name its evaluation's accuracy is logged under.
     const EVAL_ACCURACY: &'static str;
+    /// The shared arguments the run uses (the task may adjust what its keys imply).
+    fn training_arguments(config: &Self::Config) -> TrainingArguments {
+        config.training().clone()
+    }
     /// Reads and tokenizes the data (before the model is built: the rows fix the steps).
     fn load(config: &Self::Config, tokenizer: &TextTokenizer) -> Result<Self>;
     /// Training rows the sampler deals out.
@@ -280,7 +284,10 @@ fn check_unused(without: &[String], find_unused: Option<bool>) -> Result<()> {
 
 /// Values a DeepSpeed config fixes must match the training arguments (transformers refuses a
 /// mismatch too); "auto" in a JSON leaves them to the arguments.
-fn check_deepspeed_values(config: &TrainingArguments, plan: &crate::config::LaunchPlan) -> Result<()> {
+fn check_deepspeed_values(
+    config: &TrainingArguments,
+    plan: &crate::config::LaunchPlan,
+) -> Result<()> {
     let Some(ds) = &plan.deepspeed else {
         return Ok(());
     };
@@ -505,7 +512,9 @@ impl<'a, N: CausalModel> Core<'a, N> {
 
     /// Examples per optimizer step across all data-parallel ranks.
     pub fn effective_batch_size(&self) -> usize {
-        self.args.per_device_train_batch_size * self.dp.size() * self.args.gradient_accumulation_steps
+        self.args.per_device_train_batch_size
+            * self.dp.size()
+            * self.args.gradient_accumulation_steps
     }
 
     /// Sums over the data-parallel ranks (each counted once).
@@ -545,8 +554,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
     /// step and micro-batch, the same on the ranks that share a row and when a layer is
     /// recomputed.
     pub fn with_dropout<R>(&self, micro: usize, f: impl FnOnce() -> R) -> R {
-        let key =
-            (self.args.seed << 32) ^ ((self.state.global_step as u64) << 8) ^ micro as u64;
+        let key = (self.args.seed << 32) ^ ((self.state.global_step as u64) << 8) ^ micro as u64;
         crate::nn::lora::with_dropout(key, f)
     }
 
@@ -577,9 +585,8 @@ impl<'a, N: CausalModel> Core<'a, N> {
         // One micro-batch on a GPU with nothing to all-reduce: the gradients stay in the
         // compute dtype (the GPU optimizer reads them as they are, in f32 math); otherwise
         // they are summed in fp32.
-        let native_grads = micro_batches == 1
-            && self.ctx.device().is_cuda()
-            && self.optimizer.single_replica();
+        let native_grads =
+            micro_batches == 1 && self.ctx.device().is_cuda() && self.optimizer.single_replica();
         for (name, var) in self.model.params.iter() {
             let g = match store.get(var.as_tensor()) {
                 Some(g) => {
@@ -919,7 +926,6 @@ impl<'a, N: CausalModel> Core<'a, N> {
             None
         })
     }
-
 }
 
 impl<'a> Trainer<'a> {
@@ -951,7 +957,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         ctx: &'a DistContext,
         strategy: Strategy,
     ) -> Result<Self> {
-        let args = config.training().clone();
+        let args = T::training_arguments(&config);
         // `cargo trl launch` asking for this program's tensor-parallel plan.
         super::plan_query::answer_if_asked::<N>(&args.model_name_or_path)?;
         config.validate("training arguments")?;

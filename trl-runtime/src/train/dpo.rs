@@ -1,0 +1,724 @@
+//! DPO as a [`Task`]: TRL 1.16's DPOTrainer (`DPOConfig`'s keys, its tokenization, losses and
+//! metrics) over preference pairs, under whatever strategy the launch sets up.
+//!
+//! The reference model is the policy before training, so its log-probabilities are computed
+//! in a first pass by the policy itself (TRL's `precompute_ref_log_probs`, which TRL also does
+//! with the policy when no separate reference is given): no second copy of the model exists,
+//! under ZeRO-3 / FSDP / tp it is sharded exactly as the policy is, and with LoRA it is the
+//! base with zero adapters. The values are kept in `output_dir/ref_logps.json` for resuming.
+//!
+//! A micro-batch holds its pairs' chosen sequences then their rejected ones (TRL's order), in
+//! one forward. Per-token log-probabilities come from the tiled head (the logits never exist
+//! whole); each sequence's sum is a small matmul, exchanged over the sequence-parallel ranks
+//! when sequences are split. The loss ([`super::dpo_loss`]) is computed on those sums, and the
+//! backward weighs each token by its sequence's gradient.
+
+use super::args::{NameList, TrainingArguments};
+use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps, LOSS_TYPES};
+use super::trainer::{Core, EvalResult, StepGrads, Task, TaskStep};
+use crate::comm::ReduceOp;
+use crate::config::cli_value::NumberList;
+use crate::context_parallel::split::kept_columns;
+use crate::data::dataset::{load_rows, OnBadRow};
+use crate::data::preference::{parse_preference, tokenize_preference, PreferencePair};
+use crate::data::{collate, Batch, CollateOptions, Example, PackedSequence, TextTokenizer};
+use crate::error::{Error, Result};
+use crate::models::CausalModel;
+use crate::nn::IGNORE_INDEX;
+use candle_core::{Device, Tensor};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+crate::training_arguments! {
+    /// DPO's training arguments, with TRL 1.16's names (`DPOConfig`).
+    struct DPOConfig, flags DPOArgs, base training;
+    /// Deviation from the reference (IPO's tau).
+    beta: f64 = 0.1;
+    /// One or more of TRL's loss types, summed with `loss_weights`.
+    loss_type: NameList = NameList(vec!["sigmoid".into()]);
+    /// One weight per loss type (default 1 each).
+    loss_weights: Option<NumberList> = None;
+    /// Robust DPO's flip probability, EXO's epsilon.
+    label_smoothing: f64 = 0.0;
+    /// LD-DPO: weight of completion tokens beyond the shorter completion's length.
+    ld_alpha: Option<f64> = None;
+    /// reverse_kl, forward_kl, js_divergence or alpha_divergence (f-DPO).
+    f_divergence_type: String = "reverse_kl".into();
+    f_alpha_divergence_coef: f64 = 0.5;
+    discopop_tau: f64 = 0.05;
+    /// WPO weighting: not implemented, refused when set.
+    use_weighting: bool = false;
+    /// The reference log-probabilities are always computed before training here.
+    precompute_ref_log_probs: bool = false;
+    /// Rows per forward of that first pass (default: the train / eval batch size).
+    precompute_ref_batch_size: Option<usize> = None;
+    /// TR-DPO: not implemented, refused when set.
+    sync_ref_model: bool = false;
+    ref_model_mixup_alpha: f64 = 0.6;
+    ref_model_sync_steps: usize = 512;
+    /// No dropout in the policy: LoRA's dropout is off, as peft's is under TRL.
+    disable_dropout: bool = true;
+    /// All sequences of a micro-batch in one row, positions restarting per sequence.
+    padding_free: bool = false;
+    pad_to_multiple_of: Option<usize> = None;
+    /// keep_start (TRL's) or keep_end (deprecated in TRL) for sequences over max_length.
+    truncation_mode: String = "keep_start".into();
+}
+
+crate::trainer_config!(DPOConfig, flags DPOArgs, base training,
+    about "Direct preference optimization (TRL's DPO) on Candle", validate validate_dpo);
+
+/// `trl dpo`-style command line.
+pub type DpoCli = super::args::Cli<DPOConfig>;
+
+const F_DIVERGENCES: &[&str] = &[
+    "reverse_kl",
+    "forward_kl",
+    "js_divergence",
+    "alpha_divergence",
+];
+
+impl DPOConfig {
+    /// The loss these keys describe (validated).
+    pub fn loss(&self) -> std::result::Result<DpoLoss, (&'static str, String)> {
+        let mut terms = Vec::new();
+        let weights = self.loss_weights.as_ref().map(|w| w.0.clone());
+        if let Some(w) = &weights {
+            if w.len() != self.loss_type.0.len() {
+                return Err((
+                    "loss_weights",
+                    format!(
+                        "{} weights for {} loss types: give one per loss_type",
+                        w.len(),
+                        self.loss_type.0.len()
+                    ),
+                ));
+            }
+        }
+        for (i, name) in self.loss_type.0.iter().enumerate() {
+            let kind = LossType::parse(name).ok_or_else(|| {
+                let names: Vec<&str> = LOSS_TYPES.iter().map(|(n, _)| *n).collect();
+                (
+                    "loss_type",
+                    format!("'{name}' is not one of {}", names.join(", ")),
+                )
+            })?;
+            terms.push((kind, weights.as_ref().map_or(1.0, |w| w[i])));
+        }
+        let f_divergence = match self.f_divergence_type.as_str() {
+            "reverse_kl" => FDivergence::ReverseKl,
+            "forward_kl" => FDivergence::ForwardKl,
+            "js_divergence" => FDivergence::Js,
+            "alpha_divergence" => FDivergence::Alpha(self.f_alpha_divergence_coef),
+            other => {
+                return Err((
+                    "f_divergence_type",
+                    format!("'{other}' is not one of {}", F_DIVERGENCES.join(", ")),
+                ))
+            }
+        };
+        if f_divergence != FDivergence::ReverseKl {
+            if let Some((kind, _)) = terms.iter().find(|(k, _)| !k.takes_f_divergence()) {
+                return Err((
+                    "f_divergence_type",
+                    format!("{kind:?} has no f-divergence generalization (TRL refuses it too): use reverse_kl"),
+                ));
+            }
+        }
+        let eps = self.label_smoothing;
+        if terms.iter().any(|(k, _)| *k == LossType::Robust) && !(0.0..0.5).contains(&eps) {
+            return Err((
+                "label_smoothing",
+                format!("{eps}: robust DPO's flip probability must lie in [0, 0.5)"),
+            ));
+        }
+        if terms.iter().any(|(k, _)| *k == LossType::ExoPair) && !(eps > 0.0 && eps < 1.0) {
+            return Err((
+                "label_smoothing",
+                format!("{eps}: exo_pair takes log(label_smoothing), so it must lie in (0, 1) (the paper uses 1e-3)"),
+            ));
+        }
+        Ok(DpoLoss {
+            beta: self.beta,
+            terms,
+            label_smoothing: eps,
+            f_divergence,
+            discopop_tau: self.discopop_tau,
+        })
+    }
+}
+
+/// DPOConfig's own checks.
+fn validate_dpo(config: &DPOConfig, source: &str) -> Result<()> {
+    let fail = |key: &str, message: String| Err(Error::config(source, key, message));
+    if let Err((key, message)) = config.loss() {
+        return fail(key, message);
+    }
+    if config.beta <= 0.0 {
+        return fail("beta", format!("{}: must be positive", config.beta));
+    }
+    if let Some(a) = config.ld_alpha.filter(|a| !(0.0..=1.0).contains(a)) {
+        return fail("ld_alpha", format!("{a}: must lie in [0, 1]"));
+    }
+    if config.use_weighting {
+        return fail("use_weighting", "WPO weighting needs each token's sum of squared probabilities, which is not computed: remove it".into());
+    }
+    if config.sync_ref_model {
+        return fail("sync_ref_model", "TR-DPO mixes the policy into a second copy of the weights, which is never kept here (the reference's log-probabilities are computed once, before training): remove it".into());
+    }
+    if !["keep_start", "keep_end"].contains(&config.truncation_mode.as_str()) {
+        return fail(
+            "truncation_mode",
+            format!("'{}': use keep_start or keep_end", config.truncation_mode),
+        );
+    }
+    Ok(())
+}
+
+/// The reference's log-probabilities of every pair, (chosen, rejected).
+type RefLogps = Vec<(f64, f64)>;
+
+/// A micro-batch of pairs, collated: its chosen sequences then its rejected ones.
+struct Micro {
+    /// This rank's part of the rows, on its device.
+    batch: Batch,
+    /// [2 pairs, local positions]: each target's weight in its sequence's log-probability
+    /// (1, or ld_alpha beyond the shorter completion).
+    weights: Tensor,
+    /// [2 pairs, local positions]: 1 at each sequence's targets (the logits metric).
+    members: Tensor,
+    chosen_len: Vec<f64>,
+    rejected_len: Vec<f64>,
+    /// Input tokens of the rows this rank counts (padding excluded).
+    tokens: usize,
+}
+
+/// What one forward gave per sequence (summed over the sequence's ranks).
+struct SequenceSums {
+    /// This rank's part of each sequence's log-probability, with its graph.
+    local: Tensor,
+    /// [chosen logps.., rejected logps..] whole.
+    logps: Vec<f64>,
+    /// Sums of the mean logits over chosen and over rejected targets, and their counts.
+    logits: [f64; 4],
+    /// Chosen targets in the micro-batch (the SFT term's mean).
+    chosen_targets: f64,
+}
+
+/// Preference training.
+pub struct Dpo {
+    loss: DpoLoss,
+    train: Vec<PreferencePair>,
+    eval: Vec<PreferencePair>,
+    ref_train: RefLogps,
+    ref_eval: RefLogps,
+    collate_options: CollateOptions,
+    max_length: usize,
+    keep_end: bool,
+    ld_alpha: Option<f64>,
+    ref_batch_size: Option<usize>,
+}
+
+fn read_pairs(path: &Path, tok: &TextTokenizer, config: &DPOConfig) -> Result<Vec<PreferencePair>> {
+    let policy = if config.training.skip_bad_rows {
+        OnBadRow::Skip
+    } else {
+        OnBadRow::Fail
+    };
+    let rows = load_rows(path, policy, parse_preference)?;
+    let mut pairs = Vec::with_capacity(rows.records.len());
+    let mut dropped = 0;
+    for r in &rows.records {
+        let p = tokenize_preference(r, tok)?;
+        // A prompt that fills max_length leaves no completion token (TRL drops such rows).
+        if config.truncation_mode == "keep_start"
+            && p.prompt_ids.len() >= config.training.max_length
+        {
+            dropped += 1;
+            continue;
+        }
+        pairs.push(p);
+    }
+    if dropped > 0 {
+        tracing::warn!(
+            "{}: dropped {dropped} pair(s) whose prompt alone fills max_length = {}",
+            path.display(),
+            config.training.max_length
+        );
+    }
+    Ok(pairs)
+}
+
+/// Where a run keeps its reference log-probabilities.
+fn ref_file(out: &Path) -> PathBuf {
+    out.join("ref_logps.json")
+}
+
+impl Dpo {
+    /// One sequence: the prompt and a completion, labelled on the completion, truncated.
+    fn sequence(&self, prompt: &[u32], completion: &[u32]) -> PackedSequence {
+        let mut ids: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+        let mut labels: Vec<i64> = std::iter::repeat_n(IGNORE_INDEX, prompt.len())
+            .chain(completion.iter().map(|&t| t as i64))
+            .collect();
+        if ids.len() > self.max_length {
+            let start = if self.keep_end {
+                ids.len() - self.max_length
+            } else {
+                0
+            };
+            ids = ids[start..start + self.max_length].to_vec();
+            labels = labels[start..start + self.max_length].to_vec();
+        }
+        PackedSequence::single(&Example {
+            input_ids: ids,
+            labels,
+        })
+    }
+
+    /// The micro-batch of `pairs`, this rank's part of it.
+    fn micro<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        pairs: &[&PreferencePair],
+    ) -> Result<Micro> {
+        let n = pairs.len();
+        let seqs: Vec<PackedSequence> = pairs
+            .iter()
+            .map(|p| self.sequence(&p.prompt_ids, &p.chosen_ids))
+            .chain(
+                pairs
+                    .iter()
+                    .map(|p| self.sequence(&p.prompt_ids, &p.rejected_ids)),
+            )
+            .collect();
+        let rows: Vec<&PackedSequence> = seqs.iter().collect();
+        let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
+        let (n_rows, len) = batch.input_ids.dims2()?;
+        let targets: Vec<i64> = batch.targets()?.flatten_all()?.to_vec1()?;
+        // Each position's sequence: its row, or under padding-free the piece it lies in.
+        let mut owner = vec![usize::MAX; n_rows * len];
+        if self.collate_options.padding_free {
+            let mut at = 0;
+            for (k, s) in seqs.iter().enumerate() {
+                owner[at..at + s.len()].fill(k);
+                at += s.len();
+            }
+        } else {
+            for (i, o) in owner.iter_mut().enumerate() {
+                *o = i / len;
+            }
+        }
+        // Targets per sequence; LD-DPO weighs those beyond the shorter completion.
+        let mut count = vec![0usize; 2 * n];
+        let mut weight = vec![0f32; n_rows * len];
+        let mut member = vec![false; n_rows * len];
+        for i in 0..n_rows * len {
+            if targets[i] != IGNORE_INDEX && owner[i] != usize::MAX {
+                count[owner[i]] += 1;
+                member[i] = true;
+            }
+        }
+        let mut seen = vec![0usize; 2 * n];
+        for i in 0..n_rows * len {
+            if member[i] {
+                let k = owner[i];
+                seen[k] += 1;
+                let shared = count[k % n].min(count[n + k % n]);
+                weight[i] = match self.ld_alpha {
+                    Some(a) if seen[k] > shared => a as f32,
+                    _ => 1.0,
+                };
+            }
+        }
+        // This rank's columns of each row.
+        let split = core.model.split();
+        let kept = kept_columns(split, len).unwrap_or_else(|| (0..len).collect());
+        let local_len = kept.len();
+        let mut w = vec![0f32; 2 * n * n_rows * local_len];
+        let mut m = vec![0f32; 2 * n * n_rows * local_len];
+        for r in 0..n_rows {
+            for (j, &col) in kept.iter().enumerate() {
+                let g = r * len + col;
+                if member[g] {
+                    let at = owner[g] * n_rows * local_len + r * local_len + j;
+                    w[at] = weight[g];
+                    m[at] = 1.0;
+                }
+            }
+        }
+        let device = core.ctx.device();
+        let shape = (2 * n, n_rows * local_len);
+        let completion =
+            |s: &PackedSequence| s.labels.iter().filter(|&&l| l != IGNORE_INDEX).count() as f64;
+        let counts_tokens = split.is_none_or(|s| s.group.rank() == 0);
+        Ok(Micro {
+            weights: Tensor::from_vec(w, shape, device)?,
+            members: Tensor::from_vec(m, shape, device)?,
+            chosen_len: seqs[..n].iter().map(completion).collect(),
+            rejected_len: seqs[n..].iter().map(completion).collect(),
+            tokens: if counts_tokens {
+                seqs.iter().map(|s| s.len()).sum()
+            } else {
+                0
+            },
+            batch: batch.part(split)?.to_device(device)?,
+        })
+    }
+
+    /// The policy's forward over a micro-batch: per-sequence sums (whole, and this rank's
+    /// part with its graph when `train`).
+    fn forward<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        micro: &Micro,
+        train: bool,
+    ) -> Result<SequenceSums> {
+        let b = &micro.batch;
+        let out =
+            core.model
+                .forward_token_logps(&b.input_ids, &b.position_ids, &b.targets()?, train)?;
+        let local = micro.weights.matmul(&out.logps.unsqueeze(1)?)?.squeeze(1)?;
+        let logit_sums = micro
+            .members
+            .matmul(&out.mean_logits.unsqueeze(1)?)?
+            .squeeze(1)?;
+        let counts = micro.members.sum(1)?;
+        let n = micro.chosen_len.len();
+        let mut values: Vec<f64> = local
+            .detach()
+            .to_dtype(candle_core::DType::F64)?
+            .to_vec1()?;
+        let sums: Vec<f32> = logit_sums.to_vec1()?;
+        let counts: Vec<f32> = counts.to_vec1()?;
+        let part =
+            |v: &[f32], r: std::ops::Range<usize>| v[r].iter().map(|&x| x as f64).sum::<f64>();
+        values.extend([
+            part(&sums, 0..n),
+            part(&counts, 0..n),
+            part(&sums, n..2 * n),
+            part(&counts, n..2 * n),
+        ]);
+        // A sequence split over ranks: each holds part of its sums.
+        if let Some(split) = core.model.split() {
+            let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
+            values = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
+        }
+        let logits = [
+            values[2 * n],
+            values[2 * n + 1],
+            values[2 * n + 2],
+            values[2 * n + 3],
+        ];
+        values.truncate(2 * n);
+        Ok(SequenceSums {
+            local,
+            logps: values,
+            chosen_targets: logits[1],
+            logits,
+        })
+    }
+
+    fn pair_logps(micro: &Micro, sums: &SequenceSums, reference: &[(f64, f64)]) -> PairLogps {
+        let n = micro.chosen_len.len();
+        PairLogps {
+            chosen: sums.logps[..n].to_vec(),
+            rejected: sums.logps[n..].to_vec(),
+            ref_chosen: reference.iter().map(|r| r.0).collect(),
+            ref_rejected: reference.iter().map(|r| r.1).collect(),
+            chosen_len: micro.chosen_len.clone(),
+            rejected_len: micro.rejected_len.clone(),
+            chosen_targets: sums.chosen_targets,
+        }
+    }
+
+    /// The reference's log-probabilities of `pairs`: each data-parallel rank computes every
+    /// dp-th batch, all ranks get all of them.
+    fn reference<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        pairs: &[PreferencePair],
+        batch_size: usize,
+    ) -> Result<RefLogps> {
+        if pairs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (rank, world) = (core.dp.rank(), core.dp.size());
+        let batches: Vec<Vec<usize>> = (0..pairs.len())
+            .collect::<Vec<_>>()
+            .chunks(batch_size)
+            .map(<[usize]>::to_vec)
+            .collect();
+        let mine: Vec<&Vec<usize>> = batches.iter().skip(rank).step_by(world).collect();
+        let mut out = vec![0.0; 2 * pairs.len()];
+        for i in 0..core.rounds(batches.len(), 1, mine.len()) {
+            // Ranks with fewer batches repeat the first and drop the result.
+            let idx = mine.get(i).copied().unwrap_or(&batches[0]);
+            let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
+            let micro = self.micro(core, &rows)?;
+            let sums = self.forward(core, &micro, false)?;
+            if i < mine.len() {
+                for (j, &k) in idx.iter().enumerate() {
+                    out[2 * k] = sums.logps[j];
+                    out[2 * k + 1] = sums.logps[idx.len() + j];
+                }
+            }
+        }
+        let all = core.global_sum(&out)?;
+        Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
+    }
+}
+
+/// Reference log-probabilities kept for a resumed run.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RefCache {
+    model: PathBuf,
+    train: RefLogps,
+    eval: RefLogps,
+}
+
+impl<N: CausalModel> Task<N> for Dpo {
+    type Config = DPOConfig;
+    const EVAL_ACCURACY: &'static str = "eval_rewards/accuracies";
+
+    fn load(config: &DPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
+        let args = &config.training;
+        let loss = config.loss().expect("validated");
+        let train = read_pairs(&args.dataset_name, tokenizer, config)?;
+        let eval = match &args.eval_dataset_name {
+            Some(path) => read_pairs(path, tokenizer, config)?,
+            None => Vec::new(),
+        };
+        Ok(Dpo {
+            loss,
+            train,
+            eval,
+            ref_train: Vec::new(),
+            ref_eval: Vec::new(),
+            collate_options: CollateOptions {
+                pad_token_id: tokenizer.pad_token_id,
+                padding_free: config.padding_free,
+                pad_to_multiple_of: config.pad_to_multiple_of,
+            },
+            max_length: args.max_length,
+            keep_end: config.truncation_mode == "keep_end",
+            ld_alpha: config.ld_alpha,
+            ref_batch_size: config.precompute_ref_batch_size,
+        })
+    }
+
+    /// With `disable_dropout` (TRL's default), LoRA's dropout is off: TRL disables every
+    /// dropout module, peft's among them.
+    fn training_arguments(config: &DPOConfig) -> TrainingArguments {
+        let mut args = config.training.clone();
+        if config.disable_dropout {
+            args.lora_dropout = 0.0;
+        }
+        args
+    }
+
+    fn num_rows(&self) -> usize {
+        self.train.len()
+    }
+
+    fn prepare(&mut self, config: &DPOConfig, core: &Core<'_, N>) -> Result<()> {
+        // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
+        let parts = match core.model.split() {
+            Some(s) if s.ring => 2 * s.group.size(),
+            Some(s) => s.group.size(),
+            None => 1,
+        };
+        if parts > 1 {
+            let m = config.pad_to_multiple_of.unwrap_or(1);
+            self.collate_options.pad_to_multiple_of = Some(crate::data::sequence::lcm(m, parts));
+        }
+        let args = &core.args;
+        let path = ref_file(&args.output_dir);
+        if core.state.global_step > 0 {
+            // A resumed policy is no longer the reference: read what the first pass computed.
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                Error::io(
+                    format!(
+                        "resuming DPO needs the reference log-probabilities the run computed before training ({}); without them the reference would be the resumed policy",
+                        path.display()
+                    ),
+                    e,
+                )
+            })?;
+            let cache: RefCache = serde_json::from_str(&text).map_err(|e| {
+                Error::config(path.display().to_string(), "<document>", e.to_string())
+            })?;
+            if cache.train.len() != self.train.len() || cache.eval.len() != self.eval.len() {
+                return Err(Error::config(
+                    path.display().to_string(),
+                    "train",
+                    format!(
+                        "{} / {} pairs cached, the datasets have {} / {}: resume with the data the run started with",
+                        cache.train.len(),
+                        cache.eval.len(),
+                        self.train.len(),
+                        self.eval.len()
+                    ),
+                ));
+            }
+            (self.ref_train, self.ref_eval) = (cache.train, cache.eval);
+            return Ok(());
+        }
+        if !config.precompute_ref_log_probs && core.ctx.is_main_process() {
+            tracing::info!("precompute_ref_log_probs is false: the reference log-probabilities are computed before training anyway (the policy before its first step is the reference), the same values TRL computes on the fly");
+        }
+        let start = Instant::now();
+        self.ref_train = self.reference(
+            core,
+            &self.train,
+            self.ref_batch_size
+                .unwrap_or(args.per_device_train_batch_size),
+        )?;
+        self.ref_eval = self.reference(
+            core,
+            &self.eval,
+            self.ref_batch_size
+                .unwrap_or(args.per_device_eval_batch_size),
+        )?;
+        if core.ctx.is_main_process() {
+            tracing::info!(
+                "reference log-probabilities of {} + {} pairs computed in {:.1}s",
+                self.train.len(),
+                self.eval.len(),
+                start.elapsed().as_secs_f64()
+            );
+            std::fs::create_dir_all(&args.output_dir).map_err(|e| {
+                Error::io(format!("cannot create {}", args.output_dir.display()), e)
+            })?;
+            let cache = RefCache {
+                model: args.model_name_or_path.clone(),
+                train: self.ref_train.clone(),
+                eval: self.ref_eval.clone(),
+            };
+            let text = serde_json::to_string(&cache).expect("numbers serialize");
+            crate::models::params::write_atomic(&path, text.as_bytes())?;
+        }
+        Ok(())
+    }
+
+    fn step(
+        &mut self,
+        core: &Core<'_, N>,
+        rows: &[Vec<usize>],
+        grads: &mut StepGrads,
+    ) -> Result<TaskStep> {
+        let scale = 1.0 / (rows.len() * core.dp.size()) as f64;
+        let mut loss = 0.0;
+        let mut tokens = 0usize;
+        // Sums over this rank's pairs: rewards chosen, rejected, accuracy, margin, logps.
+        let mut sums = [0f64; 6];
+        let mut pairs = 0usize;
+        // Per micro-batch (TRL averages the logits metric over them).
+        let mut logits = [0f64; 2];
+        for (i, idx) in rows.iter().enumerate() {
+            let batch: Vec<&PreferencePair> = idx.iter().map(|&k| &self.train[k]).collect();
+            let reference: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_train[k]).collect();
+            let micro = self.micro(core, &batch)?;
+            let seq = core.with_dropout(i, || self.forward(core, &micro, true))?;
+            let p = Self::pair_logps(&micro, &seq, &reference);
+            let out = self.loss.compute(&p)?;
+            loss += out.loss;
+            tokens += micro.tokens;
+            // d(step loss)/d(each sequence's log-prob) weighs its tokens in the backward.
+            let g: Vec<f32> = out
+                .d_chosen
+                .iter()
+                .chain(&out.d_rejected)
+                .map(|&d| (d * scale) as f32)
+                .collect();
+            let g = Tensor::new(g.as_slice(), seq.local.device())?;
+            let surrogate = (&seq.local * g)?.sum_all()?;
+            let store = core.model.backward(&surrogate)?;
+            core.accumulate(grads, store, rows.len())?;
+            let beta = self.loss.beta;
+            for j in 0..p.chosen.len() {
+                let (rc, rr) = (
+                    beta * (p.chosen[j] - p.ref_chosen[j]),
+                    beta * (p.rejected[j] - p.ref_rejected[j]),
+                );
+                sums[0] += rc;
+                sums[1] += rr;
+                sums[2] += (rc > rr) as u8 as f64;
+                sums[3] += rc - rr;
+                sums[4] += p.chosen[j];
+                sums[5] += p.rejected[j];
+            }
+            pairs += p.chosen.len();
+            let l = core.global_sum(&seq.logits)?;
+            logits[0] += l[0] / l[1].max(1.0);
+            logits[1] += l[2] / l[3].max(1.0);
+        }
+        let mut local = vec![loss, pairs as f64];
+        local.extend(sums);
+        let g = core.global_sum(&local)?;
+        let total_pairs = g[1].max(1.0);
+        let tokens = core.batch_sum(&[tokens as f64])?[0] as usize;
+        let micro_batches = rows.len() as f64;
+        let mean = |k: usize| g[2 + k] / total_pairs;
+        Ok(TaskStep {
+            loss: g[0] / (micro_batches * core.dp.size() as f64),
+            tokens,
+            metrics: vec![
+                ("rewards/chosen", mean(0)),
+                ("rewards/rejected", mean(1)),
+                ("rewards/accuracies", mean(2)),
+                ("rewards/margins", mean(3)),
+                ("logps/chosen", mean(4)),
+                ("logps/rejected", mean(5)),
+                ("logits/chosen", logits[0] / micro_batches),
+                ("logits/rejected", logits[1] / micro_batches),
+            ],
+        })
+    }
+
+    /// The loss and reward accuracy over the held-out pairs, each rank taking every dp-th
+    /// batch (with collective forwards the ranks run the same number of them).
+    fn evaluate(&self, config: &DPOConfig, core: &Core<'_, N>) -> Result<Option<EvalResult>> {
+        if self.eval.is_empty() {
+            return Ok(None);
+        }
+        let (rank, world) = (core.dp.rank(), core.dp.size());
+        let bs = config.training.per_device_eval_batch_size;
+        let batches: Vec<Vec<usize>> = (0..self.eval.len())
+            .collect::<Vec<_>>()
+            .chunks(bs)
+            .map(<[usize]>::to_vec)
+            .collect();
+        let mine: Vec<&Vec<usize>> = batches.iter().skip(rank).step_by(world).collect();
+        let (mut loss, mut correct, mut pairs) = (0.0, 0.0, 0.0);
+        for i in 0..core.rounds(batches.len(), 1, mine.len()) {
+            let idx = mine.get(i).copied().unwrap_or(&batches[0]);
+            let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &self.eval[k]).collect();
+            let reference: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_eval[k]).collect();
+            let micro = self.micro(core, &rows)?;
+            let seq = self.forward(core, &micro, false)?;
+            if i >= mine.len() {
+                continue;
+            }
+            let p = Self::pair_logps(&micro, &seq, &reference);
+            let n = p.chosen.len() as f64;
+            loss += self.loss.compute(&p)?.loss * n;
+            correct += (0..p.chosen.len())
+                .filter(|&j| p.chosen[j] - p.ref_chosen[j] > p.rejected[j] - p.ref_rejected[j])
+                .count() as f64;
+            pairs += n;
+        }
+        let g = core.global_sum(&[loss, correct, pairs])?;
+        Ok(Some(EvalResult {
+            loss: g[0] / g[2].max(1.0),
+            accuracy: Some(g[1] / g[2].max(1.0)),
+        }))
+    }
+
+    fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {
+        metrics
+            .iter()
+            .find(|(k, _)| *k == "rewards/accuracies")
+            .map_or(String::new(), |(_, a)| format!(" acc {a:.2}"))
+    }
+}
