@@ -12,7 +12,7 @@ use trl_runtime::models::ModelConfig;
 use trl_runtime::parallel::CausalLm;
 use trl_runtime::tp::PlanEntry;
 use trl_runtime::train::plan_query::{PlanAnswer, QUERY_OUT_VAR, QUERY_TP_VAR};
-use trl_runtime::train::{SFTConfig, SftCli};
+use trl_runtime::train::{Cli, DPOConfig, SFTConfig, TrainerConfig, TrainingArguments};
 
 /// What the program said when asked for its plan.
 pub enum Answer {
@@ -91,31 +91,40 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
     }
 }
 
-/// The training arguments a TRL-style program reads from `program_args` (its `--config` file,
-/// then its flags), parsed as the program parses them; None when they are not TRL's (another
-/// program's flags) or do not resolve.
-fn training_args(program_args: &[String]) -> Option<(SftCli, SFTConfig)> {
-    let argv = std::iter::once("program".to_string()).chain(program_args.iter().cloned());
-    let cli = SftCli::try_parse_trl_from(argv).ok()?;
-    let (config, _) = cli.resolve().ok()?;
-    Some((cli, config))
+/// The training arguments a TRL-style program (SFT's or DPO's keys) reads from
+/// `program_args` (its `--config` file, then its flags), parsed as the program parses them,
+/// and whether they name the model; None when they are not TRL's (another program's flags)
+/// or do not resolve.
+fn training_args(program_args: &[String]) -> Option<(bool, TrainingArguments)> {
+    fn with<C: TrainerConfig>(argv: &[String]) -> Option<(bool, TrainingArguments)> {
+        let cli = Cli::<C>::try_parse_trl_from(argv.iter().cloned()).ok()?;
+        let (config, _) = cli.resolve().ok()?;
+        let named = cli.config.is_some()
+            || argv
+                .iter()
+                .any(|a| a.replace('-', "_").starts_with("__model_name_or_path"));
+        Some((named, config.training().clone()))
+    }
+    let argv: Vec<String> = std::iter::once("program".to_string())
+        .chain(program_args.iter().cloned())
+        .collect();
+    with::<SFTConfig>(&argv).or_else(|| with::<DPOConfig>(&argv))
 }
 
 /// The model directory the program's arguments name (`--model_name_or_path DIR`, or
 /// `model_name_or_path` in the `--config FILE` they pass). None when they name neither.
 pub fn model_dir(program_args: &[String]) -> Option<PathBuf> {
-    let (cli, config) = training_args(program_args)?;
-    (cli.args.training.model_name_or_path.is_some() || cli.config.is_some())
-        .then_some(config.training.model_name_or_path)
+    let (named, args) = training_args(program_args)?;
+    named.then_some(args.model_name_or_path)
 }
 
 /// Whether a TRL-style program recomputes layers in backward: `--gradient_checkpointing`
 /// (or transformers 5's `--activation_checkpointing`), else its `--config FILE`, else TRL's
-/// SFTConfig default (on).
+/// default (on).
 pub fn gradient_checkpointing(program_args: &[String]) -> bool {
     training_args(program_args).map_or(
         SFTConfig::default().training.gradient_checkpointing,
-        |(_, c)| c.training.gradient_checkpointing,
+        |(_, c)| c.gradient_checkpointing,
     )
 }
 

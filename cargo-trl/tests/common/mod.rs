@@ -140,14 +140,24 @@ pub fn assert_equal(
 /// gradient checks at every step: add the run's flags and pass it to [`run_launch`].
 #[allow(dead_code)]
 pub fn sft_launch<S: AsRef<std::ffi::OsStr>>(launch_args: &[&str], sft_args: &[S]) -> Command {
+    trainer_launch("sft", launch_args, sft_args)
+}
+
+/// `cargo trl launch LAUNCH_ARGS BIN -- ARGS` for an examples binary (`sft`, `dpo`).
+#[allow(dead_code)]
+pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
+    bin: &str,
+    launch_args: &[&str],
+    args: &[S],
+) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cargo-trl"));
     cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
         .env("CARGO_NET_OFFLINE", "true")
         .env("TRL_CHECK_TP_GRADS", "1")
         .args(["launch", "--main_process_port", "0"])
         .args(launch_args)
-        .args(["sft", "--"])
-        .args(sft_args);
+        .args([bin, "--"])
+        .args(args);
     cmd
 }
 

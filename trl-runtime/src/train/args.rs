@@ -501,7 +501,7 @@ impl<C: TrainerConfig> Cli<C> {
         args: impl IntoIterator<Item = String>,
     ) -> std::result::Result<Self, clap::Error> {
         use clap::{CommandFactory, FromArgMatches};
-        let (rest, other) = super::trl_keys::take_flags(join_lists(args));
+        let (rest, other) = super::trl_keys::take_flags(join_lists(args), C::own_fields());
         let matches = Self::command().about(C::ABOUT).try_get_matches_from(rest)?;
         let mut cli = Self::from_arg_matches(&matches)?;
         cli.other = other;

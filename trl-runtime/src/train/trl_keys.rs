@@ -260,10 +260,12 @@ fn truthy(v: &Value) -> bool {
 }
 
 /// Takes the `--KEY [VALUE]` / `--KEY=VALUE` flags whose KEY (either spelling) is one of the
-/// known keys out of `args`; a flag without a value (or followed by another flag) is `true`.
-/// Values are read as YAML scalars (`512` a number, `true` a boolean).
+/// known keys out of `args` (unless the trainer has a field of that name, `fields`); a flag
+/// without a value (or followed by another flag) is `true`. Values are read as YAML scalars
+/// (`512` a number, `true` a boolean).
 pub fn take_flags(
     args: impl IntoIterator<Item = String>,
+    fields: &[&str],
 ) -> (Vec<String>, BTreeMap<String, Value>) {
     let mut rest = Vec::new();
     let mut taken = BTreeMap::new();
@@ -277,7 +279,7 @@ pub fn take_flags(
             Some((n, v)) => (n.replace('-', "_"), Some(v.to_string())),
             None => (flag.replace('-', "_"), None),
         };
-        if !KNOWN.contains(&name.as_str()) {
+        if !KNOWN.contains(&name.as_str()) || fields.contains(&name.as_str()) {
             // HfArgumentParser accepts `--per-device-train-batch-size` for every field, and
             // every flag clap knows here is snake_case.
             rest.push(match &inline {

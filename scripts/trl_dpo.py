@@ -1,0 +1,49 @@
+"""TRL's DPOTrainer on our tiny model and preference data, for the parity test
+(cargo-trl/tests/dpo.rs): prints one JSON line of logged metrics per step.
+
+usage: trl_dpo.py MODEL_DIR DATA.jsonl OUT_DIR STEPS BATCH LR [LOSS_TYPE ...]
+Whole-dataset batches (BATCH = the rows used), AdamW, constant learning rate, fp32.
+"""
+import json
+import sys
+
+import torch
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+from transformers import TrainerCallback
+
+model_dir, data, out, steps, batch, lr = sys.argv[1:7]
+loss_types = sys.argv[7:] or ["sigmoid"]
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+tok = AutoTokenizer.from_pretrained(model_dir)
+ds = load_dataset("json", data_files=data, split="train").select(range(int(batch)))
+args = DPOConfig(
+    output_dir=out,
+    per_device_train_batch_size=int(batch),
+    max_steps=int(steps),
+    learning_rate=float(lr),
+    lr_scheduler_type="constant",
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    bf16=False,
+    gradient_checkpointing=False,
+    max_length=64,
+    loss_type=loss_types,
+    beta=0.1,
+    seed=0,
+    disable_tqdm=True,
+    use_cpu=True,
+    dataloader_drop_last=True,
+)
+
+
+class Print(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            print(json.dumps({"step": state.global_step, **logs}), flush=True)
+
+
+DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[Print()]).train()
