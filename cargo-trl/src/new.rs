@@ -27,6 +27,10 @@ pub struct NewArgs {
     /// lora_r, lora_target_modules, ...).
     #[arg(long)]
     pub peft: bool,
+    /// The trainer: `sft` (sft.yaml, the addition task) or `dpo` (dpo.yaml, preference pairs
+    /// on the same questions).
+    #[arg(long, default_value = "sft", value_parser = ["sft", "dpo"])]
+    pub trainer: String,
 }
 
 /// The LoRA keys `--peft` adds to sft.yaml. The bundled base is randomly initialised: the
@@ -46,9 +50,11 @@ const CARGO_TOML: &str = include_str!("../../templates/sft/Cargo.toml.jinja");
 const README: &str = include_str!("../../templates/sft/README.md.jinja");
 const MAIN: &str = include_str!("../../templates/sft/src/main.rs.jinja");
 /// Files copied as they are: (path in the new crate, contents).
-const FILES: &[(&str, &[u8])] = &[
+const FILES: &[(&str, &[u8])] = &[(".gitignore", b"/target\n/output\n")];
+
+/// The SFT trainer's config and data.
+const SFT_FILES: &[(&str, &[u8])] = &[
     ("sft.yaml", include_bytes!("../../templates/sft/sft.yaml")),
-    (".gitignore", b"/target\n/output\n"),
     (
         "data/train.jsonl",
         include_bytes!("../../assets/tiny/data/train.jsonl"),
@@ -56,6 +62,19 @@ const FILES: &[(&str, &[u8])] = &[
     (
         "data/eval.jsonl",
         include_bytes!("../../assets/tiny/data/eval.jsonl"),
+    ),
+];
+
+/// The DPO trainer's config and preference pairs.
+const DPO_FILES: &[(&str, &[u8])] = &[
+    ("dpo.yaml", include_bytes!("../../templates/sft/dpo.yaml")),
+    (
+        "data/pref_train.jsonl",
+        include_bytes!("../../assets/tiny/data/pref_train.jsonl"),
+    ),
+    (
+        "data/pref_eval.jsonl",
+        include_bytes!("../../assets/tiny/data/pref_eval.jsonl"),
     ),
 ];
 
@@ -144,15 +163,19 @@ fn write_all(
     name: &str,
     dependency: &str,
     candle_core_patch: Option<&str>,
-    (model, peft): (&str, bool),
+    (model, peft, trainer): (&str, bool, &str),
 ) -> Result<(), String> {
     let env = minijinja::Environment::new();
     let plain_candle = model == "plain-candle";
+    let dpo = trainer == "dpo";
+    let config_file = format!("{trainer}.yaml");
     let ctx = minijinja::context! {
         name => name,
         trl_runtime => dependency,
         candle_core_patch => candle_core_patch,
-        plain_candle
+        plain_candle,
+        dpo,
+        config_file
     };
     let render = |t: &str| {
         env.render_str(t, &ctx)
@@ -170,17 +193,22 @@ fn write_all(
         true => PLAIN_CANDLE_FILES,
         false => QWEN2_FILES,
     };
+    let trainer_files = match dpo {
+        true => DPO_FILES,
+        false => SFT_FILES,
+    };
     files.extend(
         FILES
             .iter()
+            .chain(trainer_files)
             .chain(model_files)
             .map(|(p, c)| (p.to_string(), c.to_vec())),
     );
     if peft {
         let yaml = files
             .iter_mut()
-            .find(|(p, _)| p == "sft.yaml")
-            .expect("sft.yaml is a template file");
+            .find(|(p, _)| *p == config_file)
+            .expect("the trainer's config is a template file");
         yaml.1.extend_from_slice(PEFT_KEYS.as_bytes());
     }
     for (rel, contents) in files {
@@ -244,7 +272,7 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
         &name,
         &dependency,
         candle_core_patch.as_deref(),
-        (&args.model, args.peft),
+        (&args.model, args.peft, &args.trainer),
     ) {
         let _ = std::fs::remove_dir_all(&args.name);
         return Err(e);

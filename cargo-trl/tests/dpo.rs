@@ -1,10 +1,15 @@
 //! DPO through the real `cargo trl launch` and the `dpo` example: its logged loss and metrics
 //! equal TRL 1.16's DPOTrainer's on the same model and pairs (when TRL is installed), and
-//! under every CPU profile a run equals one process.
+//! under every CPU profile a run equals one process: every step's loss within 1e-5 and
+//! gradient norm within 1e-5 relative, weights after 5 steps within 2e-4. The weights' bound
+//! is wider than SFT's (2e-5): a DPO gradient is the difference of two nearly equal ones
+//! (chosen and rejected share their prompt), so many of its elements are rounding-level and
+//! Adam, which divides by their size, turns that rounding into steps of up to the learning
+//! rate (1e-3 here); the gradient norm (Adam ignores a gradient's scale) is checked apart.
 
 mod common;
 
-use common::{assert_equal, max_diff, Run};
+use common::{max_diff, Run};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -16,7 +21,7 @@ fn root() -> PathBuf {
 
 fn dpo(launch_args: &[&str], per_device: usize, out: &Path, extra: &[&str]) -> String {
     let args = [
-        &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
+        &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"][..],
         extra,
     ]
     .concat();
@@ -43,12 +48,37 @@ fn dpo_under_every_cpu_profile_equals_one_process() {
     );
     for (name, args, two_dp) in common::CPU_CASES {
         dpo(args, 4, &out(name), &[]);
-        let want = if *two_dp { &one8 } else { &one4 };
-        let got = Run::read(&out(name), STEPS);
-        assert_equal(&format!("dpo {name}"), &got, want, &[], |_, g, w| {
-            max_diff(g, w)
-        });
+        let want = if *two_dp { "one8" } else { "one4" };
+        let (got, one) = (
+            Run::read(&out(name), STEPS),
+            if *two_dp { &one8 } else { &one4 },
+        );
+        let (g, w) = (grad_norms(&out(name)), grad_norms(&out(want)));
+        let mut worst = [0f64; 3];
+        for step in 0..STEPS {
+            let dl = (got.losses[step] - one.losses[step]).abs();
+            let dg = (g[step] - w[step]).abs() / w[step];
+            assert!(dl < 1e-5, "{name} step {}: loss {dl:e} off", step + 1);
+            assert!(dg < 1e-5, "{name} step {}: grad_norm {dg:e} off", step + 1);
+            worst = [worst[0].max(dl), worst[1].max(dg), worst[2]];
+        }
+        for (param, w) in &one.weights {
+            let d = max_diff(&got.weights[param], w) as f64;
+            assert!(d < 2e-4, "{name}: {param} differs by {d}");
+            worst[2] = worst[2].max(d);
+        }
+        eprintln!(
+            "dpo {name}: losses within {:.1e}, gradient norms {:.1e} relative, weights {:.1e}",
+            worst[0], worst[1], worst[2]
+        );
     }
+}
+
+fn grad_norms(out: &Path) -> Vec<f64> {
+    metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
+        .iter()
+        .map(|m| m["grad_norm"].as_f64().unwrap())
+        .collect()
 }
 
 /// A Python with TRL (TRL_PYTHON, else python3), or None with the reason printed.

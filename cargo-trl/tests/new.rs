@@ -188,3 +188,30 @@ fn new_with_peft_trains_adapters() {
     assert!(ckpt.join("adapter_model.safetensors").exists(), "{text}");
     assert!(!ckpt.join("model.safetensors").exists(), "{text}");
 }
+
+#[test]
+fn new_with_the_dpo_trainer_trains_on_preferences() {
+    // `--trainer dpo`: dpo.yaml and the preference pairs; the launched run logs TRL's DPO
+    // metrics.
+    let tmp = tempfile::tempdir().unwrap();
+    new(tmp.path(), &["my-dpo", "--trainer", "dpo"]);
+    let krate = tmp.path().join("my-dpo");
+    let yaml = std::fs::read_to_string(krate.join("dpo.yaml")).unwrap();
+    assert!(yaml.contains("beta: 0.1"), "{yaml}");
+    assert!(!krate.join("sft.yaml").exists());
+    let text = launch_in(
+        &krate,
+        &[
+            "--profile",
+            "multi_cpu",
+            "--",
+            "--max_steps",
+            "3",
+            "--logging_steps",
+            "1",
+        ],
+    );
+    assert!(text.contains("held-out reward accuracy"), "{text}");
+    let metrics = std::fs::read_to_string(krate.join("output/metrics.jsonl")).unwrap();
+    assert!(metrics.contains("rewards/accuracies"), "{metrics}");
+}
