@@ -46,7 +46,9 @@ pub const CPU_CASES: &[(&str, &[&str], bool)] = &[
     ("alst_ulysses_cpu", &["--profile", "alst_ulysses_cpu"], true),
 ];
 
+#[allow(dead_code)]
 pub const LOSS_TOLERANCE: f64 = 1e-5;
+#[allow(dead_code)]
 pub const WEIGHT_TOLERANCE: f32 = 2e-5;
 
 /// A finished run: every step's loss (metrics.jsonl) and the weights of its checkpoint after
@@ -104,6 +106,7 @@ pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 /// Asserts that run `name` equals `want`: every step's loss within [`LOSS_TOLERANCE`], every
 /// weight within [`WEIGHT_TOLERANCE`] as `diff` (param, got, want) measures it, and prints
 /// the largest differences (those of parameters whose name contains one of `qk` apart).
+#[allow(dead_code)]
 pub fn assert_equal(
     name: &str,
     got: &Run,
