@@ -100,6 +100,8 @@ const KNOWN: &[&str] = &[
     "lora_target_parameters",
     "loss_type",
     "lr_scheduler_kwargs",
+    "max_completion_length",
+    "max_prompt_length",
     "max_seq_length",
     "metric_for_best_model",
     "model_init_kwargs",
@@ -118,9 +120,11 @@ const KNOWN: &[&str] = &[
     "project",
     "push_to_hub",
     "ray_scope",
+    "reference_free",
     "remove_unused_columns",
     "report_to",
     "restore_callback_states_from_checkpoint",
+    "rpo_alpha",
     "router_aux_loss_coef",
     "run_name",
     "save_on_each_node",
@@ -351,6 +355,12 @@ pub fn classify(
             }
             "loss_type" if !value.is_null() && value.as_str() != Some("nll") => {
                 return Err(err(&key, format!("{value:?}: only the nll loss is implemented")))
+            }
+            "rpo_alpha" => {
+                return Err(err(&key, "TRL 1.x replaced it: loss_type: [sigmoid, sft] with loss_weights: [1.0, RPO_ALPHA]".into()))
+            }
+            "reference_free" | "max_prompt_length" | "max_completion_length" => {
+                return Err(err(&key, "a DPO key of TRL before 1.0, gone from TRL 1.16's DPOConfig: remove it (sequences are cut to max_length, prompt first)".into()))
             }
             "truncation_mode" if !value.is_null() && value.as_str() != Some("keep_start") => {
                 return Err(err(&key, format!("{value:?}: rows longer than max_length keep their start (keep_start)")))
