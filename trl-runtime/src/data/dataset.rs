@@ -125,15 +125,20 @@ pub(crate) fn content(v: &Value, key: &str) -> std::result::Result<Content, Stri
     }
 }
 
-/// Recognises one row's format.
-pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
+/// A row's columns that hold a value: columnar files (Parquet) carry every column in every
+/// row, null where unused.
+pub(crate) fn columns(v: &Value) -> std::result::Result<serde_json::Map<String, Value>, String> {
     let obj = v.as_object().ok_or("a row must be a JSON object")?;
-    // Columnar files (Parquet) carry every column in every row, null where unused.
-    let obj: serde_json::Map<String, Value> = obj
+    Ok(obj
         .iter()
         .filter(|(_, v)| !v.is_null())
         .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+        .collect())
+}
+
+/// Recognises one row's format.
+pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
+    let obj = columns(v)?;
     if let Some(ids) = obj.get("input_ids") {
         let input_ids = ids
             .as_array()

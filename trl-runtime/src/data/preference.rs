@@ -6,7 +6,7 @@
 //! and to prompt + each completion; EOS appended to standard completions; the completion
 //! starting where the tokenized prompt and prompt + completion part.
 
-use super::dataset::{content, tools, Content};
+use super::dataset::{columns, content, tools, Content};
 use super::tokenize::{Message, TextTokenizer};
 use crate::error::Result;
 use serde_json::Value;
@@ -30,13 +30,7 @@ pub struct PreferencePair {
 
 /// Reads one preference row (JSON object, or a Parquet row as one).
 pub fn parse_preference(v: &Value) -> std::result::Result<PreferenceRecord, String> {
-    let obj = v.as_object().ok_or("a row must be a JSON object")?;
-    // Columnar files (Parquet) carry every column in every row, null where unused.
-    let obj: serde_json::Map<String, Value> = obj
-        .iter()
-        .filter(|(_, v)| !v.is_null())
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let obj = columns(v)?;
     let field = |key: &str| {
         obj.get(key).ok_or_else(|| {
             let keys: Vec<&String> = obj.keys().collect();
