@@ -14,8 +14,8 @@
 //! backward weighs each token by its sequence's gradient.
 
 use super::args::{NameList, TrainingArguments};
+use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps, LOSS_TYPES};
-use super::trainer::{Core, EvalResult, StepGrads, Task, TaskStep};
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
 use crate::context_parallel::split::kept_columns;

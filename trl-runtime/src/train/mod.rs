@@ -3,6 +3,7 @@
 pub mod args;
 pub mod checkpoint;
 pub mod config;
+pub mod core;
 pub mod dpo;
 pub mod dpo_loss;
 pub mod logging;
@@ -13,6 +14,10 @@ pub mod sft;
 pub mod trainer;
 pub mod trl_keys;
 
+pub use self::core::{
+    peak_rss_bytes, reset_peak_rss, Core, EvalResult, MemoryReport, StepGrads, StepStats, Task,
+    TaskStep, TrainOutcome,
+};
 pub use crate::optim;
 pub use crate::optim::{clip_grad_norm, grad_clip_coef, AdamW, AdamWConfig, ParamState};
 pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
@@ -21,7 +26,4 @@ pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use dpo::{DPOArgs, DPOConfig, Dpo, DpoCli};
 pub use schedule::{LrSchedule, SchedulerKind};
 pub use sft::Sft;
-pub use trainer::{
-    peak_rss_bytes, reset_peak_rss, Core, EvalResult, MemoryReport, StepGrads, StepStats, Task,
-    TaskStep, TrainOutcome, Trainer,
-};
+pub use trainer::Trainer;

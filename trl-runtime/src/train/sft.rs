@@ -8,7 +8,7 @@
 //! accumulation steps x batch 2 and 1 rank x batch 4 take the same steps.
 
 use super::config::SFTConfig;
-use super::trainer::{Core, EvalResult, StepGrads, Task, TaskStep};
+use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::sequence::lcm;
 use crate::data::{

@@ -1,0 +1,904 @@
+//! What every trainer shares: a [`Core`] (data-parallel groups, the model parallel as the
+//! launch plan says, its optimizer, schedule, resume state, checkpoints and a clean stop on
+//! SIGTERM) and the [`Task`] trait a trainer's own part implements (SFT in `sft.rs`, DPO in
+//! `dpo.rs`): rows in, a loss and gradients out. A new trainer is a new task: it never
+//! decides strategy.
+
+use super::args::{TrainerConfig, TrainingArguments};
+use super::checkpoint::{self, TrainerState};
+use crate::alloc::StorageBytes;
+use crate::comm::{Communicator, ReduceOp};
+use crate::data::{DistributedSampler, TextTokenizer};
+use crate::dist::mesh::{Axis, DP};
+use crate::dist::DistContext;
+use crate::error::{Error, Result};
+use crate::models::{AutoModelForCausalLM, CausalModel, Params};
+use crate::nn::lora::LoraConfig;
+use crate::nn::AttentionImpl;
+use crate::optim::AdamW;
+use crate::parallel::sharded_state;
+use crate::parallel::Model;
+use crate::parallel::{
+    batch_axes, build, shard_axes, Built, CheckpointFormat, Optimizer, ParallelOptions, Strategy,
+};
+use crate::tp::{state as tp_state, TpGrads};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, D};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Bytes of model state one rank holds (parameters, gradients after reduction, optimizer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryReport {
+    pub parameters: usize,
+    pub gradients: usize,
+    pub optimizer: usize,
+}
+
+impl MemoryReport {
+    pub fn total(&self) -> usize {
+        self.parameters + self.gradients + self.optimizer
+    }
+}
+
+/// Restarts the peak-resident-memory count (Linux: `5` into /proc/self/clear_refs), so that
+/// `peak_rss_bytes` measures from here. Returns false where the OS does not allow it.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// Peak resident memory of this process so far (VmHWM), when the OS reports it.
+pub fn peak_rss_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    pub loss: f64,
+    pub learning_rate: f64,
+    pub grad_norm: f64,
+    /// Input tokens processed by all ranks in this step (padding excluded).
+    pub tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    pub loss: f64,
+    /// The task's accuracy: exact-match of greedy answers on held-out prompts (SFT), the
+    /// share of pairs whose chosen reward is the higher (DPO).
+    pub accuracy: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct TrainOutcome {
+    pub losses: Vec<f64>,
+    pub initial_eval: Option<EvalResult>,
+    pub final_eval: Option<EvalResult>,
+    /// Stopped by SIGTERM (a checkpoint was saved first).
+    pub preempted: bool,
+    pub last_checkpoint: Option<PathBuf>,
+}
+
+/// What a task's forward and backward over one step's micro-batches gave.
+#[derive(Debug, Clone, Default)]
+pub struct TaskStep {
+    /// The step's loss, the same on every rank.
+    pub loss: f64,
+    /// Input tokens processed by all ranks (padding excluded).
+    pub tokens: usize,
+    /// The task's own figures, logged under these names (TRL's).
+    pub metrics: Vec<(&'static str, f64)>,
+}
+
+/// What a trainer trains on and how: its rows, a step's loss and gradients, its evaluation.
+/// The [`Core`] it is handed holds the model (already parallel), the groups and the step
+/// state; the task never chooses a strategy.
+pub trait Task<N: CausalModel>: Sized {
+    /// Its arguments: [`TrainingArguments`] and the task's own keys.
+    type Config: TrainerConfig;
+    /// The name its evaluation's accuracy is logged under.
+    const EVAL_ACCURACY: &'static str;
+    /// The shared arguments the run uses (the task may adjust what its keys imply).
+    fn training_arguments(config: &Self::Config) -> TrainingArguments {
+        config.training().clone()
+    }
+    /// Reads and tokenizes the data (before the model is built: the rows fix the steps).
+    fn load(config: &Self::Config, tokenizer: &TextTokenizer) -> Result<Self>;
+    /// Training rows the sampler deals out.
+    fn num_rows(&self) -> usize;
+    /// Once the model is built and parallel (collation for its sequence split; DPO's
+    /// reference log-probabilities).
+    fn prepare(&mut self, config: &Self::Config, core: &Core<'_, N>) -> Result<()>;
+    /// Forward and backward of this rank's micro-batches (`rows`: row indices per
+    /// micro-batch), each micro-batch's gradients handed to [`Core::accumulate`].
+    fn step(
+        &mut self,
+        core: &Core<'_, N>,
+        rows: &[Vec<usize>],
+        grads: &mut StepGrads,
+    ) -> Result<TaskStep>;
+    /// Evaluation on the held-out rows, if there are any (collective).
+    fn evaluate(&self, config: &Self::Config, core: &Core<'_, N>) -> Result<Option<EvalResult>>;
+    /// What the progress bar shows beside the loss.
+    fn progress_note(&self, _metrics: &[(&'static str, f64)]) -> String {
+        String::new()
+    }
+}
+
+/// One optimizer step's gradients, summed over its micro-batches.
+pub struct StepGrads {
+    grads: BTreeMap<String, Tensor>,
+    /// On the run's first step: the parameters that got a gradient from some micro-batch.
+    reached: Option<HashSet<String>>,
+}
+
+/// Everything a trainer does whatever it trains on: the model parallel as the launch says,
+/// the optimizer, the schedule, the data-parallel order of rows, resume state, checkpoints.
+pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
+    /// The shared training arguments of the task's config.
+    pub args: TrainingArguments,
+    pub ctx: &'a DistContext,
+    /// The data-parallel ranks: they draw different examples.
+    pub dp: Arc<dyn Communicator>,
+    /// The ranks that see different tokens: `dp` and, under sequence parallelism, the sp
+    /// ranks holding the other chunks. Token counts and gradients are summed over it.
+    pub batch_group: Arc<dyn Communicator>,
+    pub model: Model<N>,
+    pub tokenizer: TextTokenizer,
+    tokenizer_dir: PathBuf,
+    pub optimizer: Optimizer,
+    pub strategy: Strategy,
+    /// Each rank read only its ZeRO-3 / FSDP slices of the model (efficient loading).
+    pub read_shards: bool,
+    /// Under tensor parallelism: the global gradient norm over the tp group (DDP clips with
+    /// it; ZeRO and FSDP optimizers hold their own copy).
+    tp_grads: Option<TpGrads>,
+    /// How intermediate checkpoints hold sharded state (the final one is always full).
+    pub checkpoint_format: CheckpointFormat,
+    schedule: crate::train::LrSchedule,
+    sampler: DistributedSampler,
+    /// This epoch's sample order (epoch, indices), cached across its steps.
+    order: Option<(u64, Vec<usize>)>,
+    pub state: TrainerState,
+    steps_per_epoch: usize,
+    stop: Arc<AtomicBool>,
+    /// Whether the first step's gradients were checked for parameters that got none.
+    unused_checked: bool,
+}
+
+/// Where a run starts: a fresh state, or the trainer state of the checkpoint
+/// `resume_from_checkpoint` names (its directory and step, for the model's resume).
+fn resume_state(
+    config: &TrainingArguments,
+    total_steps: usize,
+) -> Result<(TrainerState, Option<(PathBuf, u64)>)> {
+    let mut state = TrainerState {
+        total_steps,
+        seed: config.seed,
+        ..Default::default()
+    };
+    let mut resume_from = None;
+    if let Some(spec) = &config.resume_from_checkpoint {
+        let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
+        state = checkpoint::read_trainer_state(&ckpt)?;
+        if state.total_steps != total_steps {
+            tracing::warn!(
+                "resuming a run planned for {} steps with a config that gives {total_steps}",
+                state.total_steps
+            );
+        }
+        state.total_steps = total_steps;
+        tracing::info!(
+            "resumed from {} at step {}",
+            ckpt.display(),
+            state.global_step
+        );
+        resume_from = Some((ckpt, state.global_step as u64));
+    }
+    Ok((state, resume_from))
+}
+
+/// `model_type` of the model directory's config.json (peft's default LoRA targets depend on
+/// it).
+fn model_type(dir: &std::path::Path) -> Result<String> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(path.display().to_string(), "<document>", e.to_string()))?;
+    Ok(json["model_type"].as_str().unwrap_or_default().to_string())
+}
+
+/// Trainable parameters that the first step's backward did not reach are an error (they
+/// would train on silently: only weight decay would move them), unless
+/// `ddp_find_unused_parameters` says they are expected, as PyTorch's DDP asks.
+fn check_unused(without: &[String], find_unused: Option<bool>) -> Result<()> {
+    if without.is_empty() {
+        return Ok(());
+    }
+    let shown = without
+        .iter()
+        .take(8)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let more = match without.len() {
+        n if n > 8 => format!(" and {} more", n - 8),
+        _ => String::new(),
+    };
+    if find_unused == Some(true) {
+        tracing::warn!(
+            "{} parameter(s) got no gradient in the first step ({shown}{more}); \
+             ddp_find_unused_parameters is true, so they are updated with zero gradients",
+            without.len()
+        );
+        return Ok(());
+    }
+    Err(Error::Config {
+        file: "the training arguments".into(),
+        key: "ddp_find_unused_parameters".into(),
+        message: format!(
+            "{} trainable parameter(s) got no gradient in the first step: {shown}{more}. \
+             Usual causes: an op without a backward pass between the parameter and the loss \
+             (candle_nn::rotary_emb::rope / rope_i, candle_nn::ops::rms_norm, softmax_last_dim, \
+             candle_flash_attn on a CPU: use trl_runtime::nn's drop-ins, which have one), a \
+             tensor detached on the way, or a branch the forward did not take. If parameters \
+             are unused on purpose, pass --ddp_find_unused_parameters true (they then get \
+             zero gradients)",
+            without.len()
+        ),
+    })
+}
+
+/// Values a DeepSpeed config fixes must match the training arguments (transformers refuses a
+/// mismatch too); "auto" in a JSON leaves them to the arguments.
+fn check_deepspeed_values(
+    config: &TrainingArguments,
+    plan: &crate::config::LaunchPlan,
+) -> Result<()> {
+    let Some(ds) = &plan.deepspeed else {
+        return Ok(());
+    };
+    let file = ds
+        .config_file
+        .as_ref()
+        .map_or("the launch's deepspeed_config".into(), |p| {
+            p.display().to_string()
+        });
+    // (DeepSpeed's key, its value, the training argument, ours)
+    let pairs = [
+        (
+            "gradient_accumulation_steps",
+            ds.gradient_accumulation_steps.map(|n| n as f64),
+            "gradient_accumulation_steps",
+            config.gradient_accumulation_steps as f64,
+        ),
+        (
+            "gradient_clipping",
+            ds.gradient_clipping,
+            "max_grad_norm",
+            config.max_grad_norm,
+        ),
+        (
+            "train_micro_batch_size_per_gpu",
+            ds.train_micro_batch_size_per_gpu.map(|n| n as f64),
+            "per_device_train_batch_size",
+            config.per_device_train_batch_size as f64,
+        ),
+    ];
+    for (key, theirs, arg, ours) in pairs {
+        if let Some(theirs) = theirs.filter(|t| (t - ours).abs() > 1e-12) {
+            return Err(Error::Config {
+                file,
+                key: key.into(),
+                message: format!(
+                    "{theirs} differs from the training argument {arg} = {ours}: make them equal (or write \"auto\" in the DeepSpeed JSON)"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl<'a, N: CausalModel> Core<'a, N> {
+    /// The model of `args.model_name_or_path`, parallel as `strategy` says, resumed where
+    /// asked, for `rows` training rows.
+    pub(super) fn load(
+        args: &TrainingArguments,
+        ctx: &'a DistContext,
+        strategy: Strategy,
+        rows: usize,
+        tokenizer: TextTokenizer,
+    ) -> Result<Self> {
+        check_deepspeed_values(args, ctx.plan())?;
+        let dp = ctx.group(DP);
+        let dir = args.model_name_or_path.clone();
+        let dtype = args.compute_dtype()?;
+        if dtype != DType::F32 {
+            tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
+        }
+        let sampler = DistributedSampler {
+            len: rows,
+            world: dp.size(),
+            rank: dp.rank(),
+            seed: args.seed,
+            shuffle: true,
+            drop_last: true,
+        };
+        let per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps;
+        let steps_per_epoch = sampler.num_samples() / per_step;
+        if steps_per_epoch == 0 {
+            return Err(Error::Config {
+                file: args.dataset_name.display().to_string(),
+                key: "per_device_train_batch_size".into(),
+                message: format!(
+                    "{rows} training rows cannot fill one global batch of {} (per_device_train_batch_size x {} ranks x gradient_accumulation_steps): lower them or add data",
+                    per_step * dp.size(),
+                    dp.size()
+                ),
+            });
+        }
+        let total_steps = args.total_steps(steps_per_epoch);
+        let (state, resume_from) = resume_state(args, total_steps)?;
+        // The model, parallel as the launch says, resumed where asked.
+        let Built {
+            model,
+            optimizer,
+            tp_grads,
+            checkpoint_format,
+            read_shards,
+        } = build::<N>(
+            ctx,
+            &ParallelOptions {
+                strategy,
+                model_dir: dir.clone(),
+                dtype,
+                attention: AttentionImpl::for_device(&args.attn_implementation, ctx.device())
+                    .expect("validated"),
+                tiled_loss: args.use_liger_kernel,
+                tiled_mlp: args.tiled_mlp,
+                gradient_checkpointing: args.gradient_checkpointing,
+                offload_activations: args.activation_offloading,
+                adam: args.adam(),
+                resume_from,
+                lora: args.lora(&model_type(&dir)?),
+            },
+        )?;
+        // The ranks that see different tokens: data-parallel ones, and those holding the other
+        // chunks of the same rows.
+        let batch_group = ctx.group(batch_axes(model.split()));
+        let schedule = args.schedule(total_steps)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
+        let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone());
+        Ok(Core {
+            args: args.clone(),
+            checkpoint_format,
+            tokenizer_dir: dir,
+            ctx,
+            batch_group,
+            dp,
+            model,
+            tokenizer,
+            optimizer,
+            strategy,
+            read_shards,
+            tp_grads,
+            unused_checked: false,
+            schedule,
+            sampler,
+            order: None,
+            state,
+            steps_per_epoch,
+            stop,
+        })
+    }
+
+    /// Every parameter's full value, whichever strategy holds them (collective under ZeRO-3 /
+    /// FSDP and tensor parallelism: every rank calls it).
+    pub fn gather_weights(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mine = match &self.model.sharding {
+            Some(sharding) => sharding.gather_full()?,
+            None => self
+                .model
+                .params
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect(),
+        };
+        match self.model.tp() {
+            Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref()),
+            None => Ok(mine),
+        }
+    }
+
+    pub fn total_steps(&self) -> usize {
+        self.state.total_steps
+    }
+
+    pub fn steps_per_epoch(&self) -> usize {
+        self.steps_per_epoch
+    }
+
+    /// Model state this rank holds under its strategy. Parameters and optimizer state are
+    /// measured from the storages they keep allocated (shared storage counted once, a slice
+    /// counting what it keeps alive); gradients, which exist only during a step, count what is
+    /// kept after the reduction (ZeRO-2 / ZeRO-3: this rank's slice).
+    pub fn memory(&self) -> MemoryReport {
+        let mut held = StorageBytes::default();
+        if let Some(sharding) = &self.model.sharding {
+            sharding.add_storage(&mut held);
+        }
+        // What the layers hold whole: every weight unsharded (a LoRA base among them, frozen
+        // in the compute dtype), else the adapters beside the units.
+        crate::tp::named_tensors(self.model.net())
+            .values()
+            .for_each(|t| held.add(t));
+        let parameters = held.total;
+        self.optimizer.state().add_storage(&mut held);
+        let grad_full = self.model.params.num_elements() * 4;
+        let gradients = self.optimizer.grad_bytes(grad_full);
+        MemoryReport {
+            parameters,
+            gradients,
+            optimizer: held.total - parameters,
+        }
+    }
+
+    /// What this job runs, as the workers see it (collective: every rank calls it): the
+    /// distributed type, the mesh, the strategy and its settings, and the model-state bytes
+    /// of every rank. `cargo trl launch --dry-run` prints the same plan before anything runs.
+    pub fn report(&self) -> Result<serde_json::Value> {
+        let world = self.ctx.world();
+        let mine = Tensor::new(&[self.memory().total() as f64], &Device::Cpu)?;
+        let bytes = world.all_gather(&mine, 0)?.to_vec1::<f64>()?;
+        let d = self.ctx.mesh.dims();
+        Ok(serde_json::json!({
+            "distributed_type": self.ctx.plan().distributed_type.as_str(),
+            "mesh": {
+                "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
+                "cp": d.cp, "sp": d.sp, "tp": d.tp,
+            },
+            "strategy": self.strategy.name(),
+            "activation_checkpointing": self.model.checkpointing.is_some(),
+            "read_shards": self.read_shards,
+            "offload_optimizer": self.offloaded(),
+            "model_state_bytes": bytes.iter().map(|b| *b as u64).collect::<Vec<_>>(),
+        }))
+    }
+
+    /// Whether the optimizer state lives in host memory while the model computes elsewhere.
+    fn offloaded(&self) -> bool {
+        let on_host = |a: &crate::optim::AdamW| {
+            a.states
+                .values()
+                .next()
+                .is_some_and(|s| s.master.device().is_cpu())
+        };
+        !self.ctx.device().is_cpu() && on_host(self.optimizer.state())
+    }
+
+    /// Examples per optimizer step across all data-parallel ranks.
+    pub fn effective_batch_size(&self) -> usize {
+        self.args.per_device_train_batch_size
+            * self.dp.size()
+            * self.args.gradient_accumulation_steps
+    }
+
+    /// Sums over the data-parallel ranks (each counted once).
+    pub fn global_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let t = Tensor::new(values, &Device::Cpu)?;
+        Ok(self.dp.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
+    }
+
+    /// Sums over every rank that sees different tokens (sequence chunks included).
+    pub fn batch_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let t = Tensor::new(values, &Device::Cpu)?;
+        Ok(self
+            .batch_group
+            .all_reduce(&t, ReduceOp::Sum)?
+            .to_vec1::<f64>()?)
+    }
+
+    /// The row indices of this rank's micro-batches in the current step.
+    pub(super) fn step_rows(&mut self) -> Vec<Vec<usize>> {
+        let (b, a) = (
+            self.args.per_device_train_batch_size,
+            self.args.gradient_accumulation_steps,
+        );
+        // The epoch's order is computed once per epoch, not every step.
+        let epoch = self.state.epoch as u64;
+        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.order = Some((epoch, self.sampler.indices(epoch)));
+        }
+        let order = &self.order.as_ref().expect("set above").1;
+        let start = self.state.step_in_epoch * b * a;
+        (0..a)
+            .map(|m| order[start + m * b..start + (m + 1) * b].to_vec())
+            .collect()
+    }
+
+    /// Runs `f` (a micro-batch's forward) with this step's LoRA dropout masks: drawn from the
+    /// step and micro-batch, the same on the ranks that share a row and when a layer is
+    /// recomputed.
+    pub fn with_dropout<R>(&self, micro: usize, f: impl FnOnce() -> R) -> R {
+        let key = (self.args.seed << 32) ^ ((self.state.global_step as u64) << 8) ^ micro as u64;
+        crate::nn::lora::with_dropout(key, f)
+    }
+
+    /// Gradients for a new step (on the run's first step, it records which parameters got one).
+    pub(super) fn begin_step(&self) -> StepGrads {
+        StepGrads {
+            grads: BTreeMap::new(),
+            reached: (!self.unused_checked).then(HashSet::new),
+        }
+    }
+
+    /// Adds one micro-batch's gradients (`store`, from [`Model::backward`]) to the step's, of
+    /// `micro_batches` in the step.
+    pub fn accumulate(
+        &self,
+        acc: &mut StepGrads,
+        store: GradStore,
+        micro_batches: usize,
+    ) -> Result<()> {
+        if let Some(sharding) = &self.model.sharding {
+            // Sharded units reduced their gradients during the backward itself; a frozen
+            // base's units reduce nothing, and the adapters' gradients are collected below.
+            sharding.finish_backward()?;
+            if !sharding.frozen() {
+                return Ok(());
+            }
+        }
+        // One micro-batch on a GPU with nothing to all-reduce: the gradients stay in the
+        // compute dtype (the GPU optimizer reads them as they are, in f32 math); otherwise
+        // they are summed in fp32.
+        let native_grads =
+            micro_batches == 1 && self.ctx.device().is_cuda() && self.optimizer.single_replica();
+        for (name, var) in self.model.params.iter() {
+            let g = match store.get(var.as_tensor()) {
+                Some(g) => {
+                    if let Some(reached) = acc.reached.as_mut() {
+                        reached.insert(name.clone());
+                    }
+                    g.clone()
+                }
+                None => var.as_tensor().zeros_like()?,
+            };
+            if native_grads {
+                acc.grads.insert(name.clone(), g);
+                continue;
+            }
+            // Accumulated in fp32 whatever the compute dtype (DeepSpeed's bf16 default); on
+            // a GPU the sum grows in place, reading each micro-batch's gradient as it is.
+            let mut slot = acc.grads.remove(name);
+            crate::kernels::precision::accumulate(&mut slot, g, DType::F32)?;
+            if let Some(sum) = slot {
+                acc.grads.insert(name.clone(), sum);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a step: on the run's first, the check that every parameter got a gradient; then
+    /// the optimizer step and the state advanced. Returns (learning rate, gradient norm).
+    pub(super) fn finish_step(&mut self, acc: StepGrads) -> Result<(f64, f64)> {
+        let StepGrads { mut grads, reached } = acc;
+        let first = reached.is_some();
+        // The run's first step checks that every parameter got a gradient, and under tp
+        // that the plan's replicated and partial parameters are what their gradients say.
+        if let Some(reached) = reached {
+            self.unused_checked = true;
+            let mut without: Vec<String> = match &self.model.sharding {
+                Some(sharding) => sharding.take_without_grad(),
+                None => Vec::new(),
+            };
+            // Parameters outside the units (all of them unsharded; LoRA adapters beside a
+            // sharded base; none otherwise under FSDP).
+            without.extend(
+                self.model
+                    .params
+                    .iter()
+                    .map(|(name, _)| name)
+                    .filter(|n| !reached.contains(n.as_str()))
+                    .cloned(),
+            );
+            // Routed experts may see no token in a step by design.
+            let net = self.model.net();
+            let without: Vec<String> = without
+                .into_iter()
+                .filter(|n| !net.may_skip_grad(n))
+                .collect();
+            check_unused(&without, self.args.ddp_find_unused_parameters)?;
+        }
+        let lr = self.schedule.lr(self.state.global_step);
+        let grad_norm = self.optimizer.step(
+            &self.model.params,
+            &mut grads,
+            self.tp_grads.as_ref(),
+            (self.args.max_grad_norm, lr),
+            first,
+        )?;
+        self.state.global_step += 1;
+        self.state.step_in_epoch += 1;
+        if self.state.step_in_epoch == self.steps_per_epoch {
+            self.state.epoch += 1;
+            self.state.step_in_epoch = 0;
+        }
+        Ok((lr, grad_norm))
+    }
+
+    /// Greedy continuation of `prompt` until EOS or `max_new` tokens. With sharded
+    /// parameters every forward is collective, so all ranks run exactly `max_new` steps
+    /// (tokens after EOS are computed and dropped).
+    pub fn generate(&self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        let lockstep = self.lockstep();
+        let mut ids = prompt.to_vec();
+        let mut answer_len = None;
+        for _ in 0..max_new {
+            let n = ids.len();
+            let device = self.ctx.device();
+            let input = Tensor::from_vec(ids.clone(), (1, n), device)?;
+            let pos = Tensor::arange(0i64, n as i64, device)?.unsqueeze(0)?;
+            let logits = self.model.forward_full(&input, &pos)?;
+            let next = logits
+                .get(0)?
+                .get(n - 1)?
+                .argmax(D::Minus1)?
+                .to_scalar::<u32>()?;
+            if answer_len.is_none() && Some(next) == self.tokenizer.eos_token_id {
+                answer_len = Some(n - prompt.len());
+                if !lockstep {
+                    break;
+                }
+            }
+            ids.push(next);
+        }
+        let end = prompt.len() + answer_len.unwrap_or(ids.len() - prompt.len());
+        Ok(ids[prompt.len()..end].to_vec())
+    }
+
+    /// Forwards a rank runs for `own` batches of `per` out of `total` dealt over the
+    /// data-parallel ranks: with collective forwards every rank runs rank 0's count (the most).
+    pub fn rounds(&self, total: usize, per: usize, own: usize) -> usize {
+        if self.lockstep() {
+            total.div_ceil(self.dp.size()).div_ceil(per)
+        } else {
+            own
+        }
+    }
+
+    /// Whether every forward is collective (sharded parameters, or layers split over tp), so
+    /// that all ranks must run the same number of them.
+    pub fn lockstep(&self) -> bool {
+        self.model.sharding.is_some() || self.model.tp().is_some()
+    }
+
+    pub(super) fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
+        self.save_checkpoint_as(self.checkpoint_format)
+    }
+
+    /// Every rank writes its slices into the staging directory; rank 0 adds the config,
+    /// tokenizer and index and renames it into place. With HSDP only the first replica writes.
+    fn save_sharded_checkpoint(&self) -> Result<Option<PathBuf>> {
+        let sharded = self
+            .optimizer
+            .sharded()
+            .expect("DDP checkpoints are written full");
+        let (pieces, step) = (sharded.pieces()?, sharded.step_count());
+        let out = &self.args.output_dir;
+        let main = self.ctx.is_main_process();
+        let world = self.ctx.world();
+        let tmp = checkpoint::staging_dir(out, self.state.global_step);
+        if main {
+            checkpoint::begin(out, self.state.global_step)?;
+            checkpoint::write_model_files(
+                &tmp,
+                None,
+                self.model.config_json(),
+                &self.tokenizer_dir,
+            )?;
+        }
+        world.barrier()?;
+        // The group the optimizer state is sharded over (sequence chunks' ranks included).
+        let shard = self.ctx.group(shard_axes(self.model.split()));
+        if self.ctx.group(&[Axis::DpReplicate]).rank() == 0 {
+            sharded_state::write_rank(&tmp, shard.rank(), shard.size(), &pieces)?;
+        }
+        world.barrier()?;
+        let path = if main {
+            let shapes = self.model.parameter_shapes();
+            sharded_state::write_index(&tmp, shard.size(), shapes, step)?;
+            Some(checkpoint::finish(
+                out,
+                &tmp,
+                &self.state,
+                self.args.save_total_limit,
+            )?)
+        } else {
+            None
+        };
+        world.barrier()?;
+        Ok(path)
+    }
+
+    /// The whole optimizer state: gathered from the data-parallel shards, then the
+    /// tensor-parallel slices joined (collective: every rank calls it).
+    fn gather_optimizer_state(&self) -> Result<Cow<'_, AdamW>> {
+        let state = self.optimizer.gather_full_state()?;
+        Ok(match self.model.tp() {
+            Some(tp) => Cow::Owned(tp_state::gather_state(
+                state.into_owned(),
+                self.model.tp_plan(),
+                tp.as_ref(),
+            )?),
+            None => state,
+        })
+    }
+
+    /// A LoRA run's checkpoint: the adapters gathered whole (tensor-parallel slices joined)
+    /// and written by rank 0 in peft's format, with their optimizer state.
+    fn save_adapter_checkpoint(&self, lora: &LoraConfig) -> Result<Option<PathBuf>> {
+        let mine: BTreeMap<String, Tensor> = self
+            .model
+            .params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let tensors = match self.model.tp() {
+            Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
+            None => mine,
+        };
+        self.write_checkpoint(checkpoint::Weights::Adapter {
+            tensors: &tensors,
+            lora,
+            base: &self.args.model_name_or_path,
+        })
+    }
+
+    /// Gathers the optimizer state, then rank 0 writes the checkpoint of `weights`.
+    fn write_checkpoint(&self, weights: checkpoint::Weights<'_>) -> Result<Option<PathBuf>> {
+        let state = self.gather_optimizer_state()?;
+        let path = if self.ctx.is_main_process() {
+            Some(checkpoint::save(
+                &self.args.output_dir,
+                weights,
+                &self.tokenizer_dir,
+                &state,
+                &self.state,
+                self.args.save_total_limit,
+            )?)
+        } else {
+            None
+        };
+        self.ctx.world().barrier()?;
+        Ok(path)
+    }
+
+    pub(super) fn save_checkpoint_as(&self, format: CheckpointFormat) -> Result<Option<PathBuf>> {
+        if let Some(lora) = self.model.lora() {
+            return self.save_adapter_checkpoint(lora);
+        }
+        let tp = self.model.tp();
+        if format == CheckpointFormat::Sharded && tp.is_none() && self.optimizer.sharded().is_some()
+        {
+            return self.save_sharded_checkpoint();
+        }
+        // Weights held whole and unsplit are saved as they are; others are gathered.
+        let gathered_params;
+        let params = match (&self.model.sharding, tp) {
+            (None, None) => &self.model.params,
+            _ => {
+                gathered_params = Params::from_tensors(self.gather_weights()?)?;
+                &gathered_params
+            }
+        };
+        self.write_checkpoint(checkpoint::Weights::Full {
+            params,
+            config_json: self.model.config_json(),
+        })
+    }
+
+    pub(super) fn stop_requested(&self) -> Result<bool> {
+        let flag = Tensor::new(&[self.stop.load(Ordering::Relaxed) as u8], &Device::Cpu)?;
+        Ok(self
+            .ctx
+            .world()
+            .all_reduce(&flag, ReduceOp::Max)?
+            .to_vec1::<u8>()?[0]
+            == 1)
+    }
+
+    /// Trainable parameters at full size (tensor-parallel slices counted whole).
+    fn trainable_parameters(&self) -> usize {
+        let mut split = HashMap::new();
+        for e in self.model.tp_plan() {
+            split.insert(e.name.as_str(), e.full_shape.iter().product::<usize>());
+        }
+        self.model
+            .params
+            .iter()
+            .map(|(n, v)| split.get(n.as_str()).copied().unwrap_or(v.elem_count()))
+            .sum()
+    }
+
+    /// What the run is about to do: sizes, batch, strategy and memory, and the worker report
+    /// (on the main process).
+    pub(super) fn announce_start(&self) -> Result<()> {
+        let tp_note = match self.model.tp() {
+            Some(tp) => format!(
+                "; each data-parallel rank is {} tensor-parallel ranks splitting every layer",
+                tp.size()
+            ),
+            None => String::new(),
+        };
+        let what = match self.model.lora() {
+            // peft's print_trainable_parameters, counted over the whole model.
+            Some(lora) => {
+                let trainable = self.trainable_parameters();
+                let all = self.model.num_parameters() + trainable;
+                format!(
+                    "LoRA adapters (r {}, {:?}): {trainable} trainable of {all} parameters ({:.2}%)",
+                    lora.r,
+                    lora.targets,
+                    100.0 * trainable as f64 / all as f64
+                )
+            }
+            None => format!("{} parameters", self.model.num_parameters()),
+        };
+        tracing::info!(
+            "training {what} for {} steps ({} per epoch): effective batch {} = {} per device x {} data-parallel ranks x {} accumulation steps{tp_note}",
+            self.state.total_steps,
+            self.steps_per_epoch,
+            self.effective_batch_size(),
+            self.args.per_device_train_batch_size,
+            self.dp.size(),
+            self.args.gradient_accumulation_steps
+        );
+        let mem = self.memory();
+        let sp_note = match self.model.split() {
+            Some(s) if s.ring => format!(" x {} context-parallel", s.group.size()),
+            Some(s) => format!(" x {} sequence-parallel", s.group.size()),
+            None => String::new(),
+        };
+        tracing::info!(
+            "{:?} over {} data-parallel{sp_note} rank(s): model state per rank {:.1} MiB = parameters {:.1} + gradients {:.1} + optimizer {:.1} (fp32 AdamW keeps master weights and two moments)",
+            self.strategy,
+            self.dp.size(),
+            mem.total() as f64 / 1048576.0,
+            mem.parameters as f64 / 1048576.0,
+            mem.gradients as f64 / 1048576.0,
+            mem.optimizer as f64 / 1048576.0
+        );
+        let report = self.report()?;
+        if self.ctx.is_main_process() {
+            tracing::info!("worker report: {report}");
+        }
+        Ok(())
+    }
+
+    /// metrics.jsonl on the main process: a resumed run continues it, a fresh run starts it over.
+    pub(super) fn open_metrics(&self) -> Result<Option<std::fs::File>> {
+        let out_dir = &self.args.output_dir;
+        Ok(if self.ctx.is_main_process() {
+            Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(self.args.resume_from_checkpoint.is_some())
+                    .write(true)
+                    .truncate(self.args.resume_from_checkpoint.is_none())
+                    .open(out_dir.join("metrics.jsonl"))
+                    .map_err(|e| Error::io("cannot open metrics.jsonl", e))?,
+            )
+        } else {
+            None
+        })
+    }
+}
