@@ -6,6 +6,7 @@
 use super::ring::{ring_attention, RingMask};
 use super::ulysses::ulysses_attention;
 use crate::comm::Communicator;
+use crate::data::sequence::{lcm, split_columns};
 use crate::data::Batch;
 use crate::dist::mesh::Axis;
 use crate::dist::DistContext;
@@ -136,13 +137,22 @@ impl Batch {
 
 /// The columns of a row of `len` positions that this rank keeps under `split` (what
 /// [`Batch::part`] keeps), or None when sequences are whole here.
-pub fn kept_columns(split: Option<&SeqSplit>, len: usize) -> Option<Vec<usize>> {
-    let s = split?;
-    let (rank, size) = (s.group.rank(), s.group.size());
-    Some(if s.ring {
-        crate::data::sequence::balanced_indices(rank, size, len / (2 * size))
-    } else {
-        let chunk = len / size;
-        (rank * chunk..(rank + 1) * chunk).collect()
-    })
+pub fn kept_columns(split: Option<&SeqSplit>, len: usize) -> crate::Result<Option<Vec<usize>>> {
+    split
+        .map(|s| split_columns(len, s.group.rank(), s.group.size(), s.ring))
+        .transpose()
+}
+
+/// The padding multiple rows need under `split` (sp chunks, or 2 x cp for the ring's
+/// balance), combined with the one asked for.
+pub fn pad_to_multiple(split: Option<&SeqSplit>, multiple: Option<usize>) -> Option<usize> {
+    let parts = match split {
+        Some(s) if s.ring => 2 * s.group.size(),
+        Some(s) => s.group.size(),
+        None => 1,
+    };
+    match parts {
+        1 => multiple,
+        n => Some(lcm(multiple.unwrap_or(1), n)),
+    }
 }

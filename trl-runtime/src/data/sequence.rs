@@ -17,24 +17,34 @@ pub fn balanced_indices(rank: usize, size: usize, chunk: usize) -> Vec<usize> {
         .collect()
 }
 
+/// The positions of a row of `len` that rank `rank` of `size` keeps: chunk `rank` of `size`
+/// (Ulysses), or with `ring` chunks `rank` and `2 * size - 1 - rank` of `2 * size` (ring
+/// attention's head-tail balance: with a causal mask every rank then does the same work).
+pub fn split_columns(len: usize, rank: usize, size: usize, ring: bool) -> Result<Vec<usize>> {
+    let parts = if ring { 2 * size } else { size };
+    let chunk = chunk_len(len, parts)?;
+    Ok(match ring {
+        true => balanced_indices(rank, size, chunk),
+        false => (rank * chunk..(rank + 1) * chunk).collect(),
+    })
+}
+
 impl Batch {
     /// Chunk `rank` of `size` of every row: Ulysses' split.
     pub fn chunk(&self, rank: usize, size: usize) -> Result<Batch> {
-        if size == 1 {
-            return Ok(self.clone());
-        }
-        let chunk = chunk_len(self, size)?;
-        self.take((rank * chunk..(rank + 1) * chunk).collect())
+        self.split(rank, size, false)
     }
 
-    /// Chunks `rank` and `2 * size - 1 - rank` of `2 * size` (ring attention's head-tail
-    /// balance: with a causal mask every rank then does the same work).
+    /// Chunks `rank` and `2 * size - 1 - rank` of `2 * size` of every row: ring attention's.
     pub fn balanced_chunks(&self, rank: usize, size: usize) -> Result<Batch> {
+        self.split(rank, size, true)
+    }
+
+    fn split(&self, rank: usize, size: usize, ring: bool) -> Result<Batch> {
         if size == 1 {
             return Ok(self.clone());
         }
-        let chunk = chunk_len(self, 2 * size)?;
-        self.take(balanced_indices(rank, size, chunk))
+        self.take(split_columns(self.input_ids.dim(1)?, rank, size, ring)?)
     }
 
     /// The positions `index` of every row; the targets are taken from the whole rows.
@@ -59,10 +69,9 @@ impl Batch {
     }
 }
 
-/// The length of each of `parts` equal chunks of the batch's rows.
-fn chunk_len(batch: &Batch, parts: usize) -> Result<usize> {
-    let len = batch.input_ids.dim(1)?;
-    if len % parts != 0 {
+/// The length of each of `parts` equal chunks of rows of `len` positions.
+fn chunk_len(len: usize, parts: usize) -> Result<usize> {
+    if !len.is_multiple_of(parts) {
         return Err(Error::Config {
             file: "training arguments".into(),
             key: "pad_to_multiple_of".into(),

@@ -684,7 +684,11 @@ impl<N: CausalModel> Model<N> {
         let (nll, mean_logits) = match whole {
             Some(w) => {
                 let hidden = self.hidden_states(input_ids, position_ids, true)?;
-                let hidden = if train { hidden } else { hidden.detach() };
+                let (hidden, w) = match train {
+                    true => (hidden, w),
+                    // Nothing tracked: the loss op records no backward.
+                    false => (hidden.detach(), w.detach()),
+                };
                 let (b, s, h) = hidden.dims3()?;
                 let flat = hidden.reshape((b * s, h))?;
                 let (nll, _) = crate::nn::tiled_loss::tiled_token_nll(&flat, &w, targets)?;

@@ -18,7 +18,7 @@ use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps, LOSS_TYPES};
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
-use crate::context_parallel::split::kept_columns;
+use crate::context_parallel::split::{kept_columns, pad_to_multiple};
 use crate::data::dataset::{load_rows, OnBadRow};
 use crate::data::preference::{parse_preference, tokenize_preference, PreferencePair};
 use crate::data::{collate, Batch, CollateOptions, Example, PackedSequence, TextTokenizer};
@@ -182,13 +182,18 @@ type RefLogps = Vec<(f64, f64)>;
 struct Micro {
     /// This rank's part of the rows, on its device.
     batch: Batch,
-    /// [2 pairs, local positions]: each target's weight in its sequence's log-probability
-    /// (1, or ld_alpha beyond the shorter completion).
+    /// Per local position (flattened rows): the sequence its target belongs to (0 where it
+    /// has none), u32.
+    owner: Tensor,
+    /// Per local position: its weight in its sequence's log-probability (0 off the targets;
+    /// 1, or ld_alpha beyond the shorter completion).
     weights: Tensor,
-    /// [2 pairs, local positions]: 1 at each sequence's targets (the logits metric).
+    /// Per local position: 1 at a target (the logits metric averages over them).
     members: Tensor,
     chosen_len: Vec<f64>,
     rejected_len: Vec<f64>,
+    /// Targets of the chosen and of the rejected sequences, whole.
+    targets: [f64; 2],
     /// Input tokens of the rows this rank counts (padding excluded).
     tokens: usize,
 }
@@ -199,10 +204,8 @@ struct SequenceSums {
     local: Tensor,
     /// [chosen logps.., rejected logps..] whole.
     logps: Vec<f64>,
-    /// Sums of the mean logits over chosen and over rejected targets, and their counts.
-    logits: [f64; 4],
-    /// Chosen targets in the micro-batch (the SFT term's mean).
-    chosen_targets: f64,
+    /// The mean logits summed over the chosen targets and over the rejected ones, whole.
+    logit_sums: [f64; 2],
 }
 
 /// Preference training.
@@ -310,53 +313,48 @@ impl Dpo {
             }
         }
         // Targets per sequence; LD-DPO weighs those beyond the shorter completion.
+        let is_target = |i: usize| targets[i] != IGNORE_INDEX && owner[i] != usize::MAX;
         let mut count = vec![0usize; 2 * n];
-        let mut weight = vec![0f32; n_rows * len];
-        let mut member = vec![false; n_rows * len];
-        for i in 0..n_rows * len {
-            if targets[i] != IGNORE_INDEX && owner[i] != usize::MAX {
-                count[owner[i]] += 1;
-                member[i] = true;
-            }
-        }
+        (0..n_rows * len)
+            .filter(|&i| is_target(i))
+            .for_each(|i| count[owner[i]] += 1);
         let mut seen = vec![0usize; 2 * n];
-        for i in 0..n_rows * len {
-            if member[i] {
-                let k = owner[i];
-                seen[k] += 1;
-                let shared = count[k % n].min(count[n + k % n]);
-                weight[i] = match self.ld_alpha {
-                    Some(a) if seen[k] > shared => a as f32,
-                    _ => 1.0,
-                };
-            }
+        let mut weight = vec![0f32; n_rows * len];
+        for i in (0..n_rows * len).filter(|&i| is_target(i)) {
+            let k = owner[i];
+            seen[k] += 1;
+            let shared = count[k % n].min(count[n + k % n]);
+            weight[i] = match self.ld_alpha {
+                Some(a) if seen[k] > shared => a as f32,
+                _ => 1.0,
+            };
         }
-        // This rank's columns of each row.
+        // This rank's columns of each row, flattened as the model's per-token outputs are.
         let split = core.model.split();
-        let kept = kept_columns(split, len).unwrap_or_else(|| (0..len).collect());
-        let local_len = kept.len();
-        let mut w = vec![0f32; 2 * n * n_rows * local_len];
-        let mut m = vec![0f32; 2 * n * n_rows * local_len];
-        for r in 0..n_rows {
-            for (j, &col) in kept.iter().enumerate() {
-                let g = r * len + col;
-                if member[g] {
-                    let at = owner[g] * n_rows * local_len + r * local_len + j;
-                    w[at] = weight[g];
-                    m[at] = 1.0;
-                }
-            }
-        }
+        let kept = kept_columns(split, len)?.unwrap_or_else(|| (0..len).collect());
+        let local: Vec<usize> = (0..n_rows)
+            .flat_map(|r| kept.iter().map(move |&c| r * len + c))
+            .collect();
         let device = core.ctx.device();
-        let shape = (2 * n, n_rows * local_len);
+        let at = |f: &dyn Fn(usize) -> f32| -> Result<Tensor> {
+            let v: Vec<f32> = local.iter().map(|&g| f(g)).collect();
+            Ok(Tensor::from_vec(v, local.len(), device)?)
+        };
+        let owners: Vec<u32> = local
+            .iter()
+            .map(|&g| if is_target(g) { owner[g] as u32 } else { 0 })
+            .collect();
         let completion =
             |s: &PackedSequence| s.labels.iter().filter(|&&l| l != IGNORE_INDEX).count() as f64;
         let counts_tokens = split.is_none_or(|s| s.group.rank() == 0);
+        let total = |r: std::ops::Range<usize>| count[r].iter().sum::<usize>() as f64;
         Ok(Micro {
-            weights: Tensor::from_vec(w, shape, device)?,
-            members: Tensor::from_vec(m, shape, device)?,
+            owner: Tensor::from_vec(owners, local.len(), device)?,
+            weights: at(&|g| weight[g])?,
+            members: at(&|g| is_target(g) as u8 as f32)?,
             chosen_len: seqs[..n].iter().map(completion).collect(),
             rejected_len: seqs[n..].iter().map(completion).collect(),
+            targets: [total(0..n), total(n..2 * n)],
             tokens: if counts_tokens {
                 seqs.iter().map(|s| s.len()).sum()
             } else {
@@ -378,44 +376,31 @@ impl Dpo {
         let out =
             core.model
                 .forward_token_logps(&b.input_ids, &b.position_ids, &b.targets()?, train)?;
-        let local = micro.weights.matmul(&out.logps.unsqueeze(1)?)?.squeeze(1)?;
-        let logit_sums = micro
-            .members
-            .matmul(&out.mean_logits.unsqueeze(1)?)?
-            .squeeze(1)?;
-        let counts = micro.members.sum(1)?;
+        // Each sequence's sum over its targets: one scatter-add over the positions.
         let n = micro.chosen_len.len();
+        let per_sequence = |per_token: &Tensor, weights: &Tensor| -> Result<Tensor> {
+            let zeros = Tensor::zeros(2 * n, per_token.dtype(), per_token.device())?;
+            Ok(zeros.index_add(&micro.owner, &(per_token * weights)?, 0)?)
+        };
+        let local = per_sequence(&out.logps, &micro.weights)?;
+        let logits: Vec<f32> = per_sequence(&out.mean_logits, &micro.members)?.to_vec1()?;
         let mut values: Vec<f64> = local
             .detach()
             .to_dtype(candle_core::DType::F64)?
             .to_vec1()?;
-        let sums: Vec<f32> = logit_sums.to_vec1()?;
-        let counts: Vec<f32> = counts.to_vec1()?;
-        let part =
-            |v: &[f32], r: std::ops::Range<usize>| v[r].iter().map(|&x| x as f64).sum::<f64>();
-        values.extend([
-            part(&sums, 0..n),
-            part(&counts, 0..n),
-            part(&sums, n..2 * n),
-            part(&counts, n..2 * n),
-        ]);
+        let part = |r: std::ops::Range<usize>| logits[r].iter().map(|&x| x as f64).sum::<f64>();
+        values.extend([part(0..n), part(n..2 * n)]);
         // A sequence split over ranks: each holds part of its sums.
         if let Some(split) = core.model.split() {
             let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
             values = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
         }
-        let logits = [
-            values[2 * n],
-            values[2 * n + 1],
-            values[2 * n + 2],
-            values[2 * n + 3],
-        ];
+        let logit_sums = [values[2 * n], values[2 * n + 1]];
         values.truncate(2 * n);
         Ok(SequenceSums {
             local,
             logps: values,
-            chosen_targets: logits[1],
-            logits,
+            logit_sums,
         })
     }
 
@@ -428,7 +413,7 @@ impl Dpo {
             ref_rejected: reference.iter().map(|r| r.1).collect(),
             chosen_len: micro.chosen_len.clone(),
             rejected_len: micro.rejected_len.clone(),
-            chosen_targets: sums.chosen_targets,
+            chosen_targets: micro.targets[0],
         }
     }
 
@@ -523,15 +508,8 @@ impl<N: CausalModel> Task<N> for Dpo {
 
     fn prepare(&mut self, config: &DPOConfig, core: &Core<'_, N>) -> Result<()> {
         // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
-        let parts = match core.model.split() {
-            Some(s) if s.ring => 2 * s.group.size(),
-            Some(s) => s.group.size(),
-            None => 1,
-        };
-        if parts > 1 {
-            let m = config.pad_to_multiple_of.unwrap_or(1);
-            self.collate_options.pad_to_multiple_of = Some(crate::data::sequence::lcm(m, parts));
-        }
+        self.collate_options.pad_to_multiple_of =
+            pad_to_multiple(core.model.split(), config.pad_to_multiple_of);
         let args = &core.args;
         let path = ref_file(&args.output_dir);
         if core.state.global_step > 0 {
@@ -613,8 +591,9 @@ impl<N: CausalModel> Task<N> for Dpo {
         // Sums over this rank's pairs: rewards chosen, rejected, accuracy, margin, logps.
         let mut sums = [0f64; 6];
         let mut pairs = 0usize;
-        // Per micro-batch (TRL averages the logits metric over them).
-        let mut logits = [0f64; 2];
+        // Per micro-batch, its logit sums and target counts (TRL averages that metric over
+        // micro-batches); summed over the ranks once, with the rest.
+        let mut logits = Vec::with_capacity(4 * rows.len());
         for (i, idx) in rows.iter().enumerate() {
             let batch: Vec<&PreferencePair> = idx.iter().map(|&k| &self.train[k]).collect();
             let reference: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_train[k]).collect();
@@ -649,17 +628,28 @@ impl<N: CausalModel> Task<N> for Dpo {
                 sums[5] += p.rejected[j];
             }
             pairs += p.chosen.len();
-            let l = core.global_sum(&seq.logits)?;
-            logits[0] += l[0] / l[1].max(1.0);
-            logits[1] += l[2] / l[3].max(1.0);
+            logits.extend([
+                seq.logit_sums[0],
+                micro.targets[0],
+                seq.logit_sums[1],
+                micro.targets[1],
+            ]);
         }
         let mut local = vec![loss, pairs as f64];
         local.extend(sums);
+        local.extend(logits);
         let g = core.global_sum(&local)?;
         let total_pairs = g[1].max(1.0);
         let tokens = core.batch_sum(&[tokens as f64])?[0] as usize;
         let micro_batches = rows.len() as f64;
         let mean = |k: usize| g[2 + k] / total_pairs;
+        let mean_logits = |side: usize| {
+            g[8..]
+                .chunks(4)
+                .map(|m| m[2 * side] / m[2 * side + 1].max(1.0))
+                .sum::<f64>()
+                / micro_batches
+        };
         Ok(TaskStep {
             loss: g[0] / (micro_batches * core.dp.size() as f64),
             tokens,
@@ -670,8 +660,8 @@ impl<N: CausalModel> Task<N> for Dpo {
                 ("rewards/margins", mean(3)),
                 ("logps/chosen", mean(4)),
                 ("logps/rejected", mean(5)),
-                ("logits/chosen", logits[0] / micro_batches),
-                ("logits/rejected", logits[1] / micro_batches),
+                ("logits/chosen", mean_logits(0)),
+                ("logits/rejected", mean_logits(1)),
             ],
         })
     }

@@ -9,8 +9,8 @@
 
 use super::config::SFTConfig;
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
+use crate::context_parallel::split::pad_to_multiple;
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
-use crate::data::sequence::lcm;
 use crate::data::{
     collate, pack, Batch, CollateOptions, Example, PackedSequence, PackingStrategy, TextTokenizer,
 };
@@ -27,20 +27,11 @@ fn collate_options(
     split: Option<&crate::context_parallel::SeqSplit>,
     pad_token_id: u32,
 ) -> CollateOptions {
-    // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
-    let parts = match split {
-        Some(s) if s.ring => 2 * s.group.size(),
-        Some(s) => s.group.size(),
-        None => 1,
-    };
-    let pad_to_multiple_of = match (config.pad_to_multiple_of, parts) {
-        (multiple, 1) => multiple,
-        (multiple, n) => Some(lcm(multiple.unwrap_or(1), n)),
-    };
     CollateOptions {
         pad_token_id,
         padding_free: config.padding_free,
-        pad_to_multiple_of,
+        // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
+        pad_to_multiple_of: pad_to_multiple(split, config.pad_to_multiple_of),
     }
 }
 
