@@ -1,8 +1,9 @@
 """TRL's DPOTrainer on our tiny model and preference data, for the parity test
 (cargo-trl/tests/dpo.rs): prints one JSON line of logged metrics per step.
 
-usage: trl_dpo.py MODEL_DIR DATA.jsonl OUT_DIR STEPS BATCH LR [LOSS_TYPE ...]
-Whole-dataset batches (BATCH = the rows used), AdamW, constant learning rate, fp32.
+usage: trl_dpo.py MODEL_DIR DATA.jsonl OUT_DIR STEPS BATCH LR [LOSS_TYPE | KEY=VALUE ...]
+Whole-dataset batches (BATCH = the rows used), AdamW, constant learning rate, fp32; KEY=VALUE
+sets another DPOConfig key (numbers read as floats).
 """
 import json
 import sys
@@ -14,7 +15,15 @@ from trl import DPOConfig, DPOTrainer
 from transformers import TrainerCallback
 
 model_dir, data, out, steps, batch, lr = sys.argv[1:7]
-loss_types = sys.argv[7:] or ["sigmoid"]
+def value(v):
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
+loss_types = [a for a in sys.argv[7:] if "=" not in a] or ["sigmoid"]
+extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[7:] if "=" in a)}
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 tok = AutoTokenizer.from_pretrained(model_dir)
@@ -37,6 +46,7 @@ args = DPOConfig(
     disable_tqdm=True,
     use_cpu=True,
     dataloader_drop_last=True,
+    **extra,
 )
 
 

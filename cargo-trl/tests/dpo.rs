@@ -107,7 +107,8 @@ fn metrics(text: &str) -> Vec<serde_json::Value> {
 
 /// Three steps of whole-dataset batches (8 pairs, AdamW, constant learning rate, fp32): the
 /// logged loss, gradient norm, rewards, log-probs and mean logits equal TRL's within 1e-4
-/// relative, for the default loss, IPO and a weighted list with RPO's SFT term.
+/// relative, for the default loss, IPO, a weighted list with RPO's SFT term, every other loss
+/// type summed in one list, and EXO with LD-DPO and an f-divergence.
 #[test]
 fn dpo_matches_trl() {
     let Some(python) = trl_python() else {
@@ -129,7 +130,39 @@ fn dpo_matches_trl() {
         "logits/chosen",
         "logits/rejected",
     ];
-    for losses in [&["sigmoid"][..], &["ipo"], &["sigmoid", "sft"]] {
+    // Loss types, then other DPOConfig keys as KEY=VALUE.
+    let runs: &[&[&str]] = &[
+        &["sigmoid"],
+        &["ipo"],
+        &["sigmoid", "sft"],
+        &[
+            "hinge",
+            "nca_pair",
+            "robust",
+            "bco_pair",
+            "sppo_hard",
+            "aot",
+            "aot_unpaired",
+            "apo_zero",
+            "apo_down",
+            "discopop",
+            "sigmoid_norm",
+            "label_smoothing=0.1",
+        ],
+        &[
+            "exo_pair",
+            "label_smoothing=0.001",
+            "ld_alpha=0.5",
+            "f_divergence_type=js_divergence",
+        ],
+    ];
+    for run in runs {
+        let losses: Vec<&str> = run.iter().copied().filter(|a| !a.contains('=')).collect();
+        let keys: Vec<String> = run
+            .iter()
+            .filter_map(|a| a.split_once('='))
+            .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
+            .collect();
         let out = tmp.path().join(losses.join("-"));
         let o = Command::new(&python)
             .arg(root().join("scripts/trl_dpo.py"))
@@ -137,7 +170,7 @@ fn dpo_matches_trl() {
             .arg(&pairs)
             .arg(tmp.path().join("trl"))
             .args(["3", "8", "1e-3"])
-            .args(losses)
+            .args(*run)
             .output()
             .unwrap();
         let theirs = metrics(&String::from_utf8_lossy(&o.stdout));
@@ -150,7 +183,8 @@ fn dpo_matches_trl() {
                 &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
                 &["--max_length", "64", "--gradient_checkpointing", "false"],
                 &["--loss_type"][..],
-                losses,
+                &losses,
+                &keys.iter().map(String::as_str).collect::<Vec<_>>(),
             ]
             .concat(),
         );
