@@ -692,8 +692,11 @@ impl<N: CausalModel> Model<N> {
                 let (b, s, h) = hidden.dims3()?;
                 let flat = hidden.reshape((b * s, h))?;
                 let (nll, _) = crate::nn::tiled_loss::tiled_token_nll(&flat, &w, targets)?;
-                // The mean over the vocabulary of h.w_v is h . mean_v(w_v).
-                let mean_w = w.detach().to_dtype(DType::F32)?.mean_keepdim(0)?;
+                // The mean over the vocabulary of h.w_v is h . mean_v(w_v); the column sums by a
+                // GEMM with a ones row (f32 accumulation, no f32 copy of the [vocab, h] head).
+                let vocab = w.dim(0)?;
+                let ones = Tensor::ones((1, vocab), w.dtype(), w.device())?;
+                let mean_w = (ones.matmul(&w.detach())?.to_dtype(DType::F32)? / vocab as f64)?;
                 let mean_logits = flat
                     .detach()
                     .to_dtype(DType::F32)?

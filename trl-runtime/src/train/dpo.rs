@@ -252,11 +252,6 @@ fn read_pairs(path: &Path, tok: &TextTokenizer, config: &DPOConfig) -> Result<Ve
     Ok(pairs)
 }
 
-/// Where a run keeps its reference log-probabilities.
-fn ref_file(out: &Path) -> PathBuf {
-    out.join("ref_logps.json")
-}
-
 impl Dpo {
     /// One sequence: the prompt and a completion, labelled on the completion, truncated.
     fn sequence(&self, prompt: &[u32], completion: &[u32]) -> PackedSequence {
@@ -511,7 +506,8 @@ impl<N: CausalModel> Task<N> for Dpo {
         self.collate_options.pad_to_multiple_of =
             pad_to_multiple(core.model.split(), config.pad_to_multiple_of);
         let args = &core.args;
-        let path = ref_file(&args.output_dir);
+        // Where the run keeps its reference log-probabilities.
+        let path = args.output_dir.join("ref_logps.json");
         if core.state.global_step > 0 {
             // A resumed policy is no longer the reference: read what the first pass computed.
             let text = std::fs::read_to_string(&path).map_err(|e| {
