@@ -81,10 +81,11 @@ def plain_loop(args, batch, gc):
     return args.steps * batch * args.seq / secs
 
 
-def trl_sft(args, batch, gc, liger=False):
+def trl_sft(args, batch, gc, liger=False, lora=False):
     """TRL's SFTTrainer on pre-tokenized rows of the same length (no packing needed); with
     `liger`, its use_liger_kernel (Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and linear
-    cross-entropy)."""
+    cross-entropy); with `lora`, peft's LoRA as TRL's recipes set it (r 16, alpha 32,
+    dropout 0.05, every linear layer)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -115,12 +116,66 @@ def trl_sft(args, batch, gc, liger=False):
     )
     # A tokenizer only for its pad and eos ids (the rows are token ids already): the bundled one.
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=sft_args, processing_class=tokenizer,
                          train_dataset=Dataset.from_dict({"input_ids": ids}),
-                         callbacks=[Clock()])
+                         callbacks=[Clock()], peft_config=peft_config)
     trainer.train()
     secs = timings[-1] - timings[args.warmup - 1]
     return world * args.steps * batch * args.seq / secs
+
+
+def trl_dpo(args, batch, precompute):
+    """TRL's DPOTrainer (sigmoid loss, beta 0.1) on the text pairs of --pref_data, with its
+    reference model (a copy of the policy, forward every step) or, with `precompute`, the
+    reference log-probs computed before training. Tokens are those of the prompt+chosen and
+    prompt+rejected sequences the timed steps took (padding excluded)."""
+    import tempfile
+    from datasets import load_dataset
+    from transformers import TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    cfg = config(args.shape)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn)
+    # Read as users read a file (a cache the ranks share: TRL's precompute pass maps the
+    # dataset on rank 0 first, and an in-memory dataset's cache is a per-process temp dir).
+    cache = os.path.join(tempfile.gettempdir(), "hf-train-bench-dpo-cache")
+    rows = load_dataset("json", data_files=args.pref_data, split="train", cache_dir=cache)
+    timings = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            synchronize(args.device)
+            timings.append(time.perf_counter())
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ddp = {"ddp_backend": "gloo"} if world > 1 and args.device == "cpu" else {}
+    dpo_args = DPOConfig(
+        output_dir="/tmp/hf-train-bench-dpo", per_device_train_batch_size=batch,
+        max_length=2 * args.seq, bf16=args.dtype == "bf16", learning_rate=1e-5,
+        max_steps=args.warmup + args.steps, logging_steps=1000, save_strategy="no", report_to=[],
+        use_cpu=args.device == "cpu", gradient_checkpointing=False,
+        precompute_ref_log_probs=precompute, **ddp,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
+    # A model built in memory has no path for TRL to load the reference from: the copy TRL
+    # would otherwise load (unused with precompute beyond the first pass).
+    import copy
+    ref_model = copy.deepcopy(model)
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=dpo_args,
+                         processing_class=tokenizer,
+                         train_dataset=rows, callbacks=[Clock()])
+    data = trainer.train_dataset
+    per_pair = sum(2 * len(p) + len(c) + len(r) for p, c, r in
+                   zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"])) / len(data)
+    trainer.train()
+    secs = timings[-1] - timings[args.warmup - 1]
+    return world * args.steps * batch * per_pair / secs
 
 
 def main():
@@ -141,7 +196,10 @@ def main():
                    help="BATCH:on|off,... (gradient checkpointing); overrides --batch and "
                         "--gradient_checkpointing")
     p.add_argument("--peers", default="transformers,trl,trl_liger",
-                   help="which peers run (trl_liger: TRL with use_liger_kernel, on a GPU)")
+                   help="which peers run (trl_liger: TRL with use_liger_kernel, on a GPU; "
+                        "trl_lora: TRL + peft LoRA; trl_dpo, trl_dpo_precompute: TRL's "
+                        "DPOTrainer on --pref_data, --batch pairs per process)")
+    p.add_argument("--pref_data", help="jsonl of prompt / chosen / rejected text for trl_dpo")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -164,8 +222,11 @@ def main():
             try:
                 if peer == "transformers":
                     tokens_per_s = plain_loop(args, batch, gc)
+                elif peer.startswith("trl_dpo"):
+                    tokens_per_s = trl_dpo(args, batch, precompute=peer == "trl_dpo_precompute")
                 else:
-                    tokens_per_s = trl_sft(args, batch, gc, liger=peer == "trl_liger")
+                    tokens_per_s = trl_sft(args, batch, gc, liger=peer == "trl_liger",
+                                           lora=peer == "trl_lora")
             except ImportError as e:
                 print(f"{peer} skipped: {e}", file=sys.stderr)
                 continue

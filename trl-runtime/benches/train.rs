@@ -23,22 +23,48 @@ use std::time::Instant;
 #[path = "support/gpu.rs"]
 mod gpu;
 mod support;
+use trl_runtime::config::cli_value::NameList;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
 use trl_runtime::config::LaunchPlan;
 use trl_runtime::dist::mesh::{Axis, DP};
 use trl_runtime::dist::DistContext;
+use trl_runtime::models::{AutoModelForCausalLM, CausalModel};
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
-use trl_runtime::train::{SFTConfig, Strategy, Trainer};
+use trl_runtime::train::{DPOConfig, Dpo, SFTConfig, Strategy, Task, Trainer, TrainingArguments};
 
 const SEQ: usize = 512;
 const BATCH: usize = 4;
 const MEASURED_STEPS: usize = 5;
+/// DPO pairs per micro-batch: their chosen and rejected sequences make BATCH sequences.
+const DPO_PAIRS: usize = BATCH / 2;
+/// Enough pairs for TRL's warm-up and measured steps on 2 ranks.
+const PREF_ROWS: usize = 32;
 
 /// The reference model and a pre-tokenized dataset of full-length rows, written once.
 fn prepare(dir: &Path) {
     let config = support::reference_config(4096);
     support::write_model_and_rows(dir, config, 64, SEQ);
+    // Text pairs for DPO: numbers the tiny tokenizer splits into ~4 tokens each, so a prompt
+    // is ~128 tokens and a completion ~384 (each sequence about SEQ).
+    let numbers = |seed: usize, n: usize| {
+        (0..n)
+            .map(|i| ((seed * 7919 + i * 104729) % 1000).to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let rows: String = (0..PREF_ROWS)
+        .map(|r| {
+            serde_json::json!({
+                "prompt": numbers(3 * r, 33),
+                "chosen": format!(" {}", numbers(3 * r + 1, 100)),
+                "rejected": format!(" {}", numbers(3 * r + 2, 100)),
+            })
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(dir.join("pref.jsonl"), rows).unwrap();
 }
 
 fn worker(kind: &str, dir: &Path) {
@@ -60,53 +86,79 @@ fn worker(kind: &str, dir: &Path) {
     })
     .unwrap();
     trl_runtime::train::logging::init(ctx.rank());
-    let config = if kind == "tiny" {
-        SFTConfig {
-            training: trl_runtime::train::TrainingArguments {
-                model_name_or_path: support::repo().join("assets/tiny/model"),
-                dataset_name: support::repo().join("assets/tiny/data/train.jsonl"),
-                max_length: 64,
-                ..Default::default()
-            },
-            ..SFTConfig::default()
-        }
-    } else {
-        SFTConfig {
-            training: trl_runtime::train::TrainingArguments {
-                model_name_or_path: dir.join("model"),
-                dataset_name: dir.join("train.jsonl"),
-                per_device_train_batch_size: BATCH,
-                max_length: SEQ,
-                learning_rate: 1e-4,
-                ..Default::default()
-            },
-            ..SFTConfig::default()
-        }
+    let common = TrainingArguments {
+        output_dir: dir.join(format!("out-{kind}")),
+        disable_tqdm: true,
+        max_steps: 1000,
+        gradient_checkpointing: false,
+        ..Default::default()
     };
-    let config = {
-        let base = config;
-        SFTConfig {
-            training: trl_runtime::train::TrainingArguments {
-                output_dir: dir.join("out"),
-                disable_tqdm: true,
-                max_steps: 1000,
-                gradient_checkpointing: false,
-                ..base.training
-            },
-            ..base
-        }
+    let training = match kind {
+        "tiny" => TrainingArguments {
+            model_name_or_path: support::repo().join("assets/tiny/model"),
+            dataset_name: support::repo().join("assets/tiny/data/train.jsonl"),
+            max_length: 64,
+            ..common
+        },
+        // Preference pairs of text (prompt ~128 tokens, completions ~384), as TRL reads them.
+        "ref-dpo" => TrainingArguments {
+            model_name_or_path: dir.join("model"),
+            dataset_name: dir.join("pref.jsonl"),
+            per_device_train_batch_size: DPO_PAIRS,
+            max_length: 2 * SEQ,
+            learning_rate: 1e-4,
+            ..common
+        },
+        _ => TrainingArguments {
+            model_name_or_path: dir.join("model"),
+            dataset_name: dir.join("train.jsonl"),
+            per_device_train_batch_size: BATCH,
+            max_length: SEQ,
+            learning_rate: 1e-4,
+            // TRL's LoRA recipe: r 16 on every linear layer (peft's defaults otherwise).
+            use_peft: kind == "ref-lora",
+            lora_target_modules: Some(NameList(vec!["all-linear".into()])),
+            ..common
+        },
+    };
+    if kind == "ref-dpo" {
+        let config = DPOConfig {
+            training,
+            ..DPOConfig::default()
+        };
+        let trainer =
+            Trainer::<AutoModelForCausalLM, Dpo>::load_with_strategy(config, &ctx, Strategy::Ddp)
+                .unwrap();
+        return measure_steps(trainer, &ctx, MEASURED_STEPS);
+    }
+    let config = SFTConfig {
+        training,
+        ..SFTConfig::default()
     };
     let strategy = match kind {
         "ref-zero3" => Strategy::fsdp(WrapPolicy::PerLayer),
         "ref-zero3-no-prefetch" => Strategy::Fsdp(WrapPolicy::PerLayer, Prefetch::NONE),
         _ => Strategy::Ddp,
     };
-    let mut trainer = Trainer::with_strategy(config, &ctx, strategy).unwrap();
-    let first = trainer.train_step().unwrap();
+    let trainer = Trainer::with_strategy(config, &ctx, strategy).unwrap();
+    measure_steps(
+        trainer,
+        &ctx,
+        if kind == "tiny" { 0 } else { MEASURED_STEPS },
+    );
+}
+
+/// One step (warm-up; reported as `first_step_done`), then `timed` steps measured.
+fn measure_steps<N: CausalModel, T: Task<N>>(
+    mut trainer: Trainer<'_, N, T>,
+    ctx: &DistContext,
+    timed: usize,
+) {
+    trainer.train_step().unwrap();
     if ctx.is_main_process() {
         println!("first_step_done");
     }
-    if kind == "tiny" {
+    if timed == 0 {
         return;
     }
     // Every group a strategy talks over (each communicator is timed on its own).
@@ -117,16 +169,15 @@ fn worker(kind: &str, dir: &Path) {
             .sum::<f64>()
     };
     let (start, comm_start) = (Instant::now(), comm());
-    let _ = first;
     let mut tokens = 0;
-    for _ in 0..MEASURED_STEPS {
+    for _ in 0..timed {
         tokens += trainer.train_step().unwrap().tokens;
     }
     let secs = start.elapsed().as_secs_f64();
     if ctx.is_main_process() {
         println!(
             "measured {} {} {}",
-            secs / MEASURED_STEPS as f64,
+            secs / timed as f64,
             tokens as f64 / secs,
             (comm() - comm_start) / secs
         );
@@ -168,8 +219,9 @@ fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
 
 /// transformers' and TRL's tokens/s on this CPU at the reference shape, fp32, one thread per
 /// process, without gradient checkpointing (benches/hf_train.py; nothing when torch is
-/// missing). On `world` > 1 processes only TRL runs, as DDP over gloo under torchrun.
-fn cpu_peers(world: usize) -> Vec<serde_json::Value> {
+/// missing): `peers` (hf_train.py's names) at `batch` rows per process, with `extra`
+/// arguments. On `world` > 1 processes only TRL runs, as DDP over gloo under torchrun.
+fn cpu_peers(world: usize, peers: &str, batch: usize, extra: &[&str]) -> Vec<serde_json::Value> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/hf_train.py");
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let mut command = std::process::Command::new(&python);
@@ -190,11 +242,19 @@ fn cpu_peers(world: usize) -> Vec<serde_json::Value> {
             "--threads",
             "1",
         ])
-        .args(["--seq", &SEQ.to_string(), "--batch", &BATCH.to_string()])
+        .args(["--seq", &SEQ.to_string(), "--batch", &batch.to_string()])
         .args(["--steps", &MEASURED_STEPS.to_string(), "--warmup", "2"])
+        .args(["--peers", peers])
+        .args(extra)
         .output();
     match out {
         Ok(o) => {
+            // A peer that failed or was skipped says so; the others still report.
+            for l in String::from_utf8_lossy(&o.stderr).lines() {
+                if l.contains(" failed:") || l.contains(" skipped: ") {
+                    eprintln!("CPU peer: {l}");
+                }
+            }
             if !o.status.success() {
                 eprintln!(
                     "no CPU peers ({python} {}): {}",
@@ -214,6 +274,20 @@ fn cpu_peers(world: usize) -> Vec<serde_json::Value> {
             eprintln!("no CPU peers: cannot run {python}: {e}");
             Vec::new()
         }
+    }
+}
+
+/// One line per peer: its tokens/s beside ours (`ours`) for the same `task` on `world` ranks.
+fn peer_lines(task: &str, world: usize, ours: f64, peers: &[serde_json::Value]) {
+    for peer in peers {
+        let (name, theirs) = (
+            &peer["framework"],
+            peer["tokens_per_s"].as_f64().unwrap_or(0.0),
+        );
+        println!(
+            "{{\"bench\":\"train\",\"device\":\"cpu\",\"task\":\"{task}\",\"peer\":{name},\"world\":{world},\"peer_tokens_per_s\":{theirs:.1},\"tokens_per_s\":{ours:.1},\"ratio_ours_over_peer\":{:.3},\"gradient_checkpointing\":false}}",
+            ours / theirs
+        );
     }
 }
 
@@ -248,17 +322,22 @@ fn main() {
     // The same shape through transformers and TRL on this CPU's torch (when importable), on
     // one process and (TRL, DDP) on two.
     for world in [1, 2] {
-        for peer in cpu_peers(world) {
-            let (name, theirs) = (
-                &peer["framework"],
-                peer["tokens_per_s"].as_f64().unwrap_or(0.0),
-            );
-            let ours = per_world[world - 1];
-            println!(
-                "{{\"bench\":\"train\",\"device\":\"cpu\",\"peer\":{name},\"world\":{world},\"peer_tokens_per_s\":{theirs:.1},\"tokens_per_s\":{ours:.1},\"ratio_ours_over_peer\":{:.3},\"gradient_checkpointing\":false}}",
-                ours / theirs
-            );
-        }
+        let peers = cpu_peers(world, "transformers,trl", BATCH, &[]);
+        peer_lines("sft", world, per_world[world - 1], &peers);
+    }
+    // LoRA (r 16, alpha 32, dropout 0.05, every linear layer) against TRL + peft, and DPO
+    // (sigmoid, beta 0.1) against TRL's DPOTrainer, on 1 and 2 ranks.
+    let pref = tmp.path().join("pref.jsonl");
+    for world in [1, 2] {
+        let lora = measure("ref-lora", world, tmp.path());
+        line("ddp_lora", world, &lora);
+        let peers = cpu_peers(world, "trl_lora", BATCH, &[]);
+        peer_lines("sft_lora", world, lora.tokens_per_s, &peers);
+        let dpo = measure("ref-dpo", world, tmp.path());
+        line("ddp_dpo", world, &dpo);
+        let extra = ["--pref_data", pref.to_str().unwrap()];
+        let peers = cpu_peers(world, "trl_dpo,trl_dpo_precompute", DPO_PAIRS, &extra);
+        peer_lines("dpo", world, dpo.tokens_per_s, &peers);
     }
     // Tensor parallelism: 2 ranks share every layer of one replica.
     let tp = measure("ref-tp", 2, tmp.path());
