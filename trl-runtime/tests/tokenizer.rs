@@ -240,13 +240,18 @@ not json at all
 
     #[test]
     fn parquet_files_read_like_jsonl() {
-        use trl_runtime::data::load;
+        use trl_runtime::data::{load, Split};
         let dir = model_dir(Some(CHATML));
         let tok = TextTokenizer::from_dir(dir.path()).unwrap();
         let fixtures =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet");
         // list<struct<role, content>> as HF datasets writes conversations (snappy).
-        let chats = load(fixtures.join("messages.parquet"), OnBadRow::Fail).unwrap();
+        let chats = load(
+            fixtures.join("messages.parquet"),
+            Split::TRAIN,
+            OnBadRow::Fail,
+        )
+        .unwrap();
         assert_eq!(chats.records.len(), 2);
         let opts = TokenizeOptions {
             completion_only_loss: true,
@@ -256,14 +261,16 @@ not json at all
         assert_eq!(targets(&tok, &ex), "The answer is 2.<|im_end|>");
         // zstd, with a null completion in row 2.
         let path = fixtures.join("prompt_completion.parquet");
-        let e = load(&path, OnBadRow::Fail).unwrap_err().to_string();
+        let e = load(&path, Split::TRAIN, OnBadRow::Fail)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("prompt_completion.parquet")
                 && e.contains("row 2")
                 && e.contains("without `completion`"),
             "{e}"
         );
-        let pc = load(&path, OnBadRow::Skip).unwrap();
+        let pc = load(&path, Split::TRAIN, OnBadRow::Skip).unwrap();
         assert_eq!(
             (pc.records.len(), pc.skipped.len(), pc.skipped[0].0),
             (2, 1, 2)
@@ -273,7 +280,7 @@ not json at all
             " The answer is 10.<|im_end|>"
         );
         // Unknown extensions are refused with the accepted ones.
-        let e = load(fixtures.join("data.csv"), OnBadRow::Fail)
+        let e = load(fixtures.join("data.csv"), Split::TRAIN, OnBadRow::Fail)
             .unwrap_err()
             .to_string();
         assert!(e.contains(".jsonl") && e.contains(".parquet"), "{e}");

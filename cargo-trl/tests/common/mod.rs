@@ -9,6 +9,7 @@ use std::process::Command;
 /// Every CPU profile (and tensor parallelism alone, and FSDP with efficient loading and
 /// activation checkpointing): (name, launch flags, whether 2 data-parallel ranks see
 /// different rows; else the 2 ranks share each row).
+#[allow(dead_code)]
 pub const CPU_CASES: &[(&str, &[&str], bool)] = &[
     ("multi_cpu", &["--profile", "multi_cpu"], true),
     ("zero2_cpu", &["--profile", "zero2_cpu"], true),
@@ -167,6 +168,7 @@ pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
 /// Runs a `cargo trl launch` command for `steps` fp32 steps (seed 7, no evaluation, a metrics
 /// line per step, the checkpoint at the end) of `per_device` rows per rank into `out`;
 /// asserts it succeeded and returns its output.
+#[allow(dead_code)]
 pub fn run_launch(mut cmd: Command, steps: usize, per_device: usize, out: &Path) -> String {
     let o = cmd
         .args(["--max_steps", &steps.to_string(), "--seed", "7"])

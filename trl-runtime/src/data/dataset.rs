@@ -326,22 +326,58 @@ fn parquet_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result
 /// Reads one row of a dataset (a JSON object, or a Parquet row as one) into a record.
 pub type RowParser<R> = fn(&Value) -> std::result::Result<R, String>;
 
-/// Reads a dataset file by its extension: `.jsonl`/`.json` or `.parquet`.
-pub fn load(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
-    load_rows(path.as_ref(), on_bad, parse_record)
+/// Which split of a dataset directory to read, and the setting that names it (for errors).
+/// A dataset file is read whole, whatever the split.
+#[derive(Debug, Clone, Copy)]
+pub struct Split<'a> {
+    pub name: &'a str,
+    pub key: &'a str,
 }
 
-/// A dataset file's rows read by `parse` (another trainer's format), by the file's extension.
-pub fn load_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<Loaded<R>> {
+impl Split<'static> {
+    /// `datasets`' training split, as TRL's dataset_train_split defaults to it.
+    pub const TRAIN: Split<'static> = Split {
+        name: "train",
+        key: "dataset_train_split",
+    };
+}
+
+/// Reads a dataset: a `.jsonl`/`.json` or `.parquet` file, or `split` of a local dataset
+/// directory (as `datasets.load_dataset(DIR)` finds it, see [`super::local_dir`]).
+pub fn load(path: impl AsRef<Path>, split: Split, on_bad: OnBadRow) -> Result<Loaded> {
+    load_rows(path.as_ref(), split, on_bad, parse_record)
+}
+
+/// A dataset's rows read by `parse` (another trainer's format): a file by its extension, or a
+/// directory's split, its files in order.
+pub fn load_rows<R>(
+    path: &Path,
+    split: Split,
+    on_bad: OnBadRow,
+    parse: RowParser<R>,
+) -> Result<Loaded<R>> {
+    if !path.is_dir() {
+        return file_rows(path, on_bad, parse);
+    }
+    let mut all = Loaded::default();
+    for file in super::local_dir::split_files(path, split.name, split.key)? {
+        let part = file_rows(&file, on_bad, parse)?;
+        all.records.extend(part.records);
+        all.skipped.extend(part.skipped);
+    }
+    Ok(all)
+}
+
+fn file_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<Loaded<R>> {
     match path.extension().and_then(|e| e.to_str()) {
         Some("parquet") => parquet_rows(path, on_bad, parse),
         Some("jsonl") | Some("json") => jsonl_rows(path, on_bad, parse),
         _ => Err(Error::Config {
             file: path.display().to_string(),
             key: "<file>".into(),
-            message:
-                "unknown dataset format: use a .jsonl (one JSON object per line) or .parquet file"
-                    .into(),
+            message: "unknown dataset format: use a .jsonl (one JSON object per line) or \
+                      .parquet file, or a dataset directory holding them"
+                .into(),
         }),
     }
 }

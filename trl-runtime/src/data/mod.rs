@@ -3,6 +3,7 @@
 
 pub mod collate;
 pub mod dataset;
+pub mod local_dir;
 pub mod pack;
 pub mod preference;
 pub mod sampler;
@@ -11,7 +12,8 @@ pub mod tokenize;
 
 pub use collate::{collate, Batch, CollateOptions};
 pub use dataset::{
-    load, load_jsonl, load_parquet, parse_record, to_example, OnBadRow, Record, TokenizeOptions,
+    load, load_jsonl, load_parquet, parse_record, to_example, OnBadRow, Record, Split,
+    TokenizeOptions,
 };
 pub use pack::{pack, PackedSequence, PackingStrategy};
 pub use sampler::DistributedSampler;

@@ -97,10 +97,16 @@ training_arguments! {
     output_dir: PathBuf = PathBuf::from("output");
     /// A model directory in HF format (config.json, safetensors, tokenizer files).
     model_name_or_path: PathBuf = PathBuf::from("assets/tiny/model");
-    /// Training data: a .jsonl or .parquet file in one of TRL's formats.
+    /// Training data in one of TRL's formats: a .jsonl or .parquet file, or a local dataset
+    /// directory (its dataset_train_split, found as `datasets.load_dataset(DIR)` finds it).
     dataset_name: PathBuf = PathBuf::from("assets/tiny/data/train.jsonl");
-    /// Held-out data for eval loss (and task accuracy for the bundled task).
+    /// Held-out data for eval loss (and task accuracy for the bundled task): a file, or a
+    /// dataset directory's dataset_test_split (the dataset_name directory again is fine).
     eval_dataset_name: Option<PathBuf> = None;
+    /// The split of a dataset_name directory to train on.
+    dataset_train_split: String = "train".into();
+    /// The split of an eval_dataset_name directory to evaluate on.
+    dataset_test_split: String = "test".into();
     /// Skip malformed dataset rows (with a count) instead of failing.
     skip_bad_rows: bool = false;
     per_device_train_batch_size: usize = 8;
@@ -194,6 +200,22 @@ fn precision(name: &str) -> std::result::Result<candle_core::DType, String> {
 }
 
 impl TrainingArguments {
+    /// The split of a dataset_name directory to train on.
+    pub fn train_split(&self) -> crate::data::Split<'_> {
+        crate::data::Split {
+            name: &self.dataset_train_split,
+            key: "dataset_train_split",
+        }
+    }
+
+    /// The split of an eval_dataset_name directory to evaluate on.
+    pub fn test_split(&self) -> crate::data::Split<'_> {
+        crate::data::Split {
+            name: &self.dataset_test_split,
+            key: "dataset_test_split",
+        }
+    }
+
     /// Optimizer steps of the run: max_steps when positive, else num_train_epochs' worth.
     pub fn total_steps(&self, steps_per_epoch: usize) -> usize {
         if self.max_steps > 0 {

@@ -19,7 +19,7 @@ use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps, LOSS_TYPES};
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
 use crate::context_parallel::split::{kept_columns, pad_to_multiple};
-use crate::data::dataset::{load_rows, OnBadRow};
+use crate::data::dataset::{load_rows, OnBadRow, Split};
 use crate::data::preference::{parse_preference, tokenize_preference, PreferencePair};
 use crate::data::{collate, Batch, CollateOptions, Example, PackedSequence, TextTokenizer};
 use crate::error::{Error, Result};
@@ -222,13 +222,18 @@ pub struct Dpo {
     ref_batch_size: Option<usize>,
 }
 
-fn read_pairs(path: &Path, tok: &TextTokenizer, config: &DPOConfig) -> Result<Vec<PreferencePair>> {
+fn read_pairs(
+    path: &Path,
+    split: Split,
+    tok: &TextTokenizer,
+    config: &DPOConfig,
+) -> Result<Vec<PreferencePair>> {
     let policy = if config.training.skip_bad_rows {
         OnBadRow::Skip
     } else {
         OnBadRow::Fail
     };
-    let rows = load_rows(path, policy, parse_preference)?;
+    let rows = load_rows(path, split, policy, parse_preference)?;
     let mut pairs = Vec::with_capacity(rows.records.len());
     let mut dropped = 0;
     for r in &rows.records {
@@ -464,9 +469,9 @@ impl<N: CausalModel> Task<N> for Dpo {
     fn load(config: &DPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
         let args = &config.training;
         let loss = config.loss().expect("validated");
-        let train = read_pairs(&args.dataset_name, tokenizer, config)?;
+        let train = read_pairs(&args.dataset_name, args.train_split(), tokenizer, config)?;
         let eval = match &args.eval_dataset_name {
-            Some(path) => read_pairs(path, tokenizer, config)?,
+            Some(path) => read_pairs(path, args.test_split(), tokenizer, config)?,
             None => Vec::new(),
         };
         Ok(Dpo {

@@ -55,7 +55,12 @@ impl TrainData {
             assistant_only_loss: config.assistant_only_loss,
         };
         let train_examples = tokenize_all(
-            &load(&config.training.dataset_name, policy)?.records,
+            &load(
+                &config.training.dataset_name,
+                config.training.train_split(),
+                policy,
+            )?
+            .records,
             tokenizer,
             opts,
         )?;
@@ -70,7 +75,7 @@ impl TrainData {
         };
         let (eval_rows, eval_prompts) = match &config.training.eval_dataset_name {
             Some(path) => {
-                let records = load(path, policy)?.records;
+                let records = load(path, config.training.test_split(), policy)?.records;
                 let rows = tokenize_all(&records, tokenizer, opts)?
                     .into_iter()
                     .map(|e| truncate(e, config.training.max_length))

@@ -32,9 +32,7 @@ const KNOWN: &[&str] = &[
     "dataset_kwargs",
     "dataset_num_proc",
     "dataset_streaming",
-    "dataset_test_split",
     "dataset_text_field",
-    "dataset_train_split",
     "datasets",
     "ddp_backend",
     "ddp_broadcast_buffers",
@@ -229,7 +227,7 @@ fn why(key: &str) -> &'static str {
         "shuffle_dataset",
         "data_seed",
     ]) {
-        "the dataset is dataset_name (a .jsonl or .parquet file in one of TRL's formats), read and shuffled in-process by seed"
+        "the dataset is dataset_name (a .jsonl or .parquet file in one of TRL's formats, or a local dataset directory), read and shuffled in-process by seed"
     } else if any(&[
         "model_init_kwargs",
         "trust_remote_code",
