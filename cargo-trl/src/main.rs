@@ -1,7 +1,7 @@
 //! `cargo trl`: scaffold, configure and launch distributed fine-tuning jobs.
 //!
 //! Commands: `new` (scaffold a training crate), `launch` (run a program on local ranks, like
-//! `accelerate launch`), `env` (environment report), `profiles`
+//! `accelerate launch`), `merge` (a LoRA adapter into its base), `env` (environment report), `profiles`
 //! (the shipped Accelerate profiles), `check FILE` (validate an Accelerate config file).
 //!
 //! Exit codes: 0 success; 1 a worker failed (launch) or the config is invalid (check);
@@ -12,6 +12,7 @@ mod accelerate_flags;
 mod config_cmd;
 mod env;
 mod launch;
+mod merge;
 mod new;
 mod profiles;
 mod slurm;
@@ -53,6 +54,10 @@ enum Command {
     ///
     /// Example: cargo trl new my-sft && cd my-sft && cargo trl launch --profile multi_cpu
     New(new::NewArgs),
+    /// Merge a LoRA adapter into its base: a plain transformers checkpoint (peft's merge_and_unload).
+    ///
+    /// Example: cargo trl merge output/sft-tiny/checkpoint-50 --output_dir merged
+    Merge(merge::MergeArgs),
     /// List the shipped launch profiles (Accelerate YAML).
     ///
     /// Example: cargo trl profiles
@@ -149,6 +154,7 @@ fn main() -> ExitCode {
             }
         },
         Command::New(args) => report(new::run(&args)),
+        Command::Merge(args) => report(merge::run(&args)),
         Command::Slurm(args) => report(slurm::run(&args)),
         Command::Config(args) => report(config_cmd::run(&args)),
         Command::Env => {

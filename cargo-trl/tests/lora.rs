@@ -85,4 +85,76 @@ fn a_lora_run_resumes_from_its_adapter_checkpoint() {
         let d = max_diff(&b.weights[name], w);
         assert!(d < 2e-5, "{name}: resumed differs by {d}");
     }
+    merges_into_its_base(&straight.join(format!("checkpoint-{STEPS}")), tmp.path());
+}
+
+/// `cargo trl merge` on an adapter checkpoint (every linear layer adapted, the head trained
+/// whole while tied to the frozen embedding): the merged checkpoint gives the logits of the
+/// base with the adapter applied (within 1e-5), unties the head, and opens in transformers
+/// with the same logits; a second merge to the same place is refused.
+fn merges_into_its_base(checkpoint: &Path, tmp: &Path) {
+    use trl_runtime::candle_core::{DType, Device, Tensor};
+    use trl_runtime::models::AutoModelForCausalLM;
+    let merged = tmp.join("merged");
+    let merge = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_cargo-trl"))
+            .args(["trl", "merge"])
+            .arg(checkpoint)
+            .arg("--output_dir")
+            .arg(&merged)
+            .args(["--max_shard_size", "40KB"])
+            .output()
+            .unwrap()
+    };
+    let o = merge();
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    // Every linear layer of 2 layers (7 each) took its adapter; the head was replaced.
+    assert!(
+        text.contains("14 weights took their adapter, 1 were replaced"),
+        "{text}"
+    );
+    assert!(
+        merged.join("model.safetensors.index.json").exists(),
+        "{text}"
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(merged.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["tie_word_embeddings"], false);
+
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
+    let mut adapted =
+        AutoModelForCausalLM::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+    adapted.load_adapter(checkpoint).unwrap();
+    let plain = AutoModelForCausalLM::from_pretrained(&merged, DType::F32, &Device::Cpu).unwrap();
+    let ids = Tensor::from_vec(
+        (0..32u32).map(|i| (i * 37 + 5) % 280).collect(),
+        (2, 16),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let pos = Tensor::arange(0i64, 16, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .repeat((2, 1))
+        .unwrap();
+    let d = max_diff(
+        &adapted.forward(&ids, &pos).unwrap(),
+        &plain.forward(&ids, &pos).unwrap(),
+    );
+    eprintln!("merged checkpoint: max |logits - adapted base's| = {d:e}");
+    assert!(
+        d < 1e-5,
+        "merged logits differ from the adapted base's by {d}"
+    );
+    common::opens_in_transformers(&merged);
+
+    let again = merge();
+    let text = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        !again.status.success() && text.contains("already exists"),
+        "{text}"
+    );
 }

@@ -9,6 +9,7 @@ pub mod causal;
 pub mod config;
 pub mod gemma3;
 pub mod llama;
+pub mod merge;
 pub mod mixtral;
 pub mod moe;
 pub mod olmo2;

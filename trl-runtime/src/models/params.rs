@@ -281,6 +281,27 @@ impl WeightFiles {
         Ok(this)
     }
 
+    /// Every stored tensor: (name, shape, bytes), sorted by name.
+    pub fn tensor_infos(&self) -> Vec<(String, Vec<usize>, usize)> {
+        let mut infos: Vec<_> = self
+            .st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let shape = view.shape().to_vec();
+                let bytes = shape.iter().product::<usize>() * view.dtype().bitsize() / 8;
+                (name, shape, bytes)
+            })
+            .collect();
+        infos.sort();
+        infos
+    }
+
+    /// Tensor `name` as stored (its dtype), on the CPU.
+    pub fn load_stored(&self, name: &str) -> Result<Tensor> {
+        Ok(self.st.load(name, &Device::Cpu)?)
+    }
+
     fn file_of(&self, name: &str) -> String {
         (self.where_is)(name).unwrap_or_else(|| self.dir.join(SINGLE_FILE).display().to_string())
     }
@@ -436,7 +457,7 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {
     })
 }
 
-fn write_safetensors(
+pub(crate) fn write_safetensors(
     path: &Path,
     tensors: &[(String, Tensor)],
     metadata: &HashMap<String, String>,
