@@ -2,7 +2,8 @@
 
     python scripts/peft_logits.py write BASE ADAPTER_DIR
         writes a peft LoRA adapter for BASE (all-linear, r=4, alpha=8, lm_head trained whole)
-        with random nonzero A and B, as PeftModel.save_pretrained writes it;
+        with random nonzero A and B, as PeftModel.save_pretrained writes it (`write-dora`:
+        the same with use_dora, its magnitudes moved too);
     python scripts/peft_logits.py logits BASE ADAPTER_DIR IDS OUT
         loads BASE (f32) with PeftModel.from_pretrained(ADAPTER_DIR) and writes OUT.safetensors
         with `logits` for the `input_ids` of IDS.safetensors (positions 0..len).
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 mode, base = sys.argv[1:3]
 model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-if mode == "write":
+if mode in ("write", "write-dora"):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
@@ -27,6 +28,7 @@ if mode == "write":
         target_modules="all-linear",
         modules_to_save=["lm_head"],
         task_type="CAUSAL_LM",
+        use_dora=mode == "write-dora",
     )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():

@@ -41,9 +41,11 @@ fn parse_size(s: &str) -> Result<usize, String> {
         "KIB" => 1024.0,
         "MIB" => 1048576.0,
         "GIB" => 1073741824.0,
-        other => return Err(format!(
+        other => {
+            return Err(format!(
             "--max_shard_size '{s}': unknown unit '{other}' (use B, KB, MB, GB, KiB, MiB or GiB)"
-        )),
+        ))
+        }
     };
     Ok((n * scale) as usize)
 }

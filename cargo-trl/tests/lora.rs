@@ -66,6 +66,40 @@ fn lora_under_every_cpu_profile_equals_one_process() {
     }
 }
 
+/// DoRA (`--use_dora`) where its weight norm is computed differently: from ZeRO-3 / FSDP
+/// units gathered per layer, from tensor-parallel row blocks summed over the group and column
+/// blocks kept apart, with sequences split (Ulysses): each equals one process.
+#[test]
+fn dora_under_sharded_and_split_profiles_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = |name: &str| tmp.path().join(name);
+    let one = ["--num_processes", "1"];
+    let dora = ["--use_dora", "true"];
+    launch(&one, 8, &out("one8"), &dora);
+    launch(&one, 4, &out("one4"), &dora);
+    let (one8, one4) = (
+        Run::read_adapter(&out("one8"), STEPS),
+        Run::read_adapter(&out("one4"), STEPS),
+    );
+    // The adapters of LoRA plus one magnitude per adapted layer (2 layers x 7).
+    assert_eq!(one8.weights.len(), 29 + 14, "{:?}", one8.weights.keys());
+    let config = std::fs::read_to_string(out("one8").join("checkpoint-5/adapter_config.json"));
+    assert!(config.unwrap().contains("\"use_dora\": true"));
+    for (name, args, two_dp) in common::CPU_CASES {
+        if !["zero3_cpu", "fsdp2_tp_cpu", "tp_cpu", "alst_ulysses_cpu"].contains(name) {
+            continue;
+        }
+        launch(args, 4, &out(name), &dora);
+        let want = if *two_dp { &one8 } else { &one4 };
+        let got = Run::read_adapter(&out(name), STEPS);
+        assert_equal(&format!("dora {name}"), &got, want, &[], |_, g, w| {
+            max_diff(g, w)
+        });
+    }
+    // Merged (each row rescaled to its magnitude), it gives the adapted base's logits.
+    merges_into_its_base(&out("one8").join(format!("checkpoint-{STEPS}")), &out("merge"));
+}
+
 #[test]
 fn a_lora_run_resumes_from_its_adapter_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
@@ -93,6 +127,7 @@ fn a_lora_run_resumes_from_its_adapter_checkpoint() {
 /// base with the adapter applied (within 1e-5), unties the head, and opens in transformers
 /// with the same logits; a second merge to the same place is refused.
 fn merges_into_its_base(checkpoint: &Path, tmp: &Path) {
+    std::fs::create_dir_all(tmp).unwrap();
     use trl_runtime::candle_core::{DType, Device, Tensor};
     use trl_runtime::models::AutoModelForCausalLM;
     let merged = tmp.join("merged");

@@ -28,6 +28,7 @@ fn config(targets: Targets) -> LoraConfig {
         modules_to_save: Vec::new(),
         rslora: false,
         seed: 3,
+        dora: false,
     }
 }
 
@@ -43,10 +44,16 @@ fn ids() -> (Tensor, Tensor) {
     (ids, pos)
 }
 
-/// Gives every adapter a nonzero `B` (peft starts it at zero, which would hide the path),
-/// the same values on every call.
+/// Gives every adapter a nonzero `B` (peft starts it at zero, which would hide the path)
+/// and moves DoRA's magnitudes off their initial norms, the same values on every call.
 fn randomize(model: &CausalLm) {
     for (name, var) in model.params.iter() {
+        if name.contains("lora_magnitude_vector") {
+            let n = var.elem_count();
+            let factors: Vec<f32> = (0..n).map(|i| 1.0 + (i % 7) as f32 * 0.05).collect();
+            let factors = Tensor::from_vec(factors, var.shape(), &Device::Cpu).unwrap();
+            var.set(&(var.as_tensor() * factors).unwrap()).unwrap();
+        }
         if name.contains("lora_B") {
             let n = var.elem_count();
             let values: Vec<f32> = (0..n)
@@ -171,26 +178,100 @@ fn our_adapter_loads_in_peft_with_our_logits() {
     let Some(python) = python_with_peft() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
+    for dora in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+        let mut lora = config(Targets::AllLinear);
+        lora.modules_to_save = vec!["lm_head".into()];
+        lora.dora = dora;
+        model.add_adapters(&lora).unwrap();
+        randomize(&model);
+        let (ids, pos) = ids();
+        let ours = model.forward(&ids, &pos).unwrap();
+        let adapter = tmp.path().join("adapter");
+        std::fs::create_dir_all(&adapter).unwrap();
+        let tensors = model
+            .params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        peft::save(&adapter, &tensors, &lora, &tiny()).unwrap();
+        let theirs = peft_logits(&python, &adapter, tmp.path());
+        let d = max_diff(&ours, &theirs);
+        eprintln!("our adapter (dora {dora}) in peft: logits within {d:.1e}");
+        assert!(
+            d < 1e-4,
+            "dora {dora}: peft's logits with our adapter differ by {d}"
+        );
+    }
+}
+
+/// A DoRA adapter: its magnitudes train beside A and B, and the adapted model equals the
+/// base with each weight replaced by `m / ||W + s B A|| (W + s B A)` row by row.
+#[test]
+fn dora_trains_its_magnitudes_and_equals_its_merged_weights() {
     let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
-    let mut lora = config(Targets::AllLinear);
-    lora.modules_to_save = vec!["lm_head".into()];
+    let base = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+    let lora = LoraConfig {
+        dora: true,
+        ..config(Targets::Names(vec!["q_proj".into(), "down_proj".into()]))
+    };
     model.add_adapters(&lora).unwrap();
+    let names: Vec<&String> = model.params.iter().map(|(n, _)| n).collect();
+    assert_eq!(names.len(), 12, "{names:?}");
     randomize(&model);
     let (ids, pos) = ids();
-    let ours = model.forward(&ids, &pos).unwrap();
-    let adapter = tmp.path().join("adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    let tensors = model
-        .params
-        .iter()
-        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-        .collect();
-    peft::save(&adapter, &tensors, &lora, &tiny()).unwrap();
-    let theirs = peft_logits(&python, &adapter, tmp.path());
-    let d = max_diff(&ours, &theirs);
-    eprintln!("our adapter in peft: logits within {d:.1e}");
-    assert!(d < 1e-4, "peft's logits with our adapter differ by {d}");
+    let logits = model.forward(&ids, &pos).unwrap();
+    let mut merged = BTreeMap::new();
+    for (name, var) in base.params.iter() {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let w = var.as_tensor().clone();
+        let get = |part: &str| model.params.get(&format!("{module}.{part}"));
+        let w = match (
+            get("lora_A.weight"),
+            get("lora_B.weight"),
+            get("lora_magnitude_vector"),
+        ) {
+            (Some(a), Some(b), Some(m)) => {
+                let adapted =
+                    (w + (b.as_tensor().matmul(a.as_tensor()).unwrap() * 2.0).unwrap()).unwrap();
+                let norm = adapted
+                    .sqr()
+                    .unwrap()
+                    .sum_keepdim(1)
+                    .unwrap()
+                    .sqrt()
+                    .unwrap();
+                let m = m.as_tensor().unsqueeze(1).unwrap();
+                adapted
+                    .broadcast_mul(&m.broadcast_div(&norm).unwrap())
+                    .unwrap()
+            }
+            _ => w,
+        };
+        merged.insert(name.clone(), w);
+    }
+    let merged = CausalLm::with_params(
+        base.config_json().to_string(),
+        trl_runtime::models::Params::from_tensors(merged).unwrap(),
+    )
+    .unwrap();
+    let d = max_diff(&logits, &merged.forward(&ids, &pos).unwrap());
+    assert!(d < 1e-4, "DoRA vs merged logits differ by {d}");
+    let targets = ids.to_dtype(DType::I64).unwrap();
+    let loss = model.forward_loss(&ids, &pos, &targets).unwrap();
+    let grads = model.backward(&loss.sum).unwrap();
+    for (name, var) in model.params.iter() {
+        let g = grads.get(var.as_tensor()).expect(name);
+        let n = g
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(n > 0.0, "{name} got a zero gradient");
+    }
 }
 
 #[test]
@@ -198,16 +279,24 @@ fn a_peft_adapter_gives_peft_logits_here() {
     let Some(python) = python_with_peft() else {
         return;
     };
+    for dora in [false, true] {
+        a_peft_adapter_gives_peft_logits(&python, dora);
+    }
+}
+
+fn a_peft_adapter_gives_peft_logits(python: &Path, dora: bool) {
+    let python = python.to_path_buf();
     let tmp = tempfile::tempdir().unwrap();
     let adapter = tmp.path().join("peft-adapter");
-    peft_script(&python, &[Path::new("write"), &tiny(), &adapter]);
+    let mode = if dora { "write-dora" } else { "write" };
+    peft_script(&python, &[Path::new(mode), &tiny(), &adapter]);
     let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
     model.load_adapter(&adapter).unwrap();
     let (ids, pos) = ids();
     let ours = model.forward(&ids, &pos).unwrap();
     let theirs = peft_logits(&python, &adapter, tmp.path());
     let d = max_diff(&ours, &theirs);
-    eprintln!("peft's adapter here: logits within {d:.1e}");
+    eprintln!("peft's adapter (dora {dora}) here: logits within {d:.1e}");
     assert!(d < 1e-4, "our logits with peft's adapter differ by {d}");
     // The plain model takes it too, for evaluation.
     let mut plain =
@@ -225,6 +314,12 @@ fn a_peft_adapter_gives_peft_logits_here() {
 /// (the trainer's order: forward under the micro-batch's key, backward after it).
 #[test]
 fn checkpointed_layers_replay_the_dropout_masks() {
+    for dora in [false, true] {
+        replay_dropout_masks(dora);
+    }
+}
+
+fn replay_dropout_masks(dora: bool) {
     use trl_runtime::nn::lora::with_dropout;
     use trl_runtime::parallel::Checkpointing;
     let (ids, pos) = ids();
@@ -234,6 +329,7 @@ fn checkpointed_layers_replay_the_dropout_masks() {
         model
             .add_adapters(&LoraConfig {
                 dropout,
+                dora,
                 ..config(Targets::AllLinear)
             })
             .unwrap();
@@ -255,14 +351,17 @@ fn checkpointed_layers_replay_the_dropout_masks() {
     let (without, _) = run(0.0, false);
     assert!(
         (whole - without).abs() > 1e-3,
-        "dropout had no effect: {whole} vs {without}"
+        "dora {dora}: dropout had no effect: {whole} vs {without}"
     );
     assert!(
         (whole - recomputed).abs() < 1e-4,
-        "loss {whole} vs {recomputed}"
+        "dora {dora}: loss {whole} vs {recomputed}"
     );
     for ((name, g), (_, h)) in whole_grads.iter().zip(&recomputed_grads) {
         let d = max_diff(g, h);
-        assert!(d < 1e-5, "{name}: recomputed gradient differs by {d}");
+        assert!(
+            d < 1e-5,
+            "dora {dora}: {name}: recomputed gradient differs by {d}"
+        );
     }
 }

@@ -1,6 +1,6 @@
 //! An adapter merged into its base, as peft's `merge_and_unload()` then `save_pretrained()`
-//! write it: every adapted weight becomes `W + scale * B A` (computed in f32, stored in the
-//! base's dtype), modules trained whole replace the base's, everything else is copied. The
+//! write it: every adapted weight becomes `W + scale * B A` (with DoRA, each row of that
+//! rescaled to its magnitude; computed in f32, stored in the base's dtype), modules trained whole replace the base's, everything else is copied. The
 //! result is a plain transformers checkpoint (`cargo trl merge`).
 //!
 //! It works on the checkpoint files, not on a built model, so any architecture merges (user
@@ -156,6 +156,7 @@ pub fn merge_adapter(
             let merged = match (a, b, adapters.remove(name.as_str())) {
                 (Some(a), Some(b), None) => {
                     report.merged += 1;
+                    let magnitude = adapters.remove(&format!("{stem}.lora_magnitude_vector"));
                     let delta = (b.matmul(&a)? * scale)?;
                     let shape = w.dims().to_vec();
                     let delta = delta.reshape(shape.as_slice()).map_err(|_| {
@@ -169,7 +170,17 @@ pub fn merge_adapter(
                             ),
                         )
                     })?;
-                    (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?
+                    let adapted = (w.to_dtype(DType::F32)? + delta)?;
+                    // DoRA: each row rescaled to its trained magnitude.
+                    let adapted = match magnitude {
+                        Some(m) => {
+                            let norm = adapted.sqr()?.sum_keepdim(1)?.sqrt()?;
+                            let m = m.reshape((m.elem_count(), 1))?;
+                            adapted.broadcast_mul(&m.broadcast_div(&norm)?)?
+                        }
+                        None => adapted,
+                    };
+                    adapted.to_dtype(w.dtype())?
                 }
                 (None, None, Some(whole)) => {
                     report.replaced += 1;

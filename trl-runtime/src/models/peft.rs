@@ -163,7 +163,7 @@ pub fn save(
         "target_modules": targets,
         "modules_to_save": (!config.modules_to_save.is_empty()).then_some(&config.modules_to_save),
         "use_rslora": config.rslora,
-        "use_dora": false,
+        "use_dora": config.dora,
         "bias": "none",
         "fan_in_fan_out": false,
         "inference_mode": true,
@@ -205,13 +205,11 @@ pub fn read(
             format!("{}: only LORA adapters are read", json["peft_type"]),
         ));
     }
-    for key in ["use_dora", "fan_in_fan_out"] {
-        if json[key].as_bool() == Some(true) {
-            return Err(err(
-                key,
-                "not supported: DoRA and fan-in-fan-out layers are not implemented".into(),
-            ));
-        }
+    if json["fan_in_fan_out"].as_bool() == Some(true) {
+        return Err(err(
+            "fan_in_fan_out",
+            "not supported: fan-in-fan-out (Conv1D) layers are not implemented".into(),
+        ));
     }
     for key in ["rank_pattern", "alpha_pattern"] {
         if json[key].as_object().is_some_and(|m| !m.is_empty()) {
@@ -253,6 +251,7 @@ pub fn read(
         modules_to_save: names("modules_to_save"),
         rslora: json["use_rslora"].as_bool().unwrap_or(false),
         seed: 0,
+        dora: json["use_dora"].as_bool().unwrap_or(false),
     };
     let file = dir.join(ADAPTER_WEIGHTS);
     let loaded = candle_core::safetensors::load(&file, device)?;
@@ -268,7 +267,12 @@ pub fn read(
         // Older peft files can carry the adapter name.
         let ours = ours
             .replace(".lora_A.default.", ".lora_A.")
-            .replace(".lora_B.default.", ".lora_B.");
+            .replace(".lora_B.default.", ".lora_B.")
+            .replace(
+                ".lora_magnitude_vector.default.weight",
+                ".lora_magnitude_vector",
+            )
+            .replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector");
         tensors.insert(ours, t.to_dtype(dtype)?);
     }
     Ok((config, tensors))

@@ -65,9 +65,31 @@ impl Linear {
         let mut lora = Lora::init(name, full, config, (dtype, &device))?;
         let tp = self.tp.as_ref().map(|(_, c)| TpContext::new(c.clone()));
         split_lora(&mut lora, name, dims, tp.as_ref())?;
+        if config.dora {
+            // peft's initial magnitude: the norm of each output row of W (B is zero).
+            let norm = self.dora_norm(&lora)?.to_dtype(dtype)?;
+            lora.magnitude = Some(candle_core::Var::from_tensor(&norm)?.as_tensor().clone());
+        }
         self.freeze();
         self.lora = Some(lora);
         Ok(())
+    }
+
+    /// DoRA's weight norm of this rank's output features: `||W + scale B A||` per row, f32,
+    /// detached (a row-parallel layer's rows are summed over the group first).
+    fn dora_norm(&self, lora: &Lora) -> Result<Tensor> {
+        let w = match &self.weight {
+            Weight::Local(w) => w.clone(),
+            Weight::Sharded(w) => sharded::gathered(w)?,
+        };
+        let sq = lora.weight_norm_sq(&w)?;
+        let sq = match &self.tp {
+            Some((TpStyle::Row, comm)) => comm
+                .all_reduce(&sq, crate::comm::ReduceOp::Sum)
+                .map_err(|e| e.into_candle())?,
+            _ => sq,
+        };
+        sq.sqrt()
     }
 
     /// Holds the weight and bias as constants (no gradient): a LoRA base.
@@ -93,7 +115,7 @@ impl Linear {
     /// `x`: [..., in] -> [..., out]. Leading dims are flattened into one matmul.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let Some((style, comm)) = &self.tp else {
-            return self.adapted(x, self.compute(x, self.bias.as_ref())?);
+            return self.local_out(x, true);
         };
         let wrap = |e: crate::Error| e.into_candle();
         match style {
@@ -101,7 +123,7 @@ impl Linear {
             TpStyle::Column { .. } | TpStyle::Vocab => {
                 let x = copy_to_group(x, comm).map_err(wrap)?;
                 // B holds this rank's output rows: the adapter's output is split as y is.
-                let y = self.adapted(&x, self.compute(&x, self.bias.as_ref())?)?;
+                let y = self.local_out(&x, true)?;
                 if matches!(
                     style,
                     TpStyle::Column {
@@ -119,25 +141,50 @@ impl Linear {
                 // (kept whole) is added once, after the sum.
                 // The adapter's share, x_i A_i^T B^T (A holds this rank's input columns),
                 // joins the partial sum: one all-reduce for both.
-                let partial = self.adapted(x, self.compute(x, None)?)?;
+                // With DoRA, each rank's share is scaled by the (whole rows') magnitude
+                // over norm before the sum.
+                let partial = self.local_out(x, false)?;
                 let y = reduce_from_group(&partial, comm).map_err(wrap)?;
-                match &self.bias {
-                    None => Ok(y),
-                    Some(Weight::Local(b)) => crate::kernels::fused::add_bias(&y, b),
-                    Some(Weight::Sharded(b)) => sharded::add_bias(&y, b),
-                }
+                self.add_bias(y)
             }
-            TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto => {
-                self.adapted(x, self.compute(x, self.bias.as_ref())?)
-            }
+            TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto => self.local_out(x, true),
         }
     }
 
-    /// `y` plus the adapter's output for input `x`, if there is one.
-    fn adapted(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
-        match &self.lora {
-            Some(lora) => y + lora.delta(x)?,
+    /// This rank's `x W^T` (`+ b` with `bias`) with the adapter's output, if there is one.
+    fn local_out(&self, x: &Tensor, bias: bool) -> Result<Tensor> {
+        let b = if bias { self.bias.as_ref() } else { None };
+        let Some(lora) = &self.lora else {
+            return self.compute(x, b);
+        };
+        let Some(m) = &lora.magnitude else {
+            return self.compute(x, b)? + lora.delta(x)?;
+        };
+        // DoRA (nn::lora's docs): g = m / ||W + scale B A||, the norm detached.
+        let g = m
+            .to_dtype(candle_core::DType::F32)?
+            .div(&self.dora_norm(lora)?)?
+            .to_dtype(x.dtype())?;
+        let d = lora.dropped(x)?;
+        let base = self.compute(x, None)?;
+        let y = if lora.dropout_active() {
+            let correction = self.compute(&d, None)?.broadcast_mul(&(&g - 1.0)?)?;
+            ((base + correction)? + lora.path(&d)?.broadcast_mul(&g)?)?
+        } else {
+            (base + lora.path(&d)?)?.broadcast_mul(&g)?
+        };
+        if bias {
+            self.add_bias(y)
+        } else {
+            Ok(y)
+        }
+    }
+
+    fn add_bias(&self, y: Tensor) -> Result<Tensor> {
+        match &self.bias {
             None => Ok(y),
+            Some(Weight::Local(b)) => crate::kernels::fused::add_bias(&y, b),
+            Some(Weight::Sharded(b)) => sharded::add_bias(&y, b),
         }
     }
 
@@ -210,6 +257,10 @@ fn split_lora(
     };
     lora.a = cut(&lora.a, "lora_A.weight", a_dim)?;
     lora.b = cut(&lora.b, "lora_B.weight", b_dim)?;
+    // DoRA's magnitude follows the output features, as B's rows do.
+    if let Some(m) = &lora.magnitude {
+        lora.magnitude = Some(cut(m, "lora_magnitude_vector", b_dim)?);
+    }
     Ok(())
 }
 
@@ -278,6 +329,11 @@ impl TpLayer for Linear {
             };
             f(&child_name(name, "lora_A.weight"), &lora.a, a);
             f(&child_name(name, "lora_B.weight"), &lora.b, b);
+            if let Some(m) = &lora.magnitude {
+                // Split as B's rows; a row-parallel rank's share of the output sends it a
+                // partial gradient, as B's.
+                f(&child_name(name, "lora_magnitude_vector"), m, b);
+            }
         }
     }
 }

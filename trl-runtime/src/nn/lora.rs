@@ -2,6 +2,11 @@
 //! `A` [r, in] and `B` [out, r] trained and the base `W`, `b` frozen. The adapter path runs
 //! beside the base GEMM (two thin matmuls through rank r); no merged weight is built.
 //!
+//! DoRA (`use_dora`) adds a trained magnitude `m` [out], as peft's DoraLinearLayer: with
+//! `g = m / ||W + scale B A||` (each output row's norm, detached, as the paper's section 4.3
+//! and peft do), `y = g (x W^T + x A^T B^T * scale) + b` without dropout, and with it
+//! `y = x W^T + b + (g - 1) d W^T + g d A^T B^T * scale` for `d = dropout(x)`.
+//!
 //! What is adapted is chosen as peft chooses it ([`LoraConfig::targets`]); the layer side is
 //! [`crate::nn::Linear`] holding a [`Lora`]. Names follow peft: the adapter of
 //! `model.layers.0.self_attn.q_proj` is `model.layers.0.self_attn.q_proj.lora_A.weight` and
@@ -32,6 +37,8 @@ pub struct LoraConfig {
     pub rslora: bool,
     /// Seeds `A`'s initialisation (per layer, from its name: the same on every rank).
     pub seed: u64,
+    /// Weight-decomposed LoRA: a trained magnitude per output feature (see the module docs).
+    pub dora: bool,
 }
 
 impl LoraConfig {
@@ -78,11 +85,13 @@ fn suffix_match(name: &str, target: &str) -> bool {
 }
 
 /// A layer's adapter: `A` [r, in], `B` [out, r] (this rank's slices under tensor
-/// parallelism), trainable variables.
+/// parallelism), trainable variables; with DoRA, the magnitude [out] too.
 #[derive(Clone, Debug)]
 pub struct Lora {
     pub a: Tensor,
     pub b: Tensor,
+    /// DoRA's magnitude (this rank's output features), set by the layer from its weight.
+    pub magnitude: Option<Tensor>,
     pub scale: f64,
     pub dropout: f64,
 }
@@ -107,6 +116,7 @@ impl Lora {
         Ok(Lora {
             a,
             b,
+            magnitude: None,
             scale: config.scale(),
             dropout: config.dropout,
         })
@@ -114,12 +124,38 @@ impl Lora {
 
     /// `dropout(x) A^T B^T * scale` for `x` [..., in] (`x` as the base layer sees it).
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
+        self.path(&self.dropped(x)?)
+    }
+
+    /// `x A^T B^T * scale` (no dropout: `x` is already what the adapter sees).
+    pub fn path(&self, x: &Tensor) -> Result<Tensor> {
         self.up(&self.down(x)?)
     }
 
-    /// `dropout(x) A^T`: [..., r].
+    /// The adapter's input: `x` through this layer's dropout (drawing its mask).
+    pub fn dropped(&self, x: &Tensor) -> Result<Tensor> {
+        dropout(x, self.dropout)
+    }
+
+    /// Whether a forward now applies dropout (a training forward with p > 0).
+    pub fn dropout_active(&self) -> bool {
+        self.dropout > 0.0 && DROPOUT_KEY.with(|k| k.get()).is_some()
+    }
+
+    /// Each output row's squared norm of `w + scale B A` (`w` [out, in], this rank's block),
+    /// in f32 and detached: DoRA's weight norm before any tensor-parallel sum.
+    pub fn weight_norm_sq(&self, w: &Tensor) -> Result<Tensor> {
+        let ba = self
+            .b
+            .detach()
+            .to_dtype(DType::F32)?
+            .matmul(&self.a.detach().to_dtype(DType::F32)?)?;
+        let merged = (w.detach().to_dtype(DType::F32)? + (ba * self.scale)?)?;
+        merged.sqr()?.sum(1)
+    }
+
+    /// `x A^T`: [..., r].
     fn down(&self, x: &Tensor) -> Result<Tensor> {
-        let x = dropout(x, self.dropout)?;
         let dims = x.dims().to_vec();
         let inner = dims[dims.len() - 1];
         let rows = x.elem_count() / inner;
@@ -244,6 +280,7 @@ mod tests {
             modules_to_save: vec!["lm_head".into()],
             rslora: false,
             seed: 1,
+            dora: false,
         }
     }
 

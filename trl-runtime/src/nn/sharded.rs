@@ -534,6 +534,12 @@ fn same_unit(w: &ShardedWeight, b: &ShardedWeight) -> candle_core::Result<()> {
     Ok(())
 }
 
+/// The whole (gathered) value of a unit's weight, detached: for what reads a weight without
+/// differentiating through it (DoRA's weight norm).
+pub fn gathered(w: &ShardedWeight) -> candle_core::Result<Tensor> {
+    Ok(w.unit.weight(w.entry).map_err(failed)?.detach())
+}
+
 /// `x W^T + b` on a unit's parameters.
 pub fn linear(
     x: &Tensor,

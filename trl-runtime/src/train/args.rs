@@ -184,7 +184,8 @@ training_arguments! {
     lora_task_type: String = "CAUSAL_LM".into();
     /// Rank-stabilised LoRA: scale by lora_alpha / sqrt(lora_r).
     use_rslora: bool = false;
-    /// Weight-decomposed LoRA (DoRA): not implemented, refused when set.
+    /// Weight-decomposed LoRA (DoRA): a trained magnitude per output feature beside the
+    /// adapters, as peft's use_dora.
     use_dora: bool = false;
 }
 
@@ -269,12 +270,6 @@ impl TrainingArguments {
 
     fn validate_peft(&self, source: &str) -> Result<()> {
         let err = |key: &str, message: String| Error::config(source, key, message);
-        if self.use_dora {
-            return Err(err(
-                "use_dora",
-                "DoRA is not implemented: remove it (plain LoRA, or use_rslora)".into(),
-            ));
-        }
         if self.lora_task_type != "CAUSAL_LM" {
             return Err(err(
                 "lora_task_type",
@@ -323,6 +318,7 @@ impl TrainingArguments {
                 .map_or(Vec::new(), |l| l.0.clone()),
             rslora: self.use_rslora,
             seed: self.seed,
+            dora: self.use_dora,
         })
     }
 
