@@ -97,7 +97,10 @@ fn dora_under_sharded_and_split_profiles_equals_one_process() {
         });
     }
     // Merged (each row rescaled to its magnitude), it gives the adapted base's logits.
-    merges_into_its_base(&out("one8").join(format!("checkpoint-{STEPS}")), &out("merge"));
+    merges_into_its_base(
+        &out("one8").join(format!("checkpoint-{STEPS}")),
+        &out("merge"),
+    );
 }
 
 #[test]

@@ -81,6 +81,24 @@ def plain_loop(args, batch, gc):
     return args.steps * batch * args.seq / secs
 
 
+def trainer_setup(args):
+    """What a TRL trainer run needs here: the step-end times (filled by the returned
+    callback), the world size and, under torchrun on a CPU, DDP over gloo as accelerate
+    launch --multi_cpu sets it up."""
+    from transformers import TrainerCallback
+
+    timings = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            synchronize(args.device)
+            timings.append(time.perf_counter())
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ddp = {"ddp_backend": "gloo"} if world > 1 and args.device == "cpu" else {}
+    return timings, Clock(), world, ddp
+
+
 def trl_sft(args, batch, gc, liger=False, lora=False):
     """TRL's SFTTrainer on pre-tokenized rows of the same length (no packing needed); with
     `liger`, its use_liger_kernel (Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and linear
@@ -93,18 +111,7 @@ def trl_sft(args, batch, gc, liger=False, lora=False):
     rows = batches(args.warmup + args.steps, batch, args.seq, cfg.vocab_size)
     ids = [r.tolist() for b in rows for r in b]
     model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn)
-    timings = []
-
-    from transformers import TrainerCallback
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            synchronize(args.device)
-            timings.append(time.perf_counter())
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    # Under torchrun: DDP over gloo on CPU, as accelerate launch --multi_cpu sets it up.
-    ddp = {"ddp_backend": "gloo"} if world > 1 and args.device == "cpu" else {}
+    timings, clock, world, ddp = trainer_setup(args)
     sft_args = SFTConfig(
         output_dir="/tmp/hf-train-bench", per_device_train_batch_size=batch,
         max_length=args.seq, bf16=args.dtype == "bf16", learning_rate=1e-5, max_steps=args.warmup + args.steps,
@@ -123,7 +130,7 @@ def trl_sft(args, batch, gc, liger=False, lora=False):
                                  target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=sft_args, processing_class=tokenizer,
                          train_dataset=Dataset.from_dict({"input_ids": ids}),
-                         callbacks=[Clock()], peft_config=peft_config)
+                         callbacks=[clock], peft_config=peft_config)
     trainer.train()
     secs = timings[-1] - timings[args.warmup - 1]
     return world * args.steps * batch * args.seq / secs
@@ -136,7 +143,6 @@ def trl_dpo(args, batch, precompute):
     prompt+rejected sequences the timed steps took (padding excluded)."""
     import tempfile
     from datasets import load_dataset
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     cfg = config(args.shape)
@@ -146,15 +152,7 @@ def trl_dpo(args, batch, precompute):
     # dataset on rank 0 first, and an in-memory dataset's cache is a per-process temp dir).
     cache = os.path.join(tempfile.gettempdir(), "hf-train-bench-dpo-cache")
     rows = load_dataset("json", data_files=args.pref_data, split="train", cache_dir=cache)
-    timings = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            synchronize(args.device)
-            timings.append(time.perf_counter())
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ddp = {"ddp_backend": "gloo"} if world > 1 and args.device == "cpu" else {}
+    timings, clock, world, ddp = trainer_setup(args)
     dpo_args = DPOConfig(
         output_dir="/tmp/hf-train-bench-dpo", per_device_train_batch_size=batch,
         max_length=2 * args.seq, bf16=args.dtype == "bf16", learning_rate=1e-5,
@@ -169,7 +167,7 @@ def trl_dpo(args, batch, precompute):
     ref_model = copy.deepcopy(model)
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=dpo_args,
                          processing_class=tokenizer,
-                         train_dataset=rows, callbacks=[Clock()])
+                         train_dataset=rows, callbacks=[clock])
     data = trainer.train_dataset
     per_pair = sum(2 * len(p) + len(c) + len(r) for p, c, r in
                    zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"])) / len(data)

@@ -65,37 +65,51 @@ fn randomize(model: &CausalLm) {
     }
 }
 
+/// Only the adapters train (and DoRA's magnitudes with them), and the adapted model equals
+/// the base with each adapted weight replaced by `W + s B A` (DoRA: each row of that rescaled
+/// to `m / ||W + s B A||`).
 #[test]
 fn adapters_train_alone_and_equal_the_merged_weights() {
+    for dora in [false, true] {
+        train_alone_and_equal_the_merged_weights(dora);
+    }
+}
+
+fn train_alone_and_equal_the_merged_weights(dora: bool) {
     let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
     let base = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
     model
-        .add_adapters(&config(Targets::Names(vec![
-            "q_proj".into(),
-            "down_proj".into(),
-        ])))
+        .add_adapters(&LoraConfig {
+            dora,
+            ..config(Targets::Names(vec!["q_proj".into(), "down_proj".into()]))
+        })
         .unwrap();
-    // Only the adapters train: two layers x two projections x (A, B).
+    // Two layers x two projections x (A, B, and DoRA's m).
     let names: Vec<&String> = model.params.iter().map(|(n, _)| n).collect();
-    assert_eq!(names.len(), 8, "{names:?}");
+    assert_eq!(names.len(), if dora { 12 } else { 8 }, "{names:?}");
     assert!(names.iter().all(|n| n.contains(".lora_")), "{names:?}");
     randomize(&model);
     let (ids, pos) = ids();
     let logits = model.forward(&ids, &pos).unwrap();
-    // The same model with W + scale B A written into the base.
     let scale = 2.0;
     let mut merged = BTreeMap::new();
     for (name, var) in base.params.iter() {
         let module = name.strip_suffix(".weight").unwrap_or(name);
+        let get = |part: &str| model.params.get(&format!("{module}.{part}"));
         let w = var.as_tensor().clone();
-        let w = match (
-            model.params.get(&format!("{module}.lora_A.weight")),
-            model.params.get(&format!("{module}.lora_B.weight")),
-        ) {
+        let w = match (get("lora_A.weight"), get("lora_B.weight")) {
             (Some(a), Some(b)) => {
                 (w + (b.as_tensor().matmul(a.as_tensor()).unwrap() * scale).unwrap()).unwrap()
             }
             _ => w,
+        };
+        let w = match get("lora_magnitude_vector") {
+            Some(m) => {
+                let norm = w.sqr().unwrap().sum_keepdim(1).unwrap().sqrt().unwrap();
+                let g = m.as_tensor().unsqueeze(1).unwrap().broadcast_div(&norm);
+                w.broadcast_mul(&g.unwrap()).unwrap()
+            }
+            None => w,
         };
         merged.insert(name.clone(), w);
     }
@@ -106,7 +120,10 @@ fn adapters_train_alone_and_equal_the_merged_weights() {
     .unwrap();
     let want = merged.forward(&ids, &pos).unwrap();
     let d = max_diff(&logits, &want);
-    assert!(d < 1e-4, "adapted vs merged logits differ by {d}");
+    assert!(
+        d < 1e-4,
+        "dora {dora}: adapted vs merged logits differ by {d}"
+    );
     // The backward reaches the adapters and nothing else.
     let targets = ids.to_dtype(DType::I64).unwrap();
     let loss = model.forward_loss(&ids, &pos, &targets).unwrap();
@@ -120,7 +137,7 @@ fn adapters_train_alone_and_equal_the_merged_weights() {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap();
-        assert!(n > 0.0, "{name} got a zero gradient");
+        assert!(n > 0.0, "dora {dora}: {name} got a zero gradient");
     }
 }
 
@@ -203,74 +220,6 @@ fn our_adapter_loads_in_peft_with_our_logits() {
             d < 1e-4,
             "dora {dora}: peft's logits with our adapter differ by {d}"
         );
-    }
-}
-
-/// A DoRA adapter: its magnitudes train beside A and B, and the adapted model equals the
-/// base with each weight replaced by `m / ||W + s B A|| (W + s B A)` row by row.
-#[test]
-fn dora_trains_its_magnitudes_and_equals_its_merged_weights() {
-    let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
-    let base = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
-    let lora = LoraConfig {
-        dora: true,
-        ..config(Targets::Names(vec!["q_proj".into(), "down_proj".into()]))
-    };
-    model.add_adapters(&lora).unwrap();
-    let names: Vec<&String> = model.params.iter().map(|(n, _)| n).collect();
-    assert_eq!(names.len(), 12, "{names:?}");
-    randomize(&model);
-    let (ids, pos) = ids();
-    let logits = model.forward(&ids, &pos).unwrap();
-    let mut merged = BTreeMap::new();
-    for (name, var) in base.params.iter() {
-        let module = name.strip_suffix(".weight").unwrap_or(name);
-        let w = var.as_tensor().clone();
-        let get = |part: &str| model.params.get(&format!("{module}.{part}"));
-        let w = match (
-            get("lora_A.weight"),
-            get("lora_B.weight"),
-            get("lora_magnitude_vector"),
-        ) {
-            (Some(a), Some(b), Some(m)) => {
-                let adapted =
-                    (w + (b.as_tensor().matmul(a.as_tensor()).unwrap() * 2.0).unwrap()).unwrap();
-                let norm = adapted
-                    .sqr()
-                    .unwrap()
-                    .sum_keepdim(1)
-                    .unwrap()
-                    .sqrt()
-                    .unwrap();
-                let m = m.as_tensor().unsqueeze(1).unwrap();
-                adapted
-                    .broadcast_mul(&m.broadcast_div(&norm).unwrap())
-                    .unwrap()
-            }
-            _ => w,
-        };
-        merged.insert(name.clone(), w);
-    }
-    let merged = CausalLm::with_params(
-        base.config_json().to_string(),
-        trl_runtime::models::Params::from_tensors(merged).unwrap(),
-    )
-    .unwrap();
-    let d = max_diff(&logits, &merged.forward(&ids, &pos).unwrap());
-    assert!(d < 1e-4, "DoRA vs merged logits differ by {d}");
-    let targets = ids.to_dtype(DType::I64).unwrap();
-    let loss = model.forward_loss(&ids, &pos, &targets).unwrap();
-    let grads = model.backward(&loss.sum).unwrap();
-    for (name, var) in model.params.iter() {
-        let g = grads.get(var.as_tensor()).expect(name);
-        let n = g
-            .abs()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert!(n > 0.0, "{name} got a zero gradient");
     }
 }
 
