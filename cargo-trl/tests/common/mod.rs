@@ -115,6 +115,19 @@ pub fn assert_equal(
     qk: &[&str],
     diff: impl Fn(&str, &Tensor, &Tensor) -> f32,
 ) {
+    assert_equal_within(name, got, want, qk, WEIGHT_TOLERANCE, diff)
+}
+
+/// [`assert_equal`] with the weights' bound `weight_tolerance`.
+#[allow(dead_code)]
+pub fn assert_equal_within(
+    name: &str,
+    got: &Run,
+    want: &Run,
+    qk: &[&str],
+    weight_tolerance: f32,
+    diff: impl Fn(&str, &Tensor, &Tensor) -> f32,
+) {
     assert_eq!(got.losses.len(), want.losses.len(), "{name}");
     let mut worst_loss = 0f64;
     for (step, (g, w)) in got.losses.iter().zip(&want.losses).enumerate() {
@@ -133,7 +146,7 @@ pub fn assert_equal(
         if qk.iter().any(|q| param.contains(q)) {
             worst_qk = worst_qk.max(d);
         }
-        assert!(d < WEIGHT_TOLERANCE, "{name}: {param} differs by {d}");
+        assert!(d < weight_tolerance, "{name}: {param} differs by {d}");
     }
     eprintln!(
         "{name}: losses within {worst_loss:.1e}, weights within {worst:.1e} (q/k norms {worst_qk:.1e})"
