@@ -16,6 +16,18 @@ use std::path::{Path, PathBuf};
 /// Token ids and the byte range of `text` each one covers.
 pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 
+/// The files of a model directory that make its tokenizer (tokenizer.json is what is read
+/// here; the others travel with it so that transformers finds what it looks for).
+pub const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+];
+
 const GEN_START: char = '\u{E000}';
 const GEN_END: char = '\u{E001}';
 

@@ -98,46 +98,13 @@ impl Params {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
         write_atomic(&dir.join(CONFIG_FILE), config_json.as_bytes())?;
-        let tensors: Vec<(String, Tensor)> = self
+        let names: Vec<(String, usize)> = self
             .vars
             .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .map(|(n, v)| (n.clone(), v.elem_count() * v.dtype().size_in_bytes()))
             .collect();
         let limit = max_shard_bytes.unwrap_or(usize::MAX);
-        let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
-        let mut current = 0usize;
-        for (name, t) in tensors {
-            let bytes = t.elem_count() * t.dtype().size_in_bytes();
-            if current > 0 && current + bytes > limit {
-                shards.push(Vec::new());
-                current = 0;
-            }
-            current += bytes;
-            shards.last_mut().unwrap().push((name, t));
-        }
-        let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        if shards.len() == 1 {
-            let _ = std::fs::remove_file(dir.join(INDEX_FILE));
-            return write_safetensors(&dir.join(SINGLE_FILE), &shards[0], &metadata);
-        }
-        let n = shards.len();
-        let mut weight_map = serde_json::Map::new();
-        let mut total = 0usize;
-        for (i, shard) in shards.iter().enumerate() {
-            let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
-            for (name, t) in shard {
-                weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
-                total += t.elem_count() * t.dtype().size_in_bytes();
-            }
-            write_safetensors(&dir.join(&file), shard, &metadata)?;
-        }
-        let index =
-            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        write_atomic(
-            &dir.join(INDEX_FILE),
-            serde_json::to_string_pretty(&index).unwrap().as_bytes(),
-        )?;
-        let _ = std::fs::remove_file(dir.join(SINGLE_FILE));
+        write_weights(dir, &names, limit, |n| Ok(self.vars[n].as_tensor().clone()))?;
         Ok(())
     }
 
@@ -457,7 +424,61 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {
     })
 }
 
-pub(crate) fn write_safetensors(
+/// Writes weights into `dir` in HF layout, a file at a time, as `save_pretrained` does: the
+/// tensors `names` (name, stored bytes) in order, grouped into files of at most
+/// `max_shard_bytes` (a larger tensor alone), `model-0000k-of-0000n.safetensors` plus an
+/// index when there is more than one file. `tensor(name)` gives each tensor when its file is
+/// written, so only one file's tensors need exist at once. Returns the number of files.
+pub(crate) fn write_weights(
+    dir: &Path,
+    names: &[(String, usize)],
+    max_shard_bytes: usize,
+    mut tensor: impl FnMut(&str) -> Result<Tensor>,
+) -> Result<usize> {
+    let mut shards: Vec<&[(String, usize)]> = Vec::new();
+    let (mut start, mut filled) = (0, 0usize);
+    for (i, (_, bytes)) in names.iter().enumerate() {
+        if filled > 0 && filled + bytes > max_shard_bytes {
+            shards.push(&names[start..i]);
+            (start, filled) = (i, 0);
+        }
+        filled += bytes;
+    }
+    shards.push(&names[start..]);
+    let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let n = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let file = match n {
+            1 => SINGLE_FILE.to_string(),
+            n => format!("model-{:05}-of-{:05}.safetensors", i + 1, n),
+        };
+        let tensors = shard
+            .iter()
+            .map(|(name, _)| Ok((name.clone(), tensor(name)?)))
+            .collect::<Result<Vec<_>>>()?;
+        write_safetensors(&dir.join(&file), &tensors, &metadata)?;
+        for (name, _) in *shard {
+            weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    if n == 1 {
+        let _ = std::fs::remove_file(dir.join(INDEX_FILE));
+        return Ok(1);
+    }
+    let total: usize = names.iter().map(|(_, b)| b).sum();
+    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+    write_atomic(
+        &dir.join(INDEX_FILE),
+        serde_json::to_string_pretty(&index)
+            .expect("json")
+            .as_bytes(),
+    )?;
+    let _ = std::fs::remove_file(dir.join(SINGLE_FILE));
+    Ok(n)
+}
+
+fn write_safetensors(
     path: &Path,
     tensors: &[(String, Tensor)],
     metadata: &HashMap<String, String>,

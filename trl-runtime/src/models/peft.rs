@@ -186,18 +186,40 @@ pub fn save(
     Ok(())
 }
 
+/// A peft adapter directory's adapter_config.json, and its path for errors.
+fn config_json(dir: &Path) -> Result<(serde_json::Value, String)> {
+    let path = dir.join(ADAPTER_CONFIG);
+    let source = path.display().to_string();
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::io(format!("cannot read {source}"), e))?;
+    let json = serde_json::from_str(&text)
+        .map_err(|e| Error::config(&source, "<document>", e.to_string()))?;
+    Ok((json, source))
+}
+
+/// The base model a peft adapter names (`base_model_name_or_path`) when it is a local model
+/// directory; an error naming the key otherwise (nothing is downloaded).
+pub fn base_model(dir: &Path) -> Result<std::path::PathBuf> {
+    let (json, source) = config_json(dir)?;
+    let named = json["base_model_name_or_path"].as_str().unwrap_or("");
+    let base = std::path::PathBuf::from(named);
+    if named.is_empty() || !base.join(super::params::CONFIG_FILE).is_file() {
+        return Err(Error::config(
+            source,
+            "base_model_name_or_path",
+            format!("'{named}' is not a local model directory: pass the base model's directory (--model_name_or_path)"),
+        ));
+    }
+    Ok(base)
+}
+
 /// The LoRA setup of a peft adapter directory and its tensors by our names (full size).
 pub fn read(
     dir: &Path,
     dtype: DType,
     device: &Device,
 ) -> Result<(LoraConfig, BTreeMap<String, Tensor>)> {
-    let path = dir.join(ADAPTER_CONFIG);
-    let source = path.display().to_string();
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::io(format!("cannot read {source}"), e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::config(&source, "<document>", e.to_string()))?;
+    let (json, source) = config_json(dir)?;
     let err = |key: &str, message: String| Error::config(&source, key, message);
     if json["peft_type"].as_str() != Some("LORA") {
         return Err(err(

@@ -15,14 +15,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::data::tokenize::TOKENIZER_FILES;
 pub use crate::optim::OPTIMIZER_FILE;
 pub const STATE_FILE: &str = "trainer_state.json";
-const TOKENIZER_FILES: &[&str] = &[
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-];
 
 /// Where training stands: enough to continue exactly.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
