@@ -153,8 +153,8 @@ registry! {
     Mixtral(mixtral::Mixtral) = mixtral::MODEL_TYPES,
 }
 
-/// `model_type` of a config.json's text.
-fn model_type(text: &str, source: &str) -> Result<String> {
+/// `model_type` of a config.json's text, if it names one.
+fn named_model_type(text: &str, source: &str) -> Result<Option<String>> {
     #[derive(serde::Deserialize)]
     struct Head {
         model_type: Option<String>,
@@ -163,7 +163,21 @@ fn model_type(text: &str, source: &str) -> Result<String> {
         let at = format!("<line {} column {}>", e.line(), e.column());
         Error::config(source, at, format!("not a valid model config: {e}"))
     })?;
-    head.model_type.ok_or_else(|| Error::Config {
+    Ok(head.model_type)
+}
+
+/// `model_type` of the config.json in model directory `dir`, if it names one (a user's
+/// model may not).
+pub fn config_model_type(dir: &Path) -> Result<Option<String>> {
+    let path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    named_model_type(&text, &path.display().to_string())
+}
+
+/// `model_type` of a config.json's text.
+fn model_type(text: &str, source: &str) -> Result<String> {
+    named_model_type(text, source)?.ok_or_else(|| Error::Config {
         file: source.into(),
         key: "model_type".into(),
         message: format!(

@@ -14,6 +14,14 @@ pub struct LossSum {
 }
 
 impl LossSum {
+    /// The sum of per-token losses (`nll`, 0 where ignored) over `count` targets.
+    pub fn of_tokens((nll, count): (Tensor, usize)) -> Result<Self> {
+        Ok(LossSum {
+            sum: nll.sum_all()?,
+            count,
+        })
+    }
+
     /// The mean over this batch's own tokens (what HF reports for one batch).
     pub fn mean(&self) -> Result<Tensor> {
         self.sum.affine(1.0 / self.count.max(1) as f64, 0.0)
@@ -58,11 +66,7 @@ pub(crate) fn target_index_and_weight(
 /// Summed cross-entropy of `logits` [.., vocab] against aligned `targets` [..] (i64, -100
 /// ignored), computed in f32 (f64 inputs stay f64).
 pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
-    let (nll, count) = cross_entropy_tokens(logits, targets)?;
-    Ok(LossSum {
-        sum: nll.sum_all()?,
-        count,
-    })
+    LossSum::of_tokens(cross_entropy_tokens(logits, targets)?)
 }
 
 /// Each position's cross-entropy (minus its target's log-probability), [n] in f32 (f64 for

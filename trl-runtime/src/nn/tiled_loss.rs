@@ -386,11 +386,7 @@ pub(crate) fn tied_linear_cross_entropy(
             count,
         });
     }
-    let (rows, count) = tiled_token_nll(hidden, weight, targets)?;
-    Ok(LossSum {
-        sum: rows.sum_all()?,
-        count,
-    })
+    LossSum::of_tokens(tiled_token_nll(hidden, weight, targets)?)
 }
 
 /// Each row's cross-entropy of the logits `hidden` [n, h] x `weight`^T would give against

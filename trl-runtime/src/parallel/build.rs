@@ -42,11 +42,7 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
     };
     // Split over tp as it is read: each rank reads only its slices.
     let read_split = || Model::<N>::from_pretrained_split(dir, dtype, &device, tp.clone());
-    let whole_modules = opts
-        .lora
-        .as_ref()
-        .is_some_and(|l| !l.modules_to_save.is_empty());
-    if ctx.plan().efficient_loading() && whole_modules && ctx.is_main_process() {
+    if ctx.plan().efficient_loading() && opts.trains_whole_modules() && ctx.is_main_process() {
         tracing::warn!(
             "efficient loading (fsdp_cpu_ram_efficient_loading / zero3_init_flag): off for this \
              run, whose lora_modules_to_save train whole and are read whole; each rank loads the \

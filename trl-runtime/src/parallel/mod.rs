@@ -191,16 +191,19 @@ pub struct ParallelOptions {
 }
 
 impl ParallelOptions {
+    /// Whether a LoRA run trains modules whole (lora_modules_to_save): those are read whole,
+    /// so the model is loaded before it is sharded (no efficient loading).
+    pub fn trains_whole_modules(&self) -> bool {
+        self.lora
+            .as_ref()
+            .is_some_and(|l| !l.modules_to_save.is_empty())
+    }
+
     /// Whether each rank reads only its ZeRO-3 / FSDP slices from `model_dir` (efficient
     /// loading, on a fresh start without tensor parallelism): the model is first a skeleton.
     pub fn reads_shards(&self, ctx: &DistContext) -> bool {
-        // The modules a LoRA run trains whole are read whole: the model is loaded first.
-        let whole_modules = self
-            .lora
-            .as_ref()
-            .is_some_and(|l| !l.modules_to_save.is_empty());
         ctx.plan().efficient_loading()
-            && !whole_modules
+            && !self.trains_whole_modules()
             && matches!(self.strategy, Strategy::Fsdp(..))
             && ctx.group(&[Axis::Tp]).size() == 1
             && self.resume_from.is_none()

@@ -17,11 +17,9 @@ pub fn vocab_parallel_cross_entropy(
     targets: &Tensor,
     comm: &Arc<dyn Communicator>,
 ) -> Result<LossSum> {
-    let (nll, count) = vocab_parallel_token_nll(logits, targets, comm)?;
-    Ok(LossSum {
-        sum: nll.sum_all()?,
-        count,
-    })
+    Ok(LossSum::of_tokens(vocab_parallel_token_nll(
+        logits, targets, comm,
+    )?)?)
 }
 
 /// [`vocab_parallel_cross_entropy`] per position: [n], 0 where the target is ignored, and the

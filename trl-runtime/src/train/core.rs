@@ -205,17 +205,6 @@ fn resume_state(
     Ok((state, resume_from))
 }
 
-/// `model_type` of the model directory's config.json (peft's default LoRA targets depend on
-/// it).
-fn model_type(dir: &std::path::Path) -> Result<String> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::config(path.display().to_string(), "<document>", e.to_string()))?;
-    Ok(json["model_type"].as_str().unwrap_or_default().to_string())
-}
-
 /// Trainable parameters that the first step's backward did not reach are an error (they
 /// would train on silently: only weight decay would move them), unless
 /// `ddp_find_unused_parameters` says they are expected, as PyTorch's DDP asks.
@@ -368,7 +357,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 offload_activations: args.activation_offloading,
                 adam: args.adam(),
                 resume_from,
-                lora: args.lora(&model_type(&dir)?),
+                lora: args.lora(&crate::models::auto::config_model_type(&dir)?.unwrap_or_default()),
             },
         )?;
         // The ranks that see different tokens: data-parallel ones, and those holding the other
