@@ -194,7 +194,7 @@ struct Micro {
     rejected_len: Vec<f64>,
     /// Targets of the chosen and of the rejected sequences, whole.
     targets: [f64; 2],
-    /// Input tokens of the rows this rank counts (padding excluded).
+    /// Input tokens of the micro-batch's rows, whole (padding excluded).
     tokens: usize,
 }
 
@@ -346,7 +346,6 @@ impl Dpo {
             .collect();
         let completion =
             |s: &PackedSequence| s.labels.iter().filter(|&&l| l != IGNORE_INDEX).count() as f64;
-        let counts_tokens = split.is_none_or(|s| s.group.rank() == 0);
         let total = |r: std::ops::Range<usize>| count[r].iter().sum::<usize>() as f64;
         Ok(Micro {
             owner: Tensor::from_vec(owners, local.len(), device)?,
@@ -355,11 +354,7 @@ impl Dpo {
             chosen_len: seqs[..n].iter().map(completion).collect(),
             rejected_len: seqs[n..].iter().map(completion).collect(),
             targets: [total(0..n), total(n..2 * n)],
-            tokens: if counts_tokens {
-                seqs.iter().map(|s| s.len()).sum()
-            } else {
-                0
-            },
+            tokens: seqs.iter().map(|s| s.len()).sum(),
             batch: batch.part(split)?.to_device(device)?,
         })
     }
@@ -417,6 +412,39 @@ impl Dpo {
         }
     }
 
+    /// The forward (no gradient) over `pairs` in batches of `batch_size`, each data-parallel
+    /// rank taking every dp-th batch; `f` gets each of this rank's batches (its pair indices,
+    /// micro-batch and sums). With collective forwards every rank runs as many: the extra
+    /// ones repeat the first batch and are not handed on.
+    fn each_batch<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        pairs: &[PreferencePair],
+        batch_size: usize,
+        mut f: impl FnMut(&[usize], &Micro, &SequenceSums) -> Result<()>,
+    ) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let (rank, world) = (core.dp.rank(), core.dp.size());
+        let batches: Vec<Vec<usize>> = (0..pairs.len())
+            .collect::<Vec<_>>()
+            .chunks(batch_size)
+            .map(<[usize]>::to_vec)
+            .collect();
+        let mine: Vec<&Vec<usize>> = batches.iter().skip(rank).step_by(world).collect();
+        for i in 0..core.rounds(batches.len(), 1, mine.len()) {
+            let idx = mine.get(i).copied().unwrap_or(&batches[0]);
+            let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
+            let micro = self.micro(core, &rows)?;
+            let sums = self.forward(core, &micro, false)?;
+            if i < mine.len() {
+                f(idx, &micro, &sums)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The reference's log-probabilities of `pairs`: each data-parallel rank computes every
     /// dp-th batch, all ranks get all of them.
     fn reference<N: CausalModel>(
@@ -428,27 +456,14 @@ impl Dpo {
         if pairs.is_empty() {
             return Ok(Vec::new());
         }
-        let (rank, world) = (core.dp.rank(), core.dp.size());
-        let batches: Vec<Vec<usize>> = (0..pairs.len())
-            .collect::<Vec<_>>()
-            .chunks(batch_size)
-            .map(<[usize]>::to_vec)
-            .collect();
-        let mine: Vec<&Vec<usize>> = batches.iter().skip(rank).step_by(world).collect();
         let mut out = vec![0.0; 2 * pairs.len()];
-        for i in 0..core.rounds(batches.len(), 1, mine.len()) {
-            // Ranks with fewer batches repeat the first and drop the result.
-            let idx = mine.get(i).copied().unwrap_or(&batches[0]);
-            let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
-            let micro = self.micro(core, &rows)?;
-            let sums = self.forward(core, &micro, false)?;
-            if i < mine.len() {
-                for (j, &k) in idx.iter().enumerate() {
-                    out[2 * k] = sums.logps[j];
-                    out[2 * k + 1] = sums.logps[idx.len() + j];
-                }
+        self.each_batch(core, pairs, batch_size, |idx, _, sums| {
+            for (j, &k) in idx.iter().enumerate() {
+                out[2 * k] = sums.logps[j];
+                out[2 * k + 1] = sums.logps[idx.len() + j];
             }
-        }
+            Ok(())
+        })?;
         let all = core.global_sum(&out)?;
         Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
     }
@@ -636,16 +651,18 @@ impl<N: CausalModel> Task<N> for Dpo {
                 micro.targets[1],
             ]);
         }
-        let mut local = vec![loss, pairs as f64];
+        // Every rank holding a row's chunk (sp, cp) or slice (tp) has the same figures for
+        // it: the data-parallel ranks' sum is the step's, in one collective.
+        let mut local = vec![loss, pairs as f64, tokens as f64];
         local.extend(sums);
         local.extend(logits);
         let g = core.global_sum(&local)?;
         let total_pairs = g[1].max(1.0);
-        let tokens = core.batch_sum(&[tokens as f64])?[0] as usize;
+        let tokens = g[2] as usize;
         let micro_batches = rows.len() as f64;
-        let mean = |k: usize| g[2 + k] / total_pairs;
+        let mean = |k: usize| g[3 + k] / total_pairs;
         let mean_logits = |side: usize| {
-            g[8..]
+            g[9..]
                 .chunks(4)
                 .map(|m| m[2 * side] / m[2 * side + 1].max(1.0))
                 .sum::<f64>()
@@ -673,32 +690,19 @@ impl<N: CausalModel> Task<N> for Dpo {
         if self.eval.is_empty() {
             return Ok(None);
         }
-        let (rank, world) = (core.dp.rank(), core.dp.size());
-        let bs = config.training.per_device_eval_batch_size;
-        let batches: Vec<Vec<usize>> = (0..self.eval.len())
-            .collect::<Vec<_>>()
-            .chunks(bs)
-            .map(<[usize]>::to_vec)
-            .collect();
-        let mine: Vec<&Vec<usize>> = batches.iter().skip(rank).step_by(world).collect();
         let (mut loss, mut correct, mut pairs) = (0.0, 0.0, 0.0);
-        for i in 0..core.rounds(batches.len(), 1, mine.len()) {
-            let idx = mine.get(i).copied().unwrap_or(&batches[0]);
-            let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &self.eval[k]).collect();
+        let bs = config.training.per_device_eval_batch_size;
+        self.each_batch(core, &self.eval, bs, |idx, micro, seq| {
             let reference: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_eval[k]).collect();
-            let micro = self.micro(core, &rows)?;
-            let seq = self.forward(core, &micro, false)?;
-            if i >= mine.len() {
-                continue;
-            }
-            let p = Self::pair_logps(&micro, &seq, &reference);
+            let p = Self::pair_logps(micro, seq, &reference);
             let n = p.chosen.len() as f64;
             loss += self.loss.compute(&p)?.loss * n;
             correct += (0..p.chosen.len())
                 .filter(|&j| p.chosen[j] - p.ref_chosen[j] > p.rejected[j] - p.ref_rejected[j])
                 .count() as f64;
             pairs += n;
-        }
+            Ok(())
+        })?;
         let g = core.global_sum(&[loss, correct, pairs])?;
         Ok(Some(EvalResult {
             loss: g[0] / g[2].max(1.0),
