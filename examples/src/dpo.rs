@@ -35,30 +35,7 @@ fn run<N: CausalModel>(config: DPOConfig) -> trl_runtime::Result<()> {
     let mut trainer = Trainer::<N, Dpo>::load(config, &ctx)?;
     let outcome = trainer.train()?;
     if ctx.is_main_process() {
-        let acc = |e: Option<trl_runtime::train::EvalResult>| {
-            e.and_then(|e| e.accuracy)
-                .map_or("n/a".into(), |a| format!("{:.1}%", 100.0 * a))
-        };
-        match outcome.preempted {
-            true => println!(
-                "preempted by SIGTERM after step {}: saved {}",
-                trainer.state.global_step,
-                outcome
-                    .last_checkpoint
-                    .as_ref()
-                    .map_or("nothing".into(), |p| p.display().to_string())
-            ),
-            false => println!(
-                "held-out reward accuracy: before {} -> after {}; final train loss {:.4}; checkpoint {}",
-                acc(outcome.initial_eval),
-                acc(outcome.final_eval),
-                outcome.losses.last().copied().unwrap_or(f64::NAN),
-                outcome
-                    .last_checkpoint
-                    .as_ref()
-                    .map_or("none".into(), |p| p.display().to_string()),
-            ),
-        }
+        crate::print_outcome(&outcome, trainer.state.global_step, "reward accuracy", "");
     }
     Ok(())
 }

@@ -10,7 +10,7 @@ pub mod sft;
 
 use std::process::ExitCode;
 use trl_runtime::dist::spawn;
-use trl_runtime::train::{Cli, TrainerConfig};
+use trl_runtime::train::{Cli, EvalResult, TrainOutcome, TrainerConfig};
 
 /// A trainer program's `main`: TRL's flags and YAML over `defaults`, then `run` as one rank
 /// when launched, else TRL_LOCAL_PROCESSES local ranks (default 2) of this program.
@@ -40,4 +40,34 @@ pub fn launch<C: TrainerConfig>(
             ExitCode::FAILURE
         }
     }
+}
+
+/// What a finished run prints (main process): where a preempted run saved after `step`, else
+/// the held-out `accuracy` (its name) before and after, the last loss, the checkpoint and
+/// `extra`.
+pub fn print_outcome(outcome: &TrainOutcome, step: usize, accuracy: &str, extra: &str) {
+    let path = |none: &str| {
+        outcome
+            .last_checkpoint
+            .as_ref()
+            .map_or(none.into(), |p| p.display().to_string())
+    };
+    if outcome.preempted {
+        println!(
+            "preempted by SIGTERM after step {step}: saved {}",
+            path("nothing")
+        );
+        return;
+    }
+    let acc = |e: Option<EvalResult>| {
+        e.and_then(|e| e.accuracy)
+            .map_or("n/a".into(), |a| format!("{:.1}%", 100.0 * a))
+    };
+    println!(
+        "held-out {accuracy}: before {} -> after {}; final train loss {:.4}; checkpoint {}{extra}",
+        acc(outcome.initial_eval),
+        acc(outcome.final_eval),
+        outcome.losses.last().copied().unwrap_or(f64::NAN),
+        path("none"),
+    );
 }

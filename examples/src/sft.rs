@@ -40,28 +40,10 @@ fn run<N: CausalModel>(config: SFTConfig) -> trl_runtime::Result<()> {
     let _rank = trl_runtime::train::logging::init(ctx.rank());
     let mut trainer = Trainer::<N>::load(config, &ctx)?;
     let outcome = trainer.train()?;
-    if ctx.is_main_process() && outcome.preempted {
-        println!(
-            "preempted by SIGTERM after step {}: saved {}",
-            trainer.state.global_step,
-            outcome
-                .last_checkpoint
-                .as_ref()
-                .map_or("nothing".into(), |p| p.display().to_string())
-        );
-    } else if ctx.is_main_process() {
-        let acc = |e: Option<trl_runtime::train::EvalResult>| {
-            e.and_then(|e| e.accuracy)
-                .map_or("n/a".into(), |a| format!("{:.1}%", 100.0 * a))
-        };
-        println!(
-            "held-out accuracy: before {} -> after {}; final train loss {:.4}; checkpoint {}; loss curve {}",
-            acc(outcome.initial_eval),
-            acc(outcome.final_eval),
-            outcome.losses.last().copied().unwrap_or(f64::NAN),
-            outcome.last_checkpoint.as_ref().map_or("none".into(), |p| p.display().to_string()),
-            trainer.config.training.output_dir.join("loss.svg").display()
-        );
+    if ctx.is_main_process() {
+        let curve = trainer.config.training.output_dir.join("loss.svg");
+        let extra = format!("; loss curve {}", curve.display());
+        crate::print_outcome(&outcome, trainer.state.global_step, "accuracy", &extra);
     }
     Ok(())
 }
