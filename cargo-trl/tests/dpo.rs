@@ -81,23 +81,6 @@ fn grad_norms(out: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// A Python with TRL (TRL_PYTHON, else python3), or None with the reason printed.
-fn trl_python() -> Option<PathBuf> {
-    let python = std::env::var_os("TRL_PYTHON").map_or("python3".into(), PathBuf::from);
-    let ok = Command::new(&python)
-        .args(["-c", "import trl, datasets, transformers, torch"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "skipped: no Python with trl ({}; set TRL_PYTHON to one: \
-             `python3 -m venv v && v/bin/pip install torch transformers trl datasets`)",
-            python.display()
-        );
-    }
-    ok.then_some(python)
-}
-
 fn metrics(text: &str) -> Vec<serde_json::Value> {
     text.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -111,7 +94,7 @@ fn metrics(text: &str) -> Vec<serde_json::Value> {
 /// type summed in one list, and EXO with LD-DPO and an f-divergence.
 #[test]
 fn dpo_matches_trl() {
-    let Some(python) = trl_python() else {
+    let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();

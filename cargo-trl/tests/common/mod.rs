@@ -206,16 +206,25 @@ pub fn run_launch(mut cmd: Command, steps: usize, per_device: usize, out: &Path)
 // Each test binary compiles this module; not all of them check against transformers.
 #[allow(dead_code)]
 pub fn transformers_python() -> Option<std::path::PathBuf> {
+    python_with(&["torch", "transformers", "safetensors"])
+}
+
+/// A Python (TRL_PYTHON, else `python3`) that imports `packages` (PyPI names that import as
+/// themselves); None, with the reason and how to get one printed, when there is none.
+#[allow(dead_code)]
+pub fn python_with(packages: &[&str]) -> Option<std::path::PathBuf> {
     let python = std::env::var_os("TRL_PYTHON").map_or("python3".into(), std::path::PathBuf::from);
     let ok = Command::new(&python)
-        .args(["-c", "import torch, transformers"])
+        .args(["-c", &format!("import {}", packages.join(", "))])
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
         eprintln!(
-            "skipped: no Python with torch and transformers ({}; set TRL_PYTHON to one: \
-             `python3 -m venv v && v/bin/pip install torch transformers safetensors`)",
-            python.display()
+            "skipped: no Python with {} ({}; set TRL_PYTHON to one: \
+             `python3 -m venv v && v/bin/pip install {}`)",
+            packages.join(", "),
+            python.display(),
+            packages.join(" ")
         );
     }
     ok.then_some(python)
