@@ -9,17 +9,26 @@
 //! use_peft, all-linear, r 16) against its formula: the frozen base B in the compute dtype
 //! (4B; 4B/N sharded under zero3) plus the adapters A as full fine-tuning keeps parameters
 //! (ddp 20A, zero1 8A + 12A/N, zero2 and zero3 4A + 16A/N: under ZeRO-3 the adapters stay
-//! whole and ZeRO-2 shards their gradients and optimizer state). One JSON object per line on
-//! stdout.
+//! whole and ZeRO-2 shards their gradients and optimizer state). ZeRO-3 and FSDP also save a
+//! full checkpoint after the measured step, streamed a unit at a time: its peak
+//! (`save_peak_bytes_per_rank`, freed memory returned to the OS first) must stay within the
+//! largest unit held whole (its parameters and optimizer state, 16 bytes per element) of the
+//! training step's peak. One JSON object per line on stdout.
 
 use std::path::Path;
-use trl_runtime::config::{DeepSpeedConfig, DistributedType, LaunchPlan, OffloadDevice};
+use trl_runtime::config::{
+    DeepSpeedConfig, DistributedType, FsdpConfig, LaunchPlan, OffloadDevice,
+};
 use trl_runtime::dist::DistContext;
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss, SFTConfig, Trainer};
 
 mod support;
 
 const LORA_R: usize = 16;
+
+/// Elements of the bench model's largest wrap unit: the root, with the (tied) embedding and
+/// the final norm.
+const UNIT: usize = 8192 * 512 + 512;
 
 /// Adapter parameters of the bench model at rank `LORA_R` on every linear layer but the head:
 /// r (in + out) per projection.
@@ -42,6 +51,16 @@ fn prepare(dir: &Path) -> usize {
 /// `+init` (zero3_init_flag: each rank reads only its slices) and `+offload`
 /// (offload_optimizer_device: cpu).
 fn plan(name: &str) -> LaunchPlan {
+    if name.starts_with("fsdp") {
+        return LaunchPlan {
+            distributed_type: DistributedType::Fsdp,
+            fsdp: Some(FsdpConfig {
+                version: 2,
+                ..FsdpConfig::default()
+            }),
+            ..LaunchPlan::default()
+        };
+    }
     let stage = match name.split('+').next().unwrap() {
         "zero1" => 1,
         "zero2" => 2,
@@ -100,9 +119,14 @@ fn worker(name: &str, dir: &Path) {
     trainer.train_step().unwrap();
     let step_peak = peak_rss_bytes().unwrap_or(0);
     let mem = trainer.memory();
+    // A full checkpoint's peak on its own: what the step freed goes back to the OS first.
+    trl_runtime::alloc::release_freed_memory();
+    reset_peak_rss();
+    trainer.save_checkpoint().unwrap();
+    let save_peak = peak_rss_bytes().unwrap_or(0);
     if ctx.is_main_process() {
         println!(
-            "report {} {step_peak} {run_peak} {load_peak} {}",
+            "report {} {step_peak} {run_peak} {load_peak} {} {save_peak}",
             mem.total(),
             offloaded as usize
         );
@@ -121,6 +145,7 @@ fn main() {
         .into_iter()
         .flat_map(|n| [1usize, 2, 4].map(|w| (n.to_string(), w)))
         .chain([2usize, 4].map(|w| ("zero3+init".to_string(), w)))
+        .chain([2usize, 4].map(|w| ("fsdp".to_string(), w)))
         .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+offload"), 2)))
         .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+lora"), 2)));
     let a = adapter_params();
@@ -129,16 +154,25 @@ fn main() {
         support::run_ranks(&name, world, tmp.path(), |line, _| {
             if let Some(rest) = line.strip_prefix("report ") {
                 let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
-                report = Some((v[0], v[1], v[2], v[3], v[4] == 1));
+                report = Some((v[0], v[1], v[2], v[3], v[4] == 1, v[5]));
             }
         });
-        let (state, peak, run_peak, load_peak, offloaded) = report.expect("no report");
+        let (state, peak, run_peak, load_peak, offloaded, save_peak) = report.expect("no report");
         let strategy = name.split('+').next().unwrap();
+        let streamed = matches!(strategy, "zero3" | "fsdp") && !name.contains("+lora");
+        let save = match streamed {
+            true => format!(
+                ",\"save_peak_bytes_per_rank\":{save_peak},\"largest_unit_bytes\":{},\"save_within_a_unit_of_step\":{}",
+                16 * UNIT,
+                save_peak <= peak + 16 * UNIT
+            ),
+            false => String::new(),
+        };
         let lora = name.contains("+lora");
         let formula = match (strategy, lora) {
             ("zero1", false) => 8 * p + 12 * p / world,
             ("zero2", false) => 4 * p + 16 * p / world,
-            ("zero3", false) => 16 * p / world,
+            ("zero3" | "fsdp", false) => 16 * p / world,
             (_, false) => 20 * p,
             ("zero1", true) => 4 * p + 8 * a + 12 * a / world,
             ("zero2", true) => 4 * p + 4 * a + 16 * a / world,
@@ -148,7 +182,7 @@ fn main() {
         // On a CPU run offload has nothing to move to (the trainer says so): the offloaded
         // field shows whether the state really left the compute device.
         println!(
-            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offloaded\":{offloaded},\"lora\":{lora},\"trainable_params\":{},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak}}}",
+            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offloaded\":{offloaded},\"lora\":{lora},\"trainable_params\":{},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak}{save}}}",
             name.contains("+init"),
             name.contains("+offload"),
             if lora { a } else { p },

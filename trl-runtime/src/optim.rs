@@ -3,6 +3,7 @@
 
 use crate::alloc::StorageBytes;
 use crate::error::{Error, Result};
+use crate::models::tensor_file::{TensorFile, TensorSpec};
 use crate::models::Params;
 use candle_core::{DType, Layout, Tensor};
 use std::collections::BTreeMap;
@@ -55,26 +56,51 @@ pub struct AdamW {
 /// The file a checkpoint keeps the optimizer state in ([`AdamW::write_file`]).
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
+const STATE_PARTS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+
+/// Opens an optimizer file for the parameters `shapes` (whole shapes, in the order their
+/// states will be written with [`write_state`]) at optimizer step `step`. A sharded optimizer
+/// streams its state into it one gathered unit at a time.
+pub fn state_file(
+    path: &std::path::Path,
+    shapes: impl IntoIterator<Item = (String, Vec<usize>)>,
+    step: u64,
+) -> Result<TensorFile> {
+    let specs = shapes
+        .into_iter()
+        .flat_map(|(name, shape)| {
+            STATE_PARTS.map(|part| TensorSpec::new(format!("{name}::{part}"), DType::F32, &shape))
+        })
+        .collect();
+    let meta = [("optimizer_step".to_string(), step.to_string())].into();
+    TensorFile::create(path, specs, meta)
+}
+
+/// One parameter's state, next in a file from [`state_file`].
+pub fn write_state(file: &mut TensorFile, name: &str, s: &ParamState) -> Result<()> {
+    for (part, t) in STATE_PARTS
+        .iter()
+        .zip([&s.master, &s.exp_avg, &s.exp_avg_sq])
+    {
+        file.write(&format!("{name}::{part}"), t)?;
+    }
+    Ok(())
+}
+
 impl AdamW {
     /// Writes the master weights and moments by parameter name (`NAME::master`,
     /// `NAME::exp_avg`, `NAME::exp_avg_sq`) and the step count (metadata `optimizer_step`) to
     /// the safetensors file `path`.
     pub fn write_file(&self, path: &std::path::Path) -> Result<()> {
-        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        let shapes = self
+            .states
+            .iter()
+            .map(|(n, s)| (n.clone(), s.master.dims().to_vec()));
+        let mut file = state_file(path, shapes, self.step)?;
         for (name, s) in &self.states {
-            tensors.push((format!("{name}::master"), s.master.clone()));
-            tensors.push((format!("{name}::exp_avg"), s.exp_avg.clone()));
-            tensors.push((format!("{name}::exp_avg_sq"), s.exp_avg_sq.clone()));
+            write_state(&mut file, name, s)?;
         }
-        let meta: std::collections::HashMap<String, String> =
-            [("optimizer_step".to_string(), self.step.to_string())].into();
-        let data: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        safetensors::serialize_to_file(data, Some(meta), path).map_err(|e| {
-            Error::io(
-                format!("cannot write {}", path.display()),
-                std::io::Error::other(e.to_string()),
-            )
-        })
+        file.finish()
     }
 
     /// Reads every parameter's state from a file [`Self::write_file`] wrote (onto each

@@ -53,18 +53,21 @@ pub const LOSS_TOLERANCE: f64 = 1e-5;
 pub const WEIGHT_TOLERANCE: f32 = 2e-5;
 
 /// A finished run: every step's loss (metrics.jsonl) and the weights of its checkpoint after
-/// `steps` steps.
+/// `steps` steps, with the optimizer state saved beside them (master weights and moments).
 pub struct Run {
     pub losses: Vec<f64>,
     pub weights: HashMap<String, Tensor>,
+    pub optimizer: HashMap<String, Tensor>,
 }
 
 impl Run {
     #[allow(dead_code)]
     pub fn read(out: &Path, steps: usize) -> Run {
         let mut run = Run::read_losses(out);
-        let file = out.join(format!("checkpoint-{steps}/model.safetensors"));
-        run.weights = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+        let dir = out.join(format!("checkpoint-{steps}"));
+        let load = |f: &str| candle_core::safetensors::load(dir.join(f), &Device::Cpu).unwrap();
+        run.weights = load("model.safetensors");
+        run.optimizer = load("optimizer.safetensors");
         run
     }
 }
@@ -89,6 +92,7 @@ impl Run {
         Run {
             losses,
             weights: HashMap::new(),
+            optimizer: HashMap::new(),
         }
     }
 }
@@ -148,8 +152,22 @@ pub fn assert_equal_within(
         }
         assert!(d < weight_tolerance, "{name}: {param} differs by {d}");
     }
+    // A full checkpoint's optimizer state too (ZeRO and FSDP gather it from the shards).
+    assert_eq!(got.optimizer.len(), want.optimizer.len(), "{name}");
+    let mut worst_state = 0f32;
+    for (key, w) in &want.optimizer {
+        let g = got.optimizer.get(key);
+        let g = g.unwrap_or_else(|| panic!("{name}: {key} missing from the optimizer state"));
+        let d = max_diff(g, w);
+        worst_state = worst_state.max(d);
+        assert!(
+            d < weight_tolerance,
+            "{name}: optimizer {key} differs by {d}"
+        );
+    }
     eprintln!(
-        "{name}: losses within {worst_loss:.1e}, weights within {worst:.1e} (q/k norms {worst_qk:.1e})"
+        "{name}: losses within {worst_loss:.1e}, weights within {worst:.1e} (q/k norms \
+         {worst_qk:.1e}), optimizer state within {worst_state:.1e}"
     );
 }
 

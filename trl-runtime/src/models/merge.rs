@@ -5,12 +5,13 @@
 //! checkpoint (`cargo trl merge`).
 //!
 //! It works on the checkpoint files, not on a built model, so any architecture merges (user
-//! models included), and it streams: the base's tensors are read, merged and written a file
-//! at a time ([`super::params::write_weights`]). The output is written into a sibling
-//! temporary directory and renamed into place when complete.
+//! models included), and it streams: the base's tensors are read, merged and written a
+//! tensor at a time ([`super::tensor_file::write_weights`]). The output is written into a
+//! sibling temporary directory and renamed into place when complete.
 
-use super::params::{write_atomic, write_weights, WeightFiles, CONFIG_FILE};
+use super::params::{write_atomic, WeightFiles, CONFIG_FILE};
 use super::peft;
+use super::tensor_file::{write_weights, TensorSpec};
 use crate::data::tokenize::TOKENIZER_FILES;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -92,14 +93,13 @@ pub fn merge_adapter(
     let (config, adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu)?;
     let scale = config.scale();
     let files = WeightFiles::open(&base)?;
-    // (name, stored bytes) of what is written, and the base tensor each starts from.
-    let mut names: Vec<(String, usize)> = files
-        .tensor_infos()
-        .into_iter()
-        .map(|(name, _, bytes)| (name, bytes))
+    // What is written (the base's names, dtypes and shapes), and the base tensor each starts
+    // from.
+    let mut specs: Vec<TensorSpec> = files.tensor_infos()?;
+    let mut source: BTreeMap<String, String> = specs
+        .iter()
+        .map(|s| (s.name.clone(), s.name.clone()))
         .collect();
-    let mut source: BTreeMap<String, String> =
-        names.iter().map(|(n, _)| (n.clone(), n.clone())).collect();
     // A head tied to the embedding (no lm_head tensor) parts from it when either is trained
     // whole: the head is written (the trained one, or the embedding it was before) and the
     // config unties them.
@@ -107,13 +107,12 @@ pub fn merge_adapter(
         && source.contains_key(EMBEDDING)
         && (adapters.contains_key(HEAD) || adapters.contains_key(EMBEDDING));
     if untie {
-        let bytes = names
-            .iter()
-            .find(|(n, _)| n == EMBEDDING)
-            .expect("checked")
-            .1;
-        names.push((HEAD.into(), bytes));
-        names.sort();
+        let embedding = specs.iter().find(|s| s.name == EMBEDDING).expect("checked");
+        specs.push(TensorSpec {
+            name: HEAD.into(),
+            ..embedding.clone()
+        });
+        specs.sort_by(|a, b| a.name.cmp(&b.name));
         source.insert(HEAD.into(), EMBEDDING.into());
     }
     // Every adapter tensor must have its base weight, before anything is written.
@@ -151,7 +150,7 @@ pub fn merge_adapter(
         copied: 0,
         files: 0,
     };
-    report.files = write_weights(&tmp, &names, max_shard_bytes, |name| {
+    report.files = write_weights(&tmp, specs, max_shard_bytes, |name| {
         let w = files.load_stored(&source[name])?;
         if !adapted.contains(name) {
             report.copied += 1;

@@ -17,6 +17,7 @@ pub mod params;
 pub mod peft;
 pub mod phi3;
 pub mod qwen3_moe;
+pub mod tensor_file;
 
 pub use auto::{model_types, AutoModelForCausalLM};
 pub use causal::{CausalModel, LayerInputs};

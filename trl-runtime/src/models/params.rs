@@ -3,6 +3,7 @@
 //! checkpoint opens in transformers).
 
 use super::config::ModelConfig;
+use super::tensor_file::{write_weights, TensorSpec};
 use crate::error::{Error, Result};
 use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Shape, Tensor, Var};
@@ -98,13 +99,13 @@ impl Params {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
         write_atomic(&dir.join(CONFIG_FILE), config_json.as_bytes())?;
-        let names: Vec<(String, usize)> = self
+        let specs = self
             .vars
             .iter()
-            .map(|(n, v)| (n.clone(), v.elem_count() * v.dtype().size_in_bytes()))
+            .map(|(n, v)| TensorSpec::of(n.clone(), v.as_tensor()))
             .collect();
         let limit = max_shard_bytes.unwrap_or(usize::MAX);
-        write_weights(dir, &names, limit, |n| Ok(self.vars[n].as_tensor().clone()))?;
+        write_weights(dir, specs, limit, |n| Ok(self.vars[n].as_tensor().clone()))?;
         Ok(())
     }
 
@@ -248,20 +249,19 @@ impl WeightFiles {
         Ok(this)
     }
 
-    /// Every stored tensor: (name, shape, bytes), sorted by name.
-    pub fn tensor_infos(&self) -> Vec<(String, Vec<usize>, usize)> {
-        let mut infos: Vec<_> = self
+    /// Every stored tensor's name, dtype and shape, sorted by name.
+    pub fn tensor_infos(&self) -> Result<Vec<TensorSpec>> {
+        let mut infos = self
             .st
             .tensors()
             .into_iter()
             .map(|(name, view)| {
-                let shape = view.shape().to_vec();
-                let bytes = shape.iter().product::<usize>() * view.dtype().bitsize() / 8;
-                (name, shape, bytes)
+                let dtype = DType::try_from(view.dtype())?;
+                Ok(TensorSpec::new(name, dtype, view.shape()))
             })
-            .collect();
-        infos.sort();
-        infos
+            .collect::<Result<Vec<_>>>()?;
+        infos.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(infos)
     }
 
     /// Tensor `name` as stored (its dtype), on the CPU.
@@ -422,75 +422,6 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {
         key: "<weights>".into(),
         message: format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory"),
     })
-}
-
-/// Writes weights into `dir` in HF layout, a file at a time, as `save_pretrained` does: the
-/// tensors `names` (name, stored bytes) in order, grouped into files of at most
-/// `max_shard_bytes` (a larger tensor alone), `model-0000k-of-0000n.safetensors` plus an
-/// index when there is more than one file. `tensor(name)` gives each tensor when its file is
-/// written, so only one file's tensors need exist at once. Returns the number of files.
-pub(crate) fn write_weights(
-    dir: &Path,
-    names: &[(String, usize)],
-    max_shard_bytes: usize,
-    mut tensor: impl FnMut(&str) -> Result<Tensor>,
-) -> Result<usize> {
-    let mut shards: Vec<&[(String, usize)]> = Vec::new();
-    let (mut start, mut filled) = (0, 0usize);
-    for (i, (_, bytes)) in names.iter().enumerate() {
-        if filled > 0 && filled + bytes > max_shard_bytes {
-            shards.push(&names[start..i]);
-            (start, filled) = (i, 0);
-        }
-        filled += bytes;
-    }
-    shards.push(&names[start..]);
-    let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    let n = shards.len();
-    let mut weight_map = serde_json::Map::new();
-    for (i, shard) in shards.iter().enumerate() {
-        let file = match n {
-            1 => SINGLE_FILE.to_string(),
-            n => format!("model-{:05}-of-{:05}.safetensors", i + 1, n),
-        };
-        let tensors = shard
-            .iter()
-            .map(|(name, _)| Ok((name.clone(), tensor(name)?)))
-            .collect::<Result<Vec<_>>>()?;
-        write_safetensors(&dir.join(&file), &tensors, &metadata)?;
-        for (name, _) in *shard {
-            weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
-        }
-    }
-    if n == 1 {
-        let _ = std::fs::remove_file(dir.join(INDEX_FILE));
-        return Ok(1);
-    }
-    let total: usize = names.iter().map(|(_, b)| b).sum();
-    let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-    write_atomic(
-        &dir.join(INDEX_FILE),
-        serde_json::to_string_pretty(&index)
-            .expect("json")
-            .as_bytes(),
-    )?;
-    let _ = std::fs::remove_file(dir.join(SINGLE_FILE));
-    Ok(n)
-}
-
-fn write_safetensors(
-    path: &Path,
-    tensors: &[(String, Tensor)],
-    metadata: &HashMap<String, String>,
-) -> Result<()> {
-    let tmp = path.with_extension("safetensors.tmp");
-    let data: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    safetensors::serialize_to_file(data, Some(metadata.clone()), &tmp).map_err(|e| Error::Io {
-        context: format!("cannot write {}", tmp.display()),
-        source: std::io::Error::other(e.to_string()),
-    })?;
-    std::fs::rename(&tmp, path)
-        .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))
 }
 
 /// Writes a small file whole, then renames it over the old one.

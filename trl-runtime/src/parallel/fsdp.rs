@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::models::Params;
 use crate::nn::sharded::{FlatLayout, ShardedWeight, Unit, UnitScope, UnitState};
 use crate::nn::Weight;
-use crate::optim::{AdamW, AdamWConfig};
+use crate::optim::{AdamW, AdamWConfig, ParamState};
 use crate::tp::{named_tensors, Parallelize, TpGrads};
 use candle_core::{DType, Shape, Tensor, TensorId, Var};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -512,6 +512,45 @@ impl FsdpOptimizer {
             },
             tp_grads: None,
         })
+    }
+
+    /// The parameter names (with the dtype they are held in) in the order
+    /// [`Self::for_each_full_unit`] hands them over: unit by unit, each unit's by name.
+    pub fn full_order(&self) -> Vec<(String, DType)> {
+        self.model
+            .units
+            .iter()
+            .flat_map(|u| {
+                let dtype = u.lock().shard.dtype();
+                let mut names: Vec<(String, DType)> = u
+                    .layout
+                    .entries()
+                    .iter()
+                    .map(|(n, _, _)| (n.clone(), dtype))
+                    .collect();
+                names.sort_by(|a, b| a.0.cmp(&b.0));
+                names
+            })
+            .collect()
+    }
+
+    /// Each unit's whole parameters (in the compute dtype) and optimizer state in turn
+    /// (collective: every rank calls it), handed to `f` and dropped before the next unit is
+    /// gathered: a full checkpoint is written with one unit whole at a time beside the slices,
+    /// where gathering the whole model first would hold it all.
+    pub fn for_each_full_unit(
+        &self,
+        mut f: impl FnMut(BTreeMap<String, Tensor>, BTreeMap<String, ParamState>) -> Result<()>,
+    ) -> Result<()> {
+        for unit in &self.model.units {
+            let shard = unit.lock().shard.clone();
+            let params = unit.layout.unflatten(&unit.comm().all_gather(&shard, 0)?)?;
+            let states = unit
+                .layout
+                .gather_states(unit.comm().as_ref(), &self.inner.states[&unit.name])?;
+            f(params, states)?;
+        }
+        Ok(())
     }
 
     /// One update from the gradient slices the backward passes left in the units: (HSDP:

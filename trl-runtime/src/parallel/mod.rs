@@ -247,6 +247,14 @@ impl Optimizer {
         })
     }
 
+    /// The FSDP / ZeRO-3 optimizer, whose units hold the parameters' slices.
+    pub fn fsdp(&self) -> Option<&FsdpOptimizer> {
+        match self {
+            Optimizer::Fsdp(f) => Some(f),
+            _ => None,
+        }
+    }
+
     /// Whether this rank's gradients need no data-parallel reduction (one replica, unsharded):
     /// they may then stay in the compute dtype.
     pub fn single_replica(&self) -> bool {

@@ -61,21 +61,34 @@ pub fn slice_full(
 
 /// The whole per-parameter optimizer state from every rank's slices (collective over `tp`).
 pub fn gather_state(state: AdamW, plan: &[PlanEntry], tp: &dyn Communicator) -> Result<AdamW> {
+    Ok(AdamW {
+        states: gather_param_states(state.states, plan, tp)?,
+        ..state
+    })
+}
+
+/// Whole per-parameter states from this rank's slices of them (collective over `tp`).
+pub fn gather_param_states(
+    states: BTreeMap<String, ParamState>,
+    plan: &[PlanEntry],
+    tp: &dyn Communicator,
+) -> Result<BTreeMap<String, ParamState>> {
     let splits = splits(plan);
-    let mut states = BTreeMap::new();
-    for (name, s) in state.states {
-        let s = match split_dim(&splits, &name) {
-            Some(d) => ParamState {
-                master: tp.all_gather(&s.master, d)?,
-                exp_avg: tp.all_gather(&s.exp_avg, d)?,
-                exp_avg_sq: tp.all_gather(&s.exp_avg_sq, d)?,
-                ..s
-            },
-            None => s,
-        };
-        states.insert(name, s);
-    }
-    Ok(AdamW { states, ..state })
+    states
+        .into_iter()
+        .map(|(name, s)| {
+            let s = match split_dim(&splits, &name) {
+                Some(d) => ParamState {
+                    master: tp.all_gather(&s.master, d)?,
+                    exp_avg: tp.all_gather(&s.exp_avg, d)?,
+                    exp_avg_sq: tp.all_gather(&s.exp_avg_sq, d)?,
+                    ..s
+                },
+                None => s,
+            };
+            Ok((name, s))
+        })
+        .collect()
 }
 
 /// This rank's slices of a whole per-parameter optimizer state (from a checkpoint written

@@ -12,10 +12,13 @@ use crate::data::{DistributedSampler, TextTokenizer};
 use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
+use crate::models::tensor_file::{TensorSpec, WeightsWriter};
 use crate::models::{AutoModelForCausalLM, CausalModel, Params};
 use crate::nn::lora::LoraConfig;
 use crate::nn::AttentionImpl;
-use crate::optim::AdamW;
+use crate::optim::{self, AdamW, OPTIMIZER_FILE};
+use crate::parallel::fsdp::FsdpOptimizer;
+use crate::parallel::sharded_optimizer::ShardedOptimizer;
 use crate::parallel::sharded_state;
 use crate::parallel::Model;
 use crate::parallel::{
@@ -670,7 +673,8 @@ impl<'a, N: CausalModel> Core<'a, N> {
         self.model.sharding.is_some() || self.model.tp().is_some()
     }
 
-    pub(super) fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
+    /// Saves a checkpoint of the current step in the configured format (collective).
+    pub fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
         self.save_checkpoint_as(self.checkpoint_format)
     }
 
@@ -771,6 +775,83 @@ impl<'a, N: CausalModel> Core<'a, N> {
         Ok(path)
     }
 
+    /// A full checkpoint of a ZeRO-3 / FSDP model, streamed: each unit's parameters and
+    /// optimizer state are gathered whole (tensor-parallel slices joined), written by rank 0
+    /// into the weights and optimizer files and dropped before the next unit, so saving holds
+    /// one unit beyond the slices instead of the whole model and its state.
+    fn save_streamed_checkpoint(&self, fsdp: &FsdpOptimizer) -> Result<Option<PathBuf>> {
+        let (out, step) = (&self.args.output_dir, self.state.global_step);
+        let shapes = self.model.parameter_shapes();
+        let order = fsdp.full_order();
+        let shape_of = |name: &str| {
+            shapes.get(name).cloned().ok_or_else(|| {
+                Error::Parallelism(format!("{name} is sharded but not a model parameter"))
+            })
+        };
+        let mut files = None;
+        if self.ctx.is_main_process() {
+            let tmp = checkpoint::begin(out, step)?;
+            checkpoint::write_model_files(
+                &tmp,
+                None,
+                self.model.config_json(),
+                &self.tokenizer_dir,
+            )?;
+            let specs = order
+                .iter()
+                .map(|(n, dtype)| Ok(TensorSpec::new(n.clone(), *dtype, &shape_of(n)?)))
+                .collect::<Result<Vec<_>>>()?;
+            let weights = WeightsWriter::new(&tmp, specs, usize::MAX);
+            let state_shapes = order
+                .iter()
+                .map(|(n, _)| Ok((n.clone(), shape_of(n)?)))
+                .collect::<Result<Vec<_>>>()?;
+            let opt =
+                optim::state_file(&tmp.join(OPTIMIZER_FILE), state_shapes, fsdp.step_count())?;
+            files = Some((tmp, weights, opt));
+        }
+        // A write that fails on rank 0 stops its writing, not its part in the gathers, so
+        // that the other ranks are not left waiting; the error is returned after the loop.
+        let mut failed = None;
+        fsdp.for_each_full_unit(|params, states| {
+            let (params, states) = match self.model.tp() {
+                Some(tp) => {
+                    let plan = self.model.tp_plan();
+                    (
+                        tp_state::gather_full(params, plan, tp.as_ref())?,
+                        tp_state::gather_param_states(states, plan, tp.as_ref())?,
+                    )
+                }
+                None => (params, states),
+            };
+            if let (Some((_, weights, opt)), None) = (files.as_mut(), &failed) {
+                let written: Result<()> = params
+                    .iter()
+                    .try_for_each(|(n, t)| weights.push(n, t))
+                    .and_then(|_| {
+                        states
+                            .iter()
+                            .try_for_each(|(n, s)| optim::write_state(opt, n, s))
+                    });
+                failed = written.err();
+            }
+            Ok(())
+        })?;
+        let path = match (files, failed) {
+            (_, Some(e)) => Err(e),
+            (Some((tmp, weights, opt)), None) => weights
+                .finish()
+                .and_then(|_| opt.finish())
+                .and_then(|_| {
+                    checkpoint::finish(out, &tmp, &self.state, self.args.save_total_limit)
+                })
+                .map(Some),
+            (None, None) => Ok(None),
+        };
+        self.ctx.world().barrier()?;
+        path
+    }
+
     pub(super) fn save_checkpoint_as(&self, format: CheckpointFormat) -> Result<Option<PathBuf>> {
         if let Some(lora) = self.model.lora() {
             return self.save_adapter_checkpoint(lora);
@@ -779,6 +860,9 @@ impl<'a, N: CausalModel> Core<'a, N> {
         if format == CheckpointFormat::Sharded && tp.is_none() && self.optimizer.sharded().is_some()
         {
             return self.save_sharded_checkpoint();
+        }
+        if let Some(fsdp) = self.optimizer.fsdp() {
+            return self.save_streamed_checkpoint(fsdp);
         }
         // Weights held whole and unsplit are saved as they are; others are gathered.
         let gathered_params;
