@@ -10,6 +10,7 @@
 pub mod build;
 pub mod checkpointing;
 pub mod ddp;
+pub mod estimate;
 pub mod fsdp;
 pub mod model;
 pub mod offload;

@@ -1,0 +1,347 @@
+//! What one rank holds at its peak, and how fast a step runs, before anything is loaded:
+//! the figures `cargo trl plan` and `--profile auto` choose a layout with.
+//!
+//! Model state is exact: each strategy's rule below is how its file allocates (DDP keeps
+//! weights, gradients, an fp32 master and two moments whole; ZeRO-1/2 slice the flat vector
+//! of all parameters, padded to the group size; ZeRO-3 / FSDP slice each wrap unit, padded the
+//! same way), and tests/memory_plan.rs checks it equals `Trainer::memory` for every strategy.
+//! Activations are what the autograd graph keeps per token, in elements of the compute dtype,
+//! measured from the layers with a counting allocator (tests/memory_plan.rs re-measures them on
+//! other shapes and fails when the code and these constants part by more than 10%).
+
+use super::{Strategy, WrapPolicy, ZeroStage};
+use crate::config::parallelism::ParallelDims;
+use crate::models::ModelConfig;
+use crate::nn::lora::LoraConfig;
+use candle_core::DType;
+
+/// One layout to estimate: the strategy over a mesh, and the work each rank does.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub strategy: Strategy,
+    pub dims: ParallelDims,
+    /// The compute dtype (weights and activations); master weights, gradients and moments
+    /// are fp32 whatever it is.
+    pub dtype: DType,
+    pub lora: Option<LoraConfig>,
+    /// Rows per device per micro-batch and their length (before a cp/sp split).
+    pub batch: usize,
+    pub seq: usize,
+    pub checkpointing: bool,
+    /// Optimizer state (fp32 master and moments) kept in host memory.
+    pub offload_optimizer: bool,
+    /// The loss is computed from whole logits (a model with logit soft-capping); otherwise it
+    /// is fused and tiled wherever the LM head is whole on the rank.
+    pub logits_loss: bool,
+}
+
+/// Bytes one rank holds, by what holds them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Estimate {
+    /// Weights in the compute dtype (a frozen LoRA base among them).
+    pub parameters: usize,
+    /// Gradients kept between backward and the update (a slice under ZeRO-2/3).
+    pub gradients: usize,
+    /// fp32 master weights and moments on the device (0 when offloaded).
+    pub optimizer: usize,
+    /// Optimizer state moved to host memory.
+    pub host_optimizer: usize,
+    /// What backward needs of the forward: per token, per layer, times the tokens of a rank.
+    pub activations: usize,
+    /// The loss's logits when they exist whole (under tp, ZeRO-3/FSDP or soft-capping).
+    pub logits: usize,
+    /// Transient buffers of the step: the whole gradients while backward runs, the units
+    /// gathered at once (ZeRO-3/FSDP), the flat buffers of the reductions.
+    pub step_buffers: usize,
+    /// Transient buffers of the update, beyond the gradients (the flat copies ZeRO reduces
+    /// and gathers; AdamW's temporaries). The step's transient is the larger of this and the
+    /// backward's (activations, logits, step buffers).
+    pub update_buffers: usize,
+    /// A full checkpoint save over the training peak (streamed: one unit at a time).
+    pub save: usize,
+    /// The formulas with their numbers, one line each (`cargo trl plan --explain`).
+    pub explain: Vec<String>,
+}
+
+impl Estimate {
+    /// Model state on the device (what `Trainer::memory` reports).
+    pub fn model_state(&self) -> usize {
+        self.parameters + self.gradients + self.optimizer
+    }
+
+    /// The step's peak on the device, without the process's own base (runtime, CUDA context).
+    pub fn peak(&self) -> usize {
+        self.parameters + self.optimizer + self.gradients + self.transient()
+    }
+
+    /// What exists only during the step.
+    pub fn transient(&self) -> usize {
+        (self.activations + self.logits + self.step_buffers).max(self.update_buffers)
+    }
+}
+
+/// Elements per token that backward keeps of one decoder layer (no checkpointing), in the
+/// compute dtype, for hidden size `h`, query width `q` (heads x head_dim), key/value width `kv`
+/// and MLP width `i` on this rank (measured; see the module docs).
+fn layer_elements(h: f64, q: f64, kv: f64, i: f64, lora: bool) -> f64 {
+    match lora {
+        // Norm outputs and residuals (h), q/k/v with their rotated copies and the attention
+        // output, gate/up/activation products (i).
+        false => 6.07 * h + 5.79 * q + 7.22 * kv + 3.70 * i,
+        // The adapters add their inputs and the two outputs summed to every target.
+        true => 11.25 * h + 8.09 * q + 11.16 * kv + 10.03 * i,
+    }
+}
+
+/// Elements per token outside the layers (embedding output, final norm, the fused loss's
+/// hidden-state gradient).
+fn outside_elements(h: f64, lora: bool) -> f64 {
+    match lora {
+        false => 10.12 * h,
+        true => 12.32 * h,
+    }
+}
+
+/// Elements per token kept per checkpointed layer (its input and the residual stream).
+fn checkpoint_elements(h: f64, lora: bool) -> f64 {
+    match lora {
+        false => 3.0 * h,
+        true => 1.0 * h,
+    }
+}
+
+/// The parameter shapes of the model as this rank holds them under tensor parallelism: every
+/// weight but the norms and the row-parallel biases is split `tp` ways (as the models'
+/// `#[parallel]` annotations say: q/k/v/gate/up column, o/down row, embedding and head by
+/// vocabulary).
+fn local_shapes(cfg: &ModelConfig, tp: usize) -> Vec<(String, usize)> {
+    cfg.parameter_shapes()
+        .into_iter()
+        .map(|(name, shape)| {
+            let n: usize = shape.iter().product();
+            let whole = name.contains("norm")
+                || name.ends_with("o_proj.bias")
+                || name.ends_with("down_proj.bias");
+            (name, if whole { n } else { n / tp.max(1) })
+        })
+        .collect()
+}
+
+/// Adapter elements per linear weight `name` ([out, in], split `tp` ways as the weight is).
+fn adapter_elements(cfg: &ModelConfig, lora: &LoraConfig, tp: usize) -> Vec<(String, usize)> {
+    let r = lora.r;
+    cfg.parameter_shapes()
+        .into_iter()
+        .filter(|(name, shape)| {
+            shape.len() == 2
+                && name.ends_with("_proj.weight")
+                && lora.targets(name.trim_end_matches(".weight"), false)
+        })
+        .map(|(name, shape)| {
+            let (out, inp) = (shape[0], shape[1]);
+            let row = name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight");
+            // Column-parallel: B [out, r] is split with the output; row-parallel: A [r, in].
+            let n = match row {
+                true => r * inp / tp + out * r,
+                false => r * inp + out * r / tp,
+            } + if lora.dora {
+                out / if row { 1 } else { tp }
+            } else {
+                0
+            };
+            (name, n)
+        })
+        .collect()
+}
+
+/// Elements of each ZeRO-3 / FSDP wrap unit (root first), as `fsdp.rs` cuts them.
+fn unit_sizes(shapes: &[(String, usize)], layers: usize, policy: WrapPolicy) -> Vec<usize> {
+    let mut layer_sizes = vec![0usize; layers];
+    let mut root = 0;
+    for (name, n) in shapes {
+        match name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next()?.parse::<usize>().ok())
+        {
+            Some(l) if l < layers => layer_sizes[l] += n,
+            _ => root += n,
+        }
+    }
+    let mut units = vec![root];
+    match policy {
+        WrapPolicy::Whole => units[0] += layer_sizes.iter().sum::<usize>(),
+        WrapPolicy::PerLayer => units.extend(layer_sizes),
+        WrapPolicy::MinParams(min) => {
+            let mut size = 0;
+            for s in layer_sizes {
+                size += s;
+                if size >= min {
+                    units.push(size);
+                    size = 0;
+                }
+            }
+            if size > 0 {
+                units.push(size);
+            }
+        }
+    }
+    units
+}
+
+fn mib(b: usize) -> String {
+    format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
+}
+
+/// The per-rank memory of `setup` for the model `cfg`.
+pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
+    let d = setup.dims;
+    let tp = d.tp.max(1);
+    // ZeRO and FSDP shard over dp_shard and the ranks holding the other chunks of the rows.
+    let n = d.dp_shard * d.cp * d.sp;
+    let dsz = setup.dtype.size_in_bytes();
+    let shapes = local_shapes(cfg, tp);
+    let base: usize = shapes.iter().map(|(_, n)| n).sum();
+    let mut e = Estimate::default();
+    let mut why = Vec::new();
+
+    // Trainable elements (all weights, or the adapters), and the frozen base.
+    let adapters = setup.lora.as_ref().map(|l| adapter_elements(cfg, l, tp));
+    let (p, frozen) = match &adapters {
+        Some(a) => (a.iter().map(|(_, n)| n).sum::<usize>(), base),
+        None => (base, 0),
+    };
+    let slice = |elems: usize| elems.div_ceil(n);
+    let opt_bytes;
+    match (setup.strategy, setup.lora.is_some()) {
+        (Strategy::Ddp, _) => {
+            e.parameters = dsz * (p + frozen);
+            e.gradients = 4 * p;
+            opt_bytes = 12 * p;
+            why.push(format!(
+                "ddp: weights {dsz} x {} + gradients 4 x {p} + master and moments 12 x {p}",
+                p + frozen
+            ));
+        }
+        (Strategy::Zero(stage), _) => {
+            e.parameters = dsz * (p + frozen);
+            e.gradients = match stage {
+                ZeroStage::One => 4 * p,
+                ZeroStage::Two => (4 * p).div_ceil(n),
+            };
+            opt_bytes = 12 * slice(p);
+            why.push(format!(
+                "{}: weights {dsz} x {} + gradients {} + master and moments 12 x {} (the flat vector / {n})",
+                setup.strategy.name(),
+                p + frozen,
+                mib(e.gradients),
+                slice(p)
+            ));
+        }
+        (Strategy::Fsdp(policy, _), false) => {
+            let units = unit_sizes(&shapes, cfg.num_hidden_layers, policy);
+            let s: usize = units.iter().map(|&u| slice(u)).sum();
+            // In fp32 the slice is its own master; otherwise a compute-dtype copy beside it.
+            e.parameters = dsz * s;
+            e.gradients = 4 * s;
+            opt_bytes = if dsz == 4 { 8 * s } else { 12 * s };
+            why.push(format!(
+                "zero3: {} units, {s} elements per rank (each unit padded to {n}): weights {dsz}, gradients 4, {} bytes of optimizer state each",
+                units.len(),
+                opt_bytes / s.max(1)
+            ));
+        }
+        (Strategy::Fsdp(policy, _), true) => {
+            // The frozen base is sharded in its units; the adapters stay whole, their
+            // gradients and optimizer state sharded as ZeRO-2 does.
+            let units = unit_sizes(&shapes, cfg.num_hidden_layers, policy);
+            let s: usize = units.iter().map(|&u| slice(u)).sum();
+            e.parameters = dsz * (s + p);
+            e.gradients = (4 * p).div_ceil(n);
+            opt_bytes = 12 * slice(p);
+            why.push(format!(
+                "zero3 + LoRA: base slices {dsz} x {s} + adapters whole {dsz} x {p}, their gradients and state / {n}"
+            ));
+        }
+    }
+    if setup.offload_optimizer {
+        e.host_optimizer = opt_bytes;
+    } else {
+        e.optimizer = opt_bytes;
+    }
+
+    // Activations: the tokens this rank computes, times what each layer keeps per token.
+    let lora = setup.lora.is_some();
+    let tokens = setup.batch * setup.seq / (d.cp * d.sp).max(1);
+    let (h, q, kv, i) = (
+        cfg.hidden_size as f64,
+        (cfg.num_attention_heads * cfg.head_dim()) as f64 / tp as f64,
+        (cfg.num_kv_heads() * cfg.head_dim()) as f64 / tp as f64,
+        cfg.intermediate_size as f64 / tp as f64,
+    );
+    let layers = cfg.num_hidden_layers as f64;
+    let layer = layer_elements(h, q, kv, i, lora);
+    let per_token = match setup.checkpointing {
+        false => layers * layer + outside_elements(h, lora),
+        true => layers * checkpoint_elements(h, lora) + layer + outside_elements(h, lora),
+    };
+    e.activations = (per_token * tokens as f64) as usize * dsz;
+    why.push(format!(
+        "activations: {tokens} tokens x {per_token:.0} elements x {dsz} bytes ({}; {} layers of {layer:.0} per token)",
+        if setup.checkpointing { "checkpointed: layer inputs kept, one layer recomputed at a time" } else { "every layer kept" },
+        cfg.num_hidden_layers
+    ));
+
+    // Logits exist whole where the fused loss cannot run: the head split (tp) or sharded
+    // (ZeRO-3 / FSDP), or soft-capped logits. Three fp32 copies: logits, log-softmax, gradient.
+    let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
+    if !whole_head || setup.logits_loss {
+        e.logits = 8 * 4 * tokens * cfg.vocab_size / tp;
+        why.push(format!(
+            "logits: 8 fp32 copies x {tokens} tokens x {} vocabulary entries",
+            cfg.vocab_size / tp
+        ));
+    }
+
+    // During backward the whole gradients of what the rank computes with exist before their
+    // reduction; under ZeRO-3 / FSDP only those of the units gathered: two in use (their
+    // weights and gradients) and the next one's weights arriving.
+    let largest_unit = match setup.strategy {
+        Strategy::Fsdp(policy, _) => unit_sizes(&shapes, cfg.num_hidden_layers, policy)
+            .into_iter()
+            .max()
+            .unwrap_or(0),
+        _ => 0,
+    };
+    // Under LoRA the frozen head still gets its gradient computed by the loss (fp32, the
+    // vocabulary's rows this rank holds).
+    let head_grad = if lora {
+        4 * cfg.vocab_size * cfg.hidden_size / tp
+    } else {
+        0
+    };
+    e.step_buffers = head_grad
+        + match (setup.strategy, lora) {
+            (Strategy::Fsdp(..), false) => (3 * dsz + 2 * 4) * largest_unit,
+            (Strategy::Fsdp(..), true) => 3 * dsz * largest_unit + 4 * p,
+            _ => 4 * p - e.gradients.min(4 * p),
+        };
+    // The update: the gradients with AdamW's temporaries for one tensor (four fp32 copies of
+    // the largest); ZeRO-1/2 add the flat gradient copy, its reduced slice and the
+    // all-gathered weights.
+    let largest = shapes.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    e.update_buffers = match (setup.strategy, lora) {
+        (Strategy::Ddp, false) => 4 * p + 16 * largest,
+        (Strategy::Zero(_), false) => 12 * p + (4 * p).div_ceil(n),
+        _ => 0,
+    }
+    .saturating_sub(e.gradients);
+    why.push(format!(
+        "step buffers: backward {}, update {}",
+        mib(e.step_buffers),
+        mib(e.update_buffers)
+    ));
+    // A full save streams one unit at a time: its gathered weights and state.
+    e.save = 16 * largest_unit;
+    e.explain = why;
+    e
+}
