@@ -83,7 +83,7 @@ pub struct Plan {
     pub tp_plan: Option<(PathBuf, Result<Vec<PlanEntry>, String>)>,
 }
 
-fn gpus_present() -> usize {
+pub fn gpus_present() -> usize {
     // Device nodes of the NVIDIA driver; CUDA_VISIBLE_DEVICES narrows them as CUDA does.
     let nodes = std::fs::read_dir("/dev")
         .map(|d| {
@@ -105,6 +105,10 @@ fn gpus_present() -> usize {
 
 fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
     if let Some(name) = &args.profile {
+        if name == "auto" {
+            let cpu = args.topology.use_cpu.unwrap_or(false);
+            return crate::plan::auto(&args.program_args, cpu, args.topology.num_processes);
+        }
         return profiles::load(name);
     }
     if let Some(path) = &args.config_file {

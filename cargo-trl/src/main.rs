@@ -1,7 +1,7 @@
 //! `cargo trl`: scaffold, configure and launch distributed fine-tuning jobs.
 //!
 //! Commands: `new` (scaffold a training crate), `launch` (run a program on local ranks, like
-//! `accelerate launch`), `merge` (a LoRA adapter into its base), `env` (environment report), `profiles`
+//! `accelerate launch`), `merge` (a LoRA adapter into its base), `plan` (memory and speed of every layout), `env` (environment report), `profiles`
 //! (the shipped Accelerate profiles), `check FILE` (validate an Accelerate config file).
 //!
 //! Exit codes: 0 success; 1 a worker failed (launch) or the config is invalid (check);
@@ -14,6 +14,7 @@ mod env;
 mod launch;
 mod merge;
 mod new;
+mod plan;
 mod profiles;
 mod slurm;
 mod target;
@@ -54,6 +55,12 @@ enum Command {
     ///
     /// Example: cargo trl new my-sft && cd my-sft && cargo trl launch --profile multi_cpu
     New(new::NewArgs),
+    /// Per-rank memory and speed of every layout the hardware allows; marks what fits, picks the fastest.
+    ///
+    /// Examples:
+    ///   cargo trl plan --model Qwen2-0.5B --seq 8192 --batch 2 --gpus 8 --gpu_memory 80GiB
+    ///   cargo trl plan --model assets/tiny/model --seq 64 --batch 2 --explain
+    Plan(plan::PlanArgs),
     /// Merge a LoRA adapter into its base: a plain transformers checkpoint (peft's merge_and_unload).
     ///
     /// Example: cargo trl merge output/sft-tiny/checkpoint-50 --output_dir merged
@@ -155,6 +162,7 @@ fn main() -> ExitCode {
         },
         Command::New(args) => report(new::run(&args)),
         Command::Merge(args) => report(merge::run(&args)),
+        Command::Plan(args) => report(plan::run(&args)),
         Command::Slurm(args) => report(slurm::run(&args)),
         Command::Config(args) => report(config_cmd::run(&args)),
         Command::Env => {

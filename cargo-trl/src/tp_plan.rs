@@ -95,7 +95,7 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
 /// `program_args` (its `--config` file, then its flags), parsed as the program parses them,
 /// and whether they name the model; None when they are not TRL's (another program's flags)
 /// or do not resolve.
-fn training_args(program_args: &[String]) -> Option<(bool, TrainingArguments)> {
+pub fn training_args(program_args: &[String]) -> Option<(bool, TrainingArguments)> {
     fn with<C: TrainerConfig>(argv: &[String]) -> Option<(bool, TrainingArguments)> {
         let cli = Cli::<C>::try_parse_trl_from(argv.iter().cloned()).ok()?;
         let (config, _) = cli.resolve().ok()?;

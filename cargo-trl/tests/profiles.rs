@@ -142,6 +142,11 @@ fn every_cpu_profile_runs_the_plan_it_prints() {
             .iter()
             .map(|b| b.as_u64().unwrap())
             .collect();
+        // The estimate `cargo trl plan` ranks layouts by is what every rank holds.
+        let predicted = ran["predicted_model_state_bytes"].as_u64();
+        for (rank, &b) in bytes.iter().enumerate() {
+            assert_eq!(Some(b), predicted, "{profile}: rank {rank} holds {b} bytes of model state, the estimate says {predicted:?}");
+        }
         state.insert(profile, bytes);
     }
     // fp32 AdamW keeps per parameter: DDP 20 bytes (weights, gradients, master, two moments),
@@ -295,4 +300,92 @@ fn ctrl_c_saves_a_checkpoint_and_the_launcher_says_where() {
     )
     .unwrap();
     assert!(state["global_step"].as_u64().unwrap() >= 3, "{state}");
+}
+
+#[test]
+fn profile_auto_launches_what_plan_picks() {
+    let _turn = turn();
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = Command::new(BIN)
+        .current_dir(workspace())
+        .args([
+            "plan",
+            "--model",
+            "assets/tiny/model",
+            "--seq",
+            "64",
+            "--batch",
+            "2",
+        ])
+        .args(["--gradient_checkpointing", "true", "--explain"])
+        .output()
+        .unwrap();
+    let plan = text(&plan);
+    let pick = plan
+        .lines()
+        .find_map(|l| l.strip_prefix("pick: cargo trl launch --profile "))
+        .unwrap_or_else(|| panic!("no pick in:\n{plan}"));
+    let profile = pick.split_whitespace().next().unwrap();
+    assert!(
+        plan.contains("activations:"),
+        "--explain shows the formulas:\n{plan}"
+    );
+    // The same work through the program's own flags: the launch picks the same layout.
+    let out = tmp.path().join("auto");
+    let o = Command::new(BIN)
+        .current_dir(workspace())
+        .env("CARGO_NET_OFFLINE", "true")
+        .args([
+            "launch",
+            "--profile",
+            "auto",
+            "--main_process_port",
+            "0",
+            "--debug",
+            "sft",
+            "--",
+        ])
+        .args(train_args(&out))
+        .args([
+            "--max_length",
+            "64",
+            "--per_device_train_batch_size",
+            "2",
+            "--logging_steps",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let all = text(&o);
+    assert!(o.status.success(), "{all}");
+    assert!(
+        all.contains(&format!("auto: {profile} over")),
+        "plan picked {profile}:\n{all}"
+    );
+    let ran = report(&all);
+    let predicted = ran["predicted_model_state_bytes"].as_u64();
+    assert_eq!(ran["model_state_bytes"][0].as_u64(), predicted, "{ran}");
+    // Every logged step carries the predicted peak beside the measured one.
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let line: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    assert!(
+        line["predicted_peak_memory_mib"].as_f64().is_some(),
+        "{line}"
+    );
+    assert!(line["peak_memory_mib"].as_f64().is_some(), "{line}");
+    // Where nothing fits, the plan says so and what to change.
+    let none = Command::new(BIN)
+        .current_dir(workspace())
+        .args([
+            "plan",
+            "--model",
+            "assets/tiny/model",
+            "--gpus",
+            "1",
+            "--gpu_memory",
+            "1GiB",
+        ])
+        .output()
+        .unwrap();
+    assert!(text(&none).contains("nothing fits"), "{}", text(&none));
 }

@@ -345,3 +345,120 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
     e.explain = why;
     e
 }
+
+/// What a rank computes and communicates with: its sustained matmul rate and the bandwidth
+/// of the links its groups use.
+#[derive(Debug, Clone, Copy)]
+pub struct Hardware {
+    /// Sustained matmul rate of one rank in the compute dtype (FLOP/s).
+    pub flops: f64,
+    /// Bus bandwidth of a collective within a machine (bytes/s).
+    pub intra_bandwidth: f64,
+    /// Bus bandwidth of a collective across machines (bytes/s).
+    pub inter_bandwidth: f64,
+    /// Processes per machine: a group larger than this crosses machines.
+    pub per_machine: usize,
+}
+
+/// Seconds of one optimizer step (one micro-batch per rank), by where they go.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepTime {
+    pub compute: f64,
+    /// Data-parallel reductions and gathers (overlapped with compute: only what exceeds it
+    /// counts).
+    pub data_parallel: f64,
+    /// Tensor- and sequence-parallel collectives, on the critical path.
+    pub model_parallel: f64,
+    /// Tokens of the whole job per second.
+    pub tokens_per_second: f64,
+}
+
+/// The step time of `setup` on `hw`: 6 FLOP per parameter per token (8 with checkpointing's
+/// second forward) plus causal attention's 6 s q per layer, at the rank's rate; ring
+/// all-reduce volumes 2 (n-1)/n of the buffer, gathers and reduce-scatters (n-1)/n.
+pub fn step_time(cfg: &ModelConfig, setup: &Setup, hw: &Hardware) -> StepTime {
+    let d = setup.dims;
+    let world = d.dp_replicate * d.dp_shard * d.cp * d.sp * d.tp;
+    let dsz = setup.dtype.size_in_bytes() as f64;
+    let total = cfg.num_parameters() as f64;
+    let embed = (cfg.vocab_size * cfg.hidden_size) as f64;
+    // The lookup costs nothing; a tied head still runs its matmul.
+    let matmul_params = total - if cfg.tie_word_embeddings { 0.0 } else { embed };
+    let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
+    let layers = cfg.num_hidden_layers as f64;
+    let seq = setup.seq as f64;
+    let passes = if setup.checkpointing { 8.0 } else { 6.0 };
+    // LoRA: no weight gradients for the base (4 of the 6 FLOP per parameter remain).
+    let per_param = if setup.lora.is_some() {
+        passes - 2.0
+    } else {
+        passes
+    };
+    let flops_per_token = per_param * matmul_params + passes * layers * seq * q / 2.0;
+    let dp = (d.dp_replicate * d.dp_shard) as f64;
+    let tokens = dp * setup.batch as f64 * seq;
+    let compute = tokens * flops_per_token / world as f64 / hw.flops;
+
+    let bw = |group: usize, span: usize| match group * span > hw.per_machine {
+        true => hw.inter_bandwidth,
+        false => hw.intra_bandwidth,
+    };
+    let ring = |n: usize| (n as f64 - 1.0) / n as f64;
+    let trainable = match &setup.lora {
+        Some(l) => adapter_elements(cfg, l, d.tp).iter().map(|(_, n)| *n).sum(),
+        None => local_shapes(cfg, d.tp)
+            .iter()
+            .map(|(_, n)| *n)
+            .sum::<usize>(),
+    } as f64;
+    let n_shard = d.dp_shard * d.cp * d.sp;
+    let inner = d.tp * d.cp * d.sp;
+    let shard_bw = bw(n_shard, d.tp);
+    let mut dp_seconds = match setup.strategy {
+        Strategy::Ddp => {
+            2.0 * ring(n_shard * d.dp_replicate) * 4.0 * trainable
+                / bw(n_shard * d.dp_replicate, d.tp)
+        }
+        Strategy::Zero(_) => ring(n_shard) * (4.0 + dsz) * trainable / shard_bw,
+        // Gathered for forward and again for backward; gradients reduce-scattered.
+        Strategy::Fsdp(..) => {
+            let base = local_shapes(cfg, d.tp)
+                .iter()
+                .map(|(_, n)| *n)
+                .sum::<usize>() as f64;
+            ring(n_shard) * (2.0 * dsz * base + 4.0 * trainable) / shard_bw
+        }
+    };
+    if d.dp_replicate > 1 && !matches!(setup.strategy, Strategy::Ddp) {
+        // HSDP: the slices are all-reduced across the replicas.
+        dp_seconds += 2.0 * ring(d.dp_replicate) * 4.0 * trainable
+            / n_shard as f64
+            / bw(d.dp_replicate, inner * d.dp_shard);
+    }
+    // Per layer: tp all-reduces the attention and MLP outputs (2 forward, 2 backward, 2 more
+    // recomputed); Ulysses all-to-alls q, k, v and the output both ways; the ring passes k and
+    // v around (cp - 1 hops forward, twice that backward).
+    let rank_tokens = setup.batch as f64 * seq / (d.cp * d.sp) as f64;
+    let kv = (cfg.num_kv_heads() * cfg.head_dim()) as f64;
+    let h = cfg.hidden_size as f64;
+    let recompute = if setup.checkpointing { 1.5 } else { 1.0 };
+    let mut mp = 0.0;
+    if d.tp > 1 {
+        mp += layers * 4.0 * recompute * 2.0 * ring(d.tp) * rank_tokens * h * dsz / bw(d.tp, 1);
+    }
+    if d.sp > 1 {
+        let volume = rank_tokens * (q + 2.0 * kv + q) / d.tp as f64 * dsz;
+        mp += layers * 2.0 * recompute * ring(d.sp) * volume / bw(d.sp, d.tp);
+    }
+    if d.cp > 1 {
+        let volume = rank_tokens * 2.0 * kv / d.tp as f64 * dsz;
+        mp += layers * 3.0 * recompute * (d.cp as f64 - 1.0) * volume / bw(d.cp, d.tp);
+    }
+    let seconds = compute.max(dp_seconds) + mp;
+    StepTime {
+        compute,
+        data_parallel: dp_seconds,
+        model_parallel: mp,
+        tokens_per_second: tokens / seconds,
+    }
+}

@@ -444,6 +444,25 @@ impl<'a, N: CausalModel> Core<'a, N> {
         }
     }
 
+    /// What `parallel::estimate` predicts this rank holds (the built-in models: their
+    /// config.json is read again; None for a model it cannot read).
+    pub fn memory_estimate(&self) -> Option<crate::parallel::estimate::Estimate> {
+        let dir = &self.args.model_name_or_path;
+        let cfg = crate::models::ModelConfig::from_file(dir.join("config.json")).ok()?;
+        let setup = crate::parallel::estimate::Setup {
+            strategy: self.strategy,
+            dims: self.ctx.mesh.dims(),
+            dtype: self.args.compute_dtype().ok()?,
+            lora: self.args.lora(&cfg.model_type),
+            batch: self.args.per_device_train_batch_size,
+            seq: self.args.max_length,
+            checkpointing: self.model.checkpointing.is_some(),
+            offload_optimizer: self.offloaded(),
+            logits_loss: self.model.net().logit_softcap().is_some(),
+        };
+        Some(crate::parallel::estimate::estimate(&cfg, &setup))
+    }
+
     /// What this job runs, as the workers see it (collective: every rank calls it): the
     /// distributed type, the mesh, the strategy and its settings, and the model-state bytes
     /// of every rank. `cargo trl launch --dry-run` prints the same plan before anything runs.
@@ -463,6 +482,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             "read_shards": self.read_shards,
             "offload_optimizer": self.offloaded(),
             "model_state_bytes": bytes.iter().map(|b| *b as u64).collect::<Vec<_>>(),
+            "predicted_model_state_bytes": self.memory_estimate().map(|e| e.model_state() as u64),
         }))
     }
 

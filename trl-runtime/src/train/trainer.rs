@@ -23,6 +23,8 @@ pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM, T: Task<N> = Sft> 
     pub task: T,
     /// The task's figures of the latest step.
     last_metrics: Vec<(&'static str, f64)>,
+    /// This rank's predicted memory (logged beside the measured peak).
+    predicted: Option<crate::parallel::estimate::Estimate>,
 }
 
 impl<'a, N: CausalModel, T: Task<N>> std::ops::Deref for Trainer<'a, N, T> {
@@ -75,11 +77,13 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let core = Core::load(&args, ctx, strategy, task.num_rows(), tokenizer)?;
         task.prepare(&config, &core)?;
         crate::alloc::release_freed_memory();
+        let predicted = core.memory_estimate();
         Ok(Trainer {
             config,
             core,
             task,
             last_metrics: Vec::new(),
+            predicted,
         })
     }
 
@@ -135,6 +139,17 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         // collective buffers on top of the model state logged at start).
         if let Some(peak) = peak_rss_bytes() {
             line["peak_memory_mib"] = (peak as f64 / 1048576.0).round().into();
+        }
+        // Beside it, what `cargo trl plan` predicted for this rank (the process's base of
+        // 64 MiB on CPU included; on a GPU the figure is the device's).
+        if let Some(e) = &self.predicted {
+            let base = if self.ctx.device().is_cpu() {
+                64 << 20
+            } else {
+                0
+            };
+            line["predicted_peak_memory_mib"] =
+                ((e.peak() + base) as f64 / 1048576.0).round().into();
         }
         if let Some(e) = eval {
             line["eval_loss"] = e.loss.into();

@@ -1,0 +1,568 @@
+//! `cargo trl plan`: every layout the hardware allows (a shipped profile with its mesh
+//! sizes), its per-rank peak memory and step speed from `trl_runtime::parallel::estimate`,
+//! which fit, and the fastest that does. `launch --profile auto` launches that pick.
+
+use crate::profiles;
+use std::path::PathBuf;
+use trl_runtime::candle_core::DType;
+use trl_runtime::config::{LaunchConfig, LaunchPlan};
+use trl_runtime::models::ModelConfig;
+use trl_runtime::nn::lora::{LoraConfig, Targets};
+use trl_runtime::parallel::estimate::{estimate, step_time, Estimate, Hardware, Setup, StepTime};
+use trl_runtime::parallel::Strategy;
+
+const GIB: f64 = (1u64 << 30) as f64;
+const MIB: f64 = (1u64 << 20) as f64;
+
+#[derive(Debug, Clone, clap::Args)]
+#[command(rename_all = "snake_case")]
+pub struct PlanArgs {
+    /// The model: its directory or its config.json (no weights are read).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Tokens per row (TRL's max_length).
+    #[arg(long, default_value_t = 1024)]
+    pub seq: usize,
+    /// Rows per device per micro-batch (per_device_train_batch_size).
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// GPUs per machine; without it, CPU processes on this machine.
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// Memory of one GPU, like 80GiB or 141GB (default: by --gpu_kind).
+    #[arg(long)]
+    pub gpu_memory: Option<String>,
+    /// h100, h200, a100 or l40s: the matmul rate and links assumed.
+    #[arg(long, default_value = "h100")]
+    pub gpu_kind: String,
+    #[arg(long, default_value_t = 1)]
+    pub num_machines: usize,
+    /// CPU processes (without --gpus).
+    #[arg(long, default_value_t = 2)]
+    pub num_processes: usize,
+    /// Train LoRA adapters on a frozen base.
+    #[arg(long)]
+    pub use_peft: bool,
+    #[arg(long, default_value_t = 16)]
+    pub lora_r: usize,
+    /// peft's target_modules (default all-linear).
+    #[arg(long, num_args = 1.., default_value = "all-linear")]
+    pub lora_target_modules: Vec<String>,
+    /// Only layouts with (true) or without (false) activation checkpointing; both by default.
+    #[arg(long)]
+    pub gradient_checkpointing: Option<bool>,
+    /// Show every layout, those that do not fit too.
+    #[arg(long)]
+    pub all: bool,
+    /// Show the formulas with their numbers for the pick.
+    #[arg(long)]
+    pub explain: bool,
+}
+
+/// One layout: a profile and its mesh, what a rank holds, how fast it runs.
+pub struct Row {
+    pub profile: &'static str,
+    pub config: LaunchConfig,
+    pub setup: Setup,
+    pub estimate: Estimate,
+    pub time: StepTime,
+    /// Per-rank peak including the process's base.
+    pub peak: usize,
+    pub fits: bool,
+}
+
+impl Row {
+    /// The launch flags that run this layout.
+    pub fn flags(&self) -> String {
+        let d = self.setup.dims;
+        let mut f = format!(
+            "--profile {} --num_processes {}",
+            self.profile,
+            d.dp_replicate * d.dp_shard * d.tp * d.cp * d.sp
+        );
+        for (name, v) in [
+            ("dp_replicate", d.dp_replicate),
+            ("dp_shard", d.dp_shard),
+            ("tp", d.tp),
+            ("cp", d.cp),
+            ("sp", d.sp),
+        ] {
+            f += &format!(" --parallelism_config_{name}_size {v}");
+        }
+        f
+    }
+}
+
+/// The machine: memory per rank, rate, links, and which profiles are its.
+pub struct Machine {
+    pub gpu: bool,
+    pub per_machine: usize,
+    pub machines: usize,
+    pub memory: usize,
+    /// What a process holds before the model (runtime; on a GPU the CUDA context and NCCL's
+    /// buffers).
+    pub base: usize,
+    pub hardware: Hardware,
+}
+
+/// A size like 80GiB, 80GB, 81920MiB or a byte count.
+fn parse_size(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("--gpu_memory '{text}': expected a size like 80GiB"))?;
+    let scale = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024.0,
+        "mib" => MIB,
+        "gib" => GIB,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        _ => {
+            return Err(format!(
+                "--gpu_memory '{text}': unknown unit '{unit}' (use GiB, GB or MiB)"
+            ))
+        }
+    };
+    Ok((n * scale) as usize)
+}
+
+/// Dense bf16 peak (FLOP/s), memory, NVLink and inter-node bus bandwidth of a GPU kind. The
+/// rate used is 40% of peak: what a tuned training step sustains (MFU).
+fn gpu_kind(kind: &str) -> Result<(f64, f64, f64, f64), String> {
+    match kind.to_ascii_lowercase().as_str() {
+        "h100" => Ok((989e12, 80.0 * GIB, 360e9, 40e9)),
+        "h200" => Ok((989e12, 141.0 * GIB, 360e9, 40e9)),
+        "a100" => Ok((312e12, 80.0 * GIB, 230e9, 20e9)),
+        "l40s" => Ok((362e12, 48.0 * GIB, 25e9, 10e9)),
+        other => Err(format!(
+            "--gpu_kind '{other}': use h100, h200, a100 or l40s"
+        )),
+    }
+}
+
+/// This machine's memory (MemTotal).
+fn host_memory() -> usize {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<usize>().ok()
+        })
+        .map_or(8 << 30, |kib| kib * 1024)
+}
+
+/// FLOP/s of one thread's f32 matmul here (a 256-cube GEMM, timed for a tenth of a second).
+fn cpu_matmul_rate() -> f64 {
+    use trl_runtime::candle_core::{Device, Tensor};
+    let n = 256;
+    let a = Tensor::ones((n, n), DType::F32, &Device::Cpu).expect("cpu tensor");
+    let start = std::time::Instant::now();
+    let mut runs = 0u32;
+    while start.elapsed().as_secs_f64() < 0.1 || runs < 3 {
+        let _ = a.matmul(&a);
+        runs += 1;
+    }
+    2.0 * (n * n * n) as f64 * runs as f64 / start.elapsed().as_secs_f64()
+}
+
+impl Machine {
+    pub fn from_args(args: &PlanArgs) -> Result<Self, String> {
+        match args.gpus {
+            Some(gpus) => {
+                let (peak, memory, intra, inter) = gpu_kind(&args.gpu_kind)?;
+                let memory = match &args.gpu_memory {
+                    Some(m) => parse_size(m)?,
+                    None => memory as usize,
+                };
+                Ok(Machine {
+                    gpu: true,
+                    per_machine: gpus.max(1),
+                    machines: args.num_machines.max(1),
+                    memory,
+                    base: (1.5 * GIB) as usize,
+                    hardware: Hardware {
+                        flops: 0.4 * peak,
+                        intra_bandwidth: intra,
+                        inter_bandwidth: inter,
+                        per_machine: gpus.max(1),
+                    },
+                })
+            }
+            None => Self::cpu(args.num_processes.max(1), args.num_machines.max(1)),
+        }
+    }
+
+    /// `processes` CPU ranks on each machine like this one, sharing its memory and cores.
+    pub fn cpu(processes: usize, machines: usize) -> Result<Self, String> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = (cores / processes).max(1);
+        Ok(Machine {
+            gpu: false,
+            per_machine: processes,
+            machines,
+            memory: host_memory() / processes,
+            base: 64 << 20,
+            hardware: Hardware {
+                // Half the step is in the GEMMs on CPU (norms, softmax, optimizer the rest).
+                flops: 0.5 * cpu_matmul_rate() * threads as f64,
+                intra_bandwidth: 4e9,
+                inter_bandwidth: 1e9,
+                per_machine: processes,
+            },
+        })
+    }
+
+    /// The shipped profiles of this kind of machine, one per data-parallel strategy.
+    fn profiles(&self) -> &'static [&'static str] {
+        match self.gpu {
+            true => &["multi_gpu", "zero1", "zero2", "zero3", "fsdp2"],
+            false => &["multi_cpu", "zero2_cpu", "zero3_cpu", "fsdp2_cpu"],
+        }
+    }
+}
+
+/// What is being trained, from the plan's flags or a program's training arguments.
+pub struct Work {
+    pub config: ModelConfig,
+    pub seq: usize,
+    pub batch: usize,
+    pub lora: Option<LoraConfig>,
+    pub checkpointing: Vec<bool>,
+    /// bf16 on GPUs unless the run says otherwise.
+    pub dtype: Option<DType>,
+}
+
+pub fn read_model(path: &std::path::Path) -> Result<ModelConfig, String> {
+    let file = match path.is_dir() {
+        true => path.join("config.json"),
+        false => path.to_path_buf(),
+    };
+    ModelConfig::from_file(&file).map_err(|e| format!("--model {}: {e}", path.display()))
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// Every layout of `work` on `machine`, fastest first among those that fit.
+pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
+    let world = machine.per_machine * machine.machines;
+    let cfg = &work.config;
+    let mut out = Vec::new();
+    for &profile in machine.profiles() {
+        let Ok(base) = profiles::load(profile) else {
+            continue;
+        };
+        // Tensor and sequence splits stay within a machine; the rest is data-parallel.
+        for tp in divisors(machine.per_machine) {
+            for split in divisors(machine.per_machine / tp) {
+                // Ring attention under FSDP (Accelerate's cp), Ulysses under DeepSpeed (ALST).
+                let deepspeed = profile.starts_with("zero");
+                let (cp, sp) = match (split, deepspeed) {
+                    (1, _) => (1, 1),
+                    (s, false) => (s, 1),
+                    (s, true) => (1, s),
+                };
+                if tp > 1 && (cp > 1 || sp > 1) && machine.gpu && deepspeed {
+                    continue;
+                }
+                let mut config = base.clone();
+                config.num_processes = Some(world as u32);
+                config.num_machines = machine.machines as u32;
+                config.use_cpu = !machine.gpu;
+                let dp = world / (tp * cp * sp);
+                let p = &mut config.parallelism;
+                (p.tp, p.cp, p.sp) = (tp, cp, sp);
+                let strategy = Strategy::from_plan(&LaunchPlan::from_config(&config));
+                let p = &mut config.parallelism;
+                (p.dp_replicate, p.dp_shard) = match strategy {
+                    Strategy::Ddp => (Some(dp), Some(1)),
+                    _ => (Some(1), Some(dp)),
+                };
+                let plan = LaunchPlan::from_config(&config);
+                let Ok(dims) = plan.resolve(world) else {
+                    continue;
+                };
+                // The splits the model allows: heads over tp (and sp), rows over 2 cp chunks.
+                let heads_ok = cfg.num_attention_heads.is_multiple_of(tp * sp)
+                    && cfg.num_kv_heads().is_multiple_of(tp)
+                    && cfg.intermediate_size.is_multiple_of(tp)
+                    && cfg.vocab_size.is_multiple_of(tp);
+                if !heads_ok || !work.seq.is_multiple_of(2 * cp * sp) {
+                    continue;
+                }
+                let dtype = work.dtype.unwrap_or(match machine.gpu {
+                    true => DType::BF16,
+                    false => DType::F32,
+                });
+                for &checkpointing in &work.checkpointing {
+                    let setup = Setup {
+                        strategy,
+                        dims,
+                        dtype,
+                        lora: work.lora.clone(),
+                        batch: work.batch,
+                        seq: work.seq,
+                        checkpointing,
+                        offload_optimizer: false,
+                        logits_loss: cfg
+                            .extra
+                            .get("final_logit_softcapping")
+                            .is_some_and(|v| !v.is_null()),
+                    };
+                    let estimate = estimate(cfg, &setup);
+                    let time = step_time(cfg, &setup, &machine.hardware);
+                    let peak = estimate.peak() + machine.base;
+                    out.push(Row {
+                        profile,
+                        config: config.clone(),
+                        fits: peak <= machine.memory,
+                        setup,
+                        estimate,
+                        time,
+                        peak,
+                    });
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| {
+        b.fits.cmp(&a.fits).then(
+            b.time
+                .tokens_per_second
+                .total_cmp(&a.time.tokens_per_second),
+        )
+    });
+    out
+}
+
+fn gib(b: usize) -> String {
+    let g = b as f64 / GIB;
+    match g < 1.0 {
+        true => format!("{:.0}M", b as f64 / MIB),
+        false => format!("{g:.1}G"),
+    }
+}
+
+/// One table line.
+fn line(r: &Row) -> String {
+    let d = r.setup.dims;
+    let e = &r.estimate;
+    format!(
+        "{:<4} {:<10} {:>3} {:>3} {:>3} {:>3} {:>3} {:<4} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10.0}",
+        if r.fits { "fits" } else { "OOM" },
+        r.profile,
+        d.dp_replicate,
+        d.dp_shard,
+        d.tp,
+        d.cp,
+        d.sp,
+        if r.setup.checkpointing { "on" } else { "off" },
+        gib(e.parameters),
+        gib(e.gradients),
+        gib(e.optimizer),
+        gib(e.activations + e.logits),
+        gib(e.step_buffers.max(e.update_buffers)),
+        gib(r.peak),
+        r.time.tokens_per_second
+    )
+}
+
+pub fn run(args: &PlanArgs) -> Result<String, String> {
+    let config = read_model(&args.model)?;
+    let lora = args.use_peft.then(|| LoraConfig {
+        r: args.lora_r,
+        alpha: 2.0 * args.lora_r as f64,
+        dropout: 0.0,
+        targets: match args.lora_target_modules.as_slice() {
+            [one] if one.eq_ignore_ascii_case("all-linear") => Targets::AllLinear,
+            names => Targets::Names(names.to_vec()),
+        },
+        modules_to_save: Vec::new(),
+        rslora: false,
+        seed: 0,
+        dora: false,
+    });
+    let work = Work {
+        config,
+        seq: args.seq,
+        batch: args.batch,
+        lora,
+        checkpointing: match args.gradient_checkpointing {
+            Some(c) => vec![c],
+            None => vec![true, false],
+        },
+        dtype: None,
+    };
+    let machine = Machine::from_args(args)?;
+    let rows = rows(&work, &machine);
+    let mut out = vec![format!(
+        "{} ({} parameters{}), {} rows x {} tokens per device, {} x {} {} of {} each",
+        args.model.display(),
+        work.config.num_parameters(),
+        if args.use_peft {
+            format!(", LoRA r {}", args.lora_r)
+        } else {
+            String::new()
+        },
+        args.batch,
+        args.seq,
+        machine.machines,
+        machine.per_machine,
+        if machine.gpu {
+            format!("{} GPU(s)", args.gpu_kind)
+        } else {
+            "CPU process(es)".into()
+        },
+        gib(machine.memory)
+    )];
+    out.push(format!(
+        "{:<4} {:<10} {:>3} {:>3} {:>3} {:>3} {:>3} {:<4} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10}",
+        "", "profile", "rep", "shd", "tp", "cp", "sp", "ckpt", "params", "grads", "optim", "activ", "buffers", "peak", "tokens/s"
+    ));
+    let shown: Vec<&Row> = rows.iter().filter(|r| r.fits || args.all).collect();
+    out.extend(shown.iter().map(|r| line(r)));
+    if shown.len() < rows.len() {
+        out.push(format!(
+            "({} layouts that do not fit left out: --all shows them)",
+            rows.len() - shown.len()
+        ));
+    }
+    out.push(format!(
+        "peak: per rank, with {} for the process itself; buffers: the larger of backward's and the update's",
+        gib(machine.base)
+    ));
+    match rows.first().filter(|r| r.fits) {
+        Some(best) => {
+            out.push(format!(
+                "pick: cargo trl launch {} (gradient_checkpointing={})",
+                best.flags(),
+                best.setup.checkpointing
+            ));
+            if args.explain {
+                out.extend(best.estimate.explain.iter().map(|l| format!("  {l}")));
+                let t = best.time;
+                out.push(format!(
+                    "  time per step: compute {:.3}s, data-parallel comm {:.3}s (overlapped), model-parallel comm {:.3}s",
+                    t.compute, t.data_parallel, t.model_parallel
+                ));
+            }
+        }
+        None => out.push(
+            "nothing fits: lower --seq or --batch, use --use_peft, or add GPUs or machines".into(),
+        ),
+    }
+    Ok(out.join("\n"))
+}
+
+/// `launch --profile auto`: the fastest layout that fits for the program's training arguments
+/// (model, max_length, per_device_train_batch_size, LoRA, checkpointing, precision) on this
+/// machine's GPUs, or its CPU with `--num_processes` (2 unless given) processes. Prints why.
+pub fn auto(
+    program_args: &[String],
+    use_cpu: bool,
+    processes: Option<u32>,
+) -> Result<LaunchConfig, String> {
+    let (_, t) = crate::tp_plan::training_args(program_args).ok_or(
+        "--profile auto reads the program's training arguments (TRL's flags or --config FILE); these did not parse: pick a profile (cargo trl plan shows which fits)",
+    )?;
+    let config = read_model(&t.model_name_or_path)?;
+    let gpus = if use_cpu {
+        0
+    } else {
+        crate::launch::gpus_present()
+    };
+    let machine = match gpus {
+        0 => Machine::cpu(processes.unwrap_or(2) as usize, 1)?,
+        n => {
+            // The first GPU's kind and memory, as nvidia-smi reports them.
+            let smi = std::process::Command::new("nvidia-smi")
+                .args([
+                    "--query-gpu=name,memory.total",
+                    "--format=csv,noheader,nounits",
+                ])
+                .output()
+                .ok()
+                .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+                .unwrap_or_default();
+            let first = smi.lines().next().unwrap_or("");
+            let kind = ["H200", "H100", "A100", "L40S"]
+                .into_iter()
+                .find(|k| first.to_ascii_uppercase().contains(k))
+                .unwrap_or("H100")
+                .to_ascii_lowercase();
+            let memory = first
+                .split(',')
+                .nth(1)
+                .and_then(|m| m.trim().parse::<f64>().ok())
+                .map(|mib| format!("{mib}MiB"));
+            Machine::from_args(&PlanArgs {
+                model: t.model_name_or_path.clone(),
+                seq: t.max_length,
+                batch: t.per_device_train_batch_size,
+                gpus: Some(processes.map_or(n, |p| p as usize)),
+                gpu_memory: memory,
+                gpu_kind: kind,
+                num_machines: 1,
+                num_processes: n,
+                use_peft: t.use_peft,
+                lora_r: t.lora_r,
+                lora_target_modules: vec![],
+                gradient_checkpointing: None,
+                all: false,
+                explain: false,
+            })?
+        }
+    };
+    let work = Work {
+        seq: t.max_length,
+        batch: t.per_device_train_batch_size,
+        lora: t.lora(&config.model_type),
+        checkpointing: vec![t.gradient_checkpointing],
+        dtype: t
+            .compute_dtype()
+            .ok()
+            .filter(|d| *d != DType::F32 || !machine.gpu),
+        config,
+    };
+    let rows = rows(&work, &machine);
+    let Some(best) = rows.first().filter(|r| r.fits) else {
+        return Err(format!(
+            "--profile auto: no layout fits {} at max_length {} and per_device_train_batch_size {} in {} per rank (cargo trl plan --model {} --all shows each one's peak)",
+            t.model_name_or_path.display(),
+            t.max_length,
+            t.per_device_train_batch_size,
+            gib(machine.memory),
+            t.model_name_or_path.display()
+        ));
+    };
+    let runner_up = rows
+        .iter()
+        .skip(1)
+        .find(|r| r.fits && r.profile != best.profile);
+    eprintln!(
+        "auto: {} over {} rank(s) (mesh dp_replicate={} dp_shard={} tp={} cp={} sp={}): predicted peak {} per rank of {}, {:.0} tokens/s{}",
+        best.profile,
+        best.setup.dims.dp_replicate * best.setup.dims.dp_shard * best.setup.dims.tp * best.setup.dims.cp * best.setup.dims.sp,
+        best.setup.dims.dp_replicate,
+        best.setup.dims.dp_shard,
+        best.setup.dims.tp,
+        best.setup.dims.cp,
+        best.setup.dims.sp,
+        gib(best.peak),
+        gib(machine.memory),
+        best.time.tokens_per_second,
+        match runner_up {
+            Some(r) => format!("; next: {} at {:.0} tokens/s, peak {}", r.profile, r.time.tokens_per_second, gib(r.peak)),
+            None => String::new(),
+        }
+    );
+    let mut config = best.config.clone();
+    config.source = format!("profile auto ({})", best.profile);
+    Ok(config)
+}
