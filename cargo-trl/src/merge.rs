@@ -24,7 +24,7 @@ pub struct MergeArgs {
 }
 
 /// Bytes of a size written as transformers writes them (`5GB`, `2GiB`, `500MB`, `1000`).
-fn parse_size(s: &str) -> Result<usize, String> {
+pub fn parse_size(flag: &str, s: &str) -> Result<usize, String> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -32,7 +32,7 @@ fn parse_size(s: &str) -> Result<usize, String> {
     let (number, unit) = t.split_at(split);
     let n: f64 = number
         .parse()
-        .map_err(|_| format!("--max_shard_size '{s}': expected a size like 5GB or 2GiB"))?;
+        .map_err(|_| format!("{flag} '{s}': expected a size like 5GB or 2GiB"))?;
     let scale: f64 = match unit.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1.0,
         "KB" => 1e3,
@@ -43,15 +43,15 @@ fn parse_size(s: &str) -> Result<usize, String> {
         "GIB" => 1073741824.0,
         other => {
             return Err(format!(
-            "--max_shard_size '{s}': unknown unit '{other}' (use B, KB, MB, GB, KiB, MiB or GiB)"
-        ))
+                "{flag} '{s}': unknown unit '{other}' (use B, KB, MB, GB, KiB, MiB or GiB)"
+            ))
         }
     };
     Ok((n * scale) as usize)
 }
 
 pub fn run(args: &MergeArgs) -> Result<String, String> {
-    let limit = parse_size(&args.max_shard_size)?;
+    let limit = parse_size("--max_shard_size", &args.max_shard_size)?;
     let report = trl_runtime::models::merge::merge_adapter(
         &args.adapter,
         args.model_name_or_path.as_deref(),
@@ -76,10 +76,16 @@ pub fn run(args: &MergeArgs) -> Result<String, String> {
 mod tests {
     #[test]
     fn sizes_read_as_transformers_reads_them() {
-        assert_eq!(super::parse_size("5GB"), Ok(5_000_000_000));
-        assert_eq!(super::parse_size("2GiB"), Ok(2 << 30));
-        assert_eq!(super::parse_size("500MB"), Ok(500_000_000));
-        assert_eq!(super::parse_size("1000"), Ok(1000));
-        assert!(super::parse_size("5 parsecs").is_err());
+        assert_eq!(
+            super::parse_size("--max_shard_size", "5GB"),
+            Ok(5_000_000_000)
+        );
+        assert_eq!(super::parse_size("--max_shard_size", "2GiB"), Ok(2 << 30));
+        assert_eq!(
+            super::parse_size("--max_shard_size", "500MB"),
+            Ok(500_000_000)
+        );
+        assert_eq!(super::parse_size("--max_shard_size", "1000"), Ok(1000));
+        assert!(super::parse_size("--max_shard_size", "5 parsecs").is_err());
     }
 }

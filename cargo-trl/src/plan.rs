@@ -105,32 +105,6 @@ pub struct Machine {
     pub hardware: Hardware,
 }
 
-/// A size like 80GiB, 80GB, 81920MiB or a byte count.
-fn parse_size(text: &str) -> Result<usize, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("--gpu_memory '{text}': expected a size like 80GiB"))?;
-    let scale = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kib" => 1024.0,
-        "mib" => MIB,
-        "gib" => GIB,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        _ => {
-            return Err(format!(
-                "--gpu_memory '{text}': unknown unit '{unit}' (use GiB, GB or MiB)"
-            ))
-        }
-    };
-    Ok((n * scale) as usize)
-}
-
 /// Dense bf16 peak (FLOP/s), memory, NVLink and inter-node bus bandwidth of a GPU kind. The
 /// rate used is 40% of peak: what a tuned training step sustains (MFU).
 fn gpu_kind(kind: &str) -> Result<(f64, f64, f64, f64), String> {
@@ -176,7 +150,7 @@ impl Machine {
             Some(gpus) => {
                 let (peak, memory, intra, inter) = gpu_kind(&args.gpu_kind)?;
                 let memory = match &args.gpu_memory {
-                    Some(m) => parse_size(m)?,
+                    Some(m) => crate::merge::parse_size("--gpu_memory", m)?,
                     None => memory as usize,
                 };
                 Ok(Machine {

@@ -119,6 +119,10 @@ fn worker(name: &str, dir: &Path) {
     trainer.train_step().unwrap();
     let step_peak = peak_rss_bytes().unwrap_or(0);
     let mem = trainer.memory();
+    // What `cargo trl plan` predicts for this rank (the process's 64 MiB base included).
+    let predicted = trainer
+        .memory_estimate()
+        .map_or(0, |e| e.peak() + (64 << 20));
     // A full checkpoint's peak on its own: what the step freed goes back to the OS first.
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
@@ -126,7 +130,7 @@ fn worker(name: &str, dir: &Path) {
     let save_peak = peak_rss_bytes().unwrap_or(0);
     if ctx.is_main_process() {
         println!(
-            "report {} {step_peak} {run_peak} {load_peak} {} {save_peak}",
+            "report {} {step_peak} {run_peak} {load_peak} {} {save_peak} {predicted}",
             mem.total(),
             offloaded as usize
         );
@@ -154,10 +158,11 @@ fn main() {
         support::run_ranks(&name, world, tmp.path(), |line, _| {
             if let Some(rest) = line.strip_prefix("report ") {
                 let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
-                report = Some((v[0], v[1], v[2], v[3], v[4] == 1, v[5]));
+                report = Some((v[0], v[1], v[2], v[3], v[4] == 1, v[5], v[6]));
             }
         });
-        let (state, peak, run_peak, load_peak, offloaded, save_peak) = report.expect("no report");
+        let (state, peak, run_peak, load_peak, offloaded, save_peak, predicted) =
+            report.expect("no report");
         let strategy = name.split('+').next().unwrap();
         let streamed = matches!(strategy, "zero3" | "fsdp") && !name.contains("+lora");
         let save = match streamed {
@@ -182,11 +187,14 @@ fn main() {
         // On a CPU run offload has nothing to move to (the trainer says so): the offloaded
         // field shows whether the state really left the compute device.
         println!(
-            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offloaded\":{offloaded},\"lora\":{lora},\"trainable_params\":{},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak}{save}}}",
+            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offloaded\":{offloaded},\"lora\":{lora},\"trainable_params\":{},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak},\"predicted_peak_mib\":{:.1},\"measured_peak_mib\":{:.1},\"predicted_over_measured\":{:.3}{save}}}",
             name.contains("+init"),
             name.contains("+offload"),
             if lora { a } else { p },
-            state as f64 / formula as f64
+            state as f64 / formula as f64,
+            predicted as f64 / 1048576.0,
+            peak as f64 / 1048576.0,
+            predicted as f64 / peak as f64
         );
     }
 }

@@ -4,9 +4,9 @@
 //! Model state is exact: each strategy's rule below is how its file allocates (DDP keeps
 //! weights, gradients, an fp32 master and two moments whole; ZeRO-1/2 slice the flat vector
 //! of all parameters, padded to the group size; ZeRO-3 / FSDP slice each wrap unit, padded the
-//! same way), and tests/memory_plan.rs checks it equals `Trainer::memory` for every strategy.
+//! same way), and trl-runtime/tests/memory_plan.rs checks it equals `Trainer::memory` for every strategy.
 //! Activations are what the autograd graph keeps per token, in elements of the compute dtype,
-//! measured from the layers with a counting allocator (tests/memory_plan.rs re-measures them on
+//! measured from the layers with a counting allocator (trl-runtime/tests/memory_plan.rs re-measures them on
 //! other shapes and fails when the code and these constants part by more than 10%).
 
 use super::{Strategy, WrapPolicy, ZeroStage};
