@@ -13,16 +13,69 @@
 //! full checkpoint after the measured step, streamed a unit at a time: its peak
 //! (`save_peak_bytes_per_rank`, freed memory returned to the OS first) must stay within the
 //! largest unit held whole (its parameters and optimizer state, 16 bytes per element) of the
-//! training step's peak. One JSON object per line on stdout.
+//! training step's peak. Each line also has `predicted_peak_mib` (`parallel::estimate`, what
+//! `cargo trl plan` shows) beside `measured_peak_mib`, the heap the trainer allocated at the
+//! step's peak (counted by this binary's allocator; the resident peak is the `*_bytes_per_rank`
+//! fields). Then `memory_plan` lines: every CPU profile, with and without checkpointing and
+//! LoRA, at three lengths on the tiny model (64/128/256) and the reference shape
+//! (128/512/1024), predicted against measured, and a summary line (`--plan-only` runs just
+//! that part). One JSON object per line on stdout.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use trl_runtime::config::{
-    DeepSpeedConfig, DistributedType, FsdpConfig, LaunchPlan, OffloadDevice,
+    DeepSpeedConfig, DistributedType, FsdpConfig, LaunchConfig, LaunchPlan, OffloadDevice,
 };
 use trl_runtime::dist::DistContext;
 use trl_runtime::train::{peak_rss_bytes, reset_peak_rss, SFTConfig, Trainer};
 
 mod support;
+
+/// Heap bytes live now and at their peak: the allocated memory the estimate predicts (as
+/// torch's max_memory_allocated is to the reserved memory), beside the resident peak.
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded to the system allocator; only counters are added.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(l) };
+        if !p.is_null() {
+            PEAK.fetch_max(LIVE.fetch_add(l.size(), Relaxed) + l.size(), Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) };
+        LIVE.fetch_sub(l.size(), Relaxed);
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        let q = unsafe { System.realloc(p, l, new) };
+        if !q.is_null() {
+            if new > l.size() {
+                PEAK.fetch_max(
+                    LIVE.fetch_add(new - l.size(), Relaxed) + new - l.size(),
+                    Relaxed,
+                );
+            } else {
+                LIVE.fetch_sub(l.size() - new, Relaxed);
+            }
+        }
+        q
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Starts a heap peak from now; returns the bytes live now.
+fn reset_heap_peak() -> usize {
+    let now = LIVE.load(Relaxed);
+    PEAK.store(now, Relaxed);
+    now
+}
 
 const LORA_R: usize = 16;
 
@@ -108,6 +161,7 @@ fn worker(name: &str, dir: &Path) {
     // Peak from here: loading the model and setting up the strategy.
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
+    let base = reset_heap_peak();
     let mut trainer = Trainer::new(config, &ctx).unwrap();
     let load_peak = peak_rss_bytes().unwrap_or(0);
     let offloaded = trainer.report().unwrap()["offload_optimizer"] == true;
@@ -116,13 +170,13 @@ fn worker(name: &str, dir: &Path) {
     trainer.train_step().unwrap();
     let run_peak = load_peak.max(peak_rss_bytes().unwrap_or(0));
     reset_peak_rss();
+    reset_heap_peak();
     trainer.train_step().unwrap();
     let step_peak = peak_rss_bytes().unwrap_or(0);
+    let heap_peak = PEAK.load(Relaxed) - base;
     let mem = trainer.memory();
-    // What `cargo trl plan` predicts for this rank (the process's 64 MiB base included).
-    let predicted = trainer
-        .memory_estimate()
-        .map_or(0, |e| e.peak() + (64 << 20));
+    // What `cargo trl plan` predicts for this rank, against the heap the trainer allocated.
+    let predicted = trainer.memory_estimate().map_or(0, |e| e.peak());
     // A full checkpoint's peak on its own: what the step freed goes back to the OS first.
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
@@ -130,16 +184,144 @@ fn worker(name: &str, dir: &Path) {
     let save_peak = peak_rss_bytes().unwrap_or(0);
     if ctx.is_main_process() {
         println!(
-            "report {} {step_peak} {run_peak} {load_peak} {} {save_peak} {predicted}",
+            "report {} {step_peak} {run_peak} {load_peak} {} {save_peak} {predicted} {heap_peak}",
             mem.total(),
             offloaded as usize
         );
     }
 }
 
+/// The CPU profiles, as `cargo trl launch --profile` runs them.
+const PROFILES: [&str; 7] = [
+    "multi_cpu",
+    "zero2_cpu",
+    "zero3_cpu",
+    "fsdp2_cpu",
+    "fsdp2_tp_cpu",
+    "context_parallel_cpu",
+    "alst_ulysses_cpu",
+];
+
+fn profile_config(name: &str) -> LaunchConfig {
+    let path = support::repo().join(format!("templates/profiles/{name}.yaml"));
+    LaunchConfig::from_file(&path).unwrap()
+}
+
+/// One run of the prediction section: `profile/PROFILE/MODEL/SEQ/CKPT/LORA`. Reports the
+/// heap peak of the second step over the heap before loading, the prediction, and the
+/// resident peak.
+fn profile_worker(kind: &str, dir: &Path) {
+    let f: Vec<&str> = kind.split('/').collect();
+    let (profile, model, seq) = (f[1], f[2], f[3].parse::<usize>().unwrap());
+    let ctx = DistContext::with_plan(LaunchPlan::from_config(&profile_config(profile))).unwrap();
+    let dir = dir.join(model);
+    let config = SFTConfig {
+        training: trl_runtime::train::TrainingArguments {
+            model_name_or_path: dir.join("model"),
+            dataset_name: dir.join(format!("train_{seq}.jsonl")),
+            output_dir: dir.join("out"),
+            per_device_train_batch_size: 1,
+            max_length: seq,
+            max_steps: 10,
+            disable_tqdm: true,
+            gradient_checkpointing: f[4] == "true",
+            use_peft: f[5] == "true",
+            lora_target_modules: Some(trl_runtime::train::args::NameList(
+                vec!["all-linear".into()],
+            )),
+            lora_r: LORA_R,
+            lora_dropout: 0.0,
+            ..Default::default()
+        },
+        ..SFTConfig::default()
+    };
+    let base = reset_heap_peak();
+    let mut trainer = Trainer::new(config, &ctx).unwrap();
+    trainer.train_step().unwrap();
+    reset_peak_rss();
+    reset_heap_peak();
+    trainer.train_step().unwrap();
+    let heap = PEAK.load(Relaxed) - base;
+    let rss = peak_rss_bytes().unwrap_or(0);
+    let predicted = trainer.memory_estimate().map_or(0, |e| e.peak());
+    if ctx.is_main_process() {
+        println!("report {heap} {predicted} {rss}");
+    }
+}
+
+/// Every CPU profile, with and without checkpointing and LoRA, at three lengths on the tiny
+/// model and the training benchmarks' reference shape: predicted against measured peaks.
+fn profile_section(tmp: &Path) {
+    let tiny: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(support::repo().join("assets/tiny/model/config.json")).unwrap(),
+    )
+    .unwrap();
+    let models = [
+        ("tiny", tiny, [64, 128, 256]),
+        (
+            "reference",
+            support::reference_config(1024),
+            [128, 512, 1024],
+        ),
+    ];
+    let (mut worst, mut runs, mut within) = (0f64, 0, 0);
+    for (model, config, lengths) in models {
+        let dir = tmp.join(model);
+        for seq in lengths {
+            support::write_model_and_rows(&dir, config.clone(), 16, seq);
+            std::fs::rename(
+                dir.join("train.jsonl"),
+                dir.join(format!("train_{seq}.jsonl")),
+            )
+            .unwrap();
+        }
+        for profile in PROFILES {
+            let world = profile_config(profile).num_processes.unwrap_or(1) as usize;
+            for seq in lengths {
+                for ckpt in [false, true] {
+                    for lora in [false, true] {
+                        let kind = format!("profile/{profile}/{model}/{seq}/{ckpt}/{lora}");
+                        let mut report = None;
+                        support::run_ranks(&kind, world, tmp, |line, _| {
+                            if let Some(rest) = line.strip_prefix("report ") {
+                                let v: Vec<usize> =
+                                    rest.split(' ').map(|x| x.parse().unwrap()).collect();
+                                report = Some((v[0], v[1], v[2]));
+                            }
+                        });
+                        let (heap, predicted, rss) = report.expect("no report");
+                        let ratio = predicted as f64 / heap as f64;
+                        worst = worst.max((ratio - 1.0).abs());
+                        runs += 1;
+                        within += usize::from((ratio - 1.0).abs() <= 0.10);
+                        let mib = |b: usize| b as f64 / 1048576.0;
+                        println!(
+                            "{{\"bench\":\"memory_plan\",\"profile\":\"{profile}\",\"model\":\"{model}\",\"seq\":{seq},\"checkpointing\":{ckpt},\"lora\":{lora},\"world\":{world},\"predicted_peak_mib\":{:.2},\"measured_peak_mib\":{:.2},\"predicted_over_measured\":{ratio:.3},\"rss_peak_mib\":{:.1}}}",
+                            mib(predicted),
+                            mib(heap),
+                            mib(rss)
+                        );
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "{{\"bench\":\"memory_plan_summary\",\"runs\":{runs},\"within_10_percent\":{within},\"worst_deviation\":{worst:.3}}}"
+    );
+}
+
 fn main() {
     if let Ok(name) = std::env::var("TRL_BENCH_WORKER") {
-        worker(&name, Path::new(&std::env::var("TRL_BENCH_DIR").unwrap()));
+        let dir = std::env::var("TRL_BENCH_DIR").unwrap();
+        match name.starts_with("profile/") {
+            true => profile_worker(&name, Path::new(&dir)),
+            false => worker(&name, Path::new(&dir)),
+        }
+        return;
+    }
+    if std::env::args().any(|a| a == "--plan-only") {
+        profile_section(tempfile::tempdir().unwrap().path());
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -158,10 +340,10 @@ fn main() {
         support::run_ranks(&name, world, tmp.path(), |line, _| {
             if let Some(rest) = line.strip_prefix("report ") {
                 let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
-                report = Some((v[0], v[1], v[2], v[3], v[4] == 1, v[5], v[6]));
+                report = Some((v[0], v[1], v[2], v[3], v[4] == 1, v[5], v[6], v[7]));
             }
         });
-        let (state, peak, run_peak, load_peak, offloaded, save_peak, predicted) =
+        let (state, peak, run_peak, load_peak, offloaded, save_peak, predicted, heap) =
             report.expect("no report");
         let strategy = name.split('+').next().unwrap();
         let streamed = matches!(strategy, "zero3" | "fsdp") && !name.contains("+lora");
@@ -193,8 +375,9 @@ fn main() {
             if lora { a } else { p },
             state as f64 / formula as f64,
             predicted as f64 / 1048576.0,
-            peak as f64 / 1048576.0,
-            predicted as f64 / peak as f64
+            heap as f64 / 1048576.0,
+            predicted as f64 / heap as f64
         );
     }
+    profile_section(&tmp.path().join("plan"));
 }

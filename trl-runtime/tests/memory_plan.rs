@@ -1,7 +1,8 @@
 //! The memory estimate (`parallel::estimate`) against the code that allocates: model state
-//! equal to `Trainer::memory` for every strategy, and the step's transient memory (gradients,
-//! activations, logits, buffers) within 10% of what a counting allocator sees, on shapes
-//! other than those the per-token constants were measured on.
+//! equal to `Trainer::memory` for every strategy (in-process ranks), and the step's transient
+//! heap (gradients, activations, logits, buffers) within 10% of what a counting allocator sees
+//! in ranks run as the launcher runs them (this binary started again per rank, host backend),
+//! on a shape other than those the per-token constants were measured on.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
@@ -232,16 +233,114 @@ fn model_state_is_what_every_strategy_holds() {
     }
 }
 
+/// The launch plan of a process-run case: DDP, ZeRO-2 or ZeRO-3 over the world.
+fn launch_plan(strategy: &str) -> trl_runtime::config::LaunchPlan {
+    use trl_runtime::config::{DeepSpeedConfig, DistributedType, LaunchPlan};
+    let stage = match strategy {
+        "zero2" => 2,
+        "zero3" => 3,
+        _ => 0,
+    };
+    LaunchPlan {
+        distributed_type: DistributedType::DeepSpeed,
+        deepspeed: Some(DeepSpeedConfig {
+            zero_stage: stage,
+            ..DeepSpeedConfig::default()
+        }),
+        ..LaunchPlan::default()
+    }
+}
+
+/// A rank of a process-run case (this test binary started again by
+/// [`step_memory_is_within_ten_percent_of_the_estimate`] with TRL_PLAN_WORKER set): two steps,
+/// then rank 0 prints the second step's transient heap bytes.
+#[test]
+fn rank_worker() {
+    let Ok(kind) = std::env::var("TRL_PLAN_WORKER") else {
+        return;
+    };
+    let f: Vec<&str> = kind.split('/').collect();
+    let dir = std::path::PathBuf::from(std::env::var("TRL_PLAN_DIR").unwrap());
+    let c = Case {
+        seq: f[1].parse().unwrap(),
+        batch: 1,
+        checkpointing: f[2] == "true",
+        lora: f[3] == "true",
+        bf16: false,
+    };
+    let ctx = DistContext::with_plan(launch_plan(f[0])).unwrap();
+    let mut trainer = Trainer::new(args(&dir, c), &ctx).unwrap();
+    trainer.train_step().unwrap();
+    let before = LIVE.load(Ordering::SeqCst);
+    PEAK.store(before, Ordering::SeqCst);
+    trainer.train_step().unwrap();
+    if ctx.is_main_process() {
+        println!("report {}", PEAK.load(Ordering::SeqCst) - before);
+    }
+}
+
+/// Runs `kind` on `world` processes of this test binary (as the launcher runs ranks: the host
+/// backend's collectives and their buffers); rank 0's transient heap bytes of the second step.
+fn run_processes(kind: &str, world: usize, dir: &Path) -> usize {
+    use std::process::{Command, Stdio};
+    let exe = std::env::current_exe().unwrap();
+    let port = trl_runtime::dist::spawn::free_port().unwrap();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "rank_worker",
+                    "--nocapture",
+                    "--test-threads",
+                    "1",
+                ])
+                .env("TRL_PLAN_WORKER", kind)
+                .env("TRL_PLAN_DIR", dir)
+                .env("RAYON_NUM_THREADS", "1")
+                .envs(trl_runtime::dist::spawn::local_rank_env(
+                    rank,
+                    world,
+                    port,
+                    "plan-test",
+                ))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    for (rank, o) in outputs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "{kind} rank {rank}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let out = String::from_utf8_lossy(&outputs[0].stdout);
+    out.lines()
+        // The harness prints `test rank_worker ... ` before it on the same line.
+        .find_map(|l| l.split_once("report ").map(|(_, r)| r))
+        .unwrap_or_else(|| panic!("{kind}: no report in {out}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
 #[test]
 fn step_memory_is_within_ten_percent_of_the_estimate() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
-    // Not a shape the per-token constants were measured on.
+    // Not a shape the per-token constants were measured on, run as the launcher runs ranks.
     let shape = (192, 512, 4, 1024, 6, 2);
     let mut worst: f64 = 0.0;
-    for (strategy, d) in [
-        (Strategy::Ddp, dims(1, 1, 1)),
-        (Strategy::Zero(ZeroStage::Two), dims(1, 2, 1)),
-        (Strategy::fsdp(WrapPolicy::PerLayer), dims(1, 2, 1)),
+    let mut failures = Vec::new();
+    for (name, strategy, d) in [
+        ("ddp", Strategy::Ddp, dims(1, 1, 1)),
+        ("zero2", Strategy::Zero(ZeroStage::Two), dims(1, 2, 1)),
+        ("zero3", Strategy::fsdp(WrapPolicy::PerLayer), dims(1, 2, 1)),
     ] {
         for checkpointing in [false, true] {
             for lora in [false, true] {
@@ -256,19 +355,22 @@ fn step_memory_is_within_ten_percent_of_the_estimate() {
                         bf16: false,
                     };
                     let world = d.dp_shard * d.dp_replicate * d.tp;
-                    let (mems, transient) = measure(tmp.path(), c, strategy, d);
+                    let kind = format!("{name}/{seq}/{checkpointing}/{lora}");
+                    let measured = run_processes(&kind, world, tmp.path());
                     let e = estimate(&cfg, &setup(&args(tmp.path(), c), strategy, d));
-                    // The ranks share the allocator: the transient bytes of all of them.
-                    let predicted = world * (e.gradients + e.transient());
-                    let ratio = predicted as f64 / transient as f64;
-                    println!(
-                        "{} x{world} ckpt {checkpointing} lora {lora} seq {seq}: state {} transient measured {transient} predicted {predicted} ratio {ratio:.3}",
-                        strategy.name(), mems[0].iter().sum::<usize>()
-                    );
+                    let predicted = e.gradients + e.transient();
+                    let ratio = predicted as f64 / measured as f64;
+                    println!("{kind} x{world}: step transient measured {measured} predicted {predicted} ratio {ratio:.3}");
                     worst = worst.max((ratio - 1.0).abs());
+                    if (ratio - 1.0).abs() >= 0.10 {
+                        failures.push(format!("{kind}: {ratio:.3}"));
+                    }
                 }
             }
         }
     }
-    assert!(worst < 0.10, "worst {worst:.3}");
+    assert!(
+        failures.is_empty(),
+        "beyond 10%: {failures:?} (worst {worst:.3})"
+    );
 }

@@ -48,6 +48,11 @@ pub struct Estimate {
     pub host_optimizer: usize,
     /// What backward needs of the forward: per token, per layer, times the tokens of a rank.
     pub activations: usize,
+    /// The runtime's own heap: tokenizer, data, host-collective buffers (measured).
+    pub runtime: usize,
+    /// Buffers a strategy keeps for its collectives between steps (ZeRO-2: the reduced
+    /// gradient slice the host backend writes into).
+    pub comm_buffers: usize,
     /// The loss's logits when they exist whole (under tp, ZeRO-3/FSDP or soft-capping).
     pub logits: usize,
     /// Transient buffers of the step: the whole gradients while backward runs, the units
@@ -71,10 +76,17 @@ impl Estimate {
 
     /// The step's peak on the device, without the process's own base (runtime, CUDA context).
     pub fn peak(&self) -> usize {
-        self.parameters + self.optimizer + self.gradients + self.transient()
+        self.runtime
+            + self.comm_buffers
+            + self.parameters
+            + self.optimizer
+            + self.gradients
+            + self.transient()
     }
 
-    /// What exists only during the step.
+    /// What exists only during the step: the larger of backward's (activations, logits,
+    /// step buffers: the loss's graph stays alive while checkpointed layers are recomputed)
+    /// and the update's.
     pub fn transient(&self) -> usize {
         (self.activations + self.logits + self.step_buffers).max(self.update_buffers)
     }
@@ -83,14 +95,17 @@ impl Estimate {
 /// Elements per token that backward keeps of one decoder layer (no checkpointing), in the
 /// compute dtype, for hidden size `h`, query width `q` (heads x head_dim), key/value width `kv`
 /// and MLP width `i` on this rank (measured; see the module docs).
-fn layer_elements(h: f64, q: f64, kv: f64, i: f64, lora: bool) -> f64 {
-    match lora {
-        // Norm outputs and residuals (h), q/k/v with their rotated copies and the attention
-        // output, gate/up/activation products (i).
-        false => 6.07 * h + 5.79 * q + 7.22 * kv + 3.70 * i,
-        // The adapters add their inputs and the two outputs summed to every target.
-        true => 11.25 * h + 8.09 * q + 11.16 * kv + 10.03 * i,
-    }
+fn layer_elements(h: f64, q: f64, kv: f64, i: f64, lora: bool, tp: usize) -> f64 {
+    // Tensor parallelism keeps each block's input and its all-reduced output once more.
+    let tp_copies = if tp > 1 { 12.0 * h } else { 0.0 };
+    tp_copies
+        + match lora {
+            // Norm outputs and residuals (h), q/k/v with their rotated copies and the attention
+            // output, gate/up/activation products (i).
+            false => 6.07 * h + 5.79 * q + 7.22 * kv + 3.70 * i,
+            // The adapters add their inputs and the two outputs summed to every target.
+            true => 11.25 * h + 8.09 * q + 11.16 * kv + 10.03 * i,
+        }
 }
 
 /// Elements per token outside the layers (embedding output, final norm, the fused loss's
@@ -279,7 +294,7 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
         cfg.intermediate_size as f64 / tp as f64,
     );
     let layers = cfg.num_hidden_layers as f64;
-    let layer = layer_elements(h, q, kv, i, lora);
+    let layer = layer_elements(h, q, kv, i, lora, tp);
     let per_token = match setup.checkpointing {
         false => layers * layer + outside_elements(h, lora),
         true => layers * checkpoint_elements(h, lora) + layer + outside_elements(h, lora),
@@ -319,22 +334,33 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
     } else {
         0
     };
-    e.step_buffers = head_grad
-        + match (setup.strategy, lora) {
-            (Strategy::Fsdp(..), false) => (3 * dsz + 2 * 4) * largest_unit,
-            (Strategy::Fsdp(..), true) => 3 * dsz * largest_unit + 4 * p,
-            _ => 4 * p - e.gradients.min(4 * p),
-        };
+    e.step_buffers = match (setup.strategy, lora) {
+        // Gathered weights of up to four units (two in use, prefetches in flight) and the
+        // whole gradients of two.
+        (Strategy::Fsdp(..), false) => (4 * dsz + 2 * 4) * largest_unit,
+        // A frozen base: two units gathered, no gradients but the adapters'.
+        (Strategy::Fsdp(..), true) => 2 * dsz * largest_unit + 4 * p,
+        _ => head_grad + 4 * p - e.gradients.min(4 * p),
+    };
     // The update: the gradients with AdamW's temporaries for one tensor (four fp32 copies of
     // the largest); ZeRO-1/2 add the flat gradient copy, its reduced slice and the
     // all-gathered weights.
     let largest = shapes.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    // DDP over several ranks all-reduces a flat copy of the gradients.
+    let replicas = d.dp_replicate * d.dp_shard * d.cp * d.sp;
+    let flat = if replicas > 1 { 4 * p } else { 0 };
     e.update_buffers = match (setup.strategy, lora) {
-        (Strategy::Ddp, false) => 4 * p + 16 * largest,
-        (Strategy::Zero(_), false) => 12 * p + (4 * p).div_ceil(n),
+        (Strategy::Ddp, false) => 4 * p + 16 * largest + flat,
+        (Strategy::Zero(ZeroStage::One), false) => 12 * p + (4 * p).div_ceil(n),
+        (Strategy::Zero(ZeroStage::Two), false) => 12 * p + (4 * p).div_ceil(n),
         _ => 0,
     }
     .saturating_sub(e.gradients);
+    // The tokenizer, the rows and the host backend's buffers: 2.25 MiB, measured.
+    e.runtime = 9 << 18;
+    if setup.strategy == Strategy::Zero(ZeroStage::Two) && n > 1 {
+        e.comm_buffers = (4 * p).div_ceil(n);
+    }
     why.push(format!(
         "step buffers: backward {}, update {}",
         mib(e.step_buffers),
