@@ -14,8 +14,8 @@ use safetensors::slice::TensorIndexer;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-pub const SINGLE_FILE: &str = "model.safetensors";
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub(crate) use super::tensor_file::write_atomic;
+pub use super::tensor_file::{INDEX_FILE, SINGLE_FILE};
 pub const CONFIG_FILE: &str = "config.json";
 
 /// Parameters in HF naming order-independent storage (sorted by name).
@@ -422,15 +422,6 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {
         key: "<weights>".into(),
         message: format!("no {SINGLE_FILE} or {INDEX_FILE} in this directory"),
     })
-}
-
-/// Writes a small file whole, then renames it over the old one.
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes)
-        .map_err(|e| Error::io(format!("cannot write {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, path)
-        .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))
 }
 
 pub fn check_shape(name: &str, t: Tensor, s: &Shape) -> candle_core::Result<Tensor> {

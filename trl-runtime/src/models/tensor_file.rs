@@ -4,12 +4,24 @@
 //! unit at a time ([`WeightsWriter`] spreads the tensors over HF's `model-0000k-of-0000n`
 //! files), and so are `Params::save`, `cargo trl merge` and the optimizer state.
 
-use super::params::{write_atomic, INDEX_FILE, SINGLE_FILE};
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+/// A checkpoint's weights in one file, and the index of a sharded one (transformers' names).
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Writes a small file whole, then renames it over the old one.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)
+        .map_err(|e| Error::io(format!("cannot write {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, path)
+        .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))
+}
 
 /// A tensor's entry in a file's header.
 #[derive(Debug, Clone, PartialEq)]
