@@ -8,7 +8,9 @@ use trl_runtime::candle_core::DType;
 use trl_runtime::config::{LaunchConfig, LaunchPlan};
 use trl_runtime::models::ModelConfig;
 use trl_runtime::nn::lora::{LoraConfig, Targets};
-use trl_runtime::parallel::estimate::{estimate, step_time, Estimate, Hardware, Setup, StepTime};
+use trl_runtime::parallel::estimate::{
+    self, estimate, step_time, Estimate, Hardware, Setup, StepTime,
+};
 use trl_runtime::parallel::Strategy;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -130,20 +132,6 @@ fn host_memory() -> usize {
         .map_or(8 << 30, |kib| kib * 1024)
 }
 
-/// FLOP/s of one thread's f32 matmul here (a 256-cube GEMM, timed for a tenth of a second).
-fn cpu_matmul_rate() -> f64 {
-    use trl_runtime::candle_core::{Device, Tensor};
-    let n = 256;
-    let a = Tensor::ones((n, n), DType::F32, &Device::Cpu).expect("cpu tensor");
-    let start = std::time::Instant::now();
-    let mut runs = 0u32;
-    while start.elapsed().as_secs_f64() < 0.1 || runs < 3 {
-        let _ = a.matmul(&a);
-        runs += 1;
-    }
-    2.0 * (n * n * n) as f64 * runs as f64 / start.elapsed().as_secs_f64()
-}
-
 impl Machine {
     pub fn from_args(args: &PlanArgs) -> Result<Self, String> {
         match args.gpus {
@@ -161,6 +149,7 @@ impl Machine {
                     base: (1.5 * GIB) as usize,
                     hardware: Hardware {
                         flops: 0.4 * peak,
+                        matmul_share: 1.0,
                         intra_bandwidth: intra,
                         inter_bandwidth: inter,
                         per_machine: gpus.max(1),
@@ -173,21 +162,15 @@ impl Machine {
 
     /// `processes` CPU ranks on each machine like this one, sharing its memory and cores.
     pub fn cpu(processes: usize, machines: usize) -> Result<Self, String> {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = (cores / processes).max(1);
+        // This process's matmul rate, shared by the ranks (each gets its share of the cores).
+        let rank_flops = estimate::cpu_matmul_flops() / processes as f64;
         Ok(Machine {
             gpu: false,
             per_machine: processes,
             machines,
             memory: host_memory() / processes,
             base: 64 << 20,
-            hardware: Hardware {
-                // Half the step is in the GEMMs on CPU (norms, softmax, optimizer the rest).
-                flops: 0.5 * cpu_matmul_rate() * threads as f64,
-                intra_bandwidth: 4e9,
-                inter_bandwidth: 1e9,
-                per_machine: processes,
-            },
+            hardware: Hardware::cpu(rank_flops, processes),
         })
     }
 

@@ -14,6 +14,9 @@
 //! lines: a Qwen2-0.5B-shaped model trained in bf16 at sequence 2048 on one GPU, tokens/s and
 //! MFU against the bf16 matmul rate measured in the same run, and the ratio to transformers
 //! on the same GPU and shape (support/gpu.rs, hf_train.py).
+//! The DDP, LoRA, tp and ZeRO-3 lines also carry `predicted_tokens_per_s`, what `cargo trl
+//! plan` predicts from this CPU's matmul rate measured in the same run, and its ratio to the
+//! measured tokens/s.
 //! One JSON object per line on stdout; prose on stderr.
 
 use std::path::Path;
@@ -30,6 +33,7 @@ use trl_runtime::config::LaunchPlan;
 use trl_runtime::dist::mesh::{Axis, DP};
 use trl_runtime::dist::DistContext;
 use trl_runtime::models::{AutoModelForCausalLM, CausalModel};
+use trl_runtime::parallel::estimate;
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
 use trl_runtime::train::{DPOConfig, Dpo, SFTConfig, Strategy, Task, Trainer, TrainingArguments};
 
@@ -307,9 +311,60 @@ fn main() {
     eprintln!(
         "train bench: reference shape, batch {BATCH} x seq {SEQ} per process, 1 thread per process"
     );
+    // What `cargo trl plan` predicts for each run, from this CPU's matmul rate per thread
+    // (measured here; every rank runs one thread).
+    let cfg = trl_runtime::models::ModelConfig::from_json(
+        &support::reference_config(4096).to_string(),
+        "reference shape",
+    )
+    .unwrap();
+    let rank_flops = estimate::cpu_matmul_flops() / estimate::cpu_threads() as f64;
+    let predict = |strategy: &str, world: usize| {
+        let (strategy_kind, tp) = match strategy {
+            "zero3" => (Strategy::fsdp(WrapPolicy::PerLayer), 1),
+            "tp" => (Strategy::Ddp, world),
+            _ => (Strategy::Ddp, 1),
+        };
+        let dp = world / tp;
+        let setup = estimate::Setup {
+            strategy: strategy_kind,
+            dims: trl_runtime::config::parallelism::ParallelDims {
+                dp_replicate: if strategy == "zero3" { 1 } else { dp },
+                dp_shard: if strategy == "zero3" { dp } else { 1 },
+                cp: 1,
+                sp: 1,
+                tp,
+            },
+            dtype: trl_runtime::candle_core::DType::F32,
+            lora: (strategy == "ddp_lora").then(|| {
+                TrainingArguments {
+                    use_peft: true,
+                    lora_target_modules: Some(NameList(vec!["all-linear".into()])),
+                    ..Default::default()
+                }
+                .lora("qwen2")
+                .unwrap()
+            }),
+            batch: BATCH,
+            seq: SEQ,
+            checkpointing: false,
+            offload_optimizer: false,
+            logits_loss: false,
+        };
+        let hw = estimate::Hardware::cpu(rank_flops, world);
+        estimate::step_time(&cfg, &setup, &hw).tokens_per_second
+    };
     let line = |strategy: &str, world: usize, m: &Measured| {
+        let predicted = match strategy {
+            "ddp" | "ddp_lora" | "tp" | "zero3" => format!(
+                ",\"predicted_tokens_per_s\":{:.1},\"predicted_over_measured\":{:.3}",
+                predict(strategy, world),
+                predict(strategy, world) / m.tokens_per_s
+            ),
+            _ => String::new(),
+        };
         println!(
-            "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"{strategy}\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}}}",
+            "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"{strategy}\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}{predicted}}}",
             m.tokens_per_s, m.step_s, m.comm_share
         )
     };

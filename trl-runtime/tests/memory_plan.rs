@@ -359,8 +359,14 @@ fn step_memory_is_within_ten_percent_of_the_estimate() {
                     let measured = run_processes(&kind, world, tmp.path());
                     let e = estimate(&cfg, &setup(&args(tmp.path(), c), strategy, d));
                     let predicted = e.gradients + e.transient();
-                    let ratio = predicted as f64 / measured as f64;
-                    println!("{kind} x{world}: step transient measured {measured} predicted {predicted} ratio {ratio:.3}");
+                    // ZeRO-3's gathers that run ahead may or may not be in memory at the
+                    // peak (timing): the measurement must fall within 10% of that range.
+                    let low = predicted.saturating_sub(e.prefetch);
+                    let ratio = match measured < low {
+                        true => low as f64 / measured as f64,
+                        false => (predicted as f64 / measured as f64).min(1.0),
+                    };
+                    println!("{kind} x{world}: step transient measured {measured} predicted {low}..{predicted} ratio {ratio:.3}");
                     worst = worst.max((ratio - 1.0).abs());
                     if (ratio - 1.0).abs() >= 0.10 {
                         failures.push(format!("{kind}: {ratio:.3}"));

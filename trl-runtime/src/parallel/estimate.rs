@@ -58,6 +58,9 @@ pub struct Estimate {
     /// Transient buffers of the step: the whole gradients while backward runs, the units
     /// gathered at once (ZeRO-3/FSDP), the flat buffers of the reductions.
     pub step_buffers: usize,
+    /// Of `step_buffers`, the units whose all-gathers run ahead (ZeRO-3/FSDP prefetch):
+    /// whether they are in memory at the peak depends on timing, so the peak is a bound.
+    pub prefetch: usize,
     /// Transient buffers of the update, beyond the gradients (the flat copies ZeRO reduces
     /// and gathers; AdamW's temporaries). The step's transient is the larger of this and the
     /// backward's (activations, logits, step buffers).
@@ -342,6 +345,9 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
         (Strategy::Fsdp(..), true) => 2 * dsz * largest_unit + 4 * p,
         _ => head_grad + 4 * p - e.gradients.min(4 * p),
     };
+    if let (Strategy::Fsdp(..), false) = (setup.strategy, lora) {
+        e.prefetch = 2 * dsz * largest_unit;
+    }
     // The update: the gradients with AdamW's temporaries for one tensor (four fp32 copies of
     // the largest); ZeRO-1/2 add the flat gradient copy, its reduced slice and the
     // all-gathered weights.
@@ -378,12 +384,62 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
 pub struct Hardware {
     /// Sustained matmul rate of one rank in the compute dtype (FLOP/s).
     pub flops: f64,
+    /// The share of a whole (unsplit) step's time its matmuls take; the rest (norms,
+    /// element-wise ops, the optimizer) is not split by tensor parallelism. 1 where `flops`
+    /// already folds it in (the GPU table's MFU).
+    pub matmul_share: f64,
     /// Bus bandwidth of a collective within a machine (bytes/s).
     pub intra_bandwidth: f64,
     /// Bus bandwidth of a collective across machines (bytes/s).
     pub inter_bandwidth: f64,
     /// Processes per machine: a group larger than this crosses machines.
     pub per_machine: usize,
+}
+
+/// FLOP/s of f32 matmul on this CPU with the threads candle's kernels use in this process
+/// (the best of three tenths of a second of 512-cube GEMMs).
+pub fn cpu_matmul_flops() -> f64 {
+    use candle_core::{Device, Tensor};
+    let n = 512;
+    let Ok(a) = Tensor::ones((n, n), DType::F32, &Device::Cpu) else {
+        return 1e9;
+    };
+    let _ = a.matmul(&a);
+    (0..3)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            let mut runs = 0u32;
+            while start.elapsed().as_secs_f64() < 0.1 || runs < 2 {
+                let _ = a.matmul(&a);
+                runs += 1;
+            }
+            2.0 * (n * n * n) as f64 * runs as f64 / start.elapsed().as_secs_f64()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Threads candle's CPU kernels use in this process (RAYON_NUM_THREADS, else the cores).
+pub fn cpu_threads() -> usize {
+    candle_core::utils::get_num_threads()
+}
+
+/// Of a CPU training step's time, the share its matmuls take (the rest: norms, softmax,
+/// rotary, the optimizer, copies): from `bench train`, tp = 2 against DDP on one rank.
+pub const CPU_MATMUL_SHARE: f64 = 0.75;
+
+impl Hardware {
+    /// CPU ranks of `rank_flops` matmul rate each, `per_machine` on a machine, the host
+    /// backend's shared-memory collectives between them.
+    pub fn cpu(rank_flops: f64, per_machine: usize) -> Self {
+        Hardware {
+            flops: rank_flops,
+            matmul_share: CPU_MATMUL_SHARE,
+            // The host backend's effective all-reduce rate for tp's small messages.
+            intra_bandwidth: 1e9,
+            inter_bandwidth: 1e9,
+            per_machine,
+        }
+    }
 }
 
 /// Seconds of one optimizer step (one micro-batch per rank), by where they go.
@@ -414,16 +470,14 @@ pub fn step_time(cfg: &ModelConfig, setup: &Setup, hw: &Hardware) -> StepTime {
     let layers = cfg.num_hidden_layers as f64;
     let seq = setup.seq as f64;
     let passes = if setup.checkpointing { 8.0 } else { 6.0 };
-    // LoRA: no weight gradients for the base (4 of the 6 FLOP per parameter remain).
-    let per_param = if setup.lora.is_some() {
-        passes - 2.0
-    } else {
-        passes
-    };
+    // LoRA computes the same matmuls here (measured: a LoRA step is as long as a full one).
+    let per_param = passes;
     let flops_per_token = per_param * matmul_params + passes * layers * seq * q / 2.0;
     let dp = (d.dp_replicate * d.dp_shard) as f64;
     let tokens = dp * setup.batch as f64 * seq;
-    let compute = tokens * flops_per_token / world as f64 / hw.flops;
+    // The matmuls split over every rank; the rest over all but the tp ranks.
+    let matmuls = tokens * flops_per_token / world as f64 / hw.flops;
+    let compute = matmuls * (1.0 + d.tp as f64 * (1.0 / hw.matmul_share - 1.0));
 
     let bw = |group: usize, span: usize| match group * span > hw.per_machine {
         true => hw.inter_bandwidth,
