@@ -1,5 +1,6 @@
-//! `cargo trl env`: what a bug report needs — versions, CPU cores, GPUs with driver and NCCL
-//! presence, the default launch config, and the distributed variables already set.
+//! `cargo trl env`: what a bug report needs — versions, CPU cores and their matmul rate, GPUs
+//! with driver and NCCL presence, the default launch config, and the distributed variables
+//! already set.
 
 fn library_present(name: &str) -> bool {
     // SAFETY: opening a system library runs only its initialisers; it is closed right away.
@@ -40,6 +41,12 @@ pub fn report() -> String {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         ),
     ];
+    // What `cargo trl plan` predicts CPU steps with.
+    lines.push(format!(
+        "cpu f32 matmul: {:.1} GFLOP/s (512-cube GEMM on {} thread(s))",
+        trl_runtime::parallel::estimate::cpu_matmul_flops() / 1e9,
+        trl_runtime::parallel::estimate::cpu_threads()
+    ));
     let gpus = command_output(
         "nvidia-smi",
         &[

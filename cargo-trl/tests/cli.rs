@@ -85,6 +85,7 @@ fn env_and_profiles_show() {
     for field in [
         "cargo-trl:",
         "cpu cores:",
+        "cpu f32 matmul:",
         "gpus:",
         "nvidia driver:",
         "cuda driver api:",
