@@ -21,9 +21,7 @@
 //! (128/512/1024), predicted against measured, and a summary line (`--plan-only` runs just
 //! that part). One JSON object per line on stdout.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use trl_runtime::config::{
     DeepSpeedConfig, DistributedType, FsdpConfig, LaunchConfig, LaunchPlan, OffloadDevice,
 };
@@ -32,50 +30,12 @@ use trl_runtime::train::{peak_rss_bytes, reset_peak_rss, SFTConfig, Trainer};
 
 mod support;
 
-/// Heap bytes live now and at their peak: the allocated memory the estimate predicts (as
-/// torch's max_memory_allocated is to the reserved memory), beside the resident peak.
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator; only counters are added.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            PEAK.fetch_max(LIVE.fetch_add(l.size(), Relaxed) + l.size(), Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Relaxed);
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            if new > l.size() {
-                PEAK.fetch_max(
-                    LIVE.fetch_add(new - l.size(), Relaxed) + new - l.size(),
-                    Relaxed,
-                );
-            } else {
-                LIVE.fetch_sub(l.size() - new, Relaxed);
-            }
-        }
-        q
-    }
-}
+// The heap the trainer allocated, counted (the resident peak is the `*_bytes_per_rank` fields).
+#[path = "support/counting.rs"]
+mod counting;
 
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-/// Starts a heap peak from now; returns the bytes live now.
-fn reset_heap_peak() -> usize {
-    let now = LIVE.load(Relaxed);
-    PEAK.store(now, Relaxed);
-    now
-}
+static ALLOCATOR: counting::Counting = counting::Counting;
 
 const LORA_R: usize = 16;
 
@@ -161,7 +121,7 @@ fn worker(name: &str, dir: &Path) {
     // Peak from here: loading the model and setting up the strategy.
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
-    let base = reset_heap_peak();
+    let base = counting::reset_peak();
     let mut trainer = Trainer::new(config, &ctx).unwrap();
     let load_peak = peak_rss_bytes().unwrap_or(0);
     let offloaded = trainer.report().unwrap()["offload_optimizer"] == true;
@@ -170,10 +130,10 @@ fn worker(name: &str, dir: &Path) {
     trainer.train_step().unwrap();
     let run_peak = load_peak.max(peak_rss_bytes().unwrap_or(0));
     reset_peak_rss();
-    reset_heap_peak();
+    counting::reset_peak();
     trainer.train_step().unwrap();
     let step_peak = peak_rss_bytes().unwrap_or(0);
-    let heap_peak = PEAK.load(Relaxed) - base;
+    let heap_peak = counting::peak() - base;
     let mem = trainer.memory();
     // What `cargo trl plan` predicts for this rank, against the heap the trainer allocated.
     let predicted = trainer.memory_estimate().map_or(0, |e| e.peak());
@@ -235,13 +195,13 @@ fn profile_worker(kind: &str, dir: &Path) {
         },
         ..SFTConfig::default()
     };
-    let base = reset_heap_peak();
+    let base = counting::reset_peak();
     let mut trainer = Trainer::new(config, &ctx).unwrap();
     trainer.train_step().unwrap();
     reset_peak_rss();
-    reset_heap_peak();
+    counting::reset_peak();
     trainer.train_step().unwrap();
-    let heap = PEAK.load(Relaxed) - base;
+    let heap = counting::peak() - base;
     let rss = peak_rss_bytes().unwrap_or(0);
     let predicted = trainer.memory_estimate().map_or(0, |e| e.peak());
     if ctx.is_main_process() {

@@ -4,9 +4,7 @@
 //! in ranks run as the launcher runs them (this binary started again per rank, host backend),
 //! on a shape other than those the per-token constants were measured on.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use trl_runtime::comm::InProcessWorld;
 use trl_runtime::config::parallelism::ParallelDims;
@@ -16,39 +14,11 @@ use trl_runtime::parallel::estimate::{estimate, Setup};
 use trl_runtime::parallel::{Strategy, WrapPolicy, ZeroStage};
 use trl_runtime::train::{SFTConfig, Trainer, TrainingArguments};
 
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            if new > l.size() {
-                let now = LIVE.fetch_add(new - l.size(), Ordering::Relaxed) + new - l.size();
-                PEAK.fetch_max(now, Ordering::Relaxed);
-            } else {
-                LIVE.fetch_sub(l.size() - new, Ordering::Relaxed);
-            }
-        }
-        q
-    }
-}
+#[path = "../benches/support/counting.rs"]
+mod counting;
 
 #[global_allocator]
-static A: Counting = Counting;
+static A: counting::Counting = counting::Counting;
 
 /// (hidden, intermediate, layers, vocab, heads, kv heads), head_dim 32.
 type Shape = (usize, usize, usize, usize, usize, usize);
@@ -153,9 +123,7 @@ fn measure(
                     let mut trainer = Trainer::with_strategy(cfg, &ctx, strategy).unwrap();
                     trainer.train_step().unwrap();
                     if barrier.wait().is_leader() {
-                        let now = LIVE.load(Ordering::SeqCst);
-                        PEAK.store(now, Ordering::SeqCst);
-                        *before.lock().unwrap() = now;
+                        *before.lock().unwrap() = counting::reset_peak();
                     }
                     barrier.wait();
                     trainer.train_step().unwrap();
@@ -169,7 +137,7 @@ fn measure(
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
-    let transient = PEAK.load(Ordering::SeqCst) - *before.lock().unwrap();
+    let transient = counting::peak() - *before.lock().unwrap();
     (mems, transient)
 }
 
@@ -271,11 +239,10 @@ fn rank_worker() {
     let ctx = DistContext::with_plan(launch_plan(f[0])).unwrap();
     let mut trainer = Trainer::new(args(&dir, c), &ctx).unwrap();
     trainer.train_step().unwrap();
-    let before = LIVE.load(Ordering::SeqCst);
-    PEAK.store(before, Ordering::SeqCst);
+    let before = counting::reset_peak();
     trainer.train_step().unwrap();
     if ctx.is_main_process() {
-        println!("report {}", PEAK.load(Ordering::SeqCst) - before);
+        println!("report {}", counting::peak() - before);
     }
 }
 
