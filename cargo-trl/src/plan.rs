@@ -169,7 +169,7 @@ impl Machine {
             per_machine: processes,
             machines,
             memory: host_memory() / processes,
-            base: 64 << 20,
+            base: estimate::CPU_PROCESS_BASE,
             hardware: Hardware::cpu(rank_flops, processes),
         })
     }

@@ -56,7 +56,8 @@ pub struct AdamW {
 /// The file a checkpoint keeps the optimizer state in ([`AdamW::write_file`]).
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
-const STATE_PARTS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+/// The parts of a parameter's state, as checkpoints name them (`NAME::part`).
+pub const STATE_PARTS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
 
 /// Opens an optimizer file for the parameters `shapes` (whole shapes, in the order their
 /// states will be written with [`write_state`]) at optimizer step `step`. A sharded optimizer

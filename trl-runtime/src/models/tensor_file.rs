@@ -130,6 +130,11 @@ impl TensorFile {
         Ok(())
     }
 
+    /// Whether every tensor of the header has been written.
+    pub fn is_complete(&self) -> bool {
+        self.next == self.specs.len()
+    }
+
     /// Checks every tensor was written, then renames the file into place.
     pub fn finish(mut self) -> Result<()> {
         if let Some(missing) = self.specs.get(self.next) {
@@ -171,9 +176,8 @@ pub struct WeightsWriter {
     dir: PathBuf,
     files: Vec<(String, Vec<TensorSpec>)>,
     current: Option<TensorFile>,
-    /// Files opened so far, and tensors left in the open one.
+    /// Files opened so far.
     opened: usize,
-    left: usize,
     total: usize,
 }
 
@@ -208,7 +212,6 @@ impl WeightsWriter {
             files,
             current: None,
             opened: 0,
-            left: 0,
             total,
         }
     }
@@ -222,7 +225,6 @@ impl WeightsWriter {
                     format!("{name}: every file is written"),
                 ));
             };
-            self.left = specs.len();
             self.current = Some(TensorFile::create(
                 &self.dir.join(file),
                 specs.clone(),
@@ -230,9 +232,9 @@ impl WeightsWriter {
             )?);
             self.opened += 1;
         }
-        self.current.as_mut().expect("opened").write(name, t)?;
-        self.left -= 1;
-        if self.left == 0 {
+        let file = self.current.as_mut().expect("opened");
+        file.write(name, t)?;
+        if file.is_complete() {
             self.current.take().expect("opened").finish()?;
         }
         Ok(())

@@ -418,6 +418,10 @@ pub fn cpu_matmul_flops() -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// What a CPU training process holds besides the estimate (binary, libraries, runtime):
+/// `cargo trl plan` adds it to each rank's peak, the trainer to its logged prediction.
+pub const CPU_PROCESS_BASE: usize = 64 << 20;
+
 /// Threads candle's CPU kernels use in this process (RAYON_NUM_THREADS, else the cores).
 pub fn cpu_threads() -> usize {
     candle_core::utils::get_num_threads()

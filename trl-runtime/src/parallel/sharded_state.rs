@@ -9,7 +9,7 @@
 //! ranges it needs from the memory-mapped files (resharding).
 
 use crate::error::{Error, Result};
-use crate::optim::{decays, AdamW, AdamWConfig, ParamState};
+use crate::optim::{decays, AdamW, AdamWConfig, ParamState, STATE_PARTS};
 use candle_core::{DType, Device, Shape, Tensor};
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
@@ -18,7 +18,6 @@ use std::path::{Path, PathBuf};
 
 pub const DIR: &str = "sharded";
 pub const INDEX: &str = "index.json";
-const KINDS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
 
 /// This rank's part of one parameter: elements `start..start + len` of the flattened parameter.
 pub struct Piece {
@@ -41,7 +40,7 @@ pub fn write_rank(dir: &Path, rank: usize, world: usize, pieces: &[Piece]) -> Re
     let mut meta = HashMap::new();
     for p in pieces {
         meta.insert(p.name.clone(), p.start.to_string());
-        for (kind, t) in KINDS.iter().zip(&p.state) {
+        for (kind, t) in STATE_PARTS.iter().zip(&p.state) {
             tensors.push((format!("{}::{kind}", p.name), t.clone()));
         }
     }
@@ -182,7 +181,7 @@ impl ShardedReader {
             let Some(&start) = f.starts.get(name) else {
                 continue;
             };
-            let key = format!("{name}::{}", KINDS[kind]);
+            let key = format!("{name}::{}", STATE_PARTS[kind]);
             let bytes = f.data.get(&key).ok_or_else(|| Error::Config {
                 file: f.path.display().to_string(),
                 key: key.clone(),

@@ -143,10 +143,9 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         // Beside it, what `cargo trl plan` predicted for this rank (the process's base of
         // 64 MiB on CPU included; on a GPU the figure is the device's).
         if let Some(e) = &self.predicted {
-            let base = if self.ctx.device().is_cpu() {
-                64 << 20
-            } else {
-                0
+            let base = match self.ctx.device().is_cpu() {
+                true => crate::parallel::estimate::CPU_PROCESS_BASE,
+                false => 0,
             };
             line["predicted_peak_memory_mib"] =
                 ((e.peak() + base) as f64 / 1048576.0).round().into();
