@@ -363,6 +363,24 @@ fn profile_auto_launches_what_plan_picks() {
         "plan picked {profile}:\n{all}"
     );
     let ran = report(&all);
+    // The worker runs the mesh the pick names (`--parallelism_config_AXIS_size N` flags).
+    for axis in ["dp_replicate", "dp_shard", "tp", "cp", "sp"] {
+        let flag = format!("--parallelism_config_{axis}_size ");
+        let size: u64 = pick
+            .split(&flag)
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            ran["mesh"][axis].as_u64(),
+            Some(size),
+            "{axis}: picked {pick}, ran {ran}"
+        );
+    }
     let predicted = ran["predicted_model_state_bytes"].as_u64();
     assert_eq!(ran["model_state_bytes"][0].as_u64(), predicted, "{ran}");
     // Every logged step carries the predicted peak beside the measured one.
