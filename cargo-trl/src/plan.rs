@@ -6,10 +6,9 @@ use crate::profiles;
 use std::path::PathBuf;
 use trl_runtime::candle_core::DType;
 use trl_runtime::config::{LaunchConfig, LaunchPlan};
-use trl_runtime::models::ModelConfig;
 use trl_runtime::nn::lora::{LoraConfig, Targets};
 use trl_runtime::parallel::estimate::{
-    self, estimate, step_time, Estimate, Hardware, Setup, StepTime,
+    self, estimate, step_time, Estimate, Hardware, ModelShapes, Setup, StepTime,
 };
 use trl_runtime::parallel::Strategy;
 
@@ -185,7 +184,8 @@ impl Machine {
 
 /// What is being trained, from the plan's flags or a program's training arguments.
 pub struct Work {
-    pub config: ModelConfig,
+    /// The model's parameters as its own skeleton and tp plan give them.
+    pub model: ModelShapes,
     pub seq: usize,
     pub batch: usize,
     pub lora: Option<LoraConfig>,
@@ -194,12 +194,13 @@ pub struct Work {
     pub dtype: Option<DType>,
 }
 
-pub fn read_model(path: &std::path::Path) -> Result<ModelConfig, String> {
+/// The model a directory's (or a file's) config.json describes, built as a skeleton.
+pub fn read_model(path: &std::path::Path) -> Result<ModelShapes, String> {
     let file = match path.is_dir() {
         true => path.join("config.json"),
         false => path.to_path_buf(),
     };
-    ModelConfig::from_file(&file).map_err(|e| format!("--model {}: {e}", path.display()))
+    ModelShapes::from_file(&file).map_err(|e| format!("--model {}: {e}", path.display()))
 }
 
 fn divisors(n: usize) -> Vec<usize> {
@@ -209,7 +210,7 @@ fn divisors(n: usize) -> Vec<usize> {
 /// Every layout of `work` on `machine`, fastest first among those that fit.
 pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
     let world = machine.per_machine * machine.machines;
-    let cfg = &work.config;
+    let model = &work.model;
     let mut out = Vec::new();
     for &profile in machine.profiles() {
         let Ok(base) = profiles::load(profile) else {
@@ -246,11 +247,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                     continue;
                 };
                 // The splits the model allows: heads over tp (and sp), rows over 2 cp chunks.
-                let heads_ok = cfg.num_attention_heads.is_multiple_of(tp * sp)
-                    && cfg.num_kv_heads().is_multiple_of(tp)
-                    && cfg.intermediate_size.is_multiple_of(tp)
-                    && cfg.vocab_size.is_multiple_of(tp);
-                if !heads_ok || !work.seq.is_multiple_of(2 * cp * sp) {
+                if !model.splits_over(tp, sp) || !work.seq.is_multiple_of(2 * cp * sp) {
                     continue;
                 }
                 let dtype = work.dtype.unwrap_or(match machine.gpu {
@@ -267,13 +264,9 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                         seq: work.seq,
                         checkpointing,
                         offload_optimizer: false,
-                        logits_loss: cfg
-                            .extra
-                            .get("final_logit_softcapping")
-                            .is_some_and(|v| !v.is_null()),
                     };
-                    let estimate = estimate(cfg, &setup);
-                    let time = step_time(cfg, &setup, &machine.hardware);
+                    let estimate = estimate(model, &setup);
+                    let time = step_time(model, &setup, &machine.hardware);
                     let peak = estimate.peak() + machine.base;
                     out.push(Row {
                         profile,
@@ -331,7 +324,7 @@ fn line(r: &Row) -> String {
 }
 
 pub fn run(args: &PlanArgs) -> Result<String, String> {
-    let config = read_model(&args.model)?;
+    let model = read_model(&args.model)?;
     let lora = args.use_peft.then(|| LoraConfig {
         r: args.lora_r,
         alpha: 2.0 * args.lora_r as f64,
@@ -346,7 +339,7 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
         dora: false,
     });
     let work = Work {
-        config,
+        model,
         seq: args.seq,
         batch: args.batch,
         lora,
@@ -361,7 +354,7 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
     let mut out = vec![format!(
         "{} ({} parameters{}), {} rows x {} tokens per device, {} x {} {} of {} each",
         args.model.display(),
-        work.config.num_parameters(),
+        work.model.num_parameters(),
         if args.use_peft {
             format!(", LoRA r {}", args.lora_r)
         } else {
@@ -428,7 +421,7 @@ pub fn auto(
     let (_, t) = crate::tp_plan::training_args(program_args).ok_or(
         "--profile auto reads the program's training arguments (TRL's flags or --config FILE); these did not parse: pick a profile (cargo trl plan shows which fits)",
     )?;
-    let config = read_model(&t.model_name_or_path)?;
+    let model = read_model(&t.model_name_or_path)?;
     let gpus = if use_cpu {
         0
     } else {
@@ -479,13 +472,13 @@ pub fn auto(
     let work = Work {
         seq: t.max_length,
         batch: t.per_device_train_batch_size,
-        lora: t.lora(&config.model_type),
+        lora: t.lora(&model.dims.model_type),
         checkpointing: vec![t.gradient_checkpointing],
         dtype: t
             .compute_dtype()
             .ok()
             .filter(|d| *d != DType::F32 || !machine.gpu),
-        config,
+        model,
     };
     let rows = rows(&work, &machine);
     let Some(best) = rows.first().filter(|r| r.fits) else {

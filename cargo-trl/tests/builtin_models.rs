@@ -10,7 +10,8 @@
 //! attention and Ulysses (a rank's part alone would pick the other factors), and Phi-3 (fused
 //! projections, whole on every tp rank; partial rotary; longrope; a sliding window), and
 //! Qwen3-MoE and Mixtral (routed experts, sharded and split like dense MLPs). Each saved
-//! checkpoint opens in transformers with our logits (when a Python with transformers is there).
+//! checkpoint opens in transformers with our logits (when a Python with transformers is there),
+//! and every rank holds the model state `cargo trl plan` predicts for it, byte for byte.
 
 mod common;
 
@@ -53,6 +54,12 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
                 "{name}: {text}"
             );
         }
+        // The plan's estimate counts this architecture's parameters (experts, fused
+        // projections, extra norms) as each rank holds them.
+        common::assert_model_state_predicted(
+            &format!("{kind} {name}"),
+            &common::worker_report(&text),
+        );
         let want = if *two_dp { &one8 } else { &one4 };
         let got = Run::read(&out(name), STEPS);
         assert_equal(

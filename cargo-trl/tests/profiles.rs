@@ -4,6 +4,8 @@
 //! rank is about half of DDP's on 2 ranks. The same program started torchrun-style with only
 //! Accelerate's variables chooses the same strategy.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -72,14 +74,6 @@ fn launch_with(profile: &str, dry_run: bool, out: &Path, extra: &[&str]) -> Stri
 }
 
 /// The JSON after `worker report: ` in a worker's output.
-fn report(t: &str) -> serde_json::Value {
-    let line = t
-        .lines()
-        .find_map(|l| l.split_once("worker report: ").map(|(_, r)| r))
-        .unwrap_or_else(|| panic!("no worker report in:\n{t}"));
-    serde_json::from_str(line).unwrap()
-}
-
 /// `key=value` pairs of the dry run's line that starts with `prefix`.
 fn plan_line(t: &str, prefix: &str) -> String {
     t.lines()
@@ -110,7 +104,7 @@ fn every_cpu_profile_runs_the_plan_it_prints() {
             _ => &[],
         };
         let plan = launch_with(profile, true, &out, extra);
-        let ran = report(&launch_with(profile, false, &out, extra));
+        let ran = common::worker_report(&launch_with(profile, false, &out, extra));
         assert_eq!(
             ran["activation_checkpointing"].as_bool(),
             Some(profile != "zero2_cpu"),
@@ -136,17 +130,8 @@ fn every_cpu_profile_runs_the_plan_it_prints() {
             plan_line(&plan, "plan:").contains(&format!("({kind})")),
             "{profile}: {kind}"
         );
-        let bytes: Vec<u64> = ran["model_state_bytes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|b| b.as_u64().unwrap())
-            .collect();
         // The estimate `cargo trl plan` ranks layouts by is what every rank holds.
-        let predicted = ran["predicted_model_state_bytes"].as_u64();
-        for (rank, &b) in bytes.iter().enumerate() {
-            assert_eq!(Some(b), predicted, "{profile}: rank {rank} holds {b} bytes of model state, the estimate says {predicted:?}");
-        }
+        let bytes = common::assert_model_state_predicted(profile, &ran);
         state.insert(profile, bytes);
     }
     // fp32 AdamW keeps per parameter: DDP 20 bytes (weights, gradients, master, two moments),
@@ -171,7 +156,7 @@ fn accelerate_variables_alone_choose_the_same_strategy() {
     let _turn = turn();
     let tmp = tempfile::tempdir().unwrap();
     // The launcher builds the program (the same launch as a user's).
-    let launched = report(&launch("fsdp2_cpu", false, &tmp.path().join("launched")));
+    let launched = common::worker_report(&launch("fsdp2_cpu", false, &tmp.path().join("launched")));
     let program = workspace().join("target/debug/sft");
     assert!(program.exists(), "{}", program.display());
     let port = free_port_below_ephemeral();
@@ -208,7 +193,7 @@ fn accelerate_variables_alone_choose_the_same_strategy() {
     for c in &children {
         assert!(c.status.success(), "{all}");
     }
-    let ran = report(&all);
+    let ran = common::worker_report(&all);
     assert_eq!(ran["activation_checkpointing"], true, "{ran}");
     for key in ["distributed_type", "strategy", "mesh", "model_state_bytes"] {
         assert_eq!(ran[key], launched[key], "{key}: {ran} vs {launched}");
@@ -362,7 +347,7 @@ fn profile_auto_launches_what_plan_picks() {
         all.contains(&format!("auto: {profile} over")),
         "plan picked {profile}:\n{all}"
     );
-    let ran = report(&all);
+    let ran = common::worker_report(&all);
     // The worker runs the mesh the pick names (`--parallelism_config_AXIS_size N` flags).
     for axis in ["dp_replicate", "dp_shard", "tp", "cp", "sp"] {
         let flag = format!("--parallelism_config_{axis}_size ");

@@ -318,6 +318,7 @@ fn main() {
         "reference shape",
     )
     .unwrap();
+    let model = estimate::ModelShapes::of_json(&cfg.to_json_pretty(), "reference shape").unwrap();
     let rank_flops = estimate::cpu_matmul_flops() / estimate::cpu_threads() as f64;
     let predict = |strategy: &str, world: usize| {
         let (strategy_kind, tp) = match strategy {
@@ -349,10 +350,9 @@ fn main() {
             seq: SEQ,
             checkpointing: false,
             offload_optimizer: false,
-            logits_loss: false,
         };
         let hw = estimate::Hardware::cpu(rank_flops, world);
-        estimate::step_time(&cfg, &setup, &hw).tokens_per_second
+        estimate::step_time(&model, &setup, &hw).tokens_per_second
     };
     let line = |strategy: &str, world: usize, m: &Measured| {
         let predicted = match strategy {

@@ -10,7 +10,7 @@ use trl_runtime::comm::InProcessWorld;
 use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
 use trl_runtime::models::{ModelConfig, Params};
-use trl_runtime::parallel::estimate::{estimate, Setup};
+use trl_runtime::parallel::estimate::{estimate, ModelShapes, Setup};
 use trl_runtime::parallel::{Strategy, WrapPolicy, ZeroStage};
 use trl_runtime::train::{SFTConfig, Trainer, TrainingArguments};
 
@@ -42,14 +42,21 @@ fn write(dir: &Path, len: usize, rows: usize, shape: Shape) -> ModelConfig {
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(tiny.join(f), model.join(f)).unwrap();
     }
+    write_rows(dir, len, rows, v);
+    cfg
+}
+
+/// Writes `rows` rows of `len` token ids below `vocab` to `dir`/train.jsonl.
+fn write_rows(dir: &Path, len: usize, rows: usize, vocab: usize) {
     let text: String = (0..rows)
         .map(|r| {
-            let ids: Vec<usize> = (0..len).map(|i| (r * 7 + i * 13) % (v - 8) + 3).collect();
+            let ids: Vec<usize> = (0..len)
+                .map(|i| (r * 7 + i * 13) % (vocab - 8) + 3)
+                .collect();
             serde_json::json!({ "input_ids": ids }).to_string() + "\n"
         })
         .collect();
     std::fs::write(dir.join("train.jsonl"), text).unwrap();
-    cfg
 }
 
 #[derive(Clone, Copy)]
@@ -96,7 +103,6 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         seq: t.max_length,
         checkpointing: t.gradient_checkpointing,
         offload_optimizer: false,
-        logits_loss: false,
     }
 }
 
@@ -189,7 +195,10 @@ fn model_state_is_what_every_strategy_holds() {
         (bf16, fsdp, dims(1, 2, 1)),
     ] {
         let (mems, _) = measure(tmp.path(), c, strategy, d);
-        let e = estimate(&cfg, &setup(&args(tmp.path(), c), strategy, d));
+        let e = estimate(
+            &ModelShapes::of_json(&cfg.to_json_pretty(), "test model").unwrap(),
+            &setup(&args(tmp.path(), c), strategy, d),
+        );
         let predicted = [e.parameters, e.gradients, e.optimizer];
         for (rank, m) in mems.iter().enumerate() {
             assert_eq!(
@@ -324,7 +333,10 @@ fn step_memory_is_within_ten_percent_of_the_estimate() {
                     let world = d.dp_shard * d.dp_replicate * d.tp;
                     let kind = format!("{name}/{seq}/{checkpointing}/{lora}");
                     let measured = run_processes(&kind, world, tmp.path());
-                    let e = estimate(&cfg, &setup(&args(tmp.path(), c), strategy, d));
+                    let e = estimate(
+                        &ModelShapes::of_json(&cfg.to_json_pretty(), "test model").unwrap(),
+                        &setup(&args(tmp.path(), c), strategy, d),
+                    );
                     let predicted = e.gradients + e.transient();
                     // ZeRO-3's gathers that run ahead may or may not be in memory at the
                     // peak (timing): the measurement must fall within 10% of that range.
@@ -346,4 +358,81 @@ fn step_memory_is_within_ten_percent_of_the_estimate() {
         failures.is_empty(),
         "beyond 10%: {failures:?} (worst {worst:.3})"
     );
+}
+
+/// Writes the model `json` describes with random weights (every parameter its skeleton
+/// names) to `dir`/model, with the bundled tokenizer.
+fn write_any(dir: &Path, json: &serde_json::Value) {
+    use candle_core::{DType, Device, Tensor};
+    let skeleton =
+        trl_runtime::parallel::CausalLm::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)
+            .unwrap();
+    let mut tensors = std::collections::BTreeMap::new();
+    for e in trl_runtime::tp::plan(skeleton.net(), 1, false) {
+        let t = match e.name.contains("norm") {
+            true => Tensor::ones(e.full_shape.as_slice(), DType::F32, &Device::Cpu),
+            false => Tensor::randn(0f32, 0.02, e.full_shape.as_slice(), &Device::Cpu),
+        };
+        tensors.insert(e.name, t.unwrap());
+    }
+    let model = dir.join("model");
+    Params::from_tensors(tensors)
+        .unwrap()
+        .save(&model, &serde_json::to_string_pretty(json).unwrap(), None)
+        .unwrap();
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny.join(f), model.join(f)).unwrap();
+    }
+}
+
+/// Mixtures of experts (Qwen3-MoE: experts, experts per token and their width varied):
+/// each token's routed MLPs and the router's buffers, in one process, within 10% of the
+/// estimate.
+#[test]
+fn moe_step_memory_is_within_ten_percent_of_the_estimate() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut failures = Vec::new();
+    for (experts, top_k, inter, h) in [
+        (4, 2, 32, 64),
+        (8, 1, 64, 64),
+        (8, 4, 32, 128),
+        (4, 2, 96, 96),
+    ] {
+        let json = serde_json::json!({
+            "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": h,
+            "intermediate_size": 2 * h, "moe_intermediate_size": inter,
+            "num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": true,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "max_position_embeddings": 1024, "rope_theta": 10000.0,
+            "tie_word_embeddings": true, "rms_norm_eps": 1e-6,
+        });
+        let shapes = ModelShapes::of_json(&json.to_string(), "moe").unwrap();
+        for checkpointing in [false, true] {
+            for seq in [128, 256] {
+                let tmp = tempfile::tempdir().unwrap();
+                write_any(tmp.path(), &json);
+                write_rows(tmp.path(), seq, 8, 300);
+                let c = Case {
+                    seq,
+                    batch: 1,
+                    checkpointing,
+                    lora: false,
+                    bf16: false,
+                };
+                let (_, measured) = measure(tmp.path(), c, Strategy::Ddp, dims(1, 1, 1));
+                let e = estimate(
+                    &shapes,
+                    &setup(&args(tmp.path(), c), Strategy::Ddp, dims(1, 1, 1)),
+                );
+                let predicted = e.gradients + e.transient();
+                let ratio = predicted as f64 / measured as f64;
+                println!("moe {experts}x{top_k} inter {inter} h {h} seq {seq} checkpointing {checkpointing}: step transient measured {measured} predicted {predicted} ratio {ratio:.3}");
+                if (ratio - 1.0).abs() >= 0.10 {
+                    failures.push(format!("{experts}x{top_k} inter {inter} seq {seq} checkpointing {checkpointing}: {ratio:.3}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "beyond 10%: {failures:?}");
 }

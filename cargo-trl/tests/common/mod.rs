@@ -222,6 +222,37 @@ pub fn run_launch(mut cmd: Command, steps: usize, per_device: usize, out: &Path)
     text
 }
 
+/// The worker report (the JSON line rank 0 logs before training) in a launch's output.
+#[allow(dead_code)]
+pub fn worker_report(text: &str) -> serde_json::Value {
+    let line = text
+        .lines()
+        .find_map(|l| l.split_once("worker report: ").map(|(_, r)| r))
+        .unwrap_or_else(|| panic!("no worker report in:\n{text}"));
+    serde_json::from_str(line).unwrap()
+}
+
+/// Asserts every rank holds the model state `cargo trl plan`'s estimate predicts for it
+/// (byte for byte), from a launch's worker report; returns the bytes per rank.
+#[allow(dead_code)]
+pub fn assert_model_state_predicted(what: &str, report: &serde_json::Value) -> Vec<u64> {
+    let bytes: Vec<u64> = report["model_state_bytes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{what}: no model_state_bytes in {report}"))
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .collect();
+    let predicted = report["predicted_model_state_bytes"].as_u64();
+    for (rank, &b) in bytes.iter().enumerate() {
+        assert_eq!(
+            Some(b),
+            predicted,
+            "{what}: rank {rank} holds {b} bytes of model state, the estimate says {predicted:?}"
+        );
+    }
+    bytes
+}
+
 /// A Python with torch and transformers (TRL_PYTHON, else `python3`), to check our outputs
 /// against transformers; None, with the reason printed, when there is none.
 // Each test binary compiles this module; not all of them check against transformers.

@@ -82,20 +82,27 @@ impl<E: Expert> SparseMoe<E> {
         for (i, &e) in chosen.iter().enumerate() {
             routed[e as usize].push(i as u32);
         }
-        let mut out = flat.zeros_like()?;
+        // The weighted outputs of every expert, in expert order, are added back at their
+        // tokens in one index_add: a running sum per expert would keep one [tokens, hidden]
+        // copy per expert alive in the graph.
+        let (mut outputs, mut rows) = (Vec::new(), Vec::with_capacity(n * k));
         for (expert, slots) in self.experts.iter().zip(routed) {
             if slots.is_empty() {
                 continue;
             }
             let tokens: Vec<u32> = slots.iter().map(|&i| i / k as u32).collect();
             let m = tokens.len();
+            rows.extend_from_slice(&tokens);
             let tokens = Tensor::from_vec(tokens, m, x.device())?;
             let slots = Tensor::from_vec(slots, m, x.device())?;
             let xs = flat.index_select(&tokens, 0)?.reshape((1, m, h))?;
             let ys = expert.forward(cx, &xs)?.reshape((m, h))?;
-            let ys = ys.broadcast_mul(&weights.index_select(&slots, 0)?.unsqueeze(1)?)?;
-            out = out.index_add(&tokens, &ys, 0)?;
+            outputs.push(ys.broadcast_mul(&weights.index_select(&slots, 0)?.unsqueeze(1)?)?);
         }
+        let rows = Tensor::from_vec(rows, n * k, x.device())?;
+        let out = flat
+            .zeros_like()?
+            .index_add(&rows, &Tensor::cat(&outputs, 0)?, 0)?;
         Ok(out.reshape((b, s, h))?)
     }
 }

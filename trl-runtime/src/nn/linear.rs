@@ -104,7 +104,7 @@ impl Linear {
     }
 
     /// The dimensions of `A` and `B` split over the tensor-parallel group under `style`.
-    fn lora_split_dims(style: Option<TpStyle>) -> (Option<usize>, Option<usize>) {
+    pub fn lora_split_dims(style: Option<TpStyle>) -> (Option<usize>, Option<usize>) {
         match style {
             Some(TpStyle::Column { .. } | TpStyle::Vocab) => (None, Some(0)),
             Some(TpStyle::Row) => (Some(1), None),

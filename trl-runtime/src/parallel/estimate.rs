@@ -9,11 +9,15 @@
 //! measured from the layers with a counting allocator (trl-runtime/tests/memory_plan.rs re-measures them on
 //! other shapes and fails when the code and these constants part by more than 10%).
 
-use super::{Strategy, WrapPolicy, ZeroStage};
+use super::{Model, Strategy, WrapPolicy, ZeroStage};
 use crate::config::parallelism::ParallelDims;
-use crate::models::ModelConfig;
+use crate::error::Result;
+use crate::models::moe::MoeConfig;
+use crate::models::{AutoModelForCausalLM, CausalModel, ModelConfig};
 use crate::nn::lora::LoraConfig;
-use candle_core::DType;
+use crate::nn::Linear;
+use crate::tp::PlanEntry;
+use candle_core::{DType, Device};
 
 /// One layout to estimate: the strategy over a mesh, and the work each rank does.
 #[derive(Debug, Clone)]
@@ -30,9 +34,6 @@ pub struct Setup {
     pub checkpointing: bool,
     /// Optimizer state (fp32 master and moments) kept in host memory.
     pub offload_optimizer: bool,
-    /// The loss is computed from whole logits (a model with logit soft-capping); otherwise it
-    /// is fused and tiled wherever the LM head is whole on the rank.
-    pub logits_loss: bool,
 }
 
 /// Bytes one rank holds, by what holds them.
@@ -111,6 +112,14 @@ fn layer_elements(h: f64, q: f64, kv: f64, i: f64, lora: bool, tp: usize) -> f64
         }
 }
 
+/// Elements per token a sparse MLP keeps beyond its experts' MLPs: the tokens gathered for
+/// each of their `top_k` experts, the weighted outputs and their concatenation added back
+/// (4 k h), the sum (h), and the router's f32 logits, probabilities and choices (20 f32 per
+/// expert). Measured on 4 expert counts / widths (trl-runtime/tests/memory_plan.rs).
+fn routing_elements(h: f64, experts: usize, top_k: usize, dsz: usize) -> f64 {
+    4.0 * top_k as f64 * h + h + 80.0 * experts as f64 / dsz as f64
+}
+
 /// Elements per token outside the layers (embedding output, final norm, the fused loss's
 /// hidden-state gradient).
 fn outside_elements(h: f64, lora: bool) -> f64 {
@@ -128,82 +137,217 @@ fn checkpoint_elements(h: f64, lora: bool) -> f64 {
     }
 }
 
-/// The parameter shapes of the model as this rank holds them under tensor parallelism: every
-/// weight but the norms and the row-parallel biases is split `tp` ways (as the models'
-/// `#[parallel]` annotations say: q/k/v/gate/up column, o/down row, embedding and head by
-/// vocabulary).
-fn local_shapes(cfg: &ModelConfig, tp: usize) -> Vec<(String, usize)> {
-    cfg.parameter_shapes()
-        .into_iter()
-        .map(|(name, shape)| {
-            let n: usize = shape.iter().product();
-            let whole = name.contains("norm")
-                || name.ends_with("o_proj.bias")
-                || name.ends_with("down_proj.bias");
-            (name, if whole { n } else { n / tp.max(1) })
-        })
-        .collect()
+/// A model's parameters as the estimate counts them, read off the model itself: its skeleton
+/// (the built-in model of the config's `model_type`, every weight a view of one zero, so
+/// nothing is allocated) gives each parameter's full shape and `#[parallel]` split, its wrap
+/// units and the layers that take adapters. Every architecture is counted as it is built and
+/// split (MoE experts, fused projections, extra norms), and a change to a model's plan
+/// changes the estimate with it.
+#[derive(Debug, Clone)]
+pub struct ModelShapes {
+    /// The sizes activations scale with, from config.json.
+    pub dims: Dims,
+    /// Every parameter (tied ones once) with its full shape and split, as for one rank.
+    params: Vec<PlanEntry>,
+    /// The FSDP wrap units (one per decoder layer), in forward order.
+    units: Vec<String>,
+    /// The layers that can take a LoRA adapter.
+    linears: Vec<String>,
+    /// Query and key/value heads (what tp and sp must divide).
+    heads: Option<(usize, usize)>,
+    /// The loss needs whole logits (final-logit soft-capping).
+    pub logits_loss: bool,
+    /// Sparse MLPs: experts, experts per token, each expert's width, sparse layers.
+    moe: Option<(usize, usize, usize, usize)>,
+    /// Parameters one token computes with: of the routed experts, only `top_k` of them.
+    active_parameters: f64,
+    /// The LM head is the embedding (its matmul runs; there is no second table).
+    tied: bool,
 }
 
-/// Adapter elements per linear weight `name` ([out, in], split `tp` ways as the weight is).
-fn adapter_elements(cfg: &ModelConfig, lora: &LoraConfig, tp: usize) -> Vec<(String, usize)> {
-    let r = lora.r;
-    cfg.parameter_shapes()
-        .into_iter()
-        .filter(|(name, shape)| {
-            shape.len() == 2
-                && name.ends_with("_proj.weight")
-                && lora.targets(name.trim_end_matches(".weight"), false)
-        })
-        .map(|(name, shape)| {
-            let (out, inp) = (shape[0], shape[1]);
-            let row = name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight");
-            // Column-parallel: B [out, r] is split with the output; row-parallel: A [r, in].
-            let n = match row {
-                true => r * inp / tp + out * r,
-                false => r * inp + out * r / tp,
-            } + if lora.dora {
-                out / if row { 1 } else { tp }
-            } else {
-                0
-            };
-            (name, n)
-        })
-        .collect()
+/// The sizes of a decoder that activations and compute scale with, under transformers' key
+/// names (every built-in architecture writes them so).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Dims {
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
 }
 
-/// Elements of each ZeRO-3 / FSDP wrap unit (root first), as `fsdp.rs` cuts them.
-fn unit_sizes(shapes: &[(String, usize)], layers: usize, policy: WrapPolicy) -> Vec<usize> {
-    let mut layer_sizes = vec![0usize; layers];
-    let mut root = 0;
-    for (name, n) in shapes {
-        match name
-            .strip_prefix("model.layers.")
-            .and_then(|r| r.split('.').next()?.parse::<usize>().ok())
-        {
-            Some(l) if l < layers => layer_sizes[l] += n,
-            _ => root += n,
-        }
+impl Dims {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
-    let mut units = vec![root];
-    match policy {
-        WrapPolicy::Whole => units[0] += layer_sizes.iter().sum::<usize>(),
-        WrapPolicy::PerLayer => units.extend(layer_sizes),
-        WrapPolicy::MinParams(min) => {
-            let mut size = 0;
-            for s in layer_sizes {
-                size += s;
-                if size >= min {
+
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+}
+
+impl ModelShapes {
+    /// The shapes of the built-in model of the config.json at `path`.
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            crate::Error::io(format!("cannot read model config {}", path.display()), e)
+        })?;
+        Self::of_json(&text, &path.display().to_string())
+    }
+
+    /// The shapes of the built-in model config.json's text `json` (read from `source`)
+    /// describes: whichever `model_type` `AutoModelForCausalLM` builds.
+    pub fn of_json(json: &str, source: &str) -> Result<Self> {
+        Self::of_model::<AutoModelForCausalLM>(json, source)
+    }
+
+    /// The shapes of model `N` (a user's model too) built from config.json's text `json`.
+    pub fn of_model<N: CausalModel>(json: &str, source: &str) -> Result<Self> {
+        let dims: Dims = serde_json::from_str(json).map_err(|e| {
+            crate::Error::config(source, "<sizes>", format!("not a decoder's config: {e}"))
+        })?;
+        let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
+        let linears = model.linear_names()?;
+        let net = model.net();
+        let mut units = Vec::new();
+        net.visit_units("", &mut |n| units.push(n.to_string()));
+        // The mixture-of-experts keys are read by the Llama family's config (Qwen3-MoE, Mixtral).
+        let moe = ModelConfig::from_json(json, source)
+            .ok()
+            .and_then(|c| MoeConfig::read(&c, source).ok());
+        let params = crate::tp::plan(net, 1, false);
+        let active_parameters = params
+            .iter()
+            .map(|e| {
+                let n = e.full_shape.iter().product::<usize>() as f64;
+                match &moe {
+                    Some(m) if net.may_skip_grad(&e.name) => n * m.top_k as f64 / m.experts as f64,
+                    _ => n,
+                }
+            })
+            .sum();
+        let moe = match moe {
+            Some(m) if m.sparse.iter().any(|&s| s) => Some((
+                m.experts,
+                m.top_k,
+                m.inter.unwrap_or(dims.intermediate_size),
+                m.sparse.iter().filter(|&&s| s).count(),
+            )),
+            _ => None,
+        };
+        // A tied head is visited under the embedding's name only.
+        let tied = !params.iter().any(|e| e.name.ends_with("lm_head.weight"));
+        Ok(ModelShapes {
+            dims,
+            params,
+            units,
+            linears,
+            heads: net.heads(),
+            logits_loss: net.logit_softcap().is_some(),
+            moe,
+            active_parameters,
+            tied,
+        })
+    }
+
+    /// Whether the model splits over `tp` ranks with its heads over `tp x sp`: every split
+    /// dimension and head count divides.
+    pub fn splits_over(&self, tp: usize, sp: usize) -> bool {
+        let heads = self
+            .heads
+            .is_none_or(|(q, kv)| q.is_multiple_of(tp * sp) && kv.is_multiple_of(tp));
+        heads
+            && self.params.iter().all(|e| {
+                e.split
+                    .dim
+                    .is_none_or(|d| e.full_shape[d].is_multiple_of(tp))
+            })
+    }
+
+    /// Parameter count (tied weights once).
+    pub fn num_parameters(&self) -> usize {
+        self.params
+            .iter()
+            .map(|e| e.full_shape.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Each parameter's elements on a rank of `tp`.
+    fn local(&self, tp: usize) -> Vec<(&str, usize)> {
+        self.params
+            .iter()
+            .map(|e| {
+                let n: usize = e.full_shape.iter().product();
+                let split = e.split.dim.is_some();
+                (e.name.as_str(), if split { n / tp.max(1) } else { n })
+            })
+            .collect()
+    }
+
+    /// Adapter elements on a rank of `tp` of every layer `lora` targets (A [r, in] and
+    /// B [out, r] split as the layer's weight is; DoRA's magnitude with the output).
+    fn adapters(&self, lora: &LoraConfig, tp: usize) -> Vec<(String, usize)> {
+        let r = lora.r;
+        self.linears
+            .iter()
+            .filter(|name| {
+                let output = name.as_str() == "lm_head" || name.ends_with(".lm_head");
+                lora.targets(name, output) && !output
+            })
+            .filter_map(|name| {
+                let weight = format!("{name}.weight");
+                let e = self.params.iter().find(|e| e.name == weight)?;
+                let (out, inp) = (e.full_shape[0], e.full_shape[1]);
+                let style = e.split.dim.map(|_| e.split.style);
+                let (a, b) = Linear::lora_split_dims(style);
+                let part = |split: Option<usize>| if split.is_some() { tp } else { 1 };
+                let mut n = r * inp / part(a) + out * r / part(b);
+                if lora.dora {
+                    n += out / part(b);
+                }
+                Some((weight, n))
+            })
+            .collect()
+    }
+
+    /// Elements of each ZeRO-3 / FSDP wrap unit on a rank of `tp` (root first), as `fsdp.rs`
+    /// cuts them.
+    fn unit_sizes(&self, tp: usize, policy: WrapPolicy) -> Vec<usize> {
+        let mut layer_sizes = vec![0usize; self.units.len()];
+        let mut root = 0;
+        for (name, n) in self.local(tp) {
+            match super::fsdp::unit_of(name, &self.units) {
+                Some(l) => layer_sizes[l] += n,
+                None => root += n,
+            }
+        }
+        let mut units = vec![root];
+        match policy {
+            WrapPolicy::Whole => units[0] += layer_sizes.iter().sum::<usize>(),
+            WrapPolicy::PerLayer => units.extend(layer_sizes),
+            WrapPolicy::MinParams(min) => {
+                let mut size = 0;
+                for s in layer_sizes {
+                    size += s;
+                    if size >= min {
+                        units.push(size);
+                        size = 0;
+                    }
+                }
+                if size > 0 {
                     units.push(size);
-                    size = 0;
                 }
             }
-            if size > 0 {
-                units.push(size);
-            }
         }
+        units
     }
-    units
 }
 
 fn mib(b: usize) -> String {
@@ -211,19 +355,20 @@ fn mib(b: usize) -> String {
 }
 
 /// The per-rank memory of `setup` for the model `cfg`.
-pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
+pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
+    let cfg = &model.dims;
     let d = setup.dims;
     let tp = d.tp.max(1);
     // ZeRO and FSDP shard over dp_shard and the ranks holding the other chunks of the rows.
     let n = d.dp_shard * d.cp * d.sp;
     let dsz = setup.dtype.size_in_bytes();
-    let shapes = local_shapes(cfg, tp);
+    let shapes = model.local(tp);
     let base: usize = shapes.iter().map(|(_, n)| n).sum();
     let mut e = Estimate::default();
     let mut why = Vec::new();
 
     // Trainable elements (all weights, or the adapters), and the frozen base.
-    let adapters = setup.lora.as_ref().map(|l| adapter_elements(cfg, l, tp));
+    let adapters = setup.lora.as_ref().map(|l| model.adapters(l, tp));
     let (p, frozen) = match &adapters {
         Some(a) => (a.iter().map(|(_, n)| n).sum::<usize>(), base),
         None => (base, 0),
@@ -256,7 +401,7 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
             ));
         }
         (Strategy::Fsdp(policy, _), false) => {
-            let units = unit_sizes(&shapes, cfg.num_hidden_layers, policy);
+            let units = model.unit_sizes(tp, policy);
             let s: usize = units.iter().map(|&u| slice(u)).sum();
             // In fp32 the slice is its own master; otherwise a compute-dtype copy beside it.
             e.parameters = dsz * s;
@@ -271,7 +416,7 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
         (Strategy::Fsdp(policy, _), true) => {
             // The frozen base is sharded in its units; the adapters stay whole, their
             // gradients and optimizer state sharded as ZeRO-2 does.
-            let units = unit_sizes(&shapes, cfg.num_hidden_layers, policy);
+            let units = model.unit_sizes(tp, policy);
             let s: usize = units.iter().map(|&u| slice(u)).sum();
             e.parameters = dsz * (s + p);
             e.gradients = (4 * p).div_ceil(n);
@@ -297,9 +442,22 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
         cfg.intermediate_size as f64 / tp as f64,
     );
     let layers = cfg.num_hidden_layers as f64;
-    let layer = layer_elements(h, q, kv, i, lora, tp);
+    let dense = layer_elements(h, q, kv, i, lora, tp);
+    // A sparse layer: each token runs through `top_k` experts' MLPs, plus the router.
+    let (layer, kept) = match model.moe {
+        None => (dense, layers * dense),
+        Some((experts, top_k, inter, sparse)) => {
+            let routed = layer_elements(h, q, kv, (top_k * inter) as f64 / tp as f64, lora, tp)
+                + routing_elements(h, experts, top_k, dsz);
+            let sparse = sparse as f64;
+            (
+                routed.max(dense),
+                sparse * routed + (layers - sparse) * dense,
+            )
+        }
+    };
     let per_token = match setup.checkpointing {
-        false => layers * layer + outside_elements(h, lora),
+        false => kept + outside_elements(h, lora),
         true => layers * checkpoint_elements(h, lora) + layer + outside_elements(h, lora),
     };
     e.activations = (per_token * tokens as f64) as usize * dsz;
@@ -312,7 +470,7 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
     // Logits exist whole where the fused loss cannot run: the head split (tp) or sharded
     // (ZeRO-3 / FSDP), or soft-capped logits. Three fp32 copies: logits, log-softmax, gradient.
     let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
-    if !whole_head || setup.logits_loss {
+    if !whole_head || model.logits_loss {
         e.logits = 8 * 4 * tokens * cfg.vocab_size / tp;
         why.push(format!(
             "logits: 8 fp32 copies x {tokens} tokens x {} vocabulary entries",
@@ -324,10 +482,7 @@ pub fn estimate(cfg: &ModelConfig, setup: &Setup) -> Estimate {
     // reduction; under ZeRO-3 / FSDP only those of the units gathered: two in use (their
     // weights and gradients) and the next one's weights arriving.
     let largest_unit = match setup.strategy {
-        Strategy::Fsdp(policy, _) => unit_sizes(&shapes, cfg.num_hidden_layers, policy)
-            .into_iter()
-            .max()
-            .unwrap_or(0),
+        Strategy::Fsdp(policy, _) => model.unit_sizes(tp, policy).into_iter().max().unwrap_or(0),
         _ => 0,
     };
     // Under LoRA the frozen head still gets its gradient computed by the loss (fp32, the
@@ -462,14 +617,15 @@ pub struct StepTime {
 /// The step time of `setup` on `hw`: 6 FLOP per parameter per token (8 with checkpointing's
 /// second forward) plus causal attention's 6 s q per layer, at the rank's rate; ring
 /// all-reduce volumes 2 (n-1)/n of the buffer, gathers and reduce-scatters (n-1)/n.
-pub fn step_time(cfg: &ModelConfig, setup: &Setup, hw: &Hardware) -> StepTime {
+pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime {
+    let cfg = &model.dims;
     let d = setup.dims;
     let world = d.dp_replicate * d.dp_shard * d.cp * d.sp * d.tp;
     let dsz = setup.dtype.size_in_bytes() as f64;
-    let total = cfg.num_parameters() as f64;
     let embed = (cfg.vocab_size * cfg.hidden_size) as f64;
-    // The lookup costs nothing; a tied head still runs its matmul.
-    let matmul_params = total - if cfg.tie_word_embeddings { 0.0 } else { embed };
+    // The lookup costs nothing; a tied head still runs its matmul. A token runs through its
+    // routed experts only.
+    let matmul_params = model.active_parameters - if model.tied { 0.0 } else { embed };
     let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
     let layers = cfg.num_hidden_layers as f64;
     let seq = setup.seq as f64;
@@ -489,11 +645,8 @@ pub fn step_time(cfg: &ModelConfig, setup: &Setup, hw: &Hardware) -> StepTime {
     };
     let ring = |n: usize| (n as f64 - 1.0) / n as f64;
     let trainable = match &setup.lora {
-        Some(l) => adapter_elements(cfg, l, d.tp).iter().map(|(_, n)| *n).sum(),
-        None => local_shapes(cfg, d.tp)
-            .iter()
-            .map(|(_, n)| *n)
-            .sum::<usize>(),
+        Some(l) => model.adapters(l, d.tp).iter().map(|(_, n)| *n).sum(),
+        None => model.local(d.tp).iter().map(|(_, n)| *n).sum::<usize>(),
     } as f64;
     let n_shard = d.dp_shard * d.cp * d.sp;
     let inner = d.tp * d.cp * d.sp;
@@ -506,10 +659,7 @@ pub fn step_time(cfg: &ModelConfig, setup: &Setup, hw: &Hardware) -> StepTime {
         Strategy::Zero(_) => ring(n_shard) * (4.0 + dsz) * trainable / shard_bw,
         // Gathered for forward and again for backward; gradients reduce-scattered.
         Strategy::Fsdp(..) => {
-            let base = local_shapes(cfg, d.tp)
-                .iter()
-                .map(|(_, n)| *n)
-                .sum::<usize>() as f64;
+            let base = model.local(d.tp).iter().map(|(_, n)| *n).sum::<usize>() as f64;
             ring(n_shard) * (2.0 * dsz * base + 4.0 * trainable) / shard_bw
         }
     };
@@ -544,5 +694,50 @@ pub fn step_time(cfg: &ModelConfig, setup: &Setup, hw: &Hardware) -> StepTime {
         data_parallel: dp_seconds,
         model_parallel: mp,
         tokens_per_second: tokens / seconds,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assets(path: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../assets")
+            .join(path)
+    }
+
+    /// The shapes come from the model's own skeleton, which allocates nothing: Llama 3.1 70B's
+    /// 70,553,706,496 parameters (transformers' count) are read in a test process.
+    #[test]
+    fn a_70b_skeleton_is_counted_without_its_weights() {
+        let m = ModelShapes::from_file(assets("configs/llama-3.1-70b.json")).unwrap();
+        assert_eq!(m.num_parameters(), 70_553_706_496);
+        assert!(!m.tied && m.moe.is_none());
+        assert!(m.splits_over(8, 1) && !m.splits_over(3, 1));
+    }
+
+    /// A mixture of experts: every expert counted in the model state, only `top_k` of them in
+    /// a token's compute; each expert's MLP split over tp like a dense one, the router whole.
+    #[test]
+    fn experts_are_parameters_and_top_k_of_them_compute() {
+        let m = ModelShapes::from_file(assets("tiny-qwen3-moe/model/config.json")).unwrap();
+        let (experts, top_k, inter, sparse) = m.moe.unwrap();
+        let expert_params = sparse * experts * 3 * inter * m.dims.hidden_size;
+        let total = m.num_parameters() as f64;
+        let expected = total - expert_params as f64 * (1.0 - top_k as f64 / experts as f64);
+        assert!((m.active_parameters - expected).abs() < 1e-6);
+        let local: usize = m.local(2).iter().map(|(_, n)| n).sum();
+        let router = m
+            .local(2)
+            .into_iter()
+            .find(|(n, _)| n.ends_with("mlp.gate.weight"))
+            .unwrap();
+        assert_eq!(
+            router.1,
+            experts * m.dims.hidden_size,
+            "the router stays whole"
+        );
+        assert!(local < m.num_parameters());
     }
 }

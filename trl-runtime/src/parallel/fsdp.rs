@@ -64,7 +64,7 @@ impl Prefetch {
 
 /// The wrap unit (index into `unit_names`) a parameter belongs to: the one whose name is a
 /// prefix of it (`model.layers.3` holds `model.layers.3.mlp.up_proj.weight`).
-fn unit_of(name: &str, unit_names: &[String]) -> Option<usize> {
+pub(super) fn unit_of(name: &str, unit_names: &[String]) -> Option<usize> {
     unit_names.iter().position(|u| {
         name.strip_prefix(u.as_str())
             .is_some_and(|rest| rest.starts_with('.'))
@@ -104,8 +104,18 @@ pub fn shard_model(
 
 /// The names of `model`'s weight slots that go into units, and whether those are constants:
 /// every slot when all are trainable (full fine-tuning), else the frozen ones alone (a LoRA
-/// base, whose units then reduce nothing; modules trained whole beside it stay whole).
+/// base, whose units then reduce nothing; modules trained whole beside it stay whole). A
+/// skeleton's weights are views, not variables: with no variable anywhere (no adapters
+/// either), every slot trains.
 fn weight_slots(model: &mut impl Parallelize) -> Result<(HashSet<String>, bool)> {
+    if !named_tensors(model).values().any(|t| t.is_variable()) {
+        let mut all = HashSet::new();
+        model.visit_weights_mut("", &mut |name, _| {
+            all.insert(name.to_string());
+            Ok(())
+        })?;
+        return Ok((all, false));
+    }
     let (mut all, mut frozen) = (HashSet::new(), HashSet::new());
     model.visit_weights_mut("", &mut |name, w| {
         all.insert(name.to_string());

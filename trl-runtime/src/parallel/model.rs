@@ -84,12 +84,15 @@ fn config_error(source: &str, message: String) -> Error {
 
 impl<N: CausalModel> Model<N> {
     /// Builds `N` from `config.json`'s text with the tensors `backend` hands out, then makes
-    /// every weight a trainable variable (a weight shared by two layers stays one).
+    /// every weight a trainable variable (a weight shared by two layers stays one) unless it
+    /// is a `skeleton`: its weights stay views of one zero (a variable would allocate the full
+    /// size) until a split or a shard gives each rank its own slices.
     fn build(
         config_json: String,
         source: &str,
         backend: Box<dyn SimpleBackend>,
         (dtype, device): (DType, &Device),
+        skeleton: bool,
     ) -> Result<Self> {
         let config = N::parse_config(&config_json, source)?;
         let recorder = Arc::new(Recorder {
@@ -122,7 +125,9 @@ impl<N: CausalModel> Model<N> {
                 ),
             });
         }
-        crate::tp::make_variables(&mut net)?;
+        if !skeleton {
+            crate::tp::make_variables(&mut net)?;
+        }
         let params = crate::tp::named_parameters(&net)?;
         Ok(Model {
             config,
@@ -161,6 +166,7 @@ impl<N: CausalModel> Model<N> {
             "config.json",
             Box::new(TensorsBackend { tensors }),
             (dtype, &device),
+            false,
         )
     }
 
@@ -175,7 +181,7 @@ impl<N: CausalModel> Model<N> {
             dtype,
             device: device.clone(),
         };
-        let model = Self::build(json, &source, Box::new(backend), (dtype, device))?;
+        let model = Self::build(json, &source, Box::new(backend), (dtype, device), false)?;
         files.check(&model.shapes, &model.aliases())?;
         Ok(model)
     }
@@ -210,6 +216,7 @@ impl<N: CausalModel> Model<N> {
             "config.json",
             Box::new(backend),
             (dtype, device),
+            true,
         )
     }
 
@@ -402,6 +409,17 @@ impl<N: CausalModel> Model<N> {
         }
         self.lora = Some(config.clone());
         Ok(())
+    }
+
+    /// The names of the layers that can take a LoRA adapter (each `nn::Linear`), as
+    /// [`Self::add_adapters`] visits them.
+    pub fn linear_names(&mut self) -> Result<Vec<String>> {
+        let mut names = Vec::new();
+        self.net_mut()?.visit_linears_mut("", &mut |name, _| {
+            names.push(name.to_string());
+            Ok(())
+        })?;
+        Ok(names)
     }
 
     /// Applies a LoRA adapter saved by peft (`PeftModel.save_pretrained`) or by a LoRA run

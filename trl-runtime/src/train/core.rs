@@ -444,23 +444,26 @@ impl<'a, N: CausalModel> Core<'a, N> {
         }
     }
 
-    /// What `parallel::estimate` predicts this rank holds (the built-in models: their
-    /// config.json is read again; None for a model it cannot read).
+    /// What `parallel::estimate` predicts this rank holds (from a skeleton of this run's
+    /// model; None for a config without the sizes it reads).
     pub fn memory_estimate(&self) -> Option<crate::parallel::estimate::Estimate> {
         let dir = &self.args.model_name_or_path;
-        let cfg = crate::models::ModelConfig::from_file(dir.join("config.json")).ok()?;
+        let shapes = crate::parallel::estimate::ModelShapes::of_model::<N>(
+            self.model.config_json(),
+            &dir.join("config.json").display().to_string(),
+        )
+        .ok()?;
         let setup = crate::parallel::estimate::Setup {
             strategy: self.strategy,
             dims: self.ctx.mesh.dims(),
             dtype: self.args.compute_dtype().ok()?,
-            lora: self.args.lora(&cfg.model_type),
+            lora: self.args.lora(&shapes.dims.model_type),
             batch: self.args.per_device_train_batch_size,
             seq: self.args.max_length,
             checkpointing: self.model.checkpointing.is_some(),
             offload_optimizer: self.offloaded(),
-            logits_loss: self.model.net().logit_softcap().is_some(),
         };
-        Some(crate::parallel::estimate::estimate(&cfg, &setup))
+        Some(crate::parallel::estimate::estimate(&shapes, &setup))
     }
 
     /// What this job runs, as the workers see it (collective: every rank calls it): the
