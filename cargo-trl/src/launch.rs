@@ -81,6 +81,9 @@ pub struct Plan {
     /// The built-in decoder's tensor-parallel plan for the model directory the program's
     /// arguments name, or why it cannot split it (see `run` for the program's own).
     pub tp_plan: Option<(PathBuf, Result<Vec<PlanEntry>, String>)>,
+    /// The automatic port's listening socket, held until the job ends: rank 0 inherits it
+    /// and serves the store on it.
+    _listener: Option<std::net::TcpListener>,
 }
 
 pub fn gpus_present() -> usize {
@@ -319,8 +322,16 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     let mut master_port = cfg
         .main_process_port
         .unwrap_or(trl_runtime::dist::env::DEFAULT_MASTER_PORT);
+    // An automatic port is bound here and handed to rank 0, which serves the store on it.
+    let mut listener = None;
     if master_port == 0 {
-        master_port = spawn::free_port().map_err(|e| format!("cannot find a free port: {e}"))?;
+        let l = spawn::inheritable_listener(&master_addr)
+            .map_err(|e| format!("cannot listen on a free port of {master_addr}: {e}"))?;
+        master_port = l
+            .local_addr()
+            .map_err(|e| format!("cannot find a free port: {e}"))?
+            .port();
+        listener = Some(l);
     } else if node_rank == 0 && !args.dry_run {
         if let Err(e) = std::net::TcpListener::bind((master_addr.as_str(), master_port)) {
             return Err(format!(
@@ -361,6 +372,9 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
                 nodes: machines,
             };
             let mut env = spawn::torchrun_env(place, &master_addr, master_port, &token);
+            if let (0, Some(l)) = (rank, &listener) {
+                env.push(spawn::listener_env(l));
+            }
             env.push(("OMP_NUM_THREADS".into(), threads.to_string()));
             env.push(("RAYON_NUM_THREADS".into(), threads.to_string()));
             if !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu {
@@ -389,6 +403,7 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
         target,
         workers,
         tp_plan,
+        _listener: listener,
     })
 }
 

@@ -13,6 +13,11 @@ use std::time::{Duration, Instant};
 
 /// The environment variable carrying the per-job token (set by `cargo trl launch`).
 pub const TOKEN_VAR: &str = "TRL_JOB_TOKEN";
+
+/// The descriptor of a listening socket rank 0 inherits and serves the store on, set by a
+/// launcher that picked the port (`--main_process_port 0`): it bound the port itself and
+/// keeps it, so no other job can take it between the choice and rank 0's start.
+pub const LISTEN_FD_VAR: &str = "TRL_STORE_LISTEN_FD";
 const MAGIC: &[u8; 8] = b"TRLSTOR1";
 const MAX_FRAME: usize = 64 << 20;
 
@@ -156,6 +161,11 @@ impl StoreServer {
             };
             Error::Store { addr: addr.to_string(), message: hint }
         })?;
+        Self::serve(listener, token)
+    }
+
+    /// Serves the store on `listener` in the background.
+    pub fn serve(listener: TcpListener, token: &str) -> Result<Self> {
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("store listener", e))?;
@@ -193,6 +203,32 @@ impl Drop for StoreServer {
         // Wake the accept loop so it sees the flag.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
     }
+}
+
+/// The listening socket the launcher handed down ([`LISTEN_FD_VAR`]), if any.
+fn inherited_listener(addr: &str) -> Result<Option<TcpListener>> {
+    let Ok(var) = std::env::var(LISTEN_FD_VAR) else {
+        return Ok(None);
+    };
+    let fail = |message: String| Error::Store {
+        addr: addr.to_string(),
+        message,
+    };
+    let fd: std::os::fd::RawFd = var
+        .trim()
+        .parse()
+        .map_err(|_| fail(format!("{LISTEN_FD_VAR}={var} is not a descriptor number")))?;
+    // SAFETY: fstat only writes the struct it is given.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(fail(format!(
+            "{LISTEN_FD_VAR}={fd} is not an open socket of this process: start ranks with cargo trl launch, or unset it"
+        )));
+    }
+    // SAFETY: an open socket the launcher created for this process to own.
+    Ok(Some(unsafe {
+        <TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd)
+    }))
 }
 
 fn serve_client(mut conn: TcpStream, state: &State, token: &str) {
@@ -380,7 +416,10 @@ impl Store {
     /// Rank 0 serves the store at `addr` and connects to it; the others connect.
     pub fn for_rank(rank: usize, addr: &str, token: &str, timeout: Duration) -> Result<Self> {
         if rank == 0 {
-            let server = StoreServer::bind(addr, token)?;
+            let server = match inherited_listener(addr)? {
+                Some(listener) => StoreServer::serve(listener, token)?,
+                None => StoreServer::bind(addr, token)?,
+            };
             let mut store = Store::connect(&server.addr().to_string(), token, timeout)?;
             store.addr = addr.to_string();
             store._server = Some(server);

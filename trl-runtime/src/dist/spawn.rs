@@ -123,6 +123,30 @@ impl JobOutcome {
 }
 
 /// A port nobody listens on right now (the OS picks it).
+/// A listening socket on `addr` at a port the OS picks, inherited by the processes this one
+/// starts: rank 0 serves the rendezvous store on it (its descriptor in
+/// [`crate::comm::store::LISTEN_FD_VAR`]), so no other job can take the port between its
+/// choice and its use, as a port found free and bound later could be.
+pub fn inheritable_listener(addr: &str) -> std::io::Result<std::net::TcpListener> {
+    use std::os::fd::AsRawFd;
+    let listener = std::net::TcpListener::bind((addr, 0))?;
+    // std opens sockets close-on-exec; this one is meant for a child.
+    // SAFETY: F_SETFD on a descriptor this function owns.
+    if unsafe { libc::fcntl(listener.as_raw_fd(), libc::F_SETFD, 0) } == -1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(listener)
+}
+
+/// The environment entry that hands `listener` to rank 0.
+pub fn listener_env(listener: &std::net::TcpListener) -> (String, String) {
+    use std::os::fd::AsRawFd;
+    (
+        crate::comm::store::LISTEN_FD_VAR.to_string(),
+        listener.as_raw_fd().to_string(),
+    )
+}
+
 pub fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -379,7 +403,8 @@ pub fn run_local(
     env: &[(String, String)],
     grace: Duration,
 ) -> std::io::Result<JobOutcome> {
-    let port = free_port()?;
+    let listener = inheritable_listener("127.0.0.1")?;
+    let port = listener.local_addr()?.port();
     let token = new_token();
     let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / nproc)
         .max(1)
@@ -387,6 +412,9 @@ pub fn run_local(
     let workers = (0..nproc)
         .map(|rank| {
             let mut e = local_rank_env(rank, nproc, port, &token);
+            if rank == 0 {
+                e.push(listener_env(&listener));
+            }
             e.push(("OMP_NUM_THREADS".into(), threads.clone()));
             e.push(("RAYON_NUM_THREADS".into(), threads.clone()));
             e.extend(env.iter().cloned());
@@ -435,4 +463,25 @@ pub fn relaunch_unless_launched(default_ranks: usize) -> Option<std::process::Ex
             std::process::ExitCode::FAILURE
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// The automatic port stays taken from its choice on (no other job can bind it), and its
+    /// socket survives exec into the workers (not close-on-exec).
+    #[test]
+    fn an_automatic_port_is_held_and_inherited() {
+        let listener = inheritable_listener("127.0.0.1").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(std::net::TcpListener::bind(("127.0.0.1", port)).is_err());
+        // SAFETY: F_GETFD on a descriptor the listener owns.
+        let flags = unsafe { libc::fcntl(listener.as_raw_fd(), libc::F_GETFD) };
+        assert_eq!(flags & libc::FD_CLOEXEC, 0);
+        let (var, fd) = listener_env(&listener);
+        assert_eq!(var, crate::comm::store::LISTEN_FD_VAR);
+        assert_eq!(fd, listener.as_raw_fd().to_string());
+    }
 }
