@@ -47,6 +47,17 @@ pub fn report() -> String {
         trl_runtime::parallel::estimate::cpu_matmul_flops() / 1e9,
         trl_runtime::parallel::estimate::cpu_threads()
     ));
+    // And the host backend's collectives between 2 ranks (what plan predicts CPU runs with).
+    lines.push(
+        match trl_runtime::parallel::estimate::host_all_reduce_speed(2) {
+            Ok(l) => format!(
+                "host all-reduce (2 ranks, shared memory): {:.0} us per collective, {:.2} GB/s bus bandwidth",
+                l.latency * 1e6,
+                l.bandwidth / 1e9
+            ),
+            Err(e) => format!("host all-reduce: not measured ({e})"),
+        },
+    );
     let gpus = command_output(
         "nvidia-smi",
         &[

@@ -8,7 +8,7 @@ use trl_runtime::candle_core::DType;
 use trl_runtime::config::{LaunchConfig, LaunchPlan};
 use trl_runtime::nn::lora::{LoraConfig, Targets};
 use trl_runtime::parallel::estimate::{
-    self, estimate, step_time, Estimate, Hardware, ModelShapes, Setup, StepTime,
+    self, estimate, step_time, Estimate, Hardware, LinkSpeed, ModelShapes, Setup, StepTime,
 };
 use trl_runtime::parallel::Strategy;
 
@@ -108,16 +108,25 @@ pub struct Machine {
 
 /// Dense bf16 peak (FLOP/s), memory, NVLink and inter-node bus bandwidth of a GPU kind. The
 /// rate used is 40% of peak: what a tuned training step sustains (MFU).
-fn gpu_kind(kind: &str) -> Result<(f64, f64, f64, f64), String> {
+fn gpu_kind(kind: &str) -> Result<(f64, f64, LinkSpeed, LinkSpeed), String> {
+    // NCCL all-reduce: ~10 us per collective over NVLink / PCIe, ~30 us across machines.
+    let link = |latency: f64, bandwidth: f64| LinkSpeed { latency, bandwidth };
+    let (nvlink, ib) = (1e-5, 3e-5);
     match kind.to_ascii_lowercase().as_str() {
-        "h100" => Ok((989e12, 80.0 * GIB, 360e9, 40e9)),
-        "h200" => Ok((989e12, 141.0 * GIB, 360e9, 40e9)),
-        "a100" => Ok((312e12, 80.0 * GIB, 230e9, 20e9)),
-        "l40s" => Ok((362e12, 48.0 * GIB, 25e9, 10e9)),
+        "h100" => Ok((989e12, 80.0 * GIB, link(nvlink, 360e9), link(ib, 40e9))),
+        "h200" => Ok((989e12, 141.0 * GIB, link(nvlink, 360e9), link(ib, 40e9))),
+        "a100" => Ok((312e12, 80.0 * GIB, link(nvlink, 230e9), link(ib, 20e9))),
+        "l40s" => Ok((362e12, 48.0 * GIB, link(2e-5, 25e9), link(ib, 10e9))),
         other => Err(format!(
             "--gpu_kind '{other}': use h100, h200, a100 or l40s"
         )),
     }
+}
+
+/// The host backend's collectives between `processes` ranks here, measured.
+fn cpu_link(processes: usize) -> Result<LinkSpeed, String> {
+    estimate::host_all_reduce_speed(processes.max(2))
+        .map_err(|e| format!("cannot measure the host backend's all-reduce: {e}"))
 }
 
 /// This machine's memory (MemTotal).
@@ -149,8 +158,8 @@ impl Machine {
                     hardware: Hardware {
                         flops: 0.4 * peak,
                         matmul_share: 1.0,
-                        intra_bandwidth: intra,
-                        inter_bandwidth: inter,
+                        intra,
+                        inter,
                         per_machine: gpus.max(1),
                     },
                 })
@@ -169,7 +178,7 @@ impl Machine {
             machines,
             memory: host_memory() / processes,
             base: estimate::CPU_PROCESS_BASE,
-            hardware: Hardware::cpu(rank_flops, processes),
+            hardware: Hardware::cpu(rank_flops, processes, cpu_link(processes)?),
         })
     }
 

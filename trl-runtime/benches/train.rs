@@ -320,6 +320,7 @@ fn main() {
     .unwrap();
     let model = estimate::ModelShapes::of_json(&cfg.to_json_pretty(), "reference shape").unwrap();
     let rank_flops = estimate::cpu_matmul_flops() / estimate::cpu_threads() as f64;
+    let link = estimate::host_all_reduce_speed(2).unwrap();
     let predict = |strategy: &str, world: usize| {
         let (strategy_kind, tp) = match strategy {
             "zero3" => (Strategy::fsdp(WrapPolicy::PerLayer), 1),
@@ -351,7 +352,7 @@ fn main() {
             checkpointing: false,
             offload_optimizer: false,
         };
-        let hw = estimate::Hardware::cpu(rank_flops, world);
+        let hw = estimate::Hardware::cpu(rank_flops, world, link);
         estimate::step_time(&model, &setup, &hw).tokens_per_second
     };
     let line = |strategy: &str, world: usize, m: &Measured| {

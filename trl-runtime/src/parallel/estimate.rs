@@ -543,10 +543,10 @@ pub struct Hardware {
     /// element-wise ops, the optimizer) is not split by tensor parallelism. 1 where `flops`
     /// already folds it in (the GPU table's MFU).
     pub matmul_share: f64,
-    /// Bus bandwidth of a collective within a machine (bytes/s).
-    pub intra_bandwidth: f64,
-    /// Bus bandwidth of a collective across machines (bytes/s).
-    pub inter_bandwidth: f64,
+    /// Collectives within a machine.
+    pub intra: LinkSpeed,
+    /// Collectives across machines.
+    pub inter: LinkSpeed,
     /// Processes per machine: a group larger than this crosses machines.
     pub per_machine: usize,
 }
@@ -573,6 +573,77 @@ pub fn cpu_matmul_flops() -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// How fast a link moves a collective: a fixed cost per collective and the bus bandwidth
+/// beyond it (the time of an all-reduce of `b` bytes over `n` ranks is
+/// `latency + 2 (n - 1) / n * b / bandwidth`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkSpeed {
+    /// Seconds per collective, whatever its size.
+    pub latency: f64,
+    /// Bus bytes per second.
+    pub bandwidth: f64,
+}
+
+impl LinkSpeed {
+    /// Seconds of `count` collectives moving `bus_bytes` in all.
+    pub fn seconds(&self, count: f64, bus_bytes: f64) -> f64 {
+        count * self.latency + bus_bytes / self.bandwidth
+    }
+}
+
+/// The host backend's all-reduce between `ranks` threads of this process, over the
+/// shared-memory rings same-machine ranks use: timed at 64 KiB and 16 MiB of f32 (the best of
+/// five after a warm-up, by the slowest rank), the latency and bandwidth that fit both.
+pub fn host_all_reduce_speed(ranks: usize) -> Result<LinkSpeed> {
+    use crate::comm::host::HostBackend;
+    use crate::comm::store::{Store, StoreServer};
+    use crate::comm::ReduceOp;
+    use std::time::{Duration, Instant};
+    let ranks = ranks.max(2);
+    let sizes = [64usize << 10, 16 << 20];
+    let token = "trl-bandwidth";
+    let timeout = Duration::from_secs(30);
+    let server = StoreServer::bind("127.0.0.1:0", token)?;
+    let addr = server.addr().to_string();
+    let per_rank = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let addr = &addr;
+                s.spawn(move || -> Result<Vec<f64>> {
+                    let store = std::sync::Arc::new(Store::connect(addr, token, timeout)?);
+                    let host = HostBackend::new(store, token, rank, timeout);
+                    let all: Vec<usize> = (0..ranks).collect();
+                    let comm = host.group("bandwidth", &all)?;
+                    let mut times = Vec::new();
+                    for bytes in sizes {
+                        let x = candle_core::Tensor::ones(bytes / 4, DType::F32, &Device::Cpu)?;
+                        comm.all_reduce(&x, ReduceOp::Sum)?;
+                        let mut best = f64::MAX;
+                        for _ in 0..5 {
+                            let start = Instant::now();
+                            comm.all_reduce(&x, ReduceOp::Sum)?;
+                            best = best.min(start.elapsed().as_secs_f64());
+                        }
+                        times.push(best);
+                    }
+                    Ok(times)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect::<Result<Vec<Vec<f64>>>>()
+    })?;
+    let slowest = |i: usize| per_rank.iter().map(|t| t[i]).fold(0.0, f64::max);
+    let (small, large) = (slowest(0), slowest(1));
+    let n = ranks as f64;
+    let bus = |bytes: usize| 2.0 * (n - 1.0) / n * bytes as f64;
+    let bandwidth = (bus(sizes[1]) - bus(sizes[0])) / (large - small).max(1e-9);
+    let latency = (small - bus(sizes[0]) / bandwidth).max(0.0);
+    Ok(LinkSpeed { latency, bandwidth })
+}
+
 /// What a CPU training process holds besides the estimate (binary, libraries, runtime):
 /// `cargo trl plan` adds it to each rank's peak, the trainer to its logged prediction.
 pub const CPU_PROCESS_BASE: usize = 64 << 20;
@@ -588,14 +659,14 @@ pub const CPU_MATMUL_SHARE: f64 = 0.75;
 
 impl Hardware {
     /// CPU ranks of `rank_flops` matmul rate each, `per_machine` on a machine, the host
-    /// backend's shared-memory collectives between them.
-    pub fn cpu(rank_flops: f64, per_machine: usize) -> Self {
+    /// backend's collectives between them at `link` (as [`host_all_reduce_speed`] measures
+    /// it; across machines taken as the same).
+    pub fn cpu(rank_flops: f64, per_machine: usize, link: LinkSpeed) -> Self {
         Hardware {
             flops: rank_flops,
             matmul_share: CPU_MATMUL_SHARE,
-            // The host backend's effective all-reduce rate for tp's small messages.
-            intra_bandwidth: 1e9,
-            inter_bandwidth: 1e9,
+            intra: link,
+            inter: link,
             per_machine,
         }
     }
@@ -639,9 +710,9 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     let matmuls = tokens * flops_per_token / world as f64 / hw.flops;
     let compute = matmuls * (1.0 + d.tp as f64 * (1.0 / hw.matmul_share - 1.0));
 
-    let bw = |group: usize, span: usize| match group * span > hw.per_machine {
-        true => hw.inter_bandwidth,
-        false => hw.intra_bandwidth,
+    let link = |group: usize, span: usize| match group * span > hw.per_machine {
+        true => hw.inter,
+        false => hw.intra,
     };
     let ring = |n: usize| (n as f64 - 1.0) / n as f64;
     let trainable = match &setup.lora {
@@ -650,24 +721,24 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     } as f64;
     let n_shard = d.dp_shard * d.cp * d.sp;
     let inner = d.tp * d.cp * d.sp;
-    let shard_bw = bw(n_shard, d.tp);
+    let shard = link(n_shard, d.tp);
+    // Data-parallel traffic is a few large buckets: its bandwidth term.
     let mut dp_seconds = match setup.strategy {
-        Strategy::Ddp => {
-            2.0 * ring(n_shard * d.dp_replicate) * 4.0 * trainable
-                / bw(n_shard * d.dp_replicate, d.tp)
-        }
-        Strategy::Zero(_) => ring(n_shard) * (4.0 + dsz) * trainable / shard_bw,
+        Strategy::Ddp => link(n_shard * d.dp_replicate, d.tp)
+            .seconds(1.0, 2.0 * ring(n_shard * d.dp_replicate) * 4.0 * trainable),
+        Strategy::Zero(_) => shard.seconds(1.0, ring(n_shard) * (4.0 + dsz) * trainable),
         // Gathered for forward and again for backward; gradients reduce-scattered.
         Strategy::Fsdp(..) => {
             let base = model.local(d.tp).iter().map(|(_, n)| *n).sum::<usize>() as f64;
-            ring(n_shard) * (2.0 * dsz * base + 4.0 * trainable) / shard_bw
+            shard.seconds(1.0, ring(n_shard) * (2.0 * dsz * base + 4.0 * trainable))
         }
     };
     if d.dp_replicate > 1 && !matches!(setup.strategy, Strategy::Ddp) {
         // HSDP: the slices are all-reduced across the replicas.
-        dp_seconds += 2.0 * ring(d.dp_replicate) * 4.0 * trainable
-            / n_shard as f64
-            / bw(d.dp_replicate, inner * d.dp_shard);
+        dp_seconds += link(d.dp_replicate, inner * d.dp_shard).seconds(
+            1.0,
+            2.0 * ring(d.dp_replicate) * 4.0 * trainable / n_shard as f64,
+        );
     }
     // Per layer: tp all-reduces the attention and MLP outputs (2 forward, 2 backward, 2 more
     // recomputed); Ulysses all-to-alls q, k, v and the output both ways; the ring passes k and
@@ -676,17 +747,24 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     let kv = (cfg.num_kv_heads() * cfg.head_dim()) as f64;
     let h = cfg.hidden_size as f64;
     let recompute = if setup.checkpointing { 1.5 } else { 1.0 };
+    // Each is on the critical path: a latency per collective plus its bytes.
     let mut mp = 0.0;
     if d.tp > 1 {
-        mp += layers * 4.0 * recompute * 2.0 * ring(d.tp) * rank_tokens * h * dsz / bw(d.tp, 1);
+        let count = layers * 4.0 * recompute;
+        let bytes = count * 2.0 * ring(d.tp) * rank_tokens * h * dsz;
+        mp += link(d.tp, 1).seconds(count, bytes);
     }
     if d.sp > 1 {
+        // q, k, v and the output, forward and backward.
+        let count = layers * 2.0 * recompute * 4.0;
         let volume = rank_tokens * (q + 2.0 * kv + q) / d.tp as f64 * dsz;
-        mp += layers * 2.0 * recompute * ring(d.sp) * volume / bw(d.sp, d.tp);
+        let bytes = layers * 2.0 * recompute * ring(d.sp) * volume;
+        mp += link(d.sp, d.tp).seconds(count, bytes);
     }
     if d.cp > 1 {
+        let count = layers * 3.0 * recompute * (d.cp as f64 - 1.0);
         let volume = rank_tokens * 2.0 * kv / d.tp as f64 * dsz;
-        mp += layers * 3.0 * recompute * (d.cp as f64 - 1.0) * volume / bw(d.cp, d.tp);
+        mp += link(d.cp, d.tp).seconds(count, count * volume);
     }
     let seconds = compute.max(dp_seconds) + mp;
     StepTime {
@@ -715,6 +793,20 @@ mod tests {
         assert_eq!(m.num_parameters(), 70_553_706_496);
         assert!(!m.tied && m.moe.is_none());
         assert!(m.splits_over(8, 1) && !m.splits_over(3, 1));
+    }
+
+    /// The host backend's collectives are measured, not assumed: a latency and a bandwidth
+    /// that a 2-rank all-reduce between threads of this process gives.
+    #[test]
+    fn the_host_link_is_measured() {
+        let link = host_all_reduce_speed(2).unwrap();
+        assert!(
+            link.bandwidth.is_finite() && link.bandwidth > 1e6,
+            "{link:?}"
+        );
+        assert!(link.latency >= 0.0 && link.latency < 1.0, "{link:?}");
+        let t = link.seconds(10.0, 1e6);
+        assert!((t - (10.0 * link.latency + 1e6 / link.bandwidth)).abs() < 1e-12);
     }
 
     /// A mixture of experts: every expert counted in the model state, only `top_k` of them in
