@@ -5,7 +5,7 @@
 use crate::profiles;
 use std::path::PathBuf;
 use trl_runtime::candle_core::DType;
-use trl_runtime::config::{LaunchConfig, LaunchPlan};
+use trl_runtime::config::{LaunchConfig, LaunchPlan, OffloadDevice};
 use trl_runtime::nn::lora::{LoraConfig, Targets};
 use trl_runtime::parallel::estimate::{
     self, estimate, step_time, Estimate, Hardware, LinkSpeed, ModelShapes, Setup, StepTime,
@@ -81,6 +81,12 @@ impl Row {
             self.profile,
             d.dp_replicate * d.dp_shard * d.tp * d.cp * d.sp
         );
+        if self.setup.offload_optimizer {
+            f += match self.config.deepspeed {
+                Some(_) => " --offload_optimizer_device cpu",
+                None => " --fsdp_offload_params true",
+            };
+        }
         for (name, v) in [
             ("dp_replicate", d.dp_replicate),
             ("dp_shard", d.dp_shard),
@@ -161,6 +167,10 @@ impl Machine {
                         intra,
                         inter,
                         per_machine: gpus.max(1),
+                        // ZeRO-Offload's update: fp32 gradients down and bf16 weights up
+                        // over PCIe (~25 GB/s), AdamW on the host's share of its cores
+                        // (~1 G parameters/s): a table figure, not measured.
+                        offload_params_per_s: 1.0 / (1.0 / 1e9 + 6.0 / 25e9),
                     },
                 })
             }
@@ -263,7 +273,26 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                     true => DType::BF16,
                     false => DType::F32,
                 });
-                for &checkpointing in &work.checkpointing {
+                // On GPUs the sharded strategies may keep optimizer state in host memory
+                // (DeepSpeed's offload_optimizer_device, FSDP's offload_params).
+                let offloads: &[bool] = match (machine.gpu, strategy) {
+                    (true, Strategy::Zero(_) | Strategy::Fsdp(..)) => &[false, true],
+                    _ => &[false],
+                };
+                for (&checkpointing, &offload) in work
+                    .checkpointing
+                    .iter()
+                    .flat_map(|c| offloads.iter().map(move |o| (c, o)))
+                {
+                    let mut config = config.clone();
+                    if offload {
+                        if let Some(ds) = &mut config.deepspeed {
+                            ds.offload_optimizer_device = OffloadDevice::Cpu;
+                        }
+                        if let Some(fsdp) = &mut config.fsdp {
+                            fsdp.offload_params = true;
+                        }
+                    }
                     let setup = Setup {
                         strategy,
                         dims,
@@ -272,7 +301,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                         batch: work.batch,
                         seq: work.seq,
                         checkpointing,
-                        offload_optimizer: false,
+                        offload_optimizer: offload,
                     };
                     let estimate = estimate(model, &setup);
                     let time = step_time(model, &setup, &machine.hardware);
@@ -315,7 +344,10 @@ fn line(r: &Row) -> String {
     format!(
         "{:<4} {:<10} {:>3} {:>3} {:>3} {:>3} {:>3} {:<4} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10.0}",
         if r.fits { "fits" } else { "OOM" },
-        r.profile,
+        match r.setup.offload_optimizer {
+            true => format!("{}+off", r.profile),
+            false => r.profile.to_string(),
+        },
         d.dp_replicate,
         d.dp_shard,
         d.tp,
@@ -403,6 +435,13 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
                 best.flags(),
                 best.setup.checkpointing
             ));
+            if best.estimate.host_optimizer > 0 {
+                out.push(format!(
+                    "  its optimizer state lives in host memory: {} per rank, {} per machine",
+                    gib(best.estimate.host_optimizer),
+                    gib(best.estimate.host_optimizer * machine.per_machine)
+                ));
+            }
             if args.explain {
                 out.extend(best.estimate.explain.iter().map(|l| format!("  {l}")));
                 let t = best.time;

@@ -73,7 +73,6 @@ fn launch_with(profile: &str, dry_run: bool, out: &Path, extra: &[&str]) -> Stri
     t
 }
 
-/// The JSON after `worker report: ` in a worker's output.
 /// `key=value` pairs of the dry run's line that starts with `prefix`.
 fn plan_line(t: &str, prefix: &str) -> String {
     t.lines()
@@ -391,4 +390,33 @@ fn profile_auto_launches_what_plan_picks() {
         .output()
         .unwrap();
     assert!(text(&none).contains("nothing fits"), "{}", text(&none));
+    // Llama 3.1 70B on 8 x 80 GB fits only with the optimizer state in host memory: the
+    // plan says so, with the flag that does it and the host memory it takes.
+    let offload = Command::new(BIN)
+        .current_dir(workspace())
+        .args(["plan", "--model", "assets/configs/llama-3.1-70b.json"])
+        .args([
+            "--seq",
+            "4096",
+            "--batch",
+            "1",
+            "--gpus",
+            "8",
+            "--gpu_memory",
+            "80GiB",
+        ])
+        .args(["--gradient_checkpointing", "true"])
+        .output()
+        .unwrap();
+    let said = text(&offload);
+    let pick = plan_line(&said, "pick:");
+    assert!(
+        pick.contains("--fsdp_offload_params true")
+            || pick.contains("--offload_optimizer_device cpu"),
+        "{said}"
+    );
+    assert!(
+        said.contains("optimizer state lives in host memory"),
+        "{said}"
+    );
 }

@@ -549,6 +549,10 @@ pub struct Hardware {
     pub inter: LinkSpeed,
     /// Processes per machine: a group larger than this crosses machines.
     pub per_machine: usize,
+    /// Parameters per second one rank updates with its optimizer state in host memory
+    /// (gradients copied down, AdamW on the host, weights copied back); infinite where the
+    /// device is the host.
+    pub offload_params_per_s: f64,
 }
 
 /// FLOP/s of f32 matmul on this CPU with the threads candle's kernels use in this process
@@ -668,6 +672,7 @@ impl Hardware {
             intra: link,
             inter: link,
             per_machine,
+            offload_params_per_s: f64::INFINITY,
         }
     }
 }
@@ -766,7 +771,12 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
         let volume = rank_tokens * 2.0 * kv / d.tp as f64 * dsz;
         mp += link(d.cp, d.tp).seconds(count, count * volume);
     }
-    let seconds = compute.max(dp_seconds) + mp;
+    // An offloaded update runs after backward, on this rank's slice of the trainable state.
+    let offload = match setup.offload_optimizer {
+        true => trainable / n_shard as f64 / hw.offload_params_per_s,
+        false => 0.0,
+    };
+    let seconds = compute.max(dp_seconds) + mp + offload;
     StepTime {
         compute,
         data_parallel: dp_seconds,
