@@ -256,65 +256,78 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                 let p = &mut config.parallelism;
                 (p.tp, p.cp, p.sp) = (tp, cp, sp);
                 let strategy = Strategy::from_plan(&LaunchPlan::from_config(&config));
-                let p = &mut config.parallelism;
-                (p.dp_replicate, p.dp_shard) = match strategy {
-                    Strategy::Ddp => (Some(dp), Some(1)),
-                    _ => (Some(1), Some(dp)),
+                // Over several machines FSDP may also shard within a machine and replicate
+                // across them (HSDP: dp_replicate = machines).
+                let hybrid = matches!(strategy, Strategy::Fsdp(..))
+                    && machine.machines > 1
+                    && dp.is_multiple_of(machine.machines)
+                    && dp > machine.machines;
+                let replicas: &[usize] = match hybrid {
+                    true => &[1, machine.machines],
+                    false => &[1],
                 };
-                let plan = LaunchPlan::from_config(&config);
-                let Ok(dims) = plan.resolve(world) else {
-                    continue;
-                };
-                // The splits the model allows: heads over tp (and sp), rows over 2 cp chunks.
-                if !model.splits_over(tp, sp) || !work.seq.is_multiple_of(2 * cp * sp) {
-                    continue;
-                }
-                let dtype = work.dtype.unwrap_or(match machine.gpu {
-                    true => DType::BF16,
-                    false => DType::F32,
-                });
-                // On GPUs the sharded strategies may keep optimizer state in host memory
-                // (DeepSpeed's offload_optimizer_device, FSDP's offload_params).
-                let offloads: &[bool] = match (machine.gpu, strategy) {
-                    (true, Strategy::Zero(_) | Strategy::Fsdp(..)) => &[false, true],
-                    _ => &[false],
-                };
-                for (&checkpointing, &offload) in work
-                    .checkpointing
-                    .iter()
-                    .flat_map(|c| offloads.iter().map(move |o| (c, o)))
-                {
+                for &replicate in replicas {
                     let mut config = config.clone();
-                    if offload {
-                        if let Some(ds) = &mut config.deepspeed {
-                            ds.offload_optimizer_device = OffloadDevice::Cpu;
-                        }
-                        if let Some(fsdp) = &mut config.fsdp {
-                            fsdp.offload_params = true;
-                        }
-                    }
-                    let setup = Setup {
-                        strategy,
-                        dims,
-                        dtype,
-                        lora: work.lora.clone(),
-                        batch: work.batch,
-                        seq: work.seq,
-                        checkpointing,
-                        offload_optimizer: offload,
+                    let p = &mut config.parallelism;
+                    (p.dp_replicate, p.dp_shard) = match strategy {
+                        Strategy::Ddp => (Some(dp), Some(1)),
+                        _ => (Some(replicate), Some(dp / replicate)),
                     };
-                    let estimate = estimate(model, &setup);
-                    let time = step_time(model, &setup, &machine.hardware);
-                    let peak = estimate.peak() + machine.base;
-                    out.push(Row {
-                        profile,
-                        config: config.clone(),
-                        fits: peak <= machine.memory,
-                        setup,
-                        estimate,
-                        time,
-                        peak,
+                    let plan = LaunchPlan::from_config(&config);
+                    let Ok(dims) = plan.resolve(world) else {
+                        continue;
+                    };
+                    // The splits the model allows: heads over tp (and sp), rows over 2 cp chunks.
+                    if !model.splits_over(tp, sp) || !work.seq.is_multiple_of(2 * cp * sp) {
+                        continue;
+                    }
+                    let dtype = work.dtype.unwrap_or(match machine.gpu {
+                        true => DType::BF16,
+                        false => DType::F32,
                     });
+                    // On GPUs the sharded strategies may keep optimizer state in host memory
+                    // (DeepSpeed's offload_optimizer_device, FSDP's offload_params).
+                    let offloads: &[bool] = match (machine.gpu, strategy) {
+                        (true, Strategy::Zero(_) | Strategy::Fsdp(..)) => &[false, true],
+                        _ => &[false],
+                    };
+                    for (&checkpointing, &offload) in work
+                        .checkpointing
+                        .iter()
+                        .flat_map(|c| offloads.iter().map(move |o| (c, o)))
+                    {
+                        let mut config = config.clone();
+                        if offload {
+                            if let Some(ds) = &mut config.deepspeed {
+                                ds.offload_optimizer_device = OffloadDevice::Cpu;
+                            }
+                            if let Some(fsdp) = &mut config.fsdp {
+                                fsdp.offload_params = true;
+                            }
+                        }
+                        let setup = Setup {
+                            strategy,
+                            dims,
+                            dtype,
+                            lora: work.lora.clone(),
+                            batch: work.batch,
+                            seq: work.seq,
+                            checkpointing,
+                            offload_optimizer: offload,
+                        };
+                        let estimate = estimate(model, &setup);
+                        let time = step_time(model, &setup, &machine.hardware);
+                        let peak = estimate.peak() + machine.base;
+                        out.push(Row {
+                            profile,
+                            config: config.clone(),
+                            fits: peak <= machine.memory,
+                            setup,
+                            estimate,
+                            time,
+                            peak,
+                        });
+                    }
                 }
             }
         }
