@@ -116,8 +116,28 @@ fn dora_under_sharded_and_split_profiles_equals_one_process() {
 /// within 1e-5, adapters within 5e-5.
 #[test]
 fn lora_on_every_dense_built_in_model_equals_one_process() {
+    lora_on_models_equals_one_process(
+        &["qwen3", "gemma3", "olmo2", "phi3", "smollm3", "mistral"],
+        &["fsdp2_tp_cpu", "alst_ulysses_cpu"],
+    );
+}
+
+/// LoRA on the mixtures of experts (every expert's projections adapted, all-linear; the
+/// router too, as peft's all-linear takes it) under ZeRO-3 (experts in the frozen units), FSDP2
+/// x tp (each expert's MLP and its adapters split) and Ulysses equals one process.
+#[test]
+fn lora_on_mixtures_of_experts_equals_one_process() {
+    lora_on_models_equals_one_process(
+        &["qwen3-moe", "mixtral"],
+        &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
+    );
+}
+
+/// Each of assets/tiny-`kinds` trains its adapters under `cases` (of CPU_CASES, all with two
+/// data-parallel ranks) as one process does.
+fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
-    for kind in ["qwen3", "gemma3", "olmo2", "phi3", "smollm3", "mistral"] {
+    for &kind in kinds {
         let model = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
             .join(format!("tiny-{kind}/model"));
@@ -135,7 +155,7 @@ fn lora_on_every_dense_built_in_model_equals_one_process() {
             .fold(0f32, f32::max);
         assert!(moved > 1e-3, "{kind}: the adapters did not move ({moved})");
         for (name, args, two_dp) in common::CPU_CASES {
-            if !["fsdp2_tp_cpu", "alst_ulysses_cpu"].contains(name) {
+            if !cases.contains(name) {
                 continue;
             }
             assert!(two_dp);
