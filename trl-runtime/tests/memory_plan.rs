@@ -216,13 +216,14 @@ fn launch_plan(strategy: &str) -> trl_runtime::config::LaunchPlan {
     use trl_runtime::config::{DeepSpeedConfig, DistributedType, LaunchPlan};
     let stage = match strategy {
         "zero2" => 2,
-        "zero3" => 3,
+        "zero3" | "zero3init" => 3,
         _ => 0,
     };
     LaunchPlan {
         distributed_type: DistributedType::DeepSpeed,
         deepspeed: Some(DeepSpeedConfig {
             zero_stage: stage,
+            zero3_init_flag: strategy == "zero3init",
             ..DeepSpeedConfig::default()
         }),
         ..LaunchPlan::default()
@@ -247,6 +248,16 @@ fn rank_worker() {
         bf16: false,
     };
     let ctx = DistContext::with_plan(launch_plan(f[0])).unwrap();
+    if f[0] == "zero3init" {
+        // The load alone: each rank reads its slices (nothing else is measured).
+        let before = counting::reset_peak();
+        let trainer = Trainer::new(args(&dir, c), &ctx).unwrap();
+        if ctx.is_main_process() {
+            println!("report {}", counting::peak() - before);
+        }
+        drop(trainer);
+        return;
+    }
     let mut trainer = Trainer::new(args(&dir, c), &ctx).unwrap();
     trainer.train_step().unwrap();
     let before = counting::reset_peak();
@@ -438,4 +449,27 @@ fn moe_step_memory_is_within_ten_percent_of_the_estimate() {
         }
     }
     assert!(failures.is_empty(), "beyond 10%: {failures:?}");
+}
+
+/// DeepSpeed's zero3_init (FSDP's cpu_ram_efficient_loading): each of 2 ranks reads only its
+/// slices, so loading never holds the whole model. Its fp32 weights alone are 8.5 MB here; a
+/// rank's load peaks at its half plus the optimizer state of its half (12 bytes a parameter,
+/// allocated at load), below the whole model's 20 bytes a parameter a whole load would
+/// hold. (A skeleton that became full-size variables before sharding held the whole model
+/// on every rank.)
+#[test]
+fn efficient_loading_never_holds_the_whole_model() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write(tmp.path(), 64, 4, (192, 512, 4, 1024, 6, 2));
+    let whole = 4 * cfg.num_parameters();
+    let peak = run_processes("zero3init/64/false/false", 2, tmp.path());
+    let half_state = 16 * cfg.num_parameters() / 2;
+    println!(
+        "load peak {peak} bytes; whole fp32 model {whole}; a rank's half of the state {half_state}"
+    );
+    assert!(
+        peak < half_state + whole / 4,
+        "rank 0's load peaked at {peak} bytes: more than its half of the state ({half_state}) and a quarter of the whole model ({whole})"
+    );
 }
