@@ -187,6 +187,10 @@ training_arguments! {
     /// Weight-decomposed LoRA (DoRA): a trained magnitude per output feature beside the
     /// adapters, as peft's use_dora.
     use_dora: bool = false;
+    /// TRL's weight of a mixture of experts' router load-balancing loss (unset: config.json's
+    /// `router_aux_loss_coef`). That loss is not implemented: 0 is the only value a
+    /// mixture of experts trains with here (see [`TrainingArguments::check_router_aux_loss`]).
+    router_aux_loss_coef: Option<f64> = None;
 }
 
 /// The compute dtype of a mixed-precision name (Accelerate's values).
@@ -201,6 +205,41 @@ fn precision(name: &str) -> std::result::Result<candle_core::DType, String> {
 }
 
 impl TrainingArguments {
+    /// TRL 1.16 adds `router_aux_loss_coef` x the router's load-balancing loss to a mixture
+    /// of experts' loss, config.json's coefficient when the key is unset (transformers'
+    /// default 0.001). That loss is not implemented here, so: an explicit non-zero value is
+    /// refused; unset, on a mixture of experts whose config weights it, the run trains on the
+    /// language-model loss alone and says so (`Ok(Some(why))`: TRL with
+    /// `--router_aux_loss_coef 0` trains the same); on a dense model a non-zero value is
+    /// refused, as TRL refuses it. `config_json` is the model's config.json from `source`.
+    pub fn check_router_aux_loss(&self, config_json: &str, source: &str) -> Result<Option<String>> {
+        let config: serde_json::Value = serde_json::from_str(config_json)
+            .map_err(|e| Error::config(source, "<json>", format!("not a model config: {e}")))?;
+        let count = |key: &str| config.get(key).and_then(|v| v.as_u64()).unwrap_or(0);
+        let moe = count("num_experts") > 0 || count("num_local_experts") > 0;
+        let key = "router_aux_loss_coef";
+        match (moe, self.router_aux_loss_coef) {
+            (_, Some(c)) if c == 0.0 => Ok(None),
+            (false, None) => Ok(None),
+            (false, Some(c)) => Err(Error::config(
+                "training arguments",
+                key,
+                format!("{c}: {source} is not a mixture of experts, so there is no router loss to weight (TRL refuses it too): drop it"),
+            )),
+            (true, Some(c)) => Err(Error::config(
+                "training arguments",
+                key,
+                format!("{c}: the router's load-balancing loss is not implemented; set it to 0 to train on the language-model loss alone"),
+            )),
+            (true, None) => {
+                let c = config.get(key).and_then(|v| v.as_f64()).unwrap_or(0.001);
+                Ok((c != 0.0).then(|| format!(
+                    "{source} weights the router's load-balancing loss by {key} = {c}, which TRL adds to the loss; it is not implemented here, so this run trains on the language-model loss alone (as TRL with --{key} 0)"
+                )))
+            }
+        }
+    }
+
     /// The split of a dataset_name directory to train on.
     pub fn train_split(&self) -> crate::data::Split<'_> {
         crate::data::Split {
@@ -615,4 +654,39 @@ macro_rules! trainer_config {
             }
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The router's load-balancing loss is not implemented: a mixture of experts trains on the
+    /// language-model loss alone, said when its config weights that loss, refused when asked
+    /// for explicitly; a dense model refuses any weight, as TRL does.
+    #[test]
+    fn the_router_loss_weight_is_honoured_or_refused() {
+        let moe = r#"{"num_experts": 4, "router_aux_loss_coef": 0.001}"#;
+        let dense = r#"{"hidden_size": 64}"#;
+        let with = |coef: Option<f64>| TrainingArguments {
+            router_aux_loss_coef: coef,
+            ..Default::default()
+        };
+        let said = with(None)
+            .check_router_aux_loss(moe, "moe")
+            .unwrap()
+            .unwrap();
+        assert!(said.contains("language-model loss alone"), "{said}");
+        assert_eq!(
+            with(Some(0.0)).check_router_aux_loss(moe, "moe").unwrap(),
+            None
+        );
+        let err = with(Some(0.01))
+            .check_router_aux_loss(moe, "moe")
+            .unwrap_err();
+        assert!(err.to_string().contains("router_aux_loss_coef"), "{err}");
+        assert_eq!(with(None).check_router_aux_loss(dense, "d").unwrap(), None);
+        assert!(with(Some(0.5)).check_router_aux_loss(dense, "d").is_err());
+        let zero = r#"{"num_local_experts": 8, "router_aux_loss_coef": 0.0}"#;
+        assert_eq!(with(None).check_router_aux_loss(zero, "z").unwrap(), None);
+    }
 }

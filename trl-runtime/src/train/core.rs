@@ -312,6 +312,13 @@ impl<'a, N: CausalModel> Core<'a, N> {
         check_deepspeed_values(args, ctx.plan())?;
         let dp = ctx.group(DP);
         let dir = args.model_name_or_path.clone();
+        let config_file = dir.join("config.json");
+        if let Ok(json) = std::fs::read_to_string(&config_file) {
+            let why = args.check_router_aux_loss(&json, &config_file.display().to_string())?;
+            if let (Some(why), true) = (why, ctx.is_main_process()) {
+                tracing::warn!("{why}");
+            }
+        }
         let dtype = args.compute_dtype()?;
         if dtype != DType::F32 {
             tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
