@@ -219,7 +219,7 @@ impl TrainingArguments {
         let moe = count("num_experts") > 0 || count("num_local_experts") > 0;
         let key = "router_aux_loss_coef";
         match (moe, self.router_aux_loss_coef) {
-            (_, Some(c)) if c == 0.0 => Ok(None),
+            (_, Some(0.0)) => Ok(None),
             (false, None) => Ok(None),
             (false, Some(c)) => Err(Error::config(
                 "training arguments",
