@@ -16,6 +16,8 @@ from transformers import TrainerCallback
 
 model_dir, data, out, steps, batch, lr = sys.argv[1:7]
 def value(v):
+    if v in ("true", "false"):
+        return v == "true"
     try:
         return float(v)
     except ValueError:

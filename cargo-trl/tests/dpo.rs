@@ -31,11 +31,33 @@ fn dpo(launch_args: &[&str], per_device: usize, out: &Path, extra: &[&str]) -> S
 
 #[test]
 fn dpo_under_every_cpu_profile_equals_one_process() {
+    profiles_equal_one_process(&[], None);
+}
+
+/// WPO (`--use_weighting`): each token's log sum p^2 from the tiled head (one process), the
+/// vocabulary-parallel logits (tp: maxima and sums all-reduced), whole logits (ZeRO-3) and
+/// sequences split over ranks (Ulysses, ring: sums joined before the weights).
+#[test]
+fn wpo_weights_under_split_profiles_equal_one_process() {
+    profiles_equal_one_process(
+        &["--use_weighting", "true"],
+        Some(&[
+            "zero3_cpu",
+            "tp_cpu",
+            "fsdp2_tp_cpu",
+            "alst_ulysses_cpu",
+            "context_parallel_cpu",
+        ]),
+    );
+}
+
+/// DPO with `extra` flags under the CPU cases (`only` those named) equals one process.
+fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) {
     let tmp = tempfile::tempdir().unwrap();
     let out = |name: &str| tmp.path().join(name);
     let one = ["--num_processes", "1"];
-    dpo(&one, 8, &out("one8"), &[]);
-    dpo(&one, 4, &out("one4"), &[]);
+    dpo(&one, 8, &out("one8"), extra);
+    dpo(&one, 4, &out("one4"), extra);
     let (one8, one4) = (
         Run::read(&out("one8"), STEPS),
         Run::read(&out("one4"), STEPS),
@@ -47,7 +69,10 @@ fn dpo_under_every_cpu_profile_equals_one_process() {
         one8.losses
     );
     for (name, args, two_dp) in common::CPU_CASES {
-        dpo(args, 4, &out(name), &[]);
+        if only.is_some_and(|o| !o.contains(name)) {
+            continue;
+        }
+        dpo(args, 4, &out(name), extra);
         let want = if *two_dp { "one8" } else { "one4" };
         let (got, one) = (
             Run::read(&out(name), STEPS),
@@ -118,6 +143,8 @@ fn dpo_matches_trl() {
         &["sigmoid"],
         &["ipo"],
         &["sigmoid", "sft"],
+        // WPO: each pair weighed by its sequences' probabilities (log sum p^2 per token).
+        &["sigmoid", "ipo", "use_weighting=true"],
         &[
             "hinge",
             "nca_pair",

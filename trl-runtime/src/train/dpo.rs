@@ -138,12 +138,23 @@ impl DPOConfig {
                 format!("{eps}: exo_pair takes log(label_smoothing), so it must lie in (0, 1) (the paper uses 1e-3)"),
             ));
         }
+        if self.use_weighting
+            && terms
+                .iter()
+                .any(|(k, _)| matches!(k, LossType::Aot | LossType::AotUnpaired))
+        {
+            return Err((
+                "use_weighting",
+                "WPO's weights are per pair, and aot / aot_unpaired sort the pairs (TRL refuses it too): drop one".into(),
+            ));
+        }
         Ok(DpoLoss {
             beta: self.beta,
             terms,
             label_smoothing: eps,
             f_divergence,
             discopop_tau: self.discopop_tau,
+            weighting: self.use_weighting,
         })
     }
 }
@@ -159,9 +170,6 @@ fn validate_dpo(config: &DPOConfig, source: &str) -> Result<()> {
     }
     if let Some(a) = config.ld_alpha.filter(|a| !(0.0..=1.0).contains(a)) {
         return fail("ld_alpha", format!("{a}: must lie in [0, 1]"));
-    }
-    if config.use_weighting {
-        return fail("use_weighting", "WPO weighting needs each token's sum of squared probabilities, which is not computed: remove it".into());
     }
     if config.sync_ref_model {
         return fail("sync_ref_model", "TR-DPO mixes the policy into a second copy of the weights, which is never kept here (the reference's log-probabilities are computed once, before training): remove it".into());
@@ -206,6 +214,8 @@ struct SequenceSums {
     logps: Vec<f64>,
     /// The mean logits summed over the chosen targets and over the rejected ones, whole.
     logit_sums: [f64; 2],
+    /// WPO: each sequence's mean over its targets of log p - log sum_v p_v^2, whole.
+    aligned: Option<Vec<f64>>,
 }
 
 /// Preference training.
@@ -368,9 +378,14 @@ impl Dpo {
         train: bool,
     ) -> Result<SequenceSums> {
         let b = &micro.batch;
-        let out =
-            core.model
-                .forward_token_logps(&b.input_ids, &b.position_ids, &b.targets()?, train)?;
+        let weighting = self.loss.weighting;
+        let out = core.model.forward_token_logps(
+            &b.input_ids,
+            &b.position_ids,
+            &b.targets()?,
+            train,
+            weighting,
+        )?;
         // Each sequence's sum over its targets: one scatter-add over the positions.
         let n = micro.chosen_len.len();
         let per_sequence = |per_token: &Tensor, weights: &Tensor| -> Result<Tensor> {
@@ -385,17 +400,36 @@ impl Dpo {
             .to_vec1()?;
         let part = |r: std::ops::Range<usize>| logits[r].iter().map(|&x| x as f64).sum::<f64>();
         values.extend([part(0..n), part(n..2 * n)]);
+        // WPO (TRL's use_weighting): sums of log p - log sum p^2 and target counts.
+        if let Some(lss) = &out.log_sum_sq {
+            let aligned = (out.logps.detach() - lss)?;
+            for t in [
+                per_sequence(&aligned, &micro.members)?,
+                per_sequence(&micro.members, &micro.members)?,
+            ] {
+                let v: Vec<f32> = t.to_vec1()?;
+                values.extend(v.iter().map(|&x| x as f64));
+            }
+        }
         // A sequence split over ranks: each holds part of its sums.
         if let Some(split) = core.model.split() {
             let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
             values = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
         }
         let logit_sums = [values[2 * n], values[2 * n + 1]];
+        let aligned = (values.len() > 2 * n + 2).then(|| {
+            let (sums, counts) = values[2 * n + 2..].split_at(2 * n);
+            sums.iter()
+                .zip(counts)
+                .map(|(s, c)| s / c.max(1.0))
+                .collect()
+        });
         values.truncate(2 * n);
         Ok(SequenceSums {
             local,
             logps: values,
             logit_sums,
+            aligned,
         })
     }
 
@@ -409,6 +443,11 @@ impl Dpo {
             chosen_len: micro.chosen_len.clone(),
             rejected_len: micro.rejected_len.clone(),
             chosen_targets: micro.targets[0],
+            // WPO: each pair weighed by exp(its chosen mean) x exp(its rejected mean).
+            weights: sums
+                .aligned
+                .as_ref()
+                .map(|a| (0..n).map(|j| (a[j] + a[n + j]).exp()).collect()),
         }
     }
 

@@ -79,6 +79,8 @@ pub struct DpoLoss {
     pub label_smoothing: f64,
     pub f_divergence: FDivergence,
     pub discopop_tau: f64,
+    /// WPO (TRL's use_weighting): each pair's loss weighed by [`PairLogps::weights`].
+    pub weighting: bool,
 }
 
 /// One micro-batch's pairs: sequence log-probabilities (summed over completion tokens),
@@ -94,6 +96,8 @@ pub struct PairLogps {
     pub rejected_len: Vec<f64>,
     /// Chosen completion tokens that are predicted (the shifted mask: the SFT term's mean).
     pub chosen_targets: f64,
+    /// Per pair, a constant its loss is multiplied by (WPO's weights), if any.
+    pub weights: Option<Vec<f64>>,
 }
 
 /// The loss of a micro-batch and its gradients with respect to the policy's chosen and
@@ -236,6 +240,10 @@ impl DpoLoss {
                     nll.broadcast_as(n)?.contiguous()?
                 }
             };
+            let per_pair = match &p.weights {
+                Some(w) => (per_pair * t(w)?)?,
+                None => per_pair,
+            };
             total = (total + (per_pair.mean_all()? * weight)?)?;
         }
         let grads = total.backward()?;
@@ -266,6 +274,7 @@ mod tests {
             chosen_len: vec![4.0, 3.0, 5.0],
             rejected_len: vec![5.0, 2.0, 6.0],
             chosen_targets: 12.0,
+            weights: None,
         }
     }
 
@@ -288,6 +297,7 @@ mod tests {
                     label_smoothing: if kind == LossType::ExoPair { 1e-3 } else { 0.1 },
                     f_divergence: f,
                     discopop_tau: 0.05,
+                    weighting: false,
                 };
                 let p = pairs();
                 let got = loss.compute(&p).unwrap();
@@ -329,6 +339,7 @@ mod tests {
             label_smoothing: 0.0,
             f_divergence: FDivergence::ReverseKl,
             discopop_tau: 0.05,
+            weighting: false,
         };
         let mut p = pairs();
         p.ref_chosen = p.chosen.clone();
