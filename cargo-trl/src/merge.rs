@@ -38,12 +38,14 @@ pub fn parse_size(flag: &str, s: &str) -> Result<usize, String> {
         "KB" => 1e3,
         "MB" => 1e6,
         "GB" => 1e9,
+        "TB" => 1e12,
         "KIB" => 1024.0,
         "MIB" => 1048576.0,
         "GIB" => 1073741824.0,
+        "TIB" => 1099511627776.0,
         other => {
             return Err(format!(
-                "{flag} '{s}': unknown unit '{other}' (use B, KB, MB, GB, KiB, MiB or GiB)"
+                "{flag} '{s}': unknown unit '{other}' (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
             ))
         }
     };

@@ -36,6 +36,10 @@ pub struct PlanArgs {
     /// h100, h200, a100 or l40s: the matmul rate and links assumed.
     #[arg(long, default_value = "h100")]
     pub gpu_kind: String,
+    /// Host memory of one machine, like 2TiB: offloaded optimizer state must fit in it
+    /// (default: this machine's).
+    #[arg(long)]
+    pub host_memory: Option<String>,
     #[arg(long, default_value_t = 1)]
     pub num_machines: usize,
     /// CPU processes (without --gpus).
@@ -106,6 +110,8 @@ pub struct Machine {
     pub per_machine: usize,
     pub machines: usize,
     pub memory: usize,
+    /// Host memory of one machine (where offloaded optimizer state lives).
+    pub host_memory: usize,
     /// What a process holds before the model (runtime; on a GPU the CUDA context and NCCL's
     /// buffers).
     pub base: usize,
@@ -155,11 +161,16 @@ impl Machine {
                     Some(m) => crate::merge::parse_size("--gpu_memory", m)?,
                     None => memory as usize,
                 };
+                let host = match &args.host_memory {
+                    Some(m) => crate::merge::parse_size("--host_memory", m)?,
+                    None => host_memory(),
+                };
                 Ok(Machine {
                     gpu: true,
                     per_machine: gpus.max(1),
                     machines: args.num_machines.max(1),
                     memory,
+                    host_memory: host,
                     base: (1.5 * GIB) as usize,
                     hardware: Hardware {
                         flops: 0.4 * peak,
@@ -187,6 +198,7 @@ impl Machine {
             per_machine: processes,
             machines,
             memory: host_memory() / processes,
+            host_memory: host_memory(),
             base: estimate::CPU_PROCESS_BASE,
             hardware: Hardware::cpu(rank_flops, processes, cpu_link(processes)?),
         })
@@ -321,7 +333,10 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                         out.push(Row {
                             profile,
                             config: config.clone(),
-                            fits: peak <= machine.memory,
+                            // Offloaded state shares the machine's host memory.
+                            fits: peak <= machine.memory
+                                && estimate.host_optimizer * machine.per_machine
+                                    <= machine.host_memory,
                             setup,
                             estimate,
                             time,
@@ -450,9 +465,10 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
             ));
             if best.estimate.host_optimizer > 0 {
                 out.push(format!(
-                    "  its optimizer state lives in host memory: {} per rank, {} per machine",
+                    "  its optimizer state lives in host memory: {} per rank, {} of the machine's {}",
                     gib(best.estimate.host_optimizer),
-                    gib(best.estimate.host_optimizer * machine.per_machine)
+                    gib(best.estimate.host_optimizer * machine.per_machine),
+                    gib(machine.host_memory)
                 ));
             }
             if args.explain {
@@ -464,9 +480,13 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
                 ));
             }
         }
-        None => out.push(
-            "nothing fits: lower --seq or --batch, use --use_peft, or add GPUs or machines".into(),
-        ),
+        None => out.push(match machine.gpu {
+            true => format!(
+                "nothing fits: lower --seq or --batch, use --use_peft, add GPUs or machines, or offload the optimizer state to more host memory than this machine's {} (--host_memory)",
+                gib(machine.host_memory)
+            ),
+            false => "nothing fits: lower --seq or --batch, use --use_peft, or add machines".into(),
+        }),
     }
     Ok(out.join("\n"))
 }
@@ -519,6 +539,7 @@ pub fn auto(
                 gpus: Some(processes.map_or(n, |p| p as usize)),
                 gpu_memory: memory,
                 gpu_kind: kind,
+                host_memory: None,
                 num_machines: 1,
                 num_processes: n,
                 use_peft: t.use_peft,
