@@ -172,6 +172,8 @@ pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
     pub state: TrainerState,
     steps_per_epoch: usize,
     stop: Arc<AtomicBool>,
+    /// What `parallel::estimate` predicts this rank holds, computed once at load.
+    predicted: Option<crate::parallel::estimate::Estimate>,
     /// Whether the first step's gradients were checked for parameters that got none.
     unused_checked: bool,
 }
@@ -397,7 +399,14 @@ impl<'a, N: CausalModel> Core<'a, N> {
             state,
             steps_per_epoch,
             stop,
-        })
+            predicted: None,
+        }
+        .with_memory_estimate())
+    }
+
+    fn with_memory_estimate(mut self) -> Self {
+        self.predicted = self.estimate_memory();
+        self
     }
 
     /// Every parameter's full value, whichever strategy holds them (collective under ZeRO-3 /
@@ -452,8 +461,12 @@ impl<'a, N: CausalModel> Core<'a, N> {
     }
 
     /// What `parallel::estimate` predicts this rank holds (from a skeleton of this run's
-    /// model; None for a config without the sizes it reads).
-    pub fn memory_estimate(&self) -> Option<crate::parallel::estimate::Estimate> {
+    /// model, built once at load; None for a config without the sizes it reads).
+    pub fn memory_estimate(&self) -> Option<&crate::parallel::estimate::Estimate> {
+        self.predicted.as_ref()
+    }
+
+    fn estimate_memory(&self) -> Option<crate::parallel::estimate::Estimate> {
         let dir = &self.args.model_name_or_path;
         let shapes = crate::parallel::estimate::ModelShapes::of_model::<N>(
             self.model.config_json(),

@@ -23,8 +23,6 @@ pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM, T: Task<N> = Sft> 
     pub task: T,
     /// The task's figures of the latest step.
     last_metrics: Vec<(&'static str, f64)>,
-    /// This rank's predicted memory (logged beside the measured peak).
-    predicted: Option<crate::parallel::estimate::Estimate>,
 }
 
 impl<'a, N: CausalModel, T: Task<N>> std::ops::Deref for Trainer<'a, N, T> {
@@ -77,13 +75,11 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let core = Core::load(&args, ctx, strategy, task.num_rows(), tokenizer)?;
         task.prepare(&config, &core)?;
         crate::alloc::release_freed_memory();
-        let predicted = core.memory_estimate();
         Ok(Trainer {
             config,
             core,
             task,
             last_metrics: Vec::new(),
-            predicted,
         })
     }
 
@@ -142,7 +138,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         }
         // Beside it, what `cargo trl plan` predicted for this rank (the process's base of
         // 64 MiB on CPU included; on a GPU the figure is the device's).
-        if let Some(e) = &self.predicted {
+        if let Some(e) = self.core.memory_estimate() {
             let base = match self.ctx.device().is_cpu() {
                 true => crate::parallel::estimate::CPU_PROCESS_BASE,
                 false => 0,
