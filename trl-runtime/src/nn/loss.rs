@@ -28,6 +28,17 @@ impl LossSum {
     }
 }
 
+/// log sum_v p_v^2 of each row of `logits` [n, vocab] (p = softmax over the vocabulary):
+/// log sum exp(2 z) - 2 log sum exp(z), both shifted by the row's maximum. Detached (WPO's
+/// per-token term, a constant for the gradient).
+pub fn log_sum_sq_probs(logits: &Tensor) -> Result<Tensor> {
+    let logits = logits.detach();
+    let shifted = logits.broadcast_sub(&logits.max_keepdim(D::Minus1)?)?;
+    let s1 = shifted.exp()?.sum_keepdim(D::Minus1)?;
+    let s2 = (&shifted * 2.0)?.exp()?.sum_keepdim(D::Minus1)?;
+    (s2.log()? - (s1.log()? * 2.0)?)?.squeeze(1)
+}
+
 /// The targets as a list, checked against the vocabulary, and how many are not ignored.
 pub(crate) fn checked_targets(targets: &Tensor, vocab: usize) -> Result<(Vec<i64>, usize)> {
     let targets: Vec<i64> = targets.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;

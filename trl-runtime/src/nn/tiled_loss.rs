@@ -39,6 +39,22 @@ fn tile_logits(hidden: &Tensor, weight: &Tensor, start: usize, len: usize) -> Re
         .to_dtype(precision::wide(hidden.dtype()))
 }
 
+/// log sum_v p_v^2 of each row's logits `hidden . weight^T`, [n] in the wide dtype,
+/// detached, over the loss's tiles: the [n x vocab] logits never exist whole (WPO's weights).
+pub fn tiled_log_sum_sq(hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let (hidden, weight) = (hidden.detach(), weight.detach());
+    let (n, _) = hidden.dims2()?;
+    let rows = (TILE_BYTES / (4 * weight.dim(0)?)).max(16);
+    let tiles = (0..n)
+        .step_by(rows)
+        .map(|start| {
+            let logits = tile_logits(&hidden, &weight, start, rows.min(n - start))?;
+            super::loss::log_sum_sq_probs(&logits)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&tiles, 0)
+}
+
 /// Each row's loss over the tiles, [n] (0 where ignored), in Candle ops (the recomputing
 /// path's forward).
 fn tiles_loss(tiles: &Tiles, hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
@@ -440,6 +456,28 @@ pub fn tiled_token_nll(
 mod tests {
     use super::*;
     use crate::kernels::testing::{bf16_exact_randn as randn, rel_diff as rel};
+
+    /// WPO's log sum p^2 over tiles (40 rows in tiles of 16 at a 300k vocabulary) equals the
+    /// whole logits' and its definition, log sum softmax^2.
+    #[test]
+    fn tiled_log_sum_sq_equals_the_whole_logits() {
+        let dev = candle_core::Device::Cpu;
+        let hidden = Tensor::randn(0f32, 1.0, (40, 4), &dev).unwrap();
+        let weight = Tensor::randn(0f32, 1.0, (300_000, 4), &dev).unwrap();
+        let tiled = tiled_log_sum_sq(&hidden, &weight).unwrap();
+        let logits = hidden.matmul(&weight.t().unwrap()).unwrap();
+        let p = candle_nn::ops::softmax_last_dim(&logits).unwrap();
+        let want = p.sqr().unwrap().sum(1).unwrap().log().unwrap();
+        let d = (tiled - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-4, "{d}");
+    }
     use crate::nn::loss::{cross_entropy_sum, IGNORE_INDEX};
     use candle_core::{Device, Var};
 

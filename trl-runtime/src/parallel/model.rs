@@ -29,9 +29,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-/// Rows of logits computed at a time where they are not kept (a second, detached pass).
-const LOGIT_TILE_ROWS: usize = 1024;
-
 /// Per-position figures of a forward (see [`Model::forward_token_logps`]).
 pub struct TokenLogps {
     /// log p(target) per position, [n] f32, 0 where ignored; carries the graph when trained.
@@ -40,27 +37,6 @@ pub struct TokenLogps {
     pub mean_logits: Tensor,
     /// log sum_v p_v^2 per position, [n] f32, detached, when asked (WPO's weights).
     pub log_sum_sq: Option<Tensor>,
-}
-
-/// log sum_v p_v^2 of each row of `logits` [n, v] f32 whose vocabulary is split over `tp`
-/// (each rank its columns): log sum exp(2 z) - 2 log sum exp(z), both shifted by the row's
-/// global maximum.
-fn log_sum_sq_probs(logits: &Tensor, tp: Option<&Arc<dyn Communicator>>) -> Result<Tensor> {
-    use crate::comm::ReduceOp;
-    let mut max = logits.max_keepdim(candle_core::D::Minus1)?;
-    if let Some(tp) = tp {
-        max = tp.all_reduce(&max, ReduceOp::Max)?;
-    }
-    let shifted = logits.broadcast_sub(&max)?;
-    let mut s1 = shifted.exp()?.sum_keepdim(candle_core::D::Minus1)?;
-    let mut s2 = (&shifted * 2.0)?
-        .exp()?
-        .sum_keepdim(candle_core::D::Minus1)?;
-    if let Some(tp) = tp {
-        s1 = tp.all_reduce(&s1, ReduceOp::Sum)?;
-        s2 = tp.all_reduce(&s2, ReduceOp::Sum)?;
-    }
-    Ok((s2.log()? - (s1.log()? * 2.0)?)?.squeeze(1)?)
 }
 
 /// A model `N` with what the strategies attach to it. `parallel::parallelize` sets it up;
@@ -751,18 +727,8 @@ impl<N: CausalModel> Model<N> {
                     .matmul(&mean_w.t()?)?
                     .squeeze(1)?;
                 if sum_sq {
-                    // A second pass over the head in row tiles: the [tokens x vocab] logits
-                    // never exist whole.
-                    let (flat, w) = (flat.detach(), w.detach());
-                    let tiles = (0..b * s)
-                        .step_by(LOGIT_TILE_ROWS)
-                        .map(|start| {
-                            let rows = flat.narrow(0, start, LOGIT_TILE_ROWS.min(b * s - start))?;
-                            let z = rows.matmul(&w.t()?)?.to_dtype(DType::F32)?;
-                            log_sum_sq_probs(&z, None)
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    log_sum_sq = Some(Tensor::cat(&tiles, 0)?);
+                    let lss = crate::nn::tiled_loss::tiled_log_sum_sq(&flat, &w)?;
+                    log_sum_sq = Some(lss.to_dtype(DType::F32)?);
                 }
                 (nll, mean_logits)
             }
@@ -776,9 +742,11 @@ impl<N: CausalModel> Model<N> {
                     .sum_keepdim(candle_core::D::Minus1)?
                     .flatten_all()?;
                 if sum_sq {
-                    let z = logits.detach().to_dtype(DType::F32)?;
-                    let z = z.reshape(((), vocab))?;
-                    log_sum_sq = Some(log_sum_sq_probs(&z, self.tp.as_ref())?);
+                    let z = logits.to_dtype(DType::F32)?.reshape(((), vocab))?;
+                    log_sum_sq = Some(match &self.tp {
+                        Some(tp) => crate::tp::vocab_parallel_log_sum_sq(&z, tp)?,
+                        None => crate::nn::loss::log_sum_sq_probs(&z)?,
+                    });
                 }
                 let (nll, mean_logits) = match &self.tp {
                     Some(tp) => {

@@ -23,7 +23,7 @@
 mod loss;
 pub mod state;
 
-pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_token_nll};
+pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_log_sum_sq, vocab_parallel_token_nll};
 pub use state::TpGrads;
 
 // The layer-side vocabulary (the trait the layers implement) lives with the layers.
