@@ -328,23 +328,12 @@ impl ModelShapes {
                 None => root += n,
             }
         }
-        let mut units = vec![root];
-        match policy {
-            WrapPolicy::Whole => units[0] += layer_sizes.iter().sum::<usize>(),
-            WrapPolicy::PerLayer => units.extend(layer_sizes),
-            WrapPolicy::MinParams(min) => {
-                let mut size = 0;
-                for s in layer_sizes {
-                    size += s;
-                    if size >= min {
-                        units.push(size);
-                        size = 0;
-                    }
-                }
-                if size > 0 {
-                    units.push(size);
-                }
-            }
+        // Each layer joins the unit the sharding puts it in.
+        let layer_unit = super::fsdp::layer_units(&layer_sizes, policy);
+        let mut units = vec![0; layer_unit.iter().max().map_or(1, |m| m + 1)];
+        units[0] = root;
+        for (u, n) in layer_unit.into_iter().zip(layer_sizes) {
+            units[u] += n;
         }
         units
     }

@@ -71,6 +71,32 @@ pub(super) fn unit_of(name: &str, unit_names: &[String]) -> Option<usize> {
     })
 }
 
+/// Which unit each layer joins under `policy` (unit 0 is the root), from the layers'
+/// parameter counts: the one rule the sharding and the memory estimate both cut by.
+pub(super) fn layer_units(layer_sizes: &[usize], policy: WrapPolicy) -> Vec<usize> {
+    let mut layer_unit = vec![0usize; layer_sizes.len()];
+    let mut next = 1;
+    let mut size = 0usize;
+    for (unit, layer_size) in layer_unit.iter_mut().zip(layer_sizes) {
+        match policy {
+            WrapPolicy::Whole => {}
+            WrapPolicy::PerLayer => {
+                *unit = next;
+                next += 1;
+            }
+            WrapPolicy::MinParams(min) => {
+                *unit = next;
+                size += layer_size;
+                if size >= min {
+                    next += 1;
+                    size = 0;
+                }
+            }
+        }
+    }
+    layer_unit
+}
+
 /// Shards `model` over `comm` in place: its parameters (this rank's tensor-parallel slices if
 /// it was split) go into wrap units, one per value marked `#[parallel(fsdp_unit)]` (grouped by
 /// `policy`) plus the root holding the rest, and every layer's weight is swapped for its slot
@@ -272,27 +298,7 @@ impl ShardedModel {
                 layer_sizes[l] += shape.elem_count();
             }
         }
-        // Which unit each layer joins (unit 0 is the root).
-        let mut layer_unit = vec![0usize; num_layers];
-        let mut next = 1;
-        let mut size = 0usize;
-        for (unit, layer_size) in layer_unit.iter_mut().zip(&layer_sizes) {
-            match policy {
-                WrapPolicy::Whole => {}
-                WrapPolicy::PerLayer => {
-                    *unit = next;
-                    next += 1;
-                }
-                WrapPolicy::MinParams(min) => {
-                    *unit = next;
-                    size += layer_size;
-                    if size >= min {
-                        next += 1;
-                        size = 0;
-                    }
-                }
-            }
-        }
+        let layer_unit = layer_units(&layer_sizes, policy);
         let count = layer_unit.iter().copied().max().unwrap_or(0) + 1;
         let num_elements = shapes.iter().map(|(_, s)| s.elem_count()).sum();
         let mut members: Vec<Vec<(String, Shape)>> = vec![Vec::new(); count];
