@@ -804,8 +804,44 @@ mod tests {
             "{link:?}"
         );
         assert!(link.latency >= 0.0 && link.latency < 1.0, "{link:?}");
-        let t = link.seconds(10.0, 1e6);
-        assert!((t - (10.0 * link.latency + 1e6 / link.bandwidth)).abs() < 1e-12);
+    }
+
+    /// Every tensor-parallel collective of a step pays the link's latency: 4 per layer
+    /// (2 forward, 2 backward), 6 with checkpointing's recompute.
+    #[test]
+    fn each_tp_collective_pays_the_latency() {
+        let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+        let layers = m.dims.num_hidden_layers as f64;
+        for (checkpointing, per_layer) in [(false, 4.0), (true, 6.0)] {
+            let setup = Setup {
+                strategy: Strategy::Ddp,
+                dims: ParallelDims {
+                    dp_replicate: 1,
+                    dp_shard: 1,
+                    cp: 1,
+                    sp: 1,
+                    tp: 2,
+                },
+                dtype: DType::F32,
+                lora: None,
+                batch: 1,
+                seq: 64,
+                checkpointing,
+                offload_optimizer: false,
+            };
+            let at = |latency: f64| {
+                let link = LinkSpeed {
+                    latency,
+                    bandwidth: 1e9,
+                };
+                step_time(&m, &setup, &Hardware::cpu(1e9, 2, link)).model_parallel
+            };
+            let extra = at(1e-3) - at(0.0);
+            assert!(
+                (extra - layers * per_layer * 1e-3).abs() < 1e-12,
+                "checkpointing {checkpointing}: {extra} s"
+            );
+        }
     }
 
     /// A mixture of experts: every expert counted in the model state, only `top_k` of them in
