@@ -471,7 +471,8 @@ mod tests {
     use std::os::fd::AsRawFd;
 
     /// The automatic port stays taken from its choice on (no other job can bind it), and its
-    /// socket survives exec into the workers (not close-on-exec).
+    /// socket survives exec into the workers (not close-on-exec). That rank 0 serves on it is
+    /// what every launch test does (they all use port 0; rank 0 could not bind the held port).
     #[test]
     fn an_automatic_port_is_held_and_inherited() {
         let listener = inheritable_listener("127.0.0.1").unwrap();
@@ -480,8 +481,5 @@ mod tests {
         // SAFETY: F_GETFD on a descriptor the listener owns.
         let flags = unsafe { libc::fcntl(listener.as_raw_fd(), libc::F_GETFD) };
         assert_eq!(flags & libc::FD_CLOEXEC, 0);
-        let (var, fd) = listener_env(&listener);
-        assert_eq!(var, crate::comm::store::LISTEN_FD_VAR);
-        assert_eq!(fd, listener.as_raw_fd().to_string());
     }
 }
