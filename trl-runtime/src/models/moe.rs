@@ -107,6 +107,14 @@ impl<E: Expert> SparseMoe<E> {
     }
 }
 
+/// The config.json keys that count a mixture of experts' experts, in the order they are read
+/// (transformers 5 writes num_local_experts; Qwen3-MoE's older name is num_experts).
+pub const EXPERT_COUNT_KEYS: [&str; 2] = ["num_local_experts", "num_experts"];
+
+/// transformers' `router_aux_loss_coef` where a mixture of experts' config.json has none
+/// (Qwen3-MoE's and Mixtral's default).
+pub const DEFAULT_ROUTER_AUX_LOSS_COEF: f64 = 0.001;
+
 /// The mixture-of-experts keys of a config.json (Qwen3-MoE's and Mixtral's names).
 pub struct MoeConfig {
     pub experts: usize,
@@ -138,12 +146,10 @@ impl MoeConfig {
                     .into(),
             ));
         }
-        // transformers 5 writes num_local_experts (Qwen3-MoE's older name: num_experts).
-        let experts = match count("num_local_experts")? {
+        let [key, older] = EXPERT_COUNT_KEYS;
+        let experts = match count(key)? {
             Some(n) => n,
-            None => {
-                count("num_experts")?.ok_or_else(|| err("num_local_experts", "missing".into()))?
-            }
+            None => count(older)?.ok_or_else(|| err(key, "missing".into()))?,
         };
         let top_k = count("num_experts_per_tok")?.unwrap_or(2);
         if top_k == 0 || top_k > experts {

@@ -215,8 +215,10 @@ impl TrainingArguments {
     pub fn check_router_aux_loss(&self, config_json: &str, source: &str) -> Result<Option<String>> {
         let config: serde_json::Value = serde_json::from_str(config_json)
             .map_err(|e| Error::config(source, "<json>", format!("not a model config: {e}")))?;
-        let count = |key: &str| config.get(key).and_then(|v| v.as_u64()).unwrap_or(0);
-        let moe = count("num_experts") > 0 || count("num_local_experts") > 0;
+        use crate::models::moe::{DEFAULT_ROUTER_AUX_LOSS_COEF, EXPERT_COUNT_KEYS};
+        let moe = EXPERT_COUNT_KEYS
+            .iter()
+            .any(|k| config.get(*k).and_then(|v| v.as_u64()).unwrap_or(0) > 0);
         let key = "router_aux_loss_coef";
         match (moe, self.router_aux_loss_coef) {
             (_, Some(0.0)) => Ok(None),
@@ -232,7 +234,10 @@ impl TrainingArguments {
                 format!("{c}: the router's load-balancing loss is not implemented; set it to 0 to train on the language-model loss alone"),
             )),
             (true, None) => {
-                let c = config.get(key).and_then(|v| v.as_f64()).unwrap_or(0.001);
+                let c = config
+                    .get(key)
+                    .and_then(|v| v.as_f64())
+                    .unwrap_or(DEFAULT_ROUTER_AUX_LOSS_COEF);
                 Ok((c != 0.0).then(|| format!(
                     "{source} weights the router's load-balancing loss by {key} = {c}, which TRL adds to the loss; it is not implemented here, so this run trains on the language-model loss alone (as TRL with --{key} 0)"
                 )))
