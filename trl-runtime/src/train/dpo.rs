@@ -370,15 +370,17 @@ impl Dpo {
     }
 
     /// The policy's forward over a micro-batch: per-sequence sums (whole, and this rank's
-    /// part with its graph when `train`).
+    /// part with its graph when `train`); with `weights`, WPO's per-sequence means too (a
+    /// second pass over the head: only where the loss uses them).
     fn forward<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
         micro: &Micro,
         train: bool,
+        weights: bool,
     ) -> Result<SequenceSums> {
         let b = &micro.batch;
-        let weighting = self.loss.weighting;
+        let weighting = weights && self.loss.weighting;
         let out = core.model.forward_token_logps(
             &b.input_ids,
             &b.position_ids,
@@ -454,12 +456,13 @@ impl Dpo {
     /// The forward (no gradient) over `pairs` in batches of `batch_size`, each data-parallel
     /// rank taking every dp-th batch; `f` gets each of this rank's batches (its pair indices,
     /// micro-batch and sums). With collective forwards every rank runs as many: the extra
-    /// ones repeat the first batch and are not handed on.
+    /// ones repeat the first batch and are not handed on. `weights`: as [`Self::forward`].
     fn each_batch<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
         pairs: &[PreferencePair],
         batch_size: usize,
+        weights: bool,
         mut f: impl FnMut(&[usize], &Micro, &SequenceSums) -> Result<()>,
     ) -> Result<()> {
         if pairs.is_empty() {
@@ -476,7 +479,7 @@ impl Dpo {
             let idx = mine.get(i).copied().unwrap_or(&batches[0]);
             let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
             let micro = self.micro(core, &rows)?;
-            let sums = self.forward(core, &micro, false)?;
+            let sums = self.forward(core, &micro, false, weights)?;
             if i < mine.len() {
                 f(idx, &micro, &sums)?;
             }
@@ -496,7 +499,8 @@ impl Dpo {
             return Ok(Vec::new());
         }
         let mut out = vec![0.0; 2 * pairs.len()];
-        self.each_batch(core, pairs, batch_size, |idx, _, sums| {
+        // The reference's log-probabilities alone: no WPO weights.
+        self.each_batch(core, pairs, batch_size, false, |idx, _, sums| {
             for (j, &k) in idx.iter().enumerate() {
                 out[2 * k] = sums.logps[j];
                 out[2 * k + 1] = sums.logps[idx.len() + j];
@@ -653,7 +657,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             let batch: Vec<&PreferencePair> = idx.iter().map(|&k| &self.train[k]).collect();
             let reference: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_train[k]).collect();
             let micro = self.micro(core, &batch)?;
-            let seq = core.with_dropout(i, || self.forward(core, &micro, true))?;
+            let seq = core.with_dropout(i, || self.forward(core, &micro, true, true))?;
             let p = Self::pair_logps(&micro, &seq, &reference);
             let out = self.loss.compute(&p)?;
             loss += out.loss;
@@ -731,7 +735,7 @@ impl<N: CausalModel> Task<N> for Dpo {
         }
         let (mut loss, mut correct, mut pairs) = (0.0, 0.0, 0.0);
         let bs = config.training.per_device_eval_batch_size;
-        self.each_batch(core, &self.eval, bs, |idx, micro, seq| {
+        self.each_batch(core, &self.eval, bs, true, |idx, micro, seq| {
             let reference: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_eval[k]).collect();
             let p = Self::pair_logps(micro, seq, &reference);
             let n = p.chosen.len() as f64;
