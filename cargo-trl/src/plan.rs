@@ -193,12 +193,13 @@ impl Machine {
     pub fn cpu(processes: usize, machines: usize) -> Result<Self, String> {
         // This process's matmul rate, shared by the ranks (each gets its share of the cores).
         let rank_flops = estimate::cpu_matmul_flops() / processes as f64;
+        let host = host_memory();
         Ok(Machine {
             gpu: false,
             per_machine: processes,
             machines,
-            memory: host_memory() / processes,
-            host_memory: host_memory(),
+            memory: host / processes,
+            host_memory: host,
             base: estimate::CPU_PROCESS_BASE,
             hardware: Hardware::cpu(rank_flops, processes, cpu_link(processes)?),
         })
