@@ -51,6 +51,32 @@ fn wpo_weights_under_split_profiles_equal_one_process() {
     );
 }
 
+/// TR-DPO (`--sync_ref_model`): the reference's own weights, held as each strategy holds the
+/// policy's (whole, ZeRO-2's gathered parameters, ZeRO-3 / FSDP units, tp slices), mixed after
+/// steps 2 and 4 and swapped in for the reference's forward of steps 3 and 5.
+#[test]
+fn synced_reference_under_split_profiles_equals_one_process() {
+    profiles_equal_one_process(
+        &[
+            "--sync_ref_model",
+            "true",
+            "--ref_model_sync_steps",
+            "2",
+            "--ref_model_mixup_alpha",
+            "0.5",
+        ],
+        // One case per way of holding the weights (all nine pass; these keep CI short).
+        Some(&[
+            "multi_cpu",
+            "zero2_cpu",
+            "zero3_cpu",
+            "fsdp2_tp_cpu",
+            "context_parallel_cpu",
+            "alst_ulysses_cpu",
+        ]),
+    );
+}
+
 /// DPO with `extra` flags under the CPU cases (`only` those named) equals one process.
 fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) {
     let tmp = tempfile::tempdir().unwrap();
@@ -116,7 +142,8 @@ fn metrics(text: &str) -> Vec<serde_json::Value> {
 /// Three steps of whole-dataset batches (8 pairs, AdamW, constant learning rate, fp32): the
 /// logged loss, gradient norm, rewards, log-probs and mean logits equal TRL's within 1e-4
 /// relative, for the default loss, IPO, a weighted list with RPO's SFT term, every other loss
-/// type summed in one list, and EXO with LD-DPO and an f-divergence.
+/// type summed in one list, TR-DPO's synced reference, and EXO with LD-DPO and an
+/// f-divergence.
 #[test]
 fn dpo_matches_trl() {
     let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
@@ -159,6 +186,13 @@ fn dpo_matches_trl() {
             "sigmoid_norm",
             "label_smoothing=0.1",
         ],
+        // TR-DPO: the reference mixed with the policy after every step.
+        &[
+            "sigmoid",
+            "sync_ref_model=true",
+            "ref_model_sync_steps=1",
+            "ref_model_mixup_alpha=0.5",
+        ],
         &[
             "exo_pair",
             "label_smoothing=0.001",
@@ -173,7 +207,7 @@ fn dpo_matches_trl() {
             .filter_map(|a| a.split_once('='))
             .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
             .collect();
-        let out = tmp.path().join(losses.join("-"));
+        let out = tmp.path().join(run.join("-").replace('=', "_"));
         let o = Command::new(&python)
             .arg(root().join("scripts/trl_dpo.py"))
             .arg(root().join("assets/tiny/model"))
@@ -216,4 +250,49 @@ fn dpo_matches_trl() {
         }
         eprintln!("{losses:?}: every metric within {worst:.1e} relative of TRL's");
     }
+}
+
+/// What TR-DPO cannot do is refused with the key named, as TRL refuses it: a LoRA run (its
+/// reference is the base with adapters off), precomputed reference log-probabilities (they
+/// would go stale), no steps between syncs, and resuming (the mixed reference is not in
+/// checkpoints) — the last after a run that synced and saved.
+#[test]
+fn synced_reference_refusals_name_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sync = ["--sync_ref_model", "true"];
+    let refused = |extra: &[&str], out: &Path| -> String {
+        let mut cmd = common::trainer_launch(
+            "dpo",
+            &["--num_processes", "1"],
+            &[&sync[..], extra, &["--max_steps", "2", "--output_dir"]].concat(),
+        );
+        let o = cmd.arg(out).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(!o.status.success(), "{extra:?} was accepted: {err}");
+        err
+    };
+    for (extra, names) in [
+        (&["--use_peft", "true"][..], "use_peft"),
+        (
+            &["--precompute_ref_log_probs", "true"],
+            "precompute_ref_log_probs",
+        ),
+        (&["--ref_model_sync_steps", "0"], "ref_model_sync_steps"),
+        (&["--ref_model_mixup_alpha", "1.5"], "ref_model_mixup_alpha"),
+    ] {
+        let err = refused(extra, &tmp.path().join(names));
+        assert!(err.contains(names), "{extra:?}: {err}");
+    }
+    let out = tmp.path().join("run");
+    let cmd = common::trainer_launch(
+        "dpo",
+        &["--num_processes", "1"],
+        &[&sync[..], &["--ref_model_sync_steps", "1"]].concat(),
+    );
+    common::run_launch(cmd, 2, 4, &out);
+    let err = refused(&["--resume_from_checkpoint", "true"], &out);
+    assert!(
+        err.contains("sync_ref_model") && err.contains("resume"),
+        "{err}"
+    );
 }

@@ -478,6 +478,21 @@ impl ShardedModel {
         Ok(out)
     }
 
+    /// This rank's slice of every unit, root first (shallow: they share storage).
+    pub fn shards(&self) -> Vec<Tensor> {
+        self.units.iter().map(|u| u.lock().shard.clone()).collect()
+    }
+
+    /// Swaps this rank's slice of every unit with `values` (one per unit, as [`Self::shards`]
+    /// lists them), dropping whatever a forward left gathered from the old ones.
+    pub fn swap_shards(&self, values: &mut [Tensor]) -> Result<()> {
+        for (unit, v) in self.units.iter().zip(values) {
+            unit.reset()?;
+            std::mem::swap(&mut unit.lock().shard, v);
+        }
+        Ok(())
+    }
+
     /// Adds the storage of the parameter slices this rank holds to `held`.
     pub fn add_storage(&self, held: &mut StorageBytes) {
         for u in &self.units {

@@ -548,6 +548,43 @@ impl<N: CausalModel> Model<N> {
         self.tp.as_ref()
     }
 
+    /// The values this rank trains, in a fixed order: the parameters it holds whole (or its
+    /// tensor-parallel slices), then its slice of each ZeRO-3 / FSDP unit. Shallow: they
+    /// share storage with the model (copy them to keep a snapshot).
+    pub fn held_values(&self) -> Vec<Tensor> {
+        let mut out: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|(_, v)| v.as_tensor().clone())
+            .collect();
+        if let Some(sh) = &self.sharding {
+            out.extend(sh.shards());
+        }
+        out
+    }
+
+    /// Swaps the values this rank trains with `values` (as [`Self::held_values`] lists them):
+    /// a second set of weights of the same layout, such as TR-DPO's reference, is run by
+    /// swapping it in and back, with no second model.
+    pub fn swap_held_values(&self, values: &mut [Tensor]) -> Result<()> {
+        let n = self.params.len();
+        if values.len() != n + self.sharding.as_ref().map_or(0, |s| s.units.len()) {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "{} values to swap for a model holding a different set",
+                values.len()
+            ))));
+        }
+        for ((_, var), v) in self.params.iter().zip(values.iter_mut()) {
+            let current = var.as_tensor().copy()?;
+            var.set(v)?;
+            *v = current;
+        }
+        if let Some(sh) = &self.sharding {
+            sh.swap_shards(&mut values[n..])?;
+        }
+        Ok(())
+    }
+
     /// Parameter count of the whole model (however it is split or sharded; tied once).
     pub fn num_parameters(&self) -> usize {
         self.shapes

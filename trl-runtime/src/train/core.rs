@@ -127,6 +127,11 @@ pub trait Task<N: CausalModel>: Sized {
         rows: &[Vec<usize>],
         grads: &mut StepGrads,
     ) -> Result<TaskStep>;
+    /// After the optimizer step (TRL's `on_step_end` callbacks; `core.state.global_step`
+    /// counts it).
+    fn after_step(&mut self, _core: &Core<'_, N>) -> Result<()> {
+        Ok(())
+    }
     /// Evaluation on the held-out rows, if there are any (collective).
     fn evaluate(&self, config: &Self::Config, core: &Core<'_, N>) -> Result<Option<EvalResult>>;
     /// What the progress bar shows beside the loss.

@@ -46,13 +46,13 @@ crate::training_arguments! {
     f_divergence_type: String = "reverse_kl".into();
     f_alpha_divergence_coef: f64 = 0.5;
     discopop_tau: f64 = 0.05;
-    /// WPO weighting: not implemented, refused when set.
+    /// WPO: each pair weighed by its sequences' probabilities.
     use_weighting: bool = false;
     /// The reference log-probabilities are always computed before training here.
     precompute_ref_log_probs: bool = false;
     /// Rows per forward of that first pass (default: the train / eval batch size).
     precompute_ref_batch_size: Option<usize> = None;
-    /// TR-DPO: not implemented, refused when set.
+    /// TR-DPO: mix the policy into the reference every `ref_model_sync_steps` steps.
     sync_ref_model: bool = false;
     ref_model_mixup_alpha: f64 = 0.6;
     ref_model_sync_steps: usize = 512;
@@ -172,7 +172,28 @@ fn validate_dpo(config: &DPOConfig, source: &str) -> Result<()> {
         return fail("ld_alpha", format!("{a}: must lie in [0, 1]"));
     }
     if config.sync_ref_model {
-        return fail("sync_ref_model", "TR-DPO mixes the policy into a second copy of the weights, which is never kept here (the reference's log-probabilities are computed once, before training): remove it".into());
+        // TRL's two refusals, for the same reasons.
+        if config.training.use_peft {
+            return fail("sync_ref_model", "with use_peft the reference is the base with its adapters off, so there is no reference model of its own to mix the policy into (TRL refuses it too): drop one of the two".into());
+        }
+        if config.precompute_ref_log_probs {
+            return fail("sync_ref_model", "precompute_ref_log_probs assumes a fixed reference, and TR-DPO changes it every ref_model_sync_steps (TRL refuses it too): drop one of the two".into());
+        }
+        if config.ref_model_sync_steps == 0 {
+            return fail(
+                "ref_model_sync_steps",
+                "0: give the number of steps between syncs (TRL's default is 512)".into(),
+            );
+        }
+        if !(0.0..=1.0).contains(&config.ref_model_mixup_alpha) {
+            return fail(
+                "ref_model_mixup_alpha",
+                format!(
+                    "{}: the policy's share of the new reference lies in [0, 1]",
+                    config.ref_model_mixup_alpha
+                ),
+            );
+        }
     }
     if !["keep_start", "keep_end"].contains(&config.truncation_mode.as_str()) {
         return fail(
@@ -218,6 +239,33 @@ struct SequenceSums {
     aligned: Option<Vec<f64>>,
 }
 
+/// TR-DPO (`sync_ref_model`): the reference's own weights, as this rank holds the policy's
+/// (sharded and split as they are), mixed with the policy every `every` steps. Until the first
+/// mix they are the policy before training, whose log-probabilities are precomputed; after
+/// it the reference runs per batch, swapped into the model in place of the policy.
+struct RefSync {
+    alpha: f64,
+    every: usize,
+    /// In [`crate::parallel::Model::held_values`]'s order; in a cell, for the swaps.
+    weights: std::cell::RefCell<Vec<Tensor>>,
+    mixed: bool,
+}
+
+impl RefSync {
+    /// `f` run with the reference's weights in the model (swapped back however it ends).
+    fn run<N: CausalModel, R>(
+        &self,
+        core: &Core<'_, N>,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let mut weights = self.weights.borrow_mut();
+        core.model.swap_held_values(&mut weights)?;
+        let out = f();
+        core.model.swap_held_values(&mut weights)?;
+        out
+    }
+}
+
 /// Preference training.
 pub struct Dpo {
     loss: DpoLoss,
@@ -230,6 +278,7 @@ pub struct Dpo {
     keep_end: bool,
     ld_alpha: Option<f64>,
     ref_batch_size: Option<usize>,
+    sync: Option<RefSync>,
 }
 
 fn read_pairs(
@@ -547,6 +596,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             keep_end: config.truncation_mode == "keep_end",
             ld_alpha: config.ld_alpha,
             ref_batch_size: config.precompute_ref_batch_size,
+            sync: None,
         })
     }
 
@@ -571,6 +621,13 @@ impl<N: CausalModel> Task<N> for Dpo {
         let args = &core.args;
         // Where the run keeps its reference log-probabilities.
         let path = args.output_dir.join("ref_logps.json");
+        if core.state.global_step > 0 && config.sync_ref_model {
+            return Err(Error::config(
+                "--resume_from_checkpoint",
+                "sync_ref_model",
+                "a TR-DPO run's reference (mixed from the policy during training) is not kept in checkpoints, so it cannot resume: start again, or resume without sync_ref_model (the reference is then the starting model)".to_string(),
+            ));
+        }
         if core.state.global_step > 0 {
             // A resumed policy is no longer the reference: read what the first pass computed.
             let text = std::fs::read_to_string(&path).map_err(|e| {
@@ -601,7 +658,21 @@ impl<N: CausalModel> Task<N> for Dpo {
             (self.ref_train, self.ref_eval) = (cache.train, cache.eval);
             return Ok(());
         }
-        if !config.precompute_ref_log_probs && core.ctx.is_main_process() {
+        if config.sync_ref_model {
+            // A copy of the policy before training: this rank's share, in the compute dtype.
+            let weights = core
+                .model
+                .held_values()
+                .iter()
+                .map(Tensor::copy)
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            self.sync = Some(RefSync {
+                alpha: config.ref_model_mixup_alpha,
+                every: config.ref_model_sync_steps,
+                weights: weights.into(),
+                mixed: false,
+            });
+        } else if !config.precompute_ref_log_probs && core.ctx.is_main_process() {
             tracing::info!("precompute_ref_log_probs is false: the reference log-probabilities are computed before training anyway (the policy before its first step is the reference), the same values TRL computes on the fly");
         }
         let start = Instant::now();
@@ -655,8 +726,16 @@ impl<N: CausalModel> Task<N> for Dpo {
         let mut logits = Vec::with_capacity(4 * rows.len());
         for (i, idx) in rows.iter().enumerate() {
             let batch: Vec<&PreferencePair> = idx.iter().map(|&k| &self.train[k]).collect();
-            let reference: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_train[k]).collect();
             let micro = self.micro(core, &batch)?;
+            let reference: Vec<(f64, f64)> = match self.sync.as_ref().filter(|s| s.mixed) {
+                // TR-DPO after a mix: the reference's forward over this micro-batch.
+                Some(sync) => {
+                    let r = sync.run(core, || self.forward(core, &micro, false, false))?;
+                    let n = idx.len();
+                    (0..n).map(|j| (r.logps[j], r.logps[n + j])).collect()
+                }
+                None => idx.iter().map(|&k| self.ref_train[k]).collect(),
+            };
             let seq = core.with_dropout(i, || self.forward(core, &micro, true, true))?;
             let p = Self::pair_logps(&micro, &seq, &reference);
             let out = self.loss.compute(&p)?;
@@ -735,8 +814,14 @@ impl<N: CausalModel> Task<N> for Dpo {
         }
         let (mut loss, mut correct, mut pairs) = (0.0, 0.0, 0.0);
         let bs = config.training.per_device_eval_batch_size;
+        // TR-DPO after a mix: the current reference's log-probabilities.
+        let mixed = match self.sync.as_ref().filter(|s| s.mixed) {
+            Some(sync) => Some(sync.run(core, || self.reference(core, &self.eval, bs))?),
+            None => None,
+        };
+        let ref_eval = mixed.as_ref().unwrap_or(&self.ref_eval);
         self.each_batch(core, &self.eval, bs, true, |idx, micro, seq| {
-            let reference: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_eval[k]).collect();
+            let reference: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
             let p = Self::pair_logps(micro, seq, &reference);
             let n = p.chosen.len() as f64;
             loss += self.loss.compute(&p)?.loss * n;
@@ -751,6 +836,23 @@ impl<N: CausalModel> Task<N> for Dpo {
             loss: g[0] / g[2].max(1.0),
             accuracy: Some(g[1] / g[2].max(1.0)),
         }))
+    }
+
+    /// TR-DPO's sync (TRL's SyncRefModelCallback): every `ref_model_sync_steps` steps the
+    /// reference becomes alpha x policy + (1 - alpha) x reference, on each rank's own share.
+    fn after_step(&mut self, core: &Core<'_, N>) -> Result<()> {
+        let Some(sync) = self.sync.as_mut() else {
+            return Ok(());
+        };
+        if !core.state.global_step.is_multiple_of(sync.every) {
+            return Ok(());
+        }
+        let policy = core.model.held_values();
+        for (r, p) in sync.weights.get_mut().iter_mut().zip(&policy) {
+            *r = (r.affine(1.0 - sync.alpha, 0.0)? + p.affine(sync.alpha, 0.0)?)?;
+        }
+        sync.mixed = true;
+        Ok(())
     }
 
     fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {

@@ -91,6 +91,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let out = self.task.step(&self.core, &rows, &mut grads)?;
         let t1 = Instant::now();
         let (learning_rate, grad_norm) = self.core.finish_step(grads)?;
+        self.task.after_step(&self.core)?;
         tracing::debug!(
             "step timing: forward+backward {:.3}s, checks+reduce+clip+optimizer {:.3}s",
             (t1 - t0).as_secs_f64(),
