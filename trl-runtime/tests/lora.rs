@@ -173,6 +173,11 @@ fn peft_script(python: &Path, args: &[&Path]) {
 
 /// peft's logits for the tiny model with the adapter in `adapter`.
 fn peft_logits(python: &Path, adapter: &Path, tmp: &Path) -> Tensor {
+    peft_logits_of(python, &tiny(), adapter, tmp)
+}
+
+/// peft's logits for the model in `base` with the adapter in `adapter`.
+fn peft_logits_of(python: &Path, base: &Path, adapter: &Path, tmp: &Path) -> Tensor {
     let (ids, _) = ids();
     let (ids_file, out_file) = (tmp.join("ids.safetensors"), tmp.join("out.safetensors"));
     candle_core::safetensors::save(
@@ -185,7 +190,7 @@ fn peft_logits(python: &Path, adapter: &Path, tmp: &Path) -> Tensor {
     .unwrap();
     peft_script(
         python,
-        &[Path::new("logits"), &tiny(), adapter, &ids_file, &out_file],
+        &[Path::new("logits"), base, adapter, &ids_file, &out_file],
     );
     candle_core::safetensors::load(&out_file, &Device::Cpu).unwrap()["logits"].clone()
 }
@@ -220,6 +225,57 @@ fn our_adapter_loads_in_peft_with_our_logits() {
             d < 1e-4,
             "dora {dora}: peft's logits with our adapter differ by {d}"
         );
+    }
+}
+
+/// Mixtures of experts: transformers 5 fuses each layer's experts into 3-D parameters, and
+/// peft (0.17+) converts an adapter written per expert (peft's names before the fusion, which
+/// ours keep) as it loads it: our all-linear adapter (attention, router, every expert's
+/// projections) gives peft our logits, for Qwen3-MoE and Mixtral. Qwen3-MoE's dense layer
+/// beside the experts is the exception `peft::dropped_by_peft` names (peft maps its
+/// projections onto the experts too): those adapters are zeroed here. peft's own adapters on
+/// the fused experts (`target_parameters`) are refused with the key named.
+#[test]
+fn moe_adapters_travel_between_us_and_peft() {
+    let Some(python) = python_with_peft() else {
+        return;
+    };
+    for (name, dense) in [("tiny-qwen3-moe", 3), ("tiny-mixtral", 0)] {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
+        let tmp = tempfile::tempdir().unwrap();
+        let mut model = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+        let lora = config(Targets::AllLinear);
+        model.add_adapters(&lora).unwrap();
+        randomize(&model);
+        let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+        let dropped = peft::dropped_by_peft(&names);
+        assert_eq!(dropped.len(), dense, "{name}: {dropped:?}");
+        for layer in &dropped {
+            let b = model.params.get(&format!("{layer}.lora_B.weight")).unwrap();
+            b.set(&b.zeros_like().unwrap()).unwrap();
+        }
+        let (ids, pos) = ids();
+        let ours = model.forward(&ids, &pos).unwrap();
+        let adapter = tmp.path().join("adapter");
+        std::fs::create_dir_all(&adapter).unwrap();
+        let tensors = model
+            .params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        peft::save(&adapter, &tensors, &lora, &base).unwrap();
+        let theirs = peft_logits_of(&python, &base, &adapter, tmp.path());
+        let d = max_diff(&ours, &theirs);
+        eprintln!("{name}: our adapter in peft: logits within {d:.1e}");
+        assert!(
+            d < 1e-4,
+            "{name}: peft's logits with our adapter differ by {d}"
+        );
+        let theirs_dir = tmp.path().join("peft-adapter");
+        peft_script(&python, &[Path::new("write"), &base, &theirs_dir]);
+        let mut model = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+        let err = model.load_adapter(&theirs_dir).unwrap_err().to_string();
+        assert!(err.contains("target_parameters"), "{name}: {err}");
     }
 }
 

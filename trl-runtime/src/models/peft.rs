@@ -186,6 +186,26 @@ pub fn save(
     Ok(())
 }
 
+/// The adapted layers among `names` (our parameter names) that peft drops when it loads the
+/// adapter onto a transformers 5 model with experts: it fuses each layer's experts into 3-D
+/// parameters and maps every `gate_proj` / `up_proj` / `down_proj` (`w1` / `w3` / `w2`)
+/// target onto them, so the same projections of a dense MLP beside them (Qwen3-MoE's
+/// `mlp_only_layers`) are no longer targeted. Empty for a model without experts.
+pub fn dropped_by_peft(names: &[String]) -> Vec<String> {
+    let expert = |n: &str| n.contains(".experts.");
+    if !names.iter().any(|n| expert(n)) {
+        return Vec::new();
+    }
+    const FUSED: &[&str] = &["gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"];
+    names
+        .iter()
+        .filter(|n| !expert(n))
+        .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+        .filter(|layer| FUSED.contains(&layer.rsplit('.').next().unwrap_or(layer)))
+        .map(String::from)
+        .collect()
+}
+
 /// A peft adapter directory's adapter_config.json, and its path for errors.
 fn config_json(dir: &Path) -> Result<(serde_json::Value, String)> {
     let path = dir.join(ADAPTER_CONFIG);
@@ -231,6 +251,18 @@ pub fn read(
         return Err(err(
             "fan_in_fan_out",
             "not supported: fan-in-fan-out (Conv1D) layers are not implemented".into(),
+        ));
+    }
+    if json["target_parameters"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty())
+    {
+        return Err(err(
+            "target_parameters",
+            format!(
+                "{}: peft adapted parameters directly (transformers 5's fused experts: one A of rank 2r shared by each expert's gate and up projections), which the per-expert layers here cannot hold exactly; adapters written per expert (as `cargo trl` saves them, which peft converts when it loads them) are read",
+                json["target_parameters"]
+            ),
         ));
     }
     for key in ["rank_pattern", "alpha_pattern"] {

@@ -106,6 +106,21 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
     if let (Some(lora), Resume::Fresh) = (&opts.lora, &resume) {
         model.add_adapters(lora)?;
     }
+    if opts.lora.is_some() && ctx.is_main_process() {
+        let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+        let dropped = peft::dropped_by_peft(&names);
+        if !dropped.is_empty() {
+            tracing::warn!(
+                "use_peft: peft (0.17+, on transformers 5) maps every gate_proj / up_proj / \
+                 down_proj target onto the fused experts, so the adapters of {} dense projection(s) \
+                 ({}{}) are not loaded when peft opens this run's adapters (ours load them all; \
+                 peft's own all-linear leaves them without adapters on this model)",
+                dropped.len(),
+                dropped.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
+                if dropped.len() > 3 { ", ..." } else { "" }
+            );
+        }
+    }
     // Any checkpoint resumes under any strategy and world size: the state is per parameter.
     let mut checkpoint_format = CheckpointFormat::from_plan(ctx.plan());
     if opts.lora.is_some() && checkpoint_format == CheckpointFormat::Sharded {

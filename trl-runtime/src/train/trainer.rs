@@ -253,24 +253,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             }
         }
         bar.finish();
-        // The final checkpoint, unless the last step just wrote it (the same on every rank).
-        // It is always full, so that the result opens in transformers.
-        if !self
-            .state
-            .global_step
-            .is_multiple_of(self.core.args.save_steps)
-            || self.checkpoint_format == CheckpointFormat::Sharded
-        {
-            outcome.last_checkpoint = self.save_checkpoint_as(CheckpointFormat::Full)?;
-            announce_saved(to_launcher, &outcome.last_checkpoint);
-        } else if self.ctx.is_main_process() {
-            outcome.last_checkpoint = Some(
-                self.core
-                    .args
-                    .output_dir
-                    .join(format!("checkpoint-{}", self.state.global_step)),
-            );
-        }
+        outcome.last_checkpoint = self.final_checkpoint(to_launcher)?;
         outcome.final_eval = self.evaluate()?;
         if let (true, Some(e)) = (main, outcome.final_eval) {
             tracing::info!(
@@ -283,6 +266,24 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             super::plot::loss_curve(&out_dir.join("loss.svg"), &curve, &self.state.log_history)?;
         }
         Ok(outcome)
+    }
+}
+
+impl<N: CausalModel, T: Task<N>> Trainer<'_, N, T> {
+    /// The final checkpoint, unless the last step just wrote it (the same on every rank).
+    /// It is always full, so that the result opens in transformers.
+    fn final_checkpoint(&self, to_launcher: bool) -> Result<Option<PathBuf>> {
+        let step = self.state.global_step;
+        if !step.is_multiple_of(self.core.args.save_steps)
+            || self.checkpoint_format == CheckpointFormat::Sharded
+        {
+            let saved = self.save_checkpoint_as(CheckpointFormat::Full)?;
+            announce_saved(to_launcher, &saved);
+            Ok(saved)
+        } else {
+            let dir = self.core.args.output_dir.join(format!("checkpoint-{step}"));
+            Ok(self.ctx.is_main_process().then_some(dir))
+        }
     }
 }
 
