@@ -70,14 +70,14 @@ where
 pub(crate) trait Backward3: Send + Sync {
     const NAME: &'static str;
     /// The gradients of the three inputs.
-    fn backward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<[Tensor; 3]>;
+    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]>;
+}
+
+/// What a [`Backward3`] gets, detached: the three inputs, the output and its gradient.
+pub(crate) struct Saved3 {
+    pub inputs: [Tensor; 3],
+    pub out: Tensor,
+    pub dout: Tensor,
 }
 
 struct Op3<B> {
@@ -124,13 +124,11 @@ impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // Detached: gradients built from graph tensors would record (and keep alive) every
         // block they were computed from.
-        let [dq, dk, dv] = self.backward.backward(
-            &q.detach(),
-            &k.detach(),
-            &v.detach(),
-            &out.detach(),
-            &dout.detach(),
-        )?;
+        let [dq, dk, dv] = self.backward.backward(&Saved3 {
+            inputs: [q.detach(), k.detach(), v.detach()],
+            out: out.detach(),
+            dout: dout.detach(),
+        })?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

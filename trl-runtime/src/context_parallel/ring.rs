@@ -30,7 +30,7 @@ use crate::kernels::precision::{self, accumulate};
 use crate::nn::flash::BLOCK;
 use crate::nn::mask::{AttentionMask, MASKED};
 use crate::nn::memo::Memo;
-use crate::precomputed::{with_backward3, Backward3};
+use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::{DType, Result, Tensor, D};
 use std::sync::Arc;
 
@@ -679,14 +679,8 @@ struct RingBackward {
 impl Backward3 for RingBackward {
     const NAME: &'static str = "ring attention";
 
-    fn backward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<[Tensor; 3]> {
+    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+        let ([q, k, v], out, dout) = (&saved.inputs, &saved.out, &saved.dout);
         match self.fused {
             true => fused_backward((q, k, v), (out, &self.lse, &dout.contiguous()?), &self.mask),
             false => ring(q, k.dim(1)?, &self.mask)?.backward(k, v, out, &self.lse, dout),

@@ -639,12 +639,7 @@ mod tests {
                     true => flash_attention_cpu(&q, &k, &v, mask.key_spans()).unwrap(),
                     false => whole_matrix_attention(&q, &k, &v, &mask).unwrap(),
                 };
-                let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
-                let g: Vec<Tensor> = [&q, &k, &v]
-                    .iter()
-                    .map(|t| grads.get(t).unwrap().clone())
-                    .collect();
-                (out, g)
+                crate::kernels::testing::out_and_grads(out, &w, [&q, &k, &v])
             };
             let (want, want_g) = run(false);
             let (got, got_g) = run(true);

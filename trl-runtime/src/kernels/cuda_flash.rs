@@ -16,7 +16,7 @@
 
 use super::cpu_flash::KeySpans;
 use super::cuda_fused::{switch, typed, view};
-use crate::precomputed::{with_backward3, Backward3};
+use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -498,15 +498,9 @@ struct Flash {
 impl Backward3 for Flash {
     const NAME: &'static str = "cuda flash attention";
 
-    fn backward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<[Tensor; 3]> {
-        let (dq, dk, dv) = backward(q, k, v, out, &self.lse, dout, &self.spans)?;
+    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+        let ([q, k, v], out) = (&saved.inputs, &saved.out);
+        let (dq, dk, dv) = backward(q, k, v, out, &self.lse, &saved.dout, &self.spans)?;
         Ok([dq, dk, dv])
     }
 }

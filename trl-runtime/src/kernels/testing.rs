@@ -26,6 +26,21 @@ pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     max_abs_diff(a, b) / scale
 }
 
+/// `out` and the gradients of `q`, `k`, `v` of the loss sum(out * w): an attention's output
+/// and input gradients under one random upstream gradient.
+pub fn out_and_grads(
+    out: Tensor,
+    w: &Tensor,
+    [q, k, v]: [&candle_core::Var; 3],
+) -> (Tensor, Vec<Tensor>) {
+    let grads = (&out * w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = [q, k, v]
+        .iter()
+        .map(|t| grads.get(t).unwrap().clone())
+        .collect();
+    (out, g)
+}
+
 /// Normal draws (mean 0, `std`) from a generator seeded with `seed`, rounded to values bf16
 /// holds exactly: f32 and bf16 runs start from the same inputs, and every run from the same.
 pub fn bf16_exact_randn(shape: impl Into<candle_core::Shape>, std: f32, seed: u64) -> Tensor {

@@ -170,12 +170,7 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (2, 4, 7, 8), &dev).unwrap();
         let run = |m: &AttentionMask| {
             let out = attention(&q, &k, &v, m).unwrap();
-            let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let g: Vec<Tensor> = [&q, &k, &v]
-                .iter()
-                .map(|t| grads.get(t).unwrap().clone())
-                .collect();
-            (out, g)
+            crate::kernels::testing::out_and_grads(out, &w, [&q, &k, &v])
         };
         let (a, ga) = run(&fused_mask);
         let (b, gb) = run(&bias_mask);

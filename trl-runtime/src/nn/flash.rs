@@ -18,7 +18,7 @@
 
 use super::mask::AttentionMask;
 use crate::kernels::precision::{self, accumulate};
-use crate::precomputed::{with_backward3, Backward3};
+use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// Queries and keys per block on the CPU: large enough for efficient matmuls, small enough
@@ -229,15 +229,9 @@ struct FlashBackward {
 impl Backward3 for FlashBackward {
     const NAME: &'static str = "flash attention";
 
-    fn backward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<[Tensor; 3]> {
-        prepare(q, k, v, self.dims, &self.mask)?.backward(out, &self.lse, dout)
+    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+        let [q, k, v] = &saved.inputs;
+        prepare(q, k, v, self.dims, &self.mask)?.backward(&saved.out, &self.lse, &saved.dout)
     }
 }
 
@@ -333,12 +327,7 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (3, 4, s, 8), &dev).unwrap();
         let run = |f: &dyn Fn() -> Tensor| {
             let out = f();
-            let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let g: Vec<Tensor> = [&q, &k, &v]
-                .iter()
-                .map(|t| grads.get(t).unwrap().clone())
-                .collect();
-            (out, g)
+            crate::kernels::testing::out_and_grads(out, &w, [&q, &k, &v])
         };
         let (want, want_grads) = run(&|| attention(&q, &k, &v, &mask).unwrap());
         for block in [4, 5, 23, 64] {

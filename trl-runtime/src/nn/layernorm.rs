@@ -100,14 +100,7 @@ mod tests {
             .unwrap();
         let theirs = candle_nn::LayerNorm::new(w, b, 1e-5);
         let theirs = candle_core::Module::forward(&theirs, &x).unwrap();
-        let diff = (ours - theirs)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = crate::kernels::testing::max_abs_diff(&ours, &theirs);
         assert!(diff < 1e-5, "{diff}");
     }
 }

@@ -9,7 +9,7 @@
 //! gradients' sums over tiles, which are f32 (bf16 partial sums would drop small terms).
 
 use crate::kernels::precision::{self, accumulate};
-use crate::precomputed::{with_backward3, Backward3};
+use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::{Result, Tensor, D};
 
 /// Rows per tile.
@@ -44,14 +44,8 @@ fn forward(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
 impl Backward3 for TiledMlp {
     const NAME: &'static str = "the tiled MLP";
 
-    fn backward(
-        &self,
-        x: &Tensor,
-        gate_up: &Tensor,
-        down: &Tensor,
-        _: &Tensor,
-        dy: &Tensor,
-    ) -> Result<[Tensor; 3]> {
+    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+        let ([x, gate_up, down], dy) = (&saved.inputs, &saved.dout);
         let (mut dx, mut dgu, mut ddown) = (Vec::new(), None::<Tensor>, None::<Tensor>);
         let (io, wide) = (x.dtype(), precision::wide(x.dtype()));
         for (start, len) in tiles(x.dim(0)?) {
