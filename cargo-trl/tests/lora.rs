@@ -119,23 +119,28 @@ fn lora_on_every_dense_built_in_model_equals_one_process() {
     lora_on_models_equals_one_process(
         &["qwen3", "gemma3", "olmo2", "phi3", "smollm3", "mistral"],
         &["fsdp2_tp_cpu", "alst_ulysses_cpu"],
+        5e-5,
     );
 }
 
-/// LoRA on the mixtures of experts (every expert's projections adapted, all-linear; the
-/// router too, as peft's all-linear takes it) under ZeRO-3 (experts in the frozen units), FSDP2
-/// x tp (each expert's MLP and its adapters split) and Ulysses equals one process.
+/// LoRA on the mixtures of experts as peft adapts transformers 5's fused experts (each
+/// expert's gate and up sharing one A of rank 2r, its down, the router; all-linear) under
+/// ZeRO-3 (experts in the frozen units), FSDP2 x tp (each expert's MLP and its adapters split,
+/// the shared A's partial gradients summed over tp) and Ulysses equals one process. Adapters
+/// within 1e-4: 2 of the 512 elements of the fused down A (experts few tokens reach) end
+/// 6.6e-5 off under all three alike, the Adam effect below.
 #[test]
 fn lora_on_mixtures_of_experts_equals_one_process() {
     lora_on_models_equals_one_process(
         &["qwen3-moe", "mixtral"],
         &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
+        1e-4,
     );
 }
 
 /// Each of assets/tiny-`kinds` trains its adapters under `cases` (of CPU_CASES, all with two
 /// data-parallel ranks) as one process does.
-fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str]) {
+fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str], tolerance: f32) {
     let tmp = tempfile::tempdir().unwrap();
     for &kind in kinds {
         let model = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -159,7 +164,10 @@ fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str]) {
                 continue;
             }
             assert!(two_dp);
-            launch(args, 4, &out(name), &model);
+            let text = launch(args, 4, &out(name), &model);
+            // Frozen base, adapters (an expert's shared A once) and their state, as planned.
+            let what = format!("lora {kind} {name}");
+            common::assert_model_state_predicted(&what, &common::worker_report(&text));
             let got = Run::read_adapter(&out(name), STEPS);
             // Adam turns the rounding of the 2-rank gradient sum into steps of up to the
             // learning rate (2e-3) on elements whose gradient is near zero: one qwen3 lora_B
@@ -169,7 +177,7 @@ fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str]) {
                 &got,
                 &one8,
                 &[],
-                5e-5,
+                tolerance,
                 |_, g, w| max_diff(g, w),
             );
         }

@@ -15,6 +15,7 @@ pub mod moe;
 pub mod olmo2;
 pub mod params;
 pub mod peft;
+pub mod peft_experts;
 pub mod phi3;
 pub mod qwen3_moe;
 pub mod tensor_file;

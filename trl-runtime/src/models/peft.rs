@@ -5,7 +5,7 @@
 //! [`save`] writes, and [`read`] loads what peft writes.
 
 use crate::error::{Error, Result};
-use crate::nn::lora::{LoraConfig, Targets};
+use crate::nn::lora::{adapter_plan, LoraConfig, PlannedAdapter, Targets};
 use crate::nn::{Parallelize, Weight};
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -17,40 +17,40 @@ use std::path::Path;
 /// none; a target matching no layer is an error listing the layers there are.
 pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<()> {
     freeze_base(net, config)?;
-    let (mut adapted, mut linears) = (0usize, Vec::new());
-    net.visit_linears_mut("", &mut |name, linear| {
-        let output = name == "lm_head" || name.ends_with(".lm_head");
-        linears.push(name.rsplit('.').next().unwrap_or(name).to_string());
-        if !config.targets(name, output) {
-            return Ok(());
-        }
-        if output {
-            return Err(Error::config(
-                "training arguments",
-                "lora_target_modules",
-                format!(
-                    "{name} is the LM head, which takes no adapter here (its loss is fused): \
-                     list it in lora_modules_to_save to train it whole"
-                ),
-            ));
-        }
-        adapted += 1;
-        linear.add_lora(name, config)
+    let mut linears = Vec::new();
+    net.visit_linears_mut("", &mut |name, _| {
+        linears.push(name.to_string());
+        Ok(())
     })?;
-    if adapted == 0 {
-        linears.sort();
-        linears.dedup();
-        return Err(Error::config(
-            "training arguments",
-            "lora_target_modules",
-            format!(
-                "{:?} matches no linear layer of this model; its linear layers are {}",
-                config.targets,
-                linears.join(", ")
-            ),
-        ));
-    }
-    Ok(())
+    let plan = adapter_plan(config, &linears)?;
+    let planned: HashMap<&str, &PlannedAdapter> =
+        plan.layers.iter().map(|p| (p.name.as_str(), p)).collect();
+    // An expert's up projection takes its gate's A (one A for the fused gate_up_proj).
+    let mut a_of: HashMap<String, Tensor> = HashMap::new();
+    net.visit_linears_mut("", &mut |name, linear| {
+        let Some(p) = planned.get(name) else {
+            return Ok(());
+        };
+        linear.add_lora(name, &p.config)?;
+        let Some(lora) = linear.lora_mut() else {
+            return Ok(());
+        };
+        match &p.shares_a {
+            Some(first) => {
+                lora.a = a_of.get(first).cloned().ok_or_else(|| {
+                    Error::config(
+                        "training arguments",
+                        "lora_target_modules",
+                        format!("{name} shares the A of {first}, which comes after it"),
+                    )
+                })?
+            }
+            None => {
+                a_of.insert(name.to_string(), lora.a.clone());
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Makes every weight of `net` a constant (a tied weight stays one tensor) but those of
@@ -98,8 +98,14 @@ pub fn set_trainable(
             trainable.push((name.to_string(), t.clone()));
         }
     });
+    // Expert adapters read from peft's fused layout carry Qwen3-MoE's names.
+    let ours: HashSet<&str> = trainable.iter().map(|(n, _)| n.as_str()).collect();
+    let values: BTreeMap<String, &Tensor> = values
+        .iter()
+        .map(|(n, t)| (super::peft_experts::align(n, &ours), t))
+        .collect();
     for (name, t) in &trainable {
-        let value = values.get(name).ok_or_else(|| {
+        let value = values.get(name).copied().ok_or_else(|| {
             Error::config(
                 source,
                 name,
@@ -134,6 +140,9 @@ pub fn set_trainable(
     Ok(())
 }
 
+/// peft's rank_pattern / alpha_pattern key for the fused experts' gate_up_proj.
+const GATE_UP_PATTERN: &str = ".*\\.gate_up_proj";
+
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 const PREFIX: &str = "base_model.model.";
@@ -147,12 +156,20 @@ pub fn save(
     config: &LoraConfig,
     base: &Path,
 ) -> Result<()> {
+    // Experts and router as peft holds them on transformers 5 (fused parameters).
+    let fused = super::peft_experts::fuse(tensors)?;
     let mut targets: Vec<String> = tensors
         .keys()
         .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+        .filter(|m| !fused.parameter_layers.contains(*m))
         .map(String::from)
         .collect();
     targets.sort();
+    // The gate_up wrapper's rank and alpha are twice the others' (its A serves gate and up).
+    let pattern = |v: serde_json::Value| match fused.gate_up {
+        true => serde_json::json!({ GATE_UP_PATTERN: v }),
+        false => serde_json::json!({}),
+    };
     let json = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -161,6 +178,7 @@ pub fn save(
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "target_modules": targets,
+        "target_parameters": (!fused.target_parameters.is_empty()).then_some(&fused.target_parameters),
         "modules_to_save": (!config.modules_to_save.is_empty()).then_some(&config.modules_to_save),
         "use_rslora": config.rslora,
         "use_dora": config.dora,
@@ -168,8 +186,8 @@ pub fn save(
         "fan_in_fan_out": false,
         "inference_mode": true,
         "init_lora_weights": true,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": pattern((2 * config.r).into()),
+        "alpha_pattern": pattern((2.0 * config.alpha).into()),
     });
     let text = serde_json::to_string_pretty(&json).expect("json");
     std::fs::write(dir.join(ADAPTER_CONFIG), text).map_err(|e| {
@@ -178,32 +196,13 @@ pub fn save(
             e,
         )
     })?;
-    let named: HashMap<String, Tensor> = tensors
+    let named: HashMap<String, Tensor> = fused
+        .tensors
         .iter()
         .map(|(n, t)| Ok((format!("{PREFIX}{n}"), t.to_device(&Device::Cpu)?)))
         .collect::<Result<_>>()?;
     candle_core::safetensors::save(&named, dir.join(ADAPTER_WEIGHTS))?;
     Ok(())
-}
-
-/// The adapted layers among `names` (our parameter names) that peft drops when it loads the
-/// adapter onto a transformers 5 model with experts: it fuses each layer's experts into 3-D
-/// parameters and maps every `gate_proj` / `up_proj` / `down_proj` (`w1` / `w3` / `w2`)
-/// target onto them, so the same projections of a dense MLP beside them (Qwen3-MoE's
-/// `mlp_only_layers`) are no longer targeted. Empty for a model without experts.
-pub fn dropped_by_peft(names: &[String]) -> Vec<String> {
-    let expert = |n: &str| n.contains(".experts.");
-    if !names.iter().any(|n| expert(n)) {
-        return Vec::new();
-    }
-    const FUSED: &[&str] = &["gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"];
-    names
-        .iter()
-        .filter(|n| !expert(n))
-        .filter_map(|n| n.strip_suffix(".lora_A.weight"))
-        .filter(|layer| FUSED.contains(&layer.rsplit('.').next().unwrap_or(layer)))
-        .map(String::from)
-        .collect()
 }
 
 /// A peft adapter directory's adapter_config.json, and its path for errors.
@@ -253,35 +252,10 @@ pub fn read(
             "not supported: fan-in-fan-out (Conv1D) layers are not implemented".into(),
         ));
     }
-    if json["target_parameters"]
-        .as_array()
-        .is_some_and(|a| !a.is_empty())
-    {
-        return Err(err(
-            "target_parameters",
-            format!(
-                "{}: peft adapted parameters directly (transformers 5's fused experts: one A of rank 2r shared by each expert's gate and up projections), which the per-expert layers here cannot hold exactly; adapters written per expert (as `cargo trl` saves them, which peft converts when it loads them) are read",
-                json["target_parameters"]
-            ),
-        ));
-    }
-    for key in ["rank_pattern", "alpha_pattern"] {
-        if json[key].as_object().is_some_and(|m| !m.is_empty()) {
-            return Err(err(
-                key,
-                "per-layer ranks and alphas are not supported".into(),
-            ));
-        }
-    }
-    if json["bias"].as_str().is_some_and(|b| b != "none") {
-        return Err(err(
-            "bias",
-            "trained biases are not supported (use bias: none)".into(),
-        ));
-    }
     let r = json["r"]
         .as_u64()
         .ok_or_else(|| err("r", "missing".into()))? as usize;
+    let alpha = json["lora_alpha"].as_f64().unwrap_or(8.0);
     let names = |key: &str| -> Vec<String> {
         match &json[key] {
             serde_json::Value::String(s) => vec![s.clone()],
@@ -292,14 +266,69 @@ pub fn read(
             _ => Vec::new(),
         }
     };
-    let target_list = names("target_modules");
+    // Experts adapted on transformers 5's fused parameters: the only per-layer rank and alpha
+    // read are the fused gate_up's, twice the others' (see adapter_plan).
+    let parameters = names("target_parameters");
+    let gate_up = parameters.iter().any(|p| p == super::peft_experts::GATE_UP);
+    for (key, want) in [
+        ("rank_pattern", serde_json::json!(2 * r)),
+        ("alpha_pattern", serde_json::json!(2.0 * alpha)),
+    ] {
+        let Some(map) = json[key].as_object().filter(|m| !m.is_empty()) else {
+            continue;
+        };
+        let fused_only = gate_up
+            && map.len() == 1
+            && map
+                .get(GATE_UP_PATTERN)
+                .and_then(|v| v.as_f64())
+                .is_some_and(|v| Some(v) == want.as_f64());
+        if !fused_only {
+            return Err(err(
+                key,
+                format!("{}: per-layer ranks and alphas are not supported (but the fused experts' gate_up_proj at 2 x r / 2 x lora_alpha, as peft sets it)", json[key]),
+            ));
+        }
+    }
+    if let Some(p) = parameters.iter().find(|p| {
+        ![
+            super::peft_experts::GATE_UP,
+            super::peft_experts::DOWN,
+            super::peft_experts::ROUTER,
+        ]
+        .contains(&p.as_str())
+    }) {
+        return Err(err(
+            "target_parameters",
+            format!("'{p}': only the experts' gate_up_proj and down_proj and the router's gate.weight are read"),
+        ));
+    }
+    if json["bias"].as_str().is_some_and(|b| b != "none") {
+        return Err(err(
+            "bias",
+            "trained biases are not supported (use bias: none)".into(),
+        ));
+    }
+    let mut target_list = names("target_modules");
+    // The fused parameters' layers here (transformers 4's names, Qwen3-MoE's and Mixtral's).
+    for p in &parameters {
+        target_list.extend(
+            match p.as_str() {
+                super::peft_experts::GATE_UP => &["gate_proj", "up_proj", "w1", "w3"][..],
+                super::peft_experts::DOWN => &["down_proj", "w2"],
+                _ => &["gate"],
+            }
+            .iter()
+            .map(|s| s.to_string()),
+        );
+    }
     let targets = match target_list.as_slice() {
         [one] if one.eq_ignore_ascii_case("all-linear") => Targets::AllLinear,
         _ => Targets::Names(target_list),
     };
     let config = LoraConfig {
         r,
-        alpha: json["lora_alpha"].as_f64().unwrap_or(8.0),
+        alpha,
         dropout: json["lora_dropout"].as_f64().unwrap_or(0.0),
         targets,
         modules_to_save: names("modules_to_save"),
@@ -329,5 +358,11 @@ pub fn read(
             .replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector");
         tensors.insert(ours, t.to_dtype(dtype)?);
     }
+    let tensors = super::peft_experts::unfuse(
+        tensors,
+        &parameters,
+        (2 * r, r),
+        &file.display().to_string(),
+    )?;
     Ok((config, tensors))
 }

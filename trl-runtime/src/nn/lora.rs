@@ -77,6 +77,124 @@ impl LoraConfig {
     }
 }
 
+/// An expert's gate and up projections (transformers 4's names, Qwen3-MoE's and Mixtral's),
+/// which transformers 5 fuses into one `gate_up_proj` over all experts.
+const GATE_UP: &[(&str, &str)] = &[("gate_proj", "up_proj"), ("w1", "w3")];
+/// Every expert projection peft maps onto the fused experts.
+const EXPERT_PROJECTIONS: &[&str] = &["gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"];
+
+/// One adapted layer, as peft adapts it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedAdapter {
+    pub name: String,
+    /// Its rank and alpha (an expert's gate and up projections: 2r and 2 x alpha).
+    pub config: LoraConfig,
+    /// The layer whose `A` it uses: an expert's up projection shares its gate's.
+    pub shares_a: Option<String>,
+}
+
+/// The adapters of a model ([`adapter_plan`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterPlan {
+    pub layers: Vec<PlannedAdapter>,
+    /// Targeted layers that get no adapter: dense MLP projections beside experts.
+    pub left_out: Vec<String>,
+}
+
+/// Which of `linears` (every linear layer's name, in the model's order) get adapters, and of
+/// what rank, as peft (0.17+) adapts a transformers 5 model:
+/// - those `config.targets` names; never the output layer (all-linear leaves it out; naming
+///   it is an error);
+/// - in a model with experts, transformers 5 holds each layer's experts as fused 3-D
+///   parameters and peft adapts them with `target_parameters`: each expert's gate and up
+///   projections share one `A` of rank 2r (peft's `rank_pattern` and `alpha_pattern` for
+///   `gate_up_proj`: 2r and 2 x alpha) with a `B` each, its down projection has rank r. peft
+///   maps every gate_proj / up_proj / down_proj (w1 / w3 / w2) target onto the experts, so
+///   the same projections of a dense MLP beside them get none (`left_out`), and it adapts
+///   parameters without dropout or DoRA, so neither is accepted on experts or router.
+pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Result<AdapterPlan> {
+    let fail = |key: &str, message: String| {
+        Err(crate::error::Error::config(
+            "training arguments",
+            key,
+            message,
+        ))
+    };
+    let leaf = |n: &str| n.rsplit('.').next().unwrap_or(n).to_string();
+    let is_expert = |n: &str| n.contains(".experts.");
+    let has_experts = linears.iter().any(|n| is_expert(n));
+    let (mut layers, mut left_out) = (Vec::new(), Vec::new());
+    let mut gates: std::collections::HashMap<String, String> = Default::default();
+    for name in linears {
+        let output = name == "lm_head" || name.ends_with(".lm_head");
+        if !config.targets(name, output) {
+            continue;
+        }
+        if output {
+            return fail(
+                "lora_target_modules",
+                format!(
+                    "{name} is the LM head, which takes no adapter here (its loss is fused): \
+                     list it in lora_modules_to_save to train it whole"
+                ),
+            );
+        }
+        let l = leaf(name);
+        if has_experts && !is_expert(name) && EXPERT_PROJECTIONS.contains(&l.as_str()) {
+            left_out.push(name.clone());
+            continue;
+        }
+        let mut c = config.clone();
+        let mut shares_a = None;
+        // The experts and the router are parameters peft adapts directly.
+        if is_expert(name) || (has_experts && l == "gate") {
+            if config.dropout > 0.0 {
+                return fail("lora_dropout", format!("{}: {name} is a mixture-of-experts parameter, which peft adapts without dropout (it refuses lora_dropout != 0 there too): set lora_dropout 0 or leave the experts and router out of lora_target_modules", config.dropout));
+            }
+            if config.dora {
+                return fail("use_dora", format!("{name} is a mixture-of-experts parameter, which peft adapts without DoRA (it refuses use_dora there too): drop use_dora or leave the experts and router out of lora_target_modules"));
+            }
+        }
+        if let Some((g, u)) = GATE_UP
+            .iter()
+            .find(|(g, u)| is_expert(name) && (l == *g || l == *u))
+        {
+            let (prefix, _) = name.rsplit_once('.').expect("an expert's projection");
+            let other = if l == *g { u } else { g };
+            if !config.targets(&format!("{prefix}.{other}"), false) {
+                return fail("lora_target_modules", format!("the experts' {l} without their {other}: transformers 5 fuses the two into gate_up_proj, which peft adapts whole: target both"));
+            }
+            c.r = 2 * config.r;
+            c.alpha = 2.0 * config.alpha;
+            match gates.get(prefix) {
+                Some(first) => shares_a = Some(first.clone()),
+                None => {
+                    gates.insert(prefix.to_string(), name.clone());
+                }
+            }
+        }
+        layers.push(PlannedAdapter {
+            name: name.clone(),
+            config: c,
+            shares_a,
+        });
+    }
+    if layers.is_empty() {
+        let mut leaves: Vec<String> = linears.iter().map(|n| leaf(n)).collect();
+        leaves.sort();
+        leaves.dedup();
+        return fail(
+            "lora_target_modules",
+            format!(
+                "{:?} matches no linear layer of this model that takes an adapter; its linear layers are {}",
+                config.targets,
+                leaves.join(", ")
+            ),
+        );
+    }
+    Ok(AdapterPlan { layers, left_out })
+}
+
 fn suffix_match(name: &str, target: &str) -> bool {
     name == target
         || name
@@ -332,5 +450,78 @@ mod tests {
         assert_eq!(a, b);
         let kept = a.iter().flatten().filter(|v| **v == 2.0).count();
         assert!((900..1150).contains(&kept), "{kept} of 2048 kept");
+    }
+
+    /// peft's plan for a model with experts beside a dense MLP: experts' gate and up at rank
+    /// 2r sharing the gate's A, the down at r, the router adapted, the dense MLP left out; what
+    /// peft refuses on experts is refused with its key.
+    #[test]
+    fn experts_are_adapted_as_peft_adapts_fused_experts() {
+        let names: Vec<String> = [
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.mlp.gate",
+            "model.layers.0.mlp.experts.0.gate_proj",
+            "model.layers.0.mlp.experts.0.up_proj",
+            "model.layers.0.mlp.experts.0.down_proj",
+            "model.layers.1.mlp.gate_proj",
+            "model.layers.1.mlp.up_proj",
+            "lm_head",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let config = LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: Targets::AllLinear,
+            modules_to_save: Vec::new(),
+            rslora: false,
+            seed: 0,
+            dora: false,
+        };
+        let plan = adapter_plan(&config, &names).unwrap();
+        let got: Vec<(&str, usize, Option<&str>)> = plan
+            .layers
+            .iter()
+            .map(|p| {
+                (
+                    p.name.rsplit('.').next().unwrap(),
+                    p.config.r,
+                    p.shares_a.as_deref(),
+                )
+            })
+            .collect();
+        let gate = "model.layers.0.mlp.experts.0.gate_proj";
+        assert_eq!(
+            got,
+            [
+                ("q_proj", 4, None),
+                ("gate", 4, None),
+                ("gate_proj", 8, None),
+                ("up_proj", 8, Some(gate)),
+                ("down_proj", 4, None),
+            ]
+        );
+        assert_eq!(plan.left_out, names[5..7]);
+        let refused = |c: LoraConfig| adapter_plan(&c, &names).unwrap_err().to_string();
+        let dropout = refused(LoraConfig {
+            dropout: 0.05,
+            ..config.clone()
+        });
+        assert!(dropout.contains("lora_dropout"), "{dropout}");
+        let dora = refused(LoraConfig {
+            dora: true,
+            ..config.clone()
+        });
+        assert!(dora.contains("use_dora"), "{dora}");
+        let half = refused(LoraConfig {
+            targets: Targets::Names(vec!["gate_proj".into()]),
+            ..config.clone()
+        });
+        assert!(
+            half.contains("lora_target_modules") && half.contains("up_proj"),
+            "{half}"
+        );
     }
 }

@@ -106,18 +106,21 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
     if let (Some(lora), Resume::Fresh) = (&opts.lora, &resume) {
         model.add_adapters(lora)?;
     }
-    if opts.lora.is_some() && ctx.is_main_process() {
-        let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
-        let dropped = peft::dropped_by_peft(&names);
-        if !dropped.is_empty() {
+    if let (Some(lora), true) = (&opts.lora, ctx.is_main_process()) {
+        let left_out = crate::nn::lora::adapter_plan(lora, &model.linear_names()?)?.left_out;
+        if !left_out.is_empty() {
             tracing::warn!(
-                "use_peft: peft (0.17+, on transformers 5) maps every gate_proj / up_proj / \
-                 down_proj target onto the fused experts, so the adapters of {} dense projection(s) \
-                 ({}{}) are not loaded when peft opens this run's adapters (ours load them all; \
-                 peft's own all-linear leaves them without adapters on this model)",
-                dropped.len(),
-                dropped.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
-                if dropped.len() > 3 { ", ..." } else { "" }
+                "use_peft: {} dense MLP projection(s) beside the experts ({}{}) get no adapter: \
+                 peft (0.17+, transformers 5) maps every gate_proj / up_proj / down_proj target \
+                 onto the fused experts, and this run adapts what peft adapts",
+                left_out.len(),
+                left_out
+                    .iter()
+                    .take(3)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if left_out.len() > 3 { ", ..." } else { "" }
             );
         }
     }

@@ -291,24 +291,32 @@ impl ModelShapes {
             .collect()
     }
 
-    /// Adapter elements on a rank of `tp` of every layer `lora` targets (A [r, in] and
-    /// B [out, r] split as the layer's weight is; DoRA's magnitude with the output).
+    /// Adapter elements on a rank of `tp` of every layer `lora` adapts (the plan
+    /// `add_adapters` follows: A [r, in] and B [out, r] split as the layer's weight is, an
+    /// expert's up projection sharing its gate's A; DoRA's magnitude with the output).
     fn adapters(&self, lora: &LoraConfig, tp: usize) -> Vec<(String, usize)> {
-        let r = lora.r;
-        self.linears
+        // Shapes only: dropout (which experts refuse) changes none.
+        let shapes = LoraConfig {
+            dropout: 0.0,
+            ..lora.clone()
+        };
+        let Ok(plan) = crate::nn::lora::adapter_plan(&shapes, &self.linears) else {
+            return Vec::new();
+        };
+        plan.layers
             .iter()
-            .filter(|name| {
-                let output = name.as_str() == "lm_head" || name.ends_with(".lm_head");
-                lora.targets(name, output) && !output
-            })
-            .filter_map(|name| {
-                let weight = format!("{name}.weight");
+            .filter_map(|p| {
+                let weight = format!("{}.weight", p.name);
                 let e = self.params.iter().find(|e| e.name == weight)?;
                 let (out, inp) = (e.full_shape[0], e.full_shape[1]);
                 let style = e.split.dim.map(|_| e.split.style);
                 let (a, b) = Linear::lora_split_dims(style);
                 let part = |split: Option<usize>| if split.is_some() { tp } else { 1 };
-                let mut n = r * inp / part(a) + out * r / part(b);
+                let r = p.config.r;
+                let mut n = out * r / part(b);
+                if p.shares_a.is_none() {
+                    n += r * inp / part(a);
+                }
                 if lora.dora {
                     n += out / part(b);
                 }
@@ -317,12 +325,39 @@ impl ModelShapes {
             .collect()
     }
 
+    /// The trainable copies of the modules a LoRA run trains whole (`modules_to_save`), on a
+    /// rank of `tp`: each of their weights (a tied head's copy is the size of the embedding
+    /// it was tied to, which stays in the frozen base).
+    fn saved(&self, lora: &LoraConfig, tp: usize) -> Vec<(String, usize)> {
+        let mut out: Vec<(String, usize)> = self
+            .local(tp)
+            .into_iter()
+            .filter(|(name, _)| lora.saves(name))
+            .map(|(name, n)| (name.to_string(), n))
+            .collect();
+        if self.tied && lora.saves("lm_head.weight") {
+            let table = self
+                .local(tp)
+                .into_iter()
+                .find(|(n, _)| n.ends_with("embed_tokens.weight"));
+            if let Some((_, n)) = table {
+                out.push(("lm_head.weight".into(), n));
+            }
+        }
+        out
+    }
+
     /// Elements of each ZeRO-3 / FSDP wrap unit on a rank of `tp` (root first), as `fsdp.rs`
     /// cuts them.
-    fn unit_sizes(&self, tp: usize, policy: WrapPolicy) -> Vec<usize> {
+    /// Without the parameters `trained` (a LoRA run's modules trained whole, kept beside).
+    fn unit_sizes(&self, tp: usize, policy: WrapPolicy, trained: &[(String, usize)]) -> Vec<usize> {
         let mut layer_sizes = vec![0usize; self.units.len()];
         let mut root = 0;
-        for (name, n) in self.local(tp) {
+        let local = self.local(tp);
+        let frozen = local
+            .iter()
+            .filter(|(n, _)| !trained.iter().any(|(t, _)| t == n));
+        for &(name, n) in frozen {
             match super::fsdp::unit_of(name, &self.units) {
                 Some(l) => layer_sizes[l] += n,
                 None => root += n,
@@ -358,8 +393,19 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
 
     // Trainable elements (all weights, or the adapters), and the frozen base.
     let adapters = setup.lora.as_ref().map(|l| model.adapters(l, tp));
+    // Modules trained whole leave the frozen base (but a tied head's copy: its table stays).
+    let trained = setup
+        .lora
+        .as_ref()
+        .map_or(Vec::new(), |l| model.saved(l, tp));
+    let kept: usize = shapes
+        .iter()
+        .filter(|(n, _)| trained.iter().any(|(t, _)| t == n))
+        .map(|(_, n)| n)
+        .sum();
+    let whole: usize = trained.iter().map(|(_, n)| n).sum();
     let (p, frozen) = match &adapters {
-        Some(a) => (a.iter().map(|(_, n)| n).sum::<usize>(), base),
+        Some(a) => (a.iter().map(|(_, n)| n).sum::<usize>() + whole, base - kept),
         None => (base, 0),
     };
     let slice = |elems: usize| elems.div_ceil(n);
@@ -390,7 +436,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             ));
         }
         (Strategy::Fsdp(policy, _), false) => {
-            let units = model.unit_sizes(tp, policy);
+            let units = model.unit_sizes(tp, policy, &trained);
             let s: usize = units.iter().map(|&u| slice(u)).sum();
             // In fp32 the slice is its own master; otherwise a compute-dtype copy beside it.
             e.parameters = dsz * s;
@@ -405,7 +451,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         (Strategy::Fsdp(policy, _), true) => {
             // The frozen base is sharded in its units; the adapters stay whole, their
             // gradients and optimizer state sharded as ZeRO-2 does.
-            let units = model.unit_sizes(tp, policy);
+            let units = model.unit_sizes(tp, policy, &trained);
             let s: usize = units.iter().map(|&u| slice(u)).sum();
             e.parameters = dsz * (s + p);
             e.gradients = (4 * p).div_ceil(n);
@@ -471,7 +517,11 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // reduction; under ZeRO-3 / FSDP only those of the units gathered: two in use (their
     // weights and gradients) and the next one's weights arriving.
     let largest_unit = match setup.strategy {
-        Strategy::Fsdp(policy, _) => model.unit_sizes(tp, policy).into_iter().max().unwrap_or(0),
+        Strategy::Fsdp(policy, _) => model
+            .unit_sizes(tp, policy, &trained)
+            .into_iter()
+            .max()
+            .unwrap_or(0),
         _ => 0,
     };
     // Under LoRA the frozen head still gets its gradient computed by the loss (fp32, the
@@ -485,12 +535,13 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // Gathered weights of up to four units (two in use, prefetches in flight) and the
         // whole gradients of two.
         (Strategy::Fsdp(..), false) => (4 * dsz + 2 * 4) * largest_unit,
-        // A frozen base: two units gathered, no gradients but the adapters'.
-        (Strategy::Fsdp(..), true) => 2 * dsz * largest_unit + 4 * p,
+        // A frozen base: two units gathered and the next one's weights arriving, no
+        // gradients but the adapters'.
+        (Strategy::Fsdp(..), true) => 3 * dsz * largest_unit + 4 * p,
         _ => head_grad + 4 * p - e.gradients.min(4 * p),
     };
-    if let (Strategy::Fsdp(..), false) = (setup.strategy, lora) {
-        e.prefetch = 2 * dsz * largest_unit;
+    if let Strategy::Fsdp(..) = setup.strategy {
+        e.prefetch = if lora { 1 } else { 2 } * dsz * largest_unit;
     }
     // The update: the gradients with AdamW's temporaries for one tensor (four fp32 copies of
     // the largest); ZeRO-1/2 add the flat gradient copy, its reduced slice and the
