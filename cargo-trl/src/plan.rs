@@ -327,6 +327,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             seq: work.seq,
                             checkpointing,
                             offload_optimizer: offload,
+                            reference_copy: false,
                         };
                         let estimate = estimate(model, &setup);
                         let time = step_time(model, &setup, &machine.hardware);

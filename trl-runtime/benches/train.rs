@@ -351,6 +351,7 @@ fn main() {
             seq: SEQ,
             checkpointing: false,
             offload_optimizer: false,
+            reference_copy: false,
         };
         let hw = estimate::Hardware::cpu(rank_flops, world, link);
         estimate::step_time(&model, &setup, &hw).tokens_per_second

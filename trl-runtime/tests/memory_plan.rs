@@ -103,6 +103,7 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         seq: t.max_length,
         checkpointing: t.gradient_checkpointing,
         offload_optimizer: false,
+        reference_copy: false,
     }
 }
 

@@ -34,6 +34,8 @@ pub struct Setup {
     pub checkpointing: bool,
     /// Optimizer state (fp32 master and moments) kept in host memory.
     pub offload_optimizer: bool,
+    /// A second copy of the weights this rank holds (TR-DPO's reference).
+    pub reference_copy: bool,
 }
 
 /// Bytes one rank holds, by what holds them.
@@ -68,6 +70,8 @@ pub struct Estimate {
     pub update_buffers: usize,
     /// A full checkpoint save over the training peak (streamed: one unit at a time).
     pub save: usize,
+    /// A copy of this rank's weights kept beside them (TR-DPO's reference).
+    pub reference: usize,
     /// The formulas with their numbers, one line each (`cargo trl plan --explain`).
     pub explain: Vec<String>,
 }
@@ -82,6 +86,7 @@ impl Estimate {
     pub fn peak(&self) -> usize {
         self.runtime
             + self.comm_buffers
+            + self.reference
             + self.parameters
             + self.optimizer
             + self.gradients
@@ -460,6 +465,13 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
                 "zero3 + LoRA: base slices {dsz} x {s} + adapters whole {dsz} x {p}, their gradients and state / {n}"
             ));
         }
+    }
+    if setup.reference_copy {
+        e.reference = e.parameters;
+        why.push(format!(
+            "reference: a copy of the weights, {}",
+            mib(e.reference)
+        ));
     }
     if setup.offload_optimizer {
         e.host_optimizer = opt_bytes;
@@ -857,6 +869,41 @@ mod tests {
         assert!(link.latency >= 0.0 && link.latency < 1.0, "{link:?}");
     }
 
+    /// TR-DPO's reference is a copy of the weights each rank holds: whole under DDP, its
+    /// slices under ZeRO-3, in the peak but not the model state.
+    #[test]
+    fn a_reference_copy_adds_the_held_weights() {
+        let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+        for (strategy, shard) in [
+            (Strategy::Ddp, 1),
+            (Strategy::fsdp(WrapPolicy::PerLayer), 2),
+        ] {
+            let mut setup = Setup {
+                strategy,
+                dims: ParallelDims {
+                    dp_replicate: 1,
+                    dp_shard: shard,
+                    cp: 1,
+                    sp: 1,
+                    tp: 1,
+                },
+                dtype: DType::F32,
+                lora: None,
+                batch: 2,
+                seq: 64,
+                checkpointing: false,
+                offload_optimizer: false,
+                reference_copy: false,
+            };
+            let without = estimate(&m, &setup);
+            setup.reference_copy = true;
+            let with = estimate(&m, &setup);
+            assert_eq!(with.reference, without.parameters);
+            assert_eq!(with.peak() - without.peak(), without.parameters);
+            assert_eq!(with.model_state(), without.model_state());
+        }
+    }
+
     /// Every tensor-parallel collective of a step pays the link's latency: 4 per layer
     /// (2 forward, 2 backward), 6 with checkpointing's recompute.
     #[test]
@@ -879,6 +926,7 @@ mod tests {
                 seq: 64,
                 checkpointing,
                 offload_optimizer: false,
+                reference_copy: false,
             };
             let at = |latency: f64| {
                 let link = LinkSpeed {

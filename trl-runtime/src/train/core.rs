@@ -127,6 +127,8 @@ pub trait Task<N: CausalModel>: Sized {
         rows: &[Vec<usize>],
         grads: &mut StepGrads,
     ) -> Result<TaskStep>;
+    /// What the task changes in the memory estimate's setup (rows per example, weight copies).
+    fn memory_setup(_config: &Self::Config, _setup: &mut crate::parallel::estimate::Setup) {}
     /// After the optimizer step (TRL's `on_step_end` callbacks; `core.state.global_step`
     /// counts it).
     fn after_step(&mut self, _core: &Core<'_, N>) -> Result<()> {
@@ -405,13 +407,13 @@ impl<'a, N: CausalModel> Core<'a, N> {
             steps_per_epoch,
             stop,
             predicted: None,
-        }
-        .with_memory_estimate())
+        })
     }
 
-    fn with_memory_estimate(mut self) -> Self {
-        self.predicted = self.estimate_memory();
-        self
+    /// Sets what the estimate predicts this rank holds, the task adjusting the setup (DPO's
+    /// two sequences per row, TR-DPO's copy of the weights).
+    pub(super) fn estimate_with(&mut self, task: impl Fn(&mut crate::parallel::estimate::Setup)) {
+        self.predicted = self.estimate_memory(task);
     }
 
     /// Every parameter's full value, whichever strategy holds them (collective under ZeRO-3 /
@@ -471,7 +473,10 @@ impl<'a, N: CausalModel> Core<'a, N> {
         self.predicted.as_ref()
     }
 
-    fn estimate_memory(&self) -> Option<crate::parallel::estimate::Estimate> {
+    fn estimate_memory(
+        &self,
+        task: impl Fn(&mut crate::parallel::estimate::Setup),
+    ) -> Option<crate::parallel::estimate::Estimate> {
         let dir = &self.args.model_name_or_path;
         let shapes = crate::parallel::estimate::ModelShapes::of_model::<N>(
             self.model.config_json(),
@@ -487,7 +492,10 @@ impl<'a, N: CausalModel> Core<'a, N> {
             seq: self.args.max_length,
             checkpointing: self.model.checkpointing.is_some(),
             offload_optimizer: self.offloaded(),
+            reference_copy: false,
         };
+        let mut setup = setup;
+        task(&mut setup);
         Some(crate::parallel::estimate::estimate(&shapes, &setup))
     }
 

@@ -614,6 +614,12 @@ impl<N: CausalModel> Task<N> for Dpo {
         self.train.len()
     }
 
+    /// A micro-batch of n pairs is 2n sequences; TR-DPO keeps a copy of the weights.
+    fn memory_setup(config: &DPOConfig, setup: &mut crate::parallel::estimate::Setup) {
+        setup.batch *= 2;
+        setup.reference_copy = config.sync_ref_model;
+    }
+
     fn prepare(&mut self, config: &DPOConfig, core: &Core<'_, N>) -> Result<()> {
         // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
         self.collate_options.pad_to_multiple_of =

@@ -72,7 +72,8 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         config.validate("training arguments")?;
         let tokenizer = TextTokenizer::from_dir(&args.model_name_or_path)?;
         let mut task = T::load(&config, &tokenizer)?;
-        let core = Core::load(&args, ctx, strategy, task.num_rows(), tokenizer)?;
+        let mut core = Core::load(&args, ctx, strategy, task.num_rows(), tokenizer)?;
+        core.estimate_with(|setup| T::memory_setup(&config, setup));
         task.prepare(&config, &core)?;
         crate::alloc::release_freed_memory();
         Ok(Trainer {
