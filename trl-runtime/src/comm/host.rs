@@ -8,7 +8,7 @@
 use super::ring::RingComm;
 use super::shm::{ring_path, ShmRing};
 use super::store::Store;
-use super::transport::{mismatch, OpCode, Transport};
+use super::transport::{mismatch, OpCode, Sent, Sink, Transport};
 use super::Communicator;
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -124,7 +124,7 @@ impl Transport for TcpTransport {
         true
     }
 
-    fn send(&self, peer: usize, op: OpCode, data: &[u8]) -> std::result::Result<(), String> {
+    fn send(&self, peer: usize, op: OpCode, data: &[u8]) -> Sent {
         let p = self.peers[peer].as_ref().ok_or("cannot send to self")?;
         let mut w = p.writer.lock().unwrap_or_else(|e| e.into_inner());
         let header = header_bytes(op, data.len());
@@ -146,13 +146,7 @@ impl Transport for TcpTransport {
         result.map_err(|e| io_message(&e, self.members[peer], self.timeout, "sending"))
     }
 
-    fn recv(
-        &self,
-        peer: usize,
-        op: OpCode,
-        len: usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
-    ) -> std::result::Result<(), String> {
+    fn recv(&self, peer: usize, op: OpCode, len: usize, sink: &mut Sink<'_>) -> Sent {
         let p = self.peers[peer]
             .as_ref()
             .ok_or("cannot receive from self")?;

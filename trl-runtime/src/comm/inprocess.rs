@@ -2,7 +2,7 @@
 //! Same algorithms and checks as the host backend, without sockets: for fast numerical tests.
 
 use super::ring::RingComm;
-use super::transport::{mismatch, OpCode, Transport};
+use super::transport::{mismatch, OpCode, Sent, Sink, Transport};
 use super::Communicator;
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -81,7 +81,7 @@ impl Transport for Endpoint {
         false
     }
 
-    fn send(&self, peer: usize, op: OpCode, data: &[u8]) -> std::result::Result<(), String> {
+    fn send(&self, peer: usize, op: OpCode, data: &[u8]) -> Sent {
         self.mailbox.links[self.rank][peer]
             .0
             .send(Message {
@@ -91,13 +91,7 @@ impl Transport for Endpoint {
             .map_err(|_| format!("rank {peer} is gone"))
     }
 
-    fn recv(
-        &self,
-        peer: usize,
-        op: OpCode,
-        len: usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
-    ) -> std::result::Result<(), String> {
+    fn recv(&self, peer: usize, op: OpCode, len: usize, sink: &mut Sink<'_>) -> Sent {
         let rx = self.mailbox.links[peer][self.rank]
             .1
             .lock()

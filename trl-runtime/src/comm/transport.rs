@@ -61,20 +61,19 @@ pub(crate) fn mismatch(
     )
 }
 
+/// Where a receive hands its bytes: `sink(offset, bytes)`.
+pub(crate) type Sink<'a> = dyn FnMut(usize, &[u8]) + 'a;
+/// A transport's outcome: an error is a message naming what failed.
+pub(crate) type Sent = std::result::Result<(), String>;
+
 pub(crate) trait Transport: Send + Sync {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
     fn backend(&self) -> &'static str;
     /// Whether `send` can block until the peer reads (then large sends run beside receives).
     fn send_may_block(&self) -> bool;
-    fn send(&self, peer: usize, op: OpCode, data: &[u8]) -> Result<(), String>;
+    fn send(&self, peer: usize, op: OpCode, data: &[u8]) -> Sent;
     /// Receives exactly `len` bytes from `peer`, handing them to `sink(offset, bytes)` in order,
     /// in pieces whose lengths are multiples of 8 bytes (except the last).
-    fn recv(
-        &self,
-        peer: usize,
-        op: OpCode,
-        len: usize,
-        sink: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<(), String>;
+    fn recv(&self, peer: usize, op: OpCode, len: usize, sink: &mut Sink<'_>) -> Sent;
 }

@@ -36,6 +36,17 @@ fn parse_num(var: &str, value: &str) -> Result<usize> {
     })
 }
 
+/// MASTER_PORT when set, else `default()`.
+fn master_port(
+    get: &impl Fn(&str) -> Option<String>,
+    default: impl FnOnce() -> Result<u16>,
+) -> Result<u16> {
+    match get("MASTER_PORT") {
+        Some(p) => parse_port("MASTER_PORT", &p),
+        None => default(),
+    }
+}
+
 fn parse_port(var: &str, value: &str) -> Result<u16> {
     value.trim().parse::<u16>().map_err(|_| Error::Env {
         var: var.into(),
@@ -83,10 +94,7 @@ impl ProcessEnv {
             node_rank: 0,
             num_nodes: 1,
             master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
-            master_port: match get("MASTER_PORT") {
-                Some(p) => parse_port("MASTER_PORT", &p)?,
-                None => DEFAULT_MASTER_PORT,
-            },
+            master_port: master_port(&get, || Ok(DEFAULT_MASTER_PORT))?,
             source: EnvSource::Single,
         })
     }
@@ -111,10 +119,7 @@ impl ProcessEnv {
                 "not set but WORLD_SIZE is {world_size}: set it to the address of the machine running rank 0"
             ),
         })?;
-        let master_port = match get("MASTER_PORT") {
-            Some(p) => parse_port("MASTER_PORT", &p)?,
-            None => DEFAULT_MASTER_PORT,
-        };
+        let master_port = master_port(get, || Ok(DEFAULT_MASTER_PORT))?;
         let env = ProcessEnv {
             rank,
             local_rank,
@@ -172,14 +177,13 @@ impl ProcessEnv {
                 message: "not set and SLURM_JOB_NODELIST is empty: set MASTER_ADDR to the first node of the job".into(),
             })?,
         };
-        let master_port = match get("MASTER_PORT") {
-            Some(p) => parse_port("MASTER_PORT", &p)?,
-            None => match get("SLURM_JOB_ID") {
+        let master_port = master_port(get, || {
+            Ok(match get("SLURM_JOB_ID") {
                 // A common rule: 15000 + the last four digits of the job id (ports differ per job).
                 Some(id) => 15000 + (parse_num("SLURM_JOB_ID", &id)? % 10000) as u16,
                 None => DEFAULT_MASTER_PORT,
-            },
-        };
+            })
+        })?;
         let env = ProcessEnv {
             rank,
             local_rank,
