@@ -223,15 +223,12 @@ impl ProcessEnv {
         if self.world_size == 0 {
             return err(world_var, "is 0: a job needs at least one process".into());
         }
-        if self.rank >= self.world_size {
-            return err(
-                rank_var,
-                format!(
-                    "{} must be below {world_var} ({})",
-                    self.rank, self.world_size
-                ),
-            );
-        }
+        // `value` of `var` must be below `bound`, named `bound_name`.
+        let below = |var: &str, value: usize, bound_name: &str, bound: usize| match value < bound {
+            true => Ok(()),
+            false => err(var, format!("{value} must be below {bound_name} ({bound})")),
+        };
+        below(rank_var, self.rank, world_var, self.world_size)?;
         if self.local_world_size == 0 || self.local_world_size > self.world_size {
             return err(
                 local_world_var,
@@ -241,15 +238,12 @@ impl ProcessEnv {
                 ),
             );
         }
-        if self.local_rank >= self.local_world_size {
-            return err(
-                local_var,
-                format!(
-                    "{} must be below {local_world_var} ({})",
-                    self.local_rank, self.local_world_size
-                ),
-            );
-        }
+        below(
+            local_var,
+            self.local_rank,
+            local_world_var,
+            self.local_world_size,
+        )?;
         if self.node_rank >= self.num_nodes {
             return err(
                 node_var,

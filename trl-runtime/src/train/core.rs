@@ -747,13 +747,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
         let world = self.ctx.world();
         let tmp = checkpoint::staging_dir(out, self.state.global_step);
         if main {
-            checkpoint::begin(out, self.state.global_step)?;
-            checkpoint::write_model_files(
-                &tmp,
-                None,
-                self.model.config_json(),
-                &self.tokenizer_dir,
-            )?;
+            self.begin_checkpoint(self.state.global_step)?;
         }
         world.barrier()?;
         // The group the optimizer state is sharded over (sequence chunks' ranks included).
@@ -846,13 +840,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
         };
         let mut files = None;
         if self.ctx.is_main_process() {
-            let tmp = checkpoint::begin(out, step)?;
-            checkpoint::write_model_files(
-                &tmp,
-                None,
-                self.model.config_json(),
-                &self.tokenizer_dir,
-            )?;
+            let tmp = self.begin_checkpoint(step)?;
             let specs = order
                 .iter()
                 .map(|(n, dtype)| Ok(TensorSpec::new(n.clone(), *dtype, &shape_of(n)?)))
@@ -906,6 +894,15 @@ impl<'a, N: CausalModel> Core<'a, N> {
         };
         self.ctx.world().barrier()?;
         path
+    }
+
+    /// Starts step `step`'s checkpoint (rank 0): its staging directory, holding config.json
+    /// and the tokenizer files; the weights and state follow.
+    fn begin_checkpoint(&self, step: usize) -> Result<PathBuf> {
+        let tmp = checkpoint::begin(&self.args.output_dir, step)?;
+        let config = self.model.config_json();
+        checkpoint::write_model_files(&tmp, None, config, &self.tokenizer_dir)?;
+        Ok(tmp)
     }
 
     pub(super) fn save_checkpoint_as(&self, format: CheckpointFormat) -> Result<Option<PathBuf>> {
