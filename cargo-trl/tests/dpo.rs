@@ -254,23 +254,10 @@ fn dpo_matches_trl() {
 
 /// What TR-DPO cannot do is refused with the key named, as TRL refuses it: a LoRA run (its
 /// reference is the base with adapters off), precomputed reference log-probabilities (they
-/// would go stale), no steps between syncs, and resuming (the mixed reference is not in
-/// checkpoints) — the last after a run that synced and saved.
+/// would go stale), no steps between syncs, an alpha outside [0, 1].
 #[test]
 fn synced_reference_refusals_name_the_key() {
     let tmp = tempfile::tempdir().unwrap();
-    let sync = ["--sync_ref_model", "true"];
-    let refused = |extra: &[&str], out: &Path| -> String {
-        let mut cmd = common::trainer_launch(
-            "dpo",
-            &["--num_processes", "1"],
-            &[&sync[..], extra, &["--max_steps", "2", "--output_dir"]].concat(),
-        );
-        let o = cmd.arg(out).output().unwrap();
-        let err = String::from_utf8_lossy(&o.stderr).to_string();
-        assert!(!o.status.success(), "{extra:?} was accepted: {err}");
-        err
-    };
     for (extra, names) in [
         (&["--use_peft", "true"][..], "use_peft"),
         (
@@ -280,19 +267,88 @@ fn synced_reference_refusals_name_the_key() {
         (&["--ref_model_sync_steps", "0"], "ref_model_sync_steps"),
         (&["--ref_model_mixup_alpha", "1.5"], "ref_model_mixup_alpha"),
     ] {
-        let err = refused(extra, &tmp.path().join(names));
+        let err = refused(
+            &[extra, &["--output_dir"]].concat(),
+            &tmp.path().join(names),
+        );
         assert!(err.contains(names), "{extra:?}: {err}");
     }
-    let out = tmp.path().join("run");
-    let cmd = common::trainer_launch(
+}
+
+/// A TR-DPO run stopped after a mix resumes where it was: each rank's share of the mixed
+/// reference is kept beside the checkpoint (`ref_model/checkpoint-N/rank-R.safetensors`), so
+/// the resumed steps and weights equal the straight run's (ZeRO-3: the shares are unit
+/// slices). Resuming under another layout is refused with the key named.
+#[test]
+fn a_synced_reference_resumes_from_its_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (straight, resumed) = (tmp.path().join("straight"), tmp.path().join("resumed"));
+    let zero3 = ["--profile", "zero3_cpu"];
+    let sync = [
+        "--sync_ref_model",
+        "true",
+        "--ref_model_sync_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--lr_scheduler_type",
+        "constant",
+    ];
+    let run = |steps: usize, out: &Path, extra: &[&str]| {
+        let cmd = common::trainer_launch("dpo", &zero3, &[&sync[..], extra].concat());
+        common::run_launch(cmd, steps, 4, out)
+    };
+    run(STEPS, &straight, &[]);
+    run(3, &resumed, &[]);
+    assert!(resumed
+        .join("ref_model/checkpoint-3/rank-1.safetensors")
+        .exists());
+    let text = run(STEPS, &resumed, &["--resume_from_checkpoint", "latest"]);
+    assert!(text.contains("checkpoint-3"), "{text}");
+    let (a, b) = (Run::read(&straight, STEPS), Run::read(&resumed, STEPS));
+    let losses = |out: &Path| -> Vec<f64> {
+        metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
+            .iter()
+            .map(|m| m["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let (la, lb) = (losses(&straight), losses(&resumed));
+    // The resumed run's log holds steps 1-3, then 4-5 again from the checkpoint.
+    for (x, y) in la[3..].iter().zip(&lb[lb.len() - 2..]) {
+        assert!((x - y).abs() < 1e-6, "resumed loss {y} vs {x}");
+    }
+    for (name, w) in &a.weights {
+        let d = max_diff(&b.weights[name], w);
+        assert!(d < 1e-5, "{name}: resumed differs by {d}");
+    }
+    // One process cannot take two ranks' shares.
+    let mut cmd = common::trainer_launch(
         "dpo",
         &["--num_processes", "1"],
-        &[&sync[..], &["--ref_model_sync_steps", "1"]].concat(),
+        &[
+            &sync[..],
+            &["--resume_from_checkpoint", "latest", "--max_steps", "6"],
+        ]
+        .concat(),
     );
-    common::run_launch(cmd, 2, 4, &out);
-    let err = refused(&["--resume_from_checkpoint", "true"], &out);
+    let o = cmd.arg("--output_dir").arg(&resumed).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(
-        err.contains("sync_ref_model") && err.contains("resume"),
+        !o.status.success() && err.contains("sync_ref_model"),
         "{err}"
     );
+}
+
+/// A `dpo` launch with `--sync_ref_model true` and `args` (ending in `--output_dir`) into
+/// `out`, which must fail: its error output.
+fn refused(args: &[&str], out: &Path) -> String {
+    let mut cmd = common::trainer_launch(
+        "dpo",
+        &["--num_processes", "1"],
+        &[&["--sync_ref_model", "true", "--max_steps", "2"][..], args].concat(),
+    );
+    let o = cmd.arg(out).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success(), "{args:?} was accepted: {err}");
+    err
 }

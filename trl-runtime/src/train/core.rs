@@ -127,6 +127,11 @@ pub trait Task<N: CausalModel>: Sized {
         rows: &[Vec<usize>],
         grads: &mut StepGrads,
     ) -> Result<TaskStep>;
+    /// After each checkpoint of `step` is in place (collective): the task's own state
+    /// beside it, for a resumed run's `prepare` to read.
+    fn save_state(&self, _core: &Core<'_, N>, _step: usize) -> Result<()> {
+        Ok(())
+    }
     /// What the task changes in the memory estimate's setup (rows per example, weight copies).
     fn memory_setup(_config: &Self::Config, _setup: &mut crate::parallel::estimate::Setup) {}
     /// After the optimizer step (TRL's `on_step_end` callbacks; `core.state.global_step`

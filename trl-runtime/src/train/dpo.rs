@@ -251,7 +251,76 @@ struct RefSync {
     mixed: bool,
 }
 
+/// Where a TR-DPO run keeps each rank's reference weights at checkpoint `step`.
+fn ref_weights_file(output_dir: &Path, step: usize, rank: usize) -> PathBuf {
+    output_dir
+        .join("ref_model")
+        .join(format!("checkpoint-{step}"))
+        .join(format!("rank-{rank}.safetensors"))
+}
+
 impl RefSync {
+    /// Writes this rank's reference weights for checkpoint `step` (atomically), and drops
+    /// those of earlier checkpoints.
+    fn save<N: CausalModel>(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
+        let path = ref_weights_file(&core.args.output_dir, step, core.ctx.world().rank());
+        let dir = path.parent().expect("a file in a directory");
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+        let named: std::collections::HashMap<String, Tensor> = self
+            .weights
+            .borrow()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Ok((i.to_string(), t.to_device(&Device::Cpu)?)))
+            .collect::<Result<_>>()?;
+        let tmp = path.with_extension("tmp");
+        candle_core::safetensors::save(&named, &tmp)?;
+        std::fs::rename(&tmp, &path)
+            .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))?;
+        if core.ctx.is_main_process() {
+            let root = dir.parent().expect("ref_model");
+            for old in std::fs::read_dir(root).into_iter().flatten().flatten() {
+                let name = old.file_name().to_string_lossy().to_string();
+                let earlier = name
+                    .strip_prefix("checkpoint-")
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .is_some_and(|n| n < step);
+                if earlier {
+                    let _ = std::fs::remove_dir_all(old.path());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The reference a resumed run had at its checkpoint: this rank's file, which must hold
+    /// what this rank holds (the same launch layout).
+    fn resume<N: CausalModel>(config: &DPOConfig, core: &Core<'_, N>) -> Result<Self> {
+        let step = core.state.global_step;
+        let path = ref_weights_file(&core.args.output_dir, step, core.ctx.world().rank());
+        let source = path.display().to_string();
+        let held = core.model.held_values();
+        let loaded = candle_core::safetensors::load(&path, held[0].device()).map_err(|e| {
+            Error::config(&source, "sync_ref_model", format!("the TR-DPO reference of checkpoint-{step} cannot be read ({e}): resume from a checkpoint this run saved, under the launch it ran with"))
+        })?;
+        let mut weights = Vec::with_capacity(held.len());
+        for (i, h) in held.iter().enumerate() {
+            let t = loaded.get(&i.to_string()).filter(|t| t.dims() == h.dims());
+            let t = t.ok_or_else(|| Error::config(&source, "sync_ref_model", format!("tensor {i} is missing or shaped otherwise than this rank's weights {:?}: resume under the launch (profile, processes, parallelism) the run was saved with", h.dims())))?;
+            weights.push(t.to_dtype(h.dtype())?);
+        }
+        if loaded.len() != held.len() {
+            return Err(Error::config(&source, "sync_ref_model", format!("{} tensors, this rank holds {}: resume under the launch the run was saved with", loaded.len(), held.len())));
+        }
+        Ok(RefSync {
+            alpha: config.ref_model_mixup_alpha,
+            every: config.ref_model_sync_steps,
+            weights: weights.into(),
+            mixed: step >= config.ref_model_sync_steps,
+        })
+    }
+
     /// `f` run with the reference's weights in the model (swapped back however it ends).
     fn run<N: CausalModel, R>(
         &self,
@@ -628,11 +697,7 @@ impl<N: CausalModel> Task<N> for Dpo {
         // Where the run keeps its reference log-probabilities.
         let path = args.output_dir.join("ref_logps.json");
         if core.state.global_step > 0 && config.sync_ref_model {
-            return Err(Error::config(
-                "--resume_from_checkpoint",
-                "sync_ref_model",
-                "a TR-DPO run's reference (mixed from the policy during training) is not kept in checkpoints, so it cannot resume: start again, or resume without sync_ref_model (the reference is then the starting model)".to_string(),
-            ));
+            self.sync = Some(RefSync::resume(config, core)?);
         }
         if core.state.global_step > 0 {
             // A resumed policy is no longer the reference: read what the first pass computed.
@@ -842,6 +907,14 @@ impl<N: CausalModel> Task<N> for Dpo {
             loss: g[0] / g[2].max(1.0),
             accuracy: Some(g[1] / g[2].max(1.0)),
         }))
+    }
+
+    /// TR-DPO's reference weights beside each checkpoint (each rank its share).
+    fn save_state(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
+        match &self.sync {
+            Some(sync) => sync.save(core, step),
+            None => Ok(()),
+        }
     }
 
     /// TR-DPO's sync (TRL's SyncRefModelCallback): every `ref_model_sync_steps` steps the

@@ -233,14 +233,14 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                 (window_tokens, window_start) = (0, Instant::now());
             }
             if step.is_multiple_of(self.core.args.save_steps) {
-                outcome.last_checkpoint = self.save_checkpoint()?;
+                outcome.last_checkpoint = self.save_with_task(None)?;
                 announce_saved(to_launcher, &outcome.last_checkpoint);
             }
             if self.stop_requested()? {
                 bar.abandon_with_message("SIGTERM: saving a checkpoint and stopping");
                 // Unless this very step was just saved.
                 if !step.is_multiple_of(self.core.args.save_steps) {
-                    outcome.last_checkpoint = self.save_checkpoint()?;
+                    outcome.last_checkpoint = self.save_with_task(None)?;
                     announce_saved(to_launcher, &outcome.last_checkpoint);
                 }
                 if let Some(path) = &outcome.last_checkpoint {
@@ -271,6 +271,17 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
 }
 
 impl<N: CausalModel, T: Task<N>> Trainer<'_, N, T> {
+    /// A checkpoint of this step (`format`, else the configured one), then the task's state
+    /// beside it (collective).
+    fn save_with_task(&self, format: Option<CheckpointFormat>) -> Result<Option<PathBuf>> {
+        let saved = match format {
+            Some(f) => self.save_checkpoint_as(f)?,
+            None => self.save_checkpoint()?,
+        };
+        self.task.save_state(&self.core, self.state.global_step)?;
+        Ok(saved)
+    }
+
     /// The final checkpoint, unless the last step just wrote it (the same on every rank).
     /// It is always full, so that the result opens in transformers.
     fn final_checkpoint(&self, to_launcher: bool) -> Result<Option<PathBuf>> {
@@ -278,7 +289,7 @@ impl<N: CausalModel, T: Task<N>> Trainer<'_, N, T> {
         if !step.is_multiple_of(self.core.args.save_steps)
             || self.checkpoint_format == CheckpointFormat::Sharded
         {
-            let saved = self.save_checkpoint_as(CheckpointFormat::Full)?;
+            let saved = self.save_with_task(Some(CheckpointFormat::Full))?;
             announce_saved(to_launcher, &saved);
             Ok(saved)
         } else {
