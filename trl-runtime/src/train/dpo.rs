@@ -301,7 +301,8 @@ impl RefSync {
         let path = ref_weights_file(&core.args.output_dir, step, core.ctx.world().rank());
         let source = path.display().to_string();
         let held = core.model.held_values();
-        let loaded = candle_core::safetensors::load(&path, held[0].device()).map_err(|e| {
+        let device = held.first().map_or(Device::Cpu, |t| t.device().clone());
+        let loaded = candle_core::safetensors::load(&path, &device).map_err(|e| {
             Error::config(&source, "sync_ref_model", format!("the TR-DPO reference of checkpoint-{step} cannot be read ({e}): resume from a checkpoint this run saved, under the launch it ran with"))
         })?;
         let mut weights = Vec::with_capacity(held.len());
