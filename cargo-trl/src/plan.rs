@@ -53,6 +53,12 @@ pub struct PlanArgs {
     /// peft's target_modules (default all-linear).
     #[arg(long, num_args = 1.., default_value = "all-linear")]
     pub lora_target_modules: Vec<String>,
+    /// What trains: sft, or dpo (a micro-batch of --batch pairs is twice as many sequences).
+    #[arg(long, default_value = "sft", value_parser = ["sft", "dpo"])]
+    pub trainer: String,
+    /// dpo: TR-DPO's synced reference (a copy of the weights on every rank).
+    #[arg(long)]
+    pub sync_ref_model: bool,
     /// Only layouts with (true) or without (false) activation checkpointing; both by default.
     #[arg(long)]
     pub gradient_checkpointing: Option<bool>,
@@ -222,6 +228,8 @@ pub struct Work {
     pub batch: usize,
     pub lora: Option<LoraConfig>,
     pub checkpointing: Vec<bool>,
+    /// Preference pairs (DPO), with TR-DPO's reference copy or not.
+    pub preference: Option<bool>,
     /// bf16 on GPUs unless the run says otherwise.
     pub dtype: Option<DType>,
 }
@@ -329,6 +337,10 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             offload_optimizer: offload,
                             reference_copy: false,
                         };
+                        let setup = match work.preference {
+                            Some(sync) => setup.for_preference_pairs(sync),
+                            None => setup,
+                        };
                         let estimate = estimate(model, &setup);
                         let time = step_time(model, &setup, &machine.hardware);
                         let peak = estimate.peak() + machine.base;
@@ -418,8 +430,12 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
             Some(c) => vec![c],
             None => vec![true, false],
         },
+        preference: (args.trainer == "dpo").then_some(args.sync_ref_model),
         dtype: None,
     };
+    if args.sync_ref_model && args.trainer != "dpo" {
+        return Err("--sync_ref_model is DPO's (TR-DPO): add --trainer dpo".into());
+    }
     let machine = Machine::from_args(args)?;
     let rows = rows(&work, &machine);
     let mut out = vec![format!(
@@ -547,6 +563,8 @@ pub fn auto(
                 use_peft: t.use_peft,
                 lora_r: t.lora_r,
                 lora_target_modules: vec![],
+                trainer: "sft".into(),
+                sync_ref_model: false,
                 gradient_checkpointing: None,
                 all: false,
                 explain: false,
@@ -558,6 +576,7 @@ pub fn auto(
         batch: t.per_device_train_batch_size,
         lora: t.lora(&model.dims.model_type),
         checkpointing: vec![t.gradient_checkpointing],
+        preference: None,
         dtype: t
             .compute_dtype()
             .ok()

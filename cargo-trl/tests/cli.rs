@@ -304,3 +304,33 @@ fn accelerate_launch_flags_by_their_names() {
         assert!(err.contains(expect), "{args:?}: {err}");
     }
 }
+
+/// `cargo trl plan --trainer dpo` counts what a DPO worker holds (the worker's estimate uses
+/// the same rule, `Setup::for_preference_pairs`): twice the sequences per micro-batch, and
+/// with `--sync_ref_model` a copy of the weights; TR-DPO without DPO is refused.
+#[test]
+fn the_plan_counts_preference_pairs() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny/model");
+    let plan = |extra: &[&str]| {
+        let base = ["plan", "--model", root, "--seq", "512", "--batch", "4"];
+        let more = ["--gradient_checkpointing", "false", "--explain"];
+        run(&[&base[..], &more, extra].concat())
+    };
+    let tokens = |out: &str| -> String {
+        let line = out
+            .lines()
+            .find(|l| l.contains("activations:"))
+            .unwrap_or("");
+        line.split_whitespace().nth(1).unwrap_or("").to_string()
+    };
+    let (code, sft, err) = plan(&[]);
+    assert_eq!(code, 0, "{err}");
+    let (_, dpo, _) = plan(&["--trainer", "dpo"]);
+    assert_eq!(tokens(&sft), "2048", "{sft}");
+    assert_eq!(tokens(&dpo), "4096", "{dpo}");
+    assert!(!dpo.contains("reference:"), "{dpo}");
+    let (_, tr, _) = plan(&["--trainer", "dpo", "--sync_ref_model"]);
+    assert!(tr.contains("reference: a copy of the weights"), "{tr}");
+    let (code, _, err) = plan(&["--sync_ref_model"]);
+    assert!(code != 0 && err.contains("--trainer dpo"), "{err}");
+}

@@ -38,6 +38,16 @@ pub struct Setup {
     pub reference_copy: bool,
 }
 
+impl Setup {
+    /// The setup of preference training over it (DPO): a micro-batch of n pairs is 2n
+    /// sequences, and TR-DPO (`sync_ref_model`) keeps a copy of the weights.
+    pub fn for_preference_pairs(mut self, sync_ref_model: bool) -> Self {
+        self.batch *= 2;
+        self.reference_copy = sync_ref_model;
+        self
+    }
+}
+
 /// Bytes one rank holds, by what holds them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Estimate {

@@ -686,8 +686,7 @@ impl<N: CausalModel> Task<N> for Dpo {
 
     /// A micro-batch of n pairs is 2n sequences; TR-DPO keeps a copy of the weights.
     fn memory_setup(config: &DPOConfig, setup: &mut crate::parallel::estimate::Setup) {
-        setup.batch *= 2;
-        setup.reference_copy = config.sync_ref_model;
+        *setup = setup.clone().for_preference_pairs(config.sync_ref_model);
     }
 
     fn prepare(&mut self, config: &DPOConfig, core: &Core<'_, N>) -> Result<()> {
