@@ -326,7 +326,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                                 fsdp.offload_params = true;
                             }
                         }
-                        let setup = Setup {
+                        let mut setup = Setup {
                             strategy,
                             dims,
                             dtype,
@@ -337,10 +337,9 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             offload_optimizer: offload,
                             reference_copy: false,
                         };
-                        let setup = match work.preference {
-                            Some(sync) => setup.for_preference_pairs(sync),
-                            None => setup,
-                        };
+                        if let Some(sync) = work.preference {
+                            setup.for_preference_pairs(sync);
+                        }
                         let estimate = estimate(model, &setup);
                         let time = step_time(model, &setup, &machine.hardware);
                         let peak = estimate.peak() + machine.base;

@@ -53,10 +53,11 @@ fn wpo_weights_under_split_profiles_equal_one_process() {
 
 /// TR-DPO (`--sync_ref_model`): the reference's own weights, held as each strategy holds the
 /// policy's (whole, ZeRO-2's gathered parameters, ZeRO-3 / FSDP units, tp slices), mixed after
-/// steps 2 and 4 and swapped in for the reference's forward of steps 3 and 5.
+/// steps 2 and 4 and swapped in for the reference's forward of steps 3 and 5. The synced run
+/// equals plain DPO until the first mix and parts from it after (so the sync ran).
 #[test]
 fn synced_reference_under_split_profiles_equals_one_process() {
-    profiles_equal_one_process(
+    let synced = profiles_equal_one_process(
         &[
             "--sync_ref_model",
             "true",
@@ -75,10 +76,25 @@ fn synced_reference_under_split_profiles_equals_one_process() {
             "alst_ulysses_cpu",
         ]),
     );
+    let tmp = tempfile::tempdir().unwrap();
+    dpo(&["--num_processes", "1"], 8, tmp.path(), &[]);
+    let plain = Run::read(tmp.path(), STEPS).losses;
+    for step in 0..STEPS {
+        let d = (synced[step] - plain[step]).abs();
+        match step < 2 {
+            true => assert!(d < 1e-9, "step {}: synced {d:e} off before a mix", step + 1),
+            false => assert!(
+                d > 1e-4,
+                "step {}: the mixed reference changed nothing ({d:e})",
+                step + 1
+            ),
+        }
+    }
 }
 
-/// DPO with `extra` flags under the CPU cases (`only` those named) equals one process.
-fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) {
+/// DPO with `extra` flags under the CPU cases (`only` those named) equals one process; the
+/// one-process run's losses (8 rows per step).
+fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) -> Vec<f64> {
     let tmp = tempfile::tempdir().unwrap();
     let out = |name: &str| tmp.path().join(name);
     let one = ["--num_processes", "1"];
@@ -123,6 +139,7 @@ fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) {
             worst[0], worst[1], worst[2]
         );
     }
+    one8.losses
 }
 
 fn grad_norms(out: &Path) -> Vec<f64> {

@@ -171,6 +171,19 @@ fn peft_script(python: &Path, args: &[&Path]) {
     );
 }
 
+/// `model`'s adapters (base `base`) saved in peft's format into `tmp`/adapter.
+fn save_adapter(model: &CausalLm, lora: &LoraConfig, base: &Path, tmp: &Path) -> PathBuf {
+    let adapter = tmp.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let tensors = model
+        .params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+        .collect();
+    peft::save(&adapter, &tensors, lora, base).unwrap();
+    adapter
+}
+
 /// peft's logits for the tiny model with the adapter in `adapter`.
 fn peft_logits(python: &Path, adapter: &Path, tmp: &Path) -> Tensor {
     peft_logits_of(python, &tiny(), adapter, tmp)
@@ -210,14 +223,7 @@ fn our_adapter_loads_in_peft_with_our_logits() {
         randomize(&model);
         let (ids, pos) = ids();
         let ours = model.forward(&ids, &pos).unwrap();
-        let adapter = tmp.path().join("adapter");
-        std::fs::create_dir_all(&adapter).unwrap();
-        let tensors = model
-            .params
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
-        peft::save(&adapter, &tensors, &lora, &tiny()).unwrap();
+        let adapter = save_adapter(&model, &lora, &tiny(), tmp.path());
         let theirs = peft_logits(&python, &adapter, tmp.path());
         let d = max_diff(&ours, &theirs);
         eprintln!("our adapter (dora {dora}) in peft: logits within {d:.1e}");
@@ -256,14 +262,7 @@ fn moe_adapters_travel_between_us_and_peft() {
         );
         let (ids, pos) = ids();
         let ours = model.forward(&ids, &pos).unwrap();
-        let adapter = tmp.path().join("adapter");
-        std::fs::create_dir_all(&adapter).unwrap();
-        let tensors = model
-            .params
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
-        peft::save(&adapter, &tensors, &lora, &base).unwrap();
+        let adapter = save_adapter(&model, &lora, &base, tmp.path());
         let theirs = peft_logits_of(&python, &base, &adapter, tmp.path());
         let d = max_diff(&ours, &theirs);
         eprintln!("{name}: our adapter in peft: logits within {d:.1e}");

@@ -5,7 +5,7 @@
 //! [`save`] writes, and [`read`] loads what peft writes.
 
 use crate::error::{Error, Result};
-use crate::nn::lora::{adapter_plan, LoraConfig, PlannedAdapter, Targets};
+use crate::nn::lora::{adapter_plan, AdapterPlan, LoraConfig, PlannedAdapter, Targets};
 use crate::nn::{Parallelize, Weight};
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -15,7 +15,7 @@ use std::path::Path;
 /// those of `config.modules_to_save` ([`freeze_base`]), and the linear layers `config`
 /// targets get adapters (sliced as their tensor-parallel split requires). The LM head takes
 /// none; a target matching no layer is an error listing the layers there are.
-pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<()> {
+pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<AdapterPlan> {
     freeze_base(net, config)?;
     let mut linears = Vec::new();
     net.visit_linears_mut("", &mut |name, _| {
@@ -50,7 +50,8 @@ pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<(
             }
         }
         Ok(())
-    })
+    })?;
+    Ok(plan)
 }
 
 /// Makes every weight of `net` a constant (a tied weight stays one tensor) but those of
@@ -166,7 +167,10 @@ pub fn save(
         .collect();
     targets.sort();
     // The gate_up wrapper's rank and alpha are twice the others' (its A serves gate and up).
-    let pattern = |v: serde_json::Value| match fused.gate_up {
+    let gate_up = fused
+        .target_parameters
+        .contains(&super::peft_experts::GATE_UP);
+    let pattern = |v: serde_json::Value| match gate_up {
         true => serde_json::json!({ GATE_UP_PATTERN: v }),
         false => serde_json::json!({}),
     };
@@ -311,16 +315,14 @@ pub fn read(
     }
     let mut target_list = names("target_modules");
     // The fused parameters' layers here (transformers 4's names, Qwen3-MoE's and Mixtral's).
+    use crate::nn::lora::{EXPERT_DOWN, EXPERT_GATE, EXPERT_UP};
     for p in &parameters {
-        target_list.extend(
-            match p.as_str() {
-                super::peft_experts::GATE_UP => &["gate_proj", "up_proj", "w1", "w3"][..],
-                super::peft_experts::DOWN => &["down_proj", "w2"],
-                _ => &["gate"],
-            }
-            .iter()
-            .map(|s| s.to_string()),
-        );
+        let layers = match p.as_str() {
+            super::peft_experts::GATE_UP => [EXPERT_GATE, EXPERT_UP].concat(),
+            super::peft_experts::DOWN => EXPERT_DOWN.to_vec(),
+            _ => vec!["gate"],
+        };
+        target_list.extend(layers.iter().map(|s| s.to_string()));
     }
     let targets = match target_list.as_slice() {
         [one] if one.eq_ignore_ascii_case("all-linear") => Targets::AllLinear,

@@ -9,6 +9,7 @@
 //! that as peft's tensors, [`unfuse`] reads them back, exactly.
 
 use crate::error::{Error, Result};
+use crate::nn::lora::{EXPERT_DOWN, EXPERT_GATE, EXPERT_UP};
 use candle_core::Tensor;
 use std::collections::{BTreeMap, HashSet};
 
@@ -18,20 +19,24 @@ pub const DOWN: &str = "down_proj";
 pub const ROUTER: &str = "gate.weight";
 
 /// Which fused projection an expert layer of ours belongs to.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Role {
     Gate,
     Up,
     Down,
 }
 
+const ROLES: [(Role, [&str; 2]); 3] = [
+    (Role::Gate, EXPERT_GATE),
+    (Role::Up, EXPERT_UP),
+    (Role::Down, EXPERT_DOWN),
+];
+
 fn role(leaf: &str) -> Option<Role> {
-    match leaf {
-        "gate_proj" | "w1" => Some(Role::Gate),
-        "up_proj" | "w3" => Some(Role::Up),
-        "down_proj" | "w2" => Some(Role::Down),
-        _ => None,
-    }
+    ROLES
+        .iter()
+        .find(|(_, names)| names.contains(&leaf))
+        .map(|(r, _)| *r)
 }
 
 /// transformers 5's name of a MoE block (Mixtral's `block_sparse_moe` became `mlp`).
@@ -45,7 +50,7 @@ fn v5_block(block: &str) -> String {
 /// One expert's adapter tensors, by role and part (A, B).
 #[derive(Default)]
 struct Expert {
-    parts: BTreeMap<(u8, char), Tensor>,
+    parts: BTreeMap<(Role, char), Tensor>,
 }
 
 /// Our tensors (full size, by our names) with the experts' adapters fused as peft holds
@@ -53,8 +58,6 @@ struct Expert {
 pub struct Fused {
     pub tensors: BTreeMap<String, Tensor>,
     pub target_parameters: Vec<&'static str>,
-    /// Adapted experts' gate_up (rank 2r: peft's rank_pattern and alpha_pattern for it).
-    pub gate_up: bool,
     /// Our names of the layers adapted through `target_parameters` (not target_modules).
     pub parameter_layers: HashSet<String>,
 }
@@ -72,7 +75,7 @@ pub fn fuse(tensors: &BTreeMap<String, Tensor>) -> Result<Fused> {
             let parts: Vec<&str> = rest.split('.').collect();
             if let [e, leaf, part @ ("lora_A" | "lora_B"), "weight"] = parts.as_slice() {
                 if let (Ok(e), Some(r)) = (e.parse::<usize>(), role(leaf)) {
-                    let key = (r as u8, part.chars().last().unwrap_or('A'));
+                    let key = (r, part.chars().last().unwrap_or('A'));
                     blocks
                         .entry(v5_block(block))
                         .or_default()
@@ -112,7 +115,7 @@ pub fn fuse(tensors: &BTreeMap<String, Tensor>) -> Result<Fused> {
             )));
         }
         let get = |e: &Expert, role: Role, part: char| -> Result<Tensor> {
-            e.parts.get(&(role as u8, part)).cloned().ok_or_else(|| {
+            e.parts.get(&(role, part)).cloned().ok_or_else(|| {
                 Error::Parallelism(format!(
                     "{block}: an expert lacks the {} adapter's {part} of its fused projection",
                     match role {
@@ -126,7 +129,7 @@ pub fn fuse(tensors: &BTreeMap<String, Tensor>) -> Result<Fused> {
         let has = |role: Role| {
             experts
                 .values()
-                .any(|e| e.parts.keys().any(|k| k.0 == role as u8))
+                .any(|e| e.parts.keys().any(|k| k.0 == role))
         };
         let (gu, dn) = (has(Role::Gate) || has(Role::Up), has(Role::Down));
         // Each fused projection: A rows expert-major; B [E, out, R] -> [out, R x E], column
@@ -170,7 +173,6 @@ pub fn fuse(tensors: &BTreeMap<String, Tensor>) -> Result<Fused> {
     Ok(Fused {
         tensors: out,
         target_parameters,
-        gate_up,
         parameter_layers,
     })
 }
@@ -271,12 +273,12 @@ pub fn align(name: &str, ours: &HashSet<&str>) -> String {
     if ours.contains(name) {
         return name.to_string();
     }
-    let mixtral = name
+    let mut mixtral = name
         .replace(".mlp.experts.", ".block_sparse_moe.experts.")
-        .replace(".mlp.gate.", ".block_sparse_moe.gate.")
-        .replace(".gate_proj.", ".w1.")
-        .replace(".up_proj.", ".w3.")
-        .replace(".down_proj.", ".w2.");
+        .replace(".mlp.gate.", ".block_sparse_moe.gate.");
+    for [qwen, theirs] in [EXPERT_GATE, EXPERT_UP, EXPERT_DOWN] {
+        mixtral = mixtral.replace(&format!(".{qwen}."), &format!(".{theirs}."));
+    }
     match ours.contains(mixtral.as_str()) {
         true => mixtral,
         false => name.to_string(),

@@ -77,11 +77,12 @@ impl LoraConfig {
     }
 }
 
-/// An expert's gate and up projections (transformers 4's names, Qwen3-MoE's and Mixtral's),
-/// which transformers 5 fuses into one `gate_up_proj` over all experts.
-const GATE_UP: &[(&str, &str)] = &[("gate_proj", "up_proj"), ("w1", "w3")];
-/// Every expert projection peft maps onto the fused experts.
-const EXPERT_PROJECTIONS: &[&str] = &["gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"];
+/// An expert's projections by transformers 4's names, [Qwen3-MoE's, Mixtral's]: what
+/// transformers 5 fuses over all experts (gate and up into one `gate_up_proj`, down into
+/// `down_proj`) and peft maps its targets onto.
+pub const EXPERT_GATE: [&str; 2] = ["gate_proj", "w1"];
+pub const EXPERT_UP: [&str; 2] = ["up_proj", "w3"];
+pub const EXPERT_DOWN: [&str; 2] = ["down_proj", "w2"];
 
 /// One adapted layer, as peft adapts it.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,7 +141,10 @@ pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Re
             );
         }
         let l = leaf(name);
-        if has_experts && !is_expert(name) && EXPERT_PROJECTIONS.contains(&l.as_str()) {
+        let projection = [EXPERT_GATE, EXPERT_UP, EXPERT_DOWN]
+            .iter()
+            .any(|names| names.contains(&l.as_str()));
+        if has_experts && !is_expert(name) && projection {
             left_out.push(name.clone());
             continue;
         }
@@ -155,9 +159,10 @@ pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Re
                 return fail("use_dora", format!("{name} is a mixture-of-experts parameter, which peft adapts without DoRA (it refuses use_dora there too): drop use_dora or leave the experts and router out of lora_target_modules"));
             }
         }
-        if let Some((g, u)) = GATE_UP
+        if let Some((g, u)) = EXPERT_GATE
             .iter()
-            .find(|(g, u)| is_expert(name) && (l == *g || l == *u))
+            .zip(&EXPERT_UP)
+            .find(|(g, u)| is_expert(name) && (l == **g || l == **u))
         {
             let (prefix, _) = name.rsplit_once('.').expect("an expert's projection");
             let other = if l == *g { u } else { g };

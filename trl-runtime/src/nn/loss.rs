@@ -32,10 +32,20 @@ impl LossSum {
 /// log sum exp(2 z) - 2 log sum exp(z), both shifted by the row's maximum. Detached (WPO's
 /// per-token term, a constant for the gradient).
 pub fn log_sum_sq_probs(logits: &Tensor) -> Result<Tensor> {
+    log_sum_sq_probs_over(logits, Ok, Ok)
+}
+
+/// [`log_sum_sq_probs`] of a row's part of the vocabulary: `max` and `sum` reduce the row
+/// maximum and the two exponential sums over the parts (the identity for a whole row).
+pub fn log_sum_sq_probs_over(
+    logits: &Tensor,
+    max: impl Fn(Tensor) -> Result<Tensor>,
+    sum: impl Fn(Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
     let logits = logits.detach();
-    let shifted = logits.broadcast_sub(&logits.max_keepdim(D::Minus1)?)?;
-    let s1 = shifted.exp()?.sum_keepdim(D::Minus1)?;
-    let s2 = (&shifted * 2.0)?.exp()?.sum_keepdim(D::Minus1)?;
+    let shifted = logits.broadcast_sub(&max(logits.max_keepdim(D::Minus1)?)?)?;
+    let s1 = sum(shifted.exp()?.sum_keepdim(D::Minus1)?)?;
+    let s2 = sum((&shifted * 2.0)?.exp()?.sum_keepdim(D::Minus1)?)?;
     (s2.log()? - (s1.log()? * 2.0)?)?.squeeze(1)
 }
 

@@ -58,7 +58,7 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
         (Some((ckpt, step)), Some(lora)) => {
             // A LoRA checkpoint holds the adapters: the base is the model directory's.
             let mut model = read_split().map_err(tp_error)?;
-            model.add_adapters(lora)?;
+            warn_left_out(ctx, &model.add_adapters(lora)?);
             if !ckpt.join(peft::ADAPTER_CONFIG).exists() {
                 return Err(Error::config(
                     ckpt.display().to_string(),
@@ -104,26 +104,9 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
         }
     };
     if let (Some(lora), Resume::Fresh) = (&opts.lora, &resume) {
-        model.add_adapters(lora)?;
+        warn_left_out(ctx, &model.add_adapters(lora)?);
     }
-    if let (Some(lora), true) = (&opts.lora, ctx.is_main_process()) {
-        let left_out = crate::nn::lora::adapter_plan(lora, &model.linear_names()?)?.left_out;
-        if !left_out.is_empty() {
-            tracing::warn!(
-                "use_peft: {} dense MLP projection(s) beside the experts ({}{}) get no adapter: \
-                 peft (0.17+, transformers 5) maps every gate_proj / up_proj / down_proj target \
-                 onto the fused experts, and this run adapts what peft adapts",
-                left_out.len(),
-                left_out
-                    .iter()
-                    .take(3)
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                if left_out.len() > 3 { ", ..." } else { "" }
-            );
-        }
-    }
+
     // Any checkpoint resumes under any strategy and world size: the state is per parameter.
     let mut checkpoint_format = CheckpointFormat::from_plan(ctx.plan());
     if opts.lora.is_some() && checkpoint_format == CheckpointFormat::Sharded {
@@ -159,4 +142,26 @@ fn read_state(params: &Params, ckpt: &Path, step: u64, opts: &ParallelOptions) -
     let mut full = AdamW::for_params(params, opts.adam)?;
     full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(step);
     Ok(full)
+}
+
+/// Says (rank 0) which targeted layers `plan` gave no adapter: the dense MLP projections
+/// beside experts, as peft leaves them.
+fn warn_left_out(ctx: &DistContext, plan: &crate::nn::lora::AdapterPlan) {
+    let left_out = &plan.left_out;
+    if left_out.is_empty() || !ctx.is_main_process() {
+        return;
+    }
+    tracing::warn!(
+        "use_peft: {} dense MLP projection(s) beside the experts ({}{}) get no adapter: \
+         peft (0.17+, transformers 5) maps every gate_proj / up_proj / down_proj target \
+         onto the fused experts, and this run adapts what peft adapts",
+        left_out.len(),
+        left_out
+            .iter()
+            .take(3)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", "),
+        if left_out.len() > 3 { ", ..." } else { "" }
+    );
 }

@@ -41,10 +41,9 @@ pub struct Setup {
 impl Setup {
     /// The setup of preference training over it (DPO): a micro-batch of n pairs is 2n
     /// sequences, and TR-DPO (`sync_ref_model`) keeps a copy of the weights.
-    pub fn for_preference_pairs(mut self, sync_ref_model: bool) -> Self {
+    pub fn for_preference_pairs(&mut self, sync_ref_model: bool) {
         self.batch *= 2;
         self.reference_copy = sync_ref_model;
-        self
     }
 }
 
@@ -419,6 +418,11 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         .map(|(_, n)| n)
         .sum();
     let whole: usize = trained.iter().map(|(_, n)| n).sum();
+    // The ZeRO-3 / FSDP wrap units on this rank (frozen ones under LoRA).
+    let units = match setup.strategy {
+        Strategy::Fsdp(policy, _) => model.unit_sizes(tp, policy, &trained),
+        _ => Vec::new(),
+    };
     let (p, frozen) = match &adapters {
         Some(a) => (a.iter().map(|(_, n)| n).sum::<usize>() + whole, base - kept),
         None => (base, 0),
@@ -450,8 +454,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
                 slice(p)
             ));
         }
-        (Strategy::Fsdp(policy, _), false) => {
-            let units = model.unit_sizes(tp, policy, &trained);
+        (Strategy::Fsdp(..), false) => {
             let s: usize = units.iter().map(|&u| slice(u)).sum();
             // In fp32 the slice is its own master; otherwise a compute-dtype copy beside it.
             e.parameters = dsz * s;
@@ -463,10 +466,9 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
                 opt_bytes / s.max(1)
             ));
         }
-        (Strategy::Fsdp(policy, _), true) => {
+        (Strategy::Fsdp(..), true) => {
             // The frozen base is sharded in its units; the adapters stay whole, their
             // gradients and optimizer state sharded as ZeRO-2 does.
-            let units = model.unit_sizes(tp, policy, &trained);
             let s: usize = units.iter().map(|&u| slice(u)).sum();
             e.parameters = dsz * (s + p);
             e.gradients = (4 * p).div_ceil(n);
@@ -538,14 +540,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // During backward the whole gradients of what the rank computes with exist before their
     // reduction; under ZeRO-3 / FSDP only those of the units gathered: two in use (their
     // weights and gradients) and the next one's weights arriving.
-    let largest_unit = match setup.strategy {
-        Strategy::Fsdp(policy, _) => model
-            .unit_sizes(tp, policy, &trained)
-            .into_iter()
-            .max()
-            .unwrap_or(0),
-        _ => 0,
-    };
+    let largest_unit = units.iter().copied().max().unwrap_or(0);
     // Under LoRA the frozen head still gets its gradient computed by the loss (fp32, the
     // vocabulary's rows this rank holds).
     let head_grad = if lora {

@@ -15,7 +15,7 @@ use crate::models::params::{
 };
 use crate::models::{AutoModelForCausalLM, CausalModel, LayerInputs, ModelConfig};
 use crate::nn::embedding::TiedGrad;
-use crate::nn::lora::LoraConfig;
+use crate::nn::lora::{AdapterPlan, LoraConfig};
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::tiled_loss::{tied_linear_cross_entropy, tiled_linear_cross_entropy};
 use crate::nn::Weight;
@@ -398,19 +398,19 @@ impl<N: CausalModel> Model<N> {
     /// those of `lora_modules_to_save`, and the linear layers `config` targets get adapters
     /// (sliced as their tensor-parallel split requires). `params` then holds what trains.
     /// Call it before sharding for ZeRO-3 / FSDP.
-    pub fn add_adapters(&mut self, config: &LoraConfig) -> Result<()> {
+    pub fn add_adapters(&mut self, config: &LoraConfig) -> Result<AdapterPlan> {
         if self.sharding.is_some() {
             return Err(Error::Parallelism(
                 "add LoRA adapters before sharding the model for ZeRO-3 / FSDP".into(),
             ));
         }
-        crate::models::peft::add_adapters(self.net_mut()?, config)?;
+        let plan = crate::models::peft::add_adapters(self.net_mut()?, config)?;
         self.params = crate::tp::named_parameters(&*self.net)?;
         if let Some(tp) = &self.tp {
             self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
         }
         self.lora = Some(config.clone());
-        Ok(())
+        Ok(plan)
     }
 
     /// The names of the layers that can take a LoRA adapter (each `nn::Linear`), as
@@ -438,7 +438,9 @@ impl<N: CausalModel> Model<N> {
         let (config, tensors) = crate::models::peft::read(dir, dtype, &device)?;
         let source = dir.join(crate::models::peft::ADAPTER_WEIGHTS);
         match &self.lora {
-            None => self.add_adapters(&config)?,
+            None => {
+                self.add_adapters(&config)?;
+            }
             Some(mine) if mine.r != config.r => {
                 return Err(Error::config(
                     dir.join(crate::models::peft::ADAPTER_CONFIG)

@@ -77,16 +77,11 @@ pub fn vocab_parallel_token_nll(
 /// [`crate::nn::loss::log_sum_sq_probs`] of vocabulary-sharded `logits` [n, vocab / tp]: the
 /// row maximum and the two exponential sums are reduced over the group (detached).
 pub fn vocab_parallel_log_sum_sq(logits: &Tensor, comm: &Arc<dyn Communicator>) -> Result<Tensor> {
-    if comm.size() == 1 {
-        return Ok(crate::nn::loss::log_sum_sq_probs(logits)?);
-    }
-    let logits = logits.detach();
-    let max = comm.all_reduce(&logits.max_keepdim(D::Minus1)?, ReduceOp::Max)?;
-    let shifted = logits.broadcast_sub(&max)?;
-    let s1 = comm.all_reduce(&shifted.exp()?.sum_keepdim(D::Minus1)?, ReduceOp::Sum)?;
-    let s2 = comm.all_reduce(
-        &(&shifted * 2.0)?.exp()?.sum_keepdim(D::Minus1)?,
-        ReduceOp::Sum,
-    )?;
-    Ok((s2.log()? - (s1.log()? * 2.0)?)?.squeeze(1)?)
+    let over =
+        |op: ReduceOp| move |t: Tensor| comm.all_reduce(&t, op).map_err(crate::Error::into_candle);
+    Ok(crate::nn::loss::log_sum_sq_probs_over(
+        logits,
+        over(ReduceOp::Max),
+        over(ReduceOp::Sum),
+    )?)
 }

@@ -488,7 +488,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             &dir.join("config.json").display().to_string(),
         )
         .ok()?;
-        let setup = crate::parallel::estimate::Setup {
+        let mut setup = crate::parallel::estimate::Setup {
             strategy: self.strategy,
             dims: self.ctx.mesh.dims(),
             dtype: self.args.compute_dtype().ok()?,
@@ -499,7 +499,6 @@ impl<'a, N: CausalModel> Core<'a, N> {
             offload_optimizer: self.offloaded(),
             reference_copy: false,
         };
-        let mut setup = setup;
         task(&mut setup);
         Some(crate::parallel::estimate::estimate(&shapes, &setup))
     }

@@ -260,6 +260,17 @@ fn ref_weights_file(output_dir: &Path, step: usize, rank: usize) -> PathBuf {
 }
 
 impl RefSync {
+    /// The reference of a run at step `step` holding `weights` (this rank's share): mixed
+    /// once `step` has reached the first sync.
+    fn new(config: &DPOConfig, weights: Vec<Tensor>, step: usize) -> Self {
+        RefSync {
+            alpha: config.ref_model_mixup_alpha,
+            every: config.ref_model_sync_steps,
+            weights: weights.into(),
+            mixed: step >= config.ref_model_sync_steps,
+        }
+    }
+
     /// Writes this rank's reference weights for checkpoint `step` (atomically), and drops
     /// those of earlier checkpoints.
     fn save<N: CausalModel>(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
@@ -314,12 +325,7 @@ impl RefSync {
         if loaded.len() != held.len() {
             return Err(Error::config(&source, "sync_ref_model", format!("{} tensors, this rank holds {}: resume under the launch the run was saved with", loaded.len(), held.len())));
         }
-        Ok(RefSync {
-            alpha: config.ref_model_mixup_alpha,
-            every: config.ref_model_sync_steps,
-            weights: weights.into(),
-            mixed: step >= config.ref_model_sync_steps,
-        })
+        Ok(RefSync::new(config, weights, step))
     }
 
     /// `f` run with the reference's weights in the model (swapped back however it ends).
@@ -686,7 +692,7 @@ impl<N: CausalModel> Task<N> for Dpo {
 
     /// A micro-batch of n pairs is 2n sequences; TR-DPO keeps a copy of the weights.
     fn memory_setup(config: &DPOConfig, setup: &mut crate::parallel::estimate::Setup) {
-        *setup = setup.clone().for_preference_pairs(config.sync_ref_model);
+        setup.for_preference_pairs(config.sync_ref_model);
     }
 
     fn prepare(&mut self, config: &DPOConfig, core: &Core<'_, N>) -> Result<()> {
@@ -737,12 +743,7 @@ impl<N: CausalModel> Task<N> for Dpo {
                 .iter()
                 .map(Tensor::copy)
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            self.sync = Some(RefSync {
-                alpha: config.ref_model_mixup_alpha,
-                every: config.ref_model_sync_steps,
-                weights: weights.into(),
-                mixed: false,
-            });
+            self.sync = Some(RefSync::new(config, weights, 0));
         } else if !config.precompute_ref_log_probs && core.ctx.is_main_process() {
             tracing::info!("precompute_ref_log_probs is false: the reference log-probabilities are computed before training anyway (the policy before its first step is the reference), the same values TRL computes on the fly");
         }
@@ -795,20 +796,34 @@ impl<N: CausalModel> Task<N> for Dpo {
         // Per micro-batch, its logit sums and target counts (TRL averages that metric over
         // micro-batches); summed over the ranks once, with the rest.
         let mut logits = Vec::with_capacity(4 * rows.len());
-        for (i, idx) in rows.iter().enumerate() {
-            let batch: Vec<&PreferencePair> = idx.iter().map(|&k| &self.train[k]).collect();
-            let micro = self.micro(core, &batch)?;
-            let reference: Vec<(f64, f64)> = match self.sync.as_ref().filter(|s| s.mixed) {
-                // TR-DPO after a mix: the reference's forward over this micro-batch.
-                Some(sync) => {
-                    let r = sync.run(core, || self.forward(core, &micro, false, false))?;
-                    let n = idx.len();
-                    (0..n).map(|j| (r.logps[j], r.logps[n + j])).collect()
-                }
-                None => idx.iter().map(|&k| self.ref_train[k]).collect(),
-            };
-            let seq = core.with_dropout(i, || self.forward(core, &micro, true, true))?;
-            let p = Self::pair_logps(&micro, &seq, &reference);
+        let micros = rows
+            .iter()
+            .map(|idx| {
+                let batch: Vec<&PreferencePair> = idx.iter().map(|&k| &self.train[k]).collect();
+                self.micro(core, &batch)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // The reference's log-probabilities: precomputed, or under TR-DPO after a mix its
+        // forward over the step's micro-batches, its weights swapped in once for all of them.
+        let references: Vec<Vec<(f64, f64)>> = match self.sync.as_ref().filter(|s| s.mixed) {
+            Some(sync) => sync.run(core, || {
+                micros
+                    .iter()
+                    .map(|micro| {
+                        let r = self.forward(core, micro, false, false)?;
+                        let n = micro.chosen_len.len();
+                        Ok((0..n).map(|j| (r.logps[j], r.logps[n + j])).collect())
+                    })
+                    .collect()
+            })?,
+            None => rows
+                .iter()
+                .map(|idx| idx.iter().map(|&k| self.ref_train[k]).collect())
+                .collect(),
+        };
+        for (i, (micro, reference)) in micros.iter().zip(&references).enumerate() {
+            let seq = core.with_dropout(i, || self.forward(core, micro, true, true))?;
+            let p = Self::pair_logps(micro, &seq, reference);
             let out = self.loss.compute(&p)?;
             loss += out.loss;
             tokens += micro.tokens;
