@@ -380,6 +380,49 @@ fn trainer_on_gpu_matches_cpu_and_ddp_in_bf16() {
     );
 }
 
+#[test]
+fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
+    // The built-in architectures' own paths on a GPU (per-head q/k norms, whole-projection
+    // norms, sliding windows, (1 + w) norms and final soft-capping, routers with top-k on the
+    // host and experts gathered by index, fused qkv), with and without LoRA adapters on every
+    // linear layer (experts included): 3 fp32 steps equal to the same on the CPU.
+    let Some(dev) = gpu() else { return };
+    let cases = [
+        ("tiny-qwen3", false),
+        ("tiny-olmo2", false),
+        ("tiny-gemma3", false),
+        ("tiny-phi3", true),
+        ("tiny-qwen3-moe", false),
+        ("tiny-qwen3-moe", true),
+        ("tiny-mixtral", true),
+    ];
+    let mut failed = Vec::new();
+    for (name, peft) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let make = |out: &str| {
+            let mut c = config(&tmp.path().join(out), 4, false);
+            c.training.model_name_or_path = assets().join(format!("../{name}/model"));
+            c.training.max_steps = 3;
+            c.training.use_peft = peft;
+            if peft {
+                c.training.lora_target_modules = Some(
+                    trl_runtime::config::cli_value::NameList(vec!["all-linear".into()]),
+                );
+                c.training.lora_dropout = 0.0;
+            }
+            c
+        };
+        let cpu = train(1, make("cpu"), &Device::Cpu);
+        let gpu = train(1, make("gpu"), &dev);
+        let (loss, mean) = differences(&gpu, &cpu);
+        eprintln!("{name} (LoRA {peft}) fp32 GPU vs CPU: loss {loss:e}, mean weight {mean:e}");
+        if !(loss < 1e-4 && mean < 1e-4) {
+            failed.push(format!("{name} (LoRA {peft}): loss {loss:e}, weights {mean:e}"));
+        }
+    }
+    assert!(failed.is_empty(), "GPU differs from CPU: {failed:?}");
+}
+
 /// ZeRO-3 over `world` in-process ranks on `device`, entered through a launch plan as under
 /// `cargo trl launch`; with `offload`, the plan keeps the optimizer state in host memory and the
 /// run checkpoints activations, keeping the layer inputs in host memory too.
