@@ -405,9 +405,10 @@ fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
             c.training.max_steps = 3;
             c.training.use_peft = peft;
             if peft {
-                c.training.lora_target_modules = Some(
-                    trl_runtime::config::cli_value::NameList(vec!["all-linear".into()]),
-                );
+                c.training.lora_target_modules =
+                    Some(trl_runtime::config::cli_value::NameList(vec![
+                        "all-linear".into()
+                    ]));
                 c.training.lora_dropout = 0.0;
             }
             c
@@ -417,7 +418,9 @@ fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
         let (loss, mean) = differences(&gpu, &cpu);
         eprintln!("{name} (LoRA {peft}) fp32 GPU vs CPU: loss {loss:e}, mean weight {mean:e}");
         if !(loss < 1e-4 && mean < 1e-4) {
-            failed.push(format!("{name} (LoRA {peft}): loss {loss:e}, weights {mean:e}"));
+            failed.push(format!(
+                "{name} (LoRA {peft}): loss {loss:e}, weights {mean:e}"
+            ));
         }
     }
     assert!(failed.is_empty(), "GPU differs from CPU: {failed:?}");
