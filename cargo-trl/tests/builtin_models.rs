@@ -20,10 +20,28 @@ use std::path::Path;
 
 const STEPS: usize = 5;
 
-fn launch(model: &Path, launch_args: &[&str], per_device: usize, out: &Path) -> String {
-    let model: &std::ffi::OsStr = model.as_ref();
-    let cmd = common::sft_launch(launch_args, &["--model_name_or_path".as_ref(), model]);
-    common::run_launch(cmd, STEPS, per_device, out)
+/// `rows` per rank per step: one micro-batch of them, or for a mixture of experts one
+/// micro-batch per row with the router loss weighted 0.1. That loss is per micro-batch (TRL's
+/// average over micro-batches and ranks), not a sum over rows: with one row each, a rank's
+/// micro-batches are exactly some of one process's.
+fn launch(model: &Path, launch_args: &[&str], rows: usize, out: &Path) -> String {
+    let moe = ["qwen3-moe", "mixtral"]
+        .iter()
+        .any(|k| model.to_string_lossy().contains(&format!("tiny-{k}/")));
+    let steps = rows.to_string();
+    let mut args: Vec<&std::ffi::OsStr> = vec!["--model_name_or_path".as_ref(), model.as_ref()];
+    if moe {
+        for a in [
+            "--gradient_accumulation_steps",
+            &steps,
+            "--router_aux_loss_coef",
+            "0.1",
+        ] {
+            args.push(a.as_ref());
+        }
+    }
+    let cmd = common::sft_launch(launch_args, &args);
+    common::run_launch(cmd, STEPS, if moe { 1 } else { rows }, out)
 }
 
 /// Trains assets/tiny-`kind` under every CPU profile against one process; returns the tp-alone
@@ -45,13 +63,6 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
             assert!(
                 text.contains("act on features split over tp")
                     && text.contains("model.layers.0.self_attn.q_norm.weight"),
-                "{name}: {text}"
-            );
-        }
-        if kind == "qwen3-moe" || kind == "mixtral" {
-            // TRL would add the router's load-balancing loss (config.json weights it): said.
-            assert!(
-                text.contains("trains on the language-model loss alone"),
                 "{name}: {text}"
             );
         }
@@ -144,12 +155,26 @@ fn phi3_under_every_cpu_profile_equals_one_process() {
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }
 
+/// Every step logs TRL's `aux_loss` (the router loss, unweighted; about 1 for balanced
+/// routing: experts x the sum over experts of load x probability).
+fn router_loss_logged(out: &Path) {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let aux: Vec<f64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|m| m["aux_loss"].as_f64())
+        .collect();
+    assert_eq!(aux.len(), STEPS, "{text}");
+    assert!(aux.iter().all(|&a| a > 0.5 && a < 4.0), "{aux:?}");
+}
+
 #[test]
 fn qwen3_moe_under_every_cpu_profile_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let tp = every_profile("qwen3-moe", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"qwen3_moe\""), "{config}");
+    router_loss_logged(&tp);
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }
 
@@ -159,5 +184,6 @@ fn mixtral_under_every_cpu_profile_equals_one_process() {
     let tp = every_profile("mixtral", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"mixtral\""), "{config}");
+    router_loss_logged(&tp);
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }

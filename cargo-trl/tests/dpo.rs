@@ -216,8 +216,24 @@ fn dpo_matches_trl() {
             "ld_alpha=0.5",
             "f_divergence_type=js_divergence",
         ],
+        // A mixture of experts: the router's load-balancing loss added to the policy's.
+        &[
+            "sigmoid",
+            "model:tiny-qwen3-moe",
+            "router_aux_loss_coef=0.1",
+        ],
     ];
     for run in runs {
+        let model = run
+            .iter()
+            .find_map(|a| a.strip_prefix("model:"))
+            .unwrap_or("tiny");
+        let model = root().join(format!("assets/{model}/model"));
+        let run: Vec<&str> = run
+            .iter()
+            .copied()
+            .filter(|a| !a.starts_with("model:"))
+            .collect();
         let losses: Vec<&str> = run.iter().copied().filter(|a| !a.contains('=')).collect();
         let keys: Vec<String> = run
             .iter()
@@ -227,11 +243,11 @@ fn dpo_matches_trl() {
         let out = tmp.path().join(run.join("-").replace('=', "_"));
         let o = Command::new(&python)
             .arg(root().join("scripts/trl_dpo.py"))
-            .arg(root().join("assets/tiny/model"))
+            .arg(&model)
             .arg(&pairs)
             .arg(tmp.path().join("trl"))
             .args(["3", "8", "1e-3"])
-            .args(*run)
+            .args(&run)
             .output()
             .unwrap();
         let theirs = metrics(&String::from_utf8_lossy(&o.stdout));
@@ -241,6 +257,7 @@ fn dpo_matches_trl() {
             &["--num_processes", "1"],
             &[
                 &["--dataset_name", pairs.to_str().unwrap()][..],
+                &["--model_name_or_path", model.to_str().unwrap()],
                 &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
                 &["--max_length", "64", "--gradient_checkpointing", "false"],
                 &["--loss_type"][..],
@@ -254,7 +271,8 @@ fn dpo_matches_trl() {
         assert_eq!((ours.len(), theirs.len()), (3, 3), "{losses:?}");
         let mut worst = 0f64;
         for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-            for key in KEYS {
+            let aux = b.get("aux_loss").map(|_| "aux_loss");
+            for key in KEYS.iter().copied().chain(aux) {
                 let (g, w) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
                 let d = (g - w).abs() / w.abs().max(1e-3);
                 worst = worst.max(d);

@@ -168,8 +168,8 @@ fn gpu() {
     ];
     // Keys per backward block (TRL_FLASH_BWD_KEYS: 128, the default, or 64).
     let keys = std::env::var("TRL_FLASH_BWD_KEYS").unwrap_or_else(|_| "128".into());
-    // TRL_FLASH_ASYNC=1: tiles loaded by cp.async, overlapped with the math.
-    let pipelined = std::env::var("TRL_FLASH_ASYNC").is_ok_and(|v| v == "1");
+    // Tiles loaded by cp.async, overlapped with the math, unless TRL_FLASH_ASYNC=0.
+    let pipelined = !std::env::var("TRL_FLASH_ASYNC").is_ok_and(|v| v == "0");
     let kernel = format!("mma{}-bwd{keys}", if pipelined { "-async" } else { "" });
     let args: Vec<String> = shapes.iter().map(|s| shape_arg(*s)).collect();
     let torch = torch_ms("cuda", "bf16", &args);

@@ -167,6 +167,7 @@ fn worker(mode: &str, seq: usize, dir: &Path) {
         position_ids: pos,
         num_target_tokens: seq - 1,
         shifted_targets: None,
+        attention_mask: None,
     };
     let part = batch.part(split.as_ref()).unwrap();
     let targets = part.targets().unwrap();

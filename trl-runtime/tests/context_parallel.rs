@@ -86,6 +86,7 @@ fn batch() -> Batch {
         position_ids: Tensor::from_vec(pos, (2, 16), &dev).unwrap(),
         num_target_tokens: 28,
         shifted_targets: None,
+        attention_mask: None,
     }
 }
 

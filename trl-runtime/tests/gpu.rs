@@ -1097,14 +1097,22 @@ fn tied_head_loss_path_on_gpu_follows_the_cpu() {
         (loss, gs)
     };
     let (want_loss, want) = grads(&Device::Cpu, DType::F32, true);
-    for (dtype, bound) in [(DType::F32, 1e-4f32), (DType::BF16, 3e-2)] {
+    // bf16 is held to the CPU's own bf16 error against f32 (up to 5.7e-2 here, measured on
+    // an H200 and the CPU: the GPU's was 5.2e-2 for the tied table): at most twice it.
+    let (_, cpu_bf16) = grads(&Device::Cpu, DType::BF16, false);
+    for dtype in [DType::F32, DType::BF16] {
         let (loss, got) = grads(&dev, dtype, false);
         let dl = ((loss - want_loss) / want_loss).abs();
         eprintln!("tied loss path {dtype:?}: loss {dl:e}");
-        assert!(dl < bound, "{dtype:?}: loss {loss} vs {want_loss}");
-        for ((name, g), (_, w)) in got.iter().zip(&want) {
+        let loss_bound = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
+        assert!(dl < loss_bound, "{dtype:?}: loss {loss} vs {want_loss}");
+        for (((name, g), (_, w)), (_, c)) in got.iter().zip(&want).zip(&cpu_bf16) {
             let e = rel_diff(g, w) as f32;
-            eprintln!("  {name}: {e:e}");
+            let bound = match dtype {
+                DType::F32 => 1e-4,
+                _ => 2.0 * rel_diff(c, w) as f32 + 1e-3,
+            };
+            eprintln!("  {name}: {e:e} (bound {bound:e})");
             assert!(e < bound, "{dtype:?}: gradient of {name} differs by {e:e}");
         }
     }

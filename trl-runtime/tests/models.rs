@@ -525,3 +525,89 @@ fn final_logit_softcapping_caps_logits_and_the_loss() {
     let auto = AutoModelForCausalLM::from_pretrained(tmp.path(), DType::F32, &Device::Cpu).unwrap();
     assert!(max_abs_diff(&auto.forward(&ids, &pos).unwrap(), &want) < 1e-6);
 }
+
+/// The router load-balancing loss equals transformers' (`output_router_logits`,
+/// `router_aux_loss_coef` 0.1, scripts/make_router_loss_fixture.py) on a batch with a padded
+/// row: the loss and aux_loss values, and the gradients of the routers, of the embedding and of
+/// layer 0's q_proj (the loss reaches the hidden states through the routers' inputs), with and
+/// without activation checkpointing (a recomputed layer adds the gradient once).
+#[test]
+fn the_router_loss_matches_transformers() {
+    use trl_runtime::models::router_loss::{with_router_loss, RouterLoss};
+    for (kind, router) in [
+        ("qwen3-moe", "mlp.gate"),
+        ("mixtral", "block_sparse_moe.gate"),
+    ] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../assets")
+            .join(format!("tiny-{kind}"));
+        let want =
+            candle_core::safetensors::load(dir.join("router_loss.safetensors"), &Device::Cpu)
+                .unwrap();
+        let ids = want["input_ids"].to_dtype(DType::U32).unwrap();
+        let (b, s) = ids.dims2().unwrap();
+        let pos = Tensor::arange(0i64, s as i64, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap()
+            .repeat((b, 1))
+            .unwrap();
+        let mask: Vec<bool> = want["attention_mask"]
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<u8>()
+            .unwrap()
+            .iter()
+            .map(|&m| m == 1)
+            .collect();
+        let scalar = |t: &Tensor| t.to_vec1::<f32>().unwrap()[0] as f64;
+        for checkpointing in [false, true] {
+            let mut m =
+                CausalLm::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu).unwrap();
+            if checkpointing {
+                m.checkpointing = Some(trl_runtime::parallel::checkpointing::Checkpointing::new(
+                    false,
+                ));
+            }
+            let aux = RouterLoss::new(Some(mask.clone()), 0.1);
+            let ls =
+                with_router_loss(&aux, || m.forward_loss(&ids, &pos, &want["labels"])).unwrap();
+            let ce = (ls.sum / ls.count as f64).unwrap();
+            let grads = m.backward(&ce).unwrap();
+            let value = aux.value().unwrap();
+            let loss = scalar(&ce.reshape(1).unwrap()) + 0.1 * value;
+            let what = format!("{kind} (checkpointing {checkpointing})");
+            let d = (value - scalar(&want["aux_loss"])).abs();
+            eprintln!("{what}: aux_loss {value} (transformers' within {d:.1e})");
+            assert!(d < 1e-5, "{what}: aux_loss {value}");
+            let d = (loss - scalar(&want["loss"])).abs();
+            assert!(d < 1e-5, "{what}: loss {loss} differs by {d}");
+            let mut checked = 0;
+            for (key, w) in &want {
+                let name = match key.split_once('.') {
+                    Some(("router", l)) => format!("model.layers.{l}.{router}.weight"),
+                    Some(("q_proj", l)) => format!("model.layers.{l}.self_attn.q_proj.weight"),
+                    _ if key == "embed" => "model.embed_tokens.weight".into(),
+                    _ => continue,
+                };
+                let var = m.params.get(&name).unwrap_or_else(|| panic!("{name}"));
+                let g = grads.get(var.as_tensor()).unwrap();
+                let d = max_abs_diff(g, w);
+                let scale = w
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                eprintln!("{what}: {name} gradient within {d:.1e} (largest {scale:.1e})");
+                assert!(
+                    d < 1e-5 + 1e-4 * scale as f64,
+                    "{what}: {name} gradient differs by {d}"
+                );
+                checked += 1;
+            }
+            assert!(checked >= 3, "{what}: {checked} gradients checked");
+        }
+    }
+}

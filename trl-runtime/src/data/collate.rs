@@ -26,6 +26,10 @@ pub struct Batch {
     /// The next-token targets, when they were taken before the rows were cut along the
     /// sequence (a chunk's last token predicts the next chunk's first); None: shift `labels`.
     pub shifted_targets: Option<Tensor>,
+    /// [rows, len] u8 on the host, 1 for real tokens and 0 for padding, as transformers'
+    /// attention_mask (what a mixture of experts' router loss counts); None for padding-free
+    /// rows, which TRL passes without one.
+    pub attention_mask: Option<Tensor>,
 }
 
 impl Batch {
@@ -40,6 +44,8 @@ impl Batch {
                 .shifted_targets
                 .map(|t| t.to_device(device))
                 .transpose()?,
+            // Only read on the host.
+            attention_mask: self.attention_mask,
         })
     }
 
@@ -50,6 +56,20 @@ impl Batch {
             Some(t) => Ok(t.clone()),
             None => crate::nn::loss::shift_labels(&self.labels),
         }
+    }
+
+    /// [`Self::attention_mask`] row-major, as one flag per token (None: every token is real).
+    pub fn real_tokens(&self) -> candle_core::Result<Option<Vec<bool>>> {
+        self.attention_mask
+            .as_ref()
+            .map(|m| {
+                Ok(m.flatten_all()?
+                    .to_vec1::<u8>()?
+                    .iter()
+                    .map(|&v| v == 1)
+                    .collect())
+            })
+            .transpose()
     }
 }
 
@@ -83,7 +103,9 @@ fn row_of(pieces: &[&PackedSequence]) -> Row {
     row
 }
 
-fn pad(row: &mut Row, len: usize, pad_id: u32) {
+fn pad(row: &mut Row, len: usize, pad_id: u32) -> Vec<u8> {
+    let mut mask = vec![1u8; row.ids.len()];
+    mask.resize(len.max(row.ids.len()), 0);
     let mut next = row.positions.last().map_or(0, |p| p + 1);
     while row.ids.len() < len {
         row.ids.push(pad_id);
@@ -91,6 +113,7 @@ fn pad(row: &mut Row, len: usize, pad_id: u32) {
         row.positions.push(next);
         next += 1;
     }
+    mask
 }
 
 /// Collates `rows` (packed or single examples) into one batch on `device`.
@@ -104,9 +127,10 @@ pub fn collate(rows: &[&PackedSequence], opts: CollateOptions, device: &Device) 
     if let Some(m) = opts.pad_to_multiple_of.filter(|&m| m > 1) {
         len = len.div_ceil(m) * m;
     }
-    for r in &mut out {
-        pad(r, len, opts.pad_token_id);
-    }
+    let mask: Vec<u8> = out
+        .iter_mut()
+        .flat_map(|r| pad(r, len, opts.pad_token_id))
+        .collect();
     let num_target_tokens = out
         .iter()
         .map(|r| {
@@ -130,5 +154,9 @@ pub fn collate(rows: &[&PackedSequence], opts: CollateOptions, device: &Device) 
         position_ids: Tensor::from_vec(positions, (n, len), device)?,
         num_target_tokens,
         shifted_targets: None,
+        attention_mask: match opts.padding_free {
+            true => None,
+            false => Some(Tensor::from_vec(mask, (n, len), device)?),
+        },
     })
 }

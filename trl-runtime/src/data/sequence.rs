@@ -65,6 +65,11 @@ impl Batch {
             position_ids: cut(&self.position_ids)?,
             num_target_tokens,
             shifted_targets: Some(targets),
+            attention_mask: self
+                .attention_mask
+                .as_ref()
+                .map(|m| m.index_select(&index.to_device(m.device())?, 1))
+                .transpose()?,
         })
     }
 }
@@ -110,6 +115,7 @@ mod tests {
             position_ids: Tensor::new(&[[0i64, 1, 2, 0, 1, 2]], &dev).unwrap(),
             num_target_tokens: 4,
             shifted_targets: None,
+            attention_mask: None,
         };
         let chunks: Vec<Batch> = (0..3).map(|r| batch.chunk(r, 3).unwrap()).collect();
         let targets: Vec<Vec<i64>> = chunks

@@ -127,18 +127,19 @@ fn bwd_shared(d: usize) -> usize {
     (2 * keys + tiles * br) * (d + 8) * 2 + br * (keys + 8) * 2
 }
 
-/// Whether the kernels load their tiles by `cp.async`, overlapping loads with the math
-/// (`TRL_FLASH_ASYNC=1`): K/V in the forward, the next query tile in the backward. Off by
-/// default until measured on a GPU (written in a session without one; `scripts/gpu-run tests`
-/// and `attention` run both).
+/// Whether the kernels load their tiles by `cp.async`, overlapping loads with the math: K/V
+/// in the forward, the next query tile in the backward. On by default: on an H200 it ran
+/// attention fwd+bwd 14-19% faster than the synchronous kernels and the batch-8 step 7.9%
+/// faster (docs/gpu.md). `TRL_FLASH_ASYNC=0` selects the synchronous ones (`scripts/gpu-run
+/// tests` and `attention` run both).
 fn pipelined() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var("TRL_FLASH_ASYNC").as_deref() {
-        Ok("1") => true,
-        Ok("0") | Err(_) => false,
+        Ok("1") | Err(_) => true,
+        Ok("0") => false,
         Ok(other) => {
-            tracing::warn!("TRL_FLASH_ASYNC={other}: expected 1 or 0; using 0");
-            false
+            tracing::warn!("TRL_FLASH_ASYNC={other}: expected 1 or 0; using 1");
+            true
         }
     })
 }

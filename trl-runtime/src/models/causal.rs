@@ -97,6 +97,8 @@ pub struct LayerInputs {
     pub(crate) tp: Option<Arc<dyn Communicator>>,
     /// Compute MLPs in sequence tiles (`tiled_mlp`), for models that can.
     pub tiled_mlp: bool,
+    /// The routers' load-balancing loss of this forward, when the trainer collects it.
+    pub(crate) router_loss: Option<Arc<super::router_loss::RouterLoss>>,
     dtype: DType,
     device: Device,
     rotary: Memo<usize, (Tensor, Tensor)>,
@@ -128,6 +130,7 @@ impl LayerInputs {
             how: attention,
             tp: None,
             tiled_mlp: false,
+            router_loss: None,
             dtype,
             device: device.clone(),
             rotary: Memo::default(),

@@ -1,8 +1,8 @@
 //! Mixtral (`model_type` mixtral), as transformers' MixtralForCausalLM: Mistral's layer (an
 //! optional sliding window on every layer) with a sparse mixture-of-experts MLP
 //! (`block_sparse_moe`, moe.rs) whose experts are `w1` (gate), `w3` (up) and `w2` (down), the
-//! top-k weights always renormalised. transformers' router auxiliary loss
-//! (`output_router_logits`) and jitter noise are not built.
+//! top-k weights always renormalised. The router's load-balancing loss is router_loss.rs's;
+//! jitter noise is not built (refused).
 
 use super::blocks::{gated_mlp, pre_norm_layer, Activation, Decoder, Layer, SelfAttention};
 use super::causal::LayerInputs;

@@ -18,6 +18,7 @@ pub mod peft;
 pub mod peft_experts;
 pub mod phi3;
 pub mod qwen3_moe;
+pub mod router_loss;
 pub mod tensor_file;
 
 pub use auto::{model_types, AutoModelForCausalLM};

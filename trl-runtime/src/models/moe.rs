@@ -71,6 +71,11 @@ impl<E: Expert> SparseMoe<E> {
                 chosen[t * k + j] = e as u32;
             }
         }
+        // The load-balancing loss counts the choices and adds its gradient to the probabilities.
+        let probs = match &cx.router_loss {
+            Some(loss) => loss.record(&probs, &host, &chosen)?,
+            None => probs,
+        };
         let index = Tensor::new(chosen.as_slice(), x.device())?.reshape((n, k))?;
         let mut weights = probs.gather(&index, 1)?;
         if self.norm_topk_prob {
@@ -138,14 +143,8 @@ impl MoeConfig {
                 None => Ok(None),
             }
         };
-        if get("output_router_logits").and_then(|v| v.as_bool()) == Some(true) {
-            return Err(err(
-                "output_router_logits",
-                "the router's auxiliary load-balancing loss is not implemented: set it to \
-                 false (transformers' default), which trains on the language-model loss alone"
-                    .into(),
-            ));
-        }
+        // output_router_logits is not read: as TRL, the trainer adds the router loss when
+        // its weight (router_aux_loss_coef) is not 0.
         let [key, older] = EXPERT_COUNT_KEYS;
         let experts = match count(key)? {
             Some(n) => n,

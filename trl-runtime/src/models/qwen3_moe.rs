@@ -1,7 +1,7 @@
 //! Qwen3-MoE (`model_type` qwen3_moe), as transformers' Qwen3MoeForCausalLM: Qwen3's layer
 //! (per-head q/k norms) with a sparse mixture-of-experts MLP (moe.rs) on every
 //! `decoder_sparse_step`-th layer but those in `mlp_only_layers`, which keep a dense one.
-//! transformers' router auxiliary loss (`output_router_logits`) is not added.
+//! The router's load-balancing loss is router_loss.rs's.
 
 use super::blocks::{pre_norm_layer, Activation, Decoder, GatedMlp, Layer, SelfAttention};
 use super::causal::LayerInputs;

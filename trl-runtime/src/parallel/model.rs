@@ -862,6 +862,9 @@ impl<N: CausalModel> Model<N> {
             LayerInputs::new(position_ids, split.as_ref(), self.attention, dtype, &device)?;
         cx.tp = self.tp.clone();
         cx.tiled_mlp = self.tiled_mlp;
+        // A training forward whose trainer adds the routers' load-balancing loss.
+        let router_loss = crate::models::router_loss::active().filter(|_| chunked);
+        cx.router_loss = router_loss.clone();
         let x = self.net.embed(input_ids, &cx)?;
         let stack = Stack {
             net: self.net.clone(),
@@ -883,6 +886,9 @@ impl<N: CausalModel> Model<N> {
                 x
             }
         };
+        if let Some(loss) = router_loss {
+            loss.seal(split.as_ref().map(|s| &s.group))?;
+        }
         Ok(self.net.final_norm(&x)?)
     }
 }

@@ -188,8 +188,7 @@ training_arguments! {
     /// adapters, as peft's use_dora.
     use_dora: bool = false;
     /// TRL's weight of a mixture of experts' router load-balancing loss (unset: config.json's
-    /// `router_aux_loss_coef`). That loss is not implemented: 0 is the only value a
-    /// mixture of experts trains with here (see [`TrainingArguments::check_router_aux_loss`]).
+    /// `router_aux_loss_coef`; 0: off). See [`TrainingArguments::router_loss_weight`].
     router_aux_loss_coef: Option<f64> = None;
 }
 
@@ -205,14 +204,12 @@ fn precision(name: &str) -> std::result::Result<candle_core::DType, String> {
 }
 
 impl TrainingArguments {
-    /// TRL 1.16 adds `router_aux_loss_coef` x the router's load-balancing loss to a mixture
-    /// of experts' loss, config.json's coefficient when the key is unset (transformers'
-    /// default 0.001). That loss is not implemented here, so: an explicit non-zero value is
-    /// refused; unset, on a mixture of experts whose config weights it, the run trains on the
-    /// language-model loss alone and says so (`Ok(Some(why))`: TRL with
-    /// `--router_aux_loss_coef 0` trains the same); on a dense model a non-zero value is
-    /// refused, as TRL refuses it. `config_json` is the model's config.json from `source`.
-    pub fn check_router_aux_loss(&self, config_json: &str, source: &str) -> Result<Option<String>> {
+    /// The weight of a mixture of experts' router load-balancing loss in the loss, as TRL
+    /// 1.16 sets it: `router_aux_loss_coef` when given, else config.json's (transformers'
+    /// default 0.001 for a mixture of experts, 0 for a dense model); 0 turns the loss off. A
+    /// non-zero value for a dense model is refused, as TRL refuses it. `config_json` is the
+    /// model's config.json from `source`.
+    pub fn router_loss_weight(&self, config_json: &str, source: &str) -> Result<f64> {
         let config: serde_json::Value = serde_json::from_str(config_json)
             .map_err(|e| Error::config(source, "<json>", format!("not a model config: {e}")))?;
         use crate::models::moe::{DEFAULT_ROUTER_AUX_LOSS_COEF, EXPERT_COUNT_KEYS};
@@ -221,27 +218,22 @@ impl TrainingArguments {
             .any(|k| config.get(*k).and_then(|v| v.as_u64()).unwrap_or(0) > 0);
         let key = "router_aux_loss_coef";
         match (moe, self.router_aux_loss_coef) {
-            (_, Some(0.0)) => Ok(None),
-            (false, None) => Ok(None),
+            (_, Some(c)) if !c.is_finite() || c < 0.0 => Err(Error::config(
+                "training arguments",
+                key,
+                format!("{c}: a weight is a finite number >= 0"),
+            )),
+            (_, Some(0.0)) | (false, None) => Ok(0.0),
             (false, Some(c)) => Err(Error::config(
                 "training arguments",
                 key,
                 format!("{c}: {source} is not a mixture of experts, so there is no router loss to weight (TRL refuses it too): drop it"),
             )),
-            (true, Some(c)) => Err(Error::config(
-                "training arguments",
-                key,
-                format!("{c}: the router's load-balancing loss is not implemented; set it to 0 to train on the language-model loss alone"),
-            )),
-            (true, None) => {
-                let c = config
-                    .get(key)
-                    .and_then(|v| v.as_f64())
-                    .unwrap_or(DEFAULT_ROUTER_AUX_LOSS_COEF);
-                Ok((c != 0.0).then(|| format!(
-                    "{source} weights the router's load-balancing loss by {key} = {c}, which TRL adds to the loss; it is not implemented here, so this run trains on the language-model loss alone (as TRL with --{key} 0)"
-                )))
-            }
+            (true, Some(c)) => Ok(c),
+            (true, None) => Ok(config
+                .get(key)
+                .and_then(|v| v.as_f64())
+                .unwrap_or(DEFAULT_ROUTER_AUX_LOSS_COEF)),
         }
     }
 
@@ -665,33 +657,25 @@ macro_rules! trainer_config {
 mod tests {
     use super::*;
 
-    /// The router's load-balancing loss is not implemented: a mixture of experts trains on the
-    /// language-model loss alone, said when its config weights that loss, refused when asked
-    /// for explicitly; a dense model refuses any weight, as TRL does.
+    /// The router loss's weight: given, else config.json's (0.001 when it has none, as
+    /// transformers' MoE configs default it), 0 turning it off; a dense model refuses any
+    /// weight, as TRL does.
     #[test]
-    fn the_router_loss_weight_is_honoured_or_refused() {
-        let moe = r#"{"num_experts": 4, "router_aux_loss_coef": 0.001}"#;
+    fn the_router_loss_weight_is_given_read_or_refused() {
+        let moe = r#"{"num_experts": 4, "router_aux_loss_coef": 0.02}"#;
         let dense = r#"{"hidden_size": 64}"#;
         let with = |coef: Option<f64>| TrainingArguments {
             router_aux_loss_coef: coef,
             ..Default::default()
         };
-        let said = with(None)
-            .check_router_aux_loss(moe, "moe")
-            .unwrap()
-            .unwrap();
-        assert!(said.contains("language-model loss alone"), "{said}");
-        assert_eq!(
-            with(Some(0.0)).check_router_aux_loss(moe, "moe").unwrap(),
-            None
-        );
-        let err = with(Some(0.01))
-            .check_router_aux_loss(moe, "moe")
-            .unwrap_err();
+        assert_eq!(with(None).router_loss_weight(moe, "moe").unwrap(), 0.02);
+        assert_eq!(with(Some(0.0)).router_loss_weight(moe, "moe").unwrap(), 0.0);
+        assert_eq!(with(Some(0.5)).router_loss_weight(moe, "moe").unwrap(), 0.5);
+        let unset = r#"{"num_local_experts": 8}"#;
+        assert_eq!(with(None).router_loss_weight(unset, "u").unwrap(), 0.001);
+        let err = with(Some(-1.0)).router_loss_weight(moe, "moe").unwrap_err();
         assert!(err.to_string().contains("router_aux_loss_coef"), "{err}");
-        assert_eq!(with(None).check_router_aux_loss(dense, "d").unwrap(), None);
-        assert!(with(Some(0.5)).check_router_aux_loss(dense, "d").is_err());
-        let zero = r#"{"num_local_experts": 8, "router_aux_loss_coef": 0.0}"#;
-        assert_eq!(with(None).check_router_aux_loss(zero, "z").unwrap(), None);
+        assert_eq!(with(None).router_loss_weight(dense, "d").unwrap(), 0.0);
+        assert!(with(Some(0.5)).router_loss_weight(dense, "d").is_err());
     }
 }

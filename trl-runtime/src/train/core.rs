@@ -12,6 +12,7 @@ use crate::data::{DistributedSampler, TextTokenizer};
 use crate::dist::mesh::{Axis, DP};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
+use crate::models::router_loss::RouterLoss;
 use crate::models::tensor_file::{TensorSpec, WeightsWriter};
 use crate::models::{AutoModelForCausalLM, CausalModel, Params};
 use crate::nn::lora::LoraConfig;
@@ -98,6 +99,58 @@ pub struct TaskStep {
     pub tokens: usize,
     /// The task's own figures, logged under these names (TRL's).
     pub metrics: Vec<(&'static str, f64)>,
+}
+
+/// The router load-balancing losses of a step's micro-batches (a mixture of experts whose
+/// weight is not 0): each weighted by weight / (micro-batches x data-parallel ranks), the
+/// average TRL takes; [`Self::mean`] is what it logs as `aux_loss`.
+pub struct RouterLosses {
+    /// Per micro-batch (0: off).
+    weight: f64,
+    count: f64,
+    sum: std::cell::Cell<f64>,
+}
+
+impl RouterLosses {
+    pub fn new<N: CausalModel>(core: &Core<'_, N>, micro_batches: usize) -> Self {
+        let count = (micro_batches * core.dp.size()) as f64;
+        RouterLosses {
+            weight: core.router_loss_weight / count,
+            count,
+            sum: std::cell::Cell::new(0.0),
+        }
+    }
+
+    /// The loss to collect over `batch`'s forward (its real tokens), if any.
+    pub fn begin(&self, batch: &crate::data::Batch) -> Result<Option<Arc<RouterLoss>>> {
+        if self.weight == 0.0 {
+            return Ok(None);
+        }
+        Ok(Some(RouterLoss::new(batch.real_tokens()?, self.weight)))
+    }
+
+    /// Runs the training forward `f` collecting `aux`.
+    pub fn during<R>(&self, aux: &Option<Arc<RouterLoss>>, f: impl FnOnce() -> R) -> R {
+        match aux {
+            Some(aux) => crate::models::router_loss::with_router_loss(aux, f),
+            None => f(),
+        }
+    }
+
+    /// After the micro-batch's backward.
+    pub fn end(&self, aux: Option<Arc<RouterLoss>>) {
+        if let Some(v) = aux.and_then(|a| a.value()) {
+            self.sum.set(self.sum.get() + v);
+        }
+    }
+
+    /// The step's mean loss over micro-batches and data-parallel ranks (None when off).
+    pub fn mean<N: CausalModel>(&self, core: &Core<'_, N>) -> Result<Option<f64>> {
+        if self.weight == 0.0 {
+            return Ok(None);
+        }
+        Ok(Some(core.global_sum(&[self.sum.get()])?[0] / self.count))
+    }
 }
 
 /// What a trainer trains on and how: its rows, a step's loss and gradients, its evaluation.
@@ -188,6 +241,8 @@ pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
     predicted: Option<crate::parallel::estimate::Estimate>,
     /// Whether the first step's gradients were checked for parameters that got none.
     unused_checked: bool,
+    /// The weight of a mixture of experts' router load-balancing loss (0: none is added).
+    pub router_loss_weight: f64,
 }
 
 /// Where a run starts: a fresh state, or the trainer state of the checkpoint
@@ -327,12 +382,10 @@ impl<'a, N: CausalModel> Core<'a, N> {
         let dp = ctx.group(DP);
         let dir = args.model_name_or_path.clone();
         let config_file = dir.join("config.json");
-        if let Ok(json) = std::fs::read_to_string(&config_file) {
-            let why = args.check_router_aux_loss(&json, &config_file.display().to_string())?;
-            if let (Some(why), true) = (why, ctx.is_main_process()) {
-                tracing::warn!("{why}");
-            }
-        }
+        let router_loss_weight = match std::fs::read_to_string(&config_file) {
+            Ok(json) => args.router_loss_weight(&json, &config_file.display().to_string())?,
+            Err(_) => 0.0,
+        };
         let dtype = args.compute_dtype()?;
         if dtype != DType::F32 {
             tracing::info!("mixed precision: {dtype:?} weights and compute, fp32 master weights, optimizer state and gradient accumulation");
@@ -412,6 +465,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             steps_per_epoch,
             stop,
             predicted: None,
+            router_loss_weight,
         })
     }
 

@@ -14,7 +14,7 @@
 //! backward weighs each token by its sequence's gradient.
 
 use super::args::{NameList, TrainingArguments};
-use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
+use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
 use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps, LOSS_TYPES};
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
@@ -821,8 +821,14 @@ impl<N: CausalModel> Task<N> for Dpo {
                 .map(|idx| idx.iter().map(|&k| self.ref_train[k]).collect())
                 .collect(),
         };
+        // A mixture of experts' router loss over the policy's forward (TRL adds it per
+        // micro-batch; the reference's forward has none).
+        let router = RouterLosses::new(core, rows.len());
         for (i, (micro, reference)) in micros.iter().zip(&references).enumerate() {
-            let seq = core.with_dropout(i, || self.forward(core, micro, true, true))?;
+            let aux = router.begin(&micro.batch)?;
+            let seq = core.with_dropout(i, || {
+                router.during(&aux, || self.forward(core, micro, true, true))
+            })?;
             let p = Self::pair_logps(micro, &seq, reference);
             let out = self.loss.compute(&p)?;
             loss += out.loss;
@@ -838,6 +844,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             let surrogate = (&seq.local * g)?.sum_all()?;
             let store = core.model.backward(&surrogate)?;
             core.accumulate(grads, store, rows.len())?;
+            router.end(aux);
             let beta = self.loss.beta;
             for j in 0..p.chosen.len() {
                 let (rc, rr) = (
@@ -876,10 +883,15 @@ impl<N: CausalModel> Task<N> for Dpo {
                 .sum::<f64>()
                 / micro_batches
         };
+        let mut loss = g[0] / (micro_batches * core.dp.size() as f64);
+        let aux = router.mean(core)?;
+        if let Some(aux) = aux {
+            loss += core.router_loss_weight * aux;
+        }
         Ok(TaskStep {
-            loss: g[0] / (micro_batches * core.dp.size() as f64),
+            loss,
             tokens,
-            metrics: vec![
+            metrics: [
                 ("rewards/chosen", mean(0)),
                 ("rewards/rejected", mean(1)),
                 ("rewards/accuracies", mean(2)),
@@ -888,7 +900,10 @@ impl<N: CausalModel> Task<N> for Dpo {
                 ("logps/rejected", mean(5)),
                 ("logits/chosen", mean_logits(0)),
                 ("logits/rejected", mean_logits(1)),
-            ],
+            ]
+            .into_iter()
+            .chain(aux.map(|a| ("aux_loss", a)))
+            .collect(),
         })
     }
 

@@ -8,7 +8,7 @@
 //! accumulation steps x batch 2 and 1 rank x batch 4 take the same steps.
 
 use super::config::SFTConfig;
-use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
+use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
 use crate::context_parallel::split::pad_to_multiple;
 use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::{
@@ -207,19 +207,35 @@ impl<N: CausalModel> Task<N> for Sft {
         let totals = core.batch_sum(&[local_targets as f64, local_tokens as f64])?;
         let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
         let mut local_loss = 0.0;
+        // A mixture of experts' router loss, per micro-batch, averaged over the step's
+        // micro-batches and the data-parallel ranks (TRL's weighting).
+        let router = RouterLosses::new(core, batches.len());
         for (micro, batch) in batches.iter().enumerate() {
+            let aux = router.begin(batch)?;
             let ls = core.with_dropout(micro, || {
-                core.model
-                    .forward_targets(&batch.input_ids, &batch.position_ids, &batch.targets()?)
+                router.during(&aux, || {
+                    core.model.forward_targets(
+                        &batch.input_ids,
+                        &batch.position_ids,
+                        &batch.targets()?,
+                    )
+                })
             })?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
             let store = core.model.backward(&(ls.sum / targets)?)?;
             core.accumulate(grads, store, batches.len())?;
+            router.end(aux);
+        }
+        let mut loss = core.batch_sum(&[local_loss])?[0] / targets;
+        let mut metrics = Vec::new();
+        if let Some(aux) = router.mean(core)? {
+            loss += core.router_loss_weight * aux;
+            metrics.push(("aux_loss", aux));
         }
         Ok(TaskStep {
-            loss: core.batch_sum(&[local_loss])?[0] / targets,
+            loss,
             tokens,
-            metrics: Vec::new(),
+            metrics,
         })
     }
 
