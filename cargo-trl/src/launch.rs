@@ -110,7 +110,12 @@ fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
     if let Some(name) = &args.profile {
         if name == "auto" {
             let cpu = args.topology.use_cpu.unwrap_or(false);
-            return crate::plan::auto(&args.program_args, cpu, args.topology.num_processes);
+            return crate::plan::auto(
+                &args.program_args,
+                args.target.as_deref(),
+                cpu,
+                args.topology.num_processes,
+            );
         }
         return profiles::load(name);
     }

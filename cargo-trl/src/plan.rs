@@ -125,7 +125,12 @@ pub struct Machine {
 }
 
 /// Dense bf16 peak (FLOP/s), memory, NVLink and inter-node bus bandwidth of a GPU kind. The
-/// rate used is 40% of peak: what a tuned training step sustains (MFU).
+/// rate used is [`GPU_MFU`] of peak.
+/// The share of a GPU's datasheet bf16 peak our step sustains: 28.8% measured at batch 8 x
+/// 2048 tokens of the Qwen2-0.5B shape on an H200 (docs/gpu.md; TRL reaches ~42% there). Small
+/// batches run below it (21% at batch 2), so the plan over-predicts them.
+const GPU_MFU: f64 = 0.29;
+
 fn gpu_kind(kind: &str) -> Result<(f64, f64, LinkSpeed, LinkSpeed), String> {
     // NCCL all-reduce: ~10 us per collective over NVLink / PCIe, ~30 us across machines.
     let link = |latency: f64, bandwidth: f64| LinkSpeed { latency, bandwidth };
@@ -179,7 +184,7 @@ impl Machine {
                     host_memory: host,
                     base: (1.5 * GIB) as usize,
                     hardware: Hardware {
-                        flops: 0.4 * peak,
+                        flops: GPU_MFU * peak,
                         matmul_share: 1.0,
                         intra,
                         inter,
@@ -513,12 +518,28 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
 /// machine's GPUs, or its CPU with `--num_processes` (2 unless given) processes. Prints why.
 pub fn auto(
     program_args: &[String],
+    target: Option<&str>,
     use_cpu: bool,
     processes: Option<u32>,
 ) -> Result<LaunchConfig, String> {
     let (_, t) = crate::tp_plan::training_args(program_args).ok_or(
         "--profile auto reads the program's training arguments (TRL's flags or --config FILE); these did not parse: pick a profile (cargo trl plan shows which fits)",
     )?;
+    // A DPO program's micro-batch is twice its pairs in sequences (and TR-DPO keeps a copy of
+    // the weights): planned as `cargo trl plan --trainer dpo` plans it.
+    let preference = crate::tp_plan::preference(program_args, target);
+    if let Some(sync) = preference {
+        eprintln!(
+            "auto: planning for DPO ({} pairs = {} sequences per micro-batch{})",
+            t.per_device_train_batch_size,
+            2 * t.per_device_train_batch_size,
+            if sync {
+                ", TR-DPO's copy of the weights"
+            } else {
+                ""
+            }
+        );
+    }
     let model = read_model(&t.model_name_or_path)?;
     let gpus = if use_cpu {
         0
@@ -562,8 +583,8 @@ pub fn auto(
                 use_peft: t.use_peft,
                 lora_r: t.lora_r,
                 lora_target_modules: vec![],
-                trainer: "sft".into(),
-                sync_ref_model: false,
+                trainer: if preference.is_some() { "dpo" } else { "sft" }.into(),
+                sync_ref_model: preference.unwrap_or(false),
                 gradient_checkpointing: None,
                 all: false,
                 explain: false,
@@ -575,7 +596,7 @@ pub fn auto(
         batch: t.per_device_train_batch_size,
         lora: t.lora(&model.dims.model_type),
         checkpointing: vec![t.gradient_checkpointing],
-        preference: None,
+        preference,
         dtype: t
             .compute_dtype()
             .ok()

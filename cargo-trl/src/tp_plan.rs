@@ -95,6 +95,31 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
 /// `program_args` (its `--config` file, then its flags), parsed as the program parses them,
 /// and whether they name the model; None when they are not TRL's (another program's flags)
 /// or do not resolve.
+/// Whether a program with these arguments trains preferences (DPO), and with TR-DPO's synced
+/// reference: its arguments parse only as DPOConfig's (`--beta`, `--loss_type`, ...), or its
+/// target's name says dpo (the examples' `dpo`, `cargo trl new my-dpo --trainer dpo`).
+pub fn preference(program_args: &[String], target: Option<&str>) -> Option<bool> {
+    let argv: Vec<String> = std::iter::once("program".to_string())
+        .chain(program_args.iter().cloned())
+        .collect();
+    let parse = |argv: &[String]| -> Option<DPOConfig> {
+        let cli = Cli::<DPOConfig>::try_parse_trl_from(argv.iter().cloned()).ok()?;
+        Some(cli.resolve().ok()?.0)
+    };
+    let sft = Cli::<SFTConfig>::try_parse_trl_from(argv.iter().cloned()).is_ok();
+    let named = target
+        .and_then(|t| {
+            Path::new(t)
+                .file_stem()
+                .map(|s| s.to_string_lossy().to_lowercase())
+        })
+        .is_some_and(|t| t.contains("dpo"));
+    match (sft, named) {
+        (false, _) | (true, true) => parse(&argv).map(|c| c.sync_ref_model),
+        (true, false) => None,
+    }
+}
+
 pub fn training_args(program_args: &[String]) -> Option<(bool, TrainingArguments)> {
     fn with<C: TrainerConfig>(argv: &[String]) -> Option<(bool, TrainingArguments)> {
         let cli = Cli::<C>::try_parse_trl_from(argv.iter().cloned()).ok()?;
@@ -178,4 +203,34 @@ pub fn render(entries: &[PlanEntry], tp: usize, dir: &Path) -> String {
         100.0 * local as f64 / full as f64
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::preference;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// `--profile auto` plans a program as DPO when its flags are DPOConfig's only or its
+    /// name says dpo; an SFT program stays SFT.
+    #[test]
+    fn a_dpo_program_is_planned_as_dpo() {
+        let common = args(&["--max_length", "64"]);
+        assert_eq!(preference(&common, Some("sft")), None);
+        assert_eq!(preference(&common, None), None);
+        assert_eq!(preference(&common, Some("dpo")), Some(false));
+        assert_eq!(
+            preference(&common, Some("target/debug/my-dpo")),
+            Some(false)
+        );
+        assert_eq!(
+            preference(&args(&["--beta", "0.2"]), Some("train")),
+            Some(false)
+        );
+        let synced = args(&["--sync_ref_model", "true"]);
+        assert_eq!(preference(&synced, Some("dpo")), Some(true));
+        assert_eq!(preference(&args(&["--packing", "true"]), Some("sft")), None);
+    }
 }
