@@ -22,18 +22,23 @@ computes for them.
 - gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
   linear RoPE scaling on the global layers, query_pre_attn_scalar 24 (not head_dim), random
   (1 + w) norms.
+- gemma2: Gemma2ForCausalLM: sliding, global, sliding layers (window 6, the default
+  alternation), attention scores soft-capped at 2 and logits at 3 (q/k projections scaled up
+  so that both caps bite), query_pre_attn_scalar 24, random (1 + w) norms.
 
 trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs trains each
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|llama-longrope|phi3|qwen3-moe|mixtral
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|gemma2|llama-longrope|phi3|qwen3-moe|mixtral
 """
 
 import sys
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -160,8 +165,17 @@ elif kind == "gemma3":
         **{**common, "num_hidden_layers": 3},
     )
     model_class = Gemma3ForCausalLM
+elif kind == "gemma2":
+    config = Gemma2Config(
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        **{**common, "num_hidden_layers": 3},
+    )
+    model_class = Gemma2ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, llama-longrope, phi3, qwen3-moe or mixtral")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, gemma2, llama-longrope, phi3, qwen3-moe or mixtral")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -171,4 +185,6 @@ with torch.no_grad():
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
         elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
             p.copy_(torch.randn_like(p))
+        elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            p.mul_(12.0)
 write(model, f"tiny-{kind}")

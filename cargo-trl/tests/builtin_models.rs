@@ -4,7 +4,8 @@
 //! per-head q/k norms make partial gradients under tensor parallelism (found at the first
 //! step; TRL_CHECK_TP_GRADS=1 checks every step), Mistral, whose sliding window (6 tokens
 //! in the fixture, shorter than the rows) crosses the chunks of ring attention and Ulysses, and
-//! Gemma 3 (sliding and global layers, (1 + w) norms, per-head q/k norms), SmolLM3 (NoPE
+//! Gemma 3 (sliding and global layers, (1 + w) norms, per-head q/k norms), Gemma 2 (attention
+//! scores and logits soft-capped), SmolLM3 (NoPE
 //! layers), OLMo 2 (q/k norms over the whole projections: gathered under tp), and a Llama with
 //! longrope from 16 original positions, whose tables follow the whole row's length under ring
 //! attention and Ulysses (a rank's part alone would pick the other factors), and Phi-3 (fused
@@ -116,6 +117,20 @@ fn gemma3_under_every_cpu_profile_equals_one_process() {
     let tp = every_profile("gemma3", tmp.path());
     let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(config.contains("\"gemma3_text\""), "{config}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+/// Gemma 2: attention scores soft-capped (the blockwise paths, ring attention's included),
+/// logits soft-capped, alternating sliding and global layers.
+#[test]
+fn gemma2_with_soft_capped_attention_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile("gemma2", tmp.path());
+    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(
+        config.contains("\"attn_logit_softcapping\": 2.0"),
+        "{config}"
+    );
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }
 

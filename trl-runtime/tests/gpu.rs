@@ -383,7 +383,8 @@ fn trainer_on_gpu_matches_cpu_and_ddp_in_bf16() {
 #[test]
 fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
     // The built-in architectures' own paths on a GPU (per-head q/k norms, whole-projection
-    // norms, sliding windows, (1 + w) norms and final soft-capping, routers with top-k on the
+    // norms, sliding windows, (1 + w) norms and final soft-capping, Gemma 2's soft-capped
+    // attention scores (the blockwise path of Candle ops), routers with top-k on the
     // host and experts gathered by index, fused qkv), with and without LoRA adapters on every
     // linear layer (experts included): 3 fp32 steps equal to the same on the CPU.
     let Some(dev) = gpu() else { return };
@@ -391,6 +392,7 @@ fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
         ("tiny-qwen3", false),
         ("tiny-olmo2", false),
         ("tiny-gemma3", false),
+        ("tiny-gemma2", true),
         ("tiny-phi3", true),
         ("tiny-qwen3-moe", false),
         ("tiny-qwen3-moe", true),

@@ -328,7 +328,7 @@ fn matches_transformers_fixture() {
 /// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
 /// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
-/// tiny-smollm3, tiny-olmo2, tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe and tiny-mixtral
+/// tiny-gemma2 (attention scores and logits soft-capped), tiny-smollm3, tiny-olmo2, tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe and tiny-mixtral
 /// (scripts/make_decoder_fixture.py).
 #[test]
 fn every_built_in_model_type_matches_transformers() {
@@ -337,6 +337,7 @@ fn every_built_in_model_type_matches_transformers() {
         ("mistral", "lm_head.weight"),
         ("qwen2-sliding", "model.layers.1.self_attn.q_proj.bias"),
         ("gemma3", "model.layers.2.post_feedforward_layernorm.weight"),
+        ("gemma2", "model.layers.2.pre_feedforward_layernorm.weight"),
         ("smollm3", "model.layers.3.self_attn.q_proj.weight"),
         ("olmo2", "model.layers.1.self_attn.k_norm.weight"),
         ("llama-longrope", "lm_head.weight"),

@@ -55,6 +55,9 @@ pub struct RingMask {
     masks: Arc<Memo<RingBlock, Option<BlockMask>>>,
     /// Whether inputs the fused kernels take run them (else always the blockwise path).
     fused: bool,
+    /// Logit soft-capping (Gemma 2): scores become `cap * tanh(scores / cap)` before the
+    /// mask; such attention runs the blockwise path.
+    pub softcap: Option<f64>,
 }
 
 /// (first local query, key source rank, key block, dtype).
@@ -109,7 +112,14 @@ impl RingMask {
             queue: Arc::new(CommQueue::new(cp.clone()).map_err(|e| e.into_candle())?),
             masks: Arc::default(),
             fused: true,
+            softcap: None,
         })
+    }
+
+    /// The same ring with scores soft-capped at `cap` (None: not capped).
+    pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
+        self.softcap = cap;
+        self
     }
 
     /// Always the blockwise path of Candle ops, also where a fused kernel applies (to
@@ -293,8 +303,9 @@ impl Ring<'_> {
     }
 
     /// Scores of query rows `qi` (block `i`) over `kj` (key block `key_block`, at global
-    /// indices `keys`) with the mask added, and the 0/1 visibility (None: all visible):
-    /// [b, kv, group, qn, kn].
+    /// indices `keys`), soft-capped when the mask says, with the mask added; the 0/1
+    /// visibility (None: all visible); and when capped the cap's slope 1 - tanh^2 (for the
+    /// backward): [b, kv, group, qn, kn].
     fn scores(
         &self,
         qi: &Tensor,
@@ -302,18 +313,26 @@ impl Ring<'_> {
         kj: &Tensor,
         key_block: (usize, usize),
         keys: &[usize],
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
         let rows = self.rows(i);
         let s = qi
             .matmul(&kj.t()?)?
             .reshape((self.b, self.kv, self.group, rows.len(), keys.len()))?
             .to_dtype(self.wide)?;
+        let (s, slope) = match self.mask.softcap {
+            Some(cap) => {
+                let t = (s / cap)?.tanh()?;
+                let slope = (1.0 - t.sqr()?)?;
+                ((t * cap)?, Some(slope))
+            }
+            None => (s, None),
+        };
         match self
             .mask
             .block_mask(rows, key_block, keys, self.wide, qi.device())?
         {
-            Some((bias, vis)) => Ok((s.broadcast_add(&bias)?, Some(vis))),
-            None => Ok((s, None)),
+            Some((bias, vis)) => Ok((s.broadcast_add(&bias)?, Some(vis), slope)),
+            None => Ok((s, None, slope)),
         }
     }
 
@@ -334,7 +353,7 @@ impl Ring<'_> {
                 let (qr, kr) = (self.rows(i), self.rows(j));
                 let qi = self.take(&self.q, &qr)?;
                 let kj = k.narrow(2, kr.start, kr.len())?;
-                let (s, vis) = self.scores(&qi, i, &kj, (src, j), &keys)?;
+                let (s, vis, _) = self.scores(&qi, i, &kj, (src, j), &keys)?;
                 let block_max = s.max_keepdim(D::Minus1)?;
                 let max = match &acc[i] {
                     Some((m, _, _)) => m.maximum(&block_max)?,
@@ -407,7 +426,7 @@ impl Ring<'_> {
                     k.narrow(2, kr.start, kr.len())?,
                     v.narrow(2, kr.start, kr.len())?,
                 );
-                let (s, vis) = self.scores(&qi, i, &kj, (src, j), &keys)?;
+                let (s, vis, slope) = self.scores(&qi, i, &kj, (src, j), &keys)?;
                 let lse_i = lse.narrow(3, qr.start, qr.len())?;
                 let dsum_i = dsum.narrow(3, qr.start, qr.len())?;
                 let p5 = masked(s.broadcast_sub(&lse_i)?.exp()?, &vis)?;
@@ -417,12 +436,13 @@ impl Ring<'_> {
                     .matmul(&vj.t()?)?
                     .reshape((b, kv, g, qr.len(), kr.len()))?
                     .to_dtype(wide)?;
-                let ds = (p5 * dp.broadcast_sub(&dsum_i)?)?.to_dtype(io)?.reshape((
-                    b,
-                    kv,
-                    g * qr.len(),
-                    kr.len(),
-                ))?;
+                let ds = (p5 * dp.broadcast_sub(&dsum_i)?)?;
+                // Through the cap: the scores' gradient times its slope.
+                let ds = match slope {
+                    Some(slope) => (ds * slope)?,
+                    None => ds,
+                };
+                let ds = ds.to_dtype(io)?.reshape((b, kv, g * qr.len(), kr.len()))?;
                 let dqi = ds.matmul(&kj)?.reshape((b, kv, g, qr.len(), d))?;
                 accumulate(&mut dq[i], dqi, wide)?;
                 accumulate(&mut dk_blocks[j], ds.t()?.matmul(&qi)?, wide)?;
@@ -696,7 +716,7 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
         candle_core::bail!("{heads} attention heads cannot share {kv} key/value heads evenly");
     }
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
-    let fused = mask.fused && fused_applies(q, k);
+    let fused = mask.fused && mask.softcap.is_none() && fused_applies(q, k);
     let (out, lse) = match fused {
         true => fused_forward(&q.detach().contiguous()?, &k_in, &v_in, mask)?,
         false => ring(q, kv, mask)?.forward(&k_in, &v_in)?,

@@ -110,6 +110,21 @@ impl SeqAttention {
     }
 }
 
+impl SeqAttention {
+    /// The same attention with its scores soft-capped at `cap` (Gemma 2's
+    /// `attn_logit_softcapping`; None: not capped). Capped attention runs the blockwise
+    /// paths (whole, Ulysses and ring alike), not the fused kernels.
+    pub fn with_softcap(self, cap: Option<f64>) -> Self {
+        match self {
+            SeqAttention::Whole(mask, how) => SeqAttention::Whole(mask.with_softcap(cap), how),
+            SeqAttention::Ulysses(mask, how, group, comm) => {
+                SeqAttention::Ulysses(mask.with_softcap(cap), how, group, comm)
+            }
+            SeqAttention::Ring(mask) => SeqAttention::Ring(mask.with_softcap(cap)),
+        }
+    }
+}
+
 impl Attend for SeqAttention {
     /// Attention of `q` [b, heads, len, d] over `k`, `v` [b, kv_heads, len, d].
     fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {

@@ -54,6 +54,9 @@ pub struct SelfAttention {
     /// None: 1/sqrt(head_dim) alone.
     #[parallel(skip)]
     pub query_scale: Option<f64>,
+    /// Scores soft-capped at this (Gemma 2's attn_logit_softcapping); None: not capped.
+    #[parallel(skip)]
+    pub softcap: Option<f64>,
 }
 
 /// How a model's RMSNorms scale: by the weight, or Gemma's (1 + weight).
@@ -86,6 +89,8 @@ pub struct AttentionShape {
     pub qk_norm: QkNorm,
     /// See [`SelfAttention::query_scale`].
     pub query_scale: Option<f64>,
+    /// See [`SelfAttention::softcap`].
+    pub softcap: Option<f64>,
 }
 
 /// The q/k RMSNorms of a [`SelfAttention`], applied before rotary.
@@ -120,6 +125,7 @@ impl SelfAttention {
             num_kv_heads: s.kv_heads,
             head_dim: s.head_dim,
             query_scale: s.query_scale.filter(|x| (x - 1.0).abs() > 1e-12),
+            softcap: s.softcap,
         })
     }
 
@@ -148,6 +154,7 @@ impl SelfAttention {
             k_norm: self.k_norm.as_ref(),
             norm_whole_projection: self.norm_whole_projection,
             query_scale: self.query_scale,
+            softcap: self.softcap,
             rotary_dim: None,
         }
     }
@@ -165,6 +172,7 @@ pub struct Heads<'a> {
     pub k_norm: Option<&'a RmsNorm>,
     pub norm_whole_projection: bool,
     pub query_scale: Option<f64>,
+    pub softcap: Option<f64>,
     pub rotary_dim: Option<usize>,
 }
 
@@ -220,7 +228,7 @@ impl Heads<'_> {
             None => q,
         };
         let v = split(v, self.kv_heads)?;
-        let a = cx.attention_in_window(&q, &k, &v, window)?;
+        let a = cx.attention_with(&q, &k, &v, window, self.softcap)?;
         Ok(swap_heads(&a)?.reshape((b, s, self.heads * d))?)
     }
 }

@@ -88,8 +88,9 @@ pub struct LayerInputs {
     /// documents of a packed row.
     pub position_ids: Tensor,
     pub(crate) attention: Arc<SeqAttention>,
-    /// Sliding-window attention of this forward, by window, built on first use.
-    windowed: Memo<usize, Arc<SeqAttention>>,
+    /// Sliding-window or soft-capped attention of this forward, by window and cap (its
+    /// bits), built on first use.
+    windowed: Memo<(Option<usize>, Option<u64>), Arc<SeqAttention>>,
     /// The largest position id, for [`Self::at_positions`]' bound check.
     max_position: std::sync::OnceLock<u32>,
     split: Option<SeqSplit>,
@@ -186,20 +187,37 @@ impl LayerInputs {
         v: &Tensor,
         window: Option<usize>,
     ) -> candle_core::Result<Tensor> {
-        let Some(w) = window else {
+        self.attention_with(q, k, v, window, None)
+    }
+
+    /// [`Self::attention_in_window`] with the scores soft-capped at `softcap` when given
+    /// (`cap * tanh(scores / cap)`, Gemma 2's `attn_logit_softcapping`).
+    pub fn attention_with(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        window: Option<usize>,
+        softcap: Option<f64>,
+    ) -> candle_core::Result<Tensor> {
+        if window.is_none() && softcap.is_none() {
             return self.attention.apply(q, k, v);
-        };
+        }
         // Built lazily in the first layer that asks, on every rank of a split in the same
         // order (Ulysses gathers the positions), and shared by the layers after it.
-        let attention = self.windowed.get_or_build(w, || {
-            Ok(Arc::new(SeqAttention::new(
-                self.split.as_ref(),
-                &self.position_ids,
-                self.how,
-                Some(w),
-                self.dtype,
-                &self.device,
-            )?))
+        let key = (window, softcap.map(f64::to_bits));
+        let attention = self.windowed.get_or_build(key, || {
+            Ok(Arc::new(
+                SeqAttention::new(
+                    self.split.as_ref(),
+                    &self.position_ids,
+                    self.how,
+                    window,
+                    self.dtype,
+                    &self.device,
+                )?
+                .with_softcap(softcap),
+            ))
         })?;
         attention.apply(q, k, v)
     }

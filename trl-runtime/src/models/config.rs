@@ -367,6 +367,7 @@ impl ModelConfig {
                 _ => QkNorm::None,
             },
             query_scale: None,
+            softcap: None,
         };
         let body = BodyShape {
             vocab: self.vocab_size,

@@ -1,9 +1,12 @@
-//! Gemma 3 (text; `model_type` gemma3_text), as transformers' Gemma3ForCausalLM: embeddings
-//! scaled by sqrt(hidden), N x (norm -> attention -> norm -> residual, norm -> GeGLU MLP ->
-//! norm -> residual), final norm, LM head tied to the embedding. Its differences from Llama:
-//! RMSNorms scale by (1 + w); per-head q/k norms; queries scaled by
-//! `query_pre_attn_scalar`^-1/2; sliding-window layers (`layer_types`, or every
-//! `sliding_window_pattern`-th layer global) with their own RoPE base; tanh-GELU MLPs.
+//! Gemma 3 (text; `model_type` gemma3_text) and Gemma 2 (`gemma2`), as transformers'
+//! Gemma3ForCausalLM and Gemma2ForCausalLM: embeddings scaled by sqrt(hidden), N x (norm ->
+//! attention -> norm -> residual, norm -> GeGLU MLP -> norm -> residual), final norm, LM head
+//! tied to the embedding. Their differences from Llama: RMSNorms scale by (1 + w); queries
+//! scaled by `query_pre_attn_scalar`^-1/2; sliding-window layers; tanh-GELU MLPs; final-logit
+//! soft-capping. Gemma 3 adds per-head q/k norms and sliding layers with their own RoPE base
+//! (`layer_types`, or every `sliding_window_pattern`-th layer global); Gemma 2 soft-caps the
+//! attention scores (`attn_logit_softcapping`: the blockwise attention paths, not the fused
+//! kernels) and alternates sliding and global layers, one RoPE base for all.
 //!
 //! The tp plan is Llama's (blocks.rs); each layer is one FSDP unit.
 
@@ -22,7 +25,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 /// The `model_type`s this file reads.
-pub const MODEL_TYPES: &[&str] = &["gemma3_text"];
+pub const MODEL_TYPES: &[&str] = &["gemma3_text", "gemma2"];
 
 /// The keys of a gemma3_text config.json this model reads (transformers' defaults).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -96,9 +99,13 @@ fn yes() -> bool {
 }
 
 impl Gemma3Config {
+    fn gemma2(&self) -> bool {
+        self.model_type == "gemma2"
+    }
+
     fn parse(text: &str, source: &str) -> Result<Self> {
         let err = |key: &str, message: String| Error::config(source, key, message);
-        let c: Gemma3Config = serde_json::from_str(text).map_err(|e| {
+        let mut c: Gemma3Config = serde_json::from_str(text).map_err(|e| {
             err(
                 &format!("<line {} column {}>", e.line(), e.column()),
                 format!("not a valid gemma3_text config: {e}"),
@@ -119,18 +126,41 @@ impl Gemma3Config {
             return Err(err(
                 "hidden_activation",
                 format!(
-                    "'{}' is not supported: Gemma 3 uses gelu_pytorch_tanh",
+                    "'{}' is not supported: Gemma uses gelu_pytorch_tanh",
                     c.hidden_activation
                 ),
             ));
         }
-        if c.attn_logit_softcapping.is_some() {
-            return Err(err(
-                "attn_logit_softcapping",
-                "attention soft-capping is not implemented in the attention kernels: set it to \
-                 null (Gemma 3 checkpoints do)"
-                    .into(),
-            ));
+        // Gemma 2's defaults where its config.json has no key (null keeps a cap off).
+        if c.gemma2() {
+            let raw: serde_json::Value = serde_json::from_str(text).unwrap_or_default();
+            for (key, cap, default) in [
+                (
+                    "attn_logit_softcapping",
+                    &mut c.attn_logit_softcapping,
+                    50.0,
+                ),
+                (
+                    "final_logit_softcapping",
+                    &mut c.final_logit_softcapping,
+                    30.0,
+                ),
+            ] {
+                if raw.get(key).is_none() {
+                    *cap = Some(default);
+                }
+            }
+        }
+        for (key, cap) in [
+            ("attn_logit_softcapping", c.attn_logit_softcapping),
+            ("final_logit_softcapping", c.final_logit_softcapping),
+        ] {
+            if cap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+                return Err(err(
+                    key,
+                    format!("{cap:?}: a cap is a positive number or null"),
+                ));
+            }
         }
         if c.use_bidirectional_attention == Some(true) {
             return Err(err(
@@ -160,6 +190,8 @@ impl Gemma3Config {
         let n = self.num_hidden_layers;
         let kinds: Vec<bool> = match &self.layer_types {
             Some(types) => sliding_layers(types, n)?,
+            // Gemma 2 alternates, the first layer sliding.
+            None if self.gemma2() => (0..n).map(|i| i % 2 == 0).collect(),
             None => {
                 let p = self.sliding_window_pattern.unwrap_or(6).max(1);
                 (0..n).map(|i| !(i + 1).is_multiple_of(p)).collect()
@@ -179,6 +211,12 @@ impl Gemma3Config {
         &self,
     ) -> std::result::Result<(RotaryEmbedding, RotaryEmbedding), (&'static str, String)> {
         let (global, local) = match &self.rope_parameters {
+            // Gemma 2: one table for every layer (transformers 5 writes it flat).
+            Some(p) if self.gemma2() => {
+                let one = serde_json::from_value::<RopeScaling>(p.clone())
+                    .map_err(|e| ("rope_parameters", e.to_string()))?;
+                (Some(one.clone()), Some(one))
+            }
             Some(p) => {
                 let read = |kind: &str| -> std::result::Result<Option<RopeScaling>, _> {
                     p.get(kind)
@@ -188,6 +226,7 @@ impl Gemma3Config {
                 };
                 (read("full_attention")?, read("sliding_attention")?)
             }
+            None if self.gemma2() => (self.rope_scaling.clone(), self.rope_scaling.clone()),
             None => (self.rope_scaling.clone(), None),
         };
         let theta = |p: &Option<RopeScaling>, old: Option<f64>, default: f64| {
@@ -201,9 +240,14 @@ impl Gemma3Config {
             RotaryEmbedding::new(self.head_dim, theta, self.max_position_embeddings, scaling)
                 .map_err(|m| ("rope_parameters", m))
         };
+        let (global_base, local_base) = match self.gemma2() {
+            true => (self.rope_theta, self.rope_theta),
+            false => (self.rope_theta, self.rope_local_base_freq),
+        };
+        let default_global = if self.gemma2() { 10_000.0 } else { 1_000_000.0 };
         Ok((
-            make(&global, theta(&global, self.rope_theta, 1_000_000.0))?,
-            make(&local, theta(&local, self.rope_local_base_freq, 10_000.0))?,
+            make(&global, theta(&global, global_base, default_global))?,
+            make(&local, theta(&local, local_base, 10_000.0))?,
         ))
     }
 }
@@ -253,10 +297,14 @@ impl Layer for Gemma3Layer {
             head_dim: d,
             qkv_bias: c.attention_bias,
             o_bias: c.attention_bias,
-            qk_norm: QkNorm::PerHead(norm),
+            qk_norm: match c.gemma2() {
+                true => QkNorm::None,
+                false => QkNorm::PerHead(norm),
+            },
             // The kernels scale scores by 1/sqrt(head_dim); Gemma's is
             // 1/sqrt(query_pre_attn_scalar).
             query_scale: Some((d as f64 / c.query_pre_attn_scalar as f64).sqrt()),
+            softcap: c.attn_logit_softcapping,
         };
         let body = BodyShape {
             vocab: c.vocab_size,

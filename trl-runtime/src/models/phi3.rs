@@ -114,6 +114,7 @@ impl Layer for Phi3Layer {
             k_norm: None,
             norm_whole_projection: false,
             query_scale: None,
+            softcap: None,
             rotary_dim: Some(rotary_dim),
         };
         let a = attend.attend((q, k, v), cx, Some(&self.rope), self.window)?;

@@ -72,6 +72,10 @@ fn fused_kernel(
     mask: &AttentionMask,
 ) -> Option<Result<Tensor>> {
     let square = q.dim(2).ok() == k.dim(2).ok();
+    // The fused kernels do not soft-cap: capped scores take the blockwise or whole paths.
+    if mask.softcap.is_some() {
+        return None;
+    }
     if mask.fused && square && crate::kernels::cpu_flash::applies(q, k) {
         return Some(crate::kernels::cpu_flash::flash_attention_cpu(
             q,
@@ -114,7 +118,7 @@ pub fn whole_matrix_attention(
     let q = (q * scale)?.reshape((b, kv_heads, group * s, d))?;
     let scores = q.matmul(&k.t()?)?.reshape((b, kv_heads, group, s, k_len))?;
     let dtype = scores.dtype();
-    let scores = scores.to_dtype(precision::wide(dtype))?;
+    let scores = mask.cap(scores.to_dtype(precision::wide(dtype))?)?;
     let probs = match mask.fused {
         true => causal_softmax(&scores, &mask.ranges)?,
         false => match mask.block_bias((0, s), (0, k_len))? {

@@ -93,9 +93,19 @@ impl Inputs<'_> {
             .take_while(move |&j| self.mask.block_visible(q, self.dims.range(j)))
     }
 
-    /// Scores of query block `i` against key block `j` with the mask added, in the wide dtype:
-    /// [b, kv, group, qn, kn].
+    /// Scores of query block `i` against key block `j`, soft-capped when the mask says, with
+    /// the mask added, in the wide dtype: [b, kv, group, qn, kn].
     fn scores(&self, qi: &Tensor, i: usize, j: usize) -> Result<Tensor> {
+        Ok(self.scores_and_cap_slope(qi, i, j)?.0)
+    }
+
+    /// [`Self::scores`] and, when capped, d(capped)/d(score) = 1 - tanh^2 (for the backward).
+    fn scores_and_cap_slope(
+        &self,
+        qi: &Tensor,
+        i: usize,
+        j: usize,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let Dims { b, kv, group, .. } = self.dims;
         let (q, k) = (self.dims.range(i), self.dims.range(j));
         let kj = self.k.narrow(2, k.0, k.1)?;
@@ -103,10 +113,19 @@ impl Inputs<'_> {
             .matmul(&kj.t()?)?
             .reshape((b, kv, group, q.1, k.1))?
             .to_dtype(self.wide)?;
-        match self.mask.block_bias(q, k)? {
-            Some(bias) => scores.broadcast_add(&bias.to_dtype(self.wide)?),
-            None => Ok(scores),
-        }
+        let (scores, slope) = match self.mask.softcap {
+            Some(cap) => {
+                let t = (scores / cap)?.tanh()?;
+                let slope = (1.0 - t.sqr()?)?;
+                ((t * cap)?, Some(slope))
+            }
+            None => (scores, None),
+        };
+        let scores = match self.mask.block_bias(q, k)? {
+            Some(bias) => scores.broadcast_add(&bias.to_dtype(self.wide)?)?,
+            None => scores,
+        };
+        Ok((scores, slope))
     }
 
     /// Output [b, heads, s, d] (the inputs' dtype) and per-row log-sum-exp [b, kv, group, s, 1]
@@ -180,19 +199,21 @@ impl Inputs<'_> {
             for j in self.key_blocks(i) {
                 let (k0, kn) = self.dims.range(j);
                 let (kj, vj) = (self.k.narrow(2, k0, kn)?, self.v.narrow(2, k0, kn)?);
-                let p5 = self.scores(&qi, i, j)?.broadcast_sub(&lse_i)?.exp()?;
+                let (scores, slope) = self.scores_and_cap_slope(&qi, i, j)?;
+                let p5 = scores.broadcast_sub(&lse_i)?.exp()?;
                 let p = p5.to_dtype(io)?.reshape((b, kv, group * qn, kn))?;
                 accumulate(&mut dvs[j], p.t()?.matmul(&doi)?, wide)?;
                 let dp = doi
                     .matmul(&vj.t()?)?
                     .reshape((b, kv, group, qn, kn))?
                     .to_dtype(wide)?;
-                let ds = (p5 * dp.broadcast_sub(&dsum_i)?)?.to_dtype(io)?.reshape((
-                    b,
-                    kv,
-                    group * qn,
-                    kn,
-                ))?;
+                let ds = (p5 * dp.broadcast_sub(&dsum_i)?)?;
+                // Through the cap: the scores' gradient times its slope.
+                let ds = match slope {
+                    Some(slope) => (ds * slope)?,
+                    None => ds,
+                };
+                let ds = ds.to_dtype(io)?.reshape((b, kv, group * qn, kn))?;
                 accumulate(&mut dqi, ds.matmul(&kj)?, wide)?;
                 accumulate(&mut dks[j], ds.t()?.matmul(&qi)?, wide)?;
             }
@@ -337,6 +358,73 @@ mod tests {
             for (name, (g, w)) in ["q", "k", "v"].iter().zip(grads.iter().zip(&want_grads)) {
                 let d = max_diff(g, w);
                 assert!(d < 1e-5, "block {block}: d{name} differs by {d}");
+            }
+        }
+    }
+
+    /// Soft-capped scores (Gemma 2's `attn_logit_softcapping`), blockwise and through the
+    /// whole matrix, equal the definition written out (cap * tanh(q k^T / sqrt(d) / cap),
+    /// masked, softmax, times v), values and gradients, in a sliding window on packed rows
+    /// with grouped heads; and the cap changes the result.
+    #[test]
+    fn soft_capped_scores_follow_their_definition() {
+        let dev = Device::Cpu;
+        let (s, d, cap) = (19usize, 8usize, 2.0f64);
+        let docs: [&[i64]; 2] = [&[7, 12], &[19]];
+        let pos: Vec<i64> = docs
+            .iter()
+            .flat_map(|row| row.iter().flat_map(|&n| 0..n))
+            .collect();
+        let pos = Tensor::from_vec(pos, (2, s), &dev).unwrap();
+        let plain = AttentionMask::windowed(&pos, Some(5), DType::F32, &dev).unwrap();
+        let mask = plain.clone().with_softcap(Some(cap));
+        // Large scores, so the cap bites.
+        let q = Var::randn(0f32, 3.0, (2, 4, s, d), &dev).unwrap();
+        let k = Var::randn(0f32, 3.0, (2, 2, s, d), &dev).unwrap();
+        let v = Var::randn(0f32, 1.0, (2, 2, s, d), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (2, 4, s, d), &dev).unwrap();
+        let run =
+            |f: &dyn Fn() -> Tensor| crate::kernels::testing::out_and_grads(f(), &w, [&q, &k, &v]);
+        let definition = || {
+            let kk = k.as_tensor().repeat((1, 2, 1, 1)).unwrap();
+            let vv = v.as_tensor().repeat((1, 2, 1, 1)).unwrap();
+            // Heads 0, 1 read kv head 0; 2, 3 kv head 1: repeat interleaves them.
+            let order = Tensor::new(&[0u32, 2, 1, 3], &dev).unwrap();
+            let (kk, vv) = (
+                kk.index_select(&order, 1).unwrap(),
+                vv.index_select(&order, 1).unwrap(),
+            );
+            let scores =
+                (q.as_tensor().matmul(&kk.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
+            let capped = ((scores / cap).unwrap().tanh().unwrap() * cap).unwrap();
+            let bias = plain.block_bias((0, s), (0, s)).unwrap().unwrap();
+            let bias = bias.reshape((2, 1, s, s)).unwrap();
+            let masked = capped.broadcast_add(&bias).unwrap();
+            let p = candle_nn::ops::softmax(&masked, candle_core::D::Minus1).unwrap();
+            p.matmul(&vv).unwrap()
+        };
+        let (want, want_grads) = run(&definition);
+        let (uncapped, _) = run(&|| attention(&q, &k, &v, &plain).unwrap());
+        assert!(
+            max_diff(&uncapped, &want) > 1e-2,
+            "the cap changes nothing here"
+        );
+        let whole = || attention(&q, &k, &v, &mask).unwrap();
+        for (name, f) in [
+            ("whole", &whole as &dyn Fn() -> Tensor),
+            ("block 4", &|| {
+                flash_attention(&q, &k, &v, &mask, 4).unwrap()
+            }),
+            ("block 19", &|| {
+                flash_attention(&q, &k, &v, &mask, 19).unwrap()
+            }),
+        ] {
+            let (got, grads) = run(f);
+            let diff = max_diff(&got, &want);
+            assert!(diff < 1e-5, "{name}: output differs by {diff}");
+            for (x, (g, w)) in ["q", "k", "v"].iter().zip(grads.iter().zip(&want_grads)) {
+                let diff = max_diff(g, w);
+                assert!(diff < 1e-5, "{name}: d{x} differs by {diff}");
             }
         }
     }

@@ -27,6 +27,9 @@ pub struct AttentionMask {
     masks: Arc<Memo<BlockPair, Option<Tensor>>>,
     /// The same ranges as the fused kernels take them, built on first use and shared too.
     spans: Arc<std::sync::OnceLock<KeySpans>>,
+    /// Logit soft-capping (Gemma 2's `attn_logit_softcapping`): scores become
+    /// `cap * tanh(scores / cap)` before the mask and the softmax.
+    pub softcap: Option<f64>,
 }
 
 /// (first query, queries, first key, keys).
@@ -105,7 +108,22 @@ impl AttentionMask {
             fused,
             masks: Arc::default(),
             spans: Arc::default(),
+            softcap: None,
         })
+    }
+
+    /// The same mask with scores soft-capped at `cap` (None: not capped).
+    pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
+        self.softcap = cap;
+        self
+    }
+
+    /// `cap * tanh(scores / cap)` when capped (scores in the softmax dtype).
+    pub(super) fn cap(&self, scores: Tensor) -> Result<Tensor> {
+        match self.softcap {
+            Some(cap) => (scores / cap)?.tanh()? * cap,
+            None => Ok(scores),
+        }
     }
 
     pub fn ranges(&self) -> &RowRanges {
