@@ -319,14 +319,7 @@ impl Ring<'_> {
             .matmul(&kj.t()?)?
             .reshape((self.b, self.kv, self.group, rows.len(), keys.len()))?
             .to_dtype(self.wide)?;
-        let (s, slope) = match self.mask.softcap {
-            Some(cap) => {
-                let t = (s / cap)?.tanh()?;
-                let slope = (1.0 - t.sqr()?)?;
-                ((t * cap)?, Some(slope))
-            }
-            None => (s, None),
-        };
+        let (s, slope) = crate::nn::mask::soft_cap(s, self.mask.softcap)?;
         match self
             .mask
             .block_mask(rows, key_block, keys, self.wide, qi.device())?

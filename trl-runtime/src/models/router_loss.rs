@@ -178,12 +178,7 @@ impl candle_core::CustomOp1 for AddGrad {
         crate::precomputed::copy_storage(s, l)
     }
 
-    fn bwd(
-        &self,
-        arg: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(&self, arg: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let (n, experts) = arg.dims2()?;
         let per_expert = match &self.0.state().sealed {
             Some((g, _)) => g.clone(),

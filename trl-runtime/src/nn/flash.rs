@@ -113,14 +113,7 @@ impl Inputs<'_> {
             .matmul(&kj.t()?)?
             .reshape((b, kv, group, q.1, k.1))?
             .to_dtype(self.wide)?;
-        let (scores, slope) = match self.mask.softcap {
-            Some(cap) => {
-                let t = (scores / cap)?.tanh()?;
-                let slope = (1.0 - t.sqr()?)?;
-                ((t * cap)?, Some(slope))
-            }
-            None => (scores, None),
-        };
+        let (scores, slope) = super::mask::soft_cap(scores, self.mask.softcap)?;
         let scores = match self.mask.block_bias(q, k)? {
             Some(bias) => scores.broadcast_add(&bias.to_dtype(self.wide)?)?,
             None => scores,

@@ -38,6 +38,19 @@ type BlockPair = (usize, usize, usize, usize);
 /// Added to masked scores: its exp() is 0, without the NaN that -inf - -inf would give.
 pub(crate) const MASKED: f32 = -1e30;
 
+/// `cap * tanh(scores / cap)` and its slope `1 - tanh^2` (what the scores' gradient is
+/// multiplied by in backward); the scores themselves and no slope when `cap` is None.
+pub(crate) fn soft_cap(scores: Tensor, cap: Option<f64>) -> Result<(Tensor, Option<Tensor>)> {
+    match cap {
+        Some(cap) => {
+            let t = (scores / cap)?.tanh()?;
+            let slope = (1.0 - t.sqr()?)?;
+            Ok(((t * cap)?, Some(slope)))
+        }
+        None => Ok((scores, None)),
+    }
+}
+
 /// Document index of every token of one row of position ids.
 pub fn document_ids(positions: &[i64]) -> Vec<u32> {
     let mut doc = 0u32;
@@ -120,10 +133,7 @@ impl AttentionMask {
 
     /// `cap * tanh(scores / cap)` when capped (scores in the softmax dtype).
     pub(super) fn cap(&self, scores: Tensor) -> Result<Tensor> {
-        match self.softcap {
-            Some(cap) => (scores / cap)?.tanh()? * cap,
-            None => Ok(scores),
-        }
+        Ok(soft_cap(scores, self.softcap)?.0)
     }
 
     pub fn ranges(&self) -> &RowRanges {
