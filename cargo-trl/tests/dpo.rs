@@ -34,6 +34,34 @@ fn dpo_under_every_cpu_profile_equals_one_process() {
     profiles_equal_one_process(&[], None);
 }
 
+/// DPO on a mixture of experts (Qwen3-MoE) with the router's load-balancing loss added to the
+/// policy's (weighted 0.1): one pair per micro-batch, so that a rank's micro-batches are some
+/// of one process's (the router loss is per micro-batch, TRL's average, not a sum over rows).
+#[test]
+fn dpo_on_a_mixture_of_experts_under_split_profiles_equals_one_process() {
+    let model = root().join("assets/tiny-qwen3-moe/model");
+    let model = model.to_str().unwrap().to_string();
+    profiles_equal_one_process(
+        &[
+            "--model_name_or_path",
+            &model,
+            "--router_aux_loss_coef",
+            "0.1",
+            MICRO_BATCH_PER_PAIR,
+        ],
+        Some(&[
+            "zero3_cpu",
+            "fsdp2_tp_cpu",
+            "context_parallel_cpu",
+            "alst_ulysses_cpu",
+        ]),
+    );
+}
+
+/// In `profiles_equal_one_process`'s extra flags: one pair per micro-batch, the rows of a
+/// step accumulated.
+const MICRO_BATCH_PER_PAIR: &str = "MICRO_BATCH_PER_PAIR";
+
 /// WPO (`--use_weighting`): each token's log sum p^2 from the tiled head (one process), the
 /// vocabulary-parallel logits (tp: maxima and sums all-reduced), whole logits (ZeRO-3) and
 /// sequences split over ranks (Ulysses, ring: sums joined before the weights).
@@ -98,6 +126,24 @@ fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) -> Vec<f64>
     let tmp = tempfile::tempdir().unwrap();
     let out = |name: &str| tmp.path().join(name);
     let one = ["--num_processes", "1"];
+    let per_pair = extra.contains(&MICRO_BATCH_PER_PAIR);
+    let extra: Vec<&str> = extra
+        .iter()
+        .copied()
+        .filter(|a| *a != MICRO_BATCH_PER_PAIR)
+        .collect();
+    // `rows` pairs per rank per step: one micro-batch of them, or one micro-batch per pair.
+    let dpo = |launch_args: &[&str], rows: usize, out: &Path, extra: &[&str]| {
+        let steps = rows.to_string();
+        match per_pair {
+            true => {
+                let ga = ["--gradient_accumulation_steps", steps.as_str()];
+                dpo(launch_args, 1, out, &[extra, &ga[..]].concat())
+            }
+            false => dpo(launch_args, rows, out, extra),
+        }
+    };
+    let extra = &extra[..];
     dpo(&one, 8, &out("one8"), extra);
     dpo(&one, 4, &out("one4"), extra);
     let (one8, one4) = (
