@@ -56,7 +56,7 @@ pub struct RingMask {
     /// Whether inputs the fused kernels take run them (else always the blockwise path).
     fused: bool,
     /// Logit soft-capping (Gemma 2): scores become `cap * tanh(scores / cap)` before the
-    /// mask; such attention runs the blockwise path.
+    /// mask (the fused kernels get it in each chunk pair's key spans).
     pub softcap: Option<f64>,
 }
 
@@ -155,7 +155,7 @@ impl RingMask {
             .iter()
             .map(|row| &row[a * chunk..(a + 1) * chunk])
             .collect();
-        KeySpans::shifted(&starts, q0, chunk, k0, chunk)
+        KeySpans::shifted(&starts, q0, chunk, k0, chunk).map(|s| s.with_softcap(self.softcap))
     }
 
     /// The same mask computed in blocks of `block` queries and keys.
@@ -709,7 +709,7 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
         candle_core::bail!("{heads} attention heads cannot share {kv} key/value heads evenly");
     }
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
-    let fused = mask.fused && mask.softcap.is_none() && fused_applies(q, k);
+    let fused = mask.fused && fused_applies(q, k);
     let (out, lse) = match fused {
         true => fused_forward(&q.detach().contiguous()?, &k_in, &v_in, mask)?,
         false => ring(q, kv, mask)?.forward(&k_in, &v_in)?,

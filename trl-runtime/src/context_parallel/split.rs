@@ -112,8 +112,7 @@ impl SeqAttention {
 
 impl SeqAttention {
     /// The same attention with its scores soft-capped at `cap` (Gemma 2's
-    /// `attn_logit_softcapping`; None: not capped). Capped attention runs the blockwise
-    /// paths (whole, Ulysses and ring alike), not the fused kernels.
+    /// `attn_logit_softcapping`; None: not capped), on every path.
     pub fn with_softcap(self, cap: Option<f64>) -> Self {
         match self {
             SeqAttention::Whole(mask, how) => SeqAttention::Whole(mask.with_softcap(cap), how),

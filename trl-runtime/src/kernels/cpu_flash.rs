@@ -55,6 +55,10 @@ pub struct KeySpans {
     // Shared: every layer of a forward (and its backward) uses the same spans.
     lo: Arc<[u32]>,
     hi: Arc<[u32]>,
+    /// Scores soft-capped at this (Gemma 2's attn_logit_softcapping): `cap * tanh(s / cap)`
+    /// before the softmax; the kernels (CPU and CUDA) apply it, and their backward the cap's
+    /// slope `1 - tanh^2`.
+    pub softcap: Option<f32>,
 }
 
 impl KeySpans {
@@ -68,7 +72,14 @@ impl KeySpans {
                 .map(|i| (i % rows + 1) as u32)
                 .collect::<Vec<_>>()
                 .into(),
+            softcap: None,
         }
+    }
+
+    /// The same spans with the scores soft-capped at `cap` (None: not capped).
+    pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
+        self.softcap = cap.map(|c| c as f32);
+        self
     }
 
     /// Queries at global indices `q0..q0 + nq` over keys at `k0..k0 + nk`, each query seeing
@@ -96,6 +107,7 @@ impl KeySpans {
             queries: nq,
             lo: lo.into(),
             hi: hi.into(),
+            softcap: None,
         })
     }
 
@@ -260,6 +272,20 @@ fn score_grads_body(dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]) {
 
 simd_dispatch!(score_grads, score_grads_avx2, score_grads_body, (dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]));
 
+/// `cap * tanh(s / cap)` over the `m x n` scores of a block (rows BLOCK apart), and the slope
+/// `1 - tanh^2` of each into `slope` when given.
+fn soft_cap(scores: &mut [f32], (m, n): (usize, usize), cap: f32, mut slope: Option<&mut [f32]>) {
+    for r in 0..m {
+        for c in r * BLOCK..r * BLOCK + n {
+            let t = (scores[c] / cap).tanh();
+            scores[c] = cap * t;
+            if let Some(s) = slope.as_deref_mut() {
+                s[c] = 1.0 - t * t;
+            }
+        }
+    }
+}
+
 /// Forward of one (batch, kv head): outputs and log-sum-exps of its `group` query heads. A
 /// row that sees no key gets a zero output and a log-sum-exp of minus infinity (a ring step
 /// then adds nothing to it).
@@ -294,6 +320,9 @@ fn forward_task(
                 let qi = Mat::rows(&qh[i0 * d..], d);
                 let kt = Mat::transposed(&k[j0 * d..], d);
                 mm((m, n, d), &mut scores, BLOCK, qi, kt, scale, false);
+                if let Some(cap) = spans.softcap {
+                    soft_cap(&mut scores, (m, n), cap, None);
+                }
                 online_softmax(&mut scores, rows, &mut m_run, &mut l_run, o, d);
                 let p = Mat::rows(&scores, BLOCK);
                 let vj = Mat::rows(&v[j0 * d..], d);
@@ -328,6 +357,15 @@ fn backward_task(
     let scale = 1.0 / (d as f32).sqrt();
     let mut p = vec![0f32; BLOCK * BLOCK];
     let mut dp = vec![0f32; BLOCK * BLOCK];
+    // The cap's slope per score, when capped.
+    let mut slope = vec![
+        0f32;
+        if spans.softcap.is_some() {
+            BLOCK * BLOCK
+        } else {
+            0
+        }
+    ];
     let mut delta = vec![0f32; sq];
     // The key blocks each query block may see.
     let reach: Vec<_> = (0..sq)
@@ -367,6 +405,9 @@ fn backward_task(
                 let qi = Mat::rows(&qh[i0 * d..], d);
                 let kt = Mat::transposed(&k[j0 * d..], d);
                 mm((m, n, d), &mut p, BLOCK, qi, kt, scale, false);
+                if let Some(cap) = spans.softcap {
+                    soft_cap(&mut p, (m, n), cap, Some(&mut slope));
+                }
                 probabilities(&mut p, rows, &lh[i0..i0 + m]);
                 // dV_j += P^T dO_i
                 let pt = Mat::transposed(&p, BLOCK);
@@ -376,6 +417,15 @@ fn backward_task(
                 let vt = Mat::transposed(&v[j0 * d..], d);
                 mm((m, n, d), &mut dp, BLOCK, doi, vt, 1.0, false);
                 score_grads(&mut dp, &p, rows, &delta[i0..i0 + m]);
+                if spans.softcap.is_some() {
+                    // Through the cap: the capped scores' gradient times the slope.
+                    for r in 0..m {
+                        let span = r * BLOCK..r * BLOCK + n;
+                        for (g, s) in dp[span.clone()].iter_mut().zip(&slope[span]) {
+                            *g *= s;
+                        }
+                    }
+                }
                 // dQ_i += scale dS K_j; dK_j += scale dS^T Q_i
                 let ds = Mat::rows(&dp, BLOCK);
                 let kj = Mat::rows(&k[j0 * d..], d);

@@ -283,6 +283,8 @@ impl CustomOp3 for Fwd<'_> {
             let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
             let (o, lse) = (packed.slice(..n_out), packed.slice(n_out..));
             let scale = 1.0 / (d as f32).sqrt();
+            // Soft-capping (0: none).
+            let cap = self.spans.softcap.unwrap_or(0.0);
             let (hq_i, hk_i) = (hq as i32, hk as i32);
             let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nq_pad as i32);
             let mut lb = stream.launch_builder(&f);
@@ -298,7 +300,8 @@ impl CustomOp3 for Fwd<'_> {
                 .arg(&nq_i)
                 .arg(&nk_i)
                 .arg(&np_i)
-                .arg(&scale);
+                .arg(&scale)
+                .arg(&cap);
             let grid = ((nq_pad / BLOCK) as u32, (b * hq) as u32);
             // SAFETY: the arguments match the kernel's signature; shared memory as computed.
             unsafe { lb.launch(config(grid, shared)) }.w()?;
@@ -416,6 +419,8 @@ impl CustomOp3 for Bwd<'_> {
             let name = format!("{}{sfx}_d{d}", variant(&format!("flash_bwd{keys}_")));
             let f = kernel(&dev, &name, shared)?;
             let scale = 1.0 / (d as f32).sqrt();
+            // Soft-capping (0: none).
+            let cap = self.spans.softcap.unwrap_or(0.0);
             let (hq_i, hk_i) = (hq as i32, hk as i32);
             let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nk_pad as i32);
             let mut lb = stream.launch_builder(&f);
@@ -426,7 +431,8 @@ impl CustomOp3 for Bwd<'_> {
                 .arg(&nq_i)
                 .arg(&nk_i)
                 .arg(&np_i)
-                .arg(&scale);
+                .arg(&scale)
+                .arg(&cap);
             let grid = ((nk_pad / keys) as u32, kv_blocks as u32);
             // 16 keys per warp.
             let threads = (keys / 16 * 32) as u32;

@@ -158,10 +158,15 @@ __device__ __forceinline__ bool sees(int lo, int hi, int key) { return key >= lo
 
 // ASYNC: K and V tiles come by cp.async, each overlapping the other's math (FlashAttention-2's
 // schedule): V_j loads while S = Q K_j^T and the softmax run, K_{j+1} while O += P V_j.
+// A score scaled, then soft-capped when cap > 0 (Gemma 2): cap * tanh(s / cap).
+__device__ __forceinline__ float capped(float s, float scale, float cap) {
+    return cap > 0.f ? cap * tanhf(s * scale / cap) : s * scale;
+}
+
 template <typename T, int D, bool ASYNC>
 __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo,
                           const uint32_t* hi, float* o, float* lse, int hq, int hk, int nq,
-                          int nk, int nq_pad, float scale) {
+                          int nk, int nq_pad, float scale, float cap) {
     constexpr int BR = 64, BC = 64, LD = D + 8;  // rows padded by 16 bytes: no bank conflicts
     extern __shared__ __align__(128) unsigned char smem[];
     T* sq = (T*)smem;
@@ -221,7 +226,6 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    const float sl2 = scale * LOG2E;
 
     for (int j0 = j_begin; j0 < j_end; j0 += BC) {
         if (ASYNC) {
@@ -256,7 +260,8 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int x = e >> 1, key = j0 + n * 8 + 2 * t + (e & 1);
-                s[n][e] = sees(rlo[x], rhi[x], key) ? s[n][e] * sl2 : -INFINITY;
+                s[n][e] = sees(rlo[x], rhi[x], key) ? capped(s[n][e], scale, cap) * LOG2E
+                                                     : -INFINITY;
                 mx[x] = fmaxf(mx[x], s[n][e]);
             }
         float alpha[2], mu[2];
@@ -358,7 +363,7 @@ template <typename T, int D, int BR, int WARPS, bool ASYNC>
 __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                           const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq,
                           float* dk, float* dv, int hq, int hk, int nq, int nk, int nk_pad,
-                          float scale) {
+                          float scale, float cap) {
     constexpr int BC = 16 * WARPS, LD = D + 8, LDS = BC + 8;
     // dQ (BR x D) among the warps: BR / 16 row groups, the columns split over the rest.
     constexpr int RG = BR / 16, QC = D / (WARPS / RG);
@@ -497,8 +502,16 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
                 const int qc = n * 8 + 2 * t + (e & 1);
                 const bool vis =
                     key < nk && i0 + qc < nq && sees(t_lo[qc], t_hi[qc], key);
-                const float p = vis ? exp2f(st[n][e] * sl2 - t_lse[qc]) : 0.f;
-                const float ds = p * (dpt[n][e] - t_delta[qc]);
+                float p, ds;
+                if (cap > 0.f) {
+                    // Soft-capped: P from the capped score, dS through the cap's slope.
+                    const float th = tanhf(st[n][e] * scale / cap);
+                    p = vis ? exp2f(cap * th * LOG2E - t_lse[qc]) : 0.f;
+                    ds = p * (dpt[n][e] - t_delta[qc]) * (1.f - th * th);
+                } else {
+                    p = vis ? exp2f(st[n][e] * sl2 - t_lse[qc]) : 0.f;
+                    ds = p * (dpt[n][e] - t_delta[qc]);
+                }
                 st[n][e] = p;
                 dpt[n][e] = ds;
                 sds[qc * LDS + warp * 16 + kr] = of<T>(ds);
@@ -595,13 +608,13 @@ __device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum,
     extern "C" __global__ void __launch_bounds__(128)                                          \
         flash_fwd_##SUFFIX##_d##D(const T* q, const T* k, const T* v, const uint32_t* lo,      \
                                   const uint32_t* hi, float* o, float* lse, int hq, int hk,    \
-                                  int nq, int nk, int nq_pad, float scale) {                   \
-        flash_fwd<T, D, false>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale);        \
+                                  int nq, int nk, int nq_pad, float scale, float cap) {        \
+        flash_fwd<T, D, false>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale, cap);   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) flash_fwd_async_##SUFFIX##_d##D(         \
         const T* q, const T* k, const T* v, const uint32_t* lo, const uint32_t* hi, float* o,  \
-        float* lse, int hq, int hk, int nq, int nk, int nq_pad, float scale) {                 \
-        flash_fwd<T, D, true>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale);         \
+        float* lse, int hq, int hk, int nq, int nk, int nq_pad, float scale, float cap) {      \
+        flash_fwd<T, D, true>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale, cap);    \
     }                                                                                          \
     FLASH_BWD_ENTRY(SUFFIX, T, D, BR, 4, 64)                                                   \
     FLASH_BWD_ENTRY(SUFFIX, T, D, BR, 8, 128)
@@ -611,17 +624,17 @@ __device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum,
     extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_bwd##KEYS##_##SUFFIX##_d##D( \
         const T* q, const T* k, const T* v, const T* dout, const float* lse,                   \
         const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,      \
-        float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale) {                  \
+        float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale, float cap) {       \
         flash_bwd<T, D, BR, WARPS, false>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq,   \
-                                          hk, nq, nk, nk_pad, scale);                          \
+                                          hk, nq, nk, nk_pad, scale, cap);                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         flash_bwd##KEYS##_async_##SUFFIX##_d##D(                                               \
             const T* q, const T* k, const T* v, const T* dout, const float* lse,               \
             const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,  \
-            float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale) {              \
+            float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale, float cap) {   \
         flash_bwd<T, D, BR, WARPS, true>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq,    \
-                                         hk, nq, nk, nk_pad, scale);                           \
+                                         hk, nq, nk, nk_pad, scale, cap);                      \
     }
 
 // Query rows per backward tile: 64 for head dim 64; 32 for 128, where the dK and dV

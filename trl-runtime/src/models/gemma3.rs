@@ -5,8 +5,8 @@
 //! scaled by `query_pre_attn_scalar`^-1/2; sliding-window layers; tanh-GELU MLPs; final-logit
 //! soft-capping. Gemma 3 adds per-head q/k norms and sliding layers with their own RoPE base
 //! (`layer_types`, or every `sliding_window_pattern`-th layer global); Gemma 2 soft-caps the
-//! attention scores (`attn_logit_softcapping`: the blockwise attention paths, not the fused
-//! kernels) and alternates sliding and global layers, one RoPE base for all.
+//! attention scores (`attn_logit_softcapping`, in every attention path, the fused kernels
+//! included) and alternates sliding and global layers, one RoPE base for all.
 //!
 //! The tp plan is Llama's (blocks.rs); each layer is one FSDP unit.
 

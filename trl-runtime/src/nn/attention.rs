@@ -72,16 +72,14 @@ fn fused_kernel(
     mask: &AttentionMask,
 ) -> Option<Result<Tensor>> {
     let square = q.dim(2).ok() == k.dim(2).ok();
-    // The fused kernels do not soft-cap: capped scores take the blockwise or whole paths.
-    if mask.softcap.is_some() {
-        return None;
-    }
+    // The kernels soft-cap the scores as the mask says.
+    let spans = || mask.key_spans().clone().with_softcap(mask.softcap);
     if mask.fused && square && crate::kernels::cpu_flash::applies(q, k) {
         return Some(crate::kernels::cpu_flash::flash_attention_cpu(
             q,
             k,
             v,
-            mask.key_spans(),
+            &spans(),
         ));
     }
     #[cfg(feature = "cuda")]
@@ -90,7 +88,7 @@ fn fused_kernel(
             q,
             k,
             v,
-            mask.key_spans(),
+            &spans(),
         ));
     }
     None

@@ -355,8 +355,8 @@ mod tests {
         }
     }
 
-    /// Soft-capped scores (Gemma 2's `attn_logit_softcapping`), blockwise and through the
-    /// whole matrix, equal the definition written out (cap * tanh(q k^T / sqrt(d) / cap),
+    /// Soft-capped scores (Gemma 2's `attn_logit_softcapping`), in the fused CPU kernel,
+    /// blockwise and through the whole matrix, equal the definition written out (cap * tanh(q k^T / sqrt(d) / cap),
     /// masked, softmax, times v), values and gradients, in a sliding window on packed rows
     /// with grouped heads; and the cap changes the result.
     #[test]
@@ -402,9 +402,12 @@ mod tests {
             max_diff(&uncapped, &want) > 1e-2,
             "the cap changes nothing here"
         );
-        let whole = || attention(&q, &k, &v, &mask).unwrap();
+        // On the CPU in f32 `attention` runs the fused kernel.
+        let fused = || attention(&q, &k, &v, &mask).unwrap();
+        let whole = || crate::nn::attention::whole_matrix_attention(&q, &k, &v, &mask).unwrap();
         for (name, f) in [
-            ("whole", &whole as &dyn Fn() -> Tensor),
+            ("fused", &fused as &dyn Fn() -> Tensor),
+            ("whole", &whole),
             ("block 4", &|| {
                 flash_attention(&q, &k, &v, &mask, 4).unwrap()
             }),

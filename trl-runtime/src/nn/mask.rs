@@ -28,7 +28,8 @@ pub struct AttentionMask {
     /// The same ranges as the fused kernels take them, built on first use and shared too.
     spans: Arc<std::sync::OnceLock<KeySpans>>,
     /// Logit soft-capping (Gemma 2's `attn_logit_softcapping`): scores become
-    /// `cap * tanh(scores / cap)` before the mask and the softmax.
+    /// `cap * tanh(scores / cap)` before the mask and the softmax (the fused kernels get it
+    /// in their key spans).
     pub softcap: Option<f64>,
 }
 
