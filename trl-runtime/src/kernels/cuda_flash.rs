@@ -144,11 +144,16 @@ fn pipelined() -> bool {
     })
 }
 
-/// `flash_fwd_` / `flash_bwd128_` with `_async` when [`pipelined`].
-fn variant(stem: &str) -> String {
-    match pipelined() {
+/// `flash_fwd_` / `flash_bwd128_` with `async_` when [`pipelined`], and `cap_` for the
+/// kernels that soft-cap the scores (compiled apart, so the others stay as measured).
+fn variant(stem: &str, spans: &KeySpans) -> String {
+    let stem = match pipelined() {
         true => format!("{stem}async_"),
         false => stem.to_string(),
+    };
+    match spans.softcap {
+        Some(_) => format!("{stem}cap_"),
+        None => stem,
     }
 }
 
@@ -276,7 +281,11 @@ impl CustomOp3 for Fwd<'_> {
         let n_out = b * hq * nq_pad * d;
         let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
         let shared = fwd_shared(d);
-        let name = format!("{}{}_d{d}", variant("flash_fwd_"), suffix(dtype)?);
+        let name = format!(
+            "{}{}_d{d}",
+            variant("flash_fwd_", self.spans),
+            suffix(dtype)?
+        );
         let f = kernel(&dev, &name, shared)?;
         let stream = dev.cuda_stream();
         typed!(dtype, |T| {
@@ -416,7 +425,8 @@ impl CustomOp3 for Bwd<'_> {
             unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
             let shared = bwd_shared(d);
-            let name = format!("{}{sfx}_d{d}", variant(&format!("flash_bwd{keys}_")));
+            let stem = variant(&format!("flash_bwd{keys}_"), self.spans);
+            let name = format!("{stem}{sfx}_d{d}");
             let f = kernel(&dev, &name, shared)?;
             let scale = 1.0 / (d as f32).sqrt();
             // Soft-capping (0: none).

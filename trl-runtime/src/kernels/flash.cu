@@ -158,12 +158,10 @@ __device__ __forceinline__ bool sees(int lo, int hi, int key) { return key >= lo
 
 // ASYNC: K and V tiles come by cp.async, each overlapping the other's math (FlashAttention-2's
 // schedule): V_j loads while S = Q K_j^T and the softmax run, K_{j+1} while O += P V_j.
-// A score scaled, then soft-capped when cap > 0 (Gemma 2): cap * tanh(s / cap).
-__device__ __forceinline__ float capped(float s, float scale, float cap) {
-    return cap > 0.f ? cap * tanhf(s * scale / cap) : s * scale;
-}
-
-template <typename T, int D, bool ASYNC>
+// CAP: the scores are soft-capped (Gemma 2): cap * tanh(s / cap) before the softmax; the
+// backward multiplies dS by the slope 1 - tanh^2. A template argument, so that the kernels
+// without it are the measured ones, unchanged.
+template <typename T, int D, bool ASYNC, bool CAP>
 __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo,
                           const uint32_t* hi, float* o, float* lse, int hq, int hk, int nq,
                           int nk, int nq_pad, float scale, float cap) {
@@ -226,6 +224,7 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const float sl2 = scale * LOG2E;
 
     for (int j0 = j_begin; j0 < j_end; j0 += BC) {
         if (ASYNC) {
@@ -260,8 +259,8 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int x = e >> 1, key = j0 + n * 8 + 2 * t + (e & 1);
-                s[n][e] = sees(rlo[x], rhi[x], key) ? capped(s[n][e], scale, cap) * LOG2E
-                                                     : -INFINITY;
+                const float v = CAP ? cap * tanhf(s[n][e] * scale / cap) * LOG2E : s[n][e] * sl2;
+                s[n][e] = sees(rlo[x], rhi[x], key) ? v : -INFINITY;
                 mx[x] = fmaxf(mx[x], s[n][e]);
             }
         float alpha[2], mu[2];
@@ -359,7 +358,7 @@ __device__ void flash_delta(const T* o, const T* dout, float* delta, int rows, i
 //
 // ASYNC: the query tiles are double-buffered: while one is computed, the next visible one
 // (Q, dO by cp.async; spans, lse, delta) is loaded into the other buffer.
-template <typename T, int D, int BR, int WARPS, bool ASYNC>
+template <typename T, int D, int BR, int WARPS, bool ASYNC, bool CAP>
 __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                           const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq,
                           float* dk, float* dv, int hq, int hk, int nq, int nk, int nk_pad,
@@ -503,7 +502,7 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
                 const bool vis =
                     key < nk && i0 + qc < nq && sees(t_lo[qc], t_hi[qc], key);
                 float p, ds;
-                if (cap > 0.f) {
+                if (CAP) {
                     // Soft-capped: P from the capped score, dS through the cap's slope.
                     const float th = tanhf(st[n][e] * scale / cap);
                     p = vis ? exp2f(cap * th * LOG2E - t_lse[qc]) : 0.f;
@@ -604,37 +603,37 @@ __device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum,
     }
 }
 
-#define FLASH_ENTRY(SUFFIX, T, D, BR)                                                          \
+#define FLASH_FWD_ENTRY(NAME, T, D, ASYNC, CAP)                                                \
     extern "C" __global__ void __launch_bounds__(128)                                          \
-        flash_fwd_##SUFFIX##_d##D(const T* q, const T* k, const T* v, const uint32_t* lo,      \
-                                  const uint32_t* hi, float* o, float* lse, int hq, int hk,    \
-                                  int nq, int nk, int nq_pad, float scale, float cap) {        \
-        flash_fwd<T, D, false>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale, cap);   \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) flash_fwd_async_##SUFFIX##_d##D(         \
-        const T* q, const T* k, const T* v, const uint32_t* lo, const uint32_t* hi, float* o,  \
-        float* lse, int hq, int hk, int nq, int nk, int nq_pad, float scale, float cap) {      \
-        flash_fwd<T, D, true>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale, cap);    \
-    }                                                                                          \
-    FLASH_BWD_ENTRY(SUFFIX, T, D, BR, 4, 64)                                                   \
-    FLASH_BWD_ENTRY(SUFFIX, T, D, BR, 8, 128)
+        NAME(const T* q, const T* k, const T* v, const uint32_t* lo, const uint32_t* hi,       \
+             float* o, float* lse, int hq, int hk, int nq, int nk, int nq_pad, float scale,    \
+             float cap) {                                                                      \
+        flash_fwd<T, D, ASYNC, CAP>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale,    \
+                                    cap);                                                      \
+    }
 
-// The backward with blocks of KEYS keys (WARPS warps): flash_bwd<KEYS>_<dtype>_d<D>.
-#define FLASH_BWD_ENTRY(SUFFIX, T, D, BR, WARPS, KEYS)                                         \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) flash_bwd##KEYS##_##SUFFIX##_d##D( \
-        const T* q, const T* k, const T* v, const T* dout, const float* lse,                   \
-        const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,      \
-        float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale, float cap) {       \
-        flash_bwd<T, D, BR, WARPS, false>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq,   \
-                                          hk, nq, nk, nk_pad, scale, cap);                     \
-    }                                                                                          \
+#define FLASH_ENTRY(SUFFIX, T, D, BR)                                                          \
+    FLASH_FWD_ENTRY(flash_fwd_##SUFFIX##_d##D, T, D, false, false)                             \
+    FLASH_FWD_ENTRY(flash_fwd_async_##SUFFIX##_d##D, T, D, true, false)                        \
+    FLASH_FWD_ENTRY(flash_fwd_cap_##SUFFIX##_d##D, T, D, false, true)                          \
+    FLASH_FWD_ENTRY(flash_fwd_async_cap_##SUFFIX##_d##D, T, D, true, true)                     \
+    FLASH_BWD_ENTRY(flash_bwd64_##SUFFIX##_d##D, T, D, BR, 4, false, false)                    \
+    FLASH_BWD_ENTRY(flash_bwd64_async_##SUFFIX##_d##D, T, D, BR, 4, true, false)               \
+    FLASH_BWD_ENTRY(flash_bwd64_cap_##SUFFIX##_d##D, T, D, BR, 4, false, true)                 \
+    FLASH_BWD_ENTRY(flash_bwd64_async_cap_##SUFFIX##_d##D, T, D, BR, 4, true, true)            \
+    FLASH_BWD_ENTRY(flash_bwd128_##SUFFIX##_d##D, T, D, BR, 8, false, false)                   \
+    FLASH_BWD_ENTRY(flash_bwd128_async_##SUFFIX##_d##D, T, D, BR, 8, true, false)              \
+    FLASH_BWD_ENTRY(flash_bwd128_cap_##SUFFIX##_d##D, T, D, BR, 8, false, true)                \
+    FLASH_BWD_ENTRY(flash_bwd128_async_cap_##SUFFIX##_d##D, T, D, BR, 8, true, true)
+
+// The backward with blocks of 16 x WARPS keys: flash_bwd<KEYS>[_async][_cap]_<dtype>_d<D>.
+#define FLASH_BWD_ENTRY(NAME, T, D, BR, WARPS, ASYNC, CAP)                                     \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
-        flash_bwd##KEYS##_async_##SUFFIX##_d##D(                                               \
-            const T* q, const T* k, const T* v, const T* dout, const float* lse,               \
-            const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,  \
-            float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale, float cap) {   \
-        flash_bwd<T, D, BR, WARPS, true>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq,    \
-                                         hk, nq, nk, nk_pad, scale, cap);                      \
+        NAME(const T* q, const T* k, const T* v, const T* dout, const float* lse,              \
+             const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,  \
+             float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale, float cap) {  \
+        flash_bwd<T, D, BR, WARPS, ASYNC, CAP>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv,  \
+                                               hq, hk, nq, nk, nk_pad, scale, cap);            \
     }
 
 // Query rows per backward tile: 64 for head dim 64; 32 for 128, where the dK and dV
