@@ -298,6 +298,7 @@ fn fused_loss(
     weight: &Tensor,
     targets: &[i64],
     grads: bool,
+    softcap: Option<f64>,
 ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
     let (n, _) = hidden.dims2()?;
     let vocab = weight.dim(0)?;
@@ -324,6 +325,18 @@ fn fused_loss(
         let len = rows.min(n - start);
         let h = hidden.narrow(0, start, len)?;
         let logits = h.matmul(&weight.t()?)?;
+        // Final-logit soft-capping (Gemma): the tile capped in f32, and the cap's slope for
+        // the logits' gradient.
+        let (logits, slope) = match softcap {
+            Some(cap) => {
+                let io = logits.dtype();
+                let (capped, slope) =
+                    super::mask::soft_cap(logits.to_dtype(DType::F32)?, Some(cap))?;
+                let slope = slope.map(|s| s.to_dtype(io)).transpose()?;
+                (capped.to_dtype(io)?, slope.filter(|_| grads))
+            }
+            None => (logits, None),
+        };
         let pass = CrossEntropyRows {
             targets: &targets[start..start + len],
             grads,
@@ -334,6 +347,11 @@ fn fused_loss(
         logits.inplace_op1(&pass)?;
         total += pass.loss.get();
         if grads {
+            // The capped logits' gradient through the cap.
+            let logits = match slope {
+                Some(slope) => (logits * slope)?,
+                None => logits,
+            };
             dhidden.push(logits.matmul(weight)?);
             // dW += logits^T h, into the f32 sum by the GEMM itself.
             accumulate_product(&mut dweight, &logits, &h)?;
@@ -372,24 +390,27 @@ pub fn tiled_linear_cross_entropy(
     weight: &Tensor,
     targets: &Tensor,
 ) -> Result<LossSum> {
-    tied_linear_cross_entropy(hidden, weight, targets, None)
+    tied_linear_cross_entropy(hidden, weight, targets, None, None)
 }
 
 /// [`tiled_linear_cross_entropy`] whose weight is also an embedding table looked up in
 /// `hidden`'s forward: on the fused path the weight's gradient goes to the lookup through
-/// `tied` when a lookup claimed it (see [`TiedGrad`]).
+/// `tied` when a lookup claimed it (see [`TiedGrad`]). `softcap`: the logits are soft-capped
+/// (`cap * tanh(logits / cap)`, Gemma's final_logit_softcapping), on the fused path only
+/// (elsewhere an error: compute the loss from the logits).
 pub(crate) fn tied_linear_cross_entropy(
     hidden: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
     tied: Option<TiedGrad>,
+    softcap: Option<f64>,
 ) -> Result<LossSum> {
     let vocab = weight.dim(0)?;
     if fused_applies(hidden, weight) {
         let (targets, count) = checked_targets(targets, vocab)?;
         let grads = hidden.track_op() || weight.track_op();
         let (h, w) = (hidden.detach().contiguous()?, weight.detach().contiguous()?);
-        let (sum, kept) = fused_loss(&h, &w, &targets, grads)?;
+        let (sum, kept) = fused_loss(&h, &w, &targets, grads, softcap)?;
         if !grads {
             return Ok(LossSum { sum, count });
         }
@@ -401,6 +422,9 @@ pub(crate) fn tied_linear_cross_entropy(
             sum: hidden.apply_op2(weight, op)?,
             count,
         });
+    }
+    if softcap.is_some() {
+        candle_core::bail!("the tiled loss has no soft-capping: compute it from the logits");
     }
     LossSum::of_tokens(tiled_token_nll(hidden, weight, targets)?)
 }
@@ -485,6 +509,55 @@ mod tests {
     /// path; inputs bf16 holds exactly, so both see the same values), the tiled loss equals the
     /// LM head followed by the cross-entropy: value and gradients; without gradients (eval) the
     /// fused path gives the same value.
+    /// Soft-capped logits (Gemma's final_logit_softcapping) in the fused loss equal the capped
+    /// head followed by the cross-entropy, loss and gradients, over several tiles; and the cap
+    /// changes both.
+    #[test]
+    fn soft_capped_logits_equal_the_capped_head() {
+        let dev = Device::Cpu;
+        let (n, h, vocab, cap) = (300, 16, 20_000, 2.0);
+        let hidden = Var::from_tensor(&randn((n, h), 1.0, 3)).unwrap();
+        let weight = Var::from_tensor(&randn((vocab, h), 0.8, 4)).unwrap();
+        let targets: Vec<i64> = (0..n as i64)
+            .map(|i| match i % 5 {
+                2 => IGNORE_INDEX,
+                _ => (i * 7919) % vocab as i64,
+            })
+            .collect();
+        let targets = Tensor::new(targets.as_slice(), &dev).unwrap();
+        let run = |f: &dyn Fn() -> LossSum| {
+            let ls = f();
+            let grads = (&ls.sum * 0.5).unwrap().backward().unwrap();
+            let value = ls.sum.to_scalar::<f32>().unwrap();
+            let gh = grads.get(&hidden).unwrap().clone();
+            let gw = grads.get(&weight).unwrap().clone();
+            (value, gh, gw)
+        };
+        let reference = |cap: Option<f64>| {
+            let logits = hidden.matmul(&weight.t().unwrap()).unwrap();
+            let logits = match cap {
+                Some(c) => ((logits / c).unwrap().tanh().unwrap() * c).unwrap(),
+                None => logits,
+            };
+            cross_entropy_sum(&logits, &targets).unwrap()
+        };
+        let (want, wh, ww) = run(&|| reference(Some(cap)));
+        let (plain, ph, _) = run(&|| reference(None));
+        assert!(
+            (plain - want).abs() > 1e-2 && rel(&ph, &wh) > 1e-2,
+            "the cap bites"
+        );
+        let fused =
+            || tied_linear_cross_entropy(&hidden, &weight, &targets, None, Some(cap)).unwrap();
+        let (got, gh, gw) = run(&fused);
+        assert!(
+            (got - want).abs() / want.abs() < 1e-5,
+            "loss {got} vs {want}"
+        );
+        assert!(rel(&gh, &wh) < 1e-5, "hidden gradient {}", rel(&gh, &wh));
+        assert!(rel(&gw, &ww) < 1e-5, "weight gradient {}", rel(&gw, &ww));
+    }
+
     #[test]
     fn equals_the_head_and_cross_entropy() {
         // 600 rows over a vocabulary of 20,000: tiles of 209 rows, the last one short.

@@ -393,10 +393,15 @@ pub fn parallelize<N: CausalModel>(
              (CausalModel::supports_tiled_mlp is false)"
         );
     }
-    if opts.tiled_loss && model.net().logit_softcap().is_some() && main {
+    if opts.tiled_loss
+        && model.net().logit_softcap().is_some()
+        && opts.dtype != candle_core::DType::F32
+        && ctx.device().is_cpu()
+        && main
+    {
         tracing::warn!(
-            "use_liger_kernel: the fused linear cross-entropy has no logit soft-capping; this \
-             model (final_logit_softcapping) computes its loss from the logits"
+            "use_liger_kernel: soft-capped logits (final_logit_softcapping) run fused in the \
+             one-pass loss only (f32 on the CPU, GPUs); here the loss is computed from the logits"
         );
     }
     if opts.tiled_mlp && fsdp && main {

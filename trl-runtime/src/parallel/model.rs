@@ -17,7 +17,7 @@ use crate::models::{AutoModelForCausalLM, CausalModel, LayerInputs, ModelConfig}
 use crate::nn::embedding::TiedGrad;
 use crate::nn::lora::{AdapterPlan, LoraConfig};
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
-use crate::nn::tiled_loss::{tied_linear_cross_entropy, tiled_linear_cross_entropy};
+use crate::nn::tiled_loss::tied_linear_cross_entropy;
 use crate::nn::Weight;
 use crate::nn::{AttentionImpl, LossSum};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
@@ -691,18 +691,25 @@ impl<N: CausalModel> Model<N> {
         let head = self.net.lm_head();
         // The fused loss runs whenever the head is whole here: asked for (use_liger_kernel),
         // or where it is one pass per row (CPU f32, GPUs) and so faster than the logits path.
-        let fused = |w: &Tensor| self.tiled_loss || crate::nn::tiled_loss::fused_applies(w, w);
+        // Soft-capped logits (Gemma) only in the one-pass kernel's tiles.
+        let softcap = self.net.logit_softcap();
+        let one_pass = |w: &Tensor| crate::nn::tiled_loss::fused_applies(w, w);
+        let fused = |w: &Tensor| match softcap {
+            Some(_) => one_pass(w),
+            None => self.tiled_loss || one_pass(w),
+        };
         let head = match (&head.weight, &head.bias, &self.tp) {
-            (Weight::Local(w), None, None) if fused(w) && self.net.logit_softcap().is_none() => {
-                w.clone()
-            }
+            (Weight::Local(w), None, None) if fused(w) => w.clone(),
             _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
         };
         if !train {
             let hidden = self.hidden_states(input_ids, position_ids, true)?.detach();
             let (b, s, h) = hidden.dims3()?;
             let flat = hidden.reshape((b * s, h))?;
-            return Ok(tiled_linear_cross_entropy(&flat, &head.detach(), targets)?);
+            let head = head.detach();
+            return Ok(tied_linear_cross_entropy(
+                &flat, &head, targets, None, softcap,
+            )?);
         }
         // A table that is also the head gets its whole gradient in one buffer: the loss's
         // part (computed in forward) plus the lookup's rows, added in place.
@@ -719,6 +726,7 @@ impl<N: CausalModel> Model<N> {
             &head,
             targets,
             tied,
+            softcap,
         )?)
     }
 
