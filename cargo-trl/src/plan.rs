@@ -341,6 +341,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             checkpointing,
                             offload_optimizer: offload,
                             reference_copy: false,
+                            gpu: machine.gpu,
                         };
                         if let Some(sync) = work.preference {
                             setup.for_preference_pairs(sync);

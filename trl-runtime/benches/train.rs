@@ -352,6 +352,7 @@ fn main() {
             checkpointing: false,
             offload_optimizer: false,
             reference_copy: false,
+            gpu: false,
         };
         let hw = estimate::Hardware::cpu(rank_flops, world, link);
         estimate::step_time(&model, &setup, &hw).tokens_per_second

@@ -104,6 +104,7 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         checkpointing: t.gradient_checkpointing,
         offload_optimizer: false,
         reference_copy: false,
+        gpu: false,
     }
 }
 

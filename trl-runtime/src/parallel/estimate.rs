@@ -36,6 +36,8 @@ pub struct Setup {
     pub offload_optimizer: bool,
     /// A second copy of the weights this rank holds (TR-DPO's reference).
     pub reference_copy: bool,
+    /// On GPUs, where the fused loss's one-pass kernel takes every dtype (on the CPU, f32).
+    pub gpu: bool,
 }
 
 impl Setup {
@@ -527,9 +529,10 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     ));
 
     // Logits exist whole where the fused loss cannot run: the head split (tp) or sharded
-    // (ZeRO-3 / FSDP), or soft-capped logits. Three fp32 copies: logits, log-softmax, gradient.
+    // (ZeRO-3 / FSDP), or soft-capped logits off the one-pass kernel (bf16 on the CPU).
     let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
-    if !whole_head || model.logits_loss {
+    let one_pass = setup.gpu || setup.dtype == DType::F32;
+    if !whole_head || (model.logits_loss && !one_pass) {
         e.logits = 8 * 4 * tokens * cfg.vocab_size / tp;
         why.push(format!(
             "logits: 8 fp32 copies x {tokens} tokens x {} vocabulary entries",
@@ -899,6 +902,7 @@ mod tests {
                 checkpointing: false,
                 offload_optimizer: false,
                 reference_copy: false,
+                gpu: false,
             };
             let without = estimate(&m, &setup);
             setup.reference_copy = true;
@@ -932,6 +936,7 @@ mod tests {
                 checkpointing,
                 offload_optimizer: false,
                 reference_copy: false,
+                gpu: false,
             };
             let at = |latency: f64| {
                 let link = LinkSpeed {

@@ -552,6 +552,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             checkpointing: self.model.checkpointing.is_some(),
             offload_optimizer: self.offloaded(),
             reference_copy: false,
+            gpu: self.ctx.device().is_cuda(),
         };
         task(&mut setup);
         Some(crate::parallel::estimate::estimate(&shapes, &setup))
