@@ -187,5 +187,15 @@ fn gpu() {
             theirs.map_or("null".into(), |t| format!("{t:.3}")),
             theirs.map_or("null".into(), |t| format!("{:.3}", ours / t)),
         );
+        // Soft-capped scores (Gemma 2's cap of 50): the `_cap_` kernels, against the uncapped
+        // ones of this run (torch's SDPA cannot soft-cap).
+        let capped = time_ms(&dev, DType::BF16, *shape, (reps, None), &|q, k, v, m| {
+            trl_runtime::nn::attention(q, k, v, &m.clone().with_softcap(Some(50.0))).unwrap()
+        });
+        println!(
+            "{{\"bench\":\"attention\",\"device\":\"cuda\",\"dtype\":\"bf16\",\"kernel\":\"{kernel}-softcap\",\"shape\":\"{}\",\"ms\":{capped:.3},\"uncapped_ms\":{ours:.3},\"ratio_capped_over_uncapped\":{:.3}}}",
+            shape_arg(*shape),
+            capped / ours,
+        );
     }
 }
