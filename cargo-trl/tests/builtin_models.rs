@@ -202,3 +202,57 @@ fn mixtral_under_every_cpu_profile_equals_one_process() {
     router_loss_logged(&tp);
     common::opens_in_transformers(&tp.join("checkpoint-5"));
 }
+
+/// Evaluation on a mixture of experts adds the router loss as TRL's does: `eval_loss` is the
+/// cross-entropy plus `router_aux_loss_coef` x `eval_aux_loss` (the loss averaged over the
+/// evaluation's batches), and a weight of 0 logs no `eval_aux_loss`. With a learning rate of
+/// 0 both runs hold the same weights, so the cross-entropy is the same.
+#[test]
+fn moe_evaluation_adds_the_router_loss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3-moe/model");
+    let eval = |coef: &str| -> serde_json::Value {
+        let out = tmp.path().join(format!("coef-{coef}"));
+        let o = common::sft_launch(
+            &["--num_processes", "1"],
+            &[
+                "--model_name_or_path",
+                model.to_str().unwrap(),
+                "--router_aux_loss_coef",
+                coef,
+                "--learning_rate",
+                "0",
+                "--max_steps",
+                "1",
+                "--per_device_train_batch_size",
+                "4",
+                "--eval_strategy",
+                "steps",
+                "--eval_steps",
+                "1",
+                "--save_steps",
+                "1000",
+                "--output_dir",
+                out.to_str().unwrap(),
+            ],
+        )
+        .output()
+        .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|m| m.get("eval_loss").is_some())
+            .unwrap_or_else(|| panic!("no eval_loss in {text}"))
+    };
+    let (with, without) = (eval("0.1"), eval("0"));
+    assert!(without.get("eval_aux_loss").is_none(), "{without}");
+    let aux = with["eval_aux_loss"].as_f64().unwrap();
+    assert!(aux > 0.5 && aux < 4.0, "{with}");
+    let added = with["eval_loss"].as_f64().unwrap() - without["eval_loss"].as_f64().unwrap();
+    assert!(
+        (added - 0.1 * aux).abs() < 1e-6,
+        "eval_loss grew by {added}, 0.1 x eval_aux_loss = {}",
+        0.1 * aux
+    );
+}

@@ -78,6 +78,9 @@ pub struct EvalResult {
     /// The task's accuracy: exact-match of greedy answers on held-out prompts (SFT), the
     /// share of pairs whose chosen reward is the higher (DPO).
     pub accuracy: Option<f64>,
+    /// A mixture of experts' router load-balancing loss, averaged over the evaluation's
+    /// batches (TRL's `eval_aux_loss`; its weighted part is in `loss`, as TRL adds it).
+    pub aux_loss: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -150,6 +153,20 @@ impl RouterLosses {
             return Ok(None);
         }
         Ok(Some(core.global_sum(&[self.sum.get()])?[0] / self.count))
+    }
+
+    /// An evaluation's mean loss over the `batches` this rank counted (each ended), over
+    /// every data-parallel rank (None when off).
+    pub fn eval_mean<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        batches: usize,
+    ) -> Result<Option<f64>> {
+        if self.weight == 0.0 {
+            return Ok(None);
+        }
+        let g = core.global_sum(&[self.sum.get(), batches as f64])?;
+        Ok(Some(g[0] / g[1].max(1.0)))
     }
 }
 

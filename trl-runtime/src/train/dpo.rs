@@ -588,10 +588,11 @@ impl Dpo {
         pairs: &[PreferencePair],
         batch_size: usize,
         weights: bool,
+        router: Option<&RouterLosses>,
         mut f: impl FnMut(&[usize], &Micro, &SequenceSums) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         if pairs.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
         let (rank, world) = (core.dp.rank(), core.dp.size());
         let batches: Vec<Vec<usize>> = (0..pairs.len())
@@ -604,12 +605,24 @@ impl Dpo {
             let idx = mine.get(i).copied().unwrap_or(&batches[0]);
             let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
             let micro = self.micro(core, &rows)?;
-            let sums = self.forward(core, &micro, false, weights)?;
+            // The policy's router loss (evaluation), per batch.
+            let aux = match router {
+                Some(r) => r.begin(&micro.batch)?,
+                None => None,
+            };
+            let forward = || self.forward(core, &micro, false, weights);
+            let sums = match router {
+                Some(r) => r.during(&aux, forward)?,
+                None => forward()?,
+            };
             if i < mine.len() {
                 f(idx, &micro, &sums)?;
+                if let Some(r) = router {
+                    r.end(aux);
+                }
             }
         }
-        Ok(())
+        Ok(mine.len())
     }
 
     /// The reference's log-probabilities of `pairs`: each data-parallel rank computes every
@@ -625,7 +638,7 @@ impl Dpo {
         }
         let mut out = vec![0.0; 2 * pairs.len()];
         // The reference's log-probabilities alone: no WPO weights.
-        self.each_batch(core, pairs, batch_size, false, |idx, _, sums| {
+        self.each_batch(core, pairs, batch_size, false, None, |idx, _, sums| {
             for (j, &k) in idx.iter().enumerate() {
                 out[2 * k] = sums.logps[j];
                 out[2 * k + 1] = sums.logps[idx.len() + j];
@@ -921,21 +934,31 @@ impl<N: CausalModel> Task<N> for Dpo {
             None => None,
         };
         let ref_eval = mixed.as_ref().unwrap_or(&self.ref_eval);
-        self.each_batch(core, &self.eval, bs, true, |idx, micro, seq| {
-            let reference: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
-            let p = Self::pair_logps(micro, seq, &reference);
-            let n = p.chosen.len() as f64;
-            loss += self.loss.compute(&p)?.loss * n;
-            correct += (0..p.chosen.len())
-                .filter(|&j| p.chosen[j] - p.ref_chosen[j] > p.rejected[j] - p.ref_rejected[j])
-                .count() as f64;
-            pairs += n;
-            Ok(())
-        })?;
+        let router = RouterLosses::new(core, 1);
+        let batches = self.each_batch(
+            core,
+            &self.eval,
+            bs,
+            true,
+            Some(&router),
+            |idx, micro, seq| {
+                let reference: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
+                let p = Self::pair_logps(micro, seq, &reference);
+                let n = p.chosen.len() as f64;
+                loss += self.loss.compute(&p)?.loss * n;
+                correct += (0..p.chosen.len())
+                    .filter(|&j| p.chosen[j] - p.ref_chosen[j] > p.rejected[j] - p.ref_rejected[j])
+                    .count() as f64;
+                pairs += n;
+                Ok(())
+            },
+        )?;
         let g = core.global_sum(&[loss, correct, pairs])?;
+        let aux_loss = router.eval_mean(core, batches)?;
         Ok(Some(EvalResult {
-            loss: g[0] / g[2].max(1.0),
+            loss: g[0] / g[2].max(1.0) + core.router_loss_weight * aux_loss.unwrap_or(0.0),
             accuracy: Some(g[1] / g[2].max(1.0)),
+            aux_loss,
         }))
     }
 

@@ -150,6 +150,9 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         }
         if let Some(e) = eval {
             line["eval_loss"] = e.loss.into();
+            if let Some(aux) = e.aux_loss {
+                line["eval_aux_loss"] = aux.into();
+            }
             if let Some(acc) = e.accuracy {
                 line[T::EVAL_ACCURACY] = acc.into();
             }
