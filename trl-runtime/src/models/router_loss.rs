@@ -43,6 +43,9 @@ struct State {
     tokens: f64,
     /// Once the forward is over: the gradient per expert of `weight x aux`, and aux.
     sealed: Option<(Vec<f32>, f64)>,
+    /// That gradient on every real token [tokens, experts], built by the first layer's
+    /// backward and added by every layer's (they all see this rank's tokens).
+    addend: Option<Tensor>,
 }
 
 impl RouterLoss {
@@ -60,8 +63,9 @@ impl RouterLoss {
 
     /// One sparse layer's router: `probs` [tokens, experts] (f32, in the graph), the same on
     /// the host, and `chosen` [tokens * k] the experts each token was routed to. Returns
-    /// `probs` as the identity whose backward adds the loss's gradient. A layer run again
-    /// (recomputed in backward) is not counted again.
+    /// `probs` as the identity whose backward adds the loss's gradient (`probs` itself when
+    /// the weight is 0: an evaluation, no backward). A layer run again (recomputed in
+    /// backward) is not counted again.
     pub fn record(
         self: &Arc<Self>,
         probs: &Tensor,
@@ -98,6 +102,9 @@ impl RouterLoss {
             }
         }
         drop(s);
+        if self.weight == 0.0 {
+            return Ok(probs.clone());
+        }
         Ok(probs.apply_op1(AddGrad(self.clone()))?)
     }
 
@@ -179,19 +186,27 @@ impl candle_core::CustomOp1 for AddGrad {
     }
 
     fn bwd(&self, arg: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let (n, experts) = arg.dims2()?;
-        let per_expert = match &self.0.state().sealed {
-            Some((g, _)) => g.clone(),
-            None => candle_core::bail!("router loss: backward before the forward was sealed"),
+        let mut s = self.0.state();
+        let add = match &s.addend {
+            Some(add) => add.clone(),
+            None => {
+                let (n, experts) = arg.dims2()?;
+                let Some((per_expert, _)) = &s.sealed else {
+                    candle_core::bail!("router loss: backward before the forward was sealed")
+                };
+                let mask: Vec<f32> = match &self.0.mask {
+                    Some(m) => m.iter().map(|&r| r as u8 as f32).collect(),
+                    None => vec![1.0; n],
+                };
+                let dev = arg.device();
+                let add = Tensor::from_vec(mask, (n, 1), dev)?
+                    .broadcast_mul(&Tensor::from_vec(per_expert.clone(), (1, experts), dev)?)?
+                    .to_dtype(grad.dtype())?;
+                s.addend = Some(add.clone());
+                add
+            }
         };
-        let mask: Vec<f32> = match &self.0.mask {
-            Some(m) => m.iter().map(|&r| r as u8 as f32).collect(),
-            None => vec![1.0; n],
-        };
-        let dev = arg.device();
-        let add = Tensor::from_vec(mask, (n, 1), dev)?
-            .broadcast_mul(&Tensor::from_vec(per_expert, (1, experts), dev)?)?
-            .to_dtype(grad.dtype())?;
+        drop(s);
         Ok(Some((grad + add)?))
     }
 }

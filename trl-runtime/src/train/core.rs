@@ -104,35 +104,48 @@ pub struct TaskStep {
     pub metrics: Vec<(&'static str, f64)>,
 }
 
-/// The router load-balancing losses of a step's micro-batches (a mixture of experts whose
-/// weight is not 0): each weighted by weight / (micro-batches x data-parallel ranks), the
-/// average TRL takes; [`Self::mean`] is what it logs as `aux_loss`.
+/// The router load-balancing losses of a step's micro-batches, or of an evaluation's
+/// batches (a mixture of experts whose weight is not 0). In training each adds its gradient
+/// weighted by weight / (micro-batches x data-parallel ranks), the average TRL takes;
+/// [`Self::mean`] is what it logs as `aux_loss` (`eval_aux_loss`).
 pub struct RouterLosses {
-    /// Per micro-batch (0: off).
+    on: bool,
+    /// The gradient's weight per micro-batch (0 in evaluation: no backward).
     weight: f64,
-    count: f64,
+    /// Over the batches ended here: the losses and how many.
     sum: std::cell::Cell<f64>,
+    batches: std::cell::Cell<usize>,
 }
 
 impl RouterLosses {
+    /// For a training step of `micro_batches` micro-batches per rank.
     pub fn new<N: CausalModel>(core: &Core<'_, N>, micro_batches: usize) -> Self {
         let count = (micro_batches * core.dp.size()) as f64;
         RouterLosses {
+            on: core.router_loss_weight != 0.0,
             weight: core.router_loss_weight / count,
-            count,
             sum: std::cell::Cell::new(0.0),
+            batches: std::cell::Cell::new(0),
+        }
+    }
+
+    /// For an evaluation: the values only.
+    pub fn for_evaluation<N: CausalModel>(core: &Core<'_, N>) -> Self {
+        RouterLosses {
+            weight: 0.0,
+            ..Self::new(core, 1)
         }
     }
 
     /// The loss to collect over `batch`'s forward (its real tokens), if any.
     pub fn begin(&self, batch: &crate::data::Batch) -> Result<Option<Arc<RouterLoss>>> {
-        if self.weight == 0.0 {
+        if !self.on {
             return Ok(None);
         }
         Ok(Some(RouterLoss::new(batch.real_tokens()?, self.weight)))
     }
 
-    /// Runs the training forward `f` collecting `aux`.
+    /// Runs the forward `f` collecting `aux`.
     pub fn during<R>(&self, aux: &Option<Arc<RouterLoss>>, f: impl FnOnce() -> R) -> R {
         match aux {
             Some(aux) => crate::models::router_loss::with_router_loss(aux, f),
@@ -140,32 +153,20 @@ impl RouterLosses {
         }
     }
 
-    /// After the micro-batch's backward.
+    /// After a counted batch (in training, after its backward).
     pub fn end(&self, aux: Option<Arc<RouterLoss>>) {
         if let Some(v) = aux.and_then(|a| a.value()) {
             self.sum.set(self.sum.get() + v);
+            self.batches.set(self.batches.get() + 1);
         }
     }
 
-    /// The step's mean loss over micro-batches and data-parallel ranks (None when off).
+    /// The mean loss over the batches every data-parallel rank ended (None when off).
     pub fn mean<N: CausalModel>(&self, core: &Core<'_, N>) -> Result<Option<f64>> {
-        if self.weight == 0.0 {
+        if !self.on {
             return Ok(None);
         }
-        Ok(Some(core.global_sum(&[self.sum.get()])?[0] / self.count))
-    }
-
-    /// An evaluation's mean loss over the `batches` this rank counted (each ended), over
-    /// every data-parallel rank (None when off).
-    pub fn eval_mean<N: CausalModel>(
-        &self,
-        core: &Core<'_, N>,
-        batches: usize,
-    ) -> Result<Option<f64>> {
-        if self.weight == 0.0 {
-            return Ok(None);
-        }
-        let g = core.global_sum(&[self.sum.get(), batches as f64])?;
+        let g = core.global_sum(&[self.sum.get(), self.batches.get() as f64])?;
         Ok(Some(g[0] / g[1].max(1.0)))
     }
 }

@@ -590,9 +590,9 @@ impl Dpo {
         weights: bool,
         router: Option<&RouterLosses>,
         mut f: impl FnMut(&[usize], &Micro, &SequenceSums) -> Result<()>,
-    ) -> Result<usize> {
+    ) -> Result<()> {
         if pairs.is_empty() {
-            return Ok(0);
+            return Ok(());
         }
         let (rank, world) = (core.dp.rank(), core.dp.size());
         let batches: Vec<Vec<usize>> = (0..pairs.len())
@@ -622,7 +622,7 @@ impl Dpo {
                 }
             }
         }
-        Ok(mine.len())
+        Ok(())
     }
 
     /// The reference's log-probabilities of `pairs`: each data-parallel rank computes every
@@ -934,8 +934,8 @@ impl<N: CausalModel> Task<N> for Dpo {
             None => None,
         };
         let ref_eval = mixed.as_ref().unwrap_or(&self.ref_eval);
-        let router = RouterLosses::new(core, 1);
-        let batches = self.each_batch(
+        let router = RouterLosses::for_evaluation(core);
+        self.each_batch(
             core,
             &self.eval,
             bs,
@@ -954,7 +954,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             },
         )?;
         let g = core.global_sum(&[loss, correct, pairs])?;
-        let aux_loss = router.eval_mean(core, batches)?;
+        let aux_loss = router.mean(core)?;
         Ok(Some(EvalResult {
             loss: g[0] / g[2].max(1.0) + core.router_loss_weight * aux_loss.unwrap_or(0.0),
             accuracy: Some(g[1] / g[2].max(1.0)),

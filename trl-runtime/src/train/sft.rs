@@ -254,8 +254,7 @@ impl<N: CausalModel> Task<N> for Sft {
         let (mut sum, mut count) = (0.0, 0.0);
         let filler = [&data.eval_rows[0]];
         // A mixture of experts' router loss per batch, as TRL's evaluation adds it.
-        let router = RouterLosses::new(core, 1);
-        let mut batches = 0;
+        let router = RouterLosses::for_evaluation(core);
         for i in 0..core.rounds(data.eval_rows.len(), bs, chunks.len()) {
             let chunk = chunks.get(i).copied().unwrap_or(&filler);
             let batch = collate(chunk, self.collate_options, &Device::Cpu)?
@@ -270,7 +269,6 @@ impl<N: CausalModel> Task<N> for Sft {
                 sum += ls.sum.to_scalar::<f32>()? as f64;
                 count += ls.count as f64;
                 router.end(aux);
-                batches += 1;
             }
         }
         let mut correct = 0.0;
@@ -288,7 +286,7 @@ impl<N: CausalModel> Task<N> for Sft {
         // Loss sums come from every sequence chunk; answers are generated whole on each.
         let totals = core.batch_sum(&[sum, count])?;
         let correct = core.global_sum(&[correct])?[0];
-        let aux_loss = router.eval_mean(core, batches)?;
+        let aux_loss = router.mean(core)?;
         Ok(Some(EvalResult {
             loss: totals[0] / totals[1].max(1.0)
                 + core.router_loss_weight * aux_loss.unwrap_or(0.0),
