@@ -304,22 +304,22 @@ impl Ring<'_> {
 
     /// Scores of query rows `qi` (block `i`) over `kj` (key block `key_block`, at global
     /// indices `keys`), soft-capped when the mask says, with the mask added; the 0/1
-    /// visibility (None: all visible); and when capped the cap's slope 1 - tanh^2 (for the
-    /// backward): [b, kv, group, qn, kn].
+    /// visibility (None: all visible); and when capped and `slope` (the backward) the cap's
+    /// slope 1 - tanh^2: [b, kv, group, qn, kn].
     fn scores(
         &self,
         qi: &Tensor,
         i: usize,
         kj: &Tensor,
-        key_block: (usize, usize),
-        keys: &[usize],
+        (key_block, keys): ((usize, usize), &[usize]),
+        slope: bool,
     ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
         let rows = self.rows(i);
         let s = qi
             .matmul(&kj.t()?)?
             .reshape((self.b, self.kv, self.group, rows.len(), keys.len()))?
             .to_dtype(self.wide)?;
-        let (s, slope) = crate::nn::mask::soft_cap(s, self.mask.softcap)?;
+        let (s, slope) = crate::nn::mask::soft_cap(s, self.mask.softcap, slope)?;
         match self
             .mask
             .block_mask(rows, key_block, keys, self.wide, qi.device())?
@@ -346,7 +346,7 @@ impl Ring<'_> {
                 let (qr, kr) = (self.rows(i), self.rows(j));
                 let qi = self.take(&self.q, &qr)?;
                 let kj = k.narrow(2, kr.start, kr.len())?;
-                let (s, vis, _) = self.scores(&qi, i, &kj, (src, j), &keys)?;
+                let (s, vis, _) = self.scores(&qi, i, &kj, ((src, j), &keys), false)?;
                 let block_max = s.max_keepdim(D::Minus1)?;
                 let max = match &acc[i] {
                     Some((m, _, _)) => m.maximum(&block_max)?,
@@ -419,7 +419,7 @@ impl Ring<'_> {
                     k.narrow(2, kr.start, kr.len())?,
                     v.narrow(2, kr.start, kr.len())?,
                 );
-                let (s, vis, slope) = self.scores(&qi, i, &kj, (src, j), &keys)?;
+                let (s, vis, slope) = self.scores(&qi, i, &kj, ((src, j), &keys), true)?;
                 let lse_i = lse.narrow(3, qr.start, qr.len())?;
                 let dsum_i = dsum.narrow(3, qr.start, qr.len())?;
                 let p5 = masked(s.broadcast_sub(&lse_i)?.exp()?, &vis)?;
@@ -820,7 +820,7 @@ mod tests {
     }
 
     /// The fused path (f32 CPU: the flash kernel per chunk pair, merged by log-sum-exp) equals
-    /// the blockwise one, values and every gradient, on 2 and 3 ranks with packed documents
+    /// the blockwise one, values and every gradient, plain and soft-capped, on 2 and 3 ranks with packed documents
     /// that cross chunk and rank boundaries and chunks longer than a kernel block.
     #[test]
     fn fused_pairs_equal_the_blockwise_ring() {
@@ -838,10 +838,10 @@ mod tests {
             let k = randn((2, 2, len, 16), 1.0, 12);
             let v = randn((2, 2, len, 16), 1.0, 13);
             let w = randn((2, 4, len, 16), 1.0, 14);
-            let run = |fused: bool| {
+            let run = |fused: bool, cap: Option<f64>| {
                 InProcessWorld::run(ranks, |rank, cp| {
                     let (index, pos) = local(rank, ranks, chunk, &global, 2);
-                    let mask = RingMask::new(&pos, &cp, None).unwrap();
+                    let mask = RingMask::new(&pos, &cp, None).unwrap().with_softcap(cap);
                     let mask = if fused { mask } else { mask.blockwise() };
                     let mine =
                         |t: &Tensor| Var::from_tensor(&t.index_select(&index, 2).unwrap()).unwrap();
@@ -853,13 +853,26 @@ mod tests {
                     (out.clone(), grads_of(&out, &w, [&q, &k, &v]))
                 })
             };
-            let (fused, blockwise) = (run(true), run(false));
-            for ((o1, g1), (o2, g2)) in fused.iter().zip(&blockwise) {
-                let d = diff(o1, o2);
-                assert!(d < 1e-5, "{ranks} ranks: outputs differ by {d:e}");
-                for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(g1.iter().zip(g2)) {
-                    let d = diff(a, b);
-                    assert!(d < 1e-4, "{ranks} ranks: {name} differs by {d:e}");
+            // Plain, and with the scores soft-capped (Gemma 2), which must change them.
+            let uncapped = run(true, None);
+            for cap in [None, Some(2.0)] {
+                let (fused, blockwise) = (run(true, cap), run(false, cap));
+                if cap.is_some() {
+                    assert!(diff(&fused[0].0, &uncapped[0].0) > 1e-3, "the cap bites");
+                }
+                for ((o1, g1), (o2, g2)) in fused.iter().zip(&blockwise) {
+                    let d = diff(o1, o2);
+                    assert!(
+                        d < 1e-5,
+                        "{ranks} ranks, cap {cap:?}: outputs differ by {d:e}"
+                    );
+                    for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(g1.iter().zip(g2)) {
+                        let d = diff(a, b);
+                        assert!(
+                            d < 1e-4,
+                            "{ranks} ranks, cap {cap:?}: {name} differs by {d:e}"
+                        );
+                    }
                 }
             }
         }

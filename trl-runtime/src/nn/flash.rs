@@ -96,15 +96,17 @@ impl Inputs<'_> {
     /// Scores of query block `i` against key block `j`, soft-capped when the mask says, with
     /// the mask added, in the wide dtype: [b, kv, group, qn, kn].
     fn scores(&self, qi: &Tensor, i: usize, j: usize) -> Result<Tensor> {
-        Ok(self.scores_and_cap_slope(qi, i, j)?.0)
+        Ok(self.scores_and_cap_slope(qi, i, j, false)?.0)
     }
 
-    /// [`Self::scores`] and, when capped, d(capped)/d(score) = 1 - tanh^2 (for the backward).
+    /// [`Self::scores`] and, when capped and `slope` (the backward), d(capped)/d(score) =
+    /// 1 - tanh^2.
     fn scores_and_cap_slope(
         &self,
         qi: &Tensor,
         i: usize,
         j: usize,
+        slope: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let Dims { b, kv, group, .. } = self.dims;
         let (q, k) = (self.dims.range(i), self.dims.range(j));
@@ -113,7 +115,7 @@ impl Inputs<'_> {
             .matmul(&kj.t()?)?
             .reshape((b, kv, group, q.1, k.1))?
             .to_dtype(self.wide)?;
-        let (scores, slope) = super::mask::soft_cap(scores, self.mask.softcap)?;
+        let (scores, slope) = super::mask::soft_cap(scores, self.mask.softcap, slope)?;
         let scores = match self.mask.block_bias(q, k)? {
             Some(bias) => scores.broadcast_add(&bias.to_dtype(self.wide)?)?,
             None => scores,
@@ -192,7 +194,7 @@ impl Inputs<'_> {
             for j in self.key_blocks(i) {
                 let (k0, kn) = self.dims.range(j);
                 let (kj, vj) = (self.k.narrow(2, k0, kn)?, self.v.narrow(2, k0, kn)?);
-                let (scores, slope) = self.scores_and_cap_slope(&qi, i, j)?;
+                let (scores, slope) = self.scores_and_cap_slope(&qi, i, j, true)?;
                 let p5 = scores.broadcast_sub(&lse_i)?.exp()?;
                 let p = p5.to_dtype(io)?.reshape((b, kv, group * qn, kn))?;
                 accumulate(&mut dvs[j], p.t()?.matmul(&doi)?, wide)?;

@@ -39,14 +39,19 @@ type BlockPair = (usize, usize, usize, usize);
 /// Added to masked scores: its exp() is 0, without the NaN that -inf - -inf would give.
 pub(crate) const MASKED: f32 = -1e30;
 
-/// `cap * tanh(scores / cap)` and its slope `1 - tanh^2` (what the scores' gradient is
-/// multiplied by in backward); the scores themselves and no slope when `cap` is None.
-pub(crate) fn soft_cap(scores: Tensor, cap: Option<f64>) -> Result<(Tensor, Option<Tensor>)> {
+/// `cap * tanh(scores / cap)` and, with `slope` (a backward needs it), its slope
+/// `1 - tanh^2` (what the scores' gradient is multiplied by); the scores themselves and no
+/// slope when `cap` is None.
+pub(crate) fn soft_cap(
+    scores: Tensor,
+    cap: Option<f64>,
+    slope: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     match cap {
         Some(cap) => {
             let t = (scores / cap)?.tanh()?;
-            let slope = (1.0 - t.sqr()?)?;
-            Ok(((t * cap)?, Some(slope)))
+            let s = slope.then(|| 1.0 - t.sqr()?).transpose()?;
+            Ok(((t * cap)?, s))
         }
         None => Ok((scores, None)),
     }
@@ -134,7 +139,7 @@ impl AttentionMask {
 
     /// `cap * tanh(scores / cap)` when capped (scores in the softmax dtype).
     pub(super) fn cap(&self, scores: Tensor) -> Result<Tensor> {
-        Ok(soft_cap(scores, self.softcap)?.0)
+        Ok(soft_cap(scores, self.softcap, false)?.0)
     }
 
     pub fn ranges(&self) -> &RowRanges {

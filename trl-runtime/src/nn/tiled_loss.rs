@@ -331,9 +331,11 @@ fn fused_loss(
             Some(cap) => {
                 let io = logits.dtype();
                 let (capped, slope) =
-                    super::mask::soft_cap(logits.to_dtype(DType::F32)?, Some(cap))?;
-                let slope = slope.map(|s| s.to_dtype(io)).transpose()?;
-                (capped.to_dtype(io)?, slope.filter(|_| grads))
+                    super::mask::soft_cap(logits.to_dtype(DType::F32)?, Some(cap), grads)?;
+                (
+                    capped.to_dtype(io)?,
+                    slope.map(|s| s.to_dtype(io)).transpose()?,
+                )
             }
             None => (logits, None),
         };
