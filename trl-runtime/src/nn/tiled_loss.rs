@@ -375,11 +375,21 @@ fn fused_loss(
 /// a GPU (feature `cuda`) in f32, bf16 or f16.
 pub fn fused_applies(hidden: &Tensor, weight: &Tensor) -> bool {
     let dtype = hidden.dtype();
-    let on_cpu = hidden.device().is_cpu() && dtype == DType::F32;
-    let on_gpu = hidden.device().is_cuda()
-        && crate::kernels::precision::cuda_fused_on()
-        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
-    weight.dtype() == dtype && weight.device().same_device(hidden.device()) && (on_cpu || on_gpu)
+    let device = hidden.device();
+    let here = device.is_cpu() || (device.is_cuda() && crate::kernels::precision::cuda_fused_on());
+    weight.dtype() == dtype
+        && weight.device().same_device(device)
+        && here
+        && one_pass_dtype(dtype, device.is_cuda())
+}
+
+/// Whether the fused loss's one-pass row kernel takes `dtype`: f32 on the CPU; f32, bf16 or
+/// f16 on a GPU (the memory estimate asks the same).
+pub fn one_pass_dtype(dtype: DType, gpu: bool) -> bool {
+    match gpu {
+        true => matches!(dtype, DType::F32 | DType::BF16 | DType::F16),
+        false => dtype == DType::F32,
+    }
 }
 
 /// Summed cross-entropy of the logits `hidden` [n, h] x `weight`^T ([vocab, h]) would give,

@@ -531,7 +531,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // Logits exist whole where the fused loss cannot run: the head split (tp) or sharded
     // (ZeRO-3 / FSDP), or soft-capped logits off the one-pass kernel (bf16 on the CPU).
     let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
-    let one_pass = setup.gpu || setup.dtype == DType::F32;
+    let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     if !whole_head || (model.logits_loss && !one_pass) {
         e.logits = 8 * 4 * tokens * cfg.vocab_size / tp;
         why.push(format!(
