@@ -584,8 +584,9 @@ pub fn auto(
                 use_peft: t.use_peft,
                 lora_r: t.lora_r,
                 lora_target_modules: vec![],
-                trainer: if preference.is_some() { "dpo" } else { "sft" }.into(),
-                sync_ref_model: preference.unwrap_or(false),
+                // The machine does not depend on the trainer (`work.preference` does).
+                trainer: "sft".into(),
+                sync_ref_model: false,
                 gradient_checkpointing: None,
                 all: false,
                 explain: false,

@@ -99,14 +99,8 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
 /// reference: its arguments parse only as DPOConfig's (`--beta`, `--loss_type`, ...), or its
 /// target's name says dpo (the examples' `dpo`, `cargo trl new my-dpo --trainer dpo`).
 pub fn preference(program_args: &[String], target: Option<&str>) -> Option<bool> {
-    let argv: Vec<String> = std::iter::once("program".to_string())
-        .chain(program_args.iter().cloned())
-        .collect();
-    let parse = |argv: &[String]| -> Option<DPOConfig> {
-        let cli = Cli::<DPOConfig>::try_parse_trl_from(argv.iter().cloned()).ok()?;
-        Some(cli.resolve().ok()?.0)
-    };
-    let sft = Cli::<SFTConfig>::try_parse_trl_from(argv.iter().cloned()).is_ok();
+    let argv = argv(program_args);
+    let sft = resolve::<SFTConfig>(&argv).is_some();
     let named = target
         .and_then(|t| {
             Path::new(t)
@@ -115,24 +109,36 @@ pub fn preference(program_args: &[String], target: Option<&str>) -> Option<bool>
         })
         .is_some_and(|t| t.contains("dpo"));
     match (sft, named) {
-        (false, _) | (true, true) => parse(&argv).map(|c| c.sync_ref_model),
+        (false, _) | (true, true) => resolve::<DPOConfig>(&argv).map(|(c, _)| c.sync_ref_model),
         (true, false) => None,
     }
 }
 
+/// The program's arguments as a command line (a program name first).
+fn argv(program_args: &[String]) -> Vec<String> {
+    std::iter::once("program".to_string())
+        .chain(program_args.iter().cloned())
+        .collect()
+}
+
+/// `argv` read as trainer config `C` (flags, or the `--config FILE` they pass), and whether
+/// it came with a config file. None when they do not parse as `C`'s.
+fn resolve<C: TrainerConfig>(argv: &[String]) -> Option<(C, bool)> {
+    let cli = Cli::<C>::try_parse_trl_from(argv.iter().cloned()).ok()?;
+    let (config, _) = cli.resolve().ok()?;
+    Some((config, cli.config.is_some()))
+}
+
 pub fn training_args(program_args: &[String]) -> Option<(bool, TrainingArguments)> {
     fn with<C: TrainerConfig>(argv: &[String]) -> Option<(bool, TrainingArguments)> {
-        let cli = Cli::<C>::try_parse_trl_from(argv.iter().cloned()).ok()?;
-        let (config, _) = cli.resolve().ok()?;
-        let named = cli.config.is_some()
+        let (config, file) = resolve::<C>(argv)?;
+        let named = file
             || argv
                 .iter()
                 .any(|a| a.replace('-', "_").starts_with("__model_name_or_path"));
         Some((named, config.training().clone()))
     }
-    let argv: Vec<String> = std::iter::once("program".to_string())
-        .chain(program_args.iter().cloned())
-        .collect();
+    let argv = argv(program_args);
     with::<SFTConfig>(&argv).or_else(|| with::<DPOConfig>(&argv))
 }
 

@@ -420,3 +420,42 @@ fn profile_auto_launches_what_plan_picks() {
         "{said}"
     );
 }
+
+/// `--profile auto` plans a DPO program as DPO: its micro-batch of pairs is twice as many
+/// sequences, so the same flags predict a larger peak than for the sft program.
+#[test]
+fn profile_auto_plans_a_dpo_program_as_dpo() {
+    let plan = |target: &str| -> (String, f64) {
+        let o = Command::new(BIN)
+            .current_dir(workspace())
+            .env("CARGO_NET_OFFLINE", "true")
+            .args([
+                "launch",
+                "--profile",
+                "auto",
+                "--dry_run",
+                "--main_process_port",
+                "0",
+            ])
+            .args([target, "--", "--max_length", "64"])
+            .output()
+            .unwrap();
+        let all = text(&o);
+        assert!(o.status.success(), "{all}");
+        let peak = all
+            .split("predicted peak ")
+            .nth(1)
+            .and_then(|r| r.split('M').next())
+            .and_then(|m| m.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no predicted peak in:\n{all}"));
+        (all, peak)
+    };
+    let (dpo, dpo_peak) = plan("dpo");
+    let (sft, sft_peak) = plan("sft");
+    assert!(
+        dpo.contains("auto: planning for DPO (8 pairs = 16 sequences"),
+        "{dpo}"
+    );
+    assert!(!sft.contains("planning for DPO"), "{sft}");
+    assert!(dpo_peak > sft_peak, "dpo {dpo_peak}M, sft {sft_peak}M");
+}
