@@ -678,7 +678,7 @@ fn cuda_flash_attention_follows_the_f32_reference() {
             let got = output_and_grads(&[&q, &k, &v], &w, &dev, dtype, |t| {
                 assert!(applies(&t[0], &t[1]), "the fused kernel takes these inputs");
                 let mask = AttentionMask::causal(&pos, dtype, &dev).unwrap();
-                flash_attention_cuda(&t[0], &t[1], &t[2], mask.key_spans()).unwrap()
+                flash_attention_cuda(&t[0], &t[1], &t[2], mask.key_spans(), None).unwrap()
             });
             let what = format!("b {b} heads {hq}/{hk} s {s} d {d} {dtype:?}");
             let e = rel_diff(&got.0, &want.0);

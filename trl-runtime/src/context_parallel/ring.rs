@@ -58,6 +58,9 @@ pub struct RingMask {
     /// Logit soft-capping (Gemma 2): scores become `cap * tanh(scores / cap)` before the
     /// mask (the fused kernels get it in each chunk pair's key spans).
     pub softcap: Option<f64>,
+    /// Attention sinks [heads] (gpt-oss), added once to the merged steps
+    /// (`crate::kernels::sinks`).
+    pub sinks: Option<Tensor>,
 }
 
 /// (first local query, key source rank, key block, dtype).
@@ -113,12 +116,19 @@ impl RingMask {
             masks: Arc::default(),
             fused: true,
             softcap: None,
+            sinks: None,
         })
     }
 
     /// The same ring with scores soft-capped at `cap` (None: not capped).
     pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
         self.softcap = cap;
+        self
+    }
+
+    /// The same ring with sinks [heads] (None: none).
+    pub fn with_sinks(mut self, sinks: Option<Tensor>) -> Self {
+        self.sinks = sinks;
         self
     }
 
@@ -710,16 +720,18 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
     }
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
     let fused = mask.fused && fused_applies(q, k);
-    let (out, lse) = match fused {
+    let forward = match fused {
         true => fused_forward(&q.detach().contiguous()?, &k_in, &v_in, mask)?,
         false => ring(q, kv, mask)?.forward(&k_in, &v_in)?,
     };
-    let backward = RingBackward {
-        mask: mask.clone(),
-        lse,
-        fused,
-    };
-    with_backward3(q, k, v, out, backward)
+    crate::kernels::sinks::attend_with(forward, mask.sinks.as_ref(), |out, lse| {
+        let backward = RingBackward {
+            mask: mask.clone(),
+            lse,
+            fused,
+        };
+        with_backward3(q, k, v, out, backward)
+    })
 }
 
 #[cfg(test)]
@@ -875,6 +887,77 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Attention sinks (gpt-oss) on the ring, fused and blockwise, equal the whole sequence's
+    /// attention in one process: each rank's rows of the output and of dq, dk, dv, and the
+    /// sinks' gradient summed over the ranks (each rank's queries add their share).
+    #[test]
+    fn sinks_on_the_ring_equal_whole_attention() {
+        let (ranks, chunk) = (2usize, 9usize);
+        let len = 2 * ranks * chunk;
+        let global: Vec<i64> = (0..len as i64)
+            .map(|i| if i < 13 { i } else { i - 13 })
+            .collect();
+        let dev = Device::Cpu;
+        let (q, k, v) = (
+            randn((1, 4, len, 8), 1.0, 21),
+            randn((1, 2, len, 8), 1.0, 22),
+            randn((1, 2, len, 8), 1.0, 23),
+        );
+        let w = randn((1, 4, len, 8), 1.0, 24);
+        let sinks = Tensor::new(&[1.0f32, -0.5, 3.0, 0.0], &dev).unwrap();
+        let whole = {
+            let pos = Tensor::new(global.as_slice(), &dev)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let s = Var::from_tensor(&sinks).unwrap();
+            let mask = AttentionMask::causal(&pos, DType::F32, &dev)
+                .unwrap()
+                .with_sinks(Some(s.as_tensor().clone()));
+            let [q, k, v] = [&q, &k, &v].map(|t| Var::from_tensor(t).unwrap());
+            let out = crate::nn::attention::whole_matrix_attention(&q, &k, &v, &mask).unwrap();
+            let g = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let grads: Vec<Tensor> = [&q, &k, &v, &s]
+                .iter()
+                .map(|t| g.get(t.as_tensor()).unwrap().clone())
+                .collect();
+            (out, grads)
+        };
+        for fused in [true, false] {
+            let per_rank = InProcessWorld::run(ranks, |rank, cp| {
+                let (index, pos) = local(rank, ranks, chunk, &global, 1);
+                let s = Var::from_tensor(&sinks).unwrap();
+                let mask = RingMask::new(&pos, &cp, None)
+                    .unwrap()
+                    .with_sinks(Some(s.as_tensor().clone()));
+                let mask = if fused { mask } else { mask.blockwise() };
+                let mine =
+                    |t: &Tensor| Var::from_tensor(&t.index_select(&index, 2).unwrap()).unwrap();
+                let (ql, kl, vl) = (mine(&q), mine(&k), mine(&v));
+                let out = ring_attention(&ql, &kl, &vl, &mask).unwrap();
+                let wl = w.index_select(&index, 2).unwrap();
+                let g = (&out * &wl).unwrap().sum_all().unwrap().backward().unwrap();
+                let grads: Vec<Tensor> = [&ql, &kl, &vl, &s]
+                    .iter()
+                    .map(|t| g.get(t.as_tensor()).unwrap().clone())
+                    .collect();
+                (index, out, grads)
+            });
+            let mut dsinks = sinks.zeros_like().unwrap();
+            for (index, out, grads) in &per_rank {
+                let rows = |t: &Tensor| t.index_select(index, 2).unwrap();
+                assert!(diff(out, &rows(&whole.0)) < 1e-5, "fused {fused}: output");
+                for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+                    let d = diff(&grads[i], &rows(&whole.1[i]));
+                    assert!(d < 1e-4, "fused {fused}: {name} differs by {d:e}");
+                }
+                dsinks = (dsinks + &grads[3]).unwrap();
+            }
+            let d = diff(&dsinks, &whole.1[3]);
+            assert!(d < 1e-4, "fused {fused}: dsinks differs by {d:e}");
         }
     }
 

@@ -14,6 +14,7 @@ use crate::nn::attention::AttentionImpl;
 use crate::nn::flash_attn::Attend;
 use crate::nn::mask::AttentionMask;
 use candle_core::{DType, Device, Result, Tensor};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Sequences split across a group: over a ring (cp) or by Ulysses (sp).
@@ -124,16 +125,46 @@ impl SeqAttention {
     }
 }
 
+impl SeqAttention {
+    /// [`Attend::apply`] with attention sinks [heads] (gpt-oss) when given: this layer's,
+    /// added to the mask shared by every layer for this call only.
+    pub fn apply_with_sinks(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        sinks: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        // The mask is cloned (cheap: shared tables) only for a layer with sinks.
+        fn add<'a, T: Clone>(
+            m: &'a T,
+            sinks: Option<&Tensor>,
+            with: fn(T, Option<Tensor>) -> T,
+        ) -> Cow<'a, T> {
+            match sinks {
+                Some(s) => Cow::Owned(with(m.clone(), Some(s.clone()))),
+                None => Cow::Borrowed(m),
+            }
+        }
+        match self {
+            SeqAttention::Whole(mask, how) => {
+                how.apply(q, k, v, &add(mask, sinks, AttentionMask::with_sinks))
+            }
+            SeqAttention::Ulysses(mask, how, group, comm) => {
+                let mask = add(mask, sinks, AttentionMask::with_sinks);
+                ulysses_attention(q, k, v, &mask, *how, group, *comm)
+            }
+            SeqAttention::Ring(mask) => {
+                ring_attention(q, k, v, &add(mask, sinks, RingMask::with_sinks))
+            }
+        }
+    }
+}
+
 impl Attend for SeqAttention {
     /// Attention of `q` [b, heads, len, d] over `k`, `v` [b, kv_heads, len, d].
     fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        match self {
-            SeqAttention::Whole(mask, how) => how.apply(q, k, v, mask),
-            SeqAttention::Ulysses(mask, how, group, comm) => {
-                ulysses_attention(q, k, v, mask, *how, group, *comm)
-            }
-            SeqAttention::Ring(mask) => ring_attention(q, k, v, mask),
-        }
+        self.apply_with_sinks(q, k, v, None)
     }
 }
 

@@ -62,6 +62,17 @@ pub fn ulysses_attention(
             .to_dtype(t.dtype())
     };
     let spread = |t: &Tensor| exchange(t, 1, 2);
+    // This rank attends for its share of the heads: their sinks.
+    let local = heads / sp.size();
+    let narrowed;
+    let mask = match &mask.sinks {
+        Some(s) => {
+            let mine = s.narrow(0, sp.rank() * local, local)?;
+            narrowed = mask.clone().with_sinks(Some(mine));
+            &narrowed
+        }
+        None => mask,
+    };
     let q = spread(q)?;
     let k = spread(&repeat_heads(k, repeats)?)?;
     let v = spread(&repeat_heads(v, repeats)?)?;

@@ -21,9 +21,10 @@ use super::cpu_gemm::{mm, Mat};
 use super::fused::{exp_f32, row_max_f32};
 use super::simd::simd_dispatch;
 use super::softmax::RowRanges;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use crate::precomputed::{with_backward3, Backward3, Saved3};
+use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 use rayon::prelude::*;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Queries and keys per block.
 pub const BLOCK: usize = 64;
@@ -586,55 +587,19 @@ pub fn backward(
     ))
 }
 
+/// The decoder's attention: its spans and the forward's log-sum-exp, for backward.
 struct FlashCpu {
     spans: KeySpans,
-    /// Every query row's log-sum-exp, from forward to backward.
-    lse: Mutex<Option<Tensor>>,
+    lse: Tensor,
 }
 
-impl CustomOp3 for FlashCpu {
-    fn name(&self) -> &'static str {
-        "cpu-flash-attention"
-    }
+impl Backward3 for FlashCpu {
+    const NAME: &'static str = "cpu flash attention";
 
-    fn cpu_fwd(
-        &self,
-        qs: &CpuStorage,
-        ql: &Layout,
-        ks: &CpuStorage,
-        kl: &Layout,
-        vs: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dims = dims_of(ql, kl, &self.spans)?;
-        let (q, k, v) = (
-            contiguous(qs, ql)?,
-            contiguous(ks, kl)?,
-            contiguous(vs, vl)?,
-        );
-        let (out, lse) = run_forward(dims, (q, k, v), &self.spans);
-        let lse = Tensor::from_vec(
-            lse,
-            (dims.b, dims.heads, dims.sq),
-            &candle_core::Device::Cpu,
-        )?;
-        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
-        Ok((CpuStorage::F32(out), ql.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some(lse) = self.lse.lock().unwrap_or_else(|e| e.into_inner()).take() else {
-            candle_core::bail!("cpu flash attention: backward ran twice")
-        };
-        let (dq, dk, dv) = backward(q, k, v, out, &lse, grad, &self.spans)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+        let ([q, k, v], out) = (&saved.inputs, &saved.out);
+        let (dq, dk, dv) = backward(q, k, v, out, &self.lse, &saved.dout, &self.spans)?;
+        Ok([dq, dk, dv])
     }
 }
 
@@ -650,13 +615,24 @@ pub fn applies(q: &Tensor, k: &Tensor) -> bool {
 /// Attention of `q` [b, heads, sq, d] over `k`, `v` [b, kv_heads, sk, d] as `spans` say (the
 /// decoder's: [`crate::nn::AttentionMask::key_spans`]), with autograd, fused as described in
 /// the module docs.
-pub fn flash_attention_cpu(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<Tensor> {
-    let op = FlashCpu {
-        spans: spans.clone(),
-        lse: Mutex::new(None),
-    };
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+/// With `sinks` [heads], each head's sink logit joins every row's softmax (see
+/// [`super::sinks`]).
+pub fn flash_attention_cpu(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spans: &KeySpans,
+    sinks: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (q_in, k_in, v_in) = (
+        q.detach().contiguous()?,
+        k.detach().contiguous()?,
+        v.detach().contiguous()?,
+    );
+    let spans = spans.clone();
+    super::sinks::attend_with(forward(&q_in, &k_in, &v_in, &spans)?, sinks, |out, lse| {
+        with_backward3(q, k, v, out, FlashCpu { spans, lse })
+    })
 }
 
 #[cfg(test)]
@@ -686,7 +662,7 @@ mod tests {
             let w = Tensor::randn(0f32, 1.0, (2, heads, s, d), &dev).unwrap();
             let run = |fused: bool| {
                 let out = match fused {
-                    true => flash_attention_cpu(&q, &k, &v, mask.key_spans()).unwrap(),
+                    true => flash_attention_cpu(&q, &k, &v, mask.key_spans(), None).unwrap(),
                     false => whole_matrix_attention(&q, &k, &v, &mask).unwrap(),
                 };
                 crate::kernels::testing::out_and_grads(out, &w, [&q, &k, &v])

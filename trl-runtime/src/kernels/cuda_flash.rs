@@ -524,14 +524,18 @@ impl Backward3 for Flash {
 
 /// Attention of `q` [b, heads, sq, d] over `k`, `v` [b, kv_heads, sk, d] as `spans` say (the
 /// decoder's: [`crate::nn::AttentionMask::key_spans`]), with autograd, by the fused kernels
-/// (see the module docs).
+/// (see the module docs); with `sinks` [heads] as [`super::sinks`] says.
 pub fn flash_attention_cuda(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     spans: &KeySpans,
+    sinks: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (out, lse) = forward(&q.detach(), &k.detach(), &v.detach(), spans)?;
     let spans = spans.clone();
-    with_backward3(q, k, v, out.to_dtype(q.dtype())?, Flash { spans, lse })
+    let out = out.to_dtype(q.dtype())?;
+    super::sinks::attend_with((out, lse), sinks, |out, lse| {
+        with_backward3(q, k, v, out, Flash { spans, lse })
+    })
 }

@@ -12,6 +12,7 @@ pub mod cuda_fused;
 pub mod fused;
 pub(crate) mod precision;
 mod simd;
+pub mod sinks;
 pub mod softmax;
 #[cfg(test)]
 pub(crate) mod testing;

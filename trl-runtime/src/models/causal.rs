@@ -187,11 +187,12 @@ impl LayerInputs {
         v: &Tensor,
         window: Option<usize>,
     ) -> candle_core::Result<Tensor> {
-        self.attention_with(q, k, v, window, None)
+        self.attention_with(q, k, v, window, None, None)
     }
 
     /// [`Self::attention_in_window`] with the scores soft-capped at `softcap` when given
-    /// (`cap * tanh(scores / cap)`, Gemma 2's `attn_logit_softcapping`).
+    /// (`cap * tanh(scores / cap)`, Gemma 2's `attn_logit_softcapping`) and this layer's
+    /// attention `sinks` [heads] (gpt-oss) when given.
     pub fn attention_with(
         &self,
         q: &Tensor,
@@ -199,9 +200,10 @@ impl LayerInputs {
         v: &Tensor,
         window: Option<usize>,
         softcap: Option<f64>,
+        sinks: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         if window.is_none() && softcap.is_none() {
-            return self.attention.apply(q, k, v);
+            return self.attention.apply_with_sinks(q, k, v, sinks);
         }
         // Built lazily in the first layer that asks, on every rank of a split in the same
         // order (Ulysses gathers the positions), and shared by the layers after it.
@@ -219,7 +221,7 @@ impl LayerInputs {
                 .with_softcap(softcap),
             ))
         })?;
-        attention.apply(q, k, v)
+        attention.apply_with_sinks(q, k, v, sinks)
     }
 
     /// `rope`'s cos and sin [batch, seq, dim] at this forward's positions, computed once per

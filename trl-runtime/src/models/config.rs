@@ -368,6 +368,7 @@ impl ModelConfig {
             },
             query_scale: None,
             softcap: None,
+            sinks: false,
         };
         let body = BodyShape {
             vocab: self.vocab_size,

@@ -305,6 +305,7 @@ impl Layer for Gemma3Layer {
             // 1/sqrt(query_pre_attn_scalar).
             query_scale: Some((d as f64 / c.query_pre_attn_scalar as f64).sqrt()),
             softcap: c.attn_logit_softcapping,
+            sinks: false,
         };
         let body = BodyShape {
             vocab: c.vocab_size,

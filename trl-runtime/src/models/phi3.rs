@@ -115,6 +115,7 @@ impl Layer for Phi3Layer {
             norm_whole_projection: false,
             query_scale: None,
             softcap: None,
+            sinks: None,
             rotary_dim: Some(rotary_dim),
         };
         let a = attend.attend((q, k, v), cx, Some(&self.rope), self.window)?;

@@ -80,6 +80,7 @@ fn fused_kernel(
             k,
             v,
             &spans(),
+            mask.sinks.as_ref(),
         ));
     }
     #[cfg(feature = "cuda")]
@@ -89,6 +90,7 @@ fn fused_kernel(
             k,
             v,
             &spans(),
+            mask.sinks.as_ref(),
         ));
     }
     None
@@ -117,12 +119,24 @@ pub fn whole_matrix_attention(
     let scores = q.matmul(&k.t()?)?.reshape((b, kv_heads, group, s, k_len))?;
     let dtype = scores.dtype();
     let scores = mask.cap(scores.to_dtype(precision::wide(dtype))?)?;
-    let probs = match mask.fused {
-        true => causal_softmax(&scores, &mask.ranges)?,
-        false => match mask.block_bias((0, s), (0, k_len))? {
-            Some(bias) => softmax(&scores.broadcast_add(&bias.to_dtype(scores.dtype())?)?)?,
-            None => softmax(&scores)?,
-        },
+    let masked = |scores: Tensor| -> Result<Tensor> {
+        match mask.block_bias((0, s), (0, k_len))? {
+            Some(bias) => scores.broadcast_add(&bias.to_dtype(scores.dtype())?),
+            None => Ok(scores),
+        }
+    };
+    let probs = match (&mask.sinks, mask.fused) {
+        // transformers' way: the sink is one more column, dropped after the softmax.
+        (Some(sinks), _) => {
+            let scores = masked(scores)?;
+            let column = sinks
+                .to_dtype(scores.dtype())?
+                .reshape((1, kv_heads, group, 1, 1))?
+                .broadcast_as((b, kv_heads, group, s, 1))?;
+            softmax(&Tensor::cat(&[scores, column], 4)?)?.narrow(4, 0, k_len)?
+        }
+        (None, true) => causal_softmax(&scores, &mask.ranges)?,
+        (None, false) => softmax(&masked(scores)?)?,
     }
     .to_dtype(dtype)?
     .reshape((b, kv_heads, group * s, k_len))?;
@@ -179,6 +193,64 @@ mod tests {
         assert!(max_diff(&a, &b) < 1e-5);
         for (x, y) in ga.iter().zip(&gb) {
             assert!(max_diff(x, y) < 1e-5);
+        }
+    }
+    /// Attention sinks (gpt-oss) on every single-process path equal transformers' way (one
+    /// more softmax column, dropped): the fused CPU kernel, the blockwise path, with a
+    /// window and packed rows; values and the gradients of q, k, v and the sinks.
+    #[test]
+    fn sinks_agree_on_every_path() {
+        let dev = Device::Cpu;
+        let (b, heads, kv, s, d) = (2, 4, 2, 37, 8);
+        let pos: Vec<i64> = (0..2)
+            .flat_map(|r| (0..s as i64).map(move |i| if r == 0 && i >= 20 { i - 20 } else { i }))
+            .collect();
+        let pos = Tensor::from_vec(pos, (b, s), &dev).unwrap();
+        let q = Var::randn(0f32, 1.0, (b, heads, s, d), &dev).unwrap();
+        let k = Var::randn(0f32, 1.0, (b, kv, s, d), &dev).unwrap();
+        let v = Var::randn(0f32, 1.0, (b, kv, s, d), &dev).unwrap();
+        // Large sinks take most of some rows' weight.
+        let sinks =
+            Var::from_tensor(&Tensor::new(&[0.5f32, -1.0, 2.0, 4.0], &dev).unwrap()).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (b, heads, s, d), &dev).unwrap();
+        for window in [None, Some(6)] {
+            let mask = AttentionMask::windowed(&pos, window, DType::F32, &dev)
+                .unwrap()
+                .with_sinks(Some(sinks.as_tensor().clone()));
+            let run = |path: usize| {
+                let out = match path {
+                    0 => whole_matrix_attention(&q, &k, &v, &mask).unwrap(),
+                    1 => attention(&q, &k, &v, &mask).unwrap(),
+                    _ => crate::nn::flash_attention(&q, &k, &v, &mask, 16).unwrap(),
+                };
+                let g = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let grads: Vec<Tensor> = [
+                    q.as_tensor(),
+                    k.as_tensor(),
+                    v.as_tensor(),
+                    sinks.as_tensor(),
+                ]
+                .iter()
+                .map(|t| g.get(t).unwrap().clone())
+                .collect();
+                (out, grads)
+            };
+            let (want, want_g) = run(0);
+            // The sinks matter: without them the output moves.
+            let plain = attention(&q, &k, &v, &mask.clone().with_sinks(None)).unwrap();
+            assert!(max_diff(&plain, &want) > 1e-2);
+            for path in [1, 2] {
+                let (got, got_g) = run(path);
+                let diff = max_diff(&got, &want);
+                assert!(diff < 1e-5, "path {path}, window {window:?}: output {diff}");
+                for (name, (a, e)) in ["dq", "dk", "dv", "dsinks"]
+                    .iter()
+                    .zip(got_g.iter().zip(&want_g))
+                {
+                    let diff = max_diff(a, e);
+                    assert!(diff < 1e-4, "path {path}, window {window:?}: {name} {diff}");
+                }
+            }
         }
     }
 }

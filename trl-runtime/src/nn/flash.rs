@@ -307,13 +307,15 @@ pub fn flash_attention(
         block: block.max(1),
     };
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
-    let (out, lse) = prepare(q, &k_in, &v_in, dims, mask)?.forward()?;
-    let backward = FlashBackward {
-        mask: mask.clone(),
-        dims,
-        lse,
-    };
-    with_backward3(q, k, v, out, backward)
+    let forward = prepare(q, &k_in, &v_in, dims, mask)?.forward()?;
+    crate::kernels::sinks::attend_with(forward, mask.sinks.as_ref(), |out, lse| {
+        let backward = FlashBackward {
+            mask: mask.clone(),
+            dims,
+            lse,
+        };
+        with_backward3(q, k, v, out, backward)
+    })
 }
 
 #[cfg(test)]

@@ -31,6 +31,9 @@ pub struct AttentionMask {
     /// `cap * tanh(scores / cap)` before the mask and the softmax (the fused kernels get it
     /// in their key spans).
     pub softcap: Option<f64>,
+    /// Attention sinks [heads] (gpt-oss): each head's logit joins every row's softmax as a
+    /// key with a zero value (`crate::kernels::sinks`). Per layer, not shared.
+    pub sinks: Option<Tensor>,
 }
 
 /// (first query, queries, first key, keys).
@@ -128,12 +131,19 @@ impl AttentionMask {
             masks: Arc::default(),
             spans: Arc::default(),
             softcap: None,
+            sinks: None,
         })
     }
 
     /// The same mask with scores soft-capped at `cap` (None: not capped).
     pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
         self.softcap = cap;
+        self
+    }
+
+    /// The same mask with sinks [heads] (None: none).
+    pub fn with_sinks(mut self, sinks: Option<Tensor>) -> Self {
+        self.sinks = sinks;
         self
     }
 

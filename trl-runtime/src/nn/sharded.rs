@@ -406,10 +406,24 @@ impl ShardedWeight {
 }
 
 enum OpKind {
-    Linear { weight: usize, bias: Option<usize> },
-    Scale { weight: usize },
-    Bias { weight: usize },
-    Embedding { weight: usize, ids: Tensor },
+    Linear {
+        weight: usize,
+        bias: Option<usize>,
+    },
+    Scale {
+        weight: usize,
+    },
+    Bias {
+        weight: usize,
+    },
+    Embedding {
+        weight: usize,
+        ids: Tensor,
+    },
+    /// The weight itself (a parameter used as a tensor, `nn::Param`).
+    Whole {
+        weight: usize,
+    },
 }
 
 /// A layer computation on a unit's parameters whose backward fetches them again.
@@ -493,6 +507,13 @@ impl CustomOp1 for UnitOp {
                     let dw =
                         Tensor::zeros(&shape, g2.dtype(), g2.device())?.index_add(ids, &g2, 0)?;
                     grads.push((*weight, dw));
+                }
+                arg.zeros_like()?
+            }
+            OpKind::Whole { weight } => {
+                unit.backward_began();
+                if train {
+                    grads.push((*weight, grad.clone()));
                 }
                 arg.zeros_like()?
             }
@@ -585,5 +606,13 @@ pub fn embedding(ids: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor>
         weight: w.entry,
         ids: ids.clone(),
     };
+    apply(w.unit.anchor.as_tensor(), &w.unit, kind, y)
+}
+
+/// A unit's weight whole, as a tensor of the graph whose gradient goes to the unit (a
+/// parameter used as a tensor: attention sinks).
+pub fn whole(w: &ShardedWeight) -> candle_core::Result<Tensor> {
+    let y = w.unit.weight(w.entry).map_err(failed)?.copy()?;
+    let kind = OpKind::Whole { weight: w.entry };
     apply(w.unit.anchor.as_tensor(), &w.unit, kind, y)
 }
