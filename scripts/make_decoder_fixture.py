@@ -25,12 +25,16 @@ computes for them.
 - gemma2: Gemma2ForCausalLM: sliding, global, sliding layers (window 6, the default
   alternation), attention scores soft-capped at 2 and logits at 3 (q/k projections scaled up
   so that both caps bite), query_pre_attn_scalar 24, random (1 + w) norms.
+- gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
+  sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
+  (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
+  the clamps bite.
 
 trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs trains each
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|gemma2|llama-longrope|phi3|qwen3-moe|mixtral
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss
 """
 
 import sys
@@ -41,6 +45,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -174,8 +180,28 @@ elif kind == "gemma2":
         **{**common, "num_hidden_layers": 3},
     )
     model_class = Gemma2ForCausalLM
+elif kind == "gpt-oss":
+    config = GptOssConfig(
+        tie_word_embeddings=False,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=6,
+        swiglu_limit=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
+        **{**common, "intermediate_size": 32, "num_hidden_layers": 3},
+    )
+    model_class = GptOssForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, gemma2, llama-longrope, phi3, qwen3-moe or mixtral")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, gemma2, llama-longrope, phi3, qwen3-moe, mixtral or gpt-oss")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -185,6 +211,10 @@ with torch.no_grad():
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
         elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
             p.copy_(torch.randn_like(p))
+        elif name.endswith("sinks") or ".router." in name:
+            p.copy_(torch.randn_like(p))
+        elif kind == "gpt-oss" and "experts" in name:
+            p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             p.mul_(12.0)
 write(model, f"tiny-{kind}")

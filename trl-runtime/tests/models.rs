@@ -338,8 +338,8 @@ fn positions(b: usize, s: usize) -> Tensor {
 /// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
 /// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
-/// tiny-gemma2 (attention scores and logits soft-capped), tiny-smollm3, tiny-olmo2, tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe and tiny-mixtral
-/// (scripts/make_decoder_fixture.py).
+/// tiny-gemma2 (attention scores and logits soft-capped), tiny-smollm3, tiny-olmo2, tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe, tiny-mixtral
+/// and tiny-gpt-oss (sinks, fused experts, YaRN) (scripts/make_decoder_fixture.py).
 #[test]
 fn every_built_in_model_type_matches_transformers() {
     for (kind, param) in [
@@ -357,6 +357,7 @@ fn every_built_in_model_type_matches_transformers() {
             "mixtral",
             "model.layers.1.block_sparse_moe.experts.2.w3.weight",
         ),
+        ("gpt-oss", "model.layers.2.self_attn.sinks"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

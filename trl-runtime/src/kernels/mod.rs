@@ -10,6 +10,7 @@ pub mod cuda_flash;
 #[cfg(feature = "cuda")]
 pub mod cuda_fused;
 pub mod fused;
+pub mod grouped;
 pub(crate) mod precision;
 mod simd;
 pub mod sinks;

@@ -9,7 +9,7 @@
 
 use super::causal::{CausalModel, LayerInputs};
 use super::params::{shapes_and_aliases, FilesBackend, WeightFiles, CONFIG_FILE};
-use super::{gemma3, llama, mixtral, olmo2, phi3, qwen3_moe};
+use super::{gemma3, gpt_oss, llama, mixtral, olmo2, phi3, qwen3_moe};
 use crate::error::{Error, Result};
 use crate::nn::module::TpContext;
 use crate::nn::module::{Parallelize, Split};
@@ -151,6 +151,7 @@ registry! {
     Phi3(phi3::Phi3) = phi3::MODEL_TYPES,
     Qwen3Moe(qwen3_moe::Qwen3Moe) = qwen3_moe::MODEL_TYPES,
     Mixtral(mixtral::Mixtral) = mixtral::MODEL_TYPES,
+    GptOss(gpt_oss::GptOss) = gpt_oss::MODEL_TYPES,
 }
 
 /// `model_type` of a config.json's text, if it names one.

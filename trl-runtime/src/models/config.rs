@@ -25,6 +25,8 @@ pub enum Architecture {
     Qwen3Moe,
     /// Mistral with mixture-of-experts MLPs (models/mixtral.rs).
     Mixtral,
+    /// Attention sinks, fused experts with a clamped SwiGLU (models/gpt_oss.rs).
+    GptOss,
 }
 
 fn default_rms_eps() -> f64 {
@@ -246,8 +248,9 @@ impl ModelConfig {
             "phi3" => Ok(Architecture::Phi3),
             "qwen3_moe" => Ok(Architecture::Qwen3Moe),
             "mixtral" => Ok(Architecture::Mixtral),
+            "gpt_oss" => Ok(Architecture::GptOss),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2 or phi3 (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, phi3 or gpt_oss (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -285,6 +288,15 @@ impl ModelConfig {
                 .map(|(i, sliding)| match sliding {
                     true => need(format!("layer {i} is sliding_attention")),
                     false => Ok(None),
+                })
+                .collect();
+        }
+        if self.model_type == "gpt_oss" {
+            // transformers' default: sliding layers 0, 2, 4, ..., full ones between.
+            return (0..n)
+                .map(|i| match i % 2 {
+                    0 => need(format!("layer {i} is sliding_attention")),
+                    _ => Ok(None),
                 })
                 .collect();
         }
@@ -418,7 +430,7 @@ impl ModelConfig {
     pub fn o_bias(&self) -> bool {
         matches!(
             self.model_type.as_str(),
-            "llama" | "qwen3" | "qwen3_moe" | "smollm3" | "olmo2"
+            "llama" | "qwen3" | "qwen3_moe" | "smollm3" | "olmo2" | "gpt_oss"
         ) && self.attention_bias
     }
 

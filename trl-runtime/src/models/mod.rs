@@ -8,6 +8,7 @@ pub mod blocks;
 pub mod causal;
 pub mod config;
 pub mod gemma3;
+pub mod gpt_oss;
 pub mod llama;
 pub mod merge;
 pub mod mixtral;

@@ -51,65 +51,88 @@ impl<E: Expert> SparseMoe<E> {
     /// The block's output for `x` [batch, seq, hidden].
     pub fn forward(&self, cx: &LayerInputs, x: &Tensor) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
-        let n = b * s;
-        let flat = x.reshape((n, h))?;
-        // Probabilities in f32, as transformers' router computes them.
-        let logits = self.gate.forward(&flat)?.to_dtype(DType::F32)?;
-        let max = logits.max_keepdim(D::Minus1)?.detach();
-        let exp = logits.broadcast_sub(&max)?.exp()?;
-        let probs = exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?;
-        // The choice itself has no gradient: top-k on the host.
-        let experts = self.experts.len();
-        let host: Vec<f32> = probs.detach().flatten_all()?.to_vec1()?;
-        let k = self.top_k;
-        let mut chosen = vec![0u32; n * k];
-        for (t, row) in host.chunks(experts).enumerate() {
-            let mut order: Vec<usize> = (0..experts).collect();
-            // Highest first; ties to the lower index, as torch.topk on CPU.
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            for (j, &e) in order.iter().take(k).enumerate() {
-                chosen[t * k + j] = e as u32;
-            }
-        }
-        // The load-balancing loss counts the choices and adds its gradient to the probabilities.
-        let probs = match &cx.router_loss {
-            Some(loss) => loss.record(&probs, &host, &chosen)?,
-            None => probs,
-        };
-        let index = Tensor::new(chosen.as_slice(), x.device())?.reshape((n, k))?;
-        let mut weights = probs.gather(&index, 1)?;
-        if self.norm_topk_prob {
-            weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
-        }
-        let weights = weights.to_dtype(x.dtype())?.flatten_all()?;
-        // Each expert's (token, slot) pairs, in one pass: slot i is token i / k's choice i % k.
-        let mut routed: Vec<Vec<u32>> = vec![Vec::new(); experts];
-        for (i, &e) in chosen.iter().enumerate() {
-            routed[e as usize].push(i as u32);
-        }
-        // The weighted outputs of every expert, in expert order, are added back at their
-        // tokens in one index_add: a running sum per expert would keep one [tokens, hidden]
-        // copy per expert alive in the graph.
-        let (mut outputs, mut rows) = (Vec::new(), Vec::with_capacity(n * k));
-        for (expert, slots) in self.experts.iter().zip(routed) {
-            if slots.is_empty() {
-                continue;
-            }
-            let tokens: Vec<u32> = slots.iter().map(|&i| i / k as u32).collect();
-            let m = tokens.len();
-            rows.extend_from_slice(&tokens);
-            let tokens = Tensor::from_vec(tokens, m, x.device())?;
-            let slots = Tensor::from_vec(slots, m, x.device())?;
-            let xs = flat.index_select(&tokens, 0)?.reshape((1, m, h))?;
-            let ys = expert.forward(cx, &xs)?.reshape((m, h))?;
-            outputs.push(ys.broadcast_mul(&weights.index_select(&slots, 0)?.unsqueeze(1)?)?);
-        }
-        let rows = Tensor::from_vec(rows, n * k, x.device())?;
-        let out = flat
-            .zeros_like()?
-            .index_add(&rows, &Tensor::cat(&outputs, 0)?, 0)?;
+        let flat = x.reshape((b * s, h))?;
+        let logits = self.gate.forward(&flat)?;
+        let out = routed(
+            cx,
+            &flat,
+            &logits,
+            (self.top_k, self.norm_topk_prob),
+            |xs, counts| {
+                // One GEMM per projection and expert over its rows.
+                let mut outputs = Vec::new();
+                let mut start = 0;
+                for (expert, &m) in self.experts.iter().zip(counts) {
+                    if m > 0 {
+                        let rows = xs.narrow(0, start, m)?.reshape((1, m, h))?;
+                        outputs.push(expert.forward(cx, &rows)?.reshape((m, h))?);
+                    }
+                    start += m;
+                }
+                Ok(Tensor::cat(&outputs, 0)?)
+            },
+        )?;
         Ok(out.reshape((b, s, h))?)
     }
+}
+
+/// A mixture of experts' forward around its experts, as transformers routes: each token of
+/// `flat` [tokens, hidden] goes to the top-k experts by its router `logits` [tokens, experts]
+/// (probabilities in f32; `norm`: renormalised over the k), and `experts(xs, counts)` gets
+/// the routed copies sorted by expert (`counts[e]` rows for expert e) and returns their
+/// outputs in the same order; those, weighted, are added back at their tokens in one
+/// index_add (a running sum per expert would keep one [tokens, hidden] copy per expert alive
+/// in the graph). The router loss, when collected, counts the choices.
+pub fn routed(
+    cx: &LayerInputs,
+    flat: &Tensor,
+    logits: &Tensor,
+    (k, norm): (usize, bool),
+    experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let n = flat.dim(0)?;
+    let logits = logits.to_dtype(DType::F32)?;
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let exp = logits.broadcast_sub(&max)?.exp()?;
+    let probs = exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?;
+    // The choice itself has no gradient: top-k on the host.
+    let count = logits.dim(1)?;
+    let host: Vec<f32> = probs.detach().flatten_all()?.to_vec1()?;
+    let mut chosen = vec![0u32; n * k];
+    for (t, row) in host.chunks(count).enumerate() {
+        let mut order: Vec<usize> = (0..count).collect();
+        // Highest first; ties to the lower index, as torch.topk on CPU.
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        for (j, &e) in order.iter().take(k).enumerate() {
+            chosen[t * k + j] = e as u32;
+        }
+    }
+    // The load-balancing loss counts the choices and adds its gradient to the probabilities.
+    let probs = match &cx.router_loss {
+        Some(loss) => loss.record(&probs, &host, &chosen)?,
+        None => probs,
+    };
+    let index = Tensor::new(chosen.as_slice(), flat.device())?.reshape((n, k))?;
+    let mut weights = probs.gather(&index, 1)?;
+    if norm {
+        weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
+    }
+    let weights = weights.to_dtype(flat.dtype())?.flatten_all()?;
+    // Each expert's (token, slot) pairs in one pass: slot i is token i / k's choice i % k.
+    let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); count];
+    for (i, &e) in chosen.iter().enumerate() {
+        by_expert[e as usize].push(i as u32);
+    }
+    let counts: Vec<usize> = by_expert.iter().map(Vec::len).collect();
+    let slots: Vec<u32> = by_expert.concat();
+    let tokens: Vec<u32> = slots.iter().map(|&i| i / k as u32).collect();
+    let (tokens, slots) = (
+        Tensor::from_vec(tokens, n * k, flat.device())?,
+        Tensor::from_vec(slots, n * k, flat.device())?,
+    );
+    let ys = experts(&flat.index_select(&tokens, 0)?, &counts)?;
+    let ys = ys.broadcast_mul(&weights.index_select(&slots, 0)?.unsqueeze(1)?)?;
+    Ok(flat.zeros_like()?.index_add(&tokens, &ys, 0)?)
 }
 
 /// The config.json keys that count a mixture of experts' experts, in the order they are read

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod embedding;
 pub mod flash;
 pub mod flash_attn;
+pub mod grouped;
 pub mod layernorm;
 pub mod linear;
 pub mod lora;

@@ -424,6 +424,12 @@ enum OpKind {
     Whole {
         weight: usize,
     },
+    /// A mixture of experts' grouped linear layer (`kernels::grouped`).
+    Grouped {
+        weight: usize,
+        bias: usize,
+        counts: Vec<usize>,
+    },
 }
 
 /// A layer computation on a unit's parameters whose backward fetches them again.
@@ -509,6 +515,19 @@ impl CustomOp1 for UnitOp {
                     grads.push((*weight, dw));
                 }
                 arg.zeros_like()?
+            }
+            OpKind::Grouped {
+                weight,
+                bias,
+                counts,
+            } => {
+                let w = fetch(*weight)?;
+                let (dx, dw, db) = crate::kernels::grouped::backward(arg, &w, grad, counts)?;
+                if train {
+                    grads.push((*weight, dw));
+                    grads.push((*bias, db));
+                }
+                dx
             }
             OpKind::Whole { weight } => {
                 unit.backward_began();
@@ -615,4 +634,24 @@ pub fn whole(w: &ShardedWeight) -> candle_core::Result<Tensor> {
     let y = w.unit.weight(w.entry).map_err(failed)?.copy()?;
     let kind = OpKind::Whole { weight: w.entry };
     apply(w.unit.anchor.as_tensor(), &w.unit, kind, y)
+}
+
+/// A mixture of experts' grouped linear layer on a unit's parameters (see
+/// `nn::grouped::grouped_linear`).
+pub fn grouped_linear(
+    x: &Tensor,
+    w: &ShardedWeight,
+    b: &ShardedWeight,
+    counts: &[usize],
+) -> candle_core::Result<Tensor> {
+    same_unit(w, b)?;
+    let weight = w.unit.weight(w.entry).map_err(failed)?;
+    let bias = b.unit.weight(b.entry).map_err(failed)?;
+    let y = crate::kernels::grouped::forward(&x.detach(), &weight, &bias, counts)?;
+    let kind = OpKind::Grouped {
+        weight: w.entry,
+        bias: b.entry,
+        counts: counts.to_vec(),
+    };
+    apply(x, &w.unit, kind, y)
 }

@@ -1,0 +1,103 @@
+//! Grouped matmuls of a mixture of experts: rows sorted by expert, `counts[e]` rows for
+//! expert `e`, one GEMM per expert over its rows (no per-token loop), with the weights of
+//! every expert in one [experts, in, out] tensor as gpt-oss keeps them. Plain tensor math,
+//! no graph: `nn::grouped` gives it autograd, `nn::sharded` a ZeRO-3 / FSDP unit's.
+
+use candle_core::{Result, Tensor};
+
+/// Each expert's rows of `x` [rows, in] times its weight `w[e]` [in, out] plus `b[e]` [out]:
+/// [rows, out].
+pub fn forward(x: &Tensor, w: &Tensor, b: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    let mut outs = Vec::with_capacity(counts.len());
+    for (e, rows) in segments(counts) {
+        let xe = x.narrow(0, rows.start, rows.len())?;
+        outs.push(xe.matmul(&w.get(e)?)?.broadcast_add(&b.get(e)?)?);
+    }
+    match outs.is_empty() {
+        true => Tensor::zeros((0, w.dim(2)?), x.dtype(), x.device()),
+        false => Tensor::cat(&outs, 0),
+    }
+}
+
+/// The gradients of [`forward`]'s `x`, `w` and `b` for the output gradient `dy` [rows, out];
+/// an expert without rows gets zeros.
+pub fn backward(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    counts: &[usize],
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (experts, inner, out) = w.dims3()?;
+    let (mut dx, mut dw, mut db) = (Vec::new(), Vec::with_capacity(experts), Vec::new());
+    let mut rows_of = segments(counts).peekable();
+    for e in 0..experts {
+        match rows_of.next_if(|(i, _)| *i == e) {
+            Some((_, rows)) => {
+                let xe = x.narrow(0, rows.start, rows.len())?;
+                let ge = dy.narrow(0, rows.start, rows.len())?;
+                dx.push(ge.matmul(&w.get(e)?.t()?)?);
+                dw.push(xe.t()?.matmul(&ge)?);
+                db.push(ge.sum(0)?);
+            }
+            None => {
+                dw.push(Tensor::zeros((inner, out), w.dtype(), w.device())?);
+                db.push(Tensor::zeros(out, w.dtype(), w.device())?);
+            }
+        }
+    }
+    let dx = match dx.is_empty() {
+        true => x.zeros_like()?,
+        false => Tensor::cat(&dx, 0)?,
+    };
+    Ok((dx, Tensor::stack(&dw, 0)?, Tensor::stack(&db, 0)?))
+}
+
+/// The experts that have rows, with their row range.
+fn segments(counts: &[usize]) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+    let mut start = 0;
+    counts.iter().enumerate().filter_map(move |(e, &n)| {
+        let rows = start..start + n;
+        start += n;
+        (n > 0).then_some((e, rows))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::max_abs_diff;
+    use candle_core::{Device, Var};
+
+    /// Against per-expert linear layers with autograd, an expert without rows included.
+    #[test]
+    fn equals_a_linear_per_expert() {
+        let dev = Device::Cpu;
+        let counts = [3usize, 0, 4];
+        let x = Var::randn(0f32, 1.0, (7, 5), &dev).unwrap();
+        let w = Var::randn(0f32, 1.0, (3, 5, 6), &dev).unwrap();
+        let b = Var::randn(0f32, 1.0, (3, 6), &dev).unwrap();
+        let dy = Tensor::randn(0f32, 1.0, (7, 6), &dev).unwrap();
+        let y = forward(&x, &w, &b, &counts).unwrap();
+        let parts = [(0usize, 0usize, 3usize), (2, 3, 4)].map(|(e, start, n)| {
+            let xe = x.narrow(0, start, n).unwrap();
+            let we = w.as_tensor().get(e).unwrap();
+            xe.matmul(&we)
+                .unwrap()
+                .broadcast_add(&b.as_tensor().get(e).unwrap())
+                .unwrap()
+        });
+        let want = Tensor::cat(&parts, 0).unwrap();
+        assert!(max_abs_diff(&y, &want) < 1e-6);
+        let grads = (&want * &dy)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (dx, dw, db) = backward(&x, &w, &dy, &counts).unwrap();
+        for (got, var) in [(dx, &x), (dw, &w), (db, &b)] {
+            let expect = grads.get(var.as_tensor()).unwrap();
+            assert!(max_abs_diff(&got, expect) < 1e-5);
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! gpt-oss (`model_type` gpt_oss), as transformers' GptOssForCausalLM: Llama's layer order
+//! with biased attention projections, attention sinks (a learned logit per head that joins
+//! the softmax, `self_attn.sinks`), alternating sliding and full layers (`layer_types`), YaRN
+//! rotary, and a mixture of experts in every layer: a biased router whose top-k logits are
+//! softmaxed (= the top-k probabilities renormalised), and experts kept as transformers keeps
+//! them, fused 3-D parameters (`mlp.experts.gate_up_proj` [experts, hidden, 2 x inter] with
+//! gate and up interleaved, `down_proj` [experts, inter, hidden], and their biases), run as
+//! grouped GEMMs over tokens sorted by expert, with gpt-oss's clamped SwiGLU.
+//!
+//! Strategies: ZeRO and FSDP shard the fused expert tensors with the rest of the layer's unit;
+//! under tp the attention (and its sinks) is split by heads, the router and experts stay
+//! whole on every rank (said at launch). Checkpoints quantized to MXFP4 (the hub's) are
+//! refused with how to dequantize them.
+
+use super::blocks::{pre_norm_layer, Decoder, Layer, SelfAttention};
+use super::causal::LayerInputs;
+use super::config::ModelConfig;
+use super::moe::{routed, MoeConfig};
+use crate::error::{Error, Result};
+use crate::nn::grouped::grouped_linear;
+use crate::nn::{Param, RmsNorm, RotaryEmbedding};
+use crate::Parallelize;
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// The `model_type`s this file reads.
+pub const MODEL_TYPES: &[&str] = &["gpt_oss"];
+
+/// GptOssForCausalLM.
+pub type GptOss = Decoder<GptOssLayer>;
+
+/// `mlp.router`: logits = x W^T + b. Not a `Linear`: peft's `all-linear` does not adapt it.
+#[derive(Debug, Clone, Parallelize)]
+pub struct GptOssRouter {
+    weight: Param,
+    bias: Param,
+}
+
+/// `mlp.experts`: every expert's weights in one tensor each.
+#[derive(Debug, Clone, Parallelize)]
+pub struct GptOssExperts {
+    gate_up_proj: Param,
+    gate_up_proj_bias: Param,
+    down_proj: Param,
+    down_proj_bias: Param,
+    /// The SwiGLU's sigmoid gain (`swiglu_alpha`) and clamp (`swiglu_limit`).
+    #[parallel(skip)]
+    alpha: f64,
+    #[parallel(skip)]
+    limit: f64,
+}
+
+impl GptOssExperts {
+    /// Rows `xs` [rows, hidden] sorted by expert (`counts[e]` for expert e) through their
+    /// experts: down((up + 1) * gate * sigmoid(alpha * gate)), gate clamped above at the
+    /// limit and up on both sides.
+    fn forward(&self, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        let gate_up = grouped_linear(xs, &self.gate_up_proj, &self.gate_up_proj_bias, counts)?;
+        let (m, width) = gate_up.dims2()?;
+        // gate_up[..., ::2] and gate_up[..., 1::2].
+        let pairs = gate_up.reshape((m, width / 2, 2))?;
+        let gate = pairs.narrow(2, 0, 1)?.squeeze(2)?.minimum(self.limit)?;
+        let up = pairs
+            .narrow(2, 1, 1)?
+            .squeeze(2)?
+            .clamp(-self.limit, self.limit)?;
+        let sigmoid = ((gate.affine(-self.alpha, 0.0)?.exp()? + 1.0)?).recip()?;
+        let act = ((up + 1.0)? * (gate * sigmoid)?)?;
+        Ok(grouped_linear(
+            &act,
+            &self.down_proj,
+            &self.down_proj_bias,
+            counts,
+        )?)
+    }
+}
+
+/// `mlp`: the router and the experts.
+#[derive(Debug, Clone, Parallelize)]
+pub struct GptOssMlp {
+    router: GptOssRouter,
+    experts: GptOssExperts,
+    #[parallel(skip)]
+    top_k: usize,
+}
+
+impl GptOssMlp {
+    fn forward(&self, cx: &LayerInputs, x: &Tensor) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let flat = x.reshape((b * s, h))?;
+        let (w, bias) = (self.router.weight.value()?, self.router.bias.value()?);
+        let logits = flat.matmul(&w.t()?)?.broadcast_add(&bias)?;
+        // Softmax over the top-k logits = their probabilities renormalised.
+        let out = routed(cx, &flat, &logits, (self.top_k, true), |xs, counts| {
+            self.experts.forward(xs, counts)
+        })?;
+        Ok(out.reshape((b, s, h))?)
+    }
+}
+
+/// x + attention(norm(x)), then + mlp(norm(x)).
+#[derive(Debug, Clone, Parallelize)]
+#[parallel(fsdp_unit)]
+pub struct GptOssLayer {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: GptOssMlp,
+    #[parallel(skip)]
+    rope: Arc<RotaryEmbedding>,
+    #[parallel(skip)]
+    window: Option<usize>,
+}
+
+/// gpt-oss's keys beyond the Llama family's: the experts (MoeConfig) and the SwiGLU's
+/// constants; MXFP4-quantized checkpoints refused.
+fn check(config: &ModelConfig, source: &str) -> Result<(MoeConfig, f64, f64)> {
+    let quant = config
+        .extra
+        .get("quantization_config")
+        .and_then(|q| q.get("quant_method"))
+        .and_then(|m| m.as_str());
+    if let Some(method) = quant {
+        return Err(Error::config(
+            source,
+            "quantization_config",
+            format!(
+                "'{method}' weights cannot be trained: dequantize the checkpoint first (in \
+                 Python: AutoModelForCausalLM.from_pretrained(dir, \
+                 quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)\
+                 .save_pretrained(out)), as TRL's gpt-oss recipe loads it"
+            ),
+        ));
+    }
+    let number = |key: &str, default: f64| -> Result<f64> {
+        match config.extra.get(key).filter(|v| !v.is_null()) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| *x > 0.0)
+                .ok_or_else(|| Error::config(source, key, format!("{v} is not a positive number"))),
+        }
+    };
+    let (alpha, limit) = (number("swiglu_alpha", 1.702)?, number("swiglu_limit", 7.0)?);
+    Ok((MoeConfig::read(config, source)?, alpha, limit))
+}
+
+impl Layer for GptOssLayer {
+    type Config = ModelConfig;
+    const TP_NOTE: Option<&'static str> = Some(
+        "gpt_oss: the router and the fused experts are not split under tensor parallelism; \
+         they run whole on every tp rank (attention, its sinks, the embedding and LM head \
+         are split)",
+    );
+
+    fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
+        let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
+        check(&config, source)?;
+        Ok(config)
+    }
+
+    fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<GptOss> {
+        let bad =
+            |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
+        let (moe, alpha, limit) = check(config, "config.json").map_err(Error::into_candle)?;
+        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_parameters", m)))?);
+        let windows = config.layer_windows().map_err(bad)?;
+        let (norm, mut shape, body) = config.shapes();
+        shape.sinks = true;
+        let (h, i, e) = (config.hidden_size, config.intermediate_size, moe.experts);
+        Decoder::from_layers(body, vb, |l, vb| {
+            let mlp = vb.pp("mlp");
+            let (router, experts) = (mlp.pp("router"), mlp.pp("experts"));
+            Ok(GptOssLayer {
+                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
+                self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
+                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                mlp: GptOssMlp {
+                    router: GptOssRouter {
+                        weight: Param::new(&router, (e, h), "weight")?,
+                        bias: Param::new(&router, e, "bias")?,
+                    },
+                    experts: GptOssExperts {
+                        gate_up_proj: Param::new(&experts, (e, h, 2 * i), "gate_up_proj")?,
+                        gate_up_proj_bias: Param::new(&experts, (e, 2 * i), "gate_up_proj_bias")?,
+                        down_proj: Param::new(&experts, (e, i, h), "down_proj")?,
+                        down_proj_bias: Param::new(&experts, (e, h), "down_proj_bias")?,
+                        alpha,
+                        limit,
+                    },
+                    top_k: moe.top_k,
+                },
+                rope: rope.clone(),
+                window: windows[l],
+            })
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        let norms = (&self.input_layernorm, &self.post_attention_layernorm);
+        let attention = (&self.self_attn, Some(&*self.rope), self.window);
+        pre_norm_layer(x, cx, norms, attention, |h| self.mlp.forward(cx, h))
+    }
+
+    fn attention_heads(&self) -> (usize, usize) {
+        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
+    }
+
+    fn tiles_mlp(&self) -> bool {
+        false
+    }
+}
