@@ -291,6 +291,47 @@ fn moe_adapters_travel_between_us_and_peft() {
     }
 }
 
+/// gpt-oss: peft's `all-linear` adapts attention alone (its router and fused experts are not
+/// `nn.Linear`s), and so do we; ours in peft and peft's here give the same logits (the sinks
+/// and grouped experts underneath).
+#[test]
+fn gpt_oss_adapters_travel_between_us_and_peft() {
+    let Some(python) = python_with_peft() else {
+        return;
+    };
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss/model");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut model = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+    let lora = config(Targets::AllLinear);
+    model.add_adapters(&lora).unwrap();
+    randomize(&model);
+    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    assert_eq!(names.len(), 3 * 8, "{names:?}");
+    assert!(names.iter().all(|n| n.contains(".self_attn.")), "{names:?}");
+    let (ids, pos) = ids();
+    let ours = model.forward(&ids, &pos).unwrap();
+    let adapter = save_adapter(&model, &lora, &base, tmp.path());
+    let theirs = peft_logits_of(&python, &base, &adapter, tmp.path());
+    let d = max_diff(&ours, &theirs);
+    eprintln!("gpt-oss: our adapter in peft: logits within {d:.1e}");
+    assert!(
+        d < 1e-4,
+        "gpt-oss: peft's logits with our adapter differ by {d}"
+    );
+    let theirs_dir = tmp.path().join("peft-adapter");
+    peft_script(&python, &[Path::new("write"), &base, &theirs_dir]);
+    let mut model = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+    model.load_adapter(&theirs_dir).unwrap();
+    let ours = model.forward(&ids, &pos).unwrap();
+    let theirs = peft_logits_of(&python, &base, &theirs_dir, tmp.path());
+    let d = max_diff(&ours, &theirs);
+    eprintln!("gpt-oss: peft's adapter here: logits within {d:.1e}");
+    assert!(
+        d < 1e-4,
+        "gpt-oss: our logits with peft's adapter differ by {d}"
+    );
+}
+
 #[test]
 fn a_peft_adapter_gives_peft_logits_here() {
     let Some(python) = python_with_peft() else {

@@ -430,6 +430,26 @@ fn unsupported_model_types_and_values_are_named() {
         e.contains("layer_types") && e.contains("chunked_attention"),
         "{e}"
     );
+    // gpt-oss as the hub ships it (MXFP4 experts) is refused with how to dequantize it; its
+    // SwiGLU constants must be positive.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss/model");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let gpt_oss = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut j = json.clone();
+        edit(&mut j);
+        <AutoModelForCausalLM as CausalModel>::parse_config(&j.to_string(), "config.json")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = gpt_oss(&|j| j["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"}));
+    assert!(
+        e.contains("quantization_config") && e.contains("mxfp4") && e.contains("dequantize=True"),
+        "{e}"
+    );
+    let e = gpt_oss(&|j| j["swiglu_limit"] = (-7.0).into());
+    assert!(e.contains("swiglu_limit") && e.contains("positive"), "{e}");
 }
 
 /// The window shows: Mistral's logits over rows longer than its window differ from full
