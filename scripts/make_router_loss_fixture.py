@@ -1,13 +1,16 @@
 """The router load-balancing loss as transformers computes it, for trl-runtime/tests/models.rs:
-for assets/tiny-qwen3-moe and assets/tiny-mixtral, a batch of 2 x 24 tokens whose second row
+for assets/tiny-qwen3-moe, assets/tiny-mixtral and assets/tiny-gpt-oss, a batch of 2 x 24 tokens whose second row
 ends in 7 padding tokens (attention_mask 0) and whose first 3 labels are ignored, trained with
 output_router_logits and router_aux_loss_coef 0.1 in f32. Writes
 assets/tiny-KIND/router_loss.safetensors: input_ids, attention_mask, labels, the loss
 (cross-entropy + 0.1 x aux), aux_loss, and the gradients of each sparse layer's router
-(`router.L`), of the embedding (`embed`) and of layer 0's q_proj (`q_proj.0`).
+(`router.L`), of the embedding (`embed`) and of layer 0's q_proj (`q_proj.0`); for gpt-oss
+also each layer's attention sinks (`sinks.L`) and fused gate_up experts (`experts.L`).
 
-    python scripts/make_router_loss_fixture.py
+    python scripts/make_router_loss_fixture.py [KIND ...]   (default: all three)
 """
+
+import sys
 
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parent.parent
 COEF = 0.1
 
-for kind in ["qwen3-moe", "mixtral"]:
+for kind in sys.argv[1:] or ["qwen3-moe", "mixtral", "gpt-oss"]:
     out = ROOT / "assets" / f"tiny-{kind}"
     model = AutoModelForCausalLM.from_pretrained(
         out / "model", dtype=torch.float32, output_router_logits=True, router_aux_loss_coef=COEF
@@ -50,7 +53,10 @@ for kind in ["qwen3-moe", "mixtral"]:
         "q_proj.0": model.model.layers[0].self_attn.q_proj.weight.grad,
     }
     for l, layer in enumerate(model.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
+        if kind == "gpt-oss":
+            tensors[f"sinks.{l}"] = layer.self_attn.sinks.grad
+            tensors[f"experts.{l}"] = layer.mlp.experts.gate_up_proj.grad
+        gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
         if gate is not None and hasattr(gate, "weight") and gate.weight.dim() == 2 and gate.weight.shape[0] < 64:
             tensors[f"router.{l}"] = gate.weight.grad
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "router_loss.safetensors"))

@@ -568,6 +568,7 @@ fn the_router_loss_matches_transformers() {
     for (kind, router) in [
         ("qwen3-moe", "mlp.gate"),
         ("mixtral", "block_sparse_moe.gate"),
+        ("gpt-oss", "mlp.router"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
@@ -613,6 +614,8 @@ fn the_router_loss_matches_transformers() {
                 let name = match key.split_once('.') {
                     Some(("router", l)) => format!("model.layers.{l}.{router}.weight"),
                     Some(("q_proj", l)) => format!("model.layers.{l}.self_attn.q_proj.weight"),
+                    Some(("sinks", l)) => format!("model.layers.{l}.self_attn.sinks"),
+                    Some(("experts", l)) => format!("model.layers.{l}.mlp.experts.gate_up_proj"),
                     _ if key == "embed" => "model.embed_tokens.weight".into(),
                     _ => continue,
                 };
