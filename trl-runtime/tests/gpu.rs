@@ -385,7 +385,8 @@ fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
     // The built-in architectures' own paths on a GPU (per-head q/k norms, whole-projection
     // norms, sliding windows, (1 + w) norms and final soft-capping, Gemma 2's soft-capped
     // attention scores (in the fused kernel), routers with top-k on the
-    // host and experts gathered by index, fused qkv), with and without LoRA adapters on every
+    // host and experts gathered by index, gpt-oss's sinks and grouped fused experts, fused
+    // qkv), with and without LoRA adapters on every
     // linear layer (experts included): 3 fp32 steps equal to the same on the CPU.
     let Some(dev) = gpu() else { return };
     let cases = [
@@ -397,6 +398,8 @@ fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
         ("tiny-qwen3-moe", false),
         ("tiny-qwen3-moe", true),
         ("tiny-mixtral", true),
+        ("tiny-gpt-oss", false),
+        ("tiny-gpt-oss", true),
     ];
     let mut failed = Vec::new();
     for (name, peft) in cases {
@@ -690,6 +693,51 @@ fn cuda_flash_attention_follows_the_f32_reference() {
                 assert!(e < 2e-2, "cuda flash {what}: {name} differs by {e}");
             }
         }
+    }
+}
+
+/// Attention sinks (gpt-oss) around the fused CUDA kernel (folded into its output and
+/// log-sum-exp, kernels/sinks.rs) against transformers' way in f32 on the CPU (one more softmax
+/// column): output and the gradients of q, k, v and the sinks, bf16, with packed rows.
+#[test]
+fn cuda_flash_attention_with_sinks_follows_the_f32_reference() {
+    use trl_runtime::kernels::cuda_flash::flash_attention_cuda;
+    use trl_runtime::nn::attention::whole_matrix_attention;
+    use trl_runtime::nn::AttentionMask;
+    let Some(dev) = gpu() else { return };
+    let cpu = Device::Cpu;
+    let (b, hq, hk, s, d) = (2, 4, 2, 150, 64);
+    let pos: Vec<i64> = (0..b)
+        .flat_map(|r| (0..s as i64).map(move |i| if r == 0 && i >= 40 { i - 40 } else { i }))
+        .collect();
+    let pos = Tensor::from_vec(pos, (b, s), &cpu).unwrap();
+    let (q, k, v) = (
+        draws(&[b, hq, s, d], 1.0, 51),
+        draws(&[b, hk, s, d], 1.0, 52),
+        draws(&[b, hk, s, d], 1.0, 53),
+    );
+    let sinks = Tensor::new(&[0.5f32, 2.0, -1.0, 3.0], &cpu).unwrap();
+    let w = draws(&[b, hq, s, d], 1.0, 54);
+    let want = output_and_grads(&[&q, &k, &v, &sinks], &w, &cpu, DType::F32, |t| {
+        let mask = AttentionMask::causal(&pos, DType::F32, &cpu)
+            .unwrap()
+            .with_sinks(Some(t[3].clone()));
+        whole_matrix_attention(&t[0], &t[1], &t[2], &mask).unwrap()
+    });
+    let got = output_and_grads(&[&q, &k, &v, &sinks], &w, &dev, DType::BF16, |t| {
+        let mask = AttentionMask::causal(&pos, DType::BF16, &dev).unwrap();
+        flash_attention_cuda(&t[0], &t[1], &t[2], mask.key_spans(), Some(&t[3])).unwrap()
+    });
+    let e = rel_diff(&got.0, &want.0);
+    eprintln!("cuda flash with sinks: output {e:e}");
+    assert!(e < 2e-2, "cuda flash with sinks: output differs by {e}");
+    for (name, (g, r)) in ["dq", "dk", "dv", "dsinks"]
+        .iter()
+        .zip(got.1.iter().zip(&want.1))
+    {
+        let e = rel_diff(g, r);
+        eprintln!("cuda flash with sinks: {name} {e:e}");
+        assert!(e < 2e-2, "cuda flash with sinks: {name} differs by {e}");
     }
 }
 
