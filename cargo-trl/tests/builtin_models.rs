@@ -27,7 +27,7 @@ const STEPS: usize = 5;
 /// average over micro-batches and ranks), not a sum over rows: with one row each, a rank's
 /// micro-batches are exactly some of one process's.
 fn launch(model: &Path, launch_args: &[&str], rows: usize, out: &Path) -> String {
-    let moe = ["qwen3-moe", "mixtral", "gpt-oss"]
+    let moe = ["qwen3-moe", "mixtral", "gpt-oss", "gpt-oss-mxfp4"]
         .iter()
         .any(|k| model.to_string_lossy().contains(&format!("tiny-{k}/")));
     let steps = rows.to_string();
@@ -47,7 +47,7 @@ fn launch(model: &Path, launch_args: &[&str], rows: usize, out: &Path) -> String
     // (2e-3) Adam turns rounding-level differences between strategies into a routing change
     // by step 5 (1e-6 relative at step 1, 7e-5 at step 5, DDP alike). A tenth of it keeps
     // every run within 1e-7 and still moves each weight 100 times the weight tolerance.
-    if model.to_string_lossy().contains("tiny-gpt-oss/") {
+    if model.to_string_lossy().contains("tiny-gpt-oss") {
         for a in ["--learning_rate", "2e-4"] {
             args.push(a.as_ref());
         }
@@ -231,6 +231,39 @@ fn gpt_oss_under_every_cpu_profile_equals_one_process() {
     assert!(config.contains("\"gpt_oss\""), "{config}");
     router_loss_logged(&tp);
     common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
+/// gpt-oss as the hub ships it, its experts MXFP4: read dequantized, whole by one process and
+/// in flat spans by FSDP2's efficient loading (each rank reads its shard of the unit), the two
+/// equal; the checkpoint is dense, with no `quantization_config`, and transformers opens it.
+#[test]
+fn gpt_oss_with_mxfp4_experts_trains_and_saves_dense() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss-mxfp4/model");
+    let (one, fsdp) = (tmp.path().join("one"), tmp.path().join("fsdp"));
+    launch(&model, &["--num_processes", "1"], 8, &one);
+    let efficient = [
+        "--profile",
+        "fsdp2_cpu",
+        "--fsdp_cpu_ram_efficient_loading",
+        "true",
+    ];
+    launch(&model, &efficient, 4, &fsdp);
+    let (want, got) = (Run::read(&one, STEPS), Run::read(&fsdp, STEPS));
+    assert_equal("gpt-oss mxfp4 fsdp2", &got, &want, &[], |_, g, w| {
+        max_diff(g, w)
+    });
+    let ckpt = fsdp.join(format!("checkpoint-{STEPS}"));
+    let config = std::fs::read_to_string(ckpt.join("config.json")).unwrap();
+    assert!(!config.contains("quantization_config"), "{config}");
+    let weights =
+        candle_core::safetensors::load(ckpt.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap();
+    assert!(weights.contains_key("model.layers.0.mlp.experts.gate_up_proj"));
+    assert!(!weights
+        .keys()
+        .any(|n| n.ends_with("_blocks") || n.ends_with("_scales")));
+    common::opens_in_transformers(&ckpt);
 }
 
 /// Evaluation on a mixture of experts adds the router loss as TRL's does: `eval_loss` is the

@@ -358,6 +358,8 @@ fn every_built_in_model_type_matches_transformers() {
             "model.layers.1.block_sparse_moe.experts.2.w3.weight",
         ),
         ("gpt-oss", "model.layers.2.self_attn.sinks"),
+        // Its experts stored MXFP4, as the hub's (read dequantized).
+        ("gpt-oss-mxfp4", "model.layers.1.mlp.experts.down_proj"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
@@ -430,7 +432,7 @@ fn unsupported_model_types_and_values_are_named() {
         e.contains("layer_types") && e.contains("chunked_attention"),
         "{e}"
     );
-    // gpt-oss as the hub ships it (MXFP4 experts) is refused with how to dequantize it; its
+    // A quantization other than MXFP4 (read dequantized) is refused with what to do; gpt-oss's
     // SwiGLU constants must be positive.
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss/model");
     let json: serde_json::Value =
@@ -443,9 +445,11 @@ fn unsupported_model_types_and_values_are_named() {
             .unwrap_err()
             .to_string()
     };
-    let e = gpt_oss(&|j| j["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"}));
+    let e = gpt_oss(&|j| {
+        j["quantization_config"] = serde_json::json!({"quant_method": "bitsandbytes"})
+    });
     assert!(
-        e.contains("quantization_config") && e.contains("mxfp4") && e.contains("dequantize=True"),
+        e.contains("quantization_config") && e.contains("bitsandbytes") && e.contains("dense"),
         "{e}"
     );
     let e = gpt_oss(&|j| j["swiglu_limit"] = (-7.0).into());

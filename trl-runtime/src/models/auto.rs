@@ -197,6 +197,8 @@ impl AutoModelForCausalLM {
         let path = dir.join(CONFIG_FILE);
         let text = std::fs::read_to_string(&path)
             .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+        // MXFP4 experts are read dequantized.
+        let text = super::mxfp4::dense_config(&text);
         let config = Self::parse_config(&text, &path.display().to_string())?;
         let files = Arc::new(WeightFiles::open(dir)?);
         let backend = FilesBackend {

@@ -9,8 +9,8 @@
 //!
 //! Strategies: ZeRO and FSDP shard the fused expert tensors with the rest of the layer's unit;
 //! under tp the attention (and its sinks) is split by heads, the router and experts stay
-//! whole on every rank (said at launch). Checkpoints quantized to MXFP4 (the hub's) are
-//! refused with how to dequantize them.
+//! whole on every rank (said at launch). Checkpoints quantized to MXFP4 (the hub's) are read
+//! dequantized (models/mxfp4.rs); other quantizations are refused.
 
 use super::blocks::{pre_norm_layer, Decoder, Layer, SelfAttention};
 use super::causal::LayerInputs;
@@ -126,10 +126,10 @@ fn check(config: &ModelConfig, source: &str) -> Result<(MoeConfig, f64, f64)> {
             source,
             "quantization_config",
             format!(
-                "'{method}' weights cannot be trained: dequantize the checkpoint first (in \
-                 Python: AutoModelForCausalLM.from_pretrained(dir, \
-                 quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)\
-                 .save_pretrained(out)), as TRL's gpt-oss recipe loads it"
+                "'{method}' weights cannot be trained here (MXFP4, the hub's, are read \
+                 dequantized): save the checkpoint dense first (in Python: \
+                 AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16) with \
+                 dequantization, then .save_pretrained(out))"
             ),
         ));
     }

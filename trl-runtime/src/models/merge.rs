@@ -187,9 +187,10 @@ pub fn merge_adapter(
         }
     })?;
     let config_path = base.join(CONFIG_FILE);
+    // A base with MXFP4 experts merges into dense weights.
     let mut config_json: serde_json::Value = std::fs::read_to_string(&config_path)
         .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
+        .and_then(|t| serde_json::from_str(&super::mxfp4::dense_config(&t)).ok())
         .ok_or_else(|| {
             Error::config(
                 config_path.display().to_string(),

@@ -13,6 +13,7 @@ pub mod llama;
 pub mod merge;
 pub mod mixtral;
 pub mod moe;
+pub mod mxfp4;
 pub mod olmo2;
 pub mod params;
 pub mod peft;

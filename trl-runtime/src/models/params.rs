@@ -3,6 +3,7 @@
 //! checkpoint opens in transformers).
 
 use super::config::ModelConfig;
+use super::mxfp4;
 use super::tensor_file::{write_weights, TensorSpec};
 use crate::error::{Error, Result};
 use candle_core::safetensors::{Load, MmapedSafetensors};
@@ -183,9 +184,60 @@ impl WeightFiles {
         })
     }
 
-    /// Whether the files hold tensor `name`.
+    /// Whether the files hold tensor `name` (stored, or packed as MXFP4).
     pub fn contains(&self, name: &str) -> bool {
-        self.st.get(name).is_ok()
+        self.st.get(name).is_ok() || self.packed(name).is_some()
+    }
+
+    /// The blocks and scales of `name` when it is stored packed as MXFP4 (gpt-oss's experts
+    /// on the hub) and not as itself.
+    fn packed(&self, name: &str) -> Option<(String, String)> {
+        let (blocks, scales) = (
+            format!("{name}{}", mxfp4::BLOCKS),
+            format!("{name}{}", mxfp4::SCALES),
+        );
+        let here = self.st.get(name).is_err()
+            && self.st.get(&blocks).is_ok()
+            && self.st.get(&scales).is_ok();
+        here.then_some((blocks, scales))
+    }
+
+    /// Every tensor the files give with its dtype and shape: MXFP4 pairs as the dense bf16
+    /// tensor they hold (transformers dequantizes to bf16: every value is exact there).
+    fn stored(&self) -> Vec<(String, DType, Vec<usize>)> {
+        let mut out = Vec::new();
+        for (name, view) in self.st.tensors() {
+            if name.ends_with(mxfp4::SCALES) {
+                let base = &name[..name.len() - mxfp4::SCALES.len()];
+                if self.packed(base).is_some() {
+                    continue;
+                }
+            }
+            if let Some(base) = name.strip_suffix(mxfp4::BLOCKS) {
+                if let (Some(_), Some(shape)) =
+                    (self.packed(base), mxfp4::dense_shape(view.shape()))
+                {
+                    out.push((base.to_string(), DType::BF16, shape));
+                    continue;
+                }
+            }
+            let dtype = DType::try_from(view.dtype()).unwrap_or(DType::F32);
+            out.push((name, dtype, view.shape().to_vec()));
+        }
+        out
+    }
+
+    /// Tensor `name` as stored, or dequantized (f32) when packed as MXFP4.
+    fn read(&self, name: &str, device: &Device) -> Result<Tensor> {
+        match self.packed(name) {
+            Some((blocks, scales)) => {
+                let cpu = &Device::Cpu;
+                let w =
+                    mxfp4::dequantize(&self.st.load(&blocks, cpu)?, &self.st.load(&scales, cpu)?)?;
+                Ok(w.to_device(device)?)
+            }
+            None => Ok(self.st.load(name, device)?),
+        }
     }
 
     /// Checks the files against the parameters a model expects: every one present with its
@@ -197,10 +249,9 @@ impl WeightFiles {
         aliases: &std::collections::HashSet<String>,
     ) -> Result<()> {
         let present: HashMap<String, Vec<usize>> = self
-            .st
-            .tensors()
+            .stored()
             .into_iter()
-            .map(|(name, view)| (name, view.shape().to_vec()))
+            .map(|(name, _, shape)| (name, shape))
             .collect();
         for (name, shape) in expected {
             let Some(found) = present.get(name) else {
@@ -251,22 +302,31 @@ impl WeightFiles {
 
     /// Every stored tensor's name, dtype and shape, sorted by name.
     pub fn tensor_infos(&self) -> Result<Vec<TensorSpec>> {
-        let mut infos = self
-            .st
-            .tensors()
+        let mut infos: Vec<TensorSpec> = self
+            .stored()
             .into_iter()
-            .map(|(name, view)| {
-                let dtype = DType::try_from(view.dtype())?;
-                Ok(TensorSpec::new(name, dtype, view.shape()))
-            })
-            .collect::<Result<Vec<_>>>()?;
+            .map(|(name, dtype, shape)| TensorSpec::new(name, dtype, &shape))
+            .collect();
         infos.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(infos)
     }
 
-    /// Tensor `name` as stored (its dtype), on the CPU.
+    /// Tensor `name` as stored (its dtype; MXFP4 dequantized to bf16), on the CPU.
     pub fn load_stored(&self, name: &str) -> Result<Tensor> {
-        Ok(self.st.load(name, &Device::Cpu)?)
+        match self.packed(name) {
+            Some(_) => Ok(self.read(name, &Device::Cpu)?.to_dtype(DType::BF16)?),
+            None => Ok(self.st.load(name, &Device::Cpu)?),
+        }
+    }
+
+    /// The shape of tensor `name` (dense, for an MXFP4 pair).
+    fn shape_of(&self, name: &str) -> Result<Vec<usize>> {
+        match self.packed(name) {
+            Some((blocks, _)) => {
+                Ok(mxfp4::dense_shape(self.st.get(&blocks)?.shape()).unwrap_or_default())
+            }
+            None => Ok(self.st.get(name)?.shape().to_vec()),
+        }
     }
 
     fn file_of(&self, name: &str) -> String {
@@ -275,7 +335,7 @@ impl WeightFiles {
 
     /// Tensor `name`, whole.
     pub fn load(&self, name: &str, dtype: DType, device: &Device) -> Result<Tensor> {
-        Ok(self.st.load(name, device)?.to_dtype(dtype)?)
+        Ok(self.read(name, device)?.to_dtype(dtype)?)
     }
 
     /// Part `rank` of `parts` equal parts of tensor `name` along `dim`, reading only the bytes
@@ -289,9 +349,9 @@ impl WeightFiles {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        let view = self.st.get(name)?;
+        let shape = self.shape_of(name)?;
         let whence = format!("{name} in {}", self.file_of(name));
-        let (start, len) = crate::nn::module::slice_range(&whence, view.shape(), dim, rank, parts)?;
+        let (start, len) = crate::nn::module::slice_range(&whence, &shape, dim, rank, parts)?;
         self.read_span(name, dim, start..start + len, dtype, device)
             .map_err(|e| Error::Config {
                 file: self.file_of(name),
@@ -310,8 +370,7 @@ impl WeightFiles {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        let view = self.st.get(name)?;
-        let shape = view.shape().to_vec();
+        let shape = self.shape_of(name)?;
         let row: usize = shape.iter().skip(1).product();
         let total = shape.first().copied().unwrap_or(1) * row;
         if start + len > total || shape.is_empty() {
@@ -346,6 +405,14 @@ impl WeightFiles {
         dtype: DType,
         device: &Device,
     ) -> std::result::Result<Tensor, String> {
+        if self.packed(name).is_some() {
+            // Packed: dequantized whole (one layer's expert tensor), then cut.
+            let whole = self.read(name, device).map_err(|e| e.to_string())?;
+            let part = whole
+                .narrow(dim, span.start, span.len())
+                .and_then(|t| t.to_dtype(dtype));
+            return part.map_err(|e| e.to_string());
+        }
         let view = self.st.get(name).map_err(|e| e.to_string())?;
         let index: Vec<TensorIndexer> = (0..view.shape().len())
             .map(|d| match d == dim {

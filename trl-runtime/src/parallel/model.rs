@@ -937,6 +937,8 @@ fn read_config(dir: &Path) -> Result<(String, String)> {
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path)
         .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    // MXFP4 experts are read dequantized, and saved dense.
+    let text = crate::models::mxfp4::dense_config(&text);
     Ok((text, path.display().to_string()))
 }
 
