@@ -5,13 +5,16 @@
 
 use candle_core::{Result, Tensor};
 
-/// Each expert's rows of `x` [rows, in] times its weight `w[e]` [in, out] plus `b[e]` [out]:
-/// [rows, out].
-pub fn forward(x: &Tensor, w: &Tensor, b: &Tensor, counts: &[usize]) -> Result<Tensor> {
+/// Each expert's rows of `x` [rows, in] times its weight `w[e]` [in, out], plus `b[e]` [out]
+/// when given: [rows, out].
+pub fn forward(x: &Tensor, w: &Tensor, b: Option<&Tensor>, counts: &[usize]) -> Result<Tensor> {
     let mut outs = Vec::with_capacity(counts.len());
     for (e, rows) in segments(counts) {
-        let xe = x.narrow(0, rows.start, rows.len())?;
-        outs.push(xe.matmul(&w.get(e)?)?.broadcast_add(&b.get(e)?)?);
+        let y = x.narrow(0, rows.start, rows.len())?.matmul(&w.get(e)?)?;
+        outs.push(match b {
+            Some(b) => y.broadcast_add(&b.get(e)?)?,
+            None => y,
+        });
     }
     match outs.is_empty() {
         true => Tensor::zeros((0, w.dim(2)?), x.dtype(), x.device()),
@@ -77,7 +80,7 @@ mod tests {
         let w = Var::randn(0f32, 1.0, (3, 5, 6), &dev).unwrap();
         let b = Var::randn(0f32, 1.0, (3, 6), &dev).unwrap();
         let dy = Tensor::randn(0f32, 1.0, (7, 6), &dev).unwrap();
-        let y = forward(&x, &w, &b, &counts).unwrap();
+        let y = forward(&x, &w, Some(&b), &counts).unwrap();
         let parts = [(0usize, 0usize, 3usize), (2, 3, 4)].map(|(e, start, n)| {
             let xe = x.narrow(0, start, n).unwrap();
             let we = w.as_tensor().get(e).unwrap();

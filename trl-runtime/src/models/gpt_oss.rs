@@ -8,14 +8,15 @@
 //! grouped GEMMs over tokens sorted by expert, with gpt-oss's clamped SwiGLU.
 //!
 //! Strategies: ZeRO and FSDP shard the fused expert tensors with the rest of the layer's unit;
-//! under tp the attention (and its sinks) is split by heads, the router and experts stay
-//! whole on every rank (said at launch). Checkpoints quantized to MXFP4 (the hub's) are read
+//! under tp the attention (and its sinks) is split by heads and each expert's MLP as a dense
+//! one (gate_up columns, down rows), the router whole. Checkpoints quantized to MXFP4 (the hub's) are read
 //! dequantized (models/mxfp4.rs); other quantizations are refused.
 
 use super::blocks::{pre_norm_layer, Decoder, Layer, SelfAttention};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use super::moe::{routed, MoeConfig};
+use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
 use crate::nn::grouped::grouped_linear;
 use crate::nn::{Param, RmsNorm, RotaryEmbedding};
@@ -37,11 +38,16 @@ pub struct GptOssRouter {
     bias: Param,
 }
 
-/// `mlp.experts`: every expert's weights in one tensor each.
+/// `mlp.experts`: every expert's weights in one tensor each. Under tp each expert's MLP is
+/// split as a dense one: gate_up by its columns (gate and up interleaved: a contiguous slice
+/// holds matching pairs), down by its rows; the down bias, whole, is added after the sum.
 #[derive(Debug, Clone, Parallelize)]
 pub struct GptOssExperts {
+    #[parallel(tp = "column")]
     gate_up_proj: Param,
+    #[parallel(tp = "column")]
     gate_up_proj_bias: Param,
+    #[parallel(tp = "row")]
     down_proj: Param,
     down_proj_bias: Param,
     /// The SwiGLU's sigmoid gain (`swiglu_alpha`) and clamp (`swiglu_limit`).
@@ -55,8 +61,14 @@ impl GptOssExperts {
     /// Rows `xs` [rows, hidden] sorted by expert (`counts[e]` for expert e) through their
     /// experts: down((up + 1) * gate * sigmoid(alpha * gate)), gate clamped above at the
     /// limit and up on both sides.
-    fn forward(&self, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
-        let gate_up = grouped_linear(xs, &self.gate_up_proj, &self.gate_up_proj_bias, counts)?;
+    fn forward(&self, cx: &LayerInputs, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        // Under tp: Megatron's f before the split columns and g after the split rows.
+        let xs = match cx.tp() {
+            Some(tp) => copy_to_group(xs, tp)?,
+            None => xs.clone(),
+        };
+        let (gate_up, bias) = (&self.gate_up_proj, &self.gate_up_proj_bias);
+        let gate_up = grouped_linear(&xs, gate_up, Some(bias), counts)?;
         let (m, width) = gate_up.dims2()?;
         // gate_up[..., ::2] and gate_up[..., 1::2].
         let pairs = gate_up.reshape((m, width / 2, 2))?;
@@ -67,12 +79,19 @@ impl GptOssExperts {
             .clamp(-self.limit, self.limit)?;
         let sigmoid = ((gate.affine(-self.alpha, 0.0)?.exp()? + 1.0)?).recip()?;
         let act = ((up + 1.0)? * (gate * sigmoid)?)?;
-        Ok(grouped_linear(
-            &act,
-            &self.down_proj,
-            &self.down_proj_bias,
-            counts,
-        )?)
+        let y = grouped_linear(&act, &self.down_proj, None, counts)?;
+        let y = match cx.tp() {
+            Some(tp) => reduce_from_group(&y, tp)?,
+            None => y,
+        };
+        // Each row's expert's down bias.
+        let experts: Vec<u32> = (0u32..)
+            .zip(counts)
+            .flat_map(|(e, &n)| std::iter::repeat_n(e, n))
+            .collect();
+        let experts = Tensor::from_vec(experts, m, xs.device())?;
+        let bias = self.down_proj_bias.value()?.index_select(&experts, 0)?;
+        Ok((y + bias)?)
     }
 }
 
@@ -93,7 +112,7 @@ impl GptOssMlp {
         let logits = flat.matmul(&w.t()?)?.broadcast_add(&bias)?;
         // Softmax over the top-k logits = their probabilities renormalised.
         let out = routed(cx, &flat, &logits, (self.top_k, true), |xs, counts| {
-            self.experts.forward(xs, counts)
+            self.experts.forward(cx, xs, counts)
         })?;
         Ok(out.reshape((b, s, h))?)
     }
@@ -148,12 +167,6 @@ fn check(config: &ModelConfig, source: &str) -> Result<(MoeConfig, f64, f64)> {
 
 impl Layer for GptOssLayer {
     type Config = ModelConfig;
-    const TP_NOTE: Option<&'static str> = Some(
-        "gpt_oss: the router and the fused experts are not split under tensor parallelism; \
-         they run whole on every tp rank (attention, its sinks, the embedding and LM head \
-         are split)",
-    );
-
     fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
         let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
         check(&config, source)?;
@@ -182,9 +195,11 @@ impl Layer for GptOssLayer {
                         bias: Param::new(&router, e, "bias")?,
                     },
                     experts: GptOssExperts {
-                        gate_up_proj: Param::new(&experts, (e, h, 2 * i), "gate_up_proj")?,
-                        gate_up_proj_bias: Param::new(&experts, (e, 2 * i), "gate_up_proj_bias")?,
-                        down_proj: Param::new(&experts, (e, i, h), "down_proj")?,
+                        gate_up_proj: Param::new(&experts, (e, h, 2 * i), "gate_up_proj")?
+                            .split_on(2),
+                        gate_up_proj_bias: Param::new(&experts, (e, 2 * i), "gate_up_proj_bias")?
+                            .split_on(1),
+                        down_proj: Param::new(&experts, (e, i, h), "down_proj")?.split_on(1),
                         down_proj_bias: Param::new(&experts, (e, h), "down_proj_bias")?,
                         alpha,
                         limit,

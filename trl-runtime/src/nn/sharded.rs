@@ -427,7 +427,7 @@ enum OpKind {
     /// A mixture of experts' grouped linear layer (`kernels::grouped`).
     Grouped {
         weight: usize,
-        bias: usize,
+        bias: Option<usize>,
         counts: Vec<usize>,
     },
 }
@@ -525,7 +525,9 @@ impl CustomOp1 for UnitOp {
                 let (dx, dw, db) = crate::kernels::grouped::backward(arg, &w, grad, counts)?;
                 if train {
                     grads.push((*weight, dw));
-                    grads.push((*bias, db));
+                    if let Some(b) = bias {
+                        grads.push((*b, db));
+                    }
                 }
                 dx
             }
@@ -641,16 +643,21 @@ pub fn whole(w: &ShardedWeight) -> candle_core::Result<Tensor> {
 pub fn grouped_linear(
     x: &Tensor,
     w: &ShardedWeight,
-    b: &ShardedWeight,
+    b: Option<&ShardedWeight>,
     counts: &[usize],
 ) -> candle_core::Result<Tensor> {
-    same_unit(w, b)?;
     let weight = w.unit.weight(w.entry).map_err(failed)?;
-    let bias = b.unit.weight(b.entry).map_err(failed)?;
-    let y = crate::kernels::grouped::forward(&x.detach(), &weight, &bias, counts)?;
+    let bias = match b {
+        Some(b) => {
+            same_unit(w, b)?;
+            Some(b.unit.weight(b.entry).map_err(failed)?)
+        }
+        None => None,
+    };
+    let y = crate::kernels::grouped::forward(&x.detach(), &weight, bias.as_ref(), counts)?;
     let kind = OpKind::Grouped {
         weight: w.entry,
-        bias: b.entry,
+        bias: b.map(|b| b.entry),
         counts: counts.to_vec(),
     };
     apply(x, &w.unit, kind, y)
