@@ -342,6 +342,9 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             offload_optimizer: offload,
                             reference_copy: false,
                             gpu: machine.gpu,
+                            // As trained by default: a mixture of experts' config has a
+                            // non-zero router_aux_loss_coef (0.001 when it names none).
+                            router_loss: true,
                         };
                         if let Some(sync) = work.preference {
                             setup.for_preference_pairs(sync);

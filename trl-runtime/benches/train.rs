@@ -353,6 +353,7 @@ fn main() {
             offload_optimizer: false,
             reference_copy: false,
             gpu: false,
+            router_loss: true,
         };
         let hw = estimate::Hardware::cpu(rank_flops, world, link);
         estimate::step_time(&model, &setup, &hw).tokens_per_second

@@ -105,6 +105,7 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         offload_optimizer: false,
         reference_copy: false,
         gpu: false,
+        router_loss: true,
     }
 }
 

@@ -111,8 +111,10 @@ impl GptOssMlp {
         let (w, bias) = (self.router.weight.value()?, self.router.bias.value()?);
         let logits = flat.matmul(&w.t()?)?.broadcast_add(&bias)?;
         // Softmax over the top-k logits = their probabilities renormalised.
-        let out = routed(cx, &flat, &logits, (self.top_k, true), |xs, counts| {
-            self.experts.forward(cx, xs, counts)
+        let out = routed(cx, &flat, &logits, (self.top_k, true), |tokens, counts| {
+            // One gather: the grouped layer's backward gives every row's gradient at once.
+            let xs = flat.index_select(tokens, 0)?;
+            self.experts.forward(cx, &xs, counts)
         })?;
         Ok(out.reshape((b, s, h))?)
     }

@@ -53,34 +53,31 @@ impl<E: Expert> SparseMoe<E> {
         let (b, s, h) = x.dims3()?;
         let flat = x.reshape((b * s, h))?;
         let logits = self.gate.forward(&flat)?;
-        let out = routed(
-            cx,
-            &flat,
-            &logits,
-            (self.top_k, self.norm_topk_prob),
-            |xs, counts| {
-                // One GEMM per projection and expert over its rows.
-                let mut outputs = Vec::new();
-                let mut start = 0;
-                for (expert, &m) in self.experts.iter().zip(counts) {
-                    if m > 0 {
-                        let rows = xs.narrow(0, start, m)?.reshape((1, m, h))?;
-                        outputs.push(expert.forward(cx, &rows)?.reshape((m, h))?);
-                    }
-                    start += m;
+        let routing = (self.top_k, self.norm_topk_prob);
+        let out = routed(cx, &flat, &logits, routing, |tokens, counts| {
+            // One GEMM per projection and expert over its rows, gathered per expert: slices
+            // of one gathered matrix would cost a whole-size gradient each in backward.
+            let mut outputs = Vec::new();
+            let mut start = 0;
+            for (expert, &m) in self.experts.iter().zip(counts) {
+                if m > 0 {
+                    let rows = flat.index_select(&tokens.narrow(0, start, m)?, 0)?;
+                    let ys = expert.forward(cx, &rows.reshape((1, m, h))?)?;
+                    outputs.push(ys.reshape((m, h))?);
                 }
-                Ok(Tensor::cat(&outputs, 0)?)
-            },
-        )?;
+                start += m;
+            }
+            Ok(Tensor::cat(&outputs, 0)?)
+        })?;
         Ok(out.reshape((b, s, h))?)
     }
 }
 
 /// A mixture of experts' forward around its experts, as transformers routes: each token of
 /// `flat` [tokens, hidden] goes to the top-k experts by its router `logits` [tokens, experts]
-/// (probabilities in f32; `norm`: renormalised over the k), and `experts(xs, counts)` gets
-/// the routed copies sorted by expert (`counts[e]` rows for expert e) and returns their
-/// outputs in the same order; those, weighted, are added back at their tokens in one
+/// (probabilities in f32; `norm`: renormalised over the k), and `experts(tokens, counts)`
+/// gets the routed tokens' rows of `flat` sorted by expert (u32, `counts[e]` for expert e),
+/// gathers them and returns their outputs in the same order; those, weighted, are added back at their tokens in one
 /// index_add (a running sum per expert would keep one [tokens, hidden] copy per expert alive
 /// in the graph). The router loss, when collected, counts the choices.
 pub fn routed(
@@ -130,7 +127,7 @@ pub fn routed(
         Tensor::from_vec(tokens, n * k, flat.device())?,
         Tensor::from_vec(slots, n * k, flat.device())?,
     );
-    let ys = experts(&flat.index_select(&tokens, 0)?, &counts)?;
+    let ys = experts(&tokens, &counts)?;
     let ys = ys.broadcast_mul(&weights.index_select(&slots, 0)?.unsqueeze(1)?)?;
     Ok(flat.zeros_like()?.index_add(&tokens, &ys, 0)?)
 }

@@ -38,6 +38,10 @@ pub struct Setup {
     pub reference_copy: bool,
     /// On GPUs, where the fused loss's one-pass kernel takes every dtype (on the CPU, f32).
     pub gpu: bool,
+    /// The router load-balancing loss is added (a mixture of experts with a non-zero
+    /// `router_aux_loss_coef`, the default): each sparse layer keeps its probabilities once
+    /// more, in f32, for the loss's backward.
+    pub router_loss: bool,
 }
 
 impl Setup {
@@ -508,8 +512,14 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let (layer, kept) = match model.moe {
         None => (dense, layers * dense),
         Some((experts, top_k, inter, sparse)) => {
+            // The router loss's copy of the probabilities: one f32 per expert.
+            let router_loss = match setup.router_loss {
+                true => 4.0 * experts as f64 / dsz as f64,
+                false => 0.0,
+            };
             let routed = layer_elements(h, q, kv, (top_k * inter) as f64 / tp as f64, lora, tp)
-                + routing_elements(h, experts, top_k, dsz);
+                + routing_elements(h, experts, top_k, dsz)
+                + router_loss;
             let sparse = sparse as f64;
             (
                 routed.max(dense),
@@ -903,6 +913,7 @@ mod tests {
                 offload_optimizer: false,
                 reference_copy: false,
                 gpu: false,
+                router_loss: true,
             };
             let without = estimate(&m, &setup);
             setup.reference_copy = true;
@@ -937,6 +948,7 @@ mod tests {
                 offload_optimizer: false,
                 reference_copy: false,
                 gpu: false,
+                router_loss: true,
             };
             let at = |latency: f64| {
                 let link = LinkSpeed {

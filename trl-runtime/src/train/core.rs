@@ -571,6 +571,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             offload_optimizer: self.offloaded(),
             reference_copy: false,
             gpu: self.ctx.device().is_cuda(),
+            router_loss: self.router_loss_weight != 0.0,
         };
         task(&mut setup);
         Some(crate::parallel::estimate::estimate(&shapes, &setup))
