@@ -406,17 +406,19 @@ fn every_built_in_model_type_matches_transformers() {
 /// what is supported.
 #[test]
 fn unsupported_model_types_and_values_are_named() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gemma3/model");
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let parse = |edit: &dyn Fn(&mut serde_json::Value)| {
-        let mut j = json.clone();
+    // The error of tiny-`kind`'s config.json after `edit`.
+    let refused = |kind: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../assets/tiny-{kind}/model/config.json"));
+        let mut j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
         edit(&mut j);
         <AutoModelForCausalLM as CausalModel>::parse_config(&j.to_string(), "config.json")
             .map(|_| ())
             .unwrap_err()
             .to_string()
     };
+    let parse = |edit: &dyn Fn(&mut serde_json::Value)| refused("gemma3", edit);
     let e = parse(&|j| j["model_type"] = "falcon".into());
     assert!(
         e.contains("model_type") && e.contains("'falcon'") && e.contains("gemma3_text"),
@@ -434,17 +436,7 @@ fn unsupported_model_types_and_values_are_named() {
     );
     // A quantization other than MXFP4 (read dequantized) is refused with what to do; gpt-oss's
     // SwiGLU constants must be positive.
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss/model");
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let gpt_oss = |edit: &dyn Fn(&mut serde_json::Value)| {
-        let mut j = json.clone();
-        edit(&mut j);
-        <AutoModelForCausalLM as CausalModel>::parse_config(&j.to_string(), "config.json")
-            .map(|_| ())
-            .unwrap_err()
-            .to_string()
-    };
+    let gpt_oss = |edit: &dyn Fn(&mut serde_json::Value)| refused("gpt-oss", edit);
     let e = gpt_oss(&|j| {
         j["quantization_config"] = serde_json::json!({"quant_method": "bitsandbytes"})
     });

@@ -724,13 +724,19 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
         true => fused_forward(&q.detach().contiguous()?, &k_in, &v_in, mask)?,
         false => ring(q, kv, mask)?.forward(&k_in, &v_in)?,
     };
+    let mask_of = || mask.clone();
     crate::kernels::sinks::attend_with(forward, mask.sinks.as_ref(), |out, lse| {
-        let backward = RingBackward {
-            mask: mask.clone(),
-            lse,
-            fused,
-        };
-        with_backward3(q, k, v, out, backward)
+        with_backward3(
+            q,
+            k,
+            v,
+            out,
+            RingBackward {
+                mask: mask_of(),
+                lse,
+                fused,
+            },
+        )
     })
 }
 

@@ -587,20 +587,48 @@ pub fn backward(
     ))
 }
 
-/// The decoder's attention: its spans and the forward's log-sum-exp, for backward.
-struct FlashCpu {
+/// A fused kernel's backward (this file's, or the CUDA one's): the gradients of q, k, v from
+/// q, k, v, the output, the log-sum-exp, the output's gradient and the spans.
+pub(crate) type KernelBackward = fn(
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &Tensor,
+    &KeySpans,
+) -> Result<(Tensor, Tensor, Tensor)>;
+
+/// The decoder's attention: its spans and the forward's log-sum-exp, for a kernel's backward.
+struct Flash {
     spans: KeySpans,
     lse: Tensor,
+    run: KernelBackward,
 }
 
-impl Backward3 for FlashCpu {
-    const NAME: &'static str = "cpu flash attention";
+impl Backward3 for Flash {
+    const NAME: &'static str = "flash attention";
 
     fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
         let ([q, k, v], out) = (&saved.inputs, &saved.out);
-        let (dq, dk, dv) = backward(q, k, v, out, &self.lse, &saved.dout, &self.spans)?;
+        let (dq, dk, dv) = (self.run)(q, k, v, out, &self.lse, &saved.dout, &self.spans)?;
         Ok([dq, dk, dv])
     }
+}
+
+/// A fused kernel's forward `(out, lse)` of `q`, `k`, `v` with autograd by `run`, and the
+/// `sinks` [heads] folded in when given (see [`super::sinks`]).
+pub(crate) fn with_kernel_backward(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    forward: (Tensor, Tensor),
+    spans: &KeySpans,
+    sinks: Option<&Tensor>,
+    run: KernelBackward,
+) -> Result<Tensor> {
+    let spans = spans.clone();
+    super::sinks::attend_with(forward, sinks, |out, lse| {
+        with_backward3(q, k, v, out, Flash { spans, lse, run })
+    })
 }
 
 /// Whether the fused CPU kernels take these inputs: f32 on the CPU.
@@ -624,15 +652,9 @@ pub fn flash_attention_cpu(
     spans: &KeySpans,
     sinks: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let (q_in, k_in, v_in) = (
-        q.detach().contiguous()?,
-        k.detach().contiguous()?,
-        v.detach().contiguous()?,
-    );
-    let spans = spans.clone();
-    super::sinks::attend_with(forward(&q_in, &k_in, &v_in, &spans)?, sinks, |out, lse| {
-        with_backward3(q, k, v, out, FlashCpu { spans, lse })
-    })
+    let detached = |t: &Tensor| t.detach().contiguous();
+    let out = forward(&detached(q)?, &detached(k)?, &detached(v)?, spans)?;
+    with_kernel_backward((q, k, v), out, spans, sinks, backward)
 }
 
 #[cfg(test)]

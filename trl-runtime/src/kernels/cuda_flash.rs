@@ -16,7 +16,6 @@
 
 use super::cpu_flash::KeySpans;
 use super::cuda_fused::{switch, typed, view};
-use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -506,22 +505,6 @@ pub fn backward(
     ))
 }
 
-/// The decoder's attention: its spans and the forward's log-sum-exp, for backward.
-struct Flash {
-    spans: KeySpans,
-    lse: Tensor,
-}
-
-impl Backward3 for Flash {
-    const NAME: &'static str = "cuda flash attention";
-
-    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
-        let ([q, k, v], out) = (&saved.inputs, &saved.out);
-        let (dq, dk, dv) = backward(q, k, v, out, &self.lse, &saved.dout, &self.spans)?;
-        Ok([dq, dk, dv])
-    }
-}
-
 /// Attention of `q` [b, heads, sq, d] over `k`, `v` [b, kv_heads, sk, d] as `spans` say (the
 /// decoder's: [`crate::nn::AttentionMask::key_spans`]), with autograd, by the fused kernels
 /// (see the module docs); with `sinks` [heads] as [`super::sinks`] says.
@@ -533,9 +516,6 @@ pub fn flash_attention_cuda(
     sinks: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (out, lse) = forward(&q.detach(), &k.detach(), &v.detach(), spans)?;
-    let spans = spans.clone();
-    let out = out.to_dtype(q.dtype())?;
-    super::sinks::attend_with((out, lse), sinks, |out, lse| {
-        with_backward3(q, k, v, out, Flash { spans, lse })
-    })
+    let out = (out.to_dtype(q.dtype())?, lse);
+    super::cpu_flash::with_kernel_backward((q, k, v), out, spans, sinks, backward)
 }

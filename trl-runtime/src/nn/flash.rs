@@ -308,13 +308,19 @@ pub fn flash_attention(
     };
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
     let forward = prepare(q, &k_in, &v_in, dims, mask)?.forward()?;
+    let mask_of = || mask.clone();
     crate::kernels::sinks::attend_with(forward, mask.sinks.as_ref(), |out, lse| {
-        let backward = FlashBackward {
-            mask: mask.clone(),
-            dims,
-            lse,
-        };
-        with_backward3(q, k, v, out, backward)
+        with_backward3(
+            q,
+            k,
+            v,
+            out,
+            FlashBackward {
+                mask: mask_of(),
+                dims,
+                lse,
+            },
+        )
     })
 }
 

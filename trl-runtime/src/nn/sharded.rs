@@ -569,11 +569,19 @@ fn apply(arg: &Tensor, unit: &Arc<Unit>, kind: OpKind, y: Tensor) -> candle_core
     })
 }
 
-fn same_unit(w: &ShardedWeight, b: &ShardedWeight) -> candle_core::Result<()> {
+/// A layer's weight and bias from their unit (which must be the same), gathered.
+fn weight_and_bias(
+    w: &ShardedWeight,
+    b: Option<&ShardedWeight>,
+) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    let weight = w.unit.weight(w.entry).map_err(failed)?;
+    let Some(b) = b else {
+        return Ok((weight, None));
+    };
     if !Arc::ptr_eq(&w.unit, &b.unit) {
         candle_core::bail!("a layer's weight and bias must be in the same wrap unit");
     }
-    Ok(())
+    Ok((weight, Some(b.unit.weight(b.entry).map_err(failed)?)))
 }
 
 /// The whole (gathered) value of a unit's weight, detached: for what reads a weight without
@@ -588,14 +596,7 @@ pub fn linear(
     w: &ShardedWeight,
     b: Option<&ShardedWeight>,
 ) -> candle_core::Result<Tensor> {
-    let weight = w.unit.weight(w.entry).map_err(failed)?;
-    let bias = match b {
-        Some(b) => {
-            same_unit(w, b)?;
-            Some(b.unit.weight(b.entry).map_err(failed)?)
-        }
-        None => None,
-    };
+    let (weight, bias) = weight_and_bias(w, b)?;
     let y = crate::kernels::fused::linear(&x.detach(), &weight, bias.as_ref())?;
     let kind = OpKind::Linear {
         weight: w.entry,
@@ -646,14 +647,7 @@ pub fn grouped_linear(
     b: Option<&ShardedWeight>,
     counts: &[usize],
 ) -> candle_core::Result<Tensor> {
-    let weight = w.unit.weight(w.entry).map_err(failed)?;
-    let bias = match b {
-        Some(b) => {
-            same_unit(w, b)?;
-            Some(b.unit.weight(b.entry).map_err(failed)?)
-        }
-        None => None,
-    };
+    let (weight, bias) = weight_and_bias(w, b)?;
     let y = crate::kernels::grouped::forward(&x.detach(), &weight, bias.as_ref(), counts)?;
     let kind = OpKind::Grouped {
         weight: w.entry,
