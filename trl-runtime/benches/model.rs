@@ -1,7 +1,8 @@
 //! `cargo bench -p trl-runtime --bench model`: forward+backward of the reference Qwen2 shape
 //! (hidden 256, intermediate 768, 4 layers, 8 heads, 4 kv heads, vocab 4096, seq 512, batch 4,
 //! fp32) and of a Qwen3-MoE shape of the same attention (8 experts of intermediate 384, top 2:
-//! the same active MLP FLOPs) on one thread, each next to a plain 1024^3 f32 Candle matmul on
+//! the same active MLP FLOPs), and that shape as gpt-oss lays it out (fused experts run as
+//! grouped GEMMs, biases, sinks) on one thread, each next to a plain 1024^3 f32 Candle matmul on
 //! one thread measured in the same run (5 rounds of a step next to 3 matmuls; the median
 //! round's ratio). One JSON object per line on stdout; prose on stderr.
 //!
@@ -34,6 +35,19 @@ fn moe_json() -> serde_json::Value {
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
         "head_dim": 32, "max_position_embeddings": 4096, "rope_theta": 1000000.0,
         "tie_word_embeddings": true,
+    })
+}
+
+/// gpt-oss's layout of the MoE shape: its experts fused and run as grouped GEMMs (with
+/// biases, the clamped SwiGLU, a biased router, attention sinks), full attention.
+fn gpt_oss_json() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "gpt_oss", "vocab_size": 4096, "hidden_size": 256,
+        "intermediate_size": 384, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 32, "max_position_embeddings": 4096, "rope_theta": 1000000.0,
+        "attention_bias": true, "tie_word_embeddings": true,
+        "layer_types": ["full_attention", "full_attention", "full_attention", "full_attention"],
     })
 }
 
@@ -133,6 +147,10 @@ fn main() {
     let flops = 3.0 * (forward_flops_per_token(&cfg, SEQ) + router) * (BATCH * SEQ) as f64;
     eprintln!("model bench: the MoE shape (8 experts, top 2)");
     measure("fwd_bwd_moe", &moe, flops);
+    let dir = tempfile::tempdir().unwrap();
+    let gpt_oss = random_model(&gpt_oss_json(), dir.path());
+    eprintln!("model bench: the MoE shape as gpt-oss lays it out (fused experts, grouped GEMMs)");
+    measure("fwd_bwd_moe_grouped", &gpt_oss, flops);
 }
 
 /// Prints the median round of `model`'s forward+backward against the matmul rate.

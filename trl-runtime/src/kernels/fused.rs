@@ -456,6 +456,129 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwigluFwd)
 }
 
+// ---------------------------------------------------------------- gpt-oss's clamped SwiGLU
+
+/// gpt-oss's activation on interleaved gate/up pairs: the gate clamped above at `limit`, the
+/// up projection on both sides, then `(up + 1) * gate * sigmoid(alpha * gate)`.
+#[derive(Clone, Copy)]
+struct ClampedSwiglu {
+    alpha: f32,
+    limit: f32,
+}
+
+impl ClampedSwiglu {
+    /// The output of one pair, and its gradients with respect to gate and up (for `dout` 1).
+    #[inline(always)]
+    fn pair(self, g: f32, u: f32) -> (f32, f32, f32) {
+        let (gc, uc) = (g.min(self.limit), u.clamp(-self.limit, self.limit));
+        let s = sigmoid(self.alpha * gc);
+        let glu = gc * s;
+        // Gradients pass where the clamps do not bite (bounds included, as torch's clamp).
+        // Selects, not branches: the loops vectorize.
+        let dg = (uc + 1.0) * (s + self.alpha * gc * s * (1.0 - s));
+        let dg = if g <= self.limit { dg } else { 0.0 };
+        let du = if u.abs() <= self.limit { glu } else { 0.0 };
+        ((uc + 1.0) * glu, dg, du)
+    }
+}
+
+simd_dispatch!(clamped_swiglu_fwd_chunk, clamped_swiglu_fwd_chunk_avx2, clamped_swiglu_fwd_body, <T: F32Math>, (o: &mut [T], gu: &[T], op: ClampedSwiglu));
+
+#[inline(always)]
+fn clamped_swiglu_fwd_body<T: F32Math>(o: &mut [T], gu: &[T], op: ClampedSwiglu) {
+    for (o, p) in o.iter_mut().zip(gu.chunks_exact(2)) {
+        *o = T::of(op.pair(p[0].f(), p[1].f()).0);
+    }
+}
+
+simd_dispatch!(clamped_swiglu_bwd_chunk, clamped_swiglu_bwd_chunk_avx2, clamped_swiglu_bwd_body, <T: F32Math>, (o: &mut [T], gu: &[T], d: &[T], op: ClampedSwiglu));
+
+/// d gate and d up, interleaved as the input.
+#[inline(always)]
+fn clamped_swiglu_bwd_body<T: F32Math>(o: &mut [T], gu: &[T], d: &[T], op: ClampedSwiglu) {
+    for ((o, p), d) in o.chunks_exact_mut(2).zip(gu.chunks_exact(2)).zip(d) {
+        let (_, dg, du) = op.pair(p[0].f(), p[1].f());
+        o[0] = T::of(d.f() * dg);
+        o[1] = T::of(d.f() * du);
+    }
+}
+
+fused_op!(ClampedSwiglu: CustomOp1 [this] {
+    name: "fused-clamped-swiglu",
+    cpu(s1, l1) {
+        let out = per_dtype!(s1.dtype(), "fused clamped swiglu", |T| {
+            let gu: &[T] = slice(s1, l1)?;
+            let mut out = vec![T::of(0.0); gu.len() / 2];
+            out.par_chunks_mut(ELEMS_PER_TASK)
+                .zip(gu.par_chunks(2 * ELEMS_PER_TASK))
+                .for_each(|(o, gu)| clamped_swiglu_fwd_chunk(o, gu, *this));
+            out
+        });
+        let mut dims = l1.shape().dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last /= 2;
+        }
+        Ok((out, Shape::from(dims)))
+    }
+    cuda(_s1, _l1) {
+        candle_core::bail!("the fused clamped swiglu runs on the CPU (other devices use Candle's ops)")
+    }
+    bwd(gu; _out, dout) {
+        Ok(Some(gu.apply_op2_no_bwd(&dout.contiguous()?, &ClampedSwigluBwd(*this))?))
+    }
+});
+
+struct ClampedSwigluBwd(ClampedSwiglu);
+
+fused_op!(ClampedSwigluBwd: CustomOp2 [this] {
+    name: "fused-clamped-swiglu-bwd",
+    cpu(s1, l1, s2, l2) {
+        let op = this.0;
+        let out = per_dtype!(s1.dtype(), "fused clamped swiglu backward", |T| {
+            let (gu, d): (&[T], &[T]) = (slice(s1, l1)?, slice(s2, l2)?);
+            let mut out = vec![T::of(0.0); gu.len()];
+            out.par_chunks_mut(2 * ELEMS_PER_TASK)
+                .zip(gu.par_chunks(2 * ELEMS_PER_TASK).zip(d.par_chunks(ELEMS_PER_TASK)))
+                .for_each(|(o, (gu, d))| clamped_swiglu_bwd_chunk(o, gu, d, op));
+            out
+        });
+        Ok((out, l1.shape().clone()))
+    }
+    cuda(_s1, _l1, _s2, _l2) {
+        candle_core::bail!("the fused clamped swiglu runs on the CPU")
+    }
+});
+
+/// gpt-oss's clamped SwiGLU of `gate_up` [..., 2 x inter] (gate and up interleaved:
+/// `gate_up[..., ::2]`, `gate_up[..., 1::2]`): [..., inter]. One fused pass each way on the
+/// CPU; Candle's ops elsewhere ([`clamped_swiglu_reference`]).
+pub fn clamped_swiglu(gate_up: &Tensor, alpha: f64, limit: f64) -> Result<Tensor> {
+    if !gate_up.device().is_cpu() || !fused_here(&[gate_up]) {
+        return clamped_swiglu_reference(gate_up, alpha, limit);
+    }
+    let op = ClampedSwiglu {
+        alpha: alpha as f32,
+        limit: limit as f32,
+    };
+    gate_up.contiguous()?.apply_op1(op)
+}
+
+/// [`clamped_swiglu`] in Candle's ops, as transformers writes it.
+pub fn clamped_swiglu_reference(gate_up: &Tensor, alpha: f64, limit: f64) -> Result<Tensor> {
+    let mut dims = gate_up.dims().to_vec();
+    let width = dims.pop().unwrap_or(0);
+    dims.extend([width / 2, 2]);
+    let pairs = gate_up.reshape(dims)?;
+    let last = pairs.rank() - 1;
+    let gate = pairs.narrow(last, 0, 1)?.squeeze(last)?.minimum(limit)?;
+    let up = pairs
+        .narrow(last, 1, 1)?
+        .squeeze(last)?
+        .clamp(-limit, limit)?;
+    let sigmoid = (gate.affine(-alpha, 0.0)?.exp()? + 1.0)?.recip()?;
+    (up + 1.0)? * (gate * sigmoid)?
+}
+
 // ---------------------------------------------------------------- Rotary embedding
 
 /// Forward (`sign` 1) or its transpose, the backward (`sign` -1), for one (batch, position)
@@ -785,6 +908,55 @@ mod tests {
             for shape in [(2, 7, 64), (1, 5000, 3)] {
                 check(dtype, tol, shape, swiglu, |g, u| g.silu()? * u, false);
             }
+        }
+    }
+
+    /// gpt-oss's activation against transformers' ops, values and gradient, with inputs on
+    /// both sides of the clamps (std 3 around a limit of 2.01).
+    #[test]
+    fn clamped_swiglu_matches_the_candle_ops() {
+        let dev = Device::Cpu;
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+            let x = Var::from_tensor(
+                &(Tensor::randn(0f32, 1.0, (3, 5, 64), &dev).unwrap() * 3.0)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )
+            .unwrap();
+            let probe = Tensor::randn(0f32, 1.0, (3, 5, 32), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let run = |f: &dyn Fn(&Tensor) -> Result<Tensor>| {
+                let y = f(x.as_tensor()).unwrap();
+                let g = (&y * &probe)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let grad = g.get(x.as_tensor()).unwrap().to_dtype(DType::F32).unwrap();
+                (y.to_dtype(DType::F32).unwrap(), grad)
+            };
+            // A limit off bf16's grid: no input sits exactly on it (where Candle's minimum
+            // splits the gradient and torch's clamp passes it).
+            let (y1, g1) = run(&|x| clamped_swiglu(x, 1.702, 2.01));
+            // The reference in f32 from the same inputs (bf16 rounds each of its ops).
+            let (y0, g0) = run(&|x| {
+                clamped_swiglu_reference(&x.to_dtype(DType::F32)?, 1.702, 2.01)?.to_dtype(dtype)
+            });
+            assert!(rel(&y1, &y0) < tol, "{dtype:?} out {}", rel(&y1, &y0));
+            assert!(rel(&g1, &g0) < tol, "{dtype:?} grad {}", rel(&g1, &g0));
+            // The clamps bite: some gradients are 0.
+            let zeros = g1
+                .eq(0f32)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            assert!(zeros.to_scalar::<f32>().unwrap() > 100.0);
         }
     }
 

@@ -69,16 +69,8 @@ impl GptOssExperts {
         };
         let (gate_up, bias) = (&self.gate_up_proj, &self.gate_up_proj_bias);
         let gate_up = grouped_linear(&xs, gate_up, Some(bias), counts)?;
-        let (m, width) = gate_up.dims2()?;
-        // gate_up[..., ::2] and gate_up[..., 1::2].
-        let pairs = gate_up.reshape((m, width / 2, 2))?;
-        let gate = pairs.narrow(2, 0, 1)?.squeeze(2)?.minimum(self.limit)?;
-        let up = pairs
-            .narrow(2, 1, 1)?
-            .squeeze(2)?
-            .clamp(-self.limit, self.limit)?;
-        let sigmoid = ((gate.affine(-self.alpha, 0.0)?.exp()? + 1.0)?).recip()?;
-        let act = ((up + 1.0)? * (gate * sigmoid)?)?;
+        let m = gate_up.dim(0)?;
+        let act = crate::kernels::fused::clamped_swiglu(&gate_up, self.alpha, self.limit)?;
         let y = grouped_linear(&act, &self.down_proj, None, counts)?;
         let y = match cx.tp() {
             Some(tp) => reduce_from_group(&y, tp)?,
