@@ -262,7 +262,8 @@ pub trait TpLayer {
     message = "`{Self}` cannot be column-parallel",
     label = "#[parallel(tp = \"column\")] needs a linear layer",
     note = "column parallelism splits a weight's output features: it applies to trl_runtime::nn::Linear \
-            (swap `candle_nn::Linear` for it; the constructor is the same)"
+            (swap `candle_nn::Linear` for it; the constructor is the same), and to a \
+            trl_runtime::nn::Param split along a dimension of your choice (`split_on`)"
 )]
 pub trait ColumnParallel: TpLayer {}
 
@@ -271,7 +272,8 @@ pub trait ColumnParallel: TpLayer {}
     message = "`{Self}` cannot be row-parallel",
     label = "#[parallel(tp = \"row\")] needs a linear layer",
     note = "row parallelism splits a weight's input features and sums the partial outputs: it \
-            applies to trl_runtime::nn::Linear (swap `candle_nn::Linear` for it)"
+            applies to trl_runtime::nn::Linear (swap `candle_nn::Linear` for it), and to a \
+            trl_runtime::nn::Param split along a dimension of your choice (`split_on`)"
 )]
 pub trait RowParallel: TpLayer {}
 
