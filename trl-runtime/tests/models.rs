@@ -446,6 +446,8 @@ fn unsupported_model_types_and_values_are_named() {
     );
     let e = gpt_oss(&|j| j["swiglu_limit"] = (-7.0).into());
     assert!(e.contains("swiglu_limit") && e.contains("positive"), "{e}");
+    let e = gpt_oss(&|j| j["attention_dropout"] = 0.1.into());
+    assert!(e.contains("attention_dropout") && e.contains("0.1"), "{e}");
 }
 
 /// The window shows: Mistral's logits over rows longer than its window differ from full

@@ -155,6 +155,11 @@ fn check(config: &ModelConfig, source: &str) -> Result<(MoeConfig, f64, f64)> {
                 .ok_or_else(|| Error::config(source, key, format!("{v} is not a positive number"))),
         }
     };
+    let dropout = config.extra.get("attention_dropout").and_then(|v| v.as_f64());
+    if let Some(p) = dropout.filter(|p| *p != 0.0) {
+        let why = format!("{p}: attention dropout is not implemented; set it to 0.0");
+        return Err(Error::config(source, "attention_dropout", why));
+    }
     let (alpha, limit) = (number("swiglu_alpha", 1.702)?, number("swiglu_limit", 7.0)?);
     Ok((MoeConfig::read(config, source)?, alpha, limit))
 }
