@@ -419,6 +419,25 @@ fn profile_auto_launches_what_plan_picks() {
         said.contains("optimizer state lives in host memory"),
         "{said}"
     );
+    // gpt-oss-20b as the hub ships it (MXFP4 experts, trained dequantized): 20.9 B parameters,
+    // and on 8 x 80 GB a tp split fits (its 201k vocabulary's logits rule out ZeRO-3 alone).
+    let gpt_oss = Command::new(BIN)
+        .current_dir(workspace())
+        .args([
+            "plan",
+            "--model",
+            "assets/configs/gpt-oss-20b.json",
+            "--seq",
+            "4096",
+        ])
+        .args(["--batch", "1", "--gpus", "8", "--gpu_memory", "80GiB"])
+        .args(["--gradient_checkpointing", "true"])
+        .output()
+        .unwrap();
+    let said = text(&gpt_oss);
+    assert!(said.contains("(20914757184 parameters)"), "{said}");
+    let pick = plan_line(&said, "pick:");
+    assert!(!pick.contains("--parallelism_config_tp_size 1 "), "{said}");
 }
 
 /// `--profile auto` plans a DPO program as DPO: its micro-batch of pairs is twice as many

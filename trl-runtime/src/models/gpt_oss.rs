@@ -155,7 +155,10 @@ fn check(config: &ModelConfig, source: &str) -> Result<(MoeConfig, f64, f64)> {
                 .ok_or_else(|| Error::config(source, key, format!("{v} is not a positive number"))),
         }
     };
-    let dropout = config.extra.get("attention_dropout").and_then(|v| v.as_f64());
+    let dropout = config
+        .extra
+        .get("attention_dropout")
+        .and_then(|v| v.as_f64());
     if let Some(p) = dropout.filter(|p| *p != 0.0) {
         let why = format!("{p}: attention dropout is not implemented; set it to 0.0");
         return Err(Error::config(source, "attention_dropout", why));

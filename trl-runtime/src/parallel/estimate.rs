@@ -219,6 +219,8 @@ impl ModelShapes {
         let text = std::fs::read_to_string(path).map_err(|e| {
             crate::Error::io(format!("cannot read model config {}", path.display()), e)
         })?;
+        // As the trainer reads it: MXFP4 experts are trained dequantized.
+        let text = crate::models::mxfp4::dense_config(&text);
         Self::of_json(&text, &path.display().to_string())
     }
 
