@@ -128,11 +128,12 @@ fn lora_on_every_dense_built_in_model_equals_one_process() {
 /// ZeRO-3 (experts in the frozen units), FSDP2 x tp (each expert's MLP and its adapters split,
 /// the shared A's partial gradients summed over tp) and Ulysses equals one process. Adapters
 /// within 1e-4: 2 of the 512 elements of the fused down A (experts few tokens reach) end
-/// 6.6e-5 off under all three alike, the Adam effect below.
+/// 6.6e-5 off under all three alike, the Adam effect below. gpt-oss: attention's adapters
+/// (peft's all-linear there) over its frozen sinks and fused experts.
 #[test]
 fn lora_on_mixtures_of_experts_equals_one_process() {
     lora_on_models_equals_one_process(
-        &["qwen3-moe", "mixtral"],
+        &["qwen3-moe", "mixtral", "gpt-oss"],
         &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
         1e-4,
     );
@@ -151,7 +152,7 @@ fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str], tolerance: 
         // A mixture of experts' router loss (weighted 0.1 here) is per micro-batch, TRL's
         // average, not a sum over rows: with one row per micro-batch, a rank's micro-batches
         // are some of one process's.
-        let moe = matches!(kind, "qwen3-moe" | "mixtral");
+        let moe = matches!(kind, "qwen3-moe" | "mixtral" | "gpt-oss");
         let launch = |args: &[&str], rows: usize, out: &Path| {
             let ga = rows.to_string();
             let router = ["--gradient_accumulation_steps", &ga];
