@@ -2,10 +2,8 @@
 //! dimension, computed in f32 (f64 inputs stay f64). A drop-in for `candle_nn::LayerNorm`;
 //! replicated under tensor parallelism, its weight and bias FSDP-shardable.
 
-use super::module::{child_name, Parallelize, Split};
 use super::sharded;
 use super::Weight;
-use crate::error::Result as TrlResult;
 use candle_core::{DType, Result, Tensor, D};
 
 #[derive(Debug, Clone)]
@@ -54,28 +52,8 @@ impl candle_core::Module for LayerNorm {
     }
 }
 
-/// A norm acts on every feature, so it stays whole on every tensor-parallel rank.
-impl Parallelize for LayerNorm {
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
-        if let Weight::Local(w) = &self.weight {
-            f(&child_name(name, "weight"), w, Split::REPLICATED)
-        }
-        if let Some(Weight::Local(b)) = &self.bias {
-            f(&child_name(name, "bias"), b, Split::REPLICATED)
-        }
-    }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
-    ) -> TrlResult<()> {
-        f(&child_name(name, "weight"), &mut self.weight)?;
-        if let Some(b) = &mut self.bias {
-            f(&child_name(name, "bias"), b)?;
-        }
-        Ok(())
-    }
-}
+// A norm acts on every feature, so it stays whole on every tensor-parallel rank.
+super::module::whole_layer!(LayerNorm: "weight" => weight, "bias" => bias);
 
 /// As `candle_nn::layer_norm`: a weight of `size` ones and a bias of zeros from `vb`.
 pub fn layer_norm(size: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<LayerNorm> {

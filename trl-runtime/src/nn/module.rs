@@ -174,12 +174,68 @@ pub fn slice_range(
 
 /// `name.segment`, or `segment` at the top.
 pub fn child_name(name: &str, segment: &str) -> String {
-    if name.is_empty() {
-        segment.to_string()
-    } else {
-        format!("{name}.{segment}")
+    match (name.is_empty(), segment.is_empty()) {
+        (true, _) => segment.to_string(),
+        (false, true) => name.to_string(),
+        (false, false) => format!("{name}.{segment}"),
     }
 }
+
+/// A field holding a layer's weight: a `Weight`, or an `Option<Weight>` (a bias).
+pub trait WeightSlot {
+    fn slot(&self) -> Option<&Weight>;
+    fn slot_mut(&mut self) -> Option<&mut Weight>;
+}
+
+impl WeightSlot for Weight {
+    fn slot(&self) -> Option<&Weight> {
+        Some(self)
+    }
+    fn slot_mut(&mut self) -> Option<&mut Weight> {
+        Some(self)
+    }
+}
+
+impl WeightSlot for Option<Weight> {
+    fn slot(&self) -> Option<&Weight> {
+        self.as_ref()
+    }
+    fn slot_mut(&mut self) -> Option<&mut Weight> {
+        self.as_mut()
+    }
+}
+
+/// `Parallelize` for a layer whose weights stay whole on every tensor-parallel rank (norms,
+/// `Param`): `"suffix" => field` for each weight field (`""`: the layer's own name), in the
+/// order they are listed.
+macro_rules! whole_layer {
+    ($t:ty: $($suffix:literal => $field:ident),+) => {
+        impl $crate::nn::module::Parallelize for $t {
+            fn visit_params(
+                &self,
+                name: &str,
+                f: &mut dyn FnMut(&str, &candle_core::Tensor, $crate::nn::module::Split),
+            ) {
+                use $crate::nn::module::{child_name, Split, WeightSlot};
+                $(if let Some($crate::nn::Weight::Local(t)) = self.$field.slot() {
+                    f(&child_name(name, $suffix), t, Split::REPLICATED)
+                })+
+            }
+            fn visit_weights_mut(
+                &mut self,
+                name: &str,
+                f: &mut dyn FnMut(&str, &mut $crate::nn::Weight) -> $crate::error::Result<()>,
+            ) -> $crate::error::Result<()> {
+                use $crate::nn::module::{child_name, WeightSlot};
+                $(if let Some(w) = self.$field.slot_mut() {
+                    f(&child_name(name, $suffix), w)?;
+                })+
+                Ok(())
+            }
+        }
+    };
+}
+pub(crate) use whole_layer;
 
 /// A model (or part of one) that can be split over a tensor-parallel group and whose
 /// parameters can be listed. Derive it with `#[derive(Parallelize)]`; the layers of

@@ -3,7 +3,7 @@
 //! held as any weight is (whole, or a ZeRO-3 / FSDP slot), and split along one chosen
 //! dimension under `#[parallel(tp = "column")]`.
 
-use super::module::{ColumnParallel, Parallelize, RowParallel, Split, TpContext, TpLayer, TpStyle};
+use super::module::{ColumnParallel, RowParallel, Split, TpContext, TpLayer, TpStyle};
 use super::sharded;
 use super::Weight;
 use crate::error::{Error, Result as TrlResult};
@@ -72,18 +72,5 @@ impl TpLayer for Param {
 impl ColumnParallel for Param {}
 impl RowParallel for Param {}
 
-/// Whole on every tensor-parallel rank unless a field splits it.
-impl Parallelize for Param {
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
-        if let Weight::Local(t) = &self.weight {
-            f(name, t, Split::REPLICATED)
-        }
-    }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
-    ) -> TrlResult<()> {
-        f(name, &mut self.weight)
-    }
-}
+// Whole on every tensor-parallel rank unless a field splits it.
+super::module::whole_layer!(Param: "" => weight);

@@ -2,10 +2,8 @@
 //! stay f64); Gemma's scales by (offset + weight) with offset 1. A drop-in for
 //! `candle_nn::RmsNorm`; replicated under tensor parallelism.
 
-use super::module::{child_name, Parallelize, Split};
 use super::sharded;
 use super::Weight;
-use crate::error::Result as TrlResult;
 use candle_core::{Result, Tensor};
 
 #[derive(Debug, Clone)]
@@ -58,21 +56,8 @@ impl candle_core::Module for RmsNorm {
     }
 }
 
-/// A norm's weight scales every feature, so it stays whole on every tensor-parallel rank.
-impl Parallelize for RmsNorm {
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
-        if let Weight::Local(w) = &self.weight {
-            f(&child_name(name, "weight"), w, Split::REPLICATED)
-        }
-    }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
-    ) -> TrlResult<()> {
-        f(&child_name(name, "weight"), &mut self.weight)
-    }
-}
+// A norm's weight scales every feature, so it stays whole on every tensor-parallel rank.
+super::module::whole_layer!(RmsNorm: "weight" => weight);
 
 /// As `candle_nn::rms_norm`: a weight of `size` ones from `vb`.
 pub fn rms_norm(size: usize, eps: f64, vb: candle_nn::VarBuilder) -> Result<RmsNorm> {
