@@ -190,6 +190,7 @@ fn gpu() {
         // Soft-capped scores (Gemma 2's cap of 50): the `_cap_` kernels, against the uncapped
         // ones of this run (torch's SDPA cannot soft-cap).
         let capped = time_ms(&dev, DType::BF16, *shape, (reps, None), &|q, k, v, m| {
+            use trl_runtime::nn::WithScoreMods;
             trl_runtime::nn::attention(q, k, v, &m.clone().with_softcap(Some(50.0))).unwrap()
         });
         println!(

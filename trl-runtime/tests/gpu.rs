@@ -703,7 +703,7 @@ fn cuda_flash_attention_follows_the_f32_reference() {
 fn cuda_flash_attention_with_sinks_follows_the_f32_reference() {
     use trl_runtime::kernels::cuda_flash::flash_attention_cuda;
     use trl_runtime::nn::attention::whole_matrix_attention;
-    use trl_runtime::nn::AttentionMask;
+    use trl_runtime::nn::{AttentionMask, WithScoreMods};
     let Some(dev) = gpu() else { return };
     let cpu = Device::Cpu;
     let (b, hq, hk, s, d) = (2, 4, 2, 150, 64);

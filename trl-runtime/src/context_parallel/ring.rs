@@ -28,7 +28,7 @@ use crate::data::sequence::balanced_indices;
 use crate::kernels::cpu_flash::{self, KeySpans};
 use crate::kernels::precision::{self, accumulate};
 use crate::nn::flash::BLOCK;
-use crate::nn::mask::{AttentionMask, MASKED};
+use crate::nn::mask::{AttentionMask, ScoreMods, WithScoreMods, MASKED};
 use crate::nn::memo::Memo;
 use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::{DType, Result, Tensor, D};
@@ -55,12 +55,15 @@ pub struct RingMask {
     masks: Arc<Memo<RingBlock, Option<BlockMask>>>,
     /// Whether inputs the fused kernels take run them (else always the blockwise path).
     fused: bool,
-    /// Logit soft-capping (Gemma 2): scores become `cap * tanh(scores / cap)` before the
-    /// mask (the fused kernels get it in each chunk pair's key spans).
-    pub softcap: Option<f64>,
-    /// Attention sinks [heads] (gpt-oss), added once to the merged steps
-    /// (`crate::kernels::sinks`).
-    pub sinks: Option<Tensor>,
+    /// Soft-capping (the fused kernels get it in each chunk pair's key spans) and sinks
+    /// (added once to the merged steps).
+    pub mods: ScoreMods,
+}
+
+impl WithScoreMods for RingMask {
+    fn mods_mut(&mut self) -> &mut ScoreMods {
+        &mut self.mods
+    }
 }
 
 /// (first local query, key source rank, key block, dtype).
@@ -115,21 +118,8 @@ impl RingMask {
             queue: Arc::new(CommQueue::new(cp.clone()).map_err(|e| e.into_candle())?),
             masks: Arc::default(),
             fused: true,
-            softcap: None,
-            sinks: None,
+            mods: ScoreMods::default(),
         })
-    }
-
-    /// The same ring with scores soft-capped at `cap` (None: not capped).
-    pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
-        self.softcap = cap;
-        self
-    }
-
-    /// The same ring with sinks [heads] (None: none).
-    pub fn with_sinks(mut self, sinks: Option<Tensor>) -> Self {
-        self.sinks = sinks;
-        self
     }
 
     /// Always the blockwise path of Candle ops, also where a fused kernel applies (to
@@ -165,7 +155,7 @@ impl RingMask {
             .iter()
             .map(|row| &row[a * chunk..(a + 1) * chunk])
             .collect();
-        KeySpans::shifted(&starts, q0, chunk, k0, chunk).map(|s| s.with_softcap(self.softcap))
+        KeySpans::shifted(&starts, q0, chunk, k0, chunk).map(|s| s.with_softcap(self.mods.softcap))
     }
 
     /// The same mask computed in blocks of `block` queries and keys.
@@ -329,7 +319,7 @@ impl Ring<'_> {
             .matmul(&kj.t()?)?
             .reshape((self.b, self.kv, self.group, rows.len(), keys.len()))?
             .to_dtype(self.wide)?;
-        let (s, slope) = crate::nn::mask::soft_cap(s, self.mask.softcap, slope)?;
+        let (s, slope) = crate::nn::mask::soft_cap(s, self.mask.mods.softcap, slope)?;
         match self
             .mask
             .block_mask(rows, key_block, keys, self.wide, qi.device())?
@@ -725,7 +715,7 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &RingMask) -> Re
         false => ring(q, kv, mask)?.forward(&k_in, &v_in)?,
     };
     let mask_of = || mask.clone();
-    crate::kernels::sinks::attend_with(forward, mask.sinks.as_ref(), |out, lse| {
+    crate::kernels::sinks::attend_with(forward, mask.mods.sinks.as_ref(), |out, lse| {
         with_backward3(
             q,
             k,

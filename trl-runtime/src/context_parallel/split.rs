@@ -12,7 +12,7 @@ use crate::dist::mesh::Axis;
 use crate::dist::DistContext;
 use crate::nn::attention::AttentionImpl;
 use crate::nn::flash_attn::Attend;
-use crate::nn::mask::AttentionMask;
+use crate::nn::mask::{AttentionMask, WithScoreMods};
 use candle_core::{DType, Device, Result, Tensor};
 use std::borrow::Cow;
 use std::sync::Arc;

@@ -11,7 +11,7 @@
 use crate::comm::autograd::all_to_all;
 use crate::comm::Communicator;
 use crate::nn::attention::AttentionImpl;
-use crate::nn::mask::AttentionMask;
+use crate::nn::mask::{AttentionMask, WithScoreMods};
 use candle_core::{DType, Result, Tensor};
 use std::sync::Arc;
 
@@ -65,7 +65,7 @@ pub fn ulysses_attention(
     // This rank attends for its share of the heads: their sinks.
     let local = heads / sp.size();
     let narrowed;
-    let mask = match &mask.sinks {
+    let mask = match &mask.mods.sinks {
         Some(s) => {
             let mine = s.narrow(0, sp.rank() * local, local)?;
             narrowed = mask.clone().with_sinks(Some(mine));

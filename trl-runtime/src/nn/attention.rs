@@ -7,7 +7,7 @@ use crate::kernels::precision;
 use crate::kernels::softmax::causal_softmax;
 use candle_core::{Device, Result, Tensor, D};
 
-pub use super::mask::{document_ids, AttentionMask};
+pub use super::mask::{document_ids, AttentionMask, WithScoreMods};
 
 /// How attention is computed: transformers' `attn_implementation`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,14 +73,14 @@ fn fused_kernel(
 ) -> Option<Result<Tensor>> {
     let square = q.dim(2).ok() == k.dim(2).ok();
     // The kernels soft-cap the scores as the mask says.
-    let spans = || mask.key_spans().clone().with_softcap(mask.softcap);
+    let spans = || mask.key_spans().clone().with_softcap(mask.mods.softcap);
     if mask.fused && square && crate::kernels::cpu_flash::applies(q, k) {
         return Some(crate::kernels::cpu_flash::flash_attention_cpu(
             q,
             k,
             v,
             &spans(),
-            mask.sinks.as_ref(),
+            mask.mods.sinks.as_ref(),
         ));
     }
     #[cfg(feature = "cuda")]
@@ -90,7 +90,7 @@ fn fused_kernel(
             k,
             v,
             &spans(),
-            mask.sinks.as_ref(),
+            mask.mods.sinks.as_ref(),
         ));
     }
     None
@@ -125,7 +125,7 @@ pub fn whole_matrix_attention(
             None => Ok(scores),
         }
     };
-    let probs = match (&mask.sinks, mask.fused) {
+    let probs = match (&mask.mods.sinks, mask.fused) {
         // transformers' way: the sink is one more column, dropped after the softmax.
         (Some(sinks), _) => {
             let scores = masked(scores)?;

@@ -115,7 +115,7 @@ impl Inputs<'_> {
             .matmul(&kj.t()?)?
             .reshape((b, kv, group, q.1, k.1))?
             .to_dtype(self.wide)?;
-        let (scores, slope) = super::mask::soft_cap(scores, self.mask.softcap, slope)?;
+        let (scores, slope) = super::mask::soft_cap(scores, self.mask.mods.softcap, slope)?;
         let scores = match self.mask.block_bias(q, k)? {
             Some(bias) => scores.broadcast_add(&bias.to_dtype(self.wide)?)?,
             None => scores,
@@ -309,7 +309,7 @@ pub fn flash_attention(
     let (k_in, v_in) = (k.detach().contiguous()?, v.detach().contiguous()?);
     let forward = prepare(q, &k_in, &v_in, dims, mask)?.forward()?;
     let mask_of = || mask.clone();
-    crate::kernels::sinks::attend_with(forward, mask.sinks.as_ref(), |out, lse| {
+    crate::kernels::sinks::attend_with(forward, mask.mods.sinks.as_ref(), |out, lse| {
         with_backward3(
             q,
             k,
@@ -329,6 +329,7 @@ mod tests {
     use super::*;
     use crate::kernels::testing::{bf16_exact_randn as randn, max_abs_diff as max_diff, rel_diff};
     use crate::nn::attention;
+    use crate::nn::WithScoreMods;
     use candle_core::{Device, Var};
 
     /// Values and gradients equal the plain attention's on packed rows (documents that start

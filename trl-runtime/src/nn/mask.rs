@@ -27,6 +27,14 @@ pub struct AttentionMask {
     masks: Arc<Memo<BlockPair, Option<Tensor>>>,
     /// The same ranges as the fused kernels take them, built on first use and shared too.
     spans: Arc<std::sync::OnceLock<KeySpans>>,
+    /// Soft-capping and sinks.
+    pub mods: ScoreMods,
+}
+
+/// What a layer changes in its scores beyond which keys they see, carried by every path's
+/// mask (this one, the ring's).
+#[derive(Debug, Clone, Default)]
+pub struct ScoreMods {
     /// Logit soft-capping (Gemma 2's `attn_logit_softcapping`): scores become
     /// `cap * tanh(scores / cap)` before the mask and the softmax (the fused kernels get it
     /// in their key spans).
@@ -34,6 +42,29 @@ pub struct AttentionMask {
     /// Attention sinks [heads] (gpt-oss): each head's logit joins every row's softmax as a
     /// key with a zero value (`crate::kernels::sinks`). Per layer, not shared.
     pub sinks: Option<Tensor>,
+}
+
+/// A mask with [`ScoreMods`]: the same mask with scores soft-capped or with sinks.
+pub trait WithScoreMods: Sized {
+    fn mods_mut(&mut self) -> &mut ScoreMods;
+
+    /// The same mask with scores soft-capped at `cap` (None: not capped).
+    fn with_softcap(mut self, cap: Option<f64>) -> Self {
+        self.mods_mut().softcap = cap;
+        self
+    }
+
+    /// The same mask with sinks [heads] (None: none).
+    fn with_sinks(mut self, sinks: Option<Tensor>) -> Self {
+        self.mods_mut().sinks = sinks;
+        self
+    }
+}
+
+impl WithScoreMods for AttentionMask {
+    fn mods_mut(&mut self) -> &mut ScoreMods {
+        &mut self.mods
+    }
 }
 
 /// (first query, queries, first key, keys).
@@ -130,26 +161,13 @@ impl AttentionMask {
             fused,
             masks: Arc::default(),
             spans: Arc::default(),
-            softcap: None,
-            sinks: None,
+            mods: ScoreMods::default(),
         })
-    }
-
-    /// The same mask with scores soft-capped at `cap` (None: not capped).
-    pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
-        self.softcap = cap;
-        self
-    }
-
-    /// The same mask with sinks [heads] (None: none).
-    pub fn with_sinks(mut self, sinks: Option<Tensor>) -> Self {
-        self.sinks = sinks;
-        self
     }
 
     /// `cap * tanh(scores / cap)` when capped (scores in the softmax dtype).
     pub(super) fn cap(&self, scores: Tensor) -> Result<Tensor> {
-        Ok(soft_cap(scores, self.softcap, false)?.0)
+        Ok(soft_cap(scores, self.mods.softcap, false)?.0)
     }
 
     pub fn ranges(&self) -> &RowRanges {

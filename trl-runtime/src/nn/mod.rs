@@ -33,7 +33,7 @@ pub use flash_attn::flash_attn;
 pub use layernorm::{layer_norm, LayerNorm};
 pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{causal_lm_loss, LossSum, IGNORE_INDEX};
-pub use mask::AttentionMask;
+pub use mask::{AttentionMask, WithScoreMods};
 pub use module::Parallelize;
 pub use param::Param;
 pub use rmsnorm::{rms_norm, RmsNorm};
