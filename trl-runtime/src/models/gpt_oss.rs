@@ -9,8 +9,8 @@
 //!
 //! Strategies: ZeRO and FSDP shard the fused expert tensors with the rest of the layer's unit;
 //! under tp the attention (and its sinks) is split by heads and each expert's MLP as a dense
-//! one (gate_up columns, down rows), the router whole. Checkpoints quantized to MXFP4 (the hub's) are read
-//! dequantized (models/mxfp4.rs); other quantizations are refused.
+//! one (gate_up columns, down rows), the router whole. Checkpoints quantized to MXFP4 (the
+//! hub's) are read dequantized (models/mxfp4.rs); other quantizations are refused.
 
 use super::blocks::{pre_norm_layer, Decoder, Layer, SelfAttention};
 use super::causal::LayerInputs;
@@ -127,7 +127,8 @@ pub struct GptOssLayer {
 }
 
 /// gpt-oss's keys beyond the Llama family's: the experts (MoeConfig) and the SwiGLU's
-/// constants; MXFP4-quantized checkpoints refused.
+/// constants; attention dropout and quantizations other than MXFP4 (whose config the loader
+/// has already made dense) refused.
 fn check(config: &ModelConfig, source: &str) -> Result<(MoeConfig, f64, f64)> {
     let quant = config
         .extra
