@@ -1,8 +1,9 @@
 //! A sparse mixture-of-experts MLP as transformers' Qwen3-MoE and Mixtral write it: a router
 //! (`mlp.gate`) picks each token's top-k experts by softmax probability (renormalised over
 //! the k when `norm_topk_prob`), and each expert (`mlp.experts.{e}`, a SwiGLU MLP) runs once
-//! on the tokens routed to it (gathered into one matrix: one GEMM per projection and expert,
-//! no per-token loop); their outputs, weighted, are added back at the tokens' rows.
+//! on the tokens routed to it (its rows gathered: one GEMM per projection and expert, no
+//! per-token loop); their outputs, weighted, are added back at the tokens' rows. The routing
+//! itself, [`routed`], is every mixture's (gpt-oss's grouped experts too).
 //!
 //! Strategies: experts are parameters of their layer like any other (ZeRO and FSDP shard
 //! them, each layer one unit); under tensor parallelism each expert's MLP is split as a dense
