@@ -7,7 +7,6 @@ use super::causal::{CausalModel, LayerInputs};
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
 use crate::kernels::fused::{rotary as apply_rotary, swap_heads};
-use crate::nn::module::{Split, TpContext, TpLayer, TpStyle};
 use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{embedding, linear, linear_no_bias, rms_norm};
 use crate::nn::{Embedding, Linear, Param, RmsNorm, RotaryEmbedding, Weight};
@@ -58,35 +57,10 @@ pub struct SelfAttention {
     /// Scores soft-capped at this (Gemma 2's attn_logit_softcapping); None: not capped.
     #[parallel(skip)]
     pub softcap: Option<f64>,
-    pub sinks: Option<Sinks>,
+    /// Attention sinks, one logit per query head (gpt-oss's `self_attn.sinks`), split with
+    /// the heads under tp (as q_proj's output).
+    pub sinks: Option<Param>,
 }
-
-/// Attention sinks, one logit per query head (gpt-oss's `self_attn.sinks`), split with the
-/// heads under tp (as the columns of q_proj).
-#[derive(Debug, Clone)]
-pub struct Sinks {
-    pub logits: Param,
-}
-
-impl Parallelize for Sinks {
-    fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
-        self.logits.shard(name, SINKS_SPLIT, tp)
-    }
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
-        self.logits.visit_split(name, SINKS_SPLIT, f)
-    }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
-    ) -> Result<()> {
-        self.logits.visit_weights_mut(name, f)
-    }
-}
-
-const SINKS_SPLIT: TpStyle = TpStyle::Column {
-    gather_output: false,
-};
 
 /// How a model's RMSNorms scale: by the weight, or Gemma's (1 + weight).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -157,13 +131,10 @@ impl SelfAttention {
             head_dim: s.head_dim,
             query_scale: s.query_scale.filter(|x| (x - 1.0).abs() > 1e-12),
             softcap: s.softcap,
-            sinks: s
-                .sinks
-                .then(|| {
-                    let logits = Param::new(&vb, s.heads, "sinks")?.split_on(0);
-                    Ok::<_, candle_core::Error>(Sinks { logits })
-                })
-                .transpose()?,
+            sinks: match s.sinks {
+                true => Some(Param::new(&vb, s.heads, "sinks")?.split_column(0)),
+                false => None,
+            },
         })
     }
 
@@ -193,7 +164,7 @@ impl SelfAttention {
             norm_whole_projection: self.norm_whole_projection,
             query_scale: self.query_scale,
             softcap: self.softcap,
-            sinks: self.sinks.as_ref().map(|s| &s.logits),
+            sinks: self.sinks.as_ref(),
             rotary_dim: None,
         }
     }

@@ -43,11 +43,8 @@ pub struct GptOssRouter {
 /// holds matching pairs), down by its rows; the down bias, whole, is added after the sum.
 #[derive(Debug, Clone, Parallelize)]
 pub struct GptOssExperts {
-    #[parallel(tp = "column")]
     gate_up_proj: Param,
-    #[parallel(tp = "column")]
     gate_up_proj_bias: Param,
-    #[parallel(tp = "row")]
     down_proj: Param,
     down_proj_bias: Param,
     /// The SwiGLU's sigmoid gain (`swiglu_alpha`) and clamp (`swiglu_limit`).
@@ -199,10 +196,10 @@ impl Layer for GptOssLayer {
                     },
                     experts: GptOssExperts {
                         gate_up_proj: Param::new(&experts, (e, h, 2 * i), "gate_up_proj")?
-                            .split_on(2),
+                            .split_column(2),
                         gate_up_proj_bias: Param::new(&experts, (e, 2 * i), "gate_up_proj_bias")?
-                            .split_on(1),
-                        down_proj: Param::new(&experts, (e, i, h), "down_proj")?.split_on(1),
+                            .split_column(1),
+                        down_proj: Param::new(&experts, (e, i, h), "down_proj")?.split_row(1),
                         down_proj_bias: Param::new(&experts, (e, h), "down_proj_bias")?,
                         alpha,
                         limit,

@@ -174,10 +174,10 @@ pub fn slice_range(
 
 /// `name.segment`, or `segment` at the top.
 pub fn child_name(name: &str, segment: &str) -> String {
-    match (name.is_empty(), segment.is_empty()) {
-        (true, _) => segment.to_string(),
-        (false, true) => name.to_string(),
-        (false, false) => format!("{name}.{segment}"),
+    if name.is_empty() {
+        segment.to_string()
+    } else {
+        format!("{name}.{segment}")
     }
 }
 
@@ -205,9 +205,8 @@ impl WeightSlot for Option<Weight> {
     }
 }
 
-/// `Parallelize` for a layer whose weights stay whole on every tensor-parallel rank (norms,
-/// `Param`): `"suffix" => field` for each weight field (`""`: the layer's own name), in the
-/// order they are listed.
+/// `Parallelize` for a layer whose weights stay whole on every tensor-parallel rank (the
+/// norms): `"suffix" => field` for each weight field, in the order they are listed.
 macro_rules! whole_layer {
     ($t:ty: $($suffix:literal => $field:ident),+) => {
         impl $crate::nn::module::Parallelize for $t {
@@ -318,8 +317,7 @@ pub trait TpLayer {
     message = "`{Self}` cannot be column-parallel",
     label = "#[parallel(tp = \"column\")] needs a linear layer",
     note = "column parallelism splits a weight's output features: it applies to trl_runtime::nn::Linear \
-            (swap `candle_nn::Linear` for it; the constructor is the same), and to a \
-            trl_runtime::nn::Param split along a dimension of your choice (`split_on`)"
+            (swap `candle_nn::Linear` for it; the constructor is the same)"
 )]
 pub trait ColumnParallel: TpLayer {}
 
@@ -328,8 +326,7 @@ pub trait ColumnParallel: TpLayer {}
     message = "`{Self}` cannot be row-parallel",
     label = "#[parallel(tp = \"row\")] needs a linear layer",
     note = "row parallelism splits a weight's input features and sums the partial outputs: it \
-            applies to trl_runtime::nn::Linear (swap `candle_nn::Linear` for it), and to a \
-            trl_runtime::nn::Param split along a dimension of your choice (`split_on`)"
+            applies to trl_runtime::nn::Linear (swap `candle_nn::Linear` for it)"
 )]
 pub trait RowParallel: TpLayer {}
 

@@ -1,9 +1,10 @@
 //! A parameter a model uses as a tensor rather than through a layer (gpt-oss's attention
 //! sinks, its experts' fused 3-D weights): named as in the checkpoint (no `.weight` suffix),
-//! held as any weight is (whole, or a ZeRO-3 / FSDP slot), and split along one chosen
-//! dimension under `#[parallel(tp = "column")]`.
+//! held as any weight is (whole, or a ZeRO-3 / FSDP slot), and split under tensor parallelism
+//! as it says itself ([`Param::split_column`], [`Param::split_row`]): a tensor has no
+//! layer whose kind would imply the dimension, so the model names it where it builds it.
 
-use super::module::{ColumnParallel, RowParallel, Split, TpContext, TpLayer, TpStyle};
+use super::module::{Parallelize, Split, TpContext, TpStyle};
 use super::sharded;
 use super::Weight;
 use crate::error::{Error, Result as TrlResult};
@@ -12,13 +13,13 @@ use candle_core::{Result, Tensor};
 #[derive(Debug, Clone)]
 pub struct Param {
     pub weight: Weight,
-    /// The dimension tensor parallelism splits (`column` or `row` style alike: the model
-    /// says which of its dimensions follow the split heads or features).
-    pub split_dim: Option<usize>,
+    /// How tensor parallelism splits it: a style (column: it feeds split features; row: it
+    /// reads them) and the dimension cut. None: whole on every rank.
+    pub split: Option<(TpStyle, usize)>,
 }
 
 impl Param {
-    /// `name` from `vb`, of `shape`.
+    /// `name` from `vb`, of `shape`, whole on every tensor-parallel rank.
     pub fn new(
         vb: &candle_nn::VarBuilder,
         shape: impl Into<candle_core::Shape>,
@@ -26,13 +27,22 @@ impl Param {
     ) -> Result<Self> {
         Ok(Param {
             weight: Weight::Local(vb.get(shape, name)?),
-            split_dim: None,
+            split: None,
         })
     }
 
-    /// The same parameter split along `dim` under tensor parallelism.
-    pub fn split_on(mut self, dim: usize) -> Self {
-        self.split_dim = Some(dim);
+    /// The same parameter split along `dim` as a column-parallel layer's output is.
+    pub fn split_column(mut self, dim: usize) -> Self {
+        let style = TpStyle::Column {
+            gather_output: false,
+        };
+        self.split = Some((style, dim));
+        self
+    }
+
+    /// The same parameter split along `dim` as a row-parallel layer's input is.
+    pub fn split_row(mut self, dim: usize) -> Self {
+        self.split = Some((TpStyle::Row, dim));
         self
     }
 
@@ -46,31 +56,40 @@ impl Param {
     }
 }
 
-impl TpLayer for Param {
-    fn shard(&mut self, name: &str, style: TpStyle, tp: &TpContext) -> TrlResult<()> {
-        let (Weight::Local(t), Some(dim)) = (&self.weight, self.split_dim) else {
+impl Parallelize for Param {
+    fn parallelize(&mut self, name: &str, tp: &TpContext) -> TrlResult<()> {
+        let Some((_, dim)) = self.split else {
+            return Ok(());
+        };
+        let Weight::Local(t) = &self.weight else {
             return Err(Error::TensorParallel {
                 name: name.into(),
-                message: format!(
-                    "cannot be split {} (no split dimension, or already sharded)",
-                    style.name()
-                ),
+                message: "already sharded by FSDP: split tensor-parallel layers before wrapping"
+                    .into(),
             });
         };
         self.weight = Weight::Local(tp.shard(name, t, dim)?);
         Ok(())
     }
 
-    fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
         if let Weight::Local(t) = &self.weight {
-            let dim = self.split_dim;
-            f(name, t, Split { style, dim })
+            let split = match self.split {
+                Some((style, dim)) => Split {
+                    style,
+                    dim: Some(dim),
+                },
+                None => Split::REPLICATED,
+            };
+            f(name, t, split)
         }
     }
+
+    fn visit_weights_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
+    ) -> TrlResult<()> {
+        f(name, &mut self.weight)
+    }
 }
-
-impl ColumnParallel for Param {}
-impl RowParallel for Param {}
-
-// Whole on every tensor-parallel rank unless a field splits it.
-super::module::whole_layer!(Param: "" => weight);
