@@ -12,9 +12,8 @@ use crate::dist::mesh::Axis;
 use crate::dist::DistContext;
 use crate::nn::attention::AttentionImpl;
 use crate::nn::flash_attn::Attend;
-use crate::nn::mask::{AttentionMask, WithScoreMods};
+use crate::nn::mask::{AttentionMask, ScoreMods, WithScoreMods};
 use candle_core::{DType, Device, Result, Tensor};
-use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Sequences split across a group: over a ring (cp) or by Ulysses (sp).
@@ -65,6 +64,7 @@ impl SeqSplit {
 }
 
 /// One forward's attention, its mask built.
+#[derive(Clone)]
 pub enum SeqAttention {
     Whole(AttentionMask, AttentionImpl),
     Ulysses(
@@ -111,23 +111,19 @@ impl SeqAttention {
     }
 }
 
-impl SeqAttention {
-    /// The same attention with its scores soft-capped at `cap` (Gemma 2's
-    /// `attn_logit_softcapping`; None: not capped), on every path.
-    pub fn with_softcap(self, cap: Option<f64>) -> Self {
+/// Soft-capping and sinks go into whichever mask the path keeps.
+impl WithScoreMods for SeqAttention {
+    fn mods_mut(&mut self) -> &mut ScoreMods {
         match self {
-            SeqAttention::Whole(mask, how) => SeqAttention::Whole(mask.with_softcap(cap), how),
-            SeqAttention::Ulysses(mask, how, group, comm) => {
-                SeqAttention::Ulysses(mask.with_softcap(cap), how, group, comm)
-            }
-            SeqAttention::Ring(mask) => SeqAttention::Ring(mask.with_softcap(cap)),
+            SeqAttention::Whole(mask, _) | SeqAttention::Ulysses(mask, ..) => &mut mask.mods,
+            SeqAttention::Ring(mask) => &mut mask.mods,
         }
     }
 }
 
 impl SeqAttention {
     /// [`Attend::apply`] with attention sinks [heads] (gpt-oss) when given: this layer's,
-    /// added to the mask shared by every layer for this call only.
+    /// on a copy of the attention every layer shares (cheap: its tables are shared).
     pub fn apply_with_sinks(
         &self,
         q: &Tensor,
@@ -135,28 +131,9 @@ impl SeqAttention {
         v: &Tensor,
         sinks: Option<&Tensor>,
     ) -> Result<Tensor> {
-        // The mask is cloned (cheap: shared tables) only for a layer with sinks.
-        fn add<'a, T: Clone>(
-            m: &'a T,
-            sinks: Option<&Tensor>,
-            with: fn(T, Option<Tensor>) -> T,
-        ) -> Cow<'a, T> {
-            match sinks {
-                Some(s) => Cow::Owned(with(m.clone(), Some(s.clone()))),
-                None => Cow::Borrowed(m),
-            }
-        }
-        match self {
-            SeqAttention::Whole(mask, how) => {
-                how.apply(q, k, v, &add(mask, sinks, AttentionMask::with_sinks))
-            }
-            SeqAttention::Ulysses(mask, how, group, comm) => {
-                let mask = add(mask, sinks, AttentionMask::with_sinks);
-                ulysses_attention(q, k, v, &mask, *how, group, *comm)
-            }
-            SeqAttention::Ring(mask) => {
-                ring_attention(q, k, v, &add(mask, sinks, RingMask::with_sinks))
-            }
+        match sinks {
+            Some(s) => self.clone().with_sinks(Some(s.clone())).apply(q, k, v),
+            None => self.apply(q, k, v),
         }
     }
 }
@@ -164,7 +141,13 @@ impl SeqAttention {
 impl Attend for SeqAttention {
     /// Attention of `q` [b, heads, len, d] over `k`, `v` [b, kv_heads, len, d].
     fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        self.apply_with_sinks(q, k, v, None)
+        match self {
+            SeqAttention::Whole(mask, how) => how.apply(q, k, v, mask),
+            SeqAttention::Ulysses(mask, how, group, comm) => {
+                ulysses_attention(q, k, v, mask, *how, group, *comm)
+            }
+            SeqAttention::Ring(mask) => ring_attention(q, k, v, mask),
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use crate::error::Result;
 use crate::nn::flash_attn::Attend;
 use crate::nn::memo::Memo;
 use crate::nn::module::Parallelize;
-use crate::nn::{AttentionImpl, Linear, RotaryEmbedding};
+use crate::nn::{AttentionImpl, Linear, RotaryEmbedding, WithScoreMods};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
