@@ -393,12 +393,8 @@ pub fn parallelize<N: CausalModel>(
              (CausalModel::supports_tiled_mlp is false)"
         );
     }
-    if opts.tiled_loss
-        && model.net().logit_softcap().is_some()
-        && opts.dtype != candle_core::DType::F32
-        && ctx.device().is_cpu()
-        && main
-    {
+    let one_pass = crate::nn::tiled_loss::one_pass_dtype(opts.dtype, ctx.device().is_cuda());
+    if opts.tiled_loss && model.net().logit_softcap().is_some() && !one_pass && main {
         tracing::warn!(
             "use_liger_kernel: soft-capped logits (final_logit_softcapping) run fused in the \
              one-pass loss only (f32 on the CPU, GPUs); here the loss is computed from the logits"
