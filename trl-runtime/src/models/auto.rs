@@ -8,7 +8,7 @@
 //! `registry!` below (docs/models.md).
 
 use super::causal::{CausalModel, LayerInputs};
-use super::params::{shapes_and_aliases, FilesBackend, WeightFiles, CONFIG_FILE};
+use super::params::{read_config, shapes_and_aliases, FilesBackend, WeightFiles};
 use super::{gemma3, gpt_oss, llama, mixtral, olmo2, phi3, qwen3_moe};
 use crate::error::{Error, Result};
 use crate::nn::module::TpContext;
@@ -170,10 +170,8 @@ fn named_model_type(text: &str, source: &str) -> Result<Option<String>> {
 /// `model_type` of the config.json in model directory `dir`, if it names one (a user's
 /// model may not).
 pub fn config_model_type(dir: &Path) -> Result<Option<String>> {
-    let path = dir.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
-    named_model_type(&text, &path.display().to_string())
+    let (text, source) = read_config(dir)?;
+    named_model_type(&text, &source)
 }
 
 /// `model_type` of a config.json's text.
@@ -194,12 +192,8 @@ impl AutoModelForCausalLM {
     /// shape, nothing unexpected.
     pub fn from_pretrained(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let dir = dir.as_ref();
-        let path = dir.join(CONFIG_FILE);
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
-        // MXFP4 experts are read dequantized.
-        let text = super::mxfp4::dense_config(&text);
-        let config = Self::parse_config(&text, &path.display().to_string())?;
+        let (text, source) = read_config(dir)?;
+        let config = Self::parse_config(&text, &source)?;
         let files = Arc::new(WeightFiles::open(dir)?);
         let backend = FilesBackend {
             files: files.clone(),

@@ -9,7 +9,7 @@
 //! tensor at a time ([`super::tensor_file::write_weights`]). The output is written into a
 //! sibling temporary directory and renamed into place when complete.
 
-use super::params::{write_atomic, WeightFiles, CONFIG_FILE};
+use super::params::{read_config, write_atomic, WeightFiles, CONFIG_FILE};
 use super::peft;
 use super::tensor_file::{write_weights, TensorSpec};
 use crate::data::tokenize::TOKENIZER_FILES;
@@ -186,18 +186,10 @@ pub fn merge_adapter(
             )),
         }
     })?;
-    let config_path = base.join(CONFIG_FILE);
-    // A base with MXFP4 experts merges into dense weights.
-    let mut config_json: serde_json::Value = std::fs::read_to_string(&config_path)
-        .ok()
-        .and_then(|t| serde_json::from_str(&super::mxfp4::dense_config(&t)).ok())
-        .ok_or_else(|| {
-            Error::config(
-                config_path.display().to_string(),
-                "<document>",
-                "unreadable",
-            )
-        })?;
+    // As the base is built: a base with MXFP4 experts merges into dense weights.
+    let (text, source) = read_config(&base)?;
+    let mut config_json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(source, "<document>", format!("not valid JSON: {e}")))?;
     if untie {
         config_json["tie_word_embeddings"] = false.into();
     }

@@ -491,6 +491,16 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {
     })
 }
 
+/// `config.json` of model directory `dir` as a model is built from it, and its path for
+/// errors: MXFP4 experts are read dequantized ([`mxfp4::dense_config`]), so what is built,
+/// saved and merged from it is dense.
+pub fn read_config(dir: &Path) -> Result<(String, String)> {
+    let path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
+    Ok((mxfp4::dense_config(&text), path.display().to_string()))
+}
+
 pub fn check_shape(name: &str, t: Tensor, s: &Shape) -> candle_core::Result<Tensor> {
     if t.shape() != s {
         candle_core::bail!(

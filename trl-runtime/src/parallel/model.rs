@@ -11,7 +11,7 @@ use crate::comm::Communicator;
 use crate::context_parallel::SeqSplit;
 use crate::error::{Error, Result};
 use crate::models::params::{
-    check_shape, shapes_and_aliases, FilesBackend, Params, WeightFiles, CONFIG_FILE,
+    check_shape, read_config, shapes_and_aliases, FilesBackend, Params, WeightFiles,
 };
 use crate::models::{AutoModelForCausalLM, CausalModel, LayerInputs, ModelConfig};
 use crate::nn::embedding::TiedGrad;
@@ -930,16 +930,6 @@ impl<N: CausalModel> Layers for Stack<N> {
     fn params(&self, _l: usize) -> Vec<Tensor> {
         self.params.clone()
     }
-}
-
-/// `config.json` of `dir`, and its path for errors.
-fn read_config(dir: &Path) -> Result<(String, String)> {
-    let path = dir.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
-    // MXFP4 experts are read dequantized, and saved dense.
-    let text = crate::models::mxfp4::dense_config(&text);
-    Ok((text, path.display().to_string()))
 }
 
 /// Remembers which names the model asked its VarBuilder for.
