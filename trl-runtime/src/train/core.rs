@@ -137,6 +137,16 @@ impl RouterLosses {
         }
     }
 
+    /// None collected (a forward that adds no router loss: DPO's reference).
+    pub fn off() -> Self {
+        RouterLosses {
+            on: false,
+            weight: 0.0,
+            sum: std::cell::Cell::new(0.0),
+            batches: std::cell::Cell::new(0),
+        }
+    }
+
     /// The loss to collect over `batch`'s forward (its real tokens), if any.
     pub fn begin(&self, batch: &crate::data::Batch) -> Result<Option<Arc<RouterLoss>>> {
         if !self.on {
@@ -168,6 +178,17 @@ impl RouterLosses {
         }
         let g = core.global_sum(&[self.sum.get(), self.batches.get() as f64])?;
         Ok(Some(g[0] / g[1].max(1.0)))
+    }
+
+    /// An evaluation's `eval_loss` from its task loss, with the router loss weighted in as
+    /// TRL adds it, and `eval_aux_loss` (the [`Self::mean`]).
+    pub fn evaluation_loss<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        loss: f64,
+    ) -> Result<(f64, Option<f64>)> {
+        let aux = self.mean(core)?;
+        Ok((loss + core.router_loss_weight * aux.unwrap_or(0.0), aux))
     }
 }
 

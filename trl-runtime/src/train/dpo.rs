@@ -588,7 +588,7 @@ impl Dpo {
         pairs: &[PreferencePair],
         batch_size: usize,
         weights: bool,
-        router: Option<&RouterLosses>,
+        router: &RouterLosses,
         mut f: impl FnMut(&[usize], &Micro, &SequenceSums) -> Result<()>,
     ) -> Result<()> {
         if pairs.is_empty() {
@@ -606,20 +606,11 @@ impl Dpo {
             let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
             let micro = self.micro(core, &rows)?;
             // The policy's router loss (evaluation), per batch.
-            let aux = match router {
-                Some(r) => r.begin(&micro.batch)?,
-                None => None,
-            };
-            let forward = || self.forward(core, &micro, false, weights);
-            let sums = match router {
-                Some(r) => r.during(&aux, forward)?,
-                None => forward()?,
-            };
+            let aux = router.begin(&micro.batch)?;
+            let sums = router.during(&aux, || self.forward(core, &micro, false, weights))?;
             if i < mine.len() {
                 f(idx, &micro, &sums)?;
-                if let Some(r) = router {
-                    r.end(aux);
-                }
+                router.end(aux);
             }
         }
         Ok(())
@@ -638,7 +629,8 @@ impl Dpo {
         }
         let mut out = vec![0.0; 2 * pairs.len()];
         // The reference's log-probabilities alone: no WPO weights.
-        self.each_batch(core, pairs, batch_size, false, None, |idx, _, sums| {
+        let router = RouterLosses::off();
+        self.each_batch(core, pairs, batch_size, false, &router, |idx, _, sums| {
             for (j, &k) in idx.iter().enumerate() {
                 out[2 * k] = sums.logps[j];
                 out[2 * k + 1] = sums.logps[idx.len() + j];
@@ -935,28 +927,21 @@ impl<N: CausalModel> Task<N> for Dpo {
         };
         let ref_eval = mixed.as_ref().unwrap_or(&self.ref_eval);
         let router = RouterLosses::for_evaluation(core);
-        self.each_batch(
-            core,
-            &self.eval,
-            bs,
-            true,
-            Some(&router),
-            |idx, micro, seq| {
-                let reference: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
-                let p = Self::pair_logps(micro, seq, &reference);
-                let n = p.chosen.len() as f64;
-                loss += self.loss.compute(&p)?.loss * n;
-                correct += (0..p.chosen.len())
-                    .filter(|&j| p.chosen[j] - p.ref_chosen[j] > p.rejected[j] - p.ref_rejected[j])
-                    .count() as f64;
-                pairs += n;
-                Ok(())
-            },
-        )?;
+        self.each_batch(core, &self.eval, bs, true, &router, |idx, micro, seq| {
+            let reference: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
+            let p = Self::pair_logps(micro, seq, &reference);
+            let n = p.chosen.len() as f64;
+            loss += self.loss.compute(&p)?.loss * n;
+            correct += (0..p.chosen.len())
+                .filter(|&j| p.chosen[j] - p.ref_chosen[j] > p.rejected[j] - p.ref_rejected[j])
+                .count() as f64;
+            pairs += n;
+            Ok(())
+        })?;
         let g = core.global_sum(&[loss, correct, pairs])?;
-        let aux_loss = router.mean(core)?;
+        let (loss, aux_loss) = router.evaluation_loss(core, g[0] / g[2].max(1.0))?;
         Ok(Some(EvalResult {
-            loss: g[0] / g[2].max(1.0) + core.router_loss_weight * aux_loss.unwrap_or(0.0),
+            loss,
             accuracy: Some(g[1] / g[2].max(1.0)),
             aux_loss,
         }))

@@ -286,10 +286,9 @@ impl<N: CausalModel> Task<N> for Sft {
         // Loss sums come from every sequence chunk; answers are generated whole on each.
         let totals = core.batch_sum(&[sum, count])?;
         let correct = core.global_sum(&[correct])?[0];
-        let aux_loss = router.mean(core)?;
+        let (loss, aux_loss) = router.evaluation_loss(core, totals[0] / totals[1].max(1.0))?;
         Ok(Some(EvalResult {
-            loss: totals[0] / totals[1].max(1.0)
-                + core.router_loss_weight * aux_loss.unwrap_or(0.0),
+            loss,
             accuracy: (!data.eval_prompts.is_empty())
                 .then(|| correct / data.eval_prompts.len() as f64),
             aux_loss,
