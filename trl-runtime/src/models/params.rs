@@ -192,13 +192,14 @@ impl WeightFiles {
     /// The blocks and scales of `name` when it is stored packed as MXFP4 (gpt-oss's experts
     /// on the hub) and not as itself.
     fn packed(&self, name: &str) -> Option<(String, String)> {
+        if self.st.get(name).is_ok() {
+            return None;
+        }
         let (blocks, scales) = (
             format!("{name}{}", mxfp4::BLOCKS),
             format!("{name}{}", mxfp4::SCALES),
         );
-        let here = self.st.get(name).is_err()
-            && self.st.get(&blocks).is_ok()
-            && self.st.get(&scales).is_ok();
+        let here = self.st.get(&blocks).is_ok() && self.st.get(&scales).is_ok();
         here.then_some((blocks, scales))
     }
 

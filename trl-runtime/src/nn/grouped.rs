@@ -18,35 +18,34 @@ pub fn grouped_linear(
     counts: &[usize],
 ) -> Result<Tensor> {
     match (&w.weight, b.map(|b| &b.weight)) {
-        (Weight::Local(w), b) => {
-            let b = match b {
-                Some(Weight::Local(b)) => Some(b),
-                None => None,
-                Some(Weight::Sharded(_)) => candle_core::bail!("{MIXED}"),
-            };
-            let y = grouped::forward(&x.detach(), w, b, counts)?;
-            let backward = Grouped {
-                counts: counts.to_vec(),
-            };
-            // Without a bias the op's third input is a constant whose gradient is dropped.
-            let b = match b {
-                Some(b) => b.clone(),
-                None => Tensor::zeros(1, w.dtype(), w.device())?,
-            };
-            with_backward3(x, w, &b, y, backward)
-        }
+        (Weight::Local(w), None) => local(x, w, None, counts),
+        (Weight::Local(w), Some(Weight::Local(b))) => local(x, w, Some(b), counts),
         (Weight::Sharded(w), None) => sharded::grouped_linear(x, w, None, counts),
         (Weight::Sharded(w), Some(Weight::Sharded(b))) => {
             sharded::grouped_linear(x, w, Some(b), counts)
         }
-        (Weight::Sharded(_), Some(Weight::Local(_))) => candle_core::bail!("{MIXED}"),
+        _ => candle_core::bail!("an expert weight and its bias must be held alike"),
     }
 }
 
-const MIXED: &str = "an expert weight and its bias must be held alike";
+/// [`grouped_linear`] on weights held whole, with autograd.
+fn local(x: &Tensor, w: &Tensor, b: Option<&Tensor>, counts: &[usize]) -> Result<Tensor> {
+    let y = grouped::forward(&x.detach(), w, b, counts)?;
+    let backward = Grouped {
+        counts: counts.to_vec(),
+        bias: b.is_some(),
+    };
+    // Without a bias the op's third input is a constant, its gradient zero.
+    let b = match b {
+        Some(b) => b.clone(),
+        None => Tensor::zeros(1, w.dtype(), w.device())?,
+    };
+    with_backward3(x, w, &b, y, backward)
+}
 
 struct Grouped {
     counts: Vec<usize>,
+    bias: bool,
 }
 
 impl Backward3 for Grouped {
@@ -55,12 +54,7 @@ impl Backward3 for Grouped {
     fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
         let [x, w, b] = &saved.inputs;
         let (dx, dw, db) = grouped::backward(x, w, &saved.dout, &self.counts)?;
-        // A bias-less call's constant third input.
-        let db = if b.dims() == db.dims() {
-            db
-        } else {
-            b.zeros_like()?
-        };
+        let db = if self.bias { db } else { b.zeros_like()? };
         Ok([dx, dw, db])
     }
 }
