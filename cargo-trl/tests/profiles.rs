@@ -74,6 +74,15 @@ fn launch_with(profile: &str, dry_run: bool, out: &Path, extra: &[&str]) -> Stri
 }
 
 /// `key=value` pairs of the dry run's line that starts with `prefix`.
+/// `cargo trl launch --profile auto` in the workspace, offline, on a free port.
+fn launch_auto() -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.current_dir(workspace())
+        .env("CARGO_NET_OFFLINE", "true")
+        .args(["launch", "--profile", "auto", "--main_process_port", "0"]);
+    cmd
+}
+
 fn plan_line(t: &str, prefix: &str) -> String {
     t.lines()
         .find(|l| l.starts_with(prefix))
@@ -316,19 +325,8 @@ fn profile_auto_launches_what_plan_picks() {
     );
     // The same work through the program's own flags: the launch picks the same layout.
     let out = tmp.path().join("auto");
-    let o = Command::new(BIN)
-        .current_dir(workspace())
-        .env("CARGO_NET_OFFLINE", "true")
-        .args([
-            "launch",
-            "--profile",
-            "auto",
-            "--main_process_port",
-            "0",
-            "--debug",
-            "sft",
-            "--",
-        ])
+    let o = launch_auto()
+        .args(["--debug", "sft", "--"])
         .args(train_args(&out))
         .args([
             "--max_length",
@@ -445,18 +443,8 @@ fn profile_auto_launches_what_plan_picks() {
 #[test]
 fn profile_auto_plans_a_dpo_program_as_dpo() {
     let plan = |target: &str| -> (String, f64) {
-        let o = Command::new(BIN)
-            .current_dir(workspace())
-            .env("CARGO_NET_OFFLINE", "true")
-            .args([
-                "launch",
-                "--profile",
-                "auto",
-                "--dry_run",
-                "--main_process_port",
-                "0",
-            ])
-            .args([target, "--", "--max_length", "64"])
+        let o = launch_auto()
+            .args(["--dry_run", target, "--", "--max_length", "64"])
             .output()
             .unwrap();
         let all = text(&o);
