@@ -98,7 +98,7 @@ impl GptOssMlp {
         let (b, s, h) = x.dims3()?;
         let flat = x.reshape((b * s, h))?;
         let (w, bias) = (self.router.weight.value()?, self.router.bias.value()?);
-        let logits = flat.matmul(&w.t()?)?.broadcast_add(&bias)?;
+        let logits = crate::kernels::fused::linear(&flat, &w, Some(&bias))?;
         // Softmax over the top-k logits = their probabilities renormalised.
         let out = routed(cx, &flat, &logits, (self.top_k, true), |tokens, counts| {
             // One gather: the grouped layer's backward gives every row's gradient at once.
