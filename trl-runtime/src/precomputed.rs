@@ -69,8 +69,8 @@ where
 /// gradient, which it gets detached.
 pub(crate) trait Backward3: Send + Sync {
     const NAME: &'static str;
-    /// The gradients of the three inputs.
-    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]>;
+    /// The gradients of the three inputs (None: an input that takes none, a frozen weight).
+    fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]>;
 }
 
 /// What a [`Backward3`] gets, detached: the three inputs, the output and its gradient.
@@ -129,7 +129,7 @@ impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
             out: out.detach(),
             dout: dout.detach(),
         })?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok((dq, dk, dv))
     }
 }
 

@@ -692,12 +692,13 @@ struct RingBackward {
 impl Backward3 for RingBackward {
     const NAME: &'static str = "ring attention";
 
-    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+    fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]> {
         let ([q, k, v], out, dout) = (&saved.inputs, &saved.out, &saved.dout);
-        match self.fused {
+        let grads = match self.fused {
             true => fused_backward((q, k, v), (out, &self.lse, &dout.contiguous()?), &self.mask),
             false => ring(q, k.dim(1)?, &self.mask)?.backward(k, v, out, &self.lse, dout),
-        }
+        }?;
+        Ok(grads.map(Some))
     }
 }
 

@@ -609,10 +609,10 @@ struct Flash {
 impl Backward3 for Flash {
     const NAME: &'static str = "flash attention";
 
-    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+    fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]> {
         let ([q, k, v], out) = (&saved.inputs, &saved.out);
         let (dq, dk, dv) = (self.run)(q, k, v, out, &self.lse, &saved.dout, &self.spans)?;
-        Ok([dq, dk, dv])
+        Ok([Some(dq), Some(dk), Some(dv)])
     }
 }
 

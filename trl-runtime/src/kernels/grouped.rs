@@ -12,7 +12,7 @@ pub fn forward(x: &Tensor, w: &Tensor, b: Option<&Tensor>, counts: &[usize]) -> 
     for (e, rows) in segments(counts) {
         let y = x.narrow(0, rows.start, rows.len())?.matmul(&w.get(e)?)?;
         outs.push(match b {
-            Some(b) => y.broadcast_add(&b.get(e)?)?,
+            Some(b) => super::fused::add_bias(&y, &b.get(e)?)?,
             None => y,
         });
     }
@@ -22,16 +22,19 @@ pub fn forward(x: &Tensor, w: &Tensor, b: Option<&Tensor>, counts: &[usize]) -> 
     }
 }
 
-/// The gradients of [`forward`]'s `x`, `w` and `b` for the output gradient `dy` [rows, out];
-/// an expert without rows gets zeros.
+/// The gradients of [`forward`]'s `x` and, when asked (`grads`: the weight's, the bias's),
+/// of `w` and `b`, for the output gradient `dy` [rows, out]; an expert without rows gets
+/// zeros. A frozen weight (a LoRA base) asks for neither: `x`'s gradient alone.
 pub fn backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
     counts: &[usize],
-) -> Result<(Tensor, Tensor, Tensor)> {
+    (weight, bias): (bool, bool),
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
     let (experts, inner, out) = w.dims3()?;
-    let (mut dx, mut dw, mut db) = (Vec::new(), Vec::with_capacity(experts), Vec::new());
+    let (mut dx, mut dw, mut db) = (Vec::new(), Vec::new(), Vec::new());
+    let zeros = |shape: &[usize]| Tensor::zeros(shape, w.dtype(), w.device());
     let mut rows_of = segments(counts).peekable();
     for e in 0..experts {
         match rows_of.next_if(|(i, _)| *i == e) {
@@ -39,12 +42,20 @@ pub fn backward(
                 let xe = x.narrow(0, rows.start, rows.len())?;
                 let ge = dy.narrow(0, rows.start, rows.len())?;
                 dx.push(ge.matmul(&w.get(e)?.t()?)?);
-                dw.push(xe.t()?.matmul(&ge)?);
-                db.push(ge.sum(0)?);
+                if weight {
+                    dw.push(xe.t()?.matmul(&ge)?);
+                }
+                if bias {
+                    db.push(super::fused::sum_rows(&ge)?);
+                }
             }
             None => {
-                dw.push(Tensor::zeros((inner, out), w.dtype(), w.device())?);
-                db.push(Tensor::zeros(out, w.dtype(), w.device())?);
+                if weight {
+                    dw.push(zeros(&[inner, out])?);
+                }
+                if bias {
+                    db.push(zeros(&[out])?);
+                }
             }
         }
     }
@@ -52,7 +63,8 @@ pub fn backward(
         true => x.zeros_like()?,
         false => Tensor::cat(&dx, 0)?,
     };
-    Ok((dx, Tensor::stack(&dw, 0)?, Tensor::stack(&db, 0)?))
+    let stack = |ts: Vec<Tensor>, on: bool| on.then(|| Tensor::stack(&ts, 0)).transpose();
+    Ok((dx, stack(dw, weight)?, stack(db, bias)?))
 }
 
 /// The experts that have rows, with their row range.
@@ -97,8 +109,8 @@ mod tests {
             .unwrap()
             .backward()
             .unwrap();
-        let (dx, dw, db) = backward(&x, &w, &dy, &counts).unwrap();
-        for (got, var) in [(dx, &x), (dw, &w), (db, &b)] {
+        let (dx, dw, db) = backward(&x, &w, &dy, &counts, (true, true)).unwrap();
+        for (got, var) in [(dx, &x), (dw.unwrap(), &w), (db.unwrap(), &b)] {
             let expect = grads.get(var.as_tensor()).unwrap();
             assert!(max_abs_diff(&got, expect) < 1e-5);
         }

@@ -245,9 +245,12 @@ struct FlashBackward {
 impl Backward3 for FlashBackward {
     const NAME: &'static str = "flash attention";
 
-    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+    fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]> {
         let [q, k, v] = &saved.inputs;
-        prepare(q, k, v, self.dims, &self.mask)?.backward(&saved.out, &self.lse, &saved.dout)
+        let inputs = prepare(q, k, v, self.dims, &self.mask)?;
+        Ok(inputs
+            .backward(&saved.out, &self.lse, &saved.dout)?
+            .map(Some))
     }
 }
 

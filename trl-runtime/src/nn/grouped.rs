@@ -31,11 +31,12 @@ pub fn grouped_linear(
 /// [`grouped_linear`] on weights held whole, with autograd.
 fn local(x: &Tensor, w: &Tensor, b: Option<&Tensor>, counts: &[usize]) -> Result<Tensor> {
     let y = grouped::forward(&x.detach(), w, b, counts)?;
+    // Gradients for what trains: a frozen weight (a LoRA base) is not a variable.
     let backward = Grouped {
         counts: counts.to_vec(),
-        bias: b.is_some(),
+        grads: (w.is_variable(), b.is_some_and(Tensor::is_variable)),
     };
-    // Without a bias the op's third input is a constant, its gradient zero.
+    // Without a bias the op's third input is a constant, which takes no gradient.
     let b = match b {
         Some(b) => b.clone(),
         None => Tensor::zeros(1, w.dtype(), w.device())?,
@@ -45,16 +46,16 @@ fn local(x: &Tensor, w: &Tensor, b: Option<&Tensor>, counts: &[usize]) -> Result
 
 struct Grouped {
     counts: Vec<usize>,
-    bias: bool,
+    /// Whether the weight and the bias take gradients.
+    grads: (bool, bool),
 }
 
 impl Backward3 for Grouped {
     const NAME: &'static str = "grouped linear";
 
-    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
-        let [x, w, b] = &saved.inputs;
-        let (dx, dw, db) = grouped::backward(x, w, &saved.dout, &self.counts)?;
-        let db = if self.bias { db } else { b.zeros_like()? };
-        Ok([dx, dw, db])
+    fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]> {
+        let [x, w, _] = &saved.inputs;
+        let (dx, dw, db) = grouped::backward(x, w, &saved.dout, &self.counts, self.grads)?;
+        Ok([Some(dx), dw, db])
     }
 }

@@ -522,13 +522,11 @@ impl CustomOp1 for UnitOp {
                 counts,
             } => {
                 let w = fetch(*weight)?;
-                let (dx, dw, db) = crate::kernels::grouped::backward(arg, &w, grad, counts)?;
-                if train {
-                    grads.push((*weight, dw));
-                    if let Some(b) = bias {
-                        grads.push((*b, db));
-                    }
-                }
+                let wanted = (train, train && bias.is_some());
+                let (dx, dw, db) =
+                    crate::kernels::grouped::backward(arg, &w, grad, counts, wanted)?;
+                grads.extend(dw.map(|dw| (*weight, dw)));
+                grads.extend(bias.zip(db));
                 dx
             }
             OpKind::Whole { weight } => {

@@ -44,7 +44,7 @@ fn forward(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
 impl Backward3 for TiledMlp {
     const NAME: &'static str = "the tiled MLP";
 
-    fn backward(&self, saved: &Saved3) -> Result<[Tensor; 3]> {
+    fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]> {
         let ([x, gate_up, down], dy) = (&saved.inputs, &saved.dout);
         let (mut dx, mut dgu, mut ddown) = (Vec::new(), None::<Tensor>, None::<Tensor>);
         let (io, wide) = (x.dtype(), precision::wide(x.dtype()));
@@ -66,9 +66,9 @@ impl Backward3 for TiledMlp {
         }
         let missing = || candle_core::Error::Msg("the tiled MLP had no rows".into());
         Ok([
-            Tensor::cat(&dx, 0)?,
-            dgu.ok_or_else(missing)?.to_dtype(io)?,
-            ddown.ok_or_else(missing)?.to_dtype(io)?,
+            Some(Tensor::cat(&dx, 0)?),
+            Some(dgu.ok_or_else(missing)?.to_dtype(io)?),
+            Some(ddown.ok_or_else(missing)?.to_dtype(io)?),
         ])
     }
 }
