@@ -225,10 +225,4 @@ impl Layer for GptOssLayer {
     fn tiles_mlp(&self) -> bool {
         false
     }
-
-    /// The fused experts always get a gradient (zeros where no token went), but they are the
-    /// routed experts: the estimate counts `top_k` of them in a token's compute.
-    fn may_skip_grad(name: &str) -> bool {
-        name.contains(".mlp.experts.")
-    }
 }

@@ -132,6 +132,6 @@ impl Layer for MixtralLayer {
     }
 
     fn may_skip_grad(name: &str) -> bool {
-        SparseMoe::<MixtralExpert>::is_expert(name)
+        crate::nn::module::is_routed_expert(name)
     }
 }

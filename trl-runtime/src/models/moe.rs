@@ -8,7 +8,7 @@
 //! Strategies: experts are parameters of their layer like any other (ZeRO and FSDP shard
 //! them, each layer one unit); under tensor parallelism each expert's MLP is split as a dense
 //! one (gate/up column, down row) and the router stays whole. An expert no token reached in a
-//! step gets a zero gradient ([`SparseMoe::is_expert`] tells the trainer's unused-parameter
+//! step gets a zero gradient ([`crate::nn::module::is_routed_expert`] tells the trainer's unused-parameter
 //! check so).
 
 use super::blocks::GatedMlp;
@@ -43,12 +43,6 @@ pub struct SparseMoe<E: Expert> {
 }
 
 impl<E: Expert> SparseMoe<E> {
-    /// Whether the parameter `name` (a full HF name) belongs to a routed expert, which a step
-    /// may leave without tokens.
-    pub fn is_expert(name: &str) -> bool {
-        name.contains(".experts.")
-    }
-
     /// The block's output for `x` [batch, seq, hidden].
     pub fn forward(&self, cx: &LayerInputs, x: &Tensor) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
@@ -289,10 +283,10 @@ mod tests {
                 assert_eq!(grads.get(v.as_tensor()).is_some(), e != 2, "expert {e}");
             }
         }
-        assert!(SparseMoe::<GatedMlp>::is_expert(
+        assert!(crate::nn::module::is_routed_expert(
             "model.layers.0.mlp.experts.2.up_proj.weight"
         ));
-        assert!(!SparseMoe::<GatedMlp>::is_expert(
+        assert!(!crate::nn::module::is_routed_expert(
             "model.layers.0.mlp.gate.weight"
         ));
     }

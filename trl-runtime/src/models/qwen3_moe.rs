@@ -121,6 +121,6 @@ impl Layer for Qwen3MoeLayer {
     }
 
     fn may_skip_grad(name: &str) -> bool {
-        SparseMoe::<GatedMlp>::is_expert(name)
+        crate::nn::module::is_routed_expert(name)
     }
 }

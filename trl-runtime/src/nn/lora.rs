@@ -122,7 +122,7 @@ pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Re
         ))
     };
     let leaf = |n: &str| n.rsplit('.').next().unwrap_or(n).to_string();
-    let is_expert = |n: &str| n.contains(".experts.");
+    let is_expert = super::module::is_routed_expert;
     let has_experts = linears.iter().any(|n| is_expert(n));
     let (mut layers, mut left_out) = (Vec::new(), Vec::new());
     let mut gates: std::collections::HashMap<String, String> = Default::default();

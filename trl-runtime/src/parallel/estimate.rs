@@ -15,6 +15,7 @@ use crate::error::Result;
 use crate::models::moe::MoeConfig;
 use crate::models::{AutoModelForCausalLM, CausalModel, ModelConfig};
 use crate::nn::lora::LoraConfig;
+use crate::nn::module::is_routed_expert;
 use crate::nn::Linear;
 use crate::tp::PlanEntry;
 use candle_core::{DType, Device};
@@ -250,7 +251,7 @@ impl ModelShapes {
             .map(|e| {
                 let n = e.full_shape.iter().product::<usize>() as f64;
                 match &moe {
-                    Some(m) if net.may_skip_grad(&e.name) => n * m.top_k as f64 / m.experts as f64,
+                    Some(m) if is_routed_expert(&e.name) => n * m.top_k as f64 / m.experts as f64,
                     _ => n,
                 }
             })
