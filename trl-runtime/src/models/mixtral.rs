@@ -132,6 +132,6 @@ impl Layer for MixtralLayer {
     }
 
     fn may_skip_grad(name: &str) -> bool {
-        crate::nn::module::is_routed_expert(name)
+        crate::nn::lora::is_routed_expert(name)
     }
 }

@@ -8,7 +8,7 @@
 //! Strategies: experts are parameters of their layer like any other (ZeRO and FSDP shard
 //! them, each layer one unit); under tensor parallelism each expert's MLP is split as a dense
 //! one (gate/up column, down row) and the router stays whole. An expert no token reached in a
-//! step gets a zero gradient ([`crate::nn::module::is_routed_expert`] tells the trainer's unused-parameter
+//! step gets a zero gradient ([`crate::nn::lora::is_routed_expert`] tells the trainer's unused-parameter
 //! check so).
 
 use super::blocks::GatedMlp;
@@ -283,10 +283,10 @@ mod tests {
                 assert_eq!(grads.get(v.as_tensor()).is_some(), e != 2, "expert {e}");
             }
         }
-        assert!(crate::nn::module::is_routed_expert(
+        assert!(crate::nn::lora::is_routed_expert(
             "model.layers.0.mlp.experts.2.up_proj.weight"
         ));
-        assert!(!crate::nn::module::is_routed_expert(
+        assert!(!crate::nn::lora::is_routed_expert(
             "model.layers.0.mlp.gate.weight"
         ));
     }

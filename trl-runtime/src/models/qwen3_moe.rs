@@ -121,6 +121,6 @@ impl Layer for Qwen3MoeLayer {
     }
 
     fn may_skip_grad(name: &str) -> bool {
-        crate::nn::module::is_routed_expert(name)
+        crate::nn::lora::is_routed_expert(name)
     }
 }

@@ -102,6 +102,14 @@ pub struct AdapterPlan {
     pub left_out: Vec<String>,
 }
 
+/// Whether the parameter `name` (a full HF name) belongs to a mixture of experts' routed
+/// experts (`...mlp.experts.{e}.*`, or the fused `...mlp.experts.gate_up_proj`): the
+/// transformers naming every built-in MoE and peft follow (adapters here, the routing's
+/// unused-parameter check and the estimate's active parameters elsewhere).
+pub fn is_routed_expert(name: &str) -> bool {
+    name.contains(".experts.")
+}
+
 /// Which of `linears` (every linear layer's name, in the model's order) get adapters, and of
 /// what rank, as peft (0.17+) adapts a transformers 5 model:
 /// - those `config.targets` names; never the output layer (all-linear leaves it out; naming
@@ -122,8 +130,7 @@ pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Re
         ))
     };
     let leaf = |n: &str| n.rsplit('.').next().unwrap_or(n).to_string();
-    let is_expert = super::module::is_routed_expert;
-    let has_experts = linears.iter().any(|n| is_expert(n));
+    let has_experts = linears.iter().any(|n| is_routed_expert(n));
     let (mut layers, mut left_out) = (Vec::new(), Vec::new());
     let mut gates: std::collections::HashMap<String, String> = Default::default();
     for name in linears {
@@ -144,14 +151,14 @@ pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Re
         let projection = [EXPERT_GATE, EXPERT_UP, EXPERT_DOWN]
             .iter()
             .any(|names| names.contains(&l.as_str()));
-        if has_experts && !is_expert(name) && projection {
+        if has_experts && !is_routed_expert(name) && projection {
             left_out.push(name.clone());
             continue;
         }
         let mut c = config.clone();
         let mut shares_a = None;
         // The experts and the router are parameters peft adapts directly.
-        if is_expert(name) || (has_experts && l == "gate") {
+        if is_routed_expert(name) || (has_experts && l == "gate") {
             if config.dropout > 0.0 {
                 return fail("lora_dropout", format!("{}: {name} is a mixture-of-experts parameter, which peft adapts without dropout (it refuses lora_dropout != 0 there too): set lora_dropout 0 or leave the experts and router out of lora_target_modules", config.dropout));
             }
@@ -162,7 +169,7 @@ pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Re
         if let Some((g, u)) = EXPERT_GATE
             .iter()
             .zip(&EXPERT_UP)
-            .find(|(g, u)| is_expert(name) && (l == **g || l == **u))
+            .find(|(g, u)| is_routed_expert(name) && (l == **g || l == **u))
         {
             let (prefix, _) = name.rsplit_once('.').expect("an expert's projection");
             let other = if l == *g { u } else { g };

@@ -181,13 +181,6 @@ pub fn child_name(name: &str, segment: &str) -> String {
     }
 }
 
-/// Whether the parameter `name` (a full HF name) belongs to a mixture of experts' routed
-/// experts (`...mlp.experts.{e}.*`, or the fused `...mlp.experts.gate_up_proj`): the
-/// transformers naming every built-in MoE and peft follow.
-pub fn is_routed_expert(name: &str) -> bool {
-    name.contains(".experts.")
-}
-
 /// A field holding a layer's weight: a `Weight`, or an `Option<Weight>` (a bias).
 pub trait WeightSlot {
     fn slot(&self) -> Option<&Weight>;
