@@ -260,15 +260,9 @@ fn train(comm: Arc<dyn Communicator>, values: &HashMap<String, Tensor>) -> Run {
     }
 }
 
-/// This rank's slice of a full tensor under `split`.
+/// This rank's slice of a full tensor under `split` (of each section of a fused weight).
 fn slice(full: &Tensor, split: Split, rank: usize, tp: usize) -> Tensor {
-    match split.dim {
-        Some(d) => {
-            let chunk = full.dim(d).unwrap() / tp;
-            full.narrow(d, rank * chunk, chunk).unwrap()
-        }
-        None => full.clone(),
-    }
+    split.part("test", full, rank, tp).unwrap()
 }
 
 #[test]
@@ -522,7 +516,7 @@ mod qwen2 {
         let e = files
             .load_part(
                 "model.embed_tokens.weight",
-                0,
+                trl_runtime::tp::Split::on(trl_runtime::tp::TpStyle::Vocab, Some(0)),
                 0,
                 3,
                 DType::F32,
@@ -584,5 +578,111 @@ fn slices_hold_only_their_elements() {
     for (bytes, shown) in held {
         assert_eq!(bytes, shown, "storage beyond the slices");
         assert!(bytes < full, "{bytes} of {full}: nothing was split");
+    }
+}
+
+mod phi3 {
+    use super::*;
+    use trl_runtime::parallel::CausalLm;
+
+    /// Phi-3's fused projections split by sections (assets/tiny-phi3: 4 query and 2 key/value
+    /// heads of 16, intermediate 128): at tp = 2 each rank's qkv_proj holds its two query
+    /// heads, its key head and its value head, in that order (its gate_up_proj its halves of
+    /// gate and up), read from the file sliced; the logits, loss and every gradient are tp =
+    /// 1's, and gathering the ranks' slices gives the whole weights back.
+    #[test]
+    fn phi3_fused_projections_split_by_sections() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny-phi3/model");
+        let ids = Tensor::new(
+            &[[5u32, 9, 14, 3, 7, 21, 100, 283, 4, 8, 15, 16]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let pos = Tensor::arange(0i64, 12, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let labels = ids.to_dtype(DType::I64).unwrap();
+        let run = |comm: Arc<dyn Communicator>| {
+            let model =
+                CausalLm::from_pretrained_split(dir, DType::F32, &Device::Cpu, comm.clone())
+                    .unwrap();
+            let logits = model.forward(&ids, &pos).unwrap();
+            let ls = model.loss(&logits, &labels).unwrap();
+            let mean = (ls.sum / ls.count as f64).unwrap();
+            let store = mean.backward().unwrap();
+            let grads: BTreeMap<String, Tensor> = model
+                .params
+                .iter()
+                .map(|(n, v)| (n.clone(), store.get(v.as_tensor()).unwrap().clone()))
+                .collect();
+            let held: BTreeMap<String, Tensor> = model
+                .params
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect();
+            let gathered =
+                tp::state::gather_full(held.clone(), model.tp_plan(), comm.as_ref()).unwrap();
+            let splits: BTreeMap<String, Split> = model
+                .tp_plan()
+                .iter()
+                .map(|e| (e.name.clone(), e.split))
+                .collect();
+            let logits = model.forward_full(&ids, &pos).unwrap();
+            let loss = mean.to_scalar::<f32>().unwrap() as f64;
+            (logits, loss, grads, held, gathered, splits)
+        };
+        let (logits, loss, grads, whole, ..) = InProcessWorld::run(1, |_, c| run(c)).remove(0);
+        let qkv = "model.layers.1.self_attn.qkv_proj.weight";
+        let gate_up = "model.layers.0.mlp.gate_up_proj.weight";
+        for (rank, (l, ls, g, held, gathered, splits)) in InProcessWorld::run(2, |_, c| run(c))
+            .into_iter()
+            .enumerate()
+        {
+            // Written out by hand: rows of q (64), k (32), v (32); gate (128), up (128).
+            let rows = |t: &Tensor, sections: &[(usize, usize)]| {
+                let parts: Vec<Tensor> = sections
+                    .iter()
+                    .map(|&(start, len)| t.narrow(0, start + rank * len, len).unwrap())
+                    .collect();
+                Tensor::cat(&parts, 0).unwrap()
+            };
+            let want_qkv = rows(&whole[qkv], &[(0, 32), (64, 16), (96, 16)]);
+            assert_eq!(
+                max_abs_diff(&held[qkv], &want_qkv),
+                0.0,
+                "rank {rank}: {qkv}"
+            );
+            let want_gate_up = rows(&whole[gate_up], &[(0, 64), (128, 64)]);
+            assert_eq!(
+                max_abs_diff(&held[gate_up], &want_gate_up),
+                0.0,
+                "rank {rank}: {gate_up}"
+            );
+            assert_eq!(splits[qkv].dim, Some(0));
+            assert_eq!(
+                splits["model.layers.0.self_attn.o_proj.weight"].dim,
+                Some(1)
+            );
+            let d = rel_diff(&l, &logits);
+            assert!(d < 1e-5, "rank {rank}: logits differ by {d:e}");
+            assert!(
+                (ls - loss).abs() / loss < 1e-5,
+                "rank {rank}: loss {ls} vs {loss}"
+            );
+            let scale = grads.values().map(max_abs).fold(0f64, f64::max);
+            for (name, g) in &g {
+                let want = slice(&grads[name], splits[name], rank, 2);
+                let d = max_abs_diff(g, &want) / scale;
+                assert!(d < 1e-5, "rank {rank}: gradient of {name} differs by {d:e}");
+            }
+            for (name, t) in &gathered {
+                assert_eq!(
+                    max_abs_diff(t, &whole[name]),
+                    0.0,
+                    "rank {rank}: {name} gathered"
+                );
+            }
+        }
     }
 }

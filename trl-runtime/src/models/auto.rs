@@ -111,9 +111,6 @@ macro_rules! registry {
             fn may_skip_grad(&self, name: &str) -> bool {
                 each!(self, m => m.may_skip_grad(name))
             }
-            fn tp_note(&self) -> Option<&'static str> {
-                each!(self, m => m.tp_note())
-            }
         }
 
         impl Parallelize for AutoModelForCausalLM {

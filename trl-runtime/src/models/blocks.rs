@@ -377,8 +377,6 @@ pub fn pre_norm_layer(
 pub trait Layer: Parallelize + Send + Sync + Sized + 'static {
     /// The model's config.json, as this file reads it.
     type Config;
-    /// What tensor parallelism leaves unsplit in this model, said at launch when tp > 1.
-    const TP_NOTE: Option<&'static str> = None;
     /// Reads config.json, refusing `model_type`s this file does not read and values it does
     /// not implement (errors name `source` and the key).
     fn parse_config(text: &str, source: &str) -> Result<Self::Config>;
@@ -504,9 +502,5 @@ impl<L: Layer> CausalModel for Decoder<L> {
 
     fn may_skip_grad(&self, name: &str) -> bool {
         L::may_skip_grad(name)
-    }
-
-    fn tp_note(&self) -> Option<&'static str> {
-        L::TP_NOTE
     }
 }

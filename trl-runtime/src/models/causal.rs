@@ -56,12 +56,6 @@ pub trait CausalModel: Parallelize + Send + Sync + Sized + 'static {
         false
     }
 
-    /// What tensor parallelism leaves unsplit in this model (layers it keeps whole on every
-    /// rank), said once at launch when tp > 1. None by default.
-    fn tp_note(&self) -> Option<&'static str> {
-        None
-    }
-
     /// Final-logit soft-capping (Gemma 2's `final_logit_softcapping`): logits become
     /// `cap * tanh(logits / cap)` before the loss. None by default.
     fn logit_softcap(&self) -> Option<f64> {

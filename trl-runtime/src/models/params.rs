@@ -6,6 +6,7 @@ use super::config::ModelConfig;
 use super::mxfp4;
 use super::tensor_file::{write_weights, TensorSpec};
 use crate::error::{Error, Result};
+use crate::nn::module::Split;
 use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
@@ -339,12 +340,13 @@ impl WeightFiles {
         Ok(self.read(name, device)?.to_dtype(dtype)?)
     }
 
-    /// Part `rank` of `parts` equal parts of tensor `name` along `dim`, reading only the bytes
-    /// of that part from the file (a tensor-parallel slice).
+    /// Part `rank` of `parts` of tensor `name` as `split` cuts it (equal parts along its
+    /// dimension, of each section), reading only the bytes of that part from the file (a
+    /// tensor-parallel slice); the whole tensor when `split` keeps it whole.
     pub fn load_part(
         &self,
         name: &str,
-        dim: usize,
+        split: Split,
         rank: usize,
         parts: usize,
         dtype: DType,
@@ -352,13 +354,20 @@ impl WeightFiles {
     ) -> Result<Tensor> {
         let shape = self.shape_of(name)?;
         let whence = format!("{name} in {}", self.file_of(name));
-        let (start, len) = crate::nn::module::slice_range(&whence, &shape, dim, rank, parts)?;
-        self.read_span(name, dim, start..start + len, dtype, device)
+        let (Some(dim), Some(ranges)) = (split.dim, split.ranges(&whence, &shape, rank, parts)?)
+        else {
+            return self.load(name, dtype, device);
+        };
+        let pieces = ranges
+            .into_iter()
+            .map(|(start, len)| self.read_span(name, dim, start..start + len, dtype, device))
+            .collect::<std::result::Result<Vec<_>, String>>()
             .map_err(|e| Error::Config {
                 file: self.file_of(name),
                 key: name.into(),
                 message: format!("cannot read part {rank} of {parts} along dimension {dim}: {e}"),
-            })
+            })?;
+        Ok(Tensor::cat(&pieces, dim)?)
     }
 
     /// Elements `start..start + len` of tensor `name` in row-major order, flat, reading only

@@ -3,9 +3,10 @@
 //! gate and up), partial rotary embeddings (`partial_rotary_factor`), longrope scaling, and an
 //! optional sliding window on every layer.
 //!
-//! Under tensor parallelism the fused projections are not split (a column split of a fused
-//! weight would need each section split apart): attention and MLP stay whole on every rank,
-//! the embedding and LM head are vocab-parallel, and the launch says so once.
+//! Under tensor parallelism the fused projections are column-parallel by sections: each rank
+//! holds its share of the q, k and v rows (of gate and up), so its output is its heads' q, k,
+//! v (its gate and up features) in the whole's order; o and down are row-parallel, as in
+//! every other model.
 
 use super::blocks::{Decoder, Heads, Layer};
 use super::causal::LayerInputs;
@@ -28,18 +29,23 @@ pub type Phi3 = Decoder<Phi3Layer>;
 #[parallel(fsdp_unit)]
 pub struct Phi3Layer {
     input_layernorm: RmsNorm,
-    #[parallel(tp = "replicate", name = "self_attn.qkv_proj")]
+    #[parallel(tp = "column", name = "self_attn.qkv_proj")]
     qkv_proj: Linear,
-    #[parallel(tp = "replicate", name = "self_attn.o_proj")]
+    #[parallel(tp = "row", name = "self_attn.o_proj")]
     o_proj: Linear,
     post_attention_layernorm: RmsNorm,
-    #[parallel(tp = "replicate", name = "mlp.gate_up_proj")]
+    #[parallel(tp = "column", name = "mlp.gate_up_proj")]
     gate_up_proj: Linear,
-    #[parallel(tp = "replicate", name = "mlp.down_proj")]
+    #[parallel(tp = "row", name = "mlp.down_proj")]
     down_proj: Linear,
-    /// Heads (whole on every rank), head size, rotary features per head.
+    /// Query and key/value heads on this rank.
+    #[parallel(tp = "divide")]
+    heads: usize,
+    #[parallel(tp = "divide")]
+    kv_heads: usize,
+    /// Head size, rotary features per head.
     #[parallel(skip)]
-    shape: (usize, usize, usize, usize),
+    shape: (usize, usize),
     #[parallel(skip)]
     rope: Arc<RotaryEmbedding>,
     #[parallel(skip)]
@@ -48,10 +54,6 @@ pub struct Phi3Layer {
 
 impl Layer for Phi3Layer {
     type Config = ModelConfig;
-    const TP_NOTE: Option<&'static str> = Some(
-        "phi3: the fused qkv_proj and gate_up_proj are not split under tensor parallelism; \
-         attention and MLPs run whole on every tp rank (the embedding and LM head are split)",
-    );
 
     fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
         let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
@@ -86,12 +88,16 @@ impl Layer for Phi3Layer {
             let (attn, mlp) = (vb.pp("self_attn"), vb.pp("mlp"));
             Ok(Phi3Layer {
                 input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                qkv_proj: linear_no_bias(h, (heads + 2 * kv_heads) * d, attn.pp("qkv_proj"))?,
+                qkv_proj: linear_no_bias(h, (heads + 2 * kv_heads) * d, attn.pp("qkv_proj"))?
+                    .with_sections(&[heads * d, kv_heads * d, kv_heads * d]),
                 o_proj: linear_no_bias(heads * d, h, attn.pp("o_proj"))?,
                 post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
-                gate_up_proj: linear_no_bias(h, 2 * i, mlp.pp("gate_up_proj"))?,
+                gate_up_proj: linear_no_bias(h, 2 * i, mlp.pp("gate_up_proj"))?
+                    .with_sections(&[i, i]),
                 down_proj: linear_no_bias(i, h, mlp.pp("down_proj"))?,
-                shape: (heads, kv_heads, d, rotary_dim),
+                heads,
+                kv_heads,
+                shape: (d, rotary_dim),
                 rope: rope.clone(),
                 window: windows[l],
             })
@@ -99,7 +105,7 @@ impl Layer for Phi3Layer {
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let (heads, kv_heads, d, rotary_dim) = self.shape;
+        let (heads, kv_heads, (d, rotary_dim)) = (self.heads, self.kv_heads, self.shape);
         let h = self.input_layernorm.forward(x)?;
         let qkv = self.qkv_proj.forward(&h)?;
         let last = qkv.rank() - 1;
@@ -129,7 +135,7 @@ impl Layer for Phi3Layer {
     }
 
     fn attention_heads(&self) -> (usize, usize) {
-        (self.shape.0, self.shape.1)
+        (self.heads, self.kv_heads)
     }
 
     fn tiles_mlp(&self) -> bool {

@@ -1,7 +1,9 @@
 //! Token embedding: rows of a [vocab, hidden] table. A drop-in for `candle_nn::Embedding` that
 //! can also be vocab-parallel (each rank holds a slice of the rows; see [`crate::tp`]).
 
-use super::module::{child_name, Parallelize, Split, TpContext, TpLayer, TpStyle, VocabParallel};
+use super::module::{
+    child_name, Parallelize, Sections, Split, TpContext, TpLayer, TpStyle, VocabParallel,
+};
 use super::sharded;
 use super::Weight;
 use crate::comm::autograd::reduce_from_group;
@@ -343,7 +345,7 @@ impl TpLayer for Embedding {
                 ),
             });
         }
-        self.weight = Weight::Local(tp.shard(&weight_name, w, 0)?);
+        self.weight = Weight::Local(tp.shard(&weight_name, w, 0, Sections::WHOLE)?);
         self.tp = Some(tp.comm().clone());
         Ok(())
     }
@@ -351,7 +353,7 @@ impl TpLayer for Embedding {
     fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split)) {
         if let Weight::Local(w) = &self.weight {
             let dim = (style == TpStyle::Vocab).then_some(0);
-            f(&child_name(name, "weight"), w, Split { style, dim });
+            f(&child_name(name, "weight"), w, Split::on(style, dim));
         }
     }
 }

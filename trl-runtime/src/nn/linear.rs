@@ -5,8 +5,8 @@
 
 use super::lora::{Lora, LoraConfig};
 use super::module::{
-    child_name, ColumnParallel, LoraTarget, Parallelize, RowParallel, Split, TpContext, TpLayer,
-    TpStyle, VocabParallel,
+    child_name, ColumnParallel, LoraTarget, Parallelize, RowParallel, Sections, Split, TpContext,
+    TpLayer, TpStyle, VocabParallel,
 };
 use super::sharded;
 use super::Weight;
@@ -24,6 +24,8 @@ pub struct Linear {
     pub lora: Option<Lora>,
     /// How this layer is split over the tensor-parallel group, and the group (once split).
     tp: Option<(TpStyle, Arc<dyn Communicator>)>,
+    /// A fused projection's output sections (see [`Linear::with_sections`]).
+    sections: Sections,
 }
 
 impl Linear {
@@ -40,7 +42,16 @@ impl Linear {
             bias,
             lora: None,
             tp: None,
+            sections: Sections::WHOLE,
         }
+    }
+
+    /// A fused projection whose output features are sections of these lengths (Phi-3's
+    /// `qkv_proj`: q, k, v): column-parallel, each rank takes its share of every section and
+    /// its output is its q, its k, its v in turn.
+    pub fn with_sections(mut self, lens: &[usize]) -> Self {
+        self.sections = Sections::of(lens);
+        self
     }
 
     /// Adds a LoRA adapter (named `name`, this layer's HF name) at this layer's full size,
@@ -64,7 +75,7 @@ impl Linear {
         );
         let mut lora = Lora::init(name, full, config, (dtype, &device))?;
         let tp = self.tp.as_ref().map(|(_, c)| TpContext::new(c.clone()));
-        split_lora(&mut lora, name, dims, tp.as_ref())?;
+        split_lora(&mut lora, name, dims, self.sections, tp.as_ref())?;
         if config.dora {
             // peft's initial magnitude: the norm of each output row of W (B is zero).
             let norm = self.dora_norm(&lora)?.to_dtype(dtype)?;
@@ -246,20 +257,22 @@ fn split_lora(
     lora: &mut Lora,
     name: &str,
     (a_dim, b_dim): (Option<usize>, Option<usize>),
+    sections: Sections,
     tp: Option<&TpContext>,
 ) -> TrlResult<()> {
-    let cut = |t: &Tensor, part: &str, dim: Option<usize>| -> TrlResult<Tensor> {
+    let cut = |t: &Tensor, part: &str, dim: Option<usize>, s: Sections| -> TrlResult<Tensor> {
         let t = match (tp, dim) {
-            (Some(tp), Some(d)) => tp.shard(&child_name(name, part), t, d)?,
+            (Some(tp), Some(d)) => tp.shard(&child_name(name, part), t, d, s)?,
             _ => t.clone(),
         };
         Ok(candle_core::Var::from_tensor(&t)?.as_tensor().clone())
     };
-    lora.a = cut(&lora.a, "lora_A.weight", a_dim)?;
-    lora.b = cut(&lora.b, "lora_B.weight", b_dim)?;
+    lora.a = cut(&lora.a, "lora_A.weight", a_dim, Sections::WHOLE)?;
+    // B's rows are the output features, in the weight's sections.
+    lora.b = cut(&lora.b, "lora_B.weight", b_dim, sections)?;
     // DoRA's magnitude follows the output features, as B's rows do.
     if let Some(m) = &lora.magnitude {
-        lora.magnitude = Some(cut(m, "lora_magnitude_vector", b_dim)?);
+        lora.magnitude = Some(cut(m, "lora_magnitude_vector", b_dim, sections)?);
     }
     Ok(())
 }
@@ -282,50 +295,62 @@ impl TpLayer for Linear {
                 message: "this layer is already split (parallelize runs once per model)".into(),
             });
         }
+        if !self.sections.is_whole() && !matches!(style, TpStyle::Column { .. }) {
+            return Err(crate::Error::TensorParallel {
+                name: name.into(),
+                message: format!(
+                    "a fused projection (output sections) splits only as `column`, not {}",
+                    style.name()
+                ),
+            });
+        }
         let (wd, bd) = Self::split_dims(style);
+        let sections = self.sections;
         if let Some(d) = wd {
-            let w = local(&child_name(name, "weight"), &self.weight)?;
-            self.weight = Weight::Local(tp.shard(&child_name(name, "weight"), &w, d)?);
+            let (name, w) = (child_name(name, "weight"), &self.weight);
+            self.weight = Weight::Local(tp.shard(&name, &local(&name, w)?, d, sections)?);
         }
         if let (Some(d), Some(b)) = (bd, &self.bias) {
-            let b = local(&child_name(name, "bias"), b)?;
-            self.bias = Some(Weight::Local(tp.shard(&child_name(name, "bias"), &b, d)?));
+            let name = child_name(name, "bias");
+            self.bias = Some(Weight::Local(tp.shard(
+                &name,
+                &local(&name, b)?,
+                d,
+                sections,
+            )?));
         }
         self.tp = Some((style, tp.comm().clone()));
         if let Some(lora) = &mut self.lora {
-            split_lora(lora, name, Self::lora_split_dims(Some(style)), Some(tp))?;
+            let dims = Self::lora_split_dims(Some(style));
+            split_lora(lora, name, dims, sections, Some(tp))?;
         }
         Ok(())
     }
 
     fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split)) {
         let (wd, bd) = Self::split_dims(style);
+        // Sections matter only where the output features are split.
+        let sectioned = |dim: Option<usize>| Split {
+            sections: match dim {
+                Some(0) => self.sections,
+                _ => Sections::WHOLE,
+            },
+            ..Split::on(style, dim)
+        };
         if let Weight::Local(w) = &self.weight {
-            f(&child_name(name, "weight"), w, Split { style, dim: wd });
+            f(&child_name(name, "weight"), w, sectioned(wd));
         }
         if let Some(Weight::Local(b)) = &self.bias {
-            f(&child_name(name, "bias"), b, Split { style, dim: bd });
+            f(&child_name(name, "bias"), b, sectioned(bd));
         }
         if let Some(lora) = &self.lora {
             // Column: A sees the whole input, and each rank's share of the output sends it a
             // partial gradient. Row: B sees this rank's share of x A^T, so its gradient is
             // partial too.
             let (a, b) = match style {
-                TpStyle::Column { .. } | TpStyle::Vocab => (
-                    Split::PARTIAL,
-                    Split {
-                        style,
-                        dim: Some(0),
-                    },
-                ),
-                TpStyle::Row => (
-                    Split {
-                        style,
-                        dim: Some(1),
-                    },
-                    Split::PARTIAL,
-                ),
-                _ => (Split { style, dim: None }, Split { style, dim: None }),
+                TpStyle::Column { .. } | TpStyle::Vocab => (Split::PARTIAL, sectioned(Some(0))),
+                TpStyle::Row => (Split::on(style, Some(1)), Split::PARTIAL),
+                _ => (Split::whole(style), Split::whole(style)),
             };
             f(&child_name(name, "lora_A.weight"), &lora.a, a);
             f(&child_name(name, "lora_B.weight"), &lora.b, b);

@@ -49,30 +49,145 @@ impl TpStyle {
 pub struct Split {
     pub style: TpStyle,
     pub dim: Option<usize>,
+    /// The sections of a fused weight along `dim`, each split on its own.
+    #[serde(default)]
+    pub sections: Sections,
+}
+
+/// The sections of a fused weight along its split dimension (Phi-3's `qkv_proj`: the q, k
+/// and v rows; `gate_up_proj`: gate and up). Each is split over the group on its own, so a
+/// rank holds its share of every section, laid out as the whole is (its q, then its k, then
+/// its v), as vLLM's QKVParallelLinear splits; an equal slice of the whole would give rank 0
+/// all the queries. [`Sections::WHOLE`]: one section, an ordinary split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Sections([usize; 3]);
+
+impl Sections {
+    pub const WHOLE: Sections = Sections([0; 3]);
+
+    /// Up to three sections of these lengths, in order.
+    pub fn of(lens: &[usize]) -> Sections {
+        assert!(lens.len() <= 3, "at most three sections, not {lens:?}");
+        let mut s = [0; 3];
+        s[..lens.len()].copy_from_slice(lens);
+        Sections(s)
+    }
+
+    pub fn is_whole(&self) -> bool {
+        *self == Self::WHOLE
+    }
+
+    /// The lengths along a dimension of size `full` (WHOLE: `full` itself).
+    fn lens(&self, full: usize) -> Vec<usize> {
+        match self.is_whole() {
+            true => vec![full],
+            false => self.0.iter().copied().filter(|&l| l > 0).collect(),
+        }
+    }
 }
 
 impl Split {
-    pub const REPLICATED: Split = Split {
-        style: TpStyle::Replicate,
-        dim: None,
-    };
-    pub const PARTIAL: Split = Split {
-        style: TpStyle::Partial,
-        dim: None,
-    };
+    pub const REPLICATED: Split = Split::whole(TpStyle::Replicate);
+    pub const PARTIAL: Split = Split::whole(TpStyle::Partial);
+    pub const AUTO: Split = Split::whole(TpStyle::Auto);
 
-    pub const AUTO: Split = Split {
-        style: TpStyle::Auto,
-        dim: None,
-    };
+    /// Kept whole on every rank, in `style`.
+    pub const fn whole(style: TpStyle) -> Split {
+        Split {
+            style,
+            dim: None,
+            sections: Sections::WHOLE,
+        }
+    }
+
+    /// Split along `dim` (None: whole) in one section.
+    pub const fn on(style: TpStyle, dim: Option<usize>) -> Split {
+        Split {
+            style,
+            dim,
+            sections: Sections::WHOLE,
+        }
+    }
 
     /// This split under a field annotated `style` (`replicate` or `partial`): a whole
     /// parameter takes the style; a split one is unchanged.
     pub fn whole_as(self, style: TpStyle) -> Split {
         match self.dim {
-            None => Split { style, dim: None },
+            None => Split::whole(style),
             Some(_) => self,
         }
+    }
+
+    /// Where rank `rank`'s part of a tensor of `shape` lies along the split dimension: a
+    /// (start, len) per section (None: the whole tensor); an error naming `name` when a
+    /// section does not divide by `parts`.
+    pub fn ranges(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rank: usize,
+        parts: usize,
+    ) -> Result<Option<Vec<(usize, usize)>>> {
+        let Some(dim) = self.dim else {
+            return Ok(None);
+        };
+        let lens = self.sections.lens(shape[dim]);
+        if lens.iter().sum::<usize>() != shape[dim] {
+            return Err(Error::TensorParallel {
+                name: name.into(),
+                message: format!(
+                    "its sections {lens:?} do not add up to dimension {dim} of shape {shape:?}"
+                ),
+            });
+        }
+        let mut start = 0;
+        let mut out = Vec::with_capacity(lens.len());
+        for len in lens {
+            let mut one = shape.to_vec();
+            one[dim] = len;
+            let (s, l) = slice_range(name, &one, dim, rank, parts)?;
+            out.push((start + s, l));
+            start += len;
+        }
+        Ok(Some(out))
+    }
+
+    /// Rank `rank`'s part of the whole tensor `t` (a view for one section, else a copy).
+    pub fn part(&self, name: &str, t: &Tensor, rank: usize, parts: usize) -> Result<Tensor> {
+        let (Some(dim), Some(ranges)) = (self.dim, self.ranges(name, t.dims(), rank, parts)?)
+        else {
+            return Ok(t.clone());
+        };
+        let pieces = ranges
+            .iter()
+            .map(|&(s, l)| t.narrow(dim, s, l))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(match pieces.len() {
+            1 => pieces[0].clone(),
+            _ => Tensor::cat(&pieces, dim)?,
+        })
+    }
+
+    /// The whole tensor from every rank's part `t` (collective over `comm`).
+    pub fn gather(&self, t: &Tensor, comm: &dyn Communicator) -> Result<Tensor> {
+        let Some(dim) = self.dim else {
+            return Ok(t.clone());
+        };
+        let all = comm.all_gather(t, dim)?;
+        if self.sections.is_whole() {
+            return Ok(all);
+        }
+        // Rank r's part is its share of each section in turn: regroup by section.
+        let (n, local) = (comm.size(), t.dim(dim)?);
+        let mut pieces = Vec::new();
+        let mut offset = 0;
+        for len in self.sections.lens(local * n) {
+            for r in 0..n {
+                pieces.push(all.narrow(dim, r * local + offset, len / n)?);
+            }
+            offset += len / n;
+        }
+        Ok(Tensor::cat(&pieces, dim)?)
     }
 
     /// This split under an unannotated field of a struct with column and row layers: a
@@ -118,15 +233,21 @@ impl TpContext {
         self.comm.size()
     }
 
-    /// This rank's equal slice of `t` along `dim`, as a new trainable variable.
-    pub fn shard(&self, name: &str, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let (start, len) = slice_range(name, t.dims(), dim, self.rank(), self.size())?;
+    /// This rank's equal slice of `t` along `dim` (of each of its `sections`), as a new
+    /// trainable variable.
+    pub fn shard(&self, name: &str, t: &Tensor, dim: usize, sections: Sections) -> Result<Tensor> {
+        let split = Split {
+            dim: Some(dim),
+            sections,
+            ..Split::REPLICATED
+        };
+        let part = split.part(name, t, self.rank(), self.size())?;
         let mut cut = self.cut.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(done) = cut.get(&(t.id(), dim)) {
             return Ok(done.clone());
         }
         // A new variable copies only the elements the slice shows.
-        let slice = t.narrow(dim, start, len)?.detach();
+        let slice = part.detach();
         let var = Var::from_tensor(&slice)?.as_tensor().clone();
         cut.insert((t.id(), dim), var.clone());
         Ok(var)

@@ -4,7 +4,7 @@
 //! as it says itself ([`Param::split_column`], [`Param::split_row`]): a tensor has no
 //! layer whose kind would imply the dimension, so the model names it where it builds it.
 
-use super::module::{Parallelize, Split, TpContext, TpStyle};
+use super::module::{Parallelize, Sections, Split, TpContext, TpStyle};
 use super::sharded;
 use super::Weight;
 use crate::error::{Error, Result as TrlResult};
@@ -68,17 +68,14 @@ impl Parallelize for Param {
                     .into(),
             });
         };
-        self.weight = Weight::Local(tp.shard(name, t, dim)?);
+        self.weight = Weight::Local(tp.shard(name, t, dim, Sections::WHOLE)?);
         Ok(())
     }
 
     fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
         if let Weight::Local(t) = &self.weight {
             let split = match self.split {
-                Some((style, dim)) => Split {
-                    style,
-                    dim: Some(dim),
-                },
+                Some((style, dim)) => Split::on(style, Some(dim)),
                 None => Split::REPLICATED,
             };
             f(name, t, split)

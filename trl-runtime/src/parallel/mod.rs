@@ -406,9 +406,6 @@ pub fn parallelize<N: CausalModel>(
              ZeRO-3 / FSDP the MLPs run untiled"
         );
     }
-    if let Some(note) = model.net().tp_note().filter(|_| tp.size() > 1 && main) {
-        tracing::warn!("{note}");
-    }
     if opts.tiled_loss && (tp.size() > 1 || fsdp) && main {
         tracing::warn!(
             "use_liger_kernel: the fused, tiled loss needs the LM head whole on each rank; \

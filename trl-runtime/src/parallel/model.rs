@@ -20,7 +20,7 @@ use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::tiled_loss::tied_linear_cross_entropy;
 use crate::nn::Weight;
 use crate::nn::{AttentionImpl, LossSum};
-use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, TpContext};
+use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, Split, TpContext};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -246,10 +246,14 @@ impl<N: CausalModel> Model<N> {
         let mut model = Self::skeleton_for(dir, dtype, device)?;
         model.parallelize(tp.clone())?;
         for entry in &model.tp_plan {
-            let value = match entry.split.dim {
-                Some(d) => files.load_part(&entry.name, d, tp.rank(), tp.size(), dtype, device)?,
-                None => files.load(&entry.name, dtype, device)?,
-            };
+            let value = files.load_part(
+                &entry.name,
+                entry.split,
+                tp.rank(),
+                tp.size(),
+                dtype,
+                device,
+            )?;
             model
                 .params
                 .get(&entry.name)
@@ -464,20 +468,17 @@ impl<N: CausalModel> Model<N> {
     /// parameter names (`...q_proj.lora_A.weight`), each rank taking its tensor-parallel
     /// slice. Every trainable parameter must be given.
     pub fn set_trainable(&self, values: &BTreeMap<String, Tensor>, source: &str) -> Result<()> {
-        let splits: HashMap<&str, usize> = self
+        let splits: HashMap<&str, Split> = self
             .tp_plan
             .iter()
-            .filter_map(|e| Some((e.name.as_str(), e.split.dim?)))
+            .map(|e| (e.name.as_str(), e.split))
             .collect();
         let tp = self.tp.as_ref().map(|c| (c.rank(), c.size()));
         let part = |name: &str, value: &Tensor| -> Result<Tensor> {
-            Ok(match (tp, splits.get(name)) {
-                (Some((rank, size)), Some(&d)) => {
-                    let n = value.dim(d)? / size;
-                    value.narrow(d, rank * n, n)?
-                }
-                _ => value.clone(),
-            })
+            match (tp, splits.get(name)) {
+                (Some((rank, size)), Some(split)) => split.part(name, value, rank, size),
+                _ => Ok(value.clone()),
+            }
         };
         crate::models::peft::set_trainable(&*self.net, values, &part, source)
     }

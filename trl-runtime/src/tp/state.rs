@@ -23,6 +23,11 @@ fn split_dim(splits: &HashMap<String, Split>, name: &str) -> Option<usize> {
     splits.get(name).and_then(|s| s.dim)
 }
 
+/// Parameter `name`'s split (whole when the plan does not name it).
+fn split_of(splits: &HashMap<String, Split>, name: &str) -> Split {
+    splits.get(name).copied().unwrap_or(Split::REPLICATED)
+}
+
 /// Whole tensors from this rank's slices (collective over `tp`: every rank calls it with the
 /// same names). Names not split in `plan` pass through.
 pub fn gather_full(
@@ -34,10 +39,7 @@ pub fn gather_full(
     tensors
         .into_iter()
         .map(|(name, t)| {
-            let t = match split_dim(&splits, &name) {
-                Some(d) => tp.all_gather(&t, d)?,
-                None => t,
-            };
+            let t = split_of(&splits, &name).gather(&t, tp)?;
             Ok((name, t))
         })
         .collect()
@@ -48,15 +50,17 @@ pub fn gather_full(
 pub fn slice_full(
     name: &str,
     t: &Tensor,
-    split: Option<usize>,
+    split: Split,
     rank: usize,
     size: usize,
 ) -> Result<Tensor> {
-    let Some(d) = split else {
+    if split.dim.is_none() {
         return Ok(t.clone());
-    };
-    let (start, len) = super::slice_range(name, t.dims(), d, rank, size)?;
-    Ok(t.narrow(d, start, len)?.force_contiguous()?.detach())
+    }
+    Ok(split
+        .part(name, t, rank, size)?
+        .force_contiguous()?
+        .detach())
 }
 
 /// The whole per-parameter optimizer state from every rank's slices (collective over `tp`).
@@ -77,14 +81,12 @@ pub fn gather_param_states(
     states
         .into_iter()
         .map(|(name, s)| {
-            let s = match split_dim(&splits, &name) {
-                Some(d) => ParamState {
-                    master: tp.all_gather(&s.master, d)?,
-                    exp_avg: tp.all_gather(&s.exp_avg, d)?,
-                    exp_avg_sq: tp.all_gather(&s.exp_avg_sq, d)?,
-                    ..s
-                },
-                None => s,
+            let split = split_of(&splits, &name);
+            let s = ParamState {
+                master: split.gather(&s.master, tp)?,
+                exp_avg: split.gather(&s.exp_avg, tp)?,
+                exp_avg_sq: split.gather(&s.exp_avg_sq, tp)?,
+                ..s
             };
             Ok((name, s))
         })
@@ -97,8 +99,8 @@ pub fn slice_state(state: &AdamW, plan: &[PlanEntry], rank: usize, size: usize) 
     let splits = splits(plan);
     let mut states = BTreeMap::new();
     for (name, s) in &state.states {
-        let d = split_dim(&splits, name);
-        let cut = |t: &Tensor| slice_full(name, t, d, rank, size);
+        let split = split_of(&splits, name);
+        let cut = |t: &Tensor| slice_full(name, t, split, rank, size);
         states.insert(
             name.clone(),
             ParamState {
