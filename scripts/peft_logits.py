@@ -1,9 +1,10 @@
 """peft's side of the LoRA tests (trl-runtime/tests/lora.rs):
 
-    python scripts/peft_logits.py write BASE ADAPTER_DIR
+    python scripts/peft_logits.py write BASE ADAPTER_DIR [PARAMETERS]
         writes a peft LoRA adapter for BASE (all-linear, r=4, alpha=8, lm_head trained whole)
         with random nonzero A and B, as PeftModel.save_pretrained writes it (`write-dora`:
-        the same with use_dora, its magnitudes moved too);
+        the same with use_dora, its magnitudes moved too); PARAMETERS, comma-separated, are
+        peft's target_parameters (gpt-oss's mlp.experts.gate_up_proj);
     python scripts/peft_logits.py logits BASE ADAPTER_DIR IDS OUT
         loads BASE (f32) with PeftModel.from_pretrained(ADAPTER_DIR) and writes OUT.safetensors
         with `logits` for the `input_ids` of IDS.safetensors (positions 0..len).
@@ -29,6 +30,7 @@ if mode in ("write", "write-dora"):
         modules_to_save=["lm_head"],
         task_type="CAUSAL_LM",
         use_dora=mode == "write-dora",
+        target_parameters=sys.argv[4].split(",") if len(sys.argv) > 4 else None,
     )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():

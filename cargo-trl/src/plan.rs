@@ -53,6 +53,10 @@ pub struct PlanArgs {
     /// peft's target_modules (default all-linear).
     #[arg(long, num_args = 1.., default_value = "all-linear")]
     pub lora_target_modules: Vec<String>,
+    /// peft's target_parameters: parameters adapted directly (gpt-oss's
+    /// `mlp.experts.gate_up_proj`).
+    #[arg(long, num_args = 1..)]
+    pub lora_target_parameters: Vec<String>,
     /// What trains: sft, or dpo (a micro-batch of --batch pairs is twice as many sequences).
     #[arg(long, default_value = "sft", value_parser = ["sft", "dpo"])]
     pub trainer: String,
@@ -428,6 +432,7 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
         rslora: false,
         seed: 0,
         dora: false,
+        target_parameters: args.lora_target_parameters.clone(),
     });
     let work = Work {
         model,
@@ -587,6 +592,7 @@ pub fn auto(
                 use_peft: t.use_peft,
                 lora_r: t.lora_r,
                 lora_target_modules: vec![],
+                lora_target_parameters: vec![],
                 // The machine does not depend on the trainer (`work.preference` does).
                 trainer: "sft".into(),
                 sync_ref_model: false,

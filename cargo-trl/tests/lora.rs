@@ -120,6 +120,7 @@ fn lora_on_every_dense_built_in_model_equals_one_process() {
         &["qwen3", "gemma3", "olmo2", "phi3", "smollm3", "mistral"],
         &["fsdp2_tp_cpu", "alst_ulysses_cpu"],
         5e-5,
+        &[],
     );
 }
 
@@ -136,12 +137,38 @@ fn lora_on_mixtures_of_experts_equals_one_process() {
         &["qwen3-moe", "mixtral", "gpt-oss"],
         &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
         1e-4,
+        &[],
+    );
+}
+
+/// gpt-oss's fused experts and router adapted as parameters (`--lora_target_parameters`,
+/// peft's target_parameters, as the gpt-oss fine-tuning recipe does): each expert's adapter
+/// through two grouped GEMMs, under ZeRO-3 (the base experts sharded in their units, the
+/// adapters whole), FSDP2 x tp (gate_up's B split by its columns and down's A by its rows,
+/// the other halves' partial gradients summed over tp) and Ulysses, equal to one process.
+#[test]
+fn lora_on_gpt_oss_parameters_equals_one_process() {
+    lora_on_models_equals_one_process(
+        &["gpt-oss"],
+        &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
+        1e-4,
+        &[
+            "--lora_target_parameters",
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj",
+            "mlp.router.weight",
+        ],
     );
 }
 
 /// Each of assets/tiny-`kinds` trains its adapters under `cases` (of CPU_CASES, all with two
 /// data-parallel ranks) as one process does.
-fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str], tolerance: f32) {
+fn lora_on_models_equals_one_process(
+    kinds: &[&str],
+    cases: &[&str],
+    tolerance: f32,
+    parameters: &[&str],
+) {
     let tmp = tempfile::tempdir().unwrap();
     for &kind in kinds {
         let model = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -157,7 +184,7 @@ fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str], tolerance: 
             let ga = rows.to_string();
             let router = ["--gradient_accumulation_steps", &ga];
             let router = [&router[..], &["--router_aux_loss_coef", "0.1"]].concat();
-            let extra = [&model[..], if moe { &router[..] } else { &[] }].concat();
+            let extra = [&model[..], if moe { &router[..] } else { &[] }, parameters].concat();
             launch(args, if moe { 1 } else { rows }, out, &extra)
         };
         launch(&["--num_processes", "1"], 8, &out("one8"));
@@ -171,6 +198,19 @@ fn lora_on_models_equals_one_process(kinds: &[&str], cases: &[&str], tolerance: 
             .map(|(_, b)| max_diff(b, &b.zeros_like().unwrap()))
             .fold(0f32, f32::max);
         assert!(moved > 1e-3, "{kind}: the adapters did not move ({moved})");
+        // So did those on parameters (peft's names: `mlp.experts[.base_layer].lora_B`).
+        if !parameters.is_empty() {
+            let experts = one8
+                .weights
+                .iter()
+                .filter(|(n, _)| n.contains("mlp.experts.") && n.contains("lora_B"))
+                .map(|(_, b)| max_diff(b, &b.zeros_like().unwrap()))
+                .collect::<Vec<_>>();
+            assert!(
+                experts.len() == 6 && experts.iter().all(|&m| m > 1e-3),
+                "{kind}: the experts' adapters did not all move: {experts:?}"
+            );
+        }
         for (name, args, two_dp) in common::CPU_CASES {
             if !cases.contains(name) {
                 continue;

@@ -387,7 +387,8 @@ fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
     // attention scores (in the fused kernel), routers with top-k on the
     // host and experts gathered by index, gpt-oss's sinks and grouped fused experts, fused
     // qkv), with and without LoRA adapters on every
-    // linear layer (experts included): 3 fp32 steps equal to the same on the CPU.
+    // linear layer (experts included; gpt-oss's fused experts and router as parameters): 3
+    // fp32 steps equal to the same on the CPU.
     let Some(dev) = gpu() else { return };
     let cases = [
         ("tiny-qwen3", false),
@@ -415,6 +416,17 @@ fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
                         "all-linear".into()
                     ]));
                 c.training.lora_dropout = 0.0;
+            }
+            if peft && name == "tiny-gpt-oss" {
+                // Its fused experts and router adapted as parameters: grouped GEMMs of rank r.
+                let names = [
+                    "mlp.experts.gate_up_proj",
+                    "mlp.experts.down_proj",
+                    "mlp.router.weight",
+                ];
+                c.training.lora_target_parameters = Some(trl_runtime::config::cli_value::NameList(
+                    names.iter().map(|s| s.to_string()).collect(),
+                ));
             }
             c
         };

@@ -29,6 +29,7 @@ fn config(targets: Targets) -> LoraConfig {
         rslora: false,
         seed: 3,
         dora: false,
+        target_parameters: Vec::new(),
     }
 }
 
@@ -180,7 +181,8 @@ fn save_adapter(model: &CausalLm, lora: &LoraConfig, base: &Path, tmp: &Path) ->
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
-    peft::save(&adapter, &tensors, lora, base).unwrap();
+    let order = peft::parameter_order(model.net());
+    peft::save(&adapter, &tensors, lora, base, &order).unwrap();
     adapter
 }
 
@@ -255,39 +257,115 @@ fn moe_adapters_travel_between_us_and_peft() {
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();
-        let mut model = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
-        let lora = config(Targets::AllLinear);
-        model.add_adapters(&lora).unwrap();
-        randomize(&model);
-        let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
-        assert_eq!(names.len(), adapters, "{name}: {names:?}");
-        let (ids, pos) = ids();
-        let ours = model.forward(&ids, &pos).unwrap();
-        let adapter = save_adapter(&model, &lora, &base, tmp.path());
-        let theirs = peft_logits_of(&python, &base, &adapter, tmp.path());
-        let d = max_diff(&ours, &theirs);
-        eprintln!("{name}: our adapter in peft: logits within {d:.1e}");
-        assert!(
-            d < 1e-4,
-            "{name}: peft's logits with our adapter differ by {d}"
+        round_trip(
+            &python,
+            &base,
+            &config(Targets::AllLinear),
+            adapters,
+            tmp.path(),
         );
-        // Read back here: the same model.
-        let mut back = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
-        back.load_adapter(&adapter).unwrap();
-        let d = max_diff(&back.forward(&ids, &pos).unwrap(), &ours);
-        assert!(d < 1e-6, "{name}: our adapter read back differs by {d}");
-        // peft's own adapter, written on the fused experts.
-        let theirs_dir = tmp.path().join("peft-adapter");
-        peft_script(&python, &[Path::new("write"), &base, &theirs_dir]);
-        let mut model = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
-        model.load_adapter(&theirs_dir).unwrap();
-        let ours = model.forward(&ids, &pos).unwrap();
-        let theirs = peft_logits_of(&python, &base, &theirs_dir, tmp.path());
-        let d = max_diff(&ours, &theirs);
-        eprintln!("{name}: peft's adapter here: logits within {d:.1e}");
+    }
+}
+
+/// `base` with `lora`'s adapters (`adapters` tensors, nonzero `B`s) both ways with peft: our
+/// adapter in peft gives our logits, read back here gives ours, and peft's own adapter on the
+/// same targets gives peft's logits here. Returns the adapter directory and our logits.
+fn round_trip(
+    python: &Path,
+    base: &Path,
+    lora: &LoraConfig,
+    adapters: usize,
+    tmp: &Path,
+) -> (PathBuf, Tensor) {
+    let what = format!("{} {:?}", base.display(), lora.target_parameters);
+    let mut model = CausalLm::from_pretrained(base, DType::F32, &Device::Cpu).unwrap();
+    model.add_adapters(lora).unwrap();
+    randomize(&model);
+    let names: Vec<String> = model.params.iter().map(|(n, _)| n.clone()).collect();
+    assert_eq!(names.len(), adapters, "{what}: {names:?}");
+    let (ids, pos) = ids();
+    let ours = model.forward(&ids, &pos).unwrap();
+    let adapter = save_adapter(&model, lora, base, tmp);
+    let theirs = peft_logits_of(python, base, &adapter, tmp);
+    let d = max_diff(&ours, &theirs);
+    eprintln!("{what}: our adapter in peft: logits within {d:.1e}");
+    assert!(
+        d < 1e-4,
+        "{what}: peft's logits with our adapter differ by {d}"
+    );
+    // Read back here: the same model.
+    let mut back = CausalLm::from_pretrained(base, DType::F32, &Device::Cpu).unwrap();
+    back.load_adapter(&adapter).unwrap();
+    let d = max_diff(&back.forward(&ids, &pos).unwrap(), &ours);
+    assert!(d < 1e-6, "{what}: our adapter read back differs by {d}");
+    // peft's own adapter, on the same targets (all-linear, and the parameters).
+    let theirs_dir = tmp.join("peft-adapter");
+    let parameters = lora.target_parameters.join(",");
+    let mut args = vec![Path::new("write"), base, &theirs_dir];
+    if !parameters.is_empty() {
+        args.push(Path::new(&parameters));
+    }
+    peft_script(python, &args);
+    let mut model = CausalLm::from_pretrained(base, DType::F32, &Device::Cpu).unwrap();
+    model.load_adapter(&theirs_dir).unwrap();
+    let d = max_diff(
+        &model.forward(&ids, &pos).unwrap(),
+        &peft_logits_of(python, base, &theirs_dir, tmp),
+    );
+    eprintln!("{what}: peft's adapter here: logits within {d:.1e}");
+    assert!(
+        d < 1e-4,
+        "{what}: our logits with peft's adapter differ by {d}"
+    );
+    (adapter, ours)
+}
+
+/// gpt-oss's fused experts and router adapted as parameters (peft's `target_parameters`, as
+/// the gpt-oss fine-tuning recipe does; `lora_target_parameters` here): every layer's three,
+/// and one layer's down projection alone (`1.mlp.experts.down_proj`). Each expert's adapter
+/// runs as two grouped GEMMs of rank r. Both ways with peft (our adapter in peft, peft's
+/// here: the same logits), read back here, and merged into the base (`cargo trl merge`'s
+/// path): the merged model's logits are the adapted one's.
+#[test]
+fn parameter_adapters_travel_between_us_and_peft() {
+    let Some(python) = python_with_peft() else {
+        return;
+    };
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss/model");
+    let (ids, pos) = ids();
+    // Attention's 4 x 2 in each of 3 layers, and 2 per adapted parameter.
+    for (parameters, adapters) in [
+        (
+            "mlp.experts.gate_up_proj,mlp.experts.down_proj,mlp.router.weight",
+            3 * 8 + 3 * 3 * 2,
+        ),
+        ("1.mlp.experts.down_proj", 3 * 8 + 2),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let lora = LoraConfig {
+            target_parameters: parameters.split(',').map(String::from).collect(),
+            ..config(Targets::AllLinear)
+        };
+        let (adapter, ours) = round_trip(&python, &base, &lora, adapters, tmp.path());
+        let plain = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+        let moved = max_diff(&ours, &plain.forward(&ids, &pos).unwrap());
+        assert!(
+            moved > 1e-3,
+            "{parameters}: the adapters change nothing ({moved})"
+        );
+        // Merged into the base's weights.
+        let merged = tmp.path().join("merged");
+        trl_runtime::models::merge::merge_adapter(&adapter, Some(&base), &merged, 1 << 30, &|b| {
+            let mut m = CausalLm::skeleton_for(b, DType::F32, &Device::Cpu)?;
+            Ok(m.lora_sites()?.1)
+        })
+        .unwrap();
+        let m = CausalLm::from_pretrained(&merged, DType::F32, &Device::Cpu).unwrap();
+        let d = max_diff(&m.forward(&ids, &pos).unwrap(), &ours);
+        eprintln!("{parameters}: merged: logits within {d:.1e}");
         assert!(
             d < 1e-4,
-            "{name}: our logits with peft's adapter differ by {d}"
+            "{parameters}: the merged model's logits differ by {d}"
         );
     }
 }

@@ -216,7 +216,8 @@ impl AutoModelForCausalLM {
             ));
         };
         let (dtype, device) = (head.dtype(), head.device().clone());
-        let (config, tensors) = super::peft::read(dir, dtype, &device)?;
+        let sites = super::peft::parameter_sites(self)?;
+        let (config, tensors) = super::peft::read(dir, dtype, &device, &sites)?;
         let source = dir.join(super::peft::ADAPTER_WEIGHTS).display().to_string();
         super::peft::add_adapters(self, &config)?;
         super::peft::set_trainable(self, &tensors, &|_, t| Ok(t.clone()), &source)

@@ -37,14 +37,18 @@ pub struct MergeReport {
 }
 
 /// The base weight an adapter tensor belongs to (`...q_proj.lora_A.weight` ->
-/// `...q_proj.weight`; a module trained whole is its own).
-fn target_of(adapter_tensor: &str) -> String {
+/// `...q_proj.weight`; a parameter adapted directly, one of `sites`, is the stem itself; a
+/// module trained whole is its own).
+fn target_of(adapter_tensor: &str, sites: &HashSet<String>) -> String {
     [".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector"]
         .iter()
         .find_map(|suffix| adapter_tensor.strip_suffix(suffix))
         .map_or_else(
             || adapter_tensor.to_string(),
-            |stem| format!("{stem}.weight"),
+            |stem| match sites.contains(stem) {
+                true => stem.to_string(),
+                false => format!("{stem}.weight"),
+            },
         )
 }
 
@@ -57,7 +61,17 @@ fn merged_weight(
     m: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    let adapted = (w.to_dtype(DType::F32)? + (b.matmul(a)? * scale)?.reshape(w.shape())?)?;
+    let lora = crate::nn::lora::Lora {
+        a: a.to_dtype(DType::F32)?,
+        b: b.to_dtype(DType::F32)?,
+        magnitude: None,
+        scale,
+        dropout: 0.0,
+    };
+    // A 3-D parameter holds its experts first (peft's ParamWrapper).
+    let experts = if w.rank() == 3 { w.dim(0)? } else { 1 };
+    let delta = lora.weight_delta(w.rank(), experts)?.reshape(w.shape())?;
+    let adapted = (w.to_dtype(DType::F32)? + delta)?;
     let adapted = match m {
         Some(m) => {
             let norm = adapted.sqr()?.sum_keepdim(1)?.sqrt()?;
@@ -72,12 +86,14 @@ fn merged_weight(
 /// Merges the adapter in `adapter_dir` into its base (`base`, or the local directory its
 /// config names) and writes the merged checkpoint to `out`, which must not exist yet. Weights
 /// are split into files of at most `max_shard_bytes` (one file when they fit), as
-/// `save_pretrained`'s max_shard_size does.
+/// `save_pretrained`'s max_shard_size does. `sites_of` gives a base directory's parameters
+/// that take adapters directly (`peft::parameter_sites` of its model).
 pub fn merge_adapter(
     adapter_dir: &Path,
     base: Option<&Path>,
     out: &Path,
     max_shard_bytes: usize,
+    sites_of: &dyn Fn(&Path) -> Result<Vec<String>>,
 ) -> Result<MergeReport> {
     let base = match base {
         Some(b) => b.to_path_buf(),
@@ -90,7 +106,9 @@ pub fn merge_adapter(
             "already exists: name a new directory (nothing is overwritten)",
         ));
     }
-    let (config, adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu)?;
+    let sites = sites_of(&base)?;
+    let (config, adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu, &sites)?;
+    let sites: HashSet<String> = sites.into_iter().collect();
     let scale = config.scale();
     let files = WeightFiles::open(&base)?;
     // What is written (the base's names, dtypes and shapes), and the base tensor each starts
@@ -118,7 +136,7 @@ pub fn merge_adapter(
     // Every adapter tensor must have its base weight, before anything is written.
     if let Some(name) = adapters
         .keys()
-        .find(|n| !source.contains_key(&target_of(n)))
+        .find(|n| !source.contains_key(&target_of(n, &sites)))
     {
         return Err(Error::config(
             adapter_dir
@@ -128,12 +146,12 @@ pub fn merge_adapter(
             name,
             format!(
                 "has no weight {} to merge into in {}: the adapter belongs to another model",
-                target_of(name),
+                target_of(name, &sites),
                 base.display()
             ),
         ));
     }
-    let adapted: HashSet<String> = adapters.keys().map(|n| target_of(n)).collect();
+    let adapted: HashSet<String> = adapters.keys().map(|n| target_of(n, &sites)).collect();
 
     let tmp = out.with_file_name(format!(
         ".{}.merging",
@@ -156,7 +174,10 @@ pub fn merge_adapter(
             report.copied += 1;
             return Ok(w);
         }
-        let stem = name.strip_suffix(".weight").unwrap_or(name);
+        let stem = match sites.contains(name) {
+            true => name,
+            false => name.strip_suffix(".weight").unwrap_or(name),
+        };
         let part = |p: &str| adapters.get(&format!("{stem}.{p}"));
         match (
             part("lora_A.weight"),

@@ -17,12 +17,15 @@ use std::path::Path;
 /// none; a target matching no layer is an error listing the layers there are.
 pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<AdapterPlan> {
     freeze_base(net, config)?;
-    let mut linears = Vec::new();
-    net.visit_linears_mut("", &mut |name, _| {
-        linears.push(name.to_string());
+    let (mut linears, mut parameters) = (Vec::new(), Vec::new());
+    net.visit_linears_mut("", &mut |name, target| {
+        match target.is_parameter() {
+            true => parameters.push(name.to_string()),
+            false => linears.push(name.to_string()),
+        }
         Ok(())
     })?;
-    let plan = adapter_plan(config, &linears)?;
+    let plan = adapter_plan(config, &linears, &parameters)?;
     let planned: HashMap<&str, &PlannedAdapter> =
         plan.layers.iter().map(|p| (p.name.as_str(), p)).collect();
     // An expert's up projection takes its gate's A (one A for the fused gate_up_proj).
@@ -148,17 +151,60 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 const PREFIX: &str = "base_model.model.";
 
+/// The parameters of `net` that can take an adapter directly (2-D and 3-D `nn::Param`s:
+/// peft's `target_parameters`), in the model's order.
+pub fn parameter_sites(net: &mut impl Parallelize) -> Result<Vec<String>> {
+    let mut sites = Vec::new();
+    net.visit_linears_mut("", &mut |name, target| {
+        if target.is_parameter() {
+            sites.push(name.to_string());
+        }
+        Ok(())
+    })?;
+    Ok(sites)
+}
+
+/// Every parameter name of `net` in its order (what [`save`] nests adapters on parameters by).
+pub fn parameter_order(net: &impl Parallelize) -> Vec<String> {
+    let mut order = Vec::new();
+    net.visit_params("", &mut |n, _, _| order.push(n.to_string()));
+    order
+}
+
 /// Writes `tensors` (full-size, by our names) and the adapter config into `dir`. `base` is
-/// the base model's directory (peft's base_model_name_or_path); `targets` the names of the
-/// adapted layers.
+/// the base model's directory (peft's base_model_name_or_path); `order` the model's parameter
+/// names in its order ([`parameter_order`]: where adapters on parameters nest, see
+/// [`super::peft_experts::wrapper_prefixes`]).
 pub fn save(
     dir: &Path,
     tensors: &BTreeMap<String, Tensor>,
     config: &LoraConfig,
     base: &Path,
+    order: &[String],
 ) -> Result<()> {
+    // Adapters on parameters (target_parameters) under peft's wrapper names, in the order
+    // the model visits them (a sharded base weight is not visited; its adapter is).
+    let adapted: Vec<String> = order
+        .iter()
+        .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+        .filter(|p| config.targets_parameter(p))
+        .map(String::from)
+        .collect();
+    let on_parameter = |n: &str| {
+        adapted.iter().any(|p| {
+            n.strip_prefix(p.as_str())
+                .is_some_and(|r| r.starts_with(".lora_"))
+        })
+    };
+    let (params, rest): (BTreeMap<String, Tensor>, BTreeMap<String, Tensor>) = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .partition(|(n, _)| on_parameter(n));
     // Experts and router as peft holds them on transformers 5 (fused parameters).
-    let fused = super::peft_experts::fuse(tensors)?;
+    let mut fused = super::peft_experts::fuse(&rest)?;
+    fused
+        .tensors
+        .extend(super::peft_experts::nest(params, &adapted));
     let mut targets: Vec<String> = tensors
         .keys()
         .filter_map(|n| n.strip_suffix(".lora_A.weight"))
@@ -174,6 +220,18 @@ pub fn save(
         true => serde_json::json!({ GATE_UP_PATTERN: v }),
         false => serde_json::json!({}),
     };
+    // The fused experts' names (as peft maps target_modules onto them), and the user's.
+    let parameters: Vec<String> = fused
+        .target_parameters
+        .iter()
+        .map(|s| s.to_string())
+        .chain(
+            adapted
+                .is_empty()
+                .then(Vec::new)
+                .unwrap_or_else(|| config.target_parameters.clone()),
+        )
+        .collect();
     let json = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -182,7 +240,7 @@ pub fn save(
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "target_modules": targets,
-        "target_parameters": (!fused.target_parameters.is_empty()).then_some(&fused.target_parameters),
+        "target_parameters": (!parameters.is_empty()).then_some(&parameters),
         "modules_to_save": (!config.modules_to_save.is_empty()).then_some(&config.modules_to_save),
         "use_rslora": config.rslora,
         "use_dora": config.dora,
@@ -236,11 +294,13 @@ pub fn base_model(dir: &Path) -> Result<std::path::PathBuf> {
     Ok(base)
 }
 
-/// The LoRA setup of a peft adapter directory and its tensors by our names (full size).
+/// The LoRA setup of a peft adapter directory and its tensors by our names (full size), for
+/// a model whose parameters that take adapters directly are `sites` ([`parameter_sites`]).
 pub fn read(
     dir: &Path,
     dtype: DType,
     device: &Device,
+    sites: &[String],
 ) -> Result<(LoraConfig, BTreeMap<String, Tensor>)> {
     let (json, source) = config_json(dir)?;
     let err = |key: &str, message: String| Error::config(&source, key, message);
@@ -294,7 +354,10 @@ pub fn read(
             ));
         }
     }
-    if let Some(p) = parameters.iter().find(|p| {
+    // A model that holds parameters adapts the listed ones (gpt-oss); one whose experts are
+    // linear layers reads peft's fused experts as its per-expert adapters (Qwen3-MoE, Mixtral).
+    let held = !sites.is_empty();
+    if let Some(p) = parameters.iter().filter(|_| !held).find(|p| {
         ![
             super::peft_experts::GATE_UP,
             super::peft_experts::DOWN,
@@ -316,7 +379,7 @@ pub fn read(
     let mut target_list = names("target_modules");
     // The fused parameters' layers here (transformers 4's names, Qwen3-MoE's and Mixtral's).
     use crate::nn::lora::{EXPERT_DOWN, EXPERT_GATE, EXPERT_UP};
-    for p in &parameters {
+    for p in parameters.iter().filter(|_| !held) {
         let layers = match p.as_str() {
             super::peft_experts::GATE_UP => [EXPERT_GATE, EXPERT_UP].concat(),
             super::peft_experts::DOWN => EXPERT_DOWN.to_vec(),
@@ -337,6 +400,11 @@ pub fn read(
         rslora: json["use_rslora"].as_bool().unwrap_or(false),
         seed: 0,
         dora: json["use_dora"].as_bool().unwrap_or(false),
+        // Without parameters held as such, the fused experts' names became target_modules.
+        target_parameters: match held {
+            true => parameters.clone(),
+            false => Vec::new(),
+        },
     };
     let file = dir.join(ADAPTER_WEIGHTS);
     let loaded = candle_core::safetensors::load(&file, device)?;
@@ -360,11 +428,19 @@ pub fn read(
             .replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector");
         tensors.insert(ours, t.to_dtype(dtype)?);
     }
-    let tensors = super::peft_experts::unfuse(
-        tensors,
-        &parameters,
-        (2 * r, r),
-        &file.display().to_string(),
-    )?;
+    let adapted: Vec<String> = sites
+        .iter()
+        .filter(|p| config.targets_parameter(p))
+        .cloned()
+        .collect();
+    let tensors = match held {
+        true => super::peft_experts::unnest(tensors, &adapted),
+        false => super::peft_experts::unfuse(
+            tensors,
+            &parameters,
+            (2 * r, r),
+            &file.display().to_string(),
+        )?,
+    };
     Ok((config, tensors))
 }

@@ -284,3 +284,67 @@ pub fn align(name: &str, ours: &HashSet<&str>) -> String {
         false => name.to_string(),
     }
 }
+
+/// peft's names for adapters on parameters (`target_parameters`): each adapted parameter is
+/// wrapped in a ParamWrapper around its module, in the order the module registers its
+/// parameters, so the first wrapped sits innermost: gpt-oss's experts with both fused
+/// projections adapted keep gate_up_proj's adapter as `mlp.experts.base_layer.lora_A.weight`
+/// and down_proj's as `mlp.experts.lora_A.weight`. `adapted` lists the adapted parameters in
+/// the model's order; returns, for each, its adapter's peft prefix (`...experts.base_layer`).
+pub fn wrapper_prefixes(adapted: &[String]) -> BTreeMap<String, String> {
+    let module = |p: &str| {
+        p.rsplit_once('.')
+            .map_or(String::new(), |(m, _)| m.to_string())
+    };
+    adapted
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let m = module(p);
+            let later = adapted[i + 1..].iter().filter(|q| module(q) == m).count();
+            (p.clone(), format!("{m}{}", ".base_layer".repeat(later)))
+        })
+        .collect()
+}
+
+/// Our adapter tensors on parameters (`{parameter}.lora_A.weight`) under peft's names (see
+/// [`wrapper_prefixes`]); `adapted` in the model's order. Other tensors pass unchanged.
+pub fn nest(tensors: BTreeMap<String, Tensor>, adapted: &[String]) -> BTreeMap<String, Tensor> {
+    let prefixes = wrapper_prefixes(adapted);
+    tensors
+        .into_iter()
+        .map(|(name, t)| {
+            for (p, prefix) in &prefixes {
+                for part in ["lora_A.weight", "lora_B.weight"] {
+                    if name == format!("{p}.{part}") {
+                        return (format!("{prefix}.{part}"), t);
+                    }
+                }
+            }
+            (name, t)
+        })
+        .collect()
+}
+
+/// The inverse of [`nest`]: peft's names of adapters on the parameters `adapted` (in the
+/// model's order) back to ours; other tensors pass unchanged.
+pub fn unnest(tensors: BTreeMap<String, Tensor>, adapted: &[String]) -> BTreeMap<String, Tensor> {
+    let ours: BTreeMap<String, String> = wrapper_prefixes(adapted)
+        .into_iter()
+        .map(|(p, prefix)| (prefix, p))
+        .collect();
+    tensors
+        .into_iter()
+        .map(|(name, t)| {
+            for part in ["lora_A.weight", "lora_B.weight"] {
+                if let Some(p) = name
+                    .strip_suffix(part)
+                    .and_then(|m| ours.get(m.trim_end_matches('.')))
+                {
+                    return (format!("{p}.{part}"), t);
+                }
+            }
+            (name, t)
+        })
+        .collect()
+}

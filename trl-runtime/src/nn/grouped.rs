@@ -10,13 +10,27 @@ use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::{Result, Tensor};
 
 /// Expert `e`'s `counts[e]` rows of `x` [rows, in] (rows sorted by expert) times `w[e]`
-/// [in, out], plus `b[e]` when given: [rows, out].
+/// [in, out], plus `b[e]` when given: [rows, out]. A LoRA adapter on `w` (peft's
+/// `target_parameters`) adds each expert's `x A_e^T B_e^T * scale` through two more grouped
+/// GEMMs of rank r, the adapted weight never built.
 pub fn grouped_linear(
     x: &Tensor,
     w: &Param,
     b: Option<&Param>,
     counts: &[usize],
 ) -> Result<Tensor> {
+    let y = base(x, w, b, counts)?;
+    let Some(lora) = &w.lora else {
+        return Ok(y);
+    };
+    let (a, bs) = lora.expert_stacks(counts.len())?;
+    let h = local(x, &a.to_dtype(x.dtype())?, None, counts)?;
+    let delta = local(&h, &bs.to_dtype(x.dtype())?, None, counts)?;
+    y + (delta * lora.scale)?
+}
+
+/// The base layer: `w` and `b` held whole or sharded.
+fn base(x: &Tensor, w: &Param, b: Option<&Param>, counts: &[usize]) -> Result<Tensor> {
     match (&w.weight, b.map(|b| &b.weight)) {
         (Weight::Local(w), None) => local(x, w, None, counts),
         (Weight::Local(w), Some(Weight::Local(b))) => local(x, w, Some(b), counts),
@@ -31,10 +45,11 @@ pub fn grouped_linear(
 /// [`grouped_linear`] on weights held whole, with autograd.
 fn local(x: &Tensor, w: &Tensor, b: Option<&Tensor>, counts: &[usize]) -> Result<Tensor> {
     let y = grouped::forward(&x.detach(), w, b, counts)?;
-    // Gradients for what trains: a frozen weight (a LoRA base) is not a variable.
+    // Gradients for what trains: a frozen weight (a LoRA base) tracks no variable; an
+    // adapter's stacks are computed from its variables.
     let backward = Grouped {
         counts: counts.to_vec(),
-        grads: (w.is_variable(), b.is_some_and(Tensor::is_variable)),
+        grads: (w.track_op(), b.is_some_and(Tensor::track_op)),
     };
     // Without a bias the op's third input is a constant, which takes no gradient.
     let b = match b {

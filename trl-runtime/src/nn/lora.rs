@@ -39,6 +39,10 @@ pub struct LoraConfig {
     pub seed: u64,
     /// Weight-decomposed LoRA: a trained magnitude per output feature (see the module docs).
     pub dora: bool,
+    /// Parameters adapted directly (peft's `target_parameters`): names or name suffixes of 2-D
+    /// and 3-D parameters that are not linear layers (gpt-oss's fused experts,
+    /// `mlp.experts.gate_up_proj`; its router, `mlp.router.weight`).
+    pub target_parameters: Vec<String>,
 }
 
 impl LoraConfig {
@@ -58,6 +62,12 @@ impl LoraConfig {
             Targets::AllLinear => !output_layer,
             Targets::Names(names) => names.iter().any(|t| suffix_match(name, t)),
         }
+    }
+
+    /// Whether the parameter `name` (held as a tensor, not a layer) gets an adapter: peft's
+    /// `target_parameters` matching, by name or name suffix.
+    pub fn targets_parameter(&self, name: &str) -> bool {
+        self.target_parameters.iter().any(|t| suffix_match(name, t))
     }
 
     /// Whether parameter `name` belongs to a module trained whole (`modules_to_save`).
@@ -92,6 +102,8 @@ pub struct PlannedAdapter {
     pub config: LoraConfig,
     /// The layer whose `A` it uses: an expert's up projection shares its gate's.
     pub shares_a: Option<String>,
+    /// A parameter adapted directly (`target_parameters`), not a linear layer.
+    pub parameter: bool,
 }
 
 /// The adapters of a model ([`adapter_plan`]).
@@ -120,8 +132,15 @@ pub fn is_routed_expert(name: &str) -> bool {
 ///   `gate_up_proj`: 2r and 2 x alpha) with a `B` each, its down projection has rank r. peft
 ///   maps every gate_proj / up_proj / down_proj (w1 / w3 / w2) target onto the experts, so
 ///   the same projections of a dense MLP beside them get none (`left_out`), and it adapts
-///   parameters without dropout or DoRA, so neither is accepted on experts or router.
-pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Result<AdapterPlan> {
+///   parameters without dropout or DoRA, so neither is accepted on experts or router;
+/// - of `parameters` (2-D and 3-D parameters held as tensors, not layers: gpt-oss's fused
+///   experts and router), those `config.target_parameters` names, at rank r per expert
+///   (peft's ParamWrapper); a name that matches none is an error listing them.
+pub fn adapter_plan(
+    config: &LoraConfig,
+    linears: &[String],
+    parameters: &[String],
+) -> crate::error::Result<AdapterPlan> {
     let fail = |key: &str, message: String| {
         Err(crate::error::Error::config(
             "training arguments",
@@ -189,6 +208,50 @@ pub fn adapter_plan(config: &LoraConfig, linears: &[String]) -> crate::error::Re
             name: name.clone(),
             config: c,
             shares_a,
+            parameter: false,
+        });
+    }
+    for target in &config.target_parameters {
+        let matched: Vec<&String> = parameters
+            .iter()
+            .filter(|p| suffix_match(p, target))
+            .collect();
+        if matched.is_empty() {
+            // One name per kind of parameter: without the layer index.
+            let mut kinds: Vec<String> = parameters
+                .iter()
+                .map(|p| match p.split_once(".layers.") {
+                    Some((_, rest)) => rest.split_once('.').map_or(rest, |(_, r)| r).to_string(),
+                    None => p.clone(),
+                })
+                .collect();
+            kinds.sort();
+            kinds.dedup();
+            let have = match kinds.is_empty() {
+                true => "this model holds none (its experts, if any, are linear layers: \
+                         lora_target_modules adapts them, as peft maps gate_proj / up_proj / \
+                         down_proj onto transformers 5's fused experts)"
+                    .to_string(),
+                false => format!("this model's are {}", kinds.join(", ")),
+            };
+            return fail(
+                "lora_target_parameters",
+                format!("'{target}' matches no 2-D or 3-D parameter held outside a linear layer; {have}"),
+            );
+        }
+    }
+    for name in parameters.iter().filter(|p| config.targets_parameter(p)) {
+        if config.dropout > 0.0 {
+            return fail("lora_dropout", format!("{}: {name} is adapted as a parameter (lora_target_parameters), which peft does without dropout (it refuses lora_dropout != 0 there): set lora_dropout 0", config.dropout));
+        }
+        if config.dora {
+            return fail("use_dora", format!("{name} is adapted as a parameter (lora_target_parameters), which peft does without DoRA (it refuses use_dora there): drop use_dora"));
+        }
+        layers.push(PlannedAdapter {
+            name: name.clone(),
+            config: config.clone(),
+            shares_a: None,
+            parameter: true,
         });
     }
     if layers.is_empty() {
@@ -250,6 +313,33 @@ impl Lora {
             scale: config.scale(),
             dropout: config.dropout,
         })
+    }
+
+    /// A 3-D parameter's adapter (`experts` stacked, as peft's ParamWrapper holds them: `A`
+    /// [experts x r, in], rows expert-major; `B` [out, r x experts], column `k x experts + e`
+    /// expert e's k-th) as one pair per expert: [experts, in, r] and [experts, r, out].
+    pub fn expert_stacks(&self, experts: usize) -> Result<(Tensor, Tensor)> {
+        let (rows, inp) = self.a.dims2()?;
+        let (out, cols) = self.b.dims2()?;
+        let a = self.a.reshape((experts, rows / experts, inp))?;
+        let b = self.b.reshape((out, cols / experts, experts))?;
+        Ok((
+            a.transpose(1, 2)?.contiguous()?,
+            b.permute((2, 1, 0))?.contiguous()?,
+        ))
+    }
+
+    /// The change the adapter makes to the weight it adapts, `scale B A`: [out, in] for a
+    /// 2-D weight, [experts, in, out] for a 3-D one of `experts` (peft's ParamWrapper).
+    pub fn weight_delta(&self, rank: usize, experts: usize) -> Result<Tensor> {
+        let delta = match rank {
+            3 => {
+                let (a, b) = self.expert_stacks(experts)?;
+                a.matmul(&b)?
+            }
+            _ => self.b.matmul(&self.a)?,
+        };
+        delta * self.scale
     }
 
     /// `dropout(x) A^T B^T * scale` for `x` [..., in] (`x` as the base layer sees it).
@@ -411,6 +501,7 @@ mod tests {
             rslora: false,
             seed: 1,
             dora: false,
+            target_parameters: Vec::new(),
         }
     }
 
@@ -491,8 +582,9 @@ mod tests {
             rslora: false,
             seed: 0,
             dora: false,
+            target_parameters: Vec::new(),
         };
-        let plan = adapter_plan(&config, &names).unwrap();
+        let plan = adapter_plan(&config, &names, &[]).unwrap();
         let got: Vec<(&str, usize, Option<&str>)> = plan
             .layers
             .iter()
@@ -516,7 +608,7 @@ mod tests {
             ]
         );
         assert_eq!(plan.left_out, names[5..7]);
-        let refused = |c: LoraConfig| adapter_plan(&c, &names).unwrap_err().to_string();
+        let refused = |c: LoraConfig| adapter_plan(&c, &names, &[]).unwrap_err().to_string();
         let dropout = refused(LoraConfig {
             dropout: 0.05,
             ..config.clone()

@@ -416,13 +416,19 @@ pub trait Parallelize {
     }
 }
 
-/// A layer that can take a LoRA adapter (`nn::Linear`; see `nn::lora`).
+/// A layer that can take a LoRA adapter (`nn::Linear`; see `nn::lora`), or a parameter
+/// adapted directly (`nn::Param`: peft's `target_parameters`).
 pub trait LoraTarget {
     /// Adds an adapter at the layer's full size, sliced as its tensor-parallel split requires,
     /// and freezes the layer's own weights.
     fn add_lora(&mut self, name: &str, config: &super::lora::LoraConfig) -> Result<()>;
     /// The adapter, once added.
     fn lora_mut(&mut self) -> Option<&mut super::lora::Lora>;
+    /// Whether this is a parameter (chosen by `target_parameters`) rather than a linear
+    /// layer (chosen by `target_modules`).
+    fn is_parameter(&self) -> bool {
+        false
+    }
 }
 
 /// A layer whose parameters can be split as `style` (implemented by [`crate::nn::Linear`]

@@ -3,8 +3,13 @@
 //! held as any weight is (whole, or a ZeRO-3 / FSDP slot), and split under tensor parallelism
 //! as it says itself ([`Param::split_column`], [`Param::split_row`]): a tensor has no
 //! layer whose kind would imply the dimension, so the model names it where it builds it.
+//!
+//! A 2-D or 3-D parameter takes a LoRA adapter as peft's ParamWrapper adds one
+//! (`target_parameters`): a 2-D [out, in] weight as a linear layer's, a 3-D [experts, in, out]
+//! one (transformers' expert layout) with one adapter per expert, stacked ([`Lora::expert_stacks`]).
 
-use super::module::{Parallelize, Sections, Split, TpContext, TpStyle};
+use super::lora::{Lora, LoraConfig};
+use super::module::{child_name, LoraTarget, Parallelize, Sections, Split, TpContext, TpStyle};
 use super::sharded;
 use super::Weight;
 use crate::error::{Error, Result as TrlResult};
@@ -16,6 +21,10 @@ pub struct Param {
     /// How tensor parallelism splits it: a style (column: it feeds split features; row: it
     /// reads them) and the dimension cut. None: whole on every rank.
     pub split: Option<(TpStyle, usize)>,
+    /// A LoRA adapter on it (this rank's slices), once added.
+    pub lora: Option<Lora>,
+    /// This rank and the tensor-parallel group's size, once split.
+    tp: Option<(usize, usize)>,
 }
 
 impl Param {
@@ -28,6 +37,8 @@ impl Param {
         Ok(Param {
             weight: Weight::Local(vb.get(shape, name)?),
             split: None,
+            lora: None,
+            tp: None,
         })
     }
 
@@ -47,12 +58,120 @@ impl Param {
     }
 
     /// Its whole value as a tensor of the graph (a sharded one gathered, its gradient going
-    /// back to the unit).
+    /// back to the unit), with its adapter's change when it has one.
     pub fn value(&self) -> Result<Tensor> {
-        match &self.weight {
-            Weight::Local(t) => Ok(t.clone()),
-            Weight::Sharded(w) => sharded::whole(w),
+        let w = match &self.weight {
+            Weight::Local(t) => t.clone(),
+            Weight::Sharded(w) => sharded::whole(w)?,
+        };
+        match &self.lora {
+            Some(lora) => {
+                let experts = if w.rank() == 3 { w.dim(0)? } else { 1 };
+                let delta = lora.weight_delta(w.rank(), experts)?;
+                let delta = delta.to_dtype(w.dtype())?;
+                w + delta
+            }
+            None => Ok(w),
         }
+    }
+
+    /// Holds the adapter as trainable variables, cut to this rank's slices once split over
+    /// tp.
+    fn split_lora(&mut self, name: &str) -> TrlResult<()> {
+        let Some(lora) = &mut self.lora else {
+            return Ok(());
+        };
+        let (rank, size) = self.tp.unwrap_or((0, 1));
+        let (a_dim, b_dim) = match size {
+            1 => (None, None),
+            _ => lora_split_dims(self.split),
+        };
+        let cut = |t: &Tensor, part: &str, dim: Option<usize>| -> TrlResult<Tensor> {
+            let t = match dim {
+                Some(d) => Split::on(TpStyle::Replicate, Some(d)).part(
+                    &child_name(name, part),
+                    t,
+                    rank,
+                    size,
+                )?,
+                None => t.clone(),
+            };
+            Ok(candle_core::Var::from_tensor(&t.copy()?)?
+                .as_tensor()
+                .clone())
+        };
+        lora.a = cut(&lora.a, "lora_A.weight", a_dim)?;
+        lora.b = cut(&lora.b, "lora_B.weight", b_dim)?;
+        Ok(())
+    }
+
+    /// Holds the weight as a constant (no gradient): a LoRA base.
+    fn freeze(&mut self) {
+        if let Weight::Local(t) = &mut self.weight {
+            if t.is_variable() {
+                *t = t.detach();
+            }
+        }
+    }
+}
+
+/// The dimensions of a parameter's adapter `A` and `B` split over tp under `split`: the
+/// input features (dim 1 of [out, in] and of [experts, in, out]) are `A`'s dim 1, the output
+/// features `B`'s dim 0.
+pub fn lora_split_dims(split: Option<(TpStyle, usize)>) -> (Option<usize>, Option<usize>) {
+    match split {
+        Some((_, 1)) => (Some(1), None),
+        Some(_) => (None, Some(0)),
+        None => (None, None),
+    }
+}
+
+impl LoraTarget for Param {
+    /// peft's ParamWrapper: a 2-D [out, in] parameter gets `A` [r, in] and `B` [out, r]; a
+    /// 3-D [experts, in, out] one `A` [experts x r, in] and `B` [out, r x experts] (see
+    /// [`Lora::expert_stacks`]), at its full size, then cut as its tp split requires. peft
+    /// adapts parameters without dropout or DoRA (adapter_plan refuses them).
+    fn add_lora(&mut self, name: &str, config: &LoraConfig) -> TrlResult<()> {
+        let Weight::Local(w) = &self.weight else {
+            return Err(Error::TensorParallel {
+                name: name.into(),
+                message: "add LoRA adapters before sharding the model for FSDP".into(),
+            });
+        };
+        let mut full = w.dims().to_vec();
+        if let (Some((_, d)), Some((_, size))) = (self.split, self.tp) {
+            full[d] *= size;
+        }
+        let (experts, inp, out) = match *full.as_slice() {
+            [e, i, o] => (e, i, o),
+            [o, i] => (1, i, o),
+            _ => {
+                return Err(Error::config(
+                    "training arguments",
+                    "lora_target_parameters",
+                    format!("{name} has shape {full:?}: peft adapts 2-D and 3-D parameters only"),
+                ))
+            }
+        };
+        let stacked = LoraConfig {
+            r: config.r * experts,
+            ..config.clone()
+        };
+        let mut lora = Lora::init(name, (out, inp), &stacked, (w.dtype(), w.device()))?;
+        // Each expert's adapter has rank r: peft scales by alpha / r.
+        lora.scale = config.scale();
+        self.lora = Some(lora);
+        self.split_lora(name)?;
+        self.freeze();
+        Ok(())
+    }
+
+    fn lora_mut(&mut self) -> Option<&mut Lora> {
+        self.lora.as_mut()
+    }
+
+    fn is_parameter(&self) -> bool {
+        true
     }
 }
 
@@ -69,7 +188,8 @@ impl Parallelize for Param {
             });
         };
         self.weight = Weight::Local(tp.shard(name, t, dim, Sections::WHOLE)?);
-        Ok(())
+        self.tp = Some((tp.rank(), tp.size()));
+        self.split_lora(name)
     }
 
     fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
@@ -80,6 +200,17 @@ impl Parallelize for Param {
             };
             f(name, t, split)
         }
+        if let Some(lora) = &self.lora {
+            // The half not split sees this rank's share of the features: its gradient is
+            // partial (as a split linear layer's adapter).
+            let (a, b) = match (self.split, lora_split_dims(self.split)) {
+                (None, _) => (Split::REPLICATED, Split::REPLICATED),
+                (Some((style, _)), (Some(d), _)) => (Split::on(style, Some(d)), Split::PARTIAL),
+                (Some((style, _)), (_, d)) => (Split::PARTIAL, Split::on(style, d)),
+            };
+            f(&child_name(name, "lora_A.weight"), &lora.a, a);
+            f(&child_name(name, "lora_B.weight"), &lora.b, b);
+        }
     }
 
     fn visit_weights_mut(
@@ -88,5 +219,17 @@ impl Parallelize for Param {
         f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
     ) -> TrlResult<()> {
         f(name, &mut self.weight)
+    }
+
+    /// A 2-D or 3-D parameter can take an adapter (`target_parameters`).
+    fn visit_linears_mut(
+        &mut self,
+        name: &str,
+        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> TrlResult<()>,
+    ) -> TrlResult<()> {
+        match self.weight.dims().len() {
+            2 | 3 => f(name, self),
+            _ => Ok(()),
+        }
     }
 }

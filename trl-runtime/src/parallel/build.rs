@@ -67,7 +67,7 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
                      checkpoint, or drop use_peft",
                 ));
             }
-            let (_, tensors) = peft::read(ckpt, dtype, &device)?;
+            let (_, tensors) = peft::read(ckpt, dtype, &device, &model.lora_sites()?.1)?;
             let source = ckpt.join(peft::ADAPTER_WEIGHTS).display().to_string();
             model.set_trainable(&tensors, &source)?;
             let trained = Params::from_tensors(tensors)?;

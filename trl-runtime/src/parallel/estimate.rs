@@ -172,8 +172,9 @@ pub struct ModelShapes {
     params: Vec<PlanEntry>,
     /// The FSDP wrap units (one per decoder layer), in forward order.
     units: Vec<String>,
-    /// The layers that can take a LoRA adapter.
+    /// The layers that can take a LoRA adapter, and the parameters that can.
     linears: Vec<String>,
+    parameters: Vec<String>,
     /// Query and key/value heads (what tp and sp must divide).
     heads: Option<(usize, usize)>,
     /// The loss needs whole logits (final-logit soft-capping).
@@ -237,7 +238,7 @@ impl ModelShapes {
             crate::Error::config(source, "<sizes>", format!("not a decoder's config: {e}"))
         })?;
         let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
-        let linears = model.linear_names()?;
+        let (linears, parameters) = model.lora_sites()?;
         let net = model.net();
         let mut units = Vec::new();
         net.visit_units("", &mut |n| units.push(n.to_string()));
@@ -272,6 +273,7 @@ impl ModelShapes {
             params,
             units,
             linears,
+            parameters,
             heads: net.heads(),
             logits_loss: net.logit_softcap().is_some(),
             moe,
@@ -323,12 +325,27 @@ impl ModelShapes {
             dropout: 0.0,
             ..lora.clone()
         };
-        let Ok(plan) = crate::nn::lora::adapter_plan(&shapes, &self.linears) else {
+        let Ok(plan) = crate::nn::lora::adapter_plan(&shapes, &self.linears, &self.parameters)
+        else {
             return Vec::new();
         };
         plan.layers
             .iter()
             .filter_map(|p| {
+                if p.parameter {
+                    // peft's ParamWrapper: A [E r, in], B [out, r E] (E = 1 for 2-D).
+                    let e = self.params.iter().find(|e| e.name == p.name)?;
+                    let (experts, inp, out) = match *e.full_shape.as_slice() {
+                        [x, i, o] => (x, i, o),
+                        [o, i] => (1, i, o),
+                        _ => return None,
+                    };
+                    let split = e.split.dim.map(|d| (e.split.style, d));
+                    let (a, b) = crate::nn::param::lora_split_dims(split);
+                    let part = |split: Option<usize>| if split.is_some() { tp } else { 1 };
+                    let r = p.config.r * experts;
+                    return Some((p.name.clone(), r * inp / part(a) + out * r / part(b)));
+                }
                 let weight = format!("{}.weight", p.name);
                 let e = self.params.iter().find(|e| e.name == weight)?;
                 let (out, inp) = (e.full_shape[0], e.full_shape[1]);

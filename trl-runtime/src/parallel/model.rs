@@ -417,15 +417,19 @@ impl<N: CausalModel> Model<N> {
         Ok(plan)
     }
 
-    /// The names of the layers that can take a LoRA adapter (each `nn::Linear`), as
+    /// The names of the layers that can take a LoRA adapter (each `nn::Linear`) and of the
+    /// parameters that can (2-D and 3-D `nn::Param`s: `target_parameters`), as
     /// [`Self::add_adapters`] visits them.
-    pub fn linear_names(&mut self) -> Result<Vec<String>> {
-        let mut names = Vec::new();
-        self.net_mut()?.visit_linears_mut("", &mut |name, _| {
-            names.push(name.to_string());
+    pub fn lora_sites(&mut self) -> Result<(Vec<String>, Vec<String>)> {
+        let (mut linears, mut parameters) = (Vec::new(), Vec::new());
+        self.net_mut()?.visit_linears_mut("", &mut |name, target| {
+            match target.is_parameter() {
+                true => parameters.push(name.to_string()),
+                false => linears.push(name.to_string()),
+            }
             Ok(())
         })?;
-        Ok(names)
+        Ok((linears, parameters))
     }
 
     /// Applies a LoRA adapter saved by peft (`PeftModel.save_pretrained`) or by a LoRA run
@@ -439,7 +443,8 @@ impl<N: CausalModel> Model<N> {
             ));
         };
         let (dtype, device) = (head.dtype(), head.device().clone());
-        let (config, tensors) = crate::models::peft::read(dir, dtype, &device)?;
+        let sites = self.lora_sites()?.1;
+        let (config, tensors) = crate::models::peft::read(dir, dtype, &device, &sites)?;
         let source = dir.join(crate::models::peft::ADAPTER_WEIGHTS);
         match &self.lora {
             None => {

@@ -178,6 +178,11 @@ training_arguments! {
     /// `all-linear` (every linear layer but the LM head); unset: peft's default for the model
     /// type (q_proj and v_proj; Phi-3's qkv_proj).
     lora_target_modules: Option<NameList> = None;
+    /// Parameters that are not linear layers to adapt directly (peft's target_parameters):
+    /// gpt-oss's fused experts (`mlp.experts.gate_up_proj mlp.experts.down_proj`, or one
+    /// layer's, `7.mlp.experts.gate_up_proj`) and router (`mlp.router.weight`), matched as
+    /// name suffixes.
+    lora_target_parameters: Option<NameList> = None;
     /// Layers trained whole beside the adapters (e.g. `lm_head embed_tokens`).
     lora_modules_to_save: Option<NameList> = None;
     /// peft's task type: CAUSAL_LM, the only one a causal LM trainer has.
@@ -355,6 +360,10 @@ impl TrainingArguments {
             rslora: self.use_rslora,
             seed: self.seed,
             dora: self.use_dora,
+            target_parameters: self
+                .lora_target_parameters
+                .as_ref()
+                .map_or(Vec::new(), |l| l.0.clone()),
         })
     }
 
@@ -598,6 +607,7 @@ impl<C: TrainerConfig> Cli<C> {
 fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
     const LISTS: &[&str] = &[
         "lora_target_modules",
+        "lora_target_parameters",
         "lora_modules_to_save",
         "loss_type",
         "loss_weights",

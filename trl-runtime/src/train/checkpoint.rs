@@ -94,6 +94,8 @@ pub enum Weights<'a> {
         tensors: &'a BTreeMap<String, Tensor>,
         lora: &'a LoraConfig,
         base: &'a Path,
+        /// Every parameter name in the model's order (see `peft::save`).
+        order: &'a [String],
     },
 }
 
@@ -118,8 +120,9 @@ pub fn save(
             tensors,
             lora,
             base,
+            order,
         } => {
-            crate::models::peft::save(&tmp, tensors, lora, base)?;
+            crate::models::peft::save(&tmp, tensors, lora, base, order)?;
             copy_tokenizer(&tmp, tokenizer_dir)?;
         }
     }

@@ -898,10 +898,12 @@ impl<'a, N: CausalModel> Core<'a, N> {
             Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
             None => mine,
         };
+        let order = crate::models::peft::parameter_order(self.model.net());
         self.write_checkpoint(checkpoint::Weights::Adapter {
             tensors: &tensors,
             lora,
             base: &self.args.model_name_or_path,
+            order: &order,
         })
     }
 

@@ -95,7 +95,6 @@ const KNOWN: &[&str] = &[
     "logging_first_step",
     "logging_nan_inf_filter",
     "logging_strategy",
-    "lora_target_parameters",
     "loss_type",
     "lr_scheduler_kwargs",
     "max_completion_length",
@@ -336,9 +335,6 @@ pub fn classify(
             },
             "load_in_8bit" | "load_in_4bit" if truthy(&value) => {
                 return Err(err(&key, "quantized training is not implemented: the base would be trained in full precision instead; remove it (or set it to false)".into()))
-            }
-            "lora_target_parameters" if truthy(&value) => {
-                return Err(err(&key, "adapters on parameters that are not linear layers (peft's target_parameters) are not implemented: use lora_target_modules".into()))
             }
             "fp16" if truthy(&value) => {
                 return Err(err(&key, "fp16 needs dynamic loss scaling, which is not implemented: use bf16: true".into()))
