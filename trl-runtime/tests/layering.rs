@@ -296,3 +296,71 @@ fn the_file_check_sees_siblings_through_every_path() {
         ["flash", "linear", "mask"]
     );
 }
+
+/// The functions of `code` (by brace matching from each `fn` with a body) with their length
+/// in lines.
+fn function_lengths(code: &str) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = code.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let t = lines[i].trim_start();
+        // `fn`, after any visibility and qualifiers (`pub(crate) const unsafe fn`).
+        let qualifier = |w: &str| w.starts_with("pub") || ["const", "unsafe", "async"].contains(&w);
+        let is_fn = t.split_whitespace().find(|w| !qualifier(w)) == Some("fn");
+        if !is_fn || t.ends_with(';') {
+            i += 1;
+            continue;
+        }
+        let name = t
+            .split("fn ")
+            .nth(1)
+            .unwrap_or("")
+            .split(['(', '<'])
+            .next()
+            .unwrap_or("");
+        let (mut depth, mut opened, mut j) = (0i32, false, i);
+        while j < lines.len() {
+            for c in lines[j].chars() {
+                match c {
+                    '{' => (depth, opened) = (depth + 1, true),
+                    '}' => depth -= 1,
+                    _ => {}
+                }
+            }
+            if opened && depth == 0 {
+                break;
+            }
+            j += 1;
+        }
+        out.push((name.to_string(), j - i + 1));
+        i = j + 1;
+    }
+    out
+}
+
+/// The trainers keep data, schedule and loop: no function of train/ runs over 120 lines
+/// (a long one is where strategy decisions crept back in before).
+#[test]
+fn no_function_in_train_is_over_120_lines() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/train");
+    let mut files = Vec::new();
+    visit(&dir, &mut files);
+    let mut long = Vec::new();
+    for file in files {
+        let code = std::fs::read_to_string(&file).unwrap();
+        for (name, n) in function_lengths(&code) {
+            if n > 120 {
+                long.push(format!("{}: {name} ({n} lines)", file.display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "split these: {long:?}");
+    // The counter sees a long function.
+    let body = "    let x = 1;\n".repeat(130);
+    let long_fn = format!("fn f() {{\n{body}}}\nfn g() {{}}\n");
+    assert_eq!(
+        function_lengths(&long_fn),
+        [("f".to_string(), 132), ("g".to_string(), 1)]
+    );
+}

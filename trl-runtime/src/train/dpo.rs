@@ -560,6 +560,33 @@ impl Dpo {
         })
     }
 
+    /// The reference's log-probabilities (chosen, rejected) of each pair of `rows`:
+    /// precomputed, or under TR-DPO after a mix its forward over the step's `micros`, its
+    /// weights swapped in once for all of them.
+    fn references<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        rows: &[Vec<usize>],
+        micros: &[Micro],
+    ) -> Result<Vec<Vec<(f64, f64)>>> {
+        match self.sync.as_ref().filter(|s| s.mixed) {
+            Some(sync) => sync.run(core, || {
+                micros
+                    .iter()
+                    .map(|micro| {
+                        let r = self.forward(core, micro, false, false)?;
+                        let n = micro.chosen_len.len();
+                        Ok((0..n).map(|j| (r.logps[j], r.logps[n + j])).collect())
+                    })
+                    .collect()
+            }),
+            None => Ok(rows
+                .iter()
+                .map(|idx| idx.iter().map(|&k| self.ref_train[k]).collect())
+                .collect()),
+        }
+    }
+
     fn pair_logps(micro: &Micro, sums: &SequenceSums, reference: &[(f64, f64)]) -> PairLogps {
         let n = micro.chosen_len.len();
         PairLogps {
@@ -808,24 +835,7 @@ impl<N: CausalModel> Task<N> for Dpo {
                 self.micro(core, &batch)
             })
             .collect::<Result<Vec<_>>>()?;
-        // The reference's log-probabilities: precomputed, or under TR-DPO after a mix its
-        // forward over the step's micro-batches, its weights swapped in once for all of them.
-        let references: Vec<Vec<(f64, f64)>> = match self.sync.as_ref().filter(|s| s.mixed) {
-            Some(sync) => sync.run(core, || {
-                micros
-                    .iter()
-                    .map(|micro| {
-                        let r = self.forward(core, micro, false, false)?;
-                        let n = micro.chosen_len.len();
-                        Ok((0..n).map(|j| (r.logps[j], r.logps[n + j])).collect())
-                    })
-                    .collect()
-            })?,
-            None => rows
-                .iter()
-                .map(|idx| idx.iter().map(|&k| self.ref_train[k]).collect())
-                .collect(),
-        };
+        let references = self.references(core, rows, &micros)?;
         // A mixture of experts' router loss over the policy's forward (TRL adds it per
         // micro-batch; the reference's forward has none).
         let router = RouterLosses::new(core, rows.len());
@@ -850,19 +860,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             let store = core.model.backward(&surrogate)?;
             core.accumulate(grads, store, rows.len())?;
             router.end(aux);
-            let beta = self.loss.beta;
-            for j in 0..p.chosen.len() {
-                let (rc, rr) = (
-                    beta * (p.chosen[j] - p.ref_chosen[j]),
-                    beta * (p.rejected[j] - p.ref_rejected[j]),
-                );
-                sums[0] += rc;
-                sums[1] += rr;
-                sums[2] += (rc > rr) as u8 as f64;
-                sums[3] += rc - rr;
-                sums[4] += p.chosen[j];
-                sums[5] += p.rejected[j];
-            }
+            p.add_reward_sums(self.loss.beta, &mut sums);
             pairs += p.chosen.len();
             logits.extend([
                 seq.logit_sums[0],

@@ -100,6 +100,26 @@ pub struct PairLogps {
     pub weights: Option<Vec<f64>>,
 }
 
+impl PairLogps {
+    /// TRL's logged sums over these pairs, at `beta`: rewards chosen and rejected (beta x
+    /// the log-ratio to the reference), accuracy (chosen above rejected), margin, and the
+    /// policy's log-probabilities chosen and rejected, added into `sums`.
+    pub fn add_reward_sums(&self, beta: f64, sums: &mut [f64; 6]) {
+        for j in 0..self.chosen.len() {
+            let (rc, rr) = (
+                beta * (self.chosen[j] - self.ref_chosen[j]),
+                beta * (self.rejected[j] - self.ref_rejected[j]),
+            );
+            sums[0] += rc;
+            sums[1] += rr;
+            sums[2] += (rc > rr) as u8 as f64;
+            sums[3] += rc - rr;
+            sums[4] += self.chosen[j];
+            sums[5] += self.rejected[j];
+        }
+    }
+}
+
 /// The loss of a micro-batch and its gradients with respect to the policy's chosen and
 /// rejected log-probabilities.
 #[derive(Debug, Clone)]
