@@ -51,6 +51,14 @@ fn crate_paths(code: &str) -> BTreeSet<String> {
     out
 }
 
+/// Every .rs file under `src/{sub}` of this crate, and that directory.
+fn sources(sub: &str) -> (std::path::PathBuf, Vec<std::path::PathBuf>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src").join(sub);
+    let mut files = Vec::new();
+    visit(&dir, &mut files);
+    (dir, files)
+}
+
 fn visit(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
@@ -64,9 +72,7 @@ fn visit(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
 
 #[test]
 fn modules_use_only_lower_layers() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    visit(&src, &mut files);
+    let (src, files) = sources("");
     let mut wrong = Vec::new();
     for file in files {
         let rel = file.strip_prefix(&src).unwrap();
@@ -343,9 +349,7 @@ fn function_lengths(code: &str) -> Vec<(String, usize)> {
 /// (a long one is where strategy decisions crept back in before).
 #[test]
 fn no_function_in_train_is_over_120_lines() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/train");
-    let mut files = Vec::new();
-    visit(&dir, &mut files);
+    let (_, files) = sources("train");
     let mut long = Vec::new();
     for file in files {
         let code = std::fs::read_to_string(&file).unwrap();
