@@ -434,6 +434,10 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
         dora: false,
         target_parameters: args.lora_target_parameters.clone(),
     });
+    // A target the model does not have would plan no adapters.
+    if let Some(lora) = &lora {
+        model.check_lora(lora).map_err(|e| e.to_string())?;
+    }
     let work = Work {
         model,
         seq: args.seq,

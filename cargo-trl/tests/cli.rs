@@ -334,3 +334,42 @@ fn the_plan_counts_preference_pairs() {
     let (code, _, err) = plan(&["--sync_ref_model"]);
     assert!(code != 0 && err.contains("--trainer dpo"), "{err}");
 }
+
+/// `cargo trl plan --use_peft` counts the adapters its targets name (gpt-oss's fused experts
+/// through `--lora_target_parameters`, one A and B per expert of rank r); a target the
+/// model does not have is an error naming the flag, not a plan without adapters.
+#[test]
+fn the_plan_counts_adapters_on_parameters_and_refuses_unknown_targets() {
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../assets/configs/gpt-oss-20b.json"
+    );
+    let plan = |extra: &[&str]| {
+        let base = [
+            "plan", "--model", config, "--seq", "4096", "--batch", "1", "--gpus", "8",
+        ];
+        run(&[&base[..], &["--use_peft"], extra].concat())
+    };
+    // The gradient column (fits, profile, 5 sizes, ckpt, params, grads): the adapters'.
+    let grads = |out: &str| -> String {
+        let line = out.lines().find(|l| l.starts_with("fits")).unwrap_or("");
+        line.split_whitespace().nth(9).unwrap_or("").to_string()
+    };
+    let (code, attention, err) = plan(&[]);
+    assert_eq!(code, 0, "{err}");
+    let experts = [
+        "--lora_target_parameters",
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj",
+    ];
+    let (code, both, err) = plan(&experts);
+    assert_eq!(code, 0, "{err}");
+    assert_ne!(grads(&attention), grads(&both), "{attention}\n{both}");
+    let (code, _, err) = plan(&["--lora_target_parameters", "mlp.experts.nothing"]);
+    assert!(
+        code != 0
+            && err.contains("lora_target_parameters")
+            && err.contains("mlp.experts.gate_up_proj"),
+        "{err}"
+    );
+}

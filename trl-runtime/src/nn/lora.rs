@@ -261,8 +261,11 @@ pub fn adapter_plan(
         return fail(
             "lora_target_modules",
             format!(
-                "{:?} matches no linear layer of this model that takes an adapter; its linear layers are {}",
-                config.targets,
+                "'{}' matches no linear layer of this model that takes an adapter; its linear layers are {}",
+                match &config.targets {
+                    Targets::AllLinear => "all-linear".to_string(),
+                    Targets::Names(names) => names.join(" "),
+                },
                 leaves.join(", ")
             ),
         );

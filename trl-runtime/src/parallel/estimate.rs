@@ -215,6 +215,12 @@ impl Dims {
 }
 
 impl ModelShapes {
+    /// Whether `lora` can adapt this model: its targets match layers (and parameters) the
+    /// model has, with what they allow; else the error `add_adapters` would give.
+    pub fn check_lora(&self, lora: &LoraConfig) -> Result<()> {
+        crate::nn::lora::adapter_plan(lora, &self.linears, &self.parameters).map(|_| ())
+    }
+
     /// The shapes of the built-in model of the config.json at `path`.
     pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
         let path = path.as_ref();
