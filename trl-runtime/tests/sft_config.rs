@@ -216,9 +216,24 @@ fn trl_recipes_are_read_with_their_extra_keys() {
             "{key} not named: {ignored:?}"
         );
     }
+    // peft's target_parameters, read as TRL's key (gpt-oss's fused experts).
+    std::fs::write(
+        &yaml,
+        "lora_target_parameters: [mlp.experts.gate_up_proj]\n",
+    )
+    .unwrap();
+    let (c, _) = SFTConfig::read(&yaml).unwrap();
+    let lora = SFTConfig {
+        training: trl_runtime::train::TrainingArguments {
+            use_peft: true,
+            ..c.training
+        },
+        ..c
+    };
+    let parameters = lora.training.lora("gpt_oss").unwrap().target_parameters;
+    assert_eq!(parameters, ["mlp.experts.gate_up_proj"]);
     for (line, expect) in [
         ("load_in_4bit: true\n", "quantized"),
-        ("lora_target_parameters: [experts]\n", "lora_target_modules"),
         ("fp16: true\n", "bf16"),
         ("optim: sgd\n", "AdamW"),
         ("dataset_text_field: content\n", "text"),
