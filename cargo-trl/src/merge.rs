@@ -3,7 +3,6 @@
 //! as peft's `merge_and_unload()` + `save_pretrained()` write it.
 
 use std::path::PathBuf;
-use trl_runtime::candle_core::{DType, Device};
 
 #[derive(clap::Args)]
 pub struct MergeArgs {
@@ -63,13 +62,7 @@ pub fn run(args: &MergeArgs) -> Result<String, String> {
         // The base's parameters that take adapters directly, from its built-in model's
         // structure; a model type of the user's has none we know of (its weights merge as
         // linear layers' do).
-        &|base| {
-            let device = Device::Cpu;
-            match trl_runtime::parallel::CausalLm::skeleton_for(base, DType::F32, &device) {
-                Ok(mut model) => model.lora_sites().map(|(_, sites)| sites),
-                Err(_) => Ok(Vec::new()),
-            }
-        },
+        &|base| Ok(trl_runtime::parallel::CausalLm::parameter_sites_of(base).unwrap_or_default()),
     )
     .map_err(|e| e.to_string())?;
     Ok(format!(

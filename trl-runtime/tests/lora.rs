@@ -355,11 +355,9 @@ fn parameter_adapters_travel_between_us_and_peft() {
         );
         // Merged into the base's weights.
         let merged = tmp.path().join("merged");
-        trl_runtime::models::merge::merge_adapter(&adapter, Some(&base), &merged, 1 << 30, &|b| {
-            let mut m = CausalLm::skeleton_for(b, DType::F32, &Device::Cpu)?;
-            Ok(m.lora_sites()?.1)
-        })
-        .unwrap();
+        let sites = &CausalLm::parameter_sites_of;
+        trl_runtime::models::merge::merge_adapter(&adapter, Some(&base), &merged, 1 << 30, sites)
+            .unwrap();
         let m = CausalLm::from_pretrained(&merged, DType::F32, &Device::Cpu).unwrap();
         let d = max_diff(&m.forward(&ids, &pos).unwrap(), &ours);
         eprintln!("{parameters}: merged: logits within {d:.1e}");

@@ -216,7 +216,7 @@ impl AutoModelForCausalLM {
             ));
         };
         let (dtype, device) = (head.dtype(), head.device().clone());
-        let sites = super::peft::parameter_sites(self)?;
+        let sites = super::peft::lora_sites(self)?.1;
         let (config, tensors) = super::peft::read(dir, dtype, &device, &sites)?;
         let source = dir.join(super::peft::ADAPTER_WEIGHTS).display().to_string();
         super::peft::add_adapters(self, &config)?;

@@ -68,9 +68,7 @@ fn merged_weight(
         scale,
         dropout: 0.0,
     };
-    // A 3-D parameter holds its experts first (peft's ParamWrapper).
-    let experts = if w.rank() == 3 { w.dim(0)? } else { 1 };
-    let delta = lora.weight_delta(w.rank(), experts)?.reshape(w.shape())?;
+    let delta = lora.weight_delta(w.dims())?;
     let adapted = (w.to_dtype(DType::F32)? + delta)?;
     let adapted = match m {
         Some(m) => {
@@ -87,7 +85,7 @@ fn merged_weight(
 /// config names) and writes the merged checkpoint to `out`, which must not exist yet. Weights
 /// are split into files of at most `max_shard_bytes` (one file when they fit), as
 /// `save_pretrained`'s max_shard_size does. `sites_of` gives a base directory's parameters
-/// that take adapters directly (`peft::parameter_sites` of its model).
+/// that take adapters directly (`peft::lora_sites` of its model).
 pub fn merge_adapter(
     adapter_dir: &Path,
     base: Option<&Path>,

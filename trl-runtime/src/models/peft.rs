@@ -17,14 +17,7 @@ use std::path::Path;
 /// none; a target matching no layer is an error listing the layers there are.
 pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<AdapterPlan> {
     freeze_base(net, config)?;
-    let (mut linears, mut parameters) = (Vec::new(), Vec::new());
-    net.visit_linears_mut("", &mut |name, target| {
-        match target.is_parameter() {
-            true => parameters.push(name.to_string()),
-            false => linears.push(name.to_string()),
-        }
-        Ok(())
-    })?;
+    let (linears, parameters) = lora_sites(net)?;
     let plan = adapter_plan(config, &linears, &parameters)?;
     let planned: HashMap<&str, &PlannedAdapter> =
         plan.layers.iter().map(|p| (p.name.as_str(), p)).collect();
@@ -151,17 +144,19 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 const PREFIX: &str = "base_model.model.";
 
-/// The parameters of `net` that can take an adapter directly (2-D and 3-D `nn::Param`s:
-/// peft's `target_parameters`), in the model's order.
-pub fn parameter_sites(net: &mut impl Parallelize) -> Result<Vec<String>> {
-    let mut sites = Vec::new();
+/// What in `net` can take a LoRA adapter, in the model's order: its linear layers
+/// (`target_modules`) and the parameters adapted directly (2-D and 3-D `nn::Param`s:
+/// `target_parameters`).
+pub fn lora_sites(net: &mut impl Parallelize) -> Result<(Vec<String>, Vec<String>)> {
+    let (mut linears, mut parameters) = (Vec::new(), Vec::new());
     net.visit_linears_mut("", &mut |name, target| {
-        if target.is_parameter() {
-            sites.push(name.to_string());
+        match target.is_parameter() {
+            true => parameters.push(name.to_string()),
+            false => linears.push(name.to_string()),
         }
         Ok(())
     })?;
-    Ok(sites)
+    Ok((linears, parameters))
 }
 
 /// Every parameter name of `net` in its order (what [`save`] nests adapters on parameters by).
@@ -221,17 +216,14 @@ pub fn save(
         false => serde_json::json!({}),
     };
     // The fused experts' names (as peft maps target_modules onto them), and the user's.
-    let parameters: Vec<String> = fused
+    let mut parameters: Vec<String> = fused
         .target_parameters
         .iter()
         .map(|s| s.to_string())
-        .chain(
-            adapted
-                .is_empty()
-                .then(Vec::new)
-                .unwrap_or_else(|| config.target_parameters.clone()),
-        )
         .collect();
+    if !adapted.is_empty() {
+        parameters.extend(config.target_parameters.iter().cloned());
+    }
     let json = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -295,7 +287,7 @@ pub fn base_model(dir: &Path) -> Result<std::path::PathBuf> {
 }
 
 /// The LoRA setup of a peft adapter directory and its tensors by our names (full size), for
-/// a model whose parameters that take adapters directly are `sites` ([`parameter_sites`]).
+/// a model whose parameters that take adapters directly are `sites` (`lora_sites(..).1`).
 pub fn read(
     dir: &Path,
     dtype: DType,

@@ -5,8 +5,8 @@
 
 use super::lora::{Lora, LoraConfig};
 use super::module::{
-    child_name, ColumnParallel, LoraTarget, Parallelize, RowParallel, Sections, Split, TpContext,
-    TpLayer, TpStyle, VocabParallel,
+    child_name, split_lora, ColumnParallel, LoraTarget, Parallelize, RowParallel, Sections, Split,
+    TpContext, TpLayer, TpStyle, VocabParallel,
 };
 use super::sharded;
 use super::Weight;
@@ -74,8 +74,8 @@ impl Linear {
             if dims.0.is_some() { inp * size } else { inp },
         );
         let mut lora = Lora::init(name, full, config, (dtype, &device))?;
-        let tp = self.tp.as_ref().map(|(_, c)| TpContext::new(c.clone()));
-        split_lora(&mut lora, name, dims, self.sections, tp.as_ref())?;
+        let tp = self.tp.as_ref().map(|(_, c)| (c.rank(), c.size()));
+        split_lora(&mut lora, name, dims, self.sections, tp)?;
         if config.dora {
             // peft's initial magnitude: the norm of each output row of W (B is zero).
             let norm = self.dora_norm(&lora)?.to_dtype(dtype)?;
@@ -251,32 +251,6 @@ fn local_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
-/// Cuts an adapter's `A` and `B` to this rank's slices along `dims` (None: whole) and holds
-/// them as trainable variables.
-fn split_lora(
-    lora: &mut Lora,
-    name: &str,
-    (a_dim, b_dim): (Option<usize>, Option<usize>),
-    sections: Sections,
-    tp: Option<&TpContext>,
-) -> TrlResult<()> {
-    let cut = |t: &Tensor, part: &str, dim: Option<usize>, s: Sections| -> TrlResult<Tensor> {
-        let t = match (tp, dim) {
-            (Some(tp), Some(d)) => tp.shard(&child_name(name, part), t, d, s)?,
-            _ => t.clone(),
-        };
-        Ok(candle_core::Var::from_tensor(&t)?.as_tensor().clone())
-    };
-    lora.a = cut(&lora.a, "lora_A.weight", a_dim, Sections::WHOLE)?;
-    // B's rows are the output features, in the weight's sections.
-    lora.b = cut(&lora.b, "lora_B.weight", b_dim, sections)?;
-    // DoRA's magnitude follows the output features, as B's rows do.
-    if let Some(m) = &lora.magnitude {
-        lora.magnitude = Some(cut(m, "lora_magnitude_vector", b_dim, sections)?);
-    }
-    Ok(())
-}
-
 fn local(name: &str, w: &Weight) -> TrlResult<Tensor> {
     match w {
         Weight::Local(t) => Ok(t.clone()),
@@ -322,7 +296,7 @@ impl TpLayer for Linear {
         self.tp = Some((style, tp.comm().clone()));
         if let Some(lora) = &mut self.lora {
             let dims = Self::lora_split_dims(Some(style));
-            split_lora(lora, name, dims, sections, Some(tp))?;
+            split_lora(lora, name, dims, sections, Some((tp.rank(), tp.size())))?;
         }
         Ok(())
     }

@@ -332,17 +332,18 @@ impl Lora {
         ))
     }
 
-    /// The change the adapter makes to the weight it adapts, `scale B A`: [out, in] for a
-    /// 2-D weight, [experts, in, out] for a 3-D one of `experts` (peft's ParamWrapper).
-    pub fn weight_delta(&self, rank: usize, experts: usize) -> Result<Tensor> {
-        let delta = match rank {
-            3 => {
+    /// The change the adapter makes to the weight it adapts, of shape `dims`: `scale B A`
+    /// for a 2-D [out, in] weight, per expert for a 3-D [experts, in, out] one (peft's
+    /// ParamWrapper).
+    pub fn weight_delta(&self, dims: &[usize]) -> Result<Tensor> {
+        let delta = match *dims {
+            [experts, _, _] => {
                 let (a, b) = self.expert_stacks(experts)?;
                 a.matmul(&b)?
             }
             _ => self.b.matmul(&self.a)?,
         };
-        delta * self.scale
+        (delta * self.scale)?.reshape(dims)
     }
 
     /// `dropout(x) A^T B^T * scale` for `x` [..., in] (`x` as the base layer sees it).

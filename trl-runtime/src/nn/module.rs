@@ -100,6 +100,15 @@ impl Split {
         }
     }
 
+    /// Split along `dim` in `sections` (the style does not change how it is cut).
+    pub const fn sectioned(dim: usize, sections: Sections) -> Split {
+        Split {
+            style: TpStyle::Replicate,
+            dim: Some(dim),
+            sections,
+        }
+    }
+
     /// Split along `dim` (None: whole) in one section.
     pub const fn on(style: TpStyle, dim: Option<usize>) -> Split {
         Split {
@@ -166,6 +175,13 @@ impl Split {
             1 => pieces[0].clone(),
             _ => Tensor::cat(&pieces, dim)?,
         })
+    }
+
+    /// Rank `rank` of `size`'s part of `t` as a new trainable variable, owning only its
+    /// elements.
+    pub fn variable(&self, name: &str, t: &Tensor, (rank, size): (usize, usize)) -> Result<Tensor> {
+        let part = self.part(name, t, rank, size)?;
+        Ok(Var::from_tensor(&part.detach())?.as_tensor().clone())
     }
 
     /// The whole tensor from every rank's part `t` (collective over `comm`).
@@ -236,19 +252,11 @@ impl TpContext {
     /// This rank's equal slice of `t` along `dim` (of each of its `sections`), as a new
     /// trainable variable.
     pub fn shard(&self, name: &str, t: &Tensor, dim: usize, sections: Sections) -> Result<Tensor> {
-        let split = Split {
-            dim: Some(dim),
-            sections,
-            ..Split::REPLICATED
-        };
-        let part = split.part(name, t, self.rank(), self.size())?;
         let mut cut = self.cut.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(done) = cut.get(&(t.id(), dim)) {
             return Ok(done.clone());
         }
-        // A new variable copies only the elements the slice shows.
-        let slice = part.detach();
-        let var = Var::from_tensor(&slice)?.as_tensor().clone();
+        let var = Split::sectioned(dim, sections).variable(name, t, (self.rank(), self.size()))?;
         cut.insert((t.id(), dim), var.clone());
         Ok(var)
     }
@@ -272,7 +280,7 @@ impl TpContext {
 
 /// Where rank `rank`'s slice of dimension `dim` of `shape` starts and how long it is, when
 /// that dimension splits into `parts` equal slices; else an error naming tensor `name`.
-pub fn slice_range(
+fn slice_range(
     name: &str,
     shape: &[usize],
     dim: usize,
@@ -414,6 +422,31 @@ pub trait Parallelize {
     fn visit_as_unit(&self, name: &str, f: &mut dyn FnMut(&str)) {
         f(name)
     }
+}
+
+/// Holds `lora`'s `A` and `B` as trainable variables, each cut along its dimension in `dims`
+/// (None: whole) to rank `rank` of `size` when `tp` is given (a split layer's or parameter's
+/// adapter); `B`'s rows, the output features, in the weight's `sections`, and DoRA's
+/// magnitude as `B`'s rows.
+pub fn split_lora(
+    lora: &mut super::lora::Lora,
+    name: &str,
+    (a_dim, b_dim): (Option<usize>, Option<usize>),
+    sections: Sections,
+    tp: Option<(usize, usize)>,
+) -> Result<()> {
+    let cut = |t: &Tensor, part: &str, dim: Option<usize>, s: Sections| -> Result<Tensor> {
+        match (tp, dim) {
+            (Some(tp), Some(d)) => Split::sectioned(d, s).variable(&child_name(name, part), t, tp),
+            _ => Ok(Var::from_tensor(t)?.as_tensor().clone()),
+        }
+    };
+    lora.a = cut(&lora.a, "lora_A.weight", a_dim, Sections::WHOLE)?;
+    lora.b = cut(&lora.b, "lora_B.weight", b_dim, sections)?;
+    if let Some(m) = &lora.magnitude {
+        lora.magnitude = Some(cut(m, "lora_magnitude_vector", b_dim, sections)?);
+    }
+    Ok(())
 }
 
 /// A layer that can take a LoRA adapter (`nn::Linear`; see `nn::lora`), or a parameter

@@ -9,7 +9,9 @@
 //! one (transformers' expert layout) with one adapter per expert, stacked ([`Lora::expert_stacks`]).
 
 use super::lora::{Lora, LoraConfig};
-use super::module::{child_name, LoraTarget, Parallelize, Sections, Split, TpContext, TpStyle};
+use super::module::{
+    child_name, split_lora, LoraTarget, Parallelize, Sections, Split, TpContext, TpStyle,
+};
 use super::sharded;
 use super::Weight;
 use crate::error::{Error, Result as TrlResult};
@@ -66,9 +68,7 @@ impl Param {
         };
         match &self.lora {
             Some(lora) => {
-                let experts = if w.rank() == 3 { w.dim(0)? } else { 1 };
-                let delta = lora.weight_delta(w.rank(), experts)?;
-                let delta = delta.to_dtype(w.dtype())?;
+                let delta = lora.weight_delta(w.dims())?.to_dtype(w.dtype())?;
                 w + delta
             }
             None => Ok(w),
@@ -78,31 +78,13 @@ impl Param {
     /// Holds the adapter as trainable variables, cut to this rank's slices once split over
     /// tp.
     fn split_lora(&mut self, name: &str) -> TrlResult<()> {
-        let Some(lora) = &mut self.lora else {
-            return Ok(());
-        };
-        let (rank, size) = self.tp.unwrap_or((0, 1));
-        let (a_dim, b_dim) = match size {
-            1 => (None, None),
-            _ => lora_split_dims(self.split),
-        };
-        let cut = |t: &Tensor, part: &str, dim: Option<usize>| -> TrlResult<Tensor> {
-            let t = match dim {
-                Some(d) => Split::on(TpStyle::Replicate, Some(d)).part(
-                    &child_name(name, part),
-                    t,
-                    rank,
-                    size,
-                )?,
-                None => t.clone(),
-            };
-            Ok(candle_core::Var::from_tensor(&t.copy()?)?
-                .as_tensor()
-                .clone())
-        };
-        lora.a = cut(&lora.a, "lora_A.weight", a_dim)?;
-        lora.b = cut(&lora.b, "lora_B.weight", b_dim)?;
-        Ok(())
+        match &mut self.lora {
+            Some(lora) => {
+                let dims = lora_split_dims(self.split);
+                split_lora(lora, name, dims, Sections::WHOLE, self.tp)
+            }
+            None => Ok(()),
+        }
     }
 
     /// Holds the weight as a constant (no gradient): a LoRA base.
@@ -112,6 +94,17 @@ impl Param {
                 *t = t.detach();
             }
         }
+    }
+}
+
+/// A parameter's adapter shape as peft's ParamWrapper sees the parameter's `full` shape:
+/// (experts, in, out) for a 3-D [experts, in, out] one, (1, in, out) for a 2-D [out, in] one;
+/// None for any other rank.
+pub fn lora_shape(full: &[usize]) -> Option<(usize, usize, usize)> {
+    match *full {
+        [e, i, o] => Some((e, i, o)),
+        [o, i] => Some((1, i, o)),
+        _ => None,
     }
 }
 
@@ -142,16 +135,12 @@ impl LoraTarget for Param {
         if let (Some((_, d)), Some((_, size))) = (self.split, self.tp) {
             full[d] *= size;
         }
-        let (experts, inp, out) = match *full.as_slice() {
-            [e, i, o] => (e, i, o),
-            [o, i] => (1, i, o),
-            _ => {
-                return Err(Error::config(
-                    "training arguments",
-                    "lora_target_parameters",
-                    format!("{name} has shape {full:?}: peft adapts 2-D and 3-D parameters only"),
-                ))
-            }
+        let Some((experts, inp, out)) = lora_shape(&full) else {
+            return Err(Error::config(
+                "training arguments",
+                "lora_target_parameters",
+                format!("{name} has shape {full:?}: peft adapts 2-D and 3-D parameters only"),
+            ));
         };
         let stacked = LoraConfig {
             r: config.r * experts,

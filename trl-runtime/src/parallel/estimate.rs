@@ -341,11 +341,7 @@ impl ModelShapes {
                 if p.parameter {
                     // peft's ParamWrapper: A [E r, in], B [out, r E] (E = 1 for 2-D).
                     let e = self.params.iter().find(|e| e.name == p.name)?;
-                    let (experts, inp, out) = match *e.full_shape.as_slice() {
-                        [x, i, o] => (x, i, o),
-                        [o, i] => (1, i, o),
-                        _ => return None,
-                    };
+                    let (experts, inp, out) = crate::nn::param::lora_shape(&e.full_shape)?;
                     let split = e.split.dim.map(|d| (e.split.style, d));
                     let (a, b) = crate::nn::param::lora_split_dims(split);
                     let part = |split: Option<usize>| if split.is_some() { tp } else { 1 };

@@ -421,15 +421,7 @@ impl<N: CausalModel> Model<N> {
     /// parameters that can (2-D and 3-D `nn::Param`s: `target_parameters`), as
     /// [`Self::add_adapters`] visits them.
     pub fn lora_sites(&mut self) -> Result<(Vec<String>, Vec<String>)> {
-        let (mut linears, mut parameters) = (Vec::new(), Vec::new());
-        self.net_mut()?.visit_linears_mut("", &mut |name, target| {
-            match target.is_parameter() {
-                true => parameters.push(name.to_string()),
-                false => linears.push(name.to_string()),
-            }
-            Ok(())
-        })?;
-        Ok((linears, parameters))
+        crate::models::peft::lora_sites(self.net_mut()?)
     }
 
     /// Applies a LoRA adapter saved by peft (`PeftModel.save_pretrained`) or by a LoRA run
@@ -1047,6 +1039,13 @@ impl Model<AutoModelForCausalLM> {
     /// The model's structure without its values (see [`Model::skeleton_of`]).
     pub fn skeleton(config: ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
         Self::skeleton_of(config.to_json_pretty(), dtype, device)
+    }
+
+    /// The parameters of the built-in model in `dir` that take adapters directly
+    /// (`target_parameters`), read from its structure alone (what `merge_adapter` asks).
+    pub fn parameter_sites_of(dir: &Path) -> Result<Vec<String>> {
+        let mut skeleton = Self::skeleton_for(dir, DType::F32, &Device::Cpu)?;
+        Ok(skeleton.lora_sites()?.1)
     }
 }
 

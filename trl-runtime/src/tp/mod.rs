@@ -28,8 +28,8 @@ pub use state::TpGrads;
 
 // The layer-side vocabulary (the trait the layers implement) lives with the layers.
 pub use crate::nn::module::{
-    child_name, slice_range, ColumnParallel, DividedByTp, Parallelize, RowParallel, Sections,
-    Split, TpContext, TpLayer, TpStyle, VocabParallel,
+    child_name, ColumnParallel, DividedByTp, Parallelize, RowParallel, Sections, Split, TpContext,
+    TpLayer, TpStyle, VocabParallel,
 };
 
 use crate::error::Result;

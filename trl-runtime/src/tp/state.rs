@@ -19,10 +19,6 @@ pub fn splits(plan: &[PlanEntry]) -> HashMap<String, Split> {
     plan.iter().map(|e| (e.name.clone(), e.split)).collect()
 }
 
-fn split_dim(splits: &HashMap<String, Split>, name: &str) -> Option<usize> {
-    splits.get(name).and_then(|s| s.dim)
-}
-
 /// Parameter `name`'s split (whole when the plan does not name it).
 fn split_of(splits: &HashMap<String, Split>, name: &str) -> Split {
     splits.get(name).copied().unwrap_or(Split::REPLICATED)
@@ -380,7 +376,7 @@ impl TpGrads {
 
     /// The weight of parameter `name`'s squared gradient in this rank's share.
     pub fn weight(&self, name: &str) -> f64 {
-        match split_dim(&self.splits, name) {
+        match split_of(&self.splits, name).dim {
             Some(_) => 1.0,
             None => 1.0 / self.comm.size() as f64,
         }
