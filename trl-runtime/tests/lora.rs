@@ -286,6 +286,25 @@ fn round_trip(
     let (ids, pos) = ids();
     let ours = model.forward(&ids, &pos).unwrap();
     let adapter = save_adapter(&model, lora, base, tmp);
+    // Parameters adapted directly are peft's target_parameters, not target_modules.
+    let text = std::fs::read_to_string(adapter.join(peft::ADAPTER_CONFIG)).unwrap();
+    let saved: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let modules: Vec<&str> = saved["target_modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m.as_str())
+        .collect();
+    for p in &lora.target_parameters {
+        assert!(
+            !modules.iter().any(|m| m.ends_with(p.as_str())),
+            "{what}: target_modules names {p}: {modules:?}"
+        );
+        assert!(saved["target_parameters"]
+            .as_array()
+            .unwrap()
+            .contains(&p.as_str().into()));
+    }
     let theirs = peft_logits_of(python, base, &adapter, tmp);
     let d = max_diff(&ours, &theirs);
     eprintln!("{what}: our adapter in peft: logits within {d:.1e}");

@@ -200,7 +200,8 @@ pub fn save(
     fused
         .tensors
         .extend(super::peft_experts::nest(params, &adapted));
-    let mut targets: Vec<String> = tensors
+    // The linear layers adapted (parameters are listed in target_parameters).
+    let mut targets: Vec<String> = rest
         .keys()
         .filter_map(|n| n.strip_suffix(".lora_A.weight"))
         .filter(|m| !fused.parameter_layers.contains(*m))
