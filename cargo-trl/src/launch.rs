@@ -354,11 +354,10 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
             spawn::new_token()
         }
     });
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = match args.accelerate.num_cpu_threads_per_process {
         Some(n) => n.max(1),
         None if cfg.use_cpu || cfg.distributed_type == DistributedType::MultiCpu => {
-            (cores / nproc).max(1)
+            cpu_threads_per_process(nproc)
         }
         None => 1,
     };
@@ -606,4 +605,10 @@ fn interrupted(outcome: &spawn::JobOutcome) -> u8 {
         ),
     }
     EXIT_INTERRUPTED
+}
+
+/// Compute threads of each of `nproc` CPU processes on this machine: its cores shared out.
+pub fn cpu_threads_per_process(nproc: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / nproc.max(1)).max(1)
 }

@@ -125,6 +125,8 @@ pub struct Machine {
     /// What a process holds before the model (runtime; on a GPU the CUDA context and NCCL's
     /// buffers).
     pub base: usize,
+    /// Compute threads of a CPU rank, as `cargo trl launch` gives them (unused on GPUs).
+    pub threads: usize,
     pub hardware: Hardware,
 }
 
@@ -187,6 +189,7 @@ impl Machine {
                     memory,
                     host_memory: host,
                     base: (1.5 * GIB) as usize,
+                    threads: 1,
                     hardware: Hardware {
                         flops: GPU_MFU * peak,
                         matmul_share: 1.0,
@@ -216,6 +219,7 @@ impl Machine {
             memory: host / processes,
             host_memory: host,
             base: estimate::CPU_PROCESS_BASE,
+            threads: crate::launch::cpu_threads_per_process(processes),
             hardware: Hardware::cpu(rank_flops, processes, cpu_link(processes)?),
         })
     }
@@ -349,6 +353,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             // As trained by default: a mixture of experts' config has a
                             // non-zero router_aux_loss_coef (0.001 when it names none).
                             router_loss: true,
+                            threads: machine.threads,
                         };
                         if let Some(sync) = work.preference {
                             setup.for_preference_pairs(sync);

@@ -19,7 +19,8 @@
 //! fields). Then `memory_plan` lines: every CPU profile, with and without checkpointing and
 //! LoRA, at three lengths on the tiny model (64/128/256) and the reference shape
 //! (128/512/1024), predicted against measured, and a summary line (`--plan-only` runs just
-//! that part). One JSON object per line on stdout.
+//! that part; `--only PATTERN` the runs whose `profile/PROFILE/MODEL/SEQ/CKPT/LORA` contains
+//! it). One JSON object per line on stdout.
 
 use std::path::Path;
 use trl_runtime::config::{
@@ -211,7 +212,7 @@ fn profile_worker(kind: &str, dir: &Path) {
 
 /// Every CPU profile, with and without checkpointing and LoRA, at three lengths on the tiny
 /// model and the training benchmarks' reference shape: predicted against measured peaks.
-fn profile_section(tmp: &Path) {
+fn profile_section(tmp: &Path, only: &str) {
     let tiny: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(support::repo().join("assets/tiny/model/config.json")).unwrap(),
     )
@@ -241,6 +242,9 @@ fn profile_section(tmp: &Path) {
                 for ckpt in [false, true] {
                     for lora in [false, true] {
                         let kind = format!("profile/{profile}/{model}/{seq}/{ckpt}/{lora}");
+                        if !kind.contains(only) {
+                            continue;
+                        }
                         let mut report = None;
                         support::run_ranks(&kind, world, tmp, |line, _| {
                             if let Some(rest) = line.strip_prefix("report ") {
@@ -280,8 +284,16 @@ fn main() {
         }
         return;
     }
-    if std::env::args().any(|a| a == "--plan-only") {
-        profile_section(tempfile::tempdir().unwrap().path());
+    // `--only PATTERN`: the prediction runs whose `profile/PROFILE/MODEL/SEQ/CKPT/LORA`
+    // contains it.
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map_or("", |s| s.as_str());
+    if std::env::args().any(|a| a == "--plan-only") || !only.is_empty() {
+        profile_section(tempfile::tempdir().unwrap().path(), only);
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -339,5 +351,5 @@ fn main() {
             predicted as f64 / heap as f64
         );
     }
-    profile_section(&tmp.path().join("plan"));
+    profile_section(&tmp.path().join("plan"), "");
 }

@@ -354,6 +354,7 @@ fn main() {
             reference_copy: false,
             gpu: false,
             router_loss: true,
+            threads: 1,
         };
         let hw = estimate::Hardware::cpu(rank_flops, world, link);
         estimate::step_time(&model, &setup, &hw).tokens_per_second

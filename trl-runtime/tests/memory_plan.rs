@@ -106,6 +106,7 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         reference_copy: false,
         gpu: false,
         router_loss: true,
+        threads: 1,
     }
 }
 

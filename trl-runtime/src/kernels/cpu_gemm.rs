@@ -2,6 +2,26 @@
 //! the attention kernels ([`super::cpu_flash`]) and the loss's weight gradient added into its
 //! running sum ([`super::precision`]).
 
+/// Bytes of the `gemm` crate's packing buffer: one per thread that runs a GEMM, the size of
+/// the L2 cache, allocated on the thread's first GEMM and kept until it exits.
+pub fn packing_buffer_bytes() -> usize {
+    gemm_common::cache::CACHE_INFO[1].cache_bytes
+}
+
+/// Allocates the packing buffer on this thread and on every rayon worker (once a process).
+/// Otherwise a process holds one per thread that has happened to run a GEMM, which on a
+/// small model depends on how the work was split; reserved, a CPU rank's heap is the same on
+/// any model (what `parallel::estimate` counts: one buffer per compute thread and the
+/// caller's).
+pub fn reserve_packing_buffers() {
+    static RESERVED: std::sync::Once = std::sync::Once::new();
+    RESERVED.call_once(|| {
+        let touch = || gemm_common::gemm::L2_SLAB.with(|_| ());
+        touch();
+        rayon::broadcast(|_| touch());
+    });
+}
+
 /// A row-major view: element (r, c) at `r * rs + c * cs`.
 #[derive(Clone, Copy)]
 pub(crate) struct Mat<'a> {

@@ -135,6 +135,21 @@ impl FlatLayout {
         Ok(out)
     }
 
+    /// The parameters elements `range` of the flat vector cover: each one's part, relative to
+    /// the range's start.
+    pub fn ranges_in(&self, range: Range<usize>) -> EntryRanges {
+        self.entries
+            .iter()
+            .filter_map(|(name, shape, offset)| {
+                let (a, b) = (
+                    range.start.max(*offset),
+                    range.end.min(offset + shape.elem_count()),
+                );
+                (a < b).then(|| (name.clone(), a - range.start..b - range.start))
+            })
+            .collect()
+    }
+
     /// `value(name)` at every element of that parameter (0 in the padding), over the padded
     /// vector.
     pub fn per_element(&self, value: impl Fn(&str) -> f32) -> Vec<f32> {
@@ -148,6 +163,9 @@ impl FlatLayout {
         out
     }
 }
+
+/// The parameters a stretch of a flat vector covers, each with its part of the stretch.
+pub type EntryRanges = Vec<(String, Range<usize>)>;
 
 pub(crate) struct UnitState {
     /// This rank's slice of the flat parameters, in the model dtype.
@@ -341,19 +359,8 @@ impl Unit {
     }
 
     /// The parameters this rank's slice covers: (name, element range within the slice).
-    pub fn entry_ranges(&self) -> Vec<(String, Range<usize>)> {
-        let mine = self.range();
-        self.layout
-            .entries()
-            .iter()
-            .filter_map(|(name, shape, offset)| {
-                let (a, b) = (
-                    mine.start.max(*offset),
-                    mine.end.min(offset + shape.elem_count()),
-                );
-                (a < b).then(|| (name.clone(), a - mine.start..b - mine.start))
-            })
-            .collect()
+    pub fn entry_ranges(&self) -> EntryRanges {
+        self.layout.ranges_in(self.range())
     }
 
     /// The parameters of this unit that no backward reached since the last call (their

@@ -43,6 +43,9 @@ pub struct Setup {
     /// `router_aux_loss_coef`, the default): each sparse layer keeps its probabilities once
     /// more, in f32, for the loss's backward.
     pub router_loss: bool,
+    /// A CPU rank's compute threads (RAYON_NUM_THREADS): each of them and the caller holds
+    /// a GEMM packing buffer (`kernels::cpu_gemm::reserve_packing_buffers`). Unused on GPUs.
+    pub threads: usize,
 }
 
 impl Setup {
@@ -72,8 +75,16 @@ pub struct Estimate {
     /// Buffers a strategy keeps for its collectives between steps (ZeRO-2: the reduced
     /// gradient slice the host backend writes into).
     pub comm_buffers: usize,
-    /// The loss's logits when they exist whole (under tp, ZeRO-3/FSDP or soft-capping).
+    /// Of `activations`, the layer recomputed at a time under checkpointing.
+    pub recomputed: usize,
+    /// The gradients its backward makes (as many as a layer's activations without adapters).
+    pub recompute_grads: usize,
+    /// The loss's logits when they exist whole (under tp, ZeRO-3/FSDP or soft-capping): the
+    /// most that is alive at once, during the loss's backward.
     pub logits: usize,
+    /// Of `logits`, the copies the forward graph keeps until backward ends (the logits, their
+    /// shifted copy and its exponentials): alive beside a recomputed layer.
+    pub logits_kept: usize,
     /// Transient buffers of the step: the whole gradients while backward runs, the units
     /// gathered at once (ZeRO-3/FSDP), the flat buffers of the reductions.
     pub step_buffers: usize,
@@ -113,7 +124,13 @@ impl Estimate {
     /// step buffers: the loss's graph stays alive while checkpointed layers are recomputed)
     /// and the update's.
     pub fn transient(&self) -> usize {
-        (self.activations + self.logits + self.step_buffers).max(self.update_buffers)
+        // The loss's backward runs first and frees the logits' gradients before the
+        // checkpointed layers are recomputed.
+        let loss_or_layer = self
+            .logits
+            .max(self.logits_kept + self.recomputed + self.recompute_grads);
+        (self.activations - self.recomputed + loss_or_layer + self.step_buffers)
+            .max(self.update_buffers)
     }
 }
 
@@ -529,31 +546,38 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         cfg.intermediate_size as f64 / tp as f64,
     );
     let layers = cfg.num_hidden_layers as f64;
-    let dense = layer_elements(h, q, kv, i, lora, tp);
-    // A sparse layer: each token runs through `top_k` experts' MLPs, plus the router.
-    let (layer, kept) = match model.moe {
-        None => (dense, layers * dense),
-        Some((experts, top_k, inter, sparse)) => {
-            // The router loss's copy of the probabilities: one f32 per expert.
-            let router_loss = match setup.router_loss {
-                true => 4.0 * experts as f64 / dsz as f64,
-                false => 0.0,
-            };
-            let routed = layer_elements(h, q, kv, (top_k * inter) as f64 / tp as f64, lora, tp)
-                + routing_elements(h, experts, top_k, dsz)
-                + router_loss;
-            let sparse = sparse as f64;
-            (
-                routed.max(dense),
-                sparse * routed + (layers - sparse) * dense,
-            )
+    // One layer and all of them, per token (with or without adapters).
+    let stack = |lora: bool| {
+        let dense = layer_elements(h, q, kv, i, lora, tp);
+        // A sparse layer: each token runs through `top_k` experts' MLPs, plus the router.
+        match model.moe {
+            None => (dense, layers * dense),
+            Some((experts, top_k, inter, sparse)) => {
+                // The router loss's copy of the probabilities: one f32 per expert.
+                let router_loss = match setup.router_loss {
+                    true => 4.0 * experts as f64 / dsz as f64,
+                    false => 0.0,
+                };
+                let routed = layer_elements(h, q, kv, (top_k * inter) as f64 / tp as f64, lora, tp)
+                    + routing_elements(h, experts, top_k, dsz)
+                    + router_loss;
+                let sparse = sparse as f64;
+                (
+                    routed.max(dense),
+                    sparse * routed + (layers - sparse) * dense,
+                )
+            }
         }
     };
+    let (layer, kept) = stack(lora);
     let per_token = match setup.checkpointing {
         false => kept + outside_elements(h, lora),
         true => layers * checkpoint_elements(h, lora) + layer + outside_elements(h, lora),
     };
     e.activations = (per_token * tokens as f64) as usize * dsz;
+    if setup.checkpointing {
+        e.recomputed = (layer * tokens as f64) as usize * dsz;
+    }
     why.push(format!(
         "activations: {tokens} tokens x {per_token:.0} elements x {dsz} bytes ({}; {} layers of {layer:.0} per token)",
         if setup.checkpointing { "checkpointed: layer inputs kept, one layer recomputed at a time" } else { "every layer kept" },
@@ -566,9 +590,24 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     if !whole_head || (model.logits_loss && !one_pass) {
         e.logits = 8 * 4 * tokens * cfg.vocab_size / tp;
+        e.logits_kept = 3 * 4 * tokens * cfg.vocab_size / tp;
+        // Measured, not traced to its tensors: beside whole logits the recomputed layer's
+        // backward holds about one base layer more (as many elements as a layer's
+        // activations without adapters); with the fused loss it does not.
+        if setup.checkpointing {
+            e.recompute_grads = (stack(false).0 * tokens as f64) as usize * dsz;
+        }
         why.push(format!(
-            "logits: 8 fp32 copies x {tokens} tokens x {} vocabulary entries",
-            cfg.vocab_size / tp
+            "logits: 8 fp32 copies x {tokens} tokens x {} vocabulary entries{}",
+            cfg.vocab_size / tp,
+            match setup.checkpointing {
+                true => format!(
+                    " in the loss's backward; then 3 of them beside a recomputed layer ({} + {})",
+                    mib(e.recomputed),
+                    mib(e.recompute_grads)
+                ),
+                false => String::new(),
+            }
         ));
     }
 
@@ -587,9 +626,13 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // Gathered weights of up to four units (two in use, prefetches in flight) and the
         // whole gradients of two.
         (Strategy::Fsdp(..), false) => (4 * dsz + 2 * 4) * largest_unit,
-        // A frozen base: two units gathered and the next one's weights arriving, no
-        // gradients but the adapters'.
-        (Strategy::Fsdp(..), true) => 3 * dsz * largest_unit + 4 * p,
+        // A frozen base: the root (embedding, head) gathered while the loss runs, a layer's
+        // unit in use and the next one's weights arriving; no gradients but the adapters'.
+        (Strategy::Fsdp(..), true) => {
+            let root = units.first().copied().unwrap_or(0);
+            let layer = units.iter().skip(1).copied().max().unwrap_or(0);
+            dsz * (root + 2 * layer) + 4 * p
+        }
         _ => head_grad + 4 * p - e.gradients.min(4 * p),
     };
     if let Strategy::Fsdp(..) = setup.strategy {
@@ -609,8 +652,13 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         _ => 0,
     }
     .saturating_sub(e.gradients);
-    // The tokenizer, the rows and the host backend's buffers: 2.25 MiB, measured.
-    e.runtime = 9 << 18;
+    // The tokenizer, the rows and the host backend's buffers (256 KiB, measured), and on the
+    // CPU one GEMM packing buffer per compute thread and the caller's.
+    let packing = match setup.gpu {
+        true => 0,
+        false => (setup.threads + 1) * crate::kernels::cpu_gemm::packing_buffer_bytes(),
+    };
+    e.runtime = (1 << 18) + packing;
     if setup.strategy == Strategy::Zero(ZeroStage::Two) && n > 1 {
         e.comm_buffers = (4 * p).div_ceil(n);
     }
@@ -936,6 +984,7 @@ mod tests {
                 reference_copy: false,
                 gpu: false,
                 router_loss: true,
+                threads: 1,
             };
             let without = estimate(&m, &setup);
             setup.reference_copy = true;
@@ -971,6 +1020,7 @@ mod tests {
                 reference_copy: false,
                 gpu: false,
                 router_loss: true,
+                threads: 1,
             };
             let at = |latency: f64| {
                 let link = LinkSpeed {

@@ -24,7 +24,7 @@ use crate::alloc::StorageBytes;
 use crate::comm::{CommQueue, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
-use crate::nn::sharded::{FlatLayout, ShardedWeight, Unit, UnitScope, UnitState};
+use crate::nn::sharded::{EntryRanges, FlatLayout, ShardedWeight, Unit, UnitScope, UnitState};
 use crate::nn::Weight;
 use crate::optim::{AdamW, AdamWConfig, ParamState};
 use crate::tp::{named_tensors, Parallelize, TpGrads};
@@ -501,22 +501,15 @@ impl ShardedModel {
     }
 }
 
-/// What tensor parallelism needs of one unit's gradient slice, fixed by the layout: the
-/// weight of each element's square in the global norm, and the parameters the slice covers.
-struct UnitTp {
-    weights: Tensor,
-    entries: Vec<(String, std::ops::Range<usize>)>,
-}
-
 /// AdamW over this rank's slices of every unit. With `replicate` (HSDP), gradient slices are
 /// also summed across the replicas, which hold the same slices of the model.
 pub struct FsdpOptimizer {
     model: Arc<ShardedModel>,
     replicate: Option<Arc<dyn Communicator>>,
     inner: AdamW,
-    /// Under tensor parallelism: how each unit slice's squared gradients count in the global
-    /// norm (per element, by unit name).
-    tp_grads: Option<(TpGrads, BTreeMap<String, UnitTp>)>,
+    /// Under tensor parallelism: the parameters each unit's slice covers (by unit name), whose
+    /// squared gradients count in the global norm by their split.
+    tp_grads: Option<(TpGrads, BTreeMap<String, EntryRanges>)>,
 }
 
 impl FsdpOptimizer {
@@ -603,17 +596,17 @@ impl FsdpOptimizer {
             // Partial parameters' slices summed over tp.
             let (g, sq) = match &self.tp_grads {
                 Some((tp, units)) => {
-                    let u = &units[&unit.name];
-                    let g = tp.sync_flat(&g, &u.entries, first)?;
-                    let sq = (g.sqr()? * &u.weights)?;
+                    let entries = &units[&unit.name];
+                    let g = tp.sync_flat(&g, entries, first)?;
+                    let sq = tp.weighted_sq(&g, entries)?;
                     (g, sq)
                 }
                 None => {
-                    let sq = g.sqr()?;
+                    let sq = g.sqr()?.sum_all()?;
                     (g, sq)
                 }
             };
-            local_sq += sq.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            local_sq += sq.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             grads.insert(unit.name.clone(), g);
         }
         let shard_comm = self.model.root().comm();
@@ -653,14 +646,7 @@ impl ShardedOptimizer for FsdpOptimizer {
     fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
         let mut units = BTreeMap::new();
         for unit in &self.model.units {
-            let range = unit.range();
-            let w = unit.layout.per_element(|n| norm.weight(n) as f32)[range.clone()].to_vec();
-            let device = unit.anchor.device().clone();
-            let tp = UnitTp {
-                weights: Tensor::from_vec(w, range.len(), &device)?,
-                entries: unit.entry_ranges(),
-            };
-            units.insert(unit.name.clone(), tp);
+            units.insert(unit.name.clone(), unit.entry_ranges());
         }
         self.tp_grads = Some((norm, units));
         Ok(())

@@ -13,6 +13,7 @@ use super::sharded_state::{self, Piece, ShardedReader};
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
+use crate::nn::sharded::EntryRanges;
 pub use crate::nn::sharded::FlatLayout;
 use crate::optim::{decays, AdamW, AdamWConfig, ParamState};
 use crate::tp::TpGrads;
@@ -158,7 +159,7 @@ pub struct ZeroOptimizer {
     inner: AdamW,
     /// Under tensor parallelism: how the slice's squared gradients count in the global norm
     /// (per element of this rank's range).
-    tp_grads: Option<(TpGrads, Tensor)>,
+    tp_grads: Option<(TpGrads, EntryRanges)>,
 }
 
 impl ZeroOptimizer {
@@ -231,10 +232,10 @@ impl ZeroOptimizer {
             None => shard,
         };
         let sq = match &self.tp_grads {
-            Some((_, weights)) => (shard.sqr()? * weights)?,
-            None => shard.sqr()?,
+            Some((tp, entries)) => tp.weighted_sq(&shard, entries)?,
+            None => shard.sqr()?.sum_all()?,
         };
-        let local_sq = sq.sum_all()?.to_dtype(DType::F64)?.reshape(1)?;
+        let local_sq = sq.to_dtype(DType::F64)?.reshape(1)?;
         let mut norm_sq = self
             .comm
             .all_reduce(&local_sq, ReduceOp::Sum)?
@@ -266,11 +267,8 @@ impl ZeroOptimizer {
 impl ShardedOptimizer for ZeroOptimizer {
     /// Clips by the norm over the tensor-parallel group too (the parameters are tp slices).
     fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
-        let weights =
-            self.layout.per_element(|n| norm.weight(n) as f32)[self.range.clone()].to_vec();
-        let device = self.inner.states[SHARD].master.device().clone();
-        let weights = Tensor::from_vec(weights, self.range.len(), &device)?;
-        self.tp_grads = Some((norm, weights));
+        let entries = self.layout.ranges_in(self.range.clone());
+        self.tp_grads = Some((norm, entries));
         Ok(())
     }
 

@@ -382,6 +382,18 @@ impl TpGrads {
         }
     }
 
+    /// This rank's weighted sum of squares of a flat gradient slice `g` covering `entries`
+    /// (each parameter's part of it), as a scalar tensor on `g`'s device: weighted per
+    /// parameter, so no per-element weight vector is kept.
+    pub fn weighted_sq(&self, g: &Tensor, entries: &[(String, Range<usize>)]) -> Result<Tensor> {
+        let mut sq = Tensor::zeros((), g.dtype(), g.device())?;
+        for (name, r) in entries {
+            let part = g.narrow(0, r.start, r.len())?.sqr()?.sum_all()?;
+            sq = (sq + part.affine(self.weight(name), 0.0)?)?;
+        }
+        Ok(sq)
+    }
+
     /// The group's sum of each rank's weighted squares (collective over tp).
     pub fn sum(&self, local: f64) -> Result<f64> {
         let t = Tensor::new(&[local], &Device::Cpu)?;

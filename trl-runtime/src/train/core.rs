@@ -593,6 +593,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             reference_copy: false,
             gpu: self.ctx.device().is_cuda(),
             router_loss: self.router_loss_weight != 0.0,
+            threads: crate::parallel::estimate::cpu_threads(),
         };
         task(&mut setup);
         Some(crate::parallel::estimate::estimate(&shapes, &setup))

@@ -86,6 +86,9 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn train_step(&mut self) -> Result<StepStats> {
+        if self.core.ctx.device().is_cpu() {
+            crate::kernels::cpu_gemm::reserve_packing_buffers();
+        }
         let rows = self.core.step_rows();
         let mut grads = self.core.begin_step();
         let t0 = Instant::now();
