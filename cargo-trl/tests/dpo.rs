@@ -1,7 +1,7 @@
 //! DPO through the real `cargo trl launch` and the `dpo` example: its logged loss and metrics
 //! equal TRL 1.16's DPOTrainer's on the same model and pairs (when TRL is installed), and
 //! under every CPU profile a run equals one process: every step's loss within 1e-5 and
-//! gradient norm within 1e-5 relative, weights after 5 steps within 2e-4. The weights' bound
+//! gradient norm within 1e-5 relative (1e-4 for adapters), weights after 5 steps within 2e-4. The weights' bound
 //! is wider than SFT's (2e-5): a DPO gradient is the difference of two nearly equal ones
 //! (chosen and rejected share their prompt), so many of its elements are rounding-level and
 //! Adam, which divides by their size, turns that rounding into steps of up to the learning
@@ -55,6 +55,33 @@ fn dpo_on_a_mixture_of_experts_under_split_profiles_equals_one_process() {
             "context_parallel_cpu",
             "alst_ulysses_cpu",
         ]),
+    );
+}
+
+/// DPO with LoRA on gpt-oss's experts and router as parameters (peft's target_parameters, the
+/// gpt-oss recipe's adapters): the reference is the policy without its adapters; under ZeRO-3
+/// (base experts sharded in their units, adapters whole) and FSDP2 x tp (each expert adapter's
+/// half along the split features cut) the adapters equal one process's.
+#[test]
+fn dpo_with_adapters_on_gpt_oss_parameters_equals_one_process() {
+    let model = root().join("assets/tiny-gpt-oss/model");
+    let model = model.to_str().unwrap().to_string();
+    profiles_equal_one_process(
+        &[
+            "--model_name_or_path",
+            &model,
+            "--use_peft",
+            "--lora_target_parameters",
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj",
+            "mlp.router.weight",
+            "--lora_dropout",
+            "0",
+            "--router_aux_loss_coef",
+            "0.1",
+            MICRO_BATCH_PER_PAIR,
+        ],
+        Some(&["zero3_cpu", "fsdp2_tp_cpu"]),
     );
 }
 
@@ -144,12 +171,23 @@ fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) -> Vec<f64>
         }
     };
     let extra = &extra[..];
+    // A LoRA run's checkpoint holds its adapters (peft's names).
+    let lora = extra.contains(&"--use_peft");
+    // An adapter's gradient is a small part of a MoE layer's: the 2-rank sum's rounding shows
+    // in its norm at about 1e-5 relative (1.07e-5 measured under ZeRO-3).
+    let norm_tolerance = if lora { 1e-4 } else { 1e-5 };
+    let read = |out: &Path| match lora {
+        true => Run::read_adapter(out, STEPS),
+        false => Run::read(out, STEPS),
+    };
     dpo(&one, 8, &out("one8"), extra);
     dpo(&one, 4, &out("one4"), extra);
-    let (one8, one4) = (
-        Run::read(&out("one8"), STEPS),
-        Run::read(&out("one4"), STEPS),
-    );
+    let (one8, one4) = (read(&out("one8")), read(&out("one4")));
+    // Adapters start with B at zero: every one of them trained.
+    for (param, b) in one8.weights.iter().filter(|(n, _)| n.contains("lora_B")) {
+        let moved = max_diff(b, &b.zeros_like().unwrap());
+        assert!(moved > 1e-4, "{param} did not move ({moved})");
+    }
     // The policy moved away from the reference.
     assert!(
         one8.losses[STEPS - 1] < one8.losses[0] - 1e-3,
@@ -162,17 +200,18 @@ fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) -> Vec<f64>
         }
         dpo(args, 4, &out(name), extra);
         let want = if *two_dp { "one8" } else { "one4" };
-        let (got, one) = (
-            Run::read(&out(name), STEPS),
-            if *two_dp { &one8 } else { &one4 },
-        );
+        let (got, one) = (read(&out(name)), if *two_dp { &one8 } else { &one4 });
         let (g, w) = (grad_norms(&out(name)), grad_norms(&out(want)));
         let mut worst = [0f64; 3];
         for step in 0..STEPS {
             let dl = (got.losses[step] - one.losses[step]).abs();
             let dg = (g[step] - w[step]).abs() / w[step];
             assert!(dl < 1e-5, "{name} step {}: loss {dl:e} off", step + 1);
-            assert!(dg < 1e-5, "{name} step {}: grad_norm {dg:e} off", step + 1);
+            assert!(
+                dg < norm_tolerance,
+                "{name} step {}: grad_norm {dg:e} off",
+                step + 1
+            );
             worst = [worst[0].max(dl), worst[1].max(dg), worst[2]];
         }
         for (param, w) in &one.weights {
