@@ -39,23 +39,25 @@ fn dpo_under_every_cpu_profile_equals_one_process() {
 /// of one process's (the router loss is per micro-batch, TRL's average, not a sum over rows).
 #[test]
 fn dpo_on_a_mixture_of_experts_under_split_profiles_equals_one_process() {
-    let model = root().join("assets/tiny-qwen3-moe/model");
-    let model = model.to_str().unwrap().to_string();
-    profiles_equal_one_process(
+    mixture_of_experts_equals_one_process(
+        "qwen3-moe",
+        &[],
         &[
-            "--model_name_or_path",
-            &model,
-            "--router_aux_loss_coef",
-            "0.1",
-            MICRO_BATCH_PER_PAIR,
-        ],
-        Some(&[
             "zero3_cpu",
             "fsdp2_tp_cpu",
             "context_parallel_cpu",
             "alst_ulysses_cpu",
-        ]),
+        ],
     );
+}
+
+/// [`profiles_equal_one_process`] on assets/tiny-`kind` with `extra` flags, the router loss
+/// weighted 0.1 and one pair per micro-batch.
+fn mixture_of_experts_equals_one_process(kind: &str, extra: &[&str], cases: &[&str]) {
+    let model = root().join(format!("assets/tiny-{kind}/model"));
+    let model = ["--model_name_or_path", model.to_str().unwrap()];
+    let router = ["--router_aux_loss_coef", "0.1", MICRO_BATCH_PER_PAIR];
+    profiles_equal_one_process(&[&model[..], extra, &router[..]].concat(), Some(cases));
 }
 
 /// DPO with LoRA on gpt-oss's experts and router as parameters (peft's target_parameters, the
@@ -64,12 +66,9 @@ fn dpo_on_a_mixture_of_experts_under_split_profiles_equals_one_process() {
 /// half along the split features cut) the adapters equal one process's.
 #[test]
 fn dpo_with_adapters_on_gpt_oss_parameters_equals_one_process() {
-    let model = root().join("assets/tiny-gpt-oss/model");
-    let model = model.to_str().unwrap().to_string();
-    profiles_equal_one_process(
+    mixture_of_experts_equals_one_process(
+        "gpt-oss",
         &[
-            "--model_name_or_path",
-            &model,
             "--use_peft",
             "--lora_target_parameters",
             "mlp.experts.gate_up_proj",
@@ -77,11 +76,8 @@ fn dpo_with_adapters_on_gpt_oss_parameters_equals_one_process() {
             "mlp.router.weight",
             "--lora_dropout",
             "0",
-            "--router_aux_loss_coef",
-            "0.1",
-            MICRO_BATCH_PER_PAIR,
         ],
-        Some(&["zero3_cpu", "fsdp2_tp_cpu"]),
+        &["zero3_cpu", "fsdp2_tp_cpu"],
     );
 }
 
