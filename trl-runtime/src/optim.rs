@@ -36,7 +36,8 @@ pub struct ParamState {
     pub exp_avg_sq: Tensor,
     /// Whether weight decay applies (HF exempts biases and norm weights).
     pub decay: bool,
-    /// Per-element decay (1 or 0) for a flat shard that spans several parameters (ZeRO).
+    /// Per-element decay (1 or 0, u8: a byte per element) for a flat shard that spans
+    /// several parameters (ZeRO, FSDP).
     pub decay_mask: Option<Tensor>,
 }
 
@@ -309,7 +310,10 @@ fn chain_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<(Tensor, Tensor,
     let mut master = s.master.clone();
     if h.decay != 0.0 {
         match &s.decay_mask {
-            Some(mask) => master = (&master - (&master * mask)?.affine(h.lr * h.decay, 0.0)?)?,
+            Some(mask) => {
+                let mask = mask.to_dtype(master.dtype())?;
+                master = (&master - (&master * mask)?.affine(h.lr * h.decay, 0.0)?)?
+            }
             None if s.decay => master = (&master * (1.0 - h.lr * h.decay))?,
             None => {}
         }
@@ -344,13 +348,9 @@ fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
 /// exp_avg_sq), or None where it does not apply (not CPU f32 contiguous).
 fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, Tensor, Tensor)>> {
     // Read in place under their locks; the decay mask (1 where weight decay applies: a flat
-    // ZeRO shard spans several parameters) last, when there is one.
+    // shard spans several parameters) apart, when there is one.
     let inputs = [&s.master, &s.exp_avg, &s.exp_avg_sq, g];
-    let guards: Vec<_> = inputs
-        .into_iter()
-        .chain(s.decay_mask.as_ref())
-        .map(|t| t.storage_and_layout())
-        .collect();
+    let guards: Vec<_> = inputs.into_iter().map(|t| t.storage_and_layout()).collect();
     let Some(slices) = guards
         .iter()
         .map(|(storage, layout)| cpu_f32(storage, layout))
@@ -358,7 +358,17 @@ fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, 
     else {
         return Ok(None);
     };
-    let (w, m, v, g, mask) = (slices[0], slices[1], slices[2], slices[3], slices.get(4));
+    let mask_guard = s.decay_mask.as_ref().map(|t| t.storage_and_layout());
+    let mask = match &mask_guard {
+        Some((storage, layout)) => match (&**storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(candle_core::CpuStorage::U8(v)), Some((a, b))) => {
+                Some(&v[a..b])
+            }
+            _ => return Ok(None),
+        },
+        None => None,
+    };
+    let (w, m, v, g) = (slices[0], slices[1], slices[2], slices[3]);
     let decay = match (mask, s.decay) {
         (None, false) => 0.0,
         _ => h.decay,
@@ -371,7 +381,7 @@ fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, 
     let inv_bc2 = (1.0 / h.bc2.sqrt()) as f32;
     let eps = h.eps as f32;
     for i in 0..n {
-        let keep = 1.0 - shrink * mask.map_or(1.0, |mask| mask[i]);
+        let keep = 1.0 - shrink * mask.map_or(1.0, |mask| mask[i] as f32);
         let gi = g[i];
         let mi = b1 * m[i] + (1.0 - b1) * gi;
         let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
@@ -380,6 +390,7 @@ fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, 
         w2[i] = w[i] * keep - step * mi / (vi.sqrt() * inv_bc2 + eps);
     }
     drop(guards);
+    drop(mask_guard);
     let shape = s.master.shape();
     let dev = s.master.device();
     Ok(Some((
@@ -416,8 +427,10 @@ fn cuda_update_in_place(
 ) -> Result<InPlace> {
     let state_f32 = [&s.master, &s.exp_avg, &s.exp_avg_sq]
         .into_iter()
-        .chain(s.decay_mask.as_ref())
-        .all(|t| t.dtype() == DType::F32 && t.device().is_cuda());
+        .all(|t| t.dtype() == DType::F32 && t.device().is_cuda())
+        && s.decay_mask
+            .as_ref()
+            .is_none_or(|m| m.dtype() == DType::U8 && m.device().is_cuda());
     let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16);
     let grad_ok = g.device().is_cuda() && float(g);
     if !state_f32 || !grad_ok || !crate::kernels::cuda_fused::enabled() {
@@ -627,9 +640,7 @@ mod fused_tests {
                 .unwrap()
         };
         let mask = Tensor::from_vec(
-            (0..n)
-                .map(|i| (i % 3 == 0) as u8 as f32)
-                .collect::<Vec<_>>(),
+            (0..n).map(|i| (i % 3 == 0) as u8).collect::<Vec<_>>(),
             n,
             &dev,
         )

@@ -934,7 +934,7 @@ fn fused_adamw_on_gpu_follows_the_cpu() {
             .map(|(n, t)| (n.clone(), t.to_device(device).unwrap()))
             .collect();
         let mut opt = AdamW::new(on.iter().map(|(n, t)| (n, t)), config).unwrap();
-        let mask: Vec<f32> = (0..37 * 29).map(|i| (i % 3 != 0) as u8 as f32).collect();
+        let mask: Vec<u8> = (0..37 * 29).map(|i| (i % 3 != 0) as u8).collect();
         opt.states.get_mut("flat").unwrap().decay_mask =
             Some(Tensor::from_vec(mask, (37, 29), device).unwrap());
         opt

@@ -329,7 +329,7 @@ pub struct AdamWConsts {
 /// One AdamW step in place: the contiguous f32 master `w` (mutable here), moments `m` and `v`
 /// (written through their views: the caller hands over tensors nothing else reads) from the
 /// gradient `g` in f32, bf16 or f16 times `c.grad_scale` (read as it is: no cast or scaling
-/// pass), with an optional decay `mask` (f32, 1 where decay applies); with `out` (the model's
+/// pass), with an optional decay `mask` (u8, 1 where decay applies); with `out` (the model's
 /// weight, contiguous, f32, bf16 or f16) the new weight is written there in the same pass.
 pub fn adamw_in_place(
     w: (&mut CudaStorage, &Layout),
@@ -355,7 +355,7 @@ pub fn adamw_in_place(
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let (ms, vs) = (view::<f32>(m.0, m.1)?, view::<f32>(v.0, v.1)?);
     let mask = match mask {
-        Some(k) => Some(view::<f32>(k.0, k.1)?),
+        Some(k) => Some(view::<u8>(k.0, k.1)?),
         None => None,
     };
     let start = w.1.start_offset();
@@ -373,7 +373,11 @@ pub fn adamw_in_place(
             let mut ws = w.0.as_cuda_slice_mut::<f32>()?.slice_mut(start..);
             let mut b = f.builder();
             b.arg(&mut ws).arg(&ms).arg(&vs).arg(&gs);
-            b.arg(mask.as_ref().unwrap_or(&ms)).arg(&has_mask);
+            match &mask {
+                Some(k) => b.arg(k),
+                None => b.arg(&ms),
+            };
+            b.arg(&has_mask);
             match &os {
                 Some(o) => b.arg(o),
                 None => b.arg(&ms),

@@ -387,15 +387,15 @@ __device__ void rotary(const T* x, const T* cos, const T* sin, T* out, int heads
 // moments `m`, `v` are updated where they are, from the gradient in its own dtype times
 // `gscale` (the clipping coefficient: no cast or scaling pass), and with `has_out` the model's
 // weight `out` (its own dtype) receives the new value in the same pass. `mask` (read when
-// has_mask) is 1 where weight decay applies; the bias corrections are folded into `step`
-// (lr / bc1) and `inv_bc2`.
+// has_mask; a byte per element) is 1 where weight decay applies; the bias corrections are
+// folded into `step` (lr / bc1) and `inv_bc2`.
 template <typename G, typename W>
-__device__ void adamw(float* w, float* m, float* v, const G* g, const float* mask, int has_mask,
-                      W* out, int has_out, size_t n, float gscale, float shrink, float b1,
-                      float b2, float step, float inv_bc2, float eps) {
+__device__ void adamw(float* w, float* m, float* v, const G* g, const unsigned char* mask,
+                      int has_mask, W* out, int has_out, size_t n, float gscale, float shrink,
+                      float b1, float b2, float step, float inv_bc2, float eps) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
-        const float keep = 1.f - shrink * (has_mask ? mask[i] : 1.f);
+        const float keep = 1.f - shrink * (has_mask ? (float)mask[i] : 1.f);
         const float gi = to_f(g[i]) * gscale;
         const float mi = b1 * m[i] + (1.f - b1) * gi;
         const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
@@ -409,9 +409,9 @@ __device__ void adamw(float* w, float* m, float* v, const G* g, const float* mas
 
 #define ADAMW_ENTRY(GS, G, WS, W)                                                              \
     extern "C" __global__ void adamw_##GS##_##WS(                                              \
-        float* w, float* m, float* v, const G* g, const float* mask, int has_mask, W* out,     \
-        int has_out, size_t n, float gscale, float shrink, float b1, float b2, float step,     \
-        float inv_bc2, float eps) {                                                            \
+        float* w, float* m, float* v, const G* g, const unsigned char* mask, int has_mask,     \
+        W* out, int has_out, size_t n, float gscale, float shrink, float b1, float b2,         \
+        float step, float inv_bc2, float eps) {                                                \
         adamw<G, W>(w, m, v, g, mask, has_mask, out, has_out, n, gscale, shrink, b1, b2, step, \
                     inv_bc2, eps);                                                             \
     }

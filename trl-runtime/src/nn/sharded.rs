@@ -152,8 +152,8 @@ impl FlatLayout {
 
     /// `value(name)` at every element of that parameter (0 in the padding), over the padded
     /// vector.
-    pub fn per_element(&self, value: impl Fn(&str) -> f32) -> Vec<f32> {
-        let mut out = vec![0f32; self.padded];
+    pub fn per_element<T: Copy + Default>(&self, value: impl Fn(&str) -> T) -> Vec<T> {
+        let mut out = vec![T::default(); self.padded];
         for (name, shape, offset) in &self.entries {
             let v = value(name);
             out[*offset..*offset + shape.elem_count()]

@@ -589,7 +589,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
     let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     if !whole_head || (model.logits_loss && !one_pass) {
-        e.logits = 8 * 4 * tokens * cfg.vocab_size / tp;
+        e.logits = 7 * 4 * tokens * cfg.vocab_size / tp;
         e.logits_kept = 3 * 4 * tokens * cfg.vocab_size / tp;
         // Measured, not traced to its tensors: beside whole logits the recomputed layer's
         // backward holds about one base layer more (as many elements as a layer's
@@ -598,7 +598,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             e.recompute_grads = (stack(false).0 * tokens as f64) as usize * dsz;
         }
         why.push(format!(
-            "logits: 8 fp32 copies x {tokens} tokens x {} vocabulary entries{}",
+            "logits: 7 fp32 copies x {tokens} tokens x {} vocabulary entries{}",
             cfg.vocab_size / tp,
             match setup.checkpointing {
                 true => format!(

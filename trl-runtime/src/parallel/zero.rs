@@ -49,9 +49,10 @@ impl FlatLayout {
         )
     }
 
-    /// 1 where weight decay applies (HF's rule per parameter), 0 elsewhere and in the padding.
-    fn decay_mask(&self) -> Vec<f32> {
-        self.per_element(|name| if decays(name) { 1.0 } else { 0.0 })
+    /// 1 where weight decay applies (HF's rule per parameter), 0 elsewhere and in the padding:
+    /// a byte per element.
+    fn decay_mask(&self) -> Vec<u8> {
+        self.per_element(|name| decays(name) as u8)
     }
 
     /// Fresh AdamW state for the slice `range` whose master weights are `master` (f32).
