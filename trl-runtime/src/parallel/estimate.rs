@@ -77,7 +77,8 @@ pub struct Estimate {
     pub comm_buffers: usize,
     /// Of `activations`, the layer recomputed at a time under checkpointing.
     pub recomputed: usize,
-    /// The gradients its backward makes (as many as a layer's activations without adapters).
+    /// Beside whole logits, what the recomputed layer's backward holds more (measured: about
+    /// an adapter-free layer's activations); 0 with the fused loss.
     pub recompute_grads: usize,
     /// The loss's logits when they exist whole (under tp, ZeRO-3/FSDP or soft-capping): the
     /// most that is alive at once, during the loss's backward.
