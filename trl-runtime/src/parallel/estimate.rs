@@ -75,17 +75,9 @@ pub struct Estimate {
     /// Buffers a strategy keeps for its collectives between steps (ZeRO-2: the reduced
     /// gradient slice the host backend writes into).
     pub comm_buffers: usize,
-    /// Of `activations`, the layer recomputed at a time under checkpointing.
-    pub recomputed: usize,
-    /// Beside whole logits, what the recomputed layer's backward holds more (measured: about
-    /// an adapter-free layer's activations); 0 with the fused loss.
-    pub recompute_grads: usize,
-    /// The loss's logits when they exist whole (under tp, ZeRO-3/FSDP or soft-capping): the
-    /// most that is alive at once, during the loss's backward.
+    /// What the loss's logits add to `activations` at the backward's peak, when they exist
+    /// whole (under tp, ZeRO-3/FSDP or soft-capping).
     pub logits: usize,
-    /// Of `logits`, the copies the forward graph keeps until backward ends (the logits, their
-    /// shifted copy and its exponentials): alive beside a recomputed layer.
-    pub logits_kept: usize,
     /// Transient buffers of the step: the whole gradients while backward runs, the units
     /// gathered at once (ZeRO-3/FSDP), the flat buffers of the reductions.
     pub step_buffers: usize,
@@ -125,13 +117,7 @@ impl Estimate {
     /// step buffers: the loss's graph stays alive while checkpointed layers are recomputed)
     /// and the update's.
     pub fn transient(&self) -> usize {
-        // The loss's backward runs first and frees the logits' gradients before the
-        // checkpointed layers are recomputed.
-        let loss_or_layer = self
-            .logits
-            .max(self.logits_kept + self.recomputed + self.recompute_grads);
-        (self.activations - self.recomputed + loss_or_layer + self.step_buffers)
-            .max(self.update_buffers)
+        (self.activations + self.logits + self.step_buffers).max(self.update_buffers)
     }
 }
 
@@ -576,9 +562,6 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         true => layers * checkpoint_elements(h, lora) + layer + outside_elements(h, lora),
     };
     e.activations = (per_token * tokens as f64) as usize * dsz;
-    if setup.checkpointing {
-        e.recomputed = (layer * tokens as f64) as usize * dsz;
-    }
     why.push(format!(
         "activations: {tokens} tokens x {per_token:.0} elements x {dsz} bytes ({}; {} layers of {layer:.0} per token)",
         if setup.checkpointing { "checkpointed: layer inputs kept, one layer recomputed at a time" } else { "every layer kept" },
@@ -590,25 +573,29 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
     let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     if !whole_head || (model.logits_loss && !one_pass) {
-        e.logits = 7 * 4 * tokens * cfg.vocab_size / tp;
-        e.logits_kept = 3 * 4 * tokens * cfg.vocab_size / tp;
-        // Measured, not traced to its tensors: beside whole logits the recomputed layer's
-        // backward holds about one base layer more (as many elements as a layer's
-        // activations without adapters); with the fused loss it does not.
-        if setup.checkpointing {
-            e.recompute_grads = (stack(false).0 * tokens as f64) as usize * dsz;
-        }
+        // The loss's backward holds 7 fp32 copies (measured).
+        let copy = 4 * tokens * cfg.vocab_size / tp;
+        e.logits = match setup.checkpointing {
+            false => 7 * copy,
+            // It runs before the layers are recomputed and frees all but the 3 copies the
+            // forward graph keeps (the logits, their shift and its exponentials). Beside
+            // them a recomputed layer (counted in `activations`) holds about one adapter-free
+            // layer more (measured, not traced to its tensors; with the fused loss it does
+            // not): the logits add whichever phase is larger.
+            true => {
+                let layer = (layer * tokens as f64) as usize * dsz;
+                let more = (stack(false).0 * tokens as f64) as usize * dsz;
+                (7 * copy).saturating_sub(layer).max(3 * copy + more)
+            }
+        };
         why.push(format!(
-            "logits: 7 fp32 copies x {tokens} tokens x {} vocabulary entries{}",
+            "logits: 7 fp32 copies x {tokens} tokens x {} vocabulary entries in the loss's backward{}: {}",
             cfg.vocab_size / tp,
             match setup.checkpointing {
-                true => format!(
-                    " in the loss's backward; then 3 of them beside a recomputed layer ({} + {})",
-                    mib(e.recomputed),
-                    mib(e.recompute_grads)
-                ),
-                false => String::new(),
-            }
+                true => ", or 3 beside a recomputed layer",
+                false => "",
+            },
+            mib(e.logits)
         ));
     }
 
