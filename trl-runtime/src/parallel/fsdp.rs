@@ -602,11 +602,11 @@ impl FsdpOptimizer {
                     (g, sq)
                 }
                 None => {
-                    let sq = g.sqr()?.sum_all()?;
-                    (g, sq)
+                    let sq = g.sqr()?.sum_all()?.to_dtype(DType::F64)?;
+                    (g, sq.to_scalar::<f64>()?)
                 }
             };
-            local_sq += sq.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            local_sq += sq;
             grads.insert(unit.name.clone(), g);
         }
         let shard_comm = self.model.root().comm();

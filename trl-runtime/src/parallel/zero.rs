@@ -232,11 +232,12 @@ impl ZeroOptimizer {
             Some(r) => r.all_reduce(&shard, ReduceOp::Sum)?,
             None => shard,
         };
-        let sq = match &self.tp_grads {
-            Some((tp, entries)) => tp.weighted_sq(&shard, entries)?,
-            None => shard.sqr()?.sum_all()?,
+        let local_sq = match &self.tp_grads {
+            Some((tp, entries)) => {
+                Tensor::new(&[tp.weighted_sq(&shard, entries)?], shard.device())?
+            }
+            None => shard.sqr()?.sum_all()?.to_dtype(DType::F64)?.reshape(1)?,
         };
-        let local_sq = sq.to_dtype(DType::F64)?.reshape(1)?;
         let mut norm_sq = self
             .comm
             .all_reduce(&local_sq, ReduceOp::Sum)?

@@ -383,15 +383,20 @@ impl TpGrads {
     }
 
     /// This rank's weighted sum of squares of a flat gradient slice `g` covering `entries`
-    /// (each parameter's part of it), as a scalar tensor on `g`'s device: weighted per
-    /// parameter, so no per-element weight vector is kept.
-    pub fn weighted_sq(&self, g: &Tensor, entries: &[(String, Range<usize>)]) -> Result<Tensor> {
-        let mut sq = Tensor::zeros((), g.dtype(), g.device())?;
-        for (name, r) in entries {
-            let part = g.narrow(0, r.start, r.len())?.sqr()?.sum_all()?;
-            sq = (sq + part.affine(self.weight(name), 0.0)?)?;
-        }
-        Ok(sq)
+    /// (each parameter's part of it), as [`Self::norm_sq`] weighs whole parameters: per
+    /// parameter, so no per-element weight vector is kept, and in one pass over the parts
+    /// ([`sums_of_squares`]: one launch on a GPU).
+    pub fn weighted_sq(&self, g: &Tensor, entries: &[(String, Range<usize>)]) -> Result<f64> {
+        let parts = entries
+            .iter()
+            .map(|(_, r)| g.narrow(0, r.start, r.len()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let sums = sums_of_squares(&parts)?;
+        Ok(entries
+            .iter()
+            .zip(sums)
+            .map(|((name, _), sq)| sq * self.weight(name))
+            .sum())
     }
 
     /// The group's sum of each rank's weighted squares (collective over tp).
