@@ -11,7 +11,7 @@
 use crate::error::{Error, Result};
 use crate::nn::lora::{EXPERT_DOWN, EXPERT_GATE, EXPERT_UP};
 use candle_core::Tensor;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// peft's `target_parameters` names.
 pub const GATE_UP: &str = "gate_up_proj";
@@ -307,44 +307,38 @@ pub fn wrapper_prefixes(adapted: &[String]) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Our adapter tensors on parameters (`{parameter}.lora_A.weight`) under peft's names (see
-/// [`wrapper_prefixes`]); `adapted` in the model's order. Other tensors pass unchanged.
-pub fn nest(tensors: BTreeMap<String, Tensor>, adapted: &[String]) -> BTreeMap<String, Tensor> {
-    let prefixes = wrapper_prefixes(adapted);
-    tensors
+/// Our names of the adapters on the parameters `adapted` (in the model's order) and peft's
+/// (see [`wrapper_prefixes`]), as (ours, peft's).
+fn wrapper_names(adapted: &[String]) -> Vec<(String, String)> {
+    wrapper_prefixes(adapted)
         .into_iter()
-        .map(|(name, t)| {
-            for (p, prefix) in &prefixes {
-                for part in ["lora_A.weight", "lora_B.weight"] {
-                    if name == format!("{p}.{part}") {
-                        return (format!("{prefix}.{part}"), t);
-                    }
-                }
-            }
-            (name, t)
+        .flat_map(|(p, prefix)| {
+            ["lora_A.weight", "lora_B.weight"]
+                .map(|part| (format!("{p}.{part}"), format!("{prefix}.{part}")))
         })
         .collect()
+}
+
+/// `tensors` with the names `renamed` maps renamed; others pass unchanged.
+fn rename(
+    tensors: BTreeMap<String, Tensor>,
+    renamed: HashMap<String, String>,
+) -> BTreeMap<String, Tensor> {
+    tensors
+        .into_iter()
+        .map(|(name, t)| (renamed.get(&name).cloned().unwrap_or(name), t))
+        .collect()
+}
+
+/// Our adapter tensors on parameters (`{parameter}.lora_A.weight`) under peft's names;
+/// `adapted` in the model's order. Other tensors pass unchanged.
+pub fn nest(tensors: BTreeMap<String, Tensor>, adapted: &[String]) -> BTreeMap<String, Tensor> {
+    rename(tensors, wrapper_names(adapted).into_iter().collect())
 }
 
 /// The inverse of [`nest`]: peft's names of adapters on the parameters `adapted` (in the
 /// model's order) back to ours; other tensors pass unchanged.
 pub fn unnest(tensors: BTreeMap<String, Tensor>, adapted: &[String]) -> BTreeMap<String, Tensor> {
-    let ours: BTreeMap<String, String> = wrapper_prefixes(adapted)
-        .into_iter()
-        .map(|(p, prefix)| (prefix, p))
-        .collect();
-    tensors
-        .into_iter()
-        .map(|(name, t)| {
-            for part in ["lora_A.weight", "lora_B.weight"] {
-                if let Some(p) = name
-                    .strip_suffix(part)
-                    .and_then(|m| ours.get(m.trim_end_matches('.')))
-                {
-                    return (format!("{p}.{part}"), t);
-                }
-            }
-            (name, t)
-        })
-        .collect()
+    let back = wrapper_names(adapted).into_iter().map(|(o, p)| (p, o));
+    rename(tensors, back.collect())
 }
