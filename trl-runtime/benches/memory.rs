@@ -328,14 +328,15 @@ fn main() {
             false => String::new(),
         };
         let lora = name.contains("+lora");
+        // A ZeRO / FSDP slice's state has a byte per element more: its decay mask.
         let formula = match (strategy, lora) {
-            ("zero1", false) => 8 * p + 12 * p / world,
-            ("zero2", false) => 4 * p + 16 * p / world,
-            ("zero3" | "fsdp", false) => 16 * p / world,
+            ("zero1", false) => 8 * p + 13 * p / world,
+            ("zero2", false) => 4 * p + 17 * p / world,
+            ("zero3" | "fsdp", false) => 17 * p / world,
             (_, false) => 20 * p,
-            ("zero1", true) => 4 * p + 8 * a + 12 * a / world,
-            ("zero2", true) => 4 * p + 4 * a + 16 * a / world,
-            ("zero3", true) => 4 * p / world + 4 * a + 16 * a / world,
+            ("zero1", true) => 4 * p + 8 * a + 13 * a / world,
+            ("zero2", true) => 4 * p + 4 * a + 17 * a / world,
+            ("zero3", true) => 4 * p / world + 4 * a + 17 * a / world,
             (_, true) => 4 * p + 20 * a,
         };
         // On a CPU run offload has nothing to move to (the trainer says so): the offloaded

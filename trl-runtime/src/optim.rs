@@ -275,11 +275,15 @@ impl AdamW {
         Ok(())
     }
 
-    /// Adds the storage the state holds (master weights and both moments) to `held`.
+    /// Adds the storage the state holds (master weights, both moments and a flat slice's
+    /// decay mask) to `held`.
     pub fn add_storage(&self, held: &mut StorageBytes) {
         for s in self.states.values() {
             for t in [&s.master, &s.exp_avg, &s.exp_avg_sq] {
                 held.add(t);
+            }
+            if let Some(mask) = &s.decay_mask {
+                held.add(mask);
             }
         }
     }

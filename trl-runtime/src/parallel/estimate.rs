@@ -460,6 +460,9 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         None => (base, 0),
     };
     let slice = |elems: usize| elems.div_ceil(n);
+    // A flat slice spans parameters that decay and norms and biases that do not: ZeRO and
+    // FSDP keep a byte per element saying which (`FlatLayout::shard_state`).
+    const MASK: usize = 1;
     let opt_bytes;
     match (setup.strategy, setup.lora.is_some()) {
         (Strategy::Ddp, _) => {
@@ -477,9 +480,9 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
                 ZeroStage::One => 4 * p,
                 ZeroStage::Two => (4 * p).div_ceil(n),
             };
-            opt_bytes = 12 * slice(p);
+            opt_bytes = (12 + MASK) * slice(p);
             why.push(format!(
-                "{}: weights {dsz} x {} + gradients {} + master and moments 12 x {} (the flat vector / {n})",
+                "{}: weights {dsz} x {} + gradients {} + master, moments and decay mask 13 x {} (the flat vector / {n})",
                 setup.strategy.name(),
                 p + frozen,
                 mib(e.gradients),
@@ -491,7 +494,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             // In fp32 the slice is its own master; otherwise a compute-dtype copy beside it.
             e.parameters = dsz * s;
             e.gradients = 4 * s;
-            opt_bytes = if dsz == 4 { 8 * s } else { 12 * s };
+            opt_bytes = if dsz == 4 { 8 * s } else { 12 * s } + MASK * s;
             why.push(format!(
                 "zero3: {} units, {s} elements per rank (each unit padded to {n}): weights {dsz}, gradients 4, {} bytes of optimizer state each",
                 units.len(),
@@ -504,7 +507,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             let s: usize = units.iter().map(|&u| slice(u)).sum();
             e.parameters = dsz * (s + p);
             e.gradients = (4 * p).div_ceil(n);
-            opt_bytes = 12 * slice(p);
+            opt_bytes = (12 + MASK) * slice(p);
             why.push(format!(
                 "zero3 + LoRA: base slices {dsz} x {s} + adapters whole {dsz} x {p}, their gradients and state / {n}"
             ));
