@@ -1,14 +1,15 @@
 //! `cargo bench -p trl-runtime --bench memory`: model-state bytes per rank for ddp, zero1,
 //! zero2 and zero3 on 1, 2 and 4 processes with a 24M-parameter Qwen2, against the ZeRO formula
-//! for fp32 AdamW with master weights (ddp 20P, zero1 8P + 12P/N, zero2 4P + 16P/N; zero3 16P/N,
-//! the fp32 parameters being their own master copy), the peak resident memory of a rank while
+//! for fp32 AdamW with master weights (ddp 20P, zero1 8P + 13P/N, zero2 4P + 17P/N; zero3 17P/N,
+//! the fp32 parameters being their own master copy; a sharded slice's decay mask is the 1
+//! byte over 12 and 16), the peak resident memory of a rank while
 //! loading the model and setting up its strategy, during one training step (peak count
 //! restarted after start-up) and over the whole run; ZeRO-3 also with zero3_init_flag (each
 //! rank reads only its slices), and every strategy with offload_optimizer_device: cpu. Every
 //! run enters through its launch plan, as under `cargo trl launch`. With LoRA (`+lora`:
 //! use_peft, all-linear, r 16) against its formula: the frozen base B in the compute dtype
 //! (4B; 4B/N sharded under zero3) plus the adapters A as full fine-tuning keeps parameters
-//! (ddp 20A, zero1 8A + 12A/N, zero2 and zero3 4A + 16A/N: under ZeRO-3 the adapters stay
+//! (ddp 20A, zero1 8A + 13A/N, zero2 and zero3 4A + 17A/N: under ZeRO-3 the adapters stay
 //! whole and ZeRO-2 shards their gradients and optimizer state). ZeRO-3 and FSDP also save a
 //! full checkpoint after the measured step, streamed a unit at a time: its peak
 //! (`save_peak_bytes_per_rank`, freed memory returned to the OS first) must stay within the

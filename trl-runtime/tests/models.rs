@@ -278,6 +278,27 @@ fn mismatched_weights_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("model.safetensors"), "{e}");
+    // Through the loaders a user calls (AutoModelForCausalLM, the trainer's CausalLm): a
+    // config.json beside weights of another shape names the tensor and both shapes.
+    let path = dir.path().join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json["intermediate_size"] = 32.into();
+    std::fs::write(&path, json.to_string()).unwrap();
+    let auto = AutoModelForCausalLM::from_pretrained(dir.path(), DType::F32, &Device::Cpu);
+    let causal = CausalLm::from_pretrained(dir.path(), DType::F32, &Device::Cpu);
+    for e in [
+        auto.err().unwrap().to_string(),
+        causal.err().unwrap().to_string(),
+    ] {
+        assert!(
+            e.contains("mlp.gate_proj.weight")
+                && e.contains("[24, 16]")
+                && e.contains("[32, 16]")
+                && e.contains("config.json"),
+            "{e}"
+        );
+    }
     // Bad config values name the key.
     let e = ModelConfig::from_json(r#"{"model_type":"gpt2","vocab_size":1,"hidden_size":4,"intermediate_size":4,"num_hidden_layers":1,"num_attention_heads":1}"#, "config.json")
         .unwrap_err()

@@ -511,27 +511,18 @@ pub fn read_config(dir: &Path) -> Result<(String, String)> {
     Ok((mxfp4::dense_config(&text), path.display().to_string()))
 }
 
-pub fn check_shape(name: &str, t: Tensor, s: &Shape) -> candle_core::Result<Tensor> {
-    if t.shape() != s {
-        candle_core::bail!(
-            "{name} has shape {:?} but the model expects {:?}: the weights and config.json do \
-             not belong together",
-            t.dims(),
-            s.dims()
-        );
-    }
-    Ok(t)
+/// Weights a model reads by name while it is built (a VarBuilder's source, through
+/// [`Checked`]), in the dtype and on the device they come in.
+pub trait Weights: Send + Sync {
+    fn read(&self, name: &str) -> candle_core::Result<Tensor>;
+    fn has(&self, name: &str) -> bool;
 }
 
-/// Weights from a checkpoint's files, in the compute dtype and device of the load (the
-/// VarBuilder's own are ignored: the trainer decides them).
-pub struct FilesBackend {
-    pub files: std::sync::Arc<WeightFiles>,
-    pub dtype: DType,
-    pub device: Device,
-}
+/// A VarBuilder backend over [`Weights`]: every weight the model asks for must have the shape
+/// it asks for (the VarBuilder's dtype and device are ignored: the loader decides them).
+pub struct Checked<W>(pub W);
 
-impl SimpleBackend for FilesBackend {
+impl<W: Weights> SimpleBackend for Checked<W> {
     fn get(
         &self,
         s: Shape,
@@ -540,17 +531,56 @@ impl SimpleBackend for FilesBackend {
         _: DType,
         _: &Device,
     ) -> candle_core::Result<Tensor> {
-        let t = self.get_unchecked(name, self.dtype, &self.device)?;
-        check_shape(name, t, &s)
+        let t = self.0.read(name)?;
+        if t.shape() != &s {
+            candle_core::bail!(
+                "{name} has shape {:?} but the model expects {:?}: the weights and config.json \
+                 do not belong together",
+                t.dims(),
+                s.dims()
+            );
+        }
+        Ok(t)
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        self.0.read(name)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.has(name)
+    }
+}
+
+/// Weights from a checkpoint's files, in the compute dtype and device of the load.
+pub struct FilesBackend {
+    pub files: std::sync::Arc<WeightFiles>,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Weights for FilesBackend {
+    fn read(&self, name: &str) -> candle_core::Result<Tensor> {
         self.files
             .load(name, self.dtype, &self.device)
             .map_err(Error::into_candle)
     }
 
-    fn contains_tensor(&self, name: &str) -> bool {
+    fn has(&self, name: &str) -> bool {
         self.files.contains(name)
+    }
+}
+
+/// Weights already in memory (a model over given parameters).
+impl Weights for std::collections::HashMap<String, Tensor> {
+    fn read(&self, name: &str) -> candle_core::Result<Tensor> {
+        match self.get(name) {
+            Some(t) => Ok(t.clone()),
+            None => candle_core::bail!("no parameter named {name}"),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.contains_key(name)
     }
 }

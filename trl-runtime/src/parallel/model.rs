@@ -11,7 +11,7 @@ use crate::comm::Communicator;
 use crate::context_parallel::SeqSplit;
 use crate::error::{Error, Result};
 use crate::models::params::{
-    check_shape, read_config, shapes_and_aliases, FilesBackend, Params, WeightFiles,
+    read_config, shapes_and_aliases, Checked, FilesBackend, Params, WeightFiles,
 };
 use crate::models::{AutoModelForCausalLM, CausalModel, LayerInputs, ModelConfig};
 use crate::nn::embedding::TiedGrad;
@@ -166,7 +166,7 @@ impl<N: CausalModel> Model<N> {
         Self::build(
             config_json,
             "config.json",
-            Box::new(TensorsBackend { tensors }),
+            Box::new(Checked(tensors)),
             (dtype, &device),
             false,
         )
@@ -183,7 +183,13 @@ impl<N: CausalModel> Model<N> {
             dtype,
             device: device.clone(),
         };
-        let model = Self::build(json, &source, Box::new(backend), (dtype, device), false)?;
+        let model = Self::build(
+            json,
+            &source,
+            Box::new(Checked(backend)),
+            (dtype, device),
+            false,
+        )?;
         files.check(&model.shapes, &model.aliases())?;
         Ok(model)
     }
@@ -966,36 +972,6 @@ impl SimpleBackend for Recording {
 
     fn contains_tensor(&self, name: &str) -> bool {
         self.0.inner.contains_tensor(name)
-    }
-}
-
-/// Weights already in memory (a model over given parameters).
-struct TensorsBackend {
-    tensors: HashMap<String, Tensor>,
-}
-
-impl SimpleBackend for TensorsBackend {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        _: candle_nn::Init,
-        _: DType,
-        _: &Device,
-    ) -> candle_core::Result<Tensor> {
-        let t = self.get_unchecked(name, DType::F32, &Device::Cpu)?;
-        check_shape(name, t, &s)
-    }
-
-    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
-        match self.tensors.get(name) {
-            Some(t) => Ok(t.clone()),
-            None => candle_core::bail!("no parameter named {name}"),
-        }
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
     }
 }
 
