@@ -290,6 +290,11 @@ impl Unit {
     pub(crate) fn deposit(&self, grads: Vec<(usize, Tensor)>) -> Result<()> {
         let mut st = self.lock();
         for (i, g) in grads {
+            // Detached: a weight gradient computed from the op's input carries that input's
+            // graph (under checkpointing, the whole recomputed layer), which would live on in
+            // the unit's gradients and its reduce-scatter, freed at a time that depends on the
+            // communication.
+            let g = g.detach();
             st.got_grad[i] = true;
             st.grads[i] = Some(match st.grads[i].take() {
                 Some(prev) => (prev + g)?,
