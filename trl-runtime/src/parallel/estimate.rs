@@ -571,37 +571,6 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         cfg.num_hidden_layers
     ));
 
-    // Logits exist whole where the fused loss cannot run: the head split (tp) or sharded
-    // (ZeRO-3 / FSDP), or soft-capped logits off the one-pass kernel (bf16 on the CPU).
-    let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
-    let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
-    if !whole_head || (model.logits_loss && !one_pass) {
-        // The loss's backward holds 7 fp32 copies (measured).
-        let copy = 4 * tokens * cfg.vocab_size / tp;
-        e.logits = match setup.checkpointing {
-            false => 7 * copy,
-            // It runs before the layers are recomputed and frees all but the 3 copies the
-            // forward graph keeps (the logits, their shift and its exponentials). Beside
-            // them a recomputed layer (counted in `activations`) holds about one adapter-free
-            // layer more (measured, not traced to its tensors; with the fused loss it does
-            // not): the logits add whichever phase is larger.
-            true => {
-                let layer = (layer * tokens as f64) as usize * dsz;
-                let more = (stack(false).0 * tokens as f64) as usize * dsz;
-                (7 * copy).saturating_sub(layer).max(3 * copy + more)
-            }
-        };
-        why.push(format!(
-            "logits: 7 fp32 copies x {tokens} tokens x {} vocabulary entries in the loss's backward{}: {}",
-            cfg.vocab_size / tp,
-            match setup.checkpointing {
-                true => ", or 3 beside a recomputed layer",
-                false => "",
-            },
-            mib(e.logits)
-        ));
-    }
-
     // During backward the whole gradients of what the rank computes with exist before their
     // reduction; under ZeRO-3 / FSDP only those of the units gathered: two in use (their
     // weights and gradients) and the next one's weights arriving.
@@ -614,9 +583,18 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         0
     };
     e.step_buffers = match (setup.strategy, lora) {
-        // Gathered weights of up to four units (two in use, prefetches in flight) and the
-        // whole gradients of two.
-        (Strategy::Fsdp(..), false) => (4 * dsz + 2 * 4) * largest_unit,
+        // The root gathered with the head's gradient (held until the embedding's backward,
+        // the last), a layer's unit in use with its gradients, the next one's weights
+        // arriving and the reduced slices of two units waiting to be added (measured with
+        // gradients detached as they are deposited: `nn::sharded::Unit::deposit`).
+        (Strategy::Fsdp(..), false) => {
+            let root = units.first().copied().unwrap_or(0);
+            let layer = units.iter().skip(1).copied().max().unwrap_or(0);
+            dsz * root
+                + 4 * cfg.vocab_size * cfg.hidden_size / tp
+                + (2 * dsz + 4) * layer
+                + 2 * (4 * layer).div_ceil(n)
+        }
         // A frozen base: the root (embedding, head) gathered while the loss runs, a layer's
         // unit in use and the next one's weights arriving; no gradients but the adapters'.
         (Strategy::Fsdp(..), true) => {
@@ -626,6 +604,46 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         }
         _ => head_grad + 4 * p - e.gradients.min(4 * p),
     };
+    // While the loss's backward runs no layer unit is in use yet: the root gathered, the
+    // head's gradient and the last layer's unit arriving.
+    let loss_buffers = match (setup.strategy, lora) {
+        (Strategy::Fsdp(..), false) => {
+            let root = units.first().copied().unwrap_or(0);
+            let layer = units.iter().skip(1).copied().max().unwrap_or(0);
+            dsz * (root + layer) + 4 * cfg.vocab_size * cfg.hidden_size / tp
+        }
+        _ => e.step_buffers,
+    };
+    // Logits exist whole where the fused loss cannot run: the head split (tp) or sharded
+    // (ZeRO-3 / FSDP), or soft-capped logits off the one-pass kernel (bf16 on the CPU).
+    let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
+    let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
+    if !whole_head || (model.logits_loss && !one_pass) {
+        // The loss's backward holds 7 fp32 copies (measured), beside the step buffers it
+        // needs (`loss_buffers`) and, under checkpointing, no recomputed layer (`activations`
+        // counts one). Then it frees all but what the forward graph holds until the backward
+        // ends, beside each layer's backward and the step buffers: the logits add whichever
+        // phase is larger. What stays is measured: 4 copies; with LoRA, 3 and about one
+        // adapter-free layer under checkpointing (not traced to its tensors).
+        let copy = 4 * tokens * cfg.vocab_size / tp;
+        let tokens_f = tokens as f64;
+        let (recomputed, kept) = match (setup.checkpointing, lora) {
+            (false, _) => (0, 4 * copy),
+            (true, false) => ((layer * tokens_f) as usize * dsz, 4 * copy),
+            (true, true) => (
+                (layer * tokens_f) as usize * dsz,
+                3 * copy + (stack(false).0 * tokens_f) as usize * dsz,
+            ),
+        };
+        let loss_phase = (7 * copy + loss_buffers).saturating_sub(recomputed);
+        e.logits = loss_phase.saturating_sub(e.step_buffers).max(kept);
+        why.push(format!(
+            "logits: 7 fp32 copies x {tokens} tokens x {} vocabulary entries in the loss's backward, or what the forward keeps beside the layers' backward: {}",
+            cfg.vocab_size / tp,
+            mib(e.logits)
+        ));
+    }
+
     if let Strategy::Fsdp(..) = setup.strategy {
         e.prefetch = if lora { 1 } else { 2 } * dsz * largest_unit;
     }
