@@ -230,15 +230,15 @@ impl AdamW {
                     continue;
                 }
             }
-            let mut g = g.to_dtype(DType::F32)?;
-            if grad_scale != 1.0 {
-                g = (g * grad_scale)?;
+            let g = g.to_dtype(DType::F32)?;
+            if cpu_update_in_place(s, &g, grad_scale, hyper)? {
+                continue;
             }
-            let (master, m, v) = match fused_update(s, &g, hyper)? {
-                Some(new) => new,
-                None => chain_update(s, &g, hyper)?,
+            let g = match grad_scale != 1.0 {
+                true => (g * grad_scale)?,
+                false => g,
             };
-            (s.master, s.exp_avg, s.exp_avg_sq) = (master, m, v);
+            (s.master, s.exp_avg, s.exp_avg_sq) = chain_update(s, &g, hyper)?;
         }
         Ok(written)
     }
@@ -347,61 +347,175 @@ fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
     cpu_f32(&storage, layout).map(f)
 }
 
-/// AdamW on CPU in one pass over the master weights, both moments and the gradient (instead
-/// of a dozen Candle ops, each a pass and a fresh tensor): the new (master, exp_avg,
-/// exp_avg_sq), or None where it does not apply (not CPU f32 contiguous).
-fn fused_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-    // Read in place under their locks; the decay mask (1 where weight decay applies: a flat
-    // shard spans several parameters) apart, when there is one.
-    let inputs = [&s.master, &s.exp_avg, &s.exp_avg_sq, g];
-    let guards: Vec<_> = inputs.into_iter().map(|t| t.storage_and_layout()).collect();
-    let Some(slices) = guards
-        .iter()
-        .map(|(storage, layout)| cpu_f32(storage, layout))
-        .collect::<Option<Vec<&[f32]>>>()
-    else {
-        return Ok(None);
-    };
-    let mask_guard = s.decay_mask.as_ref().map(|t| t.storage_and_layout());
-    let mask = match &mask_guard {
-        Some((storage, layout)) => match (&**storage, layout.contiguous_offsets()) {
-            (candle_core::Storage::Cpu(candle_core::CpuStorage::U8(v)), Some((a, b))) => {
-                Some(&v[a..b])
-            }
-            _ => return Ok(None),
+/// The contiguous f32 elements of a CPU storage that a tensor spans whole (what an update in
+/// place may rewrite without touching another tensor's view).
+fn own_cpu_f32(t: &Tensor) -> bool {
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((0, b))) => b == v.len(),
+        _ => false,
+    }
+}
+
+/// AdamW on CPU in place: the moments, then the master weights, are rewritten where they are
+/// (three passes, split over the cores), from the gradient times `grad_scale`, so an update
+/// holds no second copy of the state. A ZeRO-1/2 rank's state is one flat slice: a copy of it
+/// was 12 bytes per element of the slice beside the state. False where it does not apply
+/// (state not CPU f32); a state that is a view of a larger storage (a loaded checkpoint's) is
+/// copied once into storage of its own first.
+fn cpu_update_in_place(s: &mut ParamState, g: &Tensor, grad_scale: f64, h: Hyper) -> Result<bool> {
+    let f32_cpu = |t: &Tensor| t.dtype() == DType::F32 && t.device().is_cpu();
+    let mask_ok = s
+        .decay_mask
+        .as_ref()
+        .is_none_or(|m| m.dtype() == DType::U8 && m.device().is_cpu());
+    if ![&s.master, &s.exp_avg, &s.exp_avg_sq, g]
+        .into_iter()
+        .all(f32_cpu)
+        || !mask_ok
+    {
+        return Ok(false);
+    }
+    for t in [&mut s.master, &mut s.exp_avg, &mut s.exp_avg_sq] {
+        if !own_cpu_f32(t) {
+            *t = t.force_contiguous()?.detach();
+        }
+    }
+    let g = g.contiguous()?;
+    let scale = grad_scale as f32;
+    let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
+    s.exp_avg.inplace_op2(
+        &g,
+        &Moment {
+            beta: b1,
+            scale,
+            square: false,
         },
-        None => None,
-    };
-    let (w, m, v, g) = (slices[0], slices[1], slices[2], slices[3]);
-    let decay = match (mask, s.decay) {
+    )?;
+    s.exp_avg_sq.inplace_op2(
+        &g,
+        &Moment {
+            beta: b2,
+            scale,
+            square: true,
+        },
+    )?;
+    let decay = match (&s.decay_mask, s.decay) {
         (None, false) => 0.0,
         _ => h.decay,
     };
-    let n = w.len();
-    let (mut w2, mut m2, mut v2) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-    let shrink = (h.lr * decay) as f32;
-    let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
-    let step = (h.lr / h.bc1) as f32;
-    let inv_bc2 = (1.0 / h.bc2.sqrt()) as f32;
-    let eps = h.eps as f32;
-    for i in 0..n {
-        let keep = 1.0 - shrink * mask.map_or(1.0, |mask| mask[i] as f32);
-        let gi = g[i];
-        let mi = b1 * m[i] + (1.0 - b1) * gi;
-        let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
-        m2[i] = mi;
-        v2[i] = vi;
-        w2[i] = w[i] * keep - step * mi / (vi.sqrt() * inv_bc2 + eps);
+    let mask = s.decay_mask.as_ref().map(|m| m.contiguous()).transpose()?;
+    let step = MasterStep {
+        mask,
+        shrink: (h.lr * decay) as f32,
+        step: (h.lr / h.bc1) as f32,
+        inv_bc2: (1.0 / h.bc2.sqrt()) as f32,
+        eps: h.eps as f32,
+    };
+    s.master.inplace_op3(&s.exp_avg, &s.exp_avg_sq, &step)?;
+    Ok(true)
+}
+
+/// Elements per task of the in-place passes.
+const CHUNK: usize = 1 << 16;
+
+fn f32_slice<'a>(s: &'a candle_core::CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (candle_core::CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => candle_core::bail!("in-place AdamW: a contiguous f32 tensor was expected"),
     }
-    drop(guards);
-    drop(mask_guard);
-    let shape = s.master.shape();
-    let dev = s.master.device();
-    Ok(Some((
-        Tensor::from_vec(w2, shape, dev)?,
-        Tensor::from_vec(m2, shape, dev)?,
-        Tensor::from_vec(v2, shape, dev)?,
-    )))
+}
+
+fn f32_slice_mut<'a>(
+    s: &'a mut candle_core::CpuStorage,
+    l: &Layout,
+) -> candle_core::Result<&'a mut [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (candle_core::CpuStorage::F32(v), Some((a, b))) => Ok(&mut v[a..b]),
+        _ => candle_core::bail!("in-place AdamW: a contiguous f32 tensor was expected"),
+    }
+}
+
+/// `m = beta m + (1 - beta) (scale g)` (squared with `square`), in place.
+struct Moment {
+    beta: f32,
+    scale: f32,
+    square: bool,
+}
+
+impl candle_core::InplaceOp2 for Moment {
+    fn name(&self) -> &'static str {
+        "adamw-moment"
+    }
+
+    fn cpu_fwd(
+        &self,
+        m: &mut candle_core::CpuStorage,
+        ml: &Layout,
+        g: &candle_core::CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<()> {
+        use rayon::prelude::*;
+        let (m, g) = (f32_slice_mut(m, ml)?, f32_slice(g, gl)?);
+        let (beta, scale, square) = (self.beta, self.scale, self.square);
+        m.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .for_each(|(m, g)| {
+                for (m, &g) in m.iter_mut().zip(g) {
+                    let g = scale * g;
+                    *m = beta * *m + (1.0 - beta) * if square { g * g } else { g };
+                }
+            });
+        Ok(())
+    }
+}
+
+/// `w = w (1 - shrink mask) - step m / (sqrt(v) / sqrt(bc2) + eps)`, in place.
+struct MasterStep {
+    mask: Option<Tensor>,
+    shrink: f32,
+    step: f32,
+    inv_bc2: f32,
+    eps: f32,
+}
+
+impl candle_core::InplaceOp3 for MasterStep {
+    fn name(&self) -> &'static str {
+        "adamw-master"
+    }
+
+    fn cpu_fwd(
+        &self,
+        w: &mut candle_core::CpuStorage,
+        wl: &Layout,
+        m: &candle_core::CpuStorage,
+        ml: &Layout,
+        v: &candle_core::CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<()> {
+        use rayon::prelude::*;
+        let (w, m, v) = (f32_slice_mut(w, wl)?, f32_slice(m, ml)?, f32_slice(v, vl)?);
+        let mask_guard = self.mask.as_ref().map(|t| t.storage_and_layout());
+        let mask = match &mask_guard {
+            Some((storage, layout)) => match (&**storage, layout.contiguous_offsets()) {
+                (candle_core::Storage::Cpu(candle_core::CpuStorage::U8(b)), Some((a, e))) => {
+                    Some(&b[a..e])
+                }
+                _ => candle_core::bail!("in-place AdamW: the decay mask must be u8 on the CPU"),
+            },
+            None => None,
+        };
+        let (shrink, step, inv_bc2, eps) = (self.shrink, self.step, self.inv_bc2, self.eps);
+        w.par_chunks_mut(CHUNK).enumerate().for_each(|(c, w)| {
+            let at = c * CHUNK;
+            for (i, w) in w.iter_mut().enumerate() {
+                let j = at + i;
+                let keep = 1.0 - shrink * mask.map_or(1.0, |mask| mask[j] as f32);
+                *w = *w * keep - step * m[j] / (v[j].sqrt() * inv_bc2 + eps);
+            }
+        });
+        Ok(())
+    }
 }
 
 /// What [`cuda_update_in_place`] did.
@@ -416,7 +530,7 @@ enum InPlace {
 }
 
 /// AdamW on a GPU in one kernel pass, in place (`kernels::cuda_fused::adamw_in_place`, the same
-/// arithmetic as [`fused_update`]): the master weights and both moments are updated where they
+/// arithmetic as [`cpu_update_in_place`]): the master weights and both moments are updated where they
 /// are, from the gradient in its own dtype times `grad_scale`, and `weight` (the model's
 /// parameter, when given and contiguous on the same GPU) receives the new value in the same
 /// pass. `No` where it does not apply (state not f32 on a GPU, or the fused kernels turned
@@ -631,10 +745,10 @@ mod fused_tests {
     use super::*;
     use candle_core::Device;
 
-    /// The one-pass CPU update equals the Candle-op chain (with decay, without, and with a
-    /// flat shard's per-element mask) over several steps.
+    /// The in-place CPU update equals the Candle-op chain (with decay, without, and with a
+    /// flat shard's per-element mask) over several steps, and writes where the state is.
     #[test]
-    fn fused_update_equals_the_op_chain() {
+    fn cpu_update_in_place_equals_the_op_chain() {
         let dev = Device::Cpu;
         let n = 1000;
         let randn = |seed: f32| {
@@ -657,7 +771,14 @@ mod fused_tests {
                 decay,
                 decay_mask,
             };
-            let mut reference = s.clone();
+            // Copies: a clone would share the storages the in-place update rewrites.
+            let mut reference = ParamState {
+                master: s.master.copy().unwrap(),
+                exp_avg: s.exp_avg.copy().unwrap(),
+                exp_avg_sq: s.exp_avg_sq.copy().unwrap(),
+                ..s.clone()
+            };
+            let master = s.master.clone();
             for step in 1..4 {
                 let h = Hyper {
                     lr: 1e-2,
@@ -669,8 +790,9 @@ mod fused_tests {
                     bc2: 1.0 - 0.999f64.powi(step),
                 };
                 let g = randn(step as f32 + 3.0);
-                let (w, m, v) = fused_update(&s, &g, h).unwrap().expect("CPU f32 is fused");
-                (s.master, s.exp_avg, s.exp_avg_sq) = (w, m, v);
+                // The clipping factor is folded into the in-place passes.
+                let half = (&g * 2.0).unwrap();
+                assert!(cpu_update_in_place(&mut s, &half, 0.5, h).unwrap());
                 let (w, m, v) = chain_update(&reference, &g, h).unwrap();
                 (reference.master, reference.exp_avg, reference.exp_avg_sq) = (w, m, v);
             }
@@ -682,6 +804,11 @@ mod fused_tests {
                 let d = crate::kernels::testing::max_abs_diff(a, b);
                 assert!(d < 1e-6, "decay {decay}: differs by {d}");
             }
+            // Updated where it was: a tensor sharing the master's storage sees the new values.
+            assert_eq!(
+                crate::kernels::testing::max_abs_diff(&master, &s.master),
+                0.0
+            );
         }
     }
 }

@@ -647,20 +647,23 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     if let Strategy::Fsdp(..) = setup.strategy {
         e.prefetch = if lora { 1 } else { 2 } * dsz * largest_unit;
     }
-    // The update: the gradients with AdamW's temporaries for one tensor (four fp32 copies of
-    // the largest); ZeRO-1/2 add the flat gradient copy, its reduced slice and the
-    // all-gathered weights.
+    // The update, beyond the gradients: AdamW runs in place (`optim`), so one process adds
+    // one fp32 copy of the largest gradient. DDP over several ranks all-reduces the gradients
+    // in buckets (a flat copy and the buckets in flight: 4 bytes per parameter and 16 per
+    // element of the largest, measured). ZeRO-1/2 reduce a flat copy of all the gradients
+    // (the all-reduce's result whole, or the reduce-scatter's slice beside the whole
+    // gradients ZeRO-2 still holds; the host backend copies the flat vector once more), then
+    // all-gather the weights once it is freed.
     let largest = shapes.iter().map(|(_, n)| *n).max().unwrap_or(0);
-    // DDP over several ranks all-reduces a flat copy of the gradients.
     let replicas = d.dp_replicate * d.dp_shard * d.cp * d.sp;
-    let flat = if replicas > 1 { 4 * p } else { 0 };
+    let host_copy = if setup.gpu { 0 } else { 4 * p };
     e.update_buffers = match (setup.strategy, lora) {
-        (Strategy::Ddp, false) => 4 * p + 16 * largest + flat,
-        (Strategy::Zero(ZeroStage::One), false) => 12 * p + (4 * p).div_ceil(n),
-        (Strategy::Zero(ZeroStage::Two), false) => 12 * p + (4 * p).div_ceil(n),
+        (Strategy::Ddp, false) if replicas > 1 => 4 * p + 16 * largest,
+        (Strategy::Ddp, false) => 4 * largest,
+        (Strategy::Zero(ZeroStage::One), false) => 8 * p,
+        (Strategy::Zero(ZeroStage::Two), false) => 8 * p + host_copy,
         _ => 0,
-    }
-    .saturating_sub(e.gradients);
+    };
     // The tokenizer, the rows and the host backend's buffers (256 KiB, measured), and on the
     // CPU one GEMM packing buffer per compute thread and the caller's.
     let packing = match setup.gpu {
