@@ -572,51 +572,38 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     ));
 
     // During backward the whole gradients of what the rank computes with exist before their
-    // reduction; under ZeRO-3 / FSDP only those of the units gathered: two in use (their
-    // weights and gradients) and the next one's weights arriving.
+    // reduction; under ZeRO-3 / FSDP only those of the units gathered.
     let largest_unit = units.iter().copied().max().unwrap_or(0);
-    // Under LoRA the frozen head still gets its gradient computed by the loss (fp32, the
-    // vocabulary's rows this rank holds).
-    let head_grad = if lora {
-        4 * cfg.vocab_size * cfg.hidden_size / tp
-    } else {
-        0
-    };
+    let root_unit = units.first().copied().unwrap_or(0);
+    let layer_unit = units.iter().skip(1).copied().max().unwrap_or(0);
+    // The head's gradient (fp32, the vocabulary's rows this rank holds): the loss computes it
+    // even for a frozen head under LoRA.
+    let head_grad = 4 * cfg.vocab_size * cfg.hidden_size / tp;
+    let sharded = matches!(setup.strategy, Strategy::Fsdp(..));
+    // While the loss's backward runs (ZeRO-3 / FSDP): the root gathered, the head's gradient
+    // and the last layer's unit arriving.
+    let loss_buffers = dsz * (root_unit + layer_unit) + head_grad;
     e.step_buffers = match (setup.strategy, lora) {
-        // The root gathered with the head's gradient (held until the embedding's backward,
-        // the last), a layer's unit in use with its gradients, the next one's weights
-        // arriving and the reduced slices of two units waiting to be added (measured with
-        // gradients detached as they are deposited: `nn::sharded::Unit::deposit`).
+        // Then, during the layers' backward: the root and the head's gradient (held until the
+        // embedding's backward, the last), a layer's unit in use with its gradients, the next
+        // one's weights arriving and the reduced slices of two units waiting to be added
+        // (measured with gradients detached as they are deposited: `Unit::deposit`).
         (Strategy::Fsdp(..), false) => {
-            let root = units.first().copied().unwrap_or(0);
-            let layer = units.iter().skip(1).copied().max().unwrap_or(0);
-            dsz * root
-                + 4 * cfg.vocab_size * cfg.hidden_size / tp
-                + (2 * dsz + 4) * layer
-                + 2 * (4 * layer).div_ceil(n)
+            loss_buffers + (dsz + 4) * layer_unit + 2 * (4 * layer_unit).div_ceil(n)
         }
         // A frozen base: the root (embedding, head) gathered while the loss runs, a layer's
         // unit in use and the next one's weights arriving; no gradients but the adapters'.
-        (Strategy::Fsdp(..), true) => {
-            let root = units.first().copied().unwrap_or(0);
-            let layer = units.iter().skip(1).copied().max().unwrap_or(0);
-            dsz * (root + 2 * layer) + 4 * p
-        }
-        _ => head_grad + 4 * p - e.gradients.min(4 * p),
+        (Strategy::Fsdp(..), true) => dsz * (root_unit + 2 * layer_unit) + 4 * p,
+        (_, true) => head_grad + 4 * p - e.gradients.min(4 * p),
+        (_, false) => 4 * p - e.gradients.min(4 * p),
     };
-    // While the loss's backward runs no layer unit is in use yet: the root gathered, the
-    // head's gradient and the last layer's unit arriving.
-    let loss_buffers = match (setup.strategy, lora) {
-        (Strategy::Fsdp(..), false) => {
-            let root = units.first().copied().unwrap_or(0);
-            let layer = units.iter().skip(1).copied().max().unwrap_or(0);
-            dsz * (root + layer) + 4 * cfg.vocab_size * cfg.hidden_size / tp
-        }
-        _ => e.step_buffers,
+    let loss_buffers = match sharded && !lora {
+        true => loss_buffers,
+        false => e.step_buffers,
     };
     // Logits exist whole where the fused loss cannot run: the head split (tp) or sharded
     // (ZeRO-3 / FSDP), or soft-capped logits off the one-pass kernel (bf16 on the CPU).
-    let whole_head = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
+    let whole_head = tp == 1 && !sharded;
     let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     if !whole_head || (model.logits_loss && !one_pass) {
         // The loss's backward holds 7 fp32 copies (measured), beside the step buffers it
@@ -626,14 +613,15 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // phase is larger. What stays is measured: 4 copies; with LoRA, 3 and about one
         // adapter-free layer under checkpointing (not traced to its tensors).
         let copy = 4 * tokens * cfg.vocab_size / tp;
-        let tokens_f = tokens as f64;
-        let (recomputed, kept) = match (setup.checkpointing, lora) {
-            (false, _) => (0, 4 * copy),
-            (true, false) => ((layer * tokens_f) as usize * dsz, 4 * copy),
-            (true, true) => (
-                (layer * tokens_f) as usize * dsz,
-                3 * copy + (stack(false).0 * tokens_f) as usize * dsz,
-            ),
+        let per_layer = |elements: f64| (elements * tokens as f64) as usize * dsz;
+        let recomputed = if setup.checkpointing {
+            per_layer(layer)
+        } else {
+            0
+        };
+        let kept = match setup.checkpointing && lora {
+            true => 3 * copy + per_layer(stack(false).0),
+            false => 4 * copy,
         };
         let loss_phase = (7 * copy + loss_buffers).saturating_sub(recomputed);
         e.logits = loss_phase.saturating_sub(e.step_buffers).max(kept);
@@ -643,9 +631,10 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             mib(e.logits)
         ));
     }
-
-    if let Strategy::Fsdp(..) = setup.strategy {
-        e.prefetch = if lora { 1 } else { 2 } * dsz * largest_unit;
+    // Of the step buffers, the unit arriving ahead of its use: whether its all-gather has
+    // landed at the peak depends on timing.
+    if sharded {
+        e.prefetch = dsz * layer_unit;
     }
     // The update, beyond the gradients: AdamW runs in place (`optim`), so one process adds
     // one fp32 copy of the largest gradient. DDP over several ranks all-reduces the gradients
