@@ -3,6 +3,7 @@
 
 use crate::alloc::StorageBytes;
 use crate::error::{Error, Result};
+use crate::kernels::fused::slice;
 use crate::models::tensor_file::{TensorFile, TensorSpec};
 use crate::models::Params;
 use candle_core::{DType, Layout, Tensor};
@@ -185,13 +186,23 @@ impl AdamW {
     /// One update of the master weights from `grads` (by parameter name) at learning rate `lr`.
     /// Every parameter with state must have a gradient. Returns the new master weights.
     pub fn update(&mut self, grads: &BTreeMap<String, Tensor>, lr: f64) -> Result<()> {
-        self.update_scaled(grads, lr, 1.0, None).map(|_| ())
+        self.update_scaled(grads, lr, 1.0)
     }
 
-    /// `update` with every gradient multiplied by `grad_scale` (the clipping coefficient,
-    /// folded into the GPU kernel's pass); with `params`, the GPU kernel also writes each new
-    /// weight into its model parameter, and the returned names are those it wrote.
-    fn update_scaled(
+    /// `update` with every gradient multiplied by `grad_scale` (the clipping coefficient of
+    /// [`clip_coef`]), folded into the update's own pass on the CPU and the GPU.
+    pub fn update_scaled(
+        &mut self,
+        grads: &BTreeMap<String, Tensor>,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
+        self.update_writing(grads, lr, grad_scale, None).map(|_| ())
+    }
+
+    /// [`Self::update_scaled`]; with `params`, the GPU kernel also writes each new weight
+    /// into its model parameter, and the returned names are those it wrote.
+    fn update_writing(
         &mut self,
         grads: &BTreeMap<String, Tensor>,
         lr: f64,
@@ -263,7 +274,7 @@ impl AdamW {
         lr: f64,
         grad_scale: f64,
     ) -> Result<()> {
-        let written = self.update_scaled(grads, lr, grad_scale, Some(params))?;
+        let written = self.update_writing(grads, lr, grad_scale, Some(params))?;
         for (name, s) in &self.states {
             if written.contains(name) {
                 continue;
@@ -331,12 +342,13 @@ fn chain_update(s: &ParamState, g: &Tensor, h: Hyper) -> Result<(Tensor, Tensor,
     Ok((master, m, v))
 }
 
-/// The contiguous f32 elements of a CPU storage viewed through `layout`.
-fn cpu_f32<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Option<&'a [f32]> {
+/// The contiguous elements of a CPU storage viewed through `layout`.
+fn cpu_slice<'a, T: candle_core::WithDType>(
+    storage: &'a candle_core::Storage,
+    layout: &Layout,
+) -> Option<&'a [T]> {
     match (storage, layout.contiguous_offsets()) {
-        (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) => {
-            Some(&v[a..b])
-        }
+        (candle_core::Storage::Cpu(s), Some((a, b))) => s.as_slice::<T>().ok().map(|v| &v[a..b]),
         _ => None,
     }
 }
@@ -344,15 +356,17 @@ fn cpu_f32<'a>(storage: &'a candle_core::Storage, layout: &Layout) -> Option<&'a
 /// `f` of the contiguous f32 elements of a CPU tensor, read under its storage lock.
 fn with_cpu_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
     let (storage, layout) = t.storage_and_layout();
-    cpu_f32(&storage, layout).map(f)
+    cpu_slice(&storage, layout).map(f)
 }
 
-/// The contiguous f32 elements of a CPU storage that a tensor spans whole (what an update in
-/// place may rewrite without touching another tensor's view).
+/// Whether a tensor is all of its CPU f32 storage (what an update in place may rewrite
+/// without touching another tensor's view).
 fn own_cpu_f32(t: &Tensor) -> bool {
     let (storage, layout) = t.storage_and_layout();
-    match (&*storage, layout.contiguous_offsets()) {
-        (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((0, b))) => b == v.len(),
+    match &*storage {
+        candle_core::Storage::Cpu(s) => s
+            .as_slice::<f32>()
+            .is_ok_and(|v| layout.contiguous_offsets() == Some((0, v.len()))),
         _ => false,
     }
 }
@@ -419,13 +433,8 @@ fn cpu_update_in_place(s: &mut ParamState, g: &Tensor, grad_scale: f64, h: Hyper
 /// Elements per task of the in-place passes.
 const CHUNK: usize = 1 << 16;
 
-fn f32_slice<'a>(s: &'a candle_core::CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (candle_core::CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
-        _ => candle_core::bail!("in-place AdamW: a contiguous f32 tensor was expected"),
-    }
-}
-
+/// The contiguous f32 elements of a storage an in-place op rewrites (read-only inputs go
+/// through `kernels::fused::slice`).
 fn f32_slice_mut<'a>(
     s: &'a mut candle_core::CpuStorage,
     l: &Layout,
@@ -456,7 +465,7 @@ impl candle_core::InplaceOp2 for Moment {
         gl: &Layout,
     ) -> candle_core::Result<()> {
         use rayon::prelude::*;
-        let (m, g) = (f32_slice_mut(m, ml)?, f32_slice(g, gl)?);
+        let (m, g) = (f32_slice_mut(m, ml)?, slice::<f32>(g, gl)?);
         let (beta, scale, square) = (self.beta, self.scale, self.square);
         m.par_chunks_mut(CHUNK)
             .zip(g.par_chunks(CHUNK))
@@ -494,14 +503,16 @@ impl candle_core::InplaceOp3 for MasterStep {
         vl: &Layout,
     ) -> candle_core::Result<()> {
         use rayon::prelude::*;
-        let (w, m, v) = (f32_slice_mut(w, wl)?, f32_slice(m, ml)?, f32_slice(v, vl)?);
+        let (w, m, v) = (
+            f32_slice_mut(w, wl)?,
+            slice::<f32>(m, ml)?,
+            slice::<f32>(v, vl)?,
+        );
         let mask_guard = self.mask.as_ref().map(|t| t.storage_and_layout());
         let mask = match &mask_guard {
-            Some((storage, layout)) => match (&**storage, layout.contiguous_offsets()) {
-                (candle_core::Storage::Cpu(candle_core::CpuStorage::U8(b)), Some((a, e))) => {
-                    Some(&b[a..e])
-                }
-                _ => candle_core::bail!("in-place AdamW: the decay mask must be u8 on the CPU"),
+            Some((storage, layout)) => match cpu_slice::<u8>(storage, layout) {
+                Some(mask) => Some(mask),
+                None => candle_core::bail!("in-place AdamW: the decay mask must be u8 on the CPU"),
             },
             None => None,
         };
@@ -729,21 +740,36 @@ pub fn grad_clip_coef(
         Some(sq) => sq.sqrt(),
         None => grad_norm_sq(grads)?.sqrt(),
     };
+    Ok((norm, clip_coef(norm, max_norm)))
+}
+
+/// The factor PyTorch's clip_grad_norm_ scales gradients by at global norm `norm`:
+/// max_norm / (norm + 1e-6) when that is below 1, else 1 (and 1 when `max_norm` is 0).
+pub fn clip_coef(norm: f64, max_norm: f64) -> f64 {
     let coef = max_norm / (norm + 1e-6);
-    Ok((
-        norm,
-        if max_norm > 0.0 && coef < 1.0 {
-            coef
-        } else {
-            1.0
-        },
-    ))
+    match max_norm > 0.0 && coef < 1.0 {
+        true => coef,
+        false => 1.0,
+    }
 }
 
 #[cfg(test)]
 mod fused_tests {
     use super::*;
     use candle_core::Device;
+
+    /// AdamW's constants at `step` (lr 1e-2, decay 0.1, betas 0.9 / 0.999).
+    fn hyper(step: i32) -> Hyper {
+        Hyper {
+            lr: 1e-2,
+            decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            bc1: 1.0 - 0.9f64.powi(step),
+            bc2: 1.0 - 0.999f64.powi(step),
+        }
+    }
 
     /// The in-place CPU update equals the Candle-op chain (with decay, without, and with a
     /// flat shard's per-element mask) over several steps, and writes where the state is.
@@ -780,15 +806,7 @@ mod fused_tests {
             };
             let master = s.master.clone();
             for step in 1..4 {
-                let h = Hyper {
-                    lr: 1e-2,
-                    decay: 0.1,
-                    beta1: 0.9,
-                    beta2: 0.999,
-                    eps: 1e-8,
-                    bc1: 1.0 - 0.9f64.powi(step),
-                    bc2: 1.0 - 0.999f64.powi(step),
-                };
+                let h = hyper(step);
                 let g = randn(step as f32 + 3.0);
                 // The clipping factor is folded into the in-place passes.
                 let half = (&g * 2.0).unwrap();
@@ -809,6 +827,34 @@ mod fused_tests {
                 crate::kernels::testing::max_abs_diff(&master, &s.master),
                 0.0
             );
+        }
+    }
+
+    /// A state that views part of a larger storage (as a loaded checkpoint's can) gets its own
+    /// storage before the first update: what it viewed is left as it was.
+    #[test]
+    fn cpu_update_in_place_leaves_a_viewed_storage_alone() {
+        let dev = Device::Cpu;
+        let whole = Tensor::arange(0f32, 30.0, &dev)
+            .unwrap()
+            .affine(0.1, 0.0)
+            .unwrap();
+        let before = whole.copy().unwrap();
+        let view = |i: usize| whole.narrow(0, 10 * i, 10).unwrap();
+        let mut s = ParamState {
+            master: view(0),
+            exp_avg: view(1),
+            exp_avg_sq: view(2),
+            decay: true,
+            decay_mask: None,
+        };
+        let h = hyper(1);
+        let g = Tensor::ones(10, DType::F32, &dev).unwrap();
+        let (w, m, v) = chain_update(&s, &g, h).unwrap();
+        assert!(cpu_update_in_place(&mut s, &g, 1.0, h).unwrap());
+        assert_eq!(crate::kernels::testing::max_abs_diff(&whole, &before), 0.0);
+        for (a, b) in [(&s.master, &w), (&s.exp_avg, &m), (&s.exp_avg_sq, &v)] {
+            assert!(crate::kernels::testing::max_abs_diff(a, b) < 1e-6);
         }
     }
 }

@@ -177,7 +177,7 @@ macro_rules! per_dtype {
 }
 
 /// The contiguous elements of one input.
-fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+pub(crate) fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     let Some((start, end)) = l.contiguous_offsets() else {
         bail!("fused op: input is not contiguous")
     };
