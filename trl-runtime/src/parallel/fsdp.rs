@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::models::Params;
 use crate::nn::sharded::{EntryRanges, FlatLayout, ShardedWeight, Unit, UnitScope, UnitState};
 use crate::nn::Weight;
-use crate::optim::{AdamW, AdamWConfig, ParamState};
+use crate::optim::{clip_coef, sums_of_squares, AdamW, AdamWConfig, ParamState};
 use crate::tp::{named_tensors, Parallelize, TpGrads};
 use candle_core::{DType, Shape, Tensor, TensorId, Var};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -594,20 +594,20 @@ impl FsdpOptimizer {
                 None => g,
             };
             // Partial parameters' slices summed over tp.
-            let (g, sq) = match &self.tp_grads {
+            let g = match &self.tp_grads {
                 Some((tp, units)) => {
                     let entries = &units[&unit.name];
                     let g = tp.sync_flat(&g, entries, first)?;
-                    let sq = tp.weighted_sq(&g, entries)?;
-                    (g, sq)
+                    local_sq += tp.weighted_sq(&g, entries)?;
+                    g
                 }
-                None => {
-                    let sq = g.sqr()?.sum_all()?.to_dtype(DType::F64)?;
-                    (g, sq.to_scalar::<f64>()?)
-                }
+                None => g,
             };
-            local_sq += sq;
             grads.insert(unit.name.clone(), g);
+        }
+        if self.tp_grads.is_none() {
+            // Every unit's slice in one pass (one read-back on a GPU).
+            local_sq = sums_of_squares(grads.values())?.iter().sum();
         }
         let shard_comm = self.model.root().comm();
         let sq = Tensor::new(&[local_sq], &candle_core::Device::Cpu)?;
@@ -618,13 +618,9 @@ impl FsdpOptimizer {
             norm_sq = tp.sum(norm_sq)?;
         }
         let norm = norm_sq.sqrt();
-        let coef = max_grad_norm / (norm + 1e-6);
-        if max_grad_norm > 0.0 && coef < 1.0 {
-            for g in grads.values_mut() {
-                *g = (&*g * coef)?;
-            }
-        }
-        self.inner.update(&grads, lr)?;
+        // The clipping factor rides in the update's pass (no scaled copy of the slices).
+        self.inner
+            .update_scaled(&grads, lr, clip_coef(norm, max_grad_norm))?;
         for unit in &self.model.units {
             let master = &self.inner.states[&unit.name].master;
             let mut st = unit.lock();

@@ -15,9 +15,9 @@ use crate::error::{Error, Result};
 use crate::models::Params;
 use crate::nn::sharded::EntryRanges;
 pub use crate::nn::sharded::FlatLayout;
-use crate::optim::{decays, AdamW, AdamWConfig, ParamState};
+use crate::optim::{clip_coef, decays, sums_of_squares, AdamW, AdamWConfig, ParamState};
 use crate::tp::TpGrads;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -233,11 +233,10 @@ impl ZeroOptimizer {
             None => shard,
         };
         let local_sq = match &self.tp_grads {
-            Some((tp, entries)) => {
-                Tensor::new(&[tp.weighted_sq(&shard, entries)?], shard.device())?
-            }
-            None => shard.sqr()?.sum_all()?.to_dtype(DType::F64)?.reshape(1)?,
+            Some((tp, entries)) => tp.weighted_sq(&shard, entries)?,
+            None => sums_of_squares([&shard])?[0],
         };
+        let local_sq = Tensor::new(&[local_sq], shard.device())?;
         let mut norm_sq = self
             .comm
             .all_reduce(&local_sq, ReduceOp::Sum)?
@@ -246,14 +245,12 @@ impl ZeroOptimizer {
             norm_sq = tp.sum(norm_sq)?;
         }
         let norm = norm_sq.sqrt();
-        let coef = max_grad_norm / (norm + 1e-6);
-        let shard = if max_grad_norm > 0.0 && coef < 1.0 {
-            (shard * coef)?
-        } else {
-            shard
-        };
-        self.inner
-            .update(&[(SHARD.to_string(), shard)].into(), lr)?;
+        // The clipping factor rides in the update's pass (no scaled copy of the slice).
+        self.inner.update_scaled(
+            &[(SHARD.to_string(), shard)].into(),
+            lr,
+            clip_coef(norm, max_grad_norm),
+        )?;
         // Gathered on the compute device (the state may live in host memory).
         let master = self.inner.states[SHARD].master.to_device(shard_device)?;
         let full = self.comm.all_gather(&master, 0)?;
