@@ -5,6 +5,7 @@ use crate::error::{Error, Result};
 use crate::nn::RopeScaling;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -360,6 +361,28 @@ impl ModelConfig {
         Ok((0..n).map(|l| !(l + 1).is_multiple_of(interval)).collect())
     }
 
+    /// What a layer of the Llama family is built from: the rotary table, each layer's
+    /// window and rotary use, and the blocks' shapes; config errors as Candle's, naming
+    /// config.json's key.
+    pub fn layer_parts(&self) -> candle_core::Result<LayerParts> {
+        let rope_key = match self.rope_parameters {
+            Some(_) => "rope_parameters",
+            None => "rope_scaling",
+        };
+        let rope = self
+            .rotary()
+            .map_err(|m| candle_config_error((rope_key, m)))?;
+        let (norm, attention, body) = self.shapes();
+        Ok(LayerParts {
+            rope: Arc::new(rope),
+            windows: self.layer_windows().map_err(candle_config_error)?,
+            ropes: self.layer_ropes().map_err(candle_config_error)?,
+            norm,
+            attention,
+            body,
+        })
+    }
+
     /// The Llama family's shapes of its blocks: RMSNorms, attention, the decoder's body.
     pub fn shapes(&self) -> (NormKind, AttentionShape, BodyShape) {
         let norm = NormKind {
@@ -523,4 +546,21 @@ pub fn sliding_layers(
             )),
         })
         .collect()
+}
+
+/// A config error as Candle's (what a model's `build` returns), naming config.json's key.
+pub fn candle_config_error((key, message): (&str, String)) -> candle_core::Error {
+    candle_core::Error::Msg(format!("config.json, {key}: {message}"))
+}
+
+/// See [`ModelConfig::layer_parts`].
+pub struct LayerParts {
+    pub rope: Arc<crate::nn::RotaryEmbedding>,
+    /// Each layer's sliding window (None: global).
+    pub windows: Vec<Option<usize>>,
+    /// Whether each layer applies rotary embeddings (SmolLM3's NoPE layers do not).
+    pub ropes: Vec<bool>,
+    pub norm: NormKind,
+    pub attention: AttentionShape,
+    pub body: BodyShape,
 }

@@ -174,15 +174,13 @@ impl Layer for GptOssLayer {
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<GptOss> {
-        let bad =
-            |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
         let (moe, alpha, limit) = check(config, "config.json").map_err(Error::into_candle)?;
-        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_parameters", m)))?);
-        let windows = config.layer_windows().map_err(bad)?;
-        let (norm, mut shape, body) = config.shapes();
+        let parts = config.layer_parts()?;
+        let (rope, windows, norm, mut shape) =
+            (parts.rope, parts.windows, parts.norm, parts.attention);
         shape.sinks = true;
         let (h, i, e) = (config.hidden_size, config.intermediate_size, moe.experts);
-        Decoder::from_layers(body, vb, |l, vb| {
+        Decoder::from_layers(parts.body, vb, |l, vb| {
             let mlp = vb.pp("mlp");
             let (router, experts) = (mlp.pp("router"), mlp.pp("experts"));
             Ok(GptOssLayer {

@@ -40,11 +40,6 @@ pub struct LlamaLayer {
     window: Option<usize>,
 }
 
-/// A config error as Candle's, naming config.json's key.
-fn bad((key, m): (&str, String)) -> candle_core::Error {
-    candle_core::Error::Msg(format!("config.json, {key}: {m}"))
-}
-
 impl Layer for LlamaLayer {
     type Config = ModelConfig;
 
@@ -53,19 +48,17 @@ impl Layer for LlamaLayer {
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Llama> {
-        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_scaling", m)))?);
-        let windows = config.layer_windows().map_err(bad)?;
-        let ropes = config.layer_ropes().map_err(bad)?;
+        let parts = config.layer_parts()?;
+        let (rope, norm, shape) = (parts.rope, parts.norm, parts.attention);
         let (h, i) = (config.hidden_size, config.intermediate_size);
-        let (norm, shape, body) = config.shapes();
-        Decoder::from_layers(body, vb, |l, vb| {
+        Decoder::from_layers(parts.body, vb, |l, vb| {
             Ok(LlamaLayer {
                 input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
                 self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
                 post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
                 mlp: GatedMlp::new((h, i), config.mlp_bias, Activation::Silu, vb.pp("mlp"))?,
-                rope: ropes[l].then(|| rope.clone()),
-                window: windows[l],
+                rope: parts.ropes[l].then(|| rope.clone()),
+                window: parts.windows[l],
             })
         })
     }

@@ -80,14 +80,11 @@ impl Layer for MixtralLayer {
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Mixtral> {
-        let bad =
-            |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
         let moe = check(config, "config.json").map_err(Error::into_candle)?;
-        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_scaling", m)))?);
-        let windows = config.layer_windows().map_err(bad)?;
-        let (norm, shape, body) = config.shapes();
+        let parts = config.layer_parts()?;
+        let (rope, windows, norm, shape) = (parts.rope, parts.windows, parts.norm, parts.attention);
         let (h, i) = (config.hidden_size, config.intermediate_size);
-        Decoder::from_layers(body, vb, |l, vb| {
+        Decoder::from_layers(parts.body, vb, |l, vb| {
             let block = vb.pp("block_sparse_moe");
             let experts = (0..moe.experts)
                 .map(|e| {

@@ -43,14 +43,11 @@ impl Layer for Olmo2Layer {
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Olmo2> {
-        let rope = config
-            .rotary()
-            .map_err(|m| candle_core::Error::Msg(format!("config.json, rope_scaling: {m}")))?;
-        let rope = Arc::new(rope);
         let h = config.hidden_size;
         // OLMo 2's attention_bias puts a bias on o too; its q/k norms span the projections.
-        let (norm, shape, body) = config.shapes();
-        Decoder::from_layers(body, vb, |_, vb| {
+        let parts = config.layer_parts()?;
+        let (rope, norm, shape) = (parts.rope, parts.norm, parts.attention);
+        Decoder::from_layers(parts.body, vb, |_, vb| {
             let self_attn = SelfAttention::new(shape, vb.pp("self_attn"))?;
             let mlp = (h, config.intermediate_size);
             Ok(Olmo2Layer {

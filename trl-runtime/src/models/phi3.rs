@@ -72,11 +72,8 @@ impl Layer for Phi3Layer {
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Phi3> {
-        let bad =
-            |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
-        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_scaling", m)))?);
-        let windows = config.layer_windows().map_err(bad)?;
-        let (norm, _, body) = config.shapes();
+        let parts = config.layer_parts()?;
+        let (rope, windows, norm) = (parts.rope, parts.windows, parts.norm);
         let (h, i, d) = (
             config.hidden_size,
             config.intermediate_size,
@@ -84,7 +81,7 @@ impl Layer for Phi3Layer {
         );
         let (heads, kv_heads) = (config.num_attention_heads, config.num_kv_heads());
         let rotary_dim = config.rotary_dim();
-        Decoder::from_layers(body, vb, |l, vb| {
+        Decoder::from_layers(parts.body, vb, |l, vb| {
             let (attn, mlp) = (vb.pp("self_attn"), vb.pp("mlp"));
             Ok(Phi3Layer {
                 input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,

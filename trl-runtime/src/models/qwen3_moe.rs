@@ -51,15 +51,12 @@ impl Layer for Qwen3MoeLayer {
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Qwen3Moe> {
-        let bad =
-            |(key, m): (&str, String)| candle_core::Error::Msg(format!("config.json, {key}: {m}"));
         let moe = MoeConfig::read(config, "config.json").map_err(Error::into_candle)?;
         let inter = moe.inter.unwrap_or(config.intermediate_size);
-        let rope = Arc::new(config.rotary().map_err(|m| bad(("rope_scaling", m)))?);
-        let windows = config.layer_windows().map_err(bad)?;
-        let (norm, shape, body) = config.shapes();
+        let parts = config.layer_parts()?;
+        let (rope, windows, norm, shape) = (parts.rope, parts.windows, parts.norm, parts.attention);
         let h = config.hidden_size;
-        Decoder::from_layers(body, vb, |l, vb| {
+        Decoder::from_layers(parts.body, vb, |l, vb| {
             let mlp = vb.pp("mlp");
             let (dense, sparse) = match moe.sparse[l] {
                 false => {
