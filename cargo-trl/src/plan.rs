@@ -200,6 +200,7 @@ impl Machine {
                         // over PCIe (~25 GB/s), AdamW on the host's share of its cores
                         // (~1 G parameters/s): a table figure, not measured.
                         offload_params_per_s: 1.0 / (1.0 / 1e9 + 6.0 / 25e9),
+                        comm_overlaps: true,
                     },
                 })
             }
@@ -515,8 +516,14 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
                 out.extend(best.estimate.explain.iter().map(|l| format!("  {l}")));
                 let t = best.time;
                 out.push(format!(
-                    "  time per step: compute {:.3}s, data-parallel comm {:.3}s (overlapped), model-parallel comm {:.3}s",
-                    t.compute, t.data_parallel, t.model_parallel
+                    "  time per step: compute {:.3}s, data-parallel comm {:.3}s ({}), model-parallel comm {:.3}s",
+                    t.compute,
+                    t.data_parallel,
+                    match machine.hardware.comm_overlaps {
+                        true => "overlapped",
+                        false => "added: the host backend runs on the compute's cores",
+                    },
+                    t.model_parallel
                 ));
             }
         }

@@ -606,12 +606,13 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let whole_head = tp == 1 && !sharded;
     let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     if !whole_head || (model.logits_loss && !one_pass) {
-        // The loss's backward holds 7 fp32 copies (measured), beside the step buffers it
+        // The loss's backward holds 5 fp32 copies (measured), beside the step buffers it
         // needs (`loss_buffers`) and, under checkpointing, no recomputed layer (`activations`
         // counts one). Then it frees all but what the forward graph holds until the backward
         // ends, beside each layer's backward and the step buffers: the logits add whichever
-        // phase is larger. What stays is measured: 4 copies; with LoRA, 3 and about one
-        // adapter-free layer under checkpointing (not traced to its tensors).
+        // phase is larger. What stays is measured: 3 copies; with LoRA under checkpointing
+        // about 0.6 of an adapter-free layer more (fitted: 0.3-0.85 across the bench's
+        // shapes; not traced to its tensors).
         let copy = 4 * tokens * cfg.vocab_size / tp;
         let per_layer = |elements: f64| (elements * tokens as f64) as usize * dsz;
         let recomputed = if setup.checkpointing {
@@ -620,13 +621,13 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             0
         };
         let kept = match setup.checkpointing && lora {
-            true => 3 * copy + per_layer(stack(false).0),
-            false => 4 * copy,
+            true => 3 * copy + per_layer(0.6 * stack(false).0),
+            false => 3 * copy,
         };
-        let loss_phase = (7 * copy + loss_buffers).saturating_sub(recomputed);
+        let loss_phase = (5 * copy + loss_buffers).saturating_sub(recomputed);
         e.logits = loss_phase.saturating_sub(e.step_buffers).max(kept);
         why.push(format!(
-            "logits: 7 fp32 copies x {tokens} tokens x {} vocabulary entries in the loss's backward, or what the forward keeps beside the layers' backward: {}",
+            "logits: 5 fp32 copies x {tokens} tokens x {} vocabulary entries in the loss's backward, or what the forward keeps beside the layers' backward: {}",
             cfg.vocab_size / tp,
             mib(e.logits)
         ));
@@ -694,6 +695,10 @@ pub struct Hardware {
     /// (gradients copied down, AdamW on the host, weights copied back); infinite where the
     /// device is the host.
     pub offload_params_per_s: f64,
+    /// Whether data-parallel collectives run beside compute (NCCL on its own stream) or take
+    /// their time from it (the host backend copies and sums on the cores the ranks' compute
+    /// threads already fill).
+    pub comm_overlaps: bool,
 }
 
 /// FLOP/s of f32 matmul on this CPU with the threads candle's kernels use in this process
@@ -814,6 +819,7 @@ impl Hardware {
             inter: link,
             per_machine,
             offload_params_per_s: f64::INFINITY,
+            comm_overlaps: false,
         }
     }
 }
@@ -822,8 +828,8 @@ impl Hardware {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StepTime {
     pub compute: f64,
-    /// Data-parallel reductions and gathers (overlapped with compute: only what exceeds it
-    /// counts).
+    /// Data-parallel reductions and gathers (where they overlap compute, only what exceeds
+    /// it counts).
     pub data_parallel: f64,
     /// Tensor- and sequence-parallel collectives, on the critical path.
     pub model_parallel: f64,
@@ -833,7 +839,8 @@ pub struct StepTime {
 
 /// The step time of `setup` on `hw`: 6 FLOP per parameter per token (8 with checkpointing's
 /// second forward) plus causal attention's 6 s q per layer, at the rank's rate; ring
-/// all-reduce volumes 2 (n-1)/n of the buffer, gathers and reduce-scatters (n-1)/n.
+/// all-reduce volumes 2 (n-1)/n of the buffer, gathers and reduce-scatters (n-1)/n;
+/// data-parallel time hidden behind compute or added to it ([`Hardware::comm_overlaps`]).
 pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime {
     let cfg = &model.dims;
     let d = setup.dims;
@@ -917,7 +924,11 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
         true => trainable / n_shard as f64 / hw.offload_params_per_s,
         false => 0.0,
     };
-    let seconds = compute.max(dp_seconds) + mp + offload;
+    let busy = match hw.comm_overlaps {
+        true => compute.max(dp_seconds),
+        false => compute + dp_seconds,
+    };
+    let seconds = busy + mp + offload;
     StepTime {
         compute,
         data_parallel: dp_seconds,

@@ -728,15 +728,21 @@ impl GradStore {
     /// insert a tensor of zeroes, with the same shape and type as the given tensors and return it
     /// Adds `grad` to the gradient of `tensor`, storing it as it is when it is the first one
     /// (instead of adding it into fresh zeros). cargo-trl's patch, as in huggingface/candle#3822.
+    /// Detached (unless CANDLE_GRAD_DO_NOT_DETACH), as `backward` detaches the gradients it
+    /// takes out: a variable's gradient is never taken out, and computed from the forward's
+    /// tensors it would otherwise keep their graph, and the gradients summed into it, alive
+    /// for as long as the store holds it.
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
+        let do_not_detach = CANDLE_GRAD_DO_NOT_DETACH.with(|b| *b);
+        let keep = |t: Tensor| if do_not_detach { t } else { t.detach() };
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
                 let sum_grad = entry.get_mut();
-                *sum_grad = sum_grad.add(grad)?;
+                *sum_grad = keep(sum_grad.add(grad)?);
             }
             Entry::Vacant(entry) => {
                 // Contiguous, as the sum into zeros was: gradients feed ops that need it.
-                entry.insert(grad.contiguous()?);
+                entry.insert(keep(grad.contiguous()?));
             }
         }
         Ok(())
