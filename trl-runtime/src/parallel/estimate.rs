@@ -124,10 +124,18 @@ impl Estimate {
 /// Elements per token that backward keeps of one decoder layer (no checkpointing), in the
 /// compute dtype, for hidden size `h`, query width `q` (heads x head_dim), key/value width `kv`
 /// and MLP width `i` on this rank (measured; see the module docs).
-fn layer_elements(h: f64, q: f64, kv: f64, i: f64, lora: bool, tp: usize) -> f64 {
+fn layer_elements(h: f64, q: f64, kv: f64, i: f64, lora: bool, (tp, sp): (usize, usize)) -> f64 {
     // Tensor parallelism keeps each block's input and its all-reduced output once more.
     let tp_copies = if tp > 1 { 12.0 * h } else { 0.0 };
+    // Ulysses keeps q, k, v and the attention output in both layouts of its all-to-alls
+    // (measured: 4 h-wide and 4 kv-wide tensors more per layer at h = q = 2 kv).
+    let sp_copies = if sp > 1 {
+        2.0 * (2.0 * q + 2.0 * kv)
+    } else {
+        0.0
+    };
     tp_copies
+        + sp_copies
         + match lora {
             // Norm outputs and residuals (h), q/k/v with their rotated copies and the attention
             // output, gate/up/activation products (i).
@@ -538,7 +546,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let layers = cfg.num_hidden_layers as f64;
     // One layer and all of them, per token (with or without adapters).
     let stack = |lora: bool| {
-        let dense = layer_elements(h, q, kv, i, lora, tp);
+        let dense = layer_elements(h, q, kv, i, lora, (tp, d.sp));
         // A sparse layer: each token runs through `top_k` experts' MLPs, plus the router.
         match model.moe {
             None => (dense, layers * dense),
@@ -548,8 +556,14 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
                     true => 4.0 * experts as f64 / dsz as f64,
                     false => 0.0,
                 };
-                let routed = layer_elements(h, q, kv, (top_k * inter) as f64 / tp as f64, lora, tp)
-                    + routing_elements(h, experts, top_k, dsz)
+                let routed = layer_elements(
+                    h,
+                    q,
+                    kv,
+                    (top_k * inter) as f64 / tp as f64,
+                    lora,
+                    (tp, d.sp),
+                ) + routing_elements(h, experts, top_k, dsz)
                     + router_loss;
                 let sparse = sparse as f64;
                 (
