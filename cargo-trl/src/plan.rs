@@ -27,6 +27,10 @@ pub struct PlanArgs {
     /// Rows per device per micro-batch (per_device_train_batch_size).
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
+    /// Micro-batches per optimizer step (gradient_accumulation_steps): ZeRO-3 / FSDP hold
+    /// gradient slices through the loss's backward only after the first.
+    #[arg(long, default_value_t = 1)]
+    pub gradient_accumulation_steps: usize,
     /// GPUs per machine; without it, CPU processes on this machine.
     #[arg(long)]
     pub gpus: Option<usize>,
@@ -240,6 +244,7 @@ pub struct Work {
     pub model: ModelShapes,
     pub seq: usize,
     pub batch: usize,
+    pub micro_batches: usize,
     pub lora: Option<LoraConfig>,
     pub checkpointing: Vec<bool>,
     /// Preference pairs (DPO), with TR-DPO's reference copy or not.
@@ -346,6 +351,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             dtype,
                             lora: work.lora.clone(),
                             batch: work.batch,
+                            micro_batches: work.micro_batches,
                             seq: work.seq,
                             checkpointing,
                             offload_optimizer: offload,
@@ -448,6 +454,7 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
         model,
         seq: args.seq,
         batch: args.batch,
+        micro_batches: args.gradient_accumulation_steps.max(1),
         lora,
         checkpointing: match args.gradient_checkpointing {
             Some(c) => vec![c],
@@ -599,6 +606,7 @@ pub fn auto(
                 model: t.model_name_or_path.clone(),
                 seq: t.max_length,
                 batch: t.per_device_train_batch_size,
+                gradient_accumulation_steps: t.gradient_accumulation_steps,
                 gpus: Some(processes.map_or(n, |p| p as usize)),
                 gpu_memory: memory,
                 gpu_kind: kind,
@@ -621,6 +629,7 @@ pub fn auto(
     let work = Work {
         seq: t.max_length,
         batch: t.per_device_train_batch_size,
+        micro_batches: t.gradient_accumulation_steps.max(1),
         lora: t.lora(&model.dims.model_type),
         checkpointing: vec![t.gradient_checkpointing],
         preference,

@@ -328,16 +328,14 @@ fn main() {
             _ => (Strategy::Ddp, 1),
         };
         let dp = world / tp;
+        let dims = trl_runtime::config::parallelism::ParallelDims {
+            dp_replicate: if strategy == "zero3" { 1 } else { dp },
+            dp_shard: if strategy == "zero3" { dp } else { 1 },
+            cp: 1,
+            sp: 1,
+            tp,
+        };
         let setup = estimate::Setup {
-            strategy: strategy_kind,
-            dims: trl_runtime::config::parallelism::ParallelDims {
-                dp_replicate: if strategy == "zero3" { 1 } else { dp },
-                dp_shard: if strategy == "zero3" { dp } else { 1 },
-                cp: 1,
-                sp: 1,
-                tp,
-            },
-            dtype: trl_runtime::candle_core::DType::F32,
             lora: (strategy == "ddp_lora").then(|| {
                 TrainingArguments {
                     use_peft: true,
@@ -347,14 +345,7 @@ fn main() {
                 .lora("qwen2")
                 .unwrap()
             }),
-            batch: BATCH,
-            seq: SEQ,
-            checkpointing: false,
-            offload_optimizer: false,
-            reference_copy: false,
-            gpu: false,
-            router_loss: true,
-            threads: 1,
+            ..estimate::Setup::new(strategy_kind, dims, BATCH, SEQ)
         };
         let hw = estimate::Hardware::cpu(rank_flops, world, link);
         estimate::step_time(&model, &setup, &hw).tokens_per_second

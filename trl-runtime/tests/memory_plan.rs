@@ -100,6 +100,7 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         dtype: t.compute_dtype().unwrap(),
         lora: t.lora("qwen2"),
         batch: t.per_device_train_batch_size,
+        micro_batches: t.gradient_accumulation_steps,
         seq: t.max_length,
         checkpointing: t.gradient_checkpointing,
         offload_optimizer: false,

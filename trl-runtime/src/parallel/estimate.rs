@@ -31,6 +31,9 @@ pub struct Setup {
     pub lora: Option<LoraConfig>,
     /// Rows per device per micro-batch and their length (before a cp/sp split).
     pub batch: usize,
+    /// Micro-batches per optimizer step (gradient_accumulation_steps): ZeRO-3 / FSDP keep no
+    /// gradient slices through the first one's loss backward (they are taken by the update).
+    pub micro_batches: usize,
     pub seq: usize,
     pub checkpointing: bool,
     /// Optimizer state (fp32 master and moments) kept in host memory.
@@ -49,6 +52,26 @@ pub struct Setup {
 }
 
 impl Setup {
+    /// `strategy` over `dims` with `batch` rows of `seq` tokens, in the plainest form: fp32
+    /// on the CPU, one thread, one micro-batch, no LoRA, checkpointing or offload.
+    pub fn new(strategy: Strategy, dims: ParallelDims, batch: usize, seq: usize) -> Self {
+        Setup {
+            strategy,
+            dims,
+            dtype: DType::F32,
+            lora: None,
+            batch,
+            micro_batches: 1,
+            seq,
+            checkpointing: false,
+            offload_optimizer: false,
+            reference_copy: false,
+            gpu: false,
+            router_loss: true,
+            threads: 1,
+        }
+    }
+
     /// The setup of preference training over it (DPO): a micro-batch of n pairs is 2n
     /// sequences, and TR-DPO (`sync_ref_model`) keeps a copy of the weights.
     pub fn for_preference_pairs(&mut self, sync_ref_model: bool) {
@@ -620,7 +643,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let whole_head = tp == 1 && !sharded;
     let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     if !whole_head || (model.logits_loss && !one_pass) {
-        // The loss's backward holds 5 fp32 copies (measured), beside the step buffers it
+        // The loss's backward holds 6 fp32 copies (measured), beside the step buffers it
         // needs (`loss_buffers`) and, under checkpointing, no recomputed layer (`activations`
         // counts one). Then it frees all but what the forward graph holds until the backward
         // ends, beside each layer's backward and the step buffers: the logits add whichever
@@ -638,10 +661,16 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             true => 3 * copy + per_layer(0.6 * stack(false).0),
             false => 3 * copy,
         };
-        let loss_phase = (5 * copy + loss_buffers).saturating_sub(recomputed);
+        // ZeRO-3 / FSDP's gradient slices are taken by each update and come back as the
+        // layers reduce: in a step's first micro-batch none exists during the loss's backward.
+        let absent = match sharded && setup.micro_batches <= 1 {
+            true => e.gradients,
+            false => 0,
+        };
+        let loss_phase = (6 * copy + loss_buffers).saturating_sub(recomputed + absent);
         e.logits = loss_phase.saturating_sub(e.step_buffers).max(kept);
         why.push(format!(
-            "logits: 5 fp32 copies x {tokens} tokens x {} vocabulary entries in the loss's backward, or what the forward keeps beside the layers' backward: {}",
+            "logits: 6 fp32 copies x {tokens} tokens x {} vocabulary entries in the loss's backward, or what the forward keeps beside the layers' backward: {}",
             cfg.vocab_size / tp,
             mib(e.logits)
         ));
@@ -955,6 +984,19 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
 mod tests {
     use super::*;
 
+    /// An fp32 CPU setup of `strategy` over `(dp_shard, tp)`: one 64-token row, one
+    /// micro-batch, no checkpointing; tests change what they look at.
+    fn cpu_setup(strategy: Strategy, (dp_shard, tp): (usize, usize)) -> Setup {
+        let dims = ParallelDims {
+            dp_replicate: 1,
+            dp_shard,
+            cp: 1,
+            sp: 1,
+            tp,
+        };
+        Setup::new(strategy, dims, 1, 64)
+    }
+
     fn assets(path: &str) -> std::path::PathBuf {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
@@ -983,6 +1025,26 @@ mod tests {
         assert!(link.latency >= 0.0 && link.latency < 1.0, "{link:?}");
     }
 
+    /// ZeRO-3's gradient slices are taken by each update: in a step's first micro-batch none
+    /// exists while the whole-logits loss runs its backward, in later ones all do.
+    #[test]
+    fn accumulating_gradients_keeps_the_slices_through_the_loss() {
+        let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+        let mut setup = cpu_setup(Strategy::fsdp(WrapPolicy::PerLayer), (2, 1));
+        setup.batch = 4;
+        setup.seq = 256;
+        let one = estimate(&m, &setup);
+        setup.micro_batches = 4;
+        let four = estimate(&m, &setup);
+        assert_eq!(one.model_state(), four.model_state());
+        let more = four.peak() - one.peak();
+        assert!(
+            more > 0 && more <= one.gradients,
+            "{more} vs {}",
+            one.gradients
+        );
+    }
+
     /// TR-DPO's reference is a copy of the weights each rank holds: whole under DDP, its
     /// slices under ZeRO-3, in the peak but not the model state.
     #[test]
@@ -992,26 +1054,8 @@ mod tests {
             (Strategy::Ddp, 1),
             (Strategy::fsdp(WrapPolicy::PerLayer), 2),
         ] {
-            let mut setup = Setup {
-                strategy,
-                dims: ParallelDims {
-                    dp_replicate: 1,
-                    dp_shard: shard,
-                    cp: 1,
-                    sp: 1,
-                    tp: 1,
-                },
-                dtype: DType::F32,
-                lora: None,
-                batch: 2,
-                seq: 64,
-                checkpointing: false,
-                offload_optimizer: false,
-                reference_copy: false,
-                gpu: false,
-                router_loss: true,
-                threads: 1,
-            };
+            let mut setup = cpu_setup(strategy, (shard, 1));
+            setup.batch = 2;
             let without = estimate(&m, &setup);
             setup.reference_copy = true;
             let with = estimate(&m, &setup);
@@ -1029,24 +1073,8 @@ mod tests {
         let layers = m.dims.num_hidden_layers as f64;
         for (checkpointing, per_layer) in [(false, 4.0), (true, 6.0)] {
             let setup = Setup {
-                strategy: Strategy::Ddp,
-                dims: ParallelDims {
-                    dp_replicate: 1,
-                    dp_shard: 1,
-                    cp: 1,
-                    sp: 1,
-                    tp: 2,
-                },
-                dtype: DType::F32,
-                lora: None,
-                batch: 1,
-                seq: 64,
                 checkpointing,
-                offload_optimizer: false,
-                reference_copy: false,
-                gpu: false,
-                router_loss: true,
-                threads: 1,
+                ..cpu_setup(Strategy::Ddp, (1, 2))
             };
             let at = |latency: f64| {
                 let link = LinkSpeed {
