@@ -624,9 +624,16 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // Then, during the layers' backward: the root and the head's gradient (held until the
         // embedding's backward, the last), a layer's unit in use with its gradients, the next
         // one's weights arriving and the reduced slices of two units waiting to be added
-        // (measured with gradients detached as they are deposited: `Unit::deposit`).
+        // (measured with gradients detached as they are deposited: `Unit::deposit`). In a
+        // step's first micro-batch the reduced slices are the step's gradient slices
+        // (`gradients` counts them), and the root's and this layer's are still to come.
         (Strategy::Fsdp(..), false) => {
-            loss_buffers + (dsz + 4) * layer_unit + 2 * (4 * layer_unit).div_ceil(n)
+            let in_use = loss_buffers + (dsz + 4) * layer_unit;
+            let layer_slice = (4 * layer_unit).div_ceil(n);
+            match setup.micro_batches <= 1 {
+                true => in_use.saturating_sub(layer_slice + (4 * root_unit).div_ceil(n)),
+                false => in_use + 2 * layer_slice,
+            }
         }
         // A frozen base: the root (embedding, head) gathered while the loss runs, a layer's
         // unit in use and the next one's weights arriving; no gradients but the adapters'.
