@@ -624,13 +624,15 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // Then, during the layers' backward: the root and the head's gradient (held until the
         // embedding's backward, the last), a layer's unit in use with its gradients, the next
         // one's weights arriving and the reduced slices of two units waiting to be added
-        // (measured with gradients detached as they are deposited: `Unit::deposit`). In a
-        // step's first micro-batch the reduced slices are the step's gradient slices
-        // (`gradients` counts them), and the root's and this layer's are still to come.
+        // (measured with gradients detached as they are deposited: `Unit::deposit`). Under
+        // checkpointing the peak is a recomputed layer's backward: in a step's first
+        // micro-batch the reduced slices are the step's gradient slices (`gradients` counts
+        // them), and the root's and this layer's are still to come. Without it the peak is
+        // the root's backward, last, beside every activation and every slice.
         (Strategy::Fsdp(..), false) => {
             let in_use = loss_buffers + (dsz + 4) * layer_unit;
             let layer_slice = (4 * layer_unit).div_ceil(n);
-            match setup.micro_batches <= 1 {
+            match setup.micro_batches <= 1 && setup.checkpointing {
                 true => in_use.saturating_sub(layer_slice + (4 * root_unit).div_ceil(n)),
                 false => in_use + 2 * layer_slice,
             }
