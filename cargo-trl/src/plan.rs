@@ -454,7 +454,7 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
         model,
         seq: args.seq,
         batch: args.batch,
-        micro_batches: args.gradient_accumulation_steps.max(1),
+        micro_batches: args.gradient_accumulation_steps,
         lora,
         checkpointing: match args.gradient_checkpointing {
             Some(c) => vec![c],
@@ -629,7 +629,7 @@ pub fn auto(
     let work = Work {
         seq: t.max_length,
         batch: t.per_device_train_batch_size,
-        micro_batches: t.gradient_accumulation_steps.max(1),
+        micro_batches: t.gradient_accumulation_steps,
         lora: t.lora(&model.dims.model_type),
         checkpointing: vec![t.gradient_checkpointing],
         preference,

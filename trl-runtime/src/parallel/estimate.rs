@@ -617,6 +617,10 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // even for a frozen head under LoRA.
     let head_grad = 4 * cfg.vocab_size * cfg.hidden_size / tp;
     let sharded = matches!(setup.strategy, Strategy::Fsdp(..));
+    // ZeRO-3 / FSDP's gradient slices are taken by each update and come back as the layers
+    // reduce: in a step's first micro-batch (the only one without accumulation) none exists
+    // before the layers' backward.
+    let first_micro_batch = setup.micro_batches <= 1;
     // While the loss's backward runs (ZeRO-3 / FSDP): the root gathered, the head's gradient
     // and the last layer's unit arriving.
     let loss_buffers = dsz * (root_unit + layer_unit) + head_grad;
@@ -632,7 +636,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         (Strategy::Fsdp(..), false) => {
             let in_use = loss_buffers + (dsz + 4) * layer_unit;
             let layer_slice = (4 * layer_unit).div_ceil(n);
-            match setup.micro_batches <= 1 && setup.checkpointing {
+            match first_micro_batch && setup.checkpointing {
                 true => in_use.saturating_sub(layer_slice + (4 * root_unit).div_ceil(n)),
                 false => in_use + 2 * layer_slice,
             }
@@ -670,9 +674,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             true => 3 * copy + per_layer(0.6 * stack(false).0),
             false => 3 * copy,
         };
-        // ZeRO-3 / FSDP's gradient slices are taken by each update and come back as the
-        // layers reduce: in a step's first micro-batch none exists during the loss's backward.
-        let absent = match sharded && setup.micro_batches <= 1 {
+        let absent = match sharded && first_micro_batch {
             true => e.gradients,
             false => 0,
         };
@@ -1032,6 +1034,34 @@ mod tests {
             "{link:?}"
         );
         assert!(link.latency >= 0.0 && link.latency < 1.0, "{link:?}");
+    }
+
+    /// On CPU the host backend's collectives take their time from compute (the ranks'
+    /// threads fill the cores); on GPUs NCCL's run beside it and only what exceeds it counts.
+    #[test]
+    fn cpu_collectives_add_to_the_step_and_gpu_ones_overlap() {
+        let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+        let setup = cpu_setup(Strategy::fsdp(WrapPolicy::PerLayer), (2, 1));
+        let link = LinkSpeed {
+            latency: 1e-3,
+            bandwidth: 1e8,
+        };
+        let mut hw = Hardware::cpu(1e9, 2, link);
+        let cpu = step_time(&m, &setup, &hw);
+        assert!(cpu.data_parallel > 0.0 && cpu.model_parallel == 0.0);
+        let tokens = 2.0 * 64.0;
+        let added = tokens / (cpu.compute + cpu.data_parallel);
+        assert!(
+            (cpu.tokens_per_second - added).abs() < 1e-9 * added,
+            "{cpu:?}"
+        );
+        hw.comm_overlaps = true;
+        let gpu = step_time(&m, &setup, &hw);
+        let hidden = tokens / gpu.compute.max(gpu.data_parallel);
+        assert!(
+            (gpu.tokens_per_second - hidden).abs() < 1e-9 * hidden,
+            "{gpu:?}"
+        );
     }
 
     /// ZeRO-3's gradient slices are taken by each update: in a step's first micro-batch none

@@ -587,7 +587,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             dtype: self.args.compute_dtype().ok()?,
             lora: self.args.lora(&shapes.dims.model_type),
             batch: self.args.per_device_train_batch_size,
-            micro_batches: self.args.gradient_accumulation_steps.max(1),
+            micro_batches: self.args.gradient_accumulation_steps,
             seq: self.args.max_length,
             checkpointing: self.model.checkpointing.is_some(),
             offload_optimizer: self.offloaded(),
