@@ -370,14 +370,18 @@ fn profile_auto_launches_what_plan_picks() {
     }
     let predicted = ran["predicted_model_state_bytes"].as_u64();
     assert_eq!(ran["model_state_bytes"][0].as_u64(), predicted, "{ran}");
-    // Every logged step carries the predicted peak beside the measured one.
+    // Every logged step carries the predicted peak beside the measured one (resident memory:
+    // the plan's tensors over what the process held before the model and the host backend's
+    // rings). Every CPU profile on the tiny model measured 0.92-1.09 of it: 15% here, as the
+    // binary's resident pages vary with the code a run touches.
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    let line: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let line: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let predicted = line["predicted_peak_memory_mib"].as_f64().unwrap();
+    let measured = line["peak_memory_mib"].as_f64().unwrap();
     assert!(
-        line["predicted_peak_memory_mib"].as_f64().is_some(),
-        "{line}"
+        (predicted / measured - 1.0).abs() < 0.15,
+        "predicted {predicted} MiB, measured {measured} MiB: {line}"
     );
-    assert!(line["peak_memory_mib"].as_f64().is_some(), "{line}");
     // Where nothing fits, the plan says so and what to change.
     let none = Command::new(BIN)
         .current_dir(workspace())

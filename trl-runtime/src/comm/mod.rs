@@ -27,6 +27,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 pub use host::HostBackend;
 pub use inprocess::InProcessWorld;
 pub use queue::{CommQueue, Pending};
+pub use shm::resident_bytes as shared_memory_bytes;
 pub use timed::Timed;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

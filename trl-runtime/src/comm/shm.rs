@@ -11,7 +11,7 @@
 use memmap2::MmapMut;
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 const HEADER: usize = 256;
@@ -25,7 +25,32 @@ const POLL: Duration = Duration::from_millis(50);
 pub(crate) struct ShmRing {
     map: MmapMut,
     cap: usize,
+    /// Bytes of the data region this side has written or read (at most `cap`).
+    touched: AtomicUsize,
 }
+
+/// Bytes of ring files this process has touched: they count in its resident memory (as
+/// RssShmem) beside what the memory plan counts. A ring's pages are touched as traffic goes
+/// round it, so a group that only ever sends small messages costs little.
+static RESIDENT: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes of shared-memory rings resident in this process now (the header page and the data
+/// traffic has reached, of both directions of every same-machine peer of every group).
+pub fn resident_bytes() -> usize {
+    RESIDENT.load(Ordering::Relaxed)
+}
+
+impl Drop for ShmRing {
+    fn drop(&mut self) {
+        RESIDENT.fetch_sub(
+            PAGE + self.touched.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// The header's page, touched when the ring is mapped.
+const PAGE: usize = 4096;
 
 // SAFETY: the mapping is only accessed through atomics (header) and through disjoint regions
 // handed out by the single producer / single consumer protocol below.
@@ -81,7 +106,12 @@ impl ShmRing {
         file.set_len((HEADER + cap) as u64)?;
         // SAFETY: the file is ours and sized above; it is shared only with the peer process.
         let map = unsafe { MmapMut::map_mut(&file)? };
-        Ok(ShmRing { map, cap })
+        RESIDENT.fetch_add(PAGE, Ordering::Relaxed);
+        Ok(ShmRing {
+            map,
+            cap,
+            touched: AtomicUsize::new(0),
+        })
     }
 
     /// Maps a ring created by the peer.
@@ -96,9 +126,11 @@ impl ShmRing {
         }
         // SAFETY: as in create.
         let map = unsafe { MmapMut::map_mut(&file)? };
+        RESIDENT.fetch_add(PAGE, Ordering::Relaxed);
         Ok(ShmRing {
             map,
             cap: len - HEADER,
+            touched: AtomicUsize::new(0),
         })
     }
 
@@ -110,6 +142,15 @@ impl ShmRing {
     fn u32_at(&self, offset: usize) -> &AtomicU32 {
         // SAFETY: offset is 4-aligned inside the header.
         unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU32) }
+    }
+
+    /// Counts the data region up to stream position `upto` as resident.
+    fn touch(&self, upto: u64) {
+        let upto = (upto as usize).min(self.cap);
+        let before = self.touched.fetch_max(upto, Ordering::Relaxed);
+        if upto > before {
+            RESIDENT.fetch_add(upto - before, Ordering::Relaxed);
+        }
     }
 
     fn data_ptr(&self) -> *mut u8 {
@@ -144,6 +185,7 @@ impl ShmRing {
                 )
             };
             head.store(h + n as u64, Ordering::Release);
+            self.touch(h + n as u64);
             self.u32_at(DATA_SEQ).fetch_add(1, Ordering::Release);
             futex_wake(self.u32_at(DATA_SEQ));
             written += n;
@@ -183,6 +225,7 @@ impl ShmRing {
             let piece = unsafe { std::slice::from_raw_parts(self.data_ptr().add(pos), n) };
             sink(done, piece);
             tail.store(t + n as u64, Ordering::Release);
+            self.touch(t + n as u64);
             self.u32_at(SPACE_SEQ).fetch_add(1, Ordering::Release);
             futex_wake(self.u32_at(SPACE_SEQ));
             done += n;

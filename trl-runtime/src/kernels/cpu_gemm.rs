@@ -10,13 +10,21 @@ pub fn packing_buffer_bytes() -> usize {
 
 /// Allocates the packing buffer on this thread and on every rayon worker (once a process).
 /// Otherwise a process holds one per thread that has happened to run a GEMM, which on a
-/// small model depends on how the work was split; reserved, a CPU rank's heap is the same on
+/// small model depends on how the work was split; reserved (and resident), a CPU rank's heap is the same on
 /// any model (what `parallel::estimate` counts: one buffer per compute thread and the
 /// caller's).
 pub fn reserve_packing_buffers() {
     static RESERVED: std::sync::Once = std::sync::Once::new();
     RESERVED.call_once(|| {
-        let touch = || gemm_common::gemm::L2_SLAB.with(|_| ());
+        // Every page written once, so the buffer is resident whatever the GEMMs' sizes and a
+        // rank's resident memory is what the plan counts.
+        let touch = || {
+            gemm_common::gemm::L2_SLAB.with(|slab| {
+                for byte in slab.borrow_mut().iter_mut().step_by(4096) {
+                    byte.write(0);
+                }
+            })
+        };
         touch();
         rayon::broadcast(|_| touch());
     });

@@ -56,10 +56,47 @@ pub fn reset_peak_rss() -> bool {
 
 /// Peak resident memory of this process so far (VmHWM), when the OS reports it.
 pub fn peak_rss_bytes() -> Option<usize> {
+    status_bytes("VmHWM:")
+}
+
+/// Resident memory of this process now (VmRSS), when the OS reports it.
+pub fn rss_bytes() -> Option<usize> {
+    status_bytes("VmRSS:")
+}
+
+fn status_bytes(key: &str) -> Option<usize> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// The memory the plan predicts, measured where it lives: on a CPU this process's resident
+/// peak, on a GPU the device pool's peak of live allocations (torch's
+/// `max_memory_allocated`), each since [`reset_memory_peak`].
+pub fn memory_peak_bytes(device: &Device) -> Option<usize> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => crate::alloc::gpu::peak_bytes(dev).ok().map(|b| b as usize),
+        Device::Cpu => peak_rss_bytes(),
+        _ => None,
+    }
+}
+
+/// Starts [`memory_peak_bytes`] from what is live now.
+pub fn reset_memory_peak(device: &Device) {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            // Not fatal: the logged peak then counts from the start.
+            if let Err(e) = crate::alloc::gpu::reset_peak(dev) {
+                tracing::warn!("GPU memory peak not reset: {e}");
+            }
+        }
+        _ => {
+            reset_peak_rss();
+        }
+    }
 }
 
 /// What one optimizer step did.

@@ -15,8 +15,8 @@ pub mod trainer;
 pub mod trl_keys;
 
 pub use self::core::{
-    peak_rss_bytes, reset_peak_rss, Core, EvalResult, MemoryReport, StepGrads, StepStats, Task,
-    TaskStep, TrainOutcome,
+    memory_peak_bytes, peak_rss_bytes, reset_memory_peak, reset_peak_rss, rss_bytes, Core,
+    EvalResult, MemoryReport, StepGrads, StepStats, Task, TaskStep, TrainOutcome,
 };
 pub use crate::optim;
 pub use crate::optim::{clip_grad_norm, grad_clip_coef, AdamW, AdamWConfig, ParamState};

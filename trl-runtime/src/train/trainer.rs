@@ -3,7 +3,8 @@
 
 use super::args::TrainerConfig;
 use super::core::{
-    peak_rss_bytes, reset_peak_rss, Core, EvalResult, StepStats, Task, TrainOutcome,
+    memory_peak_bytes, reset_memory_peak, rss_bytes, Core, EvalResult, StepStats, Task,
+    TrainOutcome,
 };
 use super::sft::Sft;
 use crate::data::TextTokenizer;
@@ -23,6 +24,9 @@ pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM, T: Task<N> = Sft> 
     pub task: T,
     /// The task's figures of the latest step.
     last_metrics: Vec<(&'static str, f64)>,
+    /// What the process held before the model loaded (binary, libraries, tokenizer, data) on
+    /// a CPU, where it shares the memory the plan predicts; 0 on a GPU.
+    process_base: usize,
 }
 
 impl<'a, N: CausalModel, T: Task<N>> std::ops::Deref for Trainer<'a, N, T> {
@@ -72,6 +76,14 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         config.validate("training arguments")?;
         let tokenizer = TextTokenizer::from_dir(&args.model_name_or_path)?;
         let mut task = T::load(&config, &tokenizer)?;
+        let process_base = match ctx.device().is_cpu() {
+            true => {
+                // Freed start-up memory is handed back first, so it is not counted twice.
+                crate::alloc::release_freed_memory();
+                rss_bytes().unwrap_or(crate::parallel::estimate::CPU_PROCESS_BASE)
+            }
+            false => 0,
+        };
         let mut core = Core::load(&args, ctx, strategy, task.num_rows(), tokenizer)?;
         core.estimate_with(|setup| T::memory_setup(&config, setup));
         task.prepare(&config, &core)?;
@@ -81,6 +93,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             core,
             task,
             last_metrics: Vec::new(),
+            process_base,
         })
     }
 
@@ -136,20 +149,21 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         for (key, value) in &self.last_metrics {
             line[*key] = (*value).into();
         }
-        // This rank's resident-memory peak since training began (activations and
-        // collective buffers on top of the model state logged at start).
-        if let Some(peak) = peak_rss_bytes() {
-            line["peak_memory_mib"] = (peak as f64 / 1048576.0).round().into();
+        // This rank's memory peak since training began: resident memory on a CPU, the
+        // device's live allocations on a GPU.
+        let mib = |bytes: usize| (bytes as f64 / 1048576.0).round();
+        if let Some(peak) = memory_peak_bytes(self.ctx.device()) {
+            line["peak_memory_mib"] = mib(peak).into();
         }
-        // Beside it, what `cargo trl plan` predicted for this rank (the process's base of
-        // 64 MiB on CPU included; on a GPU the figure is the device's).
+        // Beside it, what `cargo trl plan` predicts for this rank, on a CPU over the memory
+        // this process held before the model loaded and the host backend's rings (the plan
+        // assumes 64 MiB and counts the rings of the mesh's groups).
         if let Some(e) = self.core.memory_estimate() {
-            let base = match self.ctx.device().is_cpu() {
-                true => crate::parallel::estimate::CPU_PROCESS_BASE,
+            let rings = match self.ctx.device().is_cpu() {
+                true => crate::comm::shared_memory_bytes(),
                 false => 0,
             };
-            line["predicted_peak_memory_mib"] =
-                ((e.peak() + base) as f64 / 1048576.0).round().into();
+            line["predicted_peak_memory_mib"] = mib(e.peak() + self.process_base + rings).into();
         }
         if let Some(e) = eval {
             line["eval_loss"] = e.loss.into();
@@ -177,7 +191,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                 .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
         }
         self.announce_start()?;
-        reset_peak_rss();
+        reset_memory_peak(self.ctx.device());
         let mut outcome = TrainOutcome {
             initial_eval: self.evaluate()?,
             ..Default::default()
