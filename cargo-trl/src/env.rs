@@ -47,6 +47,10 @@ pub fn report() -> String {
         trl_runtime::parallel::estimate::cpu_matmul_flops() / 1e9,
         trl_runtime::parallel::estimate::cpu_threads()
     ));
+    lines.push(format!(
+        "cpu whole-logits loss: {:.1} ns per logit, forward and backward (what ZeRO-3, FSDP and tp add)",
+        trl_runtime::parallel::estimate::cpu_whole_logits_seconds() * 1e9
+    ));
     // And the host backend's collectives between 2 ranks (what plan predicts CPU runs with).
     lines.push(
         match trl_runtime::parallel::estimate::host_all_reduce_speed(2) {

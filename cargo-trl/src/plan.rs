@@ -205,6 +205,7 @@ impl Machine {
                         // (~1 G parameters/s): a table figure, not measured.
                         offload_params_per_s: 1.0 / (1.0 / 1e9 + 6.0 / 25e9),
                         comm_overlaps: true,
+                        logit_seconds: 0.0,
                     },
                 })
             }
@@ -225,7 +226,12 @@ impl Machine {
             host_memory: host,
             base: estimate::CPU_PROCESS_BASE,
             threads: crate::launch::cpu_threads_per_process(processes),
-            hardware: Hardware::cpu(rank_flops, processes, cpu_link(processes)?),
+            hardware: Hardware::cpu(
+                rank_flops,
+                processes,
+                cpu_link(processes)?,
+                estimate::cpu_whole_logits_seconds() * processes as f64,
+            ),
         })
     }
 

@@ -319,8 +319,11 @@ fn main() {
     )
     .unwrap();
     let model = estimate::ModelShapes::of_json(&cfg.to_json_pretty(), "reference shape").unwrap();
-    let rank_flops = estimate::cpu_matmul_flops() / estimate::cpu_threads() as f64;
     let link = estimate::host_all_reduce_speed(2).unwrap();
+    let rank_flops = estimate::cpu_matmul_flops() / estimate::cpu_threads() as f64;
+    // The whole-logits loss (ZeRO-3, tp) on this CPU, per logit with every thread: ranks
+    // sharing the machine share its memory bandwidth.
+    let logit_seconds = estimate::cpu_whole_logits_seconds();
     let predict = |strategy: &str, world: usize| {
         let (strategy_kind, tp) = match strategy {
             "zero3" => (Strategy::fsdp(WrapPolicy::PerLayer), 1),
@@ -347,16 +350,18 @@ fn main() {
             }),
             ..estimate::Setup::new(strategy_kind, dims, BATCH, SEQ)
         };
-        let hw = estimate::Hardware::cpu(rank_flops, world, link);
+        let hw = estimate::Hardware::cpu(rank_flops, world, link, logit_seconds * world as f64);
         estimate::step_time(&model, &setup, &hw).tokens_per_second
     };
     let line = |strategy: &str, world: usize, m: &Measured| {
         let predicted = match strategy {
-            "ddp" | "ddp_lora" | "tp" | "zero3" => format!(
-                ",\"predicted_tokens_per_s\":{:.1},\"predicted_over_measured\":{:.3}",
-                predict(strategy, world),
-                predict(strategy, world) / m.tokens_per_s
-            ),
+            "ddp" | "ddp_lora" | "tp" | "zero3" => {
+                let p = predict(strategy, world);
+                format!(
+                    ",\"predicted_tokens_per_s\":{p:.1},\"predicted_over_measured\":{:.3}",
+                    p / m.tokens_per_s
+                )
+            }
             _ => String::new(),
         };
         println!(

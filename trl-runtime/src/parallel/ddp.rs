@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Gradients are all-reduced in buckets of about this size.
-const BUCKET_BYTES: usize = 25 << 20;
+pub(crate) const BUCKET_BYTES: usize = 25 << 20;
 
 pub struct Ddp {
     /// Background collectives on the group (gradient buckets).

@@ -651,11 +651,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         true => loss_buffers,
         false => e.step_buffers,
     };
-    // Logits exist whole where the fused loss cannot run: the head split (tp) or sharded
-    // (ZeRO-3 / FSDP), or soft-capped logits off the one-pass kernel (bf16 on the CPU).
-    let whole_head = tp == 1 && !sharded;
-    let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
-    if !whole_head || (model.logits_loss && !one_pass) {
+    if whole_logits(model, setup) {
         // The loss's backward holds 6 fp32 copies (measured), beside the step buffers it
         // needs (`loss_buffers`) and, under checkpointing, no recomputed layer (`activations`
         // counts one). Then it frees all but what the forward graph holds until the backward
@@ -693,8 +689,9 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     }
     // The update, beyond the gradients: AdamW runs in place (`optim`), so one process adds
     // one fp32 copy of the largest gradient. DDP over several ranks all-reduces the gradients
-    // in buckets (a flat copy and the buckets in flight: 4 bytes per parameter and 16 per
-    // element of the largest, measured). ZeRO-1/2 reduce a flat copy of all the gradients
+    // in buckets, every bucket flattened before the first is waited on: a flat copy of all
+    // the gradients and, while a bucket is reduced, its result beside its flat (at most one
+    // bucket's bytes; measured, 2 and 4 ranks); AdamW's copy comes after they are freed. ZeRO-1/2 reduce a flat copy of all the gradients
     // (the all-reduce's result whole, or the reduce-scatter's slice beside the whole
     // gradients ZeRO-2 still holds; the host backend copies the flat vector once more), then
     // all-gather the weights once it is freed.
@@ -702,7 +699,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let replicas = d.dp_replicate * d.dp_shard * d.cp * d.sp;
     let host_copy = if setup.gpu { 0 } else { 4 * p };
     e.update_buffers = match (setup.strategy, lora) {
-        (Strategy::Ddp, false) if replicas > 1 => 4 * p + 16 * largest,
+        (Strategy::Ddp, false) if replicas > 1 => 4 * p + (4 * p).min(super::ddp::BUCKET_BYTES),
         (Strategy::Ddp, false) => 4 * largest,
         (Strategy::Zero(ZeroStage::One), false) => 8 * p,
         (Strategy::Zero(ZeroStage::Two), false) => 8 * p + host_copy,
@@ -753,6 +750,10 @@ pub struct Hardware {
     /// their time from it (the host backend copies and sums on the cores the ranks' compute
     /// threads already fill).
     pub comm_overlaps: bool,
+    /// Seconds one rank spends per logit in a loss over whole logits, beyond the head's
+    /// matmul ([`cpu_whole_logits_seconds`] on a CPU; 0 in the GPU table, where the step's
+    /// MFU was measured and this cost is not yet).
+    pub logit_seconds: f64,
 }
 
 /// FLOP/s of f32 matmul on this CPU with the threads candle's kernels use in this process
@@ -775,6 +776,29 @@ pub fn cpu_matmul_flops() -> f64 {
             2.0 * (n * n * n) as f64 * runs as f64 / start.elapsed().as_secs_f64()
         })
         .fold(0.0, f64::max)
+}
+
+/// Seconds per logit of the loss over whole logits (forward and backward, fp32: the
+/// log-softmax's passes over [tokens, vocabulary] that the fused loss never makes) on this CPU
+/// with the threads candle's kernels use in this process (the best of three runs over
+/// 1024 x 4096 logits). Memory-bound, so not in the matmul rate.
+pub fn cpu_whole_logits_seconds() -> f64 {
+    use candle_core::{Device, Tensor, Var};
+    let (rows, vocab) = (1024, 4096);
+    let run = || -> candle_core::Result<f64> {
+        let logits = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, vocab), &Device::Cpu)?)?;
+        let targets = Tensor::arange(0i64, rows as i64, &Device::Cpu)?;
+        let start = std::time::Instant::now();
+        let (nll, _) = crate::nn::loss::cross_entropy_tokens(logits.as_tensor(), &targets)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        nll.sum_all()?.backward()?;
+        Ok(start.elapsed().as_secs_f64() / (rows * vocab) as f64)
+    };
+    let _ = run();
+    (0..3)
+        .filter_map(|_| run().ok())
+        .fold(f64::INFINITY, f64::min)
+        .min(1e-6)
 }
 
 /// How fast a link moves a collective: a fixed cost per collective and the bus bandwidth
@@ -864,10 +888,13 @@ pub const CPU_MATMUL_SHARE: f64 = 0.75;
 impl Hardware {
     /// CPU ranks of `rank_flops` matmul rate each, `per_machine` on a machine, the host
     /// backend's collectives between them at `link` (as [`host_all_reduce_speed`] measures
-    /// it; across machines taken as the same).
-    pub fn cpu(rank_flops: f64, per_machine: usize, link: LinkSpeed) -> Self {
+    /// it; across machines taken as the same), `logit_seconds` per logit of a whole-logits
+    /// loss on a rank (the machine's [`cpu_whole_logits_seconds`] times the ranks sharing
+    /// its memory).
+    pub fn cpu(rank_flops: f64, per_machine: usize, link: LinkSpeed, logit_seconds: f64) -> Self {
         Hardware {
             flops: rank_flops,
+            logit_seconds,
             matmul_share: CPU_MATMUL_SHARE,
             intra: link,
             inter: link,
@@ -876,6 +903,15 @@ impl Hardware {
             comm_overlaps: false,
         }
     }
+}
+
+/// Whether the loss runs over whole logits: where the fused loss cannot, the head split (tp)
+/// or sharded (ZeRO-3 / FSDP), or soft-capped logits off the one-pass kernel (bf16 on the
+/// CPU).
+fn whole_logits(model: &ModelShapes, setup: &Setup) -> bool {
+    let sharded = matches!(setup.strategy, Strategy::Fsdp(..));
+    let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
+    setup.dims.tp > 1 || sharded || (model.logits_loss && !one_pass)
 }
 
 /// Seconds of one optimizer step (one micro-batch per rank), by where they go.
@@ -915,7 +951,13 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     let tokens = dp * setup.batch as f64 * seq;
     // The matmuls split over every rank; the rest over all but the tp ranks.
     let matmuls = tokens * flops_per_token / world as f64 / hw.flops;
-    let compute = matmuls * (1.0 + d.tp as f64 * (1.0 / hw.matmul_share - 1.0));
+    let mut compute = matmuls * (1.0 + d.tp as f64 * (1.0 / hw.matmul_share - 1.0));
+    // A loss over whole logits: the log-softmax's passes over this rank's tokens and
+    // vocabulary entries (memory-bound, beside the matmuls).
+    if whole_logits(model, setup) {
+        let rank_tokens = setup.batch as f64 * seq / (d.cp * d.sp) as f64;
+        compute += rank_tokens * (cfg.vocab_size / d.tp) as f64 * hw.logit_seconds;
+    }
 
     let link = |group: usize, span: usize| match group * span > hw.per_machine {
         true => hw.inter,
@@ -1046,7 +1088,7 @@ mod tests {
             latency: 1e-3,
             bandwidth: 1e8,
         };
-        let mut hw = Hardware::cpu(1e9, 2, link);
+        let mut hw = Hardware::cpu(1e9, 2, link, 0.0);
         let cpu = step_time(&m, &setup, &hw);
         assert!(cpu.data_parallel > 0.0 && cpu.model_parallel == 0.0);
         let tokens = 2.0 * 64.0;
@@ -1061,6 +1103,32 @@ mod tests {
         assert!(
             (gpu.tokens_per_second - hidden).abs() < 1e-9 * hidden,
             "{gpu:?}"
+        );
+    }
+
+    /// A loss over whole logits (ZeRO-3 / FSDP, tp) costs its per-logit time beside the
+    /// matmuls, each rank over its tokens and its share of the vocabulary; the fused loss
+    /// (DDP on one whole head) costs none.
+    #[test]
+    fn whole_logits_add_their_passes_to_the_step() {
+        let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+        let link = LinkSpeed {
+            latency: 0.0,
+            bandwidth: f64::INFINITY,
+        };
+        let compute = |strategy, split, logit_seconds| {
+            let setup = cpu_setup(strategy, split);
+            step_time(&m, &setup, &Hardware::cpu(1e9, 2, link, logit_seconds)).compute
+        };
+        let vocab = m.dims.vocab_size as f64;
+        let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);
+        let added = compute(zero3, (2, 1), 1e-9) - compute(zero3, (2, 1), 0.0);
+        assert!((added - 64.0 * vocab * 1e-9).abs() < 1e-12, "{added}");
+        let added = compute(Strategy::Ddp, (1, 2), 1e-9) - compute(Strategy::Ddp, (1, 2), 0.0);
+        assert!((added - 64.0 * vocab / 2.0 * 1e-9).abs() < 1e-12, "{added}");
+        assert_eq!(
+            compute(Strategy::Ddp, (2, 1), 1e-9),
+            compute(Strategy::Ddp, (2, 1), 0.0)
         );
     }
 
@@ -1120,7 +1188,7 @@ mod tests {
                     latency,
                     bandwidth: 1e9,
                 };
-                step_time(&m, &setup, &Hardware::cpu(1e9, 2, link)).model_parallel
+                step_time(&m, &setup, &Hardware::cpu(1e9, 2, link, 0.0)).model_parallel
             };
             let extra = at(1e-3) - at(0.0);
             assert!(
