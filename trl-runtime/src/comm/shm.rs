@@ -146,6 +146,10 @@ impl ShmRing {
 
     /// Counts the data region up to stream position `upto` as resident.
     fn touch(&self, upto: u64) {
+        // Once traffic has gone round the ring there is nothing more to count.
+        if self.touched.load(Ordering::Relaxed) == self.cap {
+            return;
+        }
         let upto = (upto as usize).min(self.cap);
         let before = self.touched.fetch_max(upto, Ordering::Relaxed);
         if upto > before {

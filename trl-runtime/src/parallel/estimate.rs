@@ -954,8 +954,8 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     let mut compute = matmuls * (1.0 + d.tp as f64 * (1.0 / hw.matmul_share - 1.0));
     // A loss over whole logits: the log-softmax's passes over this rank's tokens and
     // vocabulary entries (memory-bound, beside the matmuls).
+    let rank_tokens = setup.batch as f64 * seq / (d.cp * d.sp) as f64;
     if whole_logits(model, setup) {
-        let rank_tokens = setup.batch as f64 * seq / (d.cp * d.sp) as f64;
         compute += rank_tokens * (cfg.vocab_size / d.tp) as f64 * hw.logit_seconds;
     }
 
@@ -992,7 +992,6 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     // Per layer: tp all-reduces the attention and MLP outputs (2 forward, 2 backward, 2 more
     // recomputed); Ulysses all-to-alls q, k, v and the output both ways; the ring passes k and
     // v around (cp - 1 hops forward, twice that backward).
-    let rank_tokens = setup.batch as f64 * seq / (d.cp * d.sp) as f64;
     let kv = (cfg.num_kv_heads() * cfg.head_dim()) as f64;
     let h = cfg.hidden_size as f64;
     let recompute = if setup.checkpointing { 1.5 } else { 1.0 };
