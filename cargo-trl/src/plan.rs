@@ -215,8 +215,10 @@ impl Machine {
 
     /// `processes` CPU ranks on each machine like this one, sharing its memory and cores.
     pub fn cpu(processes: usize, machines: usize) -> Result<Self, String> {
-        // This process's matmul rate, shared by the ranks (each gets its share of the cores).
-        let rank_flops = estimate::cpu_matmul_flops() / processes as f64;
+        // A rank's matmul rate with every rank's threads busy, and the share of its step
+        // the matmuls take, both with the threads `cargo trl launch` gives a rank.
+        let threads = crate::launch::cpu_threads_per_process(processes);
+        let rank_flops = estimate::cpu_rank_matmul_flops(processes, threads);
         let host = host_memory();
         Ok(Machine {
             gpu: false,
@@ -225,12 +227,13 @@ impl Machine {
             memory: host / processes,
             host_memory: host,
             base: estimate::CPU_PROCESS_BASE,
-            threads: crate::launch::cpu_threads_per_process(processes),
+            threads,
             hardware: Hardware::cpu(
                 rank_flops,
                 processes,
                 cpu_link(processes)?,
                 estimate::cpu_whole_logits_seconds() * processes as f64,
+                estimate::cpu_matmul_share(processes, threads),
             ),
         })
     }
@@ -537,6 +540,15 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
                         false => "added: the host backend runs on the compute's cores",
                     },
                     t.model_parallel
+                ));
+                out.push(format!(
+                    "  rate: {:.1} GFLOP/s of matmuls per rank, matmuls {:.0}% of the compute{}",
+                    machine.hardware.flops / 1e9,
+                    100.0 * machine.hardware.matmul_share,
+                    match machine.gpu {
+                        true => " (the GPU table's MFU)",
+                        false => " (both measured on this machine when planning)",
+                    }
                 ));
             }
         }

@@ -188,11 +188,13 @@ fn measure_steps<N: CausalModel, T: Task<N>>(
     }
 }
 
-/// What the main rank measured: seconds per step, tokens per second, communication share.
+/// What the main rank measured: seconds per step, tokens per second, communication share;
+/// and a rank's matmul rate around the run (what the plan predicts it from).
 struct Measured {
     step_s: f64,
     tokens_per_s: f64,
     comm_share: f64,
+    rank_flops: f64,
 }
 
 /// Runs `world` ranks as `kind` workers; returns launch-to-first-step seconds and the
@@ -209,6 +211,7 @@ fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<Measured>) {
                 step_s: v[0],
                 tokens_per_s: v[1],
                 comm_share: v[2],
+                rank_flops: 0.0,
             });
         }
     });
@@ -216,9 +219,15 @@ fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<Measured>) {
 }
 
 fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
-    launch(kind, world, dir)
+    // A rank's matmul rate (every rank of the run busy, one thread each) timed just before
+    // and just after the run, the mean: this VM's speed moves by a fifth within minutes, so
+    // a rate timed once at the start mispredicts the runs made later.
+    let before = estimate::cpu_rank_matmul_flops(world, 1);
+    let mut m = launch(kind, world, dir)
         .1
-        .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"))
+        .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"));
+    m.rank_flops = (before + estimate::cpu_rank_matmul_flops(world, 1)) / 2.0;
+    m
 }
 
 /// transformers' and TRL's tokens/s on this CPU at the reference shape, fp32, one thread per
@@ -320,11 +329,17 @@ fn main() {
     .unwrap();
     let model = estimate::ModelShapes::of_json(&cfg.to_json_pretty(), "reference shape").unwrap();
     let link = estimate::host_all_reduce_speed(2).unwrap();
-    let rank_flops = estimate::cpu_matmul_flops() / estimate::cpu_threads() as f64;
+    // The share of a one-thread step its matmuls take on this CPU with 1 and 2 ranks busy (a
+    // ratio timed in interleaved rounds, so steady while the shared machine's speed moves).
+    let matmul_share = [
+        estimate::cpu_matmul_share(1, 1),
+        estimate::cpu_matmul_share(2, 1),
+    ];
     // The whole-logits loss (ZeRO-3, tp) on this CPU, per logit with every thread: ranks
     // sharing the machine share its memory bandwidth.
     let logit_seconds = estimate::cpu_whole_logits_seconds();
-    let predict = |strategy: &str, world: usize| {
+    eprintln!("train bench: matmul share {matmul_share:.3?} on 1 / 2 ranks");
+    let predict = |strategy: &str, world: usize, rank_flops: f64| {
         let (strategy_kind, tp) = match strategy {
             "zero3" => (Strategy::fsdp(WrapPolicy::PerLayer), 1),
             "tp" => (Strategy::Ddp, world),
@@ -350,13 +365,19 @@ fn main() {
             }),
             ..estimate::Setup::new(strategy_kind, dims, BATCH, SEQ)
         };
-        let hw = estimate::Hardware::cpu(rank_flops, world, link, logit_seconds * world as f64);
+        let hw = estimate::Hardware::cpu(
+            rank_flops,
+            world,
+            link,
+            logit_seconds * world as f64,
+            matmul_share[world - 1],
+        );
         estimate::step_time(&model, &setup, &hw).tokens_per_second
     };
     let line = |strategy: &str, world: usize, m: &Measured| {
         let predicted = match strategy {
             "ddp" | "ddp_lora" | "tp" | "zero3" => {
-                let p = predict(strategy, world);
+                let p = predict(strategy, world, m.rank_flops);
                 format!(
                     ",\"predicted_tokens_per_s\":{p:.1},\"predicted_over_measured\":{:.3}",
                     p / m.tokens_per_s

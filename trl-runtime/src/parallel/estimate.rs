@@ -273,6 +273,20 @@ impl ModelShapes {
         Self::of_model::<AutoModelForCausalLM>(json, source)
     }
 
+    /// Matmul FLOPs of one token's forward and backward at sequence length `seq`: 6 per
+    /// parameter it runs through (8 with checkpointing's second forward) and causal
+    /// attention's 6 s q / 2 per layer. The embedding lookup costs nothing; a tied head still
+    /// runs its matmul; a token runs through its routed experts only.
+    pub fn matmul_flops_per_token(&self, seq: usize, checkpointing: bool) -> f64 {
+        let cfg = &self.dims;
+        let embed = (cfg.vocab_size * cfg.hidden_size) as f64;
+        let matmul_params = self.active_parameters - if self.tied { 0.0 } else { embed };
+        let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
+        let layers = cfg.num_hidden_layers as f64;
+        let passes = if checkpointing { 8.0 } else { 6.0 };
+        passes * matmul_params + passes * layers * seq as f64 * q / 2.0
+    }
+
     /// The shapes of model `N` (a user's model too) built from config.json's text `json`.
     pub fn of_model<N: CausalModel>(json: &str, source: &str) -> Result<Self> {
         let dims: Dims = serde_json::from_str(json).map_err(|e| {
@@ -756,26 +770,64 @@ pub struct Hardware {
     pub logit_seconds: f64,
 }
 
-/// FLOP/s of f32 matmul on this CPU with the threads candle's kernels use in this process
-/// (the best of three tenths of a second of 512-cube GEMMs).
-pub fn cpu_matmul_flops() -> f64 {
-    use candle_core::{Device, Tensor};
-    let n = 512;
-    let Ok(a) = Tensor::ones((n, n), DType::F32, &Device::Cpu) else {
-        return 1e9;
-    };
-    let _ = a.matmul(&a);
-    (0..3)
-        .map(|_| {
-            let start = std::time::Instant::now();
-            let mut runs = 0u32;
-            while start.elapsed().as_secs_f64() < 0.1 || runs < 2 {
-                let _ = a.matmul(&a);
-                runs += 1;
-            }
-            2.0 * (n * n * n) as f64 * runs as f64 / start.elapsed().as_secs_f64()
-        })
-        .fold(0.0, f64::max)
+/// FLOP/s of one rank's f32 matmuls while `ranks` ranks of `threads` compute threads each fill
+/// this machine, as a launch runs them: every thread multiplies 512-cube matrices on its own,
+/// all at once, over seven windows of a tenth of a second; the median window's total, shared
+/// by the ranks. Timed with every rank's threads busy, so shared cores, memory bandwidth and a
+/// loaded machine's clock are in it, and the median leaves out a window another process took.
+pub fn cpu_rank_matmul_flops(ranks: usize, threads: usize) -> f64 {
+    use crate::kernels::cpu_gemm::{mm, Mat};
+    use std::sync::Barrier;
+    use std::time::{Duration, Instant};
+    const N: usize = 512;
+    const WINDOWS: usize = 7;
+    let ranks = ranks.max(1);
+    let workers = ranks * threads.max(1);
+    let barrier = Barrier::new(workers);
+    let per_worker: Vec<Vec<f64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let a = vec![1f32; N * N];
+                    let mut c = vec![0f32; N * N];
+                    let mut run = || {
+                        mm(
+                            (N, N, N),
+                            &mut c,
+                            N,
+                            Mat::rows(&a, N),
+                            Mat::rows(&a, N),
+                            1.0,
+                            false,
+                        )
+                    };
+                    run();
+                    (0..WINDOWS)
+                        .map(|_| {
+                            barrier.wait();
+                            let start = Instant::now();
+                            let mut runs = 0u32;
+                            while start.elapsed() < Duration::from_millis(100) || runs < 2 {
+                                run();
+                                runs += 1;
+                            }
+                            2.0 * (N * N * N) as f64 * runs as f64 / start.elapsed().as_secs_f64()
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    let mut totals: Vec<f64> = (0..WINDOWS)
+        .map(|w| per_worker.iter().map(|rates| rates[w]).sum())
+        .collect();
+    totals.sort_by(f64::total_cmp);
+    match totals.get(WINDOWS / 2) {
+        Some(&total) if total > 0.0 => total / ranks as f64,
+        _ => 1e9,
+    }
 }
 
 /// Seconds per logit of the loss over whole logits (forward and backward, fp32: the
@@ -881,21 +933,115 @@ pub fn cpu_threads() -> usize {
     candle_core::utils::get_num_threads()
 }
 
-/// Of a CPU training step's time, the share its matmuls take (the rest: norms, softmax,
-/// rotary, the optimizer, copies): from `bench train`, tp = 2 against DDP on one rank.
-pub const CPU_MATMUL_SHARE: f64 = 0.75;
+/// Of a CPU step's time, the share its matmuls take on this machine while `ranks` ranks of
+/// `threads` compute threads each (as the launch gives them) run at once (the mean over
+/// the ranks). The rest (norms, rotary, softmax, the
+/// optimizer, copies) is memory-bound, and machines differ in how fast it runs beside their
+/// matmuls: `bench model` read 0.77-0.84 of the matmul rate on earlier machines and 0.56 on
+/// one with AVX-512, so this is measured rather than a constant. Timed: forward and backward
+/// of a 2-layer model of the built-in layers (hidden 256, intermediate 768, vocab 4096, 2 x 512
+/// tokens, the fused loss), its matmul FLOPs as [`step_time`] counts them, against 512-cube
+/// matmuls timed beside it: the median of five rounds of a step next to three matmuls, so a
+/// slow spell of a shared machine slows both sides of a round. 0.75 where it cannot run.
+pub fn cpu_matmul_share(ranks: usize, threads: usize) -> f64 {
+    use crate::models::{ModelConfig, Params};
+    use candle_core::Tensor;
+    use std::time::Instant;
+    let (batch, seq) = (2, 512);
+    let json = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": seq, "rope_theta": 1000000.0, "tie_word_embeddings": true,
+    })
+    .to_string();
+    let probe = || -> Result<f64> {
+        let cfg = ModelConfig::from_json(&json, "the matmul-share probe")?;
+        let flops = ModelShapes::of_json(&json, "the matmul-share probe")?
+            .matmul_flops_per_token(seq, false)
+            * (batch * seq) as f64;
+        let model = super::CausalLm::new(
+            cfg.clone(),
+            Params::init(&cfg, 0, DType::F32, &Device::Cpu)?,
+        )?;
+        let ids: Vec<u32> = (0..batch * seq)
+            .map(|i| (i * 7919 % cfg.vocab_size) as u32)
+            .collect();
+        let ids = Tensor::from_vec(ids, (batch, seq), &Device::Cpu)?;
+        let pos = Tensor::arange(0i64, seq as i64, &Device::Cpu)?
+            .unsqueeze(0)?
+            .repeat((batch, 1))?;
+        let labels = ids.to_dtype(DType::I64)?;
+        let step = || -> Result<f64> {
+            let start = Instant::now();
+            model
+                .forward_loss(&ids, &pos, &labels)?
+                .mean()?
+                .backward()?;
+            Ok(start.elapsed().as_secs_f64())
+        };
+        let n = 512;
+        let a = Tensor::ones((n, n), DType::F32, &Device::Cpu)?;
+        let matmul = || -> Result<f64> {
+            let start = Instant::now();
+            a.matmul(&a)?;
+            Ok(2.0 * (n * n * n) as f64 / start.elapsed().as_secs_f64())
+        };
+        step()?;
+        matmul()?;
+        let mut rounds = (0..5)
+            .map(|_| {
+                let secs = step()?;
+                let rate = [matmul()?, matmul()?, matmul()?];
+                let mut rate = rate.to_vec();
+                rate.sort_by(f64::total_cmp);
+                Ok(flops / rate[1] / secs)
+            })
+            .collect::<Result<Vec<f64>>>()?;
+        rounds.sort_by(f64::total_cmp);
+        Ok(rounds[2])
+    };
+    // Every rank runs the probe at once, each on a pool of its threads: the memory-bound
+    // part slows when ranks share the machine's bandwidth.
+    let shares: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks.max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads.max(1))
+                        .build()
+                        .ok()
+                        .and_then(|pool| pool.install(probe).ok())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| h.join().ok().flatten())
+            .collect()
+    });
+    match shares.is_empty() {
+        true => 0.75,
+        false => (shares.iter().sum::<f64>() / shares.len() as f64).clamp(0.2, 1.0),
+    }
+}
 
 impl Hardware {
     /// CPU ranks of `rank_flops` matmul rate each, `per_machine` on a machine, the host
     /// backend's collectives between them at `link` (as [`host_all_reduce_speed`] measures
     /// it; across machines taken as the same), `logit_seconds` per logit of a whole-logits
     /// loss on a rank (the machine's [`cpu_whole_logits_seconds`] times the ranks sharing
-    /// its memory).
-    pub fn cpu(rank_flops: f64, per_machine: usize, link: LinkSpeed, logit_seconds: f64) -> Self {
+    /// its memory), `matmul_share` of the step in matmuls ([`cpu_matmul_share`]).
+    pub fn cpu(
+        rank_flops: f64,
+        per_machine: usize,
+        link: LinkSpeed,
+        logit_seconds: f64,
+        matmul_share: f64,
+    ) -> Self {
         Hardware {
             flops: rank_flops,
             logit_seconds,
-            matmul_share: CPU_MATMUL_SHARE,
+            matmul_share,
             intra: link,
             inter: link,
             per_machine,
@@ -936,17 +1082,16 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     let d = setup.dims;
     let world = d.dp_replicate * d.dp_shard * d.cp * d.sp * d.tp;
     let dsz = setup.dtype.size_in_bytes() as f64;
-    let embed = (cfg.vocab_size * cfg.hidden_size) as f64;
-    // The lookup costs nothing; a tied head still runs its matmul. A token runs through its
-    // routed experts only.
-    let matmul_params = model.active_parameters - if model.tied { 0.0 } else { embed };
-    let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
-    let layers = cfg.num_hidden_layers as f64;
     let seq = setup.seq as f64;
+    // LoRA runs the base's matmuls as a full step does (the frozen weights' gradients are
+    // computed too: measured, its step was as long as a full one) and the adapters' beside
+    // them (~10% more on the reference shape at r 16, every linear layer).
+    let adapters = setup.lora.as_ref().map_or(0, |l| {
+        model.adapters(l, 1).iter().map(|(_, n)| *n).sum::<usize>()
+    });
     let passes = if setup.checkpointing { 8.0 } else { 6.0 };
-    // LoRA computes the same matmuls here (measured: a LoRA step is as long as a full one).
-    let per_param = passes;
-    let flops_per_token = per_param * matmul_params + passes * layers * seq * q / 2.0;
+    let flops_per_token =
+        model.matmul_flops_per_token(setup.seq, setup.checkpointing) + passes * adapters as f64;
     let dp = (d.dp_replicate * d.dp_shard) as f64;
     let tokens = dp * setup.batch as f64 * seq;
     // The matmuls split over every rank; the rest over all but the tp ranks.
@@ -992,7 +1137,9 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     // Per layer: tp all-reduces the attention and MLP outputs (2 forward, 2 backward, 2 more
     // recomputed); Ulysses all-to-alls q, k, v and the output both ways; the ring passes k and
     // v around (cp - 1 hops forward, twice that backward).
+    let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
     let kv = (cfg.num_kv_heads() * cfg.head_dim()) as f64;
+    let layers = cfg.num_hidden_layers as f64;
     let h = cfg.hidden_size as f64;
     let recompute = if setup.checkpointing { 1.5 } else { 1.0 };
     // Each is on the critical path: a latency per collective plus its bytes.
@@ -1087,7 +1234,7 @@ mod tests {
             latency: 1e-3,
             bandwidth: 1e8,
         };
-        let mut hw = Hardware::cpu(1e9, 2, link, 0.0);
+        let mut hw = Hardware::cpu(1e9, 2, link, 0.0, 0.75);
         let cpu = step_time(&m, &setup, &hw);
         assert!(cpu.data_parallel > 0.0 && cpu.model_parallel == 0.0);
         let tokens = 2.0 * 64.0;
@@ -1117,7 +1264,12 @@ mod tests {
         };
         let compute = |strategy, split, logit_seconds| {
             let setup = cpu_setup(strategy, split);
-            step_time(&m, &setup, &Hardware::cpu(1e9, 2, link, logit_seconds)).compute
+            step_time(
+                &m,
+                &setup,
+                &Hardware::cpu(1e9, 2, link, logit_seconds, 0.75),
+            )
+            .compute
         };
         let vocab = m.dims.vocab_size as f64;
         let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);
@@ -1187,7 +1339,7 @@ mod tests {
                     latency,
                     bandwidth: 1e9,
                 };
-                step_time(&m, &setup, &Hardware::cpu(1e9, 2, link, 0.0)).model_parallel
+                step_time(&m, &setup, &Hardware::cpu(1e9, 2, link, 0.0, 0.75)).model_parallel
             };
             let extra = at(1e-3) - at(0.0);
             assert!(
