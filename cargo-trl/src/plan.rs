@@ -226,7 +226,7 @@ impl Machine {
             machines,
             memory: host / processes,
             host_memory: host,
-            base: estimate::CPU_PROCESS_BASE,
+            base: estimate::CPU_PROCESS_RSS,
             threads,
             hardware: Hardware::cpu(
                 rank_flops,
@@ -236,6 +236,15 @@ impl Machine {
                 estimate::cpu_matmul_share(processes, threads),
             ),
         })
+    }
+
+    /// What a rank holds besides the estimate under `dims`: the process, and on a CPU the
+    /// host backend's shared-memory rings of the groups it talks over.
+    fn base_for(&self, dims: trl_runtime::config::parallelism::ParallelDims) -> usize {
+        match self.gpu {
+            true => self.base,
+            false => self.base + estimate::cpu_ring_bytes(dims, self.per_machine),
+        }
     }
 
     /// The shipped profiles of this kind of machine, one per data-parallel strategy.
@@ -376,7 +385,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                         }
                         let estimate = estimate(model, &setup);
                         let time = step_time(model, &setup, &machine.hardware);
-                        let peak = estimate.peak() + machine.base;
+                        let peak = estimate.peak() + machine.base_for(dims);
                         out.push(Row {
                             profile,
                             config: config.clone(),
@@ -510,8 +519,12 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
         ));
     }
     out.push(format!(
-        "peak: per rank, with {} for the process itself; buffers: the larger of backward's and the update's",
-        gib(machine.base)
+        "peak: per rank, with {} for the process itself{}; buffers: the larger of backward's and the update's",
+        gib(machine.base),
+        match machine.gpu {
+            true => "",
+            false => " and 16M of shared-memory rings per group a rank talks over",
+        }
     ));
     match rows.first().filter(|r| r.fits) {
         Some(best) => {

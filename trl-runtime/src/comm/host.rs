@@ -23,7 +23,7 @@ const MAGIC: &[u8; 8] = b"TRLCOMM1";
 const CHUNK: usize = 1 << 20;
 const HEADER: usize = 16;
 /// Data bytes of each shared-memory ring (one per direction per peer).
-const SHM_RING_BYTES: usize = 8 << 20;
+pub const SHM_RING_BYTES: usize = 8 << 20;
 /// Set to 0 to keep same-machine peers on TCP.
 pub const SHM_VAR: &str = "TRL_HOST_SHM";
 

@@ -924,9 +924,32 @@ pub fn host_all_reduce_speed(ranks: usize) -> Result<LinkSpeed> {
     Ok(LinkSpeed { latency, bandwidth })
 }
 
-/// What a CPU training process holds besides the estimate (binary, libraries, runtime):
-/// `cargo trl plan` adds it to each rank's peak, the trainer to its logged prediction.
-pub const CPU_PROCESS_BASE: usize = 64 << 20;
+/// What a CPU training process holds before its model and rings (binary, libraries,
+/// runtime: the tiny model's workers read ~13 MiB of RssFile and ~10 MiB of RssAnon there).
+/// The trainer measures its own instead; `cargo trl plan` adds this.
+pub const CPU_PROCESS_RSS: usize = 24 << 20;
+
+/// Bytes of the host backend's shared-memory rings a CPU rank has touched once training has
+/// gone round them (`comm::shared_memory_bytes` counts them in a run): two rings per group
+/// it talks over with ranks of its own machine (to the next rank and from the one before,
+/// for ring collectives), 2 (n - 1) for Ulysses' all-to-all over n. The groups: the
+/// data-parallel one (every rank sharing the gradients: replicas, shards, cp and sp ranks;
+/// split in two for HSDP), and tp, cp and sp each on their own.
+pub fn cpu_ring_bytes(dims: ParallelDims, per_machine: usize) -> usize {
+    let ring = 2 * crate::comm::host::SHM_RING_BYTES;
+    if per_machine < 2 {
+        return 0;
+    }
+    let shard = dims.dp_shard * dims.cp * dims.sp;
+    let data_parallel = match (dims.dp_replicate > 1, shard > 1) {
+        (true, true) => 2,
+        (false, false) => 0,
+        _ => 1,
+    };
+    let ring_groups = data_parallel + (dims.tp > 1) as usize + (dims.cp > 1) as usize;
+    let ulysses_peers = dims.sp.min(per_machine).saturating_sub(1);
+    (ring_groups + ulysses_peers) * ring
+}
 
 /// Threads candle's CPU kernels use in this process (RAYON_NUM_THREADS, else the cores).
 pub fn cpu_threads() -> usize {
@@ -1250,6 +1273,33 @@ mod tests {
             (gpu.tokens_per_second - hidden).abs() < 1e-9 * hidden,
             "{gpu:?}"
         );
+    }
+
+    /// The rings a CPU rank touches, as the profiles' workers measured them (RssShmem of
+    /// /proc/PID/status after `cargo trl launch --profile P sft` on the tiny model): 16.5 MiB
+    /// on multi_cpu's 2 ranks, 33 MiB on fsdp2_tp_cpu's 4 (dp_shard 2 x tp 2), and
+    /// context_parallel_cpu (cp 2) and alst_ulysses_cpu (dp_shard 2 x sp 2) as much as
+    /// fsdp2_tp_cpu; nothing on one process or with ranks on other machines only.
+    #[test]
+    fn rings_of_the_groups_a_rank_talks_over() {
+        let mib = |dims: ParallelDims, per_machine| cpu_ring_bytes(dims, per_machine) >> 20;
+        let dims = |dp_replicate, dp_shard, cp, sp, tp| ParallelDims {
+            dp_replicate,
+            dp_shard,
+            cp,
+            sp,
+            tp,
+        };
+        assert_eq!(mib(dims(1, 1, 1, 1, 1), 1), 0);
+        assert_eq!(mib(dims(2, 1, 1, 1, 1), 2), 16);
+        assert_eq!(mib(dims(1, 2, 1, 1, 1), 2), 16);
+        assert_eq!(mib(dims(1, 2, 1, 1, 2), 4), 32);
+        assert_eq!(mib(dims(1, 1, 2, 1, 1), 2), 32);
+        assert_eq!(mib(dims(1, 2, 1, 2, 1), 4), 32);
+        // HSDP: the shard group and the replica group.
+        assert_eq!(mib(dims(2, 2, 1, 1, 1), 4), 32);
+        // One process per machine: every peer is over TCP.
+        assert_eq!(mib(dims(4, 1, 1, 1, 1), 1), 0);
     }
 
     /// A loss over whole logits (ZeRO-3 / FSDP, tp) costs its per-logit time beside the

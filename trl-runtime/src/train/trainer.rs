@@ -80,7 +80,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             true => {
                 // Freed start-up memory is handed back first, so it is not counted twice.
                 crate::alloc::release_freed_memory();
-                rss_bytes().unwrap_or(crate::parallel::estimate::CPU_PROCESS_BASE)
+                rss_bytes().unwrap_or(crate::parallel::estimate::CPU_PROCESS_RSS)
             }
             false => 0,
         };
@@ -157,7 +157,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         }
         // Beside it, what `cargo trl plan` predicts for this rank, on a CPU over the memory
         // this process held before the model loaded and the host backend's rings (the plan
-        // assumes 64 MiB and counts the rings of the mesh's groups).
+        // assumes `CPU_PROCESS_RSS` and full rings: `estimate::cpu_ring_bytes`).
         if let Some(e) = self.core.memory_estimate() {
             let rings = match self.ctx.device().is_cpu() {
                 true => crate::comm::shared_memory_bytes(),
