@@ -1030,9 +1030,11 @@ pub fn cpu_matmul_share(ranks: usize, threads: usize) -> f64 {
         Ok(rounds[2])
     };
     // Every rank runs the probe at once, each on a pool of its threads: the memory-bound
-    // part slows when ranks share the machine's bandwidth.
+    // part slows when ranks share the machine's bandwidth. More ranks than cores (one thread
+    // each) only take turns: as many probes as cores show the same share.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let shares: Vec<f64> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..ranks.max(1))
+        let handles: Vec<_> = (0..ranks.clamp(1, cores))
             .map(|_| {
                 s.spawn(|| {
                     rayon::ThreadPoolBuilder::new()
