@@ -188,13 +188,11 @@ fn measure_steps<N: CausalModel, T: Task<N>>(
     }
 }
 
-/// What the main rank measured: seconds per step, tokens per second, communication share;
-/// and a rank's matmul rate around the run (what the plan predicts it from).
+/// What the main rank measured: seconds per step, tokens per second, communication share.
 struct Measured {
     step_s: f64,
     tokens_per_s: f64,
     comm_share: f64,
-    rank_flops: f64,
 }
 
 /// Runs `world` ranks as `kind` workers; returns launch-to-first-step seconds and the
@@ -211,7 +209,6 @@ fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<Measured>) {
                 step_s: v[0],
                 tokens_per_s: v[1],
                 comm_share: v[2],
-                rank_flops: 0.0,
             });
         }
     });
@@ -219,15 +216,22 @@ fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<Measured>) {
 }
 
 fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
-    // A rank's matmul rate (every rank of the run busy, one thread each) timed just before
-    // and just after the run, the mean: this VM's speed moves by a fifth within minutes, so
-    // a rate timed once at the start mispredicts the runs made later.
-    let before = estimate::cpu_rank_matmul_flops(world, 1);
-    let mut m = launch(kind, world, dir)
+    launch(kind, world, dir)
         .1
-        .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"));
-    m.rank_flops = (before + estimate::cpu_rank_matmul_flops(world, 1)) / 2.0;
-    m
+        .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"))
+}
+
+/// [`measure`], and a rank's matmul rate (every rank of the run busy, one thread each) timed
+/// just before and just after the run, the mean: what the plan predicts the run from. This
+/// VM's speed moves by a fifth within minutes, so a rate timed once at the start mispredicts
+/// the runs made later.
+fn measure_with_rate(kind: &str, world: usize, dir: &Path) -> (Measured, f64) {
+    let before = estimate::cpu_rank_matmul_flops(world, 1);
+    let m = measure(kind, world, dir);
+    (
+        m,
+        (before + estimate::cpu_rank_matmul_flops(world, 1)) / 2.0,
+    )
 }
 
 /// transformers' and TRL's tokens/s on this CPU at the reference shape, fp32, one thread per
@@ -374,16 +378,17 @@ fn main() {
         );
         estimate::step_time(&model, &setup, &hw).tokens_per_second
     };
-    let line = |strategy: &str, world: usize, m: &Measured| {
-        let predicted = match strategy {
-            "ddp" | "ddp_lora" | "tp" | "zero3" => {
-                let p = predict(strategy, world, m.rank_flops);
+    // The measured line, with the plan's prediction where the run's rate was timed.
+    let line = |strategy: &str, world: usize, m: &Measured, rank_flops: Option<f64>| {
+        let predicted = match rank_flops {
+            Some(rate) => {
+                let p = predict(strategy, world, rate);
                 format!(
                     ",\"predicted_tokens_per_s\":{p:.1},\"predicted_over_measured\":{:.3}",
                     p / m.tokens_per_s
                 )
             }
-            _ => String::new(),
+            None => String::new(),
         };
         println!(
             "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"{strategy}\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}{predicted}}}",
@@ -392,8 +397,8 @@ fn main() {
     };
     let mut per_world = Vec::new();
     for world in [1, 2] {
-        let m = measure("ref", world, tmp.path());
-        line("ddp", world, &m);
+        let (m, rate) = measure_with_rate("ref", world, tmp.path());
+        line("ddp", world, &m, Some(rate));
         per_world.push(m.tokens_per_s);
     }
     // The same shape through transformers and TRL on this CPU's torch (when importable), on
@@ -406,26 +411,26 @@ fn main() {
     // (sigmoid, beta 0.1) against TRL's DPOTrainer, on 1 and 2 ranks.
     let pref = tmp.path().join("pref.jsonl");
     for world in [1, 2] {
-        let lora = measure("ref-lora", world, tmp.path());
-        line("ddp_lora", world, &lora);
+        let (lora, rate) = measure_with_rate("ref-lora", world, tmp.path());
+        line("ddp_lora", world, &lora, Some(rate));
         let peers = cpu_peers(world, "trl_lora", BATCH, &[]);
         peer_lines("sft_lora", world, lora.tokens_per_s, &peers);
         let dpo = measure("ref-dpo", world, tmp.path());
-        line("ddp_dpo", world, &dpo);
+        line("ddp_dpo", world, &dpo, None);
         let extra = ["--pref_data", pref.to_str().unwrap()];
         let peers = cpu_peers(world, "trl_dpo,trl_dpo_precompute", DPO_PAIRS, &extra);
         peer_lines("dpo", world, dpo.tokens_per_s, &peers);
     }
     // Tensor parallelism: 2 ranks share every layer of one replica.
-    let tp = measure("ref-tp", 2, tmp.path());
-    line("tp", 2, &tp);
+    let (tp, rate) = measure_with_rate("ref-tp", 2, tmp.path());
+    line("tp", 2, &tp, Some(rate));
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"tp\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_tp_over_ddp_1\":{:.3},\"tokens_per_s_ratio_tp_over_ddp_2\":{:.3}}}",
         tp.tokens_per_s / per_world[0],
         tp.tokens_per_s / per_world[1]
     );
-    let zero3 = measure("ref-zero3", 2, tmp.path());
-    line("zero3", 2, &zero3);
+    let (zero3, rate) = measure_with_rate("ref-zero3", 2, tmp.path());
+    line("zero3", 2, &zero3, Some(rate));
     let tokens_per_s = zero3.tokens_per_s;
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"zero3\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_zero3_over_ddp\":{:.3}}}",
