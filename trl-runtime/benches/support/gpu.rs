@@ -60,29 +60,47 @@ pub fn flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize) 
     6.0 * params as f64 + 6.0 * (layers * hidden * seq) as f64
 }
 
-/// One configuration of the comparison: batch per step and gradient checkpointing.
+/// The same under LoRA: 4 per frozen parameter (forward and the input's gradient; no weight
+/// gradient), the rank-16 adapters' few FLOPs left out.
+fn lora_flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize) -> f64 {
+    4.0 * params as f64 + 6.0 * (layers * hidden * seq) as f64
+}
+
+/// One configuration of the comparison: batch per step, gradient checkpointing, and LoRA
+/// (TRL's recipe: r 16, alpha 32, dropout 0.05 on every linear layer; its peer is TRL + peft).
 #[derive(Clone, Copy, PartialEq)]
 struct Run {
     batch: usize,
     gc: bool,
+    lora: bool,
 }
 
-/// `TRL_BENCH_GPU_RUNS`: comma-separated `BATCH:on|off` (gradient checkpointing); default
-/// batch 2 with and without it and batch 8 without, the issue's comparison points.
+/// `TRL_BENCH_GPU_RUNS`: comma-separated `BATCH:on|off[:lora]` (gradient checkpointing, LoRA);
+/// default batch 2 with and without checkpointing, batch 8 without, and batch 8 with LoRA.
 fn runs() -> Vec<Run> {
-    let spec = std::env::var("TRL_BENCH_GPU_RUNS").unwrap_or_else(|_| "2:off,2:on,8:off".into());
+    let spec = std::env::var("TRL_BENCH_GPU_RUNS")
+        .unwrap_or_else(|_| "2:off,2:on,8:off,8:off:lora".into());
     spec.split(',')
         .map(|r| {
-            let (b, gc) = r.split_once(':').unwrap_or((r, "off"));
+            let mut parts = r.split(':').map(str::trim);
+            let batch = parts
+                .next()
+                .unwrap_or_default()
+                .parse()
+                .expect("TRL_BENCH_GPU_RUNS: BATCH:on|off[:lora], ... (e.g. 2:off,8:on:lora)");
             Run {
-                batch: b
-                    .trim()
-                    .parse()
-                    .expect("TRL_BENCH_GPU_RUNS: BATCH:on|off, ..."),
-                gc: gc.trim() == "on",
+                batch,
+                gc: parts.next() == Some("on"),
+                lora: parts.next() == Some("lora"),
             }
         })
         .collect()
+}
+
+impl Run {
+    fn spec(&self) -> String {
+        format!("{}:{}", self.batch, if self.gc { "on" } else { "off" })
+    }
 }
 
 fn gib(bytes: u64) -> f64 {
@@ -110,7 +128,13 @@ pub fn run(dir: &Path) {
         most * (WARMUP_STEPS + MEASURED_STEPS),
         SEQ,
     );
-    let per_token = flops_per_token(params, 24, 896, SEQ);
+    let per_token = |lora: bool| {
+        if lora {
+            lora_flops_per_token(params, 24, 896, SEQ)
+        } else {
+            flops_per_token(params, 24, 896, SEQ)
+        }
+    };
     let (warmup, measured) = if profiling() {
         (1, 1)
     } else {
@@ -130,6 +154,10 @@ pub fn run(dir: &Path) {
                 disable_tqdm: true,
                 max_steps: 1000,
                 gradient_checkpointing: run.gc,
+                use_peft: run.lora,
+                lora_target_modules: Some(trl_runtime::config::cli_value::NameList(vec![
+                    "all-linear".into(),
+                ])),
                 ..Default::default()
             },
             ..SFTConfig::default()
@@ -172,18 +200,20 @@ pub fn run(dir: &Path) {
         let gc = if run.gc { "on" } else { "off" };
         match result {
             Ok((tokens_per_s, step_s, attention)) => {
-                let mfu = tokens_per_s * per_token / rate;
+                let mfu = tokens_per_s * per_token(run.lora) / rate;
                 println!(
-                    "{{\"bench\":\"train\",\"device\":\"cuda\",\"model\":\"qwen2-0.5b-shape\",\"params\":{params},\"dtype\":\"bf16\",\"attention\":\"{attention}\",\"seq\":{SEQ},\"batch\":{},\"gradient_checkpointing\":\"{gc}\",\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4},\"mfu\":{mfu:.4},\"peak_gpu_mem_gib\":{peak:.2},\"matmul_tflops\":{:.1}}}",
+                    "{{\"bench\":\"train\",\"device\":\"cuda\",\"model\":\"qwen2-0.5b-shape\",\"params\":{params},\"dtype\":\"bf16\",\"attention\":\"{attention}\",\"seq\":{SEQ},\"batch\":{},\"gradient_checkpointing\":\"{gc}\",\"lora\":{},\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4},\"mfu\":{mfu:.4},\"peak_gpu_mem_gib\":{peak:.2},\"matmul_tflops\":{:.1}}}",
                     run.batch,
+                    run.lora,
                     rate / 1e12
                 );
                 ours.push((run, tokens_per_s, peak));
             }
             // Out of memory at a batch is a result too (the issue asks whether batch 8 fits).
             Err(e) => println!(
-                "{{\"bench\":\"train\",\"device\":\"cuda\",\"batch\":{},\"gradient_checkpointing\":\"{gc}\",\"error\":{:?},\"peak_gpu_mem_gib\":{peak:.2}}}",
+                "{{\"bench\":\"train\",\"device\":\"cuda\",\"batch\":{},\"gradient_checkpointing\":\"{gc}\",\"lora\":{},\"error\":{:?},\"peak_gpu_mem_gib\":{peak:.2}}}",
                 run.batch,
+                run.lora,
                 e.to_string()
             ),
         }
@@ -197,16 +227,55 @@ pub fn run(dir: &Path) {
     if let Err(e) = trl_runtime::alloc::gpu::release_freed_memory(&cuda) {
         eprintln!("cannot release GPU memory for the peers: {e}");
     }
+    // The full fine-tuning runs against transformers, TRL and TRL + Liger; the LoRA runs
+    // against TRL + peft.
+    // Each group's lines are printed as soon as it ends (a later group may run out of time).
+    for (lora, peers) in [(false, "transformers,trl,trl_liger"), (true, "trl_lora")] {
+        let spec = runs
+            .iter()
+            .filter(|r| r.lora == lora)
+            .map(Run::spec)
+            .collect::<Vec<_>>()
+            .join(",");
+        if spec.is_empty() {
+            continue;
+        }
+        for line in peer_lines(&spec, peers) {
+            let (Some(name), Some(theirs), Some(batch), Some(gc)) = (
+                line["framework"].as_str(),
+                line["tokens_per_s"].as_f64(),
+                line["batch"].as_u64(),
+                line["gradient_checkpointing"].as_bool(),
+            ) else {
+                continue;
+            };
+            let their_peak = line["peak_gpu_mem_gib"].as_f64().unwrap_or(f64::NAN);
+            let run = Run {
+                batch: batch as usize,
+                gc,
+                lora,
+            };
+            let Some(&(_, mine, my_peak)) = ours.iter().find(|(r, _, _)| *r == run) else {
+                continue;
+            };
+            let hf_mfu = theirs * per_token(lora) / rate;
+            println!(
+                "{{\"bench\":\"train\",\"device\":\"cuda\",\"peer\":\"{name}\",\"seq\":{SEQ},\"batch\":{batch},\"gradient_checkpointing\":\"{}\",\"lora\":{lora},\"peer_tokens_per_s\":{theirs:.1},\"peer_mfu\":{hf_mfu:.4},\"peer_peak_gpu_mem_gib\":{their_peak:.2},\"tokens_per_s\":{mine:.1},\"peak_gpu_mem_gib\":{my_peak:.2},\"ratio_ours_over_peer\":{:.3}}}",
+                if gc { "on" } else { "off" },
+                mine / theirs
+            );
+        }
+    }
+}
+
+/// The JSON lines benches/hf_train.py prints for `spec` (BATCH:on|off, ...) and `peers` (lines
+/// printed before a failure still count).
+fn peer_lines(spec: &str, peers: &str) -> Vec<serde_json::Value> {
     let script = crate::support::repo().join("trl-runtime/benches/hf_train.py");
-    let spec = runs
-        .iter()
-        .map(|r| format!("{}:{}", r.batch, if r.gc { "on" } else { "off" }))
-        .collect::<Vec<_>>()
-        .join(",");
     let out =
         std::process::Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
             .arg(&script)
-            .args(["--seq", &SEQ.to_string(), "--runs", &spec])
+            .args(["--seq", &SEQ.to_string(), "--runs", spec, "--peers", peers])
             .args([
                 "--steps",
                 &MEASURED_STEPS.to_string(),
@@ -215,44 +284,19 @@ pub fn run(dir: &Path) {
             ])
             .stderr(std::process::Stdio::inherit())
             .output();
-    let hf = match out {
+    match out {
         Ok(o) => {
             if !o.status.success() {
                 eprintln!("{} failed ({})", script.display(), o.status);
             }
-            // Lines printed before a failure still count.
             String::from_utf8_lossy(&o.stdout)
                 .lines()
                 .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                .collect::<Vec<_>>()
+                .collect()
         }
         Err(e) => {
             eprintln!("cannot run {}: {e}", script.display());
-            return;
+            Vec::new()
         }
-    };
-    for line in hf {
-        let (Some(name), Some(theirs), Some(batch), Some(gc)) = (
-            line["framework"].as_str(),
-            line["tokens_per_s"].as_f64(),
-            line["batch"].as_u64(),
-            line["gradient_checkpointing"].as_bool(),
-        ) else {
-            continue;
-        };
-        let their_peak = line["peak_gpu_mem_gib"].as_f64().unwrap_or(f64::NAN);
-        let run = Run {
-            batch: batch as usize,
-            gc,
-        };
-        let Some(&(_, mine, my_peak)) = ours.iter().find(|(r, _, _)| *r == run) else {
-            continue;
-        };
-        let hf_mfu = theirs * per_token / rate;
-        println!(
-            "{{\"bench\":\"train\",\"device\":\"cuda\",\"peer\":\"{name}\",\"seq\":{SEQ},\"batch\":{batch},\"gradient_checkpointing\":\"{}\",\"peer_tokens_per_s\":{theirs:.1},\"peer_mfu\":{hf_mfu:.4},\"peer_peak_gpu_mem_gib\":{their_peak:.2},\"tokens_per_s\":{mine:.1},\"peak_gpu_mem_gib\":{my_peak:.2},\"ratio_ours_over_peer\":{:.3}}}",
-            if gc { "on" } else { "off" },
-            mine / theirs
-        );
     }
 }
