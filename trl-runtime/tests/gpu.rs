@@ -516,14 +516,14 @@ type FusedCase<'a> = (
     Box<dyn Fn(&[Tensor]) -> Tensor + 'a>,
 );
 
-/// The fused CUDA kernels (kernels/fused.cu: RMSNorm, SwiGLU, rotary, forward and backward)
-/// against the f32 CPU kernels on fresh random inputs: in f32 to 1e-5 (max |difference| over
-/// max |reference|, outputs and every gradient), in bf16 within bf16 rounding (2e-2), with
-/// hidden sizes that are not multiples of the block, one of whole 16-byte units (1000) and one
-/// not (1003, the element-wise paths), and odd row counts.
+/// The fused CUDA kernels (kernels/fused.cu: RMSNorm, SwiGLU, LoRA's dropout, rotary, forward
+/// and backward) against the f32 CPU kernels on fresh random inputs: in f32 to 1e-5 (max
+/// |difference| over max |reference|, outputs and every gradient), in bf16 within bf16 rounding
+/// (2e-2), with hidden sizes that are not multiples of the block, one of whole 16-byte units
+/// (1000) and one not (1003, the element-wise paths), and odd row counts.
 #[test]
 fn fused_cuda_kernels_follow_the_cpu_kernels() {
-    use trl_runtime::kernels::fused::{rms_norm, rotary, swiglu};
+    use trl_runtime::kernels::fused::{dropout, rms_norm, rotary, swiglu};
     let Some(dev) = gpu() else { return };
     // 1000: rows of whole 16-byte units (the wide paths); 1003: the element-wise ones.
     for (rows, h) in [(37usize, 1000usize), (37, 1003)] {
@@ -551,6 +551,14 @@ fn fused_cuda_kernels_follow_the_cpu_kernels() {
                     vec![&g, &x],
                     &probe,
                     Box::new(|t: &[Tensor]| swiglu(&t[0], &t[1]).unwrap()),
+                ),
+                (
+                    // LoRA's dropout: the GPU draws the CPU's mask (a mask drawn otherwise
+                    // would differ by ~0.6 of the norm).
+                    "dropout",
+                    vec![&x],
+                    &probe,
+                    Box::new(|t: &[Tensor]| dropout(&t[0], 0xfeed, 0.25).unwrap()),
                 ),
                 (
                     "rotary",

@@ -84,7 +84,8 @@ fn args(dir: &Path, c: Case) -> SFTConfig {
                 vec!["all-linear".into()],
             )),
             lora_r: 8,
-            lora_dropout: 0.0,
+            // TRL's default: each adapter keeps its dropped input.
+            lora_dropout: 0.05,
             bf16: c.bf16,
             ..Default::default()
         },

@@ -468,6 +468,23 @@ template <typename T> __device__ void scale(T* x, size_t n, float s) {
         x[i] = of<T>(to_f(x[i]) * s);
 }
 
+// Inverted dropout by a counter-based mask (nn::lora's adapters): element i is kept when the
+// top 53 bits of splitmix64's output for seed + (i + 1) * golden are below `keep_below` (the
+// keep probability x 2^53, rounded up), and then multiplied by `s`, else by 0. The CPU op in
+// kernels/fused.rs draws the same mask; the backward is the same op on the gradient.
+template <typename T>
+__device__ void dropout(const T* x, T* out, size_t n, uint64_t seed, uint64_t keep_below,
+                        float s) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = seed + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        out[i] = of<T>(to_f(x[i]) * ((z >> 11) < keep_below ? s : 0.f));
+    }
+}
+
 // x [a, b, c, row] -> out [a, c, b, row] (dims 1 and 2 swapped: attention's heads moved
 // ahead of the sequence, or back), `row` units of U each (16 bytes when the row allows it):
 // each thread moves one unit, reading and writing whole rows in order.
@@ -603,6 +620,10 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
         embedding_slab_add<T>(dw, out, vocab, hidden, c0, ch);                                 \
     }                                                                                         \
     extern "C" __global__ void scale_##SUFFIX(T* x, size_t n, float s) { scale<T>(x, n, s); } \
+    extern "C" __global__ void dropout_##SUFFIX(const T* x, T* out, size_t n, uint64_t seed,   \
+                                                uint64_t keep_below, float s) {                \
+        dropout<T>(x, out, n, seed, keep_below, s);                                            \
+    }                                                                                         \
     extern "C" __global__ void bias_add_##SUFFIX(const T* x, const T* bias, T* out, size_t n,  \
                                                  int cols) {                                  \
         bias_add<T>(x, bias, out, n, cols);                                                   \

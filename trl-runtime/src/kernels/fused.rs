@@ -7,6 +7,8 @@
 //! - [`swiglu`]: `silu(gate) * up`; backward gives both gradients in one pass.
 //! - [`rotary`]: `x * cos + rotate_half(x) * sin` over [batch, heads, seq, head_dim] with the
 //!   angles of each (batch, position) shared by all heads; backward is the inverse rotation.
+//! - [`dropout`]: inverted dropout by a counter-based mask (LoRA's adapters), drawn again for
+//!   the gradient instead of stored.
 //!
 //! On CPU they run as Candle custom ops (rayon across rows, f32 math for f32/bf16/f16 inputs, no
 //! temporary tensors); on a GPU (feature `cuda`) the same ops launch the kernels of
@@ -976,6 +978,51 @@ mod tests {
             }
         }
     }
+
+    /// The parallel mask is splitmix64's sequential stream (the draw LoRA's dropout made one
+    /// element at a time on the host), crossing the op's chunks; the gradient goes through the
+    /// same mask; f64 (the host path) draws it too.
+    #[test]
+    fn dropout_draws_the_sequential_stream_and_its_gradient_the_same_mask() {
+        let (n, p, seed) = (40_000, 0.3, 0x1234_5678_9abc_def0u64);
+        let mut state = seed;
+        let expected: Vec<f32> = (0..n)
+            .map(|_| {
+                state = state.wrapping_add(GOLDEN);
+                let u = (splitmix(state) >> 11) as f64 / (1u64 << 53) as f64;
+                if u < 1.0 - p {
+                    (1.0 / (1.0 - p)) as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let kept = expected.iter().filter(|v| **v != 0.0).count();
+        assert!((27_500..28_500).contains(&kept), "{kept} of {n} kept");
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            let x = Var::from_tensor(
+                &Tensor::randn(0f32, 1.0, n, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )
+            .unwrap();
+            let mask = Tensor::new(expected.as_slice(), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let y = dropout(&x, seed, p).unwrap();
+            let want = (x.as_tensor() * &mask).unwrap();
+            assert_eq!(rel(&y, &want), 0.0, "{dtype:?} forward");
+            let dy = Tensor::randn(0f32, 1.0, n, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let grads = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+            let dx = grads.get(&x).unwrap();
+            assert_eq!(rel(dx, &(&dy * &mask).unwrap()), 0.0, "{dtype:?} gradient");
+        }
+    }
 }
 
 // ---------------------------------------------------------------- cross-entropy rows
@@ -1062,6 +1109,97 @@ pub(crate) fn cross_entropy_rows(
         })
         .sum()
 }
+
+// ---------------------------------------------------------------- dropout
+
+/// splitmix64's increment: element `i` of a mask draws from `seed + (i + 1) * GOLDEN`.
+pub const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// splitmix64's output for the state `z` (already advanced).
+#[inline(always)]
+pub fn splitmix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Inverted dropout with probability `p`: element `i` of `x` is kept, times `1 / (1 - p)`
+/// (rounded to `x`'s dtype), when `(splitmix(seed + (i + 1) * GOLDEN) >> 11) / 2^53 < 1 - p`,
+/// else zeroed. The mask is a function of the seed and the element alone, so it is drawn in
+/// parallel (rayon, or one GPU thread per element) and never stored: the backward draws it
+/// again for the gradient. LoRA's adapters drop their inputs with it.
+pub fn dropout(x: &Tensor, seed: u64, p: f64) -> Result<Tensor> {
+    let keep = 1.0 - p;
+    let op = Dropout {
+        seed,
+        // u < keep for u = m / 2^53 (m an integer) is m < keep * 2^53, rounded up.
+        keep_below: (keep * (1u64 << 53) as f64).ceil() as u64,
+        // The factor as x's dtype holds it (a mask of that dtype times x, as before).
+        scale: match x.dtype() {
+            DType::BF16 => bf16::from_f32((1.0 / keep) as f32).to_f32(),
+            DType::F16 => f16::from_f32((1.0 / keep) as f32).to_f32(),
+            _ => (1.0 / keep) as f32,
+        },
+    };
+    if fused_here(&[x]) {
+        return x.contiguous()?.apply_op1(op);
+    }
+    // Other dtypes, or CUDA with the fused kernels off: the same mask built on the host.
+    let mask = Tensor::from_vec(op.mask(x.elem_count()), x.shape(), x.device())?;
+    x * mask.to_dtype(x.dtype())?
+}
+
+#[derive(Clone, Copy)]
+struct Dropout {
+    seed: u64,
+    keep_below: u64,
+    scale: f32,
+}
+
+impl Dropout {
+    #[inline(always)]
+    fn factor(&self, i: usize) -> f32 {
+        let z = splitmix(self.seed.wrapping_add((i as u64 + 1).wrapping_mul(GOLDEN)));
+        if z >> 11 < self.keep_below {
+            self.scale
+        } else {
+            0.0
+        }
+    }
+
+    fn mask(&self, n: usize) -> Vec<f32> {
+        (0..n).into_par_iter().map(|i| self.factor(i)).collect()
+    }
+
+    fn apply<T: F32Math>(&self, x: &[T]) -> Vec<T> {
+        const CHUNK: usize = 1 << 14;
+        let mut out = vec![T::of(0.0); x.len()];
+        out.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK))
+            .enumerate()
+            .for_each(|(c, (os, xs))| {
+                for (j, (o, v)) in os.iter_mut().zip(xs).enumerate() {
+                    *o = T::of(v.f() * self.factor(c * CHUNK + j));
+                }
+            });
+        out
+    }
+}
+
+fused_op!(Dropout: CustomOp1 [this] {
+    name: "dropout",
+    cpu(s, l) {
+        let out = per_dtype!(s.dtype(), "dropout", |T| this.apply::<T>(slice(s, l)?));
+        Ok((out, l.shape().clone()))
+    }
+    cuda(s, l) {
+        super::cuda_fused::dropout((s, l), this.seed, this.keep_below, this.scale)
+    }
+    bwd(_; _, grad) {
+        // Linear in x: the gradient through the same mask.
+        Ok(Some(grad.contiguous()?.apply_op1(*this)?))
+    }
+});
 
 // ---------------------------------------------------------------- layout and bias (GPU)
 

@@ -12,6 +12,7 @@
 //! `model.layers.0.self_attn.q_proj` is `model.layers.0.self_attn.q_proj.lora_A.weight` and
 //! `...lora_B.weight` (peft's files prefix them with `base_model.model.`).
 
+use crate::kernels::fused::{splitmix, GOLDEN};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Which linear layers get adapters (peft's `target_modules`).
@@ -449,7 +450,7 @@ pub fn recompute_dropout<T>(state: DropoutState, f: impl FnOnce() -> T) -> T {
 
 /// Inverted dropout with probability `p` during a training forward; the identity otherwise
 /// (evaluation, generation). The mask is a function of the key, the call's order and the
-/// element, so a replayed forward draws the same one.
+/// element (`kernels::fused::dropout`), so a replayed forward draws the same one.
 fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
     let Some(key) = DROPOUT_KEY.with(|k| k.get()).filter(|_| p > 0.0) else {
         return Ok(x.clone());
@@ -459,29 +460,13 @@ fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
         c.set(n + 1);
         n
     });
-    let keep = 1.0 - p;
-    let mut state = key ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let mask: Vec<f32> = (0..x.elem_count())
-        .map(|_| {
-            if uniform(&mut state) < keep {
-                (1.0 / keep) as f32
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
-    x * mask
+    crate::kernels::fused::dropout(x, key ^ call.wrapping_mul(GOLDEN), p)
 }
 
 /// splitmix64's next value as a uniform in [0, 1).
 fn uniform(state: &mut u64) -> f64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 11) as f64 / (1u64 << 53) as f64
+    *state = state.wrapping_add(GOLDEN);
+    (splitmix(*state) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// FNV-1a of a name: a stable per-layer seed.

@@ -418,6 +418,30 @@ impl ModelShapes {
             .collect()
     }
 
+    /// Elements per token that LoRA's dropout keeps on a rank of `tp`, over all layers: each
+    /// adapted linear layer's dropped input (what its A's gradient needs), as wide as the
+    /// input the rank holds. None without dropout (the adapters see the input itself).
+    fn dropped_inputs(&self, lora: &LoraConfig, tp: usize) -> f64 {
+        if lora.dropout <= 0.0 {
+            return 0.0;
+        }
+        let Ok(plan) = crate::nn::lora::adapter_plan(lora, &self.linears, &self.parameters) else {
+            return 0.0;
+        };
+        plan.layers
+            .iter()
+            .filter(|p| !p.parameter)
+            .filter_map(|p| {
+                let e = self
+                    .params
+                    .iter()
+                    .find(|e| e.name == format!("{}.weight", p.name))?;
+                let (a, _) = Linear::lora_split_dims(e.split.dim.map(|_| e.split.style));
+                Some(e.full_shape[1] as f64 / if a.is_some() { tp as f64 } else { 1.0 })
+            })
+            .sum()
+    }
+
     /// The trainable copies of the modules a LoRA run trains whole (`modules_to_save`), on a
     /// rank of `tp`: each of their weights (a tied head's copy is the size of the embedding
     /// it was tied to, which stays in the frozen base).
@@ -583,9 +607,15 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         cfg.intermediate_size as f64 / tp as f64,
     );
     let layers = cfg.num_hidden_layers as f64;
+    // LoRA's dropped inputs, per layer (on average).
+    let dropped = setup
+        .lora
+        .as_ref()
+        .map_or(0.0, |l| model.dropped_inputs(l, tp) / layers);
     // One layer and all of them, per token (with or without adapters).
     let stack = |lora: bool| {
-        let dense = layer_elements(h, q, kv, i, lora, (tp, d.sp));
+        let dropped = if lora { dropped } else { 0.0 };
+        let dense = layer_elements(h, q, kv, i, lora, (tp, d.sp)) + dropped;
         // A sparse layer: each token runs through `top_k` experts' MLPs, plus the router.
         match model.moe {
             None => (dense, layers * dense),
@@ -602,7 +632,8 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
                     (top_k * inter) as f64 / tp as f64,
                     lora,
                     (tp, d.sp),
-                ) + routing_elements(h, experts, top_k, dsz)
+                ) + dropped
+                    + routing_elements(h, experts, top_k, dsz)
                     + router_loss;
                 let sparse = sparse as f64;
                 (
