@@ -97,7 +97,6 @@ fn new_then_launch_the_scaffold() {
         &[
             "--profile",
             "multi_cpu",
-            "--debug",
             "--",
             "--max_steps",
             "20",
