@@ -277,8 +277,9 @@ impl ModelShapes {
     /// parameter it runs through (8 with checkpointing's second forward) and causal
     /// attention's 6 s q / 2 per layer. The embedding lookup costs nothing; a tied head still
     /// runs its matmul; a token runs through its routed experts only. LoRA's `adapters`
-    /// parameters run beside the base's (whose frozen weights' gradients are computed too:
-    /// measured, a LoRA step was as long as a full one).
+    /// parameters run beside the base's, and the base is charged a full step's 6 although its
+    /// frozen weights get no gradient (4): the adapters' rank-r matmuls, dropout and sums cost
+    /// about that third (measured, a LoRA step was as long as a full one).
     pub fn matmul_flops_per_token(&self, seq: usize, checkpointing: bool, adapters: usize) -> f64 {
         let cfg = &self.dims;
         let embed = (cfg.vocab_size * cfg.hidden_size) as f64;
@@ -399,23 +400,29 @@ impl ModelShapes {
                     let r = p.config.r * experts;
                     return Some((p.name.clone(), r * inp / part(a) + out * r / part(b)));
                 }
-                let weight = format!("{}.weight", p.name);
-                let e = self.params.iter().find(|e| e.name == weight)?;
-                let (out, inp) = (e.full_shape[0], e.full_shape[1]);
-                let style = e.split.dim.map(|_| e.split.style);
-                let (a, b) = Linear::lora_split_dims(style);
-                let part = |split: Option<usize>| if split.is_some() { tp } else { 1 };
+                let (weight, inp, out) = self.adapted_linear(&p.name, tp)?;
                 let r = p.config.r;
-                let mut n = out * r / part(b);
+                let mut n = out * r;
                 if p.shares_a.is_none() {
-                    n += r * inp / part(a);
+                    n += r * inp;
                 }
                 if lora.dora {
-                    n += out / part(b);
+                    n += out;
                 }
                 Some((weight, n))
             })
             .collect()
+    }
+
+    /// An adapted linear layer's weight name and its input and output widths on a rank of
+    /// `tp`, as its adapter splits them (A [r, in] with the input, B [out, r] with the output).
+    fn adapted_linear(&self, layer: &str, tp: usize) -> Option<(String, usize, usize)> {
+        let weight = format!("{layer}.weight");
+        let e = self.params.iter().find(|e| e.name == weight)?;
+        let (a, b) = Linear::lora_split_dims(e.split.dim.map(|_| e.split.style));
+        let part = |split: Option<usize>| if split.is_some() { tp } else { 1 };
+        let (out, inp) = (e.full_shape[0] / part(b), e.full_shape[1] / part(a));
+        Some((weight, inp, out))
     }
 
     /// Elements per token that LoRA's dropout keeps on a rank of `tp`, over all layers: each
@@ -431,14 +438,8 @@ impl ModelShapes {
         plan.layers
             .iter()
             .filter(|p| !p.parameter)
-            .filter_map(|p| {
-                let e = self
-                    .params
-                    .iter()
-                    .find(|e| e.name == format!("{}.weight", p.name))?;
-                let (a, _) = Linear::lora_split_dims(e.split.dim.map(|_| e.split.style));
-                Some(e.full_shape[1] as f64 / if a.is_some() { tp as f64 } else { 1.0 })
-            })
+            .filter_map(|p| self.adapted_linear(&p.name, tp))
+            .map(|(_, inp, _)| inp as f64)
             .sum()
     }
 
