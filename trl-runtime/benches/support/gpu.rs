@@ -54,16 +54,12 @@ fn matmul_rate(dev: &Device) -> f64 {
 }
 
 /// Model FLOPs per trained token: 6 per parameter (forward and backward of every matmul,
-/// the tied head included) plus causal attention's 6 x layers x hidden x sequence (scores and
-/// the weighted sum, half the square), as in the PaLM paper's MFU.
-pub fn flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize) -> f64 {
-    6.0 * params as f64 + 6.0 * (layers * hidden * seq) as f64
-}
-
-/// The same under LoRA: 4 per frozen parameter (forward and the input's gradient; no weight
-/// gradient), the rank-16 adapters' few FLOPs left out.
-fn lora_flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize) -> f64 {
-    4.0 * params as f64 + 6.0 * (layers * hidden * seq) as f64
+/// the tied head included; under LoRA 4, the frozen weights getting no gradient and the
+/// rank-16 adapters' few FLOPs left out) plus causal attention's 6 x layers x hidden x
+/// sequence (scores and the weighted sum, half the square), as in the PaLM paper's MFU.
+fn flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize, lora: bool) -> f64 {
+    let per_param = if lora { 4.0 } else { 6.0 };
+    per_param * params as f64 + 6.0 * (layers * hidden * seq) as f64
 }
 
 /// One configuration of the comparison: batch per step, gradient checkpointing, and LoRA
@@ -128,13 +124,7 @@ pub fn run(dir: &Path) {
         most * (WARMUP_STEPS + MEASURED_STEPS),
         SEQ,
     );
-    let per_token = |lora: bool| {
-        if lora {
-            lora_flops_per_token(params, 24, 896, SEQ)
-        } else {
-            flops_per_token(params, 24, 896, SEQ)
-        }
-    };
+    let per_token = |lora: bool| flops_per_token(params, 24, 896, SEQ, lora);
     let (warmup, measured) = if profiling() {
         (1, 1)
     } else {
