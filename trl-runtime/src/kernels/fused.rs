@@ -1173,15 +1173,19 @@ impl Dropout {
 
     fn apply<T: F32Math>(&self, x: &[T]) -> Vec<T> {
         const CHUNK: usize = 1 << 14;
-        let mut out = vec![T::of(0.0); x.len()];
-        out.par_chunks_mut(CHUNK)
+        // Written once (no zero-filling pass first), as `bias_add_rows` writes.
+        let mut out: Vec<T> = Vec::with_capacity(x.len());
+        out.spare_capacity_mut()[..x.len()]
+            .par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
             .enumerate()
             .for_each(|(c, (os, xs))| {
                 for (j, (o, v)) in os.iter_mut().zip(xs).enumerate() {
-                    *o = T::of(v.f() * self.factor(c * CHUNK + j));
+                    o.write(T::of(v.f() * self.factor(c * CHUNK + j)));
                 }
             });
+        // SAFETY: every element below x.len() was written just above.
+        unsafe { out.set_len(x.len()) };
         out
     }
 }
