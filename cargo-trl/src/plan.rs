@@ -206,6 +206,7 @@ impl Machine {
                         offload_params_per_s: 1.0 / (1.0 / 1e9 + 6.0 / 25e9),
                         comm_overlaps: true,
                         logit_seconds: 0.0,
+                        adapter_element_seconds: 0.0,
                     },
                 })
             }
@@ -215,10 +216,9 @@ impl Machine {
 
     /// `processes` CPU ranks on each machine like this one, sharing its memory and cores.
     pub fn cpu(processes: usize, machines: usize) -> Result<Self, String> {
-        // A rank's matmul rate with every rank's threads busy, and the share of its step
-        // the matmuls take, both with the threads `cargo trl launch` gives a rank.
+        // A rank's matmul rate with every rank's threads busy, the share of its step the
+        // matmuls take and what LoRA adds, with the threads `cargo trl launch` gives a rank.
         let threads = crate::launch::cpu_threads_per_process(processes);
-        let rank_flops = estimate::cpu_rank_matmul_flops(processes, threads);
         let host = host_memory();
         Ok(Machine {
             gpu: false,
@@ -229,11 +229,10 @@ impl Machine {
             base: estimate::CPU_PROCESS_RSS,
             threads,
             hardware: Hardware::cpu(
-                rank_flops,
+                estimate::cpu_step_rates(processes, threads),
                 processes,
                 cpu_link(processes)?,
                 estimate::cpu_whole_logits_seconds() * processes as f64,
-                estimate::cpu_matmul_share(processes, threads),
             ),
         })
     }
@@ -563,6 +562,12 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
                         false => " (both measured on this machine when planning)",
                     }
                 ));
+                if best.setup.lora.is_some() && machine.hardware.adapter_element_seconds > 0.0 {
+                    out.push(format!(
+                        "  LoRA: {:.1} ns per token and adapted layer's input and output feature beyond its FLOPs (measured)",
+                        machine.hardware.adapter_element_seconds * 1e9
+                    ));
+                }
             }
         }
         None => out.push(match machine.gpu {

@@ -15,7 +15,7 @@
 //! MFU against the bf16 matmul rate measured in the same run, and the ratio to transformers
 //! on the same GPU and shape (support/gpu.rs, hf_train.py).
 //! The DDP, LoRA, tp and ZeRO-3 lines also carry `predicted_tokens_per_s`, what `cargo trl
-//! plan` predicts from this CPU's matmul rate measured in the same run, and its ratio to the
+//! plan` predicts from this CPU's step speed timed just before the run, and its ratio to the
 //! measured tokens/s.
 //! One JSON object per line on stdout; prose on stderr.
 
@@ -221,17 +221,27 @@ fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
         .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"))
 }
 
-/// [`measure`], and a rank's matmul rate (every rank of the run busy, one thread each) timed
-/// just before and just after the run, the mean: what the plan predicts the run from. This
-/// VM's speed moves by a fifth within minutes, so a rate timed once at the start mispredicts
-/// the runs made later.
-fn measure_with_rate(kind: &str, world: usize, dir: &Path) -> (Measured, f64) {
-    let before = estimate::cpu_rank_matmul_flops(world, 1);
+/// [`measure`], and the step speed the plan predicts the run from (`cargo trl plan`'s
+/// probe, every rank of the run busy, one thread each) timed just before and just after it,
+/// the mean: this VM's speed moves by a fifth within seconds, so speeds timed once at the
+/// start mispredict later runs.
+fn measure_with_rates(kind: &str, world: usize, dir: &Path) -> (Measured, estimate::CpuStepRates) {
+    let before = estimate::cpu_step_rates(world, 1);
     let m = measure(kind, world, dir);
-    (
-        m,
-        (before + estimate::cpu_rank_matmul_flops(world, 1)) / 2.0,
-    )
+    let after = estimate::cpu_step_rates(world, 1);
+    let mean = |f: fn(&estimate::CpuStepRates) -> f64| (f(&before) + f(&after)) / 2.0;
+    let rates = estimate::CpuStepRates {
+        rank_flops: mean(|r| r.rank_flops),
+        matmul_share: mean(|r| r.matmul_share),
+        adapter_element_seconds: mean(|r| r.adapter_element_seconds),
+    };
+    eprintln!(
+        "train bench: {kind} on {world} rank(s) predicted from {:.1} GFLOP/s, matmul share {:.3}, LoRA {:.2} ns per token and feature",
+        rates.rank_flops / 1e9,
+        rates.matmul_share,
+        rates.adapter_element_seconds * 1e9
+    );
+    (m, rates)
 }
 
 /// transformers' and TRL's tokens/s on this CPU at the reference shape, fp32, one thread per
@@ -324,7 +334,7 @@ fn main() {
     eprintln!(
         "train bench: reference shape, batch {BATCH} x seq {SEQ} per process, 1 thread per process"
     );
-    // What `cargo trl plan` predicts for each run, from this CPU's matmul rate per thread
+    // What `cargo trl plan` predicts for each run, from this CPU's step speed per thread
     // (measured here; every rank runs one thread).
     let cfg = trl_runtime::models::ModelConfig::from_json(
         &support::reference_config(4096).to_string(),
@@ -333,17 +343,10 @@ fn main() {
     .unwrap();
     let model = estimate::ModelShapes::of_json(&cfg.to_json_pretty(), "reference shape").unwrap();
     let link = estimate::host_all_reduce_speed(2).unwrap();
-    // The share of a one-thread step its matmuls take on this CPU with 1 and 2 ranks busy (a
-    // ratio timed in interleaved rounds, so steady while the shared machine's speed moves).
-    let matmul_share = [
-        estimate::cpu_matmul_share(1, 1),
-        estimate::cpu_matmul_share(2, 1),
-    ];
     // The whole-logits loss (ZeRO-3, tp) on this CPU, per logit with every thread: ranks
     // sharing the machine share its memory bandwidth.
     let logit_seconds = estimate::cpu_whole_logits_seconds();
-    eprintln!("train bench: matmul share {matmul_share:.3?} on 1 / 2 ranks");
-    let predict = |strategy: &str, world: usize, rank_flops: f64| {
+    let predict = |strategy: &str, world: usize, rates: estimate::CpuStepRates| {
         let (strategy_kind, tp) = match strategy {
             "zero3" => (Strategy::fsdp(WrapPolicy::PerLayer), 1),
             "tp" => (Strategy::Ddp, world),
@@ -369,20 +372,17 @@ fn main() {
             }),
             ..estimate::Setup::new(strategy_kind, dims, BATCH, SEQ)
         };
-        let hw = estimate::Hardware::cpu(
-            rank_flops,
-            world,
-            link,
-            logit_seconds * world as f64,
-            matmul_share[world - 1],
-        );
+        let hw = estimate::Hardware::cpu(rates, world, link, logit_seconds * world as f64);
         estimate::step_time(&model, &setup, &hw).tokens_per_second
     };
-    // The measured line, with the plan's prediction where the run's rate was timed.
-    let line = |strategy: &str, world: usize, m: &Measured, rank_flops: Option<f64>| {
-        let predicted = match rank_flops {
-            Some(rate) => {
-                let p = predict(strategy, world, rate);
+    // The measured line, with the plan's prediction where the run's step speed was timed.
+    let line = |strategy: &str,
+                world: usize,
+                m: &Measured,
+                rates: Option<estimate::CpuStepRates>| {
+        let predicted = match rates {
+            Some(rates) => {
+                let p = predict(strategy, world, rates);
                 format!(
                     ",\"predicted_tokens_per_s\":{p:.1},\"predicted_over_measured\":{:.3}",
                     p / m.tokens_per_s
@@ -397,8 +397,8 @@ fn main() {
     };
     let mut per_world = Vec::new();
     for world in [1, 2] {
-        let (m, rate) = measure_with_rate("ref", world, tmp.path());
-        line("ddp", world, &m, Some(rate));
+        let (m, rates) = measure_with_rates("ref", world, tmp.path());
+        line("ddp", world, &m, Some(rates));
         per_world.push(m.tokens_per_s);
     }
     // The same shape through transformers and TRL on this CPU's torch (when importable), on
@@ -411,8 +411,8 @@ fn main() {
     // (sigmoid, beta 0.1) against TRL's DPOTrainer, on 1 and 2 ranks.
     let pref = tmp.path().join("pref.jsonl");
     for world in [1, 2] {
-        let (lora, rate) = measure_with_rate("ref-lora", world, tmp.path());
-        line("ddp_lora", world, &lora, Some(rate));
+        let (lora, rates) = measure_with_rates("ref-lora", world, tmp.path());
+        line("ddp_lora", world, &lora, Some(rates));
         let peers = cpu_peers(world, "trl_lora", BATCH, &[]);
         peer_lines("sft_lora", world, lora.tokens_per_s, &peers);
         let dpo = measure("ref-dpo", world, tmp.path());
@@ -422,15 +422,15 @@ fn main() {
         peer_lines("dpo", world, dpo.tokens_per_s, &peers);
     }
     // Tensor parallelism: 2 ranks share every layer of one replica.
-    let (tp, rate) = measure_with_rate("ref-tp", 2, tmp.path());
-    line("tp", 2, &tp, Some(rate));
+    let (tp, rates) = measure_with_rates("ref-tp", 2, tmp.path());
+    line("tp", 2, &tp, Some(rates));
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"tp\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_tp_over_ddp_1\":{:.3},\"tokens_per_s_ratio_tp_over_ddp_2\":{:.3}}}",
         tp.tokens_per_s / per_world[0],
         tp.tokens_per_s / per_world[1]
     );
-    let (zero3, rate) = measure_with_rate("ref-zero3", 2, tmp.path());
-    line("zero3", 2, &zero3, Some(rate));
+    let (zero3, rates) = measure_with_rates("ref-zero3", 2, tmp.path());
+    line("zero3", 2, &zero3, Some(rates));
     let tokens_per_s = zero3.tokens_per_s;
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"zero3\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_zero3_over_ddp\":{:.3}}}",

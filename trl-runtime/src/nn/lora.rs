@@ -392,16 +392,16 @@ impl Lora {
         h.reshape(out)
     }
 
-    /// `h B^T * scale` for `h` [..., r].
+    /// `h B^T * scale` for `h` [..., r], scaled as `(h * scale) B^T`: a pass over the
+    /// r-wide `h` rather than over the output (and its gradient in backward).
     fn up(&self, h: &Tensor) -> Result<Tensor> {
         let dims = h.dims().to_vec();
         let rows = h.elem_count() / dims[dims.len() - 1];
-        let y = h
-            .reshape((rows, dims[dims.len() - 1]))?
+        let y = (h.reshape((rows, dims[dims.len() - 1]))? * self.scale)?
             .matmul(&self.b.to_dtype(h.dtype())?.t()?)?;
         let mut out = dims;
         *out.last_mut().expect("rank >= 1") = self.b.dim(0)?;
-        y.reshape(out)? * self.scale
+        y.reshape(out)
     }
 }
 

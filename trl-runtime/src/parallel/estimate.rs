@@ -247,6 +247,18 @@ impl Dims {
     pub fn num_kv_heads(&self) -> usize {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
+
+    /// Of a layer's element-wise passes, the share over the hidden state, which every
+    /// tensor-parallel rank makes whole: two norms and two residual adds (10 h element reads
+    /// and writes) against rotary, attention's inputs and output and the SwiGLU (4 q + 4 kv
+    /// + 3 i), which split with the heads and the MLP.
+    pub fn replicated_elementwise_share(&self) -> f64 {
+        let h = self.hidden_size as f64;
+        let q = (self.num_attention_heads * self.head_dim()) as f64;
+        let kv = (self.num_kv_heads() * self.head_dim()) as f64;
+        let i = self.intermediate_size as f64;
+        10.0 * h / (10.0 * h + 4.0 * q + 4.0 * kv + 3.0 * i)
+    }
 }
 
 impl ModelShapes {
@@ -802,6 +814,54 @@ pub struct Hardware {
     /// matmul ([`cpu_whole_logits_seconds`] on a CPU; 0 in the GPU table, where the step's
     /// MFU was measured and this cost is not yet).
     pub logit_seconds: f64,
+    /// Seconds one rank spends per token and per input and output feature of each layer
+    /// LoRA adapts (dropout, the rank-r products, the sums) beyond what the FLOP rule charges
+    /// ([`cpu_step_rates`] on a CPU; 0 in the GPU table: not yet measured there).
+    pub adapter_element_seconds: f64,
+}
+
+/// The unit of every CPU matmul rate here: 512-cube f32 matmuls on the calling thread.
+struct Gemm512 {
+    a: Vec<f32>,
+    c: Vec<f32>,
+}
+
+impl Gemm512 {
+    const N: usize = 512;
+
+    fn new() -> Self {
+        let mut gemm = Gemm512 {
+            a: vec![1f32; Self::N * Self::N],
+            c: vec![0f32; Self::N * Self::N],
+        };
+        gemm.run(); // the pages touched and the caches warm before anything is timed
+        gemm
+    }
+
+    fn run(&mut self) {
+        use crate::kernels::cpu_gemm::{mm, Mat};
+        let n = Self::N;
+        mm(
+            (n, n, n),
+            &mut self.c,
+            n,
+            Mat::rows(&self.a, n),
+            Mat::rows(&self.a, n),
+            1.0,
+            false,
+        )
+    }
+
+    /// FLOP/s over `window` (at least two products).
+    fn rate(&mut self, window: std::time::Duration) -> f64 {
+        let start = std::time::Instant::now();
+        let mut runs = 0u32;
+        while start.elapsed() < window || runs < 2 {
+            self.run();
+            runs += 1;
+        }
+        2.0 * (Self::N as f64).powi(3) * runs as f64 / start.elapsed().as_secs_f64()
+    }
 }
 
 /// FLOP/s of one rank's f32 matmuls while `ranks` ranks of `threads` compute threads each fill
@@ -810,10 +870,8 @@ pub struct Hardware {
 /// by the ranks. Timed with every rank's threads busy, so shared cores, memory bandwidth and a
 /// loaded machine's clock are in it, and the median leaves out a window another process took.
 pub fn cpu_rank_matmul_flops(ranks: usize, threads: usize) -> f64 {
-    use crate::kernels::cpu_gemm::{mm, Mat};
     use std::sync::Barrier;
-    use std::time::{Duration, Instant};
-    const N: usize = 512;
+    use std::time::Duration;
     const WINDOWS: usize = 7;
     let ranks = ranks.max(1);
     let workers = ranks * threads.max(1);
@@ -823,30 +881,11 @@ pub fn cpu_rank_matmul_flops(ranks: usize, threads: usize) -> f64 {
             .map(|_| {
                 let barrier = &barrier;
                 s.spawn(move || {
-                    let a = vec![1f32; N * N];
-                    let mut c = vec![0f32; N * N];
-                    let mut run = || {
-                        mm(
-                            (N, N, N),
-                            &mut c,
-                            N,
-                            Mat::rows(&a, N),
-                            Mat::rows(&a, N),
-                            1.0,
-                            false,
-                        )
-                    };
-                    run();
+                    let mut gemm = Gemm512::new();
                     (0..WINDOWS)
                         .map(|_| {
                             barrier.wait();
-                            let start = Instant::now();
-                            let mut runs = 0u32;
-                            while start.elapsed() < Duration::from_millis(100) || runs < 2 {
-                                run();
-                                runs += 1;
-                            }
-                            2.0 * (N * N * N) as f64 * runs as f64 / start.elapsed().as_secs_f64()
+                            gemm.rate(Duration::from_millis(100))
                         })
                         .collect()
                 })
@@ -990,83 +1029,52 @@ pub fn cpu_threads() -> usize {
     candle_core::utils::get_num_threads()
 }
 
-/// Of a CPU step's time, the share its matmuls take on this machine while `ranks` ranks of
-/// `threads` compute threads each (as the launch gives them) run at once (the mean over
-/// the ranks). The rest (norms, rotary, softmax, the
-/// optimizer, copies) is memory-bound, and machines differ in how fast it runs beside their
-/// matmuls: `bench model` read 0.77-0.84 of the matmul rate on earlier machines and 0.56 on
-/// one with AVX-512, so this is measured rather than a constant. Timed: forward and backward
-/// of a 2-layer model of the built-in layers (hidden 256, intermediate 768, vocab 4096, 2 x 512
-/// tokens, the fused loss), its matmul FLOPs as [`step_time`] counts them, against 512-cube
-/// matmuls timed beside it: the median of five rounds of a step next to three matmuls, so a
-/// slow spell of a shared machine slows both sides of a round. 0.75 where it cannot run, and
-/// in a debug build (the tests' `cargo trl`), whose unoptimized layers are not the release
-/// program a launch runs and take seconds to time.
-pub fn cpu_matmul_share(ranks: usize, threads: usize) -> f64 {
+/// How fast a CPU rank trains, as a launch runs `ranks` ranks of `threads` compute threads
+/// each: its matmul rate and the share of a step its matmuls take.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuStepRates {
+    /// FLOP/s of the rank's 512-cube f32 matmuls (every thread multiplying on its own).
+    pub rank_flops: f64,
+    /// Of a step's time, the share its matmuls take at `rank_flops`. The rest (norms,
+    /// rotary, softmax, the optimizer, copies) is memory-bound, and machines differ in how
+    /// fast it runs beside their matmuls: `bench model` read 0.77-0.84 of the matmul rate on
+    /// earlier machines and 0.56 on one with AVX-512, so this is measured, not a constant.
+    pub matmul_share: f64,
+    /// Seconds per token and per adapted feature that LoRA adds beyond its FLOPs
+    /// ([`Hardware::adapter_element_seconds`]).
+    pub adapter_element_seconds: f64,
+}
+
+/// [`CpuStepRates`] timed on this machine: forward and backward of a 2-layer model of the
+/// built-in layers (hidden 256, intermediate 768, vocab 4096, 2 x 512 tokens, the fused loss),
+/// its matmul FLOPs as [`step_time`] counts them, in five rounds of a step beside a tenth of
+/// a second of 512-cube matmuls on every thread; the medians. The rate and the share come
+/// from the same rounds, so their product (what a prediction divides by) is the step's own
+/// speed: a shared machine's rate moves by a quarter within seconds, and a rate timed apart
+/// from the share carried that into every prediction. Without a probe (it cannot run, or a
+/// debug build: the tests' `cargo trl`, whose unoptimized layers are not the release program
+/// a launch runs) the share is 0.75 beside [`cpu_rank_matmul_flops`].
+pub fn cpu_step_rates(ranks: usize, threads: usize) -> CpuStepRates {
     const FALLBACK: f64 = 0.75;
-    if cfg!(debug_assertions) {
-        return FALLBACK;
-    }
-    use crate::models::{ModelConfig, Params};
-    use candle_core::Tensor;
-    use std::time::Instant;
-    let (batch, seq) = (2, 512);
-    let json = serde_json::json!({
-        "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "max_position_embeddings": seq, "rope_theta": 1000000.0, "tie_word_embeddings": true,
-    })
-    .to_string();
-    let probe = || -> Result<f64> {
-        let cfg = ModelConfig::from_json(&json, "the matmul-share probe")?;
-        let flops = ModelShapes::of_json(&json, "the matmul-share probe")?
-            .matmul_flops_per_token(seq, false, 0)
-            * (batch * seq) as f64;
-        let model = super::CausalLm::new(
-            cfg.clone(),
-            Params::init(&cfg, 0, DType::F32, &Device::Cpu)?,
-        )?;
-        let ids: Vec<u32> = (0..batch * seq)
-            .map(|i| (i * 7919 % cfg.vocab_size) as u32)
-            .collect();
-        let ids = Tensor::from_vec(ids, (batch, seq), &Device::Cpu)?;
-        let pos = Tensor::arange(0i64, seq as i64, &Device::Cpu)?
-            .unsqueeze(0)?
-            .repeat((batch, 1))?;
-        let labels = ids.to_dtype(DType::I64)?;
-        let step = || -> Result<f64> {
-            let start = Instant::now();
-            model
-                .forward_loss(&ids, &pos, &labels)?
-                .mean()?
-                .backward()?;
-            Ok(start.elapsed().as_secs_f64())
-        };
-        let n = 512;
-        let a = Tensor::ones((n, n), DType::F32, &Device::Cpu)?;
-        let matmul = || -> Result<f64> {
-            let start = Instant::now();
-            a.matmul(&a)?;
-            Ok(2.0 * (n * n * n) as f64 / start.elapsed().as_secs_f64())
-        };
-        step()?;
-        matmul()?;
-        let mut rounds = (0..5)
-            .map(|_| {
-                let secs = step()?;
-                let mut rate = [matmul()?, matmul()?, matmul()?];
-                rate.sort_by(f64::total_cmp);
-                Ok(flops / rate[1] / secs)
-            })
-            .collect::<Result<Vec<f64>>>()?;
-        rounds.sort_by(f64::total_cmp);
-        Ok(rounds[2])
+    // LoRA's extra per adapted feature, in FLOPs at the matmul rate: ~400 measured here
+    // (r 16, dropout 0.05, one thread).
+    const FALLBACK_ADAPTER_FLOPS: f64 = 400.0;
+    let fallback = || {
+        let rank_flops = cpu_rank_matmul_flops(ranks, threads);
+        CpuStepRates {
+            rank_flops,
+            matmul_share: FALLBACK,
+            adapter_element_seconds: FALLBACK_ADAPTER_FLOPS / rank_flops,
+        }
     };
+    if cfg!(debug_assertions) {
+        return fallback();
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Every rank runs the probe at once, each on a pool of its threads: the memory-bound
     // part slows when ranks share the machine's bandwidth. More ranks than cores (one thread
     // each) only take turns: as many probes as cores show the same share.
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let shares: Vec<f64> = std::thread::scope(|s| {
+    let probed: Vec<CpuStepRates> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks.clamp(1, cores))
             .map(|_| {
                 s.spawn(|| {
@@ -1074,9 +1082,9 @@ pub fn cpu_matmul_share(ranks: usize, threads: usize) -> f64 {
                         .num_threads(threads.max(1))
                         .build()
                         .map_err(|e| crate::Error::from(candle_core::Error::Msg(e.to_string())))
-                        .and_then(|pool| pool.install(probe))
+                        .and_then(|pool| pool.install(step_speed_probe))
                         .inspect_err(|e| {
-                            tracing::warn!("cannot time the matmul share ({e}); taking {FALLBACK}")
+                            tracing::warn!("cannot time a training step's speed ({e}); taking a matmul share of {FALLBACK}")
                         })
                         .ok()
                 })
@@ -1087,29 +1095,123 @@ pub fn cpu_matmul_share(ranks: usize, threads: usize) -> f64 {
             .filter_map(|h| h.join().ok().flatten())
             .collect()
     });
-    match shares.is_empty() {
-        true => FALLBACK,
-        false => (shares.iter().sum::<f64>() / shares.len() as f64).clamp(0.2, 1.0),
+    if probed.is_empty() {
+        return fallback();
+    }
+    let mean =
+        |f: fn(&CpuStepRates) -> f64| probed.iter().map(f).sum::<f64>() / probed.len() as f64;
+    CpuStepRates {
+        rank_flops: mean(|p| p.rank_flops),
+        matmul_share: mean(|p| p.matmul_share).clamp(0.2, 1.0),
+        adapter_element_seconds: mean(|p| p.adapter_element_seconds).max(0.0),
     }
 }
 
+/// One rank's [`cpu_step_rates`] on the current thread pool: each round times the pool's
+/// matmuls, a step of the probe model and a step of it with LoRA (r 16, alpha 32, dropout
+/// 0.05 on every linear layer, TRL's recipe).
+fn step_speed_probe() -> Result<CpuStepRates> {
+    use crate::models::Params;
+    use crate::nn::lora::{with_dropout, Targets};
+    use candle_core::Tensor;
+    use std::time::Instant;
+    let (batch, seq) = (2, 512);
+    let json = serde_json::json!({
+        "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": seq, "rope_theta": 1000000.0, "tie_word_embeddings": true,
+    })
+    .to_string();
+    let lora = LoraConfig {
+        r: 16,
+        alpha: 32.0,
+        dropout: 0.05,
+        targets: Targets::AllLinear,
+        modules_to_save: Vec::new(),
+        rslora: false,
+        seed: 0,
+        dora: false,
+        target_parameters: Vec::new(),
+    };
+    let source = "the step-speed probe";
+    let cfg = ModelConfig::from_json(&json, source)?;
+    let shapes = ModelShapes::of_json(&json, source)?;
+    let tokens = (batch * seq) as f64;
+    let adapters: usize = shapes.adapters(&lora, 1).iter().map(|(_, n)| *n).sum();
+    let flops = shapes.matmul_flops_per_token(seq, false, 0) * tokens;
+    let lora_flops = shapes.matmul_flops_per_token(seq, false, adapters) * tokens;
+    // Each adapter holds r x (in + out) elements.
+    let adapted_features = adapters as f64 / lora.r as f64 * tokens;
+    let new_model = || {
+        super::CausalLm::new(
+            cfg.clone(),
+            Params::init(&cfg, 0, DType::F32, &Device::Cpu)?,
+        )
+    };
+    let model = new_model()?;
+    let mut lora_model = new_model()?;
+    lora_model.add_adapters(&lora)?;
+    let ids: Vec<u32> = (0..batch * seq)
+        .map(|i| (i * 7919 % cfg.vocab_size) as u32)
+        .collect();
+    let ids = Tensor::from_vec(ids, (batch, seq), &Device::Cpu)?;
+    let pos = Tensor::arange(0i64, seq as i64, &Device::Cpu)?
+        .unsqueeze(0)?
+        .repeat((batch, 1))?;
+    let labels = ids.to_dtype(DType::I64)?;
+    let step = |model: &super::CausalLm| -> Result<f64> {
+        let start = Instant::now();
+        with_dropout(7, || model.forward_loss(&ids, &pos, &labels))?
+            .mean()?
+            .backward()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    // The rank's rate as `cpu_rank_matmul_flops` takes it: every thread of the pool
+    // multiplying on its own.
+    let matmul = || -> f64 {
+        rayon::broadcast(|_| Gemm512::new().rate(std::time::Duration::from_millis(100)))
+            .iter()
+            .sum()
+    };
+    step(&model)?;
+    step(&lora_model)?;
+    let (mut rates, mut shares, mut extra) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let rate = matmul();
+        let (full, adapted) = (step(&model)?, step(&lora_model)?);
+        shares.push(flops / rate / full);
+        extra.push((adapted - full - (lora_flops - flops) / rate) / adapted_features);
+        rates.push(rate);
+    }
+    Ok(CpuStepRates {
+        rank_flops: median(&mut rates),
+        matmul_share: median(&mut shares),
+        adapter_element_seconds: median(&mut extra),
+    })
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 impl Hardware {
-    /// CPU ranks of `rank_flops` matmul rate each, `per_machine` on a machine, the host
-    /// backend's collectives between them at `link` (as [`host_all_reduce_speed`] measures
-    /// it; across machines taken as the same), `logit_seconds` per logit of a whole-logits
-    /// loss on a rank (the machine's [`cpu_whole_logits_seconds`] times the ranks sharing
-    /// its memory), `matmul_share` of the step in matmuls ([`cpu_matmul_share`]).
+    /// CPU ranks training at `rates` ([`cpu_step_rates`]), `per_machine` on a machine, the
+    /// host backend's collectives between them at `link` (as [`host_all_reduce_speed`]
+    /// measures it; across machines taken as the same), `logit_seconds` per logit of a
+    /// whole-logits loss on a rank (the machine's [`cpu_whole_logits_seconds`] times the
+    /// ranks sharing its memory).
     pub fn cpu(
-        rank_flops: f64,
+        rates: CpuStepRates,
         per_machine: usize,
         link: LinkSpeed,
         logit_seconds: f64,
-        matmul_share: f64,
     ) -> Self {
         Hardware {
-            flops: rank_flops,
+            flops: rates.rank_flops,
             logit_seconds,
-            matmul_share,
+            matmul_share: rates.matmul_share,
+            adapter_element_seconds: rates.adapter_element_seconds,
             intra: link,
             inter: link,
             per_machine,
@@ -1158,12 +1260,27 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
     let flops_per_token = model.matmul_flops_per_token(setup.seq, setup.checkpointing, adapters);
     let dp = (d.dp_replicate * d.dp_shard) as f64;
     let tokens = dp * setup.batch as f64 * seq;
-    // The matmuls split over every rank; the rest over all but the tp ranks.
+    // The matmuls split over every rank; the rest over all ranks but, for its passes over
+    // the whole hidden state, the tp ranks.
     let matmuls = tokens * flops_per_token / world as f64 / hw.flops;
-    let mut compute = matmuls * (1.0 + d.tp as f64 * (1.0 / hw.matmul_share - 1.0));
+    let tp = d.tp as f64;
+    let replicated = cfg.replicated_elementwise_share();
+    let mut compute =
+        matmuls * (1.0 + (1.0 / hw.matmul_share - 1.0) * (replicated * tp + 1.0 - replicated));
     // A loss over whole logits: the log-softmax's passes over this rank's tokens and
     // vocabulary entries (memory-bound, beside the matmuls).
     let rank_tokens = setup.batch as f64 * seq / (d.cp * d.sp) as f64;
+    // LoRA's dropout, rank-r products and sums, per input and output feature of each adapted
+    // layer (this rank's part of it under tp).
+    if let Some(l) = &setup.lora {
+        let features = model
+            .adapters(l, d.tp)
+            .iter()
+            .map(|(_, n)| *n)
+            .sum::<usize>()
+            / l.r;
+        compute += rank_tokens * features as f64 * hw.adapter_element_seconds;
+    }
     if whole_logits(model, setup) {
         compute += rank_tokens * (cfg.vocab_size / d.tp) as f64 * hw.logit_seconds;
     }
@@ -1247,6 +1364,15 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
 mod tests {
     use super::*;
 
+    /// 1 GFLOP/s, three quarters of a step in matmuls, no LoRA overhead.
+    fn test_rates() -> CpuStepRates {
+        CpuStepRates {
+            rank_flops: 1e9,
+            matmul_share: 0.75,
+            adapter_element_seconds: 0.0,
+        }
+    }
+
     /// An fp32 CPU setup of `strategy` over `(dp_shard, tp)`: one 64-token row, one
     /// micro-batch, no checkpointing; tests change what they look at.
     fn cpu_setup(strategy: Strategy, (dp_shard, tp): (usize, usize)) -> Setup {
@@ -1288,6 +1414,58 @@ mod tests {
         assert!(link.latency >= 0.0 && link.latency < 1.0, "{link:?}");
     }
 
+    /// Under tensor parallelism a rank halves its matmuls and its passes over heads and MLP
+    /// features but makes those over the whole hidden state in full; LoRA adds its measured
+    /// cost per token and adapted feature (this rank's part of each layer under tp).
+    #[test]
+    fn tp_splits_what_follows_the_heads_and_lora_adds_its_measured_cost() {
+        let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+        let link = LinkSpeed {
+            latency: 0.0,
+            bandwidth: f64::INFINITY,
+        };
+        let mut hw = Hardware::cpu(test_rates(), 2, link, 0.0);
+        let one = step_time(&m, &cpu_setup(Strategy::Ddp, (1, 1)), &hw).compute;
+        let two = step_time(&m, &cpu_setup(Strategy::Ddp, (1, 2)), &hw).compute;
+        let r = m.dims.replicated_elementwise_share();
+        assert!(r > 0.1 && r < 0.9, "{r}");
+        // Matmuls are 3/4 of the unsplit step (`test_rates`).
+        let want = one * (0.75 / 2.0 + 0.25 * (r + (1.0 - r) / 2.0));
+        assert!((two - want).abs() < 1e-9 * want, "{two} vs {want}");
+
+        let lora = LoraConfig {
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.05,
+            targets: crate::nn::lora::Targets::AllLinear,
+            modules_to_save: Vec::new(),
+            rslora: false,
+            seed: 0,
+            dora: false,
+            target_parameters: Vec::new(),
+        };
+        for tp in [1, 2] {
+            let setup = Setup {
+                lora: Some(lora.clone()),
+                ..cpu_setup(Strategy::Ddp, (1, tp))
+            };
+            hw.adapter_element_seconds = 0.0;
+            let without = step_time(&m, &setup, &hw).compute;
+            hw.adapter_element_seconds = 1e-9;
+            let with = step_time(&m, &setup, &hw).compute;
+            let features: usize = m.adapters(&lora, tp).iter().map(|(_, n)| n / 8).sum();
+            let h = m.dims.hidden_size;
+            // q, k, v, o, gate, up and down of every layer, in and out, a 1/tp of each split
+            // side.
+            assert!(
+                features > 7 * h * m.dims.num_hidden_layers / tp,
+                "{features}"
+            );
+            let added = 64.0 * features as f64 * 1e-9;
+            assert!(((with - without) - added).abs() < 1e-9 * added, "tp {tp}");
+        }
+    }
+
     /// On CPU the host backend's collectives take their time from compute (the ranks'
     /// threads fill the cores); on GPUs NCCL's run beside it and only what exceeds it counts.
     #[test]
@@ -1298,7 +1476,7 @@ mod tests {
             latency: 1e-3,
             bandwidth: 1e8,
         };
-        let mut hw = Hardware::cpu(1e9, 2, link, 0.0, 0.75);
+        let mut hw = Hardware::cpu(test_rates(), 2, link, 0.0);
         let cpu = step_time(&m, &setup, &hw);
         assert!(cpu.data_parallel > 0.0 && cpu.model_parallel == 0.0);
         let tokens = 2.0 * 64.0;
@@ -1358,7 +1536,7 @@ mod tests {
             step_time(
                 &m,
                 &setup,
-                &Hardware::cpu(1e9, 2, link, logit_seconds, 0.75),
+                &Hardware::cpu(test_rates(), 2, link, logit_seconds),
             )
             .compute
         };
@@ -1430,7 +1608,7 @@ mod tests {
                     latency,
                     bandwidth: 1e9,
                 };
-                step_time(&m, &setup, &Hardware::cpu(1e9, 2, link, 0.0, 0.75)).model_parallel
+                step_time(&m, &setup, &Hardware::cpu(test_rates(), 2, link, 0.0)).model_parallel
             };
             let extra = at(1e-3) - at(0.0);
             assert!(
