@@ -47,6 +47,22 @@ pub struct LoraConfig {
 }
 
 impl LoraConfig {
+    /// Rank `r`, `alpha`, `dropout` on the `targets`, peft's defaults for the rest (no
+    /// modules trained whole, plain scaling, no DoRA, no parameters adapted directly).
+    pub fn new(r: usize, alpha: f64, dropout: f64, targets: Targets) -> Self {
+        LoraConfig {
+            r,
+            alpha,
+            dropout,
+            targets,
+            modules_to_save: Vec::new(),
+            rslora: false,
+            seed: 0,
+            dora: false,
+            target_parameters: Vec::new(),
+        }
+    }
+
     /// peft's `scaling`.
     pub fn scale(&self) -> f64 {
         if self.rslora {
@@ -562,17 +578,7 @@ mod tests {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let config = LoraConfig {
-            r: 4,
-            alpha: 8.0,
-            dropout: 0.0,
-            targets: Targets::AllLinear,
-            modules_to_save: Vec::new(),
-            rslora: false,
-            seed: 0,
-            dora: false,
-            target_parameters: Vec::new(),
-        };
+        let config = LoraConfig::new(4, 8.0, 0.0, Targets::AllLinear);
         let plan = adapter_plan(&config, &names, &[]).unwrap();
         let got: Vec<(&str, usize, Option<&str>)> = plan
             .layers

@@ -1122,17 +1122,7 @@ fn step_speed_probe() -> Result<CpuStepRates> {
         "max_position_embeddings": seq, "rope_theta": 1000000.0, "tie_word_embeddings": true,
     })
     .to_string();
-    let lora = LoraConfig {
-        r: 16,
-        alpha: 32.0,
-        dropout: 0.05,
-        targets: Targets::AllLinear,
-        modules_to_save: Vec::new(),
-        rslora: false,
-        seed: 0,
-        dora: false,
-        target_parameters: Vec::new(),
-    };
+    let lora = LoraConfig::new(16, 32.0, 0.05, Targets::AllLinear);
     let source = "the step-speed probe";
     let cfg = ModelConfig::from_json(&json, source)?;
     let shapes = ModelShapes::of_json(&json, source)?;
@@ -1433,17 +1423,7 @@ mod tests {
         let want = one * (0.75 / 2.0 + 0.25 * (r + (1.0 - r) / 2.0));
         assert!((two - want).abs() < 1e-9 * want, "{two} vs {want}");
 
-        let lora = LoraConfig {
-            r: 8,
-            alpha: 16.0,
-            dropout: 0.05,
-            targets: crate::nn::lora::Targets::AllLinear,
-            modules_to_save: Vec::new(),
-            rslora: false,
-            seed: 0,
-            dora: false,
-            target_parameters: Vec::new(),
-        };
+        let lora = LoraConfig::new(8, 16.0, 0.05, crate::nn::lora::Targets::AllLinear);
         for tp in [1, 2] {
             let setup = Setup {
                 lora: Some(lora.clone()),
