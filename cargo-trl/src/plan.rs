@@ -49,11 +49,16 @@ pub struct PlanArgs {
     /// CPU processes (without --gpus).
     #[arg(long, default_value_t = 2)]
     pub num_processes: usize,
-    /// Train LoRA adapters on a frozen base.
-    #[arg(long)]
+    /// Train LoRA adapters on a frozen base (`--use_peft`, or with a value as TRL's flags
+    /// take one: `--use_peft true`).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set, default_value = "false")]
     pub use_peft: bool,
     #[arg(long, default_value_t = 16)]
     pub lora_r: usize,
+    /// The adapters' input dropout (TRL's default): each adapted layer keeps a copy of its
+    /// input for backward.
+    #[arg(long, default_value_t = 0.05)]
+    pub lora_dropout: f64,
     /// peft's target_modules (default all-linear).
     #[arg(long, num_args = 1.., default_value = "all-linear")]
     pub lora_target_modules: Vec<String>,
@@ -65,7 +70,7 @@ pub struct PlanArgs {
     #[arg(long, default_value = "sft", value_parser = ["sft", "dpo"])]
     pub trainer: String,
     /// dpo: TR-DPO's synced reference (a copy of the weights on every rank).
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set, default_value = "false")]
     pub sync_ref_model: bool,
     /// Only layouts with (true) or without (false) activation checkpointing; both by default.
     #[arg(long)]
@@ -449,19 +454,26 @@ fn line(r: &Row) -> String {
 
 pub fn run(args: &PlanArgs) -> Result<String, String> {
     let model = read_model(&args.model)?;
-    let lora = args.use_peft.then(|| LoraConfig {
-        r: args.lora_r,
-        alpha: 2.0 * args.lora_r as f64,
-        dropout: 0.0,
-        targets: match args.lora_target_modules.as_slice() {
+    if !(0.0..1.0).contains(&args.lora_dropout) {
+        return Err(format!(
+            "--lora_dropout {} must be in [0, 1)",
+            args.lora_dropout
+        ));
+    }
+    let lora = args.use_peft.then(|| {
+        let targets = match args.lora_target_modules.as_slice() {
             [one] if one.eq_ignore_ascii_case("all-linear") => Targets::AllLinear,
             names => Targets::Names(names.to_vec()),
-        },
-        modules_to_save: Vec::new(),
-        rslora: false,
-        seed: 0,
-        dora: false,
-        target_parameters: args.lora_target_parameters.clone(),
+        };
+        LoraConfig {
+            target_parameters: args.lora_target_parameters.clone(),
+            ..LoraConfig::new(
+                args.lora_r,
+                2.0 * args.lora_r as f64,
+                args.lora_dropout,
+                targets,
+            )
+        }
     });
     // A target the model does not have would plan no adapters.
     if let Some(lora) = &lora {
@@ -651,6 +663,7 @@ pub fn auto(
                 num_processes: n,
                 use_peft: t.use_peft,
                 lora_r: t.lora_r,
+                lora_dropout: t.lora_dropout,
                 lora_target_modules: vec![],
                 lora_target_parameters: vec![],
                 // The machine does not depend on the trainer (`work.preference` does).

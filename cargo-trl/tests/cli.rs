@@ -362,7 +362,10 @@ fn the_plan_counts_adapters_on_parameters_and_refuses_unknown_targets() {
         "mlp.experts.gate_up_proj",
         "mlp.experts.down_proj",
     ];
-    let (code, both, err) = plan(&experts);
+    // peft adapts parameters without dropout, and refuses TRL's default 0.05 there.
+    let (code, _, err) = plan(&experts);
+    assert!(code != 0 && err.contains("lora_dropout"), "{err}");
+    let (code, both, err) = plan(&[&experts[..], &["--lora_dropout", "0"]].concat());
     assert_eq!(code, 0, "{err}");
     assert_ne!(grads(&attention), grads(&both), "{attention}\n{both}");
     let (code, _, err) = plan(&["--lora_target_parameters", "mlp.experts.nothing"]);
@@ -372,4 +375,35 @@ fn the_plan_counts_adapters_on_parameters_and_refuses_unknown_targets() {
             && err.contains("mlp.experts.gate_up_proj"),
         "{err}"
     );
+}
+
+/// `cargo trl plan` reads TRL's LoRA flags as TRL does: `--use_peft` alone or with a value,
+/// `--lora_dropout` 0.05 by default, whose copy of each adapted layer's input the plan counts.
+#[test]
+fn the_plan_reads_trls_lora_flags() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny/model");
+    let plan = |extra: &[&str]| {
+        let base = ["plan", "--model", root, "--seq", "512", "--batch", "4"];
+        run(&[&base[..], &["--gradient_checkpointing", "false"], extra].concat())
+    };
+    // The first layout's row without its tokens/s (timed).
+    let first = |out: &str| -> String {
+        let line = out.lines().find(|l| l.starts_with("fits")).unwrap_or("");
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        cols[..cols.len().saturating_sub(1)].join(" ")
+    };
+    let (code, bare, err) = plan(&["--use_peft"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, valued, err) = plan(&["--use_peft", "true"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        bare.contains("LoRA r 16") && first(&bare) == first(&valued),
+        "{bare}\n{valued}"
+    );
+    let (code, off, err) = plan(&["--use_peft", "false"]);
+    assert!(code == 0 && !off.contains("LoRA"), "{err}");
+    let (_, no_dropout, _) = plan(&["--use_peft", "--lora_dropout", "0"]);
+    assert_ne!(first(&bare), first(&no_dropout), "{bare}\n{no_dropout}");
+    let (code, _, err) = plan(&["--use_peft", "--lora_dropout", "1"]);
+    assert!(code != 0 && err.contains("--lora_dropout"), "{err}");
 }
