@@ -390,17 +390,22 @@ impl ModelShapes {
             .collect()
     }
 
-    /// Adapter elements on a rank of `tp` of every layer `lora` adapts (the plan
-    /// `add_adapters` follows: A [r, in] and B [out, r] split as the layer's weight is, an
-    /// expert's up projection sharing its gate's A; DoRA's magnitude with the output).
-    fn adapters(&self, lora: &LoraConfig, tp: usize) -> Vec<(String, usize)> {
-        // Shapes only: dropout (which experts refuse) changes none.
+    /// The plan `add_adapters` follows for `lora`, for its shapes only: dropout (which
+    /// experts and parameters refuse) changes none. None where `lora` does not fit the model
+    /// (`check_lora` says why).
+    fn adapter_shapes(&self, lora: &LoraConfig) -> Option<crate::nn::lora::AdapterPlan> {
         let shapes = LoraConfig {
             dropout: 0.0,
             ..lora.clone()
         };
-        let Ok(plan) = crate::nn::lora::adapter_plan(&shapes, &self.linears, &self.parameters)
-        else {
+        crate::nn::lora::adapter_plan(&shapes, &self.linears, &self.parameters).ok()
+    }
+
+    /// Adapter elements on a rank of `tp` of every layer `lora` adapts (the plan
+    /// `add_adapters` follows: A [r, in] and B [out, r] split as the layer's weight is, an
+    /// expert's up projection sharing its gate's A; DoRA's magnitude with the output).
+    fn adapters(&self, lora: &LoraConfig, tp: usize) -> Vec<(String, usize)> {
+        let Some(plan) = self.adapter_shapes(lora) else {
             return Vec::new();
         };
         plan.layers
@@ -443,13 +448,7 @@ impl ModelShapes {
 
     /// Each linear layer `lora` adapts, its (input, output) widths on a rank of `tp`.
     fn adapted_linears(&self, lora: &LoraConfig, tp: usize) -> Vec<(usize, usize)> {
-        // Shapes only: dropout (which parameters refuse) changes none.
-        let shapes = LoraConfig {
-            dropout: 0.0,
-            ..lora.clone()
-        };
-        let Ok(plan) = crate::nn::lora::adapter_plan(&shapes, &self.linears, &self.parameters)
-        else {
+        let Some(plan) = self.adapter_shapes(lora) else {
             return Vec::new();
         };
         plan.layers
