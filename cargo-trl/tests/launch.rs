@@ -192,7 +192,10 @@ fn dry_run_prints_the_plan_without_building() {
 #[test]
 fn dry_run_shows_the_tensor_parallel_plan() {
     let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny/model");
+    // The plan comes from the worker itself: built (in debug, as the other tests build
+    // workers) and asked.
     let o = launch(&[
+        "--debug",
         "--profile",
         "fsdp2_tp_cpu",
         "--dry-run",

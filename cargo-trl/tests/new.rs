@@ -31,7 +31,7 @@ fn launch_in(krate: &Path, args: &[&str]) -> String {
         .current_dir(krate)
         .env("CARGO_TARGET_DIR", target_dir)
         .env("CARGO_NET_OFFLINE", "true")
-        .args(["launch", "--main_process_port", "0"])
+        .args(["launch", "--debug", "--main_process_port", "0"])
         .args(args)
         .output()
         .unwrap();

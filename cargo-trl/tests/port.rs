@@ -152,7 +152,7 @@ fn launch(krate: &Path, args: &[&str], per_device: usize, out: &Path) -> String 
         .env("CARGO_TARGET_DIR", repo().join("target"))
         .env("CARGO_NET_OFFLINE", "true")
         .env("TRL_CHECK_TP_GRADS", "1")
-        .args(["launch", "--main_process_port", "0"])
+        .args(["launch", "--debug", "--main_process_port", "0"])
         .args(args)
         .args(["--", "--model_name_or_path"])
         .arg(repo().join("assets/tiny-qwen3/model"))
@@ -200,7 +200,7 @@ fn ported_candle_transformers_qwen3_trains_under_every_cpu_profile() {
     launch(&krate, &["--num_processes", "1"], 4, &out("one4"));
 
     // Logits against transformers': the training path and the cached forward as written.
-    let parity = Command::new(repo().join("target/release/qwen3-port"))
+    let parity = Command::new(repo().join("target/debug/qwen3-port"))
         .current_dir(&krate)
         .env(
             "PORT_PARITY",

@@ -79,7 +79,14 @@ fn launch_auto() -> Command {
     let mut cmd = Command::new(BIN);
     cmd.current_dir(workspace())
         .env("CARGO_NET_OFFLINE", "true")
-        .args(["launch", "--profile", "auto", "--main_process_port", "0"]);
+        .args([
+            "launch",
+            "--debug",
+            "--profile",
+            "auto",
+            "--main_process_port",
+            "0",
+        ]);
     cmd
 }
 

@@ -192,7 +192,7 @@ pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
     cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
         .env("CARGO_NET_OFFLINE", "true")
         .env("TRL_CHECK_TP_GRADS", "1")
-        .args(["launch", "--main_process_port", "0"])
+        .args(["launch", "--debug", "--main_process_port", "0"])
         .args(launch_args)
         .args([bin, "--"])
         .args(args);

@@ -704,6 +704,15 @@ impl<N: CausalModel> Model<N> {
         };
         let head = match (&head.weight, &head.bias, &self.tp) {
             (Weight::Local(w), None, None) if fused(w) => w.clone(),
+            // ZeRO-3 / FSDP: the root unit (the head's) stays gathered through the step, so the
+            // head is whole here too; in training its gradient goes back to the unit
+            // (`sharded::whole`'s backward) beside the embedding's.
+            (Weight::Sharded(s), None, None) if fused(&crate::nn::sharded::gathered(s)?) => {
+                match train {
+                    true => crate::nn::sharded::whole(s)?,
+                    false => crate::nn::sharded::gathered(s)?,
+                }
+            }
             _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
         };
         if !train {
@@ -752,7 +761,13 @@ impl<N: CausalModel> Model<N> {
     ) -> Result<TokenLogps> {
         let head = self.net.lm_head();
         let whole = match (&head.weight, &head.bias, &self.tp) {
-            (Weight::Local(w), None, None) if self.net.logit_softcap().is_none() => Some(w.clone()),
+            _ if self.net.logit_softcap().is_some() => None,
+            (Weight::Local(w), None, None) => Some(w.clone()),
+            // ZeRO-3 / FSDP: gathered (the root unit stays so), its gradient back to the unit.
+            (Weight::Sharded(s), None, None) => Some(match train {
+                true => crate::nn::sharded::whole(s)?,
+                false => crate::nn::sharded::gathered(s)?,
+            }),
             _ => None,
         };
         let mut log_sum_sq = None;
