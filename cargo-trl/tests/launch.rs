@@ -236,6 +236,7 @@ fn dry_run_shows_the_tensor_parallel_plan() {
 
     // A tp size the model cannot take is refused before anything starts.
     let o = launch(&[
+        "--debug",
         "--profile",
         "fsdp2_tp_cpu",
         "--parallelism_config_tp_size",
