@@ -228,13 +228,7 @@ fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
 fn measure_with_rates(kind: &str, world: usize, dir: &Path) -> (Measured, estimate::CpuStepRates) {
     let before = estimate::cpu_step_rates(world, 1);
     let m = measure(kind, world, dir);
-    let after = estimate::cpu_step_rates(world, 1);
-    let mean = |f: fn(&estimate::CpuStepRates) -> f64| (f(&before) + f(&after)) / 2.0;
-    let rates = estimate::CpuStepRates {
-        rank_flops: mean(|r| r.rank_flops),
-        matmul_share: mean(|r| r.matmul_share),
-        adapter_element_seconds: mean(|r| r.adapter_element_seconds),
-    };
+    let rates = estimate::CpuStepRates::mean(&[before, estimate::cpu_step_rates(world, 1)]);
     eprintln!(
         "train bench: {kind} on {world} rank(s) predicted from {:.1} GFLOP/s, matmul share {:.3}, LoRA {:.2} ns per token and feature",
         rates.rank_flops / 1e9,

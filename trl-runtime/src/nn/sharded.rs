@@ -644,7 +644,8 @@ pub fn embedding(ids: &Tensor, w: &ShardedWeight) -> candle_core::Result<Tensor>
 /// A unit's weight whole, as a tensor of the graph whose gradient goes to the unit (a
 /// parameter used as a tensor: attention sinks).
 pub fn whole(w: &ShardedWeight) -> candle_core::Result<Tensor> {
-    let y = w.unit.weight(w.entry).map_err(failed)?.copy()?;
+    // A view of the gathered vector: the op's output is its own copy already (`Precomputed`).
+    let y = w.unit.weight(w.entry).map_err(failed)?;
     let kind = OpKind::Whole { weight: w.entry };
     apply(w.unit.anchor.as_tensor(), &w.unit, kind, y)
 }

@@ -1078,6 +1078,18 @@ pub struct CpuStepRates {
     pub adapter_element_seconds: f64,
 }
 
+impl CpuStepRates {
+    /// Each figure's mean over `all` (one or more timings).
+    pub fn mean(all: &[CpuStepRates]) -> CpuStepRates {
+        let mean = |f: fn(&CpuStepRates) -> f64| all.iter().map(f).sum::<f64>() / all.len() as f64;
+        CpuStepRates {
+            rank_flops: mean(|r| r.rank_flops),
+            matmul_share: mean(|r| r.matmul_share),
+            adapter_element_seconds: mean(|r| r.adapter_element_seconds),
+        }
+    }
+}
+
 /// [`CpuStepRates`] timed on this machine: forward and backward of a 2-layer model of the
 /// built-in layers (hidden 256, intermediate 768, vocab 4096, 2 x 512 tokens, the fused loss),
 /// its matmul FLOPs as [`step_time`] counts them, in five rounds of a step beside a tenth of
@@ -1085,8 +1097,8 @@ pub struct CpuStepRates {
 /// from the same rounds, so their product (what a prediction divides by) is the step's own
 /// speed: a shared machine's rate moves by a quarter within seconds, and a rate timed apart
 /// from the share carried that into every prediction. Without a probe (it cannot run, or a
-/// debug build: the tests' `cargo trl`, whose unoptimized layers are not the release program
-/// a launch runs) the share is 0.75 beside [`cpu_rank_matmul_flops`].
+/// debug build: the tests' `cargo trl`, whose dependencies keep their debug assertions, so
+/// not the release program a launch runs) the share is 0.75 beside [`cpu_rank_matmul_flops`].
 pub fn cpu_step_rates(ranks: usize, threads: usize) -> CpuStepRates {
     const FALLBACK: f64 = 0.75;
     // LoRA's extra per adapted feature, in FLOPs at the matmul rate: ~400 measured here
@@ -1131,12 +1143,11 @@ pub fn cpu_step_rates(ranks: usize, threads: usize) -> CpuStepRates {
     if probed.is_empty() {
         return fallback();
     }
-    let mean =
-        |f: fn(&CpuStepRates) -> f64| probed.iter().map(f).sum::<f64>() / probed.len() as f64;
+    let mean = CpuStepRates::mean(&probed);
     CpuStepRates {
-        rank_flops: mean(|p| p.rank_flops),
-        matmul_share: mean(|p| p.matmul_share).clamp(0.2, 1.0),
-        adapter_element_seconds: mean(|p| p.adapter_element_seconds).max(0.0),
+        matmul_share: mean.matmul_share.clamp(0.2, 1.0),
+        adapter_element_seconds: mean.adapter_element_seconds.max(0.0),
+        ..mean
     }
 }
 
@@ -1389,6 +1400,16 @@ mod tests {
         }
     }
 
+    /// Two CPU ranks at [`test_rates`] on a machine whose collectives cost nothing, a loss over
+    /// whole logits costing `logit_seconds` per logit: compute alone.
+    fn compute_only_cpu(logit_seconds: f64) -> Hardware {
+        let free = LinkSpeed {
+            latency: 0.0,
+            bandwidth: f64::INFINITY,
+        };
+        Hardware::cpu(test_rates(), 2, free, logit_seconds)
+    }
+
     /// An fp32 CPU setup of `strategy` over `(dp_shard, tp)`: one 64-token row, one
     /// micro-batch, no checkpointing; tests change what they look at.
     fn cpu_setup(strategy: Strategy, (dp_shard, tp): (usize, usize)) -> Setup {
@@ -1436,11 +1457,7 @@ mod tests {
     #[test]
     fn tp_splits_what_follows_the_heads_and_lora_adds_its_measured_cost() {
         let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
-        let link = LinkSpeed {
-            latency: 0.0,
-            bandwidth: f64::INFINITY,
-        };
-        let mut hw = Hardware::cpu(test_rates(), 2, link, 0.0);
+        let mut hw = compute_only_cpu(0.0);
         let one = step_time(&m, &cpu_setup(Strategy::Ddp, (1, 1)), &hw).compute;
         let two = step_time(&m, &cpu_setup(Strategy::Ddp, (1, 2)), &hw).compute;
         let r = m.dims.replicated_elementwise_share();
@@ -1533,18 +1550,9 @@ mod tests {
     #[test]
     fn whole_logits_add_their_passes_to_the_step() {
         let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
-        let link = LinkSpeed {
-            latency: 0.0,
-            bandwidth: f64::INFINITY,
-        };
         let compute = |strategy, split, logit_seconds| {
             let setup = cpu_setup(strategy, split);
-            step_time(
-                &m,
-                &setup,
-                &Hardware::cpu(test_rates(), 2, link, logit_seconds),
-            )
-            .compute
+            step_time(&m, &setup, &compute_only_cpu(logit_seconds)).compute
         };
         let vocab = m.dims.vocab_size as f64;
         let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);

@@ -685,6 +685,31 @@ impl<N: CausalModel> Model<N> {
         self.targets_loss(input_ids, position_ids, targets, false)
     }
 
+    /// The LM head's weight whole on this rank where `usable` takes it: held (DDP), or
+    /// gathered with the root unit, which stays gathered through the step (ZeRO-3 / FSDP); in
+    /// training then a graph tensor whose gradient goes back to the unit beside the
+    /// embedding's (`sharded::whole`). None under tp or with a bias: the loss runs from the
+    /// logits.
+    fn whole_head(&self, train: bool, usable: impl Fn(&Tensor) -> bool) -> Result<Option<Tensor>> {
+        let head = self.net.lm_head();
+        if head.bias.is_some() || self.tp.is_some() {
+            return Ok(None);
+        }
+        Ok(match &head.weight {
+            Weight::Local(w) => usable(w).then(|| w.clone()),
+            // Asked on the gathered view: the graph tensor adds an op the unit waits on in
+            // backward, so it is made only for a loss that uses it.
+            Weight::Sharded(s) => {
+                let gathered = crate::nn::sharded::gathered(s)?;
+                match (usable(&gathered), train) {
+                    (false, _) => None,
+                    (true, true) => Some(crate::nn::sharded::whole(s)?),
+                    (true, false) => Some(gathered),
+                }
+            }
+        })
+    }
+
     fn targets_loss(
         &self,
         input_ids: &Tensor,
@@ -692,7 +717,6 @@ impl<N: CausalModel> Model<N> {
         targets: &Tensor,
         train: bool,
     ) -> Result<LossSum> {
-        let head = self.net.lm_head();
         // The fused loss runs whenever the head is whole here: asked for (use_liger_kernel),
         // or where it is one pass per row (CPU f32, GPUs) and so faster than the logits path.
         // Soft-capped logits (Gemma) only in the one-pass kernel's tiles.
@@ -702,18 +726,8 @@ impl<N: CausalModel> Model<N> {
             Some(_) => one_pass(w),
             None => self.tiled_loss || one_pass(w),
         };
-        let head = match (&head.weight, &head.bias, &self.tp) {
-            (Weight::Local(w), None, None) if fused(w) => w.clone(),
-            // ZeRO-3 / FSDP: the root unit (the head's) stays gathered through the step, so the
-            // head is whole here too; in training its gradient goes back to the unit
-            // (`sharded::whole`'s backward) beside the embedding's.
-            (Weight::Sharded(s), None, None) if fused(&crate::nn::sharded::gathered(s)?) => {
-                match train {
-                    true => crate::nn::sharded::whole(s)?,
-                    false => crate::nn::sharded::gathered(s)?,
-                }
-            }
-            _ => return self.logits_loss(&self.forward(input_ids, position_ids)?, targets),
+        let Some(head) = self.whole_head(train, fused)? else {
+            return self.logits_loss(&self.forward(input_ids, position_ids)?, targets);
         };
         if !train {
             let hidden = self.hidden_states(input_ids, position_ids, true)?.detach();
@@ -759,16 +773,9 @@ impl<N: CausalModel> Model<N> {
         train: bool,
         sum_sq: bool,
     ) -> Result<TokenLogps> {
-        let head = self.net.lm_head();
-        let whole = match (&head.weight, &head.bias, &self.tp) {
-            _ if self.net.logit_softcap().is_some() => None,
-            (Weight::Local(w), None, None) => Some(w.clone()),
-            // ZeRO-3 / FSDP: gathered (the root unit stays so), its gradient back to the unit.
-            (Weight::Sharded(s), None, None) => Some(match train {
-                true => crate::nn::sharded::whole(s)?,
-                false => crate::nn::sharded::gathered(s)?,
-            }),
-            _ => None,
+        let whole = match self.net.logit_softcap() {
+            Some(_) => None,
+            None => self.whole_head(train, |_| true)?,
         };
         let mut log_sum_sq = None;
         let (nll, mean_logits) = match whole {
