@@ -338,7 +338,7 @@ fn profile_auto_launches_what_plan_picks() {
     // The same work through the program's own flags: the launch picks the same layout.
     let out = tmp.path().join("auto");
     let o = launch_auto()
-        .args(["--debug", "sft", "--"])
+        .args(["sft", "--"])
         .args(train_args(&out))
         .args([
             "--max_length",
