@@ -126,6 +126,25 @@ fn make_groups(
     Ok(groups)
 }
 
+/// Makes the calling thread (the one that trains) worker 0 of rayon's global pool, with
+/// RAYON_NUM_THREADS threads in all, once a process. Otherwise it hands each of the kernels'
+/// parallel loops to a pool thread and waits, while candle's single-thread matmuls run on
+/// it: a one-thread rank moved its activations between two cores at every op, ~10% of a CPU
+/// step. Nothing else may call rayon and wait on this thread: at one thread only this thread
+/// runs rayon's jobs (collectives' threads do not use it).
+fn compute_on_this_thread() {
+    if rayon::current_thread_index().is_some() {
+        return;
+    }
+    let built = rayon::ThreadPoolBuilder::new()
+        .num_threads(candle_core::utils::get_num_threads())
+        .use_current_thread()
+        .build_global();
+    if let Err(e) = built {
+        tracing::debug!("rayon's pool was started before the distributed context: {e}");
+    }
+}
+
 impl DistContext {
     /// The launch contract: reads the process environment (torchrun / SLURM / single) and the
     /// plan the launcher exported in Accelerate's variables ([`LaunchPlan::from_env`]: the
@@ -146,6 +165,7 @@ impl DistContext {
 
     fn with_env_and_plan(env: ProcessEnv, mut plan: LaunchPlan) -> Result<Self> {
         crate::alloc::keep_freed_memory();
+        compute_on_this_thread();
         let dims = plan.resolve(env.world_size)?;
         let mesh = DeviceMesh::new(dims, env.world_size)?;
         let timeout = timeout_from_env()?;

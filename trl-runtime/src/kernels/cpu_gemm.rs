@@ -11,8 +11,8 @@ pub fn packing_buffer_bytes() -> usize {
 /// Allocates the packing buffer on this thread and on every rayon worker (once a process).
 /// Otherwise a process holds one per thread that has happened to run a GEMM, which on a
 /// small model depends on how the work was split; reserved (and resident), a CPU rank's heap is the same on
-/// any model (what `parallel::estimate` counts: one buffer per compute thread and the
-/// caller's).
+/// any model (what `parallel::estimate` counts: one buffer per compute thread, the training
+/// thread being rayon's worker 0 once `DistContext` is built).
 pub fn reserve_packing_buffers() {
     static RESERVED: std::sync::Once = std::sync::Once::new();
     RESERVED.call_once(|| {

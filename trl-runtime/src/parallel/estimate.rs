@@ -46,8 +46,9 @@ pub struct Setup {
     /// `router_aux_loss_coef`, the default): each sparse layer keeps its probabilities once
     /// more, in f32, for the loss's backward.
     pub router_loss: bool,
-    /// A CPU rank's compute threads (RAYON_NUM_THREADS): each of them and the caller holds
-    /// a GEMM packing buffer (`kernels::cpu_gemm::reserve_packing_buffers`). Unused on GPUs.
+    /// A CPU rank's compute threads (RAYON_NUM_THREADS, the training thread among them):
+    /// each holds a GEMM packing buffer (`kernels::cpu_gemm::reserve_packing_buffers`).
+    /// Unused on GPUs.
     pub threads: usize,
 }
 
@@ -799,10 +800,10 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         _ => 0,
     };
     // The tokenizer, the rows and the host backend's buffers (256 KiB, measured), and on the
-    // CPU one GEMM packing buffer per compute thread and the caller's.
+    // CPU one GEMM packing buffer per compute thread (the training thread is one of them).
     let packing = match setup.gpu {
         true => 0,
-        false => (setup.threads + 1) * crate::kernels::cpu_gemm::packing_buffer_bytes(),
+        false => setup.threads * crate::kernels::cpu_gemm::packing_buffer_bytes(),
     };
     e.runtime = (1 << 18) + packing;
     if setup.strategy == Strategy::Zero(ZeroStage::Two) && n > 1 {
