@@ -120,6 +120,7 @@ fn shape_arg((b, h, hk, s, d): (usize, usize, usize, usize, usize)) -> String {
 fn main() {
     // One compute thread on CPU, for ours and torch alike.
     std::env::set_var("RAYON_NUM_THREADS", "1");
+    trl_runtime::dist::compute_on_this_thread();
     #[cfg(feature = "cuda")]
     gpu();
     if std::env::var("TRL_BENCH_ONLY").is_ok_and(|v| v == "cuda") {

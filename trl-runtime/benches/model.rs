@@ -127,6 +127,7 @@ fn main() {
     // One compute thread, for the model and the reference alike (read when the pool starts).
     std::env::set_var("RAYON_NUM_THREADS", "1");
     trl_runtime::alloc::keep_freed_memory();
+    trl_runtime::dist::compute_on_this_thread();
     let cfg = config();
     let model = CausalLm::new(
         cfg.clone(),

@@ -14,9 +14,10 @@
 //! lines: a Qwen2-0.5B-shaped model trained in bf16 at sequence 2048 on one GPU, tokens/s and
 //! MFU against the bf16 matmul rate measured in the same run, and the ratio to transformers
 //! on the same GPU and shape (support/gpu.rs, hf_train.py).
-//! The DDP, LoRA, tp and ZeRO-3 lines also carry `predicted_tokens_per_s`, what `cargo trl
-//! plan` predicts from this CPU's step speed timed just before the run, and its ratio to the
-//! measured tokens/s.
+//! The DDP, LoRA, tp and ZeRO-3 runs are made three times, each between two timings of this
+//! CPU's step speed, and their lines carry the median tokens/s, `predicted_tokens_per_s` (what
+//! `cargo trl plan` predicts from those timings, the median) and `predicted_over_measured`
+//! (the median of the three runs' ratios, each run's in `predicted_over_measured_runs`).
 //! One JSON object per line on stdout; prose on stderr.
 
 use std::path::Path;
@@ -221,21 +222,57 @@ fn measure(kind: &str, world: usize, dir: &Path) -> Measured {
         .unwrap_or_else(|| panic!("{kind} on {world}: the worker reported no measurement"))
 }
 
-/// [`measure`], and the step speed the plan predicts the run from (`cargo trl plan`'s
-/// probe, every rank of the run busy, one thread each) timed just before and just after it,
-/// the mean: this VM's speed moves by a fifth within seconds, so speeds timed once at the
-/// start mispredict later runs.
-fn measure_with_rates(kind: &str, world: usize, dir: &Path) -> (Measured, estimate::CpuStepRates) {
-    let before = estimate::cpu_step_rates(world, 1);
-    let m = measure(kind, world, dir);
-    let rates = estimate::CpuStepRates::mean(&[before, estimate::cpu_step_rates(world, 1)]);
-    eprintln!(
-        "train bench: {kind} on {world} rank(s) predicted from {:.1} GFLOP/s, matmul share {:.3}, LoRA {:.2} ns per token and feature",
-        rates.rank_flops / 1e9,
-        rates.matmul_share,
-        rates.adapter_element_seconds * 1e9
-    );
-    (m, rates)
+/// Runs measured with the plan's prediction beside each.
+struct Predicted {
+    /// The run of median tokens/s.
+    measured: Measured,
+    /// The median of the runs' predicted tokens/s.
+    predicted: f64,
+    /// Each run's predicted over measured tokens/s.
+    ratios: Vec<f64>,
+}
+
+const PREDICTED_RUNS: usize = 3;
+
+/// [`measure`] [`PREDICTED_RUNS`] times, each run between two timings of the step speed the
+/// plan predicts it from (`cargo trl plan`'s probe, every rank of the run busy, one thread
+/// each; a timing serves the runs on both sides of it) and predicted by `predict` from their
+/// mean. This VM's speed moves by a fifth within seconds and by more over a minute: one
+/// run's ratio carries that, the median of three runs much less.
+fn measure_predicted(
+    kind: &str,
+    world: usize,
+    dir: &Path,
+    predict: &dyn Fn(estimate::CpuStepRates) -> f64,
+) -> Predicted {
+    let mut before = estimate::cpu_step_rates(world, 1);
+    let mut runs = Vec::new();
+    for _ in 0..PREDICTED_RUNS {
+        let m = measure(kind, world, dir);
+        let after = estimate::cpu_step_rates(world, 1);
+        let rates = estimate::CpuStepRates::mean(&[before, after]);
+        eprintln!(
+            "train bench: {kind} on {world} rank(s), {:.1} tokens/s, predicted from {:.1} GFLOP/s, matmul share {:.3}, LoRA {:.2} ns per token and feature",
+            m.tokens_per_s,
+            rates.rank_flops / 1e9,
+            rates.matmul_share,
+            rates.adapter_element_seconds * 1e9
+        );
+        runs.push((m, predict(rates)));
+        before = after;
+    }
+    let ratios: Vec<f64> = runs.iter().map(|(m, p)| p / m.tokens_per_s).collect();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let predicted = median(runs.iter().map(|r| r.1).collect());
+    runs.sort_by(|a, b| a.0.tokens_per_s.total_cmp(&b.0.tokens_per_s));
+    Predicted {
+        measured: runs.swap_remove(PREDICTED_RUNS / 2).0,
+        predicted,
+        ratios,
+    }
 }
 
 /// transformers' and TRL's tokens/s on this CPU at the reference shape, fp32, one thread per
@@ -369,17 +406,18 @@ fn main() {
         let hw = estimate::Hardware::cpu(rates, world, link, logit_seconds * world as f64);
         estimate::step_time(&model, &setup, &hw).tokens_per_second
     };
-    // The measured line, with the plan's prediction where the run's step speed was timed.
-    let line = |strategy: &str,
-                world: usize,
-                m: &Measured,
-                rates: Option<estimate::CpuStepRates>| {
-        let predicted = match rates {
-            Some(rates) => {
-                let p = predict(strategy, world, rates);
+    // The measured line, with the plan's prediction where the runs' step speed was timed.
+    let line = |strategy: &str, world: usize, m: &Measured, predicted: Option<&Predicted>| {
+        let predicted = match predicted {
+            Some(p) => {
+                let mut ratios = p.ratios.clone();
+                let runs: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
+                ratios.sort_by(f64::total_cmp);
                 format!(
-                    ",\"predicted_tokens_per_s\":{p:.1},\"predicted_over_measured\":{:.3}",
-                    p / m.tokens_per_s
+                    ",\"predicted_tokens_per_s\":{:.1},\"predicted_over_measured\":{:.3},\"predicted_over_measured_runs\":[{}]",
+                    p.predicted,
+                    ratios[ratios.len() / 2],
+                    runs.join(",")
                 )
             }
             None => String::new(),
@@ -391,9 +429,9 @@ fn main() {
     };
     let mut per_world = Vec::new();
     for world in [1, 2] {
-        let (m, rates) = measure_with_rates("ref", world, tmp.path());
-        line("ddp", world, &m, Some(rates));
-        per_world.push(m.tokens_per_s);
+        let p = measure_predicted("ref", world, tmp.path(), &|r| predict("ddp", world, r));
+        line("ddp", world, &p.measured, Some(&p));
+        per_world.push(p.measured.tokens_per_s);
     }
     // The same shape through transformers and TRL on this CPU's torch (when importable), on
     // one process and (TRL, DDP) on two.
@@ -405,8 +443,11 @@ fn main() {
     // (sigmoid, beta 0.1) against TRL's DPOTrainer, on 1 and 2 ranks.
     let pref = tmp.path().join("pref.jsonl");
     for world in [1, 2] {
-        let (lora, rates) = measure_with_rates("ref-lora", world, tmp.path());
-        line("ddp_lora", world, &lora, Some(rates));
+        let p = measure_predicted("ref-lora", world, tmp.path(), &|r| {
+            predict("ddp_lora", world, r)
+        });
+        line("ddp_lora", world, &p.measured, Some(&p));
+        let lora = &p.measured;
         let peers = cpu_peers(world, "trl_lora", BATCH, &[]);
         peer_lines("sft_lora", world, lora.tokens_per_s, &peers);
         let dpo = measure("ref-dpo", world, tmp.path());
@@ -416,16 +457,17 @@ fn main() {
         peer_lines("dpo", world, dpo.tokens_per_s, &peers);
     }
     // Tensor parallelism: 2 ranks share every layer of one replica.
-    let (tp, rates) = measure_with_rates("ref-tp", 2, tmp.path());
-    line("tp", 2, &tp, Some(rates));
+    let p = measure_predicted("ref-tp", 2, tmp.path(), &|r| predict("tp", 2, r));
+    line("tp", 2, &p.measured, Some(&p));
+    let tp = &p.measured;
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"tp\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_tp_over_ddp_1\":{:.3},\"tokens_per_s_ratio_tp_over_ddp_2\":{:.3}}}",
         tp.tokens_per_s / per_world[0],
         tp.tokens_per_s / per_world[1]
     );
-    let (zero3, rates) = measure_with_rates("ref-zero3", 2, tmp.path());
-    line("zero3", 2, &zero3, Some(rates));
-    let tokens_per_s = zero3.tokens_per_s;
+    let p = measure_predicted("ref-zero3", 2, tmp.path(), &|r| predict("zero3", 2, r));
+    line("zero3", 2, &p.measured, Some(&p));
+    let tokens_per_s = p.measured.tokens_per_s;
     println!(
         "{{\"bench\":\"train\",\"strategy\":\"zero3\",\"what\":\"vs_ddp\",\"world\":2,\"tokens_per_s_ratio_zero3_over_ddp\":{:.3}}}",
         tokens_per_s / per_world[1]

@@ -127,12 +127,13 @@ fn make_groups(
 }
 
 /// Makes the calling thread (the one that trains) worker 0 of rayon's global pool, with
-/// RAYON_NUM_THREADS threads in all, once a process. Otherwise it hands each of the kernels'
-/// parallel loops to a pool thread and waits, while candle's single-thread matmuls run on
-/// it: a one-thread rank moved its activations between two cores at every op, ~10% of a CPU
-/// step. Nothing else may call rayon and wait on this thread: at one thread only this thread
-/// runs rayon's jobs (collectives' threads do not use it).
-fn compute_on_this_thread() {
+/// RAYON_NUM_THREADS threads in all, once a process; [`DistContext`] calls it, programs
+/// without one (the benches) may. Otherwise the thread hands each of the kernels' parallel
+/// loops to a pool thread and waits, while candle's single-thread matmuls run on it: a
+/// one-thread rank moved its activations between two cores at every op (15% of a CPU step,
+/// 26% with LoRA). Nothing else may call rayon and wait on this thread: at one thread only
+/// this thread runs rayon's jobs (collectives' threads do not use it).
+pub fn compute_on_this_thread() {
     if rayon::current_thread_index().is_some() {
         return;
     }

@@ -7,7 +7,7 @@ pub mod hostlist;
 pub mod mesh;
 pub mod spawn;
 
-pub use context::DistContext;
+pub use context::{compute_on_this_thread, DistContext};
 pub use env::{EnvSource, ProcessEnv};
 pub use mesh::{Axis, DeviceMesh};
 // The rendezvous store is a collective transport concern; it lives in `comm`.
