@@ -355,7 +355,15 @@ fn dpo_matches_trl() {
             let aux = b.get("aux_loss").map(|_| "aux_loss");
             for key in KEYS.iter().copied().chain(aux) {
                 let (g, w) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
-                let d = (g - w).abs() / w.abs().max(1e-3);
+                // `logits/*` average logits of ~0.1 over the vocabulary to ~1e-3, where f32's
+                // rounding of two steps' weights moves them by ~1e-7: compared at the logits'
+                // scale, not their mean's.
+                let floor = if key.starts_with("logits/") {
+                    1e-2
+                } else {
+                    1e-3
+                };
+                let d = (g - w).abs() / w.abs().max(floor);
                 worst = worst.max(d);
                 assert!(
                     d < 1e-4,
