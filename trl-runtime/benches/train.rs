@@ -232,13 +232,25 @@ struct Predicted {
     ratios: Vec<f64>,
 }
 
-const PREDICTED_RUNS: usize = 3;
+/// Runs behind each line that compares strategies: this VM's speed moves by a fifth within
+/// seconds and by more over a minute, which one run's figure carries and a median of three
+/// much less.
+const RUNS: usize = 3;
 
-/// [`measure`] [`PREDICTED_RUNS`] times, each run between two timings of the step speed the
-/// plan predicts it from (`cargo trl plan`'s probe, every rank of the run busy, one thread
-/// each; a timing serves the runs on both sides of it) and predicted by `predict` from their
-/// mean. This VM's speed moves by a fifth within seconds and by more over a minute: one
-/// run's ratio carries that, the median of three runs much less.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The run of median tokens/s.
+fn median_run(mut runs: Vec<Measured>) -> Measured {
+    runs.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
+    runs.swap_remove(runs.len() / 2)
+}
+
+/// [`measure`] [`RUNS`] times, each run between two timings of the step speed the plan
+/// predicts it from (`cargo trl plan`'s probe, every rank of the run busy, one thread each; a
+/// timing serves the runs on both sides of it) and predicted by `predict` from their mean.
 fn measure_predicted(
     kind: &str,
     world: usize,
@@ -246,8 +258,8 @@ fn measure_predicted(
     predict: &dyn Fn(estimate::CpuStepRates) -> f64,
 ) -> Predicted {
     let mut before = estimate::cpu_step_rates(world, 1);
-    let mut runs = Vec::new();
-    for _ in 0..PREDICTED_RUNS {
+    let (mut runs, mut predicted) = (Vec::new(), Vec::new());
+    for _ in 0..RUNS {
         let m = measure(kind, world, dir);
         let after = estimate::cpu_step_rates(world, 1);
         let rates = estimate::CpuStepRates::mean(&[before, after]);
@@ -258,19 +270,18 @@ fn measure_predicted(
             rates.matmul_share,
             rates.adapter_element_seconds * 1e9
         );
-        runs.push((m, predict(rates)));
+        predicted.push(predict(rates));
+        runs.push(m);
         before = after;
     }
-    let ratios: Vec<f64> = runs.iter().map(|(m, p)| p / m.tokens_per_s).collect();
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let predicted = median(runs.iter().map(|r| r.1).collect());
-    runs.sort_by(|a, b| a.0.tokens_per_s.total_cmp(&b.0.tokens_per_s));
+    let ratios = runs
+        .iter()
+        .zip(&predicted)
+        .map(|(m, p)| p / m.tokens_per_s)
+        .collect();
     Predicted {
-        measured: runs.swap_remove(PREDICTED_RUNS / 2).0,
-        predicted,
+        measured: median_run(runs),
+        predicted: median(predicted),
         ratios,
     }
 }
@@ -410,13 +421,11 @@ fn main() {
     let line = |strategy: &str, world: usize, m: &Measured, predicted: Option<&Predicted>| {
         let predicted = match predicted {
             Some(p) => {
-                let mut ratios = p.ratios.clone();
-                let runs: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
-                ratios.sort_by(f64::total_cmp);
+                let runs: Vec<String> = p.ratios.iter().map(|r| format!("{r:.3}")).collect();
                 format!(
                     ",\"predicted_tokens_per_s\":{:.1},\"predicted_over_measured\":{:.3},\"predicted_over_measured_runs\":[{}]",
                     p.predicted,
-                    ratios[ratios.len() / 2],
+                    median(p.ratios.clone()),
                     runs.join(",")
                 )
             }
@@ -474,11 +483,11 @@ fn main() {
     );
     // The same run without starting any all-gather ahead: what prefetching buys (the median
     // of as many runs as the ZeRO-3 line's).
-    let mut runs: Vec<Measured> = (0..PREDICTED_RUNS)
-        .map(|_| measure("ref-zero3-no-prefetch", 2, tmp.path()))
-        .collect();
-    runs.sort_by(|a, b| a.tokens_per_s.total_cmp(&b.tokens_per_s));
-    let none = runs.swap_remove(PREDICTED_RUNS / 2);
+    let none = median_run(
+        (0..RUNS)
+            .map(|_| measure("ref-zero3-no-prefetch", 2, tmp.path()))
+            .collect(),
+    );
     let (step_s, plain) = (none.step_s, none.tokens_per_s);
     println!("{{\"bench\":\"train\",\"strategy\":\"zero3\",\"prefetch\":false,\"world\":2,\"tokens_per_s\":{plain:.1},\"step_s\":{step_s:.4}}}");
     println!(
