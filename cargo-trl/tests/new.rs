@@ -2,6 +2,8 @@
 //! out of the box. The scaffold shares this workspace's target directory so that its
 //! dependencies are not compiled again.
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
@@ -31,7 +33,7 @@ fn launch_in(krate: &Path, args: &[&str]) -> String {
         .current_dir(krate)
         .env("CARGO_TARGET_DIR", target_dir)
         .env("CARGO_NET_OFFLINE", "true")
-        .args(["launch", "--debug", "--main_process_port", "0"])
+        .args(common::LAUNCH)
         .args(args)
         .output()
         .unwrap();

@@ -152,7 +152,7 @@ fn launch(krate: &Path, args: &[&str], per_device: usize, out: &Path) -> String 
         .env("CARGO_TARGET_DIR", repo().join("target"))
         .env("CARGO_NET_OFFLINE", "true")
         .env("TRL_CHECK_TP_GRADS", "1")
-        .args(["launch", "--debug", "--main_process_port", "0"])
+        .args(common::LAUNCH)
         .args(args)
         .args(["--", "--model_name_or_path"])
         .arg(repo().join("assets/tiny-qwen3/model"))

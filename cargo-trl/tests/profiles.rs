@@ -56,8 +56,8 @@ fn launch_with(profile: &str, dry_run: bool, out: &Path, extra: &[&str]) -> Stri
     let mut c = Command::new(BIN);
     c.current_dir(workspace())
         .env("CARGO_NET_OFFLINE", "true")
-        .args(["launch", "--profile", profile, "--main_process_port", "0"])
-        .arg("--debug");
+        .args(common::LAUNCH)
+        .args(["--profile", profile]);
     if dry_run {
         c.arg("--dry-run");
     }
@@ -79,14 +79,8 @@ fn launch_auto() -> Command {
     let mut cmd = Command::new(BIN);
     cmd.current_dir(workspace())
         .env("CARGO_NET_OFFLINE", "true")
-        .args([
-            "launch",
-            "--debug",
-            "--profile",
-            "auto",
-            "--main_process_port",
-            "0",
-        ]);
+        .args(common::LAUNCH)
+        .args(["--profile", "auto"]);
     cmd
 }
 
@@ -258,14 +252,8 @@ fn ctrl_c_saves_a_checkpoint_and_the_launcher_says_where() {
         .env("CARGO_NET_OFFLINE", "true")
         // Not a terminal here: a plain progress line for every step.
         .env("TRL_PROGRESS_SECONDS", "0")
-        .args([
-            "launch",
-            "--profile",
-            "multi_cpu",
-            "--main_process_port",
-            "0",
-        ])
-        .args(["--debug", "sft", "--"])
+        .args(common::LAUNCH)
+        .args(["--profile", "multi_cpu", "sft", "--"])
         .args(&args)
         // Its own process group, which receives the Ctrl-C as a terminal sends it.
         .process_group(0)

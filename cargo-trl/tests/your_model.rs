@@ -27,7 +27,7 @@ fn command(launch_args: &[&str]) -> Command {
     c.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
         .env("CARGO_NET_OFFLINE", "true")
         .env("TRL_CHECK_TP_GRADS", "1")
-        .args(["launch", "--debug", "--main_process_port", "0"])
+        .args(common::LAUNCH)
         .args(launch_args)
         .args(["sft_phi", "--", "--model_name_or_path"])
         .arg(model_dir());

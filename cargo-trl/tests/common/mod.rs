@@ -181,6 +181,12 @@ pub fn sft_launch<S: AsRef<std::ffi::OsStr>>(launch_args: &[&str], sft_args: &[S
     trainer_launch("sft", launch_args, sft_args)
 }
 
+/// How every test launch starts: the workers built in debug (trl-runtime is optimised there,
+/// Cargo.toml's dev profile) so the suite builds no release copy of every dependency, on a
+/// free port.
+#[allow(dead_code)]
+pub const LAUNCH: [&str; 4] = ["launch", "--debug", "--main_process_port", "0"];
+
 /// `cargo trl launch LAUNCH_ARGS BIN -- ARGS` for an examples binary (`sft`, `dpo`).
 #[allow(dead_code)]
 pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
@@ -192,7 +198,7 @@ pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
     cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
         .env("CARGO_NET_OFFLINE", "true")
         .env("TRL_CHECK_TP_GRADS", "1")
-        .args(["launch", "--debug", "--main_process_port", "0"])
+        .args(LAUNCH)
         .args(launch_args)
         .args([bin, "--"])
         .args(args);
