@@ -667,6 +667,87 @@ fn fused_linear_cross_entropy_on_gpu_follows_cpu() {
     }
 }
 
+/// DPO's per-token losses on the GPU (`tiled_token_nll`: the one-pass row kernel writing each
+/// row's loss, recomputed in backward with each row weighed by its own gradient) against the
+/// whole logits in f32 on the CPU, rows and both gradients, in f32 (1e-4) and bf16 (3e-2);
+/// with the head frozen (LoRA), no weight gradient and the same hidden gradient.
+#[test]
+fn per_row_losses_on_gpu_follow_cpu() {
+    use trl_runtime::nn::loss::cross_entropy_tokens;
+    use trl_runtime::nn::tiled_loss::tiled_token_nll;
+    let Some(dev) = gpu() else { return };
+    let (n, h, vocab) = (3000, 64, 50_000);
+    let hidden = draws(&[n, h], 1.0, 31);
+    let weight = draws(&[vocab, h], 0.1, 32);
+    let targets: Vec<i64> = (0..n as i64)
+        .map(|i| match i % 7 {
+            3 => -100,
+            _ => (i * 104_729) % vocab as i64,
+        })
+        .collect();
+    let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    let row_weights: Vec<f32> = (0..n).map(|i| ((i % 11) as f32 - 5.0) / 5.0).collect();
+    let row_weights = Tensor::new(row_weights.as_slice(), &Device::Cpu).unwrap();
+    let cpu = |t: &Tensor| {
+        t.to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
+    let run = |device: &Device, dtype: DType, tiled: bool, frozen: bool| {
+        let x = Var::from_tensor(&hidden.to_device(device).unwrap()).unwrap();
+        let w = Var::from_tensor(&weight.to_device(device).unwrap()).unwrap();
+        let xc = x.to_dtype(dtype).unwrap();
+        let wc = match frozen {
+            true => w.as_tensor().detach().to_dtype(dtype).unwrap(),
+            false => w.to_dtype(dtype).unwrap(),
+        };
+        let t = targets.to_device(device).unwrap();
+        let rows = match tiled {
+            true => tiled_token_nll(&xc, &wc, &t).unwrap().0,
+            false => {
+                let logits = xc.matmul(&wc.t().unwrap()).unwrap();
+                cross_entropy_tokens(&logits, &t).unwrap().0
+            }
+        };
+        let rows = rows.to_dtype(DType::F32).unwrap();
+        let weights = row_weights.to_device(device).unwrap();
+        let grads = (&rows * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        (
+            cpu(&rows),
+            cpu(grads.get(&x).unwrap()),
+            grads.get(&w).map(cpu),
+        )
+    };
+    let (want, want_dx, want_dw) = run(&Device::Cpu, DType::F32, false, false);
+    for (dtype, bound) in [(DType::F32, 1e-4), (DType::BF16, 3e-2)] {
+        let (got, dx, dw) = run(&dev, dtype, true, false);
+        let (e, ex, ew) = (
+            rel_diff(&got, &want),
+            rel_diff(&dx, &want_dx),
+            rel_diff(&dw.unwrap(), want_dw.as_ref().unwrap()),
+        );
+        eprintln!(
+            "per-row losses {dtype:?}: rows {e:e}, hidden gradient {ex:e}, weight gradient {ew:e}"
+        );
+        assert!(
+            e < bound && ex < bound && ew < bound,
+            "{dtype:?}: {e} {ex} {ew}"
+        );
+        let (frozen, fdx, fdw) = run(&dev, dtype, true, true);
+        assert!(fdw.is_none(), "{dtype:?}: a frozen head has no gradient");
+        assert!(
+            rel_diff(&frozen, &got) < 1e-6 && rel_diff(&fdx, &dx) < 1e-6,
+            "{dtype:?}: frozen"
+        );
+    }
+}
+
 /// The fused CUDA flash attention (kernels/flash.cu, tensor cores) against the whole score
 /// matrix in f32 on the CPU, output and every gradient, in bf16 and f16: head dims 64 and
 /// 128, grouped-query ratios 1, 2 and 4, lengths that leave partial blocks, packed rows

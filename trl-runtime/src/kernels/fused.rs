@@ -251,7 +251,9 @@ fused_op!(RmsNormFwd: CustomOp2 [this] {
         let rows = x.elem_count() / h;
         let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: this.eps })?;
         let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = both.narrow(0, rows, 1)?.reshape(h)?;
+        // Copied out: a view would keep the whole [rows + 1, h] buffer alive for as long as
+        // the weight's gradient lives (until the optimizer step), one per norm.
+        let dw = both.narrow(0, rows, 1)?.reshape(h)?.force_contiguous()?;
         Ok((Some(dx), Some(dw)))
     }
 });
@@ -1089,28 +1091,38 @@ simd_dispatch!(cross_entropy_row, cross_entropy_row_avx2, cross_entropy_row_body
 /// Cross-entropy of every row of `logits` (rows of `vocab`) against `targets` (-100:
 /// ignored), in place and in parallel: returns the summed loss of the counted rows and, with
 /// `grads`, leaves in `logits` the gradient of that sum (softmax minus one-hot; zero rows for
-/// ignored targets). Targets are checked by the caller.
+/// ignored targets). With `row_losses`, each row's loss is written there too (0 where
+/// ignored). Targets are checked by the caller.
 pub(crate) fn cross_entropy_rows(
     logits: &mut [f32],
     vocab: usize,
     targets: &[i64],
     grads: bool,
+    row_losses: Option<&mut [f32]>,
 ) -> f64 {
-    logits
-        .par_chunks_mut(vocab)
-        .zip(targets.par_iter())
-        .map(|(row, &t)| {
-            let mut loss = 0.0;
-            if t < 0 {
-                if grads {
-                    row.fill(0.0);
-                }
-            } else {
-                cross_entropy_row::<f32>(row, t as usize, grads, &mut loss);
+    let row = |(row, &t): (&mut [f32], &i64)| {
+        let mut loss = 0.0;
+        if t < 0 {
+            if grads {
+                row.fill(0.0);
             }
-            loss
-        })
-        .sum()
+        } else {
+            cross_entropy_row::<f32>(row, t as usize, grads, &mut loss);
+        }
+        loss
+    };
+    let rows = logits.par_chunks_mut(vocab).zip(targets.par_iter());
+    match row_losses {
+        None => rows.map(row).sum(),
+        Some(out) => rows
+            .zip(out.par_iter_mut())
+            .map(|(r, out)| {
+                let loss = row(r);
+                *out = loss as f32;
+                loss
+            })
+            .sum(),
+    }
 }
 
 // ---------------------------------------------------------------- dropout

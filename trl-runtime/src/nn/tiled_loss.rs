@@ -14,7 +14,7 @@ use super::loss::{checked_targets, target_index_and_weight, LossSum};
 use crate::kernels::precision::{self, accumulate, accumulate_product};
 use crate::precomputed::Precomputed;
 use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp1, Layout, Result, Shape, Tensor, D};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::sync::Mutex;
 
 /// Rows per tile: as many as keep one tile's logits near this many bytes (at least 16 rows).
@@ -78,7 +78,8 @@ fn tiles_grads(
     hidden: &Tensor,
     weight: &Tensor,
     grad: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+    weight_grad: bool,
+) -> Result<Kept> {
     let (io, wide) = (hidden.dtype(), precision::wide(hidden.dtype()));
     let mut dhidden = Vec::with_capacity(tiles.len());
     let mut dweight: Option<Tensor> = None;
@@ -98,24 +99,33 @@ fn tiles_grads(
             .broadcast_mul(&g)?
             .to_dtype(io)?;
         dhidden.push(dlogits.matmul(weight)?);
-        let dw = dlogits.t()?.matmul(&hidden.narrow(0, *start, *len)?)?;
-        accumulate(&mut dweight, dw, wide)?;
+        if weight_grad {
+            let dw = dlogits.t()?.matmul(&hidden.narrow(0, *start, *len)?)?;
+            accumulate(&mut dweight, dw, wide)?;
+        }
     }
-    let dweight = match dweight {
-        Some(d) => d.to_dtype(io)?,
-        None => weight.zeros_like()?,
+    let dweight = match (weight_grad, dweight) {
+        (false, _) => None,
+        (true, Some(d)) => Some(d.to_dtype(io)?),
+        (true, None) => Some(weight.zeros_like()?),
     };
     Ok((Tensor::cat(&dhidden, 0)?, dweight))
 }
+
+/// The gradients of hidden and (unless the head is frozen) weight.
+type Kept = (Tensor, Option<Tensor>);
 
 /// How the loss op gets its inputs' gradients.
 enum Backward {
     /// The tiled loss: each tile's logits recomputed in backward.
     Recompute(Tiles),
+    /// Per-row losses by the one-pass kernel: each tile's logits recomputed in backward and
+    /// turned into their gradient in place (the targets, checked).
+    Rows(Vec<i64>),
     /// The fused loss: the gradients were computed in forward (for an incoming gradient of
     /// one) and are only scaled, in place. With a tied table, the weight's gradient goes to
     /// the embedding's lookup, which adds its rows into it.
-    Kept(Mutex<Option<(Tensor, Tensor)>>, Option<TiedGrad>),
+    Kept(Mutex<Option<Kept>>, Option<TiedGrad>),
 }
 
 /// The loss of the LM head over (hidden, weight), computed outside the op.
@@ -128,6 +138,7 @@ impl CustomOp2 for LossOp {
     fn name(&self) -> &'static str {
         match self.backward {
             Backward::Recompute(_) => "tiled-lm-loss",
+            Backward::Rows(_) => "tiled-lm-row-losses",
             Backward::Kept(..) => "fused-linear-cross-entropy",
         }
     }
@@ -159,11 +170,19 @@ impl CustomOp2 for LossOp {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // A frozen head (LoRA's) gets no gradient: its [vocab, hidden] product is skipped.
+        let weight_grad = weight.track_op();
+        // Detached, so that the accumulated gradients do not record (and keep) every tile.
+        let (hidden, weight, grad) = (hidden.detach(), weight.detach(), grad.detach());
         let (dh, dw) = match &self.backward {
-            // Detached, so that the accumulated gradients do not record (and keep) every tile.
-            Backward::Recompute(tiles) => {
-                tiles_grads(tiles, &hidden.detach(), &weight.detach(), &grad.detach())?
-            }
+            Backward::Recompute(tiles) => tiles_grads(tiles, &hidden, &weight, &grad, weight_grad)?,
+            Backward::Rows(targets) => one_pass_row_grads(
+                &hidden.contiguous()?,
+                &weight.contiguous()?,
+                targets,
+                &grad,
+                weight_grad,
+            )?,
             Backward::Kept(kept, tied) => {
                 let kept = kept.lock().unwrap_or_else(|e| e.into_inner()).take();
                 let Some((dh, dw)) = kept else {
@@ -173,16 +192,20 @@ impl CustomOp2 for LossOp {
                 let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 if g != 1.0 {
                     dh.inplace_op1(&Scale(g))?;
-                    dw.inplace_op1(&Scale(g))?;
+                    if let Some(dw) = &dw {
+                        dw.inplace_op1(&Scale(g))?;
+                    }
                 }
-                if let Some(tied) = tied.as_ref().filter(|t| t.claimed()) {
-                    tied.put(dw);
-                    return Ok((Some(dh), None));
+                match (tied.as_ref().filter(|t| t.claimed()), dw) {
+                    (Some(tied), Some(dw)) => {
+                        tied.put(dw);
+                        (dh, None)
+                    }
+                    (_, dw) => (dh, dw),
                 }
-                (dh, dw)
             }
         };
-        Ok((Some(dh), Some(dw)))
+        Ok((Some(dh), dw))
     }
 }
 
@@ -229,6 +252,8 @@ struct CrossEntropyRows<'a> {
     targets: &'a [i64],
     grads: bool,
     loss: Cell<f64>,
+    /// On CPU, where each row's loss goes (the GPU pass writes them to `on_device`).
+    row_losses: Option<&'a RefCell<Vec<f32>>>,
     // Read by the CUDA pass only.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     on_device: Option<&'a DeviceRows>,
@@ -255,11 +280,13 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
             candle_core::bail!("cross-entropy rows: contiguous f32 logits expected")
         };
         let vocab = layout.dims()[1];
+        let mut rows = self.row_losses.map(|r| r.borrow_mut());
         let loss = crate::kernels::fused::cross_entropy_rows(
             &mut v[start..end],
             vocab,
             self.targets,
             self.grads,
+            rows.as_deref_mut().map(|r| r.as_mut_slice()),
         );
         self.loss.set(loss);
         Ok(())
@@ -288,37 +315,48 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
     }
 }
 
+/// Rows per tile of the one-pass loss: on a GPU, tiles of GPU_TILE_BYTES (each tile's weight
+/// gradient is a full [vocab, hidden] product added to the sum, so few large tiles keep the
+/// GEMMs big and the passes few); on the CPU, of TILE_BYTES.
+fn one_pass_tile_rows(hidden: &Tensor, vocab: usize) -> usize {
+    match hidden.device().is_cuda() {
+        true => (GPU_TILE_BYTES / (hidden.dtype().size_in_bytes() * vocab)).max(64),
+        false => (TILE_BYTES / (4 * vocab)).max(16),
+    }
+}
+
+/// The targets and a per-row loss buffer on a GPU (None on the CPU).
+fn device_rows(targets: &[i64], dev: &candle_core::Device) -> Result<Option<DeviceRows>> {
+    if dev.is_cpu() {
+        return Ok(None);
+    }
+    Ok(Some(DeviceRows {
+        targets: Tensor::new(targets, dev)?,
+        loss: Tensor::zeros(targets.len(), DType::F32, dev)?,
+    }))
+}
+
 /// Liger's fused linear cross-entropy (on CPU in f32; on a GPU in f32, bf16 or f16): per tile
 /// of rows, the logits by one GEMM, then one in-place pass computing each row's loss (f32
-/// math) and turning the logits into their gradient, then the two gradient GEMMs, all during
+/// math) and turning the logits into their gradient, then the gradient GEMMs, all during
 /// forward. No broadcast op, and nothing [tokens x vocab] outlives its tile. Returns the loss
-/// sum and, with `grads`, the gradients of hidden and weight (contiguous inputs).
+/// sum and, with `grads`, the gradients of hidden and (with `weight_grad`; a frozen head under
+/// LoRA has none to compute) weight (contiguous inputs). `row_scale` ([n, 1] f32): each row's
+/// gradient weighed by its own factor (a loss built on per-row losses), applied to the
+/// [rows, hidden] products in f32 (no other tile-sized buffer).
 fn fused_loss(
     hidden: &Tensor,
     weight: &Tensor,
     targets: &[i64],
-    grads: bool,
-    softcap: Option<f64>,
-) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+    (grads, weight_grad): (bool, bool),
+    (softcap, row_scale): (Option<f64>, Option<&Tensor>),
+) -> Result<(Tensor, Option<Kept>)> {
     let (n, _) = hidden.dims2()?;
     let vocab = weight.dim(0)?;
     let dev = hidden.device();
-    // On a GPU, tiles of GPU_TILE_BYTES: each tile's weight gradient is a full [vocab, hidden]
-    // product added to the sum, so few large tiles keep the GEMMs big and the passes few.
-    let rows = if dev.is_cuda() {
-        (GPU_TILE_BYTES / (hidden.dtype().size_in_bytes() * vocab)).max(64)
-    } else {
-        (TILE_BYTES / (4 * vocab)).max(16)
-    };
+    let rows = one_pass_tile_rows(hidden, vocab);
     let mut total = 0f64;
-    let on_device = if dev.is_cpu() {
-        None
-    } else {
-        Some(DeviceRows {
-            targets: Tensor::new(targets, dev)?,
-            loss: Tensor::zeros(n, DType::F32, dev)?,
-        })
-    };
+    let on_device = device_rows(targets, dev)?;
     let mut dhidden = Vec::new();
     let mut dweight: Option<Tensor> = None;
     for start in (0..n).step_by(rows) {
@@ -343,6 +381,7 @@ fn fused_loss(
             targets: &targets[start..start + len],
             grads,
             loss: Cell::new(0.0),
+            row_losses: None,
             on_device: on_device.as_ref(),
             first: start,
         };
@@ -354,21 +393,85 @@ fn fused_loss(
                 Some(slope) => (logits * slope)?,
                 None => logits,
             };
-            dhidden.push(logits.matmul(weight)?);
-            // dW += logits^T h, into the f32 sum by the GEMM itself.
-            accumulate_product(&mut dweight, &logits, &h)?;
+            let scaled = |t: Tensor| match row_scale {
+                Some(s) => {
+                    let s = s.narrow(0, start, len)?;
+                    t.to_dtype(DType::F32)?
+                        .broadcast_mul(&s)?
+                        .to_dtype(h.dtype())
+                }
+                None => Ok(t),
+            };
+            dhidden.push(scaled(logits.matmul(weight)?)?);
+            if weight_grad {
+                // dW += logits^T h (rows scaled), into the f32 sum by the GEMM itself.
+                accumulate_product(&mut dweight, &logits, &scaled(h.clone())?)?;
+            }
         }
     }
     let sum = match on_device {
         Some(rows) => rows.loss.sum_all()?,
         None => Tensor::new(total as f32, dev)?,
     };
-    let grads = match (grads, dweight) {
+    let grads = match grads {
         // The weight's gradient summed in f32, handed back in its dtype.
-        (true, Some(dw)) => Some((Tensor::cat(&dhidden, 0)?, dw.to_dtype(weight.dtype())?)),
-        _ => None,
+        true => Some((
+            Tensor::cat(&dhidden, 0)?,
+            dweight.map(|dw| dw.to_dtype(weight.dtype())).transpose()?,
+        )),
+        false => None,
     };
     Ok((sum, grads))
+}
+
+/// The gradients of the per-row losses of `hidden . weight^T` against `targets`, each row
+/// weighed by its own incoming gradient `grad` ([n]): [`fused_loss`]'s pass run in backward,
+/// recomputing each tile's logits. The weight's gradient only with `weight_grad`.
+fn one_pass_row_grads(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &[i64],
+    grad: &Tensor,
+    weight_grad: bool,
+) -> Result<Kept> {
+    let scale = grad.to_dtype(DType::F32)?.reshape((hidden.dim(0)?, 1))?;
+    let (_, kept) = fused_loss(
+        hidden,
+        weight,
+        targets,
+        (true, weight_grad),
+        (None, Some(&scale)),
+    )?;
+    kept.ok_or_else(|| candle_core::Error::Msg("the row losses' pass kept no gradient".into()))
+}
+
+/// The per-row losses of `hidden . weight^T` against `targets` by the one-pass row kernel,
+/// [n] in f32 (0 where ignored), tile by tile.
+fn one_pass_row_losses(hidden: &Tensor, weight: &Tensor, targets: &[i64]) -> Result<Tensor> {
+    let (n, _) = hidden.dims2()?;
+    let dev = hidden.device();
+    let rows = one_pass_tile_rows(hidden, weight.dim(0)?);
+    let on_device = device_rows(targets, dev)?;
+    let cpu_rows = RefCell::new(Vec::new());
+    let mut losses = Vec::with_capacity(n);
+    for start in (0..n).step_by(rows) {
+        let len = rows.min(n - start);
+        let logits = hidden.narrow(0, start, len)?.matmul(&weight.t()?)?;
+        *cpu_rows.borrow_mut() = vec![0f32; len];
+        logits.inplace_op1(&CrossEntropyRows {
+            targets: &targets[start..start + len],
+            grads: false,
+            loss: Cell::new(0.0),
+            row_losses: on_device.is_none().then_some(&cpu_rows),
+            on_device: on_device.as_ref(),
+            first: start,
+        })?;
+        losses.extend_from_slice(&cpu_rows.borrow());
+    }
+    match on_device {
+        Some(rows) => Ok(rows.loss),
+        None => Tensor::from_vec(losses, n, dev),
+    }
 }
 
 /// Whether [`tiled_linear_cross_entropy`] runs fused in one pass per row: on CPU in f32, on
@@ -422,7 +525,8 @@ pub(crate) fn tied_linear_cross_entropy(
         let (targets, count) = checked_targets(targets, vocab)?;
         let grads = hidden.track_op() || weight.track_op();
         let (h, w) = (hidden.detach().contiguous()?, weight.detach().contiguous()?);
-        let (sum, kept) = fused_loss(&h, &w, &targets, grads, softcap)?;
+        let kept_grads = (grads, weight.track_op());
+        let (sum, kept) = fused_loss(&h, &w, &targets, kept_grads, (softcap, None))?;
         if !grads {
             return Ok(LossSum { sum, count });
         }
@@ -460,6 +564,19 @@ pub fn tiled_token_nll(
     let (n, _) = hidden.dims2()?;
     let vocab = weight.dim(0)?;
     let (targets, count) = checked_targets(targets, vocab)?;
+    let grads = hidden.track_op() || weight.track_op();
+    if fused_applies(hidden, weight) {
+        let (h, w) = (hidden.detach().contiguous()?, weight.detach().contiguous()?);
+        let per_row = one_pass_row_losses(&h, &w, &targets)?;
+        if !grads {
+            return Ok((per_row, count));
+        }
+        let op = LossOp {
+            sum: Precomputed::new(per_row),
+            backward: Backward::Rows(targets),
+        };
+        return Ok((hidden.apply_op2(weight, op)?, count));
+    }
     let wide = precision::wide(hidden.dtype());
     let rows = (TILE_BYTES / (4 * vocab)).max(16);
     let device = hidden.device();
@@ -478,7 +595,7 @@ pub fn tiled_token_nll(
     }
     let (hidden, weight) = (hidden.contiguous()?, weight.contiguous()?);
     let per_row = tiles_loss(&tiles, &hidden.detach(), &weight.detach())?;
-    if !(hidden.track_op() || weight.track_op()) {
+    if !grads {
         return Ok((per_row, count));
     }
     let op = LossOp {
@@ -526,17 +643,8 @@ mod tests {
     /// changes both.
     #[test]
     fn soft_capped_logits_equal_the_capped_head() {
-        let dev = Device::Cpu;
         let (n, h, vocab, cap) = (300, 16, 20_000, 2.0);
-        let hidden = Var::from_tensor(&randn((n, h), 1.0, 3)).unwrap();
-        let weight = Var::from_tensor(&randn((vocab, h), 0.8, 4)).unwrap();
-        let targets: Vec<i64> = (0..n as i64)
-            .map(|i| match i % 5 {
-                2 => IGNORE_INDEX,
-                _ => (i * 7919) % vocab as i64,
-            })
-            .collect();
-        let targets = Tensor::new(targets.as_slice(), &dev).unwrap();
+        let (hidden, weight, targets) = head_inputs((n, h, vocab), 0.8, 3, (5, 2));
         let run = |f: &dyn Fn() -> LossSum| {
             let ls = f();
             let grads = (&ls.sum * 0.5).unwrap().backward().unwrap();
@@ -570,23 +678,43 @@ mod tests {
         assert!(rel(&gw, &ww) < 1e-5, "weight gradient {}", rel(&gw, &ww));
     }
 
+    /// Hidden states [n, h] (std 1) and a head [vocab, h] (std `weight_std`) drawn from
+    /// `seed`, and targets spread over the vocabulary, ignored at rows `i % every == at`.
+    fn head_inputs(
+        (n, h, vocab): (usize, usize, usize),
+        weight_std: f32,
+        seed: u64,
+        (every, at): (i64, i64),
+    ) -> (Var, Var, Tensor) {
+        let hidden = Var::from_tensor(&randn((n, h), 1.0, seed)).unwrap();
+        let weight = Var::from_tensor(&randn((vocab, h), weight_std, seed + 1)).unwrap();
+        let targets: Vec<i64> = (0..n as i64)
+            .map(|i| match i % every == at {
+                true => IGNORE_INDEX,
+                false => (i * 7919) % vocab as i64,
+            })
+            .collect();
+        let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+        (hidden, weight, targets)
+    }
+
+    /// `hidden` and `weight` in `dtype`, checking that the one-pass path takes f32 only (on
+    /// the CPU; bf16 runs the recomputing path).
+    fn one_pass_in_f32_only(hidden: &Var, weight: &Var, dtype: DType) -> (Tensor, Tensor) {
+        let (x, w) = (
+            hidden.to_dtype(dtype).unwrap(),
+            weight.to_dtype(dtype).unwrap(),
+        );
+        let one_pass = fused_applies(&x, &w);
+        assert_eq!(one_pass, dtype == DType::F32, "{dtype:?}: which path");
+        (x, w)
+    }
+
     #[test]
     fn equals_the_head_and_cross_entropy() {
         // 600 rows over a vocabulary of 20,000: tiles of 209 rows, the last one short.
-        let dev = Device::Cpu;
         let (n, h, vocab) = (600, 16, 20_000);
-        let hidden = Var::from_tensor(&randn((n, h), 1.0, 1)).unwrap();
-        let weight = Var::from_tensor(&randn((vocab, h), 0.2, 2)).unwrap();
-        let targets: Vec<i64> = (0..n as i64)
-            .map(|i| {
-                if i % 7 == 3 {
-                    IGNORE_INDEX
-                } else {
-                    (i * 7919) % vocab as i64
-                }
-            })
-            .collect();
-        let targets = Tensor::new(targets.as_slice(), &dev).unwrap();
+        let (hidden, weight, targets) = head_inputs((n, h, vocab), 0.2, 1, (7, 3));
         let run = |tiled: bool, dtype: DType| {
             let (x, w) = (
                 hidden.to_dtype(dtype).unwrap(),
@@ -608,15 +736,7 @@ mod tests {
         for (dtype, value_bound, grad_bound) in
             [(DType::F32, 1e-5, 1e-5), (DType::BF16, 1e-4, 1e-2)]
         {
-            let (x, w) = (
-                hidden.to_dtype(dtype).unwrap(),
-                weight.to_dtype(dtype).unwrap(),
-            );
-            assert_eq!(
-                fused_applies(&x, &w),
-                dtype == DType::F32,
-                "{dtype:?}: which path"
-            );
+            let (x, w) = one_pass_in_f32_only(&hidden, &weight, dtype);
             let (want, want_count, want_gh, want_gw) = run(false, dtype);
             let (got, count, gh, gw) = run(true, dtype);
             let eval = tiled_linear_cross_entropy(&x.detach(), &w.detach(), &targets)
@@ -635,6 +755,68 @@ mod tests {
             assert!(dv <= value_bound, "{dtype:?}: {got} vs {want}");
             assert!(dh < grad_bound, "{dtype:?}: hidden gradient {dh:e}");
             assert!(dw < grad_bound, "{dtype:?}: weight gradient {dw:e}");
+        }
+    }
+
+    /// Per-row losses (DPO's token log-probabilities), each row weighed by its own gradient:
+    /// on the one-pass path (f32) and the recomputing one (bf16), equal to the whole logits'
+    /// cross-entropy per row, over several tiles with ignored rows; a frozen head gets no
+    /// gradient and leaves the hidden state's unchanged.
+    #[test]
+    fn per_row_losses_equal_the_whole_logits_and_a_frozen_head_gets_no_gradient() {
+        let dev = Device::Cpu;
+        let (n, h, vocab) = (600, 16, 20_000);
+        let (hidden, weight, targets) = head_inputs((n, h, vocab), 0.2, 5, (9, 4));
+        // A different weight per row, as DPO's per-sequence sums give.
+        let row_weights: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) / 7.0).collect();
+        let row_weights = Tensor::new(row_weights.as_slice(), &dev).unwrap();
+        let run = |tiled: bool, dtype: DType, frozen: bool| {
+            let x = hidden.to_dtype(dtype).unwrap();
+            let w = match frozen {
+                true => weight.as_tensor().detach().to_dtype(dtype).unwrap(),
+                false => weight.to_dtype(dtype).unwrap(),
+            };
+            let rows = match tiled {
+                true => tiled_token_nll(&x, &w, &targets).unwrap().0,
+                false => {
+                    let logits = x.matmul(&w.t().unwrap()).unwrap();
+                    crate::nn::loss::cross_entropy_tokens(&logits, &targets)
+                        .unwrap()
+                        .0
+                }
+            };
+            let rows = rows.to_dtype(DType::F32).unwrap();
+            let loss = (&rows * &row_weights).unwrap().sum_all().unwrap();
+            let grads = loss.backward().unwrap();
+            let gh = grads.get(&hidden).unwrap().clone();
+            (rows, gh, grads.get(&weight).cloned())
+        };
+        for (dtype, value_bound, grad_bound) in
+            [(DType::F32, 1e-5, 1e-5), (DType::BF16, 1e-3, 1e-2)]
+        {
+            one_pass_in_f32_only(&hidden, &weight, dtype);
+            let (want, want_gh, want_gw) = run(false, dtype, false);
+            let (got, gh, gw) = run(true, dtype, false);
+            let (dv, dh, dw) = (
+                rel(&got, &want),
+                rel(&gh, &want_gh),
+                rel(&gw.unwrap(), &want_gw.unwrap()),
+            );
+            eprintln!("{dtype:?}: rows {dv:e}, hidden gradient {dh:e}, weight gradient {dw:e}");
+            assert!(dv < value_bound, "{dtype:?}: row losses {dv:e}");
+            assert!(dh < grad_bound, "{dtype:?}: hidden gradient {dh:e}");
+            assert!(dw < grad_bound, "{dtype:?}: weight gradient {dw:e}");
+            let (frozen, frozen_gh, frozen_gw) = run(true, dtype, true);
+            assert!(
+                frozen_gw.is_none(),
+                "{dtype:?}: a frozen head has no gradient"
+            );
+            assert_eq!(rel(&frozen, &got), 0.0, "{dtype:?}: frozen rows");
+            assert_eq!(
+                rel(&frozen_gh, &gh),
+                0.0,
+                "{dtype:?}: frozen hidden gradient"
+            );
         }
     }
 }

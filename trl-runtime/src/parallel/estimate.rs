@@ -163,7 +163,7 @@ fn layer_elements(h: f64, q: f64, kv: f64, i: f64, lora: bool, (tp, sp): (usize,
         + match lora {
             // Norm outputs and residuals (h), q/k/v with their rotated copies and the attention
             // output, gate/up/activation products (i).
-            false => 6.07 * h + 5.79 * q + 7.22 * kv + 3.70 * i,
+            false => 4.07 * h + 5.79 * q + 7.22 * kv + 3.70 * i,
             // The adapters add their inputs and their outputs summed to every target (since
             // the scale goes on the rank-r input, each target's output once: q, k, v, o,
             // gate, up and down, one output width each less than the 11.25 h + 8.09 q +
@@ -184,17 +184,14 @@ fn routing_elements(h: f64, experts: usize, top_k: usize, dsz: usize) -> f64 {
 /// hidden-state gradient).
 fn outside_elements(h: f64, lora: bool) -> f64 {
     match lora {
-        false => 10.12 * h,
+        false => 11.12 * h,
         true => 12.32 * h,
     }
 }
 
-/// Elements per token kept per checkpointed layer (its input and the residual stream).
-fn checkpoint_elements(h: f64, lora: bool) -> f64 {
-    match lora {
-        false => 3.0 * h,
-        true => 1.0 * h,
-    }
+/// Elements per token kept per checkpointed layer: its input.
+fn checkpoint_elements(h: f64) -> f64 {
+    h
 }
 
 /// A model's parameters as the estimate counts them, read off the model itself: its skeleton
@@ -684,10 +681,22 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         }
     };
     let (layer, kept) = stack(lora);
-    let per_token = match setup.checkpointing {
-        false => kept + outside_elements(h, lora),
-        true => layers * checkpoint_elements(h, lora) + layer + outside_elements(h, lora),
+    // ZeRO-3 / FSDP keep 2 h more per layer and token when the base is trained, with and
+    // without checkpointing (measured: the other strategies' figure fell by that much when
+    // the norms' weight gradients stopped holding their backward's [tokens, h] buffer until
+    // the update; theirs, whose units take each gradient as it comes, did not move).
+    let unit_extra = match (setup.strategy, lora) {
+        (Strategy::Fsdp(..), false) => layers * 2.0 * h,
+        _ => 0.0,
     };
+    let per_token = unit_extra
+        + outside_elements(h, lora)
+        + match setup.checkpointing {
+            false => kept,
+            // The recomputed layer's backward holds 2 h more than its forward keeps (its norms'
+            // input gradients beside the next; measured).
+            true => layers * checkpoint_elements(h) + layer + if lora { 0.0 } else { 2.0 * h },
+        };
     e.activations = (per_token * tokens as f64) as usize * dsz;
     why.push(format!(
         "activations: {tokens} tokens x {per_token:.0} elements x {dsz} bytes ({}; {} layers of {layer:.0} per token)",
@@ -700,9 +709,16 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let largest_unit = units.iter().copied().max().unwrap_or(0);
     let root_unit = units.first().copied().unwrap_or(0);
     let layer_unit = units.iter().skip(1).copied().max().unwrap_or(0);
-    // The head's gradient (fp32, the vocabulary's rows this rank holds): the loss computes it
-    // even for a frozen head under LoRA.
-    let head_grad = 4 * cfg.vocab_size * cfg.hidden_size / tp;
+    // The head's gradient (fp32, the vocabulary's rows this rank holds), unless LoRA leaves
+    // the head frozen (the loss skips it then).
+    let head_trained = !lora
+        || trained.iter().any(|(n, _)| {
+            n.ends_with("lm_head.weight") || (model.tied && n.ends_with("embed_tokens.weight"))
+        });
+    let head_grad = match head_trained {
+        true => 4 * cfg.vocab_size * cfg.hidden_size / tp,
+        false => 0,
+    };
     let sharded = matches!(setup.strategy, Strategy::Fsdp(..));
     // ZeRO-3 / FSDP's gradient slices are taken by each update and come back as the layers
     // reduce: in a step's first micro-batch (the only one without accumulation) none exists
