@@ -4,7 +4,10 @@
 //! shape (4 x 512 tokens, hidden 256, intermediate 768, fp32) on one thread. One JSON object
 //! per line on stdout: milliseconds and the ratios `speedup_vs_candle_ops` and `vs_torch`
 //! (torch's time / ours: above 1 is faster than torch). The output's gradient is all ones in
-//! both, so only the op and its backward are timed.
+//! both, so only the op and its backward are timed. The LM head's loss (the reference shape's
+//! vocabulary of 4096) against the logits and Candle's cross-entropy, for the SFT sum and DPO's
+//! per-token losses, and with a frozen head (LoRA) against a trained one
+//! (`speedup_vs_trained_head`: what skipping the head's gradient saves).
 
 use candle_core::{Device, Result, Tensor, Var};
 use std::time::Instant;
@@ -122,6 +125,7 @@ fn main() {
         ops,
         torch.get("rotary"),
     );
+    head_losses(&dev);
     let g = Tensor::randn(0f32, 1.0, (TOKENS, INTERMEDIATE), &dev).unwrap();
     let u = Tensor::randn(0f32, 1.0, (TOKENS, INTERMEDIATE), &dev).unwrap();
     let ours = timed(&fused::swiglu, &g, &u);
@@ -133,4 +137,48 @@ fn main() {
         ops,
         torch.get("swiglu"),
     );
+}
+
+/// The LM head and its loss at the reference shape (see the module docs).
+fn head_losses(dev: &Device) {
+    use trl_runtime::nn::loss::{cross_entropy_sum, cross_entropy_tokens};
+    use trl_runtime::nn::tiled_loss::{tiled_linear_cross_entropy, tiled_token_nll};
+    const VOCAB: usize = 4096;
+    let x = Tensor::randn(0f32, 1.0, (TOKENS, HIDDEN), dev).unwrap();
+    let w = Tensor::randn(0f32, 0.05, (VOCAB, HIDDEN), dev).unwrap();
+    let targets: Vec<i64> = (0..TOKENS as i64)
+        .map(|i| (i * 7919) % VOCAB as i64)
+        .collect();
+    let t = Tensor::new(targets.as_slice(), dev).unwrap();
+    let shape = format!("{TOKENS}x{HIDDEN}, vocab {VOCAB}");
+    let logits = |x: &Tensor, w: &Tensor| x.matmul(&w.t()?);
+    let fused = timed(
+        &|x, w| Ok(tiled_linear_cross_entropy(x, w, &t)?.sum),
+        &x,
+        &w,
+    );
+    let ops = timed(
+        &|x, w| Ok(cross_entropy_sum(&logits(x, w)?, &t)?.sum),
+        &x,
+        &w,
+    );
+    report("linear_cross_entropy", &shape, fused, ops, None);
+    let rows = timed(&|x, w| Ok(tiled_token_nll(x, w, &t)?.0), &x, &w);
+    let ops = timed(
+        &|x, w| Ok(cross_entropy_tokens(&logits(x, w)?, &t)?.0),
+        &x,
+        &w,
+    );
+    report("token_nll", &shape, rows, ops, None);
+    let frozen = timed(
+        &|x, w| Ok(tiled_linear_cross_entropy(x, &w.detach(), &t)?.sum),
+        &x,
+        &w,
+    );
+    let line = serde_json::json!({
+        "bench": "fused", "op": "linear_cross_entropy_frozen_head", "device": "cpu",
+        "dtype": "f32", "threads": 1, "shape": shape, "ms": frozen, "trained_head_ms": fused,
+        "speedup_vs_trained_head": fused / frozen,
+    });
+    println!("{line}");
 }

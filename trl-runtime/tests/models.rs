@@ -422,6 +422,50 @@ fn every_built_in_model_type_matches_transformers() {
     }
 }
 
+/// No parameter's gradient keeps a larger buffer alive than itself: the step holds every
+/// gradient until the optimizer runs, so a gradient that is a view of an op's output (RMSNorm's
+/// weight gradient was one row of its [tokens + 1, h] backward buffer) would keep that whole
+/// buffer, per parameter, until the update. Every built-in model type, the trainer's loss path.
+#[test]
+fn no_gradient_holds_more_than_itself() {
+    for kind in [
+        "qwen3",
+        "mistral",
+        "qwen2-sliding",
+        "gemma3",
+        "gemma2",
+        "smollm3",
+        "olmo2",
+        "llama-longrope",
+        "phi3",
+        "qwen3-moe",
+        "mixtral",
+        "gpt-oss",
+    ] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../assets")
+            .join(format!("tiny-{kind}/model"));
+        let m = CausalLm::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap();
+        let (ids, pos, labels) = batch();
+        let targets = trl_runtime::nn::loss::shift_labels(&labels).unwrap();
+        let ls = m.forward_targets(&ids, &pos, &targets).unwrap();
+        let grads = m.backward(&ls.sum).unwrap();
+        for (name, var) in m.params.iter() {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            let mut held = trl_runtime::alloc::StorageBytes::default();
+            held.add(g);
+            let own = g.elem_count() * g.dtype().size_in_bytes();
+            assert!(
+                held.total <= own,
+                "{kind}: the gradient of {name} ({own} bytes) keeps {} bytes alive",
+                held.total
+            );
+        }
+    }
+}
+
 /// An unknown model type, and Gemma values that cannot be honoured (a cap of 0 or below, a
 /// layer type other than full or sliding attention), are errors naming the key, the value and
 /// what is supported.
