@@ -595,6 +595,29 @@ fn fused_cuda_kernels_follow_the_cpu_kernels() {
     }
 }
 
+/// Hidden states [n, 64], a head [vocab, 64] (std 0.1) drawn from `seed`, and targets spread
+/// over the vocabulary, ignored (-100) at rows `i % every == at`.
+fn head_inputs(
+    n: usize,
+    vocab: usize,
+    seed: u64,
+    (every, at): (i64, i64),
+) -> (Tensor, Tensor, Tensor) {
+    let hidden = draws(&[n, 64], 1.0, seed);
+    let weight = draws(&[vocab, 64], 0.1, seed + 1);
+    let targets: Vec<i64> = (0..n as i64)
+        .map(|i| match i % every == at {
+            true => -100,
+            false => (i * 7919) % vocab as i64,
+        })
+        .collect();
+    (
+        hidden,
+        weight,
+        Tensor::new(targets.as_slice(), &Device::Cpu).unwrap(),
+    )
+}
+
 /// The fused linear cross-entropy on the GPU (the LM head and the loss per tile, the CUDA
 /// row pass in place) against the LM head followed by the cross-entropy in f32 on the CPU:
 /// the loss and both gradients, in f32 (1e-4) and bf16 (3e-2), over several tiles, the last
@@ -606,19 +629,8 @@ fn fused_linear_cross_entropy_on_gpu_follows_cpu() {
     let Some(dev) = gpu() else { return };
     // 3000 rows: several 256 MiB logits tiles (3 in f32, 2 in bf16), each adding its weight
     // gradient into the f32 sum by one cuBLAS GEMM (beta = 1).
-    let (n, h, vocab) = (3000, 64, 50_000);
-    let hidden = draws(&[n, h], 1.0, 21);
-    let weight = draws(&[vocab, h], 0.1, 22);
-    let targets: Vec<i64> = (0..n as i64)
-        .map(|i| {
-            if i % 5 == 2 {
-                -100
-            } else {
-                (i * 7919) % vocab as i64
-            }
-        })
-        .collect();
-    let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    let (n, vocab) = (3000, 50_000);
+    let (hidden, weight, targets) = head_inputs(n, vocab, 21, (5, 2));
     let run = |device: &Device, dtype: DType, fused: bool| {
         let x = Var::from_tensor(&hidden.to_device(device).unwrap()).unwrap();
         let w = Var::from_tensor(&weight.to_device(device).unwrap()).unwrap();
@@ -676,16 +688,8 @@ fn per_row_losses_on_gpu_follow_cpu() {
     use trl_runtime::nn::loss::cross_entropy_tokens;
     use trl_runtime::nn::tiled_loss::tiled_token_nll;
     let Some(dev) = gpu() else { return };
-    let (n, h, vocab) = (3000, 64, 50_000);
-    let hidden = draws(&[n, h], 1.0, 31);
-    let weight = draws(&[vocab, h], 0.1, 32);
-    let targets: Vec<i64> = (0..n as i64)
-        .map(|i| match i % 7 {
-            3 => -100,
-            _ => (i * 104_729) % vocab as i64,
-        })
-        .collect();
-    let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    let (n, vocab) = (3000, 50_000);
+    let (hidden, weight, targets) = head_inputs(n, vocab, 31, (7, 3));
     let row_weights: Vec<f32> = (0..n).map(|i| ((i % 11) as f32 - 5.0) / 5.0).collect();
     let row_weights = Tensor::new(row_weights.as_slice(), &Device::Cpu).unwrap();
     let cpu = |t: &Tensor| {
