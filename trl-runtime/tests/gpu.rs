@@ -722,10 +722,12 @@ fn per_row_losses_on_gpu_follow_cpu() {
             .unwrap()
             .backward()
             .unwrap();
+        // A frozen head's gradient would be stored under the tensor the loss took.
+        let head = if frozen { &wc } else { w.as_tensor() };
         (
             cpu(&rows),
             cpu(grads.get(&x).unwrap()),
-            grads.get(&w).map(cpu),
+            grads.get(head).map(cpu),
         )
     };
     let (want, want_dx, want_dw) = run(&Device::Cpu, DType::F32, false, false);

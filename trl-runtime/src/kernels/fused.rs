@@ -1089,40 +1089,34 @@ pub(crate) fn row_max_f32(x: &[f32]) -> f32 {
 simd_dispatch!(cross_entropy_row, cross_entropy_row_avx2, cross_entropy_row_body, <T: F32Math>, (row: &mut [T], target: usize, grads: bool, loss: &mut f64));
 
 /// Cross-entropy of every row of `logits` (rows of `vocab`) against `targets` (-100:
-/// ignored), in place and in parallel: returns the summed loss of the counted rows and, with
-/// `grads`, leaves in `logits` the gradient of that sum (softmax minus one-hot; zero rows for
-/// ignored targets). With `row_losses`, each row's loss is written there too (0 where
-/// ignored). Targets are checked by the caller.
+/// ignored), in place and in parallel: writes each row's loss to `row_losses` (0 where
+/// ignored), returns their sum in f64 and, with `grads`, leaves in `logits` the gradient of
+/// that sum (softmax minus one-hot; zero rows for ignored targets). Targets are checked by
+/// the caller.
 pub(crate) fn cross_entropy_rows(
     logits: &mut [f32],
     vocab: usize,
     targets: &[i64],
     grads: bool,
-    row_losses: Option<&mut [f32]>,
+    row_losses: &mut [f32],
 ) -> f64 {
-    let row = |(row, &t): (&mut [f32], &i64)| {
-        let mut loss = 0.0;
-        if t < 0 {
-            if grads {
-                row.fill(0.0);
+    logits
+        .par_chunks_mut(vocab)
+        .zip(targets.par_iter())
+        .zip(row_losses.par_iter_mut())
+        .map(|((row, &t), out)| {
+            let mut loss = 0.0;
+            if t < 0 {
+                if grads {
+                    row.fill(0.0);
+                }
+            } else {
+                cross_entropy_row::<f32>(row, t as usize, grads, &mut loss);
             }
-        } else {
-            cross_entropy_row::<f32>(row, t as usize, grads, &mut loss);
-        }
-        loss
-    };
-    let rows = logits.par_chunks_mut(vocab).zip(targets.par_iter());
-    match row_losses {
-        None => rows.map(row).sum(),
-        Some(out) => rows
-            .zip(out.par_iter_mut())
-            .map(|(r, out)| {
-                let loss = row(r);
-                *out = loss as f32;
-                loss
-            })
-            .sum(),
-    }
+            *out = loss as f32;
+            loss
+        })
+        .sum()
 }
 
 // ---------------------------------------------------------------- dropout

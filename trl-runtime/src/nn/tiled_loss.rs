@@ -246,14 +246,14 @@ impl InplaceOp1 for Scale {
 }
 
 /// One tile of logits turned in place into the gradient of its summed loss (see
-/// [`crate::kernels::fused::cross_entropy_rows`]). On CPU the loss is left in `loss`; on a GPU the
-/// rows' losses go to `on_device`'s buffer from row `first` on, and its targets are read there.
+/// [`crate::kernels::fused::cross_entropy_rows`]). On CPU the loss is left in `loss` and each
+/// row's in `rows`; on a GPU the rows' losses go to `on_device`'s buffer from row `first` on,
+/// and its targets are read there.
 struct CrossEntropyRows<'a> {
     targets: &'a [i64],
     grads: bool,
     loss: Cell<f64>,
-    /// On CPU, where each row's loss goes (the GPU pass writes them to `on_device`).
-    row_losses: Option<&'a RefCell<Vec<f32>>>,
+    rows: RefCell<Vec<f32>>,
     // Read by the CUDA pass only.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     on_device: Option<&'a DeviceRows>,
@@ -280,15 +280,16 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
             candle_core::bail!("cross-entropy rows: contiguous f32 logits expected")
         };
         let vocab = layout.dims()[1];
-        let mut rows = self.row_losses.map(|r| r.borrow_mut());
+        let mut rows = vec![0f32; self.targets.len()];
         let loss = crate::kernels::fused::cross_entropy_rows(
             &mut v[start..end],
             vocab,
             self.targets,
             self.grads,
-            rows.as_deref_mut().map(|r| r.as_mut_slice()),
+            &mut rows,
         );
         self.loss.set(loss);
+        *self.rows.borrow_mut() = rows;
         Ok(())
     }
 
@@ -315,33 +316,22 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
     }
 }
 
-/// Rows per tile of the one-pass loss: on a GPU, tiles of GPU_TILE_BYTES (each tile's weight
-/// gradient is a full [vocab, hidden] product added to the sum, so few large tiles keep the
-/// GEMMs big and the passes few); on the CPU, of TILE_BYTES.
-fn one_pass_tile_rows(hidden: &Tensor, vocab: usize) -> usize {
-    match hidden.device().is_cuda() {
-        true => (GPU_TILE_BYTES / (hidden.dtype().size_in_bytes() * vocab)).max(64),
-        false => (TILE_BYTES / (4 * vocab)).max(16),
-    }
-}
-
-/// The targets and a per-row loss buffer on a GPU (None on the CPU).
-fn device_rows(targets: &[i64], dev: &candle_core::Device) -> Result<Option<DeviceRows>> {
-    if dev.is_cpu() {
-        return Ok(None);
-    }
-    Ok(Some(DeviceRows {
-        targets: Tensor::new(targets, dev)?,
-        loss: Tensor::zeros(targets.len(), DType::F32, dev)?,
-    }))
+/// What one pass of [`fused_loss`] over the tiles gives.
+struct Pass {
+    /// The summed loss (f32, a scalar).
+    sum: Tensor,
+    /// Each row's loss, [n] f32, 0 where ignored.
+    rows: Tensor,
+    /// With `grads`: the gradients of hidden and (unless `weight_grad` was off) weight.
+    grads: Option<Kept>,
 }
 
 /// Liger's fused linear cross-entropy (on CPU in f32; on a GPU in f32, bf16 or f16): per tile
 /// of rows, the logits by one GEMM, then one in-place pass computing each row's loss (f32
 /// math) and turning the logits into their gradient, then the gradient GEMMs, all during
 /// forward. No broadcast op, and nothing [tokens x vocab] outlives its tile. Returns the loss
-/// sum and, with `grads`, the gradients of hidden and (with `weight_grad`; a frozen head under
-/// LoRA has none to compute) weight (contiguous inputs). `row_scale` ([n, 1] f32): each row's
+/// (summed and per row) and, with `grads`, the gradients of hidden and (with `weight_grad`; a
+/// frozen head under LoRA has none to compute) weight (contiguous inputs). `row_scale` ([n, 1] f32): each row's
 /// gradient weighed by its own factor (a loss built on per-row losses), applied to the
 /// [rows, hidden] products in f32 (no other tile-sized buffer).
 fn fused_loss(
@@ -350,13 +340,27 @@ fn fused_loss(
     targets: &[i64],
     (grads, weight_grad): (bool, bool),
     (softcap, row_scale): (Option<f64>, Option<&Tensor>),
-) -> Result<(Tensor, Option<Kept>)> {
+) -> Result<Pass> {
     let (n, _) = hidden.dims2()?;
     let vocab = weight.dim(0)?;
     let dev = hidden.device();
-    let rows = one_pass_tile_rows(hidden, vocab);
+    // On a GPU, tiles of GPU_TILE_BYTES: each tile's weight gradient is a full [vocab, hidden]
+    // product added to the sum, so few large tiles keep the GEMMs big and the passes few.
+    let rows = if dev.is_cuda() {
+        (GPU_TILE_BYTES / (hidden.dtype().size_in_bytes() * vocab)).max(64)
+    } else {
+        (TILE_BYTES / (4 * vocab)).max(16)
+    };
     let mut total = 0f64;
-    let on_device = device_rows(targets, dev)?;
+    let mut cpu_rows = Vec::new();
+    let on_device = if dev.is_cpu() {
+        None
+    } else {
+        Some(DeviceRows {
+            targets: Tensor::new(targets, dev)?,
+            loss: Tensor::zeros(n, DType::F32, dev)?,
+        })
+    };
     let mut dhidden = Vec::new();
     let mut dweight: Option<Tensor> = None;
     for start in (0..n).step_by(rows) {
@@ -381,12 +385,13 @@ fn fused_loss(
             targets: &targets[start..start + len],
             grads,
             loss: Cell::new(0.0),
-            row_losses: None,
+            rows: RefCell::default(),
             on_device: on_device.as_ref(),
             first: start,
         };
         logits.inplace_op1(&pass)?;
         total += pass.loss.get();
+        cpu_rows.extend(pass.rows.take());
         if grads {
             // The capped logits' gradient through the cap.
             let logits = match slope {
@@ -409,9 +414,12 @@ fn fused_loss(
             }
         }
     }
-    let sum = match on_device {
-        Some(rows) => rows.loss.sum_all()?,
-        None => Tensor::new(total as f32, dev)?,
+    let (sum, rows) = match on_device {
+        Some(rows) => (rows.loss.sum_all()?, rows.loss),
+        None => (
+            Tensor::new(total as f32, dev)?,
+            Tensor::from_vec(cpu_rows, n, dev)?,
+        ),
     };
     let grads = match grads {
         // The weight's gradient summed in f32, handed back in its dtype.
@@ -421,7 +429,7 @@ fn fused_loss(
         )),
         false => None,
     };
-    Ok((sum, grads))
+    Ok(Pass { sum, rows, grads })
 }
 
 /// The gradients of the per-row losses of `hidden . weight^T` against `targets`, each row
@@ -435,43 +443,15 @@ fn one_pass_row_grads(
     weight_grad: bool,
 ) -> Result<Kept> {
     let scale = grad.to_dtype(DType::F32)?.reshape((hidden.dim(0)?, 1))?;
-    let (_, kept) = fused_loss(
+    let pass = fused_loss(
         hidden,
         weight,
         targets,
         (true, weight_grad),
         (None, Some(&scale)),
     )?;
-    kept.ok_or_else(|| candle_core::Error::Msg("the row losses' pass kept no gradient".into()))
-}
-
-/// The per-row losses of `hidden . weight^T` against `targets` by the one-pass row kernel,
-/// [n] in f32 (0 where ignored), tile by tile.
-fn one_pass_row_losses(hidden: &Tensor, weight: &Tensor, targets: &[i64]) -> Result<Tensor> {
-    let (n, _) = hidden.dims2()?;
-    let dev = hidden.device();
-    let rows = one_pass_tile_rows(hidden, weight.dim(0)?);
-    let on_device = device_rows(targets, dev)?;
-    let cpu_rows = RefCell::new(Vec::new());
-    let mut losses = Vec::with_capacity(n);
-    for start in (0..n).step_by(rows) {
-        let len = rows.min(n - start);
-        let logits = hidden.narrow(0, start, len)?.matmul(&weight.t()?)?;
-        *cpu_rows.borrow_mut() = vec![0f32; len];
-        logits.inplace_op1(&CrossEntropyRows {
-            targets: &targets[start..start + len],
-            grads: false,
-            loss: Cell::new(0.0),
-            row_losses: on_device.is_none().then_some(&cpu_rows),
-            on_device: on_device.as_ref(),
-            first: start,
-        })?;
-        losses.extend_from_slice(&cpu_rows.borrow());
-    }
-    match on_device {
-        Some(rows) => Ok(rows.loss),
-        None => Tensor::from_vec(losses, n, dev),
-    }
+    pass.grads
+        .ok_or_else(|| candle_core::Error::Msg("the row losses' pass kept no gradient".into()))
 }
 
 /// Whether [`tiled_linear_cross_entropy`] runs fused in one pass per row: on CPU in f32, on
@@ -525,8 +505,14 @@ pub(crate) fn tied_linear_cross_entropy(
         let (targets, count) = checked_targets(targets, vocab)?;
         let grads = hidden.track_op() || weight.track_op();
         let (h, w) = (hidden.detach().contiguous()?, weight.detach().contiguous()?);
-        let kept_grads = (grads, weight.track_op());
-        let (sum, kept) = fused_loss(&h, &w, &targets, kept_grads, (softcap, None))?;
+        let pass = fused_loss(
+            &h,
+            &w,
+            &targets,
+            (grads, weight.track_op()),
+            (softcap, None),
+        )?;
+        let (sum, kept) = (pass.sum, pass.grads);
         if !grads {
             return Ok(LossSum { sum, count });
         }
@@ -567,7 +553,7 @@ pub fn tiled_token_nll(
     let grads = hidden.track_op() || weight.track_op();
     if fused_applies(hidden, weight) {
         let (h, w) = (hidden.detach().contiguous()?, weight.detach().contiguous()?);
-        let per_row = one_pass_row_losses(&h, &w, &targets)?;
+        let per_row = fused_loss(&h, &w, &targets, (false, false), (None, None))?.rows;
         if !grads {
             return Ok((per_row, count));
         }
@@ -761,7 +747,7 @@ mod tests {
     /// Per-row losses (DPO's token log-probabilities), each row weighed by its own gradient:
     /// on the one-pass path (f32) and the recomputing one (bf16), equal to the whole logits'
     /// cross-entropy per row, over several tiles with ignored rows; a frozen head gets no
-    /// gradient and leaves the hidden state's unchanged.
+    /// gradient (there or from the summed loss) and leaves the hidden state's unchanged.
     #[test]
     fn per_row_losses_equal_the_whole_logits_and_a_frozen_head_gets_no_gradient() {
         let dev = Device::Cpu;
@@ -789,7 +775,9 @@ mod tests {
             let loss = (&rows * &row_weights).unwrap().sum_all().unwrap();
             let grads = loss.backward().unwrap();
             let gh = grads.get(&hidden).unwrap().clone();
-            (rows, gh, grads.get(&weight).cloned())
+            // A frozen head's gradient would be stored under the tensor the loss took.
+            let head = if frozen { &w } else { weight.as_tensor() };
+            (rows, gh, grads.get(head).cloned())
         };
         for (dtype, value_bound, grad_bound) in
             [(DType::F32, 1e-5, 1e-5), (DType::BF16, 1e-3, 1e-2)]
@@ -816,6 +804,18 @@ mod tests {
                 rel(&frozen_gh, &gh),
                 0.0,
                 "{dtype:?}: frozen hidden gradient"
+            );
+            // SFT's summed loss (the fused path in f32, the recomputing one in bf16) too.
+            let (x, w) = (
+                hidden.to_dtype(dtype).unwrap(),
+                weight.as_tensor().detach().to_dtype(dtype).unwrap(),
+            );
+            let ls = tiled_linear_cross_entropy(&x, &w, &targets).unwrap();
+            let grads = ls.sum.backward().unwrap();
+            assert!(grads.get(&hidden).is_some(), "{dtype:?}: summed loss");
+            assert!(
+                grads.get(&w).is_none(),
+                "{dtype:?}: a frozen head has no gradient from the summed loss"
             );
         }
     }
