@@ -681,10 +681,11 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         }
     };
     let (layer, kept) = stack(lora);
-    // ZeRO-3 / FSDP keep 2 h more per layer and token when the base is trained, with and
-    // without checkpointing (measured: the other strategies' figure fell by that much when
-    // the norms' weight gradients stopped holding their backward's [tokens, h] buffer until
-    // the update; theirs, whose units take each gradient as it comes, did not move).
+    // ZeRO-3 / FSDP keep 2 h more per layer and token (measured, with and without
+    // checkpointing): a norm whose weight is in a unit runs as Candle's normalize ops and a
+    // unit op scaling by the weight (`nn::RmsNorm`), not the fused kernel, and the graph keeps
+    // those ops' intermediates. (A fused unit op for it measured 14% less step memory; the
+    // step buffers below then over-count by ~3 MB at the test shape: not yet re-derived.)
     let unit_extra = match (setup.strategy, lora) {
         (Strategy::Fsdp(..), false) => layers * 2.0 * h,
         _ => 0.0,
