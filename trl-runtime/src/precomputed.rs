@@ -73,19 +73,37 @@ pub(crate) trait Backward3: Send + Sync {
     fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]>;
 }
 
-/// What a [`Backward3`] gets, detached: the three inputs, the output and its gradient.
-pub(crate) struct Saved3 {
-    pub inputs: [Tensor; 3],
+/// [`Backward3`] for two inputs.
+pub(crate) trait Backward2: Send + Sync {
+    const NAME: &'static str;
+    fn backward(&self, saved: &Saved<2>) -> Result<[Option<Tensor>; 2]>;
+}
+
+/// What a backward gets, detached: the inputs, the output and its gradient.
+pub(crate) struct Saved<const N: usize> {
+    pub inputs: [Tensor; N],
     pub out: Tensor,
     pub dout: Tensor,
 }
 
-struct Op3<B> {
+pub(crate) type Saved3 = Saved<3>;
+
+/// Detached: gradients built from graph tensors would record (and keep alive) every block
+/// they were computed from.
+fn saved<const N: usize>(inputs: [&Tensor; N], out: &Tensor, dout: &Tensor) -> Saved<N> {
+    Saved {
+        inputs: inputs.map(Tensor::detach),
+        out: out.detach(),
+        dout: dout.detach(),
+    }
+}
+
+struct Op<B> {
     backward: B,
     out: Precomputed,
 }
 
-impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
+impl<B: Backward2> candle_core::CustomOp2 for Op<B> {
     fn name(&self) -> &'static str {
         B::NAME
     }
@@ -93,11 +111,9 @@ impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
     fn cpu_fwd(
         &self,
         _: &CpuStorage,
-        _: &candle_core::Layout,
+        _: &Layout,
         _: &CpuStorage,
-        _: &candle_core::Layout,
-        _: &CpuStorage,
-        _: &candle_core::Layout,
+        _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         self.out.take(B::NAME)
     }
@@ -105,11 +121,50 @@ impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
     fn cuda_fwd(
         &self,
         _: &CudaStorage,
-        _: &candle_core::Layout,
+        _: &Layout,
         _: &CudaStorage,
-        _: &candle_core::Layout,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.out.take_cuda(B::NAME)
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let [da, db] = self.backward.backward(&saved([a, b], out, dout))?;
+        Ok((da, db))
+    }
+}
+
+impl<B: Backward3> candle_core::CustomOp3 for Op<B> {
+    fn name(&self) -> &'static str {
+        B::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.out.take(B::NAME)
+    }
+
+    fn cuda_fwd(
+        &self,
         _: &CudaStorage,
-        _: &candle_core::Layout,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         self.out.take_cuda(B::NAME)
     }
@@ -122,13 +177,7 @@ impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // Detached: gradients built from graph tensors would record (and keep alive) every
-        // block they were computed from.
-        let [dq, dk, dv] = self.backward.backward(&Saved3 {
-            inputs: [q.detach(), k.detach(), v.detach()],
-            out: out.detach(),
-            dout: dout.detach(),
-        })?;
+        let [dq, dk, dv] = self.backward.backward(&saved([q, k, v], out, dout))?;
         Ok((dq, dk, dv))
     }
 }
@@ -142,10 +191,24 @@ pub(crate) fn with_backward3<B: Backward3 + 'static>(
     out: Tensor,
     backward: B,
 ) -> Result<Tensor> {
-    let op = Op3 {
+    let op = Op {
         backward,
         out: Precomputed::new(out),
     };
     q.contiguous()?
         .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// [`with_backward3`] for two inputs.
+pub(crate) fn with_backward2<B: Backward2 + 'static>(
+    a: &Tensor,
+    b: &Tensor,
+    out: Tensor,
+    backward: B,
+) -> Result<Tensor> {
+    let op = Op {
+        backward,
+        out: Precomputed::new(out),
+    };
+    a.contiguous()?.apply_op2(&b.contiguous()?, op)
 }

@@ -1325,3 +1325,88 @@ fn swap_heads_and_bias_on_gpu_follow_the_cpu() {
         );
     }
 }
+
+/// A projection with its bias, head split, rotary and scale as one op, and an output
+/// projection with the heads merged and the residual added (`nn::chain`), on the GPU in f32
+/// and bf16, against the same ops recorded one by one in f32 on the CPU.
+#[test]
+fn linear_chains_on_gpu_follow_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    let (b, s, n, d, hidden) = CHAIN_DIMS;
+    let x = draws(&[b, s, hidden], 1.0, 511);
+    let w = draws(&[n * d, hidden], 0.1, 512);
+    let bias = draws(&[n * d], 1.0, 513);
+    let dout = draws(&[b, n, s, d], 1.0, 514);
+    let a = draws(&[b, n, s, d], 1.0, 515);
+    let wo = draws(&[hidden, n * d], 0.1, 516);
+    let resid = draws(&[b, s, hidden], 1.0, 517);
+    let dout_o = draws(&[b, s, hidden], 1.0, 518);
+    type Case<'a> = (
+        &'a str,
+        Vec<&'a Tensor>,
+        &'a Tensor,
+        fn(&[Tensor], bool) -> Tensor,
+    );
+    let cases: [Case; 2] = [
+        ("split", vec![&x, &w, &bias], &dout, split_chain),
+        ("merge", vec![&a, &wo, &resid], &dout_o, merge_chain),
+    ];
+    for (name, inputs, g, f) in cases {
+        let want = output_and_grads(&inputs, g, &Device::Cpu, DType::F32, |t| f(t, false));
+        for (dtype, bound) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+            let got = output_and_grads(&inputs, g, &dev, dtype, |t| f(t, true));
+            let e = rel_diff(&got.0, &want.0);
+            let eg: Vec<f64> = got
+                .1
+                .iter()
+                .zip(&want.1)
+                .map(|(a, b)| rel_diff(a, b))
+                .collect();
+            eprintln!("chain {name} {dtype:?}: output {e:e}, gradients {eg:?}");
+            assert!(
+                e < bound && eg.iter().all(|&x| x < bound),
+                "chain {name} {dtype:?}: {e} {eg:?}"
+            );
+        }
+    }
+}
+
+/// (batch, seq, heads, head_dim, hidden) of the chain test.
+const CHAIN_DIMS: (usize, usize, usize, usize, usize) = (2, 33, 3, 64, 96);
+
+/// q's chain on `t` = [x, W, bias]: as one op (`fused`) or recorded op by op.
+fn split_chain(t: &[Tensor], fused: bool) -> Tensor {
+    use trl_runtime::nn::chain::{Chain, SplitHeads};
+    let (b, s, n, d, _) = CHAIN_DIMS;
+    let on = |c: Tensor| {
+        c.to_device(t[0].device())
+            .unwrap()
+            .to_dtype(t[0].dtype())
+            .unwrap()
+    };
+    let half = draws(&[b, s, d / 2], 1.0, 510);
+    let angles = Tensor::cat(&[&half, &half], 2).unwrap();
+    let chain = Chain::split(SplitHeads {
+        batch: b,
+        seq: s,
+        heads: n,
+        head_dim: d,
+        rotary: Some((on(angles.cos().unwrap()), on(angles.sin().unwrap()))),
+        scale: Some(0.125),
+    });
+    match fused {
+        true => chain.linear(&t[0], &t[1], Some(&t[2])).unwrap(),
+        false => chain
+            .around(&t[0], |r| r.matmul(&t[1].t()?)?.broadcast_add(&t[2]))
+            .unwrap(),
+    }
+}
+
+/// o_proj's chain on `t` = [attention output, W, residual].
+fn merge_chain(t: &[Tensor], fused: bool) -> Tensor {
+    let chain = trl_runtime::nn::chain::Chain::merge_and_add(true, Some(&t[2]));
+    match fused {
+        true => chain.linear(&t[0], &t[1], None).unwrap(),
+        false => chain.around(&t[0], |r| r.matmul(&t[1].t()?)).unwrap(),
+    }
+}

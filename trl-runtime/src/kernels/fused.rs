@@ -694,15 +694,33 @@ pub fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// Rotates `x` [batch, heads, seq, head_dim] by `cos`/`sin` [batch, seq, head_dim] (as
 /// `nn::rope::apply_rotary`).
 pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let shapes_fit = x.rank() == 4 && cos.rank() == 3 && {
-        let (b, _, s, d) = x.dims4()?;
-        cos.dims() == [b, s, d] && sin.dims() == [b, s, d] && d % 2 == 0
-    };
-    if !fused_here(&[x, cos, sin]) || !shapes_fit {
+    if !rotary_fused_fits(x, cos, sin)? {
         return apply_rotary(x, cos, sin);
     }
     x.contiguous()?
         .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rotary { sign: 1.0 })
+}
+
+/// Whether the fused rotary kernel takes `x` [b, heads, s, d] and `cos`/`sin` [b, s, d].
+fn rotary_fused_fits(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<bool> {
+    let shapes_fit = x.rank() == 4 && cos.rank() == 3 && {
+        let (b, _, s, d) = x.dims4()?;
+        cos.dims() == [b, s, d] && sin.dims() == [b, s, d] && d % 2 == 0
+    };
+    Ok(shapes_fit && fused_here(&[x, cos, sin]))
+}
+
+/// The transposed rotation of [`rotary`] (by the negated angles): its backward, for a chain
+/// of ops that computes its own (`nn::chain`). Not differentiable.
+pub fn rotary_transposed(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if !rotary_fused_fits(g, cos, sin)? {
+        return apply_rotary(&g.detach(), cos, &sin.neg()?);
+    }
+    g.contiguous()?.apply_op3_no_bwd(
+        &cos.contiguous()?,
+        &sin.contiguous()?,
+        &Rotary { sign: -1.0 },
+    )
 }
 
 /// The plain computation (also what the sharded op runs once its weights are gathered).

@@ -7,6 +7,7 @@ use super::causal::{CausalModel, LayerInputs};
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
 use crate::kernels::fused::{rotary as apply_rotary, swap_heads};
+use crate::nn::chain::{Chain, SplitHeads};
 use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{embedding, linear, linear_no_bias, rms_norm};
 use crate::nn::{Embedding, Linear, Param, RmsNorm, RotaryEmbedding, Weight};
@@ -147,10 +148,26 @@ impl SelfAttention {
         rope: Option<&RotaryEmbedding>,
         window: Option<usize>,
     ) -> Result<Tensor> {
-        let (q, k) = (self.q_proj.forward(h)?, self.k_proj.forward(h)?);
-        let v = self.v_proj.forward(h)?;
-        let a = self.heads().attend((q, k, v), cx, rope, window)?;
-        Ok(self.o_proj.forward(&a)?)
+        self.forward_add(h, None, cx, rope, window)
+    }
+
+    /// `residual + attention(h)`: the residual is added inside the output projection's op,
+    /// so the graph keeps neither the projection's input merged from the heads nor its
+    /// output ([`Chain`]).
+    pub fn forward_add(
+        &self,
+        h: &Tensor,
+        residual: Option<&Tensor>,
+        cx: &LayerInputs,
+        rope: Option<&RotaryEmbedding>,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
+        let heads = self.heads();
+        let projections = (&self.q_proj, &self.k_proj, &self.v_proj);
+        let (q, k, v) = heads.project(projections, h, cx, rope)?;
+        let a = heads.attend_heads(&q, &k, &v, cx, window)?;
+        let out = Chain::merge_and_add(true, residual);
+        Ok(self.o_proj.forward_chain(&a, &out)?)
     }
 
     /// What happens between its projections.
@@ -198,50 +215,134 @@ impl Heads<'_> {
         window: Option<usize>,
     ) -> Result<Tensor> {
         let (b, s, _) = q.dims3()?;
-        let d = self.head_dim;
-        let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> {
-            swap_heads(&t.reshape((b, s, n, d))?)
+        let cos_sin = rope.map(|r| cx.cos_sin(r)).transpose()?;
+        let cs = cos_sin.as_ref();
+        let q = self.heads_of(q, self.heads, self.q_norm, cs, self.query_scale, cx)?;
+        let k = self.heads_of(k, self.kv_heads, self.k_norm, cs, None, cx)?;
+        let v = self.heads_of(v, self.kv_heads, None, None, None, cx)?;
+        let a = self.attend_heads(&q, &k, &v, cx, window)?;
+        Ok(swap_heads(&a)?.reshape((b, s, self.heads * self.head_dim))?)
+    }
+
+    /// q [b, heads, s, d] and k, v [b, kv_heads, s, d] from `h` [b, s, hidden] through the
+    /// three projections, each with the ops after it in its op where nothing between needs
+    /// its input kept (a per-head norm does: it comes after the head split).
+    pub fn project(
+        &self,
+        (q, k, v): (&Linear, &Linear, &Linear),
+        h: &Tensor,
+        cx: &LayerInputs,
+        rope: Option<&RotaryEmbedding>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let cos_sin = rope.map(|r| cx.cos_sin(r)).transpose()?;
+        let cs = cos_sin.as_ref();
+        Ok((
+            self.project_one(q, h, self.heads, self.q_norm, cs, self.query_scale, cx)?,
+            self.project_one(k, h, self.kv_heads, self.k_norm, cs, None, cx)?,
+            self.project_one(v, h, self.kv_heads, None, None, None, cx)?,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn project_one(
+        &self,
+        proj: &Linear,
+        h: &Tensor,
+        n: usize,
+        norm: Option<&RmsNorm>,
+        cos_sin: Option<&(Tensor, Tensor)>,
+        scale: Option<f64>,
+        cx: &LayerInputs,
+    ) -> Result<Tensor> {
+        if norm.is_some() && self.norm_whole_projection {
+            return self.heads_of(proj.forward(h)?, n, norm, cos_sin, scale, cx);
+        }
+        let (b, s, _) = h.dims3()?;
+        let fold = norm.is_none() && self.partial_rotary().is_none();
+        let split = SplitHeads {
+            batch: b,
+            seq: s,
+            heads: n,
+            head_dim: self.head_dim,
+            rotary: cos_sin.filter(|_| fold).cloned(),
+            scale: scale.filter(|_| fold),
         };
-        // q/k norms act over head_dim (or the whole projection), before rotary.
+        let y = proj.forward_chain(h, &Chain::split(split))?;
+        if fold {
+            return Ok(y);
+        }
+        let y = match norm {
+            Some(n) => n.forward(&y)?,
+            None => y,
+        };
+        self.rotate_and_scale(y, cos_sin, scale)
+    }
+
+    /// A projection's output [b, s, n * d] as heads [b, n, s, d]: q/k norm (over the whole
+    /// projection before the split, or per head after it), rotary, the query scale.
+    fn heads_of(
+        &self,
+        y: Tensor,
+        n: usize,
+        norm: Option<&RmsNorm>,
+        cos_sin: Option<&(Tensor, Tensor)>,
+        scale: Option<f64>,
+        cx: &LayerInputs,
+    ) -> Result<Tensor> {
+        let (b, s, _) = y.dims3()?;
         let whole = self.norm_whole_projection;
-        // `here`: whether this is where the norm goes (before the head split, or after it).
-        let norm = |t: Tensor, n: Option<&RmsNorm>, here: bool| -> Result<Tensor> {
-            match n {
-                Some(n) if here && whole => norm_whole(&t, n, cx),
-                Some(n) if here => Ok(n.forward(&t)?),
-                _ => Ok(t),
-            }
+        let y = match norm {
+            Some(norm) if whole => norm_whole(&y, norm, cx)?,
+            _ => y,
         };
-        let (q, k) = (norm(q, self.q_norm, whole)?, norm(k, self.k_norm, whole)?);
-        let q = norm(split(q, self.heads)?, self.q_norm, !whole)?;
-        let k = norm(split(k, self.kv_heads)?, self.k_norm, !whole)?;
-        let (q, k) = match rope {
-            Some(rope) => {
-                let (cos, sin) = cx.cos_sin(rope)?;
-                let rotate = |t: &Tensor| -> candle_core::Result<Tensor> {
-                    match self.rotary_dim.filter(|&r| r < d) {
-                        Some(r) => Tensor::cat(
-                            &[
-                                apply_rotary(&t.narrow(3, 0, r)?.contiguous()?, &cos, &sin)?,
-                                t.narrow(3, r, d - r)?,
-                            ],
-                            3,
-                        ),
-                        None => apply_rotary(t, &cos, &sin),
-                    }
-                };
-                (rotate(&q)?, rotate(&k)?)
-            }
-            None => (q, k),
+        let y = swap_heads(&y.reshape((b, s, n, self.head_dim))?)?;
+        let y = match norm {
+            Some(norm) if !whole => norm.forward(&y)?,
+            _ => y,
         };
-        let q = match self.query_scale {
-            Some(scale) => (q * scale)?,
-            None => q,
+        self.rotate_and_scale(y, cos_sin, scale)
+    }
+
+    /// Rotary on the first `rotary_dim` features of each head when it is shorter (partial).
+    fn partial_rotary(&self) -> Option<usize> {
+        self.rotary_dim.filter(|&r| r < self.head_dim)
+    }
+
+    fn rotate_and_scale(
+        &self,
+        t: Tensor,
+        cos_sin: Option<&(Tensor, Tensor)>,
+        scale: Option<f64>,
+    ) -> Result<Tensor> {
+        let d = self.head_dim;
+        let t = match (cos_sin, self.partial_rotary()) {
+            (None, _) => t,
+            (Some((cos, sin)), None) => apply_rotary(&t, cos, sin)?,
+            (Some((cos, sin)), Some(r)) => Tensor::cat(
+                &[
+                    apply_rotary(&t.narrow(3, 0, r)?.contiguous()?, cos, sin)?,
+                    t.narrow(3, r, d - r)?,
+                ],
+                3,
+            )?,
         };
-        let v = split(v, self.kv_heads)?;
+        Ok(match scale {
+            Some(scale) => (t * scale)?,
+            None => t,
+        })
+    }
+
+    /// Attention of heads q [b, heads, s, d] over k, v [b, kv_heads, s, d]: [b, heads, s, d].
+    pub fn attend_heads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cx: &LayerInputs,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
         let sinks = self.sinks.map(Param::value).transpose()?;
-        let a = cx.attention_with(&q, &k, &v, window, self.softcap, sinks.as_ref())?;
-        Ok(swap_heads(&a)?.reshape((b, s, self.heads * d))?)
+        Ok(cx.attention_with(q, k, v, window, self.softcap, sinks.as_ref())?)
     }
 }
 
@@ -312,18 +413,25 @@ impl GatedMlp {
     /// The MLP of `h` [batch, seq, hidden] ([`gated_mlp`]).
     pub fn forward(&self, cx: &LayerInputs, h: &Tensor) -> Result<Tensor> {
         let projections = (&self.gate_proj, &self.up_proj, &self.down_proj);
-        gated_mlp(projections, self.act, cx, h)
+        gated_mlp(projections, self.act, cx, h, None)
+    }
+
+    /// `residual + mlp(h)`, the residual added inside the down projection's op.
+    pub fn forward_add(&self, cx: &LayerInputs, h: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let projections = (&self.gate_proj, &self.up_proj, &self.down_proj);
+        gated_mlp(projections, self.act, cx, h, Some(residual))
     }
 }
 
-/// `down(act(gate(h)) * up(h))` for `h` [batch, seq, hidden]; with `tiled_mlp` (SwiGLU, the
-/// weights held whole on this rank, no biases) computed in sequence tiles that keep no
-/// [tokens x intermediate] activations.
+/// `down(act(gate(h)) * up(h))` for `h` [batch, seq, hidden], plus `residual` if given; with
+/// `tiled_mlp` (SwiGLU, the weights held whole on this rank, no biases) computed in sequence
+/// tiles that keep no [tokens x intermediate] activations.
 pub fn gated_mlp(
     (gate, up, down): (&Linear, &Linear, &Linear),
     act: Activation,
     cx: &LayerInputs,
     h: &Tensor,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     // The tiled kernel reads the weights alone: not for biases or LoRA adapters.
     let no_bias = [gate, up, down]
@@ -340,7 +448,7 @@ pub fn gated_mlp(
             Activation::Silu => crate::kernels::fused::swiglu(&gate, &up)?,
             Activation::GeluTanh => (gate.gelu()? * up)?,
         };
-        return Ok(down.forward(&mlp)?);
+        return Ok(down.forward_chain(&mlp, &Chain::merge_and_add(false, residual))?);
     };
     let (b, s, hidden) = h.dims3()?;
     let x = h.reshape((b * s, hidden))?;
@@ -354,22 +462,26 @@ pub fn gated_mlp(
         Some(tp) => reduce_from_group(&y, tp)?,
         None => y,
     };
-    Ok(y.reshape((b, s, hidden))?)
+    let y = y.reshape((b, s, hidden))?;
+    Ok(match residual {
+        Some(r) => (r + y)?,
+        None => y,
+    })
 }
 
 /// Llama's layer order: `x + attention(norm(x))`, then `+ mlp(norm(x))`, with `rope` (None:
-/// no rotary) and an optional sliding `window`.
+/// no rotary) and an optional sliding `window`; `mlp(h, x)` returns `x + mlp(h)`.
 pub fn pre_norm_layer(
     x: &Tensor,
     cx: &LayerInputs,
     (input_norm, post_attention_norm): (&RmsNorm, &RmsNorm),
     (attention, rope, window): (&SelfAttention, Option<&RotaryEmbedding>, Option<usize>),
-    mlp: impl FnOnce(&Tensor) -> Result<Tensor>,
+    mlp: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let h = input_norm.forward(x)?;
-    let x = (x + attention.forward(&h, cx, rope, window)?)?;
+    let x = attention.forward_add(&h, Some(x), cx, rope, window)?;
     let h = post_attention_norm.forward(&x)?;
-    Ok((&x + mlp(&h)?)?)
+    mlp(&h, &x)
 }
 
 /// A decoder layer as a model file writes it (its struct, with what it needs per layer:

@@ -213,7 +213,9 @@ impl Layer for GptOssLayer {
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
         let norms = (&self.input_layernorm, &self.post_attention_layernorm);
         let attention = (&self.self_attn, Some(&*self.rope), self.window);
-        pre_norm_layer(x, cx, norms, attention, |h| self.mlp.forward(cx, h))
+        pre_norm_layer(x, cx, norms, attention, |h, x| {
+            Ok((x + self.mlp.forward(cx, h)?)?)
+        })
     }
 
     fn attention_heads(&self) -> (usize, usize) {

@@ -66,7 +66,9 @@ impl Layer for LlamaLayer {
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
         let norms = (&self.input_layernorm, &self.post_attention_layernorm);
         let attention = (&self.self_attn, self.rope.as_deref(), self.window);
-        pre_norm_layer(x, cx, norms, attention, |h| self.mlp.forward(cx, h))
+        pre_norm_layer(x, cx, norms, attention, |h, x| {
+            self.mlp.forward_add(cx, h, x)
+        })
     }
 
     fn attention_heads(&self) -> (usize, usize) {

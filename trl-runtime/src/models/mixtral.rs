@@ -34,7 +34,13 @@ pub struct MixtralExpert {
 
 impl Expert for MixtralExpert {
     fn forward(&self, cx: &LayerInputs, x: &Tensor) -> Result<Tensor> {
-        gated_mlp((&self.w1, &self.w3, &self.w2), Activation::Silu, cx, x)
+        gated_mlp(
+            (&self.w1, &self.w3, &self.w2),
+            Activation::Silu,
+            cx,
+            x,
+            None,
+        )
     }
 }
 
@@ -115,8 +121,8 @@ impl Layer for MixtralLayer {
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
         let norms = (&self.input_layernorm, &self.post_attention_layernorm);
         let attention = (&self.self_attn, Some(&*self.rope), self.window);
-        pre_norm_layer(x, cx, norms, attention, |h| {
-            self.block_sparse_moe.forward(cx, h)
+        pre_norm_layer(x, cx, norms, attention, |h, x| {
+            Ok((x + self.block_sparse_moe.forward(cx, h)?)?)
         })
     }
 

@@ -98,10 +98,10 @@ impl Layer for Qwen3MoeLayer {
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
         let norms = (&self.input_layernorm, &self.post_attention_layernorm);
         let attention = (&self.self_attn, Some(&*self.rope), self.window);
-        pre_norm_layer(x, cx, norms, attention, |h| {
+        pre_norm_layer(x, cx, norms, attention, |h, x| {
             match (&self.sparse, &self.dense) {
-                (Some(sparse), _) => sparse.forward(cx, h),
-                (None, Some(dense)) => dense.forward(cx, h),
+                (Some(sparse), _) => Ok((x + sparse.forward(cx, h)?)?),
+                (None, Some(dense)) => dense.forward_add(cx, h, x),
                 (None, None) => Err(Error::Parallelism(
                     "a Qwen3-MoE layer without an MLP".into(),
                 )),

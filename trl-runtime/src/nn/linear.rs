@@ -3,6 +3,7 @@
 //! tensor-parallel group (column, row or vocab; see [`crate::tp`]) and hold ZeRO-3 / FSDP
 //! sharded weights.
 
+use super::chain::Chain;
 use super::lora::{Lora, LoraConfig};
 use super::module::{
     child_name, split_lora, ColumnParallel, LoraTarget, Parallelize, RowParallel, Sections, Split,
@@ -160,6 +161,35 @@ impl Linear {
             }
             TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto => self.local_out(x, true),
         }
+    }
+
+    /// `x` through `chain` around this layer ([`Chain`]): one op of the graph where the weight
+    /// is held whole or column-split on this rank without an adapter, else the same ops
+    /// recorded one by one.
+    pub fn forward_chain(&self, x: &Tensor, chain: &Chain) -> Result<Tensor> {
+        let column = match &self.tp {
+            None | Some((TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto, _)) => None,
+            Some((
+                TpStyle::Column {
+                    gather_output: false,
+                },
+                comm,
+            )) => Some(comm),
+            Some(_) => return chain.around(x, |x| self.forward(x)),
+        };
+        let (Weight::Local(w), None) = (&self.weight, &self.lora) else {
+            return chain.around(x, |x| self.forward(x));
+        };
+        let b = match &self.bias {
+            None => None,
+            Some(Weight::Local(b)) if chain.residual.is_none() => Some(b),
+            Some(_) => return chain.around(x, |x| self.forward(x)),
+        };
+        let x = match column {
+            Some(comm) => copy_to_group(x, comm).map_err(|e| e.into_candle())?,
+            None => x.clone(),
+        };
+        chain.linear(&x, w, b)
     }
 
     /// This rank's `x W^T` (`+ b` with `bias`) with the adapter's output, if there is one.

@@ -4,6 +4,7 @@
 //! silently drop gradients, so they are not used).
 
 pub mod attention;
+pub mod chain;
 pub mod embedding;
 pub mod flash;
 pub mod flash_attn;

@@ -221,6 +221,8 @@ pub struct ModelShapes {
     active_parameters: f64,
     /// The LM head is the embedding (its matmul runs; there is no second table).
     tied: bool,
+    /// Attention norms q and k (their inputs and outputs are kept).
+    qk_norm: bool,
 }
 
 /// The sizes of a decoder that activations and compute scale with, under transformers' key
@@ -340,7 +342,11 @@ impl ModelShapes {
         };
         // A tied head is visited under the embedding's name only.
         let tied = !params.iter().any(|e| e.name.ends_with("lm_head.weight"));
+        let qk_norm = params
+            .iter()
+            .any(|e| e.name.ends_with("self_attn.q_norm.weight"));
         Ok(ModelShapes {
+            qk_norm,
             dims,
             params,
             units,
@@ -681,6 +687,30 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         }
     };
     let (layer, kept) = stack(lora);
+    // What the projections keep where each runs with its bias, head split, rotary and residual
+    // as one op (`nn::chain`: a weight on this rank, no adapter), instead of the constants'
+    // (measured on Qwen2, whose projections have biases: each output before its bias, after
+    // it, its split copy and attention's output merged back, 6 q, 4 kv for k and 3 for v, and
+    // the two outputs the residual adds took, 2 h): the rotated q and k, v split, attention's
+    // output (2 q + 2 kv), with a q/k norm its input and output (2 q + 2 kv more). A
+    // row-split output projection is not chained: its merged input and outputs stay (q + 2 h).
+    let chained = match !lora && !matches!(setup.strategy, Strategy::Fsdp(..)) {
+        true => {
+            let norms = if model.qk_norm { 2.0 * (q + kv) } else { 0.0 };
+            let row_split = if tp > 1 { q + 2.0 * h } else { 0.0 };
+            (2.0 * q + 2.0 * kv + norms + row_split) - (6.0 * q + 7.0 * kv + 2.0 * h)
+        }
+        false => 0.0,
+    };
+    // A sparse MLP's output is added to the residual outside the chain: it stays (h).
+    let unchained_moe = match (chained != 0.0, model.moe) {
+        (true, Some((.., sparse))) => sparse as f64 * h,
+        _ => 0.0,
+    };
+    let (layer, kept) = (
+        layer + chained + unchained_moe.min(h),
+        kept + layers * chained + unchained_moe,
+    );
     // ZeRO-3 / FSDP keep 2 h more per layer and token (measured, with and without
     // checkpointing): a norm whose weight is in a unit runs as Candle's normalize ops and a
     // unit op scaling by the weight (`nn::RmsNorm`), not the fused kernel, and the graph keeps

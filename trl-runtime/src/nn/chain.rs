@@ -1,0 +1,293 @@
+//! A linear layer together with the reshaping ops around it, as one op of the graph.
+//!
+//! Candle's graph keeps every op's inputs until the backward, whether or not the backward
+//! reads them. A query projection followed by its bias, the head split and rotary kept four
+//! [tokens, q] tensors (x W^T, + b, the split copy, the rotated one) where torch keeps the
+//! last; an output projection kept its input merged from the heads and its output until the
+//! residual add. Each op around the matmul here is linear in its input, so the backward needs
+//! none of their results: the chain is computed outside the graph and handed to Candle as one
+//! op on `x`, `W` and the bias or residual, whose backward is written below.
+
+use crate::kernels::fused::{self, rotary_transposed, sum_rows, swap_heads};
+use crate::precomputed::{with_backward2, with_backward3, Backward2, Backward3, Saved};
+use candle_core::{Result, Tensor};
+
+/// What a projection's output goes through: [tokens, heads * d] to attention's layout
+/// [batch, heads, seq, d], rotated by `rotary` (cos, sin [batch, seq, d]) and scaled.
+#[derive(Clone)]
+pub struct SplitHeads {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub rotary: Option<(Tensor, Tensor)>,
+    pub scale: Option<f64>,
+}
+
+/// The ops around one linear layer `x W^T (+ b)`.
+#[derive(Clone, Default)]
+pub struct Chain {
+    /// The input is attention's output [batch, heads, seq, d], merged to [batch, seq, heads * d].
+    pub merge_heads: bool,
+    pub split_heads: Option<SplitHeads>,
+    /// Added to the output (a residual stream of the output's shape).
+    pub residual: Option<Tensor>,
+}
+
+impl Chain {
+    pub fn split(heads: SplitHeads) -> Self {
+        Chain {
+            split_heads: Some(heads),
+            ..Chain::default()
+        }
+    }
+
+    /// `merge_heads` then `+ residual` (an output projection).
+    pub fn merge_and_add(merge_heads: bool, residual: Option<&Tensor>) -> Self {
+        Chain {
+            merge_heads,
+            residual: residual.cloned(),
+            ..Chain::default()
+        }
+    }
+
+    /// The input as the matmul takes it: [rows, in].
+    fn rows_in(&self, x: &Tensor) -> Result<Tensor> {
+        let x = if self.merge_heads {
+            let (b, n, s, d) = x.dims4()?;
+            swap_heads(x)?.reshape((b * s, n * d))?
+        } else {
+            x.clone()
+        };
+        let inner = x.dim(x.rank() - 1)?;
+        x.reshape((x.elem_count() / inner, inner))
+    }
+
+    /// The output's shape, for an input `x` and `out` features.
+    fn out_dims(&self, x: &Tensor, out: usize) -> Result<Vec<usize>> {
+        Ok(match (&self.split_heads, self.merge_heads) {
+            (Some(h), _) => vec![h.batch, h.heads, h.seq, h.head_dim],
+            (None, true) => {
+                let (b, _, s, _) = x.dims4()?;
+                vec![b, s, out]
+            }
+            (None, false) => {
+                let mut dims = x.dims().to_vec();
+                *dims
+                    .last_mut()
+                    .expect("a linear layer's input has a feature dim") = out;
+                dims
+            }
+        })
+    }
+
+    /// The ops after the matmul but the residual's, on `y` [rows, out] (recorded in the graph
+    /// when `y` is: the path of layers the chain does not fuse).
+    fn after(&self, y: Tensor, out_dims: &[usize]) -> Result<Tensor> {
+        let y = match &self.split_heads {
+            Some(h) => {
+                let y = swap_heads(&y.reshape((h.batch, h.seq, h.heads, h.head_dim))?)?;
+                let y = match &h.rotary {
+                    Some((cos, sin)) => fused::rotary(&y, cos, sin)?,
+                    None => y,
+                };
+                match h.scale {
+                    Some(s) => (y * s)?,
+                    None => y,
+                }
+            }
+            None => y.reshape(out_dims)?,
+        };
+        Ok(y)
+    }
+
+    /// The gradient of `y` [rows, out] from the output's `dout` (the transposed ops of
+    /// [`Chain::after`], without the residual's).
+    fn before(&self, dout: &Tensor, rows: usize) -> Result<Tensor> {
+        let g = match &self.split_heads {
+            Some(h) => {
+                let g = match h.scale {
+                    Some(s) => (dout * s)?,
+                    None => dout.clone(),
+                };
+                let g = match &h.rotary {
+                    Some((cos, sin)) => rotary_transposed(&g, cos, sin)?,
+                    None => g,
+                };
+                swap_heads(&g)?
+            }
+            None => dout.clone(),
+        };
+        g.reshape((rows, g.elem_count() / rows))
+    }
+
+    /// The whole chain on `x` with a layer's `w` and bias, through ordinary (recorded) ops:
+    /// for layers whose matmul is not plain (tensor-parallel rows, LoRA, sharded weights).
+    pub fn around(
+        &self,
+        x: &Tensor,
+        linear: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let rows = self.rows_in(x)?;
+        let y = linear(&rows)?;
+        let out = y.dim(1)?;
+        let y = self.after(y, &self.out_dims(x, out)?)?;
+        match &self.residual {
+            Some(r) => r + y,
+            None => Ok(y),
+        }
+    }
+
+    /// The chain on `x` with `w` [out, in] held on this rank and a bias (not with a
+    /// residual: [`Chain::residual`] takes the third input), as one op of the graph.
+    pub fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        if bias.is_some() && self.residual.is_some() {
+            candle_core::bail!("a chain takes a bias or a residual, not both");
+        }
+        let out_dims = self.out_dims(x, w.dim(0)?)?;
+        let y = fused::linear(
+            &self.rows_in(&x.detach())?,
+            &w.detach(),
+            bias.map(Tensor::detach).as_ref(),
+        )?;
+        let out = self.after(y, &out_dims)?;
+        let out = match &self.residual {
+            Some(r) => (r.detach() + out)?,
+            None => out,
+        };
+        let tracked = |t: Option<&Tensor>| t.is_some_and(Tensor::track_op);
+        let third = bias.or(self.residual.as_ref());
+        if !(x.track_op() || w.track_op() || tracked(third)) {
+            return Ok(out);
+        }
+        let op = LinearChain {
+            chain: self.clone(),
+            grads: [x.track_op(), w.track_op(), tracked(third)],
+        };
+        match third {
+            Some(t) => with_backward3(x, w, t, out, op),
+            None => with_backward2(x, w, out, op),
+        }
+    }
+}
+
+struct LinearChain {
+    chain: Chain,
+    /// Which of x, W and the third input (bias or residual) take a gradient.
+    grads: [bool; 3],
+}
+
+impl LinearChain {
+    fn backward(&self, x: &Tensor, w: &Tensor, dout: &Tensor) -> Result<[Option<Tensor>; 3]> {
+        let rows_in = self.chain.rows_in(x)?;
+        let rows = rows_in.dim(0)?;
+        let g = self.chain.before(dout, rows)?.to_dtype(w.dtype())?;
+        let [gx, gw, g3] = self.grads;
+        let dx = match gx {
+            true => {
+                let d = g.matmul(w)?;
+                Some(match self.chain.merge_heads {
+                    true => {
+                        let (b, n, s, hd) = x.dims4()?;
+                        swap_heads(&d.reshape((b, s, n, hd))?)?
+                    }
+                    false => d.reshape(x.shape())?,
+                })
+            }
+            false => None,
+        };
+        let dw = match gw {
+            true => Some(g.t()?.matmul(&rows_in)?),
+            false => None,
+        };
+        let d3 = match (g3, &self.chain.residual) {
+            (false, _) => None,
+            (true, Some(_)) => Some(dout.clone()),
+            (true, None) => Some(sum_rows(&g)?),
+        };
+        Ok([dx, dw, d3])
+    }
+}
+
+impl Backward2 for LinearChain {
+    const NAME: &'static str = "linear-chain";
+    fn backward(&self, s: &Saved<2>) -> Result<[Option<Tensor>; 2]> {
+        let [dx, dw, _] = LinearChain::backward(self, &s.inputs[0], &s.inputs[1], &s.dout)?;
+        Ok([dx, dw])
+    }
+}
+
+impl Backward3 for LinearChain {
+    const NAME: &'static str = "linear-chain";
+    fn backward(&self, s: &Saved<3>) -> Result<[Option<Tensor>; 3]> {
+        LinearChain::backward(self, &s.inputs[0], &s.inputs[1], &s.dout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn var(dims: &[usize], dev: &Device) -> Var {
+        Var::from_tensor(&Tensor::randn(0f32, 1.0, dims, dev).unwrap()).unwrap()
+    }
+
+    fn rel(a: &Tensor, b: &Tensor) -> f32 {
+        let diff = (a - b).unwrap().sqr().unwrap().sum_all().unwrap();
+        let norm = b.sqr().unwrap().sum_all().unwrap();
+        (diff.to_scalar::<f32>().unwrap() / norm.to_scalar::<f32>().unwrap().max(1e-30)).sqrt()
+    }
+
+    /// Every chain (split + rotary + scale with a bias; merge + residual) against the same
+    /// ops recorded one by one: the output and every input's gradient.
+    #[test]
+    fn a_chain_equals_its_ops_recorded_one_by_one() {
+        let dev = Device::Cpu;
+        let (b, s, n, d, hidden) = (2, 5, 3, 4, 7);
+        let cos_sin = || {
+            let angles = Tensor::randn(0f32, 1.0, (b, s, d / 2), &dev).unwrap();
+            let angles = Tensor::cat(&[&angles, &angles], 2).unwrap();
+            (angles.cos().unwrap(), angles.sin().unwrap())
+        };
+        let split = Chain::split(SplitHeads {
+            batch: b,
+            seq: s,
+            heads: n,
+            head_dim: d,
+            rotary: Some(cos_sin()),
+            scale: Some(0.5),
+        });
+        let residual = var(&[b, s, hidden], &dev);
+        let merge = Chain::merge_and_add(true, Some(residual.as_tensor()));
+        let plain_split = Chain::split(SplitHeads {
+            rotary: None,
+            scale: None,
+            ..split.split_heads.clone().unwrap()
+        });
+        let cases = [
+            (split, vec![b, s, hidden], [n * d, hidden], true),
+            (plain_split, vec![b, s, hidden], [n * d, hidden], false),
+            (merge, vec![b, n, s, d], [hidden, n * d], false),
+        ];
+        for (chain, x_dims, w_dims, with_bias) in cases {
+            let x = var(&x_dims, &dev);
+            let w = var(&w_dims, &dev);
+            let bias = var(&[w_dims[0]], &dev);
+            let bias = with_bias.then_some(bias.as_tensor());
+            let fused_out = chain.linear(&x, &w, bias).unwrap();
+            let plain_out = chain.around(&x, |r| fused::linear(r, &w, bias)).unwrap();
+            assert!(rel(&fused_out, &plain_out) < 1e-6);
+            let dout = Tensor::randn(0f32, 1.0, fused_out.shape(), &dev).unwrap();
+            let grads = |o: &Tensor| (o * &dout).unwrap().sum_all().unwrap().backward().unwrap();
+            let (gf, gp) = (grads(&fused_out), grads(&plain_out));
+            let mut inputs = vec![x.as_tensor(), w.as_tensor()];
+            inputs.extend(bias);
+            inputs.extend(chain.residual.as_ref());
+            for t in inputs {
+                let (a, e) = (gf.get(t).unwrap(), gp.get(t).unwrap());
+                assert!(rel(a, e) < 1e-6, "{:?}: {}", t.dims(), rel(a, e));
+            }
+        }
+    }
+}
