@@ -52,7 +52,7 @@ impl Chain {
     }
 
     /// The input as the matmul takes it: [rows, in].
-    fn rows_in(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn rows_in(&self, x: &Tensor) -> Result<Tensor> {
         let x = if self.merge_heads {
             let (b, n, s, d) = x.dims4()?;
             swap_heads(x)?.reshape((b * s, n * d))?
@@ -138,89 +138,171 @@ impl Chain {
         }
     }
 
+    /// The chain computed outside the graph: `x` through it with `w` [out, in], a bias and
+    /// an adapter's output `added` (summed with `x W^T` before the ops after the matmul).
+    pub(crate) fn compute(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        added: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let out_dims = self.out_dims(x, w.dim(0)?)?;
+        let b = bias.map(Tensor::detach);
+        let y = fused::linear(&self.rows_in(&x.detach())?, &w.detach(), b.as_ref())?;
+        let y = match added {
+            Some(a) => {
+                let a = a.detach().reshape(y.shape())?;
+                (y + a)?
+            }
+            None => y,
+        };
+        let out = self.after(y, &out_dims)?;
+        match &self.residual {
+            Some(r) => r.detach() + out,
+            None => Ok(out),
+        }
+    }
+
     /// The chain on `x` with `w` [out, in] held on this rank and a bias (not with a
     /// residual: [`Chain::residual`] takes the third input), as one op of the graph.
     pub fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         if bias.is_some() && self.residual.is_some() {
             candle_core::bail!("a chain takes a bias or a residual, not both");
         }
-        let out_dims = self.out_dims(x, w.dim(0)?)?;
-        let y = fused::linear(
-            &self.rows_in(&x.detach())?,
-            &w.detach(),
-            bias.map(Tensor::detach).as_ref(),
-        )?;
-        let out = self.after(y, &out_dims)?;
-        let out = match &self.residual {
-            Some(r) => (r.detach() + out)?,
-            None => out,
-        };
-        let tracked = |t: Option<&Tensor>| t.is_some_and(Tensor::track_op);
-        let third = bias.or(self.residual.as_ref());
-        if !(x.track_op() || w.track_op() || tracked(third)) {
+        let out = self.compute(x, w, bias, None)?;
+        let mut inputs = vec![(Role::X, x), (Role::W, w)];
+        inputs.extend(bias.map(|b| (Role::Bias, b)));
+        inputs.extend(self.residual.as_ref().map(|r| (Role::Residual, r)));
+        self.op(inputs, w, out)
+    }
+
+    /// The chain on a LoRA layer: its frozen `w` and bias, and the adapter's output `added`
+    /// [rows, out] (computed by the adapter's own ops from [`Chain::rows_in`] of `x`), as one
+    /// op on `x`, `added` and the residual.
+    pub fn linear_with_adapter(
+        &self,
+        x: &Tensor,
+        (w, bias): (&Tensor, Option<&Tensor>),
+        added: &Tensor,
+    ) -> Result<Tensor> {
+        let out = self.compute(x, w, bias, Some(added))?;
+        let mut inputs = vec![(Role::X, x), (Role::Added, added)];
+        inputs.extend(self.residual.as_ref().map(|r| (Role::Residual, r)));
+        self.op(inputs, w, out)
+    }
+
+    /// `out` as the result of one op on `inputs` (two or three), whose backward is
+    /// [`Chain::grads`]'.
+    fn op(&self, inputs: Vec<(Role, &Tensor)>, w: &Tensor, out: Tensor) -> Result<Tensor> {
+        if !inputs.iter().any(|(_, t)| t.track_op()) {
             return Ok(out);
         }
         let op = LinearChain {
             chain: self.clone(),
-            grads: [x.track_op(), w.track_op(), tracked(third)],
+            w: w.detach(),
+            roles: inputs.iter().map(|(r, t)| (*r, t.track_op())).collect(),
         };
-        match third {
-            Some(t) => with_backward3(x, w, t, out, op),
-            None => with_backward2(x, w, out, op),
+        match inputs[..] {
+            [(_, a), (_, b)] => with_backward2(a, b, out, op),
+            [(_, a), (_, b), (_, c)] => with_backward3(a, b, c, out, op),
+            _ => candle_core::bail!("a linear chain takes two or three inputs"),
         }
     }
+
+    /// The gradients of the chain's inputs (`roles`, each with whether it takes one: the
+    /// input itself for `X`, its shape for `Added`) from the output's `dout`.
+    pub(crate) fn grads(
+        &self,
+        w: &Tensor,
+        inputs: &[(Role, &Tensor, bool)],
+        dout: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let x = inputs
+            .iter()
+            .find(|(r, ..)| *r == Role::X)
+            .map(|(_, x, _)| *x)
+            .ok_or_else(|| candle_core::Error::Msg("a linear chain without its input".into()))?;
+        let rows = match self.merge_heads {
+            true => x.dim(0)? * x.dim(2)?,
+            false => x.elem_count() / x.dim(x.rank() - 1)?,
+        };
+        let g = self.before(dout, rows)?.to_dtype(w.dtype())?;
+        let grad = |role: Role, t: &Tensor| -> Result<Tensor> {
+            match role {
+                Role::X => {
+                    let d = g.matmul(w)?;
+                    match self.merge_heads {
+                        true => {
+                            let (b, n, s, hd) = t.dims4()?;
+                            swap_heads(&d.reshape((b, s, n, hd))?)
+                        }
+                        false => d.reshape(t.shape()),
+                    }
+                }
+                Role::W => g.t()?.matmul(&self.rows_in(x)?),
+                Role::Bias => sum_rows(&g),
+                Role::Residual => Ok(dout.clone()),
+                Role::Added => g.reshape(t.shape()),
+            }
+        };
+        inputs
+            .iter()
+            .map(|&(role, t, wanted)| wanted.then(|| grad(role, t)).transpose())
+            .collect()
+    }
+}
+
+/// What an input of a linear chain's op is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    X,
+    W,
+    Bias,
+    Residual,
+    /// An adapter's output, added to `x W^T`.
+    Added,
 }
 
 struct LinearChain {
     chain: Chain,
-    /// Which of x, W and the third input (bias or residual) take a gradient.
-    grads: [bool; 3],
+    /// The weight, detached (read when it is not an input: a frozen LoRA base).
+    w: Tensor,
+    /// Each input's role and whether it takes a gradient.
+    roles: Vec<(Role, bool)>,
 }
 
 impl LinearChain {
-    fn backward(&self, x: &Tensor, w: &Tensor, dout: &Tensor) -> Result<[Option<Tensor>; 3]> {
-        let rows_in = self.chain.rows_in(x)?;
-        let rows = rows_in.dim(0)?;
-        let g = self.chain.before(dout, rows)?.to_dtype(w.dtype())?;
-        let [gx, gw, g3] = self.grads;
-        let dx = match gx {
-            true => {
-                let d = g.matmul(w)?;
-                Some(match self.chain.merge_heads {
-                    true => {
-                        let (b, n, s, hd) = x.dims4()?;
-                        swap_heads(&d.reshape((b, s, n, hd))?)?
-                    }
-                    false => d.reshape(x.shape())?,
-                })
-            }
-            false => None,
-        };
-        let dw = match gw {
-            true => Some(g.t()?.matmul(&rows_in)?),
-            false => None,
-        };
-        let d3 = match (g3, &self.chain.residual) {
-            (false, _) => None,
-            (true, Some(_)) => Some(dout.clone()),
-            (true, None) => Some(sum_rows(&g)?),
-        };
-        Ok([dx, dw, d3])
+    fn backward(&self, inputs: &[Tensor], dout: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let w = self
+            .roles
+            .iter()
+            .zip(inputs)
+            .find(|((r, _), _)| *r == Role::W)
+            .map_or(&self.w, |(_, t)| t);
+        let with: Vec<_> = self
+            .roles
+            .iter()
+            .zip(inputs)
+            .map(|(&(r, wanted), t)| (r, t, wanted))
+            .collect();
+        self.chain.grads(w, &with, dout)
     }
 }
 
 impl Backward2 for LinearChain {
     const NAME: &'static str = "linear-chain";
     fn backward(&self, s: &Saved<2>) -> Result<[Option<Tensor>; 2]> {
-        let [dx, dw, _] = LinearChain::backward(self, &s.inputs[0], &s.inputs[1], &s.dout)?;
-        Ok([dx, dw])
+        let mut g = LinearChain::backward(self, &s.inputs, &s.dout)?.into_iter();
+        Ok([g.next().flatten(), g.next().flatten()])
     }
 }
 
 impl Backward3 for LinearChain {
     const NAME: &'static str = "linear-chain";
     fn backward(&self, s: &Saved<3>) -> Result<[Option<Tensor>; 3]> {
-        LinearChain::backward(self, &s.inputs[0], &s.inputs[1], &s.dout)
+        let mut g = LinearChain::backward(self, &s.inputs, &s.dout)?.into_iter();
+        Ok([g.next().flatten(), g.next().flatten(), g.next().flatten()])
     }
 }
 
@@ -267,7 +349,12 @@ mod tests {
         });
         let cases = [
             (split, vec![b, s, hidden], [n * d, hidden], true),
-            (plain_split, vec![b, s, hidden], [n * d, hidden], false),
+            (
+                plain_split.clone(),
+                vec![b, s, hidden],
+                [n * d, hidden],
+                false,
+            ),
             (merge, vec![b, n, s, d], [hidden, n * d], false),
         ];
         for (chain, x_dims, w_dims, with_bias) in cases {
@@ -277,17 +364,47 @@ mod tests {
             let bias = with_bias.then_some(bias.as_tensor());
             let fused_out = chain.linear(&x, &w, bias).unwrap();
             let plain_out = chain.around(&x, |r| fused::linear(r, &w, bias)).unwrap();
-            assert!(rel(&fused_out, &plain_out) < 1e-6);
-            let dout = Tensor::randn(0f32, 1.0, fused_out.shape(), &dev).unwrap();
-            let grads = |o: &Tensor| (o * &dout).unwrap().sum_all().unwrap().backward().unwrap();
-            let (gf, gp) = (grads(&fused_out), grads(&plain_out));
             let mut inputs = vec![x.as_tensor(), w.as_tensor()];
             inputs.extend(bias);
             inputs.extend(chain.residual.as_ref());
-            for t in inputs {
-                let (a, e) = (gf.get(t).unwrap(), gp.get(t).unwrap());
-                assert!(rel(a, e) < 1e-6, "{:?}: {}", t.dims(), rel(a, e));
-            }
+            same_output_and_grads(&fused_out, &plain_out, &inputs);
+        }
+        // A LoRA layer: a frozen weight and bias, the adapter's output an input of the op,
+        // with a residual too (merged rows: the layer merges in the graph first).
+        let residual = var(&[b * s, hidden], &dev);
+        let adapted = [
+            (plain_split.clone(), [b * s, hidden], [n * d, hidden]),
+            (
+                Chain::merge_and_add(false, Some(residual.as_tensor())),
+                [b * s, n * d],
+                [hidden, n * d],
+            ),
+        ];
+        for (chain, x_dims, w_dims) in adapted {
+            let x = var(&x_dims, &dev);
+            let (w, bias) = (var(&w_dims, &dev), var(&[w_dims[0]], &dev));
+            let frozen = (&w.as_tensor().detach(), Some(&bias.as_tensor().detach()));
+            let added = var(&[x_dims[0], w_dims[0]], &dev);
+            let fused_out = chain.linear_with_adapter(&x, frozen, &added).unwrap();
+            let plain_out = chain
+                .around(&x, |r| {
+                    fused::linear(r, frozen.0, frozen.1)? + added.as_tensor()
+                })
+                .unwrap();
+            let mut inputs = vec![x.as_tensor(), added.as_tensor()];
+            inputs.extend(chain.residual.as_ref());
+            same_output_and_grads(&fused_out, &plain_out, &inputs);
+        }
+    }
+
+    fn same_output_and_grads(fused_out: &Tensor, plain_out: &Tensor, inputs: &[&Tensor]) {
+        assert!(rel(fused_out, plain_out) < 1e-6);
+        let dout = Tensor::randn(0f32, 1.0, fused_out.shape(), fused_out.device()).unwrap();
+        let grads = |o: &Tensor| (o * &dout).unwrap().sum_all().unwrap().backward().unwrap();
+        let (gf, gp) = (grads(fused_out), grads(plain_out));
+        for t in inputs {
+            let (a, e) = (gf.get(t).unwrap(), gp.get(t).unwrap());
+            assert!(rel(a, e) < 1e-6, "{:?}: {}", t.dims(), rel(a, e));
         }
     }
 }

@@ -163,9 +163,10 @@ impl Linear {
         }
     }
 
-    /// `x` through `chain` around this layer ([`Chain`]): one op of the graph where the weight
-    /// is held whole or column-split on this rank without an adapter, else the same ops
-    /// recorded one by one.
+    /// `x` through `chain` around this layer ([`Chain`]): one op of the graph where the
+    /// matmul is this rank's alone (the weight whole or column-split; a LoRA adapter's output
+    /// joins the op as an input; ZeRO-3 / FSDP's unit op takes the chain but its residual),
+    /// else the same ops recorded one by one (a row split's all-reduce comes between, DoRA).
     pub fn forward_chain(&self, x: &Tensor, chain: &Chain) -> Result<Tensor> {
         let column = match &self.tp {
             None | Some((TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto, _)) => None,
@@ -177,19 +178,60 @@ impl Linear {
             )) => Some(comm),
             Some(_) => return chain.around(x, |x| self.forward(x)),
         };
-        let (Weight::Local(w), None) = (&self.weight, &self.lora) else {
+        if self.lora.as_ref().is_some_and(|l| l.magnitude.is_some()) {
             return chain.around(x, |x| self.forward(x));
-        };
-        let b = match &self.bias {
-            None => None,
-            Some(Weight::Local(b)) if chain.residual.is_none() => Some(b),
-            Some(_) => return chain.around(x, |x| self.forward(x)),
-        };
+        }
         let x = match column {
             Some(comm) => copy_to_group(x, comm).map_err(|e| e.into_candle())?,
             None => x.clone(),
         };
-        chain.linear(&x, w, b)
+        match (&self.weight, &self.bias, &self.lora) {
+            (Weight::Local(w), b, Some(lora)) if !w.track_op() => {
+                let b = match b {
+                    None => None,
+                    Some(Weight::Local(b)) if !b.track_op() => Some(b),
+                    Some(_) => return chain.around(&x, |x| self.local_out(x, true)),
+                };
+                // The adapter reads the merged input: merge in the graph, then chain the rest.
+                let (x, rest) = match chain.merge_heads {
+                    true => {
+                        let (batch, _, seq, _) = x.dims4()?;
+                        let merged = chain.rows_in(&x)?.reshape((batch, seq, ()))?;
+                        let rest = Chain {
+                            merge_heads: false,
+                            ..chain.clone()
+                        };
+                        (merged, rest)
+                    }
+                    false => (x, chain.clone()),
+                };
+                let delta = lora.delta(&x)?;
+                rest.linear_with_adapter(&x, (w, b), &delta)
+            }
+            (Weight::Local(w), None, None) => chain.linear(&x, w, None),
+            (Weight::Local(w), Some(Weight::Local(b)), None) if chain.residual.is_none() => {
+                chain.linear(&x, w, Some(b))
+            }
+            (Weight::Sharded(w), b, None) => {
+                let b = match b {
+                    None => None,
+                    Some(Weight::Sharded(b)) => Some(b),
+                    Some(Weight::Local(_)) => candle_core::bail!(
+                        "a linear layer's weight and bias must be held the same way"
+                    ),
+                };
+                let inner = Chain {
+                    residual: None,
+                    ..chain.clone()
+                };
+                let y = sharded::linear_chain(&x, w, b, &inner)?;
+                match &chain.residual {
+                    Some(r) => r + y,
+                    None => Ok(y),
+                }
+            }
+            _ => chain.around(&x, |x| self.local_out(x, true)),
+        }
     }
 
     /// This rank's `x W^T` (`+ b` with `bias`) with the adapter's output, if there is one.

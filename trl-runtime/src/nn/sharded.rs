@@ -11,6 +11,7 @@
 //! the unit's last op has run the gradients are reduce-scattered into this rank's slice and the
 //! gathered parameters freed.
 
+use super::chain::{Chain, Role};
 use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
 use crate::error::{Error, Result};
 use crate::precomputed::Precomputed;
@@ -418,9 +419,11 @@ impl ShardedWeight {
 }
 
 enum OpKind {
+    /// With the ops around it (`nn::chain`; `Chain::default()`: none), but a residual add.
     Linear {
         weight: usize,
         bias: Option<usize>,
+        chain: Chain,
     },
     Scale {
         weight: usize,
@@ -486,19 +489,22 @@ impl CustomOp1 for UnitOp {
         let train = !unit.lock().frozen;
         let mut grads = Vec::new();
         let dx = match &self.kind {
-            OpKind::Linear { weight, bias } => {
+            OpKind::Linear {
+                weight,
+                bias,
+                chain,
+            } => {
                 let w = fetch(*weight)?;
-                let (out, inner) = w.dims2()?;
-                let rows = arg.elem_count() / inner;
-                let g2 = grad.reshape((rows, out))?;
-                if train {
-                    let dw = g2.t()?.matmul(&arg.reshape((rows, inner))?)?;
-                    grads.push((*weight, dw));
-                    if let Some(b) = bias {
-                        grads.push((*b, crate::kernels::fused::sum_rows(&g2)?));
-                    }
-                }
-                g2.matmul(&w)?.reshape(arg.shape())?
+                let inputs = [
+                    (Role::X, arg, true),
+                    (Role::W, &w, train),
+                    (Role::Bias, &w, train && bias.is_some()),
+                ];
+                let [dx, dw, db] = <[_; 3]>::try_from(chain.grads(&w, &inputs, grad)?)
+                    .map_err(|_| candle_core::Error::Msg("three gradients expected".into()))?;
+                grads.extend(dw.map(|dw| (*weight, dw)));
+                grads.extend(bias.zip(db));
+                dx.expect("the input's gradient is asked for")
             }
             OpKind::Scale { weight } => {
                 let w = fetch(*weight)?;
@@ -606,11 +612,26 @@ pub fn linear(
     w: &ShardedWeight,
     b: Option<&ShardedWeight>,
 ) -> candle_core::Result<Tensor> {
+    linear_chain(x, w, b, &Chain::default())
+}
+
+/// `x` through `chain` around `x W^T + b` on a unit's parameters, as one op ([`Chain`];
+/// not its residual: the unit's op has one input).
+pub fn linear_chain(
+    x: &Tensor,
+    w: &ShardedWeight,
+    b: Option<&ShardedWeight>,
+    chain: &Chain,
+) -> candle_core::Result<Tensor> {
+    if chain.residual.is_some() {
+        candle_core::bail!("a unit's linear op adds no residual");
+    }
     let (weight, bias) = weight_and_bias(w, b)?;
-    let y = crate::kernels::fused::linear(&x.detach(), &weight, bias.as_ref())?;
+    let y = chain.compute(x, &weight, bias.as_ref(), None)?;
     let kind = OpKind::Linear {
         weight: w.entry,
         bias: b.map(|b| b.entry),
+        chain: chain.clone(),
     };
     apply(x, &w.unit, kind, y)
 }

@@ -687,28 +687,43 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         }
     };
     let (layer, kept) = stack(lora);
-    // What the projections keep where each runs with its bias, head split, rotary and residual
-    // as one op (`nn::chain`: a weight on this rank, no adapter), instead of the constants'
-    // (measured on Qwen2, whose projections have biases: each output before its bias, after
-    // it, its split copy and attention's output merged back, 6 q, 4 kv for k and 3 for v, and
-    // the two outputs the residual adds took, 2 h): the rotated q and k, v split, attention's
-    // output (2 q + 2 kv), with a q/k norm its input and output (2 q + 2 kv more). A
-    // row-split output projection is not chained: its merged input and outputs stay (q + 2 h).
-    let chained = match !lora && !matches!(setup.strategy, Strategy::Fsdp(..)) {
-        true => {
+    // Projections run with the ops around them as one op (`nn::chain`), so the graph keeps
+    // fewer of their intermediates than the constants (measured on Qwen2 before the chain)
+    // count. `moe_down`: what a sparse MLP's residual add (outside the chain) still keeps.
+    let row_split = tp > 1;
+    let (chained, moe_down) = match (lora, matches!(setup.strategy, Strategy::Fsdp(..))) {
+        // Whole weights: instead of each output before its bias, after it, its split copy
+        // and attention's output merged back (6 q, 4 kv for k, 3 for v: Qwen2 has biases) and
+        // the outputs the residual adds took (2 h), the rotated q and k, v split and
+        // attention's output (2 q + 2 kv), with q/k norms their inputs and outputs (2 q +
+        // 2 kv more). A row-split output projection is not chained (q + 2 h stay).
+        (false, false) => {
             let norms = if model.qk_norm { 2.0 * (q + kv) } else { 0.0 };
-            let row_split = if tp > 1 { q + 2.0 * h } else { 0.0 };
-            (2.0 * q + 2.0 * kv + norms + row_split) - (6.0 * q + 7.0 * kv + 2.0 * h)
+            let rows = if row_split { q + 2.0 * h } else { 0.0 };
+            let kept = 2.0 * q + 2.0 * kv + norms + rows;
+            (kept - (6.0 * q + 7.0 * kv + 2.0 * h), h)
         }
-        false => 0.0,
+        // LoRA: the frozen base's output and its sum with the adapter's are no longer kept,
+        // for q and k (and their split copies: 3 q, 3 kv), v (2 kv), o_proj and down_proj
+        // (4 h; not when row-split).
+        (true, false) => {
+            let rows = if row_split { 4.0 * h } else { 0.0 };
+            (rows - (3.0 * q + 5.0 * kv + 4.0 * h), 2.0 * h)
+        }
+        // ZeRO-3 / FSDP (no adapter): a unit's op takes the chain but the residual: q's and
+        // k's outputs before and after the split (2 q + 2 kv), v's (kv) and attention's
+        // output merged for o_proj (q; not when row-split).
+        (false, true) => {
+            let rows = if row_split { q } else { 0.0 };
+            (rows - (3.0 * q + 3.0 * kv), 0.0)
+        }
+        (true, true) => (0.0, 0.0),
     };
-    // A sparse MLP's output is added to the residual outside the chain: it stays (h).
-    let unchained_moe = match (chained != 0.0, model.moe) {
-        (true, Some((.., sparse))) => sparse as f64 * h,
-        _ => 0.0,
-    };
+    let unchained_moe = model
+        .moe
+        .map_or(0.0, |(.., sparse)| sparse as f64 * moe_down);
     let (layer, kept) = (
-        layer + chained + unchained_moe.min(h),
+        layer + chained + unchained_moe.min(moe_down),
         kept + layers * chained + unchained_moe,
     );
     // ZeRO-3 / FSDP keep 2 h more per layer and token (measured, with and without
