@@ -73,37 +73,19 @@ pub(crate) trait Backward3: Send + Sync {
     fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]>;
 }
 
-/// [`Backward3`] for two inputs.
-pub(crate) trait Backward2: Send + Sync {
-    const NAME: &'static str;
-    fn backward(&self, saved: &Saved<2>) -> Result<[Option<Tensor>; 2]>;
-}
-
-/// What a backward gets, detached: the inputs, the output and its gradient.
-pub(crate) struct Saved<const N: usize> {
-    pub inputs: [Tensor; N],
+/// What a [`Backward3`] gets, detached: the three inputs, the output and its gradient.
+pub(crate) struct Saved3 {
+    pub inputs: [Tensor; 3],
     pub out: Tensor,
     pub dout: Tensor,
 }
 
-pub(crate) type Saved3 = Saved<3>;
-
-/// Detached: gradients built from graph tensors would record (and keep alive) every block
-/// they were computed from.
-fn saved<const N: usize>(inputs: [&Tensor; N], out: &Tensor, dout: &Tensor) -> Saved<N> {
-    Saved {
-        inputs: inputs.map(Tensor::detach),
-        out: out.detach(),
-        dout: dout.detach(),
-    }
-}
-
-struct Op<B> {
+struct Op3<B> {
     backward: B,
     out: Precomputed,
 }
 
-impl<B: Backward2> candle_core::CustomOp2 for Op<B> {
+impl<B: Backward3> candle_core::CustomOp3 for Op3<B> {
     fn name(&self) -> &'static str {
         B::NAME
     }
@@ -111,9 +93,11 @@ impl<B: Backward2> candle_core::CustomOp2 for Op<B> {
     fn cpu_fwd(
         &self,
         _: &CpuStorage,
-        _: &Layout,
+        _: &candle_core::Layout,
         _: &CpuStorage,
-        _: &Layout,
+        _: &candle_core::Layout,
+        _: &CpuStorage,
+        _: &candle_core::Layout,
     ) -> Result<(CpuStorage, Shape)> {
         self.out.take(B::NAME)
     }
@@ -121,50 +105,11 @@ impl<B: Backward2> candle_core::CustomOp2 for Op<B> {
     fn cuda_fwd(
         &self,
         _: &CudaStorage,
-        _: &Layout,
+        _: &candle_core::Layout,
         _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        self.out.take_cuda(B::NAME)
-    }
-
-    fn bwd(
-        &self,
-        a: &Tensor,
-        b: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let [da, db] = self.backward.backward(&saved([a, b], out, dout))?;
-        Ok((da, db))
-    }
-}
-
-impl<B: Backward3> candle_core::CustomOp3 for Op<B> {
-    fn name(&self) -> &'static str {
-        B::NAME
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.out.take(B::NAME)
-    }
-
-    fn cuda_fwd(
-        &self,
+        _: &candle_core::Layout,
         _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
+        _: &candle_core::Layout,
     ) -> Result<(CudaStorage, Shape)> {
         self.out.take_cuda(B::NAME)
     }
@@ -177,7 +122,13 @@ impl<B: Backward3> candle_core::CustomOp3 for Op<B> {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [dq, dk, dv] = self.backward.backward(&saved([q, k, v], out, dout))?;
+        // Detached: gradients built from graph tensors would record (and keep alive) every
+        // block they were computed from.
+        let [dq, dk, dv] = self.backward.backward(&Saved3 {
+            inputs: [q.detach(), k.detach(), v.detach()],
+            out: out.detach(),
+            dout: dout.detach(),
+        })?;
         Ok((dq, dk, dv))
     }
 }
@@ -191,24 +142,10 @@ pub(crate) fn with_backward3<B: Backward3 + 'static>(
     out: Tensor,
     backward: B,
 ) -> Result<Tensor> {
-    let op = Op {
+    let op = Op3 {
         backward,
         out: Precomputed::new(out),
     };
     q.contiguous()?
         .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
-}
-
-/// [`with_backward3`] for two inputs.
-pub(crate) fn with_backward2<B: Backward2 + 'static>(
-    a: &Tensor,
-    b: &Tensor,
-    out: Tensor,
-    backward: B,
-) -> Result<Tensor> {
-    let op = Op {
-        backward,
-        out: Precomputed::new(out),
-    };
-    a.contiguous()?.apply_op2(&b.contiguous()?, op)
 }

@@ -216,10 +216,10 @@ impl Heads<'_> {
     ) -> Result<Tensor> {
         let (b, s, _) = q.dims3()?;
         let cos_sin = rope.map(|r| cx.cos_sin(r)).transpose()?;
-        let cs = cos_sin.as_ref();
-        let q = self.heads_of(q, self.heads, self.q_norm, cs, self.query_scale, cx)?;
-        let k = self.heads_of(k, self.kv_heads, self.k_norm, cs, None, cx)?;
-        let v = self.heads_of(v, self.kv_heads, None, None, None, cx)?;
+        let [pq, pk, pv] = self.parts(cos_sin.as_ref());
+        let q = self.heads_of(q, pq, cx)?;
+        let k = self.heads_of(k, pk, cx)?;
+        let v = self.heads_of(v, pv, cx)?;
         let a = self.attend_heads(&q, &k, &v, cx, window)?;
         Ok(swap_heads(&a)?.reshape((b, s, self.heads * self.head_dim))?)
     }
@@ -235,72 +235,69 @@ impl Heads<'_> {
         rope: Option<&RotaryEmbedding>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let cos_sin = rope.map(|r| cx.cos_sin(r)).transpose()?;
-        let cs = cos_sin.as_ref();
+        let [pq, pk, pv] = self.parts(cos_sin.as_ref());
         Ok((
-            self.project_one(q, h, self.heads, self.q_norm, cs, self.query_scale, cx)?,
-            self.project_one(k, h, self.kv_heads, self.k_norm, cs, None, cx)?,
-            self.project_one(v, h, self.kv_heads, None, None, None, cx)?,
+            self.project_one(q, h, pq, cx)?,
+            self.project_one(k, h, pk, cx)?,
+            self.project_one(v, h, pv, cx)?,
         ))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn project_one(
-        &self,
-        proj: &Linear,
-        h: &Tensor,
-        n: usize,
-        norm: Option<&RmsNorm>,
-        cos_sin: Option<&(Tensor, Tensor)>,
-        scale: Option<f64>,
-        cx: &LayerInputs,
-    ) -> Result<Tensor> {
-        if norm.is_some() && self.norm_whole_projection {
-            return self.heads_of(proj.forward(h)?, n, norm, cos_sin, scale, cx);
+    /// What follows the q, k and v projections.
+    fn parts<'t>(&'t self, cos_sin: Option<&'t (Tensor, Tensor)>) -> [Part<'t>; 3] {
+        let part = |heads, norm, rotary, scale| Part {
+            heads,
+            norm,
+            cos_sin: cos_sin.filter(|_| rotary),
+            scale,
+        };
+        [
+            part(self.heads, self.q_norm, true, self.query_scale),
+            part(self.kv_heads, self.k_norm, true, None),
+            part(self.kv_heads, None, false, None),
+        ]
+    }
+
+    fn project_one(&self, proj: &Linear, h: &Tensor, p: Part, cx: &LayerInputs) -> Result<Tensor> {
+        if p.norm.is_some() && self.norm_whole_projection {
+            return self.heads_of(proj.forward(h)?, p, cx);
         }
         let (b, s, _) = h.dims3()?;
-        let fold = norm.is_none() && self.partial_rotary().is_none();
+        let fold = p.norm.is_none() && self.partial_rotary().is_none();
         let split = SplitHeads {
             batch: b,
             seq: s,
-            heads: n,
+            heads: p.heads,
             head_dim: self.head_dim,
-            rotary: cos_sin.filter(|_| fold).cloned(),
-            scale: scale.filter(|_| fold),
+            rotary: p.cos_sin.filter(|_| fold).cloned(),
+            scale: p.scale.filter(|_| fold),
         };
         let y = proj.forward_chain(h, &Chain::split(split))?;
         if fold {
             return Ok(y);
         }
-        let y = match norm {
+        let y = match p.norm {
             Some(n) => n.forward(&y)?,
             None => y,
         };
-        self.rotate_and_scale(y, cos_sin, scale)
+        self.rotate_and_scale(y, p.cos_sin, p.scale)
     }
 
     /// A projection's output [b, s, n * d] as heads [b, n, s, d]: q/k norm (over the whole
     /// projection before the split, or per head after it), rotary, the query scale.
-    fn heads_of(
-        &self,
-        y: Tensor,
-        n: usize,
-        norm: Option<&RmsNorm>,
-        cos_sin: Option<&(Tensor, Tensor)>,
-        scale: Option<f64>,
-        cx: &LayerInputs,
-    ) -> Result<Tensor> {
+    fn heads_of(&self, y: Tensor, p: Part, cx: &LayerInputs) -> Result<Tensor> {
         let (b, s, _) = y.dims3()?;
-        let whole = self.norm_whole_projection;
+        let (whole, norm, scale) = (self.norm_whole_projection, p.norm, p.scale);
         let y = match norm {
             Some(norm) if whole => norm_whole(&y, norm, cx)?,
             _ => y,
         };
-        let y = swap_heads(&y.reshape((b, s, n, self.head_dim))?)?;
+        let y = swap_heads(&y.reshape((b, s, p.heads, self.head_dim))?)?;
         let y = match norm {
             Some(norm) if !whole => norm.forward(&y)?,
             _ => y,
         };
-        self.rotate_and_scale(y, cos_sin, scale)
+        self.rotate_and_scale(y, p.cos_sin, scale)
     }
 
     /// Rotary on the first `rotary_dim` features of each head when it is shorter (partial).
@@ -344,6 +341,16 @@ impl Heads<'_> {
         let sinks = self.sinks.map(Param::value).transpose()?;
         Ok(cx.attention_with(q, k, v, window, self.softcap, sinks.as_ref())?)
     }
+}
+
+/// What follows one of the q, k, v projections: its heads on this rank, its norm, rotary
+/// (None: not rotated) and scale.
+#[derive(Clone, Copy)]
+struct Part<'a> {
+    heads: usize,
+    norm: Option<&'a RmsNorm>,
+    cos_sin: Option<&'a (Tensor, Tensor)>,
+    scale: Option<f64>,
 }
 
 /// `norm` over the last dimension of `t`, a projection split over tp when layers are: the

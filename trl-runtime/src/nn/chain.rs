@@ -9,7 +9,7 @@
 //! op on `x`, `W` and the bias or residual, whose backward is written below.
 
 use crate::kernels::fused::{self, rotary_transposed, sum_rows, swap_heads};
-use crate::precomputed::{with_backward2, with_backward3, Backward2, Backward3, Saved};
+use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::{Result, Tensor};
 
 /// What a projection's output goes through: [tokens, heads * d] to attention's layout
@@ -194,9 +194,14 @@ impl Chain {
 
     /// `out` as the result of one op on `inputs` (two or three), whose backward is
     /// [`Chain::grads`]'.
-    fn op(&self, inputs: Vec<(Role, &Tensor)>, w: &Tensor, out: Tensor) -> Result<Tensor> {
+    fn op(&self, mut inputs: Vec<(Role, &Tensor)>, w: &Tensor, out: Tensor) -> Result<Tensor> {
         if !inputs.iter().any(|(_, t)| t.track_op()) {
             return Ok(out);
+        }
+        // Candle's ops take one, two or three inputs: two are three with `x` again, unused (the
+        // graph holds it already).
+        if let [(Role::X, x), _] = inputs[..] {
+            inputs.push((Role::Unused, x));
         }
         let op = LinearChain {
             chain: self.clone(),
@@ -204,7 +209,6 @@ impl Chain {
             roles: inputs.iter().map(|(r, t)| (*r, t.track_op())).collect(),
         };
         match inputs[..] {
-            [(_, a), (_, b)] => with_backward2(a, b, out, op),
             [(_, a), (_, b), (_, c)] => with_backward3(a, b, c, out, op),
             _ => candle_core::bail!("a linear chain takes two or three inputs"),
         }
@@ -244,6 +248,7 @@ impl Chain {
                 Role::Bias => sum_rows(&g),
                 Role::Residual => Ok(dout.clone()),
                 Role::Added => g.reshape(t.shape()),
+                Role::Unused => candle_core::bail!("no gradient for an unused input"),
             }
         };
         inputs
@@ -262,6 +267,8 @@ pub(crate) enum Role {
     Residual,
     /// An adapter's output, added to `x W^T`.
     Added,
+    /// Fills an op's third input.
+    Unused,
 }
 
 struct LinearChain {
@@ -284,23 +291,15 @@ impl LinearChain {
             .roles
             .iter()
             .zip(inputs)
-            .map(|(&(r, wanted), t)| (r, t, wanted))
+            .map(|(&(r, wanted), t)| (r, t, wanted && r != Role::Unused))
             .collect();
         self.chain.grads(w, &with, dout)
     }
 }
 
-impl Backward2 for LinearChain {
-    const NAME: &'static str = "linear-chain";
-    fn backward(&self, s: &Saved<2>) -> Result<[Option<Tensor>; 2]> {
-        let mut g = LinearChain::backward(self, &s.inputs, &s.dout)?.into_iter();
-        Ok([g.next().flatten(), g.next().flatten()])
-    }
-}
-
 impl Backward3 for LinearChain {
     const NAME: &'static str = "linear-chain";
-    fn backward(&self, s: &Saved<3>) -> Result<[Option<Tensor>; 3]> {
+    fn backward(&self, s: &Saved3) -> Result<[Option<Tensor>; 3]> {
         let mut g = LinearChain::backward(self, &s.inputs, &s.dout)?.into_iter();
         Ok([g.next().flatten(), g.next().flatten(), g.next().flatten()])
     }
