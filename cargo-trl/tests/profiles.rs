@@ -367,14 +367,17 @@ fn profile_auto_launches_what_plan_picks() {
     assert_eq!(ran["model_state_bytes"][0].as_u64(), predicted, "{ran}");
     // Every logged step carries the predicted peak beside the measured one (resident memory:
     // the plan's tensors over what the process held before the model and the host backend's
-    // rings). Every CPU profile on the tiny model measured 0.92-1.09 of it: 15% here, as the
-    // binary's resident pages vary with the code a run touches.
+    // rings). Every CPU profile on the tiny model measured 0.92-1.09 of it until the projections
+    // ran as chains (nn::chain), which lowered the tensors by ~0.6 MiB here while the resident
+    // peak stayed at 26 MiB (the allocator keeps freed blocks; the binary's resident pages
+    // vary with the code a run touches): 0.85-0.88 since. 20% here; the heap-counted check of
+    // every profile is `bench memory` (within 10%).
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let line: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
     let predicted = line["predicted_peak_memory_mib"].as_f64().unwrap();
     let measured = line["peak_memory_mib"].as_f64().unwrap();
     assert!(
-        (predicted / measured - 1.0).abs() < 0.15,
+        (predicted / measured - 1.0).abs() < 0.20,
         "predicted {predicted} MiB, measured {measured} MiB: {line}"
     );
     // Where nothing fits, the plan says so and what to change.
