@@ -7,7 +7,8 @@
 //! both, so only the op and its backward are timed. The LM head's loss (the reference shape's
 //! vocabulary of 4096) against the logits and Candle's cross-entropy, for the SFT sum and DPO's
 //! per-token losses, and with a frozen head (LoRA) against a trained one
-//! (`speedup_vs_trained_head`: what skipping the head's gradient saves).
+//! (`speedup_vs_trained_head`: what skipping the head's gradient saves). A projection chained
+//! with the ops around it (`nn::chain`) against those ops recorded one by one.
 
 use candle_core::{Device, Result, Tensor, Var};
 use std::time::Instant;
@@ -126,6 +127,7 @@ fn main() {
         torch.get("rotary"),
     );
     head_losses(&dev);
+    chains(&dev, (&cos, &sin));
     let g = Tensor::randn(0f32, 1.0, (TOKENS, INTERMEDIATE), &dev).unwrap();
     let u = Tensor::randn(0f32, 1.0, (TOKENS, INTERMEDIATE), &dev).unwrap();
     let ours = timed(&fused::swiglu, &g, &u);
@@ -181,4 +183,52 @@ fn head_losses(dev: &Device) {
         "speedup_vs_trained_head": fused / frozen,
     });
     println!("{line}");
+}
+
+/// A projection with its head split, rotary and scale, and an output projection with the heads
+/// merged and a residual added, each as one op (`nn::chain`) against the same ops recorded one
+/// by one: forward + backward, x and W variables.
+fn chains(dev: &Device, (cos, sin): (&Tensor, &Tensor)) {
+    use trl_runtime::nn::chain::{Chain, SplitHeads};
+    let (heads, d, seq) = (8, HIDDEN / 8, 512);
+    let batch = TOKENS / seq;
+    let split = Chain::split(SplitHeads {
+        batch,
+        seq,
+        heads,
+        head_dim: d,
+        rotary: Some((cos.clone(), sin.clone())),
+        scale: Some(0.5),
+    });
+    let x = Tensor::randn(0f32, 1.0, (batch, seq, HIDDEN), dev).unwrap();
+    let w = Tensor::randn(0f32, 0.1, (HIDDEN, HIDDEN), dev).unwrap();
+    let ours = timed(&|x, w| split.linear(x, w, None), &x, &w);
+    let ops = timed(
+        &|x, w| split.around(x, |r| fused::linear(r, w, None)),
+        &x,
+        &w,
+    );
+    report(
+        "linear_chain_split",
+        &format!("{TOKENS}x{HIDDEN}"),
+        ours,
+        ops,
+        None,
+    );
+    let residual = Tensor::randn(0f32, 1.0, (batch, seq, HIDDEN), dev).unwrap();
+    let merge = Chain::merge_and_add(true, Some(&residual));
+    let a = Tensor::randn(0f32, 1.0, (batch, heads, seq, d), dev).unwrap();
+    let ours = timed(&|a, w| merge.linear(a, w, None), &a, &w);
+    let ops = timed(
+        &|a, w| merge.around(a, |r| fused::linear(r, w, None)),
+        &a,
+        &w,
+    );
+    report(
+        "linear_chain_merge_residual",
+        &format!("{TOKENS}x{HIDDEN}"),
+        ours,
+        ops,
+        None,
+    );
 }
