@@ -1376,6 +1376,7 @@ const CHAIN_DIMS: (usize, usize, usize, usize, usize) = (2, 33, 3, 64, 96);
 
 /// q's chain on `t` = [x, W, bias]: as one op (`fused`) or recorded op by op.
 fn split_chain(t: &[Tensor], fused: bool) -> Tensor {
+    use trl_runtime::kernels::fused::apply_rotary;
     use trl_runtime::nn::chain::{Chain, SplitHeads};
     let (b, s, n, d, _) = CHAIN_DIMS;
     let on = |c: Tensor| {
@@ -1396,9 +1397,18 @@ fn split_chain(t: &[Tensor], fused: bool) -> Tensor {
     });
     match fused {
         true => chain.linear(&t[0], &t[1], Some(&t[2])).unwrap(),
-        false => chain
-            .around(&t[0], |r| r.matmul(&t[1].t()?)?.broadcast_add(&t[2]))
-            .unwrap(),
+        // The same math in plain Candle ops (none of the chain's own steps).
+        false => {
+            let y = t[0].broadcast_matmul(&t[1].t().unwrap()).unwrap();
+            let y = y
+                .broadcast_add(&t[2])
+                .unwrap()
+                .reshape((b, s, n, d))
+                .unwrap();
+            let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+            let y = apply_rotary(&y.transpose(1, 2).unwrap(), &on(cos), &on(sin)).unwrap();
+            (y * 0.125).unwrap()
+        }
     }
 }
 
@@ -1407,6 +1417,14 @@ fn merge_chain(t: &[Tensor], fused: bool) -> Tensor {
     let chain = trl_runtime::nn::chain::Chain::merge_and_add(true, Some(&t[2]));
     match fused {
         true => chain.linear(&t[0], &t[1], None).unwrap(),
-        false => chain.around(&t[0], |r| r.matmul(&t[1].t()?)).unwrap(),
+        false => {
+            let (b, n, s, d) = t[0].dims4().unwrap();
+            let a = t[0]
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b, s, n * d))
+                .unwrap();
+            (&t[2] + a.broadcast_matmul(&t[1].t().unwrap()).unwrap()).unwrap()
+        }
     }
 }
