@@ -501,7 +501,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
             fn visit_params(
                 &self,
                 #v_name: &str,
-                #v_f: &mut dyn FnMut(&str, &::trl_runtime::candle_core::Tensor, #tp::Split),
+                #v_f: &mut #tp::ParamFn,
             ) {
                 #(#visit)*
             }
@@ -509,7 +509,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
             fn visit_weights_mut(
                 &mut self,
                 #m_name: &str,
-                #m_f: &mut dyn FnMut(&str, &mut ::trl_runtime::nn::Weight) -> ::trl_runtime::Result<()>,
+                #m_f: &mut #tp::WeightFn,
             ) -> ::trl_runtime::Result<()> {
                 #(#visit_mut)*
                 Ok(())
@@ -518,7 +518,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
             fn visit_linears_mut(
                 &mut self,
                 #l_name: &str,
-                #l_f: &mut dyn FnMut(&str, &mut dyn #tp::LoraTarget) -> ::trl_runtime::Result<()>,
+                #l_f: &mut #tp::LinearFn,
             ) -> ::trl_runtime::Result<()> {
                 #(#linears)*
                 Ok(())

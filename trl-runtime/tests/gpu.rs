@@ -788,7 +788,7 @@ fn cuda_flash_attention_follows_the_f32_reference() {
             let got = output_and_grads(&[&q, &k, &v], &w, &dev, dtype, |t| {
                 assert!(applies(&t[0], &t[1]), "the fused kernel takes these inputs");
                 let mask = AttentionMask::causal(&pos, dtype, &dev).unwrap();
-                flash_attention_cuda(&t[0], &t[1], &t[2], mask.key_spans(), None).unwrap()
+                flash_attention_cuda((&t[0], &t[1], &t[2]), mask.key_spans(), None).unwrap()
             });
             let what = format!("b {b} heads {hq}/{hk} s {s} d {d} {dtype:?}");
             let e = rel_diff(&got.0, &want.0);
@@ -833,7 +833,7 @@ fn cuda_flash_attention_with_sinks_follows_the_f32_reference() {
     });
     let got = output_and_grads(&[&q, &k, &v, &sinks], &w, &dev, DType::BF16, |t| {
         let mask = AttentionMask::causal(&pos, DType::BF16, &dev).unwrap();
-        flash_attention_cuda(&t[0], &t[1], &t[2], mask.key_spans(), Some(&t[3])).unwrap()
+        flash_attention_cuda((&t[0], &t[1], &t[2]), mask.key_spans(), Some(&t[3])).unwrap()
     });
     let e = rel_diff(&got.0, &want.0);
     eprintln!("cuda flash with sinks: output {e:e}");
@@ -881,7 +881,7 @@ fn cuda_flash_key_spans_follow_the_cpu_kernels() {
     for cap in [None, Some(2.0)] {
         let spans = base.clone().with_softcap(cap);
         let (want_o, want_l) = cpu_flash::forward(&q, &k, &v, &spans).unwrap();
-        let want_g = cpu_flash::backward(&q, &k, &v, &want_o, &want_l, &dout, &spans).unwrap();
+        let want_g = cpu_flash::backward((&q, &k, &v), (&want_o, &want_l, &dout), &spans).unwrap();
         for dtype in [DType::BF16, DType::F16] {
             let on = |t: &Tensor| t.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
             let cpu = |t: &Tensor| {
@@ -909,12 +909,12 @@ fn cuda_flash_key_spans_follow_the_cpu_kernels() {
             );
             // The backward from the reference output and log-sum-exp, as a ring step gets them.
             let (dq, dk, dv) = cuda_flash::backward(
-                &on(&q),
-                &on(&k),
-                &on(&v),
-                &want_o.to_device(&dev).unwrap(),
-                &want_l.to_device(&dev).unwrap(),
-                &on(&dout),
+                (&on(&q), &on(&k), &on(&v)),
+                (
+                    &want_o.to_device(&dev).unwrap(),
+                    &want_l.to_device(&dev).unwrap(),
+                    &on(&dout),
+                ),
                 &spans,
             )
             .unwrap();

@@ -46,15 +46,7 @@ impl ::trl_runtime::nn::module::Parallelize for Attention {
         )?;
         Ok(())
     }
-    fn visit_params(
-        &self,
-        name: &str,
-        f: &mut dyn FnMut(
-            &str,
-            &::trl_runtime::candle_core::Tensor,
-            ::trl_runtime::nn::module::Split,
-        ),
-    ) {
+    fn visit_params(&self, name: &str, f: &mut ::trl_runtime::nn::module::ParamFn) {
         ::trl_runtime::nn::module::TpLayer::visit_split(
             &self.q_proj,
             &::trl_runtime::nn::module::child_name(name, "q_proj"),
@@ -78,10 +70,7 @@ impl ::trl_runtime::nn::module::Parallelize for Attention {
     fn visit_weights_mut(
         &mut self,
         name: &str,
-        f: &mut dyn FnMut(
-            &str,
-            &mut ::trl_runtime::nn::Weight,
-        ) -> ::trl_runtime::Result<()>,
+        f: &mut ::trl_runtime::nn::module::WeightFn,
     ) -> ::trl_runtime::Result<()> {
         ::trl_runtime::nn::module::Parallelize::visit_weights_mut(
             &mut self.q_proj,
@@ -103,10 +92,7 @@ impl ::trl_runtime::nn::module::Parallelize for Attention {
     fn visit_linears_mut(
         &mut self,
         name: &str,
-        f: &mut dyn FnMut(
-            &str,
-            &mut dyn ::trl_runtime::nn::module::LoraTarget,
-        ) -> ::trl_runtime::Result<()>,
+        f: &mut ::trl_runtime::nn::module::LinearFn,
     ) -> ::trl_runtime::Result<()> {
         ::trl_runtime::nn::module::Parallelize::visit_linears_mut(
             &mut self.q_proj,

@@ -527,14 +527,15 @@ fn pair_backward(
 ) -> Result<[Tensor; 3]> {
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
-        let (dq, dk, dv) = crate::kernels::cuda_flash::backward(q, k, v, out, lse, dout, spans)?;
+        let (dq, dk, dv) =
+            crate::kernels::cuda_flash::backward((q, k, v), (out, lse, dout), spans)?;
         return Ok([
             dq.to_dtype(DType::F32)?,
             dk.to_dtype(DType::F32)?,
             dv.to_dtype(DType::F32)?,
         ]);
     }
-    let (dq, dk, dv) = cpu_flash::backward(q, k, v, out, lse, dout, spans)?;
+    let (dq, dk, dv) = cpu_flash::backward((q, k, v), (out, lse, dout), spans)?;
     Ok([dq, dk, dv])
 }
 

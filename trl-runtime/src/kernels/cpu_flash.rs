@@ -560,14 +560,9 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<(
 
 /// The gradients of `q`, `k`, `v` for output gradient `dout`, given the output `out` and
 /// log-sum-exp `lse` of the whole attention these keys are part of (see [`forward`]).
-#[allow(clippy::too_many_arguments)]
 pub fn backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
+    (q, k, v): Three,
+    (out, lse, dout): Three,
     spans: &KeySpans,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dims = dims_of(q.layout(), k.layout(), spans)?;
@@ -587,17 +582,12 @@ pub fn backward(
     ))
 }
 
+/// Three tensors a kernel reads together: (q, k, v), or (out, lse, dout) in a backward.
+pub type Three<'a> = (&'a Tensor, &'a Tensor, &'a Tensor);
+
 /// A fused kernel's backward (this file's, or the CUDA one's): the gradients of q, k, v from
-/// q, k, v, the output, the log-sum-exp, the output's gradient and the spans.
-pub(crate) type KernelBackward = fn(
-    &Tensor,
-    &Tensor,
-    &Tensor,
-    &Tensor,
-    &Tensor,
-    &Tensor,
-    &KeySpans,
-) -> Result<(Tensor, Tensor, Tensor)>;
+/// (q, k, v), (the output, the log-sum-exp, the output's gradient) and the spans.
+pub(crate) type KernelBackward = fn(Three, Three, &KeySpans) -> Result<(Tensor, Tensor, Tensor)>;
 
 /// The decoder's attention: its spans and the forward's log-sum-exp, for a kernel's backward.
 struct Flash {
@@ -611,7 +601,7 @@ impl Backward3 for Flash {
 
     fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]> {
         let ([q, k, v], out) = (&saved.inputs, &saved.out);
-        let (dq, dk, dv) = (self.run)(q, k, v, out, &self.lse, &saved.dout, &self.spans)?;
+        let (dq, dk, dv) = (self.run)((q, k, v), (out, &self.lse, &saved.dout), &self.spans)?;
         Ok([Some(dq), Some(dk), Some(dv)])
     }
 }
@@ -646,9 +636,7 @@ pub fn applies(q: &Tensor, k: &Tensor) -> bool {
 /// With `sinks` [heads], each head's sink logit joins every row's softmax (see
 /// [`super::sinks`]).
 pub fn flash_attention_cpu(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    (q, k, v): Three,
     spans: &KeySpans,
     sinks: Option<&Tensor>,
 ) -> Result<Tensor> {
@@ -684,7 +672,7 @@ mod tests {
             let w = Tensor::randn(0f32, 1.0, (2, heads, s, d), &dev).unwrap();
             let run = |fused: bool| {
                 let out = match fused {
-                    true => flash_attention_cpu(&q, &k, &v, mask.key_spans(), None).unwrap(),
+                    true => flash_attention_cpu((&q, &k, &v), mask.key_spans(), None).unwrap(),
                     false => whole_matrix_attention(&q, &k, &v, &mask).unwrap(),
                 };
                 crate::kernels::testing::out_and_grads(out, &w, [&q, &k, &v])

@@ -70,27 +70,16 @@ pub(crate) fn mm(
     beta: f32,
     accumulate: bool,
 ) {
-    mm_with(
-        gemm::Parallelism::None,
-        dims,
-        dst,
-        dst_rs,
-        a,
-        b,
-        beta,
-        accumulate,
-    )
+    let parallelism = gemm::Parallelism::None;
+    mm_with(parallelism, dims, (dst, dst_rs), (a, b), beta, accumulate)
 }
 
-/// [`mm`] with gemm's own parallelism.
-#[allow(clippy::too_many_arguments)]
+/// [`mm`] with gemm's own parallelism; `dst` with its row stride.
 pub(crate) fn mm_with(
     parallelism: gemm::Parallelism,
     (m, n, k): (usize, usize, usize),
-    dst: &mut [f32],
-    dst_rs: usize,
-    a: Mat,
-    b: Mat,
+    (dst, dst_rs): (&mut [f32], usize),
+    (a, b): (Mat, Mat),
     beta: f32,
     accumulate: bool,
 ) {

@@ -14,8 +14,9 @@
 //! [`backward`] takes the whole attention's output and log-sum-exp and casts the gradients
 //! to the inputs' dtype by one more kernel.
 
-use super::cpu_flash::KeySpans;
+use super::cpu_flash::{KeySpans, Three};
 use super::cuda_fused::{switch, typed, view};
+use super::fused::fused_op;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -23,8 +24,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{
-    bail, CpuStorage, CudaDevice, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Storage,
-    Tensor,
+    bail, CpuStorage, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor,
 };
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
@@ -156,15 +156,8 @@ fn variant(stem: &str, spans: &KeySpans) -> String {
     }
 }
 
-/// The geometry of one call: q [b, hq, nq, d], k and v [b, hk, nk, d].
-struct Dims {
-    b: usize,
-    hq: usize,
-    hk: usize,
-    nq: usize,
-    nk: usize,
-    d: usize,
-}
+/// The geometry of one call, q [b, hq, nq, d] and k, v [b, hk, nk, d]: [b, hq, hk, nq, nk, d].
+type Dims = [usize; 6];
 
 fn dims(q: &Layout, k: &Layout, spans: &KeySpans) -> Result<Dims> {
     let (b, hq, nq, d) = q.shape().dims4()?;
@@ -175,14 +168,7 @@ fn dims(q: &Layout, k: &Layout, spans: &KeySpans) -> Result<Dims> {
             spans.len()
         );
     }
-    Ok(Dims {
-        b,
-        hq,
-        hk,
-        nq,
-        nk,
-        d,
-    })
+    Ok([b, hq, hk, nq, nk, d])
 }
 
 /// The spans on the GPU: (lo, hi) per (batch row, query).
@@ -233,90 +219,94 @@ fn unpad_sum_cast<T: DeviceRepr>(
     Ok(())
 }
 
-/// The forward as an op over (q, k, v): the f32 outputs [b x hq, nq_pad, d] and then the
-/// log-sum-exps [b x hq, nq_pad], in one vector.
-struct Fwd<'a> {
-    spans: &'a KeySpans,
+/// The arguments both kernels end with: head counts, lengths and the padded length as i32,
+/// then the score scale and the soft-cap (0: none).
+fn tail_args(sizes: [usize; 5], d: usize, spans: &KeySpans) -> ([i32; 5], [f32; 2]) {
+    let scale = 1.0 / (d as f32).sqrt();
+    (
+        sizes.map(|n| n as i32),
+        [scale, spans.softcap.unwrap_or(0.0)],
+    )
 }
 
-impl CustomOp3 for Fwd<'_> {
-    fn name(&self) -> &'static str {
-        "cuda-flash-attention"
-    }
+/// The kernels as one op over (q, k, v), forward or backward.
+struct Flash<'a> {
+    spans: &'a KeySpans,
+    pass: Pass,
+}
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+enum Pass {
+    /// The f32 outputs [b x hq, nq_pad, d] and then the log-sum-exps [b x hq, nq_pad], in
+    /// one vector.
+    Forward,
+    /// dq, dk and dv packed in one vector, from the whole attention's output and its gradient
+    /// (the inputs' dtype) and log-sum-exp (f32), all contiguous.
+    Backward {
+        out: Tensor,
+        dout: Tensor,
+        lse: Tensor,
+    },
+}
+
+/// A CUDA input of the op: its storage and layout.
+type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+fused_op!(Flash<'_>: CustomOp3 [this] {
+    name: "cuda-flash-attention",
+    cpu(_, _, _, _, _, _) {
         bail!("cuda flash attention runs on GPUs (the CPU has kernels::cpu_flash)")
     }
-
-    fn cuda_fwd(
-        &self,
-        qs: &CudaStorage,
-        ql: &Layout,
-        ks: &CudaStorage,
-        kl: &Layout,
-        vs: &CudaStorage,
-        vl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let dev = qs.device().clone();
-        let dtype = qs.dtype();
-        let Dims {
-            b,
-            hq,
-            hk,
-            nq,
-            nk,
-            d,
-        } = dims(ql, kl, self.spans)?;
-        let nq_pad = nq.div_ceil(BLOCK) * BLOCK;
-        let (lo, hi) = upload(&dev, self.spans)?;
-        let n_out = b * hq * nq_pad * d;
-        let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
-        let shared = fwd_shared(d);
-        let name = format!(
-            "{}{}_d{d}",
-            variant("flash_fwd_", self.spans),
-            suffix(dtype)?
-        );
-        let f = kernel(&dev, &name, shared)?;
-        let stream = dev.cuda_stream();
-        typed!(dtype, |T| {
-            let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
-            let (o, lse) = (packed.slice(..n_out), packed.slice(n_out..));
-            let scale = 1.0 / (d as f32).sqrt();
-            // Soft-capping (0: none).
-            let cap = self.spans.softcap.unwrap_or(0.0);
-            let (hq_i, hk_i) = (hq as i32, hk as i32);
-            let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nq_pad as i32);
-            let mut lb = stream.launch_builder(&f);
-            lb.arg(&q)
-                .arg(&k)
-                .arg(&v)
-                .arg(&lo)
-                .arg(&hi)
-                .arg(&o)
-                .arg(&lse);
-            lb.arg(&hq_i)
-                .arg(&hk_i)
-                .arg(&nq_i)
-                .arg(&nk_i)
-                .arg(&np_i)
-                .arg(&scale)
-                .arg(&cap);
-            let grid = ((nq_pad / BLOCK) as u32, (b * hq) as u32);
-            // SAFETY: the arguments match the kernel's signature; shared memory as computed.
-            unsafe { lb.launch(config(grid, shared)) }.w()?;
-        });
-        let n = packed.len();
-        Ok((CudaStorage::wrap_cuda_slice(packed, dev), Shape::from(n)))
+    cuda(qs, ql, ks, kl, vs, vl) {
+        let dims = dims(ql, kl, this.spans)?;
+        let qkv = [(qs, ql), (ks, kl), (vs, vl)];
+        match &this.pass {
+            Pass::Forward => launch_forward(this.spans, dims, qkv),
+            Pass::Backward { out, dout, lse } => {
+                launch_backward(this.spans, dims, qkv, (out, dout, lse))
+            }
+        }
     }
+});
+
+fn launch_forward(
+    spans: &KeySpans,
+    [b, hq, hk, nq, nk, d]: Dims,
+    [(qs, ql), (ks, kl), (vs, vl)]: [Input; 3],
+) -> Result<(CudaStorage, Shape)> {
+    let dev = qs.device().clone();
+    let dtype = qs.dtype();
+    let nq_pad = nq.div_ceil(BLOCK) * BLOCK;
+    let (lo, hi) = upload(&dev, spans)?;
+    let n_out = b * hq * nq_pad * d;
+    let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
+    let shared = fwd_shared(d);
+    let name = format!("{}{}_d{d}", variant("flash_fwd_", spans), suffix(dtype)?);
+    let f = kernel(&dev, &name, shared)?;
+    let stream = dev.cuda_stream();
+    typed!(dtype, |T| {
+        let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
+        let (o, lse) = (packed.slice(..n_out), packed.slice(n_out..));
+        let (ints, floats) = tail_args([hq, hk, nq, nk, nq_pad], d, spans);
+        let mut lb = stream.launch_builder(&f);
+        lb.arg(&q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&lo)
+            .arg(&hi)
+            .arg(&o)
+            .arg(&lse);
+        for a in &ints {
+            lb.arg(a);
+        }
+        for a in &floats {
+            lb.arg(a);
+        }
+        let grid = ((nq_pad / BLOCK) as u32, (b * hq) as u32);
+        // SAFETY: the arguments match the kernel's signature; shared memory as computed.
+        unsafe { lb.launch(config(grid, shared)) }.w()?;
+    });
+    let n = packed.len();
+    Ok((CudaStorage::wrap_cuda_slice(packed, dev), Shape::from(n)))
 }
 
 /// Attention of `q` [b, heads, nq, d] over `k`, `v` [b, kv_heads, nk, d] (bf16 / f16, on a
@@ -325,9 +315,14 @@ impl CustomOp3 for Fwd<'_> {
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<(Tensor, Tensor)> {
     let (b, hq, nq, d) = q.dims4()?;
     let nq_pad = nq.div_ceil(BLOCK) * BLOCK;
-    let packed =
-        q.contiguous()?
-            .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &Fwd { spans })?;
+    let packed = q.contiguous()?.apply_op3_no_bwd(
+        &k.contiguous()?,
+        &v.contiguous()?,
+        &Flash {
+            spans,
+            pass: Pass::Forward,
+        },
+    )?;
     let n_out = b * hq * nq_pad * d;
     let out = packed
         .narrow(0, 0, n_out)?
@@ -341,158 +336,113 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, spans: &KeySpans) -> Result<(
     Ok((out, lse))
 }
 
-/// The backward as an op over (q, k, v) returning dq, dk and dv packed in one vector.
-struct Bwd<'a> {
-    spans: &'a KeySpans,
-    /// The whole attention's output and its gradient (the inputs' dtype), and log-sum-exp
-    /// (f32), all contiguous.
-    out: Tensor,
-    dout: Tensor,
-    lse: Tensor,
-}
+fn launch_backward(
+    spans: &KeySpans,
+    [b, hq, hk, nq, nk, d]: Dims,
+    [(qs, ql), (ks, kl), (vs, vl)]: [Input; 3],
+    (out, dout, lse): Three,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = qs.device().clone();
+    let dtype = qs.dtype();
+    let sfx = suffix(dtype)?;
+    let keys = bwd_keys();
+    let nk_pad = nk.div_ceil(keys) * keys;
+    let stream = dev.cuda_stream();
+    let (lo, hi) = upload(&dev, spans)?;
+    let (out_guard, out_layout) = out.storage_and_layout();
+    let (grad_guard, grad_layout) = dout.storage_and_layout();
+    let (lse_guard, lse_layout) = lse.storage_and_layout();
+    let (Storage::Cuda(os), Storage::Cuda(gs), Storage::Cuda(ls)) =
+        (&*out_guard, &*grad_guard, &*lse_guard)
+    else {
+        bail!(
+            "cuda flash attention: the output, its gradient and the log-sum-exp must be on the GPU"
+        )
+    };
+    let lse = view::<f32>(ls, lse_layout)?;
+    let rows = b * hq * nq;
+    // A block per query head, writing dK and dV per query head (summed over each group
+    // by the cast): the grid stays batch x query heads wide.
+    let kv_blocks = b * hq;
+    let delta = dev.alloc_zeros::<f32>(rows)?;
+    let dq = dev.alloc_zeros::<f32>(b * hq * nq * d)?;
+    // Fully written by the kernel (padding rows included).
+    // SAFETY: every element is written before it is read.
+    let dk = unsafe { dev.alloc::<f32>(kv_blocks * nk_pad * d)? };
+    let dv = unsafe { dev.alloc::<f32>(kv_blocks * nk_pad * d)? };
+    let (n_q, n_k) = (b * hq * nq * d, b * hk * nk * d);
+    let packed = typed!(dtype, |T| {
+        let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
+        let (o, g) = (view::<T>(os, out_layout)?, view::<T>(gs, grad_layout)?);
+        let f = kernel(&dev, &format!("flash_delta_{sfx}"), 0)?;
+        let (rows_i, d_i) = (rows as i32, d as i32);
+        let mut lb = stream.launch_builder(&f);
+        lb.arg(&o).arg(&g).arg(&delta).arg(&rows_i).arg(&d_i);
+        let warps = (THREADS / 32) as usize;
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
-impl CustomOp3 for Bwd<'_> {
-    fn name(&self) -> &'static str {
-        "cuda-flash-attention-bwd"
-    }
+        let shared = bwd_shared(d);
+        let stem = variant(&format!("flash_bwd{keys}_"), spans);
+        let name = format!("{stem}{sfx}_d{d}");
+        let f = kernel(&dev, &name, shared)?;
+        let (ints, floats) = tail_args([hq, hk, nq, nk, nk_pad], d, spans);
+        let mut lb = stream.launch_builder(&f);
+        lb.arg(&q).arg(&k).arg(&v).arg(&g).arg(&lse).arg(&delta);
+        lb.arg(&lo).arg(&hi).arg(&dq).arg(&dk).arg(&dv);
+        for a in &ints {
+            lb.arg(a);
+        }
+        for a in &floats {
+            lb.arg(a);
+        }
+        let grid = ((nk_pad / keys) as u32, kv_blocks as u32);
+        // 16 keys per warp.
+        let threads = (keys / 16 * 32) as u32;
+        // SAFETY: the arguments match the kernel's signature; shared memory as computed.
+        unsafe { lb.launch(config_threads(grid, threads, shared)) }.w()?;
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("cuda flash attention runs on GPUs")
-    }
-
-    fn cuda_fwd(
-        &self,
-        qs: &CudaStorage,
-        ql: &Layout,
-        ks: &CudaStorage,
-        kl: &Layout,
-        vs: &CudaStorage,
-        vl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let dev = qs.device().clone();
-        let dtype = qs.dtype();
-        let sfx = suffix(dtype)?;
-        let Dims {
-            b,
-            hq,
-            hk,
-            nq,
-            nk,
-            d,
-        } = dims(ql, kl, self.spans)?;
-        let keys = bwd_keys();
-        let nk_pad = nk.div_ceil(keys) * keys;
-        let stream = dev.cuda_stream();
-        let (lo, hi) = upload(&dev, self.spans)?;
-        let (out_guard, out_layout) = self.out.storage_and_layout();
-        let (grad_guard, grad_layout) = self.dout.storage_and_layout();
-        let (lse_guard, lse_layout) = self.lse.storage_and_layout();
-        let (Storage::Cuda(os), Storage::Cuda(gs), Storage::Cuda(ls)) =
-            (&*out_guard, &*grad_guard, &*lse_guard)
-        else {
-            bail!("cuda flash attention: the output, its gradient and the log-sum-exp must be on the GPU")
-        };
-        let lse = view::<f32>(ls, lse_layout)?;
-        let rows = b * hq * nq;
-        // A block per query head, writing dK and dV per query head (summed over each group
-        // by the cast): the grid stays batch x query heads wide.
-        let kv_blocks = b * hq;
-        let delta = dev.alloc_zeros::<f32>(rows)?;
-        let dq = dev.alloc_zeros::<f32>(b * hq * nq * d)?;
-        // Fully written by the kernel (padding rows included).
-        // SAFETY: every element is written before it is read.
-        let dk = unsafe { dev.alloc::<f32>(kv_blocks * nk_pad * d)? };
-        let dv = unsafe { dev.alloc::<f32>(kv_blocks * nk_pad * d)? };
-        let (n_q, n_k) = (b * hq * nq * d, b * hk * nk * d);
-        let packed = typed!(dtype, |T| {
-            let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
-            let (o, g) = (view::<T>(os, out_layout)?, view::<T>(gs, grad_layout)?);
-            let f = kernel(&dev, &format!("flash_delta_{sfx}"), 0)?;
-            let (rows_i, d_i) = (rows as i32, d as i32);
-            let mut lb = stream.launch_builder(&f);
-            lb.arg(&o).arg(&g).arg(&delta).arg(&rows_i).arg(&d_i);
-            let warps = (THREADS / 32) as usize;
-            // SAFETY: the arguments match the kernel's signature.
-            unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
-
-            let shared = bwd_shared(d);
-            let stem = variant(&format!("flash_bwd{keys}_"), self.spans);
-            let name = format!("{stem}{sfx}_d{d}");
-            let f = kernel(&dev, &name, shared)?;
-            let scale = 1.0 / (d as f32).sqrt();
-            // Soft-capping (0: none).
-            let cap = self.spans.softcap.unwrap_or(0.0);
-            let (hq_i, hk_i) = (hq as i32, hk as i32);
-            let (nq_i, nk_i, np_i) = (nq as i32, nk as i32, nk_pad as i32);
-            let mut lb = stream.launch_builder(&f);
-            lb.arg(&q).arg(&k).arg(&v).arg(&g).arg(&lse).arg(&delta);
-            lb.arg(&lo).arg(&hi).arg(&dq).arg(&dk).arg(&dv);
-            lb.arg(&hq_i)
-                .arg(&hk_i)
-                .arg(&nq_i)
-                .arg(&nk_i)
-                .arg(&np_i)
-                .arg(&scale)
-                .arg(&cap);
-            let grid = ((nk_pad / keys) as u32, kv_blocks as u32);
-            // 16 keys per warp.
-            let threads = (keys / 16 * 32) as u32;
-            // SAFETY: the arguments match the kernel's signature; shared memory as computed.
-            unsafe { lb.launch(config_threads(grid, threads, shared)) }.w()?;
-
-            let group = kv_blocks / (b * hk);
-            // SAFETY: every element is written by the three casts.
-            let mut packed = unsafe { dev.alloc::<T>(n_q + 2 * n_k)? };
-            let mut cast =
-                |src: &CudaSlice<f32>, at: std::ops::Range<usize>, groups, sum, rows, pad| {
-                    unpad_sum_cast(
-                        &dev,
-                        dtype,
-                        src,
-                        &mut packed.slice_mut(at),
-                        groups,
-                        sum,
-                        rows,
-                        pad,
-                        d,
-                    )
-                };
-            cast(&dq, 0..n_q, b * hq, 1, nq, nq)?;
-            cast(&dk, n_q..n_q + n_k, b * hk, group, nk, nk_pad)?;
-            cast(&dv, n_q + n_k..n_q + 2 * n_k, b * hk, group, nk, nk_pad)?;
-            CudaStorage::wrap_cuda_slice(packed, dev.clone())
-        });
-        Ok((packed, Shape::from(n_q + 2 * n_k)))
-    }
+        let group = kv_blocks / (b * hk);
+        // SAFETY: every element is written by the three casts.
+        let mut packed = unsafe { dev.alloc::<T>(n_q + 2 * n_k)? };
+        let mut cast =
+            |src: &CudaSlice<f32>, at: std::ops::Range<usize>, groups, sum, rows, pad| {
+                unpad_sum_cast(
+                    &dev,
+                    dtype,
+                    src,
+                    &mut packed.slice_mut(at),
+                    groups,
+                    sum,
+                    rows,
+                    pad,
+                    d,
+                )
+            };
+        cast(&dq, 0..n_q, b * hq, 1, nq, nq)?;
+        cast(&dk, n_q..n_q + n_k, b * hk, group, nk, nk_pad)?;
+        cast(&dv, n_q + n_k..n_q + 2 * n_k, b * hk, group, nk, nk_pad)?;
+        CudaStorage::wrap_cuda_slice(packed, dev.clone())
+    });
+    Ok((packed, Shape::from(n_q + 2 * n_k)))
 }
 
 /// The gradients of `q`, `k`, `v` for output gradient `dout`, given the output `out` (any
 /// float dtype) and log-sum-exp `lse` [b, heads, nq] of the whole attention these keys are
 /// part of (see [`forward`]); in the inputs' dtype.
-#[allow(clippy::too_many_arguments)]
 pub fn backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
+    (q, k, v): Three,
+    (out, lse, dout): Three,
     spans: &KeySpans,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dtype = q.dtype();
-    let op = Bwd {
+    let op = Flash {
         spans,
-        out: out.to_dtype(dtype)?.contiguous()?,
-        dout: dout.to_dtype(dtype)?.contiguous()?,
-        lse: lse.to_dtype(DType::F32)?.contiguous()?,
+        pass: Pass::Backward {
+            out: out.to_dtype(dtype)?.contiguous()?,
+            dout: dout.to_dtype(dtype)?.contiguous()?,
+            lse: lse.to_dtype(DType::F32)?.contiguous()?,
+        },
     };
     let packed = q
         .contiguous()?
@@ -509,9 +459,7 @@ pub fn backward(
 /// decoder's: [`crate::nn::AttentionMask::key_spans`]), with autograd, by the fused kernels
 /// (see the module docs); with `sinks` [heads] as [`super::sinks`] says.
 pub fn flash_attention_cuda(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    (q, k, v): Three,
     spans: &KeySpans,
     sinks: Option<&Tensor>,
 ) -> Result<Tensor> {

@@ -60,6 +60,16 @@ template <> __device__ __forceinline__ uint32_t pack<__half>(float lo, float hi)
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Two 16x8 f32 accumulator tiles (t[2 kk], t[2 kk + 1]) as one 16x16 A fragment: the C
+// layout of one mma is the A layout of the next, so no shared memory round trip.
+template <typename T>
+__device__ __forceinline__ void pack_a(uint32_t* a, const float (*t)[4], int kk) {
+    a[0] = pack<T>(t[2 * kk][0], t[2 * kk][1]);
+    a[1] = pack<T>(t[2 * kk][2], t[2 * kk][3]);
+    a[2] = pack<T>(t[2 * kk + 1][0], t[2 * kk + 1][1]);
+    a[3] = pack<T>(t[2 * kk + 1][2], t[2 * kk + 1][3]);
+}
+
 constexpr unsigned FULL = 0xffffffffu;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -67,21 +77,32 @@ constexpr float LN2 = 0.6931471805599453f;
 // D += A B for one m16n8k16 tile: A 16x16 (4 registers), B 16x8 (2), D 16x8 f32 (4).
 template <typename T>
 __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b);
-template <>
-__device__ __forceinline__ void mma<__nv_bfloat16>(float* d, const uint32_t* a, const uint32_t* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+// One specialisation per 16-bit type; `TY` is its PTX name.
+#define FLASH_MMA(T, TY)                                                                      \
+    template <>                                                                               \
+    __device__ __forceinline__ void mma<T>(float* d, const uint32_t* a, const uint32_t* b) { \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY                        \
+                     ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"            \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                         \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));      \
+    }
+FLASH_MMA(__nv_bfloat16, "bf16")
+FLASH_MMA(__half, "f16")
+#undef FLASH_MMA
+
+// D += A B over a 16x16 B fragment (4 registers): the two 16x8 tiles t[2 np], t[2 np + 1].
+template <typename T>
+__device__ __forceinline__ void mma16(float (*t)[4], int np, const uint32_t* a, const uint32_t* b) {
+    mma<T>(t[2 * np], a, b);
+    mma<T>(t[2 * np + 1], a, b + 2);
 }
-template <>
-__device__ __forceinline__ void mma<__half>(float* d, const uint32_t* a, const uint32_t* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+
+// Zeroes N accumulator tiles of 16x8 f32 (4 registers a thread each).
+template <int N> __device__ __forceinline__ void zero_tiles(float (*t)[4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) t[n][e] = 0.f;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -227,10 +248,7 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) load_a<T>(qf[kk], sq, LD, warp * 16, kk * 16, lane);
     float acc[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    zero_tiles<D / 8>(acc);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const float sl2 = scale * LOG2E;
     // Capped scores: cap * tanh(s * scale / cap), base 2 (the division once per kernel).
@@ -248,18 +266,14 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
             __syncthreads();
         }
         float s[BC / 8][4];
-#pragma unroll
-        for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+        zero_tiles<BC / 8>(s);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
             for (int np = 0; np < BC / 16; ++np) {
                 uint32_t b[4];
                 load_b_nk<T>(b, sk, LD, np * 16, kk * 16, lane);
-                mma<T>(s[2 * np], qf[kk], b);
-                mma<T>(s[2 * np + 1], qf[kk], b + 2);
+                mma16<T>(s, np, qf[kk], b);
             }
         }
         // Mask and scale (base 2), then the rows' new maxima over the quad of lanes.
@@ -311,16 +325,13 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
         // O += P V: two score tiles (16 keys) are one A fragment.
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) {
-            uint32_t a[4] = {pack<T>(s[2 * kk][0], s[2 * kk][1]),
-                             pack<T>(s[2 * kk][2], s[2 * kk][3]),
-                             pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            uint32_t a[4];
+            pack_a<T>(a, s, kk);
 #pragma unroll
             for (int np = 0; np < D / 16; ++np) {
                 uint32_t b[4];
                 load_b_kn<T>(b, sv, LD, kk * 16, np * 16, lane);
-                mma<T>(acc[2 * np], a, b);
-                mma<T>(acc[2 * np + 1], a, b + 2);
+                mma16<T>(acc, np, a, b);
             }
         }
         if (ASYNC) {
@@ -439,10 +450,8 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
     }
 
     float dka[D / 8][4], dva[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
+    zero_tiles<D / 8>(dka);
+    zero_tiles<D / 8>(dva);
     // This thread's two keys (rows of S^T).
     const int key0 = j0 + warp * 16 + g;
     const float sl2 = scale * LOG2E;
@@ -484,10 +493,8 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
         const float* t_delta = s_delta[buf];
         // S^T = K_w Q^T and dP^T = V_w dO^T, 16 keys x BR queries each.
         float st[BR / 8][4], dpt[BR / 8][4];
-#pragma unroll
-        for (int n = 0; n < BR / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+        zero_tiles<BR / 8>(st);
+        zero_tiles<BR / 8>(dpt);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             uint32_t ak[4], av[4];
@@ -497,11 +504,9 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
             for (int np = 0; np < BR / 16; ++np) {
                 uint32_t b[4];
                 load_b_nk<T>(b, tq, LD, np * 16, kk * 16, lane);
-                mma<T>(st[2 * np], ak, b);
-                mma<T>(st[2 * np + 1], ak, b + 2);
+                mma16<T>(st, np, ak, b);
                 load_b_nk<T>(b, tdo, LD, np * 16, kk * 16, lane);
-                mma<T>(dpt[2 * np], av, b);
-                mma<T>(dpt[2 * np + 1], av, b + 2);
+                mma16<T>(dpt, np, av, b);
             }
         }
         // Soft-capped: the scores' tanh in place (P from the capped score, dS through the
@@ -537,33 +542,23 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
         // dV_w += P^T dO and dK_w += dS^T Q: two query tiles of P^T (dS^T) are one A fragment.
 #pragma unroll
         for (int kk = 0; kk < BR / 16; ++kk) {
-            uint32_t ap[4] = {pack<T>(st[2 * kk][0], st[2 * kk][1]),
-                              pack<T>(st[2 * kk][2], st[2 * kk][3]),
-                              pack<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                              pack<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-            uint32_t ad[4] = {pack<T>(dpt[2 * kk][0], dpt[2 * kk][1]),
-                              pack<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                              pack<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                              pack<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+            uint32_t ap[4], ad[4];
+            pack_a<T>(ap, st, kk);
+            pack_a<T>(ad, dpt, kk);
 #pragma unroll
             for (int np = 0; np < D / 16; ++np) {
                 uint32_t b[4];
                 load_b_kn<T>(b, tdo, LD, kk * 16, np * 16, lane);
-                mma<T>(dva[2 * np], ap, b);
-                mma<T>(dva[2 * np + 1], ap, b + 2);
+                mma16<T>(dva, np, ap, b);
                 load_b_kn<T>(b, tq, LD, kk * 16, np * 16, lane);
-                mma<T>(dka[2 * np], ad, b);
-                mma<T>(dka[2 * np + 1], ad, b + 2);
+                mma16<T>(dka, np, ad, b);
             }
         }
         __syncthreads();  // every warp's dS is in place
         // dQ (BR x D) += dS (BR x BC) K (BC x D): this warp's 16 rows x QC columns.
         const int rg = warp % RG, c0 = (warp / RG) * QC;
         float qa[QC / 8][4];
-#pragma unroll
-        for (int n = 0; n < QC / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) qa[n][e] = 0.f;
+        zero_tiles<QC / 8>(qa);
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) {
             uint32_t a[4];
@@ -572,8 +567,7 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
             for (int np = 0; np < QC / 16; ++np) {
                 uint32_t b[4];
                 load_b_kn<T>(b, sk, LD, kk * 16, c0 + np * 16, lane);
-                mma<T>(qa[2 * np], a, b);
-                mma<T>(qa[2 * np + 1], a, b + 2);
+                mma16<T>(qa, np, a, b);
             }
         }
 #pragma unroll

@@ -71,6 +71,8 @@ macro_rules! fused_op {
         }
     };
 }
+#[cfg(feature = "cuda")]
+pub(crate) use fused_op;
 
 /// Rows handed to one rayon task (amortizes scheduling over small hidden sizes).
 const ROWS_PER_TASK: usize = 16;

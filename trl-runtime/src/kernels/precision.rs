@@ -110,7 +110,7 @@ impl candle_core::InplaceOp3 for AddProductT {
         };
         // acc (row-major [m, n]) += a^T (a as stored, transposed) x b.
         let (a_t, b) = (Mat::transposed(a, m), Mat::rows(b, n));
-        mm_with(parallelism, (m, n, k), acc, n, a_t, b, 1.0, true);
+        mm_with(parallelism, (m, n, k), (acc, n), (a_t, b), 1.0, true);
         Ok(())
     }
 

@@ -26,7 +26,7 @@ struct CausalSoftmaxGrad {
 }
 
 /// (rows, cols, heads per batch) of a contiguous [batch, heads.., rows, cols] layout.
-fn geometry(l: &Layout, r: &RowRanges) -> Result<(usize, usize, usize)> {
+fn geometry(l: &Layout, r: &RowRanges) -> Result<Geometry> {
     let dims = l.dims();
     let n = dims.len();
     if n < 3 || dims[0] != r.batch || dims[n - 2] != r.rows {
@@ -47,57 +47,88 @@ fn slice<'a, T>(v: &'a [T], l: &Layout) -> Result<&'a [T]> {
     }
 }
 
-macro_rules! forward_rows {
-    ($x:expr, $r:expr, $rows:expr, $cols:expr, $heads:expr, $t:ty) => {{
-        let mut out = vec![0 as $t; $x.len()];
-        for (block, (xs, ys)) in $x
-            .chunks_exact($rows * $cols)
-            .zip(out.chunks_exact_mut($rows * $cols))
-            .enumerate()
-        {
-            let b = block / $heads;
-            for i in 0..$rows {
-                let start = $r.starts[b * $rows + i] as usize;
-                let end = i + 1 + ($cols - $rows);
-                let (x, y) = (
-                    &xs[i * $cols + start..i * $cols + end],
-                    &mut ys[i * $cols + start..i * $cols + end],
-                );
-                let max = x.iter().copied().fold(<$t>::NEG_INFINITY, <$t>::max);
-                let mut sum = 0 as $t;
-                for (yv, xv) in y.iter_mut().zip(x) {
-                    *yv = (*xv - max).exp();
-                    sum += *yv;
-                }
-                let inv = 1 as $t / sum;
-                y.iter_mut().for_each(|v| *v *= inv);
-            }
-        }
-        out
-    }};
+/// The element types the fused softmax runs in (f32, f64).
+trait Real: candle_core::WithDType + std::iter::Sum {
+    const NEG_INFINITY: Self;
+    fn exp(self) -> Self;
+    fn max(self, other: Self) -> Self;
 }
 
-macro_rules! backward_rows {
-    ($y:expr, $g:expr, $r:expr, $rows:expr, $cols:expr, $heads:expr, $t:ty) => {{
-        let mut out = vec![0 as $t; $y.len()];
-        let blocks = $y
-            .chunks_exact($rows * $cols)
-            .zip($g.chunks_exact($rows * $cols))
-            .zip(out.chunks_exact_mut($rows * $cols));
-        for (block, ((ys, gs), dx)) in blocks.enumerate() {
-            let b = block / $heads;
-            for i in 0..$rows {
-                let start = $r.starts[b * $rows + i] as usize;
-                let range = i * $cols + start..i * $cols + i + 1 + ($cols - $rows);
-                let (y, g, d) = (&ys[range.clone()], &gs[range.clone()], &mut dx[range]);
-                let dot: $t = y.iter().zip(g).map(|(a, b)| a * b).sum();
-                for ((dv, yv), gv) in d.iter_mut().zip(y).zip(g) {
-                    *dv = yv * (gv - dot);
-                }
+impl Real for f32 {
+    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f32::max(self, other)
+    }
+}
+
+impl Real for f64 {
+    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f64::max(self, other)
+    }
+}
+
+/// (rows, cols, heads per batch), as [`geometry`] gives them.
+type Geometry = (usize, usize, usize);
+
+fn forward_rows<T: Real>(x: &[T], r: &RowRanges, (rows, cols, heads): Geometry) -> Vec<T> {
+    let mut out = vec![T::zero(); x.len()];
+    for (block, (xs, ys)) in x
+        .chunks_exact(rows * cols)
+        .zip(out.chunks_exact_mut(rows * cols))
+        .enumerate()
+    {
+        let b = block / heads;
+        for i in 0..rows {
+            let start = r.starts[b * rows + i] as usize;
+            let end = i + 1 + (cols - rows);
+            let (x, y) = (
+                &xs[i * cols + start..i * cols + end],
+                &mut ys[i * cols + start..i * cols + end],
+            );
+            let max = x.iter().copied().fold(T::NEG_INFINITY, <T as Real>::max);
+            let mut sum = T::zero();
+            for (yv, xv) in y.iter_mut().zip(x) {
+                *yv = (*xv - max).exp();
+                sum += *yv;
+            }
+            let inv = T::one() / sum;
+            y.iter_mut().for_each(|v| *v *= inv);
+        }
+    }
+    out
+}
+
+fn backward_rows<T: Real>(
+    y: &[T],
+    g: &[T],
+    r: &RowRanges,
+    (rows, cols, heads): Geometry,
+) -> Vec<T> {
+    let mut out = vec![T::zero(); y.len()];
+    let blocks = y
+        .chunks_exact(rows * cols)
+        .zip(g.chunks_exact(rows * cols))
+        .zip(out.chunks_exact_mut(rows * cols));
+    for (block, ((ys, gs), dx)) in blocks.enumerate() {
+        let b = block / heads;
+        for i in 0..rows {
+            let start = r.starts[b * rows + i] as usize;
+            let range = i * cols + start..i * cols + i + 1 + (cols - rows);
+            let (y, g, d) = (&ys[range.clone()], &gs[range.clone()], &mut dx[range]);
+            let dot: T = y.iter().zip(g).map(|(a, b)| *a * *b).sum();
+            for ((dv, yv), gv) in d.iter_mut().zip(y).zip(g) {
+                *dv = *yv * (*gv - dot);
             }
         }
-        out
-    }};
+    }
+    out
 }
 
 impl CustomOp1 for CausalSoftmax {
@@ -106,24 +137,10 @@ impl CustomOp1 for CausalSoftmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (rows, cols, heads) = geometry(l, &self.ranges)?;
+        let (r, geo) = (&self.ranges, geometry(l, &self.ranges)?);
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(forward_rows!(
-                slice(v, l)?,
-                self.ranges,
-                rows,
-                cols,
-                heads,
-                f32
-            )),
-            CpuStorage::F64(v) => CpuStorage::F64(forward_rows!(
-                slice(v, l)?,
-                self.ranges,
-                rows,
-                cols,
-                heads,
-                f64
-            )),
+            CpuStorage::F32(v) => CpuStorage::F32(forward_rows(slice(v, l)?, r, geo)),
+            CpuStorage::F64(v) => CpuStorage::F64(forward_rows(slice(v, l)?, r, geo)),
             _ => candle_core::bail!("causal softmax: only f32 and f64 run fused"),
         };
         Ok((out, l.shape().clone()))
@@ -149,26 +166,14 @@ impl CustomOp2 for CausalSoftmaxGrad {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, cols, heads) = geometry(yl, &self.ranges)?;
+        let (r, geo) = (&self.ranges, geometry(yl, &self.ranges)?);
         let out = match (ys, gs) {
-            (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(backward_rows!(
-                slice(y, yl)?,
-                slice(g, gl)?,
-                self.ranges,
-                rows,
-                cols,
-                heads,
-                f32
-            )),
-            (CpuStorage::F64(y), CpuStorage::F64(g)) => CpuStorage::F64(backward_rows!(
-                slice(y, yl)?,
-                slice(g, gl)?,
-                self.ranges,
-                rows,
-                cols,
-                heads,
-                f64
-            )),
+            (CpuStorage::F32(y), CpuStorage::F32(g)) => {
+                CpuStorage::F32(backward_rows(slice(y, yl)?, slice(g, gl)?, r, geo))
+            }
+            (CpuStorage::F64(y), CpuStorage::F64(g)) => {
+                CpuStorage::F64(backward_rows(slice(y, yl)?, slice(g, gl)?, r, geo))
+            }
             _ => candle_core::bail!("causal softmax backward: unsupported dtypes"),
         };
         Ok((out, yl.shape().clone()))

@@ -12,7 +12,8 @@ use super::params::{read_config, shapes_and_aliases, Checked, FilesBackend, Weig
 use super::{gemma3, gpt_oss, llama, mixtral, olmo2, phi3, qwen3_moe};
 use crate::error::{Error, Result};
 use crate::nn::module::TpContext;
-use crate::nn::module::{Parallelize, Split};
+use crate::nn::module::{LinearFn, ParamFn, WeightFn};
+use crate::nn::module::Parallelize;
 use crate::nn::{AttentionImpl, Linear, Weight};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -117,20 +118,20 @@ macro_rules! registry {
             fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
                 each!(self, m => m.parallelize(name, tp))
             }
-            fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+            fn visit_params(&self, name: &str, f: &mut ParamFn) {
                 each!(self, m => m.visit_params(name, f))
             }
             fn visit_weights_mut(
                 &mut self,
                 name: &str,
-                f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
+                f: &mut WeightFn,
             ) -> Result<()> {
                 each!(self, m => m.visit_weights_mut(name, f))
             }
             fn visit_linears_mut(
                 &mut self,
                 name: &str,
-                f: &mut dyn FnMut(&str, &mut dyn crate::nn::module::LoraTarget) -> Result<()>,
+                f: &mut LinearFn,
             ) -> Result<()> {
                 each!(self, m => m.visit_linears_mut(name, f))
             }

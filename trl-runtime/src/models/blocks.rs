@@ -504,8 +504,11 @@ pub trait Layer: Parallelize + Send + Sync + Sized + 'static {
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor>;
     /// Its query and key/value heads on this rank (for sequence parallelism's checks).
     fn attention_heads(&self) -> (usize, usize);
-    /// Whether its MLP runs in sequence tiles under `tiled_mlp`.
-    fn tiles_mlp(&self) -> bool;
+    /// Whether its MLP runs in sequence tiles under `tiled_mlp` (no by default: a mixture
+    /// of experts routes whole sequences).
+    fn tiles_mlp(&self) -> bool {
+        false
+    }
     /// Whether the parameter `name` may get no gradient in a step (routed experts).
     fn may_skip_grad(name: &str) -> bool {
         let _ = name;

@@ -350,8 +350,4 @@ impl Layer for Gemma3Layer {
     fn attention_heads(&self) -> (usize, usize) {
         (self.self_attn.num_heads, self.self_attn.num_kv_heads)
     }
-
-    fn tiles_mlp(&self) -> bool {
-        false
-    }
 }

@@ -130,10 +130,6 @@ impl Layer for MixtralLayer {
         (self.self_attn.num_heads, self.self_attn.num_kv_heads)
     }
 
-    fn tiles_mlp(&self) -> bool {
-        false
-    }
-
     fn may_skip_grad(name: &str) -> bool {
         crate::nn::lora::is_routed_expert(name)
     }

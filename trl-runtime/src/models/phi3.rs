@@ -134,8 +134,4 @@ impl Layer for Phi3Layer {
     fn attention_heads(&self) -> (usize, usize) {
         (self.heads, self.kv_heads)
     }
-
-    fn tiles_mlp(&self) -> bool {
-        false
-    }
 }

@@ -113,10 +113,6 @@ impl Layer for Qwen3MoeLayer {
         (self.self_attn.num_heads, self.self_attn.num_kv_heads)
     }
 
-    fn tiles_mlp(&self) -> bool {
-        false
-    }
-
     fn may_skip_grad(name: &str) -> bool {
         crate::nn::lora::is_routed_expert(name)
     }

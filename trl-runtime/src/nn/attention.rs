@@ -76,9 +76,7 @@ fn fused_kernel(
     let spans = || mask.key_spans().clone().with_softcap(mask.mods.softcap);
     if mask.fused && square && crate::kernels::cpu_flash::applies(q, k) {
         return Some(crate::kernels::cpu_flash::flash_attention_cpu(
-            q,
-            k,
-            v,
+            (q, k, v),
             &spans(),
             mask.mods.sinks.as_ref(),
         ));
@@ -86,9 +84,7 @@ fn fused_kernel(
     #[cfg(feature = "cuda")]
     if square && crate::kernels::cuda_flash::applies(q, k) {
         return Some(crate::kernels::cuda_flash::flash_attention_cuda(
-            q,
-            k,
-            v,
+            (q, k, v),
             &spans(),
             mask.mods.sinks.as_ref(),
         ));

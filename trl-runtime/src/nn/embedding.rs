@@ -4,6 +4,7 @@
 use super::module::{
     child_name, Parallelize, Sections, Split, TpContext, TpLayer, TpStyle, VocabParallel,
 };
+use super::module::{ParamFn, WeightFn};
 use super::sharded;
 use super::Weight;
 use crate::comm::autograd::reduce_from_group;
@@ -350,7 +351,7 @@ impl TpLayer for Embedding {
         Ok(())
     }
 
-    fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_split(&self, name: &str, style: TpStyle, f: &mut ParamFn) {
         if let Weight::Local(w) = &self.weight {
             let dim = (style == TpStyle::Vocab).then_some(0);
             f(&child_name(name, "weight"), w, Split::on(style, dim));
@@ -361,14 +362,10 @@ impl TpLayer for Embedding {
 impl VocabParallel for Embedding {}
 
 impl Parallelize for Embedding {
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
         self.visit_split(name, TpStyle::Replicate, f)
     }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
-    ) -> TrlResult<()> {
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> TrlResult<()> {
         f(&child_name(name, "weight"), &mut self.weight)
     }
 }

@@ -9,6 +9,7 @@ use super::module::{
     child_name, split_lora, ColumnParallel, LoraTarget, Parallelize, RowParallel, Sections, Split,
     TpContext, TpLayer, TpStyle, VocabParallel,
 };
+use super::module::{LinearFn, ParamFn, WeightFn};
 use super::sharded;
 use super::Weight;
 use crate::comm::autograd::{copy_to_group, gather_from_group, reduce_from_group};
@@ -373,7 +374,7 @@ impl TpLayer for Linear {
         Ok(())
     }
 
-    fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_split(&self, name: &str, style: TpStyle, f: &mut ParamFn) {
         let (wd, bd) = Self::split_dims(style);
         // Sections matter only where the output features are split.
         let sectioned = |dim: Option<usize>| Split {
@@ -415,25 +416,17 @@ impl VocabParallel for Linear {}
 
 /// Unannotated: replicated on every rank.
 impl Parallelize for Linear {
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
         self.visit_split(name, TpStyle::Replicate, f)
     }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
-    ) -> TrlResult<()> {
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> TrlResult<()> {
         f(&child_name(name, "weight"), &mut self.weight)?;
         if let Some(b) = &mut self.bias {
             f(&child_name(name, "bias"), b)?;
         }
         Ok(())
     }
-    fn visit_linears_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> TrlResult<()>,
-    ) -> TrlResult<()> {
+    fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> TrlResult<()> {
         f(name, self)
     }
 }

@@ -334,6 +334,13 @@ impl WeightSlot for Option<Weight> {
     }
 }
 
+/// What [`Parallelize::visit_params`] calls: each parameter's HF name, tensor and split.
+pub type ParamFn<'a> = dyn FnMut(&str, &Tensor, Split) + 'a;
+/// What [`Parallelize::visit_weights_mut`] calls: each parameter slot by HF name.
+pub type WeightFn<'a> = dyn FnMut(&str, &mut Weight) -> Result<()> + 'a;
+/// What [`Parallelize::visit_linears_mut`] calls: each layer a LoRA adapter can go on.
+pub type LinearFn<'a> = dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()> + 'a;
+
 /// `Parallelize` for a layer whose weights stay whole on every tensor-parallel rank (the
 /// norms): `"suffix" => field` for each weight field, in the order they are listed.
 macro_rules! whole_layer {
@@ -342,7 +349,7 @@ macro_rules! whole_layer {
             fn visit_params(
                 &self,
                 name: &str,
-                f: &mut dyn FnMut(&str, &candle_core::Tensor, $crate::nn::module::Split),
+                f: &mut $crate::nn::module::ParamFn,
             ) {
                 use $crate::nn::module::{child_name, Split, WeightSlot};
                 $(if let Some($crate::nn::Weight::Local(t)) = self.$field.slot() {
@@ -352,7 +359,7 @@ macro_rules! whole_layer {
             fn visit_weights_mut(
                 &mut self,
                 name: &str,
-                f: &mut dyn FnMut(&str, &mut $crate::nn::Weight) -> $crate::error::Result<()>,
+                f: &mut $crate::nn::module::WeightFn,
             ) -> $crate::error::Result<()> {
                 use $crate::nn::module::{child_name, WeightSlot};
                 $(if let Some(w) = self.$field.slot_mut() {
@@ -388,26 +395,18 @@ pub trait Parallelize {
     }
 
     /// Calls `f` with every parameter's HF name, tensor and split.
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split));
+    fn visit_params(&self, name: &str, f: &mut ParamFn);
 
     /// Calls `f` with every parameter slot, to swap how it is held (FSDP wraps them). None by
     /// default (plain values, bare tensors).
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
-    ) -> Result<()> {
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> Result<()> {
         let _ = (name, f);
         Ok(())
     }
 
     /// Calls `f` with every layer that can take a LoRA adapter (each `nn::Linear`) inside.
     /// None by default.
-    fn visit_linears_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()>,
-    ) -> Result<()> {
+    fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> Result<()> {
         let _ = (name, f);
         Ok(())
     }
@@ -469,7 +468,7 @@ pub trait LoraTarget {
 pub trait TpLayer {
     fn shard(&mut self, name: &str, style: TpStyle, tp: &TpContext) -> Result<()>;
     /// The split of each parameter under `style` (before or after sharding).
-    fn visit_split(&self, name: &str, style: TpStyle, f: &mut dyn FnMut(&str, &Tensor, Split));
+    fn visit_split(&self, name: &str, style: TpStyle, f: &mut ParamFn);
 }
 
 /// Layers that can be column-parallel (output features split).
@@ -525,7 +524,7 @@ counts!(usize, u32, u64, i32, i64);
 macro_rules! no_params {
     ($($t:ty),*) => {$(
         impl Parallelize for $t {
-            fn visit_params(&self, _: &str, _: &mut dyn FnMut(&str, &Tensor, Split)) {}
+            fn visit_params(&self, _: &str, _: &mut ParamFn) {}
         }
     )*};
 }
@@ -533,7 +532,7 @@ no_params!(usize, u32, u64, i32, i64, f32, f64, bool, String);
 
 /// A `Tensor` field is a parameter when it is trainable (a `Var`), else a buffer.
 impl Parallelize for Tensor {
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
         if self.is_variable() {
             f(name, self, Split::REPLICATED)
         }
@@ -548,26 +547,18 @@ impl<T: Parallelize> Parallelize for Vec<T> {
         }
         Ok(())
     }
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
         for (i, x) in self.iter().enumerate() {
             x.visit_params(&child_name(name, &i.to_string()), f);
         }
     }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
-    ) -> Result<()> {
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> Result<()> {
         for (i, x) in self.iter_mut().enumerate() {
             x.visit_weights_mut(&child_name(name, &i.to_string()), f)?;
         }
         Ok(())
     }
-    fn visit_linears_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()>,
-    ) -> Result<()> {
+    fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> Result<()> {
         for (i, x) in self.iter_mut().enumerate() {
             x.visit_linears_mut(&child_name(name, &i.to_string()), f)?;
         }
@@ -597,26 +588,18 @@ impl<T: Parallelize> Parallelize for Option<T> {
             None => Ok(()),
         }
     }
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
         if let Some(x) = self {
             x.visit_params(name, f)
         }
     }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
-    ) -> Result<()> {
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> Result<()> {
         match self {
             Some(x) => x.visit_weights_mut(name, f),
             None => Ok(()),
         }
     }
-    fn visit_linears_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()>,
-    ) -> Result<()> {
+    fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> Result<()> {
         match self {
             Some(x) => x.visit_linears_mut(name, f),
             None => Ok(()),
@@ -638,21 +621,13 @@ impl<T: Parallelize> Parallelize for Box<T> {
     fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
         (**self).parallelize(name, tp)
     }
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
         (**self).visit_params(name, f)
     }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> Result<()>,
-    ) -> Result<()> {
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> Result<()> {
         (**self).visit_weights_mut(name, f)
     }
-    fn visit_linears_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()>,
-    ) -> Result<()> {
+    fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> Result<()> {
         (**self).visit_linears_mut(name, f)
     }
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {

@@ -12,6 +12,7 @@ use super::lora::{Lora, LoraConfig};
 use super::module::{
     child_name, split_lora, LoraTarget, Parallelize, Sections, Split, TpContext, TpStyle,
 };
+use super::module::{LinearFn, ParamFn, WeightFn};
 use super::sharded;
 use super::Weight;
 use crate::error::{Error, Result as TrlResult};
@@ -181,7 +182,7 @@ impl Parallelize for Param {
         self.split_lora(name)
     }
 
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
         if let Weight::Local(t) = &self.weight {
             let split = match self.split {
                 Some((style, dim)) => Split::on(style, Some(dim)),
@@ -202,20 +203,12 @@ impl Parallelize for Param {
         }
     }
 
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
-    ) -> TrlResult<()> {
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> TrlResult<()> {
         f(name, &mut self.weight)
     }
 
     /// A 2-D or 3-D parameter can take an adapter (`target_parameters`).
-    fn visit_linears_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut dyn LoraTarget) -> TrlResult<()>,
-    ) -> TrlResult<()> {
+    fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> TrlResult<()> {
         match self.weight.dims().len() {
             2 | 3 => f(name, self),
             _ => Ok(()),

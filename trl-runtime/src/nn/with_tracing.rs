@@ -4,8 +4,8 @@
 //! one. They are this crate's layers (tensor-parallel, FSDP-shardable, with a backward pass);
 //! the tracing spans are left out.
 
-use super::module::{Parallelize, Split};
-use super::Weight;
+use super::module::Parallelize;
+use super::module::{ParamFn, WeightFn};
 use crate::error::Result as TrlResult;
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
@@ -55,14 +55,10 @@ impl candle_core::Module for RmsNorm {
 }
 
 impl Parallelize for RmsNorm {
-    fn visit_params(&self, name: &str, f: &mut dyn FnMut(&str, &Tensor, Split)) {
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
         self.inner.visit_params(name, f)
     }
-    fn visit_weights_mut(
-        &mut self,
-        name: &str,
-        f: &mut dyn FnMut(&str, &mut Weight) -> TrlResult<()>,
-    ) -> TrlResult<()> {
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> TrlResult<()> {
         self.inner.visit_weights_mut(name, f)
     }
 }

@@ -638,6 +638,15 @@ impl FsdpOptimizer {
 }
 
 impl ShardedOptimizer for FsdpOptimizer {
+    /// The AdamW state of this rank's slices.
+    fn state(&self) -> &AdamW {
+        &self.inner
+    }
+
+    fn state_mut(&mut self) -> &mut AdamW {
+        &mut self.inner
+    }
+
     /// Clips by the norm over the tensor-parallel group too (the units hold tp slices).
     fn set_tp_grads(&mut self, norm: TpGrads) -> Result<()> {
         let mut units = BTreeMap::new();
@@ -646,15 +655,6 @@ impl ShardedOptimizer for FsdpOptimizer {
         }
         self.tp_grads = Some((norm, units));
         Ok(())
-    }
-
-    /// The AdamW state of this rank's slices.
-    fn state(&self) -> &AdamW {
-        &self.inner
-    }
-
-    fn state_mut(&mut self) -> &mut AdamW {
-        &mut self.inner
     }
 
     /// The whole optimizer state per parameter (collective), as plain DDP keeps it.
