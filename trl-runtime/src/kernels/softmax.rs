@@ -54,25 +54,20 @@ trait Real: candle_core::WithDType + std::iter::Sum {
     fn max(self, other: Self) -> Self;
 }
 
-impl Real for f32 {
-    const NEG_INFINITY: Self = f32::NEG_INFINITY;
-    fn exp(self) -> Self {
-        f32::exp(self)
-    }
-    fn max(self, other: Self) -> Self {
-        f32::max(self, other)
-    }
+macro_rules! real {
+    ($($t:ident),*) => {$(
+        impl Real for $t {
+            const NEG_INFINITY: Self = $t::NEG_INFINITY;
+            fn exp(self) -> Self {
+                $t::exp(self)
+            }
+            fn max(self, other: Self) -> Self {
+                $t::max(self, other)
+            }
+        }
+    )*};
 }
-
-impl Real for f64 {
-    const NEG_INFINITY: Self = f64::NEG_INFINITY;
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-    fn max(self, other: Self) -> Self {
-        f64::max(self, other)
-    }
-}
+real!(f32, f64);
 
 /// (rows, cols, heads per batch), as [`geometry`] gives them.
 type Geometry = (usize, usize, usize);
