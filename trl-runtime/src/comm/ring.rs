@@ -132,49 +132,46 @@ impl<T: Transport> RingComm<T> {
         buf: &mut [E],
         reduce: ReduceOp,
     ) -> Result<()> {
-        let (r, n) = (self.transport.rank(), self.transport.size());
-        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let size = std::mem::size_of::<E>();
-        for step in 0..n - 1 {
-            let send_seg = segment(buf.len(), n, (r + 2 * n - 1 - step) % n);
-            let recv_seg = segment(buf.len(), n, (r + 2 * n - 2 - step) % n);
-            let recv_len = recv_seg.len() * size;
-            let (send, recv) = split_pair(buf, send_seg, recv_seg);
-            self.exchange(
-                op,
-                next,
-                as_bytes(send),
-                prev,
-                recv_len,
-                &mut |offset, bytes| {
-                    let start = offset / size;
-                    E::reduce_bytes(reduce, &mut recv[start..start + bytes.len() / size], bytes);
-                },
-            )?;
-        }
-        Ok(())
+        let n = self.transport.size();
+        self.ring_steps(op, buf, n - 1, |recv, offset, bytes| {
+            let start = offset / size;
+            E::reduce_bytes(reduce, &mut recv[start..start + bytes.len() / size], bytes);
+        })
     }
 
     /// Given rank r holding segment r, fills every segment on every rank.
     fn ring_all_gather<E: Elem>(&self, op: OpCode, buf: &mut [E]) -> Result<()> {
+        self.ring_steps(op, buf, 0, |recv, offset, bytes| {
+            let recv: &mut [u8] = bytemuck::cast_slice_mut(recv);
+            recv[offset..offset + bytes.len()].copy_from_slice(bytes);
+        })
+    }
+
+    /// n - 1 steps around the ring: at step s rank r sends segment (r + shift - s) mod n of
+    /// `buf` to the next rank and hands each piece of segment (r + shift - s - 1) mod n that
+    /// the previous rank sends to `on_recv` (that segment, the piece's byte offset, its bytes).
+    fn ring_steps<E: Elem>(
+        &self,
+        op: OpCode,
+        buf: &mut [E],
+        shift: usize,
+        mut on_recv: impl FnMut(&mut [E], usize, &[u8]),
+    ) -> Result<()> {
         let (r, n) = (self.transport.rank(), self.transport.size());
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let size = std::mem::size_of::<E>();
         for step in 0..n - 1 {
-            let send_seg = segment(buf.len(), n, (r + n - step) % n);
-            let recv_seg = segment(buf.len(), n, (r + 2 * n - step - 1) % n);
-            let recv_len = recv_seg.len() * size;
+            let send_seg = segment(buf.len(), n, (r + n + shift - step) % n);
+            let recv_seg = segment(buf.len(), n, (r + 2 * n + shift - step - 1) % n);
+            let recv_len = recv_seg.len() * std::mem::size_of::<E>();
             let (send, recv) = split_pair(buf, send_seg, recv_seg);
-            let recv_bytes: &mut [u8] = bytemuck::cast_slice_mut(recv);
             self.exchange(
                 op,
                 next,
                 as_bytes(send),
                 prev,
                 recv_len,
-                &mut |offset, bytes| {
-                    recv_bytes[offset..offset + bytes.len()].copy_from_slice(bytes);
-                },
+                &mut |offset, bytes| on_recv(&mut *recv, offset, bytes),
             )?;
         }
         Ok(())
@@ -331,12 +328,9 @@ impl<T: Transport> RingComm<T> {
         to_tensor(out, x.shape(), x.device())
     }
 
-    fn all_to_all_typed<E: Elem>(
-        &self,
-        x: &Tensor,
-        split_dim: usize,
-        concat_dim: usize,
-    ) -> Result<Tensor> {
+    /// `dims`: (split, concat).
+    fn all_to_all_typed<E: Elem>(&self, x: &Tensor, dims: (usize, usize)) -> Result<Tensor> {
+        let (split_dim, concat_dim) = dims;
         let op = OpCode::AllToAll;
         let (r, n) = (self.transport.rank(), self.transport.size());
         if concat_dim >= x.rank() {
@@ -450,7 +444,7 @@ impl<T: Transport> Communicator for RingComm<T> {
 
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
         let _g = self.lock();
-        dispatch!(x.dtype(), E => self.all_to_all_typed::<E>(x, split_dim, concat_dim), |d| Err(self.unsupported(OpCode::AllToAll, d)))
+        dispatch!(x.dtype(), E => self.all_to_all_typed::<E>(x, (split_dim, concat_dim)), |d| Err(self.unsupported(OpCode::AllToAll, d)))
     }
 
     fn barrier(&self) -> Result<()> {

@@ -121,18 +121,10 @@ macro_rules! registry {
             fn visit_params(&self, name: &str, f: &mut ParamFn) {
                 each!(self, m => m.visit_params(name, f))
             }
-            fn visit_weights_mut(
-                &mut self,
-                name: &str,
-                f: &mut WeightFn,
-            ) -> Result<()> {
+            fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> Result<()> {
                 each!(self, m => m.visit_weights_mut(name, f))
             }
-            fn visit_linears_mut(
-                &mut self,
-                name: &str,
-                f: &mut LinearFn,
-            ) -> Result<()> {
+            fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> Result<()> {
                 each!(self, m => m.visit_linears_mut(name, f))
             }
             fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
