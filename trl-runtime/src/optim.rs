@@ -3,6 +3,7 @@
 
 use crate::alloc::StorageBytes;
 use crate::error::{Error, Result};
+use crate::kernels::fused::inplace_op;
 use crate::kernels::fused::slice;
 use crate::models::tensor_file::{TensorFile, TensorSpec};
 use crate::models::Params;
@@ -452,21 +453,12 @@ struct Moment {
     square: bool,
 }
 
-impl candle_core::InplaceOp2 for Moment {
-    fn name(&self) -> &'static str {
-        "adamw-moment"
-    }
-
-    fn cpu_fwd(
-        &self,
-        m: &mut candle_core::CpuStorage,
-        ml: &Layout,
-        g: &candle_core::CpuStorage,
-        gl: &Layout,
-    ) -> candle_core::Result<()> {
+inplace_op!(Moment: InplaceOp2 [this] {
+    name: "adamw-moment",
+    cpu(m, ml, g, gl) {
         use rayon::prelude::*;
         let (m, g) = (f32_slice_mut(m, ml)?, slice::<f32>(g, gl)?);
-        let (beta, scale, square) = (self.beta, self.scale, self.square);
+        let (beta, scale, square) = (this.beta, this.scale, this.square);
         m.par_chunks_mut(CHUNK)
             .zip(g.par_chunks(CHUNK))
             .for_each(|(m, g)| {
@@ -477,7 +469,7 @@ impl candle_core::InplaceOp2 for Moment {
             });
         Ok(())
     }
-}
+});
 
 /// `w = w (1 - shrink mask) - step m / (sqrt(v) / sqrt(bc2) + eps)`, in place.
 struct MasterStep {
@@ -488,27 +480,16 @@ struct MasterStep {
     eps: f32,
 }
 
-impl candle_core::InplaceOp3 for MasterStep {
-    fn name(&self) -> &'static str {
-        "adamw-master"
-    }
-
-    fn cpu_fwd(
-        &self,
-        w: &mut candle_core::CpuStorage,
-        wl: &Layout,
-        m: &candle_core::CpuStorage,
-        ml: &Layout,
-        v: &candle_core::CpuStorage,
-        vl: &Layout,
-    ) -> candle_core::Result<()> {
+inplace_op!(MasterStep: InplaceOp3 [this] {
+    name: "adamw-master",
+    cpu(w, wl, m, ml, v, vl) {
         use rayon::prelude::*;
         let (w, m, v) = (
             f32_slice_mut(w, wl)?,
             slice::<f32>(m, ml)?,
             slice::<f32>(v, vl)?,
         );
-        let mask_guard = self.mask.as_ref().map(|t| t.storage_and_layout());
+        let mask_guard = this.mask.as_ref().map(|t| t.storage_and_layout());
         let mask = match &mask_guard {
             Some((storage, layout)) => match cpu_slice::<u8>(storage, layout) {
                 Some(mask) => Some(mask),
@@ -516,7 +497,7 @@ impl candle_core::InplaceOp3 for MasterStep {
             },
             None => None,
         };
-        let (shrink, step, inv_bc2, eps) = (self.shrink, self.step, self.inv_bc2, self.eps);
+        let (shrink, step, inv_bc2, eps) = (this.shrink, this.step, this.inv_bc2, this.eps);
         w.par_chunks_mut(CHUNK).enumerate().for_each(|(c, w)| {
             let at = c * CHUNK;
             for (i, w) in w.iter_mut().enumerate() {
@@ -527,7 +508,7 @@ impl candle_core::InplaceOp3 for MasterStep {
         });
         Ok(())
     }
-}
+});
 
 /// What [`cuda_update_in_place`] did.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -629,20 +610,16 @@ struct AdamWInPlace<'a> {
 }
 
 #[cfg(feature = "cuda")]
-impl candle_core::InplaceOp1 for AdamWInPlace<'_> {
-    fn name(&self) -> &'static str {
-        "adamw"
-    }
-
-    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
+inplace_op!(AdamWInPlace<'_>: InplaceOp1 [this] {
+    name: "adamw",
+    cpu(_, _) {
         candle_core::bail!("the CUDA AdamW runs on GPUs (the CPU has its own pass)")
     }
-
-    fn cuda_fwd(&self, ws: &mut candle_core::CudaStorage, wl: &Layout) -> candle_core::Result<()> {
-        let (m_guard, m_layout) = self.moments[0].storage_and_layout();
-        let (v_guard, v_layout) = self.moments[1].storage_and_layout();
-        let (g_guard, g_layout) = self.grad.storage_and_layout();
-        let mask = self.mask.as_ref().map(|t| t.storage_and_layout());
+    cuda(ws, wl) {
+        let (m_guard, m_layout) = this.moments[0].storage_and_layout();
+        let (v_guard, v_layout) = this.moments[1].storage_and_layout();
+        let (g_guard, g_layout) = this.grad.storage_and_layout();
+        let mask = this.mask.as_ref().map(|t| t.storage_and_layout());
         fn cuda(s: &candle_core::Storage) -> candle_core::Result<&candle_core::CudaStorage> {
             match s {
                 candle_core::Storage::Cuda(c) => Ok(c),
@@ -653,7 +630,7 @@ impl candle_core::InplaceOp1 for AdamWInPlace<'_> {
             Some((g, l)) => Some((cuda(g)?, *l)),
             None => None,
         };
-        let weight = self.weight.map(|t| t.storage_and_layout());
+        let weight = this.weight.map(|t| t.storage_and_layout());
         let weight = match &weight {
             Some((g, l)) => Some((cuda(g)?, *l)),
             None => None,
@@ -667,10 +644,10 @@ impl candle_core::InplaceOp1 for AdamWInPlace<'_> {
             ],
             mask,
             weight,
-            self.consts,
+            this.consts,
         )
     }
-}
+});
 
 /// Sum of squares of all gradients (f64), so sharded callers can add theirs across ranks.
 pub fn grad_norm_sq(grads: &BTreeMap<String, Tensor>) -> Result<f64> {

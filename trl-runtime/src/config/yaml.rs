@@ -85,21 +85,28 @@ impl<'a> Section<'a> {
 
     /// A non-negative integer; strings holding integers are accepted ("2").
     pub fn uint(&mut self, key: &str) -> Result<Option<u64>> {
-        let v = match self.raw(key) {
-            None => return Ok(None),
-            Some(v) => v,
+        self.number(key, serde_yaml::Number::as_u64, "a non-negative integer")
+    }
+
+    /// A number of type `T` read by `of` (strings holding one are accepted, as Accelerate
+    /// writes some); else an error saying it expected `what`.
+    fn number<T: std::str::FromStr>(
+        &mut self,
+        key: &str,
+        of: fn(&serde_yaml::Number) -> Option<T>,
+        what: &str,
+    ) -> Result<Option<T>> {
+        let Some(v) = self.raw(key) else {
+            return Ok(None);
         };
         let parsed = match v {
-            Value::Number(n) => n.as_u64(),
-            Value::String(s) => s.trim().parse::<u64>().ok(),
+            Value::Number(n) => of(n),
+            Value::String(s) => s.trim().parse::<T>().ok(),
             _ => None,
         };
-        parsed.map(Some).ok_or_else(|| {
-            self.error(
-                key,
-                format!("expected a non-negative integer, found {}", describe(v)),
-            )
-        })
+        parsed
+            .map(Some)
+            .ok_or_else(|| self.error(key, format!("expected {what}, found {}", describe(v))))
     }
 
     pub fn uint_in(&mut self, key: &str, min: u64, max: u64) -> Result<Option<u64>> {
@@ -113,18 +120,7 @@ impl<'a> Section<'a> {
     }
 
     pub fn float(&mut self, key: &str) -> Result<Option<f64>> {
-        let v = match self.raw(key) {
-            None => return Ok(None),
-            Some(v) => v,
-        };
-        let parsed = match v {
-            Value::Number(n) => n.as_f64(),
-            Value::String(s) => s.trim().parse::<f64>().ok(),
-            _ => None,
-        };
-        parsed
-            .map(Some)
-            .ok_or_else(|| self.error(key, format!("expected a number, found {}", describe(v))))
+        self.number(key, serde_yaml::Number::as_f64, "a number")
     }
 
     /// A string that must be one of `accepted` (compared case-insensitively).

@@ -141,18 +141,9 @@ impl KeySpans {
 /// The key blocks a block of rows may see: from the block holding the first visible key to
 /// the last visible key (an empty range when none).
 fn key_range(lo: &[u32], hi: &[u32]) -> std::ops::Range<usize> {
-    let first = lo
-        .iter()
-        .zip(hi)
-        .filter(|(l, h)| l < h)
-        .map(|(l, _)| *l)
-        .min();
-    let end = lo
-        .iter()
-        .zip(hi)
-        .filter(|(l, h)| l < h)
-        .map(|(_, h)| *h)
-        .max();
+    let visible = lo.iter().zip(hi).filter(|(l, h)| l < h);
+    let first = visible.clone().map(|(l, _)| *l).min();
+    let end = visible.map(|(_, h)| *h).max();
     match (first, end) {
         (Some(f), Some(e)) => f as usize / BLOCK * BLOCK..e as usize,
         _ => 0..0,
@@ -273,6 +264,26 @@ fn score_grads_body(dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]) {
 
 simd_dispatch!(score_grads, score_grads_avx2, score_grads_body, (dp: &mut [f32], p: &[f32], rows: BlockRows, delta: &[f32]));
 
+/// The scores of a block: the head dim and the soft-cap (if any) they are computed with.
+#[derive(Clone, Copy)]
+struct Scorer {
+    d: usize,
+    cap: Option<f32>,
+}
+
+impl Scorer {
+    /// `s` = Q_i K_j^T / sqrt(d) for the block `rows` (rows BLOCK apart, `k` from key j0
+    /// on), soft-capped where there is a cap (its slope into `slope` where asked).
+    fn scores(self, s: &mut [f32], rows: BlockRows, qi: Mat, k: &[f32], slope: Option<&mut [f32]>) {
+        let (m, n, d) = (rows.m, rows.n, self.d);
+        let kt = Mat::transposed(k, d);
+        mm((m, n, d), s, BLOCK, qi, kt, 1.0 / (d as f32).sqrt(), false);
+        if let Some(cap) = self.cap {
+            soft_cap(s, (m, n), cap, slope);
+        }
+    }
+}
+
 /// `cap * tanh(s / cap)` over the `m x n` scores of a block (rows BLOCK apart), and the slope
 /// `1 - tanh^2` of each into `slope` when given.
 fn soft_cap(scores: &mut [f32], (m, n): (usize, usize), cap: f32, mut slope: Option<&mut [f32]>) {
@@ -298,7 +309,10 @@ fn forward_task(
     (out, lse): (&mut [f32], &mut [f32]),
 ) {
     let Dims { sq, sk, d, .. } = dims;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scorer = Scorer {
+        d,
+        cap: spans.softcap,
+    };
     let mut scores = vec![0f32; BLOCK * BLOCK];
     let (mut m_run, mut l_run) = (vec![0f32; BLOCK], vec![0f32; BLOCK]);
     for h in 0..dims.group() {
@@ -319,11 +333,7 @@ fn forward_task(
                     continue;
                 }
                 let qi = Mat::rows(&qh[i0 * d..], d);
-                let kt = Mat::transposed(&k[j0 * d..], d);
-                mm((m, n, d), &mut scores, BLOCK, qi, kt, scale, false);
-                if let Some(cap) = spans.softcap {
-                    soft_cap(&mut scores, (m, n), cap, None);
-                }
+                scorer.scores(&mut scores, rows, qi, &k[j0 * d..], None);
                 online_softmax(&mut scores, rows, &mut m_run, &mut l_run, o, d);
                 let p = Mat::rows(&scores, BLOCK);
                 let vj = Mat::rows(&v[j0 * d..], d);
@@ -355,6 +365,10 @@ fn backward_task(
     (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
     let Dims { sq, sk, d, .. } = dims;
+    let scorer = Scorer {
+        d,
+        cap: spans.softcap,
+    };
     let scale = 1.0 / (d as f32).sqrt();
     let mut p = vec![0f32; BLOCK * BLOCK];
     let mut dp = vec![0f32; BLOCK * BLOCK];
@@ -404,11 +418,7 @@ fn backward_task(
                     continue;
                 }
                 let qi = Mat::rows(&qh[i0 * d..], d);
-                let kt = Mat::transposed(&k[j0 * d..], d);
-                mm((m, n, d), &mut p, BLOCK, qi, kt, scale, false);
-                if let Some(cap) = spans.softcap {
-                    soft_cap(&mut p, (m, n), cap, Some(&mut slope));
-                }
+                scorer.scores(&mut p, rows, qi, &k[j0 * d..], Some(&mut slope));
                 probabilities(&mut p, rows, &lh[i0..i0 + m]);
                 // dV_j += P^T dO_i
                 let pt = Mat::transposed(&p, BLOCK);

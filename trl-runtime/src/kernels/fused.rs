@@ -74,6 +74,49 @@ macro_rules! fused_op {
 #[cfg(feature = "cuda")]
 pub(crate) use fused_op;
 
+/// [`fused_op!`] for Candle's in-place ops (`InplaceOp1/2/3`): the first storage is the one
+/// written. Without a `cuda` clause the op runs on the CPU only (Candle's default refuses it
+/// on a GPU).
+macro_rules! inplace_op {
+    ($op:ty: $trait:ident [$this:ident] {
+        name: $name:expr,
+        cpu($s0:pat_param, $l0:pat_param $(, $s:pat_param, $l:pat_param)*) $cpu:block
+        $(cuda($c0:pat_param, $cl0:pat_param $(, $c:pat_param, $cl:pat_param)*) $cuda:block)?
+    }) => {
+        impl candle_core::$trait for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn cpu_fwd(
+                &self,
+                $s0: &mut candle_core::CpuStorage,
+                $l0: &candle_core::Layout,
+                $($s: &candle_core::CpuStorage, $l: &candle_core::Layout),*
+            ) -> candle_core::Result<()> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $cpu
+            }
+
+            $(
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $c0: &mut candle_core::CudaStorage,
+                $cl0: &candle_core::Layout,
+                $($c: &candle_core::CudaStorage, $cl: &candle_core::Layout),*
+            ) -> candle_core::Result<()> {
+                #[allow(unused_variables)]
+                let $this = self;
+                $cuda
+            }
+            )?
+        }
+    };
+}
+pub(crate) use inplace_op;
+
 /// Rows handed to one rayon task (amortizes scheduling over small hidden sizes).
 const ROWS_PER_TASK: usize = 16;
 

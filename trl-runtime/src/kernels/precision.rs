@@ -3,6 +3,7 @@
 //! wider one, as transformers and FlashAttention's kernels do.
 
 use super::cpu_gemm::{mm_with, Mat};
+use super::fused::inplace_op;
 use candle_core::{DType, Result, Tensor};
 
 /// The dtype of softmax, statistics and sums for activations of `dtype`: f32, or f64 for f64.
@@ -73,20 +74,9 @@ pub(crate) fn accumulate_product(slot: &mut Option<Tensor>, a: &Tensor, b: &Tens
 /// `acc += a^T b` in place (see [`accumulate_product`]).
 struct AddProductT;
 
-impl candle_core::InplaceOp3 for AddProductT {
-    fn name(&self) -> &'static str {
-        "add-product-t"
-    }
-
-    fn cpu_fwd(
-        &self,
-        acc: &mut candle_core::CpuStorage,
-        al: &candle_core::Layout,
-        a: &candle_core::CpuStorage,
-        a_l: &candle_core::Layout,
-        b: &candle_core::CpuStorage,
-        bl: &candle_core::Layout,
-    ) -> Result<()> {
+inplace_op!(AddProductT: InplaceOp3 [this] {
+    name: "add-product-t",
+    cpu(acc, al, a, a_l, b, bl) {
         use candle_core::CpuStorage::F32;
         let (F32(acc), F32(a), F32(b)) = (acc, a, b) else {
             candle_core::bail!("add-product-t on the CPU takes f32")
@@ -113,51 +103,25 @@ impl candle_core::InplaceOp3 for AddProductT {
         mm_with(parallelism, (m, n, k), (acc, n), (a_t, b), 1.0, true);
         Ok(())
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        acc: &mut candle_core::CudaStorage,
-        al: &candle_core::Layout,
-        a: &candle_core::CudaStorage,
-        a_l: &candle_core::Layout,
-        b: &candle_core::CudaStorage,
-        bl: &candle_core::Layout,
-    ) -> Result<()> {
+    cuda(acc, al, a, a_l, b, bl) {
         super::cuda_fused::add_product_t((acc, al), (a, a_l), (b, bl))
     }
-}
+});
 
 /// `acc += x` in place on a GPU (acc f32; the running sums above, which only they hold).
 #[cfg(feature = "cuda")]
 struct AddInto;
 
 #[cfg(feature = "cuda")]
-impl candle_core::InplaceOp2 for AddInto {
-    fn name(&self) -> &'static str {
-        "add-into"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &mut candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> Result<()> {
+inplace_op!(AddInto: InplaceOp2 [this] {
+    name: "add-into",
+    cpu(_, _, _, _) {
         candle_core::bail!("add-into runs on GPUs")
     }
-
-    fn cuda_fwd(
-        &self,
-        acc: &mut candle_core::CudaStorage,
-        al: &candle_core::Layout,
-        x: &candle_core::CudaStorage,
-        xl: &candle_core::Layout,
-    ) -> Result<()> {
+    cuda(acc, al, x, xl) {
         super::cuda_fused::add_into((acc, al), (x, xl))
     }
-}
+});
 
 /// Whether the fused CUDA kernels are built (feature `cuda`) and switched on.
 #[cfg(feature = "cuda")]

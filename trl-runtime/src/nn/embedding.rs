@@ -10,6 +10,7 @@ use super::Weight;
 use crate::comm::autograd::reduce_from_group;
 use crate::comm::Communicator;
 use crate::error::Result as TrlResult;
+use crate::kernels::fused::inplace_op;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, TensorId};
 use std::cell::RefCell;
@@ -234,20 +235,9 @@ impl candle_core::CustomOp2 for Lookup {
 /// `acc[ids[t], :] += dy[t, :]` in place (repeated ids add up).
 struct AddRows;
 
-impl candle_core::InplaceOp3 for AddRows {
-    fn name(&self) -> &'static str {
-        "embedding-add-rows"
-    }
-
-    fn cpu_fwd(
-        &self,
-        acc: &mut CpuStorage,
-        al: &Layout,
-        dy: &CpuStorage,
-        dl: &Layout,
-        ids: &CpuStorage,
-        il: &Layout,
-    ) -> Result<()> {
+inplace_op!(AddRows: InplaceOp3 [this] {
+    name: "embedding-add-rows",
+    cpu(acc, al, dy, dl, ids, il) {
         let (vocab, hidden) = al.shape().dims2()?;
         let (Some((a0, a1)), Some((d0, d1)), Some((i0, i1))) = (
             al.contiguous_offsets(),
@@ -306,20 +296,10 @@ impl candle_core::InplaceOp3 for AddRows {
         }
         Ok(())
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        acc: &mut candle_core::CudaStorage,
-        al: &Layout,
-        dy: &candle_core::CudaStorage,
-        dl: &Layout,
-        ids: &candle_core::CudaStorage,
-        il: &Layout,
-    ) -> Result<()> {
+    cuda(acc, al, dy, dl, ids, il) {
         crate::kernels::cuda_fused::embedding_add_rows((acc, al), (dy, dl), (ids, il))
     }
-}
+});
 
 impl candle_core::Module for Embedding {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {

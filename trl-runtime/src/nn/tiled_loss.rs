@@ -11,9 +11,10 @@
 
 use super::embedding::TiedGrad;
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
+use crate::kernels::fused::inplace_op;
 use crate::kernels::precision::{self, accumulate, accumulate_product};
 use crate::precomputed::Precomputed;
-use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp1, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use std::cell::{Cell, RefCell};
 use std::sync::Mutex;
 
@@ -212,16 +213,13 @@ impl CustomOp2 for LossOp {
 /// `x *= s` in place.
 struct Scale(f64);
 
-impl InplaceOp1 for Scale {
-    fn name(&self) -> &'static str {
-        "scale"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+inplace_op!(Scale: InplaceOp1 [this] {
+    name: "scale",
+    cpu(storage, layout) {
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("scale: a contiguous tensor expected")
         };
-        let s = self.0;
+        let s = this.0;
         match storage {
             CpuStorage::F32(v) => v[start..end].iter_mut().for_each(|x| *x *= s as f32),
             CpuStorage::F64(v) => v[start..end].iter_mut().for_each(|x| *x *= s),
@@ -238,12 +236,10 @@ impl InplaceOp1 for Scale {
         }
         Ok(())
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> Result<()> {
-        crate::kernels::cuda_fused::scale_in_place((storage, layout), self.0 as f32)
+    cuda(storage, layout) {
+        crate::kernels::cuda_fused::scale_in_place((storage, layout), this.0 as f32)
     }
-}
+});
 
 /// One tile of logits turned in place into the gradient of its summed loss (see
 /// [`crate::kernels::fused::cross_entropy_rows`]). On CPU the loss is left in `loss` and each
@@ -269,34 +265,29 @@ struct DeviceRows {
     loss: Tensor,
 }
 
-impl InplaceOp1 for CrossEntropyRows<'_> {
-    fn name(&self) -> &'static str {
-        "cross-entropy-rows"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+inplace_op!(CrossEntropyRows<'_>: InplaceOp1 [this] {
+    name: "cross-entropy-rows",
+    cpu(storage, layout) {
         let (CpuStorage::F32(v), Some((start, end))) = (storage, layout.contiguous_offsets())
         else {
             candle_core::bail!("cross-entropy rows: contiguous f32 logits expected")
         };
         let vocab = layout.dims()[1];
-        let mut rows = vec![0f32; self.targets.len()];
+        let mut rows = vec![0f32; this.targets.len()];
         let loss = crate::kernels::fused::cross_entropy_rows(
             &mut v[start..end],
             vocab,
-            self.targets,
-            self.grads,
+            this.targets,
+            this.grads,
             &mut rows,
         );
-        self.loss.set(loss);
-        *self.rows.borrow_mut() = rows;
+        this.loss.set(loss);
+        *this.rows.borrow_mut() = rows;
         Ok(())
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> Result<()> {
+    cuda(storage, layout) {
         use candle_core::Storage;
-        let Some(rows) = self.on_device else {
+        let Some(rows) = this.on_device else {
             candle_core::bail!("cross-entropy rows: the GPU pass needs its device buffers")
         };
         let len = layout.dims()[0];
@@ -305,16 +296,16 @@ impl InplaceOp1 for CrossEntropyRows<'_> {
         let (Storage::Cuda(t), Storage::Cuda(l)) = (&*t_guard, &*l_guard) else {
             candle_core::bail!("cross-entropy rows: targets and losses must be on the GPU")
         };
-        let range = self.first..self.first + len;
+        let range = this.first..this.first + len;
         crate::kernels::cuda_fused::cross_entropy_rows(
             storage,
             layout,
             &t.as_cuda_slice::<i64>()?.slice(range.clone()),
             &l.as_cuda_slice::<f32>()?.slice(range),
-            self.grads,
+            this.grads,
         )
     }
-}
+});
 
 /// What one pass of [`fused_loss`] over the tiles gives.
 struct Pass {

@@ -513,6 +513,24 @@ pub struct FsdpOptimizer {
 }
 
 impl FsdpOptimizer {
+    /// Fills each unit's state with `fill` (its layout, this rank's range of it, the state)
+    /// and sets the unit's shard to the new master weights.
+    fn set_slices(
+        &mut self,
+        fill: impl Fn(&FlatLayout, std::ops::Range<usize>, &mut ParamState) -> Result<()>,
+    ) -> Result<()> {
+        for unit in &self.model.units {
+            let st = self.inner.states.get_mut(&unit.name).expect("unit state");
+            fill(&unit.layout, unit.range(), st)?;
+            let mut us = unit.lock();
+            us.shard = st
+                .master
+                .to_dtype(us.shard.dtype())?
+                .to_device(us.shard.device())?;
+        }
+        Ok(())
+    }
+
     pub fn new(
         model: Arc<ShardedModel>,
         config: AdamWConfig,
@@ -674,16 +692,7 @@ impl ShardedOptimizer for FsdpOptimizer {
     /// Takes this rank's slices of a full per-parameter state (from any world size) and
     /// sets the parameters to its master weights.
     fn load_full_state(&mut self, full: &AdamW) -> Result<()> {
-        for unit in &self.model.units {
-            let range = unit.range();
-            let st = self.inner.states.get_mut(&unit.name).expect("unit state");
-            unit.layout.take_slice(full, range, st)?;
-            let mut us = unit.lock();
-            us.shard = st
-                .master
-                .to_dtype(us.shard.dtype())?
-                .to_device(us.shard.device())?;
-        }
+        self.set_slices(|layout, range, st| layout.take_slice(full, range, st))?;
         self.inner.step = full.step;
         Ok(())
     }
@@ -701,16 +710,7 @@ impl ShardedOptimizer for FsdpOptimizer {
     /// Reads this rank's slices from a sharded checkpoint (any world size, wrap policy or
     /// strategy wrote it): only the ranges this rank owns are read.
     fn load_sharded(&mut self, reader: &ShardedReader, _params: &Params) -> Result<()> {
-        for unit in &self.model.units {
-            let range = unit.range();
-            let st = self.inner.states.get_mut(&unit.name).expect("unit state");
-            unit.layout.read_slice(reader, range, st)?;
-            let mut us = unit.lock();
-            us.shard = st
-                .master
-                .to_dtype(us.shard.dtype())?
-                .to_device(us.shard.device())?;
-        }
+        self.set_slices(|layout, range, st| layout.read_slice(reader, range, st))?;
         self.inner.step = reader.optimizer_step;
         Ok(())
     }
@@ -800,14 +800,8 @@ mod tests {
             let st = unit.lock();
             assert!(st.reducing.is_none() && st.gathering.is_none());
             let g = st.grad_shard.as_ref().expect("reduced gradient slice");
-            let norm = g
-                .sqr()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert!(norm > 0.0, "{} got a zero gradient", unit.name);
+            let largest = crate::kernels::testing::max_abs_diff(g, &g.zeros_like().unwrap());
+            assert!(largest > 0.0, "{} got a zero gradient", unit.name);
         }
     }
 

@@ -19,6 +19,15 @@ pub fn splits(plan: &[PlanEntry]) -> HashMap<String, Split> {
     plan.iter().map(|e| (e.name.clone(), e.split)).collect()
 }
 
+/// The tensors (flat gradients) cast to f32 and laid end to end, in order: one collective
+/// for all of them.
+fn concat_f32<'a>(tensors: impl Iterator<Item = &'a Tensor>) -> Result<Tensor> {
+    let flat = tensors
+        .map(|t| t.to_dtype(DType::F32))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&flat, 0)?)
+}
+
 /// Parameter `name`'s split (whole when the plan does not name it).
 fn split_of(splits: &HashMap<String, Split>, name: &str) -> Split {
     splits.get(name).copied().unwrap_or(Split::REPLICATED)
@@ -31,13 +40,19 @@ pub fn gather_full(
     plan: &[PlanEntry],
     tp: &dyn Communicator,
 ) -> Result<BTreeMap<String, Tensor>> {
+    by_split(tensors, plan, |split, t| split.gather(&t, tp))
+}
+
+/// `f` of each value with its parameter's split (whole when the plan does not name it).
+fn by_split<V, W>(
+    values: BTreeMap<String, V>,
+    plan: &[PlanEntry],
+    f: impl Fn(Split, V) -> Result<W>,
+) -> Result<BTreeMap<String, W>> {
     let splits = splits(plan);
-    tensors
+    values
         .into_iter()
-        .map(|(name, t)| {
-            let t = split_of(&splits, &name).gather(&t, tp)?;
-            Ok((name, t))
-        })
+        .map(|(name, v)| Ok((name.clone(), f(split_of(&splits, &name), v)?)))
         .collect()
 }
 
@@ -73,20 +88,14 @@ pub fn gather_param_states(
     plan: &[PlanEntry],
     tp: &dyn Communicator,
 ) -> Result<BTreeMap<String, ParamState>> {
-    let splits = splits(plan);
-    states
-        .into_iter()
-        .map(|(name, s)| {
-            let split = split_of(&splits, &name);
-            let s = ParamState {
-                master: split.gather(&s.master, tp)?,
-                exp_avg: split.gather(&s.exp_avg, tp)?,
-                exp_avg_sq: split.gather(&s.exp_avg_sq, tp)?,
-                ..s
-            };
-            Ok((name, s))
+    by_split(states, plan, |split, s| {
+        Ok(ParamState {
+            master: split.gather(&s.master, tp)?,
+            exp_avg: split.gather(&s.exp_avg, tp)?,
+            exp_avg_sq: split.gather(&s.exp_avg_sq, tp)?,
+            ..s
         })
-        .collect()
+    })
 }
 
 /// This rank's slices of a whole per-parameter optimizer state (from a checkpoint written
@@ -284,13 +293,8 @@ impl TpGrads {
             return Ok(partial);
         }
         // One all-reduce for all of them, in f32.
-        let flat = partial
-            .iter()
-            .map(|(_, t)| t.to_dtype(DType::F32))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let summed = self
-            .comm
-            .all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
+        let flat = concat_f32(partial.iter().map(|(_, t)| t))?;
+        let summed = self.comm.all_reduce(&flat, ReduceOp::Sum)?;
         let mut at = 0;
         partial
             .into_iter()
@@ -307,14 +311,9 @@ impl TpGrads {
     /// parameters, fails naming the first annotated one whose gradients contradict its
     /// annotation.
     fn compare(&self, pieces: &[&(&str, Tensor)]) -> Result<()> {
-        let flat = pieces
-            .iter()
-            .map(|(_, t)| t.to_dtype(DType::F32))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let flat = concat_f32(pieces.iter().map(|(_, t)| t))?;
         // [tp, n]: every rank's gradients, the same on every rank.
-        let all = self
-            .comm
-            .all_gather(&Tensor::cat(&flat, 0)?.unsqueeze(0)?, 0)?;
+        let all = self.comm.all_gather(&flat.unsqueeze(0)?, 0)?;
         let rank0 = all.narrow(0, 0, 1)?;
         let mut at = 0;
         let mut found_partial = Vec::new();
