@@ -144,6 +144,15 @@ impl ShmRing {
         unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU32) }
     }
 
+    /// Moves `pos` (head or tail) to `to` and wakes the side waiting on the sequence at
+    /// `seq` (data for the consumer, space for the producer).
+    fn publish(&self, pos: &AtomicU64, to: u64, seq: usize) {
+        pos.store(to, Ordering::Release);
+        self.touch(to);
+        self.u32_at(seq).fetch_add(1, Ordering::Release);
+        futex_wake(self.u32_at(seq));
+    }
+
     /// Counts the data region up to stream position `upto` as resident.
     fn touch(&self, upto: u64) {
         // Once traffic has gone round the ring there is nothing more to count.
@@ -188,10 +197,7 @@ impl ShmRing {
                     n,
                 )
             };
-            head.store(h + n as u64, Ordering::Release);
-            self.touch(h + n as u64);
-            self.u32_at(DATA_SEQ).fetch_add(1, Ordering::Release);
-            futex_wake(self.u32_at(DATA_SEQ));
+            self.publish(head, h + n as u64, DATA_SEQ);
             written += n;
         }
         Ok(())
@@ -228,10 +234,7 @@ impl ShmRing {
             // SAFETY: [pos, pos+n) was published by the producer and is not rewritten until tail moves.
             let piece = unsafe { std::slice::from_raw_parts(self.data_ptr().add(pos), n) };
             sink(done, piece);
-            tail.store(t + n as u64, Ordering::Release);
-            self.touch(t + n as u64);
-            self.u32_at(SPACE_SEQ).fetch_add(1, Ordering::Release);
-            futex_wake(self.u32_at(SPACE_SEQ));
+            self.publish(tail, t + n as u64, SPACE_SEQ);
             done += n;
         }
         Ok(())

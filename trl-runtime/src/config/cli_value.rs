@@ -68,16 +68,19 @@ impl CliValue for NameList {
     }
 }
 
+/// A YAML value of a list key: one item, a list of them, or a string to split.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+    Text(String),
+}
+
 impl<'de> serde::Deserialize<'de> for NameList {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        #[derive(serde::Deserialize)]
-        #[serde(untagged)]
-        enum OneOrMany {
-            One(String),
-            Many(Vec<String>),
-        }
-        Ok(match OneOrMany::deserialize(d)? {
-            OneOrMany::One(s) => NameList::split(&s),
+        Ok(match OneOrMany::<String>::deserialize(d)? {
+            OneOrMany::One(s) | OneOrMany::Text(s) => NameList::split(&s),
             OneOrMany::Many(v) => NameList(v),
         })
     }
@@ -102,14 +105,7 @@ impl CliValue for NumberList {
 
 impl<'de> serde::Deserialize<'de> for NumberList {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        #[derive(serde::Deserialize)]
-        #[serde(untagged)]
-        enum OneOrMany {
-            One(f64),
-            Many(Vec<f64>),
-            Text(String),
-        }
-        match OneOrMany::deserialize(d)? {
+        match OneOrMany::<f64>::deserialize(d)? {
             OneOrMany::One(x) => Ok(NumberList(vec![x])),
             OneOrMany::Many(v) => Ok(NumberList(v)),
             OneOrMany::Text(s) => NumberList::parse_cli(&s).map_err(serde::de::Error::custom),

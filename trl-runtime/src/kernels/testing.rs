@@ -41,6 +41,22 @@ pub fn out_and_grads(
     (out, g)
 }
 
+/// Asserts that an output and its q, k, v gradients (as [`out_and_grads`] gives them) are
+/// within `tol` of the wanted ones, naming `what` and the tensor that is not.
+pub fn assert_out_and_grads(
+    got: &(Tensor, Vec<Tensor>),
+    want: &(Tensor, Vec<Tensor>),
+    tol: f32,
+    what: &str,
+) {
+    let diff = max_abs_diff(&got.0, &want.0);
+    assert!(diff < tol, "{what}: output differs by {diff}");
+    for (x, (g, w)) in ["q", "k", "v"].iter().zip(got.1.iter().zip(&want.1)) {
+        let diff = max_abs_diff(g, w);
+        assert!(diff < tol, "{what}: d{x} differs by {diff}");
+    }
+}
+
 /// Normal draws (mean 0, `std`) from a generator seeded with `seed`, rounded to values bf16
 /// holds exactly: f32 and bf16 runs start from the same inputs, and every run from the same.
 pub fn bf16_exact_randn(shape: impl Into<candle_core::Shape>, std: f32, seed: u64) -> Tensor {

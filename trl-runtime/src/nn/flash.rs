@@ -330,7 +330,9 @@ pub fn flash_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::testing::{bf16_exact_randn as randn, max_abs_diff as max_diff, rel_diff};
+    use crate::kernels::testing::{
+        assert_out_and_grads, bf16_exact_randn as randn, max_abs_diff as max_diff, rel_diff,
+    };
     use crate::nn::attention;
     use crate::nn::WithScoreMods;
     use candle_core::{Device, Var};
@@ -357,15 +359,10 @@ mod tests {
             let out = f();
             crate::kernels::testing::out_and_grads(out, &w, [&q, &k, &v])
         };
-        let (want, want_grads) = run(&|| attention(&q, &k, &v, &mask).unwrap());
+        let want = run(&|| attention(&q, &k, &v, &mask).unwrap());
         for block in [4, 5, 23, 64] {
-            let (got, grads) = run(&|| flash_attention(&q, &k, &v, &mask, block).unwrap());
-            let d = max_diff(&got, &want);
-            assert!(d < 1e-5, "block {block}: output differs by {d}");
-            for (name, (g, w)) in ["q", "k", "v"].iter().zip(grads.iter().zip(&want_grads)) {
-                let d = max_diff(g, w);
-                assert!(d < 1e-5, "block {block}: d{name} differs by {d}");
-            }
+            let got = run(&|| flash_attention(&q, &k, &v, &mask, block).unwrap());
+            assert_out_and_grads(&got, &want, 1e-5, &format!("block {block}"));
         }
     }
 
@@ -410,10 +407,10 @@ mod tests {
             let p = candle_nn::ops::softmax(&masked, candle_core::D::Minus1).unwrap();
             p.matmul(&vv).unwrap()
         };
-        let (want, want_grads) = run(&definition);
+        let want = run(&definition);
         let (uncapped, _) = run(&|| attention(&q, &k, &v, &plain).unwrap());
         assert!(
-            max_diff(&uncapped, &want) > 1e-2,
+            max_diff(&uncapped, &want.0) > 1e-2,
             "the cap changes nothing here"
         );
         // On the CPU in f32 `attention` runs the fused kernel.
@@ -429,13 +426,7 @@ mod tests {
                 flash_attention(&q, &k, &v, &mask, 19).unwrap()
             }),
         ] {
-            let (got, grads) = run(f);
-            let diff = max_diff(&got, &want);
-            assert!(diff < 1e-5, "{name}: output differs by {diff}");
-            for (x, (g, w)) in ["q", "k", "v"].iter().zip(grads.iter().zip(&want_grads)) {
-                let diff = max_diff(g, w);
-                assert!(diff < 1e-5, "{name}: d{x} differs by {diff}");
-            }
+            assert_out_and_grads(&run(f), &want, 1e-5, name);
         }
     }
 

@@ -780,18 +780,13 @@ impl<N: CausalModel> Task<N> for Dpo {
             tracing::info!("precompute_ref_log_probs is false: the reference log-probabilities are computed before training anyway (the policy before its first step is the reference), the same values TRL computes on the fly");
         }
         let start = Instant::now();
-        self.ref_train = self.reference(
-            core,
-            &self.train,
-            self.ref_batch_size
-                .unwrap_or(args.per_device_train_batch_size),
-        )?;
-        self.ref_eval = self.reference(
-            core,
-            &self.eval,
-            self.ref_batch_size
-                .unwrap_or(args.per_device_eval_batch_size),
-        )?;
+        let batch = |per_device| self.ref_batch_size.unwrap_or(per_device);
+        let (train, eval) = (
+            batch(args.per_device_train_batch_size),
+            batch(args.per_device_eval_batch_size),
+        );
+        self.ref_train = self.reference(core, &self.train, train)?;
+        self.ref_eval = self.reference(core, &self.eval, eval)?;
         if core.ctx.is_main_process() {
             tracing::info!(
                 "reference log-probabilities of {} + {} pairs computed in {:.1}s",
