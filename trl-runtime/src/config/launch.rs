@@ -194,22 +194,35 @@ impl LaunchConfig {
             .unwrap_or_else(|| "main".into());
 
         let mut unknown_keys = Vec::new();
-        let fsdp = match s.mapping("fsdp_config")? {
-            Some(m) if distributed_type == DistributedType::Fsdp || !m.is_empty() => {
-                Some(parse_fsdp(source, m, &mut unknown_keys)?)
-            }
-            _ if distributed_type == DistributedType::Fsdp => Some(FsdpConfig::default()),
-            _ => None,
-        };
+        let fsdp =
+            match s.mapping("fsdp_config")? {
+                Some(m) if distributed_type == DistributedType::Fsdp || !m.is_empty() => Some(
+                    section(source, "fsdp_config", m, &mut unknown_keys, parse_fsdp)?,
+                ),
+                _ if distributed_type == DistributedType::Fsdp => Some(FsdpConfig::default()),
+                _ => None,
+            };
         let deepspeed = match s.mapping("deepspeed_config")? {
             Some(m) if distributed_type == DistributedType::DeepSpeed || !m.is_empty() => {
-                Some(parse_deepspeed(source, m, &mut unknown_keys)?)
+                Some(section(
+                    source,
+                    "deepspeed_config",
+                    m,
+                    &mut unknown_keys,
+                    parse_deepspeed,
+                )?)
             }
             _ if distributed_type == DistributedType::DeepSpeed => Some(DeepSpeedConfig::default()),
             _ => None,
         };
         let parallelism = match s.mapping("parallelism_config")? {
-            Some(m) => parse_parallelism(source, m, &mut unknown_keys)?,
+            Some(m) => section(
+                source,
+                "parallelism_config",
+                m,
+                &mut unknown_keys,
+                parse_parallelism,
+            )?,
             None => ParallelismConfig::default(),
         };
         if distributed_type == DistributedType::No && num_processes.unwrap_or(1) > 1 {
@@ -299,12 +312,21 @@ fn sharding_from_value(s: &Section, key: &str, v: &Value) -> Result<FsdpSharding
     ))
 }
 
-fn parse_fsdp(
-    file: &str,
+/// `parse` of the section `key` of `source`, its keys that nothing read added to `unknown`.
+fn section<T>(
+    source: &str,
+    key: &str,
     map: &serde_yaml::Mapping,
     unknown: &mut Vec<String>,
-) -> Result<FsdpConfig> {
-    let mut s = Section::new(file, "fsdp_config", map);
+    parse: fn(&mut Section) -> Result<T>,
+) -> Result<T> {
+    let mut s = Section::new(source, key, map);
+    let value = parse(&mut s)?;
+    unknown.extend(s.unknown_keys());
+    Ok(value)
+}
+
+fn parse_fsdp(s: &mut Section) -> Result<FsdpConfig> {
     let mut c = FsdpConfig::default();
     if let Some(v) = s.uint("fsdp_version")? {
         if v != 1 && v != 2 {
@@ -337,76 +359,53 @@ fn parse_fsdp(
             }
         }
     }
-    if let Some(p) = s.choice(
-        "fsdp_auto_wrap_policy",
-        &["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"],
-    )? {
-        c.auto_wrap_policy = match p {
-            "SIZE_BASED_WRAP" => FsdpAutoWrapPolicy::SizeBasedWrap,
-            "NO_WRAP" => FsdpAutoWrapPolicy::NoWrap,
-            _ => FsdpAutoWrapPolicy::TransformerBasedWrap,
-        };
+    if let Some(p) = s.choice("fsdp_auto_wrap_policy", FsdpAutoWrapPolicy::NAMES)? {
+        c.auto_wrap_policy = FsdpAutoWrapPolicy::from_name(p);
     }
     c.transformer_layer_cls_to_wrap = s.string("fsdp_transformer_layer_cls_to_wrap")?;
     c.min_num_params = s.uint("fsdp_min_num_params")?;
     let prefetch_keys = ["fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"];
     for key in prefetch_keys {
-        if let Some(p) = s.choice(key, &["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"])? {
-            c.backward_prefetch = match p {
-                "BACKWARD_POST" => FsdpBackwardPrefetch::BackwardPost,
-                "NO_PREFETCH" => FsdpBackwardPrefetch::NoPrefetch,
-                _ => FsdpBackwardPrefetch::BackwardPre,
-            };
+        if let Some(p) = s.choice(key, FsdpBackwardPrefetch::NAMES)? {
+            c.backward_prefetch = FsdpBackwardPrefetch::from_name(p);
         }
     }
-    c.forward_prefetch = s
-        .bool("fsdp_forward_prefetch")?
-        .unwrap_or(c.forward_prefetch);
-    c.offload_params = s.bool("fsdp_offload_params")?.unwrap_or(c.offload_params);
-    if let Some(t) = s.choice(
-        "fsdp_state_dict_type",
-        &["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"],
-    )? {
-        c.state_dict_type = match t {
-            "SHARDED_STATE_DICT" => FsdpStateDictType::ShardedStateDict,
-            "LOCAL_STATE_DICT" => FsdpStateDictType::LocalStateDict,
-            _ => FsdpStateDictType::FullStateDict,
-        };
+    if let Some(t) = s.choice("fsdp_state_dict_type", FsdpStateDictType::NAMES)? {
+        c.state_dict_type = FsdpStateDictType::from_name(t);
     }
-    c.cpu_ram_efficient_loading = s
-        .bool("fsdp_cpu_ram_efficient_loading")?
-        .unwrap_or(c.cpu_ram_efficient_loading);
-    c.sync_module_states = s
-        .bool("fsdp_sync_module_states")?
-        .unwrap_or(c.sync_module_states);
-    c.use_orig_params = s.bool("fsdp_use_orig_params")?.unwrap_or(c.use_orig_params);
-    c.activation_checkpointing = s
-        .bool("fsdp_activation_checkpointing")?
-        .unwrap_or(c.activation_checkpointing);
-    unknown.extend(s.unknown_keys());
+    for (key, slot) in [
+        ("fsdp_forward_prefetch", &mut c.forward_prefetch),
+        ("fsdp_offload_params", &mut c.offload_params),
+        (
+            "fsdp_cpu_ram_efficient_loading",
+            &mut c.cpu_ram_efficient_loading,
+        ),
+        ("fsdp_sync_module_states", &mut c.sync_module_states),
+        ("fsdp_use_orig_params", &mut c.use_orig_params),
+        (
+            "fsdp_activation_checkpointing",
+            &mut c.activation_checkpointing,
+        ),
+    ] {
+        if let Some(b) = s.bool(key)? {
+            *slot = b;
+        }
+    }
     Ok(c)
 }
 
 fn offload(s: &mut Section, key: &str) -> Result<OffloadDevice> {
-    Ok(match s.choice(key, &["none", "cpu", "nvme"])? {
-        Some("cpu") => OffloadDevice::Cpu,
-        Some("nvme") => OffloadDevice::Nvme,
-        _ => OffloadDevice::None,
-    })
+    Ok(s.choice(key, OffloadDevice::NAMES)?
+        .map_or(OffloadDevice::None, OffloadDevice::from_name))
 }
 
-fn parse_deepspeed(
-    file: &str,
-    map: &serde_yaml::Mapping,
-    unknown: &mut Vec<String>,
-) -> Result<DeepSpeedConfig> {
-    let mut s = Section::new(file, "deepspeed_config", map);
+fn parse_deepspeed(s: &mut Section) -> Result<DeepSpeedConfig> {
     let mut c = DeepSpeedConfig::default();
     if let Some(stage) = s.uint_in("zero_stage", 0, 3)? {
         c.zero_stage = stage as u8;
     }
-    c.offload_optimizer_device = offload(&mut s, "offload_optimizer_device")?;
-    c.offload_param_device = offload(&mut s, "offload_param_device")?;
+    c.offload_optimizer_device = offload(s, "offload_optimizer_device")?;
+    c.offload_param_device = offload(s, "offload_param_device")?;
     if c.offload_param_device != OffloadDevice::None && c.zero_stage != 3 {
         return Err(s.error(
             "offload_param_device",
@@ -443,7 +442,7 @@ fn parse_deepspeed(
             "gradient_clipping",
         ]
         .into_iter()
-        .filter(|k| map.contains_key(*k))
+        .filter(|k| s.has(k))
         .collect();
         if !owned.is_empty() {
             return Err(s.error(
@@ -464,25 +463,19 @@ fn parse_deepspeed(
         json.apply(&mut c);
         c.config_file = Some(PathBuf::from(path));
     }
-    unknown.extend(s.unknown_keys());
     Ok(c)
 }
 
-fn parse_parallelism(
-    file: &str,
-    map: &serde_yaml::Mapping,
-    unknown: &mut Vec<String>,
-) -> Result<ParallelismConfig> {
-    let mut s = Section::new(file, "parallelism_config", map);
+fn parse_parallelism(s: &mut Section) -> Result<ParallelismConfig> {
     let size = |s: &mut Section, key: &str| -> Result<Option<usize>> {
         Ok(s.uint_in(key, 1, 1 << 20)?.map(|n| n as usize))
     };
     let c = ParallelismConfig {
-        dp_replicate: size(&mut s, "parallelism_config_dp_replicate_size")?,
-        dp_shard: size(&mut s, "parallelism_config_dp_shard_size")?,
-        tp: size(&mut s, "parallelism_config_tp_size")?.unwrap_or(1),
-        cp: size(&mut s, "parallelism_config_cp_size")?.unwrap_or(1),
-        sp: size(&mut s, "parallelism_config_sp_size")?.unwrap_or(1),
+        dp_replicate: size(s, "parallelism_config_dp_replicate_size")?,
+        dp_shard: size(s, "parallelism_config_dp_shard_size")?,
+        tp: size(s, "parallelism_config_tp_size")?.unwrap_or(1),
+        cp: size(s, "parallelism_config_cp_size")?.unwrap_or(1),
+        sp: size(s, "parallelism_config_sp_size")?.unwrap_or(1),
         cp_backend: s
             .choice("parallelism_config_cp_backend", &["torch"])?
             .unwrap_or("torch")
@@ -507,6 +500,5 @@ fn parse_parallelism(
             .unwrap_or(true),
         sp_attn_implementation: s.string("parallelism_config_sp_attn_implementation")?,
     };
-    unknown.extend(s.unknown_keys());
     Ok(c)
 }

@@ -127,58 +127,10 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
 }
 
 use super::launch::SHARDING_STRATEGIES as SHARDING;
-const WRAP: &[&str] = &["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"];
-const PREFETCH: &[&str] = &["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"];
-const STATE_DICT: &[&str] = &["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"];
-const OFFLOAD: &[&str] = &["none", "cpu", "nvme"];
-
-impl FsdpAutoWrapPolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsdpAutoWrapPolicy::TransformerBasedWrap => "TRANSFORMER_BASED_WRAP",
-            FsdpAutoWrapPolicy::SizeBasedWrap => "SIZE_BASED_WRAP",
-            FsdpAutoWrapPolicy::NoWrap => "NO_WRAP",
-        }
-    }
-}
-
-impl FsdpBackwardPrefetch {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsdpBackwardPrefetch::BackwardPre => "BACKWARD_PRE",
-            FsdpBackwardPrefetch::BackwardPost => "BACKWARD_POST",
-            FsdpBackwardPrefetch::NoPrefetch => "NO_PREFETCH",
-        }
-    }
-}
-
-impl FsdpStateDictType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsdpStateDictType::FullStateDict => "FULL_STATE_DICT",
-            FsdpStateDictType::LocalStateDict => "LOCAL_STATE_DICT",
-            FsdpStateDictType::ShardedStateDict => "SHARDED_STATE_DICT",
-        }
-    }
-}
-
-impl OffloadDevice {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OffloadDevice::None => "none",
-            OffloadDevice::Cpu => "cpu",
-            OffloadDevice::Nvme => "nvme",
-        }
-    }
-
-    fn from_name(name: &str) -> Self {
-        match name {
-            "cpu" => OffloadDevice::Cpu,
-            "nvme" => OffloadDevice::Nvme,
-            _ => OffloadDevice::None,
-        }
-    }
-}
+const WRAP: &[&str] = FsdpAutoWrapPolicy::NAMES;
+const PREFETCH: &[&str] = FsdpBackwardPrefetch::NAMES;
+const STATE_DICT: &[&str] = FsdpStateDictType::NAMES;
+const OFFLOAD: &[&str] = OffloadDevice::NAMES;
 
 impl LaunchPlan {
     /// The part of a launch config that workers run (the distributed type as the launcher
@@ -512,27 +464,15 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
         }
     }
     if let Some(p) = vars.choice("FSDP_AUTO_WRAP_POLICY", WRAP, false)? {
-        c.auto_wrap_policy = match p {
-            "SIZE_BASED_WRAP" => FsdpAutoWrapPolicy::SizeBasedWrap,
-            "NO_WRAP" => FsdpAutoWrapPolicy::NoWrap,
-            _ => FsdpAutoWrapPolicy::TransformerBasedWrap,
-        };
+        c.auto_wrap_policy = FsdpAutoWrapPolicy::from_name(p);
     }
     c.min_num_params = vars.number::<u64>("FSDP_MIN_NUM_PARAMS", "a parameter count")?;
     c.transformer_layer_cls_to_wrap = vars.get("FSDP_TRANSFORMER_CLS_TO_WRAP");
     if let Some(p) = vars.choice("FSDP_BACKWARD_PREFETCH", PREFETCH, true)? {
-        c.backward_prefetch = match p {
-            "BACKWARD_POST" => FsdpBackwardPrefetch::BackwardPost,
-            "NO_PREFETCH" => FsdpBackwardPrefetch::NoPrefetch,
-            _ => FsdpBackwardPrefetch::BackwardPre,
-        };
+        c.backward_prefetch = FsdpBackwardPrefetch::from_name(p);
     }
     if let Some(t) = vars.choice("FSDP_STATE_DICT_TYPE", STATE_DICT, true)? {
-        c.state_dict_type = match t {
-            "SHARDED_STATE_DICT" => FsdpStateDictType::ShardedStateDict,
-            "LOCAL_STATE_DICT" => FsdpStateDictType::LocalStateDict,
-            _ => FsdpStateDictType::FullStateDict,
-        };
+        c.state_dict_type = FsdpStateDictType::from_name(t);
     }
     for (var, slot) in [
         ("FSDP_FORWARD_PREFETCH", &mut c.forward_prefetch),

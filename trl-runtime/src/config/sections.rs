@@ -169,6 +169,49 @@ pub enum OffloadDevice {
     Nvme,
 }
 
+/// The names Accelerate writes for an enum's values: `NAMES` (the first the default),
+/// `as_str` and `from_name` (the default for a name not listed: parsers check names against
+/// `NAMES` first and say what is accepted).
+macro_rules! named {
+    ($t:ident { $($v:ident = $n:literal),+ $(,)? }) => {
+        impl $t {
+            pub const NAMES: &'static [&'static str] = &[$($n),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($t::$v => $n),+
+                }
+            }
+
+            pub(crate) fn from_name(name: &str) -> Self {
+                let all = [$($t::$v),+];
+                all.into_iter().find(|v| v.as_str() == name).unwrap_or(all[0])
+            }
+        }
+    };
+}
+
+named!(FsdpAutoWrapPolicy {
+    TransformerBasedWrap = "TRANSFORMER_BASED_WRAP",
+    SizeBasedWrap = "SIZE_BASED_WRAP",
+    NoWrap = "NO_WRAP",
+});
+named!(FsdpBackwardPrefetch {
+    BackwardPre = "BACKWARD_PRE",
+    BackwardPost = "BACKWARD_POST",
+    NoPrefetch = "NO_PREFETCH",
+});
+named!(FsdpStateDictType {
+    FullStateDict = "FULL_STATE_DICT",
+    ShardedStateDict = "SHARDED_STATE_DICT",
+    LocalStateDict = "LOCAL_STATE_DICT",
+});
+named!(OffloadDevice {
+    None = "none",
+    Cpu = "cpu",
+    Nvme = "nvme",
+});
+
 /// `deepspeed_config.*`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeepSpeedConfig {

@@ -51,6 +51,11 @@ impl<'a> Section<'a> {
     }
 
     /// The raw value; `null` counts as absent (Accelerate writes `key: null` for unset values).
+    /// Whether the section holds `key` (without marking it read).
+    pub fn has(&self, key: &str) -> bool {
+        self.map.contains_key(key)
+    }
+
     pub fn raw(&mut self, key: &str) -> Option<&'a Value> {
         self.seen.insert(key.to_string());
         match self.map.get(key) {
