@@ -335,7 +335,7 @@ fn parse_fsdp(s: &mut Section) -> Result<FsdpConfig> {
         c.version = v as u8;
     }
     if let Some(v) = s.raw("fsdp_sharding_strategy") {
-        c.set_sharding_strategy(sharding_from_value(&s, "fsdp_sharding_strategy", v)?);
+        c.set_sharding_strategy(sharding_from_value(s, "fsdp_sharding_strategy", v)?);
     }
     // FSDP1 profiles put the strategy name here; FSDP2 a boolean.
     if let Some(v) = s.raw("fsdp_reshard_after_forward") {
@@ -347,7 +347,7 @@ fn parse_fsdp(s: &mut Section) -> Result<FsdpConfig> {
                 c.set_reshard_after_forward(t.eq_ignore_ascii_case("true"))
             }
             other if c.version == 1 => c.set_sharding_strategy(sharding_from_value(
-                &s,
+                s,
                 "fsdp_reshard_after_forward",
                 other,
             )?),
