@@ -3,8 +3,8 @@
 
 use crate::alloc::StorageBytes;
 use crate::error::{Error, Result};
-use crate::kernels::fused::inplace_op;
 use crate::kernels::fused::slice;
+use crate::kernels::op::inplace_op;
 use crate::models::tensor_file::{TensorFile, TensorSpec};
 use crate::models::Params;
 use candle_core::{DType, Layout, Tensor};

@@ -16,7 +16,7 @@
 
 use super::cpu_flash::{KeySpans, Three};
 use super::cuda_fused::{switch, typed, view};
-use super::fused::fused_op;
+use super::op::fused_op;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
 use candle_core::cuda_backend::cudarc::driver::{

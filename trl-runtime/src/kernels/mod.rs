@@ -11,6 +11,7 @@ pub mod cuda_flash;
 pub mod cuda_fused;
 pub mod fused;
 pub mod grouped;
+pub(crate) mod op;
 pub(crate) mod precision;
 mod simd;
 pub mod sinks;

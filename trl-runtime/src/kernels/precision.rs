@@ -3,7 +3,7 @@
 //! wider one, as transformers and FlashAttention's kernels do.
 
 use super::cpu_gemm::{mm_with, Mat};
-use super::fused::inplace_op;
+use super::op::inplace_op;
 use candle_core::{DType, Result, Tensor};
 
 /// The dtype of softmax, statistics and sums for activations of `dtype`: f32, or f64 for f64.

@@ -10,7 +10,7 @@ use super::Weight;
 use crate::comm::autograd::reduce_from_group;
 use crate::comm::Communicator;
 use crate::error::Result as TrlResult;
-use crate::kernels::fused::inplace_op;
+use crate::kernels::op::inplace_op;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, TensorId};
 use std::cell::RefCell;

@@ -11,7 +11,7 @@
 
 use super::embedding::TiedGrad;
 use super::loss::{checked_targets, target_index_and_weight, LossSum};
-use crate::kernels::fused::inplace_op;
+use crate::kernels::op::inplace_op;
 use crate::kernels::precision::{self, accumulate, accumulate_product};
 use crate::precomputed::Precomputed;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
