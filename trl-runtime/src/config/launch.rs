@@ -280,14 +280,6 @@ impl LaunchConfig {
     }
 }
 
-pub(crate) const SHARDING_STRATEGIES: &[&str] = &[
-    "FULL_SHARD",
-    "SHARD_GRAD_OP",
-    "NO_SHARD",
-    "HYBRID_SHARD",
-    "HYBRID_SHARD_ZERO2",
-];
-
 /// Accelerate also accepts FSDP1 strategies by number (1 = FULL_SHARD ... 5 = HYBRID_SHARD_ZERO2).
 fn sharding_from_value(s: &Section, key: &str, v: &Value) -> Result<FsdpShardingStrategy> {
     let text = match v {
@@ -297,17 +289,19 @@ fn sharding_from_value(s: &Section, key: &str, v: &Value) -> Result<FsdpSharding
     };
     if let Ok(n) = text.parse::<usize>() {
         if (1..=5).contains(&n) {
-            return Ok(FsdpShardingStrategy::from_name(SHARDING_STRATEGIES[n - 1]));
+            return Ok(FsdpShardingStrategy::from_name(
+                FsdpShardingStrategy::NAMES[n - 1],
+            ));
         }
     }
-    if SHARDING_STRATEGIES.contains(&text.as_str()) {
+    if FsdpShardingStrategy::NAMES.contains(&text.as_str()) {
         return Ok(FsdpShardingStrategy::from_name(&text));
     }
     Err(s.error(
         key,
         format!(
             "{v:?} is not a sharding strategy: use one of {} (or 1-5)",
-            SHARDING_STRATEGIES.join(", ")
+            FsdpShardingStrategy::NAMES.join(", ")
         ),
     ))
 }

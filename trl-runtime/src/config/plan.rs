@@ -126,12 +126,6 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
     }
 }
 
-use super::launch::SHARDING_STRATEGIES as SHARDING;
-const WRAP: &[&str] = FsdpAutoWrapPolicy::NAMES;
-const PREFETCH: &[&str] = FsdpBackwardPrefetch::NAMES;
-const STATE_DICT: &[&str] = FsdpStateDictType::NAMES;
-const OFFLOAD: &[&str] = OffloadDevice::NAMES;
-
 impl LaunchPlan {
     /// The part of a launch config that workers run (the distributed type as the launcher
     /// decided it: several processes of type NO become MULTI_CPU or MULTI_GPU).
@@ -406,7 +400,7 @@ fn deepspeed_from_env<F: Fn(&str) -> Option<String>>(
             &mut c.offload_param_device,
         ),
     ] {
-        if let Some(d) = vars.choice(var, OFFLOAD, false)? {
+        if let Some(d) = vars.choice(var, OffloadDevice::NAMES, false)? {
             *slot = OffloadDevice::from_name(d);
         }
     }
@@ -442,7 +436,7 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
         }
         c.version = v;
     }
-    if let Some(s) = vars.choice("FSDP_SHARDING_STRATEGY", SHARDING, true)? {
+    if let Some(s) = vars.choice("FSDP_SHARDING_STRATEGY", FsdpShardingStrategy::NAMES, true)? {
         c.set_sharding_strategy(FsdpShardingStrategy::from_name(s));
     }
     // FSDP2 says only whether to reshard after forward; FSDP1 may carry a strategy name here.
@@ -451,7 +445,11 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
             Some(b) => c.set_reshard_after_forward(b),
             None if c.version == 1 => {
                 let s = vars
-                    .choice("FSDP_RESHARD_AFTER_FORWARD", SHARDING, true)?
+                    .choice(
+                        "FSDP_RESHARD_AFTER_FORWARD",
+                        FsdpShardingStrategy::NAMES,
+                        true,
+                    )?
                     .expect("set");
                 c.set_sharding_strategy(FsdpShardingStrategy::from_name(s));
             }
@@ -463,15 +461,15 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
             }
         }
     }
-    if let Some(p) = vars.choice("FSDP_AUTO_WRAP_POLICY", WRAP, false)? {
+    if let Some(p) = vars.choice("FSDP_AUTO_WRAP_POLICY", FsdpAutoWrapPolicy::NAMES, false)? {
         c.auto_wrap_policy = FsdpAutoWrapPolicy::from_name(p);
     }
     c.min_num_params = vars.number::<u64>("FSDP_MIN_NUM_PARAMS", "a parameter count")?;
     c.transformer_layer_cls_to_wrap = vars.get("FSDP_TRANSFORMER_CLS_TO_WRAP");
-    if let Some(p) = vars.choice("FSDP_BACKWARD_PREFETCH", PREFETCH, true)? {
+    if let Some(p) = vars.choice("FSDP_BACKWARD_PREFETCH", FsdpBackwardPrefetch::NAMES, true)? {
         c.backward_prefetch = FsdpBackwardPrefetch::from_name(p);
     }
-    if let Some(t) = vars.choice("FSDP_STATE_DICT_TYPE", STATE_DICT, true)? {
+    if let Some(t) = vars.choice("FSDP_STATE_DICT_TYPE", FsdpStateDictType::NAMES, true)? {
         c.state_dict_type = FsdpStateDictType::from_name(t);
     }
     for (var, slot) in [

@@ -191,6 +191,13 @@ macro_rules! named {
     };
 }
 
+named!(FsdpShardingStrategy {
+    FullShard = "FULL_SHARD",
+    ShardGradOp = "SHARD_GRAD_OP",
+    NoShard = "NO_SHARD",
+    HybridShard = "HYBRID_SHARD",
+    HybridShardZero2 = "HYBRID_SHARD_ZERO2",
+});
 named!(FsdpAutoWrapPolicy {
     TransformerBasedWrap = "TRANSFORMER_BASED_WRAP",
     SizeBasedWrap = "SIZE_BASED_WRAP",
@@ -252,26 +259,6 @@ impl Default for DeepSpeedConfig {
 }
 
 impl FsdpShardingStrategy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FsdpShardingStrategy::FullShard => "FULL_SHARD",
-            FsdpShardingStrategy::ShardGradOp => "SHARD_GRAD_OP",
-            FsdpShardingStrategy::NoShard => "NO_SHARD",
-            FsdpShardingStrategy::HybridShard => "HYBRID_SHARD",
-            FsdpShardingStrategy::HybridShardZero2 => "HYBRID_SHARD_ZERO2",
-        }
-    }
-
-    pub(crate) fn from_name(name: &str) -> Self {
-        match name {
-            "SHARD_GRAD_OP" => FsdpShardingStrategy::ShardGradOp,
-            "NO_SHARD" => FsdpShardingStrategy::NoShard,
-            "HYBRID_SHARD" => FsdpShardingStrategy::HybridShard,
-            "HYBRID_SHARD_ZERO2" => FsdpShardingStrategy::HybridShardZero2,
-            _ => FsdpShardingStrategy::FullShard,
-        }
-    }
-
     /// Whether parameters stay sharded between uses (FULL_SHARD, HYBRID_SHARD).
     pub fn reshards(self) -> bool {
         matches!(
