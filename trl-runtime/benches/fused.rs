@@ -202,33 +202,19 @@ fn chains(dev: &Device, (cos, sin): (&Tensor, &Tensor)) {
     });
     let x = Tensor::randn(0f32, 1.0, (batch, seq, HIDDEN), dev).unwrap();
     let w = Tensor::randn(0f32, 0.1, (HIDDEN, HIDDEN), dev).unwrap();
-    let ours = timed(&|x, w| split.linear(x, w, None), &x, &w);
-    let ops = timed(
-        &|x, w| split.around(x, |r| fused::linear(r, w, None)),
-        &x,
-        &w,
-    );
-    report(
-        "linear_chain_split",
-        &format!("{TOKENS}x{HIDDEN}"),
-        ours,
-        ops,
-        None,
-    );
     let residual = Tensor::randn(0f32, 1.0, (batch, seq, HIDDEN), dev).unwrap();
     let merge = Chain::merge_and_add(true, Some(&residual));
     let a = Tensor::randn(0f32, 1.0, (batch, heads, seq, d), dev).unwrap();
-    let ours = timed(&|a, w| merge.linear(a, w, None), &a, &w);
-    let ops = timed(
-        &|a, w| merge.around(a, |r| fused::linear(r, w, None)),
-        &a,
-        &w,
-    );
-    report(
-        "linear_chain_merge_residual",
-        &format!("{TOKENS}x{HIDDEN}"),
-        ours,
-        ops,
-        None,
-    );
+    for (what, chain, input) in [
+        ("linear_chain_split", &split, &x),
+        ("linear_chain_merge_residual", &merge, &a),
+    ] {
+        let ours = timed(&|x, w| chain.linear(x, w, None), input, &w);
+        let ops = timed(
+            &|x, w| chain.around(x, |r| fused::linear(r, w, None)),
+            input,
+            &w,
+        );
+        report(what, &format!("{TOKENS}x{HIDDEN}"), ours, ops, None);
+    }
 }
