@@ -103,35 +103,15 @@ int_elem!(i64);
 /// Runs `$body` with `$T` bound to the Rust type of `$dtype`.
 macro_rules! dispatch {
     ($dtype:expr, $T:ident => $body:expr, $unsupported:expr) => {
+        dispatch!(@arms $dtype, $T, $body, $unsupported;
+            F32 f32, F64 f64, BF16 half::bf16, F16 half::f16, U8 u8, U32 u32, I64 i64)
+    };
+    (@arms $dtype:expr, $T:ident, $body:expr, $unsupported:expr; $($D:ident $ty:ty),*) => {
         match $dtype {
-            candle_core::DType::F32 => {
-                type $T = f32;
+            $(candle_core::DType::$D => {
+                type $T = $ty;
                 $body
-            }
-            candle_core::DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            candle_core::DType::BF16 => {
-                type $T = half::bf16;
-                $body
-            }
-            candle_core::DType::F16 => {
-                type $T = half::f16;
-                $body
-            }
-            candle_core::DType::U8 => {
-                type $T = u8;
-                $body
-            }
-            candle_core::DType::U32 => {
-                type $T = u32;
-                $body
-            }
-            candle_core::DType::I64 => {
-                type $T = i64;
-                $body
-            }
+            })*
             other => $unsupported(other),
         }
     };

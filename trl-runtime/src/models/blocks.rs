@@ -14,6 +14,7 @@ use crate::nn::{Embedding, Linear, Param, RmsNorm, RotaryEmbedding, Weight};
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
+use std::sync::Arc;
 
 /// A linear layer from `vb`, with or without a bias.
 pub fn lin(vb: VarBuilder, (i, o): (usize, usize), bias: bool) -> candle_core::Result<Linear> {
@@ -476,19 +477,55 @@ pub fn gated_mlp(
     })
 }
 
-/// Llama's layer order: `x + attention(norm(x))`, then `+ mlp(norm(x))`, with `rope` (None:
-/// no rotary) and an optional sliding `window`; `mlp(h, x)` returns `x + mlp(h)`.
-pub fn pre_norm_layer(
-    x: &Tensor,
-    cx: &LayerInputs,
-    (input_norm, post_attention_norm): (&RmsNorm, &RmsNorm),
-    (attention, rope, window): (&SelfAttention, Option<&RotaryEmbedding>, Option<usize>),
-    mlp: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    let h = input_norm.forward(x)?;
-    let x = attention.forward_add(&h, Some(x), cx, rope, window)?;
-    let h = post_attention_norm.forward(&x)?;
-    mlp(&h, &x)
+/// The attention half of Llama's layer order, which the mixtures of experts share:
+/// `x + attention(input_layernorm(x))`, then `post_attention_layernorm` of that for the MLP.
+/// A layer holds it under `#[parallel(name = "")]`, so its parameters keep transformers'
+/// names (`input_layernorm.weight`, `self_attn.q_proj.weight`, ...).
+#[derive(Debug, Clone, Parallelize)]
+pub struct PreNormAttention {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    /// The rotary table (shared by the layers), None on SmolLM3's NoPE layers.
+    #[parallel(skip)]
+    rope: Option<Arc<RotaryEmbedding>>,
+    /// The sliding attention window (None: full attention).
+    #[parallel(skip)]
+    window: Option<usize>,
+}
+
+impl PreNormAttention {
+    /// From a layer's `vb`, with its rotary table and window.
+    pub fn new(
+        (norm, shape): (NormKind, AttentionShape),
+        (rope, window): (Option<Arc<RotaryEmbedding>>, Option<usize>),
+        vb: &VarBuilder,
+    ) -> candle_core::Result<Self> {
+        Ok(PreNormAttention {
+            input_layernorm: norm.build(shape.hidden, vb.pp("input_layernorm"))?,
+            self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
+            post_attention_layernorm: norm
+                .build(shape.hidden, vb.pp("post_attention_layernorm"))?,
+            rope,
+            window,
+        })
+    }
+
+    /// `(h, x)` for the MLP: `x = x + attention(input_layernorm(x))` and
+    /// `h = post_attention_layernorm(x)`; the layer returns `x + mlp(h)`.
+    pub fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<(Tensor, Tensor)> {
+        let h = self.input_layernorm.forward(x)?;
+        let rope = self.rope.as_deref();
+        let x = self
+            .self_attn
+            .forward_add(&h, Some(x), cx, rope, self.window)?;
+        Ok((self.post_attention_layernorm.forward(&x)?, x))
+    }
+
+    /// Its query and key/value heads on this rank.
+    pub fn heads(&self) -> (usize, usize) {
+        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
+    }
 }
 
 /// A decoder layer as a model file writes it (its struct, with what it needs per layer:

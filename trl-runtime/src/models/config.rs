@@ -1,8 +1,9 @@
 //! An HF `config.json` of the Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, OLMo 2).
 
-use super::blocks::{AttentionShape, BodyShape, NormKind, QkNorm};
+use super::blocks::{AttentionShape, BodyShape, NormKind, PreNormAttention, QkNorm};
 use crate::error::{Error, Result};
 use crate::nn::RopeScaling;
+use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
@@ -563,4 +564,16 @@ pub struct LayerParts {
     pub norm: NormKind,
     pub attention: AttentionShape,
     pub body: BodyShape,
+}
+
+impl LayerParts {
+    /// Layer `l`'s [`PreNormAttention`] from its `vb`.
+    pub fn pre_norm_attention(
+        &self,
+        l: usize,
+        vb: &VarBuilder,
+    ) -> candle_core::Result<PreNormAttention> {
+        let rope = self.ropes[l].then(|| self.rope.clone());
+        PreNormAttention::new((self.norm, self.attention), (rope, self.windows[l]), vb)
+    }
 }

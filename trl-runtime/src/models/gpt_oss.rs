@@ -12,18 +12,17 @@
 //! one (gate_up columns, down rows), the router whole. Checkpoints quantized to MXFP4 (the
 //! hub's) are read dequantized (models/mxfp4.rs); other quantizations are refused.
 
-use super::blocks::{pre_norm_layer, Decoder, Layer, SelfAttention};
+use super::blocks::{Decoder, Layer, PreNormAttention};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use super::moe::{routed, MoeConfig};
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
 use crate::nn::grouped::grouped_linear;
-use crate::nn::{Param, RmsNorm, RotaryEmbedding};
+use crate::nn::Param;
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
-use std::sync::Arc;
 
 /// The `model_type`s this file reads.
 pub const MODEL_TYPES: &[&str] = &["gpt_oss"];
@@ -113,14 +112,10 @@ impl GptOssMlp {
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]
 pub struct GptOssLayer {
-    input_layernorm: RmsNorm,
-    self_attn: SelfAttention,
-    post_attention_layernorm: RmsNorm,
+    /// input_layernorm, self_attn (with sinks), post_attention_layernorm.
+    #[parallel(name = "")]
+    attention: PreNormAttention,
     mlp: GptOssMlp,
-    #[parallel(skip)]
-    rope: Arc<RotaryEmbedding>,
-    #[parallel(skip)]
-    window: Option<usize>,
 }
 
 /// gpt-oss's keys beyond the Llama family's: the experts (MoeConfig) and the SwiGLU's
@@ -175,18 +170,14 @@ impl Layer for GptOssLayer {
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<GptOss> {
         let (moe, alpha, limit) = check(config, "config.json").map_err(Error::into_candle)?;
-        let parts = config.layer_parts()?;
-        let (rope, windows, norm, mut shape) =
-            (parts.rope, parts.windows, parts.norm, parts.attention);
-        shape.sinks = true;
+        let mut parts = config.layer_parts()?;
+        parts.attention.sinks = true;
         let (h, i, e) = (config.hidden_size, config.intermediate_size, moe.experts);
         Decoder::from_layers(parts.body, vb, |l, vb| {
             let mlp = vb.pp("mlp");
             let (router, experts) = (mlp.pp("router"), mlp.pp("experts"));
             Ok(GptOssLayer {
-                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
-                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                attention: parts.pre_norm_attention(l, &vb)?,
                 mlp: GptOssMlp {
                     router: GptOssRouter {
                         weight: Param::new(&router, (e, h), "weight")?,
@@ -204,21 +195,16 @@ impl Layer for GptOssLayer {
                     },
                     top_k: moe.top_k,
                 },
-                rope: rope.clone(),
-                window: windows[l],
             })
         })
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let norms = (&self.input_layernorm, &self.post_attention_layernorm);
-        let attention = (&self.self_attn, Some(&*self.rope), self.window);
-        pre_norm_layer(x, cx, norms, attention, |h, x| {
-            Ok((x + self.mlp.forward(cx, h)?)?)
-        })
+        let (h, x) = self.attention.forward(x, cx)?;
+        Ok((&x + self.mlp.forward(cx, &h)?)?)
     }
 
     fn attention_heads(&self) -> (usize, usize) {
-        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
+        self.attention.heads()
     }
 }

@@ -7,16 +7,13 @@
 //! and the LM head vocab-parallel (logits stay split over the vocabulary;
 //! `parallel::Model::loss` never gathers them), and head counts are divided by the tp size.
 
-use super::blocks::SelfAttention;
-use super::blocks::{pre_norm_layer, Activation, Decoder, GatedMlp, Layer};
+use super::blocks::{Activation, Decoder, GatedMlp, Layer, PreNormAttention};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use crate::error::Result;
-use crate::nn::{RmsNorm, RotaryEmbedding};
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
-use std::sync::Arc;
 
 /// The `model_type`s this file reads.
 pub const MODEL_TYPES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "smollm3"];
@@ -28,16 +25,10 @@ pub type Llama = Decoder<LlamaLayer>;
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]
 pub struct LlamaLayer {
-    input_layernorm: RmsNorm,
-    self_attn: SelfAttention,
-    post_attention_layernorm: RmsNorm,
+    /// input_layernorm, self_attn, post_attention_layernorm.
+    #[parallel(name = "")]
+    attention: PreNormAttention,
     mlp: GatedMlp,
-    /// The rotary table (shared by the layers), None on SmolLM3's NoPE layers.
-    #[parallel(skip)]
-    rope: Option<Arc<RotaryEmbedding>>,
-    /// The sliding attention window (None: full attention).
-    #[parallel(skip)]
-    window: Option<usize>,
 }
 
 impl Layer for LlamaLayer {
@@ -49,30 +40,22 @@ impl Layer for LlamaLayer {
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Llama> {
         let parts = config.layer_parts()?;
-        let (rope, norm, shape) = (parts.rope, parts.norm, parts.attention);
         let (h, i) = (config.hidden_size, config.intermediate_size);
         Decoder::from_layers(parts.body, vb, |l, vb| {
             Ok(LlamaLayer {
-                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
-                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                attention: parts.pre_norm_attention(l, &vb)?,
                 mlp: GatedMlp::new((h, i), config.mlp_bias, Activation::Silu, vb.pp("mlp"))?,
-                rope: parts.ropes[l].then(|| rope.clone()),
-                window: parts.windows[l],
             })
         })
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let norms = (&self.input_layernorm, &self.post_attention_layernorm);
-        let attention = (&self.self_attn, self.rope.as_deref(), self.window);
-        pre_norm_layer(x, cx, norms, attention, |h, x| {
-            self.mlp.forward_add(cx, h, x)
-        })
+        let (h, x) = self.attention.forward(x, cx)?;
+        self.mlp.forward_add(cx, &h, &x)
     }
 
     fn attention_heads(&self) -> (usize, usize) {
-        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
+        self.attention.heads()
     }
 
     fn tiles_mlp(&self) -> bool {

@@ -4,16 +4,15 @@
 //! top-k weights always renormalised. The router's load-balancing loss is router_loss.rs's;
 //! jitter noise is not built (refused).
 
-use super::blocks::{gated_mlp, pre_norm_layer, Activation, Decoder, Layer, SelfAttention};
+use super::blocks::{gated_mlp, Activation, Decoder, Layer, PreNormAttention};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use super::moe::{Expert, MoeConfig, SparseMoe};
 use crate::error::{Error, Result};
-use crate::nn::{linear_no_bias, Linear, RmsNorm, RotaryEmbedding};
+use crate::nn::{linear_no_bias, Linear};
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
-use std::sync::Arc;
 
 /// The `model_type`s this file reads.
 pub const MODEL_TYPES: &[&str] = &["mixtral"];
@@ -48,14 +47,10 @@ impl Expert for MixtralExpert {
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]
 pub struct MixtralLayer {
-    input_layernorm: RmsNorm,
-    self_attn: SelfAttention,
-    post_attention_layernorm: RmsNorm,
+    /// input_layernorm, self_attn, post_attention_layernorm.
+    #[parallel(name = "")]
+    attention: PreNormAttention,
     block_sparse_moe: SparseMoe<MixtralExpert>,
-    #[parallel(skip)]
-    rope: Arc<RotaryEmbedding>,
-    #[parallel(skip)]
-    window: Option<usize>,
 }
 
 fn check(config: &ModelConfig, source: &str) -> Result<MoeConfig> {
@@ -88,7 +83,6 @@ impl Layer for MixtralLayer {
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Mixtral> {
         let moe = check(config, "config.json").map_err(Error::into_candle)?;
         let parts = config.layer_parts()?;
-        let (rope, windows, norm, shape) = (parts.rope, parts.windows, parts.norm, parts.attention);
         let (h, i) = (config.hidden_size, config.intermediate_size);
         Decoder::from_layers(parts.body, vb, |l, vb| {
             let block = vb.pp("block_sparse_moe");
@@ -103,31 +97,24 @@ impl Layer for MixtralLayer {
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Ok(MixtralLayer {
-                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
-                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                attention: parts.pre_norm_attention(l, &vb)?,
                 block_sparse_moe: SparseMoe {
                     gate: linear_no_bias(h, moe.experts, block.pp("gate"))?,
                     experts,
                     top_k: moe.top_k,
                     norm_topk_prob: true,
                 },
-                rope: rope.clone(),
-                window: windows[l],
             })
         })
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let norms = (&self.input_layernorm, &self.post_attention_layernorm);
-        let attention = (&self.self_attn, Some(&*self.rope), self.window);
-        pre_norm_layer(x, cx, norms, attention, |h, x| {
-            Ok((x + self.block_sparse_moe.forward(cx, h)?)?)
-        })
+        let (h, x) = self.attention.forward(x, cx)?;
+        Ok((&x + self.block_sparse_moe.forward(cx, &h)?)?)
     }
 
     fn attention_heads(&self) -> (usize, usize) {
-        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
+        self.attention.heads()
     }
 
     fn may_skip_grad(name: &str) -> bool {

@@ -3,16 +3,15 @@
 //! `decoder_sparse_step`-th layer but those in `mlp_only_layers`, which keep a dense one.
 //! The router's load-balancing loss is router_loss.rs's.
 
-use super::blocks::{pre_norm_layer, Activation, Decoder, GatedMlp, Layer, SelfAttention};
+use super::blocks::{Activation, Decoder, GatedMlp, Layer, PreNormAttention};
 use super::causal::LayerInputs;
 use super::config::ModelConfig;
 use super::moe::{MoeConfig, SparseMoe};
 use crate::error::{Error, Result};
-use crate::nn::{linear_no_bias, RmsNorm, RotaryEmbedding};
+use crate::nn::linear_no_bias;
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
-use std::sync::Arc;
 
 /// The `model_type`s this file reads.
 pub const MODEL_TYPES: &[&str] = &["qwen3_moe"];
@@ -24,17 +23,13 @@ pub type Qwen3Moe = Decoder<Qwen3MoeLayer>;
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]
 pub struct Qwen3MoeLayer {
-    input_layernorm: RmsNorm,
-    self_attn: SelfAttention,
-    post_attention_layernorm: RmsNorm,
+    /// input_layernorm, self_attn, post_attention_layernorm.
+    #[parallel(name = "")]
+    attention: PreNormAttention,
     #[parallel(name = "mlp")]
     dense: Option<GatedMlp>,
     #[parallel(name = "mlp")]
     sparse: Option<SparseMoe<GatedMlp>>,
-    #[parallel(skip)]
-    rope: Arc<RotaryEmbedding>,
-    #[parallel(skip)]
-    window: Option<usize>,
 }
 
 impl Layer for Qwen3MoeLayer {
@@ -54,7 +49,6 @@ impl Layer for Qwen3MoeLayer {
         let moe = MoeConfig::read(config, "config.json").map_err(Error::into_candle)?;
         let inter = moe.inter.unwrap_or(config.intermediate_size);
         let parts = config.layer_parts()?;
-        let (rope, windows, norm, shape) = (parts.rope, parts.windows, parts.norm, parts.attention);
         let h = config.hidden_size;
         Decoder::from_layers(parts.body, vb, |l, vb| {
             let mlp = vb.pp("mlp");
@@ -84,33 +78,26 @@ impl Layer for Qwen3MoeLayer {
                 }
             };
             Ok(Qwen3MoeLayer {
-                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: SelfAttention::new(shape, vb.pp("self_attn"))?,
-                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                attention: parts.pre_norm_attention(l, &vb)?,
                 dense,
                 sparse,
-                rope: rope.clone(),
-                window: windows[l],
             })
         })
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let norms = (&self.input_layernorm, &self.post_attention_layernorm);
-        let attention = (&self.self_attn, Some(&*self.rope), self.window);
-        pre_norm_layer(x, cx, norms, attention, |h, x| {
-            match (&self.sparse, &self.dense) {
-                (Some(sparse), _) => Ok((x + sparse.forward(cx, h)?)?),
-                (None, Some(dense)) => dense.forward_add(cx, h, x),
-                (None, None) => Err(Error::Parallelism(
-                    "a Qwen3-MoE layer without an MLP".into(),
-                )),
-            }
-        })
+        let (h, x) = self.attention.forward(x, cx)?;
+        match (&self.sparse, &self.dense) {
+            (Some(sparse), _) => Ok((&x + sparse.forward(cx, &h)?)?),
+            (None, Some(dense)) => dense.forward_add(cx, &h, &x),
+            (None, None) => Err(Error::Parallelism(
+                "a Qwen3-MoE layer without an MLP".into(),
+            )),
+        }
     }
 
     fn attention_heads(&self) -> (usize, usize) {
-        (self.self_attn.num_heads, self.self_attn.num_kv_heads)
+        self.attention.heads()
     }
 
     fn may_skip_grad(name: &str) -> bool {
