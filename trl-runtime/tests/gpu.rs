@@ -18,6 +18,8 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
+#[cfg(feature = "nccl")]
+use common::collectives::check_collectives;
 use common::{max_abs_diff, rel_diff, run, Backend};
 use std::path::{Path, PathBuf};
 use trl_runtime::comm::{InProcessWorld, ReduceOp};
@@ -81,6 +83,39 @@ fn nccl_collectives_at_world_size_one() {
         assert!(back.device().is_cpu());
     }
     c.barrier().unwrap();
+}
+
+/// NCCL between processes, each on its own GPU: every collective of the trait against the
+/// serial computation (the check the CPU backends pass on 2-4 ranks), f32 contiguous and
+/// transposed, bf16 and f16. `scripts/gpu-run multi` runs it on a machine with 2 or more GPUs
+/// through `cargo trl launch --profile multi_gpu --num_processes N`; ignored otherwise (one GPU
+/// cannot host several NCCL ranks).
+#[cfg(feature = "nccl")]
+#[test]
+#[ignore = "needs 2+ GPUs and a launch: scripts/gpu-run multi"]
+fn nccl_collectives_across_launched_processes() {
+    let ctx = DistContext::from_env().expect("launched by `cargo trl launch`");
+    let world = ctx.world();
+    assert!(
+        ctx.device().is_cuda(),
+        "rank {} is not on a GPU",
+        ctx.rank()
+    );
+    assert_eq!(world.backend(), "nccl", "{}", world.name());
+    assert!(world.size() >= 2, "launch 2 or more processes");
+    for (transposed, dtype) in [
+        (false, DType::F32),
+        (true, DType::F32),
+        (true, DType::BF16),
+        (false, DType::F16),
+    ] {
+        check_collectives(&*world, "nccl", transposed, dtype, ctx.device());
+    }
+    println!(
+        "nccl between {} processes: every collective matches (rank {})",
+        world.size(),
+        ctx.rank()
+    );
 }
 
 /// Several ranks on one GPU exchange CUDA tensors through the host and in-process backends:

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: run a closure on n ranks of either CPU backend.
 #![allow(dead_code)]
 
+pub mod collectives;
+
 use std::sync::Arc;
 use std::time::Duration;
 use trl_runtime::comm::{Communicator, HostBackend, InProcessWorld};
