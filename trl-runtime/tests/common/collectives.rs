@@ -22,20 +22,11 @@ pub fn input(rank: usize, transposed: bool, dtype: DType) -> Tensor {
 pub fn assert_same(got: &Tensor, want: &Tensor, what: &str) {
     assert_eq!(got.dims(), want.dims(), "{what}: shape");
     assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
-    let g: Vec<f32> = got
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let w: Vec<f32> = want
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let values = |t: &Tensor| -> Vec<f32> {
+        let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        t.to_vec1().unwrap()
+    };
+    let (g, w) = (values(got), values(want));
     for (i, (a, b)) in g.iter().zip(&w).enumerate() {
         assert!(
             (a - b).abs() <= 1e-5 * b.abs().max(1.0),
