@@ -59,7 +59,10 @@ where
     S: BackendStorage,
     S::Device: BackendDevice<Storage = S>,
 {
-    let mut out = s.device().zeros_impl(l.shape(), s.dtype())?;
+    // Not zeroed first (one pass fewer: a memset per op, on the CPU and the GPU alike).
+    // SAFETY: the storage holds exactly the layout's elements and `copy_strided_src` writes
+    // every one of them before anything reads it.
+    let mut out = unsafe { s.device().alloc_uninit(l.shape(), s.dtype())? };
     s.copy_strided_src(&mut out, 0, l)?;
     Ok((out, l.shape().clone()))
 }
