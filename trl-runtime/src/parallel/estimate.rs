@@ -534,6 +534,13 @@ impl ModelShapes {
     }
 }
 
+/// Whether a step's gradients stay in the compute dtype, as Candle's backward makes them:
+/// one micro-batch per step on a GPU with nothing to all-reduce (`Core::accumulate`; the
+/// GPU optimizer reads them as they are, in f32 math). Otherwise they are summed in fp32.
+pub fn native_gradients(gpu: bool, micro_batches: usize, single_replica: bool) -> bool {
+    gpu && micro_batches == 1 && single_replica
+}
+
 fn mib(b: usize) -> String {
     format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
 }
@@ -577,14 +584,22 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // A flat slice spans parameters that decay and norms and biases that do not: ZeRO and
     // FSDP keep a byte per element saying which (`FlatLayout::shard_state`).
     const MASK: usize = 1;
+    // Bytes per gradient element: fp32 sums, or as the backward makes them (DDP alone).
+    let replicas = d.dp_replicate * d.dp_shard * d.cp * d.sp;
+    let gsz = match setup.strategy == Strategy::Ddp
+        && native_gradients(setup.gpu, setup.micro_batches, replicas == 1)
+    {
+        true => dsz,
+        false => 4,
+    };
     let opt_bytes;
     match (setup.strategy, setup.lora.is_some()) {
         (Strategy::Ddp, _) => {
             e.parameters = dsz * (p + frozen);
-            e.gradients = 4 * p;
+            e.gradients = gsz * p;
             opt_bytes = 12 * p;
             why.push(format!(
-                "ddp: weights {dsz} x {} + gradients 4 x {p} + master and moments 12 x {p}",
+                "ddp: weights {dsz} x {} + gradients {gsz} x {p} + master and moments 12 x {p}",
                 p + frozen
             ));
         }
@@ -800,8 +815,8 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // A frozen base: the root (embedding, head) gathered while the loss runs, a layer's
         // unit in use and the next one's weights arriving; no gradients but the adapters'.
         (Strategy::Fsdp(..), true) => dsz * (root_unit + 2 * layer_unit) + head_copy + 4 * p,
-        (_, true) => head_grad + 4 * p - e.gradients.min(4 * p),
-        (_, false) => 4 * p - e.gradients.min(4 * p),
+        (_, true) => head_grad + gsz * p - e.gradients.min(gsz * p),
+        (_, false) => gsz * p - e.gradients.min(gsz * p),
     };
     let loss_buffers = match sharded && !lora {
         true => loss_buffers,
@@ -852,7 +867,6 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // gradients ZeRO-2 still holds; the host backend copies the flat vector once more), then
     // all-gather the weights once it is freed.
     let largest = shapes.iter().map(|(_, n)| *n).max().unwrap_or(0);
-    let replicas = d.dp_replicate * d.dp_shard * d.cp * d.sp;
     let host_copy = if setup.gpu { 0 } else { 4 * p };
     e.update_buffers = match (setup.strategy, lora) {
         (Strategy::Ddp, false) if replicas > 1 => 4 * p + (4 * p).min(super::ddp::BUCKET_BYTES),
@@ -1490,6 +1504,31 @@ mod tests {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
             .join(path)
+    }
+
+    /// DDP's gradients: fp32 sums, but in the compute dtype on one GPU replica with one
+    /// micro-batch per step (what `Core::accumulate` keeps), bf16 here.
+    #[test]
+    fn ddp_gradients_stay_in_the_compute_dtype_on_one_gpu_with_one_micro_batch() {
+        let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+        let p = m.num_parameters();
+        let gradients = |dp: usize, micro_batches: usize, gpu: bool| {
+            let setup = Setup {
+                dtype: DType::BF16,
+                micro_batches,
+                gpu,
+                ..cpu_setup(Strategy::Ddp, (dp, 1))
+            };
+            estimate(&m, &setup).gradients
+        };
+        assert_eq!(gradients(1, 1, true), 2 * p);
+        assert_eq!(
+            gradients(1, 2, true),
+            4 * p,
+            "micro-batches are summed in fp32"
+        );
+        assert_eq!(gradients(2, 1, true), 4 * p, "an all-reduce sums in fp32");
+        assert_eq!(gradients(1, 1, false), 4 * p, "the CPU sums in fp32");
     }
 
     /// The shapes come from the model's own skeleton, which allocates nothing: Llama 3.1 70B's

@@ -593,7 +593,14 @@ impl<'a, N: CausalModel> Core<'a, N> {
             .for_each(|t| held.add(t));
         let parameters = held.total;
         self.optimizer.state().add_storage(&mut held);
-        let grad_full = self.model.params.num_elements() * 4;
+        // As `accumulate` keeps them over the step's micro-batches.
+        let native = self.native_gradients(self.args.gradient_accumulation_steps);
+        let grad_full: usize = self
+            .model
+            .params
+            .iter()
+            .map(|(_, v)| v.elem_count() * if native { v.dtype().size_in_bytes() } else { 4 })
+            .sum();
         let gradients = self.optimizer.grad_bytes(grad_full);
         MemoryReport {
             parameters,
@@ -727,6 +734,14 @@ impl<'a, N: CausalModel> Core<'a, N> {
         }
     }
 
+    /// Whether a step of `micro_batches` keeps its gradients in the compute dtype
+    /// ([`crate::parallel::estimate::native_gradients`]).
+    fn native_gradients(&self, micro_batches: usize) -> bool {
+        let gpu = self.ctx.device().is_cuda();
+        let single = self.optimizer.single_replica();
+        crate::parallel::estimate::native_gradients(gpu, micro_batches, single)
+    }
+
     /// Adds one micro-batch's gradients (`store`, from [`Model::backward`]) to the step's, of
     /// `micro_batches` in the step.
     pub fn accumulate(
@@ -743,11 +758,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 return Ok(());
             }
         }
-        // One micro-batch on a GPU with nothing to all-reduce: the gradients stay in the
-        // compute dtype (the GPU optimizer reads them as they are, in f32 math); otherwise
-        // they are summed in fp32.
-        let native_grads =
-            micro_batches == 1 && self.ctx.device().is_cuda() && self.optimizer.single_replica();
+        let native_grads = self.native_gradients(micro_batches);
         for (name, var) in self.model.params.iter() {
             let g = match store.get(var.as_tensor()) {
                 Some(g) => {
