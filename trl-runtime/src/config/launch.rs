@@ -3,6 +3,7 @@
 //! file, the key and the accepted values.
 
 use super::deepspeed_json::DeepSpeedJson;
+use super::named::Named;
 use super::parallelism::{ParallelismConfig, SpBackend};
 use super::yaml::Section;
 use crate::error::{Error, Result};
@@ -287,15 +288,16 @@ fn sharding_from_value(s: &Section, key: &str, v: &Value) -> Result<FsdpSharding
         Value::String(t) => t.trim().to_ascii_uppercase(),
         _ => String::new(),
     };
-    if let Ok(n) = text.parse::<usize>() {
-        if (1..=5).contains(&n) {
-            return Ok(FsdpShardingStrategy::from_name(
-                FsdpShardingStrategy::NAMES[n - 1],
-            ));
-        }
+    let all = FsdpShardingStrategy::ALL;
+    if let Some(&s) = text
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| all.get(n.checked_sub(1)?))
+    {
+        return Ok(s);
     }
-    if FsdpShardingStrategy::NAMES.contains(&text.as_str()) {
-        return Ok(FsdpShardingStrategy::from_name(&text));
+    if let Some(s) = FsdpShardingStrategy::from_name(&text) {
+        return Ok(s);
     }
     Err(s.error(
         key,
@@ -353,19 +355,19 @@ fn parse_fsdp(s: &mut Section) -> Result<FsdpConfig> {
             }
         }
     }
-    if let Some(p) = s.choice("fsdp_auto_wrap_policy", FsdpAutoWrapPolicy::NAMES)? {
-        c.auto_wrap_policy = FsdpAutoWrapPolicy::from_name(p);
+    if let Some(p) = s.named("fsdp_auto_wrap_policy")? {
+        c.auto_wrap_policy = p;
     }
     c.transformer_layer_cls_to_wrap = s.string("fsdp_transformer_layer_cls_to_wrap")?;
     c.min_num_params = s.uint("fsdp_min_num_params")?;
     let prefetch_keys = ["fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"];
     for key in prefetch_keys {
-        if let Some(p) = s.choice(key, FsdpBackwardPrefetch::NAMES)? {
-            c.backward_prefetch = FsdpBackwardPrefetch::from_name(p);
+        if let Some(p) = s.named(key)? {
+            c.backward_prefetch = p;
         }
     }
-    if let Some(t) = s.choice("fsdp_state_dict_type", FsdpStateDictType::NAMES)? {
-        c.state_dict_type = FsdpStateDictType::from_name(t);
+    if let Some(t) = s.named("fsdp_state_dict_type")? {
+        c.state_dict_type = t;
     }
     for (key, slot) in [
         ("fsdp_forward_prefetch", &mut c.forward_prefetch),
@@ -389,8 +391,7 @@ fn parse_fsdp(s: &mut Section) -> Result<FsdpConfig> {
 }
 
 fn offload(s: &mut Section, key: &str) -> Result<OffloadDevice> {
-    Ok(s.choice(key, OffloadDevice::NAMES)?
-        .map_or(OffloadDevice::None, OffloadDevice::from_name))
+    Ok(s.named(key)?.unwrap_or(OffloadDevice::None))
 }
 
 fn parse_deepspeed(s: &mut Section) -> Result<DeepSpeedConfig> {

@@ -4,6 +4,7 @@ pub mod cli_value;
 pub mod deepspeed_json;
 pub mod effects;
 pub mod launch;
+pub mod named;
 pub mod parallelism;
 pub mod plan;
 pub mod sections;

@@ -12,9 +12,9 @@
 
 use super::deepspeed_json::DeepSpeedJson;
 use super::launch::{
-    DeepSpeedConfig, DistributedType, FsdpAutoWrapPolicy, FsdpBackwardPrefetch, FsdpConfig,
-    FsdpShardingStrategy, FsdpStateDictType, LaunchConfig, MixedPrecision, OffloadDevice,
+    DeepSpeedConfig, DistributedType, FsdpConfig, LaunchConfig, MixedPrecision, OffloadDevice,
 };
+use super::named::Named;
 use super::parallelism::{ParallelDims, ParallelismConfig};
 use crate::error::{Error, Result};
 use std::path::PathBuf;
@@ -123,6 +123,11 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
                     format!("'{v}' is not accepted: use one of {}", names.join(", ")),
                 )
             })
+    }
+
+    /// A [`Named`] value, as [`Self::choice`] reads its names.
+    fn named<T: Named>(&self, var: &str, numbered: bool) -> Result<Option<T>> {
+        Ok(self.choice(var, T::NAMES, numbered)?.and_then(T::from_name))
     }
 }
 
@@ -400,8 +405,8 @@ fn deepspeed_from_env<F: Fn(&str) -> Option<String>>(
             &mut c.offload_param_device,
         ),
     ] {
-        if let Some(d) = vars.choice(var, OffloadDevice::NAMES, false)? {
-            *slot = OffloadDevice::from_name(d);
+        if let Some(d) = vars.named(var, false)? {
+            *slot = d;
         }
     }
     if let Some(b) = vars.flag("ACCELERATE_DEEPSPEED_ZERO3_INIT")? {
@@ -436,22 +441,17 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
         }
         c.version = v;
     }
-    if let Some(s) = vars.choice("FSDP_SHARDING_STRATEGY", FsdpShardingStrategy::NAMES, true)? {
-        c.set_sharding_strategy(FsdpShardingStrategy::from_name(s));
+    if let Some(s) = vars.named("FSDP_SHARDING_STRATEGY", true)? {
+        c.set_sharding_strategy(s);
     }
     // FSDP2 says only whether to reshard after forward; FSDP1 may carry a strategy name here.
     if let Some(v) = vars.get("FSDP_RESHARD_AFTER_FORWARD") {
         match str_to_bool(&v) {
             Some(b) => c.set_reshard_after_forward(b),
             None if c.version == 1 => {
-                let s = vars
-                    .choice(
-                        "FSDP_RESHARD_AFTER_FORWARD",
-                        FsdpShardingStrategy::NAMES,
-                        true,
-                    )?
-                    .expect("set");
-                c.set_sharding_strategy(FsdpShardingStrategy::from_name(s));
+                if let Some(s) = vars.named("FSDP_RESHARD_AFTER_FORWARD", true)? {
+                    c.set_sharding_strategy(s);
+                }
             }
             None => {
                 return Err(Vars::<F>::bad(
@@ -461,16 +461,16 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
             }
         }
     }
-    if let Some(p) = vars.choice("FSDP_AUTO_WRAP_POLICY", FsdpAutoWrapPolicy::NAMES, false)? {
-        c.auto_wrap_policy = FsdpAutoWrapPolicy::from_name(p);
+    if let Some(p) = vars.named("FSDP_AUTO_WRAP_POLICY", false)? {
+        c.auto_wrap_policy = p;
     }
     c.min_num_params = vars.number::<u64>("FSDP_MIN_NUM_PARAMS", "a parameter count")?;
     c.transformer_layer_cls_to_wrap = vars.get("FSDP_TRANSFORMER_CLS_TO_WRAP");
-    if let Some(p) = vars.choice("FSDP_BACKWARD_PREFETCH", FsdpBackwardPrefetch::NAMES, true)? {
-        c.backward_prefetch = FsdpBackwardPrefetch::from_name(p);
+    if let Some(p) = vars.named("FSDP_BACKWARD_PREFETCH", true)? {
+        c.backward_prefetch = p;
     }
-    if let Some(t) = vars.choice("FSDP_STATE_DICT_TYPE", FsdpStateDictType::NAMES, true)? {
-        c.state_dict_type = FsdpStateDictType::from_name(t);
+    if let Some(t) = vars.named("FSDP_STATE_DICT_TYPE", true)? {
+        c.state_dict_type = t;
     }
     for (var, slot) in [
         ("FSDP_FORWARD_PREFETCH", &mut c.forward_prefetch),
@@ -496,6 +496,7 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{FsdpShardingStrategy, FsdpStateDictType};
     use std::collections::HashMap;
 
     fn read(vars: &[(&str, &str)], world: usize) -> Result<LaunchPlan> {

@@ -2,6 +2,7 @@
 //! precision, GPU ids, and the FSDP and DeepSpeed sections. `launch` reads them from YAML,
 //! `deepspeed_json` from a DeepSpeed JSON, `parallelism` and `plan` use them.
 
+use super::named::named;
 use std::path::PathBuf;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,34 +92,35 @@ impl GpuIds {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsdpShardingStrategy {
-    FullShard,
-    ShardGradOp,
-    NoShard,
-    HybridShard,
-    HybridShardZero2,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsdpAutoWrapPolicy {
-    TransformerBasedWrap,
-    SizeBasedWrap,
-    NoWrap,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsdpBackwardPrefetch {
-    BackwardPre,
-    BackwardPost,
-    NoPrefetch,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FsdpStateDictType {
-    FullStateDict,
-    ShardedStateDict,
-    LocalStateDict,
+// Accelerate's names for each value (the first the default).
+named! {
+    FsdpShardingStrategy {
+        FullShard = "FULL_SHARD",
+        ShardGradOp = "SHARD_GRAD_OP",
+        NoShard = "NO_SHARD",
+        HybridShard = "HYBRID_SHARD",
+        HybridShardZero2 = "HYBRID_SHARD_ZERO2",
+    }
+    FsdpAutoWrapPolicy {
+        TransformerBasedWrap = "TRANSFORMER_BASED_WRAP",
+        SizeBasedWrap = "SIZE_BASED_WRAP",
+        NoWrap = "NO_WRAP",
+    }
+    FsdpBackwardPrefetch {
+        BackwardPre = "BACKWARD_PRE",
+        BackwardPost = "BACKWARD_POST",
+        NoPrefetch = "NO_PREFETCH",
+    }
+    FsdpStateDictType {
+        FullStateDict = "FULL_STATE_DICT",
+        ShardedStateDict = "SHARDED_STATE_DICT",
+        LocalStateDict = "LOCAL_STATE_DICT",
+    }
+    OffloadDevice {
+        None = "none",
+        Cpu = "cpu",
+        Nvme = "nvme",
+    }
 }
 
 /// `fsdp_config.*`. Version 1 names a sharding strategy; version 2 only says whether to
@@ -161,63 +163,6 @@ impl Default for FsdpConfig {
         }
     }
 }
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OffloadDevice {
-    None,
-    Cpu,
-    Nvme,
-}
-
-/// The names Accelerate writes for an enum's values: `NAMES` (the first the default),
-/// `as_str` and `from_name` (the default for a name not listed: parsers check names against
-/// `NAMES` first and say what is accepted).
-macro_rules! named {
-    ($t:ident { $($v:ident = $n:literal),+ $(,)? }) => {
-        impl $t {
-            pub const NAMES: &'static [&'static str] = &[$($n),+];
-
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $($t::$v => $n),+
-                }
-            }
-
-            pub(crate) fn from_name(name: &str) -> Self {
-                let all = [$($t::$v),+];
-                all.into_iter().find(|v| v.as_str() == name).unwrap_or(all[0])
-            }
-        }
-    };
-}
-
-named!(FsdpShardingStrategy {
-    FullShard = "FULL_SHARD",
-    ShardGradOp = "SHARD_GRAD_OP",
-    NoShard = "NO_SHARD",
-    HybridShard = "HYBRID_SHARD",
-    HybridShardZero2 = "HYBRID_SHARD_ZERO2",
-});
-named!(FsdpAutoWrapPolicy {
-    TransformerBasedWrap = "TRANSFORMER_BASED_WRAP",
-    SizeBasedWrap = "SIZE_BASED_WRAP",
-    NoWrap = "NO_WRAP",
-});
-named!(FsdpBackwardPrefetch {
-    BackwardPre = "BACKWARD_PRE",
-    BackwardPost = "BACKWARD_POST",
-    NoPrefetch = "NO_PREFETCH",
-});
-named!(FsdpStateDictType {
-    FullStateDict = "FULL_STATE_DICT",
-    ShardedStateDict = "SHARDED_STATE_DICT",
-    LocalStateDict = "LOCAL_STATE_DICT",
-});
-named!(OffloadDevice {
-    None = "none",
-    Cpu = "cpu",
-    Nvme = "nvme",
-});
 
 /// `deepspeed_config.*`.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,7 @@
 //! A typed reader over one YAML mapping that remembers which keys were read, so that every
 //! error names the file and the full key path, and leftover keys can be reported as unknown.
 
+use super::named::Named;
 use crate::error::{Error, Result};
 use serde_yaml::{Mapping, Value};
 use std::collections::BTreeSet;
@@ -50,12 +51,12 @@ impl<'a> Section<'a> {
         }
     }
 
-    /// The raw value; `null` counts as absent (Accelerate writes `key: null` for unset values).
     /// Whether the section holds `key` (without marking it read).
     pub fn has(&self, key: &str) -> bool {
         self.map.contains_key(key)
     }
 
+    /// The raw value; `null` counts as absent (Accelerate writes `key: null` for unset values).
     pub fn raw(&mut self, key: &str) -> Option<&'a Value> {
         self.seen.insert(key.to_string());
         match self.map.get(key) {
@@ -144,6 +145,11 @@ impl<'a> Section<'a> {
                     format!("'{s}' is not accepted: use one of {}", accepted.join(", ")),
                 )
             })
+    }
+
+    /// A [`Named`] value: one of its names, as [`Self::choice`] reads them.
+    pub fn named<T: Named>(&mut self, key: &str) -> Result<Option<T>> {
+        Ok(self.choice(key, T::NAMES)?.and_then(T::from_name))
     }
 
     /// A nested mapping; `{}` or absent gives None.
