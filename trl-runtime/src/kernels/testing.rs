@@ -4,9 +4,12 @@ use candle_core::Tensor;
 
 /// The largest absolute difference between `a` and `b`.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
+    max_abs(&(a - b).unwrap())
+}
+
+/// The largest magnitude in `t`.
+pub fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
         .unwrap()
         .max_all()
         .unwrap()
@@ -16,14 +19,7 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 /// The largest absolute difference relative to the largest magnitude of `b`.
 pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let scale = b
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    max_abs_diff(a, b) / scale
+    max_abs_diff(a, b) / max_abs(b)
 }
 
 /// `out` and the gradients of `q`, `k`, `v` of the loss sum(out * w): an attention's output
