@@ -208,10 +208,17 @@ pub fn run(dir: &Path) {
             ),
         }
     }
-    // TRL_BENCH_GPU_PEERS=0: ours only (a short check of our numbers).
-    if profiling() || std::env::var("TRL_BENCH_GPU_PEERS").is_ok_and(|v| v == "0") {
+    // TRL_BENCH_GPU_PEERS=0: ours only (a short check of our numbers); a comma list
+    // (transformers, trl, trl_liger, trl_lora) runs only those peers.
+    let chosen = std::env::var("TRL_BENCH_GPU_PEERS").ok();
+    if profiling() || chosen.as_deref() == Some("0") {
         return;
     }
+    let wanted = |peer: &str| {
+        chosen
+            .as_deref()
+            .is_none_or(|list| list.split(',').any(|p| p.trim() == peer))
+    };
     // The same shapes through transformers, TRL and TRL + Liger on this GPU's torch, which
     // needs the memory our pool keeps.
     if let Err(e) = trl_runtime::alloc::gpu::release_freed_memory(&cuda) {
@@ -221,16 +228,21 @@ pub fn run(dir: &Path) {
     // against TRL + peft.
     // Each group's lines are printed as soon as it ends (a later group may run out of time).
     for (lora, peers) in [(false, "transformers,trl,trl_liger"), (true, "trl_lora")] {
+        let peers = peers
+            .split(',')
+            .filter(|p| wanted(p))
+            .collect::<Vec<_>>()
+            .join(",");
         let spec = runs
             .iter()
             .filter(|r| r.lora == lora)
             .map(Run::spec)
             .collect::<Vec<_>>()
             .join(",");
-        if spec.is_empty() {
+        if spec.is_empty() || peers.is_empty() {
             continue;
         }
-        for line in peer_lines(&spec, peers) {
+        for line in peer_lines(&spec, &peers) {
             let (Some(name), Some(theirs), Some(batch), Some(gc)) = (
                 line["framework"].as_str(),
                 line["tokens_per_s"].as_f64(),
