@@ -177,19 +177,33 @@ impl Chain {
         self.op(inputs, w, out)
     }
 
-    /// The chain on a LoRA layer: its frozen `w` and bias, and the adapter's output `added`
-    /// [rows, out] (computed by the adapter's own ops from [`Chain::rows_in`] of `x`), as one
-    /// op on `x`, `added` and the residual.
+    /// The chain on a LoRA layer: its frozen `w` and bias, and the adapter's last matmul
+    /// `h B^T` (`h` [..., r] scaled, from the adapter's own ops on [`Chain::rows_in`] of `x`;
+    /// `up` its B [out, r]), as one op. The op takes `h` and `B` and runs the matmul itself,
+    /// so the graph keeps the r-wide `h` rather than a [rows, out] product; with a residual
+    /// (the op's third input) it takes the product instead, recorded in the graph.
     pub fn linear_with_adapter(
         &self,
         x: &Tensor,
         (w, bias): (&Tensor, Option<&Tensor>),
-        added: &Tensor,
+        (h, up): (&Tensor, &Tensor),
     ) -> Result<Tensor> {
-        let out = self.compute(x, w, bias, Some(added))?;
-        let mut inputs = vec![(Role::X, x), (Role::Added, added)];
-        inputs.extend(self.residual.as_ref().map(|r| (Role::Residual, r)));
-        self.op(inputs, w, out)
+        if let Some(r) = &self.residual {
+            let added = as_rows(h)?.matmul(&up.t()?)?;
+            let out = self.compute(x, w, bias, Some(&added))?;
+            return self.op(
+                vec![(Role::X, x), (Role::Added, &added), (Role::Residual, r)],
+                w,
+                out,
+            );
+        }
+        let added = as_rows(&h.detach())?.matmul(&up.detach().t()?)?;
+        let out = self.compute(x, w, bias, Some(&added))?;
+        self.op(
+            vec![(Role::X, x), (Role::Hidden, h), (Role::Up, up)],
+            w,
+            out,
+        )
     }
 
     /// `out` as the result of one op on `inputs` (two or three), whose backward is
@@ -225,11 +239,16 @@ impl Chain {
         inputs: &[(Role, &Tensor, bool)],
         dout: &Tensor,
     ) -> Result<Vec<Option<Tensor>>> {
-        let x = inputs
-            .iter()
-            .find(|(r, ..)| *r == Role::X)
-            .map(|(_, x, _)| *x)
-            .ok_or_else(|| candle_core::Error::Msg("a linear chain without its input".into()))?;
+        let input = |role: Role| {
+            inputs
+                .iter()
+                .find(|(r, ..)| *r == role)
+                .map(|(_, t, _)| *t)
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!("a linear chain without its {role:?} input"))
+                })
+        };
+        let x = input(Role::X)?;
         let rows = match self.merge_heads {
             true => x.dim(0)? * x.dim(2)?,
             false => x.elem_count() / x.dim(x.rank() - 1)?,
@@ -251,6 +270,14 @@ impl Chain {
                 Role::Bias => sum_rows(&g),
                 Role::Residual => Ok(dout.clone()),
                 Role::Added => g.reshape(t.shape()),
+                Role::Hidden => {
+                    let up = input(Role::Up)?.to_dtype(g.dtype())?;
+                    g.matmul(&up)?.to_dtype(t.dtype())?.reshape(t.shape())
+                }
+                Role::Up => {
+                    let h = as_rows(input(Role::Hidden)?)?.to_dtype(g.dtype())?;
+                    g.t()?.matmul(&h)?.to_dtype(t.dtype())
+                }
                 Role::Unused => candle_core::bail!("no gradient for an unused input"),
             }
         };
@@ -259,6 +286,12 @@ impl Chain {
             .map(|&(role, t, wanted)| wanted.then(|| grad(role, t)).transpose())
             .collect()
     }
+}
+
+/// `t` [..., n] as [rows, n].
+fn as_rows(t: &Tensor) -> Result<Tensor> {
+    let n = t.dim(t.rank() - 1)?;
+    t.reshape((t.elem_count() / n, n))
 }
 
 /// What an input of a linear chain's op is.
@@ -270,6 +303,9 @@ pub(crate) enum Role {
     Residual,
     /// An adapter's output, added to `x W^T`.
     Added,
+    /// An adapter's scaled rank-r hidden `h` and its B: `h B^T` is added to `x W^T`.
+    Hidden,
+    Up,
     /// Fills an op's third input.
     Unused,
 }
@@ -365,8 +401,9 @@ mod tests {
             inputs.extend(chain.residual.as_ref());
             same_output_and_grads(&fused_out, &plain_out, &inputs);
         }
-        // A LoRA layer: a frozen weight and bias, the adapter's output an input of the op,
-        // with a residual too (merged rows: the layer merges in the graph first).
+        // A LoRA layer: a frozen weight and bias, the adapter's hidden (r 3) and B inputs of
+        // the op (its product with a residual: merged rows, the layer merges in the graph
+        // first).
         let residual = var(&[b * s, hidden], &dev);
         let adapted = [
             (plain_split.clone(), [b * s, hidden], [n * d, hidden]),
@@ -380,10 +417,13 @@ mod tests {
             let x = var(&x_dims, &dev);
             let (w, bias) = (var(&w_dims, &dev), var(&[w_dims[0]], &dev));
             let frozen = (&w.as_tensor().detach(), Some(&bias.as_tensor().detach()));
-            let added = var(&[x_dims[0], w_dims[0]], &dev);
-            let fused_out = chain.linear_with_adapter(&x, frozen, &added).unwrap();
+            let (h, up) = (var(&[x_dims[0], 3], &dev), var(&[w_dims[0], 3], &dev));
+            let fused_out = chain
+                .linear_with_adapter(&x, frozen, (h.as_tensor(), up.as_tensor()))
+                .unwrap();
+            let added = h.as_tensor().matmul(&up.as_tensor().t().unwrap()).unwrap();
             let plain_out = reference(&chain, &x, frozen.0, frozen.1, Some(&added));
-            let mut inputs = vec![x.as_tensor(), added.as_tensor()];
+            let mut inputs = vec![x.as_tensor(), h.as_tensor(), up.as_tensor()];
             inputs.extend(chain.residual.as_ref());
             same_output_and_grads(&fused_out, &plain_out, &inputs);
         }

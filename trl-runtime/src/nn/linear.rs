@@ -127,6 +127,12 @@ impl Linear {
 
     /// `x`: [..., in] -> [..., out]. Leading dims are flattened into one matmul.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // A LoRA layer whose matmul is this rank's alone runs as one op with its adapter
+        // (`nn::chain`): the graph keeps the adapter's rank-r hidden rather than the base's
+        // output and the adapter's [rows, out] product beside their sum.
+        if self.chains_adapter() {
+            return self.forward_chain(x, &Chain::default());
+        }
         let Some((style, comm)) = &self.tp else {
             return self.local_out(x, true);
         };
@@ -206,8 +212,8 @@ impl Linear {
                     }
                     false => (x, chain.clone()),
                 };
-                let delta = lora.delta(&x)?;
-                rest.linear_with_adapter(&x, (w, b), &delta)
+                let (h, up) = lora.halves(&x)?;
+                rest.linear_with_adapter(&x, (w, b), (&h, &up))
             }
             (Weight::Local(w), None, None) => chain.linear(&x, w, None),
             (Weight::Local(w), Some(Weight::Local(b)), None) if chain.residual.is_none() => {
@@ -233,6 +239,24 @@ impl Linear {
             }
             _ => chain.around(&x, |x| self.local_out(x, true)),
         }
+    }
+
+    /// Whether [`Linear::forward`] goes through [`Linear::forward_chain`]: a LoRA adapter
+    /// (not DoRA) on a layer not split or column-split without a gather (the cases the
+    /// chain runs as one op, or falls back from without calling `forward`).
+    fn chains_adapter(&self) -> bool {
+        let local = matches!(
+            self.tp,
+            None | Some((
+                TpStyle::Column {
+                    gather_output: false
+                } | TpStyle::Replicate
+                    | TpStyle::Partial
+                    | TpStyle::Auto,
+                _
+            ))
+        );
+        local && self.lora.as_ref().is_some_and(|l| l.magnitude.is_none())
     }
 
     /// This rank's `x W^T` (`+ b` with `bias`) with the adapter's output, if there is one.

@@ -368,6 +368,13 @@ impl Lora {
         self.path(&self.dropped(x)?)
     }
 
+    /// The adapter cut at its rank: `dropout(x) A^T * scale` [..., r] and `B` in `x`'s
+    /// dtype, whose product is [`Lora::delta`] (a chained layer runs it inside its op).
+    pub fn halves(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let h = (self.down(&self.dropped(x)?)? * self.scale)?;
+        Ok((h, self.b.to_dtype(x.dtype())?))
+    }
+
     /// `x A^T B^T * scale` (no dropout: `x` is already what the adapter sees).
     pub fn path(&self, x: &Tensor) -> Result<Tensor> {
         self.up(&self.down(x)?)

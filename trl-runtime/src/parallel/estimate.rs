@@ -720,10 +720,11 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         }
         // LoRA: the frozen base's output and its sum with the adapter's are no longer kept,
         // for q and k (and their split copies: 3 q, 3 kv), v (2 kv), o_proj and down_proj
-        // (4 h; not when row-split).
+        // (4 h; not when row-split); nor the adapter's product for q, k and v (q + 2 kv: the
+        // chain takes the rank-r hidden and B instead).
         (true, false) => {
             let rows = if row_split { 4.0 * h } else { 0.0 };
-            (rows - (3.0 * q + 5.0 * kv + 4.0 * h), 2.0 * h)
+            (rows - (4.0 * q + 7.0 * kv + 4.0 * h), 2.0 * h)
         }
         // ZeRO-3 / FSDP (no adapter): a unit's op takes the chain but the residual: q's and
         // k's outputs before and after the split (2 q + 2 kv), v's (kv) and attention's
@@ -737,9 +738,21 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let unchained_moe = model
         .moe
         .map_or(0.0, |(.., sparse)| sparse as f64 * moe_down);
+    // LoRA on whole weights: a dense MLP's gate and up run as chains too, so neither the
+    // base's output nor the adapter's product is kept beside their sum (4 i).
+    let (dense_layers, dense_mlp) = match (lora, matches!(setup.strategy, Strategy::Fsdp(..))) {
+        (true, false) => (
+            layers - model.moe.map_or(0.0, |(.., sparse)| sparse as f64),
+            -4.0 * i,
+        ),
+        _ => (0.0, 0.0),
+    };
     let (layer, kept) = (
-        layer + chained + unchained_moe.min(moe_down),
-        kept + layers * chained + unchained_moe,
+        layer
+            + chained
+            + unchained_moe.min(moe_down)
+            + if model.moe.is_none() { dense_mlp } else { 0.0 },
+        kept + layers * chained + unchained_moe + dense_layers * dense_mlp,
     );
     // ZeRO-3 / FSDP keep 2 h more per layer and token (measured, with and without
     // checkpointing): a norm whose weight is in a unit runs as Candle's normalize ops and a
