@@ -219,6 +219,20 @@ impl Linear {
             (Weight::Local(w), Some(Weight::Local(b)), None) if chain.residual.is_none() => {
                 chain.linear(&x, w, Some(b))
             }
+            // A LoRA adapter on a unit's frozen weight: the same one op, from the unit.
+            (Weight::Sharded(w), b, Some(lora))
+                if !chain.merge_heads && chain.residual.is_none() =>
+            {
+                let b = match b {
+                    None => None,
+                    Some(Weight::Sharded(b)) => Some(b),
+                    Some(Weight::Local(_)) => candle_core::bail!(
+                        "a linear layer's weight and bias must be held the same way"
+                    ),
+                };
+                let (h, up) = lora.halves(&x)?;
+                sharded::linear_with_adapter(&x, (w, b), chain, (&h, &up))
+            }
             (Weight::Sharded(w), b, None) => {
                 let b = match b {
                     None => None,

@@ -14,7 +14,7 @@
 use super::chain::{Chain, Role};
 use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
 use crate::error::{Error, Result};
-use crate::precomputed::Precomputed;
+use crate::precomputed::{with_backward3, Backward3, Precomputed, Saved3};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -560,6 +560,41 @@ impl CustomOp1 for UnitOp {
     }
 }
 
+/// The backward of a LoRA layer on a unit's (frozen) weight, one op on `x`, the adapter's
+/// rank-r hidden `h` and its B ([`Chain::linear_with_adapter`]'s way): the graph keeps `h`,
+/// not the base's output or the adapter's [rows, out] product.
+struct AdaptedUnitLinear {
+    unit: Arc<Unit>,
+    weight: usize,
+    bias: Option<usize>,
+    chain: Chain,
+}
+
+impl Backward3 for AdaptedUnitLinear {
+    const NAME: &'static str = "fsdp-unit-adapted-linear";
+
+    fn backward(&self, s: &Saved3) -> candle_core::Result<[Option<Tensor>; 3]> {
+        let unit = &self.unit;
+        let w = unit.weight(self.weight).map_err(failed)?;
+        unit.backward_began();
+        let train = !unit.lock().frozen;
+        let [x, h, up] = &s.inputs;
+        let inputs = [
+            (Role::X, x, true),
+            (Role::Hidden, h, true),
+            (Role::Up, up, true),
+            (Role::W, &w, train),
+            (Role::Bias, &w, train && self.bias.is_some()),
+        ];
+        let [dx, dh, dup, dw, db] = <[_; 5]>::try_from(self.chain.grads(&w, &inputs, &s.dout)?)
+            .map_err(|_| candle_core::Error::Msg("five gradients expected".into()))?;
+        let mut grads: Vec<_> = dw.map(|dw| (self.weight, dw)).into_iter().collect();
+        grads.extend(self.bias.zip(db));
+        unit.deposit(grads).map_err(failed)?;
+        Ok([dx, dh, dup])
+    }
+}
+
 thread_local! {
     /// Set while activation checkpointing recomputes a layer in backward.
     static RECOMPUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -634,6 +669,35 @@ pub fn linear_chain(
         chain: chain.clone(),
     };
     apply(x, &w.unit, kind, y)
+}
+
+/// A LoRA layer on a unit's parameters: `x` through `chain` around `x W^T + b + h B^T`
+/// (`h` the adapter's scaled rank-r hidden, `up` its B), as one op on `x`, `h` and `up`
+/// (not with a residual or merged heads: those take the unchained path).
+pub fn linear_with_adapter(
+    x: &Tensor,
+    (w, b): (&ShardedWeight, Option<&ShardedWeight>),
+    chain: &Chain,
+    (h, up): (&Tensor, &Tensor),
+) -> candle_core::Result<Tensor> {
+    if chain.residual.is_some() || chain.merge_heads {
+        candle_core::bail!("a unit's adapted linear op takes no residual and no merged heads");
+    }
+    let (weight, bias) = weight_and_bias(w, b)?;
+    let n = h.dim(h.rank() - 1)?;
+    let added = h.detach().reshape(((), n))?.matmul(&up.detach().t()?)?;
+    let y = chain.compute(x, &weight, bias.as_ref(), Some(&added))?;
+    drop(added);
+    if !RECOMPUTING.with(|r| r.get()) {
+        w.unit.lock().pending += 1;
+    }
+    let backward = AdaptedUnitLinear {
+        unit: w.unit.clone(),
+        weight: w.entry,
+        bias: b.map(|b| b.entry),
+        chain: chain.clone(),
+    };
+    with_backward3(x, h, up, y, backward)
 }
 
 /// `x * w` broadcast over the last dimension (a norm's weight).

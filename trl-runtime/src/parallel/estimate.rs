@@ -733,19 +733,22 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             let rows = if row_split { q } else { 0.0 };
             (rows - (3.0 * q + 3.0 * kv), 0.0)
         }
-        (true, true) => (0.0, 0.0),
+        // ZeRO-3 / FSDP with LoRA: the unit's adapted op chains q, k and v (measured 3 q +
+        // 5 kv fewer); o_proj and down_proj (a residual) are not chained.
+        (true, true) => (-(3.0 * q + 5.0 * kv), 0.0),
     };
     let unchained_moe = model
         .moe
         .map_or(0.0, |(.., sparse)| sparse as f64 * moe_down);
-    // LoRA on whole weights: a dense MLP's gate and up run as chains too, so neither the
-    // base's output nor the adapter's product is kept beside their sum (4 i).
-    let (dense_layers, dense_mlp) = match (lora, matches!(setup.strategy, Strategy::Fsdp(..))) {
-        (true, false) => (
+    // LoRA: a dense MLP's gate and up run as chains too (the unit's op under ZeRO-3 /
+    // FSDP), so neither the base's output nor the adapter's product is kept beside their
+    // sum (4 i).
+    let (dense_layers, dense_mlp) = match lora {
+        true => (
             layers - model.moe.map_or(0.0, |(.., sparse)| sparse as f64),
             -4.0 * i,
         ),
-        _ => (0.0, 0.0),
+        false => (0.0, 0.0),
     };
     let (layer, kept) = (
         layer
