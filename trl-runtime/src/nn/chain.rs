@@ -189,7 +189,7 @@ impl Chain {
         (h, up): (&Tensor, &Tensor),
     ) -> Result<Tensor> {
         if let Some(r) = &self.residual {
-            let added = as_rows(h)?.matmul(&up.t()?)?;
+            let added = adapter_product(h, up)?;
             let out = self.compute(x, w, bias, Some(&added))?;
             return self.op(
                 vec![(Role::X, x), (Role::Added, &added), (Role::Residual, r)],
@@ -197,8 +197,10 @@ impl Chain {
                 out,
             );
         }
-        let added = as_rows(&h.detach())?.matmul(&up.detach().t()?)?;
+        // The product is freed before the op copies `out`.
+        let added = adapter_product(&h.detach(), &up.detach())?;
         let out = self.compute(x, w, bias, Some(&added))?;
+        drop(added);
         self.op(
             vec![(Role::X, x), (Role::Hidden, h), (Role::Up, up)],
             w,
@@ -286,6 +288,11 @@ impl Chain {
             .map(|&(role, t, wanted)| wanted.then(|| grad(role, t)).transpose())
             .collect()
     }
+}
+
+/// An adapter's output `h B^T` [rows, out] for its scaled hidden `h` [..., r] and `B` [out, r].
+pub(crate) fn adapter_product(h: &Tensor, up: &Tensor) -> Result<Tensor> {
+    as_rows(h)?.matmul(&up.t()?)
 }
 
 /// `t` [..., n] as [rows, n].

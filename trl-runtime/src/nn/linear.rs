@@ -175,15 +175,8 @@ impl Linear {
     /// joins the op as an input; ZeRO-3 / FSDP's unit op takes the chain but its residual),
     /// else the same ops recorded one by one (a row split's all-reduce comes between, DoRA).
     pub fn forward_chain(&self, x: &Tensor, chain: &Chain) -> Result<Tensor> {
-        let column = match &self.tp {
-            None | Some((TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto, _)) => None,
-            Some((
-                TpStyle::Column {
-                    gather_output: false,
-                },
-                comm,
-            )) => Some(comm),
-            Some(_) => return chain.around(x, |x| self.forward(x)),
+        let Some(column) = self.chain_comm() else {
+            return chain.around(x, |x| self.forward(x));
         };
         if self.lora.as_ref().is_some_and(|l| l.magnitude.is_some()) {
             return chain.around(x, |x| self.forward(x));
@@ -255,22 +248,26 @@ impl Linear {
         }
     }
 
-    /// Whether [`Linear::forward`] goes through [`Linear::forward_chain`]: a LoRA adapter
-    /// (not DoRA) on a layer not split or column-split without a gather (the cases the
-    /// chain runs as one op, or falls back from without calling `forward`).
-    fn chains_adapter(&self) -> bool {
-        let local = matches!(
-            self.tp,
-            None | Some((
+    /// Where the chain's matmul is this rank's alone: `Some(None)` for a layer not split,
+    /// `Some(Some(group))` column-split without a gather (the input enters `group`'s
+    /// backward sum); `None` where the layer's own forward must run between the chain's ops.
+    fn chain_comm(&self) -> Option<Option<&Arc<dyn Communicator>>> {
+        match &self.tp {
+            None | Some((TpStyle::Replicate | TpStyle::Partial | TpStyle::Auto, _)) => Some(None),
+            Some((
                 TpStyle::Column {
-                    gather_output: false
-                } | TpStyle::Replicate
-                    | TpStyle::Partial
-                    | TpStyle::Auto,
-                _
-            ))
-        );
-        local && self.lora.as_ref().is_some_and(|l| l.magnitude.is_none())
+                    gather_output: false,
+                },
+                comm,
+            )) => Some(Some(comm)),
+            Some(_) => None,
+        }
+    }
+
+    /// Whether [`Linear::forward`] goes through [`Linear::forward_chain`]: a LoRA adapter
+    /// (not DoRA) where the chain's matmul is this rank's alone.
+    fn chains_adapter(&self) -> bool {
+        self.lora.as_ref().is_some_and(|l| l.magnitude.is_none()) && self.chain_comm().is_some()
     }
 
     /// This rank's `x W^T` (`+ b` with `bias`) with the adapter's output, if there is one.

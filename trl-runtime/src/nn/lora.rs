@@ -12,6 +12,7 @@
 //! `model.layers.0.self_attn.q_proj` is `model.layers.0.self_attn.q_proj.lora_A.weight` and
 //! `...lora_B.weight` (peft's files prefix them with `base_model.model.`).
 
+use super::chain::adapter_product;
 use crate::kernels::fused::{splitmix, GOLDEN};
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -371,13 +372,22 @@ impl Lora {
     /// The adapter cut at its rank: `dropout(x) A^T * scale` [..., r] and `B` in `x`'s
     /// dtype, whose product is [`Lora::delta`] (a chained layer runs it inside its op).
     pub fn halves(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
-        let h = (self.down(&self.dropped(x)?)? * self.scale)?;
-        Ok((h, self.b.to_dtype(x.dtype())?))
+        self.halves_of(&self.dropped(x)?)
     }
 
     /// `x A^T B^T * scale` (no dropout: `x` is already what the adapter sees).
     pub fn path(&self, x: &Tensor) -> Result<Tensor> {
-        self.up(&self.down(x)?)
+        let (h, b) = self.halves_of(x)?;
+        let mut dims = h.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = b.dim(0)?;
+        adapter_product(&h, &b)?.reshape(dims)
+    }
+
+    /// `x A^T * scale` [..., r] (the scale on the r-wide side: a pass over it rather than
+    /// over the output, and its gradient in backward) and `B` in `x`'s dtype.
+    fn halves_of(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let h = (self.down(x)? * self.scale)?;
+        Ok((h, self.b.to_dtype(x.dtype())?))
     }
 
     /// The adapter's input: `x` through this layer's dropout (drawing its mask).
@@ -413,18 +423,6 @@ impl Lora {
         let mut out = dims;
         *out.last_mut().expect("rank >= 1") = self.a.dim(0)?;
         h.reshape(out)
-    }
-
-    /// `h B^T * scale` for `h` [..., r], scaled as `(h * scale) B^T`: a pass over the
-    /// r-wide `h` rather than over the output (and its gradient in backward).
-    fn up(&self, h: &Tensor) -> Result<Tensor> {
-        let dims = h.dims().to_vec();
-        let rows = h.elem_count() / dims[dims.len() - 1];
-        let y = (h.reshape((rows, dims[dims.len() - 1]))? * self.scale)?
-            .matmul(&self.b.to_dtype(h.dtype())?.t()?)?;
-        let mut out = dims;
-        *out.last_mut().expect("rank >= 1") = self.b.dim(0)?;
-        y.reshape(out)
     }
 }
 

@@ -11,7 +11,7 @@
 //! the unit's last op has run the gradients are reduce-scattered into this rank's slice and the
 //! gathered parameters freed.
 
-use super::chain::{Chain, Role};
+use super::chain::{adapter_product, Chain, Role};
 use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
 use crate::error::{Error, Result};
 use crate::precomputed::{with_backward3, Backward3, Precomputed, Saved3};
@@ -495,15 +495,15 @@ impl CustomOp1 for UnitOp {
                 chain,
             } => {
                 let w = fetch(*weight)?;
-                let inputs = [
-                    (Role::X, arg, true),
-                    (Role::W, &w, train),
-                    (Role::Bias, &w, train && bias.is_some()),
-                ];
-                let [dx, dw, db] = <[_; 3]>::try_from(chain.grads(&w, &inputs, grad)?)
-                    .map_err(|_| candle_core::Error::Msg("three gradients expected".into()))?;
-                grads.extend(dw.map(|dw| (*weight, dw)));
-                grads.extend(bias.zip(db));
+                let [dx] = chain_grads(
+                    &w,
+                    (*weight, *bias),
+                    train,
+                    chain,
+                    [(Role::X, arg)],
+                    grad,
+                    &mut grads,
+                )?;
                 dx.expect("the input's gradient is asked for")
             }
             OpKind::Scale { weight } => {
@@ -579,20 +579,43 @@ impl Backward3 for AdaptedUnitLinear {
         unit.backward_began();
         let train = !unit.lock().frozen;
         let [x, h, up] = &s.inputs;
-        let inputs = [
-            (Role::X, x, true),
-            (Role::Hidden, h, true),
-            (Role::Up, up, true),
-            (Role::W, &w, train),
-            (Role::Bias, &w, train && self.bias.is_some()),
-        ];
-        let [dx, dh, dup, dw, db] = <[_; 5]>::try_from(self.chain.grads(&w, &inputs, &s.dout)?)
-            .map_err(|_| candle_core::Error::Msg("five gradients expected".into()))?;
-        let mut grads: Vec<_> = dw.map(|dw| (self.weight, dw)).into_iter().collect();
-        grads.extend(self.bias.zip(db));
+        let inputs = [(Role::X, x), (Role::Hidden, h), (Role::Up, up)];
+        let mut grads = Vec::new();
+        let d = chain_grads(
+            &w,
+            (self.weight, self.bias),
+            train,
+            &self.chain,
+            inputs,
+            &s.dout,
+            &mut grads,
+        )?;
         unit.deposit(grads).map_err(failed)?;
-        Ok([dx, dh, dup])
+        Ok(d)
     }
+}
+
+/// The backward of a linear chain on a unit's weight `w` (entry `weight`, and `bias`'s):
+/// the gradients of `inputs` (each takes one), and with `train` the weight's and the
+/// bias's pushed onto `weight_grads` for the unit.
+fn chain_grads<const N: usize>(
+    w: &Tensor,
+    (weight, bias): (usize, Option<usize>),
+    train: bool,
+    chain: &Chain,
+    inputs: [(Role, &Tensor); N],
+    dout: &Tensor,
+    weight_grads: &mut Vec<(usize, Tensor)>,
+) -> candle_core::Result<[Option<Tensor>; N]> {
+    let mut all: Vec<_> = inputs.iter().map(|&(role, t)| (role, t, true)).collect();
+    all.push((Role::W, w, train));
+    all.push((Role::Bias, w, train && bias.is_some()));
+    let mut grads = chain.grads(w, &all, dout)?;
+    let (db, dw) = (grads.pop().flatten(), grads.pop().flatten());
+    weight_grads.extend(dw.map(|dw| (weight, dw)));
+    weight_grads.extend(bias.zip(db));
+    <[_; N]>::try_from(grads)
+        .map_err(|_| candle_core::Error::Msg(format!("{N} input gradients expected")))
 }
 
 thread_local! {
@@ -609,10 +632,15 @@ pub fn recomputing<T>(f: impl FnOnce() -> T) -> T {
     out
 }
 
-fn apply(arg: &Tensor, unit: &Arc<Unit>, kind: OpKind, y: Tensor) -> candle_core::Result<Tensor> {
+/// Counts an op of `unit` whose backward is to come (not again for a recomputed layer's).
+fn count_pending(unit: &Unit) {
     if !RECOMPUTING.with(|r| r.get()) {
         unit.lock().pending += 1;
     }
+}
+
+fn apply(arg: &Tensor, unit: &Arc<Unit>, kind: OpKind, y: Tensor) -> candle_core::Result<Tensor> {
+    count_pending(unit);
     arg.apply_op1(UnitOp {
         unit: unit.clone(),
         kind,
@@ -684,13 +712,11 @@ pub fn linear_with_adapter(
         candle_core::bail!("a unit's adapted linear op takes no residual and no merged heads");
     }
     let (weight, bias) = weight_and_bias(w, b)?;
-    let n = h.dim(h.rank() - 1)?;
-    let added = h.detach().reshape(((), n))?.matmul(&up.detach().t()?)?;
+    // The product is freed before the op copies `y`.
+    let added = adapter_product(&h.detach(), &up.detach())?;
     let y = chain.compute(x, &weight, bias.as_ref(), Some(&added))?;
     drop(added);
-    if !RECOMPUTING.with(|r| r.get()) {
-        w.unit.lock().pending += 1;
-    }
+    count_pending(&w.unit);
     let backward = AdaptedUnitLinear {
         unit: w.unit.clone(),
         weight: w.entry,

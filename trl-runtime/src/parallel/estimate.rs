@@ -672,8 +672,11 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         .map_or(0.0, |l| model.dropped_inputs(l, tp) / layers);
     // One layer and all of them, per token (with or without adapters).
     let stack = |lora: bool| {
-        let dropped = if lora { dropped } else { 0.0 };
-        let dense = layer_elements(h, q, kv, i, lora, (tp, d.sp)) + dropped;
+        // With adapters a dense MLP's gate and up run as chains (the unit's op under ZeRO-3
+        // / FSDP), so neither the base's output nor the adapter's product is kept beside
+        // their sum: 4 i fewer than the constants, measured before that, count.
+        let (dropped, chained_mlp) = if lora { (dropped, 4.0 * i) } else { (0.0, 0.0) };
+        let dense = layer_elements(h, q, kv, i, lora, (tp, d.sp)) + dropped - chained_mlp;
         // A sparse layer: each token runs through `top_k` experts' MLPs, plus the router.
         match model.moe {
             None => (dense, layers * dense),
@@ -740,22 +743,9 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     let unchained_moe = model
         .moe
         .map_or(0.0, |(.., sparse)| sparse as f64 * moe_down);
-    // LoRA: a dense MLP's gate and up run as chains too (the unit's op under ZeRO-3 /
-    // FSDP), so neither the base's output nor the adapter's product is kept beside their
-    // sum (4 i).
-    let (dense_layers, dense_mlp) = match lora {
-        true => (
-            layers - model.moe.map_or(0.0, |(.., sparse)| sparse as f64),
-            -4.0 * i,
-        ),
-        false => (0.0, 0.0),
-    };
     let (layer, kept) = (
-        layer
-            + chained
-            + unchained_moe.min(moe_down)
-            + if model.moe.is_none() { dense_mlp } else { 0.0 },
-        kept + layers * chained + unchained_moe + dense_layers * dense_mlp,
+        layer + chained + unchained_moe.min(moe_down),
+        kept + layers * chained + unchained_moe,
     );
     // ZeRO-3 / FSDP keep 2 h more per layer and token (measured, with and without
     // checkpointing): a norm whose weight is in a unit runs as Candle's normalize ops and a
