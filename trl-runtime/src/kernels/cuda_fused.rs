@@ -224,6 +224,67 @@ pub fn swiglu_bwd(
     Ok((out, Shape::from((2, n))))
 }
 
+/// SwiGLU of the halves of each row of `gu` [rows, 2 cols] (gate | up): [rows, cols].
+pub fn swiglu_halves_fwd(gu: (&CudaStorage, &Layout)) -> Result<(CudaStorage, Shape)> {
+    let dev = gu.0.device().clone();
+    let dtype = gu.0.dtype();
+    let (rows, both) = gu.1.shape().dims2()?;
+    let cols = both / 2;
+    let f = dev.get_or_load_custom_func(
+        &format!("swiglu_halves_fwd_{}", suffix(dtype)?),
+        MODULE,
+        PTX,
+    )?;
+    let out = typed!(dtype, |T| {
+        let gs = view::<T>(gu.0, gu.1)?;
+        // SAFETY: every element is written by the kernel.
+        let o = unsafe { dev.alloc::<T>(rows * cols)? };
+        let (r64, c64) = (rows as u64, cols as u64);
+        let mut b = f.builder();
+        b.arg(&gs).arg(&o).arg(&r64).arg(&c64);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(rows * cols, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(o, dev.clone())
+    });
+    Ok((out, Shape::from((rows, cols))))
+}
+
+/// Its backward in place: each row of `gu` becomes (dgate | dup) for the output's gradient
+/// `d` [rows, cols].
+pub fn swiglu_halves_bwd(
+    gu: (&mut CudaStorage, &Layout),
+    d: (&CudaStorage, &Layout),
+) -> Result<()> {
+    check(gu.1, "swiglu_halves_bwd")?;
+    let (rows, both) = gu.1.shape().dims2()?;
+    let cols = both / 2;
+    if d.1.shape().elem_count() != rows * cols || d.0.dtype() != gu.0.dtype() {
+        bail!(
+            "fused CUDA swiglu_halves_bwd: {:?} against {:?}",
+            d.1.dims(),
+            gu.1.dims()
+        );
+    }
+    let dev = gu.0.device().clone();
+    let dtype = gu.0.dtype();
+    let f = dev.get_or_load_custom_func(
+        &format!("swiglu_halves_bwd_{}", suffix(dtype)?),
+        MODULE,
+        PTX,
+    )?;
+    let start = gu.1.start_offset();
+    typed!(dtype, |T| {
+        let ds = view::<T>(d.0, d.1)?;
+        let mut g = gu.0.as_cuda_slice_mut::<T>()?.slice_mut(start..);
+        let (r64, c64) = (rows as u64, cols as u64);
+        let mut b = f.builder();
+        b.arg(&mut g).arg(&ds).arg(&r64).arg(&c64);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(rows * cols, THREADS as usize), 0)) }.w()?;
+    });
+    Ok(())
+}
+
 /// Rotary embedding (`sign` 1) or its backward (`sign` -1) of `x` [b, heads, seq, d] by `cos`,
 /// `sin` [b, seq, d].
 pub fn rotary(

@@ -331,6 +331,67 @@ __device__ void swiglu_bwd(const T* g, const T* u, const T* d, T* out, size_t n)
         swiglu_grads(to_f(g[i]), to_f(u[i]), to_f(d[i]), out[i], out[n + i]);
 }
 
+// Calls f(r, c) for row r and column c of a [rows, cols] half of each row, every `step`
+// columns (grid-stride over rows x cols / step).
+template <typename F>
+__device__ __forceinline__ void over_half_rows(size_t rows, size_t cols, size_t step, F f) {
+    const size_t per_row = cols / step;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < rows * per_row;
+         i += (size_t)gridDim.x * blockDim.x)
+        f(i / per_row, (i % per_row) * step);
+}
+
+// SwiGLU on the halves of each row of gu [rows, 2 cols] (gate | up), as one GEMM against the
+// concatenated gate and up weights writes it: out [rows, cols] = silu(gate) * up. By 16 bytes
+// where cols is a multiple of the pack (every pack aligned then), else by element.
+template <typename T>
+__device__ void swiglu_halves_fwd(const T* gu, T* out, size_t rows, size_t cols) {
+    constexpr int V = Pack16<T>::N;
+    const bool wide = cols % V == 0 && aligned16(gu) && aligned16(out);
+    over_half_rows(rows, cols, wide ? V : 1, [&](size_t r, size_t c) {
+        const T* row = gu + r * 2 * cols;
+        if (!wide) {
+            const float gv = to_f(row[c]);
+            out[r * cols + c] = of<T>(gv * sigmoid(gv) * to_f(row[cols + c]));
+            return;
+        }
+        const Pack16<T> gv = load16(row + c), uv = load16(row + cols + c);
+        Pack16<T> o;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float gf = to_f(gv.e[j]);
+            o.e[j] = of<T>(gf * sigmoid(gf) * to_f(uv.e[j]));
+        }
+        store16(out + r * cols + c, o);
+    });
+}
+
+// Its backward in place: each row of gu (gate | up) becomes (dgate | dup) for the output's
+// gradient d [rows, cols]. Every thread reads the elements it then writes.
+template <typename T>
+__device__ void swiglu_halves_bwd(T* gu, const T* d, size_t rows, size_t cols) {
+    constexpr int V = Pack16<T>::N;
+    const bool wide = cols % V == 0 && aligned16(gu) && aligned16(d);
+    over_half_rows(rows, cols, wide ? V : 1, [&](size_t r, size_t c) {
+        T* row = gu + r * 2 * cols;
+        if (!wide) {
+            T dg, du;
+            swiglu_grads(to_f(row[c]), to_f(row[cols + c]), to_f(d[r * cols + c]), dg, du);
+            row[c] = dg;
+            row[cols + c] = du;
+            return;
+        }
+        const Pack16<T> gv = load16(row + c), uv = load16(row + cols + c),
+                        dv = load16(d + r * cols + c);
+        Pack16<T> dg, du;
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            swiglu_grads(to_f(gv.e[j]), to_f(uv.e[j]), to_f(dv.e[j]), dg.e[j], du.e[j]);
+        store16(row + c, dg);
+        store16(row + cols + c, du);
+    });
+}
+
 // Rotary embedding of x [batch, heads, seq, d] by cos, sin [batch, seq, d] (rotate_half
 // layout): forward (sign > 0) out_j = x_j c_j - x_{j+h} s_j, out_{j+h} = x_{j+h} c_{j+h} +
 // x_j s_{j+h}; backward (sign < 0) is its transpose. One thread per pair (j, j + d/2), or per
@@ -604,6 +665,14 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
     extern "C" __global__ void swiglu_bwd_##SUFFIX(const T* g, const T* u, const T* d, T* out, \
                                                    size_t n) {                                \
         swiglu_bwd<T>(g, u, d, out, n);                                                       \
+    }                                                                                         \
+    extern "C" __global__ void swiglu_halves_fwd_##SUFFIX(const T* gu, T* out, size_t rows,   \
+                                                          size_t cols) {                      \
+        swiglu_halves_fwd<T>(gu, out, rows, cols);                                            \
+    }                                                                                         \
+    extern "C" __global__ void swiglu_halves_bwd_##SUFFIX(T* gu, const T* d, size_t rows,     \
+                                                          size_t cols) {                      \
+        swiglu_halves_bwd<T>(gu, d, rows, cols);                                              \
     }                                                                                         \
     extern "C" __global__ void embedding_fwd_##SUFFIX(const T* w, const uint32_t* ids, T* out,  \
                                                       size_t n, int hidden) {                  \

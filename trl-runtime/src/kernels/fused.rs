@@ -5,6 +5,8 @@
 //!   to the input dtype before the weight as transformers does. Backward gives dx and dw in one
 //!   pass over the rows (dw summed per thread, then across threads).
 //! - [`swiglu`]: `silu(gate) * up`; backward gives both gradients in one pass.
+//! - [`swiglu_halves`]: the same on rows holding (gate | up), and its gradient written over
+//!   its input ([`swiglu_halves_grad`]), for the gated MLP's ops (`nn::gated`).
 //! - [`rotary`]: `x * cos + rotate_half(x) * sin` over [batch, heads, seq, head_dim] with the
 //!   angles of each (batch, position) shared by all heads; backward is the inverse rotation.
 //! - [`dropout`]: inverted dropout by a counter-based mask (LoRA's adapters), drawn again for
@@ -19,7 +21,7 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, WithDT
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::op::fused_op;
+use super::op::{fused_op, inplace_op};
 
 /// Rows handed to one rayon task (amortizes scheduling over small hidden sizes).
 const ROWS_PER_TASK: usize = 16;
@@ -407,6 +409,116 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         return gate.silu()? * up;
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwigluFwd)
+}
+
+// ---------------------------------------------------------------- SwiGLU on a row's halves
+
+/// SwiGLU of rows holding (gate | up), as one GEMM against the concatenated gate and up
+/// weights writes them.
+struct SwigluHalves;
+
+fn swiglu_halves_fwd<T: F32Math>(gu: &[T], cols: usize) -> Vec<T> {
+    let mut out = vec![T::of(0.0); gu.len() / 2];
+    let rows = (ELEMS_PER_TASK / cols).max(1);
+    out.par_chunks_mut(rows * cols)
+        .zip(gu.par_chunks(rows * 2 * cols))
+        .for_each(|(o, gu)| {
+            for (o, row) in o.chunks_exact_mut(cols).zip(gu.chunks_exact(2 * cols)) {
+                let (g, u) = row.split_at(cols);
+                swiglu_fwd_chunk(o, g, u);
+            }
+        });
+    out
+}
+
+fused_op!(SwigluHalves: CustomOp1 [this] {
+    name: "fused-swiglu-halves",
+    cpu(s1, l1) {
+        let (rows, both) = l1.shape().dims2()?;
+        let out = per_dtype!(s1.dtype(), "fused swiglu", |T| swiglu_halves_fwd::<T>(
+            slice(s1, l1)?,
+            both / 2
+        ));
+        Ok((out, Shape::from((rows, both / 2))))
+    }
+    cuda(s1, l1) {
+        super::cuda_fused::swiglu_halves_fwd((s1, l1))
+    }
+});
+
+/// Its backward, in place: (gate | up) becomes (dgate | dup).
+struct SwigluHalvesBwd;
+
+fn swiglu_halves_bwd<T: F32Math>(gu: &mut [T], d: &[T], cols: usize) {
+    let rows = (ELEMS_PER_TASK / cols).max(1);
+    gu.par_chunks_mut(rows * 2 * cols)
+        .zip(d.par_chunks(rows * cols))
+        .for_each(|(gu, d)| {
+            for (row, d) in gu.chunks_exact_mut(2 * cols).zip(d.chunks_exact(cols)) {
+                let (g, u) = row.split_at_mut(cols);
+                swiglu_bwd_in_place_chunk(g, u, d);
+            }
+        });
+}
+
+simd_dispatch!(swiglu_bwd_in_place_chunk, swiglu_bwd_in_place_chunk_avx2, swiglu_bwd_in_place_body, <T: F32Math>, (g: &mut [T], u: &mut [T], d: &[T]));
+
+#[inline(always)]
+fn swiglu_bwd_in_place_body<T: F32Math>(g: &mut [T], u: &mut [T], d: &[T]) {
+    for ((g, u), &d) in g.iter_mut().zip(u.iter_mut()).zip(d) {
+        let (gv, uv, dv) = (g.f(), u.f(), d.f());
+        let s = sigmoid(gv);
+        *g = T::of(dv * uv * s * (1.0 + gv * (1.0 - s)));
+        *u = T::of(dv * gv * s);
+    }
+}
+
+inplace_op!(SwigluHalvesBwd: InplaceOp2 [this] {
+    name: "fused-swiglu-halves-bwd",
+    cpu(gu, gl, d, dl) {
+        let (Some((g0, g1)), (_, cols)) = (gl.contiguous_offsets(), dl.shape().dims2()?) else {
+            bail!("fused swiglu backward: a contiguous input expected")
+        };
+        match (gu, d) {
+            (CpuStorage::F32(g), d) => swiglu_halves_bwd(&mut g[g0..g1], slice(d, dl)?, cols),
+            (CpuStorage::BF16(g), d) => swiglu_halves_bwd(&mut g[g0..g1], slice(d, dl)?, cols),
+            (CpuStorage::F16(g), d) => swiglu_halves_bwd(&mut g[g0..g1], slice(d, dl)?, cols),
+            (g, _) => bail!("fused swiglu backward: {:?} is not supported", g.dtype()),
+        }
+        Ok(())
+    }
+    cuda(gu, gl, d, dl) {
+        super::cuda_fused::swiglu_halves_bwd((gu, gl), (d, dl))
+    }
+});
+
+/// `silu(gate) * up` for each row of `gu` [rows, 2 cols] holding (gate | up): [rows, cols].
+/// Not recorded in the graph (the gated MLP's op computes it inside, and again in backward).
+pub fn swiglu_halves(gu: &Tensor) -> Result<Tensor> {
+    let (_, both) = gu.dims2()?;
+    let cols = both / 2;
+    if !fused_here(&[gu]) {
+        let gu = gu.detach();
+        return gu.narrow(1, 0, cols)?.silu()? * gu.narrow(1, cols, cols)?;
+    }
+    gu.contiguous()?.apply_op1_no_bwd(&SwigluHalves)
+}
+
+/// The gradient of [`swiglu_halves`] for its output's gradient `d` [rows, cols], as (dgate |
+/// dup). Where the fused kernels run it is written over `gu` itself and returned (no second
+/// [rows, 2 cols] buffer): the caller must be the last reader of `gu`. Elsewhere a new tensor.
+pub fn swiglu_halves_grad(gu: &Tensor, d: &Tensor) -> Result<Tensor> {
+    let cols = d.dim(1)?;
+    if fused_here(&[gu, d]) && gu.is_contiguous() {
+        gu.inplace_op2(&d.contiguous()?, &SwigluHalvesBwd)?;
+        return Ok(gu.clone());
+    }
+    let (g, u) = (gu.narrow(1, 0, cols)?, gu.narrow(1, cols, cols)?);
+    let s = candle_nn::ops::sigmoid(&g)?;
+    // dg = d u s (1 + g (1 - s)), du = d g s.
+    let du = ((d * &g)? * &s)?;
+    let dg = ((d * &u)? * &s)?.mul(&((&g * (1.0 - &s)?)? + 1.0)?)?;
+    Tensor::cat(&[dg, du], 1)
 }
 
 // ---------------------------------------------------------------- gpt-oss's clamped SwiGLU

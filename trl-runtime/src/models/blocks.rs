@@ -431,9 +431,10 @@ impl GatedMlp {
     }
 }
 
-/// `down(act(gate(h)) * up(h))` for `h` [batch, seq, hidden], plus `residual` if given; with
-/// `tiled_mlp` (SwiGLU, the weights held whole on this rank, no biases) computed in sequence
-/// tiles that keep no [tokens x intermediate] activations.
+/// `down(act(gate(h)) * up(h))` for `h` [batch, seq, hidden], plus `residual` if given. SwiGLU
+/// with the weights held whole on this rank and no biases runs as `nn::gated`'s two ops, or
+/// with `tiled_mlp` in sequence tiles that keep no [tokens x intermediate] activations;
+/// otherwise each projection is a chain.
 pub fn gated_mlp(
     (gate, up, down): (&Linear, &Linear, &Linear),
     act: Activation,
@@ -449,8 +450,13 @@ pub fn gated_mlp(
         (Weight::Local(g), Weight::Local(u), Weight::Local(d)) => Some((g, u, d)),
         _ => None,
     };
-    let Some((g, u, d)) = whole.filter(|_| cx.tiled_mlp && no_bias && act == Activation::Silu)
-    else {
+    let plain = no_bias && act == Activation::Silu;
+    // Weights whole here, untiled: the two ops of `nn::gated`, which keep one (gate | up)
+    // tensor for backward.
+    if let Some((g, u, d)) = whole.filter(|_| plain && !cx.tiled_mlp && cx.tp().is_none()) {
+        return Ok(crate::nn::gated::gated_mlp(h, (g, u, d), residual)?);
+    }
+    let Some((g, u, d)) = whole.filter(|_| cx.tiled_mlp && plain) else {
         let (gate, up) = (gate.forward(h)?, up.forward(h)?);
         let mlp = match act {
             Activation::Silu => crate::kernels::fused::swiglu(&gate, &up)?,

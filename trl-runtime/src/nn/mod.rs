@@ -8,6 +8,7 @@ pub mod chain;
 pub mod embedding;
 pub mod flash;
 pub mod flash_attn;
+pub mod gated;
 pub mod grouped;
 pub mod layernorm;
 pub mod linear;

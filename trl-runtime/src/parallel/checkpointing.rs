@@ -7,8 +7,8 @@
 //! Candle has no checkpointing, so the whole layer stack is one custom op over its input
 //! (the embeddings): forward runs the layers on detached tensors (Candle's graph keeps none of
 //! their intermediates), backward walks the layers last to first, recomputing each on a fresh
-//! variable holding its saved input and running a nested backward seeded with the incoming
-//! gradient. The gradient of the layer's input continues down the stack; the gradients of
+//! variable holding its saved input (the saved one is freed) and running a nested backward
+//! seeded with the incoming gradient. The gradient of the layer's input continues down the stack; the gradients of
 //! parameters held as variables are collected in [`Checkpointing`] and merged into the outer
 //! gradient store by [`Checkpointing::merge_into`]. Parameters sharded by ZeRO-3 / FSDP
 //! deposit their gradients in their unit as they always do ([`crate::nn::sharded::recomputing`]
@@ -108,7 +108,7 @@ impl Checkpointing {
         }
         let stack = Stack {
             layers,
-            inputs,
+            inputs: Mutex::new(inputs.into_iter().map(Some).collect()),
             dropout,
             device,
             owner: self.clone(),
@@ -128,8 +128,10 @@ impl Checkpointing {
 
 struct Stack {
     layers: Arc<dyn Layers>,
-    /// Each layer's input (in host memory when offloaded).
-    inputs: Vec<Tensor>,
+    /// Each layer's input (in host memory when offloaded), taken by its layer's backward:
+    /// the inputs of the layers still to come and the gradients of those done then share the
+    /// memory, as in torch, where each checkpoint frees its input once its backward ran.
+    inputs: Mutex<Vec<Option<Tensor>>>,
     /// Where each layer's LoRA dropout masks start: the recompute draws the same ones.
     dropout: Vec<lora::DropoutState>,
     device: Device,
@@ -152,9 +154,8 @@ impl Stack {
     /// then come from fresh pages (~0.5 ms per MiB), which long layers amortize (no change
     /// beyond noise at 23k tokens); short ones would not (the tiny main job ran 2.2x slower
     /// when every layer did it).
-    fn hand_back_freed(&self, layer: usize) {
-        let input = &self.inputs[layer];
-        let bytes = input.elem_count() * input.dtype().size_in_bytes();
+    fn hand_back_freed(&self, input: &Shape, dtype: candle_core::DType) {
+        let bytes = input.elem_count() * dtype.size_in_bytes();
         if self.device.is_cpu() && bytes >= HAND_BACK_MIN_BYTES {
             crate::alloc::release_freed_memory();
         }
@@ -181,7 +182,14 @@ impl CustomOp1 for Stack {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let mut g = grad.detach();
         for l in (0..self.layers.count()).rev() {
-            let input = Var::from_tensor(&self.inputs[l].to_device(&self.device)?)?;
+            let kept = self.inputs.lock().unwrap_or_else(|e| e.into_inner())[l].take();
+            let Some(kept) = kept else {
+                candle_core::bail!("the checkpointed layers ran their backward twice")
+            };
+            let (shape, dtype) = (kept.shape().clone(), kept.dtype());
+            // A variable of its own (a copy): the kept input is freed here.
+            let input = Var::from_tensor(&kept.to_device(&self.device)?)?;
+            drop(kept);
             self.owner.recomputed.fetch_add(1, Ordering::Relaxed);
             let store = sharded::recomputing(|| -> Result<GradStore> {
                 let y = lora::recompute_dropout(self.dropout[l], || {
@@ -199,7 +207,7 @@ impl CustomOp1 for Stack {
                 None => g.zeros_like()?,
             };
             drop(store);
-            self.hand_back_freed(l);
+            self.hand_back_freed(&shape, dtype);
         }
         match self.input_tracked {
             true => Ok(Some(g)),

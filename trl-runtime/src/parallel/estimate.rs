@@ -223,6 +223,11 @@ pub struct ModelShapes {
     tied: bool,
     /// Attention norms q and k (their inputs and outputs are kept).
     qk_norm: bool,
+    /// The dense MLP is SwiGLU without biases (`nn::gated`'s two ops where its weights are
+    /// whole on a rank and carry no adapter).
+    gated_mlp: bool,
+    /// The routed experts are SwiGLU MLPs without biases (the same two ops).
+    gated_experts: bool,
 }
 
 /// The sizes of a decoder that activations and compute scale with, under transformers' key
@@ -345,8 +350,19 @@ impl ModelShapes {
         let qk_norm = params
             .iter()
             .any(|e| e.name.ends_with("self_attn.q_norm.weight"));
+        // The layers that tile their MLP run it as SwiGLU; `nn::gated` takes those without biases.
+        let gated_mlp = net.supports_tiled_mlp()
+            && !params
+                .iter()
+                .any(|e| e.name.ends_with("mlp.gate_proj.bias"));
+        let gated_experts = moe.is_some()
+            && !params
+                .iter()
+                .any(|e| e.name.contains(".experts.") && e.name.ends_with("bias"));
         Ok(ModelShapes {
             qk_norm,
+            gated_mlp,
+            gated_experts,
             dims,
             params,
             units,
@@ -676,7 +692,16 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // / FSDP), so neither the base's output nor the adapter's product is kept beside
         // their sum: 4 i fewer than the constants, measured before that, count.
         let (dropped, chained_mlp) = if lora { (dropped, 4.0 * i) } else { (0.0, 0.0) };
-        let dense = layer_elements(h, q, kv, i, lora, (tp, d.sp)) + dropped - chained_mlp;
+        // Weights whole on this rank, no adapters: the gated MLP's two ops keep (gate | up)
+        // and not SwiGLU's product (`nn::gated`), i fewer.
+        let whole_weights = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
+        let gated = |applies: bool, width: f64| match applies && whole_weights && !lora {
+            true => width,
+            false => 0.0,
+        };
+        let dense = layer_elements(h, q, kv, i, lora, (tp, d.sp)) + dropped
+            - chained_mlp
+            - gated(model.gated_mlp, i);
         // A sparse layer: each token runs through `top_k` experts' MLPs, plus the router.
         match model.moe {
             None => (dense, layers * dense),
@@ -695,7 +720,8 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
                     (tp, d.sp),
                 ) + dropped
                     + routing_elements(h, experts, top_k, dsz)
-                    + router_loss;
+                    + router_loss
+                    - gated(model.gated_experts, (top_k * inter) as f64 / tp as f64);
                 let sparse = sparse as f64;
                 (
                     routed.max(dense),
@@ -824,6 +850,36 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         (_, true) => head_grad + gsz * p - e.gradients.min(gsz * p),
         (_, false) => gsz * p - e.gradients.min(gsz * p),
     };
+    // Under checkpointing each layer's kept input is freed once its backward ran
+    // (`parallel::checkpointing`), while the gradients of the layers done so far grow: the
+    // inputs of the layers to come and the gradients of those done share the memory the
+    // counts above give each in full (the larger of the two, per layer but the last).
+    if setup.checkpointing {
+        let in_layers = |n: &str| n.contains(".layers.");
+        let layer_trainable: usize = match &adapters {
+            Some(a) => a
+                .iter()
+                .chain(&trained)
+                .filter(|(n, _)| in_layers(n))
+                .map(|(_, n)| n)
+                .sum(),
+            None => shapes
+                .iter()
+                .filter(|(n, _)| in_layers(n))
+                .map(|(_, n)| n)
+                .sum(),
+        };
+        // The gradients backward holds: as made (then reduced) but under ZeRO-3 / FSDP,
+        // whose units reduce theirs to slices as they go.
+        let held = match sharded {
+            true => e.gradients,
+            false => e.gradients.max(gsz * p),
+        };
+        let per_layer_grads = held as f64 * layer_trainable as f64 / p.max(1) as f64 / layers;
+        let per_layer_input = (checkpoint_elements(h) * tokens as f64) * dsz as f64;
+        let shared = (layers - 1.0).max(0.0) * per_layer_grads.min(per_layer_input);
+        e.activations = e.activations.saturating_sub(shared as usize);
+    }
     let loss_buffers = match sharded && !lora {
         true => loss_buffers,
         false => e.step_buffers,
