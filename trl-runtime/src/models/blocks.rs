@@ -451,12 +451,7 @@ pub fn gated_mlp(
         _ => None,
     };
     let plain = no_bias && act == Activation::Silu;
-    // Weights whole here, untiled: the two ops of `nn::gated`, which keep one (gate | up)
-    // tensor for backward.
-    if let Some((g, u, d)) = whole.filter(|_| plain && !cx.tiled_mlp && cx.tp().is_none()) {
-        return Ok(crate::nn::gated::gated_mlp(h, (g, u, d), residual)?);
-    }
-    let Some((g, u, d)) = whole.filter(|_| cx.tiled_mlp && plain) else {
+    let Some((g, u, d)) = whole.filter(|_| plain) else {
         let (gate, up) = (gate.forward(h)?, up.forward(h)?);
         let mlp = match act {
             Activation::Silu => crate::kernels::fused::swiglu(&gate, &up)?,
@@ -464,19 +459,28 @@ pub fn gated_mlp(
         };
         return Ok(down.forward_chain(&mlp, &Chain::merge_and_add(false, residual))?);
     };
-    let (b, s, hidden) = h.dims3()?;
-    let x = h.reshape((b * s, hidden))?;
-    // Under tp: Megatron's f before the column-split gate/up and g after the row-split down.
+    // Untiled, one rank: the two ops of `nn::gated` (one (gate | up) tensor kept for
+    // backward), the residual added inside.
+    if !cx.tiled_mlp && cx.tp().is_none() {
+        return Ok(crate::nn::gated::gated_mlp(h, (g, u, d), residual)?);
+    }
+    let hidden = h.dim(h.rank() - 1)?;
+    let x = h.reshape((h.elem_count() / hidden, hidden))?;
+    // Under tp: Megatron's f before the column-split gate/up and g after the row-split down,
+    // the residual added after the sum.
     let x = match cx.tp() {
         Some(tp) => copy_to_group(&x, tp)?,
         None => x,
     };
-    let y = tiled_swiglu(&x, &Tensor::cat(&[g, u], 0)?, d)?;
+    let y = match cx.tiled_mlp {
+        true => tiled_swiglu(&x, &Tensor::cat(&[g, u], 0)?, d)?,
+        false => crate::nn::gated::gated_mlp(&x, (g, u, d), None)?,
+    };
     let y = match cx.tp() {
         Some(tp) => reduce_from_group(&y, tp)?,
         None => y,
     };
-    let y = y.reshape((b, s, hidden))?;
+    let y = y.reshape(h.shape())?;
     Ok(match residual {
         Some(r) => (r + y)?,
         None => y,

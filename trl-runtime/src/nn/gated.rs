@@ -2,19 +2,22 @@
 //! [tokens, 2 x intermediate] tensor for backward where separate ops keep three widths (the
 //! gate's and up's outputs for SwiGLU's backward, its product for down's):
 //!
-//! - `gate_up`: one GEMM of `x` against the gate and up weights concatenated (inside the op:
-//!   the concatenation is not kept), giving (gate | up) per row;
+//! - `gate_up`: one GEMM of `x` against the gate and up weights concatenated, run by the op
+//!   into its own output (no copy of this widest tensor; the concatenation is not kept),
+//!   giving (gate | up) per row;
 //! - `gated_down`: SwiGLU of those rows, the down projection and the residual. Its backward
 //!   computes SwiGLU again for down's weight gradient, then writes SwiGLU's input gradient
-//!   over (gate | up), which nothing reads after it: the layer's backward holds one
-//!   [tokens, 2 x intermediate] buffer where Candle's ops held it twice beside three more widths.
+//!   over (gate | up), which nothing reads after it: the MLP's backward holds 3 intermediate
+//!   widths per token (that buffer, and SwiGLU's output or its gradient) where separate ops
+//!   held 6.
 //!
 //! For layers whose weights this rank holds whole, without biases or adapters (the caller,
 //! `models::blocks::gated_mlp`, decides); everything else runs the projections as chains.
 
 use crate::kernels::fused::{self, swiglu_halves, swiglu_halves_grad};
 use crate::precomputed::{with_backward3, Backward3, Saved3};
-use candle_core::{Result, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// `down(silu(x Wg^T) * (x Wu^T)) (+ residual)` for `x` [..., hidden], `gate` and `up`
@@ -34,26 +37,83 @@ fn rows(x: &Tensor) -> Result<Tensor> {
     x.reshape((x.elem_count() / n, n))
 }
 
-struct GateUp;
+/// x (gate | up)^T as one op whose forward runs the GEMM itself into the op's output (the
+/// widest tensor of a layer: a result computed outside the op would be copied into it,
+/// `precomputed`); `w` is the concatenated weight, a constant of the op.
+struct GateUp {
+    w: Tensor,
+}
 
 fn gate_up(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let w = Tensor::cat(&[gate.detach(), up.detach()], 0)?;
-    let out = fused::linear(&rows(&x.detach())?, &w, None)?;
-    with_backward3(x, gate, up, out, GateUp)
+    x.contiguous()?
+        .apply_op3(&gate.contiguous()?, &up.contiguous()?, GateUp { w })
 }
 
-impl Backward3 for GateUp {
-    const NAME: &'static str = "the gated MLP's gate and up projections";
+impl GateUp {
+    /// `x` [..., k] (contiguous, read as [m, k]) times `w` [n, k] read as its transpose.
+    fn gemm<S: BackendStorage>(&self, x: &S, xl: &Layout, w: &S) -> Result<(S, Shape)> {
+        let (n, k) = self.w.dims2()?;
+        let m = xl.shape().elem_count() / k;
+        let xl = Layout::contiguous_with_offset((m, k), xl.start_offset());
+        let wl = self.w.layout().transpose(0, 1)?;
+        Ok((x.matmul(w, (1, m, n, k), &xl, &wl)?, Shape::from((m, n))))
+    }
+}
 
-    fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]> {
-        let ([x, gate, up], dgu) = (&saved.inputs, &saved.dout);
+impl CustomOp3 for GateUp {
+    fn name(&self) -> &'static str {
+        "gated-mlp-gate-up"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (w, _) = self.w.storage_and_layout();
+        let Storage::Cpu(w) = &*w else {
+            candle_core::bail!("the gated MLP: weights on another device than their input")
+        };
+        self.gemm(x, xl, w)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (w, _) = self.w.storage_and_layout();
+        let Storage::Cuda(w) = &*w else {
+            candle_core::bail!("the gated MLP: weights on another device than their input")
+        };
+        self.gemm(x, xl, w)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        dgu: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (x, dgu) = (x.detach(), dgu.detach());
         let inter = gate.dim(0)?;
-        let w = Tensor::cat(&[gate, up], 0)?;
-        let dx = dgu.matmul(&w)?.reshape(x.shape())?;
+        let dx = dgu.matmul(&self.w)?.reshape(x.shape())?;
         // One GEMM for both weights; each gradient is its half (a contiguous view).
-        let dw = dgu.t()?.matmul(&rows(x)?)?;
+        let dw = dgu.t()?.matmul(&rows(&x)?)?;
         let (dgate, dup) = (dw.narrow(0, 0, inter)?, dw.narrow(0, inter, inter)?);
-        Ok([Some(dx), Some(dgate), Some(dup)])
+        Ok((Some(dx), Some(dgate), Some(dup)))
     }
 }
 

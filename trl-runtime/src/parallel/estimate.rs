@@ -692,9 +692,9 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // / FSDP), so neither the base's output nor the adapter's product is kept beside
         // their sum: 4 i fewer than the constants, measured before that, count.
         let (dropped, chained_mlp) = if lora { (dropped, 4.0 * i) } else { (0.0, 0.0) };
-        // Weights whole on this rank, no adapters: the gated MLP's two ops keep (gate | up)
-        // and not SwiGLU's product (`nn::gated`), i fewer.
-        let whole_weights = tp == 1 && !matches!(setup.strategy, Strategy::Fsdp(..));
+        // Weights held on this rank (whole or tp's split), no adapters: the gated MLP's two
+        // ops keep (gate | up) and not SwiGLU's product (`nn::gated`), i fewer.
+        let whole_weights = !matches!(setup.strategy, Strategy::Fsdp(..));
         let gated = |applies: bool, width: f64| match applies && whole_weights && !lora {
             true => width,
             false => 0.0,
