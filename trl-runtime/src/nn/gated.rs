@@ -19,6 +19,7 @@ use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 /// `down(silu(x Wg^T) * (x Wu^T)) (+ residual)` for `x` [..., hidden], `gate` and `up`
 /// [inter, hidden], `down` [hidden, inter]; the output has `x`'s shape.
@@ -39,25 +40,43 @@ fn rows(x: &Tensor) -> Result<Tensor> {
 
 /// x (gate | up)^T as one op whose forward runs the GEMM itself into the op's output (the
 /// widest tensor of a layer: a result computed outside the op would be copied into it,
-/// `precomputed`); `w` is the concatenated weight, a constant of the op.
+/// `precomputed`). `w`, the concatenated weight, is taken by the forward, so the graph does
+/// not keep it (the backward concatenates again); a frozen weight gets no gradient.
 struct GateUp {
-    w: Tensor,
+    w: Mutex<Option<Tensor>>,
 }
 
 fn gate_up(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let w = Tensor::cat(&[gate.detach(), up.detach()], 0)?;
+    let op = GateUp {
+        w: Mutex::new(Some(w)),
+    };
     x.contiguous()?
-        .apply_op3(&gate.contiguous()?, &up.contiguous()?, GateUp { w })
+        .apply_op3(&gate.contiguous()?, &up.contiguous()?, op)
 }
 
 impl GateUp {
-    /// `x` [..., k] (contiguous, read as [m, k]) times `w` [n, k] read as its transpose.
-    fn gemm<S: BackendStorage>(&self, x: &S, xl: &Layout, w: &S) -> Result<(S, Shape)> {
-        let (n, k) = self.w.dims2()?;
+    /// `x` [..., k] (contiguous, read as [m, k]) times the weight [n, k] read as its
+    /// transpose, on the storages of `device` (`pick`).
+    fn gemm<S: BackendStorage>(
+        &self,
+        x: &S,
+        xl: &Layout,
+        pick: impl Fn(&Storage) -> Option<&S>,
+    ) -> Result<(S, Shape)> {
+        let w = self.w.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(w) = w else {
+            candle_core::bail!("the gated MLP's gate and up projections ran twice")
+        };
+        let (n, k) = w.dims2()?;
         let m = xl.shape().elem_count() / k;
         let xl = Layout::contiguous_with_offset((m, k), xl.start_offset());
-        let wl = self.w.layout().transpose(0, 1)?;
-        Ok((x.matmul(w, (1, m, n, k), &xl, &wl)?, Shape::from((m, n))))
+        let wl = w.layout().transpose(0, 1)?;
+        let (storage, _) = w.storage_and_layout();
+        let Some(ws) = pick(&storage) else {
+            candle_core::bail!("the gated MLP: weights on another device than their input")
+        };
+        Ok((x.matmul(ws, (1, m, n, k), &xl, &wl)?, Shape::from((m, n))))
     }
 }
 
@@ -75,11 +94,10 @@ impl CustomOp3 for GateUp {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (w, _) = self.w.storage_and_layout();
-        let Storage::Cpu(w) = &*w else {
-            candle_core::bail!("the gated MLP: weights on another device than their input")
-        };
-        self.gemm(x, xl, w)
+        self.gemm(x, xl, |s| match s {
+            Storage::Cpu(s) => Some(s),
+            _ => None,
+        })
     }
 
     #[cfg(feature = "cuda")]
@@ -92,33 +110,42 @@ impl CustomOp3 for GateUp {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (w, _) = self.w.storage_and_layout();
-        let Storage::Cuda(w) = &*w else {
-            candle_core::bail!("the gated MLP: weights on another device than their input")
-        };
-        self.gemm(x, xl, w)
+        self.gemm(x, xl, |s| match s {
+            Storage::Cuda(s) => Some(s),
+            _ => None,
+        })
     }
 
     fn bwd(
         &self,
         x: &Tensor,
         gate: &Tensor,
-        _: &Tensor,
+        up: &Tensor,
         _: &Tensor,
         dgu: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (x, dgu) = (x.detach(), dgu.detach());
-        let inter = gate.dim(0)?;
-        let dx = dgu.matmul(&self.w)?.reshape(x.shape())?;
+        let (xd, dgu) = (x.detach(), dgu.detach());
+        let w = Tensor::cat(&[gate.detach(), up.detach()], 0)?;
+        let dx = match x.track_op() {
+            true => Some(dgu.matmul(&w)?.reshape(x.shape())?),
+            false => None,
+        };
+        drop(w);
+        if !gate.track_op() && !up.track_op() {
+            return Ok((dx, None, None));
+        }
         // One GEMM for both weights; each gradient is its half (a contiguous view).
-        let dw = dgu.t()?.matmul(&rows(&x)?)?;
+        let inter = gate.dim(0)?;
+        let dw = dgu.t()?.matmul(&rows(&xd)?)?;
         let (dgate, dup) = (dw.narrow(0, 0, inter)?, dw.narrow(0, inter, inter)?);
-        Ok((Some(dx), Some(dgate), Some(dup)))
+        Ok((dx, Some(dgate), Some(dup)))
     }
 }
 
 struct GatedDown {
     residual: bool,
+    /// Whether the down weight takes a gradient (not when frozen).
+    down_tracked: bool,
     /// Set by the backward, which overwrites its input: a second one would read gradients.
     spent: AtomicBool,
 }
@@ -141,6 +168,7 @@ fn gated_down(
     };
     let op = GatedDown {
         residual: residual.is_some(),
+        down_tracked: down.track_op(),
         spent: AtomicBool::new(false),
     };
     // Candle's ops take one to three inputs: without a residual the third is `gu` again,
@@ -158,15 +186,16 @@ impl Backward3 for GatedDown {
         let ([gu, down, _], dy) = (&saved.inputs, &saved.dout);
         let dy_rows = rows(dy)?;
         // Down's weight gradient from SwiGLU computed again (not kept from forward).
-        let act = swiglu_halves(gu)?;
-        let ddown = dy_rows.t()?.matmul(&act)?;
-        drop(act);
+        let ddown = match self.down_tracked {
+            true => Some(dy_rows.t()?.matmul(&swiglu_halves(gu)?)?),
+            false => None,
+        };
         let dact = dy_rows.matmul(down)?;
         // Only this op reads `gu` (gate_up's backward takes its gradient, not its value).
         let dgu = swiglu_halves_grad(gu, &dact)?;
         drop(dact);
         let dresidual = self.residual.then(|| dy.clone());
-        Ok([Some(dgu), Some(ddown), dresidual])
+        Ok([Some(dgu), ddown, dresidual])
     }
 }
 
