@@ -11,8 +11,9 @@
 //!   widths per token (that buffer, and SwiGLU's output or its gradient) where separate ops
 //!   held 6.
 //!
-//! For layers whose weights this rank holds whole, without biases or adapters (the caller,
-//! `models::blocks::gated_mlp`, decides); everything else runs the projections as chains.
+//! For layers whose weights this rank holds (whole, or split by tp), without biases or
+//! adapters (the caller, `models::blocks::gated_mlp`, decides); everything else runs the
+//! projections as chains.
 
 use crate::kernels::fused::{self, swiglu_halves, swiglu_halves_grad};
 use crate::precomputed::{with_backward3, Backward3, Saved3};
@@ -57,7 +58,7 @@ fn gate_up(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 impl GateUp {
     /// `x` [..., k] (contiguous, read as [m, k]) times the weight [n, k] read as its
-    /// transpose, on the storages of `device` (`pick`).
+    /// transpose; `pick` gives the weight's storage on `x`'s device.
     fn gemm<S: BackendStorage>(
         &self,
         x: &S,
