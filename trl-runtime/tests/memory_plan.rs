@@ -407,6 +407,33 @@ fn step_memory_is_within_ten_percent_of_the_estimate() {
     );
 }
 
+/// Under checkpointing each layer's kept input is freed once its backward ran, so the inputs
+/// of the layers to come and the gradients of those done share memory. On a deep model whose
+/// layer input (960 tokens x 64 x 4 bytes) is as large as its gradients (~62k f32), holding
+/// every input to the end would add 15 of them (~28% of the step): this case would fail.
+#[test]
+fn checkpointed_inputs_make_room_for_gradients() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let seq = 960;
+    let cfg = write(tmp.path(), seq, 4, (64, 256, 16, 512, 2, 1));
+    let c = Case {
+        seq,
+        batch: 1,
+        checkpointing: true,
+        lora: false,
+        bf16: false,
+    };
+    let measured = run_processes(&format!("ddp/{seq}/true/false"), 1, tmp.path())[0];
+    let e = estimate(
+        &ModelShapes::of_json(&cfg.to_json_pretty(), "test model").unwrap(),
+        &setup(&args(tmp.path(), c), Strategy::Ddp, dims(1, 1, 1)),
+    );
+    let ratio = (e.gradients + e.transient()) as f64 / measured as f64;
+    println!("deep checkpointed ddp: measured {measured} ratio {ratio:.3}");
+    assert!((ratio - 1.0).abs() < 0.10, "ratio {ratio:.3}");
+}
+
 /// Preference pairs whose prompt and completions together pass `len` tokens (each sequence is
 /// cut to `len`: the estimate's rows are `max_length` long) to `dir`/pairs.jsonl.
 fn write_pairs(dir: &Path, len: usize, rows: usize) {

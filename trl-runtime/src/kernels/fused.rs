@@ -377,13 +377,18 @@ fn swiglu_bwd<T: F32Math>(g: &[T], u: &[T], d: &[T]) -> Vec<T> {
 
 simd_dispatch!(swiglu_bwd_chunk, swiglu_bwd_chunk_avx2, swiglu_bwd_body, <T: F32Math>, (dg: &mut [T], du: &mut [T], g: &[T], u: &[T], d: &[T]));
 
+/// SwiGLU's input gradients (dg, du) for gate `g`, up `u` and the output's gradient `d`.
+#[inline(always)]
+fn swiglu_grads(g: f32, u: f32, d: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
+}
+
 #[inline(always)]
 fn swiglu_bwd_body<T: F32Math>(dg: &mut [T], du: &mut [T], g: &[T], u: &[T], d: &[T]) {
     for ((((dg, du), &g), &u), &d) in dg.iter_mut().zip(du.iter_mut()).zip(g).zip(u).zip(d) {
-        let (gv, uv, dv) = (g.f(), u.f(), d.f());
-        let s = sigmoid(gv);
-        *dg = T::of(dv * uv * s * (1.0 + gv * (1.0 - s)));
-        *du = T::of(dv * gv * s);
+        let (a, b) = swiglu_grads(g.f(), u.f(), d.f());
+        (*dg, *du) = (T::of(a), T::of(b));
     }
 }
 
@@ -466,10 +471,8 @@ simd_dispatch!(swiglu_bwd_in_place_chunk, swiglu_bwd_in_place_chunk_avx2, swiglu
 #[inline(always)]
 fn swiglu_bwd_in_place_body<T: F32Math>(g: &mut [T], u: &mut [T], d: &[T]) {
     for ((g, u), &d) in g.iter_mut().zip(u.iter_mut()).zip(d) {
-        let (gv, uv, dv) = (g.f(), u.f(), d.f());
-        let s = sigmoid(gv);
-        *g = T::of(dv * uv * s * (1.0 + gv * (1.0 - s)));
-        *u = T::of(dv * gv * s);
+        let (a, b) = swiglu_grads(g.f(), u.f(), d.f());
+        (*g, *u) = (T::of(a), T::of(b));
     }
 }
 

@@ -296,7 +296,7 @@ pub(crate) fn adapter_product(h: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 /// `t` [..., n] as [rows, n].
-fn as_rows(t: &Tensor) -> Result<Tensor> {
+pub(crate) fn as_rows(t: &Tensor) -> Result<Tensor> {
     let n = t.dim(t.rank() - 1)?;
     t.reshape((t.elem_count() / n, n))
 }

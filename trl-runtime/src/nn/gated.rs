@@ -15,6 +15,7 @@
 //! adapters (the caller, `models::blocks::gated_mlp`, decides); everything else runs the
 //! projections as chains.
 
+use super::chain::as_rows;
 use crate::kernels::fused::{self, swiglu_halves, swiglu_halves_grad};
 use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::backend::BackendStorage;
@@ -31,12 +32,6 @@ pub fn gated_mlp(
 ) -> Result<Tensor> {
     let gu = gate_up(x, gate, up)?;
     gated_down(&gu, down, residual, x.dims())
-}
-
-/// `x` as [rows, in].
-fn rows(x: &Tensor) -> Result<Tensor> {
-    let n = x.dim(x.rank() - 1)?;
-    x.reshape((x.elem_count() / n, n))
 }
 
 /// x (gate | up)^T as one op whose forward runs the GEMM itself into the op's output (the
@@ -137,7 +132,7 @@ impl CustomOp3 for GateUp {
         }
         // One GEMM for both weights; each gradient is its half (a contiguous view).
         let inter = gate.dim(0)?;
-        let dw = dgu.t()?.matmul(&rows(&xd)?)?;
+        let dw = dgu.t()?.matmul(&as_rows(&xd)?)?;
         let (dgate, dup) = (dw.narrow(0, 0, inter)?, dw.narrow(0, inter, inter)?);
         Ok((dx, Some(dgate), Some(dup)))
     }
@@ -185,7 +180,7 @@ impl Backward3 for GatedDown {
             candle_core::bail!("the gated MLP ran its backward twice");
         }
         let ([gu, down, _], dy) = (&saved.inputs, &saved.dout);
-        let dy_rows = rows(dy)?;
+        let dy_rows = as_rows(dy)?;
         // Down's weight gradient from SwiGLU computed again (not kept from forward).
         let ddown = match self.down_tracked {
             true => Some(dy_rows.t()?.matmul(&swiglu_halves(gu)?)?),

@@ -154,9 +154,8 @@ impl Stack {
     /// then come from fresh pages (~0.5 ms per MiB), which long layers amortize (no change
     /// beyond noise at 23k tokens); short ones would not (the tiny main job ran 2.2x slower
     /// when every layer did it).
-    fn hand_back_freed(&self, input: &Shape, dtype: candle_core::DType) {
-        let bytes = input.elem_count() * dtype.size_in_bytes();
-        if self.device.is_cpu() && bytes >= HAND_BACK_MIN_BYTES {
+    fn hand_back_freed(&self, input_bytes: usize) {
+        if self.device.is_cpu() && input_bytes >= HAND_BACK_MIN_BYTES {
             crate::alloc::release_freed_memory();
         }
     }
@@ -186,7 +185,7 @@ impl CustomOp1 for Stack {
             let Some(kept) = kept else {
                 candle_core::bail!("the checkpointed layers ran their backward twice")
             };
-            let (shape, dtype) = (kept.shape().clone(), kept.dtype());
+            let bytes = kept.elem_count() * kept.dtype().size_in_bytes();
             // A variable of its own (a copy): the kept input is freed here.
             let input = Var::from_tensor(&kept.to_device(&self.device)?)?;
             drop(kept);
@@ -207,7 +206,7 @@ impl CustomOp1 for Stack {
                 None => g.zeros_like()?,
             };
             drop(store);
-            self.hand_back_freed(&shape, dtype);
+            self.hand_back_freed(bytes);
         }
         match self.input_tracked {
             true => Ok(Some(g)),
