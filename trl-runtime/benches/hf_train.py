@@ -1,7 +1,8 @@
-"""The transformers side of `bench train`'s GPU comparison: the same Qwen2-0.5B shape, random
-init, trained on one GPU at the same batch and sequence length, bf16 as TRL runs it
-(`bf16=True`: fp32 weights under bf16 autocast, fused AdamW), and through TRL's SFTTrainer when
-trl and datasets import. Prints one JSON line per framework: {"framework", "tokens_per_s"}.
+"""The transformers side of `bench train`'s GPU comparison: the same model (Qwen2-0.5B's shape,
+or the config.json in --model_dir, any model type), random init, trained on one GPU at the same
+batch and sequence length, bf16 as TRL runs it (`bf16=True`: fp32 weights under bf16
+autocast, fused AdamW), and through TRL's SFTTrainer or DPOTrainer when trl and datasets
+import. Prints one JSON line per framework: {"framework", "tokens_per_s"}.
 Run by the Rust bench; usable alone: python3 hf_train.py --seq 2048 --batch 2. `--device cpu
 --shape tiny` runs the same code on a CPU in seconds (a check that it works with the installed
 transformers and TRL before GPU time is spent on it)."""
@@ -16,7 +17,7 @@ from pathlib import Path
 import traceback
 
 import torch
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 
 SHAPES = {
@@ -32,11 +33,21 @@ SHAPES = {
 }
 
 
-def config(shape):
+def config(args):
+    """The model's config: the config.json in --model_dir (what the Rust bench wrote and
+    trains, any model type), else the Qwen2 --shape."""
+    if args.model_dir:
+        return AutoConfig.from_pretrained(args.model_dir)
     return Qwen2Config(
-        **SHAPES[shape], max_position_embeddings=32768, rope_theta=1000000.0,
+        **SHAPES[args.shape], max_position_embeddings=32768, rope_theta=1000000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=True,
     )
+
+
+def random_model(args, cfg):
+    """A random-init model of `cfg` (fp32 weights, as TRL keeps them under bf16=True)."""
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=args.attn,
+                                            dtype=torch.float32)
 
 
 def synchronize(device):
@@ -53,8 +64,8 @@ def plain_loop(args, batch, gc):
     """What transformers' Trainer does per step with bf16=True: autocast forward, backward,
     clip, fused AdamW."""
     torch.manual_seed(0)
-    cfg = config(args.shape)
-    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn).to(args.device)
+    cfg = config(args)
+    model = random_model(args, cfg).to(args.device)
     if gc:
         model.gradient_checkpointing_enable()
     model.train()
@@ -107,10 +118,10 @@ def trl_sft(args, batch, gc, liger=False, lora=False):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    cfg = config(args.shape)
+    cfg = config(args)
     rows = batches(args.warmup + args.steps, batch, args.seq, cfg.vocab_size)
     ids = [r.tolist() for b in rows for r in b]
-    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn)
+    model = random_model(args, cfg)
     timings, clock, world, ddp = trainer_setup(args)
     sft_args = SFTConfig(
         output_dir="/tmp/hf-train-bench", per_device_train_batch_size=batch,
@@ -136,7 +147,7 @@ def trl_sft(args, batch, gc, liger=False, lora=False):
     return world * args.steps * batch * args.seq / secs
 
 
-def trl_dpo(args, batch, precompute):
+def trl_dpo(args, batch, gc, precompute):
     """TRL's DPOTrainer (sigmoid loss, beta 0.1) on the text pairs of --pref_data, with its
     reference model (a copy of the policy, forward every step) or, with `precompute`, the
     reference log-probs computed before training. Tokens are those of the prompt+chosen and
@@ -145,9 +156,9 @@ def trl_dpo(args, batch, precompute):
     from datasets import load_dataset
     from trl import DPOConfig, DPOTrainer
 
-    cfg = config(args.shape)
+    cfg = config(args)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM._from_config(cfg, attn_implementation=args.attn)
+    model = random_model(args, cfg)
     # Read as users read a file (a cache the ranks share: TRL's precompute pass maps the
     # dataset on rank 0 first, and an in-memory dataset's cache is a per-process temp dir).
     cache = os.path.join(tempfile.gettempdir(), "hf-train-bench-dpo-cache")
@@ -157,7 +168,7 @@ def trl_dpo(args, batch, precompute):
         output_dir="/tmp/hf-train-bench-dpo", per_device_train_batch_size=batch,
         max_length=2 * args.seq, bf16=args.dtype == "bf16", learning_rate=1e-5,
         max_steps=args.warmup + args.steps, logging_steps=1000, save_strategy="no", report_to=[],
-        use_cpu=args.device == "cpu", gradient_checkpointing=False,
+        use_cpu=args.device == "cpu", gradient_checkpointing=gc,
         precompute_ref_log_probs=precompute, **ddp,
     )
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
@@ -186,6 +197,8 @@ def main():
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    p.add_argument("--model_dir", help="a folder with the config.json to train (random init); "
+                                       "overrides --shape")
     # fp32 for the CPU comparison (ours trains the CPU shape in fp32).
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -221,7 +234,7 @@ def main():
                 if peer == "transformers":
                     tokens_per_s = plain_loop(args, batch, gc)
                 elif peer.startswith("trl_dpo"):
-                    tokens_per_s = trl_dpo(args, batch, precompute=peer == "trl_dpo_precompute")
+                    tokens_per_s = trl_dpo(args, batch, gc, precompute=peer == "trl_dpo_precompute")
                 else:
                     tokens_per_s = trl_sft(args, batch, gc, liger=peer == "trl_liger",
                                            lora=peer == "trl_lora")

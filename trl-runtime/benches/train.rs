@@ -50,26 +50,9 @@ const PREF_ROWS: usize = 32;
 fn prepare(dir: &Path) {
     let config = support::reference_config(4096);
     support::write_model_and_rows(dir, config, 64, SEQ);
-    // Text pairs for DPO: numbers the tiny tokenizer splits into ~4 tokens each, so a prompt
-    // is ~128 tokens and a completion ~384 (each sequence about SEQ).
-    let numbers = |seed: usize, n: usize| {
-        (0..n)
-            .map(|i| ((seed * 7919 + i * 104729) % 1000).to_string())
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let rows: String = (0..PREF_ROWS)
-        .map(|r| {
-            serde_json::json!({
-                "prompt": numbers(3 * r, 33),
-                "chosen": format!(" {}", numbers(3 * r + 1, 100)),
-                "rejected": format!(" {}", numbers(3 * r + 2, 100)),
-            })
-            .to_string()
-                + "\n"
-        })
-        .collect();
-    std::fs::write(dir.join("pref.jsonl"), rows).unwrap();
+    // Text pairs for DPO: a prompt of ~128 tokens and completions of ~384 (each sequence
+    // about SEQ).
+    support::write_pref_rows(&dir.join("pref.jsonl"), PREF_ROWS, 33, 100);
 }
 
 fn worker(kind: &str, dir: &Path) {

@@ -1,13 +1,17 @@
 //! The single-GPU part of `bench train` (built with `--features cuda`): training throughput of
-//! a Qwen2-0.5B-shaped random-init model in bf16 at sequence length 2048, its MFU against the
-//! bf16 matmul rate measured on the same GPU in the same run, and the same shape trained by
-//! transformers (benches/hf_train.py, on the torch of the GPU machine) for the ratio.
+//! random-init models in bf16 at sequence length 2048 (Qwen2-0.5B's shape, and a Qwen3-MoE
+//! shape for the grouped expert GEMMs), by SFT, LoRA or DPO, its MFU against the bf16 matmul
+//! rate measured on the same GPU in the same run, the peak memory against what the planner
+//! (`parallel::estimate`, `cargo trl plan`) predicted for it, and the same run by transformers,
+//! TRL, TRL + Liger, TRL + peft or TRL's DPOTrainer (benches/hf_train.py, on the torch of the
+//! GPU machine) for the ratio.
 
 use candle_core::{DType, Device, Tensor};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use trl_runtime::dist::DistContext;
-use trl_runtime::train::{SFTConfig, Strategy, Trainer};
+use trl_runtime::models::AutoModelForCausalLM;
+use trl_runtime::train::{DPOConfig, Dpo, SFTConfig, Sft, Strategy, Task, Trainer};
 
 pub const SEQ: usize = 2048;
 const WARMUP_STEPS: usize = 2;
@@ -27,6 +31,22 @@ pub fn qwen2_05b_config() -> serde_json::Value {
         "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
         "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
+    })
+}
+
+/// Qwen3-30B-A3B's layer (hidden 2048, 32/4 heads of 128, experts of width 768, 8 routed per
+/// token, normalized) with 8 layers of 32 experts, so that it fits one GPU with its optimizer
+/// state beside TRL's: 1.7B parameters, 0.8B active per token. The router loss is on
+/// (`output_router_logits`) for both sides.
+pub fn qwen3_moe_config() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 8,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 32, "num_experts_per_tok": 8, "norm_topk_prob": true,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": true,
+        "output_router_logits": true, "router_aux_loss_coef": 0.001,
     })
 }
 
@@ -53,54 +73,194 @@ fn matmul_rate(dev: &Device) -> f64 {
     2.0 * (n * n * n) as f64 / best
 }
 
-/// Model FLOPs per trained token: 6 per parameter (forward and backward of every matmul,
-/// the tied head included; under LoRA 4, the frozen weights getting no gradient and the
-/// rank-16 adapters' few FLOPs left out) plus causal attention's 6 x layers x hidden x
-/// sequence (scores and the weighted sum, half the square), as in the PaLM paper's MFU.
-fn flops_per_token(params: usize, layers: usize, hidden: usize, seq: usize, lora: bool) -> f64 {
-    let per_param = if lora { 4.0 } else { 6.0 };
-    per_param * params as f64 + 6.0 * (layers * hidden * seq) as f64
+/// The parameters a token passes through: all of them, less the experts it is not routed
+/// to (a mixture of experts' `num_experts - num_experts_per_tok` per sparse layer).
+fn active_params(config: &serde_json::Value, params: usize) -> usize {
+    let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
+    let idle = get("num_experts").saturating_sub(get("num_experts_per_tok"));
+    params - idle * 3 * get("hidden_size") * get("moe_intermediate_size") * get("num_hidden_layers")
 }
 
-/// One configuration of the comparison: batch per step, gradient checkpointing, and LoRA
-/// (TRL's recipe: r 16, alpha 32, dropout 0.05 on every linear layer; its peer is TRL + peft).
+/// Model FLOPs per trained token: 6 per active parameter (forward and backward of every
+/// matmul, the tied head included; under LoRA 4, the frozen weights getting no gradient and
+/// the rank-16 adapters' few FLOPs left out) plus causal attention's 6 x layers x (heads x
+/// head dim) x sequence (scores and the weighted sum, half the square), as in the PaLM
+/// paper's MFU. DPO's reference pass is not counted (ours computes it before training).
+fn flops_per_token(config: &serde_json::Value, params: usize, lora: bool) -> f64 {
+    let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
+    let width = match get("head_dim") {
+        0 => get("hidden_size"),
+        d => d * get("num_attention_heads"),
+    };
+    let per_param = if lora { 4.0 } else { 6.0 };
+    per_param * active_params(config, params) as f64
+        + 6.0 * (get("num_hidden_layers") * width * SEQ) as f64
+}
+
+/// What a run trains: every weight (SFT), LoRA adapters (TRL's recipe: r 16, alpha 32,
+/// dropout 0.05 on every linear layer; its peer is TRL + peft) or DPO pairs (sigmoid, beta
+/// 0.1; its peer TRL's DPOTrainer, with and without precomputed reference log-probs).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Sft,
+    Lora,
+    Dpo,
+}
+
+/// One configuration of the comparison: sequences per step (a DPO step's pairs are half as
+/// many), gradient checkpointing, what is trained, and of which model.
 #[derive(Clone, Copy, PartialEq)]
 struct Run {
     batch: usize,
     gc: bool,
-    lora: bool,
+    kind: Kind,
+    moe: bool,
 }
 
-/// `TRL_BENCH_GPU_RUNS`: comma-separated `BATCH:on|off[:lora]` (gradient checkpointing, LoRA);
-/// default batch 2 with and without checkpointing, batch 8 without, and batch 8 with LoRA.
+/// `TRL_BENCH_GPU_RUNS`: comma-separated `BATCH:on|off[:lora|:dpo][:moe]` (gradient
+/// checkpointing; LoRA or DPO instead of SFT; the mixture-of-experts model instead of the
+/// dense one); default batch 2 with and without checkpointing, batch 8 without, and batch 8
+/// with LoRA.
 fn runs() -> Vec<Run> {
     let spec = std::env::var("TRL_BENCH_GPU_RUNS")
         .unwrap_or_else(|_| "2:off,2:on,8:off,8:off:lora".into());
+    let usage = "TRL_BENCH_GPU_RUNS: BATCH:on|off[:lora|:dpo][:moe], ... (e.g. 2:off,8:on:dpo:moe)";
     spec.split(',')
         .map(|r| {
             let mut parts = r.split(':').map(str::trim);
-            let batch = parts
-                .next()
-                .unwrap_or_default()
-                .parse()
-                .expect("TRL_BENCH_GPU_RUNS: BATCH:on|off[:lora], ... (e.g. 2:off,8:on:lora)");
-            Run {
+            let batch: usize = parts.next().unwrap_or_default().parse().expect(usage);
+            let mut run = Run {
                 batch,
                 gc: parts.next() == Some("on"),
-                lora: parts.next() == Some("lora"),
+                kind: Kind::Sft,
+                moe: false,
+            };
+            for flag in parts {
+                match flag {
+                    "lora" => run.kind = Kind::Lora,
+                    "dpo" => run.kind = Kind::Dpo,
+                    "moe" => run.moe = true,
+                    other => panic!("{usage}: unknown flag {other:?} in {r:?}"),
+                }
             }
+            assert!(
+                run.kind != Kind::Dpo || run.batch.is_multiple_of(2),
+                "{usage}: a DPO batch is pairs, even"
+            );
+            run
         })
         .collect()
 }
 
 impl Run {
+    /// Rows of one micro-batch as the trainers count them: DPO's are pairs.
+    fn rows(&self) -> usize {
+        match self.kind {
+            Kind::Dpo => self.batch / 2,
+            _ => self.batch,
+        }
+    }
+
+    /// hf_train.py's `--runs` entry.
     fn spec(&self) -> String {
-        format!("{}:{}", self.batch, if self.gc { "on" } else { "off" })
+        format!("{}:{}", self.rows(), if self.gc { "on" } else { "off" })
+    }
+
+    /// hf_train.py's peers for this kind of run.
+    fn peers(&self) -> &'static str {
+        match self.kind {
+            Kind::Sft => "transformers,trl,trl_liger",
+            Kind::Lora => "trl_lora",
+            Kind::Dpo => "trl_dpo,trl_dpo_precompute",
+        }
+    }
+
+    fn label(&self) -> String {
+        let kind = match self.kind {
+            Kind::Sft => "sft",
+            Kind::Lora => "lora",
+            Kind::Dpo => "dpo",
+        };
+        let model = if self.moe {
+            "qwen3-moe-shape"
+        } else {
+            "qwen2-0.5b-shape"
+        };
+        format!(
+            "\"model\":\"{model}\",\"task\":\"{kind}\",\"seq\":{SEQ},\"batch\":{},\"gradient_checkpointing\":\"{}\",\"lora\":{}",
+            self.batch,
+            if self.gc { "on" } else { "off" },
+            self.kind == Kind::Lora
+        )
     }
 }
 
 fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
+}
+
+/// A model written for the bench: its folder, config and parameter count.
+struct BenchModel {
+    dir: PathBuf,
+    config: serde_json::Value,
+    params: usize,
+}
+
+/// One of ours: tokens/s, seconds a step, the attention implementation, and the peak the
+/// planner predicted (GiB).
+struct Measured {
+    tokens_per_s: f64,
+    step_s: f64,
+    attention: String,
+    predicted_peak: Option<f64>,
+}
+
+/// Times `trainer`'s steps (under `ncu --profile-from-start off` only the measured ones are
+/// profiled).
+fn measure<T: Task<AutoModelForCausalLM>>(
+    mut trainer: Trainer<'_, AutoModelForCausalLM, T>,
+    dev: &Device,
+) -> trl_runtime::Result<Measured> {
+    let (warmup, measured) = if profiling() {
+        (1, 1)
+    } else {
+        (WARMUP_STEPS, MEASURED_STEPS)
+    };
+    let attention = format!("{:?}", trainer.model.attention).to_lowercase();
+    let predicted_peak = trainer.memory_estimate().map(|e| gib(e.peak() as u64));
+    for _ in 0..warmup {
+        trainer.train_step()?;
+    }
+    dev.synchronize()?;
+    let start = Instant::now();
+    let mut tokens = 0;
+    let profiler = |start: bool| {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        if profiling() {
+            // SAFETY: plain driver calls on the current context; failure is ignored
+            // (without a profiler attached they do nothing).
+            let _ = unsafe {
+                if start {
+                    sys::cuProfilerStart()
+                } else {
+                    sys::cuProfilerStop()
+                }
+            };
+        }
+    };
+    profiler(true);
+    for _ in 0..measured {
+        tokens += trainer.train_step()?.tokens;
+    }
+    dev.synchronize()?;
+    profiler(false);
+    let secs = start.elapsed().as_secs_f64();
+    Ok(Measured {
+        tokens_per_s: tokens as f64 / secs,
+        step_s: secs / measured as f64,
+        attention,
+        predicted_peak,
+    })
 }
 
 /// Prints the `"device":"cuda"` lines, or says on stderr why there are none.
@@ -116,100 +276,107 @@ pub fn run(dir: &Path) {
     let rate = matmul_rate(&dev);
     eprintln!("bf16 matmul: {:.1} TFLOP/s", rate / 1e12);
     let runs = runs();
-    let most = runs.iter().map(|r| r.batch).max().unwrap_or(2);
-    let model_dir = dir.join("qwen2-0.5b");
-    let params = crate::support::write_model_and_rows(
-        &model_dir,
-        qwen2_05b_config(),
-        most * (WARMUP_STEPS + MEASURED_STEPS),
-        SEQ,
-    );
-    let per_token = |lora: bool| flops_per_token(params, 24, 896, SEQ, lora);
-    let (warmup, measured) = if profiling() {
-        (1, 1)
-    } else {
-        (WARMUP_STEPS, MEASURED_STEPS)
+    // Each model its runs ask for, once, with rows for its largest batch (and text pairs
+    // when a run trains DPO on it).
+    let steps = WARMUP_STEPS + MEASURED_STEPS;
+    let write = |name: &str, config: serde_json::Value, moe: bool| -> Option<BenchModel> {
+        let most = runs
+            .iter()
+            .filter(|r| r.moe == moe)
+            .map(|r| r.batch)
+            .max()?;
+        let dir = dir.join(name);
+        let params = crate::support::write_model_and_rows(&dir, config.clone(), most * steps, SEQ);
+        if runs.iter().any(|r| r.moe == moe && r.kind == Kind::Dpo) {
+            // A prompt of ~512 tokens and completions of ~1536: each sequence about SEQ.
+            crate::support::write_pref_rows(&dir.join("pref.jsonl"), most / 2 * steps, 132, 400);
+        }
+        Some(BenchModel {
+            dir,
+            config,
+            params,
+        })
+    };
+    let dense = write("qwen2-0.5b", qwen2_05b_config(), false);
+    let moe = write("qwen3-moe", qwen3_moe_config(), true);
+    let model_of = |run: &Run| {
+        if run.moe { &moe } else { &dense }
+            .as_ref()
+            .expect("written for its runs")
     };
     let mut ours = Vec::new();
     for &run in &runs {
-        let config = SFTConfig {
-            training: trl_runtime::train::TrainingArguments {
-                model_name_or_path: model_dir.join("model"),
-                dataset_name: model_dir.join("train.jsonl"),
-                output_dir: dir.join("out-gpu"),
-                per_device_train_batch_size: run.batch,
-                max_length: SEQ,
-                learning_rate: 1e-5,
-                bf16: true,
-                disable_tqdm: true,
-                max_steps: 1000,
-                gradient_checkpointing: run.gc,
-                use_peft: run.lora,
-                lora_target_modules: Some(trl_runtime::config::cli_value::NameList(vec![
-                    "all-linear".into(),
-                ])),
-                ..Default::default()
-            },
-            ..SFTConfig::default()
+        let model = model_of(&run);
+        let dpo = run.kind == Kind::Dpo;
+        let training = trl_runtime::train::TrainingArguments {
+            model_name_or_path: model.dir.join("model"),
+            dataset_name: model
+                .dir
+                .join(if dpo { "pref.jsonl" } else { "train.jsonl" }),
+            output_dir: dir.join("out-gpu"),
+            per_device_train_batch_size: run.rows(),
+            // A DPO row is a prompt and a completion (both as TRL's peer is set).
+            max_length: if dpo { 2 * SEQ } else { SEQ },
+            learning_rate: 1e-5,
+            bf16: true,
+            disable_tqdm: true,
+            max_steps: 1000,
+            gradient_checkpointing: run.gc,
+            use_peft: run.kind == Kind::Lora,
+            lora_target_modules: Some(trl_runtime::config::cli_value::NameList(vec![
+                "all-linear".into()
+            ])),
+            ..Default::default()
         };
         trl_runtime::alloc::gpu::reset_peak(&cuda).unwrap();
-        let result = (|| -> trl_runtime::Result<(f64, f64, String)> {
-            let mut trainer = Trainer::with_strategy(config, &ctx, Strategy::Ddp)?;
-            let attention = format!("{:?}", trainer.model.attention).to_lowercase();
-            for _ in 0..warmup {
-                trainer.train_step()?;
-            }
-            dev.synchronize()?;
-            let start = Instant::now();
-            let mut tokens = 0;
-            // Under `ncu --profile-from-start off` only the measured steps are profiled.
-            let profiler = |start: bool| {
-                use candle_core::cuda_backend::cudarc::driver::sys;
-                if profiling() {
-                    // SAFETY: plain driver calls on the current context; failure is ignored
-                    // (without a profiler attached they do nothing).
-                    let _ = unsafe {
-                        if start {
-                            sys::cuProfilerStart()
-                        } else {
-                            sys::cuProfilerStop()
-                        }
-                    };
-                }
+        let result = if dpo {
+            let config = DPOConfig {
+                training,
+                ..DPOConfig::default()
             };
-            profiler(true);
-            for _ in 0..measured {
-                tokens += trainer.train_step()?.tokens;
-            }
-            dev.synchronize()?;
-            profiler(false);
-            let secs = start.elapsed().as_secs_f64();
-            Ok((tokens as f64 / secs, secs / measured as f64, attention))
-        })();
+            Trainer::<AutoModelForCausalLM, Dpo>::load_with_strategy(config, &ctx, Strategy::Ddp)
+                .and_then(|t| measure(t, &dev))
+        } else {
+            let config = SFTConfig {
+                training,
+                ..SFTConfig::default()
+            };
+            Trainer::<AutoModelForCausalLM, Sft>::load_with_strategy(config, &ctx, Strategy::Ddp)
+                .and_then(|t| measure(t, &dev))
+        };
         let peak = gib(trl_runtime::alloc::gpu::peak_bytes(&cuda).unwrap_or(0));
-        let gc = if run.gc { "on" } else { "off" };
+        let label = run.label();
         match result {
-            Ok((tokens_per_s, step_s, attention)) => {
-                let mfu = tokens_per_s * per_token(run.lora) / rate;
+            Ok(m) => {
+                let lora = run.kind == Kind::Lora;
+                let mfu = m.tokens_per_s * flops_per_token(&model.config, model.params, lora) / rate;
+                // The planner's prediction leaves the process's own memory out, as the pool's
+                // high-water mark does.
+                let predicted = m.predicted_peak.map_or(String::new(), |p| {
+                    format!(
+                        ",\"predicted_peak_gpu_mem_gib\":{p:.2},\"predicted_over_measured_peak\":{:.3}",
+                        p / peak
+                    )
+                });
                 println!(
-                    "{{\"bench\":\"train\",\"device\":\"cuda\",\"model\":\"qwen2-0.5b-shape\",\"params\":{params},\"dtype\":\"bf16\",\"attention\":\"{attention}\",\"seq\":{SEQ},\"batch\":{},\"gradient_checkpointing\":\"{gc}\",\"lora\":{},\"tokens_per_s\":{tokens_per_s:.1},\"step_s\":{step_s:.4},\"mfu\":{mfu:.4},\"peak_gpu_mem_gib\":{peak:.2},\"matmul_tflops\":{:.1}}}",
-                    run.batch,
-                    run.lora,
+                    "{{\"bench\":\"train\",\"device\":\"cuda\",{label},\"params\":{},\"dtype\":\"bf16\",\"attention\":\"{}\",\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"mfu\":{mfu:.4},\"peak_gpu_mem_gib\":{peak:.2}{predicted},\"matmul_tflops\":{:.1}}}",
+                    model.params,
+                    m.attention,
+                    m.tokens_per_s,
+                    m.step_s,
                     rate / 1e12
                 );
-                ours.push((run, tokens_per_s, peak));
+                ours.push((run, m.tokens_per_s, peak));
             }
             // Out of memory at a batch is a result too (the issue asks whether batch 8 fits).
             Err(e) => println!(
-                "{{\"bench\":\"train\",\"device\":\"cuda\",\"batch\":{},\"gradient_checkpointing\":\"{gc}\",\"lora\":{},\"error\":{:?},\"peak_gpu_mem_gib\":{peak:.2}}}",
-                run.batch,
-                run.lora,
+                "{{\"bench\":\"train\",\"device\":\"cuda\",{label},\"error\":{:?},\"peak_gpu_mem_gib\":{peak:.2}}}",
                 e.to_string()
             ),
         }
     }
-    // TRL_BENCH_GPU_PEERS=0: ours only (a short check of our numbers); a comma list
-    // (transformers, trl, trl_liger, trl_lora) runs only those peers.
+    // TRL_BENCH_GPU_PEERS=0: ours only (a short check of our numbers); a comma list of
+    // hf_train.py's peer names runs only those.
     let chosen = std::env::var("TRL_BENCH_GPU_PEERS").ok();
     if profiling() || chosen.as_deref() == Some("0") {
         return;
@@ -219,31 +386,40 @@ pub fn run(dir: &Path) {
             .as_deref()
             .is_none_or(|list| list.split(',').any(|p| p.trim() == peer))
     };
-    // The same shapes through transformers, TRL and TRL + Liger on this GPU's torch, which
-    // needs the memory our pool keeps.
+    // The same runs through the peers on this GPU's torch, which needs the memory our pool
+    // keeps: one hf_train.py call per kind of run and model, whose lines are printed as soon
+    // as it ends (a later one may run out of time).
     if let Err(e) = trl_runtime::alloc::gpu::release_freed_memory(&cuda) {
         eprintln!("cannot release GPU memory for the peers: {e}");
     }
-    // The full fine-tuning runs against transformers, TRL and TRL + Liger; the LoRA runs
-    // against TRL + peft.
-    // Each group's lines are printed as soon as it ends (a later group may run out of time).
-    for (lora, peers) in [(false, "transformers,trl,trl_liger"), (true, "trl_lora")] {
-        let peers = peers
+    let mut groups: Vec<(Kind, bool)> = Vec::new();
+    for r in &runs {
+        if !groups.contains(&(r.kind, r.moe)) {
+            groups.push((r.kind, r.moe));
+        }
+    }
+    for (kind, moe) in groups {
+        let group: Vec<&Run> = runs
+            .iter()
+            .filter(|r| r.kind == kind && r.moe == moe)
+            .collect();
+        let peers = group[0]
+            .peers()
             .split(',')
             .filter(|p| wanted(p))
             .collect::<Vec<_>>()
             .join(",");
-        let spec = runs
-            .iter()
-            .filter(|r| r.lora == lora)
-            .map(Run::spec)
-            .collect::<Vec<_>>()
-            .join(",");
-        if spec.is_empty() || peers.is_empty() {
+        if peers.is_empty() {
             continue;
         }
-        for line in peer_lines(&spec, &peers) {
-            let (Some(name), Some(theirs), Some(batch), Some(gc)) = (
+        let spec = group.iter().map(|r| r.spec()).collect::<Vec<_>>().join(",");
+        let model = model_of(group[0]);
+        let mut extra = vec!["--model_dir".into(), model.dir.join("model")];
+        if kind == Kind::Dpo {
+            extra.extend(["--pref_data".into(), model.dir.join("pref.jsonl")]);
+        }
+        for line in peer_lines(&spec, &peers, &extra) {
+            let (Some(name), Some(theirs), Some(rows), Some(gc)) = (
                 line["framework"].as_str(),
                 line["tokens_per_s"].as_f64(),
                 line["batch"].as_u64(),
@@ -252,27 +428,25 @@ pub fn run(dir: &Path) {
                 continue;
             };
             let their_peak = line["peak_gpu_mem_gib"].as_f64().unwrap_or(f64::NAN);
-            let run = Run {
-                batch: batch as usize,
-                gc,
-                lora,
-            };
-            let Some(&(_, mine, my_peak)) = ours.iter().find(|(r, _, _)| *r == run) else {
+            let Some(&(run, mine, my_peak)) = ours.iter().find(|(r, _, _)| {
+                r.kind == kind && r.moe == moe && r.rows() == rows as usize && r.gc == gc
+            }) else {
                 continue;
             };
-            let hf_mfu = theirs * per_token(lora) / rate;
+            let lora = kind == Kind::Lora;
+            let hf_mfu = theirs * flops_per_token(&model.config, model.params, lora) / rate;
             println!(
-                "{{\"bench\":\"train\",\"device\":\"cuda\",\"peer\":\"{name}\",\"seq\":{SEQ},\"batch\":{batch},\"gradient_checkpointing\":\"{}\",\"lora\":{lora},\"peer_tokens_per_s\":{theirs:.1},\"peer_mfu\":{hf_mfu:.4},\"peer_peak_gpu_mem_gib\":{their_peak:.2},\"tokens_per_s\":{mine:.1},\"peak_gpu_mem_gib\":{my_peak:.2},\"ratio_ours_over_peer\":{:.3}}}",
-                if gc { "on" } else { "off" },
+                "{{\"bench\":\"train\",\"device\":\"cuda\",\"peer\":\"{name}\",{},\"peer_tokens_per_s\":{theirs:.1},\"peer_mfu\":{hf_mfu:.4},\"peer_peak_gpu_mem_gib\":{their_peak:.2},\"tokens_per_s\":{mine:.1},\"peak_gpu_mem_gib\":{my_peak:.2},\"ratio_ours_over_peer\":{:.3}}}",
+                run.label(),
                 mine / theirs
             );
         }
     }
 }
 
-/// The JSON lines benches/hf_train.py prints for `spec` (BATCH:on|off, ...) and `peers` (lines
-/// printed before a failure still count).
-fn peer_lines(spec: &str, peers: &str) -> Vec<serde_json::Value> {
+/// The JSON lines benches/hf_train.py prints for `spec` (BATCH:on|off, ...), `peers` and
+/// `extra` arguments (lines printed before a failure still count).
+fn peer_lines(spec: &str, peers: &str, extra: &[PathBuf]) -> Vec<serde_json::Value> {
     let script = crate::support::repo().join("trl-runtime/benches/hf_train.py");
     let out =
         std::process::Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
@@ -284,6 +458,7 @@ fn peer_lines(spec: &str, peers: &str) -> Vec<serde_json::Value> {
                 "--warmup",
                 &WARMUP_STEPS.to_string(),
             ])
+            .args(extra)
             .stderr(std::process::Stdio::inherit())
             .output();
     match out {

@@ -59,6 +59,31 @@ pub fn write_model_and_rows(
     cfg.num_parameters()
 }
 
+/// Writes `rows` preference pairs of text to `path` (jsonl of prompt / chosen / rejected, as
+/// TRL reads them): numbers the tiny tokenizer splits into about 4 tokens each, `prompt`
+/// numbers in a prompt and `completion` in each completion.
+#[allow(dead_code)] // the memory bench trains no pairs
+pub fn write_pref_rows(path: &Path, rows: usize, prompt: usize, completion: usize) {
+    let numbers = |seed: usize, n: usize| {
+        (0..n)
+            .map(|i| ((seed * 7919 + i * 104729) % 1000).to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let text: String = (0..rows)
+        .map(|r| {
+            serde_json::json!({
+                "prompt": numbers(3 * r, prompt),
+                "chosen": format!(" {}", numbers(3 * r + 1, completion)),
+                "rejected": format!(" {}", numbers(3 * r + 2, completion)),
+            })
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(path, text).unwrap();
+}
+
 /// Runs `world` ranks of this program with TRL_BENCH_WORKER=`kind` and TRL_BENCH_DIR=`dir`
 /// (one compute thread each), handing rank 0's output lines and the seconds since the start
 /// to `on_line`. Panics if a rank fails.
