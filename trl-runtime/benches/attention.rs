@@ -171,7 +171,15 @@ fn gpu() {
     let keys = std::env::var("TRL_FLASH_BWD_KEYS").unwrap_or_else(|_| "128".into());
     // Tiles loaded by cp.async, overlapped with the math, unless TRL_FLASH_ASYNC=0.
     let pipelined = !std::env::var("TRL_FLASH_ASYNC").is_ok_and(|v| v == "0");
-    let kernel = format!("mma{}-bwd{keys}", if pipelined { "-async" } else { "" });
+    // 32-row query tiles in the 128-key backward at head dim 64 (TRL_FLASH_BWD_ROWS=32).
+    let rows = match std::env::var("TRL_FLASH_BWD_ROWS").as_deref() {
+        Ok("32") if keys == "128" => "r32",
+        _ => "",
+    };
+    let kernel = format!(
+        "mma{}-bwd{keys}{rows}",
+        if pipelined { "-async" } else { "" }
+    );
     let args: Vec<String> = shapes.iter().map(|s| shape_arg(*s)).collect();
     let torch = torch_ms("cuda", "bf16", &args);
     for (shape, theirs) in shapes.iter().zip(torch) {

@@ -109,9 +109,26 @@ fn fwd_shared(d: usize) -> usize {
     3 * 64 * (d + 8) * 2
 }
 
-/// Query rows per backward tile (flash.cu's FLASH_DTYPE).
+/// Whether the 128-key backward at head dim 64 runs on query tiles of 32 rows, two blocks per
+/// multiprocessor (`TRL_FLASH_BWD_ROWS=32`, the `flash_bwd128r32_` kernels), instead of 64
+/// rows and one block. Off until a GPU run says which is faster (`scripts/gpu-run attention`
+/// times both).
+fn bwd_two_blocks(d: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| match std::env::var("TRL_FLASH_BWD_ROWS").as_deref() {
+        Ok("32") => true,
+        Ok("64") | Err(_) => false,
+        Ok(other) => {
+            tracing::warn!("TRL_FLASH_BWD_ROWS={other}: expected 32 or 64; using 64");
+            false
+        }
+    });
+    on && d == 64 && bwd_keys() == 128
+}
+
+/// Query rows per backward tile (flash.cu's FLASH_DTYPE and FLASH_BWD_R32).
 fn bwd_rows(d: usize) -> usize {
-    if d == 64 {
+    if d == 64 && !bwd_two_blocks(d) {
         64
     } else {
         32
@@ -383,7 +400,8 @@ fn launch_backward(
         unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
         let shared = bwd_shared(d);
-        let stem = variant(&format!("flash_bwd{keys}_"), spans);
+        let rows = if bwd_two_blocks(d) { "r32" } else { "" };
+        let stem = variant(&format!("flash_bwd{keys}{rows}_"), spans);
         let name = format!("{stem}{sfx}_d{d}");
         let f = kernel(&dev, &name, shared)?;
         let (ints, floats) = tail_args([hq, hk, nq, nk, nk_pad], d, spans);

@@ -649,11 +649,31 @@ __device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum,
                                                hq, hk, nq, nk, nk_pad, scale, cap);            \
     }
 
+// The 128-key backward at head dim 64 on query tiles of 32 rows, two blocks per
+// multiprocessor (TRL_FLASH_BWD_ROWS=32): 135 registers a thread at 32 rows, capped at 128
+// (ptxas for sm_90: 0-16 bytes spilled) where 64-row tiles take 182 and one block of 8 warps
+// per multiprocessor leaves the kernel latency-bound (docs/gpu.md); 64 KB of shared memory
+// a block instead of 100.
+#define FLASH_BWD_R32_ENTRY(NAME, T, ASYNC, CAP)                                               \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                       \
+        NAME(const T* q, const T* k, const T* v, const T* dout, const float* lse,              \
+             const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,  \
+             float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale, float cap) {  \
+        flash_bwd<T, 64, 32, 8, ASYNC, CAP>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq,  \
+                                            hk, nq, nk, nk_pad, scale, cap);                   \
+    }
+#define FLASH_BWD_R32(SUFFIX, T)                                                               \
+    FLASH_BWD_R32_ENTRY(flash_bwd128r32_##SUFFIX##_d64, T, false, false)                       \
+    FLASH_BWD_R32_ENTRY(flash_bwd128r32_async_##SUFFIX##_d64, T, true, false)                  \
+    FLASH_BWD_R32_ENTRY(flash_bwd128r32_cap_##SUFFIX##_d64, T, false, true)                    \
+    FLASH_BWD_R32_ENTRY(flash_bwd128r32_async_cap_##SUFFIX##_d64, T, true, true)
+
 // Query rows per backward tile: 64 for head dim 64; 32 for 128, where the dK and dV
 // accumulators take 128 registers per thread.
 #define FLASH_DTYPE(SUFFIX, T)                                                                 \
     FLASH_ENTRY(SUFFIX, T, 64, 64)                                                             \
     FLASH_ENTRY(SUFFIX, T, 128, 32)                                                            \
+    FLASH_BWD_R32(SUFFIX, T)                                                                   \
     extern "C" __global__ void flash_delta_##SUFFIX(const T* o, const T* dout, float* delta,   \
                                                     int rows, int d) {                         \
         flash_delta<T>(o, dout, delta, rows, d);                                               \
