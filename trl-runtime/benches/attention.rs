@@ -176,8 +176,13 @@ fn gpu() {
         Ok("32") if keys == "128" => "r32",
         _ => "",
     };
+    // The Hopper forward (wgmma) with TRL_FLASH_WGMMA=1 on a GPU of compute capability 9.0.
+    let fwd = match std::env::var("TRL_FLASH_WGMMA").as_deref() {
+        Ok("1") => "wgmma-fwd-",
+        _ => "",
+    };
     let kernel = format!(
-        "mma{}-bwd{keys}{rows}",
+        "{fwd}mma{}-bwd{keys}{rows}",
         if pipelined { "-async" } else { "" }
     );
     let args: Vec<String> = shapes.iter().map(|s| shape_arg(*s)).collect();

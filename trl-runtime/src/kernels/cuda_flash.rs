@@ -6,7 +6,8 @@
 //! off.
 //!
 //! The kernels (`kernels/flash.cu`) are FlashAttention-2 with the operands in registers,
-//! `mma.sync` and `ldmatrix`; docs/gpu.md has their measurements. (A first version through
+//! `mma.sync` and `ldmatrix`; docs/gpu.md has their measurements. On Hopper the forward has a
+//! `wgmma` version (`kernels/flash_sm90.cu`, `TRL_FLASH_WGMMA=1`, not yet run on a GPU). (A first version through
 //! WMMA, with the scores in shared memory, ran 7-8x slower on an H100 and is gone.)
 //!
 //! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks). [`forward`]
@@ -29,6 +30,10 @@ use candle_core::{
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
 const MODULE: &str = "trl_flash";
+/// The Hopper forward (kernels/flash_sm90.cu, wgmma), PTX for sm_90a: loaded only on GPUs of
+/// compute capability 9.0.
+const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_sm90.ptx"));
+const MODULE_SM90: &str = "trl_flash_sm90";
 /// Query rows per forward block and keys per backward block (the padding of outputs).
 const BLOCK: usize = 64;
 const THREADS: u32 = 128;
@@ -66,8 +71,18 @@ fn suffix(dtype: DType) -> Result<&'static str> {
 
 /// A kernel allowed `shared` bytes of dynamic shared memory.
 fn kernel(dev: &CudaDevice, name: &str, shared: usize) -> Result<CudaFunction> {
+    kernel_in(dev, (MODULE, PTX), name, shared)
+}
+
+/// [`kernel`] from the module `(name, PTX)`.
+fn kernel_in(
+    dev: &CudaDevice,
+    (module, ptx): (&'static str, &'static str),
+    name: &str,
+    shared: usize,
+) -> Result<CudaFunction> {
     let f = dev
-        .get_or_load_custom_func(name, MODULE, PTX)?
+        .get_or_load_custom_func(name, module, ptx)?
         .into_cuda_function();
     f.set_attribute(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -93,14 +108,27 @@ fn config_threads(grid: (u32, u32), threads: u32, shared: usize) -> LaunchConfig
 /// with `TRL_FLASH_BWD_KEYS=64`.
 fn bwd_keys() -> usize {
     static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *KEYS.get_or_init(|| match std::env::var("TRL_FLASH_BWD_KEYS").as_deref() {
-        Ok("64") => 64,
-        Ok("128") | Err(_) => 128,
-        Ok(other) => {
-            tracing::warn!("TRL_FLASH_BWD_KEYS={other}: expected 64 or 128; using 128");
-            128
+    *KEYS.get_or_init(|| env_choice("TRL_FLASH_BWD_KEYS", &[("128", 128), ("64", 64)]))
+}
+
+/// The setting `var` names among `choices` (a value and what it selects), the first when
+/// unset; another value is warned about and the first used.
+fn env_choice<T: Copy>(var: &str, choices: &[(&str, T)]) -> T {
+    let (default, chosen) = choices[0];
+    let Ok(value) = std::env::var(var) else {
+        return chosen;
+    };
+    match choices.iter().find(|(name, _)| *name == value) {
+        Some(&(_, c)) => c,
+        None => {
+            let names: Vec<&str> = choices.iter().map(|c| c.0).collect();
+            tracing::warn!(
+                "{var}={value}: expected {}; using {default}",
+                names.join(" or ")
+            );
+            chosen
         }
-    })
+    }
 }
 
 /// Shared memory of the forward for head dim `d` (2-byte elements): Q, K and V tiles of 64
@@ -109,20 +137,34 @@ fn fwd_shared(d: usize) -> usize {
     3 * 64 * (d + 8) * 2
 }
 
+/// Whether the forward runs the Hopper kernels (kernels/flash_sm90.cu: wgmma): with
+/// `TRL_FLASH_WGMMA=1` on a GPU of compute capability 9.0. Off by default until a GPU run has
+/// checked them against the CPU and timed them (`scripts/gpu-run tests` and `attention` run
+/// both).
+fn wgmma(dev: &CudaDevice) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let asked = *ON.get_or_init(|| env_choice("TRL_FLASH_WGMMA", &[("0", false), ("1", true)]));
+    asked
+        && dev
+            .cuda_stream()
+            .context()
+            .compute_capability()
+            .is_ok_and(|cc| cc == (9, 0))
+}
+
+/// Shared memory of the Hopper forward: Q, K and V^T tiles of 64 x `d`, unpadded (its
+/// operands are core-matrix tiles, free of bank conflicts).
+fn wg_shared(d: usize) -> usize {
+    3 * 64 * d * 2
+}
+
 /// Whether the 128-key backward at head dim 64 runs on query tiles of 32 rows, two blocks per
 /// multiprocessor (`TRL_FLASH_BWD_ROWS=32`, the `flash_bwd128r32_` kernels), instead of 64
 /// rows and one block. Off until a GPU run says which is faster (`scripts/gpu-run attention`
 /// times both).
 fn bwd_two_blocks(d: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| match std::env::var("TRL_FLASH_BWD_ROWS").as_deref() {
-        Ok("32") => true,
-        Ok("64") | Err(_) => false,
-        Ok(other) => {
-            tracing::warn!("TRL_FLASH_BWD_ROWS={other}: expected 32 or 64; using 64");
-            false
-        }
-    });
+    let on = *ON.get_or_init(|| env_choice("TRL_FLASH_BWD_ROWS", &[("64", false), ("32", true)]));
     on && d == 64 && bwd_keys() == 128
 }
 
@@ -150,14 +192,7 @@ fn bwd_shared(d: usize) -> usize {
 /// tests` and `attention` run both).
 fn pipelined() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("TRL_FLASH_ASYNC").as_deref() {
-        Ok("1") | Err(_) => true,
-        Ok("0") => false,
-        Ok(other) => {
-            tracing::warn!("TRL_FLASH_ASYNC={other}: expected 1 or 0; using 1");
-            true
-        }
-    })
+    *ON.get_or_init(|| env_choice("TRL_FLASH_ASYNC", &[("1", true), ("0", false)]))
 }
 
 /// `flash_fwd_` / `flash_bwd128_` with `async_` when [`pipelined`], and `cap_` for the
@@ -296,9 +331,19 @@ fn launch_forward(
     let (lo, hi) = upload(&dev, spans)?;
     let n_out = b * hq * nq_pad * d;
     let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
-    let shared = fwd_shared(d);
-    let name = format!("{}{}_d{d}", variant("flash_fwd_", spans), suffix(dtype)?);
-    let f = kernel(&dev, &name, shared)?;
+    let (shared, f) = if wgmma(&dev) {
+        let cap = if spans.softcap.is_some() { "cap_" } else { "" };
+        let name = format!("flash_fwd_wg_{cap}{}_d{d}", suffix(dtype)?);
+        let shared = wg_shared(d);
+        (
+            shared,
+            kernel_in(&dev, (MODULE_SM90, PTX_SM90), &name, shared)?,
+        )
+    } else {
+        let name = format!("{}{}_d{d}", variant("flash_fwd_", spans), suffix(dtype)?);
+        let shared = fwd_shared(d);
+        (shared, kernel(&dev, &name, shared)?)
+    };
     let stream = dev.cuda_stream();
     typed!(dtype, |T| {
         let (q, k, v) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);

@@ -29,50 +29,7 @@
 // Each kernel has a `_async` variant (TRL_FLASH_ASYNC=1) that loads its tiles by cp.async,
 // overlapped with the math: K and V in the forward, the next query tile in the backward.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-// Soft-capping's tanh by the special-function unit (one instruction, sm_75+; relative error
-// 2^-11, below the bf16 rounding of the scores it caps). libdevice's tanhf and a division per
-// score made the capped kernels 17-37% slower than the uncapped ones (H100, 2026-11-27).
-__device__ __forceinline__ float tanh_fast(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-template <typename T> __device__ __forceinline__ T of(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 of<__nv_bfloat16>(float v) {
-    return __float2bfloat16(v);
-}
-template <> __device__ __forceinline__ __half of<__half>(float v) { return __float2half(v); }
-
-// Two floats as one register of two 16-bit values (the lower one first).
-template <typename T> __device__ __forceinline__ uint32_t pack(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack<__nv_bfloat16>(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
-template <> __device__ __forceinline__ uint32_t pack<__half>(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Two 16x8 f32 accumulator tiles (t[2 kk], t[2 kk + 1]) as one 16x16 A fragment: the C
-// layout of one mma is the A layout of the next, so no shared memory round trip.
-template <typename T>
-__device__ __forceinline__ void pack_a(uint32_t* a, const float (*t)[4], int kk) {
-    a[0] = pack<T>(t[2 * kk][0], t[2 * kk][1]);
-    a[1] = pack<T>(t[2 * kk][2], t[2 * kk][3]);
-    a[2] = pack<T>(t[2 * kk + 1][0], t[2 * kk + 1][1]);
-    a[3] = pack<T>(t[2 * kk + 1][2], t[2 * kk + 1][3]);
-}
-
-constexpr unsigned FULL = 0xffffffffu;
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
+#include "flash_common.cuh"
 
 // D += A B for one m16n8k16 tile: A 16x16 (4 registers), B 16x8 (2), D 16x8 f32 (4).
 template <typename T>
@@ -95,18 +52,6 @@ template <typename T>
 __device__ __forceinline__ void mma16(float (*t)[4], int np, const uint32_t* a, const uint32_t* b) {
     mma<T>(t[2 * np], a, b);
     mma<T>(t[2 * np + 1], a, b + 2);
-}
-
-// Zeroes N accumulator tiles of 16x8 f32 (4 registers a thread each).
-template <int N> __device__ __forceinline__ void zero_tiles(float (*t)[4]) {
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) t[n][e] = 0.f;
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
 }
 
 // Four 8x8 matrices of 16-bit values; lane l gives the address of row l % 8 of matrix l / 8.
@@ -157,18 +102,6 @@ __device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int r0, 
     }
 }
 
-// cp.async (sm_80+): 16 bytes from global to shared memory without passing through registers;
-// with `bytes` 0 the destination is zero-filled and nothing is read.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-                 "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // load_rows issued as cp.async (the caller commits and waits).
 template <typename T, int D>
 __device__ __forceinline__ void load_rows_async(T* dst, int ld, const T* src, int r0, int rows,
@@ -181,9 +114,6 @@ __device__ __forceinline__ void load_rows_async(T* dst, int ld, const T* src, in
         cp_async16(dst + r * ld + c, src + (size_t)(in ? r0 + r : 0) * D + c, in ? 16 : 0);
     }
 }
-
-// Whether a query with key span [lo, hi) sees key `key`.
-__device__ __forceinline__ bool sees(int lo, int hi, int key) { return key >= lo && key < hi; }
 
 // ASYNC: K and V tiles come by cp.async, each overlapping the other's math (FlashAttention-2's
 // schedule): V_j loads while S = Q K_j^T and the softmax run, K_{j+1} while O += P V_j.
@@ -215,20 +145,9 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
         load_rows_async<T, D>(sq, LD, qb, i0, BR, nq);  // in flight during the span scan
     else
         load_rows<T, D>(sq, LD, qb, i0, BR, nq);
-    if (threadIdx.x == 0) {
-        kfirst = nk;
-        kend = 0;
-    }
-    __syncthreads();
     // The keys any row of the block sees: the key tiles to visit.
-    for (int r = threadIdx.x; r < BR; r += blockDim.x) {
-        if (i0 + r < nq && lob[i0 + r] < hib[i0 + r]) {
-            atomicMin(&kfirst, (int)lob[i0 + r]);
-            atomicMax(&kend, (int)hib[i0 + r]);
-        }
-    }
-    __syncthreads();
-    const int j_begin = (kfirst / BC) * BC, j_end = kend;
+    const int2 tiles = key_tiles<BR, BC>(lob, hib, i0, nq, nk, kfirst, kend);
+    const int j_begin = tiles.x, j_end = tiles.y;
     if (ASYNC) {
         if (j_begin < j_end) load_rows_async<T, D>(sk, LD, kb, j_begin, BC, nk);
         cp_async_commit();
@@ -236,14 +155,8 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
         __syncthreads();
     }
 
-    // This thread's two rows and their spans (rows past nq see nothing).
     int rlo[2], rhi[2];
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-        const int row = i0 + warp * 16 + g + 8 * x;
-        rlo[x] = row < nq ? (int)lob[row] : 0;
-        rhi[x] = row < nq ? (int)hib[row] : 0;
-    }
+    row_spans(lob, hib, i0 + warp * 16 + g, nq, rlo, rhi);
     uint32_t qf[D / 16][4];
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) load_a<T>(qf[kk], sq, LD, warp * 16, kk * 16, lane);
@@ -276,44 +189,7 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
                 mma16<T>(s, np, qf[kk], b);
             }
         }
-        // Mask and scale (base 2), then the rows' new maxima over the quad of lanes.
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int x = e >> 1, key = j0 + n * 8 + 2 * t + (e & 1);
-                const float v = CAP ? cap2 * tanh_fast(s[n][e] * over_cap) : s[n][e] * sl2;
-                s[n][e] = sees(rlo[x], rhi[x], key) ? v : -INFINITY;
-                mx[x] = fmaxf(mx[x], s[n][e]);
-            }
-        float alpha[2], mu[2];
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-            mx[x] = fmaxf(mx[x], __shfl_xor_sync(FULL, mx[x], 1));
-            mx[x] = fmaxf(mx[x], __shfl_xor_sync(FULL, mx[x], 2));
-            const float m_new = fmaxf(m[x], mx[x]);
-            // A row that has seen no key yet keeps 0 as its reference (no inf - inf).
-            mu[x] = m_new == -INFINITY ? 0.f : m_new;
-            alpha[x] = exp2f(m[x] - mu[x]);
-            m[x] = m_new;
-            l[x] *= alpha[x];
-        }
-#pragma unroll
-        for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int x = e >> 1;
-                s[n][e] = exp2f(s[n][e] - mu[x]);
-                l[x] += s[n][e];
-            }
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            acc[n][0] *= alpha[0];
-            acc[n][1] *= alpha[0];
-            acc[n][2] *= alpha[1];
-            acc[n][3] *= alpha[1];
-        }
+        online_softmax<BC, D, CAP>(s, acc, m, l, rlo, rhi, j0 + 2 * t, sl2, over_cap, cap2);
         if (ASYNC) {
             cp_async_wait<0>();
             __syncthreads();  // V_j is in place and no warp reads K_j any more
@@ -339,24 +215,7 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, const uint32_t* lo
             __syncthreads();  // K_{j+1} is in place and no warp reads V_j any more
         }
     }
-    // Each lane summed its own columns: the rows' sums over the quad.
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-        l[x] += __shfl_xor_sync(FULL, l[x], 1);
-        l[x] += __shfl_xor_sync(FULL, l[x], 2);
-    }
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-        const int row = i0 + warp * 16 + g + 8 * x;
-        const float inv = l[x] > 0.f ? 1.f / l[x] : 0.f;
-        float* orow = o + ((size_t)bh * nq_pad + row) * D;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<float2*>(orow + n * 8 + 2 * t) =
-                make_float2(acc[n][2 * x] * inv, acc[n][2 * x + 1] * inv);
-        if (t == 0)
-            lse[(size_t)bh * nq_pad + row] = l[x] > 0.f ? (m[x] + log2f(l[x])) * LN2 : -INFINITY;
-    }
+    store_rows<D>(acc, m, l, o, lse, (size_t)bh * nq_pad + i0 + warp * 16 + g, t);
 }
 
 // D[row] = sum over the head dim of dO * O, one warp per row of [rows, D].

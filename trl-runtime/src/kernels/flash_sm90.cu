@@ -1,0 +1,277 @@
+// The attention forward on Hopper (sm_90a, compiled apart from flash.cu): flash.cu's forward
+// (the same grid of 64 query rows per block, key spans, online softmax, f32 output and
+// log-sum-exp) with its two products on the warpgroup tensor cores, `wgmma.mma_async`, which
+// read their shared-memory operands themselves (no ldmatrix) and run at Hopper's full matrix
+// rate. The block's 4 warps are one warpgroup: each wgmma computes all 64 rows, warp w holding
+// rows 16w..16w+15 in the layout mma.sync's accumulators have, so the softmax is flash.cu's.
+//
+// Per key tile of 64 keys: S = Q K^T (A = Q and B = K from shared memory); while it runs, the
+// tile's V comes from global memory into registers and, once S is done, goes to shared memory
+// transposed (V^T: every operand is K-major, the layout of the plainest descriptor); the
+// softmax; O += P V with P from registers (S's accumulators are the A fragments) and V^T from
+// shared memory; the next K tile loads by cp.async meanwhile.
+//
+// Shared-memory operands: no swizzle, K-major. An [mn x k] tile is stored as core matrices of
+// 8 rows x 8 elements (16 bytes a row, 128 bytes each), consecutive along k and k / 8 x 128
+// bytes apart along mn; a descriptor's leading byte offset is 128 and its stride byte offset
+// k / 8 x 128, and one k-step of 16 elements moves its start by 256 bytes.
+//
+// Selected by TRL_FLASH_WGMMA=1 on a GPU of compute capability 9.0 (kernels/cuda_flash.rs).
+
+#include "flash_common.cuh"
+
+// Element offset of (mn, k) in a K-major tile K elements wide.
+template <int K> __device__ __forceinline__ int tiled(int mn, int k) {
+    return ((mn >> 3) * (K >> 3) + (k >> 3)) * 64 + (mn & 7) * 8 + (k & 7);
+}
+
+// The descriptor of a K-major tile K elements wide starting at `p` (16-byte aligned).
+template <int K> __device__ __forceinline__ uint64_t desc(const void* p) {
+    const uint64_t start = (smem_addr(p) & 0x3FFFF) >> 4;
+    const uint64_t leading = 128 >> 4, stride = (K / 8 * 128) >> 4;
+    return start | (leading << 16) | (stride << 32);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Shared memory written by ordinary stores or cp.async (the generic proxy) before the tensor
+// cores read it (the async proxy).
+__device__ __forceinline__ void fence_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving reads or writes of N accumulator tiles across a wgmma, which
+// writes them asynchronously (from issue to wait).
+template <int N> __device__ __forceinline__ void pin(float (*t)[4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(t[n][e])::"memory");
+}
+
+#define WG_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define WG_ACC32 \
+    WG_ACC4(0), WG_ACC4(1), WG_ACC4(2), WG_ACC4(3), WG_ACC4(4), WG_ACC4(5), WG_ACC4(6), WG_ACC4(7)
+#define WG_ACC64                                                                                \
+    WG_ACC32, WG_ACC4(8), WG_ACC4(9), WG_ACC4(10), WG_ACC4(11), WG_ACC4(12), WG_ACC4(13),       \
+        WG_ACC4(14), WG_ACC4(15)
+#define WG_R32                                                                                  \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_R64                                                                                  \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "    \
+    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "    \
+    "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+// The accumulate flag of a wgmma (a predicate): always on, the accumulators are zeroed first.
+#define WG_ON "{\n.reg .pred on;\nsetp.ne.b32 on, 1, 0;\n"
+
+// D [64 x 64] += A B^T: A [64 x 16] and B [64 x 16] K-major tiles in shared memory.
+template <typename T> __device__ __forceinline__ void wgmma_ss64(float (*d)[4], uint64_t a, uint64_t b);
+// D [64 x N] += A B^T: A [64 x 16] in registers (a warp's 16 rows as mma.sync's A fragment),
+// B [N x 16] a K-major tile in shared memory.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (*d)[4], const uint32_t* a, uint64_t b);
+
+// One set per 16-bit type; `TY` is its PTX name.
+#define FLASH_WGMMA(T, TY)                                                                      \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_ss64<T>(float (*d)[4], uint64_t a, uint64_t b) {      \
+        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WG_R32     \
+                           ", %32, %33, on, 1, 1, 0, 0;\n}\n"                                   \
+                     : WG_ACC32                                                                 \
+                     : "l"(a), "l"(b));                                                         \
+    }                                                                                           \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_rs<T, 64>(float (*d)[4], const uint32_t* a,          \
+                                                    uint64_t b) {                               \
+        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WG_R32     \
+                           ", {%32, %33, %34, %35}, %36, on, 1, 1, 0;\n}\n"                     \
+                     : WG_ACC32                                                                 \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                     \
+    }                                                                                           \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_rs<T, 128>(float (*d)[4], const uint32_t* a,         \
+                                                     uint64_t b) {                              \
+        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " WG_R64    \
+                           ", {%64, %65, %66, %67}, %68, on, 1, 1, 0;\n}\n"                     \
+                     : WG_ACC64                                                                 \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                     \
+    }
+FLASH_WGMMA(__nv_bfloat16, "bf16")
+FLASH_WGMMA(__half, "f16")
+#undef FLASH_WGMMA
+
+// Rows [r0, r0 + rows) of a [n, D] matrix into a K-major tile (k = the D columns) by cp.async,
+// 16 bytes (one core-matrix row) per copy; rows past n are zeros.
+template <typename T, int D>
+__device__ __forceinline__ void load_tiled_async(T* dst, const T* src, int r0, int rows, int n) {
+    for (int idx = threadIdx.x; idx < rows * (D / 8); idx += blockDim.x) {
+        const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
+        const bool in = r0 + r < n;
+        cp_async16(dst + tiled<D>(r, c), src + (size_t)(in ? r0 + r : 0) * D + c, in ? 16 : 0);
+    }
+}
+
+// A V tile (64 keys) in registers on its way to shared memory transposed. Per step a thread
+// holds two keys' 8 values of one 8-column chunk: lane % 4 picks the key pair within a group
+// of 8 keys, lane / 4 the chunk (so a warp reads 128-byte rows), the step and warp the rest.
+template <int D> struct VTile {
+    static constexpr int STEPS = 32 * (D / 8) / 128;  // (64 keys / 2) x chunks over 128 threads
+    uint4 lo[STEPS], hi[STEPS];
+
+    // The first of the step's two keys (from the tile's start) and its chunk's first column.
+    __device__ __forceinline__ static void at(int s, int& key, int& col) {
+        const int idx = threadIdx.x + s * 128, lane = idx & 31, w = idx >> 5;
+        constexpr int HALVES = D / 64;  // 8 chunks per warp-row of lanes
+        key = 2 * ((w / HALVES) * 4 + (lane & 3));
+        col = ((lane >> 2) + 8 * (w % HALVES)) * 8;
+    }
+};
+
+// Keys [j0, j0 + 64) of V [n, D] into registers (rows past n are zeros).
+template <typename T, int D>
+__device__ __forceinline__ void load_v(VTile<D>& t, const T* v, int j0, int n) {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int s = 0; s < VTile<D>::STEPS; ++s) {
+        int key, col;
+        VTile<D>::at(s, key, col);
+        key += j0;
+        t.lo[s] = key < n ? *reinterpret_cast<const uint4*>(v + (size_t)key * D + col) : zero;
+        t.hi[s] = key + 1 < n ? *reinterpret_cast<const uint4*>(v + (size_t)(key + 1) * D + col)
+                              : zero;
+    }
+}
+
+// 16-bit element j (0..7, at run time) of 8 packed in `x`, by selects (an indexed register
+// array would go to local memory).
+__device__ __forceinline__ uint32_t element(const uint4& x, int j) {
+    const uint32_t w = (j & 4) ? ((j & 2) ? x.w : x.z) : ((j & 2) ? x.y : x.x);
+    return (j & 1) ? (w >> 16) : (w & 0xffffu);
+}
+
+// The tile as V^T [D x 64 keys], K-major (k = the keys): each 32-bit store is two keys of one
+// column. A core matrix's 32 words are the 32 banks; lanes start at different columns
+// (rotated by lane / 4) so that a warp's store touches each bank once.
+template <typename T, int D> __device__ __forceinline__ void store_vt(T* svt, const VTile<D>& t) {
+    const int rot = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int s = 0; s < VTile<D>::STEPS; ++s) {
+        int key, col;
+        VTile<D>::at(s, key, col);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int j = (e + rot) & 7;
+            *reinterpret_cast<uint32_t*>(svt + tiled<64>(col + j, key)) =
+                element(t.lo[s], j) | (element(t.hi[s], j) << 16);
+        }
+    }
+}
+
+// Keeps the compiler from moving the writes of N A fragments past the wgmma fence.
+template <int N> __device__ __forceinline__ void pin_a(uint32_t (*a)[4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[n][e])::"memory");
+}
+
+template <typename T, int D, bool CAP>
+__device__ void flash_fwd_wg(const T* q, const T* k, const T* v, const uint32_t* lo,
+                             const uint32_t* hi, float* o, float* lse, int hq, int hk, int nq,
+                             int nk, int nq_pad, float scale, float cap) {
+    constexpr int BR = 64, BC = 64;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sq = (T*)smem;        // Q [BR x D]
+    T* sk = sq + BR * D;     // K [BC x D]
+    T* svt = sk + BC * D;    // V^T [D x BC]
+    __shared__ int kfirst, kend;
+
+    const int bh = blockIdx.y, bi = bh / hq, h = bh % hq, kvh = h / (hq / hk);
+    const int i0 = blockIdx.x * BR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const T* qb = q + (size_t)bh * nq * D;
+    const T* kb = k + (size_t)(bi * hk + kvh) * nk * D;
+    const T* vb = v + (size_t)(bi * hk + kvh) * nk * D;
+    const uint32_t* lob = lo + (size_t)bi * nq;
+    const uint32_t* hib = hi + (size_t)bi * nq;
+
+    load_tiled_async<T, D>(sq, qb, i0, BR, nq);  // in flight during the span scan
+    // The keys any row of the block sees: the key tiles to visit.
+    const int2 tiles = key_tiles<BR, BC>(lob, hib, i0, nq, nk, kfirst, kend);
+    const int j_begin = tiles.x, j_end = tiles.y;
+    if (j_begin < j_end) load_tiled_async<T, D>(sk, kb, j_begin, BC, nk);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async();
+    __syncthreads();
+
+    int rlo[2], rhi[2];
+    row_spans(lob, hib, i0 + warp * 16 + g, nq, rlo, rhi);
+    float acc[D / 8][4];
+    zero_tiles<D / 8>(acc);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    const float sl2 = scale * LOG2E;
+    const float over_cap = CAP ? scale / cap : 0.f, cap2 = cap * LOG2E;
+
+    for (int j0 = j_begin; j0 < j_end; j0 += BC) {
+        // S = Q K^T, issued; V_j comes into registers while it runs.
+        float s[BC / 8][4];
+        zero_tiles<BC / 8>(s);
+        pin<BC / 8>(s);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(s, desc<D>(sq + kk * 128), desc<D>(sk + kk * 128));
+        wg_commit();
+        VTile<D> vt;
+        load_v<T, D>(vt, vb, j0, nk);
+        wg_wait();
+        pin<BC / 8>(s);
+        __syncthreads();  // no product reads K_j or V^T_{j-1} any more
+        if (j0 + BC < j_end) load_tiled_async<T, D>(sk, kb, j0 + BC, BC, nk);
+        cp_async_commit();
+        store_vt<T, D>(svt, vt);
+        online_softmax<BC, D, CAP>(s, acc, m, l, rlo, rhi, j0 + 2 * t, sl2, over_cap, cap2);
+        // O += P V: two score tiles (16 keys) are one A fragment, all packed before the fence.
+        uint32_t a[BC / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) pack_a<T>(a[kk], s, kk);
+        pin_a<BC / 16>(a);
+        fence_async();
+        __syncthreads();  // V^T_j is in place
+        pin<D / 8>(acc);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(acc, a[kk], desc<BC>(svt + kk * 128));
+        wg_commit();
+        wg_wait();
+        pin<D / 8>(acc);
+        cp_async_wait<0>();
+        fence_async();
+        __syncthreads();  // K_{j+1} is in place
+    }
+    store_rows<D>(acc, m, l, o, lse, (size_t)bh * nq_pad + i0 + warp * 16 + g, t);
+}
+
+// flash_fwd_wg[_cap]_<dtype>_d<D>: flash.cu's flash_fwd entry points (the same arguments).
+#define FLASH_WG_ENTRY(NAME, T, D, CAP)                                                         \
+    extern "C" __global__ void __launch_bounds__(128)                                           \
+        NAME(const T* q, const T* k, const T* v, const uint32_t* lo, const uint32_t* hi,        \
+             float* o, float* lse, int hq, int hk, int nq, int nk, int nq_pad, float scale,     \
+             float cap) {                                                                       \
+        flash_fwd_wg<T, D, CAP>(q, k, v, lo, hi, o, lse, hq, hk, nq, nk, nq_pad, scale, cap);   \
+    }
+#define FLASH_WG_DTYPE(SUFFIX, T)                                                               \
+    FLASH_WG_ENTRY(flash_fwd_wg_##SUFFIX##_d64, T, 64, false)                                   \
+    FLASH_WG_ENTRY(flash_fwd_wg_cap_##SUFFIX##_d64, T, 64, true)                                \
+    FLASH_WG_ENTRY(flash_fwd_wg_##SUFFIX##_d128, T, 128, false)                                 \
+    FLASH_WG_ENTRY(flash_fwd_wg_cap_##SUFFIX##_d128, T, 128, true)
+
+FLASH_WG_DTYPE(bf16, __nv_bfloat16)
+FLASH_WG_DTYPE(f16, __half)
