@@ -176,9 +176,10 @@ fn gpu() {
         Ok("32") if keys == "128" => "r32",
         _ => "",
     };
-    // The Hopper forward (wgmma) with TRL_FLASH_WGMMA=1 on a GPU of compute capability 9.0.
+    // The Hopper kernels (wgmma; the backward at head dim 64) with TRL_FLASH_WGMMA=1 on a GPU
+    // of compute capability 9.0.
     let fwd = match std::env::var("TRL_FLASH_WGMMA").as_deref() {
-        Ok("1") => "wgmma-fwd-",
+        Ok("1") => "wgmma-",
         _ => "",
     };
     let kernel = format!(

@@ -6,8 +6,9 @@
 //! off.
 //!
 //! The kernels (`kernels/flash.cu`) are FlashAttention-2 with the operands in registers,
-//! `mma.sync` and `ldmatrix`; docs/gpu.md has their measurements. On Hopper the forward has a
-//! `wgmma` version (`kernels/flash_sm90.cu`, `TRL_FLASH_WGMMA=1`, not yet run on a GPU). (A first version through
+//! `mma.sync` and `ldmatrix`; docs/gpu.md has their measurements. On Hopper the forward and
+//! (head dim 64) the backward have `wgmma` versions (`kernels/flash_sm90.cu`,
+//! `TRL_FLASH_WGMMA=1`, not yet run on a GPU). (A first version through
 //! WMMA, with the scores in shared memory, ran 7-8x slower on an H100 and is gone.)
 //!
 //! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks). [`forward`]
@@ -137,7 +138,8 @@ fn fwd_shared(d: usize) -> usize {
     3 * 64 * (d + 8) * 2
 }
 
-/// Whether the forward runs the Hopper kernels (kernels/flash_sm90.cu: wgmma): with
+/// Whether attention runs the Hopper kernels (kernels/flash_sm90.cu: wgmma; the forward at head
+/// dims 64 and 128, the backward at 64): with
 /// `TRL_FLASH_WGMMA=1` on a GPU of compute capability 9.0. Off by default until a GPU run has
 /// checked them against the CPU and timed them (`scripts/gpu-run tests` and `attention` run
 /// both).
@@ -156,6 +158,12 @@ fn wgmma(dev: &CudaDevice) -> bool {
 /// operands are core-matrix tiles, free of bank conflicts).
 fn wg_shared(d: usize) -> usize {
     3 * 64 * d * 2
+}
+
+/// Shared memory of the Hopper backward: K, V and K^T of 128 keys, Q, dO, Q^T and dO^T of 64
+/// queries, and dS (64 x 128).
+fn wg_bwd_shared(d: usize) -> usize {
+    (3 * 128 * d + 4 * 64 * d + 64 * 128) * 2
 }
 
 /// Whether the 128-key backward at head dim 64 runs on query tiles of 32 rows, two blocks per
@@ -407,7 +415,9 @@ fn launch_backward(
     let dev = qs.device().clone();
     let dtype = qs.dtype();
     let sfx = suffix(dtype)?;
-    let keys = bwd_keys();
+    // The Hopper backward (head dim 64) has blocks of 128 keys, as the default one.
+    let hopper = d == 64 && wgmma(&dev);
+    let keys = if hopper { 128 } else { bwd_keys() };
     let nk_pad = nk.div_ceil(keys) * keys;
     let stream = dev.cuda_stream();
     let (lo, hi) = upload(&dev, spans)?;
@@ -444,11 +454,21 @@ fn launch_backward(
         // SAFETY: the arguments match the kernel's signature.
         unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
-        let shared = bwd_shared(d);
-        let rows = if bwd_two_blocks(d) { "r32" } else { "" };
-        let stem = variant(&format!("flash_bwd{keys}{rows}_"), spans);
-        let name = format!("{stem}{sfx}_d{d}");
-        let f = kernel(&dev, &name, shared)?;
+        let (shared, f) = if hopper {
+            let cap = if spans.softcap.is_some() { "cap_" } else { "" };
+            let name = format!("flash_bwd_wg_{cap}{sfx}_d{d}");
+            let shared = wg_bwd_shared(d);
+            (
+                shared,
+                kernel_in(&dev, (MODULE_SM90, PTX_SM90), &name, shared)?,
+            )
+        } else {
+            let shared = bwd_shared(d);
+            let rows = if bwd_two_blocks(d) { "r32" } else { "" };
+            let stem = variant(&format!("flash_bwd{keys}{rows}_"), spans);
+            let name = format!("{stem}{sfx}_d{d}");
+            (shared, kernel(&dev, &name, shared)?)
+        };
         let (ints, floats) = tail_args([hq, hk, nq, nk, nk_pad], d, spans);
         let mut lb = stream.launch_builder(&f);
         lb.arg(&q).arg(&k).arg(&v).arg(&g).arg(&lse).arg(&delta);

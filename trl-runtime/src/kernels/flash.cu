@@ -272,25 +272,13 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
 
     // Stages tile i0's spans, lse and delta in buffer `b`; whether any row sees the key block.
     auto stage = [&](int i0, int b) -> int {
-        int any = 0;
-        for (int r = threadIdx.x; r < BR; r += blockDim.x) {
-            const int qi = i0 + r;
-            const bool in = qi < nq;
-            s_lo[b][r] = in ? (int)lob[qi] : 0;
-            s_hi[b][r] = in ? (int)hib[qi] : 0;
-            s_lse[b][r] = in ? lse[(size_t)bh * nq + qi] * LOG2E : 0.f;
-            s_delta[b][r] = in ? delta[(size_t)bh * nq + qi] : 0.f;
-            any |= max(s_lo[b][r], j0) < min(s_hi[b][r], j0 + BC);
-        }
-        return any;
+        return stage_tile<BR, BC>(i0, s_lo[b], s_hi[b], s_lse[b], s_delta[b], lob, hib, lse, delta,
+                                  (size_t)bh * nq, nq, j0);
     };
     // The first tile at or after i0 that sees the key block (nq when none), staged in `b`.
     auto next_visible = [&](int i0, int b) -> int {
-        for (; i0 < nq; i0 += BR) {
-            __syncthreads();  // buffer b's spans are no longer read
-            if (__syncthreads_or(stage(i0, b))) return i0;
-        }
-        return nq;
+        return next_visible_tile<BR, BC>(i0, s_lo[b], s_hi[b], s_lse[b], s_delta[b], lob, hib, lse,
+                                         delta, (size_t)bh * nq, nq, j0);
     };
 
     int i_first = 0;
@@ -368,36 +356,11 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
                 mma16<T>(dpt, np, av, b);
             }
         }
-        // Soft-capped: the scores' tanh in place (P from the capped score, dS through the
-        // cap's slope 1 - tanh^2 below).
-        if (CAP) {
-#pragma unroll
-            for (int n = 0; n < BR / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[n][e] = tanh_fast(st[n][e] * over_cap);
-        }
-        // P^T and dS^T = P^T (dP^T - Delta), masked; dS to shared memory (query-major).
-#pragma unroll
-        for (int n = 0; n < BR / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int kr = g + 8 * (e >> 1), key = key0 + 8 * (e >> 1);
-                const int qc = n * 8 + 2 * t + (e & 1);
-                const bool vis =
-                    key < nk && i0 + qc < nq && sees(t_lo[qc], t_hi[qc], key);
-                float p, ds;
-                if (CAP) {
-                    const float th = st[n][e];
-                    p = vis ? exp2f(cap2 * th - t_lse[qc]) : 0.f;
-                    ds = p * (dpt[n][e] - t_delta[qc]) * (1.f - th * th);
-                } else {
-                    p = vis ? exp2f(st[n][e] * sl2 - t_lse[qc]) : 0.f;
-                    ds = p * (dpt[n][e] - t_delta[qc]);
-                }
-                st[n][e] = p;
-                dpt[n][e] = ds;
-                sds[qc * LDS + warp * 16 + kr] = of<T>(ds);
-            }
+        // P^T and dS^T = P^T (dP^T - Delta), masked; dS to shared memory.
+        backward_scores<BR, CAP>(st, dpt, key0, nk, i0, nq, t_lo, t_hi, t_lse, t_delta, sl2,
+                                 over_cap, cap2, g, t, [&](int qc, int kr, float ds) {
+                                     sds[qc * LDS + warp * 16 + kr] = of<T>(ds);
+                                 });
         // dV_w += P^T dO and dK_w += dS^T Q: two query tiles of P^T (dS^T) are one A fragment.
 #pragma unroll
         for (int kk = 0; kk < BR / 16; ++kk) {
@@ -447,17 +410,7 @@ __device__ void flash_bwd(const T* q, const T* k, const T* v, const T* dout, con
         i0 = i_next;
     }
     if (ASYNC) cp_async_wait<0>();  // nothing left in flight when no tile was visible
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-        const size_t row = (size_t)bh * nk_pad + j0 + warp * 16 + g + 8 * x;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            *reinterpret_cast<float2*>(dk + row * D + n * 8 + 2 * t) =
-                make_float2(dka[n][2 * x] * scale, dka[n][2 * x + 1] * scale);
-            *reinterpret_cast<float2*>(dv + row * D + n * 8 + 2 * t) =
-                make_float2(dva[n][2 * x], dva[n][2 * x + 1]);
-        }
-    }
+    store_kv_rows<D>(dka, dva, dk, dv, (size_t)bh * nk_pad + j0 + warp * 16 + g, t, scale);
 }
 
 // dst[(g * rows + r) * d + c] = sum over h < sum of src[((g * sum + h) * rows_pad + r) * d + c],

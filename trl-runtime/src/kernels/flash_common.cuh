@@ -180,3 +180,101 @@ __device__ __forceinline__ void row_spans(const uint32_t* lob, const uint32_t* h
         rhi[x] = row < nq ? (int)hib[row] : 0;
     }
 }
+
+// Stages query tile i0's spans, log-sum-exps (base 2) and deltas (rows of the head starting
+// at `head`) for a backward block of keys [j0, j0 + BC); whether any of its rows sees a key
+// of the block. Rows past nq see nothing.
+template <int BR, int BC>
+__device__ __forceinline__ int stage_tile(int i0, int* t_lo, int* t_hi, float* t_lse,
+                                          float* t_delta, const uint32_t* lob,
+                                          const uint32_t* hib, const float* lse,
+                                          const float* delta, size_t head, int nq, int j0) {
+    int any = 0;
+    for (int r = threadIdx.x; r < BR; r += blockDim.x) {
+        const int qi = i0 + r;
+        const bool in = qi < nq;
+        t_lo[r] = in ? (int)lob[qi] : 0;
+        t_hi[r] = in ? (int)hib[qi] : 0;
+        t_lse[r] = in ? lse[head + qi] * LOG2E : 0.f;
+        t_delta[r] = in ? delta[head + qi] : 0.f;
+        any |= max(t_lo[r], j0) < min(t_hi[r], j0 + BC);
+    }
+    return any;
+}
+
+// The first query tile at or after i0 that sees the block's keys (nq when none), staged by
+// [`stage_tile`]. Every thread of the block calls it.
+template <int BR, int BC>
+__device__ __forceinline__ int next_visible_tile(int i0, int* t_lo, int* t_hi, float* t_lse,
+                                                 float* t_delta, const uint32_t* lob,
+                                                 const uint32_t* hib, const float* lse,
+                                                 const float* delta, size_t head, int nq,
+                                                 int j0) {
+    for (; i0 < nq; i0 += BR) {
+        __syncthreads();  // the staging buffer is no longer read
+        if (__syncthreads_or(stage_tile<BR, BC>(i0, t_lo, t_hi, t_lse, t_delta, lob, hib, lse,
+                                                delta, head, nq, j0)))
+            return i0;
+    }
+    return nq;
+}
+
+// The backward's end for this thread's keys `row` and `row` + 8 (of [rows, D] f32 `dk` and
+// `dv`): dK scaled by the score scale.
+template <int D>
+__device__ __forceinline__ void store_kv_rows(const float (*dka)[4], const float (*dva)[4],
+                                              float* dk, float* dv, size_t row, int t,
+                                              float scale) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const size_t r = row + 8 * x;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<float2*>(dk + r * D + n * 8 + 2 * t) =
+                make_float2(dka[n][2 * x] * scale, dka[n][2 * x + 1] * scale);
+            *reinterpret_cast<float2*>(dv + r * D + n * 8 + 2 * t) =
+                make_float2(dva[n][2 * x], dva[n][2 * x + 1]);
+        }
+    }
+}
+
+// The backward's scores for this thread's keys key0 and key0 + 8 (rows g and g + 8 of a
+// warp's 16) over a tile of BR queries from i0: S^T becomes P^T and dP^T becomes dS^T =
+// P^T (dP^T - Delta) (through the soft-cap's slope 1 - tanh^2 with CAP), masked to the
+// queries' spans; each dS also goes to `put(query, row, ds)` (the query within the tile,
+// the row within the warp's 16 keys).
+template <int BR, bool CAP, typename Put>
+__device__ __forceinline__ void backward_scores(float (*st)[4], float (*dpt)[4], int key0, int nk,
+                                                int i0, int nq, const int* t_lo, const int* t_hi,
+                                                const float* t_lse, const float* t_delta,
+                                                float sl2, float over_cap, float cap2, int g,
+                                                int t, Put put) {
+    // Soft-capped: the scores' tanh in place (P from the capped score, dS through the cap's
+    // slope below).
+    if (CAP) {
+#pragma unroll
+        for (int n = 0; n < BR / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[n][e] = tanh_fast(st[n][e] * over_cap);
+    }
+#pragma unroll
+    for (int n = 0; n < BR / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int kr = g + 8 * (e >> 1), key = key0 + 8 * (e >> 1);
+            const int qc = n * 8 + 2 * t + (e & 1);
+            const bool vis = key < nk && i0 + qc < nq && sees(t_lo[qc], t_hi[qc], key);
+            float p, ds;
+            if (CAP) {
+                const float th = st[n][e];
+                p = vis ? exp2f(cap2 * th - t_lse[qc]) : 0.f;
+                ds = p * (dpt[n][e] - t_delta[qc]) * (1.f - th * th);
+            } else {
+                p = vis ? exp2f(st[n][e] * sl2 - t_lse[qc]) : 0.f;
+                ds = p * (dpt[n][e] - t_delta[qc]);
+            }
+            st[n][e] = p;
+            dpt[n][e] = ds;
+            put(qc, kr, ds);
+        }
+}

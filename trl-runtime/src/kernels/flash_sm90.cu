@@ -54,11 +54,12 @@ template <int N> __device__ __forceinline__ void pin(float (*t)[4]) {
 }
 
 #define WG_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define WG_ACC32 \
-    WG_ACC4(0), WG_ACC4(1), WG_ACC4(2), WG_ACC4(3), WG_ACC4(4), WG_ACC4(5), WG_ACC4(6), WG_ACC4(7)
+#define WG_ACC16 WG_ACC4(0), WG_ACC4(1), WG_ACC4(2), WG_ACC4(3)
+#define WG_ACC32 WG_ACC16, WG_ACC4(4), WG_ACC4(5), WG_ACC4(6), WG_ACC4(7)
 #define WG_ACC64                                                                                \
     WG_ACC32, WG_ACC4(8), WG_ACC4(9), WG_ACC4(10), WG_ACC4(11), WG_ACC4(12), WG_ACC4(13),       \
         WG_ACC4(14), WG_ACC4(15)
+#define WG_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define WG_R32                                                                                  \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
     "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -70,8 +71,9 @@ template <int N> __device__ __forceinline__ void pin(float (*t)[4]) {
 // The accumulate flag of a wgmma (a predicate): always on, the accumulators are zeroed first.
 #define WG_ON "{\n.reg .pred on;\nsetp.ne.b32 on, 1, 0;\n"
 
-// D [64 x 64] += A B^T: A [64 x 16] and B [64 x 16] K-major tiles in shared memory.
-template <typename T> __device__ __forceinline__ void wgmma_ss64(float (*d)[4], uint64_t a, uint64_t b);
+// D [64 x N] += A B^T: A [64 x 16] and B [N x 16] K-major tiles in shared memory.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float (*d)[4], uint64_t a, uint64_t b);
 // D [64 x N] += A B^T: A [64 x 16] in registers (a warp's 16 rows as mma.sync's A fragment),
 // B [N x 16] a K-major tile in shared memory.
 template <typename T, int N>
@@ -80,7 +82,14 @@ __device__ __forceinline__ void wgmma_rs(float (*d)[4], const uint32_t* a, uint6
 // One set per 16-bit type; `TY` is its PTX name.
 #define FLASH_WGMMA(T, TY)                                                                      \
     template <>                                                                                 \
-    __device__ __forceinline__ void wgmma_ss64<T>(float (*d)[4], uint64_t a, uint64_t b) {      \
+    __device__ __forceinline__ void wgmma_ss<T, 32>(float (*d)[4], uint64_t a, uint64_t b) {    \
+        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " WG_R16     \
+                           ", %16, %17, on, 1, 1, 0, 0;\n}\n"                                   \
+                     : WG_ACC16                                                                 \
+                     : "l"(a), "l"(b));                                                         \
+    }                                                                                           \
+    template <>                                                                                 \
+    __device__ __forceinline__ void wgmma_ss<T, 64>(float (*d)[4], uint64_t a, uint64_t b) {    \
         asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WG_R32     \
                            ", %32, %33, on, 1, 1, 0, 0;\n}\n"                                   \
                      : WG_ACC32                                                                 \
@@ -117,37 +126,6 @@ __device__ __forceinline__ void load_tiled_async(T* dst, const T* src, int r0, i
     }
 }
 
-// A V tile (64 keys) in registers on its way to shared memory transposed. Per step a thread
-// holds two keys' 8 values of one 8-column chunk: lane % 4 picks the key pair within a group
-// of 8 keys, lane / 4 the chunk (so a warp reads 128-byte rows), the step and warp the rest.
-template <int D> struct VTile {
-    static constexpr int STEPS = 32 * (D / 8) / 128;  // (64 keys / 2) x chunks over 128 threads
-    uint4 lo[STEPS], hi[STEPS];
-
-    // The first of the step's two keys (from the tile's start) and its chunk's first column.
-    __device__ __forceinline__ static void at(int s, int& key, int& col) {
-        const int idx = threadIdx.x + s * 128, lane = idx & 31, w = idx >> 5;
-        constexpr int HALVES = D / 64;  // 8 chunks per warp-row of lanes
-        key = 2 * ((w / HALVES) * 4 + (lane & 3));
-        col = ((lane >> 2) + 8 * (w % HALVES)) * 8;
-    }
-};
-
-// Keys [j0, j0 + 64) of V [n, D] into registers (rows past n are zeros).
-template <typename T, int D>
-__device__ __forceinline__ void load_v(VTile<D>& t, const T* v, int j0, int n) {
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int s = 0; s < VTile<D>::STEPS; ++s) {
-        int key, col;
-        VTile<D>::at(s, key, col);
-        key += j0;
-        t.lo[s] = key < n ? *reinterpret_cast<const uint4*>(v + (size_t)key * D + col) : zero;
-        t.hi[s] = key + 1 < n ? *reinterpret_cast<const uint4*>(v + (size_t)(key + 1) * D + col)
-                              : zero;
-    }
-}
-
 // 16-bit element j (0..7, at run time) of 8 packed in `x`, by selects (an indexed register
 // array would go to local memory).
 __device__ __forceinline__ uint32_t element(const uint4& x, int j) {
@@ -155,23 +133,66 @@ __device__ __forceinline__ uint32_t element(const uint4& x, int j) {
     return (j & 1) ? (w >> 16) : (w & 0xffffu);
 }
 
-// The tile as V^T [D x 64 keys], K-major (k = the keys): each 32-bit store is two keys of one
-// column. A core matrix's 32 words are the 32 banks; lanes start at different columns
-// (rotated by lane / 4) so that a warp's store touches each bank once.
-template <typename T, int D> __device__ __forceinline__ void store_vt(T* svt, const VTile<D>& t) {
-    const int rot = (threadIdx.x & 31) >> 2;
+// ROWS rows of a [n, D] matrix in registers on their way to shared memory, transposed (and,
+// for the backward's Q and dO, also as they are). Per step a thread holds two rows' 8 values
+// of one 8-column chunk: lane % 4 picks the row pair within a group of 8 rows, lane / 4 the
+// chunk (so a warp reads 128-byte rows), the step and warp the rest.
+template <int D, int ROWS, int THREADS> struct RowPairs {
+    static constexpr int STEPS = (ROWS / 2) * (D / 8) / THREADS;
+    static_assert(STEPS >= 1 && (ROWS / 2) * (D / 8) % THREADS == 0, "whole steps");
+    uint4 lo[STEPS], hi[STEPS];
+
+    // The first of the step's two rows (from the tile's start) and its chunk's first column.
+    __device__ __forceinline__ static void at(int s, int& row, int& col) {
+        const int idx = threadIdx.x + s * THREADS, lane = idx & 31, w = idx >> 5;
+        constexpr int HALVES = D / 64;  // 8 chunks per warp-row of lanes
+        row = 2 * ((w / HALVES) * 4 + (lane & 3));
+        col = ((lane >> 2) + 8 * (w % HALVES)) * 8;
+    }
+
+    // Rows [r0, r0 + ROWS) of `src` [n, D] (rows past n are zeros).
+    template <typename T> __device__ __forceinline__ void load(const T* src, int r0, int n) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int s = 0; s < VTile<D>::STEPS; ++s) {
-        int key, col;
-        VTile<D>::at(s, key, col);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int j = (e + rot) & 7;
-            *reinterpret_cast<uint32_t*>(svt + tiled<64>(col + j, key)) =
-                element(t.lo[s], j) | (element(t.hi[s], j) << 16);
+        for (int s = 0; s < STEPS; ++s) {
+            int row, col;
+            at(s, row, col);
+            row += r0;
+            lo[s] = row < n ? *reinterpret_cast<const uint4*>(src + (size_t)row * D + col) : zero;
+            hi[s] = row + 1 < n ? *reinterpret_cast<const uint4*>(src + (size_t)(row + 1) * D + col)
+                                : zero;
         }
     }
-}
+
+    // As [D x ROWS], K-major (k = the rows): each 32-bit store is two rows of one column. A
+    // core matrix's 32 words are the 32 banks; lanes start at different columns (rotated by
+    // lane / 4) so that a warp's store touches each bank once.
+    template <typename T> __device__ __forceinline__ void store_t(T* dst) const {
+        const int rot = (threadIdx.x & 31) >> 2;
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+            int row, col;
+            at(s, row, col);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int j = (e + rot) & 7;
+                *reinterpret_cast<uint32_t*>(dst + tiled<ROWS>(col + j, row)) =
+                    element(lo[s], j) | (element(hi[s], j) << 16);
+            }
+        }
+    }
+
+    // As they are, [ROWS x D] K-major (k = the D columns): 16 bytes per store.
+    template <typename T> __device__ __forceinline__ void store(T* dst) const {
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+            int row, col;
+            at(s, row, col);
+            *reinterpret_cast<uint4*>(dst + tiled<D>(row, col)) = lo[s];
+            *reinterpret_cast<uint4*>(dst + tiled<D>(row + 1, col)) = hi[s];
+        }
+    }
+};
 
 // Keeps the compiler from moving the writes of N A fragments past the wgmma fence.
 template <int N> __device__ __forceinline__ void pin_a(uint32_t (*a)[4]) {
@@ -227,16 +248,16 @@ __device__ void flash_fwd_wg(const T* q, const T* k, const T* v, const uint32_t*
         pin<BC / 8>(s);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(s, desc<D>(sq + kk * 128), desc<D>(sk + kk * 128));
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BC>(s, desc<D>(sq + kk * 128), desc<D>(sk + kk * 128));
         wg_commit();
-        VTile<D> vt;
-        load_v<T, D>(vt, vb, j0, nk);
+        RowPairs<D, BC, 128> vt;
+        vt.load(vb, j0, nk);
         wg_wait();
         pin<BC / 8>(s);
         __syncthreads();  // no product reads K_j or V^T_{j-1} any more
         if (j0 + BC < j_end) load_tiled_async<T, D>(sk, kb, j0 + BC, BC, nk);
         cp_async_commit();
-        store_vt<T, D>(svt, vt);
+        vt.store_t(svt);
         online_softmax<BC, D, CAP>(s, acc, m, l, rlo, rhi, j0 + 2 * t, sl2, over_cap, cap2);
         // O += P V: two score tiles (16 keys) are one A fragment, all packed before the fence.
         uint32_t a[BC / 16][4];
@@ -259,6 +280,178 @@ __device__ void flash_fwd_wg(const T* q, const T* k, const T* v, const uint32_t*
     store_rows<D>(acc, m, l, o, lse, (size_t)bh * nq_pad + i0 + warp * 16 + g, t);
 }
 
+// The backward on Hopper: flash.cu's 128-key backward (the same grid, inputs and outputs)
+// with its five products on wgmma. A block is two warpgroups; warpgroup w owns the block's
+// keys 64w..64w+63 and its warp 4w + i their rows 16i.. in the accumulators' layout, so the
+// per-score code and the dK / dV writes are flash.cu's. Per query tile of 64 rows that sees
+// the block:
+//   S^T = K_w Q^T and dP^T = V_w dO^T   (A = K_w, V_w; B = Q, dO; all in shared memory)
+//   P^T and dS^T in registers; dS to shared memory (the tile's queries x the block's keys)
+//   dV_w += P^T dO and dK_w += dS^T Q   (A = P^T, dS^T in registers; B = dO^T, Q^T)
+//   dQ[:, half w] += dS K               (A = dS; B = K^T's rows of warpgroup w's half of the
+//                                        columns), added to the f32 dQ by atomics
+// Q and dO come through registers (stored as they are and transposed); the next visible
+// tile's loads are in flight while this one is computed.
+template <typename T, int D, bool CAP>
+__device__ void flash_bwd_wg(const T* q, const T* k, const T* v, const T* dout, const float* lse,
+                             const float* delta, const uint32_t* lo, const uint32_t* hi,
+                             float* dq, float* dk, float* dv, int hq, int hk, int nq, int nk,
+                             int nk_pad, float scale, float cap) {
+    constexpr int BR = 64, BC = 128, THREADS = 256;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sk = (T*)smem;        // K [BC x D]
+    T* sv = sk + BC * D;     // V [BC x D]
+    T* skt = sv + BC * D;    // K^T [D x BC]
+    T* sq = skt + D * BC;    // Q [BR x D]
+    T* sdo = sq + BR * D;    // dO [BR x D]
+    T* sqt = sdo + BR * D;   // Q^T [D x BR]
+    T* sdot = sqt + D * BR;  // dO^T [D x BR]
+    T* sds = sdot + D * BR;  // dS [BR x BC]
+    __shared__ float s_lse[2][BR], s_delta[2][BR];
+    __shared__ int s_lo[2][BR], s_hi[2][BR];
+
+    const int bh = blockIdx.y, bi = bh / hq, h = bh % hq, kvh = h / (hq / hk);
+    const int j0 = blockIdx.x * BC;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+    const int g = lane >> 2, t = lane & 3;
+    const T* kb = k + (size_t)(bi * hk + kvh) * nk * D;
+    const T* vb = v + (size_t)(bi * hk + kvh) * nk * D;
+    const T* qb = q + (size_t)bh * nq * D;
+    const T* dob = dout + (size_t)bh * nq * D;
+    const uint32_t* lob = lo + (size_t)bi * nq;
+    const uint32_t* hib = hi + (size_t)bi * nq;
+    auto next_visible = [&](int i0, int b) -> int {
+        return next_visible_tile<BR, BC>(i0, s_lo[b], s_hi[b], s_lse[b], s_delta[b], lob, hib,
+                                         lse, delta, (size_t)bh * nq, nq, j0);
+    };
+
+    // K and V as they are (cp.async), K^T through registers, and the first visible tile.
+    load_tiled_async<T, D>(sk, kb, j0, BC, nk);
+    load_tiled_async<T, D>(sv, vb, j0, BC, nk);
+    cp_async_commit();
+    {
+        RowPairs<D, BC, THREADS> kt;
+        kt.load(kb, j0, nk);
+        kt.store_t(skt);
+    }
+    RowPairs<D, BR, THREADS> tq, tdo;
+    int i0 = next_visible(0, 0);
+    if (i0 < nq) {
+        tq.load(qb, i0, nq);
+        tdo.load(dob, i0, nq);
+        tq.store(sq);
+        tq.store_t(sqt);
+        tdo.store(sdo);
+        tdo.store_t(sdot);
+    }
+    cp_async_wait<0>();
+    fence_async();
+    __syncthreads();
+
+    float dka[D / 8][4], dva[D / 8][4];
+    zero_tiles<D / 8>(dka);
+    zero_tiles<D / 8>(dva);
+    // This thread's two keys (rows of S^T).
+    const int key0 = j0 + warp * 16 + g;
+    const float sl2 = scale * LOG2E;
+    const float over_cap = CAP ? scale / cap : 0.f, cap2 = cap * LOG2E;
+    const T* kw = sk + wg * 64 * D;  // this warpgroup's keys
+    const T* vw = sv + wg * 64 * D;
+    const T* ktw = skt + wg * (D / 2) * BC;  // K^T's rows of this warpgroup's dQ columns
+    int buf = 0;
+    while (i0 < nq) {
+        const int i_next = next_visible(i0 + BR, buf ^ 1);
+        if (i_next < nq) {
+            tq.load(qb, i_next, nq);
+            tdo.load(dob, i_next, nq);
+        }
+        const int* t_lo = s_lo[buf];
+        const int* t_hi = s_hi[buf];
+        const float* t_lse = s_lse[buf];
+        const float* t_delta = s_delta[buf];
+        // S^T = K_w Q^T and dP^T = V_w dO^T, 64 keys x BR queries each.
+        float st[BR / 8][4], dpt[BR / 8][4];
+        zero_tiles<BR / 8>(st);
+        zero_tiles<BR / 8>(dpt);
+        pin<BR / 8>(st);
+        pin<BR / 8>(dpt);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            wgmma_ss<T, BR>(st, desc<D>(kw + kk * 128), desc<D>(sq + kk * 128));
+            wgmma_ss<T, BR>(dpt, desc<D>(vw + kk * 128), desc<D>(sdo + kk * 128));
+        }
+        wg_commit();
+        wg_wait();
+        pin<BR / 8>(st);
+        pin<BR / 8>(dpt);
+        // P^T and dS^T = P^T (dP^T - Delta), masked; dS to shared memory.
+        backward_scores<BR, CAP>(st, dpt, key0, nk, i0, nq, t_lo, t_hi, t_lse, t_delta, sl2,
+                                 over_cap, cap2, g, t, [&](int qc, int kr, float ds) {
+                                     sds[tiled<BC>(qc, warp * 16 + kr)] = of<T>(ds);
+                                 });
+        // dV_w += P^T dO and dK_w += dS^T Q: two query tiles of P^T (dS^T) are one A fragment.
+        uint32_t ap[BR / 16][4], ad[BR / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk) {
+            pack_a<T>(ap[kk], st, kk);
+            pack_a<T>(ad[kk], dpt, kk);
+        }
+        pin_a<BR / 16>(ap);
+        pin_a<BR / 16>(ad);
+        pin<D / 8>(dva);
+        pin<D / 8>(dka);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk) {
+            wgmma_rs<T, D>(dva, ap[kk], desc<BR>(sdot + kk * 128));
+            wgmma_rs<T, D>(dka, ad[kk], desc<BR>(sqt + kk * 128));
+        }
+        wg_commit();
+        // dQ (BR x D / 2 per warpgroup) += dS (BR x BC) K (BC x D / 2), once every warp's dS is
+        // in place (the dV and dK products run meanwhile).
+        fence_async();
+        __syncthreads();
+        float qa[D / 16][4];
+        zero_tiles<D / 16>(qa);
+        pin<D / 16>(qa);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk)
+            wgmma_ss<T, D / 2>(qa, desc<BC>(sds + kk * 128), desc<BC>(ktw + kk * 128));
+        wg_commit();
+        wg_wait();
+        pin<D / 8>(dva);
+        pin<D / 8>(dka);
+        pin<D / 16>(qa);
+        pin_a<BR / 16>(ap);
+        pin_a<BR / 16>(ad);
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            const int qi = i0 + (warp & 3) * 16 + g + 8 * x;
+            if (qi >= nq) continue;
+            float* row = dq + ((size_t)bh * nq + qi) * D + wg * (D / 2) + 2 * t;
+#pragma unroll
+            for (int n = 0; n < D / 16; ++n) {
+                atomicAdd(row + n * 8, qa[n][2 * x] * scale);
+                atomicAdd(row + n * 8 + 1, qa[n][2 * x + 1] * scale);
+            }
+        }
+        __syncthreads();  // no product reads this tile's Q, dO, their transposes or dS any more
+        if (i_next < nq) {
+            tq.store(sq);
+            tq.store_t(sqt);
+            tdo.store(sdo);
+            tdo.store_t(sdot);
+            fence_async();
+            __syncthreads();
+        }
+        buf ^= 1;
+        i0 = i_next;
+    }
+    store_kv_rows<D>(dka, dva, dk, dv, (size_t)bh * nk_pad + j0 + warp * 16 + g, t, scale);
+}
+
 // flash_fwd_wg[_cap]_<dtype>_d<D>: flash.cu's flash_fwd entry points (the same arguments).
 #define FLASH_WG_ENTRY(NAME, T, D, CAP)                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                           \
@@ -272,6 +465,21 @@ __device__ void flash_fwd_wg(const T* q, const T* k, const T* v, const uint32_t*
     FLASH_WG_ENTRY(flash_fwd_wg_cap_##SUFFIX##_d64, T, 64, true)                                \
     FLASH_WG_ENTRY(flash_fwd_wg_##SUFFIX##_d128, T, 128, false)                                 \
     FLASH_WG_ENTRY(flash_fwd_wg_cap_##SUFFIX##_d128, T, 128, true)
+
+// flash_bwd_wg[_cap]_<dtype>_d64: flash.cu's flash_bwd128 entry points (the same arguments);
+// head dim 64 only (at 128 the accumulators would not fit the registers of 256 threads).
+#define FLASH_WG_BWD_ENTRY(NAME, T, CAP)                                                        \
+    extern "C" __global__ void __launch_bounds__(256)                                           \
+        NAME(const T* q, const T* k, const T* v, const T* dout, const float* lse,               \
+             const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,   \
+             float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale, float cap) {   \
+        flash_bwd_wg<T, 64, CAP>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq, hk, nq, nk,  \
+                                 nk_pad, scale, cap);                                           \
+    }
+FLASH_WG_BWD_ENTRY(flash_bwd_wg_bf16_d64, __nv_bfloat16, false)
+FLASH_WG_BWD_ENTRY(flash_bwd_wg_cap_bf16_d64, __nv_bfloat16, true)
+FLASH_WG_BWD_ENTRY(flash_bwd_wg_f16_d64, __half, false)
+FLASH_WG_BWD_ENTRY(flash_bwd_wg_cap_f16_d64, __half, true)
 
 FLASH_WG_DTYPE(bf16, __nv_bfloat16)
 FLASH_WG_DTYPE(f16, __half)

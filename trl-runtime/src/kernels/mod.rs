@@ -15,7 +15,7 @@ pub(crate) mod op;
 pub(crate) mod precision;
 mod simd;
 pub mod sinks;
-/// The Hopper attention forward's index arithmetic, proven on the CPU (test only).
+/// The Hopper attention kernels' index arithmetic, proven on the CPU (test only).
 #[cfg(test)]
 mod sm90_layout;
 pub mod softmax;

@@ -1,4 +1,4 @@
-//! The shared-memory index arithmetic of the Hopper attention forward (kernels/flash_sm90.cu),
+//! The shared-memory index arithmetic of the Hopper attention kernels (kernels/flash_sm90.cu),
 //! proven on the CPU: its functions written again here line for line, the tensor cores'
 //! reading of a no-swizzle K-major descriptor as the PTX ISA defines it (core matrices of 8
 //! rows x 16 bytes; the leading byte offset between neighbours along k, the stride byte
@@ -27,14 +27,15 @@ fn read(
     smem[byte / 2]
 }
 
-/// flash_sm90.cu's `VTile<D>::at(s, key, col)` for thread `tid`.
-fn v_at(d: usize, tid: usize, s: usize) -> (usize, usize) {
-    let idx = tid + s * 128;
+/// flash_sm90.cu's `RowPairs<D, ROWS, THREADS>::at(s, row, col)` for thread `tid`: the step's
+/// first row and its chunk's first column.
+fn pairs_at(d: usize, threads: usize, tid: usize, s: usize) -> (usize, usize) {
+    let idx = tid + s * threads;
     let (lane, w) = (idx & 31, idx >> 5);
     let halves = d / 64;
-    let key = 2 * ((w / halves) * 4 + (lane & 3));
+    let row = 2 * ((w / halves) * 4 + (lane & 3));
     let col = ((lane >> 2) + 8 * (w % halves)) * 8;
-    (key, col)
+    (row, col)
 }
 
 #[cfg(test)]
@@ -55,89 +56,199 @@ mod tests {
             .collect()
     }
 
-    /// Q and K through `load_tiled_async`'s copies, V through `load_v` / `store_vt` (every
-    /// element once, each warp's 32-bit stores on 32 different banks), then S = Q K^T and
-    /// O = S V as the kernel's descriptors make the tensor cores read them.
+    /// `load_tiled_async`: rows x d of `src` as a K-major tile, 16-byte copies.
+    fn tile(src: &[f32], rows: usize, d: usize) -> Vec<f32> {
+        let mut dst = vec![f32::NAN; rows * d];
+        for idx in 0..rows * d / 8 {
+            let (r, c) = (idx / (d / 8), (idx % (d / 8)) * 8);
+            let at = tiled(d, r, c);
+            assert_eq!(at % 8, 0, "a copy is 16-byte aligned");
+            dst[at..at + 8].copy_from_slice(&src[r * d + c..r * d + c + 8]);
+        }
+        dst
+    }
+
+    /// `RowPairs<d, rows, threads>::load` then `store_t` (transposed: [d x rows], K-major) or
+    /// `store` (as it is): every element once; each warp's 32-bit transposed stores on 32
+    /// different banks.
+    fn pairs(src: &[f32], rows: usize, d: usize, threads: usize, transposed: bool) -> Vec<f32> {
+        let mut dst = vec![f32::NAN; rows * d];
+        let mut written = vec![0; rows * d];
+        let steps = rows / 2 * (d / 8) / threads;
+        assert_eq!(steps * threads, rows / 2 * (d / 8), "whole steps");
+        let mut put = |at: usize, value: f32| {
+            dst[at] = value;
+            written[at] += 1;
+        };
+        for s in 0..steps {
+            for warp in 0..threads / 32 {
+                if !transposed {
+                    for lane in 0..32 {
+                        let (row, col) = pairs_at(d, threads, warp * 32 + lane, s);
+                        for r in [row, row + 1] {
+                            let at = tiled(d, r, col);
+                            for j in 0..8 {
+                                put(at + j, src[r * d + col + j]);
+                            }
+                        }
+                    }
+                    continue;
+                }
+                for e in 0..8 {
+                    let mut banks = Vec::new();
+                    for lane in 0..32 {
+                        let (row, col) = pairs_at(d, threads, warp * 32 + lane, s);
+                        let j = (e + (lane >> 2)) & 7;
+                        let at = tiled(rows, col + j, row);
+                        assert_eq!(at % 2, 0, "a 32-bit store");
+                        put(at, src[row * d + col + j]);
+                        put(at + 1, src[(row + 1) * d + col + j]);
+                        banks.push((at / 2) % 32);
+                    }
+                    banks.sort_unstable();
+                    banks.dedup();
+                    assert_eq!(
+                        banks.len(),
+                        32,
+                        "{rows} x {d}: a warp's store hits each bank once"
+                    );
+                }
+            }
+        }
+        assert!(
+            written.iter().all(|&n| n == 1),
+            "{rows} x {d}: every element once"
+        );
+        dst
+    }
+
+    /// D [m x n] = A B^T as wgmmas read them: `k_steps` of 16, A's and B's descriptors (start
+    /// in bytes, tile width) moving 256 bytes a step.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        a: &[f32],
+        (a_start, a_width): (usize, usize),
+        b: &[f32],
+        (b_start, b_width): (usize, usize),
+        m: usize,
+        n: usize,
+        k_steps: usize,
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        for (i, o) in out.iter_mut().enumerate() {
+            let (r, c) = (i / n, i % n);
+            for kk in 0..k_steps {
+                let (da, db) = (
+                    desc(a_start + kk * 256, a_width),
+                    desc(b_start + kk * 256, b_width),
+                );
+                for kx in 0..16 {
+                    *o += read(a, da, r, kx) * read(b, db, c, kx);
+                }
+            }
+        }
+        out
+    }
+
+    fn assert_close(got: &[f32], want: impl Fn(usize) -> f32, what: &str) {
+        let worst = got
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (g - want(i)).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "{what} off by {worst}");
+    }
+
+    /// The forward: Q and K through `load_tiled_async`, V through `RowPairs::store_t`, then
+    /// S = Q K^T and O = S V as the kernel's descriptors make the tensor cores read them.
     #[test]
-    fn descriptors_read_the_products() {
+    fn forward_descriptors_read_the_products() {
         const BR: usize = 64;
         const BC: usize = 64;
         for d in [64, 128] {
             let (q, k, v) = (random(BR * d, 1), random(BC * d, 2), random(BC * d, 3));
-            // load_tiled_async: 16-byte copies (8 elements) of row r, columns c..c + 8.
-            let tile = |src: &[f32]| {
-                let mut dst = vec![f32::NAN; BR * d];
-                for idx in 0..BR * d / 8 {
-                    let (r, c) = (idx / (d / 8), (idx % (d / 8)) * 8);
-                    let at = tiled(d, r, c);
-                    assert_eq!(at % 8, 0, "a copy is 16-byte aligned");
-                    dst[at..at + 8].copy_from_slice(&src[r * d + c..r * d + c + 8]);
-                }
-                dst
-            };
-            let (sq, sk) = (tile(&q), tile(&k));
-            // load_v + store_vt: per step two keys' 8 columns, the columns rotated per lane.
-            let mut svt = vec![f32::NAN; d * BC];
-            let mut written = vec![0; d * BC];
-            let steps = 32 * (d / 8) / 128;
-            for s in 0..steps {
-                for e in 0..8 {
-                    for warp in 0..4 {
-                        let mut banks = Vec::new();
-                        for lane in 0..32 {
-                            let tid = warp * 32 + lane;
-                            let (key, col) = v_at(d, tid, s);
-                            let j = (e + (lane >> 2)) & 7;
-                            let at = tiled(BC, col + j, key);
-                            assert_eq!(at % 2, 0, "a 32-bit store");
-                            svt[at] = v[key * d + col + j];
-                            svt[at + 1] = v[(key + 1) * d + col + j];
-                            written[at] += 1;
-                            written[at + 1] += 1;
-                            banks.push((at / 2) % 32);
-                        }
-                        banks.sort_unstable();
-                        banks.dedup();
-                        assert_eq!(banks.len(), 32, "d {d}: a warp's store hits each bank once");
-                    }
-                }
-            }
-            assert!(written.iter().all(|&n| n == 1), "d {d}: every element once");
-            // S = Q K^T: per k-step of 16, both descriptors move 128 elements.
-            let mut max_err = 0f32;
-            let mut s_mat = vec![0f32; BR * BC];
-            for m in 0..BR {
-                for n in 0..BC {
-                    let mut acc = 0f32;
-                    for kk in 0..d / 16 {
-                        let (da, db) = (desc(kk * 256, d), desc(kk * 256, d));
-                        for kx in 0..16 {
-                            acc += read(&sq, da, m, kx) * read(&sk, db, n, kx);
-                        }
-                    }
-                    let want: f32 = (0..d).map(|c| q[m * d + c] * k[n * d + c]).sum();
-                    max_err = max_err.max((acc - want).abs());
-                    s_mat[m * BC + n] = acc;
-                }
-            }
-            assert!(max_err < 1e-4, "d {d}: S off by {max_err}");
+            let (sq, sk, svt) = (
+                tile(&q, BR, d),
+                tile(&k, BC, d),
+                pairs(&v, BC, d, 128, true),
+            );
+            let s = product(&sq, (0, d), &sk, (0, d), BR, BC, d / 16);
+            let dot = |r: usize, c: usize| (0..d).map(|x| q[r * d + x] * k[c * d + x]).sum();
+            assert_close(&s, |i| dot(i / BC, i % BC), &format!("d {d}: S"));
             // O = S V: A from registers (S's own layout), B = V^T's descriptor per 16 keys.
-            for m in 0..BR {
-                for c in 0..d {
-                    let mut acc = 0f32;
-                    for kk in 0..BC / 16 {
-                        let db = desc(kk * 256, BC);
-                        for kx in 0..16 {
-                            acc += s_mat[m * BC + kk * 16 + kx] * read(&svt, db, c, kx);
-                        }
+            let mut o = vec![0f32; BR * d];
+            for (i, x) in o.iter_mut().enumerate() {
+                let (r, c) = (i / d, i % d);
+                for kk in 0..BC / 16 {
+                    for kx in 0..16 {
+                        *x += s[r * BC + kk * 16 + kx] * read(&svt, desc(kk * 256, BC), c, kx);
                     }
-                    let want: f32 = (0..BC)
-                        .map(|key| s_mat[m * BC + key] * v[key * d + c])
-                        .sum();
-                    max_err = max_err.max((acc - want).abs());
                 }
             }
-            assert!(max_err < 1e-4, "d {d}: O off by {max_err}");
+            let pv = |r: usize, c: usize| (0..BC).map(|j| s[r * BC + j] * v[j * d + c]).sum();
+            assert_close(&o, |i| pv(i / d, i % d), &format!("d {d}: O"));
+        }
+    }
+
+    /// The backward (head dim 64, 128 keys, 64 queries, two warpgroups of 128 threads): each
+    /// warpgroup's S^T = K_w Q^T, dV_w += P^T dO (dO^T's descriptor), and dQ's half of the
+    /// columns += dS K (dS and K^T's descriptors), Q and dO through `RowPairs`.
+    #[test]
+    fn backward_descriptors_read_the_products() {
+        const D: usize = 64;
+        const BR: usize = 64;
+        const BC: usize = 128;
+        let (q, k, dout) = (random(BR * D, 4), random(BC * D, 5), random(BR * D, 6));
+        let (p, ds) = (random(BC * BR, 7), random(BR * BC, 8));
+        let sk = tile(&k, BC, D);
+        let sq = pairs(&q, BR, D, 256, false);
+        let sdot = pairs(&dout, BR, D, 256, true);
+        let skt = pairs(&k, BC, D, 256, true);
+        // dS [BR x BC] as the kernel writes it: tiled<BC>(query, key).
+        let mut sds = vec![f32::NAN; BR * BC];
+        for i in 0..BR {
+            for j in 0..BC {
+                sds[tiled(BC, i, j)] = ds[i * BC + j];
+            }
+        }
+        for wg in 0..2 {
+            // S^T = K_w Q^T: K_w starts 64 x D elements in.
+            let st = product(&sk, (wg * 64 * D * 2, D), &sq, (0, D), 64, BR, D / 16);
+            let dot = |r: usize, c: usize| {
+                (0..D)
+                    .map(|x| k[(64 * wg + r) * D + x] * q[c * D + x])
+                    .sum()
+            };
+            assert_close(&st, |i| dot(i / BR, i % BR), "S^T");
+            // dV_w = P^T dO: A = P^T from registers, B = dO^T per 16 queries.
+            let mut dv = vec![0f32; 64 * D];
+            for (i, x) in dv.iter_mut().enumerate() {
+                let (r, c) = (i / D, i % D);
+                for kk in 0..BR / 16 {
+                    for kx in 0..16 {
+                        *x += p[r * BR + kk * 16 + kx] * read(&sdot, desc(kk * 256, BR), c, kx);
+                    }
+                }
+            }
+            let pdo = |r: usize, c: usize| (0..BR).map(|j| p[r * BR + j] * dout[j * D + c]).sum();
+            assert_close(&dv, |i| pdo(i / D, i % D), "dV");
+            // dQ[:, half wg] = dS K: K^T's rows from wg x D / 2.
+            let half = D / 2;
+            let dq = product(
+                &sds,
+                (0, BC),
+                &skt,
+                (wg * half * BC * 2, BC),
+                BR,
+                half,
+                BC / 16,
+            );
+            let dsk = |r: usize, c: usize| {
+                (0..BC)
+                    .map(|j| ds[r * BC + j] * k[j * D + wg * half + c])
+                    .sum()
+            };
+            assert_close(&dq, |i| dsk(i / half, i % half), "dQ");
         }
     }
 }
