@@ -1,15 +1,16 @@
-// The attention forward on Hopper (sm_90a, compiled apart from flash.cu): flash.cu's forward
-// (the same grid of 64 query rows per block, key spans, online softmax, f32 output and
-// log-sum-exp) with its two products on the warpgroup tensor cores, `wgmma.mma_async`, which
-// read their shared-memory operands themselves (no ldmatrix) and run at Hopper's full matrix
-// rate. The block's 4 warps are one warpgroup: each wgmma computes all 64 rows, warp w holding
-// rows 16w..16w+15 in the layout mma.sync's accumulators have, so the softmax is flash.cu's.
+// Attention on Hopper (sm_90a, compiled apart from flash.cu): flash.cu's forward and (head
+// dim 64) 128-key backward, with the same grids, key spans, inputs and outputs, their
+// products on the warpgroup tensor cores (`wgmma.mma_async`), which read their shared-memory
+// operands themselves (no ldmatrix) at Hopper's full matrix rate. A warpgroup of 4 warps
+// computes 64 rows per product, warp w holding rows 16w..16w+15 in the layout mma.sync's
+// accumulators have, so the per-score code (softmax, dS) is flash.cu's.
 //
-// Per key tile of 64 keys: S = Q K^T (A = Q and B = K from shared memory); while it runs, the
-// tile's V comes from global memory into registers and, once S is done, goes to shared memory
-// transposed (V^T: every operand is K-major, the layout of the plainest descriptor); the
-// softmax; O += P V with P from registers (S's accumulators are the A fragments) and V^T from
-// shared memory; the next K tile loads by cp.async meanwhile.
+// Forward, per key tile of 64 keys: S = Q K^T (A = Q and B = K from shared memory); while it
+// runs, the tile's V comes from global memory into registers and, once S is done, goes to
+// shared memory transposed (V^T: every operand is K-major, the layout of the plainest
+// descriptor); the softmax; O += P V with P from registers (S's accumulators are the A
+// fragments) and V^T from shared memory; the next K tile loads by cp.async meanwhile. The
+// backward is described above flash_bwd_wg.
 //
 // Shared-memory operands: no swizzle, K-major. An [mn x k] tile is stored as core matrices of
 // 8 rows x 8 elements (16 bytes a row, 128 bytes each), consecutive along k and k / 8 x 128
@@ -32,7 +33,9 @@ template <int K> __device__ __forceinline__ uint64_t desc(const void* p) {
     return start | (leading << 16) | (stride << 32);
 }
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
@@ -248,7 +251,8 @@ __device__ void flash_fwd_wg(const T* q, const T* k, const T* v, const uint32_t*
         pin<BC / 8>(s);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BC>(s, desc<D>(sq + kk * 128), desc<D>(sk + kk * 128));
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_ss<T, BC>(s, desc<D>(sq + kk * 128), desc<D>(sk + kk * 128));
         wg_commit();
         RowPairs<D, BC, 128> vt;
         vt.load(vb, j0, nk);
@@ -269,7 +273,8 @@ __device__ void flash_fwd_wg(const T* q, const T* k, const T* v, const uint32_t*
         pin<D / 8>(acc);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) wgmma_rs<T, D>(acc, a[kk], desc<BC>(svt + kk * 128));
+        for (int kk = 0; kk < BC / 16; ++kk)
+            wgmma_rs<T, D>(acc, a[kk], desc<BC>(svt + kk * 128));
         wg_commit();
         wg_wait();
         pin<D / 8>(acc);
