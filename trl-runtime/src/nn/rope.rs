@@ -283,28 +283,32 @@ impl RotaryEmbedding {
             device,
         )?;
         let mut cached = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let fits = cached.as_ref().is_some_and(|t| {
+        let fits = |t: &Table| {
             t.inv_freq == inv_freq
                 && t.rows >= seq_len
                 && t.dtype == dtype
                 && t.device.same_device(device)
-        });
-        if !fits {
-            // Grown to a power of two: a run of rising lengths rebuilds it a few times.
-            let rows = seq_len.next_power_of_two();
-            let (cos, sin) = self.rows_of(&inv_freq, rows, dtype, device)?;
-            *cached = Some(Table {
-                inv_freq,
-                rows,
-                device: device.clone(),
-                dtype,
-                cos,
-                sin,
-            });
-        }
-        let table = cached.as_ref().expect("built above");
+        };
+        let table = match cached.take().filter(fits) {
+            Some(table) => table,
+            None => {
+                // Grown to a power of two: a run of rising lengths rebuilds it a few times.
+                let rows = seq_len.next_power_of_two();
+                let (cos, sin) = self.rows_of(&inv_freq, rows, dtype, device)?;
+                Table {
+                    inv_freq,
+                    rows,
+                    device: device.clone(),
+                    dtype,
+                    cos,
+                    sin,
+                }
+            }
+        };
         let gather = |t: &Tensor| t.index_select(&ids, 0)?.reshape((b, s, self.head_dim));
-        Ok((gather(&table.cos)?, gather(&table.sin)?))
+        let out = (gather(&table.cos)?, gather(&table.sin)?);
+        *cached = Some(table);
+        Ok(out)
     }
 
     /// cos and sin of positions 0..rows, [rows, head_dim] each, in `dtype` on `device`.
