@@ -6,9 +6,8 @@
 //! off.
 //!
 //! The kernels (`kernels/flash.cu`) are FlashAttention-2 with the operands in registers,
-//! `mma.sync` and `ldmatrix`; docs/gpu.md has their measurements. On Hopper the forward and
-//! (head dim 64) the backward have `wgmma` versions (`kernels/flash_sm90.cu`,
-//! `TRL_FLASH_WGMMA=1`, not yet run on a GPU). (A first version through
+//! `mma.sync` and `ldmatrix`; docs/gpu.md has their measurements. On Hopper both have `wgmma`
+//! versions (`kernels/flash_sm90.cu`, `TRL_FLASH_WGMMA=1`, not yet run on a GPU). (A first version through
 //! WMMA, with the scores in shared memory, ran 7-8x slower on an H100 and is gone.)
 //!
 //! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks). [`forward`]
@@ -31,7 +30,7 @@ use candle_core::{
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash.ptx"));
 const MODULE: &str = "trl_flash";
-/// The Hopper forward (kernels/flash_sm90.cu, wgmma), PTX for sm_90a: loaded only on GPUs of
+/// The Hopper kernels (kernels/flash_sm90.cu, wgmma), PTX for sm_90a: loaded only on GPUs of
 /// compute capability 9.0.
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_sm90.ptx"));
 const MODULE_SM90: &str = "trl_flash_sm90";
@@ -138,8 +137,7 @@ fn fwd_shared(d: usize) -> usize {
     3 * 64 * (d + 8) * 2
 }
 
-/// Whether attention runs the Hopper kernels (kernels/flash_sm90.cu: wgmma; the forward at head
-/// dims 64 and 128, the backward at 64): with
+/// Whether attention runs the Hopper kernels (kernels/flash_sm90.cu: wgmma): with
 /// `TRL_FLASH_WGMMA=1` on a GPU of compute capability 9.0. Off by default until a GPU run has
 /// checked them against the CPU and timed them (`scripts/gpu-run tests` and `attention` run
 /// both).
@@ -160,10 +158,11 @@ fn wg_shared(d: usize) -> usize {
     3 * 64 * d * 2
 }
 
-/// Shared memory of the Hopper backward: K, V and K^T of 128 keys, Q, dO, Q^T and dO^T of 64
-/// queries, and dS (64 x 128).
+/// Shared memory of the Hopper backward: K, V and K^T of 128 keys, Q, dO, Q^T and dO^T of a
+/// query tile (64 rows at head dim 64, 32 at 128), and dS (tile x 128).
 fn wg_bwd_shared(d: usize) -> usize {
-    (3 * 128 * d + 4 * 64 * d + 64 * 128) * 2
+    let rows = if d == 64 { 64 } else { 32 };
+    (3 * 128 * d + 4 * rows * d + rows * 128) * 2
 }
 
 /// Whether the 128-key backward at head dim 64 runs on query tiles of 32 rows, two blocks per
@@ -415,8 +414,8 @@ fn launch_backward(
     let dev = qs.device().clone();
     let dtype = qs.dtype();
     let sfx = suffix(dtype)?;
-    // The Hopper backward (head dim 64) has blocks of 128 keys, as the default one.
-    let hopper = d == 64 && wgmma(&dev);
+    // The Hopper backward has blocks of 128 keys, as the default one.
+    let hopper = wgmma(&dev);
     let keys = if hopper { 128 } else { bwd_keys() };
     let nk_pad = nk.div_ceil(keys) * keys;
     let stream = dev.cuda_stream();

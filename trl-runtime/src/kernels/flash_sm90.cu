@@ -1,8 +1,8 @@
-// Attention on Hopper (sm_90a, compiled apart from flash.cu): flash.cu's forward and (head
-// dim 64) 128-key backward, with the same grids, key spans, inputs and outputs, their
-// products on the warpgroup tensor cores (`wgmma.mma_async`), which read their shared-memory
-// operands themselves (no ldmatrix) at Hopper's full matrix rate. A warpgroup of 4 warps
-// computes 64 rows per product, warp w holding rows 16w..16w+15 in the layout mma.sync's
+// Attention on Hopper (sm_90a, compiled apart from flash.cu): flash.cu's forward and 128-key
+// backward, with the same grids, key spans, inputs and outputs, their products on the
+// warpgroup tensor cores (`wgmma.mma_async`), which read their shared-memory operands
+// themselves (no ldmatrix) at Hopper's full matrix rate. A warpgroup of 4 warps computes 64
+// rows per product, warp w holding rows 16w..16w+15 in the layout mma.sync's
 // accumulators have, so the per-score code (softmax, dS) is flash.cu's.
 //
 // Forward, per key tile of 64 keys: S = Q K^T (A = Q and B = K from shared memory); while it
@@ -288,13 +288,16 @@ __device__ void flash_fwd_wg(const T* q, const T* k, const T* v, const uint32_t*
 // The backward on Hopper: flash.cu's 128-key backward (the same grid, inputs and outputs)
 // with its five products on wgmma. A block is two warpgroups; warpgroup w owns the block's
 // keys 64w..64w+63 and its warp 4w + i their rows 16i.. in the accumulators' layout, so the
-// per-score code and the dK / dV writes are flash.cu's. Per query tile of 64 rows that sees
-// the block:
+// per-score code and the dK / dV writes are flash.cu's. Per query tile of BR rows (64 at head
+// dim 64, 32 at 128, where dK and dV take 128 registers a thread) that sees the block:
 //   S^T = K_w Q^T and dP^T = V_w dO^T   (A = K_w, V_w; B = Q, dO; all in shared memory)
 //   P^T and dS^T in registers; dS to shared memory (the tile's queries x the block's keys)
 //   dV_w += P^T dO and dK_w += dS^T Q   (A = P^T, dS^T in registers; B = dO^T, Q^T)
-//   dQ[:, half w] += dS K               (A = dS; B = K^T's rows of warpgroup w's half of the
-//                                        columns), added to the f32 dQ by atomics
+//   dQ^T += K^T dS^T                    (A = K^T, B = dS, in shared memory), added to the
+//                                        f32 dQ by atomics; a warpgroup takes 64 of dQ's
+//                                        columns and 32 of its rows: at head dim 64 every
+//                                        column and half the tile's queries, at 128 half
+//                                        the columns and every query
 // Q and dO come through registers (stored as they are and transposed); the next visible
 // tile's loads are in flight while this one is computed.
 template <typename T, int D, bool CAP>
@@ -302,7 +305,10 @@ __device__ void flash_bwd_wg(const T* q, const T* k, const T* v, const T* dout, 
                              const float* delta, const uint32_t* lo, const uint32_t* hi,
                              float* dq, float* dk, float* dv, int hq, int hk, int nq, int nk,
                              int nk_pad, float scale, float cap) {
-    constexpr int BR = 64, BC = 128, THREADS = 256;
+    constexpr int BR = D == 64 ? 64 : 32, BC = 128, THREADS = 256;
+    // dQ^T's block per warpgroup: 64 columns of dQ (from d0) by NQ queries (from q0).
+    constexpr int NQ = D * BR / 128;
+    static_assert(NQ == 32 && (D == 64 || D == 128), "head dim 64 or 128");
     extern __shared__ __align__(128) unsigned char smem[];
     T* sk = (T*)smem;        // K [BC x D]
     T* sv = sk + BC * D;     // V [BC x D]
@@ -362,7 +368,7 @@ __device__ void flash_bwd_wg(const T* q, const T* k, const T* v, const T* dout, 
     const float over_cap = CAP ? scale / cap : 0.f, cap2 = cap * LOG2E;
     const T* kw = sk + wg * 64 * D;  // this warpgroup's keys
     const T* vw = sv + wg * 64 * D;
-    const T* ktw = skt + wg * (D / 2) * BC;  // K^T's rows of this warpgroup's dQ columns
+    const int d0 = D == 128 ? 64 * wg : 0, q0 = D == 64 ? NQ * wg : 0;
     int buf = 0;
     while (i0 < nq) {
         const int i_next = next_visible(i0 + BR, buf ^ 1);
@@ -413,35 +419,34 @@ __device__ void flash_bwd_wg(const T* q, const T* k, const T* v, const T* dout, 
             wgmma_rs<T, D>(dka, ad[kk], desc<BR>(sqt + kk * 128));
         }
         wg_commit();
-        // dQ (BR x D / 2 per warpgroup) += dS (BR x BC) K (BC x D / 2), once every warp's dS is
-        // in place (the dV and dK products run meanwhile).
+        // dQ^T (64 columns of dQ x NQ queries per warpgroup) += K^T dS^T, once every warp's
+        // dS is in place (the dV and dK products run meanwhile).
         fence_async();
         __syncthreads();
-        float qa[D / 16][4];
-        zero_tiles<D / 16>(qa);
-        pin<D / 16>(qa);
+        float qa[NQ / 8][4];
+        zero_tiles<NQ / 8>(qa);
+        pin<NQ / 8>(qa);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk)
-            wgmma_ss<T, D / 2>(qa, desc<BC>(sds + kk * 128), desc<BC>(ktw + kk * 128));
+            wgmma_ss<T, NQ>(qa, desc<BC>(skt + d0 * BC + kk * 128),
+                            desc<BC>(sds + q0 * BC + kk * 128));
         wg_commit();
         wg_wait();
         pin<D / 8>(dva);
         pin<D / 8>(dka);
-        pin<D / 16>(qa);
+        pin<NQ / 8>(qa);
         pin_a<BR / 16>(ap);
         pin_a<BR / 16>(ad);
+        // This thread's dQ columns d0 + 16 (warp % 4) + g (+ 8), queries q0 + 8n + 2t (+ 1).
+        float* col = dq + (size_t)bh * nq * D + d0 + (warp & 3) * 16 + g;
 #pragma unroll
-        for (int x = 0; x < 2; ++x) {
-            const int qi = i0 + (warp & 3) * 16 + g + 8 * x;
-            if (qi >= nq) continue;
-            float* row = dq + ((size_t)bh * nq + qi) * D + wg * (D / 2) + 2 * t;
+        for (int n = 0; n < NQ / 8; ++n)
 #pragma unroll
-            for (int n = 0; n < D / 16; ++n) {
-                atomicAdd(row + n * 8, qa[n][2 * x] * scale);
-                atomicAdd(row + n * 8 + 1, qa[n][2 * x + 1] * scale);
+            for (int e = 0; e < 4; ++e) {
+                const int qi = i0 + q0 + n * 8 + 2 * t + (e & 1);
+                if (qi < nq) atomicAdd(col + (size_t)qi * D + 8 * (e >> 1), qa[n][e] * scale);
             }
-        }
         __syncthreads();  // no product reads this tile's Q, dO, their transposes or dS any more
         if (i_next < nq) {
             tq.store(sq);
@@ -471,20 +476,22 @@ __device__ void flash_bwd_wg(const T* q, const T* k, const T* v, const T* dout, 
     FLASH_WG_ENTRY(flash_fwd_wg_##SUFFIX##_d128, T, 128, false)                                 \
     FLASH_WG_ENTRY(flash_fwd_wg_cap_##SUFFIX##_d128, T, 128, true)
 
-// flash_bwd_wg[_cap]_<dtype>_d64: flash.cu's flash_bwd128 entry points (the same arguments);
-// head dim 64 only (at 128 the accumulators would not fit the registers of 256 threads).
-#define FLASH_WG_BWD_ENTRY(NAME, T, CAP)                                                        \
+// flash_bwd_wg[_cap]_<dtype>_d<D>: flash.cu's flash_bwd128 entry points (the same arguments).
+#define FLASH_WG_BWD_ENTRY(NAME, T, D, CAP)                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                           \
         NAME(const T* q, const T* k, const T* v, const T* dout, const float* lse,               \
              const float* delta, const uint32_t* lo, const uint32_t* hi, float* dq, float* dk,   \
              float* dv, int hq, int hk, int nq, int nk, int nk_pad, float scale, float cap) {   \
-        flash_bwd_wg<T, 64, CAP>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq, hk, nq, nk,  \
+        flash_bwd_wg<T, D, CAP>(q, k, v, dout, lse, delta, lo, hi, dq, dk, dv, hq, hk, nq, nk,   \
                                  nk_pad, scale, cap);                                           \
     }
-FLASH_WG_BWD_ENTRY(flash_bwd_wg_bf16_d64, __nv_bfloat16, false)
-FLASH_WG_BWD_ENTRY(flash_bwd_wg_cap_bf16_d64, __nv_bfloat16, true)
-FLASH_WG_BWD_ENTRY(flash_bwd_wg_f16_d64, __half, false)
-FLASH_WG_BWD_ENTRY(flash_bwd_wg_cap_f16_d64, __half, true)
+#define FLASH_WG_BWD_DTYPE(SUFFIX, T)                                                           \
+    FLASH_WG_BWD_ENTRY(flash_bwd_wg_##SUFFIX##_d64, T, 64, false)                               \
+    FLASH_WG_BWD_ENTRY(flash_bwd_wg_cap_##SUFFIX##_d64, T, 64, true)                            \
+    FLASH_WG_BWD_ENTRY(flash_bwd_wg_##SUFFIX##_d128, T, 128, false)                             \
+    FLASH_WG_BWD_ENTRY(flash_bwd_wg_cap_##SUFFIX##_d128, T, 128, true)
+FLASH_WG_BWD_DTYPE(bf16, __nv_bfloat16)
+FLASH_WG_BWD_DTYPE(f16, __half)
 
 FLASH_WG_DTYPE(bf16, __nv_bfloat16)
 FLASH_WG_DTYPE(f16, __half)

@@ -190,65 +190,68 @@ mod tests {
         }
     }
 
-    /// The backward (head dim 64, 128 keys, 64 queries, two warpgroups of 128 threads): each
-    /// warpgroup's S^T = K_w Q^T, dV_w += P^T dO (dO^T's descriptor), and dQ's half of the
-    /// columns += dS K (dS and K^T's descriptors), Q and dO through `RowPairs`.
+    /// The backward (128 keys, two warpgroups of 128 threads; query tiles of 64 at head dim
+    /// 64, 32 at 128): each warpgroup's S^T = K_w Q^T, dV_w += P^T dO (dO^T's descriptor),
+    /// and its block of dQ^T += K^T dS^T (64 of dQ's columns from d0 by 32 queries from q0),
+    /// Q, dO and K^T through `RowPairs`.
     #[test]
     fn backward_descriptors_read_the_products() {
-        const D: usize = 64;
-        const BR: usize = 64;
         const BC: usize = 128;
-        let (q, k, dout) = (random(BR * D, 4), random(BC * D, 5), random(BR * D, 6));
-        let (p, ds) = (random(BC * BR, 7), random(BR * BC, 8));
-        let sk = tile(&k, BC, D);
-        let sq = pairs(&q, BR, D, 256, false);
-        let sdot = pairs(&dout, BR, D, 256, true);
-        let skt = pairs(&k, BC, D, 256, true);
-        // dS [BR x BC] as the kernel writes it: tiled<BC>(query, key).
-        let mut sds = vec![f32::NAN; BR * BC];
-        for i in 0..BR {
-            for j in 0..BC {
-                sds[tiled(BC, i, j)] = ds[i * BC + j];
-            }
-        }
-        for wg in 0..2 {
-            // S^T = K_w Q^T: K_w starts 64 x D elements in.
-            let st = product(&sk, (wg * 64 * D * 2, D), &sq, (0, D), 64, BR, D / 16);
-            let dot = |r: usize, c: usize| {
-                (0..D)
-                    .map(|x| k[(64 * wg + r) * D + x] * q[c * D + x])
-                    .sum()
-            };
-            assert_close(&st, |i| dot(i / BR, i % BR), "S^T");
-            // dV_w = P^T dO: A = P^T from registers, B = dO^T per 16 queries.
-            let mut dv = vec![0f32; 64 * D];
-            for (i, x) in dv.iter_mut().enumerate() {
-                let (r, c) = (i / D, i % D);
-                for kk in 0..BR / 16 {
-                    for kx in 0..16 {
-                        *x += p[r * BR + kk * 16 + kx] * read(&sdot, desc(kk * 256, BR), c, kx);
-                    }
+        for (d, br) in [(64, 64), (128, 32)] {
+            let nq = d * br / 128;
+            let (q, k, dout) = (random(br * d, 4), random(BC * d, 5), random(br * d, 6));
+            let (p, ds) = (random(BC * br, 7), random(br * BC, 8));
+            let sk = tile(&k, BC, d);
+            let sq = pairs(&q, br, d, 256, false);
+            let sdot = pairs(&dout, br, d, 256, true);
+            let skt = pairs(&k, BC, d, 256, true);
+            // dS [br x BC] as the kernel writes it: tiled<BC>(query, key).
+            let mut sds = vec![f32::NAN; br * BC];
+            for i in 0..br {
+                for j in 0..BC {
+                    sds[tiled(BC, i, j)] = ds[i * BC + j];
                 }
             }
-            let pdo = |r: usize, c: usize| (0..BR).map(|j| p[r * BR + j] * dout[j * D + c]).sum();
-            assert_close(&dv, |i| pdo(i / D, i % D), "dV");
-            // dQ[:, half wg] = dS K: K^T's rows from wg x D / 2.
-            let half = D / 2;
-            let dq = product(
-                &sds,
-                (0, BC),
-                &skt,
-                (wg * half * BC * 2, BC),
-                BR,
-                half,
-                BC / 16,
-            );
-            let dsk = |r: usize, c: usize| {
-                (0..BC)
-                    .map(|j| ds[r * BC + j] * k[j * D + wg * half + c])
-                    .sum()
-            };
-            assert_close(&dq, |i| dsk(i / half, i % half), "dQ");
+            for wg in 0..2 {
+                // S^T = K_w Q^T: K_w starts 64 x d elements in.
+                let st = product(&sk, (wg * 64 * d * 2, d), &sq, (0, d), 64, br, d / 16);
+                let dot = |r: usize, c: usize| {
+                    (0..d)
+                        .map(|x| k[(64 * wg + r) * d + x] * q[c * d + x])
+                        .sum()
+                };
+                assert_close(&st, |i| dot(i / br, i % br), &format!("d {d}: S^T"));
+                // dV_w = P^T dO: A = P^T from registers, B = dO^T per 16 queries.
+                let mut dv = vec![0f32; 64 * d];
+                for (i, x) in dv.iter_mut().enumerate() {
+                    let (r, c) = (i / d, i % d);
+                    for kk in 0..br / 16 {
+                        for kx in 0..16 {
+                            *x += p[r * br + kk * 16 + kx] * read(&sdot, desc(kk * 256, br), c, kx);
+                        }
+                    }
+                }
+                let pdo =
+                    |r: usize, c: usize| (0..br).map(|j| p[r * br + j] * dout[j * d + c]).sum();
+                assert_close(&dv, |i| pdo(i / d, i % d), &format!("d {d}: dV"));
+                // dQ^T: A = K^T's rows from d0, B = dS's rows (queries) from q0.
+                let (d0, q0) = if d == 128 { (64 * wg, 0) } else { (0, nq * wg) };
+                let dqt = product(
+                    &skt,
+                    (d0 * BC * 2, BC),
+                    &sds,
+                    (q0 * BC * 2, BC),
+                    64,
+                    nq,
+                    BC / 16,
+                );
+                let kds = |r: usize, c: usize| {
+                    (0..BC)
+                        .map(|j| k[j * d + d0 + r] * ds[(q0 + c) * BC + j])
+                        .sum()
+                };
+                assert_close(&dqt, |i| kds(i / nq, i % nq), &format!("d {d}: dQ^T"));
+            }
         }
     }
 }
