@@ -82,41 +82,37 @@ __device__ __forceinline__ void wgmma_ss(float (*d)[4], uint64_t a, uint64_t b);
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (*d)[4], const uint32_t* a, uint64_t b);
 
-// One set per 16-bit type; `TY` is its PTX name.
-#define FLASH_WGMMA(T, TY)                                                                      \
+// One wgmma shape: D [64 x N] (the R registers, ACC operands) += A B^T with A and B in shared
+// memory (descriptors %IA and %IB), or A in registers (%A0..%A0+3, B's descriptor %IB).
+#define WG_SS(T, TY, N, R, ACC, IA, IB)                                                         \
     template <>                                                                                 \
-    __device__ __forceinline__ void wgmma_ss<T, 32>(float (*d)[4], uint64_t a, uint64_t b) {    \
-        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " WG_R16     \
-                           ", %16, %17, on, 1, 1, 0, 0;\n}\n"                                   \
-                     : WG_ACC16                                                                 \
+    __device__ __forceinline__ void wgmma_ss<T, N>(float (*d)[4], uint64_t a, uint64_t b) {     \
+        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " R     \
+                           ", %" #IA ", %" #IB ", on, 1, 1, 0, 0;\n}\n"                        \
+                     : ACC                                                                      \
                      : "l"(a), "l"(b));                                                         \
-    }                                                                                           \
+    }
+#define WG_RS(T, TY, N, R, ACC, A0, A1, A2, A3, IB)                                             \
     template <>                                                                                 \
-    __device__ __forceinline__ void wgmma_ss<T, 64>(float (*d)[4], uint64_t a, uint64_t b) {    \
-        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WG_R32     \
-                           ", %32, %33, on, 1, 1, 0, 0;\n}\n"                                   \
-                     : WG_ACC32                                                                 \
-                     : "l"(a), "l"(b));                                                         \
-    }                                                                                           \
-    template <>                                                                                 \
-    __device__ __forceinline__ void wgmma_rs<T, 64>(float (*d)[4], const uint32_t* a,          \
-                                                    uint64_t b) {                               \
-        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WG_R32     \
-                           ", {%32, %33, %34, %35}, %36, on, 1, 1, 0;\n}\n"                     \
-                     : WG_ACC32                                                                 \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                     \
-    }                                                                                           \
-    template <>                                                                                 \
-    __device__ __forceinline__ void wgmma_rs<T, 128>(float (*d)[4], const uint32_t* a,         \
-                                                     uint64_t b) {                              \
-        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " WG_R64    \
-                           ", {%64, %65, %66, %67}, %68, on, 1, 1, 0;\n}\n"                     \
-                     : WG_ACC64                                                                 \
+    __device__ __forceinline__ void wgmma_rs<T, N>(float (*d)[4], const uint32_t* a,           \
+                                                   uint64_t b) {                                \
+        asm volatile(WG_ON "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " R     \
+                           ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #IB                  \
+                           ", on, 1, 1, 0;\n}\n"                                               \
+                     : ACC                                                                      \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                     \
     }
+// The shapes the kernels use, per 16-bit type (`TY`: its PTX name).
+#define FLASH_WGMMA(T, TY)                                                                      \
+    WG_SS(T, TY, 32, WG_R16, WG_ACC16, 16, 17)                                                  \
+    WG_SS(T, TY, 64, WG_R32, WG_ACC32, 32, 33)                                                  \
+    WG_RS(T, TY, 64, WG_R32, WG_ACC32, 32, 33, 34, 35, 36)                                      \
+    WG_RS(T, TY, 128, WG_R64, WG_ACC64, 64, 65, 66, 67, 68)
 FLASH_WGMMA(__nv_bfloat16, "bf16")
 FLASH_WGMMA(__half, "f16")
 #undef FLASH_WGMMA
+#undef WG_SS
+#undef WG_RS
 
 // Rows [r0, r0 + rows) of a [n, D] matrix into a K-major tile (k = the D columns) by cp.async,
 // 16 bytes (one core-matrix row) per copy; rows past n are zeros.
