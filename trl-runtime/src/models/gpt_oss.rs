@@ -67,19 +67,19 @@ impl GptOssExperts {
         let gate_up = grouped_linear(&xs, gate_up, Some(bias), counts)?;
         let m = gate_up.dim(0)?;
         let act = crate::kernels::fused::clamped_swiglu(&gate_up, self.alpha, self.limit)?;
-        let down = (&self.down_proj, &self.down_proj_bias);
         let Some(tp) = cx.tp() else {
             // The down bias in the grouped GEMM's pass (its gradient per expert's rows).
-            return Ok(grouped_linear(&act, down.0, Some(down.1), counts)?);
+            let bias = Some(&self.down_proj_bias);
+            return Ok(grouped_linear(&act, &self.down_proj, bias, counts)?);
         };
         // Under tp the down rows are split: the bias is added once, after the sum.
-        let y = reduce_from_group(&grouped_linear(&act, down.0, None, counts)?, tp)?;
+        let y = reduce_from_group(&grouped_linear(&act, &self.down_proj, None, counts)?, tp)?;
         let experts: Vec<u32> = (0u32..)
             .zip(counts)
             .flat_map(|(e, &n)| std::iter::repeat_n(e, n))
             .collect();
         let experts = Tensor::from_vec(experts, m, xs.device())?;
-        let bias = down.1.value()?.index_select(&experts, 0)?;
+        let bias = self.down_proj_bias.value()?.index_select(&experts, 0)?;
         Ok((y + bias)?)
     }
 }

@@ -224,7 +224,7 @@ pub struct ModelShapes {
     /// Attention norms q and k (their inputs and outputs are kept).
     qk_norm: bool,
     /// The dense MLP is SwiGLU without biases (`nn::gated`'s two ops where its weights are
-    /// whole on a rank and carry no adapter).
+    /// held on the rank, whole or tp's split, and carry no adapter).
     gated_mlp: bool,
     /// The routed experts are SwiGLU MLPs without biases (the same two ops).
     gated_experts: bool,
@@ -694,8 +694,8 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         let (dropped, chained_mlp) = if lora { (dropped, 4.0 * i) } else { (0.0, 0.0) };
         // Weights held on this rank (whole or tp's split), no adapters: the gated MLP's two
         // ops keep (gate | up) and not SwiGLU's product (`nn::gated`), i fewer.
-        let whole_weights = !matches!(setup.strategy, Strategy::Fsdp(..));
-        let gated = |applies: bool, width: f64| match applies && whole_weights && !lora {
+        let weights_held = !matches!(setup.strategy, Strategy::Fsdp(..));
+        let gated = |applies: bool, width: f64| match applies && weights_held && !lora {
             true => width,
             false => 0.0,
         };
