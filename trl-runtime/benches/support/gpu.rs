@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use trl_runtime::dist::DistContext;
 use trl_runtime::models::AutoModelForCausalLM;
+use trl_runtime::parallel::estimate::ModelShapes;
 use trl_runtime::train::{DPOConfig, Dpo, SFTConfig, Sft, Strategy, Task, Trainer};
 
 pub const SEQ: usize = 2048;
@@ -73,28 +74,21 @@ fn matmul_rate(dev: &Device) -> f64 {
     2.0 * (n * n * n) as f64 / best
 }
 
-/// The parameters a token passes through: all of them, less the experts it is not routed
-/// to (a mixture of experts' `num_experts - num_experts_per_tok` per sparse layer).
-fn active_params(config: &serde_json::Value, params: usize) -> usize {
-    let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
-    let idle = get("num_experts").saturating_sub(get("num_experts_per_tok"));
-    params - idle * 3 * get("hidden_size") * get("moe_intermediate_size") * get("num_hidden_layers")
-}
-
-/// Model FLOPs per trained token: 6 per active parameter (forward and backward of every
-/// matmul, the tied head included; under LoRA 4, the frozen weights getting no gradient and
-/// the rank-16 adapters' few FLOPs left out) plus causal attention's 6 x layers x (heads x
-/// head dim) x sequence (scores and the weighted sum, half the square), as in the PaLM
-/// paper's MFU. DPO's reference pass is not counted (ours computes it before training).
-fn flops_per_token(config: &serde_json::Value, params: usize, lora: bool) -> f64 {
-    let get = |k: &str| config[k].as_u64().unwrap_or(0) as usize;
-    let width = match get("head_dim") {
-        0 => get("hidden_size"),
-        d => d * get("num_attention_heads"),
+/// Model FLOPs per trained token: the planner's count (`ModelShapes::matmul_flops_per_token`:
+/// 6 per parameter a token runs through, a mixture of experts' routed ones only, the tied
+/// head included, and causal attention's 6 x sequence x heads x head dim per layer, as in
+/// the PaLM paper's MFU); under LoRA 4 per base parameter, its frozen weights getting no
+/// gradient (the rank-16 adapters' few FLOPs left out). DPO's reference pass is not counted
+/// (ours computes it before training).
+fn flops_per_token(shapes: &ModelShapes, lora: bool) -> f64 {
+    let step = shapes.matmul_flops_per_token(SEQ, false, 0);
+    // At sequence length 0 only the parameters' 6 per token remain: a third of it is the
+    // weight gradients LoRA's frozen base skips.
+    let frozen = match lora {
+        true => shapes.matmul_flops_per_token(0, false, 0) / 3.0,
+        false => 0.0,
     };
-    let per_param = if lora { 4.0 } else { 6.0 };
-    per_param * active_params(config, params) as f64
-        + 6.0 * (get("num_hidden_layers") * width * SEQ) as f64
+    step - frozen
 }
 
 /// What a run trains: every weight (SFT), LoRA adapters (TRL's recipe: r 16, alpha 32,
@@ -199,10 +193,10 @@ fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
-/// A model written for the bench: its folder, config and parameter count.
+/// A model written for the bench: its folder, shapes and parameter count.
 struct BenchModel {
     dir: PathBuf,
-    config: serde_json::Value,
+    shapes: ModelShapes,
     params: usize,
 }
 
@@ -286,14 +280,15 @@ pub fn run(dir: &Path) {
             .map(|r| r.batch)
             .max()?;
         let dir = dir.join(name);
-        let params = crate::support::write_model_and_rows(&dir, config.clone(), most * steps, SEQ);
+        let shapes = ModelShapes::of_json(&config.to_string(), name).unwrap();
+        let params = crate::support::write_model_and_rows(&dir, config, most * steps, SEQ);
         if runs.iter().any(|r| r.moe == moe && r.kind == Kind::Dpo) {
             // A prompt of ~512 tokens and completions of ~1536: each sequence about SEQ.
             crate::support::write_pref_rows(&dir.join("pref.jsonl"), most / 2 * steps, 132, 400);
         }
         Some(BenchModel {
             dir,
-            config,
+            shapes,
             params,
         })
     };
@@ -349,7 +344,7 @@ pub fn run(dir: &Path) {
         match result {
             Ok(m) => {
                 let lora = run.kind == Kind::Lora;
-                let mfu = m.tokens_per_s * flops_per_token(&model.config, model.params, lora) / rate;
+                let mfu = m.tokens_per_s * flops_per_token(&model.shapes, lora) / rate;
                 // The planner's prediction leaves the process's own memory out, as the pool's
                 // high-water mark does.
                 let predicted = m.predicted_peak.map_or(String::new(), |p| {
@@ -434,7 +429,7 @@ pub fn run(dir: &Path) {
                 continue;
             };
             let lora = kind == Kind::Lora;
-            let hf_mfu = theirs * flops_per_token(&model.config, model.params, lora) / rate;
+            let hf_mfu = theirs * flops_per_token(&model.shapes, lora) / rate;
             println!(
                 "{{\"bench\":\"train\",\"device\":\"cuda\",\"peer\":\"{name}\",{},\"peer_tokens_per_s\":{theirs:.1},\"peer_mfu\":{hf_mfu:.4},\"peer_peak_gpu_mem_gib\":{their_peak:.2},\"tokens_per_s\":{mine:.1},\"peak_gpu_mem_gib\":{my_peak:.2},\"ratio_ours_over_peer\":{:.3}}}",
                 run.label(),

@@ -295,7 +295,9 @@ impl ModelShapes {
 
     /// Matmul FLOPs of one token's forward and backward at sequence length `seq`: 6 per
     /// parameter it runs through (8 with checkpointing's second forward) and causal
-    /// attention's 6 s q / 2 per layer. The embedding lookup costs nothing; a tied head still
+    /// attention's 6 s q per layer (a query scores s / 2 keys on average, 2 FLOPs per key and
+    /// feature in Q K^T and again in P V, the backward twice the forward: the PaLM paper's
+    /// count, which `bench train`'s MFU and so the GPU table use). The embedding lookup costs nothing; a tied head still
     /// runs its matmul; a token runs through its routed experts only. LoRA's `adapters`
     /// parameters run beside the base's, and the base is charged a full step's 6 although its
     /// frozen weights get no gradient (4). On a CPU what LoRA costs beyond this rule is
@@ -308,7 +310,7 @@ impl ModelShapes {
         let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
         let layers = cfg.num_hidden_layers as f64;
         let passes = if checkpointing { 8.0 } else { 6.0 };
-        passes * (matmul_params + adapters as f64) + passes * layers * seq as f64 * q / 2.0
+        passes * (matmul_params + adapters as f64) + passes * layers * seq as f64 * q
     }
 
     /// The shapes of model `N` (a user's model too) built from config.json's text `json`.
@@ -1793,6 +1795,24 @@ mod tests {
                 (extra - layers * per_layer * 1e-3).abs() < 1e-12,
                 "checkpointing {checkpointing}: {extra} s"
             );
+        }
+    }
+
+    /// Causal attention's FLOPs per token and layer: a query scores s / 2 keys on average,
+    /// 2 FLOPs per key and feature in Q K^T and in P V, times 3 for forward and backward (4
+    /// with checkpointing's second forward): 6 s q (8 s q), what `bench train`'s MFU and so
+    /// the GPU table's rate count.
+    #[test]
+    fn attention_flops_are_the_causal_count() {
+        let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+        let q = (m.dims.num_attention_heads * m.dims.head_dim()) as f64;
+        let layers = m.dims.num_hidden_layers as f64;
+        for (checkpointing, passes) in [(false, 6.0), (true, 8.0)] {
+            let seq = 1000;
+            let attention = m.matmul_flops_per_token(seq, checkpointing, 0)
+                - m.matmul_flops_per_token(0, checkpointing, 0);
+            let causal = passes * layers * seq as f64 * q;
+            assert!((attention - causal).abs() < 1e-6 * causal, "{attention} vs {causal}");
         }
     }
 
