@@ -7,8 +7,9 @@
 //!
 //! The kernels (`kernels/flash.cu`) are FlashAttention-2 with the operands in registers,
 //! `mma.sync` and `ldmatrix`; docs/gpu.md has their measurements. On Hopper both have `wgmma`
-//! versions (`kernels/flash_sm90.cu`, `TRL_FLASH_WGMMA=1`, not yet run on a GPU). (A first version through
-//! WMMA, with the scores in shared memory, ran 7-8x slower on an H100 and is gone.)
+//! versions (`kernels/flash_sm90.cu`, `TRL_FLASH_WGMMA=1`, not yet run on a GPU). (A first
+//! version through WMMA, with the scores in shared memory, ran 7-8x slower on an H100 and is
+//! gone.)
 //!
 //! The kernels write f32 (outputs, dQ, dK, dV; rows padded to the 64-row blocks). [`forward`]
 //! returns the output in f32 with each row's log-sum-exp (ring attention merges them);
@@ -141,15 +142,17 @@ fn fwd_shared(d: usize) -> usize {
 /// `TRL_FLASH_WGMMA=1` on a GPU of compute capability 9.0. Off by default until a GPU run has
 /// checked them against the CPU and timed them (`scripts/gpu-run tests` and `attention` run
 /// both).
+/// Decided once per process (a process computes on one GPU), not per launch.
 fn wgmma(dev: &CudaDevice) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let asked = *ON.get_or_init(|| env_choice("TRL_FLASH_WGMMA", &[("0", false), ("1", true)]));
-    asked
-        && dev
-            .cuda_stream()
-            .context()
-            .compute_capability()
-            .is_ok_and(|cc| cc == (9, 0))
+    *ON.get_or_init(|| {
+        env_choice("TRL_FLASH_WGMMA", &[("0", false), ("1", true)])
+            && dev
+                .cuda_stream()
+                .context()
+                .compute_capability()
+                .is_ok_and(|cc| cc == (9, 0))
+    })
 }
 
 /// Shared memory of the Hopper forward: Q, K and V^T tiles of 64 x `d`, unpadded (its
@@ -205,13 +208,17 @@ fn pipelined() -> bool {
 /// `flash_fwd_` / `flash_bwd128_` with `async_` when [`pipelined`], and `cap_` for the
 /// kernels that soft-cap the scores (compiled apart, so the others stay as measured).
 fn variant(stem: &str, spans: &KeySpans) -> String {
-    let stem = match pipelined() {
-        true => format!("{stem}async_"),
-        false => stem.to_string(),
-    };
+    match pipelined() {
+        true => capped(&format!("{stem}async_"), spans),
+        false => capped(stem, spans),
+    }
+}
+
+/// `stem` with `cap_` for the kernels that soft-cap the scores.
+fn capped(stem: &str, spans: &KeySpans) -> String {
     match spans.softcap {
         Some(_) => format!("{stem}cap_"),
-        None => stem,
+        None => stem.to_string(),
     }
 }
 
@@ -339,8 +346,7 @@ fn launch_forward(
     let n_out = b * hq * nq_pad * d;
     let packed = dev.alloc_zeros::<f32>(n_out + b * hq * nq_pad)?;
     let (shared, f) = if wgmma(&dev) {
-        let cap = if spans.softcap.is_some() { "cap_" } else { "" };
-        let name = format!("flash_fwd_wg_{cap}{}_d{d}", suffix(dtype)?);
+        let name = format!("{}{}_d{d}", capped("flash_fwd_wg_", spans), suffix(dtype)?);
         let shared = wg_shared(d);
         (
             shared,
@@ -454,8 +460,7 @@ fn launch_backward(
         unsafe { lb.launch(config((rows.div_ceil(warps) as u32, 1), 0)) }.w()?;
 
         let (shared, f) = if hopper {
-            let cap = if spans.softcap.is_some() { "cap_" } else { "" };
-            let name = format!("flash_bwd_wg_{cap}{sfx}_d{d}");
+            let name = format!("{}{sfx}_d{d}", capped("flash_bwd_wg_", spans));
             let shared = wg_bwd_shared(d);
             (
                 shared,
