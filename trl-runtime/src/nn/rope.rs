@@ -237,11 +237,19 @@ impl RotaryEmbedding {
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        let positions: Vec<Vec<i64>> = position_ids.to_dtype(DType::I64)?.to_vec2()?;
-        let (b, s) = (positions.len(), positions.first().map_or(0, Vec::len));
-        let max_position =
-            max_position.unwrap_or_else(|| positions.iter().flatten().copied().max().unwrap_or(0));
-        let seq_len = max_position.max(0) as usize + 1;
+        let (b, s) = position_ids.dims2()?;
+        let flat: Vec<i64> = position_ids
+            .to_dtype(DType::I64)?
+            .flatten_all()?
+            .to_vec1()?;
+        let (Some(&lowest), Some(&highest)) = (flat.iter().min(), flat.iter().max()) else {
+            let empty = Tensor::zeros((b, s, self.head_dim), dtype, device)?;
+            return Ok((empty.clone(), empty));
+        };
+        if lowest < 0 {
+            candle_core::bail!("rotary embedding: position {lowest} is negative");
+        }
+        let seq_len = max_position.unwrap_or(highest).max(0) as usize + 1;
         let inv_freq = match (self.dynamic, &self.longrope) {
             (_, Some(l)) => {
                 let factors = if seq_len > l.original {
@@ -268,15 +276,8 @@ impl RotaryEmbedding {
             }
             (None, None) => self.inv_freq.clone(),
         };
-        let flat: Vec<i64> = positions.into_iter().flatten().collect();
-        let (Some(&lowest), Some(&highest)) = (flat.iter().min(), flat.iter().max()) else {
-            let empty = Tensor::zeros((b, s, self.head_dim), dtype, device)?;
-            return Ok((empty.clone(), empty));
-        };
-        if lowest < 0 {
-            candle_core::bail!("rotary embedding: position {lowest} is negative");
-        }
-        let seq_len = seq_len.max(highest as usize + 1);
+        // The table's rows: a part of a sequence may be told a smaller largest position.
+        let rows_needed = seq_len.max(highest as usize + 1);
         let ids = Tensor::from_vec(
             flat.iter().map(|&p| p as u32).collect::<Vec<_>>(),
             b * s,
@@ -285,7 +286,7 @@ impl RotaryEmbedding {
         let mut cached = self.table.lock().unwrap_or_else(|e| e.into_inner());
         let fits = |t: &Table| {
             t.inv_freq == inv_freq
-                && t.rows >= seq_len
+                && t.rows >= rows_needed
                 && t.dtype == dtype
                 && t.device.same_device(device)
         };
@@ -293,7 +294,7 @@ impl RotaryEmbedding {
             Some(table) => table,
             None => {
                 // Grown to a power of two: a run of rising lengths rebuilds it a few times.
-                let rows = seq_len.next_power_of_two();
+                let rows = rows_needed.next_power_of_two();
                 let (cos, sin) = self.rows_of(&inv_freq, rows, dtype, device)?;
                 Table {
                     inv_freq,
