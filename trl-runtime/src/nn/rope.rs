@@ -433,4 +433,29 @@ mod tests {
             }
         }
     }
+
+    /// The table is kept: a forward within its rows gathers from the same table, one past
+    /// them or in another dtype builds a new one.
+    #[test]
+    fn table_is_kept_between_forwards() {
+        let rope = RotaryEmbedding::new(8, 10000.0, 64, None).unwrap();
+        let table = || {
+            let t = rope.table.lock().unwrap();
+            t.as_ref().map(|t| (t.cos.id(), t.rows))
+        };
+        let forward = |rows: Vec<Vec<i64>>, dtype| {
+            let pos = Tensor::new(rows, &Device::Cpu).unwrap();
+            rope.cos_sin(&pos, dtype, &Device::Cpu).unwrap();
+        };
+        forward(vec![vec![0, 1, 2, 3, 4]], DType::F32);
+        let first = table().unwrap();
+        assert_eq!(first.1, 8, "grown to a power of two past position 4");
+        forward(vec![vec![7, 0, 1, 2, 3]], DType::F32);
+        assert_eq!(table().unwrap(), first, "within the rows: the same table");
+        forward(vec![vec![8, 0, 1, 2, 3]], DType::F32);
+        let grown = table().unwrap();
+        assert_eq!(grown.1, 16);
+        forward(vec![vec![8, 0, 1, 2, 3]], DType::F64);
+        assert_ne!(table().unwrap().0, grown.0, "another dtype: another table");
+    }
 }

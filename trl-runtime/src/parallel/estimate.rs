@@ -1812,7 +1812,10 @@ mod tests {
             let attention = m.matmul_flops_per_token(seq, checkpointing, 0)
                 - m.matmul_flops_per_token(0, checkpointing, 0);
             let causal = passes * layers * seq as f64 * q;
-            assert!((attention - causal).abs() < 1e-6 * causal, "{attention} vs {causal}");
+            assert!(
+                (attention - causal).abs() < 1e-6 * causal,
+                "{attention} vs {causal}"
+            );
         }
     }
 
