@@ -167,25 +167,11 @@ fn gpu() {
         (1, 14, 2, 8192, 64),
         (1, 14, 2, 32768, 64),
     ];
-    // Keys per backward block (TRL_FLASH_BWD_KEYS: 128, the default, or 64).
-    let keys = std::env::var("TRL_FLASH_BWD_KEYS").unwrap_or_else(|_| "128".into());
-    // Tiles loaded by cp.async, overlapped with the math, unless TRL_FLASH_ASYNC=0.
-    let pipelined = !std::env::var("TRL_FLASH_ASYNC").is_ok_and(|v| v == "0");
-    // 32-row query tiles in the 128-key backward at head dim 64 (TRL_FLASH_BWD_ROWS=32).
-    let rows = match std::env::var("TRL_FLASH_BWD_ROWS").as_deref() {
-        Ok("32") if keys == "128" => "r32",
-        _ => "",
+    // The kernels the switches (TRL_FLASH_*) select on this GPU, as the library decides.
+    let Device::Cuda(cuda) = &dev else {
+        return;
     };
-    // The Hopper kernels (wgmma; the backward at head dim 64) with TRL_FLASH_WGMMA=1 on a GPU
-    // of compute capability 9.0.
-    let fwd = match std::env::var("TRL_FLASH_WGMMA").as_deref() {
-        Ok("1") => "wgmma-",
-        _ => "",
-    };
-    let kernel = format!(
-        "{fwd}mma{}-bwd{keys}{rows}",
-        if pipelined { "-async" } else { "" }
-    );
+    let kernel = trl_runtime::kernels::cuda_flash::kernels_in_use(cuda, 64);
     let args: Vec<String> = shapes.iter().map(|s| shape_arg(*s)).collect();
     let torch = torch_ms("cuda", "bf16", &args);
     for (shape, theirs) in shapes.iter().zip(torch) {

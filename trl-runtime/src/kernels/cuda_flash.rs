@@ -155,6 +155,18 @@ fn wgmma(dev: &CudaDevice) -> bool {
     })
 }
 
+/// The kernels attention runs at head dim `d` on `dev` under the current switches
+/// (`TRL_FLASH_*`): `wgmma` (the Hopper ones), else `mma[-async]-bwd<keys>[r32]`. The attention
+/// bench labels its lines with it.
+pub fn kernels_in_use(dev: &CudaDevice, d: usize) -> String {
+    if wgmma(dev) {
+        return "wgmma".into();
+    }
+    let rows = if bwd_two_blocks(d) { "r32" } else { "" };
+    let copies = if pipelined() { "-async" } else { "" };
+    format!("mma{copies}-bwd{}{rows}", bwd_keys())
+}
+
 /// Shared memory of the Hopper forward: Q, K and V^T tiles of 64 x `d`, unpadded (its
 /// operands are core-matrix tiles, free of bank conflicts).
 fn wg_shared(d: usize) -> usize {
