@@ -13,6 +13,8 @@
 //!   the plain run;
 //! - the fused kernels (RMSNorm, SwiGLU, rotary, the fused loss, flash attention: causal, with
 //!   key spans, and ring attention per chunk pair) against the CPU kernels in f32.
+//! - on compute capability 9.0, the Hopper attention kernels' two wgmma operand forms alone
+//!   against the same products on the CPU.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -787,6 +789,118 @@ fn per_row_losses_on_gpu_follow_cpu() {
             "{dtype:?}: frozen"
         );
     }
+}
+
+/// The two wgmma operand forms of the Hopper kernels alone (kernels/flash_sm90.cu's probes), on
+/// a GPU of compute capability 9.0, against the same product in f32 on the CPU: A B^T with both
+/// operands in shared memory (B 32 or 64 rows) and P V with P in registers and V transposed, at
+/// head dims 64 and 128. On a mismatch it says which rows and columns of the product landed
+/// where, so that a first run tells a layout error from one in the kernels' logic.
+#[test]
+fn wgmma_operands_follow_the_cpu() {
+    use trl_runtime::kernels::cuda_flash::wgmma_probe;
+    let Some(dev) = gpu() else { return };
+    let cc = dev
+        .as_cuda_device()
+        .unwrap()
+        .cuda_stream()
+        .context()
+        .compute_capability()
+        .unwrap();
+    if cc != (9, 0) {
+        eprintln!("compute capability {cc:?}, not 9.0: no wgmma to probe");
+        return;
+    }
+    let bf16 = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+    let mut failures = Vec::new();
+    for d in [64, 128] {
+        let a = bf16(&draws(&[64, d], 1.0, 51));
+        let mut cases = Vec::new();
+        for n in [32, 64] {
+            let b = bf16(&draws(&[n, d], 1.0, 52));
+            let want = a
+                .to_dtype(DType::F32)
+                .unwrap()
+                .matmul(&b.to_dtype(DType::F32).unwrap().t().unwrap())
+                .unwrap();
+            cases.push((format!("A B^T, n {n}, d {d}"), a.clone(), b, want));
+        }
+        let p = draws(&[64, 64], 1.0, 53);
+        let v = bf16(&draws(&[64, d], 1.0, 54));
+        let want = bf16(&p)
+            .to_dtype(DType::F32)
+            .unwrap()
+            .matmul(&v.to_dtype(DType::F32).unwrap())
+            .unwrap();
+        cases.push((format!("P V, d {d}"), p, v, want));
+        for (what, a, b, want) in cases {
+            let got = wgmma_probe(&a.to_device(&dev).unwrap(), &b.to_device(&dev).unwrap())
+                .unwrap()
+                .to_device(&Device::Cpu)
+                .unwrap();
+            let e = rel_diff(&got, &want);
+            eprintln!("wgmma {what}: {e:e}");
+            if e > 1e-3 {
+                failures.push(format!(
+                    "{what}: differs by {e}; {}",
+                    misplaced(&got, &want)
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Where `got`'s rows and columns (of a matrix that should be `want`) came from: the wrong
+/// elements, how many are zero (never written), and for the first wrong rows and columns the
+/// rows and columns of `want` they equal.
+fn misplaced(got: &Tensor, want: &Tensor) -> String {
+    let (g, w) = (
+        got.to_vec2::<f32>().unwrap(),
+        want.to_vec2::<f32>().unwrap(),
+    );
+    let tol = 1e-3 * w.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(a, b)| (a - b).abs() <= tol);
+    let col = |m: &[Vec<f32>], c: usize| m.iter().map(|r| r[c]).collect::<Vec<f32>>();
+    let wrong: Vec<(usize, usize)> = (0..g.len())
+        .flat_map(|r| (0..g[0].len()).map(move |c| (r, c)))
+        .filter(|&(r, c)| (g[r][c] - w[r][c]).abs() > tol)
+        .collect();
+    let zeros = wrong.iter().filter(|&&(r, c)| g[r][c] == 0.0).count();
+    let first: Vec<String> = wrong
+        .iter()
+        .take(4)
+        .map(|&(r, c)| format!("({r},{c}) {} for {}", g[r][c], w[r][c]))
+        .collect();
+    let rows: Vec<String> = (0..g.len())
+        .filter(|&r| !same(&g[r], &w[r]))
+        .take(6)
+        .map(|r| {
+            let from = (0..w.len()).find(|&x| same(&g[r], &w[x]));
+            format!(
+                "row {r} = {}",
+                from.map_or("none".into(), |x| format!("row {x}"))
+            )
+        })
+        .collect();
+    let cols: Vec<String> = (0..g[0].len())
+        .filter(|&c| !same(&col(&g, c), &col(&w, c)))
+        .take(6)
+        .map(|c| {
+            let from = (0..w[0].len()).find(|&x| same(&col(&g, c), &col(&w, x)));
+            format!(
+                "col {c} = {}",
+                from.map_or("none".into(), |x| format!("col {x}"))
+            )
+        })
+        .collect();
+    format!(
+        "{} wrong ({zeros} zero), first {}; {}; {}",
+        wrong.len(),
+        first.join(", "),
+        rows.join(", "),
+        cols.join(", ")
+    )
 }
 
 /// The fused CUDA flash attention (kernels/flash.cu, tensor cores) against the whole score

@@ -167,6 +167,53 @@ pub fn kernels_in_use(dev: &CudaDevice, d: usize) -> String {
     format!("mma{copies}-bwd{}{rows}", bwd_keys())
 }
 
+/// One of flash_sm90.cu's probes of the two wgmma operand forms alone (the GPU test
+/// `wgmma_operands_follow_the_cpu` compares them with the CPU, so that a first run tells an
+/// operand-layout error from one in a kernel's logic). On a GPU of compute capability 9.0,
+/// contiguous inputs: bf16 `a` [64, d] and `b` [n, d] (n 32 or 64, d 64 or 128) give `a b^T`
+/// [64, n]; f32 `a` [64, 64] (rounded to bf16 on the way in) and bf16 `b` [64, d] give `a b`
+/// [64, d]. In f32.
+#[doc(hidden)]
+pub fn wgmma_probe(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &WgProbe)
+}
+
+struct WgProbe;
+
+fused_op!(WgProbe: CustomOp2 [this] {
+    name: "wgmma-probe",
+    cpu(_, _, _, _) {
+        bail!("the wgmma probes run on GPUs of compute capability 9.0")
+    }
+    cuda(a, al, b, bl) {
+        let dev = a.device().clone();
+        let (n, d) = bl.shape().dims2()?;
+        let products = a.dtype() == DType::F32;
+        let (name, cols, shared) = if products {
+            (format!("wg_probe_rs_d{d}"), d, 64 * d * 2)
+        } else {
+            (format!("wg_probe_ss_n{n}_d{d}"), n, (64 + n) * d * 2)
+        };
+        let f = kernel_in(&dev, (MODULE_SM90, PTX_SM90), &name, shared)?;
+        let out = dev.alloc_zeros::<f32>(64 * cols)?;
+        let bv = view::<half::bf16>(b, bl)?;
+        let (av32, av16);
+        let stream = dev.cuda_stream();
+        let mut lb = stream.launch_builder(&f);
+        if products {
+            av32 = view::<f32>(a, al)?;
+            lb.arg(&av32);
+        } else {
+            av16 = view::<half::bf16>(a, al)?;
+            lb.arg(&av16);
+        }
+        lb.arg(&bv).arg(&out);
+        // SAFETY: the arguments match the kernel's signature; shared memory as computed.
+        unsafe { lb.launch(config_threads((1, 1), 128, shared)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from((64, cols))))
+    }
+});
+
 /// Shared memory of the Hopper forward: Q, K and V^T tiles of 64 x `d`, unpadded (its
 /// operands are core-matrix tiles, free of bank conflicts).
 fn wg_shared(d: usize) -> usize {

@@ -114,6 +114,19 @@ FLASH_WGMMA(__half, "f16")
 #undef WG_SS
 #undef WG_RS
 
+// Issues D [64 x N] = A B^T over K columns (K / 16 wgmmas, both operands K-major tiles K
+// elements wide in shared memory) and commits them; the caller waits, and may work meanwhile.
+template <typename T, int N, int K>
+__device__ __forceinline__ void issue_ss(float (*d)[4], const T* a, const T* b) {
+    zero_tiles<N / 8>(d);
+    pin<N / 8>(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+        wgmma_ss<T, N>(d, desc<K>(a + kk * 128), desc<K>(b + kk * 128));
+    wg_commit();
+}
+
 // Rows [r0, r0 + rows) of a [n, D] matrix into a K-major tile (k = the D columns) by cp.async,
 // 16 bytes (one core-matrix row) per copy; rows past n are zeros.
 template <typename T, int D>
@@ -243,13 +256,7 @@ __device__ void flash_fwd_wg(const T* q, const T* k, const T* v, const uint32_t*
     for (int j0 = j_begin; j0 < j_end; j0 += BC) {
         // S = Q K^T, issued; V_j comes into registers while it runs.
         float s[BC / 8][4];
-        zero_tiles<BC / 8>(s);
-        pin<BC / 8>(s);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_ss<T, BC>(s, desc<D>(sq + kk * 128), desc<D>(sk + kk * 128));
-        wg_commit();
+        issue_ss<T, BC, D>(s, sq, sk);
         RowPairs<D, BC, 128> vt;
         vt.load(vb, j0, nk);
         wg_wait();
@@ -420,14 +427,7 @@ __device__ void flash_bwd_wg(const T* q, const T* k, const T* v, const T* dout, 
         fence_async();
         __syncthreads();
         float qa[NQ / 8][4];
-        zero_tiles<NQ / 8>(qa);
-        pin<NQ / 8>(qa);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk)
-            wgmma_ss<T, NQ>(qa, desc<BC>(skt + d0 * BC + kk * 128),
-                            desc<BC>(sds + q0 * BC + kk * 128));
-        wg_commit();
+        issue_ss<T, NQ, BC>(qa, skt + d0 * BC, sds + q0 * BC);
         wg_wait();
         pin<D / 8>(dva);
         pin<D / 8>(dka);
@@ -491,3 +491,97 @@ FLASH_WG_BWD_DTYPE(f16, __half)
 
 FLASH_WG_DTYPE(bf16, __nv_bfloat16)
 FLASH_WG_DTYPE(f16, __half)
+
+// Probes of the two operand forms every product above is made of, each alone on one
+// warpgroup, so that a first GPU run tells an operand-layout error (descriptors, fragments,
+// transposed stores, fences) from one in a kernel's own logic (cuda_flash::wgmma_probe and
+// the GPU test `wgmma_operands_follow_the_cpu`):
+//   wg_probe_ss_n<N>_d<D>: S [64 x N] = A B^T, A [64 x D] and B [N x D] bf16 staged by
+//     load_tiled_async and read by descriptors (the forward's S, the backward's S^T and dQ^T);
+//   wg_probe_rs_d<D>: O [64 x D] = P V, P [64 x 64] f32 rounded to bf16 and packed by pack_a
+//     from the accumulators' layout, V [64 x D] bf16 transposed by RowPairs::store_t (the
+//     forward's O and the backward's dV and dK).
+// Outputs f32, row-major, written from the accumulators' layout (warp w: rows 16w + g and
+// 16w + g + 8, tile n: columns 8n + 2t and 8n + 2t + 1).
+// Element e of accumulator tile n of this thread: (row, column) of a [64 x N] product.
+__device__ __forceinline__ void acc_at(int n, int e, int& row, int& col) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    row = warp * 16 + (lane >> 2) + 8 * (e >> 1);
+    col = n * 8 + 2 * (lane & 3) + (e & 1);
+}
+
+// f(n, e, i) for element e of this thread's accumulator tile n, at i in a row-major
+// [64 x N] matrix.
+template <int N, typename F> __device__ __forceinline__ void each_acc(F f) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int row, col;
+            acc_at(n, e, row, col);
+            f(n, e, row * N + col);
+        }
+}
+
+template <int N, int D>
+__device__ void wg_probe_ss(const __nv_bfloat16* a, const __nv_bfloat16* b, float* s) {
+    using T = __nv_bfloat16;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sa = (T*)smem;     // A [64 x D]
+    T* sb = sa + 64 * D;  // B [N x D]
+    load_tiled_async<T, D>(sa, a, 0, 64, 64);
+    load_tiled_async<T, D>(sb, b, 0, N, N);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async();
+    __syncthreads();
+    float d[N / 8][4];
+    issue_ss<T, N, D>(d, sa, sb);
+    wg_wait();
+    pin<N / 8>(d);
+    each_acc<N>([&](int n, int e, int i) { s[i] = d[n][e]; });
+}
+
+template <int D> __device__ void wg_probe_rs(const float* p, const __nv_bfloat16* v, float* o) {
+    using T = __nv_bfloat16;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* svt = (T*)smem;  // V^T [D x 64]
+    RowPairs<D, 64, 128> vt;
+    vt.load(v, 0, 64);
+    vt.store_t(svt);
+    float s[8][4];
+    each_acc<64>([&](int n, int e, int i) { s[n][e] = p[i]; });
+    uint32_t af[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) pack_a<T>(af[kk], s, kk);
+    pin_a<4>(af);
+    fence_async();
+    __syncthreads();
+    float d[D / 8][4];
+    zero_tiles<D / 8>(d);
+    pin<D / 8>(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<T, D>(d, af[kk], desc<64>(svt + kk * 128));
+    wg_commit();
+    wg_wait();
+    pin<D / 8>(d);
+    each_acc<D>([&](int n, int e, int i) { o[i] = d[n][e]; });
+}
+
+#define WG_PROBE_SS(N, D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) wg_probe_ss_n##N##_d##D(                  \
+        const __nv_bfloat16* a, const __nv_bfloat16* b, float* s) {                             \
+        wg_probe_ss<N, D>(a, b, s);                                                             \
+    }
+#define WG_PROBE_RS(D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128)                                           \
+        wg_probe_rs_d##D(const float* p, const __nv_bfloat16* v, float* o) {                    \
+        wg_probe_rs<D>(p, v, o);                                                                \
+    }
+WG_PROBE_SS(32, 64)
+WG_PROBE_SS(64, 64)
+WG_PROBE_SS(32, 128)
+WG_PROBE_SS(64, 128)
+WG_PROBE_RS(64)
+WG_PROBE_RS(128)
