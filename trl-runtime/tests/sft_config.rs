@@ -236,7 +236,6 @@ fn trl_recipes_are_read_with_their_extra_keys() {
         ("load_in_4bit: true\n", "quantized"),
         ("fp16: true\n", "bf16"),
         ("optim: sgd\n", "AdamW"),
-        ("dataset_text_field: content\n", "text"),
         ("learning_rat: 1.0\n", "did you mean `learning_rate`"),
     ] {
         std::fs::write(&yaml, line).unwrap();
@@ -247,6 +246,19 @@ fn trl_recipes_are_read_with_their_extra_keys() {
             "{line}: {e}"
         );
     }
+    // SFT reads its text from the column dataset_text_field names; DPO's rows have none.
+    std::fs::write(&yaml, "dataset_text_field: content\n").unwrap();
+    assert_eq!(
+        SFTConfig::read(&yaml).unwrap().0.dataset_text_field,
+        "content"
+    );
+    let e = trl_runtime::train::DPOConfig::read(&yaml)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("recipe.yaml") && e.contains("dataset_text_field") && e.contains("DPOConfig"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -218,6 +218,57 @@ fn data_parallel_and_accumulation_match_one_big_batch() {
     );
 }
 
+/// TRL's dataset_text_field, given on the command line as with `trl sft`: rows whose text is
+/// in another column train exactly like the same rows under `text`, and a row without that
+/// column is an error naming the file, the line and the setting.
+#[test]
+fn dataset_text_field_names_the_text_column() {
+    use trl_runtime::train::SftCli;
+    let tmp = tempfile::tempdir().unwrap();
+    let sums: Vec<String> = (0..24)
+        .map(|i| format!("What is {i} + {}? {}", 2 * i, 3 * i))
+        .collect();
+    let write = |name: &str, row: &dyn Fn(&str) -> serde_json::Value| {
+        let path = tmp.path().join(name);
+        let lines: Vec<String> = sums.iter().map(|t| row(t).to_string()).collect();
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        path
+    };
+    let plain = write("text.jsonl", &|t| serde_json::json!({ "text": t }));
+    // Another string column beside it, as a dataset with several text columns has.
+    let body = write(
+        "body.jsonl",
+        &|t| serde_json::json!({ "body": t, "title": "sums" }),
+    );
+    let with = |data: &Path, out: &str, field: &[&str]| {
+        let args = ["sft", "--dataset_name", data.to_str().unwrap()];
+        let cli = SftCli::parse_trl_from(args.iter().chain(field).map(|s| s.to_string()));
+        let mut cfg = config(&tmp.path().join(out), 4, 1, 3);
+        cfg.assistant_only_loss = false;
+        cli.apply(&mut cfg).map(|_ignored| cfg)
+    };
+    let want = run(1, with(&plain, "a", &[]).unwrap());
+    let got = run(
+        1,
+        with(&body, "b", &["--dataset_text_field", "body"]).unwrap(),
+    );
+    assert_eq!(want.0.len(), 3, "three steps: {:?}", want.0);
+    assert_eq!(got.0, want.0, "losses");
+    assert_eq!(got.1, want.1, "weights");
+
+    let cfg = with(&plain, "c", &["--dataset_text_field", "body"]).unwrap();
+    let w = InProcessWorld::new(1);
+    let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(dims(1, 1, 1), 1).unwrap()).unwrap();
+    let e = Trainer::new(cfg, &ctx)
+        .err()
+        .expect("no body column")
+        .to_string();
+    assert!(
+        e.contains("text.jsonl") && e.contains("line 1") && e.contains("body (dataset_text_field)"),
+        "{e}"
+    );
+}
+
 #[test]
 fn resume_continues_exactly() {
     let tmp = tempfile::tempdir().unwrap();

@@ -136,8 +136,15 @@ pub(crate) fn columns(v: &Value) -> std::result::Result<serde_json::Map<String, 
         .collect())
 }
 
-/// Recognises one row's format.
+/// Recognises one row's format, language-modeling text in the `text` column.
 pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
+    parse_record_in(v, "text")
+}
+
+/// [`parse_record`] with language-modeling text in the column `text_field`. As TRL's SFT
+/// tokenizes, pre-tokenized rows, messages and prompt-completion pairs come first; the text
+/// column is read only from rows in none of those formats.
+pub fn parse_record_in(v: &Value, text_field: &str) -> std::result::Result<Record, String> {
     let obj = columns(v)?;
     if let Some(ids) = obj.get("input_ids") {
         let input_ids = ids
@@ -199,15 +206,19 @@ pub fn parse_record(v: &Value) -> std::result::Result<Record, String> {
         (None, Some(_)) => return Err("`completion` without `prompt`".into()),
         _ => {}
     }
-    if let Some(t) = obj.get("text") {
+    if let Some(t) = obj.get(text_field) {
         return t
             .as_str()
             .map(|s| Record::Text(s.to_string()))
-            .ok_or_else(|| "`text` must be a string".into());
+            .ok_or_else(|| format!("`{text_field}` must be a string"));
     }
     let keys: Vec<&String> = obj.keys().collect();
+    let text = match text_field {
+        "text" => "text".to_string(),
+        other => format!("{other} (dataset_text_field)"),
+    };
     Err(format!(
-        "no known format (keys {keys:?}): use text, prompt + completion, messages, or input_ids"
+        "no known format (keys {keys:?}): use {text}, prompt + completion, messages, or input_ids"
     ))
 }
 
@@ -264,11 +275,11 @@ fn open(path: &Path) -> Result<std::fs::File> {
 
 /// Reads a JSONL file (one object per line; blank lines ignored).
 pub fn load_jsonl(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
-    jsonl_rows(path.as_ref(), on_bad, parse_record)
+    jsonl_rows(path.as_ref(), on_bad, &parse_record)
 }
 
 /// A JSONL file's rows, each read by `parse`.
-fn jsonl_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<Loaded<R>> {
+fn jsonl_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<'_, R>) -> Result<Loaded<R>> {
     let mut rows = Collector {
         path,
         unit: "line",
@@ -291,11 +302,11 @@ fn jsonl_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<L
 /// Reads a Parquet file row by row; each row becomes the same JSON object a JSONL line would
 /// be, so formats and errors are the same (rows are numbered from 1).
 pub fn load_parquet(path: impl AsRef<Path>, on_bad: OnBadRow) -> Result<Loaded> {
-    parquet_rows(path.as_ref(), on_bad, parse_record)
+    parquet_rows(path.as_ref(), on_bad, &parse_record)
 }
 
 /// A Parquet file's rows, each read by `parse`.
-fn parquet_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<Loaded<R>> {
+fn parquet_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<'_, R>) -> Result<Loaded<R>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let bad_file = |e: String| Error::Config {
         file: path.display().to_string(),
@@ -324,7 +335,7 @@ fn parquet_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result
 }
 
 /// Reads one row of a dataset (a JSON object, or a Parquet row as one) into a record.
-pub type RowParser<R> = fn(&Value) -> std::result::Result<R, String>;
+pub type RowParser<'a, R> = &'a dyn Fn(&Value) -> std::result::Result<R, String>;
 
 /// Which split of a dataset directory to read, and the setting that names it (for errors).
 /// A dataset file is read whole, whatever the split.
@@ -343,9 +354,17 @@ impl Split<'static> {
 }
 
 /// Reads a dataset: a `.jsonl`/`.json` or `.parquet` file, or `split` of a local dataset
-/// directory (as `datasets.load_dataset(DIR)` finds it, see [`super::local_dir`]).
-pub fn load(path: impl AsRef<Path>, split: Split, on_bad: OnBadRow) -> Result<Loaded> {
-    load_rows(path.as_ref(), split, on_bad, parse_record)
+/// directory (as `datasets.load_dataset(DIR)` finds it, see [`super::local_dir`]), its
+/// language-modeling rows' text in the column `text_field` (TRL's dataset_text_field).
+pub fn load(
+    path: impl AsRef<Path>,
+    split: Split,
+    on_bad: OnBadRow,
+    text_field: &str,
+) -> Result<Loaded> {
+    load_rows(path.as_ref(), split, on_bad, &|v| {
+        parse_record_in(v, text_field)
+    })
 }
 
 /// A dataset's rows read by `parse` (another trainer's format): a file by its extension, or a
@@ -354,7 +373,7 @@ pub fn load_rows<R>(
     path: &Path,
     split: Split,
     on_bad: OnBadRow,
-    parse: RowParser<R>,
+    parse: RowParser<'_, R>,
 ) -> Result<Loaded<R>> {
     if !path.is_dir() {
         return file_rows(path, on_bad, parse);
@@ -368,7 +387,7 @@ pub fn load_rows<R>(
     Ok(all)
 }
 
-fn file_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<R>) -> Result<Loaded<R>> {
+fn file_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<'_, R>) -> Result<Loaded<R>> {
     match path.extension().and_then(|e| e.to_str()) {
         Some("parquet") => parquet_rows(path, on_bad, parse),
         Some("jsonl") | Some("json") => jsonl_rows(path, on_bad, parse),

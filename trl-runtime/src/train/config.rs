@@ -19,6 +19,9 @@ crate::training_arguments! {
     completion_only_loss: Option<bool> = None;
     /// Loss on assistant turns only ({% generation %} spans of the chat template).
     assistant_only_loss: bool = false;
+    /// The column holding a language-modeling row's text (rows without messages, a prompt
+    /// or input_ids).
+    dataset_text_field: String = "text".into();
     /// Held-out prompts scored by greedy generation (exact match) at each evaluation.
     eval_generation_samples: usize = 100;
 }

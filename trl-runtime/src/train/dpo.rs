@@ -368,7 +368,7 @@ fn read_pairs(
     } else {
         OnBadRow::Fail
     };
-    let rows = load_rows(path, split, policy, parse_preference)?;
+    let rows = load_rows(path, split, policy, &parse_preference)?;
     let mut pairs = Vec::with_capacity(rows.records.len());
     let mut dropped = 0;
     for r in &rows.records {

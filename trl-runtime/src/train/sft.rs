@@ -59,6 +59,7 @@ impl TrainData {
                 &config.training.dataset_name,
                 config.training.train_split(),
                 policy,
+                &config.dataset_text_field,
             )?
             .records,
             tokenizer,
@@ -75,7 +76,13 @@ impl TrainData {
         };
         let (eval_rows, eval_prompts) = match &config.training.eval_dataset_name {
             Some(path) => {
-                let records = load(path, config.training.test_split(), policy)?.records;
+                let records = load(
+                    path,
+                    config.training.test_split(),
+                    policy,
+                    &config.dataset_text_field,
+                )?
+                .records;
                 let rows = tokenize_all(&records, tokenizer, opts)?
                     .into_iter()
                     .map(|e| truncate(e, config.training.max_length))

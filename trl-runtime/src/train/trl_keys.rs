@@ -358,7 +358,7 @@ pub fn classify(
                 return Err(err(&key, format!("{value:?}: rows longer than max_length keep their start (keep_start)")))
             }
             "dataset_text_field" if value.as_str().is_some_and(|f| f != "text") => {
-                return Err(err(&key, format!("{value:?}: the loader reads the `text` column (or TRL's messages / prompt-completion columns); rename the column")))
+                return Err(err(&key, format!("{value:?}: preference rows are prompt, chosen and rejected (TRL's DPOConfig has no dataset_text_field): remove it")))
             }
             k if KNOWN.contains(&k) => ignored.push(format!("{k}: {}", why(k))),
             k => {
