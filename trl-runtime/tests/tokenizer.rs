@@ -80,6 +80,100 @@ fn chat_template_renders_with_generation_spans() {
     assert!(all.labels.iter().all(|&l| l != IGNORE_INDEX));
 }
 
+/// TRL's SFTConfig.eos_token and chat_template_path: the end-of-sequence token (its id, the
+/// templates' `eos_token`, the padding when none is named) and the template from a .jinja file
+/// or another tokenizer's directory (its eos too, as clone_chat_template sets it), refused
+/// with why when the token is unknown or the directory adds tokens; the copies a checkpoint
+/// gets carry both.
+#[test]
+fn eos_token_and_chat_template_path_change_the_tokenizer_and_its_copies() {
+    let dir = model_dir(Some(CHATML));
+    let tok = TextTokenizer::from_dir(dir.path()).unwrap();
+    let vocab = tok.inner().get_vocab(true);
+    let id = |t: &str| vocab[t];
+    let (eot, pad) = (id("<|endoftext|>"), tok.pad_token_id);
+    let ends = "{{ messages[0]['content'] }}{{ eos_token }}";
+    let tok = tok.with_eos_token("<|endoftext|>").unwrap();
+    assert_eq!((tok.eos_token_id, tok.pad_token_id), (Some(eot), pad));
+    let e = TextTokenizer::from_dir(dir.path())
+        .unwrap()
+        .with_eos_token("<|nope|>")
+        .err()
+        .unwrap();
+    assert!(e.contains("<|nope|>") && e.contains("vocabulary"), "{e}");
+
+    let jinja = dir.path().join("ends.jinja");
+    std::fs::write(&jinja, ends).unwrap();
+    let tok = tok.with_chat_template_from(&jinja).unwrap();
+    let chat = tok
+        .apply_chat_template(&conversation(), None, false)
+        .unwrap();
+    assert_eq!(chat.text, "  What is 2 plus 3?  <|endoftext|>");
+
+    // The checkpoint's copies: the template and the eos, in tokenizer_config.json, or in
+    // chat_template.jinja where the model directory has one.
+    let out = tempfile::tempdir().unwrap();
+    tok.copy_files(out.path()).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.path().join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["chat_template"], ends);
+    assert_eq!(
+        (&cfg["eos_token"], &cfg["pad_token"]),
+        (&"<|endoftext|>".into(), &"<|endoftext|>".into())
+    );
+    let copied = TextTokenizer::from_dir(out.path()).unwrap();
+    assert_eq!(copied.eos_token_id, Some(eot));
+    std::fs::write(dir.path().join("chat_template.jinja"), CHATML).unwrap();
+    let with_jinja = TextTokenizer::from_dir(dir.path())
+        .unwrap()
+        .with_chat_template_from(&jinja)
+        .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    with_jinja.copy_files(out.path()).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(out.path().join("chat_template.jinja")).unwrap(),
+        ends
+    );
+    std::fs::remove_file(dir.path().join("chat_template.jinja")).unwrap();
+
+    // Another tokenizer's directory: its template and its eos.
+    let other = model_dir(Some(ends));
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(other.path().join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    cfg["eos_token"] = "<|im_start|>".into();
+    std::fs::write(other.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let from = |path: &std::path::Path| {
+        TextTokenizer::from_dir(dir.path())
+            .unwrap()
+            .with_chat_template_from(path)
+    };
+    let cloned = from(other.path()).unwrap();
+    let chat = cloned
+        .apply_chat_template(&conversation(), None, false)
+        .unwrap();
+    assert_eq!(chat.text, "  What is 2 plus 3?  <|im_start|>");
+    assert_eq!(cloned.eos_token_id, Some(id("<|im_start|>")));
+
+    // A directory whose tokenizer adds a token this one lacks, and a name that is neither.
+    let texts = ["a b c".to_string()];
+    let extra = train_bpe(&texts, 300, &["<|endoftext|>", "<|tool|>"]).unwrap();
+    extra
+        .save(other.path().join("tokenizer.json"), true)
+        .unwrap();
+    cfg["eos_token"] = "<|endoftext|>".into();
+    std::fs::write(other.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let e = from(other.path()).err().unwrap();
+    assert!(e.contains("<|tool|>") && e.contains("not supported"), "{e}");
+    let e = from(std::path::Path::new("HuggingFaceTB/SmolLM3-3B"))
+        .err()
+        .unwrap();
+    assert!(e.contains("neither") && e.contains("download"), "{e}");
+}
+
 #[test]
 fn template_problems_are_clear_errors() {
     // No generation markers but assistant-only loss requested.

@@ -218,6 +218,16 @@ fn data_parallel_and_accumulation_match_one_big_batch() {
     );
 }
 
+/// Why a one-rank trainer refuses `cfg` at load.
+fn refused(cfg: SFTConfig) -> String {
+    let w = InProcessWorld::new(1);
+    let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(dims(1, 1, 1), 1).unwrap()).unwrap();
+    match Trainer::new(cfg, &ctx) {
+        Ok(_) => panic!("the trainer loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
 /// TRL's dataset_text_field, given on the command line as with `trl sft`: rows whose text is
 /// in another column train exactly like the same rows under `text`, and a row without that
 /// column is an error naming the file, the line and the setting.
@@ -256,15 +266,54 @@ fn dataset_text_field_names_the_text_column() {
     assert_eq!(got.0, want.0, "losses");
     assert_eq!(got.1, want.1, "weights");
 
-    let cfg = with(&plain, "c", &["--dataset_text_field", "body"]).unwrap();
-    let w = InProcessWorld::new(1);
-    let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(dims(1, 1, 1), 1).unwrap()).unwrap();
-    let e = Trainer::new(cfg, &ctx)
-        .err()
-        .expect("no body column")
-        .to_string();
+    let e = refused(with(&plain, "c", &["--dataset_text_field", "body"]).unwrap());
     assert!(
         e.contains("text.jsonl") && e.contains("line 1") && e.contains("body (dataset_text_field)"),
+        "{e}"
+    );
+}
+
+/// TRL's eos_token and chat_template_path, as `trl sft` flags: the run renders its rows with
+/// the template and the token, its checkpoints carry both (transformers loads the tokenizer
+/// that was trained with), and a template path that is neither a file nor a directory is
+/// refused naming the setting.
+#[test]
+fn eos_token_and_chat_template_path_reach_training_and_checkpoints() {
+    use trl_runtime::train::SftCli;
+    let tmp = tempfile::tempdir().unwrap();
+    let template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}\
+                    {% endfor %}";
+    let jinja = tmp.path().join("plain.jinja");
+    std::fs::write(&jinja, template).unwrap();
+    let with = |out: &str, flags: &[&str]| {
+        let args = ["sft"].iter().chain(flags).map(|s| s.to_string());
+        let mut cfg = config(&tmp.path().join(out), 4, 1, 3);
+        cfg.assistant_only_loss = false;
+        SftCli::parse_trl_from(args).apply(&mut cfg).unwrap();
+        cfg
+    };
+    let plain = run(1, with("a", &[]));
+    let flags = [
+        "--eos_token",
+        "<|endoftext|>",
+        "--chat_template_path",
+        jinja.to_str().unwrap(),
+    ];
+    let changed = run(1, with("b", &flags));
+    assert_eq!(changed.0.len(), 3);
+    assert_ne!(changed.0[0], plain.0[0], "the rows were rendered as before");
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("b/checkpoint-3/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (cfg["chat_template"].as_str(), cfg["eos_token"].as_str()),
+        (Some(template), Some("<|endoftext|>"))
+    );
+
+    let e = refused(with("c", &["--chat_template_path", "org/some-model"]));
+    assert!(
+        e.contains("chat_template_path") && e.contains("org/some-model"),
         "{e}"
     );
 }

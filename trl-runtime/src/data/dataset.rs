@@ -354,9 +354,14 @@ impl Split<'static> {
 }
 
 /// Reads a dataset: a `.jsonl`/`.json` or `.parquet` file, or `split` of a local dataset
-/// directory (as `datasets.load_dataset(DIR)` finds it, see [`super::local_dir`]), its
-/// language-modeling rows' text in the column `text_field` (TRL's dataset_text_field).
-pub fn load(
+/// directory (as `datasets.load_dataset(DIR)` finds it, see [`super::local_dir`]).
+pub fn load(path: impl AsRef<Path>, split: Split, on_bad: OnBadRow) -> Result<Loaded> {
+    load_in(path, split, on_bad, "text")
+}
+
+/// [`load`] with language-modeling rows' text in the column `text_field` (TRL's
+/// dataset_text_field).
+pub fn load_in(
     path: impl AsRef<Path>,
     split: Split,
     on_bad: OnBadRow,

@@ -12,7 +12,7 @@ pub mod tokenize;
 
 pub use collate::{collate, Batch, CollateOptions};
 pub use dataset::{
-    load, load_jsonl, load_parquet, parse_record, to_example, OnBadRow, Record, Split,
+    load, load_in, load_jsonl, load_parquet, parse_record, to_example, OnBadRow, Record, Split,
     TokenizeOptions,
 };
 pub use pack::{pack, PackedSequence, PackingStrategy};

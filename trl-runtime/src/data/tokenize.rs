@@ -117,6 +117,10 @@ pub struct TextTokenizer {
     pub eos_token: Option<String>,
     pub eos_token_id: Option<u32>,
     pub pad_token_id: u32,
+    /// The model directory it was read from: its files go into every checkpoint.
+    dir: PathBuf,
+    /// tokenizer_config.json keys set since (eos_token, chat_template): checkpoints carry them.
+    overrides: serde_json::Map<String, serde_json::Value>,
 }
 
 fn config_error(file: &Path, key: &str, message: impl Into<String>) -> Error {
@@ -602,15 +606,134 @@ impl TextTokenizer {
             eos_token,
             eos_token_id,
             pad_token_id,
+            dir: dir.to_path_buf(),
+            overrides: Default::default(),
         })
     }
 
     /// The same tokenizer with another chat template (`source` names it in errors).
     pub fn with_chat_template(mut self, template: String, source: PathBuf) -> Self {
+        self.overrides
+            .insert("chat_template".into(), template.clone().into());
         self.chat_template = Some(template);
         self.template_source = source;
         self.compiled = std::sync::OnceLock::new();
         self
+    }
+
+    /// The same tokenizer ending sequences with `token` (TRL's SFTConfig.eos_token): the id
+    /// appended to text and completions, generation's stop, the templates' `eos_token`, and
+    /// the padding where the tokenizer names no pad token. Err: why it cannot.
+    pub fn with_eos_token(mut self, token: &str) -> std::result::Result<Self, String> {
+        let id = self.inner.token_to_id(token).ok_or_else(|| {
+            format!("'{token}' is not in the vocabulary of the tokenizer: name a token it has")
+        })?;
+        if !self.special_tokens.iter().any(|(k, _)| *k == "pad_token") {
+            self.pad_token_id = id;
+        }
+        self.special_tokens.retain(|(k, _)| *k != "eos_token");
+        self.special_tokens.push(("eos_token", token.to_string()));
+        self.eos_token = Some(token.to_string());
+        self.eos_token_id = Some(id);
+        self.compiled = std::sync::OnceLock::new();
+        self.overrides.insert("eos_token".into(), token.into());
+        Ok(self)
+    }
+
+    /// The chat template at `path` (TRL's SFTConfig.chat_template_path): a `.jinja` / `.j2`
+    /// file, or a tokenizer directory whose template and end-of-sequence token are taken, as
+    /// TRL's `clone_chat_template` does. Tokens that directory adds and this vocabulary lacks
+    /// would need new embedding rows, which are not made here: Err says so.
+    pub fn with_chat_template_from(self, path: &Path) -> std::result::Result<Self, String> {
+        let is_jinja = matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("jinja" | "j2")
+        );
+        if path.is_file() && is_jinja {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            return Ok(self.with_chat_template(text, path.to_path_buf()));
+        }
+        if !path.is_dir() {
+            return Err(format!(
+                "{} is neither a .jinja / .j2 file nor a tokenizer directory (hub names are not \
+                 fetched here: download it first)",
+                path.display()
+            ));
+        }
+        let source = TextTokenizer::from_dir(path).map_err(|e| e.to_string())?;
+        let Some(template) = source.chat_template.clone() else {
+            return Err(format!("{} has no chat template", path.display()));
+        };
+        let mut missing: Vec<String> = source
+            .inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|t| t.content)
+            .filter(|t| self.inner.token_to_id(t).is_none())
+            .collect();
+        if !missing.is_empty() {
+            missing.sort();
+            return Err(format!(
+                "its tokens {missing:?} are not in this model's vocabulary; adding them (TRL \
+                 resizes the embeddings) is not supported here: use a template that needs none"
+            ));
+        }
+        let source_eos = source.eos_token.clone();
+        let this = self.with_chat_template(template, source.template_source);
+        match source_eos {
+            Some(eos) => this.with_eos_token(&eos),
+            None => Ok(this),
+        }
+    }
+
+    /// The tokenizer files of the model directory into `to` (a checkpoint), with the settings
+    /// changed since it was read ([`Self::with_eos_token`], [`Self::with_chat_template`])
+    /// written into them, so that transformers loads the tokenizer that was trained with.
+    pub fn copy_files(&self, to: &Path) -> Result<()> {
+        let io = |what: &str, p: &Path, e| Error::io(format!("{what} {}", p.display()), e);
+        for f in TOKENIZER_FILES {
+            let src = self.dir.join(f);
+            if src.exists() {
+                std::fs::copy(&src, to.join(f)).map_err(|e| io("cannot copy", &src, e))?;
+            }
+        }
+        if self.overrides.is_empty() {
+            return Ok(());
+        }
+        let mut set = self.overrides.clone();
+        // transformers reads chat_template.jinja before tokenizer_config.json's template.
+        let jinja = to.join("chat_template.jinja");
+        if jinja.exists() {
+            if let Some(serde_json::Value::String(t)) = set.remove("chat_template") {
+                std::fs::write(&jinja, t).map_err(|e| io("cannot write", &jinja, e))?;
+            }
+        }
+        for (name, keys) in [
+            ("tokenizer_config.json", set.clone()),
+            ("special_tokens_map.json", {
+                let mut eos = set.clone();
+                eos.retain(|k, _| k == "eos_token");
+                eos
+            }),
+        ] {
+            let path = to.join(name);
+            let exists = path.exists();
+            if keys.is_empty() || (!exists && name == "special_tokens_map.json") {
+                continue;
+            }
+            let mut cfg: serde_json::Map<String, serde_json::Value> = match exists {
+                true => std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|t| serde_json::from_str(&t).ok())
+                    .unwrap_or_default(),
+                false => Default::default(),
+            };
+            cfg.extend(keys);
+            let text = serde_json::to_string_pretty(&cfg).expect("JSON values serialize");
+            std::fs::write(&path, text).map_err(|e| io("cannot write", &path, e))?;
+        }
+        Ok(())
     }
 
     pub fn vocab_size(&self) -> usize {

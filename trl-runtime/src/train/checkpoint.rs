@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::data::tokenize::TOKENIZER_FILES;
+use crate::data::TextTokenizer;
 pub use crate::optim::OPTIMIZER_FILE;
 pub const STATE_FILE: &str = "trainer_state.json";
 
@@ -105,7 +105,7 @@ pub enum Weights<'a> {
 pub fn save(
     output_dir: &Path,
     weights: Weights<'_>,
-    tokenizer_dir: &Path,
+    tokenizer: &TextTokenizer,
     optimizer: &AdamW,
     state: &TrainerState,
     keep: Option<usize>,
@@ -115,7 +115,7 @@ pub fn save(
         Weights::Full {
             params,
             config_json,
-        } => write_model_files(&tmp, Some(params), config_json, tokenizer_dir)?,
+        } => write_model_files(&tmp, Some(params), config_json, tokenizer)?,
         Weights::Adapter {
             tensors,
             lora,
@@ -123,7 +123,7 @@ pub fn save(
             order,
         } => {
             crate::models::peft::save(&tmp, tensors, lora, base, order)?;
-            copy_tokenizer(&tmp, tokenizer_dir)?;
+            tokenizer.copy_files(&tmp)?;
         }
     }
     write_optimizer(&tmp, optimizer)?;
@@ -169,26 +169,14 @@ pub fn write_model_files(
     tmp: &Path,
     params: Option<&Params>,
     config_json: &str,
-    tokenizer_dir: &Path,
+    tokenizer: &TextTokenizer,
 ) -> Result<()> {
     match params {
         Some(p) => p.save(tmp, config_json, None)?,
         None => std::fs::write(tmp.join(crate::models::params::CONFIG_FILE), config_json)
             .map_err(|e| io("cannot write config.json".into(), e))?,
     }
-    copy_tokenizer(tmp, tokenizer_dir)
-}
-
-/// The tokenizer files of `tokenizer_dir` that exist, into `tmp`.
-fn copy_tokenizer(tmp: &Path, tokenizer_dir: &Path) -> Result<()> {
-    for f in TOKENIZER_FILES {
-        let src = tokenizer_dir.join(f);
-        if src.exists() {
-            std::fs::copy(&src, tmp.join(f))
-                .map_err(|e| io(format!("cannot copy {}", src.display()), e))?;
-        }
-    }
-    Ok(())
+    tokenizer.copy_files(tmp)
 }
 
 /// optimizer.safetensors: master weights and moments by parameter name, and the step count.

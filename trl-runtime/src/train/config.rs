@@ -22,6 +22,12 @@ crate::training_arguments! {
     /// The column holding a language-modeling row's text (rows without messages, a prompt
     /// or input_ids).
     dataset_text_field: String = "text".into();
+    /// The token that ends each sequence (appended to text and completions; generation's
+    /// stop); unset: the tokenizer's. It must be in the vocabulary.
+    eos_token: Option<String> = None;
+    /// Another chat template: a .jinja / .j2 file, or a tokenizer directory whose template and
+    /// end-of-sequence token are taken (TRL's clone_chat_template, without adding tokens).
+    chat_template_path: Option<std::path::PathBuf> = None;
     /// Held-out prompts scored by greedy generation (exact match) at each evaluation.
     eval_generation_samples: usize = 100;
 }

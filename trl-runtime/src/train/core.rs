@@ -241,6 +241,11 @@ pub trait Task<N: CausalModel>: Sized {
     fn training_arguments(config: &Self::Config) -> TrainingArguments {
         config.training().clone()
     }
+    /// The tokenizer the task trains with, from the model directory's (SFT: its eos_token
+    /// and chat_template_path).
+    fn tokenizer(_config: &Self::Config, tokenizer: TextTokenizer) -> Result<TextTokenizer> {
+        Ok(tokenizer)
+    }
     /// Reads and tokenizes the data (before the model is built: the rows fix the steps).
     fn load(config: &Self::Config, tokenizer: &TextTokenizer) -> Result<Self>;
     /// Training rows the sampler deals out.
@@ -296,7 +301,6 @@ pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
     pub batch_group: Arc<dyn Communicator>,
     pub model: Model<N>,
     pub tokenizer: TextTokenizer,
-    tokenizer_dir: PathBuf,
     pub optimizer: Optimizer,
     pub strategy: Strategy,
     /// Each rank read only its ZeRO-3 / FSDP slices of the model (efficient loading).
@@ -523,7 +527,6 @@ impl<'a, N: CausalModel> Core<'a, N> {
         Ok(Core {
             args: args.clone(),
             checkpoint_format,
-            tokenizer_dir: dir,
             ctx,
             batch_group,
             dp,
@@ -964,7 +967,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             Some(checkpoint::save(
                 &self.args.output_dir,
                 weights,
-                &self.tokenizer_dir,
+                &self.tokenizer,
                 &state,
                 &self.state,
                 self.args.save_total_limit,
@@ -1052,7 +1055,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
     fn begin_checkpoint(&self, step: usize) -> Result<PathBuf> {
         let tmp = checkpoint::begin(&self.args.output_dir, step)?;
         let config = self.model.config_json();
-        checkpoint::write_model_files(&tmp, None, config, &self.tokenizer_dir)?;
+        checkpoint::write_model_files(&tmp, None, config, &self.tokenizer)?;
         Ok(tmp)
     }
 

@@ -10,7 +10,7 @@
 use super::config::SFTConfig;
 use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
 use crate::context_parallel::split::pad_to_multiple;
-use crate::data::dataset::{load, to_example, Content, OnBadRow, Record, TokenizeOptions};
+use crate::data::dataset::{load_in, to_example, Content, OnBadRow, Record, TokenizeOptions};
 use crate::data::{
     collate, pack, Batch, CollateOptions, Example, PackedSequence, PackingStrategy, TextTokenizer,
 };
@@ -55,7 +55,7 @@ impl TrainData {
             assistant_only_loss: config.assistant_only_loss,
         };
         let train_examples = tokenize_all(
-            &load(
+            &load_in(
                 &config.training.dataset_name,
                 config.training.train_split(),
                 policy,
@@ -76,7 +76,7 @@ impl TrainData {
         };
         let (eval_rows, eval_prompts) = match &config.training.eval_dataset_name {
             Some(path) => {
-                let records = load(
+                let records = load_in(
                     path,
                     config.training.test_split(),
                     policy,
@@ -185,6 +185,23 @@ impl Sft {
 impl<N: CausalModel> Task<N> for Sft {
     type Config = SFTConfig;
     const EVAL_ACCURACY: &'static str = "eval_accuracy";
+
+    /// TRL's order: eos_token, then chat_template_path (whose directory form sets the
+    /// end-of-sequence token again, from that tokenizer).
+    fn tokenizer(config: &SFTConfig, mut tokenizer: TextTokenizer) -> Result<TextTokenizer> {
+        let refused = |key: &str, why: String| crate::Error::config("SFTConfig", key, why);
+        if let Some(eos) = &config.eos_token {
+            tokenizer = tokenizer
+                .with_eos_token(eos)
+                .map_err(|why| refused("eos_token", why))?;
+        }
+        if let Some(path) = &config.chat_template_path {
+            tokenizer = tokenizer
+                .with_chat_template_from(path)
+                .map_err(|why| refused("chat_template_path", why))?;
+        }
+        Ok(tokenizer)
+    }
 
     fn load(config: &SFTConfig, tokenizer: &TextTokenizer) -> Result<Self> {
         Ok(Sft {

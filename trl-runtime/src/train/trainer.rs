@@ -74,7 +74,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         // `cargo trl launch` asking for this program's tensor-parallel plan.
         super::plan_query::answer_if_asked::<N>(&args.model_name_or_path)?;
         config.validate("training arguments")?;
-        let tokenizer = TextTokenizer::from_dir(&args.model_name_or_path)?;
+        let tokenizer = T::tokenizer(&config, TextTokenizer::from_dir(&args.model_name_or_path)?)?;
         let mut task = T::load(&config, &tokenizer)?;
         let process_base = match ctx.device().is_cpu() {
             true => {
