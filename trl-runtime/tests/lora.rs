@@ -142,22 +142,6 @@ fn train_alone_and_equal_the_merged_weights(dora: bool) {
     }
 }
 
-fn python_with_peft() -> Option<PathBuf> {
-    let python = std::env::var_os("TRL_PYTHON").map_or("python3".into(), PathBuf::from);
-    let ok = Command::new(&python)
-        .args(["-c", "import torch, transformers, peft"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "skipped: no Python with torch, transformers and peft ({}; set TRL_PYTHON to one: \
-             `python3 -m venv v && v/bin/pip install torch transformers peft safetensors`)",
-            python.display()
-        );
-    }
-    ok.then_some(python)
-}
-
 fn peft_script(python: &Path, args: &[&Path]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/peft_logits.py");
     let out = Command::new(python)
@@ -212,7 +196,8 @@ fn peft_logits_of(python: &Path, base: &Path, adapter: &Path, tmp: &Path) -> Ten
 
 #[test]
 fn our_adapter_loads_in_peft_with_our_logits() {
-    let Some(python) = python_with_peft() else {
+    let Some(python) = common::python_with(&["torch", "transformers", "peft", "safetensors"])
+    else {
         return;
     };
     for dora in [false, true] {
@@ -244,7 +229,8 @@ fn our_adapter_loads_in_peft_with_our_logits() {
 /// Mixtral and gpt-oss.
 #[test]
 fn moe_adapters_travel_between_us_and_peft() {
-    let Some(python) = python_with_peft() else {
+    let Some(python) = common::python_with(&["torch", "transformers", "peft", "safetensors"])
+    else {
         return;
     };
     // Per sparse layer of 4 experts: one shared A and two Bs (gate, up), A and B (down);
@@ -347,7 +333,8 @@ fn round_trip(
 /// path): the merged model's logits are the adapted one's.
 #[test]
 fn parameter_adapters_travel_between_us_and_peft() {
-    let Some(python) = python_with_peft() else {
+    let Some(python) = common::python_with(&["torch", "transformers", "peft", "safetensors"])
+    else {
         return;
     };
     let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss/model");
@@ -389,7 +376,8 @@ fn parameter_adapters_travel_between_us_and_peft() {
 
 #[test]
 fn a_peft_adapter_gives_peft_logits_here() {
-    let Some(python) = python_with_peft() else {
+    let Some(python) = common::python_with(&["torch", "transformers", "peft", "safetensors"])
+    else {
         return;
     };
     for dora in [false, true] {

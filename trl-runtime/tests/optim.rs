@@ -4,6 +4,9 @@
 use candle_core::{Device, Tensor};
 use std::collections::BTreeMap;
 use trl_runtime::train::optim::grad_norm_sq;
+
+mod common;
+
 use trl_runtime::train::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, SchedulerKind};
 
 /// torch.optim.AdamW for one scalar, step by step.
@@ -86,10 +89,145 @@ fn schedules_follow_transformers() {
     assert_eq!((c.factor(2), c.factor(4), c.factor(49)), (0.5, 1.0, 1.0));
     let c = LrSchedule::new(SchedulerKind::Constant, 1.0, 50, 4, 0.0);
     assert_eq!(c.factor(0), 1.0);
-    assert!(SchedulerKind::parse("polynomial")
+    assert!(SchedulerKind::parse("cosine_with_hard_restarts")
         .unwrap_err()
         .to_string()
-        .contains("cosine"));
+        .contains("cosine_with_min_lr"));
+    assert!(SchedulerKind::parse("reduce_lr_on_plateau")
+        .unwrap_err()
+        .to_string()
+        .contains("evaluation loss"));
+}
+
+/// Every schedule we accept, with and without its keyword arguments, against transformers'
+/// `get_scheduler` on the same settings: the learning rate of every step (1e-12 relative),
+/// through warmup, decay and past the end. Skipped with a message without torch and
+/// transformers.
+#[test]
+fn schedules_and_their_kwargs_equal_transformers_get_scheduler() {
+    use trl_runtime::train::{CliValue, KwArgs, SchedulerArgs};
+    let Some(python) = common::python_with(&["torch", "transformers"]) else {
+        return;
+    };
+    // (name, kwargs, warmup steps, total steps)
+    let cases: &[(&str, &str, usize, usize)] = &[
+        ("linear", "{}", 7, 40),
+        ("cosine", "{}", 5, 40),
+        ("cosine", r#"{"num_cycles": 1.25}"#, 5, 40),
+        ("cosine_with_restarts", r#"{"num_cycles": 3}"#, 4, 40),
+        ("polynomial", r#"{"lr_end": 1e-4, "power": 2.0}"#, 6, 40),
+        ("inverse_sqrt", "{}", 8, 40),
+        ("inverse_sqrt", r#"{"timescale": 3}"#, 0, 40),
+        ("constant_with_warmup", "{}", 9, 40),
+        ("cosine_with_min_lr", r#"{"min_lr_rate": 0.1}"#, 4, 40),
+        (
+            "cosine_with_min_lr",
+            r#"{"min_lr": 2e-4, "num_cycles": 0.75}"#,
+            0,
+            40,
+        ),
+        (
+            "cosine_warmup_with_min_lr",
+            r#"{"min_lr_rate": 0.05}"#,
+            6,
+            40,
+        ),
+        (
+            "cosine_warmup_with_min_lr",
+            r#"{"min_lr_rate": 0.05, "warmup_lr_rate": 0.2}"#,
+            6,
+            40,
+        ),
+        ("warmup_stable_decay", r#"{"num_decay_steps": 12}"#, 5, 40),
+        (
+            "warmup_stable_decay",
+            r#"{"num_decay_steps": 10, "num_stable_steps": 15, "warmup_type": "cosine", "decay_type": "1-sqrt", "min_lr_ratio": 0.1}"#,
+            5,
+            40,
+        ),
+        (
+            "warmup_stable_decay",
+            r#"{"num_decay_steps": 9, "decay_type": "linear", "warmup_type": "1-sqrt"}"#,
+            5,
+            40,
+        ),
+    ];
+    let lr = 1e-3;
+    let spec: Vec<String> = cases
+        .iter()
+        .map(|(n, k, w, t)| format!("[{n:?}, {k}, {w}, {t}]"))
+        .collect();
+    let script = format!(
+        "import json, torch\n\
+         from transformers import get_scheduler\n\
+         out = []\n\
+         for name, kw, w, t in json.loads({:?}):\n\
+         \x20   opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr={lr})\n\
+         \x20   s = get_scheduler(name, opt, num_warmup_steps=w, num_training_steps=t, scheduler_specific_kwargs=kw)\n\
+         \x20   lrs = []\n\
+         \x20   for _ in range(t + 3):\n\
+         \x20       lrs.append(opt.param_groups[0]['lr'])\n\
+         \x20       opt.step(); s.step()\n\
+         \x20   out.append(lrs)\n\
+         print(json.dumps(out))\n",
+        format!("[{}]", spec.join(", "))
+    );
+    let o = std::process::Command::new(&python)
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want: Vec<Vec<f64>> = serde_json::from_slice(&o.stdout).unwrap();
+    for ((name, kwargs, w, t), want) in cases.iter().zip(&want) {
+        let kind = SchedulerKind::parse(name).unwrap();
+        let kwargs = KwArgs::parse_cli(kwargs).unwrap();
+        let args = SchedulerArgs::from_kwargs(kind, &kwargs, lr).unwrap();
+        let s = LrSchedule::new(kind, lr, *t, *w, 0.0).with_args(args);
+        for (step, want) in want.iter().enumerate() {
+            let got = s.lr(step);
+            assert!(
+                (got - want).abs() <= 1e-12 * want.abs().max(1e-12),
+                "{name} {kwargs:?} step {step}: {got} vs transformers' {want}"
+            );
+        }
+    }
+}
+
+/// What transformers refuses (TypeError, ValueError) is refused naming the key.
+#[test]
+fn schedule_kwargs_transformers_refuses_are_refused() {
+    use trl_runtime::train::{CliValue, KwArgs, SchedulerArgs};
+    for (name, kwargs, key) in [
+        ("linear", r#"{"num_cycles": 2}"#, "num_cycles"),
+        ("cosine", r#"{"min_lr_rate": 0.1}"#, "min_lr_rate"),
+        ("cosine_with_min_lr", "{}", "min_lr_rate"),
+        (
+            "cosine_with_min_lr",
+            r#"{"min_lr": 1e-5, "min_lr_rate": 0.1}"#,
+            "min_lr",
+        ),
+        ("polynomial", r#"{"lr_end": 0.01}"#, "lr_end"),
+        ("warmup_stable_decay", "{}", "num_decay_steps"),
+        (
+            "warmup_stable_decay",
+            r#"{"num_decay_steps": 3, "decay_type": "exp"}"#,
+            "decay_type",
+        ),
+        (
+            "cosine_with_restarts",
+            r#"{"num_cycles": 1.5}"#,
+            "num_cycles",
+        ),
+    ] {
+        let kind = SchedulerKind::parse(name).unwrap();
+        let (k, why) = SchedulerArgs::from_kwargs(kind, &KwArgs::parse_cli(kwargs).unwrap(), 1e-3)
+            .unwrap_err();
+        assert_eq!(
+            k,
+            format!("lr_scheduler_kwargs.{key}"),
+            "{name} {kwargs}: {why}"
+        );
+    }
 }
 
 #[test]

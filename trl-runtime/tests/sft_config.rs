@@ -120,9 +120,17 @@ fn bad_values_name_the_key() {
         e.contains("bad.yaml") && e.contains("learning_rte") && e.contains("learning_rate"),
         "{e}"
     );
-    let e = cli(&["--lr_scheduler_type", "polynomial"]).unwrap_err();
+    let e = cli(&["--lr_scheduler_type", "exponential"]).unwrap_err();
     assert!(
         e.contains("lr_scheduler_type") && e.contains("cosine"),
+        "{e}"
+    );
+    // A schedule's keyword arguments are checked at parse time, the key named.
+    let e = cli(&["--lr_scheduler_type", "cosine_with_min_lr"]).unwrap_err();
+    assert!(e.contains("lr_scheduler_kwargs.min_lr_rate"), "{e}");
+    let e = cli(&["--lr_scheduler_kwargs", r#"{"num_cycles": 2}"#]).unwrap_err();
+    assert!(
+        e.contains("lr_scheduler_kwargs.num_cycles") && e.contains("linear"),
         "{e}"
     );
     let e = cli(&["--packing_strategy", "ffd"]).unwrap_err();

@@ -318,6 +318,55 @@ fn eos_token_and_chat_template_path_reach_training_and_checkpoints() {
     );
 }
 
+/// A recipe's `lr_scheduler_type: cosine_with_min_lr` with `lr_scheduler_kwargs` (a YAML
+/// mapping, or JSON on the command line as with `trl sft`) sets the rate of every step: the
+/// logged rates follow the schedule down to its floor, not to zero.
+#[test]
+fn lr_scheduler_kwargs_shape_the_logged_rates() {
+    use trl_runtime::train::{SftCli, TrainerConfig};
+    let tmp = tempfile::tempdir().unwrap();
+    let yaml = tmp.path().join("recipe.yaml");
+    std::fs::write(
+        &yaml,
+        "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs:\n  min_lr_rate: 0.1\n",
+    )
+    .unwrap();
+    let (from_file, _) = SFTConfig::read(&yaml).unwrap();
+    let mut cfg = config(&tmp.path().join("a"), 4, 1, 6);
+    let flags = [
+        "sft",
+        "--lr_scheduler_type",
+        "cosine_with_min_lr",
+        "--lr_scheduler_kwargs",
+        r#"{"min_lr_rate": 0.1}"#,
+    ];
+    SftCli::parse_trl_from(flags.iter().map(|s| s.to_string()))
+        .apply(&mut cfg)
+        .unwrap();
+    assert_eq!(
+        cfg.training.lr_scheduler_kwargs,
+        from_file.training.lr_scheduler_kwargs
+    );
+    run(1, cfg.clone());
+    let metrics = std::fs::read_to_string(tmp.path().join("a/metrics.jsonl")).unwrap();
+    let logged: Vec<f64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|m| m["learning_rate"].as_f64())
+        .collect();
+    let schedule = cfg.training.schedule(6).unwrap();
+    let want: Vec<f64> = (0..6).map(|step| schedule.lr(step)).collect();
+    assert_eq!(logged.len(), 6, "{metrics}");
+    for (got, want) in logged.iter().zip(&want) {
+        assert!(
+            (got - want).abs() <= 1e-12 * want.abs().max(1e-12),
+            "{logged:?} vs {want:?}"
+        );
+    }
+    // warmup 2, then cosine from 3e-3 towards its floor of 3e-4, reached at step 6.
+    assert!(logged[5] > 3e-4 && logged[5] < 1e-3, "{logged:?}");
+}
+
 #[test]
 fn resume_continues_exactly() {
     let tmp = tempfile::tempdir().unwrap();

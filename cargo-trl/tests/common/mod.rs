@@ -267,26 +267,10 @@ pub fn transformers_python() -> Option<std::path::PathBuf> {
     python_with(&["torch", "transformers", "safetensors"])
 }
 
-/// A Python (TRL_PYTHON, else `python3`) that imports `packages` (PyPI names that import as
-/// themselves); None, with the reason and how to get one printed, when there is none.
-#[allow(dead_code)]
-pub fn python_with(packages: &[&str]) -> Option<std::path::PathBuf> {
-    let python = std::env::var_os("TRL_PYTHON").map_or("python3".into(), std::path::PathBuf::from);
-    let ok = Command::new(&python)
-        .args(["-c", &format!("import {}", packages.join(", "))])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "skipped: no Python with {} ({}; set TRL_PYTHON to one: \
-             `python3 -m venv v && v/bin/pip install {}`)",
-            packages.join(", "),
-            python.display(),
-            packages.join(" ")
-        );
-    }
-    ok.then_some(python)
-}
+#[path = "../../../trl-runtime/tests/common/python.rs"]
+mod python;
+#[allow(unused_imports)]
+pub use python::python_with;
 
 /// Checks that transformers opens the checkpoint `dir` we saved and computes the logits we
 /// do (within 1e-4, f32) on two random rows; skipped with a message without transformers.

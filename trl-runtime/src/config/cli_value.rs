@@ -112,3 +112,36 @@ impl<'de> serde::Deserialize<'de> for NumberList {
         }
     }
 }
+
+/// Keyword arguments of a transformers object (`lr_scheduler_kwargs`): a YAML mapping, or on
+/// the command line (and as a string in a file) a JSON object, as TrainingArguments reads
+/// `--lr_scheduler_kwargs '{"min_lr_rate": 0.1}'`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct KwArgs(pub std::collections::BTreeMap<String, serde_json::Value>);
+
+impl CliValue for KwArgs {
+    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
+        if s.trim().is_empty() {
+            return Ok(KwArgs::default());
+        }
+        serde_json::from_str(s)
+            .map(KwArgs)
+            .map_err(|e| format!("'{s}': expected a JSON object of keyword arguments ({e})"))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for KwArgs {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum MapOrText {
+            Map(std::collections::BTreeMap<String, serde_json::Value>),
+            Text(String),
+        }
+        match Option::<MapOrText>::deserialize(d)? {
+            None => Ok(KwArgs::default()),
+            Some(MapOrText::Map(m)) => Ok(KwArgs(m)),
+            Some(MapOrText::Text(s)) => KwArgs::parse_cli(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}

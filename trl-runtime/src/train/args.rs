@@ -11,7 +11,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub use crate::config::cli_value::{CliValue, NameList};
+pub use crate::config::cli_value::{CliValue, KwArgs, NameList};
 
 /// A parsed flag value. The wrapper keeps clap from giving `Option<Option<T>>` fields its
 /// special optional-value meaning: every flag here takes one value of the field's type.
@@ -113,8 +113,13 @@ training_arguments! {
     per_device_eval_batch_size: usize = 8;
     gradient_accumulation_steps: usize = 1;
     learning_rate: f64 = 2e-5;
-    /// constant, constant_with_warmup, linear or cosine.
+    /// transformers' schedules: constant, constant_with_warmup, linear, cosine,
+    /// cosine_with_restarts, polynomial, inverse_sqrt, cosine_with_min_lr,
+    /// cosine_warmup_with_min_lr or warmup_stable_decay.
     lr_scheduler_type: String = "linear".into();
+    /// The schedule's keyword arguments (`{"min_lr_rate": 0.1}`, `{"num_cycles": 2}`, ...),
+    /// checked against the ones transformers' function for it takes.
+    lr_scheduler_kwargs: KwArgs = KwArgs::default();
     warmup_steps: usize = 0;
     warmup_ratio: f64 = 0.0;
     weight_decay: f64 = 0.0;
@@ -300,13 +305,28 @@ impl TrainingArguments {
     /// The learning-rate schedule of a run of `total_steps`.
     pub fn schedule(&self, total_steps: usize) -> Result<super::LrSchedule> {
         let kind = super::SchedulerKind::parse(&self.lr_scheduler_type)?;
+        let args = self.scheduler_args(kind, "training arguments")?;
         Ok(super::LrSchedule::new(
             kind,
             self.learning_rate,
             total_steps,
             self.warmup_steps,
             self.warmup_ratio,
-        ))
+        )
+        .with_args(args))
+    }
+
+    /// lr_scheduler_kwargs read for `kind` (errors name `source` and the key).
+    fn scheduler_args(
+        &self,
+        kind: super::SchedulerKind,
+        source: &str,
+    ) -> Result<super::SchedulerArgs> {
+        super::SchedulerArgs::from_kwargs(kind, &self.lr_scheduler_kwargs, self.learning_rate)
+            .map_err(|(key, why)| {
+                let kind = &self.lr_scheduler_type;
+                Error::config(source, &key, format!("{why} (lr_scheduler_type {kind})"))
+            })
     }
 
     fn validate_peft(&self, source: &str) -> Result<()> {
@@ -378,8 +398,9 @@ impl TrainingArguments {
     /// Checks values that have a fixed set of choices or bounds.
     pub fn validate(&self, source: &str) -> Result<()> {
         let err = |key: &str, message: String| Error::config(source, key, message);
-        crate::train::SchedulerKind::parse(&self.lr_scheduler_type)
+        let kind = crate::train::SchedulerKind::parse(&self.lr_scheduler_type)
             .map_err(|e| err("lr_scheduler_type", e.to_string()))?;
+        self.scheduler_args(kind, source)?;
         if crate::nn::AttentionImpl::parse(&self.attn_implementation).is_none() {
             return Err(err(
                 "attn_implementation",

@@ -21,9 +21,9 @@ pub use self::core::{
 pub use crate::optim;
 pub use crate::optim::{clip_grad_norm, grad_clip_coef, AdamW, AdamWConfig, ParamState};
 pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
-pub use args::{Cli, TrainerConfig, TrainingArguments, TrainingFlags};
+pub use args::{Cli, CliValue, KwArgs, TrainerConfig, TrainingArguments, TrainingFlags};
 pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use dpo::{DPOArgs, DPOConfig, Dpo, DpoCli};
-pub use schedule::{LrSchedule, SchedulerKind};
+pub use schedule::{Curve, LrSchedule, SchedulerArgs, SchedulerKind};
 pub use sft::Sft;
 pub use trainer::Trainer;

@@ -96,7 +96,6 @@ const KNOWN: &[&str] = &[
     "logging_nan_inf_filter",
     "logging_strategy",
     "loss_type",
-    "lr_scheduler_kwargs",
     "max_completion_length",
     "max_prompt_length",
     "max_seq_length",

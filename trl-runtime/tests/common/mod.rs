@@ -1,5 +1,10 @@
 //! Helpers shared by the integration tests: run a closure on n ranks of either CPU backend.
+
 #![allow(dead_code)]
+
+mod python;
+#[allow(unused_imports)]
+pub use python::python_with;
 
 pub mod collectives;
 
