@@ -245,6 +245,7 @@ fn trl_recipes_are_read_with_their_extra_keys() {
         ("fp16: true\n", "bf16"),
         ("optim: sgd\n", "AdamW"),
         ("learning_rat: 1.0\n", "did you mean `learning_rate`"),
+        ("average_tokens_across_devices: false\n", "all ranks"),
     ] {
         std::fs::write(&yaml, line).unwrap();
         let e = SFTConfig::read(&yaml).unwrap_err().to_string();

@@ -338,6 +338,9 @@ pub fn classify(
             "fp16" if truthy(&value) => {
                 return Err(err(&key, "fp16 needs dynamic loss scaling, which is not implemented: use bf16: true".into()))
             }
+            "average_tokens_across_devices" if value.as_bool() == Some(false) => {
+                return Err(err(&key, "false normalizes each rank's loss by its own target tokens; here the loss is always normalized by the target tokens of all ranks (transformers' default, true): remove it".into()))
+            }
             "neftune_noise_alpha" | "label_smoothing_factor" if truthy(&value) => {
                 return Err(err(&key, "changes the loss and is not implemented: remove it".into()))
             }
