@@ -270,6 +270,35 @@ fn trl_recipes_are_read_with_their_extra_keys() {
     );
 }
 
+/// HfArgumentParser's `--no_KEY` for booleans that default to true, as TRL's scripts document
+/// (`--no_remove_unused_columns` in dpo.py's example): KEY false, for our fields and for the
+/// keys that have no field.
+#[test]
+fn no_prefixed_flags_set_booleans_false() {
+    let flags = trl_runtime::train::SftCli::parse_trl_from(
+        [
+            "sft",
+            "--no_gradient_checkpointing",
+            "--no-remove-unused-columns",
+            "--no_packing",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    let mut c = SFTConfig {
+        packing: true,
+        ..SFTConfig::default()
+    };
+    let ignored = flags.apply(&mut c).unwrap();
+    assert!(!c.training.gradient_checkpointing && !c.packing);
+    assert!(
+        ignored.iter().any(|l| l.contains("remove_unused_columns")),
+        "{ignored:?}"
+    );
+    // A name that is no key stays an error.
+    assert!(cli(&["--no_such_key"]).is_err());
+}
+
 #[test]
 fn gradient_checkpointing_is_on_by_default_as_in_trl() {
     // TRL's SFTConfig turns it on; a recipe or flag turns it off.

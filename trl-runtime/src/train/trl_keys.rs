@@ -273,10 +273,19 @@ pub fn take_flags(
             rest.push(a);
             continue;
         };
-        let (name, inline) = match flag.split_once('=') {
+        let (mut name, mut inline) = match flag.split_once('=') {
             Some((n, v)) => (n.replace('-', "_"), Some(v.to_string())),
             None => (flag.replace('-', "_"), None),
         };
+        // HfArgumentParser's `--no_KEY` for a boolean that defaults to true (TRL's scripts
+        // document `--no_remove_unused_columns`): KEY false.
+        if let Some(key) = name.strip_prefix("no_") {
+            let base = crate::train::TrainingArguments::FIELDS;
+            let known = |k: &str| KNOWN.contains(&k) || fields.contains(&k) || base.contains(&k);
+            if inline.is_none() && !known(&name) && known(key) {
+                (name, inline) = (key.to_string(), Some("false".into()));
+            }
+        }
         if !KNOWN.contains(&name.as_str()) || fields.contains(&name.as_str()) {
             // HfArgumentParser accepts `--per-device-train-batch-size` for every field, and
             // every flag clap knows here is snake_case.
