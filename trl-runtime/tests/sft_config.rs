@@ -299,6 +299,27 @@ fn no_prefixed_flags_set_booleans_false() {
     assert!(cli(&["--no_such_key"]).is_err());
 }
 
+/// TRL's example config's `env:` mapping: the variables are set in the process before
+/// training, as `trl sft --config` sets them; anything but a mapping of scalars is refused.
+#[test]
+fn a_config_files_env_mapping_sets_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("example_config.yaml");
+    std::fs::write(
+        &yaml,
+        "env:\n  TRL_TEST_CONFIG_ENV: 0\n  TRL_TEST_CONFIG_FLAG: true\nreport_to:\n  none\n\
+         learning_rate:\n  0.0001\nlr_scheduler_type:\n  cosine\n",
+    )
+    .unwrap();
+    let (c, _) = SFTConfig::read(&yaml).unwrap();
+    assert_eq!(c.training.learning_rate, 1e-4);
+    assert_eq!(std::env::var("TRL_TEST_CONFIG_ENV").as_deref(), Ok("0"));
+    assert_eq!(std::env::var("TRL_TEST_CONFIG_FLAG").as_deref(), Ok("True"));
+    std::fs::write(&yaml, "env: [CUDA_VISIBLE_DEVICES]\n").unwrap();
+    let e = SFTConfig::read(&yaml).unwrap_err().to_string();
+    assert!(e.contains("env") && e.contains("mapping"), "{e}");
+}
+
 #[test]
 fn gradient_checkpointing_is_on_by_default_as_in_trl() {
     // TRL's SFTConfig turns it on; a recipe or flag turns it off.

@@ -387,11 +387,18 @@ impl TrainingArguments {
         })
     }
 
-    /// Applies a key that sets one of these fields under another name.
+    /// Applies a key that sets one of these fields under another name (`env`: the process's
+    /// environment, as TRL's parser sets it).
     fn apply_alias(&mut self, alias: Alias) {
         match alias {
             Alias::GradientCheckpointing(on) => self.gradient_checkpointing = on,
             Alias::MaxLength(n) => self.max_length = n,
+            Alias::Env(vars) => {
+                for (name, value) in vars {
+                    tracing::info!("config env: {name}={value}");
+                    std::env::set_var(name, value);
+                }
+            }
         }
     }
 

@@ -244,6 +244,16 @@ fn why(key: &str) -> &'static str {
     }
 }
 
+/// A YAML scalar as the text an environment variable holds (Python's `str(value)`).
+fn scalar(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        Value::Bool(b) => Some(if *b { "True" } else { "False" }.to_string()),
+        _ => None,
+    }
+}
+
 fn truthy(v: &Value) -> bool {
     match v {
         Value::Null => false,
@@ -313,6 +323,9 @@ pub fn take_flags(
 pub enum Alias {
     GradientCheckpointing(bool),
     MaxLength(usize),
+    /// TRL's config files' `env:` mapping: environment variables the process sets before
+    /// training (`trl sft --config` sets them the same way).
+    Env(Vec<(String, String)>),
 }
 
 /// Sorts `other` (keys the training config has no field for; `fields` are the ones it has,
@@ -335,6 +348,17 @@ pub fn classify(
             // transformers 5's name, and TRL's older one, for fields we have.
             "activation_checkpointing" => {
                 aliases.push(Alias::GradientCheckpointing(truthy(&value)))
+            }
+            "env" => {
+                let vars = value.as_mapping().and_then(|m| {
+                    m.iter()
+                        .map(|(k, v)| Some((scalar(k)?, scalar(v)?)))
+                        .collect::<Option<Vec<_>>>()
+                });
+                match vars {
+                    Some(vars) => aliases.push(Alias::Env(vars)),
+                    None => return Err(err(&key, "expected a mapping of variable names to values (env: {CUDA_VISIBLE_DEVICES: 0})".into())),
+                }
             }
             "max_seq_length" => match value.as_u64() {
                 Some(n) => aliases.push(Alias::MaxLength(n as usize)),
