@@ -62,6 +62,8 @@ pub struct AccelerateFlags {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub fsdp_activation_checkpointing: Option<String>,
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub fsdp_activation_checkpointing_offload: Option<String>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub fsdp_use_orig_params: Option<String>,
     /// Compute threads per process (OMP_NUM_THREADS, RAYON_NUM_THREADS).
     #[arg(long)]
@@ -182,6 +184,11 @@ impl AccelerateFlags {
                 "--fsdp_activation_checkpointing",
                 "FSDP_ACTIVATION_CHECKPOINTING",
                 self.fsdp_activation_checkpointing.clone(),
+            ),
+            (
+                "--fsdp_activation_checkpointing_offload",
+                "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+                self.fsdp_activation_checkpointing_offload.clone(),
             ),
             (
                 "--fsdp_use_orig_params",

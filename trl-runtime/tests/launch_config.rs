@@ -251,3 +251,23 @@ fn missing_file_names_the_path() {
         .to_string();
     assert!(e.contains("/nonexistent/profile.yaml"), "{e}");
 }
+
+/// accelerate 1.15's fsdp_activation_checkpointing_offload (TRL's context_parallel_8gpu.yaml):
+/// read, carried to the workers in FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD, read back there.
+#[test]
+fn activation_checkpointing_offload_reaches_the_workers() {
+    use trl_runtime::config::LaunchPlan;
+    let yaml = "distributed_type: FSDP\nnum_processes: 8\nmixed_precision: bf16\n\
+                fsdp_config:\n  fsdp_activation_checkpointing: true\n  \
+                fsdp_activation_checkpointing_offload: true\n  fsdp_version: 2\n\
+                parallelism_config:\n  parallelism_config_cp_size: 8\n";
+    let cfg = LaunchConfig::from_yaml_str(yaml, "context_parallel_8gpu.yaml").unwrap();
+    assert!(cfg.unknown_keys.is_empty(), "{:?}", cfg.unknown_keys);
+    let plan = LaunchPlan::from_config(&cfg);
+    assert!(plan.activation_checkpointing() && plan.activation_checkpointing_offload());
+    let dims = cfg.parallelism.resolve(8, cfg.distributed_type).unwrap();
+    let env: std::collections::HashMap<String, String> = plan.to_env(&dims).into_iter().collect();
+    assert_eq!(env["FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"], "true");
+    let back = LaunchPlan::from_env(|k| env.get(k).cloned(), 8).unwrap();
+    assert!(back.activation_checkpointing_offload());
+}

@@ -382,6 +382,10 @@ fn parse_fsdp(s: &mut Section) -> Result<FsdpConfig> {
             "fsdp_activation_checkpointing",
             &mut c.activation_checkpointing,
         ),
+        (
+            "fsdp_activation_checkpointing_offload",
+            &mut c.activation_checkpointing_offload,
+        ),
     ] {
         if let Some(b) = s.bool(key)? {
             *slot = b;

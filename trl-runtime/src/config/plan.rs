@@ -239,6 +239,10 @@ impl LaunchPlan {
                 "FSDP_ACTIVATION_CHECKPOINTING",
                 f.activation_checkpointing.to_string(),
             );
+            put(
+                "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+                f.activation_checkpointing_offload.to_string(),
+            );
         }
         put("ACCELERATE_USE_PARALLELISM_CONFIG", "true".into());
         let resolved = ParallelismConfig {
@@ -340,6 +344,14 @@ impl LaunchPlan {
         self.fsdp
             .as_ref()
             .is_some_and(|f| f.activation_checkpointing)
+    }
+
+    /// Whether each checkpointed layer's input is kept in host memory (FSDP's
+    /// activation_checkpointing_offload).
+    pub fn activation_checkpointing_offload(&self) -> bool {
+        self.fsdp
+            .as_ref()
+            .is_some_and(|f| f.activation_checkpointing_offload)
     }
 
     /// Whether each rank should read only the model slices it keeps (FSDP's
@@ -484,6 +496,10 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
         (
             "FSDP_ACTIVATION_CHECKPOINTING",
             &mut c.activation_checkpointing,
+        ),
+        (
+            "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+            &mut c.activation_checkpointing_offload,
         ),
     ] {
         if let Some(b) = vars.flag(var)? {

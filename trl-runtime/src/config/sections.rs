@@ -141,6 +141,9 @@ pub struct FsdpConfig {
     pub sync_module_states: bool,
     pub use_orig_params: bool,
     pub activation_checkpointing: bool,
+    /// Each checkpointed layer's input kept in host memory (accelerate's
+    /// fsdp_activation_checkpointing_offload; the training arguments' activation_offloading).
+    pub activation_checkpointing_offload: bool,
 }
 
 impl Default for FsdpConfig {
@@ -160,6 +163,7 @@ impl Default for FsdpConfig {
             sync_module_states: true,
             use_orig_params: true,
             activation_checkpointing: false,
+            activation_checkpointing_offload: false,
         }
     }
 }

@@ -413,10 +413,21 @@ pub fn parallelize<N: CausalModel>(
         );
     }
 
-    // 3. Activation checkpointing: each decoder layer recomputed in backward.
-    if opts.gradient_checkpointing || plan.activation_checkpointing() {
-        let offload = opts.offload_activations && !ctx.device().is_cpu();
-        model.checkpointing = Some(Checkpointing::new(offload));
+    // 3. Activation checkpointing: each decoder layer recomputed in backward, its input kept
+    // in host memory when asked (on a GPU; a CPU run's inputs are there already).
+    let checkpointing = opts.gradient_checkpointing || plan.activation_checkpointing();
+    let offload = opts.offload_activations || plan.activation_checkpointing_offload();
+    if offload && main && (!checkpointing || ctx.device().is_cpu()) {
+        let why = match checkpointing {
+            false => "it needs activation checkpointing (gradient_checkpointing, or the launch's fsdp_activation_checkpointing)",
+            true => "on a CPU the layer inputs are in host memory already",
+        };
+        tracing::warn!(
+            "activation_offloading / fsdp_activation_checkpointing_offload: no effect: {why}"
+        );
+    }
+    if checkpointing {
+        model.checkpointing = Some(Checkpointing::new(offload && !ctx.device().is_cpu()));
     }
 
     // 4. Data parallelism over the ranks that see different tokens; ZeRO / FSDP shard over
