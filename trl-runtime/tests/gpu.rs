@@ -558,6 +558,28 @@ type FusedCase<'a> = (
 /// |difference| over max |reference|, outputs and every gradient), in bf16 within bf16 rounding
 /// (2e-2), with hidden sizes that are not multiples of the block, one of whole 16-byte units
 /// (1000) and one not (1003, the element-wise paths), and odd row counts.
+/// NEFTune's noise kernel (`uniform_noise_*`) draws what the CPU op draws: the same hash, the
+/// noise computed in f64 and rounded to f32, so f32 and bf16 outputs equal the CPU's exactly.
+#[test]
+fn fused_uniform_noise_on_gpu_equals_the_cpu() {
+    use trl_runtime::kernels::fused::add_uniform_noise;
+    let Some(dev) = gpu() else { return };
+    let x = draws(&[3, 257, 96], 1.0, 61);
+    for dtype in [DType::F32, DType::BF16] {
+        let x = x.to_dtype(dtype).unwrap();
+        let want = add_uniform_noise(&x, 0x5EED, 0.37).unwrap();
+        let got = add_uniform_noise(&x.to_device(&dev).unwrap(), 0x5EED, 0.37)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let d = max_abs_diff(
+            &got.to_dtype(DType::F32).unwrap(),
+            &want.to_dtype(DType::F32).unwrap(),
+        );
+        assert_eq!(d, 0.0, "{dtype:?}");
+    }
+}
+
 #[test]
 fn fused_cuda_kernels_follow_the_cpu_kernels() {
     use trl_runtime::kernels::fused::{dropout, rms_norm, rotary, swiglu};

@@ -367,6 +367,87 @@ fn lr_scheduler_kwargs_shape_the_logged_rates() {
     assert!(logged[5] > 3e-4 && logged[5] < 1e-3, "{logged:?}");
 }
 
+/// NEFTune (`--neftune_noise_alpha`, transformers' hook on the input embeddings): the noise
+/// is uniform within alpha / sqrt(seq x hidden), the same for the same key on every device
+/// path, and only in training forwards; it changes the training losses, and tensor-parallel
+/// ranks (which hold the same rows) add the same noise, so tp 2 still equals one process.
+#[test]
+fn neftune_noise_is_bounded_keyed_and_the_same_across_tp_ranks() {
+    use trl_runtime::kernels::fused::add_uniform_noise;
+    use trl_runtime::nn::embedding::with_neftune;
+    use trl_runtime::nn::Embedding;
+    let cpu = candle_core::Device::Cpu;
+    let zeros = candle_core::Tensor::zeros((2, 64, 8), candle_core::DType::F32, &cpu).unwrap();
+    let noise = |seed| {
+        add_uniform_noise(&zeros, seed, 0.5)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let a = noise(7);
+    let mean = a.iter().sum::<f32>() / a.len() as f32;
+    let var = a.iter().map(|v| v * v).sum::<f32>() / a.len() as f32;
+    assert!(a.iter().all(|v| v.abs() <= 0.5), "within the bound");
+    // Uniform on [-0.5, 0.5): mean 0, variance 1/12 (1,024 draws).
+    assert!(
+        mean.abs() < 0.05 && (var - 1.0 / 12.0).abs() < 0.015,
+        "{mean} {var}"
+    );
+    assert_eq!(a, noise(7));
+    assert_ne!(a, noise(8));
+
+    // Through an embedding: only inside a training forward, scaled by seq x hidden.
+    let table = candle_core::Tensor::zeros((10, 8), candle_core::DType::F32, &cpu).unwrap();
+    let embed = Embedding::new(table, 8);
+    let ids = candle_core::Tensor::zeros((2, 64), candle_core::DType::U32, &cpu).unwrap();
+    let plain = embed.forward(&ids).unwrap();
+    assert_eq!(
+        plain
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap(),
+        0.0
+    );
+    let noisy = with_neftune(Some((5.0, 3)), || embed.forward(&ids)).unwrap();
+    let largest = noisy
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let bound = 5.0 / (64.0f32 * 8.0).sqrt();
+    assert!(
+        largest > 0.5 * bound && largest <= bound,
+        "{largest} vs {bound}"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let with_alpha = |out: &str, alpha: Option<f64>| {
+        let mut cfg = config(&tmp.path().join(out), 4, 1, 3);
+        cfg.training.neftune_noise_alpha = alpha;
+        cfg
+    };
+    let plain = run(1, with_alpha("a", None));
+    let noisy = run(1, with_alpha("b", Some(5.0)));
+    assert_ne!(
+        plain.0[0], noisy.0[0],
+        "the noise reaches the training forward"
+    );
+    let tp = run_dims(
+        dims(1, 1, 2),
+        with_alpha("c", Some(5.0)),
+        Strategy::Ddp,
+        CheckpointFormat::Full,
+    );
+    assert_close(&tp, &noisy, "NEFTune under tp 2 vs one process");
+}
+
 #[test]
 fn resume_continues_exactly() {
     let tmp = tempfile::tempdir().unwrap();

@@ -812,6 +812,32 @@ pub fn dropout(
     Ok((out, x.1.shape().clone()))
 }
 
+/// Contiguous `x` plus the counter-based uniform noise of `fused::add_uniform_noise`.
+pub fn uniform_noise(
+    x: (&CudaStorage, &Layout),
+    seed: u64,
+    mag: f64,
+) -> Result<(CudaStorage, Shape)> {
+    check(x.1, "uniform noise")?;
+    let dev = x.0.device().clone();
+    let dtype = x.0.dtype();
+    let name = format!("uniform_noise_{}", suffix(dtype)?);
+    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let n = x.1.shape().elem_count();
+    let out = typed!(dtype, |T| {
+        let xs = view::<T>(x.0, x.1)?;
+        // SAFETY: every element is written by the kernel.
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let n64 = n as u64;
+        let mut b = f.builder();
+        b.arg(&xs).arg(&out).arg(&n64).arg(&seed).arg(&mag);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
+        CudaStorage::wrap_cuda_slice(out, dev.clone())
+    });
+    Ok((out, x.1.shape().clone()))
+}
+
 /// `x` [a, b, c, d] (contiguous) -> [a, c, b, d]: dims 1 and 2 swapped, moving whole rows of
 /// `d` (16 bytes a thread when a row is a multiple of 16 bytes).
 pub fn swap12(x: (&CudaStorage, &Layout)) -> Result<(CudaStorage, Shape)> {

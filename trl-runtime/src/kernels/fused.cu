@@ -533,16 +533,30 @@ template <typename T> __device__ void scale(T* x, size_t n, float s) {
 // top 53 bits of splitmix64's output for seed + (i + 1) * golden are below `keep_below` (the
 // keep probability x 2^53, rounded up), and then multiplied by `s`, else by 0. The CPU op in
 // kernels/fused.rs draws the same mask; the backward is the same op on the gradient.
+__device__ __forceinline__ uint64_t counter_hash(uint64_t seed, size_t i) {
+    uint64_t z = seed + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
 template <typename T>
 __device__ void dropout(const T* x, T* out, size_t n, uint64_t seed, uint64_t keep_below,
                         float s) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        out[i] = of<T>(to_f(x[i]) * ((counter_hash(seed, i) >> 11) < keep_below ? s : 0.f));
+}
+
+// x + uniform noise in [-mag, mag) (NEFTune's embedding noise), drawn as dropout's mask is:
+// u = the hash's top 53 bits / 2^53, noise = (2u - 1) mag in f64 rounded to f32, as the CPU
+// op in kernels/fused.rs computes it.
+template <typename T>
+__device__ void uniform_noise(const T* x, T* out, size_t n, uint64_t seed, double mag) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t z = seed + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        out[i] = of<T>(to_f(x[i]) * ((z >> 11) < keep_below ? s : 0.f));
+        const double u = (double)(counter_hash(seed, i) >> 11) * (1.0 / 9007199254740992.0);
+        out[i] = of<T>(to_f(x[i]) + (float)((2.0 * u - 1.0) * mag));
     }
 }
 
@@ -692,6 +706,10 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
     extern "C" __global__ void dropout_##SUFFIX(const T* x, T* out, size_t n, uint64_t seed,   \
                                                 uint64_t keep_below, float s) {                \
         dropout<T>(x, out, n, seed, keep_below, s);                                            \
+    }                                                                                         \
+    extern "C" __global__ void uniform_noise_##SUFFIX(const T* x, T* out, size_t n,            \
+                                                      uint64_t seed, double mag) {             \
+        uniform_noise<T>(x, out, n, seed, mag);                                                \
     }                                                                                         \
     extern "C" __global__ void bias_add_##SUFFIX(const T* x, const T* bias, T* out, size_t n,  \
                                                  int cols) {                                  \

@@ -1308,6 +1308,58 @@ fused_op!(Dropout: CustomOp1 [this] {
     }
 });
 
+/// `x` plus noise drawn uniformly from [-mag, mag) (NEFTune): element `i` gets
+/// `(2u - 1) mag` for `u = (splitmix(seed + (i + 1) * GOLDEN) >> 11) / 2^53`, computed in f64
+/// and rounded to f32 before the add, on every device alike. Its gradient is the identity.
+pub fn add_uniform_noise(x: &Tensor, seed: u64, mag: f64) -> Result<Tensor> {
+    let op = UniformNoise { seed, mag };
+    if fused_here(&[x]) {
+        return x.contiguous()?.apply_op1(op);
+    }
+    let noise: Vec<f32> = (0..x.elem_count())
+        .into_par_iter()
+        .map(|i| op.noise(i))
+        .collect();
+    let noise = Tensor::from_vec(noise, x.shape(), x.device())?;
+    (x.to_dtype(DType::F32)? + noise)?.to_dtype(x.dtype())
+}
+
+#[derive(Clone, Copy)]
+struct UniformNoise {
+    seed: u64,
+    mag: f64,
+}
+
+impl UniformNoise {
+    #[inline(always)]
+    fn noise(&self, i: usize) -> f32 {
+        let z = splitmix(self.seed.wrapping_add((i as u64 + 1).wrapping_mul(GOLDEN)));
+        let u = (z >> 11) as f64 / (1u64 << 53) as f64;
+        ((2.0 * u - 1.0) * self.mag) as f32
+    }
+
+    fn apply<T: F32Math>(&self, x: &[T]) -> Vec<T> {
+        x.par_iter()
+            .enumerate()
+            .map(|(i, v)| T::of(v.f() + self.noise(i)))
+            .collect()
+    }
+}
+
+fused_op!(UniformNoise: CustomOp1 [this] {
+    name: "uniform-noise",
+    cpu(s, l) {
+        let out = per_dtype!(s.dtype(), "uniform noise", |T| this.apply::<T>(slice(s, l)?));
+        Ok((out, l.shape().clone()))
+    }
+    cuda(s, l) {
+        super::cuda_fused::uniform_noise((s, l), this.seed, this.mag)
+    }
+    bwd(_; _, grad) {
+        Ok(Some(grad.clone()))
+    }
+});
+
 // ---------------------------------------------------------------- layout and bias (GPU)
 
 /// `x` [a, b, c, d] -> [a, c, b, d], contiguous: attention's `transpose(1, 2).contiguous()`.

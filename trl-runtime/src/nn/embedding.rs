@@ -17,6 +17,25 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+thread_local! {
+    /// NEFTune's (noise alpha, key) while a training forward runs on this thread.
+    static NEFTUNE: std::cell::Cell<Option<(f64, u64)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Keeps NEFTune's draws apart from LoRA dropout's under the same key.
+const NEFTUNE_SALT: u64 = 0x4E45_4654_554E_4500;
+
+/// Runs `f` (a training forward) with NEFTune (transformers' `neftune_noise_alpha`): every
+/// embedding lookup's [batch, seq, hidden] output gets uniform noise in
+/// ±alpha / sqrt(seq x hidden), drawn from `key` and the element's index, so that ranks holding
+/// the same rows (tensor parallelism) add the same noise. `None`: no noise.
+pub fn with_neftune<T>(noise: Option<(f64, u64)>, f: impl FnOnce() -> T) -> T {
+    let before = NEFTUNE.with(|n| n.replace(noise));
+    let out = f();
+    NEFTUNE.with(|n| n.set(before));
+    out
+}
+
 #[derive(Clone)]
 pub struct Embedding {
     pub weight: Weight,
@@ -75,7 +94,16 @@ impl Embedding {
         };
         let mut dims = ids.dims().to_vec();
         dims.push(hidden);
-        rows.reshape(dims)
+        let out = rows.reshape(dims)?;
+        match NEFTUNE.with(|n| n.get()) {
+            // transformers' NEFTune hook: uniform noise of alpha / sqrt(seq x hidden).
+            Some((alpha, key)) if out.rank() == 3 => {
+                let (_, seq, hidden) = out.dims3()?;
+                let mag = alpha / ((seq * hidden) as f64).sqrt();
+                crate::kernels::fused::add_uniform_noise(&out, key ^ NEFTUNE_SALT, mag)
+            }
+            _ => Ok(out),
+        }
     }
 
     fn lookup(&self, ids: &Tensor) -> Result<Tensor> {

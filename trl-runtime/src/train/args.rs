@@ -128,6 +128,12 @@ training_arguments! {
     adam_epsilon: f64 = 1e-8;
     /// Clip gradients to this global L2 norm (0 disables).
     max_grad_norm: f64 = 1.0;
+    /// NEFTune: uniform noise of alpha / sqrt(seq x hidden) added to the token embeddings in
+    /// training forwards (transformers' hook on the input embeddings); unset: none. Drawn per
+    /// step and micro-batch like LoRA's dropout: tensor-parallel ranks add the same noise;
+    /// under sequence or context parallelism each rank's chunk is a sequence of its own, as
+    /// the hook sees it there.
+    neftune_noise_alpha: Option<f64> = None;
     num_train_epochs: f64 = 3.0;
     /// Optimizer steps to run; overrides num_train_epochs when positive.
     max_steps: i64 = -1;
@@ -592,7 +598,8 @@ impl<C: TrainerConfig> Cli<C> {
         args: impl IntoIterator<Item = String>,
     ) -> std::result::Result<Self, clap::Error> {
         use clap::{CommandFactory, FromArgMatches};
-        let (rest, other) = super::trl_keys::take_flags(join_lists(args), C::own_fields());
+        let fields = [C::own_fields(), TrainingArguments::FIELDS].concat();
+        let (rest, other) = super::trl_keys::take_flags(join_lists(args), &fields);
         let matches = Self::command().about(C::ABOUT).try_get_matches_from(rest)?;
         let mut cli = Self::from_arg_matches(&matches)?;
         cli.other = other;

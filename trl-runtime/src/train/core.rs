@@ -721,12 +721,13 @@ impl<'a, N: CausalModel> Core<'a, N> {
             .collect()
     }
 
-    /// Runs `f` (a micro-batch's forward) with this step's LoRA dropout masks: drawn from the
-    /// step and micro-batch, the same on the ranks that share a row and when a layer is
-    /// recomputed.
-    pub fn with_dropout<R>(&self, micro: usize, f: impl FnOnce() -> R) -> R {
+    /// Runs `f` (a micro-batch's training forward) with this step's random draws, LoRA's
+    /// dropout masks and NEFTune's embedding noise: drawn from the step and micro-batch, the
+    /// same on the ranks that share a row and when a layer is recomputed.
+    pub fn training_forward<R>(&self, micro: usize, f: impl FnOnce() -> R) -> R {
         let key = (self.args.seed << 32) ^ ((self.state.global_step as u64) << 8) ^ micro as u64;
-        crate::nn::lora::with_dropout(key, f)
+        let noise = self.args.neftune_noise_alpha.map(|alpha| (alpha, key));
+        crate::nn::embedding::with_neftune(noise, || crate::nn::lora::with_dropout(key, f))
     }
 
     /// Gradients for a new step (on the run's first step, it records which parameters got one).

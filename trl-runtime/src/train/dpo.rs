@@ -836,7 +836,7 @@ impl<N: CausalModel> Task<N> for Dpo {
         let router = RouterLosses::new(core, rows.len());
         for (i, (micro, reference)) in micros.iter().zip(&references).enumerate() {
             let aux = router.begin(&micro.batch)?;
-            let seq = core.with_dropout(i, || {
+            let seq = core.training_forward(i, || {
                 router.during(&aux, || self.forward(core, micro, true, true))
             })?;
             let p = Self::pair_logps(micro, &seq, reference);

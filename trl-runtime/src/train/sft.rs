@@ -236,7 +236,7 @@ impl<N: CausalModel> Task<N> for Sft {
         let router = RouterLosses::new(core, batches.len());
         for (micro, batch) in batches.iter().enumerate() {
             let aux = router.begin(batch)?;
-            let ls = core.with_dropout(micro, || {
+            let ls = core.training_forward(micro, || {
                 router.during(&aux, || {
                     core.model.forward_targets(
                         &batch.input_ids,

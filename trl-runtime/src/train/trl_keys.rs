@@ -103,7 +103,6 @@ const KNOWN: &[&str] = &[
     "model_init_kwargs",
     "model_revision",
     "mp_parameters",
-    "neftune_noise_alpha",
     "no_cuda",
     "optim",
     "optim_args",
@@ -268,9 +267,10 @@ fn truthy(v: &Value) -> bool {
 }
 
 /// Takes the `--KEY [VALUE]` / `--KEY=VALUE` flags whose KEY (either spelling) is one of the
-/// known keys out of `args` (unless the trainer has a field of that name, `fields`); a flag
-/// without a value (or followed by another flag) is `true`. Values are read as YAML scalars
-/// (`512` a number, `true` a boolean).
+/// known keys out of `args` (unless the trainer has a field of that name, `fields`: its own
+/// and the shared ones); a flag without a value (or followed by another flag) is `true`, and
+/// `--no_KEY` is KEY false. Values are read as YAML scalars (`512` a number, `true` a
+/// boolean).
 pub fn take_flags(
     args: impl IntoIterator<Item = String>,
     fields: &[&str],
@@ -290,8 +290,7 @@ pub fn take_flags(
         // HfArgumentParser's `--no_KEY` for a boolean that defaults to true (TRL's scripts
         // document `--no_remove_unused_columns`): KEY false.
         if let Some(key) = name.strip_prefix("no_") {
-            let base = crate::train::TrainingArguments::FIELDS;
-            let known = |k: &str| KNOWN.contains(&k) || fields.contains(&k) || base.contains(&k);
+            let known = |k: &str| KNOWN.contains(&k) || fields.contains(&k);
             if inline.is_none() && !known(&name) && known(key) {
                 (name, inline) = (key.to_string(), Some("false".into()));
             }
@@ -374,7 +373,7 @@ pub fn classify(
             "average_tokens_across_devices" if value.as_bool() == Some(false) => {
                 return Err(err(&key, "false normalizes each rank's loss by its own target tokens; here the loss is always normalized by the target tokens of all ranks (transformers' default, true): remove it".into()))
             }
-            "neftune_noise_alpha" | "label_smoothing_factor" if truthy(&value) => {
+            "label_smoothing_factor" if truthy(&value) => {
                 return Err(err(&key, "changes the loss and is not implemented: remove it".into()))
             }
             "optim" if !value.is_null() && !value.as_str().is_some_and(|o| o.starts_with("adamw")) => {
