@@ -7,7 +7,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape};
@@ -788,28 +788,7 @@ pub fn dropout(
     keep_below: u64,
     s: f32,
 ) -> Result<(CudaStorage, Shape)> {
-    check(x.1, "dropout")?;
-    let dev = x.0.device().clone();
-    let dtype = x.0.dtype();
-    let f = dev.get_or_load_custom_func(&format!("dropout_{}", suffix(dtype)?), MODULE, PTX)?;
-    let n = x.1.shape().elem_count();
-    let out = typed!(dtype, |T| {
-        let xs = view::<T>(x.0, x.1)?;
-        // SAFETY: every element is written by the kernel.
-        let out = unsafe { dev.alloc::<T>(n)? };
-        let n64 = n as u64;
-        let mut b = f.builder();
-        b.arg(&xs)
-            .arg(&out)
-            .arg(&n64)
-            .arg(&seed)
-            .arg(&keep_below)
-            .arg(&s);
-        // SAFETY: the arguments match the kernel's signature.
-        unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
-        CudaStorage::wrap_cuda_slice(out, dev.clone())
-    });
-    Ok((out, x.1.shape().clone()))
+    map_elements(x, "dropout", (seed, keep_below, s))
 }
 
 /// Contiguous `x` plus the counter-based uniform noise of `fused::add_uniform_noise`.
@@ -818,11 +797,37 @@ pub fn uniform_noise(
     seed: u64,
     mag: f64,
 ) -> Result<(CudaStorage, Shape)> {
-    check(x.1, "uniform noise")?;
+    map_elements(x, "uniform_noise", (seed, mag))
+}
+
+/// The arguments an element-wise kernel takes after `(x, out, n)`.
+trait TailArgs {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>);
+}
+
+impl<A: DeviceRepr, B: DeviceRepr> TailArgs for (A, B) {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.0).arg(&self.1);
+    }
+}
+
+impl<A: DeviceRepr, B: DeviceRepr, C: DeviceRepr> TailArgs for (A, B, C) {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.0).arg(&self.1).arg(&self.2);
+    }
+}
+
+/// `<name>_<dtype>(x, out, n, tail...)`, one thread per element, over contiguous `x` into a
+/// new tensor of its shape and dtype.
+fn map_elements(
+    x: (&CudaStorage, &Layout),
+    name: &str,
+    tail: impl TailArgs,
+) -> Result<(CudaStorage, Shape)> {
+    check(x.1, name)?;
     let dev = x.0.device().clone();
     let dtype = x.0.dtype();
-    let name = format!("uniform_noise_{}", suffix(dtype)?);
-    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let f = dev.get_or_load_custom_func(&format!("{name}_{}", suffix(dtype)?), MODULE, PTX)?;
     let n = x.1.shape().elem_count();
     let out = typed!(dtype, |T| {
         let xs = view::<T>(x.0, x.1)?;
@@ -830,7 +835,8 @@ pub fn uniform_noise(
         let out = unsafe { dev.alloc::<T>(n)? };
         let n64 = n as u64;
         let mut b = f.builder();
-        b.arg(&xs).arg(&out).arg(&n64).arg(&seed).arg(&mag);
+        b.arg(&xs).arg(&out).arg(&n64);
+        tail.push(&mut b);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { b.launch(config(grid(n, THREADS as usize), 0)) }.w()?;
         CudaStorage::wrap_cuda_slice(out, dev.clone())
