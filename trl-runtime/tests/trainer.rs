@@ -310,6 +310,18 @@ fn eos_token_and_chat_template_path_reach_training_and_checkpoints() {
         (cfg["chat_template"].as_str(), cfg["eos_token"].as_str()),
         (Some(template), Some("<|endoftext|>"))
     );
+    // config.json's eos id follows, as TRL mirrors it into the model's config.
+    let tok =
+        trl_runtime::data::TextTokenizer::from_dir(tmp.path().join("b/checkpoint-3")).unwrap();
+    let model: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("b/checkpoint-3/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        model["eos_token_id"].as_u64(),
+        tok.eos_token_id.map(u64::from)
+    );
+    assert_eq!(tok.eos_token.as_deref(), Some("<|endoftext|>"));
 
     let e = refused(with("c", &["--chat_template_path", "org/some-model"]));
     assert!(

@@ -687,6 +687,25 @@ impl TextTokenizer {
         }
     }
 
+    /// A model's config.json text with this tokenizer's end-of-sequence id where
+    /// [`Self::with_eos_token`] changed it (top level and `text_config`), as TRL mirrors it
+    /// into the model's config so that generation stops there too.
+    pub fn model_config<'a>(&self, config_json: &'a str) -> std::borrow::Cow<'a, str> {
+        let (Some(_), Some(id)) = (self.overrides.get("eos_token"), self.eos_token_id) else {
+            return config_json.into();
+        };
+        let Ok(serde_json::Value::Object(mut cfg)) = serde_json::from_str(config_json) else {
+            return config_json.into();
+        };
+        cfg.insert("eos_token_id".into(), id.into());
+        if let Some(serde_json::Value::Object(text)) = cfg.get_mut("text_config") {
+            text.insert("eos_token_id".into(), id.into());
+        }
+        serde_json::to_string_pretty(&cfg)
+            .expect("JSON values serialize")
+            .into()
+    }
+
     /// The tokenizer files of the model directory into `to` (a checkpoint), with the settings
     /// changed since it was read ([`Self::with_eos_token`], [`Self::with_chat_template`])
     /// written into them, so that transformers loads the tokenizer that was trained with.

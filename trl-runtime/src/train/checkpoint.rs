@@ -171,6 +171,7 @@ pub fn write_model_files(
     config_json: &str,
     tokenizer: &TextTokenizer,
 ) -> Result<()> {
+    let config_json: &str = &tokenizer.model_config(config_json);
     match params {
         Some(p) => p.save(tmp, config_json, None)?,
         None => std::fs::write(tmp.join(crate::models::params::CONFIG_FILE), config_json)
