@@ -125,6 +125,21 @@ fn eos_token_and_chat_template_path_change_the_tokenizer_and_its_copies() {
     );
     let copied = TextTokenizer::from_dir(out.path()).unwrap();
     assert_eq!(copied.eos_token_id, Some(eot));
+    // The generation config travels along, the new eos first among its stop tokens.
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"eos_token_id": 7, "temperature": 0.7}"#,
+    )
+    .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    tok.copy_files(out.path()).unwrap();
+    let generation: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.path().join("generation_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(generation["eos_token_id"], serde_json::json!([eot, 7]));
+    assert_eq!(generation["temperature"], 0.7);
+    std::fs::remove_file(dir.path().join("generation_config.json")).unwrap();
     std::fs::write(dir.path().join("chat_template.jinja"), CHATML).unwrap();
     let with_jinja = TextTokenizer::from_dir(dir.path())
         .unwrap()

@@ -28,6 +28,9 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.model",
 ];
 
+/// A model directory's generation settings (stop tokens, sampling defaults).
+const GENERATION_CONFIG: &str = "generation_config.json";
+
 const GEN_START: char = '\u{E000}';
 const GEN_END: char = '\u{E001}';
 
@@ -706,12 +709,13 @@ impl TextTokenizer {
             .into()
     }
 
-    /// The tokenizer files of the model directory into `to` (a checkpoint), with the settings
-    /// changed since it was read ([`Self::with_eos_token`], [`Self::with_chat_template`])
-    /// written into them, so that transformers loads the tokenizer that was trained with.
+    /// The tokenizer files of the model directory into `to` (a checkpoint), and its
+    /// generation_config.json, with the settings changed since it was read
+    /// ([`Self::with_eos_token`], [`Self::with_chat_template`]) written into them, so that
+    /// transformers loads the tokenizer that was trained with and generation stops at its eos.
     pub fn copy_files(&self, to: &Path) -> Result<()> {
         let io = |what: &str, p: &Path, e| Error::io(format!("{what} {}", p.display()), e);
-        for f in TOKENIZER_FILES {
+        for f in TOKENIZER_FILES.iter().chain(&[GENERATION_CONFIG]) {
             let src = self.dir.join(f);
             if src.exists() {
                 std::fs::copy(&src, to.join(f)).map_err(|e| io("cannot copy", &src, e))?;
@@ -719,6 +723,27 @@ impl TextTokenizer {
         }
         if self.overrides.is_empty() {
             return Ok(());
+        }
+        // TRL adds a changed eos to the generation config's stop tokens, ahead of the others.
+        let generation = to.join(GENERATION_CONFIG);
+        if let (true, Some(id)) = (self.overrides.contains_key("eos_token"), self.eos_token_id) {
+            let text = std::fs::read_to_string(&generation).ok();
+            if let Some(serde_json::Value::Object(mut cfg)) =
+                text.and_then(|t| serde_json::from_str(&t).ok())
+            {
+                let mut ids: Vec<serde_json::Value> = match cfg.remove("eos_token_id") {
+                    Some(serde_json::Value::Array(ids)) => ids,
+                    Some(serde_json::Value::Null) | None => Vec::new(),
+                    Some(one) => vec![one],
+                };
+                if !ids.iter().any(|v| v.as_u64() == Some(u64::from(id))) {
+                    ids.insert(0, id.into());
+                }
+                cfg.insert("eos_token_id".into(), ids.into());
+                let text = serde_json::to_string_pretty(&cfg).expect("JSON values serialize");
+                std::fs::write(&generation, text)
+                    .map_err(|e| io("cannot write", &generation, e))?;
+            }
         }
         let mut set = self.overrides.clone();
         // transformers reads chat_template.jinja before tokenizer_config.json's template.
