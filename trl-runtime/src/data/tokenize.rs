@@ -122,8 +122,10 @@ pub struct TextTokenizer {
     pub pad_token_id: u32,
     /// The model directory it was read from: its files go into every checkpoint.
     dir: PathBuf,
-    /// tokenizer_config.json keys set since (eos_token, chat_template): checkpoints carry them.
-    overrides: serde_json::Map<String, serde_json::Value>,
+    /// Whether the eos token and the chat template were changed since it was read
+    /// ([`Self::with_eos_token`], [`Self::with_chat_template`]): checkpoints carry the changes.
+    changed_eos: bool,
+    changed_template: bool,
 }
 
 fn config_error(file: &Path, key: &str, message: impl Into<String>) -> Error {
@@ -513,6 +515,27 @@ fn template_env() -> minijinja::Environment<'static> {
     env
 }
 
+/// Edits the JSON object in `path` with `f` and writes it back; a missing file is an empty
+/// object when `create`, else left missing, and a file that is no JSON object is left as it is
+/// (a checkpoint's copy of the model's own).
+fn edit_json(
+    path: &Path,
+    create: bool,
+    f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> Result<()> {
+    let mut obj = match std::fs::read_to_string(path) {
+        Ok(text) => match serde_json::from_str(&text) {
+            Ok(serde_json::Value::Object(obj)) => obj,
+            _ => return Ok(()),
+        },
+        Err(_) if create => Default::default(),
+        Err(_) => return Ok(()),
+    };
+    f(&mut obj);
+    let text = serde_json::to_string_pretty(&obj).expect("JSON values serialize");
+    std::fs::write(path, text).map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
+}
+
 impl TextTokenizer {
     /// Loads `tokenizer.json` and `tokenizer_config.json` (and `chat_template.jinja` if present)
     /// from a model directory.
@@ -610,14 +633,14 @@ impl TextTokenizer {
             eos_token_id,
             pad_token_id,
             dir: dir.to_path_buf(),
-            overrides: Default::default(),
+            changed_eos: false,
+            changed_template: false,
         })
     }
 
     /// The same tokenizer with another chat template (`source` names it in errors).
     pub fn with_chat_template(mut self, template: String, source: PathBuf) -> Self {
-        self.overrides
-            .insert("chat_template".into(), template.clone().into());
+        self.changed_template = true;
         self.chat_template = Some(template);
         self.template_source = source;
         self.compiled = std::sync::OnceLock::new();
@@ -639,7 +662,7 @@ impl TextTokenizer {
         self.eos_token = Some(token.to_string());
         self.eos_token_id = Some(id);
         self.compiled = std::sync::OnceLock::new();
-        self.overrides.insert("eos_token".into(), token.into());
+        self.changed_eos = true;
         Ok(self)
     }
 
@@ -694,7 +717,7 @@ impl TextTokenizer {
     /// [`Self::with_eos_token`] changed it (top level and `text_config`), as TRL mirrors it
     /// into the model's config so that generation stops there too.
     pub fn model_config<'a>(&self, config_json: &'a str) -> std::borrow::Cow<'a, str> {
-        let (Some(_), Some(id)) = (self.overrides.get("eos_token"), self.eos_token_id) else {
+        let (true, Some(id)) = (self.changed_eos, self.eos_token_id) else {
             return config_json.into();
         };
         let Ok(serde_json::Value::Object(mut cfg)) = serde_json::from_str(config_json) else {
@@ -714,70 +737,52 @@ impl TextTokenizer {
     /// ([`Self::with_eos_token`], [`Self::with_chat_template`]) written into them, so that
     /// transformers loads the tokenizer that was trained with and generation stops at its eos.
     pub fn copy_files(&self, to: &Path) -> Result<()> {
-        let io = |what: &str, p: &Path, e| Error::io(format!("{what} {}", p.display()), e);
         for f in TOKENIZER_FILES.iter().chain(&[GENERATION_CONFIG]) {
             let src = self.dir.join(f);
             if src.exists() {
-                std::fs::copy(&src, to.join(f)).map_err(|e| io("cannot copy", &src, e))?;
+                std::fs::copy(&src, to.join(f))
+                    .map_err(|e| Error::io(format!("cannot copy {}", src.display()), e))?;
             }
         }
-        if self.overrides.is_empty() {
+        if let Some(template) = self
+            .chat_template
+            .as_ref()
+            .filter(|_| self.changed_template)
+        {
+            // transformers reads chat_template.jinja before tokenizer_config.json's template.
+            let jinja = to.join("chat_template.jinja");
+            match jinja.exists() {
+                true => std::fs::write(&jinja, template)
+                    .map_err(|e| Error::io(format!("cannot write {}", jinja.display()), e))?,
+                false => edit_json(&to.join("tokenizer_config.json"), true, |c| {
+                    c.insert("chat_template".into(), template.as_str().into());
+                })?,
+            }
+        }
+        let (true, Some(token), Some(id)) = (self.changed_eos, &self.eos_token, self.eos_token_id)
+        else {
             return Ok(());
+        };
+        for (name, create) in [
+            ("tokenizer_config.json", true),
+            ("special_tokens_map.json", false),
+        ] {
+            edit_json(&to.join(name), create, |c| {
+                c.insert("eos_token".into(), token.as_str().into());
+            })?;
         }
         // TRL adds a changed eos to the generation config's stop tokens, ahead of the others.
-        let generation = to.join(GENERATION_CONFIG);
-        if let (true, Some(id)) = (self.overrides.contains_key("eos_token"), self.eos_token_id) {
-            let text = std::fs::read_to_string(&generation).ok();
-            if let Some(serde_json::Value::Object(mut cfg)) =
-                text.and_then(|t| serde_json::from_str(&t).ok())
-            {
-                let mut ids: Vec<serde_json::Value> = match cfg.remove("eos_token_id") {
-                    Some(serde_json::Value::Array(ids)) => ids,
-                    Some(serde_json::Value::Null) | None => Vec::new(),
-                    Some(one) => vec![one],
-                };
-                if !ids.iter().any(|v| v.as_u64() == Some(u64::from(id))) {
-                    ids.insert(0, id.into());
-                }
-                cfg.insert("eos_token_id".into(), ids.into());
-                let text = serde_json::to_string_pretty(&cfg).expect("JSON values serialize");
-                std::fs::write(&generation, text)
-                    .map_err(|e| io("cannot write", &generation, e))?;
-            }
-        }
-        let mut set = self.overrides.clone();
-        // transformers reads chat_template.jinja before tokenizer_config.json's template.
-        let jinja = to.join("chat_template.jinja");
-        if jinja.exists() {
-            if let Some(serde_json::Value::String(t)) = set.remove("chat_template") {
-                std::fs::write(&jinja, t).map_err(|e| io("cannot write", &jinja, e))?;
-            }
-        }
-        for (name, keys) in [
-            ("tokenizer_config.json", set.clone()),
-            ("special_tokens_map.json", {
-                let mut eos = set.clone();
-                eos.retain(|k, _| k == "eos_token");
-                eos
-            }),
-        ] {
-            let path = to.join(name);
-            let exists = path.exists();
-            if keys.is_empty() || (!exists && name == "special_tokens_map.json") {
-                continue;
-            }
-            let mut cfg: serde_json::Map<String, serde_json::Value> = match exists {
-                true => std::fs::read_to_string(&path)
-                    .ok()
-                    .and_then(|t| serde_json::from_str(&t).ok())
-                    .unwrap_or_default(),
-                false => Default::default(),
+        edit_json(&to.join(GENERATION_CONFIG), false, |c| {
+            let mut ids = match c.remove("eos_token_id") {
+                Some(serde_json::Value::Array(ids)) => ids,
+                Some(serde_json::Value::Null) | None => Vec::new(),
+                Some(one) => vec![one],
             };
-            cfg.extend(keys);
-            let text = serde_json::to_string_pretty(&cfg).expect("JSON values serialize");
-            std::fs::write(&path, text).map_err(|e| io("cannot write", &path, e))?;
-        }
-        Ok(())
+            if !ids.iter().any(|v| v.as_u64() == Some(u64::from(id))) {
+                ids.insert(0, id.into());
+            }
+            c.insert("eos_token_id".into(), ids.into());
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
