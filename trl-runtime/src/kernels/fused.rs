@@ -1214,6 +1214,14 @@ pub fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The 53 random bits element `i` draws from `seed`: splitmix64's output for the state
+/// `seed + (i + 1) * GOLDEN`, its top 53 bits (dropout's mask, NEFTune's noise; fused.cu's
+/// `counter_hash` draws the same).
+#[inline(always)]
+fn draw53(seed: u64, i: usize) -> u64 {
+    splitmix(seed.wrapping_add((i as u64 + 1).wrapping_mul(GOLDEN))) >> 11
+}
+
 /// Inverted dropout with probability `p`: element `i` of `x` is kept, times `1 / (1 - p)`
 /// (rounded to `x`'s dtype), when `(splitmix(seed + (i + 1) * GOLDEN) >> 11) / 2^53 < 1 - p`,
 /// else zeroed. The mask is a function of the seed and the element alone, so it is drawn in
@@ -1250,8 +1258,7 @@ struct Dropout {
 impl Dropout {
     #[inline(always)]
     fn factor(&self, i: usize) -> f32 {
-        let z = splitmix(self.seed.wrapping_add((i as u64 + 1).wrapping_mul(GOLDEN)));
-        if z >> 11 < self.keep_below {
+        if draw53(self.seed, i) < self.keep_below {
             self.scale
         } else {
             0.0
@@ -1333,8 +1340,7 @@ struct UniformNoise {
 impl UniformNoise {
     #[inline(always)]
     fn noise(&self, i: usize) -> f32 {
-        let z = splitmix(self.seed.wrapping_add((i as u64 + 1).wrapping_mul(GOLDEN)));
-        let u = (z >> 11) as f64 / (1u64 << 53) as f64;
+        let u = draw53(self.seed, i) as f64 / (1u64 << 53) as f64;
         ((2.0 * u - 1.0) * self.mag) as f32
     }
 
