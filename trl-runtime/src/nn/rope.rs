@@ -242,10 +242,13 @@ impl RotaryEmbedding {
             .to_dtype(DType::I64)?
             .flatten_all()?
             .to_vec1()?;
-        let (Some(&lowest), Some(&highest)) = (flat.iter().min(), flat.iter().max()) else {
+        if flat.is_empty() {
             let empty = Tensor::zeros((b, s, self.head_dim), dtype, device)?;
             return Ok((empty.clone(), empty));
-        };
+        }
+        let (lowest, highest) = flat
+            .iter()
+            .fold((i64::MAX, i64::MIN), |(lo, hi), &p| (lo.min(p), hi.max(p)));
         if lowest < 0 {
             candle_core::bail!("rotary embedding: position {lowest} is negative");
         }

@@ -297,10 +297,10 @@ impl ModelShapes {
     /// parameter it runs through (8 with checkpointing's second forward) and causal
     /// attention's 6 s q per layer (a query scores s / 2 keys on average, 2 FLOPs per key and
     /// feature in Q K^T and again in P V, the backward twice the forward: the PaLM paper's
-    /// count, which `bench train`'s MFU and so the GPU table use). The embedding lookup costs nothing; a tied head still
-    /// runs its matmul; a token runs through its routed experts only. LoRA's `adapters`
-    /// parameters run beside the base's, and the base is charged a full step's 6 although its
-    /// frozen weights get no gradient (4). On a CPU what LoRA costs beyond this rule is
+    /// count, which `bench train`'s MFU and so the GPU table use). The embedding lookup costs
+    /// nothing; a tied head still runs its matmul; a token runs through its routed experts
+    /// only. LoRA's `adapters` parameters run beside the base's, and the base is charged a full
+    /// step's 6 although its frozen weights get no gradient (4). On a CPU what LoRA costs beyond this rule is
     /// measured against it (`CpuStepRates::adapter_element_seconds`), so the rule's third
     /// only sets where that measurement starts; the GPU table has no such figure yet.
     pub fn matmul_flops_per_token(&self, seq: usize, checkpointing: bool, adapters: usize) -> f64 {

@@ -189,7 +189,7 @@ impl<N: CausalModel> Task<N> for Sft {
     /// TRL's order: eos_token, then chat_template_path (whose directory form sets the
     /// end-of-sequence token again, from that tokenizer).
     fn tokenizer(config: &SFTConfig, mut tokenizer: TextTokenizer) -> Result<TextTokenizer> {
-        let refused = |key: &str, why: String| crate::Error::config("SFTConfig", key, why);
+        let refused = |key: &str, why: String| crate::Error::config("training arguments", key, why);
         if let Some(eos) = &config.eos_token {
             tokenizer = tokenizer
                 .with_eos_token(eos)
