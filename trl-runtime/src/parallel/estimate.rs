@@ -300,9 +300,10 @@ impl ModelShapes {
     /// count, which `bench train`'s MFU and so the GPU table use). The embedding lookup costs
     /// nothing; a tied head still runs its matmul; a token runs through its routed experts
     /// only. LoRA's `adapters` parameters run beside the base's, and the base is charged a full
-    /// step's 6 although its frozen weights get no gradient (4). On a CPU what LoRA costs beyond this rule is
-    /// measured against it (`CpuStepRates::adapter_element_seconds`), so the rule's third
-    /// only sets where that measurement starts; the GPU table has no such figure yet.
+    /// step's 6 although its frozen weights get no gradient (4). On a CPU what LoRA costs
+    /// beyond this rule is measured against it (`CpuStepRates::adapter_element_seconds`), so
+    /// the rule's third only sets where that measurement starts; the GPU table has no such
+    /// figure yet.
     pub fn matmul_flops_per_token(&self, seq: usize, checkpointing: bool, adapters: usize) -> f64 {
         let cfg = &self.dims;
         let embed = (cfg.vocab_size * cfg.hidden_size) as f64;
