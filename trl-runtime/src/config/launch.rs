@@ -369,26 +369,9 @@ fn parse_fsdp(s: &mut Section) -> Result<FsdpConfig> {
     if let Some(t) = s.named("fsdp_state_dict_type")? {
         c.state_dict_type = t;
     }
-    for (key, slot) in [
-        ("fsdp_forward_prefetch", &mut c.forward_prefetch),
-        ("fsdp_offload_params", &mut c.offload_params),
-        (
-            "fsdp_cpu_ram_efficient_loading",
-            &mut c.cpu_ram_efficient_loading,
-        ),
-        ("fsdp_sync_module_states", &mut c.sync_module_states),
-        ("fsdp_use_orig_params", &mut c.use_orig_params),
-        (
-            "fsdp_activation_checkpointing",
-            &mut c.activation_checkpointing,
-        ),
-        (
-            "fsdp_activation_checkpointing_offload",
-            &mut c.activation_checkpointing_offload,
-        ),
-    ] {
+    for (key, field) in FsdpConfig::BOOLEANS {
         if let Some(b) = s.bool(key)? {
-            *slot = b;
+            *field(&mut c) = b;
         }
     }
     Ok(c)

@@ -215,7 +215,6 @@ impl LaunchPlan {
                 "FSDP_RESHARD_AFTER_FORWARD",
                 f.reshard_after_forward.to_string(),
             );
-            put("FSDP_OFFLOAD_PARAMS", f.offload_params.to_string());
             put("FSDP_AUTO_WRAP_POLICY", f.auto_wrap_policy.as_str().into());
             if let Some(n) = f.min_num_params {
                 put("FSDP_MIN_NUM_PARAMS", n.to_string());
@@ -227,22 +226,12 @@ impl LaunchPlan {
                 "FSDP_BACKWARD_PREFETCH",
                 f.backward_prefetch.as_str().into(),
             );
-            put("FSDP_FORWARD_PREFETCH", f.forward_prefetch.to_string());
             put("FSDP_STATE_DICT_TYPE", f.state_dict_type.as_str().into());
-            put("FSDP_USE_ORIG_PARAMS", f.use_orig_params.to_string());
-            put(
-                "FSDP_CPU_RAM_EFFICIENT_LOADING",
-                f.cpu_ram_efficient_loading.to_string(),
-            );
-            put("FSDP_SYNC_MODULE_STATES", f.sync_module_states.to_string());
-            put(
-                "FSDP_ACTIVATION_CHECKPOINTING",
-                f.activation_checkpointing.to_string(),
-            );
-            put(
-                "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
-                f.activation_checkpointing_offload.to_string(),
-            );
+            // The accessors take `&mut`: read them from a copy.
+            let mut copy = f.clone();
+            for (key, field) in FsdpConfig::BOOLEANS {
+                put(&key.to_ascii_uppercase(), field(&mut copy).to_string());
+            }
         }
         put("ACCELERATE_USE_PARALLELISM_CONFIG", "true".into());
         let resolved = ParallelismConfig {
@@ -484,26 +473,9 @@ fn fsdp_from_env<F: Fn(&str) -> Option<String>>(
     if let Some(t) = vars.named("FSDP_STATE_DICT_TYPE", true)? {
         c.state_dict_type = t;
     }
-    for (var, slot) in [
-        ("FSDP_FORWARD_PREFETCH", &mut c.forward_prefetch),
-        ("FSDP_OFFLOAD_PARAMS", &mut c.offload_params),
-        ("FSDP_USE_ORIG_PARAMS", &mut c.use_orig_params),
-        (
-            "FSDP_CPU_RAM_EFFICIENT_LOADING",
-            &mut c.cpu_ram_efficient_loading,
-        ),
-        ("FSDP_SYNC_MODULE_STATES", &mut c.sync_module_states),
-        (
-            "FSDP_ACTIVATION_CHECKPOINTING",
-            &mut c.activation_checkpointing,
-        ),
-        (
-            "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
-            &mut c.activation_checkpointing_offload,
-        ),
-    ] {
-        if let Some(b) = vars.flag(var)? {
-            *slot = b;
+    for (key, field) in FsdpConfig::BOOLEANS {
+        if let Some(b) = vars.flag(&key.to_ascii_uppercase())? {
+            *field(&mut c) = b;
         }
     }
     Ok(c)

@@ -217,7 +217,28 @@ impl FsdpShardingStrategy {
     }
 }
 
+/// The field an FSDP boolean key sets.
+pub type FsdpField = fn(&mut FsdpConfig) -> &mut bool;
+
 impl FsdpConfig {
+    /// The boolean keys: the YAML's `fsdp_config` name (the launcher's variable is the same
+    /// name upper-cased, as Accelerate sets it) and the field it sets.
+    pub const BOOLEANS: [(&'static str, FsdpField); 7] = [
+        ("fsdp_forward_prefetch", |c| &mut c.forward_prefetch),
+        ("fsdp_offload_params", |c| &mut c.offload_params),
+        ("fsdp_cpu_ram_efficient_loading", |c| {
+            &mut c.cpu_ram_efficient_loading
+        }),
+        ("fsdp_sync_module_states", |c| &mut c.sync_module_states),
+        ("fsdp_use_orig_params", |c| &mut c.use_orig_params),
+        ("fsdp_activation_checkpointing", |c| {
+            &mut c.activation_checkpointing
+        }),
+        ("fsdp_activation_checkpointing_offload", |c| {
+            &mut c.activation_checkpointing_offload
+        }),
+    ];
+
     /// `fsdp_sharding_strategy` (FSDP_SHARDING_STRATEGY, or FSDP1's name in the reshard key):
     /// the strategy, and whether it reshards after forward.
     pub fn set_sharding_strategy(&mut self, s: FsdpShardingStrategy) {
