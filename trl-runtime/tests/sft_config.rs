@@ -200,7 +200,8 @@ fn trl_recipes_are_read_with_their_extra_keys() {
     std::fs::write(
         &yaml,
         "model_name_or_path: assets/tiny/model\nlearning_rate: 2.0e-5\nbf16: true\n\
-         report_to: wandb\nrun_name: sft-run\neval_strategy: steps\nlogging_first_step: true\n\
+         report_to: wandb\nrun_name: sft-run\nevaluation_strategy: epoch\nlogging_first_step: true\n\
+         eval_dataset_name: assets/tiny/data/eval.jsonl\n\
          dataset_text_field: text\noptim: adamw_torch_fused\nactivation_checkpointing: true\n\
          max_seq_length: 512\npush_to_hub: false\nuse_peft: false\nlora_r: 16\n",
     )
@@ -211,14 +212,11 @@ fn trl_recipes_are_read_with_their_extra_keys() {
         "aliases applied"
     );
     assert_eq!(c.training.max_length, 512);
+    // transformers 4's name of eval_strategy; logging_first_step is a field.
+    assert_eq!(c.training.eval_strategy.as_deref(), Some("epoch"));
+    assert!(c.training.logging_first_step);
     assert!(c.other.is_empty());
-    for key in [
-        "report_to",
-        "run_name",
-        "eval_strategy",
-        "logging_first_step",
-        "push_to_hub",
-    ] {
+    for key in ["report_to", "run_name", "push_to_hub"] {
         assert!(
             ignored.iter().any(|l| l.starts_with(&format!("{key}: "))),
             "{key} not named: {ignored:?}"
@@ -348,6 +346,9 @@ fn trl_flags_without_a_field_are_taken_like_file_keys() {
             "1e-3",
             "--activation_checkpointing",
             "--eval_strategy=steps",
+            "--eval_dataset_name=eval.jsonl",
+            "--run_name",
+            "sft-run",
         ]
         .map(String::from),
     );
@@ -358,9 +359,10 @@ fn trl_flags_without_a_field_are_taken_like_file_keys() {
         (128, 1e-3)
     );
     assert!(c.training.gradient_checkpointing);
+    assert_eq!(c.training.eval_strategy.as_deref(), Some("steps"));
     assert!(
         ignored.iter().any(|l| l.starts_with("report_to: "))
-            && ignored.iter().any(|l| l.starts_with("eval_strategy: ")),
+            && ignored.iter().any(|l| l.starts_with("run_name: ")),
         "{ignored:?}"
     );
     let cli =

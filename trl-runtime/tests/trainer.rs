@@ -1461,3 +1461,180 @@ fn parameters_without_a_gradient_stop_the_first_step() {
         }
     }
 }
+
+/// A copy of the first `train` training and `eval` held-out rows of the tiny data in `dir`
+/// (small epochs for the strategies' tests).
+fn small_data(dir: &Path, train: usize, eval: usize) -> (PathBuf, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let head = |name: &str, n: usize| {
+        let text = std::fs::read_to_string(assets().join("data").join(name)).unwrap();
+        let path = dir.join(name);
+        let rows: Vec<&str> = text.lines().take(n).collect();
+        std::fs::write(&path, rows.join("\n") + "\n").unwrap();
+        path
+    };
+    (head("train.jsonl", train), head("eval.jsonl", eval))
+}
+
+/// The metrics.jsonl lines of a run: (step, whether it has eval_loss).
+fn logged(dir: &Path) -> Vec<(usize, Option<f64>)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["step"].as_u64().unwrap() as usize,
+                v["eval_loss"].as_f64(),
+            )
+        })
+        .collect()
+}
+
+fn checkpoints(dir: &Path) -> Vec<usize> {
+    trl_runtime::train::checkpoint::list(dir)
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect()
+}
+
+/// transformers' strategies decide when the trainer logs, evaluates and saves: by epoch (6
+/// steps of 24 rows at batch 4), or never (the final model is still written, as TRL's scripts
+/// save it), with logging_first_step.
+#[test]
+fn logging_eval_and_save_strategies_decide_the_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(&tmp.path().join("data"), 24, 8);
+    let base = |out: &str| {
+        let mut cfg = config(&tmp.path().join(out), 4, 1, -1);
+        cfg.training.dataset_name = train.clone();
+        cfg.training.eval_dataset_name = Some(eval.clone());
+        cfg.training.num_train_epochs = 2.0;
+        cfg
+    };
+    let mut cfg = base("epoch");
+    for s in [
+        &mut cfg.training.logging_strategy,
+        &mut cfg.training.save_strategy,
+    ] {
+        *s = "epoch".into();
+    }
+    cfg.training.eval_strategy = Some("epoch".into());
+    run(1, cfg);
+    let dir = tmp.path().join("epoch");
+    let lines = logged(&dir);
+    assert_eq!(
+        lines.iter().map(|l| l.0).collect::<Vec<_>>(),
+        [6, 12],
+        "{lines:?}"
+    );
+    assert!(lines.iter().all(|l| l.1.is_some()), "{lines:?}");
+    assert_eq!(checkpoints(&dir), [6, 12]);
+
+    let mut cfg = base("none");
+    cfg.training.save_strategy = "no".into();
+    cfg.training.logging_strategy = "no".into();
+    cfg.training.logging_first_step = true;
+    cfg.training.eval_strategy = Some("steps".into());
+    cfg.training.eval_steps = Some(5);
+    run(1, cfg);
+    let dir = tmp.path().join("none");
+    let lines = logged(&dir);
+    let steps: Vec<usize> = lines.iter().map(|l| l.0).collect();
+    // The first step, then the evaluations (every 5 steps and at the end) with their losses.
+    assert_eq!(steps, [1, 5, 10, 12], "{lines:?}");
+    assert!(lines[0].1.is_none() && lines[1..].iter().all(|l| l.1.is_some()));
+    assert_eq!(checkpoints(&dir), [12], "only the final model");
+}
+
+/// metric_for_best_model tracks the best evaluation; save_total_limit keeps its checkpoint
+/// beside the newest; load_best_model_at_end reads it back as the run's model (under ZeRO-3
+/// too, whose parameters are sharded) and, with save_total_limit 1, leaves only it. The
+/// metric is eval_loss with greater_is_better, so that the best is an early step.
+#[test]
+fn the_best_checkpoint_is_kept_and_loaded_at_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(&tmp.path().join("data"), 400, 16);
+    let cfg = |out: &str, load: bool, limit: usize| {
+        let mut cfg = config(&tmp.path().join(out), 2, 1, 6);
+        cfg.training.dataset_name = train.clone();
+        cfg.training.eval_dataset_name = Some(eval.clone());
+        cfg.training.eval_strategy = Some("steps".into());
+        cfg.training.eval_steps = Some(2);
+        cfg.training.save_steps = 2;
+        cfg.training.save_total_limit = Some(limit);
+        cfg.training.metric_for_best_model = Some("loss".into());
+        cfg.training.greater_is_better = Some(true);
+        cfg.training.load_best_model_at_end = load;
+        cfg
+    };
+    let state = |dir: &Path, step: usize| {
+        trl_runtime::train::checkpoint::read_trainer_state(&dir.join(format!("checkpoint-{step}")))
+            .unwrap()
+    };
+    // Kept, not loaded: the best and the newest remain.
+    let (_, mut last_weights) = run(1, cfg("kept", false, 1));
+    last_weights.sort_by(|a, b| a.0.cmp(&b.0));
+    let dir = tmp.path().join("kept");
+    let evals: Vec<(usize, f64)> = logged(&dir)
+        .into_iter()
+        .filter_map(|(s, l)| l.map(|l| (s, l)))
+        .collect();
+    assert_eq!(evals.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4, 6]);
+    let (best_step, best_loss) = evals
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap();
+    assert!(
+        best_step < 6,
+        "the highest eval loss is not the last: {evals:?}"
+    );
+    eprintln!("evaluations (step, loss): {evals:?}");
+    assert_eq!(checkpoints(&dir), [best_step, 6]);
+    let s = state(&dir, 6);
+    assert_eq!(s.best_global_step, Some(best_step));
+    assert_eq!(s.best_metric, Some(best_loss));
+    assert_eq!(
+        s.best_model_checkpoint,
+        Some(dir.join(format!("checkpoint-{best_step}")))
+    );
+
+    // Loaded: the run ends with the best checkpoint's weights, on one rank and under ZeRO-3.
+    let best_weights = |dir: &Path| -> Vec<(String, Vec<f32>)> {
+        let file = dir.join(format!("checkpoint-{best_step}/model.safetensors"));
+        let mut w: Vec<(String, Vec<f32>)> =
+            candle_core::safetensors::load(file, &candle_core::Device::Cpu)
+                .unwrap()
+                .into_iter()
+                .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1().unwrap()))
+                .collect();
+        w.sort_by(|a, b| a.0.cmp(&b.0));
+        w
+    };
+    for (out, world, strategy) in [
+        ("loaded", 1, Strategy::Ddp),
+        ("loaded-zero3", 2, Strategy::fsdp(WrapPolicy::PerLayer)),
+    ] {
+        let mut c = cfg(out, true, 1);
+        c.training.per_device_train_batch_size = 2 / world;
+        let (_, mut weights) = run_with(world, c, strategy);
+        let dir = tmp.path().join(out);
+        assert_eq!(
+            checkpoints(&dir),
+            [best_step],
+            "{out}: only the best is left"
+        );
+        weights.sort_by(|a, b| a.0.cmp(&b.0));
+        let best = best_weights(&dir);
+        assert_eq!(weights.len(), best.len(), "{out}");
+        for ((n, w), (m, b)) in weights.iter().zip(&best) {
+            assert_eq!(n, m);
+            assert_eq!(w, b, "{out}: {n} is not the best checkpoint's");
+        }
+        assert_ne!(
+            weights, last_weights,
+            "{out}: still the last step's weights"
+        );
+    }
+}

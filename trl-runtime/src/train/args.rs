@@ -5,6 +5,7 @@
 //! One field list feeds each struct, its defaults, its command-line flags and the merge, so
 //! they cannot drift apart.
 
+use super::flow::{BestMetric, Flow, Interval};
 use super::trl_keys::Alias;
 use crate::error::{Error, Result};
 use serde::{de::DeserializeOwned, Serialize};
@@ -142,8 +143,35 @@ training_arguments! {
     logging_steps: usize = 10;
     save_steps: usize = 500;
     save_total_limit: Option<usize> = None;
-    /// Evaluate every this many steps (and at the end) when an eval dataset is given.
+    /// Evaluate every this many steps when an eval dataset is given (eval_strategy steps;
+    /// unset there: logging_steps).
     eval_steps: Option<usize> = None;
+    /// transformers' logging_strategy: no, steps (every logging_steps) or epoch.
+    logging_strategy: String = "steps".into();
+    /// Log the first step too.
+    logging_first_step: bool = false;
+    /// no, steps (every eval_steps) or epoch, as transformers evaluates. Unset (our default,
+    /// with an eval dataset): before training, every eval_steps when given, and after the
+    /// last step.
+    eval_strategy: Option<String> = None;
+    /// Evaluate before the first step (always done without eval_strategy).
+    eval_on_start: bool = false;
+    /// Steps (epochs, with eval_strategy epoch) to wait before the first evaluation.
+    eval_delay: f64 = 0.0;
+    /// no, steps (every save_steps and at the end), epoch, or best (when an evaluation
+    /// improves metric_for_best_model). Whatever it is, the final model is written after the
+    /// last step (as TRL's scripts save it) and a stop by SIGTERM saves.
+    save_strategy: String = "steps".into();
+    /// The evaluation metric that picks the best checkpoint (loss, accuracy, or
+    /// rewards/accuracies for DPO; `eval_` is prefixed as transformers does). Set, the best
+    /// checkpoint is kept by save_total_limit and named in trainer_state.json.
+    metric_for_best_model: Option<String> = None;
+    /// Unset: false for a metric whose name ends in loss, else true.
+    greater_is_better: Option<bool> = None;
+    /// After training, read the best checkpoint back (evaluating that model last); with
+    /// save_total_limit 1, only it is kept. Save and eval strategies must match (or
+    /// save_strategy best), as transformers requires.
+    load_best_model_at_end: bool = false;
     seed: u64 = 42;
     /// A checkpoint directory, or `latest` for the newest in output_dir.
     resume_from_checkpoint: Option<String> = None;
@@ -399,6 +427,7 @@ impl TrainingArguments {
         match alias {
             Alias::GradientCheckpointing(on) => self.gradient_checkpointing = on,
             Alias::MaxLength(n) => self.max_length = n,
+            Alias::EvalStrategy(s) => self.eval_strategy = Some(s),
             Alias::Env(vars) => {
                 for (name, value) in vars {
                     tracing::info!("config env: {name}={value}");
@@ -406,6 +435,120 @@ impl TrainingArguments {
                 }
             }
         }
+    }
+
+    /// When the trainer logs, evaluates and saves, as these arguments say, checked as transformers checks them. `accuracy` is the
+    /// trainer's accuracy metric, which metric_for_best_model may name beside `eval_loss`.
+    pub fn flow(&self, accuracy: &str, source: &str) -> Result<Flow> {
+        let args = self;
+        let metrics = ["eval_loss", accuracy];
+        let err = |key: &str, message: String| Error::config(source, key, message);
+        let (logging, _) = Interval::parse(&args.logging_strategy, args.logging_steps, false)
+            .map_err(|m| err("logging_strategy", m))?;
+        // transformers: a zero eval_steps is unset; unset, steps evaluation uses logging_steps.
+        let eval_steps = args.eval_steps.filter(|n| *n > 0);
+        let (eval, eval_after_last) = match &args.eval_strategy {
+            None => match eval_steps {
+                Some(n) => (Interval::Steps(n), false),
+                None => (Interval::No, true),
+            },
+            Some(name) => {
+                let steps = eval_steps.unwrap_or(args.logging_steps);
+                let (eval, _) =
+                    Interval::parse(name, steps, false).map_err(|m| err("eval_strategy", m))?;
+                (eval, false)
+            }
+        };
+        let (save, save_best) = Interval::parse(&args.save_strategy, args.save_steps, true)
+            .map_err(|m| err("save_strategy", m))?;
+        let evaluates = eval != Interval::No || eval_after_last;
+        if args.eval_strategy.as_deref().is_some_and(|s| s != "no")
+            && args.eval_dataset_name.is_none()
+        {
+            return Err(err(
+                "eval_strategy",
+                format!(
+                    "'{}' evaluates, but no eval_dataset_name is given: name one, or drop it",
+                    args.eval_strategy.as_deref().unwrap_or_default()
+                ),
+            ));
+        }
+        if args.eval_delay.is_nan() || args.eval_delay < 0.0 {
+            return Err(err(
+                "eval_delay",
+                format!("{} must be >= 0", args.eval_delay),
+            ));
+        }
+        if args.load_best_model_at_end && !save_best {
+            // transformers: every evaluation must have its checkpoint to go back to.
+            let (e, s) = (
+                args.eval_strategy.as_deref().unwrap_or("no"),
+                &args.save_strategy,
+            );
+            let same = matches!(
+                (eval, save),
+                (Interval::Steps(_), Interval::Steps(_)) | (Interval::Epoch, Interval::Epoch)
+            ) && args.eval_strategy.is_some();
+            if !same {
+                return Err(err(
+                    "load_best_model_at_end",
+                    format!("needs the save and eval strategy to match (or save_strategy best), but found eval_strategy {e} and save_strategy {s}"),
+                ));
+            }
+            if let (Interval::Steps(e), Interval::Steps(s)) = (eval, save) {
+                if s % e != 0 {
+                    return Err(err(
+                        "load_best_model_at_end",
+                        format!("needs save_steps to be a multiple of the evaluation steps, but found {s}, which is not a multiple of {e}"),
+                    ));
+                }
+            }
+        }
+        if save_best && !evaluates {
+            return Err(err(
+                "save_strategy",
+                "best saves when an evaluation improves the best metric, and this run does not evaluate: set eval_strategy (and eval_dataset_name)".into(),
+            ));
+        }
+        let name = match &args.metric_for_best_model {
+            Some(m) => Some(m.clone()),
+            None if args.load_best_model_at_end || save_best => Some("loss".to_string()),
+            None => None,
+        };
+        let best = match name {
+            Some(name) => {
+                let key = match name.starts_with("eval_") {
+                    true => name.clone(),
+                    false => format!("eval_{name}"),
+                };
+                if !metrics.contains(&key.as_str()) {
+                    return Err(err(
+                        "metric_for_best_model",
+                        format!(
+                            "'{key}' is not an evaluation metric of this trainer: use one of {}",
+                            metrics.join(", ")
+                        ),
+                    ));
+                }
+                Some(BestMetric {
+                    greater_is_better: args.greater_is_better.unwrap_or(!name.ends_with("loss")),
+                    key,
+                })
+            }
+            None => None,
+        };
+        Ok(Flow {
+            logging,
+            logging_first_step: args.logging_first_step,
+            eval,
+            eval_after_last,
+            eval_on_start: args.eval_on_start || args.eval_strategy.is_none(),
+            eval_delay: args.eval_delay,
+            save,
+            save_best,
+            best,
+            load_best_at_end: args.load_best_model_at_end,
+        })
     }
 
     /// Checks values that have a fixed set of choices or bounds.
@@ -480,6 +623,8 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
     type Flags: clap::Args + Clone + std::fmt::Debug;
     /// What `--help` says the program does.
     const ABOUT: &'static str;
+    /// The name its evaluation's accuracy is logged under.
+    const EVAL_ACCURACY: &'static str;
     fn training(&self) -> &TrainingArguments;
     fn training_mut(&mut self) -> &mut TrainingArguments;
     /// The keys read that have no field (emptied by reading).
@@ -493,6 +638,7 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
     /// Checks every key.
     fn validate(&self, source: &str) -> Result<()> {
         self.training().validate(source)?;
+        self.training().flow(Self::EVAL_ACCURACY, source)?;
         self.validate_own(source)
     }
 
@@ -672,10 +818,11 @@ fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
 #[macro_export]
 #[doc(hidden)]
 macro_rules! trainer_config {
-    ($Config:ident, flags $Flags:ident, base $base:ident, about $about:literal, validate $validate:path) => {
+    ($Config:ident, flags $Flags:ident, base $base:ident, about $about:literal, accuracy $accuracy:literal, validate $validate:path) => {
         impl $crate::train::TrainerConfig for $Config {
             type Flags = $Flags;
             const ABOUT: &'static str = $about;
+            const EVAL_ACCURACY: &'static str = $accuracy;
             fn training(&self) -> &$crate::train::TrainingArguments {
                 &self.$base
             }

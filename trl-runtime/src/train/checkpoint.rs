@@ -32,6 +32,14 @@ pub struct TrainerState {
     pub seed: u64,
     /// Logged metrics so far (one JSON object per logging step).
     pub log_history: Vec<serde_json::Value>,
+    /// The best value of metric_for_best_model so far, the step it was measured at, and that
+    /// step's checkpoint once written (transformers' names; absent without the metric).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_metric: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_global_step: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_model_checkpoint: Option<PathBuf>,
 }
 
 fn checkpoint_step(path: &Path) -> Option<usize> {
@@ -203,13 +211,40 @@ pub fn finish(
     }
     std::fs::rename(tmp, &final_dir)
         .map_err(|e| io(format!("cannot move {} into place", final_dir.display()), e))?;
-    if let Some(keep) = keep {
-        let all = list(output_dir);
-        for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
-            let _ = retire(old);
-        }
+    if let Some(keep) = keep.filter(|k| *k > 0) {
+        prune(output_dir, keep, state.best_model_checkpoint.as_deref());
     }
     Ok(final_dir)
+}
+
+/// Retires the oldest checkpoints beyond `keep`, never the newest (to resume from) nor `best`,
+/// as transformers' rotate_checkpoints does.
+pub fn prune(output_dir: &Path, keep: usize, best: Option<&Path>) {
+    let all = list(output_dir);
+    let is_best = |p: &Path| best.is_some_and(|b| b.file_name() == p.file_name());
+    let newest = all.last().map(|(_, p)| p.clone());
+    let protected = |p: &Path| Some(p) == newest.as_deref() || is_best(p);
+    let keep = keep.max(all.iter().filter(|(_, p)| protected(p)).count());
+    let mut remaining = all.len();
+    for (_, old) in &all {
+        if remaining <= keep {
+            break;
+        }
+        if !protected(old) {
+            let _ = retire(old);
+            remaining -= 1;
+        }
+    }
+}
+
+/// Retires every checkpoint in `output_dir` but `dir` (load_best_model_at_end with
+/// save_total_limit 1). One rank calls it.
+pub fn keep_only(output_dir: &Path, dir: &Path) {
+    for (_, other) in list(output_dir) {
+        if other.file_name() != dir.file_name() {
+            let _ = retire(&other);
+        }
+    }
 }
 
 /// The trainer state of a checkpoint (where training stands).

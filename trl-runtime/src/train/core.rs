@@ -127,6 +127,8 @@ pub struct TrainOutcome {
     pub final_eval: Option<EvalResult>,
     /// Stopped by SIGTERM (a checkpoint was saved first).
     pub preempted: bool,
+    /// The checkpoint of the model the run ends with: the last one written, or with
+    /// load_best_model_at_end the best (rank 0; None elsewhere).
     pub last_checkpoint: Option<PathBuf>,
 }
 
@@ -235,8 +237,6 @@ impl RouterLosses {
 pub trait Task<N: CausalModel>: Sized {
     /// Its arguments: [`TrainingArguments`] and the task's own keys.
     type Config: TrainerConfig;
-    /// The name its evaluation's accuracy is logged under.
-    const EVAL_ACCURACY: &'static str;
     /// The shared arguments the run uses (the task may adjust what its keys imply).
     fn training_arguments(config: &Self::Config) -> TrainingArguments {
         config.training().clone()
@@ -355,6 +355,30 @@ fn resume_state(
         resume_from = Some((ckpt, state.global_step as u64));
     }
     Ok((state, resume_from))
+}
+
+/// How `args` ask for the model to be built under `strategy`, resuming from `resume_from`.
+fn parallel_options(
+    args: &TrainingArguments,
+    ctx: &DistContext,
+    strategy: Strategy,
+    resume_from: Option<(PathBuf, u64)>,
+) -> Result<ParallelOptions> {
+    let dir = &args.model_name_or_path;
+    Ok(ParallelOptions {
+        strategy,
+        model_dir: dir.clone(),
+        dtype: args.compute_dtype()?,
+        attention: AttentionImpl::for_device(&args.attn_implementation, ctx.device())
+            .expect("validated"),
+        tiled_loss: args.use_liger_kernel,
+        tiled_mlp: args.tiled_mlp,
+        gradient_checkpointing: args.gradient_checkpointing,
+        offload_activations: args.activation_offloading,
+        adam: args.adam(),
+        resume_from,
+        lora: args.lora(&crate::models::auto::config_model_type(dir)?.unwrap_or_default()),
+    })
 }
 
 /// Trainable parameters that the first step's backward did not reach are an error (they
@@ -500,23 +524,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             tp_grads,
             checkpoint_format,
             read_shards,
-        } = build::<N>(
-            ctx,
-            &ParallelOptions {
-                strategy,
-                model_dir: dir.clone(),
-                dtype,
-                attention: AttentionImpl::for_device(&args.attn_implementation, ctx.device())
-                    .expect("validated"),
-                tiled_loss: args.use_liger_kernel,
-                tiled_mlp: args.tiled_mlp,
-                gradient_checkpointing: args.gradient_checkpointing,
-                offload_activations: args.activation_offloading,
-                adam: args.adam(),
-                resume_from,
-                lora: args.lora(&crate::models::auto::config_model_type(&dir)?.unwrap_or_default()),
-            },
-        )?;
+        } = build::<N>(ctx, &parallel_options(args, ctx, strategy, resume_from)?)?;
         // The ranks that see different tokens: data-parallel ones, and those holding the other
         // chunks of the same rows.
         let batch_group = ctx.group(batch_axes(model.split()));
@@ -880,6 +888,21 @@ impl<'a, N: CausalModel> Core<'a, N> {
     /// that all ranks must run the same number of them.
     pub fn lockstep(&self) -> bool {
         self.model.sharding.is_some() || self.model.tp().is_some()
+    }
+
+    /// Reads checkpoint `dir` back in place of the trained model and optimizer state, built
+    /// as the run was (load_best_model_at_end; collective: every rank calls it).
+    pub(super) fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<()> {
+        let step = checkpoint::read_trainer_state(dir)?.global_step as u64;
+        let resume = Some((dir.to_path_buf(), step));
+        let built = build::<N>(
+            self.ctx,
+            &parallel_options(&self.args, self.ctx, self.strategy, resume)?,
+        )?;
+        self.model = built.model;
+        self.optimizer = built.optimizer;
+        self.tp_grads = built.tp_grads;
+        Ok(())
     }
 
     /// Saves a checkpoint of the current step in the configured format (collective).

@@ -66,7 +66,8 @@ crate::training_arguments! {
 }
 
 crate::trainer_config!(DPOConfig, flags DPOArgs, base training,
-    about "Direct preference optimization (TRL's DPO) on Candle", validate validate_dpo);
+    about "Direct preference optimization (TRL's DPO) on Candle",
+    accuracy "eval_rewards/accuracies", validate validate_dpo);
 
 /// `trl dpo`-style command line.
 pub type DpoCli = super::args::Cli<DPOConfig>;
@@ -679,8 +680,6 @@ struct RefCache {
 
 impl<N: CausalModel> Task<N> for Dpo {
     type Config = DPOConfig;
-    const EVAL_ACCURACY: &'static str = "eval_rewards/accuracies";
-
     fn load(config: &DPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
         let args = &config.training;
         let loss = config.loss().expect("validated");

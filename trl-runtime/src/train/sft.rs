@@ -184,8 +184,6 @@ impl Sft {
 
 impl<N: CausalModel> Task<N> for Sft {
     type Config = SFTConfig;
-    const EVAL_ACCURACY: &'static str = "eval_accuracy";
-
     /// TRL's order: eos_token, then chat_template_path (whose directory form sets the
     /// end-of-sequence token again, from that tokenizer).
     fn tokenizer(config: &SFTConfig, mut tokenizer: TextTokenizer) -> Result<TextTokenizer> {

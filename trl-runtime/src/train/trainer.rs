@@ -2,10 +2,12 @@
 //! logging, evaluation, checkpoints and a clean stop on SIGTERM.
 
 use super::args::TrainerConfig;
+use super::checkpoint;
 use super::core::{
     memory_peak_bytes, reset_memory_peak, rss_bytes, Core, EvalResult, StepStats, Task,
     TrainOutcome,
 };
+use super::flow::{Flow, Interval};
 use super::sft::Sft;
 use crate::data::TextTokenizer;
 use crate::dist::DistContext;
@@ -171,7 +173,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                 line["eval_aux_loss"] = aux.into();
             }
             if let Some(acc) = e.accuracy {
-                line[T::EVAL_ACCURACY] = acc.into();
+                line[<T::Config as TrainerConfig>::EVAL_ACCURACY] = acc.into();
             }
         }
         if let Some(f) = metrics {
@@ -182,20 +184,23 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         Ok(())
     }
 
-    /// Runs to `total_steps`, logging, evaluating and checkpointing as configured.
+    /// Runs to `total_steps`, logging, evaluating and checkpointing as the training
+    /// arguments' strategies say ([`Flow`]).
     pub fn train(&mut self) -> Result<TrainOutcome> {
         let main = self.ctx.is_main_process();
         let out_dir = self.core.args.output_dir.clone();
+        let accuracy = <T::Config as TrainerConfig>::EVAL_ACCURACY;
+        let flow = self.core.args.flow(accuracy, "training arguments")?;
         if main {
             std::fs::create_dir_all(&out_dir)
                 .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
         }
         self.announce_start()?;
         reset_memory_peak(self.ctx.device());
-        let mut outcome = TrainOutcome {
-            initial_eval: self.evaluate()?,
-            ..Default::default()
-        };
+        let mut outcome = TrainOutcome::default();
+        if flow.eval_on_start {
+            outcome.initial_eval = self.evaluate()?;
+        }
         if let (true, Some(e)) = (main, outcome.initial_eval) {
             tracing::info!(
                 "before training: eval loss {:.4}, accuracy {:?}",
@@ -213,6 +218,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let mut metrics = self.open_metrics()?;
         let (mut window_tokens, mut window_start) = (0usize, Instant::now());
         let mut curve: Vec<(f64, f64)> = Vec::new();
+        let mut saved_step = None;
         while self.state.global_step < self.state.total_steps {
             let stats = self.train_step()?;
             let step = self.state.global_step;
@@ -239,27 +245,35 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                     tokens_per_s,
                 });
             }
-            let eval_now = self
-                .core
-                .args
-                .eval_steps
-                .is_some_and(|n| step.is_multiple_of(n));
-            let eval = if eval_now { self.evaluate()? } else { None };
-            if step.is_multiple_of(self.core.args.logging_steps)
-                || step == self.state.total_steps
-                || eval.is_some()
-            {
+            let epoch = self.state.epoch as f64
+                + self.state.step_in_epoch as f64 / self.core.steps_per_epoch() as f64;
+            let due = flow.due(
+                step,
+                self.state.total_steps,
+                epoch,
+                self.state.step_in_epoch == 0,
+            );
+            let eval = if due.evaluate { self.evaluate()? } else { None };
+            let improved = match &eval {
+                Some(e) => self.track_best(&flow, e)?,
+                None => false,
+            };
+            if step == self.state.total_steps {
+                outcome.final_eval = eval;
+            }
+            if due.log || eval.is_some() {
                 self.log_step(&stats, tokens_per_s, eval, metrics.as_mut())?;
                 (window_tokens, window_start) = (0, Instant::now());
             }
-            if step.is_multiple_of(self.core.args.save_steps) {
+            if due.save || (flow.save_best && improved) {
                 outcome.last_checkpoint = self.save_with_task(None)?;
                 announce_saved(to_launcher, &outcome.last_checkpoint);
+                saved_step = Some(step);
             }
             if self.stop_requested()? {
                 bar.abandon_with_message("SIGTERM: saving a checkpoint and stopping");
                 // Unless this very step was just saved.
-                if !step.is_multiple_of(self.core.args.save_steps) {
+                if saved_step != Some(step) {
                     outcome.last_checkpoint = self.save_with_task(None)?;
                     announce_saved(to_launcher, &outcome.last_checkpoint);
                 }
@@ -274,8 +288,10 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             }
         }
         bar.finish();
-        outcome.last_checkpoint = self.final_checkpoint(to_launcher)?;
-        outcome.final_eval = self.evaluate()?;
+        outcome.last_checkpoint = self.final_checkpoint(to_launcher, saved_step)?;
+        if flow.load_best_at_end {
+            self.load_best(&flow, &mut outcome)?;
+        }
         if let (true, Some(e)) = (main, outcome.final_eval) {
             tracing::info!(
                 "after training: eval loss {:.4}, accuracy {:?}",
@@ -288,27 +304,90 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         }
         Ok(outcome)
     }
+
+    /// Records evaluation `e` in the trainer state when it beats the best of
+    /// metric_for_best_model so far; whether it did.
+    fn track_best(&mut self, flow: &Flow, e: &EvalResult) -> Result<bool> {
+        let Some(best) = &flow.best else {
+            return Ok(false);
+        };
+        let value = match best.key.as_str() {
+            "eval_loss" => Some(e.loss),
+            _ => e.accuracy,
+        };
+        let value = value.ok_or_else(|| {
+            Error::config(
+                "training arguments",
+                "metric_for_best_model",
+                format!(
+                    "'{}': this evaluation measures no accuracy (see eval_dataset_name): use loss",
+                    best.key
+                ),
+            )
+        })?;
+        if !best.improves(value, self.state.best_metric) {
+            return Ok(false);
+        }
+        self.core.state.best_metric = Some(value);
+        // transformers names a best step only where checkpoints are saved.
+        if flow.save != Interval::No || flow.save_best {
+            self.core.state.best_global_step = Some(self.state.global_step);
+        }
+        Ok(true)
+    }
+
+    /// load_best_model_at_end: the best checkpoint read back as the run's model and evaluated;
+    /// with save_total_limit 1 it is the only checkpoint left, as transformers leaves it.
+    fn load_best(&mut self, flow: &Flow, outcome: &mut TrainOutcome) -> Result<()> {
+        let (Some(best), Some(metric)) = (self.state.best_model_checkpoint.clone(), &flow.best)
+        else {
+            return Ok(());
+        };
+        if self.ctx.is_main_process() {
+            tracing::info!(
+                "load_best_model_at_end: reading back {} ({} {})",
+                best.display(),
+                metric.key,
+                self.state.best_metric.unwrap_or(f64::NAN)
+            );
+        }
+        self.core.load_checkpoint(&best)?;
+        outcome.final_eval = self.evaluate()?;
+        if self.core.args.save_total_limit == Some(1) && self.ctx.is_main_process() {
+            checkpoint::keep_only(&self.core.args.output_dir, &best);
+        }
+        outcome.last_checkpoint = self.ctx.is_main_process().then_some(best);
+        Ok(())
+    }
 }
 
 impl<N: CausalModel, T: Task<N>> Trainer<'_, N, T> {
     /// A checkpoint of this step (`format`, else the configured one), then the task's state
-    /// beside it (collective).
-    fn save_with_task(&self, format: Option<CheckpointFormat>) -> Result<Option<PathBuf>> {
+    /// beside it (collective). The trainer state names it as the best checkpoint when this
+    /// step's evaluation was the best.
+    fn save_with_task(&mut self, format: Option<CheckpointFormat>) -> Result<Option<PathBuf>> {
+        let step = self.state.global_step;
+        if self.state.best_global_step == Some(step) {
+            let dir = self.core.args.output_dir.join(format!("checkpoint-{step}"));
+            self.core.state.best_model_checkpoint = Some(dir);
+        }
         let saved = match format {
             Some(f) => self.save_checkpoint_as(f)?,
             None => self.save_checkpoint()?,
         };
-        self.task.save_state(&self.core, self.state.global_step)?;
+        self.task.save_state(&self.core, step)?;
         Ok(saved)
     }
 
-    /// The final checkpoint, unless the last step just wrote it (the same on every rank).
-    /// It is always full, so that the result opens in transformers.
-    fn final_checkpoint(&self, to_launcher: bool) -> Result<Option<PathBuf>> {
+    /// The final checkpoint, unless the last step just wrote it (`saved_step`; the same on
+    /// every rank). It is always full, so that the result opens in transformers.
+    fn final_checkpoint(
+        &mut self,
+        to_launcher: bool,
+        saved_step: Option<usize>,
+    ) -> Result<Option<PathBuf>> {
         let step = self.state.global_step;
-        if !step.is_multiple_of(self.core.args.save_steps)
-            || self.checkpoint_format == CheckpointFormat::Sharded
-        {
+        if saved_step != Some(step) || self.checkpoint_format == CheckpointFormat::Sharded {
             let saved = self.save_with_task(Some(CheckpointFormat::Full))?;
             announce_saved(to_launcher, &saved);
             Ok(saved)

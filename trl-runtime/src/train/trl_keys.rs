@@ -49,13 +49,10 @@ const KNOWN: &[&str] = &[
     "enable_jit_checkpoint",
     "eos_token",
     "eval_accumulation_steps",
-    "eval_delay",
     "eval_do_concat_batches",
-    "eval_on_start",
     "eval_packing",
-    "eval_strategy",
-    "eval_use_gather_object",
     "evaluation_strategy",
+    "eval_use_gather_object",
     "fp16",
     "fp16_full_eval",
     "fp16_opt_level",
@@ -65,7 +62,6 @@ const KNOWN: &[&str] = &[
     "fsdp_transformer_layer_cls_to_wrap",
     "full_determinism",
     "gradient_checkpointing_kwargs",
-    "greater_is_better",
     "half_precision_backend",
     "hub_always_push",
     "hub_model_id",
@@ -84,7 +80,6 @@ const KNOWN: &[&str] = &[
     "label_smoothing_factor",
     "length_column_name",
     "liger_kernel_config",
-    "load_best_model_at_end",
     "load_in_4bit",
     "load_in_8bit",
     "local_rank",
@@ -92,14 +87,11 @@ const KNOWN: &[&str] = &[
     "log_level_replica",
     "log_on_each_node",
     "logging_dir",
-    "logging_first_step",
     "logging_nan_inf_filter",
-    "logging_strategy",
     "loss_type",
     "max_completion_length",
     "max_prompt_length",
     "max_seq_length",
-    "metric_for_best_model",
     "model_init_kwargs",
     "model_revision",
     "mp_parameters",
@@ -124,7 +116,6 @@ const KNOWN: &[&str] = &[
     "save_on_each_node",
     "save_only_model",
     "save_safetensors",
-    "save_strategy",
     "shuffle_dataset",
     "skip_memory_metrics",
     "split_batches",
@@ -167,32 +158,28 @@ fn why(key: &str) -> &'static str {
         "include_num_input_tokens_seen",
         "include_tokens_per_second",
     ]) {
-        "metrics go to output_dir/metrics.jsonl (and the log) every logging_steps"
+        "metrics go to output_dir/metrics.jsonl (and the log) as logging_strategy says"
     } else if any(&[
         "eval_",
-        "evaluation_strategy",
         "do_",
         "prediction_loss_only",
         "batch_eval_metrics",
         "include_for_metrics",
         "include_inputs_for_metrics",
-        "load_best_model_at_end",
-        "metric_for_best_model",
-        "greater_is_better",
         "bf16_full_eval",
         "fp16_full_eval",
         "jit_mode_eval",
         "use_legacy_prediction_loop",
         "past_index",
     ]) {
-        "evaluation runs every eval_steps (and at the end) on eval_dataset_name"
+        "evaluation runs on eval_dataset_name as eval_strategy says"
     } else if any(&[
         "save_",
         "restore_callback_states_from_checkpoint",
         "ignore_data_skip",
         "overwrite_output_dir",
     ]) {
-        "checkpoints (HF safetensors, written atomically) every save_steps, save_total_limit kept"
+        "checkpoints (HF safetensors, written atomically) as save_strategy says, save_total_limit kept"
     } else if any(&[
         "ddp_",
         "fsdp",
@@ -322,6 +309,8 @@ pub fn take_flags(
 pub enum Alias {
     GradientCheckpointing(bool),
     MaxLength(usize),
+    /// transformers 4's name of eval_strategy.
+    EvalStrategy(String),
     /// TRL's config files' `env:` mapping: environment variables the process sets before
     /// training (`trl sft --config` sets them the same way).
     Env(Vec<(String, String)>),
@@ -359,6 +348,10 @@ pub fn classify(
                     None => return Err(err(&key, "expected a mapping of variable names to values (env: {CUDA_VISIBLE_DEVICES: 0})".into())),
                 }
             }
+            "evaluation_strategy" => match value.as_str() {
+                Some(s) => aliases.push(Alias::EvalStrategy(s.to_string())),
+                None => return Err(err(&key, format!("expected no, steps or epoch, found {value:?}"))),
+            },
             "max_seq_length" => match value.as_u64() {
                 Some(n) => aliases.push(Alias::MaxLength(n as usize)),
                 None if value.is_null() => {}
