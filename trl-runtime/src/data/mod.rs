@@ -4,6 +4,7 @@
 pub mod collate;
 pub mod dataset;
 pub mod local_dir;
+pub mod mixture;
 pub mod pack;
 pub mod preference;
 pub mod sampler;

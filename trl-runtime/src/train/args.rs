@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use crate::config::cli_value::{CliValue, KwArgs, NameList};
+pub use crate::data::mixture::Mixture;
 
 /// A parsed flag value. The wrapper keeps clap from giving `Option<Option<T>>` fields its
 /// special optional-value meaning: every flag here takes one value of the field's type.
@@ -104,6 +105,13 @@ training_arguments! {
     /// Held-out data for eval loss (and task accuracy for the bundled task): a file, or a
     /// dataset directory's dataset_test_split (the dataset_name directory again is fine).
     eval_dataset_name: Option<PathBuf> = None;
+    /// TRL's dataset mixture, in place of dataset_name: a list of `{path, data_dir,
+    /// data_files, split, columns, fraction}` read as TRL's get_dataset reads them, from
+    /// local files and directories (see `data::mixture`).
+    datasets: Mixture = Mixture::default();
+    /// The share of the mixture's rows held out as the evaluation set (between 0 and 1),
+    /// chosen by seed.
+    test_split_size: Option<f64> = None;
     /// The split of a dataset_name directory to train on.
     dataset_train_split: String = "train".into();
     /// The split of an eval_dataset_name directory to evaluate on.
@@ -279,6 +287,44 @@ impl TrainingArguments {
                 .and_then(|v| v.as_f64())
                 .unwrap_or(DEFAULT_ROUTER_AUX_LOSS_COEF)),
         }
+    }
+
+    /// The training rows and the held-out ones (None without evaluation data), each read by
+    /// `parse`: from the `datasets` mixture (its test_split_size rows held out), or from
+    /// dataset_name and eval_dataset_name.
+    pub fn load_data<R>(
+        &self,
+        parse: crate::data::dataset::RowParser<'_, R>,
+    ) -> Result<(Vec<R>, Option<Vec<R>>)> {
+        use crate::data::dataset::{load_rows, OnBadRow};
+        let on_bad = match self.skip_bad_rows {
+            true => OnBadRow::Skip,
+            false => OnBadRow::Fail,
+        };
+        let source = "training arguments";
+        if !self.datasets.is_empty() {
+            tracing::info!(
+                "datasets: a mixture of {} dataset(s), in place of dataset_name",
+                self.datasets.0.len()
+            );
+            let (train, test) =
+                self.datasets
+                    .load(self.test_split_size, self.seed, on_bad, parse, source)?;
+            let eval = match (test, &self.eval_dataset_name) {
+                (Some(test), _) => Some(test),
+                (None, Some(path)) => {
+                    Some(load_rows(path, self.test_split(), on_bad, parse)?.records)
+                }
+                (None, None) => None,
+            };
+            return Ok((train, eval));
+        }
+        let train = load_rows(&self.dataset_name, self.train_split(), on_bad, parse)?.records;
+        let eval = match &self.eval_dataset_name {
+            Some(path) => Some(load_rows(path, self.test_split(), on_bad, parse)?.records),
+            None => None,
+        };
+        Ok((train, eval))
     }
 
     /// The split of a dataset_name directory to train on.
@@ -462,13 +508,12 @@ impl TrainingArguments {
         let (save, save_best) = Interval::parse(&args.save_strategy, args.save_steps, true)
             .map_err(|m| err("save_strategy", m))?;
         let evaluates = eval != Interval::No || eval_after_last;
-        if args.eval_strategy.as_deref().is_some_and(|s| s != "no")
-            && args.eval_dataset_name.is_none()
-        {
+        let eval_data = args.eval_dataset_name.is_some() || args.test_split_size.is_some();
+        if args.eval_strategy.as_deref().is_some_and(|s| s != "no") && !eval_data {
             return Err(err(
                 "eval_strategy",
                 format!(
-                    "'{}' evaluates, but no eval_dataset_name is given: name one, or drop it",
+                    "'{}' evaluates, but there is no evaluation data: give eval_dataset_name (or test_split_size with datasets), or drop it",
                     args.eval_strategy.as_deref().unwrap_or_default()
                 ),
             ));
@@ -605,6 +650,18 @@ impl TrainingArguments {
         }
         if self.use_peft {
             self.validate_peft(source)?;
+        }
+        if self.test_split_size.is_some() && self.datasets.is_empty() {
+            return Err(err(
+                "test_split_size",
+                "splits a `datasets` mixture (as TRL's DatasetMixtureConfig does): give datasets, or drop it (dataset_name's eval split is eval_dataset_name)".into(),
+            ));
+        }
+        if self.test_split_size.is_some() && self.eval_dataset_name.is_some() {
+            return Err(err(
+                "test_split_size",
+                "the mixture's held-out rows are the evaluation set, and eval_dataset_name names another: drop one".into(),
+            ));
         }
         if self.max_steps <= 0 && self.num_train_epochs <= 0.0 {
             return Err(err(

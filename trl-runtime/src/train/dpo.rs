@@ -19,8 +19,9 @@ use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps, LOSS_TYPES};
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
 use crate::context_parallel::split::{kept_columns, pad_to_multiple};
-use crate::data::dataset::{load_rows, OnBadRow, Split};
-use crate::data::preference::{parse_preference, tokenize_preference, PreferencePair};
+use crate::data::preference::{
+    parse_preference, tokenize_preference, PreferencePair, PreferenceRecord,
+};
 use crate::data::{collate, Batch, CollateOptions, Example, PackedSequence, TextTokenizer};
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
@@ -358,21 +359,16 @@ pub struct Dpo {
     sync: Option<RefSync>,
 }
 
-fn read_pairs(
-    path: &Path,
-    split: Split,
+/// The preference rows tokenized; `which` (training / evaluation) names them in warnings.
+fn tokenize_pairs(
+    rows: &[PreferenceRecord],
+    which: &str,
     tok: &TextTokenizer,
     config: &DPOConfig,
 ) -> Result<Vec<PreferencePair>> {
-    let policy = if config.training.skip_bad_rows {
-        OnBadRow::Skip
-    } else {
-        OnBadRow::Fail
-    };
-    let rows = load_rows(path, split, policy, &parse_preference)?;
-    let mut pairs = Vec::with_capacity(rows.records.len());
+    let mut pairs = Vec::with_capacity(rows.len());
     let mut dropped = 0;
-    for r in &rows.records {
+    for r in rows {
         let p = tokenize_preference(r, tok)?;
         // A prompt that fills max_length leaves no completion token (TRL drops such rows).
         if config.truncation_mode == "keep_start"
@@ -385,8 +381,7 @@ fn read_pairs(
     }
     if dropped > 0 {
         tracing::warn!(
-            "{}: dropped {dropped} pair(s) whose prompt alone fills max_length = {}",
-            path.display(),
+            "{which} data: dropped {dropped} pair(s) whose prompt alone fills max_length = {}",
             config.training.max_length
         );
     }
@@ -683,9 +678,10 @@ impl<N: CausalModel> Task<N> for Dpo {
     fn load(config: &DPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
         let args = &config.training;
         let loss = config.loss().expect("validated");
-        let train = read_pairs(&args.dataset_name, args.train_split(), tokenizer, config)?;
-        let eval = match &args.eval_dataset_name {
-            Some(path) => read_pairs(path, args.test_split(), tokenizer, config)?,
+        let (train, eval) = args.load_data(&parse_preference)?;
+        let train = tokenize_pairs(&train, "training", tokenizer, config)?;
+        let eval = match eval {
+            Some(rows) => tokenize_pairs(&rows, "evaluation", tokenizer, config)?,
             None => Vec::new(),
         };
         Ok(Dpo {

@@ -10,7 +10,7 @@
 use super::config::SFTConfig;
 use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
 use crate::context_parallel::split::pad_to_multiple;
-use crate::data::dataset::{load_in, to_example, Content, OnBadRow, Record, TokenizeOptions};
+use crate::data::dataset::{parse_record_in, to_example, Content, Record, TokenizeOptions};
 use crate::data::{
     collate, pack, Batch, CollateOptions, Example, PackedSequence, PackingStrategy, TextTokenizer,
 };
@@ -45,26 +45,15 @@ struct TrainData {
 
 impl TrainData {
     fn load(config: &SFTConfig, tokenizer: &TextTokenizer) -> Result<Self> {
-        let policy = if config.training.skip_bad_rows {
-            OnBadRow::Skip
-        } else {
-            OnBadRow::Fail
-        };
         let opts = TokenizeOptions {
             completion_only_loss: config.completion_only_loss.unwrap_or(true),
             assistant_only_loss: config.assistant_only_loss,
         };
-        let train_examples = tokenize_all(
-            &load_in(
-                &config.training.dataset_name,
-                config.training.train_split(),
-                policy,
-                &config.dataset_text_field,
-            )?
-            .records,
-            tokenizer,
-            opts,
-        )?;
+        let text_field = &config.dataset_text_field;
+        let (train, eval) = config
+            .training
+            .load_data(&|v| parse_record_in(v, text_field))?;
+        let train_examples = tokenize_all(&train, tokenizer, opts)?;
         let train_rows: Vec<PackedSequence> = if config.packing {
             let strategy = PackingStrategy::parse(&config.packing_strategy).expect("validated");
             pack(&train_examples, config.training.max_length, strategy)
@@ -74,15 +63,8 @@ impl TrainData {
                 .map(|e| truncate(e, config.training.max_length))
                 .collect()
         };
-        let (eval_rows, eval_prompts) = match &config.training.eval_dataset_name {
-            Some(path) => {
-                let records = load_in(
-                    path,
-                    config.training.test_split(),
-                    policy,
-                    &config.dataset_text_field,
-                )?
-                .records;
+        let (eval_rows, eval_prompts) = match eval {
+            Some(records) => {
                 let rows = tokenize_all(&records, tokenizer, opts)?
                     .into_iter()
                     .map(|e| truncate(e, config.training.max_length))
