@@ -181,6 +181,9 @@ training_arguments! {
     /// save_strategy best), as transformers requires.
     load_best_model_at_end: bool = false;
     seed: u64 = 42;
+    /// The seed of the data order (each epoch's shuffle, the mixture's held-out rows); unset:
+    /// seed, as transformers' data_seed.
+    data_seed: Option<u64> = None;
     /// A checkpoint directory, or `latest` for the newest in output_dir.
     resume_from_checkpoint: Option<String> = None;
     /// Accelerate's mixed precision: no (fp32) or bf16 (bf16 weights and compute, fp32 master
@@ -289,6 +292,11 @@ impl TrainingArguments {
         }
     }
 
+    /// The seed of the data order: data_seed, else seed.
+    pub fn data_order_seed(&self) -> u64 {
+        self.data_seed.unwrap_or(self.seed)
+    }
+
     /// The training rows and the held-out ones (None without evaluation data), each read by
     /// `parse`: from the `datasets` mixture (its test_split_size rows held out), or from
     /// dataset_name and eval_dataset_name.
@@ -307,9 +315,13 @@ impl TrainingArguments {
                 "datasets: a mixture of {} dataset(s), in place of dataset_name",
                 self.datasets.0.len()
             );
-            let (train, test) =
-                self.datasets
-                    .load(self.test_split_size, self.seed, on_bad, parse, source)?;
+            let (train, test) = self.datasets.load(
+                self.test_split_size,
+                self.data_order_seed(),
+                on_bad,
+                parse,
+                source,
+            )?;
             let eval = match (test, &self.eval_dataset_name) {
                 (Some(test), _) => Some(test),
                 (None, Some(path)) => {

@@ -333,7 +333,7 @@ fn resume_state(
 ) -> Result<(TrainerState, Option<(PathBuf, u64)>)> {
     let mut state = TrainerState {
         total_steps,
-        seed: config.seed,
+        seed: config.data_order_seed(),
         ..Default::default()
     };
     let mut resume_from = None;
@@ -498,7 +498,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             len: rows,
             world: dp.size(),
             rank: dp.rank(),
-            seed: args.seed,
+            seed: args.data_order_seed(),
             shuffle: true,
             drop_last: true,
         };

@@ -20,7 +20,6 @@ const KNOWN: &[&str] = &[
     "bnb_4bit_quant_storage",
     "bnb_4bit_quant_type",
     "chat_template_path",
-    "data_seed",
     "dataloader_drop_last",
     "dataloader_in_order",
     "dataloader_multiprocessing_context",
@@ -204,7 +203,6 @@ fn why(key: &str) -> &'static str {
         "length_column_name",
         "train_sampling_strategy",
         "shuffle_dataset",
-        "data_seed",
     ]) {
         "the dataset is dataset_name (a .jsonl or .parquet file in one of TRL's formats, or a local dataset directory), read and shuffled in-process by seed"
     } else if any(&[
