@@ -495,117 +495,149 @@ impl TrainingArguments {
         }
     }
 
-    /// When the trainer logs, evaluates and saves, as these arguments say, checked as transformers checks them. `accuracy` is the
-    /// trainer's accuracy metric, which metric_for_best_model may name beside `eval_loss`.
+    /// When the trainer logs, evaluates and saves, as these arguments say, checked and
+    /// defaulted as transformers' TrainingArguments does. `accuracy` is the trainer's accuracy
+    /// metric, which metric_for_best_model may name beside `eval_loss`.
     pub fn flow(&self, accuracy: &str, source: &str) -> Result<Flow> {
-        let args = self;
-        let metrics = ["eval_loss", accuracy];
         let err = |key: &str, message: String| Error::config(source, key, message);
-        let (logging, _) = Interval::parse(&args.logging_strategy, args.logging_steps, false)
-            .map_err(|m| err("logging_strategy", m))?;
+        let interval = |key: &str, name: &str, steps: usize, names: &str| {
+            Interval::parse(name, steps)
+                .ok_or_else(|| err(key, format!("'{name}' is not accepted: use {names}")))
+        };
+        let three = "no, steps or epoch";
+        let logging = interval(
+            "logging_strategy",
+            &self.logging_strategy,
+            self.logging_steps,
+            three,
+        )?;
         // transformers: a zero eval_steps is unset; unset, steps evaluation uses logging_steps.
-        let eval_steps = args.eval_steps.filter(|n| *n > 0);
-        let (eval, eval_after_last) = match &args.eval_strategy {
+        let eval_steps = self.eval_steps.filter(|n| *n > 0);
+        let (eval, eval_after_last) = match &self.eval_strategy {
             None => match eval_steps {
                 Some(n) => (Interval::Steps(n), false),
                 None => (Interval::No, true),
             },
             Some(name) => {
-                let steps = eval_steps.unwrap_or(args.logging_steps);
-                let (eval, _) =
-                    Interval::parse(name, steps, false).map_err(|m| err("eval_strategy", m))?;
-                (eval, false)
+                let steps = eval_steps.unwrap_or(self.logging_steps);
+                (interval("eval_strategy", name, steps, three)?, false)
             }
         };
-        let (save, save_best) = Interval::parse(&args.save_strategy, args.save_steps, true)
-            .map_err(|m| err("save_strategy", m))?;
-        let evaluates = eval != Interval::No || eval_after_last;
-        let eval_data = args.eval_dataset_name.is_some() || args.test_split_size.is_some();
-        if args.eval_strategy.as_deref().is_some_and(|s| s != "no") && !eval_data {
-            return Err(err(
+        let save_best = self.save_strategy == "best";
+        let save = match save_best {
+            true => Interval::No,
+            false => interval(
+                "save_strategy",
+                &self.save_strategy,
+                self.save_steps,
+                "no, steps, epoch or best",
+            )?,
+        };
+        self.check_flow(eval, save, save_best, eval_after_last, source)?;
+        Ok(Flow {
+            logging,
+            logging_first_step: self.logging_first_step,
+            eval,
+            eval_after_last,
+            eval_on_start: self.eval_on_start || self.eval_strategy.is_none(),
+            eval_delay: self.eval_delay,
+            save,
+            save_best,
+            best: self.best_metric(save_best, accuracy, source)?,
+            load_best_at_end: self.load_best_model_at_end,
+        })
+    }
+
+    /// transformers' checks of the strategies together: evaluation needs data, and
+    /// load_best_model_at_end a checkpoint at every evaluation.
+    fn check_flow(
+        &self,
+        eval: Interval,
+        save: Interval,
+        save_best: bool,
+        eval_after_last: bool,
+        source: &str,
+    ) -> Result<()> {
+        let err = |key: &str, message: String| Err(Error::config(source, key, message));
+        let eval_data = self.eval_dataset_name.is_some() || self.test_split_size.is_some();
+        let strategy = self.eval_strategy.as_deref();
+        if strategy.is_some_and(|s| s != "no") && !eval_data {
+            return err(
                 "eval_strategy",
                 format!(
                     "'{}' evaluates, but there is no evaluation data: give eval_dataset_name (or test_split_size with datasets), or drop it",
-                    args.eval_strategy.as_deref().unwrap_or_default()
+                    strategy.unwrap_or_default()
                 ),
-            ));
-        }
-        if args.eval_delay.is_nan() || args.eval_delay < 0.0 {
-            return Err(err(
-                "eval_delay",
-                format!("{} must be >= 0", args.eval_delay),
-            ));
-        }
-        if args.load_best_model_at_end && !save_best {
-            // transformers: every evaluation must have its checkpoint to go back to.
-            let (e, s) = (
-                args.eval_strategy.as_deref().unwrap_or("no"),
-                &args.save_strategy,
             );
+        }
+        if self.eval_delay.is_nan() || self.eval_delay < 0.0 {
+            return err("eval_delay", format!("{} must be >= 0", self.eval_delay));
+        }
+        if self.load_best_model_at_end && !save_best {
             let same = matches!(
                 (eval, save),
                 (Interval::Steps(_), Interval::Steps(_)) | (Interval::Epoch, Interval::Epoch)
-            ) && args.eval_strategy.is_some();
+            ) && strategy.is_some();
             if !same {
-                return Err(err(
+                return err(
                     "load_best_model_at_end",
-                    format!("needs the save and eval strategy to match (or save_strategy best), but found eval_strategy {e} and save_strategy {s}"),
-                ));
+                    format!(
+                        "needs the save and eval strategy to match (or save_strategy best), but found eval_strategy {} and save_strategy {}",
+                        strategy.unwrap_or("no"),
+                        self.save_strategy
+                    ),
+                );
             }
             if let (Interval::Steps(e), Interval::Steps(s)) = (eval, save) {
                 if s % e != 0 {
-                    return Err(err(
+                    return err(
                         "load_best_model_at_end",
                         format!("needs save_steps to be a multiple of the evaluation steps, but found {s}, which is not a multiple of {e}"),
-                    ));
+                    );
                 }
             }
         }
-        if save_best && !evaluates {
-            return Err(err(
+        if save_best && eval == Interval::No && !eval_after_last {
+            return err(
                 "save_strategy",
                 "best saves when an evaluation improves the best metric, and this run does not evaluate: set eval_strategy (and eval_dataset_name)".into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// metric_for_best_model as transformers reads it: `loss` by default where a best model
+    /// is needed, `eval_` prefixed, lower better for a loss.
+    fn best_metric(
+        &self,
+        save_best: bool,
+        accuracy: &str,
+        source: &str,
+    ) -> Result<Option<BestMetric>> {
+        let name = match &self.metric_for_best_model {
+            Some(m) => m.clone(),
+            None if self.load_best_model_at_end || save_best => "loss".to_string(),
+            None => return Ok(None),
+        };
+        let key = match name.starts_with("eval_") {
+            true => name.clone(),
+            false => format!("eval_{name}"),
+        };
+        let metrics = ["eval_loss", accuracy];
+        if !metrics.contains(&key.as_str()) {
+            return Err(Error::config(
+                source,
+                "metric_for_best_model",
+                format!(
+                    "'{key}' is not an evaluation metric of this trainer: use one of {}",
+                    metrics.join(", ")
+                ),
             ));
         }
-        let name = match &args.metric_for_best_model {
-            Some(m) => Some(m.clone()),
-            None if args.load_best_model_at_end || save_best => Some("loss".to_string()),
-            None => None,
-        };
-        let best = match name {
-            Some(name) => {
-                let key = match name.starts_with("eval_") {
-                    true => name.clone(),
-                    false => format!("eval_{name}"),
-                };
-                if !metrics.contains(&key.as_str()) {
-                    return Err(err(
-                        "metric_for_best_model",
-                        format!(
-                            "'{key}' is not an evaluation metric of this trainer: use one of {}",
-                            metrics.join(", ")
-                        ),
-                    ));
-                }
-                Some(BestMetric {
-                    greater_is_better: args.greater_is_better.unwrap_or(!name.ends_with("loss")),
-                    key,
-                })
-            }
-            None => None,
-        };
-        Ok(Flow {
-            logging,
-            logging_first_step: args.logging_first_step,
-            eval,
-            eval_after_last,
-            eval_on_start: args.eval_on_start || args.eval_strategy.is_none(),
-            eval_delay: args.eval_delay,
-            save,
-            save_best,
-            best,
-            load_best_at_end: args.load_best_model_at_end,
-        })
+        Ok(Some(BestMetric {
+            greater_is_better: self.greater_is_better.unwrap_or(!name.ends_with("loss")),
+            key,
+        }))
     }
 
     /// Checks values that have a fixed set of choices or bounds.

@@ -19,26 +19,14 @@ pub enum Interval {
 }
 
 impl Interval {
-    /// `name` (no, steps, epoch; also best where `best`), `steps` for steps.
-    pub fn parse(
-        name: &str,
-        steps: usize,
-        best: bool,
-    ) -> std::result::Result<(Self, bool), String> {
-        Ok(match name {
-            "no" => (Interval::No, false),
-            "steps" => (Interval::Steps(steps), false),
-            "epoch" => (Interval::Epoch, false),
-            "best" if best => (Interval::No, true),
-            other => {
-                let names = if best {
-                    "no, steps, epoch or best"
-                } else {
-                    "no, steps or epoch"
-                };
-                return Err(format!("'{other}' is not accepted: use {names}"));
-            }
-        })
+    /// `name` (no, steps or epoch), `steps` for steps.
+    pub fn parse(name: &str, steps: usize) -> Option<Self> {
+        match name {
+            "no" => Some(Interval::No),
+            "steps" => Some(Interval::Steps(steps)),
+            "epoch" => Some(Interval::Epoch),
+            _ => None,
+        }
     }
 }
 
