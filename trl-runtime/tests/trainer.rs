@@ -1549,7 +1549,8 @@ fn logging_eval_and_save_strategies_decide_the_steps() {
 
 /// metric_for_best_model tracks the best evaluation; save_total_limit keeps its checkpoint
 /// beside the newest; load_best_model_at_end reads it back as the run's model (under ZeRO-3
-/// too, whose parameters are sharded) and, with save_total_limit 1, leaves only it. The
+/// too, whose parameters are sharded, and from a save_only_model checkpoint) and, with
+/// save_total_limit 1, leaves only it. The
 /// metric is eval_loss with greater_is_better, so that the best is an early step.
 #[test]
 fn the_best_checkpoint_is_kept_and_loaded_at_end() {
@@ -1612,12 +1613,19 @@ fn the_best_checkpoint_is_kept_and_loaded_at_end() {
         w.sort_by(|a, b| a.0.cmp(&b.0));
         w
     };
-    for (out, world, strategy) in [
-        ("loaded", 1, Strategy::Ddp),
-        ("loaded-zero3", 2, Strategy::fsdp(WrapPolicy::PerLayer)),
+    for (out, world, strategy, model_only) in [
+        ("loaded", 1, Strategy::Ddp, false),
+        (
+            "loaded-zero3",
+            2,
+            Strategy::fsdp(WrapPolicy::PerLayer),
+            false,
+        ),
+        ("loaded-model-only", 1, Strategy::Ddp, true),
     ] {
         let mut c = cfg(out, true, 1);
         c.training.per_device_train_batch_size = 2 / world;
+        c.training.save_only_model = model_only;
         let (_, mut weights) = run_with(world, c, strategy);
         let dir = tmp.path().join(out);
         assert_eq!(
@@ -1656,4 +1664,72 @@ fn data_seed_orders_the_data() {
     let seven = with("seven", 7, None);
     assert_ne!(seven.0, plain.0, "another order");
     assert_eq!(with("data-seven", 42, Some(7)), seven);
+}
+
+/// save_only_model: checkpoints hold the model and trainer state but no optimizer state,
+/// written full under ZeRO-3 and where sharded state is asked for; a run resumed from one
+/// continues from its weights and step with AdamW afresh (as transformers resumes it), so
+/// its first step equals a run started from those weights.
+#[test]
+fn save_only_model_writes_no_optimizer_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    for (out, world, strategy, format) in [
+        ("ddp", 1, Strategy::Ddp, CheckpointFormat::Full),
+        (
+            "zero3",
+            2,
+            Strategy::fsdp(WrapPolicy::PerLayer),
+            CheckpointFormat::Full,
+        ),
+        (
+            "zero3-sharded",
+            2,
+            Strategy::fsdp(WrapPolicy::PerLayer),
+            CheckpointFormat::Sharded,
+        ),
+    ] {
+        let mut cfg = config(&tmp.path().join(out), 4 / world, 1, 4);
+        cfg.training.save_steps = 2;
+        cfg.training.save_only_model = true;
+        let (replicate, shard) = match strategy {
+            Strategy::Ddp => (world, 1),
+            _ => (1, world),
+        };
+        run_saving(replicate, shard, cfg, strategy, format);
+        let ckpt = tmp.path().join(out).join("checkpoint-2");
+        let names = files(&ckpt);
+        assert!(
+            names.contains(&"model.safetensors".to_string())
+                && names.contains(&"trainer_state.json".to_string()),
+            "{out}: {names:?}"
+        );
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.starts_with("optimizer") || n.contains("shard")),
+            "{out}: {names:?}"
+        );
+    }
+    // Resumed from checkpoint-2: steps 3 and 4 from its weights with AdamW afresh, which is a
+    // fresh run from those weights (warmup and schedule at step 3, as the trainer state says).
+    let ckpt = tmp.path().join("ddp/checkpoint-2");
+    let mut cfg = config(&tmp.path().join("resumed"), 4, 1, 4);
+    cfg.training.resume_from_checkpoint = Some(ckpt.display().to_string());
+    let resumed = run(1, cfg);
+    assert_eq!(resumed.0.len(), 2, "steps 3 and 4");
+    let first = config(&tmp.path().join("ddp"), 4, 1, 4);
+    let full = run(1, first);
+    assert_eq!(
+        resumed.0[0], full.0[2],
+        "step 3 sees the same weights and data"
+    );
+    assert_ne!(resumed.1, full.1, "the moments started afresh");
 }

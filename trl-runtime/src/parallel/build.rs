@@ -140,7 +140,17 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
 /// that do not record it).
 fn read_state(params: &Params, ckpt: &Path, step: u64, opts: &ParallelOptions) -> Result<AdamW> {
     let mut full = AdamW::for_params(params, opts.adam)?;
-    full.step = full.read_file(&ckpt.join(OPTIMIZER_FILE))?.unwrap_or(step);
+    let file = ckpt.join(OPTIMIZER_FILE);
+    if !file.exists() {
+        // transformers' resume too starts such a checkpoint's optimizer state afresh.
+        tracing::warn!(
+            "{} holds no optimizer state (written with save_only_model): AdamW starts afresh \
+             (zero moments, bias correction from its first step)",
+            ckpt.display()
+        );
+        return Ok(full);
+    }
+    full.step = full.read_file(&file)?.unwrap_or(step);
     Ok(full)
 }
 

@@ -576,20 +576,24 @@ impl FsdpOptimizer {
             .collect()
     }
 
-    /// Each unit's whole parameters (in the compute dtype) and optimizer state in turn
-    /// (collective: every rank calls it), handed to `f` and dropped before the next unit is
+    /// Each unit's whole parameters (in the compute dtype) and, `with_states`, optimizer state
+    /// in turn (collective: every rank calls it), handed to `f` and dropped before the next unit is
     /// gathered: a full checkpoint is written with one unit whole at a time beside the slices,
     /// where gathering the whole model first would hold it all.
     pub fn for_each_full_unit(
         &self,
+        with_states: bool,
         mut f: impl FnMut(BTreeMap<String, Tensor>, BTreeMap<String, ParamState>) -> Result<()>,
     ) -> Result<()> {
         for unit in &self.model.units {
             let shard = unit.lock().shard.clone();
             let params = unit.layout.unflatten(&unit.comm().all_gather(&shard, 0)?)?;
-            let states = unit
-                .layout
-                .gather_states(unit.comm().as_ref(), &self.inner.states[&unit.name])?;
+            let states = match with_states {
+                true => unit
+                    .layout
+                    .gather_states(unit.comm().as_ref(), &self.inner.states[&unit.name])?,
+                false => BTreeMap::new(),
+            };
             f(params, states)?;
         }
         Ok(())

@@ -151,6 +151,10 @@ training_arguments! {
     logging_steps: usize = 10;
     save_steps: usize = 500;
     save_total_limit: Option<usize> = None;
+    /// Checkpoints hold the model (and trainer state) without the optimizer state, a third
+    /// of the size in full fine-tuning; resuming from one starts the optimizer state afresh,
+    /// as transformers does. Written full, also where the launch asks for sharded state.
+    save_only_model: bool = false;
     /// Evaluate every this many steps when an eval dataset is given (eval_strategy steps;
     /// unset there: logging_steps).
     eval_steps: Option<usize> = None;

@@ -114,7 +114,7 @@ pub fn save(
     output_dir: &Path,
     weights: Weights<'_>,
     tokenizer: &TextTokenizer,
-    optimizer: &AdamW,
+    optimizer: Option<&AdamW>,
     state: &TrainerState,
     keep: Option<usize>,
 ) -> Result<PathBuf> {
@@ -134,7 +134,9 @@ pub fn save(
             tokenizer.copy_files(&tmp)?;
         }
     }
-    write_optimizer(&tmp, optimizer)?;
+    if let Some(optimizer) = optimizer {
+        write_optimizer(&tmp, optimizer)?;
+    }
     finish(output_dir, &tmp, state, keep)
 }
 

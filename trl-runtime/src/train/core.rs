@@ -984,15 +984,19 @@ impl<'a, N: CausalModel> Core<'a, N> {
         })
     }
 
-    /// Gathers the optimizer state, then rank 0 writes the checkpoint of `weights`.
+    /// Gathers the optimizer state (unless save_only_model), then rank 0 writes the
+    /// checkpoint of `weights`.
     fn write_checkpoint(&self, weights: checkpoint::Weights<'_>) -> Result<Option<PathBuf>> {
-        let state = self.gather_optimizer_state()?;
+        let state = match self.args.save_only_model {
+            true => None,
+            false => Some(self.gather_optimizer_state()?),
+        };
         let path = if self.ctx.is_main_process() {
             Some(checkpoint::save(
                 &self.args.output_dir,
                 weights,
                 &self.tokenizer,
-                &state,
+                state.as_deref(),
                 &self.state,
                 self.args.save_total_limit,
             )?)
@@ -1028,14 +1032,20 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 .iter()
                 .map(|(n, _)| Ok((n.clone(), shape_of(n)?)))
                 .collect::<Result<Vec<_>>>()?;
-            let opt =
-                optim::state_file(&tmp.join(OPTIMIZER_FILE), state_shapes, fsdp.step_count())?;
+            let opt = match self.args.save_only_model {
+                true => None,
+                false => Some(optim::state_file(
+                    &tmp.join(OPTIMIZER_FILE),
+                    state_shapes,
+                    fsdp.step_count(),
+                )?),
+            };
             files = Some((tmp, weights, opt));
         }
         // A write that fails on rank 0 stops its writing, not its part in the gathers, so
         // that the other ranks are not left waiting; the error is returned after the loop.
         let mut failed = None;
-        fsdp.for_each_full_unit(|params, states| {
+        fsdp.for_each_full_unit(!self.args.save_only_model, |params, states| {
             let (params, states) = match self.model.tp() {
                 Some(tp) => {
                     let plan = self.model.tp_plan();
@@ -1051,9 +1061,10 @@ impl<'a, N: CausalModel> Core<'a, N> {
                     .iter()
                     .try_for_each(|(n, t)| weights.push(n, t))
                     .and_then(|_| {
-                        states
-                            .iter()
-                            .try_for_each(|(n, s)| optim::write_state(opt, n, s))
+                        states.iter().try_for_each(|(n, s)| match opt.as_mut() {
+                            Some(opt) => optim::write_state(opt, n, s),
+                            None => Ok(()),
+                        })
                     });
                 failed = written.err();
             }
@@ -1063,7 +1074,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             (_, Some(e)) => Err(e),
             (Some((tmp, weights, opt)), None) => weights
                 .finish()
-                .and_then(|_| opt.finish())
+                .and_then(|_| opt.map_or(Ok(()), |o| o.finish()))
                 .and_then(|_| {
                     checkpoint::finish(out, &tmp, &self.state, self.args.save_total_limit)
                 })
@@ -1088,7 +1099,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
             return self.save_adapter_checkpoint(lora);
         }
         let tp = self.model.tp();
-        if format == CheckpointFormat::Sharded && tp.is_none() && self.optimizer.sharded().is_some()
+        // Sharded state is the optimizer's slices: a model-only checkpoint is written full.
+        if format == CheckpointFormat::Sharded
+            && tp.is_none()
+            && self.optimizer.sharded().is_some()
+            && !self.args.save_only_model
         {
             return self.save_sharded_checkpoint();
         }

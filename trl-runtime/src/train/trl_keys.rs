@@ -112,7 +112,6 @@ const KNOWN: &[&str] = &[
     "rpo_alpha",
     "run_name",
     "save_on_each_node",
-    "save_only_model",
     "save_safetensors",
     "shuffle_dataset",
     "skip_memory_metrics",
