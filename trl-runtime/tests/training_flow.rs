@@ -205,6 +205,20 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
     );
     let f = flow(json!({"eval_strategy": "epoch", "metric_for_best_model": "accuracy"})).unwrap();
     assert!(f.best.unwrap().greater_is_better);
+    // DPO's accuracy is TRL's rewards/accuracies.
+    let args: TrainingArguments = serde_json::from_value(
+        json!({"eval_strategy": "steps", "eval_dataset_name": "e.jsonl", "metric_for_best_model": "rewards/accuracies"}),
+    )
+    .unwrap();
+    let best = args
+        .flow("eval_rewards/accuracies", "dpo.yaml")
+        .unwrap()
+        .best
+        .unwrap();
+    assert_eq!(
+        (best.key.as_str(), best.greater_is_better),
+        ("eval_rewards/accuracies", true)
+    );
     // Our default without eval_strategy: before, every eval_steps, and after the last step.
     let f = flow(json!({})).unwrap();
     assert!(f.eval_on_start && f.eval_after_last);
