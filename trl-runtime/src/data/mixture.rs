@@ -44,30 +44,25 @@ fn train() -> String {
     "train".into()
 }
 
-/// One dataset of the mixture (TRL's DatasetConfig).
+/// One dataset of the mixture (TRL's DatasetConfig); a key left out is None.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetSource {
     /// A local dataset file or directory; or `json` / `parquet` with `data_files`.
     pub path: String,
     /// A hub dataset's configuration: only `default` (local data has no other).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// A directory under `path` holding the data.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_dir: Option<String>,
     /// The files, relative to `path` (to the working directory for `json` / `parquet`); `*`
     /// patterns are expanded.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_files: Option<DataFiles>,
     /// The split, with `datasets`' slicing: `train[:1000]`, `train[10%:20%]`, `test[-50:]`.
     #[serde(default = "train")]
     pub split: String,
     /// The columns kept (the others are dropped before the row is read).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub columns: Option<Vec<String>>,
     /// Target share of the mixture (set on every source or none).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fraction: Option<f64>,
 }
 

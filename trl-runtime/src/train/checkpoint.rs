@@ -33,12 +33,10 @@ pub struct TrainerState {
     /// Logged metrics so far (one JSON object per logging step).
     pub log_history: Vec<serde_json::Value>,
     /// The best value of metric_for_best_model so far, the step it was measured at, and that
-    /// step's checkpoint once written (transformers' names; absent without the metric).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// step's checkpoint once written (transformers' names; null without the metric, and
+    /// None when read from a state written before them).
     pub best_metric: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best_global_step: Option<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best_model_checkpoint: Option<PathBuf>,
 }
 
