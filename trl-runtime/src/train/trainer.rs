@@ -343,20 +343,31 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         else {
             return Ok(());
         };
-        if self.ctx.is_main_process() {
-            tracing::info!(
-                "load_best_model_at_end: reading back {} ({} {})",
-                best.display(),
-                metric.key,
-                self.state.best_metric.unwrap_or(f64::NAN)
-            );
+        let main = self.ctx.is_main_process();
+        let value = self.state.best_metric.unwrap_or(f64::NAN);
+        // The last step's model, evaluated at that step, needs no reading back.
+        if self.state.best_global_step == Some(self.state.global_step) {
+            if main {
+                tracing::info!(
+                    "load_best_model_at_end: the last step is the best ({} {value})",
+                    metric.key
+                );
+            }
+        } else {
+            if main {
+                tracing::info!(
+                    "load_best_model_at_end: reading back {} ({} {value})",
+                    best.display(),
+                    metric.key
+                );
+            }
+            self.core.load_checkpoint(&best)?;
+            outcome.final_eval = self.evaluate()?;
         }
-        self.core.load_checkpoint(&best)?;
-        outcome.final_eval = self.evaluate()?;
-        if self.core.args.save_total_limit == Some(1) && self.ctx.is_main_process() {
+        if self.core.args.save_total_limit == Some(1) && main {
             checkpoint::keep_only(&self.core.args.output_dir, &best);
         }
-        outcome.last_checkpoint = self.ctx.is_main_process().then_some(best);
+        outcome.last_checkpoint = main.then_some(best);
         Ok(())
     }
 }
