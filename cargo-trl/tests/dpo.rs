@@ -254,6 +254,7 @@ fn dpo_matches_trl() {
     const KEYS: &[&str] = &[
         "loss",
         "grad_norm",
+        "num_tokens",
         "rewards/chosen",
         "rewards/rejected",
         "rewards/accuracies",

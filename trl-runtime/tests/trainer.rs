@@ -1733,3 +1733,32 @@ fn save_only_model_writes_no_optimizer_state() {
     );
     assert_ne!(resumed.1, full.1, "the moments started afresh");
 }
+
+/// num_tokens (TRL's metric) counts the input tokens of every rank, padding not counted: 2 ranks
+/// x 2 rows log what 1 rank x 4 rows logs, and a resumed run carries the count on.
+#[test]
+fn num_tokens_counts_every_ranks_tokens_across_a_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let counts = |dir: &Path| -> Vec<u64> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["num_tokens"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    run(1, config(&tmp.path().join("one"), 4, 1, 6));
+    run(2, config(&tmp.path().join("two"), 2, 1, 6));
+    let one = counts(&tmp.path().join("one"));
+    assert_eq!(one.len(), 6);
+    assert!(one.windows(2).all(|w| w[1] > w[0]) && one[0] > 4, "{one:?}");
+    assert_eq!(counts(&tmp.path().join("two")), one);
+    let mut cfg = config(&tmp.path().join("resumed"), 4, 1, 6);
+    let ckpt = tmp.path().join("one/checkpoint-3");
+    cfg.training.resume_from_checkpoint = Some(ckpt.display().to_string());
+    run(1, cfg);
+    assert_eq!(counts(&tmp.path().join("resumed")), one[3..]);
+}

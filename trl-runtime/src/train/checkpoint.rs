@@ -32,6 +32,10 @@ pub struct TrainerState {
     pub seed: u64,
     /// Logged metrics so far (one JSON object per logging step).
     pub log_history: Vec<serde_json::Value>,
+    /// Input tokens trained on so far, all ranks' (padding not counted): logged as TRL's
+    /// `num_tokens`.
+    #[serde(default)]
+    pub num_input_tokens_seen: u64,
     /// The best value of metric_for_best_model so far, the step it was measured at, and that
     /// step's checkpoint once written (transformers' names; null without the metric, and
     /// None when read from a state written before them).

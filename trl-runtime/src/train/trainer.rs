@@ -145,6 +145,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             "loss": stats.loss,
             "learning_rate": stats.learning_rate,
             "grad_norm": stats.grad_norm,
+            "num_tokens": self.core.state.num_input_tokens_seen,
             "tokens_per_s": tokens_per_s,
         });
         // The task's own figures (DPO's rewards and log-probs), under TRL's names.
@@ -221,6 +222,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let mut saved_step = None;
         while self.state.global_step < self.state.total_steps {
             let stats = self.train_step()?;
+            self.core.state.num_input_tokens_seen += stats.tokens as u64;
             let step = self.state.global_step;
             outcome.losses.push(stats.loss);
             curve.push((step as f64, stats.loss));

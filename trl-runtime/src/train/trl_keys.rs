@@ -151,10 +151,11 @@ fn why(key: &str) -> &'static str {
         "trackio_",
         "logging_",
         "log_",
-        "include_num_input_tokens_seen",
         "include_tokens_per_second",
     ]) {
         "metrics go to output_dir/metrics.jsonl (and the log) as logging_strategy says"
+    } else if key == "include_num_input_tokens_seen" {
+        "the input tokens trained on (padding not counted) are logged as num_tokens, as TRL logs them"
     } else if any(&[
         "eval_",
         "do_",
