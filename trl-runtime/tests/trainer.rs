@@ -1762,3 +1762,35 @@ fn num_tokens_counts_every_ranks_tokens_across_a_resume() {
     run(1, cfg);
     assert_eq!(counts(&tmp.path().join("resumed")), one[3..]);
 }
+
+/// Logged lines average the loss over the steps since the last line, as transformers logs it
+/// (with logging_steps 3, the mean of three steps' losses), and a run's steps are the same
+/// whatever it logs.
+#[test]
+fn logged_losses_are_window_means() {
+    let tmp = tempfile::tempdir().unwrap();
+    let losses = |dir: &Path| -> Vec<(u64, f64)> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+            })
+            .collect()
+    };
+    let every = run(1, config(&tmp.path().join("every"), 4, 1, 6)).0;
+    let logged_every = losses(&tmp.path().join("every"));
+    assert_eq!(logged_every.iter().map(|l| l.1).collect::<Vec<_>>(), every);
+    let mut cfg = config(&tmp.path().join("three"), 4, 1, 6);
+    cfg.training.logging_steps = 3;
+    assert_eq!(run(1, cfg).0, every);
+    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+    let expected = [(3, mean(&every[..3])), (6, mean(&every[3..]))];
+    let got = losses(&tmp.path().join("three"));
+    assert_eq!(got.len(), 2, "{got:?}");
+    for ((s, l), (es, el)) in got.iter().zip(expected) {
+        assert_eq!(*s, es);
+        assert!((l - el).abs() <= 1e-12 * el.abs(), "step {s}: {l} vs {el}");
+    }
+}

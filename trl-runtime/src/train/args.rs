@@ -148,7 +148,12 @@ training_arguments! {
     max_steps: i64 = -1;
     /// Examples (or packed rows) are cut to this many tokens.
     max_length: usize = 1024;
+    /// Lines are logged every this many steps, with the loss and the task's figures averaged
+    /// over them (as transformers and TRL log them).
     logging_steps: usize = 10;
+    /// A NaN or infinite step loss is logged as the window's mean instead (transformers'
+    /// filter); false logs it as it is.
+    logging_nan_inf_filter: bool = true;
     save_steps: usize = 500;
     save_total_limit: Option<usize> = None;
     /// Checkpoints hold the model (and trainer state) without the optimizer state, a third

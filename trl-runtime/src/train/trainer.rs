@@ -130,27 +130,31 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         self.task.evaluate(&self.config, &self.core)
     }
 
-    /// One metrics line: the step's figures (and evaluation's, when it ran), to metrics.jsonl,
-    /// the log and the trainer state's history.
+    /// One metrics line, to metrics.jsonl, the log and the trainer state's history: the
+    /// loss and the task's figures averaged over `window`'s steps (as transformers logs its
+    /// loss and TRL its metrics), this step's learning rate and gradient norm, and
+    /// evaluation's figures when it ran.
     fn log_step(
         &mut self,
         stats: &StepStats,
-        tokens_per_s: f64,
+        window: &mut Window,
         eval: Option<EvalResult>,
         metrics: Option<&mut std::fs::File>,
     ) -> Result<()> {
+        let tokens_per_s = window.tokens_per_s();
+        let (loss, figures) = window.take();
         let mut line = serde_json::json!({
             "step": self.core.state.global_step,
             "epoch": self.core.state.epoch as f64 + self.core.state.step_in_epoch as f64 / self.core.steps_per_epoch() as f64,
-            "loss": stats.loss,
+            "loss": loss,
             "learning_rate": stats.learning_rate,
             "grad_norm": stats.grad_norm,
             "num_tokens": self.core.state.num_input_tokens_seen,
             "tokens_per_s": tokens_per_s,
         });
         // The task's own figures (DPO's rewards and log-probs), under TRL's names.
-        for (key, value) in &self.last_metrics {
-            line[*key] = (*value).into();
+        for (key, value) in figures {
+            line[key] = value.into();
         }
         // This rank's memory peak since training began: resident memory on a CPU, the
         // device's live allocations on a GPU.
@@ -217,7 +221,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             self.state.global_step,
         );
         let mut metrics = self.open_metrics()?;
-        let (mut window_tokens, mut window_start) = (0usize, Instant::now());
+        let mut window = Window::new();
         let mut curve: Vec<(f64, f64)> = Vec::new();
         let mut saved_step = None;
         while self.state.global_step < self.state.total_steps {
@@ -226,9 +230,9 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             let step = self.state.global_step;
             outcome.losses.push(stats.loss);
             curve.push((step as f64, stats.loss));
-            window_tokens += stats.tokens;
-            let tokens_per_s =
-                window_tokens as f64 / window_start.elapsed().as_secs_f64().max(1e-9);
+            let nan_filter = self.core.args.logging_nan_inf_filter;
+            window.add(&stats, &self.last_metrics, nan_filter);
+            let tokens_per_s = window.tokens_per_s();
             bar.set_position(step as u64);
             bar.set_message(format!(
                 "loss {:.4}{} lr {:.2e} grad_norm {:.3} {:.0} tok/s",
@@ -264,8 +268,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                 outcome.final_eval = eval;
             }
             if due.log || eval.is_some() {
-                self.log_step(&stats, tokens_per_s, eval, metrics.as_mut())?;
-                (window_tokens, window_start) = (0, Instant::now());
+                self.log_step(&stats, &mut window, eval, metrics.as_mut())?;
             }
             if due.save || (flow.save_best && improved) {
                 outcome.last_checkpoint = self.save_with_task(None)?;
@@ -408,6 +411,57 @@ impl<N: CausalModel, T: Task<N>> Trainer<'_, N, T> {
             let dir = self.core.args.output_dir.join(format!("checkpoint-{step}"));
             Ok(self.ctx.is_main_process().then_some(dir))
         }
+    }
+}
+
+/// The steps since the last logged line: their losses, the task's figures and tokens.
+struct Window {
+    steps: usize,
+    loss: f64,
+    figures: Vec<(&'static str, f64)>,
+    tokens: usize,
+    start: Instant,
+}
+
+impl Window {
+    fn new() -> Self {
+        Window {
+            steps: 0,
+            loss: 0.0,
+            figures: Vec::new(),
+            tokens: 0,
+            start: Instant::now(),
+        }
+    }
+
+    /// A step's figures; with `nan_filter` (transformers' logging_nan_inf_filter) a NaN or
+    /// infinite loss counts as transformers counts it: the window's sum over one more step.
+    fn add(&mut self, stats: &StepStats, figures: &[(&'static str, f64)], nan_filter: bool) {
+        self.loss += match nan_filter && !stats.loss.is_finite() {
+            true => self.loss / (1 + self.steps) as f64,
+            false => stats.loss,
+        };
+        self.steps += 1;
+        self.tokens += stats.tokens;
+        for &(key, value) in figures {
+            match self.figures.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, sum)) => *sum += value,
+                None => self.figures.push((key, value)),
+            }
+        }
+    }
+
+    fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.start.elapsed().as_secs_f64().max(1e-9)
+    }
+
+    /// The mean loss and figures, and a new window.
+    fn take(&mut self) -> (f64, Vec<(&'static str, f64)>) {
+        let n = self.steps.max(1) as f64;
+        let figures = self.figures.iter().map(|&(k, sum)| (k, sum / n)).collect();
+        let loss = self.loss / n;
+        *self = Window::new();
+        (loss, figures)
     }
 }
 

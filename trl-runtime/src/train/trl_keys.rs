@@ -85,7 +85,6 @@ const KNOWN: &[&str] = &[
     "log_level_replica",
     "log_on_each_node",
     "logging_dir",
-    "logging_nan_inf_filter",
     "loss_type",
     "max_completion_length",
     "max_prompt_length",
