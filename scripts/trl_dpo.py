@@ -26,6 +26,7 @@ def value(v):
 
 loss_types = [a for a in sys.argv[7:] if "=" not in a] or ["sigmoid"]
 extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[7:] if "=" in a)}
+logging_steps = int(extra.pop("logging_steps", 1))
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 tok = AutoTokenizer.from_pretrained(model_dir)
@@ -36,7 +37,7 @@ args = DPOConfig(
     max_steps=int(steps),
     learning_rate=float(lr),
     lr_scheduler_type="constant",
-    logging_steps=1,
+    logging_steps=logging_steps,
     save_strategy="no",
     report_to=[],
     bf16=False,

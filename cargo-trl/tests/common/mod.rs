@@ -209,11 +209,23 @@ pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
 /// line per step, the checkpoint at the end) of `per_device` rows per rank into `out`;
 /// asserts it succeeded and returns its output.
 #[allow(dead_code)]
-pub fn run_launch(mut cmd: Command, steps: usize, per_device: usize, out: &Path) -> String {
+pub fn run_launch(cmd: Command, steps: usize, per_device: usize, out: &Path) -> String {
+    run_launch_logging(cmd, steps, per_device, 1, out)
+}
+
+/// [`run_launch`] with a metrics line every `logging` steps (their means).
+#[allow(dead_code)]
+pub fn run_launch_logging(
+    mut cmd: Command,
+    steps: usize,
+    per_device: usize,
+    logging: usize,
+    out: &Path,
+) -> String {
     let o = cmd
         .args(["--max_steps", &steps.to_string(), "--seed", "7"])
         .args(["--eval_dataset_name", "none", "--save_steps", "1000"])
-        .args(["--logging_steps", "1"])
+        .args(["--logging_steps", &logging.to_string()])
         .args(["--per_device_train_batch_size", &per_device.to_string()])
         .arg("--output_dir")
         .arg(out)
