@@ -3,7 +3,8 @@
 
 usage: trl_dpo.py MODEL_DIR DATA.jsonl OUT_DIR STEPS BATCH LR [LOSS_TYPE | KEY=VALUE ...]
 Whole-dataset batches (BATCH = the rows used), AdamW, constant learning rate, fp32; KEY=VALUE
-sets another DPOConfig key (numbers read as floats).
+sets another DPOConfig key (numbers read as floats). `eval_batch=N` also evaluates the
+trained model on the same rows, N per batch, printing {"eval": {...}} last.
 """
 import json
 import sys
@@ -27,6 +28,7 @@ def value(v):
 loss_types = [a for a in sys.argv[7:] if "=" not in a] or ["sigmoid"]
 extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[7:] if "=" in a)}
 logging_steps = int(extra.pop("logging_steps", 1))
+eval_batch = int(extra.pop("eval_batch", 0))
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 tok = AutoTokenizer.from_pretrained(model_dir)
@@ -38,6 +40,7 @@ args = DPOConfig(
     learning_rate=float(lr),
     lr_scheduler_type="constant",
     logging_steps=logging_steps,
+    per_device_eval_batch_size=eval_batch or 8,
     save_strategy="no",
     report_to=[],
     bf16=False,
@@ -59,4 +62,10 @@ class Print(TrainerCallback):
             print(json.dumps({"step": state.global_step, **logs}), flush=True)
 
 
-DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[Print()]).train()
+eval_ds = ds if eval_batch else None
+trainer = DPOTrainer(
+    model=model, args=args, train_dataset=ds, eval_dataset=eval_ds, processing_class=tok, callbacks=[Print()]
+)
+trainer.train()
+if eval_batch:
+    print(json.dumps({"eval": trainer.evaluate()}), flush=True)

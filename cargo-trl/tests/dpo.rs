@@ -237,6 +237,97 @@ fn metrics(text: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Evaluation after three steps on the same 8 pairs in batches of 4: the loss and every
+/// eval_rewards / eval_logps / eval_logits figure TRL's DPOTrainer.evaluate gives, within 1e-4
+/// relative (the mean logits averaged over the batches, as TRL averages them).
+#[test]
+fn dpo_evaluation_matches_trl() {
+    let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let pairs = tmp.path().join("pairs.jsonl");
+    let all = std::fs::read_to_string(root().join("assets/tiny/data/pref_train.jsonl")).unwrap();
+    std::fs::write(&pairs, all.lines().take(8).collect::<Vec<_>>().join("\n")).unwrap();
+    let model = root().join("assets/tiny/model");
+    let o = Command::new(&python)
+        .arg(root().join("scripts/trl_dpo.py"))
+        .arg(&model)
+        .arg(&pairs)
+        .arg(tmp.path().join("trl"))
+        .args(["3", "8", "1e-3", "sigmoid", "eval_batch=4"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let theirs: serde_json::Value = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("eval").cloned())
+        .expect("TRL's evaluation");
+    let out = tmp.path().join("ours");
+    let p = pairs.to_str().unwrap();
+    let o = common::trainer_launch(
+        "dpo",
+        &["--num_processes", "1"],
+        &[
+            "--dataset_name",
+            p,
+            "--eval_dataset_name",
+            p,
+            "--model_name_or_path",
+            model.to_str().unwrap(),
+            "--learning_rate",
+            "1e-3",
+            "--lr_scheduler_type",
+            "constant",
+            "--max_length",
+            "64",
+            "--gradient_checkpointing",
+            "false",
+            "--loss_type",
+            "sigmoid",
+            "--max_steps",
+            "3",
+            "--seed",
+            "7",
+            "--per_device_train_batch_size",
+            "8",
+            "--per_device_eval_batch_size",
+            "4",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "3",
+            "--save_steps",
+            "1000",
+            "--output_dir",
+            out.to_str().unwrap(),
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let ours: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let mut compared = 0;
+    for (key, want) in theirs.as_object().unwrap() {
+        let figure = ["eval_loss", "eval_rewards/", "eval_logps/", "eval_logits/"];
+        if !figure.iter().any(|f| key.starts_with(f)) {
+            continue;
+        }
+        let (g, w) = (
+            ours[key].as_f64().unwrap_or(f64::NAN),
+            want.as_f64().unwrap(),
+        );
+        let floor = if key.contains("logits") { 1e-2 } else { 1e-3 };
+        let d = (g - w).abs() / w.abs().max(floor);
+        assert!(d < 1e-4, "{key}: {g} vs TRL's {w}");
+        compared += 1;
+    }
+    assert_eq!(compared, 9, "{theirs}");
+}
+
 /// Three steps of whole-dataset batches (8 pairs, AdamW, constant learning rate, fp32): the
 /// logged loss, gradient norm, input tokens, rewards, log-probs and mean logits equal TRL's
 /// within 1e-4 relative, for the default loss (also logged once for the three steps: their

@@ -59,14 +59,15 @@ pub fn print_outcome(outcome: &TrainOutcome, step: usize, accuracy: &str, extra:
         );
         return;
     }
-    let acc = |e: Option<EvalResult>| {
-        e.and_then(|e| e.accuracy)
+    let acc = |e: &Option<EvalResult>| {
+        e.as_ref()
+            .and_then(|e| e.accuracy)
             .map_or("n/a".into(), |a| format!("{:.1}%", 100.0 * a))
     };
     println!(
         "held-out {accuracy}: before {} -> after {}; final train loss {:.4}; checkpoint {}{extra}",
-        acc(outcome.initial_eval),
-        acc(outcome.final_eval),
+        acc(&outcome.initial_eval),
+        acc(&outcome.final_eval),
         outcome.losses.last().copied().unwrap_or(f64::NAN),
         path("none"),
     );

@@ -57,7 +57,7 @@ fn cases() -> Vec<(serde_json::Value, usize, usize)> {
 fn ours(args: &serde_json::Value, total: usize, per_epoch: usize) -> [Vec<usize>; 3] {
     let mut args: TrainingArguments = serde_json::from_value(args.clone()).unwrap();
     args.eval_dataset_name = Some("eval.jsonl".into());
-    let flow = args.flow("eval_accuracy", "test").unwrap();
+    let flow = args.flow(&["eval_loss", "eval_accuracy"], "test").unwrap();
     let mut out: [Vec<usize>; 3] = Default::default();
     for step in 1..=total {
         let epoch = step as f64 / per_epoch as f64;
@@ -142,7 +142,7 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
         if args.eval_dataset_name.is_none() {
             args.eval_dataset_name = Some("eval.jsonl".into());
         }
-        args.flow("eval_accuracy", "cfg.yaml")
+        args.flow(&["eval_loss", "eval_accuracy"], "cfg.yaml")
             .map_err(|e| e.to_string())
     };
     use serde_json::json;
@@ -189,7 +189,9 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
         ..Default::default()
     };
     no_data.eval_dataset_name = None;
-    let e = no_data.flow("eval_accuracy", "cfg.yaml").unwrap_err();
+    let e = no_data
+        .flow(&["eval_loss", "eval_accuracy"], "cfg.yaml")
+        .unwrap_err();
     assert!(e.to_string().contains("eval_dataset_name"), "{e}");
 
     // Defaults: steps evaluation every logging_steps; the best metric loss, lower is better
@@ -205,20 +207,26 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
     );
     let f = flow(json!({"eval_strategy": "epoch", "metric_for_best_model": "accuracy"})).unwrap();
     assert!(f.best.unwrap().greater_is_better);
-    // DPO's accuracy is TRL's rewards/accuracies.
-    let args: TrainingArguments = serde_json::from_value(
-        json!({"eval_strategy": "steps", "eval_dataset_name": "e.jsonl", "metric_for_best_model": "rewards/accuracies"}),
-    )
-    .unwrap();
-    let best = args
-        .flow("eval_rewards/accuracies", "dpo.yaml")
-        .unwrap()
-        .best
+    // DPO's figures, by TRL's names (its accuracy is rewards/accuracies; a margin is better
+    // higher, a loss lower).
+    use trl_runtime::train::{DPOConfig, TrainerConfig};
+    for (metric, greater) in [
+        ("rewards/accuracies", true),
+        ("eval_rewards/margins", true),
+        ("loss", false),
+    ] {
+        let args: TrainingArguments = serde_json::from_value(
+            json!({"eval_strategy": "steps", "eval_dataset_name": "e.jsonl", "metric_for_best_model": metric}),
+        )
         .unwrap();
-    assert_eq!(
-        (best.key.as_str(), best.greater_is_better),
-        ("eval_rewards/accuracies", true)
-    );
+        let best = args
+            .flow(DPOConfig::EVAL_METRICS, "dpo.yaml")
+            .unwrap()
+            .best
+            .unwrap();
+        assert_eq!(best.greater_is_better, greater, "{metric}");
+        assert!(best.key.starts_with("eval_"));
+    }
     // Our default without eval_strategy: before, every eval_steps, and after the last step.
     let f = flow(json!({})).unwrap();
     assert!(f.eval_on_start && f.eval_after_last);

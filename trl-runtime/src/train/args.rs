@@ -505,9 +505,9 @@ impl TrainingArguments {
     }
 
     /// When the trainer logs, evaluates and saves, as these arguments say, checked and
-    /// defaulted as transformers' TrainingArguments does. `accuracy` is the trainer's accuracy
-    /// metric, which metric_for_best_model may name beside `eval_loss`.
-    pub fn flow(&self, accuracy: &str, source: &str) -> Result<Flow> {
+    /// defaulted as transformers' TrainingArguments does. `metrics` are the figures the
+    /// trainer's evaluation logs, one of which metric_for_best_model names.
+    pub fn flow(&self, metrics: &[&str], source: &str) -> Result<Flow> {
         let err = |key: &str, message: String| Error::config(source, key, message);
         let interval = |key: &str, name: &str, steps: usize, names: &str| {
             Interval::parse(name, steps)
@@ -552,7 +552,7 @@ impl TrainingArguments {
             eval_delay: self.eval_delay,
             save,
             save_best,
-            best: self.best_metric(save_best, accuracy, source)?,
+            best: self.best_metric(save_best, metrics, source)?,
             load_best_at_end: self.load_best_model_at_end,
         })
     }
@@ -620,7 +620,7 @@ impl TrainingArguments {
     fn best_metric(
         &self,
         save_best: bool,
-        accuracy: &str,
+        metrics: &[&str],
         source: &str,
     ) -> Result<Option<BestMetric>> {
         let name = match &self.metric_for_best_model {
@@ -632,7 +632,6 @@ impl TrainingArguments {
             true => name.clone(),
             false => format!("eval_{name}"),
         };
-        let metrics = ["eval_loss", accuracy];
         if !metrics.contains(&key.as_str()) {
             return Err(Error::config(
                 source,
@@ -735,6 +734,8 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
     const ABOUT: &'static str;
     /// The name its evaluation's accuracy is logged under.
     const EVAL_ACCURACY: &'static str;
+    /// Every figure its evaluation logs (metric_for_best_model names one).
+    const EVAL_METRICS: &'static [&'static str];
     fn training(&self) -> &TrainingArguments;
     fn training_mut(&mut self) -> &mut TrainingArguments;
     /// The keys read that have no field (emptied by reading).
@@ -748,7 +749,7 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
     /// Checks every key.
     fn validate(&self, source: &str) -> Result<()> {
         self.training().validate(source)?;
-        self.training().flow(Self::EVAL_ACCURACY, source)?;
+        self.training().flow(Self::EVAL_METRICS, source)?;
         self.validate_own(source)
     }
 
@@ -928,11 +929,12 @@ fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
 #[macro_export]
 #[doc(hidden)]
 macro_rules! trainer_config {
-    ($Config:ident, flags $Flags:ident, base $base:ident, about $about:literal, accuracy $accuracy:literal, validate $validate:path) => {
+    ($Config:ident, flags $Flags:ident, base $base:ident, about $about:literal, accuracy $accuracy:literal, metrics [$($metric:literal),*], validate $validate:path) => {
         impl $crate::train::TrainerConfig for $Config {
             type Flags = $Flags;
             const ABOUT: &'static str = $about;
             const EVAL_ACCURACY: &'static str = $accuracy;
+            const EVAL_METRICS: &'static [&'static str] = &["eval_loss", $accuracy $(, $metric)*];
             fn training(&self) -> &$crate::train::TrainingArguments {
                 &self.$base
             }

@@ -109,7 +109,7 @@ pub struct StepStats {
     pub tokens: usize,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EvalResult {
     pub loss: f64,
     /// The task's accuracy: exact-match of greedy answers on held-out prompts (SFT), the
@@ -118,6 +118,25 @@ pub struct EvalResult {
     /// A mixture of experts' router load-balancing loss, averaged over the evaluation's
     /// batches (TRL's `eval_aux_loss`; its weighted part is in `loss`, as TRL adds it).
     pub aux_loss: Option<f64>,
+    /// The task's other figures under TRL's names, logged with `eval_` before them (DPO's
+    /// rewards, log-probs and mean logits).
+    pub figures: Vec<(&'static str, f64)>,
+}
+
+impl EvalResult {
+    /// The value logged as `key` (`eval_loss`, `accuracy`'s name, `eval_` and a figure's).
+    pub fn metric(&self, key: &str, accuracy: &str) -> Option<f64> {
+        match key {
+            "eval_loss" => Some(self.loss),
+            "eval_aux_loss" => self.aux_loss,
+            k if k == accuracy => self.accuracy,
+            k => self
+                .figures
+                .iter()
+                .find(|(name, _)| k.strip_prefix("eval_") == Some(*name))
+                .map(|(_, v)| *v),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]

@@ -68,7 +68,10 @@ crate::training_arguments! {
 
 crate::trainer_config!(DPOConfig, flags DPOArgs, base training,
     about "Direct preference optimization (TRL's DPO) on Candle",
-    accuracy "eval_rewards/accuracies", validate validate_dpo);
+    accuracy "eval_rewards/accuracies",
+    metrics ["eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins",
+        "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen", "eval_logits/rejected"],
+    validate validate_dpo);
 
 /// `trl dpo`-style command line.
 pub type DpoCli = super::args::Cli<DPOConfig>;
@@ -906,7 +909,11 @@ impl<N: CausalModel> Task<N> for Dpo {
         if self.eval.is_empty() {
             return Ok(None);
         }
-        let (mut loss, mut correct, mut pairs) = (0.0, 0.0, 0.0);
+        let (mut loss, mut pairs) = (0.0, 0.0);
+        // Sums over the pairs as in a step (rewards, their accuracy and margin, log-probs),
+        // then each batch's mean logits (TRL averages those over batches) and the batches.
+        let mut sums = [0f64; 6];
+        let mut logits = [0f64; 3];
         let bs = config.training.per_device_eval_batch_size;
         // TR-DPO after a mix: the current reference's log-probabilities.
         let mixed = match self.sync.as_ref().filter(|s| s.mixed) {
@@ -920,18 +927,35 @@ impl<N: CausalModel> Task<N> for Dpo {
             let p = Self::pair_logps(micro, seq, &reference);
             let n = p.chosen.len() as f64;
             loss += self.loss.compute(&p)?.loss * n;
-            correct += (0..p.chosen.len())
-                .filter(|&j| p.chosen[j] - p.ref_chosen[j] > p.rejected[j] - p.ref_rejected[j])
-                .count() as f64;
+            p.add_reward_sums(self.loss.beta, &mut sums);
             pairs += n;
+            let [chosen, rejected] = seq.logit_sums;
+            logits[0] += chosen / micro.targets[0].max(1.0);
+            logits[1] += rejected / micro.targets[1].max(1.0);
+            logits[2] += 1.0;
             Ok(())
         })?;
-        let g = core.global_sum(&[loss, correct, pairs])?;
-        let (loss, aux_loss) = router.evaluation_loss(core, g[0] / g[2].max(1.0))?;
+        let mut local = vec![loss, pairs];
+        local.extend(sums);
+        local.extend(logits);
+        let g = core.global_sum(&local)?;
+        let total = g[1].max(1.0);
+        let (loss, aux_loss) = router.evaluation_loss(core, g[0] / total)?;
+        let mean = |k: usize| g[2 + k] / total;
+        let batch_mean = |side: usize| g[8 + side] / g[10].max(1.0);
         Ok(Some(EvalResult {
             loss,
-            accuracy: Some(g[1] / g[2].max(1.0)),
+            accuracy: Some(mean(2)),
             aux_loss,
+            figures: vec![
+                ("rewards/chosen", mean(0)),
+                ("rewards/rejected", mean(1)),
+                ("rewards/margins", mean(3)),
+                ("logps/chosen", mean(4)),
+                ("logps/rejected", mean(5)),
+                ("logits/chosen", batch_mean(0)),
+                ("logits/rejected", batch_mean(1)),
+            ],
         }))
     }
 

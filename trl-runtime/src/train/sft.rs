@@ -296,6 +296,7 @@ impl<N: CausalModel> Task<N> for Sft {
             accuracy: (!data.eval_prompts.is_empty())
                 .then(|| correct / data.eval_prompts.len() as f64),
             aux_loss,
+            figures: Vec::new(),
         }))
     }
 }

@@ -180,6 +180,9 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             if let Some(acc) = e.accuracy {
                 line[<T::Config as TrainerConfig>::EVAL_ACCURACY] = acc.into();
             }
+            for (key, value) in &e.figures {
+                line[format!("eval_{key}")] = (*value).into();
+            }
         }
         if let Some(f) = metrics {
             writeln!(f, "{line}").map_err(|e| Error::io("cannot write metrics.jsonl", e))?;
@@ -194,8 +197,8 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
     pub fn train(&mut self) -> Result<TrainOutcome> {
         let main = self.ctx.is_main_process();
         let out_dir = self.core.args.output_dir.clone();
-        let accuracy = <T::Config as TrainerConfig>::EVAL_ACCURACY;
-        let flow = self.core.args.flow(accuracy, "training arguments")?;
+        let metrics = <T::Config as TrainerConfig>::EVAL_METRICS;
+        let flow = self.core.args.flow(metrics, "training arguments")?;
         if main {
             std::fs::create_dir_all(&out_dir)
                 .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
@@ -206,7 +209,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         if flow.eval_on_start {
             outcome.initial_eval = self.evaluate()?;
         }
-        if let (true, Some(e)) = (main, outcome.initial_eval) {
+        if let (true, Some(e)) = (main, &outcome.initial_eval) {
             tracing::info!(
                 "before training: eval loss {:.4}, accuracy {:?}",
                 e.loss,
@@ -265,7 +268,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                 None => false,
             };
             if step == self.state.total_steps {
-                outcome.final_eval = eval;
+                outcome.final_eval = eval.clone();
             }
             if due.log || eval.is_some() {
                 self.log_step(&stats, &mut window, eval, metrics.as_mut())?;
@@ -297,7 +300,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         if flow.load_best_at_end {
             self.load_best(&flow, &mut outcome)?;
         }
-        if let (true, Some(e)) = (main, outcome.final_eval) {
+        if let (true, Some(e)) = (main, &outcome.final_eval) {
             tracing::info!(
                 "after training: eval loss {:.4}, accuracy {:?}",
                 e.loss,
@@ -316,11 +319,8 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let Some(best) = &flow.best else {
             return Ok(false);
         };
-        let value = match best.key.as_str() {
-            "eval_loss" => Some(e.loss),
-            _ => e.accuracy,
-        };
-        let value = value.ok_or_else(|| {
+        let accuracy = <T::Config as TrainerConfig>::EVAL_ACCURACY;
+        let value = e.metric(&best.key, accuracy).ok_or_else(|| {
             Error::config(
                 "training arguments",
                 "metric_for_best_model",
