@@ -275,7 +275,7 @@ fn moe_evaluation_adds_the_router_loss() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3-moe/model");
     let eval = |coef: &str| -> serde_json::Value {
         let out = tmp.path().join(format!("coef-{coef}"));
-        let o = common::sft_launch(
+        let cmd = common::sft_launch(
             &["--num_processes", "1"],
             &[
                 "--model_name_or_path",
@@ -297,11 +297,8 @@ fn moe_evaluation_adds_the_router_loss() {
                 "--output_dir",
                 out.to_str().unwrap(),
             ],
-        )
-        .output()
-        .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        );
+        let text = common::metrics_of(cmd, &out);
         text.lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .find(|m| m.get("eval_loss").is_some())

@@ -237,18 +237,25 @@ fn metrics(text: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// A Python with TRL (None: the test skips), a temporary directory and the first 8
+/// preference pairs in it.
+fn trl_and_eight_pairs() -> Option<(std::path::PathBuf, tempfile::TempDir, std::path::PathBuf)> {
+    let python = common::python_with(&["torch", "transformers", "trl", "datasets"])?;
+    let tmp = tempfile::tempdir().unwrap();
+    let pairs = tmp.path().join("pairs.jsonl");
+    let all = std::fs::read_to_string(root().join("assets/tiny/data/pref_train.jsonl")).unwrap();
+    std::fs::write(&pairs, all.lines().take(8).collect::<Vec<_>>().join("\n")).unwrap();
+    Some((python, tmp, pairs))
+}
+
 /// Evaluation after three steps on the same 8 pairs in batches of 4: the loss and every
 /// eval_rewards / eval_logps / eval_logits figure TRL's DPOTrainer.evaluate gives, within 1e-4
 /// relative (the mean logits averaged over the batches, as TRL averages them).
 #[test]
 fn dpo_evaluation_matches_trl() {
-    let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
+    let Some((python, tmp, pairs)) = trl_and_eight_pairs() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let pairs = tmp.path().join("pairs.jsonl");
-    let all = std::fs::read_to_string(root().join("assets/tiny/data/pref_train.jsonl")).unwrap();
-    std::fs::write(&pairs, all.lines().take(8).collect::<Vec<_>>().join("\n")).unwrap();
     let model = root().join("assets/tiny/model");
     let o = Command::new(&python)
         .arg(root().join("scripts/trl_dpo.py"))
@@ -267,7 +274,7 @@ fn dpo_evaluation_matches_trl() {
         .expect("TRL's evaluation");
     let out = tmp.path().join("ours");
     let p = pairs.to_str().unwrap();
-    let o = common::trainer_launch(
+    let cmd = common::trainer_launch(
         "dpo",
         &["--num_processes", "1"],
         &[
@@ -304,11 +311,8 @@ fn dpo_evaluation_matches_trl() {
             "--output_dir",
             out.to_str().unwrap(),
         ],
-    )
-    .output()
-    .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    );
+    let text = common::metrics_of(cmd, &out);
     let ours: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     let mut compared = 0;
     for (key, want) in theirs.as_object().unwrap() {
@@ -336,13 +340,9 @@ fn dpo_evaluation_matches_trl() {
 /// f-divergence.
 #[test]
 fn dpo_matches_trl() {
-    let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
+    let Some((python, tmp, pairs)) = trl_and_eight_pairs() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let pairs = tmp.path().join("pairs.jsonl");
-    let all = std::fs::read_to_string(root().join("assets/tiny/data/pref_train.jsonl")).unwrap();
-    std::fs::write(&pairs, all.lines().take(8).collect::<Vec<_>>().join("\n")).unwrap();
     const KEYS: &[&str] = &[
         "loss",
         "grad_norm",

@@ -240,6 +240,15 @@ pub fn run_launch_logging(
     text
 }
 
+/// Runs a trainer launch that writes into `out`, asserts it succeeded and returns its
+/// metrics.jsonl.
+#[allow(dead_code)]
+pub fn metrics_of(mut cmd: Command, out: &Path) -> String {
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::read_to_string(out.join("metrics.jsonl")).unwrap()
+}
+
 /// The worker report (the JSON line rank 0 logs before training) in a launch's output.
 #[allow(dead_code)]
 pub fn worker_report(text: &str) -> serde_json::Value {

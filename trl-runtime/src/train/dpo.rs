@@ -362,6 +362,21 @@ pub struct Dpo {
     sync: Option<RefSync>,
 }
 
+/// TRL's figures of a step or an evaluation: `mean(k)` of the reward sums of
+/// `PairLogps::add_reward_sums`, and the mean logits of the chosen and rejected sequences.
+fn figures(mean: impl Fn(usize) -> f64, logits: [f64; 2]) -> Vec<(&'static str, f64)> {
+    vec![
+        ("rewards/chosen", mean(0)),
+        ("rewards/rejected", mean(1)),
+        ("rewards/accuracies", mean(2)),
+        ("rewards/margins", mean(3)),
+        ("logps/chosen", mean(4)),
+        ("logps/rejected", mean(5)),
+        ("logits/chosen", logits[0]),
+        ("logits/rejected", logits[1]),
+    ]
+}
+
 /// The preference rows tokenized; `which` (training / evaluation) names them in warnings.
 fn tokenize_pairs(
     rows: &[PreferenceRecord],
@@ -887,19 +902,10 @@ impl<N: CausalModel> Task<N> for Dpo {
         Ok(TaskStep {
             loss,
             tokens,
-            metrics: [
-                ("rewards/chosen", mean(0)),
-                ("rewards/rejected", mean(1)),
-                ("rewards/accuracies", mean(2)),
-                ("rewards/margins", mean(3)),
-                ("logps/chosen", mean(4)),
-                ("logps/rejected", mean(5)),
-                ("logits/chosen", mean_logits(0)),
-                ("logits/rejected", mean_logits(1)),
-            ]
-            .into_iter()
-            .chain(aux.map(|a| ("aux_loss", a)))
-            .collect(),
+            metrics: figures(mean, [mean_logits(0), mean_logits(1)])
+                .into_iter()
+                .chain(aux.map(|a| ("aux_loss", a)))
+                .collect(),
         })
     }
 
@@ -947,15 +953,11 @@ impl<N: CausalModel> Task<N> for Dpo {
             loss,
             accuracy: Some(mean(2)),
             aux_loss,
-            figures: vec![
-                ("rewards/chosen", mean(0)),
-                ("rewards/rejected", mean(1)),
-                ("rewards/margins", mean(3)),
-                ("logps/chosen", mean(4)),
-                ("logps/rejected", mean(5)),
-                ("logits/chosen", batch_mean(0)),
-                ("logits/rejected", batch_mean(1)),
-            ],
+            // The accuracy is logged as the evaluation's own.
+            figures: figures(mean, [batch_mean(0), batch_mean(1)])
+                .into_iter()
+                .filter(|(k, _)| *k != "rewards/accuracies")
+                .collect(),
         }))
     }
 
