@@ -318,32 +318,27 @@ impl TrainingArguments {
             true => OnBadRow::Skip,
             false => OnBadRow::Fail,
         };
-        let source = "training arguments";
-        if !self.datasets.is_empty() {
-            tracing::info!(
-                "datasets: a mixture of {} dataset(s), in place of dataset_name",
-                self.datasets.0.len()
-            );
-            let (train, test) = self.datasets.load(
-                self.test_split_size,
-                self.data_order_seed(),
-                on_bad,
-                parse,
-                source,
-            )?;
-            let eval = match (test, &self.eval_dataset_name) {
-                (Some(test), _) => Some(test),
-                (None, Some(path)) => {
-                    Some(load_rows(path, self.test_split(), on_bad, parse)?.records)
-                }
-                (None, None) => None,
-            };
-            return Ok((train, eval));
-        }
-        let train = load_rows(&self.dataset_name, self.train_split(), on_bad, parse)?.records;
-        let eval = match &self.eval_dataset_name {
-            Some(path) => Some(load_rows(path, self.test_split(), on_bad, parse)?.records),
-            None => None,
+        let (train, held_out) = match self.datasets.is_empty() {
+            true => {
+                let rows = load_rows(&self.dataset_name, self.train_split(), on_bad, parse)?;
+                (rows.records, None)
+            }
+            false => {
+                tracing::info!(
+                    "datasets: a mixture of {} dataset(s), in place of dataset_name",
+                    self.datasets.0.len()
+                );
+                let seed = self.data_order_seed();
+                let source = "training arguments";
+                self.datasets
+                    .load(self.test_split_size, seed, on_bad, parse, source)?
+            }
+        };
+        // test_split_size and eval_dataset_name are not both given (validate).
+        let eval = match (held_out, &self.eval_dataset_name) {
+            (Some(rows), _) => Some(rows),
+            (None, Some(path)) => Some(load_rows(path, self.test_split(), on_bad, parse)?.records),
+            (None, None) => None,
         };
         Ok((train, eval))
     }
