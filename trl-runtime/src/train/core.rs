@@ -607,6 +607,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
         self.steps_per_epoch
     }
 
+    /// Epochs completed, with the fraction of the current one (transformers' state.epoch).
+    pub fn epoch(&self) -> f64 {
+        self.state.epoch as f64 + self.state.step_in_epoch as f64 / self.steps_per_epoch as f64
+    }
+
     /// Model state this rank holds under its strategy. Parameters and optimizer state are
     /// measured from the storages they keep allocated (shared storage counted once, a slice
     /// counting what it keeps alive); gradients, which exist only during a step, count what is

@@ -117,6 +117,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             t1.elapsed().as_secs_f64()
         );
         self.last_metrics = out.metrics;
+        self.core.state.num_input_tokens_seen += out.tokens as u64;
         Ok(StepStats {
             loss: out.loss,
             learning_rate,
@@ -145,7 +146,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let (loss, figures) = window.take();
         let mut line = serde_json::json!({
             "step": self.core.state.global_step,
-            "epoch": self.core.state.epoch as f64 + self.core.state.step_in_epoch as f64 / self.core.steps_per_epoch() as f64,
+            "epoch": self.core.epoch(),
             "loss": loss,
             "learning_rate": stats.learning_rate,
             "grad_norm": stats.grad_norm,
@@ -229,7 +230,6 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let mut saved_step = None;
         while self.state.global_step < self.state.total_steps {
             let stats = self.train_step()?;
-            self.core.state.num_input_tokens_seen += stats.tokens as u64;
             let step = self.state.global_step;
             outcome.losses.push(stats.loss);
             curve.push((step as f64, stats.loss));
@@ -254,12 +254,10 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                     tokens_per_s,
                 });
             }
-            let epoch = self.state.epoch as f64
-                + self.state.step_in_epoch as f64 / self.core.steps_per_epoch() as f64;
             let due = flow.due(
                 step,
                 self.state.total_steps,
-                epoch,
+                self.core.epoch(),
                 self.state.step_in_epoch == 0,
             );
             let eval = if due.evaluate { self.evaluate()? } else { None };
@@ -296,7 +294,15 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             }
         }
         bar.finish();
-        outcome.last_checkpoint = self.final_checkpoint(to_launcher, saved_step)?;
+        // With load_best_model_at_end and save_total_limit 1 only the best checkpoint is left:
+        // a final one that would be deleted is not written.
+        let best_only = flow.load_best_at_end
+            && self.core.args.save_total_limit == Some(1)
+            && self.state.best_model_checkpoint.is_some()
+            && self.state.best_global_step != Some(self.state.global_step);
+        if !best_only {
+            outcome.last_checkpoint = self.final_checkpoint(to_launcher, saved_step)?;
+        }
         if flow.load_best_at_end {
             self.load_best(&flow, &mut outcome)?;
         }
@@ -325,7 +331,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                 "training arguments",
                 "metric_for_best_model",
                 format!(
-                    "'{}': this evaluation measures no accuracy (see eval_dataset_name): use loss",
+                    "'{}' was not measured by this evaluation (SFT measures its accuracy with eval_generation_samples > 0): use loss",
                     best.key
                 ),
             )
