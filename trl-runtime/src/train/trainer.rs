@@ -294,15 +294,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             }
         }
         bar.finish();
-        // With load_best_model_at_end and save_total_limit 1 only the best checkpoint is left:
-        // a final one that would be deleted is not written.
-        let best_only = flow.load_best_at_end
-            && self.core.args.save_total_limit == Some(1)
-            && self.state.best_model_checkpoint.is_some()
-            && self.state.best_global_step != Some(self.state.global_step);
-        if !best_only {
-            outcome.last_checkpoint = self.final_checkpoint(to_launcher, saved_step)?;
-        }
+        outcome.last_checkpoint = self.final_checkpoint(&flow, to_launcher, saved_step)?;
         if flow.load_best_at_end {
             self.load_best(&flow, &mut outcome)?;
         }
@@ -402,13 +394,23 @@ impl<N: CausalModel, T: Task<N>> Trainer<'_, N, T> {
     }
 
     /// The final checkpoint, unless the last step just wrote it (`saved_step`; the same on
-    /// every rank). It is always full, so that the result opens in transformers.
+    /// every rank). It is always full, so that the result opens in transformers. With
+    /// load_best_model_at_end and save_total_limit 1 only the best is kept: a last step that
+    /// is not the best is not written, to be deleted.
     fn final_checkpoint(
         &mut self,
+        flow: &Flow,
         to_launcher: bool,
         saved_step: Option<usize>,
     ) -> Result<Option<PathBuf>> {
         let step = self.state.global_step;
+        if flow.load_best_at_end
+            && self.core.args.save_total_limit == Some(1)
+            && self.state.best_model_checkpoint.is_some()
+            && self.state.best_global_step != Some(step)
+        {
+            return Ok(None);
+        }
         if saved_step != Some(step) || self.checkpoint_format == CheckpointFormat::Sharded {
             let saved = self.save_with_task(Some(CheckpointFormat::Full))?;
             announce_saved(to_launcher, &saved);
