@@ -37,13 +37,14 @@ fn reduce_slice<T: Elem>(op: ReduceOp, dst: &mut [T], src: &[T]) {
     }
 }
 
-macro_rules! float_elem {
-    ($t:ty) => {
+/// Types NCCL reduces natively, with how each adds (integers wrap, as NCCL's do).
+macro_rules! native_elem {
+    ($($t:ty => $add:path),+ $(,)?) => {$(
         impl Elem for $t {
             #[inline(always)]
             fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
                 match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    ReduceOp::Sum | ReduceOp::Avg => $add(a, b),
                     ReduceOp::Max => a.max(b),
                     ReduceOp::Min => a.min(b),
                 }
@@ -52,10 +53,15 @@ macro_rules! float_elem {
                 self / n as $t
             }
         }
-    };
+    )+};
 }
-float_elem!(f32);
-float_elem!(f64);
+native_elem! {
+    f32 => std::ops::Add::add,
+    f64 => std::ops::Add::add,
+    u8 => u8::wrapping_add,
+    u32 => u32::wrapping_add,
+    i64 => i64::wrapping_add,
+}
 
 macro_rules! half_elem {
     ($t:ty) => {
@@ -78,27 +84,6 @@ macro_rules! half_elem {
 }
 half_elem!(half::bf16);
 half_elem!(half::f16);
-
-macro_rules! int_elem {
-    ($t:ty) => {
-        impl Elem for $t {
-            #[inline(always)]
-            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
-                    ReduceOp::Max => a.max(b),
-                    ReduceOp::Min => a.min(b),
-                }
-            }
-            fn divide(self, n: usize) -> Self {
-                self / n as $t
-            }
-        }
-    };
-}
-int_elem!(u8);
-int_elem!(u32);
-int_elem!(i64);
 
 /// Runs `$body` with `$T` bound to the Rust type of `$dtype`.
 macro_rules! dispatch {

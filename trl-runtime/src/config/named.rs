@@ -1,6 +1,7 @@
-//! Enums whose values Accelerate writes as names (launch YAML keys, environment variables):
-//! each declared once, with its names, by [`named!`]; parsers read them by name
-//! (`yaml::Section::named`, `plan`'s `Vars::named`).
+//! Enums whose values are written as names (Accelerate's launch YAML keys and environment
+//! variables, TRL's loss types, transformers' schedules): each declared once, with its names,
+//! by [`named!`]; parsers read them by name (`yaml::Section::named`, `plan`'s `Vars::named`,
+//! [`Named::from_name`]).
 
 /// An enum read and written by name: `NAMES[i]` names `ALL[i]`, the first the default.
 pub trait Named: Copy + 'static {
@@ -14,13 +15,15 @@ pub trait Named: Copy + 'static {
     }
 }
 
-/// Declares each enum with its variants and the name Accelerate writes for each (the first
-/// the default): the enum, [`Named`] and `as_str`.
+/// Declares each enum with its variants and the name written for each (the first the
+/// default): the enum, [`Named`] and `as_str`. Doc comments on the enum and its variants
+/// are kept.
 macro_rules! named {
-    ($($t:ident { $($v:ident = $n:literal),+ $(,)? })+) => {$(
+    ($($(#[$m:meta])* $t:ident { $($(#[$vm:meta])* $v:ident = $n:literal),+ $(,)? })+) => {$(
+        $(#[$m])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
         pub enum $t {
-            $($v),+
+            $($(#[$vm])* $v),+
         }
 
         impl $crate::config::named::Named for $t {

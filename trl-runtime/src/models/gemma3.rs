@@ -27,7 +27,8 @@ use std::sync::Arc;
 /// The `model_type`s this file reads.
 pub const MODEL_TYPES: &[&str] = &["gemma3_text", "gemma2"];
 
-/// The keys of a gemma3_text config.json this model reads (transformers' defaults).
+/// The keys of a gemma3_text config.json this model reads (transformers' defaults; a
+/// missing `Option` key is None).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct Gemma3Config {
     pub model_type: String,
@@ -46,21 +47,15 @@ pub struct Gemma3Config {
     pub query_pre_attn_scalar: usize,
     #[serde(default = "window")]
     pub sliding_window: Option<usize>,
-    #[serde(default)]
     pub layer_types: Option<Vec<serde_json::Value>>,
-    #[serde(default)]
     pub sliding_window_pattern: Option<usize>,
     #[serde(default = "max_pos")]
     pub max_position_embeddings: usize,
     /// transformers 5: `{full_attention: {...}, sliding_attention: {...}}`.
-    #[serde(default)]
     pub rope_parameters: Option<serde_json::Value>,
     /// transformers 4: the global layers' base, scaling and the local layers' base.
-    #[serde(default)]
     pub rope_theta: Option<f64>,
-    #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
-    #[serde(default)]
     pub rope_local_base_freq: Option<f64>,
     #[serde(default)]
     pub attention_bias: bool,
@@ -68,11 +63,8 @@ pub struct Gemma3Config {
     pub hidden_activation: String,
     #[serde(default = "yes")]
     pub tie_word_embeddings: bool,
-    #[serde(default)]
     pub final_logit_softcapping: Option<f64>,
-    #[serde(default)]
     pub attn_logit_softcapping: Option<f64>,
-    #[serde(default)]
     pub use_bidirectional_attention: Option<bool>,
 }
 

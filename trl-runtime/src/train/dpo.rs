@@ -15,9 +15,10 @@
 
 use super::args::{NameList, TrainingArguments};
 use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
-use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps, LOSS_TYPES};
+use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps};
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
+use crate::config::named::Named;
 use crate::context_parallel::split::{kept_columns, pad_to_multiple};
 use crate::data::preference::{
     parse_preference, tokenize_preference, PreferencePair, PreferenceRecord,
@@ -101,11 +102,10 @@ impl DPOConfig {
             }
         }
         for (i, name) in self.loss_type.0.iter().enumerate() {
-            let kind = LossType::parse(name).ok_or_else(|| {
-                let names: Vec<&str> = LOSS_TYPES.iter().map(|(n, _)| *n).collect();
+            let kind = LossType::from_name(name).ok_or_else(|| {
                 (
                     "loss_type",
-                    format!("'{name}' is not one of {}", names.join(", ")),
+                    format!("'{name}' is not one of {}", LossType::NAMES.join(", ")),
                 )
             })?;
             terms.push((kind, weights.as_ref().map_or(1.0, |w| w[i])));

@@ -7,49 +7,28 @@
 use crate::error::{Error, Result};
 use candle_core::{Device, Tensor, Var};
 
-/// The loss types TRL 1.16 documents (`loss_type`); [`LossType::Sft`] is RPO's NLL term.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LossType {
-    Sigmoid,
-    Hinge,
-    Ipo,
-    ExoPair,
-    NcaPair,
-    Robust,
-    BcoPair,
-    SppoHard,
-    Aot,
-    AotUnpaired,
-    ApoZero,
-    ApoDown,
-    Discopop,
-    Sft,
-    SigmoidNorm,
+crate::config::named::named! {
+    /// The loss types TRL 1.16 documents (`loss_type`); [`LossType::Sft`] is RPO's NLL term.
+    LossType {
+        Sigmoid = "sigmoid",
+        Hinge = "hinge",
+        Ipo = "ipo",
+        ExoPair = "exo_pair",
+        NcaPair = "nca_pair",
+        Robust = "robust",
+        BcoPair = "bco_pair",
+        SppoHard = "sppo_hard",
+        Aot = "aot",
+        AotUnpaired = "aot_unpaired",
+        ApoZero = "apo_zero",
+        ApoDown = "apo_down",
+        Discopop = "discopop",
+        Sft = "sft",
+        SigmoidNorm = "sigmoid_norm",
+    }
 }
 
-pub const LOSS_TYPES: &[(&str, LossType)] = &[
-    ("sigmoid", LossType::Sigmoid),
-    ("hinge", LossType::Hinge),
-    ("ipo", LossType::Ipo),
-    ("exo_pair", LossType::ExoPair),
-    ("nca_pair", LossType::NcaPair),
-    ("robust", LossType::Robust),
-    ("bco_pair", LossType::BcoPair),
-    ("sppo_hard", LossType::SppoHard),
-    ("aot", LossType::Aot),
-    ("aot_unpaired", LossType::AotUnpaired),
-    ("apo_zero", LossType::ApoZero),
-    ("apo_down", LossType::ApoDown),
-    ("discopop", LossType::Discopop),
-    ("sft", LossType::Sft),
-    ("sigmoid_norm", LossType::SigmoidNorm),
-];
-
 impl LossType {
-    pub fn parse(name: &str) -> Option<LossType> {
-        LOSS_TYPES.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
-    }
-
     /// Built on the chosen-rejected score difference, so an f-divergence other than the
     /// reverse KL applies (TRL refuses it for the others).
     pub fn takes_f_divergence(self) -> bool {
@@ -284,6 +263,7 @@ impl DpoLoss {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::named::Named;
 
     fn pairs() -> PairLogps {
         PairLogps {
@@ -301,7 +281,7 @@ mod tests {
     /// Every loss type's gradient matches central differences of its value.
     #[test]
     fn gradients_match_finite_differences() {
-        for &(name, kind) in LOSS_TYPES {
+        for (&name, &kind) in LossType::NAMES.iter().zip(LossType::ALL) {
             for f in [
                 FDivergence::ReverseKl,
                 FDivergence::ForwardKl,

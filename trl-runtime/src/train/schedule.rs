@@ -2,43 +2,29 @@
 //! (transformers.get_scheduler with `lr_scheduler_kwargs`).
 
 use crate::config::cli_value::KwArgs;
+use crate::config::named::{named, Named};
 use crate::error::{Error, Result};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SchedulerKind {
-    /// Constant; HF ignores warmup here (a warning says to use constant_with_warmup).
-    Constant,
-    ConstantWithWarmup,
-    Linear,
-    Cosine,
-    CosineWithRestarts,
-    Polynomial,
-    InverseSqrt,
-    CosineWithMinLr,
-    CosineWarmupWithMinLr,
-    WarmupStableDecay,
+named! {
+    /// The schedules, by transformers' names.
+    SchedulerKind {
+        /// Constant; HF ignores warmup here (a warning says to use constant_with_warmup).
+        Constant = "constant",
+        ConstantWithWarmup = "constant_with_warmup",
+        Linear = "linear",
+        Cosine = "cosine",
+        CosineWithRestarts = "cosine_with_restarts",
+        Polynomial = "polynomial",
+        InverseSqrt = "inverse_sqrt",
+        CosineWithMinLr = "cosine_with_min_lr",
+        CosineWarmupWithMinLr = "cosine_warmup_with_min_lr",
+        WarmupStableDecay = "warmup_stable_decay",
+    }
 }
-
-/// transformers' names of the schedules.
-pub const SCHEDULERS: &[(&str, SchedulerKind)] = &[
-    ("constant", SchedulerKind::Constant),
-    ("constant_with_warmup", SchedulerKind::ConstantWithWarmup),
-    ("linear", SchedulerKind::Linear),
-    ("cosine", SchedulerKind::Cosine),
-    ("cosine_with_restarts", SchedulerKind::CosineWithRestarts),
-    ("polynomial", SchedulerKind::Polynomial),
-    ("inverse_sqrt", SchedulerKind::InverseSqrt),
-    ("cosine_with_min_lr", SchedulerKind::CosineWithMinLr),
-    (
-        "cosine_warmup_with_min_lr",
-        SchedulerKind::CosineWarmupWithMinLr,
-    ),
-    ("warmup_stable_decay", SchedulerKind::WarmupStableDecay),
-];
 
 impl SchedulerKind {
     pub fn parse(name: &str) -> Result<Self> {
-        if let Some(&(_, kind)) = SCHEDULERS.iter().find(|(n, _)| *n == name) {
+        if let Some(kind) = Self::from_name(name) {
             return Ok(kind);
         }
         let why = match name {
@@ -46,8 +32,7 @@ impl SchedulerKind {
                 "follows the evaluation loss, which is not implemented".to_string()
             }
             _ => {
-                let names: Vec<&str> = SCHEDULERS.iter().map(|(n, _)| *n).collect();
-                format!("is not supported: use one of {}", names.join(", "))
+                format!("is not supported: use one of {}", Self::NAMES.join(", "))
             }
         };
         Err(Error::config(

@@ -61,18 +61,52 @@ type BufferOp = unsafe extern "C" fn(
     Stream,
 ) -> NcclResult;
 
-/// The NCCL entry points the communicator uses.
-pub struct NcclLibrary {
-    /// Which file was opened (for messages).
-    pub path: &'static str,
-    pub get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult,
-    pub get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
-    pub comm_init_rank:
+/// Declares each NCCL entry point once, with its C name and signature: the field of
+/// [`NcclLibrary`] and its lookup in [`NcclLibrary::resolve`].
+macro_rules! nccl_functions {
+    ($($field:ident = $name:literal: $sig:ty,)+) => {
+        /// The NCCL entry points the communicator uses.
+        pub struct NcclLibrary {
+            /// Which file was opened (for messages).
+            pub path: &'static str,
+            $(pub $field: $sig,)+
+            /// Kept open for the life of the process: the function pointers above point into it.
+            _library: libloading::Library,
+        }
+
+        impl NcclLibrary {
+            fn resolve(
+                path: &'static str,
+                library: libloading::Library,
+            ) -> Result<NcclLibrary, String> {
+                Ok(NcclLibrary {
+                    path,
+                    $($field: {
+                        // SAFETY: the declared signature is NCCL's (nccl.h, stable since 2.7).
+                        *unsafe { library.get::<$sig>(concat!($name, "\0").as_bytes()) }
+                            .map_err(|e| {
+                                format!(
+                                    "{path} lacks {} ({e}): it is too old or not NCCL; {INSTALL_HINT}",
+                                    $name
+                                )
+                            })?
+                    },)+
+                    _library: library,
+                })
+            }
+        }
+    };
+}
+
+nccl_functions! {
+    get_version = "ncclGetVersion": unsafe extern "C" fn(*mut c_int) -> NcclResult,
+    get_unique_id = "ncclGetUniqueId": unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
+    comm_init_rank = "ncclCommInitRank":
         unsafe extern "C" fn(*mut NcclCommHandle, c_int, UniqueId, c_int) -> NcclResult,
-    pub comm_destroy: unsafe extern "C" fn(NcclCommHandle) -> NcclResult,
-    pub get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
-    pub all_reduce: BufferOp,
-    pub all_gather: unsafe extern "C" fn(
+    comm_destroy = "ncclCommDestroy": unsafe extern "C" fn(NcclCommHandle) -> NcclResult,
+    get_error_string = "ncclGetErrorString": unsafe extern "C" fn(NcclResult) -> *const c_char,
+    all_reduce = "ncclAllReduce": BufferOp,
+    all_gather = "ncclAllGather": unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
         Count,
@@ -80,28 +114,14 @@ pub struct NcclLibrary {
         NcclCommHandle,
         Stream,
     ) -> NcclResult,
-    pub reduce_scatter: BufferOp,
-    pub broadcast: BufferOp,
-    pub send: unsafe extern "C" fn(
-        *const c_void,
-        Count,
-        c_int,
-        c_int,
-        NcclCommHandle,
-        Stream,
-    ) -> NcclResult,
-    pub recv: unsafe extern "C" fn(
-        *mut c_void,
-        Count,
-        c_int,
-        c_int,
-        NcclCommHandle,
-        Stream,
-    ) -> NcclResult,
-    pub group_start: unsafe extern "C" fn() -> NcclResult,
-    pub group_end: unsafe extern "C" fn() -> NcclResult,
-    /// Kept open for the life of the process: the function pointers above point into it.
-    _library: libloading::Library,
+    reduce_scatter = "ncclReduceScatter": BufferOp,
+    broadcast = "ncclBroadcast": BufferOp,
+    send = "ncclSend":
+        unsafe extern "C" fn(*const c_void, Count, c_int, c_int, NcclCommHandle, Stream) -> NcclResult,
+    recv = "ncclRecv":
+        unsafe extern "C" fn(*mut c_void, Count, c_int, c_int, NcclCommHandle, Stream) -> NcclResult,
+    group_start = "ncclGroupStart": unsafe extern "C" fn() -> NcclResult,
+    group_end = "ncclGroupEnd": unsafe extern "C" fn() -> NcclResult,
 }
 
 /// What to do when libnccl cannot be used, for every message that reports it.
@@ -134,37 +154,6 @@ impl NcclLibrary {
             "NCCL could not be loaded ({}): {INSTALL_HINT}",
             failures.join("; ")
         ))
-    }
-
-    fn resolve(path: &'static str, library: libloading::Library) -> Result<NcclLibrary, String> {
-        macro_rules! symbol {
-            ($name:literal) => {
-                // SAFETY: the declared signature is NCCL's (nccl.h, stable since 2.7).
-                *unsafe { library.get(concat!($name, "\0").as_bytes()) }.map_err(|e| {
-                    format!(
-                        "{path} lacks {} ({e}): it is too old or not NCCL; {INSTALL_HINT}",
-                        $name
-                    )
-                })?
-            };
-        }
-        Ok(NcclLibrary {
-            path,
-            get_version: symbol!("ncclGetVersion"),
-            get_unique_id: symbol!("ncclGetUniqueId"),
-            comm_init_rank: symbol!("ncclCommInitRank"),
-            comm_destroy: symbol!("ncclCommDestroy"),
-            get_error_string: symbol!("ncclGetErrorString"),
-            all_reduce: symbol!("ncclAllReduce"),
-            all_gather: symbol!("ncclAllGather"),
-            reduce_scatter: symbol!("ncclReduceScatter"),
-            broadcast: symbol!("ncclBroadcast"),
-            send: symbol!("ncclSend"),
-            recv: symbol!("ncclRecv"),
-            group_start: symbol!("ncclGroupStart"),
-            group_end: symbol!("ncclGroupEnd"),
-            _library: library,
-        })
     }
 
     /// NCCL's version as major.minor.patch.
