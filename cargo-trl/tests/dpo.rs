@@ -210,6 +210,20 @@ fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) -> Vec<f64>
             );
             worst = [worst[0].max(dl), worst[1].max(dg), worst[2]];
         }
+        // TRL's token figures are per micro-batch over every rank: one pair per micro-batch
+        // on two data-parallel ranks makes micro-batches of two pairs, one process's of one.
+        if !(per_pair && *two_dp) {
+            for key in ["entropy", "mean_token_accuracy"] {
+                for (step, (g, w)) in logged(&out(name), key)
+                    .iter()
+                    .zip(logged(&out(want), key))
+                    .enumerate()
+                {
+                    let d = (g - w).abs() / w.abs().max(1e-3);
+                    assert!(d < 1e-5, "{name} step {}: {key} {g} vs {w}", step + 1);
+                }
+            }
+        }
         for (param, w) in &one.weights {
             let d = max_diff(&got.weights[param], w) as f64;
             assert!(d < 2e-4, "{name}: {param} differs by {d}");
@@ -224,9 +238,14 @@ fn profiles_equal_one_process(extra: &[&str], only: Option<&[&str]>) -> Vec<f64>
 }
 
 fn grad_norms(out: &Path) -> Vec<f64> {
+    logged(out, "grad_norm")
+}
+
+/// Each logged step's `key`.
+fn logged(out: &Path, key: &str) -> Vec<f64> {
     metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
         .iter()
-        .map(|m| m["grad_norm"].as_f64().unwrap())
+        .map(|m| m[key].as_f64().unwrap())
         .collect()
 }
 
@@ -316,7 +335,14 @@ fn dpo_evaluation_matches_trl() {
     let ours: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     let mut compared = 0;
     for (key, want) in theirs.as_object().unwrap() {
-        let figure = ["eval_loss", "eval_rewards/", "eval_logps/", "eval_logits/"];
+        let figure = [
+            "eval_loss",
+            "eval_rewards/",
+            "eval_logps/",
+            "eval_logits/",
+            "eval_entropy",
+            "eval_mean_token_accuracy",
+        ];
         if !figure.iter().any(|f| key.starts_with(f)) {
             continue;
         }
@@ -329,7 +355,7 @@ fn dpo_evaluation_matches_trl() {
         assert!(d < 1e-4, "{key}: {g} vs TRL's {w}");
         compared += 1;
     }
-    assert_eq!(compared, 9, "{theirs}");
+    assert_eq!(compared, 11, "{theirs}");
 }
 
 /// Three steps of whole-dataset batches (8 pairs, AdamW, constant learning rate, fp32): the
@@ -355,6 +381,8 @@ fn dpo_matches_trl() {
         "logps/rejected",
         "logits/chosen",
         "logits/rejected",
+        "entropy",
+        "mean_token_accuracy",
     ];
     // Loss types, then other DPOConfig keys as KEY=VALUE.
     let runs: &[&[&str]] = &[

@@ -217,6 +217,7 @@ fn chunk_step(batch: &Batch, ctx: &DistContext) -> trl_runtime::Result<LossSum> 
     Ok(LossSum {
         sum: Tensor::new(batch.input_ids.dim(1)? as f32, &Device::Cpu)?,
         count: batch.num_target_tokens,
+        stats: Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu)?,
     })
 }
 

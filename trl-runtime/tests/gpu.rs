@@ -738,6 +738,81 @@ fn fused_linear_cross_entropy_on_gpu_follows_cpu() {
     }
 }
 
+/// TRL's entropy and mean_token_accuracy from the CUDA row pass (`LossSum::stats`) against
+/// the whole logits in f32 on the CPU: exact on hand-made ties (a tie before the target is not
+/// a hit, after it is; bf16's 4-wide rows take the kernel's narrow loop, f32's the wide one),
+/// and on random heads whose every third target is its row's argmax, the entropy sum within
+/// 1e-4 (f32) / 1e-2 (bf16) and the hits within 1% / 5% (near-ties round differently).
+#[test]
+fn token_figures_on_gpu_follow_cpu() {
+    use trl_runtime::nn::loss::cross_entropy_sum;
+    use trl_runtime::nn::tiled_linear_cross_entropy;
+    let Some(dev) = gpu() else { return };
+    let stats = |ls: trl_runtime::nn::LossSum| -> Vec<f64> {
+        let v = ls
+            .stats
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        v.iter().map(|&x| x as f64).collect()
+    };
+    // logits = I . W^T = the rows: W is their transpose (exact in f32 and bf16).
+    let (rows, ties) = common::tied_logits();
+    let eye = Tensor::eye(5, DType::F32, &Device::Cpu).unwrap();
+    let want = stats(cross_entropy_sum(&rows, &ties).unwrap());
+    assert_eq!(want[1], 2.0, "the CPU reference's tie rule");
+    for dtype in [DType::F32, DType::BF16] {
+        let on = |t: &Tensor| t.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
+        let w = on(&rows.t().unwrap().contiguous().unwrap());
+        let ls = tiled_linear_cross_entropy(&on(&eye), &w, &ties.to_device(&dev).unwrap()).unwrap();
+        let got = stats(ls);
+        eprintln!("ties {dtype:?}: {got:?} vs {want:?}");
+        assert_eq!(got[1], want[1], "{dtype:?}: hits on ties");
+        assert!(
+            (got[0] - want[0]).abs() < 1e-5 * want[0],
+            "{dtype:?}: entropy"
+        );
+    }
+    for vocab in [50_000, 50_001] {
+        let n = 1000;
+        let (hidden, weight, targets) = head_inputs(n, vocab, 23, (5, 2));
+        let logits = hidden.matmul(&weight.t().unwrap()).unwrap();
+        let argmax: Vec<u32> = logits.argmax(1).unwrap().to_vec1().unwrap();
+        let mut t: Vec<i64> = targets.to_vec1().unwrap();
+        for (i, v) in t.iter_mut().enumerate() {
+            if i % 3 == 0 && *v != -100 {
+                *v = argmax[i] as i64;
+            }
+        }
+        let targets = Tensor::new(t.as_slice(), &Device::Cpu).unwrap();
+        let want = stats(cross_entropy_sum(&logits, &targets).unwrap());
+        for (dtype, entropy_bound, hits_bound) in
+            [(DType::F32, 1e-4, 0.01), (DType::BF16, 1e-2, 0.05)]
+        {
+            let on = |t: &Tensor| t.to_device(&dev).unwrap().to_dtype(dtype).unwrap();
+            let ls = tiled_linear_cross_entropy(
+                &on(&hidden),
+                &on(&weight),
+                &targets.to_device(&dev).unwrap(),
+            )
+            .unwrap();
+            let got = stats(ls);
+            let (de, dh) = (
+                (got[0] - want[0]).abs() / want[0],
+                (got[1] - want[1]).abs() / want[1],
+            );
+            eprintln!(
+                "token figures {dtype:?} vocab {vocab}: entropy {de:e}, hits {got:?} vs {want:?}"
+            );
+            assert!(
+                de < entropy_bound && dh < hits_bound,
+                "{dtype:?} vocab {vocab}: {got:?} vs {want:?}"
+            );
+        }
+    }
+}
+
 /// DPO's per-token losses on the GPU (`tiled_token_nll`: the one-pass row kernel writing each
 /// row's loss, recomputed in backward with each row weighed by its own gradient) against the
 /// whole logits in f32 on the CPU, rows and both gradients, in f32 (1e-4) and bf16 (3e-2);

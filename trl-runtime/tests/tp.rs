@@ -206,6 +206,8 @@ struct Run {
     /// Full logits of the first step (gathered over the vocabulary).
     logits: Tensor,
     losses: Vec<f64>,
+    /// Each step's summed entropy and top-1 count (TRL's entropy and mean_token_accuracy).
+    stats: Vec<Vec<f32>>,
     /// First-step gradient and final weight per parameter, as this rank holds them.
     grads: BTreeMap<String, Tensor>,
     weights: BTreeMap<String, Tensor>,
@@ -232,10 +234,12 @@ fn train(comm: Arc<dyn Communicator>, values: &HashMap<String, Tensor>) -> Run {
     .unwrap();
     let labels = ids.narrow(1, 1, 7).unwrap().to_dtype(DType::I64).unwrap();
     let (mut logits0, mut grads, mut losses) = (None, BTreeMap::new(), Vec::new());
+    let mut stats = Vec::new();
     for step in 0..STEPS {
         let logits = model.forward(&ids).unwrap();
         let loss =
             vocab_parallel_cross_entropy(&logits.narrow(1, 0, 7).unwrap(), &labels, &comm).unwrap();
+        stats.push(loss.stats.to_vec1::<f32>().unwrap());
         let mean = (loss.sum / loss.count as f64).unwrap();
         losses.push(mean.to_scalar::<f32>().unwrap() as f64);
         let g = mean.backward().unwrap();
@@ -254,6 +258,7 @@ fn train(comm: Arc<dyn Communicator>, values: &HashMap<String, Tensor>) -> Run {
     Run {
         logits: logits0.unwrap(),
         losses,
+        stats,
         grads,
         weights,
         splits,
@@ -280,6 +285,14 @@ fn tp_2_and_4_train_like_tp_1() {
             assert!(d < TOL, "tp={tp} rank {rank}: logits differ by {d:e}");
             for (a, b) in run.losses.iter().zip(&reference.losses) {
                 assert!((a - b).abs() / b.abs() < TOL, "tp={tp}: loss {a} vs {b}");
+            }
+            // The vocab-parallel entropy and top-1 count equal the whole vocabulary's.
+            for (a, b) in run.stats.iter().zip(&reference.stats) {
+                assert!(
+                    (a[0] - b[0]).abs() / b[0] < TOL as f32,
+                    "tp={tp}: entropy {a:?} vs {b:?}"
+                );
+                assert_eq!(a[1], b[1], "tp={tp}: top-1 count");
             }
             assert_eq!(run.grads.len(), reference.grads.len(), "same parameters");
             for (name, g) in &run.grads {
@@ -683,6 +696,37 @@ mod phi3 {
                     "rank {rank}: {name} gathered"
                 );
             }
+        }
+    }
+}
+
+/// TRL's entropy and mean_token_accuracy follow the first argmax, as torch's argmax: a target
+/// tied with an earlier id (on another rank) is not a hit, one tied with a later id is. The
+/// whole logits, the fused loss's one-pass kernel (CPU f32: logits = I . W^T with W the rows'
+/// transpose) and the vocabulary split 2 and 4 ways give the same figures.
+#[test]
+fn token_figures_follow_the_first_argmax() {
+    let (logits, targets) = common::tied_logits();
+    let whole = trl_runtime::nn::loss::cross_entropy_sum(&logits, &targets).unwrap();
+    let want = whole.stats.to_vec1::<f32>().unwrap();
+    assert_eq!(want[1], 2.0, "hits: row 1 (a tie after it) and row 2");
+    let check = |what: &str, got: Vec<f32>| {
+        assert_eq!(got[1], want[1], "{what}: hits");
+        let d = (got[0] - want[0]).abs() / want[0];
+        assert!(d < 1e-6, "{what}: {got:?} vs {want:?}");
+    };
+    let eye = Tensor::eye(5, DType::F32, &Device::Cpu).unwrap();
+    let head = logits.t().unwrap().contiguous().unwrap();
+    let fused = trl_runtime::nn::tiled_linear_cross_entropy(&eye, &head, &targets).unwrap();
+    check("fused", fused.stats.to_vec1::<f32>().unwrap());
+    for tp in [2, 4] {
+        let got = InProcessWorld::run(tp, |rank, comm| {
+            let part = logits.narrow(1, rank * 4 / tp, 4 / tp).unwrap();
+            let ls = vocab_parallel_cross_entropy(&part, &targets, &comm).unwrap();
+            ls.stats.to_vec1::<f32>().unwrap()
+        });
+        for (rank, g) in got.into_iter().enumerate() {
+            check(&format!("tp={tp} rank {rank}"), g);
         }
     }
 }

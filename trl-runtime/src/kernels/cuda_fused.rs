@@ -330,21 +330,23 @@ pub fn rotary(
 }
 
 /// The fused linear cross-entropy's per-row pass on a contiguous [rows, vocab] logits tile,
-/// in place (see `kernels/fused.cu`): `targets` and `loss` are the tile's rows of the
-/// device-resident targets (i64) and per-row losses (f32, written here). Nothing is read back:
-/// the caller sums the losses on the device once, so the tiles run without synchronizing.
+/// in place (see `kernels/fused.cu`): `targets`, `loss` and `stats` are the tile's rows of the
+/// device-resident targets (i64), per-row losses (f32) and per-row entropy and top-1 flag
+/// ([rows, 2] f32), the last two written here. Nothing is read back: the caller sums them on
+/// the device once, so the tiles run without synchronizing.
 pub fn cross_entropy_rows(
     logits: &mut CudaStorage,
     l: &Layout,
     targets: &CudaView<'_, i64>,
     loss: &CudaView<'_, f32>,
+    stats: &CudaView<'_, f32>,
     grads: bool,
 ) -> Result<()> {
     check(l, "cross-entropy")?;
     let dev = logits.device().clone();
     let dtype = logits.dtype();
     let (rows, vocab) = l.shape().dims2()?;
-    if targets.len() != rows || loss.len() != rows {
+    if targets.len() != rows || loss.len() != rows || stats.len() != 2 * rows {
         bail!(
             "cross-entropy rows: {rows} logits rows, {} targets",
             targets.len()
@@ -360,10 +362,11 @@ pub fn cross_entropy_rows(
         let mut view = slice.slice_mut(l.start_offset()..);
         let (r, v, g) = (rows as i32, vocab as i32, grads as i32);
         let mut b = f.builder();
-        // The kernel writes `loss` (a view of a buffer only this pass uses).
+        // The kernel writes `loss` and `stats` (views of buffers only this pass uses).
         b.arg(&mut view)
             .arg(targets)
             .arg(loss)
+            .arg(stats)
             .arg(&r)
             .arg(&v)
             .arg(&g);

@@ -188,25 +188,34 @@ __device__ float block_max(float v) {
     return total;
 }
 
-// The running maximum `m2` and sum of 2^(x2 - m2) taking `x2`, a logit times log2(e) (the sum
-// rescaled when the maximum grows). Base 2: exp2 is one instruction, expf several.
-__device__ __forceinline__ void online_take(float x2, float& m2, float& sum) {
+// The running maximum `m2`, sum of 2^(x2 - m2) and sum of z 2^(x2 - m2) taking the logit `z`
+// (x2 = z log2(e); the sums rescaled when the maximum grows). Base 2: exp2 is one instruction,
+// expf several.
+__device__ __forceinline__ void online_take_z(float z, float x2, float& m2, float& sum,
+                                              float& zs) {
     if (x2 > m2) {
-        sum = sum * exp2f(m2 - x2) + 1.f;
+        const float r = exp2f(m2 - x2);
+        sum = sum * r + 1.f;
+        zs = zs * r + z;
         m2 = x2;
     } else {
-        sum += exp2f(x2 - m2);
+        const float e = exp2f(x2 - m2);
+        sum += e;
+        zs += e * z;
     }
 }
 
 // Cross-entropy of logits rows against targets (-100 and other negatives: ignored), in place:
-// loss[row] = log-sum-exp - logit[target] and, with `grads`, the row becomes softmax minus the
-// one-hot target (zero for ignored rows). The fused linear cross-entropy's per-row pass. Rows
-// whose length and start allow it are read and written 16 bytes at a time (the pass is bound
-// by memory: 2-byte accesses left it at ~0.7 TB/s on an H100).
+// loss[row] = log-sum-exp - logit[target]; stats[2 row] the row's entropy (log-sum-exp minus
+// the probabilities' mean logit) and stats[2 row + 1] 1 when the target is the argmax (the
+// first maximum, as torch's argmax; TRL's mean_token_accuracy), both 0 for ignored rows; with
+// `grads`, the row becomes softmax minus the one-hot target (zero for ignored rows). The fused
+// linear cross-entropy's per-row pass. Rows whose length and start allow it are read and
+// written 16 bytes at a time (the pass is bound by memory: 2-byte accesses left it at ~0.7
+// TB/s on an H100).
 template <typename T>
-__device__ void cross_entropy_rows(T* logits, const int64_t* targets, float* loss, int rows,
-                                   int vocab, int grads) {
+__device__ void cross_entropy_rows(T* logits, const int64_t* targets, float* loss, float* stats,
+                                   int rows, int vocab, int grads) {
     constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
     constexpr int V = 16 / sizeof(T);  // elements per 16 bytes
     const bool wide = vocab % V == 0 && (reinterpret_cast<uintptr_t>(logits) & 15) == 0;
@@ -216,35 +225,60 @@ __device__ void cross_entropy_rows(T* logits, const int64_t* targets, float* los
         if (t < 0) {
             if (grads)
                 for (int i = threadIdx.x; i < vocab; i += blockDim.x) r[i] = of<T>(0.f);
-            if (threadIdx.x == 0) loss[row] = 0.f;
+            if (threadIdx.x == 0) {
+                loss[row] = 0.f;
+                stats[2 * row] = stats[2 * row + 1] = 0.f;
+            }
             continue;
         }
         const float picked = to_f(r[t]);  // read by every thread before any write below
-        // One pass for the maximum and the sum (in base 2), then the block's maximum and each
-        // thread's sum brought to it.
-        float m2 = -INFINITY, sum = 0.f;
+        // One pass for the maximum, the sum (in base 2) and the logits' sum weighted alike
+        // (the entropy's), and the maximum before the target (argmax's tie rule); then the
+        // block's maximum and each thread's sums brought to it.
+        float m2 = -INFINITY, sum = 0.f, zs = 0.f, before = -INFINITY;
         if (wide) {
             for (int i = threadIdx.x; i < vocab / V; i += blockDim.x) {
                 alignas(16) T e[V];
                 *reinterpret_cast<uint4*>(e) = reinterpret_cast<const uint4*>(r)[i];
                 float mx = -INFINITY;
 #pragma unroll
-                for (int j = 0; j < V; ++j) mx = fmaxf(mx, to_f(e[j]) * LOG2E);
+                for (int j = 0; j < V; ++j) {
+                    const float z = to_f(e[j]);
+                    mx = fmaxf(mx, z * LOG2E);
+                    if (i * V + j < t) before = fmaxf(before, z);
+                }
                 if (mx > m2) {
-                    sum *= exp2f(m2 - mx);
+                    const float rescale = exp2f(m2 - mx);
+                    sum *= rescale;
+                    zs *= rescale;
                     m2 = mx;
                 }
 #pragma unroll
-                for (int j = 0; j < V; ++j) sum += exp2f(to_f(e[j]) * LOG2E - m2);
+                for (int j = 0; j < V; ++j) {
+                    const float z = to_f(e[j]), w = exp2f(z * LOG2E - m2);
+                    sum += w;
+                    zs += w * z;
+                }
             }
         } else {
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-                online_take(to_f(r[i]) * LOG2E, m2, sum);
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float z = to_f(r[i]);
+                online_take_z(z, z * LOG2E, m2, sum, zs);
+                if (i < t) before = fmaxf(before, z);
+            }
         }
         const float mt = m2;
         m2 = block_max(m2);
-        sum = block_sum(mt == -INFINITY ? 0.f : sum * exp2f(mt - m2));
-        if (threadIdx.x == 0) loss[row] = (m2 + log2f(sum)) * LN2 - picked;
+        const float scale = mt == -INFINITY ? 0.f : exp2f(mt - m2);
+        sum = block_sum(sum * scale);
+        zs = block_sum(zs * scale);
+        before = block_max(before);
+        if (threadIdx.x == 0) {
+            const float log_z = (m2 + log2f(sum)) * LN2;
+            loss[row] = log_z - picked;
+            stats[2 * row] = log_z - zs / sum;
+            stats[2 * row + 1] = picked * LOG2E >= m2 && picked > before ? 1.f : 0.f;
+        }
         if (grads) {
             const float inv = 1.f / sum;
             if (wide) {
@@ -666,9 +700,9 @@ __device__ void add_into(float* acc, const T* x, size_t n) {
         rms_norm_bwd<T>(x, w, dy, dx, dw, rows, h, eps);                                      \
     }                                                                                         \
     extern "C" __global__ void cross_entropy_rows_##SUFFIX(T* logits, const int64_t* targets,  \
-                                                           float* loss, int rows, int vocab,  \
-                                                           int grads) {                       \
-        cross_entropy_rows<T>(logits, targets, loss, rows, vocab, grads);                     \
+                                                           float* loss, float* stats,         \
+                                                           int rows, int vocab, int grads) {  \
+        cross_entropy_rows<T>(logits, targets, loss, stats, rows, vocab, grads);              \
     }                                                                                         \
     extern "C" __global__ void cast_from_f32_##SUFFIX(const float* src, T* dst, int n) {      \
         cast_from_f32<T>(src, dst, n);                                                        \

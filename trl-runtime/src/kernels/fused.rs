@@ -1131,28 +1131,50 @@ fn row_max<T: F32Math>(x: &[T]) -> f32 {
     acc.iter().fold(tail, |m, v| m.max(*v))
 }
 
-/// One logits row: sets `loss` to its log-sum-exp minus the target's logit and, with
-/// `grads`, turns the row in place into the loss's gradient: softmax minus the one-hot target.
+/// What the cross-entropy pass gives for one row: its loss, its entropy (TRL's `entropy`:
+/// log-sum-exp minus the probabilities' mean logit) and whether the target is the argmax
+/// (TRL's `mean_token_accuracy`: the first maximum, as torch's argmax picks it).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct RowStats {
+    pub loss: f64,
+    pub entropy: f64,
+    pub top1: bool,
+}
+
+/// One logits row: its [`RowStats`] and, with `grads`, the row turned in place into the
+/// loss's gradient: softmax minus the one-hot target.
 #[inline(always)]
-fn cross_entropy_row_body<T: F32Math>(row: &mut [T], target: usize, grads: bool, loss: &mut f64) {
-    let max = row_max(row);
+fn cross_entropy_row_body<T: F32Math>(
+    row: &mut [T],
+    target: usize,
+    grads: bool,
+    out: &mut RowStats,
+) {
+    // The maximum in two parts: the part before the target decides a tie (the first wins).
+    let before = row_max(&row[..target]);
+    let max = before.max(row_max(&row[target..]));
     let picked = row[target].f();
-    let mut acc = [0f32; 8];
+    let (mut acc, mut acc_d) = ([0f32; 8], [0f32; 8]);
     let mut chunks = row.chunks_exact_mut(8);
     for c in &mut chunks {
-        for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
-            let e = exp_f32(v.f() - max);
+        for ((a, ad), v) in acc.iter_mut().zip(acc_d.iter_mut()).zip(c.iter_mut()) {
+            let d = v.f() - max;
+            let e = exp_f32(d);
             *v = T::of(e);
             *a += e;
+            *ad += e * d;
         }
     }
-    let mut tail = 0f32;
+    let (mut tail, mut tail_d) = (0f32, 0f32);
     for v in chunks.into_remainder() {
-        let e = exp_f32(v.f() - max);
+        let d = v.f() - max;
+        let e = exp_f32(d);
         *v = T::of(e);
         tail += e;
+        tail_d += e * d;
     }
     let sum = acc.iter().sum::<f32>() + tail;
+    let sum_d = acc_d.iter().sum::<f32>() + tail_d;
     if grads {
         let inv = 1.0 / sum;
         for v in row.iter_mut() {
@@ -1160,7 +1182,13 @@ fn cross_entropy_row_body<T: F32Math>(row: &mut [T], target: usize, grads: bool,
         }
         row[target] = T::of(row[target].f() - 1.0);
     }
-    *loss = (max as f64 + (sum as f64).ln()) - picked as f64;
+    let ln_sum = (sum as f64).ln();
+    *out = RowStats {
+        loss: (max as f64 + ln_sum) - picked as f64,
+        // log Z - E_p[z], with z shifted by the maximum: ln(sum) - sum(e d) / sum.
+        entropy: ln_sum - sum_d as f64 / sum as f64,
+        top1: picked >= max && picked > before,
+    };
 }
 
 /// Max of an f32 row.
@@ -1168,35 +1196,34 @@ pub(crate) fn row_max_f32(x: &[f32]) -> f32 {
     row_max(x)
 }
 
-simd_dispatch!(cross_entropy_row, cross_entropy_row_avx2, cross_entropy_row_body, <T: F32Math>, (row: &mut [T], target: usize, grads: bool, loss: &mut f64));
+simd_dispatch!(cross_entropy_row, cross_entropy_row_avx2, cross_entropy_row_body, <T: F32Math>, (row: &mut [T], target: usize, grads: bool, out: &mut RowStats));
 
 /// Cross-entropy of every row of `logits` (rows of `vocab`) against `targets` (-100:
-/// ignored), in place and in parallel: writes each row's loss to `row_losses` (0 where
-/// ignored), returns their sum in f64 and, with `grads`, leaves in `logits` the gradient of
-/// that sum (softmax minus one-hot; zero rows for ignored targets). Targets are checked by
-/// the caller.
+/// ignored), in place and in parallel: writes each row's [`RowStats`] to `stats` (zero where
+/// ignored), returns the losses' sum in f64 and, with `grads`, leaves in `logits` the
+/// gradient of that sum (softmax minus one-hot; zero rows for ignored targets). Targets are
+/// checked by the caller.
 pub(crate) fn cross_entropy_rows(
     logits: &mut [f32],
     vocab: usize,
     targets: &[i64],
     grads: bool,
-    row_losses: &mut [f32],
+    stats: &mut [RowStats],
 ) -> f64 {
     logits
         .par_chunks_mut(vocab)
         .zip(targets.par_iter())
-        .zip(row_losses.par_iter_mut())
+        .zip(stats.par_iter_mut())
         .map(|((row, &t), out)| {
-            let mut loss = 0.0;
+            *out = RowStats::default();
             if t < 0 {
                 if grads {
                     row.fill(0.0);
                 }
             } else {
-                cross_entropy_row::<f32>(row, t as usize, grads, &mut loss);
+                cross_entropy_row::<f32>(row, t as usize, grads, out);
             }
-            *out = loss as f32;
-            loss
+            out.loss
         })
         .sum()
 }

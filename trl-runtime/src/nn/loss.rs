@@ -6,19 +6,25 @@ use candle_core::{DType, Result, Tensor, D};
 /// Labels with this value are not predicted (prompt tokens, padding), as in PyTorch/HF.
 pub const IGNORE_INDEX: i64 = -100;
 
-/// Sum of token losses and the number of target tokens it covers.
+/// Sum of token losses and the number of target tokens it covers, with what TRL logs beside
+/// the loss.
 #[derive(Debug, Clone)]
 pub struct LossSum {
     pub sum: Tensor,
     pub count: usize,
+    /// [2] f32, detached: the targets' summed entropy and how many of them are the argmax
+    /// (TRL's `entropy` and `mean_token_accuracy`, once divided by the targets).
+    pub stats: Tensor,
 }
 
 impl LossSum {
-    /// The sum of per-token losses (`nll`, 0 where ignored) over `count` targets.
-    pub fn of_tokens((nll, count): (Tensor, usize)) -> Result<Self> {
+    /// The sum of per-token losses (`nll`, 0 where ignored) over `count` targets, with each
+    /// position's [`token_stats`] ([n, 2]).
+    pub fn of_tokens((nll, count): (Tensor, usize), stats: &Tensor) -> Result<Self> {
         Ok(LossSum {
             sum: nll.sum_all()?,
             count,
+            stats: stats.sum(0)?,
         })
     }
 
@@ -26,6 +32,45 @@ impl LossSum {
     pub fn mean(&self) -> Result<Tensor> {
         self.sum.affine(1.0 / self.count.max(1) as f64, 0.0)
     }
+}
+
+/// Per row of `logits` [n, vocab] and its target (-100: ignored): the softmax's entropy and
+/// 1 when the target is the argmax (the first maximum, as torch's argmax picks it), both 0
+/// for ignored rows: [n, 2] f32, detached (TRL's `entropy` and `mean_token_accuracy`).
+pub fn token_stats(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
+    let z = logits.detach().to_dtype(DType::F32)?;
+    let max = z.max_keepdim(1)?;
+    let e = z.broadcast_sub(&max)?.exp()?;
+    let sums = Tensor::cat(&[e.sum_keepdim(1)?, (&e * &z)?.sum_keepdim(1)?], 1)?;
+    let first = z.argmax_keepdim(1)?.to_dtype(DType::F32)?;
+    token_stats_of(&max, &sums, &first, targets)
+}
+
+/// [`token_stats`] from per-row figures over the whole vocabulary: the maximum `max` [n, 1],
+/// `sums` [n, 2] of e = exp(z - max) and of e z, and the first argmax's id `first` [n, 1]
+/// (f32, exact below 2^24), all f32 and detached. Vocabulary-parallel losses reduce these
+/// over their parts.
+pub(crate) fn token_stats_of(
+    max: &Tensor,
+    sums: &Tensor,
+    first: &Tensor,
+    targets: &[i64],
+) -> Result<Tensor> {
+    let (sum_e, sum_ez) = (sums.narrow(1, 0, 1)?, sums.narrow(1, 1, 1)?);
+    // log Z - E_p[z] = ln(sum e) + max - sum(e z) / sum(e).
+    let entropy = ((sum_e.log()? + max)? - (sum_ez / &sum_e)?)?;
+    let n = targets.len();
+    let dev = max.device();
+    let target: Vec<f32> = targets.iter().map(|&t| t as f32).collect();
+    let top1 = first
+        .eq(&Tensor::from_vec(target, (n, 1), dev)?)?
+        .to_dtype(DType::F32)?;
+    let counts: Vec<f32> = targets
+        .iter()
+        .map(|&t| (t != IGNORE_INDEX) as u8 as f32)
+        .collect();
+    let counts = Tensor::from_vec(counts, (n, 1), dev)?;
+    Tensor::cat(&[entropy, top1], 1)?.broadcast_mul(&counts)
 }
 
 /// log sum_v p_v^2 of each row of `logits` [n, vocab] (p = softmax over the vocabulary):
@@ -87,12 +132,35 @@ pub(crate) fn target_index_and_weight(
 /// Summed cross-entropy of `logits` [.., vocab] against aligned `targets` [..] (i64, -100
 /// ignored), computed in f32 (f64 inputs stay f64).
 pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
-    LossSum::of_tokens(cross_entropy_tokens(logits, targets)?)
+    let (nll, count, stats) = cross_entropy_with_stats(logits, targets)?;
+    LossSum::of_tokens((nll, count), &stats)
 }
 
 /// Each position's cross-entropy (minus its target's log-probability), [n] in f32 (f64 for
 /// f64 inputs), 0 where the target is ignored; and how many targets count.
 pub fn cross_entropy_tokens(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, usize)> {
+    let (nll, count, _) = cross_entropy_rows(logits, targets, false)?;
+    Ok((nll, count))
+}
+
+/// [`cross_entropy_tokens`] and each position's [`token_stats`] ([n, 2]).
+pub(crate) fn cross_entropy_with_stats(
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, usize, Tensor)> {
+    match cross_entropy_rows(logits, targets, true)? {
+        (nll, count, Some(stats)) => Ok((nll, count, stats)),
+        _ => candle_core::bail!("the cross-entropy gave no token figures"),
+    }
+}
+
+/// [`cross_entropy_tokens`] and, with `stats`, each position's [`token_stats`] from the same
+/// exponentials (three more passes over the logits: their weighted sum and the argmax).
+fn cross_entropy_rows(
+    logits: &Tensor,
+    targets: &Tensor,
+    stats: bool,
+) -> Result<(Tensor, usize, Option<Tensor>)> {
     let vocab = logits.dim(D::Minus1)?;
     let compute = crate::kernels::precision::wide(logits.dtype());
     let logits = logits.reshape(((), vocab))?.to_dtype(compute)?;
@@ -100,10 +168,23 @@ pub fn cross_entropy_tokens(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
     let (index, weight) = target_index_and_weight(&targets, compute, logits.device())?;
     let max = logits.max_keepdim(1)?.detach();
     let shifted = logits.broadcast_sub(&max)?;
-    let log_z = shifted.exp()?.sum_keepdim(1)?.log()?;
+    let e = shifted.exp()?;
+    let sum_e = e.sum_keepdim(1)?;
+    let log_z = sum_e.log()?;
     let picked = shifted.gather(&index, 1)?;
     let nll = (log_z - picked)?.squeeze(1)?;
-    Ok(((nll * weight)?, count))
+    let stats = match stats {
+        false => None,
+        true => {
+            let f32 = |t: Tensor| t.detach().to_dtype(DType::F32);
+            let z = logits.detach();
+            let sum_ez = (e.detach() * &z)?.sum_keepdim(1)?;
+            let sums = f32(Tensor::cat(&[sum_e.detach(), sum_ez], 1)?)?;
+            let first = z.argmax_keepdim(1)?.to_dtype(DType::F32)?;
+            Some(token_stats_of(&f32(max)?, &sums, &first, &targets)?)
+        }
+    };
+    Ok(((nll * weight)?, count, stats))
 }
 
 /// Next-token targets of `labels` [batch, seq] (i64): position t's target is label t+1, and
@@ -128,6 +209,7 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor) -> Result<LossSum> {
         return Ok(LossSum {
             sum: Tensor::zeros((), DType::F32, logits.device())?,
             count: 0,
+            stats: Tensor::zeros(2, DType::F32, logits.device())?,
         });
     }
     let logits = logits.narrow(1, 0, s - 1)?;

@@ -10,7 +10,8 @@
 //! as the untiled head followed by [`super::cross_entropy_sum`] computes.
 
 use super::embedding::TiedGrad;
-use super::loss::{checked_targets, target_index_and_weight, LossSum};
+use super::loss::{checked_targets, target_index_and_weight, token_stats, LossSum};
+use crate::kernels::fused::RowStats;
 use crate::kernels::op::inplace_op;
 use crate::kernels::precision::{self, accumulate, accumulate_product};
 use crate::precomputed::Precomputed;
@@ -56,10 +57,16 @@ pub fn tiled_log_sum_sq(hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
     Tensor::cat(&tiles, 0)
 }
 
-/// Each row's loss over the tiles, [n] (0 where ignored), in Candle ops (the recomputing
-/// path's forward).
-fn tiles_loss(tiles: &Tiles, hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
+/// Each row's loss over the tiles, [n] (0 where ignored), and its [`token_stats`], [n, 2],
+/// in Candle ops (the recomputing path's forward).
+fn tiles_loss(
+    tiles: &Tiles,
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &[i64],
+) -> Result<(Tensor, Tensor)> {
     let mut rows = Vec::with_capacity(tiles.len());
+    let mut stats = Vec::with_capacity(tiles.len());
     for (start, len, t) in tiles {
         let logits = tile_logits(hidden, weight, *start, *len)?;
         let max = logits.max_keepdim(D::Minus1)?;
@@ -67,8 +74,9 @@ fn tiles_loss(tiles: &Tiles, hidden: &Tensor, weight: &Tensor) -> Result<Tensor>
         let log_z = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
         let nll = (log_z - shifted.gather(&t.index, 1)?)?;
         rows.push((nll * &t.weight)?.squeeze(1)?);
+        stats.push(token_stats(&logits, &targets[*start..*start + len])?);
     }
-    Tensor::cat(&rows, 0)
+    Ok((Tensor::cat(&rows, 0)?, Tensor::cat(&stats, 0)?))
 }
 
 /// The gradients of the tiles' loss, recomputing each tile's logits (its backward). `grad`
@@ -243,13 +251,13 @@ inplace_op!(Scale: InplaceOp1 [this] {
 
 /// One tile of logits turned in place into the gradient of its summed loss (see
 /// [`crate::kernels::fused::cross_entropy_rows`]). On CPU the loss is left in `loss` and each
-/// row's in `rows`; on a GPU the rows' losses go to `on_device`'s buffer from row `first` on,
-/// and its targets are read there.
+/// row's figures in `rows`; on a GPU the rows' losses and figures go to `on_device`'s buffers
+/// from row `first` on, and its targets are read there.
 struct CrossEntropyRows<'a> {
     targets: &'a [i64],
     grads: bool,
     loss: Cell<f64>,
-    rows: RefCell<Vec<f32>>,
+    rows: RefCell<Vec<RowStats>>,
     // Read by the CUDA pass only.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     on_device: Option<&'a DeviceRows>,
@@ -257,12 +265,13 @@ struct CrossEntropyRows<'a> {
     first: usize,
 }
 
-/// The targets (i64) and per-row losses (f32, [n]) of a fused loss on a GPU: written by the
-/// tiles' passes, summed once on the device.
+/// The targets (i64), per-row losses (f32, [n]) and per-row entropy and top-1 flags (f32,
+/// [n, 2]) of a fused loss on a GPU: written by the tiles' passes, summed once on the device.
 struct DeviceRows {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     targets: Tensor,
     loss: Tensor,
+    stats: Tensor,
 }
 
 inplace_op!(CrossEntropyRows<'_>: InplaceOp1 [this] {
@@ -273,7 +282,7 @@ inplace_op!(CrossEntropyRows<'_>: InplaceOp1 [this] {
             candle_core::bail!("cross-entropy rows: contiguous f32 logits expected")
         };
         let vocab = layout.dims()[1];
-        let mut rows = vec![0f32; this.targets.len()];
+        let mut rows = vec![RowStats::default(); this.targets.len()];
         let loss = crate::kernels::fused::cross_entropy_rows(
             &mut v[start..end],
             vocab,
@@ -293,15 +302,18 @@ inplace_op!(CrossEntropyRows<'_>: InplaceOp1 [this] {
         let len = layout.dims()[0];
         let (t_guard, _) = rows.targets.storage_and_layout();
         let (l_guard, _) = rows.loss.storage_and_layout();
-        let (Storage::Cuda(t), Storage::Cuda(l)) = (&*t_guard, &*l_guard) else {
-            candle_core::bail!("cross-entropy rows: targets and losses must be on the GPU")
+        let (s_guard, _) = rows.stats.storage_and_layout();
+        let (Storage::Cuda(t), Storage::Cuda(l), Storage::Cuda(s)) = (&*t_guard, &*l_guard, &*s_guard)
+        else {
+            candle_core::bail!("cross-entropy rows: targets, losses and figures must be on the GPU")
         };
         let range = this.first..this.first + len;
         crate::kernels::cuda_fused::cross_entropy_rows(
             storage,
             layout,
             &t.as_cuda_slice::<i64>()?.slice(range.clone()),
-            &l.as_cuda_slice::<f32>()?.slice(range),
+            &l.as_cuda_slice::<f32>()?.slice(range.clone()),
+            &s.as_cuda_slice::<f32>()?.slice(2 * range.start..2 * range.end),
             this.grads,
         )
     }
@@ -313,6 +325,8 @@ struct Pass {
     sum: Tensor,
     /// Each row's loss, [n] f32, 0 where ignored.
     rows: Tensor,
+    /// Each row's [`token_stats`], [n, 2] f32.
+    stats: Tensor,
     /// With `grads`: the gradients of hidden and (unless `weight_grad` was off) weight.
     grads: Option<Kept>,
 }
@@ -350,6 +364,7 @@ fn fused_loss(
         Some(DeviceRows {
             targets: Tensor::new(targets, dev)?,
             loss: Tensor::zeros(n, DType::F32, dev)?,
+            stats: Tensor::zeros((n, 2), DType::F32, dev)?,
         })
     };
     let mut dhidden = Vec::new();
@@ -405,12 +420,20 @@ fn fused_loss(
             }
         }
     }
-    let (sum, rows) = match on_device {
-        Some(rows) => (rows.loss.sum_all()?, rows.loss),
-        None => (
-            Tensor::new(total as f32, dev)?,
-            Tensor::from_vec(cpu_rows, n, dev)?,
-        ),
+    let (sum, rows, stats) = match on_device {
+        Some(rows) => (rows.loss.sum_all()?, rows.loss, rows.stats),
+        None => {
+            let losses = cpu_rows.iter().map(|r| r.loss as f32).collect();
+            let stats = cpu_rows
+                .iter()
+                .flat_map(|r| [r.entropy as f32, r.top1 as u8 as f32])
+                .collect();
+            (
+                Tensor::new(total as f32, dev)?,
+                Tensor::from_vec(losses, n, dev)?,
+                Tensor::from_vec(stats, (n, 2), dev)?,
+            )
+        }
     };
     let grads = match grads {
         // The weight's gradient summed in f32, handed back in its dtype.
@@ -420,7 +443,12 @@ fn fused_loss(
         )),
         false => None,
     };
-    Ok(Pass { sum, rows, grads })
+    Ok(Pass {
+        sum,
+        rows,
+        stats,
+        grads,
+    })
 }
 
 /// The gradients of the per-row losses of `hidden . weight^T` against `targets`, each row
@@ -503,9 +531,9 @@ pub(crate) fn tied_linear_cross_entropy(
             (grads, weight.track_op()),
             (softcap, None),
         )?;
-        let (sum, kept) = (pass.sum, pass.grads);
+        let (sum, kept, stats) = (pass.sum, pass.grads, pass.stats.sum(0)?);
         if !grads {
-            return Ok(LossSum { sum, count });
+            return Ok(LossSum { sum, count, stats });
         }
         let op = LossOp {
             sum: Precomputed::new(sum),
@@ -514,12 +542,14 @@ pub(crate) fn tied_linear_cross_entropy(
         return Ok(LossSum {
             sum: hidden.apply_op2(weight, op)?,
             count,
+            stats,
         });
     }
     if softcap.is_some() {
         candle_core::bail!("the tiled loss has no soft-capping: compute it from the logits");
     }
-    LossSum::of_tokens(tiled_token_nll(hidden, weight, targets)?)
+    let (nll, count, stats) = tiled_rows(hidden, weight, targets)?;
+    LossSum::of_tokens((nll, count), &stats)
 }
 
 /// Each row's cross-entropy of the logits `hidden` [n, h] x `weight`^T would give against
@@ -532,6 +562,16 @@ pub fn tiled_token_nll(
     weight: &Tensor,
     targets: &Tensor,
 ) -> Result<(Tensor, usize)> {
+    let (nll, count, _) = tiled_rows(hidden, weight, targets)?;
+    Ok((nll, count))
+}
+
+/// [`tiled_token_nll`] with each row's [`token_stats`], [n, 2].
+pub(crate) fn tiled_rows(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, usize, Tensor)> {
     if !matches!(hidden.dtype(), DType::F32 | DType::F64 | DType::BF16) {
         candle_core::bail!(
             "the tiled loss runs in f32, f64 or bf16, not {:?}",
@@ -544,15 +584,15 @@ pub fn tiled_token_nll(
     let grads = hidden.track_op() || weight.track_op();
     if fused_applies(hidden, weight) {
         let (h, w) = (hidden.detach().contiguous()?, weight.detach().contiguous()?);
-        let per_row = fused_loss(&h, &w, &targets, (false, false), (None, None))?.rows;
+        let pass = fused_loss(&h, &w, &targets, (false, false), (None, None))?;
         if !grads {
-            return Ok((per_row, count));
+            return Ok((pass.rows, count, pass.stats));
         }
         let op = LossOp {
-            sum: Precomputed::new(per_row),
+            sum: Precomputed::new(pass.rows),
             backward: Backward::Rows(targets),
         };
-        return Ok((hidden.apply_op2(weight, op)?, count));
+        return Ok((hidden.apply_op2(weight, op)?, count, pass.stats));
     }
     let wide = precision::wide(hidden.dtype());
     let rows = (TILE_BYTES / (4 * vocab)).max(16);
@@ -571,15 +611,15 @@ pub fn tiled_token_nll(
         ));
     }
     let (hidden, weight) = (hidden.contiguous()?, weight.contiguous()?);
-    let per_row = tiles_loss(&tiles, &hidden.detach(), &weight.detach())?;
+    let (per_row, stats) = tiles_loss(&tiles, &hidden.detach(), &weight.detach(), &targets)?;
     if !grads {
-        return Ok((per_row, count));
+        return Ok((per_row, count, stats));
     }
     let op = LossOp {
         sum: Precomputed::new(per_row),
         backward: Backward::Recompute(tiles),
     };
-    Ok((hidden.apply_op2(&weight, op)?, count))
+    Ok((hidden.apply_op2(&weight, op)?, count, stats))
 }
 
 #[cfg(test)]
@@ -732,6 +772,81 @@ mod tests {
             assert!(dv <= value_bound, "{dtype:?}: {got} vs {want}");
             assert!(dh < grad_bound, "{dtype:?}: hidden gradient {dh:e}");
             assert!(dw < grad_bound, "{dtype:?}: weight gradient {dw:e}");
+        }
+    }
+
+    /// Each row's entropy and whether its target is the argmax, f64 from the logits: TRL's
+    /// entropy (-sum p log p) and mean_token_accuracy (torch's argmax: the first maximum).
+    fn direct_stats(logits: &Tensor, targets: &[i64]) -> Vec<[f64; 2]> {
+        let rows = logits
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec2::<f64>()
+            .unwrap();
+        rows.iter()
+            .zip(targets)
+            .map(|(z, &t)| {
+                if t == IGNORE_INDEX {
+                    return [0.0, 0.0];
+                }
+                let max = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = z.iter().map(|v| (v - max).exp()).sum();
+                let entropy = -z
+                    .iter()
+                    .map(|v| {
+                        let p = (v - max).exp() / sum;
+                        p * (p.ln())
+                    })
+                    .sum::<f64>();
+                let argmax = z.iter().position(|&v| v == max).unwrap();
+                [entropy, (argmax == t as usize) as u8 as f64]
+            })
+            .collect()
+    }
+
+    /// TRL's entropy and mean_token_accuracy figures: the one-pass kernel (f32), the
+    /// recomputing tiles (bf16) and the whole logits give the entropy summed over the targets
+    /// and the count of targets that are their row's argmax, as computed directly in f64 (ties:
+    /// tests/tp.rs).
+    #[test]
+    fn entropy_and_top1_equal_a_direct_count() {
+        // Over tiles, with ignored rows, through the loss functions the trainer calls.
+        let (n, h, vocab) = (600, 16, 20_000);
+        let (hidden, weight, targets) = head_inputs((n, h, vocab), 0.2, 3, (7, 3));
+        // Every third row's target is its argmax (in f32), so that there are hits to count.
+        let whole = hidden.matmul(&weight.t().unwrap()).unwrap();
+        let argmax: Vec<u32> = whole.argmax(1).unwrap().to_vec1().unwrap();
+        let mut t: Vec<i64> = targets.to_vec1().unwrap();
+        for (i, v) in t.iter_mut().enumerate() {
+            if i % 3 == 0 && *v != IGNORE_INDEX {
+                *v = argmax[i] as i64;
+            }
+        }
+        let targets = Tensor::new(t.as_slice(), &Device::Cpu).unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            let (x, w) = one_pass_in_f32_only(&hidden, &weight, dtype);
+            let logits = x.matmul(&w.t().unwrap()).unwrap();
+            let direct = direct_stats(&logits, &t);
+            let want = [
+                direct.iter().map(|r| r[0]).sum::<f64>(),
+                direct.iter().map(|r| r[1]).sum::<f64>(),
+            ];
+            assert!(
+                want[1] > 50.0 && want[1] < 500.0,
+                "some hits, not all: {want:?}"
+            );
+            for (path, ls) in [
+                (
+                    "tiled",
+                    tiled_linear_cross_entropy(&x, &w, &targets).unwrap(),
+                ),
+                ("logits", cross_entropy_sum(&logits, &targets).unwrap()),
+            ] {
+                let got = ls.stats.to_vec1::<f32>().unwrap();
+                let de = (got[0] as f64 - want[0]).abs() / want[0];
+                assert!(de < 1e-5, "{dtype:?} {path}: entropy {got:?} vs {want:?}");
+                assert_eq!(got[1] as f64, want[1], "{dtype:?} {path}: top-1 count");
+            }
         }
     }
 

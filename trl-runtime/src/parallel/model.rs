@@ -37,6 +37,9 @@ pub struct TokenLogps {
     pub mean_logits: Tensor,
     /// log sum_v p_v^2 per position, [n] f32, detached, when asked (WPO's weights).
     pub log_sum_sq: Option<Tensor>,
+    /// Each position's entropy and top-1 flag, [n, 2] f32, detached, 0 where ignored (TRL's
+    /// `entropy` and `mean_token_accuracy`; [`crate::nn::loss::token_stats`]).
+    pub stats: Tensor,
 }
 
 /// A model `N` with what the strategies attach to it. `parallel::parallelize` sets it up;
@@ -778,7 +781,7 @@ impl<N: CausalModel> Model<N> {
             None => self.whole_head(train, |_| true)?,
         };
         let mut log_sum_sq = None;
-        let (nll, mean_logits) = match whole {
+        let (nll, mean_logits, stats) = match whole {
             Some(w) => {
                 let hidden = self.hidden_states(input_ids, position_ids, true)?;
                 let (hidden, w) = match train {
@@ -788,7 +791,7 @@ impl<N: CausalModel> Model<N> {
                 };
                 let (b, s, h) = hidden.dims3()?;
                 let flat = hidden.reshape((b * s, h))?;
-                let (nll, _) = crate::nn::tiled_loss::tiled_token_nll(&flat, &w, targets)?;
+                let (nll, _, stats) = crate::nn::tiled_loss::tiled_rows(&flat, &w, targets)?;
                 // The mean over the vocabulary of h.w_v is h . mean_v(w_v); the column sums by a
                 // GEMM with a ones row (f32 accumulation, no f32 copy of the [vocab, h] head).
                 let vocab = w.dim(0)?;
@@ -803,7 +806,7 @@ impl<N: CausalModel> Model<N> {
                     let lss = crate::nn::tiled_loss::tiled_log_sum_sq(&flat, &w)?;
                     log_sum_sq = Some(lss.to_dtype(DType::F32)?);
                 }
-                (nll, mean_logits)
+                (nll, mean_logits, stats)
             }
             None => {
                 let logits = self.forward(input_ids, position_ids)?;
@@ -821,24 +824,27 @@ impl<N: CausalModel> Model<N> {
                         None => crate::nn::loss::log_sum_sq_probs(&z)?,
                     });
                 }
-                let (nll, mean_logits) = match &self.tp {
+                let (nll, mean_logits, stats) = match &self.tp {
                     Some(tp) => {
                         let sum = tp.all_reduce(&local_sum, crate::comm::ReduceOp::Sum)?;
-                        let (nll, _) = crate::tp::vocab_parallel_token_nll(&logits, targets, tp)?;
-                        (nll, (sum / (vocab * tp.size()) as f64)?)
+                        let (nll, _, stats) =
+                            crate::tp::loss::token_nll_with_stats(&logits, targets, tp)?;
+                        (nll, (sum / (vocab * tp.size()) as f64)?, stats)
                     }
                     None => {
-                        let (nll, _) = crate::nn::loss::cross_entropy_tokens(&logits, targets)?;
-                        (nll, (local_sum / vocab as f64)?)
+                        let (nll, _, stats) =
+                            crate::nn::loss::cross_entropy_with_stats(&logits, targets)?;
+                        (nll, (local_sum / vocab as f64)?, stats)
                     }
                 };
-                (nll, mean_logits)
+                (nll, mean_logits, stats)
             }
         };
         Ok(TokenLogps {
             logps: nll.to_dtype(DType::F32)?.neg()?,
             mean_logits,
             log_sum_sq,
+            stats,
         })
     }
 

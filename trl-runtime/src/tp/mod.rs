@@ -20,7 +20,7 @@
 //! - `replicate`: every rank holds the whole parameter (the default for unannotated fields).
 //! - `divide`: an integer count (heads) divided by the group size.
 
-mod loss;
+pub(crate) mod loss;
 pub mod state;
 
 pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_log_sum_sq, vocab_parallel_token_nll};

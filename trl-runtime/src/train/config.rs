@@ -34,7 +34,7 @@ crate::training_arguments! {
 
 crate::trainer_config!(SFTConfig, flags SFTArgs, base training,
     about "Supervised fine-tuning (TRL's SFT) on Candle",
-    accuracy "eval_accuracy", metrics [], validate validate_sft);
+    accuracy "eval_accuracy", metrics ["eval_entropy", "eval_mean_token_accuracy"], validate validate_sft);
 
 /// `trl sft`-style command line: an optional config file and flags that override it.
 pub type SftCli = Cli<SFTConfig>;

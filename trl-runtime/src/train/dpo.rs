@@ -71,7 +71,8 @@ crate::trainer_config!(DPOConfig, flags DPOArgs, base training,
     about "Direct preference optimization (TRL's DPO) on Candle",
     accuracy "eval_rewards/accuracies",
     metrics ["eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins",
-        "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen", "eval_logits/rejected"],
+        "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen", "eval_logits/rejected",
+        "eval_entropy", "eval_mean_token_accuracy"],
     validate validate_dpo);
 
 /// `trl dpo`-style command line.
@@ -240,6 +241,9 @@ struct SequenceSums {
     logps: Vec<f64>,
     /// The mean logits summed over the chosen targets and over the rejected ones, whole.
     logit_sums: [f64; 2],
+    /// TRL's token figures, whole: the entropy summed over every target (chosen and
+    /// rejected), and the chosen targets that are their position's argmax.
+    token_sums: [f64; 2],
     /// WPO: each sequence's mean over its targets of log p - log sum_v p_v^2, whole.
     aligned: Option<Vec<f64>>,
 }
@@ -375,6 +379,12 @@ fn figures(mean: impl Fn(usize) -> f64, logits: [f64; 2]) -> Vec<(&'static str, 
         ("logits/chosen", logits[0]),
         ("logits/rejected", logits[1]),
     ]
+}
+
+/// TRL's `entropy` (over the chosen and rejected completions) and `mean_token_accuracy` (over
+/// the chosen ones).
+fn token_figures([entropy, accuracy]: [f64; 2]) -> [(&'static str, f64); 2] {
+    [("entropy", entropy), ("mean_token_accuracy", accuracy)]
 }
 
 /// The preference rows tokenized; `which` (training / evaluation) names them in warnings.
@@ -539,8 +549,14 @@ impl Dpo {
             .detach()
             .to_dtype(candle_core::DType::F64)?
             .to_vec1()?;
-        let part = |r: std::ops::Range<usize>| logits[r].iter().map(|&x| x as f64).sum::<f64>();
-        values.extend([part(0..n), part(n..2 * n)]);
+        let part =
+            |v: &[f32], r: std::ops::Range<usize>| v[r].iter().map(|&x| x as f64).sum::<f64>();
+        values.extend([part(&logits, 0..n), part(&logits, n..2 * n)]);
+        let column = |c: usize| -> Result<Vec<f32>> {
+            let figure = out.stats.narrow(1, c, 1)?.squeeze(1)?;
+            Ok(per_sequence(&figure, &micro.members)?.to_vec1()?)
+        };
+        values.extend([part(&column(0)?, 0..2 * n), part(&column(1)?, 0..n)]);
         // WPO (TRL's use_weighting): sums of log p - log sum p^2 and target counts.
         if let Some(lss) = &out.log_sum_sq {
             let aligned = (out.logps.detach() - lss)?;
@@ -558,8 +574,9 @@ impl Dpo {
             values = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
         }
         let logit_sums = [values[2 * n], values[2 * n + 1]];
-        let aligned = (values.len() > 2 * n + 2).then(|| {
-            let (sums, counts) = values[2 * n + 2..].split_at(2 * n);
+        let token_sums = [values[2 * n + 2], values[2 * n + 3]];
+        let aligned = (values.len() > 2 * n + 4).then(|| {
+            let (sums, counts) = values[2 * n + 4..].split_at(2 * n);
             sums.iter()
                 .zip(counts)
                 .map(|(s, c)| s / c.max(1.0))
@@ -570,6 +587,7 @@ impl Dpo {
             local,
             logps: values,
             logit_sums,
+            token_sums,
             aligned,
         })
     }
@@ -833,9 +851,10 @@ impl<N: CausalModel> Task<N> for Dpo {
         // Sums over this rank's pairs: rewards chosen, rejected, accuracy, margin, logps.
         let mut sums = [0f64; 6];
         let mut pairs = 0usize;
-        // Per micro-batch, its logit sums and target counts (TRL averages that metric over
-        // micro-batches); summed over the ranks once, with the rest.
-        let mut logits = Vec::with_capacity(4 * rows.len());
+        // Per micro-batch, its logit sums and target counts, then its token figures' sums and
+        // counts (TRL averages those metrics over micro-batches); summed over the ranks once,
+        // with the rest.
+        let mut logits = Vec::with_capacity(8 * rows.len());
         let micros = rows
             .iter()
             .map(|idx| {
@@ -875,6 +894,10 @@ impl<N: CausalModel> Task<N> for Dpo {
                 micro.targets[0],
                 seq.logit_sums[1],
                 micro.targets[1],
+                seq.token_sums[0],
+                micro.targets[0] + micro.targets[1],
+                seq.token_sums[1],
+                micro.targets[0],
             ]);
         }
         // Every rank holding a row's chunk (sp, cp) or slice (tp) has the same figures for
@@ -887,10 +910,12 @@ impl<N: CausalModel> Task<N> for Dpo {
         let tokens = g[2] as usize;
         let micro_batches = rows.len() as f64;
         let mean = |k: usize| g[3 + k] / total_pairs;
-        let mean_logits = |side: usize| {
+        // The k-th ratio of each micro-batch's figures, averaged over the micro-batches (0
+        // for one without targets, as TRL appends).
+        let per_micro = |k: usize| {
             g[9..]
-                .chunks(4)
-                .map(|m| m[2 * side] / m[2 * side + 1].max(1.0))
+                .chunks(8)
+                .map(|m| m[2 * k] / m[2 * k + 1].max(1.0))
                 .sum::<f64>()
                 / micro_batches
         };
@@ -902,8 +927,9 @@ impl<N: CausalModel> Task<N> for Dpo {
         Ok(TaskStep {
             loss,
             tokens,
-            metrics: figures(mean, [mean_logits(0), mean_logits(1)])
+            metrics: figures(mean, [per_micro(0), per_micro(1)])
                 .into_iter()
+                .chain(token_figures([per_micro(2), per_micro(3)]))
                 .chain(aux.map(|a| ("aux_loss", a)))
                 .collect(),
         })
@@ -919,7 +945,7 @@ impl<N: CausalModel> Task<N> for Dpo {
         // Sums over the pairs as in a step (rewards, their accuracy and margin, log-probs),
         // then each batch's mean logits (TRL averages those over batches) and the batches.
         let mut sums = [0f64; 6];
-        let mut logits = [0f64; 3];
+        let mut logits = [0f64; 5];
         let bs = config.training.per_device_eval_batch_size;
         // TR-DPO after a mix: the current reference's log-probabilities.
         let mixed = match self.sync.as_ref().filter(|s| s.mixed) {
@@ -938,7 +964,10 @@ impl<N: CausalModel> Task<N> for Dpo {
             let [chosen, rejected] = seq.logit_sums;
             logits[0] += chosen / micro.targets[0].max(1.0);
             logits[1] += rejected / micro.targets[1].max(1.0);
-            logits[2] += 1.0;
+            let [entropy, hits] = seq.token_sums;
+            logits[2] += entropy / (micro.targets[0] + micro.targets[1]).max(1.0);
+            logits[3] += hits / micro.targets[0].max(1.0);
+            logits[4] += 1.0;
             Ok(())
         })?;
         let mut local = vec![loss, pairs];
@@ -948,7 +977,7 @@ impl<N: CausalModel> Task<N> for Dpo {
         let total = g[1].max(1.0);
         let (loss, aux_loss) = router.evaluation_loss(core, g[0] / total)?;
         let mean = |k: usize| g[2 + k] / total;
-        let batch_mean = |side: usize| g[8 + side] / g[10].max(1.0);
+        let batch_mean = |k: usize| g[8 + k] / g[12].max(1.0);
         Ok(Some(EvalResult {
             loss,
             accuracy: Some(mean(2)),
@@ -957,6 +986,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             figures: figures(mean, [batch_mean(0), batch_mean(1)])
                 .into_iter()
                 .filter(|(k, _)| *k != "rewards/accuracies")
+                .chain(token_figures([batch_mean(2), batch_mean(3)]))
                 .collect(),
         }))
     }

@@ -16,6 +16,7 @@ use crate::data::{
 };
 use crate::error::Result;
 use crate::models::CausalModel;
+use crate::nn::LossSum;
 use candle_core::Device;
 
 const MAX_NEW_TOKENS: usize = 16;
@@ -211,6 +212,8 @@ impl<N: CausalModel> Task<N> for Sft {
         let totals = core.batch_sum(&[local_targets as f64, local_tokens as f64])?;
         let (targets, tokens) = (totals[0].max(1.0), totals[1] as usize);
         let mut local_loss = 0.0;
+        // Per micro-batch: its targets' summed entropy, argmax hits and count (TRL's figures).
+        let mut local_figures = Vec::with_capacity(3 * batches.len());
         // A mixture of experts' router loss, per micro-batch, averaged over the step's
         // micro-batches and the data-parallel ranks (TRL's weighting).
         let router = RouterLosses::new(core, batches.len());
@@ -226,12 +229,15 @@ impl<N: CausalModel> Task<N> for Sft {
                 })
             })?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
+            local_figures.extend(token_figures(&ls)?);
             let store = core.model.backward(&(ls.sum / targets)?)?;
             core.accumulate(grads, store, batches.len())?;
             router.end(aux);
         }
-        let mut loss = core.batch_sum(&[local_loss])?[0] / targets;
-        let mut metrics = Vec::new();
+        // One collective for the loss and every micro-batch's figures.
+        let sums = core.batch_sum(&[&[local_loss][..], &local_figures].concat())?;
+        let mut loss = sums[0] / targets;
+        let mut metrics = mean_token_figures(&sums[1..]).to_vec();
         if let Some(aux) = router.mean(core)? {
             loss += core.router_loss_weight * aux;
             metrics.push(("aux_loss", aux));
@@ -256,6 +262,8 @@ impl<N: CausalModel> Task<N> for Sft {
         let mine: Vec<&PackedSequence> = data.eval_rows.iter().skip(rank).step_by(world).collect();
         let chunks: Vec<&[&PackedSequence]> = mine.chunks(bs).collect();
         let (mut sum, mut count) = (0.0, 0.0);
+        // Per round, as per micro-batch in training (zeros for a filler's round).
+        let mut local_figures = Vec::new();
         let filler = [&data.eval_rows[0]];
         // A mixture of experts' router loss per batch, as TRL's evaluation adds it.
         let router = RouterLosses::for_evaluation(core);
@@ -272,7 +280,10 @@ impl<N: CausalModel> Task<N> for Sft {
             if i < chunks.len() {
                 sum += ls.sum.to_scalar::<f32>()? as f64;
                 count += ls.count as f64;
+                local_figures.extend(token_figures(&ls)?);
                 router.end(aux);
+            } else {
+                local_figures.extend([0.0; 3]);
             }
         }
         let mut correct = 0.0;
@@ -288,7 +299,7 @@ impl<N: CausalModel> Task<N> for Sft {
             }
         }
         // Loss sums come from every sequence chunk; answers are generated whole on each.
-        let totals = core.batch_sum(&[sum, count])?;
+        let totals = core.batch_sum(&[&[sum, count][..], &local_figures].concat())?;
         let correct = core.global_sum(&[correct])?[0];
         let (loss, aux_loss) = router.evaluation_loss(core, totals[0] / totals[1].max(1.0))?;
         Ok(Some(EvalResult {
@@ -296,7 +307,30 @@ impl<N: CausalModel> Task<N> for Sft {
             accuracy: (!data.eval_prompts.is_empty())
                 .then(|| correct / data.eval_prompts.len() as f64),
             aux_loss,
-            figures: Vec::new(),
+            figures: mean_token_figures(&totals[2..]).to_vec(),
         }))
     }
+}
+
+/// A micro-batch's targets: their summed entropy, argmax hits and count, this rank's part.
+fn token_figures(ls: &LossSum) -> Result<[f64; 3]> {
+    let stats = ls.stats.to_vec1::<f32>()?;
+    Ok([stats[0] as f64, stats[1] as f64, ls.count as f64])
+}
+
+/// TRL's `entropy` and `mean_token_accuracy` from [`token_figures`] summed over the ranks:
+/// each micro-batch's sums divided by its targets (0 without any), averaged over the
+/// micro-batches, as TRL appends one value per micro-batch and logs their mean.
+fn mean_token_figures(sums: &[f64]) -> [(&'static str, f64); 2] {
+    let (mut entropy, mut accuracy) = (0.0, 0.0);
+    let batches = sums.chunks(3);
+    let n = batches.len().max(1) as f64;
+    for b in batches.filter(|b| b[2] > 0.0) {
+        entropy += b[0] / b[2];
+        accuracy += b[1] / b[2];
+    }
+    [
+        ("entropy", entropy / n),
+        ("mean_token_accuracy", accuracy / n),
+    ]
 }

@@ -90,3 +90,22 @@ pub fn max_abs(t: &candle_core::Tensor) -> f64 {
 pub fn rel_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
     max_abs_diff(a, b) / max_abs(b).max(1e-12)
 }
+
+/// Logits [5, 4] with ties and their targets, for TRL's token figures: rows 0 and 1 hold
+/// their maximum at ids 1 and 2 (target 2 tied with an earlier id: no hit; target 1, tied
+/// with a later one: a hit), row 2 is a plain hit, row 3's target ties with id 0 (no hit), row
+/// 4 is ignored. Every value is exact in bf16.
+#[allow(dead_code)]
+pub fn tied_logits() -> (candle_core::Tensor, candle_core::Tensor) {
+    let dev = candle_core::Device::Cpu;
+    let rows = [
+        [3f32, 5.0, 5.0, 1.0],
+        [3.0, 5.0, 5.0, 1.0],
+        [0.5, 0.25, -1.0, 2.0],
+        [2.0, 0.25, -1.0, 2.0],
+        [0.5, 0.25, -1.0, 2.0],
+    ];
+    let logits = candle_core::Tensor::new(&rows, &dev).unwrap();
+    let targets = candle_core::Tensor::new(&[2i64, 1, 3, 3, -100], &dev).unwrap();
+    (logits, targets)
+}

@@ -1,0 +1,190 @@
+//! SFT's logged figures through the real `cargo trl launch` and the `sft` example: TRL 1.16's
+//! `entropy` and `mean_token_accuracy` (training and evaluation) beside the loss, gradient
+//! norm and token count, equal to TRL's SFTTrainer on the same model and rows (when TRL is
+//! installed), and the same on two ranks as on one.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The lines of a metrics text that log a training loss (and, last, the evaluation).
+fn metrics(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .collect()
+}
+
+/// The first 8 chat rows of the bundled data, in `dir`.
+fn eight_rows(dir: &Path) -> PathBuf {
+    let rows = dir.join("rows.jsonl");
+    let all = std::fs::read_to_string(root().join("assets/tiny/data/train.jsonl")).unwrap();
+    std::fs::write(&rows, all.lines().take(8).collect::<Vec<_>>().join("\n")).unwrap();
+    rows
+}
+
+/// Three steps on the 8 rows (`per_device` rows per data-parallel rank of the launch `args`,
+/// fp32, AdamW at a constant 1e-3), evaluated on the same rows in batches of 4 after the
+/// last; its metrics lines.
+fn ours(
+    rows: &Path,
+    (launch, per_device): (&[&str], usize),
+    assistant_only: bool,
+    out: &Path,
+) -> Vec<serde_json::Value> {
+    let per_device = per_device.to_string();
+    let cmd = common::trainer_launch(
+        "sft",
+        launch,
+        &[
+            &["--dataset_name", rows.to_str().unwrap()][..],
+            &["--eval_dataset_name", rows.to_str().unwrap()],
+            &["--model_name_or_path"],
+            &[root().join("assets/tiny/model").to_str().unwrap()],
+            &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
+            &["--max_length", "64", "--packing", "false"],
+            &["--gradient_checkpointing", "false"],
+            &[
+                "--assistant_only_loss",
+                if assistant_only { "true" } else { "false" },
+            ],
+            &["--max_steps", "3", "--seed", "7", "--logging_steps", "1"],
+            &["--per_device_train_batch_size", &per_device],
+            &["--per_device_eval_batch_size", "4"],
+            &["--eval_strategy", "steps", "--eval_steps", "3"],
+            &[
+                "--save_steps",
+                "1000",
+                "--output_dir",
+                out.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    metrics(&common::metrics_of(cmd, out))
+}
+
+const KEYS: &[&str] = &[
+    "loss",
+    "grad_norm",
+    "num_tokens",
+    "entropy",
+    "mean_token_accuracy",
+];
+const EVAL_KEYS: &[&str] = &["eval_loss", "eval_entropy", "eval_mean_token_accuracy"];
+
+/// Whether `got` is `want` within `tol` relative (at a floor of 1e-3).
+fn close(got: &serde_json::Value, want: &serde_json::Value, tol: f64) -> bool {
+    off(got, want) < tol
+}
+
+/// How far `got` is from `want`, relative (at a floor of 1e-3).
+fn off(got: &serde_json::Value, want: &serde_json::Value) -> f64 {
+    let (g, w) = (got.as_f64().unwrap_or(f64::NAN), want.as_f64().unwrap());
+    (g - w).abs() / w.abs().max(1e-3)
+}
+
+const ONE: (&[&str], usize) = (&["--num_processes", "1"], 8);
+
+/// Two data-parallel ranks of 4 rows, tensor parallelism (the vocabulary split: its
+/// collectives give the figures), and sequences split by ring attention and by Ulysses log
+/// what one process of 8 rows does: each step's entropy and accuracy are its targets' over
+/// every rank (as TRL gathers them), not one rank's or one chunk's.
+#[test]
+fn token_figures_under_every_split_equal_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = eight_rows(tmp.path());
+    let one = ours(&rows, ONE, true, &tmp.path().join("one"));
+    let layouts: [(&str, &[&str], usize); 4] = [
+        ("ddp", &["--num_processes", "2"], 4),
+        ("fsdp2_tp", &["--profile", "fsdp2_tp_cpu"], 4),
+        ("ring", &["--profile", "context_parallel_cpu"], 8),
+        ("ulysses", &["--profile", "alst_ulysses_cpu"], 4),
+    ];
+    for (name, launch, per_device) in layouts {
+        let split = ours(&rows, (launch, per_device), true, &tmp.path().join(name));
+        check_equal(name, &split, &one);
+    }
+}
+
+/// `split`'s three steps and evaluation log `one`'s figures within 1e-5 relative.
+fn check_equal(name: &str, split: &[serde_json::Value], one: &[serde_json::Value]) {
+    assert_eq!((one.len(), split.len()), (3, 3), "{name}");
+    for (step, (a, b)) in split.iter().zip(one).enumerate() {
+        for key in KEYS {
+            assert!(
+                close(&a[key], &b[key], 1e-5),
+                "{name} step {step} {key}: {a} vs {b}"
+            );
+        }
+        // A real distribution over 512 tokens, and a share of hits.
+        let entropy = b["entropy"].as_f64().unwrap();
+        let accuracy = b["mean_token_accuracy"].as_f64().unwrap();
+        assert!(entropy > 1.0 && entropy < 512f64.ln(), "{b}");
+        assert!((0.0..=1.0).contains(&accuracy), "{b}");
+    }
+    for key in EVAL_KEYS {
+        assert!(close(&split[2][key], &one[2][key], 1e-5), "{name} {key}");
+    }
+}
+
+/// Three steps and an evaluation on 8 chat rows: the loss, gradient norm, tokens, entropy
+/// and mean token accuracy of every step, and the evaluation's loss, entropy and accuracy,
+/// equal TRL's SFTTrainer's within 1e-4 relative, on the assistant's tokens and on all.
+#[test]
+fn sft_figures_match_trl() {
+    let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = eight_rows(tmp.path());
+    for assistant_only in [true, false] {
+        let o = Command::new(&python)
+            .arg(root().join("scripts/trl_sft.py"))
+            .arg(root().join("assets/tiny/model"))
+            .arg(&rows)
+            .arg(tmp.path().join("trl"))
+            .args(["3", "8", "1e-3", "eval_batch=4"])
+            .arg(format!("assistant_only_loss={assistant_only}"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        let theirs = metrics(&stdout);
+        let their_eval = stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find_map(|v| v.get("eval").cloned())
+            .expect("TRL's evaluation");
+        let out = tmp.path().join(format!("ours-{assistant_only}"));
+        let ours = ours(&rows, ONE, assistant_only, &out);
+        assert_eq!((ours.len(), theirs.len()), (3, 3), "{stdout}");
+        let mut worst = 0f64;
+        for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            for key in KEYS {
+                worst = worst.max(off(&a[key], &b[key]));
+                assert!(
+                    close(&a[key], &b[key], 1e-4),
+                    "assistant_only {assistant_only}, step {step} {key}: {} vs TRL's {}",
+                    a[key],
+                    b[key]
+                );
+            }
+        }
+        for key in EVAL_KEYS {
+            worst = worst.max(off(&ours[2][key], &their_eval[key]));
+            assert!(
+                close(&ours[2][key], &their_eval[key], 1e-4),
+                "assistant_only {assistant_only}, {key}: {} vs TRL's {}",
+                ours[2][key],
+                their_eval[key]
+            );
+        }
+        eprintln!("assistant_only {assistant_only}: every figure within {worst:.1e} of TRL's");
+    }
+}
