@@ -188,3 +188,43 @@ fn sft_figures_match_trl() {
         eprintln!("assistant_only {assistant_only}: every figure within {worst:.1e} of TRL's");
     }
 }
+
+/// Rows past the last full global batch are named at launch, since transformers' default
+/// (dataloader_drop_last false) would train on them; so is the key itself.
+#[test]
+fn rows_left_out_of_each_epoch_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = eight_rows(tmp.path());
+    let out = tmp.path().join("out");
+    let mut cmd = common::trainer_launch(
+        "sft",
+        &["--num_processes", "1"],
+        &[
+            "--dataset_name",
+            rows.to_str().unwrap(),
+            "--eval_dataset_name",
+            "none",
+            "--dataloader_drop_last",
+            "false",
+            "--per_device_train_batch_size",
+            "3",
+            "--max_steps",
+            "1",
+            "--save_steps",
+            "1000",
+            "--output_dir",
+            out.to_str().unwrap(),
+        ],
+    );
+    let o = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout) + String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("2 of 8 training rows are left out of each epoch"),
+        "{text}"
+    );
+    assert!(
+        text.contains("dataloader_drop_last: the partial last global batch"),
+        "{text}"
+    );
+}

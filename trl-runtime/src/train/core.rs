@@ -534,6 +534,15 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 ),
             });
         }
+        // transformers' default (dataloader_drop_last false) trains on the rows past the last
+        // full global batch in a smaller batch; here every epoch drops them, so say so.
+        let left = rows - steps_per_epoch * per_step * dp.size();
+        if left > 0 && ctx.rank() == 0 {
+            tracing::warn!(
+                "{left} of {rows} training rows are left out of each epoch (a different {left}, by the shuffle): they do not fill a global batch of {}, and the partial last batch is dropped (dataloader_drop_last true; transformers' default, false, trains on it)",
+                per_step * dp.size()
+            );
+        }
         let total_steps = args.total_steps(steps_per_epoch);
         let (state, resume_from) = resume_state(args, total_steps)?;
         // The model, parallel as the launch says, resumed where asked.

@@ -153,6 +153,8 @@ fn why(key: &str) -> &'static str {
         "include_tokens_per_second",
     ]) {
         "metrics go to output_dir/metrics.jsonl (and the log) as logging_strategy says"
+    } else if key == "dataloader_drop_last" {
+        "the partial last global batch of each epoch is always dropped here (as true; a warning at launch counts the rows left out); transformers' default, false, trains on it in a smaller batch"
     } else if key == "include_num_input_tokens_seen" {
         "the input tokens trained on (padding not counted) are logged as num_tokens, as TRL logs them"
     } else if any(&[
