@@ -1,7 +1,8 @@
 //! SFT's logged figures through the real `cargo trl launch` and the `sft` example: TRL 1.16's
 //! `entropy` and `mean_token_accuracy` (training and evaluation) beside the loss, gradient
-//! norm and token count, equal to TRL's SFTTrainer on the same model and rows (when TRL is
-//! installed), and the same on two ranks as on one.
+//! norm and token count, with the nll and the DFT loss, equal to TRL's SFTTrainer on the same
+//! model and rows (when TRL is installed), and under every way of splitting the work as in
+//! one process.
 
 mod common;
 
@@ -34,7 +35,7 @@ fn eight_rows(dir: &Path) -> PathBuf {
 fn ours(
     rows: &Path,
     (launch, per_device): (&[&str], usize),
-    assistant_only: bool,
+    (assistant_only, loss_type): (bool, &str),
     out: &Path,
 ) -> Vec<serde_json::Value> {
     let per_device = per_device.to_string();
@@ -54,6 +55,7 @@ fn ours(
                 if assistant_only { "true" } else { "false" },
             ],
             &["--max_steps", "3", "--seed", "7", "--logging_steps", "1"],
+            &["--loss_type", loss_type],
             &["--per_device_train_batch_size", &per_device],
             &["--per_device_eval_batch_size", "4"],
             &["--eval_strategy", "steps", "--eval_steps", "3"],
@@ -99,16 +101,28 @@ const ONE: (&[&str], usize) = (&["--num_processes", "1"], 8);
 fn token_figures_under_every_split_equal_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let rows = eight_rows(tmp.path());
-    let one = ours(&rows, ONE, true, &tmp.path().join("one"));
     let layouts: [(&str, &[&str], usize); 4] = [
         ("ddp", &["--num_processes", "2"], 4),
         ("fsdp2_tp", &["--profile", "fsdp2_tp_cpu"], 4),
         ("ring", &["--profile", "context_parallel_cpu"], 8),
         ("ulysses", &["--profile", "alst_ulysses_cpu"], 4),
     ];
-    for (name, launch, per_device) in layouts {
-        let split = ours(&rows, (launch, per_device), true, &tmp.path().join(name));
-        check_equal(name, &split, &one);
+    // DFT runs per position (the path DPO takes): under tp and a split sequence too.
+    for (loss, which) in [
+        ("nll", &["ddp", "fsdp2_tp", "ring", "ulysses"][..]),
+        ("dft", &["fsdp2_tp", "ulysses"]),
+    ] {
+        let one = ours(
+            &rows,
+            ONE,
+            (true, loss),
+            &tmp.path().join(format!("one-{loss}")),
+        );
+        for (name, launch, per_device) in layouts.iter().filter(|l| which.contains(&l.0)) {
+            let out = tmp.path().join(format!("{name}-{loss}"));
+            let split = ours(&rows, (launch, *per_device), (true, loss), &out);
+            check_equal(&format!("{name} {loss}"), &split, &one);
+        }
     }
 }
 
@@ -135,7 +149,8 @@ fn check_equal(name: &str, split: &[serde_json::Value], one: &[serde_json::Value
 
 /// Three steps and an evaluation on 8 chat rows: the loss, gradient norm, tokens, entropy
 /// and mean token accuracy of every step, and the evaluation's loss, entropy and accuracy,
-/// equal TRL's SFTTrainer's within 1e-4 relative, on the assistant's tokens and on all.
+/// equal TRL's SFTTrainer's within 1e-4 relative, on the assistant's tokens and on all, and
+/// with TRL's DFT loss (loss_type dft).
 #[test]
 fn sft_figures_match_trl() {
     let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
@@ -143,7 +158,7 @@ fn sft_figures_match_trl() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let rows = eight_rows(tmp.path());
-    for assistant_only in [true, false] {
+    for (assistant_only, loss_type) in [(true, "nll"), (false, "nll"), (true, "dft")] {
         let o = Command::new(&python)
             .arg(root().join("scripts/trl_sft.py"))
             .arg(root().join("assets/tiny/model"))
@@ -151,6 +166,7 @@ fn sft_figures_match_trl() {
             .arg(tmp.path().join("trl"))
             .args(["3", "8", "1e-3", "eval_batch=4"])
             .arg(format!("assistant_only_loss={assistant_only}"))
+            .arg(format!("loss_type={loss_type}"))
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -161,8 +177,10 @@ fn sft_figures_match_trl() {
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .find_map(|v| v.get("eval").cloned())
             .expect("TRL's evaluation");
-        let out = tmp.path().join(format!("ours-{assistant_only}"));
-        let ours = ours(&rows, ONE, assistant_only, &out);
+        let out = tmp
+            .path()
+            .join(format!("ours-{assistant_only}-{loss_type}"));
+        let ours = ours(&rows, ONE, (assistant_only, loss_type), &out);
         assert_eq!((ours.len(), theirs.len()), (3, 3), "{stdout}");
         let mut worst = 0f64;
         for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
@@ -170,7 +188,7 @@ fn sft_figures_match_trl() {
                 worst = worst.max(off(&a[key], &b[key]));
                 assert!(
                     close(&a[key], &b[key], 1e-4),
-                    "assistant_only {assistant_only}, step {step} {key}: {} vs TRL's {}",
+                    "{loss_type}, assistant_only {assistant_only}, step {step} {key}: {} vs TRL's {}",
                     a[key],
                     b[key]
                 );
@@ -180,12 +198,12 @@ fn sft_figures_match_trl() {
             worst = worst.max(off(&ours[2][key], &their_eval[key]));
             assert!(
                 close(&ours[2][key], &their_eval[key], 1e-4),
-                "assistant_only {assistant_only}, {key}: {} vs TRL's {}",
+                "{loss_type}, assistant_only {assistant_only}, {key}: {} vs TRL's {}",
                 ours[2][key],
                 their_eval[key]
             );
         }
-        eprintln!("assistant_only {assistant_only}: every figure within {worst:.1e} of TRL's");
+        eprintln!("{loss_type}, assistant_only {assistant_only}: every figure within {worst:.1e} of TRL's");
     }
 }
 

@@ -688,6 +688,34 @@ impl<N: CausalModel> Model<N> {
         self.targets_loss(input_ids, position_ids, targets, false)
     }
 
+    /// TRL's DFT loss (SFT's loss_type "dft"): each target's -log p weighted by its own
+    /// probability, detached, summed; with the target count and token figures of
+    /// [`Self::forward_targets`]. Per position through [`Self::forward_token_logps`], so
+    /// every layout that runs DPO runs it; `train`: whether gradients flow.
+    pub fn dft_targets(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        targets: &Tensor,
+        train: bool,
+    ) -> Result<LossSum> {
+        let out = self.forward_token_logps(input_ids, position_ids, targets, train, false)?;
+        // Ignored positions have log p 0: weight 1, loss 0.
+        let weight = out.logps.detach().exp()?;
+        let count = targets
+            .flatten_all()?
+            .to_dtype(DType::I64)?
+            .to_vec1::<i64>()?
+            .iter()
+            .filter(|&&t| t != crate::nn::IGNORE_INDEX)
+            .count();
+        Ok(LossSum {
+            sum: (out.logps.neg()? * weight)?.sum_all()?,
+            count,
+            stats: out.stats.sum(0)?,
+        })
+    }
+
     /// The LM head's weight whole on this rank where `usable` takes it: held (DDP), or
     /// gathered with the root unit, which stays gathered through the step (ZeRO-3 / FSDP); in
     /// training then a graph tensor whose gradient goes back to the unit beside the

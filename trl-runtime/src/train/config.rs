@@ -19,6 +19,9 @@ crate::training_arguments! {
     completion_only_loss: Option<bool> = None;
     /// Loss on assistant turns only ({% generation %} spans of the chat template).
     assistant_only_loss: bool = false;
+    /// nll, or dft (Dynamic Fine-Tuning: each token's loss weighted by its detached
+    /// probability, TRL's loss_type "dft").
+    loss_type: String = "nll".into();
     /// The column holding a language-modeling row's text (rows without messages, a prompt
     /// or input_ids).
     dataset_text_field: String = "text".into();
@@ -41,6 +44,13 @@ pub type SftCli = Cli<SFTConfig>;
 
 /// SFTConfig's own checks.
 fn validate_sft(config: &SFTConfig, source: &str) -> Result<()> {
+    if !matches!(config.loss_type.as_str(), "nll" | "dft") {
+        return Err(crate::Error::config(
+            source,
+            "loss_type",
+            format!("'{}' is not accepted: use nll or dft", config.loss_type),
+        ));
+    }
     if crate::data::PackingStrategy::parse(&config.packing_strategy).is_none() {
         return Err(crate::Error::config(
             source,

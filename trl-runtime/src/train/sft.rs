@@ -133,9 +133,27 @@ fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>
 pub struct Sft {
     data: TrainData,
     collate_options: CollateOptions,
+    /// TRL's loss_type "dft": each token's loss weighted by its probability.
+    dft: bool,
 }
 
 impl Sft {
+    /// A micro-batch's summed loss (its gradients with `train`): the next-token cross-entropy,
+    /// or with dft each token's weighted by its probability.
+    fn loss<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        batch: &Batch,
+        train: bool,
+    ) -> Result<LossSum> {
+        let (ids, pos, targets) = (&batch.input_ids, &batch.position_ids, &batch.targets()?);
+        match (self.dft, train) {
+            (true, _) => core.model.dft_targets(ids, pos, targets, train),
+            (false, true) => core.model.forward_targets(ids, pos, targets),
+            (false, false) => core.model.eval_targets(ids, pos, targets),
+        }
+    }
+
     /// This step's micro-batches (this rank's part of their rows, on its device) and the
     /// tokens of their rows that this rank counts (each row's once, by the first rank of its
     /// sequence group).
@@ -188,6 +206,7 @@ impl<N: CausalModel> Task<N> for Sft {
         Ok(Sft {
             data: TrainData::load(config, tokenizer)?,
             collate_options: collate_options(config, None, tokenizer.pad_token_id),
+            dft: config.loss_type == "dft",
         })
     }
 
@@ -220,13 +239,7 @@ impl<N: CausalModel> Task<N> for Sft {
         for (micro, batch) in batches.iter().enumerate() {
             let aux = router.begin(batch)?;
             let ls = core.training_forward(micro, || {
-                router.during(&aux, || {
-                    core.model.forward_targets(
-                        &batch.input_ids,
-                        &batch.position_ids,
-                        &batch.targets()?,
-                    )
-                })
+                router.during(&aux, || self.loss(core, batch, true))
             })?;
             local_loss += ls.sum.to_scalar::<f32>()? as f64;
             local_figures.extend(token_figures(&ls)?);
@@ -273,10 +286,7 @@ impl<N: CausalModel> Task<N> for Sft {
                 .part(core.model.split())?
                 .to_device(core.ctx.device())?;
             let aux = router.begin(&batch)?;
-            let ls = router.during(&aux, || {
-                core.model
-                    .eval_targets(&batch.input_ids, &batch.position_ids, &batch.targets()?)
-            })?;
+            let ls = router.during(&aux, || self.loss(core, &batch, false))?;
             if i < chunks.len() {
                 sum += ls.sum.to_scalar::<f32>()? as f64;
                 count += ls.count as f64;

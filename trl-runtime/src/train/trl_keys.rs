@@ -85,7 +85,6 @@ const KNOWN: &[&str] = &[
     "log_level_replica",
     "log_on_each_node",
     "logging_dir",
-    "loss_type",
     "max_completion_length",
     "max_prompt_length",
     "max_seq_length",
@@ -366,9 +365,6 @@ pub fn classify(
             }
             "optim" if !value.is_null() && !value.as_str().is_some_and(|o| o.starts_with("adamw")) => {
                 return Err(err(&key, format!("{value:?}: only AdamW (adamw_torch, adamw_torch_fused, ...) is implemented")))
-            }
-            "loss_type" if !value.is_null() && value.as_str() != Some("nll") => {
-                return Err(err(&key, format!("{value:?}: only the nll loss is implemented")))
             }
             "rpo_alpha" => {
                 return Err(err(&key, "TRL 1.x replaced it: loss_type: [sigmoid, sft] with loss_weights: [1.0, RPO_ALPHA]".into()))
