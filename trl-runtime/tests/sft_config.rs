@@ -71,7 +71,7 @@ fn file_then_flags() {
         (
             c.training.learning_rate,
             c.packing,
-            c.pad_to_multiple_of,
+            c.pad_to_multiple_of.0,
             c.training.save_total_limit,
             c.training.gradient_accumulation_steps
         ),
@@ -89,9 +89,12 @@ fn file_then_flags() {
     ])
     .unwrap();
     assert_eq!(
-        (c.packing, c.training.max_steps, c.pad_to_multiple_of),
+        (c.packing, c.training.max_steps, c.pad_to_multiple_of.0),
         (true, 7, None)
     );
+    // TRL 1.16's default, `auto`, pads only on AWS Neuron: no padding here.
+    let c = cli(&["--pad_to_multiple_of", "auto"]).unwrap();
+    assert_eq!(c.pad_to_multiple_of.0, None);
 
     let toml = dir.path().join("sft.toml");
     std::fs::write(
@@ -439,4 +442,19 @@ fn flags_go_over_a_programs_own_defaults() {
         ignored.iter().any(|l| l.starts_with(&from_file)),
         "{ignored:?}"
     );
+}
+
+/// A dump of TRL 1.16's own SFTConfig and DPOConfig, every field at its default
+/// (tests/fixtures/trl_defaults, scripts/make_trl_defaults_fixture.py), loads: `null` leaves a
+/// key unset (bf16 among them, with a note that TRL turns it on), `pad_to_multiple_of: auto`
+/// pads nothing off AWS Neuron, and every other key is applied or named.
+#[test]
+fn a_dump_of_trls_defaults_loads() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trl_defaults");
+    let sft = SFTConfig::from_file(dir.join("sft.yaml")).unwrap();
+    assert_eq!(sft.pad_to_multiple_of.0, None);
+    assert!(!sft.training.bf16, "unset: the launch decides");
+    assert_eq!(sft.loss_type, "nll");
+    let dpo = trl_runtime::train::DPOConfig::from_file(dir.join("dpo.yaml")).unwrap();
+    assert_eq!(dpo.pad_to_multiple_of.0, None);
 }

@@ -40,6 +40,39 @@ impl<T: CliValue> CliValue for Option<T> {
     }
 }
 
+/// TRL's `pad_to_multiple_of`: a number, none, or `auto` (TRL 1.16's default: 128 on AWS
+/// Neuron, which compiles per shape, and no padding elsewhere; here, no padding).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PadMultiple(pub Option<usize>);
+
+impl CliValue for PadMultiple {
+    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" | "none" | "null" => Ok(PadMultiple(None)),
+            _ => s
+                .parse::<usize>()
+                .map(|n| PadMultiple(Some(n)))
+                .map_err(|_| format!("'{s}': expected a token count, auto or none")),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PadMultiple {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Count(usize),
+            Text(String),
+        }
+        match Option::<Raw>::deserialize(d)? {
+            None => Ok(PadMultiple(None)),
+            Some(Raw::Count(n)) => Ok(PadMultiple(Some(n))),
+            Some(Raw::Text(s)) => PadMultiple::parse_cli(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
 /// A list of names: a YAML list or one string, and on the command line one value with the
 /// names separated by commas or spaces (`--lora_target_modules q_proj,v_proj`; TRL's
 /// `--lora_target_modules q_proj v_proj` is joined into one value before parsing).

@@ -773,13 +773,44 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
             .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
         let source = path.display().to_string();
         let bad = |message: String| Error::config(&source, "<document>", message);
+        let mut notes = Vec::new();
         let mut config: Self = match path.extension().and_then(|e| e.to_str()) {
             Some("toml") => toml::from_str(&text).map_err(|e| bad(e.to_string()))?,
-            _ => serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?,
+            _ => {
+                let mut value: serde_yaml::Value =
+                    serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?;
+                notes = Self::unset_nulls(&mut value);
+                serde_yaml::from_value(value).map_err(|e| bad(e.to_string()))?
+            }
         };
-        let ignored = config.apply_other(&source)?;
+        let mut ignored = config.apply_other(&source)?;
+        ignored.extend(notes);
         config.validate(&source)?;
         Ok((config, ignored))
+    }
+
+    /// A dump of TRL's config writes `null` for arguments it resolves later (`bf16`,
+    /// `disable_tqdm`, `lr_scheduler_kwargs`, ...): such a key of ours is left unset, taking
+    /// our default. Returns a `KEY: why` line where TRL's resolution differs from ours.
+    fn unset_nulls(value: &mut serde_yaml::Value) -> Vec<String> {
+        let Some(map) = value.as_mapping_mut() else {
+            return Vec::new();
+        };
+        let ours =
+            |k: &str| TrainingArguments::FIELDS.contains(&k) || Self::own_fields().contains(&k);
+        let nulls: Vec<serde_yaml::Value> = map
+            .iter()
+            .filter(|(k, v)| v.is_null() && k.as_str().is_some_and(ours))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut notes = Vec::new();
+        for key in nulls {
+            if key.as_str() == Some("bf16") {
+                notes.push("bf16: null (TRL turns it on); here unset, so mixed_precision or the launch decides (set bf16: true for TRL's default)".to_string());
+            }
+            map.remove(&key);
+        }
+        notes
     }
 
     /// As [`Self::read`], the keys without effect printed on the main process.

@@ -14,7 +14,8 @@ crate::training_arguments! {
     packing_strategy: String = "bfd".into();
     /// All rows of a micro-batch in one sequence, positions restarting per document.
     padding_free: bool = false;
-    pad_to_multiple_of: Option<usize> = None;
+    /// A token count, none, or auto (TRL's default: no padding off AWS Neuron).
+    pad_to_multiple_of: crate::config::cli_value::PadMultiple = Default::default();
     /// Loss on completions only for prompt-completion data (TRL: on when unset).
     completion_only_loss: Option<bool> = None;
     /// Loss on assistant turns only ({% generation %} spans of the chat template).

@@ -62,7 +62,8 @@ crate::training_arguments! {
     disable_dropout: bool = true;
     /// All sequences of a micro-batch in one row, positions restarting per sequence.
     padding_free: bool = false;
-    pad_to_multiple_of: Option<usize> = None;
+    /// A token count, none, or auto (TRL's default: no padding off AWS Neuron).
+    pad_to_multiple_of: crate::config::cli_value::PadMultiple = Default::default();
     /// keep_start (TRL's) or keep_end (deprecated in TRL) for sequences over max_length.
     truncation_mode: String = "keep_start".into();
 }
@@ -729,7 +730,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             collate_options: CollateOptions {
                 pad_token_id: tokenizer.pad_token_id,
                 padding_free: config.padding_free,
-                pad_to_multiple_of: config.pad_to_multiple_of,
+                pad_to_multiple_of: config.pad_to_multiple_of.0,
             },
             max_length: args.max_length,
             keep_end: config.truncation_mode == "keep_end",
@@ -761,7 +762,7 @@ impl<N: CausalModel> Task<N> for Dpo {
     fn prepare(&mut self, config: &DPOConfig, core: &Core<'_, N>) -> Result<()> {
         // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
         self.collate_options.pad_to_multiple_of =
-            pad_to_multiple(core.model.split(), config.pad_to_multiple_of);
+            pad_to_multiple(core.model.split(), config.pad_to_multiple_of.0);
         let args = &core.args;
         // Where the run keeps its reference log-probabilities.
         let path = args.output_dir.join("ref_logps.json");

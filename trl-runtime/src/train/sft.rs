@@ -32,7 +32,7 @@ fn collate_options(
         pad_token_id,
         padding_free: config.padding_free,
         // Sequences split over sp (cp) need lengths that divide into sp (2 x cp) chunks.
-        pad_to_multiple_of: pad_to_multiple(split, config.pad_to_multiple_of),
+        pad_to_multiple_of: pad_to_multiple(split, config.pad_to_multiple_of.0),
     }
 }
 
