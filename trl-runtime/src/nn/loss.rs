@@ -19,7 +19,7 @@ pub struct LossSum {
 
 impl LossSum {
     /// The sum of per-token losses (`nll`, 0 where ignored) over `count` targets, with each
-    /// position's [`token_stats`] ([n, 2]).
+    /// position's [`token_stats_of`] ([n, 2]).
     pub fn of_tokens((nll, count): (Tensor, usize), stats: &Tensor) -> Result<Self> {
         Ok(LossSum {
             sum: nll.sum_all()?,
@@ -34,23 +34,13 @@ impl LossSum {
     }
 }
 
-/// Per row of `logits` [n, vocab] and its target (-100: ignored): the softmax's entropy and
-/// 1 when the target is the argmax (the first maximum, as torch's argmax picks it), both 0
-/// for ignored rows: [n, 2] f32, detached (TRL's `entropy` and `mean_token_accuracy`).
-pub fn token_stats(logits: &Tensor, targets: &[i64]) -> Result<Tensor> {
-    let z = logits.detach().to_dtype(DType::F32)?;
-    let max = z.max_keepdim(1)?;
-    let e = z.broadcast_sub(&max)?.exp()?;
-    let sums = Tensor::cat(&[e.sum_keepdim(1)?, (&e * &z)?.sum_keepdim(1)?], 1)?;
-    let first = z.argmax_keepdim(1)?.to_dtype(DType::F32)?;
-    token_stats_of(&max, &sums, &first, targets)
-}
-
-/// [`token_stats`] from per-row figures over the whole vocabulary: the maximum `max` [n, 1],
-/// `sums` [n, 2] of e = exp(z - max) and of e z, and the first argmax's id `first` [n, 1]
-/// (f32, exact below 2^24), all f32 and detached. Vocabulary-parallel losses reduce these
-/// over their parts.
-pub(crate) fn token_stats_of(
+/// TRL's token figures per row and its target (-100: ignored): the softmax's entropy and 1
+/// when the target is the argmax (the first maximum, as torch's argmax picks it), both 0 for
+/// ignored rows: [n, 2] f32, detached (TRL's `entropy` and `mean_token_accuracy`). Computed
+/// from per-row figures over the whole vocabulary: the maximum `max` [n, 1], `sums` [n, 2] of
+/// e = exp(z - max) and of e z, and the first argmax's id `first` [n, 1] (f32, exact below
+/// 2^24), all f32 and detached; vocabulary-parallel losses reduce these over their parts.
+pub fn token_stats_of(
     max: &Tensor,
     sums: &Tensor,
     first: &Tensor,
@@ -139,52 +129,70 @@ pub fn cross_entropy_sum(logits: &Tensor, targets: &Tensor) -> Result<LossSum> {
 /// Each position's cross-entropy (minus its target's log-probability), [n] in f32 (f64 for
 /// f64 inputs), 0 where the target is ignored; and how many targets count.
 pub fn cross_entropy_tokens(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, usize)> {
-    let (nll, count, _) = cross_entropy_rows(logits, targets, false)?;
-    Ok((nll, count))
+    let (logits, targets, count) = rows_of(logits, targets)?;
+    Ok((RowLosses::new(&logits, &targets)?.nll, count))
 }
 
-/// [`cross_entropy_tokens`] and each position's [`token_stats`] ([n, 2]).
+/// [`cross_entropy_tokens`] and each position's [`token_stats_of`] ([n, 2]) from the same
+/// exponentials (three more passes over the logits: their weighted sum and the argmax).
 pub(crate) fn cross_entropy_with_stats(
     logits: &Tensor,
     targets: &Tensor,
 ) -> Result<(Tensor, usize, Tensor)> {
-    match cross_entropy_rows(logits, targets, true)? {
-        (nll, count, Some(stats)) => Ok((nll, count, stats)),
-        _ => candle_core::bail!("the cross-entropy gave no token figures"),
-    }
+    let (logits, targets, count) = rows_of(logits, targets)?;
+    let rows = RowLosses::new(&logits, &targets)?;
+    let stats = rows.stats(&targets)?;
+    Ok((rows.nll, count, stats))
 }
 
-/// [`cross_entropy_tokens`] and, with `stats`, each position's [`token_stats`] from the same
-/// exponentials (three more passes over the logits: their weighted sum and the argmax).
-fn cross_entropy_rows(
-    logits: &Tensor,
-    targets: &Tensor,
-    stats: bool,
-) -> Result<(Tensor, usize, Option<Tensor>)> {
+/// `logits` as [n, vocab] rows in the wide dtype, the targets checked, and how many count.
+fn rows_of(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Vec<i64>, usize)> {
     let vocab = logits.dim(D::Minus1)?;
     let compute = crate::kernels::precision::wide(logits.dtype());
     let logits = logits.reshape(((), vocab))?.to_dtype(compute)?;
     let (targets, count) = checked_targets(targets, vocab)?;
-    let (index, weight) = target_index_and_weight(&targets, compute, logits.device())?;
-    let max = logits.max_keepdim(1)?.detach();
-    let shifted = logits.broadcast_sub(&max)?;
-    let e = shifted.exp()?;
-    let sum_e = e.sum_keepdim(1)?;
-    let log_z = sum_e.log()?;
-    let picked = shifted.gather(&index, 1)?;
-    let nll = (log_z - picked)?.squeeze(1)?;
-    let stats = match stats {
-        false => None,
-        true => {
-            let f32 = |t: Tensor| t.detach().to_dtype(DType::F32);
-            let z = logits.detach();
-            let sum_ez = (e.detach() * &z)?.sum_keepdim(1)?;
-            let sums = f32(Tensor::cat(&[sum_e.detach(), sum_ez], 1)?)?;
-            let first = z.argmax_keepdim(1)?.to_dtype(DType::F32)?;
-            Some(token_stats_of(&f32(max)?, &sums, &first, &targets)?)
-        }
-    };
-    Ok(((nll * weight)?, count, stats))
+    Ok((logits, targets, count))
+}
+
+/// The cross-entropy of whole rows of logits, with what the token figures reuse.
+pub(crate) struct RowLosses {
+    /// Each row's loss, 0 where ignored (with the graph of `logits`).
+    pub nll: Tensor,
+    /// The rows' logits, detached.
+    z: Tensor,
+    /// The row maxima, exp(z - max) and their row sums (with the graph).
+    max: Tensor,
+    e: Tensor,
+    sum_e: Tensor,
+}
+
+impl RowLosses {
+    /// `logits` [n, vocab] (in the dtype computed in) against checked `targets`.
+    pub fn new(logits: &Tensor, targets: &[i64]) -> Result<Self> {
+        let (index, weight) = target_index_and_weight(targets, logits.dtype(), logits.device())?;
+        let max = logits.max_keepdim(1)?.detach();
+        let shifted = logits.broadcast_sub(&max)?;
+        let e = shifted.exp()?;
+        let sum_e = e.sum_keepdim(1)?;
+        let picked = shifted.gather(&index, 1)?;
+        let nll = ((sum_e.log()? - picked)?.squeeze(1)? * weight)?;
+        Ok(RowLosses {
+            nll,
+            z: logits.detach(),
+            max,
+            e,
+            sum_e,
+        })
+    }
+
+    /// Each row's [`token_stats_of`], [n, 2].
+    pub fn stats(&self, targets: &[i64]) -> Result<Tensor> {
+        let f32 = |t: &Tensor| t.detach().to_dtype(DType::F32);
+        let sum_ez = (self.e.detach() * &self.z)?.sum_keepdim(1)?;
+        let sums = f32(&Tensor::cat(&[&self.sum_e.detach(), &sum_ez], 1)?)?;
+        let first = self.z.argmax_keepdim(1)?.to_dtype(DType::F32)?;
+        token_stats_of(&f32(&self.max)?, &sums, &first, targets)
+    }
 }
 
 /// Next-token targets of `labels` [batch, seq] (i64): position t's target is label t+1, and

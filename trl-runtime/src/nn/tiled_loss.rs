@@ -10,7 +10,7 @@
 //! as the untiled head followed by [`super::cross_entropy_sum`] computes.
 
 use super::embedding::TiedGrad;
-use super::loss::{checked_targets, target_index_and_weight, token_stats, LossSum};
+use super::loss::{checked_targets, target_index_and_weight, LossSum, RowLosses};
 use crate::kernels::fused::RowStats;
 use crate::kernels::op::inplace_op;
 use crate::kernels::precision::{self, accumulate, accumulate_product};
@@ -57,8 +57,8 @@ pub fn tiled_log_sum_sq(hidden: &Tensor, weight: &Tensor) -> Result<Tensor> {
     Tensor::cat(&tiles, 0)
 }
 
-/// Each row's loss over the tiles, [n] (0 where ignored), and its [`token_stats`], [n, 2],
-/// in Candle ops (the recomputing path's forward).
+/// Each row's loss over the tiles, [n] (0 where ignored), and its token figures
+/// ([`super::loss::token_stats_of`], [n, 2]), in Candle ops (the recomputing path's forward).
 fn tiles_loss(
     tiles: &Tiles,
     hidden: &Tensor,
@@ -67,14 +67,12 @@ fn tiles_loss(
 ) -> Result<(Tensor, Tensor)> {
     let mut rows = Vec::with_capacity(tiles.len());
     let mut stats = Vec::with_capacity(tiles.len());
-    for (start, len, t) in tiles {
-        let logits = tile_logits(hidden, weight, *start, *len)?;
-        let max = logits.max_keepdim(D::Minus1)?;
-        let shifted = logits.broadcast_sub(&max)?;
-        let log_z = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-        let nll = (log_z - shifted.gather(&t.index, 1)?)?;
-        rows.push((nll * &t.weight)?.squeeze(1)?);
-        stats.push(token_stats(&logits, &targets[*start..*start + len])?);
+    for &(start, len, _) in tiles {
+        let logits = tile_logits(hidden, weight, start, len)?;
+        let tile_targets = &targets[start..start + len];
+        let tile = RowLosses::new(&logits, tile_targets)?;
+        stats.push(tile.stats(tile_targets)?);
+        rows.push(tile.nll);
     }
     Ok((Tensor::cat(&rows, 0)?, Tensor::cat(&stats, 0)?))
 }
@@ -325,7 +323,7 @@ struct Pass {
     sum: Tensor,
     /// Each row's loss, [n] f32, 0 where ignored.
     rows: Tensor,
-    /// Each row's [`token_stats`], [n, 2] f32.
+    /// Each row's [`super::loss::token_stats_of`], [n, 2] f32.
     stats: Tensor,
     /// With `grads`: the gradients of hidden and (unless `weight_grad` was off) weight.
     grads: Option<Kept>,
@@ -566,7 +564,7 @@ pub fn tiled_token_nll(
     Ok((nll, count))
 }
 
-/// [`tiled_token_nll`] with each row's [`token_stats`], [n, 2].
+/// [`tiled_token_nll`] with each row's [`super::loss::token_stats_of`], [n, 2].
 pub(crate) fn tiled_rows(
     hidden: &Tensor,
     weight: &Tensor,
