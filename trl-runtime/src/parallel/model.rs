@@ -33,12 +33,14 @@ use std::sync::{Arc, Mutex};
 pub struct TokenLogps {
     /// log p(target) per position, [n] f32, 0 where ignored; carries the graph when trained.
     pub logps: Tensor,
+    /// The targets that count (not ignored).
+    pub count: usize,
     /// The logits' mean over the vocabulary per position, [n] f32, detached.
     pub mean_logits: Tensor,
     /// log sum_v p_v^2 per position, [n] f32, detached, when asked (WPO's weights).
     pub log_sum_sq: Option<Tensor>,
     /// Each position's entropy and top-1 flag, [n, 2] f32, detached, 0 where ignored (TRL's
-    /// `entropy` and `mean_token_accuracy`; [`crate::nn::loss::token_stats`]).
+    /// `entropy` and `mean_token_accuracy`; [`crate::nn::loss::token_stats_of`]).
     pub stats: Tensor,
 }
 
@@ -688,34 +690,6 @@ impl<N: CausalModel> Model<N> {
         self.targets_loss(input_ids, position_ids, targets, false)
     }
 
-    /// TRL's DFT loss (SFT's loss_type "dft"): each target's -log p weighted by its own
-    /// probability, detached, summed; with the target count and token figures of
-    /// [`Self::forward_targets`]. Per position through [`Self::forward_token_logps`], so
-    /// every layout that runs DPO runs it; `train`: whether gradients flow.
-    pub fn dft_targets(
-        &self,
-        input_ids: &Tensor,
-        position_ids: &Tensor,
-        targets: &Tensor,
-        train: bool,
-    ) -> Result<LossSum> {
-        let out = self.forward_token_logps(input_ids, position_ids, targets, train, false)?;
-        // Ignored positions have log p 0: weight 1, loss 0.
-        let weight = out.logps.detach().exp()?;
-        let count = targets
-            .flatten_all()?
-            .to_dtype(DType::I64)?
-            .to_vec1::<i64>()?
-            .iter()
-            .filter(|&&t| t != crate::nn::IGNORE_INDEX)
-            .count();
-        Ok(LossSum {
-            sum: (out.logps.neg()? * weight)?.sum_all()?,
-            count,
-            stats: out.stats.sum(0)?,
-        })
-    }
-
     /// The LM head's weight whole on this rank where `usable` takes it: held (DDP), or
     /// gathered with the root unit, which stays gathered through the step (ZeRO-3 / FSDP); in
     /// training then a graph tensor whose gradient goes back to the unit beside the
@@ -809,7 +783,7 @@ impl<N: CausalModel> Model<N> {
             None => self.whole_head(train, |_| true)?,
         };
         let mut log_sum_sq = None;
-        let (nll, mean_logits, stats) = match whole {
+        let (nll, count, mean_logits, stats) = match whole {
             Some(w) => {
                 let hidden = self.hidden_states(input_ids, position_ids, true)?;
                 let (hidden, w) = match train {
@@ -819,7 +793,7 @@ impl<N: CausalModel> Model<N> {
                 };
                 let (b, s, h) = hidden.dims3()?;
                 let flat = hidden.reshape((b * s, h))?;
-                let (nll, _, stats) = crate::nn::tiled_loss::tiled_rows(&flat, &w, targets)?;
+                let (nll, count, stats) = crate::nn::tiled_loss::tiled_rows(&flat, &w, targets)?;
                 // The mean over the vocabulary of h.w_v is h . mean_v(w_v); the column sums by a
                 // GEMM with a ones row (f32 accumulation, no f32 copy of the [vocab, h] head).
                 let vocab = w.dim(0)?;
@@ -834,7 +808,7 @@ impl<N: CausalModel> Model<N> {
                     let lss = crate::nn::tiled_loss::tiled_log_sum_sq(&flat, &w)?;
                     log_sum_sq = Some(lss.to_dtype(DType::F32)?);
                 }
-                (nll, mean_logits, stats)
+                (nll, count, mean_logits, stats)
             }
             None => {
                 let logits = self.forward(input_ids, position_ids)?;
@@ -852,24 +826,25 @@ impl<N: CausalModel> Model<N> {
                         None => crate::nn::loss::log_sum_sq_probs(&z)?,
                     });
                 }
-                let (nll, mean_logits, stats) = match &self.tp {
+                let (nll, count, mean_logits, stats) = match &self.tp {
                     Some(tp) => {
                         let sum = tp.all_reduce(&local_sum, crate::comm::ReduceOp::Sum)?;
-                        let (nll, _, stats) =
+                        let (nll, count, stats) =
                             crate::tp::loss::token_nll_with_stats(&logits, targets, tp)?;
-                        (nll, (sum / (vocab * tp.size()) as f64)?, stats)
+                        (nll, count, (sum / (vocab * tp.size()) as f64)?, stats)
                     }
                     None => {
-                        let (nll, _, stats) =
+                        let (nll, count, stats) =
                             crate::nn::loss::cross_entropy_with_stats(&logits, targets)?;
-                        (nll, (local_sum / vocab as f64)?, stats)
+                        (nll, count, (local_sum / vocab as f64)?, stats)
                     }
                 };
-                (nll, mean_logits, stats)
+                (nll, count, mean_logits, stats)
             }
         };
         Ok(TokenLogps {
             logps: nll.to_dtype(DType::F32)?.neg()?,
+            count,
             mean_logits,
             log_sum_sq,
             stats,

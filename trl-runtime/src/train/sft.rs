@@ -139,7 +139,9 @@ pub struct Sft {
 
 impl Sft {
     /// A micro-batch's summed loss (its gradients with `train`): the next-token cross-entropy,
-    /// or with dft each token's weighted by its probability.
+    /// or with dft (TRL's Dynamic Fine-Tuning) each target's -log p weighted by its own
+    /// probability, detached, from the per-position log-probabilities DPO also takes (so
+    /// every layout runs it).
     fn loss<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
@@ -147,11 +149,22 @@ impl Sft {
         train: bool,
     ) -> Result<LossSum> {
         let (ids, pos, targets) = (&batch.input_ids, &batch.position_ids, &batch.targets()?);
-        match (self.dft, train) {
-            (true, _) => core.model.dft_targets(ids, pos, targets, train),
-            (false, true) => core.model.forward_targets(ids, pos, targets),
-            (false, false) => core.model.eval_targets(ids, pos, targets),
+        if !self.dft {
+            return match train {
+                true => core.model.forward_targets(ids, pos, targets),
+                false => core.model.eval_targets(ids, pos, targets),
+            };
         }
+        let out = core
+            .model
+            .forward_token_logps(ids, pos, targets, train, false)?;
+        // Ignored positions have log p 0: weight 1, loss 0.
+        let weight = out.logps.detach().exp()?;
+        Ok(LossSum {
+            sum: (out.logps.neg()? * weight)?.sum_all()?,
+            count: out.count,
+            stats: out.stats.sum(0)?,
+        })
     }
 
     /// This step's micro-batches (this rank's part of their rows, on its device) and the
