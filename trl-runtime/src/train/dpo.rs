@@ -545,19 +545,26 @@ impl Dpo {
             Ok(zeros.index_add(&micro.owner, &(per_token * weights)?, 0)?)
         };
         let local = per_sequence(&out.logps, &micro.weights)?;
-        let logits: Vec<f32> = per_sequence(&out.mean_logits, &micro.members)?.to_vec1()?;
         let mut values: Vec<f64> = local
             .detach()
             .to_dtype(candle_core::DType::F64)?
             .to_vec1()?;
-        let part =
-            |v: &[f32], r: std::ops::Range<usize>| v[r].iter().map(|&x| x as f64).sum::<f64>();
-        values.extend([part(&logits, 0..n), part(&logits, n..2 * n)]);
-        let column = |c: usize| -> Result<Vec<f32>> {
-            let figure = out.stats.narrow(1, c, 1)?.squeeze(1)?;
-            Ok(per_sequence(&figure, &micro.members)?.to_vec1()?)
+        // Each target's mean logit, entropy and top-1 flag, summed per sequence in one pass
+        // and read back in one transfer.
+        let figures = Tensor::cat(&[&out.mean_logits.unsqueeze(1)?, &out.stats], 1)?
+            .broadcast_mul(&micro.members.unsqueeze(1)?)?;
+        let zeros = Tensor::zeros((2 * n, 3), figures.dtype(), figures.device())?;
+        let sums: Vec<Vec<f32>> = zeros.index_add(&micro.owner, &figures, 0)?.to_vec2()?;
+        let part = |c: usize, r: std::ops::Range<usize>| {
+            sums[r].iter().map(|row| row[c] as f64).sum::<f64>()
         };
-        values.extend([part(&column(0)?, 0..2 * n), part(&column(1)?, 0..n)]);
+        // Logits over the chosen and the rejected, entropy over both, hits over the chosen.
+        values.extend([
+            part(0, 0..n),
+            part(0, n..2 * n),
+            part(1, 0..2 * n),
+            part(2, 0..n),
+        ]);
         // WPO (TRL's use_weighting): sums of log p - log sum p^2 and target counts.
         if let Some(lss) = &out.log_sum_sq {
             let aligned = (out.logps.detach() - lss)?;

@@ -254,8 +254,9 @@ impl<N: CausalModel> Task<N> for Sft {
             let ls = core.training_forward(micro, || {
                 router.during(&aux, || self.loss(core, batch, true))
             })?;
-            local_loss += ls.sum.to_scalar::<f32>()? as f64;
-            local_figures.extend(token_figures(&ls)?);
+            let (loss, figures) = read_back(&ls)?;
+            local_loss += loss;
+            local_figures.extend(figures);
             let store = core.model.backward(&(ls.sum / targets)?)?;
             core.accumulate(grads, store, batches.len())?;
             router.end(aux);
@@ -301,9 +302,10 @@ impl<N: CausalModel> Task<N> for Sft {
             let aux = router.begin(&batch)?;
             let ls = router.during(&aux, || self.loss(core, &batch, false))?;
             if i < chunks.len() {
-                sum += ls.sum.to_scalar::<f32>()? as f64;
+                let (loss, figures) = read_back(&ls)?;
+                sum += loss;
                 count += ls.count as f64;
-                local_figures.extend(token_figures(&ls)?);
+                local_figures.extend(figures);
                 router.end(aux);
             } else {
                 local_figures.extend([0.0; 3]);
@@ -335,13 +337,19 @@ impl<N: CausalModel> Task<N> for Sft {
     }
 }
 
-/// A micro-batch's targets: their summed entropy, argmax hits and count, this rank's part.
-fn token_figures(ls: &LossSum) -> Result<[f64; 3]> {
-    let stats = ls.stats.to_vec1::<f32>()?;
-    Ok([stats[0] as f64, stats[1] as f64, ls.count as f64])
+/// A micro-batch's summed loss and its targets' summed entropy, argmax hits and count (this
+/// rank's part), read from the device in one transfer.
+fn read_back(ls: &LossSum) -> Result<(f64, [f64; 3])> {
+    let sum = ls
+        .sum
+        .detach()
+        .to_dtype(candle_core::DType::F32)?
+        .reshape(1)?;
+    let v = candle_core::Tensor::cat(&[&sum, &ls.stats], 0)?.to_vec1::<f32>()?;
+    Ok((v[0] as f64, [v[1] as f64, v[2] as f64, ls.count as f64]))
 }
 
-/// TRL's `entropy` and `mean_token_accuracy` from [`token_figures`] summed over the ranks:
+/// TRL's `entropy` and `mean_token_accuracy` from [`read_back`]'s figures summed over the ranks:
 /// each micro-batch's sums divided by its targets (0 without any), averaged over the
 /// micro-batches, as TRL appends one value per micro-batch and logs their mean.
 fn mean_token_figures(sums: &[f64]) -> [(&'static str, f64); 2] {
