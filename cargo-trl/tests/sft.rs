@@ -136,11 +136,12 @@ fn check_equal(name: &str, split: &[serde_json::Value], one: &[serde_json::Value
                 "{name} step {step} {key}: {a} vs {b}"
             );
         }
-        // A real distribution over 512 tokens, and a share of hits.
+        // A real distribution over 512 tokens, and a share of hits: the tiny model's argmax
+        // already hits some of the targets (1 in 26 at step 1, as TRL counts).
         let entropy = b["entropy"].as_f64().unwrap();
         let accuracy = b["mean_token_accuracy"].as_f64().unwrap();
         assert!(entropy > 1.0 && entropy < 512f64.ln(), "{b}");
-        assert!((0.0..=1.0).contains(&accuracy), "{b}");
+        assert!(accuracy > 0.0 && accuracy <= 1.0, "{b}");
     }
     for key in EVAL_KEYS {
         assert!(close(&split[2][key], &one[2][key], 1e-5), "{name} {key}");
