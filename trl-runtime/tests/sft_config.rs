@@ -123,6 +123,36 @@ fn bad_values_name_the_key() {
         e.contains("bad.yaml") && e.contains("learning_rte") && e.contains("learning_rate"),
         "{e}"
     );
+    // A value of the wrong type names its key (serde alone does not, through the flattened
+    // map of TRL's other keys), in YAML and TOML, for SFT and DPO.
+    for (file, text, key) in [
+        (
+            "t.yaml",
+            "num_train_epochs: 1\nlearning_rate: abc\n",
+            "`learning_rate`",
+        ),
+        (
+            "t.yml",
+            "per_device_train_batch_size: [8]\n",
+            "`per_device_train_batch_size`",
+        ),
+        (
+            "t.toml",
+            "beta = 0.1\nmax_length = \"long\"\n",
+            "`max_length`",
+        ),
+    ] {
+        let path = dir.path().join(file);
+        std::fs::write(&path, text).unwrap();
+        let e = trl_runtime::train::DPOConfig::from_file(&path)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(file) && e.contains(key), "{e}");
+        if !text.contains("beta") {
+            let e = SFTConfig::from_file(&path).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains("invalid type"), "{e}");
+        }
+    }
     let e = cli(&["--lr_scheduler_type", "exponential"]).unwrap_err();
     assert!(
         e.contains("lr_scheduler_type") && e.contains("cosine"),

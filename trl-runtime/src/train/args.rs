@@ -772,21 +772,41 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::io(format!("cannot read {}", path.display()), e))?;
         let source = path.display().to_string();
-        let bad = |message: String| Error::config(&source, "<document>", message);
-        let mut notes = Vec::new();
-        let mut config: Self = match path.extension().and_then(|e| e.to_str()) {
-            Some("toml") => toml::from_str(&text).map_err(|e| bad(e.to_string()))?,
-            _ => {
-                let mut value: serde_yaml::Value =
-                    serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?;
-                notes = Self::unset_nulls(&mut value);
-                serde_yaml::from_value(value).map_err(|e| bad(e.to_string()))?
+        let bad = |what: &str, e: &dyn std::fmt::Display| {
+            Error::config(&source, "<document>", format!("not valid {what}: {e}"))
+        };
+        let mut value: serde_yaml::Value = match path.extension().and_then(|e| e.to_str()) {
+            Some("toml") => {
+                let table: toml::Table = toml::from_str(&text).map_err(|e| bad("TOML", &e))?;
+                serde_yaml::to_value(table).map_err(|e| bad("TOML", &e))?
             }
+            _ => serde_yaml::from_str(&text).map_err(|e| bad("YAML", &e))?,
+        };
+        let notes = Self::unset_nulls(&mut value);
+        let mut config: Self = match serde_yaml::from_value(value.clone()) {
+            Ok(config) => config,
+            Err(e) => return Err(Self::type_error(&source, &value, e)),
         };
         let mut ignored = config.apply_other(&source)?;
         ignored.extend(notes);
         config.validate(&source)?;
         Ok((config, ignored))
+    }
+
+    /// A value of the wrong type, with its key: serde does not name the key through the
+    /// flattened map of other keys, so each top-level key is read alone to find it.
+    fn type_error(source: &str, value: &serde_yaml::Value, e: serde_yaml::Error) -> Error {
+        let failing = value.as_mapping().and_then(|map| {
+            map.iter().find_map(|(k, v)| {
+                let alone = serde_yaml::Mapping::from_iter([(k.clone(), v.clone())]);
+                let e = serde_yaml::from_value::<Self>(alone.into()).err()?;
+                Some((k.as_str().unwrap_or("<key>").to_string(), e))
+            })
+        });
+        match failing {
+            Some((key, e)) => Error::config(source, &key, e.to_string()),
+            None => Error::config(source, "<document>", e.to_string()),
+        }
     }
 
     /// A dump of TRL's config writes `null` for arguments it resolves later (`bf16`,
