@@ -268,7 +268,10 @@ fn merges_into_its_base(checkpoint: &Path, tmp: &Path) {
     use trl_runtime::models::AutoModelForCausalLM;
     let merged = tmp.join("merged");
     let merge = || {
+        // From the root, where the adapter config's base (assets/tiny/model, as the bundled
+        // job's settings name it) lies, as a user merges where they trained.
         std::process::Command::new(env!("CARGO_BIN_EXE_cargo-trl"))
+            .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
             .args(["trl", "merge"])
             .arg(checkpoint)
             .arg("--output_dir")

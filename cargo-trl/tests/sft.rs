@@ -247,3 +247,30 @@ fn rows_left_out_of_each_epoch_are_named() {
         "{text}"
     );
 }
+
+/// A command that names a dataset (or a model) starts from TRL's defaults, as `trl sft
+/// --dataset_name ...` does, not from the bundled job's (learning rate 2e-3 with warm-up,
+/// 16 rows per device, max_length 64, evaluation on the bundled rows).
+#[test]
+fn naming_a_dataset_starts_from_trls_defaults() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = eight_rows(tmp.path());
+    let out = tmp.path().join("out");
+    let o = Command::new(env!("CARGO_BIN_EXE_cargo-trl"))
+        .current_dir(root())
+        .env("CARGO_NET_OFFLINE", "true")
+        .args(common::LAUNCH)
+        .args(["--num_processes", "1", "sft", "--", "--dataset_name"])
+        .arg(&rows)
+        .args(["--max_steps", "1", "--logging_steps", "1", "--output_dir"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let step = &metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())[0];
+    // TRL's 2e-5 (linear, no warm-up), and its 8 rows per device: the 8 rows in one step.
+    assert_eq!(step["learning_rate"], 2e-5, "{step}");
+    assert_eq!(step["epoch"], 1.0, "{step}");
+    assert!(stdout.contains("held-out accuracy: before n/a"), "{stdout}");
+}

@@ -29,7 +29,9 @@ fn command(launch_args: &[&str]) -> Command {
         .env("TRL_CHECK_TP_GRADS", "1")
         .args(common::LAUNCH)
         .args(launch_args)
-        .args(["sft_phi", "--", "--model_name_or_path"])
+        .args(["sft_phi", "--"])
+        .args(common::bundled_job("sft_phi"))
+        .arg("--model_name_or_path")
         .arg(model_dir());
     c
 }

@@ -5,28 +5,10 @@ use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalModel;
 use trl_runtime::train::{DPOConfig, Dpo, Trainer};
 
-/// Defaults of the embedded job: the bundled preference pairs on the tiny model, settings that
-/// train in a couple of minutes on two cores.
-pub fn embedded_defaults() -> DPOConfig {
-    let assets = crate::assets::default_dir();
-    DPOConfig {
-        training: trl_runtime::train::TrainingArguments {
-            model_name_or_path: assets.join("model"),
-            dataset_name: assets.join("data/pref_train.jsonl"),
-            eval_dataset_name: Some(assets.join("data/pref_eval.jsonl")),
-            output_dir: "output/dpo-tiny".into(),
-            per_device_train_batch_size: 16,
-            learning_rate: 5e-4,
-            lr_scheduler_type: "constant".into(),
-            num_train_epochs: 1.0,
-            max_length: 64,
-            logging_steps: 10,
-            save_steps: 1000,
-            save_total_limit: Some(2),
-            ..Default::default()
-        },
-        ..DPOConfig::default()
-    }
+/// The bundled job (assets/tiny/dpo.yaml): the bundled preference pairs on the tiny model,
+/// settings that train in a couple of minutes on two cores.
+pub fn embedded_defaults() -> trl_runtime::Result<DPOConfig> {
+    crate::bundled_job("dpo.yaml")
 }
 
 fn run<N: CausalModel>(config: DPOConfig) -> trl_runtime::Result<()> {
@@ -41,6 +23,6 @@ fn run<N: CausalModel>(config: DPOConfig) -> trl_runtime::Result<()> {
 }
 
 /// `trl dpo` for model `N`.
-pub fn main<N: CausalModel>(defaults: fn() -> DPOConfig) -> ExitCode {
+pub fn main<N: CausalModel>(defaults: fn() -> trl_runtime::Result<DPOConfig>) -> ExitCode {
     crate::launch::<DPOConfig>(defaults, run::<N>)
 }

@@ -14,11 +14,29 @@ use trl_runtime::train::{Cli, EvalResult, TrainOutcome, TrainerConfig};
 
 /// A trainer program's `main`: TRL's flags and YAML over `defaults`, then `run` as one rank
 /// when launched, else TRL_LOCAL_PROCESSES local ranks (default 2) of this program.
+///
+/// `defaults` (the bundled job's settings) hold while the command names no model and no
+/// dataset. Naming either starts from TRL's defaults, as `trl sft --model_name_or_path ...`
+/// does, so that a user's model is not trained at the tiny job's max_length 64 and learning
+/// rate, nor evaluated on its data; only the program's model stays the default model.
 pub fn launch<C: TrainerConfig>(
-    defaults: fn() -> C,
+    defaults: fn() -> trl_runtime::Result<C>,
     run: impl FnOnce(C) -> trl_runtime::Result<()>,
 ) -> ExitCode {
-    let (config, ignored) = match Cli::<C>::parse_trl().resolve_over(defaults()) {
+    let cli = Cli::<C>::parse_trl();
+    let resolved = defaults().and_then(|bundled| {
+        let base = match names_model_or_data(&cli) {
+            false => bundled,
+            true => {
+                let mut trl = C::default();
+                trl.training_mut().model_name_or_path =
+                    bundled.training().model_name_or_path.clone();
+                trl
+            }
+        };
+        cli.resolve_over(base)
+    });
+    let (config, ignored) = match resolved {
         Ok(resolved) => resolved,
         Err(e) => {
             eprintln!("error: {e}");
@@ -40,6 +58,35 @@ pub fn launch<C: TrainerConfig>(
             ExitCode::FAILURE
         }
     }
+}
+
+/// The bundled job's settings: `file` in assets/tiny (TRL's keys), its relative paths read
+/// from the repository root, so the program runs from any directory.
+pub fn bundled_job<C: TrainerConfig>(file: &str) -> trl_runtime::Result<C> {
+    let (mut config, _) = C::read(&assets::default_dir().join(file))?;
+    let root = assets::default_dir().join("../..");
+    let t = config.training_mut();
+    let paths = [&mut t.model_name_or_path, &mut t.dataset_name]
+        .into_iter()
+        .chain(t.eval_dataset_name.as_mut());
+    for path in paths.filter(|p| p.is_relative()) {
+        *path = root.join(&*path);
+    }
+    Ok(config)
+}
+
+/// Whether the flags name a model or a dataset (a `--config` file replaces the defaults
+/// anyway): read by applying them over empty paths.
+fn names_model_or_data<C: TrainerConfig>(cli: &Cli<C>) -> bool {
+    let mut probe = C::default();
+    let t = probe.training_mut();
+    t.model_name_or_path = Default::default();
+    t.dataset_name = Default::default();
+    // A flag that does not apply is reported by `resolve_over`, which reads them again.
+    let _ = cli.apply(&mut probe);
+    let t = probe.training();
+    let named = |p: &std::path::Path| !p.as_os_str().is_empty();
+    named(&t.model_name_or_path) || named(&t.dataset_name) || !t.datasets.0.is_empty()
 }
 
 /// What a finished run prints (main process): where a preempted run saved after `step`, else

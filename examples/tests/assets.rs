@@ -72,3 +72,20 @@ fn shipped_assets_fit_together() {
         assert!(ex.len() < 32, "rows stay short: {}", ex.len());
     }
 }
+
+/// The bundled jobs' settings (assets/tiny/sft.yaml, dpo.yaml) read as TRL configs, their
+/// model and data found whatever the working directory.
+#[test]
+fn bundled_jobs_name_the_shipped_files() {
+    let sft = trl_examples::sft::embedded_defaults().unwrap();
+    let dpo = trl_examples::dpo::embedded_defaults().unwrap();
+    assert!(sft.assistant_only_loss);
+    assert_eq!(sft.training.max_length, 64);
+    assert_eq!(dpo.training.learning_rate, 5e-4);
+    for t in [&sft.training, &dpo.training] {
+        let eval = t.eval_dataset_name.as_ref().unwrap();
+        for path in [&t.model_name_or_path, &t.dataset_name, eval] {
+            assert!(path.is_absolute() && path.exists(), "{}", path.display());
+        }
+    }
+}

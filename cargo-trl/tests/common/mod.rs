@@ -187,7 +187,9 @@ pub fn sft_launch<S: AsRef<std::ffi::OsStr>>(launch_args: &[&str], sft_args: &[S
 #[allow(dead_code)]
 pub const LAUNCH: [&str; 4] = ["launch", "--debug", "--main_process_port", "0"];
 
-/// `cargo trl launch LAUNCH_ARGS BIN -- ARGS` for an examples binary (`sft`, `dpo`).
+/// `cargo trl launch LAUNCH_ARGS BIN -- ARGS` for an examples binary (`sft`, `dpo`), on the
+/// bundled job's settings (`--config assets/tiny/sft.yaml` or dpo.yaml: the programs read
+/// them only while a command names no model and no dataset) under `args`.
 #[allow(dead_code)]
 pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
     bin: &str,
@@ -201,8 +203,18 @@ pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
         .args(LAUNCH)
         .args(launch_args)
         .args([bin, "--"])
+        .args(bundled_job(bin))
         .args(args);
     cmd
+}
+
+/// `--config` with the bundled job's settings for examples binary `bin`.
+#[allow(dead_code)]
+pub fn bundled_job(bin: &str) -> [&'static str; 2] {
+    match bin {
+        "dpo" => ["--config", "assets/tiny/dpo.yaml"],
+        _ => ["--config", "assets/tiny/sft.yaml"],
+    }
 }
 
 /// Runs a `cargo trl launch` command for `steps` fp32 steps (seed 7, no evaluation, a metrics

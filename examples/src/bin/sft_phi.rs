@@ -8,19 +8,12 @@ use trl_examples::sft;
 use trl_runtime::train::SFTConfig;
 
 /// The embedded job on the bundled tiny Phi (same tokenizer and data).
-fn defaults() -> SFTConfig {
-    let phi = trl_examples::assets::default_dir().join("../tiny-phi/model");
-    {
-        let base = sft::embedded_defaults();
-        SFTConfig {
-            training: trl_runtime::train::TrainingArguments {
-                model_name_or_path: phi,
-                output_dir: "output/sft-tiny-phi".into(),
-                ..base.training
-            },
-            ..base
-        }
-    }
+fn defaults() -> trl_runtime::Result<SFTConfig> {
+    let mut config = sft::embedded_defaults()?;
+    config.training.model_name_or_path =
+        trl_examples::assets::default_dir().join("../tiny-phi/model");
+    config.training.output_dir = "output/sft-tiny-phi".into();
+    Ok(config)
 }
 
 fn main() -> ExitCode {
