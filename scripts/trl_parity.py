@@ -3,9 +3,10 @@ line, the training arguments every comparison fixes, and printing what TRL logs.
 
 usage of a script: SCRIPT.py MODEL_DIR DATA.jsonl OUT_DIR STEPS BATCH LR [WORD | KEY=VALUE ...]
 The first BATCH rows, one batch per step, AdamW, constant learning rate, fp32; KEY=VALUE sets
-another config key (numbers read as floats, true/false as booleans); `logging_steps=N` logs
-every N steps (their means); `eval_batch=N` also evaluates the trained model on the same rows,
-N per batch, printing {"eval": {...}} last. WORDs are the script's own (DPO's loss types).
+another config key or replaces one of these (whole numbers read as integers, others as floats,
+true/false as booleans); `rows=N` trains the first N rows instead (STEPS -1: as many steps as
+num_train_epochs makes); `logging_steps=N` logs every N steps (their means); `eval_batch=N`
+also evaluates the trained model on the same rows, N per batch, printing {"eval": {...}} last. WORDs are the script's own (DPO's loss types).
 """
 import json
 import sys
@@ -18,6 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 def value(v):
     if v in ("true", "false"):
         return v == "true"
+    if v.lstrip("-").isdigit():
+        return int(v)
     try:
         return float(v)
     except ValueError:
@@ -32,10 +35,11 @@ class Run:
         self.words = [a for a in sys.argv[7:] if "=" not in a]
         self.extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[7:] if "=" in a)}
         self.eval_batch = int(self.extra.pop("eval_batch", 0))
+        rows = int(self.extra.pop("rows", batch))
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.rows = load_dataset("json", data_files=data, split="train").select(range(int(batch)))
+        self.rows = load_dataset("json", data_files=data, split="train").select(range(rows))
         self.args = dict(
             output_dir=self.out,
             per_device_train_batch_size=int(batch),

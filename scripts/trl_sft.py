@@ -9,4 +9,4 @@ from trl import SFTConfig, SFTTrainer
 from trl_parity import Run
 
 run = Run()
-run.train(SFTTrainer, SFTConfig(**run.args, packing=False, **run.extra))
+run.train(SFTTrainer, SFTConfig(**{**run.args, "packing": False, **run.extra}))

@@ -48,7 +48,14 @@ fn ours(
             &["--model_name_or_path"],
             &[root().join("assets/tiny/model").to_str().unwrap()],
             &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
-            &["--max_length", "64", "--packing", "false"],
+            &[
+                "--weight_decay",
+                "0",
+                "--max_length",
+                "64",
+                "--packing",
+                "false",
+            ],
             &["--gradient_checkpointing", "false"],
             &[
                 "--assistant_only_loss",
@@ -208,44 +215,152 @@ fn sft_figures_match_trl() {
     }
 }
 
-/// Rows past the last full global batch are named at launch, since transformers' default
-/// (dataloader_drop_last false) would train on them; so is the key itself.
+/// Each epoch's rows as transformers' Trainer and accelerate deal them. With
+/// dataloader_drop_last true the rows past the last micro-batch every rank fills are left
+/// out, and named at launch; with false, its default, two processes fill their last
+/// micro-batches with rows from the epoch's start (named too), and a single process trains the
+/// last rows in a smaller micro-batch.
 #[test]
-fn rows_left_out_of_each_epoch_are_named() {
+fn each_epochs_rows_are_dealt_as_accelerate_deals_them() {
     let tmp = tempfile::tempdir().unwrap();
     let rows = eight_rows(tmp.path());
-    let out = tmp.path().join("out");
-    let mut cmd = common::trainer_launch(
-        "sft",
-        &["--num_processes", "1"],
-        &[
-            "--dataset_name",
-            rows.to_str().unwrap(),
-            "--eval_dataset_name",
-            "none",
-            "--dataloader_drop_last",
-            "false",
-            "--per_device_train_batch_size",
-            "3",
-            "--max_steps",
-            "1",
-            "--save_steps",
-            "1000",
-            "--output_dir",
-            out.to_str().unwrap(),
-        ],
-    );
-    let o = cmd.output().unwrap();
-    let text = String::from_utf8_lossy(&o.stdout) + String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{text}");
+    let run = |processes: &str, drop_last: &str| {
+        let out = tmp.path().join(format!("out-{processes}-{drop_last}"));
+        let o = common::trainer_launch(
+            "sft",
+            &["--num_processes", processes],
+            &[
+                "--dataset_name",
+                rows.to_str().unwrap(),
+                "--eval_dataset_name",
+                "none",
+                "--dataloader_drop_last",
+                drop_last,
+                "--per_device_train_batch_size",
+                "3",
+                "--num_train_epochs",
+                "1",
+                "--logging_steps",
+                "1",
+                "--save_steps",
+                "1000",
+                "--output_dir",
+                out.to_str().unwrap(),
+            ],
+        )
+        .output()
+        .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout) + String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{text}");
+        let steps = metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
+        (text.to_string(), steps)
+    };
+    // 1 process: 2 micro-batches of 3, the last 2 rows left out; or 3, the last of 2 rows.
+    let (text, steps) = run("1", "true");
     assert!(
         text.contains("2 of 8 training rows are left out of each epoch"),
         "{text}"
     );
+    assert_eq!(steps.len(), 2);
+    let (text, steps) = run("1", "false");
+    assert!(!text.contains("left out"), "{text}");
+    assert_eq!(steps.len(), 3);
+    let tokens = |s: &[serde_json::Value]| s.last().unwrap()["num_tokens"].as_f64().unwrap();
+    let all_rows = tokens(&steps);
+    // 2 processes: 3 micro-batches of 3 rows do not share out evenly, so each rank reads 2,
+    // the last filled with the epoch's first 4 rows again.
+    let (text, steps) = run("2", "false");
     assert!(
-        text.contains("dataloader_drop_last: the partial last global batch"),
+        text.contains("4 rows of each epoch's start are trained twice"),
         "{text}"
     );
+    assert_eq!(steps.len(), 2);
+    assert!(
+        tokens(&steps) > all_rows,
+        "{} vs {all_rows}",
+        tokens(&steps)
+    );
+    let (text, steps) = run("2", "true");
+    assert!(text.contains("2 of 8 training rows are left out"), "{text}");
+    assert_eq!(steps.len(), 1);
+}
+
+/// An epoch of 8 rows in micro-batches of 3 (the last of 2) and steps of 2 micro-batches
+/// (the epoch's last of 1), in stored order, for 2 epochs under a linear schedule: every
+/// step's figures, learning rate and epoch equal TRL's SFTTrainer's (when TRL is installed).
+#[test]
+fn partial_batches_and_steps_match_trl() {
+    let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = eight_rows(tmp.path());
+    let shared = [
+        ("per_device_train_batch_size", "3"),
+        ("gradient_accumulation_steps", "2"),
+        ("num_train_epochs", "2"),
+        ("lr_scheduler_type", "linear"),
+        ("train_sampling_strategy", "sequential"),
+        ("dataloader_drop_last", "false"),
+        ("assistant_only_loss", "true"),
+    ];
+    let o = Command::new(&python)
+        .arg(root().join("scripts/trl_sft.py"))
+        .arg(root().join("assets/tiny/model"))
+        .arg(&rows)
+        .arg(tmp.path().join("trl"))
+        .args(["-1", "8", "1e-3", "rows=8"])
+        .args(shared.iter().map(|(k, v)| format!("{k}={v}")))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let theirs = metrics(&stdout);
+    let out = tmp.path().join("ours");
+    let flags: Vec<String> = shared
+        .iter()
+        .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
+        .collect();
+    let cmd = common::trainer_launch(
+        "sft",
+        &["--num_processes", "1"],
+        &[
+            &["--dataset_name", rows.to_str().unwrap()][..],
+            &["--eval_dataset_name", "none"],
+            &["--model_name_or_path"],
+            &[root().join("assets/tiny/model").to_str().unwrap()],
+            &["--learning_rate", "1e-3", "--max_length", "64"],
+            &["--packing", "false", "--gradient_checkpointing", "false"],
+            &["--warmup_ratio", "0", "--weight_decay", "0"],
+            &[
+                "--seed",
+                "0",
+                "--logging_steps",
+                "1",
+                "--save_steps",
+                "1000",
+            ],
+            &["--output_dir", out.to_str().unwrap()],
+            &flags.iter().map(String::as_str).collect::<Vec<_>>(),
+        ]
+        .concat(),
+    );
+    let ours = metrics(&common::metrics_of(cmd, &out));
+    assert_eq!((ours.len(), theirs.len()), (4, 4), "{stdout}");
+    let mut worst = 0f64;
+    for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        for key in KEYS.iter().chain(&["learning_rate", "epoch"]) {
+            worst = worst.max(off(&a[key], &b[key]));
+            assert!(
+                close(&a[key], &b[key], 1e-4),
+                "step {} {key}: {} vs TRL's {}",
+                step + 1,
+                a[key],
+                b[key]
+            );
+        }
+    }
+    eprintln!("partial micro-batches and steps: every figure within {worst:.1e} of TRL's");
 }
 
 /// A command that names a dataset (or a model) starts from TRL's defaults, as `trl sft

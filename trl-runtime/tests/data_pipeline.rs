@@ -221,3 +221,37 @@ fn collation_padded_and_padding_free() {
     assert_eq!(packed.len(), 1);
     assert_eq!(packed[0].position_ids(), vec![0, 1, 2, 0, 1]);
 }
+
+/// Micro-batches per epoch as accelerate's prepared DataLoader deals them: with drop_last
+/// the batches every rank fills; without, one process keeps a smaller last batch, and
+/// several fill their last batches with the epoch's first rows. Every row is dealt.
+#[test]
+fn micro_batches_of_an_epoch_follow_accelerate() {
+    let sampler = |world, rank, drop_last| DistributedSampler {
+        len: 8,
+        world,
+        rank,
+        seed: 3,
+        shuffle: true,
+        drop_last,
+    };
+    let sizes = |s: &DistributedSampler| s.batches(1, 3).iter().map(Vec::len).collect::<Vec<_>>();
+    assert_eq!(sizes(&sampler(1, 0, true)), [3, 3]);
+    assert_eq!(sizes(&sampler(1, 0, false)), [3, 3, 2]);
+    let mut once: Vec<usize> = sampler(1, 0, false).batches(1, 3).concat();
+    once.sort();
+    assert_eq!(once, (0..8).collect::<Vec<_>>());
+    // Two ranks: 3 batches of the 8 rows take 2 rounds, 12 rows, the first 4 again.
+    let dealt: Vec<Vec<usize>> = (0..2)
+        .map(|r| sampler(2, r, false).batches(1, 3).concat())
+        .collect();
+    assert!(dealt.iter().all(|d| d.len() == 6));
+    let order = sampler(1, 0, false).batches(1, 8).concat();
+    let mut all = dealt.concat();
+    all.sort();
+    let mut want: Vec<usize> = order.iter().chain(&order[..4]).copied().collect();
+    want.sort();
+    assert_eq!(all, want);
+    assert_eq!(sampler(2, 1, true).num_batches(3), 1);
+    assert_eq!(sampler(2, 1, false).num_batches(3), 2);
+}

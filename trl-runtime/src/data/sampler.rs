@@ -23,11 +23,7 @@ pub struct DistributedSampler {
 impl DistributedSampler {
     /// The full order of example indices for `epoch`, before dealing.
     pub fn global_order(&self, epoch: u64) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.len).collect();
-        if self.shuffle {
-            let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed.wrapping_add(epoch));
-            order.shuffle(&mut rng);
-        }
+        let mut order = self.shuffled(epoch);
         if self.drop_last {
             order.truncate(self.len / self.world * self.world);
         } else if self.len > 0 {
@@ -48,6 +44,48 @@ impl DistributedSampler {
             .skip(self.rank)
             .step_by(self.world)
             .collect()
+    }
+
+    /// Every row once, in the epoch's order (seeded by seed and epoch, or as stored).
+    fn shuffled(&self, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.len).collect();
+        if self.shuffle {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed.wrapping_add(epoch));
+            order.shuffle(&mut rng);
+        }
+        order
+    }
+
+    /// Micro-batches of `batch` rows each rank reads per epoch, as transformers' Trainer gets
+    /// them from accelerate's prepared DataLoader: with `drop_last`, the batches every rank
+    /// fills; without, a single process also reads a smaller last batch, and several
+    /// processes read as many batches as the last one needs (accelerate's `even_batches`).
+    pub fn num_batches(&self, batch: usize) -> usize {
+        let batches = self.len.div_ceil(batch.max(1));
+        match (self.drop_last, self.world) {
+            (true, world) => self.len / (batch.max(1) * world),
+            (false, 1) => batches,
+            (false, world) => batches.div_ceil(world),
+        }
+    }
+
+    /// This rank's [`Self::num_batches`] micro-batches for `epoch`: the epoch's order cut to
+    /// what they hold, or with several processes filled out with rows from its start (as
+    /// accelerate fills the last batches), dealt round-robin and cut into batches.
+    pub fn batches(&self, epoch: u64, batch: usize) -> Vec<Vec<usize>> {
+        let mut order = self.shuffled(epoch);
+        let rows = self.num_batches(batch) * batch * self.world;
+        if self.world > 1 {
+            let from_start: Vec<usize> = order.iter().copied().cycle().take(rows).collect();
+            order = from_start;
+        }
+        order.truncate(rows);
+        let mine: Vec<usize> = order
+            .into_iter()
+            .skip(self.rank)
+            .step_by(self.world)
+            .collect();
+        mine.chunks(batch.max(1)).map(<[usize]>::to_vec).collect()
     }
 
     /// Examples each rank reads per epoch.

@@ -193,6 +193,15 @@ training_arguments! {
     /// The seed of the data order (each epoch's shuffle, the mixture's held-out rows); unset:
     /// seed, as transformers' data_seed.
     data_seed: Option<u64> = None;
+    /// The order rows are trained in: random (each epoch shuffled by the data seed) or
+    /// sequential (as stored), as transformers' train_sampling_strategy.
+    train_sampling_strategy: String = "random".into();
+    /// Whether each epoch leaves out the rows past the last micro-batch every rank fills
+    /// (transformers' dataloader_drop_last). False, its default, trains them: a single
+    /// process in a smaller last micro-batch, several processes with their last micro-batches
+    /// filled from the epoch's start, as accelerate does; the last step of an epoch may take
+    /// fewer than gradient_accumulation_steps micro-batches, as transformers' Trainer does.
+    dataloader_drop_last: bool = false;
     /// A checkpoint directory, or `latest` for the newest in output_dir.
     resume_from_checkpoint: Option<String> = None;
     /// Accelerate's mixed precision: no (fp32) or bf16 (bf16 weights and compute, fp32 master
@@ -649,6 +658,15 @@ impl TrainingArguments {
         let kind = crate::train::SchedulerKind::parse(&self.lr_scheduler_type)
             .map_err(|e| err("lr_scheduler_type", e.to_string()))?;
         self.scheduler_args(kind, source)?;
+        if !["random", "sequential"].contains(&self.train_sampling_strategy.as_str()) {
+            return Err(err(
+                "train_sampling_strategy",
+                format!(
+                    "'{}' is not accepted: use random or sequential (group_by_length and batch_rebalance order rows by length, which is not built here)",
+                    self.train_sampling_strategy
+                ),
+            ));
+        }
         if crate::nn::AttentionImpl::parse(&self.attn_implementation).is_none() {
             return Err(err(
                 "attn_implementation",

@@ -331,9 +331,11 @@ pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
     pub checkpoint_format: CheckpointFormat,
     schedule: crate::train::LrSchedule,
     sampler: DistributedSampler,
-    /// This epoch's sample order (epoch, indices), cached across its steps.
-    order: Option<(u64, Vec<usize>)>,
+    /// This epoch's micro-batches of this rank (epoch, row indices), cached across its steps.
+    order: Option<(u64, Vec<Vec<usize>>)>,
     pub state: TrainerState,
+    /// Micro-batches per epoch and rank (transformers' len(train_dataloader)).
+    micro_batches_per_epoch: usize,
     steps_per_epoch: usize,
     stop: Arc<AtomicBool>,
     /// What `parallel::estimate` predicts this rank holds, computed once at load.
@@ -518,29 +520,35 @@ impl<'a, N: CausalModel> Core<'a, N> {
             world: dp.size(),
             rank: dp.rank(),
             seed: args.data_order_seed(),
-            shuffle: true,
-            drop_last: true,
+            shuffle: args.train_sampling_strategy != "sequential",
+            drop_last: args.dataloader_drop_last,
         };
-        let per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps;
-        let steps_per_epoch = sampler.num_samples() / per_step;
-        if steps_per_epoch == 0 {
+        let batch = args.per_device_train_batch_size;
+        let micro_batches_per_epoch = sampler.num_batches(batch);
+        if micro_batches_per_epoch == 0 {
             return Err(Error::Config {
                 file: args.dataset_name.display().to_string(),
                 key: "per_device_train_batch_size".into(),
                 message: format!(
-                    "{rows} training rows cannot fill one global batch of {} (per_device_train_batch_size x {} ranks x gradient_accumulation_steps): lower them or add data",
-                    per_step * dp.size(),
+                    "{rows} training rows cannot fill one micro-batch of {batch} rows on each of {} ranks, and dataloader_drop_last is true: lower per_device_train_batch_size, add data, or set dataloader_drop_last false",
                     dp.size()
                 ),
             });
         }
-        // transformers' default (dataloader_drop_last false) trains on the rows past the last
-        // full global batch in a smaller batch; here every epoch drops them, so say so.
-        let left = rows - steps_per_epoch * per_step * dp.size();
-        if left > 0 && ctx.rank() == 0 {
+        // As transformers' Trainer: an epoch's last step takes the micro-batches left.
+        let steps_per_epoch = micro_batches_per_epoch.div_ceil(args.gradient_accumulation_steps);
+        let dealt = micro_batches_per_epoch * batch * dp.size();
+        if ctx.rank() == 0 && dealt < rows {
             tracing::warn!(
-                "{left} of {rows} training rows are left out of each epoch (a different {left}, by the shuffle): they do not fill a global batch of {}, and the partial last batch is dropped (dataloader_drop_last true; transformers' default, false, trains on it)",
-                per_step * dp.size()
+                "{} of {rows} training rows are left out of each epoch (a different set, by the shuffle): they do not fill a micro-batch of {batch} rows on each of {} ranks (dataloader_drop_last true; false trains them)",
+                rows - dealt,
+                dp.size()
+            );
+        } else if ctx.rank() == 0 && dealt > rows && dp.size() > 1 {
+            tracing::info!(
+                "{} rows of each epoch's start are trained twice, filling the last micro-batches of {} ranks as accelerate does ({rows} rows; dataloader_drop_last true leaves out the rest instead)",
+                dealt - rows,
+                dp.size()
             );
         }
         let total_steps = args.total_steps(steps_per_epoch);
@@ -577,6 +585,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             sampler,
             order: None,
             state,
+            micro_batches_per_epoch,
             steps_per_epoch,
             stop,
             predicted: None,
@@ -616,9 +625,12 @@ impl<'a, N: CausalModel> Core<'a, N> {
         self.steps_per_epoch
     }
 
-    /// Epochs completed, with the fraction of the current one (transformers' state.epoch).
+    /// Epochs completed, with the fraction of the current one's micro-batches trained
+    /// (transformers' state.epoch).
     pub fn epoch(&self) -> f64 {
-        self.state.epoch as f64 + self.state.step_in_epoch as f64 / self.steps_per_epoch as f64
+        let done = self.state.step_in_epoch * self.args.gradient_accumulation_steps;
+        let all = self.micro_batches_per_epoch;
+        self.state.epoch as f64 + done.min(all) as f64 / all as f64
     }
 
     /// Model state this rank holds under its strategy. Parameters and optimizer state are
@@ -745,6 +757,8 @@ impl<'a, N: CausalModel> Core<'a, N> {
     }
 
     /// The row indices of this rank's micro-batches in the current step.
+    /// The last step of an epoch takes the micro-batches left, fewer where
+    /// gradient_accumulation_steps does not divide them.
     pub(super) fn step_rows(&mut self) -> Vec<Vec<usize>> {
         let (b, a) = (
             self.args.per_device_train_batch_size,
@@ -753,13 +767,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
         // The epoch's order is computed once per epoch, not every step.
         let epoch = self.state.epoch as u64;
         if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            self.order = Some((epoch, self.sampler.indices(epoch)));
+            self.order = Some((epoch, self.sampler.batches(epoch, b)));
         }
-        let order = &self.order.as_ref().expect("set above").1;
-        let start = self.state.step_in_epoch * b * a;
-        (0..a)
-            .map(|m| order[start + m * b..start + (m + 1) * b].to_vec())
-            .collect()
+        let batches = &self.order.as_ref().expect("set above").1;
+        let start = (self.state.step_in_epoch * a).min(batches.len());
+        batches[start..(start + a).min(batches.len())].to_vec()
     }
 
     /// Runs `f` (a micro-batch's training forward) with this step's random draws, LoRA's

@@ -20,7 +20,6 @@ const KNOWN: &[&str] = &[
     "bnb_4bit_quant_storage",
     "bnb_4bit_quant_type",
     "chat_template_path",
-    "dataloader_drop_last",
     "dataloader_in_order",
     "dataloader_multiprocessing_context",
     "dataloader_num_workers",
@@ -126,7 +125,6 @@ const KNOWN: &[&str] = &[
     "trackio_bucket_id",
     "trackio_space_id",
     "trackio_static_space_id",
-    "train_sampling_strategy",
     "truncation_mode",
     "trust_remote_code",
     "use_bnb_nested_quant",
@@ -152,8 +150,6 @@ fn why(key: &str) -> &'static str {
         "include_tokens_per_second",
     ]) {
         "metrics go to output_dir/metrics.jsonl (and the log) as logging_strategy says"
-    } else if key == "dataloader_drop_last" {
-        "the partial last global batch of each epoch is always dropped here (as true; a warning at launch counts the rows left out); transformers' default, false, trains on it in a smaller batch"
     } else if key == "include_num_input_tokens_seen" {
         "the input tokens trained on (padding not counted) are logged as num_tokens, as TRL logs them"
     } else if any(&[
@@ -201,7 +197,6 @@ fn why(key: &str) -> &'static str {
         "remove_unused_columns",
         "label_names",
         "length_column_name",
-        "train_sampling_strategy",
         "shuffle_dataset",
     ]) {
         "the dataset is dataset_name (a .jsonl or .parquet file in one of TRL's formats, or a local dataset directory), read and shuffled in-process by seed"
