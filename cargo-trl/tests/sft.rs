@@ -155,23 +155,33 @@ fn check_equal(name: &str, split: &[serde_json::Value], one: &[serde_json::Value
     }
 }
 
+/// scripts/trl_sft.py on the tiny model, `rows` and output directory `out` (its other
+/// arguments to add); None, with a message, without TRL.
+fn trl_sft() -> Option<impl Fn(&Path, &Path) -> Command> {
+    let python = common::python_with(&["torch", "transformers", "trl", "datasets"])?;
+    Some(move |rows: &Path, out: &Path| {
+        let mut cmd = Command::new(&python);
+        cmd.arg(root().join("scripts/trl_sft.py"))
+            .arg(root().join("assets/tiny/model"))
+            .arg(rows)
+            .arg(out);
+        cmd
+    })
+}
+
 /// Three steps and an evaluation on 8 chat rows: the loss, gradient norm, tokens, entropy
 /// and mean token accuracy of every step, and the evaluation's loss, entropy and accuracy,
 /// equal TRL's SFTTrainer's within 1e-4 relative, on the assistant's tokens and on all, and
 /// with TRL's DFT loss (loss_type dft).
 #[test]
 fn sft_figures_match_trl() {
-    let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
+    let Some(trl) = trl_sft() else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
     let rows = eight_rows(tmp.path());
     for (assistant_only, loss_type) in [(true, "nll"), (false, "nll"), (true, "dft")] {
-        let o = Command::new(&python)
-            .arg(root().join("scripts/trl_sft.py"))
-            .arg(root().join("assets/tiny/model"))
-            .arg(&rows)
-            .arg(tmp.path().join("trl"))
+        let o = trl(&rows, &tmp.path().join("trl"))
             .args(["3", "8", "1e-3", "eval_batch=4"])
             .arg(format!("assistant_only_loss={assistant_only}"))
             .arg(format!("loss_type={loss_type}"))
@@ -290,7 +300,7 @@ fn each_epochs_rows_are_dealt_as_accelerate_deals_them() {
 /// step's figures, learning rate and epoch equal TRL's SFTTrainer's (when TRL is installed).
 #[test]
 fn partial_batches_and_steps_match_trl() {
-    let Some(python) = common::python_with(&["torch", "transformers", "trl", "datasets"]) else {
+    let Some(trl) = trl_sft() else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -304,11 +314,7 @@ fn partial_batches_and_steps_match_trl() {
         ("dataloader_drop_last", "false"),
         ("assistant_only_loss", "true"),
     ];
-    let o = Command::new(&python)
-        .arg(root().join("scripts/trl_sft.py"))
-        .arg(root().join("assets/tiny/model"))
-        .arg(&rows)
-        .arg(tmp.path().join("trl"))
+    let o = trl(&rows, &tmp.path().join("trl"))
         .args(["-1", "8", "1e-3", "rows=8"])
         .args(shared.iter().map(|(k, v)| format!("{k}={v}")))
         .output()
