@@ -153,6 +153,15 @@ fn bad_values_name_the_key() {
             assert!(e.contains(key) && e.contains("invalid type"), "{e}");
         }
     }
+    // transformers' sampling strategies are taken (those by length as random, warned at
+    // launch); another value is refused with the list.
+    let c = cli(&["--train_sampling_strategy", "group_by_length"]).unwrap();
+    assert_eq!(c.training.train_sampling_strategy, "group_by_length");
+    let e = cli(&["--train_sampling_strategy", "by_size"]).unwrap_err();
+    assert!(
+        e.contains("train_sampling_strategy") && e.contains("sequential"),
+        "{e}"
+    );
     let e = cli(&["--lr_scheduler_type", "exponential"]).unwrap_err();
     assert!(
         e.contains("lr_scheduler_type") && e.contains("cosine"),

@@ -194,7 +194,8 @@ training_arguments! {
     /// seed, as transformers' data_seed.
     data_seed: Option<u64> = None;
     /// The order rows are trained in: random (each epoch shuffled by the data seed) or
-    /// sequential (as stored), as transformers' train_sampling_strategy.
+    /// sequential (as stored), as transformers' train_sampling_strategy; group_by_length and
+    /// batch_rebalance are taken as random, with a warning at launch.
     train_sampling_strategy: String = "random".into();
     /// Whether each epoch leaves out the rows past the last micro-batch every rank fills
     /// (transformers' dataloader_drop_last). False, its default, trains them: a single
@@ -275,6 +276,10 @@ fn precision(name: &str) -> std::result::Result<candle_core::DType, String> {
         other => Err(format!("'{other}' is not accepted: use no or bf16")),
     }
 }
+
+/// transformers' train_sampling_strategy values.
+const SAMPLING_STRATEGIES: &[&str] =
+    &["random", "sequential", "group_by_length", "batch_rebalance"];
 
 impl TrainingArguments {
     /// The weight of a mixture of experts' router load-balancing loss in the loss, as TRL
@@ -658,12 +663,13 @@ impl TrainingArguments {
         let kind = crate::train::SchedulerKind::parse(&self.lr_scheduler_type)
             .map_err(|e| err("lr_scheduler_type", e.to_string()))?;
         self.scheduler_args(kind, source)?;
-        if !["random", "sequential"].contains(&self.train_sampling_strategy.as_str()) {
+        if !SAMPLING_STRATEGIES.contains(&self.train_sampling_strategy.as_str()) {
             return Err(err(
                 "train_sampling_strategy",
                 format!(
-                    "'{}' is not accepted: use random or sequential (group_by_length and batch_rebalance order rows by length, which is not built here)",
-                    self.train_sampling_strategy
+                    "'{}' is not accepted: use one of {}",
+                    self.train_sampling_strategy,
+                    SAMPLING_STRATEGIES.join(", ")
                 ),
             ));
         }

@@ -526,14 +526,24 @@ impl<'a, N: CausalModel> Core<'a, N> {
         let batch = args.per_device_train_batch_size;
         let micro_batches_per_epoch = sampler.num_batches(batch);
         if micro_batches_per_epoch == 0 {
+            let fix = match args.dataloader_drop_last {
+                true => ", and dataloader_drop_last is true: lower per_device_train_batch_size, add data, or set dataloader_drop_last false",
+                false => ": add data",
+            };
             return Err(Error::Config {
                 file: args.dataset_name.display().to_string(),
                 key: "per_device_train_batch_size".into(),
                 message: format!(
-                    "{rows} training rows cannot fill one micro-batch of {batch} rows on each of {} ranks, and dataloader_drop_last is true: lower per_device_train_batch_size, add data, or set dataloader_drop_last false",
+                    "{rows} training rows cannot fill one micro-batch of {batch} rows on each of {} ranks{fix}",
                     dp.size()
                 ),
             });
+        }
+        if ctx.rank() == 0 && args.train_sampling_strategy.contains('_') {
+            tracing::warn!(
+                "train_sampling_strategy {}: rows are shuffled at random here (ordering them by length is not built)",
+                args.train_sampling_strategy
+            );
         }
         // As transformers' Trainer: an epoch's last step takes the micro-batches left.
         let steps_per_epoch = micro_batches_per_epoch.div_ceil(args.gradient_accumulation_steps);
