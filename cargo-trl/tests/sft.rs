@@ -395,3 +395,55 @@ fn naming_a_dataset_starts_from_trls_defaults() {
     assert_eq!(step["epoch"], 1.0, "{step}");
     assert!(stdout.contains("held-out accuracy: before n/a"), "{stdout}");
 }
+
+/// A run resumed from the step after an epoch's partial last one (8 rows in micro-batches of
+/// 3, steps of 2: 2 steps an epoch, the second of 1 micro-batch) logs the straight run's
+/// next step.
+#[test]
+fn a_run_resumed_after_a_partial_step_equals_the_straight_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = eight_rows(tmp.path());
+    let run = |out: &Path, resume: bool| {
+        let mut args = vec![
+            "--dataset_name",
+            rows.to_str().unwrap(),
+            "--eval_dataset_name",
+            "none",
+            "--per_device_train_batch_size",
+            "3",
+            "--gradient_accumulation_steps",
+            "2",
+            "--num_train_epochs",
+            "2",
+            "--logging_steps",
+            "1",
+            "--save_steps",
+            "3",
+            "--output_dir",
+            out.to_str().unwrap(),
+        ];
+        if resume {
+            args.extend(["--resume_from_checkpoint", "latest"]);
+        }
+        let cmd = common::trainer_launch("sft", &["--num_processes", "1"], &args);
+        metrics(&common::metrics_of(cmd, out))
+    };
+    let straight = run(&tmp.path().join("straight"), false);
+    let resumed_dir = tmp.path().join("resumed");
+    std::fs::create_dir_all(&resumed_dir).unwrap();
+    let checkpoint = tmp.path().join("straight/checkpoint-3");
+    let copy = Command::new("cp")
+        .arg("-r")
+        .arg(&checkpoint)
+        .arg(&resumed_dir)
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    let resumed = run(&resumed_dir, true);
+    assert_eq!(straight.len(), 4);
+    let last = resumed.last().unwrap();
+    assert_eq!(last["step"], 4, "{last}");
+    for key in ["epoch", "loss", "grad_norm", "learning_rate", "num_tokens"] {
+        assert_eq!(last[key], straight[3][key], "{key}");
+    }
+}
