@@ -76,5 +76,6 @@ class Run:
 
 class Print(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "loss" in logs:
+        # Every process logs; under torchrun the first one prints.
+        if logs and "loss" in logs and state.is_world_process_zero:
             print(json.dumps({"step": state.global_step, **logs}), flush=True)

@@ -156,11 +156,22 @@ fn check_equal(name: &str, split: &[serde_json::Value], one: &[serde_json::Value
 }
 
 /// scripts/trl_sft.py on the tiny model, `rows` and output directory `out` (its other
-/// arguments to add); None, with a message, without TRL.
-fn trl_sft() -> Option<impl Fn(&Path, &Path) -> Command> {
+/// arguments to add), in `processes` processes (torchrun's, over gloo, for more than one);
+/// None, with a message, without TRL.
+fn trl_sft() -> Option<impl Fn(&Path, &Path, usize) -> Command> {
     let python = common::python_with(&["torch", "transformers", "trl", "datasets"])?;
-    Some(move |rows: &Path, out: &Path| {
+    Some(move |rows: &Path, out: &Path, processes: usize| {
         let mut cmd = Command::new(&python);
+        if processes > 1 {
+            let n = processes.to_string();
+            cmd.args([
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                &n,
+            ]);
+        }
         cmd.arg(root().join("scripts/trl_sft.py"))
             .arg(root().join("assets/tiny/model"))
             .arg(rows)
@@ -181,7 +192,7 @@ fn sft_figures_match_trl() {
     let tmp = tempfile::tempdir().unwrap();
     let rows = eight_rows(tmp.path());
     for (assistant_only, loss_type) in [(true, "nll"), (false, "nll"), (true, "dft")] {
-        let o = trl(&rows, &tmp.path().join("trl"))
+        let o = trl(&rows, &tmp.path().join("trl"), 1)
             .args(["3", "8", "1e-3", "eval_batch=4"])
             .arg(format!("assistant_only_loss={assistant_only}"))
             .arg(format!("loss_type={loss_type}"))
@@ -295,9 +306,12 @@ fn each_epochs_rows_are_dealt_as_accelerate_deals_them() {
     assert_eq!(steps.len(), 1);
 }
 
-/// An epoch of 8 rows in micro-batches of 3 (the last of 2) and steps of 2 micro-batches
-/// (the epoch's last of 1), in stored order, for 2 epochs under a linear schedule: every
-/// step's figures, learning rate and epoch equal TRL's SFTTrainer's (when TRL is installed).
+/// An epoch of 8 rows in micro-batches of 3, in stored order, under a linear schedule, as
+/// transformers' Trainer and accelerate deal it: one process in steps of 2 micro-batches
+/// (the last micro-batch of 2 rows, the epoch's last step of 1 micro-batch) for 2 epochs,
+/// and two processes (torchrun) in steps of 1, each rank's last micro-batch filled with the
+/// epoch's first rows. Every step's figures, learning rate and epoch equal TRL's
+/// SFTTrainer's (when TRL is installed).
 #[test]
 fn partial_batches_and_steps_match_trl() {
     let Some(trl) = trl_sft() else {
@@ -305,68 +319,64 @@ fn partial_batches_and_steps_match_trl() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let rows = eight_rows(tmp.path());
-    let shared = [
-        ("per_device_train_batch_size", "3"),
-        ("gradient_accumulation_steps", "2"),
-        ("num_train_epochs", "2"),
-        ("lr_scheduler_type", "linear"),
-        ("train_sampling_strategy", "sequential"),
-        ("dataloader_drop_last", "false"),
-        ("assistant_only_loss", "true"),
-    ];
-    let o = trl(&rows, &tmp.path().join("trl"))
-        .args(["-1", "8", "1e-3", "rows=8"])
-        .args(shared.iter().map(|(k, v)| format!("{k}={v}")))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let theirs = metrics(&stdout);
-    let out = tmp.path().join("ours");
-    let flags: Vec<String> = shared
-        .iter()
-        .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
-        .collect();
-    let cmd = common::trainer_launch(
-        "sft",
-        &["--num_processes", "1"],
-        &[
-            &["--dataset_name", rows.to_str().unwrap()][..],
-            &["--eval_dataset_name", "none"],
-            &["--model_name_or_path"],
-            &[root().join("assets/tiny/model").to_str().unwrap()],
-            &["--learning_rate", "1e-3", "--max_length", "64"],
-            &["--packing", "false", "--gradient_checkpointing", "false"],
-            &["--warmup_ratio", "0", "--weight_decay", "0"],
+    for (processes, accumulation) in [(1, "2"), (2, "1")] {
+        let shared = [
+            ("per_device_train_batch_size", "3"),
+            ("gradient_accumulation_steps", accumulation),
+            ("num_train_epochs", "2"),
+            ("lr_scheduler_type", "linear"),
+            ("train_sampling_strategy", "sequential"),
+            ("dataloader_drop_last", "false"),
+            ("assistant_only_loss", "true"),
+        ];
+        let o = trl(&rows, &tmp.path().join("trl"), processes)
+            .args(["-1", "8", "1e-3", "rows=8"])
+            .args(shared.iter().map(|(k, v)| format!("{k}={v}")))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        let theirs = metrics(&stdout);
+        let out = tmp.path().join(format!("ours-{processes}"));
+        let flags: Vec<String> = shared
+            .iter()
+            .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
+            .collect();
+        let launch = ["--num_processes", &processes.to_string()].map(String::from);
+        let cmd = common::trainer_launch(
+            "sft",
+            &launch.iter().map(String::as_str).collect::<Vec<_>>(),
             &[
-                "--seed",
-                "0",
-                "--logging_steps",
-                "1",
-                "--save_steps",
-                "1000",
-            ],
-            &["--output_dir", out.to_str().unwrap()],
-            &flags.iter().map(String::as_str).collect::<Vec<_>>(),
-        ]
-        .concat(),
-    );
-    let ours = metrics(&common::metrics_of(cmd, &out));
-    assert_eq!((ours.len(), theirs.len()), (4, 4), "{stdout}");
-    let mut worst = 0f64;
-    for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-        for key in KEYS.iter().chain(&["learning_rate", "epoch"]) {
-            worst = worst.max(off(&a[key], &b[key]));
-            assert!(
-                close(&a[key], &b[key], 1e-4),
-                "step {} {key}: {} vs TRL's {}",
-                step + 1,
-                a[key],
-                b[key]
-            );
+                &["--dataset_name", rows.to_str().unwrap()][..],
+                &["--eval_dataset_name", "none"],
+                &["--model_name_or_path"],
+                &[root().join("assets/tiny/model").to_str().unwrap()],
+                &["--learning_rate", "1e-3", "--max_length", "64"],
+                &["--packing", "false", "--gradient_checkpointing", "false"],
+                &["--warmup_ratio", "0", "--weight_decay", "0", "--seed", "0"],
+                &["--logging_steps", "1", "--save_steps", "1000"],
+                &["--output_dir", out.to_str().unwrap()],
+                &flags.iter().map(String::as_str).collect::<Vec<_>>(),
+            ]
+            .concat(),
+        );
+        let ours = metrics(&common::metrics_of(cmd, &out));
+        assert_eq!((ours.len(), theirs.len()), (4, 4), "{stdout}");
+        let mut worst = 0f64;
+        for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            for key in KEYS.iter().chain(&["learning_rate", "epoch"]) {
+                worst = worst.max(off(&a[key], &b[key]));
+                assert!(
+                    close(&a[key], &b[key], 1e-4),
+                    "{processes} process(es), step {} {key}: {} vs TRL's {}",
+                    step + 1,
+                    a[key],
+                    b[key]
+                );
+            }
         }
+        eprintln!("{processes} process(es), partial micro-batches and steps: every figure within {worst:.1e} of TRL's");
     }
-    eprintln!("partial micro-batches and steps: every figure within {worst:.1e} of TRL's");
 }
 
 /// A command that names a dataset (or a model) starts from TRL's defaults, as `trl sft
