@@ -180,6 +180,19 @@ fn trl_sft() -> Option<impl Fn(&Path, &Path, usize) -> Command> {
     })
 }
 
+/// Runs TRL's script: its logged steps, its evaluation and its output.
+fn run_trl(cmd: &mut Command) -> (Vec<serde_json::Value>, serde_json::Value, String) {
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+    let eval = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("eval").cloned())
+        .expect("TRL's evaluation");
+    (metrics(&stdout), eval, stdout)
+}
+
 /// Three steps and an evaluation on 8 chat rows: the loss, gradient norm, tokens, entropy
 /// and mean token accuracy of every step, and the evaluation's loss, entropy and accuracy,
 /// equal TRL's SFTTrainer's within 1e-4 relative, on the assistant's tokens and on all, and
@@ -192,20 +205,12 @@ fn sft_figures_match_trl() {
     let tmp = tempfile::tempdir().unwrap();
     let rows = eight_rows(tmp.path());
     for (assistant_only, loss_type) in [(true, "nll"), (false, "nll"), (true, "dft")] {
-        let o = trl(&rows, &tmp.path().join("trl"), 1)
-            .args(["3", "8", "1e-3", "eval_batch=4"])
-            .arg(format!("assistant_only_loss={assistant_only}"))
-            .arg(format!("loss_type={loss_type}"))
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let stdout = String::from_utf8_lossy(&o.stdout);
-        let theirs = metrics(&stdout);
-        let their_eval = stdout
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .find_map(|v| v.get("eval").cloned())
-            .expect("TRL's evaluation");
+        let (theirs, their_eval, stdout) = run_trl(
+            trl(&rows, &tmp.path().join("trl"), 1)
+                .args(["3", "8", "1e-3", "eval_batch=4"])
+                .arg(format!("assistant_only_loss={assistant_only}"))
+                .arg(format!("loss_type={loss_type}")),
+        );
         let out = tmp
             .path()
             .join(format!("ours-{assistant_only}-{loss_type}"));
@@ -310,8 +315,10 @@ fn each_epochs_rows_are_dealt_as_accelerate_deals_them() {
 /// transformers' Trainer and accelerate deal it: one process in steps of 2 micro-batches
 /// (the last micro-batch of 2 rows, the epoch's last step of 1 micro-batch) for 2 epochs,
 /// and two processes (torchrun) in steps of 1, each rank's last micro-batch filled with the
-/// epoch's first rows. Every step's figures, learning rate and epoch equal TRL's
-/// SFTTrainer's (when TRL is installed).
+/// epoch's first rows; then an evaluation of the 8 rows in batches of 3, dealt the same way
+/// (the padded rows' values cut as accelerate's gather_for_metrics cuts them). Every step's
+/// figures, learning rate and epoch, and the evaluation's, equal TRL's SFTTrainer's (when
+/// TRL is installed).
 #[test]
 fn partial_batches_and_steps_match_trl() {
     let Some(trl) = trl_sft() else {
@@ -329,14 +336,11 @@ fn partial_batches_and_steps_match_trl() {
             ("dataloader_drop_last", "false"),
             ("assistant_only_loss", "true"),
         ];
-        let o = trl(&rows, &tmp.path().join("trl"), processes)
-            .args(["-1", "8", "1e-3", "rows=8"])
-            .args(shared.iter().map(|(k, v)| format!("{k}={v}")))
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let stdout = String::from_utf8_lossy(&o.stdout);
-        let theirs = metrics(&stdout);
+        let (theirs, their_eval, stdout) = run_trl(
+            trl(&rows, &tmp.path().join("trl"), processes)
+                .args(["-1", "8", "1e-3", "rows=8", "eval_batch=3"])
+                .args(shared.iter().map(|(k, v)| format!("{k}={v}"))),
+        );
         let out = tmp.path().join(format!("ours-{processes}"));
         let flags: Vec<String> = shared
             .iter()
@@ -348,7 +352,14 @@ fn partial_batches_and_steps_match_trl() {
             &launch.iter().map(String::as_str).collect::<Vec<_>>(),
             &[
                 &["--dataset_name", rows.to_str().unwrap()][..],
-                &["--eval_dataset_name", "none"],
+                &["--eval_dataset_name", rows.to_str().unwrap()],
+                &[
+                    "--per_device_eval_batch_size",
+                    "3",
+                    "--eval_strategy",
+                    "steps",
+                ],
+                &["--eval_steps", "4"],
                 &["--model_name_or_path"],
                 &[root().join("assets/tiny/model").to_str().unwrap()],
                 &["--learning_rate", "1e-3", "--max_length", "64"],
@@ -374,6 +385,15 @@ fn partial_batches_and_steps_match_trl() {
                     b[key]
                 );
             }
+        }
+        for key in EVAL_KEYS {
+            worst = worst.max(off(&ours[3][key], &their_eval[key]));
+            assert!(
+                close(&ours[3][key], &their_eval[key], 1e-4),
+                "{processes} process(es), {key}: {} vs TRL's {}",
+                ours[3][key],
+                their_eval[key]
+            );
         }
         eprintln!("{processes} process(es), partial micro-batches and steps: every figure within {worst:.1e} of TRL's");
     }

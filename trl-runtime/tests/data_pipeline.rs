@@ -255,3 +255,30 @@ fn micro_batches_of_an_epoch_follow_accelerate() {
     assert_eq!(sampler(2, 1, true).num_batches(3), 1);
     assert_eq!(sampler(2, 1, false).num_batches(3), 2);
 }
+
+/// Evaluation rows in order, as accelerate deals them: one process reads every batch (the
+/// last smaller); two read round by round, the last round filled from the start, its real
+/// rows named; with drop_last only full rounds.
+#[test]
+fn evaluation_rows_follow_accelerate() {
+    use trl_runtime::data::EvalDeal;
+    let deal = |world, drop_last| EvalDeal {
+        len: 8,
+        batch: 3,
+        world,
+        drop_last,
+    };
+    let one = deal(1, false);
+    assert_eq!((one.rounds(), one.rows(2, 0)), (3, vec![6, 7]));
+    let two = deal(2, false);
+    assert_eq!(two.rounds(), 2);
+    assert_eq!(
+        (two.rows(1, 0), two.rows(1, 1)),
+        (vec![6, 7, 0], vec![1, 2, 3])
+    );
+    assert_eq!(two.rows_in_last_round(), Some(2));
+    assert_eq!(
+        (deal(2, true).rounds(), deal(2, true).rows_in_last_round()),
+        (1, None)
+    );
+}

@@ -97,3 +97,43 @@ impl DistributedSampler {
         }
     }
 }
+
+/// Evaluation rows, in order, as accelerate's prepared DataLoader deals them: batches of
+/// `batch`; one process reads them all (the last smaller), several read round by round, rank
+/// r of round k the batch at k x world + r, the last ones filled from the start
+/// (`even_batches`), so that every rank runs the same number of forwards; with `drop_last`
+/// only the rounds of full batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalDeal {
+    pub len: usize,
+    pub batch: usize,
+    pub world: usize,
+    pub drop_last: bool,
+}
+
+impl EvalDeal {
+    /// Batches each rank reads.
+    pub fn rounds(&self) -> usize {
+        let (batch, world) = (self.batch.max(1), self.world.max(1));
+        match self.drop_last {
+            true => self.len / batch / world,
+            false => self.len.div_ceil(batch).div_ceil(world),
+        }
+    }
+
+    /// The rows of rank `rank`'s batch in round `round`.
+    pub fn rows(&self, round: usize, rank: usize) -> Vec<usize> {
+        let start = (round * self.world + rank) * self.batch;
+        match self.world {
+            1 => (start..(start + self.batch).min(self.len)).collect(),
+            _ => (start..start + self.batch).map(|i| i % self.len).collect(),
+        }
+    }
+
+    /// The real rows of the last round when it holds fewer than world x batch (accelerate's
+    /// `gather_for_metrics` cuts the last round's gathered values to them); None when full.
+    pub fn rows_in_last_round(&self) -> Option<usize> {
+        let rest = self.len % (self.batch * self.world).max(1);
+        (rest > 0 && !self.drop_last).then_some(rest)
+    }
+}

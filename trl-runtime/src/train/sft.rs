@@ -12,7 +12,8 @@ use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
 use crate::context_parallel::split::pad_to_multiple;
 use crate::data::dataset::{parse_record_in, to_example, Content, Record, TokenizeOptions};
 use crate::data::{
-    collate, pack, Batch, CollateOptions, Example, PackedSequence, PackingStrategy, TextTokenizer,
+    collate, pack, Batch, CollateOptions, EvalDeal, Example, PackedSequence, PackingStrategy,
+    TextTokenizer,
 };
 use crate::error::Result;
 use crate::models::CausalModel;
@@ -285,31 +286,31 @@ impl<N: CausalModel> Task<N> for Sft {
             return Ok(None);
         }
         let (rank, world) = (core.dp.rank(), core.dp.size());
-        let bs = config.training.per_device_eval_batch_size;
-        let mine: Vec<&PackedSequence> = data.eval_rows.iter().skip(rank).step_by(world).collect();
-        let chunks: Vec<&[&PackedSequence]> = mine.chunks(bs).collect();
-        let (mut sum, mut count) = (0.0, 0.0);
-        // Per round, as per micro-batch in training (zeros for a filler's round).
-        let mut local_figures = Vec::new();
-        let filler = [&data.eval_rows[0]];
+        let deal = EvalDeal {
+            len: data.eval_rows.len(),
+            batch: config.training.per_device_eval_batch_size,
+            world,
+            drop_last: config.training.dataloader_drop_last,
+        };
+        // Each round's sums of every rank in its slot: loss, targets, entropy, argmax hits.
+        let mut slots = vec![0.0; deal.rounds() * world * 4];
         // A mixture of experts' router loss per batch, as TRL's evaluation adds it.
         let router = RouterLosses::for_evaluation(core);
-        for i in 0..core.rounds(data.eval_rows.len(), bs, chunks.len()) {
-            let chunk = chunks.get(i).copied().unwrap_or(&filler);
-            let batch = collate(chunk, self.collate_options, &Device::Cpu)?
+        for round in 0..deal.rounds() {
+            let rows: Vec<&PackedSequence> = deal
+                .rows(round, rank)
+                .into_iter()
+                .map(|i| &data.eval_rows[i])
+                .collect();
+            let batch = collate(&rows, self.collate_options, &Device::Cpu)?
                 .part(core.model.split())?
                 .to_device(core.ctx.device())?;
             let aux = router.begin(&batch)?;
             let ls = router.during(&aux, || self.loss(core, &batch, false))?;
-            if i < chunks.len() {
-                let (loss, figures) = read_back(&ls)?;
-                sum += loss;
-                count += ls.count as f64;
-                local_figures.extend(figures);
-                router.end(aux);
-            } else {
-                local_figures.extend([0.0; 3]);
-            }
+            let (loss, [entropy, hits, targets]) = read_back(&ls)?;
+            let at = (round * world + rank) * 4;
+            slots[at..at + 4].copy_from_slice(&[loss, targets, entropy, hits]);
+            router.end(aux);
         }
         let mut correct = 0.0;
         let prompts: Vec<_> = data.eval_prompts.iter().skip(rank).step_by(world).collect();
@@ -324,17 +325,62 @@ impl<N: CausalModel> Task<N> for Sft {
             }
         }
         // Loss sums come from every sequence chunk; answers are generated whole on each.
-        let totals = core.batch_sum(&[&[sum, count][..], &local_figures].concat())?;
+        let slots = core.batch_sum(&slots)?;
         let correct = core.global_sum(&[correct])?[0];
-        let (loss, aux_loss) = router.evaluation_loss(core, totals[0] / totals[1].max(1.0))?;
+        let (loss, figures) = trl_evaluation(&slots, &deal);
+        let (loss, aux_loss) = router.evaluation_loss(core, loss)?;
         Ok(Some(EvalResult {
             loss,
             accuracy: (!data.eval_prompts.is_empty())
                 .then(|| correct / data.eval_prompts.len() as f64),
             aux_loss,
-            figures: mean_token_figures(&totals[2..]).to_vec(),
+            figures: figures.to_vec(),
         }))
     }
+}
+
+/// TRL's eval_loss, eval_entropy and eval_mean_token_accuracy from each round's per-rank
+/// sums (`slots`: loss, targets, entropy, hits), as transformers' evaluation loop and TRL's
+/// SFTTrainer compute them:
+/// - a rank's batch loss is its mean over its targets, repeated once per row, and eval_loss
+///   the mean of the repeats;
+/// - a round's entropy and accuracy are its ranks' sums over their targets, eval_entropy and
+///   eval_mean_token_accuracy their means over the rounds;
+/// - of the last round, the values of rows past the data are cut, as accelerate's
+///   `gather_for_metrics` cuts the gathered tensors: the loss's repeats to the real rows,
+///   the per-rank sums to as many ranks.
+fn trl_evaluation(slots: &[f64], deal: &EvalDeal) -> (f64, [(&'static str, f64); 2]) {
+    let (world, rounds) = (deal.world, deal.rounds());
+    let (mut losses, mut repeats) = (0.0, 0.0);
+    let (mut entropy, mut accuracy) = (0.0, 0.0);
+    for round in 0..rounds {
+        let ranks: Vec<&[f64]> = slots[round * world * 4..][..world * 4].chunks(4).collect();
+        let mut keep = match round + 1 == rounds {
+            true => deal.rows_in_last_round().unwrap_or(usize::MAX),
+            false => usize::MAX,
+        };
+        let kept_ranks = keep.min(world);
+        for (rank, s) in ranks.iter().enumerate() {
+            let copies = deal.rows(round, rank).len().min(keep);
+            keep -= copies;
+            losses += s[0] / s[1].max(1.0) * copies as f64;
+            repeats += copies as f64;
+        }
+        let kept = &ranks[..kept_ranks];
+        let valid: f64 = kept.iter().map(|s| s[1]).sum();
+        if valid > 0.0 {
+            entropy += kept.iter().map(|s| s[2]).sum::<f64>() / valid;
+            accuracy += kept.iter().map(|s| s[3]).sum::<f64>() / valid;
+        }
+    }
+    let n = rounds.max(1) as f64;
+    (
+        losses / repeats.max(1.0),
+        [
+            ("entropy", entropy / n),
+            ("mean_token_accuracy", accuracy / n),
+        ],
+    )
 }
 
 /// A micro-batch's summed loss and its targets' summed entropy, argmax hits and count (this
