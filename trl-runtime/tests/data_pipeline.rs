@@ -82,7 +82,7 @@ proptest! {
     #[test]
     fn sampler_shards_are_disjoint_and_cover_the_data(len in 0usize..300, world in 1usize..9, seed in 0u64..1000, epoch in 0u64..5) {
         let shards: Vec<Vec<usize>> = (0..world)
-            .map(|rank| DistributedSampler { len, world, rank, seed, shuffle: true, drop_last: true }.indices(epoch))
+            .map(|rank| DistributedSampler { len, world, rank, seed, shuffle: true, drop_last: true }.batches(epoch, 1).concat())
             .collect();
         let mut all: Vec<usize> = shards.concat();
         let n = all.len();
@@ -93,7 +93,7 @@ proptest! {
         prop_assert!(shards.iter().all(|s| s.len() == len / world));
         // Without drop_last every example is read, the tail padded from the start.
         let mut all: Vec<usize> = (0..world)
-            .flat_map(|rank| DistributedSampler { len, world, rank, seed, shuffle: true, drop_last: false }.indices(epoch))
+            .flat_map(|rank| DistributedSampler { len, world, rank, seed, shuffle: true, drop_last: false }.batches(epoch, 1).concat())
             .collect();
         all.sort();
         all.dedup();
@@ -111,17 +111,18 @@ fn sampler_is_deterministic_and_reshuffles_per_epoch() {
         shuffle: true,
         drop_last: true,
     };
-    assert_eq!(s.indices(0), s.indices(0));
-    assert_ne!(s.indices(0), s.indices(1));
+    assert_eq!(s.batches(0, 1).concat(), s.batches(0, 1).concat());
+    assert_ne!(s.batches(0, 1).concat(), s.batches(1, 1).concat());
     // 2 ranks x batch 2 see, step by step, the same examples as 1 rank x batch 4.
     let one = DistributedSampler {
         world: 1,
         rank: 0,
         ..s
     }
-    .indices(3);
-    let r0 = DistributedSampler { rank: 0, ..s }.indices(3);
-    let r1 = s.indices(3);
+    .batches(3, 1)
+    .concat();
+    let r0 = DistributedSampler { rank: 0, ..s }.batches(3, 1).concat();
+    let r1 = s.batches(3, 1).concat();
     for step in 0..10 {
         let mut two: Vec<usize> =
             [&r0[2 * step..2 * step + 2], &r1[2 * step..2 * step + 2]].concat();

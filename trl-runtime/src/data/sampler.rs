@@ -15,37 +15,13 @@ pub struct DistributedSampler {
     pub rank: usize,
     pub seed: u64,
     pub shuffle: bool,
-    /// Drop the tail that does not fill every rank equally (shards then are disjoint);
-    /// otherwise the tail is padded with examples from the start, as torch does.
+    /// Leave out the rows past the last micro-batch every rank fills (shards then are
+    /// disjoint); otherwise they are read, filled out with rows from the start as accelerate
+    /// fills them (see [`Self::batches`]).
     pub drop_last: bool,
 }
 
 impl DistributedSampler {
-    /// The full order of example indices for `epoch`, before dealing.
-    pub fn global_order(&self, epoch: u64) -> Vec<usize> {
-        let mut order = self.shuffled(epoch);
-        if self.drop_last {
-            order.truncate(self.len / self.world * self.world);
-        } else if self.len > 0 {
-            let target = self.len.div_ceil(self.world) * self.world;
-            let mut i = 0;
-            while order.len() < target {
-                order.push(order[i]);
-                i += 1;
-            }
-        }
-        order
-    }
-
-    /// This rank's indices for `epoch`.
-    pub fn indices(&self, epoch: u64) -> Vec<usize> {
-        self.global_order(epoch)
-            .into_iter()
-            .skip(self.rank)
-            .step_by(self.world)
-            .collect()
-    }
-
     /// Every row once, in the epoch's order (seeded by seed and epoch, or as stored).
     fn shuffled(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.len).collect();
@@ -86,15 +62,6 @@ impl DistributedSampler {
             .step_by(self.world)
             .collect();
         mine.chunks(batch.max(1)).map(<[usize]>::to_vec).collect()
-    }
-
-    /// Examples each rank reads per epoch.
-    pub fn num_samples(&self) -> usize {
-        if self.drop_last {
-            self.len / self.world
-        } else {
-            self.len.div_ceil(self.world)
-        }
     }
 }
 
