@@ -253,17 +253,17 @@ fn micro_batches_of_an_epoch_follow_accelerate() {
     let mut want: Vec<usize> = order.iter().chain(&order[..4]).copied().collect();
     want.sort();
     assert_eq!(all, want);
-    assert_eq!(sampler(2, 1, true).num_batches(3), 1);
-    assert_eq!(sampler(2, 1, false).num_batches(3), 2);
+    assert_eq!(sampler(2, 1, true).deal(3).rounds(), 1);
+    assert_eq!(sampler(2, 1, false).deal(3).rounds(), 2);
 }
 
-/// Evaluation rows in order, as accelerate deals them: one process reads every batch (the
+/// Positions in order, as accelerate deals them: one process reads every batch (the
 /// last smaller); two read round by round, the last round filled from the start, its real
 /// rows named; with drop_last only full rounds.
 #[test]
-fn evaluation_rows_follow_accelerate() {
-    use trl_runtime::data::EvalDeal;
-    let deal = |world, drop_last| EvalDeal {
+fn positions_are_dealt_as_accelerate_deals_them() {
+    use trl_runtime::data::BatchDeal;
+    let deal = |world, drop_last| BatchDeal {
         len: 8,
         batch: 3,
         world,

@@ -17,7 +17,7 @@ pub use dataset::{
     TokenizeOptions,
 };
 pub use pack::{pack, PackedSequence, PackingStrategy};
-pub use sampler::{DistributedSampler, EvalDeal};
+pub use sampler::{BatchDeal, DistributedSampler};
 pub use tokenize::{Message, RenderedChat, TextTokenizer};
 
 /// One tokenized training example: `labels` holds the token where the loss applies and

@@ -1,8 +1,8 @@
 //! Which examples each data-parallel rank reads, epoch by epoch: a permutation seeded by
-//! (seed, epoch), identical on every rank, dealt round-robin so that rank r gets positions
-//! r, r + world, ... Deterministic, so a resumed run sees the same order.
+//! (seed, epoch), identical on every rank, dealt a batch per rank per round as accelerate
+//! deals a DataLoader's batches. Deterministic, so a resumed run sees the same order.
 //!
-//! Round-robin dealing keeps a global batch the same set of examples however it is split:
+//! Dealing round by round keeps a global batch the same set of examples however it is split:
 //! with 2 ranks x batch 2 the union of step k is the same 4 examples as 1 rank x batch 4.
 
 use rand::seq::SliceRandom;
@@ -15,9 +15,9 @@ pub struct DistributedSampler {
     pub rank: usize,
     pub seed: u64,
     pub shuffle: bool,
-    /// Leave out the rows past the last micro-batch every rank fills (shards then are
-    /// disjoint); otherwise they are read, filled out with rows from the start as accelerate
-    /// fills them (see [`Self::batches`]).
+    /// Leave out the rows past the last round of micro-batches every rank fills (shards then
+    /// are disjoint); otherwise they are read, filled out with rows from the start as
+    /// accelerate fills them (see [`BatchDeal`]).
     pub drop_last: bool,
 }
 
@@ -32,54 +32,47 @@ impl DistributedSampler {
         order
     }
 
-    /// Micro-batches of `batch` rows each rank reads per epoch, as transformers' Trainer gets
-    /// them from accelerate's prepared DataLoader: with `drop_last`, the batches every rank
-    /// fills; without, a single process also reads a smaller last batch, and several
-    /// processes read as many batches as the last one needs (accelerate's `even_batches`).
-    pub fn num_batches(&self, batch: usize) -> usize {
-        let batches = self.len.div_ceil(batch.max(1));
-        match (self.drop_last, self.world) {
-            (true, world) => self.len / (batch.max(1) * world),
-            (false, 1) => batches,
-            (false, world) => batches.div_ceil(world),
+    /// How an epoch of `batch`-row micro-batches is dealt (see [`BatchDeal`]).
+    pub fn deal(&self, batch: usize) -> BatchDeal {
+        BatchDeal {
+            len: self.len,
+            batch,
+            world: self.world,
+            drop_last: self.drop_last,
         }
     }
 
-    /// This rank's [`Self::num_batches`] micro-batches for `epoch`: the epoch's order cut to
-    /// what they hold, or with several processes filled out with rows from its start (as
-    /// accelerate fills the last batches), dealt round-robin and cut into batches.
+    /// This rank's micro-batches for `epoch`: the epoch's order dealt as [`BatchDeal`] deals
+    /// positions.
     pub fn batches(&self, epoch: u64, batch: usize) -> Vec<Vec<usize>> {
-        let mut order = self.shuffled(epoch);
-        let rows = self.num_batches(batch) * batch * self.world;
-        if self.world > 1 {
-            let from_start: Vec<usize> = order.iter().copied().cycle().take(rows).collect();
-            order = from_start;
-        }
-        order.truncate(rows);
-        let mine: Vec<usize> = order
-            .into_iter()
-            .skip(self.rank)
-            .step_by(self.world)
-            .collect();
-        mine.chunks(batch.max(1)).map(<[usize]>::to_vec).collect()
+        let order = self.shuffled(epoch);
+        let deal = self.deal(batch);
+        (0..deal.rounds())
+            .map(|round| {
+                deal.rows(round, self.rank)
+                    .into_iter()
+                    .map(|i| order[i])
+                    .collect()
+            })
+            .collect()
     }
 }
 
-/// Evaluation rows, in order, as accelerate's prepared DataLoader deals them: batches of
-/// `batch`; one process reads them all (the last smaller), several read round by round, rank
-/// r of round k the batch at k x world + r, the last ones filled from the start
-/// (`even_batches`), so that every rank runs the same number of forwards; with `drop_last`
-/// only the rounds of full batches.
+/// Positions 0..len dealt as accelerate's prepared DataLoader deals a dataset (training
+/// and evaluation alike): batches of `batch`; one process reads them all (the last smaller),
+/// several read round by round, rank r of round k the batch at k x world + r, the last ones
+/// filled from the start (`even_batches`), so that every rank runs the same number of
+/// forwards; with `drop_last` only the rounds of full batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EvalDeal {
+pub struct BatchDeal {
     pub len: usize,
     pub batch: usize,
     pub world: usize,
     pub drop_last: bool,
 }
 
-impl EvalDeal {
-    /// Batches each rank reads.
+impl BatchDeal {
+    /// Batches each rank reads (transformers' len(dataloader)).
     pub fn rounds(&self) -> usize {
         let (batch, world) = (self.batch.max(1), self.world.max(1));
         match self.drop_last {

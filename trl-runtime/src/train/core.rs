@@ -524,7 +524,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             drop_last: args.dataloader_drop_last,
         };
         let batch = args.per_device_train_batch_size;
-        let micro_batches_per_epoch = sampler.num_batches(batch);
+        let micro_batches_per_epoch = sampler.deal(batch).rounds();
         if micro_batches_per_epoch == 0 {
             let fix = match args.dataloader_drop_last {
                 true => ", and dataloader_drop_last is true: lower per_device_train_batch_size, add data, or set dataloader_drop_last false",

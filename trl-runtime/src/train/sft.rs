@@ -12,7 +12,7 @@ use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
 use crate::context_parallel::split::pad_to_multiple;
 use crate::data::dataset::{parse_record_in, to_example, Content, Record, TokenizeOptions};
 use crate::data::{
-    collate, pack, Batch, CollateOptions, EvalDeal, Example, PackedSequence, PackingStrategy,
+    collate, pack, Batch, BatchDeal, CollateOptions, Example, PackedSequence, PackingStrategy,
     TextTokenizer,
 };
 use crate::error::Result;
@@ -286,7 +286,7 @@ impl<N: CausalModel> Task<N> for Sft {
             return Ok(None);
         }
         let (rank, world) = (core.dp.rank(), core.dp.size());
-        let deal = EvalDeal {
+        let deal = BatchDeal {
             len: data.eval_rows.len(),
             batch: config.training.per_device_eval_batch_size,
             world,
@@ -349,7 +349,7 @@ impl<N: CausalModel> Task<N> for Sft {
 /// - of the last round, the values of rows past the data are cut, as accelerate's
 ///   `gather_for_metrics` cuts the gathered tensors: the loss's repeats to the real rows,
 ///   the per-rank sums to as many ranks.
-fn trl_evaluation(slots: &[f64], deal: &EvalDeal) -> (f64, [(&'static str, f64); 2]) {
+fn trl_evaluation(slots: &[f64], deal: &BatchDeal) -> (f64, [(&'static str, f64); 2]) {
     let (world, rounds) = (deal.world, deal.rounds());
     let (mut losses, mut repeats) = (0.0, 0.0);
     let (mut entropy, mut accuracy) = (0.0, 0.0);
