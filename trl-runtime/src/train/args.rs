@@ -807,10 +807,8 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
             _ => serde_yaml::from_str(&text).map_err(|e| bad("YAML", &e))?,
         };
         let notes = Self::unset_nulls(&mut value);
-        let mut config: Self = match serde_yaml::from_value(value.clone()) {
-            Ok(config) => config,
-            Err(e) => return Err(Self::type_error(&source, &value, e)),
-        };
+        let mut config =
+            Self::deserialize(&value).map_err(|e| Self::type_error(&source, &value, e))?;
         let mut ignored = config.apply_other(&source)?;
         ignored.extend(notes);
         config.validate(&source)?;

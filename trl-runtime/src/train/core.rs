@@ -539,7 +539,8 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 ),
             });
         }
-        if ctx.rank() == 0 && args.train_sampling_strategy.contains('_') {
+        let by_length = ["group_by_length", "batch_rebalance"];
+        if ctx.rank() == 0 && by_length.contains(&args.train_sampling_strategy.as_str()) {
             tracing::warn!(
                 "train_sampling_strategy {}: rows are shuffled at random here (ordering them by length is not built)",
                 args.train_sampling_strategy
