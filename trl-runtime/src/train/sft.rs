@@ -411,3 +411,54 @@ fn mean_token_figures(sums: &[f64]) -> [(&'static str, f64); 2] {
         ("mean_token_accuracy", accuracy / n),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The batch means TRL 1.16 computed under torchrun for 8 rows in batches of 3 on 2 ranks
+    /// (the second round's rank-0 batch holds rows 6, 7 and 0): its eval_loss, 5.3273087,
+    /// weights each mean by the real rows it stands for (3, 3, 2; rank 1's refill cut).
+    #[test]
+    fn eval_loss_weights_batch_means_by_their_real_rows() {
+        let deal = BatchDeal {
+            len: 8,
+            batch: 3,
+            world: 2,
+            drop_last: false,
+        };
+        let batch = |mean: f64, targets: f64| [mean * targets, targets, 0.0, 0.0];
+        let slots = [
+            batch(5.28835, 10.0),
+            batch(5.34399, 10.0),
+            batch(5.36073, 9.0),
+            batch(5.26521, 10.0),
+        ]
+        .concat();
+        let (loss, _) = trl_evaluation(&slots, &deal);
+        assert!((loss - 5.3273087).abs() < 1e-5, "{loss}");
+    }
+
+    /// 7 rows in batches of 3 on 2 ranks: the last round holds one real row, so only rank 0's
+    /// sums count there (gather_for_metrics cuts the gathered [2] to 1), and its loss once.
+    #[test]
+    fn the_last_rounds_refill_is_cut_as_accelerate_cuts_it() {
+        let deal = BatchDeal {
+            len: 7,
+            batch: 3,
+            world: 2,
+            drop_last: false,
+        };
+        let slots = [
+            [6.0, 3.0, 9.0, 1.0],
+            [12.0, 3.0, 12.0, 2.0],
+            [3.0, 3.0, 6.0, 3.0],
+            [30.0, 3.0, 30.0, 0.0],
+        ]
+        .concat();
+        let (loss, [(_, entropy), (_, accuracy)]) = trl_evaluation(&slots, &deal);
+        assert!((loss - 19.0 / 7.0).abs() < 1e-12, "{loss}");
+        assert!((entropy - 2.75).abs() < 1e-12, "{entropy}");
+        assert!((accuracy - 0.75).abs() < 1e-12, "{accuracy}");
+    }
+}
