@@ -180,6 +180,31 @@ fn trl_sft() -> Option<impl Fn(&Path, &Path, usize) -> Command> {
     })
 }
 
+/// Asserts every step's `keys` and the last step's evaluation figures are TRL's within 1e-4
+/// relative; returns the largest difference.
+fn assert_like_trl(
+    label: &str,
+    (ours, theirs): (&[serde_json::Value], &[serde_json::Value]),
+    their_eval: &serde_json::Value,
+    keys: &[&str],
+) -> f64 {
+    let mut worst = 0f64;
+    let our_eval = ours.last().expect("logged steps");
+    let steps = ours.iter().zip(theirs).enumerate();
+    let pairs = steps.flat_map(|(step, (a, b))| {
+        keys.iter()
+            .map(move |k| (format!("step {} {k}", step + 1), &a[*k], &b[*k]))
+    });
+    let evals = EVAL_KEYS
+        .iter()
+        .map(|k| (k.to_string(), &our_eval[*k], &their_eval[*k]));
+    for (what, a, b) in pairs.chain(evals) {
+        worst = worst.max(off(a, b));
+        assert!(close(a, b, 1e-4), "{label}, {what}: {a} vs TRL's {b}");
+    }
+    worst
+}
+
 /// Runs TRL's script: its logged steps, its evaluation and its output.
 fn run_trl(cmd: &mut Command) -> (Vec<serde_json::Value>, serde_json::Value, String) {
     let o = cmd.output().unwrap();
@@ -216,27 +241,8 @@ fn sft_figures_match_trl() {
             .join(format!("ours-{assistant_only}-{loss_type}"));
         let ours = ours(&rows, ONE, (assistant_only, loss_type), &out);
         assert_eq!((ours.len(), theirs.len()), (3, 3), "{stdout}");
-        let mut worst = 0f64;
-        for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-            for key in KEYS {
-                worst = worst.max(off(&a[key], &b[key]));
-                assert!(
-                    close(&a[key], &b[key], 1e-4),
-                    "{loss_type}, assistant_only {assistant_only}, step {step} {key}: {} vs TRL's {}",
-                    a[key],
-                    b[key]
-                );
-            }
-        }
-        for key in EVAL_KEYS {
-            worst = worst.max(off(&ours[2][key], &their_eval[key]));
-            assert!(
-                close(&ours[2][key], &their_eval[key], 1e-4),
-                "{loss_type}, assistant_only {assistant_only}, {key}: {} vs TRL's {}",
-                ours[2][key],
-                their_eval[key]
-            );
-        }
+        let label = format!("{loss_type}, assistant_only {assistant_only}");
+        let worst = assert_like_trl(&label, (&ours, &theirs), &their_eval, KEYS);
         eprintln!("{loss_type}, assistant_only {assistant_only}: every figure within {worst:.1e} of TRL's");
     }
 }
@@ -373,28 +379,9 @@ fn partial_batches_and_steps_match_trl() {
         );
         let ours = metrics(&common::metrics_of(cmd, &out));
         assert_eq!((ours.len(), theirs.len()), (4, 4), "{stdout}");
-        let mut worst = 0f64;
-        for (step, (a, b)) in ours.iter().zip(&theirs).enumerate() {
-            for key in KEYS.iter().chain(&["learning_rate", "epoch"]) {
-                worst = worst.max(off(&a[key], &b[key]));
-                assert!(
-                    close(&a[key], &b[key], 1e-4),
-                    "{processes} process(es), step {} {key}: {} vs TRL's {}",
-                    step + 1,
-                    a[key],
-                    b[key]
-                );
-            }
-        }
-        for key in EVAL_KEYS {
-            worst = worst.max(off(&ours[3][key], &their_eval[key]));
-            assert!(
-                close(&ours[3][key], &their_eval[key], 1e-4),
-                "{processes} process(es), {key}: {} vs TRL's {}",
-                ours[3][key],
-                their_eval[key]
-            );
-        }
+        let keys = [KEYS, &["learning_rate", "epoch"]].concat();
+        let label = format!("{processes} process(es)");
+        let worst = assert_like_trl(&label, (&ours, &theirs), &their_eval, &keys);
         eprintln!("{processes} process(es), partial micro-batches and steps: every figure within {worst:.1e} of TRL's");
     }
 }
