@@ -9,5 +9,5 @@ from trl import DPOConfig, DPOTrainer
 from trl_parity import Run
 
 run = Run()
-config = DPOConfig(**run.args, loss_type=run.words or ["sigmoid"], beta=0.1, **run.extra)
+config = DPOConfig(**{**run.args, "loss_type": run.words or ["sigmoid"], "beta": 0.1, **run.extra})
 run.train(DPOTrainer, config)

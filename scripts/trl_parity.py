@@ -71,7 +71,9 @@ class Run:
         )
         trainer.train()
         if self.eval_batch:
-            print(json.dumps({"eval": trainer.evaluate()}), flush=True)
+            metrics = trainer.evaluate()
+            if trainer.is_world_process_zero():
+                print(json.dumps({"eval": metrics}), flush=True)
 
 
 class Print(TrainerCallback):

@@ -6,19 +6,12 @@
 
 mod common;
 
+use common::{metrics, off, run_trl};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The lines of a metrics text that log a training loss (and, last, the evaluation).
-fn metrics(text: &str) -> Vec<serde_json::Value> {
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("loss").is_some())
-        .collect()
 }
 
 /// The first 8 chat rows of the bundled data, in `dir`.
@@ -89,13 +82,7 @@ const EVAL_KEYS: &[&str] = &["eval_loss", "eval_entropy", "eval_mean_token_accur
 
 /// Whether `got` is `want` within `tol` relative (at a floor of 1e-3).
 fn close(got: &serde_json::Value, want: &serde_json::Value, tol: f64) -> bool {
-    off(got, want) < tol
-}
-
-/// How far `got` is from `want`, relative (at a floor of 1e-3).
-fn off(got: &serde_json::Value, want: &serde_json::Value) -> f64 {
-    let (g, w) = (got.as_f64().unwrap_or(f64::NAN), want.as_f64().unwrap());
-    (g - w).abs() / w.abs().max(1e-3)
+    off(got, want, 1e-3) < tol
 }
 
 const ONE: (&[&str], usize) = (&["--num_processes", "1"], 8);
@@ -155,31 +142,6 @@ fn check_equal(name: &str, split: &[serde_json::Value], one: &[serde_json::Value
     }
 }
 
-/// scripts/trl_sft.py on the tiny model, `rows` and output directory `out` (its other
-/// arguments to add), in `processes` processes (torchrun's, over gloo, for more than one);
-/// None, with a message, without TRL.
-fn trl_sft() -> Option<impl Fn(&Path, &Path, usize) -> Command> {
-    let python = common::python_with(&["torch", "transformers", "trl", "datasets"])?;
-    Some(move |rows: &Path, out: &Path, processes: usize| {
-        let mut cmd = Command::new(&python);
-        if processes > 1 {
-            let n = processes.to_string();
-            cmd.args([
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                &n,
-            ]);
-        }
-        cmd.arg(root().join("scripts/trl_sft.py"))
-            .arg(root().join("assets/tiny/model"))
-            .arg(rows)
-            .arg(out);
-        cmd
-    })
-}
-
 /// Asserts every step's `keys` and the last step's evaluation figures are TRL's within 1e-4
 /// relative; returns the largest difference.
 fn assert_like_trl(
@@ -199,23 +161,10 @@ fn assert_like_trl(
         .iter()
         .map(|k| (k.to_string(), &our_eval[*k], &their_eval[*k]));
     for (what, a, b) in pairs.chain(evals) {
-        worst = worst.max(off(a, b));
+        worst = worst.max(off(a, b, 1e-3));
         assert!(close(a, b, 1e-4), "{label}, {what}: {a} vs TRL's {b}");
     }
     worst
-}
-
-/// Runs TRL's script: its logged steps, its evaluation and its output.
-fn run_trl(cmd: &mut Command) -> (Vec<serde_json::Value>, serde_json::Value, String) {
-    let o = cmd.output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
-    let eval = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|v| v.get("eval").cloned())
-        .expect("TRL's evaluation");
-    (metrics(&stdout), eval, stdout)
 }
 
 /// Three steps and an evaluation on 8 chat rows: the loss, gradient norm, tokens, entropy
@@ -224,7 +173,7 @@ fn run_trl(cmd: &mut Command) -> (Vec<serde_json::Value>, serde_json::Value, Str
 /// with TRL's DFT loss (loss_type dft).
 #[test]
 fn sft_figures_match_trl() {
-    let Some(trl) = trl_sft() else {
+    let Some(trl) = common::trl_script("trl_sft.py") else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -327,7 +276,7 @@ fn each_epochs_rows_are_dealt_as_accelerate_deals_them() {
 /// TRL is installed).
 #[test]
 fn partial_batches_and_steps_match_trl() {
-    let Some(trl) = trl_sft() else {
+    let Some(trl) = common::trl_script("trl_sft.py") else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -342,16 +291,13 @@ fn partial_batches_and_steps_match_trl() {
             ("dataloader_drop_last", "false"),
             ("assistant_only_loss", "true"),
         ];
+        let (overrides, flags) = common::both_ways(&shared);
         let (theirs, their_eval, stdout) = run_trl(
             trl(&rows, &tmp.path().join("trl"), processes)
                 .args(["-1", "8", "1e-3", "rows=8", "eval_batch=3"])
-                .args(shared.iter().map(|(k, v)| format!("{k}={v}"))),
+                .args(&overrides),
         );
         let out = tmp.path().join(format!("ours-{processes}"));
-        let flags: Vec<String> = shared
-            .iter()
-            .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
-            .collect();
         let launch = ["--num_processes", &processes.to_string()].map(String::from);
         let cmd = common::trainer_launch(
             "sft",

@@ -278,6 +278,13 @@ fn positions_are_dealt_as_accelerate_deals_them() {
         (vec![6, 7, 0], vec![1, 2, 3])
     );
     assert_eq!(two.rows_in_last_round(), Some(2));
+    // What gather_for_metrics keeps of the short last round: rank 0's two real rows, and
+    // two per-rank scalars (it cuts the gathered [2] to 2 values, though rank 1 has no row).
+    assert_eq!((two.real_rows(1, 0), two.real_rows(1, 1)), (2, 0));
+    assert_eq!((two.ranks_kept(0), two.ranks_kept(1)), (2, 2));
+    let seven = BatchDeal { len: 7, ..two };
+    assert_eq!((seven.real_rows(1, 0), seven.ranks_kept(1)), (1, 1));
+    assert_eq!((one.real_rows(2, 0), one.ranks_kept(2)), (2, 1));
     assert_eq!(
         (deal(2, true).rounds(), deal(2, true).rows_in_last_round()),
         (1, None)

@@ -365,3 +365,69 @@ pub fn opens_in_transformers(dir: &Path) {
         dir.display()
     );
 }
+
+/// The lines of a metrics text (ours or a TRL script's output) that log a training loss
+/// (and, last, the evaluation).
+#[allow(dead_code)]
+pub fn metrics(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .collect()
+}
+
+/// How far `got` is from `want`, relative (at a floor of `floor`).
+#[allow(dead_code)]
+pub fn off(got: &serde_json::Value, want: &serde_json::Value, floor: f64) -> f64 {
+    let (g, w) = (got.as_f64().unwrap_or(f64::NAN), want.as_f64().unwrap());
+    (g - w).abs() / w.abs().max(floor)
+}
+
+/// `script` (scripts/trl_sft.py, trl_dpo.py) on the tiny model, `rows` and output directory
+/// `out` (its other arguments to add), in `processes` processes (torchrun's, over gloo, for
+/// more than one); None, with a message, without TRL.
+#[allow(dead_code)]
+pub fn trl_script(script: &str) -> Option<impl Fn(&Path, &Path, usize) -> Command> {
+    let python = python_with(&["torch", "transformers", "trl", "datasets"])?;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let script = root.join("scripts").join(script);
+    Some(move |rows: &Path, out: &Path, processes: usize| {
+        let mut cmd = Command::new(&python);
+        if processes > 1 {
+            let n = processes.to_string();
+            cmd.args(["-m", "torch.distributed.run", "--standalone"])
+                .args(["--nproc_per_node", &n]);
+        }
+        cmd.arg(&script)
+            .arg(root.join("assets/tiny/model"))
+            .arg(rows)
+            .arg(out);
+        cmd
+    })
+}
+
+/// Runs a TRL script: its logged steps, its evaluation and its output.
+#[allow(dead_code)]
+pub fn run_trl(cmd: &mut Command) -> (Vec<serde_json::Value>, serde_json::Value, String) {
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+    let eval = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("eval").cloned())
+        .expect("TRL's evaluation");
+    (metrics(&stdout), eval, stdout)
+}
+
+/// Settings both runs of a comparison take: as a TRL script's `KEY=VALUE` overrides and as
+/// our `--KEY VALUE` flags.
+#[allow(dead_code)]
+pub fn both_ways(settings: &[(&str, &str)]) -> (Vec<String>, Vec<String>) {
+    let overrides = settings.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let flags = settings
+        .iter()
+        .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
+        .collect();
+    (overrides, flags)
+}

@@ -96,4 +96,20 @@ impl BatchDeal {
         let rest = self.len % (self.batch * self.world).max(1);
         (rest > 0 && !self.drop_last).then_some(rest)
     }
+
+    /// How many of [`Self::rows`] are the data's own, not the refill from the start: the
+    /// first ones, which are also what `gather_for_metrics` keeps of per-row values.
+    pub fn real_rows(&self, round: usize, rank: usize) -> usize {
+        let start = (round * self.world + rank) * self.batch;
+        self.len.saturating_sub(start).min(self.batch)
+    }
+
+    /// How many ranks' per-batch scalars `gather_for_metrics` keeps in `round`: all but in
+    /// a short last round, whose gathered [world] tensor it cuts to the round's real rows.
+    pub fn ranks_kept(&self, round: usize) -> usize {
+        match self.rows_in_last_round() {
+            Some(rest) if round + 1 == self.rounds() => rest.min(self.world),
+            _ => self.world,
+        }
+    }
 }

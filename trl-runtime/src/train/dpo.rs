@@ -23,7 +23,9 @@ use crate::context_parallel::split::{kept_columns, pad_to_multiple};
 use crate::data::preference::{
     parse_preference, tokenize_preference, PreferencePair, PreferenceRecord,
 };
-use crate::data::{collate, Batch, CollateOptions, Example, PackedSequence, TextTokenizer};
+use crate::data::{
+    collate, Batch, BatchDeal, CollateOptions, Example, PackedSequence, TextTokenizer,
+};
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
 use crate::nn::IGNORE_INDEX;
@@ -645,46 +647,35 @@ impl Dpo {
         }
     }
 
-    /// The forward (no gradient) over `pairs` in batches of `batch_size`, each data-parallel
-    /// rank taking every dp-th batch; `f` gets each of this rank's batches (its pair indices,
-    /// micro-batch and sums). With collective forwards every rank runs as many: the extra
-    /// ones repeat the first batch and are not handed on. `weights`: as [`Self::forward`].
+    /// The forward (no gradient) over `pairs` dealt as accelerate deals an evaluation
+    /// DataLoader (`deal`): this rank's batch of every round, so that every rank runs as many
+    /// forwards (the last ones filled from the start). `f` gets the round, the batch's pair
+    /// indices, micro-batch and sums. `weights`: as [`Self::forward`].
     fn each_batch<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
         pairs: &[PreferencePair],
-        batch_size: usize,
+        deal: BatchDeal,
         weights: bool,
         router: &RouterLosses,
-        mut f: impl FnMut(&[usize], &Micro, &SequenceSums) -> Result<()>,
+        mut f: impl FnMut(usize, &[usize], &Micro, &SequenceSums) -> Result<()>,
     ) -> Result<()> {
-        if pairs.is_empty() {
-            return Ok(());
-        }
-        let (rank, world) = (core.dp.rank(), core.dp.size());
-        let batches: Vec<Vec<usize>> = (0..pairs.len())
-            .collect::<Vec<_>>()
-            .chunks(batch_size)
-            .map(<[usize]>::to_vec)
-            .collect();
-        let mine: Vec<&Vec<usize>> = batches.iter().skip(rank).step_by(world).collect();
-        for i in 0..core.rounds(batches.len(), 1, mine.len()) {
-            let idx = mine.get(i).copied().unwrap_or(&batches[0]);
+        for round in 0..deal.rounds() {
+            let idx = deal.rows(round, core.dp.rank());
             let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
             let micro = self.micro(core, &rows)?;
             // The policy's router loss (evaluation), per batch.
             let aux = router.begin(&micro.batch)?;
             let sums = router.during(&aux, || self.forward(core, &micro, false, weights))?;
-            if i < mine.len() {
-                f(idx, &micro, &sums)?;
-                router.end(aux);
-            }
+            f(round, &idx, &micro, &sums)?;
+            router.end(aux);
         }
         Ok(())
     }
 
-    /// The reference's log-probabilities of `pairs`: each data-parallel rank computes every
-    /// dp-th batch, all ranks get all of them.
+    /// The reference's log-probabilities of `pairs`: each data-parallel rank computes its
+    /// batches (TRL's precompute DataLoader: `batch_size` per rank, no row dropped), all
+    /// ranks get all of them.
     fn reference<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
@@ -694,11 +685,19 @@ impl Dpo {
         if pairs.is_empty() {
             return Ok(Vec::new());
         }
+        let deal = BatchDeal {
+            len: pairs.len(),
+            batch: batch_size,
+            world: core.dp.size(),
+            drop_last: false,
+        };
         let mut out = vec![0.0; 2 * pairs.len()];
         // The reference's log-probabilities alone: no WPO weights.
         let router = RouterLosses::off();
-        self.each_batch(core, pairs, batch_size, false, &router, |idx, _, sums| {
-            for (j, &k) in idx.iter().enumerate() {
+        let rank = core.dp.rank();
+        self.each_batch(core, pairs, deal, false, &router, |round, idx, _, sums| {
+            // The refill repeats rows another batch holds: each is written once.
+            for (j, &k) in idx[..deal.real_rows(round, rank)].iter().enumerate() {
                 out[2 * k] = sums.logps[j];
                 out[2 * k + 1] = sums.logps[idx.len() + j];
             }
@@ -707,6 +706,54 @@ impl Dpo {
         let all = core.global_sum(&out)?;
         Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
     }
+}
+
+/// Per round and rank, what an evaluation batch adds to TRL's figures: its loss (a mean over
+/// its pairs), the sums over its targets (entropy and its count, the chosen and rejected
+/// mean logits and their counts, the chosen argmax hits), its pairs and their reward sums
+/// (`PairLogps::add_reward_sums`).
+const EVAL_SLOT: usize = 15;
+
+/// TRL's eval_loss and figures from each round's per-rank slots ([`EVAL_SLOT`]), as
+/// transformers' evaluation loop and TRL's DPOTrainer compute them:
+/// - eval_loss: each rank's batch loss repeated once per row, gathered with
+///   `gather_for_metrics` (the last round's refill cut), their mean;
+/// - entropy, mean logits and token accuracy: each round's sums over the ranks
+///   `gather_for_metrics` keeps, divided by their counts (0 without any);
+/// - rewards and log-probs: each round's mean over every rank's pairs (a plain `gather`,
+///   the refill included);
+/// - each figure the mean of its per-round values (TRL logs the mean of what it appended).
+fn trl_dpo_evaluation(slots: &[f64], deal: &BatchDeal) -> (f64, Vec<(&'static str, f64)>) {
+    let (world, rounds) = (deal.world, deal.rounds());
+    let (mut losses, mut repeats) = (0.0, 0.0);
+    let mut tokens = [0f64; 4];
+    let mut rewards = [0f64; 6];
+    let ratio = |num: f64, den: f64| if den > 0.0 { num / den } else { 0.0 };
+    for round in 0..rounds {
+        let ranks: Vec<&[f64]> = slots[round * world * EVAL_SLOT..][..world * EVAL_SLOT]
+            .chunks(EVAL_SLOT)
+            .collect();
+        for (rank, s) in ranks.iter().enumerate() {
+            let copies = deal.real_rows(round, rank) as f64;
+            losses += s[0] * copies;
+            repeats += copies;
+        }
+        let kept = |k: usize| -> f64 { ranks[..deal.ranks_kept(round)].iter().map(|s| s[k]).sum() };
+        tokens[0] += ratio(kept(1), kept(2));
+        tokens[1] += ratio(kept(3), kept(4));
+        tokens[2] += ratio(kept(5), kept(6));
+        tokens[3] += ratio(kept(7), kept(4));
+        let all = |k: usize| -> f64 { ranks.iter().map(|s| s[k]).sum() };
+        for (k, r) in rewards.iter_mut().enumerate() {
+            *r += ratio(all(9 + k), all(8));
+        }
+    }
+    let n = rounds.max(1) as f64;
+    let figures = figures(|k| rewards[k] / n, [tokens[1] / n, tokens[2] / n])
+        .into_iter()
+        .chain(token_figures([tokens[0] / n, tokens[3] / n]))
+        .collect();
+    (losses / repeats.max(1.0), figures)
 }
 
 /// Reference log-probabilities kept for a resumed run.
@@ -943,18 +990,20 @@ impl<N: CausalModel> Task<N> for Dpo {
         })
     }
 
-    /// The loss and reward accuracy over the held-out pairs, each rank taking every dp-th
-    /// batch (with collective forwards the ranks run the same number of them).
+    /// The loss and figures over the held-out pairs, dealt and reduced as TRL's evaluation
+    /// deals and reduces them (see [`trl_dpo_evaluation`]).
     fn evaluate(&self, config: &DPOConfig, core: &Core<'_, N>) -> Result<Option<EvalResult>> {
         if self.eval.is_empty() {
             return Ok(None);
         }
-        let (mut loss, mut pairs) = (0.0, 0.0);
-        // Sums over the pairs as in a step (rewards, their accuracy and margin, log-probs),
-        // then each batch's mean logits (TRL averages those over batches) and the batches.
-        let mut sums = [0f64; 6];
-        let mut logits = [0f64; 5];
         let bs = config.training.per_device_eval_batch_size;
+        let (rank, world) = (core.dp.rank(), core.dp.size());
+        let deal = BatchDeal {
+            len: self.eval.len(),
+            batch: bs,
+            world,
+            drop_last: config.training.dataloader_drop_last,
+        };
         // TR-DPO after a mix: the current reference's log-probabilities.
         let mixed = match self.sync.as_ref().filter(|s| s.mixed) {
             Some(sync) => Some(sync.run(core, || self.reference(core, &self.eval, bs))?),
@@ -962,39 +1011,48 @@ impl<N: CausalModel> Task<N> for Dpo {
         };
         let ref_eval = mixed.as_ref().unwrap_or(&self.ref_eval);
         let router = RouterLosses::for_evaluation(core);
-        self.each_batch(core, &self.eval, bs, true, &router, |idx, micro, seq| {
-            let reference: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
-            let p = Self::pair_logps(micro, seq, &reference);
-            let n = p.chosen.len() as f64;
-            loss += self.loss.compute(&p)?.loss * n;
-            p.add_reward_sums(self.loss.beta, &mut sums);
-            pairs += n;
-            let [chosen, rejected] = seq.logit_sums;
-            logits[0] += chosen / micro.targets[0].max(1.0);
-            logits[1] += rejected / micro.targets[1].max(1.0);
-            let [entropy, hits] = seq.token_sums;
-            logits[2] += entropy / (micro.targets[0] + micro.targets[1]).max(1.0);
-            logits[3] += hits / micro.targets[0].max(1.0);
-            logits[4] += 1.0;
-            Ok(())
-        })?;
-        let mut local = vec![loss, pairs];
-        local.extend(sums);
-        local.extend(logits);
-        let g = core.global_sum(&local)?;
-        let total = g[1].max(1.0);
-        let (loss, aux_loss) = router.evaluation_loss(core, g[0] / total)?;
-        let mean = |k: usize| g[2 + k] / total;
-        let batch_mean = |k: usize| g[8 + k] / g[12].max(1.0);
+        let mut slots = vec![0.0; deal.rounds() * world * EVAL_SLOT];
+        self.each_batch(
+            core,
+            &self.eval,
+            deal,
+            true,
+            &router,
+            |round, idx, micro, seq| {
+                let reference: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
+                let p = Self::pair_logps(micro, seq, &reference);
+                let mut sums = [0f64; 6];
+                p.add_reward_sums(self.loss.beta, &mut sums);
+                let [chosen, rejected] = micro.targets;
+                let [entropy, hits] = seq.token_sums;
+                let at = (round * world + rank) * EVAL_SLOT;
+                slots[at..at + 9].copy_from_slice(&[
+                    self.loss.compute(&p)?.loss,
+                    entropy,
+                    chosen + rejected,
+                    seq.logit_sums[0],
+                    chosen,
+                    seq.logit_sums[1],
+                    rejected,
+                    hits,
+                    idx.len() as f64,
+                ]);
+                slots[at + 9..at + EVAL_SLOT].copy_from_slice(&sums);
+                Ok(())
+            },
+        )?;
+        let slots = core.global_sum(&slots)?;
+        let (loss, figures) = trl_dpo_evaluation(&slots, &deal);
+        let (loss, aux_loss) = router.evaluation_loss(core, loss)?;
+        let accuracy = figures.iter().find(|(k, _)| *k == "rewards/accuracies");
         Ok(Some(EvalResult {
             loss,
-            accuracy: Some(mean(2)),
+            accuracy: accuracy.map(|(_, v)| *v),
             aux_loss,
             // The accuracy is logged as the evaluation's own.
-            figures: figures(mean, [batch_mean(0), batch_mean(1)])
+            figures: figures
                 .into_iter()
                 .filter(|(k, _)| *k != "rewards/accuracies")
-                .chain(token_figures([batch_mean(2), batch_mean(3)]))
                 .collect(),
         }))
     }
@@ -1029,5 +1087,47 @@ impl<N: CausalModel> Task<N> for Dpo {
             .iter()
             .find(|(k, _)| *k == "rewards/accuracies")
             .map_or(String::new(), |(_, a)| format!(" acc {a:.2}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 7 pairs in batches of 3 on 2 ranks: the last round holds one real pair (rank 0's
+    /// first), so `gather_for_metrics` keeps rank 0's loss once and its token sums alone,
+    /// while the rewards, gathered whole, are the mean over all six pairs of the round.
+    #[test]
+    fn the_refill_is_cut_from_the_loss_and_token_figures_not_the_rewards() {
+        let deal = BatchDeal {
+            len: 7,
+            batch: 3,
+            world: 2,
+            drop_last: false,
+        };
+        // loss, entropy sum and count, chosen and rejected logit sums and counts, hits,
+        // pairs, then the six reward sums (rewards/chosen first).
+        let slot = |loss: f64, entropy: f64, reward: f64| {
+            let mut s = [loss, entropy, 4.0, 0.0, 2.0, 0.0, 2.0, 1.0, 3.0];
+            s[3] = entropy / 2.0;
+            [&s[..], &[reward, 0.0, 0.0, 0.0, 0.0, 0.0]].concat()
+        };
+        let slots = [
+            slot(0.6, 8.0, 0.3),
+            slot(0.7, 12.0, 0.6),
+            slot(0.5, 4.0, 0.9),
+            slot(0.9, 40.0, 3.0),
+        ]
+        .concat();
+        let (loss, figures) = trl_dpo_evaluation(&slots, &deal);
+        let figure = |k: &str| figures.iter().find(|(n, _)| *n == k).unwrap().1;
+        // (3 x 0.6 + 3 x 0.7 + 1 x 0.5) / 7; rank 1's 0.9 is all refill.
+        assert!((loss - 4.4 / 7.0).abs() < 1e-12, "{loss}");
+        // Rounds: (8 + 12) / 8 and 4 / 4.
+        assert!((figure("entropy") - 1.75).abs() < 1e-12);
+        assert!((figure("logits/chosen") - (10.0 / 4.0 + 2.0 / 2.0) / 2.0).abs() < 1e-12);
+        assert!((figure("mean_token_accuracy") - 0.5).abs() < 1e-12);
+        // Rounds: 0.9 / 6 and 3.9 / 6, the refill's pairs included.
+        assert!((figure("rewards/chosen") - 0.4).abs() < 1e-12);
     }
 }

@@ -355,18 +355,12 @@ fn trl_evaluation(slots: &[f64], deal: &BatchDeal) -> (f64, [(&'static str, f64)
     let (mut entropy, mut accuracy) = (0.0, 0.0);
     for round in 0..rounds {
         let ranks: Vec<&[f64]> = slots[round * world * 4..][..world * 4].chunks(4).collect();
-        let mut keep = match round + 1 == rounds {
-            true => deal.rows_in_last_round().unwrap_or(usize::MAX),
-            false => usize::MAX,
-        };
-        let kept_ranks = keep.min(world);
         for (rank, s) in ranks.iter().enumerate() {
-            let copies = deal.rows(round, rank).len().min(keep);
-            keep -= copies;
-            losses += s[0] / s[1].max(1.0) * copies as f64;
-            repeats += copies as f64;
+            let copies = deal.real_rows(round, rank) as f64;
+            losses += s[0] / s[1].max(1.0) * copies;
+            repeats += copies;
         }
-        let kept = &ranks[..kept_ranks];
+        let kept = &ranks[..deal.ranks_kept(round)];
         let valid: f64 = kept.iter().map(|s| s[1]).sum();
         if valid > 0.0 {
             entropy += kept.iter().map(|s| s[2]).sum::<f64>() / valid;
