@@ -316,7 +316,7 @@ fn partial_batches_and_steps_match_trl() {
                 &[root().join("assets/tiny/model").to_str().unwrap()],
                 &["--learning_rate", "1e-3", "--max_length", "64"],
                 &["--packing", "false", "--gradient_checkpointing", "false"],
-                &["--warmup_ratio", "0", "--weight_decay", "0", "--seed", "0"],
+                &["--warmup_steps", "0", "--weight_decay", "0", "--seed", "0"],
                 &["--logging_steps", "1", "--save_steps", "1000"],
                 &["--output_dir", out.to_str().unwrap()],
                 &flags.iter().map(String::as_str).collect::<Vec<_>>(),

@@ -297,10 +297,10 @@ fn config(out: &Path, batch: usize, bf16: bool) -> SFTConfig {
             output_dir: out.to_path_buf(),
             per_device_train_batch_size: batch,
             learning_rate: 3e-3,
-            warmup_steps: 2,
+            warmup_steps: 2.0,
             max_steps: 5,
             max_length: 64,
-            save_steps: 100,
+            save_steps: 100.0,
             disable_tqdm: true,
             bf16,
             ..Default::default()

@@ -43,7 +43,7 @@ fn defaults_follow_trl() {
             c.training.logging_steps,
             c.training.seed
         ),
-        (3.0, -1, 10, 42)
+        (3.0, -1, 10.0, 42)
     );
 }
 
@@ -111,6 +111,32 @@ fn file_then_flags() {
         ),
         (5e-4, "cosine", 0.1)
     );
+}
+
+/// transformers 5's `warmup_steps`: a whole number of steps, or below 1 a fraction of the run
+/// (ceil(fraction x steps), as its `get_warmup_steps`); it replaces `warmup_ratio`, which is
+/// still read, and wins over it. logging/save/eval steps take fractions too
+/// (tests/training_flow.rs), and refuse what transformers refuses.
+#[test]
+fn step_counts_take_a_count_or_a_fraction() {
+    let warmup = |args: &[&str]| {
+        let c = cli(args).unwrap();
+        c.training.validate("flags").unwrap();
+        c.training.schedule(110).unwrap().warmup_steps
+    };
+    assert_eq!(warmup(&["--warmup_steps", "5"]), 5);
+    assert_eq!(warmup(&["--warmup_steps", "0.05"]), 6);
+    assert_eq!(warmup(&["--warmup_ratio", "0.1"]), 11);
+    assert_eq!(warmup(&["--warmup_steps", "3", "--warmup_ratio", "0.1"]), 3);
+    let e = cli(&["--warmup_steps=-1"])
+        .and_then(|c| c.training.validate("flags").map_err(|e| e.to_string()))
+        .unwrap_err();
+    assert!(e.contains("warmup_steps"), "{e}");
+    // Above 1 a whole number, as transformers requires.
+    let e = cli(&["--logging_steps", "2.5"])
+        .and_then(|c| c.training.validate("flags").map_err(|e| e.to_string()))
+        .unwrap_err();
+    assert!(e.contains("logging_steps") && e.contains("whole"), "{e}");
 }
 
 #[test]

@@ -29,13 +29,13 @@ fn config(out: &Path, batch: usize, accumulation: usize, steps: i64) -> SFTConfi
             gradient_accumulation_steps: accumulation,
             learning_rate: 3e-3,
             lr_scheduler_type: "cosine".into(),
-            warmup_steps: 2,
+            warmup_steps: 2.0,
             weight_decay: 0.01,
             max_grad_norm: 1.0,
             max_steps: steps,
             max_length: 64,
-            logging_steps: 1,
-            save_steps: 3,
+            logging_steps: 1.0,
+            save_steps: 3.0,
             disable_tqdm: true,
             // The plain run each strategy is compared with; checkpointing has its own test.
             gradient_checkpointing: false,
@@ -485,7 +485,7 @@ fn resume_continues_exactly() {
 fn save_total_limit_keeps_the_newest() {
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = config(tmp.path(), 4, 1, 6);
-    cfg.training.save_steps = 1;
+    cfg.training.save_steps = 1.0;
     cfg.training.save_total_limit = Some(2);
     run(1, cfg);
     let kept: Vec<usize> = trl_runtime::train::checkpoint::list(tmp.path())
@@ -1412,7 +1412,7 @@ fn parameters_without_a_gradient_stop_the_first_step() {
                         // Untied, so that the head (after the cut) still trains.
                         model_name_or_path: model_for_tp4(tmp.path()),
                         ddp_find_unused_parameters: find_unused,
-                        save_steps: 1000,
+                        save_steps: 1000.0,
                         ..base.training
                     },
                     ..base
@@ -1536,7 +1536,7 @@ fn logging_eval_and_save_strategies_decide_the_steps() {
     cfg.training.logging_strategy = "no".into();
     cfg.training.logging_first_step = true;
     cfg.training.eval_strategy = Some("steps".into());
-    cfg.training.eval_steps = Some(5);
+    cfg.training.eval_steps = Some(5.0);
     run(1, cfg);
     let dir = tmp.path().join("none");
     let lines = logged(&dir);
@@ -1561,8 +1561,8 @@ fn the_best_checkpoint_is_kept_and_loaded_at_end() {
         cfg.training.dataset_name = train.clone();
         cfg.training.eval_dataset_name = Some(eval.clone());
         cfg.training.eval_strategy = Some("steps".into());
-        cfg.training.eval_steps = Some(2);
-        cfg.training.save_steps = 2;
+        cfg.training.eval_steps = Some(2.0);
+        cfg.training.save_steps = 2.0;
         cfg.training.save_total_limit = Some(limit);
         cfg.training.metric_for_best_model = Some("loss".into());
         cfg.training.greater_is_better = Some(true);
@@ -1697,7 +1697,7 @@ fn save_only_model_writes_no_optimizer_state() {
         ),
     ] {
         let mut cfg = config(&tmp.path().join(out), 4 / world, 1, 4);
-        cfg.training.save_steps = 2;
+        cfg.training.save_steps = 2.0;
         cfg.training.save_only_model = true;
         let (replicate, shard) = match strategy {
             Strategy::Ddp => (world, 1),
@@ -1783,7 +1783,7 @@ fn logged_losses_are_window_means() {
     let logged_every = losses(&tmp.path().join("every"));
     assert_eq!(logged_every.iter().map(|l| l.1).collect::<Vec<_>>(), every);
     let mut cfg = config(&tmp.path().join("three"), 4, 1, 6);
-    cfg.training.logging_steps = 3;
+    cfg.training.logging_steps = 3.0;
     assert_eq!(run(1, cfg).0, every);
     let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
     let expected = [(3, mean(&every[..3])), (6, mean(&every[3..]))];

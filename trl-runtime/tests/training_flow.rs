@@ -50,6 +50,17 @@ fn cases() -> Vec<(serde_json::Value, usize, usize)> {
             9,
             4,
         ),
+        // Fractions of the run (rounded up), evaluation falling back to logging's.
+        (
+            json!({"logging_steps": 0.25, "eval_strategy": "steps", "eval_steps": 0.3, "save_steps": 0.5}),
+            13,
+            5,
+        ),
+        (
+            json!({"logging_steps": 0.2, "eval_strategy": "steps", "save_steps": 0.4, "load_best_model_at_end": true}),
+            10,
+            10,
+        ),
     ]
 }
 
@@ -57,7 +68,9 @@ fn cases() -> Vec<(serde_json::Value, usize, usize)> {
 fn ours(args: &serde_json::Value, total: usize, per_epoch: usize) -> [Vec<usize>; 3] {
     let mut args: TrainingArguments = serde_json::from_value(args.clone()).unwrap();
     args.eval_dataset_name = Some("eval.jsonl".into());
-    let flow = args.flow(&["eval_loss", "eval_accuracy"], "test").unwrap();
+    let flow = args
+        .flow(&["eval_loss", "eval_accuracy"], "test", Some(total))
+        .unwrap();
     let mut out: [Vec<usize>; 3] = Default::default();
     for step in 1..=total {
         let epoch = step as f64 / per_epoch as f64;
@@ -142,7 +155,7 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
         if args.eval_dataset_name.is_none() {
             args.eval_dataset_name = Some("eval.jsonl".into());
         }
-        args.flow(&["eval_loss", "eval_accuracy"], "cfg.yaml")
+        args.flow(&["eval_loss", "eval_accuracy"], "cfg.yaml", None)
             .map_err(|e| e.to_string())
     };
     use serde_json::json;
@@ -173,6 +186,14 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
         &["load_best_model_at_end", "multiple"],
     );
     refused(
+        json!({"load_best_model_at_end": true, "eval_strategy": "steps", "eval_steps": 0.1, "save_steps": 4}),
+        &["load_best_model_at_end", "fraction"],
+    );
+    refused(
+        json!({"load_best_model_at_end": true, "eval_strategy": "steps", "eval_steps": 0.2, "save_steps": 0.3}),
+        &["load_best_model_at_end", "not a multiple"],
+    );
+    refused(
         json!({"metric_for_best_model": "bleu", "eval_strategy": "steps"}),
         &[
             "metric_for_best_model",
@@ -190,7 +211,7 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
     };
     no_data.eval_dataset_name = None;
     let e = no_data
-        .flow(&["eval_loss", "eval_accuracy"], "cfg.yaml")
+        .flow(&["eval_loss", "eval_accuracy"], "cfg.yaml", None)
         .unwrap_err();
     assert!(e.to_string().contains("eval_dataset_name"), "{e}");
 
@@ -220,7 +241,7 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
         )
         .unwrap();
         let best = args
-            .flow(DPOConfig::EVAL_METRICS, "dpo.yaml")
+            .flow(DPOConfig::EVAL_METRICS, "dpo.yaml", None)
             .unwrap()
             .best
             .unwrap();

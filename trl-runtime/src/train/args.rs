@@ -129,7 +129,9 @@ training_arguments! {
     /// The schedule's keyword arguments (`{"min_lr_rate": 0.1}`, `{"num_cycles": 2}`, ...),
     /// checked against the ones transformers' function for it takes.
     lr_scheduler_kwargs: KwArgs = KwArgs::default();
-    warmup_steps: usize = 0;
+    /// transformers 5's warm-up: a whole number of steps, or a fraction of the run below 1.
+    warmup_steps: f64 = 0.0;
+    /// The name before transformers 5 (a fraction); `warmup_steps` wins when both are given.
     warmup_ratio: f64 = 0.0;
     weight_decay: f64 = 0.0;
     adam_beta1: f64 = 0.9;
@@ -150,11 +152,13 @@ training_arguments! {
     max_length: usize = 1024;
     /// Lines are logged every this many steps, with the loss and the task's figures averaged
     /// over them (as transformers and TRL log them).
-    logging_steps: usize = 10;
+    /// (A fraction below 1: of the run's steps, rounded up, as transformers reads it; so
+    /// are save_steps and eval_steps.)
+    logging_steps: f64 = 10.0;
     /// A NaN or infinite step loss is logged as the window's mean instead (transformers'
     /// filter); false logs it as it is.
     logging_nan_inf_filter: bool = true;
-    save_steps: usize = 500;
+    save_steps: f64 = 500.0;
     save_total_limit: Option<usize> = None;
     /// Checkpoints hold the model (and trainer state) without the optimizer state, a third
     /// of the size in full fine-tuning; resuming from one starts the optimizer state afresh,
@@ -162,7 +166,7 @@ training_arguments! {
     save_only_model: bool = false;
     /// Evaluate every this many steps when an eval dataset is given (eval_strategy steps;
     /// unset there: logging_steps).
-    eval_steps: Option<usize> = None;
+    eval_steps: Option<f64> = None;
     /// transformers' logging_strategy: no, steps (every logging_steps) or epoch.
     logging_strategy: String = "steps".into();
     /// Log the first step too.
@@ -416,14 +420,16 @@ impl TrainingArguments {
     pub fn schedule(&self, total_steps: usize) -> Result<super::LrSchedule> {
         let kind = super::SchedulerKind::parse(&self.lr_scheduler_type)?;
         let args = self.scheduler_args(kind, "training arguments")?;
-        Ok(super::LrSchedule::new(
-            kind,
-            self.learning_rate,
-            total_steps,
-            self.warmup_steps,
-            self.warmup_ratio,
+        // transformers 5: int(warmup_steps) from 1 on, a ratio of the steps below.
+        let (steps, ratio) = match self.warmup_steps {
+            w if w >= 1.0 => (w as usize, 0.0),
+            w if w > 0.0 => (0, w),
+            _ => (0, self.warmup_ratio),
+        };
+        Ok(
+            super::LrSchedule::new(kind, self.learning_rate, total_steps, steps, ratio)
+                .with_args(args),
         )
-        .with_args(args))
     }
 
     /// lr_scheduler_kwargs read for `kind` (errors name `source` and the key).
@@ -513,13 +519,19 @@ impl TrainingArguments {
         }
     }
 
-    /// When the trainer logs, evaluates and saves, as these arguments say, checked and
-    /// defaulted as transformers' TrainingArguments does. `metrics` are the figures the
-    /// trainer's evaluation logs, one of which metric_for_best_model names.
-    pub fn flow(&self, metrics: &[&str], source: &str) -> Result<Flow> {
+    /// When the trainer logs, evaluates and saves in a run of `total_steps`, as these
+    /// arguments say, checked and defaulted as transformers' TrainingArguments does
+    /// (fractions of the run resolved as its TrainerState resolves them; None: checks only,
+    /// a fraction taken as one step). `metrics` are the figures the trainer's evaluation
+    /// logs, one of which metric_for_best_model names.
+    pub fn flow(&self, metrics: &[&str], source: &str, total_steps: Option<usize>) -> Result<Flow> {
         let err = |key: &str, message: String| Error::config(source, key, message);
-        let interval = |key: &str, name: &str, steps: usize, names: &str| {
-            Interval::parse(name, steps)
+        let interval = |key: &str, name: &str, steps: f64, names: &str| {
+            let steps = match total_steps {
+                Some(total) if steps < 1.0 => (total as f64 * steps).ceil() as usize,
+                _ => steps.ceil() as usize,
+            };
+            Interval::parse(name, steps.max(1))
                 .ok_or_else(|| err(key, format!("'{name}' is not accepted: use {names}")))
         };
         let three = "no, steps or epoch";
@@ -530,10 +542,10 @@ impl TrainingArguments {
             three,
         )?;
         // transformers: a zero eval_steps is unset; unset, steps evaluation uses logging_steps.
-        let eval_steps = self.eval_steps.filter(|n| *n > 0);
+        let eval_steps = self.eval_steps.filter(|n| *n > 0.0);
         let (eval, eval_after_last) = match &self.eval_strategy {
             None => match eval_steps {
-                Some(n) => (Interval::Steps(n), false),
+                Some(n) => (interval("eval_steps", "steps", n, three)?, false),
                 None => (Interval::No, true),
             },
             Some(name) => {
@@ -551,7 +563,8 @@ impl TrainingArguments {
                 "no, steps, epoch or best",
             )?,
         };
-        self.check_flow(eval, save, save_best, eval_after_last, source)?;
+        let steps = (eval_steps.unwrap_or(self.logging_steps), self.save_steps);
+        self.check_flow((eval, save), steps, save_best, eval_after_last, source)?;
         Ok(Flow {
             logging,
             logging_first_step: self.logging_first_step,
@@ -570,8 +583,8 @@ impl TrainingArguments {
     /// load_best_model_at_end a checkpoint at every evaluation.
     fn check_flow(
         &self,
-        eval: Interval,
-        save: Interval,
+        (eval, save): (Interval, Interval),
+        (eval_steps, save_steps): (f64, f64),
         save_best: bool,
         eval_after_last: bool,
         source: &str,
@@ -606,13 +619,22 @@ impl TrainingArguments {
                     ),
                 );
             }
-            if let (Interval::Steps(e), Interval::Steps(s)) = (eval, save) {
-                if s % e != 0 {
-                    return err(
-                        "load_best_model_at_end",
-                        format!("needs save_steps to be a multiple of the evaluation steps, but found {s}, which is not a multiple of {e}"),
-                    );
-                }
+            // On the values as given, as transformers checks them: two counts, or two
+            // fractions (compared in millionths), never one of each.
+            let (e, s) = (eval_steps, save_steps);
+            let millionths = |v: f64| (v * 1e6).round() as u64;
+            let steps = matches!((eval, save), (Interval::Steps(_), Interval::Steps(_)));
+            if steps && (e < 1.0) != (s < 1.0) {
+                return err(
+                    "load_best_model_at_end",
+                    format!("needs save_steps to be a multiple of the evaluation steps, which mixing a fraction of the run with a step count cannot promise (save_steps {s}, eval_steps {e})"),
+                );
+            }
+            if steps && millionths(s) % millionths(e).max(1) != 0 {
+                return err(
+                    "load_best_model_at_end",
+                    format!("needs save_steps to be a multiple of the evaluation steps, but found {s}, which is not a multiple of {e}"),
+                );
             }
         }
         if save_best && eval == Interval::No && !eval_after_last {
@@ -697,8 +719,6 @@ impl TrainingArguments {
                 self.gradient_accumulation_steps,
             ),
             ("max_length", self.max_length),
-            ("logging_steps", self.logging_steps),
-            ("save_steps", self.save_steps),
         ] {
             if v == 0 {
                 return Err(err(key, "must be at least 1".into()));
@@ -708,6 +728,35 @@ impl TrainingArguments {
             return Err(err(
                 "learning_rate",
                 format!("{} must be a non-negative number", self.learning_rate),
+            ));
+        }
+        let every = [
+            ("logging_steps", self.logging_steps),
+            ("save_steps", self.save_steps),
+        ];
+        for (key, v) in every
+            .into_iter()
+            .chain(self.eval_steps.map(|v| ("eval_steps", v)))
+        {
+            // transformers: above 1 a whole number of steps, below it a fraction of the run.
+            let zero_ok = key == "eval_steps";
+            if !(v.is_finite()
+                && (v > 0.0 || (zero_ok && v == 0.0))
+                && (v < 1.0 || v.fract() == 0.0))
+            {
+                return Err(err(
+                    key,
+                    format!("{v} must be a whole number of steps, or a fraction of the run's steps below 1 (0.1: every tenth)"),
+                ));
+            }
+        }
+        if !(self.warmup_steps >= 0.0 && self.warmup_steps.is_finite()) {
+            return Err(err(
+                "warmup_steps",
+                format!(
+                    "{} must be a step count or a fraction of the steps below 1 (0.03: 3%)",
+                    self.warmup_steps
+                ),
             ));
         }
         if !(0.0..=1.0).contains(&self.warmup_ratio) {
@@ -768,7 +817,7 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
     /// Checks every key.
     fn validate(&self, source: &str) -> Result<()> {
         self.training().validate(source)?;
-        self.training().flow(Self::EVAL_METRICS, source)?;
+        self.training().flow(Self::EVAL_METRICS, source, None)?;
         self.validate_own(source)
     }
 

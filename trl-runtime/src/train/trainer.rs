@@ -199,7 +199,8 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         let main = self.ctx.is_main_process();
         let out_dir = self.core.args.output_dir.clone();
         let metrics = <T::Config as TrainerConfig>::EVAL_METRICS;
-        let flow = self.core.args.flow(metrics, "training arguments")?;
+        let total = Some(self.core.total_steps());
+        let flow = self.core.args.flow(metrics, "training arguments", total)?;
         if main {
             std::fs::create_dir_all(&out_dir)
                 .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
