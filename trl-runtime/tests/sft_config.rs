@@ -125,6 +125,8 @@ fn step_counts_take_a_count_or_a_fraction() {
         c.training.schedule(110).unwrap().warmup_steps
     };
     assert_eq!(warmup(&["--warmup_steps", "5"]), 5);
+    // A negative number is a value (transformers' max_steps default).
+    assert_eq!(cli(&["--max_steps", "-1"]).unwrap().training.max_steps, -1);
     assert_eq!(warmup(&["--warmup_steps", "0.05"]), 6);
     assert_eq!(warmup(&["--warmup_ratio", "0.1"]), 11);
     assert_eq!(warmup(&["--warmup_steps", "3", "--warmup_ratio", "0.1"]), 3);
@@ -290,6 +292,8 @@ fn trl_recipes_are_read_with_their_extra_keys() {
             "{key} not named: {ignored:?}"
         );
     }
+    // A value that says what training here does anyway (AdamW) is not called ignored.
+    assert!(!ignored.iter().any(|l| l.starts_with("optim: ")), "{ignored:?}");
     // peft's target_parameters, read as TRL's key (gpt-oss's fused experts).
     std::fs::write(
         &yaml,

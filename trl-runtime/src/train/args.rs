@@ -77,7 +77,8 @@ macro_rules! training_arguments {
                 pub $base: $crate::train::TrainingFlags,
             )?
             $( $(#[doc = $doc])*
-               #[arg(long, value_parser = $crate::train::args::parse::<$ty>, num_args = 0..=1, default_missing_value = "true")]
+               // Negative numbers are values (`--max_steps -1`, transformers' default).
+               #[arg(long, value_parser = $crate::train::args::parse::<$ty>, num_args = 0..=1, default_missing_value = "true", allow_negative_numbers = true)]
                pub $name: Option<$crate::train::args::Flag<$ty>>, )*
         }
 

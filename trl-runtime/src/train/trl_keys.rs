@@ -373,6 +373,10 @@ pub fn classify(
             "dataset_text_field" if value.as_str().is_some_and(|f| f != "text") => {
                 return Err(err(&key, format!("{value:?}: preference rows are prompt, chosen and rejected (TRL's DPOConfig has no dataset_text_field): remove it")))
             }
+            // What is left of these (the arms above refuse the rest) says what training here
+            // does anyway: not ignored.
+            "fp16" | "average_tokens_across_devices" | "label_smoothing_factor" | "optim"
+            | "truncation_mode" => {}
             k if KNOWN.contains(&k) => ignored.push(format!("{k}: {}", why(k))),
             k => {
                 let hint = KNOWN
