@@ -110,12 +110,8 @@ fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
     if let Some(name) = &args.profile {
         if name == "auto" {
             let cpu = args.topology.use_cpu.unwrap_or(false);
-            return crate::plan::auto(
-                &args.program_args,
-                args.target.as_deref(),
-                cpu,
-                args.topology.num_processes,
-            );
+            let (training, preference) = program_settings(args, cpu)?;
+            return crate::plan::auto(&training, preference, cpu, args.topology.num_processes);
         }
         return profiles::load(name);
     }
@@ -146,6 +142,29 @@ fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
         "built-in default",
     )
     .map_err(|e| e.to_string())
+}
+
+/// What the program will train, for `--profile auto`: the built program's own answer (its
+/// flags over its own defaults and config file, as its workers will read them), else, for a
+/// program that does not answer, its flags read as TRL's over TRL's defaults.
+fn program_settings(
+    args: &LaunchArgs,
+    cpu: bool,
+) -> Result<(trl_runtime::train::TrainingArguments, Option<bool>), String> {
+    let gpu = !cpu && gpus_present() > 0;
+    let target = target::resolve(args.target.as_deref())?.for_gpu(gpu);
+    let program = target::build(&target, !args.debug)?;
+    match tp_plan::ask(&program, &args.program_args, 1) {
+        tp_plan::Answer::Plan(answer) => Ok((answer.training, answer.preference)),
+        tp_plan::Answer::None(why) => {
+            eprintln!("note: --profile auto: the program did not say what it trains ({why}); planning from its flags over TRL's defaults");
+            let (_, t) = tp_plan::training_args(&args.program_args).ok_or(
+                "--profile auto reads the program's training arguments (TRL's flags or --config FILE); these did not parse: pick a profile (cargo trl plan shows which fits)",
+            )?;
+            let preference = tp_plan::preference(&args.program_args, args.target.as_deref());
+            Ok((t, preference))
+        }
+    }
 }
 
 /// Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml, HF_HOME

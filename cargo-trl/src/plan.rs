@@ -594,20 +594,26 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
 }
 
 /// `launch --profile auto`: the fastest layout that fits for the program's training arguments
-/// (model, max_length, per_device_train_batch_size, LoRA, checkpointing, precision) on this
-/// machine's GPUs, or its CPU with `--num_processes` (2 unless given) processes. Prints why.
+/// `t` (model, max_length, per_device_train_batch_size, LoRA, checkpointing, precision) on
+/// this machine's GPUs, or its CPU with `--num_processes` (2 unless given) processes. Prints
+/// why.
 pub fn auto(
-    program_args: &[String],
-    target: Option<&str>,
+    t: &trl_runtime::train::TrainingArguments,
+    preference: Option<bool>,
     use_cpu: bool,
     processes: Option<u32>,
 ) -> Result<LaunchConfig, String> {
-    let (_, t) = crate::tp_plan::training_args(program_args).ok_or(
-        "--profile auto reads the program's training arguments (TRL's flags or --config FILE); these did not parse: pick a profile (cargo trl plan shows which fits)",
-    )?;
+    eprintln!(
+        "auto: planning {} at max_length {}, per_device_train_batch_size {}, gradient_accumulation_steps {}, gradient_checkpointing {}{}",
+        t.model_name_or_path.display(),
+        t.max_length,
+        t.per_device_train_batch_size,
+        t.gradient_accumulation_steps,
+        t.gradient_checkpointing,
+        if t.use_peft { ", LoRA" } else { "" }
+    );
     // A DPO program's micro-batch is twice its pairs in sequences (and TR-DPO keeps a copy of
     // the weights): planned as `cargo trl plan --trainer dpo` plans it.
-    let preference = crate::tp_plan::preference(program_args, target);
     if let Some(sync) = preference {
         eprintln!(
             "auto: planning for DPO ({} pairs = {} sequences per micro-batch{})",

@@ -17,7 +17,7 @@ use trl_runtime::train::{Cli, DPOConfig, SFTConfig, TrainerConfig, TrainingArgum
 /// What the program said when asked for its plan.
 pub enum Answer {
     /// The plan of its model in the directory, or why that model cannot be split.
-    Plan(PlanAnswer),
+    Plan(Box<PlanAnswer>),
     /// It did not answer (it does not train through trl_runtime's Trainer): why.
     None(String),
 }
@@ -86,7 +86,7 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
         return Answer::None(format!("it exited ({status}) without answering: {last}"));
     };
     match serde_json::from_str::<PlanAnswer>(&text) {
-        Ok(answer) => Answer::Plan(answer),
+        Ok(answer) => Answer::Plan(Box::new(answer)),
         Err(e) => Answer::None(format!("its answer is unreadable: {e}")),
     }
 }

@@ -120,6 +120,13 @@ fn new_then_launch_the_scaffold() {
             .exists(),
         "{text}"
     );
+    // `--profile auto` plans what the program trains: its sft.yaml (read by default), which
+    // the launcher learns by asking the built program.
+    let auto = launch_in(&krate, &["--profile", "auto", "--use_cpu", "--dry_run"]);
+    assert!(
+        auto.contains("auto: planning model at max_length 64, per_device_train_batch_size 16"),
+        "{auto}"
+    );
 }
 
 #[test]

@@ -451,7 +451,9 @@ fn profile_auto_launches_what_plan_picks() {
 }
 
 /// `--profile auto` plans a DPO program as DPO: its micro-batch of pairs is twice as many
-/// sequences, so the same flags predict a larger peak than for the sft program.
+/// sequences, so the same flags predict a larger peak than for the sft program. Both plan
+/// what the programs will train, which the launcher asks the built programs: named no model
+/// or data, the bundled jobs' 16 rows per device (their assets/tiny/*.yaml), not TRL's 8.
 #[test]
 fn profile_auto_plans_a_dpo_program_as_dpo() {
     let plan = |target: &str| -> (String, f64) {
@@ -472,9 +474,11 @@ fn profile_auto_plans_a_dpo_program_as_dpo() {
     let (dpo, dpo_peak) = plan("dpo");
     let (sft, sft_peak) = plan("sft");
     assert!(
-        dpo.contains("auto: planning for DPO (8 pairs = 16 sequences"),
+        dpo.contains("auto: planning for DPO (16 pairs = 32 sequences"),
         "{dpo}"
     );
+    let settings = "at max_length 64, per_device_train_batch_size 16";
+    assert!(dpo.contains(settings) && sft.contains(settings), "{sft}");
     assert!(!sft.contains("planning for DPO"), "{sft}");
     assert!(dpo_peak > sft_peak, "dpo {dpo_peak}M, sft {sft_peak}M");
 }

@@ -293,7 +293,10 @@ fn trl_recipes_are_read_with_their_extra_keys() {
         );
     }
     // A value that says what training here does anyway (AdamW) is not called ignored.
-    assert!(!ignored.iter().any(|l| l.starts_with("optim: ")), "{ignored:?}");
+    assert!(
+        !ignored.iter().any(|l| l.starts_with("optim: ")),
+        "{ignored:?}"
+    );
     // peft's target_parameters, read as TRL's key (gpt-oss's fused experts).
     std::fs::write(
         &yaml,

@@ -1,15 +1,21 @@
-//! The launcher's question to a built training program: "how does your model split over tp?"
-//! Only the program knows its model type, so `cargo trl launch` runs it once with
-//! [`QUERY_TP_VAR`] and [`QUERY_OUT_VAR`] set before starting the workers; the trainer answers
-//! as it loads (the plan of the program's own model over its model directory, read from
+//! The launcher's question to a built training program: "what will you train, and how does
+//! your model split over tp?" Only the program knows its model type and its own defaults (a
+//! config file it reads unless told otherwise, settings in code), so `cargo trl launch` runs
+//! it once with [`QUERY_TP_VAR`] and [`QUERY_OUT_VAR`] set before starting the workers; the
+//! trainer answers as it loads (the training arguments it resolved, whether it trains
+//! preference pairs, and the plan of its own model over its model directory, read from
 //! config.json and the weight files' shapes, no weights read), writes the answer as JSON to
 //! the file and exits. The launcher then refuses a tp size the model cannot take, with
-//! nothing started, for models named by flags and by YAML alike.
+//! nothing started, and `--profile auto` plans the run the program will make.
 
+use super::TrainingArguments;
 use crate::comm::InProcessWorld;
+use crate::config::parallelism::ParallelDims;
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
+use crate::parallel::estimate::Setup;
 use crate::parallel::Model;
+use crate::parallel::Strategy;
 use crate::tp::PlanEntry;
 use candle_core::{DType, Device};
 use std::path::{Path, PathBuf};
@@ -19,17 +25,27 @@ pub const QUERY_TP_VAR: &str = "TRL_TP_PLAN_QUERY";
 /// Where the answer goes.
 pub const QUERY_OUT_VAR: &str = "TRL_TP_PLAN_OUT";
 
-/// The answer: the model directory the program reads, and the plan of its model there, or why
-/// that model cannot be split over the asked size.
+/// The answer: the training arguments the program resolved, the model directory it reads, and
+/// the plan of its model there, or why that model cannot be split over the asked size.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct PlanAnswer {
     pub model_dir: PathBuf,
     pub plan: std::result::Result<Vec<PlanEntry>, String>,
+    /// Its flags over its own defaults and config file, as its workers will read them.
+    pub training: TrainingArguments,
+    /// Some when it trains preference pairs (two sequences a row): whether TR-DPO keeps a
+    /// copy of the weights.
+    pub preference: Option<bool>,
 }
 
-/// When the launcher asks, writes the plan of model `N` in `model_dir` split over the asked
-/// tp size to the asked file and exits the process; otherwise returns.
-pub fn answer_if_asked<N: CausalModel>(model_dir: &Path) -> Result<()> {
+/// When the launcher asks, writes the training arguments `args`, what the task changes in a
+/// memory estimate (`task_setup`, [`super::core::Task::memory_setup`]) and the plan of model
+/// `N` in `args.model_name_or_path` split over the asked tp size to the asked file and exits
+/// the process; otherwise returns.
+pub fn answer_if_asked<N: CausalModel>(
+    args: &TrainingArguments,
+    task_setup: impl FnOnce(&mut Setup),
+) -> Result<()> {
     let (Ok(tp), Ok(out)) = (std::env::var(QUERY_TP_VAR), std::env::var(QUERY_OUT_VAR)) else {
         return Ok(());
     };
@@ -37,9 +53,22 @@ pub fn answer_if_asked<N: CausalModel>(model_dir: &Path) -> Result<()> {
         var: QUERY_TP_VAR.into(),
         message: format!("'{tp}' is not a tp size"),
     })?;
+    // A row of one sequence in the plainest setup: what the task changes shows its kind.
+    let one = ParallelDims {
+        dp_replicate: 1,
+        dp_shard: 1,
+        cp: 1,
+        sp: 1,
+        tp: 1,
+    };
+    let mut probe = Setup::new(Strategy::Ddp, one, 1, 1);
+    task_setup(&mut probe);
+    let model_dir = &args.model_name_or_path;
     let answer = PlanAnswer {
-        model_dir: model_dir.to_path_buf(),
+        model_dir: model_dir.clone(),
         plan: plan::<N>(model_dir, tp).map_err(|e| e.to_string()),
+        training: args.clone(),
+        preference: (probe.batch > 1).then_some(probe.reference_copy),
     };
     let json = serde_json::to_string(&answer).map_err(|e| Error::Env {
         var: QUERY_OUT_VAR.into(),

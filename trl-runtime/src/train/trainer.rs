@@ -73,8 +73,8 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         strategy: Strategy,
     ) -> Result<Self> {
         let args = T::training_arguments(&config);
-        // `cargo trl launch` asking for this program's tensor-parallel plan.
-        super::plan_query::answer_if_asked::<N>(&args.model_name_or_path)?;
+        // `cargo trl launch` asking what this program trains and how its model splits.
+        super::plan_query::answer_if_asked::<N>(&args, |s| T::memory_setup(&config, s))?;
         config.validate("training arguments")?;
         let tokenizer = T::tokenizer(&config, TextTokenizer::from_dir(&args.model_name_or_path)?)?;
         let mut task = T::load(&config, &tokenizer)?;
