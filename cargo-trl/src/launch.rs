@@ -170,18 +170,7 @@ fn program_settings(
 /// Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml, HF_HOME
 /// being $XDG_CACHE_HOME/huggingface (~/.cache/huggingface) unless set.
 pub fn accelerate_default_config_path() -> PathBuf {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let hf_home = var("HF_HOME").unwrap_or_else(|| {
-        var("XDG_CACHE_HOME")
-            .or_else(|| var("HOME").map(|h| h.join(".cache")))
-            .unwrap_or_else(|| PathBuf::from("."))
-            .join("huggingface")
-    });
-    hf_home.join("accelerate/default_config.yaml")
+    trl_runtime::hub::hf_home(|k| std::env::var(k).ok()).join("accelerate/default_config.yaml")
 }
 
 /// Where `cargo trl config` writes and `launch` looks when nothing is given (after

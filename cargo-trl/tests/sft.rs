@@ -410,3 +410,104 @@ fn a_run_resumed_after_a_partial_step_equals_the_straight_one() {
         assert_eq!(last[key], straight[3][key], "{key}");
     }
 }
+
+/// Hub names are read from the Hugging Face cache, as transformers and datasets read them
+/// offline: a model and a dataset laid out as `hf download` lays them out (files linked to
+/// blobs, `refs/main` naming the snapshot) train as their local copies do, and a name the
+/// cache lacks is refused before anything runs, with the command that fetches it.
+#[test]
+fn hub_names_are_read_from_the_hugging_face_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("hub");
+    // `repo` of kind `kind` with `files` (name in the repo, source), as huggingface_hub
+    // caches it.
+    let snapshot = |kind: &str, repo: &str, files: &[(&str, PathBuf)]| {
+        let dir = cache.join(format!("{kind}--{}", repo.replace('/', "--")));
+        let snap = dir.join("snapshots/5eed");
+        for (i, (name, source)) in files.iter().enumerate() {
+            let blob = dir.join(format!("blobs/{i}"));
+            std::fs::create_dir_all(blob.parent().unwrap()).unwrap();
+            std::fs::copy(source, &blob).unwrap();
+            let link = snap.join(name);
+            std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+            std::os::unix::fs::symlink(&blob, &link).unwrap();
+        }
+        std::fs::create_dir_all(dir.join("refs")).unwrap();
+        std::fs::write(dir.join("refs/main"), "5eed").unwrap();
+    };
+    let model = root().join("assets/tiny/model");
+    let model_files: Vec<(&str, PathBuf)> = [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    .iter()
+    .map(|f| (*f, model.join(f)))
+    .collect();
+    snapshot("models", "tiny-org/Tiny-Qwen2", &model_files);
+    let rows = eight_rows(tmp.path());
+    snapshot(
+        "datasets",
+        "tiny-org/addition",
+        &[("train.jsonl", rows.clone())],
+    );
+    let run = |model: &str, data: &str, out: &Path| {
+        let mut cmd = common::trainer_launch(
+            "sft",
+            &["--num_processes", "1"],
+            &[
+                &["--model_name_or_path", model, "--dataset_name", data][..],
+                &["--eval_dataset_name", "none", "--max_steps", "2"],
+                &["--per_device_train_batch_size", "4", "--logging_steps", "1"],
+                &[
+                    "--train_sampling_strategy",
+                    "sequential",
+                    "--save_steps",
+                    "1000",
+                ],
+                &["--output_dir", out.to_str().unwrap()],
+            ]
+            .concat(),
+        );
+        cmd.env("HF_HUB_CACHE", &cache);
+        cmd
+    };
+    let hub = common::metrics_of(
+        run(
+            "tiny-org/Tiny-Qwen2",
+            "tiny-org/addition",
+            &tmp.path().join("hub-run"),
+        ),
+        &tmp.path().join("hub-run"),
+    );
+    let local = common::metrics_of(
+        run(
+            model.to_str().unwrap(),
+            rows.to_str().unwrap(),
+            &tmp.path().join("local-run"),
+        ),
+        &tmp.path().join("local-run"),
+    );
+    let losses = |text: &str| -> Vec<f64> {
+        metrics(text)
+            .iter()
+            .map(|m| m["loss"].as_f64().unwrap())
+            .collect()
+    };
+    assert_eq!(losses(&hub).len(), 2, "{hub}");
+    assert_eq!(losses(&hub), losses(&local));
+    let o = run(
+        "tiny-org/Absent",
+        "tiny-org/addition",
+        &tmp.path().join("absent"),
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("model_name_or_path") && err.contains("hf download tiny-org/Absent"),
+        "{err}"
+    );
+}

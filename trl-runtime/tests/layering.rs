@@ -9,7 +9,7 @@ use std::path::Path;
 /// Lowest first; a module may use those of the layers before its own.
 const LAYERS: &[&[&str]] = &[
     &["error"],
-    &["alloc", "precomputed", "progress"],
+    &["alloc", "hub", "precomputed", "progress"],
     &["config"],
     &["comm"],
     &["dist"],

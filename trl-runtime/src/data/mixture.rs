@@ -261,7 +261,10 @@ impl DatasetSource {
         let builder = matches!(self.path.as_str(), "json" | "parquet");
         let base = match builder {
             true => PathBuf::from("."),
-            false => PathBuf::from(&self.path),
+            // A hub id (`trl-lib/Capybara`) reads its snapshot in the Hugging Face cache.
+            false => {
+                crate::hub::resolve(crate::hub::RepoKind::Dataset, Path::new(&self.path), "path")?
+            }
         };
         let base = match &self.data_dir {
             Some(d) => base.join(d),

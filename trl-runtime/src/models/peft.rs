@@ -272,16 +272,19 @@ fn config_json(dir: &Path) -> Result<(serde_json::Value, String)> {
 }
 
 /// The base model a peft adapter names (`base_model_name_or_path`) when it is a local model
-/// directory; an error naming the key otherwise (nothing is downloaded).
+/// directory or a hub name the Hugging Face cache holds; an error naming the key otherwise
+/// (nothing is downloaded).
 pub fn base_model(dir: &Path) -> Result<std::path::PathBuf> {
     let (json, source) = config_json(dir)?;
     let named = json["base_model_name_or_path"].as_str().unwrap_or("");
-    let base = std::path::PathBuf::from(named);
+    let key = "base_model_name_or_path";
+    let base = crate::hub::resolve(crate::hub::RepoKind::Model, Path::new(named), key)
+        .unwrap_or_else(|_| Path::new(named).to_path_buf());
     if named.is_empty() || !base.join(super::params::CONFIG_FILE).is_file() {
         return Err(Error::config(
             source,
             "base_model_name_or_path",
-            format!("'{named}' is not a local model directory: pass the base model's directory (--model_name_or_path)"),
+            format!("'{named}' is not a local model directory, nor a hub name the Hugging Face cache holds (`hf download {named}` fetches it): pass the base model's directory (--model_name_or_path)"),
         ));
     }
     Ok(base)

@@ -417,6 +417,23 @@ impl TrainingArguments {
         }
     }
 
+    /// Hub names of the model and datasets (`Qwen/Qwen2.5-0.5B`) replaced by their snapshots
+    /// in the Hugging Face cache, as transformers and datasets read them offline; local paths
+    /// stay (see [`crate::hub`]).
+    pub fn resolve_hub_names(&mut self) -> Result<()> {
+        use crate::hub::{resolve, RepoKind};
+        self.model_name_or_path = resolve(
+            RepoKind::Model,
+            &self.model_name_or_path,
+            "model_name_or_path",
+        )?;
+        self.dataset_name = resolve(RepoKind::Dataset, &self.dataset_name, "dataset_name")?;
+        if let Some(eval) = &self.eval_dataset_name {
+            self.eval_dataset_name = Some(resolve(RepoKind::Dataset, eval, "eval_dataset_name")?);
+        }
+        Ok(())
+    }
+
     /// The learning-rate schedule of a run of `total_steps`.
     pub fn schedule(&self, total_steps: usize) -> Result<super::LrSchedule> {
         let kind = super::SchedulerKind::parse(&self.lr_scheduler_type)?;
@@ -999,6 +1016,7 @@ impl<C: TrainerConfig> Cli<C> {
             None => (defaults, Vec::new()),
         };
         ignored.extend(ignored_lines("command line", self.apply(&mut config)?));
+        config.training_mut().resolve_hub_names()?;
         config.validate("command line")?;
         Ok((config, ignored))
     }
