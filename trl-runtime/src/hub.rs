@@ -89,6 +89,20 @@ pub fn resolve(kind: RepoKind, name: &Path, key: &str) -> Result<PathBuf> {
 
 /// [`resolve`] against the cache directory `cache`.
 pub fn resolve_in(kind: RepoKind, name: &Path, key: &str, cache: &Path) -> Result<PathBuf> {
+    lookup(kind, name, cache).map_err(|message| Error::Config {
+        file: name.display().to_string(),
+        key: key.into(),
+        message,
+    })
+}
+
+/// [`resolve`] in the process's cache, the error a message (for a caller that names the
+/// setting its own way).
+pub fn lookup_in_cache(kind: RepoKind, name: &Path) -> std::result::Result<PathBuf, String> {
+    lookup(kind, name, &cache_dir(|k| std::env::var(k).ok()))
+}
+
+fn lookup(kind: RepoKind, name: &Path, cache: &Path) -> std::result::Result<PathBuf, String> {
     if name.as_os_str().is_empty() || name.exists() {
         return Ok(name.to_path_buf());
     }
@@ -105,14 +119,12 @@ pub fn resolve_in(kind: RepoKind, name: &Path, key: &str, cache: &Path) -> Resul
         .ok()
         .map(|commit| repo.join("snapshots").join(commit.trim()))
         .filter(|dir| dir.is_dir());
-    snapshot.ok_or_else(|| Error::Config {
-        file: name.display().to_string(),
-        key: key.into(),
-        message: format!(
-            "not a local path, and the Hugging Face cache ({}) holds no snapshot of it: nothing is downloaded here; fetch it first (`{}`, or set HF_HUB_CACHE / HF_HOME to the cache that has it), or pass a local directory",
+    snapshot.ok_or_else(|| {
+        format!(
+            "'{id}' is not a local path, and the Hugging Face cache ({}) holds no snapshot of it: nothing is downloaded here; fetch it first (`{}`, or set HF_HUB_CACHE / HF_HOME to the cache that has it), or pass a local directory",
             cache.display(),
             kind.download_command(id)
-        ),
+        )
     })
 }
 

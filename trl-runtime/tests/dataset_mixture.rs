@@ -153,7 +153,10 @@ fn bad_mixtures_name_the_source_and_key() {
     refused(
         json!([{"path": "trl-lib/Capybara"}]),
         None,
-        &["datasets[0].path", "hub datasets are not fetched"],
+        &[
+            "datasets[0].path",
+            "hf download --repo-type dataset trl-lib/Capybara",
+        ],
     );
     refused(
         json!([{"path": dir, "split": "validation"}]),
