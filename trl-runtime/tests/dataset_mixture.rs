@@ -238,3 +238,85 @@ fn an_sft_config_trains_on_its_mixture() {
         "the held-out rows were evaluated"
     );
 }
+
+/// A dataset directory whose card (README.md) declares configurations, as the Hub's datasets
+/// do, is read as `datasets.load_dataset(DIR, name)` reads it: the named configuration's
+/// `data_files` by split, without a name the one marked default; a missing name where none is
+/// default, or an unknown one, is refused naming dataset_config. The rows equal `datasets`'
+/// (when it is installed).
+#[test]
+fn dataset_cards_configurations_are_read_as_datasets_reads_them() {
+    use trl_runtime::data::dataset::{load, Split};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for (file, texts) in [
+        ("data/all/train-00000-of-00001.jsonl", &["a1", "a2"][..]),
+        ("data/all/test-00000-of-00001.jsonl", &["at"]),
+        ("data/small/train-00000-of-00001.jsonl", &["s1"]),
+    ] {
+        let lines: Vec<String> = texts
+            .iter()
+            .map(|t| json!({ "text": t }).to_string())
+            .collect();
+        std::fs::create_dir_all(dir.join(file).parent().unwrap()).unwrap();
+        std::fs::write(dir.join(file), lines.join("\n")).unwrap();
+    }
+    let card = |default: &str| {
+        format!(
+            "---\nconfigs:\n- config_name: all\n  data_files:\n  - split: train\n    path: data/all/train-*\n  - split: test\n    path: data/all/test-*\n- config_name: small\n  data_files: data/small/train-*\n{default}---\n# Card\n"
+        )
+    };
+    std::fs::write(dir.join("README.md"), card("  default: true\n")).unwrap();
+    let rows = |config: Option<&str>, split: &str| -> Result<Vec<String>, String> {
+        let split = Split {
+            name: split,
+            key: "dataset_train_split",
+            config,
+            config_key: "dataset_config",
+        };
+        let loaded = load(dir, split, OnBadRow::Fail).map_err(|e| e.to_string())?;
+        Ok(loaded.records.iter().map(|r| format!("{r:?}")).collect())
+    };
+    let texts = |config: Option<&str>, split: &str| -> Vec<String> {
+        let got = rows(config, split).unwrap();
+        ["a1", "a2", "at", "s1"]
+            .into_iter()
+            .filter(|t| got.iter().any(|r| r.contains(&format!("\"{t}\""))))
+            .map(String::from)
+            .collect()
+    };
+    assert_eq!(texts(None, "train"), ["s1"]);
+    assert_eq!(texts(Some("all"), "train"), ["a1", "a2"]);
+    assert_eq!(texts(Some("all"), "test"), ["at"]);
+    let e = rows(Some("fr"), "train").unwrap_err();
+    assert!(e.contains("dataset_config") && e.contains("'fr'"), "{e}");
+    let e = rows(Some("small"), "test").unwrap_err();
+    assert!(e.contains("no split 'test'"), "{e}");
+    if let Some(python) = common::python_with(&["datasets"]) {
+        let script = "import sys, json\nfrom datasets import load_dataset\n\
+             d, name, split = sys.argv[1], sys.argv[2] or None, sys.argv[3]\n\
+             print(json.dumps(list(load_dataset(d, name)[split]['text'])))";
+        for (config, split) in [
+            (None, "train"),
+            (Some("all"), "train"),
+            (Some("all"), "test"),
+        ] {
+            let o = std::process::Command::new(&python)
+                .args(["-c", script])
+                .arg(dir)
+                .args([config.unwrap_or(""), split])
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let theirs: Vec<String> = serde_json::from_slice(&o.stdout).unwrap();
+            assert_eq!(texts(config, split), theirs, "{config:?} {split}");
+        }
+    }
+    // No configuration is the default: a name is needed, as datasets asks for one.
+    std::fs::write(dir.join("README.md"), card("")).unwrap();
+    let e = rows(None, "train").unwrap_err();
+    assert!(
+        e.contains("dataset_config") && e.contains("\"all\", \"small\""),
+        "{e}"
+    );
+}

@@ -337,21 +337,7 @@ fn parquet_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<'_, R>) -> Re
 /// Reads one row of a dataset (a JSON object, or a Parquet row as one) into a record.
 pub type RowParser<'a, R> = &'a dyn Fn(&Value) -> std::result::Result<R, String>;
 
-/// Which split of a dataset directory to read, and the setting that names it (for errors).
-/// A dataset file is read whole, whatever the split.
-#[derive(Debug, Clone, Copy)]
-pub struct Split<'a> {
-    pub name: &'a str,
-    pub key: &'a str,
-}
-
-impl Split<'static> {
-    /// `datasets`' training split, as TRL's dataset_train_split defaults to it.
-    pub const TRAIN: Split<'static> = Split {
-        name: "train",
-        key: "dataset_train_split",
-    };
-}
+pub use super::local_dir::Split;
 
 /// Reads a dataset: a `.jsonl`/`.json` or `.parquet` file, or `split` of a local dataset
 /// directory (as `datasets.load_dataset(DIR)` finds it, see [`super::local_dir`]).
@@ -384,7 +370,7 @@ pub fn load_rows<R>(
         return file_rows(path, on_bad, parse);
     }
     let mut all = Loaded::default();
-    for file in super::local_dir::split_files(path, split.name, split.key)? {
+    for file in super::local_dir::split_files(path, split)? {
         let part = file_rows(&file, on_bad, parse)?;
         all.records.extend(part.records);
         all.skipped.extend(part.skipped);

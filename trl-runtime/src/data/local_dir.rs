@@ -10,6 +10,11 @@
 //! The keywords are `datasets`' own: train, training / validation, valid, dev, val / test,
 //! testing, eval, evaluation; separators are `-._ ` and digits. Hidden files and folders,
 //! README.md and `datasets`' metadata files are skipped.
+//!
+//! A dataset card (README.md) whose YAML header declares `configs:` (as the Hub's datasets
+//! do) is read first, as `datasets` reads it: the chosen configuration (TRL's
+//! dataset_config; unset, the only one, the one named `default` or marked `default: true`)
+//! gives its splits' `data_files` patterns, or a `data_dir` the rules above apply in.
 
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -150,9 +155,178 @@ fn splits(files: &[PathBuf]) -> BTreeMap<String, Vec<PathBuf>> {
     by_split
 }
 
-/// The files of `split` in the dataset directory `dir`; `key` is the setting that chose the
-/// split (named in errors).
-pub fn split_files(dir: &Path, split: &str, key: &str) -> Result<Vec<PathBuf>> {
+/// Which split of a dataset directory to read, and the setting that names it (for errors);
+/// with `config`, of that configuration among those its dataset card declares (TRL's
+/// dataset_config, `load_dataset(DIR, name)`). A dataset file is read whole, whatever the
+/// split.
+#[derive(Debug, Clone, Copy)]
+pub struct Split<'a> {
+    pub name: &'a str,
+    pub key: &'a str,
+    pub config: Option<&'a str>,
+    /// The setting that names the configuration.
+    pub config_key: &'a str,
+}
+
+impl Split<'static> {
+    /// `datasets`' training split, as TRL's dataset_train_split defaults to it.
+    pub const TRAIN: Split<'static> = Split {
+        name: "train",
+        key: "dataset_train_split",
+        config: None,
+        config_key: "dataset_config",
+    };
+}
+
+/// A `configs:` entry of a dataset card, as `datasets`' MetadataConfigs reads it.
+#[derive(Debug, serde::Deserialize)]
+struct CardConfig {
+    config_name: String,
+    /// Patterns by split: a pattern or a list (the train split), or `{split, path}` entries.
+    #[serde(default)]
+    data_files: Option<serde_yaml::Value>,
+    #[serde(default)]
+    data_dir: Option<String>,
+    #[serde(default)]
+    default: bool,
+}
+
+/// The `configs:` of `dir`'s dataset card (README.md's YAML header), none without one.
+fn card_configs(dir: &Path) -> Result<Vec<CardConfig>> {
+    #[derive(serde::Deserialize)]
+    struct Card {
+        #[serde(default)]
+        configs: Vec<CardConfig>,
+    }
+    let card = dir.join("README.md");
+    let Ok(text) = std::fs::read_to_string(&card) else {
+        return Ok(Vec::new());
+    };
+    let header = text
+        .strip_prefix("---")
+        .and_then(|rest| rest.split_once("\n---"))
+        .map(|(yaml, _)| yaml);
+    let Some(yaml) = header else {
+        return Ok(Vec::new());
+    };
+    let parsed: Card = serde_yaml::from_str(yaml).map_err(|e| Error::Config {
+        file: card.display().to_string(),
+        key: "configs".into(),
+        message: format!("the dataset card's YAML header does not read as datasets reads it: {e}"),
+    })?;
+    Ok(parsed.configs)
+}
+
+/// The configuration `name` of `configs`, or without a name the default one as `datasets`
+/// picks it: the only one, the one named `default`, or the one marked `default: true`.
+fn chosen_config<'c>(
+    configs: &'c [CardConfig],
+    name: Option<&str>,
+) -> std::result::Result<&'c CardConfig, String> {
+    let names: Vec<&str> = configs.iter().map(|c| c.config_name.as_str()).collect();
+    if let Some(name) = name {
+        return configs
+            .iter()
+            .find(|c| c.config_name == name)
+            .ok_or_else(|| {
+                format!("no configuration '{name}' in the dataset card: it declares {names:?}")
+            });
+    }
+    let defaults: Vec<&CardConfig> = configs
+        .iter()
+        .filter(|c| configs.len() == 1 || c.config_name == "default" || c.default)
+        .collect();
+    match defaults[..] {
+        [one] => Ok(one),
+        [] => Err(format!("the dataset card declares configurations {names:?} and none is the default: pick one with dataset_config")),
+        _ => Err(format!("the dataset card marks several configurations default: {names:?}")),
+    }
+}
+
+/// The patterns of every split a configuration's `data_files` names (relative to the dataset
+/// directory): a pattern or a list of them is the train split.
+fn card_patterns(
+    files: &serde_yaml::Value,
+) -> std::result::Result<BTreeMap<String, Vec<String>>, String> {
+    let patterns = |v: &serde_yaml::Value| -> Option<Vec<String>> {
+        match v {
+            serde_yaml::Value::String(p) => Some(vec![p.clone()]),
+            serde_yaml::Value::Sequence(ps) => {
+                ps.iter().map(|p| p.as_str().map(String::from)).collect()
+            }
+            _ => None,
+        }
+    };
+    let bad = || {
+        format!(
+            "data_files {files:?}: expected a pattern, a list of them, or {{split, path}} entries"
+        )
+    };
+    if let Some(train) = patterns(files) {
+        return Ok(BTreeMap::from([("train".to_string(), train)]));
+    }
+    let mut by_split = BTreeMap::new();
+    for entry in files.as_sequence().ok_or_else(bad)? {
+        let split = entry
+            .get("split")
+            .and_then(|s| s.as_str())
+            .unwrap_or("train");
+        let paths = entry.get("path").and_then(patterns).ok_or_else(bad)?;
+        by_split.insert(split.to_string(), paths);
+    }
+    Ok(by_split)
+}
+
+/// The files of `split` in the dataset directory `dir` (of its configuration `split.config`
+/// when its card declares several); `split.key` is the setting that chose the split (named
+/// in errors).
+pub fn split_files(dir: &Path, split: Split) -> Result<Vec<PathBuf>> {
+    let key = split.key;
+    let err = |message: String| Error::Config {
+        file: dir.display().to_string(),
+        key: key.into(),
+        message,
+    };
+    let configs = card_configs(dir)?;
+    if configs.is_empty() {
+        if let Some(name) = split.config.filter(|n| *n != "default") {
+            return Err(Error::Config {
+                file: dir.display().to_string(),
+                key: split.config_key.into(),
+                message: format!("'{name}': the directory's dataset card declares no configurations (only `default`): drop it"),
+            });
+        }
+        return rule_split_files(dir, split.name, key);
+    }
+    let config = chosen_config(&configs, split.config).map_err(|message| Error::Config {
+        file: dir.join("README.md").display().to_string(),
+        key: split.config_key.into(),
+        message,
+    })?;
+    let base = match &config.data_dir {
+        Some(d) => dir.join(d),
+        None => dir.to_path_buf(),
+    };
+    let Some(files) = &config.data_files else {
+        return rule_split_files(&base, split.name, key);
+    };
+    let by_split = card_patterns(files).map_err(&err)?;
+    let Some(patterns) = by_split.get(split.name) else {
+        let found: Vec<&String> = by_split.keys().collect();
+        return Err(err(format!(
+            "no split '{}' in configuration '{}': it has {found:?}",
+            split.name, config.config_name
+        )));
+    };
+    let mut out = Vec::new();
+    for pattern in patterns {
+        out.extend(expand(&base.join(pattern)).map_err(&err)?);
+    }
+    Ok(out)
+}
+
+/// The files of `split` in `dir` by `datasets`' default rules.
+fn rule_split_files(dir: &Path, split: &str, key: &str) -> Result<Vec<PathBuf>> {
     let err = |message: String| Error::Config {
         file: dir.display().to_string(),
         key: key.into(),
@@ -192,6 +366,26 @@ pub fn split_files(dir: &Path, split: &str, key: &str) -> Result<Vec<PathBuf>> {
         )));
     }
     Ok(chosen.iter().map(|f| dir.join(f)).collect())
+}
+
+/// The files a `data_files` entry names: itself, or what its `*` pattern matches (sorted).
+pub(super) fn expand(path: &Path) -> std::result::Result<Vec<PathBuf>, String> {
+    let text = path.to_string_lossy();
+    if !text.contains(['*', '?', '[']) {
+        return match path.exists() {
+            true => Ok(vec![path.to_path_buf()]),
+            false => Err(format!("{} is not here", path.display())),
+        };
+    }
+    let mut found: Vec<PathBuf> = glob::glob(&text)
+        .map_err(|e| format!("'{text}': {e}"))?
+        .filter_map(|p| p.ok())
+        .collect();
+    found.sort();
+    match found.is_empty() {
+        true => Err(format!("'{text}' matches no file")),
+        false => Ok(found),
+    }
 }
 
 #[cfg(test)]

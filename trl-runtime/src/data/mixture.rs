@@ -13,7 +13,7 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// One file or several.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -232,9 +232,6 @@ impl DatasetSource {
     ) -> Result<Vec<R>> {
         let err =
             |key: &str, message: String| Error::config(source, format!("{at}.{key}"), message);
-        if let Some(name) = self.name.as_deref().filter(|n| *n != "default") {
-            return Err(err("name", format!("'{name}': a configuration of a hub dataset; local data has only `default`: drop it and name the files (path, data_dir, data_files)")));
-        }
         let (split, slice) = parse_split(&self.split).map_err(|m| err("split", m))?;
         let columns = self.columns.clone();
         let select = |v: &Value| -> std::result::Result<R, String> {
@@ -254,9 +251,13 @@ impl DatasetSource {
             }
             parse(&Value::Object(kept))
         };
+        let (split_key, name_key) = (format!("{at}.split"), format!("{at}.name"));
         let split_of = Split {
             name: &split,
-            key: "split",
+            key: &split_key,
+            // A configuration its directory's dataset card declares.
+            config: self.name.as_deref(),
+            config_key: &name_key,
         };
         let builder = matches!(self.path.as_str(), "json" | "parquet");
         let base = match builder {
@@ -265,6 +266,13 @@ impl DatasetSource {
             false => crate::hub::lookup_in_cache(crate::hub::RepoKind::Dataset, self.path.as_ref())
                 .map_err(|m| err("path", m))?,
         };
+        if let Some(name) = self
+            .name
+            .as_deref()
+            .filter(|n| *n != "default" && !base.is_dir())
+        {
+            return Err(err("name", format!("'{name}': a configuration of a dataset directory's card; {} is no directory: drop it", base.display())));
+        }
         let base = match &self.data_dir {
             Some(d) => base.join(d),
             None => base,
@@ -291,7 +299,9 @@ impl DatasetSource {
                     },
                 };
                 for pattern in files {
-                    for file in expand(&base.join(&pattern)).map_err(|m| err("data_files", m))? {
+                    for file in super::local_dir::expand(&base.join(&pattern))
+                        .map_err(|m| err("data_files", m))?
+                    {
                         let part = load_rows(&file, split_of, on_bad, &select)?;
                         loaded.records.extend(part.records);
                     }
@@ -319,26 +329,6 @@ impl DatasetSource {
             rows.drain(..start);
         }
         Ok(rows)
-    }
-}
-
-/// The files a `data_files` entry names: itself, or what its `*` pattern matches (sorted).
-fn expand(path: &Path) -> std::result::Result<Vec<PathBuf>, String> {
-    let text = path.to_string_lossy();
-    if !text.contains(['*', '?', '[']) {
-        return match path.exists() {
-            true => Ok(vec![path.to_path_buf()]),
-            false => Err(format!("{} is not here", path.display())),
-        };
-    }
-    let mut found: Vec<PathBuf> = glob::glob(&text)
-        .map_err(|e| format!("'{text}': {e}"))?
-        .filter_map(|p| p.ok())
-        .collect();
-    found.sort();
-    match found.is_empty() {
-        true => Err(format!("'{text}' matches no file")),
-        false => Ok(found),
     }
 }
 

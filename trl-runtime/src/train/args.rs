@@ -113,6 +113,9 @@ training_arguments! {
     /// The share of the mixture's rows held out as the evaluation set (between 0 and 1),
     /// chosen by seed.
     test_split_size: Option<f64> = None;
+    /// The configuration of a dataset directory whose card (README.md) declares several
+    /// (`load_dataset(DIR, name)`); unset: its default one, as `datasets` picks it.
+    dataset_config: Option<String> = None;
     /// The split of a dataset_name directory to train on.
     dataset_train_split: String = "train".into();
     /// The split of an eval_dataset_name directory to evaluate on.
@@ -367,6 +370,8 @@ impl TrainingArguments {
         crate::data::Split {
             name: &self.dataset_train_split,
             key: "dataset_train_split",
+            config: self.dataset_config.as_deref(),
+            config_key: "dataset_config",
         }
     }
 
@@ -375,6 +380,8 @@ impl TrainingArguments {
         crate::data::Split {
             name: &self.dataset_test_split,
             key: "dataset_test_split",
+            config: self.dataset_config.as_deref(),
+            config_key: "dataset_config",
         }
     }
 

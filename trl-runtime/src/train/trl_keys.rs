@@ -26,7 +26,6 @@ const KNOWN: &[&str] = &[
     "dataloader_persistent_workers",
     "dataloader_pin_memory",
     "dataloader_prefetch_factor",
-    "dataset_config",
     "dataset_kwargs",
     "dataset_num_proc",
     "dataset_streaming",
