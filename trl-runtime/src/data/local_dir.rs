@@ -209,12 +209,16 @@ fn card_configs(dir: &Path) -> Result<Vec<CardConfig>> {
     let Some(yaml) = header else {
         return Ok(Vec::new());
     };
-    let parsed: Card = serde_yaml::from_str(yaml).map_err(|e| Error::Config {
-        file: card.display().to_string(),
-        key: "configs".into(),
-        message: format!("the dataset card's YAML header does not read as datasets reads it: {e}"),
-    })?;
-    Ok(parsed.configs)
+    match serde_yaml::from_str::<Card>(yaml) {
+        Ok(parsed) => Ok(parsed.configs),
+        // A header that declares no configs cannot change which files are read.
+        Err(_) if !yaml.contains("\nconfigs:") => Ok(Vec::new()),
+        Err(e) => Err(Error::Config {
+            file: card.display().to_string(),
+            key: "configs".into(),
+            message: format!("the dataset card's configs do not read as datasets reads them: {e}"),
+        }),
+    }
 }
 
 /// The configuration `name` of `configs`, or without a name the default one as `datasets`
