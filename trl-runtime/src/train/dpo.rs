@@ -16,6 +16,7 @@
 use super::args::{NameList, TrainingArguments};
 use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
 use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps};
+use super::eval_rounds::EvalSlots;
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
 use crate::config::named::Named;
@@ -714,46 +715,22 @@ impl Dpo {
 /// (`PairLogps::add_reward_sums`).
 const EVAL_SLOT: usize = 15;
 
-/// TRL's eval_loss and figures from each round's per-rank slots ([`EVAL_SLOT`]), as
-/// transformers' evaluation loop and TRL's DPOTrainer compute them:
-/// - eval_loss: each rank's batch loss repeated once per row, gathered with
-///   `gather_for_metrics` (the last round's refill cut), their mean;
-/// - entropy, mean logits and token accuracy: each round's sums over the ranks
-///   `gather_for_metrics` keeps, divided by their counts (0 without any);
-/// - rewards and log-probs: each round's mean over every rank's pairs (a plain `gather`,
-///   the refill included);
-/// - each figure the mean of its per-round values (TRL logs the mean of what it appended).
-fn trl_dpo_evaluation(slots: &[f64], deal: &BatchDeal) -> (f64, Vec<(&'static str, f64)>) {
-    let (world, rounds) = (deal.world, deal.rounds());
-    let (mut losses, mut repeats) = (0.0, 0.0);
-    let mut tokens = [0f64; 4];
-    let mut rewards = [0f64; 6];
-    let ratio = |num: f64, den: f64| if den > 0.0 { num / den } else { 0.0 };
-    for round in 0..rounds {
-        let ranks: Vec<&[f64]> = slots[round * world * EVAL_SLOT..][..world * EVAL_SLOT]
-            .chunks(EVAL_SLOT)
-            .collect();
-        for (rank, s) in ranks.iter().enumerate() {
-            let copies = deal.real_rows(round, rank) as f64;
-            losses += s[0] * copies;
-            repeats += copies;
-        }
-        let kept = |k: usize| -> f64 { ranks[..deal.ranks_kept(round)].iter().map(|s| s[k]).sum() };
-        tokens[0] += ratio(kept(1), kept(2));
-        tokens[1] += ratio(kept(3), kept(4));
-        tokens[2] += ratio(kept(5), kept(6));
-        tokens[3] += ratio(kept(7), kept(4));
-        let all = |k: usize| -> f64 { ranks.iter().map(|s| s[k]).sum() };
-        for (k, r) in rewards.iter_mut().enumerate() {
-            *r += ratio(all(9 + k), all(8));
-        }
-    }
-    let n = rounds.max(1) as f64;
-    let figures = figures(|k| rewards[k] / n, [tokens[1] / n, tokens[2] / n])
+/// TRL's eval_loss and figures from the evaluation's slots ([`EVAL_SLOT`]), as
+/// transformers' evaluation loop and TRL's DPOTrainer compute them (see [`EvalSlots`]): the
+/// loss a mean over real rows; entropy, mean logits and token accuracy over the ranks
+/// `gather_for_metrics` keeps; rewards and log-probs over every rank's pairs (a plain
+/// `gather`, the refill included).
+fn trl_dpo_evaluation(slots: &EvalSlots) -> (f64, Vec<(&'static str, f64)>) {
+    let rewards = |k: usize| slots.gathered_ratio(9 + k, 8);
+    let logits = [slots.kept_ratio(3, 4), slots.kept_ratio(5, 6)];
+    let figures = figures(rewards, logits)
         .into_iter()
-        .chain(token_figures([tokens[0] / n, tokens[3] / n]))
+        .chain(token_figures([
+            slots.kept_ratio(1, 2),
+            slots.kept_ratio(7, 4),
+        ]))
         .collect();
-    (losses / repeats.max(1.0), figures)
+    (slots.loss(|s| s[0]), figures)
 }
 
 /// Reference log-probabilities kept for a resumed run.
@@ -1011,7 +988,7 @@ impl<N: CausalModel> Task<N> for Dpo {
         };
         let ref_eval = mixed.as_ref().unwrap_or(&self.ref_eval);
         let router = RouterLosses::for_evaluation(core);
-        let mut slots = vec![0.0; deal.rounds() * world * EVAL_SLOT];
+        let mut slots = EvalSlots::new(deal, EVAL_SLOT);
         self.each_batch(
             core,
             &self.eval,
@@ -1025,8 +1002,7 @@ impl<N: CausalModel> Task<N> for Dpo {
                 p.add_reward_sums(self.loss.beta, &mut sums);
                 let [chosen, rejected] = micro.targets;
                 let [entropy, hits] = seq.token_sums;
-                let at = (round * world + rank) * EVAL_SLOT;
-                slots[at..at + 9].copy_from_slice(&[
+                let counts = [
                     self.loss.compute(&p)?.loss,
                     entropy,
                     chosen + rejected,
@@ -1036,13 +1012,13 @@ impl<N: CausalModel> Task<N> for Dpo {
                     rejected,
                     hits,
                     idx.len() as f64,
-                ]);
-                slots[at + 9..at + EVAL_SLOT].copy_from_slice(&sums);
+                ];
+                slots.set(round, rank, &[&counts[..], &sums].concat());
                 Ok(())
             },
         )?;
-        let slots = core.global_sum(&slots)?;
-        let (loss, figures) = trl_dpo_evaluation(&slots, &deal);
+        let slots = slots.summed(|v| core.global_sum(v))?;
+        let (loss, figures) = trl_dpo_evaluation(&slots);
         let (loss, aux_loss) = router.evaluation_loss(core, loss)?;
         let accuracy = figures.iter().find(|(k, _)| *k == "rewards/accuracies");
         Ok(Some(EvalResult {
@@ -1119,7 +1095,7 @@ mod tests {
             slot(0.9, 40.0, 3.0),
         ]
         .concat();
-        let (loss, figures) = trl_dpo_evaluation(&slots, &deal);
+        let (loss, figures) = trl_dpo_evaluation(&EvalSlots::from_values(deal, EVAL_SLOT, slots));
         let figure = |k: &str| figures.iter().find(|(n, _)| *n == k).unwrap().1;
         // (3 x 0.6 + 3 x 0.7 + 1 x 0.5) / 7; rank 1's 0.9 is all refill.
         assert!((loss - 4.4 / 7.0).abs() < 1e-12, "{loss}");

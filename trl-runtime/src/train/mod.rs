@@ -6,6 +6,7 @@ pub mod config;
 pub mod core;
 pub mod dpo;
 pub mod dpo_loss;
+mod eval_rounds;
 pub mod flow;
 pub mod logging;
 pub mod plan_query;

@@ -9,6 +9,7 @@
 
 use super::config::SFTConfig;
 use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
+use super::eval_rounds::EvalSlots;
 use crate::context_parallel::split::pad_to_multiple;
 use crate::data::dataset::{parse_record_in, to_example, Content, Record, TokenizeOptions};
 use crate::data::{
@@ -293,7 +294,7 @@ impl<N: CausalModel> Task<N> for Sft {
             drop_last: config.training.dataloader_drop_last,
         };
         // Each round's sums of every rank in its slot: loss, targets, entropy, argmax hits.
-        let mut slots = vec![0.0; deal.rounds() * world * 4];
+        let mut slots = EvalSlots::new(deal, 4);
         // A mixture of experts' router loss per batch, as TRL's evaluation adds it.
         let router = RouterLosses::for_evaluation(core);
         for round in 0..deal.rounds() {
@@ -308,8 +309,7 @@ impl<N: CausalModel> Task<N> for Sft {
             let aux = router.begin(&batch)?;
             let ls = router.during(&aux, || self.loss(core, &batch, false))?;
             let (loss, [entropy, hits, targets]) = read_back(&ls)?;
-            let at = (round * world + rank) * 4;
-            slots[at..at + 4].copy_from_slice(&[loss, targets, entropy, hits]);
+            slots.set(round, rank, &[loss, targets, entropy, hits]);
             router.end(aux);
         }
         let mut correct = 0.0;
@@ -325,9 +325,9 @@ impl<N: CausalModel> Task<N> for Sft {
             }
         }
         // Loss sums come from every sequence chunk; answers are generated whole on each.
-        let slots = core.batch_sum(&slots)?;
+        let slots = slots.summed(|v| core.batch_sum(v))?;
         let correct = core.global_sum(&[correct])?[0];
-        let (loss, figures) = trl_evaluation(&slots, &deal);
+        let (loss, figures) = trl_evaluation(&slots);
         let (loss, aux_loss) = router.evaluation_loss(core, loss)?;
         Ok(Some(EvalResult {
             loss,
@@ -340,39 +340,16 @@ impl<N: CausalModel> Task<N> for Sft {
 }
 
 /// TRL's eval_loss, eval_entropy and eval_mean_token_accuracy from each round's per-rank
-/// sums (`slots`: loss, targets, entropy, hits), as transformers' evaluation loop and TRL's
-/// SFTTrainer compute them:
-/// - a rank's batch loss is its mean over its targets, repeated once per row, and eval_loss
-///   the mean of the repeats;
-/// - a round's entropy and accuracy are its ranks' sums over their targets, eval_entropy and
-///   eval_mean_token_accuracy their means over the rounds;
-/// - of the last round, the values of rows past the data are cut, as accelerate's
-///   `gather_for_metrics` cuts the gathered tensors: the loss's repeats to the real rows,
-///   the per-rank sums to as many ranks.
-fn trl_evaluation(slots: &[f64], deal: &BatchDeal) -> (f64, [(&'static str, f64); 2]) {
-    let (world, rounds) = (deal.world, deal.rounds());
-    let (mut losses, mut repeats) = (0.0, 0.0);
-    let (mut entropy, mut accuracy) = (0.0, 0.0);
-    for round in 0..rounds {
-        let ranks: Vec<&[f64]> = slots[round * world * 4..][..world * 4].chunks(4).collect();
-        for (rank, s) in ranks.iter().enumerate() {
-            let copies = deal.real_rows(round, rank) as f64;
-            losses += s[0] / s[1].max(1.0) * copies;
-            repeats += copies;
-        }
-        let kept = &ranks[..deal.ranks_kept(round)];
-        let valid: f64 = kept.iter().map(|s| s[1]).sum();
-        if valid > 0.0 {
-            entropy += kept.iter().map(|s| s[2]).sum::<f64>() / valid;
-            accuracy += kept.iter().map(|s| s[3]).sum::<f64>() / valid;
-        }
-    }
-    let n = rounds.max(1) as f64;
+/// sums (loss, targets, entropy, hits), as transformers' evaluation loop and TRL's
+/// SFTTrainer compute them (see [`EvalSlots`]): a rank's batch loss is its mean over its
+/// targets, repeated once per real row; entropy and accuracy are per round over the ranks
+/// `gather_for_metrics` keeps.
+fn trl_evaluation(slots: &EvalSlots) -> (f64, [(&'static str, f64); 2]) {
     (
-        losses / repeats.max(1.0),
+        slots.loss(|s| s[0] / s[1].max(1.0)),
         [
-            ("entropy", entropy / n),
-            ("mean_token_accuracy", accuracy / n),
+            ("entropy", slots.kept_ratio(2, 1)),
+            ("mean_token_accuracy", slots.kept_ratio(3, 1)),
         ],
     )
 }
@@ -429,7 +406,7 @@ mod tests {
             batch(5.26521, 10.0),
         ]
         .concat();
-        let (loss, _) = trl_evaluation(&slots, &deal);
+        let (loss, _) = trl_evaluation(&EvalSlots::from_values(deal, 4, slots));
         assert!((loss - 5.3273087).abs() < 1e-5, "{loss}");
     }
 
@@ -450,7 +427,8 @@ mod tests {
             [30.0, 3.0, 30.0, 0.0],
         ]
         .concat();
-        let (loss, [(_, entropy), (_, accuracy)]) = trl_evaluation(&slots, &deal);
+        let (loss, [(_, entropy), (_, accuracy)]) =
+            trl_evaluation(&EvalSlots::from_values(deal, 4, slots));
         assert!((loss - 19.0 / 7.0).abs() < 1e-12, "{loss}");
         assert!((entropy - 2.75).abs() < 1e-12, "{entropy}");
         assert!((accuracy - 0.75).abs() < 1e-12, "{accuracy}");
