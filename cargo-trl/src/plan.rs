@@ -278,8 +278,8 @@ pub struct Work {
 /// The model a directory's (or a file's) config.json describes, built as a skeleton.
 pub fn read_model(path: &std::path::Path) -> Result<ModelShapes, String> {
     // A hub name reads its snapshot in the Hugging Face cache.
-    let path = &trl_runtime::hub::resolve(trl_runtime::hub::RepoKind::Model, path, "--model")
-        .map_err(|e| e.to_string())?;
+    let path = &trl_runtime::hub::resolve(trl_runtime::hub::RepoKind::Model, path)
+        .map_err(|m| format!("--model {}: {m}", path.display()))?;
     let file = match path.is_dir() {
         true => path.join("config.json"),
         false => path.to_path_buf(),

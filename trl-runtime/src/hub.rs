@@ -7,7 +7,6 @@
 //! Written by hand: hf-hub's `Cache`, even without default features, pulls in an HTTP stack
 //! (over 300 crates) for what is a path lookup.
 
-use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 
 /// What a hub name names.
@@ -81,28 +80,19 @@ fn repo_id(name: &Path) -> Option<&str> {
 }
 
 /// The local directory `name` stands for: itself when it exists; else, when it reads as a
-/// hub id, the cache's snapshot of the `main` revision (an error naming `key`, the cache and
-/// how to fill it when the cache has none); else itself (the reader says it is missing).
-pub fn resolve(kind: RepoKind, name: &Path, key: &str) -> Result<PathBuf> {
-    resolve_in(kind, name, key, &cache_dir(|k| std::env::var(k).ok()))
+/// hub id, the snapshot of its `main` revision in the process's cache ([`cache_dir`]), or
+/// why there is none and how to fetch it (the caller names its setting); else itself (the
+/// reader says it is missing).
+pub fn resolve(kind: RepoKind, name: &Path) -> std::result::Result<PathBuf, String> {
+    resolve_in(kind, name, &cache_dir(|k| std::env::var(k).ok()))
 }
 
 /// [`resolve`] against the cache directory `cache`.
-pub fn resolve_in(kind: RepoKind, name: &Path, key: &str, cache: &Path) -> Result<PathBuf> {
-    lookup(kind, name, cache).map_err(|message| Error::Config {
-        file: name.display().to_string(),
-        key: key.into(),
-        message,
-    })
-}
-
-/// [`resolve`] in the process's cache, the error a message (for a caller that names the
-/// setting its own way).
-pub fn lookup_in_cache(kind: RepoKind, name: &Path) -> std::result::Result<PathBuf, String> {
-    lookup(kind, name, &cache_dir(|k| std::env::var(k).ok()))
-}
-
-fn lookup(kind: RepoKind, name: &Path, cache: &Path) -> std::result::Result<PathBuf, String> {
+pub fn resolve_in(
+    kind: RepoKind,
+    name: &Path,
+    cache: &Path,
+) -> std::result::Result<PathBuf, String> {
     if name.as_os_str().is_empty() || name.exists() {
         return Ok(name.to_path_buf());
     }
@@ -178,7 +168,7 @@ mod tests {
     }
 
     /// A snapshot laid out as huggingface_hub lays it out is found; a missing one is an
-    /// error naming the key, the cache and the command that fetches it.
+    /// error naming the command that fetches it.
     #[test]
     fn snapshots_of_main_are_read_from_the_cache() {
         let cache = tempfile::tempdir().unwrap();
@@ -187,24 +177,17 @@ mod tests {
         std::fs::create_dir_all(&snapshot).unwrap();
         std::fs::create_dir_all(repo.join("refs")).unwrap();
         std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
-        let found = resolve_in(RepoKind::Model, Path::new("Org/Tiny-1B"), "k", cache.path());
+        let found = resolve_in(RepoKind::Model, Path::new("Org/Tiny-1B"), cache.path());
         assert_eq!(found.unwrap(), snapshot);
-        let e = resolve_in(
-            RepoKind::Dataset,
-            Path::new("Org/Tiny-1B"),
-            "dataset_name",
-            cache.path(),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = resolve_in(RepoKind::Dataset, Path::new("Org/Tiny-1B"), cache.path()).unwrap_err();
         assert!(
-            e.contains("dataset_name") && e.contains("hf download --repo-type dataset Org/Tiny-1B"),
+            e.contains("hf download --repo-type dataset Org/Tiny-1B"),
             "{e}"
         );
         // A path that is not an id is left to its reader.
         let file = Path::new("no/such/file.jsonl");
         assert_eq!(
-            resolve_in(RepoKind::Dataset, file, "k", cache.path()).unwrap(),
+            resolve_in(RepoKind::Dataset, file, cache.path()).unwrap(),
             file
         );
     }

@@ -263,7 +263,7 @@ impl DatasetSource {
         let base = match builder {
             true => PathBuf::from("."),
             // A hub id (`trl-lib/Capybara`) reads its snapshot in the Hugging Face cache.
-            false => crate::hub::lookup_in_cache(crate::hub::RepoKind::Dataset, self.path.as_ref())
+            false => crate::hub::resolve(crate::hub::RepoKind::Dataset, self.path.as_ref())
                 .map_err(|m| err("path", m))?,
         };
         if let Some(name) = self

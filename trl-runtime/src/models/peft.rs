@@ -277,8 +277,7 @@ fn config_json(dir: &Path) -> Result<(serde_json::Value, String)> {
 pub fn base_model(dir: &Path) -> Result<std::path::PathBuf> {
     let (json, source) = config_json(dir)?;
     let named = json["base_model_name_or_path"].as_str().unwrap_or("");
-    let key = "base_model_name_or_path";
-    let base = crate::hub::resolve(crate::hub::RepoKind::Model, Path::new(named), key)
+    let base = crate::hub::resolve(crate::hub::RepoKind::Model, Path::new(named))
         .unwrap_or_else(|_| Path::new(named).to_path_buf());
     if named.is_empty() || !base.join(super::params::CONFIG_FILE).is_file() {
         return Err(Error::config(

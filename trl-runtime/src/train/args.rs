@@ -428,7 +428,11 @@ impl TrainingArguments {
     /// in the Hugging Face cache, as transformers and datasets read them offline; local paths
     /// stay (see [`crate::hub`]).
     pub fn resolve_hub_names(&mut self) -> Result<()> {
-        use crate::hub::{resolve, RepoKind};
+        use crate::hub::RepoKind;
+        let resolve = |kind, name: &Path, key: &str| {
+            crate::hub::resolve(kind, name)
+                .map_err(|m| Error::config(name.display().to_string(), key, m))
+        };
         self.model_name_or_path = resolve(
             RepoKind::Model,
             &self.model_name_or_path,
