@@ -249,14 +249,15 @@ fn logged(out: &Path, key: &str) -> Vec<f64> {
         .collect()
 }
 
+/// The bundled preference pairs.
+const PAIRS: &str = "assets/tiny/data/pref_train.jsonl";
+
 /// A Python with TRL (None: the test skips), a temporary directory and the first 8
 /// preference pairs in it.
 fn trl_and_eight_pairs() -> Option<(std::path::PathBuf, tempfile::TempDir, std::path::PathBuf)> {
     let python = common::python_with(&["torch", "transformers", "trl", "datasets"])?;
     let tmp = tempfile::tempdir().unwrap();
-    let pairs = tmp.path().join("pairs.jsonl");
-    let all = std::fs::read_to_string(root().join("assets/tiny/data/pref_train.jsonl")).unwrap();
-    std::fs::write(&pairs, all.lines().take(8).collect::<Vec<_>>().join("\n")).unwrap();
+    let pairs = common::first_rows(PAIRS, tmp.path(), 8);
     Some((python, tmp, pairs))
 }
 
@@ -378,9 +379,7 @@ fn partial_batches_match_trl() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let pairs = tmp.path().join("pairs.jsonl");
-    let all = std::fs::read_to_string(root().join("assets/tiny/data/pref_train.jsonl")).unwrap();
-    std::fs::write(&pairs, all.lines().take(7).collect::<Vec<_>>().join("\n")).unwrap();
+    let pairs = common::first_rows(PAIRS, tmp.path(), 7);
     let p = pairs.to_str().unwrap();
     let shared = [
         ("num_train_epochs", "1"),
@@ -390,7 +389,7 @@ fn partial_batches_match_trl() {
     for (processes, steps) in [(1, 2), (2, 1)] {
         let (overrides, flags) = common::both_ways(&shared);
         let (theirs, their_eval, stdout) = run_trl(
-            trl(&pairs, &tmp.path().join("trl"), processes)
+            trl.command(&pairs, &tmp.path().join("trl"), processes)
                 .args(["-1", "4", "1e-3", "sigmoid", "rows=7", "eval_batch=3"])
                 .args(&overrides),
         );

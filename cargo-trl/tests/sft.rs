@@ -16,10 +16,15 @@ fn root() -> PathBuf {
 
 /// The first 8 chat rows of the bundled data, in `dir`.
 fn eight_rows(dir: &Path) -> PathBuf {
-    let rows = dir.join("rows.jsonl");
-    let all = std::fs::read_to_string(root().join("assets/tiny/data/train.jsonl")).unwrap();
-    std::fs::write(&rows, all.lines().take(8).collect::<Vec<_>>().join("\n")).unwrap();
-    rows
+    common::first_rows("assets/tiny/data/train.jsonl", dir, 8)
+}
+
+/// TRL's SFT script (None: the test skips), a temporary directory and 8 chat rows in it.
+fn trl_and_eight_rows() -> Option<(common::TrlScript, tempfile::TempDir, PathBuf)> {
+    let trl = common::trl_script("trl_sft.py")?;
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = eight_rows(tmp.path());
+    Some((trl, tmp, rows))
 }
 
 /// Three steps on the 8 rows (`per_device` rows per data-parallel rank of the launch `args`,
@@ -173,14 +178,12 @@ fn assert_like_trl(
 /// with TRL's DFT loss (loss_type dft).
 #[test]
 fn sft_figures_match_trl() {
-    let Some(trl) = common::trl_script("trl_sft.py") else {
+    let Some((trl, tmp, rows)) = trl_and_eight_rows() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let rows = eight_rows(tmp.path());
     for (assistant_only, loss_type) in [(true, "nll"), (false, "nll"), (true, "dft")] {
         let (theirs, their_eval, stdout) = run_trl(
-            trl(&rows, &tmp.path().join("trl"), 1)
+            trl.command(&rows, &tmp.path().join("trl"), 1)
                 .args(["3", "8", "1e-3", "eval_batch=4"])
                 .arg(format!("assistant_only_loss={assistant_only}"))
                 .arg(format!("loss_type={loss_type}")),
@@ -276,11 +279,9 @@ fn each_epochs_rows_are_dealt_as_accelerate_deals_them() {
 /// TRL is installed).
 #[test]
 fn partial_batches_and_steps_match_trl() {
-    let Some(trl) = common::trl_script("trl_sft.py") else {
+    let Some((trl, tmp, rows)) = trl_and_eight_rows() else {
         return;
     };
-    let tmp = tempfile::tempdir().unwrap();
-    let rows = eight_rows(tmp.path());
     for (processes, accumulation) in [(1, "2"), (2, "1")] {
         let shared = [
             ("per_device_train_batch_size", "3"),
@@ -293,7 +294,7 @@ fn partial_batches_and_steps_match_trl() {
         ];
         let (overrides, flags) = common::both_ways(&shared);
         let (theirs, their_eval, stdout) = run_trl(
-            trl(&rows, &tmp.path().join("trl"), processes)
+            trl.command(&rows, &tmp.path().join("trl"), processes)
                 .args(["-1", "8", "1e-3", "rows=8", "eval_batch=3"])
                 .args(&overrides),
         );

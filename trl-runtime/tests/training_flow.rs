@@ -219,6 +219,15 @@ fn strategies_are_checked_and_defaulted_as_transformers_does() {
     // (an accuracy higher); save_strategy best over the default metric.
     let f = flow(json!({"eval_strategy": "steps", "logging_steps": 7})).unwrap();
     assert_eq!(f.eval, trl_runtime::train::flow::Interval::Steps(7));
+    // Fractions of a 13-step run, rounded up as TrainerState.compute_steps rounds them (this
+    // runs without Python; the comparison with transformers above covers more).
+    let args: TrainingArguments = serde_json::from_value(
+        json!({"logging_steps": 0.25, "eval_strategy": "steps", "eval_steps": 0.3, "save_steps": 0.5, "eval_dataset_name": "eval.jsonl"}),
+    )
+    .unwrap();
+    let f = args.flow(&["eval_loss"], "cfg.yaml", Some(13)).unwrap();
+    use trl_runtime::train::flow::Interval::Steps;
+    assert_eq!((f.logging, f.eval, f.save), (Steps(4), Steps(4), Steps(7)));
     assert!(f.best.is_none() && !f.eval_on_start);
     let f = flow(json!({"eval_strategy": "steps", "save_strategy": "best"})).unwrap();
     let best = f.best.unwrap();

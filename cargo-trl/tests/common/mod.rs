@@ -383,27 +383,42 @@ pub fn off(got: &serde_json::Value, want: &serde_json::Value, floor: f64) -> f64
     (g - w).abs() / w.abs().max(floor)
 }
 
-/// `script` (scripts/trl_sft.py, trl_dpo.py) on the tiny model, `rows` and output directory
-/// `out` (its other arguments to add), in `processes` processes (torchrun's, over gloo, for
-/// more than one); None, with a message, without TRL.
+/// A TRL parity script (scripts/trl_sft.py, trl_dpo.py) and the Python that runs it.
 #[allow(dead_code)]
-pub fn trl_script(script: &str) -> Option<impl Fn(&Path, &Path, usize) -> Command> {
+pub struct TrlScript {
+    python: std::path::PathBuf,
+    script: std::path::PathBuf,
+}
+
+/// `script` with a Python that has TRL; None, with a message, without one.
+#[allow(dead_code)]
+pub fn trl_script(script: &str) -> Option<TrlScript> {
     let python = python_with(&["torch", "transformers", "trl", "datasets"])?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let script = root.join("scripts").join(script);
-    Some(move |rows: &Path, out: &Path, processes: usize| {
-        let mut cmd = Command::new(&python);
+    Some(TrlScript {
+        python,
+        script: root.join("scripts").join(script),
+    })
+}
+
+impl TrlScript {
+    /// The script on the tiny model, `rows` and output directory `out` (its other arguments
+    /// to add), in `processes` processes (torchrun's, over gloo, for more than one).
+    #[allow(dead_code)]
+    pub fn command(&self, rows: &Path, out: &Path, processes: usize) -> Command {
+        let mut cmd = Command::new(&self.python);
         if processes > 1 {
             let n = processes.to_string();
             cmd.args(["-m", "torch.distributed.run", "--standalone"])
                 .args(["--nproc_per_node", &n]);
         }
-        cmd.arg(&script)
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        cmd.arg(&self.script)
             .arg(root.join("assets/tiny/model"))
             .arg(rows)
             .arg(out);
         cmd
-    })
+    }
 }
 
 /// Runs a TRL script: its logged steps, its evaluation and its output.
@@ -430,4 +445,14 @@ pub fn both_ways(settings: &[(&str, &str)]) -> (Vec<String>, Vec<String>) {
         .flat_map(|(k, v)| [format!("--{k}"), v.to_string()])
         .collect();
     (overrides, flags)
+}
+
+/// The first `n` rows of the repository's `data` file (JSON lines), written to `dir`.
+#[allow(dead_code)]
+pub fn first_rows(data: &str, dir: &Path, n: usize) -> std::path::PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let all = std::fs::read_to_string(root.join(data)).unwrap();
+    let rows = dir.join("rows.jsonl");
+    std::fs::write(&rows, all.lines().take(n).collect::<Vec<_>>().join("\n")).unwrap();
+    rows
 }
