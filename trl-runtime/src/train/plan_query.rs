@@ -54,14 +54,7 @@ pub fn answer_if_asked<N: CausalModel>(
         message: format!("'{tp}' is not a tp size"),
     })?;
     // A row of one sequence in the plainest setup: what the task changes shows its kind.
-    let one = ParallelDims {
-        dp_replicate: 1,
-        dp_shard: 1,
-        cp: 1,
-        sp: 1,
-        tp: 1,
-    };
-    let mut probe = Setup::new(Strategy::Ddp, one, 1, 1);
+    let mut probe = Setup::new(Strategy::Ddp, ParallelDims::single(), 1, 1);
     task_setup(&mut probe);
     let model_dir = &args.model_name_or_path;
     let answer = PlanAnswer {
