@@ -267,16 +267,19 @@ fn gpt_oss_with_mxfp4_experts_trains_and_saves_dense() {
 
 /// Evaluation on a mixture of experts adds the router loss as TRL's does: `eval_loss` is the
 /// cross-entropy plus `router_aux_loss_coef` x `eval_aux_loss` (the loss averaged over the
-/// evaluation's batches), and a weight of 0 logs no `eval_aux_loss`. With a learning rate of
-/// 0 both runs hold the same weights, so the cross-entropy is the same.
+/// evaluation's batches, here whole batches of 8), and a weight of 0 logs no `eval_aux_loss`.
+/// With a learning rate of 0 both runs hold the same weights, so the cross-entropy is the
+/// same. With the rows' sequences split over two ranks (context parallelism: each holds
+/// the whole rows' router loss) both figures are one process's. (Short batches and rounds
+/// are compared with TRL in tests/sft.rs and tests/dpo.rs.)
 #[test]
 fn moe_evaluation_adds_the_router_loss() {
     let tmp = tempfile::tempdir().unwrap();
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3-moe/model");
-    let eval = |coef: &str| -> serde_json::Value {
-        let out = tmp.path().join(format!("coef-{coef}"));
+    let eval = |coef: &str, launch: &[&str]| -> serde_json::Value {
+        let out = tmp.path().join(format!("coef-{coef}-{}", launch.join("-")));
         let cmd = common::sft_launch(
-            &["--num_processes", "1"],
+            launch,
             &[
                 "--model_name_or_path",
                 model.to_str().unwrap(),
@@ -304,7 +307,8 @@ fn moe_evaluation_adds_the_router_loss() {
             .find(|m| m.get("eval_loss").is_some())
             .unwrap_or_else(|| panic!("no eval_loss in {text}"))
     };
-    let (with, without) = (eval("0.1"), eval("0"));
+    let one = ["--num_processes", "1"];
+    let (with, without) = (eval("0.1", &one), eval("0", &one));
     assert!(without.get("eval_aux_loss").is_none(), "{without}");
     let aux = with["eval_aux_loss"].as_f64().unwrap();
     assert!(aux > 0.5 && aux < 4.0, "{with}");
@@ -314,4 +318,12 @@ fn moe_evaluation_adds_the_router_loss() {
         "eval_loss grew by {added}, 0.1 x eval_aux_loss = {}",
         0.1 * aux
     );
+    let cp = eval("0.1", &["--profile", "context_parallel_cpu"]);
+    for key in ["eval_loss", "eval_aux_loss"] {
+        let (a, b) = (cp[key].as_f64().unwrap(), with[key].as_f64().unwrap());
+        assert!(
+            (a - b).abs() < 1e-5 * b.abs(),
+            "{key}: {a} under cp, {b} alone"
+        );
+    }
 }

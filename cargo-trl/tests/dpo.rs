@@ -371,8 +371,10 @@ const FIGURES: &[&str] = &[
 /// micro-batch of 3 pairs, the evaluation's last batch of 1) and two (torchrun: one step,
 /// rank 1's batch ending with the first pair again; the evaluation's second round filled from
 /// the start, its refill cut from the loss and the token figures by `gather_for_metrics` but
-/// kept in the rewards and log-probs, which TRL gathers whole). Every step's figures and
-/// the evaluation's equal TRL's DPOTrainer's within 1e-4 relative (when TRL is installed).
+/// kept in the rewards and log-probs, which TRL gathers whole). Two processes again on a
+/// mixture of experts: each batch's router loss added to its loss, and `eval_aux_loss` the
+/// mean over each round's kept ranks. Every step's figures and the evaluation's equal TRL's
+/// DPOTrainer's within 1e-4 relative (when TRL is installed).
 #[test]
 fn partial_batches_match_trl() {
     let Some(trl) = common::trl_script("trl_dpo.py") else {
@@ -386,14 +388,17 @@ fn partial_batches_match_trl() {
         ("train_sampling_strategy", "sequential"),
         ("dataloader_drop_last", "false"),
     ];
-    for (processes, steps) in [(1, 2), (2, 1)] {
+    for (processes, steps, model) in [(1, 2, "tiny"), (2, 1, "tiny"), (2, 1, "tiny-qwen3-moe")] {
+        let moe = model.contains("moe");
+        let router = [("router_aux_loss_coef", "0.1")];
+        let shared = [&shared[..], if moe { &router } else { &[] }].concat();
         let (overrides, flags) = common::both_ways(&shared);
         let (theirs, their_eval, stdout) = run_trl(
-            trl.command(&pairs, &tmp.path().join("trl"), processes)
+            trl.command(model, &pairs, &tmp.path().join("trl"), processes)
                 .args(["-1", "4", "1e-3", "sigmoid", "rows=7", "eval_batch=3"])
                 .args(&overrides),
         );
-        let out = tmp.path().join(format!("ours-{processes}"));
+        let out = tmp.path().join(format!("ours-{processes}-{model}"));
         let n = processes.to_string();
         let cmd = common::trainer_launch(
             "dpo",
@@ -401,7 +406,7 @@ fn partial_batches_match_trl() {
             &[
                 &["--dataset_name", p, "--eval_dataset_name", p][..],
                 &["--model_name_or_path"],
-                &[root().join("assets/tiny/model").to_str().unwrap()],
+                &[common::model_dir(model).to_str().unwrap()],
                 &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
                 &["--max_length", "64", "--gradient_checkpointing", "false"],
                 &["--loss_type", "sigmoid", "--seed", "0"],
@@ -424,6 +429,7 @@ fn partial_batches_match_trl() {
             .into_iter()
             .chain(["loss"])
             .chain(FIGURES.iter().copied())
+            .chain(moe.then_some("aux_loss"))
             .map(String::from);
         let step_pairs = ours
             .iter()
@@ -435,7 +441,8 @@ fn partial_batches_match_trl() {
                     .map(move |k| (format!("step {} {k}", i + 1), &a[&k], &b[&k]))
             });
         let our_eval = ours.last().unwrap();
-        let eval_pairs = ["loss"].iter().chain(FIGURES).map(|k| {
+        let aux = moe.then_some("aux_loss");
+        let eval_pairs = ["loss"].iter().chain(FIGURES).chain(&aux).map(|k| {
             let k = format!("eval_{k}");
             (k.clone(), &our_eval[&k], &their_eval[&k])
         });
@@ -450,12 +457,12 @@ fn partial_batches_match_trl() {
             let d = off(a, b, floor);
             assert!(
                 d < 1e-4,
-                "{processes} process(es), {what}: {a} vs TRL's {b}"
+                "{processes} process(es), {model}, {what}: {a} vs TRL's {b}"
             );
             worst = worst.max(d);
         }
         eprintln!(
-            "{processes} process(es), partial batches: every figure within {worst:.1e} of TRL's"
+            "{processes} process(es), {model}, partial batches: every figure within {worst:.1e} of TRL's"
         );
     }
 }

@@ -147,8 +147,9 @@ fn check_equal(name: &str, split: &[serde_json::Value], one: &[serde_json::Value
     }
 }
 
-/// Asserts every step's `keys` and the last step's evaluation figures are TRL's within 1e-4
-/// relative; returns the largest difference.
+/// Asserts every step's `keys` and the last step's evaluation figures (with `eval_aux_loss`
+/// when `keys` hold `aux_loss`) are TRL's within 1e-4 relative; returns the largest
+/// difference.
 fn assert_like_trl(
     label: &str,
     (ours, theirs): (&[serde_json::Value], &[serde_json::Value]),
@@ -162,8 +163,11 @@ fn assert_like_trl(
         keys.iter()
             .map(move |k| (format!("step {} {k}", step + 1), &a[*k], &b[*k]))
     });
+    // A mixture of experts' router loss is logged in evaluation too.
+    let aux = keys.contains(&"aux_loss").then_some("eval_aux_loss");
     let evals = EVAL_KEYS
         .iter()
+        .chain(&aux)
         .map(|k| (k.to_string(), &our_eval[*k], &their_eval[*k]));
     for (what, a, b) in pairs.chain(evals) {
         worst = worst.max(off(a, b, 1e-3));
@@ -183,7 +187,7 @@ fn sft_figures_match_trl() {
     };
     for (assistant_only, loss_type) in [(true, "nll"), (false, "nll"), (true, "dft")] {
         let (theirs, their_eval, stdout) = run_trl(
-            trl.command(&rows, &tmp.path().join("trl"), 1)
+            trl.command("tiny", &rows, &tmp.path().join("trl"), 1)
                 .args(["3", "8", "1e-3", "eval_batch=4"])
                 .arg(format!("assistant_only_loss={assistant_only}"))
                 .arg(format!("loss_type={loss_type}")),
@@ -274,15 +278,22 @@ fn each_epochs_rows_are_dealt_as_accelerate_deals_them() {
 /// (the last micro-batch of 2 rows, the epoch's last step of 1 micro-batch) for 2 epochs,
 /// and two processes (torchrun) in steps of 1, each rank's last micro-batch filled with the
 /// epoch's first rows; then an evaluation of the 8 rows in batches of 3, dealt the same way
-/// (the padded rows' values cut as accelerate's gather_for_metrics cuts them). Every step's
-/// figures, learning rate and epoch, and the evaluation's, equal TRL's SFTTrainer's (when
-/// TRL is installed).
+/// (the padded rows' values cut as accelerate's gather_for_metrics cuts them). Two processes
+/// again on a mixture of experts: each batch's router loss added to its loss and
+/// `eval_aux_loss` the mean over each round's kept ranks, as TRL adds and gathers them. Every
+/// step's figures, learning rate and epoch, and the evaluation's, equal TRL's SFTTrainer's
+/// (when TRL is installed).
 #[test]
 fn partial_batches_and_steps_match_trl() {
     let Some((trl, tmp, rows)) = trl_and_eight_rows() else {
         return;
     };
-    for (processes, accumulation) in [(1, "2"), (2, "1")] {
+    for (processes, accumulation, model) in [
+        (1, "2", "tiny"),
+        (2, "1", "tiny"),
+        (2, "1", "tiny-qwen3-moe"),
+    ] {
+        let moe = model.contains("moe");
         let shared = [
             ("per_device_train_batch_size", "3"),
             ("gradient_accumulation_steps", accumulation),
@@ -292,13 +303,15 @@ fn partial_batches_and_steps_match_trl() {
             ("dataloader_drop_last", "false"),
             ("assistant_only_loss", "true"),
         ];
+        let router = [("router_aux_loss_coef", "0.1")];
+        let shared = [&shared[..], if moe { &router } else { &[] }].concat();
         let (overrides, flags) = common::both_ways(&shared);
         let (theirs, their_eval, stdout) = run_trl(
-            trl.command(&rows, &tmp.path().join("trl"), processes)
+            trl.command(model, &rows, &tmp.path().join("trl"), processes)
                 .args(["-1", "8", "1e-3", "rows=8", "eval_batch=3"])
                 .args(&overrides),
         );
-        let out = tmp.path().join(format!("ours-{processes}"));
+        let out = tmp.path().join(format!("ours-{processes}-{model}"));
         let launch = ["--num_processes", &processes.to_string()].map(String::from);
         let cmd = common::trainer_launch(
             "sft",
@@ -314,7 +327,7 @@ fn partial_batches_and_steps_match_trl() {
                 ],
                 &["--eval_steps", "4"],
                 &["--model_name_or_path"],
-                &[root().join("assets/tiny/model").to_str().unwrap()],
+                &[common::model_dir(model).to_str().unwrap()],
                 &["--learning_rate", "1e-3", "--max_length", "64"],
                 &["--packing", "false", "--gradient_checkpointing", "false"],
                 &["--warmup_steps", "0", "--weight_decay", "0", "--seed", "0"],
@@ -326,10 +339,13 @@ fn partial_batches_and_steps_match_trl() {
         );
         let ours = metrics(&common::metrics_of(cmd, &out));
         assert_eq!((ours.len(), theirs.len()), (4, 4), "{stdout}");
-        let keys = [KEYS, &["learning_rate", "epoch"]].concat();
-        let label = format!("{processes} process(es)");
+        let aux: &[&str] = if moe { &["aux_loss"] } else { &[] };
+        let keys = [KEYS, &["learning_rate", "epoch"], aux].concat();
+        let label = format!("{processes} process(es), {model}");
         let worst = assert_like_trl(&label, (&ours, &theirs), &their_eval, &keys);
-        eprintln!("{processes} process(es), partial micro-batches and steps: every figure within {worst:.1e} of TRL's");
+        eprintln!(
+            "{label}, partial micro-batches and steps: every figure within {worst:.1e} of TRL's"
+        );
     }
 }
 

@@ -383,6 +383,13 @@ pub fn off(got: &serde_json::Value, want: &serde_json::Value, floor: f64) -> f64
     (g - w).abs() / w.abs().max(floor)
 }
 
+/// The bundled model `assets/NAME/model`.
+#[allow(dead_code)]
+pub fn model_dir(name: &str) -> std::path::PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    root.join("assets").join(name).join("model")
+}
+
 /// A TRL parity script (scripts/trl_sft.py, trl_dpo.py) and the Python that runs it.
 #[allow(dead_code)]
 pub struct TrlScript {
@@ -402,19 +409,19 @@ pub fn trl_script(script: &str) -> Option<TrlScript> {
 }
 
 impl TrlScript {
-    /// The script on the tiny model, `rows` and output directory `out` (its other arguments
-    /// to add), in `processes` processes (torchrun's, over gloo, for more than one).
+    /// The script on the bundled model `assets/MODEL/model`, `rows` and output directory
+    /// `out` (its other arguments to add), in `processes` processes (torchrun's, over gloo,
+    /// for more than one).
     #[allow(dead_code)]
-    pub fn command(&self, rows: &Path, out: &Path, processes: usize) -> Command {
+    pub fn command(&self, model: &str, rows: &Path, out: &Path, processes: usize) -> Command {
         let mut cmd = Command::new(&self.python);
         if processes > 1 {
             let n = processes.to_string();
             cmd.args(["-m", "torch.distributed.run", "--standalone"])
                 .args(["--nproc_per_node", &n]);
         }
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         cmd.arg(&self.script)
-            .arg(root.join("assets/tiny/model"))
+            .arg(model_dir(model))
             .arg(rows)
             .arg(out);
         cmd

@@ -115,8 +115,8 @@ pub struct EvalResult {
     /// The task's accuracy: exact-match of greedy answers on held-out prompts (SFT), the
     /// share of pairs whose chosen reward is the higher (DPO).
     pub accuracy: Option<f64>,
-    /// A mixture of experts' router load-balancing loss, averaged over the evaluation's
-    /// batches (TRL's `eval_aux_loss`; its weighted part is in `loss`, as TRL adds it).
+    /// A mixture of experts' router load-balancing loss, TRL's `eval_aux_loss` (its weighted
+    /// part is in `loss`, added to each batch's as TRL adds it).
     pub aux_loss: Option<f64>,
     /// The task's other figures under TRL's names, logged with `eval_` before them (DPO's
     /// rewards, log-probs and mean logits).
@@ -164,8 +164,9 @@ pub struct TaskStep {
 
 /// The router load-balancing losses of a step's micro-batches, or of an evaluation's
 /// batches (a mixture of experts whose weight is not 0). In training each adds its gradient
-/// weighted by weight / (micro-batches x data-parallel ranks), the average TRL takes;
-/// [`Self::mean`] is what it logs as `aux_loss` (`eval_aux_loss`).
+/// weighted by weight / (micro-batches x data-parallel ranks), the average TRL takes, and
+/// [`Self::mean`] is what it logs as `aux_loss`; an evaluation reduces each batch's value
+/// ([`Self::end`]) as TRL reduces `eval_aux_loss` ([`super::eval_rounds::EvalSlots`]).
 pub struct RouterLosses {
     on: bool,
     /// The gradient's weight per micro-batch (0 in evaluation: no backward).
@@ -221,12 +222,12 @@ impl RouterLosses {
         }
     }
 
-    /// After a counted batch (in training, after its backward).
-    pub fn end(&self, aux: Option<Arc<RouterLoss>>) {
-        if let Some(v) = aux.and_then(|a| a.value()) {
-            self.sum.set(self.sum.get() + v);
-            self.batches.set(self.batches.get() + 1);
-        }
+    /// After a counted batch (in training, after its backward): its loss (None when off).
+    pub fn end(&self, aux: Option<Arc<RouterLoss>>) -> Option<f64> {
+        let v = aux.and_then(|a| a.value())?;
+        self.sum.set(self.sum.get() + v);
+        self.batches.set(self.batches.get() + 1);
+        Some(v)
     }
 
     /// The mean loss over the batches every data-parallel rank ended (None when off).
@@ -236,17 +237,6 @@ impl RouterLosses {
         }
         let g = core.global_sum(&[self.sum.get(), self.batches.get() as f64])?;
         Ok(Some(g[0] / g[1].max(1.0)))
-    }
-
-    /// An evaluation's `eval_loss` from its task loss, with the router loss weighted in as
-    /// TRL adds it, and `eval_aux_loss` (the [`Self::mean`]).
-    pub fn evaluation_loss<N: CausalModel>(
-        &self,
-        core: &Core<'_, N>,
-        loss: f64,
-    ) -> Result<(f64, Option<f64>)> {
-        let aux = self.mean(core)?;
-        Ok((loss + core.router_loss_weight * aux.unwrap_or(0.0), aux))
     }
 }
 

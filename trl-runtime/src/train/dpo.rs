@@ -659,17 +659,17 @@ impl Dpo {
         deal: BatchDeal,
         weights: bool,
         router: &RouterLosses,
-        mut f: impl FnMut(usize, &[usize], &Micro, &SequenceSums) -> Result<()>,
+        mut f: impl FnMut(usize, &[usize], &Micro, &SequenceSums, f64) -> Result<()>,
     ) -> Result<()> {
         for round in 0..deal.rounds() {
             let idx = deal.rows(round, core.dp.rank());
             let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
             let micro = self.micro(core, &rows)?;
-            // The policy's router loss (evaluation), per batch.
+            // The policy's router loss (evaluation), per batch (0 when off).
             let aux = router.begin(&micro.batch)?;
             let sums = router.during(&aux, || self.forward(core, &micro, false, weights))?;
-            f(round, &idx, &micro, &sums)?;
-            router.end(aux);
+            let aux = router.end(aux).unwrap_or(0.0);
+            f(round, &idx, &micro, &sums, aux)?;
         }
         Ok(())
     }
@@ -696,14 +696,21 @@ impl Dpo {
         // The reference's log-probabilities alone: no WPO weights.
         let router = RouterLosses::off();
         let rank = core.dp.rank();
-        self.each_batch(core, pairs, deal, false, &router, |round, idx, _, sums| {
-            // The refill repeats rows another batch holds: each is written once.
-            for (j, &k) in idx[..deal.real_rows(round, rank)].iter().enumerate() {
-                out[2 * k] = sums.logps[j];
-                out[2 * k + 1] = sums.logps[idx.len() + j];
-            }
-            Ok(())
-        })?;
+        self.each_batch(
+            core,
+            pairs,
+            deal,
+            false,
+            &router,
+            |round, idx, _, sums, _| {
+                // The refill repeats rows another batch holds: each is written once.
+                for (j, &k) in idx[..deal.real_rows(round, rank)].iter().enumerate() {
+                    out[2 * k] = sums.logps[j];
+                    out[2 * k + 1] = sums.logps[idx.len() + j];
+                }
+                Ok(())
+            },
+        )?;
         let all = core.global_sum(&out)?;
         Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
     }
@@ -711,17 +718,18 @@ impl Dpo {
 
 /// Per round and rank, what an evaluation batch adds to TRL's figures: its loss (a mean over
 /// its pairs), the sums over its targets (entropy and its count, the chosen and rejected
-/// mean logits and their counts, the chosen argmax hits), its pairs and their reward sums
-/// (`PairLogps::add_reward_sums`).
-const EVAL_SLOT: usize = 15;
+/// mean logits and their counts, the chosen argmax hits), its pairs, its router loss (a
+/// mixture of experts'; 0 without) and its pairs' reward sums (`PairLogps::add_reward_sums`).
+const EVAL_SLOT: usize = 16;
 
 /// TRL's eval_loss and figures from the evaluation's slots ([`EVAL_SLOT`]), as
 /// transformers' evaluation loop and TRL's DPOTrainer compute them (see [`EvalSlots`]): the
 /// loss a mean over real rows; entropy, mean logits and token accuracy over the ranks
 /// `gather_for_metrics` keeps; rewards and log-probs over every rank's pairs (a plain
-/// `gather`, the refill included).
-fn trl_dpo_evaluation(slots: &EvalSlots) -> (f64, Vec<(&'static str, f64)>) {
-    let rewards = |k: usize| slots.gathered_ratio(9 + k, 8);
+/// `gather`, the refill included). A batch's loss includes its router loss times
+/// `router_weight` (TRL's DPOTrainer adds it to each batch's).
+fn trl_dpo_evaluation(slots: &EvalSlots, router_weight: f64) -> (f64, Vec<(&'static str, f64)>) {
+    let rewards = |k: usize| slots.gathered_ratio(10 + k, 8);
     let logits = [slots.kept_ratio(3, 4), slots.kept_ratio(5, 6)];
     let figures = figures(rewards, logits)
         .into_iter()
@@ -730,7 +738,7 @@ fn trl_dpo_evaluation(slots: &EvalSlots) -> (f64, Vec<(&'static str, f64)>) {
             slots.kept_ratio(7, 4),
         ]))
         .collect();
-    (slots.loss(|s| s[0]), figures)
+    (slots.loss(|s| s[0] + router_weight * s[9]), figures)
 }
 
 /// Reference log-probabilities kept for a resumed run.
@@ -995,7 +1003,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             deal,
             true,
             &router,
-            |round, idx, micro, seq| {
+            |round, idx, micro, seq, aux| {
                 let reference: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
                 let p = Self::pair_logps(micro, seq, &reference);
                 let mut sums = [0f64; 6];
@@ -1012,14 +1020,15 @@ impl<N: CausalModel> Task<N> for Dpo {
                     rejected,
                     hits,
                     idx.len() as f64,
+                    aux,
                 ];
                 slots.set(round, rank, &[&counts[..], &sums].concat());
                 Ok(())
             },
         )?;
         let slots = slots.summed(|v| core.global_sum(v))?;
-        let (loss, figures) = trl_dpo_evaluation(&slots);
-        let (loss, aux_loss) = router.evaluation_loss(core, loss)?;
+        let (loss, figures) = trl_dpo_evaluation(&slots, core.router_loss_weight);
+        let aux_loss = (core.router_loss_weight != 0.0).then(|| slots.kept_mean(9));
         let accuracy = figures.iter().find(|(k, _)| *k == "rewards/accuracies");
         Ok(Some(EvalResult {
             loss,
@@ -1082,9 +1091,9 @@ mod tests {
             drop_last: false,
         };
         // loss, entropy sum and count, chosen and rejected logit sums and counts, hits,
-        // pairs, then the six reward sums (rewards/chosen first).
+        // pairs, router loss, then the six reward sums (rewards/chosen first).
         let slot = |loss: f64, entropy: f64, reward: f64| {
-            let mut s = [loss, entropy, 4.0, 0.0, 2.0, 0.0, 2.0, 1.0, 3.0];
+            let mut s = [loss, entropy, 4.0, 0.0, 2.0, 0.0, 2.0, 1.0, 3.0, 0.0];
             s[3] = entropy / 2.0;
             [&s[..], &[reward, 0.0, 0.0, 0.0, 0.0, 0.0]].concat()
         };
@@ -1095,7 +1104,8 @@ mod tests {
             slot(0.9, 40.0, 3.0),
         ]
         .concat();
-        let (loss, figures) = trl_dpo_evaluation(&EvalSlots::from_values(deal, EVAL_SLOT, slots));
+        let (loss, figures) =
+            trl_dpo_evaluation(&EvalSlots::from_values(deal, EVAL_SLOT, slots), 0.0);
         let figure = |k: &str| figures.iter().find(|(n, _)| *n == k).unwrap().1;
         // (3 x 0.6 + 3 x 0.7 + 1 x 0.5) / 7; rank 1's 0.9 is all refill.
         assert!((loss - 4.4 / 7.0).abs() < 1e-12, "{loss}");

@@ -92,6 +92,20 @@ impl EvalSlots {
         self.ratio(num, den, |round| self.deal.ranks_kept(round))
     }
 
+    /// A per-batch scalar TRL gathers with `gather_for_metrics` (a mixture of experts' router
+    /// loss): per round the mean over the ranks it keeps.
+    pub fn kept_mean(&self, value: usize) -> f64 {
+        let rounds = self.deal.rounds();
+        let total: f64 = (0..rounds)
+            .map(|round| {
+                let kept = self.deal.ranks_kept(round);
+                let sum: f64 = self.ranks(round).take(kept).map(|s| s[value]).sum();
+                sum / kept.max(1) as f64
+            })
+            .sum();
+        total / rounds.max(1) as f64
+    }
+
     /// A figure TRL gathers whole with `gather` (DPO's rewards and log-probs): per round over
     /// every rank, the refill included.
     pub fn gathered_ratio(&self, num: usize, den: usize) -> f64 {

@@ -293,10 +293,12 @@ impl<N: CausalModel> Task<N> for Sft {
             world,
             drop_last: config.training.dataloader_drop_last,
         };
-        // Each round's sums of every rank in its slot: loss, targets, entropy, argmax hits.
-        let mut slots = EvalSlots::new(deal, 4);
-        // A mixture of experts' router loss per batch, as TRL's evaluation adds it.
+        // Each round's sums of every rank in its slot: loss, targets, entropy, argmax hits,
+        // and a mixture of experts' router loss (whole rows' on every chunk of them: each
+        // chunk adds its share).
+        let mut slots = EvalSlots::new(deal, 5);
         let router = RouterLosses::for_evaluation(core);
+        let chunks = (core.batch_group.size() / world).max(1) as f64;
         for round in 0..deal.rounds() {
             let rows: Vec<&PackedSequence> = deal
                 .rows(round, rank)
@@ -309,8 +311,8 @@ impl<N: CausalModel> Task<N> for Sft {
             let aux = router.begin(&batch)?;
             let ls = router.during(&aux, || self.loss(core, &batch, false))?;
             let (loss, [entropy, hits, targets]) = read_back(&ls)?;
-            slots.set(round, rank, &[loss, targets, entropy, hits]);
-            router.end(aux);
+            let aux = router.end(aux).unwrap_or(0.0) / chunks;
+            slots.set(round, rank, &[loss, targets, entropy, hits, aux]);
         }
         let mut correct = 0.0;
         let prompts: Vec<_> = data.eval_prompts.iter().skip(rank).step_by(world).collect();
@@ -327,8 +329,8 @@ impl<N: CausalModel> Task<N> for Sft {
         // Loss sums come from every sequence chunk; answers are generated whole on each.
         let slots = slots.summed(|v| core.batch_sum(v))?;
         let correct = core.global_sum(&[correct])?[0];
-        let (loss, figures) = trl_evaluation(&slots);
-        let (loss, aux_loss) = router.evaluation_loss(core, loss)?;
+        let (loss, figures) = trl_evaluation(&slots, core.router_loss_weight);
+        let aux_loss = (core.router_loss_weight != 0.0).then(|| slots.kept_mean(4));
         Ok(Some(EvalResult {
             loss,
             accuracy: (!data.eval_prompts.is_empty())
@@ -343,10 +345,11 @@ impl<N: CausalModel> Task<N> for Sft {
 /// sums (loss, targets, entropy, hits), as transformers' evaluation loop and TRL's
 /// SFTTrainer compute them (see [`EvalSlots`]): a rank's batch loss is its mean over its
 /// targets, repeated once per real row; entropy and accuracy are per round over the ranks
-/// `gather_for_metrics` keeps.
-fn trl_evaluation(slots: &EvalSlots) -> (f64, [(&'static str, f64); 2]) {
+/// `gather_for_metrics` keeps. A batch's loss includes its router loss times `router_weight`
+/// (TRL's SFTTrainer adds it to each batch's).
+fn trl_evaluation(slots: &EvalSlots, router_weight: f64) -> (f64, [(&'static str, f64); 2]) {
     (
-        slots.loss(|s| s[0] / s[1].max(1.0)),
+        slots.loss(|s| s[0] / s[1].max(1.0) + router_weight * s[4]),
         [
             ("entropy", slots.kept_ratio(2, 1)),
             ("mean_token_accuracy", slots.kept_ratio(3, 1)),
@@ -398,7 +401,7 @@ mod tests {
             world: 2,
             drop_last: false,
         };
-        let batch = |mean: f64, targets: f64| [mean * targets, targets, 0.0, 0.0];
+        let batch = |mean: f64, targets: f64| [mean * targets, targets, 0.0, 0.0, 0.0];
         let slots = [
             batch(5.28835, 10.0),
             batch(5.34399, 10.0),
@@ -406,12 +409,14 @@ mod tests {
             batch(5.26521, 10.0),
         ]
         .concat();
-        let (loss, _) = trl_evaluation(&EvalSlots::from_values(deal, 4, slots));
+        let (loss, _) = trl_evaluation(&EvalSlots::from_values(deal, 5, slots), 0.0);
         assert!((loss - 5.3273087).abs() < 1e-5, "{loss}");
     }
 
     /// 7 rows in batches of 3 on 2 ranks: the last round holds one real row, so only rank 0's
     /// sums count there (gather_for_metrics cuts the gathered [2] to 1), and its loss once.
+    /// A mixture of experts' router loss is added to each batch's loss (weighted by its
+    /// coefficient) and logged as the mean over the kept ranks of each round.
     #[test]
     fn the_last_rounds_refill_is_cut_as_accelerate_cuts_it() {
         let deal = BatchDeal {
@@ -421,16 +426,21 @@ mod tests {
             drop_last: false,
         };
         let slots = [
-            [6.0, 3.0, 9.0, 1.0],
-            [12.0, 3.0, 12.0, 2.0],
-            [3.0, 3.0, 6.0, 3.0],
-            [30.0, 3.0, 30.0, 0.0],
+            [6.0, 3.0, 9.0, 1.0, 1.0],
+            [12.0, 3.0, 12.0, 2.0, 2.0],
+            [3.0, 3.0, 6.0, 3.0, 4.0],
+            [30.0, 3.0, 30.0, 0.0, 8.0],
         ]
         .concat();
-        let (loss, [(_, entropy), (_, accuracy)]) =
-            trl_evaluation(&EvalSlots::from_values(deal, 4, slots));
+        let slots = EvalSlots::from_values(deal, 5, slots);
+        let (loss, [(_, entropy), (_, accuracy)]) = trl_evaluation(&slots, 0.0);
         assert!((loss - 19.0 / 7.0).abs() < 1e-12, "{loss}");
         assert!((entropy - 2.75).abs() < 1e-12, "{entropy}");
         assert!((accuracy - 0.75).abs() < 1e-12, "{accuracy}");
+        // (3 x (2 + 0.1) + 3 x (4 + 0.2) + 1 x (1 + 0.4)) / 7; rank 1's 8 is all refill.
+        let (loss, _) = trl_evaluation(&slots, 0.1);
+        assert!((loss - 20.3 / 7.0).abs() < 1e-12, "{loss}");
+        let aux = slots.kept_mean(4);
+        assert!((aux - (1.5 + 4.0) / 2.0).abs() < 1e-12, "{aux}");
     }
 }
