@@ -123,6 +123,17 @@ pub struct EvalResult {
     pub figures: Vec<(&'static str, f64)>,
 }
 
+/// `eval loss 1.2345, accuracy 50.0%` (the accuracy where the task has one).
+impl std::fmt::Display for EvalResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "eval loss {:.4}", self.loss)?;
+        match self.accuracy {
+            Some(a) => write!(f, ", accuracy {:.1}%", 100.0 * a),
+            None => Ok(()),
+        }
+    }
+}
+
 impl EvalResult {
     /// The value logged as `key` (`eval_loss`, `accuracy`'s name, `eval_` and a figure's).
     pub fn metric(&self, key: &str, accuracy: &str) -> Option<f64> {

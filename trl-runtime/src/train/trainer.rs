@@ -212,11 +212,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             outcome.initial_eval = self.evaluate()?;
         }
         if let (true, Some(e)) = (main, &outcome.initial_eval) {
-            tracing::info!(
-                "before training: eval loss {:.4}, accuracy {:?}",
-                e.loss,
-                e.accuracy
-            );
+            tracing::info!("before training: {e}");
         }
         // Under the launcher, rank 0 sends its progress there (its own bar would be piped away).
         let to_launcher = main && crate::progress::lines_requested();
@@ -300,11 +296,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             self.load_best(&flow, &mut outcome)?;
         }
         if let (true, Some(e)) = (main, &outcome.final_eval) {
-            tracing::info!(
-                "after training: eval loss {:.4}, accuracy {:?}",
-                e.loss,
-                e.accuracy
-            );
+            tracing::info!("after training: {e}");
         }
         if main {
             super::plot::loss_curve(&out_dir.join("loss.svg"), &curve, &self.state.log_history)?;
