@@ -19,6 +19,9 @@ computes for them.
 - mixtral: MixtralForCausalLM with 4 experts (w1/w2/w3), top 2, a sliding window of 8.
 - olmo2: Olmo2ForCausalLM (norms after attention and MLP, q/k norms over the whole
   projections), untied.
+- olmo3: Olmo3ForCausalLM: OLMo 2's blocks with sliding, global, sliding layers (window 6),
+  YaRN from 16 original positions on the global layer only and another RoPE base on the
+  sliding ones (rope_parameters by layer type, as transformers 5 writes OLMo 3's).
 - gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
   linear RoPE scaling on the global layers, query_pre_attn_scalar 24 (not head_dim), random
   (1 + w) norms.
@@ -34,7 +37,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|gemma3|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss
 """
 
 import sys
@@ -55,6 +58,8 @@ from transformers import (
     MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -159,6 +164,27 @@ elif kind == "mixtral":
 elif kind == "olmo2":
     config = Olmo2Config(tie_word_embeddings=False, pad_token_id=0, **common)
     model_class = Olmo2ForCausalLM
+elif kind == "olmo3":
+    config = Olmo3Config(
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=6,
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 500000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "attention_factor": 1.2,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        **{**common, "num_hidden_layers": 3},
+    )
+    model_class = Olmo3ForCausalLM
 elif kind == "gemma3":
     config = Gemma3TextConfig(
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -201,7 +227,7 @@ elif kind == "gpt-oss":
     )
     model_class = GptOssForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, gemma3, gemma2, llama-longrope, phi3, qwen3-moe, mixtral or gpt-oss")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma2, llama-longrope, phi3, qwen3-moe, mixtral or gpt-oss")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.

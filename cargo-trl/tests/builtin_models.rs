@@ -72,7 +72,8 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
     );
     for (name, args, two_dp) in common::CPU_CASES {
         let text = launch(&model, args, 4, &out(name));
-        if *name == "tp_cpu" && matches!(kind, "qwen3" | "gemma3" | "olmo2" | "qwen3-moe") {
+        if *name == "tp_cpu" && matches!(kind, "qwen3" | "gemma3" | "olmo2" | "olmo3" | "qwen3-moe")
+        {
             assert!(
                 text.contains("act on features split over tp")
                     && text.contains("model.layers.0.self_attn.q_norm.weight"),
@@ -107,82 +108,64 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
     out("tp_cpu")
 }
 
+/// [`every_profile`] on assets/tiny-`kind`; the tp run's checkpoint keeps `config` (a piece
+/// of config.json's text) and opens in transformers.
+fn every_profile_keeps(kind: &str, config: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile(kind, tmp.path());
+    let text = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
+    assert!(text.contains(config), "{kind}: {text}");
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+}
+
 #[test]
 fn qwen3_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("qwen3", tmp.path());
     // The checkpoint is Qwen3's, with its q/k norms, as transformers names them.
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"qwen3\""), "{config}");
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    every_profile_keeps("qwen3", "\"qwen3\"");
 }
 
 #[test]
 fn mistral_with_a_sliding_window_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("mistral", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"sliding_window\": 6"), "{config}");
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    every_profile_keeps("mistral", "\"sliding_window\": 6");
 }
 
 #[test]
 fn gemma3_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("gemma3", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"gemma3_text\""), "{config}");
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    every_profile_keeps("gemma3", "\"gemma3_text\"");
 }
 
 /// Gemma 2: attention scores soft-capped (the blockwise paths, ring attention's included),
 /// logits soft-capped, alternating sliding and global layers.
 #[test]
 fn gemma2_with_soft_capped_attention_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("gemma2", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(
-        config.contains("\"attn_logit_softcapping\": 2.0"),
-        "{config}"
-    );
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    every_profile_keeps("gemma2", "\"attn_logit_softcapping\": 2.0");
 }
 
 #[test]
 fn smollm3_with_nope_layers_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("smollm3", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"no_rope_layers\""), "{config}");
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    every_profile_keeps("smollm3", "\"no_rope_layers\"");
 }
 
 #[test]
 fn olmo2_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("olmo2", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"olmo2\""), "{config}");
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    every_profile_keeps("olmo2", "\"olmo2\"");
+}
+
+/// OLMo 3: OLMo 2's blocks with sliding layers whose rotary base is their own (and YaRN on
+/// the full one); the checkpoint keeps rope_parameters by layer type.
+#[test]
+fn olmo3_under_every_cpu_profile_equals_one_process() {
+    every_profile_keeps("olmo3", "\"sliding_attention\": {");
 }
 
 #[test]
 fn longrope_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("llama-longrope", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"longrope\""), "{config}");
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    every_profile_keeps("llama-longrope", "\"longrope\"");
 }
 
 #[test]
 fn phi3_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("phi3", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"phi3\""), "{config}");
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    every_profile_keeps("phi3", "\"phi3\"");
 }
 
 /// Every step logs TRL's `aux_loss` (the router loss, unweighted; about 1 for balanced

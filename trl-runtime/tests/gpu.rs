@@ -430,6 +430,7 @@ fn builtin_models_and_lora_on_gpu_follow_the_cpu() {
     let cases = [
         ("tiny-qwen3", false),
         ("tiny-olmo2", false),
+        ("tiny-olmo3", false),
         ("tiny-gemma3", false),
         ("tiny-gemma2", true),
         ("tiny-phi3", true),

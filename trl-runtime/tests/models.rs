@@ -359,7 +359,7 @@ fn positions(b: usize, s: usize) -> Tensor {
 /// The built-in Qwen3 (per-head q/k RMSNorm, tied embeddings), Mistral (a sliding window of 6
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
 /// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
-/// tiny-gemma2 (attention scores and logits soft-capped), tiny-smollm3, tiny-olmo2, tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe, tiny-mixtral
+/// tiny-gemma2 (attention scores and logits soft-capped), tiny-smollm3, tiny-olmo2, tiny-olmo3 (sliding layers with their own rotary base), tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe, tiny-mixtral
 /// and tiny-gpt-oss (sinks, fused experts, YaRN) (scripts/make_decoder_fixture.py).
 #[test]
 fn every_built_in_model_type_matches_transformers() {
@@ -371,6 +371,8 @@ fn every_built_in_model_type_matches_transformers() {
         ("gemma2", "model.layers.2.pre_feedforward_layernorm.weight"),
         ("smollm3", "model.layers.3.self_attn.q_proj.weight"),
         ("olmo2", "model.layers.1.self_attn.k_norm.weight"),
+        // Sliding layers with their own rotary base, YaRN on the full one.
+        ("olmo3", "model.layers.2.self_attn.q_norm.weight"),
         ("llama-longrope", "lm_head.weight"),
         ("phi3", "model.layers.1.self_attn.qkv_proj.weight"),
         ("qwen3-moe", "model.layers.0.mlp.experts.3.down_proj.weight"),
@@ -438,6 +440,7 @@ fn no_gradient_holds_more_than_itself() {
         "gemma2",
         "smollm3",
         "olmo2",
+        "olmo3",
         "llama-longrope",
         "phi3",
         "qwen3-moe",

@@ -1,4 +1,4 @@
-//! An HF `config.json` of the Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, OLMo 2).
+//! An HF `config.json` of the Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM3, OLMo 2 and 3).
 
 use super::blocks::{AttentionShape, BodyShape, NormKind, PreNormAttention, QkNorm};
 use crate::error::{Error, Result};
@@ -21,6 +21,9 @@ pub enum Architecture {
     SmolLm3,
     /// Norms after attention and the MLP, q/k norms over the whole projections (models/olmo2.rs).
     Olmo2,
+    /// OLMo 2's blocks with sliding-window layers, which may have their own rotary base
+    /// (models/olmo2.rs).
+    Olmo3,
     /// Fused qkv and gate/up projections, partial rotary (models/phi3.rs).
     Phi3,
     /// Qwen3 with mixture-of-experts MLPs (models/qwen3_moe.rs).
@@ -194,7 +197,7 @@ impl ModelConfig {
                 ),
             );
         }
-        if let Err(m) = self.rotary() {
+        if let Err(m) = self.rotary().and_then(|_| self.rotary_for(true)) {
             return err(
                 if self.rope_parameters.is_some() {
                     "rope_parameters"
@@ -213,14 +216,19 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// The rotary embedding this config describes (either config layout).
+    /// The rotary embedding of the full-attention layers (either config layout).
     pub fn rotary(&self) -> std::result::Result<crate::nn::RotaryEmbedding, String> {
-        let (theta, scaling) = match &self.rope_parameters {
-            Some(p) => (p.rope_theta.unwrap_or(self.rope_theta), Some(p)),
-            None => (self.rope_theta, self.rope_scaling.as_ref()),
-        };
+        self.rotary_for(false)
+    }
+
+    /// The rotary embedding of full-attention layers, or of sliding ones (`sliding`): the same
+    /// unless the config gives the sliding layers their own (OLMo 3).
+    pub fn rotary_for(
+        &self,
+        sliding: bool,
+    ) -> std::result::Result<crate::nn::RotaryEmbedding, String> {
+        let (theta, mut scaling) = self.rope_settings(sliding)?;
         // Phi-3's configs keep original_max_position_embeddings beside rope_scaling.
-        let mut scaling = scaling.cloned();
         if let Some(s) = scaling
             .as_mut()
             .filter(|s| s.original_max_position_embeddings.is_none())
@@ -239,6 +247,37 @@ impl ModelConfig {
         )
     }
 
+    /// The rotary base and scaling of full-attention or sliding layers. transformers 5 writes
+    /// OLMo 3's `rope_parameters` keyed by layer type (`full_attention`, `sliding_attention`);
+    /// its older configs scale only the full-attention layers (`rope_scaling`).
+    fn rope_settings(
+        &self,
+        sliding: bool,
+    ) -> std::result::Result<(f64, Option<RopeScaling>), String> {
+        let kind = if sliding {
+            "sliding_attention"
+        } else {
+            "full_attention"
+        };
+        match &self.rope_parameters {
+            Some(p)
+                if ["full_attention", "sliding_attention"]
+                    .iter()
+                    .any(|k| p.extra.contains_key(*k)) =>
+            {
+                let Some(v) = p.extra.get(kind) else {
+                    return Ok((self.rope_theta, None));
+                };
+                let s: RopeScaling =
+                    serde_json::from_value(v.clone()).map_err(|e| format!("{kind}: {e}"))?;
+                Ok((s.rope_theta.unwrap_or(self.rope_theta), Some(s)))
+            }
+            Some(p) => Ok((p.rope_theta.unwrap_or(self.rope_theta), Some(p.clone()))),
+            None if sliding && self.model_type == "olmo3" => Ok((self.rope_theta, None)),
+            None => Ok((self.rope_theta, self.rope_scaling.clone())),
+        }
+    }
+
     pub fn architecture(&self) -> std::result::Result<Architecture, String> {
         match self.model_type.as_str() {
             "llama" => Ok(Architecture::Llama),
@@ -247,12 +286,13 @@ impl ModelConfig {
             "mistral" => Ok(Architecture::Mistral),
             "smollm3" => Ok(Architecture::SmolLm3),
             "olmo2" => Ok(Architecture::Olmo2),
+            "olmo3" => Ok(Architecture::Olmo3),
             "phi3" => Ok(Architecture::Phi3),
             "qwen3_moe" => Ok(Architecture::Qwen3Moe),
             "mixtral" => Ok(Architecture::Mixtral),
             "gpt_oss" => Ok(Architecture::GptOss),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, phi3 or gpt_oss (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3 or gpt_oss (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -290,6 +330,15 @@ impl ModelConfig {
                 .map(|(i, sliding)| match sliding {
                     true => need(format!("layer {i} is sliding_attention")),
                     false => Ok(None),
+                })
+                .collect();
+        }
+        if self.model_type == "olmo3" {
+            // transformers' default: three sliding layers, then a full one.
+            return (0..n)
+                .map(|i| match (i + 1) % 4 {
+                    0 => Ok(None),
+                    _ => need(format!("layer {i} is sliding_attention")),
                 })
                 .collect();
         }
@@ -373,9 +422,18 @@ impl ModelConfig {
         let rope = self
             .rotary()
             .map_err(|m| candle_config_error((rope_key, m)))?;
+        let sliding = self
+            .rotary_for(true)
+            .map_err(|m| candle_config_error((rope_key, m)))?;
         let (norm, attention, body) = self.shapes();
+        let rope = Arc::new(rope);
         Ok(LayerParts {
-            rope: Arc::new(rope),
+            // One table for both unless they differ.
+            sliding_rope: match self.rope_settings(true) == self.rope_settings(false) {
+                true => rope.clone(),
+                false => Arc::new(sliding),
+            },
+            rope,
             windows: self.layer_windows().map_err(candle_config_error)?,
             ropes: self.layer_ropes().map_err(candle_config_error)?,
             norm,
@@ -399,7 +457,7 @@ impl ModelConfig {
             o_bias: self.o_bias(),
             qk_norm: match self.model_type.as_str() {
                 _ if self.qk_norm() => QkNorm::PerHead(norm),
-                "olmo2" => QkNorm::WholeProjection(norm),
+                "olmo2" | "olmo3" => QkNorm::WholeProjection(norm),
                 _ => QkNorm::None,
             },
             query_scale: None,
@@ -454,7 +512,7 @@ impl ModelConfig {
     pub fn o_bias(&self) -> bool {
         matches!(
             self.model_type.as_str(),
-            "llama" | "qwen3" | "qwen3_moe" | "smollm3" | "olmo2" | "gpt_oss"
+            "llama" | "qwen3" | "qwen3_moe" | "smollm3" | "olmo2" | "olmo3" | "gpt_oss"
         ) && self.attention_bias
     }
 
@@ -557,6 +615,8 @@ pub fn candle_config_error((key, message): (&str, String)) -> candle_core::Error
 /// See [`ModelConfig::layer_parts`].
 pub struct LayerParts {
     pub rope: Arc<crate::nn::RotaryEmbedding>,
+    /// The sliding layers' (OLMo 3's have their own; else `rope` again).
+    pub sliding_rope: Arc<crate::nn::RotaryEmbedding>,
     /// Each layer's sliding window (None: global).
     pub windows: Vec<Option<usize>>,
     /// Whether each layer applies rotary embeddings (SmolLM3's NoPE layers do not).
@@ -567,13 +627,62 @@ pub struct LayerParts {
 }
 
 impl LayerParts {
+    /// Layer `l`'s rotary table (its window says which).
+    pub fn rope_of(&self, l: usize) -> Arc<crate::nn::RotaryEmbedding> {
+        match self.windows[l] {
+            Some(_) => self.sliding_rope.clone(),
+            None => self.rope.clone(),
+        }
+    }
+
     /// Layer `l`'s [`PreNormAttention`] from its `vb`.
     pub fn pre_norm_attention(
         &self,
         l: usize,
         vb: &VarBuilder,
     ) -> candle_core::Result<PreNormAttention> {
-        let rope = self.ropes[l].then(|| self.rope.clone());
+        let rope = self.ropes[l].then(|| self.rope_of(l));
         PreNormAttention::new((self.norm, self.attention), (rope, self.windows[l]), vb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// OLMo 3's rotary settings read alike from transformers 5's `rope_parameters` keyed by
+    /// layer type and from transformers 4's `rope_theta` + `rope_scaling`, which scales the
+    /// full-attention layers only.
+    #[test]
+    fn olmo3_rope_reads_alike_from_either_layout() {
+        let yarn = r#"{"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64"#;
+        let head = r#""model_type": "olmo3", "vocab_size": 10, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "sliding_window": 8"#;
+        let v5 = format!(
+            r#"{{{head}, "rope_parameters": {{
+                "full_attention": {yarn}, "rope_theta": 500000.0}},
+                "sliding_attention": {{"rope_type": "default", "rope_theta": 500000.0}}}}}}"#
+        );
+        let v4 = format!(r#"{{{head}, "rope_theta": 500000.0, "rope_scaling": {yarn}}}}}"#);
+        let (v5, v4) = (
+            ModelConfig::from_json(&v5, "v5").unwrap(),
+            ModelConfig::from_json(&v4, "v4").unwrap(),
+        );
+        for sliding in [false, true] {
+            let (a, b) = (
+                v5.rope_settings(sliding).unwrap(),
+                v4.rope_settings(sliding).unwrap(),
+            );
+            assert_eq!(a.0, b.0, "sliding {sliding}");
+            let kind =
+                |s: &Option<RopeScaling>| s.as_ref().map(|s| (s.rope_type.clone(), s.factor));
+            let want = (!sliding).then(|| ("yarn".to_string(), Some(8.0)));
+            assert_eq!(kind(&b.1), want, "sliding {sliding}");
+            assert_eq!(kind(&a.1).filter(|(t, _)| t != "default"), want);
+        }
+        // Three sliding layers, then a full one (transformers' default layer_types).
+        let windows = v4.layer_windows().unwrap();
+        assert_eq!(windows, vec![Some(8), Some(8), Some(8), None]);
     }
 }

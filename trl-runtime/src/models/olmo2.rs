@@ -1,6 +1,8 @@
 //! OLMo 2 (`model_type` olmo2), as transformers' Olmo2ForCausalLM: Llama's blocks with the
 //! norms after attention and after the MLP (no norm before them), and q/k RMSNorms over the
-//! whole q and k projections (not per head). Its config is the Llama family's.
+//! whole q and k projections (not per head). Its config is the Llama family's. OLMo 3
+//! (`olmo3`, Olmo3ForCausalLM) is the same with sliding-window layers (`layer_types`), whose
+//! rotary base and scaling may differ from the full-attention layers'.
 //!
 //! Under tensor parallelism the q/k projections are split by heads, so their norms gather the
 //! projection (blocks.rs: `norm_whole_projection`); the norms' weights stay whole and their
@@ -18,9 +20,9 @@ use candle_nn::VarBuilder;
 use std::sync::Arc;
 
 /// The `model_type`s this file reads.
-pub const MODEL_TYPES: &[&str] = &["olmo2"];
+pub const MODEL_TYPES: &[&str] = &["olmo2", "olmo3"];
 
-/// Olmo2ForCausalLM.
+/// Olmo2ForCausalLM and Olmo3ForCausalLM.
 pub type Olmo2 = Decoder<Olmo2Layer>;
 
 /// x + norm(attention(x)), then + norm(mlp(x)).
@@ -33,6 +35,9 @@ pub struct Olmo2Layer {
     post_feedforward_layernorm: RmsNorm,
     #[parallel(skip)]
     rope: Arc<RotaryEmbedding>,
+    /// OLMo 3's sliding layers' window (None: full attention).
+    #[parallel(skip)]
+    window: Option<usize>,
 }
 
 impl Layer for Olmo2Layer {
@@ -46,8 +51,8 @@ impl Layer for Olmo2Layer {
         let h = config.hidden_size;
         // OLMo 2's attention_bias puts a bias on o too; its q/k norms span the projections.
         let parts = config.layer_parts()?;
-        let (rope, norm, shape) = (parts.rope, parts.norm, parts.attention);
-        Decoder::from_layers(parts.body, vb, |_, vb| {
+        let (norm, shape) = (parts.norm, parts.attention);
+        Decoder::from_layers(parts.body, vb, |l, vb| {
             let self_attn = SelfAttention::new(shape, vb.pp("self_attn"))?;
             let mlp = (h, config.intermediate_size);
             Ok(Olmo2Layer {
@@ -55,13 +60,16 @@ impl Layer for Olmo2Layer {
                 post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
                 mlp: GatedMlp::new(mlp, config.mlp_bias, Activation::Silu, vb.pp("mlp"))?,
                 post_feedforward_layernorm: norm.build(h, vb.pp("post_feedforward_layernorm"))?,
-                rope: rope.clone(),
+                rope: parts.rope_of(l),
+                window: parts.windows[l],
             })
         })
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let a = self.self_attn.forward(x, cx, Some(&self.rope), None)?;
+        let a = self
+            .self_attn
+            .forward(x, cx, Some(&self.rope), self.window)?;
         let x = (x + self.post_attention_layernorm.forward(&a)?)?;
         let m = self.mlp.forward(cx, &x)?;
         Ok((&x + self.post_feedforward_layernorm.forward(&m)?)?)
