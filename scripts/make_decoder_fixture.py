@@ -25,6 +25,10 @@ computes for them.
 - gemma3: Gemma3ForCausalLM (gemma3_text): sliding, global, sliding layers (window 6), a
   linear RoPE scaling on the global layers, query_pre_attn_scalar 24 (not head_dim), random
   (1 + w) norms.
+- gemma3-vision: Gemma3ForConditionalGeneration (gemma-3-4b and larger: model_type gemma3,
+  the language model's config under text_config, its tensors under language_model., a
+  one-layer SigLIP vision tower and the projector beside them), its language model the gemma3
+  one's; the logits are of text alone.
 - gemma2: Gemma2ForCausalLM: sliding, global, sliding layers (window 6, the default
   alternation), attention scores soft-capped at 2 and logits at 3 (q/k projections scaled up
   so that both caps bite), query_pre_attn_scalar 24, random (1 + w) norms.
@@ -37,7 +41,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss
 """
 
 import sys
@@ -46,7 +50,9 @@ import torch
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
@@ -88,6 +94,21 @@ def longrope(frequencies, **extra):
         "short_factor": [1.0 + 0.1 * i for i in range(frequencies)],
         "long_factor": [1.0 + 0.7 * i for i in range(frequencies)],
     }
+
+
+def gemma3_text():
+    """The gemma3 fixture's text config (also the vision-language one's language model):
+    sliding, global, sliding layers, a linear RoPE scaling on the global one."""
+    return Gemma3TextConfig(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        **{**common, "num_hidden_layers": 3},
+    )
 
 
 common = dict(
@@ -186,17 +207,27 @@ elif kind == "olmo3":
     )
     model_class = Olmo3ForCausalLM
 elif kind == "gemma3":
-    config = Gemma3TextConfig(
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=6,
-        query_pre_attn_scalar=24,
-        rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-        **{**common, "num_hidden_layers": 3},
-    )
+    config = gemma3_text()
     model_class = Gemma3ForCausalLM
+elif kind == "gemma3-vision":
+    text = gemma3_text()
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+        image_token_index=VOCAB - 1,
+    )
+    model_class = Gemma3ForConditionalGeneration
 elif kind == "gemma2":
     config = Gemma2Config(
         sliding_window=6,
@@ -227,7 +258,7 @@ elif kind == "gpt-oss":
     )
     model_class = GptOssForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma2, llama-longrope, phi3, qwen3-moe, mixtral or gpt-oss")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, gemma2, llama-longrope, phi3, qwen3-moe, mixtral or gpt-oss")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -244,3 +275,11 @@ with torch.no_grad():
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             p.mul_(12.0)
 write(model, f"tiny-{kind}")
+if kind == "gemma3-vision":
+    # A processor's image settings, which a checkpoint carries as it carries the tokenizer.
+    from transformers import Gemma3ImageProcessor
+
+    from tiny_fixture import ROOT
+
+    image = Gemma3ImageProcessor(size={"height": 28, "width": 28})
+    image.save_pretrained(ROOT / f"assets/tiny-{kind}/model")

@@ -19,6 +19,7 @@ mod common;
 
 use common::{assert_equal, max_diff, Run};
 use std::path::Path;
+use trl_runtime::candle_core::{self, Device};
 
 const STEPS: usize = 5;
 
@@ -109,13 +110,14 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
 }
 
 /// [`every_profile`] on assets/tiny-`kind`; the tp run's checkpoint keeps `config` (a piece
-/// of config.json's text) and opens in transformers.
-fn every_profile_keeps(kind: &str, config: &str) {
+/// of config.json's text) and opens in transformers. Returns the runs' directory.
+fn every_profile_keeps(kind: &str, config: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
     let tp = every_profile(kind, tmp.path());
     let text = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
     assert!(text.contains(config), "{kind}: {text}");
     common::opens_in_transformers(&tp.join("checkpoint-5"));
+    tmp
 }
 
 #[test]
@@ -132,6 +134,79 @@ fn mistral_with_a_sliding_window_under_every_cpu_profile_equals_one_process() {
 #[test]
 fn gemma3_under_every_cpu_profile_equals_one_process() {
     every_profile_keeps("gemma3", "\"gemma3_text\"");
+}
+
+/// Gemma 3's vision-language checkpoints (gemma-3-4b and larger: Gemma3ForConditionalGeneration)
+/// train their language model under every CPU profile as one process does, and every
+/// checkpoint is the composite again: its config.json, the language model's tensors under
+/// `language_model.`, the vision tower's and the projector's unchanged, the processor's files
+/// beside the tokenizer's. LoRA is refused.
+#[test]
+fn gemma3_vision_language_checkpoints_train_their_language_model() {
+    let tmp = every_profile_keeps("gemma3-vision", "\"vision_config\"");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gemma3-vision");
+    let load = |p: &Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
+    let source = load(&assets.join("model/model.safetensors"));
+    let names = ["one4", "one8"]
+        .into_iter()
+        .chain(common::CPU_CASES.iter().map(|(name, _, _)| *name));
+    for name in names {
+        let dir = tmp
+            .path()
+            .join(format!("gemma3-vision-{name}/checkpoint-5"));
+        let saved = load(&dir.join("model.safetensors"));
+        let processor = |d: &Path| std::fs::read(d.join("preprocessor_config.json")).unwrap();
+        assert_eq!(processor(&dir), processor(&assets.join("model")), "{name}");
+        let names = |m: &std::collections::HashMap<String, _>| {
+            m.keys()
+                .cloned()
+                .collect::<std::collections::BTreeSet<String>>()
+        };
+        assert_eq!(
+            names(&saved),
+            names(&source),
+            "{name}: the source's tensors"
+        );
+        for (key, value) in source
+            .iter()
+            .filter(|(k, _)| !k.starts_with("language_model."))
+        {
+            let diff = (value - &saved[key])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap();
+            assert_eq!(
+                diff.to_scalar::<f32>().unwrap(),
+                0.0,
+                "{name}: {key} changed"
+            );
+        }
+    }
+    // LoRA would name the adapters by the files' layout, not peft's module tree: refused.
+    let out = tmp.path().join("lora");
+    let model = assets.join("model");
+    let o = common::sft_launch(
+        &["--num_processes", "1"],
+        &[
+            "--model_name_or_path".as_ref(),
+            model.as_os_str(),
+            "--use_peft".as_ref(),
+            "--max_steps".as_ref(),
+            "1".as_ref(),
+            "--output_dir".as_ref(),
+            out.as_os_str(),
+        ],
+    )
+    .output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{text}");
+    assert!(
+        text.contains("LoRA on a vision-language checkpoint"),
+        "{text}"
+    );
 }
 
 /// Gemma 2: attention scores soft-capped (the blockwise paths, ring attention's included),
@@ -183,22 +258,14 @@ fn router_loss_logged(out: &Path) {
 
 #[test]
 fn qwen3_moe_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("qwen3-moe", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"qwen3_moe\""), "{config}");
-    router_loss_logged(&tp);
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    let tmp = every_profile_keeps("qwen3-moe", "\"qwen3_moe\"");
+    router_loss_logged(&tmp.path().join("qwen3-moe-tp_cpu"));
 }
 
 #[test]
 fn mixtral_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("mixtral", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"mixtral\""), "{config}");
-    router_loss_logged(&tp);
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    let tmp = every_profile_keeps("mixtral", "\"mixtral\"");
+    router_loss_logged(&tmp.path().join("mixtral-tp_cpu"));
 }
 
 /// gpt-oss: attention sinks (split with the heads under tp, narrowed per rank by Ulysses,
@@ -207,12 +274,8 @@ fn mixtral_under_every_cpu_profile_equals_one_process() {
 /// down by rows), its router loss.
 #[test]
 fn gpt_oss_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let tp = every_profile("gpt-oss", tmp.path());
-    let config = std::fs::read_to_string(tp.join("checkpoint-5/config.json")).unwrap();
-    assert!(config.contains("\"gpt_oss\""), "{config}");
-    router_loss_logged(&tp);
-    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    let tmp = every_profile_keeps("gpt-oss", "\"gpt_oss\"");
+    router_loss_logged(&tmp.path().join("gpt-oss-tp_cpu"));
 }
 
 /// gpt-oss as the hub ships it, its experts MXFP4: read dequantized, whole by one process and

@@ -369,6 +369,11 @@ fn every_built_in_model_type_matches_transformers() {
         ("qwen2-sliding", "model.layers.1.self_attn.q_proj.bias"),
         ("gemma3", "model.layers.2.post_feedforward_layernorm.weight"),
         ("gemma2", "model.layers.2.pre_feedforward_layernorm.weight"),
+        // Gemma3ForConditionalGeneration: its language model, read through `language_model.`.
+        (
+            "gemma3-vision",
+            "model.layers.2.post_feedforward_layernorm.weight",
+        ),
         ("smollm3", "model.layers.3.self_attn.q_proj.weight"),
         ("olmo2", "model.layers.1.self_attn.k_norm.weight"),
         // Sliding layers with their own rotary base, YaRN on the full one.

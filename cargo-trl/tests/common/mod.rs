@@ -319,7 +319,9 @@ pub fn opens_in_transformers(dir: &Path) {
         let config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
                 .unwrap();
-        config["vocab_size"].as_u64().unwrap() as u32
+        // A vision-language model's sizes are its language model's (text_config).
+        let text = config.get("text_config").unwrap_or(&config);
+        text["vocab_size"].as_u64().unwrap() as u32
     };
     let ids: Vec<u32> = (0..48u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let ids = Tensor::from_vec(ids, (2, 24), &Device::Cpu).unwrap();

@@ -28,6 +28,15 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.model",
 ];
 
+/// A vision-language model's processor files (gemma-3-4b's), copied with the tokenizer's so
+/// that a checkpoint of it opens with AutoProcessor as the model it came from.
+pub const PROCESSOR_FILES: &[&str] = &[
+    "added_tokens.json",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+];
+
 /// A model directory's generation settings (stop tokens, sampling defaults).
 const GENERATION_CONFIG: &str = "generation_config.json";
 
@@ -737,7 +746,8 @@ impl TextTokenizer {
     /// ([`Self::with_eos_token`], [`Self::with_chat_template`]) written into them, so that
     /// transformers loads the tokenizer that was trained with and generation stops at its eos.
     pub fn copy_files(&self, to: &Path) -> Result<()> {
-        for f in TOKENIZER_FILES.iter().chain(&[GENERATION_CONFIG]) {
+        let files = TOKENIZER_FILES.iter().chain(PROCESSOR_FILES);
+        for f in files.chain(&[GENERATION_CONFIG]) {
             let src = self.dir.join(f);
             if src.exists() {
                 std::fs::copy(&src, to.join(f))
@@ -749,6 +759,13 @@ impl TextTokenizer {
             .as_ref()
             .filter(|_| self.changed_template)
         {
+            // A processor's own copy (AutoProcessor reads it) says the same.
+            let processor = to.join("chat_template.json");
+            if processor.exists() {
+                let json = serde_json::json!({ "chat_template": template });
+                std::fs::write(&processor, json.to_string())
+                    .map_err(|e| Error::io(format!("cannot write {}", processor.display()), e))?;
+            }
             // transformers reads chat_template.jinja before tokenizer_config.json's template.
             let jinja = to.join("chat_template.jinja");
             match jinja.exists() {

@@ -8,6 +8,9 @@
 //! attention scores (`attn_logit_softcapping`, in every attention path, the fused kernels
 //! included) and alternates sliding and global layers, one RoPE base for all.
 //!
+//! Gemma 3's vision-language checkpoints (`gemma3`, Gemma3ForConditionalGeneration: 4B and
+//! larger) train their language model, read from `text_config` (models/composite.rs).
+//!
 //! The tp plan is Llama's (blocks.rs); each layer is one FSDP unit.
 
 use super::blocks::SelfAttention;
@@ -25,7 +28,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 /// The `model_type`s this file reads.
-pub const MODEL_TYPES: &[&str] = &["gemma3_text", "gemma2"];
+pub const MODEL_TYPES: &[&str] = &["gemma3_text", "gemma2", "gemma3"];
 
 /// The keys of a gemma3_text config.json this model reads (transformers' defaults; a
 /// missing `Option` key is None).
@@ -97,12 +100,17 @@ impl Gemma3Config {
 
     fn parse(text: &str, source: &str) -> Result<Self> {
         let err = |key: &str, message: String| Error::config(source, key, message);
-        let mut c: Gemma3Config = serde_json::from_str(text).map_err(|e| {
+        let invalid = |e: serde_json::Error| {
             err(
                 &format!("<line {} column {}>", e.line(), e.column()),
                 format!("not a valid gemma3_text config: {e}"),
             )
-        })?;
+        };
+        let json: serde_json::Value = serde_json::from_str(text).map_err(invalid)?;
+        // Gemma 3's vision-language checkpoints train their language model (composite.rs).
+        let json = super::composite::text_config(&json).unwrap_or(json);
+        let mut c: Gemma3Config = serde_json::from_value(json)
+            .map_err(|e| err("<document>", format!("not a valid gemma3_text config: {e}")))?;
         if !MODEL_TYPES.contains(&c.model_type.as_str()) {
             return Err(err(
                 "model_type",

@@ -104,6 +104,16 @@ pub fn merge_adapter(
             "already exists: name a new directory (nothing is overwritten)",
         ));
     }
+    if super::params::read_config(&base)
+        .is_ok_and(|(text, _)| super::composite::is_composite(&text))
+    {
+        return Err(Error::config(
+            base.join("config.json").display().to_string(),
+            "model_type",
+            "a vision-language checkpoint (its language model under text_config): merging \
+             adapters into it is not supported here; merge with peft's merge_and_unload",
+        ));
+    }
     let sites = sites_of(&base)?;
     let (config, adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu, &sites)?;
     let sites: HashSet<String> = sites.into_iter().collect();
@@ -166,7 +176,7 @@ pub fn merge_adapter(
         copied: 0,
         files: 0,
     };
-    report.files = write_weights(&tmp, specs, max_shard_bytes, |name| {
+    report.files = write_weights(&tmp, specs, (max_shard_bytes, None), |name| {
         let w = files.load_stored(&source[name])?;
         if !adapted.contains(name) {
             report.copied += 1;

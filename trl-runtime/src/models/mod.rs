@@ -6,6 +6,7 @@
 pub mod auto;
 pub mod blocks;
 pub mod causal;
+pub mod composite;
 pub mod config;
 pub mod gemma3;
 pub mod gpt_oss;

@@ -2,8 +2,10 @@
 //! `model.safetensors` or a sharded index, and saving back in the same layout (so a
 //! checkpoint opens in transformers).
 
+use super::composite;
 use super::config::ModelConfig;
 use super::mxfp4;
+pub use super::tensor_file::Others;
 use super::tensor_file::{write_weights, TensorSpec};
 use crate::error::{Error, Result};
 use crate::nn::module::Split;
@@ -90,12 +92,13 @@ impl Params {
 
     /// Writes `config.json` and the weights into `dir` in HF layout. With `max_shard_bytes`,
     /// weights larger than that are split into `model-0000k-of-0000n.safetensors` files plus
-    /// an index, as `save_pretrained` does. Each file is written whole, then renamed.
+    /// an index, as `save_pretrained` does. Each file is written whole, then renamed. A
+    /// vision-language model's language model writes `others` too (models/composite.rs).
     pub fn save(
         &self,
         dir: impl AsRef<Path>,
         config_json: &str,
-        max_shard_bytes: Option<usize>,
+        (max_shard_bytes, others): (Option<usize>, Option<Others>),
     ) -> Result<()> {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir)
@@ -107,7 +110,9 @@ impl Params {
             .map(|(n, v)| TensorSpec::of(n.clone(), v.as_tensor()))
             .collect();
         let limit = max_shard_bytes.unwrap_or(usize::MAX);
-        write_weights(dir, specs, limit, |n| Ok(self.vars[n].as_tensor().clone()))?;
+        write_weights(dir, specs, (limit, others), |n| {
+            Ok(self.vars[n].as_tensor().clone())
+        })?;
         Ok(())
     }
 
@@ -163,6 +168,9 @@ pub struct WeightFiles {
     st: MmapedSafetensors,
     where_is: FileOf,
     dir: PathBuf,
+    /// Where the files keep the model's tensors: "" or, for a vision-language checkpoint
+    /// whose language model is trained alone, [`composite::PREFIX`].
+    prefix: &'static str,
 }
 
 impl WeightFiles {
@@ -178,29 +186,62 @@ impl WeightFiles {
             key: "<safetensors>".into(),
             message: format!("cannot read the weights: {e}"),
         })?;
+        let composite = std::fs::read_to_string(dir.join(CONFIG_FILE))
+            .is_ok_and(|text| composite::is_composite(&text));
         Ok(WeightFiles {
             st,
             where_is,
             dir: dir.to_path_buf(),
+            prefix: if composite { composite::PREFIX } else { "" },
         })
+    }
+
+    /// The name in the files of the model's tensor `name`.
+    fn at(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
     }
 
     /// Whether the files hold tensor `name` (stored, or packed as MXFP4).
     pub fn contains(&self, name: &str) -> bool {
-        self.st.get(name).is_ok() || self.packed(name).is_some()
+        self.st.get(&self.at(name)).is_ok() || self.packed(name).is_some()
+    }
+
+    /// A vision-language checkpoint's tensors besides its language model's, copied unchanged
+    /// into every full checkpoint written from it (None for any other).
+    pub fn others(self: &std::sync::Arc<Self>) -> Option<Others> {
+        if self.prefix.is_empty() {
+            return None;
+        }
+        let mut specs: Vec<TensorSpec> = self
+            .st
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| !name.starts_with(self.prefix))
+            .map(|(name, view)| {
+                let dtype = DType::try_from(view.dtype()).unwrap_or(DType::F32);
+                TensorSpec::new(name, dtype, view.shape())
+            })
+            .collect();
+        specs.sort_by(|a, b| a.name.cmp(&b.name));
+        let files = self.clone();
+        Some(Others {
+            prefix: self.prefix,
+            specs,
+            read: std::sync::Arc::new(move |name: &str| Ok(files.st.load(name, &Device::Cpu)?)),
+        })
     }
 
     /// The blocks and scales of `name` when it is stored packed as MXFP4 (gpt-oss's experts
     /// on the hub) and not as itself.
     fn packed(&self, name: &str) -> Option<(String, String)> {
-        if self.st.get(name).is_ok() {
+        if self.st.get(&self.at(name)).is_ok() {
             return None;
         }
         let (blocks, scales) = (
             format!("{name}{}", mxfp4::BLOCKS),
             format!("{name}{}", mxfp4::SCALES),
         );
-        let here = self.st.get(&blocks).is_ok() && self.st.get(&scales).is_ok();
+        let here = self.st.get(&self.at(&blocks)).is_ok() && self.st.get(&self.at(&scales)).is_ok();
         here.then_some((blocks, scales))
     }
 
@@ -209,6 +250,10 @@ impl WeightFiles {
     fn stored(&self) -> Vec<(String, DType, Vec<usize>)> {
         let mut out = Vec::new();
         for (name, view) in self.st.tensors() {
+            // A composite's other tensors are not the model's (see `others`).
+            let Some(name) = name.strip_prefix(self.prefix).map(str::to_string) else {
+                continue;
+            };
             if name.ends_with(mxfp4::SCALES) {
                 let base = &name[..name.len() - mxfp4::SCALES.len()];
                 if self.packed(base).is_some() {
@@ -234,11 +279,13 @@ impl WeightFiles {
         match self.packed(name) {
             Some((blocks, scales)) => {
                 let cpu = &Device::Cpu;
-                let w =
-                    mxfp4::dequantize(&self.st.load(&blocks, cpu)?, &self.st.load(&scales, cpu)?)?;
-                Ok(w.to_device(device)?)
+                let (blocks, scales) = (
+                    self.st.load(&self.at(&blocks), cpu)?,
+                    self.st.load(&self.at(&scales), cpu)?,
+                );
+                Ok(mxfp4::dequantize(&blocks, &scales)?.to_device(device)?)
             }
-            None => Ok(self.st.load(name, device)?),
+            None => Ok(self.st.load(&self.at(name), device)?),
         }
     }
 
@@ -317,7 +364,7 @@ impl WeightFiles {
     pub fn load_stored(&self, name: &str) -> Result<Tensor> {
         match self.packed(name) {
             Some(_) => Ok(self.read(name, &Device::Cpu)?.to_dtype(DType::BF16)?),
-            None => Ok(self.st.load(name, &Device::Cpu)?),
+            None => Ok(self.st.load(&self.at(name), &Device::Cpu)?),
         }
     }
 
@@ -325,14 +372,16 @@ impl WeightFiles {
     fn shape_of(&self, name: &str) -> Result<Vec<usize>> {
         match self.packed(name) {
             Some((blocks, _)) => {
-                Ok(mxfp4::dense_shape(self.st.get(&blocks)?.shape()).unwrap_or_default())
+                let shape = self.st.get(&self.at(&blocks))?.shape().to_vec();
+                Ok(mxfp4::dense_shape(&shape).unwrap_or_default())
             }
-            None => Ok(self.st.get(name)?.shape().to_vec()),
+            None => Ok(self.st.get(&self.at(name))?.shape().to_vec()),
         }
     }
 
     fn file_of(&self, name: &str) -> String {
-        (self.where_is)(name).unwrap_or_else(|| self.dir.join(SINGLE_FILE).display().to_string())
+        (self.where_is)(&self.at(name))
+            .unwrap_or_else(|| self.dir.join(SINGLE_FILE).display().to_string())
     }
 
     /// Tensor `name`, whole.
@@ -423,7 +472,7 @@ impl WeightFiles {
                 .and_then(|t| t.to_dtype(dtype));
             return part.map_err(|e| e.to_string());
         }
-        let view = self.st.get(name).map_err(|e| e.to_string())?;
+        let view = self.st.get(&self.at(name)).map_err(|e| e.to_string())?;
         let index: Vec<TensorIndexer> = (0..view.shape().len())
             .map(|d| match d == dim {
                 true => span.clone().into(),

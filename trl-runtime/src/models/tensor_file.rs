@@ -179,10 +179,43 @@ pub struct WeightsWriter {
     /// Files opened so far.
     opened: usize,
     total: usize,
+    /// A vision-language checkpoint's: the model's names' prefix, and the tensors written
+    /// after the model's.
+    others: Option<Others>,
 }
+
+/// What a full checkpoint of a vision-language model's language model writes besides it
+/// (models/composite.rs): the model's tensors go under `prefix`, and `specs`, read by
+/// `read` from the checkpoint it came from, after them, unchanged.
+#[derive(Clone)]
+pub struct Others {
+    pub prefix: &'static str,
+    pub specs: Vec<TensorSpec>,
+    pub read: ReadTensor,
+}
+
+/// Reads a tensor by its name in the files.
+pub type ReadTensor = std::sync::Arc<dyn Fn(&str) -> Result<Tensor> + Send + Sync>;
 
 impl WeightsWriter {
     pub fn new(dir: &Path, specs: Vec<TensorSpec>, max_shard_bytes: usize) -> Self {
+        Self::with_others(dir, specs, max_shard_bytes, None)
+    }
+
+    /// As [`Self::new`], the model's tensors (`specs`, pushed by their own names) written as
+    /// `others` says, its tensors after them.
+    pub fn with_others(
+        dir: &Path,
+        mut specs: Vec<TensorSpec>,
+        max_shard_bytes: usize,
+        others: Option<Others>,
+    ) -> Self {
+        if let Some(o) = &others {
+            for s in &mut specs {
+                s.name = format!("{}{}", o.prefix, s.name);
+            }
+            specs.extend(o.specs.iter().cloned());
+        }
         let total = specs.iter().map(TensorSpec::bytes).sum();
         let mut groups: Vec<Vec<TensorSpec>> = vec![Vec::new()];
         let mut filled = 0;
@@ -213,11 +246,22 @@ impl WeightsWriter {
             current: None,
             opened: 0,
             total,
+            others,
         }
     }
 
-    /// The next tensor; the file it completes is closed at once.
+    /// The model's next tensor; the file it completes is closed at once.
     pub fn push(&mut self, name: &str, t: &Tensor) -> Result<()> {
+        match &self.others {
+            Some(o) => {
+                let stored = format!("{}{name}", o.prefix);
+                self.write(&stored, t)
+            }
+            None => self.write(name, t),
+        }
+    }
+
+    fn write(&mut self, name: &str, t: &Tensor) -> Result<()> {
         if self.current.is_none() {
             let Some((file, specs)) = self.files.get(self.opened) else {
                 return Err(io_error(
@@ -240,8 +284,14 @@ impl WeightsWriter {
         Ok(())
     }
 
-    /// Writes the index (several files) or removes a stale one; returns the number of files.
-    pub fn finish(self) -> Result<usize> {
+    /// Writes the other tensors, if any, then the index (several files) or removes a stale
+    /// one; returns the number of files.
+    pub fn finish(mut self) -> Result<usize> {
+        if let Some(o) = self.others.take() {
+            for spec in &o.specs {
+                self.write(&spec.name, &(o.read)(&spec.name)?)?;
+            }
+        }
         let n = self.files.len();
         if self.current.is_some() || self.opened < n {
             return Err(io_error(&self.dir, "not every tensor was written"));
@@ -275,14 +325,15 @@ impl WeightsWriter {
 
 /// Writes the tensors `specs` into `dir` in HF layout, asking `tensor(name)` for each in
 /// order, so only one tensor need exist at a time. Returns the number of files.
+/// `others`: see [`WeightsWriter::with_others`].
 pub fn write_weights(
     dir: &Path,
     specs: Vec<TensorSpec>,
-    max_shard_bytes: usize,
+    (max_shard_bytes, others): (usize, Option<Others>),
     mut tensor: impl FnMut(&str) -> Result<Tensor>,
 ) -> Result<usize> {
     let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
-    let mut writer = WeightsWriter::new(dir, specs, max_shard_bytes);
+    let mut writer = WeightsWriter::with_others(dir, specs, max_shard_bytes, others);
     for name in &names {
         writer.push(name, &tensor(name)?)?;
     }
@@ -307,7 +358,7 @@ mod tests {
         let tensors = [("a", &a), ("b", &b), ("c", &c)];
         let specs = tensors.iter().map(|(n, t)| TensorSpec::of(*n, t)).collect();
         // 24 + 8 bytes fit in 32: a and b share the first file, c is alone.
-        let files = write_weights(dir.path(), specs, 32, |n| {
+        let files = write_weights(dir.path(), specs, (32, None), |n| {
             Ok(tensors.iter().find(|(m, _)| *m == n).unwrap().1.clone())
         })
         .unwrap();

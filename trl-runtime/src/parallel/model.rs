@@ -11,7 +11,7 @@ use crate::comm::Communicator;
 use crate::context_parallel::SeqSplit;
 use crate::error::{Error, Result};
 use crate::models::params::{
-    read_config, shapes_and_aliases, Checked, FilesBackend, Params, WeightFiles,
+    read_config, shapes_and_aliases, Checked, FilesBackend, Others, Params, WeightFiles,
 };
 use crate::models::{AutoModelForCausalLM, CausalModel, LayerInputs, ModelConfig};
 use crate::nn::embedding::TiedGrad;
@@ -79,6 +79,9 @@ pub struct Model<N: CausalModel> {
     /// The last forward's tied LM head gradient, for the embedding's backward to add into
     /// (see [`TiedGrad`]); whatever the backward left in it is added after.
     tied: Mutex<Option<TiedGrad>>,
+    /// A vision-language checkpoint's tensors besides this language model's, written with
+    /// it into every full checkpoint (models/composite.rs).
+    others: Option<Others>,
 }
 
 fn config_error(source: &str, message: String) -> Error {
@@ -152,6 +155,7 @@ impl<N: CausalModel> Model<N> {
             checkpointing: None,
             lora: None,
             tied: Mutex::new(None),
+            others: None,
         })
     }
 
@@ -188,7 +192,7 @@ impl<N: CausalModel> Model<N> {
             dtype,
             device: device.clone(),
         };
-        let model = Self::build(
+        let mut model = Self::build(
             json,
             &source,
             Box::new(Checked(backend)),
@@ -196,6 +200,7 @@ impl<N: CausalModel> Model<N> {
             false,
         )?;
         files.check(&model.shapes, &model.aliases())?;
+        model.others = files.others();
         Ok(model)
     }
 
@@ -211,8 +216,9 @@ impl<N: CausalModel> Model<N> {
         let dir = dir.as_ref();
         let (json, _) = read_config(dir)?;
         let files = Arc::new(WeightFiles::open(dir)?);
-        let model = Self::skeleton_with(json, dtype, device, Some(files.clone()))?;
+        let mut model = Self::skeleton_with(json, dtype, device, Some(files.clone()))?;
         files.check(&model.shapes, &model.aliases())?;
+        model.others = files.others();
         Ok(model)
     }
 
@@ -419,6 +425,17 @@ impl<N: CausalModel> Model<N> {
                 "add LoRA adapters before sharding the model for ZeRO-3 / FSDP".into(),
             ));
         }
+        if self.others.is_some() {
+            // peft names a vision-language model's modules by its PyTorch tree, not by the
+            // files' names; not mapped yet.
+            return Err(Error::config(
+                "config.json",
+                "model_type",
+                "LoRA on a vision-language checkpoint (its language model under \
+                 text_config, e.g. gemma-3-4b) is not supported yet: train it fully \
+                 (use_peft false)",
+            ));
+        }
         let plan = crate::models::peft::add_adapters(self.net_mut()?, config)?;
         self.params = crate::tp::named_parameters(&*self.net)?;
         if let Some(tp) = &self.tp {
@@ -610,7 +627,15 @@ impl<N: CausalModel> Model<N> {
         dir: impl AsRef<Path>,
         max_shard_bytes: Option<usize>,
     ) -> Result<()> {
-        self.params.save(dir, &self.config_json, max_shard_bytes)
+        let others = self.others.clone();
+        self.params
+            .save(dir, &self.config_json, (max_shard_bytes, others))
+    }
+
+    /// A vision-language checkpoint's other tensors, to write beside this language model's
+    /// (None for any other model).
+    pub fn others(&self) -> Option<Others> {
+        self.others.clone()
     }
 
     /// Next-token loss of `logits` from [`Self::forward`] (vocabulary-split under tp: the

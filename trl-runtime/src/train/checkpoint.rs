@@ -7,6 +7,7 @@
 //! crash mid-save never leaves a half-written `checkpoint-N`; `latest` only sees complete ones.
 
 use crate::error::{Error, Result};
+use crate::models::params::Others;
 use crate::models::Params;
 use crate::nn::lora::LoraConfig;
 use crate::optim::AdamW;
@@ -97,6 +98,8 @@ pub enum Weights<'a> {
     Full {
         params: &'a Params,
         config_json: &'a str,
+        /// A vision-language checkpoint's tensors besides its language model's.
+        others: Option<Others>,
     },
     /// A LoRA run's adapters (full-size, by our names) in peft's format
     /// (adapter_config.json + adapter_model.safetensors); `base` is the base model's directory.
@@ -125,7 +128,8 @@ pub fn save(
         Weights::Full {
             params,
             config_json,
-        } => write_model_files(&tmp, Some(params), config_json, tokenizer)?,
+            others,
+        } => write_model_files(&tmp, Some((params, others)), config_json, tokenizer)?,
         Weights::Adapter {
             tensors,
             lora,
@@ -176,16 +180,17 @@ pub fn begin(output_dir: &Path, step: usize) -> Result<PathBuf> {
     Ok(tmp)
 }
 
-/// config.json, the tokenizer files and, when given, the weights in HF layout.
+/// config.json, the tokenizer files and, when given, the weights in HF layout (with a
+/// vision-language checkpoint's other tensors).
 pub fn write_model_files(
     tmp: &Path,
-    params: Option<&Params>,
+    params: Option<(&Params, Option<Others>)>,
     config_json: &str,
     tokenizer: &TextTokenizer,
 ) -> Result<()> {
     let config_json: &str = &tokenizer.model_config(config_json);
     match params {
-        Some(p) => p.save(tmp, config_json, None)?,
+        Some((p, others)) => p.save(tmp, config_json, (None, others))?,
         None => std::fs::write(tmp.join(crate::models::params::CONFIG_FILE), config_json)
             .map_err(|e| io("cannot write config.json".into(), e))?,
     }

@@ -1084,7 +1084,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 .iter()
                 .map(|(n, dtype)| Ok(TensorSpec::new(n.clone(), *dtype, &shape_of(n)?)))
                 .collect::<Result<Vec<_>>>()?;
-            let weights = WeightsWriter::new(&tmp, specs, usize::MAX);
+            let weights = WeightsWriter::with_others(&tmp, specs, usize::MAX, self.model.others());
             let state_shapes = order
                 .iter()
                 .map(|(n, _)| Ok((n.clone(), shape_of(n)?)))
@@ -1179,6 +1179,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
         self.write_checkpoint(checkpoint::Weights::Full {
             params,
             config_json: self.model.config_json(),
+            others: self.model.others(),
         })
     }
 

@@ -1,0 +1,93 @@
+//! Vision-language checkpoints whose language model is trained alone (Gemma 3's 4B and
+//! larger: `model_type` gemma3, Gemma3ForConditionalGeneration). Their config.json nests the
+//! language model's config under `text_config`; their weight files hold its tensors under
+//! [`PREFIX`] (the causal LM's own names behind it, as transformers writes them, the hub's
+//! files and `save_pretrained` alike) beside the vision tower's and the projector's.
+//!
+//! The language model is built from the text config under its own names; the weight files
+//! read them through the prefix (`params::WeightFiles`) and every full checkpoint writes
+//! them back under it, the other tensors copied unchanged beside them
+//! (`tensor_file::Others`), so a checkpoint opens as the model it came from. Text rows never
+//! reach the vision tower, and TRL leaves it as it is too (no gradient: AdamW skips it).
+
+/// Where a composite's files keep its language model's tensors.
+pub const PREFIX: &str = "language_model.";
+
+/// A wrapper `model_type` read this way: its language model's, and the sizes transformers'
+/// text config defaults to (the hub's gemma-3-4b-it names only the sizes that differ).
+struct Wrapper {
+    model_type: &'static str,
+    text_type: &'static str,
+    defaults: &'static [(&'static str, u64)],
+}
+
+const WRAPPERS: &[Wrapper] = &[Wrapper {
+    model_type: "gemma3",
+    text_type: "gemma3_text",
+    defaults: &[
+        ("vocab_size", 262_208),
+        ("hidden_size", 2304),
+        ("intermediate_size", 9216),
+        ("num_hidden_layers", 26),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 4),
+    ],
+}];
+
+/// The language model's config of a composite config.json (`text_config`, with the
+/// wrapper's `tie_word_embeddings` and transformers' default sizes where it gives none);
+/// None for any other config.
+pub fn text_config(config: &serde_json::Value) -> Option<serde_json::Value> {
+    let wrapper = config.get("model_type")?.as_str()?;
+    let wrapper = WRAPPERS.iter().find(|w| w.model_type == wrapper)?;
+    let mut text = config.get("text_config")?.as_object()?.clone();
+    text.entry("model_type")
+        .or_insert_with(|| wrapper.text_type.into());
+    for (key, value) in wrapper.defaults {
+        text.entry(*key).or_insert_with(|| (*value).into());
+    }
+    if let Some(tied) = config.get("tie_word_embeddings") {
+        text.entry("tie_word_embeddings")
+            .or_insert_with(|| tied.clone());
+    }
+    Some(text.into())
+}
+
+/// Whether config.json text `config_json` is a composite's.
+pub fn is_composite(config_json: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(config_json)
+        .ok()
+        .and_then(|c| text_config(&c))
+        .is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The hub's gemma-3-4b-it config.json names few text keys (the rest are transformers'
+    /// defaults) and ties the head at the top level.
+    #[test]
+    fn the_text_config_is_the_nested_one_with_the_wrappers_tie() {
+        let hub = serde_json::json!({
+            "model_type": "gemma3",
+            "text_config": {"hidden_size": 2560, "model_type": "gemma3_text"},
+            "vision_config": {"model_type": "siglip_vision_model"},
+        });
+        let text = text_config(&hub).unwrap();
+        assert_eq!(text["hidden_size"], 2560);
+        assert_eq!(text["num_key_value_heads"], 4);
+        let tied = serde_json::json!({
+            "model_type": "gemma3",
+            "tie_word_embeddings": true,
+            "text_config": {"hidden_size": 8},
+        });
+        let text = text_config(&tied).unwrap();
+        assert_eq!(text["tie_word_embeddings"], true);
+        assert_eq!(text["model_type"], "gemma3_text");
+        assert!(text_config(&serde_json::json!({"model_type": "gemma3_text"})).is_none());
+        assert!(!is_composite(
+            r#"{"model_type": "llama", "text_config": {}}"#
+        ));
+    }
+}
