@@ -140,7 +140,7 @@ fn gemma3_under_every_cpu_profile_equals_one_process() {
 /// train their language model under every CPU profile as one process does, and every
 /// checkpoint is the composite again: its config.json, the language model's tensors under
 /// `language_model.`, the vision tower's and the projector's unchanged, the processor's files
-/// beside the tokenizer's. LoRA is refused.
+/// beside the tokenizer's. (LoRA on it: tests/lora.rs.)
 #[test]
 fn gemma3_vision_language_checkpoints_train_their_language_model() {
     let tmp = every_profile_keeps("gemma3-vision", "\"vision_config\"");
@@ -184,29 +184,6 @@ fn gemma3_vision_language_checkpoints_train_their_language_model() {
             );
         }
     }
-    // LoRA would name the adapters by the files' layout, not peft's module tree: refused.
-    let out = tmp.path().join("lora");
-    let model = assets.join("model");
-    let o = common::sft_launch(
-        &["--num_processes", "1"],
-        &[
-            "--model_name_or_path".as_ref(),
-            model.as_os_str(),
-            "--use_peft".as_ref(),
-            "--max_steps".as_ref(),
-            "1".as_ref(),
-            "--output_dir".as_ref(),
-            out.as_os_str(),
-        ],
-    )
-    .output()
-    .unwrap();
-    let text = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "{text}");
-    assert!(
-        text.contains("LoRA on a vision-language checkpoint"),
-        "{text}"
-    );
 }
 
 /// Gemma 2: attention scores soft-capped (the blockwise paths, ring attention's included),

@@ -112,12 +112,21 @@ fn dora_under_sharded_and_split_profiles_equals_one_process() {
 }
 
 /// LoRA on the other dense built-in architectures (their q/k norms, fused Phi-3 projections,
-/// sliding windows, NoPE layers) under FSDP2 x tp and Ulysses equals one process: losses
+/// sliding windows, NoPE layers, Gemma 3's language model in its vision-language checkpoint)
+/// under FSDP2 x tp and Ulysses equals one process: losses
 /// within 1e-5, adapters within 5e-5.
 #[test]
 fn lora_on_every_dense_built_in_model_equals_one_process() {
     lora_on_models_equals_one_process(
-        &["qwen3", "gemma3", "olmo2", "phi3", "smollm3", "mistral"],
+        &[
+            "qwen3",
+            "gemma3",
+            "gemma3-vision",
+            "olmo2",
+            "phi3",
+            "smollm3",
+            "mistral",
+        ],
         &["fsdp2_tp_cpu", "alst_ulysses_cpu"],
         5e-5,
         &[],

@@ -142,6 +142,11 @@ fn train_alone_and_equal_the_merged_weights(dora: bool) {
     }
 }
 
+/// A Python with peft (None: the test skips, with a message).
+fn peft_python() -> Option<PathBuf> {
+    common::python_with(&["torch", "transformers", "peft", "safetensors"])
+}
+
 fn peft_script(python: &Path, args: &[&Path]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/peft_logits.py");
     let out = Command::new(python)
@@ -196,8 +201,7 @@ fn peft_logits_of(python: &Path, base: &Path, adapter: &Path, tmp: &Path) -> Ten
 
 #[test]
 fn our_adapter_loads_in_peft_with_our_logits() {
-    let Some(python) = common::python_with(&["torch", "transformers", "peft", "safetensors"])
-    else {
+    let Some(python) = peft_python() else {
         return;
     };
     for dora in [false, true] {
@@ -229,8 +233,7 @@ fn our_adapter_loads_in_peft_with_our_logits() {
 /// Mixtral and gpt-oss.
 #[test]
 fn moe_adapters_travel_between_us_and_peft() {
-    let Some(python) = common::python_with(&["torch", "transformers", "peft", "safetensors"])
-    else {
+    let Some(python) = peft_python() else {
         return;
     };
     // Per sparse layer of 4 experts: one shared A and two Bs (gate, up), A and B (down);
@@ -251,6 +254,36 @@ fn moe_adapters_travel_between_us_and_peft() {
             tmp.path(),
         );
     }
+}
+
+/// Gemma 3's vision-language checkpoints (Gemma3ForConditionalGeneration): adapters on the
+/// language model, under peft's names for its PyTorch tree (`model.language_model.layers...`),
+/// both ways with peft. peft's own all-linear adapter adapts the vision tower too, which text
+/// rows never reach: read here without it, the same logits.
+#[test]
+fn vision_language_adapters_travel_between_us_and_peft() {
+    let Some(python) = peft_python() else {
+        return;
+    };
+    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gemma3-vision/model");
+    let tmp = tempfile::tempdir().unwrap();
+    // Every linear layer of 3 layers (7 each), A and B.
+    let (adapter, _) = round_trip(
+        &python,
+        &base,
+        &config(Targets::AllLinear),
+        3 * 7 * 2,
+        tmp.path(),
+    );
+    let saved =
+        candle_core::safetensors::load(adapter.join(peft::ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
+    assert!(
+        saved
+            .keys()
+            .all(|k| k.starts_with("base_model.model.model.language_model.layers.")),
+        "{:?}",
+        saved.keys()
+    );
 }
 
 /// `base` with `lora`'s adapters (`adapters` tensors, nonzero `B`s) both ways with peft: our
@@ -333,8 +366,7 @@ fn round_trip(
 /// path): the merged model's logits are the adapted one's.
 #[test]
 fn parameter_adapters_travel_between_us_and_peft() {
-    let Some(python) = common::python_with(&["torch", "transformers", "peft", "safetensors"])
-    else {
+    let Some(python) = peft_python() else {
         return;
     };
     let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss/model");
@@ -376,8 +408,7 @@ fn parameter_adapters_travel_between_us_and_peft() {
 
 #[test]
 fn a_peft_adapter_gives_peft_logits_here() {
-    let Some(python) = common::python_with(&["torch", "transformers", "peft", "safetensors"])
-    else {
+    let Some(python) = peft_python() else {
         return;
     };
     for dora in [false, true] {

@@ -53,6 +53,33 @@ pub fn text_config(config: &serde_json::Value) -> Option<serde_json::Value> {
     Some(text.into())
 }
 
+/// Where the language model's modules sit in a composite's PyTorch tree (peft names
+/// adapters by it, not by the files' names).
+const MODULES: &str = "model.language_model.";
+
+/// peft's name of our (the language model's) module or tensor `name` in a composite.
+pub fn module_name(name: &str) -> String {
+    match name.strip_prefix("model.") {
+        Some(rest) => format!("{MODULES}{rest}"),
+        None => name.to_string(),
+    }
+}
+
+/// Ours of peft's module or tensor `name` in a composite; None for one outside the language
+/// model (the vision tower's, the projector's).
+pub fn text_module_name(name: &str) -> Option<String> {
+    match name.strip_prefix(MODULES) {
+        Some(rest) => Some(format!("model.{rest}")),
+        None if name.starts_with("model.") => None,
+        None => Some(name.to_string()),
+    }
+}
+
+/// Whether the model directory `dir` holds a composite (its config.json says).
+pub fn is_composite_dir(dir: &std::path::Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json")).is_ok_and(|t| is_composite(&t))
+}
+
 /// Whether config.json text `config_json` is a composite's.
 pub fn is_composite(config_json: &str) -> bool {
     serde_json::from_str::<serde_json::Value>(config_json)
@@ -89,5 +116,28 @@ mod tests {
         assert!(!is_composite(
             r#"{"model_type": "llama", "text_config": {}}"#
         ));
+    }
+
+    /// peft's names of a composite's modules follow the PyTorch tree
+    /// (Gemma3ForConditionalGeneration: model.language_model.layers..., lm_head), and the
+    /// vision tower's are not ours.
+    #[test]
+    fn peft_names_map_both_ways() {
+        let ours = "model.layers.0.self_attn.q_proj.lora_A.weight";
+        let theirs = module_name(ours);
+        assert_eq!(
+            theirs,
+            "model.language_model.layers.0.self_attn.q_proj.lora_A.weight"
+        );
+        assert_eq!(text_module_name(&theirs).as_deref(), Some(ours));
+        assert_eq!(module_name("lm_head.weight"), "lm_head.weight");
+        assert_eq!(
+            text_module_name("lm_head.weight").as_deref(),
+            Some("lm_head.weight")
+        );
+        assert_eq!(
+            text_module_name("model.vision_tower.encoder.layers.0.mlp.fc1"),
+            None
+        );
     }
 }

@@ -104,9 +104,7 @@ pub fn merge_adapter(
             "already exists: name a new directory (nothing is overwritten)",
         ));
     }
-    if super::params::read_config(&base)
-        .is_ok_and(|(text, _)| super::composite::is_composite(&text))
-    {
+    if super::composite::is_composite_dir(&base) {
         return Err(Error::config(
             base.join("config.json").display().to_string(),
             "model_type",

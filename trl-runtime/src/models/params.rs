@@ -186,8 +186,7 @@ impl WeightFiles {
             key: "<safetensors>".into(),
             message: format!("cannot read the weights: {e}"),
         })?;
-        let composite = std::fs::read_to_string(dir.join(CONFIG_FILE))
-            .is_ok_and(|text| composite::is_composite(&text));
+        let composite = composite::is_composite_dir(dir);
         Ok(WeightFiles {
             st,
             where_is,

@@ -201,12 +201,19 @@ pub fn save(
         .tensors
         .extend(super::peft_experts::nest(params, &adapted));
     // The linear layers adapted (parameters are listed in target_parameters).
-    let mut targets: Vec<String> = rest
+    let targets: Vec<String> = rest
         .keys()
         .filter_map(|n| n.strip_suffix(".lora_A.weight"))
         .filter(|m| !fused.parameter_layers.contains(*m))
         .map(String::from)
         .collect();
+    // A vision-language model's language model: peft names its modules by the PyTorch tree.
+    let composite = super::composite::is_composite_dir(base);
+    let peft_name = |n: &str| match composite {
+        true => super::composite::module_name(n),
+        false => n.to_string(),
+    };
+    let mut targets: Vec<String> = targets.iter().map(|t| peft_name(t)).collect();
     targets.sort();
     // The gate_up wrapper's rank and alpha are twice the others' (its A serves gate and up).
     let gate_up = fused
@@ -254,7 +261,12 @@ pub fn save(
     let named: HashMap<String, Tensor> = fused
         .tensors
         .iter()
-        .map(|(n, t)| Ok((format!("{PREFIX}{n}"), t.to_device(&Device::Cpu)?)))
+        .map(|(n, t)| {
+            Ok((
+                format!("{PREFIX}{}", peft_name(n)),
+                t.to_device(&Device::Cpu)?,
+            ))
+        })
         .collect::<Result<_>>()?;
     candle_core::safetensors::save(&named, dir.join(ADAPTER_WEIGHTS))?;
     Ok(())
@@ -299,6 +311,12 @@ pub fn read(
 ) -> Result<(LoraConfig, BTreeMap<String, Tensor>)> {
     let (json, source) = config_json(dir)?;
     let err = |key: &str, message: String| Error::config(&source, key, message);
+    let file = dir.join(ADAPTER_WEIGHTS);
+    let loaded = candle_core::safetensors::load(&file, device)?;
+    // A vision-language model's language model (models/composite.rs).
+    let composite = loaded
+        .keys()
+        .any(|n| n.starts_with("base_model.model.model.language_model."));
     if json["peft_type"].as_str() != Some("LORA") {
         return Err(err(
             "peft_type",
@@ -371,7 +389,13 @@ pub fn read(
             "trained biases are not supported (use bias: none)".into(),
         ));
     }
-    let mut target_list = names("target_modules");
+    let mut target_list: Vec<String> = names("target_modules")
+        .iter()
+        .filter_map(|t| match composite {
+            true => super::composite::text_module_name(t),
+            false => Some(t.clone()),
+        })
+        .collect();
     // The fused parameters' layers here (transformers 4's names, Qwen3-MoE's and Mixtral's).
     use crate::nn::lora::{EXPERT_DOWN, EXPERT_GATE, EXPERT_UP};
     for p in parameters.iter().filter(|_| !held) {
@@ -401,9 +425,8 @@ pub fn read(
             false => Vec::new(),
         },
     };
-    let file = dir.join(ADAPTER_WEIGHTS);
-    let loaded = candle_core::safetensors::load(&file, device)?;
     let mut tensors = BTreeMap::new();
+    let mut left_out = 0;
     for (name, t) in loaded {
         let Some(ours) = name.strip_prefix(PREFIX) else {
             return Err(Error::config(
@@ -411,6 +434,17 @@ pub fn read(
                 &name,
                 format!("not a peft causal-LM adapter tensor (expected names starting {PREFIX})"),
             ));
+        };
+        // A vision-language model's: the language model's modules by our names; adapters on
+        // the vision tower or the projector never act on text rows (TRL trains them to
+        // nothing: no gradient reaches them) and are left out.
+        let ours = match super::composite::text_module_name(ours) {
+            Some(text) if composite => text,
+            None if composite => {
+                left_out += 1;
+                continue;
+            }
+            _ => ours.to_string(),
         };
         // Older peft files can carry the adapter name.
         let ours = ours
@@ -422,6 +456,13 @@ pub fn read(
             )
             .replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector");
         tensors.insert(ours, t.to_dtype(dtype)?);
+    }
+    if left_out > 0 {
+        tracing::warn!(
+            "{}: {left_out} adapter tensors on the vision tower or projector left out (text \
+             rows do not reach them)",
+            file.display()
+        );
     }
     let adapted: Vec<String> = sites
         .iter()

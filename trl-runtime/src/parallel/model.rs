@@ -425,17 +425,6 @@ impl<N: CausalModel> Model<N> {
                 "add LoRA adapters before sharding the model for ZeRO-3 / FSDP".into(),
             ));
         }
-        if self.others.is_some() {
-            // peft names a vision-language model's modules by its PyTorch tree, not by the
-            // files' names; not mapped yet.
-            return Err(Error::config(
-                "config.json",
-                "model_type",
-                "LoRA on a vision-language checkpoint (its language model under \
-                 text_config, e.g. gemma-3-4b) is not supported yet: train it fully \
-                 (use_peft false)",
-            ));
-        }
         let plan = crate::models::peft::add_adapters(self.net_mut()?, config)?;
         self.params = crate::tp::named_parameters(&*self.net)?;
         if let Some(tp) = &self.tp {
