@@ -29,6 +29,10 @@ computes for them.
   the language model's config under text_config, its tensors under language_model., a
   one-layer SigLIP vision tower and the projector beside them), its language model the gemma3
   one's; the logits are of text alone.
+- qwen3-vl: Qwen3VLForConditionalGeneration (model_type qwen3_vl): a Qwen3 language model
+  (interleaved multimodal RoPE, which text positions make plain RoPE) under
+  model.language_model., the head at lm_head, untied, a one-block vision tower beside them;
+  the logits are of text alone.
 - gemma2: Gemma2ForCausalLM: sliding, global, sliding layers (window 6, the default
   alternation), attention scores soft-capped at 2 and logits at 3 (q/k projections scaled up
   so that both caps bite), query_pre_attn_scalar 24, random (1 + w) norms.
@@ -41,7 +45,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss
 """
 
 import sys
@@ -74,6 +78,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -94,6 +100,10 @@ def longrope(frequencies, **extra):
         "short_factor": [1.0 + 0.1 * i for i in range(frequencies)],
         "long_factor": [1.0 + 0.7 * i for i in range(frequencies)],
     }
+
+
+# The vision towers' sizes (one layer of them), beside the tiny language models.
+tiny_vision = dict(hidden_size=32, intermediate_size=64, patch_size=14)
 
 
 def gemma3_text():
@@ -211,14 +221,7 @@ elif kind == "gemma3":
     model_class = Gemma3ForCausalLM
 elif kind == "gemma3-vision":
     text = gemma3_text()
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
+    vision = dict(num_hidden_layers=1, num_attention_heads=2, image_size=28, **tiny_vision)
     config = Gemma3Config(
         text_config=text.to_dict(),
         vision_config=vision,
@@ -228,6 +231,34 @@ elif kind == "gemma3-vision":
         image_token_index=VOCAB - 1,
     )
     model_class = Gemma3ForConditionalGeneration
+elif kind == "qwen3-vl":
+    text = dict(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 500000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        tie_word_embeddings=False,
+        **common,
+    )
+    vision = dict(
+        depth=1,
+        num_heads=2,
+        out_hidden_size=common["hidden_size"],
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=16,
+        **tiny_vision,
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        vision_start_token_id=VOCAB - 3,
+        video_token_id=VOCAB - 2,
+        image_token_id=VOCAB - 1,
+        tie_word_embeddings=False,
+    )
+    model_class = Qwen3VLForConditionalGeneration
 elif kind == "gemma2":
     config = Gemma2Config(
         sliding_window=6,
@@ -258,7 +289,7 @@ elif kind == "gpt-oss":
     )
     model_class = GptOssForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, gemma2, llama-longrope, phi3, qwen3-moe, mixtral or gpt-oss")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral or gpt-oss")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -275,11 +306,15 @@ with torch.no_grad():
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             p.mul_(12.0)
 write(model, f"tiny-{kind}")
-if kind == "gemma3-vision":
+if kind in ("gemma3-vision", "qwen3-vl"):
     # A processor's image settings, which a checkpoint carries as it carries the tokenizer.
-    from transformers import Gemma3ImageProcessor
+    from transformers import Gemma3ImageProcessor, Qwen2VLImageProcessor
 
     from tiny_fixture import ROOT
 
-    image = Gemma3ImageProcessor(size={"height": 28, "width": 28})
+    image = (
+        Gemma3ImageProcessor(size={"height": 28, "width": 28})
+        if kind == "gemma3-vision"
+        else Qwen2VLImageProcessor(patch_size=14, merge_size=2)
+    )
     image.save_pretrained(ROOT / f"assets/tiny-{kind}/model")

@@ -14,10 +14,15 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
 
 mode, base = sys.argv[1:3]
-model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+# By the class config.json's `architectures` names, as TRL loads (Qwen3-VL is no
+# AutoModelForCausalLM).
+architectures = AutoConfig.from_pretrained(base).architectures or []
+model_class = getattr(transformers, architectures[0], None) if architectures else None
+model = (model_class or AutoModelForCausalLM).from_pretrained(base, dtype=torch.float32).eval()
 if mode in ("write", "write-dora"):
     from peft import LoraConfig, get_peft_model
 

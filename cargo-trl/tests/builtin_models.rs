@@ -143,17 +143,39 @@ fn gemma3_under_every_cpu_profile_equals_one_process() {
 /// beside the tokenizer's. (LoRA on it: tests/lora.rs.)
 #[test]
 fn gemma3_vision_language_checkpoints_train_their_language_model() {
-    let tmp = every_profile_keeps("gemma3-vision", "\"vision_config\"");
-    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gemma3-vision");
+    vision_language_checkpoints_train_their_language_model("gemma3-vision", "language_model.");
+}
+
+/// Qwen3-VL's (Qwen3VLForConditionalGeneration) alike, its language model under
+/// `model.language_model.` and its head at `lm_head`, its vision tower at `model.visual.`.
+#[test]
+fn qwen3_vl_checkpoints_train_their_language_model() {
+    vision_language_checkpoints_train_their_language_model("qwen3-vl", "model.visual.");
+}
+
+/// See the two tests above: `kind`'s checkpoints (every profile's) hold the source's tensor
+/// names and its processor file, the tensors named `vision...` or not (`language...`) bit-equal
+/// to the source's.
+fn vision_language_checkpoints_train_their_language_model(kind: &str, language_or_vision: &str) {
+    let tmp = every_profile_keeps(kind, "\"vision_config\"");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../assets")
+        .join(format!("tiny-{kind}"));
     let load = |p: &Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
     let source = load(&assets.join("model/model.safetensors"));
+    let unchanged = |k: &str| match language_or_vision.contains("visual") {
+        true => k.starts_with(language_or_vision),
+        false => !k.starts_with(language_or_vision),
+    };
+    assert!(
+        source.keys().any(|k| unchanged(k)),
+        "{kind}: no vision tensors"
+    );
     let names = ["one4", "one8"]
         .into_iter()
         .chain(common::CPU_CASES.iter().map(|(name, _, _)| *name));
     for name in names {
-        let dir = tmp
-            .path()
-            .join(format!("gemma3-vision-{name}/checkpoint-5"));
+        let dir = tmp.path().join(format!("{kind}-{name}/checkpoint-5"));
         let saved = load(&dir.join("model.safetensors"));
         let processor = |d: &Path| std::fs::read(d.join("preprocessor_config.json")).unwrap();
         assert_eq!(processor(&dir), processor(&assets.join("model")), "{name}");
@@ -162,26 +184,11 @@ fn gemma3_vision_language_checkpoints_train_their_language_model() {
                 .cloned()
                 .collect::<std::collections::BTreeSet<String>>()
         };
-        assert_eq!(
-            names(&saved),
-            names(&source),
-            "{name}: the source's tensors"
-        );
-        for (key, value) in source
-            .iter()
-            .filter(|(k, _)| !k.starts_with("language_model."))
-        {
-            let diff = (value - &saved[key])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap();
-            assert_eq!(
-                diff.to_scalar::<f32>().unwrap(),
-                0.0,
-                "{name}: {key} changed"
-            );
+        assert_eq!(names(&saved), names(&source), "{kind} {name}: tensor names");
+        for (key, value) in source.iter().filter(|(k, _)| unchanged(k)) {
+            let diff = (value - &saved[key]).unwrap().abs().unwrap();
+            let diff = diff.max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(diff, 0.0, "{kind} {name}: {key} changed");
         }
     }
 }

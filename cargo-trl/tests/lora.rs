@@ -112,7 +112,8 @@ fn dora_under_sharded_and_split_profiles_equals_one_process() {
 }
 
 /// LoRA on the other dense built-in architectures (their q/k norms, fused Phi-3 projections,
-/// sliding windows, NoPE layers, Gemma 3's language model in its vision-language checkpoint)
+/// sliding windows, NoPE layers, the language models of Gemma 3's and Qwen3-VL's
+/// vision-language checkpoints)
 /// under FSDP2 x tp and Ulysses equals one process: losses
 /// within 1e-5, adapters within 5e-5.
 #[test]
@@ -122,6 +123,7 @@ fn lora_on_every_dense_built_in_model_equals_one_process() {
             "qwen3",
             "gemma3",
             "gemma3-vision",
+            "qwen3-vl",
             "olmo2",
             "phi3",
             "smollm3",

@@ -256,8 +256,8 @@ fn moe_adapters_travel_between_us_and_peft() {
     }
 }
 
-/// Gemma 3's vision-language checkpoints (Gemma3ForConditionalGeneration): adapters on the
-/// language model, under peft's names for its PyTorch tree (`model.language_model.layers...`),
+/// Gemma 3's and Qwen3-VL's vision-language checkpoints: adapters on the language model,
+/// under peft's names for its PyTorch tree (`model.language_model.layers...`),
 /// both ways with peft. peft's own all-linear adapter adapts the vision tower too, which text
 /// rows never reach: read here without it, the same logits.
 #[test]
@@ -265,25 +265,19 @@ fn vision_language_adapters_travel_between_us_and_peft() {
     let Some(python) = peft_python() else {
         return;
     };
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gemma3-vision/model");
-    let tmp = tempfile::tempdir().unwrap();
-    // Every linear layer of 3 layers (7 each), A and B.
-    let (adapter, _) = round_trip(
-        &python,
-        &base,
-        &config(Targets::AllLinear),
-        3 * 7 * 2,
-        tmp.path(),
-    );
-    let saved =
-        candle_core::safetensors::load(adapter.join(peft::ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
-    assert!(
-        saved
-            .keys()
-            .all(|k| k.starts_with("base_model.model.model.language_model.layers.")),
-        "{:?}",
-        saved.keys()
-    );
+    // Every linear layer (7 a layer), A and B: Gemma 3's 3 layers, Qwen3-VL's 2.
+    for (kind, layers) in [("gemma3-vision", 3), ("qwen3-vl", 2)] {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../assets")
+            .join(format!("tiny-{kind}/model"));
+        let tmp = tempfile::tempdir().unwrap();
+        let lora = config(Targets::AllLinear);
+        let (adapter, _) = round_trip(&python, &base, &lora, layers * 7 * 2, tmp.path());
+        let file = adapter.join(peft::ADAPTER_WEIGHTS);
+        let saved = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+        let tree = "base_model.model.model.language_model.layers.";
+        assert!(saved.keys().all(|k| k.starts_with(tree)), "{kind}");
+    }
 }
 
 /// `base` with `lora`'s adapters (`adapters` tensors, nonzero `B`s) both ways with peft: our

@@ -369,6 +369,9 @@ fn every_built_in_model_type_matches_transformers() {
         ("qwen2-sliding", "model.layers.1.self_attn.q_proj.bias"),
         ("gemma3", "model.layers.2.post_feedforward_layernorm.weight"),
         ("gemma2", "model.layers.2.pre_feedforward_layernorm.weight"),
+        // Qwen3VLForConditionalGeneration: its Qwen3 language model, read from the files'
+        // `model.language_model.` (multimodal RoPE on text positions: plain RoPE).
+        ("qwen3-vl", "model.layers.1.self_attn.k_norm.weight"),
         // Gemma3ForConditionalGeneration: its language model, read through `language_model.`.
         (
             "gemma3-vision",

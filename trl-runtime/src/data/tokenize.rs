@@ -28,13 +28,14 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.model",
 ];
 
-/// A vision-language model's processor files (gemma-3-4b's), copied with the tokenizer's so
+/// A vision-language model's processor files (gemma-3-4b's, Qwen3-VL's), copied with the tokenizer's so
 /// that a checkpoint of it opens with AutoProcessor as the model it came from.
 pub const PROCESSOR_FILES: &[&str] = &[
     "added_tokens.json",
     "chat_template.json",
     "preprocessor_config.json",
     "processor_config.json",
+    "video_preprocessor_config.json",
 ];
 
 /// A model directory's generation settings (stop tokens, sampling defaults).

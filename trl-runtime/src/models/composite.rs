@@ -1,48 +1,94 @@
-//! Vision-language checkpoints whose language model is trained alone (Gemma 3's 4B and
-//! larger: `model_type` gemma3, Gemma3ForConditionalGeneration). Their config.json nests the
-//! language model's config under `text_config`; their weight files hold its tensors under
-//! [`PREFIX`] (the causal LM's own names behind it, as transformers writes them, the hub's
-//! files and `save_pretrained` alike) beside the vision tower's and the projector's.
+//! Vision-language checkpoints whose language model is trained alone: Gemma 3's 4B and
+//! larger (`model_type` gemma3, Gemma3ForConditionalGeneration) and Qwen3-VL (`qwen3_vl`,
+//! Qwen3VLForConditionalGeneration). Their config.json nests the language model's config
+//! under `text_config`; their weight files hold its tensors under another name ([`Layout`],
+//! as transformers writes them, the hub's files and `save_pretrained` alike) beside the
+//! vision tower's and the projector's.
 //!
 //! The language model is built from the text config under its own names; the weight files
-//! read them through the prefix (`params::WeightFiles`) and every full checkpoint writes
+//! read them through the layout (`params::WeightFiles`) and every full checkpoint writes
 //! them back under it, the other tensors copied unchanged beside them
 //! (`tensor_file::Others`), so a checkpoint opens as the model it came from. Text rows never
 //! reach the vision tower, and TRL leaves it as it is too (no gradient: AdamW skips it).
+//! Qwen3-VL's multimodal RoPE gives text positions plain RoPE, so its language model is
+//! Qwen3's.
 
-/// Where a composite's files keep its language model's tensors.
-pub const PREFIX: &str = "language_model.";
+/// How a composite's files name its language model's tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `language_model.` before the causal LM's names (Gemma 3:
+    /// `language_model.model.layers...`, `language_model.lm_head.weight`).
+    Prefixed,
+    /// The PyTorch tree's (Qwen3-VL: `model.language_model.layers...`, `lm_head.weight`).
+    Tree,
+}
 
-/// A wrapper `model_type` read this way: its language model's, and the sizes transformers'
-/// text config defaults to (the hub's gemma-3-4b-it names only the sizes that differ).
+const PREFIX: &str = "language_model.";
+
+impl Layout {
+    /// The files' name of the language model's tensor `name`.
+    pub fn stored(self, name: &str) -> String {
+        match self {
+            Layout::Prefixed => format!("{PREFIX}{name}"),
+            Layout::Tree => module_name(name),
+        }
+    }
+
+    /// The language model's name of the files' tensor `stored`; None for another part's.
+    pub fn text(self, stored: &str) -> Option<String> {
+        match self {
+            Layout::Prefixed => stored.strip_prefix(PREFIX).map(str::to_string),
+            Layout::Tree => text_module_name(stored),
+        }
+    }
+}
+
+/// A wrapper `model_type` read this way: its files' layout, the `model_type` its language
+/// model is built as, and the sizes transformers' text config defaults to (the hub's
+/// gemma-3-4b-it names only the sizes that differ).
 struct Wrapper {
     model_type: &'static str,
+    layout: Layout,
     text_type: &'static str,
     defaults: &'static [(&'static str, u64)],
 }
 
-const WRAPPERS: &[Wrapper] = &[Wrapper {
-    model_type: "gemma3",
-    text_type: "gemma3_text",
-    defaults: &[
-        ("vocab_size", 262_208),
-        ("hidden_size", 2304),
-        ("intermediate_size", 9216),
-        ("num_hidden_layers", 26),
-        ("num_attention_heads", 8),
-        ("num_key_value_heads", 4),
-    ],
-}];
+const WRAPPERS: &[Wrapper] = &[
+    Wrapper {
+        model_type: "gemma3",
+        layout: Layout::Prefixed,
+        text_type: "gemma3_text",
+        defaults: &[
+            ("vocab_size", 262_208),
+            ("hidden_size", 2304),
+            ("intermediate_size", 9216),
+            ("num_hidden_layers", 26),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 4),
+        ],
+    },
+    Wrapper {
+        model_type: "qwen3_vl",
+        layout: Layout::Tree,
+        // qwen3_vl_text: Qwen3's layers.
+        text_type: "qwen3",
+        defaults: &[],
+    },
+];
 
-/// The language model's config of a composite config.json (`text_config`, with the
-/// wrapper's `tie_word_embeddings` and transformers' default sizes where it gives none);
-/// None for any other config.
+fn wrapper(config: &serde_json::Value) -> Option<&'static Wrapper> {
+    let model_type = config.get("model_type")?.as_str()?;
+    let found = WRAPPERS.iter().find(|w| w.model_type == model_type)?;
+    config.get("text_config")?.as_object().map(|_| found)
+}
+
+/// The language model's config of a composite config.json (`text_config` as the model it
+/// is built as, with the wrapper's `tie_word_embeddings` and transformers' default sizes
+/// where it gives none); None for any other config.
 pub fn text_config(config: &serde_json::Value) -> Option<serde_json::Value> {
-    let wrapper = config.get("model_type")?.as_str()?;
-    let wrapper = WRAPPERS.iter().find(|w| w.model_type == wrapper)?;
+    let wrapper = wrapper(config)?;
     let mut text = config.get("text_config")?.as_object()?.clone();
-    text.entry("model_type")
-        .or_insert_with(|| wrapper.text_type.into());
+    text.insert("model_type".into(), wrapper.text_type.into());
     for (key, value) in wrapper.defaults {
         text.entry(*key).or_insert_with(|| (*value).into());
     }
@@ -51,6 +97,13 @@ pub fn text_config(config: &serde_json::Value) -> Option<serde_json::Value> {
             .or_insert_with(|| tied.clone());
     }
     Some(text.into())
+}
+
+/// The layout of the weight files of model directory `dir` (None: not a composite).
+pub fn layout_of_dir(dir: &std::path::Path) -> Option<Layout> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    wrapper(&config).map(|w| w.layout)
 }
 
 /// Where the language model's modules sit in a composite's PyTorch tree (peft names
@@ -77,7 +130,7 @@ pub fn text_module_name(name: &str) -> Option<String> {
 
 /// Whether the model directory `dir` holds a composite (its config.json says).
 pub fn is_composite_dir(dir: &std::path::Path) -> bool {
-    std::fs::read_to_string(dir.join("config.json")).is_ok_and(|t| is_composite(&t))
+    layout_of_dir(dir).is_some()
 }
 
 /// Whether config.json text `config_json` is a composite's.
@@ -139,5 +192,38 @@ mod tests {
             text_module_name("model.vision_tower.encoder.layers.0.mlp.fc1"),
             None
         );
+    }
+
+    /// Each layout names the language model's tensors as transformers' files do, and only
+    /// those: Gemma 3's behind `language_model.`, Qwen3-VL's in the PyTorch tree.
+    #[test]
+    fn layouts_name_the_files_tensors() {
+        let (prefixed, tree) = (Layout::Prefixed, Layout::Tree);
+        let layer = "model.layers.0.mlp.up_proj.weight";
+        assert_eq!(
+            prefixed.stored(layer),
+            "language_model.model.layers.0.mlp.up_proj.weight"
+        );
+        assert_eq!(
+            tree.stored(layer),
+            "model.language_model.layers.0.mlp.up_proj.weight"
+        );
+        assert_eq!(
+            prefixed.stored("lm_head.weight"),
+            "language_model.lm_head.weight"
+        );
+        assert_eq!(tree.stored("lm_head.weight"), "lm_head.weight");
+        for (layout, vision) in [
+            (prefixed, "vision_tower.encoder.layers.0.mlp.fc1.weight"),
+            (tree, "model.visual.blocks.0.mlp.linear_fc1.weight"),
+        ] {
+            assert_eq!(layout.text(&layout.stored(layer)).as_deref(), Some(layer));
+            assert_eq!(layout.text(vision), None);
+        }
+        let qwen = serde_json::json!({
+            "model_type": "qwen3_vl",
+            "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 8},
+        });
+        assert_eq!(text_config(&qwen).unwrap()["model_type"], "qwen3");
     }
 }

@@ -120,11 +120,17 @@ impl ModelConfig {
     }
 
     pub fn from_json(text: &str, source: &str) -> Result<Self> {
-        let cfg: ModelConfig = serde_json::from_str(text).map_err(|e| Error::Config {
+        let invalid = |key: String, e: serde_json::Error| Error::Config {
             file: source.into(),
-            key: format!("<line {} column {}>", e.line(), e.column()),
+            key,
             message: format!("not a valid model config: {e}"),
-        })?;
+        };
+        let at = |e: &serde_json::Error| format!("<line {} column {}>", e.line(), e.column());
+        let json: serde_json::Value = serde_json::from_str(text).map_err(|e| invalid(at(&e), e))?;
+        // A vision-language checkpoint's language model (models/composite.rs).
+        let json = super::composite::text_config(&json).unwrap_or(json);
+        let cfg: ModelConfig =
+            serde_json::from_value(json).map_err(|e| invalid("<document>".into(), e))?;
         cfg.validate(source)?;
         Ok(cfg)
     }

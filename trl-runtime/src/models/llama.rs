@@ -16,7 +16,7 @@ use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 /// The `model_type`s this file reads.
-pub const MODEL_TYPES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "smollm3"];
+pub const MODEL_TYPES: &[&str] = &["llama", "qwen2", "qwen3", "mistral", "smollm3", "qwen3_vl"];
 
 /// LlamaForCausalLM and its relatives.
 pub type Llama = Decoder<LlamaLayer>;

@@ -168,9 +168,9 @@ pub struct WeightFiles {
     st: MmapedSafetensors,
     where_is: FileOf,
     dir: PathBuf,
-    /// Where the files keep the model's tensors: "" or, for a vision-language checkpoint
-    /// whose language model is trained alone, [`composite::PREFIX`].
-    prefix: &'static str,
+    /// How a vision-language checkpoint whose language model is trained alone names the
+    /// model's tensors (None: by their own names).
+    layout: Option<composite::Layout>,
 }
 
 impl WeightFiles {
@@ -186,18 +186,20 @@ impl WeightFiles {
             key: "<safetensors>".into(),
             message: format!("cannot read the weights: {e}"),
         })?;
-        let composite = composite::is_composite_dir(dir);
         Ok(WeightFiles {
             st,
             where_is,
             dir: dir.to_path_buf(),
-            prefix: if composite { composite::PREFIX } else { "" },
+            layout: composite::layout_of_dir(dir),
         })
     }
 
     /// The name in the files of the model's tensor `name`.
     fn at(&self, name: &str) -> String {
-        format!("{}{name}", self.prefix)
+        match self.layout {
+            Some(layout) => layout.stored(name),
+            None => name.to_string(),
+        }
     }
 
     /// Whether the files hold tensor `name` (stored, or packed as MXFP4).
@@ -208,14 +210,12 @@ impl WeightFiles {
     /// A vision-language checkpoint's tensors besides its language model's, copied unchanged
     /// into every full checkpoint written from it (None for any other).
     pub fn others(self: &std::sync::Arc<Self>) -> Option<Others> {
-        if self.prefix.is_empty() {
-            return None;
-        }
+        let layout = self.layout?;
         let mut specs: Vec<TensorSpec> = self
             .st
             .tensors()
             .into_iter()
-            .filter(|(name, _)| !name.starts_with(self.prefix))
+            .filter(|(name, _)| layout.text(name).is_none())
             .map(|(name, view)| {
                 let dtype = DType::try_from(view.dtype()).unwrap_or(DType::F32);
                 TensorSpec::new(name, dtype, view.shape())
@@ -224,7 +224,7 @@ impl WeightFiles {
         specs.sort_by(|a, b| a.name.cmp(&b.name));
         let files = self.clone();
         Some(Others {
-            prefix: self.prefix,
+            rename: std::sync::Arc::new(move |name: &str| layout.stored(name)),
             specs,
             read: std::sync::Arc::new(move |name: &str| Ok(files.st.load(name, &Device::Cpu)?)),
         })
@@ -250,8 +250,12 @@ impl WeightFiles {
         let mut out = Vec::new();
         for (name, view) in self.st.tensors() {
             // A composite's other tensors are not the model's (see `others`).
-            let Some(name) = name.strip_prefix(self.prefix).map(str::to_string) else {
-                continue;
+            let name = match self.layout {
+                Some(layout) => match layout.text(&name) {
+                    Some(text) => text,
+                    None => continue,
+                },
+                None => name,
             };
             if name.ends_with(mxfp4::SCALES) {
                 let base = &name[..name.len() - mxfp4::SCALES.len()];

@@ -179,20 +179,23 @@ pub struct WeightsWriter {
     /// Files opened so far.
     opened: usize,
     total: usize,
-    /// A vision-language checkpoint's: the model's names' prefix, and the tensors written
-    /// after the model's.
+    /// A vision-language checkpoint's: how the model's names are stored, and the tensors
+    /// written after the model's.
     others: Option<Others>,
 }
 
 /// What a full checkpoint of a vision-language model's language model writes besides it
-/// (models/composite.rs): the model's tensors go under `prefix`, and `specs`, read by
+/// (models/composite.rs): the model's tensors go under the names `rename` gives, and `specs`, read by
 /// `read` from the checkpoint it came from, after them, unchanged.
 #[derive(Clone)]
 pub struct Others {
-    pub prefix: &'static str,
+    pub rename: Rename,
     pub specs: Vec<TensorSpec>,
     pub read: ReadTensor,
 }
+
+/// The files' name of a model's tensor.
+pub type Rename = std::sync::Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 /// Reads a tensor by its name in the files.
 pub type ReadTensor = std::sync::Arc<dyn Fn(&str) -> Result<Tensor> + Send + Sync>;
@@ -212,7 +215,7 @@ impl WeightsWriter {
     ) -> Self {
         if let Some(o) = &others {
             for s in &mut specs {
-                s.name = format!("{}{}", o.prefix, s.name);
+                s.name = (o.rename)(&s.name);
             }
             specs.extend(o.specs.iter().cloned());
         }
@@ -254,7 +257,7 @@ impl WeightsWriter {
     pub fn push(&mut self, name: &str, t: &Tensor) -> Result<()> {
         match &self.others {
             Some(o) => {
-                let stored = format!("{}{name}", o.prefix);
+                let stored = (o.rename)(name);
                 self.write(&stored, t)
             }
             None => self.write(name, t),
