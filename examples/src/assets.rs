@@ -114,7 +114,7 @@ pub fn write_all(dir: &Path) -> trl_runtime::Result<()> {
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
     )?;
-    params.save(&model_dir, &cfg.to_json_pretty(), (None, None))?;
+    params.save(&model_dir, &cfg.to_json_pretty(), None, None)?;
     write_preferences(&data, train, eval)
 }
 

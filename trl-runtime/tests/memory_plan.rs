@@ -37,7 +37,7 @@ fn write(dir: &Path, len: usize, rows: usize, shape: Shape) -> ModelConfig {
     let model = dir.join("model");
     Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
         .unwrap()
-        .save(&model, &cfg.to_json_pretty(), (None, None))
+        .save(&model, &cfg.to_json_pretty(), None, None)
         .unwrap();
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
     for f in ["tokenizer.json", "tokenizer_config.json"] {
@@ -516,7 +516,8 @@ fn write_any(dir: &Path, json: &serde_json::Value) {
         .save(
             &model,
             &serde_json::to_string_pretty(json).unwrap(),
-            (None, None),
+            None,
+            None,
         )
         .unwrap();
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");

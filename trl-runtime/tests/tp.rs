@@ -492,7 +492,7 @@ mod qwen2 {
         let tmp = tempfile::tempdir().unwrap();
         let params = Params::init(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
         params
-            .save(tmp.path(), &cfg.to_json_pretty(), (Some(60_000), None))
+            .save(tmp.path(), &cfg.to_json_pretty(), Some(60_000), None)
             .unwrap();
         assert!(tmp.path().join("model.safetensors.index.json").exists());
         let whole = CausalLm::from_pretrained(tmp.path(), DType::F32, &Device::Cpu).unwrap();

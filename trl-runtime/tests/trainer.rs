@@ -793,7 +793,7 @@ fn model_for_tp4(dir: &Path) -> PathBuf {
     let cfg = trl_runtime::models::ModelConfig::from_file(model.join("config.json")).unwrap();
     trl_runtime::models::Params::init(&cfg, 7, candle_core::DType::F32, &candle_core::Device::Cpu)
         .unwrap()
-        .save(&model, &cfg.to_json_pretty(), (None, None))
+        .save(&model, &cfg.to_json_pretty(), None, None)
         .unwrap();
     model
 }

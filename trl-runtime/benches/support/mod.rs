@@ -41,7 +41,7 @@ pub fn write_model_and_rows(
     let model = dir.join("model");
     Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
         .unwrap()
-        .save(&model, &cfg.to_json_pretty(), (None, None))
+        .save(&model, &cfg.to_json_pretty(), None, None)
         .unwrap();
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(repo().join("assets/tiny/model").join(f), model.join(f)).unwrap();

@@ -133,12 +133,17 @@ pub fn is_composite_dir(dir: &std::path::Path) -> bool {
     layout_of_dir(dir).is_some()
 }
 
-/// Whether config.json text `config_json` is a composite's.
-pub fn is_composite(config_json: &str) -> bool {
-    serde_json::from_str::<serde_json::Value>(config_json)
-        .ok()
-        .and_then(|c| text_config(&c))
-        .is_some()
+/// config.json text `text` as the model it builds reads it: a composite's language model's
+/// config ([`text_config`]), any other config as it is.
+pub fn language_model_json(text: &str) -> serde_json::Result<serde_json::Value> {
+    let json: serde_json::Value = serde_json::from_str(text)?;
+    Ok(text_config(&json).unwrap_or(json))
+}
+
+/// Whether peft's module or tensor `name` (after `base_model.model.`) is a composite's
+/// language model's.
+pub fn is_tree_module(name: &str) -> bool {
+    name.starts_with(MODULES)
 }
 
 #[cfg(test)]
@@ -166,9 +171,11 @@ mod tests {
         assert_eq!(text["tie_word_embeddings"], true);
         assert_eq!(text["model_type"], "gemma3_text");
         assert!(text_config(&serde_json::json!({"model_type": "gemma3_text"})).is_none());
-        assert!(!is_composite(
-            r#"{"model_type": "llama", "text_config": {}}"#
-        ));
+        let llama = r#"{"model_type": "llama", "text_config": {}}"#;
+        assert_eq!(
+            language_model_json(llama).unwrap(),
+            serde_json::from_str::<serde_json::Value>(llama).unwrap()
+        );
     }
 
     /// peft's names of a composite's modules follow the PyTorch tree

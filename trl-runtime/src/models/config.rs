@@ -126,9 +126,8 @@ impl ModelConfig {
             message: format!("not a valid model config: {e}"),
         };
         let at = |e: &serde_json::Error| format!("<line {} column {}>", e.line(), e.column());
-        let json: serde_json::Value = serde_json::from_str(text).map_err(|e| invalid(at(&e), e))?;
         // A vision-language checkpoint's language model (models/composite.rs).
-        let json = super::composite::text_config(&json).unwrap_or(json);
+        let json = super::composite::language_model_json(text).map_err(|e| invalid(at(&e), e))?;
         let cfg: ModelConfig =
             serde_json::from_value(json).map_err(|e| invalid("<document>".into(), e))?;
         cfg.validate(source)?;
@@ -428,17 +427,18 @@ impl ModelConfig {
         let rope = self
             .rotary()
             .map_err(|m| candle_config_error((rope_key, m)))?;
-        let sliding = self
-            .rotary_for(true)
-            .map_err(|m| candle_config_error((rope_key, m)))?;
-        let (norm, attention, body) = self.shapes();
         let rope = Arc::new(rope);
+        // One table for both unless the sliding layers' settings differ.
+        let sliding_rope = match self.rope_settings(true) == self.rope_settings(false) {
+            true => rope.clone(),
+            false => Arc::new(
+                self.rotary_for(true)
+                    .map_err(|m| candle_config_error((rope_key, m)))?,
+            ),
+        };
+        let (norm, attention, body) = self.shapes();
         Ok(LayerParts {
-            // One table for both unless they differ.
-            sliding_rope: match self.rope_settings(true) == self.rope_settings(false) {
-                true => rope.clone(),
-                false => Arc::new(sliding),
-            },
+            sliding_rope,
             rope,
             windows: self.layer_windows().map_err(candle_config_error)?,
             ropes: self.layer_ropes().map_err(candle_config_error)?,

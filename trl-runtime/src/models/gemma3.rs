@@ -106,9 +106,8 @@ impl Gemma3Config {
                 format!("not a valid gemma3_text config: {e}"),
             )
         };
-        let json: serde_json::Value = serde_json::from_str(text).map_err(invalid)?;
         // Gemma 3's vision-language checkpoints train their language model (composite.rs).
-        let json = super::composite::text_config(&json).unwrap_or(json);
+        let json = super::composite::language_model_json(text).map_err(invalid)?;
         let mut c: Gemma3Config = serde_json::from_value(json)
             .map_err(|e| err("<document>", format!("not a valid gemma3_text config: {e}")))?;
         if !MODEL_TYPES.contains(&c.model_type.as_str()) {

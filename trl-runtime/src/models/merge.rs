@@ -174,7 +174,7 @@ pub fn merge_adapter(
         copied: 0,
         files: 0,
     };
-    report.files = write_weights(&tmp, specs, (max_shard_bytes, None), |name| {
+    report.files = write_weights(&tmp, specs, max_shard_bytes, None, |name| {
         let w = files.load_stored(&source[name])?;
         if !adapted.contains(name) {
             report.copied += 1;

@@ -98,7 +98,8 @@ impl Params {
         &self,
         dir: impl AsRef<Path>,
         config_json: &str,
-        (max_shard_bytes, others): (Option<usize>, Option<Others>),
+        max_shard_bytes: Option<usize>,
+        others: Option<Others>,
     ) -> Result<()> {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir)
@@ -110,7 +111,7 @@ impl Params {
             .map(|(n, v)| TensorSpec::of(n.clone(), v.as_tensor()))
             .collect();
         let limit = max_shard_bytes.unwrap_or(usize::MAX);
-        write_weights(dir, specs, (limit, others), |n| {
+        write_weights(dir, specs, limit, others, |n| {
             Ok(self.vars[n].as_tensor().clone())
         })?;
         Ok(())
@@ -224,7 +225,7 @@ impl WeightFiles {
         specs.sort_by(|a, b| a.name.cmp(&b.name));
         let files = self.clone();
         Some(Others {
-            rename: std::sync::Arc::new(move |name: &str| layout.stored(name)),
+            layout,
             specs,
             read: std::sync::Arc::new(move |name: &str| Ok(files.st.load(name, &Device::Cpu)?)),
         })

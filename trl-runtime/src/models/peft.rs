@@ -314,9 +314,10 @@ pub fn read(
     let file = dir.join(ADAPTER_WEIGHTS);
     let loaded = candle_core::safetensors::load(&file, device)?;
     // A vision-language model's language model (models/composite.rs).
-    let composite = loaded
-        .keys()
-        .any(|n| n.starts_with("base_model.model.model.language_model."));
+    let composite = loaded.keys().any(|n| {
+        n.strip_prefix(PREFIX)
+            .is_some_and(super::composite::is_tree_module)
+    });
     if json["peft_type"].as_str() != Some("LORA") {
         return Err(err(
             "peft_type",

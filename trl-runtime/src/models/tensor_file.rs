@@ -4,6 +4,7 @@
 //! unit at a time ([`WeightsWriter`] spreads the tensors over HF's `model-0000k-of-0000n`
 //! files), and so are `Params::save`, `cargo trl merge` and the optimizer state.
 
+use super::composite::Layout;
 use crate::error::{Error, Result};
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
@@ -185,17 +186,14 @@ pub struct WeightsWriter {
 }
 
 /// What a full checkpoint of a vision-language model's language model writes besides it
-/// (models/composite.rs): the model's tensors go under the names `rename` gives, and `specs`, read by
-/// `read` from the checkpoint it came from, after them, unchanged.
+/// (models/composite.rs): the model's tensors go under the names `layout` gives, and `specs`,
+/// read by `read` from the checkpoint it came from, after them, unchanged.
 #[derive(Clone)]
 pub struct Others {
-    pub rename: Rename,
+    pub layout: Layout,
     pub specs: Vec<TensorSpec>,
     pub read: ReadTensor,
 }
-
-/// The files' name of a model's tensor.
-pub type Rename = std::sync::Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 /// Reads a tensor by its name in the files.
 pub type ReadTensor = std::sync::Arc<dyn Fn(&str) -> Result<Tensor> + Send + Sync>;
@@ -215,7 +213,7 @@ impl WeightsWriter {
     ) -> Self {
         if let Some(o) = &others {
             for s in &mut specs {
-                s.name = (o.rename)(&s.name);
+                s.name = o.layout.stored(&s.name);
             }
             specs.extend(o.specs.iter().cloned());
         }
@@ -257,7 +255,7 @@ impl WeightsWriter {
     pub fn push(&mut self, name: &str, t: &Tensor) -> Result<()> {
         match &self.others {
             Some(o) => {
-                let stored = (o.rename)(name);
+                let stored = o.layout.stored(name);
                 self.write(&stored, t)
             }
             None => self.write(name, t),
@@ -332,7 +330,8 @@ impl WeightsWriter {
 pub fn write_weights(
     dir: &Path,
     specs: Vec<TensorSpec>,
-    (max_shard_bytes, others): (usize, Option<Others>),
+    max_shard_bytes: usize,
+    others: Option<Others>,
     mut tensor: impl FnMut(&str) -> Result<Tensor>,
 ) -> Result<usize> {
     let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
@@ -361,7 +360,7 @@ mod tests {
         let tensors = [("a", &a), ("b", &b), ("c", &c)];
         let specs = tensors.iter().map(|(n, t)| TensorSpec::of(*n, t)).collect();
         // 24 + 8 bytes fit in 32: a and b share the first file, c is alone.
-        let files = write_weights(dir.path(), specs, (32, None), |n| {
+        let files = write_weights(dir.path(), specs, 32, None, |n| {
             Ok(tensors.iter().find(|(m, _)| *m == n).unwrap().1.clone())
         })
         .unwrap();

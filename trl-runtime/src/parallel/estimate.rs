@@ -316,17 +316,13 @@ impl ModelShapes {
 
     /// The shapes of model `N` (a user's model too) built from config.json's text `json`.
     pub fn of_model<N: CausalModel>(json: &str, source: &str) -> Result<Self> {
-        let model_json = json;
-        // A vision-language checkpoint's sizes are its language model's (models/composite.rs).
-        let text = serde_json::from_str(json)
-            .ok()
-            .and_then(|c| crate::models::composite::text_config(&c))
-            .map(|t| t.to_string());
-        let json = text.as_deref().unwrap_or(json);
-        let dims: Dims = serde_json::from_str(json).map_err(|e| {
+        let not_a_decoder = |e: serde_json::Error| {
             crate::Error::config(source, "<sizes>", format!("not a decoder's config: {e}"))
-        })?;
-        let mut model = Model::<N>::skeleton_of(model_json.to_string(), DType::F32, &Device::Cpu)?;
+        };
+        // A vision-language checkpoint's sizes are its language model's (models/composite.rs).
+        let text = crate::models::composite::language_model_json(json).map_err(not_a_decoder)?;
+        let dims: Dims = serde_json::from_value(text).map_err(not_a_decoder)?;
+        let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
         let (linears, parameters) = model.lora_sites()?;
         let net = model.net();
         let mut units = Vec::new();

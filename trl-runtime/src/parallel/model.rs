@@ -618,7 +618,7 @@ impl<N: CausalModel> Model<N> {
     ) -> Result<()> {
         let others = self.others.clone();
         self.params
-            .save(dir, &self.config_json, (max_shard_bytes, others))
+            .save(dir, &self.config_json, max_shard_bytes, others)
     }
 
     /// A vision-language checkpoint's other tensors, to write beside this language model's

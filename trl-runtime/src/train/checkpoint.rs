@@ -190,7 +190,7 @@ pub fn write_model_files(
 ) -> Result<()> {
     let config_json: &str = &tokenizer.model_config(config_json);
     match params {
-        Some((p, others)) => p.save(tmp, config_json, (None, others))?,
+        Some((p, others)) => p.save(tmp, config_json, None, others)?,
         None => std::fs::write(tmp.join(crate::models::params::CONFIG_FILE), config_json)
             .map_err(|e| io("cannot write config.json".into(), e))?,
     }
