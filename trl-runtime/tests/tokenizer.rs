@@ -140,18 +140,30 @@ fn eos_token_and_chat_template_path_change_the_tokenizer_and_its_copies() {
     assert_eq!(generation["eos_token_id"], serde_json::json!([eot, 7]));
     assert_eq!(generation["temperature"], 0.7);
     std::fs::remove_file(dir.path().join("generation_config.json")).unwrap();
-    std::fs::write(dir.path().join("chat_template.jinja"), CHATML).unwrap();
+    // A processor's files (a vision-language model's) travel along too; its own copy of the
+    // template says the new one.
+    let files = [
+        ("chat_template.jinja", CHATML),
+        ("chat_template.json", r#"{"chat_template": "old"}"#),
+        ("preprocessor_config.json", r#"{"size": 28}"#),
+    ];
+    for (f, text) in files {
+        std::fs::write(dir.path().join(f), text).unwrap();
+    }
     let with_jinja = TextTokenizer::from_dir(dir.path())
         .unwrap()
         .with_chat_template_from(&jinja)
         .unwrap();
     let out = tempfile::tempdir().unwrap();
     with_jinja.copy_files(out.path()).unwrap();
-    assert_eq!(
-        std::fs::read_to_string(out.path().join("chat_template.jinja")).unwrap(),
-        ends
-    );
-    std::fs::remove_file(dir.path().join("chat_template.jinja")).unwrap();
+    let read = |f: &str| std::fs::read_to_string(out.path().join(f)).unwrap();
+    assert_eq!(read("chat_template.jinja"), ends);
+    let processor: serde_json::Value = serde_json::from_str(&read("chat_template.json")).unwrap();
+    assert_eq!(processor["chat_template"], ends);
+    assert_eq!(read("preprocessor_config.json"), r#"{"size": 28}"#);
+    for (f, _) in files {
+        std::fs::remove_file(dir.path().join(f)).unwrap();
+    }
 
     // Another tokenizer's directory: its template and its eos.
     let other = model_dir(Some(ends));
