@@ -63,7 +63,7 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Merge a LoRA adapter into its base: a plain transformers checkpoint (peft's merge_and_unload).
     ///
-    /// Example: cargo trl merge output/sft-tiny/checkpoint-50 --output_dir merged
+    /// Example: cargo trl merge output/sft-tiny-lora/checkpoint-50 --output_dir merged
     Merge(merge::MergeArgs),
     /// List the shipped launch profiles (Accelerate YAML).
     ///

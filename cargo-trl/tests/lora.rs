@@ -343,3 +343,277 @@ fn merges_into_its_base(checkpoint: &Path, tmp: &Path) {
         "{text}"
     );
 }
+
+/// The README's LoRA command's flags (after `--`), read from README.md itself.
+fn readme_lora_flags() -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    let joined = readme.replace("\\\n", " ");
+    let line = joined
+        .lines()
+        .find(|l| l.starts_with("cargo run --release -p trl-examples --bin sft -- --use_peft"))
+        .expect("README.md shows the LoRA command");
+    let (_, flags) = line.split_once(" -- ").unwrap();
+    flags.split_whitespace().map(String::from).collect()
+}
+
+/// The held-out accuracy scripts/score_task.py measures in transformers for `dir` (a merged
+/// checkpoint, or an adapter loaded by peft) over the bundled eval rows: (correct, total).
+fn transformers_score(python: &Path, dir: &Path, rows: usize) -> (u64, u64) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let o = std::process::Command::new(python)
+        .arg(root.join("scripts/score_task.py"))
+        .arg(dir)
+        .arg(root.join("assets/tiny/data/eval.jsonl"))
+        .arg(rows.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "score_task.py: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    let json: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    (
+        json["correct"].as_u64().unwrap(),
+        json["total"].as_u64().unwrap(),
+    )
+}
+
+/// The README's two jobs as a newcomer runs them, one after the other in one directory: the
+/// full SFT job, then the LoRA command. Each keeps its own checkpoints (the LoRA job writes
+/// output/sft-tiny-lora); pointed at the full run's directory the LoRA job stops before
+/// training, naming output_dir and overwrite_output_dir, and the full run's checkpoints stay.
+/// With peft and transformers from PyPI (skipped otherwise): the adapter checkpoint loads in
+/// `PeftModel.from_pretrained` and scores in transformers what the run measured in training,
+/// and so does its `cargo trl merge` (the bundled model ties its head: the merge writes both
+/// trained copies).
+#[test]
+fn the_readme_full_and_lora_jobs_keep_their_checkpoints_and_score_as_trained() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    // The README builds it with `cargo run --release`; the tests run the debug build.
+    let build = std::process::Command::new(env!("CARGO"))
+        .current_dir(&root)
+        .args(["build", "-q", "-p", "trl-examples", "--bin", "sft"])
+        .status()
+        .unwrap();
+    assert!(build.success());
+    let sft = root.join("target/debug/sft");
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |args: &[String]| {
+        std::process::Command::new(&sft)
+            .current_dir(tmp.path())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let full = run(&[]);
+    assert!(
+        full.status.success(),
+        "{}",
+        String::from_utf8_lossy(&full.stderr)
+    );
+    let full_dir = tmp.path().join("output/sft-tiny");
+    let full_checkpoints = std::fs::read_dir(&full_dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("checkpoint-")
+        })
+        .count();
+    assert!(full_checkpoints > 0);
+    let weights =
+        |dir: &Path| std::fs::read(dir.join("checkpoint-3000/model.safetensors")).unwrap();
+    let before = weights(&full_dir);
+    let flags = readme_lora_flags();
+    let lora = run(&flags);
+    let stdout = String::from_utf8_lossy(&lora.stdout).to_string();
+    assert!(
+        lora.status.success(),
+        "{}",
+        String::from_utf8_lossy(&lora.stderr)
+    );
+    let lora_dir = tmp.path().join("output/sft-tiny-lora");
+    let checkpoint = lora_dir.join("checkpoint-3000");
+    assert!(
+        checkpoint.join("adapter_model.safetensors").exists(),
+        "{stdout}"
+    );
+    assert_eq!(
+        weights(&full_dir),
+        before,
+        "the full run's checkpoint changed"
+    );
+    // Into the full run's directory: refused, nothing touched.
+    let into_full = [
+        flags.clone(),
+        vec!["--output_dir".into(), "output/sft-tiny".into()],
+    ]
+    .concat();
+    let refused = run(&into_full);
+    let err = String::from_utf8_lossy(&refused.stderr).to_string();
+    assert!(!refused.status.success());
+    assert!(
+        err.contains("output_dir") && err.contains("overwrite_output_dir"),
+        "{err}"
+    );
+    assert_eq!(weights(&full_dir), before);
+    assert!(!full_dir
+        .join("checkpoint-3000/adapter_config.json")
+        .exists());
+    // The accuracy the run measured (its last evaluation: 200 generated answers).
+    let metrics = std::fs::read_to_string(lora_dir.join("metrics.jsonl")).unwrap();
+    let trained = metrics
+        .lines()
+        .rev()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v["eval_accuracy"].as_f64())
+        .unwrap();
+    eprintln!(
+        "the README's LoRA job: held-out accuracy {:.1}% in training",
+        100.0 * trained
+    );
+    common::loads_in_peft(&root.join("assets/tiny/model"), &checkpoint);
+    let Some(python) = common::python_with(&["torch", "transformers", "peft"]) else {
+        return;
+    };
+    let (correct, total) = transformers_score(&python, &checkpoint, 200);
+    assert_eq!(total, 200);
+    assert_eq!(
+        correct as f64 / 200.0,
+        trained,
+        "the adapter in peft scores {correct}/200"
+    );
+    let merged = tmp.path().join("merged");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_cargo-trl"))
+        .current_dir(tmp.path())
+        .args(["trl", "merge"])
+        .arg(&checkpoint)
+        .arg("--output_dir")
+        .arg(&merged)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (merged_correct, _) = transformers_score(&python, &merged, 200);
+    eprintln!("in transformers: the adapter (peft) {correct}/200, merged {merged_correct}/200");
+    assert_eq!(
+        merged_correct, correct,
+        "the merged model scores {merged_correct}/200"
+    );
+}
+
+/// Adapters on the tied embedding and head of the bundled model, through `cargo trl launch`:
+/// LoRA on the embedding and on the head (peft's default: apart), the two as one
+/// (`--lora_ensure_weight_tying`), and trainable tokens (the rows in the embedding and the tied
+/// head). Under every CPU profile without tensor parallelism each equals one process (losses
+/// within 1e-5, adapters within 2e-5 after 5 steps, fp32); under tp the launch stops naming
+/// the embedding.
+#[test]
+fn embedding_and_head_adapters_under_every_cpu_profile_equal_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base: &[&str] = &[
+        "--use_peft",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--lora_dropout",
+        "0",
+        "--learning_rate",
+        "2e-3",
+        "--lr_scheduler_type",
+        "constant",
+    ];
+    let setups: [(&str, &[&str], usize); 3] = [
+        // q_proj's 2 x 2, the embedding's A and B, the head's A and B.
+        (
+            "lora",
+            &["--lora_target_modules", "q_proj", "embed_tokens", "lm_head"],
+            8,
+        ),
+        // The same tied: the head's A and B saved as the embedding's, transposed.
+        (
+            "tied",
+            &[
+                "--lora_target_modules",
+                "q_proj",
+                "embed_tokens",
+                "--lora_ensure_weight_tying",
+                "true",
+            ],
+            8,
+        ),
+        (
+            "tokens",
+            &[
+                "--lora_target_modules",
+                "q_proj",
+                "--lora_trainable_token_indices",
+                "5",
+                "17",
+                "42",
+            ],
+            5,
+        ),
+    ];
+    for (setup, args, tensors) in setups {
+        let run = |launch_args: &[&str], per_device: usize, name: &str| {
+            let out = tmp.path().join(format!("{setup}-{name}"));
+            let cmd = common::sft_launch(launch_args, &[base, args].concat());
+            common::run_launch(cmd, STEPS, per_device, &out);
+            Run::read_adapter(&out, STEPS)
+        };
+        let one = ["--num_processes", "1"];
+        let (one8, one4) = (run(&one, 8, "one8"), run(&one, 4, "one4"));
+        assert_eq!(
+            one8.weights.len(),
+            tensors,
+            "{setup}: {:?}",
+            one8.weights.keys()
+        );
+        for (name, w) in &one8.weights {
+            if !name.contains("q_proj.lora_A") {
+                let start = one4.weights[name].zeros_like().unwrap();
+                assert!(max_diff(w, &start) > 0.0, "{setup}: {name} is zero");
+            }
+        }
+        for (name, launch_args, two_dp) in common::CPU_CASES {
+            if name.contains("tp") {
+                continue;
+            }
+            let got = run(launch_args, 4, name);
+            let want = if *two_dp { &one8 } else { &one4 };
+            assert_equal(&format!("{setup} {name}"), &got, want, &[], |_, g, w| {
+                max_diff(g, w)
+            });
+        }
+    }
+    // Tensor parallelism splits the table's rows: refused, naming the layer.
+    let cmd = common::sft_launch(
+        &[
+            "--profile",
+            "multi_cpu",
+            "--parallelism_config_tp_size",
+            "2",
+        ],
+        &[base, &["--lora_target_modules", "q_proj", "embed_tokens"]].concat(),
+    );
+    let o = {
+        let mut cmd = cmd;
+        cmd.args(["--max_steps", "1", "--output_dir"])
+            .arg(tmp.path().join("tp"))
+            .output()
+            .unwrap()
+    };
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("model.embed_tokens") && err.contains("vocab-parallel"),
+        "{err}"
+    );
+}

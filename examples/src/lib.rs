@@ -25,6 +25,7 @@ pub fn launch<C: TrainerConfig>(
 ) -> ExitCode {
     let cli = Cli::<C>::parse_trl();
     let resolved = defaults().and_then(|bundled| {
+        let bundled_output = bundled.training().output_dir.clone();
         let base = match names_model_or_data(&cli) {
             false => bundled,
             true => {
@@ -34,7 +35,15 @@ pub fn launch<C: TrainerConfig>(
                 trl
             }
         };
-        cli.resolve_over(base)
+        let mut resolved = cli.resolve_over(base)?;
+        // The bundled job's adapters go beside its full run's checkpoints, not over them.
+        let t = resolved.0.training_mut();
+        if t.use_peft && t.output_dir == bundled_output && !names_output_dir(&cli) {
+            let mut name = bundled_output.into_os_string();
+            name.push("-lora");
+            t.output_dir = name.into();
+        }
+        Ok(resolved)
     });
     let (config, ignored) = match resolved {
         Ok(resolved) => resolved,
@@ -87,6 +96,18 @@ fn names_model_or_data<C: TrainerConfig>(cli: &Cli<C>) -> bool {
     let t = probe.training();
     let named = |p: &std::path::Path| !p.as_os_str().is_empty();
     named(&t.model_name_or_path) || named(&t.dataset_name) || !t.datasets.0.is_empty()
+}
+
+/// Whether the flags name the output directory (a --config file replaces the defaults, so
+/// its output_dir counts as named).
+fn names_output_dir<C: TrainerConfig>(cli: &Cli<C>) -> bool {
+    if cli.config.is_some() {
+        return true;
+    }
+    let mut probe = C::default();
+    probe.training_mut().output_dir = Default::default();
+    let _ = cli.apply(&mut probe);
+    !probe.training().output_dir.as_os_str().is_empty()
 }
 
 /// What a finished run prints (main process): where a preempted run saved after `step`, else

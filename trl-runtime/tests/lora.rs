@@ -30,6 +30,8 @@ fn config(targets: Targets) -> LoraConfig {
         seed: 3,
         dora: false,
         target_parameters: Vec::new(),
+        ensure_weight_tying: false,
+        trainable_token_indices: Vec::new(),
     }
 }
 
@@ -43,6 +45,15 @@ fn ids() -> (Tensor, Tensor) {
         .repeat((2, 1))
         .unwrap();
     (ids, pos)
+}
+
+/// [`ids`]' input ids written for the Python scripts (`input_ids`, i64) into `dir`.
+fn ids_file(dir: &Path) -> PathBuf {
+    let file = dir.join("ids.safetensors");
+    let ids = ids().0.to_dtype(DType::I64).unwrap();
+    let tensors = std::collections::HashMap::from([("input_ids".to_string(), ids)]);
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    file
 }
 
 /// Gives every adapter a nonzero `B` (peft starts it at zero, which would hide the path)
@@ -165,11 +176,12 @@ fn peft_script(python: &Path, args: &[&Path]) {
 fn save_adapter(model: &CausalLm, lora: &LoraConfig, base: &Path, tmp: &Path) -> PathBuf {
     let adapter = tmp.join("adapter");
     std::fs::create_dir_all(&adapter).unwrap();
-    let tensors = model
+    let mut tensors = model
         .params
         .iter()
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
+    peft::add_aliases(model.net(), &mut tensors);
     let order = peft::parameter_order(model.net());
     peft::save(&adapter, &tensors, lora, base, &order).unwrap();
     adapter
@@ -182,16 +194,7 @@ fn peft_logits(python: &Path, adapter: &Path, tmp: &Path) -> Tensor {
 
 /// peft's logits for the model in `base` with the adapter in `adapter`.
 fn peft_logits_of(python: &Path, base: &Path, adapter: &Path, tmp: &Path) -> Tensor {
-    let (ids, _) = ids();
-    let (ids_file, out_file) = (tmp.join("ids.safetensors"), tmp.join("out.safetensors"));
-    candle_core::safetensors::save(
-        &std::collections::HashMap::from([(
-            "input_ids".to_string(),
-            ids.to_dtype(DType::I64).unwrap(),
-        )]),
-        &ids_file,
-    )
-    .unwrap();
+    let (ids_file, out_file) = (ids_file(tmp), tmp.join("out.safetensors"));
     peft_script(
         python,
         &[Path::new("logits"), base, adapter, &ids_file, &out_file],
@@ -490,4 +493,290 @@ fn replay_dropout_masks(dora: bool) {
             "dora {dora}: {name}: recomputed gradient differs by {d}"
         );
     }
+}
+
+/// Moves every trained tensor but a linear layer's `A` (random from the start) off its start,
+/// each by its own pattern, so that two copies that should differ do.
+fn perturb_trained(model: &CausalLm) {
+    for (name, var) in model.params.iter() {
+        if name.ends_with(".lora_A.weight") {
+            continue;
+        }
+        let salt = name.bytes().map(|b| b as usize).sum::<usize>();
+        let n = var.elem_count();
+        let values: Vec<f32> = (0..n)
+            .map(|i| (((i + salt) * 7919 % 97) as f32 / 97.0 - 0.5) * 0.2)
+            .collect();
+        let noise = Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap();
+        var.set(&(var.as_tensor() + noise).unwrap()).unwrap();
+    }
+}
+
+/// Runs peft_logits.py's `batch` over `tasks` (each its command line) in one process.
+fn peft_batch(python: &Path, tasks: &[Vec<String>], tmp: &Path) {
+    let file = tmp.join("tasks.json");
+    let json: Vec<serde_json::Value> = tasks
+        .iter()
+        .map(|t| serde_json::json!({ "args": t }))
+        .collect();
+    std::fs::write(&file, serde_json::to_string(&json).unwrap()).unwrap();
+    peft_script(python, &[Path::new("batch"), &file]);
+}
+
+fn load_logits(file: &Path) -> Tensor {
+    candle_core::safetensors::load(file, &Device::Cpu).unwrap()["logits"].clone()
+}
+
+/// What a tied-head case trains besides q_proj's adapters.
+#[derive(Clone, Copy, Debug)]
+enum Tied {
+    /// `lora_modules_to_save`.
+    Whole(&'static [&'static str]),
+    /// `trainable_token_indices` (the embedding's rows 1, 2, 3).
+    Tokens,
+    /// LoRA on this module (`embed_tokens` or `lm_head`) as well.
+    Lora(&'static str),
+}
+
+/// Every way peft adapts an embedding and an LM head, on every built-in model whose head is
+/// tied to its embedding, with and without peft's `ensure_weight_tying`, and on an untied
+/// model (Mistral): modules trained whole (the embedding, the head, both), trainable tokens,
+/// LoRA on the embedding, LoRA on the head. Each setup: a named module trains as its own copy
+/// (peft's default: a tied pair parts) or, with `ensure_weight_tying`, the tied pair as one
+/// tensor (trainable tokens always tie, as in peft); our adapter loads in peft with our
+/// logits, reads back here, and merges (`cargo trl merge`'s path) into a checkpoint
+/// transformers opens with our logits, tied exactly when the change is one for both; peft's
+/// own adapter of each setup gives peft's logits here. Logits within 1e-4.
+#[test]
+fn tied_heads_travel_between_us_peft_and_transformers() {
+    let python = peft_python();
+    let tmp = tempfile::tempdir().unwrap();
+    let (ids, pos) = ids();
+    let ids_file = ids_file(tmp.path());
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+    let setups = [
+        Tied::Whole(&["embed_tokens"]),
+        Tied::Whole(&["lm_head"]),
+        Tied::Whole(&["embed_tokens", "lm_head"]),
+        Tied::Tokens,
+        Tied::Lora("embed_tokens"),
+        Tied::Lora("lm_head"),
+    ];
+    let mut cases = Vec::new();
+    for model in [
+        "tiny",
+        "tiny-qwen3",
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-smollm3",
+        "tiny-mistral",
+    ] {
+        for setup in setups {
+            for ewt in [false, true] {
+                cases.push((model, setup, ewt));
+            }
+        }
+    }
+    let mut checks = Vec::new();
+    let mut tasks: Vec<Vec<String>> = Vec::new();
+    let s = |p: &Path| p.display().to_string();
+    for (i, &(name, setup, ewt)) in cases.iter().enumerate() {
+        let what = format!("{name} {setup:?} ensure_weight_tying {ewt}");
+        let base = assets.join(name).join("model");
+        let tied = name != "tiny-mistral";
+        let dir = tmp.path().join(format!("case{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut lora = LoraConfig {
+            ensure_weight_tying: ewt,
+            ..config(Targets::Names(vec!["q_proj".into()]))
+        };
+        let mut kwargs = serde_json::json!({});
+        match setup {
+            Tied::Whole(modules) => {
+                lora.modules_to_save = modules.iter().map(|m| m.to_string()).collect();
+                kwargs["modules_to_save"] = serde_json::json!(modules);
+            }
+            Tied::Tokens => {
+                lora.trainable_token_indices = vec![("embed_tokens".into(), vec![1, 2, 3])];
+                kwargs["trainable_token_indices"] = serde_json::json!([1, 2, 3]);
+            }
+            Tied::Lora(module) => {
+                lora.targets = Targets::Names(vec!["q_proj".into(), module.into()]);
+                kwargs["target_modules"] = serde_json::json!(["q_proj", module]);
+            }
+        }
+        if ewt {
+            kwargs["ensure_weight_tying"] = true.into();
+        }
+        let mut model = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+        model.add_adapters(&lora).unwrap();
+        if let Tied::Whole(modules) = setup {
+            let whole: Vec<&String> = model
+                .params
+                .iter()
+                .map(|(n, _)| n)
+                .filter(|n| !n.contains("lora_"))
+                .collect();
+            let copies = if tied && ewt { 1 } else { modules.len() };
+            assert_eq!(whole.len(), copies, "{what}: trained whole {whole:?}");
+        }
+        perturb_trained(&model);
+        let ours = model.forward(&ids, &pos).unwrap();
+        let plain = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+        let moved = max_diff(&ours, &plain.forward(&ids, &pos).unwrap());
+        assert!(
+            moved > 1e-3,
+            "{what}: the adapter changes nothing ({moved})"
+        );
+        let adapter = save_adapter(&model, &lora, &base, &dir);
+        // Read back here.
+        let mut back = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+        back.load_adapter(&adapter).unwrap();
+        let d = max_diff(&back.forward(&ids, &pos).unwrap(), &ours);
+        assert!(d < 1e-6, "{what}: our adapter read back differs by {d}");
+        // Merged: tied exactly when the change is one for both.
+        let merged = dir.join("merged");
+        let sites = &CausalLm::parameter_sites_of;
+        trl_runtime::models::merge::merge_adapter(&adapter, Some(&base), &merged, 1 << 30, sites)
+            .unwrap();
+        let m = CausalLm::from_pretrained(&merged, DType::F32, &Device::Cpu).unwrap();
+        let d = max_diff(&m.forward(&ids, &pos).unwrap(), &ours);
+        assert!(d < 1e-4, "{what}: the merged model's logits differ by {d}");
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(merged.join("config.json")).unwrap())
+                .unwrap();
+        let still_tied = config["tie_word_embeddings"].as_bool().unwrap_or(true);
+        let one_change = ewt || matches!(setup, Tied::Tokens);
+        assert_eq!(
+            still_tied,
+            tied && one_change,
+            "{what}: merged tie_word_embeddings"
+        );
+        let (peft_dir, out) = (dir.join("peft-adapter"), |n: &str| s(&dir.join(n)));
+        tasks.push(vec![
+            "logits".into(),
+            s(&base),
+            s(&adapter),
+            s(&ids_file),
+            out("ours-in-peft.safetensors"),
+        ]);
+        tasks.push(vec![
+            "model-logits".into(),
+            s(&merged),
+            s(&ids_file),
+            out("merged.safetensors"),
+        ]);
+        tasks.push(vec![
+            "write-json".into(),
+            s(&base),
+            s(&peft_dir),
+            kwargs.to_string(),
+        ]);
+        tasks.push(vec![
+            "logits".into(),
+            s(&base),
+            s(&peft_dir),
+            s(&ids_file),
+            out("peft.safetensors"),
+        ]);
+        checks.push((what, base, dir, ours));
+    }
+    let Some(python) = python else {
+        return;
+    };
+    peft_batch(&python, &tasks, tmp.path());
+    let mut worst: f64 = 0.0;
+    for (what, base, dir, ours) in checks {
+        let d = max_diff(&ours, &load_logits(&dir.join("ours-in-peft.safetensors")));
+        assert!(
+            d < 1e-4,
+            "{what}: peft's logits with our adapter differ by {d}"
+        );
+        let m = max_diff(&ours, &load_logits(&dir.join("merged.safetensors")));
+        assert!(
+            m < 1e-4,
+            "{what}: transformers' logits of our merge differ by {m}"
+        );
+        let mut model = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();
+        model.load_adapter(dir.join("peft-adapter")).unwrap();
+        let p = max_diff(
+            &model.forward(&ids, &pos).unwrap(),
+            &load_logits(&dir.join("peft.safetensors")),
+        );
+        assert!(
+            p < 1e-4,
+            "{what}: our logits with peft's adapter differ by {p}"
+        );
+        eprintln!("{what}: in peft {d:.1e}, merged in transformers {m:.1e}, peft's here {p:.1e}");
+        worst = worst.max(d).max(m).max(p);
+    }
+    eprintln!("tied heads: every setup within {worst:.1e}");
+}
+
+/// What peft 0.21 refuses on an embedding and a tied head is refused here before training,
+/// naming the key; what it accepts but leaves out (LoRA on a module trained whole) is left
+/// out the same way.
+#[test]
+fn what_peft_refuses_on_embeddings_is_refused_here() {
+    let refused = |lora: LoraConfig| {
+        let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+        model.add_adapters(&lora).unwrap_err().to_string()
+    };
+    let tokens = |m: &str, ids: &[u32]| (m.to_string(), ids.to_vec());
+    let names = |n: &[&str]| Targets::Names(n.iter().map(|s| s.to_string()).collect());
+    // Trainable tokens on an embedding with LoRA (peft: "cannot be applied to modules of
+    // type lora.Embedding").
+    let e = refused(LoraConfig {
+        trainable_token_indices: vec![tokens("embed_tokens", &[1, 2])],
+        ..config(names(&["q_proj", "embed_tokens"]))
+    });
+    assert!(e.contains("trainable_token_indices"), "{e}");
+    // Different rows for a tied pair with ensure_weight_tying.
+    let e = refused(LoraConfig {
+        trainable_token_indices: vec![tokens("embed_tokens", &[1, 2]), tokens("lm_head", &[3])],
+        ensure_weight_tying: true,
+        ..config(names(&["q_proj"]))
+    });
+    assert!(
+        e.contains("ensure_weight_tying") && e.contains("[3]"),
+        "{e}"
+    );
+    // Not implemented here (peft has it): DoRA on an embedding.
+    let e = refused(LoraConfig {
+        dora: true,
+        ..config(names(&["q_proj", "embed_tokens"]))
+    });
+    assert!(e.contains("use_dora"), "{e}");
+    // Without ensure_weight_tying, other rows for the head train apart (peft's default).
+    let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+    model
+        .add_adapters(&LoraConfig {
+            trainable_token_indices: vec![tokens("embed_tokens", &[1, 2]), tokens("lm_head", &[3])],
+            ..config(names(&["q_proj"]))
+        })
+        .unwrap();
+    let deltas: Vec<&String> = model
+        .params
+        .iter()
+        .map(|(n, _)| n)
+        .filter(|n| n.contains("trainable_tokens_delta"))
+        .collect();
+    assert_eq!(deltas.len(), 2, "{deltas:?}");
+    // A module trained whole takes no LoRA: its copy trains.
+    let mut model = CausalLm::from_pretrained(tiny(), DType::F32, &Device::Cpu).unwrap();
+    model
+        .add_adapters(&LoraConfig {
+            modules_to_save: vec!["embed_tokens".into()],
+            ..config(names(&["q_proj", "embed_tokens"]))
+        })
+        .unwrap();
+    let names: Vec<&String> = model.params.iter().map(|(n, _)| n).collect();
+    assert!(
+        names.iter().any(|n| *n == "model.embed_tokens.weight"),
+        "{names:?}"
+    );
+    assert!(
+        !names.iter().any(|n| n.contains("lora_embedding")),
+        "{names:?}"
+    );
 }

@@ -305,6 +305,80 @@ mod python;
 #[allow(unused_imports)]
 pub use python::python_with;
 
+/// Two rows of 24 ids below `vocab` with their positions, and the `logits` that
+/// scripts/`script` writes for them when run with `args`, then the ids' and the output's
+/// files (`what` names the checkpoint in a failure).
+fn python_logits(
+    python: &Path,
+    script: &str,
+    args: &[&std::ffi::OsStr],
+    vocab: u32,
+    what: &str,
+) -> (Tensor, Tensor, Tensor) {
+    use trl_runtime::candle_core::DType;
+    let ids: Vec<u32> = (0..48u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let ids = Tensor::from_vec(ids, (2, 24), &Device::Cpu).unwrap();
+    let pos = Tensor::arange(0i64, 24, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .repeat((2, 1))
+        .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let (ids_file, out_file) = (
+        tmp.path().join("ids.safetensors"),
+        tmp.path().join("out.safetensors"),
+    );
+    trl_runtime::candle_core::safetensors::save(
+        &std::collections::HashMap::from([(
+            "input_ids".to_string(),
+            ids.to_dtype(DType::I64).unwrap(),
+        )]),
+        &ids_file,
+    )
+    .unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts")
+        .join(script);
+    let out = Command::new(python)
+        .arg(script)
+        .args(args)
+        .args([&ids_file, &out_file])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = trl_runtime::candle_core::safetensors::load(&out_file, &Device::Cpu).unwrap();
+    (ids, pos, want["logits"].clone())
+}
+
+/// Checks that peft loads the adapter checkpoint `adapter` we saved onto `base`
+/// (`PeftModel.from_pretrained`, scripts/peft_logits.py) and computes the logits we do with it
+/// (within 1e-4, f32) on two rows; skipped with a message without peft.
+#[allow(dead_code)]
+pub fn loads_in_peft(base: &Path, adapter: &Path) {
+    use trl_runtime::candle_core::DType;
+    use trl_runtime::models::AutoModelForCausalLM;
+    let Some(python) = python_with(&["torch", "transformers", "peft", "safetensors"]) else {
+        return;
+    };
+    let mut model = AutoModelForCausalLM::from_pretrained(base, DType::F32, &Device::Cpu).unwrap();
+    model.load_adapter(adapter).unwrap();
+    let what = format!("peft cannot load {}", adapter.display());
+    let args = ["logits".as_ref(), base.as_os_str(), adapter.as_os_str()];
+    let (ids, pos, want) = python_logits(&python, "peft_logits.py", &args, 200, &what);
+    let diff = max_diff(&model.forward(&ids, &pos).unwrap(), &want);
+    eprintln!("{} in peft: logits within {diff:.1e}", adapter.display());
+    assert!(
+        diff < 1e-4,
+        "peft's logits with {} differ by {diff}",
+        adapter.display()
+    );
+}
+
 /// Checks that transformers opens the checkpoint `dir` we saved and computes the logits we
 /// do (within 1e-4, f32) on two random rows; skipped with a message without transformers.
 #[allow(dead_code)]
@@ -323,40 +397,16 @@ pub fn opens_in_transformers(dir: &Path) {
         let text = config.get("text_config").unwrap_or(&config);
         text["vocab_size"].as_u64().unwrap() as u32
     };
-    let ids: Vec<u32> = (0..48u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let ids = Tensor::from_vec(ids, (2, 24), &Device::Cpu).unwrap();
-    let pos = Tensor::arange(0i64, 24, &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap()
-        .repeat((2, 1))
-        .unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let (ids_file, out_file) = (
-        tmp.path().join("ids.safetensors"),
-        tmp.path().join("out.safetensors"),
+    let what = format!("transformers cannot open {}", dir.display());
+    let (ids, pos, want) = python_logits(
+        &python,
+        "transformers_logits.py",
+        &[dir.as_os_str()],
+        vocab,
+        &what,
     );
-    let ids_i64 = ids.to_dtype(DType::I64).unwrap();
-    trl_runtime::candle_core::safetensors::save(
-        &std::collections::HashMap::from([("input_ids".to_string(), ids_i64)]),
-        &ids_file,
-    )
-    .unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/transformers_logits.py");
-    let out = Command::new(python)
-        .arg(script)
-        .args([dir, &ids_file, &out_file])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "transformers cannot open {}: {}",
-        dir.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let want = trl_runtime::candle_core::safetensors::load(&out_file, &Device::Cpu).unwrap();
     let got = model.forward(&ids, &pos).unwrap();
-    let diff = max_diff(&got, &want["logits"]);
+    let diff = max_diff(&got, &want);
     eprintln!(
         "{}: transformers opens it, max |logits - ours| = {diff:e}",
         dir.display()

@@ -18,8 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
-const HEAD: &str = "lm_head.weight";
-const EMBEDDING: &str = "model.embed_tokens.weight";
+use super::peft::{TIED_EMBEDDING as EMBEDDING, TIED_HEAD as HEAD};
 
 /// What a merge did.
 #[derive(Debug, Clone)]
@@ -40,16 +39,23 @@ pub struct MergeReport {
 /// `...q_proj.weight`; a parameter adapted directly, one of `sites`, is the stem itself; a
 /// module trained whole is its own).
 fn target_of(adapter_tensor: &str, sites: &HashSet<String>) -> String {
-    [".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector"]
-        .iter()
-        .find_map(|suffix| adapter_tensor.strip_suffix(suffix))
-        .map_or_else(
-            || adapter_tensor.to_string(),
-            |stem| match sites.contains(stem) {
-                true => stem.to_string(),
-                false => format!("{stem}.weight"),
-            },
-        )
+    [
+        ".lora_A.weight",
+        ".lora_B.weight",
+        ".lora_magnitude_vector",
+        ".lora_embedding_A",
+        ".lora_embedding_B",
+        ".token_adapter.trainable_tokens_delta",
+    ]
+    .iter()
+    .find_map(|suffix| adapter_tensor.strip_suffix(suffix))
+    .map_or_else(
+        || adapter_tensor.to_string(),
+        |stem| match sites.contains(stem) {
+            true => stem.to_string(),
+            false => format!("{stem}.weight"),
+        },
+    )
 }
 
 /// `w` with its adapter merged in: `W + scale B A`, each row rescaled to DoRA's magnitude
@@ -113,7 +119,7 @@ pub fn merge_adapter(
         ));
     }
     let sites = sites_of(&base)?;
-    let (config, adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu, &sites)?;
+    let (config, mut adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu, &sites)?;
     let sites: HashSet<String> = sites.into_iter().collect();
     let scale = config.scale();
     let files = WeightFiles::open(&base)?;
@@ -124,12 +130,35 @@ pub fn merge_adapter(
         .iter()
         .map(|s| (s.name.clone(), s.name.clone()))
         .collect();
-    // A head tied to the embedding (no lm_head tensor) parts from it when either is trained
-    // whole: the head is written (the trained one, or the embedding it was before) and the
+    let tied = !source.contains_key(HEAD) && source.contains_key(EMBEDDING);
+    // Trained as one (peft's ensure_weight_tying): the pair stays tied, as peft's
+    // merge_and_unload keeps it; the head's copy in the adapter is the embedding's.
+    if tied && config.ensure_weight_tying {
+        if let (Some(head), Some(embedding)) = (adapters.get(HEAD), adapters.get(EMBEDDING)) {
+            let apart = (head - embedding)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            if apart > 0.0 {
+                return Err(Error::config(
+                    adapter_dir.join(peft::ADAPTER_WEIGHTS).display().to_string(),
+                    HEAD,
+                    format!("differs from {EMBEDDING} by up to {apart}, though ensure_weight_tying says they are one tensor: not an adapter peft or this project wrote"),
+                ));
+            }
+        }
+        if let Some(head) = adapters.remove(HEAD) {
+            adapters.entry(EMBEDDING.to_string()).or_insert(head);
+        }
+    }
+    // Trainable tokens on a tied table change the head too (peft ties them): the tie holds.
+    let touches = |weight: &str| adapters.keys().any(|n| target_of(n, &sites) == weight);
+    let tokens_only = adapters
+        .keys()
+        .filter(|n| target_of(n, &sites) == EMBEDDING)
+        .all(|n| n.ends_with(".trainable_tokens_delta"));
+    let keeps_tie = config.ensure_weight_tying || (tokens_only && !touches(HEAD));
+    // Otherwise a head tied to the embedding (no lm_head tensor) parts from it when either
+    // changes: the head is written (its own change, or the base table it was before) and the
     // config unties them.
-    let untie = !source.contains_key(HEAD)
-        && source.contains_key(EMBEDDING)
-        && (adapters.contains_key(HEAD) || adapters.contains_key(EMBEDDING));
+    let untie = tied && !keeps_tie && (touches(HEAD) || touches(EMBEDDING));
     if untie {
         let embedding = specs.iter().find(|s| s.name == EMBEDDING).expect("checked");
         specs.push(TensorSpec {
@@ -185,6 +214,32 @@ pub fn merge_adapter(
             false => name.strip_suffix(".weight").unwrap_or(name),
         };
         let part = |p: &str| adapters.get(&format!("{stem}.{p}"));
+        if let (Some(a), Some(b)) = (part("lora_embedding_A"), part("lora_embedding_B")) {
+            // An embedding's LoRA: W + (B A)^T scale.
+            report.merged += 1;
+            let delta = (b.matmul(a)?.t()? * scale)?;
+            return Ok((w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?);
+        }
+        if let Some(rows) = part("token_adapter.trainable_tokens_delta") {
+            // Trainable tokens: their rows replaced.
+            let ids = config
+                .trainable_token_indices
+                .iter()
+                .find(|(m, _)| stem == m || stem.ends_with(&format!(".{m}")))
+                .map(|(_, ids)| ids.clone())
+                .ok_or_else(|| {
+                    Error::config(
+                        adapter_dir.join(peft::ADAPTER_CONFIG).display().to_string(),
+                        "trainable_token_indices",
+                        format!("names no rows for {stem}, whose trained rows the adapter holds"),
+                    )
+                })?;
+            report.merged += 1;
+            let index = Tensor::new(ids.as_slice(), &Device::Cpu)?;
+            let old = w.index_select(&index, 0)?;
+            let new = rows.to_dtype(w.dtype())?;
+            return Ok(w.index_add(&index, &(new - old)?, 0)?);
+        }
         match (
             part("lora_A.weight"),
             part("lora_B.weight"),

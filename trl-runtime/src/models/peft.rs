@@ -12,18 +12,150 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 /// Trains LoRA adapters on `net` instead of its weights: every weight becomes a constant but
-/// those of `config.modules_to_save` ([`freeze_base`]), and the linear layers `config`
-/// targets get adapters (sliced as their tensor-parallel split requires). The LM head takes
-/// none; a target matching no layer is an error listing the layers there are.
+/// those of `config.modules_to_save` ([`freeze_base`]), the linear layers `config` targets get
+/// adapters (sliced as their tensor-parallel split requires), and so do the embeddings it
+/// names (peft's `lora.Embedding`) and the rows of `trainable_token_indices`. The LM head
+/// takes one only when named (all-linear leaves it out, as peft does). A head tied to an
+/// adapted embedding computes with the adapted table where peft ties it (trainable tokens
+/// always, LoRA with `ensure_weight_tying`, which also moves a head's LoRA onto the
+/// embedding). A target matching no layer is an error listing the layers there are.
 pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<AdapterPlan> {
     freeze_base(net, config)?;
     let (linears, parameters) = lora_sites(net)?;
-    let plan = adapter_plan(config, &linears, &parameters)?;
+    let sites = table_sites(net)?;
+    let err = |key: &str, message: String| Error::config("training arguments", key, message);
+    // The embedding a tied head shares its table with.
+    let tied_to = |head: &TableSite| {
+        sites
+            .iter()
+            .find(|e| e.embedding && e.weight.is_some() && e.weight == head.weight)
+    };
+    let head = sites.iter().find(|h| !h.embedding);
+    let tied_embedding = head.and_then(tied_to).map(|e| e.name.clone());
+    let mut plan = adapter_plan(config, &linears, &parameters)?;
+    // A module trained whole takes no adapter, as peft leaves it (its copy is trained).
+    plan.layers.retain(|p| {
+        let whole = !p.parameter && config.saves(&format!("{}.weight", p.name));
+        if whole {
+            tracing::warn!("{} is in lora_modules_to_save and lora_target_modules: it trains whole, without LoRA (as peft does)", p.name);
+        }
+        !whole
+    });
+    // peft's ensure_weight_tying puts a tied head's LoRA on the embedding.
+    let mut lora_tables: Vec<String> = sites
+        .iter()
+        .filter(|e| e.embedding && matches!(&config.targets, Targets::Names(_)))
+        .filter(|e| config.targets(&e.name, false))
+        .map(|e| e.name.clone())
+        .collect();
+    if let (Some(head), Some(embedding)) = (head, &tied_embedding) {
+        if config.ensure_weight_tying && plan.layers.iter().any(|p| p.name == head.name) {
+            plan.layers.retain(|p| p.name != head.name);
+            if !lora_tables.contains(embedding) {
+                lora_tables.push(embedding.clone());
+            }
+        }
+    }
+    if plan.layers.is_empty() && lora_tables.is_empty() && config.trainable_token_indices.is_empty()
+    {
+        return Err(err(
+            "lora_target_modules",
+            format!(
+                "matches no layer of this model; its embeddings and head are {}",
+                sites
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    }
+    // Trainable tokens by module name (peft's dict keys, or embed_tokens for a list).
+    let mut tokens: Vec<(String, Vec<u32>)> = Vec::new();
+    for (module, ids) in &config.trainable_token_indices {
+        let site = sites
+            .iter()
+            .find(|s| s.name == *module || s.name.ends_with(&format!(".{module}")))
+            .ok_or_else(|| {
+                err(
+                    "trainable_token_indices",
+                    format!(
+                        "'{module}' names no embedding or LM head of this model (it has {})",
+                        sites
+                            .iter()
+                            .map(|s| s.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                )
+            })?;
+        // peft refuses both (trainable tokens cannot wrap its lora.Embedding).
+        if lora_tables.contains(&site.name) {
+            return Err(err(
+                "trainable_token_indices",
+                format!(
+                    "{} also takes LoRA: trainable tokens cannot be applied to an embedding \
+                     with LoRA (peft refuses it too); use one of them",
+                    site.name
+                ),
+            ));
+        }
+        if config.saves(&format!("{}.weight", site.name)) {
+            return Err(err(
+                "trainable_token_indices",
+                format!("{} is also trained whole (lora_modules_to_save), which trains its every row: drop one of them", site.name),
+            ));
+        }
+        tokens.push((site.name.clone(), ids.clone()));
+    }
+    // A head tied to an embedding with trainable tokens shares them when it names the same
+    // rows or none (peft ties them then); other rows train apart, which peft refuses with
+    // ensure_weight_tying.
+    let tied_tokens = head.zip(tied_embedding.as_ref()).and_then(|(head, embedding)| {
+        let of = |n: &str| tokens.iter().find(|(m, _)| m == n).map(|(_, ids)| ids.clone());
+        let rows = of(embedding)?;
+        match of(&head.name) {
+            None => Some(Ok(())),
+            Some(h) if h == rows => Some(Ok(())),
+            Some(h) if config.ensure_weight_tying => Some(Err(err(
+                "trainable_token_indices",
+                format!("cannot ensure weight tying when different token indices are given for tied layers: {embedding}: {rows:?}, {}: {h:?} (peft refuses it too); give both the same rows or set ensure_weight_tying false", head.name),
+            ))),
+            Some(_) => None,
+        }
+    });
+    if let Some(Err(e)) = tied_tokens {
+        return Err(e);
+    }
+    if tied_tokens.is_some() {
+        // The head computes with the embedding's adapter (below), not rows of its own.
+        if let Some(head) = head {
+            tokens.retain(|(m, _)| *m != head.name);
+        }
+    }
+    // A module trained whole takes no adapter, as peft leaves it (its copy is trained).
+    lora_tables.retain(|name| {
+        let whole = config.saves(&format!("{name}.weight"));
+        if whole {
+            tracing::warn!("{name} is in lora_modules_to_save and lora_target_modules: it trains whole, without LoRA (as peft does)");
+        }
+        !whole
+    });
     let planned: HashMap<&str, &PlannedAdapter> =
         plan.layers.iter().map(|p| (p.name.as_str(), p)).collect();
     // An expert's up projection takes its gate's A (one A for the fused gate_up_proj).
     let mut a_of: HashMap<String, Tensor> = HashMap::new();
+    let mut tables: HashMap<String, crate::nn::embedding_adapter::EmbeddingAdapter> =
+        HashMap::new();
     net.visit_linears_mut("", &mut |name, linear| {
+        if let Some((_, ids)) = tokens.iter().find(|(n, _)| n == name) {
+            linear.add_tokens(name, ids)?;
+        } else if lora_tables.iter().any(|n| n == name) {
+            linear.add_lora(name, config)?;
+        }
+        if let Some((adapter, _)) = linear.table_adapter() {
+            tables.insert(name.to_string(), adapter.clone());
+        }
         let Some(p) = planned.get(name) else {
             return Ok(());
         };
@@ -47,30 +179,88 @@ pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<A
         }
         Ok(())
     })?;
+    // A head tied to an adapted embedding: the same trainable tokens always (peft ties
+    // them), the same LoRA with ensure_weight_tying.
+    let (Some(head), Some(embedding)) = (head, tied_embedding) else {
+        return Ok(plan);
+    };
+    let Some(adapter) = tables.get(&embedding).cloned() else {
+        return Ok(plan);
+    };
+    let shared = match &adapter {
+        crate::nn::embedding_adapter::EmbeddingAdapter::Tokens { .. } => tied_tokens.is_some(),
+        crate::nn::embedding_adapter::EmbeddingAdapter::Lora { .. } => config.ensure_weight_tying,
+    };
+    if shared {
+        let head_name = head.name.clone();
+        net.visit_linears_mut("", &mut |name, linear| match name == head_name {
+            true => linear.share_table(name, adapter.clone()),
+            false => Ok(()),
+        })?;
+    }
     Ok(plan)
 }
 
+/// An embedding table or the LM head (what table adapters apply to), with its weight's id.
+struct TableSite {
+    name: String,
+    embedding: bool,
+    weight: Option<TensorId>,
+}
+
+/// The embeddings and the output layer of `net`, in its order.
+fn table_sites(net: &mut impl Parallelize) -> Result<Vec<TableSite>> {
+    let mut sites = Vec::new();
+    net.visit_linears_mut("", &mut |name, target| {
+        let head = name == "lm_head" || name.ends_with(".lm_head");
+        if target.is_embedding() || head {
+            sites.push(TableSite {
+                name: name.to_string(),
+                embedding: target.is_embedding(),
+                weight: target.weight_id(),
+            });
+        }
+        Ok(())
+    })?;
+    Ok(sites)
+}
+
 /// Makes every weight of `net` a constant (a tied weight stays one tensor) but those of
-/// `config.modules_to_save`, which become trainable copies of their own, as peft's
-/// ModulesToSaveWrapper makes: a head tied to the frozen embedding shares its storage,
-/// which its updates would write into.
+/// `config.modules_to_save`, which become trainable copies, as peft's ModulesToSaveWrapper
+/// makes them: each named module its own copy (a head tied to the embedding parts from it:
+/// peft's default), or, with `ensure_weight_tying`, one copy for every name of a tied tensor
+/// when any of them is named (peft ties the wrappers then).
 pub fn freeze_base(net: &mut impl Parallelize, config: &LoraConfig) -> Result<()> {
+    let mut tied_saved: HashSet<TensorId> = HashSet::new();
+    if config.ensure_weight_tying {
+        net.visit_weights_mut("", &mut |name, w| {
+            if let Weight::Local(t) = w {
+                if config.saves(name) {
+                    tied_saved.insert(t.id());
+                }
+            }
+            Ok(())
+        })?;
+    }
     let mut frozen: HashMap<TensorId, Tensor> = HashMap::new();
-    let mut saved: HashMap<TensorId, Tensor> = HashMap::new();
+    let mut shared: HashMap<TensorId, Tensor> = HashMap::new();
     net.visit_weights_mut("", &mut |name, w| {
         let Weight::Local(t) = w else {
             return Ok(());
         };
-        if config.saves(name) {
-            let copy = match saved.get(&t.id()) {
+        let copy = || -> Result<Tensor> { Ok(Var::from_tensor(&t.copy()?)?.as_tensor().clone()) };
+        if tied_saved.contains(&t.id()) {
+            let c = match shared.get(&t.id()) {
                 Some(c) => c.clone(),
                 None => {
-                    let c = Var::from_tensor(&t.copy()?)?.as_tensor().clone();
-                    saved.insert(t.id(), c.clone());
+                    let c = copy()?;
+                    shared.insert(t.id(), c.clone());
                     c
                 }
             };
-            *w = Weight::Local(copy);
+            *w = Weight::Local(c);
+        } else if config.saves(name) {
+            *w = Weight::Local(copy()?);
         } else if t.is_variable() {
             let constant = frozen.entry(t.id()).or_insert_with(|| t.detach()).clone();
             *w = Weight::Local(constant);
@@ -79,37 +269,84 @@ pub fn freeze_base(net: &mut impl Parallelize, config: &LoraConfig) -> Result<()
     })
 }
 
+/// The other names of `net`'s trainable tensors that are held under more than one name (a
+/// head tied to its embedding, trained as one with `ensure_weight_tying`): (alias, the name
+/// the parameters go by, the first visited).
+pub fn trainable_aliases(net: &impl Parallelize) -> Vec<(String, String)> {
+    let mut first: HashMap<TensorId, String> = HashMap::new();
+    let mut aliases = Vec::new();
+    net.visit_params("", &mut |name, t, _| {
+        if !t.is_variable() {
+            return;
+        }
+        match first.get(&t.id()) {
+            Some(canonical) => aliases.push((name.to_string(), canonical.clone())),
+            None => {
+                first.insert(t.id(), name.to_string());
+            }
+        }
+    });
+    aliases
+}
+
+/// `tensors` (trainable, by the names `net`'s parameters go by) with each tensor held under
+/// a second name added under it too: a tied pair trained as one is saved under both names,
+/// as peft saves it.
+pub fn add_aliases(net: &impl Parallelize, tensors: &mut BTreeMap<String, Tensor>) {
+    for (alias, name) in trainable_aliases(net) {
+        if let Some(t) = tensors.get(&name).cloned() {
+            tensors.insert(alias, t);
+        }
+    }
+}
+
 /// Sets the trainable tensors of `net` (adapters, modules trained whole) from `values`,
 /// full-size by our names, each cut to what this rank holds by `part` (name, value). Every
-/// trainable tensor must be given and every value must name one; errors name `source`.
+/// trainable tensor must be given (a tensor held under two names, a tied pair trained as
+/// one, by either) and every value must name one; errors name `source`.
 pub fn set_trainable(
     net: &impl Parallelize,
     values: &BTreeMap<String, Tensor>,
     part: &dyn Fn(&str, &Tensor) -> Result<Tensor>,
     source: &str,
 ) -> Result<()> {
-    let mut seen = HashSet::new();
-    let mut trainable = Vec::new();
+    // Each trainable tensor once, with every name it goes by (the first is its own).
+    let mut index: HashMap<TensorId, usize> = HashMap::new();
+    let mut trainable: Vec<(Vec<String>, Tensor)> = Vec::new();
     net.visit_params("", &mut |name, t, _| {
-        if t.is_variable() && seen.insert(t.id()) {
-            trainable.push((name.to_string(), t.clone()));
+        if !t.is_variable() {
+            return;
+        }
+        match index.get(&t.id()) {
+            Some(&i) => trainable[i].0.push(name.to_string()),
+            None => {
+                index.insert(t.id(), trainable.len());
+                trainable.push((vec![name.to_string()], t.clone()));
+            }
         }
     });
     // Expert adapters read from peft's fused layout carry Qwen3-MoE's names.
-    let ours: HashSet<&str> = trainable.iter().map(|(n, _)| n.as_str()).collect();
+    let ours: HashSet<&str> = trainable
+        .iter()
+        .flat_map(|(n, _)| n.iter().map(|s| s.as_str()))
+        .collect();
     let values: BTreeMap<String, &Tensor> = values
         .iter()
         .map(|(n, t)| (super::peft_experts::align(n, &ours), t))
         .collect();
-    for (name, t) in &trainable {
-        let value = values.get(name).copied().ok_or_else(|| {
-            Error::config(
-                source,
-                name,
-                "missing: the adapter does not match this model's LoRA setup \
-                 (lora_target_modules, lora_modules_to_save)",
-            )
-        })?;
+    for (names, t) in &trainable {
+        let name = &names[0];
+        let value = names
+            .iter()
+            .find_map(|n| values.get(n).copied())
+            .ok_or_else(|| {
+                Error::config(
+                    source,
+                    name,
+                    "missing: the adapter does not match this model's LoRA setup \
+                     (lora_target_modules, lora_modules_to_save)",
+                )
+            })?;
         let value = part(name, value)?;
         if value.dims() != t.dims() {
             return Err(Error::config(
@@ -124,14 +361,22 @@ pub fn set_trainable(
         }
         Var::from_tensor(t)?.set(&value.to_dtype(t.dtype())?.to_device(t.device())?)?;
     }
-    if let Some(extra) = values
-        .keys()
-        .find(|k| !trainable.iter().any(|(n, _)| n == *k))
-    {
+    if let Some(extra) = values.keys().find(|k| !ours.contains(k.as_str())) {
+        let tied = matches!(
+            extra.as_str(),
+            "lm_head.weight" | "model.embed_tokens.weight"
+        );
+        let hint = match tied {
+            true => {
+                " (a head tied to its embedding, trained apart: this run keeps them one, \
+                     lora_ensure_weight_tying; or the other way round)"
+            }
+            false => "",
+        };
         return Err(Error::config(
             source,
             extra,
-            "names no trainable tensor of this model: an adapter for another model or setup?",
+            format!("names no trainable tensor of this model: an adapter for another model or setup?{hint}"),
         ));
     }
     Ok(())
@@ -150,9 +395,11 @@ const PREFIX: &str = "base_model.model.";
 pub fn lora_sites(net: &mut impl Parallelize) -> Result<(Vec<String>, Vec<String>)> {
     let (mut linears, mut parameters) = (Vec::new(), Vec::new());
     net.visit_linears_mut("", &mut |name, target| {
-        match target.is_parameter() {
-            true => parameters.push(name.to_string()),
-            false => linears.push(name.to_string()),
+        match (target.is_parameter(), target.is_embedding()) {
+            (true, _) => parameters.push(name.to_string()),
+            (false, false) => linears.push(name.to_string()),
+            // Embeddings take table adapters (add_adapters), not a linear layer's.
+            (false, true) => {}
         }
         Ok(())
     })?;
@@ -193,6 +440,7 @@ pub fn save(
     };
     let (params, rest): (BTreeMap<String, Tensor>, BTreeMap<String, Tensor>) = tensors
         .iter()
+        .filter(|(n, _)| !head_view_of_embedding(n, tensors))
         .map(|(n, t)| (n.clone(), t.clone()))
         .partition(|(n, _)| on_parameter(n));
     // Experts and router as peft holds them on transformers 5 (fused parameters).
@@ -200,13 +448,39 @@ pub fn save(
     fused
         .tensors
         .extend(super::peft_experts::nest(params, &adapted));
-    // The linear layers adapted (parameters are listed in target_parameters).
+    // The linear layers and embeddings adapted (parameters are listed in target_parameters).
+    let embedding_a = format!(".{}", crate::nn::embedding_adapter::LORA_A);
     let targets: Vec<String> = rest
         .keys()
-        .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+        .filter_map(|n| {
+            n.strip_suffix(".lora_A.weight")
+                .or_else(|| n.strip_suffix(embedding_a.as_str()))
+        })
         .filter(|m| !fused.parameter_layers.contains(*m))
         .map(String::from)
         .collect();
+    // A head tied to the embedding's LoRA (ensure_weight_tying) is saved with it transposed
+    // under its own names, as peft saves its tied lm_head adapter.
+    let embedding = TIED_EMBEDDING.trim_end_matches(".weight");
+    let head = TIED_HEAD.trim_end_matches(".weight");
+    if let (true, Some(a), Some(b)) = (
+        config.ensure_weight_tying && tied_pair(tensors),
+        tensors.get(&format!(
+            "{embedding}.{}",
+            crate::nn::embedding_adapter::LORA_A
+        )),
+        tensors.get(&format!(
+            "{embedding}.{}",
+            crate::nn::embedding_adapter::LORA_B
+        )),
+    ) {
+        fused
+            .tensors
+            .insert(format!("{head}.lora_A.weight"), b.t()?.contiguous()?);
+        fused
+            .tensors
+            .insert(format!("{head}.lora_B.weight"), a.t()?.contiguous()?);
+    }
     // A vision-language model's language model: peft names its modules by the PyTorch tree.
     let composite = super::composite::is_composite_dir(base);
     let peft_name = |n: &str| match composite {
@@ -232,6 +506,7 @@ pub fn save(
     if !adapted.is_empty() {
         parameters.extend(config.target_parameters.iter().cloned());
     }
+    let modules_to_save = saved_modules(tensors, config, &peft_name);
     let json = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -241,7 +516,7 @@ pub fn save(
         "lora_dropout": config.dropout,
         "target_modules": targets,
         "target_parameters": (!parameters.is_empty()).then_some(&parameters),
-        "modules_to_save": (!config.modules_to_save.is_empty()).then_some(&config.modules_to_save),
+        "modules_to_save": (!modules_to_save.is_empty()).then_some(&modules_to_save),
         "use_rslora": config.rslora,
         "use_dora": config.dora,
         "bias": "none",
@@ -250,6 +525,8 @@ pub fn save(
         "init_lora_weights": true,
         "rank_pattern": pattern((2 * config.r).into()),
         "alpha_pattern": pattern((2.0 * config.alpha).into()),
+        "ensure_weight_tying": config.ensure_weight_tying,
+        "trainable_token_indices": token_indices_json(&config.trainable_token_indices),
     });
     let text = serde_json::to_string_pretty(&json).expect("json");
     std::fs::write(dir.join(ADAPTER_CONFIG), text).map_err(|e| {
@@ -270,6 +547,122 @@ pub fn save(
         .collect::<Result<_>>()?;
     candle_core::safetensors::save(&named, dir.join(ADAPTER_WEIGHTS))?;
     Ok(())
+}
+
+/// `modules_to_save` as peft writes it: with `ensure_weight_tying` and the head trained as one
+/// tensor with its embedding (`tensors` holds the same tensor under both names), peft's
+/// `_add_modules_to_save_to_tie` names the embedding's module and drops the head's.
+fn saved_modules(
+    tensors: &BTreeMap<String, Tensor>,
+    config: &LoraConfig,
+    peft_name: &dyn Fn(&str) -> String,
+) -> Vec<String> {
+    let mut modules = config.modules_to_save.clone();
+    let tied = match (tensors.get(TIED_HEAD), tensors.get(TIED_EMBEDDING)) {
+        (Some(h), Some(e)) => h.id() == e.id(),
+        _ => false,
+    };
+    if modules.is_empty() || !(config.ensure_weight_tying && tied) {
+        return modules;
+    }
+    let embedding = peft_name(TIED_EMBEDDING.trim_end_matches(".weight"));
+    if !modules.contains(&embedding) {
+        modules.push(embedding);
+    }
+    let head = peft_name(TIED_HEAD.trim_end_matches(".weight"));
+    if let Some(i) = modules
+        .iter()
+        .position(|m| head == *m || head.ends_with(&format!(".{m}")))
+    {
+        modules.remove(i);
+    }
+    modules
+}
+
+/// The weights a tied head shares (transformers' names for every built-in model).
+pub const TIED_HEAD: &str = "lm_head.weight";
+pub const TIED_EMBEDDING: &str = "model.embed_tokens.weight";
+
+/// `trainable_token_indices` as peft writes it: null, the embedding's list, or {module: list}.
+fn token_indices_json(tokens: &[(String, Vec<u32>)]) -> serde_json::Value {
+    match tokens {
+        [] => serde_json::Value::Null,
+        [(module, ids)] if module == "embed_tokens" => serde_json::json!(ids),
+        _ => tokens
+            .iter()
+            .map(|(m, ids)| (m.clone(), serde_json::json!(ids)))
+            .collect::<serde_json::Map<_, _>>()
+            .into(),
+    }
+}
+
+/// Whether `tensors` (with [`add_aliases`]' names) hold a trained tied pair: the same tensor
+/// under the head's and the embedding's names, or the embedding's table adapter seen from
+/// the head too.
+fn tied_pair(tensors: &BTreeMap<String, Tensor>) -> bool {
+    let head = TIED_HEAD.trim_end_matches(".weight");
+    let embedding = TIED_EMBEDDING.trim_end_matches(".weight");
+    [
+        ".weight".to_string(),
+        format!(".{}", crate::nn::embedding_adapter::LORA_A),
+        format!(".{}", crate::nn::embedding_adapter::TOKENS),
+    ]
+    .iter()
+    .any(|suffix| {
+        match (
+            tensors.get(&format!("{head}{suffix}")),
+            tensors.get(&format!("{embedding}{suffix}")),
+        ) {
+            (Some(h), Some(e)) => h.id() == e.id(),
+            _ => false,
+        }
+    })
+}
+
+/// The names [`add_aliases`] gives a head's view of its embedding's table adapter, which
+/// peft does not save (it re-ties them on load).
+fn head_view_of_embedding(name: &str, tensors: &BTreeMap<String, Tensor>) -> bool {
+    let head = TIED_HEAD.trim_end_matches(".weight");
+    let embedding = TIED_EMBEDDING.trim_end_matches(".weight");
+    let Some(rest) = name.strip_prefix(head) else {
+        return false;
+    };
+    let table = [
+        crate::nn::embedding_adapter::LORA_A,
+        crate::nn::embedding_adapter::LORA_B,
+        crate::nn::embedding_adapter::TOKENS,
+    ];
+    table.iter().any(|t| rest == format!(".{t}"))
+        && tensors
+            .get(&format!("{embedding}{rest}"))
+            .zip(tensors.get(name))
+            .is_some_and(|(e, h)| e.id() == h.id())
+}
+
+/// peft's `trainable_token_indices`: a list (the embedding's rows) or {module: list}.
+fn token_indices(v: &serde_json::Value) -> std::result::Result<Vec<(String, Vec<u32>)>, String> {
+    let ids = |v: &serde_json::Value| -> std::result::Result<Vec<u32>, String> {
+        v.as_array()
+            .ok_or_else(|| format!("{v}: expected a list of token ids"))?
+            .iter()
+            .map(|i| {
+                i.as_u64()
+                    .and_then(|i| u32::try_from(i).ok())
+                    .ok_or_else(|| format!("{i}: not a token id"))
+            })
+            .collect()
+    };
+    match v {
+        serde_json::Value::Null => Ok(Vec::new()),
+        serde_json::Value::Array(_) => Ok(vec![("embed_tokens".into(), ids(v)?)]),
+        serde_json::Value::Object(map) => map
+            .iter()
+            .map(|(module, list)| Ok((module.clone(), ids(list)?)))
+            .collect(),
+        other => Err(format!(
+            "{other}: expected a list of token ids or {{module: ids}}"
+        )),
+    }
 }
 
 /// A peft adapter directory's adapter_config.json, and its path for errors.
@@ -425,6 +818,9 @@ pub fn read(
             true => parameters.clone(),
             false => Vec::new(),
         },
+        ensure_weight_tying: json["ensure_weight_tying"].as_bool().unwrap_or(false),
+        trainable_token_indices: token_indices(&json["trainable_token_indices"])
+            .map_err(|m| err("trainable_token_indices", m))?,
     };
     let mut tensors = BTreeMap::new();
     let mut left_out = 0;
@@ -455,7 +851,15 @@ pub fn read(
                 ".lora_magnitude_vector.default.weight",
                 ".lora_magnitude_vector",
             )
-            .replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector");
+            .replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector")
+            .replace(".lora_embedding_A.default", ".lora_embedding_A")
+            .replace(".lora_embedding_B.default", ".lora_embedding_B")
+            .replace(".trainable_tokens_delta.default", ".trainable_tokens_delta");
+        // peft saves an adapted embedding's (and head's) base table beside its adapter
+        // (save_embedding_layers "auto"): the base's own, read from the base here.
+        if ours.ends_with(".base_layer.weight") {
+            continue;
+        }
         tensors.insert(ours, t.to_dtype(dtype)?);
     }
     if left_out > 0 {
@@ -464,6 +868,15 @@ pub fn read(
              rows do not reach them)",
             file.display()
         );
+    }
+    // A head tied to an adapted embedding (ensure_weight_tying) is saved with the embedding's
+    // LoRA transposed under its own names: the embedding's is the one read.
+    let embedding_lora =
+        |m: &str| tensors.contains_key(&format!("{m}.{}", crate::nn::embedding_adapter::LORA_A));
+    if config.ensure_weight_tying && embedding_lora(TIED_EMBEDDING.trim_end_matches(".weight")) {
+        let head = TIED_HEAD.trim_end_matches(".weight");
+        tensors.remove(&format!("{head}.lora_A.weight"));
+        tensors.remove(&format!("{head}.lora_B.weight"));
     }
     let adapted: Vec<String> = sites
         .iter()

@@ -1,10 +1,12 @@
 //! Token embedding: rows of a [vocab, hidden] table. A drop-in for `candle_nn::Embedding` that
 //! can also be vocab-parallel (each rank holds a slice of the rows; see [`crate::tp`]).
 
+use super::embedding_adapter::EmbeddingAdapter;
+use super::lora::{Lora, LoraConfig};
 use super::module::{
     child_name, Parallelize, Sections, Split, TpContext, TpLayer, TpStyle, VocabParallel,
 };
-use super::module::{ParamFn, WeightFn};
+use super::module::{LinearFn, LoraTarget, ParamFn, WeightFn};
 use super::sharded;
 use super::Weight;
 use crate::comm::autograd::reduce_from_group;
@@ -39,6 +41,9 @@ pub fn with_neftune<T>(noise: Option<(f64, u64)>, f: impl FnOnce() -> T) -> T {
 #[derive(Clone)]
 pub struct Embedding {
     pub weight: Weight,
+    /// A LoRA or trainable-tokens adapter on the (then frozen) table
+    /// ([`super::embedding_adapter`]).
+    pub adapter: Option<EmbeddingAdapter>,
     /// The group the rows are split over (vocab-parallel), once split.
     tp: Option<Arc<dyn Communicator>>,
 }
@@ -47,6 +52,7 @@ impl std::fmt::Debug for Embedding {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Embedding")
             .field("weight", &self.weight)
+            .field("adapter", &self.adapter)
             .field("vocab_parallel", &self.tp.as_ref().map(|c| c.size()))
             .finish()
     }
@@ -60,7 +66,11 @@ impl Embedding {
     }
 
     pub fn from_weight(weight: Weight) -> Self {
-        Embedding { weight, tp: None }
+        Embedding {
+            weight,
+            adapter: None,
+            tp: None,
+        }
     }
 
     /// The table, as `candle_nn::Embedding::embeddings` (to tie an LM head to it:
@@ -91,6 +101,10 @@ impl Embedding {
                 let here = here.to_dtype(rows.dtype())?.unsqueeze(1)?;
                 reduce_from_group(&rows.broadcast_mul(&here)?, comm).map_err(|e| e.into_candle())?
             }
+        };
+        let rows = match &self.adapter {
+            Some(adapter) => adapter.rows(&flat, &rows)?,
+            None => rows,
         };
         let mut dims = ids.dims().to_vec();
         dims.push(hidden);
@@ -364,6 +378,12 @@ impl TpLayer for Embedding {
             let dim = (style == TpStyle::Vocab).then_some(0);
             f(&child_name(name, "weight"), w, Split::on(style, dim));
         }
+        // Adapters are refused on a vocab-parallel table: whole on every rank.
+        if let Some(adapter) = &self.adapter {
+            for (part, t) in adapter.tensors() {
+                f(&child_name(name, part), t, Split::REPLICATED);
+            }
+        }
     }
 }
 
@@ -375,6 +395,73 @@ impl Parallelize for Embedding {
     }
     fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> TrlResult<()> {
         f(&child_name(name, "weight"), &mut self.weight)
+    }
+    fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> TrlResult<()> {
+        f(name, self)
+    }
+}
+
+/// An embedding takes LoRA as peft's `lora.Embedding` and trainable tokens; its table is
+/// frozen then.
+impl LoraTarget for Embedding {
+    fn add_lora(&mut self, name: &str, config: &LoraConfig) -> TrlResult<()> {
+        let table = self.whole_table(name)?;
+        if config.dora {
+            return Err(crate::Error::config(
+                "training arguments",
+                "use_dora",
+                format!("{name} is an embedding: DoRA on embeddings is not implemented here (adapt it without use_dora, or leave it out of lora_target_modules)"),
+            ));
+        }
+        let dims = table.dims2()?;
+        self.adapter = Some(EmbeddingAdapter::lora(
+            name,
+            dims,
+            config,
+            (table.dtype(), table.device()),
+        )?);
+        self.weight = Weight::Local(table.detach());
+        Ok(())
+    }
+    fn lora_mut(&mut self) -> Option<&mut Lora> {
+        None
+    }
+    fn is_embedding(&self) -> bool {
+        true
+    }
+    fn weight_id(&self) -> Option<TensorId> {
+        match &self.weight {
+            Weight::Local(w) => Some(w.id()),
+            Weight::Sharded(_) => None,
+        }
+    }
+    fn add_tokens(&mut self, name: &str, indices: &[u32]) -> TrlResult<()> {
+        let table = self.whole_table(name)?;
+        self.adapter = Some(EmbeddingAdapter::tokens(&table, indices)?);
+        self.weight = Weight::Local(table.detach());
+        Ok(())
+    }
+    fn table_adapter(&self) -> Option<(&EmbeddingAdapter, TensorId)> {
+        match (&self.adapter, &self.weight) {
+            (Some(a), Weight::Local(w)) => Some((a, w.id())),
+            _ => None,
+        }
+    }
+}
+
+impl Embedding {
+    /// The whole table, for an adapter: refused once vocab-parallel or sharded.
+    fn whole_table(&self, name: &str) -> TrlResult<Tensor> {
+        match (&self.weight, &self.tp) {
+            (Weight::Local(w), None) => Ok(w.clone()),
+            (_, Some(_)) => Err(crate::Error::TensorParallel {
+                name: name.into(),
+                message: "adapters on a vocab-parallel embedding (LoRA, trainable tokens) are not implemented: train it without tensor parallelism, or leave the embedding out of lora_target_modules / trainable_token_indices".into(),
+            }),
+            _ => Err(crate::Error::Parallelism(format!(
+                "{name}: add adapters before sharding the model for ZeRO-3 / FSDP"
+            ))),
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! sharded weights.
 
 use super::chain::Chain;
+use super::embedding_adapter::EmbeddingAdapter;
 use super::lora::{Lora, LoraConfig};
 use super::module::{
     child_name, split_lora, ColumnParallel, LoraTarget, Parallelize, RowParallel, Sections, Split,
@@ -24,6 +25,9 @@ pub struct Linear {
     pub bias: Option<Weight>,
     /// A LoRA adapter beside the (then frozen) weight: see [`crate::nn::lora`].
     pub lora: Option<Lora>,
+    /// An LM head's adapted table (trainable tokens, or an embedding's LoRA it is tied to):
+    /// the layer computes with `table.table(weight)` (see [`crate::nn::embedding_adapter`]).
+    pub table: Option<EmbeddingAdapter>,
     /// How this layer is split over the tensor-parallel group, and the group (once split).
     tp: Option<(TpStyle, Arc<dyn Communicator>)>,
     /// A fused projection's output sections (see [`Linear::with_sections`]).
@@ -43,6 +47,7 @@ impl Linear {
             weight: weight.into(),
             bias,
             lora: None,
+            table: None,
             tp: None,
             sections: Sections::WHOLE,
         }
@@ -105,6 +110,15 @@ impl Linear {
         sq.sqrt()
     }
 
+    /// The whole weight as a constant (a sharded one gathered): the frozen base of an
+    /// adapted table.
+    pub fn whole_weight(&self) -> Result<Tensor> {
+        match &self.weight {
+            Weight::Local(w) => Ok(w.detach()),
+            Weight::Sharded(w) => sharded::gathered(w),
+        }
+    }
+
     /// Holds the weight and bias as constants (no gradient): a LoRA base.
     pub fn freeze(&mut self) {
         for w in std::iter::once(&mut self.weight).chain(self.bias.as_mut()) {
@@ -127,6 +141,16 @@ impl Linear {
 
     /// `x`: [..., in] -> [..., out]. Leading dims are flattened into one matmul.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(table) = &self.table {
+            // A head on an adapted table: the table rebuilt from the frozen weight each call
+            // (the adapter's variables move at every step).
+            let w = table.table(&self.whole_weight()?)?;
+            let mut dims = x.dims().to_vec();
+            let rows = x.flatten_to(x.rank() - 2)?;
+            let y = rows.matmul(&w.to_dtype(x.dtype())?.t()?)?;
+            *dims.last_mut().expect("rank >= 1") = w.dim(0)?;
+            return self.add_bias(y.reshape(dims)?);
+        }
         // A LoRA layer whose matmul is this rank's alone runs as one op with its adapter
         // (`nn::chain`): the graph keeps the adapter's rank-r hidden rather than the base's
         // output and the adapter's [rows, out] product beside their sum.
@@ -425,6 +449,11 @@ impl TpLayer for Linear {
         if let Some(Weight::Local(b)) = &self.bias {
             f(&child_name(name, "bias"), b, sectioned(bd));
         }
+        if let Some(table) = &self.table {
+            for (part, t) in table.tensors() {
+                f(&child_name(name, part), t, Split::REPLICATED);
+            }
+        }
         if let Some(lora) = &self.lora {
             // Column: A sees the whole input, and each rank's share of the output sends it a
             // partial gradient. Row: B sees this rank's share of x A^T, so its gradient is
@@ -472,6 +501,54 @@ impl LoraTarget for Linear {
     }
     fn lora_mut(&mut self) -> Option<&mut Lora> {
         self.lora.as_mut()
+    }
+    fn add_tokens(&mut self, name: &str, indices: &[u32]) -> TrlResult<()> {
+        let w = self.untied_table(name)?;
+        let adapter = EmbeddingAdapter::tokens(&w, indices)?;
+        self.share_table(name, adapter)
+    }
+    fn share_table(&mut self, name: &str, adapter: EmbeddingAdapter) -> TrlResult<()> {
+        self.untied_table(name)?;
+        self.freeze();
+        self.table = Some(adapter);
+        Ok(())
+    }
+    fn table_adapter(&self) -> Option<(&EmbeddingAdapter, candle_core::TensorId)> {
+        match (&self.table, &self.weight) {
+            (Some(a), Weight::Local(w)) => Some((a, w.id())),
+            _ => None,
+        }
+    }
+    fn weight_id(&self) -> Option<candle_core::TensorId> {
+        match &self.weight {
+            Weight::Local(w) => Some(w.id()),
+            Weight::Sharded(_) => None,
+        }
+    }
+}
+
+impl Linear {
+    /// The whole weight for a table adapter: refused once split or sharded, or beside LoRA.
+    fn untied_table(&self, name: &str) -> TrlResult<Tensor> {
+        if self.tp.is_some() {
+            return Err(crate::Error::TensorParallel {
+                name: name.into(),
+                message: "adapters on a vocab-parallel LM head's table (trainable tokens, a tied embedding's LoRA) are not implemented: train it without tensor parallelism".into(),
+            });
+        }
+        if self.lora.is_some() || self.table.is_some() {
+            return Err(crate::Error::config(
+                "training arguments",
+                "trainable_token_indices",
+                format!("{name} already has an adapter: one adapter per layer"),
+            ));
+        }
+        match &self.weight {
+            Weight::Local(w) => Ok(w.clone()),
+            Weight::Sharded(_) => Err(crate::Error::Parallelism(format!(
+                "{name}: add adapters before sharding the model for ZeRO-3 / FSDP"
+            ))),
+        }
     }
 }
 

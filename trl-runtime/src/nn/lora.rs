@@ -45,6 +45,15 @@ pub struct LoraConfig {
     /// and 3-D parameters that are not linear layers (gpt-oss's fused experts,
     /// `mlp.experts.gate_up_proj`; its router, `mlp.router.weight`).
     pub target_parameters: Vec<String>,
+    /// peft's `ensure_weight_tying`: on a model whose LM head is tied to its embedding, the
+    /// tied pair trains as one tensor (a module trained whole is one copy for both). Off, as
+    /// peft's default: each module named in `modules_to_save` gets its own copy, the pair
+    /// parts.
+    pub ensure_weight_tying: bool,
+    /// peft's `trainable_token_indices`: rows of an embedding table (by module name suffix,
+    /// `embed_tokens` for a plain list) trained whole, the rest frozen; a head tied to that
+    /// table trains the same rows (peft ties them).
+    pub trainable_token_indices: Vec<(String, Vec<u32>)>,
 }
 
 impl LoraConfig {
@@ -61,6 +70,8 @@ impl LoraConfig {
             seed: 0,
             dora: false,
             target_parameters: Vec::new(),
+            ensure_weight_tying: false,
+            trainable_token_indices: Vec::new(),
         }
     }
 
@@ -175,15 +186,6 @@ pub fn adapter_plan(
         if !config.targets(name, output) {
             continue;
         }
-        if output {
-            return fail(
-                "lora_target_modules",
-                format!(
-                    "{name} is the LM head, which takes no adapter here (its loss is fused): \
-                     list it in lora_modules_to_save to train it whole"
-                ),
-            );
-        }
         let l = leaf(name);
         let projection = [EXPERT_GATE, EXPERT_UP, EXPERT_DOWN]
             .iter()
@@ -272,7 +274,12 @@ pub fn adapter_plan(
             parameter: true,
         });
     }
-    if layers.is_empty() {
+    // An embedding named as a target (or trained tokens) is adapted beside the linear layers
+    // (models::peft::add_adapters).
+    let tables = !config.trainable_token_indices.is_empty()
+        || matches!(&config.targets, Targets::Names(names)
+            if names.iter().any(|n| n.rsplit('.').next() == Some("embed_tokens")));
+    if layers.is_empty() && !tables {
         let mut leaves: Vec<String> = linears.iter().map(|n| leaf(n)).collect();
         leaves.sort();
         leaves.dedup();
@@ -485,13 +492,13 @@ fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
 }
 
 /// splitmix64's next value as a uniform in [0, 1).
-fn uniform(state: &mut u64) -> f64 {
+pub(crate) fn uniform(state: &mut u64) -> f64 {
     *state = state.wrapping_add(GOLDEN);
     (splitmix(*state) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// FNV-1a of a name: a stable per-layer seed.
-fn fnv(s: &str) -> u64 {
+pub(crate) fn fnv(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     })
@@ -512,6 +519,8 @@ mod tests {
             seed: 1,
             dora: false,
             target_parameters: Vec::new(),
+            ensure_weight_tying: false,
+            trainable_token_indices: Vec::new(),
         }
     }
 

@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod chain;
 pub mod embedding;
+pub mod embedding_adapter;
 pub mod flash;
 pub mod flash_attn;
 pub mod gated;

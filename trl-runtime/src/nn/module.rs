@@ -461,6 +461,47 @@ pub trait LoraTarget {
     fn is_parameter(&self) -> bool {
         false
     }
+    /// Whether this is an embedding table (LoRA as peft's `lora.Embedding`; trainable tokens).
+    fn is_embedding(&self) -> bool {
+        false
+    }
+    /// Trains the rows `indices` of this table whole (peft's `trainable_token_indices`).
+    fn add_tokens(&mut self, name: &str, indices: &[u32]) -> Result<()> {
+        let _ = indices;
+        Err(crate::Error::config(
+            "training arguments",
+            "trainable_token_indices",
+            format!("{name} is not an embedding table or an LM head"),
+        ))
+    }
+    /// The adapter on this table (an embedding's, or the one a head computes with) and the
+    /// id of the frozen table it adapts.
+    fn table_adapter(
+        &self,
+    ) -> Option<(
+        &super::embedding_adapter::EmbeddingAdapter,
+        candle_core::TensorId,
+    )> {
+        None
+    }
+    /// Makes this layer compute with `adapter`'s table of its frozen weight (a head tied to an
+    /// adapted embedding).
+    fn share_table(
+        &mut self,
+        name: &str,
+        adapter: super::embedding_adapter::EmbeddingAdapter,
+    ) -> Result<()> {
+        let _ = adapter;
+        Err(crate::Error::config(
+            "training arguments",
+            "lora_target_modules",
+            format!("{name} cannot compute with an adapted table"),
+        ))
+    }
+    /// The frozen weight's id (a head tied to an embedding shares it).
+    fn weight_id(&self) -> Option<candle_core::TensorId> {
+        None
+    }
 }
 
 /// A layer whose parameters can be split as `style` (implemented by [`crate::nn::Linear`]

@@ -458,6 +458,31 @@ impl ModelShapes {
                 }
                 Some((weight, n))
             })
+            .chain(self.table_adapters(lora))
+            .collect()
+    }
+
+    /// The embeddings' adapters (`models::peft::add_adapters`): LoRA on a named embedding
+    /// (A [r, vocab] + B [hidden, r]) and trainable tokens ([n, hidden]), kept whole.
+    fn table_adapters(&self, lora: &LoraConfig) -> Vec<(String, usize)> {
+        self.params
+            .iter()
+            .filter(|e| e.name.ends_with("embed_tokens.weight") && e.full_shape.len() == 2)
+            .filter_map(|e| {
+                let module = e.name.trim_end_matches(".weight");
+                let (vocab, hidden) = (e.full_shape[0], e.full_shape[1]);
+                let named = matches!(&lora.targets, crate::nn::lora::Targets::Names(_))
+                    && lora.targets(module, false);
+                let tokens = lora
+                    .trainable_token_indices
+                    .iter()
+                    .find(|(m, _)| module == m || module.ends_with(&format!(".{m}")));
+                match (named, tokens) {
+                    (true, _) => Some((e.name.clone(), lora.r * (vocab + hidden))),
+                    (false, Some((_, ids))) => Some((e.name.clone(), ids.len() * hidden)),
+                    _ => None,
+                }
+            })
             .collect()
     }
 
@@ -509,15 +534,22 @@ impl ModelShapes {
 
     /// The trainable copies of the modules a LoRA run trains whole (`modules_to_save`), on a
     /// rank of `tp`: each of their weights (a tied head's copy is the size of the embedding
-    /// it was tied to, which stays in the frozen base).
+    /// it was tied to, which stays in the frozen base; with ensure_weight_tying the pair is
+    /// one copy, the embedding's).
     fn saved(&self, lora: &LoraConfig, tp: usize) -> Vec<(String, usize)> {
+        let tied_as_one = self.tied && lora.ensure_weight_tying;
         let mut out: Vec<(String, usize)> = self
             .local(tp)
             .into_iter()
-            .filter(|(name, _)| lora.saves(name))
+            .filter(|(name, _)| {
+                lora.saves(name)
+                    || (tied_as_one
+                        && name.ends_with("embed_tokens.weight")
+                        && lora.saves("lm_head.weight"))
+            })
             .map(|(name, n)| (name.to_string(), n))
             .collect();
-        if self.tied && lora.saves("lm_head.weight") {
+        if self.tied && !tied_as_one && lora.saves("lm_head.weight") {
             let table = self
                 .local(tp)
                 .into_iter()
@@ -587,9 +619,19 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         .lora
         .as_ref()
         .map_or(Vec::new(), |l| model.saved(l, tp));
+    // A tied head trained apart from its embedding's copy (peft's default) still reads the
+    // base table, which then stays.
+    let tied_as_one = setup.lora.as_ref().is_some_and(|l| l.ensure_weight_tying);
+    let head_reads_base = model.tied
+        && !tied_as_one
+        && !setup
+            .lora
+            .as_ref()
+            .is_some_and(|l| l.saves("lm_head.weight"));
     let kept: usize = shapes
         .iter()
         .filter(|(n, _)| trained.iter().any(|(t, _)| t == n))
+        .filter(|(n, _)| !(head_reads_base && n.ends_with("embed_tokens.weight")))
         .map(|(_, n)| n)
         .sum();
     let whole: usize = trained.iter().map(|(_, n)| n).sum();
@@ -812,7 +854,8 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // the head frozen (the loss skips it then).
     let head_trained = !lora
         || trained.iter().any(|(n, _)| {
-            n.ends_with("lm_head.weight") || (model.tied && n.ends_with("embed_tokens.weight"))
+            n.ends_with("lm_head.weight")
+                || (model.tied && tied_as_one && n.ends_with("embed_tokens.weight"))
         });
     let head_grad = match head_trained {
         true => 4 * cfg.vocab_size * cfg.hidden_size / tp,

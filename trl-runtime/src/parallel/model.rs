@@ -714,6 +714,20 @@ impl<N: CausalModel> Model<N> {
         if head.bias.is_some() || self.tp.is_some() {
             return Ok(None);
         }
+        // An adapted head (trainable tokens, a tied embedding's LoRA, its own LoRA) is whole
+        // as the table it computes with; a LoRA with dropout runs through its layer.
+        if let Some(table) = &head.table {
+            let w = table.table(&head.whole_weight()?)?;
+            return Ok(usable(&w).then_some(w));
+        }
+        if let Some(lora) = &head.lora {
+            if lora.magnitude.is_some() || (train && lora.dropout > 0.0) {
+                return Ok(None);
+            }
+            let w = head.whole_weight()?;
+            let w = (&w + lora.weight_delta(w.dims())?.to_dtype(w.dtype())?)?;
+            return Ok(usable(&w).then_some(w));
+        }
         Ok(match &head.weight {
             Weight::Local(w) => usable(w).then(|| w.clone()),
             // Asked on the gathered view: the graph tensor adds an op the unit waits on in

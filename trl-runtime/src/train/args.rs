@@ -98,6 +98,11 @@ training_arguments! {
     struct TrainingArguments, flags TrainingFlags;
     /// Where checkpoints, metrics.jsonl and the loss plot go.
     output_dir: PathBuf = PathBuf::from("output");
+    /// Lets a run write into an output_dir that holds another run's checkpoints (another
+    /// model, or adapters where this run trains the whole model, or the other way round),
+    /// whose checkpoints it would mix with its own and rotate away (transformers' key).
+    /// Without it such a run stops before training, naming what is there.
+    overwrite_output_dir: bool = false;
     /// A model directory in HF format (config.json, safetensors, tokenizer files).
     model_name_or_path: PathBuf = PathBuf::from("assets/tiny/model");
     /// Training data in one of TRL's formats: a .jsonl or .parquet file, or a local dataset
@@ -260,8 +265,18 @@ training_arguments! {
     /// layer's, `7.mlp.experts.gate_up_proj`) and router (`mlp.router.weight`), matched as
     /// name suffixes.
     lora_target_parameters: Option<NameList> = None;
-    /// Layers trained whole beside the adapters (e.g. `lm_head embed_tokens`).
+    /// Layers trained whole beside the adapters (e.g. `lm_head embed_tokens`). On a model
+    /// whose head is tied to its embedding, each named module gets its own trained copy, as
+    /// peft does (the tie parts), unless lora_ensure_weight_tying.
     lora_modules_to_save: Option<NameList> = None;
+    /// peft's `ensure_weight_tying` (not a TRL flag): a head tied to its embedding stays tied
+    /// under LoRA, one trained tensor for both (naming either in lora_modules_to_save trains
+    /// it), and a merge keeps the tie.
+    lora_ensure_weight_tying: bool = false;
+    /// peft's `trainable_token_indices` (not a TRL flag; TRL sets it for tokens a chat
+    /// template adds): these rows of the embedding (and of a head tied to it) train whole,
+    /// the rest of the table stays frozen.
+    lora_trainable_token_indices: Option<NameList> = None;
     /// peft's task type: CAUSAL_LM, the only one a causal LM trainer has.
     lora_task_type: String = "CAUSAL_LM".into();
     /// Rank-stabilised LoRA: scale by lora_alpha / sqrt(lora_r).
@@ -488,6 +503,13 @@ impl TrainingArguments {
         if self.lora_r == 0 {
             return Err(err("lora_r", "must be at least 1".into()));
         }
+        let ids = self.lora_trainable_token_indices.as_ref();
+        if let Some(bad) = ids.and_then(|l| l.0.iter().find(|i| i.parse::<u32>().is_err())) {
+            return Err(err(
+                "lora_trainable_token_indices",
+                format!("'{bad}' is not a token id (a list of ids: 151646 151647)"),
+            ));
+        }
         if !(0.0..1.0).contains(&self.lora_dropout) {
             return Err(err(
                 "lora_dropout",
@@ -529,6 +551,15 @@ impl TrainingArguments {
                 .lora_target_parameters
                 .as_ref()
                 .map_or(Vec::new(), |l| l.0.clone()),
+            ensure_weight_tying: self.lora_ensure_weight_tying,
+            // Validated as token ids (validate_peft).
+            trainable_token_indices: match &self.lora_trainable_token_indices {
+                Some(ids) => vec![(
+                    "embed_tokens".into(),
+                    ids.0.iter().filter_map(|i| i.parse().ok()).collect(),
+                )],
+                None => Vec::new(),
+            },
         })
     }
 
@@ -1048,6 +1079,7 @@ fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
         "lora_target_modules",
         "lora_target_parameters",
         "lora_modules_to_save",
+        "lora_trainable_token_indices",
         "loss_type",
         "loss_weights",
     ];

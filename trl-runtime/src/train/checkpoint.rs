@@ -68,6 +68,122 @@ pub fn list(output_dir: &Path) -> Vec<(usize, PathBuf)> {
     found
 }
 
+/// What wrote a checkpoint: adapters on a base (its directory), or a whole model (its
+/// architecture's shape, from config.json), to tell another run's checkpoints from this one's.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunKind {
+    Adapter { base: String },
+    Full { shape: String },
+}
+
+impl RunKind {
+    /// This run's: adapters on `model` when `adapter`, else the whole `model`.
+    pub fn of_run(model: &Path, adapter: bool) -> RunKind {
+        let resolved = crate::hub::resolve(crate::hub::RepoKind::Model, model);
+        let model = resolved.as_deref().unwrap_or(model);
+        match adapter {
+            true => RunKind::Adapter {
+                base: canonical(model),
+            },
+            false => RunKind::Full {
+                shape: shape_of(model),
+            },
+        }
+    }
+
+    /// A checkpoint's (`None`: not one a trainer wrote).
+    fn of_checkpoint(dir: &Path) -> Option<RunKind> {
+        if dir.join(crate::models::peft::ADAPTER_CONFIG).is_file() {
+            let text =
+                std::fs::read_to_string(dir.join(crate::models::peft::ADAPTER_CONFIG)).ok()?;
+            let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+            let base = Path::new(json["base_model_name_or_path"].as_str()?);
+            let resolved = crate::hub::resolve(crate::hub::RepoKind::Model, base);
+            return Some(RunKind::Adapter {
+                base: canonical(resolved.as_deref().unwrap_or(base)),
+            });
+        }
+        dir.join("config.json").is_file().then(|| RunKind::Full {
+            shape: shape_of(dir),
+        })
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            RunKind::Adapter { base } => format!("LoRA adapters on {base}"),
+            RunKind::Full { shape } => format!("a whole model ({shape})"),
+        }
+    }
+}
+
+fn canonical(p: &Path) -> String {
+    std::fs::canonicalize(p)
+        .unwrap_or_else(|_| p.to_path_buf())
+        .display()
+        .to_string()
+}
+
+/// A model's architecture as config.json gives it (what tells one model from another).
+fn shape_of(dir: &Path) -> String {
+    let json: serde_json::Value = std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let text = |c: &serde_json::Value| {
+        [
+            "model_type",
+            "hidden_size",
+            "num_hidden_layers",
+            "vocab_size",
+        ]
+        .iter()
+        .map(|k| format!("{k} {}", c[*k]))
+        .collect::<Vec<_>>()
+        .join(", ")
+    };
+    // A vision-language checkpoint's language model.
+    match json.get("text_config") {
+        Some(t) if json.get("hidden_size").is_none() => text(t),
+        _ => text(&json),
+    }
+}
+
+/// Refuses to start a run in an `output_dir` that holds checkpoints another kind of run
+/// wrote (`this`: what this run writes), which it would mix with its own and rotate away
+/// under save_total_limit, unless `overwrite` (transformers' overwrite_output_dir). A run's
+/// own checkpoints (a rerun, a resume) are fine.
+pub fn check_output_dir(output_dir: &Path, this: &RunKind, overwrite: bool) -> Result<()> {
+    let other = list(output_dir)
+        .into_iter()
+        .filter_map(|(_, dir)| RunKind::of_checkpoint(&dir).map(|k| (dir, k)))
+        .filter(|(_, kind)| kind != this)
+        .collect::<Vec<_>>();
+    let Some((dir, kind)) = other.first() else {
+        return Ok(());
+    };
+    let message = format!(
+        "holds {} of another run ({} checkpoint(s), e.g. {}: {}), and this run trains {}; \
+         its checkpoints would be mixed with them and rotated away",
+        match other.len() {
+            1 => "a checkpoint".to_string(),
+            n => format!("{n} checkpoints"),
+        },
+        other.len(),
+        dir.file_name().unwrap_or_default().to_string_lossy(),
+        kind.describe(),
+        this.describe()
+    );
+    if overwrite {
+        tracing::warn!("{}: {message} (overwrite_output_dir)", output_dir.display());
+        return Ok(());
+    }
+    Err(Error::config(
+        output_dir.display().to_string(),
+        "output_dir",
+        format!("{message}: pass another --output_dir, or --overwrite_output_dir true to write here anyway"),
+    ))
+}
+
 /// Resolves `resume_from_checkpoint`: a path, or `latest` (the newest complete checkpoint).
 pub fn resolve(output_dir: &Path, spec: &str) -> Result<PathBuf> {
     // A bare `--resume_from_checkpoint` (true, as transformers' Trainer takes it) means latest.

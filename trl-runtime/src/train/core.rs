@@ -358,6 +358,8 @@ fn resume_state(
         seed: config.data_order_seed(),
         ..Default::default()
     };
+    let this = checkpoint::RunKind::of_run(&config.model_name_or_path, config.use_peft);
+    checkpoint::check_output_dir(&config.output_dir, &this, config.overwrite_output_dir)?;
     let mut resume_from = None;
     if let Some(spec) = &config.resume_from_checkpoint {
         let ckpt = checkpoint::resolve(&config.output_dir, spec)?;
@@ -1028,10 +1030,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
-        let tensors = match self.model.tp() {
+        let mut tensors = match self.model.tp() {
             Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
             None => mine,
         };
+        crate::models::peft::add_aliases(self.model.net(), &mut tensors);
         let order = crate::models::peft::parameter_order(self.model.net());
         self.write_checkpoint(checkpoint::Weights::Adapter {
             tensors: &tensors,

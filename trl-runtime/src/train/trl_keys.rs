@@ -93,7 +93,6 @@ const KNOWN: &[&str] = &[
     "optim",
     "optim_args",
     "optim_target_modules",
-    "overwrite_output_dir",
     "pad_token",
     "parallelism_config",
     "past_index",
@@ -169,7 +168,6 @@ fn why(key: &str) -> &'static str {
         "save_",
         "restore_callback_states_from_checkpoint",
         "ignore_data_skip",
-        "overwrite_output_dir",
     ]) {
         "checkpoints (HF safetensors, written atomically) as save_strategy says, save_total_limit kept"
     } else if any(&[
