@@ -45,8 +45,8 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
     if ctx.plan().efficient_loading() && opts.trains_whole_modules() && ctx.is_main_process() {
         tracing::warn!(
             "efficient loading (fsdp_cpu_ram_efficient_loading / zero3_init_flag): off for this \
-             run, whose lora_modules_to_save train whole and are read whole; each rank loads the \
-             model, then shards its frozen base"
+             run, whose lora_modules_to_save (or trainable token rows) train whole and are read \
+             whole; each rank loads the model, then shards its frozen base"
         );
     }
     let (mut model, resume) = match (&opts.resume_from, &opts.lora) {

@@ -192,12 +192,13 @@ pub struct ParallelOptions {
 }
 
 impl ParallelOptions {
-    /// Whether a LoRA run trains modules whole (lora_modules_to_save): those are read whole,
-    /// so the model is loaded before it is sharded (no efficient loading).
+    /// Whether a LoRA run trains modules whole (lora_modules_to_save) or rows of a table
+    /// (trainable tokens, which start as the table's): those are read whole, so the model is
+    /// loaded before it is sharded (no efficient loading).
     pub fn trains_whole_modules(&self) -> bool {
-        self.lora
-            .as_ref()
-            .is_some_and(|l| !l.modules_to_save.is_empty())
+        self.lora.as_ref().is_some_and(|l| {
+            !l.modules_to_save.is_empty() || !l.trainable_token_indices.is_empty()
+        })
     }
 
     /// Whether each rank reads only its ZeRO-3 / FSDP slices from `model_dir` (efficient
