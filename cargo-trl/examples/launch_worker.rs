@@ -1,6 +1,7 @@
 //! A worker for the launcher's end-to-end tests (no dependencies, builds in a moment):
 //! `ok` prints its torchrun variables; `fail R CODE` makes rank R exit with CODE;
-//! `kill R` makes rank R kill itself with SIGKILL; `flaky FILE` fails once (creating FILE)
+//! `kill R` makes rank R kill itself with SIGKILL; `kill-peer DIR` makes rank 1 do so while
+//! rank 0 waits on a connection to it, then exits with 1; `flaky FILE` fails once (creating FILE)
 //! and succeeds on the next attempt; `wait` runs until SIGTERM and reports it.
 
 use std::time::Duration;
@@ -44,6 +45,30 @@ fn main() {
                 unsafe { kill(std::process::id() as i32, 9) };
             }
             std::thread::sleep(Duration::from_secs(30));
+        }
+        Some("kill-peer") => {
+            // Rank 1 dies by SIGKILL holding a connection rank 0 reads: rank 0 sees it close
+            // and exits with 1 a moment later, as a trainer whose peer died does.
+            let port_file = std::path::Path::new(&args[1]).join("port");
+            if rank == 1 {
+                let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                let port = listener.local_addr().unwrap().port();
+                std::fs::write(&port_file, port.to_string()).unwrap();
+                let _conn = listener.accept().unwrap();
+                // SAFETY: signalling ourselves.
+                unsafe { kill(std::process::id() as i32, 9) };
+            } else {
+                let port = loop {
+                    match std::fs::read_to_string(&port_file).map(|p| p.parse::<u16>()) {
+                        Ok(Ok(p)) => break p,
+                        _ => std::thread::sleep(Duration::from_millis(1)),
+                    }
+                };
+                let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+                let _ = std::io::Read::read(&mut conn, &mut [0u8; 1]);
+                eprintln!("rank {rank}: lost my peer, exiting with 1");
+                std::process::exit(1);
+            }
         }
         Some("flaky") => {
             let marker = std::path::Path::new(&args[1]).join(format!("failed-once-{rank}"));

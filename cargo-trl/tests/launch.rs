@@ -94,6 +94,25 @@ fn a_killed_rank_is_reported_with_its_signal() {
     );
 }
 
+/// Rank 1 killed, rank 0 exiting with 1 a moment later when it loses its peer: the root cause
+/// is rank 1 with its signal (and the out-of-memory hint) every time, whatever the ranks'
+/// order in the supervisor's loop.
+#[test]
+fn the_first_rank_to_die_is_the_root_cause() {
+    for run in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        let o = launch_worker(&[], &["kill-peer", dir.path().to_str().unwrap()]);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{t}");
+        assert!(
+            t.contains("root cause: rank 1")
+                && t.contains("signal 9")
+                && t.contains("out-of-memory"),
+            "run {run}: {t}"
+        );
+    }
+}
+
 #[test]
 fn max_restarts_recovers_from_a_one_time_failure() {
     let dir = tempfile::tempdir().unwrap();

@@ -43,6 +43,10 @@ pub enum Error {
         message: String,
     },
 
+    /// A training step's loss or gradient norm was NaN or infinite.
+    #[error("non-finite values: {0}")]
+    NonFinite(String),
+
     /// A parameter or count cannot be split over the tensor-parallel group as annotated.
     #[error("tensor parallelism: {name}: {message}")]
     TensorParallel { name: String, message: String },

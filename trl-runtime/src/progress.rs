@@ -25,12 +25,21 @@ pub enum Event {
     Step {
         step: u64,
         total: u64,
+        // A non-finite value travels as JSON's null (serde_json writes NaN so) and reads
+        // back as NaN.
+        #[serde(deserialize_with = "f64_or_nan")]
         loss: f64,
+        #[serde(deserialize_with = "f64_or_nan")]
         lr: f64,
+        #[serde(deserialize_with = "f64_or_nan")]
         tokens_per_s: f64,
     },
     /// A checkpoint was written (renamed into place).
     Saved { path: String },
+}
+
+fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 impl Event {
@@ -217,6 +226,18 @@ mod tests {
             path: "out/checkpoint-3".into(),
         };
         assert_eq!(Event::parse(&saved.line()), Some(saved));
+        // A NaN loss (written as null) still reads as a step.
+        let nan = Event::Step {
+            step: 4,
+            total: 10,
+            loss: f64::NAN,
+            lr: 1e-4,
+            tokens_per_s: 1000.0,
+        };
+        match Event::parse(&nan.line()) {
+            Some(Event::Step { step: 4, loss, .. }) => assert!(loss.is_nan()),
+            other => panic!("{other:?} from {}", nan.line()),
+        }
         assert_eq!(Event::parse("[INFO] step 3"), None);
         assert_eq!(Event::parse("TRL_PROGRESS {not json"), None);
     }

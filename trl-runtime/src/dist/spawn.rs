@@ -223,14 +223,18 @@ pub fn hostname() -> String {
     }
 }
 
-fn signal_all(children: &[Child], done: &[Option<ExitStatus>], sig: libc::c_int) {
-    for (child, status) in children.iter().zip(done) {
+fn signal_all(pids: &[u32], done: &[Option<ExitStatus>], sig: libc::c_int) {
+    for (pid, status) in pids.iter().zip(done) {
         if status.is_none() {
-            // SAFETY: kill(2) on a child we spawned and have not reaped.
-            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+            // SAFETY: kill(2) on a child we spawned whose exit has not been reported.
+            unsafe { libc::kill(*pid as libc::pid_t, sig) };
         }
     }
 }
+
+/// How long after the first failure other failures still count for the root cause: a rank
+/// that loses a killed peer exits within milliseconds, sometimes reported first.
+const SETTLE: Duration = Duration::from_millis(300);
 
 /// Runs the job once and supervises it until every worker has exited.
 pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
@@ -329,27 +333,71 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         tails.push(tail);
     }
     let n = children.len();
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
+    // One waiter per worker reports its exit the moment it happens, so that the first to
+    // fail is the first to die (a killed rank, not the rank that lost its peer a few
+    // milliseconds later), whatever the ranks' order.
+    let (exits, exited) = std::sync::mpsc::channel();
+    for (i, mut child) in children.into_iter().enumerate() {
+        let exits = exits.clone();
+        std::thread::spawn(move || {
+            let _ = exits.send((i, child.wait()));
+        });
+    }
+    drop(exits);
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; n];
+    // Failures in the order they were reported, until the root cause is chosen.
+    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut failure: Option<(usize, ExitStatus)> = None;
+    let mut settle_until: Option<Instant> = None;
     let mut kill_at: Option<Instant> = None;
     let mut forwarded = false;
     let mut stopping = false;
     while statuses.iter().any(Option::is_none) {
-        for (i, child) in children.iter_mut().enumerate() {
-            if statuses[i].is_some() {
-                continue;
-            }
-            if let Some(status) = child.try_wait()? {
-                statuses[i] = Some(status);
-                if !status.success() && failure.is_none() && !forwarded {
-                    failure = Some((i, status));
+        // Every exit already reported, in the order they happened, then the checks below at
+        // least every monitor interval.
+        let wait = settle_until.map_or(job.monitor_interval, |t| {
+            t.saturating_duration_since(Instant::now())
+                .min(job.monitor_interval)
+        });
+        let mut first = true;
+        loop {
+            let next = match first {
+                true => exited.recv_timeout(wait),
+                false => exited
+                    .try_recv()
+                    .map_err(|_| std::sync::mpsc::RecvTimeoutError::Timeout),
+            };
+            first = false;
+            match next {
+                Ok((i, status)) => {
+                    let status = status?;
+                    statuses[i] = Some(status);
+                    if !status.success() && !stopping && !forwarded {
+                        failures.push((i, status));
+                        settle_until.get_or_insert(Instant::now() + SETTLE);
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => break,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(std::io::Error::other("a worker's waiter stopped"))
                 }
             }
         }
-        if failure.is_some() && !stopping {
-            // The first failure stops the rest: SIGTERM now, SIGKILL after the grace period.
+        let settled = settle_until.is_some_and(|t| Instant::now() >= t)
+            || statuses.iter().all(Option::is_some);
+        if !failures.is_empty() && settled && !stopping {
+            // The root cause: a rank killed by a signal among the failures of the first
+            // moments (a peer that lost it exits with an error a moment later, and can be
+            // reported first), else the first to fail. Then the first failure stops the
+            // rest: SIGTERM now, SIGKILL after the grace period.
+            failure = failures
+                .iter()
+                .find(|(_, s)| s.signal().is_some())
+                .or(failures.first())
+                .copied();
             stopping = true;
-            signal_all(&children, &statuses, libc::SIGTERM);
+            signal_all(&pids, &statuses, libc::SIGTERM);
             kill_at = Some(Instant::now() + job.grace);
         }
         if interrupted.swap(false, Ordering::Relaxed) {
@@ -360,20 +408,19 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
                     "interrupted: the workers save a checkpoint and stop (press Ctrl-C again to kill them)",
                     true,
                 );
-                signal_all(&children, &statuses, libc::SIGTERM);
+                signal_all(&pids, &statuses, libc::SIGTERM);
                 kill_at.get_or_insert(Instant::now() + job.grace.max(Duration::from_secs(30)));
             } else {
                 view.lock()
                     .unwrap()
                     .println("interrupted again: killing the workers", true);
-                signal_all(&children, &statuses, libc::SIGKILL);
+                signal_all(&pids, &statuses, libc::SIGKILL);
             }
         }
         if kill_at.is_some_and(|t| Instant::now() > t) {
-            signal_all(&children, &statuses, libc::SIGKILL);
+            signal_all(&pids, &statuses, libc::SIGKILL);
             kill_at = None;
         }
-        std::thread::sleep(job.monitor_interval);
     }
     for p in pumps {
         let _ = p.join();

@@ -61,7 +61,11 @@ impl EmbeddingAdapter {
             candle_core::bail!("trainable token {bad} is past the vocabulary ({vocab} rows)");
         }
         let index = Tensor::new(indices, table.device())?;
-        let rows = table.detach().contiguous()?.index_select(&index, 0)?.copy()?;
+        let rows = table
+            .detach()
+            .contiguous()?
+            .index_select(&index, 0)?
+            .copy()?;
         Ok(EmbeddingAdapter::Tokens {
             indices: indices.to_vec(),
             rows: Var::from_tensor(&rows)?.as_tensor().clone(),

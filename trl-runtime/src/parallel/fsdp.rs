@@ -640,6 +640,10 @@ impl FsdpOptimizer {
             norm_sq = tp.sum(norm_sq)?;
         }
         let norm = norm_sq.sqrt();
+        // A non-finite gradient never reaches the weights.
+        if !norm.is_finite() {
+            return Ok(norm);
+        }
         // The clipping factor rides in the update's pass (no scaled copy of the slices).
         self.inner
             .update_scaled(&grads, lr, clip_coef(norm, max_grad_norm))?;

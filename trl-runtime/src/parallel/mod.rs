@@ -196,9 +196,9 @@ impl ParallelOptions {
     /// (trainable tokens, which start as the table's): those are read whole, so the model is
     /// loaded before it is sharded (no efficient loading).
     pub fn trains_whole_modules(&self) -> bool {
-        self.lora.as_ref().is_some_and(|l| {
-            !l.modules_to_save.is_empty() || !l.trainable_token_indices.is_empty()
-        })
+        self.lora
+            .as_ref()
+            .is_some_and(|l| !l.modules_to_save.is_empty() || !l.trainable_token_indices.is_empty())
     }
 
     /// Whether each rank reads only its ZeRO-3 / FSDP slices from `model_dir` (efficient
@@ -276,7 +276,8 @@ impl Optimizer {
     /// units hold theirs): partial tensor-parallel gradients summed over tp (`tp`), the
     /// data-parallel reduction the strategy does, clipping to `max_grad_norm` by the global
     /// norm, and AdamW at `lr`. `first`: the run's first step (tp's checks). Returns the
-    /// global gradient norm. Every trainer's step ends here.
+    /// global gradient norm; when it is not finite nothing is updated (every rank sees the
+    /// same norm). Every trainer's step ends here.
     pub fn step(
         &mut self,
         params: &Params,
@@ -295,7 +296,11 @@ impl Optimizer {
                 let norm_sq = tp.map(|tp| tp.norm_sq(grads)).transpose()?;
                 // The clipping factor is applied by the update's own pass.
                 let (norm, coef) = grad_clip_coef(grads, max_grad_norm, norm_sq)?;
-                opt.step_scaled(params, grads, lr, coef)?;
+                // A non-finite gradient never reaches the weights (the trainer stops or
+                // skips the step).
+                if norm.is_finite() {
+                    opt.step_scaled(params, grads, lr, coef)?;
+                }
                 Ok(norm)
             }
             // Reduction, clipping and the update of this rank's slice happen inside.

@@ -245,6 +245,10 @@ impl ZeroOptimizer {
             norm_sq = tp.sum(norm_sq)?;
         }
         let norm = norm_sq.sqrt();
+        // A non-finite gradient never reaches the weights.
+        if !norm.is_finite() {
+            return Ok(norm);
+        }
         // The clipping factor rides in the update's pass (no scaled copy of the slice).
         self.inner.update_scaled(
             &[(SHARD.to_string(), shard)].into(),

@@ -167,6 +167,11 @@ training_arguments! {
     /// A NaN or infinite step loss is logged as the window's mean instead (transformers'
     /// filter); false logs it as it is.
     logging_nan_inf_filter: bool = true;
+    /// What a step whose loss or gradient norm is NaN or infinite does (its update is never
+    /// applied): `stop` (the run ends with an error naming the step; the checkpoints saved
+    /// stay) or `skip` (the step is skipped and training goes on, as DeepSpeed skips an
+    /// overflowed step; each is logged).
+    on_nonfinite: String = "stop".into();
     save_steps: f64 = 500.0;
     save_total_limit: Option<usize> = None;
     /// Checkpoints hold the model (and trainer state) without the optimizer state, a third
@@ -753,6 +758,12 @@ impl TrainingArguments {
                     self.train_sampling_strategy,
                     SAMPLING_STRATEGIES.join(", ")
                 ),
+            ));
+        }
+        if !["stop", "skip"].contains(&self.on_nonfinite.as_str()) {
+            return Err(err(
+                "on_nonfinite",
+                format!("'{}' is not accepted: use stop or skip", self.on_nonfinite),
             ));
         }
         if crate::nn::AttentionImpl::parse(&self.attn_implementation).is_none() {

@@ -100,13 +100,16 @@ pub fn reset_memory_peak(device: &Device) {
 }
 
 /// What one optimizer step did.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepStats {
     pub loss: f64,
     pub learning_rate: f64,
     pub grad_norm: f64,
     /// Input tokens processed by all ranks in this step (padding excluded).
     pub tokens: usize,
+    /// Why training stops after this step, whose loss or gradient norm was not finite
+    /// (on_nonfinite stop); its update was not applied.
+    pub stop: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -347,8 +350,35 @@ pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
     pub router_loss_weight: f64,
 }
 
+/// Which checkpoint a run resumes from: `resume_from_checkpoint`, or on a launcher's restart
+/// (TORCHELASTIC_RESTART_COUNT > 0, as torchrun sets it) the latest in output_dir. `latest`
+/// with none there yet (a first start, a restart before the first save) starts from scratch
+/// with a note, so that one command serves the first start and every restart.
+pub(super) fn resume_spec(config: &TrainingArguments) -> Option<String> {
+    let restart = std::env::var("TORCHELASTIC_RESTART_COUNT")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|&n| n > 0);
+    let spec = config
+        .resume_from_checkpoint
+        .clone()
+        .or_else(|| restart.map(|_| "latest".to_string()))?;
+    let latest = spec == "latest" || spec.eq_ignore_ascii_case("true");
+    if latest && checkpoint::list(&config.output_dir).is_empty() {
+        tracing::info!(
+            "resume_from_checkpoint latest: no complete checkpoint in {} yet, starting from scratch",
+            config.output_dir.display()
+        );
+        return None;
+    }
+    if let Some(n) = restart {
+        tracing::info!("restart {n}: resuming from the {spec} checkpoint");
+    }
+    Some(spec)
+}
+
 /// Where a run starts: a fresh state, or the trainer state of the checkpoint
-/// `resume_from_checkpoint` names (its directory and step, for the model's resume).
+/// `config.resume_from_checkpoint` names (its directory and step, for the model's resume).
 fn resume_state(
     config: &TrainingArguments,
     total_steps: usize,
@@ -566,6 +596,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
             );
         }
         let total_steps = args.total_steps(steps_per_epoch);
+        // A restart resumes from the run's latest checkpoint (see resume_spec).
+        let args = &TrainingArguments {
+            resume_from_checkpoint: resume_spec(args),
+            ..args.clone()
+        };
         let (state, resume_from) = resume_state(args, total_steps)?;
         // The model, parallel as the launch says, resumed where asked.
         let Built {
@@ -1264,21 +1299,44 @@ impl<'a, N: CausalModel> Core<'a, N> {
         Ok(())
     }
 
-    /// metrics.jsonl on the main process: a resumed run continues it, a fresh run starts it over.
+    /// metrics.jsonl on the main process: a fresh run starts it over; a resumed run continues
+    /// it from the step it resumed at (the lines of steps after it, which it trains again, are
+    /// dropped), after a line marking the restart when the launcher restarted it.
     pub(super) fn open_metrics(&self) -> Result<Option<std::fs::File>> {
-        let out_dir = &self.args.output_dir;
-        Ok(if self.ctx.is_main_process() {
-            Some(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(self.args.resume_from_checkpoint.is_some())
-                    .write(true)
-                    .truncate(self.args.resume_from_checkpoint.is_none())
-                    .open(out_dir.join("metrics.jsonl"))
-                    .map_err(|e| Error::io("cannot open metrics.jsonl", e))?,
-            )
-        } else {
-            None
-        })
+        if !self.ctx.is_main_process() {
+            return Ok(None);
+        }
+        let path = self.args.output_dir.join("metrics.jsonl");
+        let io = |e| Error::io(format!("cannot write {}", path.display()), e);
+        let resumed = self.args.resume_from_checkpoint.is_some();
+        if !resumed {
+            return Ok(Some(std::fs::File::create(&path).map_err(io)?));
+        }
+        let step = self.state.global_step as u64;
+        let kept: String = std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_none_or(|s| s <= step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        crate::models::params::write_atomic(&path, kept.as_bytes())?;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(io)?;
+        let restart = std::env::var("TORCHELASTIC_RESTART_COUNT")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|&n| n > 0);
+        if let Some(n) = restart {
+            let line = serde_json::json!({ "restart": n, "resumed_at_step": step });
+            std::io::Write::write_all(&mut file, format!("{line}\n").as_bytes()).map_err(io)?;
+        }
+        Ok(Some(file))
     }
 }

@@ -29,6 +29,8 @@ pub struct Trainer<'a, N: CausalModel = AutoModelForCausalLM, T: Task<N> = Sft> 
     /// What the process held before the model loaded (binary, libraries, tokenizer, data) on
     /// a CPU, where it shares the memory the plan predicts; 0 on a GPU.
     process_base: usize,
+    /// Steps whose non-finite update was skipped (on_nonfinite skip).
+    skipped_steps: usize,
 }
 
 impl<'a, N: CausalModel, T: Task<N>> std::ops::Deref for Trainer<'a, N, T> {
@@ -95,6 +97,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             core,
             task,
             last_metrics: Vec::new(),
+            skipped_steps: 0,
             process_base,
         })
     }
@@ -118,12 +121,59 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         );
         self.last_metrics = out.metrics;
         self.core.state.num_input_tokens_seen += out.tokens as u64;
+        let stop = match out.loss.is_finite() && grad_norm.is_finite() {
+            true => None,
+            false => self.nonfinite_step(out.loss, grad_norm, learning_rate),
+        };
         Ok(StepStats {
+            stop,
             loss: out.loss,
             learning_rate,
             grad_norm,
             tokens: out.tokens,
         })
+    }
+
+    /// A step whose loss or gradient norm is not finite (the same on every rank: both are
+    /// global), whose update the optimizer did not apply: why training stops, naming the
+    /// step, what was not finite and what to try (`on_nonfinite` stop), or None after a
+    /// warning (skip).
+    fn nonfinite_step(&mut self, loss: f64, grad_norm: f64, lr: f64) -> Option<String> {
+        let step = self.core.state.global_step;
+        let what = match (loss.is_finite(), grad_norm.is_finite()) {
+            (false, false) => format!("the loss ({loss}) and the gradient norm ({grad_norm})"),
+            (false, true) => format!("the loss ({loss})"),
+            _ => format!("the gradient norm ({grad_norm})"),
+        };
+        self.skipped_steps += 1;
+        if self.core.args.on_nonfinite == "skip" {
+            tracing::warn!(
+                "step {step}: {what} is not finite: its update was skipped ({} step(s) skipped so far; on_nonfinite skip)",
+                self.skipped_steps
+            );
+            return None;
+        }
+        let out = &self.core.args.output_dir;
+        let kept = match checkpoint::list(out).pop() {
+            Some((_, dir)) => format!(
+                "the last good checkpoint is {} (resume with --resume_from_checkpoint {})",
+                dir.display(),
+                dir.display()
+            ),
+            None => "no checkpoint was saved yet".into(),
+        };
+        let bf16 = self.core.args.compute_dtype().ok() == Some(candle_core::DType::BF16);
+        Some(format!(
+            "step {step}: {what} is not finite, so its update was not applied and training \
+             stopped; {kept}. Try a lower --learning_rate (this step's was {lr:.3e}), gradient \
+             clipping (--max_grad_norm, now {}){}, or --on_nonfinite skip to skip such steps as \
+             DeepSpeed skips an overflowed step",
+            self.core.args.max_grad_norm,
+            match bf16 {
+                true => ", fp32 (--mixed_precision no) to rule out bf16 overflow",
+                false => "",
+            }
+        ))
     }
 
     /// The task's evaluation on the held-out rows (collective: every rank calls it).
@@ -265,8 +315,12 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             if step == self.state.total_steps {
                 outcome.final_eval = eval.clone();
             }
-            if due.log || eval.is_some() {
+            if due.log || eval.is_some() || stats.stop.is_some() {
                 self.log_step(&stats, &mut window, eval, metrics.as_mut())?;
+            }
+            if let Some(why) = stats.stop {
+                bar.abandon_with_message("stopped: non-finite values");
+                return Err(Error::NonFinite(why));
             }
             if due.save || (flow.save_best && improved) {
                 outcome.last_checkpoint = self.save_with_task(None)?;
