@@ -175,3 +175,110 @@ fn a_restart_resumes_from_the_latest_checkpoint() {
     assert_eq!(steps, (1..=300).collect::<Vec<u64>>());
     assert!(lines.iter().any(|v| v["restart"] == 1), "{metrics}");
 }
+
+/// The last metrics line of a run in `out`.
+fn last_line(out: &Path) -> serde_json::Value {
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let last = metrics
+        .lines()
+        .rev()
+        .find(|l| l.contains("\"step\""))
+        .unwrap();
+    serde_json::from_str(last).unwrap()
+}
+
+/// Resumed on another number of processes (2 -> 3, 2 -> 4, 4 -> 2) under DDP, ZeRO-3 and
+/// FSDP2: the rest of the saved epoch is trained once, each of its rows (the epoch's input
+/// tokens equal one process's over the same 96 rows, and it ends at the step the rest
+/// takes on the new layout), and the new effective batch is said, with the accumulation
+/// that keeps the old one when one does.
+#[test]
+fn a_run_resumes_on_any_number_of_processes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let rows: Vec<String> = std::fs::read_to_string(root.join("assets/tiny/data/train.jsonl"))
+        .unwrap()
+        .lines()
+        .take(96)
+        .map(String::from)
+        .collect();
+    let data = tmp.path().join("rows.jsonl");
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let run = |launch: &[&str], out: &Path, extra: &[&str]| {
+        let mut cmd = common::sft_launch(launch, extra);
+        cmd.args([
+            "--per_device_train_batch_size",
+            "4",
+            "--num_train_epochs",
+            "1",
+        ])
+        .args(["--logging_steps", "1", "--eval_dataset_name", "none"])
+        .args(["--save_total_limit", "5", "--seed", "7", "--dataset_name"])
+        .arg(&data)
+        .arg("--output_dir")
+        .arg(out);
+        let o = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{text}");
+        text
+    };
+    let one = tmp.path().join("one");
+    run(&["--num_processes", "1"], &one, &[]);
+    let all_tokens = last_line(&one)["num_tokens"].as_u64().unwrap();
+    assert_eq!(last_line(&one)["step"], 24);
+    // FSDP2's intermediate checkpoints also as SHARDED_STATE_DICT (a file per rank, read
+    // back resharded); a run's last checkpoint is always whole.
+    let sharded: &[&str] = &["--fsdp_state_dict_type", "SHARDED_STATE_DICT"];
+    for (name, profile, extra) in [
+        ("multi_cpu", "multi_cpu", &[][..]),
+        ("zero3_cpu", "zero3_cpu", &[][..]),
+        ("fsdp2_cpu", "fsdp2_cpu", &[][..]),
+        ("fsdp2_cpu sharded", "fsdp2_cpu", sharded),
+    ] {
+        for (from, to, saved_at) in [(2usize, 3usize, 6usize), (2, 4, 6), (4, 2, 3)] {
+            let what = format!("{name} {from} -> {to}");
+            let out = tmp
+                .path()
+                .join(format!("{profile}-{}-{from}-{to}", extra.len()));
+            let procs = |n: usize| n.to_string();
+            let (f, t) = (procs(from), procs(to));
+            let (save, stop) = (saved_at.to_string(), (2 * saved_at).to_string());
+            let launch = |n: &'static str| {
+                [&["--profile", profile, "--num_processes", n][..], extra].concat()
+            };
+            let (f, t): (&'static str, &'static str) = (f.leak(), t.leak());
+            run(
+                &launch(f),
+                &out,
+                &["--max_steps", &stop, "--save_steps", &save],
+            );
+            let checkpoint = out.join(format!("checkpoint-{saved_at}"));
+            // (ZeRO-3's are sharded as DeepSpeed writes them anyway.)
+            if !extra.is_empty() || profile == "zero3_cpu" {
+                assert!(checkpoint.join("sharded").exists(), "{what}: whole");
+            }
+            let text = run(
+                &launch(t),
+                &out,
+                &["--resume_from_checkpoint", checkpoint.to_str().unwrap()],
+            );
+            // 96 rows, saved_at x from x 4 of them trained before; the rest in rounds of to x 4.
+            let rest = (96 - saved_at * from * 4) / (to * 4);
+            let last = last_line(&out);
+            assert_eq!(last["step"], saved_at + rest, "{what}: {last}");
+            assert_eq!(last["epoch"], 1.0, "{what}: {last}");
+            assert_eq!(last["num_tokens"], all_tokens, "{what}: {last}");
+            assert!(text.contains("effective batch"), "{what}: {text}");
+            if from == 4 {
+                assert!(
+                    text.contains("--gradient_accumulation_steps 2 keeps it"),
+                    "{what}: {text}"
+                );
+            }
+            eprintln!(
+                "{what}: the epoch's {all_tokens} input tokens once, ended at step {}",
+                saved_at + rest
+            );
+        }
+    }
+}

@@ -45,16 +45,68 @@ impl DistributedSampler {
     /// This rank's micro-batches for `epoch`: the epoch's order dealt as [`BatchDeal`] deals
     /// positions.
     pub fn batches(&self, epoch: u64, batch: usize) -> Vec<Vec<usize>> {
+        self.batches_from(epoch, batch, 0)
+    }
+
+    /// This rank's micro-batches for the rest of `epoch` from position `start` of its order
+    /// on: positions `start..` dealt as [`BatchDeal`] deals an epoch (the last rounds filled
+    /// from the epoch's start). A run resumed on another layout (world size, batch) goes on
+    /// where the saved one stopped: with the same layout it is the saved run's own rounds
+    /// from the round at `start`.
+    pub fn batches_from(&self, epoch: u64, batch: usize, start: usize) -> Vec<Vec<usize>> {
         let order = self.shuffled(epoch);
-        let deal = self.deal(batch);
-        (0..deal.rounds())
+        let rest = self.deal_from(batch, start);
+        (0..rest.rounds())
             .map(|round| {
-                deal.rows(round, self.rank)
-                    .into_iter()
-                    .map(|i| order[i])
+                rest.positions(round, self.rank)
+                    .map(|i| order[(start + i) % self.len])
                     .collect()
             })
             .collect()
+    }
+
+    /// How the rest of an epoch from position `start` is dealt (its rounds).
+    pub fn deal_from(&self, batch: usize, start: usize) -> BatchDeal {
+        BatchDeal {
+            len: self.len.saturating_sub(start),
+            ..self.deal(batch)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// From a round's start the rest of an epoch is the epoch's own rounds on the same
+    /// layout, and on another layout every row left once (filled from the epoch's start).
+    #[test]
+    fn the_rest_of_an_epoch_is_dealt_from_where_it_stopped() {
+        let on = |world: usize, rank: usize| DistributedSampler {
+            len: 37,
+            world,
+            rank,
+            seed: 3,
+            shuffle: true,
+            drop_last: false,
+        };
+        for world in [1, 2, 3] {
+            for rank in 0..world {
+                let all = on(world, rank).batches(5, 4);
+                let rest = on(world, rank).batches_from(5, 4, 2 * world * 4);
+                assert_eq!(rest, all[2..].to_vec(), "world {world} rank {rank}");
+            }
+        }
+        // 2 ranks stopped after 2 rounds (16 rows), 3 ranks go on: the 21 rows left once
+        // each, and (2 rounds of 3 x 4) 3 more filled from the epoch's start.
+        let order = on(1, 0).batches(5, 37).concat();
+        let mut dealt: Vec<usize> = (0..3)
+            .flat_map(|r| on(3, r).batches_from(5, 4, 16).concat())
+            .collect();
+        dealt.sort();
+        let mut want: Vec<usize> = order[16..].iter().chain(&order[..3]).copied().collect();
+        want.sort();
+        assert_eq!(dealt, want);
     }
 }
 
@@ -83,10 +135,16 @@ impl BatchDeal {
 
     /// The rows of rank `rank`'s batch in round `round`.
     pub fn rows(&self, round: usize, rank: usize) -> Vec<usize> {
+        self.positions(round, rank).map(|i| i % self.len).collect()
+    }
+
+    /// [`Self::rows`] before the last rounds' wrap to the start: positions past `len` are
+    /// the refill.
+    pub fn positions(&self, round: usize, rank: usize) -> std::ops::Range<usize> {
         let start = (round * self.world + rank) * self.batch;
         match self.world {
-            1 => (start..(start + self.batch).min(self.len)).collect(),
-            _ => (start..start + self.batch).map(|i| i % self.len).collect(),
+            1 => start..(start + self.batch).min(self.len),
+            _ => start..start + self.batch,
         }
     }
 

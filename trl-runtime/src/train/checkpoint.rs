@@ -43,6 +43,18 @@ pub struct TrainerState {
     pub best_metric: Option<f64>,
     pub best_global_step: Option<usize>,
     pub best_model_checkpoint: Option<PathBuf>,
+    /// Positions of the current epoch's order dealt before this layout's first round of it:
+    /// a run resumed on another layout (world size, batch, accumulation) deals the rest of
+    /// the epoch from there; 0 otherwise.
+    #[serde(default)]
+    pub epoch_start_row: usize,
+    /// Positions of the current epoch's order trained (all ranks), and the rows one step
+    /// trains (the effective batch): what a resume on another layout goes on from. None in
+    /// checkpoints written before them (read as the same layout).
+    #[serde(default)]
+    pub rows_in_epoch: Option<usize>,
+    #[serde(default)]
+    pub effective_batch: Option<usize>,
 }
 
 fn checkpoint_step(path: &Path) -> Option<usize> {

@@ -411,6 +411,53 @@ fn resume_state(
     Ok((state, resume_from))
 }
 
+/// A resumed `state`'s data position on this run's layout (`sampler`'s ranks, micro-batches
+/// of `batch` rows, `accumulation` per step): the rest of the saved epoch is dealt from the
+/// position the saved run reached (the same rounds when the layout is the same), and a
+/// different effective batch is said, with the accumulation that keeps it when one does; the
+/// run's steps are then counted on this layout (`max_steps` holds as given).
+fn convert_position(
+    state: &mut TrainerState,
+    sampler: &DistributedSampler,
+    (batch, accumulation): (usize, usize),
+    steps_per_epoch: usize,
+    args: &TrainingArguments,
+) {
+    let Some(seen) = state.rows_in_epoch else {
+        return;
+    };
+    state.epoch_start_row = seen.min(sampler.len);
+    state.step_in_epoch = 0;
+    let per_step = batch * sampler.world * accumulation;
+    let Some(saved) = state.effective_batch.filter(|&b| b != per_step) else {
+        return;
+    };
+    let keeps = (saved % (batch * sampler.world) == 0)
+        .then(|| saved / (batch * sampler.world))
+        .filter(|&a| a > 0)
+        .map_or(String::new(), |a| {
+            format!("; --gradient_accumulation_steps {a} keeps it at {saved}")
+        });
+    tracing::warn!(
+        "resuming a run trained at an effective batch of {saved} rows per step with {per_step} ({batch} per device x {} data-parallel ranks x {accumulation} accumulation steps){keeps}: the rest of epoch {} ({} of its {} rows) goes on from where it stopped",
+        sampler.world,
+        state.epoch,
+        sampler.len - state.epoch_start_row,
+        sampler.len
+    );
+    if args.max_steps > 0 {
+        return;
+    }
+    // The epoch's rest, then the epochs (or fraction) left, at this layout's steps.
+    let rest = sampler
+        .deal_from(batch, state.epoch_start_row)
+        .rounds()
+        .div_ceil(accumulation);
+    let after = (args.num_train_epochs - (state.epoch + 1) as f64).max(0.0);
+    let later = (after * steps_per_epoch as f64).ceil() as usize;
+    state.total_steps = state.global_step + rest + later;
+}
+
 /// How `args` ask for the model to be built under `strategy`, resuming from `resume_from`.
 fn parallel_options(
     args: &TrainingArguments,
@@ -601,7 +648,18 @@ impl<'a, N: CausalModel> Core<'a, N> {
             resume_from_checkpoint: resume_spec(args),
             ..args.clone()
         };
-        let (state, resume_from) = resume_state(args, total_steps)?;
+        let (mut state, resume_from) = resume_state(args, total_steps)?;
+        let rows_per_step = batch * dp.size() * args.gradient_accumulation_steps;
+        if resume_from.is_some() {
+            convert_position(
+                &mut state,
+                &sampler,
+                (batch, args.gradient_accumulation_steps),
+                steps_per_epoch,
+                args,
+            );
+        }
+        state.effective_batch = Some(rows_per_step);
         // The model, parallel as the launch says, resumed where asked.
         let Built {
             model,
@@ -613,7 +671,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
         // The ranks that see different tokens: data-parallel ones, and those holding the other
         // chunks of the same rows.
         let batch_group = ctx.group(batch_axes(model.split()));
-        let schedule = args.schedule(total_steps)?;
+        let schedule = args.schedule(state.total_steps)?;
         let stop = Arc::new(AtomicBool::new(false));
         // SLURM sends SIGTERM before preemption: finish the step, save, exit cleanly.
         let _ = signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone());
@@ -674,10 +732,24 @@ impl<'a, N: CausalModel> Core<'a, N> {
         self.steps_per_epoch
     }
 
+    /// Steps of the current epoch: all of them, or a resumed epoch's rest.
+    fn steps_in_this_epoch(&self) -> usize {
+        match self.state.epoch_start_row {
+            0 => self.steps_per_epoch,
+            start => self
+                .sampler
+                .deal_from(self.args.per_device_train_batch_size, start)
+                .rounds()
+                .div_ceil(self.args.gradient_accumulation_steps),
+        }
+    }
+
     /// Epochs completed, with the fraction of the current one's micro-batches trained
     /// (transformers' state.epoch).
     pub fn epoch(&self) -> f64 {
-        let done = self.state.step_in_epoch * self.args.gradient_accumulation_steps;
+        let per_round = self.args.per_device_train_batch_size * self.dp.size();
+        let before = self.state.epoch_start_row / per_round.max(1);
+        let done = before + self.state.step_in_epoch * self.args.gradient_accumulation_steps;
         let all = self.micro_batches_per_epoch;
         self.state.epoch as f64 + done.min(all) as f64 / all as f64
     }
@@ -813,10 +885,12 @@ impl<'a, N: CausalModel> Core<'a, N> {
             self.args.per_device_train_batch_size,
             self.args.gradient_accumulation_steps,
         );
-        // The epoch's order is computed once per epoch, not every step.
+        // The epoch's order is computed once per epoch, not every step (a resumed epoch's
+        // from where the saved run stopped).
         let epoch = self.state.epoch as u64;
         if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            self.order = Some((epoch, self.sampler.batches(epoch, b)));
+            let start = self.state.epoch_start_row;
+            self.order = Some((epoch, self.sampler.batches_from(epoch, b, start)));
         }
         let batches = &self.order.as_ref().expect("set above").1;
         let start = (self.state.step_in_epoch * a).min(batches.len());
@@ -931,10 +1005,15 @@ impl<'a, N: CausalModel> Core<'a, N> {
         )?;
         self.state.global_step += 1;
         self.state.step_in_epoch += 1;
-        if self.state.step_in_epoch == self.steps_per_epoch {
+        if self.state.step_in_epoch == self.steps_in_this_epoch() {
             self.state.epoch += 1;
             self.state.step_in_epoch = 0;
+            self.state.epoch_start_row = 0;
         }
+        // Where the epoch stands, for a resume on another layout.
+        let rounds = self.state.step_in_epoch * self.args.gradient_accumulation_steps;
+        let dealt = rounds * self.args.per_device_train_batch_size * self.dp.size();
+        self.state.rows_in_epoch = Some((self.state.epoch_start_row + dealt).min(self.sampler.len));
         Ok((lr, grad_norm))
     }
 
