@@ -600,12 +600,16 @@ fn interrupted(outcome: &spawn::JobOutcome) -> u8 {
         .statuses
         .iter()
         .all(|s| s.is_some_and(|s| s.success()));
+    let argv: Vec<String> = std::env::args().collect();
+    let again = |path: &str| spawn::resume_command(&argv, path, true);
     match (&outcome.last_checkpoint, clean) {
         (Some(path), true) => eprintln!(
-            "interrupted: the workers saved {path} and stopped; go on with the same command and `-- --resume_from_checkpoint {path}`"
+            "interrupted: the workers saved {path} and stopped; go on with: {}",
+            again(path)
         ),
         (Some(path), false) => eprintln!(
-            "interrupted: the workers were stopped before they finished saving; the last complete checkpoint is {path}"
+            "interrupted: the workers were stopped before they finished saving; the last complete checkpoint is {path}; go on with: {}",
+            again(path)
         ),
         (None, true) => eprintln!("interrupted: the workers stopped"),
         (None, false) => eprintln!(

@@ -282,3 +282,27 @@ fn a_run_resumes_on_any_number_of_processes() {
         }
     }
 }
+
+/// What a save killed mid-way leaves (a full-size hidden `.checkpoint-N.tmp`, a half-retired
+/// `.retired-checkpoint-N`) is removed when the next run in that directory starts.
+#[test]
+fn an_interrupted_save_leaves_nothing_behind_at_the_next_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    for stale in [".checkpoint-7.tmp", ".retired-checkpoint-3"] {
+        std::fs::create_dir_all(out.join(stale)).unwrap();
+        std::fs::write(
+            out.join(stale).join("model.safetensors"),
+            vec![0u8; 1 << 20],
+        )
+        .unwrap();
+    }
+    let o = sft(&out, 2, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let left: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -288,6 +288,14 @@ fn ctrl_c_saves_a_checkpoint_and_the_launcher_says_where() {
         .find_map(|l| l.strip_prefix("interrupted: the workers saved "))
         .unwrap_or_else(|| panic!("no checkpoint named:\n{all}"));
     let path = said.split_once(" and stopped").unwrap().0;
+    // The command to go on with is this one with the checkpoint for the program: one `--`.
+    let again = said.split_once("go on with: ").unwrap().1;
+    assert!(again.contains("cargo-trl launch "), "{again}");
+    assert_eq!(again.matches(" -- ").count(), 1, "{again}");
+    assert!(
+        again.ends_with(&format!("--resume_from_checkpoint {path}")),
+        "{again}"
+    );
     let state: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(Path::new(path).join("trainer_state.json")).unwrap(),
     )

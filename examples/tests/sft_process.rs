@@ -108,3 +108,64 @@ extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
+
+/// `sft` spawning its own ranks (no launcher, no torchrun variables), stopped by SIGTERM as a
+/// preemption script stops it: the ranks save, the program exits 130 (not 0: the run is not
+/// finished) and prints the command that goes on, which resumes from that checkpoint.
+#[test]
+fn a_self_launched_run_stopped_by_sigterm_exits_130_with_the_command_to_go_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = [
+        "--output_dir",
+        "run",
+        "--max_steps",
+        "400",
+        "--save_steps",
+        "1000000",
+        "--eval_dataset_name",
+        "none",
+        "--per_device_train_batch_size",
+        "4",
+    ];
+    let child = Command::new(SFT)
+        .args(args)
+        .current_dir(tmp.path())
+        .env("TRL_LOCAL_PROCESSES", "2")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !tmp.path().join("run/metrics.jsonl").exists() {
+        assert!(start.elapsed().as_secs() < 120, "the run never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: signalling our own child.
+    unsafe { libc_kill(child.id() as i32, 15) };
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    let hint = stderr
+        .lines()
+        .find_map(|l| l.split_once("go on with: ").map(|(_, c)| c.to_string()))
+        .unwrap_or_else(|| panic!("no command to go on with: {stderr}"));
+    let saved = checkpoint::list(&tmp.path().join("run"));
+    assert_eq!(saved.len(), 1, "{stderr}");
+    let step = saved[0].0;
+    assert!(
+        hint.ends_with(&format!("--resume_from_checkpoint run/checkpoint-{step}")),
+        "{hint}"
+    );
+    // The command as printed, in the same directory, goes on from there to the end.
+    let again = Command::new("sh")
+        .args(["-c", &hint])
+        .current_dir(tmp.path())
+        .env("TRL_LOCAL_PROCESSES", "2")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&again.stderr);
+    assert!(again.status.success(), "{text}");
+    assert!(text.contains(&format!("at step {step}")), "{text}");
+    assert!(tmp.path().join("run/checkpoint-400").exists());
+}

@@ -498,6 +498,23 @@ pub fn relaunch_unless_launched(default_ranks: usize) -> Option<std::process::Ex
     let outcome = std::env::current_exe()
         .and_then(|exe| run_local(&exe, &args, n, &[], Duration::from_secs(10)));
     Some(match outcome {
+        // Stopped by SIGTERM / Ctrl-C (the ranks saved): 130, as the launcher exits, with
+        // the command that goes on.
+        Ok(o) if o.interrupted => {
+            let argv: Vec<String> = std::env::args().collect();
+            match (&o.last_checkpoint, o.success()) {
+                (Some(path), true) => eprintln!(
+                    "interrupted: saved {path}; go on with: {}",
+                    resume_command(&argv, path, false)
+                ),
+                (Some(path), false) => eprintln!(
+                    "interrupted before the save finished; the last complete checkpoint is {path}; go on with: {}",
+                    resume_command(&argv, path, false)
+                ),
+                (None, _) => eprintln!("interrupted before any checkpoint was saved"),
+            }
+            std::process::ExitCode::from(130)
+        }
         Ok(o) if o.success() => std::process::ExitCode::SUCCESS,
         Ok(o) => {
             if let Some(f) = &o.failure {
@@ -512,10 +529,85 @@ pub fn relaunch_unless_launched(default_ranks: usize) -> Option<std::process::Ex
     })
 }
 
+/// The command that goes on from `checkpoint`: `argv` (the command as run, `cargo trl ...`
+/// for the cargo subcommand) with `--resume_from_checkpoint checkpoint` for the program, set
+/// where the program's flags are (after a `--` when `separated` and the command has one; an
+/// existing value replaced), quoted for a POSIX shell.
+pub fn resume_command(argv: &[String], checkpoint: &str, separated: bool) -> String {
+    let mut words: Vec<String> = match argv {
+        [exe, sub, rest @ ..] if sub == "trl" && exe.ends_with("cargo-trl") => {
+            ["cargo".to_string(), "trl".to_string()]
+                .into_iter()
+                .chain(rest.iter().cloned())
+                .collect()
+        }
+        _ => argv.to_vec(),
+    };
+    let program_flags = match separated {
+        true => words.iter().position(|w| w == "--").map(|i| i + 1),
+        false => Some(1),
+    };
+    let flag = "--resume_from_checkpoint";
+    let existing = program_flags.and_then(|from| {
+        (from..words.len()).find(|&i| words[i] == flag || words[i].starts_with(&format!("{flag}=")))
+    });
+    match (existing, program_flags) {
+        (Some(i), _) if words[i] == flag && i + 1 < words.len() => words[i + 1] = checkpoint.into(),
+        (Some(i), _) => words[i] = format!("{flag}={checkpoint}"),
+        (None, Some(_)) => words.extend([flag.to_string(), checkpoint.to_string()]),
+        (None, None) => words.extend(["--".into(), flag.to_string(), checkpoint.to_string()]),
+    }
+    words
+        .iter()
+        .map(|w| shell_quote(w))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn shell_quote(w: &str) -> String {
+    let plain = !w.is_empty()
+        && w.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+    match plain {
+        true => w.to_string(),
+        false => format!("'{}'", w.replace('\'', "'\\''")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
+
+    #[test]
+    fn the_resume_hint_is_a_valid_command() {
+        let v = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+        let ck = "out/checkpoint-7";
+        assert_eq!(
+            resume_command(&v("/x/cargo-trl trl launch --profile multi_cpu sft -- --num_train_epochs 8"), ck, true),
+            "cargo trl launch --profile multi_cpu sft -- --num_train_epochs 8 --resume_from_checkpoint out/checkpoint-7"
+        );
+        assert_eq!(
+            resume_command(
+                &v("/x/cargo-trl trl launch --profile multi_cpu sft"),
+                ck,
+                true
+            ),
+            "cargo trl launch --profile multi_cpu sft -- --resume_from_checkpoint out/checkpoint-7"
+        );
+        assert_eq!(
+            resume_command(
+                &v("/x/cargo-trl trl launch sft -- --resume_from_checkpoint latest"),
+                ck,
+                true
+            ),
+            "cargo trl launch sft -- --resume_from_checkpoint out/checkpoint-7"
+        );
+        assert_eq!(
+            resume_command(&v("target/release/sft --learning_rate 1e-4"), "my dir/checkpoint-7", false),
+            "target/release/sft --learning_rate 1e-4 --resume_from_checkpoint 'my dir/checkpoint-7'"
+        );
+    }
 
     /// The automatic port stays taken from its choice on (no other job can bind it), and its
     /// socket survives exec into the workers (not close-on-exec). That rank 0 serves on it is

@@ -343,15 +343,58 @@ pub fn finish(
     let json = serde_json::to_string_pretty(state).expect("state serialises");
     std::fs::write(tmp.join(STATE_FILE), json)
         .map_err(|e| io(format!("cannot write {STATE_FILE}"), e))?;
+    // Every file on disk before the directory is renamed into place, and the rename itself
+    // after: after a power loss a checkpoint-N is whole or absent, never empty files.
+    sync_tree(tmp).map_err(|e| io(format!("cannot sync {}", tmp.display()), e))?;
     if final_dir.exists() {
         retire(&final_dir).map_err(|e| io(format!("cannot replace {}", final_dir.display()), e))?;
     }
     std::fs::rename(tmp, &final_dir)
         .map_err(|e| io(format!("cannot move {} into place", final_dir.display()), e))?;
+    sync_dir(output_dir).map_err(|e| io(format!("cannot sync {}", output_dir.display()), e))?;
     if let Some(keep) = keep.filter(|k| *k > 0) {
         prune(output_dir, keep, state.best_model_checkpoint.as_deref());
     }
     Ok(final_dir)
+}
+
+/// fsync(2) of every file under `dir` (its sub-directories too), then of `dir`.
+fn sync_tree(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        match path.is_dir() {
+            true => sync_tree(&path)?,
+            false => std::fs::File::open(&path)?.sync_all()?,
+        }
+    }
+    sync_dir(dir)
+}
+
+/// fsync(2) of a directory: its entries (a rename into it) on disk.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Removes what an interrupted save left in `output_dir`: hidden staging directories
+/// (`.checkpoint-N.tmp`, full size) and half-retired old checkpoints (`.retired-*`). Called
+/// once at the start of a run, by one rank, before anything is saved.
+pub fn clear_stale(output_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(output_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let staging = name.starts_with(".checkpoint-") && name.ends_with(".tmp");
+        if (staging || name.starts_with(".retired-")) && entry.path().is_dir() {
+            match std::fs::remove_dir_all(entry.path()) {
+                Ok(()) => tracing::info!(
+                    "removed {}, left by an interrupted save",
+                    entry.path().display()
+                ),
+                Err(e) => tracing::warn!("cannot remove {}: {e}", entry.path().display()),
+            }
+        }
+    }
 }
 
 /// Retires the oldest checkpoints beyond `keep`, never the newest (to resume from) nor `best`,

@@ -254,6 +254,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         if main {
             std::fs::create_dir_all(&out_dir)
                 .map_err(|e| Error::io(format!("cannot create {}", out_dir.display()), e))?;
+            checkpoint::clear_stale(&out_dir);
         }
         self.announce_start()?;
         reset_memory_peak(self.ctx.device());
