@@ -306,3 +306,47 @@ fn an_interrupted_save_leaves_nothing_behind_at_the_next_start() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// Rows that give nothing to train on (an empty conversation, a user-only one under the
+/// bundled job's assistant_only_loss) are named by file and line, and skipped with a count
+/// under `--skip_bad_rows true`.
+#[test]
+fn a_row_with_nothing_to_train_on_is_named_and_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut rows: Vec<String> = std::fs::read_to_string(root.join("assets/tiny/data/train.jsonl"))
+        .unwrap()
+        .lines()
+        .take(40)
+        .map(String::from)
+        .collect();
+    rows.insert(2, r#"{"messages": []}"#.into());
+    rows.insert(
+        4,
+        r#"{"messages": [{"role": "user", "content": "What is 1 + 1?"}]}"#.into(),
+    );
+    let data = tmp.path().join("rows.jsonl");
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let data = data.to_str().unwrap();
+    let out = tmp.path().join("out");
+    let o = sft(&out, 2, &["--dataset_name", data]);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success());
+    assert!(
+        err.contains(data) && err.contains("line 3") && err.contains("`messages` is empty"),
+        "{err}"
+    );
+    assert!(!err.contains("chat_template"), "blames the template: {err}");
+    let o = sft(
+        &out,
+        2,
+        &["--dataset_name", data, "--skip_bad_rows", "true"],
+    );
+    let text = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("skipped 2 bad row(s)"), "{text}");
+    assert!(
+        text.contains("first at line 3: `messages` is empty"),
+        "{text}"
+    );
+}

@@ -248,7 +248,7 @@ impl<R> Collector<'_, R> {
                 return Err(Error::Config {
                     file: self.path.display().to_string(),
                     key: format!("{} {at}", self.unit),
-                    message: format!("{why} (set the bad-row policy to skip to drop such rows)"),
+                    message: format!("{why} (--skip_bad_rows true skips such rows, with a count)"),
                 })
             }
         }
@@ -256,9 +256,9 @@ impl<R> Collector<'_, R> {
     }
 
     fn finish(self) -> Loaded<R> {
-        if let Some((first, _)) = self.out.skipped.first() {
+        if let Some((first, why)) = self.out.skipped.first() {
             tracing::warn!(
-                "{}: skipped {} malformed row(s), first at {} {first}",
+                "{}: skipped {} bad row(s) (malformed, or nothing to train on), first at {} {first}: {why}",
                 self.path.display(),
                 self.out.skipped.len(),
                 self.unit
@@ -398,6 +398,44 @@ pub struct TokenizeOptions {
     pub completion_only_loss: bool,
     /// Loss on `{% generation %}` spans only (conversational data).
     pub assistant_only_loss: bool,
+}
+
+impl TokenizeOptions {
+    /// Why `record` would give no token to train on under these options (None: it gives
+    /// some), known from its structure: no conversation, no assistant turn under
+    /// assistant_only_loss, an empty completion, a completion mask with nothing in it. Row
+    /// parsers check it so that such a row is named by its file and line, and skipped with
+    /// the others under skip_bad_rows.
+    pub fn untrainable(&self, record: &Record) -> Option<String> {
+        let empty = |c: &Content| match c {
+            Content::Text(t) => t.is_empty(),
+            Content::Messages(m) => m.is_empty(),
+        };
+        match record {
+            Record::Text(t) if t.is_empty() => Some("empty text: nothing to train on".into()),
+            Record::Messages { messages, .. } if messages.is_empty() => {
+                Some("`messages` is empty: nothing to train on".into())
+            }
+            Record::Messages { messages, .. }
+                if self.assistant_only_loss && !messages.iter().any(|m| m.role == "assistant") =>
+            {
+                Some("no assistant message: assistant_only_loss trains on assistant turns only, so this row has nothing to train on".into())
+            }
+            Record::PromptCompletion { completion, .. } if empty(completion) => {
+                Some("the completion is empty: nothing to train on".into())
+            }
+            Record::Tokens {
+                completion_mask: Some(mask),
+                ..
+            } if !mask.iter().any(|&m| m) => {
+                Some("`completion_mask` marks no token: nothing to train on".into())
+            }
+            Record::Tokens { input_ids, .. } if input_ids.is_empty() => {
+                Some("`input_ids` is empty: nothing to train on".into())
+            }
+            _ => None,
+        }
+    }
 }
 
 impl Default for TokenizeOptions {

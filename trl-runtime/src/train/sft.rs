@@ -53,9 +53,15 @@ impl TrainData {
             assistant_only_loss: config.assistant_only_loss,
         };
         let text_field = &config.dataset_text_field;
-        let (train, eval) = config
-            .training
-            .load_data(&|v| parse_record_in(v, text_field))?;
+        // A row that gives no token to train on is a bad row: named by file and line, or
+        // skipped with the others under skip_bad_rows.
+        let (train, eval) = config.training.load_data(&|v| {
+            let record = parse_record_in(v, text_field)?;
+            match opts.untrainable(&record) {
+                Some(why) => Err(why),
+                None => Ok(record),
+            }
+        })?;
         let train_examples = tokenize_all(&train, tokenizer, opts)?;
         let train_rows: Vec<PackedSequence> = if config.packing {
             let strategy = PackingStrategy::parse(&config.packing_strategy).expect("validated");
