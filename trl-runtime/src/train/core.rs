@@ -378,10 +378,13 @@ pub(super) fn resume_spec(config: &TrainingArguments) -> Option<String> {
 }
 
 /// Where a run starts: a fresh state, or the trainer state of the checkpoint
-/// `config.resume_from_checkpoint` names (its directory and step, for the model's resume).
+/// `config.resume_from_checkpoint` names (its directory and step, for the model's resume),
+/// its data position on this run's layout (`sampler`'s, see [`convert_position`]).
 fn resume_state(
     config: &TrainingArguments,
     total_steps: usize,
+    sampler: &DistributedSampler,
+    steps_per_epoch: usize,
 ) -> Result<(TrainerState, Option<(PathBuf, u64)>)> {
     let mut state = TrainerState {
         total_steps,
@@ -407,7 +410,17 @@ fn resume_state(
             state.global_step
         );
         resume_from = Some((ckpt, state.global_step as u64));
+        let micro = (
+            config.per_device_train_batch_size,
+            config.gradient_accumulation_steps,
+        );
+        convert_position(&mut state, sampler, micro, steps_per_epoch, config);
     }
+    let (batch, accumulation) = (
+        config.per_device_train_batch_size,
+        config.gradient_accumulation_steps,
+    );
+    state.effective_batch = Some(batch * sampler.world * accumulation);
     Ok((state, resume_from))
 }
 
@@ -648,18 +661,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             resume_from_checkpoint: resume_spec(args),
             ..args.clone()
         };
-        let (mut state, resume_from) = resume_state(args, total_steps)?;
-        let rows_per_step = batch * dp.size() * args.gradient_accumulation_steps;
-        if resume_from.is_some() {
-            convert_position(
-                &mut state,
-                &sampler,
-                (batch, args.gradient_accumulation_steps),
-                steps_per_epoch,
-                args,
-            );
-        }
-        state.effective_batch = Some(rows_per_step);
+        let (state, resume_from) = resume_state(args, total_steps, &sampler, steps_per_epoch)?;
         // The model, parallel as the launch says, resumed where asked.
         let Built {
             model,
