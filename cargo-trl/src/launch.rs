@@ -86,26 +86,6 @@ pub struct Plan {
     _listener: Option<std::net::TcpListener>,
 }
 
-pub fn gpus_present() -> usize {
-    // Device nodes of the NVIDIA driver; CUDA_VISIBLE_DEVICES narrows them as CUDA does.
-    let nodes = std::fs::read_dir("/dev")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| {
-                    let n = e.file_name().to_string_lossy().into_owned();
-                    n.strip_prefix("nvidia").is_some_and(|rest| {
-                        !rest.is_empty() && rest.chars().all(|c| c.is_ascii_digit())
-                    })
-                })
-                .count()
-        })
-        .unwrap_or(0);
-    match std::env::var("CUDA_VISIBLE_DEVICES") {
-        Ok(v) if !v.trim().is_empty() => v.split(',').count().min(nodes),
-        _ => nodes,
-    }
-}
-
 fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
     if let Some(name) = &args.profile {
         if name == "auto" {
@@ -151,7 +131,7 @@ fn program_settings(
     args: &LaunchArgs,
     cpu: bool,
 ) -> Result<(trl_runtime::train::TrainingArguments, Option<bool>), String> {
-    let gpu = !cpu && gpus_present() > 0;
+    let gpu = !cpu && crate::machine::gpus_present() > 0;
     let target = target::resolve(args.target.as_deref())?.for_gpu(gpu);
     let program = target::build(&target, !args.debug)?;
     match tp_plan::ask(&program, &args.program_args, 1) {
@@ -306,7 +286,7 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
             (dir, entries)
         });
     if !cfg.use_cpu && cfg.distributed_type != DistributedType::MultiCpu {
-        let present = gpus_present();
+        let present = crate::machine::gpus_present();
         let wanted: Vec<u32> = match &cfg.gpu_ids {
             GpuIds::All => (0..nproc as u32).collect(),
             GpuIds::List(l) => l.clone(),
@@ -365,7 +345,7 @@ pub fn plan(args: &LaunchArgs) -> Result<Plan, String> {
     let threads = match args.accelerate.num_cpu_threads_per_process {
         Some(n) => n.max(1),
         None if cfg.use_cpu || cfg.distributed_type == DistributedType::MultiCpu => {
-            cpu_threads_per_process(nproc)
+            crate::machine::cpu_threads_per_process(nproc)
         }
         None => 1,
     };
@@ -617,10 +597,4 @@ fn interrupted(outcome: &spawn::JobOutcome) -> u8 {
         ),
     }
     EXIT_INTERRUPTED
-}
-
-/// Compute threads of each of `nproc` CPU processes on this machine: its cores shared out.
-pub fn cpu_threads_per_process(nproc: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / nproc.max(1)).max(1)
 }

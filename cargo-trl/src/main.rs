@@ -12,6 +12,7 @@ mod accelerate_flags;
 mod config_cmd;
 mod env;
 mod launch;
+mod machine;
 mod merge;
 mod new;
 mod plan;

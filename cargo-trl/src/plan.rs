@@ -223,7 +223,7 @@ impl Machine {
     pub fn cpu(processes: usize, machines: usize) -> Result<Self, String> {
         // A rank's matmul rate with every rank's threads busy, the share of its step the
         // matmuls take and what LoRA adds, with the threads `cargo trl launch` gives a rank.
-        let threads = crate::launch::cpu_threads_per_process(processes);
+        let threads = crate::machine::cpu_threads_per_process(processes);
         let host = host_memory();
         Ok(Machine {
             gpu: false,
@@ -633,7 +633,7 @@ pub fn auto(
     let gpus = if use_cpu {
         0
     } else {
-        crate::launch::gpus_present()
+        crate::machine::gpus_present()
     };
     let machine = match gpus {
         0 => Machine::cpu(processes.unwrap_or(2) as usize, 1)?,
