@@ -41,6 +41,7 @@ enum Cargo {
 
 #[derive(Subcommand)]
 enum Command {
+    #[command(verbatim_doc_comment)]
     /// Run a program on every local rank with torchrun's environment, supervised.
     ///
     /// Examples:
@@ -56,6 +57,7 @@ enum Command {
     ///
     /// Example: cargo trl new my-sft && cd my-sft && cargo trl launch --profile multi_cpu
     New(new::NewArgs),
+    #[command(verbatim_doc_comment)]
     /// Per-rank memory and speed of every layout the hardware allows; marks what fits, picks the fastest.
     ///
     /// Examples:
@@ -77,6 +79,7 @@ enum Command {
         #[arg(num_args = 0..=2)]
         action: Vec<String>,
     },
+    #[command(verbatim_doc_comment)]
     /// Write a launch config by questions (like `accelerate config`) or from flags.
     ///
     /// Examples:
@@ -134,6 +137,10 @@ fn report<E: std::fmt::Display>(outcome: Result<String, E>) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    // Output piped into `head` ends quietly, as a command-line tool's does, not with a
+    // panic on the broken pipe.
+    // SAFETY: restoring a signal's default disposition before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     // Invoked directly (`cargo-trl profiles`) or by cargo (`cargo trl profiles`).
     let mut args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) != Some("trl") {
@@ -200,6 +207,7 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
         Command::Profiles { .. } => {
+            println!("{:<22} DISTRIBUTED_TYPE AND LAYOUT", "PROFILE");
             for (name, yaml) in PROFILES {
                 match LaunchConfig::from_yaml_str(yaml, name) {
                     Ok(cfg) => println!("{name:<22} {}", describe(&cfg)),

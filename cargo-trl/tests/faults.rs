@@ -337,6 +337,7 @@ fn a_row_with_nothing_to_train_on_is_named_and_skipped() {
         "{err}"
     );
     assert!(!err.contains("chat_template"), "blames the template: {err}");
+    assert!(err.contains("--skip_bad_rows true"), "{err}");
     let o = sft(
         &out,
         2,
@@ -348,5 +349,21 @@ fn a_row_with_nothing_to_train_on_is_named_and_skipped() {
     assert!(
         text.contains("first at line 3: `messages` is empty"),
         "{text}"
+    );
+    // A line that is not JSON: the file's line number, the column, the flag that skips.
+    let broken = tmp.path().join("broken.jsonl");
+    let mut lines = rows[..2].to_vec();
+    lines.extend(rows[3..4].iter().cloned());
+    lines.extend(rows[5..].iter().cloned());
+    lines.insert(4, r#"{"messages": [{"role": "user""#.into());
+    std::fs::write(&broken, lines.join("\n") + "\n").unwrap();
+    let o = sft(&out, 2, &["--dataset_name", broken.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        err.contains("line 5")
+            && err.contains("not valid JSON at column")
+            && !err.contains("line 1 column")
+            && err.contains("--skip_bad_rows true"),
+        "{err}"
     );
 }

@@ -444,6 +444,22 @@ fn the_readme_full_and_lora_jobs_keep_their_checkpoints_and_score_as_trained() {
         checkpoint.join("adapter_model.safetensors").exists(),
         "{stdout}"
     );
+    // Written as the rest of the checkpoint: its mode, a plain base path.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |f: &str| {
+        std::fs::metadata(checkpoint.join(f))
+            .unwrap()
+            .permissions()
+            .mode()
+    };
+    assert_eq!(
+        mode("adapter_model.safetensors"),
+        mode("adapter_config.json")
+    );
+    let config = std::fs::read_to_string(checkpoint.join("adapter_config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    let base = config["base_model_name_or_path"].as_str().unwrap();
+    assert!(!base.contains(".."), "{base}");
     assert_eq!(
         weights(&full_dir),
         before,

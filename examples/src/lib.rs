@@ -73,7 +73,10 @@ pub fn launch<C: TrainerConfig>(
 /// from the repository root, so the program runs from any directory.
 pub fn bundled_job<C: TrainerConfig>(file: &str) -> trl_runtime::Result<C> {
     let (mut config, _) = C::read(&assets::default_dir().join(file))?;
+    // Canonical, so that what the run writes (an adapter's base_model_name_or_path) reads
+    // as a plain path, not `examples/../assets/tiny/../..`.
     let root = assets::default_dir().join("../..");
+    let root = std::fs::canonicalize(&root).unwrap_or(root);
     let t = config.training_mut();
     let paths = [&mut t.model_name_or_path, &mut t.dataset_name]
         .into_iter()

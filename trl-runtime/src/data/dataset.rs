@@ -291,12 +291,29 @@ fn jsonl_rows<R>(path: &Path, on_bad: OnBadRow, parse: RowParser<'_, R>) -> Resu
         if line.trim().is_empty() {
             continue;
         }
+        // serde_json places its error within the line it was given ("at line 1 column
+        // 93"): the column is what is left to say.
         let parsed = serde_json::from_str::<Value>(&line)
-            .map_err(|e| format!("not valid JSON: {e}"))
+            .map_err(|e| {
+                format!(
+                    "not valid JSON at column {}: {}",
+                    e.column(),
+                    json_reason(&e)
+                )
+            })
             .and_then(|v| parse(&v));
         rows.add(i + 1, parsed)?;
     }
     Ok(rows.finish())
+}
+
+/// serde_json's message without its position.
+fn json_reason(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    match text.rfind(" at line ") {
+        Some(i) => text[..i].to_string(),
+        None => text,
+    }
 }
 
 /// Reads a Parquet file row by row; each row becomes the same JSON object a JSONL line would

@@ -545,7 +545,13 @@ pub fn save(
             ))
         })
         .collect::<Result<_>>()?;
-    candle_core::safetensors::save(&named, dir.join(ADAPTER_WEIGHTS))?;
+    let weights = dir.join(ADAPTER_WEIGHTS);
+    candle_core::safetensors::save(&named, &weights)?;
+    // safetensors writes through a private temporary file (mode 0600): the mode of the rest
+    // of the checkpoint, as peft's files have.
+    if let Ok(meta) = std::fs::metadata(dir.join(ADAPTER_CONFIG)) {
+        let _ = std::fs::set_permissions(&weights, meta.permissions());
+    }
     Ok(())
 }
 

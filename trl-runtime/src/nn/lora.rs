@@ -26,6 +26,16 @@ pub enum Targets {
     Names(Vec<String>),
 }
 
+/// As peft and TRL spell it: `all-linear`, or the names.
+impl std::fmt::Display for Targets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Targets::AllLinear => write!(f, "all-linear"),
+            Targets::Names(names) => write!(f, "{}", names.join(" ")),
+        }
+    }
+}
+
 /// TRL's ModelConfig LoRA keys, resolved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraConfig {

@@ -1341,7 +1341,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 let trainable = self.trainable_parameters();
                 let all = self.model.num_parameters() + trainable;
                 format!(
-                    "LoRA adapters (r {}, {:?}): {trainable} trainable of {all} parameters ({:.2}%)",
+                    "LoRA adapters (r {}, {}): {trainable} trainable of {all} parameters ({:.2}%)",
                     lora.r,
                     lora.targets,
                     100.0 * trainable as f64 / all as f64
