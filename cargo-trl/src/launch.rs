@@ -576,25 +576,6 @@ fn check_tp_plan(plan: &Plan, program: &Path, args: &LaunchArgs) -> Result<(), S
 
 /// What a stopped job left behind, and how to go on from it.
 fn interrupted(outcome: &spawn::JobOutcome) -> u8 {
-    let clean = outcome
-        .statuses
-        .iter()
-        .all(|s| s.is_some_and(|s| s.success()));
-    let argv: Vec<String> = std::env::args().collect();
-    let again = |path: &str| spawn::resume_command(&argv, path, true);
-    match (&outcome.last_checkpoint, clean) {
-        (Some(path), true) => eprintln!(
-            "interrupted: the workers saved {path} and stopped; go on with: {}",
-            again(path)
-        ),
-        (Some(path), false) => eprintln!(
-            "interrupted: the workers were stopped before they finished saving; the last complete checkpoint is {path}; go on with: {}",
-            again(path)
-        ),
-        (None, true) => eprintln!("interrupted: the workers stopped"),
-        (None, false) => eprintln!(
-            "interrupted: the workers were stopped before they saved (no checkpoint was reported on this node)"
-        ),
-    }
+    eprintln!("{}", outcome.interrupted_note(true));
     EXIT_INTERRUPTED
 }

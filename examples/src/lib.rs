@@ -87,15 +87,23 @@ pub fn bundled_job<C: TrainerConfig>(file: &str) -> trl_runtime::Result<C> {
     Ok(config)
 }
 
-/// Whether the flags name a model or a dataset (a `--config` file replaces the defaults
-/// anyway): read by applying them over empty paths.
-fn names_model_or_data<C: TrainerConfig>(cli: &Cli<C>) -> bool {
+/// The paths the flags name: their values applied over empty model, dataset and output
+/// paths (empty: not named).
+fn named_by_flags<C: TrainerConfig>(cli: &Cli<C>) -> C {
     let mut probe = C::default();
     let t = probe.training_mut();
     t.model_name_or_path = Default::default();
     t.dataset_name = Default::default();
+    t.output_dir = Default::default();
     // A flag that does not apply is reported by `resolve_over`, which reads them again.
     let _ = cli.apply(&mut probe);
+    probe
+}
+
+/// Whether the flags name a model or a dataset (a `--config` file replaces the defaults
+/// anyway).
+fn names_model_or_data<C: TrainerConfig>(cli: &Cli<C>) -> bool {
+    let probe = named_by_flags(cli);
     let t = probe.training();
     let named = |p: &std::path::Path| !p.as_os_str().is_empty();
     named(&t.model_name_or_path) || named(&t.dataset_name) || !t.datasets.0.is_empty()
@@ -104,13 +112,12 @@ fn names_model_or_data<C: TrainerConfig>(cli: &Cli<C>) -> bool {
 /// Whether the flags name the output directory (a --config file replaces the defaults, so
 /// its output_dir counts as named).
 fn names_output_dir<C: TrainerConfig>(cli: &Cli<C>) -> bool {
-    if cli.config.is_some() {
-        return true;
-    }
-    let mut probe = C::default();
-    probe.training_mut().output_dir = Default::default();
-    let _ = cli.apply(&mut probe);
-    !probe.training().output_dir.as_os_str().is_empty()
+    cli.config.is_some()
+        || !named_by_flags(cli)
+            .training()
+            .output_dir
+            .as_os_str()
+            .is_empty()
 }
 
 /// What a finished run prints (main process): where a preempted run saved after `step`, else

@@ -65,6 +65,14 @@ impl DistributedSampler {
             .collect()
     }
 
+    /// Optimizer steps of `accumulation` micro-batches of `batch` rows in the rest of an
+    /// epoch from position `start` (the whole epoch from 0): the last takes what is left.
+    pub fn steps_from(&self, batch: usize, accumulation: usize, start: usize) -> usize {
+        self.deal_from(batch, start)
+            .rounds()
+            .div_ceil(accumulation.max(1))
+    }
+
     /// How the rest of an epoch from position `start` is dealt (its rounds).
     pub fn deal_from(&self, batch: usize, start: usize) -> BatchDeal {
         BatchDeal {

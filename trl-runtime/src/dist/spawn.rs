@@ -360,28 +360,19 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
             t.saturating_duration_since(Instant::now())
                 .min(job.monitor_interval)
         });
-        let mut first = true;
-        loop {
-            let next = match first {
-                true => exited.recv_timeout(wait),
-                false => exited
-                    .try_recv()
-                    .map_err(|_| std::sync::mpsc::RecvTimeoutError::Timeout),
-            };
-            first = false;
-            match next {
-                Ok((i, status)) => {
-                    let status = status?;
-                    statuses[i] = Some(status);
-                    if !status.success() && !stopping && !forwarded {
-                        failures.push((i, status));
-                        settle_until.get_or_insert(Instant::now() + SETTLE);
-                    }
-                }
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => break,
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(std::io::Error::other("a worker's waiter stopped"))
-                }
+        let first = match exited.recv_timeout(wait) {
+            Ok(exit) => Some(exit),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(std::io::Error::other("a worker's waiter stopped"))
+            }
+        };
+        for (i, status) in first.into_iter().chain(exited.try_iter()) {
+            let status = status?;
+            statuses[i] = Some(status);
+            if !status.success() && !stopping && !forwarded {
+                failures.push((i, status));
+                settle_until.get_or_insert(Instant::now() + SETTLE);
             }
         }
         let settled = settle_until.is_some_and(|t| Instant::now() >= t)
@@ -500,19 +491,10 @@ pub fn relaunch_unless_launched(default_ranks: usize) -> Option<std::process::Ex
     Some(match outcome {
         // Stopped by SIGTERM / Ctrl-C (the ranks saved): 130, as the launcher exits, with
         // the command that goes on.
+        // Stopped by SIGTERM / Ctrl-C (the ranks saved): 130, as the launcher exits, with
+        // the command that goes on.
         Ok(o) if o.interrupted => {
-            let argv: Vec<String> = std::env::args().collect();
-            match (&o.last_checkpoint, o.success()) {
-                (Some(path), true) => eprintln!(
-                    "interrupted: saved {path}; go on with: {}",
-                    resume_command(&argv, path, false)
-                ),
-                (Some(path), false) => eprintln!(
-                    "interrupted before the save finished; the last complete checkpoint is {path}; go on with: {}",
-                    resume_command(&argv, path, false)
-                ),
-                (None, _) => eprintln!("interrupted before any checkpoint was saved"),
-            }
+            eprintln!("{}", o.interrupted_note(false));
             std::process::ExitCode::from(130)
         }
         Ok(o) if o.success() => std::process::ExitCode::SUCCESS,
@@ -527,6 +509,29 @@ pub fn relaunch_unless_launched(default_ranks: usize) -> Option<std::process::Ex
             std::process::ExitCode::FAILURE
         }
     })
+}
+
+impl JobOutcome {
+    /// What an interrupted job (SIGTERM / Ctrl-C passed on to its ranks) says: the checkpoint
+    /// its ranks saved and the command that goes on from it (`separated`: the command passes
+    /// the program's flags after a `--`, as `cargo trl launch` does).
+    pub fn interrupted_note(&self, separated: bool) -> String {
+        let clean = self.statuses.iter().all(|s| s.is_some_and(|s| s.success()));
+        let argv: Vec<String> = std::env::args().collect();
+        let again = |path: &str| resume_command(&argv, path, separated);
+        match (&self.last_checkpoint, clean) {
+            (Some(path), true) => format!(
+                "interrupted: the workers saved {path} and stopped; go on with: {}",
+                again(path)
+            ),
+            (Some(path), false) => format!(
+                "interrupted: the workers were stopped before they finished saving; the last complete checkpoint is {path}; go on with: {}",
+                again(path)
+            ),
+            (None, true) => "interrupted: the workers stopped".into(),
+            (None, false) => "interrupted: the workers were stopped before they saved (no checkpoint was reported on this node)".into(),
+        }
+    }
 }
 
 /// The command that goes on from `checkpoint`: `argv` (the command as run, `cargo trl ...`

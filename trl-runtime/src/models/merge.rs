@@ -214,31 +214,40 @@ pub fn merge_adapter(
             false => name.strip_suffix(".weight").unwrap_or(name),
         };
         let part = |p: &str| adapters.get(&format!("{stem}.{p}"));
-        if let (Some(a), Some(b)) = (part("lora_embedding_A"), part("lora_embedding_B")) {
-            // An embedding's LoRA: W + (B A)^T scale.
+        // An embedding's adapters, as the layer computes its table (embedding_adapter).
+        use crate::nn::embedding_adapter::EmbeddingAdapter;
+        let table = match (part("lora_embedding_A"), part("lora_embedding_B")) {
+            (Some(a), Some(b)) => Some(EmbeddingAdapter::Lora {
+                a: a.clone(),
+                b: b.clone(),
+                scale,
+            }),
+            _ => match part("token_adapter.trainable_tokens_delta") {
+                Some(rows) => {
+                    let indices = config
+                        .trainable_token_indices
+                        .iter()
+                        .find(|(m, _)| stem == m || stem.ends_with(&format!(".{m}")))
+                        .map(|(_, ids)| ids.clone())
+                        .ok_or_else(|| {
+                            Error::config(
+                                adapter_dir.join(peft::ADAPTER_CONFIG).display().to_string(),
+                                "trainable_token_indices",
+                                format!("names no rows for {stem}, whose trained rows the adapter holds"),
+                            )
+                        })?;
+                    Some(EmbeddingAdapter::Tokens {
+                        indices,
+                        rows: rows.clone(),
+                    })
+                }
+                None => None,
+            },
+        };
+        if let Some(table) = table {
             report.merged += 1;
-            let delta = (b.matmul(a)?.t()? * scale)?;
-            return Ok((w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?);
-        }
-        if let Some(rows) = part("token_adapter.trainable_tokens_delta") {
-            // Trainable tokens: their rows replaced.
-            let ids = config
-                .trainable_token_indices
-                .iter()
-                .find(|(m, _)| stem == m || stem.ends_with(&format!(".{m}")))
-                .map(|(_, ids)| ids.clone())
-                .ok_or_else(|| {
-                    Error::config(
-                        adapter_dir.join(peft::ADAPTER_CONFIG).display().to_string(),
-                        "trainable_token_indices",
-                        format!("names no rows for {stem}, whose trained rows the adapter holds"),
-                    )
-                })?;
-            report.merged += 1;
-            let index = Tensor::new(ids.as_slice(), &Device::Cpu)?;
-            let old = w.index_select(&index, 0)?;
-            let new = rows.to_dtype(w.dtype())?;
-            return Ok(w.index_add(&index, &(new - old)?, 0)?);
+            let merged = table.table(&w.to_dtype(DType::F32)?)?;
+            return Ok(merged.to_dtype(w.dtype())?);
         }
         match (
             part("lora_A.weight"),

@@ -23,6 +23,11 @@ pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<A
     freeze_base(net, config)?;
     let (linears, parameters) = lora_sites(net)?;
     let sites = table_sites(net)?;
+    let site_names = sites
+        .iter()
+        .map(|s| s.name.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
     let err = |key: &str, message: String| Error::config("training arguments", key, message);
     // The embedding a tied head shares its table with.
     let tied_to = |head: &TableSite| {
@@ -34,13 +39,14 @@ pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<A
     let tied_embedding = head.and_then(tied_to).map(|e| e.name.clone());
     let mut plan = adapter_plan(config, &linears, &parameters)?;
     // A module trained whole takes no adapter, as peft leaves it (its copy is trained).
-    plan.layers.retain(|p| {
-        let whole = !p.parameter && config.saves(&format!("{}.weight", p.name));
+    let adapted = |name: &str| {
+        let whole = config.saves(&format!("{name}.weight"));
         if whole {
-            tracing::warn!("{} is in lora_modules_to_save and lora_target_modules: it trains whole, without LoRA (as peft does)", p.name);
+            tracing::warn!("{name} is in lora_modules_to_save and lora_target_modules: it trains whole, without LoRA (as peft does)");
         }
         !whole
-    });
+    };
+    plan.layers.retain(|p| p.parameter || adapted(&p.name));
     // peft's ensure_weight_tying puts a tied head's LoRA on the embedding.
     let mut lora_tables: Vec<String> = sites
         .iter()
@@ -60,14 +66,7 @@ pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<A
     {
         return Err(err(
             "lora_target_modules",
-            format!(
-                "matches no layer of this model; its embeddings and head are {}",
-                sites
-                    .iter()
-                    .map(|s| s.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
+            format!("matches no layer of this model; its embeddings and head are {site_names}"),
         ));
     }
     // Trainable tokens by module name (peft's dict keys, or embed_tokens for a list).
@@ -79,14 +78,7 @@ pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<A
             .ok_or_else(|| {
                 err(
                     "trainable_token_indices",
-                    format!(
-                        "'{module}' names no embedding or LM head of this model (it has {})",
-                        sites
-                            .iter()
-                            .map(|s| s.name.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
+                    format!("'{module}' names no embedding or LM head of this model (it has {site_names})"),
                 )
             })?;
         // peft refuses both (trainable tokens cannot wrap its lora.Embedding).
@@ -133,14 +125,7 @@ pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<A
             tokens.retain(|(m, _)| *m != head.name);
         }
     }
-    // A module trained whole takes no adapter, as peft leaves it (its copy is trained).
-    lora_tables.retain(|name| {
-        let whole = config.saves(&format!("{name}.weight"));
-        if whole {
-            tracing::warn!("{name} is in lora_modules_to_save and lora_target_modules: it trains whole, without LoRA (as peft does)");
-        }
-        !whole
-    });
+    lora_tables.retain(|name| adapted(name));
     let planned: HashMap<&str, &PlannedAdapter> =
         plan.layers.iter().map(|p| (p.name.as_str(), p)).collect();
     // An expert's up projection takes its gate's A (one A for the fused gate_up_proj).
@@ -153,7 +138,7 @@ pub fn add_adapters(net: &mut impl Parallelize, config: &LoraConfig) -> Result<A
         } else if lora_tables.iter().any(|n| n == name) {
             linear.add_lora(name, config)?;
         }
-        if let Some((adapter, _)) = linear.table_adapter() {
+        if let Some(adapter) = linear.table_adapter() {
             tables.insert(name.to_string(), adapter.clone());
         }
         let Some(p) = planned.get(name) else {
@@ -362,10 +347,7 @@ pub fn set_trainable(
         Var::from_tensor(t)?.set(&value.to_dtype(t.dtype())?.to_device(t.device())?)?;
     }
     if let Some(extra) = values.keys().find(|k| !ours.contains(k.as_str())) {
-        let tied = matches!(
-            extra.as_str(),
-            "lm_head.weight" | "model.embed_tokens.weight"
-        );
+        let tied = [TIED_HEAD, TIED_EMBEDDING].contains(&extra.as_str());
         let hint = match tied {
             true => {
                 " (a head tied to its embedding, trained apart: this run keeps them one, \

@@ -441,11 +441,8 @@ impl LoraTarget for Embedding {
         self.weight = Weight::Local(table.detach());
         Ok(())
     }
-    fn table_adapter(&self) -> Option<(&EmbeddingAdapter, TensorId)> {
-        match (&self.adapter, &self.weight) {
-            (Some(a), Weight::Local(w)) => Some((a, w.id())),
-            _ => None,
-        }
+    fn table_adapter(&self) -> Option<&EmbeddingAdapter> {
+        self.adapter.as_ref()
     }
 }
 

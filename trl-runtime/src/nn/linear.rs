@@ -513,11 +513,8 @@ impl LoraTarget for Linear {
         self.table = Some(adapter);
         Ok(())
     }
-    fn table_adapter(&self) -> Option<(&EmbeddingAdapter, candle_core::TensorId)> {
-        match (&self.table, &self.weight) {
-            (Some(a), Weight::Local(w)) => Some((a, w.id())),
-            _ => None,
-        }
+    fn table_adapter(&self) -> Option<&EmbeddingAdapter> {
+        self.table.as_ref()
     }
     fn weight_id(&self) -> Option<candle_core::TensorId> {
         match &self.weight {

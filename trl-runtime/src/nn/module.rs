@@ -474,14 +474,8 @@ pub trait LoraTarget {
             format!("{name} is not an embedding table or an LM head"),
         ))
     }
-    /// The adapter on this table (an embedding's, or the one a head computes with) and the
-    /// id of the frozen table it adapts.
-    fn table_adapter(
-        &self,
-    ) -> Option<(
-        &super::embedding_adapter::EmbeddingAdapter,
-        candle_core::TensorId,
-    )> {
+    /// The adapter on this table (an embedding's, or the one a head computes with).
+    fn table_adapter(&self) -> Option<&super::embedding_adapter::EmbeddingAdapter> {
         None
     }
     /// Makes this layer compute with `adapter`'s table of its frozen weight (a head tied to an

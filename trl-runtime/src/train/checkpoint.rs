@@ -48,11 +48,9 @@ pub struct TrainerState {
     /// the epoch from there; 0 otherwise.
     #[serde(default)]
     pub epoch_start_row: usize,
-    /// Positions of the current epoch's order trained (all ranks), and the rows one step
-    /// trains (the effective batch): what a resume on another layout goes on from. None in
-    /// checkpoints written before them (read as the same layout).
-    #[serde(default)]
-    pub rows_in_epoch: Option<usize>,
+    /// The rows one step trains over all ranks (the effective batch): with epoch_start_row
+    /// and step_in_epoch, where in the epoch a resume on another layout goes on from. None in
+    /// checkpoints written before it (read as the same layout).
     #[serde(default)]
     pub effective_batch: Option<usize>,
 }

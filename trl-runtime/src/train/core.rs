@@ -355,10 +355,7 @@ pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
 /// with none there yet (a first start, a restart before the first save) starts from scratch
 /// with a note, so that one command serves the first start and every restart.
 pub(super) fn resume_spec(config: &TrainingArguments) -> Option<String> {
-    let restart = std::env::var("TORCHELASTIC_RESTART_COUNT")
-        .ok()
-        .and_then(|v| v.parse::<u32>().ok())
-        .filter(|&n| n > 0);
+    let restart = restart_count();
     let spec = config
         .resume_from_checkpoint
         .clone()
@@ -375,6 +372,15 @@ pub(super) fn resume_spec(config: &TrainingArguments) -> Option<String> {
         tracing::info!("restart {n}: resuming from the {spec} checkpoint");
     }
     Some(spec)
+}
+
+/// Which restart of the launcher's group this process belongs to (TORCHELASTIC_RESTART_COUNT,
+/// as torchrun sets it); None on the first start.
+fn restart_count() -> Option<u32> {
+    std::env::var("TORCHELASTIC_RESTART_COUNT")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|&n| n > 0)
 }
 
 /// Where a run starts: a fresh state, or the trainer state of the checkpoint
@@ -436,15 +442,19 @@ fn convert_position(
     steps_per_epoch: usize,
     args: &TrainingArguments,
 ) {
-    let Some(seen) = state.rows_in_epoch else {
+    // Positions of the epoch dealt before the checkpoint, all ranks: the saved run's own
+    // start plus its steps at its effective batch (a checkpoint written before the effective
+    // batch was recorded is read as this layout's).
+    let Some(saved) = state.effective_batch else {
         return;
     };
+    let seen = state.epoch_start_row + state.step_in_epoch * saved;
     state.epoch_start_row = seen.min(sampler.len);
     state.step_in_epoch = 0;
     let per_step = batch * sampler.world * accumulation;
-    let Some(saved) = state.effective_batch.filter(|&b| b != per_step) else {
+    if saved == per_step {
         return;
-    };
+    }
     let keeps = (saved % (batch * sampler.world) == 0)
         .then(|| saved / (batch * sampler.world))
         .filter(|&a| a > 0)
@@ -462,10 +472,7 @@ fn convert_position(
         return;
     }
     // The epoch's rest, then the epochs (or fraction) left, at this layout's steps.
-    let rest = sampler
-        .deal_from(batch, state.epoch_start_row)
-        .rounds()
-        .div_ceil(accumulation);
+    let rest = sampler.steps_from(batch, accumulation, state.epoch_start_row);
     let after = (args.num_train_epochs - (state.epoch + 1) as f64).max(0.0);
     let later = (after * steps_per_epoch as f64).ceil() as usize;
     state.total_steps = state.global_step + rest + later;
@@ -736,14 +743,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
 
     /// Steps of the current epoch: all of them, or a resumed epoch's rest.
     fn steps_in_this_epoch(&self) -> usize {
-        match self.state.epoch_start_row {
-            0 => self.steps_per_epoch,
-            start => self
-                .sampler
-                .deal_from(self.args.per_device_train_batch_size, start)
-                .rounds()
-                .div_ceil(self.args.gradient_accumulation_steps),
-        }
+        let (b, a) = (
+            self.args.per_device_train_batch_size,
+            self.args.gradient_accumulation_steps,
+        );
+        self.sampler.steps_from(b, a, self.state.epoch_start_row)
     }
 
     /// Epochs completed, with the fraction of the current one's micro-batches trained
@@ -1012,10 +1016,6 @@ impl<'a, N: CausalModel> Core<'a, N> {
             self.state.step_in_epoch = 0;
             self.state.epoch_start_row = 0;
         }
-        // Where the epoch stands, for a resume on another layout.
-        let rounds = self.state.step_in_epoch * self.args.gradient_accumulation_steps;
-        let dealt = rounds * self.args.per_device_train_batch_size * self.dp.size();
-        self.state.rows_in_epoch = Some((self.state.epoch_start_row + dealt).min(self.sampler.len));
         Ok((lr, grad_norm))
     }
 
@@ -1410,11 +1410,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             .append(true)
             .open(&path)
             .map_err(io)?;
-        let restart = std::env::var("TORCHELASTIC_RESTART_COUNT")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .filter(|&n| n > 0);
-        if let Some(n) = restart {
+        if let Some(n) = restart_count() {
             let line = serde_json::json!({ "restart": n, "resumed_at_step": step });
             std::io::Write::write_all(&mut file, format!("{line}\n").as_bytes()).map_err(io)?;
         }

@@ -145,8 +145,8 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             (false, true) => format!("the loss ({loss})"),
             _ => format!("the gradient norm ({grad_norm})"),
         };
-        self.skipped_steps += 1;
         if self.core.args.on_nonfinite == "skip" {
+            self.skipped_steps += 1;
             tracing::warn!(
                 "step {step}: {what} is not finite: its update was skipped ({} step(s) skipped so far; on_nonfinite skip)",
                 self.skipped_steps
@@ -308,7 +308,11 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
                 self.core.epoch(),
                 self.state.step_in_epoch == 0,
             );
-            let eval = if due.evaluate { self.evaluate()? } else { None };
+            // A step that stops the run (non-finite) is logged, not evaluated.
+            let eval = match due.evaluate && stats.stop.is_none() {
+                true => self.evaluate()?,
+                false => None,
+            };
             let improved = match &eval {
                 Some(e) => self.track_best(&flow, e)?,
                 None => false,
