@@ -11,7 +11,12 @@ use trl_runtime::candle_core::{safetensors, Device};
 /// `cargo trl launch --profile multi_cpu sft -- ARGS` for `steps` steps into `out`, a
 /// checkpoint and a metrics line every step, no evaluation.
 fn sft(out: &Path, steps: usize, args: &[&str]) -> std::process::Output {
-    let mut cmd = common::sft_launch(&["--profile", "multi_cpu"], args);
+    sft_on("multi_cpu", out, steps, args)
+}
+
+/// [`sft`] under `profile`.
+fn sft_on(profile: &str, out: &Path, steps: usize, args: &[&str]) -> std::process::Output {
+    let mut cmd = common::sft_launch(&["--profile", profile], args);
     cmd.args(["--max_steps", &steps.to_string(), "--save_steps", "1"])
         .args(["--logging_steps", "1", "--eval_dataset_name", "none"])
         .arg("--output_dir")
@@ -70,17 +75,49 @@ fn an_overflowing_learning_rate_stops_and_keeps_the_last_good_checkpoint() {
     assert!(!err.contains("TRL_PROGRESS"), "{err}");
     eprintln!("stopped at step {step}, checkpoint-{} kept", step - 1);
 
-    // Skipping instead: the run ends, its weights finite, every skipped step said.
-    let out = tmp.path().join("skip");
+    // Skipping instead: the run ends, its weights finite, every skipped step said; under
+    // DDP, ZeRO-2 and ZeRO-3 (each checks the global norm before its own update).
+    for profile in ["multi_cpu", "zero2_cpu", "zero3_cpu"] {
+        let out = tmp.path().join(format!("skip-{profile}"));
+        let args = ["--learning_rate", "1e9", "--on_nonfinite", "skip"];
+        let o = sft_on(profile, &out, 6, &args);
+        let text = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{profile}: {text}");
+        assert!(text.contains("update was skipped"), "{profile}: {text}");
+        assert!(finite_weights(&out.join("checkpoint-6")), "{profile}");
+    }
+}
+
+/// A LoRA run into the output_dir of a full run stops before training, naming the other
+/// run's checkpoints; `--overwrite_output_dir true` writes there anyway, with a warning,
+/// and the full run's checkpoint stays until rotated.
+#[test]
+fn another_runs_output_dir_is_refused_unless_overwritten() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let o = sft(&out, 2, &["--save_total_limit", "5"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lora = ["--use_peft", "--save_total_limit", "5"];
+    let o = sft(&out, 2, &lora);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success());
+    assert!(
+        err.contains("output_dir")
+            && err.contains("another run")
+            && err.contains("overwrite_output_dir"),
+        "{err}"
+    );
+    assert!(!out.join("checkpoint-2/adapter_config.json").exists());
     let o = sft(
         &out,
-        6,
-        &["--learning_rate", "1e9", "--on_nonfinite", "skip"],
+        1,
+        &[&lora[..], &["--overwrite_output_dir", "true"]].concat(),
     );
     let text = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(o.status.success(), "{text}");
-    assert!(text.contains("update was skipped"), "{text}");
-    assert!(finite_weights(&out.join("checkpoint-6")));
+    assert!(text.contains("(overwrite_output_dir)"), "{text}");
+    assert!(out.join("checkpoint-1/adapter_config.json").exists());
+    assert!(out.join("checkpoint-2/model.safetensors").exists());
 }
 
 /// The pid of the worker of `launcher` (a `cargo trl launch` process) whose RANK is `rank`.

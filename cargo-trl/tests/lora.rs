@@ -505,13 +505,12 @@ fn the_readme_full_and_lora_jobs_keep_their_checkpoints_and_score_as_trained() {
         trained,
         "the adapter in peft scores {correct}/200"
     );
+    // The README's merge command, as written (checkpoint-N: the run's last, 3000).
     let merged = tmp.path().join("merged");
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_cargo-trl"))
         .current_dir(tmp.path())
-        .args(["trl", "merge"])
-        .arg(&checkpoint)
-        .arg("--output_dir")
-        .arg(&merged)
+        .args(["trl", "merge", "output/sft-tiny-lora/checkpoint-3000"])
+        .args(["--output_dir", "merged"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -592,11 +591,31 @@ fn embedding_and_head_adapters_under_every_cpu_profile_equal_one_process() {
             "{setup}: {:?}",
             one8.weights.keys()
         );
+        // Every adapter trained: moved from its start (zero for A of an embedding's LoRA
+        // and B of a linear layer's, the base table's rows for trainable tokens).
+        let base = trl_runtime::candle_core::safetensors::load(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model/model.safetensors"),
+            &trl_runtime::candle_core::Device::Cpu,
+        )
+        .unwrap();
         for (name, w) in &one8.weights {
-            if !name.contains("q_proj.lora_A") {
-                let start = one4.weights[name].zeros_like().unwrap();
-                assert!(max_diff(w, &start) > 0.0, "{setup}: {name} is zero");
-            }
+            let start = match name {
+                n if n.ends_with("trainable_tokens_delta") => {
+                    let rows = trl_runtime::candle_core::Tensor::new(
+                        &[5u32, 17, 42],
+                        &trl_runtime::candle_core::Device::Cpu,
+                    )
+                    .unwrap();
+                    base["model.embed_tokens.weight"]
+                        .index_select(&rows, 0)
+                        .unwrap()
+                }
+                n if n.ends_with("lora_embedding_A") || n.ends_with("lora_B.weight") => {
+                    w.zeros_like().unwrap()
+                }
+                _ => continue,
+            };
+            assert!(max_diff(w, &start) > 1e-4, "{setup}: {name} did not train");
         }
         for (name, launch_args, two_dp) in common::CPU_CASES {
             if name.contains("tp") {
