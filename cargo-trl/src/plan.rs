@@ -105,9 +105,10 @@ impl Row {
             d.dp_replicate * d.dp_shard * d.tp * d.cp * d.sp
         );
         if self.setup.offload_optimizer {
-            f += match self.config.deepspeed {
-                Some(_) => " --offload_optimizer_device cpu",
-                None => " --fsdp_offload_params true",
+            f += match (&self.config.deepspeed, self.setup.offload_params) {
+                (Some(_), false) => " --offload_optimizer_device cpu",
+                (Some(_), true) => " --offload_optimizer_device cpu --offload_param_device cpu",
+                (None, _) => " --fsdp_offload_params true",
             };
         }
         for (name, v) in [
@@ -350,26 +351,34 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                         true => DType::BF16,
                         false => DType::F32,
                     });
-                    // On GPUs the sharded strategies may keep optimizer state in host memory
-                    // (DeepSpeed's offload_optimizer_device, FSDP's offload_params).
-                    let offloads: &[bool] = match (machine.gpu, strategy) {
-                        (true, Strategy::Zero(_) | Strategy::Fsdp(..)) => &[false, true],
-                        _ => &[false],
+                    // On GPUs the sharded strategies may keep state in host memory: (optimizer,
+                    // parameters). DeepSpeed offloads the optimizer (offload_optimizer_device)
+                    // and under ZeRO-3 the parameters too (offload_param_device); FSDP's
+                    // offload_params moves both.
+                    let offloads: &[(bool, bool)] = match (machine.gpu, strategy, deepspeed) {
+                        (true, Strategy::Zero(_), _) => &[(false, false), (true, false)],
+                        (true, Strategy::Fsdp(..), true) => {
+                            &[(false, false), (true, false), (true, true)]
+                        }
+                        (true, Strategy::Fsdp(..), false) => &[(false, false), (true, true)],
+                        _ => &[(false, false)],
                     };
-                    for (&checkpointing, &offload) in work
+                    for (&checkpointing, &(offload, offload_params)) in work
                         .checkpointing
                         .iter()
                         .flat_map(|c| offloads.iter().map(move |o| (c, o)))
                     {
                         let mut config = config.clone();
-                        if offload {
-                            if let Some(ds) = &mut config.deepspeed {
-                                ds.offload_optimizer_device = OffloadDevice::Cpu;
-                            }
-                            if let Some(fsdp) = &mut config.fsdp {
-                                fsdp.offload_params = true;
+                        if let Some(ds) = config.deepspeed.as_mut().filter(|_| offload) {
+                            ds.offload_optimizer_device = OffloadDevice::Cpu;
+                            if offload_params {
+                                ds.offload_param_device = OffloadDevice::Cpu;
                             }
                         }
+                        if let Some(fsdp) = config.fsdp.as_mut().filter(|_| offload) {
+                            fsdp.offload_params = true;
+                        }
+                        let launch_plan = LaunchPlan::from_config(&config);
                         let mut setup = Setup {
                             strategy,
                             dims,
@@ -380,6 +389,11 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             seq: work.seq,
                             checkpointing,
                             offload_optimizer: offload,
+                            offload_params,
+                            reduce_units: trl_runtime::parallel::zero2_units(
+                                &launch_plan,
+                                model.dims.hidden_size,
+                            ),
                             reference_copy: false,
                             gpu: machine.gpu,
                             // As trained by default: a mixture of experts' config has a
@@ -398,8 +412,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             config: config.clone(),
                             // Offloaded state shares the machine's host memory.
                             fits: peak <= machine.memory
-                                && estimate.host_optimizer * machine.per_machine
-                                    <= machine.host_memory,
+                                && estimate.host() * machine.per_machine <= machine.host_memory,
                             setup,
                             estimate,
                             time,
@@ -435,9 +448,10 @@ fn line(r: &Row) -> String {
     format!(
         "{:<4} {:<10} {:>3} {:>3} {:>3} {:>3} {:>3} {:<4} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10.0}",
         if r.fits { "fits" } else { "OOM" },
-        match r.setup.offload_optimizer {
-            true => format!("{}+off", r.profile),
-            false => r.profile.to_string(),
+        match (r.setup.offload_optimizer, r.setup.offload_params) {
+            (true, false) => format!("{}+off", r.profile),
+            (true, true) => format!("{}+offp", r.profile),
+            _ => r.profile.to_string(),
         },
         d.dp_replicate,
         d.dp_shard,
@@ -547,11 +561,15 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
                 best.flags(),
                 best.setup.checkpointing
             ));
-            if best.estimate.host_optimizer > 0 {
+            if best.estimate.host() > 0 {
+                let what = match best.estimate.host_parameters > 0 {
+                    true => "its parameter slices, gradient slices and optimizer state live",
+                    false => "its optimizer state (and gradient slices) live",
+                };
                 out.push(format!(
-                    "  its optimizer state lives in host memory: {} per rank, {} of the machine's {}",
-                    gib(best.estimate.host_optimizer),
-                    gib(best.estimate.host_optimizer * machine.per_machine),
+                    "  {what} in host memory: {} per rank, {} of the machine's {}",
+                    gib(best.estimate.host()),
+                    gib(best.estimate.host() * machine.per_machine),
                     gib(machine.host_memory)
                 ));
             }

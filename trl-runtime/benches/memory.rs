@@ -5,7 +5,10 @@
 //! byte over 12 and 16), the peak resident memory of a rank while
 //! loading the model and setting up its strategy, during one training step (peak count
 //! restarted after start-up) and over the whole run; ZeRO-3 also with zero3_init_flag (each
-//! rank reads only its slices), and every strategy with offload_optimizer_device: cpu. Every
+//! rank reads only its slices), every strategy with offload_optimizer_device: cpu, and ZeRO-3 /
+//! FSDP with the parameters offloaded too (`+offparam`; on the CPU host and device memory are
+//! one: the state offload keeps is reported apart, `host_bytes_per_rank`, against its formula,
+//! and the predicted peak adds it). Every
 //! run enters through its launch plan, as under `cargo trl launch`. With LoRA (`+lora`:
 //! use_peft, all-linear, r 16) against its formula: the frozen base B in the compute dtype
 //! (4B; 4B/N sharded under zero3) plus the adapters A as full fine-tuning keeps parameters
@@ -63,14 +66,16 @@ fn prepare(dir: &Path) -> usize {
 }
 
 /// The launch plan of a bench run: `ddp` (DeepSpeed stage 0), `zero1`..`zero3`, with
-/// `+init` (zero3_init_flag: each rank reads only its slices) and `+offload`
-/// (offload_optimizer_device: cpu).
+/// `+init` (zero3_init_flag: each rank reads only its slices), `+offload`
+/// (offload_optimizer_device: cpu) and `+offparam` (offload_param_device too; FSDP's
+/// offload_params).
 fn plan(name: &str) -> LaunchPlan {
     if name.starts_with("fsdp") {
         return LaunchPlan {
             distributed_type: DistributedType::Fsdp,
             fsdp: Some(FsdpConfig {
                 version: 2,
+                offload_params: name.contains("+offparam"),
                 ..FsdpConfig::default()
             }),
             ..LaunchPlan::default()
@@ -87,7 +92,11 @@ fn plan(name: &str) -> LaunchPlan {
         deepspeed: Some(DeepSpeedConfig {
             zero_stage: stage,
             zero3_init_flag: name.contains("+init"),
-            offload_optimizer_device: match name.contains("+offload") {
+            offload_optimizer_device: match name.contains("+off") {
+                true => OffloadDevice::Cpu,
+                false => OffloadDevice::None,
+            },
+            offload_param_device: match name.contains("+offparam") {
                 true => OffloadDevice::Cpu,
                 false => OffloadDevice::None,
             },
@@ -137,8 +146,9 @@ fn worker(name: &str, dir: &Path) {
     let step_peak = peak_rss_bytes().unwrap_or(0);
     let heap_peak = counting::peak() - base;
     let mem = trainer.memory();
-    // What `cargo trl plan` predicts for this rank, against the heap the trainer allocated.
-    let predicted = trainer.memory_estimate().map_or(0, |e| e.peak());
+    // What `cargo trl plan` predicts for this rank, against the heap the trainer allocated
+    // (on the CPU, what offload keeps in host memory is in the same heap).
+    let predicted = trainer.memory_estimate().map_or(0, |e| e.peak() + e.host());
     // A full checkpoint's peak on its own: what the step freed goes back to the OS first.
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
@@ -146,9 +156,10 @@ fn worker(name: &str, dir: &Path) {
     let save_peak = peak_rss_bytes().unwrap_or(0);
     if ctx.is_main_process() {
         println!(
-            "report {} {step_peak} {run_peak} {load_peak} {} {save_peak} {predicted} {heap_peak}",
+            "report {} {step_peak} {run_peak} {load_peak} {} {save_peak} {predicted} {heap_peak} {}",
             mem.total(),
-            offloaded as usize
+            offloaded as usize,
+            mem.host
         );
     }
 }
@@ -307,6 +318,7 @@ fn main() {
         .chain([2usize, 4].map(|w| ("zero3+init".to_string(), w)))
         .chain([2usize, 4].map(|w| ("fsdp".to_string(), w)))
         .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+offload"), 2)))
+        .chain(["zero3", "fsdp"].map(|n| (format!("{n}+offparam"), 2)))
         .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+lora"), 2)));
     let a = adapter_params();
     for (name, world) in runs {
@@ -314,10 +326,10 @@ fn main() {
         support::run_ranks(&name, world, tmp.path(), |line, _| {
             if let Some(rest) = line.strip_prefix("report ") {
                 let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
-                report = Some((v[0], v[1], v[2], v[3], v[4] == 1, v[5], v[6], v[7]));
+                report = Some((v[0], v[1], v[2], v[3], v[4] == 1, v[5], v[6], v[7], v[8]));
             }
         });
-        let (state, peak, run_peak, load_peak, offloaded, save_peak, predicted, heap) =
+        let (state, peak, run_peak, load_peak, offloaded, save_peak, predicted, heap, host) =
             report.expect("no report");
         let strategy = name.split('+').next().unwrap();
         let streamed = matches!(strategy, "zero3" | "fsdp") && !name.contains("+lora");
@@ -330,25 +342,33 @@ fn main() {
             false => String::new(),
         };
         let lora = name.contains("+lora");
-        // A ZeRO / FSDP slice's state has a byte per element more: its decay mask.
-        let formula = match (strategy, lora) {
-            ("zero1", false) => 8 * p + 13 * p / world,
-            ("zero2", false) => 4 * p + 17 * p / world,
-            ("zero3" | "fsdp", false) => 17 * p / world,
-            (_, false) => 20 * p,
-            ("zero1", true) => 4 * p + 8 * a + 13 * a / world,
-            ("zero2", true) => 4 * p + 4 * a + 17 * a / world,
-            ("zero3", true) => 4 * p / world + 4 * a + 17 * a / world,
-            (_, true) => 4 * p + 20 * a,
+        // A ZeRO / FSDP slice's state has a byte per element more: its decay mask. Under
+        // offload, (device, host): the optimizer state and ZeRO-2/3's gradient slices in host
+        // memory, with +offparam the parameter slices too (fp32: their own master weights).
+        let (formula, host_formula) = match (strategy, lora, name.contains("+off")) {
+            ("zero1", false, false) => (8 * p + 13 * p / world, 0),
+            ("zero2", false, false) => (4 * p + 17 * p / world, 0),
+            ("zero3" | "fsdp", false, false) => (17 * p / world, 0),
+            (_, false, false) => (20 * p, 0),
+            ("zero1", false, true) => (8 * p, 13 * p / world),
+            ("zero2", false, true) => (4 * p, 17 * p / world),
+            ("zero3" | "fsdp", false, true) if name.contains("+offparam") => (0, 17 * p / world),
+            ("zero3", false, true) => (4 * p / world, 17 * p / world),
+            (_, false, true) => (8 * p, 12 * p),
+            ("zero1", true, _) => (4 * p + 8 * a + 13 * a / world, 0),
+            ("zero2", true, _) => (4 * p + 4 * a + 17 * a / world, 0),
+            ("zero3", true, _) => (4 * p / world + 4 * a + 17 * a / world, 0),
+            (_, true, _) => (4 * p + 20 * a, 0),
         };
-        // On a CPU run offload has nothing to move to (the trainer says so): the offloaded
-        // field shows whether the state really left the compute device.
+        // On a CPU run host and device memory are one: offload runs its paths, and the
+        // report counts what it keeps in host memory apart (`host_bytes_per_rank`).
         println!(
-            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offloaded\":{offloaded},\"lora\":{lora},\"trainable_params\":{},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak},\"predicted_peak_mib\":{:.1},\"measured_peak_mib\":{:.1},\"predicted_over_measured\":{:.3}{save}}}",
+            "{{\"bench\":\"memory\",\"strategy\":\"{strategy}\",\"efficient_loading\":{},\"offload_requested\":{},\"offload_params\":{},\"offloaded\":{offloaded},\"host_bytes_per_rank\":{host},\"host_formula_bytes\":{host_formula},\"lora\":{lora},\"trainable_params\":{},\"world\":{world},\"params\":{p},\"model_state_bytes_per_rank\":{state},\"formula_bytes\":{formula},\"state_over_formula\":{:.3},\"load_peak_bytes_per_rank\":{load_peak},\"step_peak_bytes_per_rank\":{peak},\"run_peak_bytes_per_rank\":{run_peak},\"predicted_peak_mib\":{:.1},\"measured_peak_mib\":{:.1},\"predicted_over_measured\":{:.3}{save}}}",
             name.contains("+init"),
-            name.contains("+offload"),
+            name.contains("+off"),
+            name.contains("+offparam"),
             if lora { a } else { p },
-            state as f64 / formula as f64,
+            state as f64 / formula.max(1) as f64,
             predicted as f64 / 1048576.0,
             heap as f64 / 1048576.0,
             predicted as f64 / heap as f64

@@ -12,7 +12,7 @@ use trl_runtime::dist::{DeviceMesh, DistContext};
 use trl_runtime::models::AutoModelForCausalLM;
 use trl_runtime::models::{ModelConfig, Params};
 use trl_runtime::parallel::estimate::{estimate, ModelShapes, Setup};
-use trl_runtime::parallel::{Strategy, WrapPolicy, ZeroStage};
+use trl_runtime::parallel::{Strategy, WrapPolicy, ZeroStage, DEEPSPEED_REDUCE_BUCKET};
 use trl_runtime::train::{DPOConfig, Dpo, SFTConfig, Trainer, TrainingArguments};
 
 #[path = "../benches/support/counting.rs"]
@@ -106,6 +106,8 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         seq: t.max_length,
         checkpointing: t.gradient_checkpointing,
         offload_optimizer: false,
+        offload_params: false,
+        reduce_units: (WrapPolicy::Buckets(DEEPSPEED_REDUCE_BUCKET), false),
         reference_copy: false,
         gpu: false,
         router_loss: true,

@@ -1,8 +1,8 @@
 //! A DeepSpeed JSON config (`deepspeed_config_file` in an Accelerate YAML, `--deepspeed` in
 //! transformers), read as Accelerate reads it: the ZeRO stage, offload devices, 16-bit save,
-//! gradient accumulation and clipping, micro-batch size and bf16/fp16. `"auto"` leaves a value
-//! to the training arguments. Keys that tune DeepSpeed's own engine (bucket sizes, overlap)
-//! are listed as ignored with the reason, never silently dropped.
+//! gradient accumulation and clipping, micro-batch size and bf16/fp16, ZeRO-1/2's reduce
+//! buckets and overlap. `"auto"` leaves a value to the training arguments. Keys that tune only
+//! DeepSpeed's own engine are listed as ignored with the reason, never silently dropped.
 
 use super::sections::{DeepSpeedConfig, MixedPrecision, OffloadDevice};
 use crate::error::{Error, Result};
@@ -21,15 +21,16 @@ pub struct DeepSpeedJson {
     pub gradient_clipping: Option<f64>,
     pub train_micro_batch_size_per_gpu: Option<u64>,
     pub mixed_precision: Option<MixedPrecision>,
+    /// `zero_optimization.reduce_bucket_size`: Some(None) for "auto".
+    pub reduce_bucket_size: Option<Option<u64>>,
+    pub overlap_comm: Option<bool>,
     /// `key: why` for every key that has no effect here.
     pub ignored: Vec<String>,
 }
 
 /// Tuning knobs of DeepSpeed's engine: they change its speed or memory, not the results.
 const ENGINE_TUNING: &[&str] = &[
-    "overlap_comm",
     "contiguous_gradients",
-    "reduce_bucket_size",
     "reduce_scatter",
     "allgather_bucket_size",
     "allgather_partitions",
@@ -116,6 +117,11 @@ impl DeepSpeedJson {
                             },
                             "offload_optimizer" => out.offload_optimizer_device = Some(device(&path, z)?),
                             "offload_param" => out.offload_param_device = Some(device(&path, z)?),
+                            "reduce_bucket_size" => {
+                                out.reduce_bucket_size = Some(number(&path, z)?.map(|n| n as u64))
+                            }
+                            // "auto": DeepSpeed's default for the stage.
+                            "overlap_comm" => out.overlap_comm = flag(&path, z)?,
                             "stage3_gather_16bit_weights_on_model_save"
                             | "gather_16bit_weights_on_model_save" => {
                                 out.zero3_save_16bit_model = flag(&path, z)?
@@ -162,6 +168,12 @@ impl DeepSpeedJson {
                 _ => out.ignored.push(format!("{key} (not a setting cargo-trl knows)")),
             }
         }
+        if out.zero_stage == Some(3) && out.reduce_bucket_size.is_some() {
+            out.ignored.push(
+                "zero_optimization.reduce_bucket_size (ZeRO-3 reduce-scatters each layer's gradients as its backward ends)"
+                    .into(),
+            );
+        }
         Ok(out)
     }
 
@@ -191,6 +203,12 @@ impl DeepSpeedJson {
         if self.mixed_precision.is_some() {
             c.mixed_precision = self.mixed_precision;
         }
+        if let Some(b) = self.reduce_bucket_size {
+            c.reduce_bucket_size = b;
+        }
+        if self.overlap_comm.is_some() {
+            c.overlap_comm = self.overlap_comm;
+        }
     }
 }
 
@@ -216,7 +234,8 @@ mod tests {
         assert_eq!(j.gradient_clipping, Some(1.0));
         assert_eq!(j.train_micro_batch_size_per_gpu, Some(4));
         assert_eq!(j.mixed_precision, Some(MixedPrecision::Bf16));
-        assert_eq!(j.ignored.len(), 2, "{:?}", j.ignored);
+        assert_eq!(j.overlap_comm, Some(true));
+        assert_eq!(j.ignored.len(), 1, "{:?}", j.ignored);
         let bad = DeepSpeedJson::from_str(r#"{"zero_optimization": {"stage": 5}}"#, "ds.json")
             .unwrap_err()
             .to_string();

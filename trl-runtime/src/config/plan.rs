@@ -361,6 +361,16 @@ impl LaunchPlan {
         });
         ds || self.fsdp.as_ref().is_some_and(|f| f.offload_params)
     }
+
+    /// Whether parameter slices live in host memory between uses (DeepSpeed's
+    /// offload_param_device cpu, FSDP's offload_params).
+    pub fn offload_params(&self) -> bool {
+        let ds = self
+            .deepspeed
+            .as_ref()
+            .is_some_and(|d| d.offload_param_device != OffloadDevice::None);
+        ds || self.fsdp.as_ref().is_some_and(|f| f.offload_params)
+    }
 }
 
 /// A DeepSpeed JSON's bf16 section turns bf16 on when nothing else asked for a precision (as

@@ -186,6 +186,12 @@ pub struct DeepSpeedConfig {
     pub train_micro_batch_size_per_gpu: Option<u64>,
     /// From a DeepSpeed JSON: its bf16 / fp16 section.
     pub mixed_precision: Option<MixedPrecision>,
+    /// Gradient elements ZeRO-1/2 reduce per collective (`zero_optimization.reduce_bucket_size`;
+    /// None: "auto", the model's hidden_size squared as transformers fills it).
+    pub reduce_bucket_size: Option<u64>,
+    /// Gradient reductions run while the backward goes on (`zero_optimization.overlap_comm`);
+    /// None: DeepSpeed's default, off for stages 1-2 and on for stage 3.
+    pub overlap_comm: Option<bool>,
 }
 
 impl Default for DeepSpeedConfig {
@@ -203,6 +209,8 @@ impl Default for DeepSpeedConfig {
             seq_parallel_communication_data_type: None,
             train_micro_batch_size_per_gpu: None,
             mixed_precision: None,
+            reduce_bucket_size: Some(500_000_000),
+            overlap_comm: None,
         }
     }
 }

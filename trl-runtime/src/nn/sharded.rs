@@ -1,6 +1,6 @@
-//! The layer side of ZeRO-3 / FSDP: a weight held as a slot of a wrap unit, a flat
-//! parameter vector sharded over the data-parallel group whose full value exists only while
-//! the layers using it run. `crate::parallel::fsdp` cuts a model into units and steps their
+//! The layer side of ZeRO-3 / FSDP (and ZeRO-2): a weight held as a slot of a wrap unit, a
+//! flat parameter vector sharded over the data-parallel group whose full value exists only
+//! while the layers using it run (ZeRO-2's resident units keep it; see [`Holding`]). `crate::parallel::fsdp` cuts a model into units and steps their
 //! optimizer; this module is what the layers call.
 //!
 //! The layers that use a unit's parameters (linear, norm scale, embedding lookup) run as custom
@@ -15,10 +15,38 @@ use super::chain::{adapter_product, Chain, Role};
 use crate::comm::{CommQueue, Communicator, Pending, ReduceOp};
 use crate::error::{Error, Result};
 use crate::precomputed::{with_backward3, Backward3, Precomputed, Saved3};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var};
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+/// How a unit holds its parameters and gradients between uses: the strategy's choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Holding {
+    /// The parameters stay gathered (ZeRO-2, FSDP's SHARD_GRAD_OP): only gradients and
+    /// optimizer state are sharded, and the unit is gathered again once after each update.
+    pub resident: bool,
+    /// Reduce-scatters run while the backward goes on (DeepSpeed's overlap_comm; FSDP always);
+    /// otherwise each is waited for when it starts, so one unit's gradients exist at a time.
+    pub overlap: bool,
+    /// The parameter slice lives in host memory and moves to the device for each gather
+    /// (fsdp_offload_params, DeepSpeed's offload_param).
+    pub host_params: bool,
+    /// Reduced gradient slices move to host memory as they arrive, where the update runs
+    /// (any offload of the optimizer).
+    pub host_grads: bool,
+}
+
+impl Holding {
+    /// ZeRO-3 / FSDP FULL_SHARD: gathered per use, reductions overlapped, nothing on the host.
+    pub const SHARDED: Holding = Holding {
+        resident: false,
+        overlap: true,
+        host_params: false,
+        host_grads: false,
+    };
+}
 
 /// Where each parameter lives in the flat vector.
 #[derive(Debug, Clone)]
@@ -201,8 +229,12 @@ pub struct Unit {
     /// The unit whose backward follows this one's: the previous layer unit, or for the root
     /// (whose LM head runs first in backward) the last layer unit.
     pub(crate) backward_next: OnceLock<Weak<Unit>>,
-    /// The root unit is not freed after its forward.
+    /// The root unit (and every resident one) is not freed after its forward.
     pub(crate) keep_gathered: bool,
+    pub(crate) holding: Holding,
+    /// Bytes moved between host and device memory (parameter slices to the device, gradient
+    /// slices to the host) since the last [`Unit::take_moved`].
+    pub(crate) moved: AtomicUsize,
     /// A one-element variable the embedding op hangs off, so that Candle's backward reaches
     /// the unit ops even though no parameter is a `Var`.
     pub(crate) anchor: Var,
@@ -220,7 +252,41 @@ impl Unit {
 
     pub(crate) fn start_gather(&self, st: &UnitState) -> Pending {
         let shard = st.shard.clone();
-        self.queue.submit(move |c| c.all_gather(&shard, 0))
+        // An offloaded slice goes to the device for the gather (a copy within memory when
+        // the run computes on the CPU).
+        let device = self.anchor.device().clone();
+        if self.holding.host_params {
+            self.count_moved(&shard);
+        }
+        self.queue
+            .submit(move |c| c.all_gather(&shard.to_device(&device)?, 0))
+    }
+
+    fn count_moved(&self, t: &Tensor) {
+        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+        self.moved.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Bytes moved between host and device since the last call.
+    pub fn take_moved(&self) -> usize {
+        self.moved.swap(0, Ordering::Relaxed)
+    }
+
+    /// Where the reduced gradient slice is kept: host memory under offload.
+    pub(crate) fn grad_device(&self) -> Device {
+        match self.holding.host_grads {
+            true => Device::Cpu,
+            false => self.anchor.device().clone(),
+        }
+    }
+
+    /// Sets this rank's slice to `value` and returns the old one; gathered parameters are
+    /// stale then (a resident unit gathers again at its next use).
+    pub(crate) fn replace_shard(&self, value: Tensor) -> Result<Tensor> {
+        self.reset()?;
+        let mut st = self.lock();
+        st.full = None;
+        Ok(std::mem::replace(&mut st.shard, value))
     }
 
     /// The gathered flat parameters, waiting for a prefetch or gathering now.
@@ -233,8 +299,19 @@ impl Unit {
             None => self.start_gather(st),
         };
         let full = pending.wait()?;
-        st.full = Some(full.clone());
+        self.hold_gathered(st, full.clone())?;
         Ok(full)
+    }
+
+    /// Keeps the gathered parameters `full`. A resident unit's slice (on the device) becomes
+    /// a view of them, as DeepSpeed's 16-bit partition is of its flat buffer: one copy.
+    fn hold_gathered(&self, st: &mut UnitState, full: Tensor) -> Result<()> {
+        if self.holding.resident && !self.holding.host_params {
+            let r = self.range();
+            st.shard = full.narrow(0, r.start, r.len())?;
+        }
+        st.full = Some(full);
+        Ok(())
     }
 
     /// Starts gathering this unit in the background unless it is gathered or on its way.
@@ -274,12 +351,18 @@ impl Unit {
         Ok(UnitScope(self))
     }
 
-    /// Clears what a previous forward left (an evaluation forward has no backward).
+    /// Clears what a previous forward left (an evaluation forward has no backward); a
+    /// resident unit keeps its gathered parameters.
     pub(crate) fn reset(&self) -> Result<()> {
         let mut st = self.lock();
-        st.full = None;
+        if !self.holding.resident {
+            st.full = None;
+        }
         if let Some(p) = st.gathering.take() {
-            p.wait()?;
+            let full = p.wait()?;
+            if self.holding.resident {
+                self.hold_gathered(&mut st, full)?;
+            }
         }
         st.pending = 0;
         st.in_backward = false;
@@ -311,8 +394,10 @@ impl Unit {
 
     /// Reduce-scatters the unit's full gradients into the slice this rank keeps.
     pub(crate) fn finish(&self, st: &mut UnitState) -> Result<()> {
-        if st.frozen {
+        if !self.holding.resident {
             st.full = None;
+        }
+        if st.frozen {
             return Ok(());
         }
         let device = st.shard.device().clone();
@@ -326,23 +411,30 @@ impl Unit {
                 None => Tensor::zeros(shape, DType::F32, &device),
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        st.full = None;
         let flat = self
             .layout
             .flatten_ordered(&grads.iter().collect::<Vec<_>>())?;
         drop(grads);
-        Self::collect_reduced(st)?;
+        self.collect_reduced(st)?;
         st.reducing = Some(
             self.queue
                 .submit(move |c| c.reduce_scatter(&flat, 0, ReduceOp::Sum)),
         );
+        if !self.holding.overlap {
+            self.collect_reduced(st)?;
+        }
         Ok(())
     }
 
-    /// Waits for a running reduce-scatter and adds its slice to the step's gradient.
-    pub(crate) fn collect_reduced(st: &mut UnitState) -> Result<()> {
+    /// Waits for a running reduce-scatter and adds its slice to the step's gradient (in host
+    /// memory under offload: the slice is streamed out as it arrives).
+    pub(crate) fn collect_reduced(&self, st: &mut UnitState) -> Result<()> {
         if let Some(p) = st.reducing.take() {
-            let mine = p.wait()?;
+            let mut mine = p.wait()?;
+            if self.holding.host_grads {
+                self.count_moved(&mine);
+                mine = mine.to_device(&Device::Cpu)?;
+            }
             st.grad_shard = Some(match st.grad_shard.take() {
                 Some(prev) => (prev + mine)?,
                 None => mine,

@@ -36,8 +36,14 @@ pub struct Setup {
     pub micro_batches: usize,
     pub seq: usize,
     pub checkpointing: bool,
-    /// Optimizer state (fp32 master and moments) kept in host memory.
+    /// Optimizer state (fp32 master and moments) kept in host memory, and under ZeRO-2/3 the
+    /// reduced gradient slices streamed there.
     pub offload_optimizer: bool,
+    /// Parameter slices kept in host memory (fsdp_offload_params, offload_param).
+    pub offload_params: bool,
+    /// ZeRO-2's units (full fine-tuning): DeepSpeed's reduce buckets or FSDP's wrap units
+    /// ([`super::zero2_units`]), and whether their reductions overlap the backward.
+    pub reduce_units: (WrapPolicy, bool),
     /// A second copy of the weights this rank holds (TR-DPO's reference).
     pub reference_copy: bool,
     /// On GPUs, where the fused loss's one-pass kernel takes every dtype (on the CPU, f32).
@@ -66,6 +72,8 @@ impl Setup {
             seq,
             checkpointing: false,
             offload_optimizer: false,
+            offload_params: false,
+            reduce_units: (WrapPolicy::Buckets(super::DEEPSPEED_REDUCE_BUCKET), false),
             reference_copy: false,
             gpu: false,
             router_loss: true,
@@ -92,6 +100,10 @@ pub struct Estimate {
     pub optimizer: usize,
     /// Optimizer state moved to host memory.
     pub host_optimizer: usize,
+    /// Parameter slices in host memory (parameter offload).
+    pub host_parameters: usize,
+    /// Reduced gradient slices streamed to host memory (ZeRO-2/3 with optimizer offload).
+    pub host_gradients: usize,
     /// What backward needs of the forward: per token, per layer, times the tokens of a rank.
     pub activations: usize,
     /// The runtime's own heap: tokenizer, data, host-collective buffers (measured).
@@ -124,6 +136,11 @@ impl Estimate {
     /// Model state on the device (what `Trainer::memory` reports).
     pub fn model_state(&self) -> usize {
         self.parameters + self.gradients + self.optimizer
+    }
+
+    /// What offload keeps in host memory.
+    pub fn host(&self) -> usize {
+        self.host_optimizer + self.host_parameters + self.host_gradients
     }
 
     /// The step's peak on the device, without the process's own base (runtime, CUDA context).
@@ -588,6 +605,16 @@ impl ModelShapes {
     }
 }
 
+/// Whether the layers run on wrap units' ops (ZeRO-3 / FSDP, and ZeRO-2's resident units
+/// without LoRA), which keep different intermediates from ops on whole weights.
+fn unit_ops(setup: &Setup) -> bool {
+    match setup.strategy {
+        Strategy::Fsdp(..) => true,
+        Strategy::Zero(ZeroStage::Two) => setup.lora.is_none(),
+        _ => false,
+    }
+}
+
 /// Whether a step's gradients stay in the compute dtype, as Candle's backward makes them:
 /// one micro-batch per step on a GPU with nothing to all-reduce (`Core::accumulate`; the
 /// GPU optimizer reads them as they are, in f32 math). Otherwise they are summed in fp32.
@@ -635,9 +662,13 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         .map(|(_, n)| n)
         .sum();
     let whole: usize = trained.iter().map(|(_, n)| n).sum();
-    // The ZeRO-3 / FSDP wrap units on this rank (frozen ones under LoRA).
+    // ZeRO-2 without LoRA keeps its parameters whole in resident units, reducing each
+    // unit's gradients as backward finishes it.
+    let resident = setup.strategy == Strategy::Zero(ZeroStage::Two) && setup.lora.is_none();
+    // The wrap units on this rank (frozen ones under LoRA).
     let units = match setup.strategy {
         Strategy::Fsdp(policy, _) => model.unit_sizes(tp, policy, &trained),
+        _ if resident => model.unit_sizes(tp, setup.reduce_units.0, &[]),
         _ => Vec::new(),
     };
     let (p, frozen) = match &adapters {
@@ -667,6 +698,20 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
                 p + frozen
             ));
         }
+        (Strategy::Zero(ZeroStage::Two), false) => {
+            let s: usize = units.iter().map(|&u| slice(u)).sum();
+            // The whole parameters (each unit padded to the group), this rank's slice a view
+            // of them (in host memory, a copy, under parameter offload); fp32 master weights
+            // apart.
+            e.parameters = dsz * n * s + usize::from(setup.offload_params) * dsz * s;
+            e.gradients = 4 * s;
+            opt_bytes = (12 + MASK) * s;
+            why.push(format!(
+                "zero2: {} resident units, weights {dsz} x {} whole, gradients 4 x {s}, master, moments and decay mask 13 x {s} (each unit / {n})",
+                units.len(),
+                n * s,
+            ));
+        }
         (Strategy::Zero(stage), _) => {
             e.parameters = dsz * (p + frozen);
             e.gradients = match stage {
@@ -684,10 +729,12 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         }
         (Strategy::Fsdp(..), false) => {
             let s: usize = units.iter().map(|&u| slice(u)).sum();
-            // In fp32 the slice is its own master; otherwise a compute-dtype copy beside it.
+            // In fp32 the slice is its own master (but where the optimizer alone is offloaded:
+            // its master in host memory); otherwise a compute-dtype copy beside it.
+            let own_master = dsz == 4 && (setup.offload_params || !setup.offload_optimizer);
             e.parameters = dsz * s;
             e.gradients = 4 * s;
-            opt_bytes = if dsz == 4 { 8 * s } else { 12 * s } + MASK * s;
+            opt_bytes = if own_master { 8 * s } else { 12 * s } + MASK * s;
             why.push(format!(
                 "zero3: {} units, {s} elements per rank (each unit padded to {n}): weights {dsz}, gradients 4, {} bytes of optimizer state each",
                 units.len(),
@@ -706,6 +753,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             ));
         }
     }
+    let lora_run = setup.lora.is_some();
     if setup.reference_copy {
         e.reference = e.parameters;
         why.push(format!(
@@ -715,8 +763,17 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     }
     if setup.offload_optimizer {
         e.host_optimizer = opt_bytes;
+        // The units' reduced gradient slices stream out as they arrive.
+        if !units.is_empty() && !lora_run {
+            e.host_gradients = std::mem::take(&mut e.gradients);
+        }
     } else {
         e.optimizer = opt_bytes;
+    }
+    if setup.offload_params && !units.is_empty() {
+        let slices = dsz * units.iter().map(|&u| slice(u)).sum::<usize>();
+        e.host_parameters = slices;
+        e.parameters -= slices;
     }
 
     // Activations: the tokens this rank computes, times what each layer keeps per token.
@@ -742,7 +799,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         let (dropped, chained_mlp) = if lora { (dropped, 4.0 * i) } else { (0.0, 0.0) };
         // Weights held on this rank (whole or tp's split), no adapters: the gated MLP's two
         // ops keep (gate | up) and not SwiGLU's product (`nn::gated`), i fewer.
-        let weights_held = !matches!(setup.strategy, Strategy::Fsdp(..));
+        let weights_held = !unit_ops(setup);
         let gated = |applies: bool, width: f64| match applies && weights_held && !lora {
             true => width,
             false => 0.0,
@@ -783,7 +840,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // fewer of their intermediates than the constants (measured on Qwen2 before the chain)
     // count. `moe_down`: what a sparse MLP's residual add (outside the chain) still keeps.
     let row_split = tp > 1;
-    let (chained, moe_down) = match (lora, matches!(setup.strategy, Strategy::Fsdp(..))) {
+    let (chained, moe_down) = match (lora, unit_ops(setup)) {
         // Whole weights: instead of each output before its bias, after it, its split copy
         // and attention's output merged back (6 q, 4 kv for k, 3 for v: Qwen2 has biases) and
         // the outputs the residual adds took (2 h), the rotated q and k, v split and
@@ -827,7 +884,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // those ops' intermediates. (A fused unit op for it measured 14% less step memory; the
     // step buffers below then over-count by ~3 MB at the test shape: not yet re-derived.)
     let unit_extra = match (setup.strategy, lora) {
-        (Strategy::Fsdp(..), false) => layers * 2.0 * h,
+        _ if unit_ops(setup) && !lora => layers * 2.0 * h,
         _ => 0.0,
     };
     let per_token = unit_extra
@@ -861,6 +918,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         true => 4 * cfg.vocab_size * cfg.hidden_size / tp,
         false => 0,
     };
+    // Gathered per use (ZeRO-3 / FSDP), not resident.
     let sharded = matches!(setup.strategy, Strategy::Fsdp(..));
     // ZeRO-3 / FSDP's gradient slices are taken by each update and come back as the layers
     // reduce: in a step's first micro-batch (the only one without accumulation) none exists
@@ -869,7 +927,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // The fused loss on a sharded head computes from a copy of it, held by the graph until the
     // backward ends: at the peak of a frozen base (LoRA); with the base trained, the step's
     // peak falls where the counts below have room for it (measured, tests/memory_plan.rs).
-    let head_copy = match sharded && !whole_logits(model, setup) {
+    let head_copy = match unit_ops(setup) && !whole_logits(model, setup) {
         true => dsz * cfg.vocab_size * cfg.hidden_size,
         false => 0,
     };
@@ -890,6 +948,22 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             let layer_slice = (4 * layer_unit).div_ceil(n);
             match first_micro_batch && setup.checkpointing {
                 true => in_use.saturating_sub(layer_slice + (4 * root_unit).div_ceil(n)),
+                false => in_use + 2 * layer_slice,
+            }
+        }
+        // ZeRO-2's resident units: the weights are held; during a unit's backward its
+        // gradients as the ops make them, then their flat copy being reduce-scattered (with
+        // overlap_comm, the previous unit's still in flight), beside the head's gradient
+        // (held until the embedding's backward, the last).
+        (Strategy::Zero(ZeroStage::Two), false) => {
+            let overlap = usize::from(setup.reduce_units.1);
+            let in_use = head_grad + (dsz + 4 + 4 * overlap) * layer_unit;
+            let layer_slice = (4 * layer_unit).div_ceil(n);
+            // Under checkpointing the peak is the unit's reduction: its flat gradients and
+            // the host backend's copy of them (measured).
+            let host_copy = if setup.gpu { 0 } else { 4 * layer_unit };
+            match setup.checkpointing {
+                true => in_use + host_copy,
                 false => in_use + 2 * layer_slice,
             }
         }
@@ -920,7 +994,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         };
         // The gradients backward holds: as made (then reduced) but under ZeRO-3 / FSDP,
         // whose units reduce theirs to slices as they go.
-        let held = match sharded {
+        let held = match sharded || resident {
             true => e.gradients,
             false => e.gradients.max(gsz * p),
         };
@@ -952,7 +1026,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
             true => 3 * copy + per_layer(0.6 * stack(false).0),
             false => 3 * copy,
         };
-        let absent = match sharded && first_micro_batch {
+        let absent = match (sharded || resident) && first_micro_batch {
             true => e.gradients,
             false => 0,
         };
@@ -973,17 +1047,19 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     // one fp32 copy of the largest gradient. DDP over several ranks all-reduces the gradients
     // in buckets, every bucket flattened before the first is waited on: a flat copy of all
     // the gradients and, while a bucket is reduced, its result beside its flat (at most one
-    // bucket's bytes; measured, 2 and 4 ranks); AdamW's copy comes after they are freed. ZeRO-1/2 reduce a flat copy of all the gradients
-    // (the all-reduce's result whole, or the reduce-scatter's slice beside the whole
-    // gradients ZeRO-2 still holds; the host backend copies the flat vector once more), then
-    // all-gather the weights once it is freed.
+    // bucket's bytes; measured, 2 and 4 ranks); AdamW's copy comes after they are freed. ZeRO-1
+    // (and ZeRO-2 over LoRA adapters) reduces a bucket at a time (reduce_bucket_size), then
+    // all-gathers the weights; ZeRO-2's resident units reduced theirs during backward.
     let largest = shapes.iter().map(|(_, n)| *n).max().unwrap_or(0);
-    let host_copy = if setup.gpu { 0 } else { 4 * p };
+    let bucket = match setup.reduce_units.0 {
+        WrapPolicy::Buckets(b) => b,
+        _ => super::DEEPSPEED_REDUCE_BUCKET,
+    };
     e.update_buffers = match (setup.strategy, lora) {
         (Strategy::Ddp, false) if replicas > 1 => 4 * p + (4 * p).min(super::ddp::BUCKET_BYTES),
         (Strategy::Ddp, false) => 4 * largest,
-        (Strategy::Zero(ZeroStage::One), false) => 8 * p,
-        (Strategy::Zero(ZeroStage::Two), false) => 8 * p + host_copy,
+        // A bucket flattened and its all-reduced copy, then the gathered weights.
+        (Strategy::Zero(ZeroStage::One), false) => (8 * p.min(bucket)).max(4 * p),
         _ => 0,
     };
     // The tokenizer, the rows and the host backend's buffers (256 KiB, measured), and on the
@@ -993,7 +1069,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         false => setup.threads * crate::kernels::cpu_gemm::packing_buffer_bytes(),
     };
     e.runtime = (1 << 18) + packing;
-    if setup.strategy == Strategy::Zero(ZeroStage::Two) && n > 1 {
+    if setup.strategy == Strategy::Zero(ZeroStage::Two) && !resident && n > 1 {
         e.comm_buffers = (4 * p).div_ceil(n);
     }
     why.push(format!(
@@ -1447,7 +1523,7 @@ impl Hardware {
 /// or off the one-pass kernel (bf16 on the CPU) a sharded head (ZeRO-3 / FSDP) or
 /// soft-capped logits.
 fn whole_logits(model: &ModelShapes, setup: &Setup) -> bool {
-    let sharded = matches!(setup.strategy, Strategy::Fsdp(..));
+    let sharded = unit_ops(setup);
     let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     setup.dims.tp > 1 || (!one_pass && (sharded || model.logits_loss))
 }
@@ -1645,6 +1721,61 @@ mod tests {
 
     /// The shapes come from the model's own skeleton, which allocates nothing: Llama 3.1 70B's
     /// 70,553,706,496 parameters (transformers' count) are read in a test process.
+    /// Llama-3.1-8B in bf16 on 8 GPUs against DeepSpeed 0.19.6's estimators, with P =
+    /// 8,030,261,248 parameters and L = 525,336,576 in DeepSpeed's largest layer (the
+    /// embedding): `estimate_zero2_model_states_mem_needs` (deepspeed/runtime/zero/
+    /// stage_1_and_2.py) 2P + 18P/N, or 2P with cpu_offload; `estimate_zero3_model_states_
+    /// mem_needs` (stage3.py) 4L + 18P/N, 4L + 2P/N with cpu_offload, 4L with cpu_offload_params
+    /// too (FSDP's offload_params moves both). DeepSpeed counts the layer in use (its 16-bit
+    /// weights and gradients, 4L) as model state, where the plan counts gathered units among
+    /// the step's buffers: the comparison adds the same 4L to ours.
+    #[test]
+    fn model_state_is_what_deepspeeds_estimators_say() {
+        let m = ModelShapes::from_file(assets("configs/llama-3.1-8b.json")).unwrap();
+        let p = m.num_parameters() as f64;
+        assert_eq!(p, 8_030_261_248.0);
+        let (l, n) = (525_336_576.0, 8.0);
+        let dims = ParallelDims {
+            dp_shard: 8,
+            ..ParallelDims::single()
+        };
+        let zero3 = Strategy::fsdp(WrapPolicy::PerLayer);
+        let zero2 = Strategy::Zero(ZeroStage::Two);
+        for (name, strategy, offload, offload_params, deepspeed) in [
+            ("zero2", zero2, false, false, 2.0 * p + 18.0 * p / n),
+            ("zero2+off", zero2, true, false, 2.0 * p),
+            ("zero3", zero3, false, false, 4.0 * l + 18.0 * p / n),
+            ("zero3+off", zero3, true, false, 4.0 * l + 2.0 * p / n),
+            ("zero3+offp", zero3, true, true, 4.0 * l),
+        ] {
+            let setup = Setup {
+                dtype: DType::BF16,
+                gpu: true,
+                checkpointing: true,
+                offload_optimizer: offload,
+                offload_params,
+                ..Setup::new(strategy, dims, 1, 4096)
+            };
+            let e = estimate(&m, &setup);
+            let layer = if name.starts_with("zero3") {
+                4.0 * l
+            } else {
+                0.0
+            };
+            let ours = e.model_state() as f64 + layer;
+            let ratio = ours / deepspeed;
+            assert!(
+                (ratio - 1.0).abs() < 0.10,
+                "{name}: {ours:.3e} bytes per rank, DeepSpeed {deepspeed:.3e} ({ratio:.3})"
+            );
+            // What leaves the device is in host memory.
+            if offload {
+                assert!(e.host_optimizer > 0 && e.host_gradients > 0, "{name}");
+            }
+            assert_eq!(e.host_parameters > 0, offload_params, "{name}");
+        }
+    }
+
     #[test]
     fn a_70b_skeleton_is_counted_without_its_weights() {
         let m = ModelShapes::from_file(assets("configs/llama-3.1-70b.json")).unwrap();

@@ -24,6 +24,7 @@ use crate::alloc::StorageBytes;
 use crate::comm::{CommQueue, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::Params;
+pub use crate::nn::sharded::Holding;
 use crate::nn::sharded::{EntryRanges, FlatLayout, ShardedWeight, Unit, UnitScope, UnitState};
 use crate::nn::Weight;
 use crate::optim::{clip_coef, sums_of_squares, AdamW, AdamWConfig, ParamState};
@@ -41,6 +42,9 @@ pub enum WrapPolicy {
     MinParams(usize),
     /// The whole model in the root unit (NO_WRAP): gathered for the whole step.
     Whole,
+    /// Consecutive layers grouped while a unit has at most this many parameters (at least
+    /// one layer each): DeepSpeed ZeRO-2's reduce buckets (`reduce_bucket_size`).
+    Buckets(usize),
 }
 
 /// Which all-gathers start one unit ahead of use (FSDP's forward_prefetch and
@@ -92,6 +96,14 @@ pub(super) fn layer_units(layer_sizes: &[usize], policy: WrapPolicy) -> Vec<usiz
                     size = 0;
                 }
             }
+            WrapPolicy::Buckets(max) => {
+                if size > 0 && size + layer_size > max {
+                    next += 1;
+                    size = 0;
+                }
+                *unit = next;
+                size += layer_size;
+            }
         }
     }
     layer_unit
@@ -104,8 +116,7 @@ pub(super) fn layer_units(layer_sizes: &[usize], policy: WrapPolicy) -> Vec<usiz
 /// tensors are dropped: call it before anything else holds them.
 pub fn shard_model(
     model: &mut impl Parallelize,
-    policy: WrapPolicy,
-    prefetch: Prefetch,
+    (policy, prefetch, holding): (WrapPolicy, Prefetch, Holding),
     comm: Arc<dyn Communicator>,
 ) -> Result<Arc<ShardedModel>> {
     let (slots, frozen) = weight_slots(model)?;
@@ -118,8 +129,7 @@ pub fn shard_model(
     let sharding = Arc::new(ShardedModel::new(
         &params,
         &unit_names,
-        policy,
-        prefetch,
+        (policy, prefetch, holding),
         comm,
     )?);
     drop(params);
@@ -168,8 +178,7 @@ pub fn shard_model_reading(
     shapes: Vec<(String, Shape)>,
     (dtype, device): (DType, &candle_core::Device),
     read: &ReadRange<'_>,
-    policy: WrapPolicy,
-    prefetch: Prefetch,
+    units: (WrapPolicy, Prefetch, Holding),
     comm: Arc<dyn Communicator>,
 ) -> Result<Arc<ShardedModel>> {
     let (slots, frozen) = weight_slots(model)?;
@@ -186,8 +195,7 @@ pub fn shard_model_reading(
         (dtype, device),
         &slice,
         &unit_names,
-        policy,
-        prefetch,
+        units,
         comm,
     )?);
     swap_weights(model, &sharding)?;
@@ -247,8 +255,7 @@ impl ShardedModel {
     pub fn new(
         params: &BTreeMap<String, Tensor>,
         unit_names: &[String],
-        policy: WrapPolicy,
-        prefetch: Prefetch,
+        units: (WrapPolicy, Prefetch, Holding),
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
         let values = params;
@@ -267,27 +274,18 @@ impl ShardedModel {
                 .flatten(values)?
                 .narrow(0, range.start, range.len())?)
         };
-        Self::build(
-            shapes,
-            (dtype, &device),
-            &slice,
-            unit_names,
-            policy,
-            prefetch,
-            comm,
-        )
+        Self::build(shapes, (dtype, &device), &slice, unit_names, units, comm)
     }
 
     /// Units over parameters `shapes` (sorted by name), this rank's slice of each cut by
-    /// `slice` (f32, from the unit's layout and this rank's range).
-    #[allow(clippy::too_many_arguments)]
+    /// `slice` (f32, from the unit's layout and this rank's range), held as `holding` says
+    /// (an offloaded slice in host memory).
     fn build(
         shapes: Vec<(String, Shape)>,
         (dtype, device): (DType, &candle_core::Device),
         slice: &dyn Fn(&FlatLayout, std::ops::Range<usize>) -> Result<Tensor>,
         unit_names: &[String],
-        policy: WrapPolicy,
-        prefetch: Prefetch,
+        (policy, prefetch, holding): (WrapPolicy, Prefetch, Holding),
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
         let num_layers = unit_names.len();
@@ -319,8 +317,13 @@ impl ShardedModel {
             }
             let layout = FlatLayout::from_shapes(entries, world);
             let range = layout.shard(rank, world);
+            let home = match holding.host_params {
+                true => &candle_core::Device::Cpu,
+                false => device,
+            };
             let shard = slice(&layout, range)?
                 .to_dtype(dtype)?
+                .to_device(home)?
                 // A copy of the slice alone: `copy()` would keep the whole flat unit alive.
                 .force_contiguous()?
                 .detach();
@@ -334,7 +337,9 @@ impl ShardedModel {
                 layout,
                 queue: queue.clone(),
                 backward_next: OnceLock::new(),
-                keep_gathered: u == 0,
+                keep_gathered: u == 0 || holding.resident,
+                holding,
+                moved: Default::default(),
                 anchor: Var::zeros(1, dtype, device)?,
                 state: Mutex::new(UnitState {
                     shard,
@@ -463,9 +468,19 @@ impl ShardedModel {
             if let Some(p) = st.gathering.take() {
                 p.wait()?;
             }
-            Unit::collect_reduced(&mut st)?;
+            unit.collect_reduced(&mut st)?;
         }
         Ok(())
+    }
+
+    /// How the units hold parameters and gradients.
+    pub fn holding(&self) -> Holding {
+        self.root().holding
+    }
+
+    /// Bytes moved between host and device memory (offload) since the last call.
+    pub fn take_moved(&self) -> usize {
+        self.units.iter().map(|u| u.take_moved()).sum()
     }
 
     /// Every parameter's full value (collective: every rank calls it; one unit at a time).
@@ -487,16 +502,26 @@ impl ShardedModel {
     /// lists them), dropping whatever a forward left gathered from the old ones.
     pub fn swap_shards(&self, values: &mut [Tensor]) -> Result<()> {
         for (unit, v) in self.units.iter().zip(values) {
-            unit.reset()?;
-            std::mem::swap(&mut unit.lock().shard, v);
+            let old = unit.replace_shard(v.clone())?;
+            *v = old;
         }
         Ok(())
     }
 
-    /// Adds the storage of the parameter slices this rank holds to `held`.
-    pub fn add_storage(&self, held: &mut StorageBytes) {
+    /// Adds the storage of the parameters this rank keeps to `device` (its slices, or a
+    /// resident unit's whole parameters, of which its slice is a view: counted at their size
+    /// whether or not an update has just made them stale) or to `host` (offloaded slices).
+    pub fn add_storage(&self, device: &mut StorageBytes, host: &mut StorageBytes) {
         for u in &self.units {
-            held.add(&u.lock().shard);
+            let st = u.lock();
+            if u.holding.resident {
+                device.total += u.layout.padded() * st.shard.dtype().size_in_bytes();
+            }
+            match (u.holding.host_params, u.holding.resident) {
+                (true, _) => host.add(&st.shard),
+                (false, false) => device.add(&st.shard),
+                (false, true) => {}
+            }
         }
     }
 }
@@ -522,11 +547,11 @@ impl FsdpOptimizer {
         for unit in &self.model.units {
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
             fill(&unit.layout, unit.range(), st)?;
-            let mut us = unit.lock();
-            us.shard = st
-                .master
-                .to_dtype(us.shard.dtype())?
-                .to_device(us.shard.device())?;
+            let (dtype, home) = {
+                let us = unit.lock();
+                (us.shard.dtype(), us.shard.device().clone())
+            };
+            unit.replace_shard(st.master.to_dtype(dtype)?.to_device(&home)?)?;
         }
         Ok(())
     }
@@ -539,8 +564,13 @@ impl FsdpOptimizer {
         let mut states = BTreeMap::new();
         for unit in &model.units {
             let range = unit.range();
-            // fp32 parameters are their own master copy (the same storage).
-            let master = unit.lock().shard.to_dtype(DType::F32)?;
+            // fp32 parameters are their own master copy (the same storage), but for optimizer
+            // offload without parameter offload, whose master weights live apart in host
+            // memory (a copy there, on a CPU run too).
+            let mut master = unit.lock().shard.to_dtype(DType::F32)?;
+            if unit.holding.host_grads && !unit.holding.host_params {
+                master = master.to_device(&candle_core::Device::Cpu)?.copy()?;
+            }
             let state = unit.layout.shard_state(master, range)?;
             states.insert(unit.name.clone(), state);
         }
@@ -609,7 +639,7 @@ impl FsdpOptimizer {
         for unit in &self.model.units {
             let g = match unit.lock().grad_shard.take() {
                 Some(g) => g,
-                None => Tensor::zeros(unit.shard_elems(), DType::F32, unit.anchor.device())?,
+                None => Tensor::zeros(unit.shard_elems(), DType::F32, &unit.grad_device())?,
             };
             let g = match &self.replicate {
                 Some(r) => r.all_reduce(&g, ReduceOp::Sum)?,
@@ -647,19 +677,37 @@ impl FsdpOptimizer {
         // The clipping factor rides in the update's pass (no scaled copy of the slices).
         self.inner
             .update_scaled(&grads, lr, clip_coef(norm, max_grad_norm))?;
+        // New slices: a resident unit (ZeRO-2) gathers them at its next use, once per step.
         for unit in &self.model.units {
             let master = &self.inner.states[&unit.name].master;
-            let mut st = unit.lock();
-            st.shard = master
-                .to_dtype(st.shard.dtype())?
-                .to_device(st.shard.device())?;
+            let (dtype, home) = {
+                let st = unit.lock();
+                (st.shard.dtype(), st.shard.device().clone())
+            };
+            unit.replace_shard(master.to_dtype(dtype)?.to_device(&home)?)?;
         }
         Ok(norm)
     }
 
-    /// Bytes of the gradient slices kept between backward and step.
+    /// Bytes of the gradient slices kept in host memory between backward and step.
+    pub fn host_grad_bytes(&self) -> usize {
+        self.model
+            .units
+            .iter()
+            .filter(|u| u.holding.host_grads)
+            .map(|u| 4 * u.shard_elems())
+            .sum()
+    }
+
+    /// Bytes of the gradient slices kept on the device between backward and step (none
+    /// when they stream to host memory).
     pub fn grad_bytes(&self) -> usize {
-        self.model.units.iter().map(|u| 4 * u.shard_elems()).sum()
+        self.model
+            .units
+            .iter()
+            .filter(|u| !u.holding.host_grads)
+            .map(|u| 4 * u.shard_elems())
+            .sum()
     }
 }
 
@@ -746,12 +794,119 @@ mod tests {
 
     /// The tiny model wrapped by `policy` on one rank.
     fn sharded(policy: WrapPolicy) -> (CausalLm, Arc<ShardedModel>) {
+        held(policy, Holding::SHARDED)
+    }
+
+    fn held(policy: WrapPolicy, holding: Holding) -> (CausalLm, Arc<ShardedModel>) {
         let (cfg, params) = tiny();
         let comm = InProcessWorld::new(1).world(0).unwrap();
         let mut model = CausalLm::new(cfg, params).unwrap();
-        model.shard(policy, Prefetch::BOTH, comm).unwrap();
+        model
+            .shard((policy, Prefetch::BOTH, holding), comm)
+            .unwrap();
         let sharding = model.sharding.clone().unwrap();
         (model, sharding)
+    }
+
+    fn batch() -> (Tensor, Tensor, Tensor) {
+        let ids = Tensor::new(&[[5u32, 9, 14, 3, 7, 21]], &Device::Cpu).unwrap();
+        let pos = Tensor::arange(0i64, 6, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let labels = Tensor::new(&[[5i64, 9, 14, 3, 7, 21]], &Device::Cpu).unwrap();
+        (ids, pos, labels)
+    }
+
+    #[test]
+    fn reduce_buckets_group_layers_up_to_their_size() {
+        // Layers of 49,408 parameters: a bucket of 100,000 takes both, one of 60,000 one,
+        // and a bucket smaller than a layer still takes the layer whole.
+        let units = |b| sharded(WrapPolicy::Buckets(b)).1.units.len();
+        assert_eq!(units(100_000), 2, "root + both layers");
+        assert_eq!(units(60_000), 3);
+        assert_eq!(units(1_000), 3);
+        assert_eq!(
+            layer_units(&[5, 5, 5, 5], WrapPolicy::Buckets(10)),
+            [1, 1, 2, 2]
+        );
+    }
+
+    /// ZeRO-2 (resident units): parameters stay gathered through forward, backward and
+    /// evaluation; each unit's gradients are reduced as backward finishes it, waited for at
+    /// once without overlap_comm, so no unit's whole gradients outlive its backward; a new
+    /// slice from the update makes the unit gather again, once.
+    #[test]
+    fn resident_units_stay_gathered_and_reduce_during_backward() {
+        let holding = Holding {
+            resident: true,
+            overlap: false,
+            ..Holding::SHARDED
+        };
+        let (model, sharding) = held(WrapPolicy::PerLayer, holding);
+        let (ids, pos, labels) = batch();
+        let logits = model.forward(&ids, &pos).unwrap();
+        for unit in &sharding.units {
+            assert!(unit.lock().full.is_some(), "{} freed", unit.name);
+        }
+        let loss = causal_lm_loss(&logits, &labels).unwrap().sum;
+        loss.backward().unwrap();
+        for unit in &sharding.units {
+            let st = unit.lock();
+            assert!(st.full.is_some(), "{} freed by backward", unit.name);
+            assert!(st.reducing.is_none(), "{}: waited at once", unit.name);
+            assert!(st.grads.iter().all(Option::is_none), "{}", unit.name);
+            assert!(st.grad_shard.is_some(), "{} not reduced", unit.name);
+        }
+        sharding.finish_backward().unwrap();
+        // An evaluation forward keeps them gathered.
+        model.forward(&ids, &pos).unwrap();
+        assert!(sharding.units.iter().all(|u| u.lock().full.is_some()));
+        // An update's new slice: stale until the next use gathers it.
+        let unit = &sharding.units[1];
+        let slice = unit.lock().shard.clone();
+        unit.replace_shard((&slice + 1.0).unwrap()).unwrap();
+        assert!(unit.lock().full.is_none());
+        model.forward(&ids, &pos).unwrap();
+        let full = unit.lock().full.clone().expect("gathered again");
+        let want = (slice + 1.0).unwrap();
+        let got = full.narrow(0, 0, want.elem_count()).unwrap();
+        assert_eq!(
+            crate::kernels::testing::max_abs(&(got - want).unwrap()),
+            0.0
+        );
+    }
+
+    /// Offload: parameter slices in host memory, moved for each gather; reduced gradient
+    /// slices streamed to host memory. On the CPU each move is a no-op copy, counted.
+    #[test]
+    fn offloaded_units_count_their_moves() {
+        let holding = Holding {
+            host_params: true,
+            host_grads: true,
+            ..Holding::SHARDED
+        };
+        let (model, sharding) = held(WrapPolicy::PerLayer, holding);
+        let (ids, pos, labels) = batch();
+        let logits = model.forward(&ids, &pos).unwrap();
+        let loss = causal_lm_loss(&logits, &labels).unwrap().sum;
+        loss.backward().unwrap();
+        sharding.finish_backward().unwrap();
+        let bytes: usize = sharding.units.iter().map(|u| 4 * u.shard_elems()).sum();
+        let layers: usize = sharding.units[1..]
+            .iter()
+            .map(|u| 4 * u.shard_elems())
+            .sum();
+        // Every unit to the device for forward, the layers again for backward (the root
+        // stays gathered), and every gradient slice back.
+        assert_eq!(sharding.take_moved(), bytes + layers + bytes);
+        assert_eq!(sharding.take_moved(), 0);
+        for unit in &sharding.units {
+            let st = unit.lock();
+            assert!(
+                st.shard.device().is_cpu() && st.grad_shard.as_ref().unwrap().device().is_cpu()
+            );
+        }
     }
 
     #[test]
@@ -774,12 +929,7 @@ mod tests {
     #[test]
     fn units_are_freed_after_forward_and_reduced_during_backward() {
         let (model, sharding) = sharded(WrapPolicy::PerLayer);
-        let ids = Tensor::new(&[[5u32, 9, 14, 3, 7, 21]], &Device::Cpu).unwrap();
-        let pos = Tensor::arange(0i64, 6, &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let labels = Tensor::new(&[[5i64, 9, 14, 3, 7, 21]], &Device::Cpu).unwrap();
+        let (ids, pos, labels) = batch();
         let logits = model.forward(&ids, &pos).unwrap();
         let gathered = |u: &Unit| u.lock().full.is_some();
         assert!(

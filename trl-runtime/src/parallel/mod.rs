@@ -20,7 +20,7 @@ pub mod zero;
 
 pub use build::{build, Built};
 pub use checkpointing::Checkpointing;
-pub use fsdp::{FsdpOptimizer, Prefetch, ShardedModel, WrapPolicy};
+pub use fsdp::{FsdpOptimizer, Holding, Prefetch, ShardedModel, WrapPolicy};
 pub use model::{CausalLm, Model, TokenLogps};
 pub use sharded_optimizer::ShardedOptimizer;
 pub use zero::{ZeroOptimizer, ZeroStage};
@@ -61,6 +61,41 @@ pub enum Strategy {
 /// FSDP's SIZE_BASED_WRAP default (Accelerate's fsdp_min_num_params default).
 const DEFAULT_MIN_NUM_PARAMS: u64 = 100_000_000;
 
+/// DeepSpeed's reduce_bucket_size default, in elements.
+pub const DEEPSPEED_REDUCE_BUCKET: usize = 500_000_000;
+
+/// The units FSDP's auto-wrap policy cuts.
+fn fsdp_wrap(f: &crate::config::FsdpConfig) -> WrapPolicy {
+    match f.auto_wrap_policy {
+        FsdpAutoWrapPolicy::TransformerBasedWrap => WrapPolicy::PerLayer,
+        FsdpAutoWrapPolicy::NoWrap => WrapPolicy::Whole,
+        FsdpAutoWrapPolicy::SizeBasedWrap => {
+            WrapPolicy::MinParams(f.min_num_params.unwrap_or(DEFAULT_MIN_NUM_PARAMS) as usize)
+        }
+    }
+}
+
+/// How ZeRO-2 (full fine-tuning) cuts the model into resident units, each of whose gradients
+/// is reduce-scattered as soon as backward is done with it, and whether those reductions
+/// overlap the backward: DeepSpeed's reduce buckets (`reduce_bucket_size` elements, "auto"
+/// being transformers' hidden_size squared; `overlap_comm`, off unless set, as in DeepSpeed),
+/// or FSDP SHARD_GRAD_OP's wrap units (always overlapped).
+pub fn zero2_units(plan: &LaunchPlan, hidden_size: usize) -> (WrapPolicy, bool) {
+    match (&plan.fsdp, &plan.deepspeed) {
+        (Some(f), _) if plan.distributed_type == DistributedType::Fsdp => (fsdp_wrap(f), true),
+        (_, Some(ds)) => {
+            let bucket = ds
+                .reduce_bucket_size
+                .map_or(hidden_size * hidden_size, |b| b as usize);
+            (
+                WrapPolicy::Buckets(bucket),
+                ds.overlap_comm.unwrap_or(false),
+            )
+        }
+        _ => (WrapPolicy::Buckets(DEEPSPEED_REDUCE_BUCKET), false),
+    }
+}
+
 impl Strategy {
     /// ZeRO-3 / FSDP with `wrap` units, prefetching in both directions.
     pub fn fsdp(wrap: WrapPolicy) -> Self {
@@ -88,13 +123,7 @@ impl Strategy {
                 Strategy::Zero(ZeroStage::Two)
             }
             FsdpShardingStrategy::FullShard | FsdpShardingStrategy::HybridShard => {
-                let wrap = match f.auto_wrap_policy {
-                    FsdpAutoWrapPolicy::TransformerBasedWrap => WrapPolicy::PerLayer,
-                    FsdpAutoWrapPolicy::NoWrap => WrapPolicy::Whole,
-                    FsdpAutoWrapPolicy::SizeBasedWrap => WrapPolicy::MinParams(
-                        f.min_num_params.unwrap_or(DEFAULT_MIN_NUM_PARAMS) as usize,
-                    ),
-                };
+                let wrap = fsdp_wrap(f);
                 // BACKWARD_PRE and BACKWARD_POST both start the next unit's gather during
                 // backward; FSDP2 always overlaps the next forward gather (its implicit
                 // prefetch), so forward prefetch is on for version 2 whatever the flag says.
@@ -321,6 +350,53 @@ impl Optimizer {
     }
 }
 
+/// The model's hidden size from its config.json (a composite's text_config), for sizes
+/// DeepSpeed derives from it ("auto" buckets).
+pub fn hidden_size(config_json: &str) -> usize {
+    let v: serde_json::Value = serde_json::from_str(config_json).unwrap_or_default();
+    let read = |v: &serde_json::Value| v.get("hidden_size").and_then(|h| h.as_u64());
+    read(&v)
+        .or_else(|| v.get("text_config").and_then(read))
+        .unwrap_or(0) as usize
+}
+
+/// How the layers' weights go into wrap units, if they do: ZeRO-3 / FSDP gather each unit
+/// per use; ZeRO-2 (full fine-tuning) keeps them gathered and reduces each unit's gradients
+/// as backward finishes it. Offload puts the slices (parameters, fsdp_offload_params /
+/// offload_param) and the reduced gradients (any offload) in host memory.
+fn unit_plan(
+    opts: &ParallelOptions,
+    plan: &LaunchPlan,
+    config_json: &str,
+) -> Option<(WrapPolicy, Prefetch, Holding)> {
+    let offload = plan.offload_optimizer();
+    let mut holding = Holding {
+        resident: false,
+        overlap: true,
+        host_params: offload && plan.offload_params(),
+        host_grads: offload,
+    };
+    match opts.strategy {
+        Strategy::Fsdp(policy, prefetch) => {
+            let ds = plan
+                .deepspeed
+                .as_ref()
+                .filter(|_| plan.distributed_type == DistributedType::DeepSpeed);
+            if let Some(o) = ds.and_then(|d| d.overlap_comm) {
+                holding.overlap = o;
+            }
+            Some((policy, prefetch, holding))
+        }
+        Strategy::Zero(ZeroStage::Two) if opts.lora.is_none() => {
+            let (policy, overlap) = zero2_units(plan, hidden_size(config_json));
+            holding.resident = true;
+            holding.overlap = overlap;
+            Some((policy, Prefetch::BOTH, holding))
+        }
+        _ => None,
+    }
+}
+
 /// A model made parallel.
 pub struct Parallelized {
     pub optimizer: Optimizer,
@@ -392,7 +468,10 @@ pub fn parallelize<N: CausalModel>(
     }
     model.tiled_loss = opts.tiled_loss;
     model.tiled_mlp = opts.tiled_mlp;
-    let fsdp = matches!(opts.strategy, Strategy::Fsdp(..));
+    // The layers run on wrap units under ZeRO-3 / FSDP, and under ZeRO-2 (resident units
+    // whose gradients are reduced during backward) but for LoRA, whose adapters train whole.
+    let units = unit_plan(opts, plan, model.config_json());
+    let fsdp = units.is_some();
     if opts.tiled_mlp && !model.net().supports_tiled_mlp() && main {
         tracing::warn!(
             "tiled_mlp: ignored, this model's layers do not tile their MLP \
@@ -408,8 +487,8 @@ pub fn parallelize<N: CausalModel>(
     }
     if opts.tiled_mlp && fsdp && main {
         tracing::warn!(
-            "tiled_mlp: the tiled MLP needs each layer's weights whole on the rank; under \
-             ZeRO-3 / FSDP the MLPs run untiled"
+            "tiled_mlp: the tiled MLP needs each layer's weights as plain tensors; under \
+             ZeRO-2/3 / FSDP (wrap units) the MLPs run untiled"
         );
     }
     if opts.tiled_loss && (tp.size() > 1 || fsdp) && main {
@@ -440,20 +519,31 @@ pub fn parallelize<N: CausalModel>(
     // dp_shard (and the sequence chunks' ranks), summing across dp_replicate (HSDP).
     let shard = ctx.group(shard_axes(split.as_ref()));
     let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
-    let offload = offload::decide(plan.offload_optimizer(), ctx.device(), main);
-    if let Strategy::Fsdp(policy, prefetch) = opts.strategy {
+    let offload = offload::decide(plan, ctx.device(), main);
+    if let Some(units) = units {
         if opts.reads_shards(ctx) {
             // Each rank reads only its slices from the checkpoint files.
-            model.shard_reading(&opts.model_dir, policy, prefetch, shard.clone())?;
+            model.shard_reading(&opts.model_dir, units, shard.clone())?;
         } else {
             // Every rank cuts its slices from the synced values, then drops the full tensors.
-            model.shard(policy, prefetch, shard.clone())?;
+            model.shard(units, shard.clone())?;
+        }
+        let (count, holding) = match &model.sharding {
+            Some(s) => (s.units.len(), s.holding()),
+            None => (0, Holding::SHARDED),
+        };
+        if holding.resident && main {
+            tracing::info!(
+                "ZeRO-2: parameters whole in {count} units, each unit's gradients                  reduce-scattered as backward finishes it ({:?}; overlap_comm {})",
+                units.0,
+                holding.overlap
+            );
         }
     }
     // Under FSDP a LoRA base in the units is frozen: its adapters, whole on every rank, are
     // reduced and their optimizer state sharded as ZeRO-2 does.
     let zero_stage = match opts.strategy {
-        Strategy::Zero(stage) => Some(stage),
+        Strategy::Zero(stage) if units.is_none() => Some(stage),
         Strategy::Fsdp(..) if model.lora().is_some() => Some(ZeroStage::Two),
         _ => None,
     };
@@ -473,7 +563,13 @@ pub fn parallelize<N: CausalModel>(
             Optimizer::Replicated(adam, Ddp::new(ctx.group(batch_axes(split.as_ref())))?)
         }
         (_, Some(stage)) => {
-            let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, shard, replicate)?;
+            let hidden = hidden_size(model.config_json());
+            let bucket = match zero2_units(plan, hidden).0 {
+                WrapPolicy::Buckets(b) => b,
+                _ => DEEPSPEED_REDUCE_BUCKET,
+            };
+            let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, shard, replicate)?
+                .with_bucket(bucket);
             prepare(&mut z, &model.params)?;
             Optimizer::Zero(z)
         }

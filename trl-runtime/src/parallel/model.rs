@@ -5,6 +5,7 @@
 //! backward. The user's model stays a plain model and never calls a hook.
 
 use super::checkpointing::{Checkpointing, Layers};
+use super::fsdp::Holding;
 use super::fsdp::{shard_model, shard_model_reading};
 use super::{Prefetch, ShardedModel, WrapPolicy};
 use crate::comm::Communicator;
@@ -305,18 +306,18 @@ impl<N: CausalModel> Model<N> {
 
     /// Shards the parameters (this rank's tensor-parallel slices, if split) over `comm` in
     /// wrap units for ZeRO-3 / FSDP: one per `#[parallel(fsdp_unit)]` layer, grouped by
-    /// `policy`, plus the root. `params` is emptied; the units hold the values.
+    /// `policy`, plus the root, held as `holding` says (ZeRO-2's resident units too).
+    /// `params` is emptied; the units hold the values.
     pub fn shard(
         &mut self,
-        policy: WrapPolicy,
-        prefetch: Prefetch,
+        (policy, prefetch, holding): (WrapPolicy, Prefetch, Holding),
         comm: Arc<dyn Communicator>,
     ) -> Result<()> {
         self.check_units(policy)?;
         // The layers' weights are swapped for unit slots; these handles would keep the full
         // tensors alive.
         self.params = Params::default();
-        let sharding = shard_model(self.net_mut()?, policy, prefetch, comm)?;
+        let sharding = shard_model(self.net_mut()?, (policy, prefetch, holding), comm)?;
         self.sharding = Some(sharding);
         // What is not in a unit (LoRA adapters) trains whole on every rank.
         self.params = crate::tp::named_parameters(&*self.net)?;
@@ -330,8 +331,7 @@ impl<N: CausalModel> Model<N> {
     pub fn shard_reading(
         &mut self,
         dir: impl AsRef<Path>,
-        policy: WrapPolicy,
-        prefetch: Prefetch,
+        (policy, prefetch, holding): (WrapPolicy, Prefetch, Holding),
         comm: Arc<dyn Communicator>,
     ) -> Result<()> {
         self.check_units(policy)?;
@@ -358,8 +358,7 @@ impl<N: CausalModel> Model<N> {
             shapes,
             (dtype, &device),
             &read,
-            policy,
-            prefetch,
+            (policy, prefetch, holding),
             comm,
         )?;
         self.sharding = Some(sharding);

@@ -1,36 +1,38 @@
-//! CPU offload of the optimizer (DeepSpeed's `offload_optimizer_device: cpu` and
-//! `offload_param_device: cpu`, FSDP's `fsdp_offload_params`): the fp32 master weights and
-//! both Adam moments live in host memory and the update runs there; the accelerator keeps
-//! only the compute weights and gradients. Gradients travel to the host for the update and the
-//! new weights back, once per step.
+//! CPU offload (DeepSpeed's `offload_optimizer_device: cpu` and `offload_param_device: cpu`,
+//! FSDP's `fsdp_offload_params`), as DeepSpeed and PyTorch define it:
+//! - the optimizer: the fp32 master weights and both Adam moments live in host memory and the
+//!   update runs there; under ZeRO-2/3 each reduced gradient slice streams to the host as it
+//!   arrives (`nn::sharded::Holding::host_grads`), so no fp32 gradient slice stays on the device;
+//! - the parameters (ZeRO-3 / FSDP, and FSDP's SHARD_GRAD_OP): each rank's parameter slices
+//!   live in host memory too, and a unit moves to the device only to be gathered for its
+//!   forward and backward (`Holding::host_params`).
 //!
-//! On a run that computes on the CPU there is nothing to offload to: the state already lives
-//! in host memory, and [`decide`] says so instead of pretending to move it.
+//! A run that computes on the CPU takes the same paths: host and device memory are one, so
+//! each move is a no-op, and the memory report counts the offloaded state as host memory.
 
+use crate::config::LaunchPlan;
 use crate::error::Result;
 use crate::optim::AdamW;
 use candle_core::Device;
 
-/// Whether to offload on `device`, given that the launch asked for it (`requested`); logs
-/// what happens.
-pub fn decide(requested: bool, device: &Device, main: bool) -> bool {
-    if !requested {
-        return false;
-    }
-    if device.is_cpu() {
-        if main {
-            tracing::warn!(
-                "CPU offload requested (offload_optimizer_device / offload_param_device / \
-                 fsdp_offload_params), but this run computes on the CPU: optimizer state and \
-                 parameters already live in host memory, so there is nothing to offload to"
-            );
-        }
+/// Whether this run offloads (the launch asked for it); logs what moves where on the main
+/// process (`main`).
+pub fn decide(plan: &LaunchPlan, device: &Device, main: bool) -> bool {
+    if !plan.offload_optimizer() {
         return false;
     }
     if main {
+        let params = match plan.offload_params() {
+            true => " Parameter slices live there too and each unit moves to the device for its forward and backward.",
+            false => "",
+        };
+        let cpu = match device.is_cpu() {
+            true => " This run computes on the CPU: host and device memory are one, so the moves cost nothing.",
+            false => "",
+        };
         tracing::info!(
             "CPU offload: fp32 master weights and Adam moments live in host memory and the \
-             update runs there; the GPU keeps the compute weights and gradients"
+             update runs there; reduced gradient slices stream out as they arrive.{params}{cpu}"
         );
     }
     true

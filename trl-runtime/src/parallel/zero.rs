@@ -157,6 +157,8 @@ pub struct ZeroOptimizer {
     /// HSDP: the replicas holding the same slices, across which reduced slices are summed.
     replicate: Option<Arc<dyn Communicator>>,
     range: Range<usize>,
+    /// Elements reduced per collective (DeepSpeed's reduce_bucket_size).
+    bucket: usize,
     inner: AdamW,
     /// Under tensor parallelism: how the slice's squared gradients count in the global norm
     /// (per element of this rank's range).
@@ -197,8 +199,61 @@ impl ZeroOptimizer {
             comm,
             replicate: replicate.filter(|c| c.size() > 1),
             range,
+            bucket: super::DEEPSPEED_REDUCE_BUCKET,
             inner,
             tp_grads: None,
+        })
+    }
+
+    /// Reduces at most `elements` gradient elements per collective.
+    pub fn with_bucket(mut self, elements: usize) -> Self {
+        self.bucket = elements.max(1);
+        self
+    }
+
+    /// This rank's slice of the reduced gradients, a bucket at a time: bucket k holds the k-th
+    /// stretch of every rank's slice, flattened from `grads` as it is sent, so no flat copy of
+    /// every gradient exists (DeepSpeed's reduce_bucket_size). Stage 2 reduce-scatters each
+    /// bucket; stage 1 all-reduces it and keeps this rank's stretch.
+    fn reduce_in_buckets(&self, grads: &BTreeMap<String, Tensor>) -> Result<Tensor> {
+        let (world, me) = (self.comm.size(), self.comm.rank());
+        let per_rank = self.range.len();
+        let stretch = (self.bucket / world).max(1);
+        let device = grads
+            .values()
+            .next()
+            .map_or(candle_core::Device::Cpu, |t| t.device().clone());
+        let read = |name: &str, start: usize, len: usize| -> Result<Tensor> {
+            match grads.get(name) {
+                Some(g) => Ok(g.flatten_all()?.narrow(0, start, len)?),
+                None => Ok(Tensor::zeros(len, candle_core::DType::F32, &device)?),
+            }
+        };
+        let mut mine = Vec::new();
+        let mut at = 0;
+        while at < per_rank {
+            let len = stretch.min(per_rank - at);
+            let parts = (0..world)
+                .map(|r| {
+                    let start = r * per_rank + at;
+                    self.layout.read_range(start..start + len, &read, &device)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let flat = Tensor::cat(&parts, 0)?;
+            drop(parts);
+            mine.push(match self.stage {
+                ZeroStage::Two => self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?,
+                ZeroStage::One => self
+                    .comm
+                    .all_reduce(&flat, ReduceOp::Sum)?
+                    .narrow(0, me * len, len)?
+                    .force_contiguous()?,
+            });
+            at += len;
+        }
+        Ok(match mine.len() {
+            1 => mine.pop().expect("one bucket"),
+            _ => Tensor::cat(&mine, 0)?,
         })
     }
 
@@ -217,17 +272,8 @@ impl ZeroOptimizer {
         max_grad_norm: f64,
         lr: f64,
     ) -> Result<f64> {
-        let flat = self.layout.flatten(grads)?;
-        let shard_device = &flat.device().clone();
-        let shard = match self.stage {
-            ZeroStage::One => self.comm.all_reduce(&flat, ReduceOp::Sum)?.narrow(
-                0,
-                self.range.start,
-                self.range.len(),
-            )?,
-            ZeroStage::Two => self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?,
-        };
-        drop(flat);
+        let shard = self.reduce_in_buckets(grads)?;
+        let shard_device = &shard.device().clone();
         let shard = match &self.replicate {
             Some(r) => r.all_reduce(&shard, ReduceOp::Sum)?,
             None => shard,

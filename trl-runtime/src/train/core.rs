@@ -40,6 +40,9 @@ pub struct MemoryReport {
     pub parameters: usize,
     pub gradients: usize,
     pub optimizer: usize,
+    /// Kept in host memory under offload (not in the device figures above): optimizer
+    /// state, gradient slices, and with parameter offload the parameter slices.
+    pub host: usize,
 }
 
 impl MemoryReport {
@@ -765,9 +768,9 @@ impl<'a, N: CausalModel> Core<'a, N> {
     /// counting what it keeps alive); gradients, which exist only during a step, count what is
     /// kept after the reduction (ZeRO-2 / ZeRO-3: this rank's slice).
     pub fn memory(&self) -> MemoryReport {
-        let mut held = StorageBytes::default();
+        let (mut held, mut on_host) = (StorageBytes::default(), StorageBytes::default());
         if let Some(sharding) = &self.model.sharding {
-            sharding.add_storage(&mut held);
+            sharding.add_storage(&mut held, &mut on_host);
         }
         // What the layers hold whole: every weight unsharded (a LoRA base among them, frozen
         // in the compute dtype), else the adapters beside the units.
@@ -775,7 +778,19 @@ impl<'a, N: CausalModel> Core<'a, N> {
             .values()
             .for_each(|t| held.add(t));
         let parameters = held.total;
-        self.optimizer.state().add_storage(&mut held);
+        // Offloaded fp32 slices are their own master weights: one storage, counted once.
+        let offloaded = self.offloaded();
+        let optimizer = match offloaded {
+            true => {
+                self.optimizer.state().add_storage(&mut on_host);
+                0
+            }
+            false => {
+                self.optimizer.state().add_storage(&mut held);
+                held.total - parameters
+            }
+        };
+        let mut host = on_host.total;
         // As `accumulate` keeps them over the step's micro-batches.
         let native = self.native_gradients(self.args.gradient_accumulation_steps);
         let grad_full: usize = self
@@ -785,10 +800,12 @@ impl<'a, N: CausalModel> Core<'a, N> {
             .map(|(_, v)| v.elem_count() * if native { v.dtype().size_in_bytes() } else { 4 })
             .sum();
         let gradients = self.optimizer.grad_bytes(grad_full);
+        host += self.optimizer.fsdp().map_or(0, |f| f.host_grad_bytes());
         MemoryReport {
             parameters,
             gradients,
-            optimizer: held.total - parameters,
+            optimizer,
+            host,
         }
     }
 
@@ -818,6 +835,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
             seq: self.args.max_length,
             checkpointing: self.model.checkpointing.is_some(),
             offload_optimizer: self.offloaded(),
+            offload_params: (self.model.sharding.as_ref()).is_some_and(|s| s.holding().host_params),
+            reduce_units: crate::parallel::zero2_units(
+                self.ctx.plan(),
+                crate::parallel::hidden_size(self.model.config_json()),
+            ),
             reference_copy: false,
             gpu: self.ctx.device().is_cuda(),
             router_loss: self.router_loss_weight != 0.0,
@@ -845,12 +867,16 @@ impl<'a, N: CausalModel> Core<'a, N> {
             "activation_checkpointing": self.model.checkpointing.is_some(),
             "read_shards": self.read_shards,
             "offload_optimizer": self.offloaded(),
+            "offload_params": self.model.sharding.as_ref().is_some_and(|s| s.holding().host_params),
+            "host_state_bytes": self.memory().host,
             "model_state_bytes": bytes.iter().map(|b| *b as u64).collect::<Vec<_>>(),
             "predicted_model_state_bytes": self.memory_estimate().map(|e| e.model_state() as u64),
+            "predicted_host_state_bytes": self.memory_estimate().map(|e| e.host() as u64),
         }))
     }
 
-    /// Whether the optimizer state lives in host memory while the model computes elsewhere.
+    /// Whether the optimizer state lives in host memory (on a CPU run, host and device
+    /// memory are one: the offload paths run and the report counts what they hold apart).
     fn offloaded(&self) -> bool {
         let on_host = |a: &crate::optim::AdamW| {
             a.states
@@ -858,7 +884,13 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 .next()
                 .is_some_and(|s| s.master.device().is_cpu())
         };
-        !self.ctx.device().is_cpu() && on_host(self.optimizer.state())
+        self.ctx.plan().offload_optimizer() && on_host(self.optimizer.state())
+    }
+
+    /// Bytes moved between host and device memory by parameter and gradient offload since
+    /// the last call.
+    pub fn take_offload_traffic(&self) -> usize {
+        self.model.sharding.as_ref().map_or(0, |s| s.take_moved())
     }
 
     /// Examples per optimizer step across all data-parallel ranks.
