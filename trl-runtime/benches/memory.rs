@@ -22,9 +22,11 @@
 //! step's peak (counted by this binary's allocator; the resident peak is the `*_bytes_per_rank`
 //! fields). Then `memory_plan` lines: every CPU profile, with and without checkpointing and
 //! LoRA, at three lengths on the tiny model (64/128/256) and the reference shape
-//! (128/512/1024), predicted against measured, and a summary line (`--plan-only` runs just
-//! that part; `--only PATTERN` the runs whose `profile/PROFILE/MODEL/SEQ/CKPT/LORA` contains
-//! it). One JSON object per line on stdout.
+//! (128/512/1024), predicted against measured (ZeRO-3's prefetched unit, in memory at the
+//! peak or not by timing, makes the prediction a range: `prefetch_mib` below the peak), and a
+//! summary line (`--plan-only` runs just that part; `--only PATTERN` the runs whose
+//! `profile/PROFILE/MODEL/SEQ/CKPT/LORA` contains it; `--runs PATTERN` only the model-state
+//! runs whose name contains it). One JSON object per line on stdout.
 
 use std::path::Path;
 use trl_runtime::config::{
@@ -112,7 +114,8 @@ fn worker(name: &str, dir: &Path) {
         training: trl_runtime::train::TrainingArguments {
             model_name_or_path: dir.join("model"),
             dataset_name: dir.join("train.jsonl"),
-            output_dir: dir.join("out"),
+            // Each run its own: a run refuses another run's checkpoints.
+            output_dir: dir.join(format!("out-{name}")),
             per_device_train_batch_size: 1,
             max_length: 64,
             max_steps: 10,
@@ -149,6 +152,9 @@ fn worker(name: &str, dir: &Path) {
     // What `cargo trl plan` predicts for this rank, against the heap the trainer allocated
     // (on the CPU, what offload keeps in host memory is in the same heap).
     let predicted = trainer.memory_estimate().map_or(0, |e| e.peak() + e.host());
+    if std::env::var("TRL_BENCH_EXPLAIN").is_ok() && ctx.is_main_process() {
+        eprintln!("{name}: {:#?}", trainer.memory_estimate());
+    }
     // A full checkpoint's peak on its own: what the step freed goes back to the OS first.
     trl_runtime::alloc::release_freed_memory();
     reset_peak_rss();
@@ -218,8 +224,9 @@ fn profile_worker(kind: &str, dir: &Path) {
     let heap = counting::peak() - base;
     let rss = peak_rss_bytes().unwrap_or(0);
     let predicted = trainer.memory_estimate().map_or(0, |e| e.peak());
+    let prefetch = trainer.memory_estimate().map_or(0, |e| e.prefetch);
     if ctx.is_main_process() {
-        println!("report {heap} {predicted} {rss}");
+        println!("report {heap} {predicted} {rss} {prefetch}");
     }
 }
 
@@ -263,18 +270,25 @@ fn profile_section(tmp: &Path, only: &str) {
                             if let Some(rest) = line.strip_prefix("report ") {
                                 let v: Vec<usize> =
                                     rest.split(' ').map(|x| x.parse().unwrap()).collect();
-                                report = Some((v[0], v[1], v[2]));
+                                report = Some((v[0], v[1], v[2], v[3]));
                             }
                         });
-                        let (heap, predicted, rss) = report.expect("no report");
-                        let ratio = predicted as f64 / heap as f64;
+                        let (heap, predicted, rss, prefetch) = report.expect("no report");
+                        // ZeRO-3's gathers that run ahead may or may not be in memory at the
+                        // peak (timing): measured against that range, as tests/memory_plan.rs.
+                        let low = predicted.saturating_sub(prefetch);
+                        let ratio = match heap < low {
+                            true => low as f64 / heap as f64,
+                            false => (predicted as f64 / heap as f64).min(1.0),
+                        };
                         worst = worst.max((ratio - 1.0).abs());
                         runs += 1;
                         within += usize::from((ratio - 1.0).abs() <= 0.10);
                         let mib = |b: usize| b as f64 / 1048576.0;
                         println!(
-                            "{{\"bench\":\"memory_plan\",\"profile\":\"{profile}\",\"model\":\"{model}\",\"seq\":{seq},\"checkpointing\":{ckpt},\"lora\":{lora},\"world\":{world},\"predicted_peak_mib\":{:.2},\"measured_peak_mib\":{:.2},\"predicted_over_measured\":{ratio:.3},\"rss_peak_mib\":{:.1}}}",
+                            "{{\"bench\":\"memory_plan\",\"profile\":\"{profile}\",\"model\":\"{model}\",\"seq\":{seq},\"checkpointing\":{ckpt},\"lora\":{lora},\"world\":{world},\"predicted_peak_mib\":{:.2},\"prefetch_mib\":{:.2},\"measured_peak_mib\":{:.2},\"predicted_over_measured\":{ratio:.3},\"rss_peak_mib\":{:.1}}}",
                             mib(predicted),
+                            mib(prefetch),
                             mib(heap),
                             mib(rss)
                         );
@@ -321,7 +335,14 @@ fn main() {
         .chain(["zero3", "fsdp"].map(|n| (format!("{n}+offparam"), 2)))
         .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+lora"), 2)));
     let a = adapter_params();
-    for (name, world) in runs {
+    // `--runs PATTERN`: the model-state runs whose name (`zero2+offload`, ...) contains it.
+    let pick = args
+        .iter()
+        .position(|a| a == "--runs")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    for (name, world) in runs.filter(|(n, _)| pick.as_ref().is_none_or(|p| n.contains(p.as_str())))
+    {
         let mut report = None;
         support::run_ranks(&name, world, tmp.path(), |line, _| {
             if let Some(rest) = line.strip_prefix("report ") {
@@ -374,5 +395,7 @@ fn main() {
             predicted as f64 / heap as f64
         );
     }
-    profile_section(&tmp.path().join("plan"), "");
+    if pick.is_none() {
+        profile_section(&tmp.path().join("plan"), "");
+    }
 }

@@ -957,15 +957,7 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
         // (held until the embedding's backward, the last).
         (Strategy::Zero(ZeroStage::Two), false) => {
             let overlap = usize::from(setup.reduce_units.1);
-            let in_use = head_grad + (dsz + 4 + 4 * overlap) * layer_unit;
-            let layer_slice = (4 * layer_unit).div_ceil(n);
-            // Under checkpointing the peak is the unit's reduction: its flat gradients and
-            // the host backend's copy of them (measured).
-            let host_copy = if setup.gpu { 0 } else { 4 * layer_unit };
-            match setup.checkpointing {
-                true => in_use + host_copy,
-                false => in_use + 2 * layer_slice,
-            }
+            head_grad + (dsz + 4 + 4 * overlap) * layer_unit
         }
         // A frozen base: the root (embedding, head) gathered while the loss runs, a layer's
         // unit in use and the next one's weights arriving; no gradients but the adapters'.
@@ -1058,8 +1050,13 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
     e.update_buffers = match (setup.strategy, lora) {
         (Strategy::Ddp, false) if replicas > 1 => 4 * p + (4 * p).min(super::ddp::BUCKET_BYTES),
         (Strategy::Ddp, false) => 4 * largest,
-        // A bucket flattened and its all-reduced copy, then the gathered weights.
-        (Strategy::Zero(ZeroStage::One), false) => (8 * p.min(bucket)).max(4 * p),
+        // A bucket flattened (and the host backend's copy of it) beside the reduced slices,
+        // then the gathered weights (measured, 1-4 ranks).
+        (Strategy::Zero(ZeroStage::One), false) => {
+            let b = p.min(bucket);
+            let host_copy = if setup.gpu { 0 } else { 4 * b };
+            (4 * b + host_copy + (4 * p).div_ceil(n)).max(4 * p)
+        }
         _ => 0,
     };
     // The tokenizer, the rows and the host backend's buffers (256 KiB, measured), and on the

@@ -526,6 +526,22 @@ impl ShardedModel {
     }
 }
 
+/// A unit's new parameter slice from its master weights: in the slice's dtype, where the
+/// slice lives; a copy of its own where the master lives apart in host memory (optimizer
+/// offload alone), as on a GPU, on a CPU run too.
+fn slice_from_master(unit: &Unit, master: &Tensor) -> Result<Tensor> {
+    let (dtype, home) = {
+        let st = unit.lock();
+        (st.shard.dtype(), st.shard.device().clone())
+    };
+    let slice = master.to_dtype(dtype)?.to_device(&home)?;
+    let apart = unit.holding.host_grads && !unit.holding.host_params;
+    Ok(match apart && home.is_cpu() {
+        true => slice.copy()?,
+        false => slice,
+    })
+}
+
 /// AdamW over this rank's slices of every unit. With `replicate` (HSDP), gradient slices are
 /// also summed across the replicas, which hold the same slices of the model.
 pub struct FsdpOptimizer {
@@ -547,11 +563,7 @@ impl FsdpOptimizer {
         for unit in &self.model.units {
             let st = self.inner.states.get_mut(&unit.name).expect("unit state");
             fill(&unit.layout, unit.range(), st)?;
-            let (dtype, home) = {
-                let us = unit.lock();
-                (us.shard.dtype(), us.shard.device().clone())
-            };
-            unit.replace_shard(st.master.to_dtype(dtype)?.to_device(&home)?)?;
+            unit.replace_shard(slice_from_master(unit, &st.master)?)?;
         }
         Ok(())
     }
@@ -677,14 +689,14 @@ impl FsdpOptimizer {
         // The clipping factor rides in the update's pass (no scaled copy of the slices).
         self.inner
             .update_scaled(&grads, lr, clip_coef(norm, max_grad_norm))?;
-        // New slices: a resident unit (ZeRO-2) gathers them at its next use, once per step.
+        // New slices; a resident unit (ZeRO-2) all-gathers its updated parameters at once,
+        // as DeepSpeed's step ends (the old ones freed first).
         for unit in &self.model.units {
             let master = &self.inner.states[&unit.name].master;
-            let (dtype, home) = {
-                let st = unit.lock();
-                (st.shard.dtype(), st.shard.device().clone())
-            };
-            unit.replace_shard(master.to_dtype(dtype)?.to_device(&home)?)?;
+            unit.replace_shard(slice_from_master(unit, master)?)?;
+            if unit.holding.resident {
+                unit.gathered(&mut unit.lock())?;
+            }
         }
         Ok(norm)
     }

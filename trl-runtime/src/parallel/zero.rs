@@ -1,8 +1,9 @@
 //! ZeRO stages 1 and 2 (DeepSpeed's names; FSDP's SHARD_GRAD_OP is stage 2): the fp32 master
 //! weights and Adam moments are split over the data-parallel group, each rank updating only
 //! its slice of the flattened parameters, then the updated parameters are all-gathered.
-//! Stage 1 all-reduces the full gradients and keeps its slice; stage 2 reduce-scatters them,
-//! so each rank only ever holds its gradient slice after the reduction.
+//! The gradients a trainer accumulated whole are reduce-scattered at the step, a bucket at a
+//! time. This optimizer serves ZeRO-1, and ZeRO-2 over LoRA adapters (whole beside a frozen
+//! base); ZeRO-2 of a whole model reduces during backward in resident units (`super::fsdp`).
 //!
 //! The flat layout is every parameter, sorted by name, end to end, padded to a multiple of the
 //! group size. Checkpoints gather the state back per parameter (the same file as plain DDP),
@@ -213,10 +214,11 @@ impl ZeroOptimizer {
 
     /// This rank's slice of the reduced gradients, a bucket at a time: bucket k holds the k-th
     /// stretch of every rank's slice, flattened from `grads` as it is sent, so no flat copy of
-    /// every gradient exists (DeepSpeed's reduce_bucket_size). Stage 2 reduce-scatters each
-    /// bucket; stage 1 all-reduces it and keeps this rank's stretch.
+    /// every gradient exists (DeepSpeed's reduce_bucket_size). Both stages reduce-scatter
+    /// (DeepSpeed's `reduce_scatter: true`): a rank updates only its slice; stage 1 differs in
+    /// holding whole gradients over the step's micro-batches.
     fn reduce_in_buckets(&self, grads: &BTreeMap<String, Tensor>) -> Result<Tensor> {
-        let (world, me) = (self.comm.size(), self.comm.rank());
+        let world = self.comm.size();
         let per_rank = self.range.len();
         let stretch = (self.bucket / world).max(1);
         let device = grads
@@ -241,14 +243,7 @@ impl ZeroOptimizer {
                 .collect::<Result<Vec<_>>>()?;
             let flat = Tensor::cat(&parts, 0)?;
             drop(parts);
-            mine.push(match self.stage {
-                ZeroStage::Two => self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?,
-                ZeroStage::One => self
-                    .comm
-                    .all_reduce(&flat, ReduceOp::Sum)?
-                    .narrow(0, me * len, len)?
-                    .force_contiguous()?,
-            });
+            mine.push(self.comm.reduce_scatter(&flat, 0, ReduceOp::Sum)?);
             at += len;
         }
         Ok(match mine.len() {
