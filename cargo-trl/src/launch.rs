@@ -14,6 +14,7 @@ use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::config::{effects, LaunchConfig, LaunchPlan};
 use trl_runtime::dist::mesh::DeviceMesh;
 use trl_runtime::dist::spawn::{self, Job, RankPlace, WorkerSpec};
+use trl_runtime::parallel::estimate::Workload;
 use trl_runtime::parallel::Strategy;
 use trl_runtime::tp::PlanEntry;
 
@@ -90,8 +91,8 @@ fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
     if let Some(name) = &args.profile {
         if name == "auto" {
             let cpu = args.topology.use_cpu.unwrap_or(false);
-            let (training, preference) = program_settings(args, cpu)?;
-            return crate::plan::auto(&training, preference, cpu, args.topology.num_processes);
+            let (training, workload) = program_settings(args, cpu)?;
+            return crate::plan::auto(&training, workload, cpu, args.topology.num_processes);
         }
         return profiles::load(name);
     }
@@ -126,23 +127,22 @@ fn load_config(args: &LaunchArgs) -> Result<LaunchConfig, String> {
 
 /// What the program will train, for `--profile auto`: the built program's own answer (its
 /// flags over its own defaults and config file, as its workers will read them), else, for a
-/// program that does not answer, its flags read as TRL's over TRL's defaults.
+/// program that does not answer, its flags read as a registered trainer's over TRL's defaults.
 fn program_settings(
     args: &LaunchArgs,
     cpu: bool,
-) -> Result<(trl_runtime::train::TrainingArguments, Option<bool>), String> {
+) -> Result<(trl_runtime::train::TrainingArguments, Workload), String> {
     let gpu = !cpu && crate::machine::gpus_present() > 0;
     let target = target::resolve(args.target.as_deref())?.for_gpu(gpu);
     let program = target::build(&target, !args.debug)?;
     match tp_plan::ask(&program, &args.program_args, 1) {
-        tp_plan::Answer::Plan(answer) => Ok((answer.training, answer.preference)),
+        tp_plan::Answer::Plan(answer) => Ok((answer.training, answer.workload)),
         tp_plan::Answer::None(why) => {
             eprintln!("note: --profile auto: the program did not say what it trains ({why}); planning from its flags over TRL's defaults");
-            let (_, t) = tp_plan::training_args(&args.program_args).ok_or(
+            let read = tp_plan::program_args(&args.program_args).ok_or(
                 "--profile auto reads the program's training arguments (TRL's flags or --config FILE); these did not parse: pick a profile (cargo trl plan shows which fits)",
             )?;
-            let preference = tp_plan::preference(&args.program_args, args.target.as_deref());
-            Ok((t, preference))
+            Ok((read.training, read.workload))
         }
     }
 }
@@ -521,6 +521,12 @@ pub fn run(plan: Plan, args: &LaunchArgs) -> u8 {
         }
         if let Some(f) = &outcome.failure {
             eprintln!("{}", f.report());
+            // A program refusing its arguments (exit 2, as clap and `cargo run` do): the
+            // launch was invalid, not the job; a restart would refuse them again.
+            if f.status.code() == Some(2) {
+                eprintln!("error: the program refused its arguments (its message is above): nothing was trained");
+                return EXIT_INVALID;
+            }
         }
         if outcome.interrupted || attempt >= args.max_restarts {
             eprintln!(

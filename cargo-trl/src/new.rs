@@ -27,9 +27,9 @@ pub struct NewArgs {
     /// lora_r, lora_target_modules, ...).
     #[arg(long)]
     pub peft: bool,
-    /// The trainer: `sft` (sft.yaml, the addition task) or `dpo` (dpo.yaml, preference pairs
-    /// on the same questions).
-    #[arg(long, default_value = "sft", value_parser = ["sft", "dpo"])]
+    /// The trainer (a registered one: `sft`, sft.yaml on the addition task; `dpo`, dpo.yaml
+    /// and preference pairs on the same questions).
+    #[arg(long, default_value = "sft", value_parser = clap::builder::PossibleValuesParser::new(trl_runtime::train::registry::names()))]
     pub trainer: String,
 }
 
@@ -52,31 +52,43 @@ const MAIN: &str = include_str!("../../templates/sft/src/main.rs.jinja");
 /// Files copied as they are: (path in the new crate, contents).
 const FILES: &[(&str, &[u8])] = &[(".gitignore", b"/target\n/output\n")];
 
-/// The SFT trainer's config and data.
-const SFT_FILES: &[(&str, &[u8])] = &[
-    ("sft.yaml", include_bytes!("../../templates/sft/sft.yaml")),
+/// The repository's files a trainer's scaffold may name (`trl_runtime::train::registry`), by
+/// their path in this repository: its config and bundled data.
+const EMBEDDED: &[(&str, &[u8])] = &[
     (
-        "data/train.jsonl",
+        "templates/sft/sft.yaml",
+        include_bytes!("../../templates/sft/sft.yaml"),
+    ),
+    (
+        "templates/sft/dpo.yaml",
+        include_bytes!("../../templates/sft/dpo.yaml"),
+    ),
+    (
+        "assets/tiny/data/train.jsonl",
         include_bytes!("../../assets/tiny/data/train.jsonl"),
     ),
     (
-        "data/eval.jsonl",
+        "assets/tiny/data/eval.jsonl",
         include_bytes!("../../assets/tiny/data/eval.jsonl"),
     ),
-];
-
-/// The DPO trainer's config and preference pairs.
-const DPO_FILES: &[(&str, &[u8])] = &[
-    ("dpo.yaml", include_bytes!("../../templates/sft/dpo.yaml")),
     (
-        "data/pref_train.jsonl",
+        "assets/tiny/data/pref_train.jsonl",
         include_bytes!("../../assets/tiny/data/pref_train.jsonl"),
     ),
     (
-        "data/pref_eval.jsonl",
+        "assets/tiny/data/pref_eval.jsonl",
         include_bytes!("../../assets/tiny/data/pref_eval.jsonl"),
     ),
 ];
+
+/// The embedded file at `path` (in this repository).
+fn embedded(path: &str) -> Result<&'static [u8], String> {
+    EMBEDDED
+        .iter()
+        .find(|(p, _)| *p == path)
+        .map(|(_, c)| *c)
+        .ok_or_else(|| format!("this cargo-trl carries no {path}: add it to new.rs's EMBEDDED"))
+}
 
 /// The built-in model's checkpoint.
 const QWEN2_FILES: &[(&str, &[u8])] = &[
@@ -167,15 +179,27 @@ fn write_all(
 ) -> Result<(), String> {
     let env = minijinja::Environment::new();
     let plain_candle = model == "plain-candle";
-    let dpo = trainer == "dpo";
-    let config_file = format!("{trainer}.yaml");
+    let kind = trl_runtime::train::registry::find(trainer)
+        .ok_or_else(|| format!("--trainer {trainer}: no such trainer"))?;
+    let t = &kind.scaffold;
+    let config_file = Path::new(t.config)
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .ok_or_else(|| format!("{}: not a file", t.config))?;
     let ctx = minijinja::context! {
         name => name,
         trl_runtime => dependency,
         candle_core_patch => candle_core_patch,
         plain_candle,
-        dpo,
-        config_file
+        config_file,
+        summary => t.summary,
+        config_type => t.config_type,
+        cli_type => t.cli_type,
+        task_type => t.task_type,
+        example_flag => t.example_flag,
+        data_note => t.data_note,
+        formats => t.formats,
+        metric => t.metric,
     };
     let render = |t: &str| {
         env.render_str(t, &ctx)
@@ -188,26 +212,25 @@ fn write_all(
         ),
         ("README.md".into(), (render(README)? + "\n").into_bytes()),
         ("src/main.rs".into(), (render(MAIN)? + "\n").into_bytes()),
+        (config_file.clone(), embedded(t.config)?.to_vec()),
     ];
+    for (dest, source) in t.data {
+        files.push((dest.to_string(), embedded(source)?.to_vec()));
+    }
     let model_files = match plain_candle {
         true => PLAIN_CANDLE_FILES,
         false => QWEN2_FILES,
     };
-    let trainer_files = match dpo {
-        true => DPO_FILES,
-        false => SFT_FILES,
-    };
     files.extend(
         FILES
             .iter()
-            .chain(trainer_files)
             .chain(model_files)
             .map(|(p, c)| (p.to_string(), c.to_vec())),
     );
     if peft {
         let yaml = files
             .iter_mut()
-            .find(|(p, _)| *p == config_file)
+            .find(|(p, _)| **p == config_file)
             .expect("the trainer's config is a template file");
         yaml.1.extend_from_slice(PEFT_KEYS.as_bytes());
     }
@@ -277,12 +300,27 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
         let _ = std::fs::remove_dir_all(&args.name);
         return Err(e);
     }
-    // With a local trl-runtime, start from its workspace's lock file: the same dependency
-    // versions build offline and reuse artifacts already compiled for that workspace.
+    // With a local trl-runtime, start from its workspace's lock file and build in its target
+    // directory: the same dependency versions build offline and what that workspace compiled
+    // (Candle and the rest, 12-15 minutes on 2 cores) is reused.
     if let Some(dir) = &runtime_dir {
         let lock = dir.join("../Cargo.lock");
         if lock.exists() {
             let _ = std::fs::copy(&lock, args.name.join("Cargo.lock"));
+        }
+        if let Some(workspace) = dir.parent() {
+            let config = format!(
+                "# Builds in trl-runtime's workspace target directory, reusing what it compiled.\n\
+                 [build]\ntarget-dir = {:?}\n",
+                workspace.join("target").display().to_string()
+            );
+            let path = args.name.join(".cargo/config.toml");
+            let written = std::fs::create_dir_all(args.name.join(".cargo"))
+                .and_then(|_| std::fs::write(&path, config));
+            if let Err(e) = written {
+                let _ = std::fs::remove_dir_all(&args.name);
+                return Err(format!("cannot write {}: {e}", path.display()));
+            }
         }
     }
     Ok(format!(
@@ -290,4 +328,21 @@ pub fn run(args: &NewArgs) -> Result<String, String> {
         args.name.display(),
         args.name.display()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every registered trainer scaffolds: the files its entry names are carried.
+    #[test]
+    fn every_trainers_scaffold_is_carried() {
+        for kind in trl_runtime::train::registry::all() {
+            let t = &kind.scaffold;
+            assert!(embedded(t.config).is_ok(), "{}: {}", kind.name, t.config);
+            for (_, source) in t.data {
+                assert!(embedded(source).is_ok(), "{}: {source}", kind.name);
+            }
+        }
+    }
 }

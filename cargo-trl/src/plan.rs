@@ -9,8 +9,10 @@ use trl_runtime::config::{LaunchConfig, LaunchPlan, OffloadDevice};
 use trl_runtime::nn::lora::{LoraConfig, Targets};
 use trl_runtime::parallel::estimate::{
     self, estimate, step_time, Estimate, Hardware, LinkSpeed, ModelShapes, Setup, StepTime,
+    Workload,
 };
 use trl_runtime::parallel::Strategy;
+use trl_runtime::train::registry;
 
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: f64 = (1u64 << 20) as f64;
@@ -66,10 +68,12 @@ pub struct PlanArgs {
     /// `mlp.experts.gate_up_proj`).
     #[arg(long, num_args = 1..)]
     pub lora_target_parameters: Vec<String>,
-    /// What trains: sft, or dpo (a micro-batch of --batch pairs is twice as many sequences).
-    #[arg(long, default_value = "sft", value_parser = ["sft", "dpo"])]
+    /// What trains (a registered trainer: `sft`; `dpo`, whose micro-batch of --batch pairs
+    /// is twice as many sequences).
+    #[arg(long, default_value = "sft", value_parser = clap::builder::PossibleValuesParser::new(trl_runtime::train::registry::names()))]
     pub trainer: String,
-    /// dpo: TR-DPO's synced reference (a copy of the weights on every rank).
+    /// TRL's sync_ref_model, for a trainer that takes it (dpo: TR-DPO's synced reference, a
+    /// copy of the weights on every rank).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set, default_value = "false")]
     pub sync_ref_model: bool,
     /// Only layouts with (true) or without (false) activation checkpointing; both by default.
@@ -270,8 +274,8 @@ pub struct Work {
     pub micro_batches: usize,
     pub lora: Option<LoraConfig>,
     pub checkpointing: Vec<bool>,
-    /// Preference pairs (DPO), with TR-DPO's reference copy or not.
-    pub preference: Option<bool>,
+    /// What the trainer's rows cost a rank (sequences per row, weight copies).
+    pub workload: Workload,
     /// bf16 on GPUs unless the run says otherwise.
     pub dtype: Option<DType>,
 }
@@ -401,9 +405,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             router_loss: true,
                             threads: machine.threads,
                         };
-                        if let Some(sync) = work.preference {
-                            setup.for_preference_pairs(sync);
-                        }
+                        setup.apply(&work.workload);
                         let estimate = estimate(model, &setup);
                         let time = step_time(model, &setup, &machine.hardware);
                         let peak = estimate.peak() + machine.base_for(dims);
@@ -506,12 +508,9 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
             Some(c) => vec![c],
             None => vec![true, false],
         },
-        preference: (args.trainer == "dpo").then_some(args.sync_ref_model),
+        workload: workload(&args.trainer, args.sync_ref_model)?,
         dtype: None,
     };
-    if args.sync_ref_model && args.trainer != "dpo" {
-        return Err("--sync_ref_model is DPO's (TR-DPO): add --trainer dpo".into());
-    }
     let machine = Machine::from_args(args)?;
     let rows = rows(&work, &machine);
     let mut out = vec![format!(
@@ -614,13 +613,35 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
     Ok(out.join("\n"))
 }
 
+/// What trainer `name` costs a rank per row, with TRL's sync_ref_model when `sync_ref_model`
+/// (refused for a trainer that takes no such argument, naming those that do).
+fn workload(name: &str, sync_ref_model: bool) -> Result<Workload, String> {
+    let kind = registry::find(name).ok_or_else(|| format!("--trainer {name}: no such trainer"))?;
+    let flags: Vec<String> = match sync_ref_model {
+        true => vec!["--sync_ref_model".into(), "true".into()],
+        false => Vec::new(),
+    };
+    if let Some(read) = (kind.read)(&flags) {
+        return Ok(read.workload);
+    }
+    let takers: Vec<String> = registry::all()
+        .iter()
+        .filter(|k| (k.read)(&flags).is_some())
+        .map(|k| format!("--trainer {}", k.name))
+        .collect();
+    Err(format!(
+        "--sync_ref_model: the {name} trainer takes no reference; {} does",
+        takers.join(" or ")
+    ))
+}
+
 /// `launch --profile auto`: the fastest layout that fits for the program's training arguments
 /// `t` (model, max_length, per_device_train_batch_size, LoRA, checkpointing, precision) on
 /// this machine's GPUs, or its CPU with `--num_processes` (2 unless given) processes. Prints
 /// why.
 pub fn auto(
     t: &trl_runtime::train::TrainingArguments,
-    preference: Option<bool>,
+    workload: Workload,
     use_cpu: bool,
     processes: Option<u32>,
 ) -> Result<LaunchConfig, String> {
@@ -633,19 +654,10 @@ pub fn auto(
         t.gradient_checkpointing,
         if t.use_peft { ", LoRA" } else { "" }
     );
-    // A DPO program's micro-batch is twice its pairs in sequences (and TR-DPO keeps a copy of
-    // the weights): planned as `cargo trl plan --trainer dpo` plans it.
-    if let Some(sync) = preference {
-        eprintln!(
-            "auto: planning for DPO ({} pairs = {} sequences per micro-batch{})",
-            t.per_device_train_batch_size,
-            2 * t.per_device_train_batch_size,
-            if sync {
-                ", TR-DPO's copy of the weights"
-            } else {
-                ""
-            }
-        );
+    // A trainer whose rows are several sequences (DPO's pairs) or which keeps a copy of the
+    // weights (TR-DPO) is planned as `cargo trl plan --trainer NAME` plans it.
+    if let Some(what) = workload.describe(t.per_device_train_batch_size) {
+        eprintln!("auto: planning for {what}");
     }
     let model = read_model(&t.model_name_or_path)?;
     let gpus = if use_cpu {
@@ -693,8 +705,8 @@ pub fn auto(
                 lora_dropout: t.lora_dropout,
                 lora_target_modules: vec![],
                 lora_target_parameters: vec![],
-                // The machine does not depend on the trainer (`work.preference` does).
-                trainer: "sft".into(),
+                // The machine does not depend on the trainer (`work.workload` does).
+                trainer: registry::names()[0].into(),
                 sync_ref_model: false,
                 gradient_checkpointing: None,
                 all: false,
@@ -708,7 +720,7 @@ pub fn auto(
         micro_batches: t.gradient_accumulation_steps,
         lora: t.lora(&model.dims.model_type),
         checkpointing: vec![t.gradient_checkpointing],
-        preference,
+        workload,
         dtype: t
             .compute_dtype()
             .ok()
@@ -750,4 +762,77 @@ pub fn auto(
     let mut config = best.config.clone();
     config.source = format!("profile auto ({})", best.profile);
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trl_runtime::train::kinds::{read_as, Scaffold, TrainerKind};
+    use trl_runtime::train::SFTConfig;
+
+    /// A third trainer registered from here, nothing in cargo-trl naming it: SFT's arguments,
+    /// each row 4 sequences and a copy of the weights, scaffolded from SFT's files.
+    static TEST_TRAINER: TrainerKind = TrainerKind {
+        name: "test-four",
+        about: "a test trainer",
+        read: |args| {
+            read_as::<SFTConfig>(args, |_| Workload {
+                sequences_per_row: 4,
+                weight_copies: 1,
+            })
+        },
+        scaffold: Scaffold {
+            config: "templates/sft/sft.yaml",
+            data: &[("data/train.jsonl", "assets/tiny/data/train.jsonl")],
+            config_type: "SFTConfig",
+            cli_type: "SftCli",
+            task_type: None,
+            summary: "A test trainer",
+            example_flag: "--learning_rate 1e-3",
+            data_note: "",
+            formats: "prompt/completion",
+            metric: "accuracy",
+        },
+    };
+
+    #[derive(clap::Parser)]
+    struct Plan {
+        #[command(flatten)]
+        args: PlanArgs,
+    }
+
+    #[derive(clap::Parser)]
+    struct New {
+        #[command(flatten)]
+        args: crate::new::NewArgs,
+    }
+
+    #[test]
+    fn a_registered_trainer_is_planned_and_scaffolded() {
+        use clap::Parser;
+        registry::register(&TEST_TRAINER);
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny/model");
+        let base = ["plan", "--model", model, "--seq", "512", "--batch", "4"];
+        let more = ["--gradient_checkpointing", "false", "--explain"];
+        let plan = |trainer: &str| {
+            let argv = [&base[..], &more, &["--trainer", trainer]].concat();
+            run(&Plan::try_parse_from(argv).unwrap().args).unwrap()
+        };
+        // 4 rows of 512 tokens: 2048 tokens for SFT, 4 sequences a row for the new one.
+        assert!(plan("sft").contains("activations: 2048 tokens"));
+        let four = plan("test-four");
+        assert!(four.contains("activations: 8192 tokens"), "{four}");
+        assert!(four.contains("reference: a copy of the weights"), "{four}");
+        // `cargo trl new --trainer test-four` writes its scaffold.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("my-four");
+        let argv = ["new", dir.to_str().unwrap(), "--trainer", "test-four"];
+        crate::new::run(&New::try_parse_from(argv).unwrap().args).unwrap();
+        let main = std::fs::read_to_string(dir.join("src/main.rs")).unwrap();
+        assert!(
+            main.starts_with("//! A test trainer with trl-runtime"),
+            "{main}"
+        );
+        assert!(dir.join("sft.yaml").is_file() && dir.join("data/train.jsonl").is_file());
+    }
 }

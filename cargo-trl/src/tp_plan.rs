@@ -11,8 +11,10 @@ use trl_runtime::comm::InProcessWorld;
 use trl_runtime::models::ModelConfig;
 use trl_runtime::parallel::CausalLm;
 use trl_runtime::tp::PlanEntry;
+use trl_runtime::train::kinds::ReadArgs;
 use trl_runtime::train::plan_query::{PlanAnswer, QUERY_OUT_VAR, QUERY_TP_VAR};
-use trl_runtime::train::{Cli, DPOConfig, SFTConfig, TrainerConfig, TrainingArguments};
+use trl_runtime::train::registry;
+use trl_runtime::train::SFTConfig;
 
 /// What the program said when asked for its plan.
 pub enum Answer {
@@ -91,72 +93,28 @@ pub fn ask(program: &Path, args: &[String], tp: usize) -> Answer {
     }
 }
 
-/// The training arguments a TRL-style program (SFT's or DPO's keys) reads from
-/// `program_args` (its `--config` file, then its flags), parsed as the program parses them,
-/// and whether they name the model; None when they are not TRL's (another program's flags)
-/// or do not resolve.
-/// Whether a program with these arguments trains preferences (DPO), and with TR-DPO's synced
-/// reference: its arguments parse only as DPOConfig's (`--beta`, `--loss_type`, ...), or its
-/// target's name says dpo (the examples' `dpo`, `cargo trl new my-dpo --trainer dpo`).
-pub fn preference(program_args: &[String], target: Option<&str>) -> Option<bool> {
-    let argv = argv(program_args);
-    let sft = resolve::<SFTConfig>(&argv).is_some();
-    let named = target
-        .and_then(|t| {
-            Path::new(t)
-                .file_stem()
-                .map(|s| s.to_string_lossy().to_lowercase())
-        })
-        .is_some_and(|t| t.contains("dpo"));
-    match (sft, named) {
-        (false, _) | (true, true) => resolve::<DPOConfig>(&argv).map(|(c, _)| c.sync_ref_model),
-        (true, false) => None,
-    }
-}
-
-/// The program's arguments as a command line (a program name first).
-fn argv(program_args: &[String]) -> Vec<String> {
-    std::iter::once("program".to_string())
-        .chain(program_args.iter().cloned())
-        .collect()
-}
-
-/// `argv` read as trainer config `C` (flags, or the `--config FILE` they pass), and whether
-/// it came with a config file. None when they do not parse as `C`'s.
-fn resolve<C: TrainerConfig>(argv: &[String]) -> Option<(C, bool)> {
-    let cli = Cli::<C>::try_parse_trl_from(argv.iter().cloned()).ok()?;
-    let (config, _) = cli.resolve().ok()?;
-    Some((config, cli.config.is_some()))
-}
-
-pub fn training_args(program_args: &[String]) -> Option<(bool, TrainingArguments)> {
-    fn with<C: TrainerConfig>(argv: &[String]) -> Option<(bool, TrainingArguments)> {
-        let (config, file) = resolve::<C>(argv)?;
-        let named = file
-            || argv
-                .iter()
-                .any(|a| a.replace('-', "_").starts_with("__model_name_or_path"));
-        Some((named, config.training().clone()))
-    }
-    let argv = argv(program_args);
-    with::<SFTConfig>(&argv).or_else(|| with::<DPOConfig>(&argv))
+/// The training arguments a TRL-style program reads from `program_args` (its `--config`
+/// file, then its flags) as the first registered trainer whose arguments they are
+/// (`trl_runtime::train::registry`), whether they name the model, and what its rows cost a
+/// rank; None when they are no trainer's (another program's flags) or do not resolve.
+pub fn program_args(program_args: &[String]) -> Option<ReadArgs> {
+    registry::read_program_args(program_args).map(|(_, read)| read)
 }
 
 /// The model directory the program's arguments name (`--model_name_or_path DIR`, or
 /// `model_name_or_path` in the `--config FILE` they pass). None when they name neither.
-pub fn model_dir(program_args: &[String]) -> Option<PathBuf> {
-    let (named, args) = training_args(program_args)?;
-    named.then_some(args.model_name_or_path)
+pub fn model_dir(args: &[String]) -> Option<PathBuf> {
+    let read = program_args(args)?;
+    read.names_model.then_some(read.training.model_name_or_path)
 }
 
 /// Whether a TRL-style program recomputes layers in backward: `--gradient_checkpointing`
 /// (or transformers 5's `--activation_checkpointing`), else its `--config FILE`, else TRL's
 /// default (on).
-pub fn gradient_checkpointing(program_args: &[String]) -> bool {
-    training_args(program_args).map_or(
-        SFTConfig::default().training.gradient_checkpointing,
-        |(_, c)| c.gradient_checkpointing,
-    )
+pub fn gradient_checkpointing(args: &[String]) -> bool {
+    program_args(args).map_or(SFTConfig::default().training.gradient_checkpointing, |r| {
+        r.training.gradient_checkpointing
+    })
 }
 
 /// The plan of the built-in decoder (Llama, Qwen2, Qwen3, Mistral) for the model in `dir` split over `tp`
@@ -209,34 +167,4 @@ pub fn render(entries: &[PlanEntry], tp: usize, dir: &Path) -> String {
         100.0 * local as f64 / full as f64
     );
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::preference;
-
-    fn args(a: &[&str]) -> Vec<String> {
-        a.iter().map(|s| s.to_string()).collect()
-    }
-
-    /// `--profile auto` plans a program as DPO when its flags are DPOConfig's only or its
-    /// name says dpo; an SFT program stays SFT.
-    #[test]
-    fn a_dpo_program_is_planned_as_dpo() {
-        let common = args(&["--max_length", "64"]);
-        assert_eq!(preference(&common, Some("sft")), None);
-        assert_eq!(preference(&common, None), None);
-        assert_eq!(preference(&common, Some("dpo")), Some(false));
-        assert_eq!(
-            preference(&common, Some("target/debug/my-dpo")),
-            Some(false)
-        );
-        assert_eq!(
-            preference(&args(&["--beta", "0.2"]), Some("train")),
-            Some(false)
-        );
-        let synced = args(&["--sync_ref_model", "true"]);
-        assert_eq!(preference(&synced, Some("dpo")), Some(true));
-        assert_eq!(preference(&args(&["--packing", "true"]), Some("sft")), None);
-    }
 }

@@ -306,7 +306,7 @@ fn accelerate_launch_flags_by_their_names() {
 }
 
 /// `cargo trl plan --trainer dpo` counts what a DPO worker holds (the worker's estimate uses
-/// the same rule, `Setup::for_preference_pairs`): twice the sequences per micro-batch, and
+/// the same rule, `Setup::apply` of the trainer's `Workload`): twice the sequences per micro-batch, and
 /// with `--sync_ref_model` a copy of the weights; TR-DPO without DPO is refused.
 #[test]
 fn the_plan_counts_preference_pairs() {

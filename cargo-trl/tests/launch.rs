@@ -71,16 +71,40 @@ fn a_failing_rank_stops_the_others_and_is_reported() {
         t.contains("root cause: rank 1 (local rank 1)") && t.contains("exit code 7"),
         "{t}"
     );
-    assert!(
-        t.contains("| rank 1: something went wrong, exiting with 7"),
-        "{t}"
-    );
+    // Its message once, as it came; the report points at it instead of repeating it.
+    let said = "rank 1: something went wrong, exiting with 7";
+    assert_eq!(t.matches(said).count(), 1, "{t}");
+    assert!(t.contains("(its output is above)"), "{t}");
     // Rank 0 sleeps 30 s unless stopped.
     assert!(
         start.elapsed() < Duration::from_secs(10),
         "{:?}",
         start.elapsed()
     );
+}
+
+/// A program refusing its flags (clap's exit 2, every rank alike) makes the launch exit 2,
+/// with the refusal printed once, as `cargo run` does.
+#[test]
+fn a_mistyped_program_flag_exits_2_and_says_so_once() {
+    let o = Command::new(BIN)
+        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .env("CARGO_NET_OFFLINE", "true")
+        .args(["launch", "--debug", "--main_process_port", "0"])
+        .args([
+            "--profile",
+            "multi_cpu",
+            "sft",
+            "--",
+            "--learning_rat",
+            "1e-3",
+        ])
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert_eq!(t.matches("--learning_rat").count(), 1, "{t}");
+    assert!(t.contains("refused its arguments"), "{t}");
 }
 
 #[test]

@@ -25,13 +25,13 @@ fn new(dir: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// `cargo trl launch ARGS` in the scaffold `krate` (building it in this workspace's target
-/// directory, offline); asserts it succeeded and returns its output.
+/// `cargo trl launch ARGS` in the scaffold `krate` (offline; it builds in this workspace's
+/// target directory, which its .cargo/config.toml names); asserts it succeeded and returns
+/// its output.
 fn launch_in(krate: &Path, args: &[&str]) -> String {
-    let target_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
     let run = Command::new(BIN)
         .current_dir(krate)
-        .env("CARGO_TARGET_DIR", target_dir)
+        .env_remove("CARGO_TARGET_DIR")
         .env("CARGO_NET_OFFLINE", "true")
         .args(common::LAUNCH)
         .args(args)
@@ -72,6 +72,13 @@ fn new_then_launch_the_scaffold() {
     ] {
         assert!(krate.join(f).exists(), "{f} missing");
     }
+    // It builds where this workspace built: nothing compiled twice.
+    let config = std::fs::read_to_string(krate.join(".cargo/config.toml")).unwrap();
+    let target = runtime.parent().unwrap().join("target");
+    assert!(
+        config.contains(&format!("target-dir = {:?}", target.display().to_string())),
+        "{config}"
+    );
     let toml = std::fs::read_to_string(krate.join("Cargo.toml")).unwrap();
     assert!(
         toml.contains("name = \"my-sft\"")

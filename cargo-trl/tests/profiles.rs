@@ -494,11 +494,11 @@ fn profile_auto_plans_a_dpo_program_as_dpo() {
     let (dpo, dpo_peak) = plan("dpo");
     let (sft, sft_peak) = plan("sft");
     assert!(
-        dpo.contains("auto: planning for DPO (16 pairs = 32 sequences"),
+        dpo.contains("auto: planning for 16 rows = 32 sequences per micro-batch"),
         "{dpo}"
     );
     let settings = "at max_length 64, per_device_train_batch_size 16";
     assert!(dpo.contains(settings) && sft.contains(settings), "{sft}");
-    assert!(!sft.contains("planning for DPO"), "{sft}");
+    assert!(!sft.contains("auto: planning for 16 rows"), "{sft}");
     assert!(dpo_peak > sft_peak, "dpo {dpo_peak}M, sft {sft_peak}M");
 }

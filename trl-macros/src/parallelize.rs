@@ -1,5 +1,6 @@
-//! `#[derive(Parallelize)]`: attribute parsing and checks (all errors of one struct are
-//! reported together), then the generated `impl trl_runtime::nn::Parallelize`.
+//! `#[derive(Parallelize)]` as serde_derive is built: [`parse`] reads the struct into a typed
+//! description ([`Container`]), [`check`] applies every rule to it (all errors of one struct
+//! are reported together), then [`generate`] writes the `impl trl_runtime::nn::Parallelize`.
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
@@ -179,23 +180,52 @@ fn style_misfit(style: Style, ty: &Type) -> Option<String> {
     }
 }
 
-struct Plan {
-    parallelize: Vec<TokenStream>,
-    visit: Vec<TokenStream>,
-    visit_mut: Vec<TokenStream>,
-    linears: Vec<TokenStream>,
-    units: Vec<TokenStream>,
+/// A struct as `#[derive(Parallelize)]` reads it: what `parse` gives `check` and `expand`.
+struct Container<'a> {
+    input: &'a DeriveInput,
+    /// `#[parallel(fsdp_unit)]` on the struct.
+    fsdp_unit: bool,
+    fields: Vec<FieldDesc<'a>>,
 }
 
-pub fn expand(input: TokenStream) -> TokenStream {
-    match syn::parse2::<DeriveInput>(input) {
-        Ok(input) => expand_struct(&input).unwrap_or_else(|e| e.to_compile_error()),
-        Err(e) => e.to_compile_error(),
+/// One field and what its attributes say.
+struct FieldDesc<'a> {
+    index: usize,
+    field: &'a Field,
+    attrs: FieldAttrs,
+}
+
+impl FieldDesc<'_> {
+    /// Its name, or its index in a tuple struct.
+    fn label(&self) -> String {
+        self.field
+            .ident
+            .as_ref()
+            .map(|x| x.to_string())
+            .unwrap_or_else(|| self.index.to_string())
     }
 }
 
-fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
+pub fn expand(input: TokenStream) -> TokenStream {
+    let input = match syn::parse2::<DeriveInput>(input) {
+        Ok(input) => input,
+        Err(e) => return e.to_compile_error(),
+    };
     let mut errors = Errors::default();
+    let container = match parse(&input, &mut errors) {
+        Ok(c) => c,
+        Err(e) => return e.to_compile_error(),
+    };
+    check(&container, &mut errors);
+    match errors.0 {
+        Some(e) => e.to_compile_error(),
+        None => generate(&container),
+    }
+}
+
+/// Reads the struct and every `#[parallel(...)]` attribute, collecting what is wrong in
+/// `errors`; an enum or a union is refused at once.
+fn parse<'a>(input: &'a DeriveInput, errors: &mut Errors) -> syn::Result<Container<'a>> {
     let fields =
         match &input.data {
             Data::Struct(s) => &s.fields,
@@ -211,15 +241,14 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
                 ))
             }
         };
-
-    let mut struct_unit = false;
+    let mut fsdp_unit = false;
     for attr in input.attrs.iter().filter(|a| a.path().is_ident("parallel")) {
         let res = attr.parse_nested_meta(|meta| {
             if meta.path.is_ident("fsdp_unit") {
-                if struct_unit {
+                if fsdp_unit {
                     errors.push(meta.path.span(), "duplicate `fsdp_unit`: give it once");
                 }
-                struct_unit = true;
+                fsdp_unit = true;
             } else {
                 if meta.input.peek(syn::Token![=]) {
                     let _: syn::Expr = meta.value()?.parse()?;
@@ -239,207 +268,247 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
             errors.add(e);
         }
     }
-
-    let parsed: Vec<(usize, &Field, FieldAttrs)> = fields
+    let fields = fields
         .iter()
         .enumerate()
-        .map(|(i, f)| (i, f, parse_field_attrs(f, &mut errors)))
+        .map(|(index, field)| FieldDesc {
+            index,
+            field,
+            attrs: parse_field_attrs(field, errors),
+        })
         .collect();
+    Ok(Container {
+        input,
+        fsdp_unit,
+        fields,
+    })
+}
 
-    // Per-field consistency.
-    for (_, field, a) in &parsed {
-        if let Some(skip) = a.skip {
-            if a.style.is_some() || a.fsdp_unit.is_some() || a.gather_output.is_some() {
-                errors.push(
-                    skip,
-                    "`skip` conflicts with the other keys on this field: a skipped field holds \
-                     no parameters, so it has no style or unit",
-                );
-            }
-        }
-        if let (Some(unit), Some((style, _))) = (a.fsdp_unit, a.style) {
-            if !matches!(style, Style::Replicate | Style::Partial) {
-                errors.push(
-                    unit,
-                    "`fsdp_unit` marks a module (or a Vec of modules) as an FSDP wrap unit; a \
-                     tensor-parallel style marks a layer: put the style on the layers inside",
-                );
-            }
-        }
-        if let Some(g) = a.gather_output {
-            if !matches!(a.style, Some((Style::Column, _))) {
-                errors.push(
-                    g,
-                    "`gather_output` applies to `tp = \"column\"` only (it all-gathers the \
-                     column-split output)",
-                );
-            }
-        }
-        if let Some((style, span)) = a.style {
-            if let Some(why) = style_misfit(style, &field.ty) {
-                errors.push(field.ty.span().join(span).unwrap_or(field.ty.span()), why);
-            }
-        }
+impl Container<'_> {
+    /// Whether a field has style `s` (and, when `gathered` says, gathers its output or not).
+    fn has(&self, s: Style, gathered: Option<bool>) -> bool {
+        self.fields.iter().any(|f| {
+            matches!(f.attrs.style, Some((x, _)) if x == s)
+                && gathered.is_none_or(|g| f.attrs.gather_output.is_some() == g)
+        })
     }
 
-    // Column / row pairing inside this struct.
-    let has = |s: Style, gathered: Option<bool>| {
-        parsed.iter().any(|(_, _, a)| {
-            matches!(a.style, Some((x, _)) if x == s)
-                && gathered.is_none_or(|g| a.gather_output.is_some() == g)
-        })
-    };
-    let struct_name = &input.ident;
-    let field_label = |i: usize, f: &Field| {
-        f.ident
-            .as_ref()
-            .map(|x| x.to_string())
-            .unwrap_or_else(|| i.to_string())
-    };
-    if has(Style::Column, Some(false)) && !has(Style::Row, None) {
-        for (i, f, a) in &parsed {
-            if let (Some((Style::Column, span)), None) = (a.style, a.gather_output) {
+    /// Column layers feeding a row layer own a region whose activations are split over tp.
+    fn split_region(&self) -> bool {
+        self.has(Style::Column, Some(false)) && self.has(Style::Row, None)
+    }
+}
+
+/// Every consistency rule, all of them in one pass: keys that conflict on a field, a style
+/// its type cannot take, column layers with nothing row-parallel to consume them (and back).
+fn check(c: &Container, errors: &mut Errors) {
+    for f in &c.fields {
+        check_field(f, errors);
+    }
+    let struct_name = &c.input.ident;
+    if c.has(Style::Column, Some(false)) && !c.has(Style::Row, None) {
+        for f in &c.fields {
+            if let (Some((Style::Column, span)), None) = (f.attrs.style, f.attrs.gather_output) {
                 errors.push(
                     span,
                     format!(
                         "column-parallel `{}` leaves its output split over the tp ranks, and no \
                          field of `{struct_name}` is row-parallel to consume it: mark the layer \
                          that reads this output `tp = \"row\"`, or add `gather_output` here",
-                        field_label(*i, f)
+                        f.label()
                     ),
                 );
             }
         }
     }
-    if has(Style::Row, None) && !has(Style::Column, Some(false)) {
-        for (i, f, a) in &parsed {
-            if let Some((Style::Row, span)) = a.style {
+    if c.has(Style::Row, None) && !c.has(Style::Column, Some(false)) {
+        for f in &c.fields {
+            if let Some((Style::Row, span)) = f.attrs.style {
                 errors.push(
                     span,
                     format!(
                         "row-parallel `{}` expects its input split over the tp ranks, but no \
                          field of `{struct_name}` is column-parallel (without gather_output) \
                          to produce it: mark the layers that feed it `tp = \"column\"`",
-                        field_label(*i, f)
+                        f.label()
                     ),
                 );
             }
         }
     }
-    if let Some(e) = errors.0 {
-        return Err(e);
-    }
+}
 
-    // A struct with column layers feeding a row layer owns a region whose activations are
-    // split over tp: its unannotated parameters may act on split features (per-head q/k
-    // norms, partial gradients) or on whole ones (a layer's input norm). They are `auto`:
-    // the first step's gradients tell which.
-    let split_region = has(Style::Column, Some(false)) && has(Style::Row, None);
+/// One field's keys against each other and against its type.
+fn check_field(f: &FieldDesc, errors: &mut Errors) {
+    let a = &f.attrs;
+    if let Some(skip) = a.skip {
+        if a.style.is_some() || a.fsdp_unit.is_some() || a.gather_output.is_some() {
+            errors.push(
+                skip,
+                "`skip` conflicts with the other keys on this field: a skipped field holds \
+                 no parameters, so it has no style or unit",
+            );
+        }
+    }
+    if let (Some(unit), Some((style, _))) = (a.fsdp_unit, a.style) {
+        if !matches!(style, Style::Replicate | Style::Partial) {
+            errors.push(
+                unit,
+                "`fsdp_unit` marks a module (or a Vec of modules) as an FSDP wrap unit; a \
+                 tensor-parallel style marks a layer: put the style on the layers inside",
+            );
+        }
+    }
+    if let Some(g) = a.gather_output {
+        if !matches!(a.style, Some((Style::Column, _))) {
+            errors.push(
+                g,
+                "`gather_output` applies to `tp = \"column\"` only (it all-gathers the \
+                 column-split output)",
+            );
+        }
+    }
+    if let Some((style, span)) = a.style {
+        if let Some(why) = style_misfit(style, &f.field.ty) {
+            let ty = f.field.ty.span();
+            errors.push(ty.join(span).unwrap_or(ty), why);
+        }
+    }
+}
+
+/// The generated code, method by method: each field's part of every method.
+#[derive(Default)]
+struct Plan {
+    parallelize: Vec<TokenStream>,
+    visit: Vec<TokenStream>,
+    visit_mut: Vec<TokenStream>,
+    linears: Vec<TokenStream>,
+    units: Vec<TokenStream>,
+    /// Generic structs: each visited field type must itself be Parallelize.
+    bounds: Vec<TokenStream>,
+}
+
+/// The `impl Parallelize` of a checked struct.
+fn generate(c: &Container) -> TokenStream {
+    let mut plan = Plan::default();
+    let split_region = c.split_region();
+    for f in c.fields.iter().filter(|f| f.attrs.skip.is_none()) {
+        plan_field(f, split_region, &mut plan);
+    }
+    implementation(c, plan)
+}
+
+/// Field `f`'s part of each method. In a split region its unannotated parameters may act
+/// on split features (per-head q/k norms, partial gradients) or on whole ones (a layer's
+/// input norm): they are `auto`, and the first step's gradients tell which.
+fn plan_field(f: &FieldDesc, split_region: bool, plan: &mut Plan) {
     let tp = quote!(::trl_runtime::nn::module);
-    let mut plan = Plan {
-        parallelize: Vec::new(),
-        visit: Vec::new(),
-        visit_mut: Vec::new(),
-        linears: Vec::new(),
-        units: Vec::new(),
-    };
-    let mut bounds = Vec::new();
-    for (i, field, a) in &parsed {
-        if a.skip.is_some() {
-            continue;
+    let a = &f.attrs;
+    let member = match &f.field.ident {
+        Some(id) => quote!(#id),
+        None => {
+            let idx = syn::Index::from(f.index);
+            quote!(#idx)
         }
-        let member = match &field.ident {
-            Some(id) => quote!(#id),
-            None => {
-                let idx = syn::Index::from(*i);
-                quote!(#idx)
-            }
-        };
-        let segment = match &a.name {
-            Some(lit) => lit.value(),
-            None => field_label(*i, field),
-        };
-        let child = if segment.is_empty() {
-            quote!(name.to_string())
-        } else {
-            quote!(#tp::child_name(name, #segment))
-        };
-        let ty = &field.ty;
-        let span = ty.span();
-        let style = a.style.map(|(s, _)| s).unwrap_or(Style::Replicate);
-        // How the field's whole parameters are marked in the plan.
-        let whole = match (a.style, split_region) {
-            (Some((Style::Partial, _)), _) => Some(quote!(s.whole_as(#tp::TpStyle::Partial))),
-            (Some((Style::Replicate, _)), _) => Some(quote!(s.whole_as(#tp::TpStyle::Replicate))),
-            (None, true) => Some(quote!(s.in_split_region())),
-            _ => None,
-        };
-        let tp_style = match style {
-            Style::Column => {
-                let gather = a.gather_output.is_some();
-                Some((
-                    format_ident!("ColumnParallel"),
-                    quote!(#tp::TpStyle::Column { gather_output: #gather }),
-                ))
-            }
-            Style::Row => Some((format_ident!("RowParallel"), quote!(#tp::TpStyle::Row))),
-            Style::Vocab => Some((format_ident!("VocabParallel"), quote!(#tp::TpStyle::Vocab))),
-            Style::Replicate | Style::Partial | Style::Divide => None,
-        };
-        match (style, tp_style) {
-            (Style::Divide, _) => {
-                plan.parallelize.push(quote_spanned! {span=>
-                    #tp::DividedByTp::divide(&mut self.#member, &#child, tp)?;
-                });
-            }
-            (_, Some((marker, style_value))) => {
-                plan.parallelize.push(quote_spanned! {span=>
-                    {
-                        fn layer<T: #tp::#marker>(layer: &mut T) -> &mut T { layer }
-                        #tp::TpLayer::shard(layer(&mut self.#member), &#child, #style_value, tp)?;
-                    }
-                });
-                plan.visit.push(quote! {
-                    #tp::TpLayer::visit_split(&self.#member, &#child, #style_value, f);
-                });
-                plan.visit_mut.push(quote! {
-                    #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;
-                });
-                plan.linears.push(quote! {
-                    #tp::Parallelize::visit_linears_mut(&mut self.#member, &#child, f)?;
-                });
-            }
-            _ => {
-                bounds.push(quote_spanned!(span=> #ty: #tp::Parallelize));
-                plan.parallelize.push(quote_spanned! {span=>
-                    #tp::Parallelize::parallelize(&mut self.#member, &#child, tp)?;
-                });
-                plan.visit.push(match whole {
-                    Some(mark) => quote! {
-                        #tp::Parallelize::visit_params(&self.#member, &#child, &mut |n, t, s: #tp::Split| f(n, t, #mark));
-                    },
-                    None => quote! {
-                        #tp::Parallelize::visit_params(&self.#member, &#child, f);
-                    },
-                });
-                plan.visit_mut.push(quote! {
-                    #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;
-                });
-                plan.linears.push(quote! {
-                    #tp::Parallelize::visit_linears_mut(&mut self.#member, &#child, f)?;
-                });
-                plan.units.push(if a.fsdp_unit.is_some() {
-                    quote!(#tp::Parallelize::visit_as_unit(&self.#member, &#child, f);)
-                } else {
-                    quote!(#tp::Parallelize::visit_units(&self.#member, &#child, f);)
-                });
-            }
+    };
+    let segment = match &a.name {
+        Some(lit) => lit.value(),
+        None => f.label(),
+    };
+    let child = if segment.is_empty() {
+        quote!(name.to_string())
+    } else {
+        quote!(#tp::child_name(name, #segment))
+    };
+    let ty = &f.field.ty;
+    let span = ty.span();
+    let style = a.style.map(|(s, _)| s).unwrap_or(Style::Replicate);
+    // How the field's whole parameters are marked in the plan.
+    let whole = match (a.style, split_region) {
+        (Some((Style::Partial, _)), _) => Some(quote!(s.whole_as(#tp::TpStyle::Partial))),
+        (Some((Style::Replicate, _)), _) => Some(quote!(s.whole_as(#tp::TpStyle::Replicate))),
+        (None, true) => Some(quote!(s.in_split_region())),
+        _ => None,
+    };
+    let tp_style = match style {
+        Style::Column => {
+            let gather = a.gather_output.is_some();
+            Some((
+                format_ident!("ColumnParallel"),
+                quote!(#tp::TpStyle::Column { gather_output: #gather }),
+            ))
+        }
+        Style::Row => Some((format_ident!("RowParallel"), quote!(#tp::TpStyle::Row))),
+        Style::Vocab => Some((format_ident!("VocabParallel"), quote!(#tp::TpStyle::Vocab))),
+        Style::Replicate | Style::Partial | Style::Divide => None,
+    };
+    match (style, tp_style) {
+        (Style::Divide, _) => {
+            plan.parallelize.push(quote_spanned! {span=>
+                #tp::DividedByTp::divide(&mut self.#member, &#child, tp)?;
+            });
+        }
+        (_, Some((marker, style_value))) => {
+            plan.parallelize.push(quote_spanned! {span=>
+                {
+                    fn layer<T: #tp::#marker>(layer: &mut T) -> &mut T { layer }
+                    #tp::TpLayer::shard(layer(&mut self.#member), &#child, #style_value, tp)?;
+                }
+            });
+            plan.visit.push(quote! {
+                #tp::TpLayer::visit_split(&self.#member, &#child, #style_value, f);
+            });
+            plan.visit_mut.push(quote! {
+                #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;
+            });
+            plan.linears.push(quote! {
+                #tp::Parallelize::visit_linears_mut(&mut self.#member, &#child, f)?;
+            });
+        }
+        _ => {
+            plan.bounds
+                .push(quote_spanned!(span=> #ty: #tp::Parallelize));
+            plan.parallelize.push(quote_spanned! {span=>
+                #tp::Parallelize::parallelize(&mut self.#member, &#child, tp)?;
+            });
+            plan.visit.push(match whole {
+                Some(mark) => quote! {
+                    #tp::Parallelize::visit_params(&self.#member, &#child, &mut |n, t, s: #tp::Split| f(n, t, #mark));
+                },
+                None => quote! {
+                    #tp::Parallelize::visit_params(&self.#member, &#child, f);
+                },
+            });
+            plan.visit_mut.push(quote! {
+                #tp::Parallelize::visit_weights_mut(&mut self.#member, &#child, f)?;
+            });
+            plan.linears.push(quote! {
+                #tp::Parallelize::visit_linears_mut(&mut self.#member, &#child, f)?;
+            });
+            plan.units.push(if a.fsdp_unit.is_some() {
+                quote!(#tp::Parallelize::visit_as_unit(&self.#member, &#child, f);)
+            } else {
+                quote!(#tp::Parallelize::visit_units(&self.#member, &#child, f);)
+            });
         }
     }
+}
 
+/// The impl block around the fields' parts (arguments a method does not use named `_`).
+fn implementation(c: &Container, plan: Plan) -> TokenStream {
+    let tp = quote!(::trl_runtime::nn::module);
+    let input = c.input;
     let ident = &input.ident;
+    let struct_unit = c.fsdp_unit;
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
-    // Generic structs: each visited field type must itself be Parallelize.
+    let Plan {
+        parallelize,
+        visit,
+        visit_mut,
+        linears,
+        units,
+        bounds,
+    } = plan;
     let where_clause = if input.generics.params.is_empty() {
         quote!(#where_clause)
     } else {
@@ -449,46 +518,32 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
         });
         quote!(where #existing #(#bounds,)*)
     };
-    let Plan {
-        parallelize,
-        visit,
-        visit_mut,
-        linears,
-        units,
-    } = plan;
-    let l_f = if linears.is_empty() {
-        quote!(_f)
-    } else {
-        quote!(f)
+    let used = |used: bool, name: TokenStream, unused: TokenStream| match used {
+        true => name,
+        false => unused,
     };
     let uses_name = !parallelize.is_empty();
-    let name_arg = |used: bool| if used { quote!(name) } else { quote!(_name) };
-    let l_name = name_arg(!linears.is_empty());
-    let (p_name, v_name, m_name, u_name) = (
-        name_arg(uses_name),
-        name_arg(!visit.is_empty()),
-        name_arg(!visit_mut.is_empty()),
-        name_arg(!units.is_empty()),
+    let (p_name, p_tp) = (
+        used(uses_name, quote!(name), quote!(_name)),
+        used(uses_name, quote!(tp), quote!(_tp)),
     );
-    let (p_tp, v_f, m_f, u_f) = (
-        if uses_name { quote!(tp) } else { quote!(_tp) },
-        if visit.is_empty() {
-            quote!(_f)
-        } else {
-            quote!(f)
-        },
-        if visit_mut.is_empty() {
-            quote!(_f)
-        } else {
-            quote!(f)
-        },
-        if units.is_empty() {
-            quote!(_f)
-        } else {
-            quote!(f)
-        },
+    let (v_name, v_f) = (
+        used(!visit.is_empty(), quote!(name), quote!(_name)),
+        used(!visit.is_empty(), quote!(f), quote!(_f)),
     );
-    Ok(quote! {
+    let (m_name, m_f) = (
+        used(!visit_mut.is_empty(), quote!(name), quote!(_name)),
+        used(!visit_mut.is_empty(), quote!(f), quote!(_f)),
+    );
+    let (l_name, l_f) = (
+        used(!linears.is_empty(), quote!(name), quote!(_name)),
+        used(!linears.is_empty(), quote!(f), quote!(_f)),
+    );
+    let (u_name, u_f) = (
+        used(!units.is_empty(), quote!(name), quote!(_name)),
+        used(!units.is_empty(), quote!(f), quote!(_f)),
+    );
+    quote! {
         #[automatically_derived]
         impl #impl_generics #tp::Parallelize for #ident #ty_generics #where_clause {
             const FSDP_UNIT: bool = #struct_unit;
@@ -528,7 +583,7 @@ fn expand_struct(input: &DeriveInput) -> syn::Result<TokenStream> {
                 #(#units)*
             }
         }
-    })
+    }
 }
 
 #[cfg(test)]

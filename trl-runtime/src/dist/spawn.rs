@@ -12,7 +12,7 @@
 
 use crate::comm::store::TOKEN_VAR;
 use crate::progress::{self, Event, View};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -58,6 +58,8 @@ pub struct Failure {
     pub host: String,
     pub status: ExitStatus,
     pub last_lines: Vec<String>,
+    /// Its output was shown as it came (then the report does not repeat it).
+    pub shown: bool,
 }
 
 impl Failure {
@@ -80,6 +82,9 @@ impl Failure {
         );
         if self.last_lines.is_empty() {
             r.push_str("\n  (no output)");
+        } else if self.shown {
+            // One message per failure: what the worker said is above, once.
+            r.push_str(" (its output is above)");
         } else {
             r.push_str(&format!(
                 "\n  last {} line(s) of its output:",
@@ -246,6 +251,9 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         std::fs::create_dir_all(dir)?;
     }
     let host = hostname();
+    // Error lines shown so far, and the rank that said each first: the same line from
+    // another rank (every rank refusing the same flag) is shown once.
+    let said: Arc<Mutex<HashMap<String, usize>>> = Default::default();
     let mut children = Vec::new();
     let mut tails: Vec<Arc<Mutex<VecDeque<String>>>> = Vec::new();
     let mut pumps = Vec::new();
@@ -304,30 +312,15 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         ];
         for (stream, is_err) in streams {
             let Some(stream) = stream else { continue };
-            let (tail, log, rank, view) = (tail.clone(), log.clone(), w.rank, view.clone());
-            pumps.push(std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    if let Some(event) = Event::parse(&line) {
-                        if rank == 0 {
-                            view.lock().unwrap().update(event);
-                        }
-                        continue;
-                    }
-                    if show {
-                        view.lock()
-                            .unwrap()
-                            .println(&format!("[rank {rank}] {line}"), is_err);
-                    }
-                    if let Some(f) = &log {
-                        let _ = writeln!(f.lock().unwrap(), "{line}");
-                    }
-                    let mut t = tail.lock().unwrap();
-                    if t.len() == TAIL_LINES {
-                        t.pop_front();
-                    }
-                    t.push_back(line);
-                }
-            }));
+            let sink = Sink {
+                rank: w.rank,
+                show,
+                view: view.clone(),
+                log: log.clone(),
+                tail: tail.clone(),
+                said: said.clone(),
+            };
+            pumps.push(std::thread::spawn(move || pump(stream, is_err, sink)));
         }
         children.push(child);
         tails.push(tail);
@@ -424,6 +417,7 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         host: host.clone(),
         status,
         last_lines: tails[i].lock().unwrap().iter().cloned().collect(),
+        shown: job.log_dir.is_none() || job.tee,
     });
     Ok(JobOutcome {
         statuses,
@@ -431,6 +425,55 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         interrupted: forwarded,
         last_checkpoint: view.last_checkpoint.clone(),
     })
+}
+
+/// Where one worker's output goes: the launcher's view (prefixed with its rank), its log
+/// file, the tail kept for a failure report.
+struct Sink {
+    rank: usize,
+    show: bool,
+    view: Arc<Mutex<View>>,
+    log: Option<Arc<Mutex<std::fs::File>>>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    /// Error lines shown so far and the rank that said each first.
+    said: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+/// Reads one of a worker's streams line by line into `sink`: progress events to the view
+/// (rank 0's), and every other line shown (an error line another rank said first is not
+/// shown again), logged and kept in the tail.
+fn pump(stream: Box<dyn std::io::Read + Send>, is_err: bool, sink: Sink) {
+    let rank = sink.rank;
+    for line in BufReader::new(stream).lines().map_while(Result::ok) {
+        if let Some(event) = Event::parse(&line) {
+            if rank == 0 {
+                sink.view.lock().unwrap().update(event);
+            }
+            continue;
+        }
+        let first = !is_err
+            || *sink
+                .said
+                .lock()
+                .unwrap()
+                .entry(line.clone())
+                .or_insert(rank)
+                == rank;
+        if sink.show && first {
+            sink.view
+                .lock()
+                .unwrap()
+                .println(&format!("[rank {rank}] {line}"), is_err);
+        }
+        if let Some(f) = &sink.log {
+            let _ = writeln!(f.lock().unwrap(), "{line}");
+        }
+        let mut t = sink.tail.lock().unwrap();
+        if t.len() == TAIL_LINES {
+            t.pop_front();
+        }
+        t.push_back(line);
+    }
 }
 
 /// Runs `nproc` local ranks of `program args...` with the torchrun variables (and `env`).

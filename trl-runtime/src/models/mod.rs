@@ -3,26 +3,18 @@
 //! any model implementing [`CausalModel`] (trained as a `crate::parallel::Model`), and the built-in Llama /
 //! Qwen2 decoder (one implementation, the differences are configuration).
 
+pub mod adapters;
+pub mod arch;
 pub mod auto;
-pub mod blocks;
 pub mod causal;
-pub mod composite;
 pub mod config;
-pub mod gemma3;
-pub mod gpt_oss;
-pub mod llama;
-pub mod merge;
-pub mod mixtral;
-pub mod moe;
-pub mod mxfp4;
-pub mod olmo2;
-pub mod params;
-pub mod peft;
-pub mod peft_experts;
-pub mod phi3;
-pub mod qwen3_moe;
-pub mod router_loss;
-pub mod tensor_file;
+pub mod weights;
+
+// The catalogue by group (architectures, weights I/O, adapters), each module also where it
+// always was.
+pub use adapters::{merge, peft, peft_experts};
+pub use arch::{blocks, gemma3, gpt_oss, llama, mixtral, moe, olmo2, phi3, qwen3_moe, router_loss};
+pub use weights::{composite, mxfp4, params, tensor_file};
 
 pub use auto::{model_types, AutoModelForCausalLM};
 pub use causal::{CausalModel, LayerInputs};

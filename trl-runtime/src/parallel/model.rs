@@ -81,7 +81,7 @@ pub struct Model<N: CausalModel> {
     /// (see [`TiedGrad`]); whatever the backward left in it is added after.
     tied: Mutex<Option<TiedGrad>>,
     /// A vision-language checkpoint's tensors besides this language model's, written with
-    /// it into every full checkpoint (models/composite.rs).
+    /// it into every full checkpoint (models/weights/composite.rs).
     others: Option<Others>,
 }
 

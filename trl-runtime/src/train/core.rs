@@ -6,101 +6,24 @@
 
 use super::args::{TrainerConfig, TrainingArguments};
 use super::checkpoint::{self, TrainerState};
-use crate::alloc::StorageBytes;
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::{DistributedSampler, TextTokenizer};
-use crate::dist::mesh::{Axis, DP};
+use crate::dist::mesh::DP;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
-use crate::models::router_loss::RouterLoss;
-use crate::models::tensor_file::{TensorSpec, WeightsWriter};
-use crate::models::{AutoModelForCausalLM, CausalModel, Params};
-use crate::nn::lora::LoraConfig;
+use crate::models::{AutoModelForCausalLM, CausalModel};
 use crate::nn::AttentionImpl;
-use crate::optim::{self, AdamW, OPTIMIZER_FILE};
-use crate::parallel::fsdp::FsdpOptimizer;
-use crate::parallel::sharded_optimizer::ShardedOptimizer;
-use crate::parallel::sharded_state;
 use crate::parallel::Model;
 use crate::parallel::{
-    batch_axes, build, shard_axes, Built, CheckpointFormat, Optimizer, ParallelOptions, Strategy,
+    batch_axes, build, Built, CheckpointFormat, Optimizer, ParallelOptions, Strategy,
 };
 use crate::tp::{state as tp_state, TpGrads};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, D};
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-
-/// Bytes of model state one rank holds (parameters, gradients after reduction, optimizer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryReport {
-    pub parameters: usize,
-    pub gradients: usize,
-    pub optimizer: usize,
-    /// Kept in host memory under offload (not in the device figures above): optimizer
-    /// state, gradient slices, and with parameter offload the parameter slices.
-    pub host: usize,
-}
-
-impl MemoryReport {
-    pub fn total(&self) -> usize {
-        self.parameters + self.gradients + self.optimizer
-    }
-}
-
-/// Restarts the peak-resident-memory count (Linux: `5` into /proc/self/clear_refs), so that
-/// `peak_rss_bytes` measures from here. Returns false where the OS does not allow it.
-pub fn reset_peak_rss() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
-/// Peak resident memory of this process so far (VmHWM), when the OS reports it.
-pub fn peak_rss_bytes() -> Option<usize> {
-    status_bytes("VmHWM:")
-}
-
-/// Resident memory of this process now (VmRSS), when the OS reports it.
-pub fn rss_bytes() -> Option<usize> {
-    status_bytes("VmRSS:")
-}
-
-fn status_bytes(key: &str) -> Option<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with(key))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-/// The memory the plan predicts, measured where it lives: on a CPU this process's resident
-/// peak, on a GPU the device pool's peak of live allocations (torch's
-/// `max_memory_allocated`), each since [`reset_memory_peak`].
-pub fn memory_peak_bytes(device: &Device) -> Option<usize> {
-    match device {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(dev) => crate::alloc::gpu::peak_bytes(dev).ok().map(|b| b as usize),
-        Device::Cpu => peak_rss_bytes(),
-        _ => None,
-    }
-}
-
-/// Starts [`memory_peak_bytes`] from what is live now.
-pub fn reset_memory_peak(device: &Device) {
-    match device {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(dev) => {
-            // Not fatal: the logged peak then counts from the start.
-            if let Err(e) = crate::alloc::gpu::reset_peak(dev) {
-                tracing::warn!("GPU memory peak not reset: {e}");
-            }
-        }
-        _ => {
-            reset_peak_rss();
-        }
-    }
-}
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, PartialEq)]
@@ -179,84 +102,6 @@ pub struct TaskStep {
     pub metrics: Vec<(&'static str, f64)>,
 }
 
-/// The router load-balancing losses of a step's micro-batches, or of an evaluation's
-/// batches (a mixture of experts whose weight is not 0). In training each adds its gradient
-/// weighted by weight / (micro-batches x data-parallel ranks), the average TRL takes, and
-/// [`Self::mean`] is what it logs as `aux_loss`; an evaluation reduces each batch's value
-/// ([`Self::end`]) as TRL reduces `eval_aux_loss` ([`super::eval_rounds::EvalSlots`]).
-pub struct RouterLosses {
-    on: bool,
-    /// The gradient's weight per micro-batch (0 in evaluation: no backward).
-    weight: f64,
-    /// Over the batches ended here: the losses and how many.
-    sum: std::cell::Cell<f64>,
-    batches: std::cell::Cell<usize>,
-}
-
-impl RouterLosses {
-    /// For a training step of `micro_batches` micro-batches per rank.
-    pub fn new<N: CausalModel>(core: &Core<'_, N>, micro_batches: usize) -> Self {
-        let count = (micro_batches * core.dp.size()) as f64;
-        RouterLosses {
-            on: core.router_loss_weight != 0.0,
-            weight: core.router_loss_weight / count,
-            sum: std::cell::Cell::new(0.0),
-            batches: std::cell::Cell::new(0),
-        }
-    }
-
-    /// For an evaluation: the values only.
-    pub fn for_evaluation<N: CausalModel>(core: &Core<'_, N>) -> Self {
-        RouterLosses {
-            weight: 0.0,
-            ..Self::new(core, 1)
-        }
-    }
-
-    /// None collected (a forward that adds no router loss: DPO's reference).
-    pub fn off() -> Self {
-        RouterLosses {
-            on: false,
-            weight: 0.0,
-            sum: std::cell::Cell::new(0.0),
-            batches: std::cell::Cell::new(0),
-        }
-    }
-
-    /// The loss to collect over `batch`'s forward (its real tokens), if any.
-    pub fn begin(&self, batch: &crate::data::Batch) -> Result<Option<Arc<RouterLoss>>> {
-        if !self.on {
-            return Ok(None);
-        }
-        Ok(Some(RouterLoss::new(batch.real_tokens()?, self.weight)))
-    }
-
-    /// Runs the forward `f` collecting `aux`.
-    pub fn during<R>(&self, aux: &Option<Arc<RouterLoss>>, f: impl FnOnce() -> R) -> R {
-        match aux {
-            Some(aux) => crate::models::router_loss::with_router_loss(aux, f),
-            None => f(),
-        }
-    }
-
-    /// After a counted batch (in training, after its backward): its loss (None when off).
-    pub fn end(&self, aux: Option<Arc<RouterLoss>>) -> Option<f64> {
-        let v = aux.and_then(|a| a.value())?;
-        self.sum.set(self.sum.get() + v);
-        self.batches.set(self.batches.get() + 1);
-        Some(v)
-    }
-
-    /// The mean loss over the batches every data-parallel rank ended (None when off).
-    pub fn mean<N: CausalModel>(&self, core: &Core<'_, N>) -> Result<Option<f64>> {
-        if !self.on {
-            return Ok(None);
-        }
-        let g = core.global_sum(&[self.sum.get(), self.batches.get() as f64])?;
-        Ok(Some(g[0] / g[1].max(1.0)))
-    }
-}
-
 /// What a trainer trains on and how: its rows, a step's loss and gradients, its evaluation.
 /// The [`Core`] it is handed holds the model (already parallel), the groups and the step
 /// state; the task never chooses a strategy.
@@ -292,8 +137,11 @@ pub trait Task<N: CausalModel>: Sized {
     fn save_state(&self, _core: &Core<'_, N>, _step: usize) -> Result<()> {
         Ok(())
     }
-    /// What the task changes in the memory estimate's setup (rows per example, weight copies).
-    fn memory_setup(_config: &Self::Config, _setup: &mut crate::parallel::estimate::Setup) {}
+    /// What its rows cost a rank (sequences per row, weight copies), for the planner; the
+    /// same as its registry entry's (`super::kinds`) for the same arguments.
+    fn workload(_config: &Self::Config) -> crate::parallel::estimate::Workload {
+        Default::default()
+    }
     /// After the optimizer step (TRL's `on_step_end` callbacks; `core.state.global_step`
     /// counts it).
     fn after_step(&mut self, _core: &Core<'_, N>) -> Result<()> {
@@ -333,22 +181,22 @@ pub struct Core<'a, N: CausalModel = AutoModelForCausalLM> {
     pub read_shards: bool,
     /// Under tensor parallelism: the global gradient norm over the tp group (DDP clips with
     /// it; ZeRO and FSDP optimizers hold their own copy).
-    tp_grads: Option<TpGrads>,
+    pub(super) tp_grads: Option<TpGrads>,
     /// How intermediate checkpoints hold sharded state (the final one is always full).
     pub checkpoint_format: CheckpointFormat,
-    schedule: crate::train::LrSchedule,
-    sampler: DistributedSampler,
+    pub(super) schedule: crate::train::LrSchedule,
+    pub(super) sampler: DistributedSampler,
     /// This epoch's micro-batches of this rank (epoch, row indices), cached across its steps.
-    order: Option<(u64, Vec<Vec<usize>>)>,
+    pub(super) order: Option<(u64, Vec<Vec<usize>>)>,
     pub state: TrainerState,
     /// Micro-batches per epoch and rank (transformers' len(train_dataloader)).
-    micro_batches_per_epoch: usize,
-    steps_per_epoch: usize,
-    stop: Arc<AtomicBool>,
+    pub(super) micro_batches_per_epoch: usize,
+    pub(super) steps_per_epoch: usize,
+    pub(super) stop: Arc<AtomicBool>,
     /// What `parallel::estimate` predicts this rank holds, computed once at load.
-    predicted: Option<crate::parallel::estimate::Estimate>,
+    pub(super) predicted: Option<crate::parallel::estimate::Estimate>,
     /// Whether the first step's gradients were checked for parameters that got none.
-    unused_checked: bool,
+    pub(super) unused_checked: bool,
     /// The weight of a mixture of experts' router load-balancing loss (0: none is added).
     pub router_loss_weight: f64,
 }
@@ -482,7 +330,7 @@ fn convert_position(
 }
 
 /// How `args` ask for the model to be built under `strategy`, resuming from `resume_from`.
-fn parallel_options(
+pub(super) fn parallel_options(
     args: &TrainingArguments,
     ctx: &DistContext,
     strategy: Strategy,
@@ -712,12 +560,6 @@ impl<'a, N: CausalModel> Core<'a, N> {
         })
     }
 
-    /// Sets what the estimate predicts this rank holds, the task adjusting the setup (DPO's
-    /// two sequences per row, TR-DPO's copy of the weights).
-    pub(super) fn estimate_with(&mut self, task: impl Fn(&mut crate::parallel::estimate::Setup)) {
-        self.predicted = self.estimate_memory(task);
-    }
-
     /// Every parameter's full value, whichever strategy holds them (collective under ZeRO-3 /
     /// FSDP and tensor parallelism: every rank calls it).
     pub fn gather_weights(&self) -> Result<BTreeMap<String, Tensor>> {
@@ -761,136 +603,6 @@ impl<'a, N: CausalModel> Core<'a, N> {
         let done = before + self.state.step_in_epoch * self.args.gradient_accumulation_steps;
         let all = self.micro_batches_per_epoch;
         self.state.epoch as f64 + done.min(all) as f64 / all as f64
-    }
-
-    /// Model state this rank holds under its strategy. Parameters and optimizer state are
-    /// measured from the storages they keep allocated (shared storage counted once, a slice
-    /// counting what it keeps alive); gradients, which exist only during a step, count what is
-    /// kept after the reduction (ZeRO-2 / ZeRO-3: this rank's slice).
-    pub fn memory(&self) -> MemoryReport {
-        let (mut held, mut on_host) = (StorageBytes::default(), StorageBytes::default());
-        if let Some(sharding) = &self.model.sharding {
-            sharding.add_storage(&mut held, &mut on_host);
-        }
-        // What the layers hold whole: every weight unsharded (a LoRA base among them, frozen
-        // in the compute dtype), else the adapters beside the units.
-        crate::tp::named_tensors(self.model.net())
-            .values()
-            .for_each(|t| held.add(t));
-        let parameters = held.total;
-        // Offloaded fp32 slices are their own master weights: one storage, counted once.
-        let offloaded = self.offloaded();
-        let optimizer = match offloaded {
-            true => {
-                self.optimizer.state().add_storage(&mut on_host);
-                0
-            }
-            false => {
-                self.optimizer.state().add_storage(&mut held);
-                held.total - parameters
-            }
-        };
-        let mut host = on_host.total;
-        // As `accumulate` keeps them over the step's micro-batches.
-        let native = self.native_gradients(self.args.gradient_accumulation_steps);
-        let grad_full: usize = self
-            .model
-            .params
-            .iter()
-            .map(|(_, v)| v.elem_count() * if native { v.dtype().size_in_bytes() } else { 4 })
-            .sum();
-        let gradients = self.optimizer.grad_bytes(grad_full);
-        host += self.optimizer.fsdp().map_or(0, |f| f.host_grad_bytes());
-        MemoryReport {
-            parameters,
-            gradients,
-            optimizer,
-            host,
-        }
-    }
-
-    /// What `parallel::estimate` predicts this rank holds (from a skeleton of this run's
-    /// model, built once at load; None for a config without the sizes it reads).
-    pub fn memory_estimate(&self) -> Option<&crate::parallel::estimate::Estimate> {
-        self.predicted.as_ref()
-    }
-
-    fn estimate_memory(
-        &self,
-        task: impl Fn(&mut crate::parallel::estimate::Setup),
-    ) -> Option<crate::parallel::estimate::Estimate> {
-        let dir = &self.args.model_name_or_path;
-        let shapes = crate::parallel::estimate::ModelShapes::of_model::<N>(
-            self.model.config_json(),
-            &dir.join("config.json").display().to_string(),
-        )
-        .ok()?;
-        let mut setup = crate::parallel::estimate::Setup {
-            strategy: self.strategy,
-            dims: self.ctx.mesh.dims(),
-            dtype: self.args.compute_dtype().ok()?,
-            lora: self.args.lora(&shapes.dims.model_type),
-            batch: self.args.per_device_train_batch_size,
-            micro_batches: self.args.gradient_accumulation_steps,
-            seq: self.args.max_length,
-            checkpointing: self.model.checkpointing.is_some(),
-            offload_optimizer: self.offloaded(),
-            offload_params: (self.model.sharding.as_ref()).is_some_and(|s| s.holding().host_params),
-            reduce_units: crate::parallel::zero2_units(
-                self.ctx.plan(),
-                crate::parallel::hidden_size(self.model.config_json()),
-            ),
-            reference_copy: false,
-            gpu: self.ctx.device().is_cuda(),
-            router_loss: self.router_loss_weight != 0.0,
-            threads: crate::parallel::estimate::cpu_threads(),
-        };
-        task(&mut setup);
-        Some(crate::parallel::estimate::estimate(&shapes, &setup))
-    }
-
-    /// What this job runs, as the workers see it (collective: every rank calls it): the
-    /// distributed type, the mesh, the strategy and its settings, and the model-state bytes
-    /// of every rank. `cargo trl launch --dry-run` prints the same plan before anything runs.
-    pub fn report(&self) -> Result<serde_json::Value> {
-        let world = self.ctx.world();
-        let mine = Tensor::new(&[self.memory().total() as f64], &Device::Cpu)?;
-        let bytes = world.all_gather(&mine, 0)?.to_vec1::<f64>()?;
-        let d = self.ctx.mesh.dims();
-        Ok(serde_json::json!({
-            "distributed_type": self.ctx.plan().distributed_type.as_str(),
-            "mesh": {
-                "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
-                "cp": d.cp, "sp": d.sp, "tp": d.tp,
-            },
-            "strategy": self.strategy.name(),
-            "activation_checkpointing": self.model.checkpointing.is_some(),
-            "read_shards": self.read_shards,
-            "offload_optimizer": self.offloaded(),
-            "offload_params": self.model.sharding.as_ref().is_some_and(|s| s.holding().host_params),
-            "host_state_bytes": self.memory().host,
-            "model_state_bytes": bytes.iter().map(|b| *b as u64).collect::<Vec<_>>(),
-            "predicted_model_state_bytes": self.memory_estimate().map(|e| e.model_state() as u64),
-            "predicted_host_state_bytes": self.memory_estimate().map(|e| e.host() as u64),
-        }))
-    }
-
-    /// Whether the optimizer state lives in host memory (on a CPU run, host and device
-    /// memory are one: the offload paths run and the report counts what they hold apart).
-    fn offloaded(&self) -> bool {
-        let on_host = |a: &crate::optim::AdamW| {
-            a.states
-                .values()
-                .next()
-                .is_some_and(|s| s.master.device().is_cpu())
-        };
-        self.ctx.plan().offload_optimizer() && on_host(self.optimizer.state())
-    }
-
-    /// Bytes moved between host and device memory by parameter and gradient offload since
-    /// the last call.
-    pub fn take_offload_traffic(&self) -> usize {
-        self.model.sharding.as_ref().map_or(0, |s| s.take_moved())
     }
 
     /// Examples per optimizer step across all data-parallel ranks.
@@ -954,7 +666,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
 
     /// Whether a step of `micro_batches` keeps its gradients in the compute dtype
     /// ([`crate::parallel::estimate::native_gradients`]).
-    fn native_gradients(&self, micro_batches: usize) -> bool {
+    pub(super) fn native_gradients(&self, micro_batches: usize) -> bool {
         let gpu = self.ctx.device().is_cuda();
         let single = self.optimizer.single_replica();
         crate::parallel::estimate::native_gradients(gpu, micro_batches, single)
@@ -1095,243 +807,6 @@ impl<'a, N: CausalModel> Core<'a, N> {
     /// that all ranks must run the same number of them.
     pub fn lockstep(&self) -> bool {
         self.model.sharding.is_some() || self.model.tp().is_some()
-    }
-
-    /// Reads checkpoint `dir` back in place of the trained model and optimizer state, built
-    /// as the run was (load_best_model_at_end; collective: every rank calls it).
-    pub(super) fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<()> {
-        let step = checkpoint::read_trainer_state(dir)?.global_step as u64;
-        let resume = Some((dir.to_path_buf(), step));
-        let built = build::<N>(
-            self.ctx,
-            &parallel_options(&self.args, self.ctx, self.strategy, resume)?,
-        )?;
-        self.model = built.model;
-        self.optimizer = built.optimizer;
-        self.tp_grads = built.tp_grads;
-        Ok(())
-    }
-
-    /// Saves a checkpoint of the current step in the configured format (collective).
-    pub fn save_checkpoint(&self) -> Result<Option<PathBuf>> {
-        self.save_checkpoint_as(self.checkpoint_format)
-    }
-
-    /// Every rank writes its slices into the staging directory; rank 0 adds the config,
-    /// tokenizer and index and renames it into place. With HSDP only the first replica writes.
-    fn save_sharded_checkpoint(&self) -> Result<Option<PathBuf>> {
-        let sharded = self
-            .optimizer
-            .sharded()
-            .expect("DDP checkpoints are written full");
-        let (pieces, step) = (sharded.pieces()?, sharded.step_count());
-        let out = &self.args.output_dir;
-        let main = self.ctx.is_main_process();
-        let world = self.ctx.world();
-        let tmp = checkpoint::staging_dir(out, self.state.global_step);
-        if main {
-            self.begin_checkpoint(self.state.global_step)?;
-        }
-        world.barrier()?;
-        // The group the optimizer state is sharded over (sequence chunks' ranks included).
-        let shard = self.ctx.group(shard_axes(self.model.split()));
-        if self.ctx.group(&[Axis::DpReplicate]).rank() == 0 {
-            sharded_state::write_rank(&tmp, shard.rank(), shard.size(), &pieces)?;
-        }
-        world.barrier()?;
-        let path = if main {
-            let shapes = self.model.parameter_shapes();
-            sharded_state::write_index(&tmp, shard.size(), shapes, step)?;
-            Some(checkpoint::finish(
-                out,
-                &tmp,
-                &self.state,
-                self.args.save_total_limit,
-            )?)
-        } else {
-            None
-        };
-        world.barrier()?;
-        Ok(path)
-    }
-
-    /// The whole optimizer state: gathered from the data-parallel shards, then the
-    /// tensor-parallel slices joined (collective: every rank calls it).
-    fn gather_optimizer_state(&self) -> Result<Cow<'_, AdamW>> {
-        let state = self.optimizer.gather_full_state()?;
-        Ok(match self.model.tp() {
-            Some(tp) => Cow::Owned(tp_state::gather_state(
-                state.into_owned(),
-                self.model.tp_plan(),
-                tp.as_ref(),
-            )?),
-            None => state,
-        })
-    }
-
-    /// A LoRA run's checkpoint: the adapters gathered whole (tensor-parallel slices joined)
-    /// and written by rank 0 in peft's format, with their optimizer state.
-    fn save_adapter_checkpoint(&self, lora: &LoraConfig) -> Result<Option<PathBuf>> {
-        let mine: BTreeMap<String, Tensor> = self
-            .model
-            .params
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
-        let mut tensors = match self.model.tp() {
-            Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
-            None => mine,
-        };
-        crate::models::peft::add_aliases(self.model.net(), &mut tensors);
-        let order = crate::models::peft::parameter_order(self.model.net());
-        self.write_checkpoint(checkpoint::Weights::Adapter {
-            tensors: &tensors,
-            lora,
-            base: &self.args.model_name_or_path,
-            order: &order,
-        })
-    }
-
-    /// Gathers the optimizer state (unless save_only_model), then rank 0 writes the
-    /// checkpoint of `weights`.
-    fn write_checkpoint(&self, weights: checkpoint::Weights<'_>) -> Result<Option<PathBuf>> {
-        let state = match self.args.save_only_model {
-            true => None,
-            false => Some(self.gather_optimizer_state()?),
-        };
-        let path = if self.ctx.is_main_process() {
-            Some(checkpoint::save(
-                &self.args.output_dir,
-                weights,
-                &self.tokenizer,
-                state.as_deref(),
-                &self.state,
-                self.args.save_total_limit,
-            )?)
-        } else {
-            None
-        };
-        self.ctx.world().barrier()?;
-        Ok(path)
-    }
-
-    /// A full checkpoint of a ZeRO-3 / FSDP model, streamed: each unit's parameters and
-    /// optimizer state are gathered whole (tensor-parallel slices joined), written by rank 0
-    /// into the weights and optimizer files and dropped before the next unit, so saving holds
-    /// one unit beyond the slices instead of the whole model and its state.
-    fn save_streamed_checkpoint(&self, fsdp: &FsdpOptimizer) -> Result<Option<PathBuf>> {
-        let (out, step) = (&self.args.output_dir, self.state.global_step);
-        let shapes = self.model.parameter_shapes();
-        let order = fsdp.full_order();
-        let shape_of = |name: &str| {
-            shapes.get(name).cloned().ok_or_else(|| {
-                Error::Parallelism(format!("{name} is sharded but not a model parameter"))
-            })
-        };
-        let mut files = None;
-        if self.ctx.is_main_process() {
-            let tmp = self.begin_checkpoint(step)?;
-            let specs = order
-                .iter()
-                .map(|(n, dtype)| Ok(TensorSpec::new(n.clone(), *dtype, &shape_of(n)?)))
-                .collect::<Result<Vec<_>>>()?;
-            let weights = WeightsWriter::with_others(&tmp, specs, usize::MAX, self.model.others());
-            let state_shapes = order
-                .iter()
-                .map(|(n, _)| Ok((n.clone(), shape_of(n)?)))
-                .collect::<Result<Vec<_>>>()?;
-            let opt = match self.args.save_only_model {
-                true => None,
-                false => Some(optim::state_file(
-                    &tmp.join(OPTIMIZER_FILE),
-                    state_shapes,
-                    fsdp.step_count(),
-                )?),
-            };
-            files = Some((tmp, weights, opt));
-        }
-        // A write that fails on rank 0 stops its writing, not its part in the gathers, so
-        // that the other ranks are not left waiting; the error is returned after the loop.
-        let mut failed = None;
-        fsdp.for_each_full_unit(!self.args.save_only_model, |params, states| {
-            let (params, states) = match self.model.tp() {
-                Some(tp) => {
-                    let plan = self.model.tp_plan();
-                    (
-                        tp_state::gather_full(params, plan, tp.as_ref())?,
-                        tp_state::gather_param_states(states, plan, tp.as_ref())?,
-                    )
-                }
-                None => (params, states),
-            };
-            if let (Some((_, weights, opt)), None) = (files.as_mut(), &failed) {
-                let written: Result<()> = params
-                    .iter()
-                    .try_for_each(|(n, t)| weights.push(n, t))
-                    .and_then(|_| {
-                        states.iter().try_for_each(|(n, s)| match opt.as_mut() {
-                            Some(opt) => optim::write_state(opt, n, s),
-                            None => Ok(()),
-                        })
-                    });
-                failed = written.err();
-            }
-            Ok(())
-        })?;
-        let path = match (files, failed) {
-            (_, Some(e)) => Err(e),
-            (Some((tmp, weights, opt)), None) => weights
-                .finish()
-                .and_then(|_| opt.map_or(Ok(()), |o| o.finish()))
-                .and_then(|_| {
-                    checkpoint::finish(out, &tmp, &self.state, self.args.save_total_limit)
-                })
-                .map(Some),
-            (None, None) => Ok(None),
-        };
-        self.ctx.world().barrier()?;
-        path
-    }
-
-    /// Starts step `step`'s checkpoint (rank 0): its staging directory, holding config.json
-    /// and the tokenizer files; the weights and state follow.
-    fn begin_checkpoint(&self, step: usize) -> Result<PathBuf> {
-        let tmp = checkpoint::begin(&self.args.output_dir, step)?;
-        let config = self.model.config_json();
-        checkpoint::write_model_files(&tmp, None, config, &self.tokenizer)?;
-        Ok(tmp)
-    }
-
-    pub(super) fn save_checkpoint_as(&self, format: CheckpointFormat) -> Result<Option<PathBuf>> {
-        if let Some(lora) = self.model.lora() {
-            return self.save_adapter_checkpoint(lora);
-        }
-        let tp = self.model.tp();
-        // Sharded state is the optimizer's slices: a model-only checkpoint is written full.
-        if format == CheckpointFormat::Sharded
-            && tp.is_none()
-            && self.optimizer.sharded().is_some()
-            && !self.args.save_only_model
-        {
-            return self.save_sharded_checkpoint();
-        }
-        if let Some(fsdp) = self.optimizer.fsdp() {
-            return self.save_streamed_checkpoint(fsdp);
-        }
-        // Weights held whole and unsplit are saved as they are; others are gathered.
-        let gathered_params;
-        let params = match (&self.model.sharding, tp) {
-            (None, None) => &self.model.params,
-            _ => {
-                gathered_params = Params::from_tensors(self.gather_weights()?)?;
-                &gathered_params
-            }
-        };
-        self.write_checkpoint(checkpoint::Weights::Full {
-            params,
-            config_json: self.model.config_json(),
-            others: self.model.others(),
-        })
     }
 
     pub(super) fn stop_requested(&self) -> Result<bool> {

@@ -14,9 +14,12 @@
 //! backward weighs each token by its sequence's gradient.
 
 use super::args::{NameList, TrainingArguments};
-use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
+use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps};
 use super::eval_rounds::EvalSlots;
+use super::kinds::{read_as, Scaffold, TrainerKind};
+use super::reference::{HeldReference, Mixing};
+use super::router::RouterLosses;
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
 use crate::config::named::Named;
@@ -30,8 +33,9 @@ use crate::data::{
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
 use crate::nn::IGNORE_INDEX;
+use crate::parallel::estimate::Workload;
 use candle_core::{Device, Tensor};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 crate::training_arguments! {
@@ -252,109 +256,6 @@ struct SequenceSums {
     aligned: Option<Vec<f64>>,
 }
 
-/// TR-DPO (`sync_ref_model`): the reference's own weights, as this rank holds the policy's
-/// (sharded and split as they are), mixed with the policy every `every` steps. Until the first
-/// mix they are the policy before training, whose log-probabilities are precomputed; after
-/// it the reference runs per batch, swapped into the model in place of the policy.
-struct RefSync {
-    alpha: f64,
-    every: usize,
-    /// In [`crate::parallel::Model::held_values`]'s order; in a cell, for the swaps.
-    weights: std::cell::RefCell<Vec<Tensor>>,
-    mixed: bool,
-}
-
-/// Where a TR-DPO run keeps each rank's reference weights at checkpoint `step`.
-fn ref_weights_file(output_dir: &Path, step: usize, rank: usize) -> PathBuf {
-    output_dir
-        .join("ref_model")
-        .join(format!("checkpoint-{step}"))
-        .join(format!("rank-{rank}.safetensors"))
-}
-
-impl RefSync {
-    /// The reference of a run at step `step` holding `weights` (this rank's share): mixed
-    /// once `step` has reached the first sync.
-    fn new(config: &DPOConfig, weights: Vec<Tensor>, step: usize) -> Self {
-        RefSync {
-            alpha: config.ref_model_mixup_alpha,
-            every: config.ref_model_sync_steps,
-            weights: weights.into(),
-            mixed: step >= config.ref_model_sync_steps,
-        }
-    }
-
-    /// Writes this rank's reference weights for checkpoint `step` (atomically), and drops
-    /// those of earlier checkpoints.
-    fn save<N: CausalModel>(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
-        let path = ref_weights_file(&core.args.output_dir, step, core.ctx.world().rank());
-        let dir = path.parent().expect("a file in a directory");
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
-        let named: std::collections::HashMap<String, Tensor> = self
-            .weights
-            .borrow()
-            .iter()
-            .enumerate()
-            .map(|(i, t)| Ok((i.to_string(), t.to_device(&Device::Cpu)?)))
-            .collect::<Result<_>>()?;
-        let tmp = path.with_extension("tmp");
-        candle_core::safetensors::save(&named, &tmp)?;
-        std::fs::rename(&tmp, &path)
-            .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))?;
-        if core.ctx.is_main_process() {
-            let root = dir.parent().expect("ref_model");
-            for old in std::fs::read_dir(root).into_iter().flatten().flatten() {
-                let name = old.file_name().to_string_lossy().to_string();
-                let earlier = name
-                    .strip_prefix("checkpoint-")
-                    .and_then(|n| n.parse::<usize>().ok())
-                    .is_some_and(|n| n < step);
-                if earlier {
-                    let _ = std::fs::remove_dir_all(old.path());
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The reference a resumed run had at its checkpoint: this rank's file, which must hold
-    /// what this rank holds (the same launch layout).
-    fn resume<N: CausalModel>(config: &DPOConfig, core: &Core<'_, N>) -> Result<Self> {
-        let step = core.state.global_step;
-        let path = ref_weights_file(&core.args.output_dir, step, core.ctx.world().rank());
-        let source = path.display().to_string();
-        let held = core.model.held_values();
-        let device = held.first().map_or(Device::Cpu, |t| t.device().clone());
-        let loaded = candle_core::safetensors::load(&path, &device).map_err(|e| {
-            Error::config(&source, "sync_ref_model", format!("the TR-DPO reference of checkpoint-{step} cannot be read ({e}): resume from a checkpoint this run saved, under the launch it ran with"))
-        })?;
-        let mut weights = Vec::with_capacity(held.len());
-        for (i, h) in held.iter().enumerate() {
-            let t = loaded.get(&i.to_string()).filter(|t| t.dims() == h.dims());
-            let t = t.ok_or_else(|| Error::config(&source, "sync_ref_model", format!("tensor {i} is missing or shaped otherwise than this rank's weights {:?}: resume under the launch (profile, processes, parallelism) the run was saved with", h.dims())))?;
-            weights.push(t.to_dtype(h.dtype())?);
-        }
-        if loaded.len() != held.len() {
-            return Err(Error::config(&source, "sync_ref_model", format!("{} tensors, this rank holds {}: resume under the launch the run was saved with", loaded.len(), held.len())));
-        }
-        Ok(RefSync::new(config, weights, step))
-    }
-
-    /// `f` run with the reference's weights in the model (swapped back however it ends).
-    fn run<N: CausalModel, R>(
-        &self,
-        core: &Core<'_, N>,
-        f: impl FnOnce() -> Result<R>,
-    ) -> Result<R> {
-        let mut weights = self.weights.borrow_mut();
-        core.model.swap_held_values(&mut weights)?;
-        let out = f();
-        core.model.swap_held_values(&mut weights)?;
-        out
-    }
-}
-
 /// Preference training.
 pub struct Dpo {
     loss: DpoLoss,
@@ -367,7 +268,7 @@ pub struct Dpo {
     keep_end: bool,
     ld_alpha: Option<f64>,
     ref_batch_size: Option<usize>,
-    sync: Option<RefSync>,
+    sync: Option<HeldReference>,
 }
 
 /// TRL's figures of a step or an evaluation: `mean(k)` of the reward sums of
@@ -612,7 +513,7 @@ impl Dpo {
         rows: &[Vec<usize>],
         micros: &[Micro],
     ) -> Result<Vec<Vec<(f64, f64)>>> {
-        match self.sync.as_ref().filter(|s| s.mixed) {
+        match self.sync.as_ref().filter(|s| s.mixed()) {
             Some(sync) => sync.run(core, || {
                 micros
                     .iter()
@@ -749,6 +650,44 @@ struct RefCache {
     eval: RefLogps,
 }
 
+/// DPO in the trainers' registry ([`super::kinds`]).
+pub const KIND: TrainerKind = TrainerKind {
+    name: "dpo",
+    about: "preference pairs (TRL's DPOTrainer)",
+    read: |args| read_as::<DPOConfig>(args, workload),
+    scaffold: Scaffold {
+        config: "templates/sft/dpo.yaml",
+        data: &[
+            ("data/pref_train.jsonl", "assets/tiny/data/pref_train.jsonl"),
+            ("data/pref_eval.jsonl", "assets/tiny/data/pref_eval.jsonl"),
+        ],
+        config_type: "DPOConfig",
+        cli_type: "DpoCli",
+        task_type: Some("Dpo"),
+        summary: "Preference training (TRL's DPO)",
+        example_flag: "--beta 0.2",
+        data_note: ": preference pairs, the right sum chosen",
+        formats: "prompt/chosen/rejected, conversational or standard, prompt explicit or implicit",
+        metric: "reward accuracy",
+    },
+};
+
+/// TR-DPO's mixing of the reference: `ref_model_mixup_alpha` every `ref_model_sync_steps`.
+fn mixing(config: &DPOConfig) -> Mixing {
+    Mixing {
+        alpha: config.ref_model_mixup_alpha,
+        every: config.ref_model_sync_steps,
+    }
+}
+
+/// A micro-batch of n pairs is 2n sequences; TR-DPO keeps a copy of the weights.
+pub fn workload(config: &DPOConfig) -> Workload {
+    Workload {
+        sequences_per_row: 2,
+        weight_copies: usize::from(config.sync_ref_model),
+    }
+}
+
 impl<N: CausalModel> Task<N> for Dpo {
     type Config = DPOConfig;
     fn load(config: &DPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
@@ -793,9 +732,8 @@ impl<N: CausalModel> Task<N> for Dpo {
         self.train.len()
     }
 
-    /// A micro-batch of n pairs is 2n sequences; TR-DPO keeps a copy of the weights.
-    fn memory_setup(config: &DPOConfig, setup: &mut crate::parallel::estimate::Setup) {
-        setup.for_preference_pairs(config.sync_ref_model);
+    fn workload(config: &DPOConfig) -> Workload {
+        workload(config)
     }
 
     fn prepare(&mut self, config: &DPOConfig, core: &Core<'_, N>) -> Result<()> {
@@ -806,7 +744,7 @@ impl<N: CausalModel> Task<N> for Dpo {
         // Where the run keeps its reference log-probabilities.
         let path = args.output_dir.join("ref_logps.json");
         if core.state.global_step > 0 && config.sync_ref_model {
-            self.sync = Some(RefSync::resume(config, core)?);
+            self.sync = Some(HeldReference::resume(mixing(config), core)?);
         }
         if core.state.global_step > 0 {
             // A resumed policy is no longer the reference: read what the first pass computed.
@@ -840,13 +778,7 @@ impl<N: CausalModel> Task<N> for Dpo {
         }
         if config.sync_ref_model {
             // A copy of the policy before training: this rank's share, in the compute dtype.
-            let weights = core
-                .model
-                .held_values()
-                .iter()
-                .map(Tensor::copy)
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            self.sync = Some(RefSync::new(config, weights, 0));
+            self.sync = Some(HeldReference::of_policy(mixing(config), core)?);
         } else if !config.precompute_ref_log_probs && core.ctx.is_main_process() {
             tracing::info!("precompute_ref_log_probs is false: the reference log-probabilities are computed before training anyway (the policy before its first step is the reference), the same values TRL computes on the fly");
         }
@@ -990,7 +922,7 @@ impl<N: CausalModel> Task<N> for Dpo {
             drop_last: config.training.dataloader_drop_last,
         };
         // TR-DPO after a mix: the current reference's log-probabilities.
-        let mixed = match self.sync.as_ref().filter(|s| s.mixed) {
+        let mixed = match self.sync.as_ref().filter(|s| s.mixed()) {
             Some(sync) => Some(sync.run(core, || self.reference(core, &self.eval, bs))?),
             None => None,
         };
@@ -1053,18 +985,10 @@ impl<N: CausalModel> Task<N> for Dpo {
     /// TR-DPO's sync (TRL's SyncRefModelCallback): every `ref_model_sync_steps` steps the
     /// reference becomes alpha x policy + (1 - alpha) x reference, on each rank's own share.
     fn after_step(&mut self, core: &Core<'_, N>) -> Result<()> {
-        let Some(sync) = self.sync.as_mut() else {
-            return Ok(());
-        };
-        if !core.state.global_step.is_multiple_of(sync.every) {
-            return Ok(());
+        match self.sync.as_mut() {
+            Some(sync) => sync.after_step(core),
+            None => Ok(()),
         }
-        let policy = core.model.held_values();
-        for (r, p) in sync.weights.get_mut().iter_mut().zip(&policy) {
-            *r = (r.affine(1.0 - sync.alpha, 0.0)? + p.affine(sync.alpha, 0.0)?)?;
-        }
-        sync.mixed = true;
-        Ok(())
     }
 
     fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {

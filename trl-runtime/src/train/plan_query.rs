@@ -2,20 +2,18 @@
 //! your model split over tp?" Only the program knows its model type and its own defaults (a
 //! config file it reads unless told otherwise, settings in code), so `cargo trl launch` runs
 //! it once with [`QUERY_TP_VAR`] and [`QUERY_OUT_VAR`] set before starting the workers; the
-//! trainer answers as it loads (the training arguments it resolved, whether it trains
-//! preference pairs, and the plan of its own model over its model directory, read from
+//! trainer answers as it loads (the training arguments it resolved, what its rows cost a rank,
+//! and the plan of its own model over its model directory, read from
 //! config.json and the weight files' shapes, no weights read), writes the answer as JSON to
 //! the file and exits. The launcher then refuses a tp size the model cannot take, with
 //! nothing started, and `--profile auto` plans the run the program will make.
 
 use super::TrainingArguments;
 use crate::comm::InProcessWorld;
-use crate::config::parallelism::ParallelDims;
 use crate::error::{Error, Result};
 use crate::models::CausalModel;
-use crate::parallel::estimate::Setup;
+use crate::parallel::estimate::Workload;
 use crate::parallel::Model;
-use crate::parallel::Strategy;
 use crate::tp::PlanEntry;
 use candle_core::{DType, Device};
 use std::path::{Path, PathBuf};
@@ -33,19 +31,14 @@ pub struct PlanAnswer {
     pub plan: std::result::Result<Vec<PlanEntry>, String>,
     /// Its flags over its own defaults and config file, as its workers will read them.
     pub training: TrainingArguments,
-    /// Some when it trains preference pairs (two sequences a row): whether TR-DPO keeps a
-    /// copy of the weights.
-    pub preference: Option<bool>,
+    /// What its rows cost a rank ([`super::core::Task::workload`]).
+    pub workload: Workload,
 }
 
-/// When the launcher asks, writes the training arguments `args`, what the task changes in a
-/// memory estimate (`task_setup`, [`super::core::Task::memory_setup`]) and the plan of model
-/// `N` in `args.model_name_or_path` split over the asked tp size to the asked file and exits
-/// the process; otherwise returns.
-pub fn answer_if_asked<N: CausalModel>(
-    args: &TrainingArguments,
-    task_setup: impl FnOnce(&mut Setup),
-) -> Result<()> {
+/// When the launcher asks, writes the training arguments `args`, the task's `workload` and
+/// the plan of model `N` in `args.model_name_or_path` split over the asked tp size to the
+/// asked file and exits the process; otherwise returns.
+pub fn answer_if_asked<N: CausalModel>(args: &TrainingArguments, workload: Workload) -> Result<()> {
     let (Ok(tp), Ok(out)) = (std::env::var(QUERY_TP_VAR), std::env::var(QUERY_OUT_VAR)) else {
         return Ok(());
     };
@@ -53,15 +46,12 @@ pub fn answer_if_asked<N: CausalModel>(
         var: QUERY_TP_VAR.into(),
         message: format!("'{tp}' is not a tp size"),
     })?;
-    // A row of one sequence in the plainest setup: what the task changes shows its kind.
-    let mut probe = Setup::new(Strategy::Ddp, ParallelDims::single(), 1, 1);
-    task_setup(&mut probe);
     let model_dir = &args.model_name_or_path;
     let answer = PlanAnswer {
         model_dir: model_dir.clone(),
         plan: plan::<N>(model_dir, tp).map_err(|e| e.to_string()),
         training: args.clone(),
-        preference: (probe.batch > 1).then_some(probe.reference_copy),
+        workload,
     };
     let json = serde_json::to_string(&answer).map_err(|e| Error::Env {
         var: QUERY_OUT_VAR.into(),

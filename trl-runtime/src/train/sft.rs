@@ -8,8 +8,10 @@
 //! accumulation steps x batch 2 and 1 rank x batch 4 take the same steps.
 
 use super::config::SFTConfig;
-use super::core::{Core, EvalResult, RouterLosses, StepGrads, Task, TaskStep};
+use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::eval_rounds::EvalSlots;
+use super::kinds::{read_as, Scaffold, TrainerKind};
+use super::router::RouterLosses;
 use crate::context_parallel::split::pad_to_multiple;
 use crate::data::dataset::{parse_record_in, to_example, Content, Record, TokenizeOptions};
 use crate::data::{
@@ -136,6 +138,28 @@ fn prompt_and_answer(r: &Record, tok: &TextTokenizer) -> Result<Option<(Vec<u32>
         _ => None,
     })
 }
+
+/// SFT in the trainers' registry ([`super::kinds`]): the default.
+pub const KIND: TrainerKind = TrainerKind {
+    name: "sft",
+    about: "supervised fine-tuning (TRL's SFTTrainer)",
+    read: |args| read_as::<SFTConfig>(args, |_| Default::default()),
+    scaffold: Scaffold {
+        config: "templates/sft/sft.yaml",
+        data: &[
+            ("data/train.jsonl", "assets/tiny/data/train.jsonl"),
+            ("data/eval.jsonl", "assets/tiny/data/eval.jsonl"),
+        ],
+        config_type: "SFTConfig",
+        cli_type: "SftCli",
+        task_type: None,
+        summary: "Supervised fine-tuning",
+        example_flag: "--learning_rate 1e-3",
+        data_note: "",
+        formats: "prompt/completion, messages",
+        metric: "accuracy",
+    },
+};
 
 /// Supervised fine-tuning: the rows, how they are collated, and the held-out prompts.
 pub struct Sft {

@@ -3,11 +3,9 @@
 
 use super::args::TrainerConfig;
 use super::checkpoint;
-use super::core::{
-    memory_peak_bytes, reset_memory_peak, rss_bytes, Core, EvalResult, StepStats, Task,
-    TrainOutcome,
-};
+use super::core::{Core, EvalResult, StepStats, Task, TrainOutcome};
 use super::flow::{Flow, Interval};
+use super::memory::{memory_peak_bytes, reset_memory_peak, rss_bytes};
 use super::sft::Sft;
 use crate::data::TextTokenizer;
 use crate::dist::DistContext;
@@ -76,7 +74,8 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
     ) -> Result<Self> {
         let args = T::training_arguments(&config);
         // `cargo trl launch` asking what this program trains and how its model splits.
-        super::plan_query::answer_if_asked::<N>(&args, |s| T::memory_setup(&config, s))?;
+        let work = T::workload(&config);
+        super::plan_query::answer_if_asked::<N>(&args, work)?;
         config.validate("training arguments")?;
         let tokenizer = T::tokenizer(&config, TextTokenizer::from_dir(&args.model_name_or_path)?)?;
         let mut task = T::load(&config, &tokenizer)?;
@@ -89,7 +88,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             false => 0,
         };
         let mut core = Core::load(&args, ctx, strategy, task.num_rows(), tokenizer)?;
-        core.estimate_with(|setup| T::memory_setup(&config, setup));
+        core.estimate_with(&work);
         task.prepare(&config, &core)?;
         crate::alloc::release_freed_memory();
         Ok(Trainer {

@@ -3,10 +3,10 @@
 //! window), the gated MLP (SwiGLU, or GeGLU with tanh GELU), and the [`Decoder`] body
 //! (embedding, layers, final norm, LM head) that makes a model file's [`Layer`] a model.
 
-use super::causal::{CausalModel, LayerInputs};
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
 use crate::kernels::fused::{rotary as apply_rotary, swap_heads};
+use crate::models::causal::{CausalModel, LayerInputs};
 use crate::nn::chain::{Chain, SplitHeads};
 use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{embedding, linear, linear_no_bias, rms_norm};

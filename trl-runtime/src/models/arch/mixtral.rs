@@ -5,10 +5,10 @@
 //! jitter noise is not built (refused).
 
 use super::blocks::{gated_mlp, Activation, Decoder, Layer, PreNormAttention};
-use super::causal::LayerInputs;
-use super::config::ModelConfig;
 use super::moe::{Expert, MoeConfig, SparseMoe};
 use crate::error::{Error, Result};
+use crate::models::causal::LayerInputs;
+use crate::models::config::ModelConfig;
 use crate::nn::{linear_no_bias, Linear};
 use crate::Parallelize;
 use candle_core::Tensor;

@@ -4,10 +4,10 @@
 //! The router's load-balancing loss is router_loss.rs's.
 
 use super::blocks::{Activation, Decoder, GatedMlp, Layer, PreNormAttention};
-use super::causal::LayerInputs;
-use super::config::ModelConfig;
 use super::moe::{MoeConfig, SparseMoe};
 use crate::error::{Error, Result};
+use crate::models::causal::LayerInputs;
+use crate::models::config::ModelConfig;
 use crate::nn::linear_no_bias;
 use crate::Parallelize;
 use candle_core::Tensor;

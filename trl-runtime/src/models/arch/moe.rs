@@ -12,9 +12,9 @@
 //! check so).
 
 use super::blocks::GatedMlp;
-use super::causal::LayerInputs;
-use super::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::models::causal::LayerInputs;
+use crate::models::config::ModelConfig;
 use crate::nn::Linear;
 use crate::Parallelize;
 use candle_core::{DType, Tensor, D};

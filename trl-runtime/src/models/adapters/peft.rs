@@ -464,9 +464,9 @@ pub fn save(
             .insert(format!("{head}.lora_B.weight"), a.t()?.contiguous()?);
     }
     // A vision-language model's language model: peft names its modules by the PyTorch tree.
-    let composite = super::composite::is_composite_dir(base);
+    let composite = crate::models::composite::is_composite_dir(base);
     let peft_name = |n: &str| match composite {
-        true => super::composite::module_name(n),
+        true => crate::models::composite::module_name(n),
         false => n.to_string(),
     };
     let mut targets: Vec<String> = targets.iter().map(|t| peft_name(t)).collect();
@@ -672,7 +672,7 @@ pub fn base_model(dir: &Path) -> Result<std::path::PathBuf> {
     let named = json["base_model_name_or_path"].as_str().unwrap_or("");
     let base = crate::hub::resolve(crate::hub::RepoKind::Model, Path::new(named))
         .unwrap_or_else(|_| Path::new(named).to_path_buf());
-    if named.is_empty() || !base.join(super::params::CONFIG_FILE).is_file() {
+    if named.is_empty() || !base.join(crate::models::params::CONFIG_FILE).is_file() {
         return Err(Error::config(
             source,
             "base_model_name_or_path",
@@ -697,7 +697,7 @@ pub fn read(
     // A vision-language model's language model (models/composite.rs).
     let composite = loaded.keys().any(|n| {
         n.strip_prefix(PREFIX)
-            .is_some_and(super::composite::is_tree_module)
+            .is_some_and(crate::models::composite::is_tree_module)
     });
     if json["peft_type"].as_str() != Some("LORA") {
         return Err(err(
@@ -774,7 +774,7 @@ pub fn read(
     let mut target_list: Vec<String> = names("target_modules")
         .iter()
         .filter_map(|t| match composite {
-            true => super::composite::text_module_name(t),
+            true => crate::models::composite::text_module_name(t),
             false => Some(t.clone()),
         })
         .collect();
@@ -823,7 +823,7 @@ pub fn read(
         // A vision-language model's: the language model's modules by our names; adapters on
         // the vision tower or the projector never act on text rows (TRL trains them to
         // nothing: no gradient reaches them) and are left out.
-        let ours = match super::composite::text_module_name(ours) {
+        let ours = match crate::models::composite::text_module_name(ours) {
             Some(text) if composite => text,
             None if composite => {
                 left_out += 1;

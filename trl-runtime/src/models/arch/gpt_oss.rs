@@ -10,14 +10,14 @@
 //! Strategies: ZeRO and FSDP shard the fused expert tensors with the rest of the layer's unit;
 //! under tp the attention (and its sinks) is split by heads and each expert's MLP as a dense
 //! one (gate_up columns, down rows), the router whole. Checkpoints quantized to MXFP4 (the
-//! hub's) are read dequantized (models/mxfp4.rs); other quantizations are refused.
+//! hub's) are read dequantized (models/weights/mxfp4.rs); other quantizations are refused.
 
 use super::blocks::{Decoder, Layer, PreNormAttention};
-use super::causal::LayerInputs;
-use super::config::ModelConfig;
 use super::moe::{routed, MoeConfig};
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
+use crate::models::causal::LayerInputs;
+use crate::models::config::ModelConfig;
 use crate::nn::grouped::grouped_linear;
 use crate::nn::Param;
 use crate::Parallelize;

@@ -3,11 +3,11 @@
 //! checkpoint opens in transformers).
 
 use super::composite;
-use super::config::ModelConfig;
 use super::mxfp4;
 pub use super::tensor_file::Others;
 use super::tensor_file::{write_weights, TensorSpec};
 use crate::error::{Error, Result};
+use crate::models::config::ModelConfig;
 use crate::nn::module::Split;
 use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Shape, Tensor, Var};

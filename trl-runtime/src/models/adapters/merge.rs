@@ -6,14 +6,15 @@
 //!
 //! It works on the checkpoint files, not on a built model, so any architecture merges (user
 //! models included), and it streams: the base's tensors are read, merged and written a
-//! tensor at a time ([`super::tensor_file::write_weights`]). The output is written into a
+//! tensor at a time ([`crate::models::tensor_file::write_weights`]). The output is written into a
 //! sibling temporary directory and renamed into place when complete.
 
-use super::params::{read_config, write_atomic, WeightFiles, CONFIG_FILE};
 use super::peft;
-use super::tensor_file::{write_weights, TensorSpec};
 use crate::data::tokenize::TOKENIZER_FILES;
 use crate::error::{Error, Result};
+use crate::models::params::{read_config, write_atomic, WeightFiles, CONFIG_FILE};
+use crate::models::tensor_file::{write_weights, TensorSpec};
+use crate::nn::lora::LoraConfig;
 use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -110,7 +111,7 @@ pub fn merge_adapter(
             "already exists: name a new directory (nothing is overwritten)",
         ));
     }
-    if super::composite::is_composite_dir(&base) {
+    if crate::models::composite::is_composite_dir(&base) {
         return Err(Error::config(
             base.join("config.json").display().to_string(),
             "model_type",
@@ -121,7 +122,6 @@ pub fn merge_adapter(
     let sites = sites_of(&base)?;
     let (config, mut adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu, &sites)?;
     let sites: HashSet<String> = sites.into_iter().collect();
-    let scale = config.scale();
     let files = WeightFiles::open(&base)?;
     // What is written (the base's names, dtypes and shapes), and the base tensor each starts
     // from.
@@ -209,73 +209,12 @@ pub fn merge_adapter(
             report.copied += 1;
             return Ok(w);
         }
-        let stem = match sites.contains(name) {
-            true => name,
-            false => name.strip_suffix(".weight").unwrap_or(name),
-        };
-        let part = |p: &str| adapters.get(&format!("{stem}.{p}"));
-        // An embedding's adapters, as the layer computes its table (embedding_adapter).
-        use crate::nn::embedding_adapter::EmbeddingAdapter;
-        let table = match (part("lora_embedding_A"), part("lora_embedding_B")) {
-            (Some(a), Some(b)) => Some(EmbeddingAdapter::Lora {
-                a: a.clone(),
-                b: b.clone(),
-                scale,
-            }),
-            _ => match part("token_adapter.trainable_tokens_delta") {
-                Some(rows) => {
-                    let indices = config
-                        .trainable_token_indices
-                        .iter()
-                        .find(|(m, _)| stem == m || stem.ends_with(&format!(".{m}")))
-                        .map(|(_, ids)| ids.clone())
-                        .ok_or_else(|| {
-                            Error::config(
-                                adapter_dir.join(peft::ADAPTER_CONFIG).display().to_string(),
-                                "trainable_token_indices",
-                                format!("names no rows for {stem}, whose trained rows the adapter holds"),
-                            )
-                        })?;
-                    Some(EmbeddingAdapter::Tokens {
-                        indices,
-                        rows: rows.clone(),
-                    })
-                }
-                None => None,
-            },
-        };
-        if let Some(table) = table {
-            report.merged += 1;
-            let merged = table.table(&w.to_dtype(DType::F32)?)?;
-            return Ok(merged.to_dtype(w.dtype())?);
+        let (merged, whole) = merge_one(name, &w, (&adapters, &sites, &config), adapter_dir)?;
+        match whole {
+            true => report.replaced += 1,
+            false => report.merged += 1,
         }
-        match (
-            part("lora_A.weight"),
-            part("lora_B.weight"),
-            adapters.get(name),
-        ) {
-            (Some(a), Some(b), None) => {
-                report.merged += 1;
-                let m = part("lora_magnitude_vector");
-                merged_weight(&w, a, b, m, scale).map_err(|e| {
-                    Error::config(
-                        adapter_dir.display().to_string(),
-                        format!("{stem}.lora_B.weight"),
-                        format!("cannot merge into the base's {name} {:?}: {e}", w.dims()),
-                    )
-                })
-            }
-            (None, None, Some(whole)) => {
-                report.replaced += 1;
-                Ok(whole.to_dtype(w.dtype())?)
-            }
-            _ => Err(Error::config(
-                adapter_dir.display().to_string(),
-                stem,
-                "holds only one of lora_A / lora_B, or an adapter and a whole module for the \
-                 same layer: not a complete adapter",
-            )),
-        }
+        Ok(merged)
     })?;
     // As the base is built: a base with MXFP4 experts merges into dense weights.
     let (text, source) = read_config(&base)?;
@@ -307,4 +246,80 @@ pub fn merge_adapter(
         )
     })?;
     Ok(report)
+}
+
+/// Base weight `name` (`w`) with its adapter applied, or the whole module the adapter trained
+/// in its place (then `true`): from `adapters` (peft's names), the adapted `sites` and the
+/// adapter's `config`, read from `adapter_dir` (named in errors).
+fn merge_one(
+    name: &str,
+    w: &Tensor,
+    (adapters, sites, config): (&BTreeMap<String, Tensor>, &HashSet<String>, &LoraConfig),
+    adapter_dir: &Path,
+) -> Result<(Tensor, bool)> {
+    let stem = match sites.contains(name) {
+        true => name,
+        false => name.strip_suffix(".weight").unwrap_or(name),
+    };
+    let part = |p: &str| adapters.get(&format!("{stem}.{p}"));
+    // An embedding's adapters, as the layer computes its table (embedding_adapter).
+    use crate::nn::embedding_adapter::EmbeddingAdapter;
+    let table = match (part("lora_embedding_A"), part("lora_embedding_B")) {
+        (Some(a), Some(b)) => Some(EmbeddingAdapter::Lora {
+            a: a.clone(),
+            b: b.clone(),
+            scale: config.scale(),
+        }),
+        _ => {
+            match part("token_adapter.trainable_tokens_delta") {
+                Some(rows) => {
+                    let indices = config
+                    .trainable_token_indices
+                    .iter()
+                    .find(|(m, _)| stem == m || stem.ends_with(&format!(".{m}")))
+                    .map(|(_, ids)| ids.clone())
+                    .ok_or_else(|| {
+                        Error::config(
+                            adapter_dir.join(peft::ADAPTER_CONFIG).display().to_string(),
+                            "trainable_token_indices",
+                            format!("names no rows for {stem}, whose trained rows the adapter holds"),
+                        )
+                    })?;
+                    Some(EmbeddingAdapter::Tokens {
+                        indices,
+                        rows: rows.clone(),
+                    })
+                }
+                None => None,
+            }
+        }
+    };
+    if let Some(table) = table {
+        let merged = table.table(&w.to_dtype(DType::F32)?)?;
+        return Ok((merged.to_dtype(w.dtype())?, false));
+    }
+    match (
+        part("lora_A.weight"),
+        part("lora_B.weight"),
+        adapters.get(name),
+    ) {
+        (Some(a), Some(b), None) => {
+            let m = part("lora_magnitude_vector");
+            let merged = merged_weight(w, a, b, m, config.scale()).map_err(|e| {
+                Error::config(
+                    adapter_dir.display().to_string(),
+                    format!("{stem}.lora_B.weight"),
+                    format!("cannot merge into the base's {name} {:?}: {e}", w.dims()),
+                )
+            })?;
+            Ok((merged, false))
+        }
+        (None, None, Some(whole)) => Ok((whole.to_dtype(w.dtype())?, true)),
+        _ => Err(Error::config(
+            adapter_dir.display().to_string(),
+            stem,
+            "holds only one of lora_A / lora_B, or an adapter and a whole module for the \
+             same layer: not a complete adapter",
+        )),
+    }
 }

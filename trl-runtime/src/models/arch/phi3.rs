@@ -9,9 +9,9 @@
 //! every other model.
 
 use super::blocks::{Decoder, Heads, Layer};
-use super::causal::LayerInputs;
-use super::config::ModelConfig;
 use crate::error::Result;
+use crate::models::causal::LayerInputs;
+use crate::models::config::ModelConfig;
 use crate::nn::{linear_no_bias, Linear, RmsNorm, RotaryEmbedding};
 use crate::Parallelize;
 use candle_core::Tensor;

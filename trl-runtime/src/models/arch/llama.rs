@@ -8,9 +8,9 @@
 //! `parallel::Model::loss` never gathers them), and head counts are divided by the tp size.
 
 use super::blocks::{Activation, Decoder, GatedMlp, Layer, PreNormAttention};
-use super::causal::LayerInputs;
-use super::config::ModelConfig;
 use crate::error::Result;
+use crate::models::causal::LayerInputs;
+use crate::models::config::ModelConfig;
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;

@@ -9,7 +9,7 @@
 //! included) and alternates sliding and global layers, one RoPE base for all.
 //!
 //! Gemma 3's vision-language checkpoints (`gemma3`, Gemma3ForConditionalGeneration: 4B and
-//! larger) train their language model, read from `text_config` (models/composite.rs).
+//! larger) train their language model, read from `text_config` (models/weights/composite.rs).
 //!
 //! The tp plan is Llama's (blocks.rs); each layer is one FSDP unit.
 
@@ -17,9 +17,9 @@ use super::blocks::SelfAttention;
 use super::blocks::{
     Activation, AttentionShape, BodyShape, Decoder, GatedMlp, Layer, NormKind, QkNorm,
 };
-use super::causal::LayerInputs;
-use super::config::sliding_layers;
 use crate::error::{Error, Result};
+use crate::models::causal::LayerInputs;
+use crate::models::config::sliding_layers;
 use crate::nn::{RmsNorm, RopeScaling, RotaryEmbedding};
 use crate::Parallelize;
 use candle_core::Tensor;
@@ -107,7 +107,7 @@ impl Gemma3Config {
             )
         };
         // Gemma 3's vision-language checkpoints train their language model (composite.rs).
-        let json = super::composite::language_model_json(text).map_err(invalid)?;
+        let json = crate::models::composite::language_model_json(text).map_err(invalid)?;
         let mut c: Gemma3Config = serde_json::from_value(json)
             .map_err(|e| err("<document>", format!("not a valid gemma3_text config: {e}")))?;
         if !MODEL_TYPES.contains(&c.model_type.as_str()) {

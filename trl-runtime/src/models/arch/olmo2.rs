@@ -10,9 +10,9 @@
 
 use super::blocks::SelfAttention;
 use super::blocks::{Activation, Decoder, GatedMlp, Layer};
-use super::causal::LayerInputs;
-use super::config::ModelConfig;
 use crate::error::Result;
+use crate::models::causal::LayerInputs;
+use crate::models::config::ModelConfig;
 use crate::nn::{RmsNorm, RotaryEmbedding};
 use crate::Parallelize;
 use candle_core::Tensor;

@@ -1,0 +1,150 @@
+//! A reference model held as weights beside the policy's, for trainers with a KL term or a
+//! reference (TR-DPO's `sync_ref_model`, GRPO's): this rank's share of the weights (sharded
+//! and split as the policy's), swapped into the model to run the reference with no second
+//! model, mixed with the policy every few steps (TRL's SyncRefModelCallback), and saved
+//! beside each checkpoint so that a resumed run continues with it.
+
+use super::core::Core;
+use crate::error::{Error, Result};
+use crate::models::CausalModel;
+use candle_core::{Device, Tensor};
+use std::path::{Path, PathBuf};
+
+/// How the reference follows the policy: alpha x policy + (1 - alpha) x reference every
+/// `every` steps (TRL's `ref_model_mixup_alpha`, `ref_model_sync_steps`).
+#[derive(Debug, Clone, Copy)]
+pub struct Mixing {
+    pub alpha: f64,
+    pub every: usize,
+}
+
+/// The reference's own weights, as this rank holds the policy's. Until the first mix they are
+/// the policy before training (whose outputs a trainer may precompute).
+pub struct HeldReference {
+    mixing: Mixing,
+    /// In [`crate::parallel::Model::held_values`]'s order; in a cell, for the swaps.
+    weights: std::cell::RefCell<Vec<Tensor>>,
+    mixed: bool,
+}
+
+/// Where a run keeps each rank's reference weights at checkpoint `step`.
+fn weights_file(output_dir: &Path, step: usize, rank: usize) -> PathBuf {
+    output_dir
+        .join("ref_model")
+        .join(format!("checkpoint-{step}"))
+        .join(format!("rank-{rank}.safetensors"))
+}
+
+impl HeldReference {
+    /// The reference of a run at step `step` holding `weights` (this rank's share): mixed
+    /// once `step` has reached the first sync.
+    fn new(mixing: Mixing, weights: Vec<Tensor>, step: usize) -> Self {
+        HeldReference {
+            mixing,
+            weights: weights.into(),
+            mixed: step >= mixing.every,
+        }
+    }
+
+    /// A copy of the policy as it is now (before training): this rank's share, in the
+    /// compute dtype.
+    pub fn of_policy<N: CausalModel>(mixing: Mixing, core: &Core<'_, N>) -> Result<Self> {
+        let weights = core
+            .model
+            .held_values()
+            .iter()
+            .map(Tensor::copy)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self::new(mixing, weights, core.state.global_step))
+    }
+
+    /// Whether it has been mixed with the policy (until then it is the policy before training).
+    pub fn mixed(&self) -> bool {
+        self.mixed
+    }
+
+    /// Writes this rank's reference weights for checkpoint `step` (atomically), and drops
+    /// those of earlier checkpoints.
+    pub fn save<N: CausalModel>(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
+        let path = weights_file(&core.args.output_dir, step, core.ctx.world().rank());
+        let dir = path.parent().expect("a file in a directory");
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+        let named: std::collections::HashMap<String, Tensor> = self
+            .weights
+            .borrow()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Ok((i.to_string(), t.to_device(&Device::Cpu)?)))
+            .collect::<Result<_>>()?;
+        let tmp = path.with_extension("tmp");
+        candle_core::safetensors::save(&named, &tmp)?;
+        std::fs::rename(&tmp, &path)
+            .map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))?;
+        if core.ctx.is_main_process() {
+            let root = dir.parent().expect("ref_model");
+            for old in std::fs::read_dir(root).into_iter().flatten().flatten() {
+                let name = old.file_name().to_string_lossy().to_string();
+                let earlier = name
+                    .strip_prefix("checkpoint-")
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .is_some_and(|n| n < step);
+                if earlier {
+                    let _ = std::fs::remove_dir_all(old.path());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The reference a resumed run had at its checkpoint: this rank's file, which must hold
+    /// what this rank holds (the same launch layout).
+    pub fn resume<N: CausalModel>(mixing: Mixing, core: &Core<'_, N>) -> Result<Self> {
+        let step = core.state.global_step;
+        let path = weights_file(&core.args.output_dir, step, core.ctx.world().rank());
+        let source = path.display().to_string();
+        let held = core.model.held_values();
+        let device = held.first().map_or(Device::Cpu, |t| t.device().clone());
+        let loaded = candle_core::safetensors::load(&path, &device).map_err(|e| {
+            Error::config(&source, "sync_ref_model", format!("the reference of checkpoint-{step} cannot be read ({e}): resume from a checkpoint this run saved, under the launch it ran with"))
+        })?;
+        let mut weights = Vec::with_capacity(held.len());
+        for (i, h) in held.iter().enumerate() {
+            let t = loaded.get(&i.to_string()).filter(|t| t.dims() == h.dims());
+            let t = t.ok_or_else(|| Error::config(&source, "sync_ref_model", format!("tensor {i} is missing or shaped otherwise than this rank's weights {:?}: resume under the launch (profile, processes, parallelism) the run was saved with", h.dims())))?;
+            weights.push(t.to_dtype(h.dtype())?);
+        }
+        if loaded.len() != held.len() {
+            return Err(Error::config(&source, "sync_ref_model", format!("{} tensors, this rank holds {}: resume under the launch the run was saved with", loaded.len(), held.len())));
+        }
+        Ok(Self::new(mixing, weights, step))
+    }
+
+    /// `f` run with the reference's weights in the model (swapped back however it ends).
+    pub fn run<N: CausalModel, R>(
+        &self,
+        core: &Core<'_, N>,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let mut weights = self.weights.borrow_mut();
+        core.model.swap_held_values(&mut weights)?;
+        let out = f();
+        core.model.swap_held_values(&mut weights)?;
+        out
+    }
+
+    /// After an optimizer step: every `every` steps the reference becomes alpha x policy +
+    /// (1 - alpha) x reference, on each rank's own share.
+    pub fn after_step<N: CausalModel>(&mut self, core: &Core<'_, N>) -> Result<()> {
+        if !core.state.global_step.is_multiple_of(self.mixing.every) {
+            return Ok(());
+        }
+        let policy = core.model.held_values();
+        let alpha = self.mixing.alpha;
+        for (r, p) in self.weights.get_mut().iter_mut().zip(&policy) {
+            *r = (r.affine(1.0 - alpha, 0.0)? + p.affine(alpha, 0.0)?)?;
+        }
+        self.mixed = true;
+        Ok(())
+    }
+}
