@@ -1794,3 +1794,71 @@ fn logged_losses_are_window_means() {
         assert!((l - el).abs() <= 1e-12 * el.abs(), "step {s}: {l} vs {el}");
     }
 }
+
+/// SFT whose micro-batches hold each of their rows twice, in a row (as TRL's GRPO deals each
+/// prompt `num_generations` times): a task deals its own rows.
+struct Twice(trl_runtime::train::Sft);
+
+impl<N: trl_runtime::models::CausalModel> trl_runtime::train::Task<N> for Twice {
+    type Config = SFTConfig;
+    fn load(
+        config: &SFTConfig,
+        tokenizer: &trl_runtime::data::TextTokenizer,
+    ) -> trl_runtime::Result<Self> {
+        Ok(Twice(
+            <trl_runtime::train::Sft as trl_runtime::train::Task<N>>::load(config, tokenizer)?,
+        ))
+    }
+    fn num_rows(&self) -> usize {
+        trl_runtime::train::Task::<N>::num_rows(&self.0)
+    }
+    fn deal(&self, rows: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
+        rows.into_iter()
+            .map(|m| m.iter().flat_map(|&r| [r, r]).collect())
+            .collect()
+    }
+    fn prepare(
+        &mut self,
+        config: &SFTConfig,
+        core: &trl_runtime::train::Core<'_, N>,
+    ) -> trl_runtime::Result<()> {
+        self.0.prepare(config, core)
+    }
+    fn step(
+        &mut self,
+        core: &trl_runtime::train::Core<'_, N>,
+        rows: &[Vec<usize>],
+        grads: &mut trl_runtime::train::StepGrads,
+    ) -> trl_runtime::Result<trl_runtime::train::TaskStep> {
+        assert!(
+            rows.iter().all(|m| m.chunks(2).all(|p| p[0] == p[1])),
+            "{rows:?}"
+        );
+        self.0.step(core, rows, grads)
+    }
+    fn evaluate(
+        &self,
+        config: &SFTConfig,
+        core: &trl_runtime::train::Core<'_, N>,
+    ) -> trl_runtime::Result<Option<trl_runtime::train::EvalResult>> {
+        self.0.evaluate(config, core)
+    }
+}
+
+/// A task deals its own rows: each row twice in a micro-batch weighs as once in the token
+/// mean, so the losses and weights are plain SFT's.
+#[test]
+fn a_task_deals_its_own_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plain = run(1, config(&tmp.path().join("plain"), 2, 1, 3));
+    let w = InProcessWorld::new(1);
+    let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(dims(1, 1, 1), 1).unwrap()).unwrap();
+    let cfg = config(&tmp.path().join("twice"), 2, 1, 3);
+    let mut trainer =
+        Trainer::<trl_runtime::models::AutoModelForCausalLM, Twice>::load(cfg, &ctx).unwrap();
+    let out = trainer.train().unwrap();
+    assert_eq!(out.losses.len(), plain.0.len());
+    for (a, b) in out.losses.iter().zip(&plain.0) {
+        assert!((a - b).abs() < 1e-5, "{:?} vs {:?}", out.losses, plain.0);
+    }
+}

@@ -121,6 +121,12 @@ pub trait Task<N: CausalModel>: Sized {
     fn load(config: &Self::Config, tokenizer: &TextTokenizer) -> Result<Self>;
     /// Training rows the sampler deals out.
     fn num_rows(&self) -> usize;
+    /// This step's micro-batches (row indices each) from the sampler's `rows`: a task may
+    /// deal them its own way (TRL's GRPO repeats each prompt `num_generations` times in a
+    /// row). As the sampler dealt them by default.
+    fn deal(&self, rows: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
+        rows
+    }
     /// Once the model is built and parallel (collation for its sequence split; DPO's
     /// reference log-probabilities).
     fn prepare(&mut self, config: &Self::Config, core: &Core<'_, N>) -> Result<()>;

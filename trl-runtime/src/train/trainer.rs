@@ -106,7 +106,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         if self.core.ctx.device().is_cpu() {
             crate::kernels::cpu_gemm::reserve_packing_buffers();
         }
-        let rows = self.core.step_rows();
+        let rows = self.task.deal(self.core.step_rows());
         let mut grads = self.core.begin_step();
         let t0 = Instant::now();
         let out = self.task.step(&self.core, &rows, &mut grads)?;
