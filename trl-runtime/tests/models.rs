@@ -713,3 +713,70 @@ fn the_router_loss_matches_transformers() {
         }
     }
 }
+
+/// docs/models.md's "Adding a model type", step 1, followed from outside the crate: a
+/// Llama-order layer written from the public blocks as a `blocks::Layer`, annotated for every
+/// strategy, its model `Decoder<MyLayer>`.
+mod added {
+    use candle_core::Tensor;
+    use candle_nn::VarBuilder;
+    use trl_runtime::models::blocks::{Activation, Decoder, GatedMlp, Layer, PreNormAttention};
+    use trl_runtime::models::{LayerInputs, ModelConfig};
+    use trl_runtime::Parallelize;
+
+    #[derive(Debug, Clone, Parallelize)]
+    #[parallel(fsdp_unit)]
+    pub struct MyLayer {
+        #[parallel(name = "")]
+        attention: PreNormAttention,
+        mlp: GatedMlp,
+    }
+
+    impl Layer for MyLayer {
+        type Config = ModelConfig;
+
+        fn parse_config(text: &str, source: &str) -> trl_runtime::Result<ModelConfig> {
+            ModelConfig::from_json_for(text, source, &["qwen2"])
+        }
+
+        fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Decoder<Self>> {
+            let parts = config.layer_parts()?;
+            let (h, i) = (config.hidden_size, config.intermediate_size);
+            Decoder::from_layers(parts.body, vb, |l, vb| {
+                Ok(MyLayer {
+                    attention: parts.pre_norm_attention(l, &vb)?,
+                    mlp: GatedMlp::new((h, i), config.mlp_bias, Activation::Silu, vb.pp("mlp"))?,
+                })
+            })
+        }
+
+        fn forward(&self, x: &Tensor, cx: &LayerInputs) -> trl_runtime::Result<Tensor> {
+            let (h, x) = self.attention.forward(x, cx)?;
+            self.mlp.forward_add(cx, &h, &x)
+        }
+
+        fn attention_heads(&self) -> (usize, usize) {
+            self.attention.heads()
+        }
+    }
+}
+
+/// The model type added as docs/models.md says loads the bundled Qwen2 checkpoint with the
+/// built-in model's logits.
+#[test]
+fn a_model_type_added_as_the_docs_say_matches_the_built_in() {
+    use trl_runtime::parallel::Model;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
+    let ours = Model::<trl_runtime::models::blocks::Decoder<added::MyLayer>>::from_pretrained(
+        &dir,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let builtin =
+        Model::<AutoModelForCausalLM>::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
+    let (ids, pos, _) = batch();
+    let a = ours.forward(&ids, &pos).unwrap();
+    let b = builtin.forward(&ids, &pos).unwrap();
+    assert!(max_abs_diff(&a, &b) < 1e-6);
+}
