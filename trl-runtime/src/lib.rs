@@ -17,6 +17,7 @@ pub mod context_parallel;
 pub mod data;
 pub mod dist;
 pub mod error;
+pub mod generation;
 pub mod hub;
 pub mod kernels;
 pub mod models;

@@ -18,6 +18,7 @@ const LAYERS: &[&[&str]] = &[
     &["data"],
     &["context_parallel"],
     &["models"],
+    &["generation"],
     &["optim"],
     &["tp"],
     &["parallel"],
