@@ -407,3 +407,25 @@ fn the_plan_reads_trls_lora_flags() {
     let (code, _, err) = plan(&["--use_peft", "--lora_dropout", "1"]);
     assert!(code != 0 && err.contains("--lora_dropout"), "{err}");
 }
+
+/// The README's dry-run command, as written, from the repository root: the plan of the
+/// bundled job without building it.
+#[test]
+fn the_readme_dry_run_prints_the_plan() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let line = "cargo trl launch --profile multi_cpu --dry-run sft";
+    assert!(readme.contains(line), "README.md shows `{line}`");
+    let out = Command::new(BIN)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .args(line.split_whitespace().skip(1))
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("mesh: dp_replicate=2") && text.contains("strategy: ddp"),
+        "{text}"
+    );
+}

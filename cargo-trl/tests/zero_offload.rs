@@ -82,6 +82,9 @@ fn bucketed_zero2_and_parameter_offload_equal_one_process() {
             "{name}: {report}"
         );
         assert_eq!(host > 0, offload, "{name}: {report}");
+        // The offload path ran: parameter slices moved to the device, gradient slices back.
+        let moved = text.contains("bytes moved between host and device memory");
+        assert_eq!(moved, offload, "{name}: {text}");
         if name == "zero2_buckets" {
             assert_eq!(report["strategy"], "zero2", "{report}");
             // The root and one unit per layer: 60,000 elements take one layer each.

@@ -12,7 +12,7 @@
 
 use crate::comm::store::TOKEN_VAR;
 use crate::progress::{self, Event, View};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -26,6 +26,9 @@ use std::time::{Duration, Instant};
 pub const PREFIXED_VAR: &str = "TRL_OUTPUT_PREFIXED";
 /// Lines of output kept per rank for the failure report.
 const TAIL_LINES: usize = 20;
+/// Error lines remembered to show a line every rank prints once (bounded: a long run's
+/// output is not kept).
+const SAID_LINES: usize = 64;
 
 /// One local worker: its global and local rank and its environment.
 #[derive(Debug, Clone)]
@@ -251,9 +254,9 @@ pub fn run_job(job: &Job) -> std::io::Result<JobOutcome> {
         std::fs::create_dir_all(dir)?;
     }
     let host = hostname();
-    // Error lines shown so far, and the rank that said each first: the same line from
+    // The latest error lines shown, and the rank that said each first: the same line from
     // another rank (every rank refusing the same flag) is shown once.
-    let said: Arc<Mutex<HashMap<String, usize>>> = Default::default();
+    let said: Arc<Mutex<VecDeque<(String, usize)>>> = Default::default();
     let mut children = Vec::new();
     let mut tails: Vec<Arc<Mutex<VecDeque<String>>>> = Vec::new();
     let mut pumps = Vec::new();
@@ -435,8 +438,8 @@ struct Sink {
     view: Arc<Mutex<View>>,
     log: Option<Arc<Mutex<std::fs::File>>>,
     tail: Arc<Mutex<VecDeque<String>>>,
-    /// Error lines shown so far and the rank that said each first.
-    said: Arc<Mutex<HashMap<String, usize>>>,
+    /// The latest error lines shown (at most [`SAID_LINES`]) and the rank that said each.
+    said: Arc<Mutex<VecDeque<(String, usize)>>>,
 }
 
 /// Reads one of a worker's streams line by line into `sink`: progress events to the view
@@ -451,14 +454,19 @@ fn pump(stream: Box<dyn std::io::Read + Send>, is_err: bool, sink: Sink) {
             }
             continue;
         }
-        let first = !is_err
-            || *sink
-                .said
-                .lock()
-                .unwrap()
-                .entry(line.clone())
-                .or_insert(rank)
-                == rank;
+        let first = !is_err || {
+            let mut said = sink.said.lock().unwrap();
+            match said.iter().find(|(l, _)| *l == line) {
+                Some((_, by)) => *by == rank,
+                None => {
+                    if said.len() == SAID_LINES {
+                        said.pop_front();
+                    }
+                    said.push_back((line.clone(), rank));
+                    true
+                }
+            }
+        };
         if sink.show && first {
             sink.view
                 .lock()

@@ -29,9 +29,8 @@ pub fn process(cfg: &GenerationConfig, history: &[u32], logits: &mut [f32]) {
         logits.iter_mut().for_each(|x| *x /= t);
     }
     if cfg.top_k != 0 && cfg.top_k < logits.len() {
-        let mut sorted: Vec<f32> = logits.to_vec();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        let kth = sorted[cfg.top_k - 1];
+        let mut values: Vec<f32> = logits.to_vec();
+        let (_, &mut kth, _) = values.select_nth_unstable_by(cfg.top_k - 1, |a, b| b.total_cmp(a));
         logits
             .iter_mut()
             .filter(|x| **x < kth)

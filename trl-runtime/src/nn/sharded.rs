@@ -303,6 +303,17 @@ impl Unit {
         Ok(full)
     }
 
+    /// Waits for a gather in flight: a resident unit keeps what it gathered, another drops it.
+    pub(crate) fn settle_gather(&self, st: &mut UnitState) -> Result<()> {
+        if let Some(p) = st.gathering.take() {
+            let full = p.wait()?;
+            if self.holding.resident {
+                self.hold_gathered(st, full)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Keeps the gathered parameters `full`. A resident unit's slice (on the device) becomes
     /// a view of them, as DeepSpeed's 16-bit partition is of its flat buffer: one copy.
     fn hold_gathered(&self, st: &mut UnitState, full: Tensor) -> Result<()> {
@@ -358,12 +369,7 @@ impl Unit {
         if !self.holding.resident {
             st.full = None;
         }
-        if let Some(p) = st.gathering.take() {
-            let full = p.wait()?;
-            if self.holding.resident {
-                self.hold_gathered(&mut st, full)?;
-            }
-        }
+        self.settle_gather(&mut st)?;
         st.pending = 0;
         st.in_backward = false;
         st.grads.iter_mut().for_each(|g| *g = None);

@@ -465,9 +465,7 @@ impl ShardedModel {
         }
         for unit in self.units.iter().rev() {
             let mut st = unit.lock();
-            if let Some(p) = st.gathering.take() {
-                p.wait()?;
-            }
+            unit.settle_gather(&mut st)?;
             unit.collect_reduced(&mut st)?;
         }
         Ok(())
