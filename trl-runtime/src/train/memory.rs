@@ -213,3 +213,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
         self.model.sharding.as_ref().map_or(0, |s| s.take_moved())
     }
 }
+
+/// Says how many bytes offload moved over the run (parameter slices to the device, gradient
+/// slices back): what shows the offload path ran, on a CPU run too. Nothing without offload.
+pub(super) fn log_offload_traffic(moved: usize) {
+    if moved > 0 {
+        tracing::info!("offload: {moved} bytes moved between host and device memory");
+    }
+}

@@ -356,13 +356,9 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         if let (true, Some(e)) = (main, &outcome.final_eval) {
             tracing::info!("after training: {e}");
         }
-        // Offload's moves over the run (parameter slices to the device, gradient slices back):
-        // what shows that the offload path ran, on a CPU run too.
         let moved = self.core.take_offload_traffic();
-        if main && moved > 0 {
-            tracing::info!("offload: {moved} bytes moved between host and device memory");
-        }
         if main {
+            super::memory::log_offload_traffic(moved);
             super::plot::loss_curve(&out_dir.join("loss.svg"), &curve, &self.state.log_history)?;
         }
         Ok(outcome)
