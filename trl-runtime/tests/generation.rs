@@ -1,12 +1,16 @@
 //! Generation's logits processors against transformers' own (scripts/generation_processors.py,
 //! when a Python with torch and transformers is there; skipped with a message otherwise), and
-//! sampling following the processed distribution over thousands of draws of one next token.
+//! sampling following the processed distribution over thousands of draws of one next token;
+//! the decoding loop with its KV cache against whole forwards and against transformers'
+//! `generate` (scripts/transformers_generate.py) on every built-in architecture.
 
 mod common;
 
+use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use trl_runtime::generation::processors::softmax;
 use trl_runtime::generation::{process, GenerationConfig, Sampler};
+use trl_runtime::models::AutoModelForCausalLM;
 
 const VOCAB: usize = 64;
 
@@ -132,4 +136,179 @@ fn draws_follow_the_processed_distribution() {
         probs.iter().filter(|p| **p > 0.0).count() > 1,
         "the test samples among several"
     );
+}
+
+/// Every built-in architecture's checkpoint (scripts/make_decoder_fixture.py; sliding windows
+/// of 6-10 tokens, shorter than prompt + new tokens).
+const ARCHITECTURES: &[&str] = &[
+    "tiny",
+    "qwen3",
+    "mistral",
+    "qwen2-sliding",
+    "gemma3",
+    "gemma2",
+    "qwen3-vl",
+    "gemma3-vision",
+    "smollm3",
+    "olmo2",
+    "olmo3",
+    "llama-longrope",
+    "phi3",
+    "qwen3-moe",
+    "mixtral",
+    "gpt-oss",
+    "gpt-oss-mxfp4",
+];
+
+fn checkpoint(kind: &str) -> std::path::PathBuf {
+    let name = match kind {
+        "tiny" => "tiny".to_string(),
+        k => format!("tiny-{k}"),
+    };
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../assets")
+        .join(name)
+        .join("model")
+}
+
+/// Two prompts of different lengths (7 and 12 tokens), left-padded with `PAD`.
+const PAD: u32 = 0;
+fn prompts() -> Vec<Vec<u32>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    [7, 12]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(3..250u32)).collect())
+        .collect()
+}
+
+fn padded(prompts: &[Vec<u32>]) -> (Tensor, Tensor) {
+    let w = prompts.iter().map(Vec::len).max().unwrap();
+    let (mut ids, mut mask) = (Vec::new(), Vec::new());
+    for p in prompts {
+        ids.extend(std::iter::repeat_n(PAD, w - p.len()).chain(p.iter().copied()));
+        mask.extend((0..w).map(|i| u32::from(i >= w - p.len())));
+    }
+    let b = prompts.len();
+    (
+        Tensor::from_vec(ids, (b, w), &Device::Cpu).unwrap(),
+        Tensor::from_vec(mask, (b, w), &Device::Cpu).unwrap(),
+    )
+}
+
+fn greedy(max_new_tokens: usize, eos: Option<u32>) -> GenerationConfig {
+    GenerationConfig {
+        max_new_tokens,
+        eos_token_id: eos.into_iter().collect(),
+        pad_token_id: Some(PAD),
+        ..GenerationConfig::default()
+    }
+}
+
+/// Greedy tokens without a cache: every step a forward over the whole left-padded rows
+/// (transformers' positions, the pads their own documents), the most likely last token.
+fn greedy_uncached(model: &AutoModelForCausalLM, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {
+    let (ids, mask) = padded(prompts);
+    let mut rows = ids.to_vec2::<u32>().unwrap();
+    let mask = mask.to_vec2::<u32>().unwrap();
+    for _ in 0..n {
+        let (b, w) = (rows.len(), rows[0].len());
+        let pos: Vec<i64> = mask
+            .iter()
+            .flat_map(|m| {
+                let start = m.iter().take_while(|&&x| x == 0).count();
+                (0..w).map(move |i| if i < start { 1 } else { (i - start) as i64 })
+            })
+            .collect();
+        let ids = Tensor::from_vec(rows.concat(), (b, w), &Device::Cpu).unwrap();
+        let pos = Tensor::from_vec(pos, (b, w), &Device::Cpu).unwrap();
+        let logits = model.forward(&ids, &pos).unwrap();
+        let next = logits.narrow(1, w - 1, 1).unwrap().squeeze(1).unwrap();
+        let next = next.argmax(1).unwrap().to_vec1::<u32>().unwrap();
+        for (r, t) in rows.iter_mut().zip(next) {
+            r.push(t);
+        }
+    }
+    rows
+}
+
+/// The KV cache changes nothing: greedy generation with it equals a whole forward per token,
+/// on every built-in architecture (windows shorter than the rows, sinks, soft-capping, NoPE
+/// layers, experts, composite checkpoints), two left-padded prompts.
+#[test]
+fn the_cache_gives_the_tokens_of_whole_forwards() {
+    for kind in ARCHITECTURES {
+        let model =
+            AutoModelForCausalLM::from_pretrained(checkpoint(kind), DType::F32, &Device::Cpu)
+                .unwrap();
+        let (ids, mask) = padded(&prompts());
+        let got = model.generate(&ids, &mask, &greedy(12, None)).unwrap();
+        let want = greedy_uncached(&model, &prompts(), 12);
+        assert_eq!(got.to_vec2::<u32>().unwrap(), want, "{kind}");
+    }
+}
+
+/// Greedy generation equals transformers' `generate(do_sample=False)` token for token on every
+/// built-in architecture, left-padded prompts of different lengths, with no EOS and with an
+/// EOS that stops one row early (padded after, the batch going on until the other stops).
+#[test]
+fn greedy_generation_equals_transformers() {
+    let Some(python) = common::python_with(&["torch", "transformers"]) else {
+        return;
+    };
+    let new = 16;
+    let mut jobs = Vec::new();
+    let mut ours = Vec::new();
+    for kind in ARCHITECTURES {
+        let dir = checkpoint(kind);
+        let model = AutoModelForCausalLM::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
+        let (ids, mask) = padded(&prompts());
+        let free = model.generate(&ids, &mask, &greedy(new, None)).unwrap();
+        let free = free.to_vec2::<u32>().unwrap();
+        // The 4th new token of the short row stops it.
+        let eos = free[0][12 + 3];
+        let stopped = model
+            .generate(&ids, &mask, &greedy(new, Some(eos)))
+            .unwrap()
+            .to_vec2::<u32>()
+            .unwrap();
+        for (e, tokens) in [(None, free), (Some(eos), stopped)] {
+            jobs.push(serde_json::json!({
+                "model": dir, "prompts": prompts(), "max_new_tokens": new,
+                "eos_token_id": e, "pad_token_id": PAD,
+            }));
+            ours.push((kind, e, tokens));
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let job_file = tmp.path().join("job.json");
+    std::fs::write(&job_file, serde_json::json!({ "jobs": jobs }).to_string()).unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts/transformers_generate.py");
+    let out = std::process::Command::new(python)
+        .arg(script)
+        .arg(&job_file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    #[derive(serde::Deserialize)]
+    struct Want {
+        tokens: Vec<Vec<u32>>,
+        gaps: Vec<Vec<f32>>,
+    }
+    let want: Vec<Want> = serde_json::from_slice(&out.stdout).unwrap();
+    for ((kind, eos, got), want) in ours.iter().zip(&want) {
+        eprintln!(
+            "{kind} eos {eos:?}: {got:?}\n  transformers: {:?}",
+            want.tokens
+        );
+        let smallest = want.gaps.iter().flatten().fold(f32::MAX, |a, &b| a.min(b));
+        assert_eq!(
+            got, &want.tokens,
+            "{kind} (eos {eos:?}): tokens differ from transformers' (smallest top-2 logit gap {smallest})"
+        );
+    }
 }

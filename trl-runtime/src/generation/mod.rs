@@ -2,11 +2,13 @@
 //! and defaults, read from a checkpoint's `generation_config.json`, and the logits processors
 //! of its sampling, applied in transformers' order ([`processors`]).
 //!
-//! The decoding loop with a KV cache, under every strategy, is issue 76's next step; these are
-//! what it samples with.
+//! [`generate`] is the decoding loop over a KV cache (`crate::nn::KvCache`), for any model
+//! that implements [`CachedForward`].
 
 pub mod config;
+pub mod generate;
 pub mod processors;
 
 pub use config::GenerationConfig;
+pub use generate::{generate, generate_rows, CachedForward};
 pub use processors::{next_token, process, Sampler};

@@ -112,6 +112,16 @@ impl KeySpans {
         })
     }
 
+    /// Spans given per (batch row, query): `lo[i]..hi[i]`, `queries` queries per row.
+    pub fn new(queries: usize, lo: Vec<u32>, hi: Vec<u32>) -> Self {
+        KeySpans {
+            queries,
+            lo: lo.into(),
+            hi: hi.into(),
+            softcap: None,
+        }
+    }
+
     /// Queries times batch rows.
     pub fn len(&self) -> usize {
         self.lo.len()

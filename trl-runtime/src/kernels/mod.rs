@@ -9,6 +9,7 @@ pub(crate) mod cpu_gemm;
 pub mod cuda_flash;
 #[cfg(feature = "cuda")]
 pub mod cuda_fused;
+pub mod decode;
 pub mod fused;
 pub mod grouped;
 pub(crate) mod op;

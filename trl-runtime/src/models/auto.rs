@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::nn::module::Parallelize;
 use crate::nn::module::TpContext;
 use crate::nn::module::{LinearFn, ParamFn, WeightFn};
-use crate::nn::{AttentionImpl, Linear, Weight};
+use crate::nn::{Linear, Weight};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::path::Path;
@@ -220,23 +220,18 @@ impl AutoModelForCausalLM {
     /// [batch, seq] (i64; positions restarting inside a row start a new document, which
     /// does not see the ones before it).
     pub fn forward(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
-        let Weight::Local(head) = &self.lm_head().weight else {
-            return Err(Error::Parallelism(
-                "forward: the model's weights are sharded; use parallel::Model's forward".into(),
-            ));
-        };
-        let (dtype, device) = (head.dtype(), head.device().clone());
-        let cx = LayerInputs::new(position_ids, None, AttentionImpl::default(), dtype, &device)?;
-        // What `nn::flash_attn` runs inside the layers.
-        let _attention = crate::nn::flash_attn::enter(cx.attention.clone());
-        let mut x = self.embed(input_ids, &cx)?;
-        for l in 0..self.num_layers() {
-            x = self.layer(l, &x, &cx)?;
-        }
-        let logits = self.lm_head().forward(&self.final_norm(&x)?)?;
-        Ok(match self.logit_softcap() {
-            Some(cap) => ((logits / cap)?.tanh()? * cap)?,
-            None => logits,
-        })
+        super::generate::logits(self, (input_ids, position_ids), None, false)
+    }
+
+    /// transformers' `model.generate(input_ids, attention_mask=..., generation_config=cfg)`:
+    /// tokens [batch, prompt + new] (u32) continuing `input_ids` [batch, prompt] (u32,
+    /// left-padded; `attention_mask` 0 on the pads), with a KV cache.
+    pub fn generate(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        cfg: &crate::generation::GenerationConfig,
+    ) -> Result<Tensor> {
+        crate::generation::generate(self, input_ids, attention_mask, cfg)
     }
 }

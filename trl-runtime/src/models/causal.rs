@@ -11,13 +11,12 @@
 use crate::comm::Communicator;
 use crate::context_parallel::{SeqAttention, SeqSplit};
 use crate::error::Result;
-use crate::nn::flash_attn::Attend;
 use crate::nn::memo::Memo;
 use crate::nn::module::Parallelize;
-use crate::nn::{AttentionImpl, Linear, RotaryEmbedding, WithScoreMods};
+use crate::nn::{AttentionImpl, KvCache, Linear, RotaryEmbedding, WithScoreMods};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// What the trainer and the strategies need from a causal LM. Implement it next to the
 /// model's own `forward`: usually each method is one line calling what is already there.
@@ -97,6 +96,8 @@ pub struct LayerInputs {
     dtype: DType,
     device: Device,
     rotary: Memo<usize, (Tensor, Tensor)>,
+    /// Generation's KV cache: attention runs over it (and the new keys join it).
+    cache: Option<Arc<Mutex<KvCache>>>,
 }
 
 impl LayerInputs {
@@ -129,7 +130,15 @@ impl LayerInputs {
             dtype,
             device: device.clone(),
             rotary: Memo::default(),
+            cache: None,
         })
+    }
+
+    /// The same inputs attending over `cache` (generation): each attention call of the
+    /// forward takes the next layer's slot of it.
+    pub fn with_cache(mut self, cache: Arc<Mutex<KvCache>>) -> Self {
+        self.cache = Some(cache);
+        self
     }
 
     /// Causal attention of `q` [batch, heads, seq, head_dim] over `k`, `v` [batch, kv_heads,
@@ -137,7 +146,7 @@ impl LayerInputs {
     /// rows kept apart; the ring or Ulysses exchange when sequences are split. (A model
     /// written for `candle_flash_attn::flash_attn` can call [`crate::nn::flash_attn`] instead.)
     pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
-        self.attention.apply(q, k, v)
+        self.attention_with(q, k, v, None, None, None)
     }
 
     /// Rows of `table` [max_positions, dim] at this forward's position ids: [batch, seq, dim].
@@ -196,6 +205,10 @@ impl LayerInputs {
         softcap: Option<f64>,
         sinks: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
+        if let Some(cache) = &self.cache {
+            let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+            return cache.attend((q, k, v), window, softcap, sinks);
+        }
         if window.is_none() && softcap.is_none() {
             return self.attention.apply_with_sinks(q, k, v, sinks);
         }

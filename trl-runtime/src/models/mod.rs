@@ -8,6 +8,7 @@ pub mod arch;
 pub mod auto;
 pub mod causal;
 pub mod config;
+pub mod generate;
 pub mod weights;
 
 // The catalogue by group (architectures, weights I/O, adapters), each module also where it
@@ -20,5 +21,6 @@ pub use auto::{model_types, AutoModelForCausalLM};
 pub use causal::{CausalModel, LayerInputs};
 pub use config::{Architecture, ModelConfig};
 pub use gemma3::Gemma3;
+pub use generate::Generate;
 pub use llama::Llama;
 pub use params::Params;

@@ -587,9 +587,14 @@ fn buffers(
         logits(c, model, setup, &act, (loss_buffers, absent), e, why);
     }
     // Of the step buffers, the unit arriving ahead of its use: whether its all-gather has
-    // landed at the peak depends on timing.
+    // landed at the peak depends on timing. So does whether the previous unit's flat
+    // gradient, reduce-scattered in the background, is still held (trained weights only).
     if sharded {
-        e.prefetch = dsz * layer_unit;
+        let reducing = match (setup.strategy, lora) {
+            (Strategy::Fsdp(..), false) => 4 * layer_unit,
+            _ => 0,
+        };
+        e.prefetch = dsz * layer_unit + reducing;
     }
     // The update, beyond the gradients: AdamW runs in place (`optim`), so one process adds
     // one fp32 copy of the largest gradient. DDP over several ranks all-reduces the gradients

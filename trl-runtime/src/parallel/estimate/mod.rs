@@ -161,8 +161,9 @@ pub struct Estimate {
     /// Transient buffers of the step: the whole gradients while backward runs, the units
     /// gathered at once (ZeRO-3/FSDP), the flat buffers of the reductions.
     pub step_buffers: usize,
-    /// Of `step_buffers`, the units whose all-gathers run ahead (ZeRO-3/FSDP prefetch):
-    /// whether they are in memory at the peak depends on timing, so the peak is a bound.
+    /// Of `step_buffers`, the units whose all-gathers run ahead (ZeRO-3/FSDP prefetch) and
+    /// the flat gradient reduce-scattered in the background: whether they are in memory at
+    /// the peak depends on timing, so the peak is a bound.
     pub prefetch: usize,
     /// Transient buffers of the update, beyond the gradients (the flat copies ZeRO reduces
     /// and gathers; AdamW's temporaries). The step's transient is the larger of this and the

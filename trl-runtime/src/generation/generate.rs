@@ -1,0 +1,205 @@
+//! The decoding loop of transformers' `generate`: a prefill of the left-padded prompts into a
+//! KV cache, then one token per row per step through the logits processors, rows stopping at
+//! an EOS id and padded after, until every row stopped or `max_new_tokens`.
+//!
+//! It drives any [`CachedForward`]: a model on one process (`models`), or a model under a
+//! strategy (`parallel`), whose ranks run their forwards together until every rank is done.
+
+use super::{next_token, GenerationConfig, Sampler};
+use crate::error::{Error, Result};
+use crate::nn::KvCache;
+use candle_core::{DType, Device, Tensor};
+use std::sync::{Arc, Mutex};
+
+/// What generation needs from a model.
+pub trait CachedForward {
+    /// Logits [batch, vocab] (f32, the whole vocabulary) at the last of `input_ids` [batch,
+    /// seq] (u32) at `position_ids` [batch, seq] (i64). With a cache, attention runs over what
+    /// it holds and the new keys join it (see [`KvCache::commit`]); without, the rows are
+    /// whole.
+    fn last_logits(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        cache: Option<&Arc<Mutex<KvCache>>>,
+    ) -> Result<Tensor>;
+
+    /// Where the inputs go.
+    fn input_device(&self) -> Device;
+
+    /// Whether every process generating together is done, `mine` saying whether this one is
+    /// (its forwards are collective: each runs until all are). One process: `mine`.
+    fn all_done(&self, mine: bool) -> Result<bool> {
+        Ok(mine)
+    }
+}
+
+/// Tokens [batch, prompt + new] (u32): `input_ids` [batch, prompt] (u32, left-padded, with
+/// `attention_mask` [batch, prompt] 1 on tokens and 0 on pads) continued as `cfg` says.
+/// Greedy output is transformers' `generate(do_sample=False)`'s token for token.
+pub fn generate(
+    model: &impl CachedForward,
+    input_ids: &Tensor,
+    attention_mask: &Tensor,
+    cfg: &GenerationConfig,
+) -> Result<Tensor> {
+    cfg.check("GenerationConfig")?;
+    let prompts = rows(input_ids, "input_ids")?;
+    let mask = rows(attention_mask, "attention_mask")?;
+    let out = generate_rows(model, &prompts, &mask, cfg)?;
+    let width = out.iter().map(Vec::len).max().unwrap_or(0);
+    let pad = pad_id(cfg);
+    let flat: Vec<u32> = out
+        .into_iter()
+        .flat_map(|mut r| {
+            r.resize(width, pad);
+            r
+        })
+        .collect();
+    Ok(Tensor::from_vec(
+        flat,
+        (prompts.len(), width),
+        &Device::Cpu,
+    )?)
+}
+
+fn rows(t: &Tensor, name: &str) -> Result<Vec<Vec<u32>>> {
+    if t.rank() != 2 {
+        return Err(Error::config(
+            "generate",
+            name,
+            format!("must be [batch, prompt], got {:?}", t.dims()),
+        ));
+    }
+    Ok(t.to_dtype(DType::U32)?.to_vec2::<u32>()?)
+}
+
+/// The id that fills rows that stopped: `pad_token_id`, else the first EOS id (transformers
+/// sets it so, with a warning), else 0.
+fn pad_id(cfg: &GenerationConfig) -> u32 {
+    cfg.pad_token_id
+        .or(cfg.eos_token_id.first().copied())
+        .unwrap_or(0)
+}
+
+/// [`generate`] on rows of ids: each row's prompt (pads included) and what follows it, as
+/// far as this process generated (the rows of processes generating together may be longer).
+pub fn generate_rows(
+    model: &impl CachedForward,
+    prompts: &[Vec<u32>],
+    mask: &[Vec<u32>],
+    cfg: &GenerationConfig,
+) -> Result<Vec<Vec<u32>>> {
+    let b = prompts.len();
+    let width = prompts.first().map_or(0, Vec::len);
+    if b == 0 || width == 0 {
+        return Err(Error::config("generate", "input_ids", "no prompt tokens"));
+    }
+    if prompts.iter().any(|p| p.len() != width) || mask.len() != b {
+        return Err(Error::config(
+            "generate",
+            "attention_mask",
+            "must be [batch, prompt] as input_ids is",
+        ));
+    }
+    // Left padding only: a pad after a token would sit inside the row.
+    let mut starts = Vec::with_capacity(b);
+    let mut positions = Vec::with_capacity(b * width);
+    for (r, m) in mask.iter().enumerate() {
+        let start = m.iter().take_while(|&&x| x == 0).count();
+        if m.len() != width || m[start..].contains(&0) {
+            return Err(Error::config(
+                "generate",
+                "attention_mask",
+                format!(
+                    "row {r} is not left-padded (0s before the tokens, 1s after): pad \
+                     prompts on the left, as tokenizer.padding_side = \"left\""
+                ),
+            ));
+        }
+        if start == width {
+            return Err(Error::config(
+                "generate",
+                "attention_mask",
+                format!("row {r} has no token"),
+            ));
+        }
+        starts.push(start);
+        // transformers' positions: cumsum(mask) - 1, pads at 1.
+        positions.extend((0..width).map(|i| if i < start { 1 } else { (i - start) as i64 }));
+    }
+    let device = model.input_device();
+    let ids = Tensor::from_vec(prompts.concat(), (b, width), &device)?;
+    let pos = Tensor::from_vec(positions, (b, width), &device)?;
+    let cache = Arc::new(Mutex::new(KvCache::new(
+        starts.clone(),
+        width + cfg.max_new_tokens,
+    )));
+    let mut logits = model.last_logits(&ids, &pos, Some(&cache))?;
+    // A model whose attention does not go through `LayerInputs` makes no use of the cache:
+    // each step then runs the whole rows.
+    let cached = {
+        let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
+        c.commit(width)? > 0
+    };
+    let mut out: Vec<Vec<u32>> = prompts.to_vec();
+    let mut next_pos: Vec<i64> = starts.iter().map(|s| (width - s) as i64).collect();
+    let mut done = vec![cfg.max_new_tokens == 0; b];
+    let mut sampler = Sampler::new(cfg.seed);
+    let pad = pad_id(cfg);
+    let mut mine_done = cfg.max_new_tokens == 0;
+    for step in 0..cfg.max_new_tokens {
+        let v = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut tokens = Vec::with_capacity(b);
+        for (r, mut row) in v.into_iter().enumerate() {
+            let t = match done[r] {
+                true => pad,
+                false => next_token(cfg, &out[r], &mut row, &mut sampler),
+            };
+            tokens.push(t);
+        }
+        if !mine_done {
+            for (r, &t) in tokens.iter().enumerate() {
+                out[r].push(t);
+                done[r] |= cfg.eos_token_id.contains(&t);
+            }
+            mine_done = done.iter().all(|&d| d);
+        }
+        if step + 1 == cfg.max_new_tokens || model.all_done(mine_done)? {
+            break;
+        }
+        let (ids, pos) = match cached {
+            true => (
+                Tensor::from_vec(tokens, (b, 1), &device)?,
+                Tensor::from_vec(next_pos.clone(), (b, 1), &device)?,
+            ),
+            false => whole_rows(&out, &starts, &device)?,
+        };
+        let new = ids.dim(1)?;
+        logits = match cached {
+            true => model.last_logits(&ids, &pos, Some(&cache))?,
+            false => model.last_logits(&ids, &pos, None)?,
+        };
+        if cached {
+            cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .commit(new)?;
+        }
+        next_pos.iter_mut().for_each(|p| *p += 1);
+    }
+    Ok(out)
+}
+
+/// Every row whole, as the prefill had them (for a model that does not use the cache).
+fn whole_rows(out: &[Vec<u32>], starts: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+    let (b, w) = (out.len(), out[0].len());
+    let pos: Vec<i64> = starts
+        .iter()
+        .flat_map(|&s| (0..w).map(move |i| if i < s { 1 } else { (i - s) as i64 }))
+        .collect();
+    Ok((
+        Tensor::from_vec(out.concat(), (b, w), device)?,
+        Tensor::from_vec(pos, (b, w), device)?,
+    ))
+}

@@ -1,0 +1,320 @@
+//! Attention of a few new queries against a KV cache (generation's decode step), fused on the
+//! CPU: per (batch row, key/value head), the scores of every query head of the group against
+//! the visible keys, read once in place from the cache buffer, their softmax, and the
+//! weighted sum of the values, read once. No [heads x keys] matrix per head, no copy of the
+//! cache, no autograd (generation computes no gradients).
+//!
+//! [`attention_reference`] is the same computation in Candle ops, for other devices and
+//! dtypes (and the reference the kernel is tested against). A CUDA kernel that splits the key
+//! length over blocks (flash-decoding) is [`super::cuda_decode`].
+
+use super::cpu_flash::KeySpans;
+use super::fused::exp_f32;
+use super::simd::simd_dispatch;
+use candle_core::{CpuStorage, DType, Result, Tensor, D};
+use rayon::prelude::*;
+
+/// Whether the CPU kernel takes these: f32 on the CPU, q [b, heads, sq, d], the cache
+/// buffers [b, kv_heads, capacity, d].
+pub fn applies(q: &Tensor, cache: &Tensor) -> bool {
+    q.device().is_cpu() && q.dtype() == DType::F32 && cache.dtype() == DType::F32
+}
+
+/// The f32 data of a contiguous CPU tensor's storage.
+fn slice<'a>(s: &'a candle_core::Storage, l: &candle_core::Layout) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(CpuStorage::F32(x)), Some((a, e))) => Ok(&x[a..e]),
+        _ => candle_core::bail!("decode attention: contiguous f32 CPU tensors expected"),
+    }
+}
+
+/// The shapes of one call.
+#[derive(Clone, Copy)]
+struct Dims {
+    heads: usize,
+    kv_heads: usize,
+    sq: usize,
+    cap: usize,
+    d: usize,
+}
+
+/// Attention of `q` [b, heads, sq, d] over the first `keys` keys of the cache buffers `k`, `v`
+/// [b, kv_heads, capacity, d] (contiguous), each (batch row, query) seeing the keys its span
+/// says (`spans.lo()..spans.hi()`, indices into the cache; the soft-cap is theirs). Returns the
+/// output [b, heads, sq, d] and the log-sum-exp [b, heads, sq] (minus infinity where a query
+/// sees nothing, its output zero), which attention sinks fold into (`super::sinks::fold`).
+pub fn attention(
+    q: &Tensor,
+    (k, v): (&Tensor, &Tensor),
+    keys: usize,
+    spans: &KeySpans,
+) -> Result<(Tensor, Tensor)> {
+    let (b, heads, sq, d) = q.dims4()?;
+    let (kb, kv_heads, cap, kd) = k.dims4()?;
+    if kb != b || kd != d || heads % kv_heads != 0 || keys > cap || spans.len() != b * sq {
+        candle_core::bail!(
+            "decode attention: q {:?}, cache {:?} ({keys} keys) and {} spans do not match",
+            q.dims(),
+            k.dims(),
+            spans.len()
+        );
+    }
+    if spans.hi().iter().any(|&h| h as usize > keys) {
+        candle_core::bail!("decode attention: a span reaches past the {keys} cached keys");
+    }
+    let dims = Dims {
+        heads,
+        kv_heads,
+        sq,
+        cap,
+        d,
+    };
+    let q = q.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (out, lse) = run(
+        dims,
+        (slice(&qs, ql)?, slice(&ks, kl)?, slice(&vs, vl)?),
+        spans,
+    );
+    drop((qs, ks, vs));
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(out, (b, heads, sq, d), dev)?,
+        Tensor::from_vec(lse, (b, heads, sq), dev)?,
+    ))
+}
+
+fn run(dims: Dims, (q, k, v): (&[f32], &[f32], &[f32]), spans: &KeySpans) -> (Vec<f32>, Vec<f32>) {
+    let Dims { sq, cap, d, .. } = dims;
+    let g = dims.heads / dims.kv_heads;
+    let mut out = vec![0f32; q.len()];
+    let mut lse = vec![f32::NEG_INFINITY; q.len() / d];
+    out.par_chunks_mut(g * sq * d)
+        .zip(lse.par_chunks_mut(g * sq))
+        .enumerate()
+        .for_each(|(t, (o, l))| {
+            let bi = t / dims.kv_heads;
+            let span = bi * sq..(bi + 1) * sq;
+            let task = Task {
+                g,
+                sq,
+                d,
+                lo: &spans.lo()[span.clone()],
+                hi: &spans.hi()[span],
+                cap: spans.softcap,
+            };
+            let kv = t * cap * d..(t + 1) * cap * d;
+            let qs = &q[t * g * sq * d..(t + 1) * g * sq * d];
+            group(task, (qs, &k[kv.clone()], &v[kv]), (o, l));
+        });
+    (out, lse)
+}
+
+/// One (batch row, key/value head): its `g` query heads of `sq` queries, the spans of those
+/// queries, the soft-cap.
+#[derive(Clone, Copy)]
+struct Task<'a> {
+    g: usize,
+    sq: usize,
+    d: usize,
+    lo: &'a [u32],
+    hi: &'a [u32],
+    cap: Option<f32>,
+}
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[inline(always)]
+fn group_body(t: Task, (q, k, v): (&[f32], &[f32], &[f32]), (out, lse): (&mut [f32], &mut [f32])) {
+    let Task { g, sq, d, .. } = t;
+    let first =
+        t.lo.iter()
+            .zip(t.hi)
+            .filter(|(l, h)| l < h)
+            .map(|(l, _)| *l as usize)
+            .min();
+    let end = t.hi.iter().copied().max().unwrap_or(0) as usize;
+    let Some(first) = first else {
+        return;
+    };
+    let n = end - first;
+    let scale = 1.0 / (d as f32).sqrt();
+    // Scores of every (query head, query) row against keys first..end, a row per query row.
+    let rows = g * sq;
+    let mut s = vec![0f32; rows * n];
+    for j in 0..n {
+        let kj = &k[(first + j) * d..(first + j + 1) * d];
+        for r in 0..rows {
+            let qi = r % sq;
+            let key = first + j;
+            if key >= t.lo[qi] as usize && key < t.hi[qi] as usize {
+                s[r * n + j] = dot(&q[r * d..(r + 1) * d], kj) * scale;
+            }
+        }
+    }
+    // Per row: soft-cap, max, exp, sum over its visible keys (the rest weigh zero).
+    for r in 0..rows {
+        let qi = r % sq;
+        let (a, b) = (t.lo[qi] as usize, t.hi[qi] as usize);
+        if a >= b {
+            continue;
+        }
+        let row = &mut s[r * n..(r + 1) * n];
+        let vis = a - first..b - first;
+        if let Some(cap) = t.cap {
+            row[vis.clone()]
+                .iter_mut()
+                .for_each(|x| *x = cap * (*x / cap).tanh());
+        }
+        let m = row[vis.clone()]
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = match vis.contains(&j) {
+                true => exp_f32(*x - m),
+                false => 0.0,
+            };
+            sum += *x;
+        }
+        row.iter_mut().for_each(|x| *x /= sum);
+        lse[r] = m + sum.ln();
+    }
+    // The values, each read once, into every row that weighs them.
+    for j in 0..n {
+        let vj = &v[(first + j) * d..(first + j + 1) * d];
+        for r in 0..rows {
+            let p = s[r * n + j];
+            if p != 0.0 {
+                for (o, x) in out[r * d..(r + 1) * d].iter_mut().zip(vj) {
+                    *o += p * x;
+                }
+            }
+        }
+    }
+}
+
+simd_dispatch!(group, group_avx2, group_body, (t: Task, qkv: (&[f32], &[f32], &[f32]), ol: (&mut [f32], &mut [f32])));
+
+/// [`attention`] in Candle ops, any device and dtype (computed in f32): the scores of each
+/// group's query heads against the cache, masked outside the spans, soft-capped.
+pub fn attention_reference(
+    q: &Tensor,
+    (k, v): (&Tensor, &Tensor),
+    keys: usize,
+    spans: &KeySpans,
+) -> Result<(Tensor, Tensor)> {
+    let (b, heads, sq, d) = q.dims4()?;
+    let kv_heads = k.dim(1)?;
+    let g = heads / kv_heads;
+    let dev = q.device();
+    let f = |t: &Tensor| t.to_dtype(DType::F32);
+    let k = f(&k.narrow(2, 0, keys)?)?.contiguous()?;
+    let v = f(&v.narrow(2, 0, keys)?)?.contiguous()?;
+    let q = f(&q.reshape((b, kv_heads, g * sq, d))?)?;
+    let mut s = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+    if let Some(cap) = spans.softcap {
+        s = ((s / cap as f64)?.tanh()? * cap as f64)?;
+    }
+    let mut mask = vec![-1e30f32; b * sq * keys];
+    for (i, (lo, hi)) in spans.lo().iter().zip(spans.hi()).enumerate() {
+        mask[i * keys + *lo as usize..i * keys + (*hi as usize).max(*lo as usize)].fill(0.0);
+    }
+    let visible = Tensor::from_vec(mask, (b, 1, 1, sq, keys), dev)?;
+    let s = s
+        .reshape((b, kv_heads, g, sq, keys))?
+        .broadcast_add(&visible)?;
+    let m = s.max_keepdim(D::Minus1)?;
+    let e = s.broadcast_sub(&m)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let p = e
+        .broadcast_div(&sum)?
+        .reshape((b, kv_heads, g * sq, keys))?;
+    let out = p.matmul(&v)?.reshape((b, heads, sq, d))?;
+    let lse = (m + sum.log()?)?.reshape((b, heads, sq))?;
+    // A query that sees nothing: zero output, log-sum-exp minus infinity (as the kernel).
+    let blind = Tensor::from_vec(
+        (0..b * sq)
+            .map(|i| u8::from(spans.lo()[i] >= spans.hi()[i]))
+            .collect::<Vec<_>>(),
+        (b, 1, sq),
+        dev,
+    )?
+    .broadcast_as((b, heads, sq))?;
+    let lse = blind.where_cond(&Tensor::full(f32::NEG_INFINITY, lse.shape(), dev)?, &lse)?;
+    let out = blind
+        .unsqueeze(3)?
+        .broadcast_as(out.shape())?
+        .where_cond(&out.zeros_like()?, &out)?;
+    Ok((out, lse))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::max_abs_diff;
+    use candle_core::Device;
+
+    /// Against the Candle ops on fresh random inputs: grouped heads, left-padded rows, a
+    /// window, soft-capping, one and several new queries, a query that sees nothing.
+    #[test]
+    fn equals_the_reference() {
+        let dev = Device::Cpu;
+        for (b, heads, kv_heads, sq, keys, d, cap) in [
+            (2, 4, 2, 1, 37, 16, None),
+            (3, 6, 2, 3, 70, 64, Some(5.0f32)),
+            (1, 2, 2, 5, 5, 8, None),
+        ] {
+            let capacity = keys + 3;
+            let q = Tensor::randn(0f32, 1.0, (b, heads, sq, d), &dev).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (b, kv_heads, capacity, d), &dev).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (b, kv_heads, capacity, d), &dev).unwrap();
+            let (mut lo, mut hi) = (Vec::new(), Vec::new());
+            for bi in 0..b {
+                let start = 2 * bi;
+                for i in 0..sq {
+                    let at = keys - sq + i;
+                    // Row 1 in a window of 4 keys; a prompt's pad query sees nothing.
+                    let first = if bi == 1 {
+                        (at + 1).saturating_sub(4)
+                    } else {
+                        0
+                    };
+                    let first = first.max(start);
+                    lo.push(first as u32);
+                    hi.push(if at < start { first } else { at + 1 } as u32);
+                }
+            }
+            let mut spans = KeySpans::new(sq, lo, hi);
+            spans.softcap = cap;
+            let (o, l) = attention(&q, (&k, &v), keys, &spans).unwrap();
+            let (ro, rl) = attention_reference(&q, (&k, &v), keys, &spans).unwrap();
+            let diff = max_abs_diff(&o, &ro);
+            assert!(diff < 1e-5, "output differs by {diff}");
+            let (l, rl) = (l.flatten_all().unwrap(), rl.flatten_all().unwrap());
+            let (l, rl) = (l.to_vec1::<f32>().unwrap(), rl.to_vec1::<f32>().unwrap());
+            for (a, b) in l.iter().zip(&rl) {
+                assert!(a == b || (a - b).abs() < 1e-4, "lse {a} vs {b}");
+            }
+        }
+    }
+}

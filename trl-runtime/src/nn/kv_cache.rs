@@ -1,0 +1,144 @@
+//! The keys and values of the tokens generated so far, per attention layer, so that each new
+//! token is one query against them instead of a forward over the whole sequence
+//! (transformers' `DynamicCache`).
+//!
+//! Rows are left-padded as `generate` pads them: row `b`'s keys start at `starts[b]` in the
+//! cache; the pads before are never seen. A layer's buffers are allocated once, for the
+//! whole generation (`capacity` tokens), and each forward writes its new keys after the ones
+//! held. A model's attention reaches the cache through `LayerInputs::attention_with` (every
+//! built-in layer and every model that attends through `LayerInputs`): the n-th attention
+//! call of a forward is the n-th slot, so the model itself does not change.
+
+use crate::kernels::cpu_flash::KeySpans;
+use crate::kernels::{cpu_flash, decode};
+use candle_core::{Result, Tensor};
+
+/// Every layer's cached keys and values, and where each row's own tokens begin.
+#[derive(Debug)]
+pub struct KvCache {
+    /// Per attention call of a forward: keys and values [batch, kv_heads, capacity, head_dim].
+    slots: Vec<(Tensor, Tensor)>,
+    /// Tokens held (the same for every row: pads included).
+    len: usize,
+    capacity: usize,
+    /// Row b's first real key.
+    starts: Vec<usize>,
+    /// The slot the next attention call of this forward uses.
+    next: usize,
+}
+
+impl KvCache {
+    /// An empty cache for rows whose tokens start at `starts` (their left padding), holding
+    /// at most `capacity` tokens.
+    pub fn new(starts: Vec<usize>, capacity: usize) -> Self {
+        KvCache {
+            slots: Vec::new(),
+            len: 0,
+            capacity,
+            starts,
+            next: 0,
+        }
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the buffers allocated so far.
+    pub fn bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// Ends a forward of `tokens` new tokens: they are held from now on. Returns how many
+    /// attention calls the forward made through the cache (0: the model attends without it).
+    pub fn commit(&mut self, tokens: usize) -> Result<usize> {
+        let used = std::mem::take(&mut self.next);
+        if used != self.slots.len() {
+            candle_core::bail!(
+                "KV cache: this forward attended {used} times, the first {} times",
+                self.slots.len()
+            );
+        }
+        if used > 0 {
+            self.len += tokens;
+        }
+        Ok(used)
+    }
+
+    /// Which cached keys each new query sees: from its row's start (and within `window` of
+    /// itself) to itself. A pad query of a prompt sees nothing.
+    fn spans(&self, sq: usize, window: Option<usize>, softcap: Option<f64>) -> KeySpans {
+        let (mut lo, mut hi) = (Vec::new(), Vec::new());
+        for &start in &self.starts {
+            for i in 0..sq {
+                let at = self.len + i;
+                let from = match window {
+                    Some(w) => (at + 1).saturating_sub(w).max(start),
+                    None => start,
+                };
+                lo.push(from as u32);
+                hi.push(if at < start { from } else { at + 1 } as u32);
+            }
+        }
+        KeySpans::new(sq, lo, hi).with_softcap(softcap)
+    }
+
+    /// Attention of the new queries `q` [b, heads, sq, d] over the cached keys and the new
+    /// ones `k`, `v` [b, kv_heads, sq, d], which join the cache; `window`, `softcap` and
+    /// `sinks` [heads] as the layer's attention has them.
+    pub fn attend(
+        &mut self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        window: Option<usize>,
+        softcap: Option<f64>,
+        sinks: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, kv_heads, sq, d) = k.dims4()?;
+        if b != self.starts.len() {
+            candle_core::bail!(
+                "KV cache: {b} rows, the cache was made for {}",
+                self.starts.len()
+            );
+        }
+        if self.len + sq > self.capacity {
+            candle_core::bail!(
+                "KV cache: {} tokens held, {sq} more exceed its capacity of {}",
+                self.len,
+                self.capacity
+            );
+        }
+        let slot = self.next;
+        self.next += 1;
+        if slot == self.slots.len() {
+            let shape = (b, kv_heads, self.capacity, d);
+            let buffer = || Tensor::zeros(shape, k.dtype(), k.device());
+            self.slots.push((buffer()?, buffer()?));
+        }
+        let (kc, vc) = &self.slots[slot];
+        kc.slice_set(&k.contiguous()?, 2, self.len)?;
+        vc.slice_set(&v.contiguous()?, 2, self.len)?;
+        let spans = self.spans(sq, window, softcap);
+        let keys = self.len + sq;
+        let (out, lse) = match () {
+            // A prompt: the new keys are all there is, through the prefill kernel's GEMMs.
+            _ if self.len == 0 && cpu_flash::applies(q, k) => {
+                cpu_flash::forward(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &spans)?
+            }
+            _ if decode::applies(q, kc) => decode::attention(q, (kc, vc), keys, &spans)?,
+            _ => decode::attention_reference(q, (kc, vc), keys, &spans)?,
+        };
+        let out = match sinks {
+            Some(s) => crate::kernels::sinks::fold(&out, &lse, s)?.0,
+            None => out,
+        };
+        out.to_dtype(q.dtype())
+    }
+}
