@@ -218,6 +218,8 @@ pub(crate) struct UnitState {
     /// The parameters are constants (a LoRA base): backward computes no weight gradient and
     /// reduces nothing; the unit is only gathered and freed.
     pub(crate) frozen: bool,
+    /// Kept gathered across forwards (a generation round that gathered the whole model once).
+    pub(crate) held: bool,
 }
 
 /// One wrap unit: a flat parameter vector sharded over `comm`.
@@ -366,7 +368,7 @@ impl Unit {
     /// resident unit keeps its gathered parameters.
     pub(crate) fn reset(&self) -> Result<()> {
         let mut st = self.lock();
-        if !self.holding.resident {
+        if !self.holding.resident && !st.held {
             st.full = None;
         }
         self.settle_gather(&mut st)?;
@@ -492,8 +494,9 @@ pub struct UnitScope<'a>(pub(crate) &'a Unit);
 
 impl Drop for UnitScope<'_> {
     fn drop(&mut self) {
-        if !self.0.keep_gathered {
-            self.0.lock().full = None;
+        let mut st = self.0.lock();
+        if !self.0.keep_gathered && !st.held {
+            st.full = None;
         }
     }
 }
@@ -513,6 +516,11 @@ impl ShardedWeight {
     /// The compute dtype (the unit's).
     pub fn dtype(&self) -> DType {
         self.unit.lock().shard.dtype()
+    }
+
+    /// Where the unit computes (its slice may be on the host, offloaded).
+    pub fn device(&self) -> Device {
+        self.unit.anchor.device().clone()
     }
 }
 

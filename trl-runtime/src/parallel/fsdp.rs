@@ -352,6 +352,7 @@ impl ShardedModel {
                     in_backward: false,
                     got_grad: vec![false; entries],
                     frozen: false,
+                    held: false,
                 }),
             });
             for (i, (name, _, _)) in unit.layout.entries().iter().enumerate() {
@@ -436,6 +437,28 @@ impl ShardedModel {
             first.prefetch();
         }
         Ok(scope)
+    }
+
+    /// Gathers every unit, one after another (collective: every rank calls it), and keeps
+    /// them gathered until the guard drops: a generation round then runs its forwards with
+    /// no collective, at the cost of the whole model's weights on each rank.
+    pub fn hold_gathered(&self) -> Result<HeldGathered<'_>> {
+        let guard = HeldGathered(self);
+        for unit in &self.units {
+            let mut st = unit.lock();
+            unit.settle_gather(&mut st)?;
+            unit.gathered(&mut st)?;
+            st.held = true;
+        }
+        Ok(guard)
+    }
+
+    /// Bytes of every unit gathered at once: what [`Self::hold_gathered`] adds per rank.
+    pub fn gathered_bytes(&self) -> usize {
+        self.units
+            .iter()
+            .map(|u| u.layout.padded() * u.lock().shard.dtype().size_in_bytes())
+            .sum()
     }
 
     /// Enters layer `l`'s unit (and starts gathering the next unit); the returned scope frees
@@ -779,6 +802,21 @@ impl ShardedOptimizer for FsdpOptimizer {
         self.set_slices(|layout, range, st| layout.read_slice(reader, range, st))?;
         self.inner.step = reader.optimizer_step;
         Ok(())
+    }
+}
+
+/// Every unit kept gathered, until dropped ([`ShardedModel::hold_gathered`]).
+pub struct HeldGathered<'a>(&'a ShardedModel);
+
+impl Drop for HeldGathered<'_> {
+    fn drop(&mut self) {
+        for unit in &self.0.units {
+            let mut st = unit.lock();
+            st.held = false;
+            if !unit.keep_gathered {
+                st.full = None;
+            }
+        }
     }
 }
 

@@ -19,8 +19,8 @@ use crate::nn::embedding::TiedGrad;
 use crate::nn::lora::{AdapterPlan, LoraConfig};
 use crate::nn::loss::{cross_entropy_sum, shift_labels};
 use crate::nn::tiled_loss::tied_linear_cross_entropy;
-use crate::nn::Weight;
 use crate::nn::{AttentionImpl, LossSum};
+use crate::nn::{KvCache, Weight};
 use crate::tp::{vocab_parallel_cross_entropy, PlanEntry, Split, TpContext};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor};
@@ -58,6 +58,8 @@ pub struct Model<N: CausalModel> {
     /// they are sharded by ZeRO-3 / FSDP).
     pub params: Params,
     /// The wrap units when parameters are sharded (ZeRO-3 / FSDP).
+    /// Whether generation said how it runs (once per run).
+    pub(crate) said_how: std::sync::atomic::AtomicBool,
     pub sharding: Option<Arc<ShardedModel>>,
     /// The tensor-parallel group once split (logits are then split over the vocabulary).
     tp: Option<Arc<dyn Communicator>>,
@@ -147,6 +149,7 @@ impl<N: CausalModel> Model<N> {
             net: Arc::new(net),
             params,
             sharding: None,
+            said_how: Default::default(),
             tp: None,
             tp_plan: Vec::new(),
             split: None,
@@ -660,7 +663,7 @@ impl<N: CausalModel> Model<N> {
 
     /// The LM head's logits of `hidden`, soft-capped when the model asks (elementwise, so
     /// also on this rank's vocabulary part under tp).
-    fn head_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+    pub(crate) fn head_logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let logits = self.net.lm_head().forward(hidden)?;
         Ok(match self.net.logit_softcap() {
             Some(cap) => ((logits / cap)?.tanh()? * cap)?,
@@ -908,6 +911,18 @@ impl<N: CausalModel> Model<N> {
         position_ids: &Tensor,
         chunked: bool,
     ) -> Result<Tensor> {
+        self.hidden_states_over(input_ids, position_ids, chunked, None)
+    }
+
+    /// [`Self::hidden_states`], attending over generation's KV `cache` when given (whole rows,
+    /// no checkpointing, each layer's output detached: generation keeps no graph).
+    pub(crate) fn hidden_states_over(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        chunked: bool,
+        cache: Option<&Arc<Mutex<KvCache>>>,
+    ) -> Result<Tensor> {
         // Split by `sequence_parallel` / `context_parallel`, or by a #[context_parallel] step.
         let split = match chunked {
             true => self
@@ -932,6 +947,9 @@ impl<N: CausalModel> Model<N> {
             LayerInputs::new(position_ids, split.as_ref(), self.attention, dtype, &device)?;
         cx.tp = self.tp.clone();
         cx.tiled_mlp = self.tiled_mlp;
+        if let Some(c) = cache {
+            cx = cx.with_cache(c.clone());
+        }
         // A training forward whose trainer adds the routers' load-balancing loss.
         let router_loss = crate::models::router_loss::active().filter(|_| chunked);
         cx.router_loss = router_loss.clone();
@@ -947,6 +965,13 @@ impl<N: CausalModel> Model<N> {
                 .collect(),
         };
         let x = match &self.checkpointing {
+            _ if cache.is_some() => {
+                let mut x = x.detach();
+                for l in 0..stack.count() {
+                    x = stack.forward(l, &x, false)?.detach();
+                }
+                x
+            }
             Some(c) => c.run(&x, Arc::new(stack))?,
             None => {
                 let mut x = x;

@@ -11,15 +11,16 @@ use crate::data::{DistributedSampler, TextTokenizer};
 use crate::dist::mesh::DP;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
+use crate::generation::GenerationConfig;
 use crate::models::{AutoModelForCausalLM, CausalModel};
 use crate::nn::AttentionImpl;
-use crate::parallel::Model;
 use crate::parallel::{
     batch_axes, build, Built, CheckpointFormat, Optimizer, ParallelOptions, Strategy,
 };
+use crate::parallel::{GatherMode, Model};
 use crate::tp::{state as tp_state, TpGrads};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -769,34 +770,43 @@ impl<'a, N: CausalModel> Core<'a, N> {
         Ok((lr, grad_norm))
     }
 
-    /// Greedy continuation of `prompt` until EOS or `max_new` tokens. With sharded
-    /// parameters every forward is collective, so all ranks run exactly `max_new` steps
-    /// (tokens after EOS are computed and dropped).
-    pub fn generate(&self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
-        let lockstep = self.lockstep();
-        let mut ids = prompt.to_vec();
-        let mut answer_len = None;
-        for _ in 0..max_new {
-            let n = ids.len();
-            let device = self.ctx.device();
-            let input = Tensor::from_vec(ids.clone(), (1, n), device)?;
-            let pos = Tensor::arange(0i64, n as i64, device)?.unsqueeze(0)?;
-            let logits = self.model.forward_full(&input, &pos)?;
-            let next = logits
-                .get(0)?
-                .get(n - 1)?
-                .argmax(D::Minus1)?
-                .to_scalar::<u32>()?;
-            if answer_len.is_none() && Some(next) == self.tokenizer.eos_token_id {
-                answer_len = Some(n - prompt.len());
-                if !lockstep {
-                    break;
-                }
-            }
-            ids.push(next);
+    /// Greedy answers to `prompts`, one left-padded batch through the KV cache under the
+    /// model's strategy (`parallel::generate`), each answer cut before its EOS. Where forwards
+    /// are collective every rank calls it as often, and ranks step together.
+    pub fn generate(&self, prompts: &[&[u32]], max_new: usize) -> Result<Vec<Vec<u32>>> {
+        let tok = &self.tokenizer;
+        let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let (mut ids, mut mask) = (Vec::new(), Vec::new());
+        for p in prompts {
+            let pads = width - p.len();
+            ids.extend(std::iter::repeat_n(tok.pad_token_id, pads).chain(p.iter().copied()));
+            mask.extend((0..width).map(|i| u32::from(i >= pads)));
         }
-        let end = prompt.len() + answer_len.unwrap_or(ids.len() - prompt.len());
-        Ok(ids[prompt.len()..end].to_vec())
+        let shape = (prompts.len(), width);
+        let cfg = GenerationConfig {
+            max_new_tokens: max_new,
+            eos_token_id: tok.eos_token_id.into_iter().collect(),
+            pad_token_id: Some(tok.pad_token_id),
+            ..GenerationConfig::default()
+        };
+        let out = self.model.generate(
+            &Tensor::from_vec(ids, shape, &Device::Cpu)?,
+            &Tensor::from_vec(mask, shape, &Device::Cpu)?,
+            &cfg,
+            GatherMode::Auto,
+        )?;
+        Ok(out
+            .to_vec2::<u32>()?
+            .into_iter()
+            .map(|row| {
+                let answer = &row[width..];
+                let end = answer
+                    .iter()
+                    .position(|t| Some(*t) == tok.eos_token_id)
+                    .unwrap_or(answer.len());
+                answer[..end].to_vec()
+            })
+            .collect())
     }
 
     /// Forwards a rank runs for `own` batches of `per` out of `total` dealt over the

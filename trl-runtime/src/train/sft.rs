@@ -345,15 +345,32 @@ impl<N: CausalModel> Task<N> for Sft {
             slots.set(round, rank, &[loss, targets, entropy, hits, aux]);
         }
         let mut correct = 0.0;
+        // Greedy answers in batches of the eval batch size; a rank short of prompts still
+        // runs the rounds collective forwards need, on a prompt whose answers it drops.
         let prompts: Vec<_> = data.eval_prompts.iter().skip(rank).step_by(world).collect();
-        for i in 0..core.rounds(data.eval_prompts.len(), 1, prompts.len()) {
-            let Some((prompt, answer)) = prompts.get(i).copied().or(data.eval_prompts.first())
-            else {
-                break;
+        let per = config.training.per_device_eval_batch_size.max(1);
+        let own = prompts.len().div_ceil(per);
+        for round in 0..core.rounds(data.eval_prompts.len(), per, own) {
+            let chunk: Vec<_> = prompts
+                .iter()
+                .skip(round * per)
+                .take(per)
+                .copied()
+                .collect();
+            let asked: Vec<&[u32]> = match chunk.is_empty() {
+                true => data
+                    .eval_prompts
+                    .iter()
+                    .take(1)
+                    .map(|(p, _)| &p[..])
+                    .collect(),
+                false => chunk.iter().map(|(p, _)| &p[..]).collect(),
             };
-            let out = core.generate(prompt, MAX_NEW_TOKENS)?;
-            if i < prompts.len() && core.tokenizer.decode(&out, true)?.trim() == answer {
-                correct += 1.0;
+            let answers = core.generate(&asked, MAX_NEW_TOKENS)?;
+            for ((_, want), got) in chunk.iter().zip(answers) {
+                if core.tokenizer.decode(&got, true)?.trim() == want {
+                    correct += 1.0;
+                }
             }
         }
         // Loss sums come from every sequence chunk; answers are generated whole on each.
