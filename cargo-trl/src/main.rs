@@ -11,6 +11,7 @@
 mod accelerate_flags;
 mod config_cmd;
 mod env;
+mod generate;
 mod launch;
 mod machine;
 mod merge;
@@ -68,6 +69,17 @@ enum Command {
     ///
     /// Example: cargo trl merge output/sft-tiny-lora/checkpoint-50 --output_dir merged
     Merge(merge::MergeArgs),
+    #[command(verbatim_doc_comment)]
+    /// Generate completions from a checkpoint (a model or a LoRA adapter) as JSONL rows.
+    ///
+    /// Examples:
+    ///   cargo trl generate assets/tiny/model --prompt "What is 2 + 3?" --max_new_tokens 8
+    ///   cargo trl generate output/sft-tiny --dataset_name assets/tiny/data/eval.jsonl --output_file answers.jsonl
+    Generate(generate::GenerateArgs),
+    /// Chat with a checkpoint on the terminal: its chat template, streamed replies, multi-turn.
+    ///
+    /// Example: cargo trl chat output/sft-tiny --max_new_tokens 64
+    Chat(generate::ChatArgs),
     /// List the shipped launch profiles (Accelerate YAML).
     ///
     /// Example: cargo trl profiles
@@ -136,6 +148,14 @@ fn report<E: std::fmt::Display>(outcome: Result<String, E>) -> ExitCode {
     }
 }
 
+/// [`report`] for commands whose output is their rows: a message only when there is one.
+fn report_quiet(outcome: Result<String, String>) -> ExitCode {
+    match outcome {
+        Ok(msg) if msg.is_empty() => ExitCode::SUCCESS,
+        other => report(other),
+    }
+}
+
 fn main() -> ExitCode {
     // Output piped into `head` ends quietly, as a command-line tool's does, not with a
     // panic on the broken pipe.
@@ -170,6 +190,8 @@ fn main() -> ExitCode {
         },
         Command::New(args) => report(new::run(&args)),
         Command::Merge(args) => report(merge::run(&args)),
+        Command::Generate(args) => report_quiet(generate::run(&args)),
+        Command::Chat(args) => report_quiet(generate::chat(&args)),
         Command::Plan(args) => report(plan::run(&args)),
         Command::Slurm(args) => report(slurm::run(&args)),
         Command::Config(args) => report(config_cmd::run(&args)),

@@ -82,7 +82,7 @@ impl Message {
     /// As transformers hands it to a template: keys whose value is null dropped, and the
     /// reasoning under every name templates read (`reasoning_content`, and `thinking` for
     /// gpt-oss), taken from whichever of `reasoning_content`, `thinking`, `reasoning` is set.
-    fn for_template(&self) -> serde_json::Value {
+    pub fn for_template(&self) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         m.insert("role".into(), self.role.clone().into());
         if let Some(c) = self.content.as_ref().filter(|c| !c.is_null()) {

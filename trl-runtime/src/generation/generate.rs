@@ -90,6 +90,18 @@ pub fn generate_rows(
     mask: &[Vec<u32>],
     cfg: &GenerationConfig,
 ) -> Result<Vec<Vec<u32>>> {
+    generate_streaming(model, prompts, mask, cfg, &mut |_| Ok(()))
+}
+
+/// [`generate_rows`], calling `on_tokens` with each step's new token of every row (a
+/// stopped row's is the pad) as soon as it is chosen: streamed output.
+pub fn generate_streaming(
+    model: &impl CachedForward,
+    prompts: &[Vec<u32>],
+    mask: &[Vec<u32>],
+    cfg: &GenerationConfig,
+    on_tokens: &mut dyn FnMut(&[u32]) -> Result<()>,
+) -> Result<Vec<Vec<u32>>> {
     let b = prompts.len();
     let width = prompts.first().map_or(0, Vec::len);
     if b == 0 || width == 0 {
@@ -159,6 +171,7 @@ pub fn generate_rows(
             tokens.push(t);
         }
         if !mine_done {
+            on_tokens(&tokens)?;
             for (r, &t) in tokens.iter().enumerate() {
                 out[r].push(t);
                 done[r] |= cfg.eos_token_id.contains(&t);

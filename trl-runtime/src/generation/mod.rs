@@ -8,7 +8,9 @@
 pub mod config;
 pub mod generate;
 pub mod processors;
+pub mod prompts;
 
 pub use config::GenerationConfig;
-pub use generate::{generate, generate_rows, CachedForward};
+pub use generate::{generate, generate_rows, generate_streaming, CachedForward};
 pub use processors::{next_token, process, Sampler};
+pub use prompts::{load_prompts, Prompt};
