@@ -87,6 +87,7 @@ pub fn write_pref_rows(path: &Path, rows: usize, prompt: usize, completion: usiz
 /// Runs `world` ranks of this program with TRL_BENCH_WORKER=`kind` and TRL_BENCH_DIR=`dir`
 /// (one compute thread each), handing rank 0's output lines and the seconds since the start
 /// to `on_line`. Panics if a rank fails.
+#[allow(dead_code)] // the generate bench runs one process
 pub fn run_ranks(kind: &str, world: usize, dir: &Path, mut on_line: impl FnMut(&str, f64)) {
     let exe = std::env::current_exe().unwrap();
     let port = spawn::free_port().unwrap();

@@ -792,7 +792,12 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let dims = x.dims();
     let inner = dims[dims.len() - 1];
     let rows = x.elem_count() / inner;
-    let y = x.reshape((rows, inner))?.matmul(&weight.t()?)?;
+    let x2 = x.reshape((rows, inner))?;
+    // A decode step's few rows: each weight row read once (no gradient wanted there).
+    let y = match super::skinny::applies(&x2, weight) {
+        true => super::skinny::matmul_t(&x2, weight)?,
+        false => x2.matmul(&weight.t()?)?,
+    };
     let y = match bias {
         Some(b) => add_bias(&y, b)?,
         None => y,

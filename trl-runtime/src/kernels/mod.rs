@@ -16,6 +16,7 @@ pub(crate) mod op;
 pub(crate) mod precision;
 mod simd;
 pub mod sinks;
+pub mod skinny;
 /// The Hopper attention kernels' index arithmetic, proven on the CPU (test only).
 #[cfg(test)]
 mod sm90_layout;

@@ -134,6 +134,12 @@ impl LayerInputs {
         })
     }
 
+    /// Whether this forward generates (attends over a KV cache): no gradient is wanted, and
+    /// a layer takes the paths fastest for a few rows.
+    pub fn generating(&self) -> bool {
+        self.cache.is_some()
+    }
+
     /// The same inputs attending over `cache` (generation): each attention call of the
     /// forward takes the next layer's slot of it.
     pub fn with_cache(mut self, cache: Arc<Mutex<KvCache>>) -> Self {

@@ -38,6 +38,7 @@ impl<N: CausalModel> CachedForward for Model<N> {
         position_ids: &Tensor,
         cache: Option<&Arc<Mutex<KvCache>>>,
     ) -> Result<Tensor> {
+        let _no_grad = crate::kernels::skinny::no_grad();
         let hidden = self.hidden_states_over(input_ids, position_ids, false, cache)?;
         let s = hidden.dim(1)?;
         let logits = self.head_logits(&hidden.narrow(1, s - 1, 1)?)?.detach();

@@ -450,7 +450,9 @@ pub fn gated_mlp(
         (Weight::Local(g), Weight::Local(u), Weight::Local(d)) => Some((g, u, d)),
         _ => None,
     };
-    let plain = no_bias && act == Activation::Silu;
+    // Generation's few rows: each projection on its own (the fused ops concatenate the gate
+    // and up weights, for training's sake).
+    let plain = no_bias && act == Activation::Silu && !cx.generating();
     let Some((g, u, d)) = whole.filter(|_| plain) else {
         let (gate, up) = (gate.forward(h)?, up.forward(h)?);
         let mlp = match act {

@@ -1,0 +1,256 @@
+//! `cargo bench -p trl-runtime --bench generate`: greedy generation with the KV cache against
+//! transformers' `generate` (KV cache, sdpa, float32, the same threads; benches/hf_generate.py)
+//! on this CPU in the same run, on the same random-init checkpoints: the Qwen2-0.5B shape
+//! (assets/configs/qwen2-0.5b.json) and a SmolLM2-135M-like Llama, where per-token overhead
+//! weighs most (GRPO on small models), at batch 1 and 8, a 32-token prompt and 32 new tokens.
+//!
+//! Per line: decode tokens/s (the new tokens past the first, over the time past the prefill),
+//! ours over transformers'; at batch 1 the bytes read per token (every weight once, the LM
+//! head included, plus the KV cache) over the time, as a fraction of this machine's memory
+//! bandwidth measured in the same run (a multi-threaded read of 1 GiB); and the prefill's
+//! FLOP/s (2 x parameters x tokens) over this machine's f32 matmul rate measured in the same
+//! run. One JSON object per line on stdout; prose on stderr.
+
+mod support;
+
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+use std::path::Path;
+use std::time::Instant;
+use trl_runtime::generation::GenerationConfig;
+use trl_runtime::models::{AutoModelForCausalLM, ModelConfig};
+
+const PROMPT: usize = 32;
+const NEW: usize = 32;
+const REPS: usize = 3;
+
+fn smollm2_like() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": true, "hidden_act": "silu",
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Seconds to generate `new` tokens after `batch` prompts (the median of REPS runs).
+fn ours(model: &AutoModelForCausalLM, vocab: usize, batch: usize, new: usize) -> f64 {
+    let ids: Vec<u32> = (0..batch * PROMPT)
+        .map(|i| (3 + (i * 104729) % (vocab - 8)) as u32)
+        .collect();
+    let ids = Tensor::from_vec(ids, (batch, PROMPT), &Device::Cpu).unwrap();
+    let mask = Tensor::ones((batch, PROMPT), DType::U32, &Device::Cpu).unwrap();
+    let cfg = GenerationConfig {
+        max_new_tokens: new,
+        pad_token_id: Some(0),
+        ..GenerationConfig::default()
+    };
+    let run = || {
+        let t = Instant::now();
+        let out = model.generate(&ids, &mask, &cfg).unwrap();
+        assert_eq!(out.dim(1).unwrap(), PROMPT + new);
+        t.elapsed().as_secs_f64()
+    };
+    run();
+    median((0..REPS).map(|_| run()).collect())
+}
+
+/// transformers' (prefill, total) seconds per batch, or None when it cannot run.
+fn theirs(dir: &Path, batches: &[usize]) -> Option<Vec<(f64, f64)>> {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let job = serde_json::json!({
+        "cases": batches.iter().map(|&b| serde_json::json!({"batch": b, "prompt": PROMPT, "new": NEW})).collect::<Vec<_>>(),
+        "threads": rayon::current_num_threads(), "reps": REPS,
+    });
+    let job_file = dir.join("job.json");
+    std::fs::write(&job_file, job.to_string()).unwrap();
+    let script = support::repo().join("trl-runtime/benches/hf_generate.py");
+    let out = std::process::Command::new(&python)
+        .arg(script)
+        .arg(dir.join("model"))
+        .arg(&job_file)
+        .output();
+    match out {
+        Ok(o) if o.status.success() => Some(
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(|l| {
+                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                    (
+                        v["prefill_s"].as_f64().unwrap(),
+                        v["total_s"].as_f64().unwrap(),
+                    )
+                })
+                .collect(),
+        ),
+        Ok(o) => {
+            eprintln!(
+                "no transformers ({python}): {}",
+                String::from_utf8_lossy(&o.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            );
+            None
+        }
+        Err(e) => {
+            eprintln!("no transformers: cannot run {python}: {e}");
+            None
+        }
+    }
+}
+
+/// This machine's memory read bandwidth, bytes/s: the faster of every thread summing its
+/// part of 1 GiB and the skinny kernel streaming a 1 GiB weight for one row (AVX-512 loads
+/// where the CPU has them: the fastest read this process can make).
+fn bandwidth() -> f64 {
+    let data = vec![1f32; 1 << 28];
+    let read = || {
+        let t = Instant::now();
+        // Sixteen lanes, so the sum vectorizes and the read, not the adds, bounds it.
+        let s: f32 = data
+            .par_chunks(1 << 16)
+            .map(|c| {
+                let mut acc = [0f32; 16];
+                for x in c.chunks_exact(16) {
+                    for l in 0..16 {
+                        acc[l] += x[l];
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        assert!(s > 0.0);
+        t.elapsed().as_secs_f64()
+    };
+    read();
+    let summed = median((0..5).map(|_| read()).collect());
+    let w = Tensor::from_vec(data, (1 << 18, 1 << 10), &Device::Cpu).unwrap();
+    let x = Tensor::ones((1, 1 << 10), DType::F32, &Device::Cpu).unwrap();
+    let stream = || {
+        let t = Instant::now();
+        trl_runtime::kernels::skinny::matmul_t(&x, &w).unwrap();
+        t.elapsed().as_secs_f64()
+    };
+    stream();
+    let streamed = median((0..5).map(|_| stream()).collect());
+    (1usize << 30) as f64 / summed.min(streamed)
+}
+
+/// This machine's f32 matmul rate through Candle, FLOP/s (1024 x 4096 by 4096 x 1024).
+fn matmul_rate() -> f64 {
+    let a = Tensor::randn(0f32, 1.0, (1024, 4096), &Device::Cpu).unwrap();
+    let b = Tensor::randn(0f32, 1.0, (4096, 1024), &Device::Cpu).unwrap();
+    let run = || {
+        let t = Instant::now();
+        let c = a.matmul(&b).unwrap();
+        assert_eq!(c.dims(), &[1024, 1024]);
+        t.elapsed().as_secs_f64()
+    };
+    run();
+    2.0 * 1024.0 * 4096.0 * 1024.0 / median((0..5).map(|_| run()).collect())
+}
+
+/// The decode step's projections: the skinny kernel against Candle's matmul, `x` [m, k] by
+/// `w` [n, k] transposed (the median of 20 runs each).
+fn skinny_lines() {
+    for (m, k, n) in [
+        (1, 576, 1536),
+        (8, 576, 1536),
+        (8, 1536, 576),
+        (1, 896, 151936),
+        (8, 896, 4864),
+    ] {
+        let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+        let time = |f: &dyn Fn() -> Tensor| {
+            f();
+            median(
+                (0..20)
+                    .map(|_| {
+                        let t = Instant::now();
+                        f();
+                        t.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            )
+        };
+        let ours = time(&|| trl_runtime::kernels::skinny::matmul_t(&x, &w).unwrap());
+        let candle = time(&|| x.matmul(&w.t().unwrap()).unwrap());
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "skinny_matmul", "m": m, "k": k, "n": n,
+                "weight_gb_per_s": (n * k * 4) as f64 / ours / 1e9,
+                "over_candle_matmul": candle / ours,
+            })
+        );
+    }
+}
+
+fn main() {
+    skinny_lines();
+    let bandwidth = bandwidth();
+    let matmul = matmul_rate();
+    eprintln!(
+        "memory bandwidth {:.1} GB/s, f32 matmul {:.1} GFLOP/s, {} threads",
+        bandwidth / 1e9,
+        matmul / 1e9,
+        rayon::current_num_threads()
+    );
+    let qwen: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(support::repo().join("assets/configs/qwen2-0.5b.json")).unwrap(),
+    )
+    .unwrap();
+    let only = std::env::args().skip_while(|a| a != "--only").nth(1);
+    for (name, config) in [("smollm2-135m-like", smollm2_like()), ("qwen2-0.5b", qwen)] {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let params = support::write_model_and_rows(tmp.path(), config.clone(), 0, 0);
+        let cfg = ModelConfig::from_json(&config.to_string(), name).unwrap();
+        let model = AutoModelForCausalLM::from_pretrained(
+            tmp.path().join("model"),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let batches = [1usize, 8];
+        let peers = theirs(tmp.path(), &batches);
+        for (i, &batch) in batches.iter().enumerate() {
+            let prefill = ours(&model, cfg.vocab_size, batch, 1);
+            let total = ours(&model, cfg.vocab_size, batch, NEW + 1);
+            let decode = (batch * NEW) as f64 / (total - prefill);
+            // Every weight read once per step, and the cache: layers x 2 x kv heads x head
+            // dim x tokens (prompt + about half the new ones, on average) x 4 bytes per row.
+            let kv = cfg.num_hidden_layers
+                * 2
+                * cfg.num_kv_heads()
+                * (cfg.hidden_size / cfg.num_attention_heads)
+                * (PROMPT + NEW / 2)
+                * 4
+                * batch;
+            let bytes = (params * 4 + kv) as f64;
+            let prefill_flops = 2.0 * params as f64 * (batch * PROMPT) as f64 / prefill;
+            let mut line = serde_json::json!({
+                "bench": "generate", "shape": name, "batch": batch, "prompt": PROMPT,
+                "new": NEW, "decode_tokens_per_s": decode,
+                "bandwidth_fraction": bytes * (decode / batch as f64) / bandwidth,
+                "prefill_over_matmul_rate": prefill_flops / matmul,
+            });
+            if let Some((p, t)) = peers.as_ref().map(|v| v[i]) {
+                let theirs = (batch * NEW) as f64 / (t - p);
+                line["transformers_decode_tokens_per_s"] = theirs.into();
+                line["over_transformers"] = (decode / theirs).into();
+                line["prefill_over_transformers"] = (p / prefill).into();
+            }
+            println!("{line}");
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! `x W^T` for a few rows of `x` (a decode step: one token per sequence) on the CPU, f32:
+//! each weight row read once from memory and dotted with every row of `x` (which stays in
+//! cache), the weight's rows split over the threads. A general GEMM packs the weight into
+//! its own layout first, a second pass over the bytes that bound a decode step.
+//!
+//! It computes no gradient: it runs where nothing tracks one (detached inputs, or inside
+//! [`no_grad`], which generation's forwards enter).
+
+use super::simd::simd_dispatch;
+use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
+use rayon::prelude::*;
+use std::cell::Cell;
+
+/// The most rows of `x` this kernel takes; more rows reuse each weight row enough for a
+/// packed GEMM to win.
+pub const MAX_ROWS: usize = 16;
+
+/// Output rows of the weight per task.
+const CHUNK: usize = 64;
+
+thread_local! {
+    static NO_GRAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// While the guard lives, this thread's forwards need no gradient (generation), so
+/// [`applies`] takes inputs that track one.
+pub fn no_grad() -> NoGrad {
+    NoGrad(NO_GRAD.with(|g| g.replace(true)))
+}
+
+/// Restores the previous state when dropped.
+pub struct NoGrad(bool);
+
+impl Drop for NoGrad {
+    fn drop(&mut self) {
+        NO_GRAD.with(|g| g.set(self.0));
+    }
+}
+
+/// Whether [`matmul_t`] takes `x` [rows, k] and `w` [n, k]: f32 on the CPU, at most
+/// [`MAX_ROWS`] rows, and no gradient wanted.
+pub fn applies(x: &Tensor, w: &Tensor) -> bool {
+    let rows = x.dims().first().copied().unwrap_or(0);
+    x.device().is_cpu()
+        && x.rank() == 2
+        && w.rank() == 2
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && (1..=MAX_ROWS).contains(&rows)
+        && (NO_GRAD.with(Cell::get) || !(x.track_op() || w.track_op()))
+}
+
+fn f32s<'a>(s: &'a Storage, l: &candle_core::Layout) -> Option<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Some(&v[a..b]),
+        _ => None,
+    }
+}
+
+/// `x W^T` [rows, n] for `x` [rows, k] and `w` [n, k] (see [`applies`]).
+pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    let (n, wk) = w.dims2()?;
+    if wk != k {
+        candle_core::bail!("skinny matmul: x {:?} and w {:?}", x.dims(), w.dims());
+    }
+    let x = x.contiguous()?;
+    let w = w.contiguous()?;
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (Some(xv), Some(wv)) = (f32s(&xs, xl), f32s(&ws, wl)) else {
+        candle_core::bail!("skinny matmul: contiguous f32 CPU tensors expected");
+    };
+    // Transposed while computed ([n, m]: each task writes its rows), then turned.
+    let mut yt = vec![0f32; n * m];
+    yt.par_chunks_mut(CHUNK * m)
+        .enumerate()
+        .for_each(|(c, out)| rows_task(xv, &wv[c * CHUNK * k..], (m, k), out));
+    drop((xs, ws));
+    let mut y = vec![0f32; m * n];
+    for (j, col) in yt.chunks_exact(m).enumerate() {
+        for (i, v) in col.iter().enumerate() {
+            y[i * n + j] = *v;
+        }
+    }
+    Tensor::from_vec(y, (m, n), x.device())
+}
+
+/// Dots of one weight row with four rows of x (each `row.len()` long): each 16-lane block
+/// of the weight loaded once for the four.
+#[inline(always)]
+fn dots4(row: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
+    let [x0, x1, x2, x3] = x;
+    let (mut a0, mut a1, mut a2, mut a3) = ([0f32; 16], [0f32; 16], [0f32; 16], [0f32; 16]);
+    let blocks = row
+        .chunks_exact(16)
+        .zip(x0.chunks_exact(16))
+        .zip(x1.chunks_exact(16))
+        .zip(x2.chunks_exact(16))
+        .zip(x3.chunks_exact(16));
+    for ((((w, p0), p1), p2), p3) in blocks {
+        for l in 0..16 {
+            a0[l] += w[l] * p0[l];
+            a1[l] += w[l] * p1[l];
+            a2[l] += w[l] * p2[l];
+            a3[l] += w[l] * p3[l];
+        }
+    }
+    let full = row.len() / 16 * 16;
+    let tail = |p: &[f32]| -> f32 { (full..row.len()).map(|c| row[c] * p[c]).sum() };
+    [
+        a0.iter().sum::<f32>() + tail(x0),
+        a1.iter().sum::<f32>() + tail(x1),
+        a2.iter().sum::<f32>() + tail(x2),
+        a3.iter().sum::<f32>() + tail(x3),
+    ]
+}
+
+/// The dot of one weight row with one row of x.
+#[inline(always)]
+fn dot1(row: &[f32], x: &[f32]) -> f32 {
+    let mut a = [0f32; 16];
+    for (w, p) in row.chunks_exact(16).zip(x.chunks_exact(16)) {
+        for l in 0..16 {
+            a[l] += w[l] * p[l];
+        }
+    }
+    let full = row.len() / 16 * 16;
+    a.iter().sum::<f32>() + (full..row.len()).map(|c| row[c] * x[c]).sum::<f32>()
+}
+
+/// For each weight row in `w` (as many as `out` has room for), its dot with each of the `m`
+/// rows of `x`, four rows of x at a time. (Blocking four weight rows too, sixteen
+/// accumulators, did not vectorize: 10x slower, measured.)
+#[inline(always)]
+fn rows_task_body(x: &[f32], w: &[f32], (m, k): (usize, usize), out: &mut [f32]) {
+    let xr = |i: usize| &x[i * k..(i + 1) * k];
+    for (j, o) in out.chunks_exact_mut(m).enumerate() {
+        let row = &w[j * k..(j + 1) * k];
+        let mut i = 0;
+        while i + 4 <= m {
+            let d = dots4(row, [xr(i), xr(i + 1), xr(i + 2), xr(i + 3)]);
+            o[i..i + 4].copy_from_slice(&d);
+            i += 4;
+        }
+        for (r, oi) in o.iter_mut().enumerate().skip(i) {
+            *oi = dot1(row, xr(r));
+        }
+    }
+}
+
+simd_dispatch!(rows_task, rows_task_avx2, rows_task_body, (x: &[f32], w: &[f32], mk: (usize, usize), out: &mut [f32]));
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::max_abs_diff;
+    use candle_core::Device;
+
+    /// Against Candle's matmul on fresh random inputs: 1 to 16 rows, widths that leave
+    /// partial lanes and chunks.
+    #[test]
+    fn equals_candle_matmul() {
+        for (m, k, n) in [
+            (1, 64, 200),
+            (3, 37, 129),
+            (8, 896, 300),
+            (16, 100, 64),
+            (5, 16, 1),
+        ] {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+            let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+            assert!(applies(&x, &w));
+            let got = matmul_t(&x, &w).unwrap();
+            let want = x.matmul(&w.t().unwrap()).unwrap();
+            let diff = max_abs_diff(&got, &want);
+            assert!(diff < 1e-4, "{m}x{k}x{n}: {diff}");
+        }
+    }
+}
