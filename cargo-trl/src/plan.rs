@@ -8,8 +8,8 @@ use trl_runtime::candle_core::DType;
 use trl_runtime::config::{LaunchConfig, LaunchPlan, OffloadDevice};
 use trl_runtime::nn::lora::{LoraConfig, Targets};
 use trl_runtime::parallel::estimate::{
-    self, estimate, step_time, Estimate, Hardware, LinkSpeed, ModelShapes, Setup, StepTime,
-    Workload,
+    self, estimate, generation_round, step_time, Estimate, Hardware, LinkSpeed, ModelShapes, Setup,
+    StepTime, Workload,
 };
 use trl_runtime::parallel::Strategy;
 use trl_runtime::train::registry;
@@ -79,6 +79,14 @@ pub struct PlanArgs {
     /// Only layouts with (true) or without (false) activation checkpointing; both by default.
     #[arg(long)]
     pub gradient_checkpointing: Option<bool>,
+    /// A generation round (an online trainer's sampling, `cargo trl generate`): completions
+    /// of this many tokens after prompts of --seq tokens; the pick's KV cache and gathered
+    /// weights are shown.
+    #[arg(long = "max_completion_length", alias = "max-completion-length")]
+    pub max_completion_length: Option<usize>,
+    /// Rows generated together in a round (TRL's generation_batch_size; default --batch).
+    #[arg(long = "generation_batch_size", alias = "generation-batch-size")]
+    pub generation_batch_size: Option<usize>,
     /// Show every layout, those that do not fit too.
     #[arg(long)]
     pub all: bool,
@@ -560,6 +568,9 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
                 best.flags(),
                 best.setup.checkpointing
             ));
+            if let Some(completion) = args.max_completion_length {
+                out.push(generation_line(&work.model, best, args, completion, &machine));
+            }
             if best.estimate.host() > 0 {
                 let what = match best.estimate.host_parameters > 0 {
                     true => "its parameter slices, gradient slices and optimizer state live",
@@ -611,6 +622,37 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
         }),
     }
     Ok(out.join("\n"))
+}
+
+/// What a generation round adds to the pick: its KV cache and, under ZeRO-3 / FSDP, the
+/// whole model gathered once when that fits beside the training peak (else per unit).
+fn generation_line(
+    model: &ModelShapes,
+    best: &Row,
+    args: &PlanArgs,
+    completion: usize,
+    machine: &Machine,
+) -> String {
+    let rows = args.generation_batch_size.unwrap_or(args.batch);
+    let tokens = args.seq + completion;
+    let g = generation_round(model, &best.setup, rows, tokens);
+    let gather = match g.gathered_weights {
+        0 => String::new(),
+        w if best.peak + g.kv_cache + w <= machine.memory => {
+            format!(
+                "; the sharded model gathered whole once per round: {} more",
+                gib(w)
+            )
+        }
+        w => format!(
+            "; gathering the whole model ({}) would not fit: each unit is gathered per forward",
+            gib(w)
+        ),
+    };
+    format!(
+        "  generation round: {rows} rows x {tokens} tokens, KV cache {} per rank{gather}",
+        gib(g.kv_cache)
+    )
 }
 
 /// What trainer `name` costs a rank per row, with TRL's sync_ref_model when `sync_ref_model`
@@ -709,6 +751,8 @@ pub fn auto(
                 trainer: registry::names()[0].into(),
                 sync_ref_model: false,
                 gradient_checkpointing: None,
+                max_completion_length: None,
+                generation_batch_size: None,
                 all: false,
                 explain: false,
             })?

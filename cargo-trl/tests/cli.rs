@@ -429,3 +429,61 @@ fn the_readme_dry_run_prints_the_plan() {
         "{text}"
     );
 }
+
+/// A generation round in the plan: its KV cache (rows x tokens x layers x kv heads x head dim
+/// x 2 x 2 bytes of bf16), and under ZeRO-3 whether the whole model can be gathered once.
+#[test]
+fn the_plan_counts_a_generation_round() {
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../assets/configs/qwen2-0.5b.json"
+    );
+    let (code, out, err) = run(&[
+        "plan",
+        "--model",
+        model,
+        "--seq",
+        "512",
+        "--batch",
+        "4",
+        "--gpus",
+        "8",
+        "--gpu_memory",
+        "80GiB",
+        "--max_completion_length",
+        "1024",
+        "--generation_batch_size",
+        "32",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    // 32 x 1536 x 24 layers x 2 kv heads x 64 x 2 x 2 bytes = 576 MiB.
+    assert!(
+        out.contains("generation round: 32 rows x 1536 tokens, KV cache 576M per rank"),
+        "{out}"
+    );
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../assets/configs/llama-3.1-70b.json"
+    );
+    let (code, out, err) = run(&[
+        "plan",
+        "--model",
+        model,
+        "--seq",
+        "1024",
+        "--batch",
+        "1",
+        "--gpus",
+        "8",
+        "--gpu_memory",
+        "80GiB",
+        "--max_completion_length",
+        "1024",
+        "--use_peft",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("would not fit: each unit is gathered per forward"),
+        "{out}"
+    );
+}

@@ -312,3 +312,47 @@ fn greedy_generation_equals_transformers() {
         );
     }
 }
+
+/// The KV cache a generation allocates is what the planner counts
+/// (`estimate::generation_round`): rows x tokens x layers x kv heads x head dim x 2 x 4 bytes.
+#[test]
+fn the_cache_holds_what_the_plan_counts() {
+    use std::sync::{Arc, Mutex};
+    use trl_runtime::generation::CachedForward;
+    use trl_runtime::parallel::estimate::{generation_round, ModelShapes, Setup};
+    for kind in ["tiny", "mistral", "gpt-oss"] {
+        let dir = checkpoint(kind);
+        let model = AutoModelForCausalLM::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
+        let (ids, _) = padded(&prompts());
+        let (rows, width) = ids.dims2().unwrap();
+        let capacity = width + 20;
+        let cache = Arc::new(Mutex::new(trl_runtime::nn::KvCache::new(
+            vec![0; rows],
+            capacity,
+        )));
+        let pos = Tensor::arange(0i64, width as i64, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap()
+            .repeat((rows, 1))
+            .unwrap();
+        model.last_logits(&ids, &pos, Some(&cache)).unwrap();
+        let held = cache.lock().unwrap().bytes();
+        let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let shapes = ModelShapes::of_json(&config, kind).unwrap();
+        let setup = Setup::new(
+            trl_runtime::train::Strategy::Ddp,
+            trl_runtime::config::parallelism::ParallelDims {
+                dp_replicate: 1,
+                dp_shard: 1,
+                cp: 1,
+                sp: 1,
+                tp: 1,
+            },
+            rows,
+            width,
+        );
+        let want = generation_round(&shapes, &setup, rows, capacity).kv_cache;
+        assert_eq!(held, want, "{kind}");
+    }
+}

@@ -696,3 +696,41 @@ pub(super) fn whole_logits(model: &ModelShapes, setup: &Setup) -> bool {
     let one_pass = crate::nn::tiled_loss::one_pass_dtype(setup.dtype, setup.gpu);
     setup.dims.tp > 1 || (!one_pass && (sharded || model.logits_loss))
 }
+
+/// What one generation round adds on a rank (an online trainer's sampling between steps,
+/// `parallel::generate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenerationRound {
+    /// The KV cache, allocated whole for the round: rows x tokens (prompt and completion) x
+    /// layers x this rank's key/value heads x head dim x 2 (keys and values) x dtype bytes.
+    pub kv_cache: usize,
+    /// ZeRO-3 / FSDP gathering the whole model once for the round: every weight beyond the
+    /// rank's own slice (0 where parameters are not sharded).
+    pub gathered_weights: usize,
+}
+
+/// The [`GenerationRound`] of `rows` sequences of `tokens` each under `setup`.
+pub fn generation_round(
+    model: &ModelShapes,
+    setup: &Setup,
+    rows: usize,
+    tokens: usize,
+) -> GenerationRound {
+    let d = &model.dims;
+    let tp = setup.dims.tp.max(1);
+    let size = setup.dtype.size_in_bytes();
+    let kv_heads = d.num_kv_heads().div_ceil(tp);
+    let kv_cache = rows * tokens * d.num_hidden_layers * kv_heads * d.head_dim() * 2 * size;
+    let gathered_weights = match setup.strategy {
+        Strategy::Fsdp(..) => {
+            let local: usize = model.local(tp).iter().map(|(_, n)| n).sum();
+            let shard = setup.dims.dp_shard.max(1) * setup.dims.cp.max(1) * setup.dims.sp.max(1);
+            (local - local / shard) * size
+        }
+        _ => 0,
+    };
+    GenerationRound {
+        kv_cache,
+        gathered_weights,
+    }
+}
