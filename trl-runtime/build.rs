@@ -11,6 +11,7 @@ use std::process::Command;
 const SOURCES: &[(&str, &str)] = &[
     ("fused", "compute_80"),
     ("flash", "compute_80"),
+    ("decode", "compute_80"),
     ("flash_sm90", "compute_90a"),
 ];
 

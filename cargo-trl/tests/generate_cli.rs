@@ -7,7 +7,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use trl_runtime::candle_core::{DType, Device, Tensor};
 use trl_runtime::data::{Message, TextTokenizer};
 use trl_runtime::generation::{GenerationConfig, Prompt};
@@ -25,26 +25,10 @@ fn mistral() -> PathBuf {
 }
 
 fn cargo_trl(args: &[&str], stdin: Option<&str>) -> (bool, String, String) {
-    let mut child = Command::new(BIN)
-        .current_dir(repo())
-        .arg("trl")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    if let Some(text) = stdin {
-        use std::io::Write;
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-    }
-    drop(child.stdin.take());
-    let out = child.wait_with_output().unwrap();
+    let out = common::output_with_stdin(
+        Command::new(BIN).current_dir(repo()).arg("trl").args(args),
+        stdin.unwrap_or(""),
+    );
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),

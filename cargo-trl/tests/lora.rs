@@ -427,6 +427,43 @@ fn the_readme_full_and_lora_jobs_keep_their_checkpoints_and_score_as_trained() {
         })
         .count();
     assert!(full_checkpoints > 0);
+    // The README's generation commands on the full run's checkpoint, as written.
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let trl = |line: &str, stdin: &str| {
+        assert!(readme.contains(line), "README.md shows `{line}`");
+        let args = shell_words(line);
+        let o = common::output_with_stdin(
+            std::process::Command::new(env!("CARGO_BIN_EXE_cargo-trl"))
+                .current_dir(tmp.path())
+                .args(&args[1..]),
+            stdin,
+        );
+        assert!(
+            o.status.success(),
+            "{line}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    let row = trl(
+        "cargo trl generate output/sft-tiny/checkpoint-3000 --prompt \"What is 12 + 30?\" --max_new_tokens 8",
+        "",
+    );
+    let row: serde_json::Value = serde_json::from_str(row.trim()).unwrap();
+    let answer = row["completion"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    eprintln!("the trained model on 12 + 30: {answer:?}");
+    assert!(
+        !answer.is_empty() && answer.chars().all(|c| c.is_ascii_digit()),
+        "a number: {answer:?}"
+    );
+    let chat = trl(
+        "cargo trl chat output/sft-tiny/checkpoint-3000",
+        "What is 12 + 30?\n",
+    );
+    assert_eq!(chat.trim(), answer, "chat answers as generate does");
     let weights =
         |dir: &Path| std::fs::read(dir.join("checkpoint-3000/model.safetensors")).unwrap();
     let before = weights(&full_dir);
@@ -651,4 +688,24 @@ fn embedding_and_head_adapters_under_every_cpu_profile_equal_one_process() {
         err.contains("model.embed_tokens") && err.contains("vocab-parallel"),
         "{err}"
     );
+}
+
+/// A command line's words, double quotes grouping (the README's commands need no more).
+fn shell_words(line: &str) -> Vec<String> {
+    let (mut words, mut word, mut quoted) = (Vec::new(), String::new(), false);
+    for c in line.chars() {
+        match c {
+            '"' => quoted = !quoted,
+            ' ' if !quoted => {
+                if !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+            }
+            c => word.push(c),
+        }
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    words
 }

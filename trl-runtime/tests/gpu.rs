@@ -14,7 +14,9 @@
 //! - the fused kernels (RMSNorm, SwiGLU, rotary, the fused loss, flash attention: causal, with
 //!   key spans, and ring attention per chunk pair) against the CPU kernels in f32.
 //! - on compute capability 9.0, the Hopper attention kernels' two wgmma operand forms alone
-//!   against the same products on the CPU.
+//!   against the same products on the CPU;
+//! - generation: the decode kernel (flash-decoding) against the CPU's, and greedy generation
+//!   on the GPU equal to the CPU's.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -1718,4 +1720,80 @@ fn merge_chain(t: &[Tensor], fused: bool) -> Tensor {
             (&t[2] + a.broadcast_matmul(&t[1].t().unwrap()).unwrap()).unwrap()
         }
     }
+}
+
+/// Generation on the GPU: the decode kernel (kernels/decode.cu, flash-decoding) against the
+/// CPU's on fresh random inputs (f32 and bf16, grouped heads, left-padded rows, a window,
+/// soft-capping, keys long enough to split), and greedy generation of two left-padded prompts
+/// on the GPU in f32 equal to the CPU's token for token.
+#[test]
+fn generation_on_gpu_follows_the_cpu() {
+    use trl_runtime::kernels::cpu_flash::KeySpans;
+    use trl_runtime::kernels::{cuda_decode, decode};
+    let Some(dev) = gpu() else { return };
+    for (b, heads, kv_heads, sq, keys, d, cap) in [
+        (2, 14, 2, 1, 1500, 64, None),
+        (3, 8, 8, 2, 600, 128, Some(30.0f32)),
+    ] {
+        let capacity = keys + 5;
+        let q = draws(&[b, heads, sq, d], 1.0, 1);
+        let k = draws(&[b, kv_heads, capacity, d], 1.0, 2);
+        let v = draws(&[b, kv_heads, capacity, d], 1.0, 3);
+        let (mut lo, mut hi) = (Vec::new(), Vec::new());
+        for bi in 0..b {
+            for i in 0..sq {
+                let at = keys - sq + i;
+                let start = 7 * bi;
+                let first = if bi == 1 {
+                    (at + 1).saturating_sub(256).max(start)
+                } else {
+                    start
+                };
+                lo.push(first as u32);
+                hi.push(at as u32 + 1);
+            }
+        }
+        let mut spans = KeySpans::new(sq, lo, hi);
+        spans.softcap = cap;
+        let (want, want_lse) = decode::attention(&q, (&k, &v), keys, &spans).unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(&dev).unwrap();
+            let (got, lse) =
+                cuda_decode::attention(&on(&q), (&on(&k), &on(&v)), keys, &spans).unwrap();
+            let got = got.to_device(&Device::Cpu).unwrap();
+            let lse = lse.to_device(&Device::Cpu).unwrap();
+            let tol = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
+            let diff = max_abs_diff(&got, &want);
+            assert!(
+                diff < tol,
+                "{dtype:?} {keys} keys: output differs by {diff}"
+            );
+            let diff = max_abs_diff(&lse, &want_lse);
+            assert!(
+                diff < tol * 10.0,
+                "{dtype:?}: log-sum-exp differs by {diff}"
+            );
+        }
+    }
+    let dir = assets().join("model");
+    let ids = Tensor::new(
+        &[[0u32, 0, 0, 11, 12, 13], [21, 22, 23, 24, 25, 26]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mask = Tensor::new(&[[0u32, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]], &Device::Cpu).unwrap();
+    let cfg = trl_runtime::generation::GenerationConfig {
+        max_new_tokens: 12,
+        pad_token_id: Some(0),
+        ..Default::default()
+    };
+    let on = |device: &Device| {
+        trl_runtime::models::AutoModelForCausalLM::from_pretrained(&dir, DType::F32, device)
+            .unwrap()
+            .generate(&ids, &mask, &cfg)
+            .unwrap()
+            .to_vec2::<u32>()
+            .unwrap()
+    };
+    assert_eq!(on(&dev), on(&Device::Cpu));
 }

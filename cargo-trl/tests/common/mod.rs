@@ -515,3 +515,19 @@ pub fn first_rows(data: &str, dir: &Path, n: usize) -> std::path::PathBuf {
     std::fs::write(&rows, all.lines().take(n).collect::<Vec<_>>().join("\n")).unwrap();
     rows
 }
+
+/// Runs `cmd` with `stdin` as its input; its output (stdout and stderr captured).
+#[allow(dead_code)]
+pub fn output_with_stdin(cmd: &mut Command, stdin: &str) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A command that exits without reading its input closes the pipe: not an error here.
+    let _ = child.stdin.take().unwrap().write_all(stdin.as_bytes());
+    child.wait_with_output().unwrap()
+}

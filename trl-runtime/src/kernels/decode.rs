@@ -5,8 +5,9 @@
 //! cache, no autograd (generation computes no gradients).
 //!
 //! [`attention_reference`] is the same computation in Candle ops, for other devices and
-//! dtypes (and the reference the kernel is tested against). A CUDA kernel that splits the key
-//! length over blocks (flash-decoding) is [`super::cuda_decode`].
+//! dtypes (and the reference the kernel is tested against). The CUDA kernel splits the key
+//! length over blocks (flash-decoding, `kernels/cuda_decode.rs`); [`split_combine`] is its
+//! algorithm on the CPU, tested here.
 
 use super::cpu_flash::KeySpans;
 use super::fused::exp_f32;
@@ -18,6 +19,14 @@ use rayon::prelude::*;
 /// buffers [b, kv_heads, capacity, d].
 pub fn applies(q: &Tensor, cache: &Tensor) -> bool {
     q.device().is_cpu() && q.dtype() == DType::F32 && cache.dtype() == DType::F32
+}
+
+/// Refuses spans that reach past the `keys` held (every kernel's precondition).
+pub fn check_spans(spans: &KeySpans, keys: usize) -> Result<()> {
+    if spans.hi().iter().any(|&h| h as usize > keys) {
+        candle_core::bail!("decode attention: a span reaches past the {keys} cached keys");
+    }
+    Ok(())
 }
 
 /// The f32 data of a contiguous CPU tensor's storage.
@@ -59,9 +68,7 @@ pub fn attention(
             spans.len()
         );
     }
-    if spans.hi().iter().any(|&h| h as usize > keys) {
-        candle_core::bail!("decode attention: a span reaches past the {keys} cached keys");
-    }
+    check_spans(spans, keys)?;
     let dims = Dims {
         heads,
         kv_heads,
@@ -268,6 +275,101 @@ pub fn attention_reference(
     Ok((out, lse))
 }
 
+/// The CUDA kernel's algorithm (`decode.cu`, flash-decoding) on the CPU, to prove it: each
+/// query's visible keys cut into `splits` stretches, each stretch an online softmax over its
+/// keys taken by `warps` warps in turn (each warp's running max, sum and output merged at the
+/// end of the stretch), then the stretches combined by their log-sum-exps. Returns what
+/// [`attention`] returns, as flat f32 vectors (output, log-sum-exp).
+#[cfg(test)]
+pub(crate) fn split_combine(
+    q: &Tensor,
+    (k, v): (&Tensor, &Tensor),
+    spans: &KeySpans,
+    (splits, warps): (usize, usize),
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (b, heads, sq, d) = q.dims4()?;
+    let (_, kv_heads, cap, _) = k.dims4()?;
+    let (q, k, v) = (
+        q.flatten_all()?.to_vec1::<f32>()?,
+        k.flatten_all()?.to_vec1::<f32>()?,
+        v.flatten_all()?.to_vec1::<f32>()?,
+    );
+    let scale = 1.0 / (d as f32).sqrt();
+    let rows = b * heads * sq;
+    let (mut out, mut lse) = (vec![0f32; rows * d], vec![f32::NEG_INFINITY; rows]);
+    for row in 0..rows {
+        let (qi, h, bi) = (row % sq, (row / sq) % heads, row / (sq * heads));
+        let kh = h / (heads / kv_heads);
+        let (from, to) = (
+            spans.lo()[bi * sq + qi] as usize,
+            spans.hi()[bi * sq + qi] as usize,
+        );
+        let len = to.saturating_sub(from);
+        let per = len.div_ceil(splits);
+        let qr = &q[row * d..(row + 1) * d];
+        let base = (bi * kv_heads + kh) * cap * d;
+        // Per split: (normalized output, log-sum-exp).
+        let mut parts = Vec::new();
+        for split in 0..splits {
+            let s0 = from + split * per;
+            let s1 = to.min(s0 + per);
+            // Per warp: running max, sum, output.
+            let mut w: Vec<(f32, f32, Vec<f32>)> =
+                vec![(f32::NEG_INFINITY, 0.0, vec![0.0; d]); warps];
+            for (j, key) in (s0..s1).enumerate() {
+                let (m, l, acc) = &mut w[j % warps];
+                let kr = &k[base + key * d..base + (key + 1) * d];
+                let mut s: f32 = qr.iter().zip(kr).map(|(a, b)| a * scale * b).sum();
+                if let Some(cap) = spans.softcap {
+                    s = cap * (s / cap).tanh();
+                }
+                let m_new = m.max(s);
+                let (alpha, p) = ((*m - m_new).exp(), (s - m_new).exp());
+                *l = *l * alpha + p;
+                let vr = &v[base + key * d..base + (key + 1) * d];
+                for (a, x) in acc.iter_mut().zip(vr) {
+                    *a = *a * alpha + p * x;
+                }
+                *m = m_new;
+            }
+            let mm = w.iter().map(|x| x.0).fold(f32::NEG_INFINITY, f32::max);
+            let (mut ll, mut o) = (0f32, vec![0f32; d]);
+            for (m, l, acc) in &w {
+                let a = if *m == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (m - mm).exp()
+                };
+                ll += l * a;
+                o.iter_mut().zip(acc).for_each(|(x, y)| *x += y * a);
+            }
+            match ll > 0.0 {
+                true => parts.push((o.iter().map(|x| x / ll).collect::<Vec<_>>(), mm + ll.ln())),
+                false => parts.push((vec![0.0; d], f32::NEG_INFINITY)),
+            }
+        }
+        let mm = parts.iter().map(|p| p.1).fold(f32::NEG_INFINITY, f32::max);
+        let total: f32 = parts
+            .iter()
+            .filter(|p| p.1 != f32::NEG_INFINITY)
+            .map(|p| (p.1 - mm).exp())
+            .sum();
+        for (o, x) in parts.iter().filter(|p| p.1 != f32::NEG_INFINITY).map(|p| {
+            let wgt = (p.1 - mm).exp() / total;
+            (&p.0, wgt)
+        }) {
+            out[row * d..(row + 1) * d]
+                .iter_mut()
+                .zip(o)
+                .for_each(|(a, y)| *a += y * x);
+        }
+        if total > 0.0 {
+            lse[row] = mm + total.ln();
+        }
+    }
+    Ok((out, lse))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -307,6 +409,24 @@ mod tests {
             let mut spans = KeySpans::new(sq, lo, hi);
             spans.softcap = cap;
             let (o, l) = attention(&q, (&k, &v), keys, &spans).unwrap();
+            // The CUDA kernel's split and combine (decode.cu), on the CPU.
+            for splits in [1, 3, 7] {
+                let (so, sl) = split_combine(&q, (&k, &v), &spans, (splits, 4)).unwrap();
+                let want = o.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let diff = so
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(diff < 1e-5, "{splits} splits: output differs by {diff}");
+                let want = l.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for (a, b) in sl.iter().zip(&want) {
+                    assert!(
+                        a == b || (a - b).abs() < 1e-4,
+                        "{splits} splits: lse {a} vs {b}"
+                    );
+                }
+            }
             let (ro, rl) = attention_reference(&q, (&k, &v), keys, &spans).unwrap();
             let diff = max_abs_diff(&o, &ro);
             assert!(diff < 1e-5, "output differs by {diff}");

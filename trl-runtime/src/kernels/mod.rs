@@ -6,6 +6,8 @@
 pub mod cpu_flash;
 pub(crate) mod cpu_gemm;
 #[cfg(feature = "cuda")]
+pub mod cuda_decode;
+#[cfg(feature = "cuda")]
 pub mod cuda_flash;
 #[cfg(feature = "cuda")]
 pub mod cuda_fused;

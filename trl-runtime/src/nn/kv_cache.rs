@@ -133,6 +133,10 @@ impl KvCache {
                 cpu_flash::forward(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &spans)?
             }
             _ if decode::applies(q, kc) => decode::attention(q, (kc, vc), keys, &spans)?,
+            #[cfg(feature = "cuda")]
+            _ if crate::kernels::cuda_decode::applies(q, kc) => {
+                crate::kernels::cuda_decode::attention(q, (kc, vc), keys, &spans)?
+            }
             _ => decode::attention_reference(q, (kc, vc), keys, &spans)?,
         };
         let out = match sinks {
