@@ -356,3 +356,33 @@ fn the_cache_holds_what_the_plan_counts() {
         assert_eq!(held, want, "{kind}");
     }
 }
+
+/// Sampling through the loop: a seed repeats a run exactly, another seed draws otherwise, and
+/// the rows of a batch draw independently (two copies of one prompt continue differently).
+#[test]
+fn sampling_repeats_with_its_seed_and_rows_draw_independently() {
+    let model =
+        AutoModelForCausalLM::from_pretrained(checkpoint("mistral"), DType::F32, &Device::Cpu)
+            .unwrap();
+    let p = prompts()[1].clone();
+    let (ids, mask) = padded(&[p.clone(), p]);
+    let run = |seed: u64| {
+        let cfg = GenerationConfig {
+            max_new_tokens: 16,
+            do_sample: true,
+            top_k: 0,
+            seed,
+            pad_token_id: Some(PAD),
+            ..GenerationConfig::default()
+        };
+        model
+            .generate(&ids, &mask, &cfg)
+            .unwrap()
+            .to_vec2::<u32>()
+            .unwrap()
+    };
+    let first = run(1);
+    assert_eq!(first, run(1), "the same seed draws the same tokens");
+    assert_ne!(first, run(2), "another seed draws others");
+    assert_ne!(first[0], first[1], "the rows draw independently");
+}

@@ -779,4 +779,37 @@ fn a_model_type_added_as_the_docs_say_matches_the_built_in() {
     let a = ours.forward(&ids, &pos).unwrap();
     let b = builtin.forward(&ids, &pos).unwrap();
     assert!(max_abs_diff(&a, &b) < 1e-6);
+    // It generates, with the KV cache, as the built-in does: on its own and under parallel::Model.
+    use trl_runtime::models::Generate;
+    let prompt = Tensor::new(&[[0u32, 0, 15, 16, 17], [21, 22, 23, 24, 25]], &Device::Cpu).unwrap();
+    let mask = Tensor::new(&[[0u32, 0, 1, 1, 1], [1, 1, 1, 1, 1]], &Device::Cpu).unwrap();
+    let cfg = trl_runtime::generation::GenerationConfig {
+        max_new_tokens: 10,
+        pad_token_id: Some(0),
+        ..Default::default()
+    };
+    let want = AutoModelForCausalLM::from_pretrained(&dir, DType::F32, &Device::Cpu)
+        .unwrap()
+        .generate(&prompt, &mask, &cfg)
+        .unwrap()
+        .to_vec2::<u32>()
+        .unwrap();
+    let got = ours
+        .net()
+        .generate(&prompt, &mask, &cfg)
+        .unwrap()
+        .to_vec2::<u32>()
+        .unwrap();
+    assert_eq!(got, want);
+    let under = ours
+        .generate(
+            &prompt,
+            &mask,
+            &cfg,
+            trl_runtime::parallel::GatherMode::Auto,
+        )
+        .unwrap()
+        .to_vec2::<u32>()
+        .unwrap();
+    assert_eq!(under, want);
 }
