@@ -26,7 +26,10 @@
 //! peak or not by timing, makes the prediction a range: `prefetch_mib` below the peak), and a
 //! summary line (`--plan-only` runs just that part; `--only PATTERN` the runs whose
 //! `profile/PROFILE/MODEL/SEQ/CKPT/LORA` contains it; `--runs PATTERN` only the model-state
-//! runs whose name contains it). One JSON object per line on stdout.
+//! runs whose name contains it). `+generate` runs add a generation round after the step
+//! (ZeRO-3 gathering the whole model once): the heap it adds against the KV cache and the
+//! gathered weights the plan counts (`memory_generation` lines). One JSON object per line on
+//! stdout.
 
 use std::path::Path;
 use trl_runtime::config::{
@@ -160,12 +163,76 @@ fn worker(name: &str, dir: &Path) {
     reset_peak_rss();
     trainer.save_checkpoint().unwrap();
     let save_peak = peak_rss_bytes().unwrap_or(0);
+    if name.contains("+generate") {
+        generation_round(&trainer, &ctx, dir);
+    }
     if ctx.is_main_process() {
         println!(
             "report {} {step_peak} {run_peak} {load_peak} {} {save_peak} {predicted} {heap_peak} {}",
             mem.total(),
             offloaded as usize,
             mem.host
+        );
+    }
+}
+
+/// Rows and tokens (prompt + completion) of the generation round of `+generate` runs.
+const GEN_ROWS: usize = 4;
+const GEN_PROMPT: usize = 48;
+const GEN_NEW: usize = 80;
+
+/// One generation round from the trained model (ZeRO-3 gathering the whole model once):
+/// the heap it adds at its peak against `estimate::generation_round` (the KV cache and the
+/// gathered weights) plus the last position's logits; printed as a `generate` line.
+fn generation_round(trainer: &Trainer, ctx: &DistContext, dir: &Path) {
+    use trl_runtime::candle_core::{Device, Tensor};
+    use trl_runtime::parallel::estimate::{self, ModelShapes, Setup};
+    let config = std::fs::read_to_string(dir.join("model/config.json")).unwrap();
+    let shapes = ModelShapes::of_json(&config, "bench model").unwrap();
+    let plan = ctx.plan();
+    let dims = plan
+        .parallelism
+        .resolve(ctx.world_size(), plan.distributed_type)
+        .unwrap();
+    let setup = Setup::new(
+        trl_runtime::train::Strategy::from_plan(plan),
+        dims,
+        GEN_ROWS,
+        GEN_PROMPT,
+    );
+    let tokens = GEN_PROMPT + GEN_NEW;
+    let predicted = estimate::generation_round(&shapes, &setup, GEN_ROWS, tokens);
+    let vocab = shapes.dims.vocab_size;
+    let ids: Vec<u32> = (0..GEN_ROWS * GEN_PROMPT)
+        .map(|i| (3 + i * 7919 % (vocab - 8)) as u32)
+        .collect();
+    let ids = Tensor::from_vec(ids, (GEN_ROWS, GEN_PROMPT), &Device::Cpu).unwrap();
+    let mask = Tensor::ones(
+        (GEN_ROWS, GEN_PROMPT),
+        trl_runtime::candle_core::DType::U32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let cfg = trl_runtime::generation::GenerationConfig {
+        max_new_tokens: GEN_NEW,
+        pad_token_id: Some(0),
+        ..Default::default()
+    };
+    trl_runtime::alloc::release_freed_memory();
+    let base = counting::reset_peak();
+    let out = trainer
+        .model
+        .generate(&ids, &mask, &cfg, trl_runtime::parallel::GatherMode::Whole)
+        .unwrap();
+    assert_eq!(out.dim(1).unwrap(), tokens);
+    let measured = counting::peak() - base;
+    // Beside the cache and the gathered weights: a step's logits [rows, vocab] in f32 and their
+    // copy read back, and the prefill's activations (a layer's, freed as it goes).
+    let logits = 2 * GEN_ROWS * vocab * 4;
+    if ctx.is_main_process() {
+        println!(
+            "generate {measured} {} {} {logits}",
+            predicted.kv_cache, predicted.gathered_weights
         );
     }
 }
@@ -333,7 +400,8 @@ fn main() {
         .chain([2usize, 4].map(|w| ("fsdp".to_string(), w)))
         .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+offload"), 2)))
         .chain(["zero3", "fsdp"].map(|n| (format!("{n}+offparam"), 2)))
-        .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+lora"), 2)));
+        .chain(["ddp", "zero1", "zero2", "zero3"].map(|n| (format!("{n}+lora"), 2)))
+        .chain(["ddp", "zero3"].map(|n| (format!("{n}+generate"), 2)));
     let a = adapter_params();
     // `--runs PATTERN`: the model-state runs whose name (`zero2+offload`, ...) contains it.
     let pick = args
@@ -344,7 +412,12 @@ fn main() {
     for (name, world) in runs.filter(|(n, _)| pick.as_ref().is_none_or(|p| n.contains(p.as_str())))
     {
         let mut report = None;
+        let mut generated = None;
         support::run_ranks(&name, world, tmp.path(), |line, _| {
+            if let Some(rest) = line.strip_prefix("generate ") {
+                let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
+                generated = Some((v[0], v[1], v[2], v[3]));
+            }
             if let Some(rest) = line.strip_prefix("report ") {
                 let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
                 report = Some((v[0], v[1], v[2], v[3], v[4] == 1, v[5], v[6], v[7], v[8]));
@@ -394,6 +467,25 @@ fn main() {
             heap as f64 / 1048576.0,
             predicted as f64 / heap as f64
         );
+        // A generation round after the step: the heap it added, against the KV cache and the
+        // gathered weights the plan counts (plus the logits of a step, read back).
+        // What remains beside them (`other_bytes`: about 7 MiB here, the same at 64 and 128
+        // tokens) is the prefill's transient (a layer's activations over the prompts, held
+        // while the layer runs): not in the plan yet.
+        if let Some((measured, kv, gathered, logits)) = generated {
+            let predicted = kv + gathered + logits;
+            println!(
+                "{}",
+                serde_json::json!({
+                    "bench": "memory_generation", "strategy": strategy, "world": world,
+                    "rows": GEN_ROWS, "tokens": GEN_PROMPT + GEN_NEW,
+                    "kv_cache_bytes": kv, "gathered_weights_bytes": gathered,
+                    "measured_bytes": measured, "predicted_bytes": predicted,
+                    "predicted_over_measured": predicted as f64 / measured.max(1) as f64,
+                    "other_bytes": measured as i64 - predicted as i64,
+                })
+            );
+        }
     }
     if pick.is_none() {
         profile_section(&tmp.path().join("plan"), "");

@@ -704,8 +704,8 @@ pub struct GenerationRound {
     /// The KV cache, allocated whole for the round: rows x tokens (prompt and completion) x
     /// layers x this rank's key/value heads x head dim x 2 (keys and values) x dtype bytes.
     pub kv_cache: usize,
-    /// ZeRO-3 / FSDP gathering the whole model once for the round: every weight beyond the
-    /// rank's own slice (0 where parameters are not sharded).
+    /// ZeRO-3 / FSDP gathering the whole model once for the round: every weight, gathered
+    /// into buffers of its own beside the rank's slices (0 where parameters are not sharded).
     pub gathered_weights: usize,
 }
 
@@ -722,11 +722,7 @@ pub fn generation_round(
     let kv_heads = d.num_kv_heads().div_ceil(tp);
     let kv_cache = rows * tokens * d.num_hidden_layers * kv_heads * d.head_dim() * 2 * size;
     let gathered_weights = match setup.strategy {
-        Strategy::Fsdp(..) => {
-            let local: usize = model.local(tp).iter().map(|(_, n)| n).sum();
-            let shard = setup.dims.dp_shard.max(1) * setup.dims.cp.max(1) * setup.dims.sp.max(1);
-            (local - local / shard) * size
-        }
+        Strategy::Fsdp(..) => model.local(tp).iter().map(|(_, n)| n).sum::<usize>() * size,
         _ => 0,
     };
     GenerationRound {
