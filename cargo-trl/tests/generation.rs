@@ -29,10 +29,29 @@ fn launch(
     per_device: usize,
     out: &Path,
 ) -> (BTreeMap<usize, Vec<u32>>, String) {
+    launch_with(
+        launch_args,
+        &["--learning_rate", "1e-3"],
+        job,
+        per_device,
+        out,
+    )
+}
+
+/// [`launch`] with the program's own flags `args`.
+fn launch_with(
+    launch_args: &[&str],
+    args: &[&str],
+    job: &serde_json::Value,
+    per_device: usize,
+    out: &Path,
+) -> (BTreeMap<usize, Vec<u32>>, String) {
     std::fs::create_dir_all(out).unwrap();
     let job_file = out.join("job.json");
     std::fs::write(&job_file, job.to_string()).unwrap();
-    let mut cmd = common::trainer_launch("sft_generate", launch_args, &["--learning_rate", "1e-3"]);
+    // No warm-up: the bundled job's 5% of one step would make the step's rate 0.
+    let mut cmd = common::trainer_launch("sft_generate", launch_args, args);
+    cmd.args(["--warmup_steps", "0"]);
     cmd.env("TRL_GENERATE_JOB", &job_file);
     let text = common::run_launch(cmd, 1, per_device, out);
     let mut rows = BTreeMap::new();
@@ -131,5 +150,65 @@ fn greedy_generation_under_every_profile_equals_one_process() {
             );
         }
         eprintln!("{name} ({gather}): {} prompts as one process", got.len());
+    }
+}
+
+/// A LoRA policy (the tiny Mistral, adapters on every linear layer, trained a step at a high
+/// rate so that they change the tokens) generates with its adapters applied, unmerged, under ZeRO-3 (the frozen
+/// base gathered per unit and whole) and tensor parallelism, as one process does.
+#[test]
+fn a_lora_policy_generates_under_zero3_and_tp_as_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The tiny Mistral (varied tokens; a sliding window of 6, shorter than the rows).
+    let lora = [
+        "--model_name_or_path",
+        "assets/tiny-mistral/model",
+        "--use_peft",
+        "--lora_target_modules",
+        "all-linear",
+        "--learning_rate",
+        "1e-2",
+        // Dropout masks differ between one process and two ranks.
+        "--lora_dropout",
+        "0",
+    ];
+    let job = |gather: &str| {
+        serde_json::json!({
+            "prompts": prompts(), "max_new_tokens": 8, "eos_token_id": null, "steps": 1,
+            "gather": gather,
+        })
+    };
+    let one = ["--num_processes", "1"];
+    let want8 = launch_with(&one, &lora, &job("auto"), 8, &tmp.path().join("one8")).0;
+    let want4 = launch_with(&one, &lora, &job("auto"), 4, &tmp.path().join("one4")).0;
+    let base = launch_with(&one, &lora[..2], &job("auto"), 8, &tmp.path().join("base")).0;
+    assert_ne!(want8, base, "the adapters change what is generated");
+    for (name, args, gather, want) in [
+        (
+            "zero3_per_unit",
+            vec!["--profile", "zero3_cpu"],
+            "per_unit",
+            &want8,
+        ),
+        (
+            "zero3_whole",
+            vec!["--profile", "zero3_cpu"],
+            "whole",
+            &want8,
+        ),
+        (
+            "tp",
+            vec![
+                "--profile",
+                "multi_cpu",
+                "--parallelism_config_tp_size",
+                "2",
+            ],
+            "auto",
+            &want4,
+        ),
+    ] {
+        let got = launch_with(&args, &lora, &job(gather), 4, &tmp.path().join(name)).0;
+        assert_eq!(&got, want, "{name}");
     }
 }
