@@ -377,7 +377,8 @@ mod tests {
     use candle_core::Device;
 
     /// Against the Candle ops on fresh random inputs: grouped heads, left-padded rows, a
-    /// window, soft-capping, one and several new queries, a query that sees nothing.
+    /// window, soft-capping, one and several new queries, pad queries that see nothing (zero
+    /// output, log-sum-exp minus infinity), and the CUDA kernel's split and combine.
     #[test]
     fn equals_the_reference() {
         let dev = Device::Cpu;
@@ -385,6 +386,8 @@ mod tests {
             (2, 4, 2, 1, 37, 16, None),
             (3, 6, 2, 3, 70, 64, Some(5.0f32)),
             (1, 2, 2, 5, 5, 8, None),
+            // Row 1's first two queries are pads of a prompt: they see no key.
+            (2, 4, 2, 3, 6, 16, None),
         ] {
             let capacity = keys + 3;
             let q = Tensor::randn(0f32, 1.0, (b, heads, sq, d), &dev).unwrap();
@@ -392,7 +395,7 @@ mod tests {
             let v = Tensor::randn(0f32, 1.0, (b, kv_heads, capacity, d), &dev).unwrap();
             let (mut lo, mut hi) = (Vec::new(), Vec::new());
             for bi in 0..b {
-                let start = 2 * bi;
+                let start = if keys == 6 { 5 * bi } else { 2 * bi };
                 for i in 0..sq {
                     let at = keys - sq + i;
                     // Row 1 in a window of 4 keys; a prompt's pad query sees nothing.
