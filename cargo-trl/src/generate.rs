@@ -9,7 +9,9 @@ use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use trl_runtime::candle_core::{DType, Device};
 use trl_runtime::data::{Message, TextTokenizer};
-use trl_runtime::generation::{generate_streaming, load_prompts, GenerationConfig, Prompt};
+use trl_runtime::generation::{
+    generate_streaming, left_pad, load_prompts, GenerationConfig, Prompt,
+};
 use trl_runtime::models::AutoModelForCausalLM;
 
 /// transformers' generation settings; what is not given comes from the checkpoint's
@@ -170,18 +172,16 @@ impl Loaded {
         prompts: &[Vec<u32>],
         on_tokens: &mut dyn FnMut(&[u32]) -> trl_runtime::Result<()>,
     ) -> Result<Vec<Vec<u32>>, String> {
-        let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let asked: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
         let pad = self.cfg.pad_token_id.unwrap_or(0);
-        let (mut rows, mut mask) = (Vec::new(), Vec::new());
-        for p in prompts {
-            let pads = width - p.len();
-            rows.push(
-                std::iter::repeat_n(pad, pads)
-                    .chain(p.iter().copied())
-                    .collect(),
-            );
-            mask.push((0..width).map(|i| u32::from(i >= pads)).collect());
-        }
+        let (ids, mask) = left_pad(&asked, pad).map_err(|e| e.to_string())?;
+        let width = ids.dim(1).map_err(|e| e.to_string())?;
+        let as_rows = |t: &trl_runtime::candle_core::Tensor| t.to_vec2::<u32>();
+        let (rows, mask) = (as_rows(&ids), as_rows(&mask));
+        let (rows, mask) = (
+            rows.map_err(|e| e.to_string())?,
+            mask.map_err(|e| e.to_string())?,
+        );
         let out = generate_streaming(&self.model, &rows, &mask, &self.cfg, on_tokens)
             .map_err(|e| e.to_string())?;
         Ok(out

@@ -231,6 +231,29 @@ fn greedy_uncached(model: &AutoModelForCausalLM, prompts: &[Vec<u32>], n: usize)
     rows
 }
 
+/// The cache after a prefill of `ids` (rows without padding), made for `capacity` tokens.
+fn prefill(
+    model: &AutoModelForCausalLM,
+    ids: &Tensor,
+    capacity: usize,
+) -> trl_runtime::nn::KvCache {
+    use std::sync::{Arc, Mutex};
+    use trl_runtime::generation::CachedForward;
+    let (rows, width) = ids.dims2().unwrap();
+    let cache = Arc::new(Mutex::new(trl_runtime::nn::KvCache::new(
+        vec![0; rows],
+        capacity,
+    )));
+    let pos = Tensor::arange(0i64, width as i64, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .repeat((rows, 1))
+        .unwrap();
+    model.last_logits(ids, &pos, Some(&cache)).unwrap();
+    Arc::try_unwrap(cache).unwrap().into_inner().unwrap()
+}
+
 /// The KV cache changes nothing: greedy generation with it equals a whole forward per token,
 /// on every built-in architecture (windows shorter than the rows, sinks, soft-capping, NoPE
 /// layers, experts, composite checkpoints), two left-padded prompts.
@@ -244,6 +267,17 @@ fn the_cache_gives_the_tokens_of_whole_forwards() {
         let got = model.generate(&ids, &mask, &greedy(12, None)).unwrap();
         let want = greedy_uncached(&model, &prompts(), 12);
         assert_eq!(got.to_vec2::<u32>().unwrap(), want, "{kind}");
+        // And the cache is used (without it the loop runs whole rows, with the same tokens):
+        // every layer's attention takes its slot.
+        use trl_runtime::models::CausalModel;
+        let width = ids.dim(1).unwrap();
+        let mut cache = prefill(&model, &ids, width);
+        let slots = cache.commit(width).unwrap();
+        assert_eq!(
+            slots,
+            model.num_layers(),
+            "{kind}: layers attending through the cache"
+        );
     }
 }
 
@@ -317,8 +351,6 @@ fn greedy_generation_equals_transformers() {
 /// (`estimate::generation_round`): rows x tokens x layers x kv heads x head dim x 2 x 4 bytes.
 #[test]
 fn the_cache_holds_what_the_plan_counts() {
-    use std::sync::{Arc, Mutex};
-    use trl_runtime::generation::CachedForward;
     use trl_runtime::parallel::estimate::{generation_round, ModelShapes, Setup};
     for kind in ["tiny", "mistral", "gpt-oss"] {
         let dir = checkpoint(kind);
@@ -326,18 +358,7 @@ fn the_cache_holds_what_the_plan_counts() {
         let (ids, _) = padded(&prompts());
         let (rows, width) = ids.dims2().unwrap();
         let capacity = width + 20;
-        let cache = Arc::new(Mutex::new(trl_runtime::nn::KvCache::new(
-            vec![0; rows],
-            capacity,
-        )));
-        let pos = Tensor::arange(0i64, width as i64, &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap()
-            .repeat((rows, 1))
-            .unwrap();
-        model.last_logits(&ids, &pos, Some(&cache)).unwrap();
-        let held = cache.lock().unwrap().bytes();
+        let held = prefill(&model, &ids, capacity).bytes();
         let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
         let shapes = ModelShapes::of_json(&config, kind).unwrap();
         let setup = Setup::new(

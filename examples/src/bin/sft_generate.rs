@@ -10,7 +10,6 @@
 //! `{"rows": [prompt index], "tokens": [[prompt, left-padded, and what follows]]}`.
 
 use std::process::ExitCode;
-use trl_runtime::candle_core::{Device, Tensor};
 use trl_runtime::dist::DistContext;
 use trl_runtime::generation::GenerationConfig;
 use trl_runtime::parallel::GatherMode;
@@ -61,30 +60,15 @@ fn run(config: SFTConfig) -> Result<()> {
     let (dp_rank, dp) = (trainer.dp.rank(), trainer.dp.size());
     let rows: Vec<usize> = (dp_rank..job.prompts.len()).step_by(dp).collect();
     let pad = trainer.tokenizer.pad_token_id;
-    let width = rows
-        .iter()
-        .map(|&r| job.prompts[r].len())
-        .max()
-        .unwrap_or(0);
-    let (mut ids, mut mask) = (Vec::new(), Vec::new());
-    for &r in &rows {
-        let p = &job.prompts[r];
-        ids.extend(std::iter::repeat_n(pad, width - p.len()).chain(p.iter().copied()));
-        mask.extend((0..width).map(|i| u32::from(i >= width - p.len())));
-    }
+    let asked: Vec<&[u32]> = rows.iter().map(|&r| &job.prompts[r][..]).collect();
+    let (ids, mask) = trl_runtime::generation::left_pad(&asked, pad)?;
     let cfg = GenerationConfig {
         max_new_tokens: job.max_new_tokens,
         eos_token_id: job.eos_token_id.into_iter().collect(),
         pad_token_id: Some(pad),
         ..GenerationConfig::default()
     };
-    let shape = (rows.len(), width);
-    let out = trainer.model.generate(
-        &Tensor::from_vec(ids, shape, &Device::Cpu)?,
-        &Tensor::from_vec(mask, shape, &Device::Cpu)?,
-        &cfg,
-        gather,
-    )?;
+    let out = trainer.model.generate(&ids, &mask, &cfg, gather)?;
     let file = trainer
         .config
         .training

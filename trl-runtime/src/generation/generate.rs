@@ -63,6 +63,23 @@ pub fn generate(
     )?)
 }
 
+/// `prompts` left-padded with `pad` to the longest, as transformers pads for generation:
+/// `input_ids` and `attention_mask` [batch, longest] (u32, 0 on the pads), on the CPU.
+pub fn left_pad(prompts: &[&[u32]], pad: u32) -> Result<(Tensor, Tensor)> {
+    let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let (mut ids, mut mask) = (Vec::new(), Vec::new());
+    for p in prompts {
+        let pads = width - p.len();
+        ids.extend(std::iter::repeat_n(pad, pads).chain(p.iter().copied()));
+        mask.extend((0..width).map(|i| u32::from(i >= pads)));
+    }
+    let shape = (prompts.len(), width);
+    Ok((
+        Tensor::from_vec(ids, shape, &Device::Cpu)?,
+        Tensor::from_vec(mask, shape, &Device::Cpu)?,
+    ))
+}
+
 fn rows(t: &Tensor, name: &str) -> Result<Vec<Vec<u32>>> {
     if t.rank() != 2 {
         return Err(Error::config(

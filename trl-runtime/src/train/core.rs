@@ -776,25 +776,14 @@ impl<'a, N: CausalModel> Core<'a, N> {
     pub fn generate(&self, prompts: &[&[u32]], max_new: usize) -> Result<Vec<Vec<u32>>> {
         let tok = &self.tokenizer;
         let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
-        let (mut ids, mut mask) = (Vec::new(), Vec::new());
-        for p in prompts {
-            let pads = width - p.len();
-            ids.extend(std::iter::repeat_n(tok.pad_token_id, pads).chain(p.iter().copied()));
-            mask.extend((0..width).map(|i| u32::from(i >= pads)));
-        }
-        let shape = (prompts.len(), width);
+        let (ids, mask) = crate::generation::left_pad(prompts, tok.pad_token_id)?;
         let cfg = GenerationConfig {
             max_new_tokens: max_new,
             eos_token_id: tok.eos_token_id.into_iter().collect(),
             pad_token_id: Some(tok.pad_token_id),
             ..GenerationConfig::default()
         };
-        let out = self.model.generate(
-            &Tensor::from_vec(ids, shape, &Device::Cpu)?,
-            &Tensor::from_vec(mask, shape, &Device::Cpu)?,
-            &cfg,
-            GatherMode::Auto,
-        )?;
+        let out = self.model.generate(&ids, &mask, &cfg, GatherMode::Auto)?;
         Ok(out
             .to_vec2::<u32>()?
             .into_iter()
