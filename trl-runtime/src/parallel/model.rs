@@ -808,6 +808,28 @@ impl<N: CausalModel> Model<N> {
         train: bool,
         sum_sq: bool,
     ) -> Result<TokenLogps> {
+        self.forward_token_logps_at(input_ids, position_ids, targets, train, sum_sq, 1.0)
+    }
+
+    /// [`Self::forward_token_logps`] of `logits / temperature` (GRPO scores completions at
+    /// the temperature that sampled them, as TRL's fused head does): with the head whole the
+    /// hidden states are divided instead (h.w / T = (h / T).w), so the logits still never
+    /// exist at once.
+    pub fn forward_token_logps_at(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        targets: &Tensor,
+        train: bool,
+        sum_sq: bool,
+        temperature: f64,
+    ) -> Result<TokenLogps> {
+        let scale = |t: Tensor| -> Result<Tensor> {
+            Ok(match temperature {
+                1.0 => t,
+                temp => (t / temp)?,
+            })
+        };
         let whole = match self.net.logit_softcap() {
             Some(_) => None,
             None => self.whole_head(train, |_| true)?,
@@ -822,7 +844,7 @@ impl<N: CausalModel> Model<N> {
                     false => (hidden.detach(), w.detach()),
                 };
                 let (b, s, h) = hidden.dims3()?;
-                let flat = hidden.reshape((b * s, h))?;
+                let flat = scale(hidden.reshape((b * s, h))?)?;
                 let (nll, count, stats) = crate::nn::tiled_loss::tiled_rows(&flat, &w, targets)?;
                 // The mean over the vocabulary of h.w_v is h . mean_v(w_v); the column sums by a
                 // GEMM with a ones row (f32 accumulation, no f32 copy of the [vocab, h] head).
@@ -841,7 +863,7 @@ impl<N: CausalModel> Model<N> {
                 (nll, count, mean_logits, stats)
             }
             None => {
-                let logits = self.forward(input_ids, position_ids)?;
+                let logits = scale(self.forward(input_ids, position_ids)?)?;
                 let logits = if train { logits } else { logits.detach() };
                 let vocab = logits.dim(candle_core::D::Minus1)?;
                 let local_sum = logits

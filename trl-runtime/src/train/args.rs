@@ -884,6 +884,9 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
     fn apply_flags(flags: &Self::Flags, config: &mut Self);
     /// Checks its own keys (the shared ones are checked by [`TrainingArguments::validate`]).
     fn validate_own(&self, source: &str) -> Result<()>;
+    /// Its own defaults for shared keys (GRPO's learning rate is TRL's 1e-6), set where a
+    /// file does not give them (`given`) and in [`Cli::resolve`]'s defaults.
+    fn base_defaults(_training: &mut TrainingArguments, _given: &dyn Fn(&str) -> bool) {}
 
     /// Checks every key.
     fn validate(&self, source: &str) -> Result<()> {
@@ -929,6 +932,8 @@ pub trait TrainerConfig: Default + Clone + DeserializeOwned + Serialize {
         let notes = Self::unset_nulls(&mut value);
         let mut config =
             Self::deserialize(&value).map_err(|e| Self::type_error(&source, &value, e))?;
+        let given = |k: &str| value.as_mapping().is_some_and(|m| m.contains_key(k));
+        Self::base_defaults(config.training_mut(), &given);
         let mut ignored = config.apply_other(&source)?;
         ignored.extend(notes);
         config.validate(&source)?;
@@ -1055,7 +1060,9 @@ impl<C: TrainerConfig> Cli<C> {
     /// the `--config` file, then the flags, validated; with the `SOURCE: ignored: KEY: why`
     /// lines of the keys that have no effect.
     pub fn resolve(&self) -> Result<(C, Vec<String>)> {
-        self.resolve_over(C::default())
+        let mut defaults = C::default();
+        C::base_defaults(defaults.training_mut(), &|_| false);
+        self.resolve_over(defaults)
     }
 
     /// As [`Self::resolve`], starting from `defaults` instead of `C::default()` when no
@@ -1119,7 +1126,7 @@ fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
 #[macro_export]
 #[doc(hidden)]
 macro_rules! trainer_config {
-    ($Config:ident, flags $Flags:ident, base $base:ident, about $about:literal, accuracy $accuracy:literal, metrics [$($metric:literal),*], validate $validate:path) => {
+    ($Config:ident, flags $Flags:ident, base $base:ident, about $about:literal, accuracy $accuracy:literal, metrics [$($metric:literal),*], validate $validate:path $(, base_defaults $defaults:path)?) => {
         impl $crate::train::TrainerConfig for $Config {
             type Flags = $Flags;
             const ABOUT: &'static str = $about;
@@ -1143,6 +1150,14 @@ macro_rules! trainer_config {
             fn validate_own(&self, source: &str) -> $crate::Result<()> {
                 $validate(self, source)
             }
+            $(
+                fn base_defaults(
+                    training: &mut $crate::train::TrainingArguments,
+                    given: &dyn Fn(&str) -> bool,
+                ) {
+                    $defaults(training, given)
+                }
+            )?
         }
     };
 }

@@ -120,6 +120,11 @@ pub trait Task<N: CausalModel>: Sized {
     }
     /// Reads and tokenizes the data (before the model is built: the rows fix the steps).
     fn load(config: &Self::Config, tokenizer: &TextTokenizer) -> Result<Self>;
+    /// Told the run's data-parallel ranks before [`Self::num_rows`] is asked (GRPO's rows
+    /// are its completions, whose count depends on them).
+    fn layout(&mut self, _config: &Self::Config, _dp_ranks: usize) -> Result<()> {
+        Ok(())
+    }
     /// Training rows the sampler deals out.
     fn num_rows(&self) -> usize;
     /// This step's micro-batches (row indices each) from the sampler's `rows`: a task may

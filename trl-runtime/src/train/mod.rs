@@ -8,6 +8,9 @@ pub mod dpo;
 pub mod dpo_loss;
 mod eval_rounds;
 pub mod flow;
+pub mod grpo;
+pub mod grpo_loss;
+pub mod grpo_rewards;
 pub mod kinds;
 pub mod logging;
 pub mod memory;
@@ -29,6 +32,7 @@ pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
 pub use args::{Cli, CliValue, KwArgs, TrainerConfig, TrainingArguments, TrainingFlags};
 pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use dpo::{DPOArgs, DPOConfig, Dpo, DpoCli};
+pub use grpo::{GRPOArgs, GRPOConfig, Grpo, GrpoCli};
 pub use memory::{
     memory_peak_bytes, peak_rss_bytes, reset_memory_peak, reset_peak_rss, rss_bytes, MemoryReport,
 };

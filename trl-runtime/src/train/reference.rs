@@ -22,9 +22,26 @@ pub struct Mixing {
 /// the policy before training (whose outputs a trainer may precompute).
 pub struct HeldReference {
     mixing: Mixing,
+    /// Under LoRA only the adapters are held (the frozen base is the reference's too): the
+    /// initial adapters, whose product is zero, make the reference the base with its adapters
+    /// off, at the adapters' size.
+    adapters_only: bool,
     /// In [`crate::parallel::Model::held_values`]'s order; in a cell, for the swaps.
     weights: std::cell::RefCell<Vec<Tensor>>,
     mixed: bool,
+}
+
+/// What this rank holds of the weights a reference keeps (see [`HeldReference`]).
+fn held<N: CausalModel>(core: &Core<'_, N>, adapters_only: bool) -> Vec<Tensor> {
+    match adapters_only {
+        true => core
+            .model
+            .params
+            .iter()
+            .map(|(_, v)| v.as_tensor().clone())
+            .collect(),
+        false => core.model.held_values(),
+    }
 }
 
 /// Where a run keeps each rank's reference weights at checkpoint `step`.
@@ -38,9 +55,10 @@ fn weights_file(output_dir: &Path, step: usize, rank: usize) -> PathBuf {
 impl HeldReference {
     /// The reference of a run at step `step` holding `weights` (this rank's share): mixed
     /// once `step` has reached the first sync.
-    fn new(mixing: Mixing, weights: Vec<Tensor>, step: usize) -> Self {
+    fn new(mixing: Mixing, weights: Vec<Tensor>, step: usize, adapters_only: bool) -> Self {
         HeldReference {
             mixing,
+            adapters_only,
             weights: weights.into(),
             mixed: step >= mixing.every,
         }
@@ -49,13 +67,17 @@ impl HeldReference {
     /// A copy of the policy as it is now (before training): this rank's share, in the
     /// compute dtype.
     pub fn of_policy<N: CausalModel>(mixing: Mixing, core: &Core<'_, N>) -> Result<Self> {
-        let weights = core
-            .model
-            .held_values()
+        let adapters_only = core.model.lora().is_some();
+        let weights = held(core, adapters_only)
             .iter()
             .map(Tensor::copy)
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self::new(mixing, weights, core.state.global_step))
+        Ok(Self::new(
+            mixing,
+            weights,
+            core.state.global_step,
+            adapters_only,
+        ))
     }
 
     /// Whether it has been mixed with the policy (until then it is the policy before training).
@@ -103,7 +125,8 @@ impl HeldReference {
         let step = core.state.global_step;
         let path = weights_file(&core.args.output_dir, step, core.ctx.world().rank());
         let source = path.display().to_string();
-        let held = core.model.held_values();
+        let adapters_only = core.model.lora().is_some();
+        let held = held(core, adapters_only);
         let device = held.first().map_or(Device::Cpu, |t| t.device().clone());
         let loaded = candle_core::safetensors::load(&path, &device).map_err(|e| {
             Error::config(&source, "sync_ref_model", format!("the reference of checkpoint-{step} cannot be read ({e}): resume from a checkpoint this run saved, under the launch it ran with"))
@@ -117,7 +140,7 @@ impl HeldReference {
         if loaded.len() != held.len() {
             return Err(Error::config(&source, "sync_ref_model", format!("{} tensors, this rank holds {}: resume under the launch the run was saved with", loaded.len(), held.len())));
         }
-        Ok(Self::new(mixing, weights, step))
+        Ok(Self::new(mixing, weights, step, adapters_only))
     }
 
     /// `f` run with the reference's weights in the model (swapped back however it ends).
@@ -127,9 +150,22 @@ impl HeldReference {
         f: impl FnOnce() -> Result<R>,
     ) -> Result<R> {
         let mut weights = self.weights.borrow_mut();
-        core.model.swap_held_values(&mut weights)?;
+        let swap = |w: &mut [Tensor]| -> Result<()> {
+            match self.adapters_only {
+                true => {
+                    for ((_, var), v) in core.model.params.iter().zip(w.iter_mut()) {
+                        let current = var.as_tensor().copy()?;
+                        var.set(v)?;
+                        *v = current;
+                    }
+                    Ok(())
+                }
+                false => core.model.swap_held_values(w),
+            }
+        };
+        swap(&mut weights)?;
         let out = f();
-        core.model.swap_held_values(&mut weights)?;
+        swap(&mut weights)?;
         out
     }
 
@@ -139,7 +175,7 @@ impl HeldReference {
         if !core.state.global_step.is_multiple_of(self.mixing.every) {
             return Ok(());
         }
-        let policy = core.model.held_values();
+        let policy = held(core, self.adapters_only);
         let alpha = self.mixing.alpha;
         for (r, p) in self.weights.get_mut().iter_mut().zip(&policy) {
             *r = (r.affine(1.0 - alpha, 0.0)? + p.affine(alpha, 0.0)?)?;

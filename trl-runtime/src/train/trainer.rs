@@ -87,6 +87,7 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             }
             false => 0,
         };
+        task.layout(&config, ctx.group(crate::dist::mesh::DP).size())?;
         let mut core = Core::load(&args, ctx, strategy, task.num_rows(), tokenizer)?;
         core.estimate_with(&work);
         task.prepare(&config, &core)?;
@@ -99,6 +100,11 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
             skipped_steps: 0,
             process_base,
         })
+    }
+
+    /// The task's figures of the latest step, under TRL's names.
+    pub fn last_metrics(&self) -> &[(&'static str, f64)] {
+        &self.last_metrics
     }
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.

@@ -1,0 +1,1393 @@
+//! GRPO as a [`Task`]: TRL 1.16's GRPOTrainer (`GRPOConfig`'s keys and defaults, its
+//! sampler, advantages, losses and metrics) over prompts, with generation in the training
+//! process under whatever strategy the launch set up.
+//!
+//! A step's rows are completions. As TRL's RepeatSampler deals them, a generation round takes
+//! `generation_batch_size / num_generations` prompts, each `num_generations` times in a row,
+//! dealt over the data-parallel ranks in blocks of `per_device_train_batch_size x
+//! steps_per_generation`; every rank generates its block in one batch through the KV cache
+//! (`parallel::Model::generate`: ZeRO-3 / FSDP gather as the planner allows, tp ranks decode
+//! their heads), or asks an external rollout program. Rewards are scored per rank, summed over
+//! the ranks, and turned into advantages per prompt group. The block is then trained on over
+//! `steps_per_generation` micro-batches, `num_iterations` times, the policy's log-probabilities
+//! at generation kept as the old ones when the round is reused ([`super::grpo_loss`]).
+//!
+//! The sampler of the core deals placeholder rows in order (one per completion of the
+//! epoch); a micro-batch's first row says which micro-step of the epoch it is, and so which
+//! round and slice it trains on.
+
+use super::args::{NameList, TrainingArguments};
+use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
+use super::grpo_loss::{Completion, GrpoLoss, GrpoLossType, Scale};
+use super::grpo_rewards::{rollout, LineProgram, Reward, RewardInput};
+use super::kinds::{read_as, Scaffold, TrainerKind};
+use super::reference::{HeldReference, Mixing};
+use crate::comm::ReduceOp;
+use crate::config::cli_value::{NumberList, PadMultiple};
+use crate::context_parallel::split::{kept_columns, pad_to_multiple};
+use crate::data::{collate, CollateOptions, Example, PackedSequence, TextTokenizer};
+use crate::error::{Error, Result};
+use crate::generation::{GenerationConfig, Prompt};
+use crate::models::CausalModel;
+use crate::nn::IGNORE_INDEX;
+use crate::parallel::estimate::Workload;
+use crate::parallel::GatherMode;
+use candle_core::{Device, Tensor};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde_json::{Map, Value};
+
+crate::training_arguments! {
+    /// GRPO's training arguments, with TRL 1.16's names and defaults (`GRPOConfig`).
+    struct GRPOConfig, flags GRPOArgs, base training;
+    /// The rewards: TRL's built-in functions by name (accuracy_reward, think_format_reward,
+    /// get_soft_overlong_punishment(MAX, CACHE)) and command lines of reward programs
+    /// (docs/grpo.md), summed with reward_weights.
+    reward_funcs: NameList = NameList(Vec::new());
+    /// One weight per reward function (default 1 each).
+    reward_weights: Option<NumberList> = None;
+    /// A program that generates the completions instead (TRL's rollout_func, over JSON lines).
+    rollout_command: Option<String> = None;
+    /// Completions per prompt.
+    num_generations: usize = 8;
+    /// Completions per prompt in evaluation (default num_generations).
+    num_generations_eval: Option<usize> = None;
+    max_completion_length: usize = 512;
+    /// Shuffle the prompts each epoch (by seed).
+    shuffle_dataset: bool = true;
+    /// A token count, none, or auto (no padding off AWS Neuron).
+    pad_to_multiple_of: PadMultiple = Default::default();
+    /// Completions per generation round over all ranks (or steps_per_generation).
+    generation_batch_size: Option<usize> = None;
+    /// Micro-batches each round is trained on (default gradient_accumulation_steps).
+    steps_per_generation: Option<usize> = None;
+    temperature: f64 = 1.0;
+    top_p: f64 = 1.0;
+    /// 0: off.
+    top_k: usize = 0;
+    min_p: Option<f64> = None;
+    repetition_penalty: f64 = 1.0;
+    /// Generation runs in the training process here: true is refused.
+    use_vllm: bool = false;
+    /// The KL term's weight (0: no reference model).
+    beta: f64 = 0.0;
+    /// Updates per generated round (>1 keeps the old log-probabilities for the ratio).
+    num_iterations: usize = 1;
+    epsilon: f64 = 0.2;
+    /// Two-sided clipping: the unclipped ratio capped at delta.
+    delta: Option<f64> = None;
+    /// The upper clip (default epsilon).
+    epsilon_high: Option<f64> = None;
+    /// token or sequence.
+    importance_sampling_level: String = "token".into();
+    /// sum_then_normalize or normalize_then_sum.
+    multi_objective_aggregation: String = "sum_then_normalize".into();
+    /// group, batch or none.
+    scale_rewards: String = "group".into();
+    /// grpo, bnpo, dr_grpo or dapo.
+    loss_type: String = "dapo".into();
+    /// Completions cut at max_completion_length carry no loss.
+    mask_truncated_completions: bool = false;
+    /// Mix the policy into the reference every ref_model_sync_steps steps.
+    sync_ref_model: bool = false;
+    ref_model_mixup_alpha: f64 = 0.6;
+    ref_model_sync_steps: usize = 512;
+    /// Train on the tokens whose entropy is in this top fraction only.
+    top_entropy_quantile: f64 = 1.0;
+    /// The KL term times the importance ratio.
+    use_bias_correction_kl: bool = true;
+    /// No dropout in the policy (LoRA's dropout off).
+    disable_dropout: bool = false;
+}
+
+crate::trainer_config!(GRPOConfig, flags GRPOArgs, base training,
+    about "Group relative policy optimization (TRL's GRPO) on Candle",
+    accuracy "eval_reward",
+    metrics [],
+    validate validate_grpo,
+    base_defaults grpo_defaults);
+
+/// `trl grpo`-style command line.
+pub type GrpoCli = super::args::Cli<GRPOConfig>;
+
+/// TRL's GRPOConfig defaults for shared keys that differ from transformers'.
+fn grpo_defaults(training: &mut TrainingArguments, given: &dyn Fn(&str) -> bool) {
+    if !given("learning_rate") {
+        training.learning_rate = 1e-6;
+    }
+}
+
+impl GRPOConfig {
+    /// The loss these keys describe.
+    pub fn loss(&self) -> std::result::Result<GrpoLoss, (&'static str, String)> {
+        let kind = GrpoLossType::from_name(&self.loss_type).ok_or_else(|| {
+            let more = match self.loss_type.as_str() {
+                "cispo" | "sapo" | "luspo" | "vespo" => {
+                    " (TRL's newer types are not built here yet)"
+                }
+                _ => "",
+            };
+            (
+                "loss_type",
+                format!(
+                    "'{}' is not one of {}{more}",
+                    self.loss_type,
+                    GrpoLossType::NAMES.join(", ")
+                ),
+            )
+        })?;
+        let sequence_level = match self.importance_sampling_level.as_str() {
+            "token" => false,
+            "sequence" => true,
+            other => {
+                return Err((
+                    "importance_sampling_level",
+                    format!("'{other}': use token or sequence"),
+                ))
+            }
+        };
+        Ok(GrpoLoss {
+            kind,
+            epsilon_low: self.epsilon,
+            epsilon_high: self.epsilon_high.unwrap_or(self.epsilon),
+            delta: self.delta,
+            beta: self.beta,
+            bias_correction_kl: self.use_bias_correction_kl,
+            sequence_level,
+            max_completion_length: self.max_completion_length,
+        })
+    }
+
+    /// (steps_per_generation, generation_batch_size) on `dp` data-parallel ranks, as
+    /// GRPOConfig's __post_init__ derives them.
+    pub fn generation_layout(
+        &self,
+        dp: usize,
+    ) -> std::result::Result<(usize, usize), (&'static str, String)> {
+        let global = self.training.per_device_train_batch_size * dp;
+        let (spg, gbs) = match (self.generation_batch_size, self.steps_per_generation) {
+            (None, None) => {
+                let spg = self.training.gradient_accumulation_steps;
+                (spg, global * spg)
+            }
+            (Some(g), None) => {
+                if g % global != 0 {
+                    return Err(("generation_batch_size", format!("{g} must be divisible by the global batch size {global} (per_device_train_batch_size x {dp} data-parallel ranks)")));
+                }
+                (g / global, g)
+            }
+            (None, Some(s)) => (s, global * s),
+            (Some(_), Some(_)) => {
+                return Err(("generation_batch_size", "generation_batch_size and steps_per_generation cannot both be set (TRL refuses it too)".into()))
+            }
+        };
+        if spg == 0 {
+            return Err(("steps_per_generation", "must be at least 1".into()));
+        }
+        if gbs % self.num_generations != 0 {
+            return Err(("num_generations", format!("the generation batch of {gbs} completions must be divisible by num_generations {} (whole prompt groups)", self.num_generations)));
+        }
+        Ok((spg, gbs))
+    }
+}
+
+/// GRPOConfig's own checks.
+fn validate_grpo(config: &GRPOConfig, source: &str) -> Result<()> {
+    let fail = |key: &str, message: String| Err(Error::config(source, key, message));
+    if let Err((key, message)) = config.loss() {
+        return fail(key, message);
+    }
+    if config.use_vllm {
+        return fail("use_vllm", "generation runs in the training process here (KV cache, the policy sharded as it trains, the planner counting its memory): remove use_vllm".into());
+    }
+    if config.num_generations < 2 {
+        return fail(
+            "num_generations",
+            format!(
+                "{}: GRPO needs at least 2 completions per prompt for its advantages",
+                config.num_generations
+            ),
+        );
+    }
+    if config.num_iterations == 0 || config.max_completion_length == 0 {
+        let key = if config.num_iterations == 0 {
+            "num_iterations"
+        } else {
+            "max_completion_length"
+        };
+        return fail(key, "must be at least 1".into());
+    }
+    if !["group", "batch", "none"].contains(&config.scale_rewards.as_str()) {
+        return fail(
+            "scale_rewards",
+            format!("'{}': use group, batch or none", config.scale_rewards),
+        );
+    }
+    if !["sum_then_normalize", "normalize_then_sum"]
+        .contains(&config.multi_objective_aggregation.as_str())
+    {
+        return fail(
+            "multi_objective_aggregation",
+            format!(
+                "'{}': use sum_then_normalize or normalize_then_sum",
+                config.multi_objective_aggregation
+            ),
+        );
+    }
+    if !(config.top_entropy_quantile > 0.0 && config.top_entropy_quantile <= 1.0) {
+        return fail(
+            "top_entropy_quantile",
+            format!("{}: must lie in (0, 1]", config.top_entropy_quantile),
+        );
+    }
+    if config.temperature <= 0.0 {
+        return fail(
+            "temperature",
+            format!(
+                "{}: must be positive (completions are sampled)",
+                config.temperature
+            ),
+        );
+    }
+    if config.reward_funcs.0.is_empty() && config.rollout_command.is_none() {
+        return fail("reward_funcs", "no reward function: name one (accuracy_reward, think_format_reward, get_soft_overlong_punishment(MAX, CACHE)) or give a reward program's command line (docs/grpo.md)".into());
+    }
+    if let Some(w) = &config.reward_weights {
+        if w.0.len() != config.reward_funcs.0.len() {
+            return fail(
+                "reward_weights",
+                format!(
+                    "{} weights for {} reward functions: give one per reward function",
+                    w.0.len(),
+                    config.reward_funcs.0.len()
+                ),
+            );
+        }
+    }
+    for entry in &config.reward_funcs.0 {
+        if let Err(m) = Reward::parse(entry, config.max_completion_length) {
+            return fail("reward_funcs", m);
+        }
+    }
+    if config.sync_ref_model && config.beta == 0.0 {
+        return fail("sync_ref_model", "beta is 0, so there is no reference model to sync: set beta > 0 or drop sync_ref_model".into());
+    }
+    if config.sync_ref_model && config.ref_model_sync_steps == 0 {
+        return fail(
+            "ref_model_sync_steps",
+            "0: give the steps between syncs".into(),
+        );
+    }
+    Ok(())
+}
+
+/// A prompt row: the prompt as the dataset holds it, its tokens, its other columns.
+#[derive(Debug, Clone)]
+struct PromptRow {
+    prompt: Value,
+    ids: Vec<u32>,
+    columns: Map<String, Value>,
+}
+
+/// One completion of a round, as a micro-batch trains on it.
+#[derive(Debug, Clone)]
+struct Sample {
+    prompt_ids: Vec<u32>,
+    completion_ids: Vec<u32>,
+    /// 1 per completion token that counts (0 for a masked truncated completion).
+    mask: Vec<f64>,
+    advantage: f64,
+    old: Option<Vec<f64>>,
+    reference: Option<Vec<f64>>,
+}
+
+/// A generation round of this rank: its micro-batches, and what it logs.
+struct Round {
+    /// (epoch, round in the epoch).
+    at: (usize, usize),
+    slices: Vec<Vec<Sample>>,
+    /// Metrics logged at the step that generated it (TRL logs them once per round).
+    metrics: Vec<(&'static str, f64)>,
+    logged: bool,
+    /// Prompt and completion tokens of every rank (TRL's num_input_tokens_seen).
+    tokens: usize,
+    /// dapo: the round's completion tokens that count, over all ranks.
+    loss_tokens: f64,
+}
+
+/// GRPO training.
+pub struct Grpo {
+    train: Vec<PromptRow>,
+    eval: Vec<PromptRow>,
+    loss: GrpoLoss,
+    rewards: Vec<Reward>,
+    weights: Vec<f64>,
+    rollout: Option<LineProgram>,
+    g: usize,
+    spg: usize,
+    gbs: usize,
+    iterations: usize,
+    /// Per-device micro-batch (completions).
+    batch: usize,
+    dp: usize,
+    scale_rewards: String,
+    normalize_then_sum: bool,
+    mask_truncated: bool,
+    shuffle: bool,
+    top_entropy_quantile: f64,
+    sampling: GenerationConfig,
+    collate_options: CollateOptions,
+    reference: Option<HeldReference>,
+    mixing: Mixing,
+    round: Option<Round>,
+    seed: u64,
+}
+
+/// Token ids per row.
+type TokenRows = Vec<Vec<u32>>;
+/// Per completion: [prompt, completion, truncated].
+type Lengths = Vec<[f64; 3]>;
+/// Metrics under TRL's names.
+type Metrics = Vec<(&'static str, f64)>;
+/// Per local position of a micro-batch: the (sample, completion token) it predicts.
+type Owners = Vec<Option<(usize, usize)>>;
+/// A forward's log-probabilities and entropies per sample and completion token, and the
+/// local per-position log-probabilities (with their graph) and owners when trained.
+type Scored = (Vec<Vec<f64>>, Vec<Vec<f64>>, Option<(Tensor, Owners)>);
+
+/// Metric names built at run time (rewards/NAME/mean), kept for the run.
+fn leak(name: String) -> &'static str {
+    Box::leak(name.into_boxed_str())
+}
+
+/// TRL's nanstd: the unbiased standard deviation of the values that are not NaN.
+fn nanstd(v: &[f64]) -> f64 {
+    let xs: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    (var * n / (n - 1.0)).sqrt()
+}
+
+fn nanmean(v: &[f64]) -> f64 {
+    let xs: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
+    xs.iter().sum::<f64>() / xs.len() as f64
+}
+
+/// torch.quantile's linear interpolation.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let pos = q * (sorted.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
+}
+
+fn parse_prompt_row(v: &Value) -> std::result::Result<(Value, Map<String, Value>), String> {
+    let row = crate::data::dataset::columns(v)?;
+    let prompt = row
+        .get("prompt")
+        .cloned()
+        .ok_or_else(|| format!("no `prompt` column (keys {:?}): GRPO rows hold a prompt (text or messages) and the columns its rewards read", row.keys().collect::<Vec<_>>()))?;
+    crate::data::dataset::content(&prompt, "prompt")?;
+    let columns = row
+        .iter()
+        .filter(|(k, _)| k.as_str() != "prompt")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Ok((prompt, columns))
+}
+
+fn tokenize_prompts(
+    rows: Vec<(Value, Map<String, Value>)>,
+    tok: &TextTokenizer,
+) -> Result<Vec<PromptRow>> {
+    rows.into_iter()
+        .map(|(prompt, columns)| {
+            let p = match crate::data::dataset::content(&prompt, "prompt")
+                .map_err(|m| Error::config("dataset", "prompt", m))?
+            {
+                crate::data::dataset::Content::Text(t) => Prompt::Text(t),
+                crate::data::dataset::Content::Messages(m) => Prompt::Messages(m),
+            };
+            Ok(PromptRow {
+                ids: p.ids(tok)?,
+                prompt,
+                columns,
+            })
+        })
+        .collect()
+}
+
+impl Grpo {
+    /// Rounds of an epoch (whole ones: TRL's RepeatSampler leaves out the prompts that do
+    /// not fill one).
+    fn rounds_per_epoch(&self) -> usize {
+        self.train.len() / (self.gbs / self.g)
+    }
+
+    /// The prompts of `round` of `epoch`, in order, each once.
+    fn round_prompts(&self, epoch: usize, round: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.train.len()).collect();
+        if self.shuffle {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed.wrapping_add(epoch as u64));
+            order.shuffle(&mut rng);
+        }
+        let u = self.gbs / self.g;
+        order[round * u..(round + 1) * u].to_vec()
+    }
+
+    /// The completion's text and the completion as TRL hands it to rewards.
+    fn completion_value(
+        tok: &TextTokenizer,
+        prompt: &Value,
+        ids: &[u32],
+    ) -> Result<(String, Value)> {
+        let text = tok.decode(ids, true)?;
+        let value = match prompt {
+            Value::Array(_) => serde_json::json!([{"role": "assistant", "content": text}]),
+            _ => Value::String(text.clone()),
+        };
+        Ok((text, value))
+    }
+
+    /// The completions of this rank's `rows` of round `at` (epoch, round), with the prompt
+    /// ids they follow: from the rollout program (whose extra fields join `columns`), or
+    /// sampled here through the KV cache.
+    fn completions<N: CausalModel>(
+        &mut self,
+        core: &Core<'_, N>,
+        (epoch, round): (usize, usize),
+        rows: &[PromptRow],
+        prompt_values: &[Value],
+        columns: &mut [Map<String, Value>],
+    ) -> Result<(TokenRows, TokenRows)> {
+        let tok = &core.tokenizer;
+        let rank = core.dp.rank();
+        let eos: Vec<u32> = self.sampling.eos_token_id.clone();
+        // Completions: from the rollout program, or sampled here.
+        match self.rollout.as_mut() {
+            Some(program) => {
+                let mut context = Map::new();
+                context.insert("num_generations".into(), self.g.into());
+                context.insert(
+                    "max_completion_length".into(),
+                    self.sampling.max_new_tokens.into(),
+                );
+                context.insert("step".into(), core.state.global_step.into());
+                context.insert("eos_token_id".into(), serde_json::json!(eos));
+                let ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
+                let answer = rollout(program, prompt_values, &ids, context)?;
+                for (c, extra) in columns.iter_mut().zip(answer.extra) {
+                    c.extend(extra);
+                }
+                // The sampler's own log-probabilities are not used: the
+                // policy's at generation are (TRL without vLLM).
+                Ok((answer.prompt_ids, answer.completion_ids))
+            }
+            None => {
+                let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
+                let width = ids.iter().map(|p| p.len()).max().unwrap_or(0);
+                let (input, mask) = crate::generation::left_pad(&ids, tok.pad_token_id)?;
+                // Rows of a data-parallel rank draw the same on its tp / sp ranks.
+                let cfg = GenerationConfig {
+                    seed: self.seed ^ ((epoch as u64) << 40) ^ ((round as u64) << 16) ^ rank as u64,
+                    ..self.sampling.clone()
+                };
+                let out = core.model.generate(&input, &mask, &cfg, GatherMode::Auto)?;
+                let completions = out
+                    .to_vec2::<u32>()?
+                    .into_iter()
+                    .map(|row| {
+                        let c = &row[width..];
+                        // Up to and with the first EOS (TRL's completion mask).
+                        let end = c
+                            .iter()
+                            .position(|t| eos.contains(t))
+                            .map_or(c.len(), |i| i + 1);
+                        c[..end].to_vec()
+                    })
+                    .collect();
+                Ok((ids.iter().map(|p| p.to_vec()).collect(), completions))
+            }
+        }
+    }
+
+    /// Every rank's rewards per function (NaN where one gave none) and [prompt, completion,
+    /// truncated] lengths of the `n` completions of a round, from this rank's block.
+    fn score<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        n: usize,
+        rows: &[PromptRow],
+        (prompt_values, columns): (&[Value], &[Map<String, Value>]),
+        (prompt_ids, completion_ids): (&[Vec<u32>], &[Vec<u32>]),
+    ) -> Result<(Vec<Vec<f64>>, Lengths)> {
+        let tok = &core.tokenizer;
+        let block = self.batch * self.spg;
+        let rank = core.dp.rank();
+        let eos = &self.sampling.eos_token_id;
+        // Rewards of this rank's completions, per function.
+        let mut texts = Vec::with_capacity(block);
+        let mut values = Vec::with_capacity(block);
+        for (r, c) in rows.iter().zip(completion_ids) {
+            let (t, v) = Self::completion_value(tok, &r.prompt, c)?;
+            texts.push(t);
+            values.push(v);
+        }
+        let input = RewardInput {
+            prompts: prompt_values,
+            completions: &values,
+            texts: &texts,
+            completion_ids,
+            columns,
+        };
+        let k = self.rewards.len();
+        // Every rank's rewards, by summing blocks that are 0 elsewhere: [value, present].
+        let mut local = vec![0.0; 2 * n * k];
+        for (f, reward) in self.rewards.iter().enumerate() {
+            for (j, v) in reward.score(&input)?.into_iter().enumerate() {
+                let at = 2 * ((rank * block + j) * k + f);
+                if let Some(v) = v {
+                    local[at] = v;
+                    local[at + 1] = 1.0;
+                }
+            }
+        }
+        // Lengths and truncation, every rank's: [prompt, completion, truncated].
+        let lengths_at = local.len();
+        local.extend(vec![0.0; 3 * n]);
+        let pad = tok.pad_token_id;
+        for (j, (p, c)) in prompt_ids.iter().zip(completion_ids).enumerate() {
+            let at = lengths_at + 3 * (rank * block + j);
+            local[at] = p.len() as f64;
+            local[at + 1] = c.len() as f64;
+            let ended = c.last().is_some_and(|t| eos.contains(t) || *t == pad);
+            local[at + 2] = (!ended) as u8 as f64;
+        }
+        let all = core.global_sum(&local)?;
+        let per_func: Vec<Vec<f64>> = (0..k)
+            .map(|f| {
+                (0..n)
+                    .map(|i| {
+                        let at = 2 * (i * k + f);
+                        if all[at + 1] > 0.0 {
+                            all[at]
+                        } else {
+                            f64::NAN
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let lengths: Vec<[f64; 3]> = (0..n)
+            .map(|i| {
+                let at = lengths_at + 3 * i;
+                [all[at], all[at + 1], all[at + 2]]
+            })
+            .collect();
+        Ok((per_func, lengths))
+    }
+
+    /// Generates, scores and prepares this rank's block of `round` of `epoch`.
+    fn generate_round<N: CausalModel>(
+        &mut self,
+        core: &Core<'_, N>,
+        epoch: usize,
+        round: usize,
+    ) -> Result<()> {
+        let prompts = self.round_prompts(epoch, round);
+        // The round's rows over all ranks: each prompt num_generations times in a row.
+        let global: Vec<usize> = prompts
+            .iter()
+            .flat_map(|&p| std::iter::repeat_n(p, self.g))
+            .collect();
+        let block = self.batch * self.spg;
+        let rank = core.dp.rank();
+        let mine: Vec<usize> = global[rank * block..(rank + 1) * block].to_vec();
+        let rows: Vec<PromptRow> = mine.iter().map(|&i| self.train[i].clone()).collect();
+        let prompt_values: Vec<Value> = rows.iter().map(|r| r.prompt.clone()).collect();
+        let mut columns: Vec<Map<String, Value>> = rows.iter().map(|r| r.columns.clone()).collect();
+        let (prompt_ids, completion_ids) =
+            self.completions(core, (epoch, round), &rows, &prompt_values, &mut columns)?;
+        let n = global.len();
+        let (per_func, lengths) = self.score(
+            core,
+            n,
+            &rows,
+            (&prompt_values, &columns),
+            (&prompt_ids, &completion_ids),
+        )?;
+        let (advantages, metrics) = self.advantages(&per_func, &lengths, core)?;
+        // This rank's samples.
+        let mut samples: Vec<Sample> = (0..block)
+            .map(|j| {
+                let truncated = lengths[rank * block + j][2] > 0.0;
+                let len = completion_ids[j].len();
+                let on = !(self.mask_truncated && truncated);
+                Sample {
+                    prompt_ids: prompt_ids[j].clone(),
+                    completion_ids: completion_ids[j].clone(),
+                    mask: vec![on as u8 as f64; len],
+                    advantage: advantages[rank * block + j],
+                    old: None,
+                    reference: None,
+                }
+            })
+            .collect();
+        let loss_tokens: f64 =
+            core.global_sum(&[samples.iter().map(|s| s.mask.iter().sum::<f64>()).sum()])?[0];
+        // TRL keeps the old log-probabilities when a round outlives a step's micro-batches.
+        let every = self.spg * self.iterations;
+        let keep_old = !core.args.gradient_accumulation_steps.is_multiple_of(every);
+        if keep_old {
+            let old = self.score_all(core, &samples)?;
+            for (s, o) in samples.iter_mut().zip(old) {
+                s.old = Some(o);
+            }
+        }
+        if let Some(reference) = &self.reference {
+            let refs = reference.run(core, || self.score_all(core, &samples))?;
+            for (s, r) in samples.iter_mut().zip(refs) {
+                s.reference = Some(r);
+            }
+        }
+        // Shuffled within the block (TRL's shuffle_sequence_dict), then cut into micro-batches.
+        if self.spg > 1 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(
+                self.seed ^ 0x9e37 ^ ((epoch as u64) << 32) ^ round as u64,
+            );
+            samples.shuffle(&mut rng);
+        }
+        let slices = samples.chunks(self.batch).map(|c| c.to_vec()).collect();
+        let tokens = lengths.iter().map(|l| (l[0] + l[1]) as usize).sum();
+        self.round = Some(Round {
+            at: (epoch, round),
+            slices,
+            metrics,
+            logged: false,
+            tokens,
+            loss_tokens,
+        });
+        Ok(())
+    }
+
+    /// Advantages of the round's completions (all ranks') and its reward and length metrics.
+    fn advantages<N: CausalModel>(
+        &self,
+        per_func: &[Vec<f64>],
+        lengths: &[[f64; 3]],
+        core: &Core<'_, N>,
+    ) -> Result<(Vec<f64>, Metrics)> {
+        let n = lengths.len();
+        let g = self.g;
+        let k = per_func.len();
+        let unscorable: Vec<bool> = (0..n)
+            .map(|i| per_func.iter().all(|f| f[i].is_nan()))
+            .collect();
+        let weighted = |i: usize| -> f64 {
+            (0..k)
+                .map(|f| per_func[f][i] * self.weights[f])
+                .filter(|x| !x.is_nan())
+                .sum()
+        };
+        let mut rewards: Vec<f64> = (0..n)
+            .map(|i| if unscorable[i] { f64::NAN } else { weighted(i) })
+            .collect();
+        let (mut advantages, std): (Vec<f64>, Vec<f64>) = if self.normalize_then_sum {
+            // Each function normalized per group, then summed, then normalized over the batch.
+            let mut summed = vec![0.0; n];
+            for (fi, f) in per_func.iter().enumerate() {
+                for grp in 0..n / g {
+                    let s = &f[grp * g..(grp + 1) * g];
+                    let (m, sd) = (nanmean(s), nanstd(s));
+                    for i in 0..g {
+                        let x = (s[i] - m) / (sd + 1e-4);
+                        if !x.is_nan() {
+                            summed[grp * g + i] += x * self.weights[fi];
+                        }
+                    }
+                }
+            }
+            for i in 0..n {
+                if unscorable[i] {
+                    summed[i] = f64::NAN;
+                }
+            }
+            let (m, sd) = (nanmean(&summed), nanstd(&summed));
+            (
+                (0..n).map(|i| (summed[i] - m) / (sd + 1e-4)).collect(),
+                vec![sd; n],
+            )
+        } else {
+            let group_mean: Vec<f64> = (0..n)
+                .map(|i| nanmean(&rewards[i / g * g..(i / g + 1) * g]))
+                .collect();
+            let std: Vec<f64> = match self.scale_rewards.as_str() {
+                "batch" => vec![nanstd(&rewards); n],
+                _ => (0..n)
+                    .map(|i| nanstd(&rewards[i / g * g..(i / g + 1) * g]))
+                    .collect(),
+            };
+            let adv = (0..n)
+                .map(|i| {
+                    let a = rewards[i] - group_mean[i];
+                    match self.scale_rewards.as_str() {
+                        "none" => a,
+                        _ => a / (std[i] + 1e-4),
+                    }
+                })
+                .collect();
+            (adv, std)
+        };
+        for a in &mut advantages {
+            if a.is_nan() {
+                *a = 0.0;
+            }
+        }
+        for i in 0..n {
+            if unscorable[i] {
+                rewards[i] = f64::NAN;
+            }
+        }
+        let m = self.round_metrics(per_func, &rewards, &std, lengths, core);
+        Ok((advantages, m))
+    }
+
+    /// A round's reward and length metrics, as TRL names and computes them (`rewards`: the
+    /// weighted sums, NaN where no function scored; `std`: each row's group or batch std).
+    fn round_metrics<N: CausalModel>(
+        &self,
+        per_func: &[Vec<f64>],
+        rewards: &[f64],
+        std: &[f64],
+        lengths: &[[f64; 3]],
+        core: &Core<'_, N>,
+    ) -> Metrics {
+        let n = lengths.len();
+        // Metrics, as TRL names and computes them.
+        let mut m: Vec<(&'static str, f64)> = Vec::new();
+        for (f, reward) in self.rewards.iter().enumerate() {
+            m.push((
+                leak(format!("rewards/{}/mean", reward.name)),
+                nanmean(&per_func[f]),
+            ));
+            m.push((
+                leak(format!("rewards/{}/std", reward.name)),
+                nanstd(&per_func[f]),
+            ));
+        }
+        m.push(("reward", nanmean(rewards)));
+        m.push(("reward_std", nanstd(rewards)));
+        let zero_std = std.iter().filter(|s| s.abs() <= 1e-8).count() as f64 / n as f64;
+        m.push(("frac_reward_zero_std", zero_std));
+        let lens: Vec<f64> = lengths.iter().map(|l| l[1]).collect();
+        let minmax = |v: &[f64]| {
+            (
+                v.iter().sum::<f64>() / v.len() as f64,
+                v.iter().copied().fold(f64::INFINITY, f64::min),
+                v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            )
+        };
+        let (mean, min, max) = minmax(&lens);
+        m.push(("completions/mean_length", mean));
+        m.push(("completions/min_length", min));
+        m.push(("completions/max_length", max));
+        let clipped = lengths.iter().filter(|l| l[2] > 0.0).count() as f64 / n as f64;
+        m.push(("completions/clipped_ratio", clipped));
+        let mut term: Vec<f64> = lengths
+            .iter()
+            .filter(|l| l[2] == 0.0)
+            .map(|l| l[1])
+            .collect();
+        if term.is_empty() {
+            term.push(0.0);
+        }
+        let (mean, min, max) = minmax(&term);
+        m.push(("completions/mean_terminated_length", mean));
+        m.push(("completions/min_terminated_length", min));
+        m.push(("completions/max_terminated_length", max));
+        let tokens: f64 = lengths.iter().map(|l| l[0] + l[1]).sum();
+        m.push((
+            "num_tokens",
+            core.state.num_input_tokens_seen as f64 + tokens,
+        ));
+        m
+    }
+
+    /// The sequences of `samples` as one micro-batch, with each local position's (sample,
+    /// completion token) where it predicts one.
+    fn collate_samples<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        samples: &[Sample],
+    ) -> Result<(crate::data::Batch, Owners, usize)> {
+        let seqs: Vec<PackedSequence> = samples
+            .iter()
+            .map(|s| {
+                let ids: Vec<u32> = s
+                    .prompt_ids
+                    .iter()
+                    .chain(&s.completion_ids)
+                    .copied()
+                    .collect();
+                let labels = std::iter::repeat_n(IGNORE_INDEX, s.prompt_ids.len())
+                    .chain(s.completion_ids.iter().map(|&t| t as i64))
+                    .collect();
+                PackedSequence::single(&Example {
+                    input_ids: ids,
+                    labels,
+                })
+            })
+            .collect();
+        let rows: Vec<&PackedSequence> = seqs.iter().collect();
+        let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
+        let (n_rows, len) = batch.input_ids.dims2()?;
+        let split = core.model.split();
+        let kept = kept_columns(split, len)?.unwrap_or_else(|| (0..len).collect());
+        // Position c of row r predicts the token at c + 1: completion token c + 1 - prompt.
+        let mut owner = Vec::with_capacity(n_rows * kept.len());
+        for (r, s) in samples.iter().enumerate() {
+            let p = s.prompt_ids.len();
+            for &c in &kept {
+                let t = (c + 1)
+                    .checked_sub(p)
+                    .filter(|&t| t < s.completion_ids.len());
+                owner.push(t.map(|t| (r, t)));
+            }
+        }
+        let part = batch.part(split)?.to_device(core.ctx.device())?;
+        Ok((part, owner, kept.len()))
+    }
+
+    /// Each completion token's log-probability (and entropy) from one forward over
+    /// `samples`: whole per sample (summed over the sequence's ranks), with the local
+    /// per-position tensor when `train`.
+    fn forward<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        samples: &[Sample],
+        train: bool,
+    ) -> Result<Scored> {
+        let (batch, owner, _) = self.collate_samples(core, samples)?;
+        let out = core.model.forward_token_logps_at(
+            &batch.input_ids,
+            &batch.position_ids,
+            &batch.targets()?,
+            train,
+            false,
+            self.sampling.temperature,
+        )?;
+        let lp: Vec<f32> = out.logps.detach().to_vec1()?;
+        let stats: Vec<Vec<f32>> = out.stats.to_vec2()?;
+        // Whole values: each rank fills the positions it holds.
+        let offsets: Vec<usize> = samples
+            .iter()
+            .scan(0, |at, s| {
+                let o = *at;
+                *at += s.completion_ids.len();
+                Some(o)
+            })
+            .collect();
+        let total: usize = samples.iter().map(|s| s.completion_ids.len()).sum();
+        let mut flat = vec![0.0; 2 * total];
+        for (i, o) in owner.iter().enumerate() {
+            if let Some((r, t)) = o {
+                flat[offsets[*r] + t] = lp[i] as f64;
+                flat[total + offsets[*r] + t] = stats[i][0] as f64;
+            }
+        }
+        if let Some(split) = core.model.split() {
+            let t = Tensor::new(flat.as_slice(), &Device::Cpu)?;
+            flat = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
+        }
+        let cut = |from: usize| -> Vec<Vec<f64>> {
+            samples
+                .iter()
+                .zip(&offsets)
+                .map(|(s, &o)| flat[from + o..from + o + s.completion_ids.len()].to_vec())
+                .collect()
+        };
+        let local = train.then_some((out.logps, owner));
+        Ok((cut(0), cut(total), local))
+    }
+
+    /// The current weights' log-probabilities of every sample, per micro-batch (no gradient).
+    fn score_all<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        samples: &[Sample],
+    ) -> Result<Vec<Vec<f64>>> {
+        let mut out = Vec::with_capacity(samples.len());
+        for chunk in samples.chunks(self.batch) {
+            out.extend(self.forward(core, chunk, false)?.0);
+        }
+        Ok(out)
+    }
+
+    /// top_entropy_quantile < 1: per sample, the tokens whose entropy is at or over the
+    /// quantile of every rank's counted tokens (TRL's get_high_entropy_mask).
+    fn entropy_masks<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        samples: &[Sample],
+        entropies: &[Vec<f64>],
+    ) -> Result<Option<Vec<Vec<bool>>>> {
+        if self.top_entropy_quantile >= 1.0 {
+            return Ok(None);
+        }
+        let mine: Vec<f64> = samples
+            .iter()
+            .zip(entropies)
+            .flat_map(|(s, e)| {
+                e.iter()
+                    .zip(&s.mask)
+                    .filter(|(_, &m)| m > 0.0)
+                    .map(|(e, _)| *e)
+            })
+            .collect();
+        let mut all = Self::gather(core, &mine)?;
+        all.sort_by(f64::total_cmp);
+        let threshold = match all.is_empty() {
+            true => f64::INFINITY,
+            false => quantile(&all, 1.0 - self.top_entropy_quantile),
+        };
+        Ok(Some(
+            samples
+                .iter()
+                .zip(entropies)
+                .map(|(s, e)| {
+                    e.iter()
+                        .zip(&s.mask)
+                        .map(|(e, &m)| m > 0.0 && e * m >= threshold)
+                        .collect::<Vec<bool>>()
+                })
+                .collect::<Vec<_>>(),
+        ))
+    }
+
+    /// The loss figures of a step from every rank's per-micro-batch `sums` ([kl, tokens,
+    /// entropy, low, high, region, count]) and this rank's per-sequence clip means: each a
+    /// mean over micro-batches, as TRL appends one per micro-batch.
+    fn step_metrics<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        sums: &[f64],
+        seq_clips: &[[f64; 2]],
+        metrics: &mut Metrics,
+    ) -> Result<()> {
+        let micro = |k: usize| -> f64 {
+            let v: Vec<f64> = sums
+                .chunks(7)
+                .map(|c| c[k] / c[if k < 3 { 1 } else { 6 }].max(1.0))
+                .collect();
+            v.iter().sum::<f64>() / v.len() as f64
+        };
+        if self.loss.beta != 0.0 {
+            metrics.push(("kl", micro(0)));
+        }
+        metrics.push(("entropy", micro(2)));
+        metrics.push(("clip_ratio/low_mean", micro(3)));
+        metrics.push(("clip_ratio/high_mean", micro(4)));
+        metrics.push(("clip_ratio/region_mean", micro(5)));
+        // Per micro-batch, the min (max) over every rank's sequences, averaged.
+        let per_micro_seqs = self.batch;
+        let mut lows = Vec::new();
+        let mut highs = Vec::new();
+        for chunk in seq_clips.chunks(per_micro_seqs) {
+            let lo: Vec<f64> = chunk.iter().map(|c| c[0]).collect();
+            let hi: Vec<f64> = chunk.iter().map(|c| c[1]).collect();
+            let lo = Self::gather(core, &lo)?;
+            let hi = Self::gather(core, &hi)?;
+            lows.push(
+                lo.iter()
+                    .copied()
+                    .filter(|x| !x.is_nan())
+                    .fold(f64::INFINITY, f64::min),
+            );
+            highs.push(
+                hi.iter()
+                    .copied()
+                    .filter(|x| !x.is_nan())
+                    .fold(f64::NEG_INFINITY, f64::max),
+            );
+        }
+        let avg = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        metrics.push(("clip_ratio/low_min", avg(&lows)));
+        metrics.push(("clip_ratio/high_max", avg(&highs)));
+        Ok(())
+    }
+
+    /// Every rank's values of `local` (of varying length), in rank order.
+    fn gather<N: CausalModel>(core: &Core<'_, N>, local: &[f64]) -> Result<Vec<f64>> {
+        let (rank, world) = (core.dp.rank(), core.dp.size());
+        let mut counts = vec![0.0; world];
+        counts[rank] = local.len() as f64;
+        let counts = core.global_sum(&counts)?;
+        let start: usize = counts[..rank].iter().map(|&c| c as usize).sum();
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        let mut all = vec![0.0; total];
+        all[start..start + local.len()].copy_from_slice(local);
+        core.global_sum(&all)
+    }
+}
+
+/// GRPO as the tools will see it ([`super::kinds`]); listed in the registry once its
+/// scaffold (templates/sft/grpo.yaml, the examples binary) lands.
+pub const KIND: TrainerKind = TrainerKind {
+    name: "grpo",
+    about: "online RL from prompts and rewards (TRL's GRPOTrainer)",
+    read: |args| read_as::<GRPOConfig>(args, workload),
+    scaffold: Scaffold {
+        config: "templates/sft/grpo.yaml",
+        data: &[
+            ("data/grpo_train.jsonl", "assets/tiny/data/grpo_train.jsonl"),
+            ("data/grpo_eval.jsonl", "assets/tiny/data/grpo_eval.jsonl"),
+        ],
+        config_type: "GRPOConfig",
+        cli_type: "GrpoCli",
+        task_type: Some("Grpo"),
+        summary: "Online RL (TRL's GRPO)",
+        example_flag: "--beta 0.04",
+        data_note: ": addition prompts with their sums as solution",
+        formats: "prompt (text or messages) and the columns rewards read",
+        metric: "reward",
+    },
+};
+
+/// A micro-batch's rows are completions; a reference (beta > 0) is a held copy of what the
+/// rank trains.
+pub fn workload(config: &GRPOConfig) -> Workload {
+    Workload {
+        sequences_per_row: 1,
+        weight_copies: usize::from(config.beta != 0.0),
+    }
+}
+
+impl<N: CausalModel> Task<N> for Grpo {
+    type Config = GRPOConfig;
+
+    fn load(config: &GRPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
+        let args = &config.training;
+        let (train, eval) = args.load_data(&parse_prompt_row)?;
+        let train = tokenize_prompts(train, tokenizer)?;
+        let eval = match eval {
+            Some(rows) => tokenize_prompts(rows, tokenizer)?,
+            None => Vec::new(),
+        };
+        let rewards = config
+            .reward_funcs
+            .0
+            .iter()
+            .map(|e| {
+                Reward::parse(e, config.max_completion_length)
+                    .map_err(|m| Error::config("training arguments", "reward_funcs", m))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weights = match &config.reward_weights {
+            Some(w) => w.0.clone(),
+            None => vec![1.0; rewards.len()],
+        };
+        let sampling = GenerationConfig {
+            max_new_tokens: config.max_completion_length,
+            do_sample: true,
+            temperature: config.temperature,
+            top_k: config.top_k,
+            top_p: config.top_p,
+            min_p: config.min_p,
+            repetition_penalty: config.repetition_penalty,
+            eos_token_id: tokenizer.eos_token_id.into_iter().collect(),
+            pad_token_id: Some(tokenizer.pad_token_id),
+            seed: args.seed,
+        };
+        Ok(Grpo {
+            train,
+            eval,
+            loss: config.loss().expect("validated"),
+            rewards,
+            weights,
+            rollout: config
+                .rollout_command
+                .as_deref()
+                .map(|c| LineProgram::new(c, "rollout_command")),
+            g: config.num_generations,
+            spg: 1,
+            gbs: config.num_generations,
+            iterations: config.num_iterations,
+            batch: args.per_device_train_batch_size,
+            dp: 1,
+            scale_rewards: config.scale_rewards.clone(),
+            normalize_then_sum: config.multi_objective_aggregation == "normalize_then_sum",
+            mask_truncated: config.mask_truncated_completions,
+            shuffle: config.shuffle_dataset,
+            top_entropy_quantile: config.top_entropy_quantile,
+            sampling,
+            collate_options: CollateOptions {
+                pad_token_id: tokenizer.pad_token_id,
+                padding_free: false,
+                pad_to_multiple_of: config.pad_to_multiple_of.0,
+            },
+            reference: None,
+            mixing: Mixing {
+                alpha: config.ref_model_mixup_alpha,
+                every: if config.sync_ref_model {
+                    config.ref_model_sync_steps
+                } else {
+                    usize::MAX
+                },
+            },
+            round: None,
+            seed: args.seed,
+        })
+    }
+
+    /// Completions are dealt in order (the prompts are shuffled by the task), every
+    /// micro-batch full.
+    fn training_arguments(config: &GRPOConfig) -> TrainingArguments {
+        let mut args = config.training.clone();
+        args.train_sampling_strategy = "sequential".into();
+        args.dataloader_drop_last = true;
+        if config.disable_dropout {
+            args.lora_dropout = 0.0;
+        }
+        args
+    }
+
+    fn layout(&mut self, config: &GRPOConfig, dp_ranks: usize) -> Result<()> {
+        let (spg, gbs) = config
+            .generation_layout(dp_ranks)
+            .map_err(|(k, m)| Error::config("training arguments", k, m))?;
+        (self.spg, self.gbs, self.dp) = (spg, gbs, dp_ranks);
+        if self.rounds_per_epoch() == 0 {
+            return Err(Error::config(
+                config.training.dataset_name.display().to_string(),
+                "generation_batch_size",
+                format!("{} prompts cannot fill one generation round of {} prompts ({gbs} completions / num_generations {}): add prompts or lower the batch", self.train.len(), gbs / self.g, self.g),
+            ));
+        }
+        Ok(())
+    }
+
+    fn num_rows(&self) -> usize {
+        self.rounds_per_epoch() * self.gbs * self.iterations
+    }
+
+    fn workload(config: &GRPOConfig) -> Workload {
+        workload(config)
+    }
+
+    fn prepare(&mut self, config: &GRPOConfig, core: &Core<'_, N>) -> Result<()> {
+        self.collate_options.pad_to_multiple_of =
+            pad_to_multiple(core.model.split(), config.pad_to_multiple_of.0);
+        if config.beta != 0.0 {
+            self.reference = Some(match core.state.global_step > 0 {
+                true => HeldReference::resume(self.mixing, core)?,
+                false => HeldReference::of_policy(self.mixing, core)?,
+            });
+        }
+        if core.ctx.is_main_process() {
+            let how = match &config.rollout_command {
+                Some(c) => format!("completions from the rollout program `{c}`"),
+                None => "completions sampled in this process".into(),
+            };
+            tracing::info!(
+                "GRPO: {} prompts, {} completions each; generation rounds of {} completions ({} per rank, trained on over {} micro-batches x {} iteration(s)); {how}",
+                self.train.len(),
+                self.g,
+                self.gbs,
+                self.batch * self.spg,
+                self.spg,
+                self.iterations
+            );
+        }
+        Ok(())
+    }
+
+    fn step(
+        &mut self,
+        core: &Core<'_, N>,
+        rows: &[Vec<usize>],
+        grads: &mut StepGrads,
+    ) -> Result<TaskStep> {
+        let per_micro = self.batch * self.dp;
+        let mut loss = 0.0;
+        let mut tokens = 0usize;
+        // Per micro-batch: [kl, tokens, entropy, low, high, region, count].
+        let mut sums: Vec<[f64; 7]> = Vec::new();
+        let mut seq_clips: Vec<[f64; 2]> = Vec::new();
+        let mut metrics = Vec::new();
+        for (i, idx) in rows.iter().enumerate() {
+            let m = idx[0] / per_micro;
+            let epoch = core.state.epoch;
+            let (round, slice) = (m / (self.spg * self.iterations), m % self.spg);
+            if self.round.as_ref().is_none_or(|r| r.at != (epoch, round)) {
+                self.generate_round(core, epoch, round)?;
+            }
+            let r = self.round.as_mut().expect("generated above");
+            if !r.logged {
+                r.logged = true;
+                metrics.extend(r.metrics.iter().copied());
+                tokens += r.tokens;
+            }
+            let loss_tokens = r.loss_tokens;
+            let samples = r.slices[slice].clone();
+            let (logps, entropies, local) =
+                core.training_forward(i, || self.forward(core, &samples, true))?;
+            let (local, owner) = local.expect("a training forward");
+            let entropy_masks = self.entropy_masks(core, &samples, &entropies)?;
+            let completions: Vec<Completion> = samples
+                .iter()
+                .enumerate()
+                .map(|(j, s)| Completion {
+                    logps: logps[j].clone(),
+                    old: s.old.clone(),
+                    reference: s.reference.clone(),
+                    mask: s.mask.clone(),
+                    entropy_mask: entropy_masks.as_ref().map(|e| e[j].clone()),
+                    advantage: s.advantage,
+                })
+                .collect();
+            let ga = rows.len();
+            let scale = Scale {
+                accumulation: ga,
+                dapo_normalizer: loss_tokens / self.dp as f64 * ga as f64 / self.spg as f64,
+            };
+            let out = self.loss.compute(&completions, scale);
+            loss += out.loss;
+            // d(loss)/d(each local position's log-prob); gradients are summed over the
+            // data-parallel ranks, TRL's mean over them.
+            let g: Vec<f32> = owner
+                .iter()
+                .map(|o| o.map_or(0.0, |(r, t)| (out.grads[r][t] / self.dp as f64) as f32))
+                .collect();
+            let g = Tensor::from_vec(g, owner.len(), local.device())?;
+            let surrogate = (&local * g)?.sum_all()?;
+            let store = core.model.backward(&surrogate)?;
+            core.accumulate(grads, store, rows.len())?;
+            let entropy: f64 = samples
+                .iter()
+                .zip(&entropies)
+                .map(|(s, e)| e.iter().zip(&s.mask).map(|(e, m)| e * m).sum::<f64>())
+                .sum();
+            sums.push([
+                out.kl,
+                out.tokens,
+                entropy,
+                out.clipped[0],
+                out.clipped[1],
+                out.clipped[2],
+                out.count,
+            ]);
+            seq_clips.extend(out.seq_clipped);
+        }
+        // One collective for the step's sums: the loss, then each micro-batch's.
+        let mut local = vec![loss];
+        local.extend(sums.iter().flatten());
+        let g = core.global_sum(&local)?;
+        let loss = g[0] / self.dp as f64;
+        self.step_metrics(core, &g[1..], &seq_clips, &mut metrics)?;
+        Ok(TaskStep {
+            loss,
+            tokens,
+            metrics,
+        })
+    }
+
+    /// The held-out prompts answered greedily, once each: the mean reward (`eval_reward`)
+    /// and each function's.
+    fn evaluate(&self, _config: &GRPOConfig, core: &Core<'_, N>) -> Result<Option<EvalResult>> {
+        if self.eval.is_empty() {
+            return Ok(None);
+        }
+        let ids: Vec<&[u32]> = self.eval.iter().map(|r| r.ids.as_slice()).collect();
+        let answers = core.generate(&ids, self.sampling.max_new_tokens)?;
+        let tok = &core.tokenizer;
+        let prompts: Vec<Value> = self.eval.iter().map(|r| r.prompt.clone()).collect();
+        let columns: Vec<Map<String, Value>> =
+            self.eval.iter().map(|r| r.columns.clone()).collect();
+        let mut texts = Vec::new();
+        let mut values = Vec::new();
+        for (r, a) in self.eval.iter().zip(&answers) {
+            let (t, v) = Self::completion_value(tok, &r.prompt, a)?;
+            texts.push(t);
+            values.push(v);
+        }
+        let input = RewardInput {
+            prompts: &prompts,
+            completions: &values,
+            texts: &texts,
+            completion_ids: &answers,
+            columns: &columns,
+        };
+        let mut total = vec![0.0; answers.len()];
+        let mut figures = Vec::new();
+        for (f, reward) in self.rewards.iter().enumerate() {
+            let v: Vec<f64> = reward
+                .score(&input)?
+                .into_iter()
+                .map(|x| x.unwrap_or(f64::NAN))
+                .collect();
+            for (t, x) in total.iter_mut().zip(&v) {
+                if !x.is_nan() {
+                    *t += self.weights[f] * x;
+                }
+            }
+            figures.push((leak(format!("rewards/{}/mean", reward.name)), nanmean(&v)));
+        }
+        Ok(Some(EvalResult {
+            loss: 0.0,
+            accuracy: Some(nanmean(&total)),
+            aux_loss: None,
+            figures,
+        }))
+    }
+
+    fn save_state(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
+        match &self.reference {
+            Some(r) => r.save(core, step),
+            None => Ok(()),
+        }
+    }
+
+    fn after_step(&mut self, core: &Core<'_, N>) -> Result<()> {
+        match self.reference.as_mut() {
+            Some(r) if self.mixing.every != usize::MAX => r.after_step(core),
+            _ => Ok(()),
+        }
+    }
+
+    fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {
+        metrics
+            .iter()
+            .find(|(k, _)| *k == "reward")
+            .map_or(String::new(), |(_, r)| format!(" reward {r:.3}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_layout_follows_trl() {
+        let mut c = GRPOConfig::default();
+        c.training.per_device_train_batch_size = 4;
+        c.num_generations = 4;
+        assert_eq!(c.generation_layout(2), Ok((1, 8)));
+        c.steps_per_generation = Some(3);
+        assert_eq!(c.generation_layout(2), Ok((3, 24)));
+        c.steps_per_generation = None;
+        c.generation_batch_size = Some(12);
+        assert!(c.generation_layout(2).is_err());
+        c.generation_batch_size = Some(16);
+        assert_eq!(c.generation_layout(2), Ok((2, 16)));
+        c.num_generations = 3;
+        assert!(c.generation_layout(2).is_err());
+    }
+
+    #[test]
+    fn nan_statistics_skip_missing_values() {
+        let v = [1.0, f64::NAN, 3.0];
+        assert_eq!(nanmean(&v), 2.0);
+        assert!((nanstd(&v) - 2f64.sqrt()).abs() < 1e-12);
+        assert_eq!(quantile(&[0.0, 1.0, 2.0, 3.0], 0.5), 1.5);
+    }
+}

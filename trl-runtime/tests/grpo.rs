@@ -1,0 +1,149 @@
+//! GRPO (train/grpo.rs) through the trainer: with completions fixed by a rollout program
+//! (TRL's rollout_func over JSON lines) and rewards fixed by their lengths, data parallelism
+//! on two in-process ranks equals one process step for step (loss and every metric), for
+//! dapo and grpo, with a KL term and rounds reused (num_iterations 2).
+
+use std::path::Path;
+use trl_runtime::comm::InProcessWorld;
+use trl_runtime::config::parallelism::ParallelDims;
+use trl_runtime::dist::{DeviceMesh, DistContext};
+use trl_runtime::models::AutoModelForCausalLM;
+use trl_runtime::parallel::Strategy;
+use trl_runtime::train::args::NameList;
+use trl_runtime::train::{GRPOConfig, Grpo, Trainer, TrainingArguments};
+
+/// Answers each row with the prompt's last 1-4 tokens (by row), ending with EOS on even rows:
+/// fixed completions of different lengths, some truncated.
+const ROLLOUT: &str = r#"
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    eos = r["eos_token_id"][0]
+    out = []
+    for i, p in enumerate(r["prompt_ids"]):
+        n = 1 + (p[-1] + i) % 4
+        c = p[-n:]
+        out.append(c + [eos] if i % 2 == 0 else c)
+    print(json.dumps({"prompt_ids": r["prompt_ids"], "completion_ids": out, "logprobs": None}), flush=True)
+"#;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap()
+}
+
+fn config(dir: &Path, per_device: usize, loss_type: &str) -> GRPOConfig {
+    let script = dir.join("rollout.py");
+    std::fs::write(&script, ROLLOUT).unwrap();
+    GRPOConfig {
+        training: TrainingArguments {
+            model_name_or_path: repo().join("assets/tiny/model"),
+            dataset_name: repo().join("assets/tiny/data/grpo_train.jsonl"),
+            output_dir: dir.join(format!("out-{per_device}")),
+            per_device_train_batch_size: per_device,
+            max_steps: 4,
+            learning_rate: 1e-3,
+            lr_scheduler_type: "constant".into(),
+            disable_tqdm: true,
+            gradient_checkpointing: false,
+            save_strategy: "no".into(),
+            ..Default::default()
+        },
+        reward_funcs: NameList(vec!["get_soft_overlong_punishment(4, 2)".into()]),
+        rollout_command: Some(format!("python3 {}", script.display())),
+        num_generations: 4,
+        max_completion_length: 4,
+        beta: 0.04,
+        num_iterations: 2,
+        loss_type: loss_type.into(),
+        shuffle_dataset: false,
+        ..Default::default()
+    }
+}
+
+type Steps = Vec<(f64, Vec<(&'static str, f64)>)>;
+
+fn run(cfg: &GRPOConfig, ranks: usize) -> Steps {
+    let w = InProcessWorld::new(ranks);
+    let dims = ParallelDims {
+        dp_replicate: ranks,
+        dp_shard: 1,
+        cp: 1,
+        sp: 1,
+        tp: 1,
+    };
+    let mut out = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let (w, cfg) = (&w, cfg.clone());
+                s.spawn(move || {
+                    let ctx =
+                        DistContext::in_process(w, rank, DeviceMesh::new(dims, ranks).unwrap())
+                            .unwrap();
+                    let mut t = Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(
+                        cfg,
+                        &ctx,
+                        Strategy::Ddp,
+                    )
+                    .unwrap();
+                    (0..4)
+                        .map(|_| {
+                            let s = t.train_step().unwrap();
+                            (s.loss, t.last_metrics().to_vec())
+                        })
+                        .collect::<Steps>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    out.swap_remove(0)
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-4 * (1.0 + a.abs().max(b.abs())) || (a.is_nan() && b.is_nan())
+}
+
+#[test]
+fn data_parallel_grpo_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    for loss_type in ["dapo", "grpo"] {
+        let one = run(&config(tmp.path(), 8, loss_type), 1);
+        let two = run(&config(tmp.path(), 4, loss_type), 2);
+        for (step, ((l1, m1), (l2, m2))) in one.iter().zip(&two).enumerate() {
+            assert!(l1.is_finite(), "{loss_type} step {step}: loss {l1}");
+            assert!(
+                close(*l1, *l2),
+                "{loss_type} step {step}: loss {l1} vs {l2}"
+            );
+            assert_eq!(
+                m1.len(),
+                m2.len(),
+                "{loss_type} step {step}: {m1:?} vs {m2:?}"
+            );
+            for ((k1, v1), (k2, v2)) in m1.iter().zip(m2) {
+                assert_eq!(k1, k2);
+                assert!(
+                    close(*v1, *v2),
+                    "{loss_type} step {step}: {k1} {v1} vs {v2}"
+                );
+            }
+        }
+        // A round is generated every second step (num_iterations 2): its reward metrics are
+        // logged then, and the reused round's ratios move off 1.
+        let names = |s: usize| one[s].1.iter().map(|(k, _)| *k).collect::<Vec<_>>();
+        assert!(
+            names(0).contains(&"reward")
+                && names(0).contains(&"rewards/soft_overlong_punishment_reward/mean")
+        );
+        assert!(!names(1).contains(&"reward"), "{:?}", names(1));
+        assert!(names(1).contains(&"kl"));
+        let kl = one[1].1.iter().find(|(k, _)| *k == "kl").unwrap().1;
+        assert!(
+            kl > 0.0,
+            "the policy moved off the reference after a step: kl {kl}"
+        );
+    }
+}
