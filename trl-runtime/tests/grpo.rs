@@ -1,7 +1,10 @@
-//! GRPO (train/grpo.rs) through the trainer: with completions fixed by a rollout program
-//! (TRL's rollout_func over JSON lines) and rewards fixed by their lengths, data parallelism
-//! on two in-process ranks equals one process step for step (loss and every metric), for
-//! dapo and grpo, with a KL term and rounds reused (num_iterations 2).
+//! GRPO (train/grpo.rs) through the trainer, with completions fixed by a rollout program
+//! (TRL's rollout_func over JSON lines) and rewards fixed by their lengths, a KL term and
+//! rounds reused (num_iterations 2): every logged figure equals TRL 1.16's GRPOTrainer's on
+//! the same rollouts for 4 steps (grpo, dapo, dr_grpo; TRL run when installed, skipped with a
+//! message when not), and data parallelism on two in-process ranks equals one process.
+
+mod common;
 
 use std::path::Path;
 use trl_runtime::comm::InProcessWorld;
@@ -60,7 +63,7 @@ fn config(dir: &Path, per_device: usize, loss_type: &str) -> GRPOConfig {
     }
 }
 
-type Steps = Vec<(f64, Vec<(&'static str, f64)>)>;
+type Steps = Vec<(f64, f64, Vec<(&'static str, f64)>)>;
 
 fn run(cfg: &GRPOConfig, ranks: usize) -> Steps {
     let w = InProcessWorld::new(ranks);
@@ -88,7 +91,7 @@ fn run(cfg: &GRPOConfig, ranks: usize) -> Steps {
                     (0..4)
                         .map(|_| {
                             let s = t.train_step().unwrap();
-                            (s.loss, t.last_metrics().to_vec())
+                            (s.loss, s.grad_norm, t.last_metrics().to_vec())
                         })
                         .collect::<Steps>()
                 })
@@ -112,7 +115,7 @@ fn data_parallel_grpo_equals_one_process() {
     for loss_type in ["dapo", "grpo"] {
         let one = run(&config(tmp.path(), 8, loss_type), 1);
         let two = run(&config(tmp.path(), 4, loss_type), 2);
-        for (step, ((l1, m1), (l2, m2))) in one.iter().zip(&two).enumerate() {
+        for (step, ((l1, _, m1), (l2, _, m2))) in one.iter().zip(&two).enumerate() {
             assert!(l1.is_finite(), "{loss_type} step {step}: loss {l1}");
             assert!(
                 close(*l1, *l2),
@@ -133,17 +136,68 @@ fn data_parallel_grpo_equals_one_process() {
         }
         // A round is generated every second step (num_iterations 2): its reward metrics are
         // logged then, and the reused round's ratios move off 1.
-        let names = |s: usize| one[s].1.iter().map(|(k, _)| *k).collect::<Vec<_>>();
+        let names = |s: usize| one[s].2.iter().map(|(k, _)| *k).collect::<Vec<_>>();
         assert!(
             names(0).contains(&"reward")
                 && names(0).contains(&"rewards/soft_overlong_punishment_reward/mean")
         );
         assert!(!names(1).contains(&"reward"), "{:?}", names(1));
         assert!(names(1).contains(&"kl"));
-        let kl = one[1].1.iter().find(|(k, _)| *k == "kl").unwrap().1;
+        let kl = one[1].2.iter().find(|(k, _)| *k == "kl").unwrap().1;
         assert!(
             kl > 0.0,
             "the policy moved off the reference after a step: kl {kl}"
         );
+    }
+}
+
+/// Our figures for 4 steps equal TRL's GRPOTrainer's on the same prompts, completions and
+/// rewards (scripts/trl_grpo.py), within 1e-4 relative: the loss, the gradient norm and every
+/// metric TRL logs (clip fractions and lengths are counts: equal up to TRL's float32).
+#[test]
+fn grpo_figures_match_trl() {
+    let Some(python) = common::python_with(&["torch", "transformers", "trl"]) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for loss_type in ["grpo", "dapo", "dr_grpo"] {
+        let ours = run(&config(tmp.path(), 8, loss_type), 1);
+        let out = std::process::Command::new(&python)
+            .arg(repo().join("scripts/trl_grpo.py"))
+            .arg(repo().join("assets/tiny/model"))
+            .arg(repo().join("assets/tiny/data/grpo_train.jsonl"))
+            .arg(tmp.path().join(format!("trl-{loss_type}")))
+            .args(["4", "beta=0.04", "num_iterations=2"])
+            .arg(format!("loss_type={loss_type}"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let theirs: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("{\"step\""))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(theirs.len(), 4, "{}", String::from_utf8_lossy(&out.stdout));
+        for (step, (t, (loss, grad_norm, metrics))) in theirs.iter().zip(&ours).enumerate() {
+            let mut checked = 0;
+            for (key, v) in t.as_object().unwrap() {
+                let ours = match key.as_str() {
+                    "step" | "step_time" | "epoch" | "learning_rate" => continue,
+                    "loss" => *loss,
+                    "grad_norm" => *grad_norm,
+                    k => match metrics.iter().find(|(n, _)| *n == k) {
+                        Some((_, v)) => *v,
+                        None => panic!("{loss_type} step {step}: TRL logs {k}, we do not: {metrics:?}"),
+                    },
+                };
+                let v = v.as_f64().unwrap();
+                assert!(
+                    (ours - v).abs() <= 1e-4 * v.abs().max(1e-3),
+                    "{loss_type} step {step}: {key} ours {ours} TRL {v}"
+                );
+                checked += 1;
+            }
+            assert!(checked >= 8, "{loss_type} step {step}: {t}");
+        }
     }
 }

@@ -1,0 +1,90 @@
+"""TRL's GRPOTrainer on our tiny model and GRPO prompts with fixed rollouts and rewards, for
+the parity test (trl-runtime/tests/grpo.rs): prints one JSON line of logged metrics per step.
+
+usage: trl_grpo.py MODEL_DIR DATA.jsonl OUT_DIR STEPS [KEY=VALUE ...]
+The completions come from `rollout_func` (TRL's hook): each row answered with the last 1-4
+tokens of its prompt, EOS after it on even rows, as the test's rollout program answers. The
+reward is get_soft_overlong_punishment(4, 2). 8 completions per step (2 prompts x 4), one
+process, fp32, AdamW at a constant learning rate of 1e-3; KEY=VALUE sets GRPOConfig keys.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+import torch
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from trl.rewards import get_soft_overlong_punishment
+
+
+def value(v):
+    if v in ("true", "false"):
+        return v == "true"
+    if v.lstrip("-").isdigit():
+        return int(v)
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
+model_dir, data, out, steps = sys.argv[1:5]
+extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[5:])}
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+rows = load_dataset("json", data_files=data, split="train")
+
+
+def rollout(prompts, trainer):
+    eos = tokenizer.eos_token_id
+    prompt_ids, completions = [], []
+    for i, prompt in enumerate(prompts):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        p = tokenizer(text, add_special_tokens=False)["input_ids"]
+        n = 1 + (p[-1] + i) % 4
+        c = p[-n:]
+        prompt_ids.append(p)
+        completions.append(c + [eos] if i % 2 == 0 else c)
+    return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+
+
+class Print(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            print(json.dumps({"step": state.global_step, **logs}), flush=True)
+
+
+config = GRPOConfig(
+    **{
+        "output_dir": out,
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 4,
+        "max_steps": int(steps),
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "seed": 0,
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "shuffle_dataset": False,
+        **extra,
+    }
+)
+trainer = GRPOTrainer(
+    model=model,
+    args=config,
+    reward_funcs=[get_soft_overlong_punishment(4, 2)],
+    train_dataset=rows,
+    processing_class=tokenizer,
+    rollout_func=rollout,
+    callbacks=[Print()],
+)
+trainer.train()
