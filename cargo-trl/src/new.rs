@@ -64,6 +64,18 @@ const EMBEDDED: &[(&str, &[u8])] = &[
         include_bytes!("../../templates/sft/dpo.yaml"),
     ),
     (
+        "templates/sft/grpo.yaml",
+        include_bytes!("../../templates/sft/grpo.yaml"),
+    ),
+    (
+        "assets/tiny/data/grpo_train.jsonl",
+        include_bytes!("../../assets/tiny/data/grpo_train.jsonl"),
+    ),
+    (
+        "assets/tiny/data/grpo_eval.jsonl",
+        include_bytes!("../../assets/tiny/data/grpo_eval.jsonl"),
+    ),
+    (
         "assets/tiny/data/train.jsonl",
         include_bytes!("../../assets/tiny/data/train.jsonl"),
     ),

@@ -5,6 +5,7 @@
 
 pub mod assets;
 pub mod dpo;
+pub mod grpo;
 pub mod phi;
 pub mod sft;
 

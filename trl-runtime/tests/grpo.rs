@@ -171,7 +171,11 @@ fn grpo_figures_match_trl() {
             .arg(format!("loss_type={loss_type}"))
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let theirs: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
             .lines()
             .filter(|l| l.starts_with("{\"step\""))
@@ -187,7 +191,9 @@ fn grpo_figures_match_trl() {
                     "grad_norm" => *grad_norm,
                     k => match metrics.iter().find(|(n, _)| *n == k) {
                         Some((_, v)) => *v,
-                        None => panic!("{loss_type} step {step}: TRL logs {k}, we do not: {metrics:?}"),
+                        None => {
+                            panic!("{loss_type} step {step}: TRL logs {k}, we do not: {metrics:?}")
+                        }
                     },
                 };
                 let v = v.as_f64().unwrap();

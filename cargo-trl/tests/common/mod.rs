@@ -213,6 +213,7 @@ pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
 pub fn bundled_job(bin: &str) -> [&'static str; 2] {
     match bin {
         "dpo" => ["--config", "assets/tiny/dpo.yaml"],
+        "grpo" => ["--config", "assets/tiny/grpo.yaml"],
         _ => ["--config", "assets/tiny/sft.yaml"],
     }
 }

@@ -1030,8 +1030,7 @@ impl Grpo {
     }
 }
 
-/// GRPO as the tools will see it ([`super::kinds`]); listed in the registry once its
-/// scaffold (templates/sft/grpo.yaml, the examples binary) lands.
+/// GRPO in the trainers' registry ([`super::kinds`]).
 pub const KIND: TrainerKind = TrainerKind {
     name: "grpo",
     about: "online RL from prompts and rewards (TRL's GRPOTrainer)",

@@ -1,0 +1,28 @@
+//! The GRPO program: `trl grpo` + `accelerate launch` behaviour for any [`CausalModel`].
+
+use std::process::ExitCode;
+use trl_runtime::dist::DistContext;
+use trl_runtime::models::CausalModel;
+use trl_runtime::train::{GRPOConfig, Grpo, Trainer};
+
+/// The bundled job (assets/tiny/grpo.yaml): the bundled addition prompts on the tiny model,
+/// settings that run in a minute on two cores.
+pub fn embedded_defaults() -> trl_runtime::Result<GRPOConfig> {
+    crate::bundled_job("grpo.yaml")
+}
+
+fn run<N: CausalModel>(config: GRPOConfig) -> trl_runtime::Result<()> {
+    let ctx = DistContext::from_env()?;
+    let _rank = trl_runtime::train::logging::init(ctx.rank());
+    let mut trainer = Trainer::<N, Grpo>::load(config, &ctx)?;
+    let outcome = trainer.train()?;
+    if ctx.is_main_process() {
+        crate::print_outcome(&outcome, trainer.state.global_step, "reward", "");
+    }
+    Ok(())
+}
+
+/// `trl grpo` for model `N`.
+pub fn main<N: CausalModel>(defaults: fn() -> trl_runtime::Result<GRPOConfig>) -> ExitCode {
+    crate::launch::<GRPOConfig>(defaults, run::<N>)
+}
