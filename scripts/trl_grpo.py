@@ -2,8 +2,7 @@
 the parity test (trl-runtime/tests/grpo.rs): prints one JSON line of logged metrics per step.
 
 usage: trl_grpo.py MODEL_DIR DATA.jsonl OUT_DIR STEPS [KEY=VALUE ...]
-The completions come from `rollout_func` (TRL's hook): each row answered with the last 1-4
-tokens of its prompt, EOS after it on even rows, as the test's rollout program answers. The
+The completions come from `rollout_func` (TRL's hook), by scripts/fixed_rollout.py's rule. The
 reward is get_soft_overlong_punishment(4, 2). 8 completions per step (2 prompts x 4), one
 process, fp32, AdamW at a constant learning rate of 1e-3; KEY=VALUE sets GRPOConfig keys.
 """
@@ -18,16 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 
-
-def value(v):
-    if v in ("true", "false"):
-        return v == "true"
-    if v.lstrip("-").isdigit():
-        return int(v)
-    try:
-        return float(v)
-    except ValueError:
-        return v
+sys.path.insert(0, os.path.dirname(__file__))
+from fixed_rollout import completion  # noqa: E402
+from trl_parity import value  # noqa: E402
 
 
 model_dir, data, out, steps = sys.argv[1:5]
@@ -44,10 +36,8 @@ def rollout(prompts, trainer):
     for i, prompt in enumerate(prompts):
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         p = tokenizer(text, add_special_tokens=False)["input_ids"]
-        n = 1 + (p[-1] + i) % 4
-        c = p[-n:]
         prompt_ids.append(p)
-        completions.append(c + [eos] if i % 2 == 0 else c)
+        completions.append(completion(p, i, eos))
     return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
 
 

@@ -10,20 +10,6 @@ use std::path::Path;
 
 const STEPS: usize = 4;
 
-/// Answers each row with the prompt's last 1-4 tokens (by row), EOS after it on even rows.
-const ROLLOUT: &str = r#"
-import json, sys
-for line in sys.stdin:
-    r = json.loads(line)
-    eos = r["eos_token_id"][0]
-    out = []
-    for i, p in enumerate(r["prompt_ids"]):
-        n = 1 + (p[-1] + i) % 4
-        c = p[-n:]
-        out.append(c + [eos] if i % 2 == 0 else c)
-    print(json.dumps({"prompt_ids": r["prompt_ids"], "completion_ids": out}), flush=True)
-"#;
-
 fn grpo(
     launch_args: &[&str],
     per_device: usize,
@@ -59,8 +45,7 @@ fn grpo(
 #[test]
 fn grpo_under_every_cpu_profile_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
-    let rollout = tmp.path().join("rollout.py");
-    std::fs::write(&rollout, ROLLOUT).unwrap();
+    let rollout = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fixed_rollout.py");
     let one = ["--num_processes", "1"];
     let one8 = grpo(&one, 8, &tmp.path().join("one8"), &rollout);
     let one4 = grpo(&one, 4, &tmp.path().join("one4"), &rollout);
@@ -120,4 +105,44 @@ fn the_bundled_job_samples_in_process_under_zero3() {
     assert!(out
         .join(format!("checkpoint-{STEPS}/model.safetensors"))
         .is_file());
+}
+
+/// docs/grpo.md's commands, as written, from the repository root (`cargo` finding this
+/// `cargo-trl` first on PATH).
+#[test]
+fn the_docs_commands_run_as_written() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let doc = std::fs::read_to_string(root.join("docs/grpo.md")).unwrap();
+    let lines: Vec<&str> = doc
+        .lines()
+        .filter(|l| l.starts_with("cargo trl launch"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let bin = Path::new(env!("CARGO_BIN_EXE_cargo-trl"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap()
+    );
+    for line in lines {
+        let out = std::process::Command::new("sh")
+            .args(["-c", line])
+            .current_dir(&root)
+            .env("PATH", &path)
+            .env("CARGO_NET_OFFLINE", "true")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{line}: {text}");
+        let dir = line.split("--output_dir ").nth(1).unwrap().trim();
+        let m = common::metrics(
+            &std::fs::read_to_string(root.join(dir).join("metrics.jsonl")).unwrap(),
+        );
+        assert!(
+            m.last().unwrap()["reward"].as_f64().is_some(),
+            "{line}: {text}"
+        );
+        let _ = std::fs::remove_dir_all(root.join(dir));
+    }
 }

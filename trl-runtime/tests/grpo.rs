@@ -15,28 +15,12 @@ use trl_runtime::parallel::Strategy;
 use trl_runtime::train::args::NameList;
 use trl_runtime::train::{GRPOConfig, Grpo, Trainer, TrainingArguments};
 
-/// Answers each row with the prompt's last 1-4 tokens (by row), ending with EOS on even rows:
-/// fixed completions of different lengths, some truncated.
-const ROLLOUT: &str = r#"
-import json, sys
-for line in sys.stdin:
-    r = json.loads(line)
-    eos = r["eos_token_id"][0]
-    out = []
-    for i, p in enumerate(r["prompt_ids"]):
-        n = 1 + (p[-1] + i) % 4
-        c = p[-n:]
-        out.append(c + [eos] if i % 2 == 0 else c)
-    print(json.dumps({"prompt_ids": r["prompt_ids"], "completion_ids": out, "logprobs": None}), flush=True)
-"#;
-
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap()
 }
 
 fn config(dir: &Path, per_device: usize, loss_type: &str) -> GRPOConfig {
-    let script = dir.join("rollout.py");
-    std::fs::write(&script, ROLLOUT).unwrap();
+    let script = repo().join("scripts/fixed_rollout.py");
     GRPOConfig {
         training: TrainingArguments {
             model_name_or_path: repo().join("assets/tiny/model"),
