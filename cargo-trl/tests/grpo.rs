@@ -16,6 +16,16 @@ fn grpo(
     out: &Path,
     rollout: &Path,
 ) -> Vec<serde_json::Value> {
+    grpo_with(launch_args, per_device, out, rollout, &[])
+}
+
+fn grpo_with(
+    launch_args: &[&str],
+    per_device: usize,
+    out: &Path,
+    rollout: &Path,
+    extra: &[&str],
+) -> Vec<serde_json::Value> {
     let command = format!("python3 {}", rollout.display());
     let args = [
         "--learning_rate",
@@ -37,9 +47,78 @@ fn grpo(
         "--rollout_command",
         &command,
     ];
-    let cmd = common::trainer_launch("grpo", launch_args, &args);
+    let cmd = common::trainer_launch("grpo", launch_args, &[&args[..], extra].concat());
     common::run_launch(cmd, STEPS, per_device, out);
     common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
+}
+
+/// Every figure of `got` within `tolerance` of `want`'s, step by step; the worst.
+fn assert_same(
+    name: &str,
+    got: &[serde_json::Value],
+    want: &[serde_json::Value],
+    tolerance: f64,
+) -> f64 {
+    let mut worst = 0f64;
+    for (step, (g, w)) in got.iter().zip(want).enumerate() {
+        for (key, wv) in w.as_object().unwrap() {
+            if [
+                "tokens_per_s",
+                "peak_memory_mib",
+                "predicted_peak_memory_mib",
+                "epoch",
+            ]
+            .contains(&key.as_str())
+            {
+                continue;
+            }
+            let d = common::off(&g[key], wv, 1e-3);
+            assert!(
+                d < tolerance,
+                "{name} step {}: {key} {} vs {wv}",
+                step + 1,
+                g[key]
+            );
+            worst = worst.max(d);
+        }
+    }
+    worst
+}
+
+/// LoRA adapters with a KL term: the reference is the base (the adapters at their start),
+/// held at the adapters' size; data-parallel and ZeRO-3 runs equal one process.
+#[test]
+fn grpo_with_adapters_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rollout = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fixed_rollout.py");
+    // Dropout masks are drawn per micro-batch: off, as TRL turns them off with disable_dropout.
+    let lora = [
+        "--use_peft",
+        "--lora_target_modules",
+        "all-linear",
+        "--disable_dropout",
+        "true",
+    ];
+    let one = grpo_with(
+        &["--num_processes", "1"],
+        8,
+        &tmp.path().join("one"),
+        &rollout,
+        &lora,
+    );
+    let kl = one[1]["kl"].as_f64().unwrap();
+    assert!(
+        kl > 0.0,
+        "the adapters moved the policy off the base: kl {kl}"
+    );
+    for (name, args) in [
+        ("multi_cpu", ["--profile", "multi_cpu"]),
+        ("zero3_cpu", ["--profile", "zero3_cpu"]),
+    ] {
+        let got = grpo_with(&args, 4, &tmp.path().join(name), &rollout, &lora);
+        let worst = assert_same(name, &got, &one, 1e-4);
+        eprintln!("grpo + LoRA {name}: every figure within {worst:.1e} relative");
+    }
 }
 
 #[test]
@@ -53,29 +132,7 @@ fn grpo_under_every_cpu_profile_equals_one_process() {
     for (name, args, two_dp) in common::CPU_CASES {
         let got = grpo(args, 4, &tmp.path().join(name), &rollout);
         let want = if *two_dp { &one8 } else { &one4 };
-        let mut worst = 0f64;
-        for (step, (g, w)) in got.iter().zip(want).enumerate() {
-            for (key, wv) in w.as_object().unwrap() {
-                if [
-                    "tokens_per_s",
-                    "peak_memory_mib",
-                    "predicted_peak_memory_mib",
-                    "epoch",
-                ]
-                .contains(&key.as_str())
-                {
-                    continue;
-                }
-                let d = common::off(&g[key], wv, 1e-3);
-                assert!(
-                    d < 1e-5,
-                    "{name} step {}: {key} {} vs {wv}",
-                    step + 1,
-                    g[key]
-                );
-                worst = worst.max(d);
-            }
-        }
+        let worst = assert_same(name, &got, want, 1e-5);
         eprintln!("grpo {name}: every figure within {worst:.1e} relative");
     }
 }

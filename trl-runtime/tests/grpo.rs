@@ -75,7 +75,10 @@ fn run(cfg: &GRPOConfig, ranks: usize) -> Steps {
                     (0..4)
                         .map(|_| {
                             let s = t.train_step().unwrap();
-                            (s.loss, s.grad_norm, t.last_metrics().to_vec())
+                            let mut m = t.last_metrics().to_vec();
+                            // The trainer's own count, logged beside the task's figures.
+                            m.push(("num_tokens", t.state.num_input_tokens_seen as f64));
+                            (s.loss, s.grad_norm, m)
                         })
                         .collect::<Steps>()
                 })

@@ -748,19 +748,18 @@ impl Grpo {
                 rewards[i] = f64::NAN;
             }
         }
-        let m = self.round_metrics(per_func, &rewards, &std, lengths, core);
+        let m = self.round_metrics(per_func, &rewards, &std, lengths);
         Ok((advantages, m))
     }
 
     /// A round's reward and length metrics, as TRL names and computes them (`rewards`: the
     /// weighted sums, NaN where no function scored; `std`: each row's group or batch std).
-    fn round_metrics<N: CausalModel>(
+    fn round_metrics(
         &self,
         per_func: &[Vec<f64>],
         rewards: &[f64],
         std: &[f64],
         lengths: &[[f64; 3]],
-        core: &Core<'_, N>,
     ) -> Metrics {
         let n = lengths.len();
         // Metrics, as TRL names and computes them.
@@ -805,11 +804,7 @@ impl Grpo {
         m.push(("completions/mean_terminated_length", mean));
         m.push(("completions/min_terminated_length", min));
         m.push(("completions/max_terminated_length", max));
-        let tokens: f64 = lengths.iter().map(|l| l[0] + l[1]).sum();
-        m.push((
-            "num_tokens",
-            core.state.num_input_tokens_seen as f64 + tokens,
-        ));
+        // num_tokens is the trainer's own (every prompt and completion token generated).
         m
     }
 

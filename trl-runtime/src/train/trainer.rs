@@ -485,7 +485,9 @@ impl<N: CausalModel, T: Task<N>> Trainer<'_, N, T> {
 struct Window {
     steps: usize,
     loss: f64,
-    figures: Vec<(&'static str, f64)>,
+    /// Each figure's sum and the steps that gave it (GRPO's reward figures come only with
+    /// the steps that generated: TRL averages what was logged).
+    figures: Vec<(&'static str, f64, usize)>,
     tokens: usize,
     start: Instant,
 }
@@ -511,9 +513,12 @@ impl Window {
         self.steps += 1;
         self.tokens += stats.tokens;
         for &(key, value) in figures {
-            match self.figures.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, sum)) => *sum += value,
-                None => self.figures.push((key, value)),
+            match self.figures.iter_mut().find(|(k, _, _)| *k == key) {
+                Some((_, sum, n)) => {
+                    *sum += value;
+                    *n += 1;
+                }
+                None => self.figures.push((key, value, 1)),
             }
         }
     }
@@ -525,7 +530,11 @@ impl Window {
     /// The mean loss and figures, and a new window.
     fn take(&mut self) -> (f64, Vec<(&'static str, f64)>) {
         let n = self.steps.max(1) as f64;
-        let figures = self.figures.iter().map(|&(k, sum)| (k, sum / n)).collect();
+        let figures = self
+            .figures
+            .iter()
+            .map(|&(k, sum, count)| (k, sum / count as f64))
+            .collect();
         let loss = self.loss / n;
         *self = Window::new();
         (loss, figures)
