@@ -249,9 +249,6 @@ fn validate_grpo(config: &GRPOConfig, source: &str) -> Result<()> {
             ),
         );
     }
-    if config.reward_funcs.0.is_empty() && config.rollout_command.is_none() {
-        return fail("reward_funcs", "no reward function: name one (accuracy_reward, think_format_reward, get_soft_overlong_punishment(MAX, CACHE)) or give a reward program's command line (docs/grpo.md)".into());
-    }
     if let Some(w) = &config.reward_weights {
         if w.0.len() != config.reward_funcs.0.len() {
             return fail(
@@ -616,7 +613,7 @@ impl Grpo {
             (&prompt_values, &columns),
             (&prompt_ids, &completion_ids),
         )?;
-        let (advantages, metrics) = self.advantages(&per_func, &lengths, core)?;
+        let (advantages, metrics) = self.advantages(&per_func, &lengths);
         // This rank's samples.
         let mut samples: Vec<Sample> = (0..block)
             .map(|j| {
@@ -671,12 +668,7 @@ impl Grpo {
     }
 
     /// Advantages of the round's completions (all ranks') and its reward and length metrics.
-    fn advantages<N: CausalModel>(
-        &self,
-        per_func: &[Vec<f64>],
-        lengths: &[[f64; 3]],
-        core: &Core<'_, N>,
-    ) -> Result<(Vec<f64>, Metrics)> {
+    fn advantages(&self, per_func: &[Vec<f64>], lengths: &[[f64; 3]]) -> (Vec<f64>, Metrics) {
         let n = lengths.len();
         let g = self.g;
         let k = per_func.len();
@@ -749,7 +741,7 @@ impl Grpo {
             }
         }
         let m = self.round_metrics(per_func, &rewards, &std, lengths);
-        Ok((advantages, m))
+        (advantages, m)
     }
 
     /// A round's reward and length metrics, as TRL names and computes them (`rewards`: the
@@ -1061,6 +1053,10 @@ impl<N: CausalModel> Task<N> for Grpo {
 
     fn load(config: &GRPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
         let args = &config.training;
+        // Checked here, not in validation: the planner reads a GRPO command line without one.
+        if config.reward_funcs.0.is_empty() {
+            return Err(Error::config("training arguments", "reward_funcs", "no reward function: name one (accuracy_reward, think_format_reward, get_soft_overlong_punishment) or give a reward program's command line (docs/grpo.md)"));
+        }
         let (train, eval) = args.load_data(&parse_prompt_row)?;
         let train = tokenize_prompts(train, tokenizer)?;
         let eval = match eval {
