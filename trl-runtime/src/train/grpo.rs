@@ -1373,6 +1373,36 @@ mod tests {
         assert!(c.generation_layout(2).is_err());
     }
 
+    /// A TRL GRPO recipe's vLLM and logging keys are named without effect; keys that would
+    /// change what is trained are refused.
+    #[test]
+    fn trl_grpo_keys_are_applied_named_or_refused() {
+        use crate::train::TrainerConfig;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("grpo.yaml");
+        let recipe = "reward_funcs: [accuracy_reward]\nvllm_mode: colocate\nlog_completions: true\nentropy_coef: 0.0\n";
+        std::fs::write(&file, recipe).unwrap();
+        let (config, ignored) = GRPOConfig::read(&file).unwrap();
+        assert_eq!(config.training.learning_rate, 1e-6);
+        assert_eq!(ignored.len(), 3, "{ignored:?}");
+        assert!(
+            ignored
+                .iter()
+                .any(|l| l.starts_with("vllm_mode: GRPO generates")),
+            "{ignored:?}"
+        );
+        std::fs::write(
+            &file,
+            "reward_funcs: [accuracy_reward]\nentropy_coef: 0.01\n",
+        )
+        .unwrap();
+        let err = GRPOConfig::read(&file).unwrap_err().to_string();
+        assert!(err.contains("entropy_coef"), "{err}");
+        std::fs::write(&file, "use_vllm: true\n").unwrap();
+        let err = GRPOConfig::read(&file).unwrap_err().to_string();
+        assert!(err.contains("use_vllm"), "{err}");
+    }
+
     #[test]
     fn nan_statistics_skip_missing_values() {
         let v = [1.0, f64::NAN, 3.0];

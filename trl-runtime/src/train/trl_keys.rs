@@ -133,10 +133,92 @@ const KNOWN: &[&str] = &[
     "use_mps_device",
 ];
 
+/// TRL's GRPOConfig keys without a field in [`crate::train::GRPOConfig`] (TRL 1.16): vLLM and
+/// transformers' generation backends, completion logging, and the loss types not built here.
+const GRPO_KNOWN: &[&str] = &[
+    "cache_implementation",
+    "cast_lm_head_to_fp32",
+    "chat_template_kwargs",
+    "ds3_gather_for_generation",
+    "entropy_coef",
+    "entropy_coef_delta",
+    "entropy_coef_max",
+    "entropy_coef_min",
+    "entropy_target",
+    "generation_kwargs",
+    "log_completions",
+    "log_completions_hub_repo",
+    "log_multimodal",
+    "log_unique_prompts",
+    "max_tool_calling_iterations",
+    "num_completions_to_print",
+    "off_policy_mask_threshold",
+    "sapo_temperature_neg",
+    "sapo_temperature_pos",
+    "transformers_continuous_batching_config",
+    "use_adaptive_entropy",
+    "use_transformers_continuous_batching",
+    "use_transformers_paged",
+    "vespo_k_neg",
+    "vespo_k_pos",
+    "vespo_lambda_neg",
+    "vespo_lambda_pos",
+    "vllm_enable_sleep_mode",
+    "vllm_gpu_memory_utilization",
+    "vllm_group_port",
+    "vllm_importance_sampling_cap",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_max_model_length",
+    "vllm_mode",
+    "vllm_model_impl",
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_server_timeout",
+    "vllm_structured_outputs_regex",
+    "vllm_tensor_parallel_size",
+];
+
+/// A key TRL or transformers documents that has no field here.
+fn known(key: &str) -> bool {
+    KNOWN.contains(&key) || GRPO_KNOWN.contains(&key)
+}
+
 /// Why a key has no effect here, by what it is about.
 fn why(key: &str) -> &'static str {
     let any = |prefixes: &[&str]| prefixes.iter().any(|p| key.starts_with(p));
-    if any(&["hub_", "push_to_hub"]) {
+    if any(&[
+        "vllm_",
+        "use_transformers_",
+        "transformers_continuous",
+        "cache_implementation",
+        "ds3_gather_for_generation",
+        "cast_lm_head_to_fp32",
+    ]) {
+        "GRPO generates in the training processes (KV cache, the policy sharded as it trains, the head in f32 accumulation): no vLLM or transformers generation backend"
+    } else if any(&["sapo_", "vespo_"]) {
+        "a parameter of a GRPO loss type not built here (loss_type names the built ones)"
+    } else if any(&[
+        "log_completions",
+        "log_multimodal",
+        "log_unique_prompts",
+        "num_completions_to_print",
+    ]) {
+        "completions are not logged as tables: the reward and completion figures go to metrics.jsonl"
+    } else if key == "max_tool_calling_iterations" {
+        "tool calling is not built: completions come from generation or a rollout program (rollout_command)"
+    } else if key == "chat_template_kwargs" {
+        "prompts are rendered with the tokenizer's chat template as it is"
+    } else if any(&[
+        "entropy_",
+        "use_adaptive_entropy",
+        "off_policy_mask_threshold",
+    ]) {
+        "at its default: the entropy bonus and the off-policy mask are not built"
+    } else if any(&["hub_", "push_to_hub"]) {
         "no model hub here: checkpoints are written to output_dir"
     } else if any(&[
         "report_to",
@@ -263,12 +345,12 @@ pub fn take_flags(
         // HfArgumentParser's `--no_KEY` for a boolean that defaults to true (TRL's scripts
         // document `--no_remove_unused_columns`): KEY false.
         if let Some(key) = name.strip_prefix("no_") {
-            let known = |k: &str| KNOWN.contains(&k) || fields.contains(&k);
+            let known = |k: &str| known(k) || fields.contains(&k);
             if inline.is_none() && !known(&name) && known(key) {
                 (name, inline) = (key.to_string(), Some("false".into()));
             }
         }
-        if !KNOWN.contains(&name.as_str()) || fields.contains(&name.as_str()) {
+        if !known(&name) || fields.contains(&name.as_str()) {
             // HfArgumentParser accepts `--per-device-train-batch-size` for every field, and
             // every flag clap knows here is snake_case.
             rest.push(match &inline {
@@ -374,10 +456,24 @@ pub fn classify(
             // does anyway: not ignored.
             "fp16" | "average_tokens_across_devices" | "label_smoothing_factor" | "optim"
             | "truncation_mode" => {}
-            k if KNOWN.contains(&k) => ignored.push(format!("{k}: {}", why(k))),
+            // GRPO's keys that change what is trained when set away from TRL's default.
+            "entropy_coef" if value.as_f64().is_some_and(|c| c != 0.0) => {
+                return Err(err(&key, "an entropy bonus is not built: remove it (or set 0.0)".into()))
+            }
+            "use_adaptive_entropy" if truthy(&value) => {
+                return Err(err(&key, "the adaptive entropy bonus is not built: remove it".into()))
+            }
+            "off_policy_mask_threshold" if !value.is_null() => {
+                return Err(err(&key, "the off-policy sequence mask is not built: remove it".into()))
+            }
+            "generation_kwargs" if !value.is_null() => {
+                return Err(err(&key, "sampling is set by GRPOConfig's own keys here (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length): use those".into()))
+            }
+            k if known(k) => ignored.push(format!("{k}: {}", why(k))),
             k => {
                 let hint = KNOWN
                     .iter()
+                    .chain(GRPO_KNOWN)
                     .copied()
                     .chain(fields.iter().copied())
                     .min_by_key(|c| strsim::levenshtein(c, k))
