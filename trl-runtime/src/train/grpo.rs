@@ -976,27 +976,18 @@ impl Grpo {
         metrics.push(("clip_ratio/high_mean", micro(4)));
         metrics.push(("clip_ratio/region_mean", micro(5)));
         // Per micro-batch, the min (max) over every rank's sequences, averaged.
-        let per_micro_seqs = self.batch;
-        let mut lows = Vec::new();
-        let mut highs = Vec::new();
-        for chunk in seq_clips.chunks(per_micro_seqs) {
-            let lo: Vec<f64> = chunk.iter().map(|c| c[0]).collect();
-            let hi: Vec<f64> = chunk.iter().map(|c| c[1]).collect();
-            let lo = Self::gather(core, &lo)?;
-            let hi = Self::gather(core, &hi)?;
-            lows.push(
-                lo.iter()
-                    .copied()
-                    .filter(|x| !x.is_nan())
-                    .fold(f64::INFINITY, f64::min),
-            );
-            highs.push(
-                hi.iter()
-                    .copied()
-                    .filter(|x| !x.is_nan())
-                    .fold(f64::NEG_INFINITY, f64::max),
-            );
+        // Each rank's min (max) per micro-batch, then one Max over the ranks for both: the
+        // min as the max of its negation.
+        let mut extremes = Vec::with_capacity(2 * seq_clips.len() / self.batch.max(1));
+        for chunk in seq_clips.chunks(self.batch) {
+            let real = |k: usize| chunk.iter().map(move |c| c[k]).filter(|x| !x.is_nan());
+            extremes.push(real(0).map(|x| -x).fold(f64::NEG_INFINITY, f64::max));
+            extremes.push(real(1).fold(f64::NEG_INFINITY, f64::max));
         }
+        let t = Tensor::new(extremes.as_slice(), &Device::Cpu)?;
+        let extremes: Vec<f64> = core.dp.all_reduce(&t, ReduceOp::Max)?.to_vec1()?;
+        let lows: Vec<f64> = extremes.iter().step_by(2).map(|x| -x).collect();
+        let highs: Vec<f64> = extremes.iter().skip(1).step_by(2).copied().collect();
         let avg = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
         metrics.push(("clip_ratio/low_min", avg(&lows)));
         metrics.push(("clip_ratio/high_max", avg(&highs)));
