@@ -212,6 +212,8 @@ fn write_all(
         data_note => t.data_note,
         formats => t.formats,
         metric => t.metric,
+        items => t.items,
+        setup => t.setup,
     };
     let render = |t: &str| {
         env.render_str(t, &ctx)

@@ -836,6 +836,8 @@ mod tests {
             data_note: "",
             formats: "prompt/completion",
             metric: "accuracy",
+            items: "",
+            setup: "",
         },
     };
 

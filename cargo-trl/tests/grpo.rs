@@ -1,8 +1,8 @@
 //! GRPO through the real `cargo trl launch` and the `grpo` example: under every CPU profile a
 //! run equals one process (completions fixed by a rollout program, rewards by their lengths,
-//! a KL term, rounds reused): every step's loss and metric within 1e-5 relative, the gradient
-//! norm within 1e-5 relative; and the bundled job runs with completions sampled in the
-//! training processes under ZeRO-3.
+//! a KL term, rounds reused; and completions sampled in the training processes, each row
+//! drawing by its place in the round): every step's loss and metric within 1e-5 relative,
+//! the gradient norm within 1e-5 relative; and the bundled job runs under ZeRO-3.
 
 mod common;
 
@@ -27,6 +27,22 @@ fn grpo_with(
     extra: &[&str],
 ) -> Vec<serde_json::Value> {
     let command = format!("python3 {}", rollout.display());
+    let fixed = [
+        "--rollout_command",
+        &command,
+        "--reward_funcs",
+        "get_soft_overlong_punishment",
+    ];
+    grpo_run(launch_args, per_device, out, &[&fixed[..], extra].concat())
+}
+
+/// A GRPO run of `STEPS` steps with the tests' settings and `extra` flags; its metrics.
+fn grpo_run(
+    launch_args: &[&str],
+    per_device: usize,
+    out: &Path,
+    extra: &[&str],
+) -> Vec<serde_json::Value> {
     let args = [
         "--learning_rate",
         "1e-3",
@@ -42,10 +58,6 @@ fn grpo_with(
         "2",
         "--shuffle_dataset",
         "false",
-        "--reward_funcs",
-        "get_soft_overlong_punishment",
-        "--rollout_command",
-        &command,
     ];
     let cmd = common::trainer_launch("grpo", launch_args, &[&args[..], extra].concat());
     common::run_launch(cmd, STEPS, per_device, out);
@@ -134,6 +146,39 @@ fn grpo_under_every_cpu_profile_equals_one_process() {
         let want = if *two_dp { &one8 } else { &one4 };
         let worst = assert_same(name, &got, want, 1e-5);
         eprintln!("grpo {name}: every figure within {worst:.1e} relative");
+    }
+}
+
+/// Completions sampled in the training processes (temperature 1.2, nucleus 0.95), scored by
+/// a reward program (scripts/parity_reward.py, given as TRL's nargs): each row draws from a
+/// seed of its place in the round, so every profile samples what one process does, and
+/// every figure follows.
+#[test]
+fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sampled = [
+        "--temperature",
+        "1.2",
+        "--top_p",
+        "0.95",
+        "--reward_funcs",
+        "accuracy_reward",
+        "python3 scripts/parity_reward.py",
+    ];
+    let one = ["--num_processes", "1"];
+    let one8 = grpo_run(&one, 8, &tmp.path().join("one8"), &sampled);
+    let one4 = grpo_run(&one, 4, &tmp.path().join("one4"), &sampled);
+    assert_eq!(one8.len(), STEPS);
+    // The sampled completions earn different rewards: the loss has advantages to weigh.
+    let spread = one8[0]["reward_std"].as_f64().unwrap();
+    assert!(spread > 0.0, "rewards vary: {}", one8[0]);
+    for (name, args, two_dp) in common::CPU_CASES {
+        let got = grpo_run(args, 4, &tmp.path().join(name), &sampled);
+        let want = if *two_dp { &one8 } else { &one4 };
+        // kl (~0.03) is a difference of f32 log-probabilities near -6, whose rounding
+        // (~3e-7) is 1e-5 of it: 5e-5 relative.
+        let worst = assert_same(name, &got, want, 5e-5);
+        eprintln!("grpo sampled {name}: every figure within {worst:.1e} relative");
     }
 }
 

@@ -46,6 +46,16 @@ fn launch_in(krate: &Path, args: &[&str]) -> String {
     text
 }
 
+/// The scaffold `krate` launched on `multi_cpu` for `steps` steps, each logged: its output and
+/// its metrics.jsonl.
+fn launch_logging(krate: &Path, steps: usize) -> (String, String) {
+    let steps = steps.to_string();
+    let args = ["--profile", "multi_cpu", "--", "--max_steps", &steps];
+    let text = launch_in(krate, &[&args[..], &["--logging_steps", "1"]].concat());
+    let metrics = std::fs::read_to_string(krate.join("output/metrics.jsonl")).unwrap();
+    (text, metrics)
+}
+
 #[test]
 fn new_then_launch_the_scaffold() {
     // Outside any workspace, as after `cargo install --path cargo-trl`: until trl-runtime is
@@ -214,19 +224,26 @@ fn new_with_the_dpo_trainer_trains_on_preferences() {
     let yaml = std::fs::read_to_string(krate.join("dpo.yaml")).unwrap();
     assert!(yaml.contains("beta: 0.1"), "{yaml}");
     assert!(!krate.join("sft.yaml").exists());
-    let text = launch_in(
-        &krate,
-        &[
-            "--profile",
-            "multi_cpu",
-            "--",
-            "--max_steps",
-            "3",
-            "--logging_steps",
-            "1",
-        ],
-    );
+    let (text, metrics) = launch_logging(&krate, 3);
     assert!(text.contains("held-out reward accuracy"), "{text}");
-    let metrics = std::fs::read_to_string(krate.join("output/metrics.jsonl")).unwrap();
     assert!(metrics.contains("rewards/accuracies"), "{metrics}");
+}
+
+#[test]
+fn new_with_the_grpo_trainer_scores_with_its_rust_reward() {
+    // `--trainer grpo`: grpo.yaml names `exact_sum`, a Rust function in src/main.rs registered
+    // as a reward; the launched run samples completions and logs that reward under TRL's names.
+    let tmp = tempfile::tempdir().unwrap();
+    new(tmp.path(), &["my-grpo", "--trainer", "grpo"]);
+    let krate = tmp.path().join("my-grpo");
+    let main = std::fs::read_to_string(krate.join("src/main.rs")).unwrap();
+    assert!(
+        main.contains("fn exact_sum") && main.contains("register_reward(\"exact_sum\""),
+        "{main}"
+    );
+    let yaml = std::fs::read_to_string(krate.join("grpo.yaml")).unwrap();
+    assert!(yaml.contains("reward_funcs: [exact_sum]"), "{yaml}");
+    let (text, metrics) = launch_logging(&krate, 2);
+    assert!(text.contains("held-out reward"), "{text}");
+    assert!(metrics.contains("rewards/exact_sum/mean"), "{metrics}");
 }

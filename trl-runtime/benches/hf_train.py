@@ -187,6 +187,58 @@ def trl_dpo(args, batch, gc, precompute):
     return world * args.steps * batch * per_pair / secs
 
 
+def trl_grpo(args, batch, gc):
+    """TRL's GRPOTrainer without vLLM (transformers' generate with its KV cache) on the text
+    prompts of --prompt_data: --batch completions per process and step (one generation round
+    per step), groups of --num_generations, --completion_length sampled tokens, beta 0 and
+    dapo (TRL's defaults), the soft overlong punishment as the reward. Tokens are TRL's
+    num_input_tokens_seen (prompt and completion tokens of every rank); the generation share
+    is the time rank 0 spent in `generate` over the timed steps' time."""
+    import tempfile
+    from datasets import load_dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.rewards import get_soft_overlong_punishment
+
+    cfg = config(args)
+    torch.manual_seed(0)
+    model = random_model(args, cfg)
+    generating = [0.0]
+    generate = model.generate
+
+    def timed_generate(*a, **k):
+        start = time.perf_counter()
+        out = generate(*a, **k)
+        generating[0] += time.perf_counter() - start
+        return out
+
+    model.generate = timed_generate
+    cache = os.path.join(tempfile.gettempdir(), "hf-train-bench-grpo-cache")
+    rows = load_dataset("json", data_files=args.prompt_data, split="train", cache_dir=cache)
+    rows = rows.remove_columns([c for c in rows.column_names if c != "prompt"])
+    _, _, world, ddp = trainer_setup(args)
+    marks = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, _args, state, *_, **__):
+            marks.append((time.perf_counter(), state.num_input_tokens_seen, generating[0]))
+
+    grpo_args = GRPOConfig(
+        output_dir="/tmp/hf-train-bench-grpo", per_device_train_batch_size=batch,
+        num_generations=args.num_generations, max_completion_length=args.completion_length,
+        learning_rate=1e-6, max_steps=args.warmup + args.steps, logging_steps=1000,
+        save_strategy="no", report_to=[], use_cpu=args.device == "cpu",
+        bf16=args.dtype == "bf16", gradient_checkpointing=gc, **ddp,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
+    reward = get_soft_overlong_punishment(args.completion_length, args.completion_length // 4)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=grpo_args,
+                          processing_class=tokenizer, train_dataset=rows, callbacks=[Clock()])
+    trainer.train()
+    (t0, n0, g0), (t1, n1, g1) = marks[args.warmup - 1], marks[-1]
+    return (n1 - n0) / (t1 - t0), (g1 - g0) / (t1 - t0)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=2048)
@@ -209,8 +261,12 @@ def main():
     p.add_argument("--peers", default="transformers,trl,trl_liger",
                    help="which peers run (trl_liger: TRL with use_liger_kernel, on a GPU; "
                         "trl_lora: TRL + peft LoRA; trl_dpo, trl_dpo_precompute: TRL's "
-                        "DPOTrainer on --pref_data, --batch pairs per process)")
+                        "DPOTrainer on --pref_data, --batch pairs per process; trl_grpo: TRL's "
+                        "GRPOTrainer on --prompt_data, --batch completions per process)")
     p.add_argument("--pref_data", help="jsonl of prompt / chosen / rejected text for trl_dpo")
+    p.add_argument("--prompt_data", help="jsonl of prompt text for trl_grpo")
+    p.add_argument("--completion_length", type=int, default=64, help="trl_grpo's completions")
+    p.add_argument("--num_generations", type=int, default=4, help="trl_grpo's group size")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -230,9 +286,12 @@ def main():
             if args.device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+            extra = {}
             try:
                 if peer == "transformers":
                     tokens_per_s = plain_loop(args, batch, gc)
+                elif peer == "trl_grpo":
+                    tokens_per_s, extra["generation_share"] = trl_grpo(args, batch, gc)
                 elif peer.startswith("trl_dpo"):
                     tokens_per_s = trl_dpo(args, batch, gc, precompute=peer == "trl_dpo_precompute")
                 else:
@@ -246,7 +305,7 @@ def main():
                 traceback.print_exc()
                 continue
             line = {"framework": peer, "tokens_per_s": tokens_per_s, "world": world,
-                    "batch": batch, "gradient_checkpointing": gc}
+                    "batch": batch, "gradient_checkpointing": gc, **extra}
             if args.device == "cuda":
                 line["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if main_rank:

@@ -27,6 +27,7 @@ use std::time::Instant;
 #[path = "support/gpu.rs"]
 mod gpu;
 mod support;
+use trl_runtime::config::cli_value::EntryList;
 use trl_runtime::config::cli_value::NameList;
 use trl_runtime::config::launch::DistributedType;
 use trl_runtime::config::parallelism::ParallelismConfig;
@@ -36,7 +37,9 @@ use trl_runtime::dist::DistContext;
 use trl_runtime::models::{AutoModelForCausalLM, CausalModel};
 use trl_runtime::parallel::estimate;
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
-use trl_runtime::train::{DPOConfig, Dpo, SFTConfig, Strategy, Task, Trainer, TrainingArguments};
+use trl_runtime::train::{
+    DPOConfig, Dpo, GRPOConfig, Grpo, SFTConfig, Strategy, Task, Trainer, TrainingArguments,
+};
 
 const SEQ: usize = 512;
 const BATCH: usize = 4;
@@ -45,6 +48,13 @@ const MEASURED_STEPS: usize = 5;
 const DPO_PAIRS: usize = BATCH / 2;
 /// Enough pairs for TRL's warm-up and measured steps on 2 ranks.
 const PREF_ROWS: usize = 32;
+/// GRPO: completions per rank and step (groups of GRPO_GENERATIONS), each of GRPO_COMPLETION
+/// sampled tokens after a prompt of ~64, one round per step; enough prompts for TRL's warm-up
+/// and measured steps on 2 ranks.
+const GRPO_BATCH: usize = 8;
+const GRPO_GENERATIONS: usize = 4;
+const GRPO_COMPLETION: usize = 64;
+const GRPO_PROMPTS: usize = 64;
 
 /// The reference model and a pre-tokenized dataset of full-length rows, written once.
 fn prepare(dir: &Path) {
@@ -53,6 +63,8 @@ fn prepare(dir: &Path) {
     // Text pairs for DPO: a prompt of ~128 tokens and completions of ~384 (each sequence
     // about SEQ).
     support::write_pref_rows(&dir.join("pref.jsonl"), PREF_ROWS, 33, 100);
+    // Text prompts of ~64 tokens for GRPO (the pairs' prompts, shorter).
+    support::write_pref_rows(&dir.join("prompts.jsonl"), GRPO_PROMPTS, 16, 1);
 }
 
 fn worker(kind: &str, dir: &Path) {
@@ -117,7 +129,32 @@ fn worker(kind: &str, dir: &Path) {
         let trainer =
             Trainer::<AutoModelForCausalLM, Dpo>::load_with_strategy(config, &ctx, Strategy::Ddp)
                 .unwrap();
-        return measure_steps(trainer, &ctx, MEASURED_STEPS);
+        return measure_steps(trainer, &ctx, MEASURED_STEPS, &|_| 0.0);
+    }
+    if kind == "ref-grpo" {
+        // TRL's defaults (beta 0, dapo, one iteration, a round per step), sampled at
+        // temperature 1, the soft overlong punishment as the reward.
+        let config = GRPOConfig {
+            training: TrainingArguments {
+                dataset_name: dir.join("prompts.jsonl"),
+                per_device_train_batch_size: GRPO_BATCH,
+                learning_rate: 1e-6,
+                ..training
+            },
+            num_generations: GRPO_GENERATIONS,
+            max_completion_length: GRPO_COMPLETION,
+            reward_funcs: EntryList(vec![format!(
+                "get_soft_overlong_punishment({GRPO_COMPLETION}, {})",
+                GRPO_COMPLETION / 4
+            )]),
+            ..GRPOConfig::default()
+        };
+        let trainer =
+            Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(config, &ctx, Strategy::Ddp)
+                .unwrap();
+        return measure_steps(trainer, &ctx, MEASURED_STEPS, &|g: &Grpo| {
+            g.generation_seconds()
+        });
     }
     let config = SFTConfig {
         training,
@@ -133,14 +170,18 @@ fn worker(kind: &str, dir: &Path) {
         trainer,
         &ctx,
         if kind == "tiny" { 0 } else { MEASURED_STEPS },
+        &|_| 0.0,
     );
 }
 
-/// One step (warm-up; reported as `first_step_done`), then `timed` steps measured.
+/// One step (warm-up; reported as `first_step_done`), then `timed` steps measured; `part`
+/// counts the seconds the task spent in one part of its steps (GRPO's generation), reported
+/// as a share of the timed steps.
 fn measure_steps<N: CausalModel, T: Task<N>>(
     mut trainer: Trainer<'_, N, T>,
     ctx: &DistContext,
     timed: usize,
+    part: &dyn Fn(&T) -> f64,
 ) {
     trainer.train_step().unwrap();
     if ctx.is_main_process() {
@@ -156,7 +197,7 @@ fn measure_steps<N: CausalModel, T: Task<N>>(
             .map(|axes| ctx.comm_seconds(axes))
             .sum::<f64>()
     };
-    let (start, comm_start) = (Instant::now(), comm());
+    let (start, comm_start, part_start) = (Instant::now(), comm(), part(&trainer.task));
     let mut tokens = 0;
     for _ in 0..timed {
         tokens += trainer.train_step().unwrap().tokens;
@@ -164,19 +205,22 @@ fn measure_steps<N: CausalModel, T: Task<N>>(
     let secs = start.elapsed().as_secs_f64();
     if ctx.is_main_process() {
         println!(
-            "measured {} {} {}",
+            "measured {} {} {} {}",
             secs / timed as f64,
             tokens as f64 / secs,
-            (comm() - comm_start) / secs
+            (comm() - comm_start) / secs,
+            (part(&trainer.task) - part_start) / secs
         );
     }
 }
 
-/// What the main rank measured: seconds per step, tokens per second, communication share.
+/// What the main rank measured: seconds per step, tokens per second, communication share,
+/// and the share of one part of the step (GRPO's generation; 0 for the others).
 struct Measured {
     step_s: f64,
     tokens_per_s: f64,
     comm_share: f64,
+    part_share: f64,
 }
 
 /// Runs `world` ranks as `kind` workers; returns launch-to-first-step seconds and the
@@ -193,6 +237,7 @@ fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<Measured>) {
                 step_s: v[0],
                 tokens_per_s: v[1],
                 comm_share: v[2],
+                part_share: v[3],
             });
         }
     });
@@ -447,6 +492,34 @@ fn main() {
         let extra = ["--pref_data", pref.to_str().unwrap()];
         let peers = cpu_peers(world, "trl_dpo,trl_dpo_precompute", DPO_PAIRS, &extra);
         peer_lines("dpo", world, dpo.tokens_per_s, &peers);
+    }
+    // GRPO (generation + rewards + update, one round per step) against TRL's GRPOTrainer
+    // without vLLM (transformers' generate with its KV cache), on 1 and 2 ranks; the share
+    // of the step each spends generating.
+    let prompts = tmp.path().join("prompts.jsonl");
+    for world in [1, 2] {
+        let grpo = measure("ref-grpo", world, tmp.path());
+        line("ddp_grpo", world, &grpo, None);
+        let completion = GRPO_COMPLETION.to_string();
+        let generations = GRPO_GENERATIONS.to_string();
+        let extra = [
+            "--prompt_data",
+            prompts.to_str().unwrap(),
+            "--completion_length",
+            &completion,
+            "--num_generations",
+            &generations,
+        ];
+        let peers = cpu_peers(world, "trl_grpo", GRPO_BATCH, &extra);
+        peer_lines("grpo", world, grpo.tokens_per_s, &peers);
+        for peer in &peers {
+            println!(
+                "{{\"bench\":\"train\",\"device\":\"cpu\",\"task\":\"grpo\",\"what\":\"generation_share\",\"world\":{world},\"generation_share\":{:.3},\"peer\":{},\"peer_generation_share\":{:.3}}}",
+                grpo.part_share,
+                peer["framework"],
+                peer["generation_share"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
     }
     // Tensor parallelism: 2 ranks share every layer of one replica.
     let p = measure_predicted("ref-tp", 2, tmp.path(), &|r| predict("tp", 2, r));

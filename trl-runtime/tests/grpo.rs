@@ -12,7 +12,7 @@ use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::dist::{DeviceMesh, DistContext};
 use trl_runtime::models::AutoModelForCausalLM;
 use trl_runtime::parallel::Strategy;
-use trl_runtime::train::args::NameList;
+use trl_runtime::train::args::EntryList;
 use trl_runtime::train::{GRPOConfig, Grpo, Trainer, TrainingArguments};
 
 fn repo() -> &'static Path {
@@ -35,7 +35,7 @@ fn config(dir: &Path, per_device: usize, loss_type: &str) -> GRPOConfig {
             save_strategy: "no".into(),
             ..Default::default()
         },
-        reward_funcs: NameList(vec!["get_soft_overlong_punishment(4, 2)".into()]),
+        reward_funcs: EntryList(vec!["get_soft_overlong_punishment(4, 2)".into()]),
         rollout_command: Some(format!("python3 {}", script.display())),
         num_generations: 4,
         max_completion_length: 4,

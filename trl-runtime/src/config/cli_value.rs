@@ -119,6 +119,60 @@ impl<'de> serde::Deserialize<'de> for NameList {
     }
 }
 
+/// A list whose entries may be command lines or calls (`reward_funcs`): a YAML list, or one
+/// value split only at commas outside parentheses and quotes, so `python3 reward.py` and
+/// `get_soft_overlong_punishment(8, 2)` stay whole. TRL's `--reward_funcs a b` is joined with
+/// commas before parsing; a command line with spaces is one quoted value.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct EntryList(pub Vec<String>);
+
+impl EntryList {
+    fn split(s: &str) -> Self {
+        let (mut out, mut cur) = (Vec::new(), String::new());
+        let (mut depth, mut quote) = (0usize, None::<char>);
+        for c in s.chars() {
+            match (c, quote) {
+                ('"' | '\'', None) => quote = Some(c),
+                (q, Some(open)) if q == open => quote = None,
+                ('(', None) => depth += 1,
+                (')', None) => depth = depth.saturating_sub(1),
+                (',', None) if depth == 0 => {
+                    out.push(std::mem::take(&mut cur));
+                    continue;
+                }
+                _ => {}
+            }
+            cur.push(c);
+        }
+        out.push(cur);
+        EntryList(
+            out.iter()
+                .map(|e| e.trim().to_string())
+                .filter(|e| !e.is_empty())
+                .collect(),
+        )
+    }
+}
+
+impl CliValue for EntryList {
+    fn parse_cli(s: &str) -> std::result::Result<Self, String> {
+        let list = EntryList::split(s);
+        if list.0.is_empty() {
+            return Err(format!("'{s}': expected one or more entries"));
+        }
+        Ok(list)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for EntryList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(match OneOrMany::<String>::deserialize(d)? {
+            OneOrMany::One(s) | OneOrMany::Text(s) => EntryList::split(&s),
+            OneOrMany::Many(v) => EntryList(v),
+        })
+    }
+}
+
 /// A list of numbers: a YAML list, or one value with the numbers separated by commas or
 /// spaces (`--loss_weights 0.8,0.2`; TRL's `--loss_weights 0.8 0.2` is joined before parsing).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -176,5 +230,27 @@ impl<'de> serde::Deserialize<'de> for KwArgs {
             Some(MapOrText::Map(m)) => Ok(KwArgs(m)),
             Some(MapOrText::Text(s)) => KwArgs::parse_cli(&s).map_err(serde::de::Error::custom),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_split_at_top_level_commas_only() {
+        let got = EntryList::parse_cli(
+            "accuracy_reward,get_soft_overlong_punishment(8, 2),python3 r.py --x 'a,b'",
+        )
+        .unwrap();
+        assert_eq!(
+            got.0,
+            [
+                "accuracy_reward",
+                "get_soft_overlong_punishment(8, 2)",
+                "python3 r.py --x 'a,b'"
+            ]
+        );
+        assert!(EntryList::parse_cli(" , ").is_err());
     }
 }

@@ -110,6 +110,16 @@ pub fn generate_rows(
     generate_streaming(model, prompts, mask, cfg, &mut |_| Ok(()))
 }
 
+/// The seed of row `row` of a batch generated with `seed`: each row draws from its own
+/// stream, so a row's tokens do not depend on the rows beside it.
+pub fn row_seed(seed: u64, row: u64) -> u64 {
+    // splitmix64's finaliser: nearby (seed, row) pairs give unrelated streams.
+    let mut z = seed ^ row.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// [`generate_rows`], calling `on_tokens` with each step's new token of every row (a
 /// stopped row's is the pad) as soon as it is chosen: streamed output.
 pub fn generate_streaming(
@@ -117,6 +127,39 @@ pub fn generate_streaming(
     prompts: &[Vec<u32>],
     mask: &[Vec<u32>],
     cfg: &GenerationConfig,
+    on_tokens: &mut dyn FnMut(&[u32]) -> Result<()>,
+) -> Result<Vec<Vec<u32>>> {
+    let seeds: Vec<u64> = (0..prompts.len() as u64)
+        .map(|r| row_seed(cfg.seed, r))
+        .collect();
+    decode(model, prompts, mask, cfg, &seeds, on_tokens)
+}
+
+/// [`generate_rows`] with each row's own sampling seed (see [`row_seed`]): a row drawn
+/// with the same seed gives the same tokens in any batch, on any rank.
+pub fn generate_rows_seeded(
+    model: &impl CachedForward,
+    prompts: &[Vec<u32>],
+    mask: &[Vec<u32>],
+    cfg: &GenerationConfig,
+    seeds: &[u64],
+) -> Result<Vec<Vec<u32>>> {
+    if seeds.len() != prompts.len() {
+        return Err(Error::config(
+            "generate",
+            "seeds",
+            format!("{} seeds for {} rows", seeds.len(), prompts.len()),
+        ));
+    }
+    decode(model, prompts, mask, cfg, seeds, &mut |_| Ok(()))
+}
+
+fn decode(
+    model: &impl CachedForward,
+    prompts: &[Vec<u32>],
+    mask: &[Vec<u32>],
+    cfg: &GenerationConfig,
+    seeds: &[u64],
     on_tokens: &mut dyn FnMut(&[u32]) -> Result<()>,
 ) -> Result<Vec<Vec<u32>>> {
     let b = prompts.len();
@@ -174,7 +217,7 @@ pub fn generate_streaming(
     let mut out: Vec<Vec<u32>> = prompts.to_vec();
     let mut next_pos: Vec<i64> = starts.iter().map(|s| (width - s) as i64).collect();
     let mut done = vec![cfg.max_new_tokens == 0; b];
-    let mut sampler = Sampler::new(cfg.seed);
+    let mut samplers: Vec<Sampler> = seeds.iter().map(|&s| Sampler::new(s)).collect();
     let pad = pad_id(cfg);
     let mut mine_done = cfg.max_new_tokens == 0;
     for step in 0..cfg.max_new_tokens {
@@ -183,7 +226,7 @@ pub fn generate_streaming(
         for (r, mut row) in v.into_iter().enumerate() {
             let t = match done[r] {
                 true => pad,
-                false => next_token(cfg, &out[r], &mut row, &mut sampler),
+                false => next_token(cfg, &out[r], &mut row, &mut samplers[r]),
             };
             tokens.push(t);
         }

@@ -11,6 +11,9 @@ pub mod processors;
 pub mod prompts;
 
 pub use config::GenerationConfig;
-pub use generate::{generate, generate_rows, generate_streaming, left_pad, CachedForward};
+pub use generate::{
+    generate, generate_rows, generate_rows_seeded, generate_streaming, left_pad, row_seed,
+    CachedForward,
+};
 pub use processors::{next_token, process, Sampler};
 pub use prompts::{load_prompts, Prompt};

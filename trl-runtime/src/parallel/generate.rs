@@ -87,6 +87,31 @@ impl<N: CausalModel> Model<N> {
         cfg: &GenerationConfig,
         gather: GatherMode,
     ) -> Result<Tensor> {
+        self.in_round(gather, || {
+            crate::generation::generate(self, input_ids, attention_mask, cfg)
+        })
+    }
+
+    /// [`Model::generate`] on rows of ids (left-padded `prompts`, their `mask`), each row
+    /// drawing with its own seed: what a row samples does not depend on which rank or batch
+    /// it is in. Each row's prompt and what follows it.
+    pub fn generate_seeded(
+        &self,
+        prompts: &[Vec<u32>],
+        mask: &[Vec<u32>],
+        cfg: &GenerationConfig,
+        gather: GatherMode,
+        seeds: &[u64],
+    ) -> Result<Vec<Vec<u32>>> {
+        cfg.check("GenerationConfig")?;
+        self.in_round(gather, || {
+            crate::generation::generate_rows_seeded(self, prompts, mask, cfg, seeds)
+        })
+    }
+
+    /// Runs `f` as a generation round: the sharded model gathered whole for it when `gather`
+    /// says so, how this rank generates said once.
+    fn in_round<T>(&self, gather: GatherMode, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let whole = self.gathers_whole(gather)?;
         let _held = match (&self.sharding, whole) {
             (Some(s), true) => Some(s.hold_gathered()?),
@@ -98,7 +123,7 @@ impl<N: CausalModel> Model<N> {
         {
             tracing::info!("generation: {}", self.how_it_generates(whole));
         }
-        crate::generation::generate(self, input_ids, attention_mask, cfg)
+        f()
     }
 
     /// How this rank generates, said once per run.

@@ -12,7 +12,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub use crate::config::cli_value::{CliValue, KwArgs, NameList};
+pub use crate::config::cli_value::{CliValue, EntryList, KwArgs, NameList};
 pub use crate::data::mixture::Mixture;
 
 /// A parsed flag value. The wrapper keeps clap from giving `Option<Option<T>>` fields its
@@ -1091,7 +1091,8 @@ impl<C: TrainerConfig> Cli<C> {
 }
 
 /// Flags that take several values in TRL (`--lora_target_modules q_proj v_proj`, argparse's
-/// nargs="+"): their values joined into one, which [`NameList`] splits.
+/// nargs="+"): their values joined into one with commas, which [`NameList`] and
+/// [`EntryList`] split.
 fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
     const LISTS: &[&str] = &[
         "lora_target_modules",
@@ -1100,6 +1101,8 @@ fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
         "lora_trainable_token_indices",
         "loss_type",
         "loss_weights",
+        "reward_funcs",
+        "reward_weights",
     ];
     let mut out: Vec<String> = Vec::new();
     // Where a list flag's value goes, once the flag is seen.

@@ -669,6 +669,8 @@ pub const KIND: TrainerKind = TrainerKind {
         data_note: ": preference pairs, the right sum chosen",
         formats: "prompt/chosen/rejected, conversational or standard, prompt explicit or implicit",
         metric: "reward accuracy",
+        items: "",
+        setup: "",
     },
 };
 

@@ -16,10 +16,12 @@
 //! epoch); a micro-batch's first row says which micro-step of the epoch it is, and so which
 //! round and slice it trains on.
 
-use super::args::{NameList, TrainingArguments};
+use super::args::{EntryList, TrainingArguments};
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::grpo_loss::{Completion, GrpoLoss, GrpoLossType, Scale};
-use super::grpo_rewards::{rollout, LineProgram, Reward, RewardInput};
+use super::grpo_rewards::{
+    registered_rollout, rollout, LineProgram, Reward, RewardInput, RolloutClosure, RolloutRequest,
+};
 use super::kinds::{read_as, Scaffold, TrainerKind};
 use super::reference::{HeldReference, Mixing};
 use crate::comm::ReduceOp;
@@ -43,11 +45,14 @@ crate::training_arguments! {
     /// The rewards: TRL's built-in functions by name (accuracy_reward, think_format_reward,
     /// get_soft_overlong_punishment(MAX, CACHE)) and command lines of reward programs
     /// (docs/grpo.md), summed with reward_weights.
-    reward_funcs: NameList = NameList(Vec::new());
+    reward_funcs: EntryList = EntryList(Vec::new());
     /// One weight per reward function (default 1 each).
     reward_weights: Option<NumberList> = None;
     /// A program that generates the completions instead (TRL's rollout_func, over JSON lines).
     rollout_command: Option<String> = None;
+    /// A Rust function that generates them instead (TRL's rollout_func), by the name the
+    /// program registered it under (grpo_rewards::register_rollout).
+    rollout_func: Option<String> = None;
     /// Completions per prompt.
     num_generations: usize = 8;
     /// Completions per prompt in evaluation (default num_generations).
@@ -266,6 +271,12 @@ fn validate_grpo(config: &GRPOConfig, source: &str) -> Result<()> {
             return fail("reward_funcs", m);
         }
     }
+    if config.rollout_command.is_some() && config.rollout_func.is_some() {
+        return fail(
+            "rollout_func",
+            "both rollout_command and rollout_func give completions: keep one".into(),
+        );
+    }
     if config.sync_ref_model && config.beta == 0.0 {
         return fail("sync_ref_model", "beta is 0, so there is no reference model to sync: set beta > 0 or drop sync_ref_model".into());
     }
@@ -312,6 +323,12 @@ struct Round {
     loss_tokens: f64,
 }
 
+/// Where completions come from when they are not sampled here.
+enum Rollout {
+    Program(LineProgram),
+    Func(RolloutClosure),
+}
+
 /// GRPO training.
 pub struct Grpo {
     train: Vec<PromptRow>,
@@ -319,7 +336,7 @@ pub struct Grpo {
     loss: GrpoLoss,
     rewards: Vec<Reward>,
     weights: Vec<f64>,
-    rollout: Option<LineProgram>,
+    rollout: Option<Rollout>,
     g: usize,
     spg: usize,
     gbs: usize,
@@ -338,6 +355,8 @@ pub struct Grpo {
     mixing: Mixing,
     round: Option<Round>,
     seed: u64,
+    /// Seconds this rank spent getting completions (sampling, or the rollout's answer).
+    generation_seconds: f64,
 }
 
 /// Token ids per row.
@@ -415,6 +434,12 @@ fn tokenize_prompts(
 }
 
 impl Grpo {
+    /// Seconds this rank has spent getting completions so far (the generation share of a
+    /// step, for `bench train`).
+    pub fn generation_seconds(&self) -> f64 {
+        self.generation_seconds
+    }
+
     /// Rounds of an epoch (whole ones: TRL's RepeatSampler leaves out the prompts that do
     /// not fill one).
     fn rounds_per_epoch(&self) -> usize {
@@ -461,17 +486,16 @@ impl Grpo {
         let rank = core.dp.rank();
         let eos: Vec<u32> = self.sampling.eos_token_id.clone();
         // Completions: from the rollout program, or sampled here.
+        let ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
+        let step = core.state.global_step;
+        let max_len = self.sampling.max_new_tokens;
         match self.rollout.as_mut() {
-            Some(program) => {
+            Some(Rollout::Program(program)) => {
                 let mut context = Map::new();
                 context.insert("num_generations".into(), self.g.into());
-                context.insert(
-                    "max_completion_length".into(),
-                    self.sampling.max_new_tokens.into(),
-                );
-                context.insert("step".into(), core.state.global_step.into());
+                context.insert("max_completion_length".into(), max_len.into());
+                context.insert("step".into(), step.into());
                 context.insert("eos_token_id".into(), serde_json::json!(eos));
-                let ids: Vec<Vec<u32>> = rows.iter().map(|r| r.ids.clone()).collect();
                 let answer = rollout(program, prompt_values, &ids, context)?;
                 for (c, extra) in columns.iter_mut().zip(answer.extra) {
                     c.extend(extra);
@@ -480,18 +504,45 @@ impl Grpo {
                 // policy's at generation are (TRL without vLLM).
                 Ok((answer.prompt_ids, answer.completion_ids))
             }
+            Some(Rollout::Func(f)) => {
+                let request = RolloutRequest {
+                    prompts: prompt_values,
+                    prompt_ids: &ids,
+                    num_generations: self.g,
+                    max_completion_length: max_len,
+                    step,
+                    eos_token_id: &eos,
+                };
+                let mut answer = f(&request)?;
+                answer.extra.resize(rows.len(), Map::new());
+                answer
+                    .check(rows.len())
+                    .map_err(|m| Error::config("training arguments", "rollout_func", m))?;
+                for (c, extra) in columns.iter_mut().zip(answer.extra) {
+                    c.extend(extra);
+                }
+                Ok((answer.prompt_ids, answer.completion_ids))
+            }
             None => {
                 let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
                 let width = ids.iter().map(|p| p.len()).max().unwrap_or(0);
                 let (input, mask) = crate::generation::left_pad(&ids, tok.pad_token_id)?;
-                // Rows of a data-parallel rank draw the same on its tp / sp ranks.
-                let cfg = GenerationConfig {
-                    seed: self.seed ^ ((epoch as u64) << 40) ^ ((round as u64) << 16) ^ rank as u64,
-                    ..self.sampling.clone()
-                };
-                let out = core.model.generate(&input, &mask, &cfg, GatherMode::Auto)?;
+                // Each row draws by its place in the round, whatever rank holds it: sampled
+                // runs give the same completions on any layout (and a row's tp / sp ranks
+                // draw alike).
+                let round_seed = self.seed ^ ((epoch as u64) << 40) ^ ((round as u64) << 16);
+                let first = (rank * rows.len()) as u64;
+                let seeds: Vec<u64> = (0..rows.len() as u64)
+                    .map(|j| crate::generation::row_seed(round_seed, first + j))
+                    .collect();
+                let out = core.model.generate_seeded(
+                    &input.to_vec2::<u32>()?,
+                    &mask.to_vec2::<u32>()?,
+                    &self.sampling,
+                    GatherMode::Auto,
+                    &seeds,
+                )?;
                 let completions = out
-                    .to_vec2::<u32>()?
                     .into_iter()
                     .map(|row| {
                         let c = &row[width..];
@@ -603,8 +654,10 @@ impl Grpo {
         let rows: Vec<PromptRow> = mine.iter().map(|&i| self.train[i].clone()).collect();
         let prompt_values: Vec<Value> = rows.iter().map(|r| r.prompt.clone()).collect();
         let mut columns: Vec<Map<String, Value>> = rows.iter().map(|r| r.columns.clone()).collect();
+        let started = std::time::Instant::now();
         let (prompt_ids, completion_ids) =
             self.completions(core, (epoch, round), &rows, &prompt_values, &mut columns)?;
+        self.generation_seconds += started.elapsed().as_secs_f64();
         let n = global.len();
         let (per_func, lengths) = self.score(
             core,
@@ -1027,8 +1080,25 @@ pub const KIND: TrainerKind = TrainerKind {
         data_note: ": addition prompts with their sums as solution",
         formats: "prompt (text or messages) and the columns rewards read",
         metric: "reward",
+        items: SCAFFOLD_REWARD,
+        setup: "    trl_runtime::train::grpo_rewards::register_reward(\"exact_sum\", exact_sum);\n",
     },
 };
+
+/// The scaffold's own reward, in Rust: what `reward_funcs: [exact_sum]` in its grpo.yaml names.
+const SCAFFOLD_REWARD: &str = r#"/// A reward of your own, which grpo.yaml's `reward_funcs` names: 1 when the completion's last
+/// number is the row's `solution` column, else 0; None (not scored) for a row without one.
+/// It sees what TRL hands a reward function: prompts, completions (and their texts),
+/// completion_ids and every dataset column by name.
+fn exact_sum(input: &RewardInput<'_>) -> trl_runtime::Result<Vec<Option<f64>>> {
+    let mut rewards = Vec::new();
+    for (text, row) in input.texts.iter().zip(input.columns) {
+        let want = row.get("solution").and_then(|v| v.as_str());
+        let got = text.split(|c: char| !c.is_ascii_digit()).rfind(|s| !s.is_empty());
+        rewards.push(want.map(|w| f64::from(u8::from(got == Some(w)))));
+    }
+    Ok(rewards)
+}"#;
 
 /// A micro-batch's rows are completions; a reference (beta > 0) is a held copy of what the
 /// rank trains.
@@ -1085,10 +1155,15 @@ impl<N: CausalModel> Task<N> for Grpo {
             loss: config.loss().expect("validated"),
             rewards,
             weights,
-            rollout: config
-                .rollout_command
-                .as_deref()
-                .map(|c| LineProgram::new(c, "rollout_command")),
+            rollout: match (&config.rollout_command, &config.rollout_func) {
+                (Some(c), _) => Some(Rollout::Program(LineProgram::new(c, "rollout_command"))),
+                (None, Some(name)) => {
+                    Some(Rollout::Func(registered_rollout(name).map_err(|m| {
+                        Error::config("training arguments", "rollout_func", m)
+                    })?))
+                }
+                (None, None) => None,
+            },
             g: config.num_generations,
             spg: 1,
             gbs: config.num_generations,
@@ -1117,6 +1192,7 @@ impl<N: CausalModel> Task<N> for Grpo {
             },
             round: None,
             seed: args.seed,
+            generation_seconds: 0.0,
         })
     }
 
@@ -1165,9 +1241,10 @@ impl<N: CausalModel> Task<N> for Grpo {
             });
         }
         if core.ctx.is_main_process() {
-            let how = match &config.rollout_command {
-                Some(c) => format!("completions from the rollout program `{c}`"),
-                None => "completions sampled in this process".into(),
+            let how = match (&config.rollout_command, &config.rollout_func) {
+                (Some(c), _) => format!("completions from the rollout program `{c}`"),
+                (None, Some(f)) => format!("completions from the rollout function `{f}`"),
+                (None, None) => "completions sampled in this process".into(),
             };
             tracing::info!(
                 "GRPO: {} prompts, {} completions each; generation rounds of {} completions ({} per rank, trained on over {} micro-batches x {} iteration(s)); {how}",

@@ -1,12 +1,14 @@
 //! GRPO's rewards and external rollouts: TRL's built-in reward functions by their names, Rust
-//! closures, and programs in any language speaking JSON lines (one request line in, one
-//! answer line out, the program kept running between calls), for rewards with TRL's call
-//! signature and for rollouts (TRL's `rollout_func`). docs/grpo.md gives the protocol.
+//! functions registered by name ([`register_reward`], [`register_rollout`]), and programs in
+//! any language speaking JSON lines (one request line in, one answer line out, the program
+//! kept running between calls), for rewards with TRL's call signature and for rollouts
+//! (TRL's `rollout_func`). docs/grpo.md gives the protocol.
 
 use crate::error::{Error, Result};
 use serde_json::{json, Map, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex};
 
 /// What a reward function sees of a generation round's completions (this rank's), by TRL's
 /// argument names.
@@ -23,7 +25,85 @@ pub struct RewardInput<'a> {
 }
 
 /// A reward function in Rust: one value per completion, None where it does not apply.
-pub type RewardClosure = Box<dyn Fn(&RewardInput<'_>) -> Result<Vec<Option<f64>>> + Send>;
+pub type RewardClosure = Arc<dyn Fn(&RewardInput<'_>) -> Result<Vec<Option<f64>>> + Send + Sync>;
+
+/// What a Rust rollout function gets for a round's rows (each prompt once per completion,
+/// `num_generations` in a row): the fields the rollout program's request line has.
+pub struct RolloutRequest<'a> {
+    pub prompts: &'a [Value],
+    pub prompt_ids: &'a [Vec<u32>],
+    pub num_generations: usize,
+    pub max_completion_length: usize,
+    /// The optimizer step about to run.
+    pub step: usize,
+    pub eos_token_id: &'a [u32],
+}
+
+/// TRL's `rollout_func` in Rust: the completions of a round's rows.
+pub type RolloutClosure = Arc<dyn Fn(&RolloutRequest<'_>) -> Result<RolloutAnswer> + Send + Sync>;
+
+/// Rust rewards and rollouts a program registered by name, for its config to name.
+#[derive(Default)]
+struct Registry {
+    rewards: Vec<(String, RewardClosure)>,
+    rollouts: Vec<(String, RolloutClosure)>,
+}
+
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    rewards: Vec::new(),
+    rollouts: Vec::new(),
+});
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Makes `f` a reward function that `reward_funcs` can name `name` (as TRL takes a Python
+/// function in `reward_funcs`); its metrics are `rewards/NAME/mean` and `std`. Call it before
+/// the config is read. A name of TRL's built-in functions cannot be taken; registering a
+/// name again replaces its function.
+pub fn register_reward(
+    name: &str,
+    f: impl Fn(&RewardInput<'_>) -> Result<Vec<Option<f64>>> + Send + Sync + 'static,
+) {
+    assert!(
+        !BUILTIN.contains(&name) && !name.is_empty() && !name.contains([' ', '/', '(']),
+        "register_reward: '{name}' is a built-in reward's name or not a plain name"
+    );
+    let mut r = registry();
+    r.rewards.retain(|(n, _)| n != name);
+    r.rewards.push((name.to_string(), Arc::new(f)));
+}
+
+/// Makes `f` the rollout function `rollout_func: NAME` names (TRL's `rollout_func`): it
+/// gives the completions of each round instead of sampling here.
+pub fn register_rollout(
+    name: &str,
+    f: impl Fn(&RolloutRequest<'_>) -> Result<RolloutAnswer> + Send + Sync + 'static,
+) {
+    let mut r = registry();
+    r.rollouts.retain(|(n, _)| n != name);
+    r.rollouts.push((name.to_string(), Arc::new(f)));
+}
+
+/// The rollout function registered as `name`, or why there is none.
+pub fn registered_rollout(name: &str) -> std::result::Result<RolloutClosure, String> {
+    let r = registry();
+    r.rollouts
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, f)| f.clone())
+        .ok_or_else(|| {
+            let known: Vec<&str> = r.rollouts.iter().map(|(n, _)| n.as_str()).collect();
+            format!(
+                "'{name}' is no rollout function this program registered ({}): register it with trl_runtime::train::grpo_rewards::register_rollout before reading the config, or give a program as rollout_command",
+                match known.is_empty() {
+                    true => "it registered none".to_string(),
+                    false => format!("it has {}", known.join(", ")),
+                }
+            )
+        })
+}
 
 enum Func {
     Builtin(fn(&RewardInput<'_>) -> Vec<Option<f64>>),
@@ -92,10 +172,19 @@ impl Reward {
             "think_format_reward" => return Ok(builtin(entry, think_format_reward)),
             _ => {}
         }
+        let registered = registry();
+        if let Some((name, f)) = registered.rewards.iter().find(|(n, _)| n == entry) {
+            return Ok(Reward::closure(name.clone(), f.clone()));
+        }
         if !entry.contains(' ') && !entry.contains('/') {
+            let mine: Vec<&str> = registered.rewards.iter().map(|(n, _)| n.as_str()).collect();
             return Err(format!(
-                "'{entry}' is neither one of TRL's reward functions built in here ({}) nor a command line starting a reward program (docs/grpo.md)",
-                BUILTIN.join(", ")
+                "'{entry}' is neither one of TRL's reward functions built in here ({}), nor a Rust function this program registered ({}), nor a command line starting a reward program (docs/grpo.md)",
+                BUILTIN.join(", "),
+                match mine.is_empty() {
+                    true => "none: trl_runtime::train::grpo_rewards::register_reward".to_string(),
+                    false => mine.join(", "),
+                }
             ));
         }
         Ok(Reward {
@@ -408,6 +497,33 @@ pub struct RolloutAnswer {
     pub logprobs: Option<Vec<Vec<f64>>>,
     /// Its other fields, per row, handed to the rewards as columns.
     pub extra: Vec<Map<String, Value>>,
+}
+
+impl RolloutAnswer {
+    /// Why this is no answer for `n` rows, if it is not.
+    pub fn check(&self, n: usize) -> std::result::Result<(), String> {
+        for (key, rows) in [
+            ("prompt_ids", self.prompt_ids.len()),
+            ("completion_ids", self.completion_ids.len()),
+            ("extra", self.extra.len()),
+        ] {
+            if rows != n {
+                return Err(format!(
+                    "`{key}` has {rows} rows for {n} prompts: one per row asked"
+                ));
+            }
+        }
+        if let Some(l) = &self.logprobs {
+            if l.len() != n
+                || l.iter()
+                    .zip(&self.completion_ids)
+                    .any(|(l, c)| l.len() != c.len())
+            {
+                return Err("`logprobs` must give one number per completion token".into());
+            }
+        }
+        Ok(())
+    }
 }
 
 /// TRL's `rollout_func` as a program: it gets the round's rows (each prompt once per

@@ -50,6 +50,10 @@ pub struct Scaffold {
     pub formats: &'static str,
     /// What its held-out evaluation reports ("accuracy").
     pub metric: &'static str,
+    /// Rust items `src/main.rs` defines for the trainer (a reward function), and the
+    /// statements that hand them over before the config is read ("" for none).
+    pub items: &'static str,
+    pub setup: &'static str,
 }
 
 /// `args` read as trainer config `C` (its flags over the `--config FILE` they name), with its

@@ -158,6 +158,8 @@ pub const KIND: TrainerKind = TrainerKind {
         data_note: "",
         formats: "prompt/completion, messages",
         metric: "accuracy",
+        items: "",
+        setup: "",
     },
 };
 
