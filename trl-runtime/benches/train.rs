@@ -6,7 +6,9 @@
 //! every layer split, the same global batch as DDP on 1) against DDP on 1 and 2, and the time
 //! from launching a process to its first finished step with the bundled tiny model. When
 //! `python3` (or $PYTHON) imports torch, transformers (and TRL) train the same shape on one CPU
-//! thread in the same run (hf_train.py --device cpu) and the ratio to ours is printed.
+//! thread in the same run (hf_train.py --device cpu) and the ratio to ours is printed; GRPO
+//! (generation + rewards + update) against TRL's GRPOTrainer likewise, with the share of
+//! each step spent generating (`TRL_BENCH_ONLY=grpo` runs the GRPO lines alone).
 //! `comm_share` is the time a rank spent inside collectives (tensor-parallel and data-parallel
 //! groups) over the step time; collectives queued in the background (DDP buckets, ZeRO-3
 //! gathers) partly overlap compute, so for those it is an upper bound of the exposed share.
@@ -388,6 +390,40 @@ fn peer_lines(task: &str, world: usize, ours: f64, peers: &[serde_json::Value]) 
     }
 }
 
+/// GRPO (generation + rewards + update, one round per step) against TRL's GRPOTrainer
+/// without vLLM (transformers' generate with its KV cache), on 1 and 2 ranks; the share of
+/// the step each spends generating.
+fn grpo_lines(dir: &Path) {
+    let prompts = dir.join("prompts.jsonl");
+    for world in [1, 2] {
+        let grpo = measure("ref-grpo", world, dir);
+        println!(
+        "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"ddp_grpo\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3},\"generation_share\":{:.3}}}",
+        grpo.tokens_per_s, grpo.step_s, grpo.comm_share, grpo.part_share
+    );
+        let completion = GRPO_COMPLETION.to_string();
+        let generations = GRPO_GENERATIONS.to_string();
+        let extra = [
+            "--prompt_data",
+            prompts.to_str().unwrap(),
+            "--completion_length",
+            &completion,
+            "--num_generations",
+            &generations,
+        ];
+        let peers = cpu_peers(world, "trl_grpo", GRPO_BATCH, &extra);
+        peer_lines("grpo", world, grpo.tokens_per_s, &peers);
+        for peer in &peers {
+            println!(
+            "{{\"bench\":\"train\",\"device\":\"cpu\",\"task\":\"grpo\",\"what\":\"generation_share\",\"world\":{world},\"generation_share\":{:.3},\"peer\":{},\"peer_generation_share\":{:.3}}}",
+            grpo.part_share,
+            peer["framework"],
+            peer["generation_share"].as_f64().unwrap_or(f64::NAN)
+        );
+        }
+    }
+}
+
 fn main() {
     if let Ok(kind) = std::env::var("TRL_BENCH_WORKER") {
         worker(&kind, Path::new(&std::env::var("TRL_BENCH_DIR").unwrap()));
@@ -401,6 +437,10 @@ fn main() {
         return;
     }
     prepare(tmp.path());
+    // TRL_BENCH_ONLY=grpo runs the GRPO lines alone.
+    if std::env::var("TRL_BENCH_ONLY").is_ok_and(|v| v == "grpo") {
+        return grpo_lines(tmp.path());
+    }
     eprintln!(
         "train bench: reference shape, batch {BATCH} x seq {SEQ} per process, 1 thread per process"
     );
@@ -493,34 +533,7 @@ fn main() {
         let peers = cpu_peers(world, "trl_dpo,trl_dpo_precompute", DPO_PAIRS, &extra);
         peer_lines("dpo", world, dpo.tokens_per_s, &peers);
     }
-    // GRPO (generation + rewards + update, one round per step) against TRL's GRPOTrainer
-    // without vLLM (transformers' generate with its KV cache), on 1 and 2 ranks; the share
-    // of the step each spends generating.
-    let prompts = tmp.path().join("prompts.jsonl");
-    for world in [1, 2] {
-        let grpo = measure("ref-grpo", world, tmp.path());
-        line("ddp_grpo", world, &grpo, None);
-        let completion = GRPO_COMPLETION.to_string();
-        let generations = GRPO_GENERATIONS.to_string();
-        let extra = [
-            "--prompt_data",
-            prompts.to_str().unwrap(),
-            "--completion_length",
-            &completion,
-            "--num_generations",
-            &generations,
-        ];
-        let peers = cpu_peers(world, "trl_grpo", GRPO_BATCH, &extra);
-        peer_lines("grpo", world, grpo.tokens_per_s, &peers);
-        for peer in &peers {
-            println!(
-                "{{\"bench\":\"train\",\"device\":\"cpu\",\"task\":\"grpo\",\"what\":\"generation_share\",\"world\":{world},\"generation_share\":{:.3},\"peer\":{},\"peer_generation_share\":{:.3}}}",
-                grpo.part_share,
-                peer["framework"],
-                peer["generation_share"].as_f64().unwrap_or(f64::NAN)
-            );
-        }
-    }
+    grpo_lines(tmp.path());
     // Tensor parallelism: 2 ranks share every layer of one replica.
     let p = measure_predicted("ref-tp", 2, tmp.path(), &|r| predict("tp", 2, r));
     line("tp", 2, &p.measured, Some(&p));

@@ -215,7 +215,102 @@ fn rows_task_body(x: &[f32], w: &[f32], (m, k): (usize, usize), out: &mut [f32])
     }
 }
 
-simd_dispatch!(rows_task, rows_task_avx2, rows_task_body, (x: &[f32], w: &[f32], mk: (usize, usize), out: &mut [f32]));
+simd_dispatch!(rows_task_portable, rows_task_avx2, rows_task_body, (x: &[f32], w: &[f32], mk: (usize, usize), out: &mut [f32]));
+
+/// [`rows_task_body`]'s blocks with explicit fused multiply-adds where the CPU has them
+/// (x86-64 with AVX2 and FMA): LLVM neither fuses `a += w * x` (no fast-math) nor keeps
+/// [`dots2x4`]'s 16-lane accumulators in AVX2's 16 registers, so this is ~1.8x faster on
+/// weights in cache (measured: 8 rows x 256 x 4096, 21 -> 39 GFLOP/s on one core).
+fn rows_task(x: &[f32], w: &[f32], mk: (usize, usize), out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+        return unsafe { fma::rows_task(x, w, mk, out) };
+    }
+    rows_task_portable(x, w, mk, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod fma {
+    use std::arch::x86_64::*;
+
+    /// The horizontal sum of `a` plus the products past the last full 8-lane block.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn finish(a: __m256, w: &[f32], x: &[f32]) -> f32 {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), a);
+        let full = w.len() / 8 * 8;
+        lanes.iter().sum::<f32>() + (full..w.len()).map(|c| w[c] * x[c]).sum::<f32>()
+    }
+
+    /// Dots of `R` weight rows with `M` rows of x (R x M <= 8 accumulators, leaving AVX2's
+    /// other registers for the loads).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block<const R: usize, const M: usize>(
+        w: [&[f32]; R],
+        x: [&[f32]; M],
+    ) -> [[f32; M]; R] {
+        let k = w[0].len();
+        let mut a = [[_mm256_setzero_ps(); M]; R];
+        let mut c = 0;
+        while c + 8 <= k {
+            let mut ws = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                ws[r] = _mm256_loadu_ps(w[r].as_ptr().add(c));
+            }
+            for i in 0..M {
+                let p = _mm256_loadu_ps(x[i].as_ptr().add(c));
+                for r in 0..R {
+                    a[r][i] = _mm256_fmadd_ps(ws[r], p, a[r][i]);
+                }
+            }
+            c += 8;
+        }
+        let mut out = [[0f32; M]; R];
+        for r in 0..R {
+            for i in 0..M {
+                out[r][i] = finish(a[r][i], w[r], x[i]);
+            }
+        }
+        out
+    }
+
+    /// [`super::rows_task_body`] in blocks of 2 weight rows x 4 rows of x, then 4 x 1 for
+    /// the rows of x left, then 1 x 1 for the weight rows left.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rows_task(x: &[f32], w: &[f32], (m, k): (usize, usize), out: &mut [f32]) {
+        let xr = |i: usize| &x[i * k..(i + 1) * k];
+        let wr = |j: usize| &w[j * k..(j + 1) * k];
+        let rows = out.len() / m;
+        let mut j = 0;
+        while j + 4 <= rows {
+            let mut i = 0;
+            while i + 4 <= m {
+                for jj in [j, j + 2] {
+                    let d = block(
+                        [wr(jj), wr(jj + 1)],
+                        [xr(i), xr(i + 1), xr(i + 2), xr(i + 3)],
+                    );
+                    out[jj * m + i..jj * m + i + 4].copy_from_slice(&d[0]);
+                    out[(jj + 1) * m + i..(jj + 1) * m + i + 4].copy_from_slice(&d[1]);
+                }
+                i += 4;
+            }
+            for r in i..m {
+                let d = block([wr(j), wr(j + 1), wr(j + 2), wr(j + 3)], [xr(r)]);
+                for (jj, v) in d.iter().enumerate() {
+                    out[(j + jj) * m + r] = v[0];
+                }
+            }
+            j += 4;
+        }
+        for jj in j..rows {
+            for r in 0..m {
+                out[jj * m + r] = block([wr(jj)], [xr(r)])[0][0];
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
