@@ -1,8 +1,10 @@
 //! GRPO (train/grpo.rs) through the trainer, with completions fixed by a rollout program
 //! (TRL's rollout_func over JSON lines) and rewards fixed by their lengths, a KL term and
 //! rounds reused (num_iterations 2): every logged figure equals TRL 1.16's GRPOTrainer's on
-//! the same rollouts for 4 steps (grpo, dapo, dr_grpo; TRL run when installed, skipped with a
-//! message when not), and data parallelism on two in-process ranks equals one process.
+//! the same rollouts for 4 steps (grpo, dapo, dr_grpo, bnpo, with the top entropy quantile,
+//! GSPO, masked truncation, two-sided clipping and each reward scaling; TRL run when
+//! installed, skipped with a message when not), and data parallelism on two in-process ranks
+//! equals one process.
 
 mod common;
 
@@ -138,26 +140,63 @@ fn data_parallel_grpo_equals_one_process() {
     }
 }
 
+/// `cfg` with GRPOConfig keys given as TRL's script takes them (`KEY=VALUE`).
+fn with_keys(mut cfg: GRPOConfig, keys: &[&str]) -> GRPOConfig {
+    for kv in keys {
+        let (k, v) = kv.split_once('=').unwrap();
+        match k {
+            "top_entropy_quantile" => cfg.top_entropy_quantile = v.parse().unwrap(),
+            "importance_sampling_level" => cfg.importance_sampling_level = v.into(),
+            "mask_truncated_completions" => cfg.mask_truncated_completions = v == "true",
+            "delta" => cfg.delta = Some(v.parse().unwrap()),
+            "epsilon_high" => cfg.epsilon_high = Some(v.parse().unwrap()),
+            "scale_rewards" => cfg.scale_rewards = v.into(),
+            _ => panic!("with_keys: {k} not handled"),
+        }
+    }
+    cfg
+}
+
 /// Our figures for 4 steps equal TRL's GRPOTrainer's on the same prompts, completions and
 /// rewards (scripts/trl_grpo.py), within 1e-4 relative: the loss, the gradient norm and every
-/// metric TRL logs (clip fractions and lengths are counts: equal up to TRL's float32).
+/// metric TRL logs (clip fractions and lengths are counts: equal up to TRL's float32). The
+/// three loss types, then the options that change which tokens count and how: the top
+/// entropy quantile, sequence-level importance sampling (GSPO), masked truncated
+/// completions, two-sided clipping with an upper epsilon, and batch / no reward scaling.
 #[test]
 fn grpo_figures_match_trl() {
     let Some(python) = common::python_with(&["torch", "transformers", "trl"]) else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    for loss_type in ["grpo", "dapo", "dr_grpo"] {
-        let ours = run(&config(tmp.path(), 8, loss_type), 1);
+    let cases: &[(&str, &[&str])] = &[
+        ("grpo", &[]),
+        ("dapo", &[]),
+        ("dr_grpo", &[]),
+        ("dapo", &["top_entropy_quantile=0.5"]),
+        ("grpo", &["importance_sampling_level=sequence"]),
+        (
+            "dapo",
+            &["mask_truncated_completions=true", "scale_rewards=batch"],
+        ),
+        (
+            "bnpo",
+            &["delta=1.01", "epsilon_high=0.28", "scale_rewards=none"],
+        ),
+    ];
+    for (case, (loss_type, keys)) in cases.iter().enumerate() {
+        let ours = run(&with_keys(config(tmp.path(), 8, loss_type), keys), 1);
         let out = std::process::Command::new(&python)
             .arg(repo().join("scripts/trl_grpo.py"))
             .arg(repo().join("assets/tiny/model"))
             .arg(repo().join("assets/tiny/data/grpo_train.jsonl"))
-            .arg(tmp.path().join(format!("trl-{loss_type}")))
+            .arg(tmp.path().join(format!("trl-{case}")))
             .args(["4", "beta=0.04", "num_iterations=2"])
             .arg(format!("loss_type={loss_type}"))
+            .args(*keys)
             .output()
             .unwrap();
+        let loss_type = format!("{loss_type} {keys:?}");
         assert!(
             out.status.success(),
             "{}",
