@@ -183,30 +183,46 @@ fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
 }
 
 /// The bundled job (assets/tiny/grpo.yaml) with completions sampled in the training
-/// processes, ZeRO-3 on two ranks: it logs TRL's figures and ends with a checkpoint.
+/// processes, ZeRO-3 on two ranks and a KL term: it logs TRL's figures at every step, its
+/// policy moves off the reference (kl > 0 after the first update: the untrained model answers
+/// nothing right, so a reward program that scores any completion joins accuracy_reward), and
+/// its checkpoint opens in transformers with our logits.
 #[test]
 fn the_bundled_job_samples_in_process_under_zero3() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let cmd = common::trainer_launch("grpo", &["--profile", "zero3_cpu"], &["--beta", "0.04"]);
+    let args = [
+        "--beta",
+        "0.04",
+        "--learning_rate",
+        "1e-3",
+        "--reward_funcs",
+        "accuracy_reward",
+        "python3 scripts/parity_reward.py",
+    ];
+    let cmd = common::trainer_launch("grpo", &["--profile", "zero3_cpu"], &args);
     let text = common::run_launch(cmd, STEPS, 8, &out);
     assert!(
         text.contains("completions sampled in this process"),
         "{text}"
     );
     let m = common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
+    assert_eq!(m.len(), STEPS, "a line per step: {m:?}");
     for key in [
         "reward",
         "kl",
         "entropy",
         "completions/mean_length",
         "clip_ratio/region_mean",
+        "num_tokens",
     ] {
         assert!(m[0][key].as_f64().is_some(), "{key} missing: {}", m[0]);
     }
-    assert!(out
-        .join(format!("checkpoint-{STEPS}/model.safetensors"))
-        .is_file());
+    let kl = m[STEPS - 1]["kl"].as_f64().unwrap();
+    assert!(kl > 0.0, "the policy moved off the reference: {}", m[STEPS - 1]);
+    let ckpt = out.join(format!("checkpoint-{STEPS}"));
+    assert!(ckpt.join("model.safetensors").is_file());
+    common::opens_in_transformers(&ckpt);
 }
 
 /// docs/grpo.md's commands, as written, from the repository root (`cargo` finding this
