@@ -76,6 +76,10 @@ pub struct PlanArgs {
     /// copy of the weights on every rank).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set, default_value = "false")]
     pub sync_ref_model: bool,
+    /// The trainer's beta, for a trainer that takes it (grpo: above 0 its KL term holds a
+    /// reference, a copy of the weights on every rank; TRL's default 0 holds none).
+    #[arg(long)]
+    pub beta: Option<f64>,
     /// Only layouts with (true) or without (false) activation checkpointing; both by default.
     #[arg(long)]
     pub gradient_checkpointing: Option<bool>,
@@ -516,7 +520,7 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
             Some(c) => vec![c],
             None => vec![true, false],
         },
-        workload: workload(&args.trainer, args.sync_ref_model)?,
+        workload: workload(&args.trainer, args.sync_ref_model, args.beta)?,
         dtype: None,
     };
     let machine = Machine::from_args(args)?;
@@ -655,26 +659,44 @@ fn generation_line(
     )
 }
 
-/// What trainer `name` costs a rank per row, with TRL's sync_ref_model when `sync_ref_model`
+/// What trainer `name` costs a rank per row, with TRL's sync_ref_model and beta when given
 /// (refused for a trainer that takes no such argument, naming those that do).
-fn workload(name: &str, sync_ref_model: bool) -> Result<Workload, String> {
+fn workload(name: &str, sync_ref_model: bool, beta: Option<f64>) -> Result<Workload, String> {
     let kind = registry::find(name).ok_or_else(|| format!("--trainer {name}: no such trainer"))?;
-    let flags: Vec<String> = match sync_ref_model {
-        true => vec!["--sync_ref_model".into(), "true".into()],
-        false => Vec::new(),
-    };
+    let mut flags: Vec<String> = Vec::new();
+    if sync_ref_model {
+        flags.extend(["--sync_ref_model".into(), "true".into()]);
+    }
+    if let Some(beta) = beta {
+        flags.extend(["--beta".into(), beta.to_string()]);
+    }
     if let Some(read) = (kind.read)(&flags) {
         return Ok(read.workload);
     }
-    let takers: Vec<String> = registry::all()
-        .iter()
-        .filter(|k| (k.read)(&flags).is_some())
-        .map(|k| format!("--trainer {}", k.name))
-        .collect();
-    Err(format!(
-        "--sync_ref_model: the {name} trainer takes no reference; {} does",
-        takers.join(" or ")
-    ))
+    // Each flag alone names the trainers that take it.
+    let mut why = Vec::new();
+    for (flag, given) in [
+        ("--sync_ref_model", sync_ref_model),
+        ("--beta", beta.is_some()),
+    ] {
+        let alone: Vec<String> = match flag {
+            "--beta" => vec![flag.into(), beta.unwrap_or(0.0).to_string()],
+            _ => vec![flag.into(), "true".into()],
+        };
+        if !given || (kind.read)(&alone).is_some() {
+            continue;
+        }
+        let takers: Vec<String> = registry::all()
+            .iter()
+            .filter(|k| (k.read)(&alone).is_some())
+            .map(|k| format!("--trainer {}", k.name))
+            .collect();
+        why.push(format!(
+            "{flag}: the {name} trainer takes no such argument; {} does",
+            takers.join(" or ")
+        ));
+    }
+    Err(why.join("; "))
 }
 
 /// `launch --profile auto`: the fastest layout that fits for the program's training arguments
@@ -750,6 +772,7 @@ pub fn auto(
                 // The machine does not depend on the trainer (`work.workload` does).
                 trainer: registry::names()[0].into(),
                 sync_ref_model: false,
+                beta: None,
                 gradient_checkpointing: None,
                 max_completion_length: None,
                 generation_batch_size: None,

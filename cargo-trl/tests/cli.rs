@@ -333,6 +333,17 @@ fn the_plan_counts_preference_pairs() {
     assert!(tr.contains("reference: a copy of the weights"), "{tr}");
     let (code, _, err) = plan(&["--sync_ref_model"]);
     assert!(code != 0 && err.contains("--trainer dpo"), "{err}");
+    // GRPO holds a reference only with a KL term (beta > 0; TRL's default is 0).
+    let (code, grpo, err) = plan(&["--trainer", "grpo"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!grpo.contains("reference:"), "{grpo}");
+    let (_, kl, _) = plan(&["--trainer", "grpo", "--beta", "0.04"]);
+    assert!(kl.contains("reference: a copy of the weights"), "{kl}");
+    let (code, _, err) = plan(&["--beta", "0.1"]);
+    assert!(
+        code != 0 && err.contains("--beta") && err.contains("--trainer grpo"),
+        "{err}"
+    );
 }
 
 /// `cargo trl plan --use_peft` counts the adapters its targets name (gpt-oss's fused experts

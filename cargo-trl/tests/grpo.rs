@@ -219,7 +219,11 @@ fn the_bundled_job_samples_in_process_under_zero3() {
         assert!(m[0][key].as_f64().is_some(), "{key} missing: {}", m[0]);
     }
     let kl = m[STEPS - 1]["kl"].as_f64().unwrap();
-    assert!(kl > 0.0, "the policy moved off the reference: {}", m[STEPS - 1]);
+    assert!(
+        kl > 0.0,
+        "the policy moved off the reference: {}",
+        m[STEPS - 1]
+    );
     let ckpt = out.join(format!("checkpoint-{STEPS}"));
     assert!(ckpt.join("model.safetensors").is_file());
     common::opens_in_transformers(&ckpt);
