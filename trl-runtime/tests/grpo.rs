@@ -233,3 +233,66 @@ fn grpo_figures_match_trl() {
         }
     }
 }
+
+/// Evaluation as TRL's: each held-out prompt `num_generations_eval` times, sampled, scored,
+/// and TRL's figures of them. Rows draw by their place, so the figures do not depend on the
+/// eval batch size, and repeat at the same step.
+#[test]
+fn evaluation_samples_num_generations_eval_per_prompt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let eval = |per_eval: usize| {
+        let mut cfg = config(tmp.path(), 8, "dapo");
+        cfg.rollout_command = None;
+        cfg.num_generations_eval = Some(3);
+        cfg.reward_funcs = EntryList(vec![
+            "accuracy_reward".into(),
+            format!(
+                "python3 {}",
+                repo().join("scripts/parity_reward.py").display()
+            ),
+        ]);
+        cfg.training.eval_dataset_name = Some(repo().join("assets/tiny/data/grpo_eval.jsonl"));
+        cfg.training.per_device_eval_batch_size = per_eval;
+        let w = InProcessWorld::new(1);
+        let dims = ParallelDims {
+            dp_replicate: 1,
+            dp_shard: 1,
+            cp: 1,
+            sp: 1,
+            tp: 1,
+        };
+        let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(dims, 1).unwrap()).unwrap();
+        let t = Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(cfg, &ctx, Strategy::Ddp)
+            .unwrap();
+        let first = t.evaluate().unwrap().unwrap();
+        let again = t.evaluate().unwrap().unwrap();
+        assert_eq!(
+            first.figures, again.figures,
+            "the same step draws the same rows"
+        );
+        first
+    };
+    let five = eval(5);
+    let all = eval(48);
+    assert_eq!(five.accuracy, all.accuracy);
+    assert_eq!(
+        five.figures, all.figures,
+        "rows draw by their place, not their batch"
+    );
+    let figure = |k: &str| {
+        five.figures
+            .iter()
+            .find(|(n, _)| *n == k)
+            .unwrap_or_else(|| panic!("{k} missing: {:?}", five.figures))
+            .1
+    };
+    let parity = figure("rewards/parity_reward/mean");
+    assert!((0.0..=1.0).contains(&parity) && parity > 0.0, "{parity}");
+    assert!(figure("reward_std") > 0.0);
+    assert!(figure("completions/mean_length") > 0.0);
+    assert!((0.0..=1.0).contains(&figure("frac_reward_zero_std")));
+    assert!(
+        five.accuracy.unwrap() > 0.0,
+        "eval_reward: the rewards' sum"
+    );
+}

@@ -214,6 +214,12 @@ fn validate_grpo(config: &GRPOConfig, source: &str) -> Result<()> {
             ),
         );
     }
+    if config.num_generations_eval == Some(0) {
+        return fail(
+            "num_generations_eval",
+            "0: give the completions per held-out prompt (at least 1)".into(),
+        );
+    }
     if config.num_iterations == 0 || config.max_completion_length == 0 {
         let key = if config.num_iterations == 0 {
             "num_iterations"
@@ -338,6 +344,8 @@ pub struct Grpo {
     weights: Vec<f64>,
     rollout: Option<Rollout>,
     g: usize,
+    /// Completions per prompt in evaluation.
+    g_eval: usize,
     spg: usize,
     gbs: usize,
     iterations: usize,
@@ -482,7 +490,6 @@ impl Grpo {
         prompt_values: &[Value],
         columns: &mut [Map<String, Value>],
     ) -> Result<(TokenRows, TokenRows)> {
-        let tok = &core.tokenizer;
         let rank = core.dp.rank();
         let eos: Vec<u32> = self.sampling.eos_token_id.clone();
         // Completions: from the rollout program, or sampled here.
@@ -525,38 +532,41 @@ impl Grpo {
             }
             None => {
                 let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
-                let width = ids.iter().map(|p| p.len()).max().unwrap_or(0);
-                let (input, mask) = crate::generation::left_pad(&ids, tok.pad_token_id)?;
                 // Each row draws by its place in the round, whatever rank holds it: sampled
                 // runs give the same completions on any layout (and a row's tp / sp ranks
                 // draw alike).
                 let round_seed = self.seed ^ ((epoch as u64) << 40) ^ ((round as u64) << 16);
                 let first = (rank * rows.len()) as u64;
-                let seeds: Vec<u64> = (0..rows.len() as u64)
-                    .map(|j| crate::generation::row_seed(round_seed, first + j))
-                    .collect();
-                let out = core.model.generate_seeded(
-                    &input.to_vec2::<u32>()?,
-                    &mask.to_vec2::<u32>()?,
-                    &self.sampling,
-                    GatherMode::Auto,
-                    &seeds,
-                )?;
-                let completions = out
-                    .into_iter()
-                    .map(|row| {
-                        let c = &row[width..];
-                        // Up to and with the first EOS (TRL's completion mask).
-                        let end = c
-                            .iter()
-                            .position(|t| eos.contains(t))
-                            .map_or(c.len(), |i| i + 1);
-                        c[..end].to_vec()
-                    })
-                    .collect();
+                let (out, width) = self.sample(core, &ids, round_seed, first)?;
+                let completions = cut_at_eos(out, width, &eos);
                 Ok((ids.iter().map(|p| p.to_vec()).collect(), completions))
             }
         }
+    }
+
+    /// Completions of `prompts` sampled as `self.sampling` says, row j drawing with
+    /// `row_seed(seed, first + j)`; the rows (prompt pads included) and the padded prompt
+    /// width.
+    fn sample<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        prompts: &[&[u32]],
+        seed: u64,
+        first: u64,
+    ) -> Result<(TokenRows, usize)> {
+        let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let (input, mask) = crate::generation::left_pad(prompts, core.tokenizer.pad_token_id)?;
+        let seeds: Vec<u64> = (0..prompts.len() as u64)
+            .map(|j| crate::generation::row_seed(seed, first + j))
+            .collect();
+        let out = core.model.generate_seeded(
+            &input.to_vec2::<u32>()?,
+            &mask.to_vec2::<u32>()?,
+            &self.sampling,
+            GatherMode::Auto,
+            &seeds,
+        )?;
+        Ok((out, width))
     }
 
     /// Every rank's rewards per function (NaN where one gave none) and [prompt, completion,
@@ -666,7 +676,7 @@ impl Grpo {
             (&prompt_values, &columns),
             (&prompt_ids, &completion_ids),
         )?;
-        let (advantages, metrics) = self.advantages(&per_func, &lengths);
+        let (advantages, metrics) = self.advantages(self.g, &per_func, &lengths);
         // This rank's samples.
         let mut samples: Vec<Sample> = (0..block)
             .map(|j| {
@@ -720,10 +730,15 @@ impl Grpo {
         Ok(())
     }
 
-    /// Advantages of the round's completions (all ranks') and its reward and length metrics.
-    fn advantages(&self, per_func: &[Vec<f64>], lengths: &[[f64; 3]]) -> (Vec<f64>, Metrics) {
+    /// Advantages of the round's completions (all ranks', in groups of `g`) and its reward
+    /// and length metrics.
+    fn advantages(
+        &self,
+        g: usize,
+        per_func: &[Vec<f64>],
+        lengths: &[[f64; 3]],
+    ) -> (Vec<f64>, Metrics) {
         let n = lengths.len();
-        let g = self.g;
         let k = per_func.len();
         let unscorable: Vec<bool> = (0..n)
             .map(|i| per_func.iter().all(|f| f[i].is_nan()))
@@ -1100,6 +1115,21 @@ fn exact_sum(input: &RewardInput<'_>) -> trl_runtime::Result<Vec<Option<f64>>> {
     Ok(rewards)
 }"#;
 
+/// Each row's completion after the prompt `width`: up to and with its first EOS (TRL's
+/// completion mask).
+fn cut_at_eos(rows: TokenRows, width: usize, eos: &[u32]) -> TokenRows {
+    rows.into_iter()
+        .map(|row| {
+            let c = &row[width..];
+            let end = c
+                .iter()
+                .position(|t| eos.contains(t))
+                .map_or(c.len(), |i| i + 1);
+            c[..end].to_vec()
+        })
+        .collect()
+}
+
 /// A micro-batch's rows are completions; a reference (beta > 0) is a held copy of what the
 /// rank trains.
 pub fn workload(config: &GRPOConfig) -> Workload {
@@ -1165,6 +1195,9 @@ impl<N: CausalModel> Task<N> for Grpo {
                 (None, None) => None,
             },
             g: config.num_generations,
+            g_eval: config
+                .num_generations_eval
+                .unwrap_or(config.num_generations),
             spg: 1,
             gbs: config.num_generations,
             iterations: config.num_iterations,
@@ -1351,20 +1384,37 @@ impl<N: CausalModel> Task<N> for Grpo {
 
     /// The held-out prompts answered greedily, once each: the mean reward (`eval_reward`)
     /// and each function's.
+    /// TRL's evaluation: each held-out prompt `num_generations_eval` times, sampled as in
+    /// training (each row by its own seed), scored, and TRL's reward and length figures of
+    /// them (`eval_reward`, `eval_reward_std`, `eval_rewards/NAME/mean`, ...). Every rank
+    /// generates every row, in batches of `per_device_eval_batch_size` completions, so the
+    /// figures need no collective. The eval loss is 0: the policy is its own old policy.
     fn evaluate(&self, _config: &GRPOConfig, core: &Core<'_, N>) -> Result<Option<EvalResult>> {
         if self.eval.is_empty() {
             return Ok(None);
         }
-        let ids: Vec<&[u32]> = self.eval.iter().map(|r| r.ids.as_slice()).collect();
-        let answers = core.generate(&ids, self.sampling.max_new_tokens)?;
+        let g = self.g_eval;
+        let rows: Vec<&PromptRow> = self
+            .eval
+            .iter()
+            .flat_map(|r| std::iter::repeat_n(r, g))
+            .collect();
+        let seed = self.seed ^ 0x0e7a_1000 ^ ((core.state.global_step as u64) << 24);
+        let per = core.args.per_device_eval_batch_size.max(1);
+        let (mut prompt_ids, mut completion_ids) = (Vec::new(), Vec::new());
+        for (c, chunk) in rows.chunks(per).enumerate() {
+            let ids: Vec<&[u32]> = chunk.iter().map(|r| r.ids.as_slice()).collect();
+            let (out, width) = self.sample(core, &ids, seed, (c * per) as u64)?;
+            completion_ids.extend(cut_at_eos(out, width, &self.sampling.eos_token_id));
+            prompt_ids.extend(ids.iter().map(|p| p.to_vec()));
+        }
         let tok = &core.tokenizer;
-        let prompts: Vec<Value> = self.eval.iter().map(|r| r.prompt.clone()).collect();
-        let columns: Vec<Map<String, Value>> =
-            self.eval.iter().map(|r| r.columns.clone()).collect();
+        let prompts: Vec<Value> = rows.iter().map(|r| r.prompt.clone()).collect();
+        let columns: Vec<Map<String, Value>> = rows.iter().map(|r| r.columns.clone()).collect();
         let mut texts = Vec::new();
         let mut values = Vec::new();
-        for (r, a) in self.eval.iter().zip(&answers) {
-            let (t, v) = Self::completion_value(tok, &r.prompt, a)?;
+        for (r, c) in rows.iter().zip(&completion_ids) {
+            let (t, v) = Self::completion_value(tok, &r.prompt, c)?;
             texts.push(t);
             values.push(v);
         }
@@ -1372,27 +1422,30 @@ impl<N: CausalModel> Task<N> for Grpo {
             prompts: &prompts,
             completions: &values,
             texts: &texts,
-            completion_ids: &answers,
+            completion_ids: &completion_ids,
             columns: &columns,
         };
-        let mut total = vec![0.0; answers.len()];
-        let mut figures = Vec::new();
-        for (f, reward) in self.rewards.iter().enumerate() {
-            let v: Vec<f64> = reward
-                .score(&input)?
-                .into_iter()
-                .map(|x| x.unwrap_or(f64::NAN))
-                .collect();
-            for (t, x) in total.iter_mut().zip(&v) {
-                if !x.is_nan() {
-                    *t += self.weights[f] * x;
-                }
-            }
-            figures.push((leak(format!("rewards/{}/mean", reward.name)), nanmean(&v)));
+        let mut per_func: Vec<Vec<f64>> = Vec::new();
+        for reward in &self.rewards {
+            let v = reward.score(&input)?;
+            per_func.push(v.into_iter().map(|x| x.unwrap_or(f64::NAN)).collect());
         }
+        let eos = &self.sampling.eos_token_id;
+        let lengths: Lengths = prompt_ids
+            .iter()
+            .zip(&completion_ids)
+            .map(|(p, c)| {
+                let ended = c.last().is_some_and(|t| eos.contains(t));
+                [p.len() as f64, c.len() as f64, f64::from(u8::from(!ended))]
+            })
+            .collect();
+        let (_, mut figures) = self.advantages(g, &per_func, &lengths);
+        // The mean reward is the evaluation's accuracy figure, `eval_reward`.
+        let at = figures.iter().position(|(k, _)| *k == "reward");
+        let reward = at.map(|i| figures.remove(i).1);
         Ok(Some(EvalResult {
             loss: 0.0,
-            accuracy: Some(nanmean(&total)),
+            accuracy: reward,
             aux_loss: None,
             figures,
         }))
