@@ -94,6 +94,18 @@ fn run(cfg: &GRPOConfig, ranks: usize) -> Steps {
     out.swap_remove(0)
 }
 
+/// The context of a one-process run in `w`.
+fn one_rank(w: &InProcessWorld) -> DistContext {
+    let dims = ParallelDims {
+        dp_replicate: 1,
+        dp_shard: 1,
+        cp: 1,
+        sp: 1,
+        tp: 1,
+    };
+    DistContext::in_process(w, 0, DeviceMesh::new(dims, 1).unwrap()).unwrap()
+}
+
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-4 * (1.0 + a.abs().max(b.abs())) || (a.is_nan() && b.is_nan())
 }
@@ -240,6 +252,13 @@ fn grpo_figures_match_trl() {
 #[test]
 fn evaluation_samples_num_generations_eval_per_prompt() {
     let tmp = tempfile::tempdir().unwrap();
+    // A reward program that scores each completion with how many it was handed.
+    let count = tmp.path().join("count_reward.py");
+    std::fs::write(
+        &count,
+        "import json, sys\nfor line in sys.stdin:\n    n = len(json.loads(line)[\"completions\"])\n    print(json.dumps([n] * n), flush=True)\n",
+    )
+    .unwrap();
     let eval = |per_eval: usize| {
         let mut cfg = config(tmp.path(), 8, "dapo");
         cfg.rollout_command = None;
@@ -250,18 +269,12 @@ fn evaluation_samples_num_generations_eval_per_prompt() {
                 "python3 {}",
                 repo().join("scripts/parity_reward.py").display()
             ),
+            format!("python3 {}", count.display()),
         ]);
         cfg.training.eval_dataset_name = Some(repo().join("assets/tiny/data/grpo_eval.jsonl"));
         cfg.training.per_device_eval_batch_size = per_eval;
         let w = InProcessWorld::new(1);
-        let dims = ParallelDims {
-            dp_replicate: 1,
-            dp_shard: 1,
-            cp: 1,
-            sp: 1,
-            tp: 1,
-        };
-        let ctx = DistContext::in_process(&w, 0, DeviceMesh::new(dims, 1).unwrap()).unwrap();
+        let ctx = one_rank(&w);
         let t = Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(cfg, &ctx, Strategy::Ddp)
             .unwrap();
         let first = t.evaluate().unwrap().unwrap();
@@ -286,6 +299,8 @@ fn evaluation_samples_num_generations_eval_per_prompt() {
             .unwrap_or_else(|| panic!("{k} missing: {:?}", five.figures))
             .1
     };
+    // 16 held-out prompts, 3 completions each.
+    assert_eq!(figure("rewards/count_reward/mean"), 48.0);
     let parity = figure("rewards/parity_reward/mean");
     assert!((0.0..=1.0).contains(&parity) && parity > 0.0, "{parity}");
     assert!(figure("reward_std") > 0.0);
@@ -294,5 +309,47 @@ fn evaluation_samples_num_generations_eval_per_prompt() {
     assert!(
         five.accuracy.unwrap() > 0.0,
         "eval_reward: the rewards' sum"
+    );
+}
+
+/// TRL's `rollout_func` in Rust: a function registered by name and named by `rollout_func`
+/// gives the completions (here each prompt's last token, then EOS), which GRPO trains on.
+#[test]
+fn a_registered_rollout_function_gives_the_completions() {
+    use trl_runtime::train::grpo_rewards::{register_rollout, RolloutAnswer};
+    let eos = 2;
+    register_rollout("last_token", move |req| {
+        assert_eq!(req.num_generations, 4);
+        let completion_ids = req
+            .prompt_ids
+            .iter()
+            .map(|p| vec![*p.last().unwrap(), eos])
+            .collect();
+        Ok(RolloutAnswer {
+            prompt_ids: req.prompt_ids.to_vec(),
+            completion_ids,
+            logprobs: None,
+            extra: Vec::new(),
+        })
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(tmp.path(), 8, "dapo");
+    cfg.rollout_command = None;
+    cfg.rollout_func = Some("last_token".into());
+    let steps = run(&cfg, 1);
+    let figure = |k: &str| steps[0].2.iter().find(|(n, _)| *n == k).unwrap().1;
+    assert_eq!(figure("completions/mean_length"), 2.0);
+    assert_eq!(figure("completions/max_length"), 2.0);
+    assert_eq!(figure("completions/clipped_ratio"), 0.0);
+    cfg.rollout_func = Some("no_such".into());
+    let w = InProcessWorld::new(1);
+    let ctx = one_rank(&w);
+    let err = Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(cfg, &ctx, Strategy::Ddp)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("rollout_func") && err.contains("last_token"),
+        "{err}"
     );
 }

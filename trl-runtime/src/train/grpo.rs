@@ -531,15 +531,14 @@ impl Grpo {
                 Ok((answer.prompt_ids, answer.completion_ids))
             }
             None => {
-                let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
+                let refs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
                 // Each row draws by its place in the round, whatever rank holds it: sampled
                 // runs give the same completions on any layout (and a row's tp / sp ranks
                 // draw alike).
                 let round_seed = self.seed ^ ((epoch as u64) << 40) ^ ((round as u64) << 16);
                 let first = (rank * rows.len()) as u64;
-                let (out, width) = self.sample(core, &ids, round_seed, first)?;
-                let completions = cut_at_eos(out, width, &eos);
-                Ok((ids.iter().map(|p| p.to_vec()).collect(), completions))
+                let (out, width) = self.sample(core, &refs, round_seed, first)?;
+                Ok((ids, cut_at_eos(out, width, &eos)))
             }
         }
     }
@@ -569,6 +568,51 @@ impl Grpo {
         Ok((out, width))
     }
 
+    /// Each reward function's values for `completion_ids` following `rows` (None where it
+    /// gave none), the rewards called with TRL's arguments.
+    fn rewards_of<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        rows: &[impl std::borrow::Borrow<PromptRow>],
+        (prompts, columns): (&[Value], &[Map<String, Value>]),
+        completion_ids: &[Vec<u32>],
+    ) -> Result<Vec<Vec<Option<f64>>>> {
+        let mut texts = Vec::with_capacity(rows.len());
+        let mut values = Vec::with_capacity(rows.len());
+        for (r, c) in rows.iter().zip(completion_ids) {
+            let (t, v) = Self::completion_value(&core.tokenizer, &r.borrow().prompt, c)?;
+            texts.push(t);
+            values.push(v);
+        }
+        let input = RewardInput {
+            prompts,
+            completions: &values,
+            texts: &texts,
+            completion_ids,
+            columns,
+        };
+        self.rewards.iter().map(|r| r.score(&input)).collect()
+    }
+
+    /// [prompt, completion, truncated] per completion: truncated when it ends on neither an
+    /// EOS id nor the pad.
+    fn lengths_of<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        prompt_ids: &[Vec<u32>],
+        completion_ids: &[Vec<u32>],
+    ) -> Lengths {
+        let (eos, pad) = (&self.sampling.eos_token_id, core.tokenizer.pad_token_id);
+        prompt_ids
+            .iter()
+            .zip(completion_ids)
+            .map(|(p, c)| {
+                let ended = c.last().is_some_and(|t| eos.contains(t) || *t == pad);
+                [p.len() as f64, c.len() as f64, f64::from(u8::from(!ended))]
+            })
+            .collect()
+    }
+
     /// Every rank's rewards per function (NaN where one gave none) and [prompt, completion,
     /// truncated] lengths of the `n` completions of a round, from this rank's block.
     fn score<N: CausalModel>(
@@ -579,30 +623,14 @@ impl Grpo {
         (prompt_values, columns): (&[Value], &[Map<String, Value>]),
         (prompt_ids, completion_ids): (&[Vec<u32>], &[Vec<u32>]),
     ) -> Result<(Vec<Vec<f64>>, Lengths)> {
-        let tok = &core.tokenizer;
         let block = self.batch * self.spg;
         let rank = core.dp.rank();
-        let eos = &self.sampling.eos_token_id;
-        // Rewards of this rank's completions, per function.
-        let mut texts = Vec::with_capacity(block);
-        let mut values = Vec::with_capacity(block);
-        for (r, c) in rows.iter().zip(completion_ids) {
-            let (t, v) = Self::completion_value(tok, &r.prompt, c)?;
-            texts.push(t);
-            values.push(v);
-        }
-        let input = RewardInput {
-            prompts: prompt_values,
-            completions: &values,
-            texts: &texts,
-            completion_ids,
-            columns,
-        };
+        let scored = self.rewards_of(core, rows, (prompt_values, columns), completion_ids)?;
         let k = self.rewards.len();
         // Every rank's rewards, by summing blocks that are 0 elsewhere: [value, present].
         let mut local = vec![0.0; 2 * n * k];
-        for (f, reward) in self.rewards.iter().enumerate() {
-            for (j, v) in reward.score(&input)?.into_iter().enumerate() {
+        for (f, values) in scored.into_iter().enumerate() {
+            for (j, v) in values.into_iter().enumerate() {
                 let at = 2 * ((rank * block + j) * k + f);
                 if let Some(v) = v {
                     local[at] = v;
@@ -613,13 +641,10 @@ impl Grpo {
         // Lengths and truncation, every rank's: [prompt, completion, truncated].
         let lengths_at = local.len();
         local.extend(vec![0.0; 3 * n]);
-        let pad = tok.pad_token_id;
-        for (j, (p, c)) in prompt_ids.iter().zip(completion_ids).enumerate() {
+        let mine = self.lengths_of(core, prompt_ids, completion_ids);
+        for (j, l) in mine.iter().enumerate() {
             let at = lengths_at + 3 * (rank * block + j);
-            local[at] = p.len() as f64;
-            local[at + 1] = c.len() as f64;
-            let ended = c.last().is_some_and(|t| eos.contains(t) || *t == pad);
-            local[at + 2] = (!ended) as u8 as f64;
+            local[at..at + 3].copy_from_slice(l);
         }
         let all = core.global_sum(&local)?;
         let per_func: Vec<Vec<f64>> = (0..k)
@@ -1408,37 +1433,14 @@ impl<N: CausalModel> Task<N> for Grpo {
             completion_ids.extend(cut_at_eos(out, width, &self.sampling.eos_token_id));
             prompt_ids.extend(ids.iter().map(|p| p.to_vec()));
         }
-        let tok = &core.tokenizer;
         let prompts: Vec<Value> = rows.iter().map(|r| r.prompt.clone()).collect();
         let columns: Vec<Map<String, Value>> = rows.iter().map(|r| r.columns.clone()).collect();
-        let mut texts = Vec::new();
-        let mut values = Vec::new();
-        for (r, c) in rows.iter().zip(&completion_ids) {
-            let (t, v) = Self::completion_value(tok, &r.prompt, c)?;
-            texts.push(t);
-            values.push(v);
-        }
-        let input = RewardInput {
-            prompts: &prompts,
-            completions: &values,
-            texts: &texts,
-            completion_ids: &completion_ids,
-            columns: &columns,
-        };
-        let mut per_func: Vec<Vec<f64>> = Vec::new();
-        for reward in &self.rewards {
-            let v = reward.score(&input)?;
-            per_func.push(v.into_iter().map(|x| x.unwrap_or(f64::NAN)).collect());
-        }
-        let eos = &self.sampling.eos_token_id;
-        let lengths: Lengths = prompt_ids
-            .iter()
-            .zip(&completion_ids)
-            .map(|(p, c)| {
-                let ended = c.last().is_some_and(|t| eos.contains(t));
-                [p.len() as f64, c.len() as f64, f64::from(u8::from(!ended))]
-            })
+        let per_func: Vec<Vec<f64>> = self
+            .rewards_of(core, &rows, (&prompts, &columns), &completion_ids)?
+            .into_iter()
+            .map(|v| v.into_iter().map(|x| x.unwrap_or(f64::NAN)).collect())
             .collect();
+        let lengths = self.lengths_of(core, &prompt_ids, &completion_ids);
         let (_, mut figures) = self.advantages(g, &per_func, &lengths);
         // The mean reward is the evaluation's accuracy figure, `eval_reward`.
         let at = figures.iter().position(|(k, _)| *k == "reward");

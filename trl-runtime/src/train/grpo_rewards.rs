@@ -43,7 +43,6 @@ pub struct RolloutRequest<'a> {
 pub type RolloutClosure = Arc<dyn Fn(&RolloutRequest<'_>) -> Result<RolloutAnswer> + Send + Sync>;
 
 /// Rust rewards and rollouts a program registered by name, for its config to name.
-#[derive(Default)]
 struct Registry {
     rewards: Vec<(String, RewardClosure)>,
     rollouts: Vec<(String, RolloutClosure)>,
@@ -505,7 +504,6 @@ impl RolloutAnswer {
         for (key, rows) in [
             ("prompt_ids", self.prompt_ids.len()),
             ("completion_ids", self.completion_ids.len()),
-            ("extra", self.extra.len()),
         ] {
             if rows != n {
                 return Err(format!(
@@ -546,36 +544,16 @@ pub fn rollout(
     })?;
     let ids = |key: &str| -> Result<Vec<Vec<u32>>> {
         let v = obj.get(key).ok_or_else(|| program.error(format!("its answer has no `{key}` (TRL's rollout_func returns prompt_ids, completion_ids and logprobs)")))?;
-        let rows: Vec<Vec<u32>> = serde_json::from_value(v.clone())
-            .map_err(|e| program.error(format!("`{key}` is not a list of token id lists: {e}")))?;
-        if rows.len() != n {
-            return Err(program.error(format!(
-                "`{key}` has {} rows for {n} prompts: one per row asked",
-                rows.len()
-            )));
-        }
-        Ok(rows)
+        serde_json::from_value(v.clone())
+            .map_err(|e| program.error(format!("`{key}` is not a list of token id lists: {e}")))
     };
     let prompt_ids = ids("prompt_ids")?;
     let completion_ids = ids("completion_ids")?;
     let logprobs = match obj.get("logprobs") {
         None | Some(Value::Null) => None,
-        Some(v) => {
-            let rows: Vec<Vec<f64>> = serde_json::from_value(v.clone()).map_err(|e| {
-                program.error(format!("`logprobs` is not a list of number lists: {e}"))
-            })?;
-            if rows.len() != n
-                || rows
-                    .iter()
-                    .zip(&completion_ids)
-                    .any(|(l, c)| l.len() != c.len())
-            {
-                return Err(
-                    program.error("`logprobs` must give one number per completion token".into())
-                );
-            }
-            Some(rows)
-        }
+        Some(v) => Some(serde_json::from_value(v.clone()).map_err(|e| {
+            program.error(format!("`logprobs` is not a list of number lists: {e}"))
+        })?),
     };
     // Other fields: a list is one value per row, anything else the same for every row.
     let mut extra = vec![Map::new(); n];
@@ -591,12 +569,14 @@ pub fn rollout(
             row.insert(k.clone(), value);
         }
     }
-    Ok(RolloutAnswer {
+    let answer = RolloutAnswer {
         prompt_ids,
         completion_ids,
         logprobs,
         extra,
-    })
+    };
+    answer.check(n).map_err(|m| program.error(m))?;
+    Ok(answer)
 }
 
 #[cfg(test)]
