@@ -4,7 +4,9 @@ the parity test (trl-runtime/tests/grpo.rs): prints one JSON line of logged metr
 usage: trl_grpo.py MODEL_DIR DATA.jsonl OUT_DIR STEPS [KEY=VALUE ...]
 The completions come from `rollout_func` (TRL's hook), by scripts/fixed_rollout.py's rule. The
 reward is get_soft_overlong_punishment(4, 2). 8 completions per step (2 prompts x 4), one
-process, fp32, AdamW at a constant learning rate of 1e-3; KEY=VALUE sets GRPOConfig keys.
+process, fp32, AdamW at a constant learning rate of 1e-3; KEY=VALUE sets GRPOConfig keys, and
+reward_model=DIR adds a reward model (a ForSequenceClassification checkpoint, as TRL loads one
+named by its path) after that reward.
 """
 import json
 import os
@@ -24,6 +26,7 @@ from trl_parity import value  # noqa: E402
 
 model_dir, data, out, steps = sys.argv[1:5]
 extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[5:])}
+reward_model = extra.pop("reward_model", None)
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -71,7 +74,7 @@ config = GRPOConfig(
 trainer = GRPOTrainer(
     model=model,
     args=config,
-    reward_funcs=[get_soft_overlong_punishment(4, 2)],
+    reward_funcs=[get_soft_overlong_punishment(4, 2)] + ([reward_model] if reward_model else []),
     train_dataset=rows,
     processing_class=tokenizer,
     rollout_func=rollout,

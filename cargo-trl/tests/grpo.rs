@@ -150,7 +150,8 @@ fn grpo_under_every_cpu_profile_equals_one_process() {
 }
 
 /// Completions sampled in the training processes (temperature 1.2, nucleus 0.95), scored by
-/// a reward program (scripts/parity_reward.py, given as TRL's nargs): each row draws from a
+/// a reward program (scripts/parity_reward.py, given as TRL's nargs) and a reward model (each
+/// rank holds it whole and scores its own rows): each row draws from a
 /// seed of its place in the round, so every profile samples what one process does, and
 /// every figure follows.
 #[test]
@@ -164,6 +165,7 @@ fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
         "--reward_funcs",
         "accuracy_reward",
         "python3 scripts/parity_reward.py",
+        "assets/tiny-qwen3/reward",
     ];
     let one = ["--num_processes", "1"];
     let one8 = grpo_run(&one, 8, &tmp.path().join("one8"), &sampled);
@@ -172,6 +174,11 @@ fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
     // The sampled completions earn different rewards: the loss has advantages to weigh.
     let spread = one8[0]["reward_std"].as_f64().unwrap();
     assert!(spread > 0.0, "rewards vary: {}", one8[0]);
+    assert!(
+        one8[0]["rewards/reward/std"].as_f64().unwrap() > 0.0,
+        "{}",
+        one8[0]
+    );
     for (name, args, two_dp) in common::CPU_CASES {
         let got = grpo_run(args, 4, &tmp.path().join(name), &sampled);
         let want = if *two_dp { &one8 } else { &one4 };

@@ -163,6 +163,7 @@ fn with_keys(mut cfg: GRPOConfig, keys: &[&str]) -> GRPOConfig {
             "delta" => cfg.delta = Some(v.parse().unwrap()),
             "epsilon_high" => cfg.epsilon_high = Some(v.parse().unwrap()),
             "scale_rewards" => cfg.scale_rewards = v.into(),
+            "reward_model" => cfg.reward_funcs.0.push(v.into()),
             _ => panic!("with_keys: {k} not handled"),
         }
     }
@@ -174,13 +175,19 @@ fn with_keys(mut cfg: GRPOConfig, keys: &[&str]) -> GRPOConfig {
 /// metric TRL logs (clip fractions and lengths are counts: equal up to TRL's float32). The
 /// three loss types, then the options that change which tokens count and how: the top
 /// entropy quantile, sequence-level importance sampling (GSPO), masked truncated
-/// completions, two-sided clipping with an upper epsilon, and batch / no reward scaling.
+/// completions, two-sided clipping with an upper epsilon, batch / no reward scaling, and a
+/// reward model beside the reward function (a Qwen3ForSequenceClassification checkpoint named
+/// by its path, scoring the conversations through its chat template).
 #[test]
 fn grpo_figures_match_trl() {
     let Some(python) = common::python_with(&["torch", "transformers", "trl"]) else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
+    let reward_model = format!(
+        "reward_model={}",
+        repo().join("assets/tiny-qwen3/reward").display()
+    );
     let cases: &[(&str, &[&str])] = &[
         ("grpo", &[]),
         ("dapo", &[]),
@@ -195,6 +202,7 @@ fn grpo_figures_match_trl() {
             "bnpo",
             &["delta=1.01", "epsilon_high=0.28", "scale_rewards=none"],
         ),
+        ("dapo", &[reward_model.as_str()]),
     ];
     for (case, (loss_type, keys)) in cases.iter().enumerate() {
         let ours = run(&with_keys(config(tmp.path(), 8, loss_type), keys), 1);

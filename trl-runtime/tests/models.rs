@@ -5,7 +5,9 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::max_abs_diff;
-use trl_runtime::models::{AutoModelForCausalLM, CausalModel, ModelConfig, Params};
+use trl_runtime::models::{
+    AutoModelForCausalLM, AutoModelForSequenceClassification, CausalModel, ModelConfig, Params,
+};
 use trl_runtime::nn::{causal_lm_loss, AttentionImpl};
 use trl_runtime::parallel::CausalLm;
 
@@ -430,6 +432,91 @@ fn every_built_in_model_type_matches_transformers() {
             "{kind}: AutoModelForCausalLM's logits differ by {diff}"
         );
     }
+}
+
+/// A reward model of each built-in model file (transformers' `...ForSequenceClassification`,
+/// num_labels 1, scripts/make_reward_fixture.py) scores right-padded rows as transformers
+/// does, each read at its last token that is not the pad; and a causal LM or a missing
+/// score head is refused by name.
+#[test]
+fn reward_models_score_as_transformers_sequence_classifiers() {
+    let assets = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+    for kind in [
+        "qwen3",
+        "mistral",
+        "gemma2",
+        "olmo3",
+        "phi3",
+        "qwen3-moe",
+        "mixtral",
+        "gpt-oss",
+    ] {
+        let dir = assets.join(format!("tiny-{kind}"));
+        let want =
+            candle_core::safetensors::load(dir.join("reward_parity.safetensors"), &Device::Cpu)
+                .unwrap();
+        let ids = want["input_ids"].to_dtype(DType::U32).unwrap();
+        let mask = want["attention_mask"].to_dtype(DType::U32).unwrap();
+        let m = AutoModelForSequenceClassification::from_pretrained(
+            dir.join("reward"),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(m.num_labels(), 1);
+        let logits = m.forward(&ids, &mask).unwrap();
+        let diff = max_abs_diff(&logits, &want["logits"]);
+        eprintln!("{kind} reward model: max |logits - transformers| = {diff:e}");
+        assert!(
+            diff < 1e-4,
+            "{kind}: reward logits differ from transformers by {diff}"
+        );
+        // One row alone reads the same as in the batch.
+        let one = m
+            .forward(
+                &ids.narrow(0, 1, 1).unwrap(),
+                &mask.narrow(0, 1, 1).unwrap(),
+            )
+            .unwrap();
+        let diff = max_abs_diff(&one, &want["logits"].narrow(0, 1, 1).unwrap());
+        assert!(diff < 1e-4, "{kind}: one row differs by {diff}");
+    }
+    let err = |dir: std::path::PathBuf| {
+        AutoModelForSequenceClassification::from_pretrained(dir, DType::F32, &Device::Cpu)
+            .err()
+            .expect("refused")
+            .to_string()
+    };
+    let causal = err(assets.join("tiny-qwen3/model"));
+    assert!(
+        causal.contains("architectures") && causal.contains("not a sequence classifier"),
+        "{causal}"
+    );
+    // A classifier's config over a causal LM's weights: the score head is named missing.
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        assets.join("tiny-qwen3/reward/config.json"),
+        tmp.path().join("config.json"),
+    )
+    .unwrap();
+    std::fs::copy(
+        assets.join("tiny-qwen3/model/model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let missing = err(tmp.path().to_path_buf());
+    assert!(missing.contains("score.weight"), "{missing}");
+    // Left padding is refused by row.
+    let m = AutoModelForSequenceClassification::from_pretrained(
+        assets.join("tiny-qwen3/reward"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ids = Tensor::new(&[[0u32, 5, 6]], &Device::Cpu).unwrap();
+    let mask = Tensor::new(&[[0u32, 1, 1]], &Device::Cpu).unwrap();
+    let left = m.forward(&ids, &mask).unwrap_err().to_string();
+    assert!(left.contains("row 0") && left.contains("right"), "{left}");
 }
 
 /// The gradients keep no larger buffers alive than themselves: the step holds every gradient

@@ -8,7 +8,7 @@
 //! `registry!` below (docs/models.md).
 
 use super::causal::{CausalModel, LayerInputs};
-use super::params::{read_config, shapes_and_aliases, Checked, FilesBackend, WeightFiles};
+use super::params::{read_config, shapes_and_aliases, FilesBackend, WeightFiles};
 use super::{gemma3, gpt_oss, llama, mixtral, olmo2, phi3, qwen3_moe};
 use crate::error::{Error, Result};
 use crate::nn::module::Parallelize;
@@ -185,12 +185,7 @@ impl AutoModelForCausalLM {
         let (text, source) = read_config(dir)?;
         let config = Self::parse_config(&text, &source)?;
         let files = Arc::new(WeightFiles::open(dir)?);
-        let backend = FilesBackend {
-            files: files.clone(),
-            dtype,
-            device: device.clone(),
-        };
-        let vb = VarBuilder::from_backend(Box::new(Checked(backend)), dtype, device.clone());
+        let vb = FilesBackend::var_builder(&files, dtype, device);
         let model = Self::new(&config, vb)?;
         let (shapes, aliases) = shapes_and_aliases(&model);
         files.check(&shapes, &aliases)?;

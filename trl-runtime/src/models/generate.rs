@@ -19,9 +19,9 @@ fn held(m: &impl CausalModel) -> Result<(DType, Device)> {
     }
 }
 
-/// Logits [batch, seq, vocab] of `m` (or of the last position alone, [batch, 1, vocab], when
-/// `last`), attending over `cache` when given.
-pub(crate) fn logits<M: CausalModel>(
+/// Hidden states [batch, seq, hidden] of `m` after its final norm (of the last position
+/// alone, [batch, 1, hidden], when `last`), attending over `cache` when given.
+pub(crate) fn hidden_states<M: CausalModel>(
     m: &M,
     (input_ids, position_ids): (&Tensor, &Tensor),
     cache: Option<&Arc<Mutex<KvCache>>>,
@@ -42,7 +42,20 @@ pub(crate) fn logits<M: CausalModel>(
         let s = x.dim(1)?;
         x = x.narrow(1, s - 1, 1)?;
     }
-    let logits = m.lm_head().forward(&m.final_norm(&x)?)?;
+    Ok(m.final_norm(&x)?)
+}
+
+/// Logits [batch, seq, vocab] of `m` (or of the last position alone, [batch, 1, vocab], when
+/// `last`), attending over `cache` when given.
+pub(crate) fn logits<M: CausalModel>(
+    m: &M,
+    inputs: (&Tensor, &Tensor),
+    cache: Option<&Arc<Mutex<KvCache>>>,
+    last: bool,
+) -> Result<Tensor> {
+    let logits = m
+        .lm_head()
+        .forward(&hidden_states(m, inputs, cache, last)?)?;
     Ok(match m.logit_softcap() {
         Some(cap) => ((logits / cap)?.tanh()? * cap)?,
         None => logits,

@@ -9,6 +9,7 @@ pub mod auto;
 pub mod causal;
 pub mod config;
 pub mod generate;
+pub mod sequence_classification;
 pub mod weights;
 
 // The catalogue by group (architectures, weights I/O, adapters), each module also where it
@@ -24,3 +25,4 @@ pub use gemma3::Gemma3;
 pub use generate::Generate;
 pub use llama::Llama;
 pub use params::Params;
+pub use sequence_classification::AutoModelForSequenceClassification;

@@ -584,6 +584,9 @@ impl Grpo {
             texts.push(t);
             values.push(v);
         }
+        for r in &self.rewards {
+            r.prepare(core.args.compute_dtype()?, core.ctx.device())?;
+        }
         let input = RewardInput {
             prompts,
             completions: &values,

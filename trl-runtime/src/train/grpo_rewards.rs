@@ -4,7 +4,10 @@
 //! kept running between calls), for rewards with TRL's call signature and for rollouts
 //! (TRL's `rollout_func`). docs/grpo.md gives the protocol.
 
+use crate::data::tokenize::{Message, TextTokenizer};
 use crate::error::{Error, Result};
+use crate::models::AutoModelForSequenceClassification;
+use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Map, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -109,6 +112,75 @@ enum Func {
     SoftOverlong { max_len: usize, cache: usize },
     Program(std::cell::RefCell<LineProgram>),
     Closure(RewardClosure),
+    Model(Box<RewardModel>),
+}
+
+/// A reward model (transformers' `...ForSequenceClassification` checkpoint) and its
+/// tokenizer, read from their directory when GRPO first scores (on its device, in its dtype).
+struct RewardModel {
+    dir: std::path::PathBuf,
+    loaded: std::cell::OnceCell<(AutoModelForSequenceClassification, TextTokenizer)>,
+}
+
+impl RewardModel {
+    fn load(&self, dtype: DType, device: &Device) -> Result<()> {
+        if self.loaded.get().is_none() {
+            let tok = TextTokenizer::from_dir(&self.dir)?;
+            let mut model =
+                AutoModelForSequenceClassification::from_pretrained(&self.dir, dtype, device)?;
+            // TRL: the reward tokenizer's pad (its eos when it has none) is the model's.
+            model.pad_token_id = Some(tok.pad_token_id);
+            let _ = self.loaded.set((model, tok));
+        }
+        Ok(())
+    }
+
+    /// TRL's reward-model call: prompt + completion as text (conversations through the
+    /// reward tokenizer's chat template), tokenized without special tokens, right-padded,
+    /// logit 0 of each row.
+    fn score(&self, input: &RewardInput<'_>) -> Result<Vec<Option<f64>>> {
+        self.load(DType::F32, &Device::Cpu)?;
+        let (model, tok) = self.loaded.get().expect("loaded above");
+        let source = || self.dir.display().to_string();
+        let mut rows = Vec::with_capacity(input.prompts.len());
+        for (prompt, completion) in input.prompts.iter().zip(input.completions) {
+            let text = match (prompt, completion) {
+                (Value::Array(p), Value::Array(c)) => {
+                    let messages: Vec<Message> =
+                        serde_json::from_value(Value::Array([p.clone(), c.clone()].concat()))
+                            .map_err(|e| Error::config(source(), "prompt", format!("not chat messages: {e}")))?;
+                    tok.apply_chat_template(&messages, None, false)?.text
+                }
+                (Value::String(p), Value::String(c)) => format!("{p}{c}"),
+                (p, c) => {
+                    return Err(Error::config(
+                        source(),
+                        "prompt",
+                        format!("a reward model scores a text prompt and completion, or a conversation: got {p} and {c}"),
+                    ))
+                }
+            };
+            rows.push(tok.encode(&text, false)?);
+        }
+        let width = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let (mut ids, mut mask) = (Vec::new(), Vec::new());
+        for row in &rows {
+            ids.extend(
+                row.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(tok.pad_token_id, width - row.len())),
+            );
+            mask.extend((0..width).map(|i| u32::from(i < row.len())));
+        }
+        let device = model.device();
+        let shape = (rows.len(), width);
+        let logits = model.forward(
+            &Tensor::from_vec(ids, shape, &device)?,
+            &Tensor::from_vec(mask, shape, &device)?,
+        )?;
+        let first: Vec<f32> = logits.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?;
+        Ok(first.into_iter().map(|v| Some(f64::from(v))).collect())
+    }
 }
 
 /// One reward function and the name its metrics are logged under (`rewards/NAME/mean`).
@@ -175,10 +247,25 @@ impl Reward {
         if let Some((name, f)) = registered.rewards.iter().find(|(n, _)| n == entry) {
             return Ok(Reward::closure(name.clone(), f.clone()));
         }
+        let dir = std::path::Path::new(entry);
+        if dir.join("config.json").is_file() {
+            AutoModelForSequenceClassification::check_dir(dir).map_err(|e| e.to_string())?;
+            // TRL: the last part of the model's name or path.
+            let name = dir
+                .file_name()
+                .map_or(entry.into(), |n| n.to_string_lossy().into_owned());
+            return Ok(Reward {
+                name,
+                func: Func::Model(Box::new(RewardModel {
+                    dir: dir.to_path_buf(),
+                    loaded: Default::default(),
+                })),
+            });
+        }
         if !entry.contains(' ') && !entry.contains('/') {
             let mine: Vec<&str> = registered.rewards.iter().map(|(n, _)| n.as_str()).collect();
             return Err(format!(
-                "'{entry}' is neither one of TRL's reward functions built in here ({}), nor a Rust function this program registered ({}), nor a command line starting a reward program (docs/grpo.md)",
+                "'{entry}' is neither one of TRL's reward functions built in here ({}), nor a Rust function this program registered ({}), nor a reward model's directory, nor a command line starting a reward program (docs/grpo.md)",
                 BUILTIN.join(", "),
                 match mine.is_empty() {
                     true => "none: trl_runtime::train::grpo_rewards::register_reward".to_string(),
@@ -203,6 +290,15 @@ impl Reward {
         }
     }
 
+    /// Reads a reward model onto `device` in `dtype` before its first score (else it is read
+    /// on the CPU in f32).
+    pub fn prepare(&self, dtype: DType, device: &Device) -> Result<()> {
+        match &self.func {
+            Func::Model(m) => m.load(dtype, device),
+            _ => Ok(()),
+        }
+    }
+
     /// One value per completion of `input` (None: not applicable, TRL's None).
     pub fn score(&self, input: &RewardInput<'_>) -> Result<Vec<Option<f64>>> {
         let out = match &self.func {
@@ -213,6 +309,7 @@ impl Reward {
                 .map(|ids| Some(soft_overlong(ids.len(), *max_len, *cache)))
                 .collect(),
             Func::Closure(f) => f(input)?,
+            Func::Model(m) => m.score(input)?,
             Func::Program(p) => {
                 let mut request = Map::new();
                 request.insert("prompts".into(), json!(input.prompts));
@@ -635,6 +732,36 @@ mod tests {
             program_name("python3 scripts/exact_reward.py --x"),
             "exact_reward"
         );
+    }
+
+    /// A directory with a classifier's config.json is a reward model named after it; a
+    /// causal LM's directory is refused by its architectures.
+    #[test]
+    fn a_model_directory_is_a_reward_model() {
+        let assets = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+        let rm = Reward::parse(&assets.join("tiny-qwen3/reward").display().to_string(), 8).unwrap();
+        assert_eq!(rm.name, "reward");
+        let err = Reward::parse(&assets.join("tiny-qwen3/model").display().to_string(), 8)
+            .err()
+            .unwrap();
+        assert!(
+            err.contains("architectures") && err.contains("Qwen3ForCausalLM"),
+            "{err}"
+        );
+        // Scores a text prompt and its completion as one row.
+        let texts = vec!["a b".to_string(), "c".to_string()];
+        let completions: Vec<Value> = texts.iter().map(|t| json!(t)).collect();
+        let prompts = vec![json!("x "), json!("y ")];
+        let columns = vec![Map::new(), Map::new()];
+        let ids = vec![vec![1], vec![1]];
+        let mut input = input_of(&texts, &completions, &columns, &ids);
+        input.prompts = &prompts;
+        let scores = rm.score(&input).unwrap();
+        assert!(
+            scores.iter().all(|s| s.is_some_and(f64::is_finite)),
+            "{scores:?}"
+        );
+        assert_ne!(scores[0], scores[1]);
     }
 
     #[test]

@@ -612,6 +612,23 @@ pub struct FilesBackend {
     pub device: Device,
 }
 
+impl FilesBackend {
+    /// A VarBuilder reading `files` in `dtype` onto `device`, each weight checked against the
+    /// shape the model asks for.
+    pub fn var_builder(
+        files: &std::sync::Arc<WeightFiles>,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_nn::VarBuilder<'static> {
+        let backend = FilesBackend {
+            files: files.clone(),
+            dtype,
+            device: device.clone(),
+        };
+        candle_nn::VarBuilder::from_backend(Box::new(Checked(backend)), dtype, device.clone())
+    }
+}
+
 impl Weights for FilesBackend {
     fn read(&self, name: &str) -> candle_core::Result<Tensor> {
         self.files
