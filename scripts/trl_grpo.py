@@ -5,6 +5,7 @@ usage: trl_grpo.py MODEL_DIR DATA.jsonl OUT_DIR STEPS [KEY=VALUE ...]
 The completions come from `rollout_func` (TRL's hook), by scripts/fixed_rollout.py's rule. The
 reward is get_soft_overlong_punishment(4, 2). 8 completions per step (2 prompts x 4), one
 process, fp32, AdamW at a constant learning rate of 1e-3; KEY=VALUE sets GRPOConfig keys, and
+eval_data=FILE evaluates on those prompts (with eval_strategy=steps eval_steps=N), and
 reward_model=DIR adds a reward model (a ForSequenceClassification checkpoint, as TRL loads one
 named by its path) after that reward.
 """
@@ -27,6 +28,7 @@ from trl_parity import value  # noqa: E402
 model_dir, data, out, steps = sys.argv[1:5]
 extra = {k: value(v) for k, v in (a.split("=", 1) for a in sys.argv[5:])}
 reward_model = extra.pop("reward_model", None)
+eval_data = extra.pop("eval_data", None)
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -48,6 +50,8 @@ class Print(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
             print(json.dumps({"step": state.global_step, **logs}), flush=True)
+        if logs and "eval_loss" in logs:
+            print(json.dumps({"eval_step": state.global_step, **logs}), flush=True)
 
 
 config = GRPOConfig(
@@ -76,6 +80,7 @@ trainer = GRPOTrainer(
     args=config,
     reward_funcs=[get_soft_overlong_punishment(4, 2)] + ([reward_model] if reward_model else []),
     train_dataset=rows,
+    eval_dataset=load_dataset("json", data_files=eval_data, split="train") if eval_data else None,
     processing_class=tokenizer,
     rollout_func=rollout,
     callbacks=[Print()],

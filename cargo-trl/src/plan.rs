@@ -80,6 +80,10 @@ pub struct PlanArgs {
     /// reference, a copy of the weights on every rank; TRL's default 0 holds none).
     #[arg(long)]
     pub beta: Option<f64>,
+    /// The trainer's reward_funcs, for a trainer that takes them (grpo: each reward model
+    /// named by its directory is held whole on every rank).
+    #[arg(long = "reward_funcs", num_args = 1..)]
+    pub reward_funcs: Vec<String>,
     /// Only layouts with (true) or without (false) activation checkpointing; both by default.
     #[arg(long)]
     pub gradient_checkpointing: Option<bool>,
@@ -411,6 +415,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                                 model.dims.hidden_size,
                             ),
                             reference_copy: false,
+                            side_parameters: 0,
                             gpu: machine.gpu,
                             // As trained by default: a mixture of experts' config has a
                             // non-zero router_aux_loss_coef (0.001 when it names none).
@@ -520,7 +525,12 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
             Some(c) => vec![c],
             None => vec![true, false],
         },
-        workload: workload(&args.trainer, args.sync_ref_model, args.beta)?,
+        workload: workload(
+            &args.trainer,
+            args.sync_ref_model,
+            args.beta,
+            &args.reward_funcs,
+        )?,
         dtype: None,
     };
     let machine = Machine::from_args(args)?;
@@ -659,9 +669,15 @@ fn generation_line(
     )
 }
 
-/// What trainer `name` costs a rank per row, with TRL's sync_ref_model and beta when given
-/// (refused for a trainer that takes no such argument, naming those that do).
-fn workload(name: &str, sync_ref_model: bool, beta: Option<f64>) -> Result<Workload, String> {
+/// What trainer `name` costs a rank per row, with TRL's sync_ref_model, beta and
+/// reward_funcs when given (refused for a trainer that takes no such argument, naming those
+/// that do).
+fn workload(
+    name: &str,
+    sync_ref_model: bool,
+    beta: Option<f64>,
+    reward_funcs: &[String],
+) -> Result<Workload, String> {
     let kind = registry::find(name).ok_or_else(|| format!("--trainer {name}: no such trainer"))?;
     let mut flags: Vec<String> = Vec::new();
     if sync_ref_model {
@@ -669,6 +685,10 @@ fn workload(name: &str, sync_ref_model: bool, beta: Option<f64>) -> Result<Workl
     }
     if let Some(beta) = beta {
         flags.extend(["--beta".into(), beta.to_string()]);
+    }
+    if !reward_funcs.is_empty() {
+        flags.push("--reward_funcs".into());
+        flags.extend(reward_funcs.iter().cloned());
     }
     if let Some(read) = (kind.read)(&flags) {
         return Ok(read.workload);
@@ -678,9 +698,11 @@ fn workload(name: &str, sync_ref_model: bool, beta: Option<f64>) -> Result<Workl
     for (flag, given) in [
         ("--sync_ref_model", sync_ref_model),
         ("--beta", beta.is_some()),
+        ("--reward_funcs", !reward_funcs.is_empty()),
     ] {
         let alone: Vec<String> = match flag {
             "--beta" => vec![flag.into(), beta.unwrap_or(0.0).to_string()],
+            "--reward_funcs" => [vec![flag.to_string()], reward_funcs.to_vec()].concat(),
             _ => vec![flag.into(), "true".into()],
         };
         if !given || (kind.read)(&alone).is_some() {
@@ -773,6 +795,7 @@ pub fn auto(
                 trainer: registry::names()[0].into(),
                 sync_ref_model: false,
                 beta: None,
+                reward_funcs: vec![],
                 gradient_checkpointing: None,
                 max_completion_length: None,
                 generation_batch_size: None,
@@ -846,6 +869,7 @@ mod tests {
             read_as::<SFTConfig>(args, |_| Workload {
                 sequences_per_row: 4,
                 weight_copies: 1,
+                ..Workload::default()
             })
         },
         scaffold: Scaffold {

@@ -344,7 +344,21 @@ fn the_plan_counts_preference_pairs() {
         code != 0 && err.contains("--beta") && err.contains("--trainer grpo"),
         "{err}"
     );
+    // A reward model named by its directory is held whole on every rank, in the compute dtype.
+    let rm = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny-qwen3/reward");
+    let args = ["--trainer", "grpo", "--reward_funcs", "accuracy_reward", rm];
+    let (code, with_rm, err) = plan(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        with_rm.contains(&format!("reward models held whole: 4 x {RM_PARAMS}")),
+        "{with_rm}"
+    );
+    let (code, _, err) = plan(&["--reward_funcs", rm]);
+    assert!(code != 0 && err.contains("--trainer grpo"), "{err}");
 }
+
+/// The parameters of assets/tiny-qwen3/reward (its safetensors header).
+const RM_PARAMS: usize = 92352;
 
 /// `cargo trl plan --use_peft` counts the adapters its targets name (gpt-oss's fused experts
 /// through `--lora_target_parameters`, one A and B per expert of rank r); a target the

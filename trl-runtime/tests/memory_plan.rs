@@ -109,6 +109,7 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         offload_params: false,
         reduce_units: (WrapPolicy::Buckets(DEEPSPEED_REDUCE_BUCKET), false),
         reference_copy: false,
+        side_parameters: 0,
         gpu: false,
         router_loss: true,
         threads: 1,

@@ -128,6 +128,13 @@ impl AutoModelForSequenceClassification {
         self.device.clone()
     }
 
+    /// The number of parameters of the classifier in model directory `dir`, from its weight
+    /// files' headers; None when `dir` holds no classifier.
+    pub fn parameter_count(dir: &Path) -> Option<usize> {
+        Self::check_dir(dir).ok()?;
+        Some(WeightFiles::open(dir).ok()?.parameter_count())
+    }
+
     pub fn num_labels(&self) -> usize {
         self.score.weight.dims()[0]
     }

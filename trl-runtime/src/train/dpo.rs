@@ -687,6 +687,7 @@ pub fn workload(config: &DPOConfig) -> Workload {
     Workload {
         sequences_per_row: 2,
         weight_copies: usize::from(config.sync_ref_model),
+        ..Workload::default()
     }
 }
 

@@ -30,7 +30,7 @@ use crate::context_parallel::split::{kept_columns, pad_to_multiple};
 use crate::data::{collate, CollateOptions, Example, PackedSequence, TextTokenizer};
 use crate::error::{Error, Result};
 use crate::generation::{GenerationConfig, Prompt};
-use crate::models::CausalModel;
+use crate::models::{AutoModelForSequenceClassification, CausalModel};
 use crate::nn::IGNORE_INDEX;
 use crate::parallel::estimate::Workload;
 use crate::parallel::GatherMode;
@@ -1159,11 +1159,20 @@ fn cut_at_eos(rows: TokenRows, width: usize, eos: &[u32]) -> TokenRows {
 }
 
 /// A micro-batch's rows are completions; a reference (beta > 0) is a held copy of what the
-/// rank trains.
+/// rank trains; every rank holds each reward model whole.
 pub fn workload(config: &GRPOConfig) -> Workload {
+    let side_parameters = config
+        .reward_funcs
+        .0
+        .iter()
+        .filter_map(|e| {
+            AutoModelForSequenceClassification::parameter_count(std::path::Path::new(e.trim()))
+        })
+        .sum();
     Workload {
         sequences_per_row: 1,
         weight_copies: usize::from(config.beta != 0.0),
+        side_parameters,
     }
 }
 

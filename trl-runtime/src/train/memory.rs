@@ -161,6 +161,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 crate::parallel::hidden_size(self.model.config_json()),
             ),
             reference_copy: false,
+            side_parameters: 0,
             gpu: self.ctx.device().is_cuda(),
             router_loss: self.router_loss_weight != 0.0,
             threads: crate::parallel::estimate::cpu_threads(),

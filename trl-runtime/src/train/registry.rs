@@ -66,7 +66,7 @@ mod tests {
         // Only DPO takes --beta: two sequences a row; TR-DPO keeps a copy of the weights.
         let pairs = Workload {
             sequences_per_row: 2,
-            weight_copies: 0,
+            ..Workload::default()
         };
         assert_eq!(kind(&["--beta", "0.2"]), Some(("dpo", pairs)));
         let synced = Workload {

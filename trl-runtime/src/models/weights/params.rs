@@ -278,6 +278,14 @@ impl WeightFiles {
         out
     }
 
+    /// The number of values the files hold for the model (MXFP4 pairs as their dense tensors).
+    pub fn parameter_count(&self) -> usize {
+        self.stored()
+            .iter()
+            .map(|(_, _, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
     /// Tensor `name` as stored, or dequantized (f32) when packed as MXFP4.
     fn read(&self, name: &str, device: &Device) -> Result<Tensor> {
         match self.packed(name) {

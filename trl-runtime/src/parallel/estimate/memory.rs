@@ -293,6 +293,15 @@ fn model_state(c: &Counts, setup: &Setup, e: &mut Estimate, why: &mut Vec<String
             mib(e.reference)
         ));
     }
+    if setup.side_parameters > 0 {
+        let side = dsz * setup.side_parameters;
+        e.reference += side;
+        why.push(format!(
+            "reward models held whole: {dsz} x {} = {}",
+            setup.side_parameters,
+            mib(side)
+        ));
+    }
     if setup.offload_optimizer {
         e.host_optimizer = opt_bytes;
         // The units' reduced gradient slices stream out as they arrive.

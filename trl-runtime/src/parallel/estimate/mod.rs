@@ -52,6 +52,8 @@ pub struct Setup {
     pub reduce_units: (WrapPolicy, bool),
     /// A second copy of the weights this rank holds (TR-DPO's reference).
     pub reference_copy: bool,
+    /// Parameters of other models held whole beside the trained one (GRPO's reward models).
+    pub side_parameters: usize,
     /// On GPUs, where the fused loss's one-pass kernel takes every dtype (on the CPU, f32).
     pub gpu: bool,
     /// The router load-balancing loss is added (a mixture of experts with a non-zero
@@ -81,6 +83,7 @@ impl Setup {
             offload_params: false,
             reduce_units: (WrapPolicy::Buckets(super::DEEPSPEED_REDUCE_BUCKET), false),
             reference_copy: false,
+            side_parameters: 0,
             gpu: false,
             router_loss: true,
             threads: 1,
@@ -91,6 +94,7 @@ impl Setup {
     pub fn apply(&mut self, work: &Workload) {
         self.batch *= work.sequences_per_row.max(1);
         self.reference_copy = work.weight_copies > 0;
+        self.side_parameters = work.side_parameters;
     }
 }
 
@@ -103,6 +107,10 @@ pub struct Workload {
     pub sequences_per_row: usize,
     /// Copies of the trained weights a rank holds beside them (TR-DPO's synced reference: 1).
     pub weight_copies: usize,
+    /// Parameters of other models a rank holds whole, in the compute dtype (GRPO's reward
+    /// models).
+    #[serde(default)]
+    pub side_parameters: usize,
 }
 
 impl Default for Workload {
@@ -110,6 +118,7 @@ impl Default for Workload {
         Workload {
             sequences_per_row: 1,
             weight_copies: 0,
+            side_parameters: 0,
         }
     }
 }
@@ -126,8 +135,12 @@ impl Workload {
             0 => String::new(),
             n => format!(", {n} copy of the weights"),
         };
+        let side = match self.side_parameters {
+            0 => String::new(),
+            n => format!(", {n} parameters of reward models held whole"),
+        };
         Some(format!(
-            "{rows} rows = {} sequences per micro-batch{copies}",
+            "{rows} rows = {} sequences per micro-batch{copies}{side}",
             rows * self.sequences_per_row
         ))
     }
@@ -171,7 +184,8 @@ pub struct Estimate {
     pub update_buffers: usize,
     /// A full checkpoint save over the training peak (streamed: one unit at a time).
     pub save: usize,
-    /// A copy of this rank's weights kept beside them (TR-DPO's reference).
+    /// Weights kept beside the trained ones: a copy of this rank's (TR-DPO's and GRPO's
+    /// reference) and models held whole (GRPO's reward models).
     pub reference: usize,
     /// The formulas with their numbers, one line each (`cargo trl plan --explain`).
     pub explain: Vec<String>,
