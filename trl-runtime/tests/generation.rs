@@ -318,22 +318,17 @@ fn greedy_generation_equals_transformers() {
     std::fs::write(&job_file, serde_json::json!({ "jobs": jobs }).to_string()).unwrap();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../scripts/transformers_generate.py");
-    let out = std::process::Command::new(python)
-        .arg(script)
-        .arg(&job_file)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = common::stdout_of(
+        std::process::Command::new(python)
+            .arg(script)
+            .arg(&job_file),
     );
     #[derive(serde::Deserialize)]
     struct Want {
         tokens: Vec<Vec<u32>>,
         gaps: Vec<Vec<f32>>,
     }
-    let want: Vec<Want> = serde_json::from_slice(&out.stdout).unwrap();
+    let want: Vec<Want> = serde_json::from_str(&out).unwrap();
     for ((kind, eos, got), want) in ours.iter().zip(&want) {
         eprintln!(
             "{kind} eos {eos:?}: {got:?}\n  transformers: {:?}",

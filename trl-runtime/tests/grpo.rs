@@ -15,7 +15,7 @@ use trl_runtime::dist::{DeviceMesh, DistContext};
 use trl_runtime::models::AutoModelForCausalLM;
 use trl_runtime::parallel::Strategy;
 use trl_runtime::train::args::EntryList;
-use trl_runtime::train::{GRPOConfig, Grpo, Trainer, TrainingArguments};
+use trl_runtime::train::{EvalResult, GRPOConfig, Grpo, Trainer, TrainingArguments};
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap()
@@ -170,6 +170,35 @@ fn with_keys(mut cfg: GRPOConfig, keys: &[&str]) -> GRPOConfig {
     cfg
 }
 
+/// TRL's GRPOTrainer for 4 steps on the tiny model and prompts with fixed rollouts, beta 0.04
+/// and num_iterations 2 (scripts/trl_grpo.py) and `args` (KEY=VALUE): its `n` logged lines
+/// whose first key is `first`.
+fn trl_logs(
+    python: &Path,
+    out_dir: &Path,
+    args: &[String],
+    first: &str,
+    n: usize,
+) -> Vec<serde_json::Value> {
+    let out = common::stdout_of(
+        std::process::Command::new(python)
+            .arg(repo().join("scripts/trl_grpo.py"))
+            .arg(repo().join("assets/tiny/model"))
+            .arg(repo().join("assets/tiny/data/grpo_train.jsonl"))
+            .arg(out_dir)
+            .args(["4", "beta=0.04", "num_iterations=2"])
+            .args(args),
+    );
+    let head = format!("{{\"{first}\"");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .filter(|l| l.starts_with(&head))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), n, "{out}");
+    lines
+}
+
 /// Our figures for 4 steps equal TRL's GRPOTrainer's on the same prompts, completions and
 /// rewards (scripts/trl_grpo.py), within 1e-4 relative: the loss, the gradient norm and every
 /// metric TRL logs (clip fractions and lengths are counts: equal up to TRL's float32). The
@@ -206,28 +235,16 @@ fn grpo_figures_match_trl() {
     ];
     for (case, (loss_type, keys)) in cases.iter().enumerate() {
         let ours = run(&with_keys(config(tmp.path(), 8, loss_type), keys), 1);
-        let out = std::process::Command::new(&python)
-            .arg(repo().join("scripts/trl_grpo.py"))
-            .arg(repo().join("assets/tiny/model"))
-            .arg(repo().join("assets/tiny/data/grpo_train.jsonl"))
-            .arg(tmp.path().join(format!("trl-{case}")))
-            .args(["4", "beta=0.04", "num_iterations=2"])
-            .arg(format!("loss_type={loss_type}"))
-            .args(*keys)
-            .output()
-            .unwrap();
-        let loss_type = format!("{loss_type} {keys:?}");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let mut args = vec![format!("loss_type={loss_type}")];
+        args.extend(keys.iter().map(|k| k.to_string()));
+        let theirs = trl_logs(
+            &python,
+            &tmp.path().join(format!("trl-{case}")),
+            &args,
+            "step",
+            4,
         );
-        let theirs: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.starts_with("{\"step\""))
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(theirs.len(), 4, "{}", String::from_utf8_lossy(&out.stdout));
+        let loss_type = format!("{loss_type} {keys:?}");
         for (step, (t, (loss, grad_norm, metrics))) in theirs.iter().zip(&ours).enumerate() {
             let mut checked = 0;
             for (key, v) in t.as_object().unwrap() {
@@ -254,9 +271,74 @@ fn grpo_figures_match_trl() {
     }
 }
 
+/// Evaluation equals TRL's at steps 2 and 4 (eval_steps 2) on the same rollouts: two eval
+/// steps of 4 completions (per_device_eval_batch_size 4), each step's figures averaged, the
+/// loss at ratio 1 with the KL term (beta 0.04), every figure TRL logs within 1e-4 relative.
+/// The held-out prompt is one row twice: TRL's eval sampler shuffles with torch's generator.
+#[test]
+fn grpo_evaluation_matches_trl() {
+    let Some(python) = common::python_with(&["torch", "transformers", "trl"]) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let eval_rows = tmp.path().join("eval.jsonl");
+    let first = std::fs::read_to_string(repo().join("assets/tiny/data/grpo_eval.jsonl")).unwrap();
+    let first = first.lines().next().unwrap();
+    std::fs::write(&eval_rows, format!("{first}\n{first}\n")).unwrap();
+    let mut cfg = config(tmp.path(), 8, "dapo");
+    cfg.training.eval_dataset_name = Some(eval_rows.clone());
+    cfg.training.per_device_eval_batch_size = 4;
+    let w = InProcessWorld::new(1);
+    let ctx = one_rank(&w);
+    let mut t = Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(cfg, &ctx, Strategy::Ddp)
+        .unwrap();
+    let mut ours = Vec::new();
+    for step in 1..=4 {
+        t.train_step().unwrap();
+        if step % 2 == 0 {
+            ours.push(t.evaluate().unwrap().unwrap());
+        }
+    }
+    let args = [
+        "loss_type=dapo".to_string(),
+        format!("eval_data={}", eval_rows.display()),
+        "eval_strategy=steps".into(),
+        "eval_steps=2".into(),
+        "per_device_eval_batch_size=4".into(),
+    ];
+    let theirs = trl_logs(&python, &tmp.path().join("trl"), &args, "eval_step", 2);
+    for (t, e) in theirs.iter().zip(&ours) {
+        let mut checked = 0;
+        for (key, v) in t.as_object().unwrap() {
+            let skip = ["eval_step", "epoch", "eval_num_tokens"];
+            if skip.contains(&key.as_str())
+                || key.ends_with("runtime")
+                || key.ends_with("_per_second")
+            {
+                continue;
+            }
+            let ours = e
+                .metric(key, "eval_reward")
+                .unwrap_or_else(|| panic!("TRL logs {key}, we do not: {e:?}"));
+            let v = v.as_f64().unwrap();
+            assert!(
+                (ours - v).abs() <= 1e-4 * v.abs().max(1e-3),
+                "{key}: ours {ours} TRL {v} ({t})"
+            );
+            checked += 1;
+        }
+        eprintln!(
+            "eval at step {}: {checked} figures equal TRL's: {t}",
+            t["eval_step"]
+        );
+        assert!(checked >= 15, "{t}");
+        assert!(e.loss != 0.0, "the loss at ratio 1 is computed: {e:?}");
+    }
+}
+
 /// Evaluation as TRL's: each held-out prompt `num_generations_eval` times, sampled, scored,
-/// and TRL's figures of them. Rows draw by their place, so the figures do not depend on the
-/// eval batch size, and repeat at the same step.
+/// in eval steps of `per_device_eval_batch_size` rows whose figures are averaged. Rows draw
+/// by their place, so the means do not depend on the step size, and repeat at the same step.
 #[test]
 fn evaluation_samples_num_generations_eval_per_prompt() {
     let tmp = tempfile::tempdir().unwrap();
@@ -293,30 +375,48 @@ fn evaluation_samples_num_generations_eval_per_prompt() {
         );
         first
     };
-    let five = eval(5);
+    let six = eval(6);
     let all = eval(48);
-    assert_eq!(five.accuracy, all.accuracy);
-    assert_eq!(
-        five.figures, all.figures,
-        "rows draw by their place, not their batch"
-    );
-    let figure = |k: &str| {
-        five.figures
+    let figure = |e: &EvalResult, k: &str| {
+        e.figures
             .iter()
             .find(|(n, _)| *n == k)
-            .unwrap_or_else(|| panic!("{k} missing: {:?}", five.figures))
+            .unwrap_or_else(|| panic!("{k} missing: {:?}", e.figures))
             .1
     };
-    // 16 held-out prompts, 3 completions each.
-    assert_eq!(figure("rewards/count_reward/mean"), 48.0);
-    let parity = figure("rewards/parity_reward/mean");
+    // 16 held-out prompts, 3 completions each, in eval steps of per_device_eval_batch_size
+    // rows: the counting reward sees each step's.
+    assert_eq!(figure(&six, "rewards/count_reward/mean"), 6.0);
+    assert_eq!(figure(&all, "rewards/count_reward/mean"), 48.0);
+    // Rows draw by their place, not their step: the means over equal steps are the same.
+    for k in ["rewards/parity_reward/mean", "completions/mean_length"] {
+        let (a, b) = (figure(&six, k), figure(&all, k));
+        assert!((a - b).abs() < 1e-9, "{k}: {a} vs {b}");
+    }
+    let parity = figure(&six, "rewards/parity_reward/mean");
     assert!((0.0..=1.0).contains(&parity) && parity > 0.0, "{parity}");
-    assert!(figure("reward_std") > 0.0);
-    assert!(figure("completions/mean_length") > 0.0);
-    assert!((0.0..=1.0).contains(&figure("frac_reward_zero_std")));
+    assert!(figure(&six, "reward_std") > 0.0);
+    assert!((0.0..=1.0).contains(&figure(&six, "frac_reward_zero_std")));
+    assert!(six.accuracy.unwrap() > 0.0, "eval_reward: the rewards' sum");
     assert!(
-        five.accuracy.unwrap() > 0.0,
-        "eval_reward: the rewards' sum"
+        six.loss.is_finite() && six.loss != 0.0,
+        "the loss at ratio 1: {}",
+        six.loss
+    );
+    // Eval steps hold whole groups, as TRL requires.
+    let mut cfg = config(tmp.path(), 8, "dapo");
+    cfg.num_generations_eval = Some(3);
+    cfg.training.eval_dataset_name = Some(repo().join("assets/tiny/data/grpo_eval.jsonl"));
+    cfg.training.per_device_eval_batch_size = 5;
+    let w = InProcessWorld::new(1);
+    let ctx = one_rank(&w);
+    let err = Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(cfg, &ctx, Strategy::Ddp)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("per_device_eval_batch_size") && err.contains("(3"),
+        "{err}"
     );
 }
 

@@ -4,7 +4,7 @@
 
 mod python;
 #[allow(unused_imports)]
-pub use python::python_with;
+pub use python::{python_with, stdout_of};
 
 pub mod collectives;
 

@@ -21,3 +21,16 @@ pub fn python_with(packages: &[&str]) -> Option<std::path::PathBuf> {
     }
     ok.then_some(python)
 }
+
+/// The standard output of `cmd` (a peer's script), which must succeed: else the test fails
+/// with its standard error.
+#[allow(dead_code)]
+pub fn stdout_of(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().expect("the command starts");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
