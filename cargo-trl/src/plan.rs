@@ -649,10 +649,10 @@ fn generation_line(
 ) -> String {
     let rows = args.generation_batch_size.unwrap_or(args.batch);
     let tokens = args.seq + completion;
-    let g = generation_round(model, &best.setup, rows, tokens);
+    let g = generation_round(model, &best.setup, rows, (args.seq, tokens));
     let gather = match g.gathered_weights {
         0 => String::new(),
-        w if best.peak + g.kv_cache + w <= machine.memory => {
+        w if best.peak + g.kv_cache + g.prefill + w <= machine.memory => {
             format!(
                 "; the sharded model gathered whole once per round: {} more",
                 gib(w)
@@ -664,8 +664,9 @@ fn generation_line(
         ),
     };
     format!(
-        "  generation round: {rows} rows x {tokens} tokens, KV cache {} per rank{gather}",
-        gib(g.kv_cache)
+        "  generation round: {rows} rows x {tokens} tokens, KV cache {} per rank, prefill transient {}{gather}",
+        gib(g.kv_cache),
+        gib(g.prefill)
     )
 }
 

@@ -201,7 +201,7 @@ fn generation_round(trainer: &Trainer, ctx: &DistContext, dir: &Path) {
         GEN_PROMPT,
     );
     let tokens = GEN_PROMPT + GEN_NEW;
-    let predicted = estimate::generation_round(&shapes, &setup, GEN_ROWS, tokens);
+    let predicted = estimate::generation_round(&shapes, &setup, GEN_ROWS, (GEN_PROMPT, tokens));
     let vocab = shapes.dims.vocab_size;
     let ids: Vec<u32> = (0..GEN_ROWS * GEN_PROMPT)
         .map(|i| (3 + i * 7919 % (vocab - 8)) as u32)
@@ -226,13 +226,13 @@ fn generation_round(trainer: &Trainer, ctx: &DistContext, dir: &Path) {
         .unwrap();
     assert_eq!(out.dim(1).unwrap(), tokens);
     let measured = counting::peak() - base;
-    // Beside the cache and the gathered weights: a step's logits [rows, vocab] in f32 and their
-    // copy read back, and the prefill's activations (a layer's, freed as it goes).
+    // Beside the cache, the gathered weights and the prefill's transient: a step's logits
+    // [rows, vocab] in f32 and their copy read back.
     let logits = 2 * GEN_ROWS * vocab * 4;
     if ctx.is_main_process() {
         println!(
-            "generate {measured} {} {} {logits}",
-            predicted.kv_cache, predicted.gathered_weights
+            "generate {measured} {} {} {} {logits}",
+            predicted.kv_cache, predicted.gathered_weights, predicted.prefill
         );
     }
 }
@@ -416,7 +416,7 @@ fn main() {
         support::run_ranks(&name, world, tmp.path(), |line, _| {
             if let Some(rest) = line.strip_prefix("generate ") {
                 let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
-                generated = Some((v[0], v[1], v[2], v[3]));
+                generated = Some((v[0], v[1], v[2], v[3], v[4]));
             }
             if let Some(rest) = line.strip_prefix("report ") {
                 let v: Vec<usize> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
@@ -467,19 +467,18 @@ fn main() {
             heap as f64 / 1048576.0,
             predicted as f64 / heap as f64
         );
-        // A generation round after the step: the heap it added, against the KV cache and the
-        // gathered weights the plan counts (plus the logits of a step, read back).
-        // What remains beside them (`other_bytes`: about 7 MiB here, the same at 64 and 128
-        // tokens) is the prefill's transient (a layer's activations over the prompts, held
-        // while the layer runs): not in the plan yet.
-        if let Some((measured, kv, gathered, logits)) = generated {
-            let predicted = kv + gathered + logits;
+        // A generation round after the step: the heap it added, against the KV cache, the
+        // gathered weights and the prefill's transient the plan counts (plus the logits of a
+        // step, read back).
+        if let Some((measured, kv, gathered, prefill, logits)) = generated {
+            let predicted = kv + gathered + prefill + logits;
             println!(
                 "{}",
                 serde_json::json!({
                     "bench": "memory_generation", "strategy": strategy, "world": world,
                     "rows": GEN_ROWS, "tokens": GEN_PROMPT + GEN_NEW,
                     "kv_cache_bytes": kv, "gathered_weights_bytes": gathered,
+                    "prefill_bytes": prefill,
                     "measured_bytes": measured, "predicted_bytes": predicted,
                     "predicted_over_measured": predicted as f64 / measured.max(1) as f64,
                     "other_bytes": measured as i64 - predicted as i64,

@@ -368,7 +368,7 @@ fn the_cache_holds_what_the_plan_counts() {
             rows,
             width,
         );
-        let want = generation_round(&shapes, &setup, rows, capacity).kv_cache;
+        let want = generation_round(&shapes, &setup, rows, (width, capacity)).kv_cache;
         assert_eq!(held, want, "{kind}");
     }
 }

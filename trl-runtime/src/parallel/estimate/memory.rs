@@ -716,14 +716,21 @@ pub struct GenerationRound {
     /// ZeRO-3 / FSDP gathering the whole model once for the round: every weight, gathered
     /// into buffers of its own beside the rank's slices (0 where parameters are not sharded).
     pub gathered_weights: usize,
+    /// The prefill's transient heap (a layer's buffers over the prompts, freed as it goes):
+    /// per prompt token 5 hidden-size buffers (norms, residuals, attention's output), 3 MLP
+    /// intermediates (gate, up, their product; a token's routed experts' for a mixture of
+    /// experts) and a quarter of the key/value width, in the dtype (measured with a counting
+    /// allocator, tests/memory_plan.rs).
+    pub prefill: usize,
 }
 
-/// The [`GenerationRound`] of `rows` sequences of `tokens` each under `setup`.
+/// The [`GenerationRound`] of `rows` sequences of `tokens` each (`prompt` of them prefilled)
+/// under `setup`.
 pub fn generation_round(
     model: &ModelShapes,
     setup: &Setup,
     rows: usize,
-    tokens: usize,
+    (prompt, tokens): (usize, usize),
 ) -> GenerationRound {
     let d = &model.dims;
     let tp = setup.dims.tp.max(1);
@@ -734,8 +741,16 @@ pub fn generation_round(
         Strategy::Fsdp(..) => model.local(tp).iter().map(|(_, n)| n).sum::<usize>() * size,
         _ => 0,
     };
+    let mlp = match model.moe {
+        Some((_, top_k, inter, sparse)) if sparse == d.num_hidden_layers => top_k * inter,
+        Some((_, top_k, inter, _)) => (top_k * inter).max(d.intermediate_size),
+        None => d.intermediate_size,
+    };
+    let kv_width = kv_heads * d.head_dim() * 2;
+    let per_token = 5 * d.hidden_size + 3 * mlp.div_ceil(tp) + kv_width / 4;
     GenerationRound {
         kv_cache,
         gathered_weights,
+        prefill: rows * prompt * per_token * size,
     }
 }
