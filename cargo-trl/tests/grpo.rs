@@ -59,7 +59,12 @@ fn grpo_run(
         "--shuffle_dataset",
         "false",
     ];
-    let cmd = common::trainer_launch("grpo", launch_args, &[&args[..], extra].concat());
+    // An eval step of per_device rows per rank: as many rows as a training micro-batch over
+    // the ranks, so layouts of the same global batch evaluate alike.
+    let per_eval = per_device.to_string();
+    let eval = ["--per_device_eval_batch_size", per_eval.as_str()];
+    let all = [&args[..], &eval, extra].concat();
+    let cmd = common::trainer_launch("grpo", launch_args, &all);
     common::run_launch(cmd, STEPS, per_device, out);
     common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
 }
@@ -151,7 +156,7 @@ fn grpo_under_every_cpu_profile_equals_one_process() {
 
 /// Completions sampled in the training processes (temperature 1.2, nucleus 0.95), scored by
 /// a reward program (scripts/parity_reward.py, given as TRL's nargs) and a reward model (each
-/// rank holds it whole and scores its own rows): each row draws from a
+/// rank holds it whole and scores its own rows); evaluated as well: each row draws from a
 /// seed of its place in the round, so every profile samples what one process does, and
 /// every figure follows.
 #[test]
@@ -166,6 +171,8 @@ fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
         "accuracy_reward",
         "python3 scripts/parity_reward.py",
         "assets/tiny-qwen3/reward",
+        "--eval_dataset_name",
+        "assets/tiny/data/grpo_eval.jsonl",
     ];
     let one = ["--num_processes", "1"];
     let one8 = grpo_run(&one, 8, &tmp.path().join("one8"), &sampled);
@@ -179,6 +186,20 @@ fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
         "{}",
         one8[0]
     );
+    // Evaluated after the last step (the default without eval_strategy), 16 held-out
+    // prompts x 4 completions: its figures join the last step's line, compared below.
+    for key in [
+        "eval_loss",
+        "eval_reward",
+        "eval_kl",
+        "eval_rewards/reward/mean",
+    ] {
+        assert!(
+            one8[STEPS - 1].get(key).is_some(),
+            "{key}: {}",
+            one8[STEPS - 1]
+        );
+    }
     for (name, args, two_dp) in common::CPU_CASES {
         let got = grpo_run(args, 4, &tmp.path().join(name), &sampled);
         let want = if *two_dp { &one8 } else { &one4 };

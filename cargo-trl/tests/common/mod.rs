@@ -218,8 +218,8 @@ pub fn bundled_job(bin: &str) -> [&'static str; 2] {
     }
 }
 
-/// Runs a `cargo trl launch` command for `steps` fp32 steps (seed 7, no evaluation, a metrics
-/// line per step, the checkpoint at the end) of `per_device` rows per rank into `out`;
+/// Runs a `cargo trl launch` command for `steps` fp32 steps (seed 7, no evaluation unless it
+/// names `--eval_dataset_name`, a metrics line per step, the checkpoint at the end) of `per_device` rows per rank into `out`;
 /// asserts it succeeded and returns its output.
 #[allow(dead_code)]
 pub fn run_launch(cmd: Command, steps: usize, per_device: usize, out: &Path) -> String {
@@ -235,9 +235,13 @@ pub fn run_launch_logging(
     logging: usize,
     out: &Path,
 ) -> String {
+    // No evaluation unless the command names its own held-out data.
+    if !cmd.get_args().any(|a| a == "--eval_dataset_name") {
+        cmd.args(["--eval_dataset_name", "none"]);
+    }
     let o = cmd
         .args(["--max_steps", &steps.to_string(), "--seed", "7"])
-        .args(["--eval_dataset_name", "none", "--save_steps", "1000"])
+        .args(["--save_steps", "1000"])
         .args(["--logging_steps", &logging.to_string()])
         .args(["--per_device_train_batch_size", &per_device.to_string()])
         .arg("--output_dir")
