@@ -1,6 +1,10 @@
 //! `cargo bench -p trl-runtime --bench comm`: all_reduce, all_gather and reduce_scatter on
 //! 2 processes of the host backend for 1, 16, 64 and 256 MiB of f32, next to a plain memcpy of
-//! the same size measured in the same run. One JSON object per line on stdout; prose on stderr.
+//! the same size measured in the same run; and the uneven all-to-all (expert parallelism's
+//! dispatch: a quarter of each rank's rows kept, three quarters sent) against gloo's
+//! `all_to_all_single` with the same splits (benches/torch_comm.py; PYTHON names a Python
+//! with torch, else python3; skipped with a message without one). One JSON object per line
+//! on stdout; prose on stderr.
 //!
 //! Bus bandwidth follows NCCL-tests: algbw = bytes / time; busbw = algbw x 2(n-1)/n for
 //! all_reduce and algbw x (n-1)/n for all_gather and reduce_scatter, where bytes is the full
@@ -15,7 +19,9 @@ use trl_runtime::dist::DistContext;
 
 const WORLD: usize = 2;
 const SIZES_MIB: [usize; 4] = [1, 16, 64, 256];
-const OPS: [&str; 3] = ["all_reduce", "all_gather", "reduce_scatter"];
+const OPS: [&str; 4] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all_v"];
+/// f32 per row of the uneven all-to-all (as torch_comm.py).
+const ROW: usize = 256;
 
 fn iterations(mib: usize) -> usize {
     match mib {
@@ -26,10 +32,22 @@ fn iterations(mib: usize) -> usize {
     }
 }
 
+/// Rows rank `rank` sends to ranks 0 and 1: a quarter kept, the rest to the other.
+fn splits(rank: usize, rows: usize) -> Vec<usize> {
+    let keep = rows / 4;
+    match rank {
+        0 => vec![keep, rows - keep],
+        _ => vec![rows - keep, keep],
+    }
+}
+
 fn run_op(comm: &dyn Communicator, op: &str, x: &Tensor) -> Tensor {
     match op {
         "all_reduce" => comm.all_reduce(x, ReduceOp::Sum),
         "all_gather" => comm.all_gather(x, 0),
+        "all_to_all_v" => comm
+            .all_to_all_v(x, &splits(comm.rank(), x.dim(0).unwrap()))
+            .map(|(y, _)| y),
         _ => comm.reduce_scatter(x, 0, ReduceOp::Sum),
     }
     .expect("collective failed")
@@ -62,7 +80,11 @@ fn worker() {
         for op in OPS {
             // Input sized so that `bytes` is the full buffer: the gathered output of all_gather.
             let input_elems = if op == "all_gather" { elems / n } else { elems };
-            let x = Tensor::ones(input_elems, DType::F32, &Device::Cpu).unwrap();
+            let x = match op {
+                "all_to_all_v" => Tensor::ones((elems / ROW, ROW), DType::F32, &Device::Cpu),
+                _ => Tensor::ones(input_elems, DType::F32, &Device::Cpu),
+            }
+            .unwrap();
             run_op(comm.as_ref(), op, &x); // warm-up: page faults, socket buffers
             let iters = iterations(mib);
             comm.barrier().unwrap();
@@ -79,10 +101,11 @@ fn worker() {
                 .unwrap()[0];
             if ctx.is_main_process() {
                 let algbw = bytes as f64 / secs / 1e9;
-                let factor = if op == "all_reduce" {
-                    2.0 * (n - 1) as f64 / n as f64
-                } else {
-                    (n - 1) as f64 / n as f64
+                let factor = match op {
+                    "all_reduce" => 2.0 * (n - 1) as f64 / n as f64,
+                    // Three quarters of each rank's rows cross.
+                    "all_to_all_v" => 0.75,
+                    _ => (n - 1) as f64 / n as f64,
                 };
                 let memcpy_gbps = bytes as f64 / memcpy_seconds(bytes) / 1e9;
                 let busbw = algbw * factor;
@@ -96,6 +119,51 @@ fn worker() {
             comm.barrier().unwrap();
         }
     }
+}
+
+/// gloo's milliseconds per size (bytes) of the uneven all-to-all, from torch_comm.py; empty
+/// (with a message) without a Python with torch.
+fn gloo_all_to_all_v() -> Vec<(u64, f64)> {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/torch_comm.py");
+    let port = trl_runtime::dist::spawn::free_port().expect("free port");
+    let out = Command::new(&python)
+        .arg(script)
+        .arg(port.to_string())
+        .args(SIZES_MIB.map(|m| m.to_string()))
+        .output();
+    match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .map(|v| {
+                (
+                    v["bytes"].as_u64().unwrap_or(0),
+                    v["time_ms"].as_f64().unwrap_or(0.0),
+                )
+            })
+            .collect(),
+        _ => {
+            eprintln!("comm bench: no gloo reference ({python} with torch; set PYTHON)");
+            Vec::new()
+        }
+    }
+}
+
+/// `line` with gloo's time and ours over it, for the uneven all-to-all.
+fn with_gloo(line: &str, gloo: &[(u64, f64)]) -> String {
+    let Ok(mut v) = serde_json::from_str::<serde_json::Value>(line) else {
+        return line.to_string();
+    };
+    if v["op"] != "all_to_all_v" {
+        return line.to_string();
+    }
+    if let Some((_, ms)) = gloo.iter().find(|(b, _)| Some(*b) == v["bytes"].as_u64()) {
+        let ours = v["time_ms"].as_f64().unwrap_or(f64::NAN);
+        v["gloo_time_ms"] = (*ms).into();
+        v["speedup_vs_gloo"] = (ms / ours).into();
+    }
+    v.to_string()
 }
 
 fn main() {
@@ -128,10 +196,11 @@ fn main() {
                 .expect("spawn worker")
         })
         .collect();
-    // Rank 0's JSON lines pass through unchanged.
+    // Rank 0's JSON lines pass through; the uneven all-to-all's gain gloo's time.
+    let gloo = gloo_all_to_all_v();
     if let Some(out) = children[0].stdout.take() {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
-            println!("{line}");
+            println!("{}", with_gloo(&line, &gloo));
         }
     }
     let mut ok = true;

@@ -142,6 +142,17 @@ fn to_all(x: &Tensor, c: &Arc<dyn Communicator>) -> trl_runtime::Result<Tensor> 
     let y = autograd::all_to_all(&xs, c, 0, 1)?;
     Ok(y.sqr()?) // a non-linear consumer, so the adjoint routing matters
 }
+/// Uneven rows per rank (zeros among them): rank r sends (r + j) % 3 rows to rank j of
+/// SHAPE's first dim repeated, the rest to the last rank.
+fn to_all_v(x: &Tensor, c: &Arc<dyn Communicator>) -> trl_runtime::Result<Tensor> {
+    let (n, r) = (c.size(), c.rank());
+    let xs = Tensor::cat(&vec![x.clone(); n], 0)?;
+    let rows = xs.dim(0)?;
+    let mut counts: Vec<usize> = (0..n).map(|j| (r + j) % 3).collect();
+    counts[n - 1] = rows - counts[..n - 1].iter().sum::<usize>();
+    let (y, _) = autograd::all_to_all_v(&xs, c, &counts)?;
+    Ok(y.sqr()?)
+}
 fn shift_fwd(x: &Tensor, c: &Arc<dyn Communicator>) -> trl_runtime::Result<Tensor> {
     autograd::ring_shift(&x.sqr()?, c, 1)
 }
@@ -159,8 +170,9 @@ fn reduce_from(x: &Tensor, c: &Arc<dyn Communicator>) -> trl_runtime::Result<Ten
 
 #[test]
 fn differentiable_collectives_match_finite_differences() {
-    let cases: [(&str, Op, Objective); 8] = [
+    let cases: [(&str, Op, Objective); 9] = [
         ("copy_to_group", copy_to, Objective::ReplicatedInput),
+        ("all_to_all_v", to_all_v, Objective::SumOfLocal),
         (
             "reduce_from_group",
             reduce_from,

@@ -182,3 +182,38 @@ fn mesh_groups_communicate_within_their_axis() {
         }
     });
 }
+
+/// The uneven all-to-all (expert parallelism's dispatch): rank r sends (r + j) % 3 rows to
+/// rank j (zeros among them), each row tagged with its sender and place; every rank gets its
+/// rows from each sender in rank order, and the counts, on every backend.
+#[test]
+fn uneven_all_to_all_moves_each_row_to_its_rank() {
+    let counts = |r: usize, n: usize| -> Vec<usize> { (0..n).map(|j| (r + j) % 3).collect() };
+    for backend in BACKENDS {
+        for n in [2, 3, 4] {
+            run(backend, n, |rank, comm| {
+                let mine = counts(rank, n);
+                let rows = mine.iter().sum::<usize>();
+                let x: Vec<f32> = (0..rows * 2)
+                    .map(|i| (rank * 1000 + i / 2) as f32 + 0.5 * (i % 2) as f32)
+                    .collect();
+                let x = Tensor::from_vec(x, (rows, 2), &Device::Cpu).unwrap();
+                let (y, got) = comm.all_to_all_v(&x, &mine).unwrap();
+                let want: Vec<usize> = (0..n).map(|j| counts(j, n)[rank]).collect();
+                assert_eq!(got, want, "{backend:?} {n} ranks: rank {rank}'s counts");
+                let mut expect = Vec::new();
+                for (j, &c) in want.iter().enumerate() {
+                    let first: usize = counts(j, n)[..rank].iter().sum();
+                    for row in first..first + c {
+                        expect.extend([(j * 1000 + row) as f32, (j * 1000 + row) as f32 + 0.5]);
+                    }
+                }
+                let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+                assert_eq!(y, expect, "{backend:?} {n} ranks: rank {rank}");
+                // Counts that do not add up are named.
+                let err = comm.all_to_all_v(&x, &[rows + 1]).unwrap_err().to_string();
+                assert!(err.contains("counts"), "{err}");
+            });
+        }
+    }
+}

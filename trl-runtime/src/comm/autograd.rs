@@ -14,7 +14,7 @@ use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Tensor};
 use std::sync::Arc;
 
 /// The adjoint applied to the output gradient.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Adjoint {
     Identity,
     AllReduce,
@@ -30,6 +30,11 @@ enum Adjoint {
     },
     Shift {
         offset: isize,
+    },
+    /// The uneven all-to-all back: each rank's rows returned to it (`counts`: how many came
+    /// from each rank).
+    AllToAllV {
+        counts: Vec<usize>,
     },
     /// Keep this rank's chunk along `dim` (the gradient of a gather whose result every rank
     /// uses whole, so every rank holds the same full gradient).
@@ -88,19 +93,20 @@ impl CustomOp2 for WithBackward {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let c = self.comm.as_ref();
-        let g = match self.adjoint {
+        let g = match &self.adjoint {
             Adjoint::Identity => Ok(grad.clone()),
             Adjoint::AllReduce => c.all_reduce(grad, ReduceOp::Sum),
-            Adjoint::ReduceScatter { dim } => c.reduce_scatter(grad, dim, ReduceOp::Sum),
-            Adjoint::AllGather { dim } => c.all_gather(grad, dim),
+            Adjoint::ReduceScatter { dim } => c.reduce_scatter(grad, *dim, ReduceOp::Sum),
+            Adjoint::AllGather { dim } => c.all_gather(grad, *dim),
             Adjoint::AllToAll {
                 split_dim,
                 concat_dim,
-            } => c.all_to_all(grad, split_dim, concat_dim),
-            Adjoint::Shift { offset } => shift(c, grad, offset),
+            } => c.all_to_all(grad, *split_dim, *concat_dim),
+            Adjoint::AllToAllV { counts } => c.all_to_all_v(grad, counts).map(|(g, _)| g),
+            Adjoint::Shift { offset } => shift(c, grad, *offset),
             Adjoint::Split { dim } => {
-                let chunk = grad.dim(dim)? / c.size();
-                Ok(grad.narrow(dim, c.rank() * chunk, chunk)?)
+                let chunk = grad.dim(*dim)? / c.size();
+                Ok(grad.narrow(*dim, c.rank() * chunk, chunk)?)
             }
         }
         .map_err(|e| e.into_candle())?;
@@ -173,6 +179,21 @@ pub fn all_to_all(
             concat_dim: split_dim,
         },
     )
+}
+
+/// Uneven all-to-all over rows forward ([`Communicator::all_to_all_v`]: the received rows and
+/// how many came from each rank); each rank's rows back to it in backward (expert
+/// parallelism's dispatch and combine).
+pub fn all_to_all_v(
+    x: &Tensor,
+    comm: &Arc<dyn Communicator>,
+    counts: &[usize],
+) -> Result<(Tensor, Vec<usize>)> {
+    let (value, recv) = comm.all_to_all_v(&x.detach(), counts)?;
+    let adjoint = Adjoint::AllToAllV {
+        counts: recv.clone(),
+    };
+    Ok((attach(x, value, comm, adjoint)?, recv))
 }
 
 /// Ring shift: rank r receives the `x` of rank r - offset forward; the gradient goes back the

@@ -67,4 +67,65 @@ pub trait Communicator: Send + Sync {
     /// the chunks received along `concat_dim` in rank order. The inverse swaps the two dims.
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor>;
     fn barrier(&self) -> Result<()>;
+    /// Uneven all-to-all over rows (torch's `all_to_all_single` with split sizes): the first
+    /// `counts[0]` rows of `x` [n, ...] go to rank 0, the next `counts[1]` to rank 1, ...
+    /// (`counts` sums to n; zeros allowed). The counts are exchanged first. Returns the rows
+    /// every rank sent here, concatenated in rank order, and how many came from each. By
+    /// default one even [`Self::all_to_all`] of chunks padded to the largest count.
+    fn all_to_all_v(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        padded_all_to_all_v(self, x, counts)
+    }
+}
+
+/// Every rank's `counts` of an uneven all-to-all of `x`'s rows (checked: one per rank, summing
+/// to the rows): entry j * size + k is what rank j sends rank k.
+pub(crate) fn exchange_counts<C: Communicator + ?Sized>(
+    comm: &C,
+    x: &Tensor,
+    counts: &[usize],
+) -> Result<Vec<usize>> {
+    let (n, rank) = (comm.size(), comm.rank());
+    let rows = x.dim(0)?;
+    if counts.len() != n || counts.iter().sum::<usize>() != rows {
+        return Err(crate::error::Error::Parallelism(format!(
+            "all_to_all_v on {}: rank {rank} gives counts {counts:?} for {rows} rows: give one count per rank ({n}), summing to the rows",
+            comm.name()
+        )));
+    }
+    let mine: Vec<u32> = counts.iter().map(|&c| c as u32).collect();
+    let all: Vec<u32> = comm
+        .all_gather(&Tensor::new(mine, x.device())?, 0)?
+        .to_vec1()?;
+    Ok(all.into_iter().map(|c| c as usize).collect())
+}
+
+/// [`Communicator::all_to_all_v`] through an even all-to-all: every chunk padded with zeros to
+/// the largest count of any rank, the padding dropped on arrival.
+fn padded_all_to_all_v<C: Communicator + ?Sized>(
+    comm: &C,
+    x: &Tensor,
+    counts: &[usize],
+) -> Result<(Tensor, Vec<usize>)> {
+    let (n, all) = (comm.size(), exchange_counts(comm, x, counts)?);
+    let recv: Vec<usize> = (0..n).map(|j| all[j * n + comm.rank()]).collect();
+    let chunk = all.iter().copied().max().unwrap_or(0);
+    if chunk == 0 {
+        return Ok((x.narrow(0, 0, 0)?, recv));
+    }
+    let mut tail = x.dims().to_vec();
+    let mut parts = Vec::with_capacity(2 * n);
+    let mut at = 0;
+    for &c in counts {
+        parts.push(x.narrow(0, at, c)?);
+        tail[0] = chunk - c;
+        parts.push(Tensor::zeros(tail.as_slice(), x.dtype(), x.device())?);
+        at += c;
+    }
+    let out = comm.all_to_all(&Tensor::cat(&parts, 0)?, 0, 0)?;
+    let kept: Vec<Tensor> = recv
+        .iter()
+        .enumerate()
+        .map(|(j, &c)| out.narrow(0, j * chunk, c))
+        .collect::<candle_core::Result<_>>()?;
+    Ok((Tensor::cat(&kept, 0)?, recv))
 }

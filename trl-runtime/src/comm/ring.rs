@@ -328,6 +328,52 @@ impl<T: Transport> RingComm<T> {
         to_tensor(out, x.shape(), x.device())
     }
 
+    /// Rows of `x` to each rank by `counts`, `recv[j]` rows from rank j: each pair of ranks
+    /// exchanges exactly its rows (no padding), as the even all-to-all's steps do.
+    fn all_to_all_v_typed<E: Elem>(
+        &self,
+        x: &Tensor,
+        counts: &[usize],
+        recv: &[usize],
+    ) -> Result<Tensor> {
+        let op = OpCode::AllToAll;
+        let (r, n) = (self.transport.rank(), self.transport.size());
+        let row: usize = x.dims()[1..].iter().product();
+        let data = host_vec::<E>(x)?;
+        let starts: Vec<usize> = counts
+            .iter()
+            .scan(0, |at, &c| {
+                let s = *at;
+                *at += c * row;
+                Some(s)
+            })
+            .collect();
+        let part = |j: usize| &data[starts[j]..starts[j] + counts[j] * row];
+        // Each sender's rows land in place in the output, in rank order.
+        let total: usize = recv.iter().sum();
+        let mut out = vec![E::zero(); total * row];
+        let mut at = vec![0; n];
+        for j in 1..n {
+            at[j] = at[j - 1] + recv[j - 1] * row;
+        }
+        out[at[r]..at[r] + recv[r] * row].copy_from_slice(part(r));
+        {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+            let size = std::mem::size_of::<E>();
+            for step in 1..n {
+                let (to, from) = ((r + step) % n, (r + n - step) % n);
+                let (start, len) = (at[from] * size, recv[from] * row * size);
+                let dst = &mut bytes[start..start + len];
+                self.exchange(op, to, as_bytes(part(to)), from, len, &mut |o, c| {
+                    dst[o..o + c.len()].copy_from_slice(c)
+                })?;
+            }
+        }
+        let mut shape = x.dims().to_vec();
+        shape[0] = total;
+        to_tensor(out, shape, x.device())
+    }
+
     /// `dims`: (split, concat).
     fn all_to_all_typed<E: Elem>(&self, x: &Tensor, dims: (usize, usize)) -> Result<Tensor> {
         let (split_dim, concat_dim) = dims;
@@ -445,6 +491,15 @@ impl<T: Transport> Communicator for RingComm<T> {
     fn all_to_all(&self, x: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
         let _g = self.lock();
         dispatch!(x.dtype(), E => self.all_to_all_typed::<E>(x, (split_dim, concat_dim)), |d| Err(self.unsupported(OpCode::AllToAll, d)))
+    }
+
+    fn all_to_all_v(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        let all = super::exchange_counts(self, x, counts)?;
+        let n = self.transport.size();
+        let recv: Vec<usize> = (0..n).map(|j| all[j * n + self.transport.rank()]).collect();
+        let _g = self.lock();
+        let y = dispatch!(x.dtype(), E => self.all_to_all_v_typed::<E>(x, counts, &recv), |d| Err(self.unsupported(OpCode::AllToAll, d)))?;
+        Ok((y, recv))
     }
 
     fn barrier(&self) -> Result<()> {

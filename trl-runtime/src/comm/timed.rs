@@ -76,4 +76,7 @@ impl Communicator for Timed {
     fn barrier(&self) -> Result<()> {
         self.time(|c| c.barrier())
     }
+    fn all_to_all_v(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        self.time(|c| c.all_to_all_v(x, counts))
+    }
 }
