@@ -427,7 +427,9 @@ fn a_registered_rollout_function_gives_the_completions() {
     use trl_runtime::train::grpo_rewards::{register_rollout, RolloutAnswer};
     let eos = 2;
     register_rollout("last_token", move |req| {
-        assert_eq!(req.num_generations, 4);
+        // Training rounds: 4 per prompt; held-out rows: num_generations_eval.
+        assert!(req.num_generations == 4 || req.num_generations == 2);
+        assert_eq!(req.prompts.len() % req.num_generations, 0);
         let completion_ids = req
             .prompt_ids
             .iter()
@@ -449,6 +451,21 @@ fn a_registered_rollout_function_gives_the_completions() {
     assert_eq!(figure("completions/mean_length"), 2.0);
     assert_eq!(figure("completions/max_length"), 2.0);
     assert_eq!(figure("completions/clipped_ratio"), 0.0);
+    // Evaluation asks the rollout too, telling it num_generations_eval.
+    let mut eval_cfg = cfg.clone();
+    eval_cfg.num_generations_eval = Some(2);
+    eval_cfg.training.eval_dataset_name = Some(repo().join("assets/tiny/data/grpo_eval.jsonl"));
+    let w = InProcessWorld::new(1);
+    let ctx = one_rank(&w);
+    let t =
+        Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(eval_cfg, &ctx, Strategy::Ddp)
+            .unwrap();
+    let e = t.evaluate().unwrap().unwrap();
+    let length = e
+        .figures
+        .iter()
+        .find(|(n, _)| *n == "completions/mean_length");
+    assert_eq!(length.map(|f| f.1), Some(2.0), "{e:?}");
     cfg.rollout_func = Some("no_such".into());
     let w = InProcessWorld::new(1);
     let ctx = one_rank(&w);

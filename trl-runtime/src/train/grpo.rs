@@ -481,11 +481,12 @@ impl Grpo {
 
     /// The completions of `rows` with the prompt ids they follow: from the rollout (whose
     /// extra fields join `columns`), or sampled here through the KV cache, row j drawing with
-    /// `row_seed(seed, first + j)`.
+    /// `row_seed(seed, first + j)`. A rollout is told `g`, the completions per prompt
+    /// (num_generations; num_generations_eval for held-out rows).
     fn completions<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
-        (seed, first): (u64, u64),
+        (seed, first, g): (u64, u64, usize),
         rows: &[impl std::borrow::Borrow<PromptRow>],
         prompt_values: &[Value],
         columns: &mut [Map<String, Value>],
@@ -498,7 +499,7 @@ impl Grpo {
         match self.rollout.as_ref() {
             Some(Rollout::Program(program)) => {
                 let mut context = Map::new();
-                context.insert("num_generations".into(), self.g.into());
+                context.insert("num_generations".into(), g.into());
                 context.insert("max_completion_length".into(), max_len.into());
                 context.insert("step".into(), step.into());
                 context.insert("eos_token_id".into(), serde_json::json!(eos));
@@ -514,7 +515,7 @@ impl Grpo {
                 let request = RolloutRequest {
                     prompts: prompt_values,
                     prompt_ids: &ids,
-                    num_generations: self.g,
+                    num_generations: g,
                     max_completion_length: max_len,
                     step,
                     eos_token_id: &eos,
@@ -691,8 +692,13 @@ impl Grpo {
         // the same completions on any layout (and a row's tp / sp ranks draw alike).
         let seed = self.seed ^ ((epoch as u64) << 40) ^ ((round as u64) << 16);
         let first = (rank * block) as u64;
-        let (prompt_ids, completion_ids) =
-            self.completions(core, (seed, first), &rows, &prompt_values, &mut columns)?;
+        let (prompt_ids, completion_ids) = self.completions(
+            core,
+            (seed, first, self.g),
+            &rows,
+            &prompt_values,
+            &mut columns,
+        )?;
         self.generation_seconds += started.elapsed().as_secs_f64();
         let n = global.len();
         let (per_func, lengths) = self.score(
@@ -1108,7 +1114,7 @@ impl Grpo {
             batch.iter().map(|r| r.columns.clone()).collect();
         let (mut prompt_ids, mut completion_ids) = (Vec::new(), Vec::new());
         for (p, part) in batch.chunks(per).enumerate() {
-            let at = (seed, (first + p * per) as u64);
+            let at = (seed, (first + p * per) as u64, self.g_eval);
             let span = p * per..p * per + part.len();
             let (pi, ci) =
                 self.completions(core, at, part, &prompts[span.clone()], &mut columns[span])?;
