@@ -1103,6 +1103,7 @@ fn join_lists(args: impl IntoIterator<Item = String>) -> Vec<String> {
         "loss_weights",
         "reward_funcs",
         "reward_weights",
+        "reward_clip_range",
     ];
     let mut out: Vec<String> = Vec::new();
     // Where a list flag's value goes, once the flag is seen.

@@ -18,12 +18,13 @@
 
 use super::args::{EntryList, TrainingArguments};
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
-use super::grpo_loss::{Completion, GrpoLoss, GrpoLossType, LossOut, Scale};
+use super::grpo_loss::{nanmean, nanstd, Completion, GrpoLoss, GrpoLossType, LossOut, Scale};
 use super::grpo_rewards::{
     registered_rollout, rollout, LineProgram, Reward, RewardInput, RolloutClosure, RolloutRequest,
 };
 use super::kinds::{read_as, Scaffold, TrainerKind};
 use super::reference::{HeldReference, Mixing};
+use super::rloo_loss::Rloo;
 use crate::comm::ReduceOp;
 use crate::config::cli_value::{NumberList, PadMultiple};
 use crate::context_parallel::split::{kept_columns, pad_to_multiple};
@@ -197,7 +198,7 @@ impl GRPOConfig {
 }
 
 /// GRPOConfig's own checks.
-fn validate_grpo(config: &GRPOConfig, source: &str) -> Result<()> {
+pub(crate) fn validate_grpo(config: &GRPOConfig, source: &str) -> Result<()> {
     let fail = |key: &str, message: String| Err(Error::config(source, key, message));
     if let Err((key, message)) = config.loss() {
         return fail(key, message);
@@ -209,7 +210,7 @@ fn validate_grpo(config: &GRPOConfig, source: &str) -> Result<()> {
         return fail(
             "num_generations",
             format!(
-                "{}: GRPO needs at least 2 completions per prompt for its advantages",
+                "{}: the advantages need at least 2 completions per prompt (each is measured against its group)",
                 config.num_generations
             ),
         );
@@ -362,6 +363,8 @@ pub struct Grpo {
     reference: Option<HeldReference>,
     mixing: Mixing,
     round: Option<Round>,
+    /// RLOO's advantages and loss instead of GRPO's (train/rloo.rs).
+    rloo: Option<Rloo>,
     seed: u64,
     /// Seconds this rank spent getting completions (sampling, or the rollout's answer).
     generation_seconds: f64,
@@ -382,20 +385,6 @@ type Scored = (Vec<Vec<f64>>, Vec<Vec<f64>>, Option<(Tensor, Owners)>);
 /// Metric names built at run time (rewards/NAME/mean), kept for the run.
 fn leak(name: String) -> &'static str {
     Box::leak(name.into_boxed_str())
-}
-
-/// TRL's nanstd: the unbiased standard deviation of the values that are not NaN.
-fn nanstd(v: &[f64]) -> f64 {
-    let xs: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
-    let n = xs.len() as f64;
-    let mean = xs.iter().sum::<f64>() / n;
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
-    (var * n / (n - 1.0)).sqrt()
-}
-
-fn nanmean(v: &[f64]) -> f64 {
-    let xs: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
-    xs.iter().sum::<f64>() / xs.len() as f64
 }
 
 /// torch.quantile's linear interpolation.
@@ -442,6 +431,12 @@ fn tokenize_prompts(
 }
 
 impl Grpo {
+    /// The same rollouts and rewards trained as RLOO (train/rloo.rs).
+    pub(crate) fn with_rloo(mut self, rloo: Rloo) -> Self {
+        self.rloo = Some(rloo);
+        self
+    }
+
     /// Seconds this rank has spent getting completions so far (the generation share of a
     /// step, for `bench train`).
     pub fn generation_seconds(&self) -> f64 {
@@ -708,8 +703,7 @@ impl Grpo {
             (&prompt_values, &columns),
             (&prompt_ids, &completion_ids),
         )?;
-        let (advantages, metrics) = self.advantages(self.g, &per_func, &lengths);
-        // This rank's samples.
+        // This rank's samples (their advantages once the KL is known, for RLOO).
         let mut samples: Vec<Sample> = (0..block)
             .map(|j| {
                 let truncated = lengths[rank * block + j][2] > 0.0;
@@ -719,7 +713,7 @@ impl Grpo {
                     prompt_ids: prompt_ids[j].clone(),
                     completion_ids: completion_ids[j].clone(),
                     mask: vec![on as u8 as f64; len],
-                    advantage: advantages[rank * block + j],
+                    advantage: 0.0,
                     old: None,
                     reference: None,
                 }
@@ -727,9 +721,11 @@ impl Grpo {
             .collect();
         let loss_tokens: f64 =
             core.global_sum(&[samples.iter().map(|s| s.mask.iter().sum::<f64>()).sum()])?[0];
-        // TRL keeps the old log-probabilities when a round outlives a step's micro-batches.
+        // TRL keeps the old log-probabilities when a round outlives a step's micro-batches
+        // (RLOO always: its KL penalty is the old policy's).
         let every = self.spg * self.iterations;
-        let keep_old = !core.args.gradient_accumulation_steps.is_multiple_of(every);
+        let keep_old =
+            self.rloo.is_some() || !core.args.gradient_accumulation_steps.is_multiple_of(every);
         if keep_old {
             let old = self.score_all(core, &samples)?;
             for (s, o) in samples.iter_mut().zip(old) {
@@ -741,6 +737,13 @@ impl Grpo {
             for (s, r) in samples.iter_mut().zip(refs) {
                 s.reference = Some(r);
             }
+        }
+        let kl = self.sequence_kl(core, &samples, (n, rank * block), true)?;
+        let (advantages, mut metrics) =
+            self.advantages(self.g, &per_func, &lengths, kl.as_ref().map(|k| &k.0[..]));
+        metrics.extend(kl.map(|k| ("kl", k.1)));
+        for (j, s) in samples.iter_mut().enumerate() {
+            s.advantage = advantages[rank * block + j];
         }
         // Shuffled within the block (TRL's shuffle_sequence_dict), then cut into micro-batches.
         if self.spg > 1 {
@@ -762,13 +765,59 @@ impl Grpo {
         Ok(())
     }
 
-    /// Advantages of the round's completions (all ranks', in groups of `g`) and its reward
-    /// and length metrics.
+    /// RLOO with a reference: each of the `n` completions' KL (old minus reference
+    /// log-probabilities, summed over its counted tokens; `samples` are those from `at` on,
+    /// the other ranks' when `collective`) and the mean per-token KL, TRL's `kl`.
+    fn sequence_kl<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        samples: &[Sample],
+        (n, at): (usize, usize),
+        collective: bool,
+    ) -> Result<Option<(Vec<f64>, f64)>> {
+        if self.rloo.as_ref().is_none_or(|r| r.beta == 0.0) {
+            return Ok(None);
+        }
+        // [per completion..., kl sum, tokens]
+        let mut local = vec![0.0; n + 2];
+        for (j, s) in samples.iter().enumerate() {
+            let (old, reference) = (s.old.as_ref(), s.reference.as_ref());
+            let (old, reference) = old.zip(reference).expect("RLOO keeps both");
+            let kl: f64 = (0..s.mask.len())
+                .map(|t| s.mask[t] * (old[t] - reference[t]))
+                .sum();
+            local[at + j] = kl;
+            local[n] += kl;
+            local[n + 1] += s.mask.iter().sum::<f64>();
+        }
+        let all = match collective {
+            true => core.global_sum(&local)?,
+            false => local,
+        };
+        Ok(Some((all[..n].to_vec(), all[n] / all[n + 1].max(1.0))))
+    }
+
+    /// The loss of a micro-batch: GRPO's, or RLOO's.
+    fn compute(&self, completions: &[Completion], scale: Scale) -> LossOut {
+        match &self.rloo {
+            Some(r) => r.loss(completions, scale.accumulation),
+            None => self.loss.compute(completions, scale),
+        }
+    }
+
+    /// Whether the loss has a KL term (GRPO with beta > 0; RLOO puts it in the reward).
+    fn kl_in_loss(&self) -> bool {
+        self.rloo.is_none() && self.loss.beta != 0.0
+    }
+
+    /// Advantages of the round's completions (all ranks', in groups of `g`; `kl`, RLOO's
+    /// per completion) and its reward and length metrics.
     fn advantages(
         &self,
         g: usize,
         per_func: &[Vec<f64>],
         lengths: &[[f64; 3]],
+        kl: Option<&[f64]>,
     ) -> (Vec<f64>, Metrics) {
         let n = lengths.len();
         let k = per_func.len();
@@ -784,7 +833,9 @@ impl Grpo {
         let mut rewards: Vec<f64> = (0..n)
             .map(|i| if unscorable[i] { f64::NAN } else { weighted(i) })
             .collect();
-        let (mut advantages, std): (Vec<f64>, Vec<f64>) = if self.normalize_then_sum {
+        let (mut advantages, std): (Vec<f64>, Vec<f64>) = if let Some(rloo) = &self.rloo {
+            rloo.advantages(g, &rewards, kl)
+        } else if self.normalize_then_sum {
             // Each function normalized per group, then summed, then normalized over the batch.
             let mut summed = vec![0.0; n];
             for (fi, f) in per_func.iter().enumerate() {
@@ -1073,7 +1124,7 @@ impl Grpo {
                 .collect();
             v.iter().sum::<f64>() / v.len() as f64
         };
-        if self.loss.beta != 0.0 {
+        if self.kl_in_loss() {
             metrics.push(("kl", micro(0)));
         }
         metrics.push(("entropy", micro(2)));
@@ -1127,7 +1178,6 @@ impl Grpo {
             .map(|v| v.into_iter().map(|x| x.unwrap_or(f64::NAN)).collect())
             .collect();
         let lengths = self.lengths_of(core, &prompt_ids, &completion_ids);
-        let (advantages, figures) = self.advantages(self.g_eval, &per_func, &lengths);
         let mut samples: Vec<Sample> = (0..batch.len())
             .map(|j| {
                 let on = !(self.mask_truncated && lengths[j][2] > 0.0);
@@ -1135,7 +1185,7 @@ impl Grpo {
                     prompt_ids: prompt_ids[j].clone(),
                     completion_ids: completion_ids[j].clone(),
                     mask: vec![f64::from(u8::from(on)); completion_ids[j].len()],
-                    advantage: advantages[j],
+                    advantage: 0.0,
                     old: None,
                     reference: None,
                 }
@@ -1146,6 +1196,24 @@ impl Grpo {
             for (s, r) in samples.iter_mut().zip(refs) {
                 s.reference = Some(r);
             }
+            // RLOO's KL in the reward is the policy's at generation: the current one here.
+            if self.rloo.is_some() {
+                let old = self.score_all(core, &samples)?;
+                for (s, o) in samples.iter_mut().zip(old) {
+                    s.old = Some(o);
+                }
+            }
+        }
+        let kl = self.sequence_kl(core, &samples, (samples.len(), 0), false)?;
+        let (advantages, mut figures) = self.advantages(
+            self.g_eval,
+            &per_func,
+            &lengths,
+            kl.as_ref().map(|k| &k.0[..]),
+        );
+        figures.extend(kl.map(|k| ("kl", k.1)));
+        for (s, a) in samples.iter_mut().zip(advantages) {
+            s.advantage = a;
         }
         Ok((samples, figures))
     }
@@ -1187,7 +1255,7 @@ impl Grpo {
                     advantage: s.advantage,
                 })
                 .collect();
-            let out = self.loss.compute(&completions, scale);
+            let out = self.compute(&completions, scale);
             let part_sums = loss_sums(&out, part, &entropies[p * per..]);
             for (s, v) in sums.iter_mut().zip(part_sums) {
                 *s += v;
@@ -1197,7 +1265,7 @@ impl Grpo {
         }
         let over = |k: usize, n: usize| sums[k] / sums[n].max(1.0);
         let mut figures = Vec::new();
-        if self.loss.beta != 0.0 {
+        if self.kl_in_loss() {
             figures.push(("kl", over(0, 1)));
         }
         figures.push(("entropy", over(2, 1)));
@@ -1257,7 +1325,7 @@ pub const KIND: TrainerKind = TrainerKind {
 };
 
 /// The scaffold's own reward, in Rust: what `reward_funcs: [exact_sum]` in its grpo.yaml names.
-const SCAFFOLD_REWARD: &str = r#"/// A reward of your own, which grpo.yaml's `reward_funcs` names: 1 when the completion's last
+pub(crate) const SCAFFOLD_REWARD: &str = r#"/// A reward of your own, which grpo.yaml's `reward_funcs` names: 1 when the completion's last
 /// number is the row's `solution` column, else 0; None (not scored) for a row without one.
 /// It sees what TRL hands a reward function: prompts, completions (and their texts),
 /// completion_ids and every dataset column by name.
@@ -1410,6 +1478,7 @@ impl<N: CausalModel> Task<N> for Grpo {
                 },
             },
             round: None,
+            rloo: None,
             seed: args.seed,
             generation_seconds: 0.0,
         })
@@ -1474,8 +1543,9 @@ impl<N: CausalModel> Task<N> for Grpo {
                 (None, Some(f)) => format!("completions from the rollout function `{f}`"),
                 (None, None) => "completions sampled in this process".into(),
             };
+            let name = if self.rloo.is_some() { "RLOO" } else { "GRPO" };
             tracing::info!(
-                "GRPO: {} prompts, {} completions each; generation rounds of {} completions ({} per rank, trained on over {} micro-batches x {} iteration(s)); {how}",
+                "{name}: {} prompts, {} completions each; generation rounds of {} completions ({} per rank, trained on over {} micro-batches x {} iteration(s)); {how}",
                 self.train.len(),
                 self.g,
                 self.gbs,
@@ -1536,7 +1606,7 @@ impl<N: CausalModel> Task<N> for Grpo {
                 accumulation: ga,
                 dapo_normalizer: loss_tokens / self.dp as f64 * ga as f64 / self.spg as f64,
             };
-            let out = self.loss.compute(&completions, scale);
+            let out = self.compute(&completions, scale);
             loss += out.loss;
             // d(loss)/d(each local position's log-prob); gradients are summed over the
             // data-parallel ranks, TRL's mean over them.

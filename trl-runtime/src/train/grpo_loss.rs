@@ -93,6 +93,21 @@ pub struct LossOut {
     pub seq_clipped: Vec<[f64; 2]>,
 }
 
+/// TRL's nanstd: the unbiased standard deviation of the values that are not NaN.
+pub fn nanstd(v: &[f64]) -> f64 {
+    let xs: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    (var * n / (n - 1.0)).sqrt()
+}
+
+/// The mean of the values that are not NaN (NaN when there are none).
+pub fn nanmean(v: &[f64]) -> f64 {
+    let xs: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
+    xs.iter().sum::<f64>() / xs.len() as f64
+}
+
 impl GrpoLoss {
     /// The loss of `batch` (this rank's micro-batch) and its gradient.
     pub fn compute(&self, batch: &[Completion], scale: Scale) -> LossOut {

@@ -18,6 +18,8 @@ pub mod plan_query;
 mod plot;
 pub mod reference;
 pub mod registry;
+pub mod rloo;
+pub mod rloo_loss;
 pub mod router;
 mod saving;
 pub mod schedule;
@@ -36,6 +38,7 @@ pub use grpo::{GRPOArgs, GRPOConfig, Grpo, GrpoCli};
 pub use memory::{
     memory_peak_bytes, peak_rss_bytes, reset_memory_peak, reset_peak_rss, rss_bytes, MemoryReport,
 };
+pub use rloo::{RLOOArgs, RLOOConfig, Rloo, RlooCli};
 pub use router::RouterLosses;
 pub use schedule::{Curve, LrSchedule, SchedulerArgs, SchedulerKind};
 pub use sft::Sft;

@@ -8,7 +8,12 @@
 use super::kinds::{ReadArgs, TrainerKind};
 
 /// The built-in trainers, the first the default: flags every trainer takes read as its.
-pub const TRAINERS: &[&TrainerKind] = &[&super::sft::KIND, &super::dpo::KIND, &super::grpo::KIND];
+pub const TRAINERS: &[&TrainerKind] = &[
+    &super::sft::KIND,
+    &super::dpo::KIND,
+    &super::grpo::KIND,
+    &super::rloo::KIND,
+];
 
 /// Trainers registered at run time, after the built-in ones.
 static REGISTERED: std::sync::RwLock<Vec<&'static TrainerKind>> =
