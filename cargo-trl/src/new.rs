@@ -68,6 +68,10 @@ const EMBEDDED: &[(&str, &[u8])] = &[
         include_bytes!("../../templates/sft/grpo.yaml"),
     ),
     (
+        "templates/sft/rloo.yaml",
+        include_bytes!("../../templates/sft/rloo.yaml"),
+    ),
+    (
         "assets/tiny/data/grpo_train.jsonl",
         include_bytes!("../../assets/tiny/data/grpo_train.jsonl"),
     ),

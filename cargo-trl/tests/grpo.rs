@@ -43,6 +43,18 @@ fn grpo_run(
     out: &Path,
     extra: &[&str],
 ) -> Vec<serde_json::Value> {
+    online_run("grpo", launch_args, per_device, out, extra)
+}
+
+/// A run of examples binary `bin` (grpo or rloo: the keys below are both trainers') for
+/// `STEPS` steps with the tests' settings and `extra` flags; its metrics.
+fn online_run(
+    bin: &str,
+    launch_args: &[&str],
+    per_device: usize,
+    out: &Path,
+    extra: &[&str],
+) -> Vec<serde_json::Value> {
     let args = [
         "--learning_rate",
         "1e-3",
@@ -64,7 +76,7 @@ fn grpo_run(
     let per_eval = per_device.to_string();
     let eval = ["--per_device_eval_batch_size", per_eval.as_str()];
     let all = [&args[..], &eval, extra].concat();
-    let cmd = common::trainer_launch("grpo", launch_args, &all);
+    let cmd = common::trainer_launch(bin, launch_args, &all);
     common::run_launch(cmd, STEPS, per_device, out);
     common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
 }
@@ -161,23 +173,8 @@ fn grpo_under_every_cpu_profile_equals_one_process() {
 /// every figure follows.
 #[test]
 fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let sampled = [
-        "--temperature",
-        "1.2",
-        "--top_p",
-        "0.95",
-        "--reward_funcs",
-        "accuracy_reward",
-        "python3 scripts/parity_reward.py",
-        "assets/tiny-qwen3/reward",
-        "--eval_dataset_name",
-        "assets/tiny/data/grpo_eval.jsonl",
-    ];
-    let one = ["--num_processes", "1"];
-    let one8 = grpo_run(&one, 8, &tmp.path().join("one8"), &sampled);
-    let one4 = grpo_run(&one, 4, &tmp.path().join("one4"), &sampled);
-    assert_eq!(one8.len(), STEPS);
+    let sampling = ["--temperature", "1.2", "--top_p", "0.95"];
+    let one8 = sampled_sweep("grpo", &sampling);
     // The sampled completions earn different rewards: the loss has advantages to weigh.
     let spread = one8[0]["reward_std"].as_f64().unwrap();
     assert!(spread > 0.0, "rewards vary: {}", one8[0]);
@@ -187,7 +184,7 @@ fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
         one8[0]
     );
     // Evaluated after the last step (the default without eval_strategy), 16 held-out
-    // prompts x 4 completions: its figures join the last step's line, compared below.
+    // prompts x 4 completions: its figures join the last step's line.
     for key in [
         "eval_loss",
         "eval_reward",
@@ -200,14 +197,59 @@ fn grpo_sampled_in_process_under_every_cpu_profile_equals_one_process() {
             one8[STEPS - 1]
         );
     }
+}
+
+/// Examples binary `bin` (grpo or rloo) sampling with the `sampling` flags, scored by
+/// accuracy_reward, a reward program (scripts/parity_reward.py, given as TRL's nargs) and a
+/// reward model, and evaluated: under every CPU profile every figure equals one process's.
+/// The one-process run of 8 completions per rank.
+fn sampled_sweep(bin: &str, sampling: &[&str]) -> Vec<serde_json::Value> {
+    let tmp = tempfile::tempdir().unwrap();
+    let rewards = [
+        "--reward_funcs",
+        "accuracy_reward",
+        "python3 scripts/parity_reward.py",
+        "assets/tiny-qwen3/reward",
+        "--eval_dataset_name",
+        "assets/tiny/data/grpo_eval.jsonl",
+    ];
+    let flags = [sampling, &rewards[..]].concat();
+    let run = |args: &[&str], per_device: usize, name: &str| {
+        online_run(bin, args, per_device, &tmp.path().join(name), &flags)
+    };
+    let one = ["--num_processes", "1"];
+    let one8 = run(&one, 8, "one8");
+    let one4 = run(&one, 4, "one4");
+    assert_eq!(one8.len(), STEPS);
     for (name, args, two_dp) in common::CPU_CASES {
-        let got = grpo_run(args, 4, &tmp.path().join(name), &sampled);
+        let got = run(args, 4, name);
         let want = if *two_dp { &one8 } else { &one4 };
         // kl (~0.03) is a difference of f32 log-probabilities near -6, whose rounding
         // (~3e-7) is 1e-5 of it: 5e-5 relative.
         let worst = assert_same(name, &got, want, 5e-5);
-        eprintln!("grpo sampled {name}: every figure within {worst:.1e} relative");
+        eprintln!("{bin} sampled {name}: every figure within {worst:.1e} relative");
     }
+    one8
+}
+
+/// RLOO (TRL's RLOOTrainer on GRPO's rounds) sampled in the training processes, with the
+/// KL in the reward (beta 0.04), rounds reused and normalised advantages: every profile
+/// equals one process, and the figures RLOO logs are there.
+#[test]
+fn rloo_sampled_under_every_cpu_profile_equals_one_process() {
+    let one8 = sampled_sweep(
+        "rloo",
+        &["--temperature", "1.2", "--normalize_advantages", "true"],
+    );
+    for key in ["reward_std", "kl", "clip_ratio/region_mean"] {
+        assert!(one8[0].get(key).is_some(), "{key}: {}", one8[0]);
+    }
+    assert!(
+        one8[STEPS - 1].get("eval_reward").is_some(),
+        "{}",
+        one8[STEPS - 1]
+    );
+    assert!(one8[0]["reward_std"].as_f64().unwrap() > 0.0, "{}", one8[0]);
 }
 
 /// The bundled job (assets/tiny/grpo.yaml) with completions sampled in the training
@@ -257,24 +299,29 @@ fn the_bundled_job_samples_in_process_under_zero3() {
     common::opens_in_transformers(&ckpt);
 }
 
-/// docs/grpo.md's commands, as written, from the repository root (`cargo` finding this
-/// `cargo-trl` first on PATH).
+/// docs/grpo.md's and docs/rloo.md's commands, as written, from the repository root (`cargo`
+/// finding this `cargo-trl` first on PATH).
 #[test]
 fn the_docs_commands_run_as_written() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let doc = std::fs::read_to_string(root.join("docs/grpo.md")).unwrap();
-    let lines: Vec<&str> = doc
-        .lines()
-        .filter(|l| l.starts_with("cargo trl launch"))
-        .collect();
-    assert_eq!(lines.len(), 2, "{lines:?}");
+    let grpo = std::fs::read_to_string(root.join("docs/grpo.md")).unwrap();
+    let rloo = std::fs::read_to_string(root.join("docs/rloo.md")).unwrap();
+    let launches = |doc: &str| -> Vec<String> {
+        doc.lines()
+            .filter(|l| l.starts_with("cargo trl launch"))
+            .map(String::from)
+            .collect()
+    };
+    let (mut lines, more) = (launches(&grpo), launches(&rloo));
+    assert_eq!((lines.len(), more.len()), (2, 1), "{lines:?} {more:?}");
+    lines.extend(more);
     let bin = Path::new(env!("CARGO_BIN_EXE_cargo-trl"));
     let path = format!(
         "{}:{}",
         bin.parent().unwrap().display(),
         std::env::var("PATH").unwrap()
     );
-    for line in lines {
+    for line in &lines {
         let out = std::process::Command::new("sh")
             .args(["-c", line])
             .current_dir(&root)

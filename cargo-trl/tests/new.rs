@@ -247,3 +247,22 @@ fn new_with_the_grpo_trainer_scores_with_its_rust_reward() {
     assert!(text.contains("held-out reward"), "{text}");
     assert!(metrics.contains("rewards/exact_sum/mean"), "{metrics}");
 }
+
+#[test]
+fn new_with_the_rloo_trainer_trains_with_a_leave_one_out_baseline() {
+    // `--trainer rloo`: rloo.yaml (TRL's RLOOConfig keys, the Rust reward of src/main.rs);
+    // the launched run logs RLOO's figures, the KL to the reference among them.
+    let tmp = tempfile::tempdir().unwrap();
+    new(tmp.path(), &["my-rloo", "--trainer", "rloo"]);
+    let krate = tmp.path().join("my-rloo");
+    let main = std::fs::read_to_string(krate.join("src/main.rs")).unwrap();
+    assert!(main.contains("RlooCli") && main.contains("Rloo"), "{main}");
+    let yaml = std::fs::read_to_string(krate.join("rloo.yaml")).unwrap();
+    assert!(yaml.contains("beta: 0.05"), "{yaml}");
+    let (text, metrics) = launch_logging(&krate, 2);
+    assert!(text.contains("RLOO:"), "{text}");
+    assert!(
+        metrics.contains("rewards/exact_sum/mean") && metrics.contains("\"kl\""),
+        "{metrics}"
+    );
+}

@@ -1,9 +1,10 @@
-//! The GRPO program: `trl grpo` + `accelerate launch` behaviour for any [`CausalModel`].
+//! The online RL programs: `trl grpo` / `trl rloo` + `accelerate launch` behaviour for any
+//! [`CausalModel`].
 
 use std::process::ExitCode;
 use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalModel;
-use trl_runtime::train::{GRPOConfig, Grpo, Trainer};
+use trl_runtime::train::{GRPOConfig, Grpo, RLOOConfig, Rloo, Task, Trainer};
 
 /// The bundled job (assets/tiny/grpo.yaml): the bundled addition prompts on the tiny model,
 /// settings that run in a minute on two cores.
@@ -11,10 +12,15 @@ pub fn embedded_defaults() -> trl_runtime::Result<GRPOConfig> {
     crate::bundled_job("grpo.yaml")
 }
 
-fn run<N: CausalModel>(config: GRPOConfig) -> trl_runtime::Result<()> {
+/// RLOO's bundled job (assets/tiny/rloo.yaml): the same prompts and rewards.
+pub fn rloo_defaults() -> trl_runtime::Result<RLOOConfig> {
+    crate::bundled_job("rloo.yaml")
+}
+
+fn run<N: CausalModel, T: Task<N>>(config: T::Config) -> trl_runtime::Result<()> {
     let ctx = DistContext::from_env()?;
     let _rank = trl_runtime::train::logging::init(ctx.rank());
-    let mut trainer = Trainer::<N, Grpo>::load(config, &ctx)?;
+    let mut trainer = Trainer::<N, T>::load(config, &ctx)?;
     let outcome = trainer.train()?;
     if ctx.is_main_process() {
         crate::print_outcome(&outcome, trainer.state.global_step, "reward", "");
@@ -24,5 +30,10 @@ fn run<N: CausalModel>(config: GRPOConfig) -> trl_runtime::Result<()> {
 
 /// `trl grpo` for model `N`.
 pub fn main<N: CausalModel>(defaults: fn() -> trl_runtime::Result<GRPOConfig>) -> ExitCode {
-    crate::launch::<GRPOConfig>(defaults, run::<N>)
+    crate::launch::<GRPOConfig>(defaults, run::<N, Grpo>)
+}
+
+/// `trl rloo` for model `N`.
+pub fn rloo_main<N: CausalModel>(defaults: fn() -> trl_runtime::Result<RLOOConfig>) -> ExitCode {
+    crate::launch::<RLOOConfig>(defaults, run::<N, Rloo>)
 }

@@ -40,7 +40,8 @@ use trl_runtime::models::{AutoModelForCausalLM, CausalModel};
 use trl_runtime::parallel::estimate;
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
 use trl_runtime::train::{
-    DPOConfig, Dpo, GRPOConfig, Grpo, SFTConfig, Strategy, Task, Trainer, TrainingArguments,
+    DPOConfig, Dpo, GRPOConfig, Grpo, RLOOConfig, Rloo, SFTConfig, Strategy, Task, Trainer,
+    TrainingArguments,
 };
 
 const SEQ: usize = 512;
@@ -133,22 +134,40 @@ fn worker(kind: &str, dir: &Path) {
                 .unwrap();
         return measure_steps(trainer, &ctx, MEASURED_STEPS, &|_| 0.0);
     }
+    let online = TrainingArguments {
+        dataset_name: dir.join("prompts.jsonl"),
+        per_device_train_batch_size: GRPO_BATCH,
+        learning_rate: 1e-6,
+        ..training.clone()
+    };
+    let overlong = EntryList(vec![format!(
+        "get_soft_overlong_punishment({GRPO_COMPLETION}, {})",
+        GRPO_COMPLETION / 4
+    )]);
+    if kind == "ref-rloo" {
+        // TRL's RLOO defaults (beta 0.05: a reference), GRPO's rounds and reward.
+        let config = RLOOConfig {
+            training: online,
+            num_generations: GRPO_GENERATIONS,
+            max_completion_length: GRPO_COMPLETION,
+            reward_funcs: overlong,
+            ..RLOOConfig::default()
+        };
+        let trainer =
+            Trainer::<AutoModelForCausalLM, Rloo>::load_with_strategy(config, &ctx, Strategy::Ddp)
+                .unwrap();
+        return measure_steps(trainer, &ctx, MEASURED_STEPS, &|r: &Rloo| {
+            r.generation_seconds()
+        });
+    }
     if kind == "ref-grpo" {
         // TRL's defaults (beta 0, dapo, one iteration, a round per step), sampled at
         // temperature 1, the soft overlong punishment as the reward.
         let config = GRPOConfig {
-            training: TrainingArguments {
-                dataset_name: dir.join("prompts.jsonl"),
-                per_device_train_batch_size: GRPO_BATCH,
-                learning_rate: 1e-6,
-                ..training
-            },
+            training: online,
             num_generations: GRPO_GENERATIONS,
             max_completion_length: GRPO_COMPLETION,
-            reward_funcs: EntryList(vec![format!(
-                "get_soft_overlong_punishment({GRPO_COMPLETION}, {})",
-                GRPO_COMPLETION / 4
-            )]),
+            reward_funcs: overlong,
             ..GRPOConfig::default()
         };
         let trainer =
@@ -390,15 +409,24 @@ fn peer_lines(task: &str, world: usize, ours: f64, peers: &[serde_json::Value]) 
     }
 }
 
-/// GRPO (generation + rewards + update, one round per step) against TRL's GRPOTrainer
-/// without vLLM (transformers' generate with its KV cache), on 1 and 2 ranks; the share of
-/// the step each spends generating.
-fn grpo_lines(dir: &Path) {
+/// GRPO and RLOO (generation + rewards + update, one round per step) against TRL's
+/// GRPOTrainer and RLOOTrainer without vLLM (transformers' generate with its KV cache), on 1
+/// and 2 ranks; the share of the step each spends generating. `only`: one of the two.
+fn grpo_lines(dir: &Path, only: Option<&str>) {
+    for task in ["grpo", "rloo"] {
+        if only.is_none_or(|o| o == task) {
+            online_lines(dir, task);
+        }
+    }
+}
+
+/// `task`'s lines (grpo or rloo): ours against TRL's trainer of that name.
+fn online_lines(dir: &Path, task: &str) {
     let prompts = dir.join("prompts.jsonl");
     for world in [1, 2] {
-        let grpo = measure("ref-grpo", world, dir);
+        let grpo = measure(&format!("ref-{task}"), world, dir);
         println!(
-        "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"ddp_grpo\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3},\"generation_share\":{:.3}}}",
+        "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"ddp_{task}\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3},\"generation_share\":{:.3}}}",
         grpo.tokens_per_s, grpo.step_s, grpo.comm_share, grpo.part_share
     );
         let completion = GRPO_COMPLETION.to_string();
@@ -411,11 +439,11 @@ fn grpo_lines(dir: &Path) {
             "--num_generations",
             &generations,
         ];
-        let peers = cpu_peers(world, "trl_grpo", GRPO_BATCH, &extra);
-        peer_lines("grpo", world, grpo.tokens_per_s, &peers);
+        let peers = cpu_peers(world, &format!("trl_{task}"), GRPO_BATCH, &extra);
+        peer_lines(task, world, grpo.tokens_per_s, &peers);
         for peer in &peers {
             println!(
-            "{{\"bench\":\"train\",\"device\":\"cpu\",\"task\":\"grpo\",\"what\":\"generation_share\",\"world\":{world},\"generation_share\":{:.3},\"peer\":{},\"peer_generation_share\":{:.3}}}",
+            "{{\"bench\":\"train\",\"device\":\"cpu\",\"task\":\"{task}\",\"what\":\"generation_share\",\"world\":{world},\"generation_share\":{:.3},\"peer\":{},\"peer_generation_share\":{:.3}}}",
             grpo.part_share,
             peer["framework"],
             peer["generation_share"].as_f64().unwrap_or(f64::NAN)
@@ -437,9 +465,11 @@ fn main() {
         return;
     }
     prepare(tmp.path());
-    // TRL_BENCH_ONLY=grpo runs the GRPO lines alone.
-    if std::env::var("TRL_BENCH_ONLY").is_ok_and(|v| v == "grpo") {
-        return grpo_lines(tmp.path());
+    // TRL_BENCH_ONLY=grpo (or rloo, or online for both) runs those lines alone.
+    match std::env::var("TRL_BENCH_ONLY").as_deref() {
+        Ok("online") => return grpo_lines(tmp.path(), None),
+        Ok(task @ ("grpo" | "rloo")) => return grpo_lines(tmp.path(), Some(task)),
+        _ => {}
     }
     eprintln!(
         "train bench: reference shape, batch {BATCH} x seq {SEQ} per process, 1 thread per process"
@@ -533,7 +563,7 @@ fn main() {
         let peers = cpu_peers(world, "trl_dpo,trl_dpo_precompute", DPO_PAIRS, &extra);
         peer_lines("dpo", world, dpo.tokens_per_s, &peers);
     }
-    grpo_lines(tmp.path());
+    grpo_lines(tmp.path(), None);
     // Tensor parallelism: 2 ranks share every layer of one replica.
     let p = measure_predicted("ref-tp", 2, tmp.path(), &|r| predict("tp", 2, r));
     line("tp", 2, &p.measured, Some(&p));

@@ -214,6 +214,7 @@ pub fn bundled_job(bin: &str) -> [&'static str; 2] {
     match bin {
         "dpo" => ["--config", "assets/tiny/dpo.yaml"],
         "grpo" => ["--config", "assets/tiny/grpo.yaml"],
+        "rloo" => ["--config", "assets/tiny/rloo.yaml"],
         _ => ["--config", "assets/tiny/sft.yaml"],
     }
 }

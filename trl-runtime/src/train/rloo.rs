@@ -186,6 +186,13 @@ pub fn workload(config: &RLOOConfig) -> Workload {
     super::grpo::workload(&config.rounds())
 }
 
+impl Rloo {
+    /// Seconds this rank spent getting completions.
+    pub fn generation_seconds(&self) -> f64 {
+        self.rounds.generation_seconds()
+    }
+}
+
 impl<N: CausalModel> Task<N> for Rloo {
     type Config = RLOOConfig;
 
