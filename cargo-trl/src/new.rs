@@ -68,6 +68,10 @@ const EMBEDDED: &[(&str, &[u8])] = &[
         include_bytes!("../../templates/sft/grpo.yaml"),
     ),
     (
+        "templates/sft/kto.yaml",
+        include_bytes!("../../templates/sft/kto.yaml"),
+    ),
+    (
         "templates/sft/rloo.yaml",
         include_bytes!("../../templates/sft/rloo.yaml"),
     ),

@@ -88,30 +88,7 @@ fn assert_same(
     want: &[serde_json::Value],
     tolerance: f64,
 ) -> f64 {
-    let mut worst = 0f64;
-    for (step, (g, w)) in got.iter().zip(want).enumerate() {
-        for (key, wv) in w.as_object().unwrap() {
-            if [
-                "tokens_per_s",
-                "peak_memory_mib",
-                "predicted_peak_memory_mib",
-                "epoch",
-            ]
-            .contains(&key.as_str())
-            {
-                continue;
-            }
-            let d = common::off(&g[key], wv, 1e-3);
-            assert!(
-                d < tolerance,
-                "{name} step {}: {key} {} vs {wv}",
-                step + 1,
-                g[key]
-            );
-            worst = worst.max(d);
-        }
-    }
-    worst
+    common::assert_same_figures(name, got, want, (tolerance, 1e-3)).0
 }
 
 /// LoRA adapters with a KL term: the reference is the base (the adapters at their start),

@@ -1,9 +1,10 @@
-//! The DPO program: `trl dpo` + `accelerate launch` behaviour for any [`CausalModel`].
+//! The preference programs: `trl dpo` / `trl kto` + `accelerate launch` behaviour for any
+//! [`CausalModel`].
 
 use std::process::ExitCode;
 use trl_runtime::dist::DistContext;
 use trl_runtime::models::CausalModel;
-use trl_runtime::train::{DPOConfig, Dpo, Trainer};
+use trl_runtime::train::{DPOConfig, Dpo, KTOConfig, Kto, Task, Trainer};
 
 /// The bundled job (assets/tiny/dpo.yaml): the bundled preference pairs on the tiny model,
 /// settings that train in a couple of minutes on two cores.
@@ -11,18 +12,29 @@ pub fn embedded_defaults() -> trl_runtime::Result<DPOConfig> {
     crate::bundled_job("dpo.yaml")
 }
 
-fn run<N: CausalModel>(config: DPOConfig) -> trl_runtime::Result<()> {
+/// KTO's bundled job (assets/tiny/kto.yaml): the bundled pairs, unpaired.
+pub fn kto_defaults() -> trl_runtime::Result<KTOConfig> {
+    crate::bundled_job("kto.yaml")
+}
+
+/// Trains task `T` as configured; the main process prints the held-out `figure`.
+fn run<N: CausalModel, T: Task<N>>(config: T::Config, figure: &str) -> trl_runtime::Result<()> {
     let ctx = DistContext::from_env()?;
     let _rank = trl_runtime::train::logging::init(ctx.rank());
-    let mut trainer = Trainer::<N, Dpo>::load(config, &ctx)?;
+    let mut trainer = Trainer::<N, T>::load(config, &ctx)?;
     let outcome = trainer.train()?;
     if ctx.is_main_process() {
-        crate::print_outcome(&outcome, trainer.state.global_step, "reward accuracy", "");
+        crate::print_outcome(&outcome, trainer.state.global_step, figure, "");
     }
     Ok(())
 }
 
 /// `trl dpo` for model `N`.
 pub fn main<N: CausalModel>(defaults: fn() -> trl_runtime::Result<DPOConfig>) -> ExitCode {
-    crate::launch::<DPOConfig>(defaults, run::<N>)
+    crate::launch::<DPOConfig>(defaults, |c| run::<N, Dpo>(c, "reward accuracy"))
+}
+
+/// `trl kto` for model `N`.
+pub fn kto_main<N: CausalModel>(defaults: fn() -> trl_runtime::Result<KTOConfig>) -> ExitCode {
+    crate::launch::<KTOConfig>(defaults, |c| run::<N, Kto>(c, "reward margin"))
 }

@@ -204,6 +204,11 @@ def trl_grpo(args, batch, gc, rloo=False):
     cfg = config(args)
     torch.manual_seed(0)
     model = random_model(args, cfg)
+    if rloo:
+        # RLOO loads its reference (beta 0.05) from the policy's path: give it one.
+        saved = tempfile.mkdtemp(prefix="hf-train-bench-rloo-")
+        model.save_pretrained(saved)
+        model = type(model).from_pretrained(saved, dtype=model.dtype)
     generating = [0.0]
     generate = model.generate
 

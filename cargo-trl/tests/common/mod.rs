@@ -215,6 +215,7 @@ pub fn bundled_job(bin: &str) -> [&'static str; 2] {
         "dpo" => ["--config", "assets/tiny/dpo.yaml"],
         "grpo" => ["--config", "assets/tiny/grpo.yaml"],
         "rloo" => ["--config", "assets/tiny/rloo.yaml"],
+        "kto" => ["--config", "assets/tiny/kto.yaml"],
         _ => ["--config", "assets/tiny/sft.yaml"],
     }
 }
@@ -536,4 +537,40 @@ pub fn output_with_stdin(cmd: &mut Command, stdin: &str) -> std::process::Output
     // A command that exits without reading its input closes the pipe: not an error here.
     let _ = child.stdin.take().unwrap().write_all(stdin.as_bytes());
     child.wait_with_output().unwrap()
+}
+
+/// Every figure of `got` within `tolerance` relative (at a floor of `floor`) of `want`'s,
+/// step by step, but the run's own measures (speed, memory, epoch); the worst, and its key.
+#[allow(dead_code)]
+pub fn assert_same_figures(
+    name: &str,
+    got: &[serde_json::Value],
+    want: &[serde_json::Value],
+    (tolerance, floor): (f64, f64),
+) -> (f64, String) {
+    let own = [
+        "tokens_per_s",
+        "peak_memory_mib",
+        "predicted_peak_memory_mib",
+        "epoch",
+    ];
+    let mut worst = (0f64, String::new());
+    for (step, (g, w)) in got.iter().zip(want).enumerate() {
+        for (key, wv) in w.as_object().unwrap() {
+            if own.contains(&key.as_str()) {
+                continue;
+            }
+            let d = off(&g[key], wv, floor);
+            assert!(
+                d < tolerance,
+                "{name} step {}: {key} {} vs {wv}",
+                step + 1,
+                g[key]
+            );
+            if d >= worst.0 {
+                worst = (d, key.clone());
+            }
+        }
+    }
+    worst
 }

@@ -18,7 +18,7 @@ use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps};
 use super::eval_rounds::EvalSlots;
 use super::kinds::{read_as, Scaffold, TrainerKind};
-use super::reference::{HeldReference, Mixing};
+use super::reference::{resume_ref_logps, save_ref_logps, HeldReference, Mixing, RefLogps};
 use super::router::RouterLosses;
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
@@ -35,7 +35,6 @@ use crate::models::CausalModel;
 use crate::nn::IGNORE_INDEX;
 use crate::parallel::estimate::Workload;
 use candle_core::{Device, Tensor};
-use std::path::PathBuf;
 use std::time::Instant;
 
 crate::training_arguments! {
@@ -217,9 +216,6 @@ fn validate_dpo(config: &DPOConfig, source: &str) -> Result<()> {
     }
     Ok(())
 }
-
-/// The reference's log-probabilities of every pair, (chosen, rejected).
-type RefLogps = Vec<(f64, f64)>;
 
 /// A micro-batch of pairs, collated: its chosen sequences then its rejected ones.
 struct Micro {
@@ -642,14 +638,6 @@ fn trl_dpo_evaluation(slots: &EvalSlots, router_weight: f64) -> (f64, Vec<(&'sta
     (slots.loss(|s| s[0] + router_weight * s[9]), figures)
 }
 
-/// Reference log-probabilities kept for a resumed run.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct RefCache {
-    model: PathBuf,
-    train: RefLogps,
-    eval: RefLogps,
-}
-
 /// DPO in the trainers' registry ([`super::kinds`]).
 pub const KIND: TrainerKind = TrainerKind {
     name: "dpo",
@@ -744,39 +732,14 @@ impl<N: CausalModel> Task<N> for Dpo {
         self.collate_options.pad_to_multiple_of =
             pad_to_multiple(core.model.split(), config.pad_to_multiple_of.0);
         let args = &core.args;
-        // Where the run keeps its reference log-probabilities.
-        let path = args.output_dir.join("ref_logps.json");
         if core.state.global_step > 0 && config.sync_ref_model {
             self.sync = Some(HeldReference::resume(mixing(config), core)?);
         }
         if core.state.global_step > 0 {
             // A resumed policy is no longer the reference: read what the first pass computed.
-            let text = std::fs::read_to_string(&path).map_err(|e| {
-                Error::io(
-                    format!(
-                        "resuming DPO needs the reference log-probabilities the run computed before training ({}); without them the reference would be the resumed policy",
-                        path.display()
-                    ),
-                    e,
-                )
-            })?;
-            let cache: RefCache = serde_json::from_str(&text).map_err(|e| {
-                Error::config(path.display().to_string(), "<document>", e.to_string())
-            })?;
-            if cache.train.len() != self.train.len() || cache.eval.len() != self.eval.len() {
-                return Err(Error::config(
-                    path.display().to_string(),
-                    "train",
-                    format!(
-                        "{} / {} pairs cached, the datasets have {} / {}: resume with the data the run started with",
-                        cache.train.len(),
-                        cache.eval.len(),
-                        self.train.len(),
-                        self.eval.len()
-                    ),
-                ));
-            }
-            (self.ref_train, self.ref_eval) = (cache.train, cache.eval);
+            let rows = (self.train.len(), self.eval.len());
+            (self.ref_train, self.ref_eval) =
+                resume_ref_logps(&args.output_dir, "DPO", rows, "pairs")?;
             return Ok(());
         }
         if config.sync_ref_model {
@@ -800,16 +763,8 @@ impl<N: CausalModel> Task<N> for Dpo {
                 self.eval.len(),
                 start.elapsed().as_secs_f64()
             );
-            std::fs::create_dir_all(&args.output_dir).map_err(|e| {
-                Error::io(format!("cannot create {}", args.output_dir.display()), e)
-            })?;
-            let cache = RefCache {
-                model: args.model_name_or_path.clone(),
-                train: self.ref_train.clone(),
-                eval: self.ref_eval.clone(),
-            };
-            let text = serde_json::to_string(&cache).expect("numbers serialize");
-            crate::models::params::write_atomic(&path, text.as_bytes())?;
+            let model = &args.model_name_or_path;
+            save_ref_logps(&args.output_dir, model, &self.ref_train, &self.ref_eval)?;
         }
         Ok(())
     }

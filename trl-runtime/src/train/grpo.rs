@@ -111,13 +111,14 @@ crate::trainer_config!(GRPOConfig, flags GRPOArgs, base training,
     accuracy "eval_reward",
     metrics [],
     validate validate_grpo,
-    base_defaults grpo_defaults);
+    base_defaults trl_defaults);
 
 /// `trl grpo`-style command line.
 pub type GrpoCli = super::args::Cli<GRPOConfig>;
 
-/// TRL's GRPOConfig defaults for shared keys that differ from transformers'.
-fn grpo_defaults(training: &mut TrainingArguments, given: &dyn Fn(&str) -> bool) {
+/// TRL's GRPOConfig defaults for shared keys that differ from transformers' (RLOO's and KTO's
+/// too: a learning rate of 1e-6).
+pub(crate) fn trl_defaults(training: &mut TrainingArguments, given: &dyn Fn(&str) -> bool) {
     if !given("learning_rate") {
         training.learning_rate = 1e-6;
     }

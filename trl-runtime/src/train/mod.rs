@@ -12,6 +12,7 @@ pub mod grpo;
 pub mod grpo_loss;
 pub mod grpo_rewards;
 pub mod kinds;
+pub mod kto;
 pub mod logging;
 pub mod memory;
 pub mod plan_query;
@@ -35,6 +36,7 @@ pub use args::{Cli, CliValue, KwArgs, TrainerConfig, TrainingArguments, Training
 pub use config::{SFTArgs, SFTConfig, SftCli};
 pub use dpo::{DPOArgs, DPOConfig, Dpo, DpoCli};
 pub use grpo::{GRPOArgs, GRPOConfig, Grpo, GrpoCli};
+pub use kto::{KTOArgs, KTOConfig, Kto, KtoCli};
 pub use memory::{
     memory_peak_bytes, peak_rss_bytes, reset_memory_peak, reset_peak_rss, rss_bytes, MemoryReport,
 };

@@ -184,3 +184,76 @@ impl HeldReference {
         Ok(())
     }
 }
+
+/// Reference log-probabilities computed before training, two per row (DPO's chosen and
+/// rejected, KTO's completion and mismatched completion), for the training and held-out
+/// rows: kept in the output directory for a resumed run, whose policy is no longer the
+/// reference.
+pub type RefLogps = Vec<(f64, f64)>;
+
+/// What `output_dir/ref_logps.json` holds.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RefCache {
+    model: PathBuf,
+    train: RefLogps,
+    eval: RefLogps,
+}
+
+fn ref_logps_file(output_dir: &Path) -> PathBuf {
+    output_dir.join("ref_logps.json")
+}
+
+/// Writes the reference log-probabilities of a run on `model` (atomically).
+pub fn save_ref_logps(
+    output_dir: &Path,
+    model: &Path,
+    train: &RefLogps,
+    eval: &RefLogps,
+) -> Result<()> {
+    std::fs::create_dir_all(output_dir)
+        .map_err(|e| Error::io(format!("cannot create {}", output_dir.display()), e))?;
+    let cache = RefCache {
+        model: model.to_path_buf(),
+        train: train.clone(),
+        eval: eval.clone(),
+    };
+    let text = serde_json::to_string(&cache).expect("numbers serialize");
+    crate::models::params::write_atomic(&ref_logps_file(output_dir), text.as_bytes())
+}
+
+/// The reference log-probabilities a `trainer` run saved before training, for its resume:
+/// refused when missing or when their counts are not the datasets' (`rows`: training and
+/// held-out rows now; `noun`: what a row is).
+pub fn resume_ref_logps(
+    output_dir: &Path,
+    trainer: &str,
+    rows: (usize, usize),
+    noun: &str,
+) -> Result<(RefLogps, RefLogps)> {
+    let path = ref_logps_file(output_dir);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        Error::io(
+            format!(
+                "resuming {trainer} needs the reference log-probabilities the run computed before training ({}); without them the reference would be the resumed policy",
+                path.display()
+            ),
+            e,
+        )
+    })?;
+    let cache: RefCache = serde_json::from_str(&text)
+        .map_err(|e| Error::config(path.display().to_string(), "<document>", e.to_string()))?;
+    if (cache.train.len(), cache.eval.len()) != rows {
+        return Err(Error::config(
+            path.display().to_string(),
+            "train",
+            format!(
+                "{} / {} {noun} cached, the datasets have {} / {}: resume with the data the run started with",
+                cache.train.len(),
+                cache.eval.len(),
+                rows.0,
+                rows.1
+            ),
+        ));
+    }
+    Ok((cache.train, cache.eval))
+}

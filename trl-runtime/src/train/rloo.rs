@@ -76,17 +76,10 @@ crate::trainer_config!(RLOOConfig, flags RLOOArgs, base training,
     accuracy "eval_reward",
     metrics [],
     validate validate_rloo,
-    base_defaults rloo_defaults);
+    base_defaults super::grpo::trl_defaults);
 
 /// `trl rloo`-style command line.
 pub type RlooCli = super::args::Cli<RLOOConfig>;
-
-/// TRL's RLOOConfig defaults for shared keys that differ from transformers'.
-fn rloo_defaults(training: &mut TrainingArguments, given: &dyn Fn(&str) -> bool) {
-    if !given("learning_rate") {
-        training.learning_rate = 1e-6;
-    }
-}
 
 impl RLOOConfig {
     /// The rounds' settings as GRPO's keys (the keys both share; GRPO's own at defaults).

@@ -1,0 +1,217 @@
+//! KTO through the real `cargo trl launch` and the `kto` example: every figure TRL 1.16's
+//! KTOTrainer logs equals ours for 4 steps on the same rows (TRL run when installed, skipped
+//! with a message when not); under every CPU profile a run equals one process.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+const PAIRS: &str = "assets/tiny/data/pref_train.jsonl";
+const STEPS: usize = 4;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The first `n` pairs unpaired by hand and interleaved (a desirable row, then its
+/// undesirable one), so that every batch holds both labels.
+fn interleaved(dir: &Path, n: usize) -> PathBuf {
+    let all = std::fs::read_to_string(root().join(PAIRS)).unwrap();
+    let mut out = String::new();
+    for line in all.lines().take(n) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        for (key, label) in [("chosen", true), ("rejected", false)] {
+            let row = serde_json::json!({
+                "prompt": v["prompt"], "completion": v[key], "label": label,
+            });
+            out.push_str(&format!("{row}\n"));
+        }
+    }
+    let path = dir.join("unpaired.jsonl");
+    std::fs::write(&path, out).unwrap();
+    path
+}
+
+/// Our run of `STEPS` steps on `rows` with `flags` (KTOConfig's, as TRL's command line
+/// takes them) under `launch`; its metrics lines.
+fn ours(
+    launch: &[&str],
+    rows: &Path,
+    per_device: usize,
+    flags: &[&str],
+    out: &Path,
+) -> Vec<serde_json::Value> {
+    let args = [
+        &["--dataset_name", rows.to_str().unwrap()][..],
+        &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
+        &["--max_length", "64", "--gradient_checkpointing", "false"],
+        flags,
+    ]
+    .concat();
+    let cmd = common::trainer_launch("kto", launch, &args);
+    common::run_launch(cmd, STEPS, per_device, out);
+    common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
+}
+
+/// TRL's KTOTrainer for `STEPS` steps of `per_device` rows (scripts/trl_kto.py) on the first
+/// `rows` rows of `data`, with `keys` (KEY=VALUE): each step's logged line.
+fn theirs(
+    trl: &common::TrlScript,
+    (data, rows): (&Path, usize),
+    per_device: usize,
+    keys: &[String],
+    out: &Path,
+) -> Vec<serde_json::Value> {
+    let (steps, batch) = (STEPS.to_string(), per_device.to_string());
+    let o = trl
+        .command("tiny", data, out, 1)
+        .args([steps.as_str(), batch.as_str(), "1e-3"])
+        .arg(format!("rows={rows}"))
+        .args(keys)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let lines = common::metrics(&stdout);
+    assert_eq!(lines.len(), STEPS, "{stdout}");
+    lines
+}
+
+/// Every figure of TRL's lines in ours within 1e-4 relative; the worst, and its key.
+fn assert_matches(
+    case: &str,
+    ours: &[serde_json::Value],
+    theirs: &[serde_json::Value],
+) -> (f64, String) {
+    let mut worst = (0f64, String::new());
+    for (step, (o, t)) in ours.iter().zip(theirs).enumerate() {
+        let mut checked = 0;
+        for (key, v) in t.as_object().unwrap() {
+            if ["step", "epoch", "learning_rate", "step_time"].contains(&key.as_str()) {
+                continue;
+            }
+            assert!(
+                o.get(key).is_some(),
+                "{case} step {step}: TRL logs {key}, we do not: {o}"
+            );
+            let d = common::off(&o[key], v, 1e-3);
+            assert!(
+                d < 1e-4,
+                "{case} step {step}: {key} ours {} TRL {v}",
+                o[key]
+            );
+            if d >= worst.0 {
+                worst = (d, key.clone());
+            }
+            checked += 1;
+        }
+        assert!(checked >= 8, "{case} step {step}: {t}");
+    }
+    worst
+}
+
+/// The kto loss on interleaved unpaired rows (its KL from mismatched pairs), the
+/// apo_zero_unpaired loss with uneven weights, and preference pairs TRL unpairs (each
+/// batch's chosen rows, then its rejected ones): TRL's figures for 4 steps, every one.
+#[test]
+fn kto_figures_match_trl() {
+    let Some(trl) = common::trl_script("trl_kto.py") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let unpaired = interleaved(tmp.path(), 16);
+    let pairs = common::first_rows(PAIRS, tmp.path(), 8);
+    let apo = [
+        ("loss_type", "apo_zero_unpaired"),
+        ("desirable_weight", "1.33"),
+        ("undesirable_weight", "0.8"),
+    ];
+    type Case<'a> = (&'a str, &'a Path, usize, &'a [(&'a str, &'a str)]);
+    let cases: [Case; 3] = [
+        ("kto", &unpaired, 32, &[]),
+        ("apo_zero_unpaired", &unpaired, 32, &apo),
+        ("kto on pairs", &pairs, 8, &[]),
+    ];
+    for (i, (case, data, rows, settings)) in cases.into_iter().enumerate() {
+        let (overrides, flags) = common::both_ways(settings);
+        let out = tmp.path().join(format!("trl-{i}"));
+        let want = theirs(&trl, (data, rows), 4, &overrides, &out);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let got = ours(
+            &["--num_processes", "1"],
+            data,
+            4,
+            &flags,
+            &tmp.path().join(format!("ours-{i}")),
+        );
+        let (worst, key) = assert_matches(case, &got, &want);
+        eprintln!("kto {case}: every figure TRL logs within {worst:.1e} relative ({key})");
+    }
+}
+
+/// Under every CPU profile a run equals one process: the apo_zero_unpaired loss (a mean over
+/// rows, so two ranks of 4 rows equal one of 8), and the kto loss where the data-parallel
+/// batch is one rank's (its KL estimate is a mean over a batch, as TRL's).
+#[test]
+fn kto_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let unpaired = interleaved(tmp.path(), 32);
+    let apo = ["--loss_type", "apo_zero_unpaired"];
+    let one = ["--num_processes", "1"];
+    let run = |launch: &[&str], per_device: usize, flags: &[&str], name: &str| {
+        ours(launch, &unpaired, per_device, flags, &tmp.path().join(name))
+    };
+    let one8 = run(&one, 8, &apo, "one8");
+    let one4 = run(&one, 4, &apo, "one4");
+    let one4_kto = run(&one, 4, &[], "one4-kto");
+    assert!(one4_kto[0]["kl"].as_f64().is_some(), "{}", one4_kto[0]);
+    // Rewards are beta x differences of f32 log-probabilities near -20, whose rounding (~2e-6
+    // x beta, more with a vocabulary split over tp) is all there is at margins near 1e-3: 1e-4
+    // relative at a floor of 1e-2.
+    let compare = |name: &str, got: &[serde_json::Value], want: &[serde_json::Value]| {
+        let (d, key) = common::assert_same_figures(name, got, want, (1e-4, 1e-2));
+        eprintln!("kto {name}: every figure within {d:.1e} relative ({key})");
+    };
+    for (name, args, two_dp) in common::CPU_CASES {
+        let got = run(args, 4, &apo, name);
+        compare(name, &got, if *two_dp { &one8 } else { &one4 });
+        if !*two_dp {
+            let got = run(args, 4, &[], &format!("{name}-kto"));
+            compare(&format!("{name} kto"), &got, &one4_kto);
+        }
+    }
+}
+
+/// A KTO run resumed from its checkpoint continues as the straight run: the reference
+/// log-probabilities it computed before training are read back (the resumed policy is no
+/// longer the reference), so the resumed steps log the same losses and KL.
+#[test]
+fn a_resumed_run_keeps_its_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let unpaired = interleaved(tmp.path(), 16);
+    let (straight, resumed) = (tmp.path().join("straight"), tmp.path().join("resumed"));
+    let run = |steps: usize, out: &Path, extra: &[&str]| {
+        let args = [
+            &["--dataset_name", unpaired.to_str().unwrap()][..],
+            &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
+            extra,
+        ]
+        .concat();
+        let cmd = common::trainer_launch("kto", &["--profile", "multi_cpu"], &args);
+        common::run_launch(cmd, steps, 4, out)
+    };
+    run(5, &straight, &[]);
+    run(3, &resumed, &[]);
+    let text = run(5, &resumed, &["--resume_from_checkpoint", "latest"]);
+    assert!(text.contains("checkpoint-3"), "{text}");
+    let lines =
+        |out: &Path| common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
+    let (a, b) = (lines(&straight), lines(&resumed));
+    // The resumed run's log holds steps 1-3, then 4-5 again from the checkpoint.
+    for (x, y) in a[3..].iter().zip(&b[b.len() - 2..]) {
+        for key in ["loss", "kl", "rewards/chosen", "logps/rejected"] {
+            let d = common::off(&y[key], &x[key], 1e-2);
+            assert!(d < 1e-5, "{key}: resumed {} vs {}", y[key], x[key]);
+        }
+    }
+}
