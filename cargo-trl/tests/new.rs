@@ -266,3 +266,18 @@ fn new_with_the_rloo_trainer_trains_with_a_leave_one_out_baseline() {
         "{metrics}"
     );
 }
+
+#[test]
+fn new_with_the_kto_trainer_writes_an_unpaired_project() {
+    // `--trainer kto`: kto.yaml (TRL's KTOConfig keys) over the bundled pairs, which KTO
+    // unpairs, and a src/main.rs that trains `Kto`. (Built and launched as the DPO and RLOO
+    // scaffolds are: the same template.)
+    let tmp = tempfile::tempdir().unwrap();
+    new(tmp.path(), &["my-kto", "--trainer", "kto"]);
+    let krate = tmp.path().join("my-kto");
+    let main = std::fs::read_to_string(krate.join("src/main.rs")).unwrap();
+    assert!(main.contains("KtoCli") && main.contains("Kto>"), "{main}");
+    let yaml = std::fs::read_to_string(krate.join("kto.yaml")).unwrap();
+    assert!(yaml.contains("desirable_weight: 1.0"), "{yaml}");
+    assert!(krate.join("data/pref_train.jsonl").exists());
+}

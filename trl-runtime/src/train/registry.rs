@@ -13,6 +13,7 @@ pub const TRAINERS: &[&TrainerKind] = &[
     &super::dpo::KIND,
     &super::grpo::KIND,
     &super::rloo::KIND,
+    &super::kto::KIND,
 ];
 
 /// Trainers registered at run time, after the built-in ones.
