@@ -187,6 +187,41 @@ def trl_dpo(args, batch, gc, precompute):
     return world * args.steps * batch * per_pair / secs
 
 
+def trl_kto(args, batch, gc, precompute):
+    """TRL's KTOTrainer (kto loss, beta 0.1) on the text pairs of --pref_data, which it
+    unpairs: --batch rows per process and step, with its reference model (a copy of the
+    policy, forward every step) or, with `precompute`, the reference log-probs computed
+    before training. Tokens are those of the prompt+completion sequences (padding and the
+    mismatched pairs of the KL estimate excluded)."""
+    import copy
+    import tempfile
+    from datasets import load_dataset
+    from trl import KTOConfig, KTOTrainer
+
+    cfg = config(args)
+    torch.manual_seed(0)
+    model = random_model(args, cfg)
+    cache = os.path.join(tempfile.gettempdir(), "hf-train-bench-kto-cache")
+    rows = load_dataset("json", data_files=args.pref_data, split="train", cache_dir=cache)
+    timings, clock, world, ddp = trainer_setup(args)
+    kto_args = KTOConfig(
+        output_dir="/tmp/hf-train-bench-kto", per_device_train_batch_size=batch,
+        max_length=2 * args.seq, bf16=args.dtype == "bf16", learning_rate=1e-5,
+        max_steps=args.warmup + args.steps, logging_steps=1000, save_strategy="no", report_to=[],
+        use_cpu=args.device == "cpu", gradient_checkpointing=gc,
+        precompute_ref_log_probs=precompute, **ddp,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
+    trainer = KTOTrainer(model=model, ref_model=copy.deepcopy(model), args=kto_args,
+                         processing_class=tokenizer, train_dataset=rows, callbacks=[clock])
+    data = trainer.train_dataset
+    per_row = sum(len(p) + len(c) for p, c in zip(data["prompt_ids"], data["completion_ids"]))
+    per_row /= len(data)
+    trainer.train()
+    secs = timings[-1] - timings[args.warmup - 1]
+    return world * args.steps * batch * per_row / secs
+
+
 def trl_grpo(args, batch, gc, rloo=False):
     """TRL's GRPOTrainer without vLLM (transformers' generate with its KV cache) on the text
     prompts of --prompt_data: --batch completions per process and step (one generation round
@@ -301,6 +336,8 @@ def main():
                 elif peer in ("trl_grpo", "trl_rloo"):
                     tokens_per_s, extra["generation_share"] = trl_grpo(args, batch, gc,
                                                                        rloo=peer == "trl_rloo")
+                elif peer.startswith("trl_kto"):
+                    tokens_per_s = trl_kto(args, batch, gc, precompute=peer == "trl_kto_precompute")
                 elif peer.startswith("trl_dpo"):
                     tokens_per_s = trl_dpo(args, batch, gc, precompute=peer == "trl_dpo_precompute")
                 else:

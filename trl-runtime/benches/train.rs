@@ -40,8 +40,8 @@ use trl_runtime::models::{AutoModelForCausalLM, CausalModel};
 use trl_runtime::parallel::estimate;
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
 use trl_runtime::train::{
-    DPOConfig, Dpo, GRPOConfig, Grpo, RLOOConfig, Rloo, SFTConfig, Strategy, Task, Trainer,
-    TrainingArguments,
+    DPOConfig, Dpo, GRPOConfig, Grpo, KTOConfig, Kto, RLOOConfig, Rloo, SFTConfig, Strategy, Task,
+    Trainer, TrainingArguments,
 };
 
 const SEQ: usize = 512;
@@ -104,10 +104,11 @@ fn worker(kind: &str, dir: &Path) {
             ..common
         },
         // Preference pairs of text (prompt ~128 tokens, completions ~384), as TRL reads them.
-        "ref-dpo" => TrainingArguments {
+        "ref-dpo" | "ref-kto" => TrainingArguments {
             model_name_or_path: dir.join("model"),
             dataset_name: dir.join("pref.jsonl"),
-            per_device_train_batch_size: DPO_PAIRS,
+            // A DPO row is two sequences, a KTO row one.
+            per_device_train_batch_size: if kind == "ref-dpo" { DPO_PAIRS } else { BATCH },
             max_length: 2 * SEQ,
             learning_rate: 1e-4,
             ..common
@@ -124,6 +125,20 @@ fn worker(kind: &str, dir: &Path) {
             ..common
         },
     };
+    if kind == "ref-kto" {
+        // TRL's KTOConfig samples in order (each row's mismatched pair is its neighbour's).
+        let config = KTOConfig {
+            training: TrainingArguments {
+                train_sampling_strategy: "sequential".into(),
+                ..training
+            },
+            ..KTOConfig::default()
+        };
+        let trainer =
+            Trainer::<AutoModelForCausalLM, Kto>::load_with_strategy(config, &ctx, Strategy::Ddp)
+                .unwrap();
+        return measure_steps(trainer, &ctx, MEASURED_STEPS, &|_| 0.0);
+    }
     if kind == "ref-dpo" {
         let config = DPOConfig {
             training,
@@ -409,6 +424,22 @@ fn peer_lines(task: &str, world: usize, ours: f64, peers: &[serde_json::Value]) 
     }
 }
 
+/// KTO (kto loss, beta 0.1, the pairs unpaired) against TRL's KTOTrainer with its reference
+/// model and with the reference precomputed, on 1 and 2 ranks.
+fn kto_lines(dir: &Path) {
+    let pref = dir.join("pref.jsonl");
+    for world in [1, 2] {
+        let kto = measure("ref-kto", world, dir);
+        println!(
+            "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"ddp_kto\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}}}",
+            kto.tokens_per_s, kto.step_s, kto.comm_share
+        );
+        let extra = ["--pref_data", pref.to_str().unwrap()];
+        let peers = cpu_peers(world, "trl_kto,trl_kto_precompute", BATCH, &extra);
+        peer_lines("kto", world, kto.tokens_per_s, &peers);
+    }
+}
+
 /// GRPO and RLOO (generation + rewards + update, one round per step) against TRL's
 /// GRPOTrainer and RLOOTrainer without vLLM (transformers' generate with its KV cache), on 1
 /// and 2 ranks; the share of the step each spends generating. `only`: one of the two.
@@ -465,9 +496,10 @@ fn main() {
         return;
     }
     prepare(tmp.path());
-    // TRL_BENCH_ONLY=grpo (or rloo, or online for both) runs those lines alone.
+    // TRL_BENCH_ONLY=grpo (or rloo, online for both, kto) runs those lines alone.
     match std::env::var("TRL_BENCH_ONLY").as_deref() {
         Ok("online") => return grpo_lines(tmp.path(), None),
+        Ok("kto") => return kto_lines(tmp.path()),
         Ok(task @ ("grpo" | "rloo")) => return grpo_lines(tmp.path(), Some(task)),
         _ => {}
     }
@@ -563,6 +595,7 @@ fn main() {
         let peers = cpu_peers(world, "trl_dpo,trl_dpo_precompute", DPO_PAIRS, &extra);
         peer_lines("dpo", world, dpo.tokens_per_s, &peers);
     }
+    kto_lines(tmp.path());
     grpo_lines(tmp.path(), None);
     // Tensor parallelism: 2 ranks share every layer of one replica.
     let p = measure_predicted("ref-tp", 2, tmp.path(), &|r| predict("tp", 2, r));

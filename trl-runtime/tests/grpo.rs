@@ -358,6 +358,7 @@ fn rloo_figures_match_trl() {
 /// steps of 4 completions (per_device_eval_batch_size 4), each step's figures averaged, the
 /// loss at ratio 1 with the KL term (beta 0.04), every figure TRL logs within 1e-4 relative.
 /// The held-out prompt is one row twice: TRL's eval sampler shuffles with torch's generator.
+/// RLOO's evaluation likewise against TRL's RLOOTrainer (the KL in the reward).
 #[test]
 fn grpo_evaluation_matches_trl() {
     let Some(python) = common::python_with(&["torch", "transformers", "trl"]) else {
@@ -371,17 +372,9 @@ fn grpo_evaluation_matches_trl() {
     let mut cfg = config(tmp.path(), 8, "dapo");
     cfg.training.eval_dataset_name = Some(eval_rows.clone());
     cfg.training.per_device_eval_batch_size = 4;
-    let w = InProcessWorld::new(1);
-    let ctx = one_rank(&w);
-    let mut t = Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(cfg, &ctx, Strategy::Ddp)
-        .unwrap();
-    let mut ours = Vec::new();
-    for step in 1..=4 {
-        t.train_step().unwrap();
-        if step % 2 == 0 {
-            ours.push(t.evaluate().unwrap().unwrap());
-        }
-    }
+    let mut rloo = rloo_config(tmp.path(), 8);
+    rloo.training = cfg.training.clone();
+    let ours = evaluations::<Grpo>(cfg);
     let args = [
         "loss_type=dapo".to_string(),
         format!("eval_data={}", eval_rows.display()),
@@ -390,7 +383,34 @@ fn grpo_evaluation_matches_trl() {
         "per_device_eval_batch_size=4".into(),
     ];
     let theirs = trl_logs(&python, &tmp.path().join("trl"), &args, "eval_step", 2);
-    for (t, e) in theirs.iter().zip(&ours) {
+    assert_evaluations_match("grpo", &theirs, &ours);
+    // RLOO's evaluation: the KL in the reward, the leave-one-out advantages, its loss.
+    let ours = evaluations::<Rloo>(rloo);
+    let mut args = args[1..].to_vec();
+    args.push("trainer=rloo".into());
+    let theirs = trl_logs(&python, &tmp.path().join("trl-rloo"), &args, "eval_step", 2);
+    assert_evaluations_match("rloo", &theirs, &ours);
+}
+
+/// Task `T` trained 4 steps on one process, evaluated after steps 2 and 4.
+fn evaluations<T: Task<AutoModelForCausalLM>>(cfg: T::Config) -> Vec<EvalResult> {
+    let w = InProcessWorld::new(1);
+    let ctx = one_rank(&w);
+    let mut t =
+        Trainer::<AutoModelForCausalLM, T>::load_with_strategy(cfg, &ctx, Strategy::Ddp).unwrap();
+    let mut ours = Vec::new();
+    for step in 1..=4 {
+        t.train_step().unwrap();
+        if step % 2 == 0 {
+            ours.push(t.evaluate().unwrap().unwrap());
+        }
+    }
+    ours
+}
+
+/// Every eval figure TRL logged (`theirs`) equals ours within 1e-4 relative.
+fn assert_evaluations_match(case: &str, theirs: &[serde_json::Value], ours: &[EvalResult]) {
+    for (t, e) in theirs.iter().zip(ours) {
         let mut checked = 0;
         for (key, v) in t.as_object().unwrap() {
             let skip = ["eval_step", "epoch", "eval_num_tokens"];
@@ -402,20 +422,24 @@ fn grpo_evaluation_matches_trl() {
             }
             let ours = e
                 .metric(key, "eval_reward")
-                .unwrap_or_else(|| panic!("TRL logs {key}, we do not: {e:?}"));
+                .unwrap_or_else(|| panic!("{case}: TRL logs {key}, we do not: {e:?}"));
             let v = v.as_f64().unwrap();
             assert!(
                 (ours - v).abs() <= 1e-4 * v.abs().max(1e-3),
-                "{key}: ours {ours} TRL {v} ({t})"
+                "{case} {key}: ours {ours} TRL {v} ({t})"
             );
             checked += 1;
         }
         eprintln!(
-            "eval at step {}: {checked} figures equal TRL's: {t}",
+            "{case} eval at step {}: {checked} figures equal TRL's: {t}",
             t["eval_step"]
         );
         assert!(checked >= 15, "{t}");
-        assert!(e.loss != 0.0, "the loss at ratio 1 is computed: {e:?}");
+        // GRPO's loss at ratio 1 has its KL term; RLOO's leave-one-out advantages sum to 0.
+        assert!(
+            case != "grpo" || e.loss != 0.0,
+            "the loss at ratio 1 is computed: {e:?}"
+        );
     }
 }
 
