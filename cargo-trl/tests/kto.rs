@@ -54,14 +54,15 @@ fn ours(
 }
 
 /// TRL's KTOTrainer for `STEPS` steps of `per_device` rows (scripts/trl_kto.py) on the first
-/// `rows` rows of `data`, with `keys` (KEY=VALUE): each step's logged line.
+/// `rows` rows of `data`, with `keys` (KEY=VALUE): each step's logged line, then (with
+/// `eval_batch=N` among the keys) its evaluation on the same rows.
 fn theirs(
     trl: &common::TrlScript,
     (data, rows): (&Path, usize),
     per_device: usize,
     keys: &[String],
     out: &Path,
-) -> Vec<serde_json::Value> {
+) -> (Vec<serde_json::Value>, Option<serde_json::Value>) {
     let (steps, batch) = (STEPS.to_string(), per_device.to_string());
     let o = trl
         .command("tiny", data, out, 1)
@@ -74,7 +75,11 @@ fn theirs(
     let stdout = String::from_utf8_lossy(&o.stdout);
     let lines = common::metrics(&stdout);
     assert_eq!(lines.len(), STEPS, "{stdout}");
-    lines
+    let eval = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("eval").cloned());
+    (lines, eval)
 }
 
 /// Every figure of TRL's lines in ours within 1e-4 relative; the worst, and its key.
@@ -133,9 +138,16 @@ fn kto_figures_match_trl() {
         ("kto on pairs", &pairs, 8, &[]),
     ];
     for (i, (case, data, rows, settings)) in cases.into_iter().enumerate() {
-        let (overrides, flags) = common::both_ways(settings);
+        let (mut overrides, mut flags) = common::both_ways(settings);
+        // The first case evaluates too, on its 32 rows in batches of 4, after the last step.
+        if i == 0 {
+            overrides.push("eval_batch=4".into());
+            let eval = ["--eval_dataset_name", data.to_str().unwrap()];
+            flags.extend(eval.iter().map(|s| s.to_string()));
+            flags.extend(["--per_device_eval_batch_size".into(), "4".into()]);
+        }
         let out = tmp.path().join(format!("trl-{i}"));
-        let want = theirs(&trl, (data, rows), 4, &overrides, &out);
+        let (want, eval) = theirs(&trl, (data, rows), 4, &overrides, &out);
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let got = ours(
             &["--num_processes", "1"],
@@ -146,12 +158,31 @@ fn kto_figures_match_trl() {
         );
         let (worst, key) = assert_matches(case, &got, &want);
         eprintln!("kto {case}: every figure TRL logs within {worst:.1e} relative ({key})");
+        if let Some(eval) = eval {
+            let last = &got[STEPS - 1];
+            let mut checked = 0;
+            for (key, v) in eval.as_object().unwrap() {
+                // eval_num_tokens is TRL's count of training tokens, logged again.
+                if !key.starts_with("eval_")
+                    || key == "eval_num_tokens"
+                    || key.ends_with("runtime")
+                    || key.ends_with("_second")
+                {
+                    continue;
+                }
+                let d = common::off(&last[key], v, 1e-2);
+                assert!(d < 1e-4, "{case} {key}: ours {} TRL {v}", last[key]);
+                checked += 1;
+            }
+            assert!(checked >= 8, "{case}: {eval} vs {last}");
+            eprintln!("kto {case}: {checked} eval figures equal TRL's");
+        }
     }
 }
 
 /// Under every CPU profile a run equals one process: the apo_zero_unpaired loss (a mean over
 /// rows, so two ranks of 4 rows equal one of 8), and the kto loss where the data-parallel
-/// batch is one rank's (its KL estimate is a mean over a batch, as TRL's).
+/// batch is one rank's (its KL estimate is a mean over a batch, as TRL's); LoRA under ZeRO-3.
 #[test]
 fn kto_under_every_cpu_profile_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
@@ -172,6 +203,15 @@ fn kto_under_every_cpu_profile_equals_one_process() {
         let (d, key) = common::assert_same_figures(name, got, want, (1e-4, 1e-2));
         eprintln!("kto {name}: every figure within {d:.1e} relative ({key})");
     };
+    // LoRA adapters: the reference is the base (the adapters start at zero).
+    let lora = [
+        &apo[..],
+        &["--use_peft", "--lora_target_modules", "all-linear"],
+    ]
+    .concat();
+    let one8_lora = run(&one, 8, &lora, "one8-lora");
+    let got = run(&["--profile", "zero3_cpu"], 4, &lora, "zero3-lora");
+    compare("zero3_cpu lora", &got, &one8_lora);
     for (name, args, two_dp) in common::CPU_CASES {
         let got = run(args, 4, &apo, name);
         compare(name, &got, if *two_dp { &one8 } else { &one4 });
