@@ -329,6 +329,9 @@ struct Round {
     tokens: usize,
     /// dapo: the round's completion tokens that count, over all ranks.
     loss_tokens: f64,
+    /// RLOO with one micro-batch per round: every rank's rewards per function and lengths,
+    /// waiting for the training forward's log-probabilities (see [`Grpo::settle`]).
+    pending: Option<(Vec<Vec<f64>>, Lengths)>,
 }
 
 /// Where completions come from when they are not sampled here.
@@ -723,10 +726,14 @@ impl Grpo {
         let loss_tokens: f64 =
             core.global_sum(&[samples.iter().map(|s| s.mask.iter().sum::<f64>()).sum()])?[0];
         // TRL keeps the old log-probabilities when a round outlives a step's micro-batches
-        // (RLOO always: its KL penalty is the old policy's).
+        // (RLOO always: its KL penalty is the old policy's). A round trained in one
+        // micro-batch runs its training forward on the policy that generated it: RLOO takes
+        // the old log-probabilities from that forward instead of one of their own.
         let every = self.spg * self.iterations;
-        let keep_old =
-            self.rloo.is_some() || !core.args.gradient_accumulation_steps.is_multiple_of(every);
+        let deferred = self.rloo.is_some() && every == 1;
+        let keep_old = !deferred
+            && (self.rloo.is_some()
+                || !core.args.gradient_accumulation_steps.is_multiple_of(every));
         if keep_old {
             let old = self.score_all(core, &samples)?;
             for (s, o) in samples.iter_mut().zip(old) {
@@ -739,13 +746,20 @@ impl Grpo {
                 s.reference = Some(r);
             }
         }
-        let kl = self.sequence_kl(core, &samples, (n, rank * block), true)?;
-        let (advantages, mut metrics) =
-            self.advantages(self.g, &per_func, &lengths, kl.as_ref().map(|k| &k.0[..]));
-        metrics.extend(kl.map(|k| ("kl", k.1)));
-        for (j, s) in samples.iter_mut().enumerate() {
-            s.advantage = advantages[rank * block + j];
-        }
+        let tokens = lengths.iter().map(|l| (l[0] + l[1]) as usize).sum();
+        let (metrics, pending) = match deferred {
+            true => (Vec::new(), Some((per_func, lengths))),
+            false => {
+                let kl = self.sequence_kl(core, &samples, (n, rank * block), true)?;
+                let (advantages, mut metrics) =
+                    self.advantages(self.g, &per_func, &lengths, kl.as_ref().map(|k| &k.0[..]));
+                metrics.extend(kl.map(|k| ("kl", k.1)));
+                for (j, s) in samples.iter_mut().enumerate() {
+                    s.advantage = advantages[rank * block + j];
+                }
+                (metrics, None)
+            }
+        };
         // Shuffled within the block (TRL's shuffle_sequence_dict), then cut into micro-batches.
         if self.spg > 1 {
             let mut rng = rand::rngs::StdRng::seed_from_u64(
@@ -754,7 +768,6 @@ impl Grpo {
             samples.shuffle(&mut rng);
         }
         let slices = samples.chunks(self.batch).map(|c| c.to_vec()).collect();
-        let tokens = lengths.iter().map(|l| (l[0] + l[1]) as usize).sum();
         self.round = Some(Round {
             at: (epoch, round),
             slices,
@@ -762,8 +775,35 @@ impl Grpo {
             logged: false,
             tokens,
             loss_tokens,
+            pending,
         });
         Ok(())
+    }
+
+    /// A deferred RLOO round (one micro-batch, see [`Self::generate_round`]): `logps`, this
+    /// rank's training forward's, are its old log-probabilities; its KL, advantages and
+    /// figures follow. The figures, when the round was pending.
+    fn settle<N: CausalModel>(
+        &mut self,
+        core: &Core<'_, N>,
+        samples: &mut [Sample],
+        logps: &[Vec<f64>],
+    ) -> Result<Option<Metrics>> {
+        let Some((per_func, lengths)) = self.round.as_mut().and_then(|r| r.pending.take()) else {
+            return Ok(None);
+        };
+        for (s, l) in samples.iter_mut().zip(logps) {
+            s.old = Some(l.clone());
+        }
+        let at = core.dp.rank() * self.batch * self.spg;
+        let kl = self.sequence_kl(core, samples, (lengths.len(), at), true)?;
+        let (advantages, mut metrics) =
+            self.advantages(self.g, &per_func, &lengths, kl.as_ref().map(|k| &k.0[..]));
+        metrics.extend(kl.map(|k| ("kl", k.1)));
+        for (j, s) in samples.iter_mut().enumerate() {
+            s.advantage = advantages[at + j];
+        }
+        Ok(Some(metrics))
     }
 
     /// RLOO with a reference: each of the `n` completions' KL (old minus reference
@@ -1585,9 +1625,10 @@ impl<N: CausalModel> Task<N> for Grpo {
                 tokens += r.tokens;
             }
             let loss_tokens = r.loss_tokens;
-            let samples = r.slices[slice].clone();
+            let mut samples = r.slices[slice].clone();
             let (logps, entropies, local) =
                 core.training_forward(i, || self.forward(core, &samples, true))?;
+            metrics.extend(self.settle(core, &mut samples, &logps)?.unwrap_or_default());
             let (local, owner) = local.expect("a training forward");
             let entropy_masks = self.entropy_masks(core, &samples, &entropies, true)?;
             let completions: Vec<Completion> = samples

@@ -69,7 +69,8 @@ mod tests {
         // Flags every trainer takes read as the first's (SFT): one sequence a row.
         let common = ["--max_length", "64"];
         assert_eq!(kind(&common), Some(("sft", Workload::default())));
-        // Only DPO takes --beta: two sequences a row; TR-DPO keeps a copy of the weights.
+        // DPO, the first trainer that takes --beta: two sequences a row; TR-DPO keeps a copy
+        // of the weights.
         let pairs = Workload {
             sequences_per_row: 2,
             ..Workload::default()
@@ -81,7 +82,7 @@ mod tests {
         };
         assert_eq!(kind(&["--sync_ref_model", "true"]), Some(("dpo", synced)));
         assert_eq!(kind(&["--no_such_flag", "1"]), None);
-        assert!(find("dpo").is_some() && find("kto").is_none());
+        assert!(find("kto").is_some() && find("reward").is_none());
         assert_eq!(names()[0], "sft");
     }
 }

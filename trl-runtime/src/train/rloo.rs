@@ -1,7 +1,8 @@
 //! RLOO as a [`Task`]: TRL 1.16's RLOOTrainer (`RLOOConfig`'s keys and defaults). It shares
 //! GRPO's rounds (the sampler, in-process generation or a rollout, the rewards, the held
 //! reference, every strategy) and differs where TRL's does ([`super::rloo_loss`]): the policy's
-//! log-probabilities at generation are always kept; with beta > 0 the KL to the reference
+//! log-probabilities at generation are always kept (from the training forward when a round
+//! is one micro-batch trained once: the same policy); with beta > 0 the KL to the reference
 //! (old minus reference, summed over a completion's tokens) comes out of its reward; the
 //! advantage is the reward minus the mean of its group's others (optionally normalised over
 //! the generation batch); the loss clips one ratio per completion, of its summed
