@@ -82,7 +82,8 @@ fn theirs(
     (lines, eval)
 }
 
-/// Every figure of TRL's lines in ours within 1e-4 relative; the worst, and its key.
+/// Every figure of TRL's lines in ours within 1e-4 relative (at a floor of 2e-2); the worst,
+/// and its key.
 fn assert_matches(
     case: &str,
     ours: &[serde_json::Value],
@@ -99,7 +100,10 @@ fn assert_matches(
                 o.get(key).is_some(),
                 "{case} step {step}: TRL logs {key}, we do not: {o}"
             );
-            let d = common::off(&o[key], v, 1e-3);
+            // Rewards are beta x differences of f32 log-probability sums near -23, each good
+            // to ~1e-5 once a synced reference mixed in f32 is involved (TRL's and ours round
+            // the mix apart): 2e-6 absolute at margins near 1e-3, a floor of 2e-2.
+            let d = common::off(&o[key], v, 2e-2);
             assert!(
                 d < 1e-4,
                 "{case} step {step}: {key} ours {} TRL {v}",
@@ -116,8 +120,9 @@ fn assert_matches(
 }
 
 /// The kto loss on interleaved unpaired rows (its KL from mismatched pairs), the
-/// apo_zero_unpaired loss with uneven weights, and preference pairs TRL unpairs (each
-/// batch's chosen rows, then its rejected ones): TRL's figures for 4 steps, every one.
+/// apo_zero_unpaired loss with uneven weights, preference pairs TRL unpairs (each batch's
+/// chosen rows, then its rejected ones), and the reference synced with the policy every 2
+/// steps (TR-DPO): TRL's figures for 4 steps, every one.
 #[test]
 fn kto_figures_match_trl() {
     let Some(trl) = common::trl_script("trl_kto.py") else {
@@ -132,10 +137,12 @@ fn kto_figures_match_trl() {
         ("undesirable_weight", "0.8"),
     ];
     type Case<'a> = (&'a str, &'a Path, usize, &'a [(&'a str, &'a str)]);
-    let cases: [Case; 3] = [
+    let sync = [("sync_ref_model", "true"), ("ref_model_sync_steps", "2")];
+    let cases: [Case; 4] = [
         ("kto", &unpaired, 32, &[]),
         ("apo_zero_unpaired", &unpaired, 32, &apo),
         ("kto on pairs", &pairs, 8, &[]),
+        ("kto with a synced reference", &unpaired, 32, &sync),
     ];
     for (i, (case, data, rows, settings)) in cases.into_iter().enumerate() {
         let (mut overrides, mut flags) = common::both_ways(settings);

@@ -18,7 +18,9 @@ use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps};
 use super::eval_rounds::EvalSlots;
 use super::kinds::{read_as, Scaffold, TrainerKind};
-use super::reference::{resume_ref_logps, save_ref_logps, HeldReference, Mixing, RefLogps};
+use super::reference::{
+    mix_synced, resume_ref_logps, save_ref_logps, save_synced, HeldReference, Mixing, RefLogps,
+};
 use super::router::RouterLosses;
 use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
@@ -934,19 +936,13 @@ impl<N: CausalModel> Task<N> for Dpo {
 
     /// TR-DPO's reference weights beside each checkpoint (each rank its share).
     fn save_state(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
-        match &self.sync {
-            Some(sync) => sync.save(core, step),
-            None => Ok(()),
-        }
+        save_synced(&self.sync, core, step)
     }
 
     /// TR-DPO's sync (TRL's SyncRefModelCallback): every `ref_model_sync_steps` steps the
     /// reference becomes alpha x policy + (1 - alpha) x reference, on each rank's own share.
     fn after_step(&mut self, core: &Core<'_, N>) -> Result<()> {
-        match self.sync.as_mut() {
-            Some(sync) => sync.after_step(core),
-            None => Ok(()),
-        }
+        mix_synced(&mut self.sync, core)
     }
 
     fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {

@@ -15,11 +15,16 @@
 //! The reference is the policy before its first step: its log-probabilities of every row and
 //! every mismatched pair are computed once before training (TRL's `precompute_ref_log_probs`;
 //! the same values TRL otherwise computes on the fly) and kept beside the run for a resume.
+//! With `sync_ref_model` (TR-DPO's mixing, as DPO has it) the reference's own weights are held
+//! and mixed with the policy every `ref_model_sync_steps` steps; after a mix its
+//! log-probabilities come from its forward, the weights swapped in.
 
 use super::args::TrainingArguments;
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::kinds::{read_as, Scaffold, TrainerKind};
-use super::reference::{resume_ref_logps, save_ref_logps, RefLogps};
+use super::reference::{
+    mix_synced, resume_ref_logps, save_ref_logps, save_synced, HeldReference, Mixing, RefLogps,
+};
 use super::router::RouterLosses;
 use crate::comm::ReduceOp;
 use crate::config::cli_value::PadMultiple;
@@ -53,7 +58,8 @@ crate::training_arguments! {
     precompute_ref_batch_size: Option<usize> = None;
     /// A token count, none, or auto (no padding off AWS Neuron).
     pad_to_multiple_of: PadMultiple = Default::default();
-    /// TR-DPO's reference mixing: not built for KTO, true is refused.
+    /// TR-DPO's reference mixing: the policy mixed into the reference every
+    /// ref_model_sync_steps steps.
     sync_ref_model: bool = false;
     ref_model_mixup_alpha: f64 = 0.6;
     ref_model_sync_steps: usize = 512;
@@ -111,14 +117,19 @@ fn validate_kto(config: &KTOConfig, source: &str) -> Result<()> {
         return fail(key, "must be positive".into());
     }
     if config.sync_ref_model {
-        return fail(
-            "sync_ref_model",
-            "mixing the policy into KTO's reference is not built yet: remove it (DPO has it)"
-                .into(),
-        );
-    }
-    if config.precompute_ref_batch_size == Some(0) {
-        return fail("precompute_ref_batch_size", "0: give a batch size".into());
+        // TRL's two refusals, for the same reasons.
+        if t.use_peft {
+            return fail("sync_ref_model", "with use_peft the reference is the base with its adapters off, so there is no reference model of its own to mix the policy into (TRL refuses it too): drop one of the two".into());
+        }
+        if config.precompute_ref_log_probs {
+            return fail("sync_ref_model", "precompute_ref_log_probs assumes a fixed reference, and the sync changes it every ref_model_sync_steps (TRL refuses it too): drop one of the two".into());
+        }
+        if config.ref_model_sync_steps == 0 {
+            return fail(
+                "ref_model_sync_steps",
+                "0: give the number of steps between syncs (TRL's default is 512)".into(),
+            );
+        }
     }
     Ok(())
 }
@@ -283,6 +294,8 @@ pub struct Kto {
     collate_options: CollateOptions,
     max_length: usize,
     ref_batch_size: Option<usize>,
+    /// sync_ref_model: the reference's own weights, mixed with the policy's.
+    sync: Option<HeldReference>,
 }
 
 impl Kto {
@@ -399,19 +412,50 @@ impl Kto {
         for round in 0..deal.rounds() {
             let idx = deal.rows(round, rank);
             let batch: Vec<&KtoRow> = idx.iter().map(|&k| &rows[k]).collect();
-            let main = self.forward(core, &self.micro(core, &batch, false)?, false)?;
-            let kl = match self.calculate_kl {
-                true => Some(self.forward(core, &self.micro(core, &batch, true)?, false)?),
-                false => None,
-            };
+            let logps = self.logps_of(core, &batch)?;
             // The refill repeats rows another batch holds: each is written once.
             for (j, &k) in idx[..deal.real_rows(round, rank)].iter().enumerate() {
-                out[2 * k] = main.logps[j];
-                out[2 * k + 1] = kl.as_ref().map_or(0.0, |s| s.logps[j]);
+                (out[2 * k], out[2 * k + 1]) = logps[j];
             }
         }
         let all = core.global_sum(&out)?;
         Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
+    }
+
+    /// The current weights' log-probabilities of `rows`: (completion, mismatched completion;
+    /// 0 without a KL estimate).
+    fn logps_of<N: CausalModel>(&self, core: &Core<'_, N>, rows: &[&KtoRow]) -> Result<RefLogps> {
+        let main = self.forward(core, &self.micro(core, rows, false)?, false)?;
+        let kl = match self.calculate_kl {
+            true => Some(self.forward(core, &self.micro(core, rows, true)?, false)?),
+            false => None,
+        };
+        Ok((0..rows.len())
+            .map(|j| (main.logps[j], kl.as_ref().map_or(0.0, |s| s.logps[j])))
+            .collect())
+    }
+
+    /// The reference's log-probabilities of each micro-batch of `rows`: precomputed, or
+    /// after a sync's mix the reference's forward, its weights swapped in once for all.
+    fn references<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        rows: &[Vec<usize>],
+    ) -> Result<Vec<RefLogps>> {
+        match self.sync.as_ref().filter(|s| s.mixed()) {
+            Some(sync) => sync.run(core, || {
+                rows.iter()
+                    .map(|idx| {
+                        let batch: Vec<&KtoRow> = idx.iter().map(|&k| &self.train[k]).collect();
+                        self.logps_of(core, &batch)
+                    })
+                    .collect()
+            }),
+            None => Ok(rows
+                .iter()
+                .map(|idx| idx.iter().map(|&k| self.ref_train[k]).collect())
+                .collect()),
+        }
     }
 
     /// The KL estimate of a micro-batch: the mean over its rows of policy minus reference
@@ -554,10 +598,12 @@ pub const KIND: TrainerKind = TrainerKind {
 };
 
 /// A micro-batch's rows are one sequence each (the mismatched pairs' forward keeps no
-/// graph); the reference's log-probabilities are computed before training.
-pub fn workload(_config: &KTOConfig) -> Workload {
+/// graph); the reference's log-probabilities are computed before training; sync_ref_model
+/// holds a copy of the weights.
+pub fn workload(config: &KTOConfig) -> Workload {
     Workload {
         sequences_per_row: 1,
+        weight_copies: usize::from(config.sync_ref_model),
         ..Workload::default()
     }
 }
@@ -596,6 +642,7 @@ impl<N: CausalModel> Task<N> for Kto {
             },
             max_length: args.max_length,
             ref_batch_size: config.precompute_ref_batch_size,
+            sync: None,
         })
     }
 
@@ -620,6 +667,17 @@ impl<N: CausalModel> Task<N> for Kto {
         self.collate_options.pad_to_multiple_of =
             pad_to_multiple(core.model.split(), config.pad_to_multiple_of.0);
         let args = &core.args;
+        let mixing = Mixing {
+            alpha: config.ref_model_mixup_alpha,
+            every: config.ref_model_sync_steps,
+        };
+        if config.sync_ref_model {
+            // A copy of the policy before training (this rank's share), or a resumed run's.
+            self.sync = Some(match core.state.global_step > 0 {
+                true => HeldReference::resume(mixing, core)?,
+                false => HeldReference::of_policy(mixing, core)?,
+            });
+        }
         if core.state.global_step > 0 {
             // A resumed policy is no longer the reference: read what the first pass computed.
             let rows = (self.train.len(), self.eval.len());
@@ -653,9 +711,9 @@ impl<N: CausalModel> Task<N> for Kto {
         let scale = 1.0 / (rows.len() * core.dp.size()) as f64;
         let router = RouterLosses::new(core, rows.len());
         let mut local = vec![0.0, 0.0];
-        for (i, idx) in rows.iter().enumerate() {
+        let references = self.references(core, rows)?;
+        for (i, (idx, refs)) in rows.iter().zip(references).enumerate() {
             let batch: Vec<&KtoRow> = idx.iter().map(|&k| &self.train[k]).collect();
-            let refs: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_train[k]).collect();
             // TRL estimates the KL before the policy's forward, with no gradient.
             let kl = self.kl(core, &batch, &refs)?;
             let micro = self.micro(core, &batch, false)?;
@@ -706,12 +764,19 @@ impl<N: CausalModel> Task<N> for Kto {
             drop_last: false,
         };
         let rank = core.dp.rank();
+        // After a sync's mix: the current reference's log-probabilities.
+        let batch = core.args.per_device_eval_batch_size.max(1);
+        let mixed = match self.sync.as_ref().filter(|s| s.mixed()) {
+            Some(sync) => Some(sync.run(core, || self.reference(core, &self.eval, batch))?),
+            None => None,
+        };
+        let ref_eval = mixed.as_ref().unwrap_or(&self.ref_eval);
         // [loss x real rows, real rows] then each batch's figures.
         let mut local = vec![0.0, 0.0];
         for round in 0..deal.rounds() {
             let idx = deal.rows(round, rank);
             let batch: Vec<&KtoRow> = idx.iter().map(|&k| &self.eval[k]).collect();
-            let refs: Vec<(f64, f64)> = idx.iter().map(|&k| self.ref_eval[k]).collect();
+            let refs: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
             let kl = self.kl(core, &batch, &refs)?;
             let sums = self.forward(core, &self.micro(core, &batch, false)?, false)?;
             let (loss, _, mut f) = self.losses(&batch, &refs, &sums, kl);
@@ -731,6 +796,17 @@ impl<N: CausalModel> Task<N> for Kto {
             aux_loss: None,
             figures,
         }))
+    }
+
+    /// The synced reference's weights beside each checkpoint (each rank its share).
+    fn save_state(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
+        save_synced(&self.sync, core, step)
+    }
+
+    /// sync_ref_model (TRL's SyncRefModelCallback): every `ref_model_sync_steps` steps the
+    /// reference becomes alpha x policy + (1 - alpha) x reference.
+    fn after_step(&mut self, core: &Core<'_, N>) -> Result<()> {
+        mix_synced(&mut self.sync, core)
     }
 
     fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {
@@ -784,6 +860,7 @@ mod tests {
                 },
                 max_length: 8,
                 ref_batch_size: None,
+                sync: None,
             };
             for desirable in [true, false] {
                 let (_, d) = kto.loss_of(desirable, 0.4, 0.1);

@@ -257,3 +257,20 @@ pub fn resume_ref_logps(
     }
     Ok((cache.train, cache.eval))
 }
+
+/// A trainer's synced reference, if it keeps one, saved beside checkpoint `step`.
+pub fn save_synced<N: CausalModel>(
+    sync: &Option<HeldReference>,
+    core: &Core<'_, N>,
+    step: usize,
+) -> Result<()> {
+    sync.as_ref().map_or(Ok(()), |s| s.save(core, step))
+}
+
+/// A trainer's synced reference, if it keeps one, mixed after a step when it is due.
+pub fn mix_synced<N: CausalModel>(
+    sync: &mut Option<HeldReference>,
+    core: &Core<'_, N>,
+) -> Result<()> {
+    sync.as_mut().map_or(Ok(()), |s| s.after_step(core))
+}
