@@ -19,7 +19,8 @@ use super::dpo_loss::{DpoLoss, FDivergence, LossType, PairLogps};
 use super::eval_rounds::EvalSlots;
 use super::kinds::{read_as, Scaffold, TrainerKind};
 use super::reference::{
-    mix_synced, resume_ref_logps, save_ref_logps, save_synced, HeldReference, Mixing, RefLogps,
+    mix_synced, precompute_ref_logps, resume_ref_logps, save_ref_logps, save_synced, sync_refusal,
+    HeldReference, Mixing, RefLogps,
 };
 use super::router::RouterLosses;
 use crate::comm::ReduceOp;
@@ -187,27 +188,10 @@ fn validate_dpo(config: &DPOConfig, source: &str) -> Result<()> {
         return fail("ld_alpha", format!("{a}: must lie in [0, 1]"));
     }
     if config.sync_ref_model {
-        // TRL's two refusals, for the same reasons.
-        if config.training.use_peft {
-            return fail("sync_ref_model", "with use_peft the reference is the base with its adapters off, so there is no reference model of its own to mix the policy into (TRL refuses it too): drop one of the two".into());
-        }
-        if config.precompute_ref_log_probs {
-            return fail("sync_ref_model", "precompute_ref_log_probs assumes a fixed reference, and TR-DPO changes it every ref_model_sync_steps (TRL refuses it too): drop one of the two".into());
-        }
-        if config.ref_model_sync_steps == 0 {
-            return fail(
-                "ref_model_sync_steps",
-                "0: give the number of steps between syncs (TRL's default is 512)".into(),
-            );
-        }
-        if !(0.0..=1.0).contains(&config.ref_model_mixup_alpha) {
-            return fail(
-                "ref_model_mixup_alpha",
-                format!(
-                    "{}: the policy's share of the new reference lies in [0, 1]",
-                    config.ref_model_mixup_alpha
-                ),
-            );
+        let t = &config.training;
+        let refusal = sync_refusal(t.use_peft, config.precompute_ref_log_probs, mixing(config));
+        if let Some((key, why)) = refusal {
+            return fail(key, why);
         }
     }
     if !["keep_start", "keep_end"].contains(&config.truncation_mode.as_str()) {
@@ -515,11 +499,7 @@ impl Dpo {
             Some(sync) => sync.run(core, || {
                 micros
                     .iter()
-                    .map(|micro| {
-                        let r = self.forward(core, micro, false, false)?;
-                        let n = micro.chosen_len.len();
-                        Ok((0..n).map(|j| (r.logps[j], r.logps[n + j])).collect())
-                    })
+                    .map(|micro| self.pair_logps_of(core, micro))
                     .collect()
             }),
             None => Ok(rows
@@ -573,45 +553,26 @@ impl Dpo {
         Ok(())
     }
 
-    /// The reference's log-probabilities of `pairs`: each data-parallel rank computes its
-    /// batches (TRL's precompute DataLoader: `batch_size` per rank, no row dropped), all
-    /// ranks get all of them.
+    /// The reference's log-probabilities of `pairs`, computed before training in batches of
+    /// `batch_size` per rank (the policy before its first step is the reference).
     fn reference<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
         pairs: &[PreferencePair],
         batch_size: usize,
     ) -> Result<RefLogps> {
-        if pairs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let deal = BatchDeal {
-            len: pairs.len(),
-            batch: batch_size,
-            world: core.dp.size(),
-            drop_last: false,
-        };
-        let mut out = vec![0.0; 2 * pairs.len()];
-        // The reference's log-probabilities alone: no WPO weights.
-        let router = RouterLosses::off();
-        let rank = core.dp.rank();
-        self.each_batch(
-            core,
-            pairs,
-            deal,
-            false,
-            &router,
-            |round, idx, _, sums, _| {
-                // The refill repeats rows another batch holds: each is written once.
-                for (j, &k) in idx[..deal.real_rows(round, rank)].iter().enumerate() {
-                    out[2 * k] = sums.logps[j];
-                    out[2 * k + 1] = sums.logps[idx.len() + j];
-                }
-                Ok(())
-            },
-        )?;
-        let all = core.global_sum(&out)?;
-        Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
+        precompute_ref_logps(core, pairs.len(), batch_size, |idx| {
+            let rows: Vec<&PreferencePair> = idx.iter().map(|&k| &pairs[k]).collect();
+            self.pair_logps_of(core, &self.micro(core, &rows)?)
+        })
+    }
+
+    /// The current weights' log-probabilities (chosen, rejected) of a micro-batch's pairs
+    /// (no WPO weights: the reference's alone).
+    fn pair_logps_of<N: CausalModel>(&self, core: &Core<'_, N>, micro: &Micro) -> Result<RefLogps> {
+        let r = self.forward(core, micro, false, false)?;
+        let n = micro.chosen_len.len();
+        Ok((0..n).map(|j| (r.logps[j], r.logps[n + j])).collect())
     }
 }
 

@@ -380,6 +380,8 @@ type TokenRows = Vec<Vec<u32>>;
 type Lengths = Vec<[f64; 3]>;
 /// Metrics under TRL's names.
 type Metrics = Vec<(&'static str, f64)>;
+/// An eval step's policy log-probabilities and entropies, per sample and completion token.
+type EvalPass = (Vec<Vec<f64>>, Vec<Vec<f64>>);
 /// Per local position of a micro-batch: the (sample, completion token) it predicts.
 type Owners = Vec<Option<(usize, usize)>>;
 /// A forward's log-probabilities and entropies per sample and completion token, and the
@@ -1193,13 +1195,14 @@ impl Grpo {
 
     /// One of TRL's eval steps over `batch` (every rank's rows, in rank order, starting at
     /// eval row `first`): its samples (each rank's part one rollout call, as each TRL process
-    /// makes its own) with their advantages and reference log-probs, and its reward figures.
+    /// makes its own) with their advantages and reference log-probs, its reward figures, and
+    /// the policy's pass over it.
     fn eval_samples<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
         batch: &[&PromptRow],
         (seed, first): (u64, usize),
-    ) -> Result<(Vec<Sample>, Metrics)> {
+    ) -> Result<(Vec<Sample>, Metrics, EvalPass)> {
         let per = core.args.per_device_eval_batch_size.max(1);
         let prompts: Vec<Value> = batch.iter().map(|r| r.prompt.clone()).collect();
         let mut columns: Vec<Map<String, Value>> =
@@ -1237,12 +1240,18 @@ impl Grpo {
             for (s, r) in samples.iter_mut().zip(refs) {
                 s.reference = Some(r);
             }
-            // RLOO's KL in the reward is the policy's at generation: the current one here.
-            if self.rloo.is_some() {
-                let old = self.score_all(core, &samples)?;
-                for (s, o) in samples.iter_mut().zip(old) {
-                    s.old = Some(o);
-                }
+        }
+        // The policy's pass over the step, in eval batches: the loss's, and RLOO's old
+        // log-probabilities (the policy at generation is the current one here).
+        let (mut logps, mut entropies) = (Vec::new(), Vec::new());
+        for chunk in samples.chunks(per) {
+            let (l, e, _) = self.forward(core, chunk, false)?;
+            logps.extend(l);
+            entropies.extend(e);
+        }
+        if self.rloo.is_some() {
+            for (s, l) in samples.iter_mut().zip(&logps) {
+                s.old = Some(l.clone());
             }
         }
         let kl = self.sequence_kl(core, &samples, (samples.len(), 0), false)?;
@@ -1256,7 +1265,7 @@ impl Grpo {
         for (s, a) in samples.iter_mut().zip(advantages) {
             s.advantage = a;
         }
-        Ok((samples, figures))
+        Ok((samples, figures, (logps, entropies)))
     }
 
     /// An eval step's loss at ratio 1 over `samples` (the mean of the ranks' parts' losses,
@@ -1265,14 +1274,9 @@ impl Grpo {
         &self,
         core: &Core<'_, N>,
         samples: &[Sample],
+        (logps, entropies): EvalPass,
     ) -> Result<(f64, Metrics)> {
         let per = core.args.per_device_eval_batch_size.max(1);
-        let (mut logps, mut entropies) = (Vec::new(), Vec::new());
-        for chunk in samples.chunks(per) {
-            let (l, e, _) = self.forward(core, chunk, false)?;
-            logps.extend(l);
-            entropies.extend(e);
-        }
         let masks = self.entropy_masks(core, samples, &entropies, false)?;
         let tokens: f64 = samples.iter().flat_map(|s| &s.mask).sum();
         let scale = Scale {
@@ -1698,9 +1702,9 @@ impl<N: CausalModel> Task<N> for Grpo {
         let mut sums: Vec<(&'static str, f64)> = Vec::new();
         let (mut loss, mut steps) = (0.0, 0);
         for (b, batch) in rows.chunks(per * self.dp).enumerate() {
-            let (samples, mut figures) =
+            let (samples, mut figures, pass) =
                 self.eval_samples(core, batch, (seed, b * per * self.dp))?;
-            let (step_loss, loss_figures) = self.eval_loss(core, &samples)?;
+            let (step_loss, loss_figures) = self.eval_loss(core, &samples, pass)?;
             figures.extend(loss_figures);
             loss += step_loss * batch.len() as f64;
             steps += 1;

@@ -23,7 +23,8 @@ use super::args::TrainingArguments;
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::kinds::{read_as, Scaffold, TrainerKind};
 use super::reference::{
-    mix_synced, resume_ref_logps, save_ref_logps, save_synced, HeldReference, Mixing, RefLogps,
+    mix_synced, precompute_ref_logps, resume_ref_logps, save_ref_logps, save_synced, sync_refusal,
+    HeldReference, Mixing, RefLogps,
 };
 use super::router::RouterLosses;
 use crate::comm::ReduceOp;
@@ -117,18 +118,9 @@ fn validate_kto(config: &KTOConfig, source: &str) -> Result<()> {
         return fail(key, "must be positive".into());
     }
     if config.sync_ref_model {
-        // TRL's two refusals, for the same reasons.
-        if t.use_peft {
-            return fail("sync_ref_model", "with use_peft the reference is the base with its adapters off, so there is no reference model of its own to mix the policy into (TRL refuses it too): drop one of the two".into());
-        }
-        if config.precompute_ref_log_probs {
-            return fail("sync_ref_model", "precompute_ref_log_probs assumes a fixed reference, and the sync changes it every ref_model_sync_steps (TRL refuses it too): drop one of the two".into());
-        }
-        if config.ref_model_sync_steps == 0 {
-            return fail(
-                "ref_model_sync_steps",
-                "0: give the number of steps between syncs (TRL's default is 512)".into(),
-            );
+        let refusal = sync_refusal(t.use_peft, config.precompute_ref_log_probs, mixing(config));
+        if let Some((key, why)) = refusal {
+            return fail(key, why);
         }
     }
     Ok(())
@@ -279,8 +271,8 @@ struct Sums {
 
 /// KTO's figures of a micro-batch, summed over the ranks: [kl, chosen rows, rejected rows,
 /// chosen rewards, rejected rewards, chosen logps, rejected logps, chosen logits, chosen
-/// targets, rejected logits, rejected targets, entropy, targets, loss].
-const FIGURES: usize = 14;
+/// targets, rejected logits, rejected targets, entropy, targets].
+const FIGURES: usize = 13;
 
 /// KTO training.
 pub struct Kto {
@@ -390,36 +382,18 @@ impl Kto {
         })
     }
 
-    /// The reference's log-probabilities of `rows` (and of their mismatched pairs): each
-    /// data-parallel rank its batches of `batch` rows, all ranks getting all of them.
+    /// The reference's log-probabilities of `rows` (and of their mismatched pairs), computed
+    /// before training in batches of `batch` per rank.
     fn reference<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
         rows: &[KtoRow],
         batch: usize,
     ) -> Result<RefLogps> {
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let deal = BatchDeal {
-            len: rows.len(),
-            batch,
-            world: core.dp.size(),
-            drop_last: false,
-        };
-        let rank = core.dp.rank();
-        let mut out = vec![0.0; 2 * rows.len()];
-        for round in 0..deal.rounds() {
-            let idx = deal.rows(round, rank);
+        precompute_ref_logps(core, rows.len(), batch, |idx| {
             let batch: Vec<&KtoRow> = idx.iter().map(|&k| &rows[k]).collect();
-            let logps = self.logps_of(core, &batch)?;
-            // The refill repeats rows another batch holds: each is written once.
-            for (j, &k) in idx[..deal.real_rows(round, rank)].iter().enumerate() {
-                (out[2 * k], out[2 * k + 1]) = logps[j];
-            }
-        }
-        let all = core.global_sum(&out)?;
-        Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
+            self.logps_of(core, &batch)
+        })
     }
 
     /// The current weights' log-probabilities of `rows`: (completion, mismatched completion;
@@ -504,19 +478,19 @@ impl Kto {
         }
     }
 
-    /// One micro-batch of `rows` (their reference log-probabilities `refs`): its loss (a mean
-    /// over the rows), each row's derivative, and this rank's [`FIGURES`] (the KL already
-    /// every rank's).
+    /// One micro-batch of `rows` (their reference log-probabilities `refs`) on one of `dp`
+    /// data-parallel ranks: its loss (a mean over the rows), each row's derivative, and this
+    /// rank's [`FIGURES`] (of the KL, which every rank holds, its share).
     fn losses(
         &self,
         rows: &[&KtoRow],
         refs: &[(f64, f64)],
         sums: &Sums,
-        kl: f64,
+        (kl, dp): (f64, usize),
     ) -> (f64, Vec<f64>, [f64; FIGURES]) {
         let n = rows.len().max(1) as f64;
         let mut f = [0.0; FIGURES];
-        f[0] = kl;
+        f[0] = kl / dp as f64;
         let mut loss = 0.0;
         let mut grads = Vec::with_capacity(rows.len());
         for (j, row) in rows.iter().enumerate() {
@@ -533,7 +507,6 @@ impl Kto {
             f[11] += sums.figures[j][1];
             f[12] += sums.figures[j][2];
         }
-        f[13] = loss;
         (loss, grads, f)
     }
 }
@@ -596,6 +569,14 @@ pub const KIND: TrainerKind = TrainerKind {
         setup: "",
     },
 };
+
+/// sync_ref_model's mixing: `ref_model_mixup_alpha` every `ref_model_sync_steps`.
+fn mixing(config: &KTOConfig) -> Mixing {
+    Mixing {
+        alpha: config.ref_model_mixup_alpha,
+        every: config.ref_model_sync_steps,
+    }
+}
 
 /// A micro-batch's rows are one sequence each (the mismatched pairs' forward keeps no
 /// graph); the reference's log-probabilities are computed before training; sync_ref_model
@@ -667,10 +648,7 @@ impl<N: CausalModel> Task<N> for Kto {
         self.collate_options.pad_to_multiple_of =
             pad_to_multiple(core.model.split(), config.pad_to_multiple_of.0);
         let args = &core.args;
-        let mixing = Mixing {
-            alpha: config.ref_model_mixup_alpha,
-            every: config.ref_model_sync_steps,
-        };
+        let mixing = mixing(config);
         if config.sync_ref_model {
             // A copy of the policy before training (this rank's share), or a resumed run's.
             self.sync = Some(match core.state.global_step > 0 {
@@ -721,7 +699,7 @@ impl<N: CausalModel> Task<N> for Kto {
             let sums = core.training_forward(i, || {
                 router.during(&aux, || self.forward(core, &micro, true))
             })?;
-            let (loss, d, f) = self.losses(&batch, &refs, &sums, kl);
+            let (loss, d, f) = self.losses(&batch, &refs, &sums, (kl, core.dp.size()));
             let g: Vec<f32> = d.iter().map(|&d| (d * scale) as f32).collect();
             let g = Tensor::new(g.as_slice(), sums.local.device())?;
             let store = core.model.backward(&(&sums.local * g)?.sum_all()?)?;
@@ -729,9 +707,6 @@ impl<N: CausalModel> Task<N> for Kto {
             router.end(aux);
             local[0] += loss;
             local[1] += micro.tokens as f64;
-            // The KL is every rank's already: each adds its share.
-            let mut f = f;
-            f[0] /= core.dp.size() as f64;
             local.extend(f);
         }
         let g = core.global_sum(&local)?;
@@ -779,11 +754,10 @@ impl<N: CausalModel> Task<N> for Kto {
             let refs: Vec<(f64, f64)> = idx.iter().map(|&k| ref_eval[k]).collect();
             let kl = self.kl(core, &batch, &refs)?;
             let sums = self.forward(core, &self.micro(core, &batch, false)?, false)?;
-            let (loss, _, mut f) = self.losses(&batch, &refs, &sums, kl);
+            let (loss, _, f) = self.losses(&batch, &refs, &sums, (kl, core.dp.size()));
             let real = deal.real_rows(round, rank) as f64;
             local[0] += loss * real;
             local[1] += real;
-            f[0] /= core.dp.size() as f64;
             local.extend(f);
         }
         let g = core.global_sum(&local)?;

@@ -274,3 +274,68 @@ pub fn mix_synced<N: CausalModel>(
 ) -> Result<()> {
     sync.as_mut().map_or(Ok(()), |s| s.after_step(core))
 }
+
+/// The reference's log-probabilities of `len` rows, computed before training as TRL's
+/// precompute DataLoader deals them (`batch` per data-parallel rank, no row dropped, every
+/// rank running as many batches): `batch_logps` gives a batch's, by row index; every rank
+/// gets every row's.
+pub fn precompute_ref_logps<N: CausalModel>(
+    core: &Core<'_, N>,
+    len: usize,
+    batch: usize,
+    mut batch_logps: impl FnMut(&[usize]) -> Result<RefLogps>,
+) -> Result<RefLogps> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let deal = crate::data::BatchDeal {
+        len,
+        batch,
+        world: core.dp.size(),
+        drop_last: false,
+    };
+    let rank = core.dp.rank();
+    let mut out = vec![0.0; 2 * len];
+    for round in 0..deal.rounds() {
+        let idx = deal.rows(round, rank);
+        let logps = batch_logps(&idx)?;
+        // The refill repeats rows another batch holds: each is written once.
+        for (j, &k) in idx[..deal.real_rows(round, rank)].iter().enumerate() {
+            (out[2 * k], out[2 * k + 1]) = logps[j];
+        }
+    }
+    let all = core.global_sum(&out)?;
+    Ok(all.chunks(2).map(|c| (c[0], c[1])).collect())
+}
+
+/// TRL's refusals of `sync_ref_model` (DPO's and KTO's): with LoRA (the reference is the base
+/// with its adapters off, no model of its own to mix into), with precomputed reference
+/// log-probabilities (a fixed reference), with 0 steps between syncs, and a mixing weight
+/// outside [0, 1]. The key and why.
+pub fn sync_refusal(
+    use_peft: bool,
+    precompute_ref_log_probs: bool,
+    mixing: Mixing,
+) -> Option<(&'static str, String)> {
+    if use_peft {
+        return Some(("sync_ref_model", "with use_peft the reference is the base with its adapters off, so there is no reference model of its own to mix the policy into (TRL refuses it too): drop one of the two".into()));
+    }
+    if precompute_ref_log_probs {
+        return Some(("sync_ref_model", "precompute_ref_log_probs assumes a fixed reference, and the sync changes it every ref_model_sync_steps (TRL refuses it too): drop one of the two".into()));
+    }
+    if mixing.every == 0 {
+        return Some((
+            "ref_model_sync_steps",
+            "0: give the number of steps between syncs (TRL's default is 512)".into(),
+        ));
+    }
+    (!(0.0..=1.0).contains(&mixing.alpha)).then(|| {
+        (
+            "ref_model_mixup_alpha",
+            format!(
+                "{}: the policy's share of the new reference lies in [0, 1]",
+                mixing.alpha
+            ),
+        )
+    })
+}
