@@ -287,7 +287,8 @@ fn the_bundled_job_samples_in_process_under_zero3() {
 }
 
 /// docs/grpo.md's and docs/rloo.md's commands, as written, from the repository root (`cargo`
-/// finding this `cargo-trl` first on PATH).
+/// finding this `cargo-trl` first on PATH): each logs a reward, and its checkpoint opens in
+/// transformers with our logits.
 #[test]
 fn the_docs_commands_run_as_written() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -327,6 +328,8 @@ fn the_docs_commands_run_as_written() {
             m.last().unwrap()["reward"].as_f64().is_some(),
             "{line}: {text}"
         );
+        let checkpoint = trl_runtime::train::checkpoint::resolve(&root.join(dir), "latest");
+        common::opens_in_transformers(&checkpoint.unwrap());
         let _ = std::fs::remove_dir_all(root.join(dir));
     }
 }

@@ -264,7 +264,8 @@ fn a_resumed_run_keeps_its_reference() {
 }
 
 /// docs/kto.md's command, as written, from the repository root (`cargo` finding this
-/// `cargo-trl` first on PATH): it trains and logs KTO's figures.
+/// `cargo-trl` first on PATH): it trains, logs KTO's figures, and its checkpoint opens in
+/// transformers with our logits.
 #[test]
 fn the_docs_command_runs_as_written() {
     let doc = std::fs::read_to_string(root().join("docs/kto.md")).unwrap();
@@ -295,5 +296,7 @@ fn the_docs_command_runs_as_written() {
         m.last().unwrap()["rewards/chosen"].as_f64().is_some(),
         "{text}"
     );
+    let checkpoint = trl_runtime::train::checkpoint::resolve(&dir, "latest").unwrap();
+    common::opens_in_transformers(&checkpoint);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -268,10 +268,9 @@ fn new_with_the_rloo_trainer_trains_with_a_leave_one_out_baseline() {
 }
 
 #[test]
-fn new_with_the_kto_trainer_writes_an_unpaired_project() {
+fn new_with_the_kto_trainer_trains_on_unpaired_rows() {
     // `--trainer kto`: kto.yaml (TRL's KTOConfig keys) over the bundled pairs, which KTO
-    // unpairs, and a src/main.rs that trains `Kto`. (Built and launched as the DPO and RLOO
-    // scaffolds are: the same template.)
+    // unpairs, and a src/main.rs that trains `Kto`; the launched run logs KTO's figures.
     let tmp = tempfile::tempdir().unwrap();
     new(tmp.path(), &["my-kto", "--trainer", "kto"]);
     let krate = tmp.path().join("my-kto");
@@ -280,4 +279,10 @@ fn new_with_the_kto_trainer_writes_an_unpaired_project() {
     let yaml = std::fs::read_to_string(krate.join("kto.yaml")).unwrap();
     assert!(yaml.contains("desirable_weight: 1.0"), "{yaml}");
     assert!(krate.join("data/pref_train.jsonl").exists());
+    let (text, metrics) = launch_logging(&krate, 2);
+    assert!(text.contains("KTO:"), "{text}");
+    assert!(
+        metrics.contains("rewards/chosen") && metrics.contains("\"kl\""),
+        "{metrics}"
+    );
 }
