@@ -76,6 +76,10 @@ const EMBEDDED: &[(&str, &[u8])] = &[
         include_bytes!("../../templates/sft/rloo.yaml"),
     ),
     (
+        "templates/sft/reward.yaml",
+        include_bytes!("../../templates/sft/reward.yaml"),
+    ),
+    (
         "assets/tiny/data/grpo_train.jsonl",
         include_bytes!("../../assets/tiny/data/grpo_train.jsonl"),
     ),
@@ -216,6 +220,7 @@ fn write_all(
         config_type => t.config_type,
         cli_type => t.cli_type,
         task_type => t.task_type,
+        model_wrapper => t.model_wrapper,
         example_flag => t.example_flag,
         data_note => t.data_note,
         formats => t.formats,

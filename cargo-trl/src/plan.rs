@@ -879,6 +879,7 @@ mod tests {
             config_type: "SFTConfig",
             cli_type: "SftCli",
             task_type: None,
+            model_wrapper: None,
             summary: "A test trainer",
             example_flag: "--learning_rate 1e-3",
             data_note: "",

@@ -216,6 +216,7 @@ pub fn bundled_job(bin: &str) -> [&'static str; 2] {
         "grpo" => ["--config", "assets/tiny/grpo.yaml"],
         "rloo" => ["--config", "assets/tiny/rloo.yaml"],
         "kto" => ["--config", "assets/tiny/kto.yaml"],
+        "reward" => ["--config", "assets/tiny/reward.yaml"],
         _ => ["--config", "assets/tiny/sft.yaml"],
     }
 }

@@ -4,15 +4,24 @@
 //! `GenericForSequenceClassification`). A reward model is one (TRL's RewardTrainer saves one
 //! with `num_labels` 1), and GRPO scores completions with it
 //! (`reward_funcs: [path/to/reward-model]`).
+//!
+//! [`SequenceClassifier`] is the same network as a [`CausalModel`] whose head is `score`, so
+//! that the trainer trains it under every strategy (the reward trainer, train/reward.rs);
+//! [`classifier_start`] makes the checkpoint it starts from out of a causal LM, as
+//! transformers' `from_pretrained` does when a causal LM is read as a classifier (its
+//! `lm_head` left out, `score` initialised afresh).
 
 use super::auto::AutoModelForCausalLM;
 use super::causal::CausalModel;
+use super::causal::LayerInputs;
 use super::params::{read_config, shapes_and_aliases, FilesBackend, WeightFiles};
 use crate::error::{Error, Result};
 use crate::nn::{Linear, Weight};
+use crate::Parallelize;
 use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
 use serde_json::Value;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// A sequence classifier (a reward model) built from a transformers checkpoint.
@@ -27,13 +36,7 @@ pub struct AutoModelForSequenceClassification {
 
 /// What config.json says of the classifier: the body's config (its text, for
 /// [`CausalModel::parse_config`]), the pad token and the number of labels.
-struct ClassifierConfig {
-    body: String,
-    pad_token_id: Option<u32>,
-    num_labels: usize,
-}
-
-fn classifier_config(text: &str, source: &str) -> Result<ClassifierConfig> {
+fn classifier_config(text: &str, source: &str) -> Result<ClassifierConfig<String>> {
     let mut config: Value = serde_json::from_str(text)
         .map_err(|e| Error::config(source, "<json>", format!("not a valid model config: {e}")))?;
     let names: Vec<String> = config
@@ -85,6 +88,260 @@ fn classifier_config(text: &str, source: &str) -> Result<ClassifierConfig> {
         pad_token_id,
         num_labels,
     })
+}
+
+/// A classifier's config: its body's, its number of labels and its pad token.
+#[derive(Debug, Clone)]
+pub struct ClassifierConfig<C> {
+    pub body: C,
+    pub num_labels: usize,
+    pub pad_token_id: Option<u32>,
+}
+
+/// transformers' `...ForSequenceClassification` over causal model `N`, trainable: `N`'s
+/// body (its LM head tied to the embedding and never used, so it is no parameter) and the
+/// `score` head, whose outputs at every position are [`CausalModel::lm_head`]'s "logits"
+/// (a reward per position; the trainer reads each row's at its last token). `score` is
+/// replicated under tensor parallelism.
+#[derive(Parallelize)]
+pub struct SequenceClassifier<N: CausalModel = AutoModelForCausalLM> {
+    #[parallel(name = "")]
+    pub body: N,
+    pub score: Linear,
+}
+
+/// The classifier over the built-in model of its `model_type`.
+pub type RewardModel = SequenceClassifier<AutoModelForCausalLM>;
+
+impl<N: CausalModel> CausalModel for SequenceClassifier<N> {
+    type Config = ClassifierConfig<N::Config>;
+
+    fn parse_config(text: &str, source: &str) -> Result<Self::Config> {
+        let c = classifier_config(text, source)?;
+        Ok(ClassifierConfig {
+            body: N::parse_config(&c.body, source)?,
+            num_labels: c.num_labels,
+            pad_token_id: c.pad_token_id,
+        })
+    }
+
+    fn new(config: &Self::Config, vb: VarBuilder) -> candle_core::Result<Self> {
+        let body = N::new(&config.body, vb.clone())?;
+        let hidden = match &body.lm_head().weight {
+            Weight::Local(w) => w.dim(1)?,
+            Weight::Sharded(s) => s.dims()[1],
+        };
+        let score = crate::nn::linear_no_bias(hidden, config.num_labels, vb.pp("score"))?;
+        Ok(SequenceClassifier { body, score })
+    }
+
+    fn embed(&self, input_ids: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
+        self.body.embed(input_ids, cx)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.body.num_layers()
+    }
+
+    fn layer(&self, l: usize, x: &Tensor, cx: &LayerInputs) -> candle_core::Result<Tensor> {
+        self.body.layer(l, x, cx)
+    }
+
+    fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.body.final_norm(x)
+    }
+
+    /// The score head (no soft-capping: transformers' classifiers apply none).
+    fn lm_head(&self) -> &Linear {
+        &self.score
+    }
+
+    fn may_skip_grad(&self, name: &str) -> bool {
+        self.body.may_skip_grad(name)
+    }
+
+    fn heads(&self) -> Option<(usize, usize)> {
+        self.body.heads()
+    }
+
+    fn supports_tiled_mlp(&self) -> bool {
+        self.body.supports_tiled_mlp()
+    }
+}
+
+/// The file beside the linked weights that holds a fresh `score`.
+const SCORE_FILE: &str = "score.safetensors";
+/// What a start directory was made from (reused when it matches).
+const START_SOURCE: &str = "start_source.json";
+
+/// The classifier checkpoint a reward model trains from, as TRL's RewardTrainer loads
+/// `model_name_or_path` (`AutoModelForSequenceClassification`, `num_labels` 1, the
+/// tokenizer's pad token in the config): `dir` itself when it holds such a classifier with
+/// that pad token; otherwise a directory under `under` made from it: config.json as
+/// transformers writes the classifier's, links to `dir`'s weight files and tokenizer, an index
+/// that leaves the LM head out, and for a causal LM a `score` of normal(0,
+/// initializer_range) values drawn from `seed` (transformers draws its own: the same law, not
+/// the same values). Made once per source, seed and pad token, atomically.
+pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) -> Result<PathBuf> {
+    let (text, source) = read_config(dir)?;
+    let mut config: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::config(&source, "<json>", format!("not a valid model config: {e}")))?;
+    let arch = config
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let is_classifier = arch.ends_with("ForSequenceClassification");
+    if is_classifier {
+        let c = classifier_config(&text, &source)?;
+        if c.num_labels != 1 {
+            return Err(Error::config(
+                &source,
+                "num_labels",
+                format!("{}: a reward model has one output (TRL refuses others too): start from a causal LM or a classifier saved with num_labels 1", c.num_labels),
+            ));
+        }
+        if c.pad_token_id == Some(pad_token_id) {
+            return Ok(dir.to_path_buf());
+        }
+    } else {
+        let Some(base) = arch.strip_suffix("ForCausalLM") else {
+            return Err(Error::config(
+                &source,
+                "architectures",
+                format!("'{arch}' is neither a causal LM (...ForCausalLM) nor a sequence classifier: a reward model starts from one of them"),
+            ));
+        };
+        if super::composite::text_config(&config).is_some() {
+            return Err(Error::config(&source, "text_config", "a vision-language checkpoint cannot start a reward model here: start from its language model"));
+        }
+        let m = config.as_object_mut().expect("an object");
+        m.insert(
+            "architectures".into(),
+            vec![format!("{base}ForSequenceClassification")].into(),
+        );
+        m.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
+        m.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
+    }
+    let m = config.as_object_mut().expect("an object");
+    m.insert("pad_token_id".into(), pad_token_id.into());
+    let abs = dir
+        .canonicalize()
+        .map_err(|e| Error::io(format!("cannot resolve {}", dir.display()), e))?;
+    let fingerprint =
+        serde_json::json!({"source": abs, "seed": seed, "pad_token_id": pad_token_id}).to_string();
+    let out = under.join("reward-model-start");
+    let made =
+        |d: &Path| std::fs::read_to_string(d.join(START_SOURCE)).ok() == Some(fingerprint.clone());
+    if made(&out) {
+        return Ok(out);
+    }
+    let io = |what: &str, e: std::io::Error| {
+        Error::io(
+            format!(
+                "{what} (making the reward model's start under {})",
+                under.display()
+            ),
+            e,
+        )
+    };
+    let tmp = under.join(format!(".reward-model-start.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| io("cannot create its directory", e))?;
+    // Every file but the config and the weight index, linked.
+    let mut weight_map = serde_json::Map::new();
+    for entry in std::fs::read_dir(&abs).map_err(|e| io("cannot list the model directory", e))? {
+        let entry = entry.map_err(|e| io("cannot list the model directory", e))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if name == "config.json" || name == super::params::INDEX_FILE {
+            continue;
+        }
+        link(&entry.path(), &tmp.join(&name)).map_err(|e| io("cannot link a file", e))?;
+        if name.ends_with(".safetensors") {
+            let names = safetensors_names(&entry.path())?;
+            for n in names.into_iter().filter(|n| !n.starts_with("lm_head.")) {
+                weight_map.insert(n, name.clone().into());
+            }
+        }
+    }
+    if !is_classifier {
+        let std = config
+            .get("initializer_range")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.02);
+        let hidden = config
+            .get("hidden_size")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| {
+                Error::config(&source, "hidden_size", "missing: the score head's width")
+            })? as usize;
+        let score = seeded_normal(seed, std, hidden)?;
+        let path = tmp.join(SCORE_FILE);
+        candle_core::safetensors::save(
+            &std::collections::HashMap::from([("score.weight".to_string(), score)]),
+            &path,
+        )?;
+        weight_map.insert("score.weight".into(), SCORE_FILE.into());
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    let write = |name: &str, text: String| {
+        std::fs::write(tmp.join(name), text).map_err(|e| io("cannot write a file", e))
+    };
+    write(
+        super::params::INDEX_FILE,
+        serde_json::to_string_pretty(&index).unwrap_or_default(),
+    )?;
+    write(
+        "config.json",
+        serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )?;
+    write(START_SOURCE, fingerprint.clone())?;
+    // Another rank may have made it meanwhile (the same files): the first rename wins.
+    if !made(&out) {
+        let stale = under.join(format!(".reward-model-start.old-{}", std::process::id()));
+        if out.exists() && std::fs::rename(&out, &stale).is_ok() {
+            let _ = std::fs::remove_dir_all(&stale);
+        }
+        let _ = std::fs::rename(&tmp, &out);
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    match made(&out) {
+        true => Ok(out),
+        false => Err(Error::config(
+            under.display().to_string(),
+            "output_dir",
+            "the reward model's start directory could not be made here (another run writing it?)",
+        )),
+    }
+}
+
+/// A symbolic link at `to` to `from` (a copy where links are not supported).
+fn link(from: &Path, to: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::symlink(from, to)
+    }
+    #[cfg(not(unix))]
+    {
+        std::fs::copy(from, to).map(drop)
+    }
+}
+
+/// The tensor names of one safetensors file (its header alone).
+fn safetensors_names(path: &Path) -> Result<Vec<String>> {
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }?;
+    Ok(st.tensors().into_iter().map(|(n, _)| n).collect())
+}
+
+/// A [1, hidden] f32 row of normal(0, std) values drawn from `seed`.
+fn seeded_normal(seed: u64, std: f64, hidden: usize) -> Result<Tensor> {
+    use rand::SeedableRng;
+    use rand_distr::Distribution;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let normal = rand_distr::Normal::new(0f32, std as f32).expect("a valid std");
+    let values: Vec<f32> = (0..hidden).map(|_| normal.sample(&mut rng)).collect();
+    Ok(Tensor::from_vec(values, (1, hidden), &Device::Cpu)?)
 }
 
 impl AutoModelForSequenceClassification {

@@ -118,6 +118,15 @@ pub trait Task<N: CausalModel>: Sized {
     fn tokenizer(_config: &Self::Config, tokenizer: TextTokenizer) -> Result<TextTokenizer> {
         Ok(tokenizer)
     }
+    /// The model directory the run starts from, set in `args` (the reward trainer's
+    /// classifier made from a causal LM); `model_name_or_path` as given by default.
+    fn starting_model(
+        _config: &Self::Config,
+        _args: &mut TrainingArguments,
+        _tokenizer: &TextTokenizer,
+    ) -> Result<()> {
+        Ok(())
+    }
     /// Reads and tokenizes the data (before the model is built: the rows fix the steps).
     fn load(config: &Self::Config, tokenizer: &TextTokenizer) -> Result<Self>;
     /// Told the run's data-parallel ranks before [`Self::num_rows`] is asked (GRPO's rows

@@ -615,6 +615,7 @@ pub const KIND: TrainerKind = TrainerKind {
         config_type: "DPOConfig",
         cli_type: "DpoCli",
         task_type: Some("Dpo"),
+        model_wrapper: None,
         summary: "Preference training (TRL's DPO)",
         example_flag: "--beta 0.2",
         data_note: ": preference pairs, the right sum chosen",

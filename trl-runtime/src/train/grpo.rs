@@ -1359,6 +1359,7 @@ pub const KIND: TrainerKind = TrainerKind {
         config_type: "GRPOConfig",
         cli_type: "GrpoCli",
         task_type: Some("Grpo"),
+        model_wrapper: None,
         summary: "Online RL (TRL's GRPO)",
         example_flag: "--beta 0.04",
         data_note: ": addition prompts with their sums as solution",

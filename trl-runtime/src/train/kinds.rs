@@ -40,6 +40,9 @@ pub struct Scaffold {
     pub config_type: &'static str,
     pub cli_type: &'static str,
     pub task_type: Option<&'static str>,
+    /// The generic type the model is wrapped in (the reward trainer's
+    /// `SequenceClassifier<Model>`), None for the model itself.
+    pub model_wrapper: Option<&'static str>,
     /// What the program does ("Supervised fine-tuning").
     pub summary: &'static str,
     /// A flag its docs show overriding the config (`--learning_rate 1e-3`).

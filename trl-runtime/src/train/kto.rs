@@ -560,6 +560,7 @@ pub const KIND: TrainerKind = TrainerKind {
         config_type: "KTOConfig",
         cli_type: "KtoCli",
         task_type: Some("Kto"),
+        model_wrapper: None,
         summary: "Unpaired preference training (TRL's KTO)",
         example_flag: "--beta 0.2",
         data_note: ": preference pairs (the right sum chosen), unpaired into desirable and undesirable rows",

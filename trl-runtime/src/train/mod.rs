@@ -19,6 +19,7 @@ pub mod plan_query;
 mod plot;
 pub mod reference;
 pub mod registry;
+pub mod reward;
 pub mod rloo;
 pub mod rloo_loss;
 pub mod router;
@@ -40,6 +41,7 @@ pub use kto::{KTOArgs, KTOConfig, Kto, KtoCli};
 pub use memory::{
     memory_peak_bytes, peak_rss_bytes, reset_memory_peak, reset_peak_rss, rss_bytes, MemoryReport,
 };
+pub use reward::{Reward, RewardArgs, RewardCli, RewardConfig, RewardModel};
 pub use rloo::{RLOOArgs, RLOOConfig, Rloo, RlooCli};
 pub use router::RouterLosses;
 pub use schedule::{Curve, LrSchedule, SchedulerArgs, SchedulerKind};

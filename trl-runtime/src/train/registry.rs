@@ -14,6 +14,7 @@ pub const TRAINERS: &[&TrainerKind] = &[
     &super::grpo::KIND,
     &super::rloo::KIND,
     &super::kto::KIND,
+    &super::reward::KIND,
 ];
 
 /// Trainers registered at run time, after the built-in ones.
@@ -82,7 +83,7 @@ mod tests {
         };
         assert_eq!(kind(&["--sync_ref_model", "true"]), Some(("dpo", synced)));
         assert_eq!(kind(&["--no_such_flag", "1"]), None);
-        assert!(find("kto").is_some() && find("reward").is_none());
+        assert!(find("kto").is_some() && find("reward").is_some());
         assert_eq!(names()[0], "sft");
     }
 }

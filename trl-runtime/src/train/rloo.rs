@@ -165,6 +165,7 @@ pub const KIND: TrainerKind = TrainerKind {
         config_type: "RLOOConfig",
         cli_type: "RlooCli",
         task_type: Some("Rloo"),
+        model_wrapper: None,
         summary: "Online RL (TRL's RLOO)",
         example_flag: "--beta 0.1",
         data_note: ": addition prompts with their sums as solution",

@@ -153,6 +153,7 @@ pub const KIND: TrainerKind = TrainerKind {
         config_type: "SFTConfig",
         cli_type: "SftCli",
         task_type: None,
+        model_wrapper: None,
         summary: "Supervised fine-tuning",
         example_flag: "--learning_rate 1e-3",
         data_note: "",
@@ -230,23 +231,33 @@ impl Sft {
     }
 }
 
+/// `tokenizer` with TRL's `eos_token` and `chat_template_path` keys applied, in TRL's order
+/// (a template directory sets the end-of-sequence token again, from that tokenizer).
+pub(crate) fn tokenizer_keys(
+    mut tokenizer: TextTokenizer,
+    eos_token: &Option<String>,
+    chat_template_path: &Option<std::path::PathBuf>,
+) -> Result<TextTokenizer> {
+    let refused = |key: &str, why: String| crate::Error::config("training arguments", key, why);
+    if let Some(eos) = eos_token {
+        tokenizer = tokenizer
+            .with_eos_token(eos)
+            .map_err(|why| refused("eos_token", why))?;
+    }
+    if let Some(path) = chat_template_path {
+        tokenizer = tokenizer
+            .with_chat_template_from(path)
+            .map_err(|why| refused("chat_template_path", why))?;
+    }
+    Ok(tokenizer)
+}
+
 impl<N: CausalModel> Task<N> for Sft {
     type Config = SFTConfig;
     /// TRL's order: eos_token, then chat_template_path (whose directory form sets the
     /// end-of-sequence token again, from that tokenizer).
-    fn tokenizer(config: &SFTConfig, mut tokenizer: TextTokenizer) -> Result<TextTokenizer> {
-        let refused = |key: &str, why: String| crate::Error::config("training arguments", key, why);
-        if let Some(eos) = &config.eos_token {
-            tokenizer = tokenizer
-                .with_eos_token(eos)
-                .map_err(|why| refused("eos_token", why))?;
-        }
-        if let Some(path) = &config.chat_template_path {
-            tokenizer = tokenizer
-                .with_chat_template_from(path)
-                .map_err(|why| refused("chat_template_path", why))?;
-        }
-        Ok(tokenizer)
+    fn tokenizer(config: &SFTConfig, tokenizer: TextTokenizer) -> Result<TextTokenizer> {
+        tokenizer_keys(tokenizer, &config.eos_token, &config.chat_template_path)
     }
 
     fn load(config: &SFTConfig, tokenizer: &TextTokenizer) -> Result<Self> {

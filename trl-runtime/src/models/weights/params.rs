@@ -168,6 +168,9 @@ pub fn shapes_and_aliases<N: crate::nn::module::Parallelize>(
 pub struct WeightFiles {
     st: MmapedSafetensors,
     where_is: FileOf,
+    /// A sharded index's tensor names: the checkpoint is what its index lists (a file may
+    /// hold more, as a reward model's start links the causal LM's files, its head left out).
+    listed: Option<std::collections::HashSet<String>>,
     dir: PathBuf,
     /// How a vision-language checkpoint whose language model is trained alone names the
     /// model's tensors (None: by their own names).
@@ -177,7 +180,7 @@ pub struct WeightFiles {
 impl WeightFiles {
     /// Opens the weights of `dir` (one file or a sharded index), memory-mapped.
     pub fn open(dir: &Path) -> Result<Self> {
-        let (files, where_is) = weight_files(dir)?;
+        let (files, where_is, listed) = weight_files(dir)?;
         let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| Error::Config {
             file: files
                 .iter()
@@ -190,6 +193,7 @@ impl WeightFiles {
         Ok(WeightFiles {
             st,
             where_is,
+            listed,
             dir: dir.to_path_buf(),
             layout: composite::layout_of_dir(dir),
         })
@@ -250,6 +254,9 @@ impl WeightFiles {
     fn stored(&self) -> Vec<(String, DType, Vec<usize>)> {
         let mut out = Vec::new();
         for (name, view) in self.st.tensors() {
+            if self.listed.as_ref().is_some_and(|l| !l.contains(&name)) {
+                continue;
+            }
             // A composite's other tensors are not the model's (see `others`).
             let name = match self.layout {
                 Some(layout) => match layout.text(&name) {
@@ -507,8 +514,15 @@ impl WeightFiles {
 /// Which file of a sharded index holds a tensor (None: the single file).
 type FileOf = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
-/// The weight files of a checkpoint directory and a lookup from tensor name to its file.
-fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {
+/// The weight files of a checkpoint directory, a lookup from tensor name to its file, and the
+/// names a sharded index lists.
+type Listing = (
+    Vec<PathBuf>,
+    FileOf,
+    Option<std::collections::HashSet<String>>,
+);
+
+fn weight_files(dir: &Path) -> Result<Listing> {
     let index = dir.join(INDEX_FILE);
     if index.exists() {
         let text = std::fs::read_to_string(&index)
@@ -549,11 +563,13 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, FileOf)> {
                     .map(|f| (k.clone(), dir.join(f).display().to_string()))
             })
             .collect();
-        return Ok((paths, Box::new(move |n: &str| lookup.get(n).cloned())));
+        let listed = lookup.keys().cloned().collect();
+        let file_of = Box::new(move |n: &str| lookup.get(n).cloned());
+        return Ok((paths, file_of, Some(listed)));
     }
     let single = dir.join(SINGLE_FILE);
     if single.exists() {
-        return Ok((vec![single], Box::new(|_: &str| None)));
+        return Ok((vec![single], Box::new(|_: &str| None), None));
     }
     Err(Error::Config {
         file: dir.display().to_string(),
