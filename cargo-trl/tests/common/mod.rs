@@ -426,6 +426,47 @@ pub fn opens_in_transformers(dir: &Path) {
     );
 }
 
+/// Checks that transformers opens the sequence classifier (a reward model) we saved in `dir`
+/// by its `architectures` class and scores two rows as our
+/// `AutoModelForSequenceClassification` does (within 1e-4); skipped without transformers.
+#[allow(dead_code)]
+pub fn classifier_opens_in_transformers(dir: &Path) {
+    use trl_runtime::models::AutoModelForSequenceClassification;
+    let Some(python) = transformers_python() else {
+        return;
+    };
+    let model = AutoModelForSequenceClassification::from_pretrained(
+        dir,
+        trl_runtime::candle_core::DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap() as u32;
+    let what = format!("transformers cannot open {}", dir.display());
+    let (ids, _, want) = python_logits(
+        &python,
+        "transformers_logits.py",
+        &[dir.as_os_str()],
+        vocab,
+        &what,
+    );
+    let mask = ids.ones_like().unwrap();
+    let got = model.forward(&ids, &mask).unwrap();
+    let diff = max_diff(&got, &want);
+    eprintln!(
+        "{}: transformers opens it as {}, max |scores - ours| = {diff:e}",
+        dir.display(),
+        config["architectures"][0]
+    );
+    assert!(
+        diff < 1e-4,
+        "{}: scores differ from transformers' by {diff}",
+        dir.display()
+    );
+}
+
 /// The lines of a metrics text (ours or a TRL script's output) that log a training loss
 /// (and, last, the evaluation).
 #[allow(dead_code)]
@@ -484,6 +525,14 @@ impl TrlScript {
             .arg(model_dir(model))
             .arg(rows)
             .arg(out);
+        cmd
+    }
+
+    /// The script on the model in directory `model` (one process).
+    #[allow(dead_code)]
+    pub fn command_with(&self, model: &Path, rows: &Path, out: &Path) -> Command {
+        let mut cmd = Command::new(&self.python);
+        cmd.arg(&self.script).arg(model).arg(rows).arg(out);
         cmd
     }
 }

@@ -257,6 +257,12 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
         if name == "config.json" || name == super::params::INDEX_FILE {
             continue;
         }
+        // transformers reads a model.safetensors before any index: the link is named as a
+        // shard, so that the index (and the score in it) is what it reads.
+        let name = match name.as_str() {
+            super::params::SINGLE_FILE => "model-00001-of-00001.safetensors".to_string(),
+            _ => name,
+        };
         link(&entry.path(), &tmp.join(&name)).map_err(|e| io("cannot link a file", e))?;
         if name.ends_with(".safetensors") {
             let names = safetensors_names(&entry.path())?;

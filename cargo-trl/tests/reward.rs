@@ -1,0 +1,321 @@
+//! The reward trainer through the real `cargo trl launch` and the `reward` example: every
+//! figure TRL 1.16's RewardTrainer logs equals ours on the same pairs (TRL run when installed,
+//! skipped with a message when not); under every CPU profile a run equals one process; a
+//! trained reward model scores as transformers' AutoModelForSequenceClassification on its
+//! checkpoint and drives a GRPO run as its reward.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+const PAIRS: &str = "assets/tiny/data/pref_train.jsonl";
+const STEPS: usize = 3;
+/// TRL's RewardConfig learning rate: at 1e-3 Adam's sign-like steps on near-zero gradients
+/// carry f32 differences into the rewards (~1e-5 after 3 steps).
+const LR: &str = "1e-4";
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The first `n` pairs rewritten by `f` (a row in, a row out) into `dir/name`.
+fn rows(
+    dir: &Path,
+    name: &str,
+    n: usize,
+    f: impl Fn(usize, serde_json::Value) -> serde_json::Value,
+) -> PathBuf {
+    let all = std::fs::read_to_string(root().join(PAIRS)).unwrap();
+    let out: Vec<String> = all
+        .lines()
+        .take(n)
+        .enumerate()
+        .map(|(i, l)| f(i, serde_json::from_str(l).unwrap()).to_string())
+        .collect();
+    let path = dir.join(name);
+    std::fs::write(&path, out.join("\n")).unwrap();
+    path
+}
+
+/// A conversational pair as standard text: the prompt's and each answer's content.
+fn as_text(v: serde_json::Value) -> serde_json::Value {
+    let text = |k: &str| v[k][0]["content"].as_str().unwrap().to_string();
+    serde_json::json!({"prompt": format!("{} ", text("prompt")), "chosen": text("chosen"), "rejected": text("rejected")})
+}
+
+/// Our run of `steps` steps on `data` with `flags` under `launch`; its metrics lines.
+fn ours(
+    launch: &[&str],
+    data: &Path,
+    per_device: usize,
+    flags: &[&str],
+    out: &Path,
+) -> Vec<serde_json::Value> {
+    let args = [
+        &["--dataset_name", data.to_str().unwrap()][..],
+        &["--learning_rate", LR, "--lr_scheduler_type", "constant"],
+        &["--max_length", "64", "--gradient_checkpointing", "false"],
+        flags,
+    ]
+    .concat();
+    let cmd = common::trainer_launch("reward", launch, &args);
+    common::run_launch(cmd, STEPS, per_device, out);
+    common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
+}
+
+/// TRL's RewardTrainer (scripts/trl_reward.py) from the classifier our run in `start` started
+/// from, for `STEPS` steps of `per_device` pairs of `data`, with `keys`: each step's line,
+/// and its evaluation with `eval_batch=N` among the keys.
+fn theirs(
+    trl: &common::TrlScript,
+    start: &Path,
+    data: &Path,
+    per_device: usize,
+    keys: &[String],
+    out: &Path,
+) -> (Vec<serde_json::Value>, Option<serde_json::Value>) {
+    let (steps, batch) = (STEPS.to_string(), per_device.to_string());
+    let o = trl
+        .command_with(start, data, out)
+        .args([steps.as_str(), batch.as_str(), LR])
+        .args(keys)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let lines = common::metrics(&stdout);
+    assert_eq!(lines.len(), STEPS, "{stdout}");
+    let eval = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("eval").cloned());
+    (lines, eval)
+}
+
+/// Conversational pairs (evaluated after the last step), standard text pairs with margins and
+/// center_rewards_coefficient, implicit-prompt text pairs over 2 accumulation steps: TRL's
+/// figures for 3 steps, every one within 1e-4 relative (at a floor of 1e-2: margins of f32
+/// rewards near 1e-3).
+#[test]
+fn reward_figures_match_trl() {
+    let Some(trl) = common::trl_script("trl_reward.py") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let chat = rows(tmp.path(), "chat.jsonl", 4, |_, v| v);
+    let margins = rows(tmp.path(), "margins.jsonl", 4, |i, v| {
+        let mut t = as_text(v);
+        t["margin"] = serde_json::json!(0.25 * i as f64 - 0.3);
+        t
+    });
+    let implicit = rows(tmp.path(), "implicit.jsonl", 4, |_, v| {
+        let t = as_text(v);
+        let whole = |k: &str| {
+            format!(
+                "{}{}",
+                t["prompt"].as_str().unwrap(),
+                t[k].as_str().unwrap()
+            )
+        };
+        serde_json::json!({"chosen": whole("chosen"), "rejected": whole("rejected")})
+    });
+    type Case<'a> = (&'a str, &'a Path, usize, &'a [(&'a str, &'a str)]);
+    let cases: [Case; 3] = [
+        ("conversational", &chat, 4, &[]),
+        (
+            "margins, centered",
+            &margins,
+            4,
+            &[("center_rewards_coefficient", "0.01")],
+        ),
+        (
+            "implicit prompts, accumulated",
+            &implicit,
+            2,
+            &[
+                ("gradient_accumulation_steps", "2"),
+                ("train_sampling_strategy", "sequential"),
+            ],
+        ),
+    ];
+    for (i, (case, data, per_device, settings)) in cases.into_iter().enumerate() {
+        let (mut keys, mut flags) = common::both_ways(settings);
+        if i == 0 {
+            keys.push("eval_batch=2".into());
+            let eval = [
+                "--eval_dataset_name",
+                data.to_str().unwrap(),
+                "--per_device_eval_batch_size",
+                "2",
+            ];
+            flags.extend(eval.iter().map(|s| s.to_string()));
+        }
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let mine = tmp.path().join(format!("ours-{i}"));
+        let got = ours(&["--num_processes", "1"], data, per_device, &flags, &mine);
+        if per_device == 2 {
+            // TRL's rows= takes the first N rows: all 4 pairs, 2 per micro-batch.
+            keys.push("rows=4".into());
+        }
+        let start = mine.join("reward-model-start");
+        let (want, eval) = theirs(
+            &trl,
+            &start,
+            data,
+            per_device,
+            &keys,
+            &tmp.path().join(format!("trl-{i}")),
+        );
+        let (worst, key) = common::assert_same_figures(case, &got, &want, (1e-4, 1e-2));
+        eprintln!("reward {case}: every figure TRL logs within {worst:.1e} relative ({key})");
+        if let Some(eval) = eval {
+            let last = &got[STEPS - 1];
+            let mut checked = 0;
+            for (key, v) in eval.as_object().unwrap() {
+                if !key.starts_with("eval_") || key.ends_with("runtime") || key.ends_with("_second")
+                {
+                    continue;
+                }
+                // The mean reward is a mean of rewards near +-0.7 that cancel to ~4e-3: their
+                // f32 differences after 3 steps (~1e-5, Adam's) are measured at their size.
+                let floor = if key == "eval_mean_reward" { 1.0 } else { 1e-2 };
+                let d = common::off(&last[key], v, floor);
+                assert!(d < 1e-4, "{case} {key}: ours {} TRL {v}", last[key]);
+                checked += 1;
+            }
+            assert!(checked >= 7, "{case}: {eval} vs {last}");
+            eprintln!("reward {case}: {checked} eval figures equal TRL's");
+        }
+    }
+}
+
+/// Under every CPU profile a run equals one process (its evaluation too): two data-parallel
+/// ranks of 4 pairs are one process of 8.
+#[test]
+fn reward_under_every_cpu_profile_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = rows(tmp.path(), "pairs.jsonl", 16, |_, v| v);
+    let eval = [
+        "--eval_dataset_name",
+        data.to_str().unwrap(),
+        "--per_device_eval_batch_size",
+        "4",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "3",
+    ];
+    let one = ["--num_processes", "1"];
+    let run = |launch: &[&str], per_device: usize, name: &str| {
+        ours(launch, &data, per_device, &eval, &tmp.path().join(name))
+    };
+    let one8 = run(&one, 8, "one8");
+    let one4 = run(&one, 4, "one4");
+    assert!(
+        one8[STEPS - 1]["eval_accuracy"].as_f64().is_some(),
+        "{}",
+        one8[STEPS - 1]
+    );
+    for (name, args, two_dp) in common::CPU_CASES {
+        let got = run(args, 4, name);
+        let (d, key) = common::assert_same_figures(
+            name,
+            &got,
+            if *two_dp { &one8 } else { &one4 },
+            (1e-4, 1e-2),
+        );
+        eprintln!("reward {name}: every figure within {d:.1e} relative ({key})");
+    }
+}
+
+/// A run resumed from its checkpoint continues as the straight run (the resumed model is
+/// the classifier the checkpoint holds).
+#[test]
+fn a_resumed_reward_run_continues_the_straight_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = rows(tmp.path(), "pairs.jsonl", 16, |_, v| v);
+    let (straight, resumed) = (tmp.path().join("straight"), tmp.path().join("resumed"));
+    let run = |steps: usize, out: &Path, extra: &[&str]| {
+        let args = [
+            &[
+                "--dataset_name",
+                data.to_str().unwrap(),
+                "--learning_rate",
+                "1e-3",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let cmd = common::trainer_launch("reward", &["--profile", "multi_cpu"], &args);
+        common::run_launch(cmd, steps, 4, out)
+    };
+    run(5, &straight, &[]);
+    run(3, &resumed, &[]);
+    let text = run(5, &resumed, &["--resume_from_checkpoint", "latest"]);
+    assert!(text.contains("checkpoint-3"), "{text}");
+    let lines =
+        |out: &Path| common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
+    let (a, b) = (lines(&straight), lines(&resumed));
+    for (x, y) in a[3..].iter().zip(&b[b.len() - 2..]) {
+        for key in ["loss", "accuracy", "margin", "mean_reward"] {
+            let d = common::off(&y[key], &x[key], 1e-2);
+            assert!(d < 1e-5, "{key}: resumed {} vs {}", y[key], x[key]);
+        }
+    }
+}
+
+/// docs/reward.md's command, as written, from the repository root: it trains a reward model
+/// whose checkpoint transformers opens as a sequence classifier with our scores (within
+/// 1e-4), and a GRPO run takes that checkpoint as its reward function.
+#[test]
+fn the_docs_command_trains_a_reward_model_that_drives_grpo() {
+    let doc = std::fs::read_to_string(root().join("docs/reward.md")).unwrap();
+    let lines: Vec<&str> = doc
+        .lines()
+        .filter(|l| l.starts_with("cargo trl launch"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let bin = Path::new(env!("CARGO_BIN_EXE_cargo-trl"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap()
+    );
+    let out = std::process::Command::new("sh")
+        .args(["-c", lines[0]])
+        .current_dir(root())
+        .env("PATH", &path)
+        .env("CARGO_NET_OFFLINE", "true")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}: {text}", lines[0]);
+    let dir = root().join(lines[0].split("--output_dir ").nth(1).unwrap().trim());
+    let m = common::metrics(&std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap());
+    assert!(m.last().unwrap()["accuracy"].as_f64().is_some(), "{text}");
+    let checkpoint = trl_runtime::train::checkpoint::resolve(&dir, "latest").unwrap();
+    common::classifier_opens_in_transformers(&checkpoint);
+    // The checkpoint as GRPO's reward function: its scores are the rewards.
+    let tmp = tempfile::tempdir().unwrap();
+    let grpo_out = tmp.path().join("grpo");
+    let args = [
+        "--reward_funcs",
+        checkpoint.to_str().unwrap(),
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+    ];
+    let cmd = common::trainer_launch("grpo", &["--num_processes", "1"], &args);
+    common::run_launch(cmd, 2, 4, &grpo_out);
+    let g = common::metrics(&std::fs::read_to_string(grpo_out.join("metrics.jsonl")).unwrap());
+    let name = checkpoint.file_name().unwrap().to_str().unwrap();
+    let key = format!("rewards/{name}/mean");
+    assert!(
+        g[0][&key].as_f64().is_some_and(f64::is_finite),
+        "{key}: {}",
+        g[0]
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
