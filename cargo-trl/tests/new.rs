@@ -286,3 +286,28 @@ fn new_with_the_kto_trainer_trains_on_unpaired_rows() {
         "{metrics}"
     );
 }
+
+#[test]
+fn new_with_the_reward_trainer_trains_a_classifier() {
+    // `--trainer reward`: reward.yaml (TRL's RewardConfig keys) over the bundled pairs, and a
+    // src/main.rs that trains `Reward` on the tiny model read as a sequence classifier; the
+    // launched run logs the reward figures and saves a ...ForSequenceClassification.
+    let tmp = tempfile::tempdir().unwrap();
+    new(tmp.path(), &["my-rm", "--trainer", "reward"]);
+    let krate = tmp.path().join("my-rm");
+    let main = std::fs::read_to_string(krate.join("src/main.rs")).unwrap();
+    assert!(
+        main.contains("RewardCli") && main.contains("SequenceClassifier<"),
+        "{main}"
+    );
+    assert!(krate.join("reward.yaml").exists() && krate.join("data/pref_train.jsonl").exists());
+    let (text, metrics) = launch_logging(&krate, 2);
+    assert!(text.contains("Reward:"), "{text}");
+    assert!(
+        metrics.contains("\"accuracy\"") && metrics.contains("mean_reward"),
+        "{metrics}"
+    );
+    let config = std::fs::read_to_string(krate.join("output/checkpoint-2/config.json"))
+        .unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert!(config.contains("ForSequenceClassification"), "{config}");
+}

@@ -195,18 +195,21 @@ fn reward_figures_match_trl() {
 fn reward_under_every_cpu_profile_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let data = rows(tmp.path(), "pairs.jsonl", 16, |_, v| v);
-    let eval = [
-        "--eval_dataset_name",
-        data.to_str().unwrap(),
-        "--per_device_eval_batch_size",
-        "4",
-        "--eval_strategy",
-        "steps",
-        "--eval_steps",
-        "3",
-    ];
     let one = ["--num_processes", "1"];
+    // Evaluation batches of the training batch's size: two ranks' batches of 4 are one
+    // round of 8 pairs, whose extremes TRL takes over both.
     let run = |launch: &[&str], per_device: usize, name: &str| {
+        let batch = per_device.to_string();
+        let eval = [
+            "--eval_dataset_name",
+            data.to_str().unwrap(),
+            "--per_device_eval_batch_size",
+            &batch,
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "3",
+        ];
         ours(launch, &data, per_device, &eval, &tmp.path().join(name))
     };
     let one8 = run(&one, 8, "one8");

@@ -222,6 +222,41 @@ def trl_kto(args, batch, gc, precompute):
     return world * args.steps * batch * per_row / secs
 
 
+def trl_reward(args, batch, gc):
+    """TRL's RewardTrainer on the text pairs of --pref_data: --batch pairs per process and
+    step (a chosen and a rejected sequence each), the random model read as a sequence
+    classifier with one output. Tokens are those of both sequences (padding excluded)."""
+    import tempfile
+    from datasets import load_dataset
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    cfg = config(args)
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
+    cfg.num_labels = 1
+    cfg.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation=args.attn,
+                                                           dtype=torch.float32)
+    cache = os.path.join(tempfile.gettempdir(), "hf-train-bench-reward-cache")
+    rows = load_dataset("json", data_files=args.pref_data, split="train", cache_dir=cache)
+    timings, clock, world, ddp = trainer_setup(args)
+    reward_args = RewardConfig(
+        output_dir="/tmp/hf-train-bench-reward", per_device_train_batch_size=batch,
+        max_length=2 * args.seq, bf16=args.dtype == "bf16", learning_rate=1e-4,
+        max_steps=args.warmup + args.steps, logging_steps=1000, save_strategy="no", report_to=[],
+        use_cpu=args.device == "cpu", gradient_checkpointing=gc, **ddp,
+    )
+    trainer = RewardTrainer(model=model, args=reward_args, processing_class=tokenizer,
+                            train_dataset=rows, callbacks=[clock])
+    data = trainer.train_dataset
+    per_pair = sum(len(c) + len(r) for c, r in zip(data["chosen_ids"], data["rejected_ids"]))
+    per_pair /= len(data)
+    trainer.train()
+    secs = timings[-1] - timings[args.warmup - 1]
+    return world * args.steps * batch * per_pair / secs
+
+
 def trl_grpo(args, batch, gc, rloo=False):
     """TRL's GRPOTrainer without vLLM (transformers' generate with its KV cache) on the text
     prompts of --prompt_data: --batch completions per process and step (one generation round
@@ -336,6 +371,8 @@ def main():
                 elif peer in ("trl_grpo", "trl_rloo"):
                     tokens_per_s, extra["generation_share"] = trl_grpo(args, batch, gc,
                                                                        rloo=peer == "trl_rloo")
+                elif peer == "trl_reward":
+                    tokens_per_s = trl_reward(args, batch, gc)
                 elif peer.startswith("trl_kto"):
                     tokens_per_s = trl_kto(args, batch, gc, precompute=peer == "trl_kto_precompute")
                 elif peer.startswith("trl_dpo"):

@@ -40,8 +40,8 @@ use trl_runtime::models::{AutoModelForCausalLM, CausalModel};
 use trl_runtime::parallel::estimate;
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
 use trl_runtime::train::{
-    DPOConfig, Dpo, GRPOConfig, Grpo, KTOConfig, Kto, RLOOConfig, Rloo, SFTConfig, Strategy, Task,
-    Trainer, TrainingArguments,
+    DPOConfig, Dpo, GRPOConfig, Grpo, KTOConfig, Kto, RLOOConfig, Reward, RewardConfig,
+    RewardModel, Rloo, SFTConfig, Strategy, Task, Trainer, TrainingArguments,
 };
 
 const SEQ: usize = 512;
@@ -104,11 +104,11 @@ fn worker(kind: &str, dir: &Path) {
             ..common
         },
         // Preference pairs of text (prompt ~128 tokens, completions ~384), as TRL reads them.
-        "ref-dpo" | "ref-kto" => TrainingArguments {
+        "ref-dpo" | "ref-kto" | "ref-reward" => TrainingArguments {
             model_name_or_path: dir.join("model"),
             dataset_name: dir.join("pref.jsonl"),
             // A DPO row is two sequences, a KTO row one.
-            per_device_train_batch_size: if kind == "ref-dpo" { DPO_PAIRS } else { BATCH },
+            per_device_train_batch_size: if kind == "ref-kto" { BATCH } else { DPO_PAIRS },
             max_length: 2 * SEQ,
             learning_rate: 1e-4,
             ..common
@@ -136,6 +136,16 @@ fn worker(kind: &str, dir: &Path) {
         };
         let trainer =
             Trainer::<AutoModelForCausalLM, Kto>::load_with_strategy(config, &ctx, Strategy::Ddp)
+                .unwrap();
+        return measure_steps(trainer, &ctx, MEASURED_STEPS, &|_| 0.0);
+    }
+    if kind == "ref-reward" {
+        let config = RewardConfig {
+            training,
+            ..RewardConfig::default()
+        };
+        let trainer =
+            Trainer::<RewardModel, Reward>::load_with_strategy(config, &ctx, Strategy::Ddp)
                 .unwrap();
         return measure_steps(trainer, &ctx, MEASURED_STEPS, &|_| 0.0);
     }
@@ -440,6 +450,22 @@ fn kto_lines(dir: &Path) {
     }
 }
 
+/// The reward trainer (pairs of text, the model read as a classifier) against TRL's
+/// RewardTrainer, on 1 and 2 ranks.
+fn reward_lines(dir: &Path) {
+    let pref = dir.join("pref.jsonl");
+    for world in [1, 2] {
+        let reward = measure("ref-reward", world, dir);
+        println!(
+            "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"ddp_reward\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}}}",
+            reward.tokens_per_s, reward.step_s, reward.comm_share
+        );
+        let extra = ["--pref_data", pref.to_str().unwrap()];
+        let peers = cpu_peers(world, "trl_reward", DPO_PAIRS, &extra);
+        peer_lines("reward", world, reward.tokens_per_s, &peers);
+    }
+}
+
 /// GRPO and RLOO (generation + rewards + update, one round per step) against TRL's
 /// GRPOTrainer and RLOOTrainer without vLLM (transformers' generate with its KV cache), on 1
 /// and 2 ranks; the share of the step each spends generating. `only`: one of the two.
@@ -496,10 +522,11 @@ fn main() {
         return;
     }
     prepare(tmp.path());
-    // TRL_BENCH_ONLY=grpo (or rloo, online for both, kto) runs those lines alone.
+    // TRL_BENCH_ONLY=grpo (or rloo, online for both, kto, reward) runs those lines alone.
     match std::env::var("TRL_BENCH_ONLY").as_deref() {
         Ok("online") => return grpo_lines(tmp.path(), None),
         Ok("kto") => return kto_lines(tmp.path()),
+        Ok("reward") => return reward_lines(tmp.path()),
         Ok(task @ ("grpo" | "rloo")) => return grpo_lines(tmp.path(), Some(task)),
         _ => {}
     }
@@ -596,6 +623,7 @@ fn main() {
         peer_lines("dpo", world, dpo.tokens_per_s, &peers);
     }
     kto_lines(tmp.path());
+    reward_lines(tmp.path());
     grpo_lines(tmp.path(), None);
     // Tensor parallelism: 2 ranks share every layer of one replica.
     let p = measure_predicted("ref-tp", 2, tmp.path(), &|r| predict("tp", 2, r));
