@@ -206,7 +206,17 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
             return Ok(dir.to_path_buf());
         }
     } else {
-        let Some(base) = arch.strip_suffix("ForCausalLM") else {
+        // A config without `architectures` is named from its model_type, as transformers
+        // names its classes.
+        let model_type = config
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let named = match arch.is_empty() {
+            true => format!("{}ForCausalLM", class_prefix(model_type)),
+            false => arch.clone(),
+        };
+        let Some(base) = named.strip_suffix("ForCausalLM").filter(|b| !b.is_empty()) else {
             return Err(Error::config(
                 &source,
                 "architectures",
@@ -319,6 +329,21 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
             "output_dir",
             "the reward model's start directory could not be made here (another run writing it?)",
         )),
+    }
+}
+
+/// transformers' class-name prefix of `model_type` (`qwen3_moe`: `Qwen3Moe`).
+fn class_prefix(model_type: &str) -> String {
+    match model_type {
+        "smollm3" => "SmolLM3".into(),
+        t => t
+            .split('_')
+            .map(|w| {
+                let mut c = w.chars();
+                c.next()
+                    .map_or(String::new(), |f| f.to_uppercase().chain(c).collect())
+            })
+            .collect(),
     }
 }
 

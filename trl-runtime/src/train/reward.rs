@@ -4,8 +4,10 @@
 //! sets up, saved as transformers' `...ForSequenceClassification`.
 //!
 //! A micro-batch holds its pairs' chosen sequences then their rejected ones (TRL's
-//! collator), right-padded; each sequence's reward is the score at its last token that is not
-//! the pad (transformers' rule, whatever the attention mask). The loss is the Bradley-Terry
+//! collator's order), packed in one row with positions restarting per sequence (attention
+//! stays within each: the values of TRL's right-padded batch, without computing the padding);
+//! each sequence's reward is the score at its last token that is not the pad (transformers'
+//! rule). The loss is the Bradley-Terry
 //! -log sigmoid(r_chosen - r_rejected - margin) averaged over the pairs, plus
 //! `center_rewards_coefficient` x mean((r_chosen + r_rejected)^2). The score runs at every
 //! position of this rank's part of the rows and each row's read position is picked by a
@@ -167,13 +169,13 @@ fn tokenize_pairs(
     Ok(pairs)
 }
 
-/// A micro-batch: its chosen sequences then its rejected ones, collated.
+/// A micro-batch: its chosen sequences then its rejected ones, packed in one row.
 struct Micro {
     /// This rank's part of the rows, on its device.
     batch: Batch,
-    /// Per local position (flattened rows): its row, u32.
+    /// Per local position: its sequence, u32.
     row: Tensor,
-    /// Per local position: 1 where its row's reward is read, else 0.
+    /// Per local position: 1 where its sequence's reward is read, else 0.
     read: Tensor,
     margins: Vec<f64>,
     /// Input tokens of the rows, whole (padding excluded).
@@ -252,24 +254,29 @@ impl Reward {
             })
             .collect();
         let rows: Vec<&PackedSequence> = seqs.iter().collect();
+        // One row, positions restarting per sequence: no padding computed.
         let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
         let len = batch.input_ids.dim(1)?;
-        // transformers: the rightmost token that is not the pad (0 when every one is).
+        // Each sequence's read position: transformers' rule on its padded row, the rightmost
+        // token that is not the pad (its first when every one is), here at its offset.
         let pad = self.collate_options.pad_token_id;
-        let ids: Vec<Vec<u32>> = batch.input_ids.to_vec2()?;
-        let read_at: Vec<usize> = ids
-            .iter()
-            .map(|row| row.iter().rposition(|&t| t != pad).unwrap_or(0))
-            .collect();
+        let mut owner = vec![0u32; len];
+        let mut read_at = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for (k, s) in seqs.iter().enumerate() {
+            owner[at..at + s.len()].fill(k as u32);
+            read_at.push(at + s.input_ids.iter().rposition(|&t| t != pad).unwrap_or(0));
+            at += s.len();
+        }
+        let mut is_read = vec![false; len];
+        read_at.iter().for_each(|&c| is_read[c] = true);
         let split = core.model.split();
         let kept = kept_columns(split, len)?.unwrap_or_else(|| (0..len).collect());
-        let (mut row, mut read) = (Vec::new(), Vec::new());
-        for (r, &at) in read_at.iter().enumerate() {
-            for &c in &kept {
-                row.push(r as u32);
-                read.push(f32::from(u8::from(c == at)));
-            }
-        }
+        let row: Vec<u32> = kept.iter().map(|&c| owner[c]).collect();
+        let read: Vec<f32> = kept
+            .iter()
+            .map(|&c| f32::from(u8::from(is_read[c])))
+            .collect();
         let device = core.ctx.device();
         let n = row.len();
         Ok(Micro {
@@ -447,7 +454,7 @@ impl<N: CausalModel> Task<SequenceClassifier<N>> for Reward {
             eval,
             collate_options: CollateOptions {
                 pad_token_id: tokenizer.pad_token_id,
-                padding_free: false,
+                padding_free: true,
                 pad_to_multiple_of: config.pad_to_multiple_of.0,
             },
             center: config.center_rewards_coefficient,
