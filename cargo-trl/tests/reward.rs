@@ -231,6 +231,55 @@ fn reward_under_every_cpu_profile_equals_one_process() {
     }
 }
 
+/// LoRA adapters (peft's SEQ_CLS: the score head trained whole) under ZeRO-3 and FSDP2 x tp
+/// equal one process; the adapter loads in peft onto the classifier the run
+/// started from and scores as ours; CAUSAL_LM adapters on a classifier are refused by name.
+#[test]
+fn lora_reward_models_equal_one_process_and_load_in_peft() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = rows(tmp.path(), "pairs.jsonl", 16, |_, v| v);
+    let lora = ["--use_peft", "--lora_target_modules", "all-linear"];
+    let run = |launch: &[&str], per_device: usize, name: &str| {
+        ours(launch, &data, per_device, &lora, &tmp.path().join(name))
+    };
+    let one = ["--num_processes", "1"];
+    let one8 = run(&one, 8, "one8");
+    for name in ["zero3_cpu", "fsdp2_tp_cpu"] {
+        let got = run(&["--profile", name], 4, name);
+        let (d, key) = common::assert_same_figures(name, &got, &one8, (1e-4, 1e-2));
+        eprintln!("reward lora {name}: every figure within {d:.1e} relative ({key})");
+    }
+    let out = tmp.path().join("one8");
+    let adapter = trl_runtime::train::checkpoint::resolve(&out, "latest").unwrap();
+    let config = std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap();
+    assert!(
+        config.contains("SEQ_CLS") && config.contains("\"score\""),
+        "{config}"
+    );
+    common::classifier_adapter_loads_in_peft(&out.join("reward-model-start"), &adapter);
+    // CAUSAL_LM adapters would put LoRA on the new score head and leave it frozen.
+    let causal = tmp.path().join("causal");
+    let args = [
+        &[
+            "--dataset_name",
+            data.to_str().unwrap(),
+            "--lora_task_type",
+            "CAUSAL_LM",
+        ][..],
+        &lora,
+        &["--max_steps", "1", "--output_dir", causal.to_str().unwrap()],
+    ]
+    .concat();
+    let o = common::trainer_launch("reward", &one, &args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout);
+    assert!(
+        !o.status.success() && text.contains("lora_task_type") && text.contains("SEQ_CLS"),
+        "{text}"
+    );
+}
+
 /// A run resumed from its checkpoint continues as the straight run (the resumed model is
 /// the classifier the checkpoint holds).
 #[test]

@@ -32,6 +32,7 @@ fn config(targets: Targets) -> LoraConfig {
         target_parameters: Vec::new(),
         ensure_weight_tying: false,
         trainable_token_indices: Vec::new(),
+        sequence_classification: false,
     }
 }
 

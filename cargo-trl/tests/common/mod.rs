@@ -387,6 +387,48 @@ pub fn loads_in_peft(base: &Path, adapter: &Path) {
     );
 }
 
+/// Checks that peft loads the SEQ_CLS adapter checkpoint `adapter` we saved onto the
+/// classifier `base` (`PeftModelForSequenceClassification`, scripts/peft_logits.py) and
+/// scores two rows as we do with it (each read at its last token that is not the pad), within
+/// 1e-4; skipped with a message without peft.
+#[allow(dead_code)]
+pub fn classifier_adapter_loads_in_peft(base: &Path, adapter: &Path) {
+    use trl_runtime::candle_core::{DType, IndexOp};
+    use trl_runtime::train::RewardModel;
+    let Some(python) = python_with(&["torch", "transformers", "peft", "safetensors"]) else {
+        return;
+    };
+    let mut model = trl_runtime::parallel::Model::<RewardModel>::from_pretrained(
+        base,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    model.load_adapter(adapter).unwrap();
+    let what = format!("peft cannot load {}", adapter.display());
+    let args = ["logits".as_ref(), base.as_os_str(), adapter.as_os_str()];
+    let (ids, pos, want) = python_logits(&python, "peft_logits.py", &args, 200, &what);
+    let scores = model.forward(&ids, &pos).unwrap();
+    let pad = model.config.pad_token_id.unwrap();
+    let rows: Vec<Vec<u32>> = ids.to_vec2().unwrap();
+    let read: Vec<Tensor> = rows
+        .iter()
+        .enumerate()
+        .map(|(r, row)| {
+            let at = row.iter().rposition(|&t| t != pad).unwrap_or(0);
+            scores.i((r, at)).unwrap()
+        })
+        .collect();
+    let got = Tensor::stack(&read, 0).unwrap();
+    let diff = max_diff(&got, &want);
+    eprintln!("{} in peft: scores within {diff:.1e}", adapter.display());
+    assert!(
+        diff < 1e-4,
+        "peft's scores with {} differ by {diff}",
+        adapter.display()
+    );
+}
+
 /// Checks that transformers opens the checkpoint `dir` we saved and computes the logits we
 /// do (within 1e-4, f32) on two random rows; skipped with a message without transformers.
 #[allow(dead_code)]

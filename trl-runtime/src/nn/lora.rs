@@ -64,6 +64,10 @@ pub struct LoraConfig {
     /// `embed_tokens` for a plain list) trained whole, the rest frozen; a head tied to that
     /// table trains the same rows (peft ties them).
     pub trainable_token_indices: Vec<(String, Vec<u32>)>,
+    /// peft's `task_type` SEQ_CLS: the model is a sequence classifier (a reward model), whose
+    /// `score` head is the output layer all-linear leaves out; peft trains it whole (it adds
+    /// `score` to `modules_to_save`). False: CAUSAL_LM.
+    pub sequence_classification: bool,
 }
 
 impl LoraConfig {
@@ -82,6 +86,7 @@ impl LoraConfig {
             target_parameters: Vec::new(),
             ensure_weight_tying: false,
             trainable_token_indices: Vec::new(),
+            sequence_classification: false,
         }
     }
 
@@ -192,7 +197,9 @@ pub fn adapter_plan(
     let (mut layers, mut left_out) = (Vec::new(), Vec::new());
     let mut gates: std::collections::HashMap<String, String> = Default::default();
     for name in linears {
-        let output = name == "lm_head" || name.ends_with(".lm_head");
+        let output = name == "lm_head"
+            || name.ends_with(".lm_head")
+            || (config.sequence_classification && name == "score");
         if !config.targets(name, output) {
             continue;
         }
@@ -531,6 +538,7 @@ mod tests {
             target_parameters: Vec::new(),
             ensure_weight_tying: false,
             trainable_token_indices: Vec::new(),
+            sequence_classification: false,
         }
     }
 

@@ -427,6 +427,19 @@ impl<N: CausalModel> Model<N> {
                 "add LoRA adapters before sharding the model for ZeRO-3 / FSDP".into(),
             ));
         }
+        // peft's task type says what the model is: SEQ_CLS a classifier (its score head).
+        let classifier = self.shapes.contains_key("score.weight");
+        if config.sequence_classification != classifier {
+            let message = match classifier {
+                true => "CAUSAL_LM adapters on a sequence classifier: pass SEQ_CLS (as TRL's reward script does), so that peft leaves the score head out of all-linear and trains it whole",
+                false => "SEQ_CLS adapters are for a sequence classifier (the reward trainer's); this model is a causal LM: use CAUSAL_LM",
+            };
+            return Err(Error::config(
+                "training arguments",
+                "lora_task_type",
+                message,
+            ));
+        }
         let plan = crate::models::peft::add_adapters(self.net_mut()?, config)?;
         self.params = crate::tp::named_parameters(&*self.net)?;
         if let Some(tp) = &self.tp {

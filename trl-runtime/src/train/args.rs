@@ -496,11 +496,11 @@ impl TrainingArguments {
 
     fn validate_peft(&self, source: &str) -> Result<()> {
         let err = |key: &str, message: String| Error::config(source, key, message);
-        if self.lora_task_type != "CAUSAL_LM" {
+        if !["CAUSAL_LM", "SEQ_CLS"].contains(&self.lora_task_type.as_str()) {
             return Err(err(
                 "lora_task_type",
                 format!(
-                    "'{}': a causal language model trainer trains CAUSAL_LM adapters",
+                    "'{}': CAUSAL_LM adapters train a causal LM, SEQ_CLS ones a sequence classifier (the reward trainer)",
                     self.lora_task_type
                 ),
             ));
@@ -540,15 +540,21 @@ impl TrainingArguments {
             [one] if one.eq_ignore_ascii_case("all-linear") => Targets::AllLinear,
             _ => Targets::Names(names),
         };
+        let sequence_classification = self.lora_task_type == "SEQ_CLS";
+        let mut modules_to_save = self
+            .lora_modules_to_save
+            .as_ref()
+            .map_or(Vec::new(), |l| l.0.clone());
+        // peft's PeftModelForSequenceClassification trains the classifier head whole.
+        if sequence_classification && !modules_to_save.iter().any(|m| m == "score") {
+            modules_to_save.push("score".into());
+        }
         Some(LoraConfig {
             r: self.lora_r,
             alpha: self.lora_alpha,
             dropout: self.lora_dropout,
             targets,
-            modules_to_save: self
-                .lora_modules_to_save
-                .as_ref()
-                .map_or(Vec::new(), |l| l.0.clone()),
+            modules_to_save,
             rslora: self.use_rslora,
             seed: self.seed,
             dora: self.use_dora,
@@ -565,6 +571,7 @@ impl TrainingArguments {
                 )],
                 None => Vec::new(),
             },
+            sequence_classification,
         })
     }
 

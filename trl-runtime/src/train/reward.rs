@@ -61,10 +61,15 @@ crate::trainer_config!(RewardConfig, flags RewardArgs, base training,
 /// `trl reward`-style command line.
 pub type RewardCli = super::args::Cli<RewardConfig>;
 
-/// RewardConfig's learning rate (1e-4), where transformers' differs.
+/// RewardConfig's learning rate (1e-4), where transformers' differs; LoRA adapters for a
+/// sequence classifier (TRL's reward script asks `--lora_task_type SEQ_CLS`: peft then trains
+/// the score head whole) unless told otherwise.
 fn reward_defaults(training: &mut TrainingArguments, given: &dyn Fn(&str) -> bool) {
     if !given("learning_rate") {
         training.learning_rate = 1e-4;
+    }
+    if !given("lora_task_type") {
+        training.lora_task_type = "SEQ_CLS".into();
     }
 }
 
@@ -72,9 +77,6 @@ fn validate_reward(config: &RewardConfig, source: &str) -> Result<()> {
     let t = &config.training;
     if t.router_aux_loss_coef.is_some_and(|c| c != 0.0) {
         return Err(Error::config(source, "router_aux_loss_coef", "the reward loss has no router term (transformers' sequence classifiers return none, and TRL adds none): drop the key"));
-    }
-    if t.use_peft {
-        return Err(Error::config(source, "use_peft", "LoRA reward models are not built here yet: train the whole model (peft would also train `score` whole, as modules_to_save)"));
     }
     Ok(())
 }

@@ -491,7 +491,10 @@ pub fn save(
     let modules_to_save = saved_modules(tensors, config, &peft_name);
     let json = serde_json::json!({
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": match config.sequence_classification {
+            true => "SEQ_CLS",
+            false => "CAUSAL_LM",
+        },
         "base_model_name_or_path": base.display().to_string(),
         "r": config.r,
         "lora_alpha": config.alpha,
@@ -809,6 +812,7 @@ pub fn read(
         ensure_weight_tying: json["ensure_weight_tying"].as_bool().unwrap_or(false),
         trainable_token_indices: token_indices(&json["trainable_token_indices"])
             .map_err(|m| err("trainable_token_indices", m))?,
+        sequence_classification: json["task_type"].as_str() == Some("SEQ_CLS"),
     };
     let mut tensors = BTreeMap::new();
     let mut left_out = 0;
