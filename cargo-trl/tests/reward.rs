@@ -37,6 +37,20 @@ fn rows(
     path
 }
 
+/// The classifier a run in `out` started from (`reward-model-start-HASH`).
+fn start_dir(out: &Path) -> PathBuf {
+    std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("reward-model-start-")
+        })
+        .unwrap_or_else(|| panic!("no reward-model-start-* in {}", out.display()))
+}
+
 /// A conversational pair as standard text: the prompt's and each answer's content.
 fn as_text(v: serde_json::Value) -> serde_json::Value {
     let text = |k: &str| v[k][0]["content"].as_str().unwrap().to_string();
@@ -157,7 +171,7 @@ fn reward_figures_match_trl() {
             // TRL's rows= takes the first N rows: all 4 pairs, 2 per micro-batch.
             keys.push("rows=4".into());
         }
-        let start = mine.join("reward-model-start");
+        let start = start_dir(&mine);
         let (want, eval) = theirs(
             &trl,
             &start,
@@ -256,7 +270,7 @@ fn lora_reward_models_equal_one_process_and_load_in_peft() {
         config.contains("SEQ_CLS") && config.contains("\"score\""),
         "{config}"
     );
-    common::classifier_adapter_loads_in_peft(&out.join("reward-model-start"), &adapter);
+    common::classifier_adapter_loads_in_peft(&start_dir(&out), &adapter);
     // CAUSAL_LM adapters would put LoRA on the new score head and leave it frozen.
     let causal = tmp.path().join("causal");
     let args = [

@@ -900,3 +900,48 @@ fn a_model_type_added_as_the_docs_say_matches_the_built_in() {
         .unwrap();
     assert_eq!(under, want);
 }
+
+/// A reward model's start from a causal LM checkpoint that also holds an optimizer's state (a
+/// `checkpoint-N` of an SFT run): the classifier's config as transformers writes it, its
+/// weights the model's alone (no LM head, no optimizer tensors) with a fresh score; made once
+/// (a second call finds it), another one for another seed.
+#[test]
+fn a_reward_model_starts_from_a_causal_checkpoint() {
+    use trl_runtime::models::sequence_classification::{classifier_start, RewardModel};
+    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
+    let src = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&tiny).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, src.path().join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(
+        tiny.join("model.safetensors"),
+        src.path().join("optimizer.safetensors"),
+    )
+    .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let start = classifier_start(src.path(), out.path(), 3, 0).unwrap();
+    assert_eq!(
+        classifier_start(src.path(), out.path(), 3, 0).unwrap(),
+        start
+    );
+    assert_ne!(
+        classifier_start(src.path(), out.path(), 4, 0).unwrap(),
+        start
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(start.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "Qwen2ForSequenceClassification");
+    assert_eq!(config["pad_token_id"], 0);
+    assert!(!start.join("optimizer.safetensors").exists());
+    let model = trl_runtime::parallel::Model::<RewardModel>::from_pretrained(
+        &start,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let score = model.params.tensor("score.weight").unwrap();
+    assert_eq!(score.dims(), &[1, 64]);
+    // A classifier with this pad token is its own start.
+    assert_eq!(classifier_start(&start, out.path(), 3, 0).unwrap(), start);
+}

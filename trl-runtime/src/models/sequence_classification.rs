@@ -177,11 +177,12 @@ const START_SOURCE: &str = "start_source.json";
 /// The classifier checkpoint a reward model trains from, as TRL's RewardTrainer loads
 /// `model_name_or_path` (`AutoModelForSequenceClassification`, `num_labels` 1, the
 /// tokenizer's pad token in the config): `dir` itself when it holds such a classifier with
-/// that pad token; otherwise a directory under `under` made from it: config.json as
+/// that pad token; otherwise `under/reward-model-start-HASH` made from it: config.json as
 /// transformers writes the classifier's, links to `dir`'s weight files and tokenizer, an index
 /// that leaves the LM head out, and for a causal LM a `score` of normal(0,
 /// initializer_range) values drawn from `seed` (transformers draws its own: the same law, not
-/// the same values). Made once per source, seed and pad token, atomically.
+/// the same values). HASH stands for the source (its path, config and weight files' sizes
+/// and times), the seed and the pad token; the directory is made once, by a rename.
 pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) -> Result<PathBuf> {
     let (text, source) = read_config(dir)?;
     let mut config: Value = serde_json::from_str(&text)
@@ -206,23 +207,30 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
             return Ok(dir.to_path_buf());
         }
     } else {
-        // A config without `architectures` is named from its model_type, as transformers
-        // names its classes.
+        // Named from the model_type as transformers names its classes (gemma3_text:
+        // Gemma3TextForSequenceClassification, whatever the causal class is called).
         let model_type = config
             .get("model_type")
             .and_then(Value::as_str)
             .unwrap_or_default();
-        let named = match arch.is_empty() {
-            true => format!("{}ForCausalLM", class_prefix(model_type)),
-            false => arch.clone(),
-        };
-        let Some(base) = named.strip_suffix("ForCausalLM").filter(|b| !b.is_empty()) else {
+        if !arch.is_empty() && !arch.ends_with("ForCausalLM") {
             return Err(Error::config(
                 &source,
                 "architectures",
                 format!("'{arch}' is neither a causal LM (...ForCausalLM) nor a sequence classifier: a reward model starts from one of them"),
             ));
+        }
+        let base = match model_type {
+            "" => arch.trim_end_matches("ForCausalLM").to_string(),
+            t => class_prefix(t),
         };
+        if base.is_empty() {
+            return Err(Error::config(
+                &source,
+                "model_type",
+                "missing: the classifier's class is named from it",
+            ));
+        }
         if super::composite::text_config(&config).is_some() {
             return Err(Error::config(&source, "text_config", "a vision-language checkpoint cannot start a reward model here: start from its language model"));
         }
@@ -239,14 +247,6 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
     let abs = dir
         .canonicalize()
         .map_err(|e| Error::io(format!("cannot resolve {}", dir.display()), e))?;
-    let fingerprint =
-        serde_json::json!({"source": abs, "seed": seed, "pad_token_id": pad_token_id}).to_string();
-    let out = under.join("reward-model-start");
-    let made =
-        |d: &Path| std::fs::read_to_string(d.join(START_SOURCE)).ok() == Some(fingerprint.clone());
-    if made(&out) {
-        return Ok(out);
-    }
     let io = |what: &str, e: std::io::Error| {
         Error::io(
             format!(
@@ -256,31 +256,140 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
             e,
         )
     };
-    let tmp = under.join(format!(".reward-model-start.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
+    // The weight files: the source index's, or its single file.
+    let (files, listed) = match std::fs::read_to_string(abs.join(super::params::INDEX_FILE)) {
+        Ok(text) => {
+            let json: Value = serde_json::from_str(&text).map_err(|e| {
+                Error::config(
+                    &source,
+                    super::params::INDEX_FILE,
+                    format!("not valid JSON: {e}"),
+                )
+            })?;
+            let map = json
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
+            let mut files: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect();
+            files.sort();
+            files.dedup();
+            let names = map
+                .into_iter()
+                .filter_map(|(k, v)| Some((k, v.as_str()?.to_string())))
+                .collect();
+            (files, Some(names))
+        }
+        Err(_) => (
+            vec![super::params::SINGLE_FILE.to_string()],
+            None::<Vec<(String, String)>>,
+        ),
+    };
+    // What it is made from: a re-saved model at the same path makes another.
+    let mut stamp = format!("{}|{seed}|{pad_token_id}|{text}", abs.display());
+    for f in &files {
+        let meta =
+            std::fs::metadata(abs.join(f)).map_err(|e| io("cannot read a weight file", e))?;
+        let mtime = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        stamp.push_str(&format!("|{f}:{}:{mtime:?}", meta.len()));
+    }
+    let hash = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        stamp.hash(&mut h);
+        h.finish()
+    };
+    // One directory per source: never replaced, so ranks racing to make it cannot remove
+    // one another's (the first rename wins, the others use it).
+    let out = under.join(format!("reward-model-start-{hash:016x}"));
+    if out.join(START_SOURCE).exists() {
+        return Ok(out);
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let tmp = under.join(format!(
+        ".reward-model-start.tmp-{}-{nanos}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&tmp).map_err(|e| io("cannot create its directory", e))?;
-    // Every file but the config and the weight index, linked.
+    let made =
+        make_start(&abs, &tmp, (&files, listed), &config, (is_classifier, seed)).and_then(|()| {
+            std::fs::write(tmp.join(START_SOURCE), &stamp).map_err(|e| io("cannot write a file", e))
+        });
+    if let Err(e) = made {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if std::fs::rename(&tmp, &out).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    match out.join(START_SOURCE).exists() {
+        true => Ok(out),
+        false => Err(Error::config(
+            under.display().to_string(),
+            "output_dir",
+            "the reward model's start directory could not be made here",
+        )),
+    }
+}
+
+/// Fills `tmp` with the start of a classifier over `abs`'s weight `files` (and the tensor
+/// names its index `listed`): links to them and to the tokenizer's files, an index without
+/// the LM head, `config`, and for a causal LM a fresh `score`.
+fn make_start(
+    abs: &Path,
+    tmp: &Path,
+    (files, listed): (&[String], Option<Vec<(String, String)>>),
+    config: &Value,
+    (is_classifier, seed): (bool, u64),
+) -> Result<()> {
+    let io = |what: &str, e: std::io::Error| Error::io(format!("{what} ({})", tmp.display()), e);
+    // transformers reads a model.safetensors before any index: the link is named as a shard,
+    // so that the index (and the score in it) is what it reads.
+    let link_name = |f: &str| match f {
+        super::params::SINGLE_FILE => "model-00001-of-00001.safetensors".to_string(),
+        f => f.to_string(),
+    };
     let mut weight_map = serde_json::Map::new();
-    for entry in std::fs::read_dir(&abs).map_err(|e| io("cannot list the model directory", e))? {
+    for f in files {
+        let names = match &listed {
+            Some(l) => l
+                .iter()
+                .filter(|(_, file)| file == f)
+                .map(|(n, _)| n.clone())
+                .collect(),
+            None => safetensors_names(&abs.join(f))?,
+        };
+        for n in names.into_iter().filter(|n| !n.starts_with("lm_head.")) {
+            weight_map.insert(n, link_name(f).into());
+        }
+        link(&abs.join(f), &tmp.join(link_name(f)))
+            .map_err(|e| io("cannot link a weight file", e))?;
+    }
+    // The tokenizer and the rest, but no other weights (an optimizer's state) and nothing
+    // this directory writes itself.
+    let own = [
+        "config.json",
+        super::params::INDEX_FILE,
+        START_SOURCE,
+        SCORE_FILE,
+    ];
+    for entry in std::fs::read_dir(abs).map_err(|e| io("cannot list the model directory", e))? {
         let entry = entry.map_err(|e| io("cannot list the model directory", e))?;
         let name = entry.file_name().to_string_lossy().to_string();
-        if name == "config.json" || name == super::params::INDEX_FILE {
+        if own.contains(&name.as_str()) || name.ends_with(".safetensors") || entry.path().is_dir() {
             continue;
         }
-        // transformers reads a model.safetensors before any index: the link is named as a
-        // shard, so that the index (and the score in it) is what it reads.
-        let name = match name.as_str() {
-            super::params::SINGLE_FILE => "model-00001-of-00001.safetensors".to_string(),
-            _ => name,
-        };
         link(&entry.path(), &tmp.join(&name)).map_err(|e| io("cannot link a file", e))?;
-        if name.ends_with(".safetensors") {
-            let names = safetensors_names(&entry.path())?;
-            for n in names.into_iter().filter(|n| !n.starts_with("lm_head.")) {
-                weight_map.insert(n, name.clone().into());
-            }
-        }
     }
+    let source = abs.join("config.json").display().to_string();
     if !is_classifier {
         let std = config
             .get("initializer_range")
@@ -292,44 +401,20 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
             .ok_or_else(|| {
                 Error::config(&source, "hidden_size", "missing: the score head's width")
             })? as usize;
-        let score = seeded_normal(seed, std, hidden)?;
-        let path = tmp.join(SCORE_FILE);
+        let score = seeded_normal(seed, std, hidden)
+            .map_err(|why| Error::config(&source, "initializer_range", why))?;
         candle_core::safetensors::save(
             &std::collections::HashMap::from([("score.weight".to_string(), score)]),
-            &path,
+            tmp.join(SCORE_FILE),
         )?;
         weight_map.insert("score.weight".into(), SCORE_FILE.into());
     }
     let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
-    let write = |name: &str, text: String| {
-        std::fs::write(tmp.join(name), text).map_err(|e| io("cannot write a file", e))
-    };
-    write(
-        super::params::INDEX_FILE,
-        serde_json::to_string_pretty(&index).unwrap_or_default(),
-    )?;
-    write(
-        "config.json",
-        serde_json::to_string_pretty(&config).unwrap_or_default(),
-    )?;
-    write(START_SOURCE, fingerprint.clone())?;
-    // Another rank may have made it meanwhile (the same files): the first rename wins.
-    if !made(&out) {
-        let stale = under.join(format!(".reward-model-start.old-{}", std::process::id()));
-        if out.exists() && std::fs::rename(&out, &stale).is_ok() {
-            let _ = std::fs::remove_dir_all(&stale);
-        }
-        let _ = std::fs::rename(&tmp, &out);
-    }
-    let _ = std::fs::remove_dir_all(&tmp);
-    match made(&out) {
-        true => Ok(out),
-        false => Err(Error::config(
-            under.display().to_string(),
-            "output_dir",
-            "the reward model's start directory could not be made here (another run writing it?)",
-        )),
-    }
+    let pretty = |v: &Value| serde_json::to_string_pretty(v).unwrap_or_default();
+    std::fs::write(tmp.join(super::params::INDEX_FILE), pretty(&index))
+        .map_err(|e| io("cannot write a file", e))?;
+    std::fs::write(tmp.join("config.json"), pretty(config))
+        .map_err(|e| io("cannot write a file", e))
 }
 
 /// transformers' class-name prefix of `model_type` (`qwen3_moe`: `Qwen3Moe`).
@@ -366,13 +451,14 @@ fn safetensors_names(path: &Path) -> Result<Vec<String>> {
 }
 
 /// A [1, hidden] f32 row of normal(0, std) values drawn from `seed`.
-fn seeded_normal(seed: u64, std: f64, hidden: usize) -> Result<Tensor> {
+fn seeded_normal(seed: u64, std: f64, hidden: usize) -> std::result::Result<Tensor, String> {
     use rand::SeedableRng;
     use rand_distr::Distribution;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let normal = rand_distr::Normal::new(0f32, std as f32).expect("a valid std");
+    let normal = rand_distr::Normal::new(0f32, std as f32)
+        .map_err(|e| format!("{std}: not a standard deviation ({e})"))?;
     let values: Vec<f32> = (0..hidden).map(|_| normal.sample(&mut rng)).collect();
-    Ok(Tensor::from_vec(values, (1, hidden), &Device::Cpu)?)
+    Tensor::from_vec(values, (1, hidden), &Device::Cpu).map_err(|e| e.to_string())
 }
 
 impl AutoModelForSequenceClassification {

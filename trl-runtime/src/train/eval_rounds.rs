@@ -106,6 +106,20 @@ impl EvalSlots {
         total / rounds.max(1) as f64
     }
 
+    /// The largest of value `value` over every rank per round (a reward model's rewards, which
+    /// TRL gathers whole), averaged over the rounds.
+    pub fn gathered_max(&self, value: usize) -> f64 {
+        let rounds = self.deal.rounds();
+        let total: f64 = (0..rounds)
+            .map(|round| {
+                self.ranks(round)
+                    .map(|s| s[value])
+                    .fold(f64::NEG_INFINITY, f64::max)
+            })
+            .sum();
+        total / rounds.max(1) as f64
+    }
+
     /// A figure TRL gathers whole with `gather` (DPO's rewards and log-probs): per round over
     /// every rank, the refill included.
     pub fn gathered_ratio(&self, num: usize, den: usize) -> f64 {

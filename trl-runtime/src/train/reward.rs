@@ -16,6 +16,7 @@
 
 use super::args::TrainingArguments;
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
+use super::eval_rounds::EvalSlots;
 use super::kinds::{read_as, Scaffold, TrainerKind};
 use crate::comm::ReduceOp;
 use crate::config::cli_value::PadMultiple;
@@ -75,6 +76,9 @@ fn reward_defaults(training: &mut TrainingArguments, given: &dyn Fn(&str) -> boo
 
 fn validate_reward(config: &RewardConfig, source: &str) -> Result<()> {
     let t = &config.training;
+    if config.other.contains_key("pad_token") {
+        return Err(Error::config(source, "pad_token", "deprecated in TRL and not read here: set the tokenizer's pad_token (tokenizer_config.json), which becomes the classifier's pad_token_id"));
+    }
     if t.router_aux_loss_coef.is_some_and(|c| c != 0.0) {
         return Err(Error::config(source, "router_aux_loss_coef", "the reward loss has no router term (transformers' sequence classifiers return none, and TRL adds none): drop the key"));
     }
@@ -112,15 +116,19 @@ fn parse_reward(v: &Value) -> std::result::Result<(RewardRecord, Option<f64>), S
             a.iter()
                 .map(|t| {
                     t.as_u64()
-                        .map(|t| t as u32)
+                        .and_then(|t| u32::try_from(t).ok())
                         .ok_or(format!("{key} holds {t}, not a token id"))
                 })
                 .collect(),
         )
     };
+    // TRL's processed columns, and their legacy names (which TRL renames).
     let record = match (ids("chosen_ids"), ids("rejected_ids")) {
         (Some(c), Some(r)) => RewardRecord::Ids(c?, r?),
-        _ => RewardRecord::Text(parse_preference(v)?),
+        _ => match (ids("chosen_input_ids"), ids("rejected_input_ids")) {
+            (Some(c), Some(r)) => RewardRecord::Ids(c?, r?),
+            _ => RewardRecord::Text(parse_preference(v)?),
+        },
     };
     Ok((record, margin))
 }
@@ -155,6 +163,16 @@ fn tokenize_pairs(
                 (whole(&p.chosen_ids), whole(&p.rejected_ids))
             }
         };
+        if chosen.is_empty() || rejected.is_empty() {
+            return Err(Error::config(
+                format!("the {which} data"),
+                "chosen_ids",
+                format!(
+                    "pair {} has an empty sequence: a reward is read at a sequence's last token",
+                    pairs.len() + dropped + 1
+                ),
+            ));
+        }
         if chosen.len() > max_length || rejected.len() > max_length {
             dropped += 1;
             continue;
@@ -237,8 +255,9 @@ fn pair_loss(rewards: &[f64], margins: &[f64], center: Option<f64>) -> PairLoss 
     out
 }
 
-/// Per micro-batch, what TRL's figures need: [loss, pairs, chosen above rejected, margin
-/// sum, reward sum] summed over the ranks, and [max, -min] of the rewards taken over them.
+/// Per micro-batch, what TRL's figures need: [loss (its mean over the pairs), pairs, chosen
+/// above rejected, margin sum, reward sum] summed over the ranks, and [max, -min] of the
+/// rewards taken over them.
 const SUMS: usize = 5;
 
 impl Reward {
@@ -325,13 +344,7 @@ impl Reward {
         let max = rewards.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let min = rewards.iter().copied().fold(f64::INFINITY, f64::min);
         (
-            [
-                loss * n as f64,
-                n as f64,
-                above,
-                margin,
-                rewards.iter().sum(),
-            ],
+            [loss, n as f64, above, margin, rewards.iter().sum()],
             [max, -min],
         )
     }
@@ -520,8 +533,10 @@ impl<N: CausalModel> Task<SequenceClassifier<N>> for Reward {
         }
         let g = core.global_sum(&sums)?;
         let extremes = Self::global_max(core, &extremes)?;
-        let loss = g[1..].chunks(SUMS).map(|s| s[0]).sum::<f64>()
-            / g[1..].chunks(SUMS).map(|s| s[1]).sum::<f64>().max(1.0);
+        // transformers' logged loss: the mean of the micro-batches' (each a mean over its
+        // pairs), over the ranks too, as the gradient weighs them.
+        let loss =
+            g[1..].chunks(SUMS).map(|s| s[0]).sum::<f64>() / (rows.len() * core.dp.size()) as f64;
         // num_tokens is the trainer's own (the input tokens, padding not counted).
         Ok(TaskStep {
             loss,
@@ -548,32 +563,38 @@ impl<N: CausalModel> Task<SequenceClassifier<N>> for Reward {
             drop_last: false,
         };
         let rank = core.dp.rank();
-        // [loss x real pairs, real pairs], then each batch's sums.
-        let mut local = vec![0.0, 0.0];
-        let mut extremes = Vec::new();
+        // Per round and rank: its loss, accuracy and margin (means over its pairs), its reward
+        // sum and count, its largest reward and its smallest negated.
+        let mut slots = EvalSlots::new(deal, 7);
         for round in 0..deal.rounds() {
             let idx = deal.rows(round, rank);
             let pairs: Vec<&RewardPair> = idx.iter().map(|&k| &self.eval[k]).collect();
             let micro = self.micro(core, &pairs)?;
             let rewards = self.forward(core, &micro, false)?;
             let loss = pair_loss(&rewards.values, &micro.margins, self.center).loss;
-            let real = deal.real_rows(round, rank) as f64;
-            local[0] += loss * real;
-            local[1] += real;
-            let (s, e) = Self::figures(&rewards.values, &micro.margins, loss);
-            local.extend(s);
-            extremes.extend(e);
+            let ([_, n, above, margin, sum], [max, neg_min]) =
+                Self::figures(&rewards.values, &micro.margins, loss);
+            let n = n.max(1.0);
+            slots.set(
+                round,
+                rank,
+                &[loss, above / n, margin / n, sum, 2.0 * n, max, neg_min],
+            );
         }
-        let g = core.global_sum(&local)?;
-        let extremes = Self::global_max(core, &extremes)?;
-        let mut figures = Self::trl_figures(&g[2..], &extremes);
-        // TRL logs the training tokens so far with the evaluation too.
-        figures.push(("num_tokens", core.state.num_input_tokens_seen as f64));
-        let at = figures.iter().position(|(k, _)| *k == "accuracy");
-        let accuracy = at.map(|i| figures.remove(i).1);
+        let slots = slots.summed(|v| core.global_sum(v))?;
+        // As TRL gathers them: accuracy and margin per rank with gather_for_metrics (the
+        // refill of a short last round cut), the rewards whole with gather.
+        let figures = vec![
+            ("min_reward", -slots.gathered_max(6)),
+            ("mean_reward", slots.gathered_ratio(3, 4)),
+            ("max_reward", slots.gathered_max(5)),
+            ("margin", slots.kept_mean(2)),
+            // TRL logs the training tokens so far with the evaluation too.
+            ("num_tokens", core.state.num_input_tokens_seen as f64),
+        ];
         Ok(Some(EvalResult {
-            loss: g[0] / g[1].max(1.0),
-            accuracy,
+            loss: slots.loss(|s| s[0]),
+            accuracy: Some(slots.kept_mean(1)),
             aux_loss: None,
             figures,
         }))

@@ -73,12 +73,12 @@ impl<'a, N: CausalModel, T: Task<N>> Trainer<'a, N, T> {
         strategy: Strategy,
     ) -> Result<Self> {
         let mut args = T::training_arguments(&config);
+        config.validate("training arguments")?;
         let tokenizer = T::tokenizer(&config, TextTokenizer::from_dir(&args.model_name_or_path)?)?;
         T::starting_model(&config, &mut args, &tokenizer)?;
         // `cargo trl launch` asking what this program trains and how its model splits.
         let work = T::workload(&config);
         super::plan_query::answer_if_asked::<N>(&args, work)?;
-        config.validate("training arguments")?;
         let mut task = T::load(&config, &tokenizer)?;
         let process_base = match ctx.device().is_cpu() {
             true => {
