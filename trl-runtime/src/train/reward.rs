@@ -76,9 +76,6 @@ fn reward_defaults(training: &mut TrainingArguments, given: &dyn Fn(&str) -> boo
 
 fn validate_reward(config: &RewardConfig, source: &str) -> Result<()> {
     let t = &config.training;
-    if config.other.contains_key("pad_token") {
-        return Err(Error::config(source, "pad_token", "deprecated in TRL and not read here: set the tokenizer's pad_token (tokenizer_config.json), which becomes the classifier's pad_token_id"));
-    }
     if t.router_aux_loss_coef.is_some_and(|c| c != 0.0) {
         return Err(Error::config(source, "router_aux_loss_coef", "the reward loss has no router term (transformers' sequence classifiers return none, and TRL adds none): drop the key"));
     }
