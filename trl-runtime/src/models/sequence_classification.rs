@@ -285,7 +285,7 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
         }
         Err(_) => (
             vec![super::params::SINGLE_FILE.to_string()],
-            None::<Vec<(String, String)>>,
+            None::<TensorFiles>,
         ),
     };
     // What it is made from: a re-saved model at the same path makes another.
@@ -340,13 +340,16 @@ pub fn classifier_start(dir: &Path, under: &Path, seed: u64, pad_token_id: u32) 
     }
 }
 
+/// (tensor name, its weight file) as a sharded index lists them.
+type TensorFiles = Vec<(String, String)>;
+
 /// Fills `tmp` with the start of a classifier over `abs`'s weight `files` (and the tensor
 /// names its index `listed`): links to them and to the tokenizer's files, an index without
 /// the LM head, `config`, and for a causal LM a fresh `score`.
 fn make_start(
     abs: &Path,
     tmp: &Path,
-    (files, listed): (&[String], Option<Vec<(String, String)>>),
+    (files, listed): (&[String], Option<TensorFiles>),
     config: &Value,
     (is_classifier, seed): (bool, u64),
 ) -> Result<()> {
