@@ -570,10 +570,15 @@ impl TrlScript {
         cmd
     }
 
-    /// The script on the model in directory `model` (one process).
+    /// The script on the model in directory `model`, in `processes` processes.
     #[allow(dead_code)]
-    pub fn command_with(&self, model: &Path, rows: &Path, out: &Path) -> Command {
+    pub fn command_with(&self, model: &Path, rows: &Path, out: &Path, processes: usize) -> Command {
         let mut cmd = Command::new(&self.python);
+        if processes > 1 {
+            let n = processes.to_string();
+            cmd.args(["-m", "torch.distributed.run", "--standalone"])
+                .args(["--nproc_per_node", &n]);
+        }
         cmd.arg(&self.script).arg(model).arg(rows).arg(out);
         cmd
     }
