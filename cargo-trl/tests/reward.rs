@@ -204,11 +204,11 @@ fn reward_figures_match_trl() {
 }
 
 /// Seven pairs in batches of 4 for one epoch, evaluated in batches of 3, dealt as accelerate
-/// deals them: one process (the second micro-batch of 3 pairs, the evaluation's last batch of
-/// 1) and two (torchrun: one step, rank 1's batch ending with the first pair again; the
-/// evaluation's second round filled from the start, its refill cut from the loss, accuracy
-/// and margin by `gather_for_metrics` but kept in the rewards, which TRL gathers whole). Every
-/// figure equals TRL's RewardTrainer's within 1e-4 relative.
+/// deals them. On one process: the second micro-batch of 3 pairs, the evaluation's last batch
+/// of one pair. On two under torchrun: one step, rank 1's batch ending with the first pair
+/// again; the evaluation's second round filled from the start, its refill cut from the loss,
+/// accuracy and margin by `gather_for_metrics` but kept in the rewards, which TRL gathers
+/// whole. Every figure equals TRL's RewardTrainer's within 1e-4 relative.
 #[test]
 fn partial_batches_match_trl() {
     let Some(trl) = common::trl_script("trl_reward.py") else {
