@@ -291,45 +291,20 @@ fn the_bundled_job_samples_in_process_under_zero3() {
 /// transformers with our logits.
 #[test]
 fn the_docs_commands_run_as_written() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let grpo = std::fs::read_to_string(root.join("docs/grpo.md")).unwrap();
-    let rloo = std::fs::read_to_string(root.join("docs/rloo.md")).unwrap();
-    let launches = |doc: &str| -> Vec<String> {
-        doc.lines()
-            .filter(|l| l.starts_with("cargo trl launch"))
-            .map(String::from)
-            .collect()
-    };
-    let (mut lines, more) = (launches(&grpo), launches(&rloo));
+    let (mut lines, more) = (
+        common::docs_launches("docs/grpo.md"),
+        common::docs_launches("docs/rloo.md"),
+    );
     assert_eq!((lines.len(), more.len()), (2, 1), "{lines:?} {more:?}");
     lines.extend(more);
-    let bin = Path::new(env!("CARGO_BIN_EXE_cargo-trl"));
-    let path = format!(
-        "{}:{}",
-        bin.parent().unwrap().display(),
-        std::env::var("PATH").unwrap()
-    );
     for line in &lines {
-        let out = std::process::Command::new("sh")
-            .args(["-c", line])
-            .current_dir(&root)
-            .env("PATH", &path)
-            .env("CARGO_NET_OFFLINE", "true")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stderr).to_string()
-            + &String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{line}: {text}");
-        let dir = line.split("--output_dir ").nth(1).unwrap().trim();
-        let m = common::metrics(
-            &std::fs::read_to_string(root.join(dir).join("metrics.jsonl")).unwrap(),
-        );
+        let (dir, m, text) = common::run_docs_command(line);
         assert!(
             m.last().unwrap()["reward"].as_f64().is_some(),
             "{line}: {text}"
         );
-        let checkpoint = trl_runtime::train::checkpoint::resolve(&root.join(dir), "latest");
+        let checkpoint = trl_runtime::train::checkpoint::resolve(&dir, "latest");
         common::opens_in_transformers(&checkpoint.unwrap());
-        let _ = std::fs::remove_dir_all(root.join(dir));
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

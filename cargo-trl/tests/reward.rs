@@ -418,30 +418,9 @@ fn a_resumed_reward_run_continues_the_straight_one() {
 /// 1e-4), and a GRPO run takes that checkpoint as its reward function.
 #[test]
 fn the_docs_command_trains_a_reward_model_that_drives_grpo() {
-    let doc = std::fs::read_to_string(root().join("docs/reward.md")).unwrap();
-    let lines: Vec<&str> = doc
-        .lines()
-        .filter(|l| l.starts_with("cargo trl launch"))
-        .collect();
+    let lines = common::docs_launches("docs/reward.md");
     assert_eq!(lines.len(), 1, "{lines:?}");
-    let bin = Path::new(env!("CARGO_BIN_EXE_cargo-trl"));
-    let path = format!(
-        "{}:{}",
-        bin.parent().unwrap().display(),
-        std::env::var("PATH").unwrap()
-    );
-    let out = std::process::Command::new("sh")
-        .args(["-c", lines[0]])
-        .current_dir(root())
-        .env("PATH", &path)
-        .env("CARGO_NET_OFFLINE", "true")
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}: {text}", lines[0]);
-    let dir = root().join(lines[0].split("--output_dir ").nth(1).unwrap().trim());
-    let m = common::metrics(&std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap());
+    let (dir, m, text) = common::run_docs_command(&lines[0]);
     assert!(m.last().unwrap()["accuracy"].as_f64().is_some(), "{text}");
     let checkpoint = trl_runtime::train::checkpoint::resolve(&dir, "latest").unwrap();
     common::classifier_opens_in_transformers(&checkpoint);

@@ -437,32 +437,39 @@ fn peer_lines(task: &str, world: usize, ours: f64, peers: &[serde_json::Value]) 
 /// KTO (kto loss, beta 0.1, the pairs unpaired) against TRL's KTOTrainer with its reference
 /// model and with the reference precomputed, on 1 and 2 ranks.
 fn kto_lines(dir: &Path) {
-    let pref = dir.join("pref.jsonl");
-    for world in [1, 2] {
-        let kto = measure("ref-kto", world, dir);
-        println!(
-            "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"ddp_kto\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}}}",
-            kto.tokens_per_s, kto.step_s, kto.comm_share
-        );
-        let extra = ["--pref_data", pref.to_str().unwrap()];
-        let peers = cpu_peers(world, "trl_kto,trl_kto_precompute", BATCH, &extra);
-        peer_lines("kto", world, kto.tokens_per_s, &peers);
-    }
+    let peers = "trl_kto,trl_kto_precompute";
+    preference_lines(dir, ("ref-kto", "ddp_kto", "kto"), peers, BATCH);
 }
 
 /// The reward trainer (pairs of text, the model read as a classifier) against TRL's
 /// RewardTrainer, on 1 and 2 ranks.
 fn reward_lines(dir: &Path) {
+    preference_lines(
+        dir,
+        ("ref-reward", "ddp_reward", "reward"),
+        "trl_reward",
+        DPO_PAIRS,
+    );
+}
+
+/// A trainer on the preference pairs (its run `kind`, logged as `strategy`, and as `task`
+/// beside its TRL `peers`, `batch` rows per process), on 1 and 2 ranks.
+fn preference_lines(
+    dir: &Path,
+    (kind, strategy, task): (&str, &str, &str),
+    peers: &str,
+    batch: usize,
+) {
     let pref = dir.join("pref.jsonl");
     for world in [1, 2] {
-        let reward = measure("ref-reward", world, dir);
+        let m = measure(kind, world, dir);
         println!(
-            "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"ddp_reward\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}}}",
-            reward.tokens_per_s, reward.step_s, reward.comm_share
+            "{{\"bench\":\"train\",\"device\":\"cpu\",\"strategy\":\"{strategy}\",\"world\":{world},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3}}}",
+            m.tokens_per_s, m.step_s, m.comm_share
         );
         let extra = ["--pref_data", pref.to_str().unwrap()];
-        let peers = cpu_peers(world, "trl_reward", DPO_PAIRS, &extra);
-        peer_lines("reward", world, reward.tokens_per_s, &peers);
+        let peers = cpu_peers(world, peers, batch, &extra);
+        peer_lines(task, world, m.tokens_per_s, &peers);
     }
 }
 

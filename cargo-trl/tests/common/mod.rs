@@ -387,6 +387,45 @@ pub fn loads_in_peft(base: &Path, adapter: &Path) {
     );
 }
 
+/// The `cargo trl launch` lines of docs page `doc` (a path from the repository root).
+#[allow(dead_code)]
+pub fn docs_launches(doc: &str) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::fs::read_to_string(root.join(doc))
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with("cargo trl launch"))
+        .map(String::from)
+        .collect()
+}
+
+/// Runs a docs command `line` as written, from the repository root, `cargo` finding this
+/// `cargo-trl` first on PATH; asserts it succeeded. Its `--output_dir` (from the root), its
+/// metrics lines and its output.
+#[allow(dead_code)]
+pub fn run_docs_command(line: &str) -> (std::path::PathBuf, Vec<serde_json::Value>, String) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bin = Path::new(env!("CARGO_BIN_EXE_cargo-trl"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap()
+    );
+    let out = Command::new("sh")
+        .args(["-c", line])
+        .current_dir(&root)
+        .env("PATH", &path)
+        .env("CARGO_NET_OFFLINE", "true")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{line}: {text}");
+    let dir = root.join(line.split("--output_dir ").nth(1).unwrap().trim());
+    let m = metrics(&std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap());
+    (dir, m, text)
+}
+
 /// Checks that peft loads the SEQ_CLS adapter checkpoint `adapter` we saved onto the
 /// classifier `base` (`PeftModelForSequenceClassification`, scripts/peft_logits.py) and
 /// scores two rows as we do with it (each read at its last token that is not the pad), within
@@ -415,7 +454,7 @@ pub fn classifier_adapter_loads_in_peft(base: &Path, adapter: &Path) {
         .iter()
         .enumerate()
         .map(|(r, row)| {
-            let at = row.iter().rposition(|&t| t != pad).unwrap_or(0);
+            let at = trl_runtime::models::sequence_classification::read_position(row, pad);
             scores.i((r, at)).unwrap()
         })
         .collect();

@@ -26,8 +26,7 @@ use std::sync::Arc;
 
 /// A sequence classifier (a reward model) built from a transformers checkpoint.
 pub struct AutoModelForSequenceClassification {
-    body: AutoModelForCausalLM,
-    score: Linear,
+    net: RewardModel,
     /// The token that pads rows on the right: a row is read at its last other token. None:
     /// rows are read at their last position, and only one row at a time (transformers).
     pub pad_token_id: Option<u32>,
@@ -167,6 +166,12 @@ impl<N: CausalModel> CausalModel for SequenceClassifier<N> {
     fn supports_tiled_mlp(&self) -> bool {
         self.body.supports_tiled_mlp()
     }
+}
+
+/// Where transformers reads a sequence's score: its rightmost token that is not the pad (its
+/// first when every one is), whatever the attention mask says.
+pub fn read_position(ids: &[u32], pad_token_id: u32) -> usize {
+    ids.iter().rposition(|&t| t != pad_token_id).unwrap_or(0)
 }
 
 /// The file beside the linked weights that holds a fresh `score`.
@@ -469,8 +474,7 @@ impl AutoModelForSequenceClassification {
     /// reading config.json alone.
     pub fn check_dir(dir: &Path) -> Result<()> {
         let (text, source) = read_config(dir)?;
-        let c = classifier_config(&text, &source)?;
-        AutoModelForCausalLM::parse_config(&c.body, &source).map(drop)
+        RewardModel::parse_config(&text, &source).map(drop)
     }
 
     /// The classifier of the transformers checkpoint in `dir` (config.json naming a
@@ -479,23 +483,14 @@ impl AutoModelForSequenceClassification {
     pub fn from_pretrained(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let dir = dir.as_ref();
         let (text, source) = read_config(dir)?;
-        let c = classifier_config(&text, &source)?;
-        let config = AutoModelForCausalLM::parse_config(&c.body, &source)?;
+        let config = RewardModel::parse_config(&text, &source)?;
         let files = Arc::new(WeightFiles::open(dir)?);
-        let vb = FilesBackend::var_builder(&files, dtype, device);
-        let body = AutoModelForCausalLM::new(&config, vb.clone())?;
-        let Weight::Local(table) = &body.lm_head().weight else {
-            unreachable!("a model built from files is held whole")
-        };
-        let hidden = table.dim(1)?;
-        let score = Linear::from_weights(vb.get((c.num_labels, hidden), "score.weight")?, None);
-        let (mut shapes, aliases) = shapes_and_aliases(&body);
-        shapes.insert("score.weight".into(), vec![c.num_labels, hidden]);
+        let net = RewardModel::new(&config, FilesBackend::var_builder(&files, dtype, device))?;
+        let (shapes, aliases) = shapes_and_aliases(&net);
         files.check(&shapes, &aliases)?;
         Ok(AutoModelForSequenceClassification {
-            body,
-            score,
-            pad_token_id: c.pad_token_id,
+            net,
+            pad_token_id: config.pad_token_id,
             device: device.clone(),
         })
     }
@@ -513,7 +508,7 @@ impl AutoModelForSequenceClassification {
     }
 
     pub fn num_labels(&self) -> usize {
-        self.score.weight.dims()[0]
+        self.net.score.weight.dims()[0]
     }
 
     /// Logits [batch, num_labels] (f32) of `input_ids` [batch, seq] (u32), right-padded with
@@ -534,12 +529,8 @@ impl AutoModelForSequenceClassification {
             });
         }
         let ids = input_ids.to_vec2::<u32>()?;
-        // transformers: the rightmost position that is not the pad (0 when every one is).
         let read_at: Vec<u32> = match self.pad_token_id {
-            Some(pad) => ids
-                .iter()
-                .map(|row| row.iter().rposition(|&t| t != pad).unwrap_or(0) as u32)
-                .collect(),
+            Some(pad) => ids.iter().map(|row| read_position(row, pad) as u32).collect(),
             None if b == 1 => vec![s as u32 - 1],
             None => {
                 return Err(Error::config(
@@ -553,12 +544,12 @@ impl AutoModelForSequenceClassification {
             .unsqueeze(0)?
             .repeat((b, 1))?;
         let hidden =
-            super::generate::hidden_states(&self.body, (input_ids, &positions), None, false)?;
+            super::generate::hidden_states(&self.net.body, (input_ids, &positions), None, false)?;
         let h = hidden.dim(2)?;
         // Row r's state at read_at[r]: row r * s + read_at[r] of the flattened states.
         let flat: Vec<u32> = (0..b).map(|r| r as u32 * s as u32 + read_at[r]).collect();
         let at = Tensor::new(flat, hidden.device())?;
         let pooled = hidden.reshape((b * s, h))?.index_select(&at, 0)?;
-        Ok(self.score.forward(&pooled)?.to_dtype(DType::F32)?)
+        Ok(self.net.score.forward(&pooled)?.to_dtype(DType::F32)?)
     }
 }

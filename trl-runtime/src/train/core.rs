@@ -176,6 +176,20 @@ pub trait Task<N: CausalModel>: Sized {
     }
 }
 
+/// The progress bar's note of figure `key` among `metrics`: ` LABEL value` (`digits` after
+/// the point), empty when the step has none.
+pub(super) fn figure_note(
+    metrics: &[(&'static str, f64)],
+    key: &str,
+    label: &str,
+    digits: usize,
+) -> String {
+    metrics
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map_or(String::new(), |(_, v)| format!(" {label} {v:.digits$}"))
+}
+
 /// One optimizer step's gradients, summed over its micro-batches.
 pub struct StepGrads {
     grads: BTreeMap<String, Tensor>,
@@ -637,6 +651,12 @@ impl<'a, N: CausalModel> Core<'a, N> {
     pub fn global_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
         let t = Tensor::new(values, &Device::Cpu)?;
         Ok(self.dp.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
+    }
+
+    /// Each value's largest over the data-parallel ranks.
+    pub fn global_max(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let t = Tensor::new(values, &Device::Cpu)?;
+        Ok(self.dp.all_reduce(&t, ReduceOp::Max)?.to_vec1::<f64>()?)
     }
 
     /// Sums over every rank that sees different tokens (sequence chunks included).

@@ -908,10 +908,7 @@ impl<N: CausalModel> Task<N> for Dpo {
     }
 
     fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {
-        metrics
-            .iter()
-            .find(|(k, _)| *k == "rewards/accuracies")
-            .map_or(String::new(), |(_, a)| format!(" acc {a:.2}"))
+        super::core::figure_note(metrics, "rewards/accuracies", "acc", 2)
     }
 }
 

@@ -1746,10 +1746,7 @@ impl<N: CausalModel> Task<N> for Grpo {
     }
 
     fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {
-        metrics
-            .iter()
-            .find(|(k, _)| *k == "reward")
-            .map_or(String::new(), |(_, r)| format!(" reward {r:.3}"))
+        super::core::figure_note(metrics, "reward", "reward", 3)
     }
 }
 

@@ -785,10 +785,7 @@ impl<N: CausalModel> Task<N> for Kto {
     }
 
     fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {
-        metrics
-            .iter()
-            .find(|(k, _)| *k == "rewards/margins")
-            .map_or(String::new(), |(_, m)| format!(" margin {m:.3}"))
+        super::core::figure_note(metrics, "rewards/margins", "margin", 3)
     }
 }
 

@@ -26,7 +26,7 @@ use crate::data::preference::{parse_preference, tokenize_preference, PreferenceR
 use crate::data::TextTokenizer;
 use crate::data::{collate, Batch, BatchDeal, CollateOptions, Example, PackedSequence};
 use crate::error::{Error, Result};
-use crate::models::sequence_classification::{classifier_start, SequenceClassifier};
+use crate::models::sequence_classification::{classifier_start, read_position, SequenceClassifier};
 use crate::models::CausalModel;
 use crate::nn::IGNORE_INDEX;
 use crate::parallel::estimate::Workload;
@@ -275,15 +275,14 @@ impl Reward {
         // One row, positions restarting per sequence: no padding computed.
         let batch = collate(&rows, self.collate_options, &Device::Cpu)?;
         let len = batch.input_ids.dim(1)?;
-        // Each sequence's read position: transformers' rule on its padded row, the rightmost
-        // token that is not the pad (its first when every one is), here at its offset.
+        // Each sequence's read position (transformers' rule on its padded row), at its offset.
         let pad = self.collate_options.pad_token_id;
         let mut owner = vec![0u32; len];
         let mut read_at = Vec::with_capacity(seqs.len());
         let mut at = 0;
         for (k, s) in seqs.iter().enumerate() {
             owner[at..at + s.len()].fill(k as u32);
-            read_at.push(at + s.input_ids.iter().rposition(|&t| t != pad).unwrap_or(0));
+            read_at.push(at + read_position(&s.input_ids, pad));
             at += s.len();
         }
         let mut is_read = vec![false; len];
@@ -359,12 +358,6 @@ impl Reward {
             ("accuracy", mean(&|s| s[2] / s[1].max(1.0))),
             ("margin", mean(&|s| s[3] / s[1].max(1.0))),
         ]
-    }
-
-    /// Max over the data-parallel ranks.
-    fn global_max<N: CausalModel>(core: &Core<'_, N>, values: &[f64]) -> Result<Vec<f64>> {
-        let t = Tensor::new(values, &Device::Cpu)?;
-        Ok(core.dp.all_reduce(&t, ReduceOp::Max)?.to_vec1()?)
     }
 }
 
@@ -529,7 +522,7 @@ impl<N: CausalModel> Task<SequenceClassifier<N>> for Reward {
             extremes.extend(e);
         }
         let g = core.global_sum(&sums)?;
-        let extremes = Self::global_max(core, &extremes)?;
+        let extremes = core.global_max(&extremes)?;
         // transformers' logged loss: the mean of the micro-batches' (each a mean over its
         // pairs), over the ranks too, as the gradient weighs them.
         let loss =
@@ -598,10 +591,7 @@ impl<N: CausalModel> Task<SequenceClassifier<N>> for Reward {
     }
 
     fn progress_note(&self, metrics: &[(&'static str, f64)]) -> String {
-        metrics
-            .iter()
-            .find(|(k, _)| *k == "accuracy")
-            .map_or(String::new(), |(_, a)| format!(" acc {a:.2}"))
+        super::core::figure_note(metrics, "accuracy", "acc", 2)
     }
 }
 
