@@ -80,6 +80,10 @@ const EMBEDDED: &[(&str, &[u8])] = &[
         include_bytes!("../../templates/sft/reward.yaml"),
     ),
     (
+        "templates/sft/distillation.yaml",
+        include_bytes!("../../templates/sft/distillation.yaml"),
+    ),
+    (
         "assets/tiny/data/grpo_train.jsonl",
         include_bytes!("../../assets/tiny/data/grpo_train.jsonl"),
     ),
@@ -102,6 +106,22 @@ const EMBEDDED: &[(&str, &[u8])] = &[
     (
         "assets/tiny/data/pref_eval.jsonl",
         include_bytes!("../../assets/tiny/data/pref_eval.jsonl"),
+    ),
+    (
+        "assets/tiny/teacher/config.json",
+        include_bytes!("../../assets/tiny/teacher/config.json"),
+    ),
+    (
+        "assets/tiny/teacher/model.safetensors",
+        include_bytes!("../../assets/tiny/teacher/model.safetensors"),
+    ),
+    (
+        "assets/tiny/teacher/tokenizer.json",
+        include_bytes!("../../assets/tiny/teacher/tokenizer.json"),
+    ),
+    (
+        "assets/tiny/teacher/tokenizer_config.json",
+        include_bytes!("../../assets/tiny/teacher/tokenizer_config.json"),
     ),
 ];
 

@@ -217,6 +217,7 @@ pub fn bundled_job(bin: &str) -> [&'static str; 2] {
         "rloo" => ["--config", "assets/tiny/rloo.yaml"],
         "kto" => ["--config", "assets/tiny/kto.yaml"],
         "reward" => ["--config", "assets/tiny/reward.yaml"],
+        "distillation" => ["--config", "assets/tiny/distillation.yaml"],
         _ => ["--config", "assets/tiny/sft.yaml"],
     }
 }
@@ -685,6 +686,7 @@ pub fn assert_same_figures(
     (tolerance, floor): (f64, f64),
 ) -> (f64, String) {
     let own = [
+        "step_time",
         "tokens_per_s",
         "peak_memory_mib",
         "predicted_peak_memory_mib",

@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod chain;
+pub mod divergence;
 pub mod embedding;
 pub mod embedding_adapter;
 pub mod flash;

@@ -550,6 +550,30 @@ pub(crate) fn tied_linear_cross_entropy(
     LossSum::of_tokens((nll, count), &stats)
 }
 
+/// `sum` (a scalar computed outside the graph) attached to `hidden` and `weight` with their
+/// gradients for an incoming gradient of one, `dh` and `dw` (None: the weight gets none),
+/// scaled in place in backward: another loss over the head computed the fused way (the
+/// distillation divergence).
+pub(crate) fn with_kept_grads(
+    hidden: &Tensor,
+    weight: &Tensor,
+    sum: Tensor,
+    dh: Tensor,
+    dw: Option<Tensor>,
+) -> Result<Tensor> {
+    let op = LossOp {
+        sum: Precomputed::new(sum),
+        backward: Backward::Kept(
+            Mutex::new(Some((
+                dh.contiguous()?,
+                dw.map(|d| d.contiguous()).transpose()?,
+            ))),
+            None,
+        ),
+    };
+    hidden.apply_op2(weight, op)
+}
+
 /// Each row's cross-entropy of the logits `hidden` [n, h] x `weight`^T would give against
 /// `targets` [n] (i64, -100 ignored): [n] in f32 (f64 for f64 inputs), 0 where ignored, and
 /// how many targets count. Tiled: forward keeps only the inputs, backward recomputes each

@@ -7,6 +7,7 @@
 
 use super::sharded_state::{self, ShardedReader};
 use super::{parallelize, CheckpointFormat, Model, Optimizer, ParallelOptions, Resume, Strategy};
+use crate::context_parallel::SeqSplit;
 use crate::dist::mesh::Axis;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
@@ -134,6 +135,50 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
         checkpoint_format,
         read_shards,
     })
+}
+
+/// A model run beside the trained one and never trained (distillation's teacher), held as
+/// the launch holds the trained one: read split over tp, its sequences split over the same
+/// ranks, and under ZeRO-3 / FSDP sharded in units over the same ranks, each gathered only
+/// while it runs (as DeepSpeed and FSDP hold TRL's teacher); whole on every rank under DDP
+/// and ZeRO-1/2 (TRL's `prepare_deepspeed` holds a teacher at stage 0 there). Its weights are
+/// constants: no gradients, no optimizer state, no activation checkpointing.
+pub fn build_frozen<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Result<Model<N>> {
+    let tp = ctx.group(&[Axis::Tp]);
+    let dir = &opts.model_dir;
+    let config_json = dir.join("config.json").display().to_string();
+    let mut model = Model::<N>::from_pretrained_split(dir, opts.dtype, ctx.device(), tp.clone())
+        .map_err(|e| match e {
+            Error::TensorParallel { .. } => Error::Config {
+                file: config_json.clone(),
+                key: "parallelism_config_tp_size".into(),
+                message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
+            },
+            other => other,
+        })?;
+    model.freeze()?;
+    model.attention = opts.attention;
+    let split = SeqSplit::from_context(ctx).map_err(|e| Error::Config {
+        file: "the launch's parallelism config".into(),
+        key: "parallelism_config_cp_size".into(),
+        message: e.to_string(),
+    })?;
+    if let Some(split) = &split {
+        model.split_sequences(split.clone()).map_err(|e| {
+            Error::config(
+                config_json.clone(),
+                "parallelism_config_cp_size",
+                e.to_string(),
+            )
+        })?;
+    }
+    if let (Strategy::Fsdp(..), Some(units)) = (
+        opts.strategy,
+        super::unit_plan(opts, ctx.plan(), model.config_json()),
+    ) {
+        model.shard(units, ctx.group(super::shard_axes(split.as_ref())))?;
+    }
+    Ok(model)
 }
 
 /// The whole optimizer state of `params` in checkpoint `ckpt` (its step, or `step` for files

@@ -19,7 +19,7 @@ pub mod sharded_optimizer;
 pub mod sharded_state;
 pub mod zero;
 
-pub use build::{build, Built};
+pub use build::{build, build_frozen, Built};
 pub use checkpointing::Checkpointing;
 pub use fsdp::{FsdpOptimizer, Holding, Prefetch, ShardedModel, WrapPolicy};
 pub use generate::GatherMode;

@@ -416,6 +416,32 @@ impl<N: CausalModel> Model<N> {
         Ok(())
     }
 
+    /// Makes every weight a constant (a model run but never trained: distillation's
+    /// teacher): no gradient reaches it, ZeRO-3 / FSDP units made of it only gather and free.
+    /// Call it before sharding.
+    pub fn freeze(&mut self) -> Result<()> {
+        if self.sharding.is_some() {
+            return Err(Error::Parallelism(
+                "freeze the model before sharding it for ZeRO-3 / FSDP".into(),
+            ));
+        }
+        let mut constants: HashMap<candle_core::TensorId, Tensor> = HashMap::new();
+        self.net_mut()?.visit_weights_mut("", &mut |_, w| {
+            if let Weight::Local(t) = w {
+                if t.is_variable() {
+                    let c = constants
+                        .entry(t.id())
+                        .or_insert_with(|| t.detach())
+                        .clone();
+                    *w = Weight::Local(c);
+                }
+            }
+            Ok(())
+        })?;
+        self.params = crate::tp::named_parameters(&*self.net)?;
+        Ok(())
+    }
+
     /// Trains LoRA adapters instead of the model (see [`crate::nn::lora`]): every weight
     /// becomes a constant (no gradient, no optimizer state, kept in the compute dtype) but
     /// those of `lora_modules_to_save`, and the linear layers `config` targets get adapters
@@ -914,6 +940,106 @@ impl<N: CausalModel> Model<N> {
             log_sum_sq,
             stats,
         })
+    }
+
+    /// The distillation loss of this model (the student) against `teacher` on the same
+    /// tokens ([`crate::nn::divergence`]): sum over this rank's positions of `weights[i]` x the
+    /// divergence of position i's next-token distributions (0-weight positions are left out;
+    /// `weights` per local position, row-major). The teacher runs without a graph, split and
+    /// sharded as it is held. With both heads whole (no tp, no bias) the logits never exist at
+    /// once (tiled, gradients computed in forward); under tp from each rank's vocabulary part,
+    /// reduced over the group. Returns the loss (a scalar with the student's graph when
+    /// `train`), and each counted position's divergence and student entropy.
+    pub fn distillation_loss<T: CausalModel>(
+        &self,
+        teacher: &Model<T>,
+        (input_ids, position_ids): (&Tensor, &Tensor),
+        weights: &[f64],
+        (beta, temperature): (f64, f64),
+        train: bool,
+    ) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
+        use crate::nn::divergence::{divergence_rows, tiled_divergence, HeadSide, VocabParts};
+        let hidden = self.hidden_states(input_ids, position_ids, true)?;
+        let hidden = if train { hidden } else { hidden.detach() };
+        let t_hidden = teacher
+            .hidden_states(input_ids, position_ids, true)?
+            .detach();
+        let (b, s, _) = hidden.dims3()?;
+        if weights.len() != b * s {
+            return Err(Error::Parallelism(format!(
+                "distillation: {} weights for {} positions",
+                weights.len(),
+                b * s
+            )));
+        }
+        // Only the positions that count go through the heads (TRL projects those alone).
+        let kept: Vec<u32> = (0..b * s)
+            .filter(|&i| weights[i] != 0.0)
+            .map(|i| i as u32)
+            .collect();
+        let w: Vec<f64> = kept.iter().map(|&i| weights[i as usize]).collect();
+        let index = Tensor::new(kept.as_slice(), hidden.device())?;
+        let pick = |x: &Tensor| -> Result<Tensor> {
+            let (_, _, width) = x.dims3()?;
+            Ok(x.reshape((b * s, width))?.index_select(&index, 0)?)
+        };
+        let (hs, ht) = (pick(&hidden)?, pick(&t_hidden)?);
+        if self.tp.is_none() && teacher.tp.is_none() {
+            let student_head = self.whole_head(train, |_| true)?;
+            let teacher_head = teacher.whole_head(false, |_| true)?;
+            if let (Some(ws), Some(wt)) = (student_head, teacher_head) {
+                let ws = if train { ws } else { ws.detach() };
+                let out = tiled_divergence(
+                    HeadSide {
+                        hidden: &hs,
+                        weight: &ws,
+                        softcap: self.net.logit_softcap(),
+                    },
+                    HeadSide {
+                        hidden: &ht,
+                        weight: &wt.detach(),
+                        softcap: teacher.net.logit_softcap(),
+                    },
+                    &w,
+                    (beta, temperature),
+                    train,
+                )?;
+                return Ok((out.loss, out.divergence, out.entropy));
+            }
+        }
+        // From the logits: this rank's vocabulary part under tp (both models split alike).
+        let zs = (self.head_logits(&hs)? / temperature)?;
+        let zt = (teacher.head_logits(&ht)?.detach() / temperature)?;
+        let (max, sum): (
+            Box<dyn Fn(Tensor) -> candle_core::Result<Tensor>>,
+            Box<dyn Fn(Tensor) -> candle_core::Result<Tensor>>,
+        ) = match &self.tp {
+            Some(tp) => {
+                let (a, b) = (tp.clone(), tp.clone());
+                (
+                    Box::new(move |t: Tensor| {
+                        a.all_reduce(&t, crate::comm::ReduceOp::Max)
+                            .map_err(Error::into_candle)
+                    }),
+                    Box::new(move |t: Tensor| {
+                        crate::comm::autograd::reduce_from_group(&t, &b).map_err(Error::into_candle)
+                    }),
+                )
+            }
+            None => (Box::new(Ok), Box::new(Ok)),
+        };
+        let parts = VocabParts {
+            max: &*max,
+            sum: &*sum,
+        };
+        let (div, entropy) = divergence_rows(&zs, &zt, beta, &parts)?;
+        let wt = Tensor::new(w.as_slice(), div.device())?.to_dtype(div.dtype())?;
+        let loss = (&div * wt)?.sum_all()?;
+        let loss = if train { loss } else { loss.detach() };
+        let host = |t: &Tensor| -> Result<Vec<f64>> {
+            Ok(t.detach().to_dtype(DType::F64)?.to_vec1::<f64>()?)
+        };
+        Ok((loss, host(&div)?, host(&entropy)?))
     }
 
     /// Gradients of `loss` (a scalar of this model's forward) for every parameter: Candle's

@@ -70,7 +70,7 @@ impl EvalResult {
         match key {
             "eval_loss" => Some(self.loss),
             "eval_aux_loss" => self.aux_loss,
-            k if k == accuracy => self.accuracy,
+            k if k == accuracy && self.accuracy.is_some() => self.accuracy,
             k => self
                 .figures
                 .iter()
@@ -593,6 +593,22 @@ impl<'a, N: CausalModel> Core<'a, N> {
             predicted: None,
             router_loss_weight,
         })
+    }
+
+    /// How a model run beside this one and never trained (distillation's teacher, in `dir`)
+    /// is held ([`crate::parallel::build_frozen`]): the run's strategy, dtype and attention;
+    /// no LoRA, no checkpointing, nothing resumed.
+    pub fn frozen_options(&self, dir: &std::path::Path) -> Result<ParallelOptions> {
+        let args = TrainingArguments {
+            model_name_or_path: dir.to_path_buf(),
+            use_peft: false,
+            ..self.args.clone()
+        };
+        let mut opts = parallel_options(&args, self.ctx, self.strategy, None)?;
+        opts.lora = None;
+        opts.gradient_checkpointing = false;
+        opts.offload_activations = false;
+        Ok(opts)
     }
 
     /// Every parameter's full value, whichever strategy holds them (collective under ZeRO-3 /

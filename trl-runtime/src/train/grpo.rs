@@ -307,11 +307,11 @@ struct PromptRow {
 
 /// One completion of a round, as a micro-batch trains on it.
 #[derive(Debug, Clone)]
-struct Sample {
-    prompt_ids: Vec<u32>,
-    completion_ids: Vec<u32>,
+pub(crate) struct Sample {
+    pub(crate) prompt_ids: Vec<u32>,
+    pub(crate) completion_ids: Vec<u32>,
     /// 1 per completion token that counts (0 for a masked truncated completion).
-    mask: Vec<f64>,
+    pub(crate) mask: Vec<f64>,
     advantage: f64,
     old: Option<Vec<f64>>,
     reference: Option<Vec<f64>>,
@@ -332,6 +332,17 @@ struct Round {
     /// RLOO with one micro-batch per round: every rank's rewards per function and lengths,
     /// waiting for the training forward's log-probabilities (see [`Grpo::settle`]).
     pending: Option<(Vec<Vec<f64>>, Lengths)>,
+}
+
+/// A micro-batch of a round (see [`Grpo::slice_for`]).
+pub(crate) struct RoundSlice {
+    pub(crate) samples: Vec<Sample>,
+    /// The round's figures, with the micro-batch that first trains on it (else empty).
+    pub(crate) metrics: Vec<(&'static str, f64)>,
+    /// Prompt and completion tokens of every rank, likewise.
+    pub(crate) tokens: usize,
+    /// The round's counted completion tokens over all ranks.
+    pub(crate) loss_tokens: f64,
 }
 
 /// Where completions come from when they are not sampled here.
@@ -369,6 +380,9 @@ pub struct Grpo {
     round: Option<Round>,
     /// RLOO's advantages and loss instead of GRPO's (train/rloo.rs).
     rloo: Option<Rloo>,
+    /// Rounds for on-policy distillation (train/distillation.rs): completions and their
+    /// length figures only (no rewards, advantages, old or reference log-probabilities).
+    distill: bool,
     seed: u64,
     /// Seconds this rank spent getting completions (sampling, or the rollout's answer).
     generation_seconds: f64,
@@ -379,9 +393,9 @@ type TokenRows = Vec<Vec<u32>>;
 /// Per completion: [prompt, completion, truncated].
 type Lengths = Vec<[f64; 3]>;
 /// Metrics under TRL's names.
-type Metrics = Vec<(&'static str, f64)>;
+pub(crate) type Metrics = Vec<(&'static str, f64)>;
 /// An eval step's policy log-probabilities and entropies, per sample and completion token.
-type EvalPass = (Vec<Vec<f64>>, Vec<Vec<f64>>);
+pub(crate) type EvalPass = (Vec<Vec<f64>>, Vec<Vec<f64>>);
 /// Per local position of a micro-batch: the (sample, completion token) it predicts.
 type Owners = Vec<Option<(usize, usize)>>;
 /// A forward's log-probabilities and entropies per sample and completion token, and the
@@ -441,6 +455,132 @@ impl Grpo {
     pub(crate) fn with_rloo(mut self, rloo: Rloo) -> Self {
         self.rloo = Some(rloo);
         self
+    }
+
+    /// The rounds of `config` (prompts, sampling, rewards) without GRPO's check that some
+    /// reward is named (distillation's rounds have none).
+    pub(crate) fn load_rounds(config: &GRPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
+        let args = &config.training;
+        let (train, eval) = args.load_data(&parse_prompt_row)?;
+        let train = tokenize_prompts(train, tokenizer)?;
+        let eval = match eval {
+            Some(rows) => tokenize_prompts(rows, tokenizer)?,
+            None => Vec::new(),
+        };
+        let rewards = config
+            .reward_funcs
+            .0
+            .iter()
+            .map(|e| {
+                Reward::parse(e, config.max_completion_length)
+                    .map_err(|m| Error::config("training arguments", "reward_funcs", m))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weights = match &config.reward_weights {
+            Some(w) => w.0.clone(),
+            None => vec![1.0; rewards.len()],
+        };
+        let sampling = GenerationConfig {
+            max_new_tokens: config.max_completion_length,
+            do_sample: true,
+            temperature: config.temperature,
+            top_k: config.top_k,
+            top_p: config.top_p,
+            min_p: config.min_p,
+            repetition_penalty: config.repetition_penalty,
+            eos_token_id: tokenizer.eos_token_id.into_iter().collect(),
+            pad_token_id: Some(tokenizer.pad_token_id),
+            seed: args.seed,
+        };
+        Ok(Grpo {
+            train,
+            eval,
+            loss: config.loss().expect("validated"),
+            rewards,
+            weights,
+            rollout: match (&config.rollout_command, &config.rollout_func) {
+                (Some(c), _) => Some(Rollout::Program(
+                    LineProgram::new(c, "rollout_command").into(),
+                )),
+                (None, Some(name)) => {
+                    Some(Rollout::Func(registered_rollout(name).map_err(|m| {
+                        Error::config("training arguments", "rollout_func", m)
+                    })?))
+                }
+                (None, None) => None,
+            },
+            g: config.num_generations,
+            g_eval: config
+                .num_generations_eval
+                .unwrap_or(config.num_generations),
+            spg: 1,
+            gbs: config.num_generations,
+            iterations: config.num_iterations,
+            batch: args.per_device_train_batch_size,
+            dp: 1,
+            scale_rewards: config.scale_rewards.clone(),
+            normalize_then_sum: config.multi_objective_aggregation == "normalize_then_sum",
+            mask_truncated: config.mask_truncated_completions,
+            shuffle: config.shuffle_dataset,
+            top_entropy_quantile: config.top_entropy_quantile,
+            sampling,
+            collate_options: CollateOptions {
+                pad_token_id: tokenizer.pad_token_id,
+                padding_free: false,
+                pad_to_multiple_of: config.pad_to_multiple_of.0,
+            },
+            reference: None,
+            mixing: Mixing {
+                alpha: config.ref_model_mixup_alpha,
+                every: if config.sync_ref_model {
+                    config.ref_model_sync_steps
+                } else {
+                    usize::MAX
+                },
+            },
+            round: None,
+            rloo: None,
+            distill: false,
+            seed: args.seed,
+            generation_seconds: 0.0,
+        })
+    }
+
+    /// The same rounds for on-policy distillation (train/distillation.rs).
+    pub(crate) fn for_distillation(mut self) -> Self {
+        self.distill = true;
+        self
+    }
+
+    /// The micro-batch whose first sampler row is `first_row`: its round generated when it
+    /// is a new one, its slice of this rank's samples, and (the first time the round is
+    /// trained on) the round's figures and tokens; the round's counted completion tokens over
+    /// all ranks.
+    pub(crate) fn slice_for<N: CausalModel>(
+        &mut self,
+        core: &Core<'_, N>,
+        first_row: usize,
+    ) -> Result<RoundSlice> {
+        let m = first_row / (self.batch * self.dp);
+        let (round, slice) = (m / (self.spg * self.iterations), m % self.spg);
+        let epoch = core.state.epoch;
+        if self.round.as_ref().is_none_or(|r| r.at != (epoch, round)) {
+            self.generate_round(core, epoch, round)?;
+        }
+        let r = self.round.as_mut().expect("generated above");
+        let (metrics, tokens) = match r.logged {
+            true => (Vec::new(), 0),
+            false => {
+                r.logged = true;
+                (r.metrics.clone(), r.tokens)
+            }
+        };
+        Ok(RoundSlice {
+            samples: r.slices[slice].clone(),
+            metrics,
+            tokens,
+            loss_tokens: r.loss_tokens,
+        })
     }
 
     /// Seconds this rank has spent getting completions so far (the generation share of a
@@ -733,7 +873,8 @@ impl Grpo {
         // the old log-probabilities from that forward instead of one of their own.
         let every = self.spg * self.iterations;
         let deferred = self.rloo.is_some() && every == 1;
-        let keep_old = !deferred
+        let keep_old = !self.distill
+            && !deferred
             && (self.rloo.is_some()
                 || !core.args.gradient_accumulation_steps.is_multiple_of(every));
         if keep_old {
@@ -750,6 +891,7 @@ impl Grpo {
         }
         let tokens = lengths.iter().map(|l| (l[0] + l[1]) as usize).sum();
         let (metrics, pending) = match deferred {
+            _ if self.distill => (length_metrics(&lengths), None),
             true => (Vec::new(), Some((per_func, lengths))),
             false => {
                 let kl = self.sequence_kl(core, &samples, (n, rank * block), true)?;
@@ -964,39 +1106,13 @@ impl Grpo {
         m.push(("reward_std", nanstd(rewards)));
         let zero_std = std.iter().filter(|s| s.abs() <= 1e-8).count() as f64 / n as f64;
         m.push(("frac_reward_zero_std", zero_std));
-        let lens: Vec<f64> = lengths.iter().map(|l| l[1]).collect();
-        let minmax = |v: &[f64]| {
-            (
-                v.iter().sum::<f64>() / v.len() as f64,
-                v.iter().copied().fold(f64::INFINITY, f64::min),
-                v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-            )
-        };
-        let (mean, min, max) = minmax(&lens);
-        m.push(("completions/mean_length", mean));
-        m.push(("completions/min_length", min));
-        m.push(("completions/max_length", max));
-        let clipped = lengths.iter().filter(|l| l[2] > 0.0).count() as f64 / n as f64;
-        m.push(("completions/clipped_ratio", clipped));
-        let mut term: Vec<f64> = lengths
-            .iter()
-            .filter(|l| l[2] == 0.0)
-            .map(|l| l[1])
-            .collect();
-        if term.is_empty() {
-            term.push(0.0);
-        }
-        let (mean, min, max) = minmax(&term);
-        m.push(("completions/mean_terminated_length", mean));
-        m.push(("completions/min_terminated_length", min));
-        m.push(("completions/max_terminated_length", max));
-        // num_tokens is the trainer's own (every prompt and completion token generated).
+        m.extend(length_metrics(lengths));
         m
     }
 
     /// The sequences of `samples` as one micro-batch, with each local position's (sample,
     /// completion token) where it predicts one.
-    fn collate_samples<N: CausalModel>(
+    pub(crate) fn collate_samples<N: CausalModel>(
         &self,
         core: &Core<'_, N>,
         samples: &[Sample],
@@ -1193,6 +1309,52 @@ impl Grpo {
         Ok(())
     }
 
+    /// TRL's evaluation loop over the held-out prompts, each `num_generations_eval` times:
+    /// each eval step's samples (from the rollout when one is given, else sampled as in
+    /// training, each row by its own seed) and its figures, the step's loss and loss figures
+    /// by `loss` (given the step's samples and the policy's pass over them). TRL's eval steps
+    /// take `per_device_eval_batch_size` rows per data-parallel rank; each step's figures are
+    /// averaged over the steps, the loss weighted by rows. Every rank computes every step (its
+    /// rows in rank order), so the figures need no collective. None without held-out rows.
+    pub(crate) fn evaluate_with<N: CausalModel>(
+        &self,
+        core: &Core<'_, N>,
+        loss_of: impl Fn(&[Sample], EvalPass) -> Result<(f64, Metrics)>,
+    ) -> Result<Option<(f64, Metrics)>> {
+        if self.eval.is_empty() {
+            return Ok(None);
+        }
+        let g = self.g_eval;
+        let rows: Vec<&PromptRow> = self
+            .eval
+            .iter()
+            .flat_map(|r| std::iter::repeat_n(r, g))
+            .collect();
+        let seed = self.seed ^ 0x0e7a_1000 ^ ((core.state.global_step as u64) << 24);
+        let per = core.args.per_device_eval_batch_size.max(1);
+        let mut sums: Vec<(&'static str, f64)> = Vec::new();
+        let (mut loss, mut steps) = (0.0, 0);
+        for (b, batch) in rows.chunks(per * self.dp).enumerate() {
+            let (samples, mut figures, pass) =
+                self.eval_samples(core, batch, (seed, b * per * self.dp))?;
+            let (step_loss, loss_figures) = loss_of(&samples, pass)?;
+            figures.extend(loss_figures);
+            loss += step_loss * batch.len() as f64;
+            steps += 1;
+            for (k, v) in figures {
+                match sums.iter_mut().find(|(n, _)| *n == k) {
+                    Some(at) => at.1 += v,
+                    None => sums.push((k, v)),
+                }
+            }
+        }
+        let figures = sums
+            .into_iter()
+            .map(|(k, v)| (k, v / steps as f64))
+            .collect();
+        Ok(Some((loss / rows.len() as f64, figures)))
+    }
+
     /// One of TRL's eval steps over `batch` (every rank's rows, in rank order, starting at
     /// eval row `first`): its samples (each rank's part one rollout call, as each TRL process
     /// makes its own) with their advantages and reference log-probs, its reward figures, and
@@ -1222,7 +1384,7 @@ impl Grpo {
             .map(|v| v.into_iter().map(|x| x.unwrap_or(f64::NAN)).collect())
             .collect();
         let lengths = self.lengths_of(core, &prompt_ids, &completion_ids);
-        let mut samples: Vec<Sample> = (0..batch.len())
+        let samples: Vec<Sample> = (0..batch.len())
             .map(|j| {
                 let on = !(self.mask_truncated && lengths[j][2] > 0.0);
                 Sample {
@@ -1235,6 +1397,10 @@ impl Grpo {
                 }
             })
             .collect();
+        if self.distill {
+            return Ok((samples, length_metrics(&lengths), (Vec::new(), Vec::new())));
+        }
+        let mut samples = samples;
         if let Some(reference) = &self.reference {
             let refs = reference.run(core, || self.score_all(core, &samples))?;
             for (s, r) in samples.iter_mut().zip(refs) {
@@ -1419,6 +1585,40 @@ fn cut_at_eos(rows: TokenRows, width: usize, eos: &[u32]) -> TokenRows {
         .collect()
 }
 
+/// A round's completion length figures, as TRL names and computes them (num_tokens is the
+/// trainer's own: every prompt and completion token generated).
+fn length_metrics(lengths: &[[f64; 3]]) -> Metrics {
+    let n = lengths.len();
+    let mut m: Metrics = Vec::new();
+    let lens: Vec<f64> = lengths.iter().map(|l| l[1]).collect();
+    let minmax = |v: &[f64]| {
+        (
+            v.iter().sum::<f64>() / v.len() as f64,
+            v.iter().copied().fold(f64::INFINITY, f64::min),
+            v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        )
+    };
+    let (mean, min, max) = minmax(&lens);
+    m.push(("completions/mean_length", mean));
+    m.push(("completions/min_length", min));
+    m.push(("completions/max_length", max));
+    let clipped = lengths.iter().filter(|l| l[2] > 0.0).count() as f64 / n as f64;
+    m.push(("completions/clipped_ratio", clipped));
+    let mut term: Vec<f64> = lengths
+        .iter()
+        .filter(|l| l[2] == 0.0)
+        .map(|l| l[1])
+        .collect();
+    if term.is_empty() {
+        term.push(0.0);
+    }
+    let (mean, min, max) = minmax(&term);
+    m.push(("completions/mean_terminated_length", mean));
+    m.push(("completions/min_terminated_length", min));
+    m.push(("completions/max_terminated_length", max));
+    m
+}
+
 /// A micro-batch's rows are completions; a reference (beta > 0) is a held copy of what the
 /// rank trains; every rank holds each reward model whole.
 pub fn workload(config: &GRPOConfig) -> Workload {
@@ -1441,93 +1641,11 @@ impl<N: CausalModel> Task<N> for Grpo {
     type Config = GRPOConfig;
 
     fn load(config: &GRPOConfig, tokenizer: &TextTokenizer) -> Result<Self> {
-        let args = &config.training;
         // Checked here, not in validation: the planner reads a GRPO command line without one.
         if config.reward_funcs.0.is_empty() {
             return Err(Error::config("training arguments", "reward_funcs", "no reward function: name one (accuracy_reward, think_format_reward, get_soft_overlong_punishment) or give a reward program's command line (docs/grpo.md)"));
         }
-        let (train, eval) = args.load_data(&parse_prompt_row)?;
-        let train = tokenize_prompts(train, tokenizer)?;
-        let eval = match eval {
-            Some(rows) => tokenize_prompts(rows, tokenizer)?,
-            None => Vec::new(),
-        };
-        let rewards = config
-            .reward_funcs
-            .0
-            .iter()
-            .map(|e| {
-                Reward::parse(e, config.max_completion_length)
-                    .map_err(|m| Error::config("training arguments", "reward_funcs", m))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let weights = match &config.reward_weights {
-            Some(w) => w.0.clone(),
-            None => vec![1.0; rewards.len()],
-        };
-        let sampling = GenerationConfig {
-            max_new_tokens: config.max_completion_length,
-            do_sample: true,
-            temperature: config.temperature,
-            top_k: config.top_k,
-            top_p: config.top_p,
-            min_p: config.min_p,
-            repetition_penalty: config.repetition_penalty,
-            eos_token_id: tokenizer.eos_token_id.into_iter().collect(),
-            pad_token_id: Some(tokenizer.pad_token_id),
-            seed: args.seed,
-        };
-        Ok(Grpo {
-            train,
-            eval,
-            loss: config.loss().expect("validated"),
-            rewards,
-            weights,
-            rollout: match (&config.rollout_command, &config.rollout_func) {
-                (Some(c), _) => Some(Rollout::Program(
-                    LineProgram::new(c, "rollout_command").into(),
-                )),
-                (None, Some(name)) => {
-                    Some(Rollout::Func(registered_rollout(name).map_err(|m| {
-                        Error::config("training arguments", "rollout_func", m)
-                    })?))
-                }
-                (None, None) => None,
-            },
-            g: config.num_generations,
-            g_eval: config
-                .num_generations_eval
-                .unwrap_or(config.num_generations),
-            spg: 1,
-            gbs: config.num_generations,
-            iterations: config.num_iterations,
-            batch: args.per_device_train_batch_size,
-            dp: 1,
-            scale_rewards: config.scale_rewards.clone(),
-            normalize_then_sum: config.multi_objective_aggregation == "normalize_then_sum",
-            mask_truncated: config.mask_truncated_completions,
-            shuffle: config.shuffle_dataset,
-            top_entropy_quantile: config.top_entropy_quantile,
-            sampling,
-            collate_options: CollateOptions {
-                pad_token_id: tokenizer.pad_token_id,
-                padding_free: false,
-                pad_to_multiple_of: config.pad_to_multiple_of.0,
-            },
-            reference: None,
-            mixing: Mixing {
-                alpha: config.ref_model_mixup_alpha,
-                every: if config.sync_ref_model {
-                    config.ref_model_sync_steps
-                } else {
-                    usize::MAX
-                },
-            },
-            round: None,
-            rloo: None,
-            seed: args.seed,
-            generation_seconds: 0.0,
-        })
+        Grpo::load_rounds(config, tokenizer)
     }
 
     /// Completions are dealt in order (the prompts are shuffled by the task), every
@@ -1589,7 +1707,11 @@ impl<N: CausalModel> Task<N> for Grpo {
                 (None, Some(f)) => format!("completions from the rollout function `{f}`"),
                 (None, None) => "completions sampled in this process".into(),
             };
-            let name = if self.rloo.is_some() { "RLOO" } else { "GRPO" };
+            let name = match (self.distill, self.rloo.is_some()) {
+                (true, _) => "distillation",
+                (_, true) => "RLOO",
+                _ => "GRPO",
+            };
             tracing::info!(
                 "{name}: {} prompts, {} completions each; generation rounds of {} completions ({} per rank, trained on over {} micro-batches x {} iteration(s)); {how}",
                 self.train.len(),
@@ -1609,7 +1731,6 @@ impl<N: CausalModel> Task<N> for Grpo {
         rows: &[Vec<usize>],
         grads: &mut StepGrads,
     ) -> Result<TaskStep> {
-        let per_micro = self.batch * self.dp;
         let mut loss = 0.0;
         let mut tokens = 0usize;
         // Per micro-batch: [kl, tokens, entropy, low, high, region, count].
@@ -1617,20 +1738,10 @@ impl<N: CausalModel> Task<N> for Grpo {
         let mut seq_clips: Vec<[f64; 2]> = Vec::new();
         let mut metrics = Vec::new();
         for (i, idx) in rows.iter().enumerate() {
-            let m = idx[0] / per_micro;
-            let epoch = core.state.epoch;
-            let (round, slice) = (m / (self.spg * self.iterations), m % self.spg);
-            if self.round.as_ref().is_none_or(|r| r.at != (epoch, round)) {
-                self.generate_round(core, epoch, round)?;
-            }
-            let r = self.round.as_mut().expect("generated above");
-            if !r.logged {
-                r.logged = true;
-                metrics.extend(r.metrics.iter().copied());
-                tokens += r.tokens;
-            }
-            let loss_tokens = r.loss_tokens;
-            let mut samples = r.slices[slice].clone();
+            let part = self.slice_for(core, idx[0])?;
+            metrics.extend(part.metrics);
+            tokens += part.tokens;
+            let (loss_tokens, mut samples) = (part.loss_tokens, part.samples);
             let (logps, entropies, local) =
                 core.training_forward(i, || self.forward(core, &samples, true))?;
             metrics.extend(self.settle(core, &mut samples, &logps)?.unwrap_or_default());
@@ -1681,56 +1792,25 @@ impl<N: CausalModel> Task<N> for Grpo {
         })
     }
 
-    /// TRL's evaluation: each held-out prompt `num_generations_eval` times, from the rollout
-    /// when one is given, else sampled as in training (each row by its own seed), scored, and
-    /// the loss at ratio 1 (the policy is its own old policy: the advantage term, and the KL
-    /// when beta > 0). TRL's eval steps take `per_device_eval_batch_size` rows per
-    /// data-parallel rank; each step's figures are averaged over the steps (`eval_reward`,
-    /// `eval_rewards/NAME/mean`, `eval_entropy`, ...), the loss weighted by rows. Every rank
-    /// computes every step (its rows in rank order), so the figures need no collective.
+    /// TRL's evaluation ([`Grpo::evaluate_with`]): completions scored, and the loss at ratio
+    /// 1 (the policy is its own old policy: the advantage term, and the KL when beta > 0);
+    /// `eval_reward`, `eval_rewards/NAME/mean`, `eval_entropy`, ...
     fn evaluate(&self, _config: &GRPOConfig, core: &Core<'_, N>) -> Result<Option<EvalResult>> {
-        if self.eval.is_empty() {
+        let Some((loss, mut figures)) =
+            self.evaluate_with(core, |samples, pass| self.eval_loss(core, samples, pass))?
+        else {
             return Ok(None);
-        }
-        let g = self.g_eval;
-        let rows: Vec<&PromptRow> = self
-            .eval
-            .iter()
-            .flat_map(|r| std::iter::repeat_n(r, g))
-            .collect();
-        let seed = self.seed ^ 0x0e7a_1000 ^ ((core.state.global_step as u64) << 24);
-        let per = core.args.per_device_eval_batch_size.max(1);
-        let mut sums: Vec<(&'static str, f64)> = Vec::new();
-        let (mut loss, mut steps) = (0.0, 0);
-        for (b, batch) in rows.chunks(per * self.dp).enumerate() {
-            let (samples, mut figures, pass) =
-                self.eval_samples(core, batch, (seed, b * per * self.dp))?;
-            let (step_loss, loss_figures) = self.eval_loss(core, &samples, pass)?;
-            figures.extend(loss_figures);
-            loss += step_loss * batch.len() as f64;
-            steps += 1;
-            for (k, v) in figures {
-                match sums.iter_mut().find(|(n, _)| *n == k) {
-                    Some(at) => at.1 += v,
-                    None => sums.push((k, v)),
-                }
-            }
-        }
-        let mut figures: Vec<(&'static str, f64)> = sums
-            .into_iter()
-            .map(|(k, v)| (k, v / steps as f64))
-            .collect();
+        };
         // The mean reward is the evaluation's accuracy figure, `eval_reward`.
         let at = figures.iter().position(|(k, _)| *k == "reward");
         let reward = at.map(|i| figures.remove(i).1);
         Ok(Some(EvalResult {
-            loss: loss / rows.len() as f64,
+            loss,
             accuracy: reward,
             aux_loss: None,
             figures,
         }))
     }
-
     fn save_state(&self, core: &Core<'_, N>, step: usize) -> Result<()> {
         match &self.reference {
             Some(r) => r.save(core, step),

@@ -4,6 +4,7 @@ pub mod args;
 pub mod checkpoint;
 pub mod config;
 pub mod core;
+pub mod distillation;
 pub mod dpo;
 pub mod dpo_loss;
 mod eval_rounds;
@@ -35,6 +36,7 @@ pub use crate::optim::{clip_grad_norm, grad_clip_coef, AdamW, AdamWConfig, Param
 pub use crate::parallel::{CheckpointFormat, Optimizer, Strategy};
 pub use args::{Cli, CliValue, KwArgs, TrainerConfig, TrainingArguments, TrainingFlags};
 pub use config::{SFTArgs, SFTConfig, SftCli};
+pub use distillation::{Distillation, DistillationArgs, DistillationCli, DistillationConfig};
 pub use dpo::{DPOArgs, DPOConfig, Dpo, DpoCli};
 pub use grpo::{GRPOArgs, GRPOConfig, Grpo, GrpoCli};
 pub use kto::{KTOArgs, KTOConfig, Kto, KtoCli};

@@ -15,6 +15,7 @@ pub const TRAINERS: &[&TrainerKind] = &[
     &super::rloo::KIND,
     &super::kto::KIND,
     &super::reward::KIND,
+    &super::distillation::KIND,
 ];
 
 /// Trainers registered at run time, after the built-in ones.

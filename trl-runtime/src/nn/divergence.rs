@@ -1,0 +1,329 @@
+//! The divergence between a student's and a teacher's next-token distributions that TRL's
+//! DistillationTrainer trains on (its `ChunkedDivergenceFunction`): with `beta` 0 the forward
+//! KL(teacher || student), with 1 the reverse KL(student || teacher), in between the
+//! generalised Jensen-Shannon divergence beta KL(t || m) + (1 - beta) KL(s || m) with the
+//! mixture m = (1 - beta) p_s + beta p_t. Both distributions are of the logits (soft-capped
+//! where the model caps them) divided by the temperature; the gradient reaches the student only.
+//!
+//! Two ways, the same values: [`tiled_divergence`] over whole LM heads, tile by tile, the
+//! gradients computed in forward and kept (the [tokens x vocab] logits of neither model ever
+//! exist at once), and [`divergence_rows`] over logits a caller already holds, in Candle ops
+//! (differentiable), reduced over vocabulary parts by the caller's collectives (tensor
+//! parallelism's vocab-split heads).
+
+use crate::kernels::precision;
+use candle_core::{DType, Result, Tensor, D};
+
+/// Rows per tile: as many as keep one tile's logits near this many bytes (at least 16 rows).
+const TILE_BYTES: usize = 16 << 20;
+
+/// How per-row values over a vocabulary split in parts are combined: the identity for a whole
+/// vocabulary; all-reduces over a tensor-parallel group for a vocab-split head.
+pub struct VocabParts<'a> {
+    /// Row maxima over every part (of detached values).
+    pub max: &'a dyn Fn(Tensor) -> Result<Tensor>,
+    /// Row sums over every part; differentiable (each part's gradient is its own).
+    pub sum: &'a dyn Fn(Tensor) -> Result<Tensor>,
+}
+
+fn same(t: Tensor) -> Result<Tensor> {
+    Ok(t)
+}
+
+/// The whole vocabulary in one part.
+pub const WHOLE: VocabParts<'static> = VocabParts {
+    max: &same,
+    sum: &same,
+};
+
+/// Which divergence `beta` names.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Forward,
+    Reverse,
+    Jsd(f64),
+}
+
+fn kind(beta: f64) -> Kind {
+    match beta {
+        b if b == 0.0 => Kind::Forward,
+        b if b == 1.0 => Kind::Reverse,
+        b => Kind::Jsd(b),
+    }
+}
+
+/// log(exp(a) + exp(b)) elementwise, differentiable through both.
+fn log_add_exp(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let m = a.maximum(b)?.detach();
+    let sum = (a.broadcast_sub(&m)?.exp()? + b.broadcast_sub(&m)?.exp()?)?;
+    sum.log()? + m
+}
+
+/// Each row's log-softmax of `z` [n, v] over every part.
+fn log_softmax(z: &Tensor, parts: &VocabParts<'_>) -> Result<Tensor> {
+    let max = (parts.max)(z.detach().max_keepdim(D::Minus1)?)?;
+    let shifted = z.broadcast_sub(&max)?;
+    let sum = (parts.sum)(shifted.exp()?.sum_keepdim(D::Minus1)?)?;
+    shifted.broadcast_sub(&sum.log()?)
+}
+
+/// The log-mixture log((1 - beta) p_s + beta p_t).
+fn log_mixture(log_ps: &Tensor, log_pt: &Tensor, beta: f64) -> Result<Tensor> {
+    log_add_exp(&(log_ps + (1.0 - beta).ln())?, &(log_pt + beta.ln())?)
+}
+
+/// Per row of the student's `zs` and the teacher's `zt` ([n, v] each: logits already divided
+/// by the temperature, this part of the vocabulary), the divergence [n] (with `zs`'s graph)
+/// and the student's entropy [n] (detached), in f32 (f64 for f64 logits).
+pub fn divergence_rows(
+    zs: &Tensor,
+    zt: &Tensor,
+    beta: f64,
+    parts: &VocabParts<'_>,
+) -> Result<(Tensor, Tensor)> {
+    let wide = precision::wide(zs.dtype());
+    let zs = zs.to_dtype(wide)?;
+    let zt = zt.detach().to_dtype(wide)?;
+    let log_ps = log_softmax(&zs, parts)?;
+    let log_pt = log_softmax(&zt, parts)?.detach();
+    let ps = log_ps.exp()?;
+    let pt = log_pt.exp()?;
+    let terms = match kind(beta) {
+        Kind::Forward => (&pt * (&log_pt - &log_ps)?)?,
+        Kind::Reverse => (&ps * (&log_ps - &log_pt)?)?,
+        Kind::Jsd(b) => {
+            let log_m = log_mixture(&log_ps, &log_pt, b)?;
+            let t = ((&pt * (&log_pt - &log_m)?)? * b)?;
+            let s = ((&ps * (&log_ps - &log_m)?)? * (1.0 - b))?;
+            (t + s)?
+        }
+    };
+    let divergence = (parts.sum)(terms.sum_keepdim(D::Minus1)?)?.squeeze(1)?;
+    let (ps, log_ps) = (ps.detach(), log_ps.detach());
+    let entropy = (parts.sum)((ps * log_ps)?.sum_keepdim(D::Minus1)?.neg()?)?.squeeze(1)?;
+    Ok((divergence, entropy))
+}
+
+/// A head's logits of `hidden` as the loss takes them: `hidden . weight^T`, soft-capped
+/// (`cap * tanh(x / cap)`), divided by the temperature; and tanh's values when capped.
+fn scaled_logits(
+    hidden: &Tensor,
+    weight: &Tensor,
+    cap: Option<f64>,
+    temperature: f64,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let logits = hidden
+        .matmul(&weight.t()?)?
+        .to_dtype(precision::wide(hidden.dtype()))?;
+    Ok(match cap {
+        Some(c) => {
+            let th = (logits / c)?.tanh()?;
+            (((&th * c)? / temperature)?, Some(th))
+        }
+        None => ((logits / temperature)?, None),
+    })
+}
+
+/// One side of the loss: a model's final hidden states [n, h], its LM head [vocab, h] and
+/// its soft-capping (Gemma's final_logit_softcapping).
+pub struct HeadSide<'a> {
+    pub hidden: &'a Tensor,
+    pub weight: &'a Tensor,
+    pub softcap: Option<f64>,
+}
+
+/// What [`tiled_divergence`] returns.
+pub struct TiledDivergence {
+    /// sum_i weights_i x divergence_i: a scalar in the wide dtype, whose backward gives the
+    /// student's hidden states and head their gradients (computed in forward when `train`).
+    pub loss: Tensor,
+    /// Each row's divergence and student entropy, [n] each (detached, f64 on the host).
+    pub divergence: Vec<f64>,
+    pub entropy: Vec<f64>,
+}
+
+/// The divergence of `student` from `teacher` (the same rows; heads over the same vocabulary,
+/// hidden sizes free) weighted per row by `weights` (f64 per row, 0 for rows that do not
+/// count), tile by tile: each tile's logits of both heads, their row statistics, the
+/// divergence and (with `train`) the gradient of the student's logits, turned into the
+/// gradients of its hidden states and (unless it is frozen, no graph) its head at once.
+pub fn tiled_divergence(
+    student: HeadSide<'_>,
+    teacher: HeadSide<'_>,
+    weights: &[f64],
+    (beta, temperature): (f64, f64),
+    train: bool,
+) -> Result<TiledDivergence> {
+    let (n, _) = student.hidden.dims2()?;
+    let vocab = student.weight.dim(0)?;
+    if teacher.weight.dim(0)? != vocab {
+        candle_core::bail!(
+            "the teacher's head has {} rows, the student's {vocab}: distillation needs one vocabulary",
+            teacher.weight.dim(0)?
+        );
+    }
+    let io = student.hidden.dtype();
+    let wide = precision::wide(io);
+    let weight_grad = train && student.weight.track_op();
+    let grads = train && (student.hidden.track_op() || weight_grad);
+    let (hs, ws) = (
+        student.hidden.detach().contiguous()?,
+        student.weight.detach(),
+    );
+    let (ht, wt) = (
+        teacher.hidden.detach().contiguous()?,
+        teacher.weight.detach(),
+    );
+    let rows = (TILE_BYTES / (4 * vocab)).max(16);
+    let mut loss = 0.0;
+    let (mut divergence, mut entropy) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let mut dhidden = Vec::new();
+    let mut dweight: Option<Tensor> = None;
+    for start in (0..n).step_by(rows) {
+        let len = rows.min(n - start);
+        let h = hs.narrow(0, start, len)?;
+        let (zs, th) = scaled_logits(&h, &ws, student.softcap, temperature)?;
+        let (zt, _) = scaled_logits(
+            &ht.narrow(0, start, len)?,
+            &wt,
+            teacher.softcap,
+            temperature,
+        )?;
+        let (div, ent) = divergence_rows(&zs, &zt, beta, &WHOLE)?;
+        let div: Vec<f64> = div.to_dtype(DType::F64)?.to_vec1()?;
+        let w = &weights[start..start + len];
+        loss += div.iter().zip(w).map(|(d, w)| d * w).sum::<f64>();
+        divergence.extend_from_slice(&div);
+        entropy.extend(ent.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+        if !grads {
+            continue;
+        }
+        // d(divergence)/d(zs), per row (TRL's closed forms).
+        let log_ps = log_softmax(&zs, &WHOLE)?;
+        let log_pt = log_softmax(&zt, &WHOLE)?;
+        let ps = log_ps.exp()?;
+        let per_row = |v: Vec<f64>| Tensor::new(v, zs.device())?.to_dtype(wide)?.unsqueeze(1);
+        let dz = match kind(beta) {
+            Kind::Forward => (&ps - log_pt.exp()?)?,
+            Kind::Reverse => {
+                let gap = (&log_ps - &log_pt)?.broadcast_sub(&per_row(div.clone())?)?;
+                (&ps * gap)?
+            }
+            Kind::Jsd(b) => {
+                let log_m = log_mixture(&log_ps, &log_pt, b)?;
+                let gap = (&log_ps - &log_m)?;
+                let kl_s = (&ps * &gap)?.sum_keepdim(D::Minus1)?;
+                ((&ps * gap.broadcast_sub(&kl_s)?)? * (1.0 - b))?
+            }
+        };
+        // Through the temperature and the cap, weighed by each row's weight.
+        let mut dlogits = (dz / temperature)?;
+        if let Some(th) = th {
+            dlogits = (dlogits * (1.0 - th.sqr()?)?)?;
+        }
+        let dlogits = dlogits.broadcast_mul(&per_row(w.to_vec())?)?.to_dtype(io)?;
+        dhidden.push(dlogits.matmul(&ws)?);
+        if weight_grad {
+            let dw = dlogits.t()?.matmul(&h)?.to_dtype(wide)?;
+            dweight = Some(match dweight {
+                Some(acc) => (acc + dw)?,
+                None => dw,
+            });
+        }
+    }
+    let sum = Tensor::new(loss, student.hidden.device())?.to_dtype(wide)?;
+    if !grads {
+        return Ok(TiledDivergence {
+            loss: sum,
+            divergence,
+            entropy,
+        });
+    }
+    let dh = match dhidden.is_empty() {
+        true => hs.zeros_like()?,
+        false => Tensor::cat(&dhidden, 0)?,
+    };
+    let dw = match (weight_grad, dweight) {
+        (false, _) => None,
+        (true, Some(d)) => Some(d.to_dtype(io)?),
+        (true, None) => Some(ws.zeros_like()?),
+    };
+    let loss = super::tiled_loss::with_kept_grads(student.hidden, student.weight, sum, dh, dw)?;
+    Ok(TiledDivergence {
+        loss,
+        divergence,
+        entropy,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// The tiled, closed-form gradients equal Candle's autograd through the logits, for the
+    /// three kinds of divergence, a temperature and soft-capping.
+    #[test]
+    fn tiled_gradients_equal_autograd_through_the_logits() -> Result<()> {
+        let dev = Device::Cpu;
+        let (n, hs_dim, ht_dim, vocab) = (37, 8, 12, 29);
+        let hs = Var::from_tensor(
+            &(Tensor::randn(0f32, 1.0, (n, hs_dim), &dev)?.to_dtype(DType::F64)?),
+        )?;
+        let ws = Var::from_tensor(
+            &(Tensor::randn(0f32, 1.0, (vocab, hs_dim), &dev)?.to_dtype(DType::F64)?),
+        )?;
+        let ht = Tensor::randn(0f32, 1.0, (n, ht_dim), &dev)?.to_dtype(DType::F64)?;
+        let wt = Tensor::randn(0f32, 1.0, (vocab, ht_dim), &dev)?.to_dtype(DType::F64)?;
+        let weights: Vec<f64> = (0..n).map(|i| (i % 3) as f64 * 0.25).collect();
+        for (beta, temperature, cap) in [
+            (0.0, 1.0, None),
+            (1.0, 0.7, None),
+            (0.5, 1.0, Some(3.0)),
+            (0.1, 1.3, None),
+        ] {
+            let tiled = tiled_divergence(
+                HeadSide {
+                    hidden: hs.as_tensor(),
+                    weight: ws.as_tensor(),
+                    softcap: cap,
+                },
+                HeadSide {
+                    hidden: &ht,
+                    weight: &wt,
+                    softcap: None,
+                },
+                &weights,
+                (beta, temperature),
+                true,
+            )?;
+            let g1 = tiled.loss.backward()?;
+            // Through the logits, in Candle ops.
+            let (zs, _) = scaled_logits(hs.as_tensor(), ws.as_tensor(), cap, temperature)?;
+            let (zt, _) = scaled_logits(&ht, &wt, None, temperature)?;
+            let (div, ent) = divergence_rows(&zs, &zt, beta, &WHOLE)?;
+            let w = Tensor::new(weights.as_slice(), &dev)?;
+            let loss = (div * &w)?.sum_all()?;
+            let g2 = loss.backward()?;
+            let close = |a: &Tensor, b: &Tensor| -> Result<f64> {
+                (a - b)?.abs()?.max_all()?.to_scalar::<f64>()
+            };
+            let l1 = tiled.loss.to_scalar::<f64>()?;
+            assert!((l1 - loss.to_scalar::<f64>()?).abs() < 1e-10, "beta {beta}");
+            let e: Vec<f64> = ent.to_vec1()?;
+            assert!(e
+                .iter()
+                .zip(&tiled.entropy)
+                .all(|(a, b)| (a - b).abs() < 1e-10));
+            for v in [&hs, &ws] {
+                let d = close(g1.get(v).unwrap(), g2.get(v).unwrap())?;
+                assert!(d < 1e-10, "beta {beta}: gradients differ by {d}");
+            }
+            // Forward KL of a distribution against itself is 0.
+            if beta == 0.0 {
+                assert!(l1 > 0.0);
+            }
+        }
+        Ok(())
+    }
+}
