@@ -15,15 +15,9 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// Our run of `STEPS` steps of `per_device` prompts per rank of `data` under `launch`, with
-/// the completions of scripts/fixed_rollout.py and `flags`; its metrics lines.
-fn ours(
-    launch: &[&str],
-    data: &Path,
-    per_device: usize,
-    flags: &[&str],
-    out: &Path,
-) -> Vec<serde_json::Value> {
+/// The tests' flags: `data`, a constant 1e-3, 4-token completions from
+/// scripts/fixed_rollout.py, no checkpointing, then `flags`.
+fn fixed(data: &Path, flags: &[&str]) -> Vec<String> {
     let rollout = format!(
         "python3 {}",
         root().join("scripts/fixed_rollout.py").display()
@@ -37,9 +31,43 @@ fn ours(
         flags,
     ]
     .concat();
-    let cmd = common::trainer_launch("distillation", launch, &args);
-    common::run_launch(cmd, STEPS, per_device, out);
-    common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap())
+    args.iter().map(|a| a.to_string()).collect()
+}
+
+/// Our run of `STEPS` steps of `per_device` prompts per rank of `data` under `launch`, with
+/// the tests' flags and `flags`; its metrics lines.
+fn ours(
+    launch: &[&str],
+    data: &Path,
+    per_device: usize,
+    flags: &[&str],
+    out: &Path,
+) -> Vec<serde_json::Value> {
+    let args = fixed(data, flags);
+    ours_logged(launch, &args, per_device, out).0
+}
+
+/// A run of the distillation example with `args`: its metrics lines and its output.
+fn ours_logged(
+    launch: &[&str],
+    args: &[String],
+    per_device: usize,
+    out: &Path,
+) -> (Vec<serde_json::Value>, String) {
+    let cmd = common::trainer_launch("distillation", launch, args);
+    let text = common::run_launch(cmd, STEPS, per_device, out);
+    let metrics = common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
+    (metrics, text)
+}
+
+/// How the run's log says the teacher is held.
+fn teacher_held(text: &str) -> &str {
+    let line = text
+        .lines()
+        .find(|l| l.contains("distillation: teacher"))
+        .unwrap_or_else(|| panic!("no teacher line in {text}"));
+    let start = line.find('(').unwrap() + 1;
+    &line[start..line.find("), beta").unwrap()]
 }
 
 /// TRL's DistillationTrainer (scripts/trl_distillation.py) with the bundled student and
@@ -136,15 +164,62 @@ fn distillation_figures_match_trl() {
 fn distillation_under_every_cpu_profile_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let data = common::first_rows("assets/tiny/data/grpo_train.jsonl", tmp.path(), 32);
-    let flags = ["--beta", "0.5", "--temperature", "0.9"];
+    let args = fixed(&data, &["--beta", "0.5", "--temperature", "0.9"]);
     let one = ["--num_processes", "1"];
-    let one8 = ours(&one, &data, 8, &flags, &tmp.path().join("one8"));
-    let one4 = ours(&one, &data, 4, &flags, &tmp.path().join("one4"));
+    let (one8, _) = ours_logged(&one, &args, 8, &tmp.path().join("one8"));
+    let (one4, _) = ours_logged(&one, &args, 4, &tmp.path().join("one4"));
     assert!(one8[0]["loss"].as_f64().unwrap() > 0.0);
-    for (name, args, two_dp) in common::CPU_CASES {
-        let got = ours(args, &data, 4, &flags, &tmp.path().join(name));
+    for (name, launch, two_dp) in common::CPU_CASES {
+        let (got, text) = ours_logged(launch, &args, 4, &tmp.path().join(name));
         let want = if *two_dp { &one8 } else { &one4 };
         let (worst, key) = common::assert_same_figures(name, &got, want, (1e-5, 1e-3));
-        eprintln!("distillation {name}: every figure within {worst:.1e} relative (worst {key})");
+        let held = teacher_held(&text);
+        eprintln!("distillation {name}: every figure within {worst:.1e} relative (worst {key}); teacher {held}");
+        let expected = match *name {
+            "zero3_cpu" | "fsdp2_cpu" | "fsdp2_cpu_efficient_loading" => {
+                "sharded in 4 units over 2 ranks"
+            }
+            "fsdp2_tp_cpu" => "split over tp = 2",
+            "tp_cpu" => "split over tp = 2",
+            "context_parallel_cpu" | "alst_ulysses_cpu" => "sequences split over 2 ranks",
+            _ => "whole on each rank",
+        };
+        assert!(
+            held.contains(expected),
+            "{name}: teacher {held}, expected {expected}"
+        );
     }
+}
+
+/// A LoRA student (adapters on every linear layer, dropout off) distilled under DDP and
+/// ZeRO-3 equals one process; the adapter opens in peft.
+#[test]
+fn distillation_with_adapters_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::first_rows("assets/tiny/data/grpo_train.jsonl", tmp.path(), 32);
+    let lora = [
+        "--use_peft",
+        "--lora_target_modules",
+        "all-linear",
+        "--disable_dropout",
+        "true",
+        "--beta",
+        "0.0",
+    ];
+    let args = fixed(&data, &lora);
+    let one_out = tmp.path().join("one");
+    let (one, _) = ours_logged(&["--num_processes", "1"], &args, 8, &one_out);
+    assert!(one[STEPS - 1]["loss"].as_f64().unwrap() < one[0]["loss"].as_f64().unwrap());
+    for (name, launch) in [
+        ("multi_cpu", ["--profile", "multi_cpu"]),
+        ("zero3_cpu", ["--profile", "zero3_cpu"]),
+    ] {
+        let (got, _) = ours_logged(&launch, &args, 4, &tmp.path().join(name));
+        let (worst, key) = common::assert_same_figures(name, &got, &one, (1e-5, 1e-3));
+        eprintln!(
+            "distillation + LoRA {name}: every figure within {worst:.1e} relative (worst {key})"
+        );
+    }
+    let adapter = one_out.join(format!("checkpoint-{STEPS}"));
+    common::loads_in_peft(&root().join("assets/tiny/model"), &adapter);
 }

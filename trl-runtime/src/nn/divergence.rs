@@ -22,8 +22,12 @@ const TILE_BYTES: usize = 16 << 20;
 pub struct VocabParts<'a> {
     /// Row maxima over every part (of detached values).
     pub max: &'a dyn Fn(Tensor) -> Result<Tensor>,
-    /// Row sums over every part; differentiable (each part's gradient is its own).
+    /// Row sums over every part, for a value every part then uses alike (the loss): each
+    /// part's gradient is its own (Megatron's reduce: backward is the identity).
     pub sum: &'a dyn Fn(Tensor) -> Result<Tensor>,
+    /// Row sums over every part, for a value each part then uses in its own terms (the
+    /// softmax's normaliser): backward sums the parts' gradients too.
+    pub shared: &'a dyn Fn(Tensor) -> Result<Tensor>,
 }
 
 fn same(t: Tensor) -> Result<Tensor> {
@@ -34,6 +38,7 @@ fn same(t: Tensor) -> Result<Tensor> {
 pub const WHOLE: VocabParts<'static> = VocabParts {
     max: &same,
     sum: &same,
+    shared: &same,
 };
 
 /// Which divergence `beta` names.
@@ -46,8 +51,8 @@ enum Kind {
 
 fn kind(beta: f64) -> Kind {
     match beta {
-        b if b == 0.0 => Kind::Forward,
-        b if b == 1.0 => Kind::Reverse,
+        0.0 => Kind::Forward,
+        1.0 => Kind::Reverse,
         b => Kind::Jsd(b),
     }
 }
@@ -63,7 +68,7 @@ fn log_add_exp(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 fn log_softmax(z: &Tensor, parts: &VocabParts<'_>) -> Result<Tensor> {
     let max = (parts.max)(z.detach().max_keepdim(D::Minus1)?)?;
     let shifted = z.broadcast_sub(&max)?;
-    let sum = (parts.sum)(shifted.exp()?.sum_keepdim(D::Minus1)?)?;
+    let sum = (parts.shared)(shifted.exp()?.sum_keepdim(D::Minus1)?)?;
     shifted.broadcast_sub(&sum.log()?)
 }
 

@@ -1010,27 +1010,32 @@ impl<N: CausalModel> Model<N> {
         // From the logits: this rank's vocabulary part under tp (both models split alike).
         let zs = (self.head_logits(&hs)? / temperature)?;
         let zt = (teacher.head_logits(&ht)?.detach() / temperature)?;
-        let (max, sum): (
-            Box<dyn Fn(Tensor) -> candle_core::Result<Tensor>>,
-            Box<dyn Fn(Tensor) -> candle_core::Result<Tensor>>,
-        ) = match &self.tp {
+        type Reduce = Box<dyn Fn(Tensor) -> candle_core::Result<Tensor>>;
+        let (max, sum, shared): (Reduce, Reduce, Reduce) = match &self.tp {
             Some(tp) => {
-                let (a, b) = (tp.clone(), tp.clone());
+                use crate::comm::autograd::{copy_to_group, reduce_from_group};
+                let (a, b, c) = (tp.clone(), tp.clone(), tp.clone());
                 (
                     Box::new(move |t: Tensor| {
                         a.all_reduce(&t, crate::comm::ReduceOp::Max)
                             .map_err(Error::into_candle)
                     }),
                     Box::new(move |t: Tensor| {
-                        crate::comm::autograd::reduce_from_group(&t, &b).map_err(Error::into_candle)
+                        reduce_from_group(&t, &b).map_err(Error::into_candle)
+                    }),
+                    Box::new(move |t: Tensor| {
+                        copy_to_group(&t, &c)
+                            .and_then(|t| reduce_from_group(&t, &c))
+                            .map_err(Error::into_candle)
                     }),
                 )
             }
-            None => (Box::new(Ok), Box::new(Ok)),
+            None => (Box::new(Ok), Box::new(Ok), Box::new(Ok)),
         };
         let parts = VocabParts {
             max: &*max,
             sum: &*sum,
+            shared: &*shared,
         };
         let (div, entropy) = divergence_rows(&zs, &zt, beta, &parts)?;
         let wt = Tensor::new(w.as_slice(), div.device())?.to_dtype(div.dtype())?;

@@ -316,21 +316,35 @@ impl<N: CausalModel> Task<N> for Distillation {
     fn prepare(&mut self, _config: &DistillationConfig, core: &Core<'_, N>) -> Result<()> {
         self.rounds.prepare(&self.config, core)?;
         let opts = core.frozen_options(&self.teacher_dir)?;
-        self.teacher = Some(crate::parallel::build_frozen(core.ctx, &opts)?);
+        let teacher = crate::parallel::build_frozen(core.ctx, &opts)?;
         if core.ctx.is_main_process() {
+            let mut held = match &teacher.sharding {
+                Some(s) => format!(
+                    "sharded in {} units over {} ranks",
+                    s.units.len(),
+                    s.root().comm().size()
+                ),
+                None => "whole on each rank".into(),
+            };
+            if let Some(tp) = teacher.tp() {
+                held += &format!(", split over tp = {}", tp.size());
+            }
+            if let Some(split) = teacher.split() {
+                held += &format!(", sequences split over {} ranks", split.group.size());
+            }
             tracing::info!(
-                "distillation: teacher {} held as the student is ({:?}), beta {} ({}), temperature {}",
+                "distillation: teacher {} ({held}), beta {} ({}), temperature {}",
                 self.teacher_dir.display(),
-                core.strategy,
                 self.beta,
                 match self.beta {
-                    b if b == 0.0 => "forward KL",
-                    b if b == 1.0 => "reverse KL",
+                    0.0 => "forward KL",
+                    1.0 => "reverse KL",
                     _ => "generalised JSD",
                 },
                 self.temperature
             );
         }
+        self.teacher = Some(teacher);
         Ok(())
     }
 
