@@ -223,3 +223,33 @@ fn distillation_with_adapters_equals_one_process() {
     let adapter = one_out.join(format!("checkpoint-{STEPS}"));
     common::loads_in_peft(&root().join("assets/tiny/model"), &adapter);
 }
+
+/// docs/distillation.md's command, as written, from the repository root: it distils the
+/// bundled teacher under ZeRO-3 (the teacher sharded), the held-out divergence falls, and the
+/// student's checkpoint opens in transformers.
+#[test]
+fn the_docs_command_runs_as_written() {
+    let lines = common::docs_launches("docs/distillation.md");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let (dir, m, text) = common::run_docs_command(&lines[0]);
+    assert!(
+        text.contains("teacher assets/tiny/teacher (sharded in 4 units over 2 ranks)"),
+        "{text}"
+    );
+    assert!(m.last().unwrap()["entropy"].as_f64().is_some(), "{text}");
+    // "held-out divergence from the teacher: before B -> after A; ..."
+    let line = text
+        .lines()
+        .find(|l| l.contains("held-out divergence"))
+        .unwrap_or_else(|| panic!("{text}"));
+    let number = |after: &str| -> f64 {
+        let rest = &line[line.find(after).unwrap() + after.len()..];
+        rest.split([' ', ';']).next().unwrap().parse().unwrap()
+    };
+    let (before, after) = (number("before "), number("after "));
+    assert!(after < before, "{line}");
+    eprintln!("docs command: held-out divergence {before} -> {after}");
+    let checkpoint = trl_runtime::train::checkpoint::resolve(&dir, "latest").unwrap();
+    common::opens_in_transformers(&checkpoint);
+    let _ = std::fs::remove_dir_all(dir);
+}

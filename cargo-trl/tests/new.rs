@@ -311,3 +311,35 @@ fn new_with_the_reward_trainer_trains_a_classifier() {
         .unwrap_or_else(|e| panic!("{e}: {text}"));
     assert!(config.contains("ForSequenceClassification"), "{config}");
 }
+
+#[test]
+fn new_with_the_distillation_trainer_distils_from_its_teacher() {
+    // `--trainer distillation`: distillation.yaml (TRL's DistillationConfig keys), the prompts,
+    // the bundled teacher, and a src/main.rs that trains `Distillation`; the launched run
+    // holds the teacher, logs the divergence and the student's entropy, and saves the student.
+    let tmp = tempfile::tempdir().unwrap();
+    new(tmp.path(), &["my-distil", "--trainer", "distillation"]);
+    let krate = tmp.path().join("my-distil");
+    let main = std::fs::read_to_string(krate.join("src/main.rs")).unwrap();
+    assert!(
+        main.contains("DistillationCli") && main.contains("Distillation"),
+        "{main}"
+    );
+    assert!(krate.join("distillation.yaml").exists());
+    assert!(krate.join("teacher/model.safetensors").exists());
+    let (text, metrics) = launch_logging(&krate, 2);
+    assert!(text.contains("distillation: teacher teacher"), "{text}");
+    assert!(
+        metrics.contains("\"entropy\"") && metrics.contains("completions/mean_length"),
+        "{metrics}"
+    );
+    assert!(
+        krate.join("output/checkpoint-2/model.safetensors").exists(),
+        "{text}"
+    );
+    // The held-out divergence, printed as a loss (no accuracy to show).
+    assert!(
+        text.contains("held-out loss: before 0.") && !text.contains("n/a"),
+        "{text}"
+    );
+}

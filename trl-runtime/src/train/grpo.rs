@@ -1866,7 +1866,7 @@ mod tests {
         assert!(
             ignored
                 .iter()
-                .any(|l| l.starts_with("vllm_mode: GRPO generates")),
+                .any(|l| l.starts_with("vllm_mode: completions are generated")),
             "{ignored:?}"
         );
         std::fs::write(

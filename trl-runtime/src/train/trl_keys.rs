@@ -134,7 +134,8 @@ const KNOWN: &[&str] = &[
 ];
 
 /// TRL's GRPOConfig keys without a field in [`crate::train::GRPOConfig`] (TRL 1.16): vLLM and
-/// transformers' generation backends, completion logging, and the loss types not built here.
+/// transformers' generation backends, completion logging, and the loss types not built here;
+/// and DistillationConfig's teacher loading options.
 const GRPO_KNOWN: &[&str] = &[
     "cache_implementation",
     "cast_lm_head_to_fp32",
@@ -155,6 +156,8 @@ const GRPO_KNOWN: &[&str] = &[
     "off_policy_mask_threshold",
     "sapo_temperature_neg",
     "sapo_temperature_pos",
+    "teacher_model_init_kwargs",
+    "teacher_model_revision",
     "transformers_continuous_batching_config",
     "use_adaptive_entropy",
     "use_transformers_continuous_batching",
@@ -197,8 +200,9 @@ fn why(key: &str) -> &'static str {
         "cache_implementation",
         "ds3_gather_for_generation",
         "cast_lm_head_to_fp32",
+        "generation_kwargs",
     ]) {
-        "GRPO generates in the training processes (KV cache, the policy sharded as it trains, the head in f32 accumulation): no vLLM or transformers generation backend"
+        "completions are generated in the training processes (KV cache, the policy sharded as it trains, the head in f32 accumulation): no vLLM or transformers generation backend"
     } else if any(&["sapo_", "vespo_"]) {
         "a parameter of a GRPO loss type not built here (loss_type names the built ones)"
     } else if any(&[
@@ -208,6 +212,8 @@ fn why(key: &str) -> &'static str {
         "num_completions_to_print",
     ]) {
         "completions are not logged as tables: the reward and completion figures go to metrics.jsonl"
+    } else if key.starts_with("teacher_model_") {
+        "the teacher is read from teacher_model_name_or_path (a local checkpoint directory) in the run's compute dtype"
     } else if key == "max_tool_calling_iterations" {
         "tool calling is not built: completions come from generation or a rollout program (rollout_command)"
     } else if key == "chat_template_kwargs" {
