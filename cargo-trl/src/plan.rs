@@ -84,6 +84,10 @@ pub struct PlanArgs {
     /// named by its directory is held whole on every rank).
     #[arg(long = "reward_funcs", num_args = 1..)]
     pub reward_funcs: Vec<String>,
+    /// The teacher, for a trainer that takes one (distillation: a frozen model held as the
+    /// trained one is, counted by its checkpoint's parameters).
+    #[arg(long = "teacher_model_name_or_path")]
+    pub teacher_model_name_or_path: Option<String>,
     /// Only layouts with (true) or without (false) activation checkpointing; both by default.
     #[arg(long)]
     pub gradient_checkpointing: Option<bool>,
@@ -416,6 +420,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                             ),
                             reference_copy: false,
                             side_parameters: 0,
+                            held_parameters: 0,
                             gpu: machine.gpu,
                             // As trained by default: a mixture of experts' config has a
                             // non-zero router_aux_loss_coef (0.001 when it names none).
@@ -529,7 +534,10 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
             &args.trainer,
             args.sync_ref_model,
             args.beta,
-            &args.reward_funcs,
+            (
+                &args.reward_funcs,
+                args.teacher_model_name_or_path.as_deref(),
+            ),
         )?,
         dtype: None,
     };
@@ -670,14 +678,14 @@ fn generation_line(
     )
 }
 
-/// What trainer `name` costs a rank per row, with TRL's sync_ref_model, beta and
-/// reward_funcs when given (refused for a trainer that takes no such argument, naming those
-/// that do).
+/// What trainer `name` costs a rank per row, with TRL's sync_ref_model, beta, reward_funcs
+/// and teacher_model_name_or_path when given (refused for a trainer that takes no such
+/// argument, naming those that do).
 fn workload(
     name: &str,
     sync_ref_model: bool,
     beta: Option<f64>,
-    reward_funcs: &[String],
+    (reward_funcs, teacher): (&[String], Option<&str>),
 ) -> Result<Workload, String> {
     let kind = registry::find(name).ok_or_else(|| format!("--trainer {name}: no such trainer"))?;
     let mut flags: Vec<String> = Vec::new();
@@ -691,6 +699,9 @@ fn workload(
         flags.push("--reward_funcs".into());
         flags.extend(reward_funcs.iter().cloned());
     }
+    if let Some(t) = teacher {
+        flags.extend(["--teacher_model_name_or_path".into(), t.to_string()]);
+    }
     if let Some(read) = (kind.read)(&flags) {
         return Ok(read.workload);
     }
@@ -700,10 +711,12 @@ fn workload(
         ("--sync_ref_model", sync_ref_model),
         ("--beta", beta.is_some()),
         ("--reward_funcs", !reward_funcs.is_empty()),
+        ("--teacher_model_name_or_path", teacher.is_some()),
     ] {
         let alone: Vec<String> = match flag {
             "--beta" => vec![flag.into(), beta.unwrap_or(0.0).to_string()],
             "--reward_funcs" => [vec![flag.to_string()], reward_funcs.to_vec()].concat(),
+            "--teacher_model_name_or_path" => vec![flag.into(), teacher.unwrap_or("").into()],
             _ => vec![flag.into(), "true".into()],
         };
         if !given || (kind.read)(&alone).is_some() {
@@ -797,6 +810,7 @@ pub fn auto(
                 sync_ref_model: false,
                 beta: None,
                 reward_funcs: vec![],
+                teacher_model_name_or_path: None,
                 gradient_checkpointing: None,
                 max_completion_length: None,
                 generation_batch_size: None,

@@ -257,18 +257,20 @@ def trl_reward(args, batch, gc):
     return world * args.steps * batch * per_pair / secs
 
 
-def trl_grpo(args, batch, gc, rloo=False):
+def trl_grpo(args, batch, gc, rloo=False, distillation=False):
     """TRL's GRPOTrainer without vLLM (transformers' generate with its KV cache) on the text
     prompts of --prompt_data: --batch completions per process and step (one generation round
     per step), groups of --num_generations, --completion_length sampled tokens, beta 0 and
     dapo (TRL's defaults), the soft overlong punishment as the reward. Tokens are TRL's
     num_input_tokens_seen (prompt and completion tokens of every rank); the generation share
     is the time rank 0 spent in `generate` over the timed steps' time. rloo: TRL's
-    RLOOTrainer at its defaults (beta 0.05: a reference model) instead."""
+    RLOOTrainer at its defaults (beta 0.05: a reference model) instead. distillation: TRL's
+    DistillationTrainer at its defaults (reverse KL) with a teacher of the student's shape."""
     import tempfile
     from datasets import load_dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from trl import (DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, RLOOConfig,
+                     RLOOTrainer)
     from trl.rewards import get_soft_overlong_punishment
 
     cfg = config(args)
@@ -300,17 +302,25 @@ def trl_grpo(args, batch, gc, rloo=False):
             marks.append((time.perf_counter(), state.num_input_tokens_seen, generating[0]))
 
     Config, Trainer = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+    online = {"num_generations": args.num_generations}
+    if distillation:
+        Config, Trainer, online = DistillationConfig, DistillationTrainer, {}
     grpo_args = Config(
         output_dir="/tmp/hf-train-bench-grpo", per_device_train_batch_size=batch,
-        num_generations=args.num_generations, max_completion_length=args.completion_length,
+        max_completion_length=args.completion_length, **online,
         learning_rate=1e-6, max_steps=args.warmup + args.steps, logging_steps=1000,
         save_strategy="no", report_to=[], use_cpu=args.device == "cpu",
         bf16=args.dtype == "bf16", gradient_checkpointing=gc, **ddp,
     )
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "assets/tiny/model")
     reward = get_soft_overlong_punishment(args.completion_length, args.completion_length // 4)
-    trainer = Trainer(model=model, reward_funcs=[reward], args=grpo_args,
-                      processing_class=tokenizer, train_dataset=rows, callbacks=[Clock()])
+    if distillation:
+        torch.manual_seed(1)
+        side = {"teacher_model": random_model(args, cfg)}
+    else:
+        side = {"reward_funcs": [reward]}
+    trainer = Trainer(model=model, args=grpo_args, processing_class=tokenizer,
+                      train_dataset=rows, callbacks=[Clock()], **side)
     trainer.train()
     (t0, n0, g0), (t1, n1, g1) = marks[args.warmup - 1], marks[-1]
     return (n1 - n0) / (t1 - t0), (g1 - g0) / (t1 - t0)
@@ -339,8 +349,8 @@ def main():
                    help="which peers run (trl_liger: TRL with use_liger_kernel, on a GPU; "
                         "trl_lora: TRL + peft LoRA; trl_dpo, trl_dpo_precompute: TRL's "
                         "DPOTrainer on --pref_data, --batch pairs per process; trl_grpo: TRL's "
-                        "GRPOTrainer on --prompt_data, --batch completions per process; trl_rloo: "
-                        "TRL's RLOOTrainer alike)")
+                        "GRPOTrainer on --prompt_data, --batch completions per process; trl_rloo, "
+                        "trl_distillation: TRL's RLOOTrainer and DistillationTrainer alike)")
     p.add_argument("--pref_data", help="jsonl of prompt / chosen / rejected text for trl_dpo")
     p.add_argument("--prompt_data", help="jsonl of prompt text for trl_grpo")
     p.add_argument("--completion_length", type=int, default=64, help="trl_grpo's completions")
@@ -368,9 +378,10 @@ def main():
             try:
                 if peer == "transformers":
                     tokens_per_s = plain_loop(args, batch, gc)
-                elif peer in ("trl_grpo", "trl_rloo"):
-                    tokens_per_s, extra["generation_share"] = trl_grpo(args, batch, gc,
-                                                                       rloo=peer == "trl_rloo")
+                elif peer in ("trl_grpo", "trl_rloo", "trl_distillation"):
+                    tokens_per_s, extra["generation_share"] = trl_grpo(
+                        args, batch, gc, rloo=peer == "trl_rloo",
+                        distillation=peer == "trl_distillation")
                 elif peer == "trl_reward":
                     tokens_per_s = trl_reward(args, batch, gc)
                 elif peer.startswith("trl_kto"):

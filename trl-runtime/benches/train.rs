@@ -40,8 +40,8 @@ use trl_runtime::models::{AutoModelForCausalLM, CausalModel};
 use trl_runtime::parallel::estimate;
 use trl_runtime::parallel::{Prefetch, WrapPolicy};
 use trl_runtime::train::{
-    DPOConfig, Dpo, GRPOConfig, Grpo, KTOConfig, Kto, RLOOConfig, Reward, RewardConfig,
-    RewardModel, Rloo, SFTConfig, Strategy, Task, Trainer, TrainingArguments,
+    DPOConfig, Distillation, DistillationConfig, Dpo, GRPOConfig, Grpo, KTOConfig, Kto, RLOOConfig,
+    Reward, RewardConfig, RewardModel, Rloo, SFTConfig, Strategy, Task, Trainer, TrainingArguments,
 };
 
 const SEQ: usize = 512;
@@ -183,6 +183,25 @@ fn worker(kind: &str, dir: &Path) {
                 .unwrap();
         return measure_steps(trainer, &ctx, MEASURED_STEPS, &|r: &Rloo| {
             r.generation_seconds()
+        });
+    }
+    if kind == "ref-distillation" {
+        // TRL's defaults (reverse KL, temperature 1, a round per step), the teacher of the
+        // student's shape (its weights: timing does not depend on them).
+        let config = DistillationConfig {
+            training: online,
+            teacher_model_name_or_path: Some(dir.join("model")),
+            max_completion_length: GRPO_COMPLETION,
+            ..DistillationConfig::default()
+        };
+        let trainer = Trainer::<AutoModelForCausalLM, Distillation>::load_with_strategy(
+            config,
+            &ctx,
+            Strategy::Ddp,
+        )
+        .unwrap();
+        return measure_steps(trainer, &ctx, MEASURED_STEPS, &|d: &Distillation| {
+            d.generation_seconds()
         });
     }
     if kind == "ref-grpo" {
@@ -473,18 +492,19 @@ fn preference_lines(
     }
 }
 
-/// GRPO and RLOO (generation + rewards + update, one round per step) against TRL's
-/// GRPOTrainer and RLOOTrainer without vLLM (transformers' generate with its KV cache), on 1
-/// and 2 ranks; the share of the step each spends generating. `only`: one of the two.
+/// GRPO, RLOO and distillation (generation + rewards or the teacher + update, one round per
+/// step) against TRL's GRPOTrainer, RLOOTrainer and DistillationTrainer without vLLM
+/// (transformers' generate with its KV cache), on 1 and 2 ranks; the share of the step each
+/// spends generating. `only`: one of them.
 fn grpo_lines(dir: &Path, only: Option<&str>) {
-    for task in ["grpo", "rloo"] {
+    for task in ["grpo", "rloo", "distillation"] {
         if only.is_none_or(|o| o == task) {
             online_lines(dir, task);
         }
     }
 }
 
-/// `task`'s lines (grpo or rloo): ours against TRL's trainer of that name.
+/// `task`'s lines (grpo, rloo or distillation): ours against TRL's trainer of that name.
 fn online_lines(dir: &Path, task: &str) {
     let prompts = dir.join("prompts.jsonl");
     for world in [1, 2] {
@@ -529,12 +549,13 @@ fn main() {
         return;
     }
     prepare(tmp.path());
-    // TRL_BENCH_ONLY=grpo (or rloo, online for both, kto, reward) runs those lines alone.
+    // TRL_BENCH_ONLY=grpo (or rloo, distillation, online for the three, kto, reward) runs
+    // those lines alone.
     match std::env::var("TRL_BENCH_ONLY").as_deref() {
         Ok("online") => return grpo_lines(tmp.path(), None),
         Ok("kto") => return kto_lines(tmp.path()),
         Ok("reward") => return reward_lines(tmp.path()),
-        Ok(task @ ("grpo" | "rloo")) => return grpo_lines(tmp.path(), Some(task)),
+        Ok(task @ ("grpo" | "rloo" | "distillation")) => return grpo_lines(tmp.path(), Some(task)),
         _ => {}
     }
     eprintln!(

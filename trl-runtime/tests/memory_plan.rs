@@ -110,6 +110,7 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
         reduce_units: (WrapPolicy::Buckets(DEEPSPEED_REDUCE_BUCKET), false),
         reference_copy: false,
         side_parameters: 0,
+        held_parameters: 0,
         gpu: false,
         router_loss: true,
         threads: 1,

@@ -12,6 +12,7 @@ pub mod cuda_flash;
 #[cfg(feature = "cuda")]
 pub mod cuda_fused;
 pub mod decode;
+pub mod divergence;
 pub mod fused;
 pub mod grouped;
 pub(crate) mod op;

@@ -11,8 +11,11 @@
 //! (differentiable), reduced over vocabulary parts by the caller's collectives (tensor
 //! parallelism's vocab-split heads).
 
+use crate::kernels::divergence::{RowDivergence, RowFigures};
+use crate::kernels::op::inplace_op;
 use crate::kernels::precision;
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{CpuStorage, DType, Result, Tensor, D};
+use std::cell::RefCell;
 
 /// Rows per tile: as many as keep one tile's logits near this many bytes (at least 16 rows).
 const TILE_BYTES: usize = 16 << 20;
@@ -129,6 +132,31 @@ fn scaled_logits(
     })
 }
 
+/// The row pass over a tile of f32 logits on the CPU ([`RowDivergence::rows`]): the
+/// student's logits (written with their gradient when `weights` are given), the teacher's read.
+struct FusedRows {
+    pass: RowDivergence,
+    weights: Option<Vec<f64>>,
+    figures: RefCell<Vec<RowFigures>>,
+}
+
+inplace_op!(FusedRows: InplaceOp2 [this] {
+    name: "distillation-divergence-rows",
+    cpu(s, sl, t, tl) {
+        let (Some((s0, s1)), Some((t0, t1))) = (sl.contiguous_offsets(), tl.contiguous_offsets())
+        else {
+            candle_core::bail!("divergence rows: contiguous logits expected")
+        };
+        let (CpuStorage::F32(s), CpuStorage::F32(t)) = (s, t) else {
+            candle_core::bail!("divergence rows: f32 logits expected")
+        };
+        let vocab = sl.dims()[1];
+        let rows = this.pass.rows(&mut s[s0..s1], &t[t0..t1], vocab, this.weights.as_deref());
+        *this.figures.borrow_mut() = rows;
+        Ok(())
+    }
+});
+
 /// One side of the loss: a model's final hidden states [n, h], its LM head [vocab, h] and
 /// its soft-capping (Gemma's final_logit_softcapping).
 pub struct HeadSide<'a> {
@@ -180,6 +208,8 @@ pub fn tiled_divergence(
         teacher.weight.detach(),
     );
     let rows = (TILE_BYTES / (4 * vocab)).max(16);
+    // The row pass on the CPU in f32; elsewhere (f64, GPUs) Candle ops.
+    let fused = hs.device().is_cpu() && io == DType::F32 && wt.dtype() == DType::F32;
     let mut loss = 0.0;
     let (mut divergence, mut entropy) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut dhidden = Vec::new();
@@ -187,6 +217,40 @@ pub fn tiled_divergence(
     for start in (0..n).step_by(rows) {
         let len = rows.min(n - start);
         let h = hs.narrow(0, start, len)?;
+        let w = &weights[start..start + len];
+        if fused {
+            // One pass per row over both tiles, the gradient written over the student's.
+            let s = h.matmul(&ws.t()?)?.contiguous()?;
+            let t = ht.narrow(0, start, len)?.matmul(&wt.t()?)?.contiguous()?;
+            let op = FusedRows {
+                pass: RowDivergence {
+                    beta,
+                    temperature,
+                    student_cap: student.softcap,
+                    teacher_cap: teacher.softcap,
+                },
+                weights: grads.then(|| w.to_vec()),
+                figures: RefCell::new(Vec::new()),
+            };
+            s.inplace_op2(&t, &op)?;
+            for f in op.figures.take() {
+                divergence.push(f.divergence);
+                entropy.push(f.entropy);
+            }
+            let tile = &divergence[start..];
+            loss += tile.iter().zip(w).map(|(d, w)| d * w).sum::<f64>();
+            if grads {
+                dhidden.push(s.matmul(&ws)?);
+                if weight_grad {
+                    let dw = s.t()?.matmul(&h)?;
+                    dweight = Some(match dweight {
+                        Some(acc) => (acc + dw)?,
+                        None => dw,
+                    });
+                }
+            }
+            continue;
+        }
         let (zs, th) = scaled_logits(&h, &ws, student.softcap, temperature)?;
         let (zt, _) = scaled_logits(
             &ht.narrow(0, start, len)?,
@@ -196,7 +260,6 @@ pub fn tiled_divergence(
         )?;
         let (div, ent) = divergence_rows(&zs, &zt, beta, &WHOLE)?;
         let div: Vec<f64> = div.to_dtype(DType::F64)?.to_vec1()?;
-        let w = &weights[start..start + len];
         loss += div.iter().zip(w).map(|(d, w)| d * w).sum::<f64>();
         divergence.extend_from_slice(&div);
         entropy.extend(ent.to_dtype(DType::F64)?.to_vec1::<f64>()?);
@@ -323,6 +386,40 @@ mod tests {
             for v in [&hs, &ws] {
                 let d = close(g1.get(v).unwrap(), g2.get(v).unwrap())?;
                 assert!(d < 1e-10, "beta {beta}: gradients differ by {d}");
+            }
+            // The CPU row pass in f32 gives the same values and gradients.
+            let f32v = |t: &Tensor| -> Result<Var> { Var::from_tensor(&t.to_dtype(DType::F32)?) };
+            let (hs32, ws32) = (f32v(hs.as_tensor())?, f32v(ws.as_tensor())?);
+            let fused = tiled_divergence(
+                HeadSide {
+                    hidden: hs32.as_tensor(),
+                    weight: ws32.as_tensor(),
+                    softcap: cap,
+                },
+                HeadSide {
+                    hidden: &ht.to_dtype(DType::F32)?,
+                    weight: &wt.to_dtype(DType::F32)?,
+                    softcap: None,
+                },
+                &weights,
+                (beta, temperature),
+                true,
+            )?;
+            let g3 = fused.loss.backward()?;
+            let lf = fused.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            assert!(
+                (lf - l1).abs() < 1e-5 * l1.abs().max(1.0),
+                "beta {beta}: {lf} vs {l1}"
+            );
+            for (v32, v64) in [(&hs32, &hs), (&ws32, &ws)] {
+                let a = g3.get(v32).unwrap().to_dtype(DType::F64)?;
+                let b = g1.get(v64).unwrap();
+                let scale = b.abs()?.max_all()?.to_scalar::<f64>()?;
+                let d = close(&a, b)? / scale;
+                assert!(
+                    d < 1e-4,
+                    "beta {beta}: f32 row pass gradients differ by {d} relative"
+                );
             }
             // Forward KL of a distribution against itself is 0.
             if beta == 0.0 {

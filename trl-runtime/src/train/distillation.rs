@@ -196,13 +196,18 @@ pub const KIND: TrainerKind = TrainerKind {
     },
 };
 
-/// A micro-batch's rows are completions; the teacher is a second model held as the student
-/// is (counted as the student's size: a wider teacher is not known to the planner).
-pub fn workload(_config: &DistillationConfig) -> Workload {
+/// A micro-batch's rows are completions; the teacher is a frozen model held as the student
+/// is (its parameter count from its checkpoint's files; 0 when they cannot be read yet).
+pub fn workload(config: &DistillationConfig) -> Workload {
+    let held_parameters = config
+        .teacher_model_name_or_path
+        .as_ref()
+        .and_then(|dir| crate::models::params::WeightFiles::open(dir).ok())
+        .map_or(0, |files| files.parameter_count());
     Workload {
         sequences_per_row: 1,
-        weight_copies: 1,
-        side_parameters: 0,
+        held_parameters,
+        ..Workload::default()
     }
 }
 

@@ -1634,6 +1634,7 @@ pub fn workload(config: &GRPOConfig) -> Workload {
         sequences_per_row: 1,
         weight_copies: usize::from(config.beta != 0.0),
         side_parameters,
+        held_parameters: 0,
     }
 }
 

@@ -162,6 +162,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             ),
             reference_copy: false,
             side_parameters: 0,
+            held_parameters: 0,
             gpu: self.ctx.device().is_cuda(),
             router_loss: self.router_loss_weight != 0.0,
             threads: crate::parallel::estimate::cpu_threads(),

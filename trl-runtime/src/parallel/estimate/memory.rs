@@ -302,6 +302,21 @@ fn model_state(c: &Counts, setup: &Setup, e: &mut Estimate, why: &mut Vec<String
             mib(side)
         ));
     }
+    if setup.held_parameters > 0 {
+        // Split over tp like the trained model; sharded over the units' ranks under ZeRO-3 /
+        // FSDP (one layer's unit gathered at a time, counted with the activations' slack).
+        let local = setup.held_parameters.div_ceil(c.tp);
+        let held = match (&setup.strategy, units.is_empty()) {
+            (Strategy::Fsdp(..), false) => dsz * local.div_ceil(n),
+            _ => dsz * local,
+        };
+        e.reference += held;
+        why.push(format!(
+            "frozen model held as the trained one ({} parameters): {}",
+            setup.held_parameters,
+            mib(held)
+        ));
+    }
     if setup.offload_optimizer {
         e.host_optimizer = opt_bytes;
         // The units' reduced gradient slices stream out as they arrive.

@@ -54,6 +54,9 @@ pub struct Setup {
     pub reference_copy: bool,
     /// Parameters of other models held whole beside the trained one (GRPO's reward models).
     pub side_parameters: usize,
+    /// Parameters of a frozen model held as the trained one is (distillation's teacher):
+    /// split over tp, sharded over the ZeRO-3 / FSDP ranks, in the compute dtype.
+    pub held_parameters: usize,
     /// On GPUs, where the fused loss's one-pass kernel takes every dtype (on the CPU, f32).
     pub gpu: bool,
     /// The router load-balancing loss is added (a mixture of experts with a non-zero
@@ -84,6 +87,7 @@ impl Setup {
             reduce_units: (WrapPolicy::Buckets(super::DEEPSPEED_REDUCE_BUCKET), false),
             reference_copy: false,
             side_parameters: 0,
+            held_parameters: 0,
             gpu: false,
             router_loss: true,
             threads: 1,
@@ -95,6 +99,7 @@ impl Setup {
         self.batch *= work.sequences_per_row.max(1);
         self.reference_copy = work.weight_copies > 0;
         self.side_parameters = work.side_parameters;
+        self.held_parameters = work.held_parameters;
     }
 }
 
@@ -111,6 +116,9 @@ pub struct Workload {
     /// models).
     #[serde(default)]
     pub side_parameters: usize,
+    /// Parameters of a frozen model held as the trained one is (distillation's teacher).
+    #[serde(default)]
+    pub held_parameters: usize,
 }
 
 impl Default for Workload {
@@ -119,6 +127,7 @@ impl Default for Workload {
             sequences_per_row: 1,
             weight_copies: 0,
             side_parameters: 0,
+            held_parameters: 0,
         }
     }
 }
@@ -139,8 +148,12 @@ impl Workload {
             0 => String::new(),
             n => format!(", {n} parameters of reward models held whole"),
         };
+        let held = match self.held_parameters {
+            0 => String::new(),
+            n => format!(", a frozen model of {n} parameters held as the trained one"),
+        };
         Some(format!(
-            "{rows} rows = {} sequences per micro-batch{copies}{side}",
+            "{rows} rows = {} sequences per micro-batch{copies}{side}{held}",
             rows * self.sequences_per_row
         ))
     }

@@ -295,6 +295,27 @@ fn a_reference_copy_adds_the_held_weights() {
     }
 }
 
+/// Distillation's teacher is held as the trained model is: whole under DDP, its slices
+/// under ZeRO-3, in the compute dtype, in the peak but not the model state.
+#[test]
+fn a_held_frozen_model_is_sharded_as_the_trained_one() {
+    let m = ModelShapes::from_file(assets("tiny/model/config.json")).unwrap();
+    let teacher = 359_904;
+    for (strategy, shard) in [
+        (Strategy::Ddp, 1),
+        (Strategy::fsdp(WrapPolicy::PerLayer), 2),
+    ] {
+        let mut setup = cpu_setup(strategy, (shard, 1));
+        let without = estimate(&m, &setup);
+        setup.held_parameters = teacher;
+        let with = estimate(&m, &setup);
+        let held = 4 * teacher.div_ceil(shard);
+        assert_eq!(with.reference - without.reference, held);
+        assert_eq!(with.peak() - without.peak(), held);
+        assert_eq!(with.model_state(), without.model_state());
+    }
+}
+
 /// Every tensor-parallel collective of a step pays the link's latency: 4 per layer
 /// (2 forward, 2 backward), 6 with checkpointing's recompute.
 #[test]
