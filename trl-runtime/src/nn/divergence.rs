@@ -120,9 +120,11 @@ fn scaled_logits(
     cap: Option<f64>,
     temperature: f64,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    // In the wide dtype: bf16 logits would round before the softmax (TRL projects to fp32).
+    let wide = precision::wide(hidden.dtype());
     let logits = hidden
-        .matmul(&weight.t()?)?
-        .to_dtype(precision::wide(hidden.dtype()))?;
+        .to_dtype(wide)?
+        .matmul(&weight.to_dtype(wide)?.t()?)?;
     Ok(match cap {
         Some(c) => {
             let th = (logits / c)?.tanh()?;
@@ -210,6 +212,11 @@ pub fn tiled_divergence(
     let rows = (TILE_BYTES / (4 * vocab)).max(16);
     // The row pass on the CPU in f32; elsewhere (f64, GPUs) Candle ops.
     let fused = hs.device().is_cpu() && io == DType::F32 && wt.dtype() == DType::F32;
+    // Elsewhere both heads in the wide dtype once (each tile's products run there).
+    let (ws_wide, wt_wide) = match fused {
+        true => (ws.clone(), wt.clone()),
+        false => (ws.to_dtype(wide)?, wt.to_dtype(wide)?),
+    };
     let mut loss = 0.0;
     let (mut divergence, mut entropy) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let mut dhidden = Vec::new();
@@ -251,10 +258,10 @@ pub fn tiled_divergence(
             }
             continue;
         }
-        let (zs, th) = scaled_logits(&h, &ws, student.softcap, temperature)?;
+        let (zs, th) = scaled_logits(&h, &ws_wide, student.softcap, temperature)?;
         let (zt, _) = scaled_logits(
             &ht.narrow(0, start, len)?,
-            &wt,
+            &wt_wide,
             teacher.softcap,
             temperature,
         )?;
@@ -289,10 +296,11 @@ pub fn tiled_divergence(
         if let Some(th) = th {
             dlogits = (dlogits * (1.0 - th.sqr()?)?)?;
         }
-        let dlogits = dlogits.broadcast_mul(&per_row(w.to_vec())?)?.to_dtype(io)?;
-        dhidden.push(dlogits.matmul(&ws)?);
+        // The gradients' products in the wide dtype, accumulated there (TRL's fp32 addmm).
+        let dlogits = dlogits.broadcast_mul(&per_row(w.to_vec())?)?;
+        dhidden.push(dlogits.matmul(&ws_wide)?.to_dtype(io)?);
         if weight_grad {
-            let dw = dlogits.t()?.matmul(&h)?.to_dtype(wide)?;
+            let dw = dlogits.t()?.matmul(&h.to_dtype(wide)?)?;
             dweight = Some(match dweight {
                 Some(acc) => (acc + dw)?,
                 None => dw,

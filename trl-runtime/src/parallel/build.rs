@@ -147,15 +147,23 @@ pub fn build_frozen<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -
     let tp = ctx.group(&[Axis::Tp]);
     let dir = &opts.model_dir;
     let config_json = dir.join("config.json").display().to_string();
-    let mut model = Model::<N>::from_pretrained_split(dir, opts.dtype, ctx.device(), tp.clone())
-        .map_err(|e| match e {
-            Error::TensorParallel { .. } => Error::Config {
-                file: config_json.clone(),
-                key: "parallelism_config_tp_size".into(),
-                message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
-            },
-            other => other,
-        })?;
+    // With efficient loading (ZeRO-3 / FSDP without tp) each rank reads only its slices of
+    // the teacher too, never holding it whole.
+    let read_shards = ctx.plan().efficient_loading()
+        && matches!(opts.strategy, Strategy::Fsdp(..))
+        && tp.size() == 1;
+    let read = || match read_shards {
+        true => Model::<N>::skeleton_for(dir, opts.dtype, ctx.device()),
+        false => Model::<N>::from_pretrained_split(dir, opts.dtype, ctx.device(), tp.clone()),
+    };
+    let mut model = read().map_err(|e| match e {
+        Error::TensorParallel { .. } => Error::Config {
+            file: config_json.clone(),
+            key: "parallelism_config_tp_size".into(),
+            message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
+        },
+        other => other,
+    })?;
     model.freeze()?;
     model.attention = opts.attention;
     let split = SeqSplit::from_context(ctx).map_err(|e| Error::Config {
@@ -176,7 +184,11 @@ pub fn build_frozen<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -
         opts.strategy,
         super::unit_plan(opts, ctx.plan(), model.config_json()),
     ) {
-        model.shard(units, ctx.group(super::shard_axes(split.as_ref())))?;
+        let group = ctx.group(super::shard_axes(split.as_ref()));
+        match read_shards {
+            true => model.shard_reading(dir, units, group)?,
+            false => model.shard(units, group)?,
+        }
     }
     Ok(model)
 }

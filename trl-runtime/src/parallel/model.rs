@@ -961,9 +961,11 @@ impl<N: CausalModel> Model<N> {
         use crate::nn::divergence::{divergence_rows, tiled_divergence, HeadSide, VocabParts};
         let hidden = self.hidden_states(input_ids, position_ids, true)?;
         let hidden = if train { hidden } else { hidden.detach() };
-        let t_hidden = teacher
-            .hidden_states(input_ids, position_ids, true)?
-            .detach();
+        // The teacher's embeddings get no NEFTune noise (transformers hooks the student's).
+        let t_hidden = crate::nn::embedding::with_neftune(None, || {
+            teacher.hidden_states(input_ids, position_ids, true)
+        })?
+        .detach();
         let (b, s, _) = hidden.dims3()?;
         if weights.len() != b * s {
             return Err(Error::Parallelism(format!(
@@ -977,6 +979,10 @@ impl<N: CausalModel> Model<N> {
             .filter(|&i| weights[i] != 0.0)
             .map(|i| i as u32)
             .collect();
+        // No completion token in this rank's part: one position at weight 0 runs the same
+        // heads, graph and collectives as the other ranks' (no empty tensors), for a zero loss.
+        let empty = kept.is_empty();
+        let kept = if empty { vec![0] } else { kept };
         let w: Vec<f64> = kept.iter().map(|&i| weights[i as usize]).collect();
         let index = Tensor::new(kept.as_slice(), hidden.device())?;
         let pick = |x: &Tensor| -> Result<Tensor> {
@@ -1004,7 +1010,10 @@ impl<N: CausalModel> Model<N> {
                     (beta, temperature),
                     train,
                 )?;
-                return Ok((out.loss, out.divergence, out.entropy));
+                return Ok(match empty {
+                    true => (out.loss, Vec::new(), Vec::new()),
+                    false => (out.loss, out.divergence, out.entropy),
+                });
             }
         }
         // From the logits: this rank's vocabulary part under tp (both models split alike).
@@ -1044,7 +1053,10 @@ impl<N: CausalModel> Model<N> {
         let host = |t: &Tensor| -> Result<Vec<f64>> {
             Ok(t.detach().to_dtype(DType::F64)?.to_vec1::<f64>()?)
         };
-        Ok((loss, host(&div)?, host(&entropy)?))
+        match empty {
+            true => Ok((loss, Vec::new(), Vec::new())),
+            false => Ok((loss, host(&div)?, host(&entropy)?)),
+        }
     }
 
     /// Gradients of `loss` (a scalar of this model's forward) for every parameter: Candle's

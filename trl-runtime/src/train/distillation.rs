@@ -82,7 +82,7 @@ fn validate_distillation(config: &DistillationConfig, source: &str) -> Result<()
             ),
         );
     }
-    if config.temperature <= 0.0 {
+    if !(config.temperature > 0.0 && config.temperature.is_finite()) {
         return fail(
             "temperature",
             format!("{}: give a positive temperature", config.temperature),
@@ -441,5 +441,47 @@ impl<N: CausalModel> Task<N> for Distillation {
                 aux_loss: None,
                 figures,
             }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::TrainerConfig;
+
+    /// TRL's DistillationConfig keys: defaults, a teacher key named as without effect, and
+    /// values that would change what is trained refused by name.
+    #[test]
+    fn trl_distillation_keys_are_applied_named_or_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("distillation.yaml");
+        let read = |recipe: &str| {
+            std::fs::write(&file, recipe).unwrap();
+            DistillationConfig::read(&file)
+        };
+        let (config, ignored) =
+            read("teacher_model_name_or_path: t\nteacher_model_revision: main\n").unwrap();
+        assert_eq!(config.training.learning_rate, 1e-6);
+        assert_eq!((config.beta, config.temperature), (1.0, 1.0));
+        assert_eq!(config.max_completion_length, 512);
+        assert!(
+            ignored
+                .iter()
+                .any(|l| l.starts_with("teacher_model_revision: the teacher is read")),
+            "{ignored:?}"
+        );
+        for (recipe, key) in [
+            ("beta: 1.5\n", "beta"),
+            ("temperature: .nan\n", "temperature"),
+            ("temperature: 0\n", "temperature"),
+            ("use_vllm: true\n", "use_vllm"),
+            ("generation_kwargs: {top_k: 5}\n", "generation_kwargs"),
+        ] {
+            let e = read(recipe).unwrap_err().to_string();
+            assert!(e.contains(key), "{recipe}: {e}");
+        }
+        // An empty mapping changes nothing.
+        let empty = read("generation_kwargs: {}\n");
+        assert!(empty.is_ok(), "{:?}", empty.err());
     }
 }

@@ -402,6 +402,38 @@ type Owners = Vec<Option<(usize, usize)>>;
 /// local per-position log-probabilities (with their graph) and owners when trained.
 type Scored = (Vec<Vec<f64>>, Vec<Vec<f64>>, Option<(Tensor, Owners)>);
 
+/// The ids a completion ends at, as TRL's trainers take them: the model's generation
+/// config's `eos_token_id` (its generation_config.json, else its config.json's, a composite's
+/// text_config's), with the tokenizer's EOS first when it is not among them.
+fn eos_ids(dir: &std::path::Path, tokenizer_eos: Option<u32>) -> Result<Vec<u32>> {
+    let mut ids = GenerationConfig::from_pretrained(dir)?.eos_token_id;
+    if ids.is_empty() {
+        let config: Value = std::fs::read_to_string(dir.join("config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+        // An id or a list of ids, at the top or in a composite's text_config.
+        let text = config.get("text_config").cloned().unwrap_or_default();
+        for v in [config.get("eos_token_id"), text.get("eos_token_id")] {
+            ids = match v {
+                Some(Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .filter_map(|n| n.as_u64().map(|n| n as u32))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            if !ids.is_empty() {
+                break;
+            }
+        }
+    }
+    if let Some(eos) = tokenizer_eos.filter(|e| !ids.contains(e)) {
+        ids.insert(0, eos);
+    }
+    Ok(ids)
+}
+
 /// Metric names built at run time (rewards/NAME/mean), kept for the run.
 fn leak(name: String) -> &'static str {
     Box::leak(name.into_boxed_str())
@@ -488,7 +520,7 @@ impl Grpo {
             top_p: config.top_p,
             min_p: config.min_p,
             repetition_penalty: config.repetition_penalty,
-            eos_token_id: tokenizer.eos_token_id.into_iter().collect(),
+            eos_token_id: eos_ids(&args.model_name_or_path, tokenizer.eos_token_id)?,
             pad_token_id: Some(tokenizer.pad_token_id),
             seed: args.seed,
         };
@@ -1880,6 +1912,23 @@ mod tests {
         std::fs::write(&file, "use_vllm: true\n").unwrap();
         let err = GRPOConfig::read(&file).unwrap_err().to_string();
         assert!(err.contains("use_vllm"), "{err}");
+    }
+
+    /// TRL's EOS ids: the generation config's (else config.json's), the tokenizer's first
+    /// when missing from them.
+    #[test]
+    fn eos_ids_follow_trl() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), r#"{"eos_token_id": 9}"#).unwrap();
+        assert_eq!(eos_ids(dir.path(), Some(2)).unwrap(), vec![2, 9]);
+        assert_eq!(eos_ids(dir.path(), Some(9)).unwrap(), vec![9]);
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"eos_token_id": [5, 7]}"#,
+        )
+        .unwrap();
+        assert_eq!(eos_ids(dir.path(), Some(7)).unwrap(), vec![5, 7]);
+        assert_eq!(eos_ids(dir.path(), Some(2)).unwrap(), vec![2, 5, 7]);
     }
 
     #[test]

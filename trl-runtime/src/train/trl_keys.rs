@@ -472,8 +472,8 @@ pub fn classify(
             "off_policy_mask_threshold" if !value.is_null() => {
                 return Err(err(&key, "the off-policy sequence mask is not built: remove it".into()))
             }
-            "generation_kwargs" if !value.is_null() => {
-                return Err(err(&key, "sampling is set by GRPOConfig's own keys here (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length): use those".into()))
+            "generation_kwargs" if !value.is_null() && !value.as_mapping().is_some_and(|m| m.is_empty()) => {
+                return Err(err(&key, "sampling is set by the config's own keys here (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length): use those".into()))
             }
             k if known(k) => ignored.push(format!("{k}: {}", why(k))),
             k => {
