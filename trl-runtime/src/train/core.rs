@@ -684,6 +684,19 @@ impl<'a, N: CausalModel> Core<'a, N> {
             .to_vec1::<f64>()?)
     }
 
+    /// Sums over the ranks holding the other chunks of the same rows (a sequence split over
+    /// sp / cp ranks: each holds part of each row's sums); `values` as they are without one.
+    pub fn sequence_sum(&self, values: Vec<f64>) -> Result<Vec<f64>> {
+        let Some(split) = self.model.split() else {
+            return Ok(values);
+        };
+        let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
+        Ok(split
+            .group
+            .all_reduce(&t, ReduceOp::Sum)?
+            .to_vec1::<f64>()?)
+    }
+
     /// The row indices of this rank's micro-batches in the current step.
     /// The last step of an epoch takes the micro-batches left, fewer where
     /// gradient_accumulation_steps does not divide them.

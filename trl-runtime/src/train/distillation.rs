@@ -20,14 +20,13 @@ use super::args::TrainingArguments;
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::grpo::{EvalPass, GRPOConfig, Grpo, Metrics, Sample};
 use super::kinds::{read_as, Scaffold, TrainerKind};
-use crate::comm::ReduceOp;
 use crate::config::cli_value::PadMultiple;
 use crate::data::TextTokenizer;
 use crate::error::{Error, Result};
 use crate::models::{AutoModelForCausalLM, CausalModel};
 use crate::parallel::estimate::Workload;
 use crate::parallel::Model;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use std::path::{Path, PathBuf};
 
 crate::training_arguments! {
@@ -252,29 +251,15 @@ impl Distillation {
             (self.beta, self.temperature),
             false,
         )?;
-        let local = [scalar(&loss)?, entropy.iter().sum(), entropy.len() as f64];
-        split_sum(core, &local)
+        let local = vec![scalar(&loss)?, entropy.iter().sum(), entropy.len() as f64];
+        let sums = core.sequence_sum(local)?;
+        Ok([sums[0], sums[1], sums[2]])
     }
 }
 
 /// A scalar tensor's value.
 fn scalar(t: &Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
-}
-
-/// `values` summed over the ranks holding other chunks of the same rows (sp / cp), if any.
-fn split_sum<N: CausalModel, const K: usize>(
-    core: &Core<'_, N>,
-    values: &[f64; K],
-) -> Result<[f64; K]> {
-    let Some(split) = core.model.split() else {
-        return Ok(*values);
-    };
-    let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
-    let v: Vec<f64> = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
-    let mut out = [0.0; K];
-    out.copy_from_slice(&v);
-    Ok(out)
 }
 
 impl<N: CausalModel> Task<N> for Distillation {

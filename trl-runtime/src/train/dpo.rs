@@ -23,7 +23,6 @@ use super::reference::{
     HeldReference, Mixing, RefLogps,
 };
 use super::router::RouterLosses;
-use crate::comm::ReduceOp;
 use crate::config::cli_value::NumberList;
 use crate::config::named::Named;
 use crate::context_parallel::split::{kept_columns, pad_to_multiple};
@@ -463,10 +462,7 @@ impl Dpo {
             }
         }
         // A sequence split over ranks: each holds part of its sums.
-        if let Some(split) = core.model.split() {
-            let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
-            values = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
-        }
+        let mut values = core.sequence_sum(values)?;
         let logit_sums = [values[2 * n], values[2 * n + 1]];
         let token_sums = [values[2 * n + 2], values[2 * n + 3]];
         let aligned = (values.len() > 2 * n + 4).then(|| {

@@ -1224,10 +1224,8 @@ impl Grpo {
                 flat[total + offsets[*r] + t] = stats[i][0] as f64;
             }
         }
-        if let Some(split) = core.model.split() {
-            let t = Tensor::new(flat.as_slice(), &Device::Cpu)?;
-            flat = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
-        }
+        // Whole values: each rank of a sequence split filled the positions it holds.
+        let flat = core.sequence_sum(flat)?;
         let cut = |from: usize| -> Vec<Vec<f64>> {
             samples
                 .iter()

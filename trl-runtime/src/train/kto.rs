@@ -27,7 +27,6 @@ use super::reference::{
     HeldReference, Mixing, RefLogps,
 };
 use super::router::RouterLosses;
-use crate::comm::ReduceOp;
 use crate::config::cli_value::PadMultiple;
 use crate::context_parallel::split::{kept_columns, pad_to_multiple};
 use crate::data::dataset::{columns, content, tools, Content};
@@ -371,10 +370,7 @@ impl Kto {
         let mut values: Vec<f64> = local.detach().to_dtype(DType::F64)?.to_vec1()?;
         values.extend(sums.iter().flatten().map(|&x| x as f64));
         // A sequence split over ranks: each holds part of its sums.
-        if let Some(split) = core.model.split() {
-            let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
-            values = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
-        }
+        let values = core.sequence_sum(values)?;
         Ok(Sums {
             local,
             logps: values[..n].to_vec(),

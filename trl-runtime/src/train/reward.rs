@@ -18,7 +18,6 @@ use super::args::TrainingArguments;
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
 use super::eval_rounds::EvalSlots;
 use super::kinds::{read_as, Scaffold, TrainerKind};
-use crate::comm::ReduceOp;
 use crate::config::cli_value::PadMultiple;
 use crate::context_parallel::split::{kept_columns, pad_to_multiple};
 use crate::data::dataset::columns;
@@ -322,12 +321,9 @@ impl Reward {
         let rows = 2 * micro.margins.len();
         let zeros = Tensor::zeros(rows, DType::F32, flat.device())?;
         let local = zeros.index_add(&micro.row, &(flat * &micro.read)?, 0)?;
-        let mut values: Vec<f64> = local.detach().to_dtype(DType::F64)?.to_vec1()?;
+        let values: Vec<f64> = local.detach().to_dtype(DType::F64)?.to_vec1()?;
         // A sequence split over ranks: its reward is on the rank holding its read position.
-        if let Some(split) = core.model.split() {
-            let t = Tensor::new(values.as_slice(), &Device::Cpu)?;
-            values = split.group.all_reduce(&t, ReduceOp::Sum)?.to_vec1()?;
-        }
+        let values = core.sequence_sum(values)?;
         Ok(Rewards { local, values })
     }
 
