@@ -7,7 +7,6 @@
 
 use super::sharded_state::{self, ShardedReader};
 use super::{parallelize, CheckpointFormat, Model, Optimizer, ParallelOptions, Resume, Strategy};
-use crate::context_parallel::SeqSplit;
 use crate::dist::mesh::Axis;
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
@@ -33,14 +32,7 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
     let tp = ctx.group(&[Axis::Tp]);
     let (dir, dtype, device) = (&opts.model_dir, opts.dtype, ctx.device().clone());
     let read_shards = opts.reads_shards(ctx);
-    let tp_error = |e: Error| match e {
-        Error::TensorParallel { .. } => Error::Config {
-            file: dir.join("config.json").display().to_string(),
-            key: "parallelism_config_tp_size".into(),
-            message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
-        },
-        other => other,
-    };
+    let tp_error = |e| tp_error(dir, tp.size(), e);
     // Split over tp as it is read: each rank reads only its slices.
     let read_split = || Model::<N>::from_pretrained_split(dir, dtype, &device, tp.clone());
     if ctx.plan().efficient_loading() && opts.trains_whole_modules() && ctx.is_main_process() {
@@ -146,40 +138,19 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
 pub fn build_frozen<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Result<Model<N>> {
     let tp = ctx.group(&[Axis::Tp]);
     let dir = &opts.model_dir;
-    let config_json = dir.join("config.json").display().to_string();
-    // With efficient loading (ZeRO-3 / FSDP without tp) each rank reads only its slices of
-    // the teacher too, never holding it whole.
-    let read_shards = ctx.plan().efficient_loading()
-        && matches!(opts.strategy, Strategy::Fsdp(..))
-        && tp.size() == 1;
-    let read = || match read_shards {
+    // With efficient loading each rank reads only its ZeRO-3 / FSDP slices, as for the
+    // trained model.
+    let read_shards = opts.reads_shards(ctx);
+    let mut model = match read_shards {
         true => Model::<N>::skeleton_for(dir, opts.dtype, ctx.device()),
         false => Model::<N>::from_pretrained_split(dir, opts.dtype, ctx.device(), tp.clone()),
-    };
-    let mut model = read().map_err(|e| match e {
-        Error::TensorParallel { .. } => Error::Config {
-            file: config_json.clone(),
-            key: "parallelism_config_tp_size".into(),
-            message: format!("the model cannot be split over tp = {}: {e}", tp.size()),
-        },
-        other => other,
-    })?;
+    }
+    .map_err(|e| tp_error(dir, tp.size(), e))?;
     model.freeze()?;
     model.attention = opts.attention;
-    let split = SeqSplit::from_context(ctx).map_err(|e| Error::Config {
-        file: "the launch's parallelism config".into(),
-        key: "parallelism_config_cp_size".into(),
-        message: e.to_string(),
-    })?;
-    if let Some(split) = &split {
-        model.split_sequences(split.clone()).map_err(|e| {
-            Error::config(
-                config_json.clone(),
-                "parallelism_config_cp_size",
-                e.to_string(),
-            )
-        })?;
-    }
+    let split = super::launch_split(ctx)?;
+    let config_json = dir.join("config.json").display().to_string();
+    super::split_sequences(&mut model, split.as_ref(), &config_json)?;
     if let (Strategy::Fsdp(..), Some(units)) = (
         opts.strategy,
         super::unit_plan(opts, ctx.plan(), model.config_json()),
@@ -191,6 +162,19 @@ pub fn build_frozen<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -
         }
     }
     Ok(model)
+}
+
+/// An error reading `dir`'s model split over tp (a size the group does not divide) as the
+/// launch's key names it; other errors as they are.
+fn tp_error(dir: &Path, tp: usize, e: Error) -> Error {
+    match e {
+        Error::TensorParallel { .. } => Error::Config {
+            file: dir.join("config.json").display().to_string(),
+            key: "parallelism_config_tp_size".into(),
+            message: format!("the model cannot be split over tp = {tp}: {e}"),
+        },
+        other => other,
+    }
 }
 
 /// The whole optimizer state of `params` in checkpoint `ckpt` (its step, or `step` for files

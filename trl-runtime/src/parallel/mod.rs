@@ -399,6 +399,38 @@ fn unit_plan(
     }
 }
 
+/// The launch's sequence split (ring attention over cp, Ulysses over sp), if it has one.
+fn launch_split(ctx: &DistContext) -> Result<Option<SeqSplit>> {
+    SeqSplit::from_context(ctx).map_err(|e| Error::Config {
+        file: "the launch's parallelism config".into(),
+        key: "parallelism_config_cp_size".into(),
+        message: e.to_string(),
+    })
+}
+
+/// Splits `model`'s sequences as `split` says; an error names the launch's key and the
+/// model's config (`config_json`).
+fn split_sequences<N: CausalModel>(
+    model: &mut Model<N>,
+    split: Option<&SeqSplit>,
+    config_json: &str,
+) -> Result<()> {
+    let Some(split) = split else {
+        return Ok(());
+    };
+    model
+        .split_sequences(split.clone())
+        .map_err(|e| Error::Config {
+            file: config_json.into(),
+            key: match split.ring {
+                true => "parallelism_config_cp_size",
+                false => "parallelism_config_sp_size",
+            }
+            .into(),
+            message: e.to_string(),
+        })
+}
+
 /// A model made parallel.
 pub struct Parallelized {
     pub optimizer: Optimizer,
@@ -418,11 +450,7 @@ pub fn parallelize<N: CausalModel>(
     let config_json = opts.model_dir.join("config.json").display().to_string();
     let plan = ctx.plan();
     let tp = ctx.group(&[Axis::Tp]);
-    let split = SeqSplit::from_context(ctx).map_err(|e| Error::Config {
-        file: "the launch's parallelism config".into(),
-        key: "parallelism_config_cp_size".into(),
-        message: e.to_string(),
-    })?;
+    let split = launch_split(ctx)?;
     // Rank 0's weights on every rank (DDP's start; under tp, every data-parallel rank holds
     // the same slices) before any strategy takes its share.
     ddp::sync_parameters(&ctx.group(batch_axes(split.as_ref())), &model.params)?;
@@ -455,19 +483,7 @@ pub fn parallelize<N: CausalModel>(
 
     // 2. Sequence split: ring attention over cp or Ulysses over sp; attention and tiling.
     model.attention = opts.attention;
-    if let Some(split) = &split {
-        model
-            .split_sequences(split.clone())
-            .map_err(|e| Error::Config {
-                file: config_json.clone(),
-                key: match split.ring {
-                    true => "parallelism_config_cp_size",
-                    false => "parallelism_config_sp_size",
-                }
-                .into(),
-                message: e.to_string(),
-            })?;
-    }
+    split_sequences(model, split.as_ref(), &config_json)?;
     model.tiled_loss = opts.tiled_loss;
     model.tiled_mlp = opts.tiled_mlp;
     // The layers run on wrap units under ZeRO-3 / FSDP, and under ZeRO-2 (resident units

@@ -605,7 +605,6 @@ impl<'a, N: CausalModel> Core<'a, N> {
             ..self.args.clone()
         };
         let mut opts = parallel_options(&args, self.ctx, self.strategy, None)?;
-        opts.lora = None;
         opts.gradient_checkpointing = false;
         opts.offload_activations = false;
         Ok(opts)
