@@ -80,6 +80,77 @@ fn log_mixture(log_ps: &Tensor, log_pt: &Tensor, beta: f64) -> Result<Tensor> {
     log_add_exp(&(log_ps + (1.0 - beta).ln())?, &(log_pt + beta.ln())?)
 }
 
+/// Both distributions of a block of rows, computed once for the divergence, the entropy and
+/// the divergence's gradient.
+struct Rows {
+    log_ps: Tensor,
+    log_pt: Tensor,
+    ps: Tensor,
+    pt: Tensor,
+    /// The JSD's log-mixture (neither KL has one).
+    log_m: Option<Tensor>,
+    kind: Kind,
+}
+
+impl Rows {
+    /// The rows of `zs` (student, its graph kept) and `zt` (teacher, detached), in the wide
+    /// dtype.
+    fn of(zs: &Tensor, zt: &Tensor, beta: f64, parts: &VocabParts<'_>) -> Result<Self> {
+        let wide = precision::wide(zs.dtype());
+        let log_ps = log_softmax(&zs.to_dtype(wide)?, parts)?;
+        let log_pt = log_softmax(&zt.detach().to_dtype(wide)?, parts)?.detach();
+        let kind = kind(beta);
+        let log_m = match kind {
+            Kind::Jsd(b) => Some(log_mixture(&log_ps, &log_pt, b)?),
+            _ => None,
+        };
+        Ok(Rows {
+            ps: log_ps.exp()?,
+            pt: log_pt.exp()?,
+            log_ps,
+            log_pt,
+            log_m,
+            kind,
+        })
+    }
+
+    /// Each row's divergence [n], with the student's graph.
+    fn divergence(&self, parts: &VocabParts<'_>) -> Result<Tensor> {
+        let (ps, pt, log_ps, log_pt) = (&self.ps, &self.pt, &self.log_ps, &self.log_pt);
+        let terms = match (self.kind, &self.log_m) {
+            (Kind::Jsd(b), Some(log_m)) => {
+                let t = ((pt * (log_pt - log_m)?)? * b)?;
+                let s = ((ps * (log_ps - log_m)?)? * (1.0 - b))?;
+                (t + s)?
+            }
+            (Kind::Reverse, _) => (ps * (log_ps - log_pt)?)?,
+            _ => (pt * (log_pt - log_ps)?)?,
+        };
+        (parts.sum)(terms.sum_keepdim(D::Minus1)?)?.squeeze(1)
+    }
+
+    /// Each row's student entropy [n], detached.
+    fn entropy(&self, parts: &VocabParts<'_>) -> Result<Tensor> {
+        let (ps, log_ps) = (self.ps.detach(), self.log_ps.detach());
+        (parts.sum)((ps * log_ps)?.sum_keepdim(D::Minus1)?.neg()?)?.squeeze(1)
+    }
+
+    /// d(divergence)/d(zs) per row, TRL's closed forms (`divergence` [n, 1]: each row's, a
+    /// whole vocabulary's rows).
+    fn grad(&self, divergence: &Tensor) -> Result<Tensor> {
+        let (ps, log_ps, log_pt) = (&self.ps, &self.log_ps, &self.log_pt);
+        match (self.kind, &self.log_m) {
+            (Kind::Jsd(b), Some(log_m)) => {
+                let gap = (log_ps - log_m)?;
+                let kl_s = (ps * &gap)?.sum_keepdim(D::Minus1)?;
+                (ps * gap.broadcast_sub(&kl_s)?)? * (1.0 - b)
+            }
+            (Kind::Reverse, _) => ps * (log_ps - log_pt)?.broadcast_sub(divergence)?,
+            _ => ps - &self.pt,
+        }
+    }
+}
+
 /// Per row of the student's `zs` and the teacher's `zt` ([n, v] each: logits already divided
 /// by the temperature, this part of the vocabulary), the divergence [n] (with `zs`'s graph)
 /// and the student's entropy [n] (detached), in f32 (f64 for f64 logits).
@@ -89,27 +160,8 @@ pub fn divergence_rows(
     beta: f64,
     parts: &VocabParts<'_>,
 ) -> Result<(Tensor, Tensor)> {
-    let wide = precision::wide(zs.dtype());
-    let zs = zs.to_dtype(wide)?;
-    let zt = zt.detach().to_dtype(wide)?;
-    let log_ps = log_softmax(&zs, parts)?;
-    let log_pt = log_softmax(&zt, parts)?.detach();
-    let ps = log_ps.exp()?;
-    let pt = log_pt.exp()?;
-    let terms = match kind(beta) {
-        Kind::Forward => (&pt * (&log_pt - &log_ps)?)?,
-        Kind::Reverse => (&ps * (&log_ps - &log_pt)?)?,
-        Kind::Jsd(b) => {
-            let log_m = log_mixture(&log_ps, &log_pt, b)?;
-            let t = ((&pt * (&log_pt - &log_m)?)? * b)?;
-            let s = ((&ps * (&log_ps - &log_m)?)? * (1.0 - b))?;
-            (t + s)?
-        }
-    };
-    let divergence = (parts.sum)(terms.sum_keepdim(D::Minus1)?)?.squeeze(1)?;
-    let (ps, log_ps) = (ps.detach(), log_ps.detach());
-    let entropy = (parts.sum)((ps * log_ps)?.sum_keepdim(D::Minus1)?.neg()?)?.squeeze(1)?;
-    Ok((divergence, entropy))
+    let rows = Rows::of(zs, zt, beta, parts)?;
+    Ok((rows.divergence(parts)?, rows.entropy(parts)?))
 }
 
 /// A head's logits of `hidden` as the loss takes them: `hidden . weight^T`, soft-capped
@@ -265,32 +317,22 @@ pub fn tiled_divergence(
             teacher.softcap,
             temperature,
         )?;
-        let (div, ent) = divergence_rows(&zs, &zt, beta, &WHOLE)?;
-        let div: Vec<f64> = div.to_dtype(DType::F64)?.to_vec1()?;
+        // Detached: the gradient is the closed form's, applied below.
+        let rows = Rows::of(&zs.detach(), &zt, beta, &WHOLE)?;
+        let div_rows = rows.divergence(&WHOLE)?;
+        let div: Vec<f64> = div_rows.to_dtype(DType::F64)?.to_vec1()?;
         loss += div.iter().zip(w).map(|(d, w)| d * w).sum::<f64>();
         divergence.extend_from_slice(&div);
-        entropy.extend(ent.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+        entropy.extend(
+            rows.entropy(&WHOLE)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?,
+        );
         if !grads {
             continue;
         }
-        // d(divergence)/d(zs), per row (TRL's closed forms).
-        let log_ps = log_softmax(&zs, &WHOLE)?;
-        let log_pt = log_softmax(&zt, &WHOLE)?;
-        let ps = log_ps.exp()?;
         let per_row = |v: Vec<f64>| Tensor::new(v, zs.device())?.to_dtype(wide)?.unsqueeze(1);
-        let dz = match kind(beta) {
-            Kind::Forward => (&ps - log_pt.exp()?)?,
-            Kind::Reverse => {
-                let gap = (&log_ps - &log_pt)?.broadcast_sub(&per_row(div.clone())?)?;
-                (&ps * gap)?
-            }
-            Kind::Jsd(b) => {
-                let log_m = log_mixture(&log_ps, &log_pt, b)?;
-                let gap = (&log_ps - &log_m)?;
-                let kl_s = (&ps * &gap)?.sum_keepdim(D::Minus1)?;
-                ((&ps * gap.broadcast_sub(&kl_s)?)? * (1.0 - b))?
-            }
-        };
+        let dz = rows.grad(&div_rows.unsqueeze(1)?)?;
         // Through the temperature and the cap, weighed by each row's weight.
         let mut dlogits = (dz / temperature)?;
         if let Some(th) = th {

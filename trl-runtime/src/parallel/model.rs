@@ -958,7 +958,7 @@ impl<N: CausalModel> Model<N> {
         (beta, temperature): (f64, f64),
         train: bool,
     ) -> Result<(Tensor, Vec<f64>, Vec<f64>)> {
-        use crate::nn::divergence::{divergence_rows, tiled_divergence, HeadSide, VocabParts};
+        use crate::nn::divergence::{divergence_rows, tiled_divergence, HeadSide};
         let hidden = self.hidden_states(input_ids, position_ids, true)?;
         let hidden = if train { hidden } else { hidden.detach() };
         // The teacher's embeddings get no NEFTune noise (transformers hooks the student's).
@@ -1019,34 +1019,10 @@ impl<N: CausalModel> Model<N> {
         // From the logits: this rank's vocabulary part under tp (both models split alike).
         let zs = (self.head_logits(&hs)? / temperature)?;
         let zt = (teacher.head_logits(&ht)?.detach() / temperature)?;
-        type Reduce = Box<dyn Fn(Tensor) -> candle_core::Result<Tensor>>;
-        let (max, sum, shared): (Reduce, Reduce, Reduce) = match &self.tp {
-            Some(tp) => {
-                use crate::comm::autograd::{copy_to_group, reduce_from_group};
-                let (a, b, c) = (tp.clone(), tp.clone(), tp.clone());
-                (
-                    Box::new(move |t: Tensor| {
-                        a.all_reduce(&t, crate::comm::ReduceOp::Max)
-                            .map_err(Error::into_candle)
-                    }),
-                    Box::new(move |t: Tensor| {
-                        reduce_from_group(&t, &b).map_err(Error::into_candle)
-                    }),
-                    Box::new(move |t: Tensor| {
-                        copy_to_group(&t, &c)
-                            .and_then(|t| reduce_from_group(&t, &c))
-                            .map_err(Error::into_candle)
-                    }),
-                )
-            }
-            None => (Box::new(Ok), Box::new(Ok), Box::new(Ok)),
+        let (div, entropy) = match &self.tp {
+            Some(tp) => crate::tp::loss::vocab_parallel_divergence(&zs, &zt, beta, tp)?,
+            None => divergence_rows(&zs, &zt, beta, &crate::nn::divergence::WHOLE)?,
         };
-        let parts = VocabParts {
-            max: &*max,
-            sum: &*sum,
-            shared: &*shared,
-        };
-        let (div, entropy) = divergence_rows(&zs, &zt, beta, &parts)?;
         let wt = Tensor::new(w.as_slice(), div.device())?.to_dtype(div.dtype())?;
         let loss = (&div * wt)?.sum_all()?;
         let loss = if train { loss } else { loss.detach() };

@@ -160,3 +160,32 @@ pub fn vocab_parallel_log_sum_sq(logits: &Tensor, comm: &Arc<dyn Communicator>) 
         over(ReduceOp::Sum),
     )?)
 }
+
+/// [`crate::nn::divergence::divergence_rows`] of vocabulary-sharded student and teacher logits
+/// `zs`, `zt` [n, vocab / tp] (already divided by the temperature): per row the divergence
+/// (with `zs`'s graph) and the student's entropy, reduced over the group. The softmax's
+/// normaliser feeds every part's own terms, so its gradient is summed over the parts; the
+/// divergence is used alike by every rank, so each part keeps its own.
+pub fn vocab_parallel_divergence(
+    zs: &Tensor,
+    zt: &Tensor,
+    beta: f64,
+    comm: &Arc<dyn Communicator>,
+) -> Result<(Tensor, Tensor)> {
+    use crate::comm::autograd::copy_to_group;
+    use crate::nn::divergence::{divergence_rows, VocabParts};
+    let candle = crate::Error::into_candle;
+    let max = |t: Tensor| comm.all_reduce(&t, ReduceOp::Max).map_err(candle);
+    let sum = |t: Tensor| reduce_from_group(&t, comm).map_err(candle);
+    let shared = |t: Tensor| {
+        copy_to_group(&t, comm)
+            .and_then(|t| reduce_from_group(&t, comm))
+            .map_err(candle)
+    };
+    let parts = VocabParts {
+        max: &max,
+        sum: &sum,
+        shared: &shared,
+    };
+    Ok(divergence_rows(zs, zt, beta, &parts)?)
+}
