@@ -355,11 +355,7 @@ impl Optimizer {
 /// The model's hidden size from its config.json (a composite's text_config), for sizes
 /// DeepSpeed derives from it ("auto" buckets).
 pub fn hidden_size(config_json: &str) -> usize {
-    let v: serde_json::Value = serde_json::from_str(config_json).unwrap_or_default();
-    let read = |v: &serde_json::Value| v.get("hidden_size").and_then(|h| h.as_u64());
-    read(&v)
-        .or_else(|| v.get("text_config").and_then(read))
-        .unwrap_or(0) as usize
+    crate::models::params::config_number(config_json, "hidden_size").unwrap_or(0)
 }
 
 /// How the layers' weights go into wrap units, if they do: ZeRO-3 / FSDP gather each unit

@@ -134,16 +134,9 @@ fn teacher_dir(config: &DistillationConfig) -> Result<PathBuf> {
 
 /// A checkpoint's vocabulary size (a composite's text_config's).
 fn vocab_size(dir: &Path) -> Result<usize> {
-    let file = dir.join("config.json");
-    let text = std::fs::read_to_string(&file)
-        .map_err(|e| Error::io(format!("cannot read {}", file.display()), e))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::config(file.display().to_string(), "config.json", e.to_string()))?;
-    let read = |v: &serde_json::Value| v.get("vocab_size").and_then(|x| x.as_u64());
-    read(&v)
-        .or_else(|| v.get("text_config").and_then(read))
-        .map(|n| n as usize)
-        .ok_or_else(|| Error::config(file.display().to_string(), "vocab_size", "missing"))
+    use crate::models::params::{config_number, read_config};
+    let (text, source) = read_config(dir)?;
+    config_number(&text, "vocab_size").ok_or_else(|| Error::config(source, "vocab_size", "missing"))
 }
 
 /// On-policy distillation training.

@@ -588,6 +588,16 @@ pub fn read_config(dir: &Path) -> Result<(String, String)> {
     Ok((mxfp4::dense_config(&text), path.display().to_string()))
 }
 
+/// Whole number `key` of a config.json's `text` (a composite's text_config's when the top
+/// level has none).
+pub fn config_number(text: &str, key: &str) -> Option<usize> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let read = |v: &serde_json::Value| v.get(key).and_then(|x| x.as_u64());
+    read(&v)
+        .or_else(|| v.get("text_config").and_then(read))
+        .map(|n| n as usize)
+}
+
 /// Weights a model reads by name while it is built (a VarBuilder's source, through
 /// [`Checked`]), in the dtype and on the device they come in.
 pub trait Weights: Send + Sync {
