@@ -59,6 +59,23 @@ impl GenerationConfig {
         Self::from_json(&text, &path.display().to_string())
     }
 
+    /// transformers' `model.generation_config`: `dir`'s generation_config.json, else the
+    /// generation keys of its config.json (a composite's text_config's), as
+    /// `GenerationConfig.from_model_config` takes them (a model's `eos_token_id`, ...).
+    pub fn for_model(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        if dir.join("generation_config.json").is_file() {
+            return Self::from_pretrained(dir);
+        }
+        let path = dir.join("config.json");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return Ok(Self::default());
+        };
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let decoder = v.get("text_config").unwrap_or(&v);
+        Self::from_json(&decoder.to_string(), &path.display().to_string())
+    }
+
     /// A generation_config.json's text (named `source` in errors) over the defaults. Keys that
     /// do not change greedy decoding or sampling here are left as transformers leaves unknown
     /// ones: ignored.

@@ -403,31 +403,9 @@ type Owners = Vec<Option<(usize, usize)>>;
 type Scored = (Vec<Vec<f64>>, Vec<Vec<f64>>, Option<(Tensor, Owners)>);
 
 /// The ids a completion ends at, as TRL's trainers take them: the model's generation
-/// config's `eos_token_id` (its generation_config.json, else its config.json's, a composite's
-/// text_config's), with the tokenizer's EOS first when it is not among them.
+/// config's `eos_token_id`, with the tokenizer's EOS first when it is not among them.
 fn eos_ids(dir: &std::path::Path, tokenizer_eos: Option<u32>) -> Result<Vec<u32>> {
-    let mut ids = GenerationConfig::from_pretrained(dir)?.eos_token_id;
-    if ids.is_empty() {
-        let config: Value = std::fs::read_to_string(dir.join("config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_default();
-        // An id or a list of ids, at the top or in a composite's text_config.
-        let text = config.get("text_config").cloned().unwrap_or_default();
-        for v in [config.get("eos_token_id"), text.get("eos_token_id")] {
-            ids = match v {
-                Some(Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .filter_map(|n| n.as_u64().map(|n| n as u32))
-                    .collect(),
-                _ => Vec::new(),
-            };
-            if !ids.is_empty() {
-                break;
-            }
-        }
-    }
+    let mut ids = GenerationConfig::for_model(dir)?.eos_token_id;
     if let Some(eos) = tokenizer_eos.filter(|e| !ids.contains(e)) {
         ids.insert(0, eos);
     }
