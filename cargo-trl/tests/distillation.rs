@@ -281,31 +281,20 @@ fn the_docs_command_runs_as_written() {
 fn a_resumed_distillation_run_continues_the_straight_one() {
     let tmp = tempfile::tempdir().unwrap();
     let data = common::first_rows("assets/tiny/data/grpo_train.jsonl", tmp.path(), 32);
-    let (straight, resumed) = (tmp.path().join("straight"), tmp.path().join("resumed"));
-    let run = |steps: usize, out: &Path, extra: &[&str]| {
-        let args = [
-            &["--dataset_name", data.to_str().unwrap()][..],
-            &["--learning_rate", "1e-3", "--max_completion_length", "6"],
-            &["--beta", "0.5", "--temperature", "1.1"],
-            extra,
-        ]
-        .concat();
-        let cmd = common::trainer_launch("distillation", &["--profile", "zero3_cpu"], &args);
-        common::run_launch(cmd, steps, 4, out)
-    };
-    run(5, &straight, &[]);
-    run(3, &resumed, &[]);
-    let text = run(5, &resumed, &["--resume_from_checkpoint", "latest"]);
-    assert!(text.contains("checkpoint-3"), "{text}");
-    let lines =
-        |out: &Path| common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
-    let (a, b) = (lines(&straight), lines(&resumed));
-    for (x, y) in a[3..].iter().zip(&b[b.len() - 2..]) {
-        for key in ["loss", "entropy", "grad_norm", "completions/mean_length"] {
-            let d = common::off(&y[key], &x[key], 1e-3);
-            assert!(d < 1e-5, "{key}: resumed {} vs {}", y[key], x[key]);
-        }
-    }
+    let args = [
+        &["--dataset_name", data.to_str().unwrap()][..],
+        &["--learning_rate", "1e-3", "--max_completion_length", "6"],
+        &["--beta", "0.5", "--temperature", "1.1"],
+    ]
+    .concat();
+    let keys = ["loss", "entropy", "grad_norm", "completions/mean_length"];
+    common::assert_resume_continues(
+        "distillation",
+        &["--profile", "zero3_cpu"],
+        &args,
+        &keys,
+        1e-3,
+    );
 }
 
 /// Completions with no token (a rollout answering every prompt with nothing): nothing to

@@ -236,31 +236,13 @@ fn kto_under_every_cpu_profile_equals_one_process() {
 fn a_resumed_run_keeps_its_reference() {
     let tmp = tempfile::tempdir().unwrap();
     let unpaired = interleaved(tmp.path(), 16);
-    let (straight, resumed) = (tmp.path().join("straight"), tmp.path().join("resumed"));
-    let run = |steps: usize, out: &Path, extra: &[&str]| {
-        let args = [
-            &["--dataset_name", unpaired.to_str().unwrap()][..],
-            &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
-            extra,
-        ]
-        .concat();
-        let cmd = common::trainer_launch("kto", &["--profile", "multi_cpu"], &args);
-        common::run_launch(cmd, steps, 4, out)
-    };
-    run(5, &straight, &[]);
-    run(3, &resumed, &[]);
-    let text = run(5, &resumed, &["--resume_from_checkpoint", "latest"]);
-    assert!(text.contains("checkpoint-3"), "{text}");
-    let lines =
-        |out: &Path| common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
-    let (a, b) = (lines(&straight), lines(&resumed));
-    // The resumed run's log holds steps 1-3, then 4-5 again from the checkpoint.
-    for (x, y) in a[3..].iter().zip(&b[b.len() - 2..]) {
-        for key in ["loss", "kl", "rewards/chosen", "logps/rejected"] {
-            let d = common::off(&y[key], &x[key], 1e-2);
-            assert!(d < 1e-5, "{key}: resumed {} vs {}", y[key], x[key]);
-        }
-    }
+    let args = [
+        &["--dataset_name", unpaired.to_str().unwrap()][..],
+        &["--learning_rate", "1e-3", "--lr_scheduler_type", "constant"],
+    ]
+    .concat();
+    let keys = ["loss", "kl", "rewards/chosen", "logps/rejected"];
+    common::assert_resume_continues("kto", &["--profile", "multi_cpu"], &args, &keys, 1e-2);
 }
 
 /// docs/kto.md's command, as written, from the repository root (`cargo` finding this

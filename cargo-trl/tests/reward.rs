@@ -383,34 +383,14 @@ fn lora_reward_models_equal_one_process_and_load_in_peft() {
 fn a_resumed_reward_run_continues_the_straight_one() {
     let tmp = tempfile::tempdir().unwrap();
     let data = rows(tmp.path(), "pairs.jsonl", 16, |_, v| v);
-    let (straight, resumed) = (tmp.path().join("straight"), tmp.path().join("resumed"));
-    let run = |steps: usize, out: &Path, extra: &[&str]| {
-        let args = [
-            &[
-                "--dataset_name",
-                data.to_str().unwrap(),
-                "--learning_rate",
-                "1e-3",
-            ][..],
-            extra,
-        ]
-        .concat();
-        let cmd = common::trainer_launch("reward", &["--profile", "multi_cpu"], &args);
-        common::run_launch(cmd, steps, 4, out)
-    };
-    run(5, &straight, &[]);
-    run(3, &resumed, &[]);
-    let text = run(5, &resumed, &["--resume_from_checkpoint", "latest"]);
-    assert!(text.contains("checkpoint-3"), "{text}");
-    let lines =
-        |out: &Path| common::metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
-    let (a, b) = (lines(&straight), lines(&resumed));
-    for (x, y) in a[3..].iter().zip(&b[b.len() - 2..]) {
-        for key in ["loss", "accuracy", "margin", "mean_reward"] {
-            let d = common::off(&y[key], &x[key], 1e-2);
-            assert!(d < 1e-5, "{key}: resumed {} vs {}", y[key], x[key]);
-        }
-    }
+    let args = [
+        "--dataset_name",
+        data.to_str().unwrap(),
+        "--learning_rate",
+        "1e-3",
+    ];
+    let keys = ["loss", "accuracy", "margin", "mean_reward"];
+    common::assert_resume_continues("reward", &["--profile", "multi_cpu"], &args, &keys, 1e-2);
 }
 
 /// docs/reward.md's command, as written, from the repository root: it trains a reward model

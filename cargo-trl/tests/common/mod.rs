@@ -208,6 +208,44 @@ pub fn trainer_launch<S: AsRef<std::ffi::OsStr>>(
     cmd
 }
 
+/// Examples binary `bin` with `args` under `launch` (4 rows per rank), run 5 steps straight,
+/// and 3 steps then resumed from its checkpoint to 5: the resumed steps 4 and 5 log `keys`
+/// within 1e-5 relative (at a floor of `floor`) of the straight run's.
+#[allow(dead_code)]
+pub fn assert_resume_continues(
+    bin: &str,
+    launch: &[&str],
+    args: &[&str],
+    keys: &[&str],
+    floor: f64,
+) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (straight, resumed) = (tmp.path().join("straight"), tmp.path().join("resumed"));
+    let run = |steps: usize, out: &Path, extra: &[&str]| {
+        let cmd = trainer_launch(bin, launch, &[args, extra].concat());
+        run_launch(cmd, steps, 4, out)
+    };
+    run(5, &straight, &[]);
+    run(3, &resumed, &[]);
+    let text = run(5, &resumed, &["--resume_from_checkpoint", "latest"]);
+    assert!(text.contains("checkpoint-3"), "{text}");
+    let lines = |out: &Path| metrics(&std::fs::read_to_string(out.join("metrics.jsonl")).unwrap());
+    let (a, b) = (lines(&straight), lines(&resumed));
+    // The resumed run's log holds steps 1-3, then 4 and 5 from the checkpoint: a run that
+    // started over would log 5 more (whose last two equal the straight run's as well).
+    let steps = |m: &[serde_json::Value]| -> Vec<u64> {
+        m.iter().map(|l| l["step"].as_u64().unwrap()).collect()
+    };
+    assert_eq!(steps(&a), [1, 2, 3, 4, 5], "{text}");
+    assert_eq!(steps(&b), [1, 2, 3, 4, 5], "{text}");
+    for (x, y) in a[3..].iter().zip(&b[3..]) {
+        for key in keys {
+            let d = off(&y[key], &x[key], floor);
+            assert!(d < 1e-5, "{bin} {key}: resumed {} vs {}", y[key], x[key]);
+        }
+    }
+}
+
 /// `--config` with the bundled job's settings for examples binary `bin`.
 #[allow(dead_code)]
 pub fn bundled_job(bin: &str) -> [&'static str; 2] {
