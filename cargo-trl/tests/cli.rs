@@ -355,7 +355,26 @@ fn the_plan_counts_preference_pairs() {
     );
     let (code, _, err) = plan(&["--reward_funcs", rm]);
     assert!(code != 0 && err.contains("--trainer grpo"), "{err}");
+    // Distillation's teacher is counted by its checkpoint's parameters (another size than the
+    // student's; how each strategy holds it: the estimate's unit test); the flag is refused
+    // for a trainer without a teacher.
+    let teacher = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny/teacher");
+    let args = [
+        "--trainer",
+        "distillation",
+        "--teacher_model_name_or_path",
+        teacher,
+    ];
+    let (code, distil, err) = plan(&args);
+    assert_eq!(code, 0, "{err}");
+    let held = format!("frozen model held as the trained one ({TEACHER_PARAMS} parameters)");
+    assert!(distil.contains(&held), "{distil}");
+    let (code, _, err) = plan(&["--teacher_model_name_or_path", teacher]);
+    assert!(code != 0 && err.contains("--trainer distillation"), "{err}");
 }
+
+/// The parameters of assets/tiny/teacher (its safetensors header).
+const TEACHER_PARAMS: usize = 359904;
 
 /// The parameters of assets/tiny-qwen3/reward (its safetensors header).
 const RM_PARAMS: usize = 92352;
