@@ -30,7 +30,12 @@ fn run<N: CausalModel, T: Task<N>>(config: T::Config, figure: &str) -> trl_runti
     let mut trainer = Trainer::<N, T>::load(config, &ctx)?;
     let outcome = trainer.train()?;
     if ctx.is_main_process() {
-        crate::print_outcome(&outcome, trainer.state.global_step, figure, "");
+        crate::print_outcome(
+            &outcome,
+            trainer.state.global_step,
+            crate::Figure::Accuracy(figure),
+            "",
+        );
     }
     Ok(())
 }

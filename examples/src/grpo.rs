@@ -19,25 +19,31 @@ pub fn rloo_defaults() -> trl_runtime::Result<RLOOConfig> {
     crate::bundled_job("rloo.yaml")
 }
 
-fn run<N: CausalModel, T: Task<N>>(config: T::Config) -> trl_runtime::Result<()> {
+fn run<N: CausalModel, T: Task<N>>(
+    config: T::Config,
+    figure: crate::Figure<'_>,
+) -> trl_runtime::Result<()> {
     let ctx = DistContext::from_env()?;
     let _rank = trl_runtime::train::logging::init(ctx.rank());
     let mut trainer = Trainer::<N, T>::load(config, &ctx)?;
     let outcome = trainer.train()?;
     if ctx.is_main_process() {
-        crate::print_outcome(&outcome, trainer.state.global_step, "reward", "");
+        crate::print_outcome(&outcome, trainer.state.global_step, figure, "");
     }
     Ok(())
 }
 
+/// The online trainers' held-out figure: the mean reward.
+const REWARD: crate::Figure<'static> = crate::Figure::Accuracy("reward");
+
 /// `trl grpo` for model `N`.
 pub fn main<N: CausalModel>(defaults: fn() -> trl_runtime::Result<GRPOConfig>) -> ExitCode {
-    crate::launch::<GRPOConfig>(defaults, run::<N, Grpo>)
+    crate::launch::<GRPOConfig>(defaults, |c| run::<N, Grpo>(c, REWARD))
 }
 
 /// `trl rloo` for model `N`.
 pub fn rloo_main<N: CausalModel>(defaults: fn() -> trl_runtime::Result<RLOOConfig>) -> ExitCode {
-    crate::launch::<RLOOConfig>(defaults, run::<N, Rloo>)
+    crate::launch::<RLOOConfig>(defaults, |c| run::<N, Rloo>(c, REWARD))
 }
 
 /// Distillation's bundled job (assets/tiny/distillation.yaml): the same prompts, completed by
@@ -46,35 +52,10 @@ pub fn distillation_defaults() -> trl_runtime::Result<DistillationConfig> {
     crate::bundled_job("distillation.yaml")
 }
 
-fn run_distillation<N: CausalModel>(config: DistillationConfig) -> trl_runtime::Result<()> {
-    let ctx = DistContext::from_env()?;
-    let _rank = trl_runtime::train::logging::init(ctx.rank());
-    let mut trainer = Trainer::<N, Distillation>::load(config, &ctx)?;
-    let outcome = trainer.train()?;
-    if ctx.is_main_process() && !outcome.preempted {
-        let loss = |e: &Option<trl_runtime::train::EvalResult>| {
-            e.as_ref()
-                .map_or("n/a".into(), |e| format!("{:.4}", e.loss))
-        };
-        println!(
-            "held-out divergence from the teacher: before {} -> after {}; final train loss {:.4}; checkpoint {}",
-            loss(&outcome.initial_eval),
-            loss(&outcome.final_eval),
-            outcome.losses.last().copied().unwrap_or(f64::NAN),
-            outcome
-                .last_checkpoint
-                .as_ref()
-                .map_or("none".into(), |p| p.display().to_string()),
-        );
-    } else if ctx.is_main_process() {
-        crate::print_outcome(&outcome, trainer.state.global_step, "entropy", "");
-    }
-    Ok(())
-}
-
 /// `trl distillation` for model `N` (the student; the teacher is any built-in model).
 pub fn distillation_main<N: CausalModel>(
     defaults: fn() -> trl_runtime::Result<DistillationConfig>,
 ) -> ExitCode {
-    crate::launch::<DistillationConfig>(defaults, run_distillation::<N>)
+    let figure = crate::Figure::Loss("divergence from the teacher");
+    crate::launch::<DistillationConfig>(defaults, |c| run::<N, Distillation>(c, figure))
 }

@@ -121,10 +121,18 @@ fn names_output_dir<C: TrainerConfig>(cli: &Cli<C>) -> bool {
             .is_empty()
 }
 
+/// The held-out figure a finished run prints before and after training, by its name.
+#[derive(Debug, Clone, Copy)]
+pub enum Figure<'a> {
+    /// The evaluation's accuracy figure, as a percentage.
+    Accuracy(&'a str),
+    /// The evaluation's loss (a trainer whose figure is its loss: distillation's divergence).
+    Loss(&'a str),
+}
+
 /// What a finished run prints (main process): where a preempted run saved after `step`, else
-/// the held-out `accuracy` (its name) before and after, the last loss, the checkpoint and
-/// `extra`.
-pub fn print_outcome(outcome: &TrainOutcome, step: usize, accuracy: &str, extra: &str) {
+/// the held-out `figure` before and after, the last loss, the checkpoint and `extra`.
+pub fn print_outcome(outcome: &TrainOutcome, step: usize, figure: Figure<'_>, extra: &str) {
     let path = |none: &str| {
         outcome
             .last_checkpoint
@@ -138,13 +146,13 @@ pub fn print_outcome(outcome: &TrainOutcome, step: usize, accuracy: &str, extra:
         );
         return;
     }
-    let acc = |e: &Option<EvalResult>| {
-        e.as_ref()
-            .and_then(|e| e.accuracy)
-            .map_or("n/a".into(), |a| format!("{:.1}%", 100.0 * a))
+    let (name, value): (&str, fn(&EvalResult) -> Option<String>) = match figure {
+        Figure::Accuracy(name) => (name, |e| e.accuracy.map(|a| format!("{:.1}%", 100.0 * a))),
+        Figure::Loss(name) => (name, |e| Some(format!("{:.4}", e.loss))),
     };
+    let acc = |e: &Option<EvalResult>| e.as_ref().and_then(value).unwrap_or("n/a".into());
     println!(
-        "held-out {accuracy}: before {} -> after {}; final train loss {:.4}; checkpoint {}{extra}",
+        "held-out {name}: before {} -> after {}; final train loss {:.4}; checkpoint {}{extra}",
         acc(&outcome.initial_eval),
         acc(&outcome.final_eval),
         outcome.losses.last().copied().unwrap_or(f64::NAN),

@@ -20,7 +20,8 @@ fn run<N: CausalModel>(config: SFTConfig) -> trl_runtime::Result<()> {
     if ctx.is_main_process() {
         let curve = trainer.config.training.output_dir.join("loss.svg");
         let extra = format!("; loss curve {}", curve.display());
-        crate::print_outcome(&outcome, trainer.state.global_step, "accuracy", &extra);
+        let figure = crate::Figure::Accuracy("accuracy");
+        crate::print_outcome(&outcome, trainer.state.global_step, figure, &extra);
     }
     Ok(())
 }
