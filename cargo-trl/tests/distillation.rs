@@ -82,22 +82,11 @@ fn theirs(
 ) -> (Vec<serde_json::Value>, Option<serde_json::Value>) {
     let (steps, batch) = (STEPS.to_string(), per_device.to_string());
     let teacher = format!("teacher={}", root().join("assets/tiny/teacher").display());
-    let o = trl
-        .command("tiny", data, out, 1)
-        .args([steps.as_str(), batch.as_str(), "1e-3", teacher.as_str()])
+    let mut cmd = trl.command("tiny", data, out, 1);
+    cmd.args([steps.as_str(), batch.as_str(), "1e-3", teacher.as_str()])
         .args(["max_completion_length=4", "rows=8"])
-        .args(keys)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let lines = common::metrics(&stdout);
-    assert_eq!(lines.len(), STEPS, "{stdout}");
-    let eval = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|v| v.get("eval").cloned());
-    (lines, eval)
+        .args(keys);
+    common::trl_steps(&mut cmd, STEPS)
 }
 
 /// Forward KL, reverse KL (TRL's default) and the JSD at beta 0.3 with a temperature, over 8

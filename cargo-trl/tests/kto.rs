@@ -64,22 +64,11 @@ fn theirs(
     out: &Path,
 ) -> (Vec<serde_json::Value>, Option<serde_json::Value>) {
     let (steps, batch) = (STEPS.to_string(), per_device.to_string());
-    let o = trl
-        .command("tiny", data, out, 1)
-        .args([steps.as_str(), batch.as_str(), "1e-3"])
+    let mut cmd = trl.command("tiny", data, out, 1);
+    cmd.args([steps.as_str(), batch.as_str(), "1e-3"])
         .arg(format!("rows={rows}"))
-        .args(keys)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let lines = common::metrics(&stdout);
-    assert_eq!(lines.len(), STEPS, "{stdout}");
-    let eval = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|v| v.get("eval").cloned());
-    (lines, eval)
+        .args(keys);
+    common::trl_steps(&mut cmd, STEPS)
 }
 
 /// Every figure of TRL's lines in ours within 1e-4 relative (at a floor of 2e-2); the worst,

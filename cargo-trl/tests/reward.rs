@@ -89,21 +89,9 @@ fn theirs(
     out: &Path,
 ) -> (Vec<serde_json::Value>, Option<serde_json::Value>) {
     let (steps, batch) = (STEPS.to_string(), per_device.to_string());
-    let o = trl
-        .command_with(start, data, out, 1)
-        .args([steps.as_str(), batch.as_str(), LR])
-        .args(keys)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let lines = common::metrics(&stdout);
-    assert_eq!(lines.len(), STEPS, "{stdout}");
-    let eval = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|v| v.get("eval").cloned());
-    (lines, eval)
+    let mut cmd = trl.command_with(start, data, out, 1);
+    cmd.args([steps.as_str(), batch.as_str(), LR]).args(keys);
+    common::trl_steps(&mut cmd, STEPS)
 }
 
 /// Conversational pairs (evaluated after the last step), standard text pairs with margins and

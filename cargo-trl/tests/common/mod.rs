@@ -662,6 +662,25 @@ impl TrlScript {
     }
 }
 
+/// Runs a TRL script that logs `steps` steps: its lines, and its evaluation when it printed
+/// one.
+#[allow(dead_code)]
+pub fn trl_steps(
+    cmd: &mut Command,
+    steps: usize,
+) -> (Vec<serde_json::Value>, Option<serde_json::Value>) {
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let lines = metrics(&stdout);
+    assert_eq!(lines.len(), steps, "{stdout}");
+    let eval = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get("eval").cloned());
+    (lines, eval)
+}
+
 /// Runs a TRL script: its logged steps, its evaluation and its output.
 #[allow(dead_code)]
 pub fn run_trl(cmd: &mut Command) -> (Vec<serde_json::Value>, serde_json::Value, String) {
