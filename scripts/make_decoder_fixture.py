@@ -36,6 +36,14 @@ computes for them.
 - gemma2: Gemma2ForCausalLM: sliding, global, sliding layers (window 6, the default
   alternation), attention scores soft-capped at 2 and logits at 3 (q/k projections scaled up
   so that both caps bite), query_pre_attn_scalar 24, random (1 + w) norms.
+- glm4-moe: Glm4MoeForCausalLM: a dense first layer (first_k_dense_replace 1), then 8 routed
+  experts in 4 groups (top 2 groups, top 2 experts) by sigmoid scores plus a random
+  e_score_correction_bias, renormalised and scaled by 1.5, a shared expert; per-head q/k norms,
+  q/k/v biases, rotary on half of each head.
+- deepseek-v3: DeepseekV3ForCausalLM: multi-head latent attention (q through a rank-24 latent,
+  k/v through a rank-16 one, 16 + 8 rotary query/key features, 12 value features), interleaved
+  rotary, YaRN from 16 original positions with mscale / mscale_all_dim (the softmax scale too),
+  and glm4-moe's routing (scaled by 2.5) after a dense first layer.
 - gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
   sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
   (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
@@ -45,13 +53,17 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3
 """
 
 import sys
 
 import torch
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3Config,
@@ -288,8 +300,54 @@ elif kind == "gpt-oss":
         **{**common, "intermediate_size": 32, "num_hidden_layers": 3},
     )
     model_class = GptOssForCausalLM
+elif kind in ("glm4-moe", "deepseek-v3"):
+    routing = dict(
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+    )
+    if kind == "glm4-moe":
+        config = Glm4MoeConfig(
+            tie_word_embeddings=False,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+            **routing,
+            **common,
+        )
+        model_class = Glm4MoeForCausalLM
+    else:
+        config = DeepseekV3Config(
+            tie_word_embeddings=False,
+            routed_scaling_factor=2.5,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "original_max_position_embeddings": 16,
+            },
+            **routing,
+            **{**common, "num_key_value_heads": 4, "head_dim": 8},
+        )
+        model_class = DeepseekV3ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral or gpt-oss")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe or deepseek-v3")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -303,8 +361,15 @@ with torch.no_grad():
             p.copy_(torch.randn_like(p))
         elif kind == "gpt-oss" and "experts" in name:
             p.copy_(0.3 * torch.randn_like(p))
+        elif kind in ("glm4-moe", "deepseek-v3") and "experts" in name:
+            # Experts far apart, so that the choice shows in the logits.
+            p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             p.mul_(12.0)
+    for name, b in model.named_buffers():
+        # The routers' load-balancing bias moves the choice, not the weights.
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn_like(b))
 write(model, f"tiny-{kind}")
 if kind in ("gemma3-vision", "qwen3-vl"):
     # A processor's image settings, which a checkpoint carries as it carries the tokenizer.

@@ -73,7 +73,11 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
     );
     for (name, args, two_dp) in common::CPU_CASES {
         let text = launch(&model, args, 4, &out(name));
-        if *name == "tp_cpu" && matches!(kind, "qwen3" | "gemma3" | "olmo2" | "olmo3" | "qwen3-moe")
+        if *name == "tp_cpu"
+            && matches!(
+                kind,
+                "qwen3" | "gemma3" | "olmo2" | "olmo3" | "qwen3-moe" | "glm4-moe"
+            )
         {
             assert!(
                 text.contains("act on features split over tp")
@@ -251,6 +255,49 @@ fn qwen3_moe_under_every_cpu_profile_equals_one_process() {
 fn mixtral_under_every_cpu_profile_equals_one_process() {
     let tmp = every_profile_keeps("mixtral", "\"mixtral\"");
     router_loss_logged(&tmp.path().join("mixtral-tp_cpu"));
+}
+
+/// The routers' load-balancing biases of the tp run's checkpoint equal the fixture's: they
+/// move the choice and are never trained (transformers holds them as buffers).
+fn correction_biases_kept(kind: &str, tmp: &Path) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/tiny-{kind}/model"));
+    let load = |p: &Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
+    let before = load(&dir.join("model.safetensors"));
+    let after = load(&tmp.join(format!("{kind}-tp_cpu/checkpoint-5/model.safetensors")));
+    let biases: Vec<&String> = before
+        .keys()
+        .filter(|k| k.ends_with("e_score_correction_bias"))
+        .collect();
+    assert!(!biases.is_empty(), "{kind}: no correction bias");
+    for name in biases {
+        assert_eq!(max_diff(&before[name], &after[name]), 0.0, "{kind}: {name}");
+    }
+    // Another weight of the same layer did move.
+    let gate = "model.layers.1.mlp.gate.weight";
+    assert!(
+        max_diff(&before[gate], &after[gate]) > 0.0,
+        "{kind}: {gate}"
+    );
+}
+
+/// GLM-4 MoE: rotary on half of each head, per-head q/k norms (partial sums under tp), q/k/v
+/// biases, a dense first layer, then DeepSeek's routing (sigmoid scores, group-limited top-k
+/// with a load-balancing bias, scaled) beside a shared expert; no router loss, as in
+/// transformers.
+#[test]
+fn glm4_moe_under_every_cpu_profile_equals_one_process() {
+    let tmp = every_profile_keeps("glm4-moe", "\"glm4_moe\"");
+    correction_biases_kept("glm4-moe", tmp.path());
+}
+
+/// DeepSeek-V3: latent attention (q and kv through low-rank latents, a rotary key shared by
+/// the heads; under tp the heads split and the latents whole), interleaved rotary with YaRN's
+/// mscale, values padded to the query width for the kernels (ring, Ulysses, blockwise), and
+/// glm4-moe's routing.
+#[test]
+fn deepseek_v3_under_every_cpu_profile_equals_one_process() {
+    let tmp = every_profile_keeps("deepseek-v3", "\"kv_lora_rank\": 16");
+    correction_biases_kept("deepseek-v3", tmp.path());
 }
 
 /// gpt-oss: attention sinks (split with the heads under tp, narrowed per rank by Ulysses,

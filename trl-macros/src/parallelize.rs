@@ -145,7 +145,8 @@ fn type_name(ty: &Type) -> Option<String> {
 /// generated call checks the types it does not know).
 fn style_misfit(style: Style, ty: &Type) -> Option<String> {
     let name = type_name(ty)?;
-    let container = matches!(name.as_str(), "Vec" | "Option" | "Box");
+    // An Option takes its layer's style (`impl TpLayer for Option<T>`); a Vec or Box does not.
+    let container = matches!(name.as_str(), "Vec" | "Box");
     let norm = name.ends_with("Norm");
     match style {
         Style::Replicate | Style::Partial => None,

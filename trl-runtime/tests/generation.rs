@@ -158,6 +158,8 @@ const ARCHITECTURES: &[&str] = &[
     "mixtral",
     "gpt-oss",
     "gpt-oss-mxfp4",
+    "glm4-moe",
+    "deepseek-v3",
 ];
 
 fn checkpoint(kind: &str) -> std::path::PathBuf {

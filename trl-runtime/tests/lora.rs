@@ -234,7 +234,7 @@ fn our_adapter_loads_in_peft_with_our_logits() {
 /// adapted too, and a dense MLP beside experts (Qwen3-MoE's `mlp_only_layers`) gets no
 /// adapter. Our all-linear adapters are that layout (the same tensors, after [`peft::save`]
 /// fuses them), both ways: ours in peft and peft's here give the same logits, for Qwen3-MoE,
-/// Mixtral and gpt-oss.
+/// Mixtral, gpt-oss, GLM-4 MoE and DeepSeek-V3.
 #[test]
 fn moe_adapters_travel_between_us_and_peft() {
     let Some(python) = peft_python() else {
@@ -247,6 +247,11 @@ fn moe_adapters_travel_between_us_and_peft() {
         ("tiny-qwen3-moe", 4 * 5 + 2 + 2 * 8),
         ("tiny-mixtral", 2 * (4 * 5 + 2) + 2 * 8),
         ("tiny-gpt-oss", 3 * 8),
+        // 8 experts and a router on layer 1; the shared expert and layer 0's dense MLP get
+        // none (peft maps their projections' names onto the experts). GLM-4's attention 4
+        // projections, DeepSeek-V3's latent attention 5.
+        ("tiny-glm4-moe", 8 * 5 + 2 + 2 * 8),
+        ("tiny-deepseek-v3", 8 * 5 + 2 + 2 * 10),
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();

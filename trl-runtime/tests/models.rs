@@ -362,7 +362,8 @@ fn positions(b: usize, s: usize) -> Tensor {
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
 /// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
 /// tiny-gemma2 (attention scores and logits soft-capped), tiny-smollm3, tiny-olmo2, tiny-olmo3 (sliding layers with their own rotary base), tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe, tiny-mixtral
-/// and tiny-gpt-oss (sinks, fused experts, YaRN) (scripts/make_decoder_fixture.py).
+/// tiny-gpt-oss (sinks, fused experts, YaRN), tiny-glm4-moe and tiny-deepseek-v3
+/// (scripts/make_decoder_fixture.py).
 #[test]
 fn every_built_in_model_type_matches_transformers() {
     for (kind, param) in [
@@ -391,6 +392,13 @@ fn every_built_in_model_type_matches_transformers() {
             "model.layers.1.block_sparse_moe.experts.2.w3.weight",
         ),
         ("gpt-oss", "model.layers.2.self_attn.sinks"),
+        // Sigmoid, group-limited routing with a load-balancing bias; partial rotary.
+        (
+            "glm4-moe",
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+        ),
+        // Latent attention, interleaved rotary with YaRN's mscale.
+        ("deepseek-v3", "model.layers.1.self_attn.kv_b_proj.weight"),
         // Its experts stored MXFP4, as the hub's (read dequantized).
         ("gpt-oss-mxfp4", "model.layers.1.mlp.experts.down_proj"),
     ] {

@@ -9,7 +9,7 @@
 
 use super::causal::{CausalModel, LayerInputs};
 use super::params::{read_config, shapes_and_aliases, FilesBackend, WeightFiles};
-use super::{gemma3, gpt_oss, llama, mixtral, olmo2, phi3, qwen3_moe};
+use super::{deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, mixtral, olmo2, phi3, qwen3_moe};
 use crate::error::{Error, Result};
 use crate::nn::module::Parallelize;
 use crate::nn::module::TpContext;
@@ -142,6 +142,8 @@ registry! {
     Qwen3Moe(qwen3_moe::Qwen3Moe) = qwen3_moe::MODEL_TYPES,
     Mixtral(mixtral::Mixtral) = mixtral::MODEL_TYPES,
     GptOss(gpt_oss::GptOss) = gpt_oss::MODEL_TYPES,
+    Glm4Moe(glm4_moe::Glm4Moe) = glm4_moe::MODEL_TYPES,
+    DeepseekV3(deepseek_v3::DeepseekV3) = deepseek_v3::MODEL_TYPES,
 }
 
 /// `model_type` of a config.json's text, if it names one.

@@ -32,6 +32,10 @@ pub enum Architecture {
     Mixtral,
     /// Attention sinks, fused experts with a clamped SwiGLU (models/gpt_oss.rs).
     GptOss,
+    /// Partial rotary, DeepSeek's mixture of experts (models/glm4_moe.rs).
+    Glm4Moe,
+    /// Latent attention, DeepSeek's mixture of experts (models/deepseek_v3.rs).
+    DeepseekV3,
 }
 
 fn default_rms_eps() -> f64 {
@@ -296,8 +300,10 @@ impl ModelConfig {
             "qwen3_moe" => Ok(Architecture::Qwen3Moe),
             "mixtral" => Ok(Architecture::Mixtral),
             "gpt_oss" => Ok(Architecture::GptOss),
+            "glm4_moe" => Ok(Architecture::Glm4Moe),
+            "deepseek_v3" => Ok(Architecture::DeepseekV3),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3 or gpt_oss (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe or deepseek_v3 (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -469,6 +475,7 @@ impl ModelConfig {
             query_scale: None,
             softcap: None,
             sinks: false,
+            rotary_dim: Some(self.rotary_dim()),
         };
         let body = BodyShape {
             vocab: self.vocab_size,
@@ -522,9 +529,14 @@ impl ModelConfig {
         ) && self.attention_bias
     }
 
-    /// An RMSNorm over each head's queries and keys (Qwen3, Qwen3-MoE).
+    /// An RMSNorm over each head's queries and keys (Qwen3, Qwen3-MoE; GLM-4 MoE by
+    /// `use_qk_norm`).
     pub fn qk_norm(&self) -> bool {
-        matches!(self.model_type.as_str(), "qwen3" | "qwen3_moe")
+        match self.model_type.as_str() {
+            "qwen3" | "qwen3_moe" => true,
+            "glm4_moe" => self.extra.get("use_qk_norm").and_then(|v| v.as_bool()) == Some(true),
+            _ => false,
+        }
     }
 
     pub fn to_json_pretty(&self) -> String {

@@ -15,7 +15,10 @@ pub mod weights;
 // The catalogue by group (architectures, weights I/O, adapters), each module also where it
 // always was.
 pub use adapters::{merge, peft, peft_experts};
-pub use arch::{blocks, gemma3, gpt_oss, llama, mixtral, moe, olmo2, phi3, qwen3_moe, router_loss};
+pub use arch::{
+    blocks, deepseek_moe, deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, mixtral, moe, olmo2, phi3,
+    qwen3_moe, router_loss,
+};
 pub use weights::{composite, mxfp4, params, tensor_file};
 
 pub use auto::{model_types, AutoModelForCausalLM};

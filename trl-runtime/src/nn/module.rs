@@ -524,6 +524,24 @@ pub trait ColumnParallel: TpLayer {}
 )]
 pub trait RowParallel: TpLayer {}
 
+/// An optional layer takes its style when present (DeepSeek's queries: `q_proj`, or
+/// `q_a_proj` + `q_b_proj` when `q_lora_rank` is set).
+impl<T: TpLayer> TpLayer for Option<T> {
+    fn shard(&mut self, name: &str, style: TpStyle, tp: &TpContext) -> Result<()> {
+        match self {
+            Some(layer) => layer.shard(name, style, tp),
+            None => Ok(()),
+        }
+    }
+    fn visit_split(&self, name: &str, style: TpStyle, f: &mut ParamFn) {
+        if let Some(layer) = self {
+            layer.visit_split(name, style, f)
+        }
+    }
+}
+impl<T: ColumnParallel> ColumnParallel for Option<T> {}
+impl<T: RowParallel> RowParallel for Option<T> {}
+
 /// Layers that can be vocab-parallel (vocabulary rows split).
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be vocab-parallel",

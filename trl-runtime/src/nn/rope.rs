@@ -165,9 +165,26 @@ impl RotaryEmbedding {
                         (extra / f) * (1.0 - extrapolation_factor) + extra * extrapolation_factor
                     })
                     .collect();
+                // DeepSeek's `mscale` / `mscale_all_dim`: their ratio when both are set.
+                let mscale = |m: f64| {
+                    if f <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * f.ln() + 1.0
+                    }
+                };
+                let key = |k: &str| {
+                    s.extra
+                        .get(k)
+                        .and_then(|v| v.as_f64())
+                        .filter(|&m| m != 0.0)
+                };
                 rope.attention_scaling =
                     s.attention_factor
-                        .unwrap_or(if f <= 1.0 { 1.0 } else { 0.1 * f.ln() + 1.0 });
+                        .unwrap_or(match (key("mscale"), key("mscale_all_dim")) {
+                            (Some(m), Some(all)) => mscale(m) / mscale(all),
+                            _ => mscale(1.0),
+                        });
             }
             "longrope" => {
                 let original = s.original_max_position_embeddings.ok_or(

@@ -323,7 +323,14 @@ impl TrainingArguments {
             .iter()
             .any(|k| config.get(*k).and_then(|v| v.as_u64()).unwrap_or(0) > 0);
         let key = "router_aux_loss_coef";
+        // DeepSeek's routers (DeepSeek-V3, GLM-4 MoE) balance with a bias, outside the loss.
+        let biased = config.get("n_routed_experts").is_some();
         match (moe, self.router_aux_loss_coef) {
+            (_, Some(c)) if biased && c != 0.0 => Err(Error::config(
+                "training arguments",
+                key,
+                format!("{c}: transformers computes no router load-balancing loss for {source} (its routers balance with e_score_correction_bias, outside the loss): drop it"),
+            )),
             (_, Some(c)) if !c.is_finite() || c < 0.0 => Err(Error::config(
                 "training arguments",
                 key,

@@ -62,6 +62,10 @@ pub struct SelfAttention {
     /// Attention sinks, one logit per query head (gpt-oss's `self_attn.sinks`), split with
     /// the heads under tp (as q_proj's output).
     pub sinks: Option<Param>,
+    /// Rotary on the first this many features of each head (partial rotary: GLM-4); None:
+    /// all of them.
+    #[parallel(skip)]
+    pub rotary_dim: Option<usize>,
 }
 
 /// How a model's RMSNorms scale: by the weight, or Gemma's (1 + weight).
@@ -98,6 +102,8 @@ pub struct AttentionShape {
     pub softcap: Option<f64>,
     /// Whether it has [`SelfAttention::sinks`].
     pub sinks: bool,
+    /// See [`SelfAttention::rotary_dim`].
+    pub rotary_dim: Option<usize>,
 }
 
 /// The q/k RMSNorms of a [`SelfAttention`], applied before rotary.
@@ -137,6 +143,7 @@ impl SelfAttention {
                 true => Some(Param::new(&vb, s.heads, "sinks")?.split_column(0)),
                 false => None,
             },
+            rotary_dim: s.rotary_dim.filter(|&r| r < s.head_dim),
         })
     }
 
@@ -183,7 +190,7 @@ impl SelfAttention {
             query_scale: self.query_scale,
             softcap: self.softcap,
             sinks: self.sinks.as_ref(),
-            rotary_dim: None,
+            rotary_dim: self.rotary_dim,
         }
     }
 }

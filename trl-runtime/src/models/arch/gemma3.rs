@@ -305,6 +305,7 @@ impl Layer for Gemma3Layer {
             query_scale: Some((d as f64 / c.query_pre_attn_scalar as f64).sqrt()),
             softcap: c.attn_logit_softcapping,
             sinks: false,
+            rotary_dim: None,
         };
         let body = BodyShape {
             vocab: c.vocab_size,

@@ -1,9 +1,13 @@
 //! The built-in architectures, one file each (Llama / Qwen2 / Mistral / ... in `llama`), and the
 //! blocks they share: attention and MLP layers under a generic decoder (`blocks`), mixtures of
-//! experts (`moe`) and their router loss.
+//! experts (`moe`: softmax routers; `deepseek_moe`: DeepSeek's sigmoid, group-limited one)
+//! and their router loss.
 
 pub mod blocks;
+pub mod deepseek_moe;
+pub mod deepseek_v3;
 pub mod gemma3;
+pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod llama;
 pub mod mixtral;

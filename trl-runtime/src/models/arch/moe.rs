@@ -50,19 +50,7 @@ impl<E: Expert> SparseMoe<E> {
         let logits = self.gate.forward(&flat)?;
         let routing = (self.top_k, self.norm_topk_prob);
         let out = routed(cx, &flat, &logits, routing, |tokens, counts| {
-            // One GEMM per projection and expert over its rows, gathered per expert: slices
-            // of one gathered matrix would cost a whole-size gradient each in backward.
-            let mut outputs = Vec::new();
-            let mut start = 0;
-            for (expert, &m) in self.experts.iter().zip(counts) {
-                if m > 0 {
-                    let rows = flat.index_select(&tokens.narrow(0, start, m)?, 0)?;
-                    let ys = expert.forward(cx, &rows.reshape((1, m, h))?)?;
-                    outputs.push(ys.reshape((m, h))?);
-                }
-                start += m;
-            }
-            Ok(Tensor::cat(&outputs, 0)?)
+            run_experts(&self.experts, cx, &flat, tokens, counts)
         })?;
         Ok(out.reshape((b, s, h))?)
     }
@@ -71,10 +59,7 @@ impl<E: Expert> SparseMoe<E> {
 /// A mixture of experts' forward around its experts, as transformers routes: each token of
 /// `flat` [tokens, hidden] goes to the top-k experts by its router `logits` [tokens, experts]
 /// (probabilities in f32; `norm`: renormalised over the k), and `experts(tokens, counts)`
-/// gets the routed tokens' rows of `flat` sorted by expert (u32, `counts[e]` for expert e),
-/// gathers them and returns their outputs in the same order; those, weighted, are added back at their tokens in one
-/// index_add (a running sum per expert would keep one [tokens, hidden] copy per expert alive
-/// in the graph). The router loss, when collected, counts the choices.
+/// runs them ([`dispatch`]). The router loss, when collected, counts the choices.
 pub fn routed(
     cx: &LayerInputs,
     flat: &Tensor,
@@ -92,10 +77,7 @@ pub fn routed(
     let host: Vec<f32> = probs.detach().flatten_all()?.to_vec1()?;
     let mut chosen = vec![0u32; n * k];
     for (t, row) in host.chunks(count).enumerate() {
-        let mut order: Vec<usize> = (0..count).collect();
-        // Highest first; ties to the lower index, as torch.topk on CPU.
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-        for (j, &e) in order.iter().take(k).enumerate() {
+        for (j, e) in top_k(row, k).into_iter().enumerate() {
             chosen[t * k + j] = e as u32;
         }
     }
@@ -109,6 +91,31 @@ pub fn routed(
     if norm {
         weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
     }
+    dispatch(flat, (&chosen, count), &weights, experts)
+}
+
+/// The `k` largest of `row`, highest first; ties to the lower index, as torch.topk on CPU.
+pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
+/// Runs the experts of a routing: token t of `flat` [tokens, hidden] chose experts
+/// `chosen[t * k..(t + 1) * k]` (of `count`) with `weights` [tokens, k]. `experts(tokens,
+/// counts)` gets the routed tokens' rows of `flat` sorted by expert (u32, `counts[e]` for
+/// expert e), gathers them and returns their outputs in the same order; those, weighted, are
+/// added back at their tokens in one index_add (a running sum per expert would keep one
+/// [tokens, hidden] copy per expert alive in the graph).
+pub fn dispatch(
+    flat: &Tensor,
+    (chosen, count): (&[u32], usize),
+    weights: &Tensor,
+    experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let n = flat.dim(0)?;
+    let k = chosen.len() / n.max(1);
     let weights = weights.to_dtype(flat.dtype())?.flatten_all()?;
     // Each expert's (token, slot) pairs in one pass: slot i is token i / k's choice i % k.
     let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); count];
@@ -125,6 +132,30 @@ pub fn routed(
     let ys = experts(&tokens, &counts)?;
     let ys = ys.broadcast_mul(&weights.index_select(&slots, 0)?.unsqueeze(1)?)?;
     Ok(flat.zeros_like()?.index_add(&tokens, &ys, 0)?)
+}
+
+/// One GEMM per projection and expert over its rows of `flat` [tokens, hidden], gathered per
+/// expert ([`dispatch`]'s `experts`): slices of one gathered matrix would cost a whole-size
+/// gradient each in backward.
+pub fn run_experts<E: Expert>(
+    experts: &[E],
+    cx: &LayerInputs,
+    flat: &Tensor,
+    tokens: &Tensor,
+    counts: &[usize],
+) -> Result<Tensor> {
+    let h = flat.dim(1)?;
+    let mut outputs = Vec::new();
+    let mut start = 0;
+    for (expert, &m) in experts.iter().zip(counts) {
+        if m > 0 {
+            let rows = flat.index_select(&tokens.narrow(0, start, m)?, 0)?;
+            let ys = expert.forward(cx, &rows.reshape((1, m, h))?)?;
+            outputs.push(ys.reshape((m, h))?);
+        }
+        start += m;
+    }
+    Ok(Tensor::cat(&outputs, 0)?)
 }
 
 /// The config.json keys that count a mixture of experts' experts, in the order they are read
