@@ -628,6 +628,61 @@ fn unsupported_model_types_and_values_are_named() {
     assert!(e.contains("swiglu_limit") && e.contains("positive"), "{e}");
     let e = gpt_oss(&|j| j["attention_dropout"] = 0.1.into());
     assert!(e.contains("attention_dropout") && e.contains("0.1"), "{e}");
+    // DeepSeek's keys: the hub's FP8 weights, routings transformers does not implement,
+    // groups that cannot be scored, latent attention's head counts.
+    let deepseek = |edit: &dyn Fn(&mut serde_json::Value)| refused("deepseek-v3", edit);
+    let e = deepseek(&|j| j["quantization_config"] = serde_json::json!({"quant_method": "fp8"}));
+    assert!(
+        e.contains("quantization_config") && e.contains("'fp8'"),
+        "{e}"
+    );
+    let e = deepseek(&|j| j["topk_method"] = "group_limited_greedy".into());
+    assert!(e.contains("topk_method") && e.contains("noaux_tc"), "{e}");
+    let e = deepseek(&|j| j["n_group"] = 8.into());
+    assert!(e.contains("n_group") && e.contains("at least 2"), "{e}");
+    let e = deepseek(&|j| j["num_key_value_heads"] = 2.into());
+    assert!(
+        e.contains("num_key_value_heads") && e.contains("equal"),
+        "{e}"
+    );
+    let e = deepseek(&|j| j["kv_lora_rank"] = serde_json::Value::Null);
+    assert!(e.contains("kv_lora_rank") && e.contains("missing"), "{e}");
+    let e = refused("glm4-moe", &|j| j["topk_group"] = 5.into());
+    assert!(e.contains("topk_group"), "{e}");
+}
+
+/// DeepSeek-V3's and GLM-4 MoE's checkpoints carry multi-token prediction layers after the
+/// last one (`num_nextn_predict_layers`), which transformers' models neither build nor read:
+/// they are left unread here too, while a layer beyond the model without them is refused.
+#[test]
+fn multi_token_prediction_layers_are_left_unread() {
+    let src =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-deepseek-v3/model");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+    }
+    let mut tensors =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let extra = tensors["model.layers.1.input_layernorm.weight"].clone();
+    tensors.insert("model.layers.2.enorm.weight".into(), extra);
+    candle_core::safetensors::save(&tensors, tmp.path().join("model.safetensors")).unwrap();
+    AutoModelForCausalLM::from_pretrained(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    let config = tmp.path().join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace(
+            "\"num_nextn_predict_layers\": 1",
+            "\"num_nextn_predict_layers\": 0",
+        ),
+    )
+    .unwrap();
+    let err = AutoModelForCausalLM::from_pretrained(tmp.path(), DType::F32, &Device::Cpu)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.layers.2.enorm.weight"), "{err}");
 }
 
 /// The window shows: Mistral's logits over rows longer than its window differ from full
@@ -952,4 +1007,40 @@ fn a_reward_model_starts_from_a_causal_checkpoint() {
     assert_eq!(score.dims(), &[1, 64]);
     // A classifier with this pad token is its own start.
     assert_eq!(classifier_start(&start, out.path(), 3, 0).unwrap(), start);
+}
+
+/// Packed rows of the mixtures with DeepSeek's routing (GLM-4 MoE, DeepSeek-V3's latent
+/// attention with its shared rotary key): the second document of a packed row, its positions
+/// restarting, has the logits it has alone, on every CPU attention path.
+#[test]
+fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
+    for kind in ["glm4-moe", "deepseek-v3"] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../assets/tiny-{kind}/model"));
+        let want = candle_core::safetensors::load(dir.join("../parity.safetensors"), &Device::Cpu)
+            .unwrap();
+        let ids = want["input_ids"].to_dtype(DType::U32).unwrap();
+        // Row 0's first 10 tokens, then row 1's 24, packed into one row.
+        let (a, b) = (
+            ids.get(0).unwrap().narrow(0, 0, 10).unwrap(),
+            ids.get(1).unwrap(),
+        );
+        let packed = Tensor::cat(&[&a, &b], 0).unwrap().unsqueeze(0).unwrap();
+        let pos: Vec<i64> = (0..10).chain(0..24).collect();
+        let pos = Tensor::new(pos.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        for how in [AttentionImpl::Eager, AttentionImpl::Flash] {
+            let mut m = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
+            m.attention = how;
+            let logits = m.forward(&packed, &pos).unwrap().narrow(1, 10, 24).unwrap();
+            let diff = max_abs_diff(
+                &logits,
+                &want["logits"].get(1).unwrap().unsqueeze(0).unwrap(),
+            );
+            eprintln!("{kind} {how:?}: packed second document vs transformers alone: {diff:e}");
+            assert!(diff < 1e-4, "{kind} {how:?}: {diff}");
+        }
+    }
 }

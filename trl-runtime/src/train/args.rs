@@ -1204,5 +1204,16 @@ mod tests {
         assert!(err.to_string().contains("router_aux_loss_coef"), "{err}");
         assert_eq!(with(None).router_loss_weight(dense, "d").unwrap(), 0.0);
         assert!(with(Some(0.5)).router_loss_weight(dense, "d").is_err());
+        // DeepSeek's routers (a load-balancing bias, no loss): off, and refused when asked.
+        let deepseek = r#"{"n_routed_experts": 8}"#;
+        assert_eq!(with(None).router_loss_weight(deepseek, "ds").unwrap(), 0.0);
+        assert_eq!(
+            with(Some(0.0)).router_loss_weight(deepseek, "ds").unwrap(),
+            0.0
+        );
+        let err = with(Some(0.1))
+            .router_loss_weight(deepseek, "ds")
+            .unwrap_err();
+        assert!(err.to_string().contains("e_score_correction_bias"), "{err}");
     }
 }

@@ -136,6 +136,38 @@ impl DeepseekMoeConfig {
                 None => default.ok_or_else(|| err(key, "missing".into())),
             }
         };
+        // The hub's configs: FP8 weights, and the original code's names for the routing
+        // transformers implements (sigmoid scores, group-limited top-k without aux loss).
+        if let Some(q) = get("quantization_config") {
+            let method = q
+                .get("quant_method")
+                .and_then(|m| m.as_str())
+                .unwrap_or("?");
+            return Err(err(
+                "quantization_config",
+                format!("'{method}' weights cannot be trained here: save the checkpoint dense first (in Python: AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16), then .save_pretrained(out))"),
+            ));
+        }
+        for (key, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
+            if let Some(v) = get(key).filter(|v| v.as_str() != Some(want)) {
+                return Err(err(
+                    key,
+                    format!(
+                        "{v}: transformers' {} routes as '{want}' only",
+                        c.model_type
+                    ),
+                ));
+            }
+        }
+        if let Some(p) = get("attention_dropout")
+            .and_then(|v| v.as_f64())
+            .filter(|p| *p != 0.0)
+        {
+            return Err(err(
+                "attention_dropout",
+                format!("{p}: attention dropout is not implemented; set it to 0.0"),
+            ));
+        }
         let experts = count("n_routed_experts", None)?;
         let top_k = count("num_experts_per_tok", None)?;
         let groups = count("n_group", Some(1))?;
@@ -256,7 +288,7 @@ mod tests {
             experts: 6,
             top_k: 2,
             groups: 3,
-            topk_group: 2,
+            topk_group: 1,
             norm_topk_prob: true,
             scale: 1.0,
         };
@@ -266,9 +298,14 @@ mod tests {
         let mut got = choose(&scores, &bias, r);
         got.sort();
         assert_eq!(got, vec![2, 3]);
-        // The bias moves the choice: expert 1 lifts group 0 above group 2.
+        // The bias moves the choice: expert 1's lifts group 0 above group 1.
         let bias = [0.0, 0.3, 0.0, 0.0, 0.0, 0.0];
         let mut got = choose(&scores, &bias, r);
+        got.sort();
+        assert_eq!(got, vec![0, 1]);
+        // Two groups kept: the best expert of all, then the best of the rest.
+        let r = Routing { topk_group: 2, ..r };
+        let mut got = choose(&scores, &[0.0; 6], r);
         got.sort();
         assert_eq!(got, vec![0, 2]);
     }

@@ -37,6 +37,12 @@ fn is_ignorable(name: &str) -> bool {
     name.ends_with("rotary_emb.inv_freq")
 }
 
+/// The decoder layer a tensor belongs to (`model.layers.{i}.`), if any.
+fn layer_of(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("model.layers.")?;
+    rest.split('.').next()?.parse().ok()
+}
+
 impl Params {
     /// HF's initialisation: normal(0, initializer_range) for matrices, ones for norms, zeros
     /// for biases. Deterministic for a given seed.
@@ -337,10 +343,28 @@ impl WeightFiles {
                 });
             }
         }
+        let prediction = self.prediction_layers(expected);
         let mut unexpected: Vec<&String> = present
             .keys()
             .filter(|n| !expected.contains_key(*n) && !aliases.contains(*n) && !is_ignorable(n))
+            .filter(|n| {
+                !prediction
+                    .as_ref()
+                    .is_some_and(|r| r.contains(&layer_of(n)))
+            })
             .collect();
+        if let Some(layers) = &prediction {
+            let skipped = present
+                .keys()
+                .filter(|n| layers.contains(&layer_of(n)))
+                .count();
+            if skipped > 0 {
+                tracing::info!(
+                    "{}: {skipped} tensors of the multi-token prediction layers {layers:?}                      (num_nextn_predict_layers) are not read, as transformers does not read them",
+                    self.dir.display()
+                );
+            }
+        }
         unexpected.sort();
         if let Some(name) = unexpected.first() {
             return Err(Error::Config {
@@ -354,6 +378,18 @@ impl WeightFiles {
             });
         }
         Ok(())
+    }
+
+    /// The layer indices after the model's own that hold DeepSeek-style multi-token
+    /// prediction modules (config.json's `num_nextn_predict_layers`), which transformers'
+    /// models neither build nor read; None when the config has none.
+    fn prediction_layers(
+        &self,
+        expected: &BTreeMap<String, Vec<usize>>,
+    ) -> Option<std::ops::Range<Option<usize>>> {
+        let n = config_number(&read_config(&self.dir).ok()?.0, "num_nextn_predict_layers")?;
+        let layers = expected.keys().filter_map(|k| layer_of(k)).max()? + 1;
+        (n > 0).then_some(Some(layers)..Some(layers + n))
     }
 
     /// Opens the weights of `dir` and checks them against a Llama / Qwen2 `cfg`.

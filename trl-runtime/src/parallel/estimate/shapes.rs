@@ -60,10 +60,26 @@ pub struct Dims {
     #[serde(default)]
     pub head_dim: Option<usize>,
     pub vocab_size: usize,
+    /// Latent attention's per-head widths (DeepSeek-V3): the kernels attend over the wider of
+    /// the query (nope + rope) and value widths, the other padded.
+    #[serde(default)]
+    pub qk_nope_head_dim: Option<usize>,
+    #[serde(default)]
+    pub qk_rope_head_dim: Option<usize>,
+    #[serde(default)]
+    pub v_head_dim: Option<usize>,
 }
 
 impl Dims {
+    /// The per-head width attention runs at.
     pub fn head_dim(&self) -> usize {
+        if let (Some(nope), Some(rope), Some(v)) = (
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+        ) {
+            return (nope + rope).max(v);
+        }
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
