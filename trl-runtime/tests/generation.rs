@@ -404,3 +404,20 @@ fn sampling_repeats_with_its_seed_and_rows_draw_independently() {
     assert_ne!(first, run(2), "another seed draws others");
     assert_ne!(first[0], first[1], "the rows draw independently");
 }
+
+/// DeepSeek-V3's latent attention caches what transformers' cache holds: per token and layer
+/// the normed key/value latent and the rotary key (kv_lora_rank + qk_rope_head_dim = 16 + 8
+/// features), not the keys and values of every head (4 x (24 + 24) as the kernels run them).
+#[test]
+fn latent_attention_caches_the_compressed_latent() {
+    use trl_runtime::models::CausalModel;
+    let model =
+        AutoModelForCausalLM::from_pretrained(checkpoint("deepseek-v3"), DType::F32, &Device::Cpu)
+            .unwrap();
+    let (ids, _) = padded(&prompts());
+    let (b, width) = ids.dims2().unwrap();
+    let capacity = width + 20;
+    let cache = prefill(&model, &ids, capacity);
+    let want = model.num_layers() * b * capacity * (16 + 8) * 4;
+    assert_eq!(cache.bytes(), want);
+}

@@ -147,6 +147,13 @@ impl LayerInputs {
         self
     }
 
+    /// Generation's KV cache, for a layer that keeps something else than its keys and values
+    /// in it (latent attention: [`KvCache::hold`]).
+    pub fn kv_cache(&self) -> Option<std::sync::MutexGuard<'_, KvCache>> {
+        let cache = self.cache.as_ref()?;
+        Some(cache.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// Causal attention of `q` [batch, heads, seq, head_dim] over `k`, `v` [batch, kv_heads,
     /// seq, head_dim] (fewer key/value heads: grouped-query attention), documents of packed
     /// rows kept apart; the ring or Ulysses exchange when sequences are split. (A model

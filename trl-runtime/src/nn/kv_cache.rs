@@ -102,6 +102,41 @@ impl KvCache {
         sinks: Option<&Tensor>,
     ) -> Result<Tensor> {
         let (b, kv_heads, sq, d) = k.dims4()?;
+        self.check_room(b, sq)?;
+        let slot = self.next_slot((b, kv_heads, d), (k.dtype(), k.device()), true)?;
+        let (kc, vc) = &self.slots[slot];
+        kc.slice_set(&k.contiguous()?, 2, self.len)?;
+        vc.slice_set(&v.contiguous()?, 2, self.len)?;
+        self.attend_over((q, kc, vc), self.len + sq, (window, softcap, sinks))
+    }
+
+    /// Latent attention's cache (DeepSeek's MLA, as transformers keeps it): this attention
+    /// call's slot holds what `new` [b, 1, sq, w] compresses of each token (its keys and
+    /// values before they are expanded per head), `new` joins it, and all held so far are
+    /// returned [b, 1, len + sq, w]. The layer expands them and attends with
+    /// [`Self::attend_held`].
+    pub fn hold(&mut self, new: &Tensor) -> Result<Tensor> {
+        let (b, one, sq, w) = new.dims4()?;
+        self.check_room(b, sq)?;
+        let slot = self.next_slot((b, one, w), (new.dtype(), new.device()), false)?;
+        let held = &self.slots[slot].0;
+        held.slice_set(&new.contiguous()?, 2, self.len)?;
+        held.narrow(2, 0, self.len + sq)?.contiguous()
+    }
+
+    /// Attention of the new queries `q` [b, heads, sq, d] over `k`, `v` [b, kv_heads, len +
+    /// sq, d]: every key held and the new ones, expanded from what [`Self::hold`] returned.
+    pub fn attend_held(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        window: Option<usize>,
+        softcap: Option<f64>,
+        sinks: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.attend_over((q, k, v), k.dim(2)?, (window, softcap, sinks))
+    }
+
+    fn check_room(&self, b: usize, sq: usize) -> Result<()> {
         if b != self.starts.len() {
             candle_core::bail!(
                 "KV cache: {b} rows, the cache was made for {}",
@@ -115,22 +150,41 @@ impl KvCache {
                 self.capacity
             );
         }
+        Ok(())
+    }
+
+    /// This attention call's slot, its buffers of `capacity` tokens of (b, heads, d)
+    /// allocated on first use (the value buffer only when `values`).
+    fn next_slot(
+        &mut self,
+        (b, heads, d): (usize, usize, usize),
+        (dtype, device): (candle_core::DType, &candle_core::Device),
+        values: bool,
+    ) -> Result<usize> {
         let slot = self.next;
         self.next += 1;
         if slot == self.slots.len() {
-            let shape = (b, kv_heads, self.capacity, d);
-            let buffer = || Tensor::zeros(shape, k.dtype(), k.device());
-            self.slots.push((buffer()?, buffer()?));
+            let buffer = |t: usize| Tensor::zeros((b, heads, t, d), dtype, device);
+            let v = buffer(if values { self.capacity } else { 0 })?;
+            self.slots.push((buffer(self.capacity)?, v));
         }
-        let (kc, vc) = &self.slots[slot];
-        kc.slice_set(&k.contiguous()?, 2, self.len)?;
-        vc.slice_set(&v.contiguous()?, 2, self.len)?;
+        Ok(slot)
+    }
+
+    /// Attention of `q` over the first `keys` of `kc`, `vc` (the new ones last).
+    fn attend_over(
+        &self,
+        (q, kc, vc): (&Tensor, &Tensor, &Tensor),
+        keys: usize,
+        (window, softcap, sinks): (Option<usize>, Option<f64>, Option<&Tensor>),
+    ) -> Result<Tensor> {
+        let sq = q.dim(2)?;
         let spans = self.spans(sq, window, softcap);
-        let keys = self.len + sq;
         let (out, lse) = match () {
             // A prompt: the new keys are all there is, through the prefill kernel's GEMMs.
-            _ if self.len == 0 && cpu_flash::applies(q, k) => {
-                cpu_flash::forward(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &spans)?
+            _ if self.len == 0 && cpu_flash::applies(q, kc) => {
+                let new = |t: &Tensor| t.narrow(2, 0, sq)?.contiguous();
+                cpu_flash::forward(&q.contiguous()?, &new(kc)?, &new(vc)?, &spans)?
             }
             _ if decode::applies(q, kc) => decode::attention(q, (kc, vc), keys, &spans)?,
             #[cfg(feature = "cuda")]

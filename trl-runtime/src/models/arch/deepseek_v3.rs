@@ -142,16 +142,14 @@ impl LatentAttention {
             (Some(a), Some(norm), Some(b), _) => b.forward(&norm.forward(&a.forward(h)?)?)?,
             (_, _, _, Some(q)) => q.forward(h)?,
             _ => {
-                return Err(Error::Parallelism(
-                    "latent attention without queries".into(),
-                ))
+                let why = "latent attention without queries";
+                return Err(Error::Parallelism(why.into()));
             }
         };
         let q = q.reshape((b, s, n, qk))?.transpose(1, 2)?;
         let compressed = self.kv_a_proj_with_mqa.forward(h)?;
-        let kv_latent = self
-            .kv_a_layernorm
-            .forward(&compressed.narrow(2, 0, d.kv_rank)?.contiguous()?)?;
+        let latent = compressed.narrow(2, 0, d.kv_rank)?.contiguous()?;
+        let latent = self.kv_a_layernorm.forward(&latent)?.unsqueeze(1)?;
         let k_rot = compressed.narrow(2, d.kv_rank, d.rope)?.unsqueeze(1)?;
         let (cos, sin) = cx.cos_sin(rope)?;
         let turn = |t: Tensor| -> Result<Tensor> {
@@ -168,49 +166,50 @@ impl LatentAttention {
             Some(tp) => copy_to_group(&k_rot, tp)?,
             None => k_rot,
         };
-        let kv = self
-            .kv_b_proj
-            .forward(&kv_latent)?
-            .reshape((b, s, n, d.nope + d.v))?
-            .transpose(1, 2)?;
-        let k = Tensor::cat(
-            &[
-                kv.narrow(3, 0, d.nope)?,
-                k_rot.broadcast_as((b, n, s, d.rope))?,
-            ],
-            3,
-        )?;
+        // Generating, the cache holds each token's latent and rotary key [b, 1, tokens,
+        // kv_rank + rope], as transformers' does, expanded per head at every step.
+        let mut cache = cx.kv_cache();
+        let (latent, k_rot) = match cache.as_mut() {
+            Some(cache) => {
+                let held = cache.hold(&Tensor::cat(&[&latent, &k_rot], 3)?)?;
+                let rot = held.narrow(3, d.kv_rank, d.rope)?;
+                (held.narrow(3, 0, d.kv_rank)?, rot)
+            }
+            None => (latent, k_rot),
+        };
+        let t = latent.dim(2)?;
+        let kv = self.kv_b_proj.forward(&latent.squeeze(1)?)?;
+        let kv = kv.reshape((b, t, n, d.nope + d.v))?.transpose(1, 2)?;
+        let k_rot = k_rot.broadcast_as((b, n, t, d.rope))?;
+        let k = Tensor::cat(&[kv.narrow(3, 0, d.nope)?, k_rot], 3)?;
         let q = Tensor::cat(&[q.narrow(3, 0, d.nope)?, q_rot], 3)?;
         // One head size for the kernels: the wider of the two, the other padded with zeros
         // (zero query/key features add nothing to the scores; the scale is corrected).
         let dim = qk.max(d.v);
         let pad = |t: Tensor, from: usize| -> Result<Tensor> {
-            Ok(match from < dim {
-                true => Tensor::cat(
-                    &[
-                        t.clone(),
-                        Tensor::zeros((b, n, s, dim - from), t.dtype(), t.device())?,
-                    ],
-                    3,
-                )?,
-                false => t,
-            })
+            if from == dim {
+                return Ok(t.contiguous()?);
+            }
+            let (b, n, s, _) = t.dims4()?;
+            let zeros = Tensor::zeros((b, n, s, dim - from), t.dtype(), t.device())?;
+            Ok(Tensor::cat(&[&t, &zeros], 3)?.contiguous()?)
         };
         let scale = d.query_scale * (dim as f64 / qk as f64).sqrt();
         let q = match (scale - 1.0).abs() > 1e-12 {
             true => (q * scale)?,
             false => q,
         };
-        let (q, k) = (pad(q, qk)?.contiguous()?, pad(k, qk)?.contiguous()?);
-        let v = pad(kv.narrow(3, d.nope, d.v)?, d.v)?.contiguous()?;
-        let a = cx.attention_with(&q, &k, &v, None, None, None)?;
-        let a = a
-            .narrow(3, 0, d.v)?
-            .transpose(1, 2)?
-            .reshape((b, s, n * d.v))?;
-        Ok(self
-            .o_proj
-            .forward_chain(&a, &Chain::merge_and_add(false, Some(residual)))?)
+        let (q, k) = (pad(q, qk)?, pad(k, qk)?);
+        let v = pad(kv.narrow(3, d.nope, d.v)?, d.v)?;
+        let a = match cache.as_ref() {
+            Some(cache) => cache.attend_held((&q, &k, &v), None, None, None)?,
+            None => cx.attention_with(&q, &k, &v, None, None, None)?,
+        };
+        drop(cache);
+        let a = a.narrow(3, 0, d.v)?.transpose(1, 2)?;
+        let a = a.reshape((b, s, n * d.v))?;
+        let out = Chain::merge_and_add(false, Some(residual));
+        Ok(self.o_proj.forward_chain(&a, &out)?)
     }
 }
 

@@ -751,7 +751,13 @@ pub fn generation_round(
     let tp = setup.dims.tp.max(1);
     let size = setup.dtype.size_in_bytes();
     let kv_heads = d.num_kv_heads().div_ceil(tp);
-    let kv_cache = rows * tokens * d.num_hidden_layers * kv_heads * d.head_dim() * 2 * size;
+    // Latent attention (DeepSeek-V3) holds each token's latent and rotary key, whole on
+    // every tp rank.
+    let per_layer = match (d.kv_lora_rank, d.qk_rope_head_dim) {
+        (Some(rank), Some(rope)) => rank + rope,
+        _ => kv_heads * d.head_dim() * 2,
+    };
+    let kv_cache = rows * tokens * d.num_hidden_layers * per_layer * size;
     let gathered_weights = match setup.strategy {
         Strategy::Fsdp(..) => model.local(tp).iter().map(|(_, n)| n).sum::<usize>() * size,
         _ => 0,

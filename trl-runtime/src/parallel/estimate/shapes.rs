@@ -2,6 +2,7 @@
 
 use super::{Model, WrapPolicy};
 use crate::error::Result;
+use crate::models::deepseek_moe::DeepseekMoeConfig;
 use crate::models::moe::MoeConfig;
 use crate::models::{AutoModelForCausalLM, CausalModel, ModelConfig};
 use crate::nn::lora::is_routed_expert;
@@ -68,6 +69,10 @@ pub struct Dims {
     pub qk_rope_head_dim: Option<usize>,
     #[serde(default)]
     pub v_head_dim: Option<usize>,
+    /// Latent attention's key/value latent (what its generation cache holds with the rotary
+    /// key).
+    #[serde(default)]
+    pub kv_lora_rank: Option<usize>,
 }
 
 impl Dims {
@@ -164,22 +169,38 @@ impl ModelShapes {
             .ok()
             .and_then(|c| MoeConfig::read(&c, source).ok());
         let params = crate::tp::plan(net, 1, false);
+        // DeepSeek's (DeepSeek-V3, GLM-4 MoE): top-k routed experts per token, and the shared
+        // expert, which every token runs through, counted as `n_shared_experts` more.
+        let deepseek = ModelConfig::from_json(json, source)
+            .ok()
+            .and_then(|c| DeepseekMoeConfig::read(&c, source).ok().map(|m| (c, m)));
+        let routed_share = match (&moe, &deepseek) {
+            (Some(m), _) => Some(m.top_k as f64 / m.experts as f64),
+            (None, Some((_, m))) => Some(m.routing.top_k as f64 / m.routing.experts as f64),
+            _ => None,
+        };
         let active_parameters = params
             .iter()
             .map(|e| {
                 let n = e.full_shape.iter().product::<usize>() as f64;
-                match &moe {
-                    Some(m) if is_routed_expert(&e.name) => n * m.top_k as f64 / m.experts as f64,
+                match routed_share {
+                    Some(share) if is_routed_expert(&e.name) => n * share,
                     _ => n,
                 }
             })
             .sum();
-        let moe = match moe {
-            Some(m) if m.sparse.iter().any(|&s| s) => Some((
+        let moe = match (moe, deepseek) {
+            (Some(m), _) if m.sparse.iter().any(|&s| s) => Some((
                 m.experts,
                 m.top_k,
                 m.inter.unwrap_or(dims.intermediate_size),
                 m.sparse.iter().filter(|&&s| s).count(),
+            )),
+            (None, Some((c, m))) if c.num_hidden_layers > m.first_dense => Some((
+                m.routing.experts,
+                m.routing.top_k + m.shared,
+                m.inter,
+                c.num_hidden_layers - m.first_dense,
             )),
             _ => None,
         };

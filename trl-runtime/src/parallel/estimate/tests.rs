@@ -386,3 +386,23 @@ fn experts_are_parameters_and_top_k_of_them_compute() {
     );
     assert!(local < m.num_parameters());
 }
+
+/// DeepSeek's mixture (DeepSeek-V3, GLM-4 MoE): the routed experts count top-k of n in a
+/// token's compute, the shared expert and the dense first layer wholly; latent attention's
+/// generation cache holds kv_lora_rank + qk_rope_head_dim features per token and layer.
+#[test]
+fn deepseek_experts_and_the_latent_cache_are_counted() {
+    let m = ModelShapes::from_file(assets("tiny-deepseek-v3/model/config.json")).unwrap();
+    let (experts, per_token, inter, sparse) = m.moe.unwrap();
+    // 8 experts, top 2 and one shared; layer 0 dense.
+    assert_eq!((experts, per_token, inter, sparse), (8, 3, 32, 1));
+    let h = m.dims.hidden_size;
+    let routed = (experts * 3 * inter * h) as f64;
+    let expected = m.num_parameters() as f64 - routed * (1.0 - 2.0 / 8.0);
+    assert!((m.active_parameters - expected).abs() < 1e-6);
+    // The kernels' head width: the query's 16 + 8 features (values, 12, padded to it).
+    assert_eq!(m.dims.head_dim(), 24);
+    let setup = cpu_setup(Strategy::Ddp, (1, 1));
+    let round = generation_round(&m, &setup, 4, (10, 30));
+    assert_eq!(round.kv_cache, 4 * 30 * 2 * (16 + 8) * 4);
+}
