@@ -44,6 +44,9 @@ computes for them.
   k/v through a rank-16 one, 16 + 8 rotary query/key features, 12 value features), interleaved
   rotary, YaRN from 16 original positions with mscale / mscale_all_dim (the softmax scale too),
   and glm4-moe's routing (scaled by 2.5) after a dense first layer.
+- glm4-moe-lite: Glm4MoeLiteForCausalLM (GLM-4.7-Flash): deepseek-v3's layers with queries
+  projected directly (q_lora_rank null), plain rotary, and the MLPs by mlp_layer_types:
+  sparse, then dense.
 - gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
   sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
   (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
@@ -53,7 +56,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite
 """
 
 import sys
@@ -64,6 +67,8 @@ from transformers import (
     DeepseekV3ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    Glm4MoeLiteConfig,
+    Glm4MoeLiteForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3Config,
@@ -300,7 +305,7 @@ elif kind == "gpt-oss":
         **{**common, "intermediate_size": 32, "num_hidden_layers": 3},
     )
     model_class = GptOssForCausalLM
-elif kind in ("glm4-moe", "deepseek-v3"):
+elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite"):
     routing = dict(
         n_routed_experts=8,
         n_group=4,
@@ -322,6 +327,21 @@ elif kind in ("glm4-moe", "deepseek-v3"):
             **common,
         )
         model_class = Glm4MoeForCausalLM
+    elif kind == "glm4-moe-lite":
+        del routing["first_k_dense_replace"]
+        config = Glm4MoeLiteConfig(
+            tie_word_embeddings=False,
+            routed_scaling_factor=1.8,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            mlp_layer_types=["sparse", "dense"],
+            **routing,
+            **{**common, "num_key_value_heads": 4, "head_dim": 8},
+        )
+        model_class = Glm4MoeLiteForCausalLM
     else:
         config = DeepseekV3Config(
             tie_word_embeddings=False,
@@ -347,7 +367,7 @@ elif kind in ("glm4-moe", "deepseek-v3"):
         )
         model_class = DeepseekV3ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe or deepseek-v3")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3 or glm4-moe-lite")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -361,7 +381,7 @@ with torch.no_grad():
             p.copy_(torch.randn_like(p))
         elif kind == "gpt-oss" and "experts" in name:
             p.copy_(0.3 * torch.randn_like(p))
-        elif kind in ("glm4-moe", "deepseek-v3") and "experts" in name:
+        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite") and "experts" in name:
             # Experts far apart, so that the choice shows in the logits.
             p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):

@@ -160,6 +160,7 @@ const ARCHITECTURES: &[&str] = &[
     "gpt-oss-mxfp4",
     "glm4-moe",
     "deepseek-v3",
+    "glm4-moe-lite",
 ];
 
 fn checkpoint(kind: &str) -> std::path::PathBuf {

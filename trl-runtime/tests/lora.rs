@@ -252,6 +252,8 @@ fn moe_adapters_travel_between_us_and_peft() {
         // projections, DeepSeek-V3's latent attention 5.
         ("tiny-glm4-moe", 8 * 5 + 2 + 2 * 8),
         ("tiny-deepseek-v3", 8 * 5 + 2 + 2 * 10),
+        // Queries projected directly: 4 attention projections; layer 1's dense MLP none.
+        ("tiny-glm4-moe-lite", 8 * 5 + 2 + 2 * 8),
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();

@@ -399,6 +399,8 @@ fn every_built_in_model_type_matches_transformers() {
         ),
         // Latent attention, interleaved rotary with YaRN's mscale.
         ("deepseek-v3", "model.layers.1.self_attn.kv_b_proj.weight"),
+        // Latent attention with queries projected directly; a sparse then a dense layer.
+        ("glm4-moe-lite", "model.layers.0.self_attn.q_proj.weight"),
         // Its experts stored MXFP4, as the hub's (read dequantized).
         ("gpt-oss-mxfp4", "model.layers.1.mlp.experts.down_proj"),
     ] {
@@ -1014,7 +1016,7 @@ fn a_reward_model_starts_from_a_causal_checkpoint() {
 /// restarting, has the logits it has alone, on every CPU attention path.
 #[test]
 fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
-    for kind in ["glm4-moe", "deepseek-v3"] {
+    for kind in ["glm4-moe", "deepseek-v3", "glm4-moe-lite"] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("../assets/tiny-{kind}/model"));
         let want = candle_core::safetensors::load(dir.join("../parity.safetensors"), &Device::Cpu)

@@ -301,9 +301,9 @@ impl ModelConfig {
             "mixtral" => Ok(Architecture::Mixtral),
             "gpt_oss" => Ok(Architecture::GptOss),
             "glm4_moe" => Ok(Architecture::Glm4Moe),
-            "deepseek_v3" => Ok(Architecture::DeepseekV3),
+            "deepseek_v3" | "glm4_moe_lite" => Ok(Architecture::DeepseekV3),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe or deepseek_v3 (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite or deepseek_v3 (or \
                  your own model: docs/your-model.md)"
             )),
         }

@@ -118,8 +118,9 @@ pub struct DeepseekMoeConfig {
     /// `moe_intermediate_size`: each routed expert's width.
     pub inter: usize,
     pub shared: usize,
-    /// The first this many layers keep a dense MLP (`first_k_dense_replace`).
-    pub first_dense: usize,
+    /// Whether each layer's MLP is this mixture (else a dense one): `mlp_layer_types`
+    /// (GLM-4.7-Flash), else all but the first `first_k_dense_replace`.
+    pub sparse: Vec<bool>,
 }
 
 impl DeepseekMoeConfig {
@@ -170,8 +171,10 @@ impl DeepseekMoeConfig {
         }
         let experts = count("n_routed_experts", None)?;
         let top_k = count("num_experts_per_tok", None)?;
-        let groups = count("n_group", Some(1))?;
-        let topk_group = count("topk_group", Some(1))?;
+        // transformers' defaults where a key is absent, by model type.
+        let deepseek = c.model_type == "deepseek_v3";
+        let groups = count("n_group", Some(if deepseek { 8 } else { 1 }))?;
+        let topk_group = count("topk_group", Some(if deepseek { 4 } else { 1 }))?;
         if experts == 0 || top_k == 0 || top_k > experts {
             return Err(err(
                 "num_experts_per_tok",
@@ -195,7 +198,11 @@ impl DeepseekMoeConfig {
                 .as_f64()
                 .filter(|x| x.is_finite())
                 .ok_or_else(|| err("routed_scaling_factor", format!("{v} is not a number")))?,
-            None => 1.0,
+            None => match c.model_type.as_str() {
+                "deepseek_v3" => 2.5,
+                "glm4_moe_lite" => 1.8,
+                _ => 1.0,
+            },
         };
         let shared = count("n_shared_experts", Some(1))?;
         if shared == 0 {
@@ -204,7 +211,28 @@ impl DeepseekMoeConfig {
                 "0: transformers builds a shared MLP of 0 features; models without shared experts are not read".into(),
             ));
         }
-        let first_dense = count("first_k_dense_replace", Some(0))?;
+        let n = c.num_hidden_layers;
+        let sparse = match get("mlp_layer_types").map(|v| v.as_array()) {
+            Some(Some(types)) if types.len() == n => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("sparse") => Ok(true),
+                    Some("dense") => Ok(false),
+                    _ => Err(err(
+                        "mlp_layer_types",
+                        format!("{t}: use \"dense\" or \"sparse\""),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?,
+            Some(_) => {
+                let why = format!("give one of \"dense\" or \"sparse\" for each of the {n} layers");
+                return Err(err("mlp_layer_types", why));
+            }
+            None => {
+                let first = count("first_k_dense_replace", Some(if deepseek { 3 } else { 1 }))?;
+                (0..n).map(|l| l >= first).collect()
+            }
+        };
         if let Some(v) = get("router_aux_loss_coef").and_then(|v| v.as_f64()) {
             if v != 0.0 {
                 tracing::warn!(
@@ -226,11 +254,11 @@ impl DeepseekMoeConfig {
             },
             inter: count("moe_intermediate_size", None)?,
             shared,
-            first_dense,
+            sparse,
         })
     }
 
-    /// Layer `l`'s MLP from `vb` (`mlp`): dense for the first layers, else this mixture.
+    /// Layer `l`'s MLP from `vb` (`mlp`): dense or this mixture.
     pub fn mlp(
         &self,
         c: &ModelConfig,
@@ -239,7 +267,7 @@ impl DeepseekMoeConfig {
     ) -> candle_core::Result<(Option<GatedMlp>, Option<DeepseekMoe>)> {
         use super::blocks::Activation::Silu;
         let h = c.hidden_size;
-        if l < self.first_dense {
+        if !self.sparse[l] {
             return Ok((
                 Some(GatedMlp::new((h, c.intermediate_size), false, Silu, vb)?),
                 None,

@@ -1,7 +1,9 @@
 //! DeepSeek-V3 (`model_type` deepseek_v3: DeepSeek-V3, V3.1, R1 and their distillations of
-//! the same architecture), as transformers' DeepseekV3ForCausalLM: Llama's layer order with
-//! multi-head latent attention and, after the first `first_k_dense_replace` dense layers,
-//! DeepSeek's mixture of experts (deepseek_moe.rs).
+//! the same architecture) and GLM-4.7-Flash (`glm4_moe_lite`: the same layers, dense or
+//! sparse by `mlp_layer_types`), as transformers' DeepseekV3ForCausalLM and
+//! Glm4MoeLiteForCausalLM: Llama's layer order with multi-head latent attention and, after
+//! the first `first_k_dense_replace` dense layers, DeepSeek's mixture of experts
+//! (deepseek_moe.rs).
 //!
 //! Latent attention (`self_attn`): queries through a low-rank latent (`q_a_proj`, its
 //! RMSNorm `q_a_layernorm`, `q_b_proj`; or `q_proj` alone when `q_lora_rank` is null); keys
@@ -40,7 +42,7 @@ use candle_nn::VarBuilder;
 use std::sync::Arc;
 
 /// The `model_type`s this file reads.
-pub const MODEL_TYPES: &[&str] = &["deepseek_v3"];
+pub const MODEL_TYPES: &[&str] = &["deepseek_v3", "glm4_moe_lite"];
 
 /// DeepseekV3ForCausalLM.
 pub type DeepseekV3 = Decoder<DeepseekV3Layer>;

@@ -196,11 +196,11 @@ impl ModelShapes {
                 m.inter.unwrap_or(dims.intermediate_size),
                 m.sparse.iter().filter(|&&s| s).count(),
             )),
-            (None, Some((c, m))) if c.num_hidden_layers > m.first_dense => Some((
+            (None, Some((_, m))) if m.sparse.iter().any(|&s| s) => Some((
                 m.routing.experts,
                 m.routing.top_k + m.shared,
                 m.inter,
-                c.num_hidden_layers - m.first_dense,
+                m.sparse.iter().filter(|&&s| s).count(),
             )),
             _ => None,
         };
