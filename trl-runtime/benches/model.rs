@@ -2,7 +2,9 @@
 //! (hidden 256, intermediate 768, 4 layers, 8 heads, 4 kv heads, vocab 4096, seq 512, batch 4,
 //! fp32) and of a Qwen3-MoE shape of the same attention (8 experts of intermediate 384, top 2:
 //! the same active MLP FLOPs), and that shape as gpt-oss lays it out (fused experts run as
-//! grouped GEMMs, biases, sinks) on one thread, each next to a plain 1024^3 f32 Candle matmul on
+//! grouped GEMMs, biases, sinks), and a DeepSeek-V3 shape (latent attention, a dense first
+//! layer, then DeepSeek's routing over 8 experts, top 2, beside a shared expert) on one
+//! thread, each next to a plain 1024^3 f32 Candle matmul on
 //! one thread measured in the same run (5 rounds of a step next to 3 matmuls; the median
 //! round's ratio). One JSON object per line on stdout; prose on stderr.
 //!
@@ -49,6 +51,43 @@ fn gpt_oss_json() -> serde_json::Value {
         "attention_bias": true, "tie_word_embeddings": true,
         "layer_types": ["full_attention", "full_attention", "full_attention", "full_attention"],
     })
+}
+
+/// DeepSeek-V3's layout at the reference's width: latent attention (8 heads, query latent 96,
+/// key/value latent 64, 32 + 16 query/key features, 32 value features), a dense first layer
+/// of the reference's MLP, then 8 experts of intermediate 384 in 4 groups (2 per token from 2
+/// groups) beside a shared expert of 384.
+fn deepseek_json() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "deepseek_v3", "vocab_size": 4096, "hidden_size": 256,
+        "intermediate_size": 768, "moe_intermediate_size": 384, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": true,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "tie_word_embeddings": true,
+    })
+}
+
+/// Forward FLOPs of one token of [`deepseek_json`] at sequence length `seq`, as computed: the
+/// latent projections, attention at the kernels' head width (the wider of the query's 48 and
+/// the value's 32), and per layer the dense MLP or the router, 2 experts and the shared one.
+fn deepseek_flops_per_token(seq: usize) -> f64 {
+    let (h, n, layers, v) = (256.0, 8.0, 4.0, 4096.0);
+    let (q_rank, kv_rank, nope, rope, value) = (96.0, 64.0, 32.0, 16.0, 32.0);
+    let qk: f64 = nope + rope;
+    let attention = h * q_rank
+        + q_rank * n * qk
+        + h * (kv_rank + rope)
+        + kv_rank * n * (nope + value)
+        + n * value * h;
+    let scores = 2.0 * seq as f64 * n * qk.max(value);
+    let dense = 3.0 * h * 768.0;
+    let sparse = h * 8.0 + 3.0 * 3.0 * h * 384.0;
+    2.0 * (layers * attention + dense + (layers - 1.0) * sparse)
+        + 2.0 * layers * scores
+        + 2.0 * h * v
 }
 
 /// A model of `json` with random weights (normal, std 0.02; norms 1), written to `dir` as a
@@ -152,6 +191,11 @@ fn main() {
     let gpt_oss = random_model(&gpt_oss_json(), dir.path());
     eprintln!("model bench: the MoE shape as gpt-oss lays it out (fused experts, grouped GEMMs)");
     measure("fwd_bwd_moe_grouped", &gpt_oss, flops);
+    let dir = tempfile::tempdir().unwrap();
+    let deepseek = random_model(&deepseek_json(), dir.path());
+    let flops = 3.0 * deepseek_flops_per_token(SEQ) * (BATCH * SEQ) as f64;
+    eprintln!("model bench: the DeepSeek-V3 shape (latent attention, shared expert)");
+    measure("fwd_bwd_mla_moe", &deepseek, flops);
 }
 
 /// Prints the median round of `model`'s forward+backward against the matmul rate.
