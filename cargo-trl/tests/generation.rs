@@ -212,3 +212,52 @@ fn a_lora_policy_generates_under_zero3_and_tp_as_one_process() {
         assert_eq!(&got, want, "{name}");
     }
 }
+
+/// DeepSeek-V3's latent attention generates through its compressed cache (each token's latent
+/// and rotary key, expanded per head at every step) under ZeRO-3 (unit by unit), tensor
+/// parallelism (each rank its heads, the latent whole) and FSDP2 x tp gathered whole, as one
+/// process does.
+#[test]
+fn latent_attention_generates_under_sharded_profiles_as_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = [
+        "--model_name_or_path",
+        "assets/tiny-deepseek-v3/model",
+        "--learning_rate",
+        "1e-3",
+    ];
+    let job = |gather: &str| {
+        serde_json::json!({
+            "prompts": prompts(), "max_new_tokens": 8, "eos_token_id": null, "steps": 1,
+            "gather": gather,
+        })
+    };
+    let one = ["--num_processes", "1"];
+    let want8 = launch_with(&one, &model, &job("auto"), 8, &tmp.path().join("one8")).0;
+    let want4 = launch_with(&one, &model, &job("auto"), 4, &tmp.path().join("one4")).0;
+    let tp = [
+        "--profile",
+        "multi_cpu",
+        "--parallelism_config_tp_size",
+        "2",
+    ];
+    for (name, args, gather, want) in [
+        (
+            "zero3_per_unit",
+            &["--profile", "zero3_cpu"][..],
+            "per_unit",
+            &want8,
+        ),
+        ("tp", &tp[..], "auto", &want4),
+        (
+            "fsdp2_tp_whole",
+            &["--profile", "fsdp2_tp_cpu"][..],
+            "whole",
+            &want8,
+        ),
+    ] {
+        let got = launch_with(args, &model, &job(gather), 4, &tmp.path().join(name)).0;
+        assert_eq!(got.len(), prompts().len(), "{name}: every prompt generated");
+        assert_eq!(&got, want, "{name}");
+    }
+}
