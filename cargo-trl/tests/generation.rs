@@ -86,15 +86,27 @@ fn trimmed(row: &[u32], prompt: usize, eos: Option<u32>) -> Vec<u32> {
     row[..prompt + end].to_vec()
 }
 
+/// A job of [`prompts`]: 8 new tokens (up to `eos`) after one training step, the sharded
+/// model gathered as `gather` says.
+fn job(eos: Option<u32>, gather: &str) -> serde_json::Value {
+    serde_json::json!({
+        "prompts": prompts(), "max_new_tokens": 8, "eos_token_id": eos, "steps": 1,
+        "gather": gather,
+    })
+}
+
+/// One process's rows for [`job`] with the program's flags `args`, at 8 and 4 rows per step
+/// (what two data-parallel ranks of 4, or one, train on).
+type Rows = BTreeMap<usize, Vec<u32>>;
+fn one_process(args: &[&str], tmp: &Path) -> (Rows, Rows) {
+    let one = ["--num_processes", "1"];
+    let run = |rows, dir: &str| launch_with(&one, args, &job(None, "auto"), rows, &tmp.join(dir)).0;
+    (run(8, "one8"), run(4, "one4"))
+}
+
 #[test]
 fn greedy_generation_under_every_profile_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
-    let job = |eos: Option<u32>, gather: &str| {
-        serde_json::json!({
-            "prompts": prompts(), "max_new_tokens": 8, "eos_token_id": eos, "steps": 1,
-            "gather": gather,
-        })
-    };
     let one = ["--num_processes", "1"];
     let free = launch(&one, &job(None, "auto"), 8, &tmp.path().join("free")).0;
     // The first prompt's third new token stops it: its rank is done before the others.
@@ -172,16 +184,16 @@ fn a_lora_policy_generates_under_zero3_and_tp_as_one_process() {
         "--lora_dropout",
         "0",
     ];
-    let job = |gather: &str| {
-        serde_json::json!({
-            "prompts": prompts(), "max_new_tokens": 8, "eos_token_id": null, "steps": 1,
-            "gather": gather,
-        })
-    };
     let one = ["--num_processes", "1"];
-    let want8 = launch_with(&one, &lora, &job("auto"), 8, &tmp.path().join("one8")).0;
-    let want4 = launch_with(&one, &lora, &job("auto"), 4, &tmp.path().join("one4")).0;
-    let base = launch_with(&one, &lora[..2], &job("auto"), 8, &tmp.path().join("base")).0;
+    let (want8, want4) = one_process(&lora, tmp.path());
+    let base = launch_with(
+        &one,
+        &lora[..2],
+        &job(None, "auto"),
+        8,
+        &tmp.path().join("base"),
+    )
+    .0;
     assert_ne!(want8, base, "the adapters change what is generated");
     for (name, args, gather, want) in [
         (
@@ -208,7 +220,7 @@ fn a_lora_policy_generates_under_zero3_and_tp_as_one_process() {
             &want4,
         ),
     ] {
-        let got = launch_with(&args, &lora, &job(gather), 4, &tmp.path().join(name)).0;
+        let got = launch_with(&args, &lora, &job(None, gather), 4, &tmp.path().join(name)).0;
         assert_eq!(&got, want, "{name}");
     }
 }
@@ -226,15 +238,7 @@ fn latent_attention_generates_under_sharded_profiles_as_one_process() {
         "--learning_rate",
         "1e-3",
     ];
-    let job = |gather: &str| {
-        serde_json::json!({
-            "prompts": prompts(), "max_new_tokens": 8, "eos_token_id": null, "steps": 1,
-            "gather": gather,
-        })
-    };
-    let one = ["--num_processes", "1"];
-    let want8 = launch_with(&one, &model, &job("auto"), 8, &tmp.path().join("one8")).0;
-    let want4 = launch_with(&one, &model, &job("auto"), 4, &tmp.path().join("one4")).0;
+    let (want8, want4) = one_process(&model, tmp.path());
     let tp = [
         "--profile",
         "multi_cpu",
@@ -256,7 +260,7 @@ fn latent_attention_generates_under_sharded_profiles_as_one_process() {
             &want8,
         ),
     ] {
-        let got = launch_with(args, &model, &job(gather), 4, &tmp.path().join(name)).0;
+        let got = launch_with(args, &model, &job(None, gather), 4, &tmp.path().join(name)).0;
         assert_eq!(got.len(), prompts().len(), "{name}: every prompt generated");
         assert_eq!(&got, want, "{name}");
     }
