@@ -128,7 +128,8 @@ fn load(checkpoint: &Path, s: &Sampling) -> Result<Loaded, String> {
         true => checkpoint,
         false => base.as_path(),
     };
-    let mut cfg = GenerationConfig::from_pretrained(cfg_dir).map_err(err)?;
+    // transformers' model.generation_config: generation_config.json, else config.json's keys.
+    let mut cfg = GenerationConfig::for_model(cfg_dir).map_err(err)?;
     if cfg.eos_token_id.is_empty() {
         cfg.eos_token_id.extend(tok.eos_token_id);
     }

@@ -274,3 +274,64 @@ fn bad_input_is_named() {
     );
     assert!(!ok && err.contains("top_p"), "{err}");
 }
+
+/// Without a generation_config.json the checkpoint's config.json names the EOS, as
+/// transformers' `model.generation_config` takes it: a row stops at that token.
+#[test]
+fn config_json_names_the_eos_without_a_generation_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(mistral().join(f), tmp.path().join(f)).unwrap();
+    }
+    let prompt = "What is 10 + 77?";
+    let generate = || {
+        let args = [
+            "generate",
+            tmp.path().to_str().unwrap(),
+            "--prompt",
+            prompt,
+            "--max_new_tokens",
+            "10",
+        ];
+        let (ok, out, err) = cargo_trl(&args, None);
+        assert!(ok, "{err}");
+        completion(&rows(&out)[0])
+    };
+    let free = generate();
+    // The first new token after the first that differs from those before it, as EOS.
+    let model =
+        AutoModelForCausalLM::from_pretrained(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    let tok = TextTokenizer::from_dir(tmp.path()).unwrap();
+    let ids = Prompt::Messages(vec![Message::new("user", prompt)]);
+    let ids = ids.ids(&tok).unwrap();
+    let n = ids.len();
+    let input = Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap();
+    let mask = Tensor::ones((1, n), DType::U32, &Device::Cpu).unwrap();
+    let cfg = GenerationConfig {
+        max_new_tokens: 10,
+        ..GenerationConfig::default()
+    };
+    let out = model
+        .generate(&input, &mask, &cfg)
+        .unwrap()
+        .to_vec2::<u32>()
+        .unwrap();
+    let new = &out[0][n..];
+    let j = (1..new.len())
+        .find(|&j| !new[..j].contains(&new[j]))
+        .expect("a new token unlike those before it");
+    let eos = new[j];
+    let path = tmp.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["eos_token_id"] = eos.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let stopped = generate();
+    assert!(stopped.len() < free.len(), "{stopped:?} vs {free:?}");
+    assert!(free.starts_with(&stopped), "{stopped:?} vs {free:?}");
+}
