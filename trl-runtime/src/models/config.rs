@@ -131,7 +131,9 @@ impl ModelConfig {
         };
         let at = |e: &serde_json::Error| format!("<line {} column {}>", e.line(), e.column());
         // A vision-language checkpoint's language model (models/composite.rs).
-        let json = super::composite::language_model_json(text).map_err(|e| invalid(at(&e), e))?;
+        let mut json =
+            super::composite::language_model_json(text).map_err(|e| invalid(at(&e), e))?;
+        transformers_defaults(&mut json);
         let cfg: ModelConfig =
             serde_json::from_value(json).map_err(|e| invalid("<document>".into(), e))?;
         cfg.validate(source)?;
@@ -597,6 +599,53 @@ impl ModelConfig {
     }
 }
 
+/// The values transformers' config classes give keys a checkpoint's config.json leaves out,
+/// where they differ from the Llama family's defaults here: the GLM and DeepSeek models'
+/// norms' epsilon, context length and partial rotary, and latent attention's `head_dim`
+/// (transformers' name for the rotary part of a head: DeepSeek-V3 sets it so, GLM-4.7-Flash
+/// maps it to `qk_rope_head_dim`).
+fn transformers_defaults(json: &mut serde_json::Value) {
+    let Some(map) = json.as_object_mut() else {
+        return;
+    };
+    let model_type = map
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+    let defaults: &[(&str, serde_json::Value)] = match model_type.as_str() {
+        "glm4_moe" => &[
+            ("rms_norm_eps", serde_json::json!(1e-5)),
+            ("max_position_embeddings", serde_json::json!(131072)),
+        ],
+        "glm4_moe_lite" => &[
+            ("rms_norm_eps", serde_json::json!(1e-5)),
+            ("max_position_embeddings", serde_json::json!(202752)),
+        ],
+        "deepseek_v3" => &[("max_position_embeddings", serde_json::json!(4096))],
+        _ => &[],
+    };
+    for (key, value) in defaults {
+        if !map.contains_key(*key) {
+            map.insert(key.to_string(), value.clone());
+        }
+    }
+    if matches!(model_type.as_str(), "deepseek_v3" | "glm4_moe_lite") {
+        if let Some(rope) = map.get("qk_rope_head_dim").cloned() {
+            map.insert("head_dim".into(), rope);
+        }
+    }
+    // Glm4MoeConfig: `kwargs.setdefault("partial_rotary_factor", 0.5)`.
+    let in_rope = ["rope_parameters", "rope_scaling"].iter().any(|k| {
+        map.get(*k)
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .is_some()
+    });
+    if model_type == "glm4_moe" && !in_rope && !map.contains_key("partial_rotary_factor") {
+        map.insert("partial_rotary_factor".into(), serde_json::json!(0.5));
+    }
+}
+
 /// Whether each of `n` layers attends in a sliding window by transformers' `layer_types`
 /// (`full_attention` or `sliding_attention`); Err names the key and why.
 pub fn sliding_layers(
@@ -702,5 +751,33 @@ mod tests {
         // Three sliding layers, then a full one (transformers' default layer_types).
         let windows = v4.layer_windows().unwrap();
         assert_eq!(windows, vec![Some(8), Some(8), Some(8), None]);
+    }
+
+    /// Keys transformers' config classes fill in: GLM-4.7-Flash's head_dim is its rotary part
+    /// (its 2048 hidden features do not divide over 20 heads, and need not), GLM-4 MoE turns
+    /// half of each head, and both take their norms' epsilon of 1e-5.
+    #[test]
+    fn transformers_defaults_fill_what_configs_leave_out() {
+        let lite = r#"{"model_type": "glm4_moe_lite", "vocab_size": 10, "hidden_size": 2048,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 20,
+            "qk_rope_head_dim": 64, "qk_nope_head_dim": 192}"#;
+        let c = ModelConfig::from_json(lite, "lite").unwrap();
+        assert_eq!(
+            (c.head_dim(), c.rotary_dim(), c.rms_norm_eps),
+            (64, 64, 1e-5)
+        );
+        let glm = r#"{"model_type": "glm4_moe", "vocab_size": 10, "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}"#;
+        let c = ModelConfig::from_json(glm, "glm").unwrap();
+        assert_eq!((c.head_dim(), c.rotary_dim()), (16, 8));
+        // Given, the factor is the config's.
+        let full = glm.replace(
+            "\"num_attention_heads\": 4",
+            "\"num_attention_heads\": 4, \"partial_rotary_factor\": 1.0",
+        );
+        assert_eq!(
+            ModelConfig::from_json(&full, "glm").unwrap().rotary_dim(),
+            16
+        );
     }
 }

@@ -61,9 +61,10 @@ impl DeepseekMoe {
         let (b, s, hidden) = h.dims3()?;
         let flat = h.reshape((b * s, hidden))?;
         let r = self.routing;
-        // sigmoid in f32, as transformers scores (1 / (1 + e^-x): differentiable ops).
+        // sigmoid in f32, as transformers scores; (1 + tanh(x / 2)) / 2 in differentiable ops
+        // (1 / (1 + e^-x) would make a NaN gradient where e^-x overflows).
         let logits = self.gate.proj.forward(&flat)?.to_dtype(DType::F32)?;
-        let scores = (logits.neg()?.exp()? + 1.0)?.recip()?;
+        let scores = (((logits * 0.5)?.tanh()? + 1.0)? * 0.5)?;
         let host: Vec<f32> = scores.detach().flatten_all()?.to_vec1()?;
         let bias: Vec<f32> = self
             .gate
@@ -228,6 +229,9 @@ impl DeepseekMoeConfig {
                 let why = format!("give one of \"dense\" or \"sparse\" for each of the {n} layers");
                 return Err(err("mlp_layer_types", why));
             }
+            // GLM-4.7-Flash's default: the first layer dense (its first_k_dense_replace is
+            // not read by transformers).
+            None if c.model_type == "glm4_moe_lite" => (0..n).map(|l| l >= 1).collect(),
             None => {
                 let first = count("first_k_dense_replace", Some(if deepseek { 3 } else { 1 }))?;
                 (0..n).map(|l| l >= first).collect()
@@ -296,6 +300,22 @@ impl DeepseekMoeConfig {
             routing: self.routing,
         };
         Ok((None, Some(moe)))
+    }
+}
+
+/// `x + mlp(h)` with a layer's dense MLP or its mixture of experts (the layers of
+/// glm4_moe.rs and deepseek_v3.rs).
+pub fn mlp_add(
+    dense: Option<&GatedMlp>,
+    sparse: Option<&DeepseekMoe>,
+    cx: &LayerInputs,
+    h: &Tensor,
+    x: &Tensor,
+) -> Result<Tensor> {
+    match (sparse, dense) {
+        (Some(sparse), _) => sparse.forward_add(cx, h, x),
+        (None, Some(dense)) => dense.forward_add(cx, h, x),
+        (None, None) => Err(Error::Parallelism("a layer without an MLP".into())),
     }
 }
 

@@ -27,8 +27,7 @@
 //! the last layer) are not part of transformers' model, nor of this one.
 
 use super::blocks::{lin, Decoder, GatedMlp, Layer};
-use super::deepseek_moe::{DeepseekMoe, DeepseekMoeConfig};
-use super::glm4_moe::mlp_add;
+use super::deepseek_moe::{mlp_add, DeepseekMoe, DeepseekMoeConfig};
 use crate::comm::autograd::copy_to_group;
 use crate::error::{Error, Result};
 use crate::kernels::fused::rotary;
@@ -66,6 +65,7 @@ pub struct LatentDims {
 pub struct LatentAttention {
     #[parallel(tp = "replicate")]
     pub q_a_proj: Option<Linear>,
+    #[parallel(tp = "replicate")]
     pub q_a_layernorm: Option<RmsNorm>,
     #[parallel(tp = "column")]
     pub q_b_proj: Option<Linear>,
@@ -73,6 +73,7 @@ pub struct LatentAttention {
     pub q_proj: Option<Linear>,
     #[parallel(tp = "replicate")]
     pub kv_a_proj_with_mqa: Linear,
+    #[parallel(tp = "replicate")]
     pub kv_a_layernorm: RmsNorm,
     #[parallel(tp = "column")]
     pub kv_b_proj: Linear,
@@ -95,7 +96,8 @@ impl LatentAttention {
         let (h, n) = (c.hidden_size, c.num_attention_heads);
         let qk = dims.nope + dims.rope;
         let bias = c.attention_bias;
-        let norm = |size, vb| crate::nn::rms_norm(size, c.rms_norm_eps, vb);
+        // transformers builds the latents' norms with its default epsilon, not rms_norm_eps.
+        let norm = |size, vb| crate::nn::rms_norm(size, 1e-6, vb);
         let latent = |f: &dyn Fn(usize) -> candle_core::Result<Linear>| q_rank.map(f).transpose();
         Ok(LatentAttention {
             q_a_proj: latent(&|r| lin(vb.pp("q_a_proj"), (h, r), bias))?,
@@ -254,9 +256,12 @@ fn latent_dims(c: &ModelConfig, source: &str) -> Result<(LatentDims, Option<usiz
             _ => Err(err(key, format!("{v} is not a positive count"))),
         }
     };
-    let q_rank = match get("q_lora_rank") {
-        None => None,
+    // Absent: transformers' default rank; null: queries projected directly.
+    let q_rank = match c.extra.get("q_lora_rank") {
+        Some(serde_json::Value::Null) => None,
         Some(_) => Some(count("q_lora_rank")?),
+        None if c.model_type == "glm4_moe_lite" => Some(768),
+        None => Some(1536),
     };
     let (nope, rope, v) = (
         count("qk_nope_head_dim")?,
@@ -311,14 +316,10 @@ impl Layer for DeepseekV3Layer {
     type Config = ModelConfig;
 
     fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
-        let mut config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
-        let (dims, _) = latent_dims(&config, source)?;
+        // head_dim is the rotary part (config.rs's transformers_defaults).
+        let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
+        latent_dims(&config, source)?;
         DeepseekMoeConfig::read(&config, source)?;
-        // transformers sets head_dim to the rotary part (older configs have none).
-        config.head_dim = Some(dims.rope);
-        config
-            .rotary()
-            .map_err(|m| Error::config(source, "rope_parameters", m))?;
         Ok(config)
     }
 

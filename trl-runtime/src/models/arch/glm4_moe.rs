@@ -8,7 +8,7 @@
 //! the last layer) are not part of transformers' model, nor of this one.
 
 use super::blocks::{Decoder, GatedMlp, Layer, PreNormAttention};
-use super::deepseek_moe::{DeepseekMoe, DeepseekMoeConfig};
+use super::deepseek_moe::{mlp_add, DeepseekMoe, DeepseekMoeConfig};
 use crate::error::{Error, Result};
 use crate::models::causal::LayerInputs;
 use crate::models::config::ModelConfig;
@@ -68,20 +68,5 @@ impl Layer for Glm4MoeLayer {
 
     fn may_skip_grad(name: &str) -> bool {
         crate::nn::lora::is_routed_expert(name) || super::deepseek_moe::is_correction_bias(name)
-    }
-}
-
-/// `x + mlp(h)` with a layer's dense MLP or its mixture of experts.
-pub fn mlp_add(
-    dense: Option<&GatedMlp>,
-    sparse: Option<&DeepseekMoe>,
-    cx: &LayerInputs,
-    h: &Tensor,
-    x: &Tensor,
-) -> Result<Tensor> {
-    match (sparse, dense) {
-        (Some(sparse), _) => sparse.forward_add(cx, h, x),
-        (None, Some(dense)) => dense.forward_add(cx, h, x),
-        (None, None) => Err(Error::Parallelism("a layer without an MLP".into())),
     }
 }
