@@ -630,6 +630,17 @@ fn unsupported_model_types_and_values_are_named() {
     assert!(e.contains("swiglu_limit") && e.contains("positive"), "{e}");
     let e = gpt_oss(&|j| j["attention_dropout"] = 0.1.into());
     assert!(e.contains("attention_dropout") && e.contains("0.1"), "{e}");
+    // Every model type refuses them: no model here implements dropout or quantized weights.
+    let qwen3 = |edit: &dyn Fn(&mut serde_json::Value)| refused("qwen3", edit);
+    let e = qwen3(&|j| j["attention_dropout"] = 0.1.into());
+    assert!(e.contains("attention_dropout") && e.contains("0.1"), "{e}");
+    let e = qwen3(&|j| j["quantization_config"] = serde_json::json!({"quant_method": "gptq"}));
+    assert!(
+        e.contains("quantization_config") && e.contains("'gptq'"),
+        "{e}"
+    );
+    let e = refused("phi3", &|j| j["resid_pdrop"] = 0.1.into());
+    assert!(e.contains("resid_pdrop") && e.contains("0.1"), "{e}");
     // DeepSeek's keys: the hub's FP8 weights, routings transformers does not implement,
     // groups that cannot be scored, latent attention's head counts.
     let deepseek = |edit: &dyn Fn(&mut serde_json::Value)| refused("deepseek-v3", edit);

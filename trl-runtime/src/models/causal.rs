@@ -148,7 +148,8 @@ impl LayerInputs {
     }
 
     /// Generation's KV cache, for a layer that keeps something else than its keys and values
-    /// in it (latent attention: [`KvCache::hold`]).
+    /// in it (latent attention: [`KvCache::hold`]). Drop the guard before any
+    /// [`Self::attention_with`] of the same forward: that call locks the cache too.
     pub fn kv_cache(&self) -> Option<std::sync::MutexGuard<'_, KvCache>> {
         let cache = self.cache.as_ref()?;
         Some(cache.lock().unwrap_or_else(|e| e.into_inner()))

@@ -153,6 +153,36 @@ impl ModelConfig {
             key: "model_type".into(),
             message: m,
         })?;
+        // Quantized weights (MXFP4 was made dense by the loader) and dropout, which no model
+        // here implements: refused for every model type rather than silently ignored.
+        let quant = self
+            .extra
+            .get("quantization_config")
+            .filter(|q| !q.is_null());
+        if let Some(q) = quant {
+            let method = q
+                .get("quant_method")
+                .and_then(|m| m.as_str())
+                .unwrap_or("?");
+            return err(
+                "quantization_config",
+                format!(
+                    "'{method}' weights cannot be trained here (MXFP4, the hub's gpt-oss, are \
+                     read dequantized): save the checkpoint dense first (in Python: \
+                     AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16), then \
+                     .save_pretrained(out))"
+                ),
+            );
+        }
+        for key in ["attention_dropout", "resid_pdrop", "embd_pdrop"] {
+            let p = self.extra.get(key).and_then(|v| v.as_f64()).unwrap_or(0.0);
+            if p != 0.0 {
+                return err(
+                    key,
+                    format!("{p}: dropout is not implemented; set it to 0.0"),
+                );
+            }
+        }
         if self.hidden_act != "silu" {
             return err(
                 "hidden_act",

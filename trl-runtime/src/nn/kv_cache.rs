@@ -107,7 +107,8 @@ impl KvCache {
         let (kc, vc) = &self.slots[slot];
         kc.slice_set(&k.contiguous()?, 2, self.len)?;
         vc.slice_set(&v.contiguous()?, 2, self.len)?;
-        self.attend_over((q, kc, vc), self.len + sq, (window, softcap, sinks))
+        let held = (kc, vc, self.len + sq);
+        self.attend_over(q, (k, v), held, (window, softcap, sinks))
     }
 
     /// Latent attention's cache (DeepSeek's MLA, as transformers keeps it): this attention
@@ -133,7 +134,7 @@ impl KvCache {
         softcap: Option<f64>,
         sinks: Option<&Tensor>,
     ) -> Result<Tensor> {
-        self.attend_over((q, k, v), k.dim(2)?, (window, softcap, sinks))
+        self.attend_over(q, (k, v), (k, v, k.dim(2)?), (window, softcap, sinks))
     }
 
     fn check_room(&self, b: usize, sq: usize) -> Result<()> {
@@ -171,20 +172,22 @@ impl KvCache {
         Ok(slot)
     }
 
-    /// Attention of `q` over the first `keys` of `kc`, `vc` (the new ones last).
+    /// Attention of `q` over the first `keys` of `kc`, `vc`, whose last are this forward's
+    /// `k`, `v` (all of them for a prompt, which the prefill kernel takes without the rest of
+    /// the buffers).
     fn attend_over(
         &self,
-        (q, kc, vc): (&Tensor, &Tensor, &Tensor),
-        keys: usize,
+        q: &Tensor,
+        (k, v): (&Tensor, &Tensor),
+        (kc, vc, keys): (&Tensor, &Tensor, usize),
         (window, softcap, sinks): (Option<usize>, Option<f64>, Option<&Tensor>),
     ) -> Result<Tensor> {
         let sq = q.dim(2)?;
         let spans = self.spans(sq, window, softcap);
         let (out, lse) = match () {
             // A prompt: the new keys are all there is, through the prefill kernel's GEMMs.
-            _ if self.len == 0 && cpu_flash::applies(q, kc) => {
-                let new = |t: &Tensor| t.narrow(2, 0, sq)?.contiguous();
-                cpu_flash::forward(&q.contiguous()?, &new(kc)?, &new(vc)?, &spans)?
+            _ if self.len == 0 && cpu_flash::applies(q, k) => {
+                cpu_flash::forward(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &spans)?
             }
             _ if decode::applies(q, kc) => decode::attention(q, (kc, vc), keys, &spans)?,
             #[cfg(feature = "cuda")]

@@ -39,6 +39,15 @@ pub struct RopeScaling {
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
+/// YaRN's magnitude correction for a context `factor` times longer, with DeepSeek's gain `m`
+/// (transformers' `get_mscale`): 1 when the context is not longer.
+pub fn yarn_mscale(factor: f64, m: f64) -> f64 {
+    match factor <= 1.0 {
+        true => 1.0,
+        false => 0.1 * m * factor.ln() + 1.0,
+    }
+}
+
 fn default_rope_type() -> String {
     "default".into()
 }
@@ -166,13 +175,7 @@ impl RotaryEmbedding {
                     })
                     .collect();
                 // DeepSeek's `mscale` / `mscale_all_dim`: their ratio when both are set.
-                let mscale = |m: f64| {
-                    if f <= 1.0 {
-                        1.0
-                    } else {
-                        0.1 * m * f.ln() + 1.0
-                    }
-                };
+                let mscale = |m: f64| yarn_mscale(f, m);
                 let key = |k: &str| {
                     s.extra
                         .get(k)

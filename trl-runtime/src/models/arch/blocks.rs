@@ -143,7 +143,7 @@ impl SelfAttention {
                 true => Some(Param::new(&vb, s.heads, "sinks")?.split_column(0)),
                 false => None,
             },
-            rotary_dim: s.rotary_dim.filter(|&r| r < s.head_dim),
+            rotary_dim: s.rotary_dim,
         })
     }
 

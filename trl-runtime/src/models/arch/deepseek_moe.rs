@@ -138,18 +138,9 @@ impl DeepseekMoeConfig {
                 None => default.ok_or_else(|| err(key, "missing".into())),
             }
         };
-        // The hub's configs: FP8 weights, and the original code's names for the routing
-        // transformers implements (sigmoid scores, group-limited top-k without aux loss).
-        if let Some(q) = get("quantization_config") {
-            let method = q
-                .get("quant_method")
-                .and_then(|m| m.as_str())
-                .unwrap_or("?");
-            return Err(err(
-                "quantization_config",
-                format!("'{method}' weights cannot be trained here: save the checkpoint dense first (in Python: AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16), then .save_pretrained(out))"),
-            ));
-        }
+        // The original code's names for the routing transformers implements (sigmoid
+        // scores, group-limited top-k without aux loss); the hub's FP8 weights are refused with
+        // every quantization (ModelConfig::validate).
         for (key, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
             if let Some(v) = get(key).filter(|v| v.as_str() != Some(want)) {
                 return Err(err(
@@ -160,15 +151,6 @@ impl DeepseekMoeConfig {
                     ),
                 ));
             }
-        }
-        if let Some(p) = get("attention_dropout")
-            .and_then(|v| v.as_f64())
-            .filter(|p| *p != 0.0)
-        {
-            return Err(err(
-                "attention_dropout",
-                format!("{p}: attention dropout is not implemented; set it to 0.0"),
-            ));
         }
         let experts = count("n_routed_experts", None)?;
         let top_k = count("num_experts_per_tok", None)?;

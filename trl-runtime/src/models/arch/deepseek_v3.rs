@@ -293,10 +293,8 @@ fn latent_dims(c: &ModelConfig, source: &str) -> Result<(LatentDims, Option<usiz
             .get("mscale_all_dim")
             .and_then(|v| v.as_f64())
             .unwrap_or(0.0);
-        let factor = p.factor.unwrap_or(1.0);
-        if p.rope_type != "default" && all != 0.0 && factor > 1.0 {
-            let m = 0.1 * all * factor.ln() + 1.0;
-            query_scale = m * m;
+        if p.rope_type != "default" && all != 0.0 {
+            query_scale = crate::nn::rope::yarn_mscale(p.factor.unwrap_or(1.0), all).powi(2);
         }
     }
     let dims = LatentDims {

@@ -120,26 +120,9 @@ pub struct GptOssLayer {
 }
 
 /// gpt-oss's keys beyond the Llama family's: the experts (MoeConfig) and the SwiGLU's
-/// constants; attention dropout and quantizations other than MXFP4 (whose config the loader
-/// has already made dense) refused.
+/// constants (quantizations other than MXFP4, which the loader makes dense, and attention
+/// dropout are refused with every model's: ModelConfig::validate).
 fn check(config: &ModelConfig, source: &str) -> Result<(MoeConfig, f64, f64)> {
-    let quant = config
-        .extra
-        .get("quantization_config")
-        .and_then(|q| q.get("quant_method"))
-        .and_then(|m| m.as_str());
-    if let Some(method) = quant {
-        return Err(Error::config(
-            source,
-            "quantization_config",
-            format!(
-                "'{method}' weights cannot be trained here (MXFP4, the hub's, are read \
-                 dequantized): save the checkpoint dense first (in Python: \
-                 AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16) with \
-                 dequantization, then .save_pretrained(out))"
-            ),
-        ));
-    }
     let number = |key: &str, default: f64| -> Result<f64> {
         match config.extra.get(key).filter(|v| !v.is_null()) {
             None => Ok(default),
@@ -149,14 +132,6 @@ fn check(config: &ModelConfig, source: &str) -> Result<(MoeConfig, f64, f64)> {
                 .ok_or_else(|| Error::config(source, key, format!("{v} is not a positive number"))),
         }
     };
-    let dropout = config
-        .extra
-        .get("attention_dropout")
-        .and_then(|v| v.as_f64());
-    if let Some(p) = dropout.filter(|p| *p != 0.0) {
-        let why = format!("{p}: attention dropout is not implemented; set it to 0.0");
-        return Err(Error::config(source, "attention_dropout", why));
-    }
     let (alpha, limit) = (number("swiglu_alpha", 1.702)?, number("swiglu_limit", 7.0)?);
     Ok((MoeConfig::read(config, source)?, alpha, limit))
 }
