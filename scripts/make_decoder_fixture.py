@@ -47,6 +47,11 @@ computes for them.
 - glm4-moe-lite: Glm4MoeLiteForCausalLM (GLM-4.7-Flash): deepseek-v3's layers with queries
   projected directly (q_lora_rank null), plain rotary, and the MLPs by mlp_layer_types:
   sparse, then dense.
+- llama4: Llama4ForCausalLM (llama4_text): 4 layers, rotary ones (interleaved pairs, L2 q/k
+  norms) with attention in chunks of 8 positions and NoPE ones with full attention and the
+  query temperature (floor_scale 8, attn_scale 0.5, so that both bite on 24 tokens); dense
+  MLPs on layers 0 and 3, a top-1 sigmoid-routed mixture of 4 fused experts plus a shared
+  expert on layers 1 and 2.
 - gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
   sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
   (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
@@ -56,7 +61,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4
 """
 
 import sys
@@ -77,6 +82,8 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -366,8 +373,23 @@ elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite"):
             **{**common, "num_key_value_heads": 4, "head_dim": 8},
         )
         model_class = DeepseekV3ForCausalLM
+elif kind == "llama4":
+    config = Llama4TextConfig(
+        tie_word_embeddings=False,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        moe_layers=[1, 2],
+        intermediate_size_mlp=96,
+        no_rope_layer_interval=2,
+        attention_chunk_size=8,
+        floor_scale=8,
+        attn_scale=0.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        **{**common, "intermediate_size": 32, "num_hidden_layers": 4},
+    )
+    model_class = Llama4ForCausalLM
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3 or glm4-moe-lite")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite or llama4")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -381,7 +403,7 @@ with torch.no_grad():
             p.copy_(torch.randn_like(p))
         elif kind == "gpt-oss" and "experts" in name:
             p.copy_(0.3 * torch.randn_like(p))
-        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite") and "experts" in name:
+        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4") and "experts" in name:
             # Experts far apart, so that the choice shows in the logits.
             p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):

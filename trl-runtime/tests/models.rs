@@ -362,8 +362,8 @@ fn positions(b: usize, s: usize) -> Tensor {
 /// tokens over 24-token rows) and Qwen2 with a sliding second layer (layer_types) against
 /// transformers on assets/tiny-qwen3, tiny-mistral, tiny-qwen2-sliding, tiny-gemma3,
 /// tiny-gemma2 (attention scores and logits soft-capped), tiny-smollm3, tiny-olmo2, tiny-olmo3 (sliding layers with their own rotary base), tiny-llama-longrope, tiny-phi3, tiny-qwen3-moe, tiny-mixtral
-/// tiny-gpt-oss (sinks, fused experts, YaRN), tiny-glm4-moe and tiny-deepseek-v3
-/// (scripts/make_decoder_fixture.py).
+/// tiny-gpt-oss (sinks, fused experts, YaRN), tiny-glm4-moe, tiny-deepseek-v3 and
+/// tiny-llama4 (scripts/make_decoder_fixture.py).
 #[test]
 fn every_built_in_model_type_matches_transformers() {
     for (kind, param) in [
@@ -403,6 +403,12 @@ fn every_built_in_model_type_matches_transformers() {
         ("glm4-moe-lite", "model.layers.0.self_attn.q_proj.weight"),
         // Its experts stored MXFP4, as the hub's (read dequantized).
         ("gpt-oss-mxfp4", "model.layers.1.mlp.experts.down_proj"),
+        // Chunked rotary layers (interleaved pairs, L2 q/k norms), NoPE layers with the
+        // query temperature, top-1 sigmoid routing of fused experts and a shared expert.
+        (
+            "llama4",
+            "model.layers.2.feed_forward.experts.gate_up_proj",
+        ),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
@@ -1027,7 +1033,7 @@ fn a_reward_model_starts_from_a_causal_checkpoint() {
 /// restarting, has the logits it has alone, on every CPU attention path.
 #[test]
 fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
-    for kind in ["glm4-moe", "deepseek-v3", "glm4-moe-lite"] {
+    for kind in ["glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4"] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("../assets/tiny-{kind}/model"));
         let want = candle_core::safetensors::load(dir.join("../parity.safetensors"), &Device::Cpu)

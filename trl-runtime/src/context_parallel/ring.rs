@@ -80,7 +80,7 @@ impl RingMask {
     pub fn new(
         position_ids: &Tensor,
         cp: &Arc<dyn Communicator>,
-        window: Option<usize>,
+        window: Option<crate::nn::Window>,
     ) -> Result<Self> {
         let (size, rank) = (cp.size(), cp.rank());
         let local = position_ids.to_dtype(DType::I64)?;

@@ -83,7 +83,7 @@ impl SeqAttention {
         split: Option<&SeqSplit>,
         position_ids: &Tensor,
         how: AttentionImpl,
-        window: Option<usize>,
+        window: Option<crate::nn::Window>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {

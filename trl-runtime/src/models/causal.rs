@@ -13,7 +13,7 @@ use crate::context_parallel::{SeqAttention, SeqSplit};
 use crate::error::Result;
 use crate::nn::memo::Memo;
 use crate::nn::module::Parallelize;
-use crate::nn::{AttentionImpl, KvCache, Linear, RotaryEmbedding, WithScoreMods};
+use crate::nn::{AttentionImpl, KvCache, Linear, RotaryEmbedding, Window, WithScoreMods};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::sync::{Arc, Mutex};
@@ -83,7 +83,7 @@ pub struct LayerInputs {
     pub(crate) attention: Arc<SeqAttention>,
     /// Sliding-window or soft-capped attention of this forward, by window and cap (its
     /// bits), built on first use.
-    windowed: Memo<(Option<usize>, Option<u64>), Arc<SeqAttention>>,
+    windowed: Memo<(Option<Window>, Option<u64>), Arc<SeqAttention>>,
     /// The largest position id, for [`Self::at_positions`]' bound check.
     max_position: std::sync::OnceLock<u32>,
     split: Option<SeqSplit>,
@@ -204,18 +204,19 @@ impl LayerInputs {
         v: &Tensor,
         window: Option<usize>,
     ) -> candle_core::Result<Tensor> {
-        self.attention_with(q, k, v, window, None, None)
+        self.attention_with(q, k, v, window.map(Window::Sliding), None, None)
     }
 
-    /// [`Self::attention_in_window`] with the scores soft-capped at `softcap` when given
-    /// (`cap * tanh(scores / cap)`, Gemma 2's `attn_logit_softcapping`) and this layer's
-    /// attention `sinks` [heads] (gpt-oss) when given.
+    /// [`Self::attention`] within a `window` of keys when given (sliding or chunked), with
+    /// the scores soft-capped at `softcap` when given (`cap * tanh(scores / cap)`, Gemma 2's
+    /// `attn_logit_softcapping`) and this layer's attention `sinks` [heads] (gpt-oss) when
+    /// given.
     pub fn attention_with(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        window: Option<usize>,
+        window: Option<Window>,
         softcap: Option<f64>,
         sinks: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {

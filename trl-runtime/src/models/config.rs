@@ -2,7 +2,7 @@
 
 use super::blocks::{AttentionShape, BodyShape, NormKind, PreNormAttention, QkNorm};
 use crate::error::{Error, Result};
-use crate::nn::RopeScaling;
+use crate::nn::{RopeScaling, Window};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -36,6 +36,9 @@ pub enum Architecture {
     Glm4Moe,
     /// Latent attention, DeepSeek's mixture of experts (models/deepseek_v3.rs).
     DeepseekV3,
+    /// Chunked and NoPE layers, a sigmoid-routed mixture with a shared expert
+    /// (models/llama4.rs).
+    Llama4,
 }
 
 fn default_rms_eps() -> f64 {
@@ -334,45 +337,54 @@ impl ModelConfig {
             "gpt_oss" => Ok(Architecture::GptOss),
             "glm4_moe" => Ok(Architecture::Glm4Moe),
             "deepseek_v3" | "glm4_moe_lite" => Ok(Architecture::DeepseekV3),
+            "llama4_text" => Ok(Architecture::Llama4),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite or deepseek_v3 (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite, deepseek_v3 or llama4_text (or \
                  your own model: docs/your-model.md)"
             )),
         }
     }
 
-    /// Each layer's sliding attention window (None: full attention), as transformers reads
-    /// the config: `layer_types` ("sliding_attention" layers use `sliding_window`), else for
-    /// Mistral `sliding_window` on every layer, else Qwen2/Qwen3's `use_sliding_window` from
-    /// layer `max_window_layers` on. Err names the key and why.
-    pub fn layer_windows(&self) -> std::result::Result<Vec<Option<usize>>, (&'static str, String)> {
+    /// Each layer's attention window (None: full attention), as transformers reads the
+    /// config: `layer_types` ("sliding_attention" layers use `sliding_window`,
+    /// "chunked_attention" ones `attention_chunk_size`), else for Mistral `sliding_window` on
+    /// every layer, else Qwen2/Qwen3's `use_sliding_window` from layer `max_window_layers`
+    /// on. Err names the key and why.
+    pub fn layer_windows(
+        &self,
+    ) -> std::result::Result<Vec<Option<Window>>, (&'static str, String)> {
         let n = self.num_hidden_layers;
-        let window = match self.extra.get("sliding_window") {
-            None | Some(serde_json::Value::Null) => None,
+        let size = |key: &'static str| match self.extra.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(None),
             Some(v) => match v.as_u64() {
-                Some(w) if w >= 1 => Some(w as usize),
-                _ => {
-                    return Err((
-                        "sliding_window",
-                        format!("{v} is not a window: give a positive number of tokens, or null"),
-                    ))
-                }
+                Some(w) if w >= 1 => Ok(Some(w as usize)),
+                _ => Err((
+                    key,
+                    format!("{v} is not a window: give a positive number of tokens, or null"),
+                )),
             },
         };
+        let window = size("sliding_window")?;
         let need = |what: String| match window {
-            Some(w) => Ok(Some(w)),
+            Some(w) => Ok(Some(Window::Sliding(w))),
             None => Err((
                 "sliding_window",
                 format!("{what}, but sliding_window is null"),
             )),
         };
         if let Some(types) = self.extra.get("layer_types").and_then(|v| v.as_array()) {
-            return sliding_layers(types, n)?
+            let chunk = size("attention_chunk_size")?;
+            return attention_kinds(types, n)?
                 .into_iter()
                 .enumerate()
-                .map(|(i, sliding)| match sliding {
-                    true => need(format!("layer {i} is sliding_attention")),
-                    false => Ok(None),
+                .map(|(i, kind)| match (kind, chunk) {
+                    (LayerAttention::Full, _) => Ok(None),
+                    (LayerAttention::Sliding, _) => need(format!("layer {i} is sliding_attention")),
+                    (LayerAttention::Chunked, Some(c)) => Ok(Some(Window::Chunked(c))),
+                    (LayerAttention::Chunked, None) => Err((
+                        "attention_chunk_size",
+                        format!("layer {i} is chunked_attention, but attention_chunk_size is null"),
+                    )),
                 })
                 .collect();
         }
@@ -394,8 +406,14 @@ impl ModelConfig {
                 })
                 .collect();
         }
+        if self.model_type == "llama4_text" {
+            // transformers' default: chunked attention on the rotary layers.
+            let chunk = size("attention_chunk_size")?.map(Window::Chunked);
+            let ropes = self.layer_ropes()?;
+            return Ok(ropes.into_iter().map(|r| chunk.filter(|_| r)).collect());
+        }
         if matches!(self.model_type.as_str(), "mistral" | "mixtral" | "phi3") {
-            return Ok(vec![window; n]);
+            return Ok(vec![window.map(Window::Sliding); n]);
         }
         let sliding = self
             .extra
@@ -418,12 +436,12 @@ impl ModelConfig {
             .collect()
     }
 
-    /// Whether each layer applies rotary embeddings: all but SmolLM3's NoPE layers
-    /// (`no_rope_layers`, 1 = rotary, else every `no_rope_layer_interval`-th layer, 4 by
-    /// default, has none), as transformers reads them.
+    /// Whether each layer applies rotary embeddings: all but SmolLM3's and Llama 4's NoPE
+    /// layers (`no_rope_layers`, 1 = rotary, else every `no_rope_layer_interval`-th layer, 4
+    /// by default, has none), as transformers reads them.
     pub fn layer_ropes(&self) -> std::result::Result<Vec<bool>, (&'static str, String)> {
         let n = self.num_hidden_layers;
-        if self.model_type != "smollm3" {
+        if !matches!(self.model_type.as_str(), "smollm3" | "llama4_text") {
             return Ok(vec![true; n]);
         }
         if let Some(v) = self.extra.get("no_rope_layers").filter(|v| !v.is_null()) {
@@ -653,6 +671,13 @@ fn transformers_defaults(json: &mut serde_json::Value) {
             ("max_position_embeddings", serde_json::json!(202752)),
         ],
         "deepseek_v3" => &[("max_position_embeddings", serde_json::json!(4096))],
+        // Llama4TextConfig's defaults (its rope_theta: default_theta).
+        "llama4_text" => &[
+            ("rms_norm_eps", serde_json::json!(1e-5)),
+            ("max_position_embeddings", serde_json::json!(131072)),
+            ("head_dim", serde_json::json!(128)),
+            ("rope_theta", serde_json::json!(500000.0)),
+        ],
         _ => &[],
     };
     for (key, value) in defaults {
@@ -676,12 +701,21 @@ fn transformers_defaults(json: &mut serde_json::Value) {
     }
 }
 
-/// Whether each of `n` layers attends in a sliding window by transformers' `layer_types`
-/// (`full_attention` or `sliding_attention`); Err names the key and why.
-pub fn sliding_layers(
+/// How a layer attends by transformers' `layer_types`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerAttention {
+    Full,
+    Sliding,
+    /// Llama 4's chunked_attention.
+    Chunked,
+}
+
+/// How each of `n` layers attends by transformers' `layer_types` (`full_attention`,
+/// `sliding_attention` or `chunked_attention`); Err names the key and why.
+pub fn attention_kinds(
     types: &[serde_json::Value],
     n: usize,
-) -> std::result::Result<Vec<bool>, (&'static str, String)> {
+) -> std::result::Result<Vec<LayerAttention>, (&'static str, String)> {
     if types.len() != n {
         return Err((
             "layer_types",
@@ -692,13 +726,35 @@ pub fn sliding_layers(
         .iter()
         .enumerate()
         .map(|(i, t)| match t.as_str() {
-            Some("full_attention") => Ok(false),
-            Some("sliding_attention") => Ok(true),
+            Some("full_attention") => Ok(LayerAttention::Full),
+            Some("sliding_attention") => Ok(LayerAttention::Sliding),
+            Some("chunked_attention") => Ok(LayerAttention::Chunked),
             _ => Err((
                 "layer_types",
                 format!(
-                    "{t} (layer {i}) is not supported: use full_attention or sliding_attention"
+                    "{t} (layer {i}) is not supported: use full_attention, sliding_attention \
+                     or chunked_attention"
                 ),
+            )),
+        })
+        .collect()
+}
+
+/// Whether each of `n` layers attends in a sliding window by transformers' `layer_types`
+/// (`full_attention` or `sliding_attention`); Err names the key and why.
+pub fn sliding_layers(
+    types: &[serde_json::Value],
+    n: usize,
+) -> std::result::Result<Vec<bool>, (&'static str, String)> {
+    attention_kinds(types, n)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, kind)| match kind {
+            LayerAttention::Full => Ok(false),
+            LayerAttention::Sliding => Ok(true),
+            LayerAttention::Chunked => Err((
+                "layer_types",
+                format!("chunked_attention (layer {i}) is not supported by this model"),
             )),
         })
         .collect()
@@ -714,8 +770,8 @@ pub struct LayerParts {
     pub rope: Arc<crate::nn::RotaryEmbedding>,
     /// The sliding layers' (OLMo 3's have their own; else `rope` again).
     pub sliding_rope: Arc<crate::nn::RotaryEmbedding>,
-    /// Each layer's sliding window (None: global).
-    pub windows: Vec<Option<usize>>,
+    /// Each layer's attention window (None: global).
+    pub windows: Vec<Option<Window>>,
     /// Whether each layer applies rotary embeddings (SmolLM3's NoPE layers do not).
     pub ropes: Vec<bool>,
     pub norm: NormKind,
@@ -727,8 +783,8 @@ impl LayerParts {
     /// Layer `l`'s rotary table (its window says which).
     pub fn rope_of(&self, l: usize) -> Arc<crate::nn::RotaryEmbedding> {
         match self.windows[l] {
-            Some(_) => self.sliding_rope.clone(),
-            None => self.rope.clone(),
+            Some(Window::Sliding(_)) => self.sliding_rope.clone(),
+            _ => self.rope.clone(),
         }
     }
 
@@ -780,7 +836,8 @@ mod tests {
         }
         // Three sliding layers, then a full one (transformers' default layer_types).
         let windows = v4.layer_windows().unwrap();
-        assert_eq!(windows, vec![Some(8), Some(8), Some(8), None]);
+        let w = Some(Window::Sliding(8));
+        assert_eq!(windows, vec![w, w, w, None]);
     }
 
     /// Keys transformers' config classes fill in: GLM-4.7-Flash's head_dim is its rotary part

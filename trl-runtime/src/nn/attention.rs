@@ -150,6 +150,7 @@ fn softmax(x: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
     use crate::kernels::testing::max_abs_diff as max_diff;
+    use crate::nn::Window;
     use candle_core::{DType, Var};
 
     /// transformers' names: sdpa is the whole matrix on a CPU (a GPU runs it blockwise; the GPU
@@ -209,7 +210,8 @@ mod tests {
         let sinks =
             Var::from_tensor(&Tensor::new(&[0.5f32, -1.0, 2.0, 4.0], &dev).unwrap()).unwrap();
         let w = Tensor::randn(0f32, 1.0, (b, heads, s, d), &dev).unwrap();
-        for window in [None, Some(6)] {
+        let windows = [None, Some(Window::Sliding(6)), Some(Window::Chunked(5))];
+        for window in windows {
             let mask = AttentionMask::windowed(&pos, window, DType::F32, &dev)
                 .unwrap()
                 .with_sinks(Some(sinks.as_tensor().clone()));

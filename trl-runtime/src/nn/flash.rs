@@ -380,7 +380,9 @@ mod tests {
             .flat_map(|row| row.iter().flat_map(|&n| 0..n))
             .collect();
         let pos = Tensor::from_vec(pos, (2, s), &dev).unwrap();
-        let plain = AttentionMask::windowed(&pos, Some(5), DType::F32, &dev).unwrap();
+        let plain =
+            AttentionMask::windowed(&pos, Some(crate::nn::Window::Sliding(5)), DType::F32, &dev)
+                .unwrap();
         let mask = plain.clone().with_softcap(Some(cap));
         // Large scores, so the cap bites.
         let q = Var::randn(0f32, 3.0, (2, 4, s, d), &dev).unwrap();

@@ -11,6 +11,7 @@
 
 use crate::kernels::cpu_flash::KeySpans;
 use crate::kernels::{cpu_flash, decode};
+use crate::nn::Window;
 use candle_core::{Result, Tensor};
 
 /// Every layer's cached keys and values, and where each row's own tokens begin.
@@ -73,15 +74,16 @@ impl KvCache {
         Ok(used)
     }
 
-    /// Which cached keys each new query sees: from its row's start (and within `window` of
-    /// itself) to itself. A pad query of a prompt sees nothing.
-    fn spans(&self, sq: usize, window: Option<usize>, softcap: Option<f64>) -> KeySpans {
+    /// Which cached keys each new query sees: from its row's start (and within its `window`,
+    /// positions counted from the row's start) to itself. A pad query of a prompt sees
+    /// nothing.
+    fn spans(&self, sq: usize, window: Option<Window>, softcap: Option<f64>) -> KeySpans {
         let (mut lo, mut hi) = (Vec::new(), Vec::new());
         for &start in &self.starts {
             for i in 0..sq {
                 let at = self.len + i;
                 let from = match window {
-                    Some(w) => (at + 1).saturating_sub(w).max(start),
+                    Some(w) => w.first(at, start, at.saturating_sub(start)),
                     None => start,
                 };
                 lo.push(from as u32);
@@ -97,7 +99,7 @@ impl KvCache {
     pub fn attend(
         &mut self,
         (q, k, v): (&Tensor, &Tensor, &Tensor),
-        window: Option<usize>,
+        window: Option<Window>,
         softcap: Option<f64>,
         sinks: Option<&Tensor>,
     ) -> Result<Tensor> {
@@ -130,7 +132,7 @@ impl KvCache {
     pub fn attend_held(
         &self,
         (q, k, v): (&Tensor, &Tensor, &Tensor),
-        window: Option<usize>,
+        window: Option<Window>,
         softcap: Option<f64>,
         sinks: Option<&Tensor>,
     ) -> Result<Tensor> {
@@ -180,7 +182,7 @@ impl KvCache {
         q: &Tensor,
         (k, v): (&Tensor, &Tensor),
         (kc, vc, keys): (&Tensor, &Tensor, usize),
-        (window, softcap, sinks): (Option<usize>, Option<f64>, Option<&Tensor>),
+        (window, softcap, sinks): (Option<Window>, Option<f64>, Option<&Tensor>),
     ) -> Result<Tensor> {
         let sq = q.dim(2)?;
         let spans = self.spans(sq, window, softcap);

@@ -91,6 +91,32 @@ pub(crate) fn soft_cap(
     }
 }
 
+/// Which earlier keys of its document a query sees beyond causality (None where a layer
+/// attends to all of them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Window {
+    /// The `n` latest keys, itself included (sliding-window attention: Mistral, Gemma,
+    /// `layer_types`' sliding_attention), as transformers' sliding mask: key j is visible
+    /// from query i when i - n < j <= i.
+    Sliding(usize),
+    /// The keys of its own chunk of `n` positions, position p in chunk p / n (Llama 4's
+    /// chunked_attention). Positions count from each document's start, so a packed document
+    /// or a left-padded prompt has the chunks it has alone, as transformers' chunked mask
+    /// counts them from a row's first real token.
+    Chunked(usize),
+}
+
+impl Window {
+    /// The first key that query `i` (at `position` in its document, which starts at index
+    /// `start`) sees.
+    pub fn first(self, i: usize, start: usize, position: usize) -> usize {
+        match self {
+            Window::Sliding(n) => start.max((i + 1).saturating_sub(n.max(1))),
+            Window::Chunked(n) => start.max(i.saturating_sub(position % n.max(1))),
+        }
+    }
+}
+
 /// Document index of every token of one row of position ids.
 pub fn document_ids(positions: &[i64]) -> Vec<u32> {
     let mut doc = 0u32;
@@ -113,12 +139,11 @@ impl AttentionMask {
         Self::windowed(position_ids, None, dtype, device)
     }
 
-    /// [`Self::causal`], each query seeing at most the `window` latest keys of its document
-    /// (itself included) when a sliding window is given, as transformers' sliding attention
-    /// (key j visible from query i when i - window < j <= i).
+    /// [`Self::causal`], each query seeing only the keys of its document inside its
+    /// `window` when one is given.
     pub fn windowed(
         position_ids: &Tensor,
-        window: Option<usize>,
+        window: Option<Window>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
@@ -127,7 +152,7 @@ impl AttentionMask {
 
     pub(super) fn build(
         position_ids: &Tensor,
-        window: Option<usize>,
+        window: Option<Window>,
         dtype: DType,
         device: &Device,
         fused: bool,
@@ -144,7 +169,7 @@ impl AttentionMask {
                 }
                 // Every query sees the start of its document and, in a window, no further back.
                 let first = match window {
-                    Some(w) => start.max((i + 1).saturating_sub(w.max(1))),
+                    Some(w) => w.first(i, start, row[i].max(0) as usize),
                     None => start,
                 };
                 starts.push(first as u32);
@@ -222,5 +247,32 @@ impl AttentionMask {
                 false => self.bias(q, k).map(Some),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Chunked attention starts each query at its chunk (positions counted in its document),
+    /// a sliding window `n` keys back; both never before the document's start.
+    #[test]
+    fn windows_start_where_their_kind_says() {
+        // A row of two documents: positions 0..7 then 0..5.
+        let pos: Vec<i64> = (0..7).chain(0..5).collect();
+        let pos = Tensor::from_vec(pos, (1, 12), &Device::Cpu).unwrap();
+        let starts = |w| {
+            let m = AttentionMask::windowed(&pos, w, DType::F32, &Device::Cpu).unwrap();
+            m.ranges().starts.to_vec()
+        };
+        assert_eq!(
+            starts(Some(Window::Chunked(3))),
+            [0, 0, 0, 3, 3, 3, 6, 7, 7, 7, 10, 10]
+        );
+        assert_eq!(
+            starts(Some(Window::Sliding(3))),
+            [0, 0, 0, 1, 2, 3, 4, 7, 7, 7, 8, 9]
+        );
+        assert_eq!(starts(None), [0, 0, 0, 0, 0, 0, 0, 7, 7, 7, 7, 7]);
     }
 }

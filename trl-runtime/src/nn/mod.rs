@@ -39,7 +39,7 @@ pub use kv_cache::KvCache;
 pub use layernorm::{layer_norm, LayerNorm};
 pub use linear::{linear, linear_no_bias, Linear};
 pub use loss::{causal_lm_loss, LossSum, IGNORE_INDEX};
-pub use mask::{AttentionMask, WithScoreMods};
+pub use mask::{AttentionMask, Window, WithScoreMods};
 pub use module::Parallelize;
 pub use param::Param;
 pub use rmsnorm::{rms_norm, RmsNorm};

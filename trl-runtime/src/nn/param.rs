@@ -24,6 +24,9 @@ pub struct Param {
     /// How tensor parallelism splits it: a style (column: it feeds split features; row: it
     /// reads them) and the dimension cut. None: whole on every rank.
     pub split: Option<(TpStyle, usize)>,
+    /// The sections of a fused tensor along the split dimension, each split on its own
+    /// (Llama 4's experts' gate_up_proj: the gate half, then the up half).
+    pub sections: Sections,
     /// A LoRA adapter on it (this rank's slices), once added.
     pub lora: Option<Lora>,
     /// This rank and the tensor-parallel group's size, once split.
@@ -40,6 +43,7 @@ impl Param {
         Ok(Param {
             weight: Weight::Local(vb.get(shape, name)?),
             split: None,
+            sections: Sections::WHOLE,
             lora: None,
             tp: None,
         })
@@ -52,6 +56,15 @@ impl Param {
         };
         self.split = Some((style, dim));
         self
+    }
+
+    /// [`Self::split_column`] of a fused tensor: each of the sections of lengths `lens`
+    /// along `dim` split on its own, a rank holding its share of each in order.
+    pub fn split_column_sections(self, dim: usize, lens: &[usize]) -> Self {
+        Param {
+            sections: Sections::of(lens),
+            ..self.split_column(dim)
+        }
     }
 
     /// The same parameter split along `dim` as a row-parallel layer's input is.
@@ -82,7 +95,12 @@ impl Param {
         match &mut self.lora {
             Some(lora) => {
                 let dims = lora_split_dims(self.split);
-                split_lora(lora, name, dims, Sections::WHOLE, self.tp)
+                // The sections are the output features: B's rows, when those are split.
+                let sections = match dims {
+                    (_, Some(0)) => self.sections,
+                    _ => Sections::WHOLE,
+                };
+                split_lora(lora, name, dims, sections, self.tp)
             }
             None => Ok(()),
         }
@@ -177,7 +195,7 @@ impl Parallelize for Param {
                     .into(),
             });
         };
-        self.weight = Weight::Local(tp.shard(name, t, dim, Sections::WHOLE)?);
+        self.weight = Weight::Local(tp.shard(name, t, dim, self.sections)?);
         self.tp = Some((tp.rank(), tp.size()));
         self.split_lora(name)
     }
@@ -185,7 +203,10 @@ impl Parallelize for Param {
     fn visit_params(&self, name: &str, f: &mut ParamFn) {
         if let Weight::Local(t) = &self.weight {
             let split = match self.split {
-                Some((style, dim)) => Split::on(style, Some(dim)),
+                Some((style, dim)) => Split {
+                    sections: self.sections,
+                    ..Split::on(style, Some(dim))
+                },
                 None => Split::REPLICATED,
             };
             f(name, t, split)
@@ -196,7 +217,13 @@ impl Parallelize for Param {
             let (a, b) = match (self.split, lora_split_dims(self.split)) {
                 (None, _) => (Split::REPLICATED, Split::REPLICATED),
                 (Some((style, _)), (Some(d), _)) => (Split::on(style, Some(d)), Split::PARTIAL),
-                (Some((style, _)), (_, d)) => (Split::PARTIAL, Split::on(style, d)),
+                (Some((style, _)), (_, d)) => (
+                    Split::PARTIAL,
+                    Split {
+                        sections: self.sections,
+                        ..Split::on(style, d)
+                    },
+                ),
             };
             f(&child_name(name, "lora_A.weight"), &lora.a, a);
             f(&child_name(name, "lora_B.weight"), &lora.b, b);

@@ -10,7 +10,7 @@ use crate::models::causal::{CausalModel, LayerInputs};
 use crate::nn::chain::{Chain, SplitHeads};
 use crate::nn::tiled_mlp::tiled_swiglu;
 use crate::nn::{embedding, linear, linear_no_bias, rms_norm};
-use crate::nn::{Embedding, Linear, Param, RmsNorm, RotaryEmbedding, Weight};
+use crate::nn::{Embedding, Linear, Param, RmsNorm, RotaryEmbedding, Weight, Window};
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
@@ -148,13 +148,13 @@ impl SelfAttention {
     }
 
     /// Attention over `h` [batch, seq, hidden] with `rope` (None: no rotary, SmolLM3's NoPE
-    /// layers) within `window` keys (None: every earlier key of the document).
+    /// layers) within `window` (None: every earlier key of the document).
     pub fn forward(
         &self,
         h: &Tensor,
         cx: &LayerInputs,
         rope: Option<&RotaryEmbedding>,
-        window: Option<usize>,
+        window: Option<Window>,
     ) -> Result<Tensor> {
         self.forward_add(h, None, cx, rope, window)
     }
@@ -168,7 +168,7 @@ impl SelfAttention {
         residual: Option<&Tensor>,
         cx: &LayerInputs,
         rope: Option<&RotaryEmbedding>,
-        window: Option<usize>,
+        window: Option<Window>,
     ) -> Result<Tensor> {
         let heads = self.heads();
         let projections = (&self.q_proj, &self.k_proj, &self.v_proj);
@@ -220,7 +220,7 @@ impl Heads<'_> {
         (q, k, v): (Tensor, Tensor, Tensor),
         cx: &LayerInputs,
         rope: Option<&RotaryEmbedding>,
-        window: Option<usize>,
+        window: Option<Window>,
     ) -> Result<Tensor> {
         let (b, s, _) = q.dims3()?;
         let cos_sin = rope.map(|r| cx.cos_sin(r)).transpose()?;
@@ -344,7 +344,7 @@ impl Heads<'_> {
         k: &Tensor,
         v: &Tensor,
         cx: &LayerInputs,
-        window: Option<usize>,
+        window: Option<Window>,
     ) -> Result<Tensor> {
         let sinks = self.sinks.map(Param::value).transpose()?;
         Ok(cx.attention_with(q, k, v, window, self.softcap, sinks.as_ref())?)
@@ -374,6 +374,18 @@ fn norm_whole(t: &Tensor, norm: &RmsNorm, cx: &LayerInputs) -> Result<Tensor> {
     Ok(norm
         .forward(&whole)?
         .narrow(last, tp.rank() * local, local)?)
+}
+
+/// Features of each head [b, heads, s, d] reordered: the even ones, then the odd ones (the
+/// first and second of each rotary pair).
+pub fn deinterleave(t: &Tensor) -> candle_core::Result<Tensor> {
+    let d = t.dim(3)?;
+    let order: Vec<u32> = (0..d as u32)
+        .step_by(2)
+        .chain((1..d as u32).step_by(2))
+        .collect();
+    let order = Tensor::new(order.as_slice(), t.device())?;
+    t.contiguous()?.index_select(&order, 3)
 }
 
 /// The gate's activation of a [`GatedMlp`].
@@ -508,16 +520,16 @@ pub struct PreNormAttention {
     /// The rotary table (shared by the layers), None on SmolLM3's NoPE layers.
     #[parallel(skip)]
     rope: Option<Arc<RotaryEmbedding>>,
-    /// The sliding attention window (None: full attention).
+    /// The attention window, sliding or chunked (None: full attention).
     #[parallel(skip)]
-    window: Option<usize>,
+    window: Option<Window>,
 }
 
 impl PreNormAttention {
     /// From a layer's `vb`, with its rotary table and window.
     pub fn new(
         (norm, shape): (NormKind, AttentionShape),
-        (rope, window): (Option<Arc<RotaryEmbedding>>, Option<usize>),
+        (rope, window): (Option<Arc<RotaryEmbedding>>, Option<Window>),
         vb: &VarBuilder,
     ) -> candle_core::Result<Self> {
         Ok(PreNormAttention {

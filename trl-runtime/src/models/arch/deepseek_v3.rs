@@ -26,7 +26,7 @@
 //! The checkpoints' multi-token prediction layers (`num_nextn_predict_layers`, stored after
 //! the last layer) are not part of transformers' model, nor of this one.
 
-use super::blocks::{lin, Decoder, GatedMlp, Layer};
+use super::blocks::{deinterleave, lin, Decoder, GatedMlp, Layer};
 use super::deepseek_moe::{mlp_add, DeepseekMoe, DeepseekMoeConfig};
 use crate::comm::autograd::copy_to_group;
 use crate::error::{Error, Result};
@@ -220,16 +220,6 @@ impl LatentAttention {
 /// Rotary features in interleaved pairs (x0, x1), (x2, x3), ... laid out as halves (x0, x2,
 /// ..., x1, x3, ...), where rotary's usual halves pair them: what transformers'
 /// apply_rotary_pos_emb_interleave computes, on queries and keys alike.
-fn deinterleave(t: &Tensor) -> Result<Tensor> {
-    let d = t.dim(3)?;
-    let order: Vec<u32> = (0..d as u32)
-        .step_by(2)
-        .chain((1..d as u32).step_by(2))
-        .collect();
-    let order = Tensor::new(order.as_slice(), t.device())?;
-    Ok(t.contiguous()?.index_select(&order, 3)?)
-}
-
 /// x + attention(norm(x)), then + mlp(norm(x)) with a dense MLP or DeepSeek's mixture.
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]

@@ -338,9 +338,12 @@ impl Layer for Gemma3Layer {
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
-        let a = self
-            .self_attn
-            .forward(&h, cx, Some(&self.rope), self.window)?;
+        let a = self.self_attn.forward(
+            &h,
+            cx,
+            Some(&self.rope),
+            self.window.map(crate::nn::Window::Sliding),
+        )?;
         let x = (x + self.post_attention_layernorm.forward(&a)?)?;
         let h = self.pre_feedforward_layernorm.forward(&x)?;
         let m = self.mlp.forward(cx, &h)?;

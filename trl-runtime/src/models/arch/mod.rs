@@ -10,6 +10,7 @@ pub mod gemma3;
 pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod llama;
+pub mod llama4;
 pub mod mixtral;
 pub mod moe;
 pub mod olmo2;

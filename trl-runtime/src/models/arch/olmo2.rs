@@ -37,7 +37,7 @@ pub struct Olmo2Layer {
     rope: Arc<RotaryEmbedding>,
     /// OLMo 3's sliding layers' window (None: full attention).
     #[parallel(skip)]
-    window: Option<usize>,
+    window: Option<crate::nn::Window>,
 }
 
 impl Layer for Olmo2Layer {

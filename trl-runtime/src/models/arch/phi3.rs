@@ -49,7 +49,7 @@ pub struct Phi3Layer {
     #[parallel(skip)]
     rope: Arc<RotaryEmbedding>,
     #[parallel(skip)]
-    window: Option<usize>,
+    window: Option<crate::nn::Window>,
 }
 
 impl Layer for Phi3Layer {
