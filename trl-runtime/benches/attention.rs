@@ -31,7 +31,13 @@ fn time_ms(
         .unwrap()
         .repeat((b, 1))
         .unwrap();
-    let mask = AttentionMask::windowed(&pos, window, dtype, dev).unwrap();
+    let mask = AttentionMask::windowed(
+        &pos,
+        window.map(trl_runtime::nn::Window::Sliding),
+        dtype,
+        dev,
+    )
+    .unwrap();
     let make = |heads: usize| {
         Var::from_tensor(
             &Tensor::randn(0f32, 1.0, (b, heads, s, d), dev)

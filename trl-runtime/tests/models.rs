@@ -405,10 +405,7 @@ fn every_built_in_model_type_matches_transformers() {
         ("gpt-oss-mxfp4", "model.layers.1.mlp.experts.down_proj"),
         // Chunked rotary layers (interleaved pairs, L2 q/k norms), NoPE layers with the
         // query temperature, top-1 sigmoid routing of fused experts and a shared expert.
-        (
-            "llama4",
-            "model.layers.2.feed_forward.experts.gate_up_proj",
-        ),
+        ("llama4", "model.layers.2.feed_forward.experts.gate_up_proj"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
