@@ -161,6 +161,7 @@ const ARCHITECTURES: &[&str] = &[
     "glm4-moe",
     "deepseek-v3",
     "glm4-moe-lite",
+    "llama4",
 ];
 
 fn checkpoint(kind: &str) -> std::path::PathBuf {

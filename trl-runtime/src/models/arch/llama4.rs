@@ -26,7 +26,8 @@
 //!
 //! Strategies: under tp the attention is split by heads, the shared expert and the dense
 //! MLP as dense ones, each expert's MLP too (gate_up by its columns in its two halves, down
-//! by its rows), the router whole. transformers computes no router loss for Llama 4:
+//! by its rows), the router whole. peft's all-linear adapts the projections, not the router
+//! (see [`Llama4Router`]) nor the fused experts (parameters: `target_parameters`). transformers computes no router loss for Llama 4:
 //! `router_aux_loss_coef` is warned about when not 0.
 
 use super::blocks::{deinterleave, Decoder, GatedMlp, Layer, SelfAttention};
@@ -78,11 +79,18 @@ impl Llama4Experts {
     }
 }
 
+/// `feed_forward.router`: logits = x W^T. A parameter, not a `Linear`: peft's all-linear
+/// wraps transformers' router (an nn.Linear that returns scores and logits) in a layer that
+/// then fails on the pair, so no adapter of ours goes where peft cannot run it.
+#[derive(Debug, Clone, Parallelize)]
+pub struct Llama4Router {
+    weight: Param,
+}
+
 /// `feed_forward` on the MoE layers: the router, the experts and the shared expert.
 #[derive(Debug, Clone, Parallelize)]
 pub struct Llama4Moe {
-    #[parallel(tp = "replicate")]
-    router: Linear,
+    router: Llama4Router,
     experts: Llama4Experts,
     shared_expert: GatedMlp,
     #[parallel(skip)]
@@ -95,7 +103,7 @@ impl Llama4Moe {
         let (b, s, hidden) = h.dims3()?;
         let n = b * s;
         let flat = h.reshape((n, hidden))?;
-        let logits = self.router.forward(&flat)?;
+        let logits = flat.matmul(&self.router.weight.value()?.t()?)?;
         let count = logits.dim(1)?;
         let k = self.top_k;
         // The choice has no gradient: top-k logits on the host.
@@ -345,7 +353,9 @@ impl Layer for Llama4Layer {
                 true => {
                     let experts = ff.pp("experts");
                     let moe = Llama4Moe {
-                        router: super::blocks::lin(ff.pp("router"), (h, e), false)?,
+                        router: Llama4Router {
+                            weight: Param::new(&ff.pp("router"), (e, h), "weight")?,
+                        },
                         experts: Llama4Experts {
                             gate_up_proj: Param::new(&experts, (e, h, 2 * i), "gate_up_proj")?
                                 .split_column_sections(2, &[i, i]),
