@@ -311,6 +311,15 @@ fn glm4_moe_lite_under_every_cpu_profile_equals_one_process() {
     correction_biases_kept("glm4-moe-lite", tmp.path());
 }
 
+/// Llama 4: chunked attention on the rotary layers (interleaved pairs, L2 q/k norms; the
+/// chunks by position under ring and Ulysses), NoPE layers with the query temperature, dense
+/// MLPs and a top-1 sigmoid-routed mixture of fused experts (gate_up split by halves under
+/// tp) with a shared expert; no router loss, as in transformers.
+#[test]
+fn llama4_under_every_cpu_profile_equals_one_process() {
+    every_profile_keeps("llama4", "\"attention_chunk_size\": 8");
+}
+
 /// gpt-oss: attention sinks (split with the heads under tp, narrowed per rank by Ulysses,
 /// added once after the ring's steps), sliding and full layers, fused experts as grouped
 /// GEMMs (sharded by ZeRO-3 / FSDP as one tensor each, split under tp: gate_up by columns,
