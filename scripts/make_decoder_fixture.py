@@ -52,6 +52,9 @@ computes for them.
   query temperature (floor_scale 8, attn_scale 0.5, so that both bite on 24 tokens); dense
   MLPs on layers 0 and 3, a top-1 sigmoid-routed mixture of 4 fused experts plus a shared
   expert on layers 1 and 2.
+- llama4-vision: Llama4ForConditionalGeneration (the hub's model_type llama4): the llama4
+  language model under language_model. in the files and the module tree alike, a one-layer
+  vision model and the projector beside it; the logits are of text alone.
 - gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
   sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
   (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
@@ -61,7 +64,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision
 """
 
 import sys
@@ -82,7 +85,9 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    Llama4Config,
     Llama4ForCausalLM,
+    Llama4ForConditionalGeneration,
     Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -373,7 +378,7 @@ elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite"):
             **{**common, "num_key_value_heads": 4, "head_dim": 8},
         )
         model_class = DeepseekV3ForCausalLM
-elif kind == "llama4":
+elif kind in ("llama4", "llama4-vision"):
     config = Llama4TextConfig(
         tie_word_embeddings=False,
         num_local_experts=4,
@@ -388,8 +393,28 @@ elif kind == "llama4":
         **{**common, "intermediate_size": 32, "num_hidden_layers": 4},
     )
     model_class = Llama4ForCausalLM
+    if kind == "llama4-vision":
+        vision = dict(
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+            pixel_shuffle_ratio=0.5,
+            **{k: v for k, v in tiny_vision.items() if k not in ("image_size", "patch_size")},
+        )
+        config = Llama4Config(
+            text_config=config.to_dict(),
+            vision_config=vision,
+            boi_token_index=VOCAB - 3,
+            eoi_token_index=VOCAB - 2,
+            image_token_index=VOCAB - 1,
+        )
+        model_class = Llama4ForConditionalGeneration
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite or llama4")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4 or llama4-vision")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -403,7 +428,7 @@ with torch.no_grad():
             p.copy_(torch.randn_like(p))
         elif kind == "gpt-oss" and "experts" in name:
             p.copy_(0.3 * torch.randn_like(p))
-        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4") and "experts" in name:
+        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision") and "experts" in name:
             # Experts far apart, so that the choice shows in the logits.
             p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
@@ -413,15 +438,15 @@ with torch.no_grad():
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.3 * torch.randn_like(b))
 write(model, f"tiny-{kind}")
-if kind in ("gemma3-vision", "qwen3-vl"):
+if kind in ("gemma3-vision", "qwen3-vl", "llama4-vision"):
     # A processor's image settings, which a checkpoint carries as it carries the tokenizer.
-    from transformers import Gemma3ImageProcessor, Qwen2VLImageProcessor
+    from transformers import Gemma3ImageProcessor, Llama4ImageProcessor, Qwen2VLImageProcessor
 
     from tiny_fixture import ROOT
 
-    image = (
-        Gemma3ImageProcessor(size={"height": 28, "width": 28})
-        if kind == "gemma3-vision"
-        else Qwen2VLImageProcessor(patch_size=14, merge_size=2)
-    )
+    image = {
+        "gemma3-vision": lambda: Gemma3ImageProcessor(size={"height": 28, "width": 28}),
+        "qwen3-vl": lambda: Qwen2VLImageProcessor(patch_size=14, merge_size=2),
+        "llama4-vision": lambda: Llama4ImageProcessor(size={"height": 28, "width": 28}),
+    }[kind]()
     image.save_pretrained(ROOT / f"assets/tiny-{kind}/model")

@@ -26,6 +26,8 @@ from safetensors.torch import load_file, save_file
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from text_forward import on_text
+
 
 def load(base):
     # By the class config.json's `architectures` names, as TRL loads (Qwen3-VL is no
@@ -47,8 +49,12 @@ def randomize(peft_model, trained):
 def logits_of(model, ids_file, out_file):
     input_ids = load_file(ids_file)["input_ids"].to(torch.long)
     positions = torch.arange(input_ids.shape[1]).unsqueeze(0).repeat(input_ids.shape[0], 1)
+    # A peft model's adapters sit in the wrapped model's modules: its language model runs
+    # them too.
+    inner = getattr(getattr(model, "base_model", None), "model", model)
+    forward = model if on_text(inner) is inner else on_text(inner)
     with torch.no_grad():
-        logits = model(input_ids=input_ids, position_ids=positions).logits.float()
+        logits = forward(input_ids=input_ids, position_ids=positions).logits.float()
     save_file({"logits": logits.contiguous()}, out_file)
 
 

@@ -25,8 +25,10 @@ def write(model, name):
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, VOCAB, (2, 24), generator=gen)
     position_ids = torch.arange(24).unsqueeze(0).repeat(2, 1)
+    from text_forward import on_text
+
     with torch.no_grad():
-        logits = model(input_ids=input_ids, position_ids=position_ids).logits.float()
+        logits = on_text(model)(input_ids=input_ids, position_ids=position_ids).logits.float()
     save_file(
         {"input_ids": input_ids.to(torch.int64).contiguous(), "logits": logits.contiguous()},
         str(out / "parity.safetensors"),

@@ -13,6 +13,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
+from text_forward import on_text
+
 with open(sys.argv[1]) as f:
     job = json.load(f)
 out = []
@@ -36,7 +38,7 @@ for j in job["jobs"]:
         bos_token_id=None,
     )
     with torch.no_grad():
-        res = model.generate(
+        res = on_text(model).generate(
             input_ids=ids,
             attention_mask=mask,
             generation_config=cfg,

@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from text_forward import on_text
+
 model_dir, ids_file, out_file = sys.argv[1:4]
 architectures = AutoConfig.from_pretrained(model_dir).architectures or []
 model_class = getattr(transformers, architectures[0], None) if architectures else None
@@ -21,5 +23,5 @@ model = (model_class or AutoModelForCausalLM).from_pretrained(model_dir, dtype=t
 input_ids = load_file(ids_file)["input_ids"].to(torch.long)
 position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0).repeat(input_ids.shape[0], 1)
 with torch.no_grad():
-    logits = model(input_ids=input_ids, position_ids=position_ids).logits.float()
+    logits = on_text(model)(input_ids=input_ids, position_ids=position_ids).logits.float()
 save_file({"logits": logits.contiguous()}, out_file)

@@ -162,7 +162,15 @@ fn qwen3_vl_checkpoints_train_their_language_model() {
     vision_language_checkpoints_train_their_language_model("qwen3-vl", &["model.visual."]);
 }
 
-/// See the two tests above: `kind`'s checkpoints (every profile's) hold the source's tensor
+/// Llama 4's (Llama4ForConditionalGeneration, the hub's `llama4`), its language model under
+/// `language_model.` and its vision model at `vision_model.`.
+#[test]
+fn llama4_vision_checkpoints_train_their_language_model() {
+    let vision = ["vision_model.", "multi_modal_projector."];
+    vision_language_checkpoints_train_their_language_model("llama4-vision", &vision);
+}
+
+/// See the tests above: `kind`'s checkpoints (every profile's) hold the source's tensor
 /// names and its processor file; the tensors under the `vision` prefixes are bit-equal to the
 /// source's, and every other (the language model's) was trained.
 fn vision_language_checkpoints_train_their_language_model(kind: &str, vision: &[&str]) {

@@ -162,6 +162,7 @@ const ARCHITECTURES: &[&str] = &[
     "deepseek-v3",
     "glm4-moe-lite",
     "llama4",
+    "llama4-vision",
 ];
 
 fn checkpoint(kind: &str) -> std::path::PathBuf {
@@ -235,6 +236,15 @@ fn greedy_uncached(model: &AutoModelForCausalLM, prompts: &[Vec<u32>], n: usize)
     rows
 }
 
+/// A copy of the files of directory `from` in `to`.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+    }
+}
+
 /// The cache after a prefill of `ids` (rows without padding), made for `capacity` tokens.
 fn prefill(
     model: &AutoModelForCausalLM,
@@ -296,14 +306,35 @@ fn greedy_generation_equals_transformers() {
     let new = 16;
     let mut jobs = Vec::new();
     let mut ours = Vec::new();
-    for kind in ARCHITECTURES {
-        let dir = checkpoint(kind);
+    // Llama 4's NoPE layers scale queries by position: transformers counts a row's tokens
+    // from its first, pads included, we count from its first real token (as each prompt
+    // alone, and as vLLM and Meta's code do). So its left-padded rows are compared with the
+    // scale off (a copy of the checkpoint), and with it on, rows of one length.
+    let tmp = tempfile::tempdir().unwrap();
+    let cool = tmp.path().join("llama4-no-temperature");
+    copy_dir(&checkpoint("llama4"), &cool);
+    let config = std::fs::read_to_string(cool.join("config.json")).unwrap();
+    let config = config.replace(
+        "\"attn_temperature_tuning\": true",
+        "\"attn_temperature_tuning\": false",
+    );
+    std::fs::write(cool.join("config.json"), config).unwrap();
+    let same_length: Vec<Vec<u32>> = prompts().iter().map(|p| p[..7].to_vec()).collect();
+    let mut cases: Vec<(&str, std::path::PathBuf, Vec<Vec<u32>>)> = ARCHITECTURES
+        .iter()
+        .map(|k| match k.starts_with("llama4") {
+            true => (*k, checkpoint(k), same_length.clone()),
+            false => (*k, checkpoint(k), prompts()),
+        })
+        .collect();
+    cases.push(("llama4 (no temperature)", cool, prompts()));
+    for (kind, dir, prompts) in cases {
         let model = AutoModelForCausalLM::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
-        let (ids, mask) = padded(&prompts());
+        let (ids, mask) = padded(&prompts);
         let free = model.generate(&ids, &mask, &greedy(new, None)).unwrap();
         let free = free.to_vec2::<u32>().unwrap();
-        // The 4th new token of the short row stops it.
-        let eos = free[0][12 + 3];
+        // The 4th new token of the first row stops it.
+        let eos = free[0][ids.dim(1).unwrap() + 3];
         let stopped = model
             .generate(&ids, &mask, &greedy(new, Some(eos)))
             .unwrap()
@@ -311,13 +342,12 @@ fn greedy_generation_equals_transformers() {
             .unwrap();
         for (e, tokens) in [(None, free), (Some(eos), stopped)] {
             jobs.push(serde_json::json!({
-                "model": dir, "prompts": prompts(), "max_new_tokens": new,
+                "model": dir, "prompts": prompts, "max_new_tokens": new,
                 "eos_token_id": e, "pad_token_id": PAD,
             }));
             ours.push((kind, e, tokens));
         }
     }
-    let tmp = tempfile::tempdir().unwrap();
     let job_file = tmp.path().join("job.json");
     std::fs::write(&job_file, serde_json::json!({ "jobs": jobs }).to_string()).unwrap();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -282,27 +282,45 @@ fn moe_adapters_travel_between_us_and_peft() {
     }
 }
 
-/// Gemma 3's and Qwen3-VL's vision-language checkpoints: adapters on the language model,
-/// under peft's names for its PyTorch tree (`model.language_model.layers...`),
-/// both ways with peft. peft's own all-linear adapter adapts the vision tower too, which text
-/// rows never reach: read here without it, the same logits.
+/// Gemma 3's, Qwen3-VL's and Llama 4's vision-language checkpoints: adapters on the language
+/// model, under peft's names for its PyTorch tree (`model.language_model.layers...`; Llama
+/// 4's `language_model.model.layers...`), both ways with peft. peft's own adapter adapts the
+/// vision tower too, which text rows never reach: read here without it, the same logits.
 #[test]
 fn vision_language_adapters_travel_between_us_and_peft() {
     let Some(python) = peft_python() else {
         return;
     };
-    // Every linear layer (7 a layer), A and B: Gemma 3's 3 layers, Qwen3-VL's 2.
-    for (kind, layers) in [("gemma3-vision", 3), ("qwen3-vl", 2)] {
+    let projections = ["q_proj", "k_proj", "v_proj", "o_proj"];
+    let mlp = ["gate_proj", "up_proj", "down_proj"];
+    let llama4 = Targets::Names(
+        projections
+            .iter()
+            .chain(&mlp)
+            .map(|s| s.to_string())
+            .collect(),
+    );
+    let (tree, nested) = (
+        "base_model.model.model.language_model.layers.",
+        "base_model.model.language_model.model.layers.",
+    );
+    // Every linear layer (7 a layer), A and B: Gemma 3's 3 layers, Qwen3-VL's 2. Llama 4's
+    // attention in its 4 layers, the dense MLPs or shared experts' 3 (named: see
+    // moe_adapters_travel_between_us_and_peft).
+    for (kind, adapters, targets, prefix) in [
+        ("gemma3-vision", 3 * 7 * 2, Targets::AllLinear, tree),
+        ("qwen3-vl", 2 * 7 * 2, Targets::AllLinear, tree),
+        ("llama4-vision", 4 * 7 * 2, llama4, nested),
+    ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
             .join(format!("tiny-{kind}/model"));
         let tmp = tempfile::tempdir().unwrap();
-        let lora = config(Targets::AllLinear);
-        let (adapter, _) = round_trip(&python, &base, &lora, layers * 7 * 2, tmp.path());
+        let lora = config(targets);
+        let (adapter, _) = round_trip(&python, &base, &lora, adapters, tmp.path());
         let file = adapter.join(peft::ADAPTER_WEIGHTS);
         let saved = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
-        let tree = "base_model.model.model.language_model.layers.";
-        assert!(saved.keys().all(|k| k.starts_with(tree)), "{kind}");
+        assert!(saved.keys().all(|k| k.starts_with(prefix)), "{kind}");
     }
 }
 

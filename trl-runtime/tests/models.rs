@@ -406,6 +406,9 @@ fn every_built_in_model_type_matches_transformers() {
         // Chunked rotary layers (interleaved pairs, L2 q/k norms), NoPE layers with the
         // query temperature, top-1 sigmoid routing of fused experts and a shared expert.
         ("llama4", "model.layers.2.feed_forward.experts.gate_up_proj"),
+        // Llama4ForConditionalGeneration (the hub's llama4): its language model, read through
+        // `language_model.`.
+        ("llama4-vision", "model.layers.1.feed_forward.router.weight"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

@@ -464,10 +464,10 @@ pub fn save(
             .insert(format!("{head}.lora_B.weight"), a.t()?.contiguous()?);
     }
     // A vision-language model's language model: peft names its modules by the PyTorch tree.
-    let composite = crate::models::composite::is_composite_dir(base);
-    let peft_name = |n: &str| match composite {
-        true => crate::models::composite::module_name(n),
-        false => n.to_string(),
+    let tree = crate::models::composite::tree_of_dir(base);
+    let peft_name = |n: &str| match tree {
+        Some(tree) => tree.module(n),
+        None => n.to_string(),
     };
     let mut targets: Vec<String> = targets.iter().map(|t| peft_name(t)).collect();
     targets.sort();
@@ -698,9 +698,9 @@ pub fn read(
     let file = dir.join(ADAPTER_WEIGHTS);
     let loaded = candle_core::safetensors::load(&file, device)?;
     // A vision-language model's language model (models/composite.rs).
-    let composite = loaded.keys().any(|n| {
+    let tree = loaded.keys().find_map(|n| {
         n.strip_prefix(PREFIX)
-            .is_some_and(crate::models::composite::is_tree_module)
+            .and_then(crate::models::composite::tree_of_module)
     });
     if json["peft_type"].as_str() != Some("LORA") {
         return Err(err(
@@ -776,9 +776,9 @@ pub fn read(
     }
     let mut target_list: Vec<String> = names("target_modules")
         .iter()
-        .filter_map(|t| match composite {
-            true => crate::models::composite::text_module_name(t),
-            false => Some(t.clone()),
+        .filter_map(|t| match tree {
+            Some(tree) => tree.text_module(t),
+            None => Some(t.clone()),
         })
         .collect();
     // The fused parameters' layers here (transformers 4's names, Qwen3-MoE's and Mixtral's).
@@ -827,13 +827,13 @@ pub fn read(
         // A vision-language model's: the language model's modules by our names; adapters on
         // the vision tower or the projector never act on text rows (TRL trains them to
         // nothing: no gradient reaches them) and are left out.
-        let ours = match crate::models::composite::text_module_name(ours) {
-            Some(text) if composite => text,
-            None if composite => {
+        let ours = match tree.map(|t| t.text_module(ours)) {
+            Some(Some(text)) => text,
+            Some(None) => {
                 left_out += 1;
                 continue;
             }
-            _ => ours.to_string(),
+            None => ours.to_string(),
         };
         // Older peft files can carry the adapter name.
         let ours = ours

@@ -46,7 +46,7 @@ use candle_nn::VarBuilder;
 use std::sync::Arc;
 
 /// The `model_type`s this file reads.
-pub const MODEL_TYPES: &[&str] = &["llama4_text"];
+pub const MODEL_TYPES: &[&str] = &["llama4_text", "llama4"];
 
 /// Llama4ForCausalLM.
 pub type Llama4 = Decoder<Llama4Layer>;

@@ -1,6 +1,7 @@
 //! Vision-language checkpoints whose language model is trained alone: Gemma 3's 4B and
-//! larger (`model_type` gemma3, Gemma3ForConditionalGeneration) and Qwen3-VL (`qwen3_vl`,
-//! Qwen3VLForConditionalGeneration). Their config.json nests the language model's config
+//! larger (`model_type` gemma3, Gemma3ForConditionalGeneration), Qwen3-VL (`qwen3_vl`,
+//! Qwen3VLForConditionalGeneration) and Llama 4 (`llama4`, Llama4ForConditionalGeneration:
+//! the hub's Scout and Maverick). Their config.json nests the language model's config
 //! under `text_config`; their weight files hold its tensors under another name ([`Layout`],
 //! as transformers writes them, the hub's files and `save_pretrained` alike) beside the
 //! vision tower's and the projector's.
@@ -43,12 +44,14 @@ impl Layout {
     }
 }
 
-/// A wrapper `model_type` read this way: its files' layout, the `model_type` its language
-/// model is built as, and the sizes transformers' text config defaults to (the hub's
-/// gemma-3-4b-it names only the sizes that differ).
+/// A wrapper `model_type` read this way: its files' layout, its PyTorch tree's (peft names
+/// adapters by it), the `model_type` its language model is built as, and the sizes
+/// transformers' text config defaults to (the hub's gemma-3-4b-it names only the sizes that
+/// differ).
 struct Wrapper {
     model_type: &'static str,
     layout: Layout,
+    tree: Layout,
     text_type: &'static str,
     defaults: &'static [(&'static str, u64)],
 }
@@ -57,6 +60,7 @@ const WRAPPERS: &[Wrapper] = &[
     Wrapper {
         model_type: "gemma3",
         layout: Layout::Prefixed,
+        tree: Layout::Tree,
         text_type: "gemma3_text",
         defaults: &[
             ("vocab_size", 262_208),
@@ -70,9 +74,26 @@ const WRAPPERS: &[Wrapper] = &[
     Wrapper {
         model_type: "qwen3_vl",
         layout: Layout::Tree,
+        tree: Layout::Tree,
         // qwen3_vl_text: Qwen3's layers.
         text_type: "qwen3",
         defaults: &[],
+    },
+    Wrapper {
+        // Llama4ForConditionalGeneration holds its Llama4ForCausalLM as `language_model`:
+        // the files and the tree alike.
+        model_type: "llama4",
+        layout: Layout::Prefixed,
+        tree: Layout::Prefixed,
+        text_type: "llama4_text",
+        defaults: &[
+            ("vocab_size", 202_048),
+            ("hidden_size", 5120),
+            ("intermediate_size", 8192),
+            ("num_hidden_layers", 48),
+            ("num_attention_heads", 40),
+            ("num_key_value_heads", 8),
+        ],
     },
 ];
 
@@ -101,9 +122,19 @@ pub fn text_config(config: &serde_json::Value) -> Option<serde_json::Value> {
 
 /// The layout of the weight files of model directory `dir` (None: not a composite).
 pub fn layout_of_dir(dir: &std::path::Path) -> Option<Layout> {
+    wrapper_of_dir(dir).map(|w| w.layout)
+}
+
+/// The layout of the PyTorch tree of model directory `dir`, by which peft names adapters
+/// (None: not a composite).
+pub fn tree_of_dir(dir: &std::path::Path) -> Option<Layout> {
+    wrapper_of_dir(dir).map(|w| w.tree)
+}
+
+fn wrapper_of_dir(dir: &std::path::Path) -> Option<&'static Wrapper> {
     let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
     let config: serde_json::Value = serde_json::from_str(&text).ok()?;
-    wrapper(&config).map(|w| w.layout)
+    wrapper(&config)
 }
 
 /// Where the language model's modules sit in a composite's PyTorch tree (peft names
@@ -140,10 +171,37 @@ pub fn language_model_json(text: &str) -> serde_json::Result<serde_json::Value> 
     Ok(text_config(&json).unwrap_or(json))
 }
 
-/// Whether peft's module or tensor `name` (after `base_model.model.`) is a composite's
-/// language model's.
-pub fn is_tree_module(name: &str) -> bool {
-    name.starts_with(MODULES)
+/// The tree a composite's adapter names its language model's modules by, read off one of
+/// its module or tensor names (after `base_model.model.`); None for a causal LM's name.
+pub fn tree_of_module(name: &str) -> Option<Layout> {
+    match () {
+        _ if name.starts_with(MODULES) => Some(Layout::Tree),
+        _ if name.starts_with(PREFIX) => Some(Layout::Prefixed),
+        _ => None,
+    }
+}
+
+/// The top-level modules of a Prefixed tree that are not the language model (Llama 4's).
+const OTHER_PARTS: [&str; 2] = ["vision_model.", "multi_modal_projector."];
+
+impl Layout {
+    /// peft's name in this tree of our module or tensor `name`.
+    pub fn module(self, name: &str) -> String {
+        self.stored(name)
+    }
+
+    /// Ours of peft's module or tensor `name` in this tree (a target's short name such as
+    /// `q_proj` as it is); None for one outside the language model.
+    pub fn text_module(self, name: &str) -> Option<String> {
+        match self {
+            Layout::Tree => text_module_name(name),
+            Layout::Prefixed => match name.strip_prefix(PREFIX) {
+                Some(rest) => Some(rest.to_string()),
+                None if OTHER_PARTS.iter().any(|p| name.starts_with(p)) => None,
+                None => Some(name.to_string()),
+            },
+        }
+    }
 }
 
 #[cfg(test)]
