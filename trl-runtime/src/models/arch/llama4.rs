@@ -231,17 +231,25 @@ fn temperature(positions: &Tensor, floor: f64, scale: f64) -> candle_core::Resul
     t.unsqueeze(1)?.unsqueeze(3)
 }
 
-/// Llama 4's keys beyond the Llama family's; errors name `source` and the key.
-struct Llama4Config {
-    experts: usize,
-    top_k: usize,
+/// Llama 4's keys beyond the Llama family's.
+pub struct Llama4Config {
+    pub experts: usize,
+    pub top_k: usize,
     /// Whether each layer's feed-forward is a mixture.
-    moe: Vec<bool>,
-    dense_inter: usize,
-    qk_norm: bool,
-    temperature: Option<(f64, f64)>,
+    pub moe: Vec<bool>,
+    /// The dense MLPs' width (`intermediate_size_mlp`; the experts' is `intermediate_size`).
+    pub dense_inter: usize,
+    pub qk_norm: bool,
+    pub temperature: Option<(f64, f64)>,
 }
 
+/// Reads them from a llama4_text config; None for another model type (the planner asks
+/// every config).
+pub fn read_config(c: &ModelConfig, source: &str) -> Option<Result<Llama4Config>> {
+    (c.model_type == "llama4_text").then(|| check(c, source))
+}
+
+/// Reads them; errors name `source` and the key.
 fn check(c: &ModelConfig, source: &str) -> Result<Llama4Config> {
     let err = |key: &str, message: String| Error::config(source, key, message);
     let get = |key: &str| c.extra.get(key).filter(|v| !v.is_null());

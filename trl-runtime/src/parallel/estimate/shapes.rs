@@ -158,15 +158,24 @@ impl ModelShapes {
         };
         // A vision-language checkpoint's sizes are its language model's (models/weights/composite.rs).
         let text = crate::models::composite::language_model_json(json).map_err(not_a_decoder)?;
-        let dims: Dims = serde_json::from_value(text).map_err(not_a_decoder)?;
+        let mut dims: Dims = serde_json::from_value(text).map_err(not_a_decoder)?;
         let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
         let (linears, parameters) = model.lora_sites()?;
         let net = model.net();
         let mut units = Vec::new();
         net.visit_units("", &mut |n| units.push(n.to_string()));
         // The mixture-of-experts keys are read by the Llama family's config (Qwen3-MoE, Mixtral).
+        // Llama 4's: top-k routed experts and the shared expert on its `moe_layers`, dense
+        // MLPs of `intermediate_size_mlp` on the others (the planner's dense width).
+        let llama4 = ModelConfig::from_json(json, source)
+            .ok()
+            .and_then(|c| crate::models::llama4::read_config(&c, source)?.ok());
+        if let Some(l) = &llama4 {
+            dims.intermediate_size = l.dense_inter;
+        }
         let moe = ModelConfig::from_json(json, source)
             .ok()
+            .filter(|_| llama4.is_none())
             .and_then(|c| MoeConfig::read(&c, source).ok());
         let params = crate::tp::plan(net, 1, false);
         // DeepSeek's (DeepSeek-V3, GLM-4 MoE): top-k routed experts per token, and the shared
@@ -174,9 +183,10 @@ impl ModelShapes {
         let deepseek = ModelConfig::from_json(json, source)
             .ok()
             .and_then(|c| DeepseekMoeConfig::read(&c, source).ok().map(|m| (c, m)));
-        let routed_share = match (&moe, &deepseek) {
-            (Some(m), _) => Some(m.top_k as f64 / m.experts as f64),
-            (None, Some((_, m))) => Some(m.routing.top_k as f64 / m.routing.experts as f64),
+        let routed_share = match (&moe, &deepseek, &llama4) {
+            (Some(m), ..) => Some(m.top_k as f64 / m.experts as f64),
+            (None, Some((_, m)), _) => Some(m.routing.top_k as f64 / m.routing.experts as f64),
+            (None, None, Some(l)) => Some(l.top_k as f64 / l.experts as f64),
             _ => None,
         };
         let active_parameters = params
@@ -189,7 +199,19 @@ impl ModelShapes {
                 }
             })
             .sum();
+        let experts_inter = ModelConfig::from_json(json, source)
+            .ok()
+            .map_or(0, |c| c.intermediate_size);
         let moe = match (moe, deepseek) {
+            _ if llama4.as_ref().is_some_and(|l| l.moe.iter().any(|&s| s)) => {
+                let l = llama4.as_ref().expect("checked");
+                Some((
+                    l.experts,
+                    l.top_k + 1,
+                    experts_inter,
+                    l.moe.iter().filter(|&&s| s).count(),
+                ))
+            }
             (Some(m), _) if m.sparse.iter().any(|&s| s) => Some((
                 m.experts,
                 m.top_k,

@@ -406,3 +406,20 @@ fn deepseek_experts_and_the_latent_cache_are_counted() {
     let round = generation_round(&m, &setup, 4, (10, 30));
     assert_eq!(round.kv_cache, 4 * 30 * 2 * (16 + 8) * 4);
 }
+
+/// Llama 4's mixture on its `moe_layers`: top-1 of the routed experts and the shared expert
+/// in a token's compute, the dense layers' MLPs `intermediate_size_mlp` wide; the hub's
+/// composite reads as its language model.
+#[test]
+fn llama4_experts_and_dense_widths_are_counted() {
+    for dir in ["tiny-llama4", "tiny-llama4-vision"] {
+        let m = ModelShapes::from_file(assets(&format!("{dir}/model/config.json"))).unwrap();
+        // 4 experts, top 1 and the shared one, 32 wide; layers 1 and 2 sparse.
+        assert_eq!(m.moe, Some((4, 2, 32, 2)), "{dir}");
+        assert_eq!(m.dims.intermediate_size, 96, "{dir}");
+        let h = m.dims.hidden_size;
+        let routed = (4 * 3 * 32 * h * 2) as f64;
+        let expected = m.num_parameters() as f64 - routed * (1.0 - 1.0 / 4.0);
+        assert!((m.active_parameters - expected).abs() < 1e-6, "{dir}");
+    }
+}
