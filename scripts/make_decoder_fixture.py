@@ -55,6 +55,10 @@ computes for them.
 - llama4-vision: Llama4ForConditionalGeneration (the hub's model_type llama4): the llama4
   language model under language_model. in the files and the module tree alike, a one-layer
   vision model and the projector beside it; the logits are of text alone.
+- mistral4: Mistral4ForCausalLM: deepseek-v3's latent attention (YaRN from 16 original
+  positions) with queries scaled by position (llama_4_scaling_beta 0.5, so that the scale bites
+  from position 16), a dense first layer, then 8 fused experts ([experts, out, in]) in 4
+  groups, top 2 of 2 groups by softmax scores, renormalised and scaled by 1.5, a shared expert.
 - gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
   sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
   (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
@@ -64,7 +68,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision|mistral4
 """
 
 import sys
@@ -93,6 +97,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Mistral4Config,
+    Mistral4ForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Olmo2Config,
@@ -378,6 +384,40 @@ elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite"):
             **{**common, "num_key_value_heads": 4, "head_dim": 8},
         )
         model_class = DeepseekV3ForCausalLM
+elif kind == "mistral4":
+    config = Mistral4Config(
+        tie_word_embeddings=False,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        # 24 + 8: the rotary part a quarter of the head exactly (transformers truncates
+        # head_dim x partial_rotary_factor, which 8 / 24 would round down to 7).
+        qk_nope_head_dim=24,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_interleave=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 16,
+            "llama_4_scaling_beta": 0.5,
+        },
+        **{**{k: v for k, v in common.items() if k != "head_dim"}, "num_key_value_heads": 4},
+    )
+    model_class = Mistral4ForCausalLM
 elif kind in ("llama4", "llama4-vision"):
     config = Llama4TextConfig(
         tie_word_embeddings=False,
@@ -414,7 +454,7 @@ elif kind in ("llama4", "llama4-vision"):
         )
         model_class = Llama4ForConditionalGeneration
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4 or llama4-vision")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4, llama4-vision or mistral4")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -423,12 +463,13 @@ with torch.no_grad():
         if "norm" in name:
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
         elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+            # (Mistral 4's softmax router: logits spread so that the groups differ.)
             p.copy_(torch.randn_like(p))
         elif name.endswith("sinks") or ".router." in name:
             p.copy_(torch.randn_like(p))
         elif kind == "gpt-oss" and "experts" in name:
             p.copy_(0.3 * torch.randn_like(p))
-        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision") and "experts" in name:
+        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision", "mistral4") and "experts" in name:
             # Experts far apart, so that the choice shows in the logits.
             p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):

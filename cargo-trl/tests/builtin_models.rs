@@ -319,6 +319,15 @@ fn glm4_moe_lite_under_every_cpu_profile_equals_one_process() {
     correction_biases_kept("glm4-moe-lite", tmp.path());
 }
 
+/// Mistral 4: DeepSeek-V3's latent attention with queries scaled by position, softmax
+/// group-limited routing of fused experts held [experts, out, in] (grouped GEMMs on the
+/// transposed layout, gate_up split by its two halves of rows under tp, down by columns),
+/// a shared expert; no router loss, as in transformers.
+#[test]
+fn mistral4_under_every_cpu_profile_equals_one_process() {
+    every_profile_keeps("mistral4", "\"llama_4_scaling_beta\": 0.5");
+}
+
 /// Llama 4: chunked attention on the rotary layers (interleaved pairs, L2 q/k norms; the
 /// chunks by position under ring and Ulysses), NoPE layers with the query temperature, dense
 /// MLPs and a top-1 sigmoid-routed mixture of fused experts (gate_up split by halves under

@@ -163,6 +163,7 @@ const ARCHITECTURES: &[&str] = &[
     "glm4-moe-lite",
     "llama4",
     "llama4-vision",
+    "mistral4",
 ];
 
 fn checkpoint(kind: &str) -> std::path::PathBuf {

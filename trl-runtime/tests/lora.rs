@@ -259,6 +259,9 @@ fn moe_adapters_travel_between_us_and_peft() {
         // peft's own all-linear also wraps transformers' router, whose forward then fails in
         // peft (it returns a pair); ours leaves it out.
         ("tiny-llama4", 2 * (4 * 4 + 2 * 3 + 2 * 3)),
+        // Latent attention's 5 projections in both layers, layer 0's dense MLP and layer 1's
+        // shared expert; the router and the fused experts are parameters.
+        ("tiny-mistral4", 2 * (2 * 5 + 3 + 3)),
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();

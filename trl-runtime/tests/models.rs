@@ -409,6 +409,9 @@ fn every_built_in_model_type_matches_transformers() {
         // Llama4ForConditionalGeneration (the hub's llama4): its language model, read through
         // `language_model.`.
         ("llama4-vision", "model.layers.1.feed_forward.router.weight"),
+        // Latent attention with the position query scale, softmax group-limited routing of
+        // fused [experts, out, in] experts.
+        ("mistral4", "model.layers.1.mlp.experts.gate_up_proj"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
@@ -1033,7 +1036,13 @@ fn a_reward_model_starts_from_a_causal_checkpoint() {
 /// restarting, has the logits it has alone, on every CPU attention path.
 #[test]
 fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
-    for kind in ["glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4"] {
+    for kind in [
+        "glm4-moe",
+        "deepseek-v3",
+        "glm4-moe-lite",
+        "llama4",
+        "mistral4",
+    ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("../assets/tiny-{kind}/model"));
         let want = candle_core::safetensors::load(dir.join("../parity.safetensors"), &Device::Cpu)

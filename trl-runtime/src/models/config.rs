@@ -338,8 +338,9 @@ impl ModelConfig {
             "glm4_moe" => Ok(Architecture::Glm4Moe),
             "deepseek_v3" | "glm4_moe_lite" => Ok(Architecture::DeepseekV3),
             "llama4_text" => Ok(Architecture::Llama4),
+            "mistral4" => Ok(Architecture::DeepseekV3),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite, deepseek_v3 or llama4_text (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite, deepseek_v3, mistral4 or llama4_text (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -683,6 +684,16 @@ fn transformers_defaults(json: &mut serde_json::Value) {
     for (key, value) in defaults {
         if !map.contains_key(*key) {
             map.insert(key.to_string(), value.clone());
+        }
+    }
+    // Mistral4Config: head_dim is the query/key width, the rotary part by partial_rotary_factor.
+    if model_type == "mistral4" && !map.contains_key("head_dim") {
+        let width = ["qk_nope_head_dim", "qk_rope_head_dim"]
+            .iter()
+            .map(|k| map.get(*k).and_then(|v| v.as_u64()))
+            .sum::<Option<u64>>();
+        if let Some(w) = width {
+            map.insert("head_dim".into(), serde_json::json!(w));
         }
     }
     if matches!(model_type.as_str(), "deepseek_v3" | "glm4_moe_lite") {

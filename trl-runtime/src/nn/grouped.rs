@@ -6,6 +6,7 @@ use super::param::Param;
 use super::sharded;
 use super::Weight;
 use crate::kernels::grouped;
+use crate::kernels::grouped::ExpertLayout;
 use crate::precomputed::{with_backward3, Backward3, Saved3};
 use candle_core::{Result, Tensor};
 
@@ -24,32 +25,40 @@ pub fn grouped_linear(
         return Ok(y);
     };
     let (a, bs) = lora.expert_stacks(counts.len())?;
-    let h = local(x, &a.to_dtype(x.dtype())?, None, counts)?;
-    let delta = local(&h, &bs.to_dtype(x.dtype())?, None, counts)?;
+    let in_out = ExpertLayout::InOut;
+    let h = local(x, (&a.to_dtype(x.dtype())?, in_out), None, counts)?;
+    let delta = local(&h, (&bs.to_dtype(x.dtype())?, in_out), None, counts)?;
     y + (delta * lora.scale)?
 }
 
 /// The base layer: `w` and `b` held whole or sharded.
 fn base(x: &Tensor, w: &Param, b: Option<&Param>, counts: &[usize]) -> Result<Tensor> {
+    let layout = w.layout;
     match (&w.weight, b.map(|b| &b.weight)) {
-        (Weight::Local(w), None) => local(x, w, None, counts),
-        (Weight::Local(w), Some(Weight::Local(b))) => local(x, w, Some(b), counts),
-        (Weight::Sharded(w), None) => sharded::grouped_linear(x, w, None, counts),
+        (Weight::Local(w), None) => local(x, (w, layout), None, counts),
+        (Weight::Local(w), Some(Weight::Local(b))) => local(x, (w, layout), Some(b), counts),
+        (Weight::Sharded(w), None) => sharded::grouped_linear(x, (w, layout), None, counts),
         (Weight::Sharded(w), Some(Weight::Sharded(b))) => {
-            sharded::grouped_linear(x, w, Some(b), counts)
+            sharded::grouped_linear(x, (w, layout), Some(b), counts)
         }
         _ => candle_core::bail!("an expert weight and its bias must be held alike"),
     }
 }
 
 /// [`grouped_linear`] on weights held whole, with autograd.
-fn local(x: &Tensor, w: &Tensor, b: Option<&Tensor>, counts: &[usize]) -> Result<Tensor> {
-    let y = grouped::forward(&x.detach(), w, b, counts)?;
+fn local(
+    x: &Tensor,
+    (w, layout): (&Tensor, ExpertLayout),
+    b: Option<&Tensor>,
+    counts: &[usize],
+) -> Result<Tensor> {
+    let y = grouped::forward(&x.detach(), (w, layout), b, counts)?;
     // Gradients for what trains: a frozen weight (a LoRA base) tracks no variable; an
     // adapter's stacks are computed from its variables.
     let backward = Grouped {
         counts: counts.to_vec(),
         grads: (w.track_op(), b.is_some_and(Tensor::track_op)),
+        layout,
     };
     // Without a bias the op's third input is a constant, which takes no gradient.
     let b = match b {
@@ -63,6 +72,7 @@ struct Grouped {
     counts: Vec<usize>,
     /// Whether the weight and the bias take gradients.
     grads: (bool, bool),
+    layout: ExpertLayout,
 }
 
 impl Backward3 for Grouped {
@@ -70,7 +80,8 @@ impl Backward3 for Grouped {
 
     fn backward(&self, saved: &Saved3) -> Result<[Option<Tensor>; 3]> {
         let [x, w, _] = &saved.inputs;
-        let (dx, dw, db) = grouped::backward(x, w, &saved.dout, &self.counts, self.grads)?;
+        let (dx, dw, db) =
+            grouped::backward(x, (w, self.layout), &saved.dout, &self.counts, self.grads)?;
         Ok([Some(dx), dw, db])
     }
 }

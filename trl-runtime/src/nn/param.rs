@@ -27,6 +27,8 @@ pub struct Param {
     /// The sections of a fused tensor along the split dimension, each split on its own
     /// (Llama 4's experts' gate_up_proj: the gate half, then the up half).
     pub sections: Sections,
+    /// How a fused expert tensor holds each expert's matrix (`nn::grouped`).
+    pub layout: crate::kernels::grouped::ExpertLayout,
     /// A LoRA adapter on it (this rank's slices), once added.
     pub lora: Option<Lora>,
     /// This rank and the tensor-parallel group's size, once split.
@@ -44,6 +46,7 @@ impl Param {
             weight: Weight::Local(vb.get(shape, name)?),
             split: None,
             sections: Sections::WHOLE,
+            layout: crate::kernels::grouped::ExpertLayout::InOut,
             lora: None,
             tp: None,
         })
@@ -64,6 +67,14 @@ impl Param {
         Param {
             sections: Sections::of(lens),
             ..self.split_column(dim)
+        }
+    }
+
+    /// A fused expert tensor held [experts, out, in] (each expert a linear layer's weight).
+    pub fn out_in(self) -> Self {
+        Param {
+            layout: crate::kernels::grouped::ExpertLayout::OutIn,
+            ..self
         }
     }
 
@@ -153,6 +164,16 @@ impl LoraTarget for Param {
         let mut full = w.dims().to_vec();
         if let (Some((_, d)), Some((_, size))) = (self.split, self.tp) {
             full[d] *= size;
+        }
+        if self.layout == crate::kernels::grouped::ExpertLayout::OutIn {
+            return Err(Error::config(
+                "training arguments",
+                "lora_target_parameters",
+                format!(
+                    "{name} holds its experts [experts, out, in] (Mistral 4): adapters on it \
+                     are not supported yet; adapt the attention and shared experts (all-linear)"
+                ),
+            ));
         }
         let Some((experts, inp, out)) = lora_shape(&full) else {
             return Err(Error::config(

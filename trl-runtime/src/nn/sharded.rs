@@ -550,6 +550,7 @@ enum OpKind {
         weight: usize,
         bias: Option<usize>,
         counts: Vec<usize>,
+        layout: crate::kernels::grouped::ExpertLayout,
     },
 }
 
@@ -644,11 +645,12 @@ impl CustomOp1 for UnitOp {
                 weight,
                 bias,
                 counts,
+                layout,
             } => {
                 let w = fetch(*weight)?;
                 let wanted = (train, train && bias.is_some());
                 let (dx, dw, db) =
-                    crate::kernels::grouped::backward(arg, &w, grad, counts, wanted)?;
+                    crate::kernels::grouped::backward(arg, (&w, *layout), grad, counts, wanted)?;
                 grads.extend(dw.map(|dw| (*weight, dw)));
                 grads.extend(bias.zip(db));
                 dx
@@ -871,16 +873,18 @@ pub fn whole(w: &ShardedWeight) -> candle_core::Result<Tensor> {
 /// `nn::grouped::grouped_linear`).
 pub fn grouped_linear(
     x: &Tensor,
-    w: &ShardedWeight,
+    (w, layout): (&ShardedWeight, crate::kernels::grouped::ExpertLayout),
     b: Option<&ShardedWeight>,
     counts: &[usize],
 ) -> candle_core::Result<Tensor> {
     let (weight, bias) = weight_and_bias(w, b)?;
-    let y = crate::kernels::grouped::forward(&x.detach(), &weight, bias.as_ref(), counts)?;
+    let y =
+        crate::kernels::grouped::forward(&x.detach(), (&weight, layout), bias.as_ref(), counts)?;
     let kind = OpKind::Grouped {
         weight: w.entry,
         bias: b.map(|b| b.entry),
         counts: counts.to_vec(),
+        layout,
     };
     apply(x, &w.unit, kind, y)
 }

@@ -215,7 +215,12 @@ impl DeepseekMoeConfig {
             // not read by transformers).
             None if c.model_type == "glm4_moe_lite" => (0..n).map(|l| l >= 1).collect(),
             None => {
-                let first = count("first_k_dense_replace", Some(if deepseek { 3 } else { 1 }))?;
+                let default = match c.model_type.as_str() {
+                    "deepseek_v3" => 3,
+                    "mistral4" => 0,
+                    _ => 1,
+                };
+                let first = count("first_k_dense_replace", Some(default))?;
                 (0..n).map(|l| l >= first).collect()
             }
         };

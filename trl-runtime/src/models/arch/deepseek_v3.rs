@@ -36,7 +36,7 @@ use crate::models::config::ModelConfig;
 use crate::nn::chain::Chain;
 use crate::nn::{Linear, RmsNorm, RotaryEmbedding};
 use crate::Parallelize;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
 
@@ -57,6 +57,9 @@ pub struct LatentDims {
     pub interleave: bool,
     /// Multiplies the queries: the softmax scale over 1/sqrt(nope + rope).
     pub query_scale: f64,
+    /// Mistral 4's position-dependent query scale (transformers' get_llama_4_attn_scale):
+    /// 1 + beta * log(1 + floor(p / original_max)) at position p, as (beta, original_max).
+    pub position_scale: Option<(f64, f64)>,
 }
 
 /// Multi-head latent attention (`self_attn`): queries through `q_a_proj`, `q_a_layernorm`
@@ -87,7 +90,7 @@ pub struct LatentAttention {
 }
 
 impl LatentAttention {
-    fn new(
+    pub(super) fn new(
         c: &ModelConfig,
         dims: LatentDims,
         q_rank: Option<usize>,
@@ -203,6 +206,15 @@ impl LatentAttention {
             true => (q * scale)?,
             false => q,
         };
+        let q = match d.position_scale {
+            Some((beta, max)) => {
+                let p = cx.position_ids.to_dtype(DType::F64)?;
+                let t = (((p / max)?.floor()? + 1.0)?.log()? * beta)? + 1.0;
+                let t = t?.to_dtype(q.dtype())?.unsqueeze(1)?.unsqueeze(3)?;
+                q.broadcast_mul(&t)?
+            }
+            None => q,
+        };
         let (q, k) = (pad(q, qk)?, pad(k, qk)?);
         let v = pad(kv.narrow(3, d.nope, d.v)?, d.v)?;
         let a = match cache.as_ref() {
@@ -217,9 +229,6 @@ impl LatentAttention {
     }
 }
 
-/// Rotary features in interleaved pairs (x0, x1), (x2, x3), ... laid out as halves (x0, x2,
-/// ..., x1, x3, ...), where rotary's usual halves pair them: what transformers'
-/// apply_rotary_pos_emb_interleave computes, on queries and keys alike.
 /// x + attention(norm(x)), then + mlp(norm(x)) with a dense MLP or DeepSeek's mixture.
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]
@@ -236,7 +245,7 @@ pub struct DeepseekV3Layer {
 }
 
 /// The config keys of latent attention; errors name `source` and the key.
-fn latent_dims(c: &ModelConfig, source: &str) -> Result<(LatentDims, Option<usize>)> {
+pub(super) fn latent_dims(c: &ModelConfig, source: &str) -> Result<(LatentDims, Option<usize>)> {
     let err = |key: &str, message: String| Error::config(source, key, message);
     let get = |key: &str| c.extra.get(key).filter(|v| !v.is_null());
     let count = |key: &str| -> Result<usize> {
@@ -251,6 +260,7 @@ fn latent_dims(c: &ModelConfig, source: &str) -> Result<(LatentDims, Option<usiz
         Some(serde_json::Value::Null) => None,
         Some(_) => Some(count("q_lora_rank")?),
         None if c.model_type == "glm4_moe_lite" => Some(768),
+        None if c.model_type == "mistral4" => Some(1024),
         None => Some(1536),
     };
     let (nope, rope, v) = (
@@ -277,7 +287,24 @@ fn latent_dims(c: &ModelConfig, source: &str) -> Result<(LatentDims, Option<usiz
     // transformers' yarn_apply_mscale: the softmax scale grows by mscale(factor,
     // mscale_all_dim)^2 under a non-default rotary scaling.
     let mut query_scale = 1.0;
+    let mut position_scale = None;
     if let Some(p) = c.rope_parameters.as_ref().or(c.rope_scaling.as_ref()) {
+        // Mistral 4 reads both from its rope_parameters.
+        let number = |key: &str| p.extra.get(key).and_then(|v| v.as_f64());
+        if c.model_type == "mistral4" {
+            if let Some(beta) = number("llama_4_scaling_beta") {
+                let max = p
+                    .original_max_position_embeddings
+                    .map(|m| m as f64)
+                    .or_else(|| number("original_max_position_embeddings"))
+                    .filter(|m| *m > 0.0)
+                    .ok_or_else(|| {
+                        let why = "llama_4_scaling_beta needs original_max_position_embeddings";
+                        err("rope_parameters", why.into())
+                    })?;
+                position_scale = Some((beta, max));
+            }
+        }
         let all = p
             .extra
             .get("mscale_all_dim")
@@ -296,6 +323,7 @@ fn latent_dims(c: &ModelConfig, source: &str) -> Result<(LatentDims, Option<usiz
             .and_then(|v| v.as_bool())
             .unwrap_or(true),
         query_scale,
+        position_scale,
     };
     Ok((dims, q_rank))
 }

@@ -11,6 +11,7 @@ pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod llama;
 pub mod llama4;
+pub mod mistral4;
 pub mod mixtral;
 pub mod moe;
 pub mod olmo2;
