@@ -423,3 +423,16 @@ fn llama4_experts_and_dense_widths_are_counted() {
         assert!((m.active_parameters - expected).abs() < 1e-6, "{dir}");
     }
 }
+
+/// Mistral 4's mixture reads as DeepSeek's (top 2 of 8 and the shared expert, layer 0
+/// dense), its fused [experts, out, in] tensors counted top-k of n in a token's compute.
+#[test]
+fn mistral4_experts_are_counted() {
+    let m = ModelShapes::from_file(assets("tiny-mistral4/model/config.json")).unwrap();
+    assert_eq!(m.moe, Some((8, 3, 32, 1)));
+    let routed = (8 * 3 * 32 * m.dims.hidden_size) as f64;
+    let expected = m.num_parameters() as f64 - routed * (1.0 - 2.0 / 8.0);
+    assert!((m.active_parameters - expected).abs() < 1e-6);
+    // The kernels' head width: the query's 24 + 8 features (values, 12, padded to it).
+    assert_eq!(m.dims.head_dim(), 32);
+}
