@@ -11,6 +11,7 @@ pub mod embedding_adapter;
 pub mod flash;
 pub mod flash_attn;
 pub mod gated;
+pub mod gated_delta;
 pub mod grouped;
 pub mod kv_cache;
 pub mod layernorm;
