@@ -94,3 +94,47 @@ fn chunks_and_recurrence_equal_transformers() {
         }
     }
 }
+
+/// The whole Gated DeltaNet layer (projections, the short convolution, gates, the rule in
+/// chunks of 4 over 13 tokens, the gated norm) equals transformers' Qwen3NextGatedDeltaNet on
+/// the same random weights and inputs.
+#[test]
+fn the_layer_equals_transformers() {
+    use trl_runtime::models::gated_deltanet::{DeltaNetShape, GatedDeltaNet};
+    use trl_runtime::models::LayerInputs;
+    use trl_runtime::nn::AttentionImpl;
+    let Some(python) = common::python_with(&["torch", "transformers", "safetensors"]) else {
+        return;
+    };
+    let dev = Device::Cpu;
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("layer.safetensors");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts/gated_deltanet_reference.py");
+    common::stdout_of(std::process::Command::new(python).arg(script).arg(&file));
+    let tensors = candle_core::safetensors::load(&file, &dev).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(tensors.clone(), DType::F32, &dev);
+    let shape = DeltaNetShape {
+        hidden: 32,
+        key_heads: 2,
+        value_heads: 4,
+        key_dim: 8,
+        value_dim: 6,
+        conv_kernel: 4,
+        eps: 1e-6,
+        chunk: 4,
+    };
+    let layer = GatedDeltaNet::new(shape, vb).unwrap();
+    let hidden = &tensors["hidden"];
+    let pos = Tensor::arange(0i64, 13, &dev)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .repeat((2, 1))
+        .unwrap();
+    let cx = LayerInputs::new(&pos, None, AttentionImpl::Eager, DType::F32, &dev).unwrap();
+    let got = layer.forward(hidden, &cx).unwrap();
+    let diff = common::max_abs_diff(&got, &tensors["output"]);
+    eprintln!("Gated DeltaNet layer vs transformers: {diff:e}");
+    assert!(diff < 1e-5, "{diff}");
+}

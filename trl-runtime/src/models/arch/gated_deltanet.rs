@@ -1,0 +1,255 @@
+//! Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5 (`linear_attn`), as
+//! transformers' Qwen3NextGatedDeltaNet computes it:
+//! - `in_proj_qkvz` gives per key head its query and key (`linear_key_head_dim`), and the
+//!   values and output gates z of the value heads it serves (`linear_num_value_heads` /
+//!   `linear_num_key_heads` of `linear_value_head_dim`); `in_proj_ba` per key head the
+//!   write strengths' and decays' logits of those value heads;
+//! - the queries, keys and values (all of one, then all of the next) through a short causal
+//!   depthwise convolution (`conv1d.weight` [channels, 1, `linear_conv_kernel_dim`], no
+//!   bias) and SiLU;
+//! - the gated delta rule (nn::gated_delta) on L2-normalised queries and keys (queries also
+//!   scaled by 1/sqrt(dk)), each key head's shared by its value heads, with strengths
+//!   sigmoid(b) and log decays -exp(`A_log`) x softplus(a + `dt_bias`);
+//! - per value head an RMSNorm of the output times SiLU(z) (`norm.weight`, the gated norm),
+//!   and `out_proj`.
+//!
+//! Packed documents start from a zero state and a convolution that sees none of the
+//! document before, as each document alone would (transformers' torch path has no such
+//! reset: its packed rows run as one document).
+//!
+//! Under tensor parallelism the layer is whole on every rank (its inputs are, between
+//! layers): the projections are replicated rather than split by heads.
+
+use super::blocks::lin;
+use crate::error::Result;
+use crate::models::causal::LayerInputs;
+use crate::nn::gated_delta::{chunked, document_starts, l2_normalize, DeltaInputs};
+use crate::nn::{Linear, Param};
+use crate::Parallelize;
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+
+/// The sizes of a Gated DeltaNet layer (config.json's `linear_*` keys).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeltaNetShape {
+    pub hidden: usize,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+    pub eps: f64,
+    /// Tokens per chunk of the rule (flash-linear-attention's 64).
+    pub chunk: usize,
+}
+
+/// `linear_attn`.
+#[derive(Debug, Clone, Parallelize)]
+pub struct GatedDeltaNet {
+    #[parallel(tp = "replicate")]
+    in_proj_qkvz: Linear,
+    #[parallel(tp = "replicate")]
+    in_proj_ba: Linear,
+    #[parallel(tp = "replicate")]
+    conv1d: Param,
+    #[parallel(tp = "replicate")]
+    dt_bias: Param,
+    #[parallel(tp = "replicate", name = "A_log")]
+    a_log: Param,
+    /// The gated norm's weight (`norm.weight`, ones at init: scales by w, not 1 + w).
+    #[parallel(tp = "replicate")]
+    norm: Param,
+    #[parallel(tp = "replicate")]
+    out_proj: Linear,
+    #[parallel(skip)]
+    shape: DeltaNetShape,
+}
+
+impl GatedDeltaNet {
+    /// From `vb` (the `linear_attn` prefix).
+    pub fn new(s: DeltaNetShape, vb: VarBuilder) -> candle_core::Result<Self> {
+        let (keys, values) = (s.key_heads * s.key_dim, s.value_heads * s.value_dim);
+        let channels = 2 * keys + values;
+        Ok(GatedDeltaNet {
+            in_proj_qkvz: lin(
+                vb.pp("in_proj_qkvz"),
+                (s.hidden, 2 * keys + 2 * values),
+                false,
+            )?,
+            in_proj_ba: lin(vb.pp("in_proj_ba"), (s.hidden, 2 * s.value_heads), false)?,
+            conv1d: Param::new(&vb.pp("conv1d"), (channels, 1, s.conv_kernel), "weight")?,
+            dt_bias: Param::new(&vb, s.value_heads, "dt_bias")?,
+            a_log: Param::new(&vb, s.value_heads, "A_log")?,
+            norm: Param::new(&vb.pp("norm"), s.value_dim, "weight")?,
+            out_proj: lin(vb.pp("out_proj"), (values, s.hidden), false)?,
+            shape: s,
+        })
+    }
+
+    /// The layer's output for `h` [batch, seq, hidden].
+    pub fn forward(&self, h: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        let s = self.shape;
+        let (b, t, _) = h.dims3()?;
+        let (nk, nv, dk, dv) = (s.key_heads, s.value_heads, s.key_dim, s.value_dim);
+        let per = nv / nk;
+        // Per key head: [q (dk) | k (dk) | v (per x dv) | z (per x dv)], and [b (per) | a (per)].
+        let qkvz = self
+            .in_proj_qkvz
+            .forward(h)?
+            .reshape((b, t, nk, 2 * dk + 2 * per * dv))?;
+        let ba = self.in_proj_ba.forward(h)?.reshape((b, t, nk, 2 * per))?;
+        let part = |x: &Tensor, from: usize, len: usize, heads: usize, d: usize| {
+            x.narrow(3, from, len)?.reshape((b, t, heads * d))
+        };
+        let q = part(&qkvz, 0, dk, nk, dk)?;
+        let k = part(&qkvz, dk, dk, nk, dk)?;
+        let v = part(&qkvz, 2 * dk, per * dv, nv, dv)?;
+        let z = qkvz
+            .narrow(3, 2 * dk + per * dv, per * dv)?
+            .reshape((b, t, nv, dv))?;
+        let beta_logit = ba.narrow(3, 0, per)?.reshape((b, t, nv))?;
+        let a = ba.narrow(3, per, per)?.reshape((b, t, nv))?;
+        let starts = document_starts(&cx.position_ids)?;
+        let mixed = Tensor::cat(&[&q, &k, &v], 2)?;
+        let mixed = causal_conv(&mixed, &self.conv1d.value()?, &starts)?.silu()?;
+        let keys = nk * dk;
+        // [b, t, heads, d] -> [b, heads, t, d]; each key head serves `per` value heads.
+        let heads = |x: Tensor, n: usize, d: usize| -> Result<Tensor> {
+            Ok(x.reshape((b, t, n, d))?.transpose(1, 2)?.contiguous()?)
+        };
+        let spread = |x: Tensor| -> Result<Tensor> {
+            match per {
+                1 => Ok(x),
+                _ => {
+                    // Key head i serves value heads i x per .. (i + 1) x per.
+                    let x = x.unsqueeze(2)?.repeat((1, 1, per, 1, 1))?;
+                    Ok(x.reshape((b, nv, t, dk))?)
+                }
+            }
+        };
+        let wide = crate::kernels::precision::wide(h.dtype());
+        let q = heads(mixed.narrow(2, 0, keys)?, nk, dk)?.to_dtype(wide)?;
+        let k = heads(mixed.narrow(2, keys, keys)?, nk, dk)?.to_dtype(wide)?;
+        let v = heads(mixed.narrow(2, 2 * keys, nv * dv)?, nv, dv)?.to_dtype(wide)?;
+        let q = spread((l2_normalize(&q, 1e-6)? / (dk as f64).sqrt())?)?;
+        let k = spread(l2_normalize(&k, 1e-6)?)?;
+        // Strengths and log decays in f32, as transformers computes them.
+        let beta = sigmoid(&beta_logit.to_dtype(wide)?)?;
+        let a = a.to_dtype(wide)?;
+        let dt_bias = self.dt_bias.value()?.to_dtype(wide)?;
+        let rate = self.a_log.value()?.to_dtype(wide)?.exp()?;
+        let g = softplus(&a.broadcast_add(&dt_bias)?)?
+            .broadcast_mul(&rate)?
+            .neg()?;
+        let (g, beta) = (
+            g.transpose(1, 2)?.contiguous()?,
+            beta.transpose(1, 2)?.contiguous()?,
+        );
+        let x = DeltaInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+            starts: &starts,
+        };
+        let (out, _) = chunked(&x, None, s.chunk)?;
+        let out = out.transpose(1, 2)?.to_dtype(h.dtype())?;
+        // The gated norm: normalised in f32, scaled by its weight in the input's dtype, times
+        // SiLU of the gate in f32.
+        let normed = crate::kernels::fused::rms_normalize(&out, s.eps)?;
+        let normed = normed.broadcast_mul(&self.norm.value()?)?;
+        let gate = z.to_dtype(wide)?.silu()?;
+        let y = (normed.to_dtype(wide)? * gate)?.to_dtype(h.dtype())?;
+        Ok(self.out_proj.forward(&y.reshape((b, t, nv * dv))?)?)
+    }
+}
+
+/// 1 / (1 + e^-x) as (1 + tanh(x / 2)) / 2 (no overflow in its gradient).
+fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
+    ((x * 0.5)?.tanh()? + 1.0)? * 0.5
+}
+
+/// log(1 + e^x), stably: max(x, 0) + log(1 + e^-|x|).
+fn softplus(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
+}
+
+/// The causal depthwise convolution of `x` [b, t, channels] by `w` [channels, 1, kernel]:
+/// y_t = sum_j w[., kernel - 1 - j] x_{t - j}, a document's first tokens seeing no earlier
+/// document (`starts`).
+fn causal_conv(x: &Tensor, w: &Tensor, starts: &[Vec<bool>]) -> candle_core::Result<Tensor> {
+    let (b, t, _) = x.dims3()?;
+    let kernel = w.dim(2)?;
+    // Each token's distance back to its document's start.
+    let reach: Vec<Vec<usize>> = starts
+        .iter()
+        .map(|row| {
+            let mut from = 0;
+            (0..t)
+                .map(|i| {
+                    if row[i] {
+                        from = i;
+                    }
+                    i - from
+                })
+                .collect()
+        })
+        .collect();
+    let mut y: Option<Tensor> = None;
+    for j in 0..kernel.min(t) {
+        // x_{t - j}, zero where that is before the document.
+        let shifted = match j {
+            0 => x.clone(),
+            _ => x.narrow(1, 0, t - j)?.pad_with_zeros(1, j, 0)?,
+        };
+        let seen: Vec<f32> = reach
+            .iter()
+            .flat_map(|r| r.iter().map(move |&back| f32::from(u8::from(back >= j))))
+            .collect();
+        let seen = Tensor::from_vec(seen, (b, t, 1), x.device())?.to_dtype(x.dtype())?;
+        let tap = w.narrow(2, kernel - 1 - j, 1)?.squeeze(2)?.squeeze(1)?;
+        let term = shifted.broadcast_mul(&seen)?.broadcast_mul(&tap)?;
+        y = Some(match y {
+            Some(y) => (y + term)?,
+            None => term,
+        });
+    }
+    y.ok_or_else(|| candle_core::Error::Msg("an empty convolution kernel".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The convolution equals its definition, and a document's first tokens see nothing of
+    /// the one before.
+    #[test]
+    fn the_convolution_is_causal_per_document() {
+        let dev = Device::Cpu;
+        let x = Tensor::arange(1f32, 7.0, &dev)
+            .unwrap()
+            .reshape((1, 6, 1))
+            .unwrap();
+        let w = Tensor::new(&[[[0.5f32, 2.0, 1.0]]], &dev).unwrap();
+        // One document: y_t = x_t + 2 x_{t-1} + 0.5 x_{t-2}.
+        let one = [vec![true, false, false, false, false, false]];
+        let y: Vec<f32> = causal_conv(&x, &w, &one)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(y, vec![1.0, 4.0, 7.5, 11.0, 14.5, 18.0]);
+        // A second document from token 3.
+        let two = [vec![true, false, false, true, false, false]];
+        let y: Vec<f32> = causal_conv(&x, &w, &two)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(y, vec![1.0, 4.0, 7.5, 4.0, 13.0, 18.0]);
+    }
+}
