@@ -323,14 +323,29 @@ impl TrainingArguments {
             .iter()
             .any(|k| config.get(*k).and_then(|v| v.as_u64()).unwrap_or(0) > 0);
         let key = "router_aux_loss_coef";
-        // DeepSeek's routers (DeepSeek-V3, GLM-4 MoE) balance with a bias, outside the loss.
+        // DeepSeek's routers (DeepSeek-V3, GLM-4 MoE; Mistral 4 names its experts alike)
+        // balance with a bias, outside the loss; transformers' Llama 4 computes none either
+        // (its config.json names the key all the same).
         let biased = config.get("n_routed_experts").is_some();
+        let model_type = config
+            .get("text_config")
+            .unwrap_or(&config)
+            .get("model_type")
+            .and_then(|t| t.as_str());
+        let llama4 = matches!(model_type, Some("llama4_text" | "llama4"));
         match (moe, self.router_aux_loss_coef) {
-            (_, Some(c)) if biased && c != 0.0 => Err(Error::config(
-                "training arguments",
-                key,
-                format!("{c}: transformers computes no router load-balancing loss for {source} (its routers balance with e_score_correction_bias, outside the loss): drop it"),
-            )),
+            (_, Some(c)) if (biased || llama4) && c != 0.0 => {
+                let why = match biased {
+                    true => " (its routers balance with e_score_correction_bias, outside the loss)",
+                    false => "",
+                };
+                Err(Error::config(
+                    "training arguments",
+                    key,
+                    format!("{c}: transformers computes no router load-balancing loss for {source}{why}: drop it"),
+                ))
+            }
+            (_, None) if llama4 => Ok(0.0),
             (_, Some(c)) if !c.is_finite() || c < 0.0 => Err(Error::config(
                 "training arguments",
                 key,
@@ -1204,6 +1219,18 @@ mod tests {
         assert!(err.to_string().contains("router_aux_loss_coef"), "{err}");
         assert_eq!(with(None).router_loss_weight(dense, "d").unwrap(), 0.0);
         assert!(with(Some(0.5)).router_loss_weight(dense, "d").is_err());
+        // Llama 4 (no loss in transformers, the key in its config all the same), the text
+        // model or the composite: off, and refused when asked.
+        for llama4 in [
+            r#"{"model_type": "llama4_text", "num_local_experts": 4, "router_aux_loss_coef": 0.001}"#,
+            r#"{"model_type": "llama4", "text_config": {"model_type": "llama4_text"}}"#,
+        ] {
+            assert_eq!(with(None).router_loss_weight(llama4, "l4").unwrap(), 0.0);
+            let err = with(Some(0.1))
+                .router_loss_weight(llama4, "l4")
+                .unwrap_err();
+            assert!(err.to_string().contains("no router"), "{err}");
+        }
         // DeepSeek's routers (a load-balancing bias, no loss): off, and refused when asked.
         let deepseek = r#"{"n_routed_experts": 8}"#;
         assert_eq!(with(None).router_loss_weight(deepseek, "ds").unwrap(), 0.0);
