@@ -59,6 +59,10 @@ computes for them.
   positions) with queries scaled by position (llama_4_scaling_beta 0.5, so that the scale bites
   from position 16), a dense first layer, then 8 fused experts ([experts, out, in]) in 4
   groups, top 2 of 2 groups by softmax scores, renormalised and scaled by 1.5, a shared expert.
+- qwen3-next: Qwen3NextForCausalLM: Gated DeltaNet, full, Gated DeltaNet, full layers (2 key
+  heads of 8 serving 4 value heads of 6, a convolution of 4), (1 + w) norms drawn around 0,
+  gated full attention with partial rotary 0.25, 4 experts top 2 renormalised with a gated
+  shared expert on layers 0, 1 and 3 (layer 2 dense: mlp_only_layers).
 - gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
   sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
   (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
@@ -68,7 +72,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision|mistral4
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision|mistral4|qwen3-next
 """
 
 import sys
@@ -113,6 +117,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     SmolLM3Config,
@@ -384,6 +390,25 @@ elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite"):
             **{**common, "num_key_value_heads": 4, "head_dim": 8},
         )
         model_class = DeepseekV3ForCausalLM
+elif kind == "qwen3-next":
+    config = Qwen3NextConfig(
+        tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[2],
+        norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        **{**common, "num_hidden_layers": 4},
+    )
+    model_class = Qwen3NextForCausalLM
 elif kind == "mistral4":
     config = Mistral4Config(
         tie_word_embeddings=False,
@@ -454,13 +479,24 @@ elif kind in ("llama4", "llama4-vision"):
         )
         model_class = Llama4ForConditionalGeneration
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4, llama4-vision or mistral4")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4, llama4-vision, mistral4 or qwen3-next")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
 with torch.no_grad():
     for name, p in model.named_parameters():
-        if "norm" in name:
+        if kind == "qwen3-next" and ("A_log" in name or "dt_bias" in name or "linear_attn.norm" in name):
+            # Decay rates spread over (0.01, 2); biases and the gated norm around 1.
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 2.0).log())
+            else:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+        elif kind == "qwen3-next" and "norm" in name:
+            # (1 + w) norms: w around 0.
+            p.copy_(0.1 * torch.randn_like(p))
+        elif kind == "qwen3-next" and name.endswith("shared_expert_gate.weight"):
+            p.copy_(torch.randn_like(p))
+        elif "norm" in name:
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
         elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
             # (Mistral 4's softmax router: logits spread so that the groups differ.)
@@ -469,7 +505,7 @@ with torch.no_grad():
             p.copy_(torch.randn_like(p))
         elif kind == "gpt-oss" and "experts" in name:
             p.copy_(0.3 * torch.randn_like(p))
-        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision", "mistral4") and "experts" in name:
+        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision", "mistral4", "qwen3-next") and "experts" in name:
             # Experts far apart, so that the choice shows in the logits.
             p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):

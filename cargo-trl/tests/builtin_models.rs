@@ -28,9 +28,15 @@ const STEPS: usize = 5;
 /// average over micro-batches and ranks), not a sum over rows: with one row each, a rank's
 /// micro-batches are exactly some of one process's.
 fn launch(model: &Path, launch_args: &[&str], rows: usize, out: &Path) -> String {
-    let moe = ["qwen3-moe", "mixtral", "gpt-oss", "gpt-oss-mxfp4"]
-        .iter()
-        .any(|k| model.to_string_lossy().contains(&format!("tiny-{k}/")));
+    let moe = [
+        "qwen3-moe",
+        "mixtral",
+        "gpt-oss",
+        "gpt-oss-mxfp4",
+        "qwen3-next",
+    ]
+    .iter()
+    .any(|k| model.to_string_lossy().contains(&format!("tiny-{k}/")));
     let steps = rows.to_string();
     let mut args: Vec<&std::ffi::OsStr> = vec!["--model_name_or_path".as_ref(), model.as_ref()];
     if moe {
@@ -64,6 +70,11 @@ fn launch(model: &Path, launch_args: &[&str], rows: usize, out: &Path) -> String
 /// Trains assets/tiny-`kind` under every CPU profile against one process; returns the tp-alone
 /// run's output directory.
 fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
+    every_profile_but(kind, tmp, &[])
+}
+
+/// [`every_profile`] but the profiles named in `skip`.
+fn every_profile_but(kind: &str, tmp: &Path, skip: &[&str]) -> std::path::PathBuf {
     let model = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../assets")
         .join(format!("tiny-{kind}/model"));
@@ -76,6 +87,9 @@ fn every_profile(kind: &str, tmp: &Path) -> std::path::PathBuf {
         Run::read(&out("one4"), STEPS),
     );
     for (name, args, two_dp) in common::CPU_CASES {
+        if skip.contains(name) {
+            continue;
+        }
         let text = launch(&model, args, 4, &out(name));
         if *name == "tp_cpu"
             && matches!(
@@ -326,6 +340,35 @@ fn glm4_moe_lite_under_every_cpu_profile_equals_one_process() {
 #[test]
 fn mistral4_under_every_cpu_profile_equals_one_process() {
     every_profile_keeps("mistral4", "\"llama_4_scaling_beta\": 0.5");
+}
+
+/// Qwen3-Next: Gated DeltaNet layers (whole on every tp rank) between gated full-attention
+/// ones, (1 + w) norms, experts with a gated shared one and their router loss, under every
+/// CPU profile that keeps rows whole; context parallelism and Ulysses, which would start each
+/// rank's part of a row from a zero state, are refused at the first step with why.
+#[test]
+fn qwen3_next_under_every_cpu_profile_but_sequence_splits_equals_one_process() {
+    let splits = ["context_parallel_cpu", "alst_ulysses_cpu"];
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = every_profile_but("qwen3-next", tmp.path(), &splits);
+    router_loss_logged(&tp);
+    common::opens_in_transformers(&tp.join("checkpoint-5"));
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3-next/model");
+    for (name, args, _) in common::CPU_CASES.iter().filter(|c| splits.contains(&c.0)) {
+        let out = tmp.path().join(format!("refused-{name}"));
+        let mut sft = vec![
+            "--model_name_or_path".as_ref(),
+            model.as_os_str(),
+            "--output_dir".as_ref(),
+            out.as_os_str(),
+        ];
+        sft.extend(["--max_steps", "1"].map(std::ffi::OsStr::new));
+        let done = common::sft_launch(args, &sft).output().unwrap();
+        let text = String::from_utf8_lossy(&done.stderr).to_string()
+            + &String::from_utf8_lossy(&done.stdout);
+        assert!(!done.status.success(), "{name}: {text}");
+        assert!(text.contains("Gated DeltaNet"), "{name}: {text}");
+    }
 }
 
 /// Llama 4: chunked attention on the rotary layers (interleaved pairs, L2 q/k norms; the

@@ -454,3 +454,15 @@ fn latent_attention_caches_the_compressed_latent() {
     let want = model.num_layers() * b * capacity * (16 + 8) * 4;
     assert_eq!(cache.bytes(), want);
 }
+
+/// Qwen3-Next's Gated DeltaNet layers need a recurrent cache, not built yet: generation is
+/// refused with why rather than computed from a state that never saw the prompt.
+#[test]
+fn generation_with_gated_deltanet_layers_is_refused_with_why() {
+    let model =
+        AutoModelForCausalLM::from_pretrained(checkpoint("qwen3-next"), DType::F32, &Device::Cpu)
+            .unwrap();
+    let (ids, mask) = padded(&prompts());
+    let err = model.generate(&ids, &mask, &greedy(4, None)).unwrap_err();
+    assert!(err.to_string().contains("recurrent cache"), "{err}");
+}

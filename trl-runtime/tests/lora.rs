@@ -262,6 +262,11 @@ fn moe_adapters_travel_between_us_and_peft() {
         // Latent attention's 5 projections in both layers, layer 0's dense MLP and layer 1's
         // shared expert; the router and the fused experts are parameters.
         ("tiny-mistral4", 2 * (2 * 5 + 3 + 3)),
+        // Qwen3-Next: Gated DeltaNet's 3 projections in layers 0 and 2, the gated attention's
+        // 4 in layers 1 and 3; 4 experts (one shared A and two Bs, A and B) and the router on
+        // the sparse layers 0, 1 and 3, with the shared expert's gate; layer 2's dense MLP
+        // and the shared experts none (peft maps their names onto the experts).
+        ("tiny-qwen3-next", 2 * (2 * 3 + 2 * 4) + 3 * (4 * 5 + 2 + 2)),
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();

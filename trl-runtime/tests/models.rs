@@ -412,6 +412,8 @@ fn every_built_in_model_type_matches_transformers() {
         // Latent attention with the position query scale, softmax group-limited routing of
         // fused [experts, out, in] experts.
         ("mistral4", "model.layers.1.mlp.experts.gate_up_proj"),
+        // Gated DeltaNet and gated full-attention layers, experts with a gated shared one.
+        ("qwen3-next", "model.layers.0.linear_attn.A_log"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
@@ -1032,7 +1034,8 @@ fn a_reward_model_starts_from_a_causal_checkpoint() {
 }
 
 /// Packed rows of the mixtures with DeepSeek's routing (GLM-4 MoE, DeepSeek-V3's latent
-/// attention with its shared rotary key): the second document of a packed row, its positions
+/// attention with its shared rotary key), Llama 4's chunks, Mistral 4, and Qwen3-Next's Gated
+/// DeltaNet (a zero state and a fresh convolution at each document start): the second document of a packed row, its positions
 /// restarting, has the logits it has alone, on every CPU attention path.
 #[test]
 fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
@@ -1042,6 +1045,7 @@ fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
         "glm4-moe-lite",
         "llama4",
         "mistral4",
+        "qwen3-next",
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("../assets/tiny-{kind}/model"));

@@ -11,7 +11,7 @@ use super::causal::{CausalModel, LayerInputs};
 use super::params::{read_config, shapes_and_aliases, FilesBackend, WeightFiles};
 use super::{
     deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, llama4, mistral4, mixtral, olmo2, phi3,
-    qwen3_moe,
+    qwen3_moe, qwen3_next,
 };
 use crate::error::{Error, Result};
 use crate::nn::module::Parallelize;
@@ -149,6 +149,7 @@ registry! {
     DeepseekV3(deepseek_v3::DeepseekV3) = deepseek_v3::MODEL_TYPES,
     Llama4(llama4::Llama4) = llama4::MODEL_TYPES,
     Mistral4(mistral4::Mistral4) = mistral4::MODEL_TYPES,
+    Qwen3Next(qwen3_next::Qwen3Next) = qwen3_next::MODEL_TYPES,
 }
 
 /// `model_type` of a config.json's text, if it names one.

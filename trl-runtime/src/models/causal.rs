@@ -268,6 +268,11 @@ impl LayerInputs {
         })
     }
 
+    /// Whether this forward holds a part of each row (context parallelism, Ulysses).
+    pub fn splits_sequences(&self) -> bool {
+        self.split.is_some()
+    }
+
     /// The tensor-parallel group, when layers are split.
     pub fn tp(&self) -> Option<&Arc<dyn Communicator>> {
         self.tp.as_ref()

@@ -39,6 +39,9 @@ pub enum Architecture {
     /// Chunked and NoPE layers, a sigmoid-routed mixture with a shared expert
     /// (models/llama4.rs).
     Llama4,
+    /// Gated DeltaNet and gated full-attention layers, experts with a gated shared one
+    /// (models/qwen3_next.rs).
+    Qwen3Next,
 }
 
 fn default_rms_eps() -> f64 {
@@ -339,8 +342,9 @@ impl ModelConfig {
             "deepseek_v3" | "glm4_moe_lite" => Ok(Architecture::DeepseekV3),
             "llama4_text" => Ok(Architecture::Llama4),
             "mistral4" => Ok(Architecture::DeepseekV3),
+            "qwen3_next" => Ok(Architecture::Qwen3Next),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite, deepseek_v3, mistral4 or llama4_text (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite, deepseek_v3, mistral4, llama4_text or qwen3_next (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -379,7 +383,7 @@ impl ModelConfig {
                 .into_iter()
                 .enumerate()
                 .map(|(i, kind)| match (kind, chunk) {
-                    (LayerAttention::Full, _) => Ok(None),
+                    (LayerAttention::Full | LayerAttention::Linear, _) => Ok(None),
                     (LayerAttention::Sliding, _) => need(format!("layer {i} is sliding_attention")),
                     (LayerAttention::Chunked, Some(c)) => Ok(Some(Window::Chunked(c))),
                     (LayerAttention::Chunked, None) => Err((
@@ -696,6 +700,16 @@ fn transformers_defaults(json: &mut serde_json::Value) {
             map.insert("head_dim".into(), serde_json::json!(w));
         }
     }
+    // Qwen3NextConfig: `kwargs.setdefault("partial_rotary_factor", 0.25)`.
+    let rotary_given = map.contains_key("partial_rotary_factor")
+        || ["rope_parameters", "rope_scaling"].iter().any(|k| {
+            map.get(*k)
+                .and_then(|p| p.get("partial_rotary_factor"))
+                .is_some()
+        });
+    if model_type == "qwen3_next" && !rotary_given {
+        map.insert("partial_rotary_factor".into(), serde_json::json!(0.25));
+    }
     if matches!(model_type.as_str(), "deepseek_v3" | "glm4_moe_lite") {
         if let Some(rope) = map.get("qk_rope_head_dim").cloned() {
             map.insert("head_dim".into(), rope);
@@ -719,6 +733,8 @@ pub enum LayerAttention {
     Sliding,
     /// Llama 4's chunked_attention.
     Chunked,
+    /// Qwen3-Next's linear_attention (Gated DeltaNet: no attention window).
+    Linear,
 }
 
 /// How each of `n` layers attends by transformers' `layer_types` (`full_attention`,
@@ -740,11 +756,12 @@ pub fn attention_kinds(
             Some("full_attention") => Ok(LayerAttention::Full),
             Some("sliding_attention") => Ok(LayerAttention::Sliding),
             Some("chunked_attention") => Ok(LayerAttention::Chunked),
+            Some("linear_attention") => Ok(LayerAttention::Linear),
             _ => Err((
                 "layer_types",
                 format!(
-                    "{t} (layer {i}) is not supported: use full_attention, sliding_attention \
-                     or chunked_attention"
+                    "{t} (layer {i}) is not supported: use full_attention, sliding_attention, \
+                     chunked_attention or linear_attention"
                 ),
             )),
         })
@@ -763,9 +780,9 @@ pub fn sliding_layers(
         .map(|(i, kind)| match kind {
             LayerAttention::Full => Ok(false),
             LayerAttention::Sliding => Ok(true),
-            LayerAttention::Chunked => Err((
+            LayerAttention::Chunked | LayerAttention::Linear => Err((
                 "layer_types",
-                format!("chunked_attention (layer {i}) is not supported by this model"),
+                format!("{kind:?} attention (layer {i}) is not supported by this model"),
             )),
         })
         .collect()

@@ -752,9 +752,10 @@ pub fn read(
             ));
         }
     }
-    // A model that holds parameters adapts the listed ones (gpt-oss); one whose experts are
-    // linear layers reads peft's fused experts as its per-expert adapters (Qwen3-MoE, Mixtral).
-    let held = !sites.is_empty();
+    // A model that holds its experts as parameters adapts the listed ones (gpt-oss); one
+    // whose experts are linear layers reads peft's fused experts as its per-expert adapters
+    // (Qwen3-MoE, Mixtral, Qwen3-Next, whose convolution weight is a parameter but no expert).
+    let held = sites.iter().any(|s| crate::nn::lora::is_routed_expert(s));
     if let Some(p) = parameters.iter().filter(|_| !held).find(|p| {
         ![
             super::peft_experts::GATE_UP,

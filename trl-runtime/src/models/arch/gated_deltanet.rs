@@ -50,14 +50,14 @@ pub struct GatedDeltaNet {
     in_proj_qkvz: Linear,
     #[parallel(tp = "replicate")]
     in_proj_ba: Linear,
-    #[parallel(tp = "replicate")]
+    #[parallel(tp = "replicate", name = "conv1d.weight")]
     conv1d: Param,
     #[parallel(tp = "replicate")]
     dt_bias: Param,
     #[parallel(tp = "replicate", name = "A_log")]
     a_log: Param,
     /// The gated norm's weight (`norm.weight`, ones at init: scales by w, not 1 + w).
-    #[parallel(tp = "replicate")]
+    #[parallel(tp = "replicate", name = "norm.weight")]
     norm: Param,
     #[parallel(tp = "replicate")]
     out_proj: Linear,
@@ -88,6 +88,23 @@ impl GatedDeltaNet {
 
     /// The layer's output for `h` [batch, seq, hidden].
     pub fn forward(&self, h: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        // Not yet: the state scanned over the ranks that split a row, and its generation
+        // cache. Said, rather than computed wrong.
+        if cx.splits_sequences() {
+            return Err(crate::Error::Parallelism(
+                "Gated DeltaNet (linear_attention) layers cannot run under context \
+                 parallelism or Ulysses yet: each rank would start its part of a row from a \
+                 zero state. Train without cp / sp (ZeRO, FSDP, tp and DDP work)"
+                    .into(),
+            ));
+        }
+        if cx.generating() {
+            return Err(crate::Error::Parallelism(
+                "generation from a model with Gated DeltaNet (linear_attention) layers needs \
+                 their recurrent cache, which is not built yet"
+                    .into(),
+            ));
+        }
         let s = self.shape;
         let (b, t, _) = h.dims3()?;
         let (nk, nv, dk, dv) = (s.key_heads, s.value_heads, s.key_dim, s.value_dim);
@@ -166,7 +183,7 @@ impl GatedDeltaNet {
 }
 
 /// 1 / (1 + e^-x) as (1 + tanh(x / 2)) / 2 (no overflow in its gradient).
-fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
+pub fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
     ((x * 0.5)?.tanh()? + 1.0)? * 0.5
 }
 

@@ -18,4 +18,5 @@ pub mod moe;
 pub mod olmo2;
 pub mod phi3;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 pub mod router_loss;

@@ -1,0 +1,319 @@
+//! Qwen3-Next (`model_type` qwen3_next), as transformers' Qwen3NextForCausalLM: a hybrid of
+//! Gated DeltaNet layers (`linear_attn`, gated_deltanet.rs) and full-attention layers
+//! (`self_attn`) by `layer_types` (linear_attention / full_attention; by default three linear
+//! layers, then a full one), (1 + w) RMSNorms throughout, and Qwen3-MoE's mixture of experts
+//! (moe.rs: softmax top-k, renormalised by `norm_topk_prob`, `mlp_only_layers` /
+//! `decoder_sparse_step`) plus a shared expert gated per token by
+//! sigmoid(`shared_expert_gate`(x)).
+//!
+//! The full-attention layers gate their output: `q_proj` gives per head its query and a gate
+//! of the head's width, the attention output is multiplied by sigmoid(gate) before
+//! `o_proj`; per-head (1 + w) q/k norms, rotary on the first `partial_rotary_factor` (0.25)
+//! of each head.
+//!
+//! Strategies: ZeRO and FSDP as any model (each layer a unit); under tp the full attention
+//! and the MLPs split as Qwen3-MoE's, the Gated DeltaNet layers whole on every rank. Context
+//! parallelism and Ulysses split the sequence, which the linear layers' state cannot cross
+//! yet: refused at the first step with why. Generation needs the linear layers' recurrent
+//! cache, not built yet: refused with why.
+
+use super::blocks::{lin, Decoder, GatedMlp, Heads, Layer, NormKind};
+use super::gated_deltanet::{sigmoid, DeltaNetShape, GatedDeltaNet};
+use super::moe::{MoeConfig, SparseMoe};
+use crate::error::{Error, Result};
+use crate::models::causal::LayerInputs;
+use crate::models::config::{attention_kinds, LayerAttention, ModelConfig};
+use crate::nn::chain::Chain;
+use crate::nn::{Linear, RmsNorm, RotaryEmbedding};
+use crate::Parallelize;
+use candle_core::Tensor;
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// The `model_type`s this file reads.
+pub const MODEL_TYPES: &[&str] = &["qwen3_next"];
+
+/// Qwen3NextForCausalLM.
+pub type Qwen3Next = Decoder<Qwen3NextLayer>;
+
+/// `self_attn` of the full-attention layers: attention with an output gate.
+#[derive(Debug, Clone, Parallelize)]
+pub struct GatedAttention {
+    /// Per head its query and gate ([q | gate], each head_dim): split by heads under tp.
+    #[parallel(tp = "column")]
+    q_proj: Linear,
+    #[parallel(tp = "column")]
+    k_proj: Linear,
+    #[parallel(tp = "column")]
+    v_proj: Linear,
+    #[parallel(tp = "row")]
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    #[parallel(tp = "divide")]
+    num_heads: usize,
+    #[parallel(tp = "divide")]
+    num_kv_heads: usize,
+    #[parallel(skip)]
+    head_dim: usize,
+    #[parallel(skip)]
+    rotary_dim: usize,
+}
+
+impl GatedAttention {
+    /// `residual + o_proj(attention(h) * sigmoid(gate))`.
+    fn forward_add(
+        &self,
+        h: &Tensor,
+        residual: &Tensor,
+        cx: &LayerInputs,
+        rope: &RotaryEmbedding,
+    ) -> Result<Tensor> {
+        let (b, s, _) = h.dims3()?;
+        let (n, d) = (self.num_heads, self.head_dim);
+        let qg = self.q_proj.forward(h)?.reshape((b, s, n, 2 * d))?;
+        let q = qg.narrow(3, 0, d)?.reshape((b, s, n * d))?;
+        let gate = qg.narrow(3, d, d)?.reshape((b, s, n * d))?;
+        let heads = Heads {
+            heads: n,
+            kv_heads: self.num_kv_heads,
+            head_dim: d,
+            q_norm: Some(&self.q_norm),
+            k_norm: Some(&self.k_norm),
+            norm_whole_projection: false,
+            query_scale: None,
+            softcap: None,
+            sinks: None,
+            rotary_dim: Some(self.rotary_dim),
+        };
+        let (k, v) = (self.k_proj.forward(h)?, self.v_proj.forward(h)?);
+        let a = heads.attend((q.contiguous()?, k, v), cx, Some(rope), None)?;
+        let gated = (a * sigmoid(&gate)?)?;
+        let out = Chain::merge_and_add(false, Some(residual));
+        Ok(self.o_proj.forward_chain(&gated, &out)?)
+    }
+}
+
+/// `mlp` on the sparse layers: Qwen3-MoE's experts, and the gated shared expert.
+#[derive(Debug, Clone, Parallelize)]
+pub struct SharedExpertMoe {
+    #[parallel(name = "")]
+    routed: SparseMoe<GatedMlp>,
+    shared_expert: GatedMlp,
+    #[parallel(tp = "replicate")]
+    shared_expert_gate: Linear,
+}
+
+impl SharedExpertMoe {
+    fn forward(&self, cx: &LayerInputs, h: &Tensor) -> Result<Tensor> {
+        let routed = self.routed.forward(cx, h)?;
+        let shared = self.shared_expert.forward(cx, h)?;
+        let gate = sigmoid(&self.shared_expert_gate.forward(h)?)?;
+        Ok((routed + shared.broadcast_mul(&gate)?)?)
+    }
+}
+
+/// x + mixer(norm(x)), then + mlp(norm(x)); the mixer Gated DeltaNet or gated attention.
+#[derive(Debug, Clone, Parallelize)]
+#[parallel(fsdp_unit)]
+pub struct Qwen3NextLayer {
+    input_layernorm: RmsNorm,
+    linear_attn: Option<GatedDeltaNet>,
+    self_attn: Option<GatedAttention>,
+    post_attention_layernorm: RmsNorm,
+    #[parallel(name = "mlp")]
+    dense: Option<GatedMlp>,
+    #[parallel(name = "mlp")]
+    sparse: Option<SharedExpertMoe>,
+    #[parallel(skip)]
+    rope: Arc<RotaryEmbedding>,
+    /// The full-attention layers' query and key/value heads on this rank (for every layer:
+    /// the checks of sequence parallelism read the first).
+    #[parallel(tp = "divide")]
+    heads: usize,
+    #[parallel(tp = "divide")]
+    kv_heads: usize,
+}
+
+/// Qwen3-Next's keys beyond Qwen3-MoE's; errors name `source` and the key.
+struct Qwen3NextConfig {
+    moe: MoeConfig,
+    /// Whether each layer is a Gated DeltaNet one.
+    linear: Vec<bool>,
+    delta: DeltaNetShape,
+    shared_inter: usize,
+}
+
+fn check(c: &ModelConfig, source: &str) -> Result<Qwen3NextConfig> {
+    let err = |key: &str, message: String| Error::config(source, key, message);
+    let count = |key: &str, default: usize| -> Result<usize> {
+        match c.extra.get(key).filter(|v| !v.is_null()) {
+            None => Ok(default),
+            Some(v) => v
+                .as_u64()
+                .map(|n| n as usize)
+                .filter(|&n| n > 0)
+                .ok_or_else(|| err(key, format!("{v} is not a positive count"))),
+        }
+    };
+    let n = c.num_hidden_layers;
+    let linear = match c.extra.get("layer_types").and_then(|v| v.as_array()) {
+        Some(types) => attention_kinds(types, n)
+            .map_err(|(k, m)| err(k, m))?
+            .into_iter()
+            .enumerate()
+            .map(|(i, kind)| match kind {
+                LayerAttention::Linear => Ok(true),
+                LayerAttention::Full => Ok(false),
+                _ => Err(err(
+                    "layer_types",
+                    format!(
+                        "layer {i}: Qwen3-Next's layers are linear_attention or full_attention"
+                    ),
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => {
+            let interval = count("full_attention_interval", 4)?;
+            (0..n).map(|i| (i + 1) % interval != 0).collect()
+        }
+    };
+    let (key_heads, value_heads) = (
+        count("linear_num_key_heads", 16)?,
+        count("linear_num_value_heads", 32)?,
+    );
+    if !value_heads.is_multiple_of(key_heads) {
+        return Err(err(
+            "linear_num_value_heads",
+            format!("{value_heads} value heads cannot share {key_heads} key heads evenly"),
+        ));
+    }
+    let delta = DeltaNetShape {
+        hidden: c.hidden_size,
+        key_heads,
+        value_heads,
+        key_dim: count("linear_key_head_dim", 128)?,
+        value_dim: count("linear_value_head_dim", 128)?,
+        conv_kernel: count("linear_conv_kernel_dim", 4)?,
+        eps: c.rms_norm_eps,
+        chunk: 64,
+    };
+    Ok(Qwen3NextConfig {
+        moe: MoeConfig::read(c, source)?,
+        linear,
+        delta,
+        shared_inter: count("shared_expert_intermediate_size", 512)?,
+    })
+}
+
+impl Layer for Qwen3NextLayer {
+    type Config = ModelConfig;
+
+    fn parse_config(text: &str, source: &str) -> Result<ModelConfig> {
+        let config = ModelConfig::from_json_for(text, source, MODEL_TYPES)?;
+        check(&config, source)?;
+        Ok(config)
+    }
+
+    fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Qwen3Next> {
+        use super::blocks::Activation::Silu;
+        let q3 = check(config, "config.json").map_err(Error::into_candle)?;
+        let parts = config.layer_parts()?;
+        let norm = NormKind {
+            eps: config.rms_norm_eps,
+            gemma: true,
+        };
+        let mut body = parts.body;
+        body.norm = norm;
+        let (h, d) = (config.hidden_size, config.head_dim());
+        let (heads, kv) = (config.num_attention_heads, config.num_kv_heads());
+        let inter = q3.moe.inter.unwrap_or(config.intermediate_size);
+        Decoder::from_layers(body, vb, |l, vb| {
+            let (linear_attn, self_attn) = match q3.linear[l] {
+                true => (
+                    Some(GatedDeltaNet::new(q3.delta, vb.pp("linear_attn"))?),
+                    None,
+                ),
+                false => {
+                    let a = vb.pp("self_attn");
+                    let bias = config.attention_bias;
+                    let attention = GatedAttention {
+                        q_proj: lin(a.pp("q_proj"), (h, 2 * heads * d), bias)?,
+                        k_proj: lin(a.pp("k_proj"), (h, kv * d), bias)?,
+                        v_proj: lin(a.pp("v_proj"), (h, kv * d), bias)?,
+                        o_proj: lin(a.pp("o_proj"), (heads * d, h), bias)?,
+                        q_norm: norm.build(d, a.pp("q_norm"))?,
+                        k_norm: norm.build(d, a.pp("k_norm"))?,
+                        num_heads: heads,
+                        num_kv_heads: kv,
+                        head_dim: d,
+                        rotary_dim: config.rotary_dim(),
+                    };
+                    (None, Some(attention))
+                }
+            };
+            let mlp = vb.pp("mlp");
+            let (dense, sparse) = match q3.moe.sparse[l] {
+                false => {
+                    let dense = GatedMlp::new((h, config.intermediate_size), false, Silu, mlp)?;
+                    (Some(dense), None)
+                }
+                true => {
+                    let experts = (0..q3.moe.experts)
+                        .map(|e| GatedMlp::new((h, inter), false, Silu, mlp.pp("experts").pp(e)))
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    let sparse = SharedExpertMoe {
+                        routed: SparseMoe {
+                            gate: crate::nn::linear_no_bias(h, q3.moe.experts, mlp.pp("gate"))?,
+                            experts,
+                            top_k: q3.moe.top_k,
+                            norm_topk_prob: q3.moe.norm_topk_prob,
+                        },
+                        shared_expert: GatedMlp::new(
+                            (h, q3.shared_inter),
+                            false,
+                            Silu,
+                            mlp.pp("shared_expert"),
+                        )?,
+                        shared_expert_gate: lin(mlp.pp("shared_expert_gate"), (h, 1), false)?,
+                    };
+                    (None, Some(sparse))
+                }
+            };
+            Ok(Qwen3NextLayer {
+                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
+                linear_attn,
+                self_attn,
+                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                dense,
+                sparse,
+                rope: parts.rope.clone(),
+                heads,
+                kv_heads: kv,
+            })
+        })
+    }
+
+    fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let x = match (&self.linear_attn, &self.self_attn) {
+            (Some(linear), _) => (x + linear.forward(&h, cx)?)?,
+            (None, Some(attention)) => attention.forward_add(&h, x, cx, &self.rope)?,
+            (None, None) => x.clone(),
+        };
+        let h = self.post_attention_layernorm.forward(&x)?;
+        match (&self.sparse, &self.dense) {
+            (Some(moe), _) => Ok((&x + moe.forward(cx, &h)?)?),
+            (None, Some(mlp)) => mlp.forward_add(cx, &h, &x),
+            (None, None) => Ok(x),
+        }
+    }
+
+    fn attention_heads(&self) -> (usize, usize) {
+        (self.heads, self.kv_heads)
+    }
+
+    fn may_skip_grad(name: &str) -> bool {
+        crate::nn::lora::is_routed_expert(name)
+    }
+}
