@@ -782,7 +782,10 @@ pub fn sliding_layers(
             LayerAttention::Sliding => Ok(true),
             LayerAttention::Chunked | LayerAttention::Linear => Err((
                 "layer_types",
-                format!("{kind:?} attention (layer {i}) is not supported by this model"),
+                format!(
+                    "{} (layer {i}) is not supported by this model",
+                    types[i].as_str().unwrap_or("?")
+                ),
             )),
         })
         .collect()
