@@ -388,6 +388,21 @@ pub fn deinterleave(t: &Tensor) -> candle_core::Result<Tensor> {
     t.contiguous()?.index_select(&order, 3)
 }
 
+/// A query scale by position: 1 + beta x log(1 + floor((p + offset) / divisor)) at
+/// `positions` [b, s], as [b, 1, s, 1] in f32. Llama 4's NoPE temperature (offset 1,
+/// `floor_scale`, `attn_scale`) and Mistral 4's `llama_4_scaling_beta` (offset 0,
+/// `original_max_position_embeddings`).
+pub fn log_position_scale(
+    positions: &Tensor,
+    (offset, divisor): (f64, f64),
+    beta: f64,
+) -> candle_core::Result<Tensor> {
+    let p = positions.to_dtype(candle_core::DType::F64)?;
+    let t = (((p + offset)? / divisor)?.floor()? + 1.0)?.log()?;
+    let t = ((t * beta)? + 1.0)?.to_dtype(candle_core::DType::F32)?;
+    t.unsqueeze(1)?.unsqueeze(3)
+}
+
 /// The gate's activation of a [`GatedMlp`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {

@@ -61,11 +61,10 @@ impl DeepseekMoe {
         let (b, s, hidden) = h.dims3()?;
         let flat = h.reshape((b * s, hidden))?;
         let r = self.routing;
-        // sigmoid in f32, as transformers scores; (1 + tanh(x / 2)) / 2 in differentiable ops
-        // (1 / (1 + e^-x) would make a NaN gradient where e^-x overflows).
+        // sigmoid in f32, as transformers scores (Candle's op: its gradient comes from its
+        // output, no overflow).
         let logits = self.gate.proj.forward(&flat)?.to_dtype(DType::F32)?;
-        let scores = (((logits * 0.5)?.tanh()? + 1.0)? * 0.5)?;
-        let host: Vec<f32> = scores.detach().flatten_all()?.to_vec1()?;
+        let scores = candle_nn::ops::sigmoid(&logits)?;
         let bias: Vec<f32> = self
             .gate
             .e_score_correction_bias
@@ -73,22 +72,35 @@ impl DeepseekMoe {
             .detach()
             .to_dtype(DType::F32)?
             .to_vec1()?;
-        let chosen: Vec<u32> = host
-            .chunks(r.experts)
-            .flat_map(|row| choose(row, &bias, r).into_iter().map(|e| e as u32))
-            .collect();
-        let index = Tensor::new(chosen.as_slice(), flat.device())?.reshape((b * s, r.top_k))?;
-        let mut weights = scores.gather(&index, 1)?;
-        if r.norm_topk_prob {
-            weights = weights.broadcast_div(&(weights.sum_keepdim(D::Minus1)? + 1e-20)?)?;
-        }
-        let weights = (weights * r.scale)?;
+        let (chosen, weights) = route(&scores, &bias, r)?;
         let routed = dispatch(&flat, (&chosen, r.experts), &weights, |tokens, counts| {
             run_experts(&self.experts, cx, &flat, tokens, counts)
         })?;
         let x = (residual + routed.reshape((b, s, hidden))?)?;
         self.shared_experts.forward_add(cx, h, &x)
     }
+}
+
+/// The experts each token chose by its `scores` [tokens, experts] (sigmoid or softmax
+/// scores; `bias` added for the choice alone, [`choose`]), k a token, and their weights: the
+/// chosen scores, renormalised over the k when `norm_topk_prob`, times the scale.
+pub fn route(scores: &Tensor, bias: &[f32], r: Routing) -> Result<(Vec<u32>, Tensor)> {
+    let host: Vec<f32> = scores
+        .detach()
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    let chosen: Vec<u32> = host
+        .chunks(r.experts)
+        .flat_map(|row| choose(row, bias, r).into_iter().map(|e| e as u32))
+        .collect();
+    let index = Tensor::new(chosen.as_slice(), scores.device())?
+        .reshape((chosen.len() / r.top_k, r.top_k))?;
+    let mut weights = scores.gather(&index, 1)?;
+    if r.norm_topk_prob {
+        weights = weights.broadcast_div(&(weights.sum_keepdim(D::Minus1)? + 1e-20)?)?;
+    }
+    Ok((chosen, (weights * r.scale)?))
 }
 
 /// The experts one token chose from its `scores` (after the sigmoid) and the `bias`: the

@@ -26,7 +26,7 @@
 //! The checkpoints' multi-token prediction layers (`num_nextn_predict_layers`, stored after
 //! the last layer) are not part of transformers' model, nor of this one.
 
-use super::blocks::{deinterleave, lin, Decoder, GatedMlp, Layer};
+use super::blocks::{deinterleave, lin, log_position_scale, Decoder, GatedMlp, Layer};
 use super::deepseek_moe::{mlp_add, DeepseekMoe, DeepseekMoeConfig};
 use crate::comm::autograd::copy_to_group;
 use crate::error::{Error, Result};
@@ -36,7 +36,7 @@ use crate::models::config::ModelConfig;
 use crate::nn::chain::Chain;
 use crate::nn::{Linear, RmsNorm, RotaryEmbedding};
 use crate::Parallelize;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use std::sync::Arc;
 
@@ -208,10 +208,8 @@ impl LatentAttention {
         };
         let q = match d.position_scale {
             Some((beta, max)) => {
-                let p = cx.position_ids.to_dtype(DType::F64)?;
-                let t = (((p / max)?.floor()? + 1.0)?.log()? * beta)? + 1.0;
-                let t = t?.to_dtype(q.dtype())?.unsqueeze(1)?.unsqueeze(3)?;
-                q.broadcast_mul(&t)?
+                let t = log_position_scale(&cx.position_ids, (0.0, max), beta)?;
+                q.broadcast_mul(&t.to_dtype(q.dtype())?)?
             }
             None => q,
         };

@@ -151,7 +151,7 @@ impl GatedDeltaNet {
         let q = spread((l2_normalize(&q, 1e-6)? / (dk as f64).sqrt())?)?;
         let k = spread(l2_normalize(&k, 1e-6)?)?;
         // Strengths and log decays in f32, as transformers computes them.
-        let beta = sigmoid(&beta_logit.to_dtype(wide)?)?;
+        let beta = candle_nn::ops::sigmoid(&beta_logit.to_dtype(wide)?)?;
         let a = a.to_dtype(wide)?;
         let dt_bias = self.dt_bias.value()?.to_dtype(wide)?;
         let rate = self.a_log.value()?.to_dtype(wide)?.exp()?;
@@ -180,11 +180,6 @@ impl GatedDeltaNet {
         let y = (normed.to_dtype(wide)? * gate)?.to_dtype(h.dtype())?;
         Ok(self.out_proj.forward(&y.reshape((b, t, nv * dv))?)?)
     }
-}
-
-/// 1 / (1 + e^-x) as (1 + tanh(x / 2)) / 2 (no overflow in its gradient).
-pub fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
-    ((x * 0.5)?.tanh()? + 1.0)? * 0.5
 }
 
 /// log(1 + e^x), stably: max(x, 0) + log(1 + e^-|x|).

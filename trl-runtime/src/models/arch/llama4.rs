@@ -30,15 +30,14 @@
 //! (see [`Llama4Router`]) nor the fused experts (parameters: `target_parameters`). transformers computes no router loss for Llama 4:
 //! `router_aux_loss_coef` is warned about when not 0.
 
-use super::blocks::{deinterleave, Decoder, GatedMlp, Layer, SelfAttention};
-use super::moe::top_k;
-use crate::comm::autograd::{copy_to_group, reduce_from_group};
+use super::blocks::{deinterleave, log_position_scale, Decoder, GatedMlp, Layer, SelfAttention};
+use super::moe::{dispatch_scaled_inputs, top_k, FusedExperts};
 use crate::error::{Error, Result};
 use crate::kernels::fused::{rms_normalize, rotary};
+use crate::kernels::grouped::ExpertLayout;
 use crate::models::causal::LayerInputs;
 use crate::models::config::ModelConfig;
 use crate::nn::chain::{Chain, SplitHeads};
-use crate::nn::grouped::grouped_linear;
 use crate::nn::{Linear, Param, RmsNorm, RotaryEmbedding, Window};
 use crate::Parallelize;
 use candle_core::{DType, Tensor};
@@ -50,34 +49,6 @@ pub const MODEL_TYPES: &[&str] = &["llama4_text", "llama4"];
 
 /// Llama4ForCausalLM.
 pub type Llama4 = Decoder<Llama4Layer>;
-
-/// `feed_forward.experts`: every expert's weights in one tensor each.
-#[derive(Debug, Clone, Parallelize)]
-pub struct Llama4Experts {
-    gate_up_proj: Param,
-    down_proj: Param,
-}
-
-impl Llama4Experts {
-    /// Rows `xs` [rows, hidden] sorted by expert (`counts[e]` for expert e) through their
-    /// experts: down(silu(gate) * up).
-    fn forward(&self, cx: &LayerInputs, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
-        // Under tp: Megatron's f before the split columns and g after the split rows.
-        let xs = match cx.tp() {
-            Some(tp) => copy_to_group(xs, tp)?,
-            None => xs.clone(),
-        };
-        let gate_up = grouped_linear(&xs, &self.gate_up_proj, None, counts)?;
-        let i = gate_up.dim(1)? / 2;
-        let act =
-            crate::kernels::fused::swiglu(&gate_up.narrow(1, 0, i)?, &gate_up.narrow(1, i, i)?)?;
-        let y = grouped_linear(&act, &self.down_proj, None, counts)?;
-        Ok(match cx.tp() {
-            Some(tp) => reduce_from_group(&y, tp)?,
-            None => y,
-        })
-    }
-}
 
 /// `feed_forward.router`: logits = x W^T. A parameter, not a `Linear`: peft's all-linear
 /// wraps transformers' router (an nn.Linear that returns scores and logits) in a layer that
@@ -91,7 +62,7 @@ pub struct Llama4Router {
 #[derive(Debug, Clone, Parallelize)]
 pub struct Llama4Moe {
     router: Llama4Router,
-    experts: Llama4Experts,
+    experts: FusedExperts,
     shared_expert: GatedMlp,
     #[parallel(skip)]
     top_k: usize,
@@ -112,35 +83,18 @@ impl Llama4Moe {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1()?;
-        let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); count];
-        let mut chosen = vec![0u32; n * k];
-        for (t, row) in host.chunks(count).enumerate() {
-            for (j, e) in top_k(row, k).into_iter().enumerate() {
-                chosen[t * k + j] = e as u32;
-                by_expert[e].push((t * k + j) as u32);
-            }
-        }
-        // sigmoid in f32 as transformers scores, (1 + tanh(x / 2)) / 2 (no overflow in its
-        // gradient), cast back.
-        let index = Tensor::from_vec(chosen, (n, k), h.device())?;
+        let chosen: Vec<u32> = host
+            .chunks(count)
+            .flat_map(|row| top_k(row, k).into_iter().map(|e| e as u32))
+            .collect();
+        // sigmoid in f32 as transformers scores, cast back; each chosen expert gets its
+        // token scaled by it.
+        let index = Tensor::new(chosen.as_slice(), h.device())?.reshape((n, k))?;
         let picked = logits.to_dtype(DType::F32)?.gather(&index, 1)?;
-        let scores = (((picked * 0.5)?.tanh()? + 1.0)? * 0.5)?.to_dtype(h.dtype())?;
-        let counts: Vec<usize> = by_expert.iter().map(Vec::len).collect();
-        let slots: Vec<u32> = by_expert.concat();
-        let tokens: Vec<u32> = slots.iter().map(|&i| i / k as u32).collect();
-        let (tokens, slots) = (
-            Tensor::from_vec(tokens, n * k, h.device())?,
-            Tensor::from_vec(slots, n * k, h.device())?,
-        );
-        // Each expert gets its tokens scaled by their scores (one gather: the grouped
-        // layers' backward gives every row's gradient at once).
-        let weight = scores
-            .flatten_all()?
-            .index_select(&slots, 0)?
-            .unsqueeze(1)?;
-        let xs = flat.index_select(&tokens, 0)?.broadcast_mul(&weight)?;
-        let ys = self.experts.forward(cx, &xs, &counts)?;
-        let routed = flat.zeros_like()?.index_add(&tokens, &ys, 0)?;
+        let scores = candle_nn::ops::sigmoid(&picked)?.to_dtype(h.dtype())?;
+        let routed = dispatch_scaled_inputs(&flat, (&chosen, count), &scores, |xs, counts| {
+            self.experts.forward(cx, xs, counts)
+        })?;
         let shared = self.shared_expert.forward(cx, h)?;
         Ok((shared + routed.reshape((b, s, hidden))?)?)
     }
@@ -209,7 +163,7 @@ impl Llama4Layer {
         };
         let q = match self.kind.temperature {
             Some((floor, scale)) => {
-                let t = temperature(&cx.position_ids, floor, scale)?;
+                let t = log_position_scale(&cx.position_ids, (1.0, floor), scale)?;
                 q.to_dtype(DType::F32)?
                     .broadcast_mul(&t)?
                     .to_dtype(q.dtype())?
@@ -220,15 +174,6 @@ impl Llama4Layer {
         Ok(a.o_proj
             .forward_chain(&out, &Chain::merge_and_add(true, Some(x)))?)
     }
-}
-
-/// The NoPE layers' query scale at `positions` [b, s]: log1p(floor((p + 1) / floor)) * scale
-/// + 1, as [b, 1, s, 1] in f32.
-fn temperature(positions: &Tensor, floor: f64, scale: f64) -> candle_core::Result<Tensor> {
-    let p = positions.to_dtype(DType::F64)?;
-    let t = (((p + 1.0)? / floor)?.floor()? + 1.0)?.log()?;
-    let t = ((t * scale)? + 1.0)?.to_dtype(DType::F32)?;
-    t.unsqueeze(1)?.unsqueeze(3)
 }
 
 /// Llama 4's keys beyond the Llama family's.
@@ -364,11 +309,7 @@ impl Layer for Llama4Layer {
                         router: Llama4Router {
                             weight: Param::new(&ff.pp("router"), (e, h), "weight")?,
                         },
-                        experts: Llama4Experts {
-                            gate_up_proj: Param::new(&experts, (e, h, 2 * i), "gate_up_proj")?
-                                .split_column_sections(2, &[i, i]),
-                            down_proj: Param::new(&experts, (e, i, h), "down_proj")?.split_row(1),
-                        },
+                        experts: FusedExperts::new(&experts, (e, h, i), ExpertLayout::InOut)?,
                         shared_expert: GatedMlp::new((h, i), false, act, ff.pp("shared_expert"))?,
                         top_k: l4.top_k,
                     };
@@ -417,7 +358,7 @@ mod tests {
     #[test]
     fn temperature_follows_transformers_formula() {
         let p = Tensor::new(&[[0i64, 6, 7, 15, 23]], &Device::Cpu).unwrap();
-        let t: Vec<f32> = temperature(&p, 8.0, 0.5)
+        let t: Vec<f32> = log_position_scale(&p, (1.0, 8.0), 0.5)
             .unwrap()
             .flatten_all()
             .unwrap()

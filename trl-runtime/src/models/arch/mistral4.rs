@@ -18,17 +18,16 @@
 //! experts themselves are refused.
 
 use super::blocks::{Decoder, GatedMlp, Layer};
-use super::deepseek_moe::{choose, DeepseekMoeConfig, Routing};
+use super::deepseek_moe::{route, DeepseekMoeConfig, Routing};
 use super::deepseek_v3::{latent_dims, LatentAttention};
-use super::moe::dispatch;
-use crate::comm::autograd::{copy_to_group, reduce_from_group};
+use super::moe::{dispatch, FusedExperts};
 use crate::error::{Error, Result};
+use crate::kernels::grouped::ExpertLayout;
 use crate::models::causal::LayerInputs;
 use crate::models::config::ModelConfig;
-use crate::nn::grouped::grouped_linear;
 use crate::nn::{Param, RmsNorm, RotaryEmbedding};
 use crate::Parallelize;
-use candle_core::{DType, Tensor, D};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use std::sync::Arc;
 
@@ -45,40 +44,12 @@ pub struct Mistral4Router {
     weight: Param,
 }
 
-/// `mlp.experts`: every expert's weights in one tensor each, [experts, out, in].
-#[derive(Debug, Clone, Parallelize)]
-pub struct Mistral4Experts {
-    gate_up_proj: Param,
-    down_proj: Param,
-}
-
-impl Mistral4Experts {
-    /// Rows `xs` [rows, hidden] sorted by expert (`counts[e]` for expert e) through their
-    /// experts: down(silu(gate) * up).
-    fn forward(&self, cx: &LayerInputs, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
-        // Under tp: Megatron's f before the split rows of gate_up, g after down's split inputs.
-        let xs = match cx.tp() {
-            Some(tp) => copy_to_group(xs, tp)?,
-            None => xs.clone(),
-        };
-        let gate_up = grouped_linear(&xs, &self.gate_up_proj, None, counts)?;
-        let i = gate_up.dim(1)? / 2;
-        let (gate, up) = (gate_up.narrow(1, 0, i)?, gate_up.narrow(1, i, i)?);
-        let act = crate::kernels::fused::swiglu(&gate, &up)?;
-        let y = grouped_linear(&act, &self.down_proj, None, counts)?;
-        Ok(match cx.tp() {
-            Some(tp) => reduce_from_group(&y, tp)?,
-            None => y,
-        })
-    }
-}
-
 /// `mlp` on the sparse layers.
 #[derive(Debug, Clone, Parallelize)]
 pub struct Mistral4Moe {
     #[parallel(tp = "replicate")]
     gate: Mistral4Router,
-    experts: Mistral4Experts,
+    experts: FusedExperts,
     shared_experts: GatedMlp,
     #[parallel(skip)]
     routing: Routing,
@@ -92,25 +63,8 @@ impl Mistral4Moe {
         let r = self.routing;
         let logits = flat.matmul(&self.gate.weight.value()?.t()?)?;
         // Softmax in the router's dtype, as transformers scores; the choice on the host.
-        let max = logits.max_keepdim(D::Minus1)?.detach();
-        let exp = logits.broadcast_sub(&max)?.exp()?;
-        let scores = exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?;
-        let host: Vec<f32> = scores
-            .detach()
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1()?;
-        let no_bias = vec![0f32; r.experts];
-        let chosen: Vec<u32> = host
-            .chunks(r.experts)
-            .flat_map(|row| choose(row, &no_bias, r).into_iter().map(|e| e as u32))
-            .collect();
-        let index = Tensor::new(chosen.as_slice(), flat.device())?.reshape((b * s, r.top_k))?;
-        let mut weights = scores.gather(&index, 1)?;
-        if r.norm_topk_prob {
-            weights = weights.broadcast_div(&(weights.sum_keepdim(D::Minus1)? + 1e-20)?)?;
-        }
-        let weights = (weights * r.scale)?;
+        let scores = candle_nn::ops::softmax(&logits, candle_core::D::Minus1)?;
+        let (chosen, weights) = route(&scores, &vec![0f32; r.experts], r)?;
         let routed = dispatch(&flat, (&chosen, r.experts), &weights, |tokens, counts| {
             // One gather: the grouped layers' backward gives every row's gradient at once.
             let xs = flat.index_select(tokens, 0)?;
@@ -167,14 +121,7 @@ impl Layer for Mistral4Layer {
                         gate: Mistral4Router {
                             weight: Param::new(&mlp.pp("gate"), (e, h), "weight")?,
                         },
-                        experts: Mistral4Experts {
-                            gate_up_proj: Param::new(&experts, (e, 2 * i, h), "gate_up_proj")?
-                                .out_in()
-                                .split_column_sections(1, &[i, i]),
-                            down_proj: Param::new(&experts, (e, h, i), "down_proj")?
-                                .out_in()
-                                .split_row(2),
-                        },
+                        experts: FusedExperts::new(&experts, (e, h, i), ExpertLayout::OutIn)?,
                         shared_experts: GatedMlp::new(
                             (h, i * moe.shared),
                             false,

@@ -12,10 +12,14 @@
 //! check so).
 
 use super::blocks::GatedMlp;
+use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
+use crate::kernels::grouped::ExpertLayout;
 use crate::models::causal::LayerInputs;
 use crate::models::config::ModelConfig;
+use crate::nn::grouped::grouped_linear;
 use crate::nn::Linear;
+use crate::nn::Param;
 use crate::Parallelize;
 use candle_core::{DType, Tensor, D};
 
@@ -114,24 +118,118 @@ pub fn dispatch(
     weights: &Tensor,
     experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
 ) -> Result<Tensor> {
-    let n = flat.dim(0)?;
-    let k = chosen.len() / n.max(1);
-    let weights = weights.to_dtype(flat.dtype())?.flatten_all()?;
-    // Each expert's (token, slot) pairs in one pass: slot i is token i / k's choice i % k.
-    let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); count];
-    for (i, &e) in chosen.iter().enumerate() {
-        by_expert[e as usize].push(i as u32);
+    let sorted = Sorted::new(chosen, count, flat, weights)?;
+    let ys = experts(&sorted.tokens, &sorted.counts)?.broadcast_mul(&sorted.weights)?;
+    Ok(flat.zeros_like()?.index_add(&sorted.tokens, &ys, 0)?)
+}
+
+/// [`dispatch`] with the weights on the experts' inputs instead of their outputs (Llama 4):
+/// `experts(rows, counts)` gets the routed tokens' rows of `flat`, each scaled by its weight,
+/// sorted by expert.
+pub fn dispatch_scaled_inputs(
+    flat: &Tensor,
+    (chosen, count): (&[u32], usize),
+    weights: &Tensor,
+    experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let sorted = Sorted::new(chosen, count, flat, weights)?;
+    // One gather: the experts' backward gives every row's gradient at once.
+    let rows = flat.index_select(&sorted.tokens, 0)?;
+    let ys = experts(&rows.broadcast_mul(&sorted.weights)?, &sorted.counts)?;
+    Ok(flat.zeros_like()?.index_add(&sorted.tokens, &ys, 0)?)
+}
+
+/// A routing's (token, choice) pairs sorted by expert: token t of `flat` [tokens, hidden]
+/// chose `chosen[t * k..(t + 1) * k]` of `count` experts, slot i being token i / k's choice
+/// i % k.
+struct Sorted {
+    /// Each pair's token, expert by expert.
+    tokens: Tensor,
+    /// Each pair's weight [pairs, 1], from the routing's `weights` [tokens, k].
+    weights: Tensor,
+    /// Pairs per expert.
+    counts: Vec<usize>,
+}
+
+impl Sorted {
+    fn new(chosen: &[u32], count: usize, flat: &Tensor, weights: &Tensor) -> Result<Self> {
+        let n = flat.dim(0)?;
+        let k = chosen.len() / n.max(1);
+        // Each expert's (token, slot) pairs in one pass.
+        let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); count];
+        for (i, &e) in chosen.iter().enumerate() {
+            by_expert[e as usize].push(i as u32);
+        }
+        let counts: Vec<usize> = by_expert.iter().map(Vec::len).collect();
+        let slots: Vec<u32> = by_expert.concat();
+        let tokens: Vec<u32> = slots.iter().map(|&i| i / k as u32).collect();
+        let slots = Tensor::from_vec(slots, n * k, flat.device())?;
+        let weights = weights.to_dtype(flat.dtype())?.flatten_all()?;
+        Ok(Sorted {
+            tokens: Tensor::from_vec(tokens, n * k, flat.device())?,
+            weights: weights.index_select(&slots, 0)?.unsqueeze(1)?,
+            counts,
+        })
     }
-    let counts: Vec<usize> = by_expert.iter().map(Vec::len).collect();
-    let slots: Vec<u32> = by_expert.concat();
-    let tokens: Vec<u32> = slots.iter().map(|&i| i / k as u32).collect();
-    let (tokens, slots) = (
-        Tensor::from_vec(tokens, n * k, flat.device())?,
-        Tensor::from_vec(slots, n * k, flat.device())?,
-    );
-    let ys = experts(&tokens, &counts)?;
-    let ys = ys.broadcast_mul(&weights.index_select(&slots, 0)?.unsqueeze(1)?)?;
-    Ok(flat.zeros_like()?.index_add(&tokens, &ys, 0)?)
+}
+
+/// A mixture's experts fused as transformers 5 keeps them: `experts.gate_up_proj` holding
+/// each expert's gate projection then its up projection (halves, not gpt-oss's interleaved
+/// pairs), and `experts.down_proj`, laid out [experts, in, out] (Llama 4) or [experts, out,
+/// in] (Mistral 4: each a linear layer's weight). Run as grouped GEMMs over rows sorted by
+/// expert, down(silu(gate) * up); under tp each expert's MLP splits as a dense one, gate_up
+/// by each half's output features, down by its input features.
+#[derive(Debug, Clone, Parallelize)]
+pub struct FusedExperts {
+    gate_up_proj: Param,
+    down_proj: Param,
+}
+
+impl FusedExperts {
+    /// `experts` experts of `inter` features over `hidden` from `vb` (the `experts` prefix),
+    /// held in `layout`.
+    pub fn new(
+        vb: &candle_nn::VarBuilder,
+        (experts, hidden, inter): (usize, usize, usize),
+        layout: ExpertLayout,
+    ) -> candle_core::Result<Self> {
+        let (e, h, i) = (experts, hidden, inter);
+        let halves = [i, i];
+        Ok(match layout {
+            ExpertLayout::InOut => FusedExperts {
+                gate_up_proj: Param::new(vb, (e, h, 2 * i), "gate_up_proj")?
+                    .split_column_sections(2, &halves),
+                down_proj: Param::new(vb, (e, i, h), "down_proj")?.split_row(1),
+            },
+            ExpertLayout::OutIn => FusedExperts {
+                gate_up_proj: Param::new(vb, (e, 2 * i, h), "gate_up_proj")?
+                    .out_in()
+                    .split_column_sections(1, &halves),
+                down_proj: Param::new(vb, (e, h, i), "down_proj")?
+                    .out_in()
+                    .split_row(2),
+            },
+        })
+    }
+
+    /// Rows `xs` [rows, hidden] sorted by expert (`counts[e]` for expert e) through their
+    /// experts.
+    pub fn forward(&self, cx: &LayerInputs, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        // Under tp: Megatron's f before the split gate_up and g after the split down.
+        let xs = match cx.tp() {
+            Some(tp) => copy_to_group(xs, tp)?,
+            None => xs.clone(),
+        };
+        let gate_up = grouped_linear(&xs, &self.gate_up_proj, None, counts)?;
+        let i = gate_up.dim(1)? / 2;
+        let (gate, up) = (gate_up.narrow(1, 0, i)?, gate_up.narrow(1, i, i)?);
+        let act = crate::kernels::fused::swiglu(&gate, &up)?;
+        let y = grouped_linear(&act, &self.down_proj, None, counts)?;
+        Ok(match cx.tp() {
+            Some(tp) => reduce_from_group(&y, tp)?,
+            None => y,
+        })
+    }
 }
 
 /// One GEMM per projection and expert over its rows of `flat` [tokens, hidden], gathered per

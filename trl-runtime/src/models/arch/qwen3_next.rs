@@ -18,7 +18,7 @@
 //! cache, not built yet: refused with why.
 
 use super::blocks::{lin, Decoder, GatedMlp, Heads, Layer, NormKind};
-use super::gated_deltanet::{sigmoid, DeltaNetShape, GatedDeltaNet};
+use super::gated_deltanet::{DeltaNetShape, GatedDeltaNet};
 use super::moe::{MoeConfig, SparseMoe};
 use crate::error::{Error, Result};
 use crate::models::causal::LayerInputs;
@@ -27,6 +27,7 @@ use crate::nn::chain::Chain;
 use crate::nn::{Linear, RmsNorm, RotaryEmbedding};
 use crate::Parallelize;
 use candle_core::Tensor;
+use candle_nn::ops::sigmoid;
 use candle_nn::VarBuilder;
 use std::sync::Arc;
 
