@@ -55,9 +55,14 @@ pub struct DeepseekMoe {
     pub routing: Routing,
 }
 
-impl DeepseekMoe {
-    /// The block's output for `h` [batch, seq, hidden], plus `residual`.
-    pub fn forward_add(&self, cx: &LayerInputs, h: &Tensor, residual: &Tensor) -> Result<Tensor> {
+/// A layer's mixture of experts: `residual + moe(h)` for `h` [batch, seq, hidden] (DeepSeek's
+/// here, Mistral 4's).
+pub trait SparseMlp: Parallelize + Send + Sync + Clone + std::fmt::Debug + 'static {
+    fn forward_add(&self, cx: &LayerInputs, h: &Tensor, residual: &Tensor) -> Result<Tensor>;
+}
+
+impl SparseMlp for DeepseekMoe {
+    fn forward_add(&self, cx: &LayerInputs, h: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let (b, s, hidden) = h.dims3()?;
         let flat = h.reshape((b * s, hidden))?;
         let r = self.routing;
@@ -261,21 +266,32 @@ impl DeepseekMoeConfig {
         })
     }
 
-    /// Layer `l`'s MLP from `vb` (`mlp`): dense or this mixture.
-    pub fn mlp(
+    /// Layer `l`'s MLP from `vb` (`mlp`): dense, or the mixture `sparse(vb)` builds.
+    pub fn mlp<M>(
         &self,
         c: &ModelConfig,
         l: usize,
         vb: candle_nn::VarBuilder,
-    ) -> candle_core::Result<(Option<GatedMlp>, Option<DeepseekMoe>)> {
+        sparse: impl FnOnce(candle_nn::VarBuilder) -> candle_core::Result<M>,
+    ) -> candle_core::Result<(Option<GatedMlp>, Option<M>)> {
+        use super::blocks::Activation::Silu;
+        match self.sparse[l] {
+            true => Ok((None, Some(sparse(vb)?))),
+            false => {
+                let dense = GatedMlp::new((c.hidden_size, c.intermediate_size), false, Silu, vb)?;
+                Ok((Some(dense), None))
+            }
+        }
+    }
+
+    /// DeepSeek's mixture from `vb` (`mlp`).
+    pub fn moe(
+        &self,
+        c: &ModelConfig,
+        vb: candle_nn::VarBuilder,
+    ) -> candle_core::Result<DeepseekMoe> {
         use super::blocks::Activation::Silu;
         let h = c.hidden_size;
-        if !self.sparse[l] {
-            return Ok((
-                Some(GatedMlp::new((h, c.intermediate_size), false, Silu, vb)?),
-                None,
-            ));
-        }
         let experts = (0..self.routing.experts)
             .map(|e| GatedMlp::new((h, self.inter), false, Silu, vb.pp("experts").pp(e)))
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -298,15 +314,15 @@ impl DeepseekMoeConfig {
             )?,
             routing: self.routing,
         };
-        Ok((None, Some(moe)))
+        Ok(moe)
     }
 }
 
 /// `x + mlp(h)` with a layer's dense MLP or its mixture of experts (the layers of
-/// glm4_moe.rs and deepseek_v3.rs).
-pub fn mlp_add(
+/// glm4_moe.rs, deepseek_v3.rs and mistral4.rs).
+pub fn mlp_add<M: SparseMlp>(
     dense: Option<&GatedMlp>,
-    sparse: Option<&DeepseekMoe>,
+    sparse: Option<&M>,
     cx: &LayerInputs,
     h: &Tensor,
     x: &Tensor,

@@ -27,7 +27,7 @@
 //! the last layer) are not part of transformers' model, nor of this one.
 
 use super::blocks::{deinterleave, lin, log_position_scale, Decoder, GatedMlp, Layer};
-use super::deepseek_moe::{mlp_add, DeepseekMoe, DeepseekMoeConfig};
+use super::deepseek_moe::{mlp_add, DeepseekMoe, DeepseekMoeConfig, SparseMlp};
 use crate::comm::autograd::copy_to_group;
 use crate::error::{Error, Result};
 use crate::kernels::fused::rotary;
@@ -227,19 +227,67 @@ impl LatentAttention {
     }
 }
 
-/// x + attention(norm(x)), then + mlp(norm(x)) with a dense MLP or DeepSeek's mixture.
+/// x + attention(norm(x)), then + mlp(norm(x)) with a dense MLP or a mixture `M`
+/// (DeepSeek's here, Mistral 4's in mistral4.rs).
 #[derive(Debug, Clone, Parallelize)]
 #[parallel(fsdp_unit)]
-pub struct DeepseekV3Layer {
+pub struct LatentLayer<M: SparseMlp> {
     input_layernorm: RmsNorm,
     self_attn: LatentAttention,
     post_attention_layernorm: RmsNorm,
     #[parallel(name = "mlp")]
     dense: Option<GatedMlp>,
     #[parallel(name = "mlp")]
-    sparse: Option<DeepseekMoe>,
+    sparse: Option<M>,
     #[parallel(skip)]
     rope: Arc<RotaryEmbedding>,
+}
+
+/// DeepSeek-V3's and GLM-4.7-Flash's layer.
+pub type DeepseekV3Layer = LatentLayer<DeepseekMoe>;
+
+impl<M: SparseMlp> LatentLayer<M>
+where
+    Self: Layer,
+{
+    /// The model of a latent-attention `config`: each layer's MLP dense, or (DeepSeek's
+    /// `sparse` layers) the mixture `sparse(moe, vb)` builds from `mlp`'s `vb`.
+    pub(super) fn build_latent(
+        config: &ModelConfig,
+        vb: VarBuilder,
+        sparse: impl Fn(&DeepseekMoeConfig, VarBuilder) -> candle_core::Result<M>,
+    ) -> candle_core::Result<Decoder<Self>> {
+        let source = "config.json";
+        let (dims, q_rank) = latent_dims(config, source).map_err(Error::into_candle)?;
+        let moe = DeepseekMoeConfig::read(config, source).map_err(Error::into_candle)?;
+        let rope = Arc::new(config.rotary().map_err(candle_core::Error::Msg)?);
+        let (norm, _, body) = config.shapes();
+        let h = config.hidden_size;
+        Decoder::from_layers(body, vb, |l, vb| {
+            let (dense, sparse) = moe.mlp(config, l, vb.pp("mlp"), |vb| sparse(&moe, vb))?;
+            Ok(LatentLayer {
+                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
+                self_attn: LatentAttention::new(config, dims, q_rank, vb.pp("self_attn"))?,
+                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
+                dense,
+                sparse,
+                rope: rope.clone(),
+            })
+        })
+    }
+
+    /// The layer's output for `x`.
+    pub(super) fn forward_latent(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let x = self.self_attn.forward_add(&h, x, cx, &self.rope)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        mlp_add(self.dense.as_ref(), self.sparse.as_ref(), cx, &h, &x)
+    }
+
+    /// Its query and key/value heads on this rank (the same: keys are expanded per head).
+    pub(super) fn heads(&self) -> (usize, usize) {
+        (self.self_attn.num_heads, self.self_attn.num_heads)
+    }
 }
 
 /// The config keys of latent attention; errors name `source` and the key.
@@ -338,34 +386,15 @@ impl Layer for DeepseekV3Layer {
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<DeepseekV3> {
-        let source = "config.json";
-        let (dims, q_rank) = latent_dims(config, source).map_err(Error::into_candle)?;
-        let moe = DeepseekMoeConfig::read(config, source).map_err(Error::into_candle)?;
-        let rope = Arc::new(config.rotary().map_err(candle_core::Error::Msg)?);
-        let (norm, _, body) = config.shapes();
-        let h = config.hidden_size;
-        Decoder::from_layers(body, vb, |l, vb| {
-            let (dense, sparse) = moe.mlp(config, l, vb.pp("mlp"))?;
-            Ok(DeepseekV3Layer {
-                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: LatentAttention::new(config, dims, q_rank, vb.pp("self_attn"))?,
-                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
-                dense,
-                sparse,
-                rope: rope.clone(),
-            })
-        })
+        Self::build_latent(config, vb, |moe, vb| moe.moe(config, vb))
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let h = self.input_layernorm.forward(x)?;
-        let x = self.self_attn.forward_add(&h, x, cx, &self.rope)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        mlp_add(self.dense.as_ref(), self.sparse.as_ref(), cx, &h, &x)
+        self.forward_latent(x, cx)
     }
 
     fn attention_heads(&self) -> (usize, usize) {
-        (self.self_attn.num_heads, self.self_attn.num_heads)
+        self.heads()
     }
 
     fn may_skip_grad(name: &str) -> bool {

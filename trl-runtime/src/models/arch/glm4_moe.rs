@@ -48,7 +48,7 @@ impl Layer for Glm4MoeLayer {
         let moe = DeepseekMoeConfig::read(config, "config.json").map_err(Error::into_candle)?;
         let parts = config.layer_parts()?;
         Decoder::from_layers(parts.body, vb, |l, vb| {
-            let (dense, sparse) = moe.mlp(config, l, vb.pp("mlp"))?;
+            let (dense, sparse) = moe.mlp(config, l, vb.pp("mlp"), |vb| moe.moe(config, vb))?;
             Ok(Glm4MoeLayer {
                 attention: parts.pre_norm_attention(l, &vb)?,
                 dense,

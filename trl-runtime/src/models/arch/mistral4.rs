@@ -18,18 +18,17 @@
 //! experts themselves are refused.
 
 use super::blocks::{Decoder, GatedMlp, Layer};
-use super::deepseek_moe::{route, DeepseekMoeConfig, Routing};
-use super::deepseek_v3::{latent_dims, LatentAttention};
+use super::deepseek_moe::{route, DeepseekMoeConfig, Routing, SparseMlp};
+use super::deepseek_v3::{latent_dims, LatentLayer};
 use super::moe::{dispatch, FusedExperts};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kernels::grouped::ExpertLayout;
 use crate::models::causal::LayerInputs;
 use crate::models::config::ModelConfig;
-use crate::nn::{Param, RmsNorm, RotaryEmbedding};
+use crate::nn::Param;
 use crate::Parallelize;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
-use std::sync::Arc;
 
 /// The `model_type`s this file reads.
 pub const MODEL_TYPES: &[&str] = &["mistral4"];
@@ -55,8 +54,7 @@ pub struct Mistral4Moe {
     routing: Routing,
 }
 
-impl Mistral4Moe {
-    /// `x + mlp(h)` for `h` [batch, seq, hidden].
+impl SparseMlp for Mistral4Moe {
     fn forward_add(&self, cx: &LayerInputs, h: &Tensor, x: &Tensor) -> Result<Tensor> {
         let (b, s, hidden) = h.dims3()?;
         let flat = h.reshape((b * s, hidden))?;
@@ -75,20 +73,30 @@ impl Mistral4Moe {
     }
 }
 
-/// x + attention(norm(x)), then + mlp(norm(x)) with a dense MLP or the mixture.
-#[derive(Debug, Clone, Parallelize)]
-#[parallel(fsdp_unit)]
-pub struct Mistral4Layer {
-    input_layernorm: RmsNorm,
-    self_attn: LatentAttention,
-    post_attention_layernorm: RmsNorm,
-    #[parallel(name = "mlp")]
-    dense: Option<GatedMlp>,
-    #[parallel(name = "mlp")]
-    sparse: Option<Mistral4Moe>,
-    #[parallel(skip)]
-    rope: Arc<RotaryEmbedding>,
+impl Mistral4Moe {
+    /// The mixture `moe` describes from `vb` (`mlp`).
+    fn new(moe: &DeepseekMoeConfig, hidden: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        use super::blocks::Activation::Silu;
+        let (h, e, i) = (hidden, moe.routing.experts, moe.inter);
+        Ok(Mistral4Moe {
+            gate: Mistral4Router {
+                weight: Param::new(&vb.pp("gate"), (e, h), "weight")?,
+            },
+            experts: FusedExperts::new(&vb.pp("experts"), (e, h, i), ExpertLayout::OutIn)?,
+            shared_experts: GatedMlp::new(
+                (h, i * moe.shared),
+                false,
+                Silu,
+                vb.pp("shared_experts"),
+            )?,
+            routing: moe.routing,
+        })
+    }
 }
+
+/// x + attention(norm(x)), then + mlp(norm(x)) with a dense MLP or the mixture: DeepSeek-V3's
+/// layer with Mistral 4's mixture.
+pub type Mistral4Layer = LatentLayer<Mistral4Moe>;
 
 impl Layer for Mistral4Layer {
     type Config = ModelConfig;
@@ -101,61 +109,15 @@ impl Layer for Mistral4Layer {
     }
 
     fn build(config: &ModelConfig, vb: VarBuilder) -> candle_core::Result<Mistral4> {
-        use super::blocks::Activation::Silu;
-        let source = "config.json";
-        let (dims, q_rank) = latent_dims(config, source).map_err(Error::into_candle)?;
-        let moe = DeepseekMoeConfig::read(config, source).map_err(Error::into_candle)?;
-        let rope = Arc::new(config.rotary().map_err(candle_core::Error::Msg)?);
-        let (norm, _, body) = config.shapes();
-        let (h, e, i) = (config.hidden_size, moe.routing.experts, moe.inter);
-        Decoder::from_layers(body, vb, |l, vb| {
-            let mlp = vb.pp("mlp");
-            let (dense, sparse) = match moe.sparse[l] {
-                false => {
-                    let inter = config.intermediate_size;
-                    (Some(GatedMlp::new((h, inter), false, Silu, mlp)?), None)
-                }
-                true => {
-                    let experts = mlp.pp("experts");
-                    let sparse = Mistral4Moe {
-                        gate: Mistral4Router {
-                            weight: Param::new(&mlp.pp("gate"), (e, h), "weight")?,
-                        },
-                        experts: FusedExperts::new(&experts, (e, h, i), ExpertLayout::OutIn)?,
-                        shared_experts: GatedMlp::new(
-                            (h, i * moe.shared),
-                            false,
-                            Silu,
-                            mlp.pp("shared_experts"),
-                        )?,
-                        routing: moe.routing,
-                    };
-                    (None, Some(sparse))
-                }
-            };
-            Ok(Mistral4Layer {
-                input_layernorm: norm.build(h, vb.pp("input_layernorm"))?,
-                self_attn: LatentAttention::new(config, dims, q_rank, vb.pp("self_attn"))?,
-                post_attention_layernorm: norm.build(h, vb.pp("post_attention_layernorm"))?,
-                dense,
-                sparse,
-                rope: rope.clone(),
-            })
-        })
+        let h = config.hidden_size;
+        Self::build_latent(config, vb, |moe, vb| Mistral4Moe::new(moe, h, vb))
     }
 
     fn forward(&self, x: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        let h = self.input_layernorm.forward(x)?;
-        let x = self.self_attn.forward_add(&h, x, cx, &self.rope)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        match (&self.sparse, &self.dense) {
-            (Some(moe), _) => moe.forward_add(cx, &h, &x),
-            (None, Some(mlp)) => mlp.forward_add(cx, &h, &x),
-            (None, None) => Ok(x),
-        }
+        self.forward_latent(x, cx)
     }
 
     fn attention_heads(&self) -> (usize, usize) {
-        (self.self_attn.num_heads, self.self_attn.num_heads)
+        self.heads()
     }
 }
