@@ -329,7 +329,7 @@ elif kind == "gpt-oss":
         **{**common, "intermediate_size": 32, "num_hidden_layers": 3},
     )
     model_class = GptOssForCausalLM
-elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite"):
+elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "mistral4"):
     routing = dict(
         n_routed_experts=8,
         n_group=4,
@@ -367,29 +367,49 @@ elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite"):
         )
         model_class = Glm4MoeLiteForCausalLM
     else:
-        config = DeepseekV3Config(
-            tie_word_embeddings=False,
-            routed_scaling_factor=2.5,
+        # Latent attention: q through a rank-24 latent, k/v through a rank-16 one, YaRN from
+        # 16 original positions with mscale / mscale_all_dim.
+        latent = dict(
             q_lora_rank=24,
             kv_lora_rank=16,
-            qk_nope_head_dim=16,
             qk_rope_head_dim=8,
             v_head_dim=12,
             rope_interleave=True,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 0.8,
-                "original_max_position_embeddings": 16,
-            },
-            **routing,
-            **{**common, "num_key_value_heads": 4, "head_dim": 8},
         )
-        model_class = DeepseekV3ForCausalLM
+        yarn = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 16,
+        }
+        if kind == "mistral4":
+            config = Mistral4Config(
+                tie_word_embeddings=False,
+                routed_scaling_factor=1.5,
+                # 24 + 8: the rotary part a quarter of the head exactly (transformers
+                # truncates head_dim x partial_rotary_factor, which 8 / 24 would round to 7).
+                qk_nope_head_dim=24,
+                rope_parameters={**yarn, "llama_4_scaling_beta": 0.5},
+                **latent,
+                **routing,
+                **{**{k: v for k, v in common.items() if k != "head_dim"}, "num_key_value_heads": 4},
+            )
+            model_class = Mistral4ForCausalLM
+        else:
+            config = DeepseekV3Config(
+                tie_word_embeddings=False,
+                routed_scaling_factor=2.5,
+                qk_nope_head_dim=16,
+                rope_parameters=yarn,
+                **latent,
+                **routing,
+                **{**common, "num_key_value_heads": 4, "head_dim": 8},
+            )
+            model_class = DeepseekV3ForCausalLM
 elif kind == "qwen3-next":
     config = Qwen3NextConfig(
         tie_word_embeddings=False,
@@ -409,40 +429,6 @@ elif kind == "qwen3-next":
         **{**common, "num_hidden_layers": 4},
     )
     model_class = Qwen3NextForCausalLM
-elif kind == "mistral4":
-    config = Mistral4Config(
-        tie_word_embeddings=False,
-        n_routed_experts=8,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=1.5,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        # 24 + 8: the rotary part a quarter of the head exactly (transformers truncates
-        # head_dim x partial_rotary_factor, which 8 / 24 would round down to 7).
-        qk_nope_head_dim=24,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        rope_interleave=True,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 0.8,
-            "original_max_position_embeddings": 16,
-            "llama_4_scaling_beta": 0.5,
-        },
-        **{**{k: v for k, v in common.items() if k != "head_dim"}, "num_key_value_heads": 4},
-    )
-    model_class = Mistral4ForCausalLM
 elif kind in ("llama4", "llama4-vision"):
     config = Llama4TextConfig(
         tie_word_embeddings=False,
