@@ -131,7 +131,7 @@ fn lora_on_every_dense_built_in_model_equals_one_process() {
         ],
         &["fsdp2_tp_cpu", "alst_ulysses_cpu"],
         5e-5,
-        &[],
+        (&[], 0),
     );
 }
 
@@ -148,7 +148,7 @@ fn lora_on_mixtures_of_experts_equals_one_process() {
         &["qwen3-moe", "mixtral", "gpt-oss"],
         &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
         1e-4,
-        &[],
+        (&[], 0),
     );
 }
 
@@ -163,12 +163,50 @@ fn lora_on_gpt_oss_parameters_equals_one_process() {
         &["gpt-oss"],
         &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
         1e-4,
-        &[
-            "--lora_target_parameters",
-            "mlp.experts.gate_up_proj",
-            "mlp.experts.down_proj",
-            "mlp.router.weight",
-        ],
+        (
+            &[
+                "--lora_target_parameters",
+                "mlp.experts.gate_up_proj",
+                "mlp.experts.down_proj",
+                "mlp.router.weight",
+            ],
+            6,
+        ),
+    );
+}
+
+/// Llama 4's and Mistral 4's fused experts adapted as parameters: gate_up holds each
+/// expert's gate and up projections as halves, so under FSDP2 x tp the half of its adapter
+/// that shares its split features (Llama 4: A's inputs, as peft reads the tensor [experts,
+/// out, in]; Mistral 4: B's outputs) is split by the same halves, equal to one process;
+/// ZeRO-3 and Ulysses too.
+#[test]
+fn lora_on_llama4_and_mistral4_expert_parameters_equals_one_process() {
+    lora_on_models_equals_one_process(
+        &["llama4"],
+        &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
+        1e-4,
+        (
+            &[
+                "--lora_target_parameters",
+                "feed_forward.experts.gate_up_proj",
+                "feed_forward.experts.down_proj",
+            ],
+            4,
+        ),
+    );
+    lora_on_models_equals_one_process(
+        &["mistral4"],
+        &["zero3_cpu", "fsdp2_tp_cpu", "alst_ulysses_cpu"],
+        1e-4,
+        (
+            &[
+                "--lora_target_parameters",
+                "mlp.experts.gate_up_proj",
+                "mlp.experts.down_proj",
+            ],
+            2,
+        ),
     );
 }
 
@@ -178,7 +216,7 @@ fn lora_on_models_equals_one_process(
     kinds: &[&str],
     cases: &[&str],
     tolerance: f32,
-    parameters: &[&str],
+    (parameters, expert_adapters): (&[&str], usize),
 ) {
     let tmp = tempfile::tempdir().unwrap();
     for &kind in kinds {
@@ -209,16 +247,16 @@ fn lora_on_models_equals_one_process(
             .map(|(_, b)| max_diff(b, &b.zeros_like().unwrap()))
             .fold(0f32, f32::max);
         assert!(moved > 1e-3, "{kind}: the adapters did not move ({moved})");
-        // So did those on parameters (peft's names: `mlp.experts[.base_layer].lora_B`).
+        // So did those on the experts (peft's names: `mlp.experts[.base_layer].lora_B`).
         if !parameters.is_empty() {
             let experts = one8
                 .weights
                 .iter()
-                .filter(|(n, _)| n.contains("mlp.experts.") && n.contains("lora_B"))
+                .filter(|(n, _)| n.contains(".experts.") && n.contains("lora_B"))
                 .map(|(_, b)| max_diff(b, &b.zeros_like().unwrap()))
                 .collect::<Vec<_>>();
             assert!(
-                experts.len() == 6 && experts.iter().all(|&m| m > 1e-3),
+                experts.len() == expert_adapters && experts.iter().all(|&m| m > 1e-3),
                 "{kind}: the experts' adapters did not all move: {experts:?}"
             );
         }

@@ -420,7 +420,9 @@ fn round_trip(
 
 /// gpt-oss's fused experts and router adapted as parameters (peft's `target_parameters`, as
 /// the gpt-oss fine-tuning recipe does; `lora_target_parameters` here): every layer's three,
-/// and one layer's down projection alone (`1.mlp.experts.down_proj`). Each expert's adapter
+/// and one layer's down projection alone (`1.mlp.experts.down_proj`); Llama 4's fused
+/// experts (gate and up as halves, which peft reads [experts, out, in]: the adapter runs B
+/// then A) and Mistral 4's (held [experts, out, in]). Each expert's adapter
 /// runs as two grouped GEMMs of rank r. Both ways with peft (our adapter in peft, peft's
 /// here: the same logits), read back here, and merged into the base (`cargo trl merge`'s
 /// path): the merged model's logits are the adapted one's.
@@ -429,20 +431,58 @@ fn parameter_adapters_travel_between_us_and_peft() {
     let Some(python) = peft_python() else {
         return;
     };
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gpt-oss/model");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
     let (ids, pos) = ids();
-    // Attention's 4 x 2 in each of 3 layers, and 2 per adapted parameter.
-    for (parameters, adapters) in [
+    // Llama 4's projections by name (peft's all-linear also wraps its router, which then
+    // fails in peft): 56 adapters on its layers (moe_adapters_travel_between_us_and_peft).
+    let llama4 = || {
+        let names = [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ];
+        Targets::Names(names.map(String::from).to_vec())
+    };
+    // gpt-oss: attention's 4 x 2 in each of 3 layers, and 2 per adapted parameter. Llama 4:
+    // its fused experts held [experts, hidden, 2 x inter] with the gate and up halves, on
+    // layers 1 and 2.
+    for (model, targets, parameters, adapters) in [
         (
+            "tiny-gpt-oss",
+            Targets::AllLinear,
             "mlp.experts.gate_up_proj,mlp.experts.down_proj,mlp.router.weight",
             3 * 8 + 3 * 3 * 2,
         ),
-        ("1.mlp.experts.down_proj", 3 * 8 + 2),
+        (
+            "tiny-gpt-oss",
+            Targets::AllLinear,
+            "1.mlp.experts.down_proj",
+            3 * 8 + 2,
+        ),
+        (
+            "tiny-llama4",
+            llama4(),
+            "feed_forward.experts.gate_up_proj,feed_forward.experts.down_proj",
+            56 + 2 * 2 * 2,
+        ),
+        // Mistral 4: all-linear (5 attention projections in 2 layers, a dense MLP and a
+        // shared expert) and its experts held [experts, out, in] on layer 1.
+        (
+            "tiny-mistral4",
+            Targets::AllLinear,
+            "mlp.experts.gate_up_proj,mlp.experts.down_proj",
+            2 * (2 * 5 + 3 + 3) + 2 * 2,
+        ),
     ] {
+        let base = assets.join(model).join("model");
         let tmp = tempfile::tempdir().unwrap();
         let lora = LoraConfig {
             target_parameters: parameters.split(',').map(String::from).collect(),
-            ..config(Targets::AllLinear)
+            ..config(targets)
         };
         let (adapter, ours) = round_trip(&python, &base, &lora, adapters, tmp.path());
         let plain = CausalLm::from_pretrained(&base, DType::F32, &Device::Cpu).unwrap();

@@ -24,10 +24,20 @@ pub fn grouped_linear(
     let Some(lora) = &w.lora else {
         return Ok(y);
     };
+    // Per expert, A [r, in] and B [out, r] in peft's reading of the weight: through A then
+    // B when the rows' features are its inputs; else (Llama 4's experts, which peft reads
+    // [experts, out, in] and which compute [experts, in, out]) through B then A.
     let (a, bs) = lora.expert_stacks(counts.len())?;
+    let (first, second) = match w.layout == w.adapter_layout {
+        true => (a, bs),
+        false => (
+            bs.transpose(1, 2)?.contiguous()?,
+            a.transpose(1, 2)?.contiguous()?,
+        ),
+    };
     let in_out = ExpertLayout::InOut;
-    let h = local(x, (&a.to_dtype(x.dtype())?, in_out), None, counts)?;
-    let delta = local(&h, (&bs.to_dtype(x.dtype())?, in_out), None, counts)?;
+    let h = local(x, (&first.to_dtype(x.dtype())?, in_out), None, counts)?;
+    let delta = local(&h, (&second.to_dtype(x.dtype())?, in_out), None, counts)?;
     y + (delta * lora.scale)?
 }
 

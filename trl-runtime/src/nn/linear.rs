@@ -82,7 +82,7 @@ impl Linear {
         );
         let mut lora = Lora::init(name, full, config, (dtype, &device))?;
         let tp = self.tp.as_ref().map(|(_, c)| (c.rank(), c.size()));
-        split_lora(&mut lora, name, dims, self.sections, tp)?;
+        split_lora(&mut lora, name, dims, (Sections::WHOLE, self.sections), tp)?;
         if config.dora {
             // peft's initial magnitude: the norm of each output row of W (B is zero).
             let norm = self.dora_norm(&lora)?.to_dtype(dtype)?;
@@ -428,7 +428,13 @@ impl TpLayer for Linear {
         self.tp = Some((style, tp.comm().clone()));
         if let Some(lora) = &mut self.lora {
             let dims = Self::lora_split_dims(Some(style));
-            split_lora(lora, name, dims, sections, Some((tp.rank(), tp.size())))?;
+            split_lora(
+                lora,
+                name,
+                dims,
+                (Sections::WHOLE, sections),
+                Some((tp.rank(), tp.size())),
+            )?;
         }
         Ok(())
     }

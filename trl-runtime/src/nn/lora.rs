@@ -14,6 +14,7 @@
 
 use super::chain::adapter_product;
 use crate::kernels::fused::{splitmix, GOLDEN};
+use crate::kernels::grouped::ExpertLayout;
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Which linear layers get adapters (peft's `target_modules`).
@@ -375,13 +376,17 @@ impl Lora {
     }
 
     /// The change the adapter makes to the weight it adapts, of shape `dims`: `scale B A`
-    /// for a 2-D [out, in] weight, per expert for a 3-D [experts, in, out] one (peft's
-    /// ParamWrapper).
-    pub fn weight_delta(&self, dims: &[usize]) -> Result<Tensor> {
+    /// for a 2-D [out, in] weight, per expert for a 3-D one that peft reads as `layout` says
+    /// (peft's ParamWrapper: [experts, out, in], or [experts, in, out] when transposed).
+    pub fn weight_delta(&self, dims: &[usize], layout: ExpertLayout) -> Result<Tensor> {
         let delta = match *dims {
             [experts, _, _] => {
                 let (a, b) = self.expert_stacks(experts)?;
-                a.matmul(&b)?
+                let in_out = a.matmul(&b)?;
+                match layout {
+                    ExpertLayout::InOut => in_out,
+                    ExpertLayout::OutIn => in_out.transpose(1, 2)?,
+                }
             }
             _ => self.b.matmul(&self.a)?,
         };

@@ -425,13 +425,13 @@ pub trait Parallelize {
 
 /// Holds `lora`'s `A` and `B` as trainable variables, each cut along its dimension in `dims`
 /// (None: whole) to rank `rank` of `size` when `tp` is given (a split layer's or parameter's
-/// adapter); `B`'s rows, the output features, in the weight's `sections`, and DoRA's
-/// magnitude as `B`'s rows.
+/// adapter); each in the weight's sections along the features it shares with the weight
+/// (`a_sections`: A's inputs, `b_sections`: B's outputs), and DoRA's magnitude as `B`'s rows.
 pub fn split_lora(
     lora: &mut super::lora::Lora,
     name: &str,
     (a_dim, b_dim): (Option<usize>, Option<usize>),
-    sections: Sections,
+    (a_sections, b_sections): (Sections, Sections),
     tp: Option<(usize, usize)>,
 ) -> Result<()> {
     let cut = |t: &Tensor, part: &str, dim: Option<usize>, s: Sections| -> Result<Tensor> {
@@ -440,10 +440,10 @@ pub fn split_lora(
             _ => Ok(Var::from_tensor(t)?.as_tensor().clone()),
         }
     };
-    lora.a = cut(&lora.a, "lora_A.weight", a_dim, Sections::WHOLE)?;
-    lora.b = cut(&lora.b, "lora_B.weight", b_dim, sections)?;
+    lora.a = cut(&lora.a, "lora_A.weight", a_dim, a_sections)?;
+    lora.b = cut(&lora.b, "lora_B.weight", b_dim, b_sections)?;
     if let Some(m) = &lora.magnitude {
-        lora.magnitude = Some(cut(m, "lora_magnitude_vector", b_dim, sections)?);
+        lora.magnitude = Some(cut(m, "lora_magnitude_vector", b_dim, b_sections)?);
     }
     Ok(())
 }
@@ -460,6 +460,11 @@ pub trait LoraTarget {
     /// layer (chosen by `target_modules`).
     fn is_parameter(&self) -> bool {
         false
+    }
+    /// How peft reads a 3-D parameter's features for its adapter (`nn::Param`); a linear
+    /// layer's weight is [out, in].
+    fn adapter_layout(&self) -> crate::kernels::grouped::ExpertLayout {
+        crate::kernels::grouped::ExpertLayout::OutIn
     }
     /// Whether this is an embedding table (LoRA as peft's `lora.Embedding`; trainable tokens).
     fn is_embedding(&self) -> bool {

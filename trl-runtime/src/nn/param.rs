@@ -5,8 +5,10 @@
 //! layer whose kind would imply the dimension, so the model names it where it builds it.
 //!
 //! A 2-D or 3-D parameter takes a LoRA adapter as peft's ParamWrapper adds one
-//! (`target_parameters`): a 2-D [out, in] weight as a linear layer's, a 3-D [experts, in, out]
-//! one (transformers' expert layout) with one adapter per expert, stacked ([`Lora::expert_stacks`]).
+//! (`target_parameters`): a 2-D [out, in] weight as a linear layer's, a 3-D one with one
+//! adapter per expert, stacked ([`Lora::expert_stacks`]), its features read as peft reads
+//! them: [experts, out, in], or [experts, in, out] for experts transformers marks
+//! `is_transposed` (gpt-oss) ([`Param::adapter_layout`]).
 
 use super::lora::{Lora, LoraConfig};
 use super::module::{
@@ -16,6 +18,7 @@ use super::module::{LinearFn, ParamFn, WeightFn};
 use super::sharded;
 use super::Weight;
 use crate::error::{Error, Result as TrlResult};
+use crate::kernels::grouped::ExpertLayout;
 use candle_core::{Result, Tensor};
 
 #[derive(Debug, Clone)]
@@ -28,7 +31,11 @@ pub struct Param {
     /// (Llama 4's experts' gate_up_proj: the gate half, then the up half).
     pub sections: Sections,
     /// How a fused expert tensor holds each expert's matrix (`nn::grouped`).
-    pub layout: crate::kernels::grouped::ExpertLayout,
+    pub layout: ExpertLayout,
+    /// How peft's ParamWrapper reads a 3-D tensor to shape its adapter: [experts, out, in]
+    /// unless transformers marks the experts `is_transposed` (gpt-oss: [experts, in, out]).
+    /// Llama 4's are read [experts, out, in] although they compute [experts, in, out].
+    pub adapter_layout: ExpertLayout,
     /// A LoRA adapter on it (this rank's slices), once added.
     pub lora: Option<Lora>,
     /// This rank and the tensor-parallel group's size, once split.
@@ -46,7 +53,8 @@ impl Param {
             weight: Weight::Local(vb.get(shape, name)?),
             split: None,
             sections: Sections::WHOLE,
-            layout: crate::kernels::grouped::ExpertLayout::InOut,
+            layout: ExpertLayout::InOut,
+            adapter_layout: ExpertLayout::OutIn,
             lora: None,
             tp: None,
         })
@@ -73,7 +81,15 @@ impl Param {
     /// A fused expert tensor held [experts, out, in] (each expert a linear layer's weight).
     pub fn out_in(self) -> Self {
         Param {
-            layout: crate::kernels::grouped::ExpertLayout::OutIn,
+            layout: ExpertLayout::OutIn,
+            ..self
+        }
+    }
+
+    /// A 3-D tensor peft reads [experts, in, out] (transformers' `is_transposed` experts).
+    pub fn adapted_in_out(self) -> Self {
+        Param {
+            adapter_layout: ExpertLayout::InOut,
             ..self
         }
     }
@@ -93,7 +109,8 @@ impl Param {
         };
         match &self.lora {
             Some(lora) => {
-                let delta = lora.weight_delta(w.dims())?.to_dtype(w.dtype())?;
+                let delta = lora.weight_delta(w.dims(), self.adapter_layout)?;
+                let delta = delta.to_dtype(w.dtype())?;
                 w + delta
             }
             None => Ok(w),
@@ -105,11 +122,12 @@ impl Param {
     fn split_lora(&mut self, name: &str) -> TrlResult<()> {
         match &mut self.lora {
             Some(lora) => {
-                let dims = lora_split_dims(self.split);
-                // The sections are the output features: B's rows, when those are split.
+                let rank = self.weight.dims().len();
+                let dims = lora_split_dims(self.split, adapter_in_dim(rank, self.adapter_layout));
+                // The sections go with whichever of A's inputs and B's outputs is split.
                 let sections = match dims {
-                    (_, Some(0)) => self.sections,
-                    _ => Sections::WHOLE,
+                    (Some(_), _) => (self.sections, Sections::WHOLE),
+                    _ => (Sections::WHOLE, self.sections),
                 };
                 split_lora(lora, name, dims, sections, self.tp)
             }
@@ -128,22 +146,35 @@ impl Param {
 }
 
 /// A parameter's adapter shape as peft's ParamWrapper sees the parameter's `full` shape:
-/// (experts, in, out) for a 3-D [experts, in, out] one, (1, in, out) for a 2-D [out, in] one;
-/// None for any other rank.
-pub fn lora_shape(full: &[usize]) -> Option<(usize, usize, usize)> {
-    match *full {
-        [e, i, o] => Some((e, i, o)),
-        [o, i] => Some((1, i, o)),
+/// (experts, in, out) for a 3-D one read as `layout` says, (1, in, out) for a 2-D [out, in]
+/// one; None for any other rank.
+pub fn lora_shape(full: &[usize], layout: ExpertLayout) -> Option<(usize, usize, usize)> {
+    match (full, layout) {
+        (&[e, i, o], ExpertLayout::InOut) => Some((e, i, o)),
+        (&[e, o, i], ExpertLayout::OutIn) => Some((e, i, o)),
+        (&[o, i], _) => Some((1, i, o)),
         _ => None,
     }
 }
 
-/// The dimensions of a parameter's adapter `A` and `B` split over tp under `split`: the
-/// input features (dim 1 of [out, in] and of [experts, in, out]) are `A`'s dim 1, the output
-/// features `B`'s dim 0.
-pub fn lora_split_dims(split: Option<(TpStyle, usize)>) -> (Option<usize>, Option<usize>) {
+/// The dimension of a parameter of `rank` whose features are its adapter's inputs (`A`'s
+/// columns), as peft reads it (`layout`, for 3-D ones).
+pub fn adapter_in_dim(rank: usize, layout: ExpertLayout) -> usize {
+    match (rank, layout) {
+        (3, ExpertLayout::OutIn) => 2,
+        _ => 1,
+    }
+}
+
+/// The dimensions of a parameter's adapter `A` and `B` split over tp under `split`: a split
+/// of the parameter's input features (dimension `in_dim`, [`adapter_in_dim`]) is `A`'s dim
+/// 1, one of its output features `B`'s dim 0.
+pub fn lora_split_dims(
+    split: Option<(TpStyle, usize)>,
+    in_dim: usize,
+) -> (Option<usize>, Option<usize>) {
     match split {
-        Some((_, 1)) => (Some(1), None),
+        Some((_, d)) if d == in_dim => (Some(1), None),
         Some(_) => (None, Some(0)),
         None => (None, None),
     }
@@ -151,7 +182,7 @@ pub fn lora_split_dims(split: Option<(TpStyle, usize)>) -> (Option<usize>, Optio
 
 impl LoraTarget for Param {
     /// peft's ParamWrapper: a 2-D [out, in] parameter gets `A` [r, in] and `B` [out, r]; a
-    /// 3-D [experts, in, out] one `A` [experts x r, in] and `B` [out, r x experts] (see
+    /// 3-D one, in and out as peft reads them, `A` [experts x r, in] and `B` [out, r x experts] (see
     /// [`Lora::expert_stacks`]), at its full size, then cut as its tp split requires. peft
     /// adapts parameters without dropout or DoRA (adapter_plan refuses them).
     fn add_lora(&mut self, name: &str, config: &LoraConfig) -> TrlResult<()> {
@@ -165,17 +196,7 @@ impl LoraTarget for Param {
         if let (Some((_, d)), Some((_, size))) = (self.split, self.tp) {
             full[d] *= size;
         }
-        if self.layout == crate::kernels::grouped::ExpertLayout::OutIn {
-            return Err(Error::config(
-                "training arguments",
-                "lora_target_parameters",
-                format!(
-                    "{name} holds its experts [experts, out, in] (Mistral 4): adapters on it \
-                     are not supported yet; adapt the attention and shared experts (all-linear)"
-                ),
-            ));
-        }
-        let Some((experts, inp, out)) = lora_shape(&full) else {
+        let Some((experts, inp, out)) = lora_shape(&full, self.adapter_layout) else {
             return Err(Error::config(
                 "training arguments",
                 "lora_target_parameters",
@@ -201,6 +222,10 @@ impl LoraTarget for Param {
 
     fn is_parameter(&self) -> bool {
         true
+    }
+
+    fn adapter_layout(&self) -> ExpertLayout {
+        self.adapter_layout
     }
 }
 
@@ -235,16 +260,15 @@ impl Parallelize for Param {
         if let Some(lora) = &self.lora {
             // The half not split sees this rank's share of the features: its gradient is
             // partial (as a split linear layer's adapter).
-            let (a, b) = match (self.split, lora_split_dims(self.split)) {
+            let in_dim = adapter_in_dim(self.weight.dims().len(), self.adapter_layout);
+            let sectioned = |style, d| Split {
+                sections: self.sections,
+                ..Split::on(style, d)
+            };
+            let (a, b) = match (self.split, lora_split_dims(self.split, in_dim)) {
                 (None, _) => (Split::REPLICATED, Split::REPLICATED),
-                (Some((style, _)), (Some(d), _)) => (Split::on(style, Some(d)), Split::PARTIAL),
-                (Some((style, _)), (_, d)) => (
-                    Split::PARTIAL,
-                    Split {
-                        sections: self.sections,
-                        ..Split::on(style, d)
-                    },
-                ),
+                (Some((style, _)), (Some(d), _)) => (sectioned(style, Some(d)), Split::PARTIAL),
+                (Some((style, _)), (_, d)) => (Split::PARTIAL, sectioned(style, d)),
             };
             f(&child_name(name, "lora_A.weight"), &lora.a, a);
             f(&child_name(name, "lora_B.weight"), &lora.b, b);

@@ -11,6 +11,7 @@ use super::{Prefetch, ShardedModel, WrapPolicy};
 use crate::comm::Communicator;
 use crate::context_parallel::SeqSplit;
 use crate::error::{Error, Result};
+use crate::kernels::grouped::ExpertLayout;
 use crate::models::params::{
     read_config, shapes_and_aliases, Checked, FilesBackend, Others, Params, WeightFiles,
 };
@@ -766,7 +767,8 @@ impl<N: CausalModel> Model<N> {
                 return Ok(None);
             }
             let w = head.whole_weight()?;
-            let w = (&w + lora.weight_delta(w.dims())?.to_dtype(w.dtype())?)?;
+            let delta = lora.weight_delta(w.dims(), ExpertLayout::InOut)?;
+            let w = (&w + delta.to_dtype(w.dtype())?)?;
             return Ok(usable(&w).then_some(w));
         }
         Ok(match &head.weight {
@@ -1255,10 +1257,11 @@ impl Model<AutoModelForCausalLM> {
     }
 
     /// The parameters of the built-in model in `dir` that take adapters directly
-    /// (`target_parameters`), read from its structure alone (what `merge_adapter` asks).
-    pub fn parameter_sites_of(dir: &Path) -> Result<Vec<String>> {
+    /// (`target_parameters`), each with how peft reads it, from its structure alone (what
+    /// `merge_adapter` asks).
+    pub fn parameter_sites_of(dir: &Path) -> Result<Vec<(String, ExpertLayout)>> {
         let mut skeleton = Self::skeleton_for(dir, DType::F32, &Device::Cpu)?;
-        Ok(skeleton.lora_sites()?.1)
+        crate::models::peft::parameter_sites(skeleton.net_mut()?)
     }
 }
 

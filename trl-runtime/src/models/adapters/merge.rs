@@ -20,6 +20,13 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use super::peft::{TIED_EMBEDDING as EMBEDDING, TIED_HEAD as HEAD};
+use crate::kernels::grouped::ExpertLayout;
+
+/// The base's parameters adapted directly, each with how peft reads it.
+type Sites = std::collections::HashMap<String, ExpertLayout>;
+
+/// A base directory's [`Sites`], as `sites_of` gives them.
+pub type SitesOf<'a> = &'a dyn Fn(&Path) -> Result<Vec<(String, ExpertLayout)>>;
 
 /// What a merge did.
 #[derive(Debug, Clone)]
@@ -39,7 +46,7 @@ pub struct MergeReport {
 /// The base weight an adapter tensor belongs to (`...q_proj.lora_A.weight` ->
 /// `...q_proj.weight`; a parameter adapted directly, one of `sites`, is the stem itself; a
 /// module trained whole is its own).
-fn target_of(adapter_tensor: &str, sites: &HashSet<String>) -> String {
+fn target_of(adapter_tensor: &str, sites: &Sites) -> String {
     [
         ".lora_A.weight",
         ".lora_B.weight",
@@ -52,7 +59,7 @@ fn target_of(adapter_tensor: &str, sites: &HashSet<String>) -> String {
     .find_map(|suffix| adapter_tensor.strip_suffix(suffix))
     .map_or_else(
         || adapter_tensor.to_string(),
-        |stem| match sites.contains(stem) {
+        |stem| match sites.contains_key(stem) {
             true => stem.to_string(),
             false => format!("{stem}.weight"),
         },
@@ -63,8 +70,7 @@ fn target_of(adapter_tensor: &str, sites: &HashSet<String>) -> String {
 /// `m` when there is one; f32 math, `w`'s dtype.
 fn merged_weight(
     w: &Tensor,
-    a: &Tensor,
-    b: &Tensor,
+    (a, b, layout): (&Tensor, &Tensor, ExpertLayout),
     m: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
@@ -75,7 +81,7 @@ fn merged_weight(
         scale,
         dropout: 0.0,
     };
-    let delta = lora.weight_delta(w.dims())?;
+    let delta = lora.weight_delta(w.dims(), layout)?;
     let adapted = (w.to_dtype(DType::F32)? + delta)?;
     let adapted = match m {
         Some(m) => {
@@ -92,13 +98,14 @@ fn merged_weight(
 /// config names) and writes the merged checkpoint to `out`, which must not exist yet. Weights
 /// are split into files of at most `max_shard_bytes` (one file when they fit), as
 /// `save_pretrained`'s max_shard_size does. `sites_of` gives a base directory's parameters
-/// that take adapters directly (`peft::lora_sites` of its model).
+/// that take adapters directly (`peft::lora_sites` of its model), each with how peft reads
+/// it (a 3-D one's [experts, out, in] or [experts, in, out]: `nn::Param::adapter_layout`).
 pub fn merge_adapter(
     adapter_dir: &Path,
     base: Option<&Path>,
     out: &Path,
     max_shard_bytes: usize,
-    sites_of: &dyn Fn(&Path) -> Result<Vec<String>>,
+    sites_of: SitesOf,
 ) -> Result<MergeReport> {
     let base = match base {
         Some(b) => b.to_path_buf(),
@@ -120,8 +127,9 @@ pub fn merge_adapter(
         ));
     }
     let sites = sites_of(&base)?;
-    let (config, mut adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu, &sites)?;
-    let sites: HashSet<String> = sites.into_iter().collect();
+    let names: Vec<String> = sites.iter().map(|(n, _)| n.clone()).collect();
+    let (config, mut adapters) = peft::read(adapter_dir, DType::F32, &Device::Cpu, &names)?;
+    let sites: Sites = sites.into_iter().collect();
     let files = WeightFiles::open(&base)?;
     // What is written (the base's names, dtypes and shapes), and the base tensor each starts
     // from.
@@ -254,10 +262,10 @@ pub fn merge_adapter(
 fn merge_one(
     name: &str,
     w: &Tensor,
-    (adapters, sites, config): (&BTreeMap<String, Tensor>, &HashSet<String>, &LoraConfig),
+    (adapters, sites, config): (&BTreeMap<String, Tensor>, &Sites, &LoraConfig),
     adapter_dir: &Path,
 ) -> Result<(Tensor, bool)> {
-    let stem = match sites.contains(name) {
+    let stem = match sites.contains_key(name) {
         true => name,
         false => name.strip_suffix(".weight").unwrap_or(name),
     };
@@ -305,7 +313,9 @@ fn merge_one(
     ) {
         (Some(a), Some(b), None) => {
             let m = part("lora_magnitude_vector");
-            let merged = merged_weight(w, a, b, m, config.scale()).map_err(|e| {
+            // How peft reads a parameter adapted directly (a linear layer's: [out, in]).
+            let layout = sites.get(name).copied().unwrap_or(ExpertLayout::OutIn);
+            let merged = merged_weight(w, (a, b, layout), m, config.scale()).map_err(|e| {
                 Error::config(
                     adapter_dir.display().to_string(),
                     format!("{stem}.lora_B.weight"),

@@ -388,6 +388,21 @@ pub fn lora_sites(net: &mut impl Parallelize) -> Result<(Vec<String>, Vec<String
     Ok((linears, parameters))
 }
 
+/// The parameters of `net` adapted directly ([`lora_sites`]' second list), each with how
+/// peft reads it (`nn::Param::adapter_layout`): what merging an adapter into them needs.
+pub fn parameter_sites(
+    net: &mut impl Parallelize,
+) -> Result<Vec<(String, crate::kernels::grouped::ExpertLayout)>> {
+    let mut sites = Vec::new();
+    net.visit_linears_mut("", &mut |name, target| {
+        if target.is_parameter() {
+            sites.push((name.to_string(), target.adapter_layout()));
+        }
+        Ok(())
+    })?;
+    Ok(sites)
+}
+
 /// Every parameter name of `net` in its order (what [`save`] nests adapters on parameters by).
 pub fn parameter_order(net: &impl Parallelize) -> Vec<String> {
     let mut order = Vec::new();

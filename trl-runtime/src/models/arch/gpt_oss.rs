@@ -161,10 +161,13 @@ impl Layer for GptOssLayer {
                     },
                     experts: GptOssExperts {
                         gate_up_proj: Param::new(&experts, (e, h, 2 * i), "gate_up_proj")?
+                            .adapted_in_out()
                             .split_column(2),
                         gate_up_proj_bias: Param::new(&experts, (e, 2 * i), "gate_up_proj_bias")?
                             .split_column(1),
-                        down_proj: Param::new(&experts, (e, i, h), "down_proj")?.split_row(1),
+                        down_proj: Param::new(&experts, (e, i, h), "down_proj")?
+                            .adapted_in_out()
+                            .split_row(1),
                         down_proj_bias: Param::new(&experts, (e, h), "down_proj_bias")?,
                         alpha,
                         limit,

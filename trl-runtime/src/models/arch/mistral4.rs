@@ -14,8 +14,8 @@
 //! Strategies: latent attention as DeepSeek-V3's; under tp each expert's MLP split as a dense
 //! one (gate_up by its output rows in its two halves, down by its input columns), the router
 //! whole. No router loss, as in transformers. LoRA: attention, shared experts and dense MLPs
-//! (peft's all-linear: the router and the fused experts are parameters); adapters on the
-//! experts themselves are refused.
+//! (peft's all-linear: the router and the fused experts are parameters); the experts take
+//! adapters as peft's `target_parameters`.
 
 use super::blocks::{Decoder, GatedMlp, Layer};
 use super::deepseek_moe::{route, DeepseekMoeConfig, Routing, SparseMlp};

@@ -315,9 +315,13 @@ impl ModelShapes {
                 if p.parameter {
                     // peft's ParamWrapper: A [E r, in], B [out, r E] (E = 1 for 2-D).
                     let e = self.params.iter().find(|e| e.name == p.name)?;
-                    let (experts, inp, out) = crate::nn::param::lora_shape(&e.full_shape)?;
+                    // Either reading of a 3-D tensor counts the same elements (its in/out
+                    // features swap with the halves they split).
+                    let reading = crate::kernels::grouped::ExpertLayout::InOut;
+                    let (experts, inp, out) = crate::nn::param::lora_shape(&e.full_shape, reading)?;
                     let split = e.split.dim.map(|d| (e.split.style, d));
-                    let (a, b) = crate::nn::param::lora_split_dims(split);
+                    let in_dim = crate::nn::param::adapter_in_dim(e.full_shape.len(), reading);
+                    let (a, b) = crate::nn::param::lora_split_dims(split, in_dim);
                     let part = |split: Option<usize>| if split.is_some() { tp } else { 1 };
                     let r = p.config.r * experts;
                     return Some((p.name.clone(), r * inp / part(a) + out * r / part(b)));
