@@ -19,6 +19,21 @@ fn tiny() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model")
 }
 
+/// Llama 4's projections by name: peft's all-linear also wraps transformers' router (an
+/// nn.Linear returning a pair), whose forward then fails in peft.
+fn llama4_targets() -> Targets {
+    let names = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ];
+    Targets::Names(names.map(String::from).to_vec())
+}
+
 fn config(targets: Targets) -> LoraConfig {
     LoraConfig {
         r: 4,
@@ -271,19 +286,7 @@ fn moe_adapters_travel_between_us_and_peft() {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();
         let targets = match name {
-            "tiny-llama4" => Targets::Names(
-                [
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "o_proj",
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                ]
-                .map(String::from)
-                .to_vec(),
-            ),
+            "tiny-llama4" => llama4_targets(),
             _ => Targets::AllLinear,
         };
         round_trip(&python, &base, &config(targets), adapters, tmp.path());
@@ -299,15 +302,7 @@ fn vision_language_adapters_travel_between_us_and_peft() {
     let Some(python) = peft_python() else {
         return;
     };
-    let projections = ["q_proj", "k_proj", "v_proj", "o_proj"];
-    let mlp = ["gate_proj", "up_proj", "down_proj"];
-    let llama4 = Targets::Names(
-        projections
-            .iter()
-            .chain(&mlp)
-            .map(|s| s.to_string())
-            .collect(),
-    );
+    let llama4 = llama4_targets();
     let (tree, nested) = (
         "base_model.model.model.language_model.layers.",
         "base_model.model.language_model.model.layers.",
@@ -433,23 +428,9 @@ fn parameter_adapters_travel_between_us_and_peft() {
     };
     let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
     let (ids, pos) = ids();
-    // Llama 4's projections by name (peft's all-linear also wraps its router, which then
-    // fails in peft): 56 adapters on its layers (moe_adapters_travel_between_us_and_peft).
-    let llama4 = || {
-        let names = [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ];
-        Targets::Names(names.map(String::from).to_vec())
-    };
     // gpt-oss: attention's 4 x 2 in each of 3 layers, and 2 per adapted parameter. Llama 4:
-    // its fused experts held [experts, hidden, 2 x inter] with the gate and up halves, on
-    // layers 1 and 2.
+    // its named projections' 56 (moe_adapters_travel_between_us_and_peft), and its fused
+    // experts held [experts, hidden, 2 x inter] with the gate and up halves, on layers 1 and 2.
     for (model, targets, parameters, adapters) in [
         (
             "tiny-gpt-oss",
@@ -465,7 +446,7 @@ fn parameter_adapters_travel_between_us_and_peft() {
         ),
         (
             "tiny-llama4",
-            llama4(),
+            llama4_targets(),
             "feed_forward.experts.gate_up_proj,feed_forward.experts.down_proj",
             56 + 2 * 2 * 2,
         ),
