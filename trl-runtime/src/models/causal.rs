@@ -86,6 +86,9 @@ pub struct LayerInputs {
     windowed: Memo<(Option<Window>, Option<u64>), Arc<SeqAttention>>,
     /// The largest position id, for [`Self::at_positions`]' bound check.
     max_position: std::sync::OnceLock<u32>,
+    /// Which tokens open a document, for the layers with a recurrent state (Gated DeltaNet),
+    /// read from the positions once per forward.
+    document_starts: std::sync::OnceLock<Arc<Vec<Vec<bool>>>>,
     split: Option<SeqSplit>,
     how: AttentionImpl,
     pub(crate) tp: Option<Arc<dyn Communicator>>,
@@ -122,6 +125,7 @@ impl LayerInputs {
             )?),
             windowed: Memo::default(),
             max_position: std::sync::OnceLock::new(),
+            document_starts: std::sync::OnceLock::new(),
             split: split.cloned(),
             how: attention,
             tp: None,
@@ -266,6 +270,16 @@ impl LayerInputs {
             };
             rope.cos_sin_within(&self.position_ids, max_position, self.dtype, &self.device)
         })
+    }
+
+    /// Which tokens of each row open a document (`nn::gated_delta::document_starts`),
+    /// computed on the host once per forward and shared by the layers that ask.
+    pub fn document_starts(&self) -> candle_core::Result<Arc<Vec<Vec<bool>>>> {
+        if let Some(starts) = self.document_starts.get() {
+            return Ok(starts.clone());
+        }
+        let starts = Arc::new(crate::nn::gated_delta::document_starts(&self.position_ids)?);
+        Ok(self.document_starts.get_or_init(|| starts).clone())
     }
 
     /// Whether this forward holds a part of each row (context parallelism, Ulysses).

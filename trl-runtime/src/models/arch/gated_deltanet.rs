@@ -23,7 +23,7 @@
 use super::blocks::lin;
 use crate::error::Result;
 use crate::models::causal::LayerInputs;
-use crate::nn::gated_delta::{chunked, document_starts, l2_normalize, DeltaInputs};
+use crate::nn::gated_delta::{chunked, l2_normalize, DeltaInputs};
 use crate::nn::{Linear, Param};
 use crate::Parallelize;
 use candle_core::Tensor;
@@ -126,7 +126,7 @@ impl GatedDeltaNet {
             .reshape((b, t, nv, dv))?;
         let beta_logit = ba.narrow(3, 0, per)?.reshape((b, t, nv))?;
         let a = ba.narrow(3, per, per)?.reshape((b, t, nv))?;
-        let starts = document_starts(&cx.position_ids)?;
+        let starts = cx.document_starts()?;
         let mixed = Tensor::cat(&[&q, &k, &v], 2)?;
         let mixed = causal_conv(&mixed, &self.conv1d.value()?, &starts)?.silu()?;
         let keys = nk * dk;
