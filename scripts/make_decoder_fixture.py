@@ -63,6 +63,13 @@ computes for them.
   heads of 8 serving 4 value heads of 6, a convolution of 4), (1 + w) norms drawn around 0,
   gated full attention with partial rotary 0.25, 4 experts top 2 renormalised with a gated
   shared expert on layers 0, 1 and 3 (layer 2 dense: mlp_only_layers).
+- qwen3.5: Qwen3_5ForCausalLM (qwen3_5_text): qwen3-next's hybrid layers with the linear
+  attention's projections apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), a dense MLP on
+  every layer, interleaved multimodal RoPE (plain on text).
+- qwen3.5-moe-vision: Qwen3_5MoeForConditionalGeneration (the hub's model_type qwen3_5_moe):
+  the qwen3.5 language model with 4 experts, top 2 always renormalised, and a gated shared
+  expert on every layer, under model.language_model., a one-block vision tower beside it; the
+  logits are of text alone.
 - gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
   sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
   (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
@@ -72,7 +79,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision|mistral4|qwen3-next
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision|mistral4|qwen3-next|qwen3.5|qwen3.5-moe-vision
 """
 
 import sys
@@ -121,6 +128,10 @@ from transformers import (
     Qwen3NextForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5TextConfig,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -128,6 +139,8 @@ from transformers import (
 from tiny_fixture import VOCAB, write
 
 kind = sys.argv[1] if len(sys.argv) > 1 else "qwen3"
+# The hybrids of Gated DeltaNet and full attention.
+QWEN_HYBRIDS = ("qwen3-next", "qwen3.5", "qwen3.5-moe-vision")
 
 
 def longrope(frequencies, **extra):
@@ -145,6 +158,40 @@ def longrope(frequencies, **extra):
 
 # The vision towers' sizes (one layer of them), beside the tiny language models.
 tiny_vision = dict(hidden_size=32, intermediate_size=64, patch_size=14)
+
+
+def qwen_vision(**extra):
+    """A one-block vision tower of Qwen3-VL's kind (Qwen3.5's too), feeding the language
+    model's width."""
+    return dict(
+        depth=1,
+        num_heads=2,
+        out_hidden_size=common["hidden_size"],
+        num_position_embeddings=16,
+        **extra,
+        **tiny_vision,
+    )
+
+
+# The Qwen hybrids' layers: Gated DeltaNet, full, Gated DeltaNet, full (2 key heads of 8
+# serving 4 value heads of 6, a convolution of 4), an untied head.
+hybrid_layers = dict(
+    tie_word_embeddings=False,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=6,
+    linear_conv_kernel_dim=4,
+)
+
+# Qwen3-VL's and Qwen3.5's wrappers: their special tokens in the tiny vocabulary, an untied head.
+qwen_wrapper = dict(
+    vision_start_token_id=VOCAB - 3,
+    video_token_id=VOCAB - 2,
+    image_token_id=VOCAB - 1,
+    tie_word_embeddings=False,
+)
 
 
 def gemma3_text():
@@ -283,21 +330,8 @@ elif kind == "qwen3-vl":
         tie_word_embeddings=False,
         **common,
     )
-    vision = dict(
-        depth=1,
-        num_heads=2,
-        out_hidden_size=common["hidden_size"],
-        deepstack_visual_indexes=[0],
-        num_position_embeddings=16,
-        **tiny_vision,
-    )
     config = Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        vision_start_token_id=VOCAB - 3,
-        video_token_id=VOCAB - 2,
-        image_token_id=VOCAB - 1,
-        tie_word_embeddings=False,
+        text_config=text, vision_config=qwen_vision(deepstack_visual_indexes=[0]), **qwen_wrapper
     )
     model_class = Qwen3VLForConditionalGeneration
 elif kind == "gemma2":
@@ -412,13 +446,7 @@ elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "mistral4"):
             model_class = DeepseekV3ForCausalLM
 elif kind == "qwen3-next":
     config = Qwen3NextConfig(
-        tie_word_embeddings=False,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=6,
-        linear_conv_kernel_dim=4,
+        **hybrid_layers,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
@@ -429,6 +457,33 @@ elif kind == "qwen3-next":
         **{**common, "num_hidden_layers": 4},
     )
     model_class = Qwen3NextForCausalLM
+elif kind in ("qwen3.5", "qwen3.5-moe-vision"):
+    # Qwen3-Next's layers with the linear attention's projections apart (in_proj_qkv, _z, _b,
+    # _a) and interleaved multimodal RoPE (plain on text).
+    hybrid = dict(
+        **hybrid_layers,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+        },
+        **{**common, "num_hidden_layers": 4},
+    )
+    if kind == "qwen3.5":
+        config = Qwen3_5TextConfig(**hybrid)
+        model_class = Qwen3_5ForCausalLM
+    else:
+        text = dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            **{k: v for k, v in hybrid.items() if k != "intermediate_size"},
+        )
+        config = Qwen3_5MoeConfig(text_config=text, vision_config=qwen_vision(), **qwen_wrapper)
+        model_class = Qwen3_5MoeForConditionalGeneration
 elif kind in ("llama4", "llama4-vision"):
     config = Llama4TextConfig(
         tie_word_embeddings=False,
@@ -465,22 +520,22 @@ elif kind in ("llama4", "llama4-vision"):
         )
         model_class = Llama4ForConditionalGeneration
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4, llama4-vision, mistral4 or qwen3-next")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4, llama4-vision, mistral4, qwen3-next, qwen3.5 or qwen3.5-moe-vision")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
 with torch.no_grad():
     for name, p in model.named_parameters():
-        if kind == "qwen3-next" and ("A_log" in name or "dt_bias" in name or "linear_attn.norm" in name):
+        if kind in QWEN_HYBRIDS and ("A_log" in name or "dt_bias" in name or "linear_attn.norm" in name):
             # Decay rates spread over (0.01, 2); biases and the gated norm around 1.
             if name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(0.01, 2.0).log())
             else:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
-        elif kind == "qwen3-next" and "norm" in name:
+        elif kind in QWEN_HYBRIDS and "norm" in name and "visual" not in name:
             # (1 + w) norms: w around 0.
             p.copy_(0.1 * torch.randn_like(p))
-        elif kind == "qwen3-next" and name.endswith("shared_expert_gate.weight"):
+        elif kind in QWEN_HYBRIDS and name.endswith("shared_expert_gate.weight"):
             p.copy_(torch.randn_like(p))
         elif "norm" in name:
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
@@ -491,7 +546,7 @@ with torch.no_grad():
             p.copy_(torch.randn_like(p))
         elif kind == "gpt-oss" and "experts" in name:
             p.copy_(0.3 * torch.randn_like(p))
-        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision", "mistral4", "qwen3-next") and "experts" in name:
+        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision", "mistral4", "qwen3-next", "qwen3.5-moe-vision") and "experts" in name:
             # Experts far apart, so that the choice shows in the logits.
             p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
@@ -501,7 +556,7 @@ with torch.no_grad():
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.3 * torch.randn_like(b))
 write(model, f"tiny-{kind}")
-if kind in ("gemma3-vision", "qwen3-vl", "llama4-vision"):
+if kind in ("gemma3-vision", "qwen3-vl", "llama4-vision", "qwen3.5-moe-vision"):
     # A processor's image settings, which a checkpoint carries as it carries the tokenizer.
     from transformers import Gemma3ImageProcessor, Llama4ImageProcessor, Qwen2VLImageProcessor
 
@@ -510,6 +565,7 @@ if kind in ("gemma3-vision", "qwen3-vl", "llama4-vision"):
     image = {
         "gemma3-vision": lambda: Gemma3ImageProcessor(size={"height": 28, "width": 28}),
         "qwen3-vl": lambda: Qwen2VLImageProcessor(patch_size=14, merge_size=2),
+        "qwen3.5-moe-vision": lambda: Qwen2VLImageProcessor(patch_size=14, merge_size=2),
         "llama4-vision": lambda: Llama4ImageProcessor(size={"height": 28, "width": 28}),
     }[kind]()
     image.save_pretrained(ROOT / f"assets/tiny-{kind}/model")

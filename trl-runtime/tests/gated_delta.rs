@@ -100,7 +100,7 @@ fn chunks_and_recurrence_equal_transformers() {
 /// the same random weights and inputs.
 #[test]
 fn the_layer_equals_transformers() {
-    use trl_runtime::models::gated_deltanet::{DeltaNetShape, GatedDeltaNet};
+    use trl_runtime::models::gated_deltanet::{DeltaNetShape, GatedDeltaNet, Projections};
     use trl_runtime::models::LayerInputs;
     use trl_runtime::nn::AttentionImpl;
     let Some(python) = common::python_with(&["torch", "transformers", "safetensors"]) else {
@@ -123,6 +123,7 @@ fn the_layer_equals_transformers() {
         conv_kernel: 4,
         eps: 1e-6,
         chunk: 4,
+        projections: Projections::Grouped,
     };
     let layer = GatedDeltaNet::new(shape, vb).unwrap();
     let hidden = &tensors["hidden"];

@@ -282,6 +282,9 @@ fn moe_adapters_travel_between_us_and_peft() {
         // the sparse layers 0, 1 and 3, with the shared expert's gate; layer 2's dense MLP
         // and the shared experts none (peft maps their names onto the experts).
         ("tiny-qwen3-next", 2 * (2 * 3 + 2 * 4) + 3 * (4 * 5 + 2 + 2)),
+        // Qwen3.5, the same hybrid dense: Gated DeltaNet's 5 projections apart in layers 0 and
+        // 2, the gated attention's 4 in layers 1 and 3, every layer's MLP 3.
+        ("tiny-qwen3.5", 2 * 2 * (5 + 4 + 2 * 3)),
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();
@@ -293,7 +296,7 @@ fn moe_adapters_travel_between_us_and_peft() {
     }
 }
 
-/// Gemma 3's, Qwen3-VL's and Llama 4's vision-language checkpoints: adapters on the language
+/// Gemma 3's, Qwen3-VL's, Llama 4's and Qwen3.5-MoE's vision-language checkpoints: adapters on the language
 /// model, under peft's names for its PyTorch tree (`model.language_model.layers...`; Llama
 /// 4's `language_model.model.layers...`), both ways with peft. peft's own adapter adapts the
 /// vision tower too, which text rows never reach: read here without it, the same logits.
@@ -314,6 +317,17 @@ fn vision_language_adapters_travel_between_us_and_peft() {
         ("gemma3-vision", 3 * 7 * 2, Targets::AllLinear, tree),
         ("qwen3-vl", 2 * 7 * 2, Targets::AllLinear, tree),
         ("llama4-vision", 4 * 7 * 2, llama4, nested),
+        // Qwen3.5-MoE's: Gated DeltaNet's 5 projections in layers 0 and 2, the gated
+        // attention's 4 in layers 1 and 3, on every layer the shared expert's 3 and its gate.
+        // Not the routed experts nor the router: peft converts no targets onto Qwen3.5-MoE's
+        // fused experts (transformers maps no conversion for qwen3_5_moe), and its router is
+        // no nn.Linear.
+        (
+            "qwen3.5-moe-vision",
+            2 * (2 * (5 + 4) + 4 * (3 + 1)),
+            Targets::AllLinear,
+            tree,
+        ),
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

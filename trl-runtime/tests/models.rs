@@ -414,6 +414,14 @@ fn every_built_in_model_type_matches_transformers() {
         ("mistral4", "model.layers.1.mlp.experts.gate_up_proj"),
         // Gated DeltaNet and gated full-attention layers, experts with a gated shared one.
         ("qwen3-next", "model.layers.0.linear_attn.A_log"),
+        // Qwen3.5: the Gated DeltaNet's projections apart, dense MLPs.
+        ("qwen3.5", "model.layers.0.linear_attn.in_proj_qkv.weight"),
+        // Qwen3_5MoeForConditionalGeneration (the hub's qwen3_5_moe): every MLP a mixture,
+        // read through `model.language_model.`.
+        (
+            "qwen3.5-moe-vision",
+            "model.layers.2.mlp.shared_expert_gate.weight",
+        ),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")
@@ -1034,8 +1042,9 @@ fn a_reward_model_starts_from_a_causal_checkpoint() {
 }
 
 /// Packed rows of the mixtures with DeepSeek's routing (GLM-4 MoE, DeepSeek-V3's latent
-/// attention with its shared rotary key), Llama 4's chunks, Mistral 4, and Qwen3-Next's Gated
-/// DeltaNet (a zero state and a fresh convolution at each document start): the second document of a packed row, its positions
+/// attention with its shared rotary key), Llama 4's chunks, Mistral 4, and Qwen3-Next's and
+/// Qwen3.5's Gated DeltaNet (a zero state and a fresh convolution at each document start): the
+/// second document of a packed row, its positions
 /// restarting, has the logits it has alone, on every CPU attention path.
 #[test]
 fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
@@ -1046,6 +1055,8 @@ fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
         "llama4",
         "mistral4",
         "qwen3-next",
+        "qwen3.5",
+        "qwen3.5-moe-vision",
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("../assets/tiny-{kind}/model"));

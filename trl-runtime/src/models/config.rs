@@ -40,7 +40,7 @@ pub enum Architecture {
     /// (models/llama4.rs).
     Llama4,
     /// Gated DeltaNet and gated full-attention layers, experts with a gated shared one
-    /// (models/qwen3_next.rs).
+    /// (models/qwen3_next.rs: Qwen3-Next and Qwen3.5).
     Qwen3Next,
 }
 
@@ -342,9 +342,9 @@ impl ModelConfig {
             "deepseek_v3" | "glm4_moe_lite" => Ok(Architecture::DeepseekV3),
             "llama4_text" => Ok(Architecture::Llama4),
             "mistral4" => Ok(Architecture::DeepseekV3),
-            "qwen3_next" => Ok(Architecture::Qwen3Next),
+            "qwen3_next" | "qwen3_5_text" | "qwen3_5_moe_text" => Ok(Architecture::Qwen3Next),
             other => Err(format!(
-                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite, deepseek_v3, mistral4, llama4_text or qwen3_next (or \
+                "model_type '{other}' is not supported: use llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, smollm3, olmo2, olmo3, phi3, gpt_oss, glm4_moe, glm4_moe_lite, deepseek_v3, mistral4, llama4_text, qwen3_next, qwen3_5_text or qwen3_5_moe_text (or \
                  your own model: docs/your-model.md)"
             )),
         }
@@ -656,8 +656,8 @@ impl ModelConfig {
 /// where they differ from the Llama family's defaults here: the GLM and DeepSeek models'
 /// norms' epsilon, context length and partial rotary, and latent attention's `head_dim`
 /// (transformers' name for the rotary part of a head: DeepSeek-V3 sets it so, GLM-4.7-Flash
-/// maps it to `qk_rope_head_dim`).
-fn transformers_defaults(json: &mut serde_json::Value) {
+/// maps it to `qk_rope_head_dim`), Qwen3.5-MoE's missing `intermediate_size`.
+pub(crate) fn transformers_defaults(json: &mut serde_json::Value) {
     let Some(map) = json.as_object_mut() else {
         return;
     };
@@ -685,6 +685,13 @@ fn transformers_defaults(json: &mut serde_json::Value) {
         ],
         _ => &[],
     };
+    // Qwen3.5-MoE's config has no intermediate_size (every MLP is a mixture): its experts'
+    // width stands in for the field the dense models read.
+    if model_type == "qwen3_5_moe_text" && !map.contains_key("intermediate_size") {
+        if let Some(width) = map.get("moe_intermediate_size").cloned() {
+            map.insert("intermediate_size".into(), width);
+        }
+    }
     for (key, value) in defaults {
         if !map.contains_key(*key) {
             map.insert(key.to_string(), value.clone());
@@ -707,7 +714,11 @@ fn transformers_defaults(json: &mut serde_json::Value) {
                 .and_then(|p| p.get("partial_rotary_factor"))
                 .is_some()
         });
-    if model_type == "qwen3_next" && !rotary_given {
+    if matches!(
+        model_type.as_str(),
+        "qwen3_next" | "qwen3_5_text" | "qwen3_5_moe_text"
+    ) && !rotary_given
+    {
         map.insert("partial_rotary_factor".into(), serde_json::json!(0.25));
     }
     if matches!(model_type.as_str(), "deepseek_v3" | "glm4_moe_lite") {

@@ -32,6 +32,8 @@ pub struct Linear {
     tp: Option<(TpStyle, Arc<dyn Communicator>)>,
     /// A fused projection's output sections (see [`Linear::with_sections`]).
     sections: Sections,
+    /// Whether peft sees this layer as an `nn.Linear` (see [`Linear::outside_peft`]).
+    peft_module: bool,
 }
 
 impl Linear {
@@ -50,7 +52,17 @@ impl Linear {
             table: None,
             tp: None,
             sections: Sections::WHOLE,
+            peft_module: true,
         }
+    }
+
+    /// A layer transformers holds as something other than an `nn.Linear` (a slice of fused
+    /// experts, a router module with a bare weight) in a model whose adapters peft does not
+    /// convert: peft's `target_modules` (all-linear included) never reach it, so no adapter
+    /// goes on it here either.
+    pub fn outside_peft(mut self) -> Self {
+        self.peft_module = false;
+        self
     }
 
     /// A fused projection whose output features are sections of these lengths (Phi-3's
@@ -497,7 +509,10 @@ impl Parallelize for Linear {
         Ok(())
     }
     fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> TrlResult<()> {
-        f(name, self)
+        match self.peft_module {
+            true => f(name, self),
+            false => Ok(()),
+        }
     }
 }
 

@@ -318,6 +318,9 @@ impl TrainingArguments {
     pub fn router_loss_weight(&self, config_json: &str, source: &str) -> Result<f64> {
         let config: serde_json::Value = serde_json::from_str(config_json)
             .map_err(|e| Error::config(source, "<json>", format!("not a model config: {e}")))?;
+        // A vision-language wrapper's language model (Qwen3.5-MoE's, Llama 4's) has its
+        // experts and its coefficient under text_config.
+        let config = config.get("text_config").unwrap_or(&config);
         use crate::models::moe::{DEFAULT_ROUTER_AUX_LOSS_COEF, EXPERT_COUNT_KEYS};
         let moe = EXPERT_COUNT_KEYS
             .iter()
@@ -327,11 +330,7 @@ impl TrainingArguments {
         // balance with a bias, outside the loss; transformers' Llama 4 computes none either
         // (its config.json names the key all the same).
         let biased = config.get("n_routed_experts").is_some();
-        let model_type = config
-            .get("text_config")
-            .unwrap_or(&config)
-            .get("model_type")
-            .and_then(|t| t.as_str());
+        let model_type = config.get("model_type").and_then(|t| t.as_str());
         let llama4 = matches!(model_type, Some("llama4_text" | "llama4"));
         match (moe, self.router_aux_loss_coef) {
             (_, Some(c)) if (biased || llama4) && c != 0.0 => {
@@ -1219,6 +1218,9 @@ mod tests {
         assert!(err.to_string().contains("router_aux_loss_coef"), "{err}");
         assert_eq!(with(None).router_loss_weight(dense, "d").unwrap(), 0.0);
         assert!(with(Some(0.5)).router_loss_weight(dense, "d").is_err());
+        // A vision-language wrapper's experts and weight, under text_config.
+        let wrapped = r#"{"model_type": "qwen3_5_moe", "text_config": {"num_experts": 4, "router_aux_loss_coef": 0.02}}"#;
+        assert_eq!(with(None).router_loss_weight(wrapped, "w").unwrap(), 0.02);
         // Llama 4 (no loss in transformers, the key in its config all the same), the text
         // model or the composite: off, and refused when asked.
         for llama4 in [

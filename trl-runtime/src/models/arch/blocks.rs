@@ -438,6 +438,16 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
+    /// The MLP with its projections outside peft's reach ([`Linear::outside_peft`]).
+    pub fn outside_peft(self) -> Self {
+        GatedMlp {
+            gate_proj: self.gate_proj.outside_peft(),
+            up_proj: self.up_proj.outside_peft(),
+            down_proj: self.down_proj.outside_peft(),
+            ..self
+        }
+    }
+
     pub fn new(
         (hidden, inter): (usize, usize),
         bias: bool,

@@ -1,9 +1,11 @@
 //! Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5 (`linear_attn`), as
-//! transformers' Qwen3NextGatedDeltaNet computes it:
-//! - `in_proj_qkvz` gives per key head its query and key (`linear_key_head_dim`), and the
-//!   values and output gates z of the value heads it serves (`linear_num_value_heads` /
-//!   `linear_num_key_heads` of `linear_value_head_dim`); `in_proj_ba` per key head the
-//!   write strengths' and decays' logits of those value heads;
+//! transformers' Qwen3NextGatedDeltaNet and Qwen3_5GatedDeltaNet compute it:
+//! - the projections ([`Projections`]): Qwen3-Next's `in_proj_qkvz` gives per key head its
+//!   query and key (`linear_key_head_dim`), and the values and output gates z of the value
+//!   heads it serves (`linear_num_value_heads` / `linear_num_key_heads` of
+//!   `linear_value_head_dim`), `in_proj_ba` per key head the write strengths' and decays'
+//!   logits of those value heads; Qwen3.5's keep them apart: `in_proj_qkv` (every query,
+//!   then every key, then every value), `in_proj_z`, `in_proj_b`, `in_proj_a`;
 //! - the queries, keys and values (all of one, then all of the next) through a short causal
 //!   depthwise convolution (`conv1d.weight` [channels, 1, `linear_conv_kernel_dim`], no
 //!   bias) and SiLU;
@@ -41,15 +43,33 @@ pub struct DeltaNetShape {
     pub eps: f64,
     /// Tokens per chunk of the rule (flash-linear-attention's 64).
     pub chunk: usize,
+    pub projections: Projections,
+}
+
+/// How a checkpoint stores the layer's input projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Projections {
+    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, grouped by key head.
+    Grouped,
+    /// Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Apart,
 }
 
 /// `linear_attn`.
 #[derive(Debug, Clone, Parallelize)]
 pub struct GatedDeltaNet {
     #[parallel(tp = "replicate")]
-    in_proj_qkvz: Linear,
+    in_proj_qkvz: Option<Linear>,
     #[parallel(tp = "replicate")]
-    in_proj_ba: Linear,
+    in_proj_ba: Option<Linear>,
+    #[parallel(tp = "replicate")]
+    in_proj_qkv: Option<Linear>,
+    #[parallel(tp = "replicate")]
+    in_proj_z: Option<Linear>,
+    #[parallel(tp = "replicate")]
+    in_proj_b: Option<Linear>,
+    #[parallel(tp = "replicate")]
+    in_proj_a: Option<Linear>,
     #[parallel(tp = "replicate", name = "conv1d.weight")]
     conv1d: Param,
     #[parallel(tp = "replicate")]
@@ -70,13 +90,33 @@ impl GatedDeltaNet {
     pub fn new(s: DeltaNetShape, vb: VarBuilder) -> candle_core::Result<Self> {
         let (keys, values) = (s.key_heads * s.key_dim, s.value_heads * s.value_dim);
         let channels = 2 * keys + values;
+        let proj = |name: &str, out: usize| lin(vb.pp(name), (s.hidden, out), false).map(Some);
+        let grouped = s.projections == Projections::Grouped;
+        let (qkvz, ba, qkv, z, b, a) = match grouped {
+            true => (
+                proj("in_proj_qkvz", 2 * keys + 2 * values)?,
+                proj("in_proj_ba", 2 * s.value_heads)?,
+                None,
+                None,
+                None,
+                None,
+            ),
+            false => (
+                None,
+                None,
+                proj("in_proj_qkv", channels)?,
+                proj("in_proj_z", values)?,
+                proj("in_proj_b", s.value_heads)?,
+                proj("in_proj_a", s.value_heads)?,
+            ),
+        };
         Ok(GatedDeltaNet {
-            in_proj_qkvz: lin(
-                vb.pp("in_proj_qkvz"),
-                (s.hidden, 2 * keys + 2 * values),
-                false,
-            )?,
-            in_proj_ba: lin(vb.pp("in_proj_ba"), (s.hidden, 2 * s.value_heads), false)?,
+            in_proj_qkvz: qkvz,
+            in_proj_ba: ba,
+            in_proj_qkv: qkv,
+            in_proj_z: z,
+            in_proj_b: b,
+            in_proj_a: a,
             conv1d: Param::new(&vb.pp("conv1d"), (channels, 1, s.conv_kernel), "weight")?,
             dt_bias: Param::new(&vb, s.value_heads, "dt_bias")?,
             a_log: Param::new(&vb, s.value_heads, "A_log")?,
@@ -109,23 +149,14 @@ impl GatedDeltaNet {
         let (b, t, _) = h.dims3()?;
         let (nk, nv, dk, dv) = (s.key_heads, s.value_heads, s.key_dim, s.value_dim);
         let per = nv / nk;
-        // Per key head: [q (dk) | k (dk) | v (per x dv) | z (per x dv)], and [b (per) | a (per)].
-        let qkvz = self
-            .in_proj_qkvz
-            .forward(h)?
-            .reshape((b, t, nk, 2 * dk + 2 * per * dv))?;
-        let ba = self.in_proj_ba.forward(h)?.reshape((b, t, nk, 2 * per))?;
-        let part = |x: &Tensor, from: usize, len: usize, heads: usize, d: usize| {
-            x.narrow(3, from, len)?.reshape((b, t, heads * d))
-        };
-        let q = part(&qkvz, 0, dk, nk, dk)?;
-        let k = part(&qkvz, dk, dk, nk, dk)?;
-        let v = part(&qkvz, 2 * dk, per * dv, nv, dv)?;
-        let z = qkvz
-            .narrow(3, 2 * dk + per * dv, per * dv)?
-            .reshape((b, t, nv, dv))?;
-        let beta_logit = ba.narrow(3, 0, per)?.reshape((b, t, nv))?;
-        let a = ba.narrow(3, per, per)?.reshape((b, t, nv))?;
+        let Projected {
+            q,
+            k,
+            v,
+            z,
+            beta_logit,
+            a,
+        } = self.project(h)?;
         let starts = cx.document_starts()?;
         let mixed = Tensor::cat(&[&q, &k, &v], 2)?;
         let mixed = causal_conv(&mixed, &self.conv1d.value()?, &starts)?.silu()?;
@@ -179,6 +210,64 @@ impl GatedDeltaNet {
         let gate = z.to_dtype(wide)?.silu()?;
         let y = (normed.to_dtype(wide)? * gate)?.to_dtype(h.dtype())?;
         Ok(self.out_proj.forward(&y.reshape((b, t, nv * dv))?)?)
+    }
+}
+
+/// The input projections' parts, whatever their layout: q, k [b, t, key heads x dk], v
+/// [b, t, value heads x dv], z [b, t, value heads, dv], the strengths' and decays' logits
+/// [b, t, value heads].
+struct Projected {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    z: Tensor,
+    beta_logit: Tensor,
+    a: Tensor,
+}
+
+impl GatedDeltaNet {
+    fn project(&self, h: &Tensor) -> Result<Projected> {
+        let s = self.shape;
+        let (b, t, _) = h.dims3()?;
+        let (nk, nv, dk, dv) = (s.key_heads, s.value_heads, s.key_dim, s.value_dim);
+        let per = nv / nk;
+        if let (Some(qkvz), Some(ba)) = (&self.in_proj_qkvz, &self.in_proj_ba) {
+            // Per key head: [q (dk) | k (dk) | v (per x dv) | z (per x dv)], and
+            // [b (per) | a (per)].
+            let qkvz = qkvz
+                .forward(h)?
+                .reshape((b, t, nk, 2 * dk + 2 * per * dv))?;
+            let ba = ba.forward(h)?.reshape((b, t, nk, 2 * per))?;
+            let part = |x: &Tensor, from: usize, len: usize, heads: usize, d: usize| {
+                x.narrow(3, from, len)?.reshape((b, t, heads * d))
+            };
+            return Ok(Projected {
+                q: part(&qkvz, 0, dk, nk, dk)?,
+                k: part(&qkvz, dk, dk, nk, dk)?,
+                v: part(&qkvz, 2 * dk, per * dv, nv, dv)?,
+                z: qkvz
+                    .narrow(3, 2 * dk + per * dv, per * dv)?
+                    .reshape((b, t, nv, dv))?,
+                beta_logit: ba.narrow(3, 0, per)?.reshape((b, t, nv))?,
+                a: ba.narrow(3, per, per)?.reshape((b, t, nv))?,
+            });
+        }
+        fn get<'a>(p: &'a Option<Linear>, name: &str) -> candle_core::Result<&'a Linear> {
+            p.as_ref()
+                .ok_or_else(|| candle_core::Error::Msg(format!("Gated DeltaNet without {name}")))
+        }
+        let qkv = get(&self.in_proj_qkv, "in_proj_qkv")?.forward(h)?;
+        let keys = nk * dk;
+        Ok(Projected {
+            q: qkv.narrow(2, 0, keys)?,
+            k: qkv.narrow(2, keys, keys)?,
+            v: qkv.narrow(2, 2 * keys, nv * dv)?,
+            z: get(&self.in_proj_z, "in_proj_z")?
+                .forward(h)?
+                .reshape((b, t, nv, dv))?,
+            beta_logit: get(&self.in_proj_b, "in_proj_b")?.forward(h)?,
+            a: get(&self.in_proj_a, "in_proj_a")?.forward(h)?,
+        })
     }
 }
 

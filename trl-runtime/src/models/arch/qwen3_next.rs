@@ -1,4 +1,9 @@
-//! Qwen3-Next (`model_type` qwen3_next), as transformers' Qwen3NextForCausalLM: a hybrid of
+//! Qwen3-Next (`model_type` qwen3_next) and Qwen3.5 (`qwen3_5_text`, `qwen3_5_moe_text`; the
+//! hub's vision-language `qwen3_5` / `qwen3_5_moe` through weights/composite.rs), as
+//! transformers' Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM compute
+//! them.
+//!
+//! Qwen3-Next: a hybrid of
 //! Gated DeltaNet layers (`linear_attn`, gated_deltanet.rs) and full-attention layers
 //! (`self_attn`) by `layer_types` (linear_attention / full_attention; by default three linear
 //! layers, then a full one), (1 + w) RMSNorms throughout, and Qwen3-MoE's mixture of experts
@@ -11,6 +16,13 @@
 //! `o_proj`; per-head (1 + w) q/k norms, rotary on the first `partial_rotary_factor` (0.25)
 //! of each head.
 //!
+//! Qwen3.5 differs in three places: its Gated DeltaNet keeps its input projections apart
+//! (gated_deltanet.rs, [`Projections::Apart`]); Qwen3.5's MLPs are dense on every layer
+//! (`intermediate_size`), Qwen3.5-MoE's sparse on every layer with the top-k always
+//! renormalised (transformers drops `norm_topk_prob`, `mlp_only_layers` and
+//! `decoder_sparse_step` from its config and reads none of them); its rotary embedding is
+//! Qwen3-VL's multimodal one (`mrope_section`), which text positions make plain RoPE.
+//!
 //! Strategies: ZeRO and FSDP as any model (each layer a unit); under tp the full attention
 //! and the MLPs split as Qwen3-MoE's, the Gated DeltaNet layers whole on every rank. Context
 //! parallelism and Ulysses split the sequence, which the linear layers' state cannot cross
@@ -18,7 +30,7 @@
 //! cache, not built yet: refused with why.
 
 use super::blocks::{lin, Decoder, GatedMlp, Heads, Layer, NormKind};
-use super::gated_deltanet::{DeltaNetShape, GatedDeltaNet};
+use super::gated_deltanet::{DeltaNetShape, GatedDeltaNet, Projections};
 use super::moe::{MoeConfig, SparseMoe};
 use crate::error::{Error, Result};
 use crate::models::causal::LayerInputs;
@@ -32,7 +44,13 @@ use candle_nn::VarBuilder;
 use std::sync::Arc;
 
 /// The `model_type`s this file reads.
-pub const MODEL_TYPES: &[&str] = &["qwen3_next"];
+pub const MODEL_TYPES: &[&str] = &[
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_5",
+    "qwen3_5_moe",
+];
 
 /// Qwen3NextForCausalLM.
 pub type Qwen3Next = Decoder<Qwen3NextLayer>;
@@ -138,11 +156,15 @@ pub struct Qwen3NextLayer {
 
 /// Qwen3-Next's keys beyond Qwen3-MoE's; errors name `source` and the key.
 struct Qwen3NextConfig {
-    moe: MoeConfig,
+    /// None: dense on every layer (Qwen3.5).
+    moe: Option<MoeConfig>,
     /// Whether each layer is a Gated DeltaNet one.
     linear: Vec<bool>,
     delta: DeltaNetShape,
     shared_inter: usize,
+    /// Whether peft maps LoRA targets onto the fused experts and router (Qwen3-Next's
+    /// transformers 4 names) or sees neither (Qwen3.5-MoE).
+    peft_converts: bool,
 }
 
 fn check(c: &ModelConfig, source: &str) -> Result<Qwen3NextConfig> {
@@ -198,9 +220,23 @@ fn check(c: &ModelConfig, source: &str) -> Result<Qwen3NextConfig> {
         conv_kernel: count("linear_conv_kernel_dim", 4)?,
         eps: c.rms_norm_eps,
         chunk: 64,
+        projections: match c.model_type.as_str() {
+            "qwen3_next" => Projections::Grouped,
+            _ => Projections::Apart,
+        },
+    };
+    let moe = match c.model_type.as_str() {
+        "qwen3_5_text" => None,
+        "qwen3_5_moe_text" => Some(MoeConfig {
+            norm_topk_prob: true,
+            sparse: vec![true; n],
+            ..MoeConfig::read(c, source)?
+        }),
+        _ => Some(MoeConfig::read(c, source)?),
     };
     Ok(Qwen3NextConfig {
-        moe: MoeConfig::read(c, source)?,
+        peft_converts: c.model_type == "qwen3_next",
+        moe,
         linear,
         delta,
         shared_inter: count("shared_expert_intermediate_size", 512)?,
@@ -228,7 +264,7 @@ impl Layer for Qwen3NextLayer {
         body.norm = norm;
         let (h, d) = (config.hidden_size, config.head_dim());
         let (heads, kv) = (config.num_attention_heads, config.num_kv_heads());
-        let inter = q3.moe.inter.unwrap_or(config.intermediate_size);
+
         Decoder::from_layers(body, vb, |l, vb| {
             let (linear_attn, self_attn) = match q3.linear[l] {
                 true => (
@@ -254,21 +290,37 @@ impl Layer for Qwen3NextLayer {
                 }
             };
             let mlp = vb.pp("mlp");
-            let (dense, sparse) = match q3.moe.sparse[l] {
-                false => {
+            let moe = q3.moe.as_ref().filter(|moe| moe.sparse[l]);
+            let (dense, sparse) = match moe {
+                None => {
                     let dense = GatedMlp::new((h, config.intermediate_size), false, Silu, mlp)?;
                     (Some(dense), None)
                 }
-                true => {
-                    let experts = (0..q3.moe.experts)
+                Some(moe) => {
+                    let inter = moe.inter.unwrap_or(config.intermediate_size);
+                    // peft converts Qwen3-Next's targets onto its fused experts and router,
+                    // not Qwen3.5-MoE's (transformers maps no conversion for it): there
+                    // neither is an nn.Linear to peft, and all-linear adapts the shared
+                    // expert instead.
+                    let peft_sees = |m: GatedMlp| match q3.peft_converts {
+                        true => m,
+                        false => m.outside_peft(),
+                    };
+                    let experts = (0..moe.experts)
                         .map(|e| GatedMlp::new((h, inter), false, Silu, mlp.pp("experts").pp(e)))
+                        .map(|m| m.map(peft_sees))
                         .collect::<candle_core::Result<Vec<_>>>()?;
+                    let router = crate::nn::linear_no_bias(h, moe.experts, mlp.pp("gate"))?;
+                    let router = match q3.peft_converts {
+                        true => router,
+                        false => router.outside_peft(),
+                    };
                     let sparse = SharedExpertMoe {
                         routed: SparseMoe {
-                            gate: crate::nn::linear_no_bias(h, q3.moe.experts, mlp.pp("gate"))?,
+                            gate: router,
                             experts,
-                            top_k: q3.moe.top_k,
-                            norm_topk_prob: q3.moe.norm_topk_prob,
+                            top_k: moe.top_k,
+                            norm_topk_prob: moe.norm_topk_prob,
                         },
                         shared_expert: GatedMlp::new(
                             (h, q3.shared_inter),

@@ -1,6 +1,6 @@
 //! Vision-language checkpoints whose language model is trained alone: Gemma 3's 4B and
 //! larger (`model_type` gemma3, Gemma3ForConditionalGeneration), Qwen3-VL (`qwen3_vl`,
-//! Qwen3VLForConditionalGeneration) and Llama 4 (`llama4`, Llama4ForConditionalGeneration:
+//! Qwen3VLForConditionalGeneration), Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) and Llama 4 (`llama4`, Llama4ForConditionalGeneration:
 //! the hub's Scout and Maverick). Their config.json nests the language model's config
 //! under `text_config`; their weight files hold its tensors under another name ([`Layout`],
 //! as transformers writes them, the hub's files and `save_pretrained` alike) beside the
@@ -12,7 +12,8 @@
 //! (`tensor_file::Others`), so a checkpoint opens as the model it came from. Text rows never
 //! reach the vision tower, and TRL leaves it as it is too (no gradient: AdamW skips it).
 //! Qwen3-VL's multimodal RoPE gives text positions plain RoPE, so its language model is
-//! Qwen3's.
+//! Qwen3's. Qwen3.5 and Qwen3.5-MoE (`qwen3_5`, `qwen3_5_moe`: every Qwen3.5 on the hub) are
+//! laid out as Qwen3-VL, around their own language models.
 
 /// How a composite's files name its language model's tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +78,22 @@ const WRAPPERS: &[Wrapper] = &[
         tree: Layout::Tree,
         // qwen3_vl_text: Qwen3's layers.
         text_type: "qwen3",
+        defaults: &[],
+    },
+    Wrapper {
+        // Qwen3.5 (Qwen3_5ForConditionalGeneration): Qwen3-VL's tree around Qwen3.5's
+        // hybrid layers (models/qwen3_next.rs).
+        model_type: "qwen3_5",
+        layout: Layout::Tree,
+        tree: Layout::Tree,
+        text_type: "qwen3_5_text",
+        defaults: &[],
+    },
+    Wrapper {
+        model_type: "qwen3_5_moe",
+        layout: Layout::Tree,
+        tree: Layout::Tree,
+        text_type: "qwen3_5_moe_text",
         defaults: &[],
     },
     Wrapper {

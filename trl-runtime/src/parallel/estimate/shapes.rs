@@ -157,7 +157,9 @@ impl ModelShapes {
             crate::Error::config(source, "<sizes>", format!("not a decoder's config: {e}"))
         };
         // A vision-language checkpoint's sizes are its language model's (models/weights/composite.rs).
-        let text = crate::models::composite::language_model_json(json).map_err(not_a_decoder)?;
+        let mut text =
+            crate::models::composite::language_model_json(json).map_err(not_a_decoder)?;
+        crate::models::config::transformers_defaults(&mut text);
         let mut dims: Dims = serde_json::from_value(text).map_err(not_a_decoder)?;
         let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
         let (linears, parameters) = model.lora_sites()?;
