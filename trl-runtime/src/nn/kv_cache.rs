@@ -7,7 +7,8 @@
 //! whole generation (`capacity` tokens), and each forward writes its new keys after the ones
 //! held. A model's attention reaches the cache through `LayerInputs::attention_with` (every
 //! built-in layer and every model that attends through `LayerInputs`): the n-th attention
-//! call of a forward is the n-th slot, so the model itself does not change.
+//! call of a forward is the n-th slot, so the model itself does not change. A layer with a
+//! recurrent state instead (Gated DeltaNet) keeps it in its slot ([`KvCache::state`]).
 
 use crate::kernels::cpu_flash::KeySpans;
 use crate::kernels::{cpu_flash, decode};
@@ -17,7 +18,8 @@ use candle_core::{Result, Tensor};
 /// Every layer's cached keys and values, and where each row's own tokens begin.
 #[derive(Debug)]
 pub struct KvCache {
-    /// Per attention call of a forward: keys and values [batch, kv_heads, capacity, head_dim].
+    /// Per attention call of a forward: keys and values [batch, kv_heads, capacity, head_dim]
+    /// (or a recurrent layer's state, [`Self::state`]).
     slots: Vec<(Tensor, Tensor)>,
     /// Tokens held (the same for every row: pads included).
     len: usize,
@@ -56,6 +58,34 @@ impl KvCache {
             .iter()
             .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
             .sum()
+    }
+
+    /// Where each row's own tokens begin (its left padding before them).
+    pub fn starts(&self) -> &[usize] {
+        &self.starts
+    }
+
+    /// A recurrent layer's state in this forward's slot (Gated DeltaNet's: its
+    /// convolution's last inputs and the delta rule's state): what the forward before left,
+    /// None on the prompt. The layer leaves its new state with [`Self::keep_state`] under
+    /// the returned slot before the next layer reaches the cache.
+    pub fn state(&mut self) -> (usize, Option<(Tensor, Tensor)>) {
+        let slot = self.next;
+        self.next += 1;
+        (slot, self.slots.get(slot).cloned())
+    }
+
+    /// Keeps `state` in `slot` (from [`Self::state`]) for the next forward.
+    pub fn keep_state(&mut self, slot: usize, state: (Tensor, Tensor)) -> Result<()> {
+        match slot.cmp(&self.slots.len()) {
+            std::cmp::Ordering::Less => self.slots[slot] = state,
+            std::cmp::Ordering::Equal => self.slots.push(state),
+            std::cmp::Ordering::Greater => candle_core::bail!(
+                "KV cache: a state for slot {slot}, {} slots held",
+                self.slots.len()
+            ),
+        }
+        Ok(())
     }
 
     /// Ends a forward of `tokens` new tokens: they are held from now on. Returns how many

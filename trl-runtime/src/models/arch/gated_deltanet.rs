@@ -19,13 +19,17 @@
 //! document before, as each document alone would (transformers' torch path has no such
 //! reset: its packed rows run as one document).
 //!
+//! Generating, the layer keeps its convolution's last `kernel - 1` inputs and the rule's
+//! state in its slot of the cache (`nn::KvCache::state`), as transformers' cache does: the
+//! prompt runs in chunks, each new token one step of the rule.
+//!
 //! Under tensor parallelism the layer is whole on every rank (its inputs are, between
 //! layers): the projections are replicated rather than split by heads.
 
 use super::blocks::lin;
 use crate::error::Result;
 use crate::models::causal::LayerInputs;
-use crate::nn::gated_delta::{chunked, l2_normalize, DeltaInputs};
+use crate::nn::gated_delta::{chunked, l2_normalize, recurrent, DeltaInputs};
 use crate::nn::{Linear, Param};
 use crate::Parallelize;
 use candle_core::Tensor;
@@ -128,20 +132,13 @@ impl GatedDeltaNet {
 
     /// The layer's output for `h` [batch, seq, hidden].
     pub fn forward(&self, h: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        // Not yet: the state scanned over the ranks that split a row, and its generation
-        // cache. Said, rather than computed wrong.
+        // Not yet: the state scanned over the ranks that split a row. Said, rather than
+        // computed wrong.
         if cx.splits_sequences() {
             return Err(crate::Error::Parallelism(
                 "Gated DeltaNet (linear_attention) layers cannot run under context \
                  parallelism or Ulysses yet: each rank would start its part of a row from a \
                  zero state. Train without cp / sp (ZeRO, FSDP, tp and DDP work)"
-                    .into(),
-            ));
-        }
-        if cx.generating() {
-            return Err(crate::Error::Parallelism(
-                "generation from a model with Gated DeltaNet (linear_attention) layers needs \
-                 their recurrent cache, which is not built yet"
                     .into(),
             ));
         }
@@ -159,7 +156,21 @@ impl GatedDeltaNet {
         } = self.project(h)?;
         let starts = cx.document_starts()?;
         let mixed = Tensor::cat(&[&q, &k, &v], 2)?;
-        let mixed = causal_conv(&mixed, &self.conv1d.value()?, &starts)?.silu()?;
+        // Generating: this layer's slot of the cache holds the convolution's last inputs and
+        // the rule's state after the tokens so far (None before the prompt).
+        let held = cx.kv_cache().map(|mut cache| {
+            let (slot, state) = cache.state();
+            (slot, state, cache.starts().to_vec())
+        });
+        let conv = self.conv1d.value()?;
+        let (mixed, conv_state) = match &held {
+            None => (causal_conv(&mixed, &conv, &starts)?, None),
+            Some((_, prev, rows)) => {
+                let (out, kept) = conv_with_state(&mixed, &conv, &starts, prev.as_ref(), rows)?;
+                (out, Some(kept))
+            }
+        };
+        let mixed = mixed.silu()?;
         let keys = nk * dk;
         // [b, t, heads, d] -> [b, heads, t, d]; each key head serves `per` value heads.
         let heads = |x: Tensor, n: usize, d: usize| -> Result<Tensor> {
@@ -201,7 +212,19 @@ impl GatedDeltaNet {
             beta: &beta,
             starts: &starts,
         };
-        let (out, _) = chunked(&x, None, s.chunk)?;
+        let initial = held
+            .as_ref()
+            .and_then(|(_, prev, _)| prev.as_ref().map(|p| &p.1));
+        let (out, last) = match (t, initial) {
+            // A decoded token: one step of the rule, as transformers' cached decode.
+            (1, Some(state)) => recurrent(&x, Some(state))?,
+            (_, initial) => chunked(&x, initial, s.chunk)?,
+        };
+        if let (Some((slot, _, _)), Some(conv_state)) = (&held, conv_state) {
+            if let Some(mut cache) = cx.kv_cache() {
+                cache.keep_state(*slot, (conv_state, last))?;
+            }
+        }
         let out = out.transpose(1, 2)?.to_dtype(h.dtype())?;
         // The gated norm: normalised in f32, scaled by its weight in the input's dtype, times
         // SiLU of the gate in f32.
@@ -274,6 +297,40 @@ impl GatedDeltaNet {
 /// log(1 + e^x), stably: max(x, 0) + log(1 + e^-|x|).
 fn softplus(x: &Tensor) -> candle_core::Result<Tensor> {
     x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
+}
+
+/// [`causal_conv`] in generation: `x` [b, t, channels] continues the rows whose last
+/// `kernel - 1` inputs `prev` holds (None: `x` is the prompt, left-padded from `rows`'
+/// starts). Returns the convolution of `x` and the last `kernel - 1` inputs to hold next, a
+/// pad's zeroed (transformers zeroes pads before the layer, so none reaches a token).
+fn conv_with_state(
+    x: &Tensor,
+    w: &Tensor,
+    starts: &[Vec<bool>],
+    prev: Option<&(Tensor, Tensor)>,
+    rows: &[usize],
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (b, t, _) = x.dims3()?;
+    let kept = w.dim(2)? - 1;
+    match prev {
+        Some((held, _)) => {
+            // The held inputs, then the new ones, as one document.
+            let seen = Tensor::cat(&[held, x], 1)?;
+            let whole = vec![vec![false; kept + t]; b];
+            let out = causal_conv(&seen, w, &whole)?.narrow(1, kept, t)?;
+            Ok((out, seen.narrow(1, t, kept)?))
+        }
+        None => {
+            let out = causal_conv(x, w, starts)?;
+            let real: Vec<f32> = rows
+                .iter()
+                .flat_map(|&start| (0..t).map(move |i| f32::from(u8::from(i >= start))))
+                .collect();
+            let real = Tensor::from_vec(real, (b, t, 1), x.device())?.to_dtype(x.dtype())?;
+            let padded = x.broadcast_mul(&real)?.pad_with_zeros(1, kept, 0)?;
+            Ok((out, padded.narrow(1, t, kept)?))
+        }
+    }
 }
 
 /// The causal depthwise convolution of `x` [b, t, channels] by `w` [channels, 1, kernel]:

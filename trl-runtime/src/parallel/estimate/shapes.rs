@@ -73,9 +73,47 @@ pub struct Dims {
     /// key).
     #[serde(default)]
     pub kv_lora_rank: Option<usize>,
+    /// Which layers attend how (`layer_types`): Gated DeltaNet's `linear_attention` layers
+    /// keep a recurrent state in the generation cache, not keys and values.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    /// Gated DeltaNet's sizes (Qwen3-Next's and Qwen3.5's `linear_*` keys).
+    #[serde(default)]
+    pub linear_num_key_heads: Option<usize>,
+    #[serde(default)]
+    pub linear_num_value_heads: Option<usize>,
+    #[serde(default)]
+    pub linear_key_head_dim: Option<usize>,
+    #[serde(default)]
+    pub linear_value_head_dim: Option<usize>,
+    #[serde(default)]
+    pub linear_conv_kernel_dim: Option<usize>,
 }
 
 impl Dims {
+    /// The Gated DeltaNet layers (`linear_attention`) among the layers.
+    pub fn linear_attention_layers(&self) -> usize {
+        self.layer_types.as_ref().map_or(0, |types| {
+            types.iter().filter(|t| *t == "linear_attention").count()
+        })
+    }
+
+    /// What a Gated DeltaNet layer holds per row while generating, in elements: the
+    /// convolution's last inputs (kernel - 1 of the query, key and value channels) and the
+    /// delta rule's state (value heads x key dim x value dim).
+    pub fn recurrent_state(&self) -> (usize, usize) {
+        let (nk, nv) = (
+            self.linear_num_key_heads.unwrap_or(16),
+            self.linear_num_value_heads.unwrap_or(32),
+        );
+        let (dk, dv) = (
+            self.linear_key_head_dim.unwrap_or(128),
+            self.linear_value_head_dim.unwrap_or(128),
+        );
+        let kernel = self.linear_conv_kernel_dim.unwrap_or(4);
+        ((kernel - 1) * (2 * nk * dk + nv * dv), nv * dk * dv)
+    }
+
     /// The per-head width attention runs at.
     pub fn head_dim(&self) -> usize {
         if let (Some(nope), Some(rope), Some(v)) = (
