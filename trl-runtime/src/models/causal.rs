@@ -282,6 +282,12 @@ impl LayerInputs {
         Ok(self.document_starts.get_or_init(|| starts).clone())
     }
 
+    /// How this forward's rows are split over ranks (context parallelism, Ulysses), if they
+    /// are.
+    pub fn sequence_split(&self) -> Option<&SeqSplit> {
+        self.split.as_ref()
+    }
+
     /// Whether this forward holds a part of each row (context parallelism, Ulysses).
     pub fn splits_sequences(&self) -> bool {
         self.split.is_some()

@@ -24,15 +24,24 @@
 //! prompt runs in chunks, each new token one step of the rule.
 //!
 //! Under tensor parallelism the layer is whole on every rank (its inputs are, between
-//! layers): the projections are replicated rather than split by heads.
+//! layers): the projections are replicated rather than split by heads. Under context
+//! parallelism (ring attention) and Ulysses, where each rank holds a part of every row, the
+//! rule splits by heads instead of by tokens: each rank projects its tokens, an all-to-all
+//! gives it the whole rows of its share of the key heads (ring attention's head-tail chunks
+//! put back in order), it runs the convolution and the rule over them as one process does,
+//! and a second all-to-all returns it its tokens of every head. No state crosses ranks, so
+//! nothing waits on a scan; the key heads must divide by the cp or sp size.
 
 use super::blocks::lin;
+use crate::comm::autograd::all_to_all;
+use crate::context_parallel::SeqSplit;
+use crate::data::sequence::balanced_indices;
 use crate::error::Result;
 use crate::models::causal::LayerInputs;
-use crate::nn::gated_delta::{chunked, l2_normalize, recurrent, DeltaInputs};
+use crate::nn::gated_delta::{chunked, document_starts, l2_normalize, recurrent, DeltaInputs};
 use crate::nn::{Linear, Param};
 use crate::Parallelize;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
 /// The sizes of a Gated DeltaNet layer (config.json's `linear_*` keys).
@@ -132,20 +141,116 @@ impl GatedDeltaNet {
 
     /// The layer's output for `h` [batch, seq, hidden].
     pub fn forward(&self, h: &Tensor, cx: &LayerInputs) -> Result<Tensor> {
-        // Not yet: the state scanned over the ranks that split a row. Said, rather than
-        // computed wrong.
-        if cx.splits_sequences() {
-            return Err(crate::Error::Parallelism(
-                "Gated DeltaNet (linear_attention) layers cannot run under context \
-                 parallelism or Ulysses yet: each rank would start its part of a row from a \
-                 zero state. Train without cp / sp (ZeRO, FSDP, tp and DDP work)"
-                    .into(),
-            ));
-        }
+        let parts = self.project(h)?;
+        let y = match cx.sequence_split() {
+            None => self.mix(parts, 0, &cx.document_starts()?, Some(cx))?,
+            Some(split) => self.mix_split(parts, split, cx)?,
+        };
+        Ok(self.out_proj.forward(&y)?)
+    }
+
+    /// Under context parallelism or Ulysses: an all-to-all gives each rank the whole rows of
+    /// its share of the key heads (and the value heads they serve), which run the
+    /// convolution and the rule over the whole sequence as one process does; a second
+    /// all-to-all returns each rank its tokens of every head. Ring attention's head-tail
+    /// chunks are put in sequence order in between. Returns [b, t, value heads x dv].
+    fn mix_split(&self, p: Projected, split: &SeqSplit, cx: &LayerInputs) -> Result<Tensor> {
         let s = self.shape;
-        let (b, t, _) = h.dims3()?;
+        let (b, t, _) = p.q.dims3()?;
         let (nk, nv, dk, dv) = (s.key_heads, s.value_heads, s.key_dim, s.value_dim);
         let per = nv / nk;
+        let group = &split.group;
+        let size = group.size();
+        if !nk.is_multiple_of(size) {
+            let axis = if split.ring { "cp" } else { "sp" };
+            return Err(crate::Error::Parallelism(format!(
+                "Gated DeltaNet (linear_attention) layers split their key heads over the \
+                 {axis} ranks: {nk} linear_num_key_heads do not divide by {axis} = {size}; \
+                 choose an {axis} size that divides them"
+            )));
+        }
+        let local = nk / size;
+        let whole = t * size;
+        // Where each gathered token sits in the row: ring attention holds chunks r and
+        // 2 x size - 1 - r of 2 x size on rank r; Ulysses chunk r.
+        let gathered: Vec<u32> = match split.ring {
+            true => (0..size)
+                .flat_map(|r| balanced_indices(r, size, t / 2))
+                .map(|i| i as u32)
+                .collect(),
+            false => (0..whole as u32).collect(),
+        };
+        let mut in_order = vec![0u32; whole];
+        for (at, &i) in gathered.iter().enumerate() {
+            in_order[i as usize] = at as u32;
+        }
+        let dev = p.q.device();
+        let (gathered, in_order) = (
+            Tensor::new(gathered.as_slice(), dev)?,
+            Tensor::new(in_order.as_slice(), dev)?,
+        );
+        let reorder = |x: Tensor, index: &Tensor| -> Result<Tensor> {
+            match split.ring {
+                true => Ok(x.index_select(index, 1)?),
+                false => Ok(x),
+            }
+        };
+        // In the configured dtype over the wire, as Ulysses' attention sends it.
+        let exchange = |x: &Tensor, from: usize, to: usize| -> Result<Tensor> {
+            let wire = match split.comm_dtype {
+                Some(d) if d != x.dtype() => x.to_dtype(d)?,
+                _ => x.clone(),
+            };
+            Ok(all_to_all(&wire, group, from, to)?.to_dtype(x.dtype())?)
+        };
+        // Per key head: [q | k | v | z | b | a] of the value heads it serves.
+        let by_key = |x: &Tensor, w: usize| x.reshape((b, t, nk, w));
+        let packed = Tensor::cat(
+            &[
+                by_key(&p.q, dk)?,
+                by_key(&p.k, dk)?,
+                by_key(&p.v, per * dv)?,
+                by_key(&p.z, per * dv)?,
+                by_key(&p.beta_logit, per)?,
+                by_key(&p.a, per)?,
+            ],
+            3,
+        )?;
+        let mine = reorder(exchange(&packed, 2, 1)?, &in_order)?;
+        let part = |from: usize, len: usize| mine.narrow(3, from, len);
+        let z_at = 2 * dk + per * dv;
+        let parts = Projected {
+            q: part(0, dk)?.reshape((b, whole, local * dk))?,
+            k: part(dk, dk)?.reshape((b, whole, local * dk))?,
+            v: part(2 * dk, per * dv)?.reshape((b, whole, local * per * dv))?,
+            z: part(z_at, per * dv)?.reshape((b, whole, local * per, dv))?,
+            beta_logit: part(z_at + per * dv, per)?.reshape((b, whole, local * per))?,
+            a: part(z_at + per * dv + per, per)?.reshape((b, whole, local * per))?,
+        };
+        // The whole rows' documents, from every rank's positions in row order.
+        let positions = group.all_gather(&cx.position_ids.to_dtype(DType::I64)?, 1)?;
+        let positions = reorder(positions, &in_order)?;
+        let starts = document_starts(&positions)?;
+        let y = self.mix(parts, group.rank() * local, &starts, None)?;
+        let y = reorder(y.reshape((b, whole, local, per * dv))?, &gathered)?;
+        Ok(exchange(&y.contiguous()?, 1, 2)?.reshape((b, t, nv * dv))?)
+    }
+
+    /// The convolution, the rule and the gated norm of `p` (its key heads from `first` on,
+    /// the value heads they serve) over whole rows with document `starts`; through the
+    /// cache of `cx` when it generates. Returns [b, t, value heads x dv].
+    fn mix(
+        &self,
+        p: Projected,
+        first: usize,
+        starts: &[Vec<bool>],
+        cx: Option<&LayerInputs>,
+    ) -> Result<Tensor> {
+        let s = self.shape;
+        let (b, t, _) = p.q.dims3()?;
+        let (dk, dv) = (s.key_dim, s.value_dim);
+        let per = s.value_heads / s.key_heads;
+        let (nk, nv) = (p.q.dim(2)? / dk, p.v.dim(2)? / dv);
         let Projected {
             q,
             k,
@@ -153,20 +258,35 @@ impl GatedDeltaNet {
             z,
             beta_logit,
             a,
-        } = self.project(h)?;
-        let starts = cx.document_starts()?;
+        } = p;
         let mixed = Tensor::cat(&[&q, &k, &v], 2)?;
         // Generating: this layer's slot of the cache holds the convolution's last inputs and
         // the rule's state after the tokens so far (None before the prompt).
-        let held = cx.kv_cache().map(|mut cache| {
+        let held = cx.and_then(|cx| cx.kv_cache()).map(|mut cache| {
             let (slot, state) = cache.state();
             (slot, state, cache.starts().to_vec())
         });
+        // This rank's channels of the convolution, decays of its value heads.
         let conv = self.conv1d.value()?;
+        let conv = match nk == s.key_heads {
+            true => conv,
+            false => {
+                let keys = s.key_heads * s.key_dim;
+                Tensor::cat(
+                    &[
+                        conv.narrow(0, first * dk, nk * dk)?,
+                        conv.narrow(0, keys + first * dk, nk * dk)?,
+                        conv.narrow(0, 2 * keys + first * per * dv, nv * dv)?,
+                    ],
+                    0,
+                )?
+            }
+        };
+        let heads_of = |w: Tensor| w.narrow(0, first * per, nv);
         let (mixed, conv_state) = match &held {
-            None => (causal_conv(&mixed, &conv, &starts)?, None),
+            None => (causal_conv(&mixed, &conv, starts)?, None),
             Some((_, prev, rows)) => {
-                let (out, kept) = conv_with_state(&mixed, &conv, &starts, prev.as_ref(), rows)?;
+                let (out, kept) = conv_with_state(&mixed, &conv, starts, prev.as_ref(), rows)?;
                 (out, Some(kept))
             }
         };
@@ -186,7 +306,8 @@ impl GatedDeltaNet {
                 }
             }
         };
-        let wide = crate::kernels::precision::wide(h.dtype());
+        let dtype = q.dtype();
+        let wide = crate::kernels::precision::wide(dtype);
         let q = heads(mixed.narrow(2, 0, keys)?, nk, dk)?.to_dtype(wide)?;
         let k = heads(mixed.narrow(2, keys, keys)?, nk, dk)?.to_dtype(wide)?;
         let v = heads(mixed.narrow(2, 2 * keys, nv * dv)?, nv, dv)?.to_dtype(wide)?;
@@ -195,8 +316,8 @@ impl GatedDeltaNet {
         // Strengths and log decays in f32, as transformers computes them.
         let beta = candle_nn::ops::sigmoid(&beta_logit.to_dtype(wide)?)?;
         let a = a.to_dtype(wide)?;
-        let dt_bias = self.dt_bias.value()?.to_dtype(wide)?;
-        let rate = self.a_log.value()?.to_dtype(wide)?.exp()?;
+        let dt_bias = heads_of(self.dt_bias.value()?)?.to_dtype(wide)?;
+        let rate = heads_of(self.a_log.value()?)?.to_dtype(wide)?.exp()?;
         let g = softplus(&a.broadcast_add(&dt_bias)?)?
             .broadcast_mul(&rate)?
             .neg()?;
@@ -210,7 +331,7 @@ impl GatedDeltaNet {
             v: &v,
             g: &g,
             beta: &beta,
-            starts: &starts,
+            starts,
         };
         let initial = held
             .as_ref()
@@ -220,19 +341,19 @@ impl GatedDeltaNet {
             (1, Some(state)) => recurrent(&x, Some(state))?,
             (_, initial) => chunked(&x, initial, s.chunk)?,
         };
-        if let (Some((slot, _, _)), Some(conv_state)) = (&held, conv_state) {
+        if let (Some((slot, _, _)), Some(conv_state), Some(cx)) = (&held, conv_state, cx) {
             if let Some(mut cache) = cx.kv_cache() {
                 cache.keep_state(*slot, (conv_state, last))?;
             }
         }
-        let out = out.transpose(1, 2)?.to_dtype(h.dtype())?;
+        let out = out.transpose(1, 2)?.to_dtype(dtype)?;
         // The gated norm: normalised in f32, scaled by its weight in the input's dtype, times
         // SiLU of the gate in f32.
         let normed = crate::kernels::fused::rms_normalize(&out, s.eps)?;
         let normed = normed.broadcast_mul(&self.norm.value()?)?;
         let gate = z.to_dtype(wide)?.silu()?;
-        let y = (normed.to_dtype(wide)? * gate)?.to_dtype(h.dtype())?;
-        Ok(self.out_proj.forward(&y.reshape((b, t, nv * dv))?)?)
+        let y = (normed.to_dtype(wide)? * gate)?.to_dtype(dtype)?;
+        Ok(y.reshape((b, t, nv * dv))?)
     }
 }
 

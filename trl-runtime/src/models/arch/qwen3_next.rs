@@ -24,10 +24,10 @@
 //! Qwen3-VL's multimodal one (`mrope_section`), which text positions make plain RoPE.
 //!
 //! Strategies: ZeRO and FSDP as any model (each layer a unit); under tp the full attention
-//! and the MLPs split as Qwen3-MoE's, the Gated DeltaNet layers whole on every rank. Context
-//! parallelism and Ulysses split the sequence, which the linear layers' state cannot cross
-//! yet: refused at the first step with why. Generation needs the linear layers' recurrent
-//! cache, not built yet: refused with why.
+//! and the MLPs split as Qwen3-MoE's, the Gated DeltaNet layers whole on every rank. Under
+//! context parallelism and Ulysses the full attention runs as any model's, the Gated DeltaNet
+//! layers split by their key heads (gated_deltanet.rs). Generation keeps the linear layers'
+//! recurrent state in the cache.
 
 use super::blocks::{lin, Decoder, GatedMlp, Heads, Layer, NormKind};
 use super::gated_deltanet::{DeltaNetShape, GatedDeltaNet, Projections};
