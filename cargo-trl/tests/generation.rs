@@ -231,13 +231,22 @@ fn a_lora_policy_generates_under_zero3_and_tp_as_one_process() {
 /// process does.
 #[test]
 fn latent_attention_generates_under_sharded_profiles_as_one_process() {
+    generates_under_sharded_profiles_as_one_process("assets/tiny-deepseek-v3/model");
+}
+
+/// Qwen3.5's Gated DeltaNet layers (whole on every tp rank) generate through their recurrent
+/// state beside the full attention's keys and values, under the same profiles, as one process
+/// does.
+#[test]
+fn gated_deltanet_generates_under_sharded_profiles_as_one_process() {
+    generates_under_sharded_profiles_as_one_process("assets/tiny-qwen3.5/model");
+}
+
+/// The model in `dir` generates under ZeRO-3 (unit by unit), tensor parallelism and FSDP2 x
+/// tp gathered whole as one process does.
+fn generates_under_sharded_profiles_as_one_process(dir: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let model = [
-        "--model_name_or_path",
-        "assets/tiny-deepseek-v3/model",
-        "--learning_rate",
-        "1e-3",
-    ];
+    let model = ["--model_name_or_path", dir, "--learning_rate", "1e-3"];
     let (want8, want4) = one_process(&model, tmp.path());
     let tp = [
         "--profile",
@@ -261,7 +270,11 @@ fn latent_attention_generates_under_sharded_profiles_as_one_process() {
         ),
     ] {
         let got = launch_with(args, &model, &job(None, gather), 4, &tmp.path().join(name)).0;
-        assert_eq!(got.len(), prompts().len(), "{name}: every prompt generated");
-        assert_eq!(&got, want, "{name}");
+        assert_eq!(
+            got.len(),
+            prompts().len(),
+            "{dir} {name}: every prompt generated"
+        );
+        assert_eq!(&got, want, "{dir} {name}");
     }
 }

@@ -144,6 +144,14 @@ impl GatedDeltaNet {
         let parts = self.project(h)?;
         let y = match cx.sequence_split() {
             None => self.mix(parts, 0, &cx.document_starts()?, Some(cx))?,
+            // Generation keeps rows whole on each rank (parallel::generate).
+            Some(_) if cx.generating() => {
+                return Err(crate::Error::Parallelism(
+                    "a Gated DeltaNet layer's generation state needs whole rows: generate \
+                     without splitting them over cp / sp ranks"
+                        .into(),
+                ))
+            }
             Some(split) => self.mix_split(parts, split, cx)?,
         };
         Ok(self.out_proj.forward(&y)?)
