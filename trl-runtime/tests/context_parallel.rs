@@ -236,3 +236,97 @@ fn the_step_gets_this_ranks_chunk() {
         );
     }
 }
+
+/// A Gated DeltaNet layer (Qwen3.5's projections) on random weights: `key_heads` key heads
+/// of 4 features, each serving 2 value heads of 3, a convolution of 4, hidden 16.
+fn random_layer(key_heads: usize) -> trl_runtime::models::gated_deltanet::GatedDeltaNet {
+    use trl_runtime::models::gated_deltanet::{DeltaNetShape, GatedDeltaNet, Projections};
+    let dev = Device::Cpu;
+    let (h, nk, nv, dk, dv) = (16, key_heads, 2 * key_heads, 4, 3);
+    let channels = 2 * nk * dk + nv * dv;
+    let random = |shape: &[usize], scale: f64| {
+        (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() * scale).unwrap()
+    };
+    let tensors: std::collections::HashMap<String, Tensor> = [
+        ("in_proj_qkv.weight", random(&[channels, h], 0.3)),
+        ("in_proj_z.weight", random(&[nv * dv, h], 0.3)),
+        ("in_proj_b.weight", random(&[nv, h], 0.3)),
+        ("in_proj_a.weight", random(&[nv, h], 0.3)),
+        ("conv1d.weight", random(&[channels, 1, 4], 0.5)),
+        ("dt_bias", random(&[nv], 0.3)),
+        ("A_log", random(&[nv], 0.5)),
+        ("norm.weight", (random(&[dv], 0.1) + 1.0).unwrap()),
+        ("out_proj.weight", random(&[h, nv * dv], 0.3)),
+    ]
+    .into_iter()
+    .map(|(n, t)| (n.to_string(), t))
+    .collect();
+    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &dev);
+    let shape = DeltaNetShape {
+        hidden: h,
+        key_heads: nk,
+        value_heads: nv,
+        key_dim: dk,
+        value_dim: dv,
+        conv_kernel: 4,
+        eps: 1e-6,
+        chunk: 4,
+        projections: Projections::Apart,
+    };
+    GatedDeltaNet::new(shape, vb).unwrap()
+}
+
+/// Gated DeltaNet (Qwen3-Next's and Qwen3.5's linear attention) under ring attention (cp 2:
+/// each rank two head-tail chunks) and Ulysses (sp 2), where each rank holds a part of every
+/// row: the layer splits by key heads: each rank's outputs for its
+/// tokens equal one process's for them, on packed rows whose second document starts inside
+/// another rank's part. Key heads that do not divide by the group are refused, naming both.
+#[test]
+fn the_layer_split_over_ranks_equals_one_process() {
+    use trl_runtime::context_parallel::SeqSplit;
+    use trl_runtime::data::sequence::split_columns;
+    use trl_runtime::models::LayerInputs;
+    use trl_runtime::nn::AttentionImpl;
+    let dev = Device::Cpu;
+    let len = 16;
+    // Documents of 7 and 9 tokens in row 0, one of 16 in row 1.
+    let pos: Vec<i64> = (0..7).chain(0..9).chain(0..16).collect();
+    let pos = Tensor::from_vec(pos, (2, len), &dev).unwrap();
+    let hidden = Tensor::randn(0f32, 1.0, (2, len, 16), &dev).unwrap();
+    for key_heads in [2, 1] {
+        let layer = random_layer(key_heads);
+        let cx = LayerInputs::new(&pos, None, AttentionImpl::Eager, DType::F32, &dev).unwrap();
+        let whole = layer.forward(&hidden, &cx).unwrap();
+        for (cp, sp) in [(2, 1), (1, 2)] {
+            on_ranks(cp, sp, |ctx| {
+                let rank = ctx.rank();
+                let split = SeqSplit::from_context(ctx).unwrap().unwrap();
+                let mine = split_columns(len, rank, 2, split.ring).unwrap();
+                let mine: Vec<u32> = mine.iter().map(|&i| i as u32).collect();
+                let mine = Tensor::new(mine.as_slice(), &Device::Cpu).unwrap();
+                let part = |t: &Tensor| t.index_select(&mine, 1).unwrap();
+                let cx = LayerInputs::new(
+                    &part(&pos),
+                    Some(&split),
+                    AttentionImpl::Eager,
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .unwrap();
+                let got = layer.forward(&part(&hidden), &cx);
+                let how = if split.ring { "ring" } else { "Ulysses" };
+                match key_heads {
+                    1 => {
+                        let err = got.unwrap_err().to_string();
+                        assert!(err.contains("1 linear_num_key_heads"), "{err}");
+                    }
+                    _ => {
+                        let diff = max_abs_diff(&got.unwrap(), &part(&whole));
+                        eprintln!("{how} rank {rank}: max |split - whole| = {diff:e}");
+                        assert!(diff < 1e-5, "{how} rank {rank}: {diff}");
+                    }
+                }
+            });
+        }
+    }
+}
