@@ -27,6 +27,18 @@ pub struct SeqSplit {
 }
 
 impl SeqSplit {
+    /// Where each token of the ranks' parts of a row sits in the row, the parts of `local`
+    /// tokens concatenated in rank order (what an all-gather or all-to-all along the sequence
+    /// returns): Ulysses' chunks are in order already, ring attention's head-tail chunks not.
+    pub fn row_order(&self, local: usize) -> Result<Vec<usize>> {
+        let size = self.group.size();
+        let parts = (0..size)
+            .map(|r| split_columns(local * size, r, size, self.ring))
+            .collect::<crate::Result<Vec<_>>>()
+            .map_err(|e| e.into_candle())?;
+        Ok(parts.concat())
+    }
+
     /// The split the launch asks for: a ring over cp, Ulysses over sp, or none. Both at once
     /// is refused.
     pub fn from_context(ctx: &DistContext) -> crate::Result<Option<SeqSplit>> {

@@ -272,13 +272,30 @@ impl LayerInputs {
         })
     }
 
-    /// Which tokens of each row open a document (`nn::gated_delta::document_starts`),
-    /// computed on the host once per forward and shared by the layers that ask.
-    pub fn document_starts(&self) -> candle_core::Result<Arc<Vec<Vec<bool>>>> {
+    /// Which tokens of each whole row open a document (`nn::gated_delta::document_starts`),
+    /// computed on the host once per forward and shared by the layers that ask. Under
+    /// context parallelism or Ulysses, the whole rows' in row order (every rank's positions
+    /// gathered, once per forward): what a layer that runs whole rows of some heads needs.
+    pub fn document_starts(&self) -> crate::Result<Arc<Vec<Vec<bool>>>> {
         if let Some(starts) = self.document_starts.get() {
             return Ok(starts.clone());
         }
-        let starts = Arc::new(crate::nn::gated_delta::document_starts(&self.position_ids)?);
+        let positions = match &self.split {
+            None => self.position_ids.clone(),
+            Some(split) => {
+                let gathered = split
+                    .group
+                    .all_gather(&self.position_ids.to_dtype(DType::I64)?, 1)?;
+                let order = split.row_order(self.position_ids.dim(1)?)?;
+                let mut at = vec![0u32; order.len()];
+                for (i, &token) in order.iter().enumerate() {
+                    at[token] = i as u32;
+                }
+                let at = Tensor::new(at.as_slice(), gathered.device())?;
+                gathered.index_select(&at, 1)?
+            }
+        };
+        let starts = Arc::new(crate::nn::gated_delta::document_starts(&positions)?);
         Ok(self.document_starts.get_or_init(|| starts).clone())
     }
 

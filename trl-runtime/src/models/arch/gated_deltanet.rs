@@ -35,13 +35,12 @@
 use super::blocks::lin;
 use crate::comm::autograd::all_to_all;
 use crate::context_parallel::SeqSplit;
-use crate::data::sequence::balanced_indices;
 use crate::error::Result;
 use crate::models::causal::LayerInputs;
-use crate::nn::gated_delta::{chunked, document_starts, l2_normalize, recurrent, DeltaInputs};
+use crate::nn::gated_delta::{chunked, l2_normalize, recurrent, DeltaInputs};
 use crate::nn::{Linear, Param};
 use crate::Parallelize;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
 /// The sizes of a Gated DeltaNet layer (config.json's `linear_*` keys).
@@ -179,19 +178,14 @@ impl GatedDeltaNet {
         }
         let local = nk / size;
         let whole = t * size;
-        // Where each gathered token sits in the row: ring attention holds chunks r and
-        // 2 x size - 1 - r of 2 x size on rank r; Ulysses chunk r.
-        let gathered: Vec<u32> = match split.ring {
-            true => (0..size)
-                .flat_map(|r| balanced_indices(r, size, t / 2))
-                .map(|i| i as u32)
-                .collect(),
-            false => (0..whole as u32).collect(),
-        };
+        // Where each gathered token sits in the row (ring attention's head-tail chunks are
+        // not in order), and the inverse: which gathered token is the row's i-th.
+        let gathered = split.row_order(t)?;
         let mut in_order = vec![0u32; whole];
         for (at, &i) in gathered.iter().enumerate() {
-            in_order[i as usize] = at as u32;
+            in_order[i] = at as u32;
         }
+        let gathered: Vec<u32> = gathered.into_iter().map(|i| i as u32).collect();
         let dev = p.q.device();
         let (gathered, in_order) = (
             Tensor::new(gathered.as_slice(), dev)?,
@@ -235,11 +229,8 @@ impl GatedDeltaNet {
             beta_logit: part(z_at + per * dv, per)?.reshape((b, whole, local * per))?,
             a: part(z_at + per * dv + per, per)?.reshape((b, whole, local * per))?,
         };
-        // The whole rows' documents, from every rank's positions in row order.
-        let positions = group.all_gather(&cx.position_ids.to_dtype(DType::I64)?, 1)?;
-        let positions = reorder(positions, &in_order)?;
-        let starts = document_starts(&positions)?;
-        let y = self.mix(parts, group.rank() * local, &starts, None)?;
+        // The whole rows' documents (every rank's positions, gathered once per forward).
+        let y = self.mix(parts, group.rank() * local, &cx.document_starts()?, None)?;
         let y = reorder(y.reshape((b, whole, local, per * dv))?, &gathered)?;
         Ok(exchange(&y.contiguous()?, 1, 2)?.reshape((b, t, nv * dv))?)
     }
