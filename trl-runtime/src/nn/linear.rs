@@ -32,7 +32,7 @@ pub struct Linear {
     tp: Option<(TpStyle, Arc<dyn Communicator>)>,
     /// A fused projection's output sections (see [`Linear::with_sections`]).
     sections: Sections,
-    /// Whether peft sees this layer as an `nn.Linear` (see [`Linear::outside_peft`]).
+    /// Whether peft sees this layer as an `nn.Linear` (see [`Linear::seen_by_peft`]).
     peft_module: bool,
 }
 
@@ -56,12 +56,13 @@ impl Linear {
         }
     }
 
-    /// A layer transformers holds as something other than an `nn.Linear` (a slice of fused
-    /// experts, a router module with a bare weight) in a model whose adapters peft does not
-    /// convert: peft's `target_modules` (all-linear included) never reach it, so no adapter
-    /// goes on it here either.
-    pub fn outside_peft(mut self) -> Self {
-        self.peft_module = false;
+    /// Whether peft reaches this layer (true unless said): false for a layer transformers
+    /// holds as something other than an `nn.Linear` (a slice of fused experts, a router
+    /// module with a bare weight) in a model whose adapters peft does not convert. peft's
+    /// `target_modules` (all-linear included) never reach it then, so no adapter goes on it
+    /// here either.
+    pub fn seen_by_peft(mut self, seen: bool) -> Self {
+        self.peft_module = seen;
         self
     }
 

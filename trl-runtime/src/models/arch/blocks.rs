@@ -438,12 +438,12 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
-    /// The MLP with its projections outside peft's reach ([`Linear::outside_peft`]).
-    pub fn outside_peft(self) -> Self {
+    /// The MLP with its projections within peft's reach or not ([`Linear::seen_by_peft`]).
+    pub fn seen_by_peft(self, seen: bool) -> Self {
         GatedMlp {
-            gate_proj: self.gate_proj.outside_peft(),
-            up_proj: self.up_proj.outside_peft(),
-            down_proj: self.down_proj.outside_peft(),
+            gate_proj: self.gate_proj.seen_by_peft(seen),
+            up_proj: self.up_proj.seen_by_peft(seen),
+            down_proj: self.down_proj.seen_by_peft(seen),
             ..self
         }
     }

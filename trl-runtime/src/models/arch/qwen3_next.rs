@@ -302,19 +302,13 @@ impl Layer for Qwen3NextLayer {
                     // not Qwen3.5-MoE's (transformers maps no conversion for it): there
                     // neither is an nn.Linear to peft, and all-linear adapts the shared
                     // expert instead.
-                    let peft_sees = |m: GatedMlp| match q3.peft_converts {
-                        true => m,
-                        false => m.outside_peft(),
-                    };
+                    let seen = q3.peft_converts;
                     let experts = (0..moe.experts)
                         .map(|e| GatedMlp::new((h, inter), false, Silu, mlp.pp("experts").pp(e)))
-                        .map(|m| m.map(peft_sees))
+                        .map(|m| m.map(|m| m.seen_by_peft(seen)))
                         .collect::<candle_core::Result<Vec<_>>>()?;
-                    let router = crate::nn::linear_no_bias(h, moe.experts, mlp.pp("gate"))?;
-                    let router = match q3.peft_converts {
-                        true => router,
-                        false => router.outside_peft(),
-                    };
+                    let router = crate::nn::linear_no_bias(h, moe.experts, mlp.pp("gate"))?
+                        .seen_by_peft(seen);
                     let sparse = SharedExpertMoe {
                         routed: SparseMoe {
                             gate: router,
