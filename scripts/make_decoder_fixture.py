@@ -70,6 +70,14 @@ computes for them.
   the qwen3.5 language model with 4 experts, top 2 always renormalised, and a gated shared
   expert on every layer, under model.language_model., a one-block vision tower beside it; the
   logits are of text alone.
+- gemma4: Gemma4ForCausalLM (gemma4_text, as the hub's E2B / E4B): sliding and full layers
+  alternating (window 6; the full ones 32 wide with proportional RoPE on a quarter of their
+  frequencies), per-layer inputs of 8, the last two layers reusing the keys and values of
+  layers 2 and 3 with double-wide MLPs, final-logit soft-capping 30, random layer_scalar.
+- gemma4-moe-vision: Gemma4ForConditionalGeneration (model_type gemma4, as the hub's
+  26B-A4B): 4 layers, a mixture of 4 experts (top 2) beside every MLP, the full layers' keys
+  serving as values (attention_k_eq_v), no per-layer inputs, a one-layer vision tower beside
+  it; the logits are of text alone.
 - gpt-oss: GptOssForCausalLM (bf16-free, unquantized): 4 experts, top 2, sliding / full /
   sliding layers (window 6), YaRN from 16 original positions, attention sinks drawn large
   (std 1) so that they bite, random router weights and biases, a SwiGLU limit of 1.5 so that
@@ -79,7 +87,7 @@ trl-runtime/tests/models.rs checks the logits; cargo-trl/tests/builtin_models.rs
 under every CPU profile.
 
 Run by hand (needs torch and transformers from PyPI; nothing is downloaded):
-    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision|mistral4|qwen3-next|qwen3.5|qwen3.5-moe-vision
+    python scripts/make_decoder_fixture.py qwen3|mistral|qwen2-sliding|smollm3|olmo2|olmo3|gemma3|gemma3-vision|qwen3-vl|gemma2|llama-longrope|phi3|qwen3-moe|mixtral|gpt-oss|glm4-moe|deepseek-v3|glm4-moe-lite|llama4|llama4-vision|mistral4|qwen3-next|qwen3.5|qwen3.5-moe-vision|gemma4|gemma4-moe-vision
 """
 
 import sys
@@ -98,6 +106,10 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
     Llama4Config,
@@ -319,6 +331,70 @@ elif kind == "gemma3-vision":
         image_token_index=VOCAB - 1,
     )
     model_class = Gemma3ForConditionalGeneration
+elif kind in ("gemma4", "gemma4-moe-vision"):
+    layer_types = ["sliding_attention", "full_attention"] * 3
+    base = dict(
+        sliding_window=6,
+        global_head_dim=32,
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        **{**common, "num_hidden_layers": 6},
+    )
+    if kind == "gemma4":
+        # The small (E2B / E4B) models' features: per-layer inputs, the last two layers
+        # reusing the keys and values of the last layer of their type before them, their
+        # MLPs double wide.
+        config = Gemma4TextConfig(
+            layer_types=layer_types,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            **base,
+        )
+        model_class = Gemma4ForCausalLM
+    else:
+        # The large (26B-A4B) model's: a mixture of experts beside each MLP, the full layers'
+        # keys serving as values, no per-layer inputs; as the hub's vision-language wrapper.
+        text = dict(
+            layer_types=layer_types[:4],
+            hidden_size_per_layer_input=0,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=2,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+            **{**base, "num_hidden_layers": 4},
+        )
+        vision = dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            patch_size=4,
+            position_embedding_size=64,
+        )
+        config = Gemma4Config(
+            text_config=text,
+            vision_config=vision,
+            audio_config=None,
+            # Beyond the tiny vocabulary: Gemma4Model reads these ids in text as places for
+            # images and embeds them as pads, and the random parity rows would draw them.
+            boi_token_id=VOCAB,
+            eoi_token_id=VOCAB + 1,
+            image_token_id=VOCAB + 2,
+            video_token_id=VOCAB + 3,
+            boa_token_id=None,
+            eoa_token_index=None,
+            audio_token_id=None,
+        )
+        model_class = Gemma4ForConditionalGeneration
 elif kind == "qwen3-vl":
     text = dict(
         rope_parameters={
@@ -520,7 +596,7 @@ elif kind in ("llama4", "llama4-vision"):
         )
         model_class = Llama4ForConditionalGeneration
 else:
-    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4, llama4-vision, mistral4, qwen3-next, qwen3.5 or qwen3.5-moe-vision")
+    sys.exit(f"unknown kind {kind}: qwen3, mistral, qwen2-sliding, smollm3, olmo2, olmo3, gemma3, gemma3-vision, qwen3-vl, gemma2, llama-longrope, phi3, qwen3-moe, mixtral, gpt-oss, glm4-moe, deepseek-v3, glm4-moe-lite, llama4, llama4-vision, mistral4, qwen3-next, qwen3.5, qwen3.5-moe-vision, gemma4 or gemma4-moe-vision")
 torch.manual_seed(0)
 model = model_class(config).eval()
 # Random norms, so that parity covers the per-head q/k norms too.
@@ -546,7 +622,7 @@ with torch.no_grad():
             p.copy_(torch.randn_like(p))
         elif kind == "gpt-oss" and "experts" in name:
             p.copy_(0.3 * torch.randn_like(p))
-        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision", "mistral4", "qwen3-next", "qwen3.5-moe-vision") and "experts" in name:
+        elif kind in ("glm4-moe", "deepseek-v3", "glm4-moe-lite", "llama4", "llama4-vision", "mistral4", "qwen3-next", "qwen3.5-moe-vision", "gemma4-moe-vision") and "experts" in name:
             # Experts far apart, so that the choice shows in the logits.
             p.copy_(0.3 * torch.randn_like(p))
         elif kind == "gemma2" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
@@ -555,10 +631,18 @@ with torch.no_grad():
         # The routers' load-balancing bias moves the choice, not the weights.
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.3 * torch.randn_like(b))
+        # Gemma 4's per-layer output scale, ones at initialisation, trained checkpoints' not.
+        if name.endswith("layer_scalar"):
+            b.copy_(torch.empty_like(b).uniform_(0.5, 1.5))
 write(model, f"tiny-{kind}")
-if kind in ("gemma3-vision", "qwen3-vl", "llama4-vision", "qwen3.5-moe-vision"):
+if kind in ("gemma3-vision", "qwen3-vl", "llama4-vision", "qwen3.5-moe-vision", "gemma4-moe-vision"):
     # A processor's image settings, which a checkpoint carries as it carries the tokenizer.
-    from transformers import Gemma3ImageProcessor, Llama4ImageProcessor, Qwen2VLImageProcessor
+    from transformers import (
+        Gemma3ImageProcessor,
+        Gemma4ImageProcessor,
+        Llama4ImageProcessor,
+        Qwen2VLImageProcessor,
+    )
 
     from tiny_fixture import ROOT
 
@@ -567,5 +651,6 @@ if kind in ("gemma3-vision", "qwen3-vl", "llama4-vision", "qwen3.5-moe-vision"):
         "qwen3-vl": lambda: Qwen2VLImageProcessor(patch_size=14, merge_size=2),
         "qwen3.5-moe-vision": lambda: Qwen2VLImageProcessor(patch_size=14, merge_size=2),
         "llama4-vision": lambda: Llama4ImageProcessor(size={"height": 28, "width": 28}),
+        "gemma4-moe-vision": lambda: Gemma4ImageProcessor(patch_size=4),
     }[kind]()
     image.save_pretrained(ROOT / f"assets/tiny-{kind}/model")

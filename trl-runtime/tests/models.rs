@@ -422,6 +422,12 @@ fn every_built_in_model_type_matches_transformers() {
             "qwen3.5-moe-vision",
             "model.layers.2.mlp.shared_expert_gate.weight",
         ),
+        // Gemma 4 (E2B-like): per-layer inputs, the last two layers reusing earlier keys
+        // and values, proportional rotary on the full layers.
+        ("gemma4", "model.layers.4.per_layer_projection.weight"),
+        // Gemma4ForConditionalGeneration (26B-A4B-like): experts beside every MLP, keys as
+        // values on the full layers.
+        ("gemma4-moe-vision", "model.layers.3.router.per_expert_scale"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

@@ -10,7 +10,7 @@
 use super::causal::{CausalModel, LayerInputs};
 use super::params::{read_config, shapes_and_aliases, FilesBackend, WeightFiles};
 use super::{
-    deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, llama4, mistral4, mixtral, olmo2, phi3,
+    deepseek_v3, gemma3, gemma4, glm4_moe, gpt_oss, llama, llama4, mistral4, mixtral, olmo2, phi3,
     qwen3_moe, qwen3_next,
 };
 use crate::error::{Error, Result};
@@ -140,6 +140,7 @@ macro_rules! registry {
 registry! {
     Llama(llama::Llama) = llama::MODEL_TYPES,
     Gemma3(gemma3::Gemma3) = gemma3::MODEL_TYPES,
+    Gemma4(gemma4::Gemma4) = gemma4::MODEL_TYPES,
     Olmo2(olmo2::Olmo2) = olmo2::MODEL_TYPES,
     Phi3(phi3::Phi3) = phi3::MODEL_TYPES,
     Qwen3Moe(qwen3_moe::Qwen3Moe) = qwen3_moe::MODEL_TYPES,

@@ -143,6 +143,38 @@ impl KvCache {
         self.attend_over(q, (k, v), held, (window, softcap, sinks))
     }
 
+    /// Attention of the new queries `q` [b, heads, sq, d] over the keys and values an
+    /// earlier layer of this forward put in `slot` (Gemma 4's KV sharing: a layer that
+    /// reuses another's keys and values reads that layer's cache, every token of it, and
+    /// keeps nothing of its own). It takes a slot of its own, empty, so that the layers
+    /// after it keep theirs.
+    pub fn attend_reused(
+        &mut self,
+        q: &Tensor,
+        slot: usize,
+        window: Option<Window>,
+        softcap: Option<f64>,
+    ) -> Result<Tensor> {
+        let (b, _, sq, _) = q.dims4()?;
+        self.check_room(b, sq)?;
+        if slot >= self.next {
+            candle_core::bail!(
+                "KV cache: attention call {} reuses slot {slot}, which no earlier call filled",
+                self.next
+            );
+        }
+        let own = self.next;
+        self.next += 1;
+        if own == self.slots.len() {
+            let none = Tensor::zeros((b, 0, 0, 0), q.dtype(), q.device())?;
+            self.slots.push((none.clone(), none));
+        }
+        let (kc, vc) = &self.slots[slot];
+        let keys = self.len + sq;
+        let (k, v) = (kc.narrow(2, self.len, sq)?, vc.narrow(2, self.len, sq)?);
+        self.attend_over(q, (&k, &v), (kc, vc, keys), (window, softcap, None))
+    }
+
     /// Latent attention's cache (DeepSeek's MLA, as transformers keeps it): this attention
     /// call's slot holds what `new` [b, 1, sq, w] compresses of each token (its keys and
     /// values before they are expanded per head), `new` joins it, and all held so far are

@@ -52,7 +52,15 @@ fn default_rope_type() -> String {
     "default".into()
 }
 
-pub const ROPE_TYPES: &[&str] = &["default", "linear", "dynamic", "llama3", "yarn", "longrope"];
+pub const ROPE_TYPES: &[&str] = &[
+    "default",
+    "linear",
+    "dynamic",
+    "llama3",
+    "yarn",
+    "longrope",
+    "proportional",
+];
 
 /// longrope (Phi-3's): the frequencies divided by `short` while a forward's positions stay
 /// within `original` tokens, by `long` beyond.
@@ -124,6 +132,26 @@ impl RotaryEmbedding {
                 rope.inv_freq.iter_mut().for_each(|v| *v /= f);
             }
             "dynamic" => rope.dynamic = Some((factor()?, max_position_embeddings, rope_theta)),
+            // Gemma 4's global layers: the first `partial_rotary_factor` of the frequency
+            // pairs at the head's rates, the rest zero (those pairs left unrotated), the
+            // rotation still over the whole head.
+            "proportional" => {
+                let share = s
+                    .extra
+                    .get("partial_rotary_factor")
+                    .and_then(|v| v.as_f64())
+                    .unwrap_or(1.0);
+                if !(0.0..=1.0).contains(&share) {
+                    return Err(format!(
+                        "partial_rotary_factor {share}: a share of the head between 0 and 1"
+                    ));
+                }
+                let rotated = (share * head_dim as f64 / 2.0) as usize;
+                let f = s.factor.unwrap_or(1.0);
+                for (i, v) in rope.inv_freq.iter_mut().enumerate() {
+                    *v = if i < rotated { *v / f } else { 0.0 };
+                }
+            }
             "llama3" => {
                 let f = factor()?;
                 let low = s.low_freq_factor.unwrap_or(1.0);

@@ -621,12 +621,83 @@ pub struct Decoder<L: Layer> {
     pub logit_softcap: Option<f64>,
     #[parallel(tp = "vocab", name = "model.embed_tokens")]
     pub embed_tokens: Embedding,
+    /// Gemma 4's per-layer input embeddings, when the model has them.
+    #[parallel(name = "model")]
+    pub per_layer_inputs: Option<PerLayerInputs>,
+    /// The layers pass on more than the hidden state (Gemma 4: the per-layer inputs of the
+    /// layers still to come, keys and values shared with later layers), its first this many
+    /// features; None: the hidden state alone.
+    #[parallel(skip)]
+    pub carried_hidden: Option<usize>,
     #[parallel(name = "model.layers")]
     pub layers: Vec<L>,
     #[parallel(name = "model.norm")]
     pub norm: RmsNorm,
     #[parallel(tp = "vocab")]
     pub lm_head: Linear,
+}
+
+/// `x` times `scale` cast to its dtype, as transformers multiplies an embedding by its scale.
+fn scaled(x: Tensor, scale: Option<f64>) -> candle_core::Result<Tensor> {
+    match scale {
+        Some(s) => x.broadcast_mul(&Tensor::new(&[s as f32], x.device())?.to_dtype(x.dtype())?),
+        None => Ok(x),
+    }
+}
+
+/// Gemma 4's per-layer input embeddings (`model.embed_tokens_per_layer`,
+/// `model.per_layer_model_projection`, `model.per_layer_projection_norm`): for each layer a
+/// small vector per token, the mean of the token's own (a table of `layers x width` per
+/// token, scaled by sqrt(width)) and a normed projection of its embedding (scaled by
+/// hidden^-1/2), scaled by 2^-1/2. The table splits by vocabulary under tp, as the
+/// embedding; the projection stays whole.
+#[derive(Debug, Clone, Parallelize)]
+pub struct PerLayerInputs {
+    #[parallel(tp = "vocab")]
+    pub embed_tokens_per_layer: Embedding,
+    #[parallel(tp = "replicate")]
+    pub per_layer_model_projection: Linear,
+    pub per_layer_projection_norm: RmsNorm,
+    #[parallel(skip)]
+    pub layers: usize,
+    #[parallel(skip)]
+    pub width: usize,
+}
+
+impl PerLayerInputs {
+    /// From the model's `vb` (`model`): `vocab` rows of `layers x width`, over `hidden`.
+    pub fn new(
+        (vocab, hidden, layers, width): (usize, usize, usize, usize),
+        norm: NormKind,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
+        Ok(PerLayerInputs {
+            embed_tokens_per_layer: embedding(vocab, layers * width, vb.pp("embed_tokens_per_layer"))?,
+            per_layer_model_projection: linear_no_bias(
+                hidden,
+                layers * width,
+                vb.pp("per_layer_model_projection"),
+            )?,
+            per_layer_projection_norm: norm.build(width, vb.pp("per_layer_projection_norm"))?,
+            layers,
+            width,
+        })
+    }
+
+    /// Every layer's input [b, s, layers x width] for `ids` whose (scaled) embeddings are `x`.
+    pub fn forward(&self, ids: &Tensor, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, s, hidden) = x.dims3()?;
+        let (l, w) = (self.layers, self.width);
+        let own = scaled(
+            self.embed_tokens_per_layer.forward(ids)?,
+            Some((w as f64).sqrt()),
+        )?;
+        let projected = (self.per_layer_model_projection.forward(x)? * (hidden as f64).powf(-0.5))?;
+        let projected = self
+            .per_layer_projection_norm
+            .forward(&projected.reshape((b, s, l, w))?)?;
+        ((projected + own.reshape((b, s, l, w))?)? * 0.5f64.sqrt())?.reshape((b, s, l * w))
+    }
 }
 
 /// The sizes of a [`Decoder`]'s body.
@@ -660,6 +731,8 @@ impl<L: Layer> Decoder<L> {
             embed_scale: None,
             logit_softcap: None,
             embed_tokens,
+            per_layer_inputs: None,
+            carried_hidden: None,
             layers,
             norm: shape.norm.build(shape.hidden, m.pp("norm"))?,
             lm_head,
@@ -679,10 +752,10 @@ impl<L: Layer> CausalModel for Decoder<L> {
     }
 
     fn embed(&self, input_ids: &Tensor, _: &LayerInputs) -> candle_core::Result<Tensor> {
-        let x = self.embed_tokens.forward(input_ids)?;
-        match self.embed_scale {
-            // transformers multiplies by the scale cast to the weights' dtype.
-            Some(s) => x.broadcast_mul(&Tensor::new(&[s as f32], x.device())?.to_dtype(x.dtype())?),
+        let x = scaled(self.embed_tokens.forward(input_ids)?, self.embed_scale)?;
+        match &self.per_layer_inputs {
+            // Each layer's input rides with the hidden state (the first layer's first).
+            Some(p) => Tensor::cat(&[&x, &p.forward(input_ids, &x)?], 2),
             None => Ok(x),
         }
     }
@@ -696,7 +769,10 @@ impl<L: Layer> CausalModel for Decoder<L> {
     }
 
     fn final_norm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.norm.forward(x)
+        match self.carried_hidden {
+            Some(h) if x.dim(2)? > h => self.norm.forward(&x.narrow(2, 0, h)?),
+            _ => self.norm.forward(x),
+        }
     }
 
     fn lm_head(&self) -> &Linear {

@@ -8,6 +8,7 @@ pub mod deepseek_moe;
 pub mod deepseek_v3;
 pub mod gated_deltanet;
 pub mod gemma3;
+pub mod gemma4;
 pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod llama;

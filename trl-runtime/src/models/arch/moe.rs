@@ -11,7 +11,7 @@
 //! step gets a zero gradient ([`crate::nn::lora::is_routed_expert`] tells the trainer's unused-parameter
 //! check so).
 
-use super::blocks::GatedMlp;
+use super::blocks::{Activation, GatedMlp};
 use crate::comm::autograd::{copy_to_group, reduce_from_group};
 use crate::error::{Error, Result};
 use crate::kernels::grouped::ExpertLayout;
@@ -68,7 +68,20 @@ pub fn routed(
     cx: &LayerInputs,
     flat: &Tensor,
     logits: &Tensor,
+    routing: (usize, bool),
+    experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
+) -> Result<Tensor> {
+    routed_scaled(cx, flat, logits, routing, None, experts)
+}
+
+/// [`routed`] with each chosen expert's weight multiplied, after the renormalisation, by its
+/// entry of `per_expert` [experts] when given (Gemma 4's `router.per_expert_scale`).
+pub fn routed_scaled(
+    cx: &LayerInputs,
+    flat: &Tensor,
+    logits: &Tensor,
     (k, norm): (usize, bool),
+    per_expert: Option<&Tensor>,
     experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let n = flat.dim(0)?;
@@ -94,6 +107,10 @@ pub fn routed(
     let mut weights = probs.gather(&index, 1)?;
     if norm {
         weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
+    }
+    if let Some(scale) = per_expert {
+        let scale = scale.to_dtype(DType::F32)?.index_select(&index.flatten_all()?, 0)?;
+        weights = (weights * scale.reshape((n, k))?)?;
     }
     dispatch(flat, (&chosen, count), &weights, experts)
 }
@@ -183,6 +200,9 @@ impl Sorted {
 pub struct FusedExperts {
     gate_up_proj: Param,
     down_proj: Param,
+    /// The gate's activation: SiLU, or Gemma 4's tanh GELU.
+    #[parallel(skip)]
+    act: Activation,
 }
 
 impl FusedExperts {
@@ -200,6 +220,7 @@ impl FusedExperts {
                 gate_up_proj: Param::new(vb, (e, h, 2 * i), "gate_up_proj")?
                     .split_column_sections(2, &halves),
                 down_proj: Param::new(vb, (e, i, h), "down_proj")?.split_row(1),
+                act: Activation::Silu,
             },
             ExpertLayout::OutIn => FusedExperts {
                 gate_up_proj: Param::new(vb, (e, 2 * i, h), "gate_up_proj")?
@@ -208,8 +229,14 @@ impl FusedExperts {
                 down_proj: Param::new(vb, (e, h, i), "down_proj")?
                     .out_in()
                     .split_row(2),
+                act: Activation::Silu,
             },
         })
+    }
+
+    /// The same experts with `act` on their gates.
+    pub fn with_activation(self, act: Activation) -> Self {
+        FusedExperts { act, ..self }
     }
 
     /// Rows `xs` [rows, hidden] sorted by expert (`counts[e]` for expert e) through their
@@ -223,7 +250,10 @@ impl FusedExperts {
         let gate_up = grouped_linear(&xs, &self.gate_up_proj, None, counts)?;
         let i = gate_up.dim(1)? / 2;
         let (gate, up) = (gate_up.narrow(1, 0, i)?, gate_up.narrow(1, i, i)?);
-        let act = crate::kernels::fused::swiglu(&gate, &up)?;
+        let act = match self.act {
+            Activation::Silu => crate::kernels::fused::swiglu(&gate, &up)?,
+            Activation::GeluTanh => (gate.gelu()? * up)?,
+        };
         let y = grouped_linear(&act, &self.down_proj, None, counts)?;
         Ok(match cx.tp() {
             Some(tp) => reduce_from_group(&y, tp)?,

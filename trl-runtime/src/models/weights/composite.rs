@@ -73,6 +73,15 @@ const WRAPPERS: &[Wrapper] = &[
         ],
     },
     Wrapper {
+        // Gemma4ForConditionalGeneration: the language model under `model.language_model.`,
+        // the head at `lm_head` (tied), as Qwen3-VL's tree.
+        model_type: "gemma4",
+        layout: Layout::Tree,
+        tree: Layout::Tree,
+        text_type: "gemma4_text",
+        defaults: &[],
+    },
+    Wrapper {
         model_type: "qwen3_vl",
         layout: Layout::Tree,
         tree: Layout::Tree,
