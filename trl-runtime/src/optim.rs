@@ -43,9 +43,11 @@ pub struct ParamState {
     pub decay_mask: Option<Tensor>,
 }
 
-/// HF's rule: no weight decay for biases and normalisation weights.
+/// HF's rule: no weight decay for biases and normalisation weights; nor for the buffers a
+/// checkpoint keeps beside its parameters (Gemma 4's `layer_scalar`), which get no gradient
+/// and so stay as they are.
 pub fn decays(name: &str) -> bool {
-    !(name.contains("bias") || name.contains("norm"))
+    !(name.contains("bias") || name.contains("norm") || name.ends_with("layer_scalar"))
 }
 
 #[derive(Debug, Clone)]

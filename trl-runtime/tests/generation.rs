@@ -168,6 +168,9 @@ const ARCHITECTURES: &[&str] = &[
     "qwen3-next",
     "qwen3.5",
     "qwen3.5-moe-vision",
+    // Gemma 4: the last layers attend over earlier layers' cached keys and values.
+    "gemma4",
+    "gemma4-moe-vision",
 ];
 
 fn checkpoint(kind: &str) -> std::path::PathBuf {

@@ -1049,7 +1049,8 @@ fn a_reward_model_starts_from_a_causal_checkpoint() {
 
 /// Packed rows of the mixtures with DeepSeek's routing (GLM-4 MoE, DeepSeek-V3's latent
 /// attention with its shared rotary key), Llama 4's chunks, Mistral 4, and Qwen3-Next's and
-/// Qwen3.5's Gated DeltaNet (a zero state and a fresh convolution at each document start): the
+/// Qwen3.5's Gated DeltaNet (a zero state and a fresh convolution at each document start),
+/// Gemma 4 (its reused keys and values, per-layer inputs and experts): the
 /// second document of a packed row, its positions
 /// restarting, has the logits it has alone, on every CPU attention path.
 #[test]
@@ -1063,6 +1064,8 @@ fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
         "qwen3-next",
         "qwen3.5",
         "qwen3.5-moe-vision",
+        "gemma4",
+        "gemma4-moe-vision",
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("../assets/tiny-{kind}/model"));
