@@ -412,10 +412,18 @@ fn gemma4_under_every_cpu_profile_equals_one_process() {
     let load = |p: &Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
     let (source, saved) = (
         load(&source.join("model.safetensors")),
-        load(&tmp.path().join("gemma4-tp_cpu/checkpoint-5/model.safetensors")),
+        load(
+            &tmp.path()
+                .join("gemma4-tp_cpu/checkpoint-5/model.safetensors"),
+        ),
     );
     for (key, value) in source.iter().filter(|(k, _)| k.ends_with("layer_scalar")) {
-        let same = (value - &saved[key]).unwrap().abs().unwrap().max_all().unwrap();
+        let same = (value - &saved[key])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
         assert_eq!(same.to_scalar::<f32>().unwrap(), 0.0, "{key} changed");
     }
 }

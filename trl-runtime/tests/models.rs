@@ -427,7 +427,10 @@ fn every_built_in_model_type_matches_transformers() {
         ("gemma4", "model.layers.4.per_layer_projection.weight"),
         // Gemma4ForConditionalGeneration (26B-A4B-like): experts beside every MLP, keys as
         // values on the full layers.
-        ("gemma4-moe-vision", "model.layers.3.router.per_expert_scale"),
+        (
+            "gemma4-moe-vision",
+            "model.layers.3.router.per_expert_scale",
+        ),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../assets")

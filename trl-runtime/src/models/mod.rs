@@ -16,8 +16,8 @@ pub mod weights;
 // always was.
 pub use adapters::{merge, peft, peft_experts};
 pub use arch::{
-    blocks, deepseek_moe, deepseek_v3, gated_deltanet, gemma3, gemma4, glm4_moe, gpt_oss, llama, llama4,
-    mistral4, mixtral, moe, olmo2, phi3, qwen3_moe, qwen3_next, router_loss,
+    blocks, deepseek_moe, deepseek_v3, gated_deltanet, gemma3, gemma4, glm4_moe, gpt_oss, llama,
+    llama4, mistral4, mixtral, moe, olmo2, phi3, qwen3_moe, qwen3_next, router_loss,
 };
 pub use weights::{composite, mxfp4, params, tensor_file};
 

@@ -672,7 +672,11 @@ impl PerLayerInputs {
         vb: VarBuilder,
     ) -> candle_core::Result<Self> {
         Ok(PerLayerInputs {
-            embed_tokens_per_layer: embedding(vocab, layers * width, vb.pp("embed_tokens_per_layer"))?,
+            embed_tokens_per_layer: embedding(
+                vocab,
+                layers * width,
+                vb.pp("embed_tokens_per_layer"),
+            )?,
             per_layer_model_projection: linear_no_bias(
                 hidden,
                 layers * width,

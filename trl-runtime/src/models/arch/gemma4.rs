@@ -307,12 +307,18 @@ impl Gemma4Config {
             let (mut head_dim, mut kv_heads) = (self.head_dim, self.num_key_value_heads);
             if !is_sliding && self.per_layer_config.is_none() {
                 head_dim = self.global_head_dim.unwrap_or(512);
-                if let Some(kv) = self.num_global_key_value_heads.filter(|_| self.attention_k_eq_v)
+                if let Some(kv) = self
+                    .num_global_key_value_heads
+                    .filter(|_| self.attention_k_eq_v)
                 {
                     kv_heads = kv;
                 }
             }
-            if let Some(o) = self.per_layer_config.as_ref().and_then(|p| p.get(&l.to_string())) {
+            if let Some(o) = self
+                .per_layer_config
+                .as_ref()
+                .and_then(|p| p.get(&l.to_string()))
+            {
                 for (key, value) in o {
                     let v = value.as_u64().map(|v| v as usize);
                     match (key.as_str(), v) {
@@ -457,7 +463,12 @@ pub struct Gemma4Attention {
 }
 
 impl Gemma4Attention {
-    fn new(c: &Gemma4Config, p: &LayerPlan, norm: NormKind, vb: VarBuilder) -> candle_core::Result<Self> {
+    fn new(
+        c: &Gemma4Config,
+        p: &LayerPlan,
+        norm: NormKind,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Self> {
         let (h, d) = (c.hidden_size, p.head_dim);
         let lin = |name: &str, (i, o): (usize, usize)| -> candle_core::Result<Linear> {
             super::blocks::lin(vb.pp(name), (i, o), c.attention_bias)
@@ -467,7 +478,9 @@ impl Gemma4Attention {
         Ok(Gemma4Attention {
             q_proj: lin("q_proj", (h, c.num_attention_heads * d))?,
             k_proj: own.then(|| lin("k_proj", (h, kv))).transpose()?,
-            v_proj: (own && !p.k_eq_v).then(|| lin("v_proj", (h, kv))).transpose()?,
+            v_proj: (own && !p.k_eq_v)
+                .then(|| lin("v_proj", (h, kv)))
+                .transpose()?,
             o_proj: lin("o_proj", (c.num_attention_heads * d, h))?,
             q_norm: norm.build(d, vb.pp("q_norm"))?,
             k_norm: own.then(|| norm.build(d, vb.pp("k_norm"))).transpose()?,
@@ -513,9 +526,7 @@ impl Gemma4Attention {
                 let k = apply_rotary(&k, &cos, &sin)?;
                 let v = rms(&heads(v, self.num_kv_heads)?, self.eps)?;
                 let a = cx.attention_with(&q, &k, &v, window, None, None)?;
-                let merge = |t: &Tensor| {
-                    swap_heads(t)?.reshape((b, s, self.num_kv_heads * d))
-                };
+                let merge = |t: &Tensor| swap_heads(t)?.reshape((b, s, self.num_kv_heads * d));
                 let kv = Tensor::cat(&[merge(&k)?, merge(&v)?], 2)?;
                 let a = swap_heads(&a)?.reshape((b, s, self.num_heads * d))?;
                 return Ok((self.o_proj.forward(&a)?, kv));
@@ -528,7 +539,10 @@ impl Gemma4Attention {
             }
         };
         let a = swap_heads(&a)?.reshape((b, s, self.num_heads * d))?;
-        Ok((self.o_proj.forward(&a)?, Tensor::zeros((b, s, 0), h.dtype(), h.device())?))
+        Ok((
+            self.o_proj.forward(&a)?,
+            Tensor::zeros((b, s, 0), h.dtype(), h.device())?,
+        ))
     }
 }
 
@@ -562,16 +576,23 @@ impl Gemma4Experts {
         let (b, s, hidden) = x.dims3()?;
         let flat = x.reshape((b * s, hidden))?;
         let r = &self.router;
-        let routed_by = (rms(&flat, self.eps)?.broadcast_mul(&r.scale.value()?)?
-            * (hidden as f64).powf(-0.5))?;
+        let routed_by =
+            (rms(&flat, self.eps)?.broadcast_mul(&r.scale.value()?)? * (hidden as f64).powf(-0.5))?;
         let logits = r.proj.forward(&routed_by)?;
         let inputs = self.pre_feedforward_layernorm_2.forward(&flat)?;
         let scale = r.per_expert_scale.value()?;
         let routing = (self.top_k, true);
-        let experts = routed_scaled(cx, &inputs, &logits, routing, Some(&scale), |tokens, counts| {
-            let rows = inputs.index_select(tokens, 0)?;
-            self.experts.forward(cx, &rows, counts)
-        })?;
+        let experts = routed_scaled(
+            cx,
+            &inputs,
+            &logits,
+            routing,
+            Some(&scale),
+            |tokens, counts| {
+                let rows = inputs.index_select(tokens, 0)?;
+                self.experts.forward(cx, &rows, counts)
+            },
+        )?;
         let experts = self
             .post_feedforward_layernorm_2
             .forward(&experts.reshape((b, s, hidden))?)?;
@@ -701,8 +722,12 @@ impl Layer for Gemma4Layer {
                             scale: Param::new(&r, h, "scale")?,
                             per_expert_scale: Param::new(&r, e, "per_expert_scale")?,
                         },
-                        experts: FusedExperts::new(&vb.pp("experts"), (e, h, i), ExpertLayout::OutIn)?
-                            .with_activation(Activation::GeluTanh),
+                        experts: FusedExperts::new(
+                            &vb.pp("experts"),
+                            (e, h, i),
+                            ExpertLayout::OutIn,
+                        )?
+                        .with_activation(Activation::GeluTanh),
                         post_feedforward_layernorm_1: norm
                             .build(h, vb.pp("post_feedforward_layernorm_1"))?,
                         post_feedforward_layernorm_2: norm
@@ -871,7 +896,10 @@ mod tests {
             "config.json",
         )
         .unwrap_err();
-        assert!(err.to_string().contains("use_bidirectional_attention"), "{err}");
+        assert!(
+            err.to_string().contains("use_bidirectional_attention"),
+            "{err}"
+        );
         let err = Gemma4Config::parse(
             r#"{"model_type": "gemma4_text", "num_hidden_layers": 2, "num_kv_shared_layers": 2}"#,
             "config.json",

@@ -109,7 +109,9 @@ pub fn routed_scaled(
         weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
     }
     if let Some(scale) = per_expert {
-        let scale = scale.to_dtype(DType::F32)?.index_select(&index.flatten_all()?, 0)?;
+        let scale = scale
+            .to_dtype(DType::F32)?
+            .index_select(&index.flatten_all()?, 0)?;
         weights = (weights * scale.reshape((n, k))?)?;
     }
     dispatch(flat, (&chosen, count), &weights, experts)
