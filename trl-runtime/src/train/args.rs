@@ -327,13 +327,13 @@ impl TrainingArguments {
             .any(|k| config.get(*k).and_then(|v| v.as_u64()).unwrap_or(0) > 0);
         let key = "router_aux_loss_coef";
         // DeepSeek's routers (DeepSeek-V3, GLM-4 MoE; Mistral 4 names its experts alike)
-        // balance with a bias, outside the loss; transformers' Llama 4 computes none either
-        // (its config.json names the key all the same).
+        // balance with a bias, outside the loss; transformers' Llama 4 and Gemma 4 compute
+        // none either.
         let biased = config.get("n_routed_experts").is_some();
         let model_type = config.get("model_type").and_then(|t| t.as_str());
-        let llama4 = matches!(model_type, Some("llama4_text" | "llama4"));
+        let none = model_type.is_some_and(crate::models::router_loss::not_computed_for);
         match (moe, self.router_aux_loss_coef) {
-            (_, Some(c)) if (biased || llama4) && c != 0.0 => {
+            (_, Some(c)) if (biased || none) && c != 0.0 => {
                 let why = match biased {
                     true => " (its routers balance with e_score_correction_bias, outside the loss)",
                     false => "",
@@ -344,7 +344,7 @@ impl TrainingArguments {
                     format!("{c}: transformers computes no router load-balancing loss for {source}{why}: drop it"),
                 ))
             }
-            (_, None) if llama4 => Ok(0.0),
+            (_, None) if none => Ok(0.0),
             (_, Some(c)) if !c.is_finite() || c < 0.0 => Err(Error::config(
                 "training arguments",
                 key,
@@ -1221,11 +1221,14 @@ mod tests {
         // A vision-language wrapper's experts and weight, under text_config.
         let wrapped = r#"{"model_type": "qwen3_5_moe", "text_config": {"num_experts": 4, "router_aux_loss_coef": 0.02}}"#;
         assert_eq!(with(None).router_loss_weight(wrapped, "w").unwrap(), 0.02);
-        // Llama 4 (no loss in transformers, the key in its config all the same), the text
-        // model or the composite: off, and refused when asked.
+        // Llama 4 (no loss in transformers, the key in its config all the same) and Gemma 4,
+        // the text model or the composite: off, and refused when asked.
         for llama4 in [
             r#"{"model_type": "llama4_text", "num_local_experts": 4, "router_aux_loss_coef": 0.001}"#,
             r#"{"model_type": "llama4", "text_config": {"model_type": "llama4_text"}}"#,
+            // Gemma 4's mixture (26B-A4B) alike.
+            r#"{"model_type": "gemma4_text", "num_experts": 4, "enable_moe_block": true}"#,
+            r#"{"model_type": "gemma4", "text_config": {"model_type": "gemma4_text", "num_experts": 4}}"#,
         ] {
             assert_eq!(with(None).router_loss_weight(llama4, "l4").unwrap(), 0.0);
             let err = with(Some(0.1))

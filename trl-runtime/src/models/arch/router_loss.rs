@@ -24,6 +24,16 @@ use candle_core::{CpuStorage, CudaStorage, Layout, Shape, Tensor};
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
+/// Whether transformers' model of `model_type` (a text config's, or a vision-language
+/// wrapper's) adds no router loss although it routes with a softmax over experts: Llama 4
+/// (its config names `router_aux_loss_coef` all the same) and Gemma 4.
+pub fn not_computed_for(model_type: &str) -> bool {
+    super::llama4::MODEL_TYPES
+        .iter()
+        .chain(super::gemma4::MODEL_TYPES)
+        .any(|t| *t == model_type)
+}
+
 /// The load-balancing loss of one forward.
 pub struct RouterLoss {
     /// Which of this rank's tokens ([batch * seq], row-major) are real; None: all of them
