@@ -905,6 +905,62 @@ fn the_router_loss_matches_transformers() {
     }
 }
 
+/// Gemma 4's gradients equal transformers' (scripts/make_gradient_fixture.py), in f64, with
+/// activation checkpointing off and on: where what crosses layers shows. (Within 4e-5 of
+/// the largest: the fused norms compute in f32 whatever the dtype, while transformers' own
+/// f32 gradients are 1.6e-4 off its f64 ones here; a gradient lost between layers would be
+/// off by its whole size.) On tiny-gemma4 the layers
+/// storing keys and values get the gradient of the later layers that attend over them
+/// (passed on with the hidden state, so a recomputed layer still sends it back), and the
+/// per-layer inputs' tables and projection theirs from every layer; on the wrapped mixture,
+/// the router, its scales and the experts, and keys serving as values.
+#[test]
+fn gemma4_gradients_match_transformers() {
+    for kind in ["gemma4", "gemma4-moe-vision"] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../assets")
+            .join(format!("tiny-{kind}"));
+        let want = candle_core::safetensors::load(dir.join("gradients.safetensors"), &Device::Cpu)
+            .unwrap();
+        let ids = want["input_ids"].to_dtype(DType::U32).unwrap();
+        let (b, s) = ids.dims2().unwrap();
+        let pos = positions(b, s);
+        for checkpointing in [false, true] {
+            let mut m =
+                CausalLm::from_pretrained(dir.join("model"), DType::F64, &Device::Cpu).unwrap();
+            if checkpointing {
+                m.checkpointing = Some(trl_runtime::parallel::checkpointing::Checkpointing::new(
+                    false,
+                ));
+            }
+            // The plain path (logits, then the loss), f64 throughout.
+            let logits = m.forward(&ids, &pos).unwrap();
+            let ls = causal_lm_loss(&logits, &want["labels"]).unwrap();
+            let loss = (ls.sum / ls.count as f64).unwrap();
+            let grads = m.backward(&loss).unwrap();
+            let what = format!("{kind} (checkpointing {checkpointing})");
+            let scalar = |t: &Tensor| t.to_dtype(DType::F64).unwrap().reshape(1).unwrap();
+            let (got, loss_want) = (scalar(&loss), scalar(&want["loss"]));
+            let (got, loss_want) = (
+                got.to_vec1::<f64>().unwrap()[0],
+                loss_want.to_vec1::<f64>().unwrap()[0],
+            );
+            let d = (got - loss_want).abs();
+            assert!(d < 1e-7, "{what}: loss {got} differs by {d}");
+            let mut checked = 0;
+            for (name, w) in want.iter().filter(|(k, _)| k.starts_with("model.")) {
+                let var = m.params.get(name).unwrap_or_else(|| panic!("{name}"));
+                let g = grads.get(var.as_tensor()).unwrap();
+                let (d, rel) = (max_abs_diff(g, w), common::rel_diff(g, w));
+                eprintln!("{what}: {name} gradient within {d:.1e} ({rel:.1e} of the largest)");
+                assert!(rel < 1e-4, "{what}: {name} gradient differs by {d}");
+                checked += 1;
+            }
+            assert!(checked >= 8, "{what}: {checked} gradients checked");
+        }
+    }
+}
+
 /// docs/models.md's "Adding a model type", step 1, followed from outside the crate: a
 /// Llama-order layer written from the public blocks as a `blocks::Layer`, annotated for every
 /// strategy, its model `Decoder<MyLayer>`.
