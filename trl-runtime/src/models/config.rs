@@ -114,18 +114,7 @@ impl ModelConfig {
     /// As [`Self::from_json`], for a model that reads only `model_types`.
     pub fn from_json_for(text: &str, source: &str, model_types: &[&str]) -> Result<Self> {
         let cfg = Self::from_json(text, source)?;
-        if !model_types.contains(&cfg.model_type.as_str()) {
-            return Err(Error::Config {
-                file: source.into(),
-                key: "model_type".into(),
-                message: format!(
-                    "'{}' is not read by this model (it reads {}): load it with \
-                     AutoModelForCausalLM",
-                    cfg.model_type,
-                    model_types.join(", ")
-                ),
-            });
-        }
+        check_model_type(&cfg.model_type, source, model_types)?;
         Ok(cfg)
     }
 
@@ -800,6 +789,43 @@ pub fn sliding_layers(
             )),
         })
         .collect()
+}
+
+/// Refuses a `model_type` a model file does not read, naming those it does.
+fn check_model_type(found: &str, source: &str, model_types: &[&str]) -> Result<()> {
+    match model_types.contains(&found) {
+        true => Ok(()),
+        false => Err(Error::Config {
+            file: source.into(),
+            key: "model_type".into(),
+            message: format!(
+                "'{found}' is not read by this model (it reads {}): load it with \
+                 AutoModelForCausalLM",
+                model_types.join(", ")
+            ),
+        }),
+    }
+}
+
+/// A model file's own config type `T` read from config.json's `text` (a vision-language
+/// checkpoint's language model: composite.rs), its `model_type` one of `model_types`; errors
+/// name `source` and where the text is not `T`.
+pub fn text_config<T: serde::de::DeserializeOwned>(
+    text: &str,
+    source: &str,
+    model_types: &[&str],
+) -> Result<T> {
+    let invalid = |key: String, e: serde_json::Error| {
+        Error::config(source, &key, format!("not a valid model config: {e}"))
+    };
+    let json = super::composite::language_model_json(text)
+        .map_err(|e| invalid(format!("<line {} column {}>", e.line(), e.column()), e))?;
+    let found = json
+        .get("model_type")
+        .and_then(|t| t.as_str())
+        .unwrap_or("");
+    check_model_type(found, source, model_types)?;
+    serde_json::from_value(json).map_err(|e| invalid("<document>".into(), e))
 }
 
 /// A config error as Candle's (what a model's `build` returns), naming config.json's key.

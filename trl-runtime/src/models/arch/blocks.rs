@@ -413,6 +413,14 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// `act(gate) * up`, the gated MLP's product.
+    pub fn gate(self, gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Activation::Silu => crate::kernels::fused::swiglu(gate, up),
+            Activation::GeluTanh => gate.gelu()? * up,
+        }
+    }
+
     /// transformers' `hidden_act` / `hidden_activation` name.
     pub fn parse(name: &str) -> Option<Self> {
         match name {
@@ -498,11 +506,7 @@ pub fn gated_mlp(
     // and up weights, for training's sake).
     let plain = no_bias && act == Activation::Silu && !cx.generating();
     let Some((g, u, d)) = whole.filter(|_| plain) else {
-        let (gate, up) = (gate.forward(h)?, up.forward(h)?);
-        let mlp = match act {
-            Activation::Silu => crate::kernels::fused::swiglu(&gate, &up)?,
-            Activation::GeluTanh => (gate.gelu()? * up)?,
-        };
+        let mlp = act.gate(&gate.forward(h)?, &up.forward(h)?)?;
         return Ok(down.forward_chain(&mlp, &Chain::merge_and_add(false, residual))?);
     };
     // Untiled, one rank: the two ops of `nn::gated` (one (gate | up) tensor kept for
@@ -647,9 +651,9 @@ fn scaled(x: Tensor, scale: Option<f64>) -> candle_core::Result<Tensor> {
 
 /// Gemma 4's per-layer input embeddings (`model.embed_tokens_per_layer`,
 /// `model.per_layer_model_projection`, `model.per_layer_projection_norm`): for each layer a
-/// small vector per token, the mean of the token's own (a table of `layers x width` per
-/// token, scaled by sqrt(width)) and a normed projection of its embedding (scaled by
-/// hidden^-1/2), scaled by 2^-1/2. The table splits by vocabulary under tp, as the
+/// small vector per token, (own + projected) x 2^-1/2, `own` the token's row of a table of
+/// `layers x width` per token (scaled by sqrt(width)), `projected` the normed projection of
+/// its embedding (scaled by hidden^-1/2). The table splits by vocabulary under tp, as the
 /// embedding; the projection stays whole.
 #[derive(Debug, Clone, Parallelize)]
 pub struct PerLayerInputs {

@@ -100,27 +100,8 @@ impl Gemma3Config {
 
     fn parse(text: &str, source: &str) -> Result<Self> {
         let err = |key: &str, message: String| Error::config(source, key, message);
-        let invalid = |e: serde_json::Error| {
-            err(
-                &format!("<line {} column {}>", e.line(), e.column()),
-                format!("not a valid gemma3_text config: {e}"),
-            )
-        };
         // Gemma 3's vision-language checkpoints train their language model (composite.rs).
-        let json = crate::models::composite::language_model_json(text).map_err(invalid)?;
-        let mut c: Gemma3Config = serde_json::from_value(json)
-            .map_err(|e| err("<document>", format!("not a valid gemma3_text config: {e}")))?;
-        if !MODEL_TYPES.contains(&c.model_type.as_str()) {
-            return Err(err(
-                "model_type",
-                format!(
-                    "'{}' is not read by this model (it reads {}): load it with \
-                     AutoModelForCausalLM",
-                    c.model_type,
-                    MODEL_TYPES.join(", ")
-                ),
-            ));
-        }
+        let mut c: Gemma3Config = crate::models::config::text_config(text, source, MODEL_TYPES)?;
         if Activation::parse(&c.hidden_activation) != Some(Activation::GeluTanh) {
             return Err(err(
                 "hidden_activation",

@@ -34,13 +34,13 @@
 use super::blocks::{Activation, BodyShape, Decoder, GatedMlp, Layer, NormKind, PerLayerInputs};
 use super::moe::{routed_scaled, FusedExperts};
 use crate::error::{Error, Result};
-use crate::kernels::fused::{rotary as apply_rotary, swap_heads};
+use crate::kernels::fused::{rms_normalize, rotary as apply_rotary, swap_heads};
 use crate::kernels::grouped::ExpertLayout;
 use crate::models::causal::LayerInputs;
 use crate::models::config::sliding_layers;
 use crate::nn::{linear_no_bias, Linear, Param, RmsNorm, RopeScaling, RotaryEmbedding, Window};
 use crate::Parallelize;
-use candle_core::{DType, Tensor, D};
+use candle_core::Tensor;
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -176,26 +176,7 @@ pub struct LayerPlan {
 impl Gemma4Config {
     fn parse(text: &str, source: &str) -> Result<Self> {
         let err = |key: &str, message: String| Error::config(source, key, message);
-        let invalid = |e: serde_json::Error| {
-            err(
-                &format!("<line {} column {}>", e.line(), e.column()),
-                format!("not a valid gemma4_text config: {e}"),
-            )
-        };
-        let json = crate::models::composite::language_model_json(text).map_err(invalid)?;
-        let c: Gemma4Config = serde_json::from_value(json)
-            .map_err(|e| err("<document>", format!("not a valid gemma4_text config: {e}")))?;
-        if !MODEL_TYPES.contains(&c.model_type.as_str()) {
-            return Err(err(
-                "model_type",
-                format!(
-                    "'{}' is not read by this model (it reads {}): load it with \
-                     AutoModelForCausalLM",
-                    c.model_type,
-                    MODEL_TYPES.join(", ")
-                ),
-            ));
-        }
+        let c: Gemma4Config = crate::models::config::text_config(text, source, MODEL_TYPES)?;
         c.check().map_err(|(k, m)| err(k, m))?;
         Ok(c)
     }
@@ -429,14 +410,6 @@ impl Gemma4Config {
 /// Gemma4ForCausalLM.
 pub type Gemma4 = Decoder<Gemma4Layer>;
 
-/// RMS norm over the last dimension without a weight (the values' norm, the router's), in f32
-/// as transformers computes it.
-fn rms(x: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    let x32 = x.to_dtype(DType::F32)?;
-    let ms = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?;
-    x32.broadcast_div(&ms.sqrt()?)?.to_dtype(x.dtype())
-}
-
 /// Gemma 4's self-attention: q/k norms, values normed without a weight, unscaled scores;
 /// no key or value projection on a layer that reuses another's, no value projection where
 /// the keys serve as values.
@@ -491,58 +464,73 @@ impl Gemma4Attention {
         })
     }
 
-    /// Attention of `h` [b, s, hidden] and, where this layer computes its own keys and
-    /// values, them [b, s, 2 x kv_heads x d] (keys then values, this rank's heads) for the
-    /// layers that reuse them. `reused`: the keys and values [b, kv_heads, s, d] of the
-    /// storing layer, and its index (generation reads its cache).
+    /// Attention of `h` [b, s, hidden] over its own keys and values, or over `reused`: the
+    /// storing layer's [b, kv_heads, s, d] passed on with the hidden state, and its index
+    /// (generation reads that layer's cache). With `store`, also its keys and values
+    /// [b, s, 2 x kv_heads x d] (keys then values, this rank's heads) for the layers that
+    /// reuse them.
     fn forward(
         &self,
         h: &Tensor,
         cx: &LayerInputs,
         (rope, window): (&RotaryEmbedding, Option<Window>),
         reused: Option<(Tensor, Tensor, usize)>,
-    ) -> Result<(Tensor, Tensor)> {
+        store: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (b, s, _) = h.dims3()?;
         let d = self.head_dim;
-        let heads = |y: Tensor, n: usize| swap_heads(&y.reshape((b, s, n, d))?);
         let (cos, sin) = cx.cos_sin(rope)?;
-        let q = heads(self.q_proj.forward(h)?, self.num_heads)?;
+        let q = self.heads(self.q_proj.forward(h)?, self.num_heads)?;
         let q = apply_rotary(&self.q_norm.forward(&q)?, &cos, &sin)?;
         // transformers' scaling is 1.0; the kernels divide the scores by sqrt(d).
         let q = (q * (d as f64).sqrt())?;
-        let a = match (reused, &self.k_proj, &self.k_norm) {
-            (Some((_, _, store)), ..) if cx.generating() => {
-                let mut cache = cx.kv_cache().expect("generating");
-                cache.attend_reused(&q, store, window, None)?
-            }
-            (Some((k, v, _)), ..) => cx.attention_with(&q, &k, &v, window, None, None)?,
-            (None, Some(k_proj), Some(k_norm)) => {
-                let raw = k_proj.forward(h)?;
-                let v = match &self.v_proj {
-                    Some(v_proj) => v_proj.forward(h)?,
-                    None => raw.clone(),
+        let (a, stored) = match reused {
+            Some((_, _, layer)) if cx.generating() => {
+                let Some(mut cache) = cx.kv_cache() else {
+                    return Err(candle_core::Error::Msg("generating without a cache".into()).into());
                 };
-                let k = k_norm.forward(&heads(raw, self.num_kv_heads)?)?;
-                let k = apply_rotary(&k, &cos, &sin)?;
-                let v = rms(&heads(v, self.num_kv_heads)?, self.eps)?;
+                (cache.attend_reused(&q, layer, window, None)?, None)
+            }
+            Some((k, v, _)) => (cx.attention_with(&q, &k, &v, window, None, None)?, None),
+            None => {
+                let (k, v) = self.keys_values(h, (&cos, &sin))?;
                 let a = cx.attention_with(&q, &k, &v, window, None, None)?;
                 let merge = |t: &Tensor| swap_heads(t)?.reshape((b, s, self.num_kv_heads * d));
-                let kv = Tensor::cat(&[merge(&k)?, merge(&v)?], 2)?;
-                let a = swap_heads(&a)?.reshape((b, s, self.num_heads * d))?;
-                return Ok((self.o_proj.forward(&a)?, kv));
-            }
-            _ => {
-                return Err(candle_core::Error::Msg(
-                    "a Gemma 4 layer that reuses keys and values was given none".into(),
-                )
-                .into())
+                let stored = match store {
+                    true => Some(Tensor::cat(&[merge(&k)?, merge(&v)?], 2)?),
+                    false => None,
+                };
+                (a, stored)
             }
         };
         let a = swap_heads(&a)?.reshape((b, s, self.num_heads * d))?;
-        Ok((
-            self.o_proj.forward(&a)?,
-            Tensor::zeros((b, s, 0), h.dtype(), h.device())?,
-        ))
+        Ok((self.o_proj.forward(&a)?, stored))
+    }
+
+    /// A projection's output [b, s, n x d] as heads [b, n, s, d].
+    fn heads(&self, y: Tensor, n: usize) -> candle_core::Result<Tensor> {
+        let (b, s, _) = y.dims3()?;
+        swap_heads(&y.reshape((b, s, n, self.head_dim))?)
+    }
+
+    /// This layer's own keys (normed, rotated) and values (normed without a weight; the key
+    /// projection's output where it has no value projection), as heads.
+    fn keys_values(&self, h: &Tensor, (cos, sin): (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
+        let (Some(k_proj), Some(k_norm)) = (&self.k_proj, &self.k_norm) else {
+            return Err(candle_core::Error::Msg(
+                "a Gemma 4 layer that reuses keys and values was given none".into(),
+            )
+            .into());
+        };
+        let raw = k_proj.forward(h)?;
+        let v = match &self.v_proj {
+            Some(v_proj) => v_proj.forward(h)?,
+            None => raw.clone(),
+        };
+        let k = k_norm.forward(&self.heads(raw, self.num_kv_heads)?)?;
+        let k = apply_rotary(&k, cos, sin)?;
+        let v = rms_normalize(&self.heads(v, self.num_kv_heads)?, self.eps)?;
+        Ok((k, v))
     }
 }
 
@@ -576,8 +564,8 @@ impl Gemma4Experts {
         let (b, s, hidden) = x.dims3()?;
         let flat = x.reshape((b * s, hidden))?;
         let r = &self.router;
-        let routed_by =
-            (rms(&flat, self.eps)?.broadcast_mul(&r.scale.value()?)? * (hidden as f64).powf(-0.5))?;
+        let routed_by = (rms_normalize(&flat, self.eps)?.broadcast_mul(&r.scale.value()?)?
+            * (hidden as f64).powf(-0.5))?;
         let logits = r.proj.forward(&routed_by)?;
         let inputs = self.pre_feedforward_layernorm_2.forward(&flat)?;
         let scale = r.per_expert_scale.value()?;
@@ -624,10 +612,10 @@ struct Carried {
 }
 
 impl Carried {
-    /// The storing layer `store`'s keys and values in `x` [b, s, width] as heads
-    /// [b, kv_heads, s, d] (this rank's).
-    fn reused(&self, x: &Tensor, store: usize, head_dim: usize) -> Result<(Tensor, Tensor)> {
-        let (b, s, width) = x.dims3()?;
+    /// The storing layer `store`'s keys and values in `x` [b, s, width], each
+    /// [b, s, kv_heads x d] (this rank's heads).
+    fn reused(&self, x: &Tensor, store: usize) -> Result<(Tensor, Tensor)> {
+        let width = x.dim(2)?;
         let start = self.hidden + self.per_layer * self.per_layer_slices;
         // Each slot's share of what is stored follows from its width on every rank, so
         // the split needs no tp size.
@@ -638,11 +626,7 @@ impl Carried {
             let size = local * w / total;
             if layer == store {
                 let kv = size / 2;
-                let heads = |t: Tensor| swap_heads(&t.reshape((b, s, kv / head_dim, head_dim))?);
-                return Ok((
-                    heads(x.narrow(2, at, kv)?)?,
-                    heads(x.narrow(2, at + kv, kv)?)?,
-                ));
+                return Ok((x.narrow(2, at, kv)?, x.narrow(2, at + kv, kv)?));
             }
             at += size;
         }
@@ -800,16 +784,18 @@ impl Layer for Gemma4Layer {
         };
         let reused = match self.kv {
             KvSharing::Reuse(store) => {
-                let (k, v) = c.reused(x, store, self.self_attn.head_dim)?;
-                Some((k, v, store))
+                let (k, v) = c.reused(x, store)?;
+                let heads = |t| self.self_attn.heads(t, self.self_attn.num_kv_heads);
+                Some((heads(k)?, heads(v)?, store))
             }
             _ => None,
         };
         let normed = self.input_layernorm.forward(&hidden)?;
         let window = self.window.map(Window::Sliding);
-        let (a, kv) = self
-            .self_attn
-            .forward(&normed, cx, (&self.rope, window), reused)?;
+        let store = self.kv == KvSharing::Store;
+        let (a, stored) =
+            self.self_attn
+                .forward(&normed, cx, (&self.rope, window), reused, store)?;
         let residual = (hidden + self.post_attention_layernorm.forward(&a)?)?;
         let m = self
             .mlp
@@ -836,9 +822,7 @@ impl Layer for Gemma4Layer {
         if width > start {
             parts.push(x.narrow(2, start, width - start)?);
         }
-        if self.kv == KvSharing::Store {
-            parts.push(kv);
-        }
+        parts.extend(stored);
         Ok(match parts.len() {
             1 => parts.pop().expect("one"),
             _ => Tensor::cat(&parts, 2)?,

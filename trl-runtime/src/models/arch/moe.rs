@@ -252,10 +252,7 @@ impl FusedExperts {
         let gate_up = grouped_linear(&xs, &self.gate_up_proj, None, counts)?;
         let i = gate_up.dim(1)? / 2;
         let (gate, up) = (gate_up.narrow(1, 0, i)?, gate_up.narrow(1, i, i)?);
-        let act = match self.act {
-            Activation::Silu => crate::kernels::fused::swiglu(&gate, &up)?,
-            Activation::GeluTanh => (gate.gelu()? * up)?,
-        };
+        let act = self.act.gate(&gate, &up)?;
         let y = grouped_linear(&act, &self.down_proj, None, counts)?;
         Ok(match cx.tp() {
             Some(tp) => reduce_from_group(&y, tp)?,

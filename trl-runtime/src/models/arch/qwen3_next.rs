@@ -264,7 +264,6 @@ impl Layer for Qwen3NextLayer {
         body.norm = norm;
         let (h, d) = (config.hidden_size, config.head_dim());
         let (heads, kv) = (config.num_attention_heads, config.num_kv_heads());
-
         Decoder::from_layers(body, vb, |l, vb| {
             let (linear_attn, self_attn) = match q3.linear[l] {
                 true => (
