@@ -285,6 +285,10 @@ fn moe_adapters_travel_between_us_and_peft() {
         // Qwen3.5, the same hybrid dense: Gated DeltaNet's 5 projections apart in layers 0 and
         // 2, the gated attention's 4 in layers 1 and 3, every layer's MLP 3.
         ("tiny-qwen3.5", 2 * 2 * (5 + 4 + 2 * 3)),
+        // Gemma 4 (dense, E2B-like): layers 0-3 their 4 attention projections, the MLP's 3
+        // and the per-layer input's gate and projection; layers 4 and 5, which reuse earlier
+        // keys and values, no k_proj or v_proj; and the model's per_layer_model_projection.
+        ("tiny-gemma4", 2 * (4 * 9 + 2 * 7 + 1)),
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();
@@ -325,6 +329,15 @@ fn vision_language_adapters_travel_between_us_and_peft() {
         (
             "qwen3.5-moe-vision",
             2 * (2 * (5 + 4) + 4 * (3 + 1)),
+            Targets::AllLinear,
+            tree,
+        ),
+        // Gemma 4's mixture (26B-A4B-like): attention (no v_proj on the full layers 1 and
+        // 3, whose keys serve as values), the dense MLP's 3 and the router's proj; not the
+        // fused experts beside the MLP (peft converts no targets onto them).
+        (
+            "gemma4-moe-vision",
+            2 * (2 * (4 + 3 + 1) + 2 * (3 + 3 + 1)),
             Targets::AllLinear,
             tree,
         ),

@@ -176,9 +176,17 @@ pub fn module_name(name: &str) -> String {
 }
 
 /// Ours of peft's module or tensor `name` in a composite; None for one outside the language
-/// model (the vision tower's, the projector's).
+/// model (the vision tower's, the projector's). A target may be any dotted suffix of the
+/// tree's name (peft writes `language_model.layers.0.mlp.down_proj` where a shorter one would
+/// reach a vision module too): that too is made ours.
 pub fn text_module_name(name: &str) -> Option<String> {
-    match name.strip_prefix(MODULES) {
+    let within = MODULES
+        .strip_prefix("model.")
+        .expect("the tree's modules under model.");
+    match name
+        .strip_prefix(MODULES)
+        .or_else(|| name.strip_prefix(within))
+    {
         Some(rest) => Some(format!("model.{rest}")),
         None if name.starts_with("model.") => None,
         None => Some(name.to_string()),
@@ -282,6 +290,12 @@ mod tests {
         assert_eq!(
             text_module_name("model.vision_tower.encoder.layers.0.mlp.fc1"),
             None
+        );
+        // A target cut within the tree's prefix (peft's, where `layers.0.mlp.down_proj`
+        // would reach a vision module too).
+        assert_eq!(
+            text_module_name("language_model.layers.0.mlp.down_proj").as_deref(),
+            Some("model.layers.0.mlp.down_proj")
         );
     }
 
