@@ -39,6 +39,17 @@ impl SeqSplit {
         Ok(parts.concat())
     }
 
+    /// The inverse of [`Self::row_order`]: for each position of the row, which of the
+    /// gathered tokens holds it (an `index_select` by it puts gathered parts in row order).
+    pub fn gathered_at(&self, local: usize) -> Result<Vec<u32>> {
+        let order = self.row_order(local)?;
+        let mut at = vec![0u32; order.len()];
+        for (i, &position) in order.iter().enumerate() {
+            at[position] = i as u32;
+        }
+        Ok(at)
+    }
+
     /// The split the launch asks for: a ring over cp, Ulysses over sp, or none. Both at once
     /// is refused.
     pub fn from_context(ctx: &DistContext) -> crate::Result<Option<SeqSplit>> {

@@ -286,11 +286,7 @@ impl LayerInputs {
                 let gathered = split
                     .group
                     .all_gather(&self.position_ids.to_dtype(DType::I64)?, 1)?;
-                let order = split.row_order(self.position_ids.dim(1)?)?;
-                let mut at = vec![0u32; order.len()];
-                for (i, &token) in order.iter().enumerate() {
-                    at[token] = i as u32;
-                }
+                let at = split.gathered_at(self.position_ids.dim(1)?)?;
                 let at = Tensor::new(at.as_slice(), gathered.device())?;
                 gathered.index_select(&at, 1)?
             }

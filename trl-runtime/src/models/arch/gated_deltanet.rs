@@ -180,12 +180,8 @@ impl GatedDeltaNet {
         let whole = t * size;
         // Where each gathered token sits in the row (ring attention's head-tail chunks are
         // not in order), and the inverse: which gathered token is the row's i-th.
-        let gathered = split.row_order(t)?;
-        let mut in_order = vec![0u32; whole];
-        for (at, &i) in gathered.iter().enumerate() {
-            in_order[i] = at as u32;
-        }
-        let gathered: Vec<u32> = gathered.into_iter().map(|i| i as u32).collect();
+        let gathered: Vec<u32> = split.row_order(t)?.into_iter().map(|i| i as u32).collect();
+        let in_order = split.gathered_at(t)?;
         let dev = p.q.device();
         let (gathered, in_order) = (
             Tensor::new(gathered.as_slice(), dev)?,
