@@ -401,6 +401,9 @@ fn the_cache_holds_what_the_plan_counts() {
         "gpt-oss",
         "qwen3-next",
         "qwen3.5-moe-vision",
+        // Wider full layers; the last two reuse earlier layers' keys and values.
+        "gemma4",
+        "gemma4-moe-vision",
     ] {
         let dir = checkpoint(kind);
         let model = AutoModelForCausalLM::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();

@@ -726,8 +726,9 @@ pub(super) fn whole_logits(model: &ModelShapes, setup: &Setup) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GenerationRound {
     /// The KV cache, allocated whole for the round: rows x tokens (prompt and completion) x
-    /// layers x this rank's key/value heads x head dim x 2 (keys and values) x dtype bytes;
-    /// a Gated DeltaNet layer's recurrent state per row instead (`Dims::recurrent_state`).
+    /// layers x this rank's key/value heads x head dim x 2 (keys and values) x dtype bytes,
+    /// each layer's own where they differ (`ModelShapes::kv_layers`); a Gated DeltaNet
+    /// layer's recurrent state per row instead (`Dims::recurrent_state`).
     pub kv_cache: usize,
     /// ZeRO-3 / FSDP gathering the whole model once for the round: every weight, gathered
     /// into buffers of its own beside the rank's slices (0 where parameters are not sharded).
@@ -758,12 +759,20 @@ pub fn generation_round(
         (Some(rank), Some(rope)) => rank + rope,
         _ => kv_heads * d.head_dim() * 2,
     };
+    // Layer by layer where layers differ: Gemma 4's full layers wider, its reusing layers
+    // none.
+    let keys = match (d.kv_lora_rank, model.kv_layers()) {
+        (None, Some(layers)) => layers
+            .iter()
+            .map(|&(heads, width)| heads.div_ceil(tp) * width * 2)
+            .sum(),
+        _ => (d.num_hidden_layers - d.linear_attention_layers()) * per_layer,
+    };
     // Gated DeltaNet layers hold a state per row instead, its rule's state in f32.
-    let linear = d.linear_attention_layers();
     let (conv, state) = d.recurrent_state();
     let wide = crate::kernels::precision::wide(setup.dtype).size_in_bytes();
-    let kv_cache = rows * tokens * (d.num_hidden_layers - linear) * per_layer * size
-        + rows * linear * (conv * size + state * wide);
+    let kv_cache = rows * tokens * keys * size
+        + rows * d.linear_attention_layers() * (conv * size + state * wide);
     let gathered_weights = match setup.strategy {
         Strategy::Fsdp(..) => model.local(tp).iter().map(|(_, n)| n).sum::<usize>() * size,
         _ => 0,

@@ -297,6 +297,31 @@ impl ModelShapes {
         })
     }
 
+    /// Each decoder layer's cached key/value heads and head width, read off its
+    /// `self_attn.k_proj` (the width from its q_norm where it has one, else the config's):
+    /// what layers differ in (Gemma 4's full layers are wider; a layer reusing another's keys
+    /// and values, or a Gated DeltaNet layer, has no k_proj and caches none). None for a
+    /// model without such layers (fused or latent projections).
+    pub(super) fn kv_layers(&self) -> Option<Vec<(usize, usize)>> {
+        let shape = |l: usize, what: &str| {
+            let name = format!("model.layers.{l}.self_attn.{what}");
+            self.params
+                .iter()
+                .find(|e| e.name == name)
+                .map(|e| e.full_shape[0])
+        };
+        let layers: Vec<(usize, usize)> = (0..self.dims.num_hidden_layers)
+            .map(|l| match shape(l, "k_proj.weight") {
+                None => (0, 0),
+                Some(out) => {
+                    let d = shape(l, "q_norm.weight").unwrap_or(self.dims.head_dim());
+                    (out / d, d)
+                }
+            })
+            .collect();
+        layers.iter().any(|&(heads, _)| heads > 0).then_some(layers)
+    }
+
     /// Whether the model splits over `tp` ranks with its heads over `tp x sp`: every split
     /// dimension and head count divides.
     pub fn splits_over(&self, tp: usize, sp: usize) -> bool {
