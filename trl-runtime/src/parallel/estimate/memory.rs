@@ -734,10 +734,12 @@ pub struct GenerationRound {
     /// into buffers of its own beside the rank's slices (0 where parameters are not sharded).
     pub gathered_weights: usize,
     /// The prefill's transient heap (a layer's buffers over the prompts, freed as it goes):
-    /// per prompt token 5 hidden-size buffers (norms, residuals, attention's output), 3 MLP
+    /// per prompt token 3 hidden-size buffers (norms, residuals, attention's output), 3 MLP
     /// intermediates (gate, up, their product; a token's routed experts' for a mixture of
     /// experts) and a quarter of the key/value width, in the dtype (measured with a counting
-    /// allocator, tests/memory_plan.rs).
+    /// allocator, tests/memory_plan.rs: 5 hidden-size buffers until generation's MLP freed its
+    /// gate and up outputs as soon as their product is formed, 2 hidden sizes a token less
+    /// at the peak on both measured shapes).
     pub prefill: usize,
 }
 
@@ -783,7 +785,7 @@ pub fn generation_round(
         None => d.intermediate_size,
     };
     let kv_width = kv_heads * d.head_dim() * 2;
-    let per_token = 5 * d.hidden_size + 3 * mlp.div_ceil(tp) + kv_width / 4;
+    let per_token = 3 * d.hidden_size + 3 * mlp.div_ceil(tp) + kv_width / 4;
     GenerationRound {
         kv_cache,
         gathered_weights,
