@@ -55,7 +55,13 @@ fn online_run(
     out: &Path,
     extra: &[&str],
 ) -> Vec<serde_json::Value> {
+    // The untrained tiny model on the 64 bundled prompts, as the rollout programs and
+    // tolerances were set on (the bundled job starts from a trained policy).
     let args = [
+        "--model_name_or_path",
+        "assets/tiny/model",
+        "--dataset_name",
+        "assets/tiny/data/grpo_train.jsonl",
         "--learning_rate",
         "1e-3",
         "--lr_scheduler_type",
@@ -241,9 +247,9 @@ fn rloo_sampled_under_every_cpu_profile_equals_one_process() {
 
 /// The bundled job (assets/tiny/grpo.yaml) with completions sampled in the training
 /// processes, ZeRO-3 on two ranks and a KL term: it logs TRL's figures at every step, its
-/// policy moves off the reference (kl > 0 after the first update: the untrained model answers
-/// nothing right, so a reward program that scores any completion joins accuracy_reward), and
-/// its checkpoint opens in transformers with our logits.
+/// policy moves off the reference (kl > 0 after the first update; a reward program that scores
+/// any completion joins accuracy_reward, so every group's rewards differ), and its checkpoint
+/// opens in transformers with our logits.
 #[test]
 fn the_bundled_job_samples_in_process_under_zero3() {
     let tmp = tempfile::tempdir().unwrap();
@@ -307,4 +313,40 @@ fn the_docs_commands_run_as_written() {
         common::opens_in_transformers(&checkpoint.unwrap());
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// The README's GRPO command, `cargo run --release -p trl-examples --bin grpo`, as a newcomer
+/// runs it (the debug build here): the bundled job (assets/tiny/grpo.yaml) raises the
+/// held-out reward of a policy that mostly copies the question's first number by RL alone,
+/// accuracy_reward its only signal, and its checkpoint opens in transformers.
+#[test]
+fn the_readme_grpo_job_raises_the_held_out_reward() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let line = "cargo run --release -p trl-examples --bin grpo";
+    assert!(readme.contains(line), "README.md shows `{line}`");
+    let grpo = common::build_example("grpo");
+    let tmp = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(grpo)
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // "held-out reward: before 9.5% -> after 76.5%; ..."
+    let percent = |after: &str| -> f64 {
+        let rest = &text[text.find(after).unwrap_or_else(|| panic!("{text}")) + after.len()..];
+        rest[..rest.find('%').unwrap()].parse().unwrap()
+    };
+    let (before, after) = (percent("held-out reward: before "), percent("-> after "));
+    assert!(
+        before < 20.0 && after > 60.0,
+        "{before}% -> {after}%: {text}"
+    );
+    let checkpoint = tmp.path().join("output/grpo-tiny/checkpoint-800");
+    common::opens_in_transformers(&checkpoint);
 }

@@ -431,14 +431,7 @@ fn transformers_score(python: &Path, dir: &Path, rows: usize) -> (u64, u64) {
 #[test]
 fn the_readme_full_and_lora_jobs_keep_their_checkpoints_and_score_as_trained() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    // The README builds it with `cargo run --release`; the tests run the debug build.
-    let build = std::process::Command::new(env!("CARGO"))
-        .current_dir(&root)
-        .args(["build", "-q", "-p", "trl-examples", "--bin", "sft"])
-        .status()
-        .unwrap();
-    assert!(build.success());
-    let sft = root.join("target/debug/sft");
+    let sft = common::build_example("sft");
     let tmp = tempfile::tempdir().unwrap();
     let run = |args: &[String]| {
         std::process::Command::new(&sft)

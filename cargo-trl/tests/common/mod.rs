@@ -187,6 +187,20 @@ pub fn sft_launch<S: AsRef<std::ffi::OsStr>>(launch_args: &[&str], sft_args: &[S
 #[allow(dead_code)]
 pub const LAUNCH: [&str; 4] = ["launch", "--debug", "--main_process_port", "0"];
 
+/// Examples binary `bin` built in debug (the README builds it with `cargo run --release`):
+/// its path.
+#[allow(dead_code)]
+pub fn build_example(bin: &str) -> std::path::PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let build = Command::new(env!("CARGO"))
+        .current_dir(&root)
+        .args(["build", "-q", "-p", "trl-examples", "--bin", bin])
+        .status()
+        .unwrap();
+    assert!(build.success(), "cargo build --bin {bin}");
+    root.join("target/debug").join(bin)
+}
+
 /// `cargo trl launch LAUNCH_ARGS BIN -- ARGS` for an examples binary (`sft`, `dpo`), on the
 /// bundled job's settings (`--config assets/tiny/sft.yaml` or dpo.yaml: the programs read
 /// them only while a command names no model and no dataset) under `args`.
