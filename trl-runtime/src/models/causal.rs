@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 /// model's own `forward`: usually each method is one line calling what is already there.
 pub trait CausalModel: Parallelize + Send + Sync + Sized + 'static {
     /// The model's `config.json`, as the model reads it.
-    type Config;
+    type Config: Send + Sync;
 
     /// Reads `config.json` (`source` names the file in errors). A `#[derive(Deserialize)]`
     /// config needs only `serde_json::from_str`.

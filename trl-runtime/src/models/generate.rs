@@ -69,9 +69,10 @@ impl<M: CausalModel> CachedForward for M {
         position_ids: &Tensor,
         cache: Option<&Arc<Mutex<KvCache>>>,
     ) -> Result<Tensor> {
-        let _no_grad = crate::kernels::skinny::no_grad();
-        let l = logits(self, (input_ids, position_ids), cache, true)?;
-        Ok(l.squeeze(1)?.to_dtype(DType::F32)?)
+        crate::kernels::skinny::generation_forward(input_ids.device(), || {
+            let l = logits(self, (input_ids, position_ids), cache, true)?;
+            Ok(l.squeeze(1)?.to_dtype(DType::F32)?)
+        })
     }
 
     fn input_device(&self) -> Device {

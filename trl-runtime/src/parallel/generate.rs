@@ -38,15 +38,16 @@ impl<N: CausalModel> CachedForward for Model<N> {
         position_ids: &Tensor,
         cache: Option<&Arc<Mutex<KvCache>>>,
     ) -> Result<Tensor> {
-        let _no_grad = crate::kernels::skinny::no_grad();
-        let hidden = self.hidden_states_over(input_ids, position_ids, false, cache)?;
-        let s = hidden.dim(1)?;
-        let logits = self.head_logits(&hidden.narrow(1, s - 1, 1)?)?.detach();
-        let logits = match self.tp() {
-            Some(tp) => tp.all_gather(&logits, 2)?,
-            None => logits,
-        };
-        Ok(logits.squeeze(1)?.to_dtype(DType::F32)?)
+        crate::kernels::skinny::generation_forward(input_ids.device(), || {
+            let hidden = self.hidden_states_over(input_ids, position_ids, false, cache)?;
+            let s = hidden.dim(1)?;
+            let logits = self.head_logits(&hidden.narrow(1, s - 1, 1)?)?.detach();
+            let logits = match self.tp() {
+                Some(tp) => tp.all_gather(&logits, 2)?,
+                None => logits,
+            };
+            Ok(logits.squeeze(1)?.to_dtype(DType::F32)?)
+        })
     }
 
     fn input_device(&self) -> Device {

@@ -592,7 +592,7 @@ impl PreNormAttention {
 /// window, rotary table), turned into a whole model by [`Decoder`].
 pub trait Layer: Parallelize + Send + Sync + Sized + 'static {
     /// The model's config.json, as this file reads it.
-    type Config;
+    type Config: Send + Sync;
     /// Reads config.json, refusing `model_type`s this file does not read and values it does
     /// not implement (errors name `source` and the key).
     fn parse_config(text: &str, source: &str) -> Result<Self::Config>;
