@@ -218,7 +218,8 @@ fn trl_logs(
 /// entropy quantile, sequence-level importance sampling (GSPO), masked truncated
 /// completions, two-sided clipping with an upper epsilon, batch / no reward scaling, and a
 /// reward model beside the reward function (a Qwen3ForSequenceClassification checkpoint named
-/// by its path, scoring the conversations through its chat template).
+/// by its path, scoring the conversations through its chat template); then TRL's newer loss
+/// types, cispo, sapo, luspo and vespo.
 #[test]
 fn grpo_figures_match_trl() {
     let Some(python) = common::python_with(&["torch", "transformers", "trl"]) else {
@@ -244,6 +245,13 @@ fn grpo_figures_match_trl() {
             &["delta=1.01", "epsilon_high=0.28", "scale_rewards=none"],
         ),
         ("dapo", &[reward_model.as_str()]),
+        // TRL's newer types: cispo's cap (epsilon_high) below most ratios, sapo's
+        // gate at its default temperatures, luspo at the sequence level its paper uses,
+        // vespo's gamma weights.
+        ("cispo", &["epsilon_high=0.9"]),
+        ("sapo", &[]),
+        ("luspo", &["importance_sampling_level=sequence"]),
+        ("vespo", &[]),
     ];
     for (case, (loss_type, keys)) in cases.iter().enumerate() {
         let ours = run(&with_keys(config(tmp.path(), 8, loss_type), keys), 1);
@@ -262,6 +270,7 @@ fn grpo_figures_match_trl() {
 
 /// Every figure TRL logged (`theirs`, one line per step) equals ours within 1e-4 relative.
 fn assert_matches_trl(case: &str, theirs: &[serde_json::Value], ours: &Steps) {
+    let mut worst = 0f64;
     for (step, (t, (loss, grad_norm, metrics))) in theirs.iter().zip(ours).enumerate() {
         let mut checked = 0;
         for (key, v) in t.as_object().unwrap() {
@@ -275,14 +284,19 @@ fn assert_matches_trl(case: &str, theirs: &[serde_json::Value], ours: &Steps) {
                 },
             };
             let v = v.as_f64().unwrap();
-            assert!(
-                (ours - v).abs() <= 1e-4 * v.abs().max(1e-3),
-                "{case} step {step}: {key} ours {ours} TRL {v}"
-            );
+            let off = (ours - v).abs() / v.abs().max(1e-3);
+            assert!(off <= 1e-4, "{case} step {step}: {key} ours {ours} TRL {v}");
+            worst = worst.max(off);
             checked += 1;
         }
-        assert!(checked >= 8, "{case} step {step}: {t}");
+        // At least the loss, the gradient norm, the KL and the entropy (a step that reuses a
+        // round logs no reward figures; sapo logs no clip figures).
+        assert!(checked >= 4, "{case} step {step}: {t}");
     }
+    eprintln!(
+        "{case}: every figure within {worst:.1e} relative of TRL's; last step {}",
+        theirs[theirs.len() - 1]
+    );
 }
 
 /// RLOO on GRPO's rounds: the shared keys of the fixed-rollout config, RLOO's defaults else.

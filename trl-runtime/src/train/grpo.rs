@@ -18,7 +18,9 @@
 
 use super::args::{EntryList, TrainingArguments};
 use super::core::{Core, EvalResult, StepGrads, Task, TaskStep};
-use super::grpo_loss::{nanmean, nanstd, Completion, GrpoLoss, GrpoLossType, LossOut, Scale};
+use super::grpo_loss::{
+    nanmean, nanstd, Completion, GrpoLoss, GrpoLossType, LossFigures, LossOut, Scale,
+};
 use super::grpo_rewards::{
     registered_rollout, rollout, LineProgram, Reward, RewardInput, RolloutClosure, RolloutRequest,
 };
@@ -90,8 +92,18 @@ crate::training_arguments! {
     multi_objective_aggregation: String = "sum_then_normalize".into();
     /// group, batch or none.
     scale_rewards: String = "group".into();
-    /// grpo, bnpo, dr_grpo or dapo.
+    /// grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo or vespo.
     loss_type: String = "dapo".into();
+    /// sapo's gate temperature for negative advantages.
+    sapo_temperature_neg: f64 = 1.05;
+    /// sapo's gate temperature for positive advantages.
+    sapo_temperature_pos: f64 = 1.0;
+    /// vespo's gamma weight for advantages >= 0: its shape k and rate lambda.
+    vespo_k_pos: f64 = 2.0;
+    vespo_lambda_pos: f64 = 3.0;
+    /// vespo's gamma weight for negative advantages.
+    vespo_k_neg: f64 = 3.0;
+    vespo_lambda_neg: f64 = 2.0;
     /// Completions cut at max_completion_length carry no loss.
     mask_truncated_completions: bool = false;
     /// Mix the policy into the reference every ref_model_sync_steps steps.
@@ -128,16 +140,10 @@ impl GRPOConfig {
     /// The loss these keys describe.
     pub fn loss(&self) -> std::result::Result<GrpoLoss, (&'static str, String)> {
         let kind = GrpoLossType::from_name(&self.loss_type).ok_or_else(|| {
-            let more = match self.loss_type.as_str() {
-                "cispo" | "sapo" | "luspo" | "vespo" => {
-                    " (TRL's newer types are not built here yet)"
-                }
-                _ => "",
-            };
             (
                 "loss_type",
                 format!(
-                    "'{}' is not one of {}{more}",
+                    "'{}' is not one of {}",
                     self.loss_type,
                     GrpoLossType::NAMES.join(", ")
                 ),
@@ -162,7 +168,33 @@ impl GRPOConfig {
             bias_correction_kl: self.use_bias_correction_kl,
             sequence_level,
             max_completion_length: self.max_completion_length,
+            sapo_temperature: [self.sapo_temperature_pos, self.sapo_temperature_neg],
+            vespo: [
+                self.vespo_k_pos,
+                self.vespo_lambda_pos,
+                self.vespo_k_neg,
+                self.vespo_lambda_neg,
+            ],
         })
+    }
+
+    /// TRL's warnings for loss types at an importance sampling level their papers do not use.
+    pub fn loss_warnings(&self) -> Vec<String> {
+        let (kind, level) = (
+            self.loss_type.as_str(),
+            self.importance_sampling_level.as_str(),
+        );
+        let mut out = Vec::new();
+        if kind == "luspo" && level != "sequence" {
+            out.push("loss_type luspo: set importance_sampling_level to sequence to mirror its paper's setup (TRL warns the same)".into());
+        }
+        if kind == "vespo" && level != "token" {
+            out.push("loss_type vespo computes its sequence-level weights itself: leave importance_sampling_level at token (TRL warns the same)".into());
+        }
+        if level == "sequence" && ["bnpo", "dr_grpo", "dapo", "cispo"].contains(&kind) {
+            out.push(format!("importance_sampling_level sequence with loss_type {kind}: the loss sums per-token terms, weighting each sequence by its length; GSPO's setup is loss_type grpo (TRL warns the same)"));
+        }
+        out
     }
 
     /// (steps_per_generation, generation_batch_size) on `dp` data-parallel ranks, as
@@ -1295,6 +1327,16 @@ impl Grpo {
             metrics.push(("kl", micro(0)));
         }
         metrics.push(("entropy", micro(2)));
+        let only = match self.loss.kind.figures() {
+            LossFigures::Clip => None,
+            LossFigures::Cispo => Some(Some(("cispo_clip_ratio", micro(4)))),
+            LossFigures::VespoPhi => Some(Some(("vespo/phi_seq_mean", micro(3)))),
+            LossFigures::None => Some(None),
+        };
+        if let Some(figure) = only {
+            metrics.extend(figure);
+            return Ok(());
+        }
         metrics.push(("clip_ratio/low_mean", micro(3)));
         metrics.push(("clip_ratio/high_mean", micro(4)));
         metrics.push(("clip_ratio/region_mean", micro(5)));
@@ -1488,6 +1530,16 @@ impl Grpo {
             figures.push(("kl", over(0, 1)));
         }
         figures.push(("entropy", over(2, 1)));
+        let mean = losses.iter().sum::<f64>() / losses.len() as f64;
+        match self.loss.kind.figures() {
+            LossFigures::Clip => {}
+            LossFigures::Cispo => figures.push(("cispo_clip_ratio", over(4, 6))),
+            LossFigures::VespoPhi => figures.push(("vespo/phi_seq_mean", over(3, 6))),
+            LossFigures::None => {}
+        }
+        if self.loss.kind.figures() != LossFigures::Clip {
+            return Ok((mean, figures));
+        }
         figures.push(("clip_ratio/low_mean", over(3, 6)));
         figures.push(("clip_ratio/high_mean", over(4, 6)));
         figures.push(("clip_ratio/region_mean", over(5, 6)));
@@ -1502,7 +1554,7 @@ impl Grpo {
             "clip_ratio/high_max",
             real(1).fold(f64::NEG_INFINITY, f64::max),
         ));
-        Ok((losses.iter().sum::<f64>() / losses.len() as f64, figures))
+        Ok((mean, figures))
     }
 
     /// Every rank's values of `local` (of varying length), in rank order.
@@ -1730,6 +1782,11 @@ impl<N: CausalModel> Task<N> for Grpo {
                 self.spg,
                 self.iterations
             );
+            if self.rloo.is_none() && !self.distill {
+                for warning in config.loss_warnings() {
+                    tracing::warn!("{warning}");
+                }
+            }
         }
         Ok(())
     }
@@ -1888,6 +1945,21 @@ mod tests {
         std::fs::write(&file, "use_vllm: true\n").unwrap();
         let err = GRPOConfig::read(&file).unwrap_err().to_string();
         assert!(err.contains("use_vllm"), "{err}");
+        // TRL 1.16's newer loss types, their keys at TRL's defaults and applied when given.
+        let loss = GRPOConfig::default().loss().unwrap();
+        assert_eq!(loss.sapo_temperature, [1.0, 1.05]);
+        assert_eq!(loss.vespo, [2.0, 3.0, 3.0, 2.0]);
+        let recipe = "loss_type: luspo\nsapo_temperature_neg: 2.0\nvespo_lambda_neg: 0.5\n";
+        std::fs::write(&file, recipe).unwrap();
+        let (config, ignored) = GRPOConfig::read(&file).unwrap();
+        assert!(ignored.is_empty(), "{ignored:?}");
+        let loss = config.loss().unwrap();
+        assert_eq!(loss.kind, GrpoLossType::Luspo);
+        assert_eq!((loss.sapo_temperature[1], loss.vespo[3]), (2.0, 0.5));
+        assert_eq!(config.loss_warnings().len(), 1, "luspo at token level");
+        std::fs::write(&file, "loss_type: gspo\n").unwrap();
+        let err = GRPOConfig::read(&file).unwrap_err().to_string();
+        assert!(err.contains("loss_type") && err.contains("vespo"), "{err}");
     }
 
     /// TRL's EOS ids: the generation config's (else config.json's), the tokenizer's first

@@ -1,10 +1,12 @@
 //! GRPO's loss as TRL 1.16's `GRPOTrainer._compute_loss` computes it, on the per-token
 //! log-probabilities of a micro-batch's completions: the clipped importance ratio (per token
 //! or per sequence), the k3 KL estimate against the reference (optionally corrected by the
-//! ratio), the top-entropy mask, and the aggregation of each loss type (grpo, bnpo, dr_grpo,
-//! dapo). It runs on the host in f64 and returns, beside the loss, its derivative with respect
-//! to each token's log-probability: the model's backward then weighs each token by it, as
-//! DPO's does with each sequence's.
+//! ratio), the top-entropy mask, and each loss type's per-token term and aggregation: the
+//! clipped ratio (grpo, bnpo, dr_grpo, dapo, luspo), the clipped and detached ratio weighing
+//! the log-probability (cispo), a sigmoid gate of the ratio (sapo), and a detached gamma
+//! weight of the sequence's ratio (vespo). It runs on the host in f64 and returns, beside the
+//! loss, its derivative with respect to each token's log-probability: the model's backward
+//! then weighs each token by it, as DPO's does with each sequence's.
 
 /// TRL's GRPO loss types built here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,10 +19,34 @@ pub enum GrpoLossType {
     DrGrpo,
     /// The sum over tokens / the generation batch's tokens (per rank and micro-batch).
     Dapo,
+    /// The ratio capped at epsilon_high and detached, times the advantage and the
+    /// log-probability; aggregated as dapo.
+    Cispo,
+    /// A sigmoid gate of the ratio (temperatures by the advantage's sign); aggregated as grpo.
+    Sapo,
+    /// The clipped ratio, each sequence's sum over its tokens, then the mean over sequences.
+    Luspo,
+    /// A detached gamma weight of the sequence's summed log-ratio times the advantage and the
+    /// log-probability; aggregated as dapo.
+    Vespo,
+}
+
+/// The figures a loss type logs beside the loss (TRL's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossFigures {
+    /// `clip_ratio/{low,high,region}_mean`, `clip_ratio/low_min`, `clip_ratio/high_max`.
+    Clip,
+    /// `cispo_clip_ratio`.
+    Cispo,
+    /// `vespo/phi_seq_mean`.
+    VespoPhi,
+    None,
 }
 
 impl GrpoLossType {
-    pub const NAMES: &'static [&'static str] = &["grpo", "bnpo", "dr_grpo", "dapo"];
+    pub const NAMES: &'static [&'static str] = &[
+        "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo",
+    ];
 
     pub fn from_name(name: &str) -> Option<Self> {
         Some(match name {
@@ -28,8 +54,22 @@ impl GrpoLossType {
             "bnpo" => GrpoLossType::Bnpo,
             "dr_grpo" => GrpoLossType::DrGrpo,
             "dapo" => GrpoLossType::Dapo,
+            "cispo" => GrpoLossType::Cispo,
+            "sapo" => GrpoLossType::Sapo,
+            "luspo" => GrpoLossType::Luspo,
+            "vespo" => GrpoLossType::Vespo,
             _ => return None,
         })
+    }
+
+    /// What [`LossOut::clipped`] holds for this type, and TRL logs.
+    pub fn figures(self) -> LossFigures {
+        match self {
+            GrpoLossType::Cispo => LossFigures::Cispo,
+            GrpoLossType::Vespo => LossFigures::VespoPhi,
+            GrpoLossType::Sapo => LossFigures::None,
+            _ => LossFigures::Clip,
+        }
     }
 }
 
@@ -47,6 +87,10 @@ pub struct GrpoLoss {
     /// `importance_sampling_level` sequence: one ratio per completion.
     pub sequence_level: bool,
     pub max_completion_length: usize,
+    /// sapo's temperatures for positive and for other advantages.
+    pub sapo_temperature: [f64; 2],
+    /// vespo's (k, lambda) for advantages >= 0, then for negative ones.
+    pub vespo: [f64; 4],
 }
 
 /// One completion of a micro-batch, per completion token.
@@ -86,7 +130,9 @@ pub struct LossOut {
     pub kl: f64,
     pub tokens: f64,
     /// Low-, high- and region-clipped summed over the masked tokens (over the sequences at
-    /// sequence level, one ratio each), and what they are counted over.
+    /// sequence level, one ratio each), and what they are counted over. cispo: its clipped
+    /// tokens in the high slot; vespo: its weight summed over the sequences in the low slot,
+    /// counted over the sequences.
     pub clipped: [f64; 3],
     pub count: f64,
     /// Per completion: its masked means of low- and high-clipped (NaN without tokens).
@@ -108,7 +154,83 @@ pub fn nanmean(v: &[f64]) -> f64 {
     xs.iter().sum::<f64>() / xs.len() as f64
 }
 
+/// PPO's clipped objective min(r a, clip(r, lo, hi) a) for ratio `r` and advantage `a`, the
+/// unclipped ratio capped at `delta` when given (two-sided clipping), and its derivative with
+/// respect to the log-ratio, as torch computes them: the clamp passes the gradient inside its
+/// bounds (bounds included), and min splits the gradient of a tie.
+pub(crate) fn clipped_objective(
+    r: f64,
+    a: f64,
+    (lo, hi): (f64, f64),
+    delta: Option<f64>,
+) -> (f64, f64) {
+    let (t1, t2) = (delta.map_or(r, |d| r.min(d)) * a, r.clamp(lo, hi) * a);
+    let dt1 = match delta {
+        Some(d) if r > d => 0.0,
+        _ => a * r,
+    };
+    let dt2 = if (lo..=hi).contains(&r) { a * r } else { 0.0 };
+    if t1 < t2 {
+        (t1, dt1)
+    } else if t2 < t1 {
+        (t2, dt2)
+    } else {
+        (t1, 0.5 * (dt1 + dt2))
+    }
+}
+
 impl GrpoLoss {
+    /// Low- and high-clipped for ratio `c1` and advantage `a`, as TRL counts them for this
+    /// loss type (cispo: its cap, in the high slot).
+    fn clip_flags(&self, c1: f64, a: f64) -> (f64, f64) {
+        let flag = |b: bool| b as u8 as f64;
+        match self.kind.figures() {
+            LossFigures::Clip => (
+                flag(c1 < 1.0 - self.epsilon_low && a < 0.0),
+                flag(c1 > 1.0 + self.epsilon_high && a > 0.0),
+            ),
+            LossFigures::Cispo => (0.0, flag(c1 > self.epsilon_high && a > 0.0)),
+            LossFigures::VespoPhi | LossFigures::None => (0.0, 0.0),
+        }
+    }
+
+    /// vespo's detached weight of a completion: its summed log-ratio `s`, the advantage `a`.
+    fn vespo_phi(&self, s: f64, a: f64) -> f64 {
+        let [kp, lp, kn, ln] = self.vespo;
+        let (k, lambda) = if a >= 0.0 { (kp, lp) } else { (kn, ln) };
+        let lambda = lambda.max(1e-4);
+        let log_w = s.clamp(1e-8f64.ln(), 20.0);
+        let phi = (lambda + k * log_w - lambda * log_w.exp()).exp();
+        if phi.is_finite() {
+            phi
+        } else {
+            0.0
+        }
+    }
+
+    /// The policy term of one token (before the entropy mask and the KL), its derivative with
+    /// respect to the log importance weight, and with respect to the log-probability itself.
+    fn policy_term(&self, c1: f64, a: f64, logp: f64, phi: f64) -> (f64, f64, f64) {
+        match self.kind {
+            GrpoLossType::Cispo => {
+                let r = c1.min(self.epsilon_high);
+                (-r * a * logp, 0.0, -r * a)
+            }
+            GrpoLossType::Vespo => (-phi * a * logp, 0.0, -phi * a),
+            GrpoLossType::Sapo => {
+                let [pos, neg] = self.sapo_temperature;
+                let tau = if a > 0.0 { pos } else { neg };
+                let s = 1.0 / (1.0 + (-(tau * (c1 - 1.0))).exp());
+                (-s * 4.0 / tau * a, -a * 4.0 * s * (1.0 - s) * c1, 0.0)
+            }
+            _ => {
+                let bounds = (1.0 - self.epsilon_low, 1.0 + self.epsilon_high);
+                let (min, dmin) = clipped_objective(c1, a, bounds, self.delta);
+                (-min, -dmin, 0.0)
+            }
+        }
+    }
+
     /// The loss of `batch` (this rank's micro-batch) and its gradient.
     pub fn compute(&self, batch: &[Completion], scale: Scale) -> LossOut {
         let b = batch.len().max(1) as f64;
@@ -123,10 +245,13 @@ impl GrpoLoss {
             let m_sum: f64 = c.mask.iter().sum();
             // Each token's weight in the micro-batch's loss.
             let w = match self.kind {
-                GrpoLossType::Grpo => 1.0 / (b * m_sum.max(1.0) * ga),
+                GrpoLossType::Grpo | GrpoLossType::Sapo => 1.0 / (b * m_sum.max(1.0) * ga),
                 GrpoLossType::Bnpo => 1.0 / (all_tokens.max(1.0) * ga),
                 GrpoLossType::DrGrpo => 1.0 / (b * self.max_completion_length as f64 * ga),
-                GrpoLossType::Dapo => 1.0 / scale.dapo_normalizer.max(f64::MIN_POSITIVE),
+                GrpoLossType::Luspo => 1.0 / (b * ga),
+                GrpoLossType::Dapo | GrpoLossType::Cispo | GrpoLossType::Vespo => {
+                    1.0 / scale.dapo_normalizer.max(f64::MIN_POSITIVE)
+                }
             };
             let old = |t: usize| c.old.as_ref().map_or(c.logps[t], |o| o[t]);
             let log_ratio: Vec<f64> = (0..n).map(|t| c.logps[t] - old(t)).collect();
@@ -136,6 +261,14 @@ impl GrpoLoss {
                 true => seq_liw,
                 false => log_ratio[t],
             };
+            let a = c.advantage;
+            let phi = match self.kind {
+                GrpoLossType::Vespo => {
+                    let s = (0..n).map(|t| c.mask[t] * log_ratio[t].clamp(-20.0, 20.0));
+                    self.vespo_phi(s.sum(), a)
+                }
+                _ => 0.0,
+            };
             let mut grad = vec![0.0; n];
             // At sequence level: the sum over tokens of d(loss)/d(the shared weight).
             let mut shared = 0.0;
@@ -143,30 +276,11 @@ impl GrpoLoss {
             let mut high_seq = 0.0;
             for t in 0..n {
                 let c1 = liw(t).exp();
-                let (lo, hi) = (1.0 - self.epsilon_low, 1.0 + self.epsilon_high);
-                let c2 = c1.clamp(lo, hi);
-                let a = c.advantage;
-                let c1d = self.delta.map_or(c1, |d| c1.min(d));
-                let (t1, t2) = (c1d * a, c2 * a);
-                // d(t1), d(t2) with respect to the log weight (torch's clamp passes the
-                // gradient inside its bounds, bounds included).
-                let dt1 = match self.delta {
-                    Some(d) if c1 > d => 0.0,
-                    _ => a * c1,
-                };
-                let dt2 = if (lo..=hi).contains(&c1) { a * c1 } else { 0.0 };
-                // torch.min splits the gradient of a tie.
-                let (min, dmin) = if t1 < t2 {
-                    (t1, dt1)
-                } else if t2 < t1 {
-                    (t2, dt2)
-                } else {
-                    (t1, 0.5 * (dt1 + dt2))
-                };
+                let (term, d_term_liw, d_term_direct) = self.policy_term(c1, a, c.logps[t], phi);
                 let on = c.entropy_mask.as_ref().is_none_or(|e| e[t]) as u8 as f64;
-                let mut loss = -min * on;
-                let mut d_liw = -dmin * on;
-                let mut d_direct = 0.0;
+                let mut loss = term * on;
+                let mut d_liw = d_term_liw * on;
+                let mut d_direct = d_term_direct * on;
                 if self.beta != 0.0 {
                     let r = c.reference.as_ref().map_or(c.logps[t], |r| r[t]) - c.logps[t];
                     let k3 = r.exp() - r - 1.0;
@@ -189,9 +303,8 @@ impl GrpoLoss {
                     false => grad[t] += w * m * d_liw,
                 }
                 // Clipping as TRL counts it (on the ratio before delta's cap).
-                let low = (c1 < lo && a < 0.0) as u8 as f64;
-                let high = (c1 > hi && a > 0.0) as u8 as f64;
-                if !self.sequence_level {
+                let (low, high) = self.clip_flags(c1, a);
+                if !self.sequence_level && self.kind != GrpoLossType::Vespo {
                     out.clipped[0] += m * low;
                     out.clipped[1] += m * high;
                     out.clipped[2] += m * (low.max(high));
@@ -205,11 +318,15 @@ impl GrpoLoss {
                 for (g, m) in grad.iter_mut().zip(&c.mask) {
                     *g += shared * m / m_sum.max(1.0);
                 }
+            }
+            if self.kind == GrpoLossType::Vespo {
+                // One weight per sequence, averaged over the sequences.
+                out.clipped[0] += phi;
+                out.count += 1.0;
+                out.seq_clipped.push([f64::NAN; 2]);
+            } else if self.sequence_level {
                 // One ratio per sequence: counted once per sequence.
-                let c1 = seq_liw.exp();
-                let a = c.advantage;
-                let low = (c1 < 1.0 - self.epsilon_low && a < 0.0) as u8 as f64;
-                let high = (c1 > 1.0 + self.epsilon_high && a > 0.0) as u8 as f64;
+                let (low, high) = self.clip_flags(seq_liw.exp(), a);
                 out.clipped[0] += low;
                 out.clipped[1] += high;
                 out.clipped[2] += low.max(high);
@@ -265,23 +382,30 @@ mod tests {
             accumulation: 2,
             dapo_normalizer: 3.5,
         };
-        for kind in [
-            GrpoLossType::Grpo,
-            GrpoLossType::Bnpo,
-            GrpoLossType::DrGrpo,
-            GrpoLossType::Dapo,
-        ] {
+        for name in GrpoLossType::NAMES {
+            let kind = GrpoLossType::from_name(name).unwrap();
             for sequence_level in [false, true] {
+                // cispo's and vespo's weights of the ratio are detached (TRL computes them
+                // without a graph): their differences move the old log-probabilities along,
+                // so that the ratio, and the weights, hold still; the KL's correction by the
+                // ratio is then what they cannot see, so it is left out for them.
+                let detached = matches!(kind, GrpoLossType::Cispo | GrpoLossType::Vespo);
                 for (bias, delta) in [(false, None), (true, Some(1.1))] {
+                    if detached && bias {
+                        continue;
+                    }
                     let loss = GrpoLoss {
                         kind,
                         epsilon_low: 0.2,
-                        epsilon_high: 0.28,
+                        // Above the ratios for cispo, so that its cap is not what they see.
+                        epsilon_high: if detached { 1.5 } else { 0.28 },
                         delta,
                         beta: 0.05,
                         bias_correction_kl: bias,
                         sequence_level,
                         max_completion_length: 4,
+                        sapo_temperature: [1.0, 1.05],
+                        vespo: [2.0, 3.0, 3.0, 2.0],
                     };
                     let b = batch();
                     let out = loss.compute(&b, scale);
@@ -290,6 +414,9 @@ mod tests {
                             let at = |h: f64| {
                                 let mut p = b.clone();
                                 p[i].logps[t] += h;
+                                if let (true, Some(old)) = (detached, p[i].old.as_mut()) {
+                                    old[t] += h;
+                                }
                                 loss.compute(&p, scale).loss
                             };
                             let h = 1e-6;
@@ -324,6 +451,8 @@ mod tests {
             bias_correction_kl: false,
             sequence_level: false,
             max_completion_length: 3,
+            sapo_temperature: [1.0, 1.05],
+            vespo: [2.0, 3.0, 3.0, 2.0],
         };
         let scale = Scale {
             accumulation: 1,

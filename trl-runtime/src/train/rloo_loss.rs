@@ -89,19 +89,7 @@ impl Rloo {
                 .sum();
             let a = c.advantage;
             let c1 = log_ratio.exp();
-            let c2 = c1.clamp(lo, hi);
-            let (t1, t2) = (c1 * a, c2 * a);
-            // d(t1), d(t2) by the log ratio (torch's clamp passes the gradient inside its
-            // bounds, bounds included); torch.min splits the gradient of a tie.
-            let dt1 = a * c1;
-            let dt2 = if (lo..=hi).contains(&c1) { a * c1 } else { 0.0 };
-            let (min, dmin) = if t1 < t2 {
-                (t1, dt1)
-            } else if t2 < t1 {
-                (t2, dt2)
-            } else {
-                (t1, 0.5 * (dt1 + dt2))
-            };
+            let (min, dmin) = super::grpo_loss::clipped_objective(c1, a, (lo, hi), None);
             out.loss -= w * min;
             out.grads
                 .push(c.mask.iter().map(|m| -w * dmin * m).collect());

@@ -134,7 +134,7 @@ const KNOWN: &[&str] = &[
 ];
 
 /// TRL's GRPOConfig keys without a field in [`crate::train::GRPOConfig`] (TRL 1.16): vLLM and
-/// transformers' generation backends, completion logging, and the loss types not built here;
+/// transformers' generation backends, completion logging, the entropy bonus;
 /// and DistillationConfig's teacher loading options.
 const GRPO_KNOWN: &[&str] = &[
     "cache_implementation",
@@ -154,18 +154,12 @@ const GRPO_KNOWN: &[&str] = &[
     "max_tool_calling_iterations",
     "num_completions_to_print",
     "off_policy_mask_threshold",
-    "sapo_temperature_neg",
-    "sapo_temperature_pos",
     "teacher_model_init_kwargs",
     "teacher_model_revision",
     "transformers_continuous_batching_config",
     "use_adaptive_entropy",
     "use_transformers_continuous_batching",
     "use_transformers_paged",
-    "vespo_k_neg",
-    "vespo_k_pos",
-    "vespo_lambda_neg",
-    "vespo_lambda_pos",
     "vllm_enable_sleep_mode",
     "vllm_gpu_memory_utilization",
     "vllm_group_port",
@@ -203,8 +197,6 @@ fn why(key: &str) -> &'static str {
         "generation_kwargs",
     ]) {
         "completions are generated in the training processes (KV cache, the policy sharded as it trains, the head in f32 accumulation): no vLLM or transformers generation backend"
-    } else if any(&["sapo_", "vespo_"]) {
-        "a parameter of a GRPO loss type not built here (loss_type names the built ones)"
     } else if any(&[
         "log_completions",
         "log_multimodal",
