@@ -246,17 +246,8 @@ fn the_docs_command_runs_as_written() {
         "{text}"
     );
     assert!(m.last().unwrap()["entropy"].as_f64().is_some(), "{text}");
-    // "held-out divergence from the teacher: before B -> after A; ..."
-    let line = text
-        .lines()
-        .find(|l| l.contains("held-out divergence"))
-        .unwrap_or_else(|| panic!("{text}"));
-    let number = |after: &str| -> f64 {
-        let rest = &line[line.find(after).unwrap() + after.len()..];
-        rest.split([' ', ';']).next().unwrap().parse().unwrap()
-    };
-    let (before, after) = (number("before "), number("after "));
-    assert!(after < before, "{line}");
+    let (before, after) = common::held_out_before_after(&text, "divergence");
+    assert!(after < before, "{before} -> {after}: {text}");
     eprintln!("docs command: held-out divergence {before} -> {after}");
     let checkpoint = trl_runtime::train::checkpoint::resolve(&dir, "latest").unwrap();
     common::opens_in_transformers(&checkpoint);

@@ -337,12 +337,7 @@ fn the_readme_grpo_job_raises_the_held_out_reward() {
         "{text}{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    // "held-out reward: before 9.5% -> after 76.5%; ..."
-    let percent = |after: &str| -> f64 {
-        let rest = &text[text.find(after).unwrap_or_else(|| panic!("{text}")) + after.len()..];
-        rest[..rest.find('%').unwrap()].parse().unwrap()
-    };
-    let (before, after) = (percent("held-out reward: before "), percent("-> after "));
+    let (before, after) = common::held_out_before_after(&text, "reward");
     assert!(
         before < 20.0 && after > 60.0,
         "{before}% -> {after}%: {text}"

@@ -893,16 +893,27 @@ fn the_router_loss_matches_transformers() {
                     _ if key == "embed" => "model.embed_tokens.weight".into(),
                     _ => continue,
                 };
-                let var = m.params.get(&name).unwrap_or_else(|| panic!("{name}"));
-                let g = grads.get(var.as_tensor()).unwrap();
-                let (d, rel) = (max_abs_diff(g, w), common::rel_diff(g, w));
-                eprintln!("{what}: {name} gradient within {d:.1e} ({rel:.1e} of the largest)");
-                assert!(rel < 1e-4, "{what}: {name} gradient differs by {d}");
+                assert_gradient(&what, &m, &grads, &name, w);
                 checked += 1;
             }
             assert!(checked >= 3, "{what}: {checked} gradients checked");
         }
     }
+}
+
+/// Parameter `name`'s gradient in `grads` within 1e-4 of the largest of transformers' `want`.
+fn assert_gradient(
+    what: &str,
+    m: &CausalLm,
+    grads: &candle_core::backprop::GradStore,
+    name: &str,
+    want: &Tensor,
+) {
+    let var = m.params.get(name).unwrap_or_else(|| panic!("{name}"));
+    let g = grads.get(var.as_tensor()).unwrap();
+    let (d, rel) = (max_abs_diff(g, want), common::rel_diff(g, want));
+    eprintln!("{what}: {name} gradient within {d:.1e} ({rel:.1e} of the largest)");
+    assert!(rel < 1e-4, "{what}: {name} gradient differs by {d}");
 }
 
 /// Gemma 4's gradients equal transformers' (scripts/make_gradient_fixture.py), in f64, with
@@ -949,11 +960,7 @@ fn gemma4_gradients_match_transformers() {
             assert!(d < 1e-7, "{what}: loss {got} differs by {d}");
             let mut checked = 0;
             for (name, w) in want.iter().filter(|(k, _)| k.starts_with("model.")) {
-                let var = m.params.get(name).unwrap_or_else(|| panic!("{name}"));
-                let g = grads.get(var.as_tensor()).unwrap();
-                let (d, rel) = (max_abs_diff(g, w), common::rel_diff(g, w));
-                eprintln!("{what}: {name} gradient within {d:.1e} ({rel:.1e} of the largest)");
-                assert!(rel < 1e-4, "{what}: {name} gradient differs by {d}");
+                assert_gradient(&what, &m, &grads, name, w);
                 checked += 1;
             }
             assert!(checked >= 8, "{what}: {checked} gradients checked");

@@ -187,6 +187,22 @@ pub fn sft_launch<S: AsRef<std::ffi::OsStr>>(launch_args: &[&str], sft_args: &[S
 #[allow(dead_code)]
 pub const LAUNCH: [&str; 4] = ["launch", "--debug", "--main_process_port", "0"];
 
+/// The figure an examples binary prints before and after training, from its line
+/// "held-out NAME: before B -> after A; ..." in `text` (a percentage sign dropped).
+#[allow(dead_code)]
+pub fn held_out_before_after(text: &str, name: &str) -> (f64, f64) {
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("held-out {name}")))
+        .unwrap_or_else(|| panic!("no held-out {name}: {text}"));
+    let number = |after: &str| -> f64 {
+        let rest = &line[line.find(after).unwrap_or_else(|| panic!("{line}")) + after.len()..];
+        let word = rest.split([' ', ';']).next().unwrap();
+        word.trim_end_matches('%').parse().unwrap()
+    };
+    (number("before "), number("after "))
+}
+
 /// Examples binary `bin` built in debug (the README builds it with `cargo run --release`):
 /// its path.
 #[allow(dead_code)]

@@ -1327,14 +1327,9 @@ impl Grpo {
             metrics.push(("kl", micro(0)));
         }
         metrics.push(("entropy", micro(2)));
-        let only = match self.loss.kind.figures() {
-            LossFigures::Clip => None,
-            LossFigures::Cispo => Some(Some(("cispo_clip_ratio", micro(4)))),
-            LossFigures::VespoPhi => Some(Some(("vespo/phi_seq_mean", micro(3)))),
-            LossFigures::None => Some(None),
-        };
-        if let Some(figure) = only {
-            metrics.extend(figure);
+        let figures = self.loss.kind.figures();
+        if figures != LossFigures::Clip {
+            metrics.extend(figures.single().map(|(name, k)| (name, micro(3 + k))));
             return Ok(());
         }
         metrics.push(("clip_ratio/low_mean", micro(3)));
@@ -1531,13 +1526,9 @@ impl Grpo {
         }
         figures.push(("entropy", over(2, 1)));
         let mean = losses.iter().sum::<f64>() / losses.len() as f64;
-        match self.loss.kind.figures() {
-            LossFigures::Clip => {}
-            LossFigures::Cispo => figures.push(("cispo_clip_ratio", over(4, 6))),
-            LossFigures::VespoPhi => figures.push(("vespo/phi_seq_mean", over(3, 6))),
-            LossFigures::None => {}
-        }
-        if self.loss.kind.figures() != LossFigures::Clip {
+        let kind = self.loss.kind.figures();
+        if kind != LossFigures::Clip {
+            figures.extend(kind.single().map(|(name, k)| (name, over(3 + k, 6))));
             return Ok((mean, figures));
         }
         figures.push(("clip_ratio/low_mean", over(3, 6)));

@@ -43,6 +43,18 @@ pub enum LossFigures {
     None,
 }
 
+impl LossFigures {
+    /// The one figure a type without clip figures logs: its name and its slot in
+    /// [`LossOut::clipped`] (counted over [`LossOut::count`]).
+    pub fn single(self) -> Option<(&'static str, usize)> {
+        match self {
+            LossFigures::Cispo => Some(("cispo_clip_ratio", 1)),
+            LossFigures::VespoPhi => Some(("vespo/phi_seq_mean", 0)),
+            LossFigures::Clip | LossFigures::None => None,
+        }
+    }
+}
+
 impl GrpoLossType {
     pub const NAMES: &'static [&'static str] = &[
         "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo",
