@@ -406,6 +406,7 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                         let mut setup = Setup {
                             strategy,
                             dims,
+                            ep: config.parallelism.ep,
                             dtype,
                             lora: work.lora.clone(),
                             batch: work.batch,

@@ -26,6 +26,10 @@ pub const PROFILES: &[(&str, &str)] = &[
         include_str!("../../templates/profiles/alst_ulysses_4gpu.yaml"),
     ),
     (
+        "moe_ep_8gpu",
+        include_str!("../../templates/profiles/moe_ep_8gpu.yaml"),
+    ),
+    (
         "multi_node",
         include_str!("../../templates/profiles/multi_node.yaml"),
     ),
@@ -56,6 +60,10 @@ pub const PROFILES: &[(&str, &str)] = &[
     (
         "alst_ulysses_cpu",
         include_str!("../../templates/profiles/alst_ulysses_cpu.yaml"),
+    ),
+    (
+        "moe_ep_cpu",
+        include_str!("../../templates/profiles/moe_ep_cpu.yaml"),
     ),
 ];
 

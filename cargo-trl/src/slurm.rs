@@ -71,6 +71,7 @@ fn build_target(launch: &[String], release: bool) -> Result<Vec<String>, String>
         "--parallelism_config_tp_size",
         "--parallelism_config_cp_size",
         "--parallelism_config_sp_size",
+        "--parallelism_config_ep_size",
     ];
     let mut out = launch.to_vec();
     let mut i = 0;

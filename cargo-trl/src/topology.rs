@@ -38,6 +38,9 @@ pub struct TopologyArgs {
     pub parallelism_config_cp_size: Option<usize>,
     #[arg(long)]
     pub parallelism_config_sp_size: Option<usize>,
+    /// Expert parallelism: each mixture's experts split over this many data-parallel ranks.
+    #[arg(long)]
+    pub parallelism_config_ep_size: Option<usize>,
 }
 
 impl TopologyArgs {
@@ -56,6 +59,7 @@ impl TopologyArgs {
             || self.parallelism_config_tp_size.is_some()
             || self.parallelism_config_cp_size.is_some()
             || self.parallelism_config_sp_size.is_some()
+            || self.parallelism_config_ep_size.is_some()
     }
 
     /// Writes the given flags over `cfg`.
@@ -101,6 +105,9 @@ impl TopologyArgs {
         }
         if let Some(n) = self.parallelism_config_sp_size {
             p.sp = n;
+        }
+        if let Some(n) = self.parallelism_config_ep_size {
+            p.ep = n;
         }
         Ok(())
     }

@@ -385,6 +385,8 @@ struct Plan {
     visit_mut: Vec<TokenStream>,
     linears: Vec<TokenStream>,
     units: Vec<TokenStream>,
+    /// Fields that may hold experts (expert parallelism keeps this rank's).
+    experts: Vec<TokenStream>,
     /// Generic structs: each visited field type must itself be Parallelize.
     bounds: Vec<TokenStream>,
 }
@@ -486,6 +488,9 @@ fn plan_field(f: &FieldDesc, split_region: bool, plan: &mut Plan) {
             plan.linears.push(quote! {
                 #tp::Parallelize::visit_linears_mut(&mut self.#member, &#child, f)?;
             });
+            plan.experts.push(quote! {
+                #tp::Parallelize::shard_experts(&mut self.#member, &#child, ep, f)?;
+            });
             plan.units.push(if a.fsdp_unit.is_some() {
                 quote!(#tp::Parallelize::visit_as_unit(&self.#member, &#child, f);)
             } else {
@@ -508,6 +513,7 @@ fn implementation(c: &Container, plan: Plan) -> TokenStream {
         visit_mut,
         linears,
         units,
+        experts,
         bounds,
     } = plan;
     let where_clause = if input.generics.params.is_empty() {
@@ -544,6 +550,21 @@ fn implementation(c: &Container, plan: Plan) -> TokenStream {
         used(!units.is_empty(), quote!(name), quote!(_name)),
         used(!units.is_empty(), quote!(f), quote!(_f)),
     );
+    // Structs without fields that may hold experts keep the default (nothing to keep).
+    let shard_experts = match experts.is_empty() {
+        true => quote!(),
+        false => quote! {
+            fn shard_experts(
+                &mut self,
+                name: &str,
+                ep: #tp::EpShard,
+                f: &mut #tp::ExpertFn,
+            ) -> ::trl_runtime::Result<()> {
+                #(#experts)*
+                Ok(())
+            }
+        },
+    };
     quote! {
         #[automatically_derived]
         impl #impl_generics #tp::Parallelize for #ident #ty_generics #where_clause {
@@ -583,6 +604,8 @@ fn implementation(c: &Container, plan: Plan) -> TokenStream {
             fn visit_units(&self, #u_name: &str, #u_f: &mut dyn FnMut(&str)) {
                 #(#units)*
             }
+
+            #shard_experts
         }
     }
 }

@@ -99,6 +99,7 @@ fn setup(cfg: &SFTConfig, strategy: Strategy, dims: ParallelDims) -> Setup {
     Setup {
         strategy,
         dims,
+        ep: 1,
         dtype: t.compute_dtype().unwrap(),
         lora: t.lora("qwen2"),
         batch: t.per_device_train_batch_size,

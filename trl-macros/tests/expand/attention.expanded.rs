@@ -118,4 +118,18 @@ impl ::trl_runtime::nn::module::Parallelize for Attention {
             f,
         );
     }
+    fn shard_experts(
+        &mut self,
+        name: &str,
+        ep: ::trl_runtime::nn::module::EpShard,
+        f: &mut ::trl_runtime::nn::module::ExpertFn,
+    ) -> ::trl_runtime::Result<()> {
+        ::trl_runtime::nn::module::Parallelize::shard_experts(
+            &mut self.norm,
+            &::trl_runtime::nn::module::child_name(name, "norm"),
+            ep,
+            f,
+        )?;
+        Ok(())
+    }
 }

@@ -458,6 +458,7 @@ fn parse_parallelism(s: &mut Section) -> Result<ParallelismConfig> {
         tp: size(s, "parallelism_config_tp_size")?.unwrap_or(1),
         cp: size(s, "parallelism_config_cp_size")?.unwrap_or(1),
         sp: size(s, "parallelism_config_sp_size")?.unwrap_or(1),
+        ep: size(s, "parallelism_config_ep_size")?.unwrap_or(1),
         cp_backend: s
             .choice("parallelism_config_cp_backend", &["torch"])?
             .unwrap_or("torch")

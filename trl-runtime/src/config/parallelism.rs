@@ -19,6 +19,10 @@ pub struct ParallelismConfig {
     pub tp: usize,
     pub cp: usize,
     pub sp: usize,
+    /// Expert parallelism: each mixture's experts split over groups of `ep` data-parallel
+    /// ranks, which exchange the routed tokens (not an axis of its own: taken out of the
+    /// data-parallel ranks, as torchtitan takes it).
+    pub ep: usize,
     pub cp_backend: String,
     pub cp_comm_strategy: String,
     pub sp_backend: SpBackend,
@@ -35,6 +39,7 @@ impl Default for ParallelismConfig {
             tp: 1,
             cp: 1,
             sp: 1,
+            ep: 1,
             cp_backend: "torch".into(),
             cp_comm_strategy: "allgather".into(),
             sp_backend: SpBackend::DeepSpeed,
@@ -90,6 +95,9 @@ impl ParallelismConfig {
         if let Some(n) = size("SP_SIZE")? {
             self.sp = n;
         }
+        if let Some(n) = size("EP_SIZE")? {
+            self.ep = n;
+        }
         if let Some(n) = size("SP_SEQ_LENGTH")? {
             self.sp_seq_length = Some(n);
         }
@@ -123,6 +131,7 @@ impl ParallelismConfig {
         v.push((format!("{ENV_PREFIX}TP_SIZE"), self.tp.to_string()));
         v.push((format!("{ENV_PREFIX}CP_SIZE"), self.cp.to_string()));
         v.push((format!("{ENV_PREFIX}SP_SIZE"), self.sp.to_string()));
+        v.push((format!("{ENV_PREFIX}EP_SIZE"), self.ep.to_string()));
         v
     }
 
@@ -162,7 +171,37 @@ impl ParallelismConfig {
             tp: self.tp,
         };
         dims.validate(world_size)?;
+        self.validate_ep(&dims)?;
         Ok(dims)
+    }
+
+    /// Expert parallelism's rule: its groups are made of data-parallel ranks (dp_replicate x
+    /// dp_shard, dp_shard's first), so ep must divide their number; the message names the
+    /// numbers. Whether the experts divide is checked when the model is split.
+    pub fn validate_ep(&self, dims: &ParallelDims) -> Result<()> {
+        let (ep, dp) = (self.ep, dims.dp_world());
+        if ep == 0 || !dp.is_multiple_of(ep) {
+            return Err(Error::Parallelism(format!(
+                "parallelism_config_ep_size = {ep} with {} (= {dp} data-parallel ranks): \
+                 expert parallelism groups data-parallel ranks, so ep must divide {dp}; \
+                 choose an ep of {} or add processes",
+                dims.factors(),
+                divisors(dp)
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The divisors of `n`, as "1, 2 or 4" for a message.
+fn divisors(n: usize) -> String {
+    let all: Vec<String> = (1..=n)
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect();
+    match all.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => all.join(""),
     }
 }
 
@@ -181,7 +220,7 @@ impl ParallelDims {
         self.dp_replicate * self.dp_shard * self.cp * self.sp * self.tp
     }
 
-    fn factors(&self) -> String {
+    pub fn factors(&self) -> String {
         format!(
             "dp_replicate={} x dp_shard={} x cp={} x sp={} x tp={}",
             self.dp_replicate, self.dp_shard, self.cp, self.sp, self.tp

@@ -45,10 +45,57 @@ pub struct DistContext {
     pub store: Option<Arc<Store>>,
     /// Every group's communicator, timed (see [`Self::comm_seconds`]).
     groups: BTreeMap<Vec<Axis>, Arc<Timed>>,
+    /// Under expert parallelism: the ep group, and the experts' replicas for each set of
+    /// batch axes ([`DeviceMesh::ep_groups`]).
+    ep: Option<EpGroups>,
     /// Where this rank computes (Accelerate's `accelerator.device`).
     device: Device,
     /// What the launch asked every worker to run.
     plan: LaunchPlan,
+}
+
+/// Every group's communicator by its sorted axes.
+type Groups = BTreeMap<Vec<Axis>, Arc<Timed>>;
+
+/// Expert parallelism's communicators.
+struct EpGroups {
+    group: Arc<Timed>,
+    /// By the batch axes (DP, DP_CP, DP_SP), sorted.
+    replicas: BTreeMap<Vec<Axis>, Arc<Timed>>,
+}
+
+/// The sets of axes whose ranks see different tokens (`parallel::batch_axes`).
+const BATCH_AXES: &[&[Axis]] = &[DP, DP_CP, DP_SP];
+
+/// The ep groups of `rank` for groups of `ep` (None for 1), each made by `make(name,
+/// members)`.
+fn make_ep_groups(
+    mesh: &DeviceMesh,
+    rank: usize,
+    ep: usize,
+    mut make: impl FnMut(&str, &[usize]) -> Result<Arc<dyn Communicator>>,
+) -> Result<Option<EpGroups>> {
+    if ep <= 1 {
+        return Ok(None);
+    }
+    let names = |m: &[usize]| {
+        m.iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let (members, _) = mesh.ep_groups(rank, ep, DP);
+    let group = make(&format!("ep:{}", names(&members)), &members)?;
+    let mut replicas = BTreeMap::new();
+    for axes in BATCH_AXES {
+        let (_, members) = mesh.ep_groups(rank, ep, axes);
+        let name = format!("ep_replicas+{}:{}", key(axes).len(), names(&members));
+        replicas.insert(key(axes), Arc::new(Timed::new(make(&name, &members)?)));
+    }
+    Ok(Some(EpGroups {
+        group: Arc::new(Timed::new(group)),
+        replicas,
+    }))
 }
 
 fn key(axes: &[Axis]) -> Vec<Axis> {
@@ -81,7 +128,8 @@ fn make_groups(
     store: Option<&(Arc<Store>, String)>,
     timeout: Duration,
     device: &Device,
-) -> Result<BTreeMap<Vec<Axis>, Arc<Timed>>> {
+    ep: usize,
+) -> Result<(Groups, Option<EpGroups>)> {
     enum Backend {
         Host(HostBackend),
         #[cfg(feature = "nccl")]
@@ -109,21 +157,24 @@ fn make_groups(
         }
         None => Backend::Single,
     };
-    let mut groups = BTreeMap::new();
-    for axes in GROUP_AXES {
-        let members = mesh.group(env.rank, axes);
-        let name = mesh.group_name(env.rank, axes);
-        let comm: Arc<dyn Communicator> = match &backend {
-            Backend::Host(h) => h.group(&name, &members)?,
+    let make = |name: &str, members: &[usize]| -> Result<Arc<dyn Communicator>> {
+        Ok(match &backend {
+            Backend::Host(h) => h.group(name, members)?,
             #[cfg(feature = "nccl")]
             Backend::Nccl(_) if members.len() == 1 => InProcessWorld::new(1).world(0)?,
             #[cfg(feature = "nccl")]
-            Backend::Nccl(n) => n.group(&name, &members)?,
+            Backend::Nccl(n) => n.group(name, members)?,
             Backend::Single => InProcessWorld::new(1).world(0)?,
-        };
+        })
+    };
+    let mut groups = BTreeMap::new();
+    for axes in GROUP_AXES {
+        let members = mesh.group(env.rank, axes);
+        let comm = make(&mesh.group_name(env.rank, axes), &members)?;
         groups.insert(key(axes), Arc::new(Timed::new(comm)));
     }
-    Ok(groups)
+    let ep = make_ep_groups(mesh, env.rank, ep, make)?;
+    Ok((groups, ep))
 }
 
 /// Makes the calling thread (the one that trains) worker 0 of rayon's global pool, with
@@ -184,7 +235,8 @@ impl DistContext {
         if plan.distributed_type == DistributedType::MultiGpu && device.is_cpu() {
             plan.distributed_type = DistributedType::MultiCpu;
         }
-        let groups = make_groups(&env, &mesh, store.as_ref(), timeout, &device)?;
+        let ep = plan.parallelism.ep;
+        let (groups, ep) = make_groups(&env, &mesh, store.as_ref(), timeout, &device, ep)?;
         tracing::debug!(
             rank = env.rank,
             "distributed context ready: {:?} on {device:?}, {} backend",
@@ -196,6 +248,7 @@ impl DistContext {
             mesh,
             store: store.map(|(s, _)| s),
             groups,
+            ep,
             device,
             plan,
         })
@@ -226,9 +279,37 @@ impl DistContext {
             mesh,
             store: None,
             groups,
+            ep: None,
             device: Device::Cpu,
             plan: LaunchPlan::default(),
         })
+    }
+
+    /// The same context with expert parallelism over groups of `ep` ranks of `world` (the
+    /// in-process world it was made from; every rank calls it).
+    pub fn with_in_process_ep(mut self, world: &InProcessWorld, ep: usize) -> Result<Self> {
+        let rank = self.env.rank;
+        let make = |name: &str, members: &[usize]| world.group(name, members, rank);
+        self.ep = make_ep_groups(&self.mesh, rank, ep, make)?;
+        self.plan.parallelism.ep = ep;
+        Ok(self)
+    }
+
+    /// The expert-parallel group, when experts are split over ranks.
+    pub fn ep(&self) -> Option<Arc<dyn Communicator>> {
+        self.ep
+            .as_ref()
+            .map(|e| e.group.clone() as Arc<dyn Communicator>)
+    }
+
+    /// The ranks holding the same experts as this one among those of `batch` (the axes
+    /// gradients are summed over), under expert parallelism.
+    pub fn expert_replicas(&self, batch: &[Axis]) -> Option<Arc<dyn Communicator>> {
+        let ep = self.ep.as_ref()?;
+        let group = ep.replicas.get(&key(batch)).unwrap_or_else(|| {
+            panic!("no experts' replica group for axes {batch:?}: use DP, DP_CP or DP_SP")
+        });
+        Some(group.clone())
     }
 
     /// The same context with its ranks computing on `device` (the in-process backend moves

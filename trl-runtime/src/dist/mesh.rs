@@ -150,6 +150,28 @@ impl DeviceMesh {
         groups
     }
 
+    /// Expert parallelism's groups through `rank` for groups of `ep`: the ep group, `ep`
+    /// consecutive data-parallel ranks (dp_replicate x dp_shard flattened, dp_shard minor;
+    /// the other coordinates fixed), which exchange tokens and each hold a share of the
+    /// experts; and the experts' replicas, the ranks of `batch` (those whose gradients are
+    /// summed) holding the same share, over which the experts' gradients are summed.
+    pub fn ep_groups(&self, rank: usize, ep: usize, batch: &[Axis]) -> (Vec<usize>, Vec<usize>) {
+        let dp = |r: usize| self.local_rank(r, DP);
+        let block = dp(rank) / ep;
+        let group = self
+            .group(rank, DP)
+            .into_iter()
+            .filter(|&r| dp(r) / ep == block)
+            .collect();
+        let share = dp(rank) % ep;
+        let replicas = self
+            .group(rank, batch)
+            .into_iter()
+            .filter(|&r| dp(r) % ep == share)
+            .collect();
+        (group, replicas)
+    }
+
     /// A stable name for the group through `rank` along `axes`, e.g. `dp_shard+cp:0,2`.
     pub fn group_name(&self, rank: usize, axes: &[Axis]) -> String {
         let mut sorted = axes.to_vec();

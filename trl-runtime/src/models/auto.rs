@@ -16,7 +16,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::nn::module::Parallelize;
 use crate::nn::module::TpContext;
-use crate::nn::module::{LinearFn, ParamFn, WeightFn};
+use crate::nn::module::{EpShard, ExpertFn, LinearFn, ParamFn, WeightFn};
 use crate::nn::{Linear, Weight};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -132,6 +132,9 @@ macro_rules! registry {
             }
             fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
                 each!(self, m => m.visit_units(name, f))
+            }
+            fn shard_experts(&mut self, name: &str, ep: EpShard, f: &mut ExpertFn) -> Result<()> {
+                each!(self, m => m.shard_experts(name, ep, f))
             }
         }
     };

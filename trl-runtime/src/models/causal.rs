@@ -92,6 +92,8 @@ pub struct LayerInputs {
     split: Option<SeqSplit>,
     how: AttentionImpl,
     pub(crate) tp: Option<Arc<dyn Communicator>>,
+    /// The expert-parallel group, when the mixtures' experts are kept per rank.
+    pub(crate) ep: Option<Arc<dyn Communicator>>,
     /// Compute MLPs in sequence tiles (`tiled_mlp`), for models that can.
     pub tiled_mlp: bool,
     /// The routers' load-balancing loss of this forward, when the trainer collects it.
@@ -129,6 +131,7 @@ impl LayerInputs {
             split: split.cloned(),
             how: attention,
             tp: None,
+            ep: None,
             tiled_mlp: false,
             router_loss: None,
             dtype,
@@ -309,5 +312,10 @@ impl LayerInputs {
     /// The tensor-parallel group, when layers are split.
     pub fn tp(&self) -> Option<&Arc<dyn Communicator>> {
         self.tp.as_ref()
+    }
+
+    /// The expert-parallel group, when experts are kept per rank.
+    pub fn ep(&self) -> Option<&Arc<dyn Communicator>> {
+        self.ep.as_ref()
     }
 }

@@ -340,6 +340,51 @@ pub type ParamFn<'a> = dyn FnMut(&str, &Tensor, Split) + 'a;
 pub type WeightFn<'a> = dyn FnMut(&str, &mut Weight) -> Result<()> + 'a;
 /// What [`Parallelize::visit_linears_mut`] calls: each layer a LoRA adapter can go on.
 pub type LinearFn<'a> = dyn FnMut(&str, &mut dyn LoraTarget) -> Result<()> + 'a;
+/// What [`Parallelize::shard_experts`] calls: each expert parameter this rank keeps, by HF
+/// name, and how it is held.
+pub type ExpertFn<'a> = dyn FnMut(&str, ExpertHold) + 'a;
+
+/// This rank's share of every mixture's experts under expert parallelism: rank `rank` of an
+/// ep group of `size` keeps experts `[rank * n / size, (rank + 1) * n / size)` of each layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EpShard {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl EpShard {
+    /// The experts this rank keeps of the `n` of mixture `name`; an error when they do not
+    /// divide.
+    pub fn range(&self, name: &str, n: usize) -> Result<std::ops::Range<usize>> {
+        if self.size == 0 || !n.is_multiple_of(self.size) {
+            return Err(Error::TensorParallel {
+                name: name.into(),
+                message: format!(
+                    "its {n} experts do not divide over ep = {}: choose an ep size that divides \
+                     the number of experts",
+                    self.size
+                ),
+            });
+        }
+        let per = n / self.size;
+        Ok(self.rank * per..(self.rank + 1) * per)
+    }
+}
+
+/// How expert parallelism holds an expert parameter this rank keeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExpertHold {
+    /// Every expert's tensor stacked on dim 0 (fused experts): this rank holds its experts'
+    /// rows, `per_rank` of them.
+    Stack { per_rank: usize },
+    /// One expert's own parameter, `{list}.{index}.…` (`index` global), `per_rank` experts
+    /// of the list on each rank.
+    Listed {
+        list: String,
+        index: usize,
+        per_rank: usize,
+    },
+}
 
 /// `Parallelize` for a layer whose weights stay whole on every tensor-parallel rank (the
 /// norms): `"suffix" => field` for each weight field, in the order they are listed.
@@ -420,6 +465,14 @@ pub trait Parallelize {
     /// `Vec` each element.
     fn visit_as_unit(&self, name: &str, f: &mut dyn FnMut(&str)) {
         f(name)
+    }
+
+    /// Keeps only this rank's experts of every mixture inside (expert parallelism), calling
+    /// `f` with each expert parameter kept. Nothing to do for what holds no experts (the
+    /// default).
+    fn shard_experts(&mut self, name: &str, ep: EpShard, f: &mut ExpertFn) -> Result<()> {
+        let _ = (name, ep, f);
+        Ok(())
     }
 }
 
@@ -637,6 +690,12 @@ impl<T: Parallelize> Parallelize for Vec<T> {
             f(&child_name(name, &i.to_string()))
         }
     }
+    fn shard_experts(&mut self, name: &str, ep: EpShard, f: &mut ExpertFn) -> Result<()> {
+        for (i, x) in self.iter_mut().enumerate() {
+            x.shard_experts(&child_name(name, &i.to_string()), ep, f)?;
+        }
+        Ok(())
+    }
 }
 
 impl<T: Parallelize> Parallelize for Option<T> {
@@ -672,6 +731,12 @@ impl<T: Parallelize> Parallelize for Option<T> {
             }
         }
     }
+    fn shard_experts(&mut self, name: &str, ep: EpShard, f: &mut ExpertFn) -> Result<()> {
+        match self {
+            Some(x) => x.shard_experts(name, ep, f),
+            None => Ok(()),
+        }
+    }
 }
 
 impl<T: Parallelize> Parallelize for Box<T> {
@@ -690,5 +755,8 @@ impl<T: Parallelize> Parallelize for Box<T> {
     }
     fn visit_units(&self, name: &str, f: &mut dyn FnMut(&str)) {
         (**self).visit_units(name, f)
+    }
+    fn shard_experts(&mut self, name: &str, ep: EpShard, f: &mut ExpertFn) -> Result<()> {
+        (**self).shard_experts(name, ep, f)
     }
 }

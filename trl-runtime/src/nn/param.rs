@@ -14,7 +14,7 @@ use super::lora::{Lora, LoraConfig};
 use super::module::{
     child_name, split_lora, LoraTarget, Parallelize, Sections, Split, TpContext, TpStyle,
 };
-use super::module::{LinearFn, ParamFn, WeightFn};
+use super::module::{EpShard, ExpertFn, ExpertHold, LinearFn, ParamFn, WeightFn};
 use super::sharded;
 use super::Weight;
 use crate::error::{Error, Result as TrlResult};
@@ -40,6 +40,9 @@ pub struct Param {
     pub lora: Option<Lora>,
     /// This rank and the tensor-parallel group's size, once split.
     tp: Option<(usize, usize)>,
+    /// Every expert's tensor of a mixture, stacked on dim 0: expert parallelism keeps this
+    /// rank's rows ([`Param::expert_stack`]).
+    pub experts: bool,
 }
 
 impl Param {
@@ -57,7 +60,17 @@ impl Param {
             adapter_layout: ExpertLayout::OutIn,
             lora: None,
             tp: None,
+            experts: false,
         })
+    }
+
+    /// The same parameter marked as every expert's tensor stacked on dim 0: expert
+    /// parallelism keeps only this rank's experts of it.
+    pub fn expert_stack(self) -> Self {
+        Param {
+            experts: true,
+            ..self
+        }
     }
 
     /// The same parameter split along `dim` as a column-parallel layer's output is.
@@ -277,6 +290,38 @@ impl Parallelize for Param {
 
     fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> TrlResult<()> {
         f(name, &mut self.weight)
+    }
+
+    /// An expert stack keeps this rank's experts' rows (a copy owning only them).
+    fn shard_experts(&mut self, name: &str, ep: EpShard, f: &mut ExpertFn) -> TrlResult<()> {
+        if !self.experts {
+            return Ok(());
+        }
+        let Weight::Local(t) = &self.weight else {
+            return Err(Error::TensorParallel {
+                name: name.into(),
+                message: "already sharded by ZeRO-3 / FSDP: keep each rank's experts first".into(),
+            });
+        };
+        if self.lora.is_some() {
+            return Err(Error::TensorParallel {
+                name: name.into(),
+                message: "a LoRA adapter on the experts (target_parameters) does not train under \
+                          expert parallelism yet: target the attention and dense layers, or \
+                          set parallelism_config_ep_size to 1"
+                    .into(),
+            });
+        }
+        let range = ep.range(name, t.dim(0)?)?;
+        let kept = t.narrow(0, range.start, range.len())?.force_contiguous()?;
+        self.weight = Weight::Local(kept.detach());
+        f(
+            name,
+            ExpertHold::Stack {
+                per_rank: range.len(),
+            },
+        );
+        Ok(())
     }
 
     /// A 2-D or 3-D parameter can take an adapter (`target_parameters`).

@@ -1,7 +1,8 @@
 //! The parallel training strategies, one file each, and the one function that composes them.
 //!
 //! [`parallelize`] applies them in a fixed order, as torchtitan's `parallelize` does:
-//! tensor parallelism (`crate::tp`, each rank keeps its slices) -> sequence split (ring
+//! tensor parallelism (`crate::tp`, each rank keeps its slices) -> expert parallelism
+//! ([`expert`], each rank keeps its share of the experts) -> sequence split (ring
 //! attention over cp, Ulysses over sp) -> activation checkpointing ([`checkpointing`]) ->
 //! data parallelism: [`ddp`] (replicated, bucketed all-reduce), [`zero`] (ZeRO-1/2: optimizer
 //! state and gradients sharded) or [`fsdp`] (ZeRO-3 / FSDP: parameters too), with the
@@ -11,6 +12,7 @@ pub mod build;
 pub mod checkpointing;
 pub mod ddp;
 pub mod estimate;
+pub mod expert;
 pub mod fsdp;
 pub mod generate;
 pub mod model;
@@ -324,7 +326,7 @@ impl Optimizer {
         match self {
             Optimizer::Replicated(opt, ddp) => {
                 ddp.reduce(grads)?;
-                let norm_sq = tp.map(|tp| tp.norm_sq(grads)).transpose()?;
+                let norm_sq = ddp.norm_sq(grads, tp)?;
                 // The clipping factor is applied by the update's own pass.
                 let (norm, coef) = grad_clip_coef(grads, max_grad_norm, norm_sq)?;
                 // A non-finite gradient never reaches the weights (the trainer stops or
@@ -477,7 +479,26 @@ pub fn parallelize<N: CausalModel>(
         tp_grads = Some(TpGrads::new(model.tp_plan(), tp.clone()));
     }
 
-    // 2. Sequence split: ring attention over cp or Ulysses over sp; attention and tiling.
+    // 2. Expert parallelism: each rank of the ep group keeps its share of every mixture's
+    // experts (a resumed run's optimizer state too); tokens travel to them.
+    if let Some(ep) = ctx.ep() {
+        if opts.strategy != Strategy::Ddp {
+            return Err(expert::refuse(
+                "ZeRO / FSDP (DeepSpeed stage 1-3, FSDP sharding)",
+                "launch it data-parallel (multi_cpu / multi_gpu, or a profile with tp)",
+            ));
+        }
+        model.shard_experts(ep.clone()).map_err(|e| Error::Config {
+            file: config_json.clone(),
+            key: "parallelism_config_ep_size".into(),
+            message: format!("the experts cannot be split over ep = {}: {e}", ep.size()),
+        })?;
+        if let Some(full) = full_state {
+            full_state = Some(model.expert_plan().slice_state(full, ep.rank())?);
+        }
+    }
+
+    // 3. Sequence split: ring attention over cp or Ulysses over sp; attention and tiling.
     model.attention = opts.attention;
     split_sequences(model, split.as_ref(), &config_json)?;
     model.tiled_loss = opts.tiled_loss;
@@ -512,7 +533,7 @@ pub fn parallelize<N: CausalModel>(
         );
     }
 
-    // 3. Activation checkpointing: each decoder layer recomputed in backward, its input kept
+    // 4. Activation checkpointing: each decoder layer recomputed in backward, its input kept
     // in host memory when asked (on a GPU; a CPU run's inputs are there already).
     let checkpointing = opts.gradient_checkpointing || plan.activation_checkpointing();
     let offload = opts.offload_activations || plan.activation_checkpointing_offload();
@@ -529,7 +550,7 @@ pub fn parallelize<N: CausalModel>(
         model.checkpointing = Some(Checkpointing::new(offload && !ctx.device().is_cpu()));
     }
 
-    // 4. Data parallelism over the ranks that see different tokens; ZeRO / FSDP shard over
+    // 5. Data parallelism over the ranks that see different tokens; ZeRO / FSDP shard over
     // dp_shard (and the sequence chunks' ranks), summing across dp_replicate (HSDP).
     let shard = ctx.group(shard_axes(split.as_ref()));
     let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
@@ -574,7 +595,12 @@ pub fn parallelize<N: CausalModel>(
             if offload {
                 offload::to_host(&mut adam)?;
             }
-            Optimizer::Replicated(adam, Ddp::new(ctx.group(batch_axes(split.as_ref())))?)
+            let batch = batch_axes(split.as_ref());
+            let mut ddp = Ddp::new(ctx.group(batch))?;
+            if let (Some(ep), Some(replicas)) = (model.ep(), ctx.expert_replicas(batch)) {
+                ddp = ddp.with_experts(model.expert_plan().clone(), ep.clone(), replicas)?;
+            }
+            Optimizer::Replicated(adam, ddp)
         }
         (_, Some(stage)) => {
             let hidden = hidden_size(model.config_json());

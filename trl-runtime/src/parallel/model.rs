@@ -66,6 +66,10 @@ pub struct Model<N: CausalModel> {
     tp: Option<Arc<dyn Communicator>>,
     /// The split of every parameter, recorded when split (the weights may be sharded later).
     tp_plan: Vec<PlanEntry>,
+    /// The expert-parallel group once each rank keeps its share of the experts, and which
+    /// parameters are its experts'.
+    ep: Option<Arc<dyn Communicator>>,
+    expert_plan: Arc<super::expert::ExpertPlan>,
     /// How sequences are split (Ulysses over sp: inputs are this rank's chunk; ring over cp:
     /// its two balanced chunks).
     split: Option<SeqSplit>,
@@ -153,6 +157,8 @@ impl<N: CausalModel> Model<N> {
             said_how: Default::default(),
             tp: None,
             tp_plan: Vec::new(),
+            ep: None,
+            expert_plan: Default::default(),
             split: None,
             attention: AttentionImpl::default(),
             tiled_loss: false,
@@ -415,6 +421,78 @@ impl<N: CausalModel> Model<N> {
         self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
         self.tp = Some(tp);
         Ok(())
+    }
+
+    /// Keeps this rank's share of every mixture's experts, the ep group `ep` holding the
+    /// rest ([`super::expert`]); `params` then holds this rank's experts. Call it after the
+    /// tensor-parallel split and before any sharding.
+    pub fn shard_experts(&mut self, ep: Arc<dyn Communicator>) -> Result<()> {
+        if ep.size() == 1 {
+            return Ok(());
+        }
+        if self.sharding.is_some() {
+            return Err(Error::Parallelism(
+                "keep each rank's experts before sharding with ZeRO-3 / FSDP".into(),
+            ));
+        }
+        let shard = crate::nn::module::EpShard {
+            rank: ep.rank(),
+            size: ep.size(),
+        };
+        let mut holds = BTreeMap::new();
+        let net = self.net_mut()?;
+        net.shard_experts("", shard, &mut |name, hold| {
+            holds.insert(name.to_string(), hold);
+        })?;
+        if holds.is_empty() {
+            return Err(Error::Parallelism(
+                "the model has no mixture of experts, so expert parallelism has nothing to split"
+                    .into(),
+            ));
+        }
+        crate::tp::make_variables(net)?;
+        if let Some(lora) = self.lora.clone() {
+            // The kept experts were made variables with the rest: the base stays frozen.
+            crate::models::peft::freeze_base(self.net_mut()?, &lora)?;
+        }
+        self.params = crate::tp::named_parameters(&*self.net)?;
+        if let Some(tp) = &self.tp {
+            self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
+        }
+        self.expert_plan = Arc::new(super::expert::ExpertPlan { holds });
+        self.ep = Some(ep);
+        Ok(())
+    }
+
+    /// The expert-parallel group, once experts are kept per rank.
+    pub fn ep(&self) -> Option<&Arc<dyn Communicator>> {
+        self.ep.as_ref()
+    }
+
+    /// Which parameters are this rank's experts (empty without expert parallelism).
+    pub fn expert_plan(&self) -> &Arc<super::expert::ExpertPlan> {
+        &self.expert_plan
+    }
+
+    /// Whole tensors from this rank's: tensor-parallel slices joined, every rank's experts
+    /// gathered (collective: every rank calls it with the same names).
+    pub fn gather_split<V: super::expert::Tensors>(
+        &self,
+        values: BTreeMap<String, V>,
+        tp_gather: impl FnOnce(
+            BTreeMap<String, V>,
+            &[PlanEntry],
+            &dyn Communicator,
+        ) -> Result<BTreeMap<String, V>>,
+    ) -> Result<BTreeMap<String, V>> {
+        let values = match &self.tp {
+            Some(tp) => tp_gather(values, &self.tp_plan, tp.as_ref())?,
+            None => values,
+        };
+        match &self.ep {
+            Some(ep) => self.expert_plan.gather(values, ep.as_ref()),
+            None => Ok(values),
+        }
     }
 
     /// Makes every weight a constant (a model run but never trained: distillation's
@@ -1102,6 +1180,7 @@ impl<N: CausalModel> Model<N> {
         let mut cx =
             LayerInputs::new(position_ids, split.as_ref(), self.attention, dtype, &device)?;
         cx.tp = self.tp.clone();
+        cx.ep = self.ep.clone();
         cx.tiled_mlp = self.tiled_mlp;
         if let Some(c) = cache {
             cx = cx.with_cache(c.clone());

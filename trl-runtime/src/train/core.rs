@@ -622,10 +622,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
                 .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
                 .collect(),
         };
-        match self.model.tp() {
-            Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref()),
-            None => Ok(mine),
-        }
+        self.model.gather_split(mine, tp_state::gather_full)
     }
 
     pub fn total_steps(&self) -> usize {

@@ -148,6 +148,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
         let mut setup = crate::parallel::estimate::Setup {
             strategy: self.strategy,
             dims: self.ctx.mesh.dims(),
+            ep: self.model.ep().map_or(1, |ep| ep.size()),
             dtype: self.args.compute_dtype().ok()?,
             lora: self.args.lora(&shapes.dims.model_type),
             batch: self.args.per_device_train_batch_size,
@@ -184,6 +185,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             "mesh": {
                 "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard,
                 "cp": d.cp, "sp": d.sp, "tp": d.tp,
+                "ep": self.model.ep().map_or(1, |ep| ep.size()),
             },
             "strategy": self.strategy.name(),
             "activation_checkpointing": self.model.checkpointing.is_some(),

@@ -84,14 +84,14 @@ impl<'a, N: CausalModel> Core<'a, N> {
     /// tensor-parallel slices joined (collective: every rank calls it).
     pub(super) fn gather_optimizer_state(&self) -> Result<Cow<'_, AdamW>> {
         let state = self.optimizer.gather_full_state()?;
-        Ok(match self.model.tp() {
-            Some(tp) => Cow::Owned(tp_state::gather_state(
-                state.into_owned(),
-                self.model.tp_plan(),
-                tp.as_ref(),
-            )?),
-            None => state,
-        })
+        if self.model.tp().is_none() && self.model.ep().is_none() {
+            return Ok(state);
+        }
+        let state = state.into_owned();
+        let states = self
+            .model
+            .gather_split(state.states, tp_state::gather_param_states)?;
+        Ok(Cow::Owned(AdamW { states, ..state }))
     }
 
     /// A LoRA run's checkpoint: the adapters gathered whole (tensor-parallel slices joined)
@@ -103,10 +103,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
-        let mut tensors = match self.model.tp() {
-            Some(tp) => tp_state::gather_full(mine, self.model.tp_plan(), tp.as_ref())?,
-            None => mine,
-        };
+        let mut tensors = self.model.gather_split(mine, tp_state::gather_full)?;
         crate::models::peft::add_aliases(self.model.net(), &mut tensors);
         let order = crate::models::peft::parameter_order(self.model.net());
         self.write_checkpoint(checkpoint::Weights::Adapter {
@@ -248,8 +245,8 @@ impl<'a, N: CausalModel> Core<'a, N> {
         }
         // Weights held whole and unsplit are saved as they are; others are gathered.
         let gathered_params;
-        let params = match (&self.model.sharding, tp) {
-            (None, None) => &self.model.params,
+        let params = match (&self.model.sharding, tp, self.model.ep()) {
+            (None, None, None) => &self.model.params,
             _ => {
                 gathered_params = Params::from_tensors(self.gather_weights()?)?;
                 &gathered_params

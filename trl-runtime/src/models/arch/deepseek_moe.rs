@@ -16,7 +16,7 @@
 //! the shared MLP split as a dense MLP.
 
 use super::blocks::GatedMlp;
-use super::moe::{dispatch, run_experts, top_k};
+use super::moe::{dispatch, run_experts, top_k, Experts};
 use crate::error::{Error, Result};
 use crate::models::causal::LayerInputs;
 use crate::models::config::ModelConfig;
@@ -49,7 +49,7 @@ pub struct Routing {
 #[derive(Debug, Clone, Parallelize)]
 pub struct DeepseekMoe {
     pub gate: TopkRouter,
-    pub experts: Vec<GatedMlp>,
+    pub experts: Experts<GatedMlp>,
     pub shared_experts: GatedMlp,
     #[parallel(skip)]
     pub routing: Routing,
@@ -78,9 +78,13 @@ impl SparseMlp for DeepseekMoe {
             .to_dtype(DType::F32)?
             .to_vec1()?;
         let (chosen, weights) = route(&scores, &bias, r)?;
-        let routed = dispatch(&flat, (&chosen, r.experts), &weights, |tokens, counts| {
-            run_experts(&self.experts, cx, &flat, tokens, counts)
-        })?;
+        let routed = dispatch(
+            cx,
+            &flat,
+            (&chosen, r.experts),
+            &weights,
+            |rows, index, counts| run_experts(self.experts.local(), cx, rows, index, counts),
+        )?;
         let x = (residual + routed.reshape((b, s, hidden))?)?;
         self.shared_experts.forward_add(cx, h, &x)
     }
@@ -305,7 +309,7 @@ impl DeepseekMoeConfig {
                     "e_score_correction_bias",
                 )?,
             },
-            experts,
+            experts: experts.into(),
             shared_experts: GatedMlp::new(
                 (h, self.inter * self.shared),
                 false,

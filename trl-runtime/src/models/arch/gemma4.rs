@@ -576,8 +576,8 @@ impl Gemma4Experts {
             &logits,
             routing,
             Some(&scale),
-            |tokens, counts| {
-                let rows = inputs.index_select(tokens, 0)?;
+            |rows, index, counts| {
+                let rows = rows.index_select(index, 0)?;
                 self.experts.forward(cx, &rows, counts)
             },
         )?;

@@ -100,11 +100,17 @@ impl GptOssMlp {
         let (w, bias) = (self.router.weight.value()?, self.router.bias.value()?);
         let logits = crate::kernels::fused::linear(&flat, &w, Some(&bias))?;
         // Softmax over the top-k logits = their probabilities renormalised.
-        let out = routed(cx, &flat, &logits, (self.top_k, true), |tokens, counts| {
-            // One gather: the grouped layer's backward gives every row's gradient at once.
-            let xs = flat.index_select(tokens, 0)?;
-            self.experts.forward(cx, &xs, counts)
-        })?;
+        let out = routed(
+            cx,
+            &flat,
+            &logits,
+            (self.top_k, true),
+            |rows, index, counts| {
+                // One gather: the grouped layer's backward gives every row's gradient at once.
+                let xs = rows.index_select(index, 0)?;
+                self.experts.forward(cx, &xs, counts)
+            },
+        )?;
         Ok(out.reshape((b, s, h))?)
     }
 }
@@ -162,13 +168,17 @@ impl Layer for GptOssLayer {
                     experts: GptOssExperts {
                         gate_up_proj: Param::new(&experts, (e, h, 2 * i), "gate_up_proj")?
                             .adapted_in_out()
-                            .split_column(2),
+                            .split_column(2)
+                            .expert_stack(),
                         gate_up_proj_bias: Param::new(&experts, (e, 2 * i), "gate_up_proj_bias")?
-                            .split_column(1),
+                            .split_column(1)
+                            .expert_stack(),
                         down_proj: Param::new(&experts, (e, i, h), "down_proj")?
                             .adapted_in_out()
-                            .split_row(1),
-                        down_proj_bias: Param::new(&experts, (e, h), "down_proj_bias")?,
+                            .split_row(1)
+                            .expert_stack(),
+                        down_proj_bias: Param::new(&experts, (e, h), "down_proj_bias")?
+                            .expert_stack(),
                         alpha,
                         limit,
                     },

@@ -92,7 +92,7 @@ impl Llama4Moe {
         let index = Tensor::new(chosen.as_slice(), h.device())?.reshape((n, k))?;
         let picked = logits.to_dtype(DType::F32)?.gather(&index, 1)?;
         let scores = candle_nn::ops::sigmoid(&picked)?.to_dtype(h.dtype())?;
-        let routed = dispatch_scaled_inputs(&flat, (&chosen, count), &scores, |xs, counts| {
+        let routed = dispatch_scaled_inputs(cx, &flat, (&chosen, count), &scores, |xs, counts| {
             self.experts.forward(cx, xs, counts)
         })?;
         let shared = self.shared_expert.forward(cx, h)?;

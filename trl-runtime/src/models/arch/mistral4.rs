@@ -63,11 +63,17 @@ impl SparseMlp for Mistral4Moe {
         // Softmax in the router's dtype, as transformers scores; the choice on the host.
         let scores = candle_nn::ops::softmax(&logits, candle_core::D::Minus1)?;
         let (chosen, weights) = route(&scores, &vec![0f32; r.experts], r)?;
-        let routed = dispatch(&flat, (&chosen, r.experts), &weights, |tokens, counts| {
-            // One gather: the grouped layers' backward gives every row's gradient at once.
-            let xs = flat.index_select(tokens, 0)?;
-            self.experts.forward(cx, &xs, counts)
-        })?;
+        let routed = dispatch(
+            cx,
+            &flat,
+            (&chosen, r.experts),
+            &weights,
+            |rows, index, counts| {
+                // One gather: the grouped layers' backward gives every row's gradient at once.
+                let xs = rows.index_select(index, 0)?;
+                self.experts.forward(cx, &xs, counts)
+            },
+        )?;
         let x = (x + routed.reshape((b, s, hidden))?)?;
         self.shared_experts.forward_add(cx, h, &x)
     }

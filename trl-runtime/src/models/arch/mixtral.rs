@@ -100,7 +100,7 @@ impl Layer for MixtralLayer {
                 attention: parts.pre_norm_attention(l, &vb)?,
                 block_sparse_moe: SparseMoe {
                     gate: linear_no_bias(h, moe.experts, block.pp("gate"))?,
-                    experts,
+                    experts: experts.into(),
                     top_k: moe.top_k,
                     norm_topk_prob: true,
                 },

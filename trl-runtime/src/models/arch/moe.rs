@@ -7,21 +7,28 @@
 //!
 //! Strategies: experts are parameters of their layer like any other (ZeRO and FSDP shard
 //! them, each layer one unit); under tensor parallelism each expert's MLP is split as a dense
-//! one (gate/up column, down row) and the router stays whole. An expert no token reached in a
-//! step gets a zero gradient ([`crate::nn::lora::is_routed_expert`] tells the trainer's unused-parameter
-//! check so).
+//! one (gate/up column, down row) and the router stays whole. Under expert parallelism each
+//! rank of the ep group keeps `experts / ep` of every layer's experts ([`Experts`], fused
+//! stacks by their rows) and [`dispatch`] moves the routed rows to the rank holding their
+//! expert and the outputs back (two uneven all-to-alls, their counts exchanged first). An
+//! expert no token reached in a step gets a zero gradient ([`crate::nn::lora::is_routed_expert`]
+//! tells the trainer's unused-parameter check so).
 
 use super::blocks::{Activation, GatedMlp};
-use crate::comm::autograd::{copy_to_group, reduce_from_group};
+use crate::comm::autograd::{self as comm_grad, copy_to_group, reduce_from_group};
+use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::kernels::grouped::ExpertLayout;
 use crate::models::causal::LayerInputs;
 use crate::models::config::ModelConfig;
 use crate::nn::grouped::grouped_linear;
+use crate::nn::module::TpContext;
+use crate::nn::module::{child_name, EpShard, ExpertFn, ExpertHold, LinearFn, ParamFn, WeightFn};
 use crate::nn::Linear;
 use crate::nn::Param;
 use crate::Parallelize;
 use candle_core::{DType, Tensor, D};
+use std::sync::Arc;
 
 /// One expert's MLP, on the tokens routed to it ([1, tokens, hidden]).
 pub trait Expert: Parallelize + Send + Sync {
@@ -34,12 +41,89 @@ impl Expert for GatedMlp {
     }
 }
 
+/// A mixture's experts, each its own module (`experts.{e}`), named by their index among
+/// all of the layer's: under expert parallelism a rank keeps a run of them
+/// ([`Parallelize::shard_experts`]), `first` the index of its first.
+#[derive(Debug, Clone)]
+pub struct Experts<E> {
+    list: Vec<E>,
+    first: usize,
+}
+
+impl<E> Experts<E> {
+    /// Every expert of a layer, in order.
+    pub fn new(list: Vec<E>) -> Self {
+        Experts { list, first: 0 }
+    }
+
+    /// The experts this rank holds, in order.
+    pub fn local(&self) -> &[E] {
+        &self.list
+    }
+}
+
+impl<E> From<Vec<E>> for Experts<E> {
+    fn from(list: Vec<E>) -> Self {
+        Experts::new(list)
+    }
+}
+
+impl<E: Parallelize> Parallelize for Experts<E> {
+    fn parallelize(&mut self, name: &str, tp: &TpContext) -> Result<()> {
+        for (i, x) in self.list.iter_mut().enumerate() {
+            x.parallelize(&child_name(name, &(self.first + i).to_string()), tp)?;
+        }
+        Ok(())
+    }
+    fn visit_params(&self, name: &str, f: &mut ParamFn) {
+        for (i, x) in self.list.iter().enumerate() {
+            x.visit_params(&child_name(name, &(self.first + i).to_string()), f);
+        }
+    }
+    fn visit_weights_mut(&mut self, name: &str, f: &mut WeightFn) -> Result<()> {
+        for (i, x) in self.list.iter_mut().enumerate() {
+            x.visit_weights_mut(&child_name(name, &(self.first + i).to_string()), f)?;
+        }
+        Ok(())
+    }
+    fn visit_linears_mut(&mut self, name: &str, f: &mut LinearFn) -> Result<()> {
+        for (i, x) in self.list.iter_mut().enumerate() {
+            x.visit_linears_mut(&child_name(name, &(self.first + i).to_string()), f)?;
+        }
+        Ok(())
+    }
+    fn shard_experts(&mut self, name: &str, ep: EpShard, f: &mut ExpertFn) -> Result<()> {
+        if self.first != 0 {
+            return Err(Error::Parallelism(format!(
+                "{name}: the experts are already kept per rank"
+            )));
+        }
+        let range = ep.range(name, self.list.len())?;
+        let per_rank = range.len();
+        self.list = self.list.drain(range.clone()).collect();
+        self.first = range.start;
+        for (i, x) in self.list.iter().enumerate() {
+            let index = self.first + i;
+            let list = name.to_string();
+            x.visit_params(&child_name(name, &index.to_string()), &mut |n, _, _| {
+                let hold = ExpertHold::Listed {
+                    list: list.clone(),
+                    index,
+                    per_rank,
+                };
+                f(n, hold)
+            });
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Parallelize)]
 pub struct SparseMoe<E: Expert> {
     /// The router: one logit per expert.
     #[parallel(tp = "replicate")]
     pub gate: Linear,
-    pub experts: Vec<E>,
+    pub experts: Experts<E>,
     #[parallel(skip)]
     pub top_k: usize,
     #[parallel(skip)]
@@ -53,8 +137,8 @@ impl<E: Expert> SparseMoe<E> {
         let flat = x.reshape((b * s, h))?;
         let logits = self.gate.forward(&flat)?;
         let routing = (self.top_k, self.norm_topk_prob);
-        let out = routed(cx, &flat, &logits, routing, |tokens, counts| {
-            run_experts(&self.experts, cx, &flat, tokens, counts)
+        let out = routed(cx, &flat, &logits, routing, |rows, index, counts| {
+            run_experts(self.experts.local(), cx, rows, index, counts)
         })?;
         Ok(out.reshape((b, s, h))?)
     }
@@ -62,14 +146,14 @@ impl<E: Expert> SparseMoe<E> {
 
 /// A mixture of experts' forward around its experts, as transformers routes: each token of
 /// `flat` [tokens, hidden] goes to the top-k experts by its router `logits` [tokens, experts]
-/// (probabilities in f32; `norm`: renormalised over the k), and `experts(tokens, counts)`
-/// runs them ([`dispatch`]). The router loss, when collected, counts the choices.
+/// (probabilities in f32; `norm`: renormalised over the k), and `experts(rows, index,
+/// counts)` runs this rank's experts ([`dispatch`]). The router loss, when collected, counts the choices.
 pub fn routed(
     cx: &LayerInputs,
     flat: &Tensor,
     logits: &Tensor,
     routing: (usize, bool),
-    experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
+    experts: impl FnOnce(&Tensor, &Tensor, &[usize]) -> Result<Tensor>,
 ) -> Result<Tensor> {
     routed_scaled(cx, flat, logits, routing, None, experts)
 }
@@ -82,7 +166,7 @@ pub fn routed_scaled(
     logits: &Tensor,
     (k, norm): (usize, bool),
     per_expert: Option<&Tensor>,
-    experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
+    experts: impl FnOnce(&Tensor, &Tensor, &[usize]) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let n = flat.dim(0)?;
     let logits = logits.to_dtype(DType::F32)?;
@@ -114,7 +198,7 @@ pub fn routed_scaled(
             .index_select(&index.flatten_all()?, 0)?;
         weights = (weights * scale.reshape((n, k))?)?;
     }
-    dispatch(flat, (&chosen, count), &weights, experts)
+    dispatch(cx, flat, (&chosen, count), &weights, experts)
 }
 
 /// The `k` largest of `row`, highest first; ties to the lower index, as torch.topk on CPU.
@@ -126,26 +210,37 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// Runs the experts of a routing: token t of `flat` [tokens, hidden] chose experts
-/// `chosen[t * k..(t + 1) * k]` (of `count`) with `weights` [tokens, k]. `experts(tokens,
-/// counts)` gets the routed tokens' rows of `flat` sorted by expert (u32, `counts[e]` for
-/// expert e), gathers them and returns their outputs in the same order; those, weighted, are
-/// added back at their tokens in one index_add (a running sum per expert would keep one
-/// [tokens, hidden] copy per expert alive in the graph).
+/// `chosen[t * k..(t + 1) * k]` (of `count`) with `weights` [tokens, k].
+/// `experts(rows, index, counts)` runs this rank's experts on `rows.index_select(index)`,
+/// sorted by expert (`counts[e]` rows for its expert e), and returns their outputs in that
+/// order: `rows` is `flat` itself, or under expert parallelism the rows the ep group sent
+/// here ([`EpExchange`]). The outputs, weighted, are added back at their tokens in one
+/// index_add (a running sum per expert would keep one [tokens, hidden] copy per expert alive
+/// in the graph).
 pub fn dispatch(
+    cx: &LayerInputs,
     flat: &Tensor,
     (chosen, count): (&[u32], usize),
     weights: &Tensor,
-    experts: impl FnOnce(&Tensor, &[usize]) -> Result<Tensor>,
+    experts: impl FnOnce(&Tensor, &Tensor, &[usize]) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let sorted = Sorted::new(chosen, count, flat, weights)?;
-    let ys = experts(&sorted.tokens, &sorted.counts)?.broadcast_mul(&sorted.weights)?;
+    let ys = match cx.ep() {
+        None => experts(flat, &sorted.tokens, &sorted.counts)?,
+        Some(ep) => {
+            let rows = flat.index_select(&sorted.tokens, 0)?;
+            EpExchange::run(ep, &rows, &sorted.counts, experts)?
+        }
+    };
+    let ys = ys.broadcast_mul(&sorted.weights)?;
     Ok(flat.zeros_like()?.index_add(&sorted.tokens, &ys, 0)?)
 }
 
 /// [`dispatch`] with the weights on the experts' inputs instead of their outputs (Llama 4):
 /// `experts(rows, counts)` gets the routed tokens' rows of `flat`, each scaled by its weight,
-/// sorted by expert.
+/// sorted by expert (this rank's experts, under expert parallelism).
 pub fn dispatch_scaled_inputs(
+    cx: &LayerInputs,
     flat: &Tensor,
     (chosen, count): (&[u32], usize),
     weights: &Tensor,
@@ -154,8 +249,87 @@ pub fn dispatch_scaled_inputs(
     let sorted = Sorted::new(chosen, count, flat, weights)?;
     // One gather: the experts' backward gives every row's gradient at once.
     let rows = flat.index_select(&sorted.tokens, 0)?;
-    let ys = experts(&rows.broadcast_mul(&sorted.weights)?, &sorted.counts)?;
+    let rows = rows.broadcast_mul(&sorted.weights)?;
+    let ys = match cx.ep() {
+        None => experts(&rows, &sorted.counts)?,
+        Some(ep) => EpExchange::run(ep, &rows, &sorted.counts, |rows, index, counts| {
+            experts(&rows.index_select(index, 0)?, counts)
+        })?,
+    };
     Ok(flat.zeros_like()?.index_add(&sorted.tokens, &ys, 0)?)
+}
+
+/// Expert parallelism's dispatch and combine around this rank's experts: the rows routed
+/// to each rank's experts go there (one uneven all-to-all, the per-expert counts exchanged
+/// first), arrive grouped by sending rank, run grouped by local expert, and go back in their
+/// sending order (the reverse all-to-all), so that the caller sees its own rows' outputs in
+/// the order it sent them. Both exchanges are differentiable (backward is the reverse
+/// exchange); every rank of the group takes part whatever it routed, even nothing.
+struct EpExchange;
+
+impl EpExchange {
+    /// `rows` [pairs, hidden] sorted by expert, `counts[e]` of them for each of the layer's
+    /// experts; `experts(received, index, local_counts)` as [`dispatch`]'s.
+    fn run(
+        ep: &Arc<dyn Communicator>,
+        rows: &Tensor,
+        counts: &[usize],
+        experts: impl FnOnce(&Tensor, &Tensor, &[usize]) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let size = ep.size();
+        let per = counts.len() / size;
+        // Each rank's experts are a run of `per`: their rows are one block of `rows`.
+        let send: Vec<usize> = counts.chunks(per).map(|c| c.iter().sum()).collect();
+        // How many rows each rank routed to each of this rank's experts ([size, per]).
+        let table: Vec<u32> = counts.iter().map(|&c| c as u32).collect();
+        let table = Tensor::from_vec(table, (counts.len(), 1), &candle_core::Device::Cpu)?;
+        let (from, _) = ep.all_to_all_v(&table, &vec![per; size])?;
+        let from: Vec<u32> = from.flatten_all()?.to_vec1()?;
+        let (received, _) = comm_grad::all_to_all_v(rows, ep, &send)?;
+        // Received rows: sender-major, then by this rank's expert. Run them expert-major.
+        let mut starts = vec![0usize; size * per];
+        let mut offset = 0;
+        for (slot, &c) in from.iter().enumerate() {
+            starts[slot] = offset;
+            offset += c as usize;
+        }
+        let mut order = Vec::with_capacity(offset);
+        let mut local = vec![0usize; per];
+        for (e, n) in local.iter_mut().enumerate() {
+            for s in 0..size {
+                let slot = s * per + e;
+                let start = starts[slot] as u32;
+                order.extend(start..start + from[slot]);
+                *n += from[slot] as usize;
+            }
+        }
+        let ys = match offset {
+            // Nothing came: the received (empty) rows stand for the outputs, so that the
+            // backward still takes part in both exchanges.
+            0 => received,
+            _ => {
+                let device = rows.device();
+                let index = Tensor::from_vec(order.clone(), offset, device)?;
+                let ys = experts(&received, &index, &local)?;
+                // Back to the order the rows came in.
+                let mut back = vec![0u32; offset];
+                for (i, &o) in order.iter().enumerate() {
+                    back[o as usize] = i as u32;
+                }
+                ys.index_select(&Tensor::from_vec(back, offset, device)?, 0)?
+            }
+        };
+        let sent_here: Vec<usize> = (0..size)
+            .map(|s| {
+                from[s * per..(s + 1) * per]
+                    .iter()
+                    .map(|&c| c as usize)
+                    .sum()
+            })
+            .collect();
+        let (out, _) = comm_grad::all_to_all_v(&ys, ep, &sent_here)?;
+        Ok(out)
+    }
 }
 
 /// A routing's (token, choice) pairs sorted by expert: token t of `flat` [tokens, hidden]
@@ -220,17 +394,22 @@ impl FusedExperts {
         Ok(match layout {
             ExpertLayout::InOut => FusedExperts {
                 gate_up_proj: Param::new(vb, (e, h, 2 * i), "gate_up_proj")?
-                    .split_column_sections(2, &halves),
-                down_proj: Param::new(vb, (e, i, h), "down_proj")?.split_row(1),
+                    .split_column_sections(2, &halves)
+                    .expert_stack(),
+                down_proj: Param::new(vb, (e, i, h), "down_proj")?
+                    .split_row(1)
+                    .expert_stack(),
                 act: Activation::Silu,
             },
             ExpertLayout::OutIn => FusedExperts {
                 gate_up_proj: Param::new(vb, (e, 2 * i, h), "gate_up_proj")?
                     .out_in()
-                    .split_column_sections(1, &halves),
+                    .split_column_sections(1, &halves)
+                    .expert_stack(),
                 down_proj: Param::new(vb, (e, h, i), "down_proj")?
                     .out_in()
-                    .split_row(2),
+                    .split_row(2)
+                    .expert_stack(),
                 act: Activation::Silu,
             },
         })
@@ -261,22 +440,22 @@ impl FusedExperts {
     }
 }
 
-/// One GEMM per projection and expert over its rows of `flat` [tokens, hidden], gathered per
-/// expert ([`dispatch`]'s `experts`): slices of one gathered matrix would cost a whole-size
-/// gradient each in backward.
+/// One GEMM per projection and expert over its rows of `rows` (`index` [pairs], sorted by
+/// expert, `counts[e]` for expert e; [`dispatch`]'s `experts`), gathered per expert:
+/// slices of one gathered matrix would cost a whole-size gradient each in backward.
 pub fn run_experts<E: Expert>(
     experts: &[E],
     cx: &LayerInputs,
-    flat: &Tensor,
-    tokens: &Tensor,
+    rows: &Tensor,
+    index: &Tensor,
     counts: &[usize],
 ) -> Result<Tensor> {
-    let h = flat.dim(1)?;
+    let h = rows.dim(1)?;
     let mut outputs = Vec::new();
     let mut start = 0;
     for (expert, &m) in experts.iter().zip(counts) {
         if m > 0 {
-            let rows = flat.index_select(&tokens.narrow(0, start, m)?, 0)?;
+            let rows = rows.index_select(&index.narrow(0, start, m)?, 0)?;
             let ys = expert.forward(cx, &rows.reshape((1, m, h))?)?;
             outputs.push(ys.reshape((m, h))?);
         }
@@ -399,7 +578,7 @@ mod tests {
         .unwrap();
         let moe = SparseMoe {
             gate: Linear::new(router.clone(), None),
-            experts: built.iter().map(|(e, _)| e.clone()).collect(),
+            experts: Experts::new(built.iter().map(|(e, _)| e.clone()).collect()),
             top_k: 2,
             norm_topk_prob: true,
         };

@@ -70,7 +70,7 @@ impl Layer for Qwen3MoeLayer {
                     let gate = linear_no_bias(h, moe.experts, mlp.pp("gate"))?;
                     let sparse = SparseMoe {
                         gate,
-                        experts,
+                        experts: experts.into(),
                         top_k: moe.top_k,
                         norm_topk_prob: moe.norm_topk_prob,
                     };

@@ -311,7 +311,7 @@ impl Layer for Qwen3NextLayer {
                     let sparse = SharedExpertMoe {
                         routed: SparseMoe {
                             gate: router,
-                            experts,
+                            experts: experts.into(),
                             top_k: moe.top_k,
                             norm_topk_prob: moe.norm_topk_prob,
                         },

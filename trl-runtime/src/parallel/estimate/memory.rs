@@ -3,6 +3,7 @@
 use super::*;
 use super::{Strategy, WrapPolicy, ZeroStage};
 use crate::config::parallelism::ParallelDims;
+use crate::nn::lora::is_routed_expert;
 
 /// Elements per token that backward keeps of one decoder layer (no checkpointing), in the
 /// compute dtype, for hidden size `h`, query width `q` (heads x head_dim), key/value width `kv`
@@ -139,7 +140,16 @@ fn counts<'a>(model: &'a ModelShapes, setup: &Setup) -> Counts<'a> {
     // ZeRO and FSDP shard over dp_shard and the ranks holding the other chunks of the rows.
     let n = d.dp_shard * d.cp * d.sp;
     let dsz = setup.dtype.size_in_bytes();
-    let shapes = model.local(tp);
+    // Under expert parallelism a rank holds 1 / ep of every routed expert's parameters.
+    let ep = setup.ep.max(1);
+    let shapes: Vec<(&str, usize)> = model
+        .local(tp)
+        .into_iter()
+        .map(|(name, n)| match is_routed_expert(name) {
+            true => (name, n / ep),
+            false => (name, n),
+        })
+        .collect();
     let base: usize = shapes.iter().map(|(_, n)| n).sum();
 
     // Trainable elements (all weights, or the adapters), and the frozen base.

@@ -31,6 +31,8 @@ use candle_core::DType;
 pub struct Setup {
     pub strategy: Strategy,
     pub dims: ParallelDims,
+    /// Expert parallelism: each rank holds this share of every mixture's experts (1: all).
+    pub ep: usize,
     /// The compute dtype (weights and activations); master weights, gradients and moments
     /// are fp32 whatever it is.
     pub dtype: DType,
@@ -76,6 +78,7 @@ impl Setup {
         Setup {
             strategy,
             dims,
+            ep: 1,
             dtype: DType::F32,
             lora: None,
             batch,

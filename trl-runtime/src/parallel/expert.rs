@@ -1,0 +1,201 @@
+//! Expert parallelism: each mixture's experts split over groups of data-parallel ranks (the
+//! ep group, taken out of dp_replicate x dp_shard as torchtitan takes it). A rank keeps
+//! `experts / ep` of every layer's experts (its own `experts.{e}` modules, or its rows of a
+//! fused stack) beside everything else whole; the layers send each routed token to the rank
+//! holding its expert and its output back (`models::arch::moe`'s dispatch, two uneven
+//! all-to-alls). So:
+//! - an expert's gradient already sums every ep rank's tokens (the exchange's backward); it
+//!   is summed further over the experts' replicas (the data-parallel ranks holding the same
+//!   share), dense gradients over every data-parallel rank as before;
+//! - the gradient norm counts each expert once: the experts' squares are summed over the ep
+//!   group, the rest's are the same on every rank;
+//! - a checkpoint holds every expert under transformers' names whatever the ep size: saving
+//!   gathers them over the ep group, loading (a resume on any ep size) keeps this rank's.
+//!
+//! docs/expert-parallel.md says what moves where and what it composes with.
+
+use crate::comm::{Communicator, ReduceOp};
+use crate::error::{Error, Result};
+use crate::nn::module::ExpertHold;
+use crate::optim::{sums_of_squares, AdamW, ParamState};
+use candle_core::{Device, Tensor};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Which parameters expert parallelism holds per rank, and how, by HF name.
+#[derive(Debug, Clone, Default)]
+pub struct ExpertPlan {
+    pub holds: BTreeMap<String, ExpertHold>,
+}
+
+impl ExpertPlan {
+    /// Whether parameter `name` is one of this rank's experts' (held per rank).
+    pub fn holds(&self, name: &str) -> bool {
+        self.holds.contains_key(name)
+    }
+
+    /// Whole tensors of every expert from each rank's share (collective over `ep`: every
+    /// rank calls it with the same set of names, in the same order): a stack gathered along
+    /// its rows, a listed expert's parameter under each rank's expert names. Per-parameter
+    /// optimizer states are gathered the same way.
+    pub fn gather<V: Tensors>(
+        &self,
+        values: BTreeMap<String, V>,
+        ep: &dyn Communicator,
+    ) -> Result<BTreeMap<String, V>> {
+        let mut out = BTreeMap::new();
+        for (name, v) in values {
+            match self.holds.get(&name) {
+                None => {
+                    out.insert(name, v);
+                }
+                Some(ExpertHold::Stack { .. }) => {
+                    let parts = v
+                        .parts()
+                        .iter()
+                        .map(|t| ep.all_gather(&t.contiguous()?, 0))
+                        .collect::<Result<Vec<_>>>()?;
+                    out.insert(name, v.rebuild(parts));
+                }
+                Some(ExpertHold::Listed {
+                    list,
+                    index,
+                    per_rank,
+                }) => {
+                    // Rank q holds, in this slot, expert q * per_rank + slot.
+                    let slot = index % per_rank;
+                    let rest = &name[list.len() + 1 + index.to_string().len()..];
+                    let all = v
+                        .parts()
+                        .iter()
+                        .map(|t| ep.all_gather(&t.contiguous()?.unsqueeze(0)?, 0))
+                        .collect::<Result<Vec<_>>>()?;
+                    for q in 0..ep.size() {
+                        let parts = all
+                            .iter()
+                            .map(|a| a.get(q))
+                            .collect::<candle_core::Result<Vec<_>>>()?;
+                        let expert = q * per_rank + slot;
+                        out.insert(format!("{list}.{expert}{rest}"), v.rebuild(parts));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// This rank's share of a whole per-parameter optimizer state (a checkpoint written under
+    /// any ep size): the other ranks' experts dropped, stacks cut to this rank's rows.
+    pub fn slice_state(&self, state: AdamW, rank: usize) -> Result<AdamW> {
+        let mut states = BTreeMap::new();
+        for (name, s) in state.states {
+            match self.holds.get(&name) {
+                Some(ExpertHold::Stack { per_rank }) => {
+                    let cut = |t: &Tensor| -> Result<Tensor> {
+                        Ok(t.narrow(0, rank * per_rank, *per_rank)?
+                            .force_contiguous()?
+                            .detach())
+                    };
+                    let s = ParamState {
+                        master: cut(&s.master)?,
+                        exp_avg: cut(&s.exp_avg)?,
+                        exp_avg_sq: cut(&s.exp_avg_sq)?,
+                        ..s
+                    };
+                    states.insert(name, s);
+                }
+                Some(ExpertHold::Listed { .. }) => {
+                    states.insert(name, s);
+                }
+                // Not this rank's expert: dropped; anything else kept.
+                None if is_listed_elsewhere(&self.holds, &name) => {}
+                None => {
+                    states.insert(name, s);
+                }
+            }
+        }
+        Ok(AdamW { states, ..state })
+    }
+
+    /// The squared global norm's share of this rank's expert gradients in `grads` (their
+    /// squares, to be summed over the ep group; each is the same on the experts' replicas).
+    pub fn expert_sq(&self, grads: &BTreeMap<String, Tensor>) -> Result<f64> {
+        let mine: Vec<&Tensor> = grads
+            .iter()
+            .filter(|(n, _)| self.holds(n))
+            .map(|(_, g)| g)
+            .collect();
+        Ok(sums_of_squares(mine)?.iter().sum())
+    }
+}
+
+/// A value made of tensors that gather alike (a parameter, its optimizer state).
+pub trait Tensors: Sized {
+    fn parts(&self) -> Vec<Tensor>;
+    /// The same value over `parts` (in [`Self::parts`]' order).
+    fn rebuild(&self, parts: Vec<Tensor>) -> Self;
+}
+
+impl Tensors for Tensor {
+    fn parts(&self) -> Vec<Tensor> {
+        vec![self.clone()]
+    }
+    fn rebuild(&self, mut parts: Vec<Tensor>) -> Self {
+        parts.remove(0)
+    }
+}
+
+impl Tensors for ParamState {
+    fn parts(&self) -> Vec<Tensor> {
+        vec![
+            self.master.clone(),
+            self.exp_avg.clone(),
+            self.exp_avg_sq.clone(),
+        ]
+    }
+    fn rebuild(&self, parts: Vec<Tensor>) -> Self {
+        let [master, exp_avg, exp_avg_sq]: [Tensor; 3] =
+            parts.try_into().expect("three parts, as listed");
+        ParamState {
+            master,
+            exp_avg,
+            exp_avg_sq,
+            decay: self.decay,
+            decay_mask: self.decay_mask.clone(),
+        }
+    }
+}
+
+/// Whether `name` is another rank's listed expert: a parameter of an expert list this rank
+/// keeps part of, under an index it does not hold.
+fn is_listed_elsewhere(holds: &BTreeMap<String, ExpertHold>, name: &str) -> bool {
+    holds.values().any(|h| match h {
+        ExpertHold::Listed { list, .. } => name
+            .strip_prefix(list.as_str())
+            .and_then(|r| r.strip_prefix('.'))
+            .is_some_and(|r| {
+                r.split('.')
+                    .next()
+                    .is_some_and(|i| i.parse::<usize>().is_ok())
+            }),
+        ExpertHold::Stack { .. } => false,
+    })
+}
+
+/// The sum over `ep` of a local f64 (the experts' squared norms).
+pub fn sum_over(ep: &Arc<dyn Communicator>, local: f64) -> Result<f64> {
+    let t = Tensor::new(&[local], &Device::Cpu)?;
+    Ok(ep.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?[0])
+}
+
+/// The error for a strategy expert parallelism does not compose with yet.
+pub fn refuse(what: &str, how: &str) -> Error {
+    Error::Config {
+        file: "the launch's parallelism config".into(),
+        key: "parallelism_config_ep_size".into(),
+        message: format!(
+            "expert parallelism does not run with {what} yet: {how}, or set \
+             parallelism_config_ep_size to 1"
+        ),
+    }
+}
