@@ -236,3 +236,82 @@ fn what_ep_cannot_run_is_refused_by_name() {
         &["parallelism_config_ep_size", "no mixture of experts"],
     );
 }
+
+/// SFT with LoRA adapters (peft's all-linear, which on Qwen3-MoE adapts every expert: kept
+/// per rank with their experts), DPO (its reference through the same experts) and GRPO
+/// (generation between steps: every mixture's exchange in lockstep across the ep group)
+/// under `moe_ep_cpu` log every figure within 1e-5 of the same two ranks without ep; the
+/// LoRA run's adapters are the same and load in peft.
+#[test]
+fn lora_dpo_and_grpo_under_ep_equal_the_same_ranks_without_ep() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::model_dir("tiny-qwen3-moe");
+    let model = model.to_str().unwrap();
+    let lora = [
+        "--use_peft",
+        "true",
+        "--lora_dropout",
+        "0",
+        "--lora_target_modules",
+        "all-linear",
+        "--gradient_accumulation_steps",
+        "4",
+        "--learning_rate",
+        "1e-3",
+    ];
+    let dpo = ["--dataset_name", "assets/tiny/data/pref_train.jsonl"];
+    let grpo = [
+        "--dataset_name",
+        "assets/tiny/data/grpo_train.jsonl",
+        "--reward_funcs",
+        "python3 scripts/parity_reward.py",
+        "--learning_rate",
+        "1e-3",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "4",
+        "--beta",
+        "0.04",
+        "--shuffle_dataset",
+        "false",
+    ];
+    let cases: [(&str, &str, &[&str], usize); 3] = [
+        ("sft", "lora", &lora, 1),
+        ("dpo", "dpo", &dpo, 4),
+        ("grpo", "grpo", &grpo, 4),
+    ];
+    for (bin, name, args, rows) in cases {
+        let run = |profile: &str| {
+            let out = tmp.path().join(format!("{name}-{profile}"));
+            let common_args = [
+                "--model_name_or_path",
+                model,
+                "--router_aux_loss_coef",
+                "0.1",
+            ];
+            let all = [&common_args[..], args].concat();
+            let cmd = common::trainer_launch(bin, &["--profile", profile], &all);
+            let text = common::run_launch(cmd, 4, rows, &out);
+            common::assert_model_state_predicted(
+                &format!("{name} {profile}"),
+                &common::worker_report(&text),
+            );
+            let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+            (out, common::metrics(&m))
+        };
+        let ((plain, want), (ep, got)) = (run("multi_cpu"), run("moe_ep_cpu"));
+        assert_eq!(got.len(), 4, "{name}");
+        let (worst, key) = common::assert_same_figures(name, &got, &want, (1e-5, 1e-3));
+        eprintln!("{name} under ep: every figure within {worst:.1e} ({key})");
+        if name == "lora" {
+            let (a, b) = (Run::read_adapter(&ep, 4), Run::read_adapter(&plain, 4));
+            assert_eq!(a.weights.len(), b.weights.len());
+            for (n, w) in &b.weights {
+                let d = max_diff(&a.weights[n], w);
+                assert!(d < 2e-5, "lora {n}: {d}");
+            }
+            common::loads_in_peft(Path::new(model), &ep.join("checkpoint-4"));
+        }
+    }
+}

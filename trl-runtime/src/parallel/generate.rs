@@ -5,9 +5,11 @@
 //!   for the next token (the same on every rank of the group);
 //! - ZeRO-3 / FSDP: the whole model gathered once for the round ([`GatherMode::Whole`]), or
 //!   each unit gathered for each forward as in training ([`GatherMode::PerUnit`]);
-//! - context / sequence parallel: each rank generates its own rows, whole (no split).
+//! - context / sequence parallel: each rank generates its own rows, whole (no split);
+//! - expert parallel: each rank decodes its rows, every mixture exchanging the tokens with
+//!   the ep group.
 //!
-//! Wherever forwards are collective (sharded parameters, tp), the ranks step together: a rank
+//! Wherever forwards are collective (sharded parameters, tp, ep), the ranks step together: a rank
 //! whose rows all stopped keeps stepping (on pads) until every rank has, so rows of different
 //! lengths never hang a collective.
 
@@ -72,10 +74,12 @@ impl<N: CausalModel> CachedForward for Model<N> {
 }
 
 impl<N: CausalModel> Model<N> {
-    /// The groups whose forwards are collective: the sharded units' and tp's.
+    /// The groups whose forwards are collective: the sharded units', tp's and ep's (whose
+    /// mixtures exchange tokens).
     fn lockstep_groups(&self) -> Vec<Arc<dyn Communicator>> {
         let shard = self.sharding.as_ref().map(|s| s.root().comm().clone());
-        shard.into_iter().chain(self.tp().cloned()).collect()
+        let groups = shard.into_iter().chain(self.tp().cloned());
+        groups.chain(self.ep().cloned()).collect()
     }
 
     /// transformers' `generate` on this rank's rows, under the model's strategy (see the

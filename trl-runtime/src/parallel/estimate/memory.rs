@@ -153,12 +153,21 @@ fn counts<'a>(model: &'a ModelShapes, setup: &Setup) -> Counts<'a> {
     let base: usize = shapes.iter().map(|(_, n)| n).sum();
 
     // Trainable elements (all weights, or the adapters), and the frozen base.
-    let adapters = setup.lora.as_ref().map(|l| model.adapters(l, tp));
+    let per_rank = |named: Vec<(String, usize)>| -> Vec<(String, usize)> {
+        named
+            .into_iter()
+            .map(|(name, n)| match is_routed_expert(&name) {
+                true => (name, n / ep),
+                false => (name, n),
+            })
+            .collect()
+    };
+    let adapters = setup.lora.as_ref().map(|l| per_rank(model.adapters(l, tp)));
     // Modules trained whole leave the frozen base (but a tied head's copy: its table stays).
     let trained = setup
         .lora
         .as_ref()
-        .map_or(Vec::new(), |l| model.saved(l, tp));
+        .map_or(Vec::new(), |l| per_rank(model.saved(l, tp)));
     // A tied head trained apart from its embedding's copy (peft's default) still reads the
     // base table, which then stays.
     let tied_as_one = setup.lora.as_ref().is_some_and(|l| l.ensure_weight_tying);
