@@ -100,7 +100,7 @@ fn equals_one_process(kind: &str, also: &[(&str, &[&str])]) {
 }
 
 #[test]
-fn qwen3_moe_under_ep_and_ep_with_tp_equals_one_process() {
+fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
     let ep_tp: &[&str] = &[
         "--profile",
         "multi_cpu",
@@ -113,7 +113,35 @@ fn qwen3_moe_under_ep_and_ep_with_tp_equals_one_process() {
         "--parallelism_config_ep_size",
         "2",
     ];
-    equals_one_process("qwen3-moe", &[("ep_tp", ep_tp)]);
+    // Ring attention and Ulysses beside ep: the ep groups are the ranks of the same chunks.
+    let ep_ring: &[&str] = &[
+        "--profile",
+        "multi_cpu",
+        "--num_processes",
+        "4",
+        "--parallelism_config_dp_shard_size",
+        "2",
+        "--parallelism_config_cp_size",
+        "2",
+        "--parallelism_config_ep_size",
+        "2",
+    ];
+    let ep_ulysses: &[&str] = &[
+        "--profile",
+        "multi_cpu",
+        "--num_processes",
+        "4",
+        "--parallelism_config_dp_shard_size",
+        "2",
+        "--parallelism_config_sp_size",
+        "2",
+        "--parallelism_config_ep_size",
+        "2",
+    ];
+    equals_one_process(
+        "qwen3-moe",
+        &[("ep_tp", ep_tp), ("ep_ring", ep_ring), ("ep_ulysses", ep_ulysses)],
+    );
 }
 
 #[test]
