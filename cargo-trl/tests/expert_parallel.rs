@@ -140,7 +140,11 @@ fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
     ];
     equals_one_process(
         "qwen3-moe",
-        &[("ep_tp", ep_tp), ("ep_ring", ep_ring), ("ep_ulysses", ep_ulysses)],
+        &[
+            ("ep_tp", ep_tp),
+            ("ep_ring", ep_ring),
+            ("ep_ulysses", ep_ulysses),
+        ],
     );
 }
 
@@ -342,4 +346,24 @@ fn lora_dpo_and_grpo_under_ep_equal_the_same_ranks_without_ep() {
             common::loads_in_peft(Path::new(model), &ep.join("checkpoint-4"));
         }
     }
+}
+
+/// docs/expert-parallel.md's command, run as written: it trains under ep (the worker report
+/// says ep 2) and writes a checkpoint.
+#[test]
+fn the_docs_command_trains_under_ep() {
+    let lines = common::docs_launches("docs/expert-parallel.md");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let (dir, m, text) = common::run_docs_command(&lines[0]);
+    assert!(text.contains("\"ep\":2"), "{text}");
+    assert_eq!(
+        m.last().map(|l| l["step"].as_u64()),
+        Some(Some(4)),
+        "{text}"
+    );
+    assert!(
+        dir.join("checkpoint-4/model.safetensors").exists(),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
