@@ -1,6 +1,7 @@
 //! Expert parallelism through the real `cargo trl launch`: Qwen3-MoE, Mixtral and gpt-oss
-//! (fused experts with biases) under the `moe_ep_cpu` profile (ep = 2 over 2 processes), and
-//! Qwen3-MoE under ep x tp (4 processes), each equal to one process after 5 steps (fp32;
+//! (fused experts with biases) under the `moe_ep_cpu` profile (ep = 2 over 2 processes) and
+//! ep x FSDP2 (4 processes), and Qwen3-MoE under ep x tp, ep x ring attention, ep x Ulysses
+//! ep x DeepSpeed ZeRO-3 and ep x FSDP2 x tp, each equal to one process after 5 steps (fp32;
 //! losses within 1e-5, weights and optimizer state within 2e-5; the router loss included);
 //! each rank holds the model state `cargo trl plan` predicts, below one process's; the
 //! checkpoints hold every expert under transformers' names and open in transformers with our
@@ -58,20 +59,37 @@ fn state_bytes(what: &str, text: &str) -> u64 {
     common::assert_model_state_predicted(what, &report)[0]
 }
 
-/// `kind` under `moe_ep_cpu` (and `also`: other launches with two data-parallel ranks)
+/// ep x FSDP2 over 4 processes: dp_shard 4, ep 2 (each unit sharded over the 2 ranks
+/// holding the same experts).
+const EP_FSDP2: &[&str] = &[
+    "--profile",
+    "fsdp2_cpu",
+    "--num_processes",
+    "4",
+    "--parallelism_config_dp_shard_size",
+    "4",
+    "--parallelism_config_ep_size",
+    "2",
+];
+
+/// `kind` under `moe_ep_cpu`, ep x FSDP2 and `also` (launches with two data-parallel ranks)
 /// against one process.
 fn equals_one_process(kind: &str, also: &[(&str, &[&str])]) {
     let tmp = tempfile::tempdir().unwrap();
     let out = |name: &str| tmp.path().join(format!("{kind}-{name}"));
     let text = launch(kind, &["--num_processes", "1"], 8, &out("one8"), &[]);
     let one_state = state_bytes(&format!("{kind} one"), &text);
-    let want = Run::read(&out("one8"), STEPS);
-    let cases = [
-        &[("moe_ep_cpu", &["--profile", "moe_ep_cpu"][..])][..],
-        also,
-    ]
-    .concat();
-    for (name, args) in cases {
+    launch(kind, &["--num_processes", "1"], 16, &out("one16"), &[]);
+    let (one8, one16) = (
+        Run::read(&out("one8"), STEPS),
+        Run::read(&out("one16"), STEPS),
+    );
+    let mut cases = vec![
+        ("moe_ep_cpu", &["--profile", "moe_ep_cpu"][..], &one8),
+        ("ep_fsdp2", EP_FSDP2, &one16),
+    ];
+    cases.extend(also.iter().map(|(name, args)| (*name, *args, &one8)));
+    for (name, args, want) in cases {
         let text = launch(kind, args, 4, &out(name), &[]);
         assert!(text.contains("\"ep\":2"), "{kind} {name}: {text}");
         let state = state_bytes(&format!("{kind} {name}"), &text);
@@ -83,20 +101,22 @@ fn equals_one_process(kind: &str, also: &[(&str, &[&str])]) {
         // Every expert of every layer is in the checkpoint, under transformers' names.
         let experts = |r: &Run| r.weights.keys().filter(|n| n.contains(".experts.")).count();
         assert!(
-            experts(&got) > 0 && experts(&got) == experts(&want),
+            experts(&got) > 0 && experts(&got) == experts(want),
             "{kind} {name}"
         );
         assert_equal(
             &format!("{kind} {name}"),
             &got,
-            &want,
+            want,
             &["q_norm", "k_norm"],
             |_, g, w| max_diff(g, w),
         );
         let aux = std::fs::read_to_string(out(name).join("metrics.jsonl")).unwrap();
         assert_eq!(aux.matches("\"aux_loss\"").count(), STEPS, "{aux}");
     }
-    common::opens_in_transformers(&out("moe_ep_cpu").join(format!("checkpoint-{STEPS}")));
+    for name in ["moe_ep_cpu", "ep_fsdp2"] {
+        common::opens_in_transformers(&out(name).join(format!("checkpoint-{STEPS}")));
+    }
 }
 
 #[test]
@@ -138,12 +158,28 @@ fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
         "--parallelism_config_ep_size",
         "2",
     ];
+    // FSDP2 x tp (dp_shard 2, tp 2) with ep taking both dp_shard ranks.
+    let ep_fsdp2_tp: &[&str] = &[
+        "--profile",
+        "fsdp2_tp_cpu",
+        "--parallelism_config_ep_size",
+        "2",
+    ];
+    // DeepSpeed ZeRO-3 over 2 processes: ep takes both, each unit holds one rank's experts.
+    let ep_zero3: &[&str] = &[
+        "--profile",
+        "zero3_cpu",
+        "--parallelism_config_ep_size",
+        "2",
+    ];
     equals_one_process(
         "qwen3-moe",
         &[
             ("ep_tp", ep_tp),
             ("ep_ring", ep_ring),
             ("ep_ulysses", ep_ulysses),
+            ("ep_zero3", ep_zero3),
+            ("ep_fsdp2_tp", ep_fsdp2_tp),
         ],
     );
 }
@@ -215,17 +251,24 @@ fn a_checkpoint_resumes_on_another_ep_size() {
     }
 }
 
-/// An ep size the data-parallel ranks do not divide, experts that do not divide over it, and
-/// a sharded strategy (not built with ep yet) are refused at launch, naming the key.
+/// An ep size the data-parallel ranks do not divide, a model without experts, and what ep
+/// does not compose with yet (ZeRO-1/2, LoRA under FSDP) are refused at launch, naming the
+/// key.
 #[test]
 fn what_ep_cannot_run_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
     let refused = |kind: &str, launch_args: &[&str], want: &[&str]| {
         let model = common::model_dir(kind);
-        let args = [
+        // A trainer flag rides after the launch's, past `sft --`.
+        let (launch_args, trainer) = match launch_args.iter().position(|a| *a == "--use_peft") {
+            Some(i) => (&launch_args[..i], &launch_args[i..]),
+            None => (launch_args, &[][..]),
+        };
+        let mut args = vec![
             "--model_name_or_path".to_string(),
             model.display().to_string(),
         ];
+        args.extend(trainer.iter().map(|a| a.to_string()));
         let o = common::sft_launch(launch_args, &args)
             .args(["--max_steps", "1", "--output_dir"])
             .arg(tmp.path().join(kind))
@@ -255,11 +298,22 @@ fn what_ep_cannot_run_is_refused_by_name() {
         "tiny-qwen3-moe",
         &[
             "--profile",
-            "zero3_cpu",
+            "zero2_cpu",
             "--parallelism_config_ep_size",
             "2",
         ],
-        &["parallelism_config_ep_size", "ZeRO / FSDP"],
+        &["parallelism_config_ep_size", "ZeRO-1/2"],
+    );
+    refused(
+        "tiny-qwen3-moe",
+        &[
+            "--profile",
+            "fsdp2_cpu",
+            "--parallelism_config_ep_size",
+            "2",
+            "--use_peft",
+        ],
+        &["parallelism_config_ep_size", "LoRA under ZeRO-3 / FSDP"],
     );
     // The bundled Qwen2 has no experts.
     refused(

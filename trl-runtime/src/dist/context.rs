@@ -60,12 +60,14 @@ type Groups = BTreeMap<Vec<Axis>, Arc<Timed>>;
 /// Expert parallelism's communicators.
 struct EpGroups {
     group: Arc<Timed>,
-    /// By the batch axes (DP, DP_CP, DP_SP), sorted.
+    /// By the axes they are taken from (sorted): the batch axes (DP, DP_CP, DP_SP) and the
+    /// shard axes (dp_shard, DP_SHARD_CP, DP_SHARD_SP).
     replicas: BTreeMap<Vec<Axis>, Arc<Timed>>,
 }
 
-/// The sets of axes whose ranks see different tokens (`parallel::batch_axes`).
-const BATCH_AXES: &[&[Axis]] = &[DP, DP_CP, DP_SP];
+/// The sets of axes whose ranks see different tokens (`parallel::batch_axes`) and those
+/// ZeRO-3 / FSDP shard over (`parallel::shard_axes`).
+const EP_AXES: &[&[Axis]] = &[DP, DP_CP, DP_SP, &[Axis::DpShard], DP_SHARD_CP, DP_SHARD_SP];
 
 /// The ep groups of `rank` for groups of `ep` (None for 1), each made by `make(name,
 /// members)`.
@@ -87,7 +89,7 @@ fn make_ep_groups(
     let (members, _) = mesh.ep_groups(rank, ep, DP);
     let group = make(&format!("ep:{}", names(&members)), &members)?;
     let mut replicas = BTreeMap::new();
-    for axes in BATCH_AXES {
+    for axes in EP_AXES {
         let (_, members) = mesh.ep_groups(rank, ep, axes);
         let name = format!("ep_replicas+{}:{}", key(axes).len(), names(&members));
         replicas.insert(key(axes), Arc::new(Timed::new(make(&name, &members)?)));
@@ -302,12 +304,12 @@ impl DistContext {
             .map(|e| e.group.clone() as Arc<dyn Communicator>)
     }
 
-    /// The ranks holding the same experts as this one among those of `batch` (the axes
-    /// gradients are summed over), under expert parallelism.
-    pub fn expert_replicas(&self, batch: &[Axis]) -> Option<Arc<dyn Communicator>> {
+    /// The ranks holding the same experts as this one among those of `axes` (the batch axes
+    /// gradients are summed over, or the shard axes), under expert parallelism.
+    pub fn expert_replicas(&self, axes: &[Axis]) -> Option<Arc<dyn Communicator>> {
         let ep = self.ep.as_ref()?;
-        let group = ep.replicas.get(&key(batch)).unwrap_or_else(|| {
-            panic!("no experts' replica group for axes {batch:?}: use DP, DP_CP or DP_SP")
+        let group = ep.replicas.get(&key(axes)).unwrap_or_else(|| {
+            panic!("no experts' replica group for axes {axes:?}: use batch or shard axes")
         });
         Some(group.clone())
     }

@@ -74,7 +74,8 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
             // runs (which cut their tp slices from whole tensors), read it all.
             let reader = ShardedReader::open(ckpt)?;
             let slices = matches!(opts.strategy, Strategy::Fsdp(..) | Strategy::Zero(_));
-            if tp.size() > 1 || !slices {
+            // Under ep each rank keeps its share of the experts from the whole state.
+            if tp.size() > 1 || !slices || ctx.ep().is_some() {
                 let (params, full) = reader.full_state(opts.adam)?;
                 let params = params
                     .into_iter()
@@ -117,6 +118,13 @@ pub fn build<N: CausalModel>(ctx: &DistContext, opts: &ParallelOptions) -> Resul
             "sharded checkpoints are written full under tensor parallelism (tp = {}): each \
              parameter is gathered and rank 0 writes HF safetensors",
             tp.size()
+        );
+    }
+    let ep = ctx.ep().map_or(1, |ep| ep.size());
+    if ep > 1 && checkpoint_format == CheckpointFormat::Sharded && ctx.is_main_process() {
+        tracing::warn!(
+            "sharded checkpoints are written full under expert parallelism (ep = {ep}): every \
+             rank's experts are gathered and rank 0 writes HF safetensors"
         );
     }
     let parallel = parallelize(&mut model, ctx, opts, resume)?;

@@ -14,7 +14,9 @@
 //!
 //! docs/expert-parallel.md says what moves where and what it composes with.
 
+use super::{ParallelOptions, Strategy};
 use crate::comm::{Communicator, ReduceOp};
+use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::nn::module::ExpertHold;
 use crate::optim::{sums_of_squares, AdamW, ParamState};
@@ -26,6 +28,8 @@ use std::sync::Arc;
 #[derive(Debug, Clone, Default)]
 pub struct ExpertPlan {
     pub holds: BTreeMap<String, ExpertHold>,
+    /// The ep group's size.
+    pub ranks: usize,
 }
 
 impl ExpertPlan {
@@ -82,6 +86,25 @@ impl ExpertPlan {
             }
         }
         Ok(out)
+    }
+
+    /// The names parameter `name` stands for once gathered: every rank's expert in its slot
+    /// for a listed expert's parameter, itself otherwise.
+    pub fn names_of(&self, name: &str) -> Vec<String> {
+        match self.holds.get(name) {
+            Some(ExpertHold::Listed {
+                list,
+                index,
+                per_rank,
+            }) => {
+                let rest = &name[list.len() + 1 + index.to_string().len()..];
+                let ranks = self.ranks.max(1);
+                (0..ranks)
+                    .map(|q| format!("{list}.{}{rest}", q * per_rank + index % per_rank))
+                    .collect()
+            }
+            _ => vec![name.to_string()],
+        }
     }
 
     /// This rank's share of a whole per-parameter optimizer state (a checkpoint written under
@@ -186,6 +209,37 @@ fn is_listed_elsewhere(holds: &BTreeMap<String, ExpertHold>, name: &str) -> bool
 pub fn sum_over(ep: &Arc<dyn Communicator>, local: f64) -> Result<f64> {
     let t = Tensor::new(&[local], &Device::Cpu)?;
     Ok(ep.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?[0])
+}
+
+/// Refuses what expert parallelism does not compose with yet: ZeRO-1/2 (their flat
+/// gradient vector is reduced over every data-parallel rank), LoRA under ZeRO-3 / FSDP, and
+/// ZeRO-3 / FSDP with an ep group that is not inside dp_shard (their units shard over the
+/// dp_shard ranks holding the same experts).
+pub fn check_strategy(opts: &ParallelOptions, ctx: &DistContext, ep: usize) -> Result<()> {
+    match opts.strategy {
+        Strategy::Ddp => Ok(()),
+        Strategy::Zero(_) => Err(refuse(
+            "ZeRO-1/2 (DeepSpeed stage 1-2, FSDP SHARD_GRAD_OP)",
+            "use ZeRO-3 / FSDP FULL_SHARD or a data-parallel launch",
+        )),
+        Strategy::Fsdp(..) if opts.lora.is_some() => Err(refuse(
+            "LoRA under ZeRO-3 / FSDP",
+            "use a data-parallel launch (multi_cpu / multi_gpu) for LoRA with ep",
+        )),
+        Strategy::Fsdp(..) => {
+            let shard = ctx.mesh.dims().dp_shard;
+            match shard.is_multiple_of(ep) {
+                true => Ok(()),
+                false => Err(refuse(
+                    &format!("ZeRO-3 / FSDP over dp_shard = {shard} ranks"),
+                    &format!(
+                        "ZeRO-3 / FSDP take the ep group out of dp_shard: choose an ep that \
+                         divides {shard}"
+                    ),
+                )),
+            }
+        }
+    }
 }
 
 /// The error for a strategy expert parallelism does not compose with yet.

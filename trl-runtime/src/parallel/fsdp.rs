@@ -572,6 +572,28 @@ pub struct FsdpOptimizer {
     /// Under tensor parallelism: the parameters each unit's slice covers (by unit name), whose
     /// squared gradients count in the global norm by their split.
     tp_grads: Option<(TpGrads, BTreeMap<String, EntryRanges>)>,
+    /// Under expert parallelism (the units sharded over the ranks holding the same experts):
+    /// the ep group, over which the dense parameters' gradient slices are summed and the
+    /// experts' squares add up, and each unit's parameters split into (dense, experts).
+    experts: Option<(Arc<dyn Communicator>, BTreeMap<String, DenseAndExperts>)>,
+}
+
+/// A unit slice's parameters: the dense ones, and this rank's experts'.
+type DenseAndExperts = (EntryRanges, EntryRanges);
+
+/// The sum of squares of `g`'s parts `entries`, each weighed as `weight` says (1 without tp).
+fn entries_sq(g: &Tensor, entries: &EntryRanges, tp: Option<&TpGrads>) -> Result<f64> {
+    if entries.is_empty() {
+        return Ok(0.0);
+    }
+    if let Some(tp) = tp {
+        return tp.weighted_sq(g, entries);
+    }
+    let parts = entries
+        .iter()
+        .map(|(_, r)| g.narrow(0, r.start, r.len()))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(sums_of_squares(&parts)?.iter().sum())
 }
 
 impl FsdpOptimizer {
@@ -616,12 +638,76 @@ impl FsdpOptimizer {
                 states,
             },
             tp_grads: None,
+            experts: None,
         })
+    }
+
+    /// The same optimizer for units holding this rank's share of the experts (expert
+    /// parallelism, the units sharded over the ranks holding the same share): the dense
+    /// parameters' gradient slices are summed over `ep` too (the group's ranks hold the same
+    /// dense slices), and the experts' squares over it for the norm.
+    pub fn with_experts(
+        mut self,
+        plan: &super::expert::ExpertPlan,
+        ep: Arc<dyn Communicator>,
+    ) -> Self {
+        let units = self
+            .model
+            .units
+            .iter()
+            .map(|u| {
+                let (experts, dense) = u
+                    .entry_ranges()
+                    .into_iter()
+                    .partition(|(n, _)| plan.holds(n));
+                (u.name.clone(), (dense, experts))
+            })
+            .collect();
+        self.experts = Some((ep, units));
+        self
+    }
+
+    /// Under expert parallelism, `g` (unit `name`'s gradient slice) with its dense
+    /// parameters' parts summed over the ep group.
+    fn sum_dense_over_ep(&self, name: &str, g: Tensor) -> Result<Tensor> {
+        let Some((ep, units)) = &self.experts else {
+            return Ok(g);
+        };
+        let (dense, experts) = &units[name];
+        if dense.is_empty() {
+            return Ok(g);
+        }
+        if experts.is_empty() {
+            return ep.all_reduce(&g, ReduceOp::Sum);
+        }
+        // The dense parts laid end to end, summed, put back in place.
+        let mut ranges: Vec<&std::ops::Range<usize>> = dense.iter().map(|(_, r)| r).collect();
+        ranges.sort_by_key(|r| r.start);
+        let parts = ranges
+            .iter()
+            .map(|r| g.narrow(0, r.start, r.len()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let summed = ep.all_reduce(&Tensor::cat(&parts, 0)?, ReduceOp::Sum)?;
+        let (mut pieces, mut at, mut taken) = (Vec::new(), 0, 0);
+        for r in ranges {
+            if r.start > at {
+                pieces.push(g.narrow(0, at, r.start - at)?);
+            }
+            pieces.push(summed.narrow(0, taken, r.len())?);
+            taken += r.len();
+            at = r.end;
+        }
+        if at < g.dim(0)? {
+            pieces.push(g.narrow(0, at, g.dim(0)? - at)?);
+        }
+        Ok(Tensor::cat(&pieces, 0)?)
     }
 
     /// The parameter names (with the dtype they are held in) in the order
     /// [`Self::for_each_full_unit`] hands them over: unit by unit, each unit's by name.
-    pub fn full_order(&self) -> Vec<(String, DType)> {
+    /// `names_of` gives the names a unit's parameter stands for once gathered (under expert
+    /// parallelism, every rank's expert in its slot).
+    pub fn full_order(&self, names_of: impl Fn(&str) -> Vec<String>) -> Vec<(String, DType)> {
         self.model
             .units
             .iter()
@@ -631,7 +717,8 @@ impl FsdpOptimizer {
                     .layout
                     .entries()
                     .iter()
-                    .map(|(n, _, _)| (n.clone(), dtype))
+                    .flat_map(|(n, _, _)| names_of(n))
+                    .map(|n| (n, dtype))
                     .collect();
                 names.sort_by(|a, b| a.0.cmp(&b.0));
                 names
@@ -668,7 +755,7 @@ impl FsdpOptimizer {
     /// the tensor-parallel plan against the gradients ([`TpGrads::sync_flat`]).
     pub fn step(&mut self, max_grad_norm: f64, lr: f64, first: bool) -> Result<f64> {
         let mut grads = BTreeMap::new();
-        let mut local_sq = 0f64;
+        let (mut local_sq, mut expert_sq) = (0f64, 0f64);
         for unit in &self.model.units {
             let g = match unit.lock().grad_shard.take() {
                 Some(g) => g,
@@ -678,29 +765,46 @@ impl FsdpOptimizer {
                 Some(r) => r.all_reduce(&g, ReduceOp::Sum)?,
                 None => g,
             };
+            let g = self.sum_dense_over_ep(&unit.name, g)?;
             // Partial parameters' slices summed over tp.
             let g = match &self.tp_grads {
                 Some((tp, units)) => {
                     let entries = &units[&unit.name];
                     let g = tp.sync_flat(&g, entries, first)?;
-                    local_sq += tp.weighted_sq(&g, entries)?;
+                    if self.experts.is_none() {
+                        local_sq += tp.weighted_sq(&g, entries)?;
+                    }
                     g
                 }
                 None => g,
             };
+            if let Some((_, units)) = &self.experts {
+                let (dense, experts) = &units[&unit.name];
+                let tp = self.tp_grads.as_ref().map(|(tp, _)| tp);
+                local_sq += entries_sq(&g, dense, tp)?;
+                expert_sq += entries_sq(&g, experts, tp)?;
+            }
             grads.insert(unit.name.clone(), g);
         }
-        if self.tp_grads.is_none() {
+        if self.tp_grads.is_none() && self.experts.is_none() {
             // Every unit's slice in one pass (one read-back on a GPU).
             local_sq = sums_of_squares(grads.values())?.iter().sum();
         }
         let shard_comm = self.model.root().comm();
-        let sq = Tensor::new(&[local_sq], &candle_core::Device::Cpu)?;
-        let mut norm_sq = shard_comm
+        let sq = Tensor::new(&[local_sq, expert_sq], &candle_core::Device::Cpu)?;
+        let sq = shard_comm
             .all_reduce(&sq, ReduceOp::Sum)?
-            .to_vec1::<f64>()?[0];
+            .to_vec1::<f64>()?;
+        let (mut norm_sq, mut expert_sq) = (sq[0], sq[1]);
         if let Some((tp, _)) = &self.tp_grads {
             norm_sq = tp.sum(norm_sq)?;
+            if self.experts.is_some() {
+                expert_sq = tp.sum(expert_sq)?;
+            }
+        }
+        // The experts' squares: this share's over the shard group, every share's over ep.
+        if let Some((ep, _)) = &self.experts {
+            norm_sq += super::expert::sum_over(ep, expert_sq)?;
         }
         let norm = norm_sq.sqrt();
         // A non-finite gradient never reaches the weights.

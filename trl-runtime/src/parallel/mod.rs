@@ -242,6 +242,8 @@ impl ParallelOptions {
             && matches!(self.strategy, Strategy::Fsdp(..))
             && ctx.group(&[Axis::Tp]).size() == 1
             && self.resume_from.is_none()
+            // Each rank keeps its share of the experts from the whole model.
+            && ctx.ep().is_none()
     }
 }
 
@@ -482,12 +484,7 @@ pub fn parallelize<N: CausalModel>(
     // 2. Expert parallelism: each rank of the ep group keeps its share of every mixture's
     // experts (a resumed run's optimizer state too); tokens travel to them.
     if let Some(ep) = ctx.ep() {
-        if opts.strategy != Strategy::Ddp {
-            return Err(expert::refuse(
-                "ZeRO / FSDP (DeepSpeed stage 1-3, FSDP sharding)",
-                "launch it data-parallel (multi_cpu / multi_gpu, or a profile with tp)",
-            ));
-        }
+        expert::check_strategy(opts, ctx, ep.size())?;
         model.shard_experts(ep.clone()).map_err(|e| Error::Config {
             file: config_json.clone(),
             key: "parallelism_config_ep_size".into(),
@@ -552,7 +549,14 @@ pub fn parallelize<N: CausalModel>(
 
     // 5. Data parallelism over the ranks that see different tokens; ZeRO / FSDP shard over
     // dp_shard (and the sequence chunks' ranks), summing across dp_replicate (HSDP).
-    let shard = ctx.group(shard_axes(split.as_ref()));
+    // Under expert parallelism ZeRO-3 / FSDP shard over the ranks holding the same experts
+    // (the ep group's ranks hold the same dense slices; their gradients are summed over it).
+    let shard = match model.ep() {
+        Some(_) => ctx
+            .expert_replicas(shard_axes(split.as_ref()))
+            .expect("ep groups are made with the ep context"),
+        None => ctx.group(shard_axes(split.as_ref())),
+    };
     let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
     let offload = offload::decide(plan, ctx.device(), main);
     if let Some(units) = units {
@@ -616,6 +620,9 @@ pub fn parallelize<N: CausalModel>(
         (_, None) => {
             let sharded = model.sharding.clone().expect("sharded above");
             let mut f = FsdpOptimizer::new(sharded, opts.adam, replicate)?;
+            if let Some(ep) = model.ep() {
+                f = f.with_experts(model.expert_plan(), ep.clone());
+            }
             prepare(&mut f, &model.params)?;
             Optimizer::Fsdp(f)
         }

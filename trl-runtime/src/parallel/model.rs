@@ -459,7 +459,10 @@ impl<N: CausalModel> Model<N> {
         if let Some(tp) = &self.tp {
             self.tp_plan = crate::tp::plan(&*self.net, tp.size(), true);
         }
-        self.expert_plan = Arc::new(super::expert::ExpertPlan { holds });
+        self.expert_plan = Arc::new(super::expert::ExpertPlan {
+            holds,
+            ranks: ep.size(),
+        });
         self.ep = Some(ep);
         Ok(())
     }

@@ -147,7 +147,8 @@ impl<'a, N: CausalModel> Core<'a, N> {
     pub(super) fn save_streamed_checkpoint(&self, fsdp: &FsdpOptimizer) -> Result<Option<PathBuf>> {
         let (out, step) = (&self.args.output_dir, self.state.global_step);
         let shapes = self.model.parameter_shapes();
-        let order = fsdp.full_order();
+        let plan = self.model.expert_plan();
+        let order = fsdp.full_order(|n| plan.names_of(n));
         let shape_of = |name: &str| {
             shapes.get(name).cloned().ok_or_else(|| {
                 Error::Parallelism(format!("{name} is sharded but not a model parameter"))
@@ -179,16 +180,11 @@ impl<'a, N: CausalModel> Core<'a, N> {
         // that the other ranks are not left waiting; the error is returned after the loop.
         let mut failed = None;
         fsdp.for_each_full_unit(!self.args.save_only_model, |params, states| {
-            let (params, states) = match self.model.tp() {
-                Some(tp) => {
-                    let plan = self.model.tp_plan();
-                    (
-                        tp_state::gather_full(params, plan, tp.as_ref())?,
-                        tp_state::gather_param_states(states, plan, tp.as_ref())?,
-                    )
-                }
-                None => (params, states),
-            };
+            // Tensor-parallel slices joined, every rank's experts gathered.
+            let params = self.model.gather_split(params, tp_state::gather_full)?;
+            let states = self
+                .model
+                .gather_split(states, tp_state::gather_param_states)?;
             if let (Some((_, weights, opt)), None) = (files.as_mut(), &failed) {
                 let written: Result<()> = params
                     .iter()
@@ -235,6 +231,7 @@ impl<'a, N: CausalModel> Core<'a, N> {
         // Sharded state is the optimizer's slices: a model-only checkpoint is written full.
         if format == CheckpointFormat::Sharded
             && tp.is_none()
+            && self.model.ep().is_none()
             && self.optimizer.sharded().is_some()
             && !self.args.save_only_model
         {

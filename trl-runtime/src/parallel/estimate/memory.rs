@@ -137,11 +137,12 @@ pub fn estimate(model: &ModelShapes, setup: &Setup) -> Estimate {
 fn counts<'a>(model: &'a ModelShapes, setup: &Setup) -> Counts<'a> {
     let d = setup.dims;
     let tp = d.tp.max(1);
-    // ZeRO and FSDP shard over dp_shard and the ranks holding the other chunks of the rows.
-    let n = d.dp_shard * d.cp * d.sp;
-    let dsz = setup.dtype.size_in_bytes();
     // Under expert parallelism a rank holds 1 / ep of every routed expert's parameters.
     let ep = setup.ep.max(1);
+    // ZeRO and FSDP shard over dp_shard and the ranks holding the other chunks of the rows
+    // (under ep, those of them holding the same experts).
+    let n = (d.dp_shard * d.cp * d.sp / ep).max(1);
+    let dsz = setup.dtype.size_in_bytes();
     let shapes: Vec<(&str, usize)> = model
         .local(tp)
         .into_iter()
@@ -189,8 +190,8 @@ fn counts<'a>(model: &'a ModelShapes, setup: &Setup) -> Counts<'a> {
     let resident = setup.strategy == Strategy::Zero(ZeroStage::Two) && setup.lora.is_none();
     // The wrap units on this rank (frozen ones under LoRA).
     let units = match setup.strategy {
-        Strategy::Fsdp(policy, _) => model.unit_sizes(tp, policy, &trained),
-        _ if resident => model.unit_sizes(tp, setup.reduce_units.0, &[]),
+        Strategy::Fsdp(policy, _) => model.unit_sizes((tp, ep), policy, &trained),
+        _ if resident => model.unit_sizes((tp, ep), setup.reduce_units.0, &[]),
         _ => Vec::new(),
     };
     let (p, frozen) = match &adapters {

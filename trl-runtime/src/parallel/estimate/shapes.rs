@@ -510,13 +510,21 @@ impl ModelShapes {
     /// Without the parameters `trained` (a LoRA run's modules trained whole, kept beside).
     pub(super) fn unit_sizes(
         &self,
-        tp: usize,
+        (tp, ep): (usize, usize),
         policy: WrapPolicy,
         trained: &[(String, usize)],
     ) -> Vec<usize> {
         let mut layer_sizes = vec![0usize; self.units.len()];
         let mut root = 0;
-        let local = self.local(tp);
+        // Under expert parallelism the units hold this rank's share of the experts.
+        let local: Vec<(&str, usize)> = self
+            .local(tp)
+            .into_iter()
+            .map(|(name, n)| match crate::nn::lora::is_routed_expert(name) {
+                true => (name, n / ep.max(1)),
+                false => (name, n),
+            })
+            .collect();
         let frozen = local
             .iter()
             .filter(|(n, _)| !trained.iter().any(|(t, _)| t == n));
