@@ -144,6 +144,9 @@ impl Row {
         ] {
             f += &format!(" --parallelism_config_{name}_size {v}");
         }
+        if self.setup.ep > 1 {
+            f += &format!(" --parallelism_config_ep_size {}", self.setup.ep);
+        }
         f
     }
 }
@@ -387,12 +390,29 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                         (true, Strategy::Fsdp(..), false) => &[(false, false), (true, true)],
                         _ => &[(false, false)],
                     };
-                    for (&checkpointing, &(offload, offload_params)) in work
+                    // A mixture of experts may also split its experts over ep data-parallel
+                    // ranks (out of dp_shard under ZeRO-3 / FSDP; not under ZeRO-1/2, nor
+                    // with LoRA under FSDP), where the experts divide.
+                    let ep_ranks = match strategy {
+                        Strategy::Ddp => dims.dp_replicate * dims.dp_shard,
+                        Strategy::Fsdp(..) if work.lora.is_none() => dims.dp_shard,
+                        _ => 1,
+                    };
+                    let eps: Vec<usize> = match model.experts() {
+                        Some(e) => divisors(ep_ranks)
+                            .into_iter()
+                            .filter(|ep| e.is_multiple_of(*ep))
+                            .collect(),
+                        None => vec![1],
+                    };
+                    for (&checkpointing, &(offload, offload_params), &ep) in work
                         .checkpointing
                         .iter()
                         .flat_map(|c| offloads.iter().map(move |o| (c, o)))
+                        .flat_map(|(c, o)| eps.iter().map(move |ep| (c, o, ep)))
                     {
                         let mut config = config.clone();
+                        config.parallelism.ep = ep;
                         if let Some(ds) = config.deepspeed.as_mut().filter(|_| offload) {
                             ds.offload_optimizer_device = OffloadDevice::Cpu;
                             if offload_params {
@@ -471,7 +491,7 @@ fn line(r: &Row) -> String {
     let d = r.setup.dims;
     let e = &r.estimate;
     format!(
-        "{:<4} {:<10} {:>3} {:>3} {:>3} {:>3} {:>3} {:<4} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10.0}",
+        "{:<4} {:<10} {:>3} {:>3} {:>3} {:>3} {:>3} {:>3} {:<4} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10.0}",
         if r.fits { "fits" } else { "OOM" },
         match (r.setup.offload_optimizer, r.setup.offload_params) {
             (true, false) => format!("{}+off", r.profile),
@@ -483,6 +503,7 @@ fn line(r: &Row) -> String {
         d.tp,
         d.cp,
         d.sp,
+        r.setup.ep,
         if r.setup.checkpointing { "on" } else { "off" },
         gib(e.parameters),
         gib(e.gradients),
@@ -565,8 +586,8 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
         gib(machine.memory)
     )];
     out.push(format!(
-        "{:<4} {:<10} {:>3} {:>3} {:>3} {:>3} {:>3} {:<4} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10}",
-        "", "profile", "rep", "shd", "tp", "cp", "sp", "ckpt", "params", "grads", "optim", "activ", "buffers", "peak", "tokens/s"
+        "{:<4} {:<10} {:>3} {:>3} {:>3} {:>3} {:>3} {:>3} {:<4} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>10}",
+        "", "profile", "rep", "shd", "tp", "cp", "sp", "ep", "ckpt", "params", "grads", "optim", "activ", "buffers", "peak", "tokens/s"
     ));
     let shown: Vec<&Row> = rows.iter().filter(|r| r.fits || args.all).collect();
     out.extend(shown.iter().map(|r| line(r)));

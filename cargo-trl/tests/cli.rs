@@ -394,10 +394,10 @@ fn the_plan_counts_adapters_on_parameters_and_refuses_unknown_targets() {
         ];
         run(&[&base[..], &["--use_peft"], extra].concat())
     };
-    // The gradient column (fits, profile, 5 sizes, ckpt, params, grads): the adapters'.
+    // The gradient column (fits, profile, 6 sizes, ckpt, params, grads): the adapters'.
     let grads = |out: &str| -> String {
         let line = out.lines().find(|l| l.starts_with("fits")).unwrap_or("");
-        line.split_whitespace().nth(9).unwrap_or("").to_string()
+        line.split_whitespace().nth(10).unwrap_or("").to_string()
     };
     let (code, attention, err) = plan(&[]);
     assert_eq!(code, 0, "{err}");
@@ -419,6 +419,79 @@ fn the_plan_counts_adapters_on_parameters_and_refuses_unknown_targets() {
             && err.contains("mlp.experts.gate_up_proj"),
         "{err}"
     );
+}
+
+/// `cargo trl plan` counts expert parallelism for a mixture of experts: layouts with an ep
+/// size (dividing the 128 experts and the data-parallel ranks, out of dp_shard under ZeRO-3 /
+/// FSDP, none under ZeRO-1/2), each rank's share of the experts in its state; the pick names
+/// `--parallelism_config_ep_size` when ep is fastest. A dense model plans ep 1 only.
+#[test]
+fn the_plan_counts_expert_parallelism() {
+    let config = |name: &str| {
+        format!(
+            "{}/../assets/configs/{name}.json",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    };
+    let plan = |name: &str| {
+        let model = config(name);
+        let args = [
+            "plan", "--model", &model, "--seq", "4096", "--batch", "1", "--gpus", "8",
+        ];
+        let (code, out, err) = run(&[&args[..], &["--gpu_memory", "80GiB", "--all"]].concat());
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    // (profile, dp_shard, ep, params) of every layout.
+    let rows = |out: &str| -> Vec<(String, usize, usize, String)> {
+        out.lines()
+            .filter(|l| l.starts_with("fits") || l.starts_with("OOM"))
+            .map(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                (
+                    w[1].to_string(),
+                    w[3].parse().unwrap(),
+                    w[7].parse().unwrap(),
+                    w[9].to_string(),
+                )
+            })
+            .collect()
+    };
+    let moe = plan("qwen3-30b-a3b");
+    assert!(moe.lines().nth(1).unwrap().contains(" ep "), "{moe}");
+    let all = rows(&moe);
+    let eps: std::collections::BTreeSet<usize> = all.iter().map(|r| r.2).collect();
+    assert!(eps.contains(&2) && eps.contains(&8), "{moe}");
+    for (profile, shard, ep, _) in &all {
+        assert!(128 % ep == 0, "{moe}");
+        if profile.starts_with("zero3") || profile.starts_with("fsdp2") {
+            assert!(shard % ep == 0, "{profile} dp_shard {shard} ep {ep}: {moe}");
+        }
+        if profile.starts_with("zero1") || profile.starts_with("zero2") {
+            assert_eq!(*ep, 1, "{moe}");
+        }
+    }
+    // DDP over 8 GPUs: each ep keeps a share of the experts, so the weights shrink with it.
+    let ddp = |ep: usize| {
+        let found = all
+            .iter()
+            .find(|r| r.0 == "multi_gpu" && r.1 == 1 && r.2 == ep);
+        found.map(|r| r.3.clone()).unwrap_or_default()
+    };
+    assert!(
+        ddp(1).contains('G') && ddp(8).contains('G') && ddp(1) != ddp(8),
+        "{moe}"
+    );
+    let pick = moe.lines().find(|l| l.starts_with("pick:")).unwrap();
+    let best = moe.lines().find(|l| l.starts_with("fits")).unwrap();
+    let best_ep: usize = best.split_whitespace().nth(7).unwrap().parse().unwrap();
+    assert_eq!(
+        pick.contains("--parallelism_config_ep_size"),
+        best_ep > 1,
+        "{moe}"
+    );
+    let dense = rows(&plan("llama-3.1-8b"));
+    assert!(dense.iter().all(|r| r.2 == 1));
 }
 
 /// `cargo trl plan` reads TRL's LoRA flags as TRL does: `--use_peft` alone or with a value,

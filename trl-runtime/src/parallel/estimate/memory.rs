@@ -143,14 +143,7 @@ fn counts<'a>(model: &'a ModelShapes, setup: &Setup) -> Counts<'a> {
     // (under ep, those of them holding the same experts).
     let n = (d.dp_shard * d.cp * d.sp / ep).max(1);
     let dsz = setup.dtype.size_in_bytes();
-    let shapes: Vec<(&str, usize)> = model
-        .local(tp)
-        .into_iter()
-        .map(|(name, n)| match is_routed_expert(name) {
-            true => (name, n / ep),
-            false => (name, n),
-        })
-        .collect();
+    let shapes = model.local_ep(tp, ep);
     let base: usize = shapes.iter().map(|(_, n)| n).sum();
 
     // Trainable elements (all weights, or the adapters), and the frozen base.

@@ -324,6 +324,23 @@ impl ModelShapes {
 
     /// Whether the model splits over `tp` ranks with its heads over `tp x sp`: every split
     /// dimension and head count divides.
+    /// The routed experts of each sparse layer, for a mixture of experts (what an ep size
+    /// must divide).
+    pub fn experts(&self) -> Option<usize> {
+        self.moe.map(|(experts, ..)| experts)
+    }
+
+    /// This rank's parameters on a rank of `tp` holding 1 / `ep` of the routed experts.
+    pub(super) fn local_ep(&self, tp: usize, ep: usize) -> Vec<(&str, usize)> {
+        self.local(tp)
+            .into_iter()
+            .map(|(name, n)| match is_routed_expert(name) {
+                true => (name, n / ep.max(1)),
+                false => (name, n),
+            })
+            .collect()
+    }
+
     pub fn splits_over(&self, tp: usize, sp: usize) -> bool {
         let heads = self
             .heads
@@ -517,14 +534,7 @@ impl ModelShapes {
         let mut layer_sizes = vec![0usize; self.units.len()];
         let mut root = 0;
         // Under expert parallelism the units hold this rank's share of the experts.
-        let local: Vec<(&str, usize)> = self
-            .local(tp)
-            .into_iter()
-            .map(|(name, n)| match crate::nn::lora::is_routed_expert(name) {
-                true => (name, n / ep.max(1)),
-                false => (name, n),
-            })
-            .collect();
+        let local = self.local_ep(tp, ep);
         let frozen = local
             .iter()
             .filter(|(n, _)| !trained.iter().any(|(t, _)| t == n));

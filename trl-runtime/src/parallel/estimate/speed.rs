@@ -57,22 +57,58 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
         false => hw.intra,
     };
     let ring = |n: usize| (n as f64 - 1.0) / n as f64;
-    let trainable = match &setup.lora {
-        Some(l) => model.adapters(l, d.tp).iter().map(|(_, n)| *n).sum(),
-        None => model.local(d.tp).iter().map(|(_, n)| *n).sum::<usize>(),
-    } as f64;
+    // Under expert parallelism a rank holds 1 / ep of the routed experts: their gradients are
+    // reduced over the dp / ep ranks holding the same ones, ZeRO-3 / FSDP's units sharded there.
+    let ep = setup.ep.max(1);
+    let (mut experts, mut dense) = (0.0, 0.0);
+    match &setup.lora {
+        Some(l) => {
+            dense = model
+                .adapters(l, d.tp)
+                .iter()
+                .map(|(_, n)| *n)
+                .sum::<usize>() as f64
+        }
+        None => {
+            for (name, n) in model.local_ep(d.tp, ep) {
+                match crate::nn::lora::is_routed_expert(name) {
+                    true => experts += n as f64,
+                    false => dense += n as f64,
+                }
+            }
+        }
+    }
+    let trainable = dense + experts;
     let n_shard = d.dp_shard * d.cp * d.sp;
     let inner = d.tp * d.cp * d.sp;
     let shard = link(n_shard, d.tp);
     // Data-parallel traffic is a few large buckets: its bandwidth term.
     let mut dp_seconds = match setup.strategy {
-        Strategy::Ddp => link(n_shard * d.dp_replicate, d.tp)
-            .seconds(1.0, 2.0 * ring(n_shard * d.dp_replicate) * 4.0 * trainable),
+        Strategy::Ddp => {
+            let all = n_shard * d.dp_replicate;
+            let reduce =
+                |n: usize, elems: f64| link(n, d.tp).seconds(1.0, 2.0 * ring(n) * 4.0 * elems);
+            match ep {
+                1 => reduce(all, trainable),
+                _ => reduce(all, dense) + reduce(all / ep, experts),
+            }
+        }
         Strategy::Zero(_) => shard.seconds(1.0, ring(n_shard) * (4.0 + dsz) * trainable),
-        // Gathered for forward and again for backward; gradients reduce-scattered.
+        // Gathered for forward and again for backward; gradients reduce-scattered (under ep
+        // over the ranks holding the same experts, the dense slices then summed over ep).
         Strategy::Fsdp(..) => {
-            let base = model.local(d.tp).iter().map(|(_, n)| *n).sum::<usize>() as f64;
-            shard.seconds(1.0, ring(n_shard) * (2.0 * dsz * base + 4.0 * trainable))
+            let base = model
+                .local_ep(d.tp, ep)
+                .iter()
+                .map(|(_, n)| *n)
+                .sum::<usize>() as f64;
+            let n = n_shard / ep;
+            let units = link(n, d.tp).seconds(1.0, ring(n) * (2.0 * dsz * base + 4.0 * trainable));
+            let dense_over_ep = match ep > 1 {
+                true => link(ep, d.tp * n).seconds(1.0, 2.0 * ring(ep) * 4.0 * dense / n as f64),
+                false => 0.0,
+            };
+            units + dense_over_ep
         }
     };
     if d.dp_replicate > 1 && !matches!(setup.strategy, Strategy::Ddp) {
@@ -108,6 +144,14 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
         let count = layers * 3.0 * recompute * (d.cp as f64 - 1.0);
         let volume = rank_tokens * 2.0 * kv / d.tp as f64 * dsz;
         mp += link(d.cp, d.tp).seconds(count, count * volume);
+    }
+    // Expert parallelism: per sparse layer two all-to-alls forward (the routed rows out, the
+    // outputs back), two backward, two more recomputed; each sends the (ep - 1) / ep of this
+    // rank's routed rows bound for the other ranks.
+    if let (true, Some((_, top_k, _, sparse))) = (ep > 1, model.moe) {
+        let count = sparse as f64 * 4.0 * recompute;
+        let bytes = count * ring(ep) * rank_tokens * top_k as f64 * h * dsz;
+        mp += link(ep, inner).seconds(count, bytes);
     }
     // An offloaded update runs after backward, on this rank's slice of the trainable state.
     let offload = match setup.offload_optimizer {
