@@ -8,7 +8,10 @@
 //! `python3` (or $PYTHON) imports torch, transformers (and TRL) train the same shape on one CPU
 //! thread in the same run (hf_train.py --device cpu) and the ratio to ours is printed; GRPO
 //! (generation + rewards + update) against TRL's GRPOTrainer likewise, with the share of
-//! each step spent generating (`TRL_BENCH_ONLY=grpo` runs the GRPO lines alone).
+//! each step spent generating (`TRL_BENCH_ONLY=grpo` runs the GRPO lines alone). A
+//! Qwen3-MoE step (the reference's attention, 16 experts of intermediate 384, 2 per token) on 2
+//! ranks with expert parallelism (ep 2) against the same ranks without it, under DDP and
+//! ZeRO-3: tokens/s and each rank's model-state bytes (`TRL_BENCH_ONLY=moe` runs those alone).
 //! `comm_share` is the time a rank spent inside collectives (tensor-parallel and data-parallel
 //! groups) over the step time; collectives queued in the background (DDP buckets, ZeRO-3
 //! gathers) partly overlap compute, so for those it is an upper bound of the exposed share.
@@ -70,8 +73,55 @@ fn prepare(dir: &Path) {
     support::write_pref_rows(&dir.join("prompts.jsonl"), GRPO_PROMPTS, 16, 1);
 }
 
+/// The MoE shape of the expert-parallel lines: the reference's attention, 16 experts of
+/// intermediate 384, 2 per token.
+fn moe_config() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256,
+        "intermediate_size": 768, "moe_intermediate_size": 384, "num_experts": 16,
+        "num_experts_per_tok": 2, "norm_topk_prob": true,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 32, "max_position_embeddings": SEQ, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "router_aux_loss_coef": 0.001,
+    })
+}
+
+/// Writes `dir/moe` (random weights of [`moe_config`], the tiny tokenizer).
+fn prepare_moe(dir: &Path) {
+    use trl_runtime::candle_core::{DType, Device, Tensor};
+    let json = moe_config().to_string();
+    let skeleton = trl_runtime::parallel::Model::<AutoModelForCausalLM>::skeleton_of(
+        json.clone(),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let tensors: std::collections::HashMap<String, Tensor> = skeleton
+        .parameter_shapes()
+        .iter()
+        .map(|(name, shape)| {
+            let t = match name.contains("norm") {
+                true => Tensor::ones(shape.as_slice(), DType::F32, &Device::Cpu),
+                false => Tensor::randn(0f32, 0.02, shape.as_slice(), &Device::Cpu),
+            };
+            (name.clone(), t.unwrap())
+        })
+        .collect();
+    let model = dir.join("moe");
+    std::fs::create_dir_all(&model).unwrap();
+    trl_runtime::candle_core::safetensors::save(&tensors, model.join("model.safetensors")).unwrap();
+    std::fs::write(model.join("config.json"), json).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(
+            support::repo().join("assets/tiny/model").join(f),
+            model.join(f),
+        )
+        .unwrap();
+    }
+}
+
 fn worker(kind: &str, dir: &Path) {
-    let zero3 = kind.starts_with("ref-zero3");
+    let zero3 = kind.starts_with("ref-zero3") || kind.starts_with("moe-zero3");
     // ZeRO-3 shards over dp_shard, which the DeepSpeed type fills from the world size.
     let dist = if zero3 {
         DistributedType::DeepSpeed
@@ -80,6 +130,7 @@ fn worker(kind: &str, dir: &Path) {
     };
     let parallelism = ParallelismConfig {
         tp: if kind == "ref-tp" { 2 } else { 1 },
+        ep: if kind.ends_with("-ep") { 2 } else { 1 },
         ..ParallelismConfig::default()
     };
     let ctx = DistContext::with_plan(LaunchPlan {
@@ -97,6 +148,14 @@ fn worker(kind: &str, dir: &Path) {
         ..Default::default()
     };
     let training = match kind {
+        _ if kind.starts_with("moe-") => TrainingArguments {
+            model_name_or_path: dir.join("moe"),
+            dataset_name: dir.join("train.jsonl"),
+            per_device_train_batch_size: BATCH,
+            max_length: SEQ,
+            learning_rate: 1e-4,
+            ..common
+        },
         "tiny" => TrainingArguments {
             model_name_or_path: support::repo().join("assets/tiny/model"),
             dataset_name: support::repo().join("assets/tiny/data/train.jsonl"),
@@ -226,7 +285,7 @@ fn worker(kind: &str, dir: &Path) {
         ..SFTConfig::default()
     };
     let strategy = match kind {
-        "ref-zero3" => Strategy::fsdp(WrapPolicy::PerLayer),
+        "ref-zero3" | "moe-zero3" | "moe-zero3-ep" => Strategy::fsdp(WrapPolicy::PerLayer),
         "ref-zero3-no-prefetch" => Strategy::Fsdp(WrapPolicy::PerLayer, Prefetch::NONE),
         _ => Strategy::Ddp,
     };
@@ -261,6 +320,7 @@ fn measure_steps<N: CausalModel, T: Task<N>>(
             .iter()
             .map(|axes| ctx.comm_seconds(axes))
             .sum::<f64>()
+            + ctx.ep_comm_seconds()
     };
     let (start, comm_start, part_start) = (Instant::now(), comm(), part(&trainer.task));
     let mut tokens = 0;
@@ -268,13 +328,24 @@ fn measure_steps<N: CausalModel, T: Task<N>>(
         tokens += trainer.train_step().unwrap().tokens;
     }
     let secs = start.elapsed().as_secs_f64();
+    // Every rank's model state (weights, gradients, optimizer), the largest reported.
+    let state = trainer.core.memory().total() as f64;
+    let t = trl_runtime::candle_core::Tensor::new(&[state], &trl_runtime::candle_core::Device::Cpu)
+        .unwrap();
+    let most = ctx
+        .world()
+        .all_reduce(&t, trl_runtime::comm::ReduceOp::Max)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()[0];
     if ctx.is_main_process() {
         println!(
-            "measured {} {} {} {}",
+            "measured {} {} {} {} {}",
             secs / timed as f64,
             tokens as f64 / secs,
             (comm() - comm_start) / secs,
-            (part(&trainer.task) - part_start) / secs
+            (part(&trainer.task) - part_start) / secs,
+            most
         );
     }
 }
@@ -286,6 +357,8 @@ struct Measured {
     tokens_per_s: f64,
     comm_share: f64,
     part_share: f64,
+    /// The largest model state (bytes) a rank held.
+    state_bytes: f64,
 }
 
 /// Runs `world` ranks as `kind` workers; returns launch-to-first-step seconds and the
@@ -303,6 +376,7 @@ fn launch(kind: &str, world: usize, dir: &Path) -> (f64, Option<Measured>) {
                 tokens_per_s: v[1],
                 comm_share: v[2],
                 part_share: v[3],
+                state_bytes: v[4],
             });
         }
     });
@@ -556,6 +630,7 @@ fn main() {
         Ok("kto") => return kto_lines(tmp.path()),
         Ok("reward") => return reward_lines(tmp.path()),
         Ok(task @ ("grpo" | "rloo" | "distillation")) => return grpo_lines(tmp.path(), Some(task)),
+        Ok("moe") => return moe_lines(tmp.path()),
         _ => {}
     }
     eprintln!(
@@ -686,8 +761,34 @@ fn main() {
         "{{\"bench\":\"train\",\"strategy\":\"ddp\",\"what\":\"scaling\",\"world\":2,\"tokens_per_s_ratio_2_over_1\":{:.3}}}",
         per_world[1] / per_world[0]
     );
+    moe_lines(tmp.path());
     let (first, _) = launch("tiny", 1, tmp.path());
     let (first2, _) = launch("tiny", 2, tmp.path());
     println!("{{\"bench\":\"train\",\"what\":\"launch_to_first_step\",\"model\":\"tiny\",\"world\":1,\"seconds\":{first:.3}}}");
     println!("{{\"bench\":\"train\",\"what\":\"launch_to_first_step\",\"model\":\"tiny\",\"world\":2,\"seconds\":{first2:.3}}}");
+}
+
+/// The MoE step with expert parallelism (ep 2) against the same 2 ranks without it, under DDP
+/// and ZeRO-3 (the median of [`RUNS`] runs each): tokens/s and the largest per-rank model
+/// state of each, and their ratios.
+fn moe_lines(dir: &Path) {
+    prepare_moe(dir);
+    for (strategy, plain, ep) in [
+        ("ddp", "moe-ddp", "moe-ddp-ep"),
+        ("zero3", "moe-zero3", "moe-zero3-ep"),
+    ] {
+        let runs = |kind: &str| median_run((0..RUNS).map(|_| measure(kind, 2, dir)).collect());
+        let (without, with) = (runs(plain), runs(ep));
+        for (m, ep) in [(&without, 1), (&with, 2)] {
+            println!(
+                "{{\"bench\":\"train\",\"device\":\"cpu\",\"model\":\"qwen3_moe 16x384 top2\",\"strategy\":\"{strategy}\",\"ep\":{ep},\"world\":2,\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"comm_share\":{:.3},\"model_state_bytes\":{:.0}}}",
+                m.tokens_per_s, m.step_s, m.comm_share, m.state_bytes
+            );
+        }
+        println!(
+            "{{\"bench\":\"train\",\"strategy\":\"{strategy}\",\"what\":\"ep_vs_none\",\"world\":2,\"tokens_per_s_ratio_ep_over_none\":{:.3},\"model_state_ratio_ep_over_none\":{:.3}}}",
+            with.tokens_per_s / without.tokens_per_s,
+            with.state_bytes / without.state_bytes
+        );
+    }
 }

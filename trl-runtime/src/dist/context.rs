@@ -304,6 +304,14 @@ impl DistContext {
             .map(|e| e.group.clone() as Arc<dyn Communicator>)
     }
 
+    /// Seconds this rank has spent inside expert parallelism's collectives (the ep group's
+    /// exchanges and the experts' replica groups); 0 without ep.
+    pub fn ep_comm_seconds(&self) -> f64 {
+        self.ep.as_ref().map_or(0.0, |e| {
+            e.group.seconds() + e.replicas.values().map(|r| r.seconds()).sum::<f64>()
+        })
+    }
+
     /// The ranks holding the same experts as this one among those of `axes` (the batch axes
     /// gradients are summed over, or the shard axes), under expert parallelism.
     pub fn expert_replicas(&self, axes: &[Axis]) -> Option<Arc<dyn Communicator>> {
