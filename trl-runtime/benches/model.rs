@@ -11,6 +11,10 @@
 //! FLOPs count the matmuls as computed: 2 per multiply-add for every projection, the LM head,
 //! and the full (masked, not skipped) attention score and value products; backward = 2 x forward.
 
+// Only its random-weights writer: the rest serves the training benches.
+#[allow(dead_code)]
+mod support;
+
 use candle_core::{DType, Device, Tensor};
 use std::time::Instant;
 use trl_runtime::models::{ModelConfig, Params};
@@ -93,20 +97,7 @@ fn deepseek_flops_per_token(seq: usize) -> f64 {
 /// A model of `json` with random weights (normal, std 0.02; norms 1), written to `dir` as a
 /// checkpoint and loaded as the trainer loads one.
 fn random_model(json: &serde_json::Value, dir: &std::path::Path) -> CausalLm {
-    let skeleton = CausalLm::skeleton_of(json.to_string(), DType::F32, &Device::Cpu).unwrap();
-    let tensors: std::collections::HashMap<String, Tensor> = skeleton
-        .parameter_shapes()
-        .iter()
-        .map(|(name, shape)| {
-            let t = match name.contains("norm") {
-                true => Tensor::ones(shape.as_slice(), DType::F32, &Device::Cpu),
-                false => Tensor::randn(0f32, 0.02, shape.as_slice(), &Device::Cpu),
-            };
-            (name.clone(), t.unwrap())
-        })
-        .collect();
-    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    support::write_random_model(json, dir);
     CausalLm::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap()
 }
 

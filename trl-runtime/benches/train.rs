@@ -88,29 +88,8 @@ fn moe_config() -> serde_json::Value {
 
 /// Writes `dir/moe` (random weights of [`moe_config`], the tiny tokenizer).
 fn prepare_moe(dir: &Path) {
-    use trl_runtime::candle_core::{DType, Device, Tensor};
-    let json = moe_config().to_string();
-    let skeleton = trl_runtime::parallel::Model::<AutoModelForCausalLM>::skeleton_of(
-        json.clone(),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
-    let tensors: std::collections::HashMap<String, Tensor> = skeleton
-        .parameter_shapes()
-        .iter()
-        .map(|(name, shape)| {
-            let t = match name.contains("norm") {
-                true => Tensor::ones(shape.as_slice(), DType::F32, &Device::Cpu),
-                false => Tensor::randn(0f32, 0.02, shape.as_slice(), &Device::Cpu),
-            };
-            (name.clone(), t.unwrap())
-        })
-        .collect();
     let model = dir.join("moe");
-    std::fs::create_dir_all(&model).unwrap();
-    trl_runtime::candle_core::safetensors::save(&tensors, model.join("model.safetensors")).unwrap();
-    std::fs::write(model.join("config.json"), json).unwrap();
+    support::write_random_model(&moe_config(), &model);
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(
             support::repo().join("assets/tiny/model").join(f),

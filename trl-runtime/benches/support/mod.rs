@@ -62,6 +62,30 @@ pub fn write_model_and_rows(
 /// Writes `rows` preference pairs of text to `path` (jsonl of prompt / chosen / rejected, as
 /// TRL reads them): numbers the tiny tokenizer splits into about 4 tokens each, `prompt`
 /// numbers in a prompt and `completion` in each completion.
+/// Writes `dir/model.safetensors` and `dir/config.json`: every parameter of the model `json`
+/// describes (a built-in type's skeleton), random N(0, 0.02), norms at 1.
+#[allow(dead_code)] // the benches of the reference shape write theirs with `Params::init`
+pub fn write_random_model(json: &serde_json::Value, dir: &Path) {
+    use candle_core::{DType, Device, Tensor};
+    let skeleton =
+        trl_runtime::parallel::CausalLm::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)
+            .unwrap();
+    let tensors: std::collections::HashMap<String, Tensor> = skeleton
+        .parameter_shapes()
+        .iter()
+        .map(|(name, shape)| {
+            let t = match name.contains("norm") {
+                true => Tensor::ones(shape.as_slice(), DType::F32, &Device::Cpu),
+                false => Tensor::randn(0f32, 0.02, shape.as_slice(), &Device::Cpu),
+            };
+            (name.clone(), t.unwrap())
+        })
+        .collect();
+    std::fs::create_dir_all(dir).unwrap();
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+}
+
 #[allow(dead_code)] // the memory bench trains no pairs
 pub fn write_pref_rows(path: &Path, rows: usize, prompt: usize, completion: usize) {
     let numbers = |seed: usize, n: usize| {
