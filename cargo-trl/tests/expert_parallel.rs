@@ -1,7 +1,7 @@
 //! Expert parallelism through the real `cargo trl launch`: Qwen3-MoE, Mixtral and gpt-oss
 //! (fused experts with biases) under the `moe_ep_cpu` profile (ep = 2 over 2 processes) and
 //! ep x FSDP2 (4 processes), and Qwen3-MoE under ep x tp, ep x ring attention, ep x Ulysses
-//! ep x DeepSpeed ZeRO-3 and ep x FSDP2 x tp, each equal to one process after 5 steps (fp32;
+//! ep x DeepSpeed ZeRO-2 and ZeRO-3 and ep x FSDP2 x tp, each equal to one process after 5 steps (fp32;
 //! losses within 1e-5, weights and optimizer state within 2e-5; the router loss included);
 //! each rank holds the model state `cargo trl plan` predicts, below one process's; the
 //! checkpoints hold every expert under transformers' names and open in transformers with our
@@ -165,6 +165,13 @@ fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
         "--parallelism_config_ep_size",
         "2",
     ];
+    // DeepSpeed ZeRO-2 of the whole model (resident units, as ZeRO-3's) with ep.
+    let ep_zero2: &[&str] = &[
+        "--profile",
+        "zero2_cpu",
+        "--parallelism_config_ep_size",
+        "2",
+    ];
     // DeepSpeed ZeRO-3 over 2 processes: ep takes both, each unit holds one rank's experts.
     let ep_zero3: &[&str] = &[
         "--profile",
@@ -180,6 +187,7 @@ fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
             ("ep_ulysses", ep_ulysses),
             ("ep_zero3", ep_zero3),
             ("ep_fsdp2_tp", ep_fsdp2_tp),
+            ("ep_zero2", ep_zero2),
         ],
     );
 }
@@ -252,8 +260,8 @@ fn a_checkpoint_resumes_on_another_ep_size() {
 }
 
 /// An ep size the data-parallel ranks do not divide, a model without experts, and what ep
-/// does not compose with yet (ZeRO-1/2, LoRA under FSDP) are refused at launch, naming the
-/// key.
+/// does not compose with yet (ZeRO-1, LoRA under ZeRO / FSDP) are refused at launch, naming
+/// the key.
 #[test]
 fn what_ep_cannot_run_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
@@ -299,10 +307,12 @@ fn what_ep_cannot_run_is_refused_by_name() {
         &[
             "--profile",
             "zero2_cpu",
+            "--zero_stage",
+            "1",
             "--parallelism_config_ep_size",
             "2",
         ],
-        &["parallelism_config_ep_size", "ZeRO-1/2"],
+        &["parallelism_config_ep_size", "ZeRO-1"],
     );
     refused(
         "tiny-qwen3-moe",
@@ -313,7 +323,7 @@ fn what_ep_cannot_run_is_refused_by_name() {
             "2",
             "--use_peft",
         ],
-        &["parallelism_config_ep_size", "LoRA under ZeRO-3 / FSDP"],
+        &["parallelism_config_ep_size", "LoRA under ZeRO / FSDP"],
     );
     // The bundled Qwen2 has no experts.
     refused(

@@ -14,7 +14,7 @@
 //!
 //! docs/expert-parallel.md says what moves where and what it composes with.
 
-use super::{ParallelOptions, Strategy};
+use super::{ParallelOptions, Strategy, ZeroStage};
 use crate::comm::{Communicator, ReduceOp};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
@@ -211,22 +211,23 @@ pub fn sum_over(ep: &Arc<dyn Communicator>, local: f64) -> Result<f64> {
     Ok(ep.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?[0])
 }
 
-/// Refuses what expert parallelism does not compose with yet: ZeRO-1/2 (their flat
-/// gradient vector is reduced over every data-parallel rank), LoRA under ZeRO-3 / FSDP, and
-/// ZeRO-3 / FSDP with an ep group that is not inside dp_shard (their units shard over the
-/// dp_shard ranks holding the same experts).
+/// Refuses what expert parallelism does not compose with yet: ZeRO-1 (its flat gradient
+/// vector is reduced over every data-parallel rank), LoRA under ZeRO / FSDP, and ZeRO-2/3 /
+/// FSDP with an ep group that is not inside dp_shard (their units shard over the dp_shard
+/// ranks holding the same experts).
 pub fn check_strategy(opts: &ParallelOptions, ctx: &DistContext, ep: usize) -> Result<()> {
     match opts.strategy {
         Strategy::Ddp => Ok(()),
-        Strategy::Zero(_) => Err(refuse(
-            "ZeRO-1/2 (DeepSpeed stage 1-2, FSDP SHARD_GRAD_OP)",
-            "use ZeRO-3 / FSDP FULL_SHARD or a data-parallel launch",
-        )),
-        Strategy::Fsdp(..) if opts.lora.is_some() => Err(refuse(
-            "LoRA under ZeRO-3 / FSDP",
+        Strategy::Zero(_) | Strategy::Fsdp(..) if opts.lora.is_some() => Err(refuse(
+            "LoRA under ZeRO / FSDP",
             "use a data-parallel launch (multi_cpu / multi_gpu) for LoRA with ep",
         )),
-        Strategy::Fsdp(..) => {
+        Strategy::Zero(ZeroStage::One) => Err(refuse(
+            "ZeRO-1 (DeepSpeed stage 1)",
+            "use ZeRO-2 / ZeRO-3 / FSDP or a data-parallel launch",
+        )),
+        // ZeRO-2 of the whole model runs on resident units, as ZeRO-3's.
+        Strategy::Zero(ZeroStage::Two) | Strategy::Fsdp(..) => {
             let shard = ctx.mesh.dims().dp_shard;
             match shard.is_multiple_of(ep) {
                 true => Ok(()),
