@@ -439,6 +439,69 @@ impl Communicator for NcclCommunicator {
         Ok(out.to_device(x.device())?)
     }
 
+    /// Exactly each peer's rows, as torch's `all_to_all_single` with split sizes: the counts
+    /// exchanged first (one all-gather), then one grouped send and receive per peer with
+    /// rows to move (none for a zero count), no padding.
+    fn all_to_all_v(&self, x: &Tensor, counts: &[usize]) -> Result<(Tensor, Vec<usize>)> {
+        let all = super::super::exchange_counts(self, x, counts)?;
+        let (n, rank) = (self.size, self.rank);
+        let recv: Vec<usize> = (0..n).map(|j| all[j * n + rank]).collect();
+        let (input, dtype) = self.prepare("all_to_all_v", x)?;
+        let row: usize = input.dims()[1..].iter().product();
+        let mut dims = input.dims().to_vec();
+        dims[0] = recv.iter().sum();
+        let out = Tensor::zeros(dims, input.dtype(), &self.device)?;
+        // Nothing to move either way (a rank that routed nothing and gets nothing).
+        if out.elem_count() == 0 && input.elem_count() == 0 {
+            return Ok((out.to_device(x.device())?, recv));
+        }
+        let bytes = row * input.dtype().size_in_bytes();
+        let (from, into) = (self.address(&input)?, self.address(&out)?);
+        let starts = |c: &[usize]| -> Vec<usize> {
+            c.iter()
+                .scan(0, |at, &k| {
+                    let s = *at;
+                    *at += k;
+                    Some(s)
+                })
+                .collect()
+        };
+        let (send_at, recv_at) = (starts(counts), starts(&recv));
+        let counts = counts.to_vec();
+        let recv_counts = recv.clone();
+        self.issue("all_to_all_v", |l, c, s| {
+            let mut results = Vec::with_capacity(2 * n);
+            for peer in 0..n {
+                // SAFETY: rows send_at[peer].. of the input and recv_at[peer].. of the output,
+                // counts[peer] and recv_counts[peer] of them, inside their buffers.
+                unsafe {
+                    if counts[peer] > 0 {
+                        results.push((l.send)(
+                            (from as *const u8).add(send_at[peer] * bytes) as *const c_void,
+                            counts[peer] * row,
+                            dtype,
+                            peer as c_int,
+                            c,
+                            s,
+                        ));
+                    }
+                    if recv_counts[peer] > 0 {
+                        results.push((l.recv)(
+                            (into as *mut u8).add(recv_at[peer] * bytes) as *mut c_void,
+                            recv_counts[peer] * row,
+                            dtype,
+                            peer as c_int,
+                            c,
+                            s,
+                        ));
+                    }
+                }
+            }
+            results
+        })?;
+        Ok((out.to_device(x.device())?, recv))
+    }
+
     fn barrier(&self) -> Result<()> {
         let one = Tensor::ones(1, DType::F32, &self.device)?;
         self.all_reduce(&one, ReduceOp::Sum)?;
