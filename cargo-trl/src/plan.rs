@@ -642,6 +642,16 @@ pub fn run(args: &PlanArgs) -> Result<String, String> {
                     },
                     t.model_parallel
                 ));
+                if let Some(x) = estimate::ep_exchange(&work.model, &best.setup) {
+                    out.push(format!(
+                        "  ep {}: {} of {} experts per sparse layer per rank; {:.0} all-to-alls a step send {} per rank (the model-parallel comm above)",
+                        best.setup.ep,
+                        x.experts_per_rank,
+                        work.model.experts().unwrap_or(0),
+                        x.count,
+                        gib(x.bytes as usize)
+                    ));
+                }
                 out.push(format!(
                     "  rate: {:.1} GFLOP/s of matmuls per rank, matmuls {:.0}% of the compute{}",
                     machine.hardware.flops / 1e9,

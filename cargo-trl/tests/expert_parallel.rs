@@ -1,6 +1,6 @@
 //! Expert parallelism through the real `cargo trl launch`: Qwen3-MoE, Mixtral and gpt-oss
-//! (fused experts with biases) under the `moe_ep_cpu` profile (ep = 2 over 2 processes) and
-//! ep x FSDP2 (4 processes), and Qwen3-MoE under ep x tp, ep x ring attention, ep x Ulysses
+//! (fused experts with biases) under the `moe_ep_cpu` profile (ep = 2 over 2 processes), ep x
+//! FSDP2 and ep x tp (4 processes), and Qwen3-MoE under ep x ring attention, ep x Ulysses
 //! ep x DeepSpeed ZeRO-2 and ZeRO-3 and ep x FSDP2 x tp, each equal to one process after 5 steps (fp32;
 //! losses within 1e-5, weights and optimizer state within 2e-5; the router loss included);
 //! each rank holds the model state `cargo trl plan` predicts, below one process's; the
@@ -121,18 +121,6 @@ fn equals_one_process(kind: &str, also: &[(&str, &[&str])]) {
 
 #[test]
 fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
-    let ep_tp: &[&str] = &[
-        "--profile",
-        "multi_cpu",
-        "--num_processes",
-        "4",
-        "--parallelism_config_dp_shard_size",
-        "2",
-        "--parallelism_config_tp_size",
-        "2",
-        "--parallelism_config_ep_size",
-        "2",
-    ];
     // Ring attention and Ulysses beside ep: the ep groups are the ranks of the same chunks.
     let ep_ring: &[&str] = &[
         "--profile",
@@ -182,7 +170,7 @@ fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
     equals_one_process(
         "qwen3-moe",
         &[
-            ("ep_tp", ep_tp),
+            ("ep_tp", EP_TP),
             ("ep_ring", ep_ring),
             ("ep_ulysses", ep_ulysses),
             ("ep_zero3", ep_zero3),
@@ -192,14 +180,30 @@ fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
     );
 }
 
-#[test]
-fn mixtral_under_ep_equals_one_process() {
-    equals_one_process("mixtral", &[]);
-}
+/// ep x tp over 4 processes: dp_shard 2 (on a data-parallel launch), tp 2, ep 2.
+const EP_TP: &[&str] = &[
+    "--profile",
+    "multi_cpu",
+    "--num_processes",
+    "4",
+    "--parallelism_config_dp_shard_size",
+    "2",
+    "--parallelism_config_tp_size",
+    "2",
+    "--parallelism_config_ep_size",
+    "2",
+];
 
 #[test]
+fn mixtral_under_ep_equals_one_process() {
+    equals_one_process("mixtral", &[("ep_tp", EP_TP)]);
+}
+
+/// gpt-oss's fused experts and their biases: kept by rows under ep, split by columns and rows
+/// under tp beside it.
+#[test]
 fn gpt_oss_fused_experts_under_ep_equal_one_process() {
-    equals_one_process("gpt-oss", &[]);
+    equals_one_process("gpt-oss", &[("ep_tp", EP_TP)]);
 }
 
 /// A run under ep = 2 saved at step 3 and resumed from there on whole models (ep = 1), and one

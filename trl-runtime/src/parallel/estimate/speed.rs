@@ -145,13 +145,8 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
         let volume = rank_tokens * 2.0 * kv / d.tp as f64 * dsz;
         mp += link(d.cp, d.tp).seconds(count, count * volume);
     }
-    // Expert parallelism: per sparse layer two all-to-alls forward (the routed rows out, the
-    // outputs back), two backward, two more recomputed; each sends the (ep - 1) / ep of this
-    // rank's routed rows bound for the other ranks.
-    if let (true, Some((_, top_k, _, sparse))) = (ep > 1, model.moe) {
-        let count = sparse as f64 * 4.0 * recompute;
-        let bytes = count * ring(ep) * rank_tokens * top_k as f64 * h * dsz;
-        mp += link(ep, inner).seconds(count, bytes);
+    if let Some(x) = ep_exchange(model, setup) {
+        mp += link(ep, inner).seconds(x.count, x.bytes);
     }
     // An offloaded update runs after backward, on this rank's slice of the trainable state.
     let offload = match setup.offload_optimizer {
@@ -169,4 +164,31 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
         model_parallel: mp,
         tokens_per_second: tokens / seconds,
     }
+}
+
+/// Expert parallelism's all-to-alls in one step on a rank: how many, and the bytes it sends.
+#[derive(Debug, Clone, Copy)]
+pub struct EpExchange {
+    /// Each sparse layer's routed experts this rank holds.
+    pub experts_per_rank: usize,
+    pub count: f64,
+    pub bytes: f64,
+}
+
+/// Per sparse layer two all-to-alls forward (the routed rows out, the outputs back), two
+/// backward, two more recomputed under checkpointing; each sends the (ep - 1) / ep of this
+/// rank's routed rows bound for the other ranks. None without ep or experts.
+pub fn ep_exchange(model: &ModelShapes, setup: &Setup) -> Option<EpExchange> {
+    let (experts, top_k, _, sparse) = model.moe.filter(|_| setup.ep > 1)?;
+    let ep = setup.ep as f64;
+    let d = setup.dims;
+    let rank_tokens = (setup.batch * setup.seq) as f64 / (d.cp * d.sp) as f64;
+    let recompute = if setup.checkpointing { 1.5 } else { 1.0 };
+    let count = sparse as f64 * 4.0 * recompute;
+    let row = (top_k * model.dims.hidden_size * setup.dtype.size_in_bytes()) as f64;
+    Some(EpExchange {
+        experts_per_rank: experts / setup.ep,
+        count,
+        bytes: count * (ep - 1.0) / ep * rank_tokens * row,
+    })
 }
