@@ -11,7 +11,7 @@ use trl_runtime::parallel::estimate::{
     self, estimate, generation_round, step_time, Estimate, Hardware, LinkSpeed, ModelShapes, Setup,
     StepTime, Workload,
 };
-use trl_runtime::parallel::{Strategy, ZeroStage};
+use trl_runtime::parallel::Strategy;
 use trl_runtime::train::registry;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -391,14 +391,10 @@ pub fn rows(work: &Work, machine: &Machine) -> Vec<Row> {
                         _ => &[(false, false)],
                     };
                     // A mixture of experts may also split its experts over ep data-parallel
-                    // ranks (out of dp_shard under ZeRO-2/3 / FSDP; not under ZeRO-1, nor
-                    // with LoRA under ZeRO / FSDP), where the experts divide.
-                    let ep_ranks = match (strategy, work.lora.is_none()) {
-                        (Strategy::Ddp, _) => dims.dp_replicate * dims.dp_shard,
-                        (Strategy::Zero(ZeroStage::Two) | Strategy::Fsdp(..), true) => {
-                            dims.dp_shard
-                        }
-                        _ => 1,
+                    // ranks (out of dp_shard under ZeRO / FSDP), where the experts divide.
+                    let ep_ranks = match strategy {
+                        Strategy::Ddp => dims.dp_replicate * dims.dp_shard,
+                        _ => dims.dp_shard,
                     };
                     let eps: Vec<usize> = match model.experts() {
                         Some(e) => divisors(ep_ranks)

@@ -14,12 +14,14 @@
 //!
 //! docs/expert-parallel.md says what moves where and what it composes with.
 
-use super::{ParallelOptions, Strategy, ZeroStage};
+use super::{ParallelOptions, Strategy};
 use crate::comm::{Communicator, ReduceOp};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
 use crate::nn::module::ExpertHold;
+use crate::nn::sharded::EntryRanges;
 use crate::optim::{sums_of_squares, AdamW, ParamState};
+use crate::tp::TpGrads;
 use candle_core::{Device, Tensor};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -205,41 +207,112 @@ fn is_listed_elsewhere(holds: &BTreeMap<String, ExpertHold>, name: &str) -> bool
     })
 }
 
+/// A flat gradient slice's parameters (name, range in the slice): the dense ones, and this
+/// rank's experts'.
+pub type DenseAndExperts = (EntryRanges, EntryRanges);
+
+impl ExpertPlan {
+    /// `entries` split into the dense parameters' and this rank's experts'.
+    pub fn dense_and_experts(&self, entries: EntryRanges) -> DenseAndExperts {
+        let (experts, dense) = entries.into_iter().partition(|(n, _)| self.holds(n));
+        (dense, experts)
+    }
+}
+
+/// A ZeRO / FSDP gradient slice `g` with its dense parameters' parts (`dense`) summed over
+/// `ep`, whose ranks hold the same dense slices (and different experts).
+pub fn sum_dense_over(
+    ep: &Arc<dyn Communicator>,
+    g: Tensor,
+    (dense, experts): &DenseAndExperts,
+) -> Result<Tensor> {
+    if dense.is_empty() {
+        return Ok(g);
+    }
+    if experts.is_empty() {
+        return ep.all_reduce(&g, ReduceOp::Sum);
+    }
+    // The dense parts laid end to end, summed, put back in place.
+    let mut ranges: Vec<&std::ops::Range<usize>> = dense.iter().map(|(_, r)| r).collect();
+    ranges.sort_by_key(|r| r.start);
+    let parts = ranges
+        .iter()
+        .map(|r| g.narrow(0, r.start, r.len()))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let summed = ep.all_reduce(&Tensor::cat(&parts, 0)?, ReduceOp::Sum)?;
+    let (mut pieces, mut at, mut taken) = (Vec::new(), 0, 0);
+    for r in ranges {
+        if r.start > at {
+            pieces.push(g.narrow(0, at, r.start - at)?);
+        }
+        pieces.push(summed.narrow(0, taken, r.len())?);
+        taken += r.len();
+        at = r.end;
+    }
+    if at < g.dim(0)? {
+        pieces.push(g.narrow(0, at, g.dim(0)? - at)?);
+    }
+    Ok(Tensor::cat(&pieces, 0)?)
+}
+
+/// The sum of squares of `g`'s parts `entries`, each weighed as tensor parallelism says
+/// (1 without tp).
+pub fn entries_sq(g: &Tensor, entries: &EntryRanges, tp: Option<&TpGrads>) -> Result<f64> {
+    if entries.is_empty() {
+        return Ok(0.0);
+    }
+    if let Some(tp) = tp {
+        return tp.weighted_sq(g, entries);
+    }
+    let parts = entries
+        .iter()
+        .map(|(_, r)| g.narrow(0, r.start, r.len()))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(sums_of_squares(&parts)?.iter().sum())
+}
+
+/// The squared global gradient norm of a ZeRO / FSDP slice's parts under expert parallelism:
+/// `dense_sq` and `expert_sq` this rank's (tp-weighted) squares, summed over the shard group
+/// `shard` (and tp), the experts' then over `ep` (each share of the experts once).
+pub fn sharded_norm_sq(
+    (dense_sq, expert_sq): (f64, f64),
+    shard: &dyn Communicator,
+    tp: Option<&TpGrads>,
+    ep: Option<&Arc<dyn Communicator>>,
+) -> Result<f64> {
+    let sq = Tensor::new(&[dense_sq, expert_sq], &Device::Cpu)?;
+    let sq = shard.all_reduce(&sq, ReduceOp::Sum)?.to_vec1::<f64>()?;
+    let (mut dense, mut experts) = (sq[0], sq[1]);
+    if let Some(tp) = tp {
+        dense = tp.sum(dense)?;
+        experts = tp.sum(experts)?;
+    }
+    Ok(match ep {
+        Some(ep) => dense + sum_over(ep, experts)?,
+        None => dense + experts,
+    })
+}
+
 /// The sum over `ep` of a local f64 (the experts' squared norms).
 pub fn sum_over(ep: &Arc<dyn Communicator>, local: f64) -> Result<f64> {
     let t = Tensor::new(&[local], &Device::Cpu)?;
     Ok(ep.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?[0])
 }
 
-/// Refuses what expert parallelism does not compose with yet: ZeRO-1 (its flat gradient
-/// vector is reduced over every data-parallel rank), LoRA under ZeRO / FSDP, and ZeRO-2/3 /
-/// FSDP with an ep group that is not inside dp_shard (their units shard over the dp_shard
-/// ranks holding the same experts).
+/// Refuses what expert parallelism does not compose with: ZeRO / FSDP with an ep group that
+/// is not inside dp_shard (their state is sharded over the dp_shard ranks holding the same
+/// experts, the ep group's ranks holding the same dense slices).
 pub fn check_strategy(opts: &ParallelOptions, ctx: &DistContext, ep: usize) -> Result<()> {
+    let shard = ctx.mesh.dims().dp_shard;
     match opts.strategy {
         Strategy::Ddp => Ok(()),
-        Strategy::Zero(_) | Strategy::Fsdp(..) if opts.lora.is_some() => Err(refuse(
-            "LoRA under ZeRO / FSDP",
-            "use a data-parallel launch (multi_cpu / multi_gpu) for LoRA with ep",
+        Strategy::Zero(_) | Strategy::Fsdp(..) if !shard.is_multiple_of(ep) => Err(refuse(
+            &format!("ZeRO / FSDP over dp_shard = {shard} ranks"),
+            &format!(
+                "ZeRO / FSDP take the ep group out of dp_shard: choose an ep that divides {shard}"
+            ),
         )),
-        Strategy::Zero(ZeroStage::One) => Err(refuse(
-            "ZeRO-1 (DeepSpeed stage 1)",
-            "use ZeRO-2 / ZeRO-3 / FSDP or a data-parallel launch",
-        )),
-        // ZeRO-2 of the whole model runs on resident units, as ZeRO-3's.
-        Strategy::Zero(ZeroStage::Two) | Strategy::Fsdp(..) => {
-            let shard = ctx.mesh.dims().dp_shard;
-            match shard.is_multiple_of(ep) {
-                true => Ok(()),
-                false => Err(refuse(
-                    &format!("ZeRO-3 / FSDP over dp_shard = {shard} ranks"),
-                    &format!(
-                        "ZeRO-3 / FSDP take the ep group out of dp_shard: choose an ep that \
-                         divides {shard}"
-                    ),
-                )),
-            }
-        }
+        Strategy::Zero(_) | Strategy::Fsdp(..) => Ok(()),
     }
 }
 

@@ -18,6 +18,7 @@
 //! previous unit's; reduce-scatters run while the backward goes on, and
 //! [`ShardedModel::finish_backward`] waits for them. At most two units are gathered at once.
 
+use super::expert::{entries_sq, sharded_norm_sq, DenseAndExperts};
 use super::sharded_optimizer::ShardedOptimizer;
 use super::sharded_state::{Piece, ShardedReader};
 use crate::alloc::StorageBytes;
@@ -578,24 +579,6 @@ pub struct FsdpOptimizer {
     experts: Option<(Arc<dyn Communicator>, BTreeMap<String, DenseAndExperts>)>,
 }
 
-/// A unit slice's parameters: the dense ones, and this rank's experts'.
-type DenseAndExperts = (EntryRanges, EntryRanges);
-
-/// The sum of squares of `g`'s parts `entries`, each weighed as `weight` says (1 without tp).
-fn entries_sq(g: &Tensor, entries: &EntryRanges, tp: Option<&TpGrads>) -> Result<f64> {
-    if entries.is_empty() {
-        return Ok(0.0);
-    }
-    if let Some(tp) = tp {
-        return tp.weighted_sq(g, entries);
-    }
-    let parts = entries
-        .iter()
-        .map(|(_, r)| g.narrow(0, r.start, r.len()))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(sums_of_squares(&parts)?.iter().sum())
-}
-
 impl FsdpOptimizer {
     /// Fills each unit's state with `fill` (its layout, this rank's range of it, the state)
     /// and sets the unit's shard to the new master weights.
@@ -670,37 +653,10 @@ impl FsdpOptimizer {
     /// Under expert parallelism, `g` (unit `name`'s gradient slice) with its dense
     /// parameters' parts summed over the ep group.
     fn sum_dense_over_ep(&self, name: &str, g: Tensor) -> Result<Tensor> {
-        let Some((ep, units)) = &self.experts else {
-            return Ok(g);
-        };
-        let (dense, experts) = &units[name];
-        if dense.is_empty() {
-            return Ok(g);
+        match &self.experts {
+            Some((ep, units)) => super::expert::sum_dense_over(ep, g, &units[name]),
+            None => Ok(g),
         }
-        if experts.is_empty() {
-            return ep.all_reduce(&g, ReduceOp::Sum);
-        }
-        // The dense parts laid end to end, summed, put back in place.
-        let mut ranges: Vec<&std::ops::Range<usize>> = dense.iter().map(|(_, r)| r).collect();
-        ranges.sort_by_key(|r| r.start);
-        let parts = ranges
-            .iter()
-            .map(|r| g.narrow(0, r.start, r.len()))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let summed = ep.all_reduce(&Tensor::cat(&parts, 0)?, ReduceOp::Sum)?;
-        let (mut pieces, mut at, mut taken) = (Vec::new(), 0, 0);
-        for r in ranges {
-            if r.start > at {
-                pieces.push(g.narrow(0, at, r.start - at)?);
-            }
-            pieces.push(summed.narrow(0, taken, r.len())?);
-            taken += r.len();
-            at = r.end;
-        }
-        if at < g.dim(0)? {
-            pieces.push(g.narrow(0, at, g.dim(0)? - at)?);
-        }
-        Ok(Tensor::cat(&pieces, 0)?)
     }
 
     /// The parameter names (with the dtype they are held in) in the order
@@ -791,21 +747,23 @@ impl FsdpOptimizer {
             local_sq = sums_of_squares(grads.values())?.iter().sum();
         }
         let shard_comm = self.model.root().comm();
-        let sq = Tensor::new(&[local_sq, expert_sq], &candle_core::Device::Cpu)?;
-        let sq = shard_comm
-            .all_reduce(&sq, ReduceOp::Sum)?
-            .to_vec1::<f64>()?;
-        let (mut norm_sq, mut expert_sq) = (sq[0], sq[1]);
-        if let Some((tp, _)) = &self.tp_grads {
-            norm_sq = tp.sum(norm_sq)?;
-            if self.experts.is_some() {
-                expert_sq = tp.sum(expert_sq)?;
+        let tp = self.tp_grads.as_ref().map(|(tp, _)| tp);
+        let norm_sq = match &self.experts {
+            // The experts' squares: this share's over the shard group, every share's over ep.
+            Some((ep, _)) => {
+                sharded_norm_sq((local_sq, expert_sq), shard_comm.as_ref(), tp, Some(ep))?
             }
-        }
-        // The experts' squares: this share's over the shard group, every share's over ep.
-        if let Some((ep, _)) = &self.experts {
-            norm_sq += super::expert::sum_over(ep, expert_sq)?;
-        }
+            None => {
+                let sq = Tensor::new(&[local_sq], &candle_core::Device::Cpu)?;
+                let sq = shard_comm
+                    .all_reduce(&sq, ReduceOp::Sum)?
+                    .to_vec1::<f64>()?[0];
+                match tp {
+                    Some(tp) => tp.sum(sq)?,
+                    None => sq,
+                }
+            }
+        };
         let norm = norm_sq.sqrt();
         // A non-finite gradient never reaches the weights.
         if !norm.is_finite() {

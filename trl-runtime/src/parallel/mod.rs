@@ -614,6 +614,9 @@ pub fn parallelize<N: CausalModel>(
             };
             let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, shard, replicate)?
                 .with_bucket(bucket);
+            if let Some(ep) = model.ep() {
+                z = z.with_experts(model.expert_plan(), ep.clone());
+            }
             prepare(&mut z, &model.params)?;
             Optimizer::Zero(z)
         }

@@ -9,6 +9,7 @@
 //! group size. Checkpoints gather the state back per parameter (the same file as plain DDP),
 //! so a run can resume on any number of ranks and with any strategy.
 
+use super::expert::{entries_sq, sharded_norm_sq, sum_dense_over, DenseAndExperts, ExpertPlan};
 use super::sharded_optimizer::ShardedOptimizer;
 use super::sharded_state::{self, Piece, ShardedReader};
 use crate::comm::{Communicator, ReduceOp};
@@ -164,6 +165,10 @@ pub struct ZeroOptimizer {
     /// Under tensor parallelism: how the slice's squared gradients count in the global norm
     /// (per element of this rank's range).
     tp_grads: Option<(TpGrads, EntryRanges)>,
+    /// Under expert parallelism (the state sharded over the ranks holding the same experts):
+    /// the ep group, over which the dense parameters' slice is summed and the experts'
+    /// squares add up, and the slice's parameters split into (dense, experts).
+    experts: Option<(Arc<dyn Communicator>, DenseAndExperts)>,
 }
 
 impl ZeroOptimizer {
@@ -203,7 +208,17 @@ impl ZeroOptimizer {
             bucket: super::DEEPSPEED_REDUCE_BUCKET,
             inner,
             tp_grads: None,
+            experts: None,
         })
+    }
+
+    /// The same optimizer over parameters holding this rank's share of the experts (expert
+    /// parallelism, `comm` the ranks holding the same share): the dense parameters' slice is
+    /// summed over `ep` too, and the experts' squares over it for the norm.
+    pub fn with_experts(mut self, plan: &ExpertPlan, ep: Arc<dyn Communicator>) -> Self {
+        let entries = plan.dense_and_experts(self.layout.ranges_in(self.range.clone()));
+        self.experts = Some((ep, entries));
+        self
     }
 
     /// Reduces at most `elements` gradient elements per collective.
@@ -269,22 +284,37 @@ impl ZeroOptimizer {
     ) -> Result<f64> {
         let shard = self.reduce_in_buckets(grads)?;
         let shard_device = &shard.device().clone();
-        let shard = match &self.replicate {
+        let mut shard = match &self.replicate {
             Some(r) => r.all_reduce(&shard, ReduceOp::Sum)?,
             None => shard,
         };
-        let local_sq = match &self.tp_grads {
-            Some((tp, entries)) => tp.weighted_sq(&shard, entries)?,
-            None => sums_of_squares([&shard])?[0],
+        let tp = self.tp_grads.as_ref().map(|(tp, _)| tp);
+        let norm_sq = match &self.experts {
+            Some((ep, parts)) => {
+                // The dense parameters' parts summed over ep: its ranks hold the same ones.
+                shard = sum_dense_over(ep, shard, parts)?;
+                let local = (
+                    entries_sq(&shard, &parts.0, tp)?,
+                    entries_sq(&shard, &parts.1, tp)?,
+                );
+                sharded_norm_sq(local, self.comm.as_ref(), tp, Some(ep))?
+            }
+            None => {
+                let local_sq = match &self.tp_grads {
+                    Some((tp, entries)) => tp.weighted_sq(&shard, entries)?,
+                    None => sums_of_squares([&shard])?[0],
+                };
+                let local_sq = Tensor::new(&[local_sq], shard.device())?;
+                let norm_sq = self
+                    .comm
+                    .all_reduce(&local_sq, ReduceOp::Sum)?
+                    .to_vec1::<f64>()?[0];
+                match tp {
+                    Some(tp) => tp.sum(norm_sq)?,
+                    None => norm_sq,
+                }
+            }
         };
-        let local_sq = Tensor::new(&[local_sq], shard.device())?;
-        let mut norm_sq = self
-            .comm
-            .all_reduce(&local_sq, ReduceOp::Sum)?
-            .to_vec1::<f64>()?[0];
-        if let Some((tp, _)) = &self.tp_grads {
-            norm_sq = tp.sum(norm_sq)?;
-        }
         let norm = norm_sq.sqrt();
         // A non-finite gradient never reaches the weights.
         if !norm.is_finite() {
