@@ -38,7 +38,7 @@ fn sft(kind: &str, launch: &[&str], rows: usize, extra: &[&str]) -> std::process
     }
     // gpt-oss's fixture clamps many SwiGLU inputs: a tenth of the example's learning rate
     // keeps rounding-level differences from becoming routing changes (builtin_models.rs).
-    if kind == "gpt-oss" {
+    if kind.starts_with("gpt-oss") {
         for a in ["--learning_rate", "2e-4"] {
             args.push(a.as_ref());
         }
@@ -75,6 +75,11 @@ const EP_FSDP2: &[&str] = &[
 /// `kind` under `moe_ep_cpu`, ep x FSDP2 and `also` (launches with two data-parallel ranks)
 /// against one process.
 fn equals_one_process(kind: &str, also: &[(&str, &[&str])]) {
+    equals_one_process_with(kind, true, also)
+}
+
+/// [`equals_one_process`], with ep x FSDP2 (16 rows a step) only when `fsdp2`.
+fn equals_one_process_with(kind: &str, fsdp2: bool, also: &[(&str, &[&str])]) {
     let tmp = tempfile::tempdir().unwrap();
     let out = |name: &str| tmp.path().join(format!("{kind}-{name}"));
     let text = launch(kind, &["--num_processes", "1"], 8, &out("one8"), &[]);
@@ -84,11 +89,12 @@ fn equals_one_process(kind: &str, also: &[(&str, &[&str])]) {
         Run::read(&out("one8"), STEPS),
         Run::read(&out("one16"), STEPS),
     );
-    let mut cases = vec![
-        ("moe_ep_cpu", &["--profile", "moe_ep_cpu"][..], &one8),
-        ("ep_fsdp2", EP_FSDP2, &one16),
-    ];
+    let mut cases = vec![("moe_ep_cpu", &["--profile", "moe_ep_cpu"][..], &one8)];
+    if fsdp2 {
+        cases.push(("ep_fsdp2", EP_FSDP2, &one16));
+    }
     cases.extend(also.iter().map(|(name, args)| (*name, *args, &one8)));
+    let names: Vec<&str> = cases.iter().map(|c| c.0).take(2).collect();
     for (name, args, want) in cases {
         let text = launch(kind, args, 4, &out(name), &[]);
         assert!(text.contains("\"ep\":2"), "{kind} {name}: {text}");
@@ -114,7 +120,7 @@ fn equals_one_process(kind: &str, also: &[(&str, &[&str])]) {
         let aux = std::fs::read_to_string(out(name).join("metrics.jsonl")).unwrap();
         assert_eq!(aux.matches("\"aux_loss\"").count(), STEPS, "{aux}");
     }
-    for name in ["moe_ep_cpu", "ep_fsdp2"] {
+    for name in names {
         common::opens_in_transformers(&out(name).join(format!("checkpoint-{STEPS}")));
     }
 }
@@ -188,6 +194,15 @@ fn qwen3_moe_under_ep_with_tp_ring_and_ulysses_equals_one_process() {
             ("ep_zero1", ep_zero1),
         ],
     );
+}
+
+/// gpt-oss as the hub ships it, its experts stored MXFP4 (`*_blocks` / `*_scales`): read
+/// dequantized, kept per rank by rows, saved dense. On 2 ranks: at 16 rows a step this
+/// fixture's clamped SwiGLU spreads gradient norms by 7e-5 between one process and FSDP2 on 4
+/// ranks with or without ep (past the weight bound), so the 4-rank case is left to gpt-oss's.
+#[test]
+fn gpt_oss_mxfp4_checkpoints_train_under_ep() {
+    equals_one_process_with("gpt-oss-mxfp4", false, &[]);
 }
 
 /// ep x tp over 4 processes: dp_shard 2 (on a data-parallel launch), tp 2, ep 2.
