@@ -18,6 +18,7 @@ use super::{ParallelOptions, Strategy};
 use crate::comm::{Communicator, ReduceOp};
 use crate::dist::DistContext;
 use crate::error::{Error, Result};
+use crate::models::Params;
 use crate::nn::module::ExpertHold;
 use crate::nn::sharded::EntryRanges;
 use crate::optim::{sums_of_squares, AdamW, ParamState};
@@ -68,9 +69,6 @@ impl ExpertPlan {
                     index,
                     per_rank,
                 }) => {
-                    // Rank q holds, in this slot, expert q * per_rank + slot.
-                    let slot = index % per_rank;
-                    let rest = &name[list.len() + 1 + index.to_string().len()..];
                     let all = v
                         .parts()
                         .iter()
@@ -81,8 +79,8 @@ impl ExpertPlan {
                             .iter()
                             .map(|a| a.get(q))
                             .collect::<candle_core::Result<Vec<_>>>()?;
-                        let expert = q * per_rank + slot;
-                        out.insert(format!("{list}.{expert}{rest}"), v.rebuild(parts));
+                        let named = listed_on(&name, (list, *index, *per_rank), q);
+                        out.insert(named, v.rebuild(parts));
                     }
                 }
             }
@@ -98,60 +96,49 @@ impl ExpertPlan {
                 list,
                 index,
                 per_rank,
-            }) => {
-                let rest = &name[list.len() + 1 + index.to_string().len()..];
-                let ranks = self.ranks.max(1);
-                (0..ranks)
-                    .map(|q| format!("{list}.{}{rest}", q * per_rank + index % per_rank))
-                    .collect()
-            }
+            }) => (0..self.ranks.max(1))
+                .map(|q| listed_on(name, (list, *index, *per_rank), q))
+                .collect(),
             _ => vec![name.to_string()],
         }
     }
 
     /// This rank's share of a whole per-parameter optimizer state (a checkpoint written under
-    /// any ep size): the other ranks' experts dropped, stacks cut to this rank's rows.
-    pub fn slice_state(&self, state: AdamW, rank: usize) -> Result<AdamW> {
+    /// any ep size): the states of the parameters `kept` holds (the model's once its experts
+    /// are kept per rank), a stack's cut to this rank's rows.
+    pub fn slice_state(&self, state: AdamW, rank: usize, kept: &Params) -> Result<AdamW> {
         let mut states = BTreeMap::new();
         for (name, s) in state.states {
-            match self.holds.get(&name) {
+            if kept.get(&name).is_none() {
+                continue;
+            }
+            let s = match self.holds.get(&name) {
                 Some(ExpertHold::Stack { per_rank }) => {
-                    let cut = |t: &Tensor| -> Result<Tensor> {
+                    let cut = |t: &Tensor| -> candle_core::Result<Tensor> {
                         Ok(t.narrow(0, rank * per_rank, *per_rank)?
                             .force_contiguous()?
                             .detach())
                     };
-                    let s = ParamState {
-                        master: cut(&s.master)?,
-                        exp_avg: cut(&s.exp_avg)?,
-                        exp_avg_sq: cut(&s.exp_avg_sq)?,
-                        ..s
-                    };
-                    states.insert(name, s);
+                    let parts = s
+                        .parts()
+                        .iter()
+                        .map(cut)
+                        .collect::<candle_core::Result<_>>()?;
+                    s.rebuild(parts)
                 }
-                Some(ExpertHold::Listed { .. }) => {
-                    states.insert(name, s);
-                }
-                // Not this rank's expert: dropped; anything else kept.
-                None if is_listed_elsewhere(&self.holds, &name) => {}
-                None => {
-                    states.insert(name, s);
-                }
-            }
+                _ => s,
+            };
+            states.insert(name, s);
         }
         Ok(AdamW { states, ..state })
     }
+}
 
-    /// The squared global norm's share of this rank's expert gradients in `grads` (their
-    /// squares, to be summed over the ep group; each is the same on the experts' replicas).
-    pub fn expert_sq(&self, grads: &BTreeMap<String, Tensor>) -> Result<f64> {
-        let mine: Vec<&Tensor> = grads
-            .iter()
-            .filter(|(n, _)| self.holds(n))
-            .map(|(_, g)| g)
-            .collect();
-        Ok(sums_of_squares(mine)?.iter().sum())
-    }
+/// Listed expert parameter `name` (`{list}.{index}.…`, `per_rank` experts of the list on each
+/// rank) as rank `q` names the one it holds in the same slot.
+fn listed_on(name: &str, (list, index, per_rank): (&str, usize, usize), q: usize) -> String {
+    let rest = &name[list.len() + 1 + index.to_string().len()..];
+    format!("{list}.{}{rest}", q * per_rank + index % per_rank)
 }
 
 /// A value made of tensors that gather alike (a parameter, its optimizer state).
@@ -189,22 +176,6 @@ impl Tensors for ParamState {
             decay_mask: self.decay_mask.clone(),
         }
     }
-}
-
-/// Whether `name` is another rank's listed expert: a parameter of an expert list this rank
-/// keeps part of, under an index it does not hold.
-fn is_listed_elsewhere(holds: &BTreeMap<String, ExpertHold>, name: &str) -> bool {
-    holds.values().any(|h| match h {
-        ExpertHold::Listed { list, .. } => name
-            .strip_prefix(list.as_str())
-            .and_then(|r| r.strip_prefix('.'))
-            .is_some_and(|r| {
-                r.split('.')
-                    .next()
-                    .is_some_and(|i| i.parse::<usize>().is_ok())
-            }),
-        ExpertHold::Stack { .. } => false,
-    })
 }
 
 /// A flat gradient slice's parameters (name, range in the slice): the dense ones, and this

@@ -491,7 +491,8 @@ pub fn parallelize<N: CausalModel>(
             message: format!("the experts cannot be split over ep = {}: {e}", ep.size()),
         })?;
         if let Some(full) = full_state {
-            full_state = Some(model.expert_plan().slice_state(full, ep.rank())?);
+            let plan = model.expert_plan();
+            full_state = Some(plan.slice_state(full, ep.rank(), &model.params)?);
         }
     }
 
