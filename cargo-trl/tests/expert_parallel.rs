@@ -441,7 +441,7 @@ fn lora_dpo_and_grpo_under_ep_equal_the_same_ranks_without_ep() {
 }
 
 /// docs/expert-parallel.md's command, run as written: it trains under ep (the worker report
-/// says ep 2) and writes a checkpoint.
+/// says ep 2) and writes a checkpoint transformers opens with our logits.
 #[test]
 fn the_docs_command_trains_under_ep() {
     let lines = common::docs_launches("docs/expert-parallel.md");
@@ -457,5 +457,7 @@ fn the_docs_command_trains_under_ep() {
         dir.join("checkpoint-4/model.safetensors").exists(),
         "{text}"
     );
+    // What the user opens next: transformers reads the gathered experts.
+    common::opens_in_transformers(&dir.join("checkpoint-4"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
