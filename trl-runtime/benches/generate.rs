@@ -10,6 +10,12 @@
 //! bandwidth measured in the same run (a multi-threaded read of 1 GiB); and the prefill's
 //! FLOP/s (2 x parameters x tokens) over this machine's f32 matmul rate measured in the same
 //! run. One JSON object per line on stdout; prose on stderr.
+//!
+//! Built with `--features cuda` and run with `TRL_BENCH_ONLY=cuda` on a machine with a GPU
+//! (`scripts/gpu-run generate`): the same in bf16 on the GPU, batch 1 and 32, a 128-token
+//! prompt and 128 new tokens, against transformers' `generate` on the same GPU (KV cache,
+//! sdpa, bf16), batch 1's bytes per token against the GPU's copy bandwidth measured in the
+//! same run (`"device":"cuda"` lines).
 
 mod support;
 
@@ -38,13 +44,26 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Seconds to generate `new` tokens after `batch` prompts (the median of REPS runs).
+/// Seconds to generate `new` tokens after `batch` prompts of PROMPT tokens (the median of
+/// REPS runs).
 fn ours(model: &AutoModelForCausalLM, vocab: usize, batch: usize, new: usize) -> f64 {
-    let ids: Vec<u32> = (0..batch * PROMPT)
+    ours_at(model, vocab, batch, PROMPT, new)
+}
+
+/// Seconds to generate `new` tokens after `batch` prompts of `prompt` tokens (the median of
+/// REPS runs; the output is read back to the host, so a GPU has finished).
+fn ours_at(
+    model: &AutoModelForCausalLM,
+    vocab: usize,
+    batch: usize,
+    prompt: usize,
+    new: usize,
+) -> f64 {
+    let ids: Vec<u32> = (0..batch * prompt)
         .map(|i| (3 + (i * 104729) % (vocab - 8)) as u32)
         .collect();
-    let ids = Tensor::from_vec(ids, (batch, PROMPT), &Device::Cpu).unwrap();
-    let mask = Tensor::ones((batch, PROMPT), DType::U32, &Device::Cpu).unwrap();
+    let ids = Tensor::from_vec(ids, (batch, prompt), &Device::Cpu).unwrap();
+    let mask = Tensor::ones((batch, prompt), DType::U32, &Device::Cpu).unwrap();
     let cfg = GenerationConfig {
         max_new_tokens: new,
         pad_token_id: Some(0),
@@ -53,7 +72,8 @@ fn ours(model: &AutoModelForCausalLM, vocab: usize, batch: usize, new: usize) ->
     let run = || {
         let t = Instant::now();
         let out = model.generate(&ids, &mask, &cfg).unwrap();
-        assert_eq!(out.dim(1).unwrap(), PROMPT + new);
+        let out = out.to_device(&Device::Cpu).unwrap();
+        assert_eq!(out.dim(1).unwrap(), prompt + new);
         t.elapsed().as_secs_f64()
     };
     run();
@@ -62,10 +82,23 @@ fn ours(model: &AutoModelForCausalLM, vocab: usize, batch: usize, new: usize) ->
 
 /// transformers' (prefill, total) seconds per batch, or None when it cannot run.
 fn theirs(dir: &Path, batches: &[usize]) -> Option<Vec<(f64, f64)>> {
+    theirs_on(dir, batches, PROMPT, NEW, "cpu")
+        .map(|v| v.into_iter().map(|(p, t, _)| (p, t)).collect())
+}
+
+/// transformers' (prefill, total) seconds per batch on `device` ("cpu": float32; "cuda":
+/// bfloat16) and, on a GPU, torch's device copy rate (bytes/s), or None when it cannot run.
+fn theirs_on(
+    dir: &Path,
+    batches: &[usize],
+    prompt: usize,
+    new: usize,
+    device: &str,
+) -> Option<Vec<(f64, f64, Option<f64>)>> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let job = serde_json::json!({
-        "cases": batches.iter().map(|&b| serde_json::json!({"batch": b, "prompt": PROMPT, "new": NEW})).collect::<Vec<_>>(),
-        "threads": rayon::current_num_threads(), "reps": REPS,
+        "cases": batches.iter().map(|&b| serde_json::json!({"batch": b, "prompt": prompt, "new": new})).collect::<Vec<_>>(),
+        "threads": rayon::current_num_threads(), "reps": REPS, "device": device,
     });
     let job_file = dir.join("job.json");
     std::fs::write(&job_file, job.to_string()).unwrap();
@@ -84,6 +117,7 @@ fn theirs(dir: &Path, batches: &[usize]) -> Option<Vec<(f64, f64)>> {
                     (
                         v["prefill_s"].as_f64().unwrap(),
                         v["total_s"].as_f64().unwrap(),
+                        v["copy_bytes_per_s"].as_f64(),
                     )
                 })
                 .collect(),
@@ -193,7 +227,86 @@ fn skinny_lines() {
     }
 }
 
+/// `"device":"cuda"` lines: bf16 generation on the first GPU against transformers' on it.
+#[cfg(feature = "cuda")]
+fn cuda_lines() {
+    const GPU_PROMPT: usize = 128;
+    const GPU_NEW: usize = 128;
+    let dev = Device::new_cuda(0).unwrap();
+    // Copy bandwidth: 1 GiB read and 1 GiB written per copy, the median of 5.
+    let big = Tensor::zeros(1usize << 29, DType::BF16, &dev).unwrap();
+    let copy = || {
+        dev.synchronize().unwrap();
+        let t = Instant::now();
+        let c = big.copy().unwrap();
+        dev.synchronize().unwrap();
+        drop(c);
+        t.elapsed().as_secs_f64()
+    };
+    copy();
+    let candle_copy = 2.0 * (1usize << 30) as f64 / median((0..5).map(|_| copy()).collect());
+    drop(big);
+    let qwen: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(support::repo().join("assets/configs/qwen2-0.5b.json")).unwrap(),
+    )
+    .unwrap();
+    for (name, config) in [("qwen2-0.5b", qwen), ("smollm2-135m-like", smollm2_like())] {
+        let tmp = tempfile::tempdir().unwrap();
+        let params = support::write_model_and_rows(tmp.path(), config.clone(), 0, 0);
+        let cfg = ModelConfig::from_json(&config.to_string(), name).unwrap();
+        let model =
+            AutoModelForCausalLM::from_pretrained(tmp.path().join("model"), DType::BF16, &dev)
+                .unwrap();
+        let batches = [1usize, 32];
+        let peers = theirs_on(tmp.path(), &batches, GPU_PROMPT, GPU_NEW, "cuda");
+        // The faster of Candle's copy and torch's: the GPU's bandwidth as this run sees it.
+        let torch_copy = peers.as_ref().and_then(|v| v[0].2).unwrap_or(0.0);
+        let bandwidth = candle_copy.max(torch_copy);
+        eprintln!(
+            "GPU copy bandwidth {:.0} GB/s (Candle {:.0}, torch {:.0})",
+            bandwidth / 1e9,
+            candle_copy / 1e9,
+            torch_copy / 1e9
+        );
+        for (i, &batch) in batches.iter().enumerate() {
+            let prefill = ours_at(&model, cfg.vocab_size, batch, GPU_PROMPT, 1);
+            let total = ours_at(&model, cfg.vocab_size, batch, GPU_PROMPT, GPU_NEW + 1);
+            let decode = (batch * GPU_NEW) as f64 / (total - prefill);
+            let kv = cfg.num_hidden_layers
+                * 2
+                * cfg.num_kv_heads()
+                * (cfg.hidden_size / cfg.num_attention_heads)
+                * (GPU_PROMPT + GPU_NEW / 2)
+                * 2
+                * batch;
+            let bytes = (params * 2 + kv) as f64;
+            let mut line = serde_json::json!({
+                "bench": "generate", "device": "cuda", "dtype": "bf16", "shape": name,
+                "batch": batch, "prompt": GPU_PROMPT, "new": GPU_NEW,
+                "decode_tokens_per_s": decode,
+                "ms_per_step": 1e3 * (total - prefill) / GPU_NEW as f64,
+                "bandwidth_fraction": bytes * (decode / batch as f64) / bandwidth,
+            });
+            if let Some((p, t, _)) = peers.as_ref().map(|v| v[i]) {
+                let theirs = (batch * GPU_NEW) as f64 / (t - p);
+                line["transformers_decode_tokens_per_s"] = theirs.into();
+                line["over_transformers"] = (decode / theirs).into();
+                line["prefill_over_transformers"] = (p / prefill).into();
+            }
+            println!("{line}");
+        }
+    }
+}
+
 fn main() {
+    // TRL_BENCH_ONLY=cuda: the GPU lines alone (GPU sessions are short).
+    if std::env::var("TRL_BENCH_ONLY").is_ok_and(|v| v == "cuda") {
+        #[cfg(feature = "cuda")]
+        cuda_lines();
+        #[cfg(not(feature = "cuda"))]
+        eprintln!("TRL_BENCH_ONLY=cuda: this bench was built without the cuda feature");
+        return;
+    }
     skinny_lines();
     let bandwidth = bandwidth();
     let matmul = matmul_rate();

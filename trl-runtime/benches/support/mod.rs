@@ -39,10 +39,21 @@ pub fn write_model_and_rows(
 ) -> usize {
     let cfg = ModelConfig::from_json(&config.to_string(), "benchmark model").unwrap();
     let model = dir.join("model");
-    Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
-        .unwrap()
-        .save(&model, &cfg.to_json_pretty(), None, None)
-        .unwrap();
+    // `Params::init` knows a dense decoder's parameters; a mixture of experts' come from its
+    // skeleton (transformers' names, per-expert or fused as the model type keeps them).
+    let experts = trl_runtime::models::moe::EXPERT_COUNT_KEYS
+        .iter()
+        .any(|k| config.get(k).is_some_and(|v| !v.is_null()));
+    let params = match experts {
+        true => write_random_model(&config, &model),
+        false => {
+            Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap()
+                .save(&model, &cfg.to_json_pretty(), None, None)
+                .unwrap();
+            cfg.num_parameters()
+        }
+    };
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(repo().join("assets/tiny/model").join(f), model.join(f)).unwrap();
     }
@@ -56,16 +67,16 @@ pub fn write_model_and_rows(
         })
         .collect();
     std::fs::write(dir.join("train.jsonl"), text).unwrap();
-    cfg.num_parameters()
+    params
 }
 
 /// Writes `rows` preference pairs of text to `path` (jsonl of prompt / chosen / rejected, as
 /// TRL reads them): numbers the tiny tokenizer splits into about 4 tokens each, `prompt`
 /// numbers in a prompt and `completion` in each completion.
 /// Writes `dir/model.safetensors` and `dir/config.json`: every parameter of the model `json`
-/// describes (a built-in type's skeleton), random N(0, 0.02), norms at 1.
-#[allow(dead_code)] // the benches of the reference shape write theirs with `Params::init`
-pub fn write_random_model(json: &serde_json::Value, dir: &Path) {
+/// describes (a built-in type's skeleton), random N(0, 0.02), norms at 1. Returns the number
+/// of parameters.
+pub fn write_random_model(json: &serde_json::Value, dir: &Path) -> usize {
     use candle_core::{DType, Device, Tensor};
     let skeleton =
         trl_runtime::parallel::CausalLm::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)
@@ -84,6 +95,7 @@ pub fn write_random_model(json: &serde_json::Value, dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
     std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    tensors.values().map(|t| t.elem_count()).sum()
 }
 
 #[allow(dead_code)] // the memory bench trains no pairs

@@ -220,15 +220,26 @@ fn decode(
     let mut samplers: Vec<Sampler> = seeds.iter().map(|&s| Sampler::new(s)).collect();
     let pad = pad_id(cfg);
     let mut mine_done = cfg.max_new_tokens == 0;
+    // Greedy without a repetition penalty on a GPU: the argmax is taken there and only the
+    // tokens come back, not [batch, vocab] logits a step.
+    let argmax_on_device = !cfg.do_sample && cfg.repetition_penalty == 1.0 && !device.is_cpu();
     for step in 0..cfg.max_new_tokens {
-        let v = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let mut tokens = Vec::with_capacity(b);
-        for (r, mut row) in v.into_iter().enumerate() {
-            let t = match done[r] {
+        if argmax_on_device {
+            let best = first_argmax(&logits)?;
+            tokens.extend(best.iter().enumerate().map(|(r, &t)| match done[r] {
                 true => pad,
-                false => next_token(cfg, &out[r], &mut row, &mut samplers[r]),
-            };
-            tokens.push(t);
+                false => t,
+            }));
+        } else {
+            let v = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            for (r, mut row) in v.into_iter().enumerate() {
+                let t = match done[r] {
+                    true => pad,
+                    false => next_token(cfg, &out[r], &mut row, &mut samplers[r]),
+                };
+                tokens.push(t);
+            }
         }
         if !mine_done {
             on_tokens(&tokens)?;
@@ -264,6 +275,24 @@ fn decode(
     Ok(out)
 }
 
+/// Each row's first index of its largest logit (torch's argmax, and `next_token`'s greedy
+/// pick), computed where `logits` [batch, vocab] are: the maximum, the positions equal to it,
+/// the smallest of those.
+fn first_argmax(logits: &Tensor) -> Result<Vec<u32>> {
+    let l = logits.to_dtype(DType::F32)?;
+    let (b, vocab) = l.dims2()?;
+    let hit = l.broadcast_eq(&l.max_keepdim(1)?)?;
+    let index = Tensor::arange(0u32, vocab as u32, l.device())?.broadcast_as((b, vocab))?;
+    let past = Tensor::full(vocab as u32, (b, vocab), l.device())?;
+    let first = hit.where_cond(&index, &past)?.min(1)?;
+    let first: Vec<u32> = first.to_vec1()?;
+    // A row of NaNs matches nowhere: the CPU loop's pick (index 0) then.
+    Ok(first
+        .into_iter()
+        .map(|t| if t as usize == vocab { 0 } else { t })
+        .collect())
+}
+
 /// Every row whole, as the prefill had them (for a model that does not use the cache).
 fn whole_rows(out: &[Vec<u32>], starts: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
     let (b, w) = (out.len(), out[0].len());
@@ -275,4 +304,29 @@ fn whole_rows(out: &[Vec<u32>], starts: &[usize], device: &Device) -> Result<(Te
         Tensor::from_vec(out.concat(), (b, w), device)?,
         Tensor::from_vec(pos, (b, w), device)?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The on-device pick is the CPU loop's: the first of equal maxima, rows apart.
+    #[test]
+    fn first_argmax_takes_the_first_of_equal_maxima() {
+        let cfg = GenerationConfig::default();
+        // Values from a small set, so that most rows hold their maximum more than once.
+        let (b, vocab) = (6, 37);
+        let v: Vec<f32> = (0..b * vocab)
+            .map(|i| ((i * 7919 + 13) % 5) as f32 - 2.0)
+            .collect();
+        let mut sampler = Sampler::new(0);
+        let want: Vec<u32> = v
+            .chunks(vocab)
+            .map(|row| next_token(&cfg, &[], &mut row.to_vec(), &mut sampler))
+            .collect();
+        let logits = Tensor::from_vec(v, (b, vocab), &Device::Cpu).unwrap();
+        assert_eq!(first_argmax(&logits).unwrap(), want);
+        let bf16 = logits.to_dtype(DType::BF16).unwrap();
+        assert_eq!(first_argmax(&bf16).unwrap(), want);
+    }
 }

@@ -228,12 +228,13 @@ fn wg_bwd_shared(d: usize) -> usize {
 }
 
 /// Whether the 128-key backward at head dim 64 runs on query tiles of 32 rows, two blocks per
-/// multiprocessor (`TRL_FLASH_BWD_ROWS=32`, the `flash_bwd128r32_` kernels), instead of 64
-/// rows and one block. Off until a GPU run says which is faster (`scripts/gpu-run attention`
-/// times both).
+/// multiprocessor (the `flash_bwd128r32_` kernels), instead of 64 rows and one block
+/// (`TRL_FLASH_BWD_ROWS=64`). On by default: on an H200 (2026-12-04) attention fwd+bwd took
+/// 0.94 / 4.38 / 50.5 ms at 2 x 2048 / 1 x 8192 / 1 x 32768 against 0.98 / 4.72 / 61.2 ms on
+/// 64-row tiles (docs/gpu.md).
 fn bwd_two_blocks(d: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| env_choice("TRL_FLASH_BWD_ROWS", &[("64", false), ("32", true)]));
+    let on = *ON.get_or_init(|| env_choice("TRL_FLASH_BWD_ROWS", &[("32", true), ("64", false)]));
     on && d == 64 && bwd_keys() == 128
 }
 

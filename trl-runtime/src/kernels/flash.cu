@@ -462,10 +462,10 @@ __device__ void unpad_sum_cast(const float* src, T* dst, size_t groups, int sum,
     }
 
 // The 128-key backward at head dim 64 on query tiles of 32 rows, two blocks per
-// multiprocessor (TRL_FLASH_BWD_ROWS=32): 135 registers a thread at 32 rows, capped at 128
-// (ptxas for sm_90: 0-16 bytes spilled) where 64-row tiles take 182 and one block of 8 warps
-// per multiprocessor leaves the kernel latency-bound (docs/gpu.md); 64 KB of shared memory
-// a block instead of 100.
+// multiprocessor (the default; TRL_FLASH_BWD_ROWS=64 selects 64-row tiles): 135 registers a
+// thread at 32 rows, capped at 128 (ptxas for sm_90: 0-16 bytes spilled) where 64-row tiles
+// take 182 and one block of 8 warps per multiprocessor leaves the kernel latency-bound
+// (docs/gpu.md); 64 KB of shared memory a block instead of 100.
 #define FLASH_BWD_R32_ENTRY(NAME, T, ASYNC, CAP)                                               \
     extern "C" __global__ void __launch_bounds__(256, 2)                                       \
         NAME(const T* q, const T* k, const T* v, const T* dout, const float* lse,              \
