@@ -231,6 +231,13 @@ pub struct Unit {
     /// The unit whose backward follows this one's: the previous layer unit, or for the root
     /// (whose LM head runs first in backward) the last layer unit.
     pub(crate) backward_next: OnceLock<Weak<Unit>>,
+    /// Under expert parallelism, the same layers' experts: a unit of its own, sharded over
+    /// the ranks holding the same experts (this one over all of dp_shard). It follows this
+    /// unit, so that every rank runs its collectives in the same order whether or not any
+    /// token was routed to its experts: it starts gathering when this unit does, is gathered
+    /// when this unit is, freed when this unit is, and reduced when this unit is (its last op
+    /// in backward, the layer's first in forward, comes after every expert's).
+    pub(crate) experts: OnceLock<Arc<Unit>>,
     /// The root unit (and every resident one) is not freed after its forward.
     pub(crate) keep_gathered: bool,
     pub(crate) holding: Holding,
@@ -253,6 +260,9 @@ impl Unit {
     }
 
     pub(crate) fn start_gather(&self, st: &UnitState) -> Pending {
+        if let Some(experts) = self.experts.get() {
+            experts.prefetch();
+        }
         let shard = st.shard.clone();
         // An offloaded slice goes to the device for the gather (a copy within memory when
         // the run computes on the CPU).
@@ -291,8 +301,12 @@ impl Unit {
         Ok(std::mem::replace(&mut st.shard, value))
     }
 
-    /// The gathered flat parameters, waiting for a prefetch or gathering now.
+    /// The gathered flat parameters, waiting for a prefetch or gathering now (and its
+    /// experts' unit's: gathered whenever this one is, on every rank alike).
     pub(crate) fn gathered(&self, st: &mut UnitState) -> Result<Tensor> {
+        if let Some(experts) = self.experts.get() {
+            experts.gathered(&mut experts.lock())?;
+        }
         if let Some(full) = &st.full {
             return Ok(full.clone());
         }
@@ -400,8 +414,12 @@ impl Unit {
         Ok(())
     }
 
-    /// Reduce-scatters the unit's full gradients into the slice this rank keeps.
+    /// Reduce-scatters the unit's full gradients into the slice this rank keeps (and its
+    /// experts' unit's, which waits for it).
     pub(crate) fn finish(&self, st: &mut UnitState) -> Result<()> {
+        if let Some(experts) = self.experts.get() {
+            experts.deposit(Vec::new())?;
+        }
         if !self.holding.resident {
             st.full = None;
         }
@@ -494,9 +512,11 @@ pub struct UnitScope<'a>(pub(crate) &'a Unit);
 
 impl Drop for UnitScope<'_> {
     fn drop(&mut self) {
-        let mut st = self.0.lock();
-        if !self.0.keep_gathered && !st.held {
-            st.full = None;
+        for unit in std::iter::once(self.0).chain(self.0.experts.get().map(|e| &**e)) {
+            let mut st = unit.lock();
+            if !unit.keep_gathered && !st.held {
+                st.full = None;
+            }
         }
     }
 }

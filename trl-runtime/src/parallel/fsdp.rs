@@ -17,8 +17,13 @@
 //! unit in forward starts the next unit's all-gather; a unit's first op in backward starts the
 //! previous unit's; reduce-scatters run while the backward goes on, and
 //! [`ShardedModel::finish_backward`] waits for them. At most two units are gathered at once.
+//!
+//! Under expert parallelism a layer unit's routed experts (this rank's share of them) form a
+//! unit of their own, sharded over the ranks holding the same experts, while the rest of the
+//! layer stays sharded over all of dp_shard, as torchtitan wraps a MoE layer's experts apart
+//! on the dp_shard / ep mesh. The experts' unit is gathered, freed and reduced with its
+//! layer's unit (`Unit::experts`), on a queue of its own.
 
-use super::expert::{entries_sq, sharded_norm_sq, DenseAndExperts};
 use super::sharded_optimizer::ShardedOptimizer;
 use super::sharded_state::{Piece, ShardedReader};
 use crate::alloc::StorageBytes;
@@ -110,15 +115,21 @@ pub(super) fn layer_units(layer_sizes: &[usize], policy: WrapPolicy) -> Vec<usiz
     layer_unit
 }
 
+/// Under expert parallelism: which parameters are this rank's experts (`ExpertPlan::holds`),
+/// and the ranks holding the same ones, over which their units are sharded.
+pub type ExpertUnits<'a> = (&'a (dyn Fn(&str) -> bool + Sync), Arc<dyn Communicator>);
+
 /// Shards `model` over `comm` in place: its parameters (this rank's tensor-parallel slices if
 /// it was split) go into wrap units, one per value marked `#[parallel(fsdp_unit)]` (grouped by
 /// `policy`) plus the root holding the rest, and every layer's weight is swapped for its slot
 /// in a unit. A weight shared by two layers (tied embeddings) stays one slot. The model's own
-/// tensors are dropped: call it before anything else holds them.
+/// tensors are dropped: call it before anything else holds them. With `experts`, each layer
+/// unit's experts go into a unit of their own over the ranks holding the same experts.
 pub fn shard_model(
     model: &mut impl Parallelize,
     (policy, prefetch, holding): (WrapPolicy, Prefetch, Holding),
     comm: Arc<dyn Communicator>,
+    experts: Option<ExpertUnits<'_>>,
 ) -> Result<Arc<ShardedModel>> {
     let (slots, frozen) = weight_slots(model)?;
     let mut params = named_tensors(model);
@@ -132,6 +143,7 @@ pub fn shard_model(
         &unit_names,
         (policy, prefetch, holding),
         comm,
+        experts,
     )?);
     drop(params);
     swap_weights(model, &sharding)?;
@@ -197,7 +209,7 @@ pub fn shard_model_reading(
         &slice,
         &unit_names,
         units,
-        comm,
+        (comm, None),
     )?);
     swap_weights(model, &sharding)?;
     sharding.set_frozen(frozen);
@@ -237,8 +249,11 @@ fn swap_weights(model: &mut impl Parallelize, sharding: &ShardedModel) -> Result
 
 /// A model's parameters as sharded wrap units.
 pub struct ShardedModel {
-    /// The root unit first, then the layer units in forward order.
+    /// The root unit first, then the layer units in forward order, then (under expert
+    /// parallelism) the experts' units, each following its layer unit (`Unit::experts`).
     pub units: Vec<Arc<Unit>>,
+    /// How many of `units` are the root and the layer units.
+    dense: usize,
     weights: BTreeMap<String, ShardedWeight>,
     /// Per marked unit of the model (a decoder layer): the index of the wrap unit in `units`
     /// holding it and whether it is that unit's last (None: it is in the root).
@@ -258,6 +273,7 @@ impl ShardedModel {
         unit_names: &[String],
         units: (WrapPolicy, Prefetch, Holding),
         comm: Arc<dyn Communicator>,
+        experts: Option<ExpertUnits<'_>>,
     ) -> Result<Self> {
         let values = params;
         let Some(first) = values.values().next() else {
@@ -275,7 +291,14 @@ impl ShardedModel {
                 .flatten(values)?
                 .narrow(0, range.start, range.len())?)
         };
-        Self::build(shapes, (dtype, &device), &slice, unit_names, units, comm)
+        Self::build(
+            shapes,
+            (dtype, &device),
+            &slice,
+            unit_names,
+            units,
+            (comm, experts),
+        )
     }
 
     /// Units over parameters `shapes` (sorted by name), this rank's slice of each cut by
@@ -287,7 +310,7 @@ impl ShardedModel {
         slice: &dyn Fn(&FlatLayout, std::ops::Range<usize>) -> Result<Tensor>,
         unit_names: &[String],
         (policy, prefetch, holding): (WrapPolicy, Prefetch, Holding),
-        comm: Arc<dyn Communicator>,
+        (comm, experts): (Arc<dyn Communicator>, Option<ExpertUnits<'_>>),
     ) -> Result<Self> {
         let num_layers = unit_names.len();
         let layer_of = |name: &str| unit_of(name, unit_names);
@@ -301,21 +324,43 @@ impl ShardedModel {
         let count = layer_unit.iter().copied().max().unwrap_or(0) + 1;
         let num_elements = shapes.iter().map(|(_, s)| s.elem_count()).sum();
         let mut members: Vec<Vec<(String, Shape)>> = vec![Vec::new(); count];
+        // Each layer unit's experts, apart (never the root's: experts sit in layers).
+        let mut expert_members: Vec<Vec<(String, Shape)>> = vec![Vec::new(); count];
         for (name, shape) in shapes {
             let u = layer_of(&name).map(|l| layer_unit[l]).unwrap_or(0);
-            members[u].push((name, shape));
+            match &experts {
+                Some((holds, _)) if u > 0 && holds(&name) => expert_members[u].push((name, shape)),
+                _ => members[u].push((name, shape)),
+            }
         }
-        let (rank, world) = (comm.rank(), comm.size());
         let queue = Arc::new(CommQueue::new(comm.clone())?);
+        let expert_queue = match &experts {
+            Some((_, c)) => Some(Arc::new(CommQueue::new(c.clone())?)),
+            None => None,
+        };
         let mut units: Vec<Arc<Unit>> = Vec::with_capacity(count);
         let mut weights = BTreeMap::new();
-        for (u, entries) in members.into_iter().enumerate() {
+        let parts = members
+            .into_iter()
+            .enumerate()
+            .map(|(u, e)| (u, e, &queue))
+            .chain(
+                expert_members
+                    .into_iter()
+                    .enumerate()
+                    .filter(|(_, e)| !e.is_empty())
+                    .filter_map(|(u, e)| expert_queue.as_ref().map(|q| (u, e, q))),
+            )
+            .collect::<Vec<_>>();
+        for (u, entries, queue) in parts {
+            let expert = units.len() >= count;
             // The root always holds the embedding; every other unit at least one layer.
             if entries.is_empty() {
                 return Err(Error::Candle(candle_core::Error::Msg(
                     "a model without an embedding cannot be sharded".into(),
                 )));
             }
+            let (rank, world) = (queue.comm().rank(), queue.comm().size());
             let layout = FlatLayout::from_shapes(entries, world);
             let range = layout.shard(rank, world);
             let home = match holding.host_params {
@@ -330,14 +375,15 @@ impl ShardedModel {
                 .detach();
             let entries = layout.entries().len();
             let unit = Arc::new(Unit {
-                name: if u == 0 {
-                    "root".into()
-                } else {
-                    format!("unit{u}")
+                name: match (u, expert) {
+                    (0, _) => "root".into(),
+                    (_, false) => format!("unit{u}"),
+                    (_, true) => format!("unit{u}.experts"),
                 },
                 layout,
                 queue: queue.clone(),
                 backward_next: OnceLock::new(),
+                experts: OnceLock::new(),
                 keep_gathered: u == 0 || holding.resident,
                 holding,
                 moved: Default::default(),
@@ -365,13 +411,18 @@ impl ShardedModel {
                     },
                 );
             }
+            if expert {
+                // Its layer unit's experts.
+                let _ = units[u].experts.set(unit.clone());
+            }
             units.push(unit);
         }
-        for (u, unit) in units.iter().enumerate().filter(|_| prefetch.backward) {
+        let dense = &units[..count];
+        for (u, unit) in dense.iter().enumerate().filter(|_| prefetch.backward) {
             let next = if u == 0 {
-                units.last()
+                dense.last()
             } else {
-                units.get(u - 1)
+                dense.get(u - 1)
             };
             if let Some(next) = next.filter(|n| !Arc::ptr_eq(n, unit)) {
                 let _ = unit.backward_next.set(Arc::downgrade(next));
@@ -386,6 +437,7 @@ impl ShardedModel {
             .collect();
         Ok(ShardedModel {
             units,
+            dense: count,
             weights,
             layers,
             prefetch,
@@ -414,6 +466,11 @@ impl ShardedModel {
         &self.units[0]
     }
 
+    /// The root (0) or a layer unit (not an experts' unit).
+    fn layer_unit(&self, u: usize) -> Option<&Arc<Unit>> {
+        self.units[..self.dense].get(u)
+    }
+
     /// The parameters no backward reached since the last call, in every unit.
     pub fn take_without_grad(&self) -> Vec<String> {
         self.units
@@ -432,9 +489,15 @@ impl ShardedModel {
         for unit in &self.units {
             unit.reset()?;
         }
+        // An experts' unit is reduced when its layer unit is: one more op to wait for.
+        for unit in &self.units[..self.dense] {
+            if let Some(experts) = unit.experts.get() {
+                experts.lock().pending += 1;
+            }
+        }
         let scope = self.root().enter()?;
         // Units are in forward order: the first layer unit follows the root.
-        if let Some(first) = self.units.get(1).filter(|_| self.prefetch.forward) {
+        if let Some(first) = self.layer_unit(1).filter(|_| self.prefetch.forward) {
             first.prefetch();
         }
         Ok(scope)
@@ -470,7 +533,7 @@ impl ShardedModel {
         };
         let unit = &self.units[u];
         unit.gathered(&mut unit.lock())?;
-        if let Some(next) = self.units.get(u + 1).filter(|_| self.prefetch.forward) {
+        if let Some(next) = self.layer_unit(u + 1).filter(|_| self.prefetch.forward) {
             next.prefetch();
         }
         Ok(last.then(|| UnitScope(unit)))
@@ -480,7 +543,8 @@ impl ShardedModel {
     /// parameter off the loss path), last unit first, so every rank issues the same collectives.
     /// Then waits for every reduce-scatter, so the communicator is idle when it returns.
     pub fn finish_backward(&self) -> Result<()> {
-        for unit in self.units.iter().rev() {
+        // Not the experts' units: each is reduced with its layer unit.
+        for unit in self.units[..self.dense].iter().rev() {
             let mut st = unit.lock();
             if st.pending > 0 {
                 st.pending = 0;
@@ -573,10 +637,6 @@ pub struct FsdpOptimizer {
     /// Under tensor parallelism: the parameters each unit's slice covers (by unit name), whose
     /// squared gradients count in the global norm by their split.
     tp_grads: Option<(TpGrads, BTreeMap<String, EntryRanges>)>,
-    /// Under expert parallelism (the units sharded over the ranks holding the same experts):
-    /// the ep group, over which the dense parameters' gradient slices are summed and the
-    /// experts' squares add up, and each unit's parameters split into (dense, experts).
-    experts: Option<(Arc<dyn Communicator>, BTreeMap<String, DenseAndExperts>)>,
 }
 
 impl FsdpOptimizer {
@@ -621,42 +681,7 @@ impl FsdpOptimizer {
                 states,
             },
             tp_grads: None,
-            experts: None,
         })
-    }
-
-    /// The same optimizer for units holding this rank's share of the experts (expert
-    /// parallelism, the units sharded over the ranks holding the same share): the dense
-    /// parameters' gradient slices are summed over `ep` too (the group's ranks hold the same
-    /// dense slices), and the experts' squares over it for the norm.
-    pub fn with_experts(
-        mut self,
-        plan: &super::expert::ExpertPlan,
-        ep: Arc<dyn Communicator>,
-    ) -> Self {
-        let units = self
-            .model
-            .units
-            .iter()
-            .map(|u| {
-                let (experts, dense) = u
-                    .entry_ranges()
-                    .into_iter()
-                    .partition(|(n, _)| plan.holds(n));
-                (u.name.clone(), (dense, experts))
-            })
-            .collect();
-        self.experts = Some((ep, units));
-        self
-    }
-
-    /// Under expert parallelism, `g` (unit `name`'s gradient slice) with its dense
-    /// parameters' parts summed over the ep group.
-    fn sum_dense_over_ep(&self, name: &str, g: Tensor) -> Result<Tensor> {
-        match &self.experts {
-            Some((ep, units)) => super::expert::sum_dense_over(ep, g, &units[name]),
-            None => Ok(g),
-        }
     }
 
     /// The parameter names (with the dtype they are held in) in the order
@@ -711,7 +736,7 @@ impl FsdpOptimizer {
     /// the tensor-parallel plan against the gradients ([`TpGrads::sync_flat`]).
     pub fn step(&mut self, max_grad_norm: f64, lr: f64, first: bool) -> Result<f64> {
         let mut grads = BTreeMap::new();
-        let (mut local_sq, mut expert_sq) = (0f64, 0f64);
+        let mut local_sq = 0f64;
         for unit in &self.model.units {
             let g = match unit.lock().grad_shard.take() {
                 Some(g) => g,
@@ -721,48 +746,33 @@ impl FsdpOptimizer {
                 Some(r) => r.all_reduce(&g, ReduceOp::Sum)?,
                 None => g,
             };
-            let g = self.sum_dense_over_ep(&unit.name, g)?;
             // Partial parameters' slices summed over tp.
             let g = match &self.tp_grads {
                 Some((tp, units)) => {
                     let entries = &units[&unit.name];
                     let g = tp.sync_flat(&g, entries, first)?;
-                    if self.experts.is_none() {
-                        local_sq += tp.weighted_sq(&g, entries)?;
-                    }
+                    local_sq += tp.weighted_sq(&g, entries)?;
                     g
                 }
                 None => g,
             };
-            if let Some((_, units)) = &self.experts {
-                let (dense, experts) = &units[&unit.name];
-                let tp = self.tp_grads.as_ref().map(|(tp, _)| tp);
-                local_sq += entries_sq(&g, dense, tp)?;
-                expert_sq += entries_sq(&g, experts, tp)?;
-            }
             grads.insert(unit.name.clone(), g);
         }
-        if self.tp_grads.is_none() && self.experts.is_none() {
+        if self.tp_grads.is_none() {
             // Every unit's slice in one pass (one read-back on a GPU).
             local_sq = sums_of_squares(grads.values())?.iter().sum();
         }
+        // Every element sits in one slice of the shard group (under expert parallelism, each
+        // expert in one slice of the ranks holding it, and those ranks with the ep group make
+        // the shard group).
         let shard_comm = self.model.root().comm();
-        let tp = self.tp_grads.as_ref().map(|(tp, _)| tp);
-        let norm_sq = match &self.experts {
-            // The experts' squares: this share's over the shard group, every share's over ep.
-            Some((ep, _)) => {
-                sharded_norm_sq((local_sq, expert_sq), shard_comm.as_ref(), tp, Some(ep))?
-            }
-            None => {
-                let sq = Tensor::new(&[local_sq], &candle_core::Device::Cpu)?;
-                let sq = shard_comm
-                    .all_reduce(&sq, ReduceOp::Sum)?
-                    .to_vec1::<f64>()?[0];
-                match tp {
-                    Some(tp) => tp.sum(sq)?,
-                    None => sq,
-                }
-            }
+        let sq = Tensor::new(&[local_sq], &candle_core::Device::Cpu)?;
+        let sq = shard_comm
+            .all_reduce(&sq, ReduceOp::Sum)?
+            .to_vec1::<f64>()?[0];
+        let norm_sq = match &self.tp_grads {
+            Some((tp, _)) => tp.sum(sq)?,
+            None => sq,
         };
         let norm = norm_sq.sqrt();
         // A non-finite gradient never reaches the weights.
@@ -1070,6 +1080,81 @@ mod tests {
             let g = st.grad_shard.as_ref().expect("reduced gradient slice");
             let largest = crate::kernels::testing::max_abs(g);
             assert!(largest > 0.0, "{} got a zero gradient", unit.name);
+        }
+    }
+
+    /// Under expert parallelism a layer's experts are a unit of their own that follows its
+    /// layer unit: a rank whose experts got no rows (no op on that unit) still gathers and
+    /// reduces it with the ranks that ran it, in the same order, so nobody waits; the reduced
+    /// gradient is what those ranks gave, the layer unit's every rank's.
+    #[test]
+    fn an_experts_unit_without_ops_on_a_rank_still_reduces_with_its_layer() {
+        let (dense, experts) = (InProcessWorld::new(2), InProcessWorld::new(2));
+        let w = |b: f64| {
+            Tensor::arange(0f32, 16.0, &Device::Cpu)
+                .and_then(|t| t.affine(0.1, b)?.reshape((4, 4)))
+                .unwrap()
+        };
+        let params: BTreeMap<String, Tensor> = [
+            ("embed.weight", w(0.0)),
+            ("layers.0.attn.weight", w(1.0)),
+            ("layers.0.experts.0.weight", w(2.0)),
+        ]
+        .into_iter()
+        .map(|(n, t)| (n.to_string(), t))
+        .collect();
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (dense, experts, params) = (dense.clone(), experts.clone(), params.clone());
+                std::thread::spawn(move || {
+                    let holds = |n: &str| n.contains(".experts.");
+                    let sharding = ShardedModel::new(
+                        &params,
+                        &["layers.0".to_string()],
+                        (WrapPolicy::PerLayer, Prefetch::BOTH, Holding::SHARDED),
+                        dense.world(rank).unwrap(),
+                        Some((&holds, experts.world(rank).unwrap())),
+                    )
+                    .unwrap();
+                    assert_eq!(sharding.units.len(), 3, "root, layer, the layer's experts");
+                    let slot = |n: &str| match sharding.weight(n) {
+                        Some(Weight::Sharded(s)) => s,
+                        _ => panic!("{n} is not in a unit"),
+                    };
+                    let x =
+                        Var::new(&[[1f32, 2., 3., 4.], [0.5, -1., 2., 0.]], &Device::Cpu).unwrap();
+                    let _root = sharding.begin_forward().unwrap();
+                    let scope = sharding.enter_layer(0).unwrap();
+                    let linear = |n: &str| {
+                        crate::nn::sharded::linear(x.as_tensor(), &slot(n), None).unwrap()
+                    };
+                    let mut y = linear("layers.0.attn.weight");
+                    // Only rank 0's experts got rows.
+                    if rank == 0 {
+                        y = (y + linear("layers.0.experts.0.weight")).unwrap();
+                    }
+                    drop(scope);
+                    y.sum_all().unwrap().backward().unwrap();
+                    sharding.finish_backward().unwrap();
+                    sharding.units[1..]
+                        .iter()
+                        .map(|u| {
+                            let st = u.lock();
+                            assert!(st.full.is_none(), "{} still gathered", u.name);
+                            let g = st.grad_shard.as_ref().expect("reduced");
+                            g.to_vec1::<f32>().unwrap()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        // d(sum x W^T) / dW: every row the column sums of x, (1.5, 1, 5, 4); this rank's
+        // slice two of the four rows.
+        let rows = |times: f32| [1.5f32, 1.0, 5.0, 4.0, 1.5, 1.0, 5.0, 4.0].map(|v| v * times);
+        for rank in ranks {
+            let got = rank.join().expect("no rank failed or waited forever");
+            assert_eq!(got[0], rows(2.0), "the layer: both ranks' gradients");
+            assert_eq!(got[1], rows(1.0), "the experts: rank 0's alone");
         }
     }
 

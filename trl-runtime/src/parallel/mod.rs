@@ -550,14 +550,15 @@ pub fn parallelize<N: CausalModel>(
 
     // 5. Data parallelism over the ranks that see different tokens; ZeRO / FSDP shard over
     // dp_shard (and the sequence chunks' ranks), summing across dp_replicate (HSDP).
-    // Under expert parallelism ZeRO-3 / FSDP shard over the ranks holding the same experts
-    // (the ep group's ranks hold the same dense slices; their gradients are summed over it).
-    let shard = match model.ep() {
-        Some(_) => ctx
-            .expert_replicas(shard_axes(split.as_ref()))
-            .expect("ep groups are made with the ep context"),
-        None => ctx.group(shard_axes(split.as_ref())),
-    };
+    // Under expert parallelism each layer's experts go into units of their own, sharded over
+    // the ranks holding the same experts (`fsdp::ExpertUnits`); ZeRO-1's state, and LoRA's
+    // adapters beside a sharded base, are sharded over those ranks too (the ep group's ranks
+    // hold the same dense slices there; their gradients are summed over it).
+    let shard = ctx.group(shard_axes(split.as_ref()));
+    let expert_shard = model.ep().map(|_| {
+        ctx.expert_replicas(shard_axes(split.as_ref()))
+            .expect("ep groups are made with the ep context")
+    });
     let replicate = Some(ctx.group(&[Axis::DpReplicate])).filter(|c| c.size() > 1);
     let offload = offload::decide(plan, ctx.device(), main);
     if let Some(units) = units {
@@ -566,7 +567,7 @@ pub fn parallelize<N: CausalModel>(
             model.shard_reading(&opts.model_dir, units, shard.clone())?;
         } else {
             // Every rank cuts its slices from the synced values, then drops the full tensors.
-            model.shard(units, shard.clone())?;
+            model.shard_with_experts(units, shard.clone(), expert_shard.clone())?;
         }
         let (count, holding) = match &model.sharding {
             Some(s) => (s.units.len(), s.holding()),
@@ -613,7 +614,8 @@ pub fn parallelize<N: CausalModel>(
                 WrapPolicy::Buckets(b) => b,
                 _ => DEEPSPEED_REDUCE_BUCKET,
             };
-            let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, shard, replicate)?
+            let zero_shard = expert_shard.unwrap_or(shard);
+            let mut z = ZeroOptimizer::new(&model.params, opts.adam, stage, zero_shard, replicate)?
                 .with_bucket(bucket);
             if let Some(ep) = model.ep() {
                 z = z.with_experts(model.expert_plan(), ep.clone());
@@ -623,10 +625,9 @@ pub fn parallelize<N: CausalModel>(
         }
         (_, None) => {
             let sharded = model.sharding.clone().expect("sharded above");
+            // The experts' units are sharded over the ranks holding them: every element of
+            // the model sits in one slice of the shard group, so the norm needs no ep term.
             let mut f = FsdpOptimizer::new(sharded, opts.adam, replicate)?;
-            if let Some(ep) = model.ep() {
-                f = f.with_experts(model.expert_plan(), ep.clone());
-            }
             prepare(&mut f, &model.params)?;
             Optimizer::Fsdp(f)
         }

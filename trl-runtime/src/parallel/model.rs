@@ -323,11 +323,26 @@ impl<N: CausalModel> Model<N> {
         (policy, prefetch, holding): (WrapPolicy, Prefetch, Holding),
         comm: Arc<dyn Communicator>,
     ) -> Result<()> {
+        self.shard_with_experts((policy, prefetch, holding), comm, None)
+    }
+
+    /// [`Self::shard`] under expert parallelism: this rank's experts (those of its
+    /// [`Self::expert_plan`]) go into units of their own over `experts`, the ranks holding the
+    /// same experts, the rest over `comm` as without ep.
+    pub fn shard_with_experts(
+        &mut self,
+        (policy, prefetch, holding): (WrapPolicy, Prefetch, Holding),
+        comm: Arc<dyn Communicator>,
+        experts: Option<Arc<dyn Communicator>>,
+    ) -> Result<()> {
         self.check_units(policy)?;
         // The layers' weights are swapped for unit slots; these handles would keep the full
         // tensors alive.
         self.params = Params::default();
-        let sharding = shard_model(self.net_mut()?, (policy, prefetch, holding), comm)?;
+        let plan = self.expert_plan().clone();
+        let holds = |name: &str| plan.holds(name);
+        let experts = experts.map(|c| (&holds as &(dyn Fn(&str) -> bool + Sync), c));
+        let sharding = shard_model(self.net_mut()?, (policy, prefetch, holding), comm, experts)?;
         self.sharding = Some(sharding);
         // What is not in a unit (LoRA adapters) trains whole on every rank.
         self.params = crate::tp::named_parameters(&*self.net)?;

@@ -86,7 +86,9 @@ pub(super) fn mib(b: usize) -> String {
 struct Counts<'a> {
     tp: usize,
     d: ParallelDims,
-    /// Ranks ZeRO and FSDP shard over: dp_shard and the ranks holding the rows' other chunks.
+    /// Ranks ZeRO and FSDP shard over: dp_shard and the ranks holding the rows' other chunks
+    /// (a flat optimizer's state, under expert parallelism, over those holding the same
+    /// experts).
     n: usize,
     /// Bytes per element of the compute dtype, and of a gradient as the step holds it.
     dsz: usize,
@@ -99,8 +101,16 @@ struct Counts<'a> {
     /// Trainable elements, and the frozen base.
     p: usize,
     frozen: usize,
-    /// The wrap units on this rank (frozen ones under LoRA; ZeRO-2's resident ones).
+    /// The wrap units on this rank (frozen ones under LoRA; ZeRO-2's resident ones), each
+    /// whole with its experts' unit.
     units: Vec<usize>,
+    /// Elements of this rank's slices of them, and of them whole with their padding: a layer
+    /// unit over all of dp_shard (with the chunks' ranks), its experts' unit (expert
+    /// parallelism) over the ranks holding the same experts.
+    unit_slices: usize,
+    units_padded: usize,
+    /// The ranks a layer unit is sharded over.
+    unit_ranks: usize,
     lora: bool,
     /// ZeRO-2 of the whole model: resident units.
     resident: bool,
@@ -139,9 +149,10 @@ fn counts<'a>(model: &'a ModelShapes, setup: &Setup) -> Counts<'a> {
     let tp = d.tp.max(1);
     // Under expert parallelism a rank holds 1 / ep of every routed expert's parameters.
     let ep = setup.ep.max(1);
-    // ZeRO and FSDP shard over dp_shard and the ranks holding the other chunks of the rows
-    // (under ep, those of them holding the same experts).
-    let n = (d.dp_shard * d.cp * d.sp / ep).max(1);
+    // ZeRO and FSDP shard over dp_shard and the ranks holding the other chunks of the rows;
+    // under ep an experts' unit, and ZeRO-1's flat state, over those holding the same experts.
+    let unit_ranks = (d.dp_shard * d.cp * d.sp).max(1);
+    let n = (unit_ranks / ep).max(1);
     let dsz = setup.dtype.size_in_bytes();
     let shapes = model.local_ep(tp, ep);
     let base: usize = shapes.iter().map(|(_, n)| n).sum();
@@ -182,11 +193,20 @@ fn counts<'a>(model: &'a ModelShapes, setup: &Setup) -> Counts<'a> {
     // unit's gradients as backward finishes it.
     let resident = setup.strategy == Strategy::Zero(ZeroStage::Two) && setup.lora.is_none();
     // The wrap units on this rank (frozen ones under LoRA).
-    let units = match setup.strategy {
+    let parts = match setup.strategy {
         Strategy::Fsdp(policy, _) => model.unit_sizes((tp, ep), policy, &trained),
         _ if resident => model.unit_sizes((tp, ep), setup.reduce_units.0, &[]),
         _ => Vec::new(),
     };
+    let units = parts.iter().map(|(u, e)| u + e).collect();
+    let unit_slices = parts
+        .iter()
+        .map(|(u, e)| u.div_ceil(unit_ranks) + e.div_ceil(n))
+        .sum();
+    let units_padded = parts
+        .iter()
+        .map(|(u, e)| u.div_ceil(unit_ranks) * unit_ranks + e.div_ceil(n) * n)
+        .sum();
     let (p, frozen) = match &adapters {
         Some(a) => (a.iter().map(|(_, n)| n).sum::<usize>() + whole, base - kept),
         None => (base, 0),
@@ -211,6 +231,9 @@ fn counts<'a>(model: &'a ModelShapes, setup: &Setup) -> Counts<'a> {
         p,
         frozen,
         units,
+        unit_slices,
+        units_padded,
+        unit_ranks,
         lora: setup.lora.is_some(),
         resident,
         tied_as_one,
@@ -245,17 +268,18 @@ fn model_state(c: &Counts, setup: &Setup, e: &mut Estimate, why: &mut Vec<String
             ));
         }
         (Strategy::Zero(ZeroStage::Two), false) => {
-            let s: usize = units.iter().map(|&u| slice(u)).sum();
+            let s = c.unit_slices;
             // The whole parameters (each unit padded to the group), this rank's slice a view
             // of them (in host memory, a copy, under parameter offload); fp32 master weights
             // apart.
-            e.parameters = dsz * n * s + usize::from(setup.offload_params) * dsz * s;
+            e.parameters = dsz * c.units_padded + usize::from(setup.offload_params) * dsz * s;
             e.gradients = 4 * s;
             opt_bytes = (12 + MASK) * s;
             why.push(format!(
-                "zero2: {} resident units, weights {dsz} x {} whole, gradients 4 x {s}, master, moments and decay mask 13 x {s} (each unit / {n})",
+                "zero2: {} resident units, weights {dsz} x {} whole, gradients 4 x {s}, master, moments and decay mask 13 x {s} (each unit / {})",
                 units.len(),
-                n * s,
+                c.units_padded,
+                c.unit_ranks,
             ));
         }
         (Strategy::Zero(stage), _) => {
@@ -274,7 +298,7 @@ fn model_state(c: &Counts, setup: &Setup, e: &mut Estimate, why: &mut Vec<String
             ));
         }
         (Strategy::Fsdp(..), false) => {
-            let s: usize = units.iter().map(|&u| slice(u)).sum();
+            let s = c.unit_slices;
             // In fp32 the slice is its own master (but where the optimizer alone is offloaded:
             // its master in host memory); otherwise a compute-dtype copy beside it.
             let own_master = dsz == 4 && (setup.offload_params || !setup.offload_optimizer);
@@ -282,15 +306,16 @@ fn model_state(c: &Counts, setup: &Setup, e: &mut Estimate, why: &mut Vec<String
             e.gradients = 4 * s;
             opt_bytes = if own_master { 8 * s } else { 12 * s } + MASK * s;
             why.push(format!(
-                "zero3: {} units, {s} elements per rank (each unit padded to {n}): weights {dsz}, gradients 4, {} bytes of optimizer state each",
+                "zero3: {} units, {s} elements per rank (each unit padded to {}): weights {dsz}, gradients 4, {} bytes of optimizer state each",
                 units.len(),
+                c.unit_ranks,
                 opt_bytes / s.max(1)
             ));
         }
         (Strategy::Fsdp(..), true) => {
             // The frozen base is sharded in its units; the adapters stay whole, their
             // gradients and optimizer state sharded as ZeRO-2 does.
-            let s: usize = units.iter().map(|&u| slice(u)).sum();
+            let s = c.unit_slices;
             e.parameters = dsz * (s + p);
             e.gradients = (4 * p).div_ceil(n);
             opt_bytes = (12 + MASK) * slice(p);
@@ -320,7 +345,7 @@ fn model_state(c: &Counts, setup: &Setup, e: &mut Estimate, why: &mut Vec<String
         // FSDP (one layer's unit gathered at a time, counted with the activations' slack).
         let local = setup.held_parameters.div_ceil(c.tp);
         let held = match (&setup.strategy, units.is_empty()) {
-            (Strategy::Fsdp(..), false) => dsz * local.div_ceil(n),
+            (Strategy::Fsdp(..), false) => dsz * local.div_ceil(c.unit_ranks),
             _ => dsz * local,
         };
         e.reference += held;
@@ -340,7 +365,7 @@ fn model_state(c: &Counts, setup: &Setup, e: &mut Estimate, why: &mut Vec<String
         e.optimizer = opt_bytes;
     }
     if setup.offload_params && !units.is_empty() {
-        let slices = dsz * units.iter().map(|&u| slice(u)).sum::<usize>();
+        let slices = dsz * c.unit_slices;
         e.host_parameters = slices;
         e.parameters -= slices;
     }

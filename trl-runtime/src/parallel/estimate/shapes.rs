@@ -523,15 +523,17 @@ impl ModelShapes {
     }
 
     /// Elements of each ZeRO-3 / FSDP wrap unit on a rank of `tp` (root first), as `fsdp.rs`
-    /// cuts them.
+    /// cuts them: (the unit's, its experts') where expert parallelism (`ep` > 1) puts this
+    /// rank's share of a layer unit's routed experts in a unit of their own, else (all, 0).
     /// Without the parameters `trained` (a LoRA run's modules trained whole, kept beside).
     pub(super) fn unit_sizes(
         &self,
         (tp, ep): (usize, usize),
         policy: WrapPolicy,
         trained: &[(String, usize)],
-    ) -> Vec<usize> {
-        let mut layer_sizes = vec![0usize; self.units.len()];
+    ) -> Vec<(usize, usize)> {
+        // Per layer: (elements, of which routed experts').
+        let mut layer_sizes = vec![(0usize, 0usize); self.units.len()];
         let mut root = 0;
         // Under expert parallelism the units hold this rank's share of the experts.
         let local = self.local_ep(tp, ep);
@@ -540,16 +542,23 @@ impl ModelShapes {
             .filter(|(n, _)| !trained.iter().any(|(t, _)| t == n));
         for &(name, n) in frozen {
             match crate::parallel::fsdp::unit_of(name, &self.units) {
-                Some(l) => layer_sizes[l] += n,
+                Some(l) => {
+                    layer_sizes[l].0 += n;
+                    if ep > 1 && is_routed_expert(name) {
+                        layer_sizes[l].1 += n;
+                    }
+                }
                 None => root += n,
             }
         }
         // Each layer joins the unit the sharding puts it in.
-        let layer_unit = crate::parallel::fsdp::layer_units(&layer_sizes, policy);
-        let mut units = vec![0; layer_unit.iter().max().map_or(1, |m| m + 1)];
-        units[0] = root;
-        for (u, n) in layer_unit.into_iter().zip(layer_sizes) {
-            units[u] += n;
+        let totals: Vec<usize> = layer_sizes.iter().map(|s| s.0).collect();
+        let layer_unit = crate::parallel::fsdp::layer_units(&totals, policy);
+        let mut units = vec![(0, 0); layer_unit.iter().max().map_or(1, |m| m + 1)];
+        units[0].0 = root;
+        for (u, (n, experts)) in layer_unit.into_iter().zip(layer_sizes) {
+            units[u].0 += n - experts;
+            units[u].1 += experts;
         }
         units
     }

@@ -95,20 +95,27 @@ pub fn step_time(model: &ModelShapes, setup: &Setup, hw: &Hardware) -> StepTime 
         }
         Strategy::Zero(_) => shard.seconds(1.0, ring(n_shard) * (4.0 + dsz) * trainable),
         // Gathered for forward and again for backward; gradients reduce-scattered (under ep
-        // over the ranks holding the same experts, the dense slices then summed over ep).
+        // the experts' units over the ranks holding the same experts, the rest over all).
         Strategy::Fsdp(..) => {
-            let base = model
-                .local_ep(d.tp, ep)
-                .iter()
-                .map(|(_, n)| *n)
-                .sum::<usize>() as f64;
-            let n = n_shard / ep;
-            let units = link(n, d.tp).seconds(1.0, ring(n) * (2.0 * dsz * base + 4.0 * trainable));
-            let dense_over_ep = match ep > 1 {
-                true => link(ep, d.tp * n).seconds(1.0, 2.0 * ring(ep) * 4.0 * dense / n as f64),
-                false => 0.0,
+            let (mut base, mut base_experts) = (0.0, 0.0);
+            for (name, n) in model.local_ep(d.tp, ep) {
+                match ep > 1 && crate::nn::lora::is_routed_expert(name) {
+                    true => base_experts += n as f64,
+                    false => base += n as f64,
+                }
+            }
+            let (trained, trained_experts) = match ep > 1 {
+                true => (dense, experts),
+                false => (trainable, 0.0),
             };
-            units + dense_over_ep
+            let units = |n: usize, base: f64, trained: f64| {
+                link(n, d.tp).seconds(1.0, ring(n) * (2.0 * dsz * base + 4.0 * trained))
+            };
+            units(n_shard, base, trained)
+                + match ep > 1 {
+                    true => units(n_shard / ep, base_experts, trained_experts),
+                    false => 0.0,
+                }
         }
     };
     if d.dp_replicate > 1 && !matches!(setup.strategy, Strategy::Ddp) {
