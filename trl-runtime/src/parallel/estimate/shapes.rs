@@ -198,6 +198,21 @@ impl ModelShapes {
         let mut text =
             crate::models::composite::language_model_json(json).map_err(not_a_decoder)?;
         crate::models::config::transformers_defaults(&mut text);
+        // Gemma 4's mixture (its own config, not the Llama family's): with `enable_moe_block`
+        // every layer runs `top_k_experts` of `num_experts` experts, `moe_intermediate_size`
+        // wide, beside its dense MLP.
+        let count = |key: &str| text.get(key).and_then(|v| v.as_u64()).map(|v| v as usize);
+        let gemma4_moe = (text.get("model_type").and_then(|v| v.as_str()) == Some("gemma4_text")
+            && text.get("enable_moe_block").and_then(|v| v.as_bool()) == Some(true))
+        .then(|| {
+            (
+                count("num_experts").unwrap_or(0),
+                count("top_k_experts").unwrap_or(1),
+                count("moe_intermediate_size").unwrap_or(0),
+                count("num_hidden_layers").unwrap_or(0),
+            )
+        })
+        .filter(|m| m.0 > 0);
         let mut dims: Dims = serde_json::from_value(text).map_err(not_a_decoder)?;
         let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
         let (linears, parameters) = model.lora_sites()?;
@@ -227,7 +242,7 @@ impl ModelShapes {
             (Some(m), ..) => Some(m.top_k as f64 / m.experts as f64),
             (None, Some((_, m)), _) => Some(m.routing.top_k as f64 / m.routing.experts as f64),
             (None, None, Some(l)) => Some(l.top_k as f64 / l.experts as f64),
-            _ => None,
+            _ => gemma4_moe.map(|(experts, top_k, ..)| top_k as f64 / experts as f64),
         };
         let active_parameters = params
             .iter()
@@ -264,7 +279,7 @@ impl ModelShapes {
                 m.inter,
                 m.sparse.iter().filter(|&&s| s).count(),
             )),
-            _ => None,
+            _ => gemma4_moe,
         };
         // A tied head is visited under the embedding's name only.
         let tied = !params.iter().any(|e| e.name.ends_with("lm_head.weight"));

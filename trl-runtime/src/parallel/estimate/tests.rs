@@ -436,3 +436,21 @@ fn mistral4_experts_are_counted() {
     // The kernels' head width: the query's 24 + 8 features (values, 12, padded to it).
     assert_eq!(m.dims.head_dim(), 32);
 }
+
+/// Gemma 4's mixture (`enable_moe_block`: routed experts beside every layer's dense MLP,
+/// `top_k_experts` of `num_experts`, `moe_intermediate_size` wide), read through the
+/// vision-language composite as its language model: top-k of n in a token's compute.
+#[test]
+fn gemma4_experts_are_counted() {
+    let m = ModelShapes::from_file(assets("tiny-gemma4-moe-vision/model/config.json")).unwrap();
+    // 4 experts, top 2, 32 wide, on all 4 layers.
+    assert_eq!(m.moe, Some((4, 2, 32, 4)));
+    let routed = (4 * 3 * 32 * m.dims.hidden_size * 4) as f64;
+    let expected = m.num_parameters() as f64 - routed * (1.0 - 2.0 / 4.0);
+    assert!(
+        (m.active_parameters - expected).abs() < 1e-6,
+        "{} active, {expected} expected",
+        m.active_parameters
+    );
+    assert_eq!(m.experts(), Some(4));
+}
