@@ -139,6 +139,40 @@ fn theirs_on(
     }
 }
 
+/// Bytes one decode step reads at `batch`: every weight once (`size` bytes each) and the
+/// cache, layers x 2 x kv heads x head dim x tokens (the prompt and about half the new ones,
+/// on average) x `size`, per row.
+fn step_bytes(
+    cfg: &ModelConfig,
+    params: usize,
+    batch: usize,
+    (prompt, new): (usize, usize),
+    size: usize,
+) -> f64 {
+    let kv = cfg.num_hidden_layers
+        * 2
+        * cfg.num_kv_heads()
+        * (cfg.hidden_size / cfg.num_attention_heads)
+        * (prompt + new / 2)
+        * size
+        * batch;
+    (params * size + kv) as f64
+}
+
+/// transformers' decode rate on `line` and ours over it, from its (prefill, total) seconds;
+/// `(tokens, decode, prefill)`: the new tokens past the first, our decode tokens/s and
+/// prefill seconds.
+fn with_peer(
+    line: &mut serde_json::Value,
+    (tokens, decode, prefill): (usize, f64, f64),
+    (p, t): (f64, f64),
+) {
+    let theirs = tokens as f64 / (t - p);
+    line["transformers_decode_tokens_per_s"] = theirs.into();
+    line["over_transformers"] = (decode / theirs).into();
+    line["prefill_over_transformers"] = (p / prefill).into();
+}
+
 /// This machine's memory read bandwidth, bytes/s: the faster of every thread summing its
 /// part of 1 GiB and the skinny kernel streaming a 1 GiB weight for one row (AVX-512 loads
 /// where the CPU has them: the fastest read this process can make).
@@ -272,14 +306,7 @@ fn cuda_lines() {
             let prefill = ours_at(&model, cfg.vocab_size, batch, GPU_PROMPT, 1);
             let total = ours_at(&model, cfg.vocab_size, batch, GPU_PROMPT, GPU_NEW + 1);
             let decode = (batch * GPU_NEW) as f64 / (total - prefill);
-            let kv = cfg.num_hidden_layers
-                * 2
-                * cfg.num_kv_heads()
-                * (cfg.hidden_size / cfg.num_attention_heads)
-                * (GPU_PROMPT + GPU_NEW / 2)
-                * 2
-                * batch;
-            let bytes = (params * 2 + kv) as f64;
+            let bytes = step_bytes(&cfg, params, batch, (GPU_PROMPT, GPU_NEW), 2);
             let mut line = serde_json::json!({
                 "bench": "generate", "device": "cuda", "dtype": "bf16", "shape": name,
                 "batch": batch, "prompt": GPU_PROMPT, "new": GPU_NEW,
@@ -288,10 +315,7 @@ fn cuda_lines() {
                 "bandwidth_fraction": bytes * (decode / batch as f64) / bandwidth,
             });
             if let Some((p, t, _)) = peers.as_ref().map(|v| v[i]) {
-                let theirs = (batch * GPU_NEW) as f64 / (t - p);
-                line["transformers_decode_tokens_per_s"] = theirs.into();
-                line["over_transformers"] = (decode / theirs).into();
-                line["prefill_over_transformers"] = (p / prefill).into();
+                with_peer(&mut line, (batch * GPU_NEW, decode, prefill), (p, t));
             }
             println!("{line}");
         }
@@ -340,16 +364,7 @@ fn main() {
             let prefill = ours(&model, cfg.vocab_size, batch, 1);
             let total = ours(&model, cfg.vocab_size, batch, NEW + 1);
             let decode = (batch * NEW) as f64 / (total - prefill);
-            // Every weight read once per step, and the cache: layers x 2 x kv heads x head
-            // dim x tokens (prompt + about half the new ones, on average) x 4 bytes per row.
-            let kv = cfg.num_hidden_layers
-                * 2
-                * cfg.num_kv_heads()
-                * (cfg.hidden_size / cfg.num_attention_heads)
-                * (PROMPT + NEW / 2)
-                * 4
-                * batch;
-            let bytes = (params * 4 + kv) as f64;
+            let bytes = step_bytes(&cfg, params, batch, (PROMPT, NEW), 4);
             let prefill_flops = 2.0 * params as f64 * (batch * PROMPT) as f64 / prefill;
             let mut line = serde_json::json!({
                 "bench": "generate", "shape": name, "batch": batch, "prompt": PROMPT,
@@ -357,11 +372,8 @@ fn main() {
                 "bandwidth_fraction": bytes * (decode / batch as f64) / bandwidth,
                 "prefill_over_matmul_rate": prefill_flops / matmul,
             });
-            if let Some((p, t)) = peers.as_ref().map(|v| v[i]) {
-                let theirs = (batch * NEW) as f64 / (t - p);
-                line["transformers_decode_tokens_per_s"] = theirs.into();
-                line["over_transformers"] = (decode / theirs).into();
-                line["prefill_over_transformers"] = (p / prefill).into();
+            if let Some(theirs) = peers.as_ref().map(|v| v[i]) {
+                with_peer(&mut line, (batch * NEW, decode, prefill), theirs);
             }
             println!("{line}");
         }

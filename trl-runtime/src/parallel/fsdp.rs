@@ -343,17 +343,16 @@ impl ShardedModel {
         let parts = members
             .into_iter()
             .enumerate()
-            .map(|(u, e)| (u, e, &queue))
+            .map(|(u, e)| (u, e, &queue, false))
             .chain(
                 expert_members
                     .into_iter()
                     .enumerate()
                     .filter(|(_, e)| !e.is_empty())
-                    .filter_map(|(u, e)| expert_queue.as_ref().map(|q| (u, e, q))),
+                    .filter_map(|(u, e)| expert_queue.as_ref().map(|q| (u, e, q, true))),
             )
             .collect::<Vec<_>>();
-        for (u, entries, queue) in parts {
-            let expert = units.len() >= count;
+        for (u, entries, queue, expert) in parts {
             // The root always holds the embedding; every other unit at least one layer.
             if entries.is_empty() {
                 return Err(Error::Candle(candle_core::Error::Msg(

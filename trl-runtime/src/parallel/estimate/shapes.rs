@@ -198,21 +198,22 @@ impl ModelShapes {
         let mut text =
             crate::models::composite::language_model_json(json).map_err(not_a_decoder)?;
         crate::models::config::transformers_defaults(&mut text);
-        // Gemma 4's mixture (its own config, not the Llama family's): with `enable_moe_block`
-        // every layer runs `top_k_experts` of `num_experts` experts, `moe_intermediate_size`
-        // wide, beside its dense MLP.
-        let count = |key: &str| text.get(key).and_then(|v| v.as_u64()).map(|v| v as usize);
-        let gemma4_moe = (text.get("model_type").and_then(|v| v.as_str()) == Some("gemma4_text")
-            && text.get("enable_moe_block").and_then(|v| v.as_bool()) == Some(true))
-        .then(|| {
-            (
-                count("num_experts").unwrap_or(0),
-                count("top_k_experts").unwrap_or(1),
-                count("moe_intermediate_size").unwrap_or(0),
-                count("num_hidden_layers").unwrap_or(0),
-            )
-        })
-        .filter(|m| m.0 > 0);
+        // Gemma 4's mixture, read by its own config (not the Llama family's): with
+        // `enable_moe_block` every layer runs `top_k_experts` of `num_experts` experts,
+        // `moe_intermediate_size` wide, beside its dense MLP.
+        let gemma4_moe = (text.get("model_type").and_then(|v| v.as_str()) == Some("gemma4_text"))
+            .then(|| serde_json::from_value::<crate::models::gemma4::Gemma4Config>(text.clone()))
+            .and_then(|c| c.ok())
+            .filter(|c| c.enable_moe_block)
+            .and_then(|c| {
+                Some((
+                    c.num_experts?,
+                    // The model's own defaults (models/arch/gemma4.rs).
+                    c.top_k_experts.unwrap_or(1),
+                    c.moe_intermediate_size.unwrap_or(1),
+                    c.num_hidden_layers,
+                ))
+            });
         let mut dims: Dims = serde_json::from_value(text).map_err(not_a_decoder)?;
         let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
         let (linears, parameters) = model.lora_sites()?;
