@@ -4,9 +4,12 @@
 //! the same active MLP FLOPs), and that shape as gpt-oss lays it out (fused experts run as
 //! grouped GEMMs, biases, sinks), and a DeepSeek-V3 shape (latent attention, a dense first
 //! layer, then DeepSeek's routing over 8 experts, top 2, beside a shared expert) on one
-//! thread, each next to a plain 1024^3 f32 Candle matmul on
+//! thread, and a Qwen3.5 shape (three Gated DeltaNet layers of 4 key heads and 8 value heads
+//! of 32 features, then one gated full-attention layer), each next to a plain 1024^3 f32
+//! Candle matmul on
 //! one thread measured in the same run (5 rounds of a step next to 3 matmuls; the median
-//! round's ratio). One JSON object per line on stdout; prose on stderr.
+//! round's ratio). One JSON object per line on stdout; prose on stderr. `TRL_BENCH_ONLY=hybrid`
+//! runs the lines whose name holds it.
 //!
 //! FLOPs count the matmuls as computed: 2 per multiply-add for every projection, the LM head,
 //! and the full (masked, not skipped) attention score and value products; backward = 2 x forward.
@@ -92,6 +95,43 @@ fn deepseek_flops_per_token(seq: usize) -> f64 {
     2.0 * (layers * attention + dense + (layers - 1.0) * sparse)
         + 2.0 * layers * scores
         + 2.0 * h * v
+}
+
+/// Qwen3.5's hybrid layout at the reference's width: three Gated DeltaNet layers (4 key heads
+/// and 8 value heads of 32 features, a 4-tap convolution) then one full-attention layer (the
+/// reference's 8 heads and 4 kv heads of 32, its output gate, a quarter of each head rotated),
+/// the reference's MLP on every layer.
+fn hybrid_json() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "qwen3_5_text", "vocab_size": 4096, "hidden_size": 256,
+        "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 32,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32, "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8, "linear_value_head_dim": 32,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": true,
+    })
+}
+
+/// Forward FLOPs of one token of [`hybrid_json`] at sequence length `seq`: per Gated DeltaNet
+/// layer its projections, the convolution and the rule's three products per state element
+/// (the prediction S^T k, the write k delta^T, the read S^T q: what the recurrence computes;
+/// the chunked form computes more); the full-attention layer's projections (queries and their
+/// gates), scores and values; the MLP on every layer; the LM head.
+fn hybrid_flops_per_token(seq: usize) -> f64 {
+    let (h, i, v, seq) = (256.0, 768.0, 4096.0, seq as f64);
+    let (nk, nv, d, taps) = (4.0, 8.0, 32.0, 4.0);
+    let channels = 2.0 * nk * d + nv * d;
+    let linear = 2.0 * (h * channels + h * nv * d + 2.0 * h * nv + nv * d * h)
+        + 2.0 * channels * taps
+        + 2.0 * 3.0 * nv * d * d;
+    let (q, kv) = (8.0 * 32.0, 4.0 * 32.0);
+    let full = 2.0 * (h * 2.0 * q + 2.0 * h * kv + q * h) + 2.0 * 2.0 * seq * q;
+    let mlp = 2.0 * 3.0 * h * i;
+    3.0 * linear + full + 4.0 * mlp + 2.0 * h * v
 }
 
 /// A model of `json` with random weights (normal, std 0.02; norms 1), written to `dir` as a
@@ -187,10 +227,19 @@ fn main() {
     let flops = 3.0 * deepseek_flops_per_token(SEQ) * (BATCH * SEQ) as f64;
     eprintln!("model bench: the DeepSeek-V3 shape (latent attention, shared expert)");
     measure("fwd_bwd_mla_moe", &deepseek, flops);
+    let dir = tempfile::tempdir().unwrap();
+    let hybrid = random_model(&hybrid_json(), dir.path());
+    let flops = 3.0 * hybrid_flops_per_token(SEQ) * (BATCH * SEQ) as f64;
+    eprintln!("model bench: the Qwen3.5 shape (three Gated DeltaNet layers, one full attention)");
+    measure("fwd_bwd_hybrid", &hybrid, flops);
 }
 
 /// Prints the median round of `model`'s forward+backward against the matmul rate.
 fn measure(what: &str, model: &CausalLm, flops: f64) {
+    // TRL_BENCH_ONLY=hybrid: the lines whose name holds it.
+    if std::env::var("TRL_BENCH_ONLY").is_ok_and(|only| !what.contains(only.as_str())) {
+        return;
+    }
     let vocab = 4096;
     let ids: Vec<u32> = (0..BATCH * SEQ)
         .map(|i| (i * 7919 % vocab) as u32)

@@ -1,6 +1,6 @@
 //! The CPU and CUDA kernels behind the layers of `crate::nn`: fused element-wise ops (RMSNorm,
 //! SwiGLU, rotary, bias) with their backward passes, the flash attention kernels (CPU, and
-//! CUDA from flash.cu), the causal softmax, GEMM helpers and the dtype rules of mixed
+//! CUDA from flash.cu), the gated delta rule, the causal softmax, GEMM helpers and the dtype rules of mixed
 //! precision. Kernels know tensors and storage, never layers or strategies.
 
 pub mod cpu_flash;
@@ -14,6 +14,7 @@ pub mod cuda_fused;
 pub mod decode;
 pub mod divergence;
 pub mod fused;
+pub mod gated_delta;
 pub mod grouped;
 pub(crate) mod op;
 pub(crate) mod precision;

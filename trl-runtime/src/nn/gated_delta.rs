@@ -49,6 +49,23 @@ pub fn document_starts(position_ids: &Tensor) -> Result<Vec<Vec<bool>>> {
         .collect())
 }
 
+/// The rule as the layers run it: on the CPU (f32, f64) the fused kernel
+/// (`kernels::gated_delta`, the recurrence with its block of the state in cache, backward
+/// included); elsewhere one step of [`recurrent`] for a decoded token from a state, and
+/// [`chunked`] in chunks of `chunk` tokens otherwise. `TRL_DELTA_RULE=chunked` keeps the
+/// chunked form on the CPU too, to compare.
+pub fn rule(x: &DeltaInputs, initial: Option<&Tensor>, chunk: usize) -> Result<(Tensor, Tensor)> {
+    use crate::kernels::gated_delta::{delta_rule, fused_here};
+    let chunked_asked = std::env::var("TRL_DELTA_RULE").is_ok_and(|v| v == "chunked");
+    if fused_here(x.v) && !chunked_asked {
+        return delta_rule(x.q, x.k, x.v, x.g, x.beta, x.starts, initial);
+    }
+    match (x.v.dim(2)?, initial) {
+        (1, Some(state)) => recurrent(x, Some(state)),
+        (_, initial) => chunked(x, initial, chunk),
+    }
+}
+
 /// Token by token: the outputs [b, h, s, dv] and the final state [b, h, dk, dv], from
 /// `initial` (zeros when None).
 pub fn recurrent(x: &DeltaInputs, initial: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
@@ -277,19 +294,73 @@ mod tests {
         document_starts(&Tensor::from_vec(flat, (rows.len(), s), &Device::Cpu).unwrap()).unwrap()
     }
 
-    /// Chunked equals token by token, outputs, final state and every input's gradient, on
-    /// packed rows whose documents start inside chunks and on chunk boundaries, with an
-    /// initial state, for chunk sizes that do and do not divide the row.
+    /// A step's outputs, final state and the gradients of `vars` (the inputs, then the
+    /// initial state) under a loss of fixed pseudo-random weights on both.
+    fn outputs_and_gradients(
+        vars: &[&candle_core::Var; 6],
+        f: &dyn Fn() -> (Tensor, Tensor),
+    ) -> (Tensor, Tensor, Vec<Tensor>) {
+        let (out, state) = f();
+        // Fixed weights (a seeded draw would not repeat across calls otherwise).
+        let weigh = |t: &Tensor| {
+            let n = t.elem_count();
+            let w: Vec<f64> = (0..n)
+                .map(|i| ((i * 7919 % 23) as f64 - 11.0) / 7.0)
+                .collect();
+            let w = Tensor::from_vec(w, t.shape(), t.device()).unwrap();
+            (t.to_dtype(DType::F64).unwrap() * w)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        };
+        let loss = (weigh(&out) + weigh(&state)).unwrap();
+        let grads = loss.backward().unwrap();
+        let g = vars
+            .iter()
+            .map(|v| grads.get(v.as_tensor()).unwrap().clone())
+            .collect();
+        (out, state, g)
+    }
+
+    /// Asserts that a step's outputs, state and gradients (as [`outputs_and_gradients`]
+    /// gives them, in any float dtype) are within `tol` of `want` (gradients within `tol_grad`).
+    fn assert_step_close(
+        what: &str,
+        got: &(Tensor, Tensor, Vec<Tensor>),
+        want: &(Tensor, Tensor, Vec<Tensor>),
+        (tol, tol_grad): (f64, f64),
+    ) {
+        let wide = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        let d = max_abs_diff(&wide(&got.0), &want.0);
+        assert!(d < tol, "{what}: outputs differ by {d}");
+        let d = max_abs_diff(&wide(&got.1), &want.1);
+        assert!(d < tol, "{what}: states differ by {d}");
+        for (name, (a, e)) in ["q", "k", "v", "g", "beta", "initial state"]
+            .iter()
+            .zip(got.2.iter().zip(&want.2))
+        {
+            let d = max_abs_diff(&wide(a), e);
+            assert!(d < tol_grad, "{what}: d{name} differs by {d}");
+        }
+    }
+
+    /// The chunk form and the fused CPU kernel equal token by token: outputs, final state
+    /// and every input's gradient in f64, on packed rows whose documents start inside chunks
+    /// and on chunk boundaries (row 0: documents of 9, 20 and 8 tokens; row 1: one document
+    /// continued from the initial state), for chunk sizes that do and do not divide the row;
+    /// the kernel over more value columns than one of its blocks holds and more tokens than
+    /// one checkpoint spans (neither dividing evenly), in f32 within f32's rounding.
     #[test]
-    fn chunks_equal_the_recurrence_values_and_gradients() {
+    fn chunks_and_the_fused_kernel_equal_the_recurrence_values_and_gradients() {
+        use crate::kernels::gated_delta::delta_rule;
         let dev = Device::Cpu;
-        let (b, h, s, dk, dv) = (2, 2, 11, 4, 3);
+        let (b, h, s, dk, dv) = (2, 2, 37, 5, 35);
         let [q, k, v, g, beta] = random_inputs((b, h, s, dk, dv), &dev).unwrap();
-        // Row 0: documents of 3, 5 and 3 tokens; row 1: one document continued from a state.
-        let row0: Vec<i64> = (0..3).chain(0..5).chain(0..3).collect();
-        let row1: Vec<i64> = (7..18).collect();
+        let row0: Vec<i64> = (0..9).chain(0..20).chain(0..8).collect();
+        let row1: Vec<i64> = (3..40).collect();
         let starts = starts(&[&row0, &row1]);
         let init = candle_core::Var::randn(0f64, 0.5, (b, h, dk, dv), &dev).unwrap();
+        let vars = [&q, &k, &v, &g, &beta, &init];
         let x = DeltaInputs {
             q: q.as_tensor(),
             k: k.as_tensor(),
@@ -298,39 +369,33 @@ mod tests {
             beta: beta.as_tensor(),
             starts: &starts,
         };
-        let weights = Tensor::randn(0f64, 1.0, (b, h, s, dv), &dev).unwrap();
-        let state_weights = Tensor::randn(0f64, 1.0, (b, h, dk, dv), &dev).unwrap();
-        let run = |f: &dyn Fn() -> (Tensor, Tensor)| {
-            let (out, state) = f();
-            let loss = ((&out * &weights).unwrap().sum_all().unwrap()
-                + (&state * &state_weights).unwrap().sum_all().unwrap())
-            .unwrap();
-            let grads = loss.backward().unwrap();
-            let vars = [&q, &k, &v, &g, &beta, &init];
-            let g: Vec<Tensor> = vars
-                .iter()
-                .map(|v| grads.get(v.as_tensor()).unwrap().clone())
-                .collect();
-            (out, state, g)
-        };
-        let (want, want_state, want_grads) =
-            run(&|| recurrent(&x, Some(init.as_tensor())).unwrap());
+        let run = |f: &dyn Fn() -> (Tensor, Tensor)| outputs_and_gradients(&vars, f);
+        let want = run(&|| recurrent(&x, Some(init.as_tensor())).unwrap());
         for chunk in [1, 3, 4, 16] {
-            let (got, got_state, got_grads) =
-                run(&|| chunked(&x, Some(init.as_tensor()), chunk).unwrap());
-            assert!(max_abs_diff(&got, &want) < 1e-10, "chunk {chunk}: outputs");
-            assert!(
-                max_abs_diff(&got_state, &want_state) < 1e-10,
-                "chunk {chunk}: state"
-            );
-            for (name, (a, e)) in ["q", "k", "v", "g", "beta", "initial state"]
-                .iter()
-                .zip(got_grads.iter().zip(&want_grads))
-            {
-                let d = max_abs_diff(a, e);
-                assert!(d < 1e-9, "chunk {chunk}: d{name} differs by {d}");
-            }
+            let got = run(&|| chunked(&x, Some(init.as_tensor()), chunk).unwrap());
+            assert_step_close(&format!("chunk {chunk}"), &got, &want, (1e-10, 1e-9));
         }
+        let fused = |dtype: DType| {
+            let at = |t: &candle_core::Var| t.as_tensor().to_dtype(dtype).unwrap();
+            let (q, k, v, g, beta, init) = (at(&q), at(&k), at(&v), at(&g), at(&beta), at(&init));
+            delta_rule(&q, &k, &v, &g, &beta, &starts, Some(&init)).unwrap()
+        };
+        assert_step_close(
+            "fused f64",
+            &run(&|| fused(DType::F64)),
+            &want,
+            (1e-12, 1e-11),
+        );
+        assert_step_close(
+            "fused f32",
+            &run(&|| fused(DType::F32)),
+            &want,
+            (1e-5, 1e-4),
+        );
+        // Without an initial state: zeros, as the recurrence starts.
+        let (a, _) = recurrent(&x, None).unwrap();
+        let (e, _) = delta_rule(x.q, x.k, x.v, x.g, x.beta, &starts, None).unwrap();
+        assert!(max_abs_diff(&a, &e) < 1e-12);
         // The documents matter: without the starts the outputs move.
         let joined = vec![vec![false; s]; b];
         let x2 = DeltaInputs {
@@ -338,7 +403,7 @@ mod tests {
             ..x
         };
         let (other, _) = chunked(&x2, Some(init.as_tensor()), 4).unwrap();
-        assert!(max_abs_diff(&other, &want) > 1e-3);
+        assert!(max_abs_diff(&other, &want.0) > 1e-3);
     }
 
     /// A packed document's outputs are those it has alone; and a row split in two, the

@@ -37,7 +37,7 @@ use crate::comm::autograd::all_to_all;
 use crate::context_parallel::SeqSplit;
 use crate::error::Result;
 use crate::models::causal::LayerInputs;
-use crate::nn::gated_delta::{chunked, l2_normalize, recurrent, DeltaInputs};
+use crate::nn::gated_delta::{l2_normalize, rule, DeltaInputs};
 use crate::nn::{Linear, Param};
 use crate::Parallelize;
 use candle_core::Tensor;
@@ -279,13 +279,12 @@ impl GatedDeltaNet {
         };
         let heads_of = |w: Tensor| w.narrow(0, first * per, nv);
         let (mixed, conv_state) = match &held {
-            None => (causal_conv(&mixed, &conv, starts)?, None),
+            None => (conv_silu(&mixed, &conv, starts)?, None),
             Some((_, prev, rows)) => {
                 let (out, kept) = conv_with_state(&mixed, &conv, starts, prev.as_ref(), rows)?;
                 (out, Some(kept))
             }
         };
-        let mixed = mixed.silu()?;
         let keys = nk * dk;
         // [b, t, heads, d] -> [b, heads, t, d]; each key head serves `per` value heads.
         let heads = |x: Tensor, n: usize, d: usize| -> Result<Tensor> {
@@ -331,11 +330,8 @@ impl GatedDeltaNet {
         let initial = held
             .as_ref()
             .and_then(|(_, prev, _)| prev.as_ref().map(|p| &p.1));
-        let (out, last) = match (t, initial) {
-            // A decoded token: one step of the rule, as transformers' cached decode.
-            (1, Some(state)) => recurrent(&x, Some(state))?,
-            (_, initial) => chunked(&x, initial, s.chunk)?,
-        };
+        // A decoded token is one step of the rule, as transformers' cached decode.
+        let (out, last) = rule(&x, initial, s.chunk)?;
         if let (Some((slot, _, _)), Some(conv_state), Some(cx)) = (&held, conv_state, cx) {
             if let Some(mut cache) = cx.kv_cache() {
                 cache.keep_state(*slot, (conv_state, last))?;
@@ -343,11 +339,10 @@ impl GatedDeltaNet {
         }
         let out = out.transpose(1, 2)?.to_dtype(dtype)?;
         // The gated norm: normalised in f32, scaled by its weight in the input's dtype, times
-        // SiLU of the gate in f32.
-        let normed = crate::kernels::fused::rms_normalize(&out, s.eps)?;
-        let normed = normed.broadcast_mul(&self.norm.value()?)?;
-        let gate = z.to_dtype(wide)?.silu()?;
-        let y = (normed.to_dtype(wide)? * gate)?.to_dtype(dtype)?;
+        // SiLU of the gate in f32 (two fused passes each way).
+        let normed = crate::kernels::fused::rms_norm(&out, &self.norm.value()?, s.eps)?;
+        let gated = crate::kernels::fused::swiglu(&z.to_dtype(wide)?, &normed.to_dtype(wide)?)?;
+        let y = gated.to_dtype(dtype)?;
         Ok(y.reshape((b, t, nv * dv))?)
     }
 }
@@ -415,9 +410,9 @@ fn softplus(x: &Tensor) -> candle_core::Result<Tensor> {
     x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
 }
 
-/// [`causal_conv`] in generation: `x` [b, t, channels] continues the rows whose last
+/// [`conv_silu`] in generation: `x` [b, t, channels] continues the rows whose last
 /// `kernel - 1` inputs `prev` holds (None: `x` is the prompt, left-padded from `rows`'
-/// starts). Returns the convolution of `x` and the last `kernel - 1` inputs to hold next, a
+/// starts). Returns the activated convolution of `x` and the last `kernel - 1` inputs to hold next, a
 /// pad's zeroed (transformers zeroes pads before the layer, so none reaches a token).
 fn conv_with_state(
     x: &Tensor,
@@ -433,11 +428,11 @@ fn conv_with_state(
             // The held inputs, then the new ones, as one document.
             let seen = Tensor::cat(&[held, x], 1)?;
             let whole = vec![vec![false; kept + t]; b];
-            let out = causal_conv(&seen, w, &whole)?.narrow(1, kept, t)?;
+            let out = conv_silu(&seen, w, &whole)?.narrow(1, kept, t)?;
             Ok((out, seen.narrow(1, t, kept)?))
         }
         None => {
-            let out = causal_conv(x, w, starts)?;
+            let out = conv_silu(x, w, starts)?;
             let real: Vec<f32> = rows
                 .iter()
                 .flat_map(|&start| (0..t).map(move |i| f32::from(u8::from(i >= start))))
@@ -449,14 +444,19 @@ fn conv_with_state(
     }
 }
 
-/// The causal depthwise convolution of `x` [b, t, channels] by `w` [channels, 1, kernel]:
-/// y_t = sum_j w[., kernel - 1 - j] x_{t - j}, a document's first tokens seeing no earlier
-/// document (`starts`).
-fn causal_conv(x: &Tensor, w: &Tensor, starts: &[Vec<bool>]) -> candle_core::Result<Tensor> {
-    let (b, t, _) = x.dims3()?;
-    let kernel = w.dim(2)?;
-    // Each token's distance back to its document's start.
-    let reach: Vec<Vec<usize>> = starts
+/// SiLU of the causal convolution ([`causal_conv`]): one fused op on the CPU
+/// (`kernels::gated_delta::conv_silu`), Candle's ops elsewhere.
+fn conv_silu(x: &Tensor, w: &Tensor, starts: &[Vec<bool>]) -> candle_core::Result<Tensor> {
+    use crate::kernels::gated_delta;
+    match gated_delta::conv_here(x) {
+        true => gated_delta::conv_silu(x, w, &reach(starts, x.dim(1)?)),
+        false => causal_conv(x, w, starts)?.silu(),
+    }
+}
+
+/// Each token's distance back to its document's start, per row of `t` tokens.
+fn reach(starts: &[Vec<bool>], t: usize) -> Vec<Vec<usize>> {
+    starts
         .iter()
         .map(|row| {
             let mut from = 0;
@@ -469,7 +469,16 @@ fn causal_conv(x: &Tensor, w: &Tensor, starts: &[Vec<bool>]) -> candle_core::Res
                 })
                 .collect()
         })
-        .collect();
+        .collect()
+}
+
+/// The causal depthwise convolution of `x` [b, t, channels] by `w` [channels, 1, kernel]:
+/// y_t = sum_j w[., kernel - 1 - j] x_{t - j}, a document's first tokens seeing no earlier
+/// document (`starts`).
+fn causal_conv(x: &Tensor, w: &Tensor, starts: &[Vec<bool>]) -> candle_core::Result<Tensor> {
+    let (b, t, _) = x.dims3()?;
+    let kernel = w.dim(2)?;
+    let reach = reach(starts, t);
     let mut y: Option<Tensor> = None;
     for j in 0..kernel.min(t) {
         // x_{t - j}, zero where that is before the document.
@@ -495,7 +504,7 @@ fn causal_conv(x: &Tensor, w: &Tensor, starts: &[Vec<bool>]) -> candle_core::Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
 
     /// The convolution equals its definition, and a document's first tokens see nothing of
     /// the one before.
@@ -525,5 +534,55 @@ mod tests {
             .to_vec1()
             .unwrap();
         assert_eq!(y, vec![1.0, 4.0, 7.5, 4.0, 13.0, 18.0]);
+    }
+
+    /// The fused convolution and SiLU equal Candle's ops, values and the gradients of the
+    /// input and the taps, on packed rows (documents shorter than the kernel too), in f64
+    /// and in f32.
+    #[test]
+    fn the_fused_convolution_equals_candles_ops() {
+        use crate::kernels::gated_delta;
+        let dev = Device::Cpu;
+        let (b, t, c, kernel) = (2, 70, 5, 4);
+        let x = candle_core::Var::randn(0f64, 1.0, (b, t, c), &dev).unwrap();
+        let w = candle_core::Var::randn(0f64, 0.5, (c, 1, kernel), &dev).unwrap();
+        let mut starts = vec![vec![false; t]; b];
+        for (row, at) in [(0, 0), (0, 2), (0, 3), (0, 40), (1, 17)] {
+            starts[row][at] = true;
+        }
+        let weights = Tensor::randn(0f64, 1.0, (b, t, c), &dev).unwrap();
+        let run = |y: Tensor| {
+            let loss = (y.to_dtype(DType::F64).unwrap() * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let grads = loss.backward().unwrap();
+            let g = |v: &candle_core::Var| grads.get(v.as_tensor()).unwrap().clone();
+            (y.to_dtype(DType::F64).unwrap(), g(&x), g(&w))
+        };
+        let want = run(causal_conv(x.as_tensor(), w.as_tensor(), &starts)
+            .unwrap()
+            .silu()
+            .unwrap());
+        let diff = |a: &Tensor, e: &Tensor| {
+            (a - e)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+        };
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            let (xd, wd) = (
+                x.as_tensor().to_dtype(dtype).unwrap(),
+                w.as_tensor().to_dtype(dtype).unwrap(),
+            );
+            let got = run(gated_delta::conv_silu(&xd, &wd, &reach(&starts, t)).unwrap());
+            assert!(diff(&got.0, &want.0) < tol, "{dtype:?}: values");
+            assert!(diff(&got.1, &want.1) < tol, "{dtype:?}: dx");
+            assert!(diff(&got.2, &want.2) < tol * 10.0, "{dtype:?}: dw");
+        }
     }
 }

@@ -1,0 +1,678 @@
+//! The gated delta rule (Gated DeltaNet's linear attention) as one fused CPU op, forward and
+//! backward. Per head a state S [dk, dv]; each token t
+//!
+//! ```text
+//! S' = exp(g_t) S            (0 at a document start)
+//! delta = beta_t (v_t - S'^T k_t)
+//! S  = S' + k_t delta^T
+//! o_t = S^T q_t
+//! ```
+//!
+//! Each column of S evolves on its own (the sums run over dk), so the kernel walks the tokens
+//! once per block of up to [`COLUMNS`] columns, that block of the state staying in L1 the
+//! whole row long: two passes over it per token, vectorised across its columns, and no
+//! intermediate tensor. This is the recurrence itself (transformers' recurrent reference,
+//! `nn::gated_delta::recurrent`), not the chunked form, whose within-chunk solve is a chain of
+//! small dependent products; on a CPU the state's block in L1 is what bounds either.
+//!
+//! The backward walks each block's row again to keep the state at every [`CHECKPOINT`]-th
+//! token, then goes back chunk by chunk: it recomputes the chunk's decayed states S' from its
+//! checkpoint and runs the chain rule token by token from the last:
+//!
+//! ```text
+//! dS += q_t do_t^T;  dq_t = S do_t;  dd = dS^T k_t;  dk_t = dS delta
+//! dv_t = beta dd;  dbeta_t = dd . (v_t - S'^T k_t);  dp = -beta dd
+//! dS' = dS + k_t dp^T;  dk_t += S' dp;  dg_t = sum(dS' * S');  dS = exp(g_t) dS'
+//! ```
+//!
+//! with dq, dk, dg and dbeta summed over the column blocks. Memory: one row's checkpoints
+//! of one block per task, nothing kept between forward and backward but the inputs.
+//!
+//! Inputs travel packed, one row per token `[q (dk) | k (dk) | v (dv) | g | beta]`, beside the
+//! initial state; the output holds the tokens' outputs then the final state's rows,
+//! [b, h, s + dk, dv]. f32 and f64, on the CPU; elsewhere `nn::gated_delta` runs the chunked
+//! form in Candle ops.
+
+use super::fused::slice;
+use super::op::fused_op;
+use super::simd::simd_dispatch;
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+
+/// Columns of the state per block: 32 f32 columns of a 128-feature key are 16 KiB.
+const COLUMNS: usize = 32;
+
+/// Tokens between the backward's checkpoints of the state.
+const CHECKPOINT: usize = 16;
+
+/// The sizes of one call, and which tokens open a document (`starts[row * seq + t]`).
+#[derive(Clone)]
+struct DeltaRule {
+    heads: usize,
+    seq: usize,
+    dk: usize,
+    dv: usize,
+    starts: Vec<bool>,
+}
+
+impl DeltaRule {
+    /// Features of a packed token.
+    fn width(&self) -> usize {
+        2 * self.dk + self.dv + 2
+    }
+
+    /// Task `task`'s (row, head): its packed tokens, initial state and document starts.
+    fn head<'a, T>(&'a self, x: &'a [T], s0: &'a [T], task: usize) -> Head<'a, T> {
+        let (s, dk, dv, w) = (self.seq, self.dk, self.dv, self.width());
+        let row = task / self.heads;
+        Head {
+            x: &x[task * s * w..(task + 1) * s * w],
+            s0: &s0[task * dk * dv..(task + 1) * dk * dv],
+            starts: &self.starts[row * s..(row + 1) * s],
+            dk,
+            dv,
+        }
+    }
+}
+
+/// Whether [`delta_rule`] runs for these inputs: on the CPU, in f32 or f64.
+pub fn fused_here(v: &Tensor) -> bool {
+    v.device().is_cpu() && matches!(v.dtype(), DType::F32 | DType::F64)
+}
+
+/// The gated delta rule over `q`, `k` [b, h, s, dk], `v` [b, h, s, dv], log decays `g` and
+/// strengths `beta` [b, h, s], from `initial` [b, h, dk, dv] (zeros when None), with
+/// `starts[b][t]` whether token t of row b opens a document (its state starts at zero): the
+/// outputs [b, h, s, dv] and the final state [b, h, dk, dv]. Differentiable in every input
+/// and the initial state.
+pub fn delta_rule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    starts: &[Vec<bool>],
+    initial: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (b, h, s, dk) = k.dims4()?;
+    let dv = v.dim(3)?;
+    if starts.len() != b || starts.iter().any(|r| r.len() != s) {
+        bail!("gated delta rule: document starts are not [{b}][{s}]");
+    }
+    let dtype = v.dtype();
+    let packed = Tensor::cat(
+        &[
+            q.to_dtype(dtype)?,
+            k.to_dtype(dtype)?,
+            v.clone(),
+            g.to_dtype(dtype)?.unsqueeze(3)?,
+            beta.to_dtype(dtype)?.unsqueeze(3)?,
+        ],
+        3,
+    )?;
+    let initial = match initial {
+        Some(s0) => s0.to_dtype(dtype)?.contiguous()?,
+        None => Tensor::zeros((b, h, dk, dv), dtype, v.device())?,
+    };
+    let op = DeltaRule {
+        heads: h,
+        seq: s,
+        dk,
+        dv,
+        starts: starts.iter().flatten().copied().collect(),
+    };
+    let both = packed.contiguous()?.apply_op2(&initial, op)?;
+    Ok((both.narrow(2, 0, s)?, both.narrow(2, s, dk)?))
+}
+
+/// Runs `$body` with `$t` the element type of `$dtype` (f32 or f64), as CPU storage.
+macro_rules! per_float {
+    ($dtype:expr, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                CpuStorage::F32($body)
+            }
+            DType::F64 => {
+                type $t = f64;
+                CpuStorage::F64($body)
+            }
+            d => bail!("gated delta rule: {d:?} is not supported (f32 or f64)"),
+        }
+    };
+}
+
+fused_op!(DeltaRule: CustomOp2 [this] {
+    name: "gated-delta-rule",
+    cpu(s1, l1, s2, l2) {
+        let out = per_float!(s1.dtype(), |T| forward::<T>(this, slice(s1, l1)?, slice(s2, l2)?));
+        let (b, h, s, _) = l1.shape().dims4()?;
+        Ok((out, Shape::from((b, h, s + this.dk, this.dv))))
+    }
+    cuda(_s1, _l1, _s2, _l2) {
+        bail!("the fused gated delta rule runs on the CPU (nn::gated_delta takes the chunked form elsewhere)")
+    }
+    bwd(x, s0; _out, grad) {
+        let op = DeltaRuleBwd(this.clone());
+        let both = x.apply_op3_no_bwd(s0, &grad.contiguous()?, &op)?;
+        let (b, h, s, w) = x.dims4()?;
+        let dx = both.narrow(2, 0, s * w)?.reshape((b, h, s, w))?;
+        let ds0 = both.narrow(2, s * w, this.dk * this.dv)?.reshape(s0.shape())?;
+        Ok((Some(dx), Some(ds0)))
+    }
+});
+
+struct DeltaRuleBwd(DeltaRule);
+
+fused_op!(DeltaRuleBwd: CustomOp3 [this] {
+    name: "gated-delta-rule-bwd",
+    cpu(s1, l1, s2, l2, s3, l3) {
+        let op = &this.0;
+        let out = per_float!(s1.dtype(), |T| backward::<T>(
+            op,
+            slice(s1, l1)?,
+            slice(s2, l2)?,
+            slice(s3, l3)?,
+        ));
+        let (b, h, s, w) = l1.shape().dims4()?;
+        Ok((out, Shape::from((b, h, s * w + op.dk * op.dv))))
+    }
+    cuda(_s1, _l1, _s2, _l2, _s3, _l3) {
+        bail!("the fused gated delta rule runs on the CPU")
+    }
+});
+
+/// One (row, head) per rayon task: its outputs then its final state.
+fn forward<T: WithDType>(op: &DeltaRule, x: &[T], s0: &[T]) -> Vec<T> {
+    let (s, dk, dv, w) = (op.seq, op.dk, op.dv, op.width());
+    let mut out = vec![T::from_f64(0.0); x.len() / w / s * (s + dk) * dv];
+    out.par_chunks_mut((s + dk) * dv)
+        .enumerate()
+        .for_each(|(task, o)| forward_head(&op.head(x, s0, task), o));
+    out
+}
+
+/// One (row, head)'s packed tokens, initial state and document starts.
+struct Head<'a, T> {
+    x: &'a [T],
+    s0: &'a [T],
+    starts: &'a [bool],
+    dk: usize,
+    dv: usize,
+}
+
+impl<T: WithDType> Head<'_, T> {
+    fn width(&self) -> usize {
+        2 * self.dk + self.dv + 2
+    }
+
+    /// Token t's query, key, its values of columns `cols`, decay factor and strength.
+    #[inline(always)]
+    fn token(&self, t: usize, cols: std::ops::Range<usize>) -> (&[T], &[T], &[T], T, T) {
+        let (dk, dv) = (self.dk, self.dv);
+        let xt = &self.x[t * self.width()..(t + 1) * self.width()];
+        let decay = match self.starts[t] {
+            true => T::from_f64(0.0),
+            false => T::from_f64(xt[2 * dk + dv].to_f64().exp()),
+        };
+        (
+            &xt[..dk],
+            &xt[dk..2 * dk],
+            &xt[2 * dk + cols.start..2 * dk + cols.end],
+            decay,
+            xt[2 * dk + dv + 1],
+        )
+    }
+
+    /// The state's block of columns `cols` from the initial state, rows of `cols.len()`.
+    fn initial_block(&self, cols: &std::ops::Range<usize>) -> Vec<T> {
+        (0..self.dk)
+            .flat_map(|i| self.s0[i * self.dv + cols.start..i * self.dv + cols.end].iter())
+            .copied()
+            .collect()
+    }
+}
+
+simd_dispatch!(forward_head, forward_head_avx2, forward_head_body, <T: WithDType>, (head: &Head<T>, out: &mut [T]));
+
+#[inline(always)]
+fn forward_head_body<T: WithDType>(head: &Head<T>, out: &mut [T]) {
+    let (dk, dv) = (head.dk, head.dv);
+    let seq = head.starts.len();
+    for c0 in (0..dv).step_by(COLUMNS) {
+        let cols = c0..(c0 + COLUMNS).min(dv);
+        let n = cols.len();
+        let mut state = head.initial_block(&cols);
+        let mut delta = vec![T::from_f64(0.0); n];
+        for t in 0..seq {
+            let (q, k, v, decay, beta) = head.token(t, cols.clone());
+            predict(&mut state, k, decay, &mut delta);
+            for (d, &vj) in delta.iter_mut().zip(v) {
+                *d = beta * (vj - *d);
+            }
+            let o = &mut out[t * dv + cols.start..t * dv + cols.end];
+            write_read(&mut state, k, q, &delta, o);
+        }
+        for i in 0..dk {
+            out[(seq + i) * dv + cols.start..(seq + i) * dv + cols.end]
+                .copy_from_slice(&state[i * n..(i + 1) * n]);
+        }
+    }
+}
+
+/// Decays the block by `decay` (S' = decay S) and sums its rows into `pred` = S'^T k.
+#[inline(always)]
+fn predict<T: WithDType>(state: &mut [T], k: &[T], decay: T, pred: &mut [T]) {
+    let n = pred.len();
+    pred.fill(T::from_f64(0.0));
+    for (row, &ki) in state.chunks_exact_mut(n).zip(k) {
+        for (s, p) in row.iter_mut().zip(pred.iter_mut()) {
+            *s *= decay;
+            *p += ki * *s;
+        }
+    }
+}
+
+/// Writes k delta^T into the block (S = S' + k delta^T) and reads it, o = S^T q.
+#[inline(always)]
+fn write_read<T: WithDType>(state: &mut [T], k: &[T], q: &[T], delta: &[T], o: &mut [T]) {
+    let n = delta.len();
+    o.fill(T::from_f64(0.0));
+    for ((row, &ki), &qi) in state.chunks_exact_mut(n).zip(k).zip(q) {
+        for ((s, &d), o) in row.iter_mut().zip(delta).zip(o.iter_mut()) {
+            *s += ki * d;
+            *o += qi * *s;
+        }
+    }
+}
+
+/// a . b in eight lanes (a sequential sum would not vectorise).
+#[inline(always)]
+fn dot<T: WithDType>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::from_f64(0.0); 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .fold(T::from_f64(0.0), |s, (&x, &y)| s + x * y);
+    for (xa, xb) in ca.zip(cb) {
+        for ((s, &x), &y) in acc.iter_mut().zip(xa).zip(xb) {
+            *s += x * y;
+        }
+    }
+    acc.iter().fold(tail, |s, &x| s + x)
+}
+
+/// One (row, head) per rayon task: its packed gradients, then the initial state's.
+fn backward<T: WithDType>(op: &DeltaRule, x: &[T], s0: &[T], grad: &[T]) -> Vec<T> {
+    let (s, dk, dv, w) = (op.seq, op.dk, op.dv, op.width());
+    let per_task = s * w + dk * dv;
+    let mut out = vec![T::from_f64(0.0); x.len() / w / s * per_task];
+    out.par_chunks_mut(per_task)
+        .enumerate()
+        .for_each(|(task, o)| {
+            let g = &grad[task * (s + dk) * dv..(task + 1) * (s + dk) * dv];
+            backward_head(&op.head(x, s0, task), g, o);
+        });
+    out
+}
+
+simd_dispatch!(backward_head, backward_head_avx2, backward_head_body, <T: WithDType>, (head: &Head<T>, grad: &[T], out: &mut [T]));
+
+#[inline(always)]
+fn backward_head_body<T: WithDType>(head: &Head<T>, grad: &[T], out: &mut [T]) {
+    let (dk, dv, w) = (head.dk, head.dv, head.width());
+    let seq = head.starts.len();
+    let (dx, ds0) = out.split_at_mut(seq * w);
+    let chunks = seq.div_ceil(CHECKPOINT);
+    for c0 in (0..dv).step_by(COLUMNS) {
+        let cols = c0..(c0 + COLUMNS).min(dv);
+        let n = cols.len();
+        let block = dk * n;
+        // Forward again, keeping the state before every CHECKPOINT-th token.
+        let mut checkpoints = vec![T::from_f64(0.0); chunks * block];
+        let mut state = head.initial_block(&cols);
+        let mut delta = vec![T::from_f64(0.0); n];
+        for t in 0..seq {
+            if t % CHECKPOINT == 0 {
+                checkpoints[t / CHECKPOINT * block..][..block].copy_from_slice(&state);
+            }
+            let (_, k, v, decay, beta) = head.token(t, cols.clone());
+            predict(&mut state, k, decay, &mut delta);
+            for (d, &vj) in delta.iter_mut().zip(v) {
+                *d = beta * (vj - *d);
+            }
+            write(&mut state, k, &delta);
+        }
+        // dS from the final state's gradient.
+        let mut ds: Vec<T> = (0..dk)
+            .flat_map(|i| grad[(seq + i) * dv + cols.start..(seq + i) * dv + cols.end].iter())
+            .copied()
+            .collect();
+        // One chunk's decayed states S', residuals v - S'^T k and deltas.
+        let mut decayed = vec![T::from_f64(0.0); CHECKPOINT * block];
+        let mut residual = vec![T::from_f64(0.0); CHECKPOINT * n];
+        let mut deltas = vec![T::from_f64(0.0); CHECKPOINT * n];
+        let (mut dd, mut dp, mut scratch) = (
+            vec![T::from_f64(0.0); n],
+            vec![T::from_f64(0.0); n],
+            vec![T::from_f64(0.0); n],
+        );
+        for c in (0..chunks).rev() {
+            let first = c * CHECKPOINT;
+            let last = (first + CHECKPOINT).min(seq);
+            state.copy_from_slice(&checkpoints[c * block..(c + 1) * block]);
+            for t in first..last {
+                let j = t - first;
+                let (_, k, v, decay, beta) = head.token(t, cols.clone());
+                let res = &mut residual[j * n..(j + 1) * n];
+                predict(&mut state, k, decay, res);
+                decayed[j * block..(j + 1) * block].copy_from_slice(&state);
+                let d = &mut deltas[j * n..(j + 1) * n];
+                for ((r, d), &vj) in res.iter_mut().zip(d.iter_mut()).zip(v) {
+                    *r = vj - *r;
+                    *d = beta * *r;
+                }
+                write(&mut state, k, d);
+            }
+            for t in (first..last).rev() {
+                let j = t - first;
+                let (q, k, _, decay, beta) = head.token(t, cols.clone());
+                let sp = &decayed[j * block..(j + 1) * block];
+                let delta = &deltas[j * n..(j + 1) * n];
+                let dout = &grad[t * dv + cols.start..t * dv + cols.end];
+                let dxt = &mut dx[t * w..(t + 1) * w];
+                // dS += q do^T; dq = S do with S = S' + k delta^T; dd = dS^T k; dk = dS delta.
+                dd.fill(T::from_f64(0.0));
+                for i in 0..dk {
+                    let (row, ds_row) = (&sp[i * n..(i + 1) * n], &mut ds[i * n..(i + 1) * n]);
+                    let (ki, qi) = (k[i], q[i]);
+                    for ((s, &r), &d) in scratch.iter_mut().zip(row).zip(delta) {
+                        *s = r + ki * d;
+                    }
+                    dxt[i] += dot(&scratch, dout);
+                    for ((a, &o), e) in ds_row.iter_mut().zip(dout).zip(dd.iter_mut()) {
+                        *a += qi * o;
+                        *e += ki * *a;
+                    }
+                    dxt[dk + i] += dot(ds_row, delta);
+                }
+                let res = &residual[j * n..(j + 1) * n];
+                let dv_t = &mut dxt[2 * dk + cols.start..2 * dk + cols.end];
+                for ((o, p), &e) in dv_t.iter_mut().zip(dp.iter_mut()).zip(dd.iter()) {
+                    *o = beta * e;
+                    *p = T::from_f64(0.0) - beta * e;
+                }
+                dxt[2 * dk + dv + 1] += dot(&dd, res);
+                // dS' = dS + k dp^T; dk += S' dp; dg = sum(dS' * S'); dS = decay dS'.
+                let mut dg = T::from_f64(0.0);
+                for i in 0..dk {
+                    let (row, ds_row) = (&sp[i * n..(i + 1) * n], &mut ds[i * n..(i + 1) * n]);
+                    let ki = k[i];
+                    dxt[dk + i] += dot(row, &dp);
+                    for (a, &p) in ds_row.iter_mut().zip(dp.iter()) {
+                        *a += ki * p;
+                    }
+                    dg += dot(ds_row, row);
+                    for a in ds_row.iter_mut() {
+                        *a *= decay;
+                    }
+                }
+                dxt[2 * dk + dv] += dg;
+            }
+        }
+        for i in 0..dk {
+            ds0[i * dv + cols.start..i * dv + cols.end].copy_from_slice(&ds[i * n..(i + 1) * n]);
+        }
+    }
+}
+
+/// Writes k delta^T into the block: S = S' + k delta^T.
+#[inline(always)]
+fn write<T: WithDType>(state: &mut [T], k: &[T], delta: &[T]) {
+    let n = delta.len();
+    for (row, &ki) in state.chunks_exact_mut(n).zip(k) {
+        for (s, &d) in row.iter_mut().zip(delta) {
+            *s += ki * d;
+        }
+    }
+}
+
+// ------------------------------------------------- the short causal convolution, with SiLU
+
+/// f32 and f64, with the exponential each computes in.
+trait Real: WithDType {
+    fn exp(self) -> Self;
+}
+
+impl Real for f32 {
+    #[inline(always)]
+    fn exp(self) -> Self {
+        super::fused::exp_f32(self)
+    }
+}
+
+impl Real for f64 {
+    #[inline(always)]
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+}
+
+/// SiLU's value and slope at `p`.
+#[inline(always)]
+fn silu_and_slope<T: Real>(p: T) -> (T, T) {
+    let one = T::from_f64(1.0);
+    let s = one / (one + (T::from_f64(0.0) - p).exp());
+    (p * s, s * (one + p * (one - s)))
+}
+
+/// The causal depthwise convolution then SiLU: `x` [b, t, channels], taps `w` [kernel,
+/// channels] (the last tap on the token itself; one tap's channels contiguous), and per token of each row how many tokens
+/// back its document reaches (`reach[row * t + i]`): earlier documents are not seen.
+#[derive(Clone)]
+struct ConvSilu {
+    kernel: usize,
+    reach: Vec<usize>,
+}
+
+/// Whether [`conv_silu`] runs for `x`: on the CPU, f32 or f64.
+pub fn conv_here(x: &Tensor) -> bool {
+    fused_here(x)
+}
+
+/// SiLU of the causal depthwise convolution of `x` [b, t, channels] by `w` [channels, 1,
+/// kernel], y_t = silu(sum_j w[., kernel - 1 - j] x_{t - j}), a token seeing `reach[row][t]`
+/// tokens back at most (its document's start). One pass forward, two backward (the
+/// gradient of the pre-activation, then dx gathered per token and dw summed per task).
+pub fn conv_silu(x: &Tensor, w: &Tensor, reach: &[Vec<usize>]) -> Result<Tensor> {
+    let (b, t, c) = x.dims3()?;
+    let kernel = w.dim(2)?;
+    if w.dims() != [c, 1, kernel] || reach.len() != b || reach.iter().any(|r| r.len() != t) {
+        bail!(
+            "causal convolution: taps {:?} or reach do not fit x {:?}",
+            w.dims(),
+            x.dims()
+        );
+    }
+    let op = ConvSilu {
+        kernel,
+        reach: reach.iter().flatten().copied().collect(),
+    };
+    let taps = w.reshape((c, kernel))?.t()?.contiguous()?;
+    x.contiguous()?.apply_op2(&taps, op)
+}
+
+/// Rows handed to one rayon task.
+const CONV_ROWS: usize = 64;
+
+fused_op!(ConvSilu: CustomOp2 [this] {
+    name: "causal-conv-silu",
+    cpu(s1, l1, s2, l2) {
+        let c = l2.shape().dims()[1];
+        let out = per_float!(s1.dtype(), |T| conv_fwd::<T>(this, slice(s1, l1)?, slice(s2, l2)?, c));
+        Ok((out, l1.shape().clone()))
+    }
+    cuda(_s1, _l1, _s2, _l2) {
+        bail!("the fused causal convolution runs on the CPU")
+    }
+    bwd(x, w; _y, dy) {
+        let both = x.apply_op3_no_bwd(w, &dy.contiguous()?, &ConvSiluBwd(this.clone()))?;
+        let n = x.elem_count();
+        let dx = both.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dw = both.narrow(0, n, w.elem_count())?.reshape(w.shape())?;
+        Ok((Some(dx), Some(dw)))
+    }
+});
+
+struct ConvSiluBwd(ConvSilu);
+
+fused_op!(ConvSiluBwd: CustomOp3 [this] {
+    name: "causal-conv-silu-bwd",
+    cpu(s1, l1, s2, l2, s3, l3) {
+        let c = l2.shape().dims()[1];
+        let out = per_float!(s1.dtype(), |T| conv_bwd::<T>(
+            &this.0,
+            slice(s1, l1)?,
+            slice(s2, l2)?,
+            slice(s3, l3)?,
+            c,
+        ));
+        Ok((out, Shape::from(l1.shape().elem_count() + l2.shape().elem_count())))
+    }
+    cuda(_s1, _l1, _s2, _l2, _s3, _l3) {
+        bail!("the fused causal convolution runs on the CPU")
+    }
+});
+
+/// One call's op, input `x` [tokens, c] and taps `w` [kernel, c].
+struct Conv<'a, T> {
+    op: &'a ConvSilu,
+    x: &'a [T],
+    w: &'a [T],
+    c: usize,
+}
+
+/// The pre-activation of token `i` into `pre`.
+#[inline(always)]
+fn conv_pre<T: Real>(cv: &Conv<T>, i: usize, pre: &mut [T]) {
+    let Conv { op, x, w, c } = *cv;
+    let k = op.kernel;
+    pre.fill(T::from_f64(0.0));
+    for j in 0..k.min(op.reach[i] + 1) {
+        let (xs, tap) = (
+            &x[(i - j) * c..(i - j + 1) * c],
+            &w[(k - 1 - j) * c..(k - j) * c],
+        );
+        for ((p, &xv), &wv) in pre.iter_mut().zip(xs).zip(tap) {
+            *p += wv * xv;
+        }
+    }
+}
+
+fn conv_fwd<T: Real>(op: &ConvSilu, x: &[T], w: &[T], c: usize) -> Vec<T> {
+    let cv = Conv { op, x, w, c };
+    let mut y = vec![T::from_f64(0.0); x.len()];
+    y.par_chunks_mut(c * CONV_ROWS)
+        .enumerate()
+        .for_each(|(task, ys)| conv_fwd_rows(&cv, task * CONV_ROWS, ys));
+    y
+}
+
+simd_dispatch!(conv_fwd_rows, conv_fwd_rows_avx2, conv_fwd_rows_body, <T: Real>, (cv: &Conv<T>, first: usize, ys: &mut [T]));
+
+#[inline(always)]
+fn conv_fwd_rows_body<T: Real>(cv: &Conv<T>, first: usize, ys: &mut [T]) {
+    for (r, yr) in ys.chunks_exact_mut(cv.c).enumerate() {
+        conv_pre(cv, first + r, yr);
+        for v in yr.iter_mut() {
+            *v = silu_and_slope(*v).0;
+        }
+    }
+}
+
+/// dx (as x) then dw (as w [kernel, channels]).
+fn conv_bwd<T: Real>(op: &ConvSilu, x: &[T], w: &[T], dy: &[T], c: usize) -> Vec<T> {
+    let k = op.kernel;
+    let cv = Conv { op, x, w, c };
+    // The pre-activation's gradient, dy silu'(pre).
+    let mut dp = vec![T::from_f64(0.0); x.len()];
+    dp.par_chunks_mut(c * CONV_ROWS)
+        .enumerate()
+        .for_each(|(task, rows)| conv_slope_rows(&cv, dy, task * CONV_ROWS, rows));
+    let mut out = vec![T::from_f64(0.0); x.len() + w.len()];
+    let (dx, dw_out) = out.split_at_mut(x.len());
+    let dw = dx
+        .par_chunks_mut(c * CONV_ROWS)
+        .enumerate()
+        .map(|(task, rows)| {
+            let mut dw = vec![T::from_f64(0.0); c * k];
+            conv_grad_rows(&cv, &dp, task * CONV_ROWS, rows, &mut dw);
+            dw
+        })
+        .reduce(
+            || vec![T::from_f64(0.0); c * k],
+            |mut a, b| {
+                a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                a
+            },
+        );
+    dw_out.copy_from_slice(&dw);
+    out
+}
+
+simd_dispatch!(conv_slope_rows, conv_slope_rows_avx2, conv_slope_rows_body, <T: Real>, (cv: &Conv<T>, dy: &[T], first: usize, rows: &mut [T]));
+
+#[inline(always)]
+fn conv_slope_rows_body<T: Real>(cv: &Conv<T>, dy: &[T], first: usize, rows: &mut [T]) {
+    let c = cv.c;
+    for (r, row) in rows.chunks_exact_mut(c).enumerate() {
+        let i = first + r;
+        conv_pre(cv, i, row);
+        for (v, &d) in row.iter_mut().zip(&dy[i * c..(i + 1) * c]) {
+            *v = d * silu_and_slope(*v).1;
+        }
+    }
+}
+
+simd_dispatch!(conv_grad_rows, conv_grad_rows_avx2, conv_grad_rows_body, <T: Real>, (cv: &Conv<T>, dp: &[T], first: usize, rows: &mut [T], dw: &mut [T]));
+
+/// dx of tokens `first..` gathered from the tokens that see them (dx_i = sum_j w[k - 1 - j]
+/// dp_{i + j} where token i + j reaches j back), and this task's part of dw (dw[k - 1 - j]
+/// += x_{i - j} dp_i).
+#[inline(always)]
+fn conv_grad_rows_body<T: Real>(
+    cv: &Conv<T>,
+    dp: &[T],
+    first: usize,
+    rows: &mut [T],
+    dw: &mut [T],
+) {
+    let Conv { op, x, w, c } = *cv;
+    let k = op.kernel;
+    let tokens = op.reach.len();
+    for (r, row) in rows.chunks_exact_mut(c).enumerate() {
+        let i = first + r;
+        for j in 0..k {
+            // Token i + j sees token i when it is in the same row and document.
+            if i + j < tokens && op.reach[i + j] >= j {
+                let (d, tap) = (
+                    &dp[(i + j) * c..(i + j + 1) * c],
+                    &w[(k - 1 - j) * c..(k - j) * c],
+                );
+                for ((o, &dv), &wv) in row.iter_mut().zip(d).zip(tap) {
+                    *o += wv * dv;
+                }
+            }
+            if op.reach[i] >= j {
+                let (xs, d) = (&x[(i - j) * c..(i - j + 1) * c], &dp[i * c..(i + 1) * c]);
+                let tap = &mut dw[(k - 1 - j) * c..(k - j) * c];
+                for ((g, &xv), &dv) in tap.iter_mut().zip(xs).zip(d) {
+                    *g += xv * dv;
+                }
+            }
+        }
+    }
+}
