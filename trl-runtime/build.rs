@@ -1,5 +1,5 @@
-//! With the `cuda` feature: compiles the CUDA kernels (src/kernels/*.cu: the fused ops and
-//! flash attention) to PTX with nvcc, for compute capability 8.0 (the driver JIT-compiles it
+//! With the `cuda` feature: compiles the CUDA kernels (src/kernels/*.cu: the fused ops,
+//! flash attention, decode attention and the gated delta rule) to PTX with nvcc, for compute capability 8.0 (the driver JIT-compiles it
 //! for newer GPUs, Hopper included), and the Hopper attention kernels (flash_sm90.cu, wgmma)
 //! for sm_90a, which only Hopper GPUs load. nvcc is `$NVCC`, else `$CUDA_ROOT/bin/nvcc`, else
 //! `nvcc` on the PATH: the same toolkit Candle's own kernels are built with.
@@ -12,6 +12,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("fused", "compute_80"),
     ("flash", "compute_80"),
     ("decode", "compute_80"),
+    ("gated_delta", "compute_80"),
     ("flash_sm90", "compute_90a"),
 ];
 

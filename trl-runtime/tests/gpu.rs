@@ -16,7 +16,9 @@
 //! - on compute capability 9.0, the Hopper attention kernels' two wgmma operand forms alone
 //!   against the same products on the CPU;
 //! - generation: the decode kernel (flash-decoding) against the CPU's, and greedy generation
-//!   on the GPU equal to the CPU's.
+//!   on the GPU equal to the CPU's;
+//! - the gated delta rule's kernels (Gated DeltaNet) against the CPU kernel, values and
+//!   gradients.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -1796,4 +1798,52 @@ fn generation_on_gpu_follows_the_cpu() {
             .unwrap()
     };
     assert_eq!(on(&dev), on(&Device::Cpu));
+}
+
+/// The gated delta rule's CUDA kernels (`kernels/gated_delta.cu`) follow the CPU kernel in
+/// f32: outputs, final state and the gradients of q, k, v, the decays, the strengths and the
+/// initial state, on packed rows (documents starting mid-row, inside and on the 16-token
+/// checkpoints), 128 key features (the kernels' most) and 70 value columns (three blocks,
+/// the last partial); and one decoded token from a state.
+#[test]
+fn gated_delta_rule_on_gpu_follows_the_cpu() {
+    use trl_runtime::kernels::gated_delta::{delta_rule, fused_here};
+    let Some(dev) = gpu() else { return };
+    for (s, dk, dv) in [(45usize, 128usize, 70usize), (1, 64, 32)] {
+        let (b, h) = (2, 3);
+        let scale = 1.0 / (dk as f32).sqrt();
+        let inputs = [
+            draws(&[b, h, s, dk], scale, 701),
+            draws(&[b, h, s, dk], scale, 702),
+            draws(&[b, h, s, dv], 1.0, 703),
+            draws(&[b, h, s], 1.0, 704),
+            draws(&[b, h, s], 1.0, 705),
+            draws(&[b, h, dk, dv], 0.3, 706),
+        ];
+        let mut starts = vec![vec![false; s]; b];
+        if s > 32 {
+            starts[0][0] = true;
+            starts[0][16] = true;
+            starts[1][23] = true;
+        }
+        let probe = draws(&[b, h, s + dk, dv], 1.0, 707);
+        let rule = |t: &[Tensor]| {
+            assert!(fused_here(&t[1], &t[2]), "the fused kernel takes these");
+            // Log decays in (-inf, 0], strengths in (0, 1), as the layer makes them.
+            let g = (t[3].abs().unwrap().neg().unwrap() * 0.3).unwrap();
+            let beta = candle_nn::ops::sigmoid(&t[4]).unwrap();
+            let (out, state) =
+                delta_rule(&t[0], &t[1], &t[2], &g, &beta, &starts, Some(&t[5])).unwrap();
+            Tensor::cat(&[out, state], 2).unwrap()
+        };
+        let refs: Vec<&Tensor> = inputs.iter().collect();
+        let want = output_and_grads(&refs, &probe, &Device::Cpu, DType::F32, rule);
+        let got = output_and_grads(&refs, &probe, &dev, DType::F32, rule);
+        assert_follows(
+            &format!("gated delta rule s {s} dk {dk} dv {dv}"),
+            &got,
+            &want,
+            1e-5,
+        );
+    }
 }

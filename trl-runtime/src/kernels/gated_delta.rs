@@ -30,8 +30,9 @@
 //!
 //! Inputs travel packed, one row per token `[q (dk) | k (dk) | v (dv) | g | beta]`, beside the
 //! initial state; the output holds the tokens' outputs then the final state's rows,
-//! [b, h, s + dk, dv]. f32 and f64, on the CPU; elsewhere `nn::gated_delta` runs the chunked
-//! form in Candle ops.
+//! [b, h, s + dk, dv]. f32 and f64 on the CPU; on a GPU (feature `cuda`) the same op launches
+//! `kernels/gated_delta.cu` (`cuda_gated_delta`: the same tiling, f32); elsewhere
+//! `nn::gated_delta` runs the chunked form in Candle ops.
 
 use super::fused::slice;
 use super::op::fused_op;
@@ -62,6 +63,17 @@ impl DeltaRule {
         2 * self.dk + self.dv + 2
     }
 
+    #[cfg(feature = "cuda")]
+    fn sizes(&self) -> super::cuda_gated_delta::Sizes<'_> {
+        super::cuda_gated_delta::Sizes {
+            heads: self.heads,
+            seq: self.seq,
+            dk: self.dk,
+            dv: self.dv,
+            starts: &self.starts,
+        }
+    }
+
     /// Task `task`'s (row, head): its packed tokens, initial state and document starts.
     fn head<'a, T>(&'a self, x: &'a [T], s0: &'a [T], task: usize) -> Head<'a, T> {
         let (s, dk, dv, w) = (self.seq, self.dk, self.dv, self.width());
@@ -76,9 +88,30 @@ impl DeltaRule {
     }
 }
 
-/// Whether [`delta_rule`] runs for these inputs: on the CPU, in f32 or f64.
-pub fn fused_here(v: &Tensor) -> bool {
-    v.device().is_cpu() && matches!(v.dtype(), DType::F32 | DType::F64)
+/// Whether [`delta_rule`] runs for these inputs (keys `k`, values `v`): on the CPU in f32 or
+/// f64; built with `cuda`, on a GPU in f32 with key dims up to 128 (unless the fused CUDA
+/// ops are switched off, `TRL_CUDA_FUSED=0`).
+pub fn fused_here(k: &Tensor, v: &Tensor) -> bool {
+    match v.device() {
+        d if d.is_cpu() => matches!(v.dtype(), DType::F32 | DType::F64),
+        d if d.is_cuda() => {
+            v.dtype() == DType::F32 && cuda_takes(k) && super::precision::cuda_fused_on()
+        }
+        _ => false,
+    }
+}
+
+/// Whether the CUDA kernels take keys `k`: key dims up to theirs.
+#[cfg(feature = "cuda")]
+fn cuda_takes(k: &Tensor) -> bool {
+    k.dims()
+        .last()
+        .is_some_and(|&d| d <= super::cuda_gated_delta::MAX_DK)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_takes(_: &Tensor) -> bool {
+    false
 }
 
 /// The gated delta rule over `q`, `k` [b, h, s, dk], `v` [b, h, s, dv], log decays `g` and
@@ -150,8 +183,10 @@ fused_op!(DeltaRule: CustomOp2 [this] {
         let (b, h, s, _) = l1.shape().dims4()?;
         Ok((out, Shape::from((b, h, s + this.dk, this.dv))))
     }
-    cuda(_s1, _l1, _s2, _l2) {
-        bail!("the fused gated delta rule runs on the CPU (nn::gated_delta takes the chunked form elsewhere)")
+    cuda(s1, l1, s2, l2) {
+        let (b, h, s, _) = l1.shape().dims4()?;
+        let out = super::cuda_gated_delta::forward(&this.sizes(), (s1, l1), (s2, l2))?;
+        Ok((out, Shape::from((b, h, s + this.dk, this.dv))))
     }
     bwd(x, s0; _out, grad) {
         let op = DeltaRuleBwd(this.clone());
@@ -178,8 +213,11 @@ fused_op!(DeltaRuleBwd: CustomOp3 [this] {
         let (b, h, s, w) = l1.shape().dims4()?;
         Ok((out, Shape::from((b, h, s * w + op.dk * op.dv))))
     }
-    cuda(_s1, _l1, _s2, _l2, _s3, _l3) {
-        bail!("the fused gated delta rule runs on the CPU")
+    cuda(s1, l1, s2, l2, s3, l3) {
+        let op = &this.0;
+        let (b, h, s, w) = l1.shape().dims4()?;
+        let out = super::cuda_gated_delta::backward(&op.sizes(), (s1, l1), (s2, l2), (s3, l3))?;
+        Ok((out, Shape::from((b, h, s * w + op.dk * op.dv))))
     }
 });
 
@@ -480,7 +518,7 @@ struct ConvSilu {
 
 /// Whether [`conv_silu`] runs for `x`: on the CPU, f32 or f64.
 pub fn conv_here(x: &Tensor) -> bool {
-    fused_here(x)
+    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
 }
 
 /// SiLU of the causal depthwise convolution of `x` [b, t, channels] by `w` [channels, 1,

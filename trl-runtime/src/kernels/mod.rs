@@ -11,6 +11,8 @@ pub mod cuda_decode;
 pub mod cuda_flash;
 #[cfg(feature = "cuda")]
 pub mod cuda_fused;
+#[cfg(feature = "cuda")]
+pub mod cuda_gated_delta;
 pub mod decode;
 pub mod divergence;
 pub mod fused;
