@@ -88,6 +88,17 @@ pub struct Dims {
     pub linear_value_head_dim: Option<usize>,
     #[serde(default)]
     pub linear_conv_kernel_dim: Option<usize>,
+    /// The keys a `sliding_attention` layer sees (`layer_types`).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// The positions a `chunked_attention` layer attends within (Llama 4).
+    #[serde(default)]
+    pub attention_chunk_size: Option<usize>,
+    /// Each layer's window as the Llama family's model reads its config
+    /// (`ModelConfig::layer_windows`: Mistral's window on every layer, Qwen2's
+    /// `max_window_layers`, ...), where that config reads it; else `layer_types` decides.
+    #[serde(skip)]
+    pub windows: Option<Vec<Option<crate::nn::mask::Window>>>,
 }
 
 impl Dims {
@@ -112,6 +123,55 @@ impl Dims {
         );
         let kernel = self.linear_conv_kernel_dim.unwrap_or(4);
         ((kernel - 1) * (2 * nk * dk + nv * dv), nv * dk * dv)
+    }
+
+    /// Attention's length per token at sequence length `seq`, summed over the layers, in units
+    /// of the causal count (a full layer's query scores s / 2 keys on average: s): a sliding
+    /// layer of window W counts 2 W - W^2 / s (the keys its queries score, doubled), a chunked
+    /// layer of chunk C (Llama 4) (n C^2 + r^2) / s for n whole chunks and r tokens after
+    /// them, a `linear_attention` layer none (its rule is [`Self::linear_rule_flops`]). The
+    /// kernels skip the key blocks outside a window or chunk, so this is what they compute. The
+    /// layers' windows are [`Self::windows`] where the model's config reads them, else
+    /// `layer_types` with `sliding_window` / `attention_chunk_size`, else every layer is full.
+    pub fn attended_length(&self, seq: usize) -> f64 {
+        use crate::nn::mask::Window;
+        let s = seq as f64;
+        let reach = |w: Option<Window>| match w {
+            Some(Window::Sliding(w)) if w < seq => {
+                let w = w as f64;
+                2.0 * w - w * w / s
+            }
+            Some(Window::Chunked(c)) if c < seq => {
+                let (n, r) = ((seq / c) as f64, (seq % c) as f64);
+                let c = c as f64;
+                (n * c * c + r * r) / s
+            }
+            _ => s,
+        };
+        let linear = self.linear_attention_layers() as f64 * s;
+        if let Some(windows) = &self.windows {
+            return windows.iter().map(|w| reach(*w)).sum::<f64>() - linear;
+        }
+        let Some(types) = &self.layer_types else {
+            return self.num_hidden_layers as f64 * s;
+        };
+        types
+            .iter()
+            .map(|t| match t.as_str() {
+                "linear_attention" => 0.0,
+                "sliding_attention" => reach(self.sliding_window.map(Window::Sliding)),
+                "chunked_attention" => reach(self.attention_chunk_size.map(Window::Chunked)),
+                _ => s,
+            })
+            .sum()
+    }
+
+    /// The Gated DeltaNet layers' rule per token, forward: 2 FLOPs for each of the recurrence's
+    /// three products per state element (the prediction S^T k, the write k delta^T, the read
+    /// S^T q), over every value head's [key dim, value dim] state.
+    pub fn linear_rule_flops(&self) -> f64 {
+        let (_, state) = self.recurrent_state();
+        self.linear_attention_layers() as f64 * 6.0 * state as f64
     }
 
     /// The per-head width attention runs at.
@@ -172,7 +232,9 @@ impl ModelShapes {
     /// parameter it runs through (8 with checkpointing's second forward) and causal
     /// attention's 6 s q per layer (a query scores s / 2 keys on average, 2 FLOPs per key and
     /// feature in Q K^T and again in P V, the backward twice the forward: the PaLM paper's
-    /// count, which `bench train`'s MFU and so the GPU table use). The embedding lookup costs
+    /// count, which `bench train`'s MFU and so the GPU table use), s shortened per layer by
+    /// its window or chunk ([`Dims::attended_length`]); a Gated DeltaNet layer's rule 3 times
+    /// its forward ([`Dims::linear_rule_flops`], 4 times with checkpointing). The embedding lookup costs
     /// nothing; a tied head still runs its matmul; a token runs through its routed experts
     /// only. LoRA's `adapters` parameters run beside the base's, and the base is charged a full
     /// step's 6 although its frozen weights get no gradient (4). On a CPU what LoRA costs
@@ -184,9 +246,10 @@ impl ModelShapes {
         let embed = (cfg.vocab_size * cfg.hidden_size) as f64;
         let matmul_params = self.active_parameters - if self.tied { 0.0 } else { embed };
         let q = (cfg.num_attention_heads * cfg.head_dim()) as f64;
-        let layers = cfg.num_hidden_layers as f64;
         let passes = if checkpointing { 8.0 } else { 6.0 };
-        passes * (matmul_params + adapters as f64) + passes * layers * seq as f64 * q
+        passes * (matmul_params + adapters as f64)
+            + passes * cfg.attended_length(seq) * q
+            + passes / 2.0 * cfg.linear_rule_flops()
     }
 
     /// The shapes of model `N` (a user's model too) built from config.json's text `json`.
@@ -215,6 +278,9 @@ impl ModelShapes {
                 ))
             });
         let mut dims: Dims = serde_json::from_value(text).map_err(not_a_decoder)?;
+        dims.windows = ModelConfig::from_json(json, source)
+            .ok()
+            .and_then(|c| c.layer_windows().ok());
         let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
         let (linears, parameters) = model.lora_sites()?;
         let net = model.net();

@@ -363,6 +363,69 @@ fn attention_flops_are_the_causal_count() {
     }
 }
 
+/// Windows and chunks shorten attention's count per layer to the keys its queries score:
+/// Llama 4's chunked layers (chunk 8), Mistral's window on every layer (6, no `layer_types`),
+/// Gemma 3's sliding layers; a Gated DeltaNet layer counts its rule instead (Qwen3.5).
+#[test]
+fn attention_flops_follow_each_layers_windows() {
+    let seq = 100;
+    let attention = |m: &ModelShapes| {
+        m.matmul_flops_per_token(seq, false, 0) - m.matmul_flops_per_token(0, false, 0)
+    };
+    let q = |m: &ModelShapes| (m.dims.num_attention_heads * m.dims.head_dim()) as f64;
+    let kinds = |m: &ModelShapes, kind: &str| {
+        m.dims
+            .layer_types
+            .as_ref()
+            .unwrap()
+            .iter()
+            .filter(|t| *t == kind)
+            .count() as f64
+    };
+    let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
+    // Chunks of 8: 12 whole chunks and 4 tokens, (12 x 64 + 16) / 100.
+    let m = ModelShapes::from_file(assets("tiny-llama4/model/config.json")).unwrap();
+    let chunked = kinds(&m, "chunked_attention");
+    assert!(chunked > 0.0);
+    let full = m.dims.num_hidden_layers as f64 - chunked;
+    close(attention(&m), 6.0 * q(&m) * (chunked * 7.84 + full * 100.0));
+    // A window of 6 on every layer: 2 x 6 - 36 / 100.
+    let m = ModelShapes::from_file(assets("tiny-mistral/model/config.json")).unwrap();
+    assert!(m.dims.layer_types.is_none());
+    close(
+        attention(&m),
+        6.0 * q(&m) * m.dims.num_hidden_layers as f64 * 11.64,
+    );
+    let m = ModelShapes::from_file(assets("tiny-gemma3/model/config.json")).unwrap();
+    let sliding = kinds(&m, "sliding_attention");
+    let full = m.dims.num_hidden_layers as f64 - sliding;
+    close(
+        attention(&m),
+        6.0 * q(&m) * (sliding * 11.64 + full * 100.0),
+    );
+    // Qwen3.5: the full layers' causal count, and 3 x (forward: 2 FLOPs x 3 products x the
+    // value heads' states) per Gated DeltaNet layer.
+    let m = ModelShapes::from_file(assets("tiny-qwen3.5/model/config.json")).unwrap();
+    let linear = kinds(&m, "linear_attention");
+    let d = &m.dims;
+    let state = d.linear_num_value_heads.unwrap()
+        * d.linear_key_head_dim.unwrap()
+        * d.linear_value_head_dim.unwrap();
+    let full = d.num_hidden_layers as f64 - linear;
+    let rule = 3.0 * linear * 6.0 * state as f64;
+    let base = m.matmul_flops_per_token(0, false, 0);
+    assert!(linear > 0.0);
+    close(
+        m.matmul_flops_per_token(seq, false, 0) - base,
+        6.0 * q(&m) * full * seq as f64,
+    );
+    let embed = match m.tied {
+        true => 0.0,
+        false => (d.vocab_size * d.hidden_size) as f64,
+    };
+    close(base - 6.0 * (m.active_parameters - embed), rule);
+}
+
 /// A mixture of experts: every expert counted in the model state, only `top_k` of them in
 /// a token's compute; each expert's MLP split over tp like a dense one, the router whole.
 #[test]
