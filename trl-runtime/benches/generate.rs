@@ -1,12 +1,14 @@
 //! `cargo bench -p trl-runtime --bench generate`: greedy generation with the KV cache against
 //! transformers' `generate` (KV cache, sdpa, float32, the same threads; benches/hf_generate.py)
 //! on this CPU in the same run, on the same random-init checkpoints: the Qwen2-0.5B shape
-//! (assets/configs/qwen2-0.5b.json) and a SmolLM2-135M-like Llama, where per-token overhead
-//! weighs most (GRPO on small models), at batch 1 and 8, a 32-token prompt and 32 new tokens.
+//! (assets/configs/qwen2-0.5b.json), a SmolLM2-135M-like Llama, where per-token overhead
+//! weighs most (GRPO on small models), and a Qwen3.5-like hybrid (Gated DeltaNet layers, whose
+//! cache is a recurrent state, between full-attention layers), at batch 1 and 8, a 32-token
+//! prompt and 32 new tokens (`--only NAME`: one shape).
 //!
 //! Per line: decode tokens/s (the new tokens past the first, over the time past the prefill),
 //! ours over transformers'; at batch 1 the bytes read per token (every weight once, the LM
-//! head included, plus the KV cache) over the time, as a fraction of this machine's memory
+//! head included, plus the KV cache or recurrent state) over the time, as a fraction of this machine's memory
 //! bandwidth measured in the same run (a multi-threaded read of 1 GiB); and the prefill's
 //! FLOP/s (2 x parameters x tokens) over this machine's f32 matmul rate measured in the same
 //! run. One JSON object per line on stdout; prose on stderr.
@@ -36,6 +38,28 @@ fn smollm2_like() -> serde_json::Value {
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "max_position_embeddings": 8192, "rope_theta": 100000.0,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": true, "hidden_act": "silu",
+    })
+}
+
+/// Qwen3.5's hybrid layout at 0.3B: three Gated DeltaNet layers (16 key and 16 value heads
+/// of 128, a 4-tap convolution) to one gated full-attention layer (8 heads, 2 kv heads of
+/// 128, a quarter of each rotated), 12 layers, a 32k vocabulary.
+fn qwen3_5_like() -> serde_json::Value {
+    let types: Vec<&str> = (0..12)
+        .map(|i| match i % 4 {
+            3 => "full_attention",
+            _ => "linear_attention",
+        })
+        .collect();
+    serde_json::json!({
+        "model_type": "qwen3_5_text", "vocab_size": 32000, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 128, "layer_types": types,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16, "linear_value_head_dim": 128,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
     })
 }
 
@@ -140,8 +164,9 @@ fn theirs_on(
 }
 
 /// Bytes one decode step reads at `batch`: every weight once (`size` bytes each) and the
-/// cache, layers x 2 x kv heads x head dim x tokens (the prompt and about half the new ones,
-/// on average) x `size`, per row.
+/// cache, per row: an attention layer's 2 x kv heads x head dim x tokens (the prompt and
+/// about half the new ones, on average), a Gated DeltaNet layer's recurrent state (value
+/// heads x key dim x value dim) and convolution inputs, x `size`.
 fn step_bytes(
     cfg: &ModelConfig,
     params: usize,
@@ -149,14 +174,20 @@ fn step_bytes(
     (prompt, new): (usize, usize),
     size: usize,
 ) -> f64 {
-    let kv = cfg.num_hidden_layers
+    let linear = cfg.extra["layer_types"]
+        .as_array()
+        .map_or(0, |t| t.iter().filter(|t| *t == "linear_attention").count());
+    let key = |k: &str| cfg.extra[k].as_u64().unwrap_or(0) as usize;
+    let (nk, nv) = (key("linear_num_key_heads"), key("linear_num_value_heads"));
+    let (dk, dv) = (key("linear_key_head_dim"), key("linear_value_head_dim"));
+    let taps = key("linear_conv_kernel_dim").saturating_sub(1);
+    let state = linear * (nv * dk * dv + taps * (2 * nk * dk + nv * dv));
+    let kv = (cfg.num_hidden_layers - linear)
         * 2
         * cfg.num_kv_heads()
-        * (cfg.hidden_size / cfg.num_attention_heads)
-        * (prompt + new / 2)
-        * size
-        * batch;
-    (params * size + kv) as f64
+        * cfg.head_dim()
+        * (prompt + new / 2);
+    (params * size + (kv + state) * size * batch) as f64
 }
 
 /// transformers' decode rate on `line` and ours over it, from its (prefill, total) seconds;
@@ -345,7 +376,11 @@ fn main() {
     )
     .unwrap();
     let only = std::env::args().skip_while(|a| a != "--only").nth(1);
-    for (name, config) in [("smollm2-135m-like", smollm2_like()), ("qwen2-0.5b", qwen)] {
+    for (name, config) in [
+        ("smollm2-135m-like", smollm2_like()),
+        ("qwen2-0.5b", qwen),
+        ("qwen3.5-hybrid-like", qwen3_5_like()),
+    ] {
         if only.as_deref().is_some_and(|o| o != name) {
             continue;
         }

@@ -39,12 +39,16 @@ pub fn write_model_and_rows(
 ) -> usize {
     let cfg = ModelConfig::from_json(&config.to_string(), "benchmark model").unwrap();
     let model = dir.join("model");
-    // `Params::init` knows a dense decoder's parameters; a mixture of experts' come from its
-    // skeleton (transformers' names, per-expert or fused as the model type keeps them).
+    // `Params::init` knows a dense decoder's parameters; a mixture of experts' and a hybrid's
+    // come from its skeleton (transformers' names, per-expert or fused as the model type keeps them).
     let experts = trl_runtime::models::moe::EXPERT_COUNT_KEYS
         .iter()
         .any(|k| config.get(k).is_some_and(|v| !v.is_null()));
-    let params = match experts {
+    // So do a hybrid's Gated DeltaNet layers'.
+    let linear = config["layer_types"]
+        .as_array()
+        .is_some_and(|t| t.iter().any(|t| t == "linear_attention"));
+    let params = match experts || linear {
         true => write_random_model(&config, &model),
         false => {
             Params::init(&cfg, 0, candle_core::DType::F32, &candle_core::Device::Cpu)
