@@ -1,10 +1,11 @@
 //! The single-GPU part of `bench train` (built with `--features cuda`): training throughput of
-//! random-init models in bf16 at sequence length 2048 (Qwen2-0.5B's shape, and a Qwen3-MoE
-//! shape for the grouped expert GEMMs), by SFT, LoRA or DPO, its MFU against the bf16 matmul
-//! rate measured on the same GPU in the same run, the peak memory against what the planner
-//! (`parallel::estimate`, `cargo trl plan`) predicted for it, and the same run by transformers,
-//! TRL, TRL + Liger, TRL + peft or TRL's DPOTrainer (benches/hf_train.py, on the torch of the
-//! GPU machine) for the ratio.
+//! random-init models in bf16 at sequence length 2048 (Qwen2-0.5B's shape, a Qwen3-MoE shape
+//! for the grouped expert GEMMs, and a Qwen3.5 shape for the gated delta rule's kernels), by SFT, LoRA, DPO or GRPO, its MFU against the bf16
+//! matmul rate measured on the same GPU in the same run (not GRPO's: generation is most of its
+//! step), the peak memory against what the planner (`parallel::estimate`, `cargo trl plan`)
+//! predicted for it, and the same run by transformers, TRL, TRL + Liger, TRL + peft, TRL's
+//! DPOTrainer or TRL's GRPOTrainer without vLLM (benches/hf_train.py, on the torch of the GPU
+//! machine) for the ratio.
 
 use candle_core::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
@@ -12,9 +13,15 @@ use std::time::Instant;
 use trl_runtime::dist::DistContext;
 use trl_runtime::models::AutoModelForCausalLM;
 use trl_runtime::parallel::estimate::ModelShapes;
-use trl_runtime::train::{DPOConfig, Dpo, SFTConfig, Sft, Strategy, Task, Trainer};
+use trl_runtime::train::{
+    DPOConfig, Dpo, GRPOConfig, Grpo, SFTConfig, Sft, Strategy, Task, Trainer,
+};
 
 pub const SEQ: usize = 2048;
+/// GRPO at TRL's defaults: groups of 8 completions of at most 256 sampled tokens, after
+/// prompts of about 128 tokens.
+const GRPO_GENERATIONS: usize = 8;
+const GRPO_COMPLETION: usize = 256;
 const WARMUP_STEPS: usize = 2;
 const MEASURED_STEPS: usize = 5;
 
@@ -49,6 +56,49 @@ pub fn qwen3_moe_config() -> serde_json::Value {
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": true,
         "output_router_logits": true, "router_aux_loss_coef": 0.001,
     })
+}
+
+/// A Qwen3.5 shape of about Qwen2-0.5B's size: 24 layers, three Gated DeltaNet layers (16 key
+/// and 16 value heads of 128) to each gated full-attention layer (8 heads, 2 kv heads of 256,
+/// a quarter of each rotated), hidden 1024, intermediate 3584, Qwen's vocabulary, tied.
+pub fn qwen3_5_config() -> serde_json::Value {
+    let types: Vec<&str> = (0..24)
+        .map(|i| match i % 4 {
+            3 => "full_attention",
+            _ => "linear_attention",
+        })
+        .collect();
+    serde_json::json!({
+        "model_type": "qwen3_5_text", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "layer_types": types,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16, "linear_value_head_dim": 128,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
+    })
+}
+
+/// Which model a run trains.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Shape {
+    /// Qwen2-0.5B's.
+    Dense,
+    /// The Qwen3-MoE shape (grouped expert GEMMs).
+    Moe,
+    /// The Qwen3.5 shape (the gated delta rule's kernels).
+    Hybrid,
+}
+
+impl Shape {
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Dense => "qwen2-0.5b",
+            Shape::Moe => "qwen3-moe",
+            Shape::Hybrid => "qwen3.5",
+        }
+    }
 }
 
 /// Dense bf16 matmul rate of this GPU in FLOP/s (8192^3, best of several).
@@ -92,13 +142,17 @@ fn flops_per_token(shapes: &ModelShapes, lora: bool) -> f64 {
 }
 
 /// What a run trains: every weight (SFT), LoRA adapters (TRL's recipe: r 16, alpha 32,
-/// dropout 0.05 on every linear layer; its peer is TRL + peft) or DPO pairs (sigmoid, beta
-/// 0.1; its peer TRL's DPOTrainer, with and without precomputed reference log-probs).
+/// dropout 0.05 on every linear layer; its peer is TRL + peft), DPO pairs (sigmoid, beta
+/// 0.1; its peer TRL's DPOTrainer, with and without precomputed reference log-probs) or GRPO
+/// (TRL's defaults: beta 0, one round per step, sampled at temperature 1; the soft overlong
+/// punishment as the reward; its peer TRL's GRPOTrainer generating with transformers'
+/// `generate`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
     Sft,
     Lora,
     Dpo,
+    Grpo,
 }
 
 /// One configuration of the comparison: sequences per step (a DPO step's pairs are half as
@@ -108,17 +162,19 @@ struct Run {
     batch: usize,
     gc: bool,
     kind: Kind,
-    moe: bool,
+    model: Shape,
 }
 
-/// `TRL_BENCH_GPU_RUNS`: comma-separated `BATCH:on|off[:lora|:dpo][:moe]` (gradient
-/// checkpointing; LoRA or DPO instead of SFT; the mixture-of-experts model instead of the
-/// dense one); default batch 2 with and without checkpointing, batch 8 without, and batch 8
-/// with LoRA.
+/// `TRL_BENCH_GPU_RUNS`: comma-separated `BATCH:on|off[:lora|:dpo|:grpo][:moe|:hybrid]`
+/// (gradient checkpointing; LoRA, DPO or GRPO instead of SFT, GRPO's batch counting
+/// completions per step; the mixture-of-experts or the Qwen3.5 model instead of the dense
+/// one); default batch 2 with and
+/// without checkpointing, batch 8 without, and batch 8 with LoRA.
 fn runs() -> Vec<Run> {
     let spec = std::env::var("TRL_BENCH_GPU_RUNS")
         .unwrap_or_else(|_| "2:off,2:on,8:off,8:off:lora".into());
-    let usage = "TRL_BENCH_GPU_RUNS: BATCH:on|off[:lora|:dpo][:moe], ... (e.g. 2:off,8:on:dpo:moe)";
+    let usage =
+        "TRL_BENCH_GPU_RUNS: BATCH:on|off[:lora|:dpo|:grpo][:moe|:hybrid], ... (e.g. 2:off,8:on:dpo:moe)";
     spec.split(',')
         .map(|r| {
             let mut parts = r.split(':').map(str::trim);
@@ -127,19 +183,25 @@ fn runs() -> Vec<Run> {
                 batch,
                 gc: parts.next() == Some("on"),
                 kind: Kind::Sft,
-                moe: false,
+                model: Shape::Dense,
             };
             for flag in parts {
                 match flag {
                     "lora" => run.kind = Kind::Lora,
                     "dpo" => run.kind = Kind::Dpo,
-                    "moe" => run.moe = true,
+                    "grpo" => run.kind = Kind::Grpo,
+                    "moe" => run.model = Shape::Moe,
+                    "hybrid" => run.model = Shape::Hybrid,
                     other => panic!("{usage}: unknown flag {other:?} in {r:?}"),
                 }
             }
             assert!(
                 run.kind != Kind::Dpo || run.batch.is_multiple_of(2),
                 "{usage}: a DPO batch is pairs, even"
+            );
+            assert!(
+                run.kind != Kind::Grpo || run.batch.is_multiple_of(GRPO_GENERATIONS),
+                "{usage}: a GRPO batch is groups of {GRPO_GENERATIONS} completions"
             );
             run
         })
@@ -166,6 +228,7 @@ impl Run {
             Kind::Sft => "transformers,trl,trl_liger",
             Kind::Lora => "trl_lora",
             Kind::Dpo => "trl_dpo,trl_dpo_precompute",
+            Kind::Grpo => "trl_grpo",
         }
     }
 
@@ -174,14 +237,17 @@ impl Run {
             Kind::Sft => "sft",
             Kind::Lora => "lora",
             Kind::Dpo => "dpo",
+            Kind::Grpo => "grpo",
         };
-        let model = if self.moe {
-            "qwen3-moe-shape"
-        } else {
-            "qwen2-0.5b-shape"
+        let model = format!("{}-shape", self.model.name());
+        let grpo = match self.kind {
+            Kind::Grpo => format!(
+                ",\"num_generations\":{GRPO_GENERATIONS},\"max_completion_length\":{GRPO_COMPLETION}"
+            ),
+            _ => String::new(),
         };
         format!(
-            "\"model\":\"{model}\",\"task\":\"{kind}\",\"seq\":{SEQ},\"batch\":{},\"gradient_checkpointing\":\"{}\",\"lora\":{}",
+            "\"model\":\"{model}\",\"task\":\"{kind}\",\"seq\":{SEQ},\"batch\":{},\"gradient_checkpointing\":\"{}\",\"lora\":{}{grpo}",
             self.batch,
             if self.gc { "on" } else { "off" },
             self.kind == Kind::Lora
@@ -273,18 +339,27 @@ pub fn run(dir: &Path) {
     // Each model its runs ask for, once, with rows for its largest batch (and text pairs
     // when a run trains DPO on it).
     let steps = WARMUP_STEPS + MEASURED_STEPS;
-    let write = |name: &str, config: serde_json::Value, moe: bool| -> Option<BenchModel> {
+    let write = |shape: Shape, config: serde_json::Value| -> Option<BenchModel> {
+        let name = shape.name();
         let most = runs
             .iter()
-            .filter(|r| r.moe == moe)
+            .filter(|r| r.model == shape)
             .map(|r| r.batch)
             .max()?;
         let dir = dir.join(name);
         let shapes = ModelShapes::of_json(&config.to_string(), name).unwrap();
         let params = crate::support::write_model_and_rows(&dir, config, most * steps, SEQ);
-        if runs.iter().any(|r| r.moe == moe && r.kind == Kind::Dpo) {
+        if runs.iter().any(|r| r.model == shape && r.kind == Kind::Dpo) {
             // A prompt of ~512 tokens and completions of ~1536: each sequence about SEQ.
             crate::support::write_pref_rows(&dir.join("pref.jsonl"), most / 2 * steps, 132, 400);
+        }
+        if runs
+            .iter()
+            .any(|r| r.model == shape && r.kind == Kind::Grpo)
+        {
+            // Prompts of ~128 tokens, one per group of completions (TRL's steps included).
+            let prompts = most / GRPO_GENERATIONS * (steps + 2);
+            crate::support::write_pref_rows(&dir.join("prompts.jsonl"), prompts, 33, 1);
         }
         Some(BenchModel {
             dir,
@@ -292,11 +367,16 @@ pub fn run(dir: &Path) {
             params,
         })
     };
-    let dense = write("qwen2-0.5b", qwen2_05b_config(), false);
-    let moe = write("qwen3-moe", qwen3_moe_config(), true);
+    let models = [
+        (Shape::Dense, write(Shape::Dense, qwen2_05b_config())),
+        (Shape::Moe, write(Shape::Moe, qwen3_moe_config())),
+        (Shape::Hybrid, write(Shape::Hybrid, qwen3_5_config())),
+    ];
     let model_of = |run: &Run| {
-        if run.moe { &moe } else { &dense }
-            .as_ref()
+        models
+            .iter()
+            .find(|(shape, _)| *shape == run.model)
+            .and_then(|(_, m)| m.as_ref())
             .expect("written for its runs")
     };
     let mut ours = Vec::new();
@@ -331,6 +411,23 @@ pub fn run(dir: &Path) {
             };
             Trainer::<AutoModelForCausalLM, Dpo>::load_with_strategy(config, &ctx, Strategy::Ddp)
                 .and_then(|t| measure(t, &dev))
+        } else if run.kind == Kind::Grpo {
+            let config = GRPOConfig {
+                training: trl_runtime::train::TrainingArguments {
+                    dataset_name: model.dir.join("prompts.jsonl"),
+                    learning_rate: 1e-6,
+                    ..training
+                },
+                num_generations: GRPO_GENERATIONS,
+                max_completion_length: GRPO_COMPLETION,
+                reward_funcs: trl_runtime::config::cli_value::EntryList(vec![format!(
+                    "get_soft_overlong_punishment({GRPO_COMPLETION}, {})",
+                    GRPO_COMPLETION / 4
+                )]),
+                ..GRPOConfig::default()
+            };
+            Trainer::<AutoModelForCausalLM, Grpo>::load_with_strategy(config, &ctx, Strategy::Ddp)
+                .and_then(|t| measure(t, &dev))
         } else {
             let config = SFTConfig {
                 training,
@@ -344,7 +441,14 @@ pub fn run(dir: &Path) {
         match result {
             Ok(m) => {
                 let lora = run.kind == Kind::Lora;
-                let mfu = m.tokens_per_s * flops_per_token(&model.shapes, lora) / rate;
+                // GRPO's step is mostly generation: no training MFU for it.
+                let mfu = match run.kind {
+                    Kind::Grpo => "null".to_string(),
+                    _ => format!(
+                        "{:.4}",
+                        m.tokens_per_s * flops_per_token(&model.shapes, lora) / rate
+                    ),
+                };
                 // The planner's prediction leaves the process's own memory out, as the pool's
                 // high-water mark does.
                 let predicted = m.predicted_peak.map_or(String::new(), |p| {
@@ -354,7 +458,7 @@ pub fn run(dir: &Path) {
                     )
                 });
                 println!(
-                    "{{\"bench\":\"train\",\"device\":\"cuda\",{label},\"params\":{},\"dtype\":\"bf16\",\"attention\":\"{}\",\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"mfu\":{mfu:.4},\"peak_gpu_mem_gib\":{peak:.2}{predicted},\"matmul_tflops\":{:.1}}}",
+                    "{{\"bench\":\"train\",\"device\":\"cuda\",{label},\"params\":{},\"dtype\":\"bf16\",\"attention\":\"{}\",\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"mfu\":{mfu},\"peak_gpu_mem_gib\":{peak:.2}{predicted},\"matmul_tflops\":{:.1}}}",
                     model.params,
                     m.attention,
                     m.tokens_per_s,
@@ -387,16 +491,16 @@ pub fn run(dir: &Path) {
     if let Err(e) = trl_runtime::alloc::gpu::release_freed_memory(&cuda) {
         eprintln!("cannot release GPU memory for the peers: {e}");
     }
-    let mut groups: Vec<(Kind, bool)> = Vec::new();
+    let mut groups: Vec<(Kind, Shape)> = Vec::new();
     for r in &runs {
-        if !groups.contains(&(r.kind, r.moe)) {
-            groups.push((r.kind, r.moe));
+        if !groups.contains(&(r.kind, r.model)) {
+            groups.push((r.kind, r.model));
         }
     }
-    for (kind, moe) in groups {
+    for (kind, shape) in groups {
         let group: Vec<&Run> = runs
             .iter()
-            .filter(|r| r.kind == kind && r.moe == moe)
+            .filter(|r| r.kind == kind && r.model == shape)
             .collect();
         let peers = group[0]
             .peers()
@@ -413,6 +517,17 @@ pub fn run(dir: &Path) {
         if kind == Kind::Dpo {
             extra.extend(["--pref_data".into(), model.dir.join("pref.jsonl")]);
         }
+        if kind == Kind::Grpo {
+            extra.extend(["--prompt_data".into(), model.dir.join("prompts.jsonl")]);
+            extra.extend([
+                "--completion_length".into(),
+                GRPO_COMPLETION.to_string().into(),
+            ]);
+            extra.extend([
+                "--num_generations".into(),
+                GRPO_GENERATIONS.to_string().into(),
+            ]);
+        }
         for line in peer_lines(&spec, &peers, &extra) {
             let (Some(name), Some(theirs), Some(rows), Some(gc)) = (
                 line["framework"].as_str(),
@@ -424,14 +539,26 @@ pub fn run(dir: &Path) {
             };
             let their_peak = line["peak_gpu_mem_gib"].as_f64().unwrap_or(f64::NAN);
             let Some(&(run, mine, my_peak)) = ours.iter().find(|(r, _, _)| {
-                r.kind == kind && r.moe == moe && r.rows() == rows as usize && r.gc == gc
+                r.kind == kind && r.model == shape && r.rows() == rows as usize && r.gc == gc
             }) else {
                 continue;
             };
             let lora = kind == Kind::Lora;
-            let hf_mfu = theirs * flops_per_token(&model.shapes, lora) / rate;
+            let hf_mfu = match kind {
+                Kind::Grpo => "null".to_string(),
+                _ => format!(
+                    "{:.4}",
+                    theirs * flops_per_token(&model.shapes, lora) / rate
+                ),
+            };
+            // TRL's share of its GRPO step spent in `generate`.
+            let share = line["generation_share"]
+                .as_f64()
+                .map_or(String::new(), |g| {
+                    format!(",\"peer_generation_share\":{g:.3}")
+                });
             println!(
-                "{{\"bench\":\"train\",\"device\":\"cuda\",\"peer\":\"{name}\",{},\"peer_tokens_per_s\":{theirs:.1},\"peer_mfu\":{hf_mfu:.4},\"peer_peak_gpu_mem_gib\":{their_peak:.2},\"tokens_per_s\":{mine:.1},\"peak_gpu_mem_gib\":{my_peak:.2},\"ratio_ours_over_peer\":{:.3}}}",
+                "{{\"bench\":\"train\",\"device\":\"cuda\",\"peer\":\"{name}\",{}{share},\"peer_tokens_per_s\":{theirs:.1},\"peer_mfu\":{hf_mfu},\"peer_peak_gpu_mem_gib\":{their_peak:.2},\"tokens_per_s\":{mine:.1},\"peak_gpu_mem_gib\":{my_peak:.2},\"ratio_ours_over_peer\":{:.3}}}",
                 run.label(),
                 mine / theirs
             );
