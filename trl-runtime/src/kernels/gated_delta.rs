@@ -88,14 +88,22 @@ impl DeltaRule {
     }
 }
 
-/// Whether [`delta_rule`] runs for these inputs (keys `k`, values `v`): on the CPU in f32 or
-/// f64; built with `cuda`, on a GPU in f32 with key dims up to 128 (unless the fused CUDA
-/// ops are switched off, `TRL_CUDA_FUSED=0`).
+/// Whether the layers run [`delta_rule`] for these inputs (keys `k`, values `v`): on the CPU
+/// in f32 or f64 (unless `TRL_DELTA_RULE=chunked`); built with `cuda`, on a GPU in f32 with
+/// key dims up to 128 when asked, `TRL_DELTA_RULE=fused`: the CUDA kernels have not run on a
+/// GPU yet (docs/gpu.md), so a GPU keeps the chunk form in Candle ops by default until one
+/// has checked them.
 pub fn fused_here(k: &Tensor, v: &Tensor) -> bool {
+    let asked = std::env::var("TRL_DELTA_RULE").ok();
     match v.device() {
-        d if d.is_cpu() => matches!(v.dtype(), DType::F32 | DType::F64),
+        d if d.is_cpu() => {
+            matches!(v.dtype(), DType::F32 | DType::F64) && asked.as_deref() != Some("chunked")
+        }
         d if d.is_cuda() => {
-            v.dtype() == DType::F32 && cuda_takes(k) && super::precision::cuda_fused_on()
+            asked.as_deref() == Some("fused")
+                && v.dtype() == DType::F32
+                && cuda_takes(k)
+                && super::precision::cuda_fused_on()
         }
         _ => false,
     }

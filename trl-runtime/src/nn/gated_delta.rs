@@ -50,14 +50,13 @@ pub fn document_starts(position_ids: &Tensor) -> Result<Vec<Vec<bool>>> {
 }
 
 /// The rule as the layers run it: the fused kernel (`kernels::gated_delta`, the recurrence
-/// with its block of the state in cache, backward included) on the CPU in f32 and f64 and on
-/// a GPU in f32; elsewhere one step of [`recurrent`] for a decoded token from a state, and
-/// [`chunked`] in chunks of `chunk` tokens otherwise. `TRL_DELTA_RULE=chunked` keeps the
-/// chunked form on the CPU too, to compare.
+/// with its block of the state in cache, backward included) where it applies (the CPU in f32
+/// and f64; a GPU in f32 with `TRL_DELTA_RULE=fused`, see `fused_here`); elsewhere one step
+/// of [`recurrent`] for a decoded token from a state, and [`chunked`] in chunks of `chunk`
+/// tokens otherwise. `TRL_DELTA_RULE=chunked` keeps the chunk form on the CPU too, to compare.
 pub fn rule(x: &DeltaInputs, initial: Option<&Tensor>, chunk: usize) -> Result<(Tensor, Tensor)> {
     use crate::kernels::gated_delta::{delta_rule, fused_here};
-    let chunked_asked = std::env::var("TRL_DELTA_RULE").is_ok_and(|v| v == "chunked");
-    if fused_here(x.k, x.v) && !chunked_asked {
+    if fused_here(x.k, x.v) {
         return delta_rule(x.q, x.k, x.v, x.g, x.beta, x.starts, initial);
     }
     match (x.v.dim(2)?, initial) {
