@@ -2,7 +2,9 @@
 //! `kernels::gated_delta`'s op on a GPU, with the CPU kernel's inputs, outputs and tiling (one
 //! warp per block of 32 state columns, checkpoints every 16 tokens), f32 only (the layer runs
 //! the rule in f32 for every model dtype). Compiled in CI, to be run on the first GPU
-//! (scripts/gpu-run); the algorithm is the CPU kernel's, proven there against the recurrence.
+//! (scripts/gpu-run); the algorithm is the CPU kernel's, proven there against the recurrence,
+//! and the kernels' own arrangement runs on the CPU lane by lane in
+//! `gated_delta::cuda_emulation`, equal to the CPU kernel.
 
 use super::cuda_fused::view;
 use candle_core::backend::BackendStorage;

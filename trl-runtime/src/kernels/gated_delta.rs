@@ -722,3 +722,331 @@ fn conv_grad_rows_body<T: Real>(
         }
     }
 }
+
+/// `gated_delta.cu`'s kernels run on the CPU as the GPU runs them: one loop per block of 32
+/// columns, the warp's lanes one after another within each phase that a `__syncwarp` closes,
+/// its shared arrays ([dk][33] state and gradient blocks, the chunk's residuals and deltas,
+/// the lanes' vectors) and global scratch (checkpoints, decayed states, each block's partial
+/// gradients summed by `gdr_sum`) laid out as there. Against the CPU kernel (itself proven
+/// against the recurrence), this proves the CUDA arrangement on the CPU: the lanes as rows
+/// for dq, dk and dg, the padded layout, the per-block partials.
+#[cfg(test)]
+mod cuda_emulation {
+    use super::*;
+
+    const PAD: usize = 33;
+    const CK: usize = 16;
+    const LANES: usize = 32;
+
+    /// gdr_fwd over every (task, block).
+    fn gdr_fwd(op: &DeltaRule, x: &[f32], s0: &[f32]) -> Vec<f32> {
+        let (heads, seq, dk, dv) = (op.heads, op.seq, op.dk, op.dv);
+        let w = op.width();
+        let tasks = x.len() / (seq * w);
+        let mut out = vec![0f32; tasks * (seq + dk) * dv];
+        for task in 0..tasks {
+            for blk in 0..dv.div_ceil(LANES) {
+                let row = task / heads;
+                let mut st = vec![0f32; dk * PAD];
+                let (mut sq, mut sk) = (vec![0f32; dk], vec![0f32; dk]);
+                for lane in 0..LANES {
+                    let col = blk * LANES + lane;
+                    for i in 0..dk {
+                        st[i * PAD + lane] = if col < dv {
+                            s0[(task * dk + i) * dv + col]
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                for t in 0..seq {
+                    let xt = &x[(task * seq + t) * w..(task * seq + t + 1) * w];
+                    sq.copy_from_slice(&xt[..dk]);
+                    sk.copy_from_slice(&xt[dk..2 * dk]);
+                    let decay = if op.starts[row * seq + t] {
+                        0.0
+                    } else {
+                        xt[2 * dk + dv].exp()
+                    };
+                    let beta = xt[2 * dk + dv + 1];
+                    for lane in 0..LANES {
+                        let col = blk * LANES + lane;
+                        let v = if col < dv { xt[2 * dk + col] } else { 0.0 };
+                        let mut pred = 0.0;
+                        for i in 0..dk {
+                            let s = st[i * PAD + lane] * decay;
+                            st[i * PAD + lane] = s;
+                            pred += sk[i] * s;
+                        }
+                        let delta = beta * (v - pred);
+                        let mut acc = 0.0;
+                        for i in 0..dk {
+                            let s = st[i * PAD + lane] + sk[i] * delta;
+                            st[i * PAD + lane] = s;
+                            acc += sq[i] * s;
+                        }
+                        if col < dv {
+                            out[(task * (seq + dk) + t) * dv + col] = acc;
+                        }
+                    }
+                }
+                for lane in 0..LANES {
+                    let col = blk * LANES + lane;
+                    for i in (0..dk).filter(|_| col < dv) {
+                        out[(task * (seq + dk) + seq + i) * dv + col] = st[i * PAD + lane];
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// gdr_bwd over every (task, block), then gdr_sum.
+    fn gdr_bwd(op: &DeltaRule, x: &[f32], s0: &[f32], grad: &[f32]) -> Vec<f32> {
+        let (heads, seq, dk, dv) = (op.heads, op.seq, op.dk, op.dv);
+        let w = op.width();
+        let tasks = x.len() / (seq * w);
+        let blocks = dv.div_ceil(LANES);
+        let chunks = seq.div_ceil(CK);
+        let block = dk * PAD;
+        let mut out = vec![0f32; tasks * (seq * w + dk * dv)];
+        let mut part = vec![0f32; tasks * blocks * seq * w];
+        for task in 0..tasks {
+            let row = task / heads;
+            let gr = &grad[task * (seq + dk) * dv..(task + 1) * (seq + dk) * dv];
+            let xs = &x[task * seq * w..(task + 1) * seq * w];
+            for blk in 0..blocks {
+                let bid = task * blocks + blk;
+                let pt = &mut part[bid * seq * w..(bid + 1) * seq * w];
+                let mut ck = vec![0f32; chunks * block];
+                let mut sp = vec![0f32; CK * block];
+                let (mut st, mut ds) = (vec![0f32; block], vec![0f32; block]);
+                let (mut sq, mut sk) = (vec![0f32; dk], vec![0f32; dk]);
+                let (mut res_s, mut del_s) = (vec![0f32; CK * LANES], vec![0f32; CK * LANES]);
+                let (mut dvec, mut dpvec, mut dovec) =
+                    ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
+                let col = |lane: usize| blk * LANES + lane;
+                // This lane's value at a token (0 past the last column).
+                let value = |xt: &[f32], lane: usize| match col(lane) < dv {
+                    true => xt[2 * dk + col(lane)],
+                    false => 0.0,
+                };
+                let token = |t: usize| &xs[t * w..(t + 1) * w];
+                let decay_of = |t: usize| {
+                    if op.starts[row * seq + t] {
+                        0.0
+                    } else {
+                        token(t)[2 * dk + dv].exp()
+                    }
+                };
+                let predict = |st: &mut [f32], sk: &[f32], lane: usize, decay: f32| {
+                    let mut pred = 0.0;
+                    for i in 0..dk {
+                        let s = st[i * PAD + lane] * decay;
+                        st[i * PAD + lane] = s;
+                        pred += sk[i] * s;
+                    }
+                    pred
+                };
+                for lane in 0..LANES {
+                    for i in 0..dk {
+                        st[i * PAD + lane] = if col(lane) < dv {
+                            s0[(task * dk + i) * dv + col(lane)]
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                for t in 0..seq {
+                    let xt = token(t);
+                    if t % CK == 0 {
+                        for lane in 0..LANES {
+                            for i in 0..dk {
+                                ck[(t / CK) * block + i * PAD + lane] = st[i * PAD + lane];
+                            }
+                        }
+                    }
+                    sq.copy_from_slice(&xt[..dk]);
+                    sk.copy_from_slice(&xt[dk..2 * dk]);
+                    let decay = decay_of(t);
+                    for lane in 0..LANES {
+                        let v = value(xt, lane);
+                        let delta = xt[2 * dk + dv + 1] * (v - predict(&mut st, &sk, lane, decay));
+                        for i in 0..dk {
+                            st[i * PAD + lane] += sk[i] * delta;
+                        }
+                    }
+                }
+                for lane in 0..LANES {
+                    for i in 0..dk {
+                        ds[i * PAD + lane] = if col(lane) < dv {
+                            gr[(seq + i) * dv + col(lane)]
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                for c in (0..chunks).rev() {
+                    let (first, last) = (c * CK, (c * CK + CK).min(seq));
+                    st.copy_from_slice(&ck[c * block..(c + 1) * block]);
+                    for t in first..last {
+                        let j = t - first;
+                        let xt = token(t);
+                        sq.copy_from_slice(&xt[..dk]);
+                        sk.copy_from_slice(&xt[dk..2 * dk]);
+                        let decay = decay_of(t);
+                        for lane in 0..LANES {
+                            let v = value(xt, lane);
+                            let res = v - predict(&mut st, &sk, lane, decay);
+                            for i in 0..dk {
+                                sp[j * block + i * PAD + lane] = st[i * PAD + lane];
+                            }
+                            let delta = xt[2 * dk + dv + 1] * res;
+                            res_s[j * LANES + lane] = res;
+                            del_s[j * LANES + lane] = delta;
+                            for i in 0..dk {
+                                st[i * PAD + lane] += sk[i] * delta;
+                            }
+                        }
+                    }
+                    for t in (first..last).rev() {
+                        let j = t - first;
+                        let xt = token(t);
+                        sq.copy_from_slice(&xt[..dk]);
+                        sk.copy_from_slice(&xt[dk..2 * dk]);
+                        st.copy_from_slice(&sp[j * block..(j + 1) * block]);
+                        let (decay, beta) = (decay_of(t), xt[2 * dk + dv + 1]);
+                        let pr = &mut pt[t * w..(t + 1) * w];
+                        // Lanes as columns.
+                        let mut dbeta = 0.0;
+                        for lane in 0..LANES {
+                            let dout = if col(lane) < dv {
+                                gr[t * dv + col(lane)]
+                            } else {
+                                0.0
+                            };
+                            let mut dd = 0.0;
+                            for i in 0..dk {
+                                let d = ds[i * PAD + lane] + sq[i] * dout;
+                                ds[i * PAD + lane] = d;
+                                dd += d * sk[i];
+                            }
+                            if col(lane) < dv {
+                                pr[2 * dk + col(lane)] = beta * dd;
+                            }
+                            dbeta += dd * res_s[j * LANES + lane];
+                            dvec[lane] = del_s[j * LANES + lane];
+                            dpvec[lane] = -beta * dd;
+                            dovec[lane] = dout;
+                        }
+                        pr[2 * dk + dv + 1] = dbeta;
+                        // Lanes as rows.
+                        let mut dg = 0.0;
+                        for lane in 0..LANES {
+                            for i in (lane..dk).step_by(LANES) {
+                                let ki = sk[i];
+                                let (mut dq, mut dki) = (0.0, 0.0);
+                                for c2 in 0..LANES {
+                                    let (s, d) = (st[i * PAD + c2], ds[i * PAD + c2]);
+                                    dq += (s + ki * dvec[c2]) * dovec[c2];
+                                    dki += d * dvec[c2] + s * dpvec[c2];
+                                    dg += (d + ki * dpvec[c2]) * s;
+                                }
+                                pr[i] = dq;
+                                pr[dk + i] = dki;
+                            }
+                        }
+                        pr[2 * dk + dv] = dg;
+                        // Lanes as columns again.
+                        for lane in 0..LANES {
+                            for i in 0..dk {
+                                ds[i * PAD + lane] =
+                                    decay * (ds[i * PAD + lane] + sk[i] * dpvec[lane]);
+                            }
+                        }
+                    }
+                }
+                for lane in (0..LANES).filter(|&l| col(l) < dv) {
+                    for i in 0..dk {
+                        out[task * (seq * w + dk * dv) + seq * w + i * dv + col(lane)] =
+                            ds[i * PAD + lane];
+                    }
+                }
+            }
+        }
+        // gdr_sum: the blocks' partials in order.
+        for task in 0..tasks {
+            for r in 0..seq * w {
+                out[task * (seq * w + dk * dv) + r] = (0..blocks)
+                    .map(|b| part[(task * blocks + b) * seq * w + r])
+                    .sum();
+            }
+        }
+        out
+    }
+
+    /// The emulated CUDA kernels equal the CPU kernel's forward and backward, f32, on packed
+    /// rows, 128 key features (the kernels' most), 70 value columns (three blocks, the last
+    /// partial), 37 tokens (three checkpoints), and a single decoded token.
+    #[test]
+    fn the_cuda_arrangement_equals_the_cpu_kernel() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for (seq, dk, dv) in [(37usize, 128usize, 70usize), (1, 64, 32)] {
+            let (b, heads) = (2, 2);
+            let w = 2 * dk + dv + 2;
+            let scale = 1.0 / (dk as f32).sqrt();
+            let mut x = vec![0f32; b * heads * seq * w];
+            for token in x.chunks_mut(w) {
+                for (f, v) in token.iter_mut().enumerate() {
+                    *v = match f {
+                        f if f < 2 * dk => rng.random_range(-1.0..1.0) * scale,
+                        f if f < 2 * dk + dv => rng.random_range(-1.0..1.0),
+                        f if f == 2 * dk + dv => -rng.random_range(0.0..0.5),
+                        _ => rng.random_range(0.05..0.95),
+                    };
+                }
+            }
+            let s0: Vec<f32> = (0..b * heads * dk * dv)
+                .map(|_| rng.random_range(-0.3..0.3))
+                .collect();
+            let grad: Vec<f32> = (0..b * heads * (seq + dk) * dv)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let mut starts = vec![false; b * seq];
+            if seq > 20 {
+                starts[0] = true;
+                starts[16] = true;
+                starts[seq + 23] = true;
+            }
+            let op = DeltaRule {
+                heads,
+                seq,
+                dk,
+                dv,
+                starts,
+            };
+            let close = |what: &str, got: &[f32], want: &[f32]| {
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = got
+                    .iter()
+                    .zip(want)
+                    .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
+                assert!(
+                    d <= 1e-5 * scale.max(1.0),
+                    "{what} seq {seq}: {d} (largest {scale})"
+                );
+            };
+            close(
+                "forward",
+                &gdr_fwd(&op, &x, &s0),
+                &forward::<f32>(&op, &x, &s0),
+            );
+            close(
+                "backward",
+                &gdr_bwd(&op, &x, &s0, &grad),
+                &backward::<f32>(&op, &x, &s0, &grad),
+            );
+        }
+    }
+}
