@@ -174,10 +174,12 @@ fn step_bytes(
     (prompt, new): (usize, usize),
     size: usize,
 ) -> f64 {
-    let linear = cfg.extra["layer_types"]
-        .as_array()
+    let linear = cfg
+        .extra
+        .get("layer_types")
+        .and_then(|v| v.as_array())
         .map_or(0, |t| t.iter().filter(|t| *t == "linear_attention").count());
-    let key = |k: &str| cfg.extra[k].as_u64().unwrap_or(0) as usize;
+    let key = |k: &str| cfg.extra.get(k).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
     let (nk, nv) = (key("linear_num_key_heads"), key("linear_num_value_heads"));
     let (dk, dv) = (key("linear_key_head_dim"), key("linear_value_head_dim"));
     let taps = key("linear_conv_kernel_dim").saturating_sub(1);

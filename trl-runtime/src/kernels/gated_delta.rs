@@ -90,8 +90,8 @@ impl DeltaRule {
 
 /// Whether the layers run [`delta_rule`] for these inputs (keys `k`, values `v`): on the CPU
 /// in f32 or f64 (unless `TRL_DELTA_RULE=chunked`); built with `cuda`, on a GPU in f32 with
-/// key dims up to 128 when asked, `TRL_DELTA_RULE=fused`: the CUDA kernels have not run on a
-/// GPU yet (docs/gpu.md), so a GPU keeps the chunk form in Candle ops by default until one
+/// key dims up to 128 when asked, `TRL_DELTA_RULE=fused` (and the fused CUDA ops are on,
+/// `TRL_FUSED_CUDA` not 0): the CUDA kernels have not run on a GPU yet (docs/gpu.md), so a GPU keeps the chunk form in Candle ops by default until one
 /// has checked them.
 pub fn fused_here(k: &Tensor, v: &Tensor) -> bool {
     let asked = std::env::var("TRL_DELTA_RULE").ok();
@@ -164,7 +164,12 @@ pub fn delta_rule(
         starts: starts.iter().flatten().copied().collect(),
     };
     let both = packed.contiguous()?.apply_op2(&initial, op)?;
-    Ok((both.narrow(2, 0, s)?, both.narrow(2, s, dk)?))
+    // The state copied out: generation's cache keeps it, and a view would keep the whole
+    // output alive with it.
+    Ok((
+        both.narrow(2, 0, s)?,
+        both.narrow(2, s, dk)?.force_contiguous()?,
+    ))
 }
 
 /// Runs `$body` with `$t` the element type of `$dtype` (f32 or f64), as CPU storage.

@@ -88,6 +88,9 @@ pub struct Dims {
     pub linear_value_head_dim: Option<usize>,
     #[serde(default)]
     pub linear_conv_kernel_dim: Option<usize>,
+    /// Qwen3-Next's full-attention layers without `layer_types`: every this-many-th (4).
+    #[serde(default)]
+    pub full_attention_interval: Option<usize>,
     /// The keys a `sliding_attention` layer sees (`layer_types`).
     #[serde(default)]
     pub sliding_window: Option<usize>,
@@ -102,11 +105,21 @@ pub struct Dims {
 }
 
 impl Dims {
-    /// The Gated DeltaNet layers (`linear_attention`) among the layers.
+    /// The Gated DeltaNet layers (`linear_attention`) among the layers: by `layer_types`, else
+    /// as Qwen3-Next's model reads its config, all but every `full_attention_interval`-th.
     pub fn linear_attention_layers(&self) -> usize {
-        self.layer_types.as_ref().map_or(0, |types| {
-            types.iter().filter(|t| *t == "linear_attention").count()
-        })
+        let hybrid = matches!(
+            self.model_type.as_str(),
+            "qwen3_next" | "qwen3_5_text" | "qwen3_5_moe_text"
+        );
+        match &self.layer_types {
+            Some(types) => types.iter().filter(|t| *t == "linear_attention").count(),
+            None if hybrid => {
+                let interval = self.full_attention_interval.unwrap_or(4).max(1);
+                self.num_hidden_layers - self.num_hidden_layers / interval
+            }
+            None => 0,
+        }
     }
 
     /// What a Gated DeltaNet layer holds per row while generating, in elements: the
@@ -129,8 +142,9 @@ impl Dims {
     /// of the causal count (a full layer's query scores s / 2 keys on average: s): a sliding
     /// layer of window W counts 2 W - W^2 / s (the keys its queries score, doubled), a chunked
     /// layer of chunk C (Llama 4) (n C^2 + r^2) / s for n whole chunks and r tokens after
-    /// them, a `linear_attention` layer none (its rule is [`Self::linear_rule_flops`]). The
-    /// kernels skip the key blocks outside a window or chunk, so this is what they compute. The
+    /// them, a `linear_attention` layer none (its rule is [`Self::linear_rule_flops`]). These
+    /// are the scores the layer needs; the kernels skip whole tiles outside a window or chunk,
+    /// so they compute up to a tile per query more (about twice a 128-key window). The
     /// layers' windows are [`Self::windows`] where the model's config reads them, else
     /// `layer_types` with `sliding_window` / `attention_chunk_size`, else every layer is full.
     pub fn attended_length(&self, seq: usize) -> f64 {
@@ -153,7 +167,7 @@ impl Dims {
             return windows.iter().map(|w| reach(*w)).sum::<f64>() - linear;
         }
         let Some(types) = &self.layer_types else {
-            return self.num_hidden_layers as f64 * s;
+            return self.num_hidden_layers as f64 * s - linear;
         };
         types
             .iter()

@@ -424,6 +424,17 @@ fn attention_flops_follow_each_layers_windows() {
         false => (d.vocab_size * d.hidden_size) as f64,
     };
     close(base - 6.0 * (m.active_parameters - embed), rule);
+    // Without `layer_types`, Qwen3-Next's every 4th layer is full (`full_attention_interval`),
+    // as its model reads it.
+    let mut d = m.dims.clone();
+    d.layer_types = None;
+    d.windows = None;
+    d.full_attention_interval = Some(2);
+    assert_eq!(d.linear_attention_layers(), d.num_hidden_layers / 2);
+    close(
+        d.attended_length(seq),
+        (d.num_hidden_layers / 2) as f64 * seq as f64,
+    );
 }
 
 /// A mixture of experts: every expert counted in the model state, only `top_k` of them in
