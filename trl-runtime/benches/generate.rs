@@ -41,28 +41,6 @@ fn smollm2_like() -> serde_json::Value {
     })
 }
 
-/// Qwen3.5's hybrid layout at 0.3B: three Gated DeltaNet layers (16 key and 16 value heads
-/// of 128, a 4-tap convolution) to one gated full-attention layer (8 heads, 2 kv heads of
-/// 128, a quarter of each rotated), 12 layers, a 32k vocabulary.
-fn qwen3_5_like() -> serde_json::Value {
-    let types: Vec<&str> = (0..12)
-        .map(|i| match i % 4 {
-            3 => "full_attention",
-            _ => "linear_attention",
-        })
-        .collect();
-    serde_json::json!({
-        "model_type": "qwen3_5_text", "vocab_size": 32000, "hidden_size": 1024,
-        "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "head_dim": 128, "layer_types": types,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 16, "linear_value_head_dim": 128,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                            "partial_rotary_factor": 0.25},
-    })
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -163,33 +141,29 @@ fn theirs_on(
     }
 }
 
-/// Bytes one decode step reads at `batch`: every weight once (`size` bytes each) and the
-/// cache, per row: an attention layer's 2 x kv heads x head dim x tokens (the prompt and
-/// about half the new ones, on average), a Gated DeltaNet layer's recurrent state (value
-/// heads x key dim x value dim) and convolution inputs, x `size`.
+/// Bytes one decode step reads at `batch`: every weight once (`dtype`'s bytes each) and the
+/// generation cache at the step's average length (the prompt and half the new tokens) as the
+/// planner counts it (`estimate::generation_round`: each layer's keys and values, or a Gated
+/// DeltaNet layer's recurrent state).
 fn step_bytes(
-    cfg: &ModelConfig,
+    config: &serde_json::Value,
     params: usize,
     batch: usize,
     (prompt, new): (usize, usize),
-    size: usize,
+    dtype: DType,
 ) -> f64 {
-    let linear = cfg
-        .extra
-        .get("layer_types")
-        .and_then(|v| v.as_array())
-        .map_or(0, |t| t.iter().filter(|t| *t == "linear_attention").count());
-    let key = |k: &str| cfg.extra.get(k).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
-    let (nk, nv) = (key("linear_num_key_heads"), key("linear_num_value_heads"));
-    let (dk, dv) = (key("linear_key_head_dim"), key("linear_value_head_dim"));
-    let taps = key("linear_conv_kernel_dim").saturating_sub(1);
-    let state = linear * (nv * dk * dv + taps * (2 * nk * dk + nv * dv));
-    let kv = (cfg.num_hidden_layers - linear)
-        * 2
-        * cfg.num_kv_heads()
-        * cfg.head_dim()
-        * (prompt + new / 2);
-    (params * size + (kv + state) * size * batch) as f64
+    use trl_runtime::config::parallelism::ParallelDims;
+    use trl_runtime::parallel::estimate::{generation_round, ModelShapes, Setup};
+    let shapes = ModelShapes::of_json(&config.to_string(), "benchmark model").unwrap();
+    let mut setup = Setup::new(
+        trl_runtime::train::Strategy::Ddp,
+        ParallelDims::single(),
+        batch,
+        prompt + new,
+    );
+    setup.dtype = dtype;
+    let cache = generation_round(&shapes, &setup, batch, (prompt, prompt + new / 2)).kv_cache;
+    (params * dtype.size_in_bytes() + cache) as f64
 }
 
 /// transformers' decode rate on `line` and ours over it, from its (prefill, total) seconds;
@@ -339,7 +313,7 @@ fn cuda_lines() {
             let prefill = ours_at(&model, cfg.vocab_size, batch, GPU_PROMPT, 1);
             let total = ours_at(&model, cfg.vocab_size, batch, GPU_PROMPT, GPU_NEW + 1);
             let decode = (batch * GPU_NEW) as f64 / (total - prefill);
-            let bytes = step_bytes(&cfg, params, batch, (GPU_PROMPT, GPU_NEW), 2);
+            let bytes = step_bytes(&config, params, batch, (GPU_PROMPT, GPU_NEW), DType::BF16);
             let mut line = serde_json::json!({
                 "bench": "generate", "device": "cuda", "dtype": "bf16", "shape": name,
                 "batch": batch, "prompt": GPU_PROMPT, "new": GPU_NEW,
@@ -381,7 +355,10 @@ fn main() {
     for (name, config) in [
         ("smollm2-135m-like", smollm2_like()),
         ("qwen2-0.5b", qwen),
-        ("qwen3.5-hybrid-like", qwen3_5_like()),
+        (
+            "qwen3.5-hybrid-like",
+            support::qwen3_5_hybrid(12, 1024, 3072, 32000, 128),
+        ),
     ] {
         if only.as_deref().is_some_and(|o| o != name) {
             continue;
@@ -401,7 +378,7 @@ fn main() {
             let prefill = ours(&model, cfg.vocab_size, batch, 1);
             let total = ours(&model, cfg.vocab_size, batch, NEW + 1);
             let decode = (batch * NEW) as f64 / (total - prefill);
-            let bytes = step_bytes(&cfg, params, batch, (PROMPT, NEW), 4);
+            let bytes = step_bytes(&config, params, batch, (PROMPT, NEW), DType::F32);
             let prefill_flops = 2.0 * params as f64 * (batch * PROMPT) as f64 / prefill;
             let mut line = serde_json::json!({
                 "bench": "generate", "shape": name, "batch": batch, "prompt": PROMPT,

@@ -58,28 +58,6 @@ pub fn qwen3_moe_config() -> serde_json::Value {
     })
 }
 
-/// A Qwen3.5 shape of about Qwen2-0.5B's size: 24 layers, three Gated DeltaNet layers (16 key
-/// and 16 value heads of 128) to each gated full-attention layer (8 heads, 2 kv heads of 256,
-/// a quarter of each rotated), hidden 1024, intermediate 3584, Qwen's vocabulary, tied.
-pub fn qwen3_5_config() -> serde_json::Value {
-    let types: Vec<&str> = (0..24)
-        .map(|i| match i % 4 {
-            3 => "full_attention",
-            _ => "linear_attention",
-        })
-        .collect();
-    serde_json::json!({
-        "model_type": "qwen3_5_text", "vocab_size": 151936, "hidden_size": 1024,
-        "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "head_dim": 256, "layer_types": types,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 16, "linear_value_head_dim": 128,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                            "partial_rotary_factor": 0.25},
-    })
-}
-
 /// Which model a run trains.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Shape {
@@ -370,7 +348,14 @@ pub fn run(dir: &Path) {
     let models = [
         (Shape::Dense, write(Shape::Dense, qwen2_05b_config())),
         (Shape::Moe, write(Shape::Moe, qwen3_moe_config())),
-        (Shape::Hybrid, write(Shape::Hybrid, qwen3_5_config())),
+        // Of about Qwen2-0.5B's size.
+        (
+            Shape::Hybrid,
+            write(
+                Shape::Hybrid,
+                crate::support::qwen3_5_hybrid(24, 1024, 3584, 151936, 256),
+            ),
+        ),
     ];
     let model_of = |run: &Run| {
         models

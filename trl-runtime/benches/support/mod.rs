@@ -161,3 +161,33 @@ pub fn run_ranks(kind: &str, world: usize, dir: &Path, mut on_line: impl FnMut(&
         );
     }
 }
+
+/// A Qwen3.5 hybrid of `layers` layers: three Gated DeltaNet layers (16 key and 16 value heads
+/// of 128, a 4-tap convolution) to each gated full-attention layer (8 heads and 2 kv heads of
+/// `head_dim`, a quarter of each rotated), `hidden` wide with MLPs of `intermediate`, a
+/// `vocab`-entry tied vocabulary.
+#[allow(dead_code)] // the generate bench's and the GPU train bench's
+pub fn qwen3_5_hybrid(
+    layers: usize,
+    hidden: usize,
+    intermediate: usize,
+    vocab: usize,
+    head_dim: usize,
+) -> serde_json::Value {
+    let types: Vec<&str> = (0..layers)
+        .map(|i| match i % 4 {
+            3 => "full_attention",
+            _ => "linear_attention",
+        })
+        .collect();
+    serde_json::json!({
+        "model_type": "qwen3_5_text", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": head_dim,
+        "layer_types": types, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_value_head_dim": 128,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": true,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
+    })
+}
