@@ -57,10 +57,14 @@ struct DeltaRule {
     starts: Vec<bool>,
 }
 
+/// Features of a packed token: q and k (dk each), v (dv), g and beta.
+fn packed_width(dk: usize, dv: usize) -> usize {
+    2 * dk + dv + 2
+}
+
 impl DeltaRule {
-    /// Features of a packed token.
     fn width(&self) -> usize {
-        2 * self.dk + self.dv + 2
+        packed_width(self.dk, self.dv)
     }
 
     #[cfg(feature = "cuda")]
@@ -91,14 +95,14 @@ impl DeltaRule {
 /// Whether the layers run [`delta_rule`] for these inputs (keys `k`, values `v`): on the CPU
 /// in f32 or f64 (unless `TRL_DELTA_RULE=chunked`); built with `cuda`, on a GPU in f32 with
 /// key dims up to 128 when asked, `TRL_DELTA_RULE=fused` (and the fused CUDA ops are on,
-/// `TRL_FUSED_CUDA` not 0): the CUDA kernels have not run on a GPU yet (docs/gpu.md), so a GPU keeps the chunk form in Candle ops by default until one
-/// has checked them.
+/// `TRL_FUSED_CUDA` not 0): the CUDA kernels have not run on a GPU yet (docs/gpu.md), so a
+/// GPU keeps the chunk form in Candle ops by default until one has checked them.
 pub fn fused_here(k: &Tensor, v: &Tensor) -> bool {
-    let asked = std::env::var("TRL_DELTA_RULE").ok();
+    // Read once: this runs in every Gated DeltaNet layer's forward.
+    static ASKED: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let asked = ASKED.get_or_init(|| std::env::var("TRL_DELTA_RULE").ok());
     match v.device() {
-        d if d.is_cpu() => {
-            matches!(v.dtype(), DType::F32 | DType::F64) && asked.as_deref() != Some("chunked")
-        }
+        d if d.is_cpu() => conv_here(v) && asked.as_deref() != Some("chunked"),
         d if d.is_cuda() => {
             asked.as_deref() == Some("fused")
                 && v.dtype() == DType::F32
@@ -255,7 +259,7 @@ struct Head<'a, T> {
 
 impl<T: WithDType> Head<'_, T> {
     fn width(&self) -> usize {
-        2 * self.dk + self.dv + 2
+        packed_width(self.dk, self.dv)
     }
 
     /// Token t's query, key, its values of columns `cols`, decay factor and strength.
@@ -529,7 +533,7 @@ struct ConvSilu {
     reach: Vec<usize>,
 }
 
-/// Whether [`conv_silu`] runs for `x`: on the CPU, f32 or f64.
+/// Whether [`conv_silu`] runs for `x`: on the CPU, f32 or f64 (the CPU kernels' types).
 pub fn conv_here(x: &Tensor) -> bool {
     x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
 }
@@ -999,7 +1003,7 @@ mod cuda_emulation {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         for (seq, dk, dv) in [(37usize, 128usize, 70usize), (1, 64, 32)] {
             let (b, heads) = (2, 2);
-            let w = 2 * dk + dv + 2;
+            let w = packed_width(dk, dv);
             let scale = 1.0 / (dk as f32).sqrt();
             let mut x = vec![0f32; b * heads * seq * w];
             for token in x.chunks_mut(w) {

@@ -351,7 +351,7 @@ mod tests {
     /// one checkpoint spans (neither dividing evenly), in f32 within f32's rounding.
     #[test]
     fn chunks_and_the_fused_kernel_equal_the_recurrence_values_and_gradients() {
-        use crate::kernels::gated_delta::delta_rule;
+        use crate::kernels::gated_delta::{delta_rule, fused_here};
         let dev = Device::Cpu;
         let (b, h, s, dk, dv) = (2, 2, 37, 5, 35);
         let [q, k, v, g, beta] = random_inputs((b, h, s, dk, dv), &dev).unwrap();
@@ -391,6 +391,8 @@ mod tests {
             &want,
             (1e-5, 1e-4),
         );
+        // The layers' `rule` takes the fused kernel here (f64 on the CPU).
+        assert!(fused_here(x.k, x.v), "the CPU runs the fused kernel");
         // Without an initial state: zeros, as the recurrence starts.
         let (a, _) = recurrent(&x, None).unwrap();
         let (e, _) = delta_rule(x.q, x.k, x.v, x.g, x.beta, &starts, None).unwrap();

@@ -579,6 +579,11 @@ mod tests {
                 x.as_tensor().to_dtype(dtype).unwrap(),
                 w.as_tensor().to_dtype(dtype).unwrap(),
             );
+            // The layer's `conv_silu` takes the fused op here.
+            assert!(
+                gated_delta::conv_here(&xd),
+                "{dtype:?}: the CPU runs the fused op"
+            );
             let got = run(gated_delta::conv_silu(&xd, &wd, &reach(&starts, t)).unwrap());
             assert!(diff(&got.0, &want.0) < tol, "{dtype:?}: values");
             assert!(diff(&got.1, &want.1) < tol, "{dtype:?}: dx");

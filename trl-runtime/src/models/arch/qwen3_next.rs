@@ -167,20 +167,13 @@ struct Qwen3NextConfig {
     peft_converts: bool,
 }
 
-fn check(c: &ModelConfig, source: &str) -> Result<Qwen3NextConfig> {
+/// Which layers are Gated DeltaNet ones, as transformers reads Qwen3-Next's config: by
+/// `layer_types`, else all but every `full_attention_interval`-th (4). `cargo trl plan` counts
+/// them so too.
+pub fn linear_layers(c: &ModelConfig, source: &str) -> Result<Vec<bool>> {
     let err = |key: &str, message: String| Error::config(source, key, message);
-    let count = |key: &str, default: usize| -> Result<usize> {
-        match c.extra.get(key).filter(|v| !v.is_null()) {
-            None => Ok(default),
-            Some(v) => v
-                .as_u64()
-                .map(|n| n as usize)
-                .filter(|&n| n > 0)
-                .ok_or_else(|| err(key, format!("{v} is not a positive count"))),
-        }
-    };
     let n = c.num_hidden_layers;
-    let linear = match c.extra.get("layer_types").and_then(|v| v.as_array()) {
+    match c.extra.get("layer_types").and_then(|v| v.as_array()) {
         Some(types) => attention_kinds(types, n)
             .map_err(|(k, m)| err(k, m))?
             .into_iter()
@@ -195,12 +188,44 @@ fn check(c: &ModelConfig, source: &str) -> Result<Qwen3NextConfig> {
                     ),
                 )),
             })
-            .collect::<Result<Vec<_>>>()?,
+            .collect(),
         None => {
-            let interval = count("full_attention_interval", 4)?;
-            (0..n).map(|i| (i + 1) % interval != 0).collect()
+            let interval = match c
+                .extra
+                .get("full_attention_interval")
+                .filter(|v| !v.is_null())
+            {
+                None => 4,
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| n as usize)
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| {
+                        err(
+                            "full_attention_interval",
+                            format!("{v} is not a positive count"),
+                        )
+                    })?,
+            };
+            Ok((0..n).map(|i| (i + 1) % interval != 0).collect())
+        }
+    }
+}
+
+fn check(c: &ModelConfig, source: &str) -> Result<Qwen3NextConfig> {
+    let err = |key: &str, message: String| Error::config(source, key, message);
+    let count = |key: &str, default: usize| -> Result<usize> {
+        match c.extra.get(key).filter(|v| !v.is_null()) {
+            None => Ok(default),
+            Some(v) => v
+                .as_u64()
+                .map(|n| n as usize)
+                .filter(|&n| n > 0)
+                .ok_or_else(|| err(key, format!("{v} is not a positive count"))),
         }
     };
+    let n = c.num_hidden_layers;
+    let linear = linear_layers(c, source)?;
     let (key_heads, value_heads) = (
         count("linear_num_key_heads", 16)?,
         count("linear_num_value_heads", 32)?,

@@ -2,6 +2,7 @@
 
 use super::{Model, WrapPolicy};
 use crate::error::Result;
+use crate::models::config::Architecture;
 use crate::models::deepseek_moe::DeepseekMoeConfig;
 use crate::models::moe::MoeConfig;
 use crate::models::{AutoModelForCausalLM, CausalModel, ModelConfig};
@@ -88,9 +89,6 @@ pub struct Dims {
     pub linear_value_head_dim: Option<usize>,
     #[serde(default)]
     pub linear_conv_kernel_dim: Option<usize>,
-    /// Qwen3-Next's full-attention layers without `layer_types`: every this-many-th (4).
-    #[serde(default)]
-    pub full_attention_interval: Option<usize>,
     /// The keys a `sliding_attention` layer sees (`layer_types`).
     #[serde(default)]
     pub sliding_window: Option<usize>,
@@ -105,21 +103,12 @@ pub struct Dims {
 }
 
 impl Dims {
-    /// The Gated DeltaNet layers (`linear_attention`) among the layers: by `layer_types`, else
-    /// as Qwen3-Next's model reads its config, all but every `full_attention_interval`-th.
+    /// The Gated DeltaNet layers (`linear_attention`) among the layers (`layer_types`, which
+    /// [`ModelShapes::of_model`] fills as Qwen3-Next's model reads its config where it has none).
     pub fn linear_attention_layers(&self) -> usize {
-        let hybrid = matches!(
-            self.model_type.as_str(),
-            "qwen3_next" | "qwen3_5_text" | "qwen3_5_moe_text"
-        );
-        match &self.layer_types {
-            Some(types) => types.iter().filter(|t| *t == "linear_attention").count(),
-            None if hybrid => {
-                let interval = self.full_attention_interval.unwrap_or(4).max(1);
-                self.num_hidden_layers - self.num_hidden_layers / interval
-            }
-            None => 0,
-        }
+        self.layer_types.as_ref().map_or(0, |types| {
+            types.iter().filter(|t| *t == "linear_attention").count()
+        })
     }
 
     /// What a Gated DeltaNet layer holds per row while generating, in elements: the
@@ -167,7 +156,7 @@ impl Dims {
             return windows.iter().map(|w| reach(*w)).sum::<f64>() - linear;
         }
         let Some(types) = &self.layer_types else {
-            return self.num_hidden_layers as f64 * s - linear;
+            return self.num_hidden_layers as f64 * s;
         };
         types
             .iter()
@@ -292,9 +281,26 @@ impl ModelShapes {
                 ))
             });
         let mut dims: Dims = serde_json::from_value(text).map_err(not_a_decoder)?;
-        dims.windows = ModelConfig::from_json(json, source)
-            .ok()
-            .and_then(|c| c.layer_windows().ok());
+        let config = ModelConfig::from_json(json, source).ok();
+        dims.windows = config.as_ref().and_then(|c| c.layer_windows().ok());
+        // Qwen3-Next's layers without `layer_types`, as its model reads them.
+        let hybrid = |c: &&ModelConfig| c.architecture() == Ok(Architecture::Qwen3Next);
+        if dims.layer_types.is_none() {
+            dims.layer_types = config
+                .as_ref()
+                .filter(hybrid)
+                .and_then(|c| crate::models::qwen3_next::linear_layers(c, source).ok())
+                .map(|linear| {
+                    let kind = |l: bool| {
+                        if l {
+                            "linear_attention"
+                        } else {
+                            "full_attention"
+                        }
+                    };
+                    linear.into_iter().map(|l| kind(l).to_string()).collect()
+                });
+        }
         let mut model = Model::<N>::skeleton_of(json.to_string(), DType::F32, &Device::Cpu)?;
         let (linears, parameters) = model.lora_sites()?;
         let net = model.net();

@@ -424,12 +424,14 @@ fn attention_flops_follow_each_layers_windows() {
         false => (d.vocab_size * d.hidden_size) as f64,
     };
     close(base - 6.0 * (m.active_parameters - embed), rule);
-    // Without `layer_types`, Qwen3-Next's every 4th layer is full (`full_attention_interval`),
-    // as its model reads it.
-    let mut d = m.dims.clone();
-    d.layer_types = None;
-    d.windows = None;
-    d.full_attention_interval = Some(2);
+    // Without `layer_types`, Qwen3-Next's every `full_attention_interval`-th layer is full,
+    // as its model reads the config.
+    let text = std::fs::read_to_string(assets("tiny-qwen3.5/model/config.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json.as_object_mut().unwrap().remove("layer_types");
+    json["full_attention_interval"] = 2.into();
+    let m = ModelShapes::of_json(&json.to_string(), "no layer_types").unwrap();
+    let d = &m.dims;
     assert_eq!(d.linear_attention_layers(), d.num_hidden_layers / 2);
     close(
         d.attended_length(seq),
