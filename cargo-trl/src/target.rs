@@ -115,29 +115,44 @@ pub fn resolve(name: Option<&str>) -> Result<Target, String> {
     }
 }
 
-/// Builds a cargo target and returns its executable.
+/// Builds a cargo target and returns its executable: the path cargo's own build messages
+/// give for it (`--message-format=json-render-diagnostics`: warnings and errors still print
+/// as cargo prints them, on stderr).
 pub fn build(target: &Target, release: bool) -> Result<PathBuf, String> {
+    use cargo_metadata::Message;
+    use std::io::BufReader;
+    use std::process::Stdio;
     match target {
         Target::Path(p) => Ok(p.clone()),
         Target::Cargo { name, example, .. } => {
             let cmd = target.build_command(release).unwrap();
-            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
                 .args(&cmd[1..])
-                .status()
+                .arg("--message-format=json-render-diagnostics")
+                .stdout(Stdio::piped())
+                .spawn()
                 .map_err(|e| format!("cannot run cargo: {e}"))?;
+            let mut executable = None;
+            let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+            for message in Message::parse_stream(stdout) {
+                let message = message.map_err(|e| format!("cannot read cargo's output: {e}"))?;
+                if let Message::CompilerArtifact(artifact) = message {
+                    let ours = artifact.target.name == *name
+                        && match example {
+                            true => artifact.target.is_example(),
+                            false => artifact.target.is_bin(),
+                        };
+                    if let (true, Some(exe)) = (ours, artifact.executable) {
+                        executable = Some(exe.into_std_path_buf());
+                    }
+                }
+            }
+            let status = child.wait().map_err(|e| format!("cannot run cargo: {e}"))?;
             if !status.success() {
                 return Err(format!("`{}` failed ({status})", cmd.join(" ")));
             }
-            let meta = metadata()?;
-            let mut dir = meta.target_directory.into_std_path_buf().join(if release {
-                "release"
-            } else {
-                "debug"
-            });
-            if *example {
-                dir = dir.join("examples");
-            }
-            Ok(dir.join(name))
+            executable
+                .ok_or_else(|| format!("`{}` built no executable named {name}", cmd.join(" ")))
         }
     }
 }

@@ -1,8 +1,9 @@
-//! Packing, collation and the distributed sampler: property tests over random datasets, and
-//! the fill rates of bfd against unpacked batches on a skewed length distribution.
+//! Packing, collation and the distributed sampler: properties checked over seeded random
+//! datasets, and the fill rates of bfd against unpacked batches on a skewed length distribution.
 
 use candle_core::Device;
-use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use trl_runtime::data::pack::fill_rate;
 use trl_runtime::data::{
@@ -28,9 +29,29 @@ fn token_counts(rows: &[PackedSequence]) -> HashMap<u32, usize> {
     m
 }
 
-proptest! {
-    #[test]
-    fn bfd_keeps_every_token_of_sequences_that_fit(lengths in prop::collection::vec(0usize..80, 0..60), max_length in 1usize..64) {
+/// `CASES` random cases from a fixed seed (a failure names its case, which reruns alone
+/// with the same draw).
+const CASES: u64 = 256;
+
+fn cases(test: u64, mut check: impl FnMut(&mut StdRng)) {
+    for case in 0..CASES {
+        let mut rng = StdRng::seed_from_u64(test * 1_000_003 + case);
+        check(&mut rng);
+    }
+}
+
+/// Up to `most` lengths each below `below`.
+fn lengths(rng: &mut StdRng, below: usize, most: usize) -> Vec<usize> {
+    let n = rng.random_range(0..most);
+    (0..n).map(|_| rng.random_range(0..below)).collect()
+}
+
+#[test]
+fn bfd_keeps_every_token_of_sequences_that_fit() {
+    cases(1, |rng| {
+        let lengths = lengths(rng, 80, 60);
+        let max_length = rng.random_range(1..64);
+        let case = format!("lengths {lengths:?}, max_length {max_length}");
         let data = dataset(&lengths);
         let rows = pack(&data, max_length, PackingStrategy::Bfd);
         let counts = token_counts(&rows);
@@ -39,66 +60,92 @@ proptest! {
             for k in 0..ex.len() {
                 let t = (e * 10_000 + k) as u32;
                 // The first max_length tokens survive exactly once; longer ones are truncated.
-                prop_assert_eq!(counts.get(&t).copied().unwrap_or(0), usize::from(k < kept));
+                let n = counts.get(&t).copied().unwrap_or(0);
+                assert_eq!(n, usize::from(k < kept), "{case}: token {t}");
             }
         }
         for r in &rows {
-            prop_assert!(r.len() <= max_length && !r.is_empty());
-            prop_assert_eq!(r.seq_lengths.iter().sum::<usize>(), r.len());
-            prop_assert_eq!(r.labels.len(), r.len());
+            assert!(r.len() <= max_length && !r.is_empty(), "{case}");
+            assert_eq!(r.seq_lengths.iter().sum::<usize>(), r.len(), "{case}");
+            assert_eq!(r.labels.len(), r.len(), "{case}");
             // Pieces are whole, contiguous runs of one example starting at its first token.
             let mut offset = 0;
             for &n in &r.seq_lengths {
                 let first = r.input_ids[offset];
-                prop_assert_eq!(first % 10_000, 0);
+                assert_eq!(first % 10_000, 0, "{case}");
                 for k in 0..n {
-                    prop_assert_eq!(r.input_ids[offset + k], first + k as u32);
+                    assert_eq!(r.input_ids[offset + k], first + k as u32, "{case}");
                 }
                 offset += n;
             }
         }
-    }
+    });
+}
 
-    #[test]
-    fn bfd_split_and_wrapped_keep_every_token(lengths in prop::collection::vec(0usize..200, 0..40), max_length in 1usize..64) {
+#[test]
+fn bfd_split_and_wrapped_keep_every_token() {
+    cases(2, |rng| {
+        let lengths = lengths(rng, 200, 40);
+        let max_length = rng.random_range(1..64);
+        let case = format!("lengths {lengths:?}, max_length {max_length}");
         let data = dataset(&lengths);
         for strategy in [PackingStrategy::BfdSplit, PackingStrategy::Wrapped] {
             let rows = pack(&data, max_length, strategy);
             let counts = token_counts(&rows);
             let total: usize = lengths.iter().sum();
-            prop_assert_eq!(counts.values().sum::<usize>(), total);
-            prop_assert!(counts.values().all(|&c| c == 1));
+            assert_eq!(counts.values().sum::<usize>(), total, "{case}");
+            assert!(counts.values().all(|&c| c == 1), "{case}");
             for r in &rows {
-                prop_assert!(r.len() <= max_length);
-                prop_assert_eq!(r.seq_lengths.iter().sum::<usize>(), r.len());
+                assert!(r.len() <= max_length, "{case}");
+                assert_eq!(r.seq_lengths.iter().sum::<usize>(), r.len(), "{case}");
             }
             if strategy == PackingStrategy::Wrapped && !rows.is_empty() {
                 // Every row but the last is full.
-                prop_assert!(rows[..rows.len() - 1].iter().all(|r| r.len() == max_length));
+                let full = rows[..rows.len() - 1].iter().all(|r| r.len() == max_length);
+                assert!(full, "{case}");
             }
         }
-    }
+    });
+}
 
-    #[test]
-    fn sampler_shards_are_disjoint_and_cover_the_data(len in 0usize..300, world in 1usize..9, seed in 0u64..1000, epoch in 0u64..5) {
+#[test]
+fn sampler_shards_are_disjoint_and_cover_the_data() {
+    cases(3, |rng| {
+        let len = rng.random_range(0..300);
+        let world = rng.random_range(1..9);
+        let seed = rng.random_range(0..1000);
+        let epoch = rng.random_range(0..5);
+        let case = format!("len {len}, world {world}, seed {seed}, epoch {epoch}");
+        let sampler = |rank, drop_last| DistributedSampler {
+            len,
+            world,
+            rank,
+            seed,
+            shuffle: true,
+            drop_last,
+        };
         let shards: Vec<Vec<usize>> = (0..world)
-            .map(|rank| DistributedSampler { len, world, rank, seed, shuffle: true, drop_last: true }.batches(epoch, 1).concat())
+            .map(|rank| sampler(rank, true).batches(epoch, 1).concat())
             .collect();
         let mut all: Vec<usize> = shards.concat();
         let n = all.len();
         all.sort();
         all.dedup();
-        prop_assert_eq!(all.len(), n, "disjoint");
-        prop_assert_eq!(n, len / world * world, "covers all but the ragged tail");
-        prop_assert!(shards.iter().all(|s| s.len() == len / world));
+        assert_eq!(all.len(), n, "{case}: disjoint");
+        assert_eq!(
+            n,
+            len / world * world,
+            "{case}: covers all but the ragged tail"
+        );
+        assert!(shards.iter().all(|s| s.len() == len / world), "{case}");
         // Without drop_last every example is read, the tail padded from the start.
         let mut all: Vec<usize> = (0..world)
-            .flat_map(|rank| DistributedSampler { len, world, rank, seed, shuffle: true, drop_last: false }.batches(epoch, 1).concat())
+            .flat_map(|rank| sampler(rank, false).batches(epoch, 1).concat())
             .collect();
         all.sort();
         all.dedup();
-        prop_assert_eq!(all.len(), len);
-    }
+        assert_eq!(all.len(), len, "{case}");
+    });
 }
 
 #[test]

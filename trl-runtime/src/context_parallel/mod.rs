@@ -10,9 +10,11 @@
 //! A model takes part by computing attention with [`attention`] and its loss against
 //! `batch.targets()` (not shifting `labels` itself).
 //!
-//! The strategies themselves live here too: [`ring`] attention (cp), [`ulysses`] (sp), and
-//! [`split`], which picks one for a forward and cuts the batch for it.
+//! The strategies themselves live here too: [`ring`] attention (cp), [`ulysses`] (sp),
+//! [`linear`] (cp for linear attention: the state scanned over the ranks), and [`split`],
+//! which picks one for a forward and cuts the batch for it.
 
+pub mod linear;
 pub mod ring;
 pub mod split;
 pub mod ulysses;

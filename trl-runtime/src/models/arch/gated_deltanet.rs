@@ -24,17 +24,20 @@
 //! prompt runs in chunks, each new token one step of the rule.
 //!
 //! Under tensor parallelism the layer is whole on every rank (its inputs are, between
-//! layers): the projections are replicated rather than split by heads. Under context
-//! parallelism (ring attention) and Ulysses, where each rank holds a part of every row, the
-//! rule splits by heads instead of by tokens: each rank projects its tokens, an all-to-all
-//! gives it the whole rows of its share of the key heads (ring attention's head-tail chunks
-//! put back in order), it runs the convolution and the rule over them as one process does,
-//! and a second all-to-all returns it its tokens of every head. No state crosses ranks, so
-//! nothing waits on a scan; the key heads must divide by the cp or sp size.
+//! layers): the projections are replicated rather than split by heads. Where each rank holds
+//! a part of every row:
+//! - context parallelism (ring attention's two head-tail chunks per rank) splits the rows:
+//!   each chunk's rule starts from the state the row reaches before it, a scan of the chunks'
+//!   maps over the cp group, and its convolution reads the tokens before it
+//!   (`context_parallel::linear`); nothing grows with the sequence on the wire;
+//! - Ulysses splits by heads, as its attention does: an all-to-all gives each rank the whole
+//!   rows of its share of the key heads, it runs the convolution and the rule over them as
+//!   one process does, and a second all-to-all returns it its tokens of every head; the key
+//!   heads must divide by the sp size.
 
 use super::blocks::lin;
 use crate::comm::autograd::all_to_all;
-use crate::context_parallel::SeqSplit;
+use crate::context_parallel::{linear, SeqSplit};
 use crate::error::Result;
 use crate::models::causal::LayerInputs;
 use crate::nn::gated_delta::{l2_normalize, rule, DeltaInputs};
@@ -151,16 +154,16 @@ impl GatedDeltaNet {
                         .into(),
                 ))
             }
+            Some(split) if split.ring => self.mix_scan(parts, split, cx)?,
             Some(split) => self.mix_split(parts, split, cx)?,
         };
         Ok(self.out_proj.forward(&y)?)
     }
 
-    /// Under context parallelism or Ulysses: an all-to-all gives each rank the whole rows of
-    /// its share of the key heads (and the value heads they serve), which run the
-    /// convolution and the rule over the whole sequence as one process does; a second
-    /// all-to-all returns each rank its tokens of every head. Ring attention's head-tail
-    /// chunks are put in sequence order in between. Returns [b, t, value heads x dv].
+    /// Under Ulysses: an all-to-all gives each rank the whole rows of its share of the key
+    /// heads (and the value heads they serve), which run the convolution and the rule over
+    /// the whole sequence as one process does; a second all-to-all returns each rank its
+    /// tokens of every head. Returns [b, t, value heads x dv].
     fn mix_split(&self, p: Projected, split: &SeqSplit, cx: &LayerInputs) -> Result<Tensor> {
         let s = self.shape;
         let (b, t, _) = p.q.dims3()?;
@@ -169,30 +172,15 @@ impl GatedDeltaNet {
         let group = &split.group;
         let size = group.size();
         if !nk.is_multiple_of(size) {
-            let axis = if split.ring { "cp" } else { "sp" };
             return Err(crate::Error::Parallelism(format!(
                 "Gated DeltaNet (linear_attention) layers split their key heads over the \
-                 {axis} ranks: {nk} linear_num_key_heads do not divide by {axis} = {size}; \
-                 choose an {axis} size that divides them"
+                 sp ranks (Ulysses): {nk} linear_num_key_heads do not divide by sp = {size}; \
+                 choose an sp size that divides them, or context parallelism (cp), which \
+                 splits the rows instead"
             )));
         }
         let local = nk / size;
         let whole = t * size;
-        // Where each gathered token sits in the row (ring attention's head-tail chunks are
-        // not in order), and the inverse: which gathered token is the row's i-th.
-        let gathered: Vec<u32> = split.row_order(t)?.into_iter().map(|i| i as u32).collect();
-        let in_order = split.gathered_at(t)?;
-        let dev = p.q.device();
-        let (gathered, in_order) = (
-            Tensor::new(gathered.as_slice(), dev)?,
-            Tensor::new(in_order.as_slice(), dev)?,
-        );
-        let reorder = |x: Tensor, index: &Tensor| -> Result<Tensor> {
-            match split.ring {
-                true => Ok(x.index_select(index, 1)?),
-                false => Ok(x),
-            }
-        };
         // In the configured dtype over the wire, as Ulysses' attention sends it.
         let exchange = |x: &Tensor, from: usize, to: usize| -> Result<Tensor> {
             let wire = match split.comm_dtype {
@@ -214,7 +202,7 @@ impl GatedDeltaNet {
             ],
             3,
         )?;
-        let mine = reorder(exchange(&packed, 2, 1)?, &in_order)?;
+        let mine = exchange(&packed, 2, 1)?;
         let part = |from: usize, len: usize| mine.narrow(3, from, len);
         let z_at = 2 * dk + per * dv;
         let parts = Projected {
@@ -227,7 +215,7 @@ impl GatedDeltaNet {
         };
         // The whole rows' documents (every rank's positions, gathered once per forward).
         let y = self.mix(parts, group.rank() * local, &cx.document_starts()?, None)?;
-        let y = reorder(y.reshape((b, whole, local, per * dv))?, &gathered)?;
+        let y = y.reshape((b, whole, local, per * dv))?;
         Ok(exchange(&y.contiguous()?, 1, 2)?.reshape((b, t, nv * dv))?)
     }
 
@@ -242,42 +230,14 @@ impl GatedDeltaNet {
         cx: Option<&LayerInputs>,
     ) -> Result<Tensor> {
         let s = self.shape;
-        let (b, t, _) = p.q.dims3()?;
-        let (dk, dv) = (s.key_dim, s.value_dim);
-        let per = s.value_heads / s.key_heads;
-        let (nk, nv) = (p.q.dim(2)? / dk, p.v.dim(2)? / dv);
-        let Projected {
-            q,
-            k,
-            v,
-            z,
-            beta_logit,
-            a,
-        } = p;
-        let mixed = Tensor::cat(&[&q, &k, &v], 2)?;
+        let mixed = Tensor::cat(&[&p.q, &p.k, &p.v], 2)?;
         // Generating: this layer's slot of the cache holds the convolution's last inputs and
         // the rule's state after the tokens so far (None before the prompt).
         let held = cx.and_then(|cx| cx.kv_cache()).map(|mut cache| {
             let (slot, state) = cache.state();
             (slot, state, cache.starts().to_vec())
         });
-        // This rank's channels of the convolution, decays of its value heads.
-        let conv = self.conv1d.value()?;
-        let conv = match nk == s.key_heads {
-            true => conv,
-            false => {
-                let keys = s.key_heads * s.key_dim;
-                Tensor::cat(
-                    &[
-                        conv.narrow(0, first * dk, nk * dk)?,
-                        conv.narrow(0, keys + first * dk, nk * dk)?,
-                        conv.narrow(0, 2 * keys + first * per * dv, nv * dv)?,
-                    ],
-                    0,
-                )?
-            }
-        };
-        let heads_of = |w: Tensor| w.narrow(0, first * per, nv);
+        let conv = self.conv_weight(first, p.q.dim(2)? / s.key_dim)?;
         let (mixed, conv_state) = match &held {
             None => (conv_silu(&mixed, &conv, starts)?, None),
             Some((_, prev, rows)) => {
@@ -285,6 +245,87 @@ impl GatedDeltaNet {
                 (out, Some(kept))
             }
         };
+        let x = self.rule_inputs(&mixed, &p.beta_logit, &p.a, first)?;
+        let initial = held
+            .as_ref()
+            .and_then(|(_, prev, _)| prev.as_ref().map(|p| &p.1));
+        // A decoded token is one step of the rule, as transformers' cached decode.
+        let (out, last) = rule(&x.with(starts), initial, s.chunk)?;
+        if let (Some((slot, _, _)), Some(conv_state), Some(cx)) = (&held, conv_state, cx) {
+            if let Some(mut cache) = cx.kv_cache() {
+                cache.keep_state(*slot, (conv_state, last))?;
+            }
+        }
+        self.gated_norm(&out, &p.z)
+    }
+
+    /// Under context parallelism (ring attention's split): each rank's two chunks of every row
+    /// as rows of their own, the convolution led by the tokens before each chunk, and the rule
+    /// from the state the row reaches before it (`context_parallel::linear`: a scan of the
+    /// chunks' maps over the cp group). Returns [b, t, value heads x dv] for this rank's
+    /// tokens.
+    fn mix_scan(&self, p: Projected, split: &SeqSplit, cx: &LayerInputs) -> Result<Tensor> {
+        let s = self.shape;
+        let (b, t, _) = p.q.dims3()?;
+        let m = t / 2;
+        let whole = cx.document_starts()?;
+        let mixed = Tensor::cat(&[&p.q, &p.k, &p.v], 2)?;
+        let width = s.conv_kernel - 1;
+        let (led, led_starts) = linear::with_halo(&mixed, split, width, &whole)?;
+        let conv = self.conv_weight(0, s.key_heads)?;
+        let mixed = conv_silu(&led, &conv, &led_starts)?.narrow(1, width, m)?;
+        // [b, 2m, ...] -> [2b, m, ...]: each chunk a row.
+        let rows = |x: &Tensor| -> Result<Tensor> {
+            let mut shape = x.dims().to_vec();
+            shape[0] = 2 * b;
+            shape[1] = m;
+            Ok(x.reshape(shape.as_slice())?)
+        };
+        let x = self.rule_inputs(&mixed, &rows(&p.beta_logit)?, &rows(&p.a)?, 0)?;
+        let starts = linear::chunk_starts(split, &whole, m)?;
+        let out = linear::scan_rule(&x.with(&starts), split, s.chunk)?;
+        let y = self.gated_norm(&out, &rows(&p.z)?)?;
+        Ok(y.reshape((b, t, s.value_heads * s.value_dim))?)
+    }
+
+    /// The convolution's weight for `nk` key heads from `first` on: their queries' and keys'
+    /// channels, and the values' of the value heads they serve.
+    fn conv_weight(&self, first: usize, nk: usize) -> Result<Tensor> {
+        let s = self.shape;
+        let conv = self.conv1d.value()?;
+        if nk == s.key_heads {
+            return Ok(conv);
+        }
+        let (dk, dv) = (s.key_dim, s.value_dim);
+        let per = s.value_heads / s.key_heads;
+        let keys = s.key_heads * dk;
+        Ok(Tensor::cat(
+            &[
+                conv.narrow(0, first * dk, nk * dk)?,
+                conv.narrow(0, keys + first * dk, nk * dk)?,
+                conv.narrow(0, 2 * keys + first * per * dv, nk * per * dv)?,
+            ],
+            0,
+        )?)
+    }
+
+    /// The rule's inputs from the convolution's activated output `mixed` [b, t, channels of
+    /// some key heads from `first` on] and the strengths' and decays' logits [b, t, value
+    /// heads]: queries and keys L2-normalised (queries scaled by 1/sqrt(dk)), each key head's
+    /// spread over the value heads it serves, all in f32 or wider, heads before tokens.
+    fn rule_inputs(
+        &self,
+        mixed: &Tensor,
+        beta_logit: &Tensor,
+        a: &Tensor,
+        first: usize,
+    ) -> Result<RuleInputs> {
+        let s = self.shape;
+        let (b, t, _) = mixed.dims3()?;
+        let (dk, dv) = (s.key_dim, s.value_dim);
+        let per = s.value_heads / s.key_heads;
+        let nv = beta_logit.dim(2)?;
+        let nk = nv / per;
         let keys = nk * dk;
         // [b, t, heads, d] -> [b, heads, t, d]; each key head serves `per` value heads.
         let heads = |x: Tensor, n: usize, d: usize| -> Result<Tensor> {
@@ -300,14 +341,14 @@ impl GatedDeltaNet {
                 }
             }
         };
-        let dtype = q.dtype();
-        let wide = crate::kernels::precision::wide(dtype);
+        let wide = crate::kernels::precision::wide(mixed.dtype());
         let q = heads(mixed.narrow(2, 0, keys)?, nk, dk)?.to_dtype(wide)?;
         let k = heads(mixed.narrow(2, keys, keys)?, nk, dk)?.to_dtype(wide)?;
         let v = heads(mixed.narrow(2, 2 * keys, nv * dv)?, nv, dv)?.to_dtype(wide)?;
         let q = spread((l2_normalize(&q, 1e-6)? / (dk as f64).sqrt())?)?;
         let k = spread(l2_normalize(&k, 1e-6)?)?;
         // Strengths and log decays in f32, as transformers computes them.
+        let heads_of = |w: Tensor| w.narrow(0, first * per, nv);
         let beta = candle_nn::ops::sigmoid(&beta_logit.to_dtype(wide)?)?;
         let a = a.to_dtype(wide)?;
         let dt_bias = heads_of(self.dt_bias.value()?)?.to_dtype(wide)?;
@@ -315,35 +356,47 @@ impl GatedDeltaNet {
         let g = softplus(&a.broadcast_add(&dt_bias)?)?
             .broadcast_mul(&rate)?
             .neg()?;
-        let (g, beta) = (
-            g.transpose(1, 2)?.contiguous()?,
-            beta.transpose(1, 2)?.contiguous()?,
-        );
-        let x = DeltaInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            g: &g,
-            beta: &beta,
-            starts,
-        };
-        let initial = held
-            .as_ref()
-            .and_then(|(_, prev, _)| prev.as_ref().map(|p| &p.1));
-        // A decoded token is one step of the rule, as transformers' cached decode.
-        let (out, last) = rule(&x, initial, s.chunk)?;
-        if let (Some((slot, _, _)), Some(conv_state), Some(cx)) = (&held, conv_state, cx) {
-            if let Some(mut cache) = cx.kv_cache() {
-                cache.keep_state(*slot, (conv_state, last))?;
-            }
-        }
+        Ok(RuleInputs {
+            q,
+            k,
+            v,
+            g: g.transpose(1, 2)?.contiguous()?,
+            beta: beta.transpose(1, 2)?.contiguous()?,
+        })
+    }
+
+    /// Per value head an RMSNorm of the rule's output `out` [b, heads, t, dv], times SiLU of
+    /// the gate `z` [b, t, heads, dv]: normalised in f32, scaled by its weight in the gate's
+    /// dtype (two fused passes each way). Returns [b, t, heads x dv] in `z`'s dtype.
+    fn gated_norm(&self, out: &Tensor, z: &Tensor) -> Result<Tensor> {
+        let (b, t, nv, dv) = z.dims4()?;
+        let (dtype, wide) = (z.dtype(), crate::kernels::precision::wide(z.dtype()));
         let out = out.transpose(1, 2)?.to_dtype(dtype)?;
-        // The gated norm: normalised in f32, scaled by its weight in the input's dtype, times
-        // SiLU of the gate in f32 (two fused passes each way).
-        let normed = crate::kernels::fused::rms_norm(&out, &self.norm.value()?, s.eps)?;
+        let normed = crate::kernels::fused::rms_norm(&out, &self.norm.value()?, self.shape.eps)?;
         let gated = crate::kernels::fused::swiglu(&z.to_dtype(wide)?, &normed.to_dtype(wide)?)?;
-        let y = gated.to_dtype(dtype)?;
-        Ok(y.reshape((b, t, nv * dv))?)
+        Ok(gated.to_dtype(dtype)?.reshape((b, t, nv * dv))?)
+    }
+}
+
+/// The rule's inputs of [`GatedDeltaNet::rule_inputs`], owned.
+struct RuleInputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+}
+
+impl RuleInputs {
+    fn with<'a>(&'a self, starts: &'a [Vec<bool>]) -> DeltaInputs<'a> {
+        DeltaInputs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+            starts,
+        }
     }
 }
 
