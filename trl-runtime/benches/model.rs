@@ -8,8 +8,10 @@
 //! of 32 features, then one gated full-attention layer), each next to a plain 1024^3 f32
 //! Candle matmul on
 //! one thread measured in the same run (5 rounds of a step next to 3 matmuls; the median
-//! round's ratio). One JSON object per line on stdout; prose on stderr. `TRL_BENCH_ONLY=hybrid`
-//! runs the lines whose name holds it.
+//! round's ratio). Then a Gated DeltaNet layer split over two ranks (context parallelism's
+//! state scan, Ulysses' head split) against one process (`split_gated_deltanet`). One JSON
+//! object per line on stdout; prose on stderr. `TRL_BENCH_ONLY=hybrid` runs the lines whose
+//! name holds it.
 //!
 //! FLOPs count the matmuls as computed: 2 per multiply-add for every projection, the LM head,
 //! and the full (masked, not skipped) attention score and value products; backward = 2 x forward.
@@ -232,6 +234,138 @@ fn main() {
     let flops = 3.0 * hybrid_flops_per_token(SEQ) * (BATCH * SEQ) as f64;
     eprintln!("model bench: the Qwen3.5 shape (three Gated DeltaNet layers, one full attention)");
     measure("fwd_bwd_hybrid", &hybrid, flops);
+    split_gated_deltanet();
+}
+
+/// A Gated DeltaNet layer's forward+backward (hidden 512; 4 key heads and 8 value heads of
+/// 128 features, Qwen3.5's head size; convolution of 4; one packed row of 4096 tokens, two
+/// documents), one process against two ranks in threads of this process, each with one
+/// compute thread: context parallelism (`cp2`: ring attention's two head-tail chunks per rank,
+/// the layer split by heads; `cp2_scan`: by tokens, the rule's state scanned over the ranks)
+/// and Ulysses (`sp2`: the rows of half the heads per rank, two all-to-alls). The median of 3 rounds each; the ratio is one process's time over
+/// a rank's (2 would be a perfect split of the work).
+fn split_gated_deltanet() {
+    use trl_runtime::comm::InProcessWorld;
+    use trl_runtime::config::parallelism::ParallelDims;
+    use trl_runtime::context_parallel::SeqSplit;
+    use trl_runtime::data::sequence::split_columns;
+    use trl_runtime::dist::{DeviceMesh, DistContext};
+    use trl_runtime::models::gated_deltanet::{DeltaNetShape, GatedDeltaNet, Projections};
+    use trl_runtime::models::LayerInputs;
+    use trl_runtime::nn::AttentionImpl;
+    if std::env::var("TRL_BENCH_ONLY").is_ok_and(|only| !"split_gated_deltanet".contains(&only)) {
+        return;
+    }
+    let (hidden, nk, nv, d, seq) = (512, 4, 8, 128, 4096);
+    let dev = Device::Cpu;
+    let channels = 2 * nk * d + nv * d;
+    // Trainable weights (the backward computes their gradients, as training does).
+    let weight = |shape: &[usize], scale: f64| {
+        let t = (Tensor::randn(0f32, 1.0, shape, &dev).unwrap() * scale).unwrap();
+        candle_core::Var::from_tensor(&t)
+            .unwrap()
+            .as_tensor()
+            .clone()
+    };
+    let tensors: std::collections::HashMap<String, Tensor> = [
+        ("in_proj_qkv.weight", weight(&[channels, hidden], 0.04)),
+        ("in_proj_z.weight", weight(&[nv * d, hidden], 0.04)),
+        ("in_proj_b.weight", weight(&[nv, hidden], 0.04)),
+        ("in_proj_a.weight", weight(&[nv, hidden], 0.04)),
+        ("conv1d.weight", weight(&[channels, 1, 4], 0.5)),
+        ("dt_bias", weight(&[nv], 0.3)),
+        ("A_log", weight(&[nv], 0.5)),
+        ("norm.weight", (weight(&[d], 0.1) + 1.0).unwrap()),
+        ("out_proj.weight", weight(&[hidden, nv * d], 0.03)),
+    ]
+    .into_iter()
+    .map(|(n, t)| (n.to_string(), t))
+    .collect();
+    let vb = candle_nn::VarBuilder::from_tensors(tensors, DType::F32, &dev);
+    let shape = DeltaNetShape {
+        hidden,
+        key_heads: nk,
+        value_heads: nv,
+        key_dim: d,
+        value_dim: d,
+        conv_kernel: 4,
+        eps: 1e-6,
+        chunk: 64,
+        projections: Projections::Apart,
+    };
+    let layer = GatedDeltaNet::new(shape, vb).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (1, seq, hidden), &dev).unwrap();
+    let pos: Vec<i64> = (0..seq as i64 / 4).chain(0..3 * seq as i64 / 4).collect();
+    let pos = Tensor::from_vec(pos, (1, seq), &dev).unwrap();
+    let one_thread = || {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap()
+    };
+    // One forward+backward of `layer` on `x` at `pos`, split as `split` says.
+    let step = |x: &Tensor, pos: &Tensor, split: Option<&SeqSplit>| {
+        let cx = LayerInputs::new(pos, split, AttentionImpl::Eager, DType::F32, &dev).unwrap();
+        let x = candle_core::Var::from_tensor(x).unwrap();
+        let y = layer.forward(x.as_tensor(), &cx).unwrap();
+        std::hint::black_box(y.sqr().unwrap().sum_all().unwrap().backward().unwrap());
+    };
+    let pool = one_thread();
+    let one = pool.install(|| {
+        step(&x, &pos, None);
+        median_secs(3, || step(&x, &pos, None))
+    });
+    let mut line = format!(
+        "{{\"bench\":\"model\",\"what\":\"split_gated_deltanet\",\"tokens\":{seq},\"one_process_s\":{one:.4}"
+    );
+    for (name, cp, sp) in [("cp2", 2, 1), ("cp2_scan", 2, 1), ("sp2", 1, 2)] {
+        // Context parallelism splits this layer by heads (they divide by 2) unless told to
+        // scan the state over the ranks.
+        match name {
+            "cp2_scan" => std::env::set_var("TRL_LINEAR_CP", "scan"),
+            _ => std::env::remove_var("TRL_LINEAR_CP"),
+        }
+        let world = InProcessWorld::new(2);
+        let dims = ParallelDims {
+            dp_replicate: 1,
+            dp_shard: 1,
+            cp,
+            sp,
+            tp: 1,
+        };
+        // Each rank's median round; a round ends when both ranks' have (they wait on each
+        // other's collectives), so the slower rank's is the split's time.
+        let ranks: Vec<f64> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (world, step, x, pos) = (&world, &step, &x, &pos);
+                    s.spawn(move || {
+                        let mesh = DeviceMesh::new(dims, 2).unwrap();
+                        let ctx = DistContext::in_process(world, rank, mesh).unwrap();
+                        let split = SeqSplit::from_context(&ctx).unwrap().unwrap();
+                        let mine = split_columns(seq, rank, 2, split.ring).unwrap();
+                        let mine: Vec<u32> = mine.iter().map(|&i| i as u32).collect();
+                        let mine = Tensor::new(mine.as_slice(), &Device::Cpu).unwrap();
+                        let (x, pos) = (
+                            x.index_select(&mine, 1).unwrap(),
+                            pos.index_select(&mine, 1).unwrap(),
+                        );
+                        one_thread().install(|| {
+                            step(&x, &pos, Some(&split));
+                            median_secs(3, || step(&x, &pos, Some(&split)))
+                        })
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let rank = ranks.iter().copied().fold(0.0, f64::max);
+        line += &format!(
+            ",\"{name}_rank_s\":{rank:.4},\"{name}_ratio\":{:.3}",
+            one / rank
+        );
+    }
+    println!("{line}}}");
 }
 
 /// Prints the median round of `model`'s forward+backward against the matmul rate.

@@ -305,10 +305,11 @@ fn random_layer(
 /// split by key heads). Each rank's outputs for its tokens, and the gradients of a loss over
 /// every rank's outputs with respect to its inputs, equal one process's, on packed rows whose
 /// documents start inside another rank's part and on a chunk's first token: in f64 within
-/// 1e-10 (the split is exact); in f32 the outputs within 1e-5 and the gradients as close to
-/// f64's as one process's f32 gradients are (this random layer's gradients, up to 65, lose
-/// 2.5e-3 to f32 rounding in one process already). Ulysses refuses key heads that do not
-/// divide by the group, naming both; the ring takes them.
+/// 1e-10 (the split is exact); in f32 the outputs within 1e-5 and the gradients within twice
+/// the furthest one process's f32 gradients are from f64's (this random layer's gradients, up
+/// to 65, lose 2.5e-3 to f32 rounding in one process already). Where the key heads divide by
+/// cp the ring splits by heads (2 key heads at cp 2), elsewhere it scans the state (cp 4, and
+/// 1 key head); Ulysses refuses key heads that do not divide by the group, naming both.
 #[test]
 fn the_layer_split_over_ranks_equals_one_process() {
     use trl_runtime::context_parallel::SeqSplit;
@@ -387,7 +388,8 @@ fn the_layer_split_over_ranks_equals_one_process() {
                     let (out, grad) = got.unwrap();
                     let diff = max_abs_diff(&out, &part(&exact));
                     let grad_diff = max_abs_diff(&grad, &part(&exact_grad));
-                    let one_diff = max_abs_diff(&part(&one_grad), &part(&exact_grad));
+                    // f32 rounding: as far as one process's is anywhere in the rows.
+                    let one_diff = max_abs_diff(&one_grad, &exact_grad);
                     eprintln!(
                         "{how}: outputs {diff:e} from f64's, input gradients {grad_diff:e} \
                          (one process {one_diff:e})"

@@ -6,22 +6,26 @@
 //! r and 2n - 1 - r of 2n). A chunk's rule is affine in the state it starts from, column by
 //! column: S_out = A S_in + B, A [dk, dk] the chunk's product of decays and corrections
 //! (zero from a document start on), B [dk, dv] what the chunk writes from a zero state. So:
-//! 1. each rank runs the rule over its chunks from the state [0 | I] with values [v | 0]: one
-//!    call gives B and A as its final state;
+//! 1. each rank runs the rule over its chunks once, from the state [0 | I] with values
+//!    [v | 0]: its final state is [B | A], and each token's output [o_t | A_t^T q_t], what
+//!    the token reads of its chunk's own writes and how it reads the state the chunk starts
+//!    from (A_t: the map up to t);
 //! 2. an all-gather of every chunk's (A, B) (h x dk x (dk + dv) per row and chunk: nothing
 //!    grows with the sequence);
-//! 3. every rank scans the maps in row order for the states its chunks start from (2n small
-//!    products);
-//! 4. each rank runs the rule over its chunks from those states.
+//! 3. every rank scans the maps in row order for the states S its chunks start from (2n
+//!    small products);
+//! 4. each token's output is o_t + (A_t^T q_t)^T S, one product per chunk.
 //!
 //! No rank waits for another's chunk, and all is autograd (the all-gather's adjoint is a
 //! reduce-scatter), so the backward carries each chunk's state gradient to the chunks before.
-//! The rule runs twice, the first time over dv + dk columns: about three times its work of
-//! one process, spread over the ranks; the projections, the convolution and the gated norm
-//! stay per token. The convolution's first `kernel - 1` taps of a chunk read the chunk before
-//! ([`with_halo`]).
+//! The rule runs once over dv + dk columns: twice one process's work per token when dk = dv,
+//! which the ranks share (each does 2/n of it); the projections, the convolution and the
+//! gated norm stay per token. The convolution's first `kernel - 1` taps of a chunk read the
+//! chunk before ([`with_halo`]).
 //!
-//! Ulysses (sp) keeps the other split (`models::gated_deltanet`): whole rows of some heads.
+//! Splitting by heads does 1/n of the rule per rank instead, between two all-to-alls of every
+//! token's projections (`models::gated_deltanet`): the layers take it where the key heads
+//! divide by the cp size and this scan where they do not (and under `TRL_LINEAR_CP=scan`).
 
 use crate::comm::autograd::all_gather;
 use crate::context_parallel::SeqSplit;
@@ -130,15 +134,17 @@ pub fn scan_rule(x: &DeltaInputs, split: &SeqSplit, chunk: usize) -> Result<Tens
     let dv = x.v.dim(3)?;
     let b = rows / 2;
     let (dtype, dev) = (x.v.dtype(), x.v.device());
-    // 1. Each chunk's map: from [0 | I] with values [v | 0], the final state is [B | A].
+    // 1. One run over [v | 0] from [0 | I]: each token's output [o | A_t^T q] (what it reads
+    //    of its chunk's own writes, and how it reads the state the chunk starts from), and
+    //    the final state [B | A], the chunk's map.
     let values = Tensor::cat(&[x.v, &Tensor::zeros((rows, h, m, dk), dtype, dev)?], 3)?;
     let identity = Tensor::eye(dk, dtype, dev)?.broadcast_as((rows, h, dk, dk))?;
     let from = Tensor::cat(
         &[&Tensor::zeros((rows, h, dk, dv), dtype, dev)?, &identity],
         3,
     )?;
-    let maps = DeltaInputs { v: &values, ..*x };
-    let (_, maps) = rule(&maps, Some(&from), chunk)?;
+    let run = DeltaInputs { v: &values, ..*x };
+    let (out, maps) = rule(&run, Some(&from), chunk)?;
     // 2. Every chunk's, rank by rank: [b, 2 x ranks, h, dk, dv + dk].
     let maps = maps.reshape((b, 2, h, dk, dv + dk))?;
     let maps = all_gather(&maps.contiguous()?, &split.group, 1)?;
@@ -165,7 +171,18 @@ pub fn scan_rule(x: &DeltaInputs, split: &SeqSplit, chunk: usize) -> Result<Tens
         )));
     };
     let initial = Tensor::stack(&[first, second], 1)?.reshape((rows, h, dk, dv))?;
-    // 4. The chunks from their states.
-    let (out, _) = rule(x, Some(&initial.to_dtype(dtype)?), chunk)?;
+    // 4. Each token's output from its chunk's starting state S: o + (A_t^T q)^T S.
+    let (own, reach) = (out.narrow(3, 0, dv)?, out.narrow(3, dv, dk)?.contiguous()?);
+    let out = (own + reach.matmul(&initial)?)?;
     Ok(out)
+}
+
+/// Whether a Gated DeltaNet layer of `key_heads` runs this scan under `split` (ring
+/// attention's): where its key heads do not divide by the cp size (splitting by heads needs
+/// them to), or where `TRL_LINEAR_CP=scan` asks for it. Otherwise splitting by heads does
+/// less of the rule per rank (1/n against 2/n).
+pub fn scans(key_heads: usize, split: &SeqSplit) -> bool {
+    // Read at each forward (a layer's work dwarfs it), so that a bench compares both.
+    let forced = std::env::var("TRL_LINEAR_CP").is_ok_and(|v| v == "scan");
+    split.ring && (forced || !key_heads.is_multiple_of(split.group.size()))
 }

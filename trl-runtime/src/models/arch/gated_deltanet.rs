@@ -26,14 +26,17 @@
 //! Under tensor parallelism the layer is whole on every rank (its inputs are, between
 //! layers): the projections are replicated rather than split by heads. Where each rank holds
 //! a part of every row:
-//! - context parallelism (ring attention's two head-tail chunks per rank) splits the rows:
-//!   each chunk's rule starts from the state the row reaches before it, a scan of the chunks'
-//!   maps over the cp group, and its convolution reads the tokens before it
-//!   (`context_parallel::linear`); nothing grows with the sequence on the wire;
-//! - Ulysses splits by heads, as its attention does: an all-to-all gives each rank the whole
-//!   rows of its share of the key heads, it runs the convolution and the rule over them as
-//!   one process does, and a second all-to-all returns it its tokens of every head; the key
-//!   heads must divide by the sp size.
+//! - by heads where the key heads divide by the group (Ulysses always, as its attention does;
+//!   context parallelism too): an all-to-all gives each rank the whole rows of its share of
+//!   the key heads (ring attention's head-tail chunks put back in order), it runs the
+//!   convolution and the rule over them as one process does, and a second all-to-all returns
+//!   it its tokens of every head: 1/n of the rule per rank;
+//! - by tokens under context parallelism where they do not divide (or `TRL_LINEAR_CP=scan`):
+//!   each rank's chunks start from the state the row reaches before them, a scan of the
+//!   chunks' maps over the cp group, and their convolution reads the tokens before them
+//!   (`context_parallel::linear`): 2/n of the rule per rank, nothing on the wire that grows
+//!   with the sequence. Measured on the CPU at Qwen3.5's head size (`bench model`'s
+//!   `split_gated_deltanet`), the head split is the faster at cp = 2.
 
 use super::blocks::lin;
 use crate::comm::autograd::all_to_all;
@@ -154,16 +157,19 @@ impl GatedDeltaNet {
                         .into(),
                 ))
             }
-            Some(split) if split.ring => self.mix_scan(parts, split, cx)?,
+            Some(split) if split.ring && linear::scans(self.shape.key_heads, split) => {
+                self.mix_scan(parts, split, cx)?
+            }
             Some(split) => self.mix_split(parts, split, cx)?,
         };
         Ok(self.out_proj.forward(&y)?)
     }
 
-    /// Under Ulysses: an all-to-all gives each rank the whole rows of its share of the key
-    /// heads (and the value heads they serve), which run the convolution and the rule over
-    /// the whole sequence as one process does; a second all-to-all returns each rank its
-    /// tokens of every head. Returns [b, t, value heads x dv].
+    /// Under context parallelism or Ulysses: an all-to-all gives each rank the whole rows of
+    /// its share of the key heads (and the value heads they serve), which run the
+    /// convolution and the rule over the whole sequence as one process does; a second
+    /// all-to-all returns each rank its tokens of every head. Ring attention's head-tail
+    /// chunks are put in sequence order in between. Returns [b, t, value heads x dv].
     fn mix_split(&self, p: Projected, split: &SeqSplit, cx: &LayerInputs) -> Result<Tensor> {
         let s = self.shape;
         let (b, t, _) = p.q.dims3()?;
@@ -181,6 +187,21 @@ impl GatedDeltaNet {
         }
         let local = nk / size;
         let whole = t * size;
+        // Where each gathered token sits in the row (ring attention's head-tail chunks are
+        // not in order), and the inverse: which gathered token is the row's i-th.
+        let gathered: Vec<u32> = split.row_order(t)?.into_iter().map(|i| i as u32).collect();
+        let in_order = split.gathered_at(t)?;
+        let dev = p.q.device();
+        let (gathered, in_order) = (
+            Tensor::new(gathered.as_slice(), dev)?,
+            Tensor::new(in_order.as_slice(), dev)?,
+        );
+        let reorder = |x: Tensor, index: &Tensor| -> Result<Tensor> {
+            match split.ring {
+                true => Ok(x.index_select(index, 1)?),
+                false => Ok(x),
+            }
+        };
         // In the configured dtype over the wire, as Ulysses' attention sends it.
         let exchange = |x: &Tensor, from: usize, to: usize| -> Result<Tensor> {
             let wire = match split.comm_dtype {
@@ -202,7 +223,7 @@ impl GatedDeltaNet {
             ],
             3,
         )?;
-        let mine = exchange(&packed, 2, 1)?;
+        let mine = reorder(exchange(&packed, 2, 1)?, &in_order)?;
         let part = |from: usize, len: usize| mine.narrow(3, from, len);
         let z_at = 2 * dk + per * dv;
         let parts = Projected {
@@ -215,7 +236,7 @@ impl GatedDeltaNet {
         };
         // The whole rows' documents (every rank's positions, gathered once per forward).
         let y = self.mix(parts, group.rank() * local, &cx.document_starts()?, None)?;
-        let y = y.reshape((b, whole, local, per * dv))?;
+        let y = reorder(y.reshape((b, whole, local, per * dv))?, &gathered)?;
         Ok(exchange(&y.contiguous()?, 1, 2)?.reshape((b, t, nv * dv))?)
     }
 
