@@ -9,9 +9,12 @@
 //! Per line: decode tokens/s (the new tokens past the first, over the time past the prefill),
 //! ours over transformers'; at batch 1 the bytes read per token (every weight once, the LM
 //! head included, plus the KV cache or recurrent state) over the time, as a fraction of this machine's memory
-//! bandwidth measured in the same run (a multi-threaded read of 1 GiB); and the prefill's
-//! FLOP/s (2 x parameters x tokens) over this machine's f32 matmul rate measured in the same
-//! run. One JSON object per line on stdout; prose on stderr.
+//! bandwidth measured in the same run (a multi-threaded read of 1 GiB); the decode rate that
+//! bandwidth allows at all (`bandwidth_ceiling_tokens_per_s`: a step's bytes at that rate) and
+//! its ratio to transformers' (`ceiling_over_transformers`: how far over transformers any
+//! decode can go on this machine); and the prefill's FLOP/s (2 x parameters x tokens) over
+//! this machine's f32 matmul rate measured in the same run. One JSON object per line on
+//! stdout; prose on stderr.
 //!
 //! Built with `--features cuda` and run with `TRL_BENCH_ONLY=cuda` on a machine with a GPU
 //! (`scripts/gpu-run generate`): the same in bf16 on the GPU, batch 1 and 32, a 128-token
@@ -380,14 +383,23 @@ fn main() {
             let decode = (batch * NEW) as f64 / (total - prefill);
             let bytes = step_bytes(&config, params, batch, (PROMPT, NEW), DType::F32);
             let prefill_flops = 2.0 * params as f64 * (batch * PROMPT) as f64 / prefill;
+            // The most a decode can reach here: each step's bytes read at the measured
+            // bandwidth (a step reads every weight once and the rows' caches).
+            let ceiling = batch as f64 * bandwidth / bytes;
             let mut line = serde_json::json!({
                 "bench": "generate", "shape": name, "batch": batch, "prompt": PROMPT,
                 "new": NEW, "decode_tokens_per_s": decode,
                 "bandwidth_fraction": bytes * (decode / batch as f64) / bandwidth,
+                "bandwidth_ceiling_tokens_per_s": ceiling,
                 "prefill_over_matmul_rate": prefill_flops / matmul,
             });
             if let Some(theirs) = peers.as_ref().map(|v| v[i]) {
                 with_peer(&mut line, (batch * NEW, decode, prefill), theirs);
+                // How far over transformers this machine's bandwidth lets any decode go.
+                let theirs = line["transformers_decode_tokens_per_s"]
+                    .as_f64()
+                    .unwrap_or(0.0);
+                line["ceiling_over_transformers"] = (ceiling / theirs).into();
             }
             println!("{line}");
         }
