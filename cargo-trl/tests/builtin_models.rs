@@ -28,6 +28,17 @@ const STEPS: usize = 5;
 /// average over micro-batches and ranks), not a sum over rows: with one row each, a rank's
 /// micro-batches are exactly some of one process's.
 fn launch(model: &Path, launch_args: &[&str], rows: usize, out: &Path) -> String {
+    launch_with_env(model, launch_args, rows, out, &[])
+}
+
+/// [`launch`] with `env` set for the launcher and its workers.
+fn launch_with_env(
+    model: &Path,
+    launch_args: &[&str],
+    rows: usize,
+    out: &Path,
+    env: &[(&str, &str)],
+) -> String {
     let moe = [
         "qwen3-moe",
         "mixtral",
@@ -87,7 +98,8 @@ fn launch(model: &Path, launch_args: &[&str], rows: usize, out: &Path) -> String
             args.push(a.as_ref());
         }
     }
-    let cmd = common::sft_launch(launch_args, &args);
+    let mut cmd = common::sft_launch(launch_args, &args);
+    cmd.envs(env.iter().copied());
     common::run_launch(cmd, STEPS, if moe { 1 } else { rows }, out)
 }
 
@@ -380,11 +392,27 @@ fn qwen3_next_under_every_cpu_profile_equals_one_process() {
 
 /// Qwen3.5 (`qwen3_5_text`): Qwen3-Next's hybrid with the Gated DeltaNet's projections
 /// apart, dense MLPs, under every CPU profile.
+///
+/// Its key heads divide by cp, so ring attention splits its Gated DeltaNet layers by heads
+/// there; with `TRL_LINEAR_CP=scan` they scan the state over the cp ranks instead (what a cp
+/// size that does not divide them gets), and train as one process does too.
 #[test]
 fn qwen3_5_under_every_cpu_profile_equals_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let tp = every_profile("qwen3.5", tmp.path());
     common::opens_in_transformers(&tp.join("checkpoint-5"));
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3.5/model");
+    let scan = tmp.path().join("qwen3.5-cp-scan");
+    let args = ["--profile", "context_parallel_cpu"];
+    launch_with_env(&model, &args, 4, &scan, &[("TRL_LINEAR_CP", "scan")]);
+    let one4 = Run::read(&tmp.path().join("qwen3.5-one4"), STEPS);
+    assert_equal(
+        "qwen3.5 cp scan",
+        &Run::read(&scan, STEPS),
+        &one4,
+        &[],
+        |_, g, w| max_diff(g, w),
+    );
 }
 
 /// Qwen3.5-MoE as the hub ships it (Qwen3_5MoeForConditionalGeneration, `qwen3_5_moe`): its

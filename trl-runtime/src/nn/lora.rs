@@ -266,9 +266,11 @@ pub fn adapter_plan(
             kinds.sort();
             kinds.dedup();
             let have = match kinds.is_empty() {
-                true => "this model holds none (its experts, if any, are linear layers: \
-                         lora_target_modules adapts them, as peft maps gate_proj / up_proj / \
-                         down_proj onto transformers 5's fused experts)"
+                true => "this model holds none. Its experts, if any, are linear layers here: \
+                         lora_target_modules adapts them where peft maps gate_proj / up_proj \
+                         / down_proj onto transformers 5's fused experts (Qwen3-MoE, Mixtral, \
+                         Qwen3-Next); peft maps none for Qwen3.5-MoE, whose experts and router \
+                         are not adapted here (peft's all-linear leaves them out too)"
                     .to_string(),
                 false => format!("this model's are {}", kinds.join(", ")),
             };
