@@ -374,6 +374,12 @@ fn the_layer_split_over_ranks_equals_one_process() {
                         &Device::Cpu,
                     )
                     .unwrap();
+                    // The ring splits by heads where they divide by cp, and scans elsewhere.
+                    let scans = split.ring && !key_heads.is_multiple_of(cp * sp);
+                    let taken = trl_runtime::context_parallel::linear::scans(key_heads, &split);
+                    if std::env::var_os("TRL_LINEAR_CP").is_none() {
+                        assert_eq!(taken, scans, "cp {cp} sp {sp}, {key_heads} key heads");
+                    }
                     let got = run((&layer, dtype), &part(&hidden), &part(&weights), &cx);
                     let how = format!(
                         "{} x {} rank {rank}, {key_heads} key heads, {dtype:?}",
