@@ -4,7 +4,7 @@
 //! (assets/configs/qwen2-0.5b.json), a SmolLM2-135M-like Llama, where per-token overhead
 //! weighs most (GRPO on small models), and a Qwen3.5-like hybrid (Gated DeltaNet layers, whose
 //! cache is a recurrent state, between full-attention layers), at batch 1 and 8, a 32-token
-//! prompt and 32 new tokens (`--only NAME`: one shape).
+//! prompt and 32 new tokens (`--only NAME`: one shape, without the skinny lines; `--batch N`: one batch size).
 //!
 //! Per line: decode tokens/s (the new tokens past the first, over the time past the prefill),
 //! ours over transformers'; at batch 1 the bytes read per token (every weight once, the LM
@@ -341,7 +341,11 @@ fn main() {
         eprintln!("TRL_BENCH_ONLY=cuda: this bench was built without the cuda feature");
         return;
     }
-    skinny_lines();
+    let arg = |flag: &str| std::env::args().skip_while(|a| a != flag).nth(1);
+    let only = arg("--only");
+    if only.is_none() {
+        skinny_lines();
+    }
     let bandwidth = bandwidth();
     let matmul = matmul_rate();
     eprintln!(
@@ -354,7 +358,11 @@ fn main() {
         &std::fs::read_to_string(support::repo().join("assets/configs/qwen2-0.5b.json")).unwrap(),
     )
     .unwrap();
-    let only = std::env::args().skip_while(|a| a != "--only").nth(1);
+    // `--batch N`: one batch size (to profile one case).
+    let batches: Vec<usize> = match arg("--batch").map(|b| b.parse()) {
+        Some(Ok(b)) => vec![b],
+        _ => vec![1, 8],
+    };
     for (name, config) in [
         ("smollm2-135m-like", smollm2_like()),
         ("qwen2-0.5b", qwen),
@@ -375,7 +383,6 @@ fn main() {
             &Device::Cpu,
         )
         .unwrap();
-        let batches = [1usize, 8];
         let peers = theirs(tmp.path(), &batches);
         for (i, &batch) in batches.iter().enumerate() {
             let prefill = ours(&model, cfg.vocab_size, batch, 1);
