@@ -282,10 +282,13 @@ impl<T: WithDType> Head<'_, T> {
 
     /// The state's block of columns `cols` from the initial state, rows of `cols.len()`.
     fn initial_block(&self, cols: &std::ops::Range<usize>) -> Vec<T> {
-        (0..self.dk)
-            .flat_map(|i| self.s0[i * self.dv + cols.start..i * self.dv + cols.end].iter())
-            .copied()
-            .collect()
+        // Row by row (a copy each): an element-wise iterator here was 13% of a batch-8
+        // decode step of the Qwen3.5-like bench.
+        let mut block = Vec::with_capacity(self.dk * cols.len());
+        for i in 0..self.dk {
+            block.extend_from_slice(&self.s0[i * self.dv + cols.start..i * self.dv + cols.end]);
+        }
+        block
     }
 }
 
