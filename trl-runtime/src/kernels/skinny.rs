@@ -586,6 +586,27 @@ mod tests {
         }
     }
 
+    /// Forwards of ranks in threads of one process, at the same time: each finishes with its
+    /// own sums while the other's spinners come and go.
+    #[test]
+    fn concurrent_forwards_finish() {
+        std::thread::scope(|s| {
+            for t in 0..2u64 {
+                s.spawn(move || {
+                    for round in 0..100u64 {
+                        let got = generation_forward(&Device::Cpu, || {
+                            (0..4096u64)
+                                .into_par_iter()
+                                .map(|i| i + t + round)
+                                .sum::<u64>()
+                        });
+                        assert_eq!(got, 4095 * 4096 / 2 + 4096 * (t + round));
+                    }
+                });
+            }
+        });
+    }
+
     /// Each build of the row loop this CPU can run (the portable one, AVX2 + FMA, AVX-512)
     /// against the plain sum, on rows that leave partial blocks of x, of weight rows and of
     /// lanes.
