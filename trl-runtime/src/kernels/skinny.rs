@@ -113,7 +113,8 @@ impl Drop for NoGrad {
 }
 
 /// Whether [`matmul_t`] takes `x` [rows, k] and `w` [n, k]: f32 on the CPU, at most
-/// [`MAX_ROWS`] rows, and no gradient wanted.
+/// [`MAX_ROWS`] rows in generation ([`no_grad`]) and [`MAX_DETACHED_ROWS`] outside it, and no
+/// gradient wanted.
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
     let rows = x.dims().first().copied().unwrap_or(0);
     x.device().is_cpu()
@@ -121,9 +122,18 @@ pub fn applies(x: &Tensor, w: &Tensor) -> bool {
         && w.rank() == 2
         && x.dtype() == DType::F32
         && w.dtype() == DType::F32
-        && (1..=MAX_ROWS).contains(&rows)
-        && (NO_GRAD.with(Cell::get) || !(x.track_op() || w.track_op()))
+        && match NO_GRAD.with(Cell::get) {
+            true => (1..=MAX_ROWS).contains(&rows),
+            // A training forward with detached inputs (a reference model's): only decode-sized
+            // rows. Its figures (DPO's rewards, GRPO's KL) compare with the policy's, which a
+            // GEMM computes; at 17-48 rows (a tiny batch's) step 1's rewards came out at 5e-8
+            // instead of TRL's exact 0.
+            false => (1..=MAX_DETACHED_ROWS).contains(&rows) && !(x.track_op() || w.track_op()),
+        }
 }
+
+/// The most rows [`applies`] takes outside generation.
+const MAX_DETACHED_ROWS: usize = 16;
 
 fn f32s<'a>(s: &'a Storage, l: &candle_core::Layout) -> Option<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
@@ -577,6 +587,9 @@ mod tests {
         ] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
             let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+            // Past 16 rows it takes generation's forwards alone.
+            assert_eq!(applies(&x, &w), m <= MAX_DETACHED_ROWS);
+            let _generating = no_grad();
             assert!(applies(&x, &w));
             let got = matmul_t(&x, &w).unwrap();
             let want = x.matmul(&w.t().unwrap()).unwrap();
