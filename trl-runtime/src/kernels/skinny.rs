@@ -82,17 +82,14 @@ impl Drop for Active {
     }
 }
 
-thread_local! {
-    static SPINNING: Cell<bool> = const { Cell::new(false) };
-}
-
 /// Runs the pool's work as it comes, without sleeping between jobs, until `done`. It leaves at
 /// once on the forward's own thread (which pops it while waiting on a join: spinning there
-/// would never end) and on a thread already spinning; and as soon as another forward starts
-/// in this process: a thread held here would be lost to that forward, which may be a rank
-/// this one waits for in a collective.
+/// would never end), and as soon as another forward starts in this process: a thread held
+/// here would be lost to that forward, which may be a rank this one waits for in a
+/// collective. (A spinner that another spinner runs nested spins in its place, and both
+/// leave together.)
 fn spin_for_work(home: Option<usize>, done: &AtomicBool) {
-    if rayon::current_thread_index() == home || SPINNING.with(|s| s.replace(true)) {
+    if rayon::current_thread_index() == home {
         return;
     }
     while !done.load(Ordering::Acquire) && ACTIVE.load(Ordering::Acquire) == 1 {
@@ -100,7 +97,6 @@ fn spin_for_work(home: Option<usize>, done: &AtomicBool) {
             std::hint::spin_loop();
         }
     }
-    SPINNING.with(|s| s.set(false));
 }
 
 /// Restores the previous state when dropped.
@@ -538,8 +534,8 @@ mod fma512 {
         // over each block. Measured on AVX-512 (2026-12-05): 8 x 896 x 4864 17 -> 24-39 GB/s
         // of weights; at k 1536 (49 KiB of x) the 4 x 4 blocks stay faster.
         if m == 8 && 8 * k * 4 <= 32 << 10 {
+            let x8 = [xr(0), xr(1), xr(2), xr(3), xr(4), xr(5), xr(6), xr(7)];
             while j + 2 <= rows {
-                let x8 = [xr(0), xr(1), xr(2), xr(3), xr(4), xr(5), xr(6), xr(7)];
                 put(block([wr(j), wr(j + 1)], x8), out, (j, 0, m));
                 j += 2;
             }
@@ -599,23 +595,44 @@ mod tests {
         }
     }
 
-    /// Forwards of ranks in threads of one process, at the same time: each finishes with its
-    /// own sums while the other's spinners come and go.
+    /// A spinner leaves once a second forward runs in the process, though its own forward
+    /// has not finished: it would otherwise hold a pool thread that the other forward (a rank
+    /// this one may wait for) needs. Without the guard this never returns.
     #[test]
-    fn concurrent_forwards_finish() {
+    fn a_spinner_leaves_when_another_forward_starts() {
+        let (_one, _two) = (Active::enter(), Active::enter());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            pool.install(|| spin_for_work(None, &AtomicBool::new(false)));
+            tx.send(()).unwrap();
+        });
+        let left = rx.recv_timeout(std::time::Duration::from_secs(20));
+        assert!(left.is_ok(), "the spinner kept its thread");
+    }
+
+    /// Forwards of ranks in threads of one process, and one forward alone whose joins pop
+    /// its own spinners: each finishes with its own sums.
+    #[test]
+    fn forwards_with_spinners_finish() {
+        let sums = |t: u64| {
+            for round in 0..100u64 {
+                let got = generation_forward(&Device::Cpu, || {
+                    (0..4096u64)
+                        .into_par_iter()
+                        .map(|i| i + t + round)
+                        .sum::<u64>()
+                });
+                assert_eq!(got, 4095 * 4096 / 2 + 4096 * (t + round));
+            }
+        };
+        sums(7);
         std::thread::scope(|s| {
             for t in 0..2u64 {
-                s.spawn(move || {
-                    for round in 0..100u64 {
-                        let got = generation_forward(&Device::Cpu, || {
-                            (0..4096u64)
-                                .into_par_iter()
-                                .map(|i| i + t + round)
-                                .sum::<u64>()
-                        });
-                        assert_eq!(got, 4095 * 4096 / 2 + 4096 * (t + round));
-                    }
-                });
+                s.spawn(move || sums(t));
             }
         });
     }
