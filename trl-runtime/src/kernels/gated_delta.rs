@@ -55,6 +55,9 @@ struct DeltaRule {
     dk: usize,
     dv: usize,
     starts: Vec<bool>,
+    /// Elements between two (row, head)s' initial states: dk x dv when contiguous, more when
+    /// the state is the previous call's, a view into its output (a decode step's).
+    state_stride: usize,
 }
 
 /// Features of a packed token: q and k (dk each), v (dv), g and beta.
@@ -78,13 +81,24 @@ impl DeltaRule {
         }
     }
 
+    /// The initial states in `s` (laid out by `l`): from the first's first element on, each
+    /// (row, head)'s dk x dv rows whole, [`Self::state_stride`] apart.
+    fn states<'a, T: WithDType>(&self, s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+        if self.state_stride == self.dk * self.dv {
+            return slice(s, l);
+        }
+        let tasks = l.shape().elem_count() / (self.dk * self.dv);
+        let len = (tasks - 1) * self.state_stride + self.dk * self.dv;
+        Ok(&s.as_slice::<T>()?[l.start_offset()..][..len])
+    }
+
     /// Task `task`'s (row, head): its packed tokens, initial state and document starts.
     fn head<'a, T>(&'a self, x: &'a [T], s0: &'a [T], task: usize) -> Head<'a, T> {
         let (s, dk, dv, w) = (self.seq, self.dk, self.dv, self.width());
         let row = task / self.heads;
         Head {
             x: &x[task * s * w..(task + 1) * s * w],
-            s0: &s0[task * dk * dv..(task + 1) * dk * dv],
+            s0: &s0[task * self.state_stride..][..dk * dv],
             starts: &self.starts[row * s..(row + 1) * s],
             dk,
             dv,
@@ -157,8 +171,14 @@ pub fn delta_rule(
         3,
     )?;
     let initial = match initial {
-        Some(s0) => s0.to_dtype(dtype)?.contiguous()?,
+        Some(s0) => s0.to_dtype(dtype)?,
         None => Tensor::zeros((b, h, dk, dv), dtype, v.device())?,
+    };
+    // The previous decode step's state is read where it lies (see below); any other layout
+    // is copied first.
+    let (initial, state_stride) = match state_stride(&initial, v.device().is_cpu()) {
+        Some(stride) => (initial, stride),
+        None => (initial.contiguous()?, dk * dv),
     };
     let op = DeltaRule {
         heads: h,
@@ -166,14 +186,38 @@ pub fn delta_rule(
         dk,
         dv,
         starts: starts.iter().flatten().copied().collect(),
+        state_stride,
     };
     let both = packed.contiguous()?.apply_op2(&initial, op)?;
-    // The state copied out: generation's cache keeps it, and a view would keep the whole
-    // output alive with it.
-    Ok((
-        both.narrow(2, 0, s)?,
-        both.narrow(2, s, dk)?.force_contiguous()?,
-    ))
+    let state = both.narrow(2, s, dk)?;
+    // A few tokens (a decode step): the state stays a view into the output, which it keeps
+    // alive at little cost (s rows beside dk), and the next step reads it there. Copying it
+    // out, then reading it back, was two more passes over it a step: the state is most of a
+    // hybrid's decode traffic at batch 8 (a Qwen3.5-like 0.3B: 72 MB against 0.9 GB of
+    // weights a step). Past that the view would keep the outputs alive with it.
+    let state = match s * 8 <= dk {
+        true => state,
+        false => state.force_contiguous()?,
+    };
+    Ok((both.narrow(2, 0, s)?, state))
+}
+
+/// The elements between two (row, head)s' states [b, h, dk, dv] when each one's dk x dv
+/// rows lie whole and the (row, head)s evenly apart (a contiguous state, or a view into a
+/// [`delta_rule`] output); None otherwise, or off the CPU (the CUDA op reads them
+/// contiguous).
+fn state_stride(t: &Tensor, cpu: bool) -> Option<usize> {
+    let (b, h, dk, dv) = t.dims4().ok()?;
+    let st = t.stride();
+    if !cpu || st[3] != 1 || st[2] != dv {
+        return None;
+    }
+    let per = match (b, h) {
+        (_, 1) if b > 1 => st[0],
+        (_, 1) => dk * dv,
+        _ => st[1],
+    };
+    (per >= dk * dv && (b == 1 || st[0] == h * per)).then_some(per)
 }
 
 /// Runs `$body` with `$t` the element type of `$dtype` (f32 or f64), as CPU storage.
@@ -196,7 +240,7 @@ macro_rules! per_float {
 fused_op!(DeltaRule: CustomOp2 [this] {
     name: "gated-delta-rule",
     cpu(s1, l1, s2, l2) {
-        let out = per_float!(s1.dtype(), |T| forward::<T>(this, slice(s1, l1)?, slice(s2, l2)?));
+        let out = per_float!(s1.dtype(), |T| forward::<T>(this, slice(s1, l1)?, this.states(s2, l2)?));
         let (b, h, s, _) = l1.shape().dims4()?;
         Ok((out, Shape::from((b, h, s + this.dk, this.dv))))
     }
@@ -224,7 +268,7 @@ fused_op!(DeltaRuleBwd: CustomOp3 [this] {
         let out = per_float!(s1.dtype(), |T| backward::<T>(
             op,
             slice(s1, l1)?,
-            slice(s2, l2)?,
+            op.states(s2, l2)?,
             slice(s3, l3)?,
         ));
         let (b, h, s, w) = l1.shape().dims4()?;
@@ -1032,6 +1076,7 @@ mod cuda_emulation {
                 starts[seq + 23] = true;
             }
             let op = DeltaRule {
+                state_stride: dk * dv,
                 heads,
                 seq,
                 dk,

@@ -3,8 +3,7 @@
 //! cache), the weight's rows split over the threads. A general GEMM packs the weight into
 //! its own layout first, a second pass over the bytes that bound a decode step.
 //!
-//! It computes no gradient: it runs where nothing tracks one (detached inputs, or inside
-//! [`no_grad`], which generation's forwards enter).
+//! It computes no gradient: it runs inside [`no_grad`], which generation's forwards enter.
 
 use super::simd::simd_dispatch;
 use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
@@ -109,27 +108,21 @@ impl Drop for NoGrad {
 }
 
 /// Whether [`matmul_t`] takes `x` [rows, k] and `w` [n, k]: f32 on the CPU, at most
-/// [`MAX_ROWS`] rows in generation ([`no_grad`]) and [`MAX_DETACHED_ROWS`] outside it, and no
-/// gradient wanted.
+/// [`MAX_ROWS`] rows, in generation ([`no_grad`]) only. A training forward keeps Candle's
+/// GEMM even where nothing tracks a gradient (a reference model's, a LoRA layer's frozen
+/// base): its figures (DPO's rewards, GRPO's KL) compare with the policy's, which the GEMM
+/// computes, and the two kernels sum in different orders (step 1's rewards came out at 5e-8
+/// instead of TRL's exact 0 when a tiny batch's reference forward took this kernel).
 pub fn applies(x: &Tensor, w: &Tensor) -> bool {
     let rows = x.dims().first().copied().unwrap_or(0);
-    x.device().is_cpu()
+    NO_GRAD.with(Cell::get)
+        && x.device().is_cpu()
         && x.rank() == 2
         && w.rank() == 2
         && x.dtype() == DType::F32
         && w.dtype() == DType::F32
-        && match NO_GRAD.with(Cell::get) {
-            true => (1..=MAX_ROWS).contains(&rows),
-            // A training forward with detached inputs (a reference model's): only decode-sized
-            // rows. Its figures (DPO's rewards, GRPO's KL) compare with the policy's, which a
-            // GEMM computes; at 17-48 rows (a tiny batch's) step 1's rewards came out at 5e-8
-            // instead of TRL's exact 0.
-            false => (1..=MAX_DETACHED_ROWS).contains(&rows) && !(x.track_op() || w.track_op()),
-        }
+        && (1..=MAX_ROWS).contains(&rows)
 }
-
-/// The most rows [`applies`] takes outside generation.
-const MAX_DETACHED_ROWS: usize = 16;
 
 fn f32s<'a>(s: &'a Storage, l: &candle_core::Layout) -> Option<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
@@ -629,8 +622,8 @@ mod tests {
         ] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
             let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-            // Past 16 rows it takes generation's forwards alone.
-            assert_eq!(applies(&x, &w), m <= MAX_DETACHED_ROWS);
+            // Generation's forwards alone, though nothing tracks a gradient here.
+            assert!(!applies(&x, &w));
             let _generating = no_grad();
             assert!(applies(&x, &w));
             let got = matmul_t(&x, &w).unwrap();

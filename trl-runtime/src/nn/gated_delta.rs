@@ -293,6 +293,19 @@ mod tests {
         document_starts(&Tensor::from_vec(flat, (rows.len(), s), &Device::Cpu).unwrap()).unwrap()
     }
 
+    /// The rule's inputs from random ones' variables.
+    fn of_vars<'a>(vars: [&'a candle_core::Var; 5], starts: &'a [Vec<bool>]) -> DeltaInputs<'a> {
+        let [q, k, v, g, beta] = vars.map(|v| v.as_tensor());
+        DeltaInputs {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            starts,
+        }
+    }
+
     /// A step's outputs, final state and the gradients of `vars` (the inputs, then the
     /// initial state) under a loss of fixed pseudo-random weights on both.
     fn outputs_and_gradients(
@@ -360,14 +373,7 @@ mod tests {
         let starts = starts(&[&row0, &row1]);
         let init = candle_core::Var::randn(0f64, 0.5, (b, h, dk, dv), &dev).unwrap();
         let vars = [&q, &k, &v, &g, &beta, &init];
-        let x = DeltaInputs {
-            q: q.as_tensor(),
-            k: k.as_tensor(),
-            v: v.as_tensor(),
-            g: g.as_tensor(),
-            beta: beta.as_tensor(),
-            starts: &starts,
-        };
+        let x = of_vars([&q, &k, &v, &g, &beta], &starts);
         let run = |f: &dyn Fn() -> (Tensor, Tensor)| outputs_and_gradients(&vars, f);
         let want = run(&|| recurrent(&x, Some(init.as_tensor())).unwrap());
         for chunk in [1, 3, 4, 16] {
@@ -405,6 +411,47 @@ mod tests {
         };
         let (other, _) = chunked(&x2, Some(init.as_tensor()), 4).unwrap();
         assert!(max_abs_diff(&other, &want.0) > 1e-3);
+    }
+
+    /// Decoding token by token with the fused kernel, each step's state carried as the view
+    /// into its output that the kernel returns and the next step reads in place (no copy):
+    /// the outputs, the final state and every input's gradient (through the chain of views)
+    /// equal the recurrence over the whole row, f64.
+    #[test]
+    fn decode_steps_read_the_carried_state_in_place() {
+        use crate::kernels::gated_delta::delta_rule;
+        let dev = Device::Cpu;
+        let (b, h, s, dk, dv) = (2, 3, 5, 16, 40);
+        let [q, k, v, g, beta] = random_inputs((b, h, s, dk, dv), &dev).unwrap();
+        let init = candle_core::Var::randn(0f64, 0.5, (b, h, dk, dv), &dev).unwrap();
+        let vars = [&q, &k, &v, &g, &beta, &init];
+        let starts = vec![vec![false; s]; b];
+        let x = of_vars([&q, &k, &v, &g, &beta], &starts);
+        let want = outputs_and_gradients(&vars, &|| recurrent(&x, Some(init.as_tensor())).unwrap());
+        let got = outputs_and_gradients(&vars, &|| {
+            let one_token = vec![vec![false; 1]; b];
+            let mut state = init.as_tensor().clone();
+            let mut outs = Vec::new();
+            for t in 0..s {
+                let at = |x: &candle_core::Var| x.as_tensor().narrow(2, t, 1).unwrap();
+                let (o, next) = delta_rule(
+                    &at(&q),
+                    &at(&k),
+                    &at(&v),
+                    &at(&g),
+                    &at(&beta),
+                    &one_token,
+                    Some(&state),
+                )
+                .unwrap();
+                // A view, read in place by the next step.
+                assert!(!next.is_contiguous(), "token {t}: the state was copied");
+                outs.push(o);
+                state = next;
+            }
+            (Tensor::cat(&outs, 2).unwrap(), state)
+        });
+        assert_step_close("token by token", &got, &want, (1e-12, 1e-11));
     }
 
     /// A packed document's outputs are those it has alone; and a row split in two, the
