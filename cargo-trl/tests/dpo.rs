@@ -34,35 +34,6 @@ fn dpo_under_every_cpu_profile_equals_one_process() {
     profiles_equal_one_process(&[], None);
 }
 
-/// At step 1 the policy is the reference, so its rewards are exactly 0, as TRL's are, on a
-/// batch of a decode step's size too (one pair of at most 8 tokens each), full and with LoRA:
-/// the reference's forward runs the policy's kernels (generation's alone take the skinny one).
-#[test]
-fn step_one_rewards_are_exactly_zero_on_a_tiny_batch() {
-    let tmp = tempfile::tempdir().unwrap();
-    let pairs = tmp.path().join("pairs.jsonl");
-    let row = r#"{"prompt": "1 + 2 =", "chosen": " 3", "rejected": " 4"}"#;
-    std::fs::write(&pairs, format!("{row}\n").repeat(8)).unwrap();
-    let data = [
-        "--dataset_name",
-        pairs.to_str().unwrap(),
-        "--max_length",
-        "8",
-    ];
-    for (name, extra) in [("full", &[][..]), ("lora", &["--use_peft", "true"][..])] {
-        let out = tmp.path().join(name);
-        dpo(
-            &["--num_processes", "1"],
-            1,
-            &out,
-            &[&data[..], extra].concat(),
-        );
-        for key in ["rewards/chosen", "rewards/rejected", "rewards/margins"] {
-            assert_eq!(logged(&out, key)[0], 0.0, "{name}: {key} at step 1");
-        }
-    }
-}
-
 /// DPO on a mixture of experts (Qwen3-MoE) with the router's load-balancing loss added to the
 /// policy's (weighted 0.1): one pair per micro-batch, so that a rank's micro-batches are some
 /// of one process's (the router loss is per micro-batch, TRL's average, not a sum over rows).

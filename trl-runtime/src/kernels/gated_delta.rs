@@ -55,9 +55,6 @@ struct DeltaRule {
     dk: usize,
     dv: usize,
     starts: Vec<bool>,
-    /// Elements between two (row, head)s' initial states: dk x dv when contiguous, more when
-    /// the state is the previous call's, a view into its output (a decode step's).
-    state_stride: usize,
 }
 
 /// Features of a packed token: q and k (dk each), v (dv), g and beta.
@@ -81,24 +78,26 @@ impl DeltaRule {
         }
     }
 
-    /// The initial states in `s` (laid out by `l`): from the first's first element on, each
-    /// (row, head)'s dk x dv rows whole, [`Self::state_stride`] apart.
-    fn states<'a, T: WithDType>(&self, s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-        if self.state_stride == self.dk * self.dv {
-            return slice(s, l);
-        }
-        let tasks = l.shape().elem_count() / (self.dk * self.dv);
-        let len = (tasks - 1) * self.state_stride + self.dk * self.dv;
-        Ok(&s.as_slice::<T>()?[l.start_offset()..][..len])
+    /// Each (row, head)'s initial state [dk, dv] in `s`, laid out by `l` (see
+    /// [`state_starts`]).
+    fn states<'a, T: WithDType>(&self, s: &'a CpuStorage, l: &Layout) -> Result<Vec<&'a [T]>> {
+        let Some(starts) = state_starts(l) else {
+            bail!("gated delta rule: the initial state's rows are not whole")
+        };
+        let all = s.as_slice::<T>()?;
+        Ok(starts
+            .iter()
+            .map(|&a| &all[a..][..self.dk * self.dv])
+            .collect())
     }
 
     /// Task `task`'s (row, head): its packed tokens, initial state and document starts.
-    fn head<'a, T>(&'a self, x: &'a [T], s0: &'a [T], task: usize) -> Head<'a, T> {
+    fn head<'a, T>(&'a self, x: &'a [T], s0: &[&'a [T]], task: usize) -> Head<'a, T> {
         let (s, dk, dv, w) = (self.seq, self.dk, self.dv, self.width());
         let row = task / self.heads;
         Head {
             x: &x[task * s * w..(task + 1) * s * w],
-            s0: &s0[task * self.state_stride..][..dk * dv],
+            s0: s0[task],
             starts: &self.starts[row * s..(row + 1) * s],
             dk,
             dv,
@@ -175,10 +174,10 @@ pub fn delta_rule(
         None => Tensor::zeros((b, h, dk, dv), dtype, v.device())?,
     };
     // The previous decode step's state is read where it lies (see below); any other layout
-    // is copied first.
-    let (initial, state_stride) = match state_stride(&initial, v.device().is_cpu()) {
-        Some(stride) => (initial, stride),
-        None => (initial.contiguous()?, dk * dv),
+    // is copied first, and on a GPU always (the CUDA op reads it contiguous).
+    let initial = match v.device().is_cpu() && state_starts(initial.layout()).is_some() {
+        true => initial,
+        false => initial.contiguous()?,
     };
     let op = DeltaRule {
         heads: h,
@@ -186,7 +185,6 @@ pub fn delta_rule(
         dk,
         dv,
         starts: starts.iter().flatten().copied().collect(),
-        state_stride,
     };
     let both = packed.contiguous()?.apply_op2(&initial, op)?;
     let state = both.narrow(2, s, dk)?;
@@ -202,22 +200,17 @@ pub fn delta_rule(
     Ok((both.narrow(2, 0, s)?, state))
 }
 
-/// The elements between two (row, head)s' states [b, h, dk, dv] when each one's dk x dv
-/// rows lie whole and the (row, head)s evenly apart (a contiguous state, or a view into a
-/// [`delta_rule`] output); None otherwise, or off the CPU (the CUDA op reads them
-/// contiguous).
-fn state_stride(t: &Tensor, cpu: bool) -> Option<usize> {
-    let (b, h, dk, dv) = t.dims4().ok()?;
-    let st = t.stride();
-    if !cpu || st[3] != 1 || st[2] != dv {
-        return None;
-    }
-    let per = match (b, h) {
-        (_, 1) if b > 1 => st[0],
-        (_, 1) => dk * dv,
-        _ => st[1],
-    };
-    (per >= dk * dv && (b == 1 || st[0] == h * per)).then_some(per)
+/// Where each (row, head)'s state starts in the storage of a state [b, h, dk, dv] laid out by
+/// `l`, when each one's dk x dv rows lie whole (a contiguous state, or the view into a decode
+/// step's output that the next step reads in place); None otherwise.
+fn state_starts(l: &Layout) -> Option<Vec<usize>> {
+    let (b, h, _, dv) = l.shape().dims4().ok()?;
+    let st = l.stride();
+    (st[3] == 1 && st[2] == dv).then(|| {
+        (0..b)
+            .flat_map(|r| (0..h).map(move |hd| l.start_offset() + r * st[0] + hd * st[1]))
+            .collect()
+    })
 }
 
 /// Runs `$body` with `$t` the element type of `$dtype` (f32 or f64), as CPU storage.
@@ -240,7 +233,7 @@ macro_rules! per_float {
 fused_op!(DeltaRule: CustomOp2 [this] {
     name: "gated-delta-rule",
     cpu(s1, l1, s2, l2) {
-        let out = per_float!(s1.dtype(), |T| forward::<T>(this, slice(s1, l1)?, this.states(s2, l2)?));
+        let out = per_float!(s1.dtype(), |T| forward::<T>(this, slice(s1, l1)?, &this.states(s2, l2)?));
         let (b, h, s, _) = l1.shape().dims4()?;
         Ok((out, Shape::from((b, h, s + this.dk, this.dv))))
     }
@@ -268,7 +261,7 @@ fused_op!(DeltaRuleBwd: CustomOp3 [this] {
         let out = per_float!(s1.dtype(), |T| backward::<T>(
             op,
             slice(s1, l1)?,
-            op.states(s2, l2)?,
+            &op.states(s2, l2)?,
             slice(s3, l3)?,
         ));
         let (b, h, s, w) = l1.shape().dims4()?;
@@ -283,7 +276,7 @@ fused_op!(DeltaRuleBwd: CustomOp3 [this] {
 });
 
 /// One (row, head) per rayon task: its outputs then its final state.
-fn forward<T: WithDType>(op: &DeltaRule, x: &[T], s0: &[T]) -> Vec<T> {
+fn forward<T: WithDType>(op: &DeltaRule, x: &[T], s0: &[&[T]]) -> Vec<T> {
     let (s, dk, dv, w) = (op.seq, op.dk, op.dv, op.width());
     let mut out = vec![T::from_f64(0.0); x.len() / w / s * (s + dk) * dv];
     out.par_chunks_mut((s + dk) * dv)
@@ -408,7 +401,7 @@ fn dot<T: WithDType>(a: &[T], b: &[T]) -> T {
 }
 
 /// One (row, head) per rayon task: its packed gradients, then the initial state's.
-fn backward<T: WithDType>(op: &DeltaRule, x: &[T], s0: &[T], grad: &[T]) -> Vec<T> {
+fn backward<T: WithDType>(op: &DeltaRule, x: &[T], s0: &[&[T]], grad: &[T]) -> Vec<T> {
     let (s, dk, dv, w) = (op.seq, op.dk, op.dv, op.width());
     let per_task = s * w + dk * dv;
     let mut out = vec![T::from_f64(0.0); x.len() / w / s * per_task];
@@ -1076,7 +1069,6 @@ mod cuda_emulation {
                 starts[seq + 23] = true;
             }
             let op = DeltaRule {
-                state_stride: dk * dv,
                 heads,
                 seq,
                 dk,
@@ -1094,15 +1086,16 @@ mod cuda_emulation {
                     "{what} seq {seq}: {d} (largest {scale})"
                 );
             };
+            let per_task: Vec<&[f32]> = s0.chunks(dk * dv).collect();
             close(
                 "forward",
                 &gdr_fwd(&op, &x, &s0),
-                &forward::<f32>(&op, &x, &s0),
+                &forward::<f32>(&op, &x, &per_task),
             );
             close(
                 "backward",
                 &gdr_bwd(&op, &x, &s0, &grad),
-                &backward::<f32>(&op, &x, &s0, &grad),
+                &backward::<f32>(&op, &x, &per_task, &grad),
             );
         }
     }

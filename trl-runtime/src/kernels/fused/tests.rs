@@ -269,3 +269,19 @@ fn dropout_draws_the_sequential_stream_and_its_gradient_the_same_mask() {
         assert_eq!(rel(dx, &(&dy * &mask).unwrap()), 0.0, "{dtype:?} gradient");
     }
 }
+
+/// A frozen layer's rows (a LoRA base's, an expert's) come out the same in a training forward
+/// whatever other rows the call holds: every training forward takes the GEMM. When one of a
+/// decode step's size took the skinny kernel, whose sums run in another order, a strategy that
+/// handed an expert fewer rows moved its outputs in the last bits (expert parallelism against
+/// the same ranks without it).
+#[test]
+fn a_frozen_layers_rows_do_not_depend_on_the_rows_beside_them() {
+    let dev = Device::Cpu;
+    let x = Var::randn(0f32, 1.0, (40, 96), &dev).unwrap();
+    let w = Tensor::randn(0f32, 1.0, (64, 96), &dev).unwrap();
+    let few = linear_frozen(&x.as_tensor().narrow(0, 0, 8).unwrap(), &w, None).unwrap();
+    let all = linear_frozen(x.as_tensor(), &w, None).unwrap();
+    let d = crate::kernels::testing::max_abs_diff(&few, &all.narrow(0, 0, 8).unwrap());
+    assert_eq!(d, 0.0, "8 rows alone against 8 of 40");
+}
