@@ -13,7 +13,7 @@ use trl_runtime::nn::IGNORE_INDEX;
 fn fixture() -> &'static Path {
     Path::new(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/chat_templates"
+        "/fixtures/chat_templates"
     ))
 }
 

@@ -185,7 +185,7 @@ fn our_decoder_follows_the_step() {
     use trl_runtime::parallel::CausalLm;
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../assets/tiny/model/config.json"
+        "/../../assets/tiny/model/config.json"
     );
     let cfg = ModelConfig::from_file(path).unwrap();
     let params = Params::init(&cfg, 5, DType::F32, &Device::Cpu).unwrap();

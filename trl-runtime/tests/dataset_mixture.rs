@@ -186,7 +186,7 @@ fn bad_mixtures_name_the_source_and_key() {
 #[test]
 fn an_sft_config_trains_on_its_mixture() {
     let tmp = tempfile::tempdir().unwrap();
-    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny");
     let data = tmp.path().join("data");
     std::fs::create_dir_all(&data).unwrap();
     let text = std::fs::read_to_string(assets.join("data/train.jsonl")).unwrap();

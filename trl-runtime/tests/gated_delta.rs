@@ -44,7 +44,7 @@ fn chunks_and_recurrence_equal_transformers() {
     )
     .unwrap();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../scripts/gated_delta_reference.py");
+        .join("../../scripts/gated_delta_reference.py");
     common::stdout_of(
         std::process::Command::new(python)
             .arg(script)
@@ -110,7 +110,7 @@ fn the_layer_equals_transformers() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("layer.safetensors");
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../scripts/gated_deltanet_reference.py");
+        .join("../../scripts/gated_deltanet_reference.py");
     common::stdout_of(std::process::Command::new(python).arg(script).arg(&file));
     let tensors = candle_core::safetensors::load(&file, &dev).unwrap();
     let vb = candle_nn::VarBuilder::from_tensors(tensors.clone(), DType::F32, &dev);

@@ -73,7 +73,7 @@ fn processors_equal_transformers() {
             .collect::<Vec<_>>(),
     });
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../scripts/generation_processors.py");
+        .join("../../scripts/generation_processors.py");
     let tmp = tempfile::tempdir().unwrap();
     let job_file = tmp.path().join("job.json");
     std::fs::write(&job_file, job.to_string()).unwrap();
@@ -179,7 +179,7 @@ fn checkpoint(kind: &str) -> std::path::PathBuf {
         k => format!("tiny-{k}"),
     };
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../assets")
+        .join("../../assets")
         .join(name)
         .join("model")
 }
@@ -364,7 +364,7 @@ fn greedy_generation_equals_transformers() {
     let job_file = tmp.path().join("job.json");
     std::fs::write(&job_file, serde_json::json!({ "jobs": jobs }).to_string()).unwrap();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../scripts/transformers_generate.py");
+        .join("../../scripts/transformers_generate.py");
     let out = common::stdout_of(
         std::process::Command::new(python)
             .arg(script)

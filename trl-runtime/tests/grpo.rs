@@ -21,7 +21,7 @@ use trl_runtime::train::{
 };
 
 fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap()
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
 }
 
 fn config(dir: &Path, per_device: usize, loss_type: &str) -> GRPOConfig {

@@ -7,7 +7,7 @@ use trl_runtime::config::parallelism::ParallelDims;
 use trl_runtime::Error;
 
 fn profiles_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../templates/profiles")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../templates/profiles")
 }
 
 fn profile(name: &str) -> LaunchConfig {

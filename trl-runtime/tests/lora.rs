@@ -16,7 +16,7 @@ use trl_runtime::nn::lora::{LoraConfig, Targets};
 use trl_runtime::parallel::CausalLm;
 
 fn tiny() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny/model")
 }
 
 /// Llama 4's projections by name: peft's all-linear also wraps transformers' router (an
@@ -175,7 +175,7 @@ fn peft_python() -> Option<PathBuf> {
 }
 
 fn peft_script(python: &Path, args: &[&Path]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/peft_logits.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/peft_logits.py");
     let out = Command::new(python)
         .arg(script)
         .args(args)
@@ -290,7 +290,7 @@ fn moe_adapters_travel_between_us_and_peft() {
         // keys and values, no k_proj or v_proj; and the model's per_layer_model_projection.
         ("tiny-gemma4", 2 * (4 * 9 + 2 * 7 + 1)),
     ] {
-        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../assets/{name}/model"));
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../assets/{name}/model"));
         let tmp = tempfile::tempdir().unwrap();
         let targets = match name {
             "tiny-llama4" => llama4_targets(),
@@ -343,7 +343,7 @@ fn vision_language_adapters_travel_between_us_and_peft() {
         ),
     ] {
         let base = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../assets")
+            .join("../../assets")
             .join(format!("tiny-{kind}/model"));
         let tmp = tempfile::tempdir().unwrap();
         let lora = config(targets);
@@ -453,7 +453,7 @@ fn parameter_adapters_travel_between_us_and_peft() {
     let Some(python) = peft_python() else {
         return;
     };
-    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
     let (ids, pos) = ids();
     // gpt-oss: attention's 4 x 2 in each of 3 layers, and 2 per adapted parameter. Llama 4:
     // its named projections' 56 (moe_adapters_travel_between_us_and_peft), and its fused
@@ -664,7 +664,7 @@ fn tied_heads_travel_between_us_peft_and_transformers() {
     let tmp = tempfile::tempdir().unwrap();
     let (ids, pos) = ids();
     let ids_file = ids_file(tmp.path());
-    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
     let setups = [
         Tied::Whole(&["embed_tokens"]),
         Tied::Whole(&["lm_head"]),

@@ -39,7 +39,7 @@ fn write(dir: &Path, len: usize, rows: usize, shape: Shape) -> ModelConfig {
         .unwrap()
         .save(&model, &cfg.to_json_pretty(), None, None)
         .unwrap();
-    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny/model");
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(tiny.join(f), model.join(f)).unwrap();
     }
@@ -525,7 +525,7 @@ fn write_any(dir: &Path, json: &serde_json::Value) {
             None,
         )
         .unwrap();
-    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny/model");
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(tiny.join(f), model.join(f)).unwrap();
     }

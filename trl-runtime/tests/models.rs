@@ -318,7 +318,7 @@ fn mismatched_weights_are_clear_errors() {
 /// Logits and loss of the fixture written by scripts/make_parity_fixture.py with transformers.
 #[test]
 fn matches_transformers_fixture() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/parity");
     for name in ["qwen2", "llama"] {
         let dir = root.join(name);
         let m = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
@@ -433,7 +433,7 @@ fn every_built_in_model_type_matches_transformers() {
         ),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../assets")
+            .join("../../assets")
             .join(format!("tiny-{kind}"));
         let want =
             candle_core::safetensors::load(dir.join("parity.safetensors"), &Device::Cpu).unwrap();
@@ -478,7 +478,7 @@ fn every_built_in_model_type_matches_transformers() {
 /// score head is refused by name.
 #[test]
 fn reward_models_score_as_transformers_sequence_classifiers() {
-    let assets = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+    let assets = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
     for kind in [
         "qwen3",
         "mistral",
@@ -581,7 +581,7 @@ fn no_gradient_holds_more_than_itself() {
         "gpt-oss",
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../assets")
+            .join("../../assets")
             .join(format!("tiny-{kind}/model"));
         let m = CausalLm::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap();
         let (ids, pos, labels) = batch();
@@ -619,7 +619,7 @@ fn unsupported_model_types_and_values_are_named() {
     // The error of tiny-`kind`'s config.json after `edit`.
     let refused = |kind: &str, edit: &dyn Fn(&mut serde_json::Value)| {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("../assets/tiny-{kind}/model/config.json"));
+            .join(format!("../../assets/tiny-{kind}/model/config.json"));
         let mut j: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir).unwrap()).unwrap();
         edit(&mut j);
@@ -697,8 +697,8 @@ fn unsupported_model_types_and_values_are_named() {
 /// they are left unread here too, while a layer beyond the model without them is refused.
 #[test]
 fn multi_token_prediction_layers_are_left_unread() {
-    let src =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-deepseek-v3/model");
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../assets/tiny-deepseek-v3/model");
     let tmp = tempfile::tempdir().unwrap();
     for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
@@ -730,7 +730,8 @@ fn multi_token_prediction_layers_are_left_unread() {
 /// attention's beyond the window, and equal them within it.
 #[test]
 fn a_sliding_window_limits_what_a_token_sees() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-mistral/model");
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-mistral/model");
     let windowed = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(windowed.config_json()).unwrap();
     json["sliding_window"] = serde_json::Value::Null;
@@ -764,7 +765,7 @@ fn routed_experts_and_only_they_may_skip_a_gradient() {
         ),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("../assets/tiny-{kind}/model"));
+            .join(format!("../../assets/tiny-{kind}/model"));
         let m = AutoModelForCausalLM::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap();
         assert!(m.may_skip_grad(expert), "{kind}");
         for dense in [
@@ -774,7 +775,8 @@ fn routed_experts_and_only_they_may_skip_a_gradient() {
             assert!(!m.may_skip_grad(dense), "{kind}: {dense}");
         }
     }
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-qwen3/model");
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-qwen3/model");
     let m = AutoModelForCausalLM::from_pretrained(dir, DType::F32, &Device::Cpu).unwrap();
     assert!(!m.may_skip_grad("model.layers.0.mlp.up_proj.weight"));
 }
@@ -784,7 +786,8 @@ fn routed_experts_and_only_they_may_skip_a_gradient() {
 /// loss on a CPU) is the cross-entropy of the capped logits; `AutoModelForCausalLM` caps too.
 #[test]
 fn final_logit_softcapping_caps_logits_and_the_loss() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny-gemma3/model");
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-gemma3/model");
     let plain = CausalLm::from_pretrained(&dir, DType::F32, &Device::Cpu).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(plain.config_json()).unwrap();
     let cap = 0.5;
@@ -845,7 +848,7 @@ fn the_router_loss_matches_transformers() {
         ("gpt-oss", "mlp.router"),
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../assets")
+            .join("../../assets")
             .join(format!("tiny-{kind}"));
         let want =
             candle_core::safetensors::load(dir.join("router_loss.safetensors"), &Device::Cpu)
@@ -929,7 +932,7 @@ fn assert_gradient(
 fn gemma4_gradients_match_transformers() {
     for kind in ["gemma4", "gemma4-moe-vision"] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../assets")
+            .join("../../assets")
             .join(format!("tiny-{kind}"));
         let want = candle_core::safetensors::load(dir.join("gradients.safetensors"), &Device::Cpu)
             .unwrap();
@@ -1020,7 +1023,7 @@ mod added {
 #[test]
 fn a_model_type_added_as_the_docs_say_matches_the_built_in() {
     use trl_runtime::parallel::Model;
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny/model");
     let ours = Model::<trl_runtime::models::blocks::Decoder<added::MyLayer>>::from_pretrained(
         &dir,
         DType::F32,
@@ -1075,7 +1078,7 @@ fn a_model_type_added_as_the_docs_say_matches_the_built_in() {
 #[test]
 fn a_reward_model_starts_from_a_causal_checkpoint() {
     use trl_runtime::models::sequence_classification::{classifier_start, RewardModel};
-    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny/model");
+    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny/model");
     let src = tempfile::tempdir().unwrap();
     for f in std::fs::read_dir(&tiny).unwrap() {
         let f = f.unwrap().path();
@@ -1134,7 +1137,7 @@ fn packed_rows_of_deepseek_style_models_keep_documents_apart() {
         "gemma4-moe-vision",
     ] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("../assets/tiny-{kind}/model"));
+            .join(format!("../../assets/tiny-{kind}/model"));
         let want = candle_core::safetensors::load(dir.join("../parity.safetensors"), &Device::Cpu)
             .unwrap();
         let ids = want["input_ids"].to_dtype(DType::U32).unwrap();

@@ -23,7 +23,7 @@ const TOL: f64 = 1e-5;
 fn config() -> ModelConfig {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../assets/tiny/model/config.json"
+        "/../../assets/tiny/model/config.json"
     );
     ModelConfig::from_file(path).unwrap()
 }

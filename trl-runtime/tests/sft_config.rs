@@ -522,7 +522,7 @@ fn flags_go_over_a_programs_own_defaults() {
 /// pads nothing off AWS Neuron, and every other key is applied or named.
 #[test]
 fn a_dump_of_trls_defaults_loads() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trl_defaults");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/trl_defaults");
     let sft = SFTConfig::from_file(dir.join("sft.yaml")).unwrap();
     assert_eq!(sft.pad_to_multiple_of.0, None);
     assert!(!sft.training.bf16, "unset: the launch decides");

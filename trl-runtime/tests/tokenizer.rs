@@ -364,8 +364,7 @@ not json at all
         use trl_runtime::data::{load, Split};
         let dir = model_dir(Some(CHATML));
         let tok = TextTokenizer::from_dir(dir.path()).unwrap();
-        let fixtures =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet");
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/parquet");
         // list<struct<role, content>> as HF datasets writes conversations (snappy).
         let chats = load(
             fixtures.join("messages.parquet"),

@@ -382,7 +382,7 @@ mod qwen2 {
     fn config(edit: &[(&str, serde_json::Value)]) -> ModelConfig {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../assets/tiny/model/config.json"
+            "/../../assets/tiny/model/config.json"
         );
         let mut json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -605,7 +605,7 @@ mod phi3 {
     /// 1's, and gathering the ranks' slices gives the whole weights back.
     #[test]
     fn phi3_fused_projections_split_by_sections() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny-phi3/model");
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/tiny-phi3/model");
         let ids = Tensor::new(
             &[[5u32, 9, 14, 3, 7, 21, 100, 283, 4, 8, 15, 16]],
             &Device::Cpu,

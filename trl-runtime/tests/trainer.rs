@@ -16,7 +16,7 @@ use trl_runtime::train::{
 };
 
 fn assets() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tiny")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny")
 }
 
 fn config(out: &Path, batch: usize, accumulation: usize, steps: i64) -> SFTConfig {
