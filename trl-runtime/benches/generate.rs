@@ -12,7 +12,11 @@
 //! bandwidth measured in the same run (a multi-threaded read of 1 GiB); the decode rate that
 //! bandwidth allows at all (`bandwidth_ceiling_tokens_per_s`: a step's bytes at that rate) and
 //! its ratio to transformers' (`ceiling_over_transformers`: how far over transformers any
-//! decode can go on this machine); and the prefill's FLOP/s (2 x parameters x tokens) over
+//! decode can go on this machine); at batch 8 on AVX-512 the same at the rate this machine
+//! streams memory while doing the 8 multiply-adds per 64-byte line that 8 rows need at least
+//! (`fma_stream_ceiling_tokens_per_s`, `of_fma_stream_ceiling`,
+//! `fma_stream_ceiling_over_transformers`: where streaming and arithmetic do not overlap, the
+//! tighter bound); and the prefill's FLOP/s (2 x parameters x tokens) over
 //! this machine's f32 matmul rate measured in the same run. One JSON object per line on
 //! stdout; prose on stderr.
 //!
@@ -220,6 +224,63 @@ fn bandwidth() -> f64 {
     (1usize << 30) as f64 / summed.min(streamed)
 }
 
+/// Bytes/s this machine streams when each 64-byte line read feeds `rows` 16-lane f32
+/// multiply-adds (an 8-row decode step's least work: each weight times each row), every
+/// thread reading its part of 1 GiB; None without AVX-512. The multiply-adds use the loaded
+/// data, into accumulators of their own, and touch nothing else in memory: no kernel can read
+/// the weights for `rows` rows faster than this (on the Intel VM the two add: 8 of them per
+/// line took the 2 threads' read from 30 to ~21 GB/s, whatever the prefetch).
+fn streamed_with_fmas(rows: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        if rows != 8 || !std::is_x86_feature_detected!("avx512f") {
+            return None;
+        }
+        /// The sum of `v`'s lines, each multiplied into 8 accumulators on the way.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn eight_per_line(v: &[f32]) -> f32 {
+            let mut acc = [_mm512_setzero_ps(); 8];
+            let m = _mm512_set1_ps(0.999);
+            let p = v.as_ptr();
+            let mut c = 0;
+            while c + 16 <= v.len() {
+                // The hardware prefetcher gets help 4 KiB ahead, as the skinny kernel does.
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(c + 1024).cast());
+                let x = _mm512_loadu_ps(p.add(c));
+                for a in acc.iter_mut() {
+                    *a = _mm512_fmadd_ps(x, m, *a);
+                }
+                c += 16;
+            }
+            let mut s = _mm512_setzero_ps();
+            for a in acc {
+                s = _mm512_add_ps(s, a);
+            }
+            _mm512_reduce_add_ps(s)
+        }
+        let data = vec![1f32; 1 << 28];
+        let part = data.len() / rayon::current_num_threads();
+        let read = || {
+            let t = Instant::now();
+            // SAFETY: the CPU has AVX-512F (checked above).
+            let s: f32 = data
+                .par_chunks(part)
+                .map(|c| unsafe { eight_per_line(c) })
+                .sum();
+            assert!(s > 0.0);
+            t.elapsed().as_secs_f64()
+        };
+        read();
+        Some((1usize << 30) as f64 / median((0..5).map(|_| read()).collect()))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = rows;
+        None
+    }
+}
+
 /// This machine's f32 matmul rate through Candle, FLOP/s (1024 x 4096 by 4096 x 1024).
 fn matmul_rate() -> f64 {
     let a = Tensor::randn(0f32, 1.0, (1024, 4096), &Device::Cpu).unwrap();
@@ -354,9 +415,11 @@ fn main() {
     }
     let bandwidth = bandwidth();
     let matmul = matmul_rate();
+    let streamed8 = streamed_with_fmas(8);
     eprintln!(
-        "memory bandwidth {:.1} GB/s, f32 matmul {:.1} GFLOP/s, {} threads",
+        "memory bandwidth {:.1} GB/s ({} with 8 multiply-adds per line), f32 matmul {:.1} GFLOP/s, {} threads",
         bandwidth / 1e9,
+        streamed8.map_or("not measured".into(), |b| format!("{:.1} GB/s", b / 1e9)),
         matmul / 1e9,
         rayon::current_num_threads()
     );
@@ -369,6 +432,11 @@ fn main() {
         Some(Ok(b)) => vec![b],
         _ => vec![1, 8],
     };
+    let shapes = ["smollm2-135m-like", "qwen2-0.5b", "qwen3.5-hybrid-like"];
+    if let Some(o) = only.as_deref().filter(|o| !shapes.contains(o)) {
+        eprintln!("--only {o}: no such shape; one of {}", shapes.join(", "));
+        std::process::exit(2);
+    }
     for (name, config) in [
         ("smollm2-135m-like", smollm2_like()),
         ("qwen2-0.5b", qwen),
@@ -406,6 +474,16 @@ fn main() {
                 "bandwidth_ceiling_tokens_per_s": ceiling,
                 "prefill_over_matmul_rate": prefill_flops / matmul,
             });
+            // At 8 rows: the step's bytes at the rate this machine streams them while doing
+            // the least multiply-adds 8 rows need (`streamed_with_fmas`), a ceiling for any
+            // f32 kernel.
+            let ceiling8 = streamed8
+                .filter(|_| batch == 8)
+                .map(|b| batch as f64 * b / bytes);
+            if let Some(c) = ceiling8 {
+                line["fma_stream_ceiling_tokens_per_s"] = c.into();
+                line["of_fma_stream_ceiling"] = (decode / c).into();
+            }
             if let Some(theirs) = peers.as_ref().map(|v| v[i]) {
                 with_peer(&mut line, (batch * NEW, decode, prefill), theirs);
                 // How far over transformers this machine's bandwidth lets any decode go.
@@ -413,6 +491,9 @@ fn main() {
                     .as_f64()
                     .unwrap_or(0.0);
                 line["ceiling_over_transformers"] = (ceiling / theirs).into();
+                if let Some(c) = ceiling8 {
+                    line["fma_stream_ceiling_over_transformers"] = (c / theirs).into();
+                }
             }
             println!("{line}");
         }

@@ -149,6 +149,56 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `out[j] = q . keys[j] * scale` for each key row of `keys` (`out.len()` rows of `q.len()`).
+/// With AVX-512, sixteen keys at a time, their sixteen dots summed in one transposing tree
+/// (a dot's own sum of lanes cost more than its multiply-adds at head dim 64); a last partial
+/// block is the sixteen keys ending at the last one.
+#[inline(always)]
+fn scores(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32]) {
+    let (d, n) = (q.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if n >= 16 && std::is_x86_feature_detected!("avx512f") {
+        let mut j = 0;
+        while j < n {
+            let at = j.min(n - 16);
+            let mut block = [0f32; 16];
+            // SAFETY: the CPU has AVX-512F (checked above); keys at..at + 16 are in `keys`.
+            unsafe { scores16(q, &keys[at * d..(at + 16) * d], scale, &mut block) };
+            out[j..at + 16].copy_from_slice(&block[j - at..]);
+            j = at + 16;
+        }
+        return;
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot(q, &keys[j * d..(j + 1) * d]) * scale;
+    }
+}
+
+/// [`scores`] of sixteen keys.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores16(q: &[f32], keys: &[f32], scale: f32, out: &mut [f32; 16]) {
+    use std::arch::x86_64::*;
+    let d = q.len();
+    let mut acc = [_mm512_setzero_ps(); 16];
+    let mut c = 0;
+    while c < d {
+        let mask: __mmask16 = if d - c >= 16 {
+            0xffff
+        } else {
+            (1 << (d - c)) - 1
+        };
+        let qv = _mm512_maskz_loadu_ps(mask, q.as_ptr().add(c));
+        for (kk, a) in acc.iter_mut().enumerate() {
+            let kv = _mm512_maskz_loadu_ps(mask, keys.as_ptr().add(kk * d + c));
+            *a = _mm512_fmadd_ps(qv, kv, *a);
+        }
+        c += 16;
+    }
+    let sums = super::simd::x86::reduce16(&acc);
+    _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+}
+
 #[inline(always)]
 fn group_body(t: Task, (q, k, v): (&[f32], &[f32], &[f32]), (out, lse): (&mut [f32], &mut [f32])) {
     let Task { g, sq, d, .. } = t;
@@ -164,60 +214,79 @@ fn group_body(t: Task, (q, k, v): (&[f32], &[f32], &[f32]), (out, lse): (&mut [f
     };
     let n = end - first;
     let scale = 1.0 / (d as f32).sqrt();
-    // Scores of every (query head, query) row against keys first..end, a row per query row.
+    // Scores of every (query head, query) row against keys first..end, a row per query row
+    // (the keys a row does not see weigh zero after the softmax).
     let rows = g * sq;
     let mut s = vec![0f32; rows * n];
-    for j in 0..n {
-        let kj = &k[(first + j) * d..(first + j + 1) * d];
-        for r in 0..rows {
-            let qi = r % sq;
-            let key = first + j;
-            if key >= t.lo[qi] as usize && key < t.hi[qi] as usize {
-                s[r * n + j] = dot(&q[r * d..(r + 1) * d], kj) * scale;
-            }
-        }
+    let keys = &k[first * d..end * d];
+    for (r, row) in s.chunks_exact_mut(n).enumerate() {
+        scores(&q[r * d..(r + 1) * d], keys, scale, row);
     }
-    // Per row: soft-cap, max, exp, sum over its visible keys (the rest weigh zero).
+    // Per row: soft-cap, max, exp, sum over its visible keys (the rest weigh zero), in loops
+    // that vectorize.
     for r in 0..rows {
         let qi = r % sq;
         let (a, b) = (t.lo[qi] as usize, t.hi[qi] as usize);
+        let row = &mut s[r * n..(r + 1) * n];
         if a >= b {
+            row.fill(0.0);
             continue;
         }
-        let row = &mut s[r * n..(r + 1) * n];
-        let vis = a - first..b - first;
+        let (head, rest) = row.split_at_mut(a - first);
+        let (seen, tail) = rest.split_at_mut(b - a);
+        head.fill(0.0);
+        tail.fill(0.0);
         if let Some(cap) = t.cap {
-            row[vis.clone()]
-                .iter_mut()
-                .for_each(|x| *x = cap * (*x / cap).tanh());
+            seen.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
         }
-        let m = row[vis.clone()]
-            .iter()
-            .copied()
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for (j, x) in row.iter_mut().enumerate() {
-            *x = match vis.contains(&j) {
-                true => exp_f32(*x - m),
-                false => 0.0,
-            };
-            sum += *x;
-        }
-        row.iter_mut().for_each(|x| *x /= sum);
+        let m = lanes(seen, f32::NEG_INFINITY, f32::max);
+        seen.iter_mut().for_each(|x| *x = exp_f32(*x - m));
+        let sum = lanes(seen, 0.0, |a, b| a + b);
+        seen.iter_mut().for_each(|x| *x /= sum);
         lse[r] = m + sum.ln();
     }
-    // The values, each read once, into every row that weighs them.
-    for j in 0..n {
-        let vj = &v[(first + j) * d..(first + j + 1) * d];
-        for r in 0..rows {
-            let p = s[r * n + j];
-            if p != 0.0 {
-                for (o, x) in out[r * d..(r + 1) * d].iter_mut().zip(vj) {
-                    *o += p * x;
+    // The values weighed into each row, 64 features at a time in registers (the values stay
+    // in L1 between rows; summing into the output in memory was load- and store-bound).
+    let values = &v[first * d..end * d];
+    for (r, o) in out.chunks_exact_mut(d).enumerate() {
+        let p = &s[r * n..(r + 1) * n];
+        for c in (0..d).step_by(64) {
+            let w = 64.min(d - c);
+            let mut acc = [0f32; 64];
+            if w == 64 {
+                // A fixed width, so the sums stay in registers.
+                for (j, &pj) in p.iter().enumerate() {
+                    let vj: &[f32; 64] = values[j * d + c..][..64].try_into().unwrap();
+                    for (a, x) in acc.iter_mut().zip(vj) {
+                        *a += pj * x;
+                    }
+                }
+            } else {
+                for (j, &pj) in p.iter().enumerate() {
+                    let vj = &values[j * d + c..j * d + c + w];
+                    for (a, x) in acc.iter_mut().zip(vj) {
+                        *a += pj * x;
+                    }
                 }
             }
+            o[c..c + w].copy_from_slice(&acc[..w]);
         }
     }
+}
+
+/// `x` folded by `f` in sixteen lanes, then across them (a sequential fold does not
+/// vectorize).
+#[inline(always)]
+fn lanes(x: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut acc = [init; 16];
+    let mut blocks = x.chunks_exact(16);
+    for block in &mut blocks {
+        for (a, v) in acc.iter_mut().zip(block) {
+            *a = f(*a, *v);
+        }
+    }
+    let rest = blocks.remainder().iter().fold(init, |a, v| f(a, *v));
+    acc.iter().fold(rest, |a, v| f(a, *v))
 }
 
 simd_dispatch!(group, group_avx2, group_body, (t: Task, qkv: (&[f32], &[f32], &[f32]), ol: (&mut [f32], &mut [f32])));
@@ -384,6 +453,8 @@ mod tests {
         let dev = Device::Cpu;
         for (b, heads, kv_heads, sq, keys, d, cap) in [
             (2, 4, 2, 1, 37, 16, None),
+            // A head dim that leaves partial lanes, keys past a block of sixteen.
+            (2, 3, 1, 1, 21, 24, None),
             (3, 6, 2, 3, 70, 64, Some(5.0f32)),
             (1, 2, 2, 5, 5, 8, None),
             // Row 1's first two queries are pads of a prompt: they see no key.

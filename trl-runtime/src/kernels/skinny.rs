@@ -506,7 +506,10 @@ mod fma512 {
             // Sixteen sums in one transposing tree (45 shuffles and adds, not 16 x 8).
             // SAFETY: `a` is R x M = 16 vectors in a row, `out` 16 floats in a row.
             let v = &*a.as_ptr().cast::<[__m512; 16]>();
-            _mm512_storeu_ps(out.as_mut_ptr().cast(), reduce16(v));
+            _mm512_storeu_ps(
+                out.as_mut_ptr().cast(),
+                super::super::simd::x86::reduce16(v),
+            );
             return out;
         }
         for r in 0..R {
@@ -515,37 +518,6 @@ mod fma512 {
             }
         }
         out
-    }
-
-    /// Lane `j` of the result is the sum of `v[j]`'s sixteen lanes.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
-        // Pairs interleaved by 32 bits: per 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3].
-        let mut l1 = [_mm512_setzero_ps(); 8];
-        for p in 0..8 {
-            let (a, b) = (v[2 * p], v[2 * p + 1]);
-            l1[p] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-        }
-        // Then by 64 bits: per 128-bit lane, vectors 4q..4q + 4's sums of that lane.
-        let mut l2 = [_mm512_setzero_ps(); 4];
-        for q in 0..4 {
-            let (x, y) = (_mm512_castps_pd(l1[2 * q]), _mm512_castps_pd(l1[2 * q + 1]));
-            let (lo, hi) = (_mm512_unpacklo_pd(x, y), _mm512_unpackhi_pd(x, y));
-            l2[q] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-        }
-        // Across 128-bit lanes, twice: [A.0 + A.1, A.2 + A.3, B.0 + B.1, B.2 + B.3].
-        let l3 = [halves(l2[0], l2[1]), halves(l2[2], l2[3])];
-        halves(l3[0], l3[1])
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn halves(a: __m512, b: __m512) -> __m512 {
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
-        )
     }
 
     /// Writes `d`, weight rows `j..j + R` against rows of x `i..i + M`, into `out` ([rows, m]).
