@@ -464,7 +464,7 @@ mod fma512 {
     unsafe fn step<const R: usize, const M: usize>(
         a: &mut [[__m512; M]; R],
         (w, x): ([&[f32]; R], [&[f32]; M]),
-        c: usize,
+        (c, ld): (usize, usize),
         mask: __mmask16,
     ) {
         let mut ws = [_mm512_setzero_ps(); R];
@@ -474,7 +474,7 @@ mod fma512 {
             // compute: the hardware's prefetcher alone left the 8-row step at half the speed;
             // four blocks into L2 streamed 1.05-1.15x faster than the next block into L1
             // (8 rows of x, one core of the Intel VM, 2026-12-05).
-            let ahead = w[r].as_ptr().wrapping_add(c + 4 * R * w[r].len());
+            let ahead = w[r].as_ptr().wrapping_add(c + 4 * R * ld);
             _mm_prefetch::<_MM_HINT_T1>(ahead.cast());
         }
         for i in 0..M {
@@ -485,21 +485,23 @@ mod fma512 {
         }
     }
 
-    /// Dots of `R` weight rows with `M` rows of x.
+    /// Dots of `R` weight rows with `M` rows of x (pieces of rows `ld` floats apart in the
+    /// weight).
     #[target_feature(enable = "avx512f")]
     unsafe fn block<const R: usize, const M: usize>(
         w: [&[f32]; R],
         x: [&[f32]; M],
+        ld: usize,
     ) -> [[f32; M]; R] {
         let k = w[0].len();
         let mut a = [[_mm512_setzero_ps(); M]; R];
         let mut c = 0;
         while c + 16 <= k {
-            step(&mut a, (w, x), c, 0xffff);
+            step(&mut a, (w, x), (c, ld), 0xffff);
             c += 16;
         }
         if c < k {
-            step(&mut a, (w, x), c, (1u16 << (k - c)) - 1);
+            step(&mut a, (w, x), (c, ld), (1u16 << (k - c)) - 1);
         }
         let mut out = [[0f32; M]; R];
         if R * M == 16 {
@@ -531,6 +533,19 @@ mod fma512 {
         }
     }
 
+    /// Adds `d`, weight rows `j..j + R` against rows of x `i..i + M`, into `out`.
+    fn add<const R: usize, const M: usize>(
+        d: [[f32; M]; R],
+        out: &mut [f32],
+        (j, i, m): (usize, usize, usize),
+    ) {
+        for (r, v) in d.iter().enumerate() {
+            for (o, v) in out[(j + r) * m + i..][..M].iter_mut().zip(v) {
+                *o += v;
+            }
+        }
+    }
+
     /// [`super::rows_task_body`] in blocks of 4 weight rows x 4 rows of x (the last rows of x
     /// in one block of 1 to 3), or of 2 x 8 for eight short rows of x, then 1 x 1 for the
     /// weight rows left.
@@ -544,11 +559,25 @@ mod fma512 {
         // eight in one pass (16 accumulators), so the weight streams without a second pass
         // over each block. Measured on AVX-512 (2026-12-05): 8 x 896 x 4864 17 -> 24-39 GB/s
         // of weights; at k 1536 (49 KiB of x) the 4 x 4 blocks stay faster.
-        if m == 8 && 8 * k * 4 <= 32 << 10 {
-            let x8 = [xr(0), xr(1), xr(2), xr(3), xr(4), xr(5), xr(6), xr(7)];
-            while j + 2 <= rows {
-                put(block([wr(j), wr(j + 1)], x8), out, (j, 0, m));
-                j += 2;
+        if m == 8 {
+            // Longer rows in pieces of columns whose eight rows of x fit (a piece of every
+            // weight row in turn, then the next piece, its dots added).
+            let pieces = (8 * k * 4).div_ceil(32 << 10);
+            let kc = k.div_ceil(pieces).next_multiple_of(16);
+            for c0 in (0..k).step_by(kc) {
+                let c1 = k.min(c0 + kc);
+                let xp = |i: usize| &xr(i)[c0..c1];
+                let x8 = [xp(0), xp(1), xp(2), xp(3), xp(4), xp(5), xp(6), xp(7)];
+                let mut jj = 0;
+                while jj + 2 <= rows {
+                    let d = block([&wr(jj)[c0..c1], &wr(jj + 1)[c0..c1]], x8, k);
+                    match c0 {
+                        0 => put(d, out, (jj, 0, m)),
+                        _ => add(d, out, (jj, 0, m)),
+                    }
+                    jj += 2;
+                }
+                j = jj;
             }
         }
         while j + 4 <= rows {
@@ -557,10 +586,14 @@ mod fma512 {
             while i < m {
                 let at = (j, i, m);
                 match m - i {
-                    1 => put(block(ws, [xr(i)]), out, at),
-                    2 => put(block(ws, [xr(i), xr(i + 1)]), out, at),
-                    3 => put(block(ws, [xr(i), xr(i + 1), xr(i + 2)]), out, at),
-                    _ => put(block(ws, [xr(i), xr(i + 1), xr(i + 2), xr(i + 3)]), out, at),
+                    1 => put(block(ws, [xr(i)], k), out, at),
+                    2 => put(block(ws, [xr(i), xr(i + 1)], k), out, at),
+                    3 => put(block(ws, [xr(i), xr(i + 1), xr(i + 2)], k), out, at),
+                    _ => put(
+                        block(ws, [xr(i), xr(i + 1), xr(i + 2), xr(i + 3)], k),
+                        out,
+                        at,
+                    ),
                 }
                 i += 4;
             }
@@ -568,7 +601,7 @@ mod fma512 {
         }
         for jj in j..rows {
             for r in 0..m {
-                out[jj * m + r] = block([wr(jj)], [xr(r)])[0][0];
+                out[jj * m + r] = block([wr(jj)], [xr(r)], k)[0][0];
             }
         }
     }
@@ -588,6 +621,8 @@ mod tests {
             (1, 64, 200),
             (3, 37, 129),
             (8, 896, 300),
+            // Eight rows too long for L1: in pieces of columns, an odd weight row left.
+            (8, 1100, 37),
             (16, 100, 64),
             (5, 16, 1),
             (47, 200, 130),
