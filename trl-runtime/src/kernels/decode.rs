@@ -247,9 +247,16 @@ fn group_body(t: Task, (q, k, v): (&[f32], &[f32], &[f32]), (out, lse): (&mut [f
     }
     // The values weighed into each row, 64 features at a time in registers (the values stay
     // in L1 between rows; summing into the output in memory was load- and store-bound).
-    let values = &v[first * d..end * d];
+    // Over each row's visible keys only: a key it does not see weighs nothing, and is not
+    // multiplied in (a zero weight times a value that is not finite would not be zero).
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
-        let p = &s[r * n..(r + 1) * n];
+        let qi = r % sq;
+        let (a, b) = (t.lo[qi] as usize, t.hi[qi] as usize);
+        if a >= b {
+            continue;
+        }
+        let p = &s[r * n + a - first..r * n + b - first];
+        let values = &v[a * d..b * d];
         for c in (0..d).step_by(64) {
             let w = 64.min(d - c);
             let mut acc = [0f32; 64];
