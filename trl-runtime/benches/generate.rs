@@ -224,17 +224,17 @@ fn bandwidth() -> f64 {
     (1usize << 30) as f64 / summed.min(streamed)
 }
 
-/// Bytes/s this machine streams when each 64-byte line read feeds `rows` 16-lane f32
+/// Bytes/s this machine streams when each 64-byte line read feeds 8 16-lane f32
 /// multiply-adds (an 8-row decode step's least work: each weight times each row), every
 /// thread reading its part of 1 GiB; None without AVX-512. The multiply-adds use the loaded
 /// data, into accumulators of their own, and touch nothing else in memory: no kernel can read
-/// the weights for `rows` rows faster than this (on the Intel VM the two add: 8 of them per
+/// the weights for 8 rows faster than this (on the Intel VM the two add: 8 of them per
 /// line took the 2 threads' read from 30 to ~21 GB/s, whatever the prefetch).
-fn streamed_with_fmas(rows: usize) -> Option<f64> {
+fn streamed_with_eight_fmas() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::*;
-        if rows != 8 || !std::is_x86_feature_detected!("avx512f") {
+        if !std::is_x86_feature_detected!("avx512f") {
             return None;
         }
         /// The sum of `v`'s lines, each multiplied into 8 accumulators on the way.
@@ -275,10 +275,7 @@ fn streamed_with_fmas(rows: usize) -> Option<f64> {
         Some((1usize << 30) as f64 / median((0..5).map(|_| read()).collect()))
     }
     #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = rows;
-        None
-    }
+    None
 }
 
 /// This machine's f32 matmul rate through Candle, FLOP/s (1024 x 4096 by 4096 x 1024).
@@ -415,7 +412,7 @@ fn main() {
     }
     let bandwidth = bandwidth();
     let matmul = matmul_rate();
-    let streamed8 = streamed_with_fmas(8);
+    let streamed8 = streamed_with_eight_fmas();
     eprintln!(
         "memory bandwidth {:.1} GB/s ({} with 8 multiply-adds per line), f32 matmul {:.1} GFLOP/s, {} threads",
         bandwidth / 1e9,
@@ -475,7 +472,7 @@ fn main() {
                 "prefill_over_matmul_rate": prefill_flops / matmul,
             });
             // At 8 rows: the step's bytes at the rate this machine streams them while doing
-            // the least multiply-adds 8 rows need (`streamed_with_fmas`), a ceiling for any
+            // the least multiply-adds 8 rows need (`streamed_with_eight_fmas`), a ceiling for any
             // f32 kernel.
             let ceiling8 = streamed8
                 .filter(|_| batch == 8)

@@ -203,7 +203,7 @@ fn lane_sum(x: &[f32]) -> f32 {
 
 /// `row[cols] = exp(row[cols] - shift)`, zero elsewhere; returns the sum.
 #[inline(always)]
-fn exp_visible(row: &mut [f32], cols: std::ops::Range<usize>, shift: f32) -> f32 {
+pub(crate) fn exp_visible(row: &mut [f32], cols: std::ops::Range<usize>, shift: f32) -> f32 {
     let (head, rest) = row.split_at_mut(cols.start);
     head.fill(0.0);
     let (vis, tail) = rest.split_at_mut(cols.end - cols.start);

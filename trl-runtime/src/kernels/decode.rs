@@ -9,8 +9,8 @@
 //! length over blocks (flash-decoding, `kernels/cuda_decode.rs`); [`split_combine`] is its
 //! algorithm on the CPU, tested here.
 
-use super::cpu_flash::KeySpans;
-use super::fused::exp_f32;
+use super::cpu_flash::{exp_visible, KeySpans};
+use super::fused::row_max_f32;
 use super::simd::simd_dispatch;
 use candle_core::{CpuStorage, DType, Result, Tensor, D};
 use rayon::prelude::*;
@@ -227,27 +227,23 @@ fn group_body(t: Task, (q, k, v): (&[f32], &[f32], &[f32]), (out, lse): (&mut [f
     for r in 0..rows {
         let qi = r % sq;
         let (a, b) = (t.lo[qi] as usize, t.hi[qi] as usize);
-        let row = &mut s[r * n..(r + 1) * n];
         if a >= b {
-            row.fill(0.0);
             continue;
         }
-        let (head, rest) = row.split_at_mut(a - first);
-        let (seen, tail) = rest.split_at_mut(b - a);
-        head.fill(0.0);
-        tail.fill(0.0);
+        let row = &mut s[r * n..(r + 1) * n];
+        let vis = a - first..b - first;
         if let Some(cap) = t.cap {
-            seen.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+            row[vis.clone()]
+                .iter_mut()
+                .for_each(|x| *x = cap * (*x / cap).tanh());
         }
-        let m = lanes(seen, f32::NEG_INFINITY, f32::max);
-        seen.iter_mut().for_each(|x| *x = exp_f32(*x - m));
-        let sum = lanes(seen, 0.0, |a, b| a + b);
-        seen.iter_mut().for_each(|x| *x /= sum);
+        let m = row_max_f32(&row[vis.clone()]);
+        let sum = exp_visible(row, vis.clone(), m);
+        row[vis].iter_mut().for_each(|x| *x /= sum);
         lse[r] = m + sum.ln();
     }
-    // The values weighed into each row, 64 features at a time in registers (the values stay
-    // in L1 between rows; summing into the output in memory was load- and store-bound).
-    // Over each row's visible keys only: a key it does not see weighs nothing, and is not
+    // The values weighed into each row, 64 features at a time (the values stay in L1 between
+    // rows), over each row's visible keys only: a key it does not see weighs nothing, and is not
     // multiplied in (a zero weight times a value that is not finite would not be zero).
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
         let qi = r % sq;
@@ -257,43 +253,34 @@ fn group_body(t: Task, (q, k, v): (&[f32], &[f32], &[f32]), (out, lse): (&mut [f
         }
         let p = &s[r * n + a - first..r * n + b - first];
         let values = &v[a * d..b * d];
-        for c in (0..d).step_by(64) {
-            let w = 64.min(d - c);
-            let mut acc = [0f32; 64];
-            if w == 64 {
-                // A fixed width, so the sums stay in registers.
-                for (j, &pj) in p.iter().enumerate() {
-                    let vj: &[f32; 64] = values[j * d + c..][..64].try_into().unwrap();
-                    for (a, x) in acc.iter_mut().zip(vj) {
-                        *a += pj * x;
-                    }
-                }
-            } else {
-                for (j, &pj) in p.iter().enumerate() {
-                    let vj = &values[j * d + c..j * d + c + w];
-                    for (a, x) in acc.iter_mut().zip(vj) {
-                        *a += pj * x;
-                    }
-                }
-            }
-            o[c..c + w].copy_from_slice(&acc[..w]);
+        let mut c = 0;
+        while c + 64 <= d {
+            weigh::<64>(p, values, (d, c), o);
+            c += 64;
+        }
+        while c + 16 <= d {
+            weigh::<16>(p, values, (d, c), o);
+            c += 16;
+        }
+        while c < d {
+            weigh::<1>(p, values, (d, c), o);
+            c += 1;
         }
     }
 }
 
-/// `x` folded by `f` in sixteen lanes, then across them (a sequential fold does not
-/// vectorize).
+/// `o[c..c + W]` = the sum of each weight in `p` times its value row's features `c..c + W`
+/// (value rows `d` long). A fixed width, so the sums stay in registers (summed into `o` in
+/// memory the loop was load- and store-bound).
 #[inline(always)]
-fn lanes(x: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut acc = [init; 16];
-    let mut blocks = x.chunks_exact(16);
-    for block in &mut blocks {
-        for (a, v) in acc.iter_mut().zip(block) {
-            *a = f(*a, *v);
+fn weigh<const W: usize>(p: &[f32], values: &[f32], (d, c): (usize, usize), o: &mut [f32]) {
+    let mut acc = [0f32; W];
+    for (j, &pj) in p.iter().enumerate() {
+        for (a, x) in acc.iter_mut().zip(&values[j * d + c..][..W]) {
+            *a += pj * x;
         }
     }
-    let rest = blocks.remainder().iter().fold(init, |a, v| f(a, *v));
-    acc.iter().fold(rest, |a, v| f(a, *v))
+    o[c..c + W].copy_from_slice(&acc);
 }
 
 simd_dispatch!(group, group_avx2, group_body, (t: Task, qkv: (&[f32], &[f32], &[f32]), ol: (&mut [f32], &mut [f32])));
@@ -451,6 +438,26 @@ mod tests {
     use super::*;
     use crate::kernels::testing::max_abs_diff;
     use candle_core::Device;
+
+    /// A key a query does not see adds nothing to it, whatever its value: of two new queries
+    /// of one row, the first sees keys 0..20 (holding NaN) and the second keys 20..40, whose
+    /// output stays that of finite values.
+    #[test]
+    fn keys_a_query_does_not_see_do_not_reach_it() {
+        let dev = Device::Cpu;
+        let (heads, keys, d) = (2, 40, 64);
+        let q = Tensor::randn(0f32, 1.0, (1, heads, 2, d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, 1, keys, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, 1, keys, d), &dev).unwrap();
+        let spans = KeySpans::new(2, vec![0, 20], vec![20, 40]);
+        let second = |o: Tensor| o.narrow(2, 1, 1).unwrap();
+        let (want, _) = attention(&q, (&k, &v), keys, &spans).unwrap();
+        let mut poisoned = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        poisoned[..20 * d].fill(f32::NAN);
+        let poisoned = Tensor::from_vec(poisoned, (1, 1, keys, d), &dev).unwrap();
+        let (got, _) = attention(&q, (&k, &poisoned), keys, &spans).unwrap();
+        assert_eq!(max_abs_diff(&second(got), &second(want)), 0.0);
+    }
 
     /// Against the Candle ops on fresh random inputs: grouped heads, left-padded rows, a
     /// window, soft-capping, one and several new queries, pad queries that see nothing (zero

@@ -558,27 +558,25 @@ mod fma512 {
         // Eight rows of x that stay in L1 beside the weight's: two weight rows against all
         // eight in one pass (16 accumulators), so the weight streams without a second pass
         // over each block. Measured on AVX-512 (2026-12-05): 8 x 896 x 4864 17 -> 24-39 GB/s
-        // of weights; at k 1536 (49 KiB of x) the 4 x 4 blocks stay faster.
+        // of weights. Longer rows in pieces of columns whose eight rows of x fit, a piece of
+        // every weight row in turn, its dots added: k 1536 19.5 -> 25 GB/s against 4 x 4
+        // blocks, which pass twice over each weight block with x out of L1 (2026-12-06).
         if m == 8 {
-            // Longer rows in pieces of columns whose eight rows of x fit (a piece of every
-            // weight row in turn, then the next piece, its dots added).
             let pieces = (8 * k * 4).div_ceil(32 << 10);
             let kc = k.div_ceil(pieces).next_multiple_of(16);
             for c0 in (0..k).step_by(kc) {
                 let c1 = k.min(c0 + kc);
                 let xp = |i: usize| &xr(i)[c0..c1];
                 let x8 = [xp(0), xp(1), xp(2), xp(3), xp(4), xp(5), xp(6), xp(7)];
-                let mut jj = 0;
-                while jj + 2 <= rows {
+                for jj in (0..rows / 2 * 2).step_by(2) {
                     let d = block([&wr(jj)[c0..c1], &wr(jj + 1)[c0..c1]], x8, k);
                     match c0 {
                         0 => put(d, out, (jj, 0, m)),
                         _ => add(d, out, (jj, 0, m)),
                     }
-                    jj += 2;
                 }
-                j = jj;
             }
+            j = rows / 2 * 2;
         }
         while j + 4 <= rows {
             let ws = [wr(j), wr(j + 1), wr(j + 2), wr(j + 3)];
