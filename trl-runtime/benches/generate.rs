@@ -24,7 +24,9 @@
 //! (`scripts/gpu-run generate`): the same in bf16 on the GPU, batch 1 and 32, a 128-token
 //! prompt and 128 new tokens, against transformers' `generate` on the same GPU (KV cache,
 //! sdpa, bf16), batch 1's bytes per token against the GPU's copy bandwidth measured in the
-//! same run (`"device":"cuda"` lines).
+//! same run (`"device":"cuda"` lines), each with eager decode steps and with the steps
+//! captured once as a CUDA graph and replayed (`"steps":"cuda_graph"`, what
+//! `TRL_CUDA_GRAPHS=1` turns on; `graph_over_eager`: its rate over the eager line's).
 
 mod support;
 
@@ -32,7 +34,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use std::path::Path;
 use std::time::Instant;
-use trl_runtime::generation::GenerationConfig;
+use trl_runtime::generation::{generate_fixed, GenerationConfig};
 use trl_runtime::models::{AutoModelForCausalLM, ModelConfig};
 
 const PROMPT: usize = 32;
@@ -56,17 +58,19 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Seconds to generate `new` tokens after `batch` prompts of PROMPT tokens (the median of
 /// REPS runs).
 fn ours(model: &AutoModelForCausalLM, vocab: usize, batch: usize, new: usize) -> f64 {
-    ours_at(model, vocab, batch, PROMPT, new)
+    ours_at(model, vocab, batch, (PROMPT, new), false)
 }
 
 /// Seconds to generate `new` tokens after `batch` prompts of `prompt` tokens (the median of
 /// REPS runs; the output is read back to the host, so a GPU has finished).
+/// `graph`: the decode steps as a CUDA graph (`generate_fixed`); a graph given up is said
+/// on stderr (the steps then ran eagerly).
 fn ours_at(
     model: &AutoModelForCausalLM,
     vocab: usize,
     batch: usize,
-    prompt: usize,
-    new: usize,
+    (prompt, new): (usize, usize),
+    graph: bool,
 ) -> f64 {
     let ids: Vec<u32> = (0..batch * prompt)
         .map(|i| (3 + (i * 104729) % (vocab - 8)) as u32)
@@ -80,7 +84,10 @@ fn ours_at(
     };
     let run = || {
         let t = Instant::now();
-        let out = model.generate(&ids, &mask, &cfg).unwrap();
+        let (out, gave_up) = generate_fixed(model, &ids, &mask, &cfg, graph).unwrap();
+        if let Some(why) = gave_up {
+            eprintln!("the decode graph was given up: {why}");
+        }
         let out = out.to_device(&Device::Cpu).unwrap();
         assert_eq!(out.dim(1).unwrap(), prompt + new);
         t.elapsed().as_secs_f64()
@@ -376,22 +383,31 @@ fn cuda_lines() {
             candle_copy / 1e9,
             torch_copy / 1e9
         );
+        // Eager steps, then the steps as a CUDA graph (TRL_CUDA_GRAPHS=1's), each a line.
         for (i, &batch) in batches.iter().enumerate() {
-            let prefill = ours_at(&model, cfg.vocab_size, batch, GPU_PROMPT, 1);
-            let total = ours_at(&model, cfg.vocab_size, batch, GPU_PROMPT, GPU_NEW + 1);
-            let decode = (batch * GPU_NEW) as f64 / (total - prefill);
-            let bytes = step_bytes(&config, params, batch, (GPU_PROMPT, GPU_NEW), DType::BF16);
-            let mut line = serde_json::json!({
-                "bench": "generate", "device": "cuda", "dtype": "bf16", "shape": name,
-                "batch": batch, "prompt": GPU_PROMPT, "new": GPU_NEW,
-                "decode_tokens_per_s": decode,
-                "ms_per_step": 1e3 * (total - prefill) / GPU_NEW as f64,
-                "bandwidth_fraction": bytes * (decode / batch as f64) / bandwidth,
-            });
-            if let Some((p, t, _)) = peers.as_ref().map(|v| v[i]) {
-                with_peer(&mut line, (batch * GPU_NEW, decode, prefill), (p, t));
+            let mut eager = None;
+            for graph in [false, true] {
+                let run = |new| ours_at(&model, cfg.vocab_size, batch, (GPU_PROMPT, new), graph);
+                let (prefill, total) = (run(1), run(GPU_NEW + 1));
+                let decode = (batch * GPU_NEW) as f64 / (total - prefill);
+                let bytes = step_bytes(&config, params, batch, (GPU_PROMPT, GPU_NEW), DType::BF16);
+                let mut line = serde_json::json!({
+                    "bench": "generate", "device": "cuda", "dtype": "bf16", "shape": name,
+                    "batch": batch, "prompt": GPU_PROMPT, "new": GPU_NEW,
+                    "steps": if graph { "cuda_graph" } else { "eager" },
+                    "decode_tokens_per_s": decode,
+                    "ms_per_step": 1e3 * (total - prefill) / GPU_NEW as f64,
+                    "bandwidth_fraction": bytes * (decode / batch as f64) / bandwidth,
+                });
+                if let Some(e) = eager {
+                    line["graph_over_eager"] = serde_json::json!(decode / e);
+                }
+                eager = Some(decode);
+                if let Some((p, t, _)) = peers.as_ref().map(|v| v[i]) {
+                    with_peer(&mut line, (batch * GPU_NEW, decode, prefill), (p, t));
+                }
+                println!("{line}");
             }
-            println!("{line}");
         }
     }
 }

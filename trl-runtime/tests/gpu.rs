@@ -16,7 +16,8 @@
 //! - on compute capability 9.0, the Hopper attention kernels' two wgmma operand forms alone
 //!   against the same products on the CPU;
 //! - generation: the decode kernel (flash-decoding) against the CPU's, and greedy generation
-//!   on the GPU equal to the CPU's;
+//!   on the GPU equal to the CPU's; decode steps captured once as a CUDA graph and replayed
+//!   equal to eager steps (greedy and sampled, f32 and bf16, windows and soft-capping);
 //! - the gated delta rule's kernels (Gated DeltaNet) against the CPU kernel, values and
 //!   gradients.
 #![cfg(feature = "cuda")]
@@ -1798,6 +1799,55 @@ fn generation_on_gpu_follows_the_cpu() {
             .unwrap()
     };
     assert_eq!(on(&dev), on(&Device::Cpu));
+}
+
+/// Decode steps as a CUDA graph (`generation::generate_fixed`, what `TRL_CUDA_GRAPHS=1`
+/// turns on): the first step after the prompt eager with Candle's upload cache, the second
+/// captured, the rest replayed with their inputs, length, positions and key spans written
+/// into the buffers the captured kernels read. Their tokens equal eager steps' on the same
+/// GPU over 40 new tokens (greedy picked on the device, and sampled: the logits read back),
+/// in f32 and bf16, for plain attention and for windows with soft-capping (Gemma 2), and the
+/// graph was not given up.
+#[test]
+fn decode_graph_replays_equal_eager_steps() {
+    use trl_runtime::generation::{generate_fixed, GenerationConfig};
+    let Some(dev) = gpu() else { return };
+    let ids = Tensor::new(
+        &[[0u32, 0, 0, 11, 12, 13], [21, 22, 23, 24, 25, 26]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mask = Tensor::new(&[[0u32, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]], &Device::Cpu).unwrap();
+    let greedy = GenerationConfig {
+        max_new_tokens: 40,
+        pad_token_id: Some(0),
+        ..Default::default()
+    };
+    let sampled = GenerationConfig {
+        do_sample: true,
+        seed: 7,
+        ..greedy.clone()
+    };
+    for kind in ["tiny", "tiny-gemma2"] {
+        let dir = assets().join("..").join(kind).join("model");
+        for dtype in [DType::F32, DType::BF16] {
+            let model =
+                trl_runtime::models::AutoModelForCausalLM::from_pretrained(&dir, dtype, &dev)
+                    .unwrap();
+            for cfg in [&greedy, &sampled] {
+                let run = |fixed| generate_fixed(&model, &ids, &mask, cfg, fixed).unwrap();
+                let (want, _) = run(false);
+                let (got, gave_up) = run(true);
+                let what = format!("{kind} {dtype:?} sampled {}", cfg.do_sample);
+                assert_eq!(gave_up, None, "{what}: the graph was given up");
+                assert_eq!(
+                    got.to_vec2::<u32>().unwrap(),
+                    want.to_vec2::<u32>().unwrap(),
+                    "{what}: replayed steps differ from eager ones"
+                );
+            }
+        }
+    }
 }
 
 /// The gated delta rule's CUDA kernels (`kernels/gated_delta.cu`) follow the CPU kernel in

@@ -5,34 +5,13 @@
 //! It drives any [`CachedForward`]: a model on one process (`models`), or a model under a
 //! strategy (`parallel`), whose ranks run their forwards together until every rank is done.
 
+pub use super::forward::CachedForward;
+use super::steps::{first_argmax_on, pick_tables, Mode, Out, Steps};
 use super::{next_token, GenerationConfig, Sampler};
 use crate::error::{Error, Result};
 use crate::nn::KvCache;
 use candle_core::{DType, Device, Tensor};
 use std::sync::{Arc, Mutex};
-
-/// What generation needs from a model.
-pub trait CachedForward {
-    /// Logits [batch, vocab] (f32, the whole vocabulary) at the last of `input_ids` [batch,
-    /// seq] (u32) at `position_ids` [batch, seq] (i64). With a cache, attention runs over what
-    /// it holds and the new keys join it (see [`KvCache::commit`]); without, the rows are
-    /// whole.
-    fn last_logits(
-        &self,
-        input_ids: &Tensor,
-        position_ids: &Tensor,
-        cache: Option<&Arc<Mutex<KvCache>>>,
-    ) -> Result<Tensor>;
-
-    /// Where the inputs go.
-    fn input_device(&self) -> Device;
-
-    /// Whether every process generating together is done, `mine` saying whether this one is
-    /// (its forwards are collective: each runs until all are). One process: `mine`.
-    fn all_done(&self, mine: bool) -> Result<bool> {
-        Ok(mine)
-    }
-}
 
 /// Tokens [batch, prompt + new] (u32): `input_ids` [batch, prompt] (u32, left-padded, with
 /// `attention_mask` [batch, prompt] 1 on tokens and 0 on pads) continued as `cfg` says.
@@ -46,8 +25,12 @@ pub fn generate(
     cfg.check("GenerationConfig")?;
     let prompts = rows(input_ids, "input_ids")?;
     let mask = rows(attention_mask, "attention_mask")?;
-    let out = generate_rows(model, &prompts, &mask, cfg)?;
-    let width = out.iter().map(Vec::len).max().unwrap_or(0);
+    padded_rows(generate_rows(model, &prompts, &mask, cfg)?, cfg)
+}
+
+/// Rows of generated ids as one [batch, longest] tensor, the shorter padded after.
+fn padded_rows(out: Vec<Vec<u32>>, cfg: &GenerationConfig) -> Result<Tensor> {
+    let (b, width) = (out.len(), out.iter().map(Vec::len).max().unwrap_or(0));
     let pad = pad_id(cfg);
     let flat: Vec<u32> = out
         .into_iter()
@@ -56,11 +39,34 @@ pub fn generate(
             r
         })
         .collect();
-    Ok(Tensor::from_vec(
-        flat,
-        (prompts.len(), width),
-        &Device::Cpu,
-    )?)
+    Ok(Tensor::from_vec(flat, (b, width), &Device::Cpu)?)
+}
+
+/// [`generate`] with the decode steps after the prompt run as fixed steps when `fixed`
+/// (their inputs, length, positions and key spans in device buffers; on a GPU captured once
+/// as a CUDA graph and replayed, what `TRL_CUDA_GRAPHS=1` turns on), eagerly otherwise,
+/// whatever that variable says. Also returns why fixed steps were given up, when they were
+/// (the model or one of its layers cannot run them: decoding went on eagerly, with the same
+/// tokens).
+pub fn generate_fixed(
+    model: &impl CachedForward,
+    input_ids: &Tensor,
+    attention_mask: &Tensor,
+    cfg: &GenerationConfig,
+    fixed: bool,
+) -> Result<(Tensor, Option<String>)> {
+    cfg.check("GenerationConfig")?;
+    let prompts = rows(input_ids, "input_ids")?;
+    let mask = rows(attention_mask, "attention_mask")?;
+    let seeds: Vec<u64> = (0..prompts.len() as u64)
+        .map(|r| row_seed(cfg.seed, r))
+        .collect();
+    let mode = match fixed {
+        true => Mode::fixed_on(&model.input_device()),
+        false => Mode::Eager,
+    };
+    let (out, gave_up) = decode_with(model, (&prompts, &mask), cfg, &seeds, &mut |_| Ok(()), mode)?;
+    Ok((padded_rows(out, cfg)?, gave_up))
 }
 
 /// `prompts` left-padded with `pad` to the longest, as transformers pads for generation:
@@ -162,6 +168,19 @@ fn decode(
     seeds: &[u64],
     on_tokens: &mut dyn FnMut(&[u32]) -> Result<()>,
 ) -> Result<Vec<Vec<u32>>> {
+    let mode = Mode::for_run(model, &model.input_device());
+    Ok(decode_with(model, (prompts, mask), cfg, seeds, on_tokens, mode)?.0)
+}
+
+/// [`decode`] with its steps run as `mode` says; also says why fixed steps were given up.
+pub(crate) fn decode_with(
+    model: &impl CachedForward,
+    (prompts, mask): (&[Vec<u32>], &[Vec<u32>]),
+    cfg: &GenerationConfig,
+    seeds: &[u64],
+    on_tokens: &mut dyn FnMut(&[u32]) -> Result<()>,
+    mode: Mode,
+) -> Result<(Vec<Vec<u32>>, Option<String>)> {
     let b = prompts.len();
     let width = prompts.first().map_or(0, Vec::len);
     if b == 0 || width == 0 {
@@ -207,7 +226,7 @@ fn decode(
         starts.clone(),
         width + cfg.max_new_tokens,
     )));
-    let mut logits = model.last_logits(&ids, &pos, Some(&cache))?;
+    let logits = model.last_logits(&ids, &pos, Some(&cache))?;
     // A model whose attention does not go through `LayerInputs` makes no use of the cache:
     // each step then runs the whole rows.
     let cached = {
@@ -222,16 +241,27 @@ fn decode(
     let mut mine_done = cfg.max_new_tokens == 0;
     // Greedy without a repetition penalty on a GPU: the argmax is taken there and only the
     // tokens come back, not [batch, vocab] logits a step.
-    let argmax_on_device = !cfg.do_sample && cfg.repetition_penalty == 1.0 && !device.is_cpu();
+    // (Fixed steps pick there as a graph does, on the CPU too: what the CPU checks.)
+    let greedy = !cfg.do_sample && cfg.repetition_penalty == 1.0;
+    let argmax_on_device = greedy && (!device.is_cpu() || mode == Mode::Fixed);
+    let mut steps = Steps::new(if cached { mode } else { Mode::Eager });
+    let mut out_step = Out::Logits(logits);
     for step in 0..cfg.max_new_tokens {
         let mut tokens = Vec::with_capacity(b);
-        if argmax_on_device {
-            let best = first_argmax(&logits)?;
+        let best = match &out_step {
+            Out::Tokens(t) => Some(picked(t.to_vec1::<u32>()?)),
+            Out::Logits(l) if argmax_on_device => Some(first_argmax(l)?),
+            Out::Logits(_) => None,
+        };
+        if let Some(best) = best {
             tokens.extend(best.iter().enumerate().map(|(r, &t)| match done[r] {
                 true => pad,
                 false => t,
             }));
         } else {
+            let Out::Logits(logits) = &out_step else {
+                unreachable!("tokens are picked above")
+            };
             let v = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
             for (r, mut row) in v.into_iter().enumerate() {
                 let t = match done[r] {
@@ -252,45 +282,33 @@ fn decode(
         if step + 1 == cfg.max_new_tokens || model.all_done(mine_done)? {
             break;
         }
-        let (ids, pos) = match cached {
-            true => (
-                Tensor::from_vec(tokens, (b, 1), &device)?,
-                Tensor::from_vec(next_pos.clone(), (b, 1), &device)?,
-            ),
-            false => whole_rows(&out, &starts, &device)?,
+        out_step = match cached {
+            true => steps.forward(model, &cache, (&tokens, &next_pos), argmax_on_device)?,
+            false => {
+                let (ids, pos) = whole_rows(&out, &starts, &device)?;
+                Out::Logits(model.last_logits(&ids, &pos, None)?)
+            }
         };
-        let new = ids.dim(1)?;
-        logits = match cached {
-            true => model.last_logits(&ids, &pos, Some(&cache))?,
-            false => model.last_logits(&ids, &pos, None)?,
-        };
-        if cached {
-            cache
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .commit(new)?;
-        }
         next_pos.iter_mut().for_each(|p| *p += 1);
     }
-    Ok(out)
+    Ok((out, steps.gave_up))
 }
 
 /// Each row's first index of its largest logit (torch's argmax, and `next_token`'s greedy
 /// pick), computed where `logits` [batch, vocab] are: the maximum, the positions equal to it,
 /// the smallest of those.
 fn first_argmax(logits: &Tensor) -> Result<Vec<u32>> {
-    let l = logits.to_dtype(DType::F32)?;
-    let (b, vocab) = l.dims2()?;
-    let hit = l.broadcast_eq(&l.max_keepdim(1)?)?;
-    let index = Tensor::arange(0u32, vocab as u32, l.device())?.broadcast_as((b, vocab))?;
-    let past = Tensor::full(vocab as u32, (b, vocab), l.device())?;
-    let first = hit.where_cond(&index, &past)?.min(1)?;
-    let first: Vec<u32> = first.to_vec1()?;
-    // A row of NaNs matches nowhere: the CPU loop's pick (index 0) then.
-    Ok(first
+    let tables = pick_tables(logits)?;
+    Ok(picked(first_argmax_on(logits, &tables)?.to_vec1()?))
+}
+
+/// Tokens picked on the device: a row of NaNs matches nowhere (`u32::MAX`), and takes the
+/// CPU loop's pick then (index 0).
+fn picked(first: Vec<u32>) -> Vec<u32> {
+    first
         .into_iter()
-        .map(|t| if t as usize == vocab { 0 } else { t })
-        .collect())
+        .map(|t| if t == u32::MAX { 0 } else { t })
+        .collect()
 }
 
 /// Every row whole, as the prefill had them (for a model that does not use the cache).
@@ -309,6 +327,85 @@ fn whole_rows(out: &[Vec<u32>], starts: &[usize], device: &Device) -> Result<(Te
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::AutoModelForCausalLM;
+
+    /// Fixed steps (what a CUDA graph replays: inputs, length, positions and key spans read
+    /// from device buffers) give the eager steps' tokens on every built-in architecture,
+    /// greedy (picked as the graph picks) and sampled; the architectures that cannot run
+    /// them give up at their first fixed step, say why, and still give the same tokens.
+    #[test]
+    fn fixed_steps_give_the_eager_tokens() {
+        let assets = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+        let mut dirs: Vec<_> = std::fs::read_dir(&assets)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.join("model/config.json").exists())
+            .collect();
+        dirs.sort();
+        let prompts = vec![
+            vec![0, 0, 0, 11, 12, 13, 14],
+            vec![21, 22, 23, 24, 25, 26, 27],
+        ];
+        let mask = vec![vec![0, 0, 0, 1, 1, 1, 1], vec![1; 7]];
+        let greedy = GenerationConfig {
+            max_new_tokens: 9,
+            pad_token_id: Some(0),
+            ..GenerationConfig::default()
+        };
+        let sampled = GenerationConfig {
+            do_sample: true,
+            top_k: 0,
+            ..greedy.clone()
+        };
+        let seeds: Vec<u64> = (0..2).map(|r| row_seed(3, r)).collect();
+        let (mut gave_up, mut tested) = (Vec::new(), 0);
+        for dir in &dirs {
+            let name = dir.file_name().unwrap().to_string_lossy().to_string();
+            // (Some fixtures are of models users write themselves: phi.)
+            let Ok(model) =
+                AutoModelForCausalLM::from_pretrained(dir.join("model"), DType::F32, &Device::Cpu)
+            else {
+                continue;
+            };
+            tested += 1;
+            for cfg in [&greedy, &sampled] {
+                let run = |mode| {
+                    decode_with(
+                        &model,
+                        (&prompts, &mask),
+                        cfg,
+                        &seeds,
+                        &mut |_| Ok(()),
+                        mode,
+                    )
+                    .unwrap()
+                };
+                let (want, none) = run(Mode::Eager);
+                assert_eq!(none, None);
+                let (got, why) = run(Mode::Fixed);
+                assert_eq!(got, want, "{name}, sampled: {}", cfg.do_sample);
+                if let Some(why) = why {
+                    gave_up.push(format!("{name}: {why}"));
+                }
+            }
+        }
+        assert!(tested > 20, "{tested} built-in architectures");
+        // Plain attention, windows, soft-capping, sinks, NoPE layers, experts run them.
+        for name in [
+            "tiny",
+            "tiny-gemma2",
+            "tiny-qwen2-sliding",
+            "tiny-gpt-oss",
+            "tiny-smollm3",
+            "tiny-mixtral",
+        ] {
+            assert!(
+                !gave_up.iter().any(|g| g.starts_with(&format!("{name}:"))),
+                "{name} gave up fixed steps: {gave_up:?}"
+            );
+        }
+        eprintln!("gave up fixed steps: {gave_up:#?}");
+    }
 
     /// The on-device pick is the CPU loop's: the first of equal maxima, rows apart.
     #[test]

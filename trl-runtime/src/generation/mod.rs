@@ -6,14 +6,16 @@
 //! that implements [`CachedForward`].
 
 pub mod config;
+mod forward;
 pub mod generate;
 pub mod processors;
 pub mod prompts;
+mod steps;
 
 pub use config::GenerationConfig;
 pub use generate::{
-    generate, generate_rows, generate_rows_seeded, generate_streaming, left_pad, row_seed,
-    CachedForward,
+    generate, generate_fixed, generate_rows, generate_rows_seeded, generate_streaming, left_pad,
+    row_seed, CachedForward,
 };
 pub use processors::{next_token, process, Sampler};
 pub use prompts::{load_prompts, Prompt};

@@ -141,6 +141,19 @@ impl KeySpans {
         &self.hi
     }
 
+    /// Refuses spans that reach past the `keys` held (every decode kernel's precondition).
+    pub fn check_within(&self, keys: usize) -> candle_core::Result<()> {
+        if self.hi().iter().any(|&h| h as usize > keys) {
+            candle_core::bail!("decode attention: a span reaches past the {keys} cached keys");
+        }
+        Ok(())
+    }
+
+    /// [`Self::lo`] then [`Self::hi`], as one vector (what the GPU decode kernel reads).
+    pub fn both(&self) -> Vec<u32> {
+        [self.lo(), self.hi()].concat()
+    }
+
     /// The spans of rows `[r0, r0 + m)` of batch row `bi`.
     fn rows(&self, bi: usize, r0: usize, m: usize) -> (&[u32], &[u32]) {
         let span = bi * self.queries + r0..bi * self.queries + r0 + m;

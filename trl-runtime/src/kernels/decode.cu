@@ -126,3 +126,28 @@ extern "C" __global__ void decode_combine(const float* o_part, const float* lse_
 DECODE_ENTRY(f32, float)
 DECODE_ENTRY(bf16, __nv_bfloat16)
 DECODE_ENTRY(f16, __half)
+
+// New keys (or values) [rows = b * kv_heads, sq, d] written into the cache [rows, cap, d]
+// after the `len[0]` tokens it holds. The length is read on the device, so that a captured
+// CUDA graph writes each step's keys where that step's length (written before its launch)
+// says; the host checked that they fit.
+template <typename T>
+__device__ void kv_append(T* cache, const T* fresh, const uint32_t* len, int rows, int sq,
+                          int cap, int d) {
+    const size_t n = (size_t)rows * sq * d;
+    const size_t at = len[0];
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t f = i % d, t = (i / d) % sq, r = i / ((size_t)d * sq);
+        if (at + t < (size_t)cap) cache[(r * cap + at + t) * d + f] = fresh[i];
+    }
+}
+
+#define APPEND_ENTRY(SFX, T)                                                                    \
+    extern "C" __global__ void kv_append_##SFX(T* cache, const T* fresh, const uint32_t* len,   \
+                                               int rows, int sq, int cap, int d) {              \
+        kv_append<T>(cache, fresh, len, rows, sq, cap, d);                                      \
+    }
+APPEND_ENTRY(f32, float)
+APPEND_ENTRY(bf16, __nv_bfloat16)
+APPEND_ENTRY(f16, __half)

@@ -11,6 +11,7 @@
 
 use super::cpu_flash::{exp_visible, KeySpans};
 use super::fused::row_max_f32;
+use super::op::inplace_op;
 use super::simd::simd_dispatch;
 use candle_core::{CpuStorage, DType, Result, Tensor, D};
 use rayon::prelude::*;
@@ -19,14 +20,6 @@ use rayon::prelude::*;
 /// buffers [b, kv_heads, capacity, d].
 pub fn applies(q: &Tensor, cache: &Tensor) -> bool {
     q.device().is_cpu() && q.dtype() == DType::F32 && cache.dtype() == DType::F32
-}
-
-/// Refuses spans that reach past the `keys` held (every kernel's precondition).
-pub fn check_spans(spans: &KeySpans, keys: usize) -> Result<()> {
-    if spans.hi().iter().any(|&h| h as usize > keys) {
-        candle_core::bail!("decode attention: a span reaches past the {keys} cached keys");
-    }
-    Ok(())
 }
 
 /// The f32 data of a contiguous CPU tensor's storage.
@@ -68,7 +61,7 @@ pub fn attention(
             spans.len()
         );
     }
-    check_spans(spans, keys)?;
+    spans.check_within(keys)?;
     let dims = Dims {
         heads,
         kv_heads,
@@ -337,6 +330,71 @@ pub fn attention_reference(
         .where_cond(&out.zeros_like()?, &out)?;
     Ok((out, lse))
 }
+
+/// Writes `fresh` [b, kv_heads, sq, d] into the cache buffer `cache` [b, kv_heads,
+/// capacity, d] after the tokens it holds, their count read from `held` (u32, its first
+/// element) where it lives: on a GPU the kernel reads it on the device, so that a captured
+/// CUDA graph appends each step's keys where the length written before that launch says
+/// (`nn::KvCache::fix_steps`). Keys past the capacity are dropped (the cache checks room).
+pub fn append_at(cache: &Tensor, fresh: &Tensor, held: &Tensor) -> Result<()> {
+    let (b, h, _, d) = cache.dims4()?;
+    let (fb, fh, _, fd) = fresh.dims4()?;
+    if (b, h, d) != (fb, fh, fd) || cache.dtype() != fresh.dtype() || held.dtype() != DType::U32 {
+        candle_core::bail!(
+            "KV cache append: new {:?} {:?} into {:?} {:?} (length {:?})",
+            fresh.dims(),
+            fresh.dtype(),
+            cache.dims(),
+            cache.dtype(),
+            held.dtype()
+        );
+    }
+    cache.inplace_op3(&fresh.contiguous()?, held, &Append)
+}
+
+struct Append;
+
+fn append_rows<T: Copy>(
+    cache: &mut [T],
+    fresh: &[T],
+    at: usize,
+    (cap, sq, d): (usize, usize, usize),
+) {
+    for (r, rows) in fresh.chunks(sq * d).enumerate() {
+        for (t, row) in rows.chunks(d).enumerate().filter(|(t, _)| at + t < cap) {
+            let to = (r * cap + at + t) * d;
+            cache[to..to + d].copy_from_slice(row);
+        }
+    }
+}
+
+inplace_op!(Append: InplaceOp3 [this] {
+    name: "kv-append",
+    cpu(cs, cl, fs, fl, hs, hl) {
+        let (Some((c0, c1)), Some((f0, f1)), Some((h0, _))) =
+            (cl.contiguous_offsets(), fl.contiguous_offsets(), hl.contiguous_offsets())
+        else {
+            candle_core::bail!("KV cache append: contiguous tensors expected")
+        };
+        let (_, _, cap, d) = cl.shape().dims4()?;
+        let sq = fl.shape().dims4()?.2;
+        let at = match hs {
+            CpuStorage::U32(h) => h[h0] as usize,
+            _ => candle_core::bail!("KV cache append: the length must be u32"),
+        };
+        let shape = (cap, sq, d);
+        match (cs, fs) {
+            (CpuStorage::F32(c), CpuStorage::F32(f)) => append_rows(&mut c[c0..c1], &f[f0..f1], at, shape),
+            (CpuStorage::BF16(c), CpuStorage::BF16(f)) => append_rows(&mut c[c0..c1], &f[f0..f1], at, shape),
+            (CpuStorage::F16(c), CpuStorage::F16(f)) => append_rows(&mut c[c0..c1], &f[f0..f1], at, shape),
+            _ => candle_core::bail!("KV cache append: f32, bf16 or f16 expected"),
+        }
+        Ok(())
+    }
+    cuda(cs, cl, fs, fl, hs, hl) {
+        super::cuda_decode::append((cs, cl), (fs, fl), (hs, hl))
+    }
+});
 
 /// The CUDA kernel's algorithm (`decode.cu`, flash-decoding) on the CPU, to prove it: each
 /// query's visible keys cut into `splits` stretches, each stretch an online softmax over its

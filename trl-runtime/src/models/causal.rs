@@ -103,6 +103,9 @@ pub struct LayerInputs {
     rotary: Memo<usize, (Tensor, Tensor)>,
     /// Generation's KV cache: attention runs over it (and the new keys join it).
     cache: Option<Arc<Mutex<KvCache>>>,
+    /// Positions known on the host, and the rotary tables' rows as u32 on the device
+    /// ([`Self::with_fixed_positions`]).
+    fixed: Option<(Vec<i64>, Tensor, usize)>,
 }
 
 impl LayerInputs {
@@ -115,21 +118,29 @@ impl LayerInputs {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        Ok(LayerInputs {
+        let seq = SeqAttention::new(split, position_ids, attention, None, dtype, device)?;
+        Ok(Self::of(
+            position_ids,
+            (split, attention, seq),
+            dtype,
+            device,
+        ))
+    }
+
+    fn of(
+        position_ids: &Tensor,
+        (split, how, seq): (Option<&SeqSplit>, AttentionImpl, SeqAttention),
+        dtype: DType,
+        device: &Device,
+    ) -> Self {
+        LayerInputs {
             position_ids: position_ids.clone(),
-            attention: Arc::new(SeqAttention::new(
-                split,
-                position_ids,
-                attention,
-                None,
-                dtype,
-                device,
-            )?),
+            attention: Arc::new(seq),
             windowed: Memo::default(),
             max_position: std::sync::OnceLock::new(),
             document_starts: std::sync::OnceLock::new(),
             split: split.cloned(),
-            how: attention,
+            how,
             tp: None,
             ep: None,
             tiled_mlp: false,
@@ -138,13 +149,36 @@ impl LayerInputs {
             device: device.clone(),
             rotary: Memo::default(),
             cache: None,
-        })
+            fixed: None,
+        }
     }
 
     /// Whether this forward generates (attends over a KV cache): no gradient is wanted, and
     /// a layer takes the paths fastest for a few rows.
     pub fn generating(&self) -> bool {
         self.cache.is_some()
+    }
+
+    /// Inputs of one generated token per row at positions known on the host, `positions`
+    /// [batch], whose rotary rows are gathered by `rows` (u32 [batch] on `device`): nothing
+    /// is read back from the device or uploaded to it, so that the forward can be captured
+    /// as a CUDA graph and replayed with new `rows` (`KvCache::fixed_positions`). Rotary
+    /// tables are made for `capacity` positions at once.
+    pub fn with_fixed_positions(
+        position_ids: &Tensor,
+        (positions, rows): (Vec<i64>, Tensor),
+        capacity: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let host: Vec<Vec<i64>> = positions.iter().map(|&p| vec![p]).collect();
+        let how = AttentionImpl::default();
+        let mask =
+            crate::nn::AttentionMask::from_rows(&host, None, dtype, device, device.is_cpu())?;
+        let seq = SeqAttention::Whole(mask, how);
+        let mut cx = Self::of(position_ids, (None, how, seq), dtype, device);
+        cx.fixed = Some((positions, rows, capacity));
+        Ok(cx)
     }
 
     /// The same inputs attending over `cache` (generation): each attention call of the
@@ -271,6 +305,18 @@ impl LayerInputs {
                 }
                 _ => None,
             };
+            if let Some((positions, rows, capacity)) = &self.fixed {
+                // Tables for the whole generation at once: a replayed step cannot grow them.
+                if rope.depends_on_length() {
+                    candle_core::bail!(
+                        "rotary tables that depend on the length (dynamic NTK, longrope) \
+                         are not fixed across generation steps"
+                    );
+                }
+                let last = Some(capacity.max(&1) - 1).map(|c| c as i64);
+                let shape = (positions.len(), 1);
+                return rope.cos_sin_at((positions, rows), shape, last, self.dtype, &self.device);
+            }
             rope.cos_sin_within(&self.position_ids, max_position, self.dtype, &self.device)
         })
     }

@@ -28,7 +28,17 @@ pub(crate) fn hidden_states<M: CausalModel>(
     last: bool,
 ) -> Result<Tensor> {
     let (dtype, device) = held(m)?;
-    let mut cx = LayerInputs::new(position_ids, None, AttentionImpl::default(), dtype, &device)?;
+    // Fixed steps (a CUDA graph's): positions from the cache, nothing read back.
+    let fixed = cache.and_then(|c| {
+        let c = c.lock().unwrap_or_else(|e| e.into_inner());
+        c.fixed_positions().map(|p| (p, c.capacity()))
+    });
+    let mut cx = match fixed {
+        Some((p, capacity)) => {
+            LayerInputs::with_fixed_positions(position_ids, p, capacity, dtype, &device)?
+        }
+        None => LayerInputs::new(position_ids, None, AttentionImpl::default(), dtype, &device)?,
+    };
     if let Some(c) = cache {
         cx = cx.with_cache(c.clone());
     }
@@ -77,6 +87,10 @@ impl<M: CausalModel> CachedForward for M {
 
     fn input_device(&self) -> Device {
         held(self).map_or(Device::Cpu, |(_, d)| d)
+    }
+
+    fn fixed_steps(&self) -> bool {
+        true
     }
 }
 

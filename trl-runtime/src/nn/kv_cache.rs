@@ -28,6 +28,28 @@ pub struct KvCache {
     starts: Vec<usize>,
     /// The slot the next attention call of this forward uses.
     next: usize,
+    /// Decode steps whose changing inputs live on the device ([`Self::fix_steps`]).
+    steps: Option<StepBuffers>,
+}
+
+/// What changes from one decode step of one token to the next, in device buffers that the
+/// step's kernels read, so that a CUDA graph captured once replays every step
+/// (`generation::graph`): the step's length and positions, and each window's key spans.
+/// The host writes them before each step ([`KvCache::write_step`]).
+#[derive(Debug)]
+struct StepBuffers {
+    /// u32 [1 + batch]: the tokens held, then each row's position of its new token.
+    held: Tensor,
+    /// Per window (None: causal): u32 [2 x batch], each row's first key, then its end.
+    spans: Vec<(Option<Window>, Option<f64>, Tensor)>,
+    /// While a graph is captured: a buffer first needed now could not be filled.
+    capturing: bool,
+}
+
+/// Copies `values` into the device (or CPU) buffer `t` of as many u32.
+fn write(t: &Tensor, values: Vec<u32>) -> Result<()> {
+    let n = values.len();
+    t.slice_set(&Tensor::from_vec(values, n, t.device())?, 0, 0)
 }
 
 impl KvCache {
@@ -40,7 +62,96 @@ impl KvCache {
             capacity,
             starts,
             next: 0,
+            steps: None,
         }
+    }
+
+    /// From now on each forward is one token whose length, positions and key spans the
+    /// kernels read from device buffers on `device`, written by [`Self::write_step`] before
+    /// the forward: what a captured CUDA graph needs, as every forward's kernels then take
+    /// the same arguments. Layers that keep something else than keys and values refuse it.
+    pub fn fix_steps(&mut self, device: &candle_core::Device) -> Result<()> {
+        let held = Tensor::zeros(1 + self.starts.len(), candle_core::DType::U32, device)?;
+        self.steps = Some(StepBuffers {
+            held,
+            spans: Vec::new(),
+            capturing: false,
+        });
+        self.write_step()
+    }
+
+    /// Back to forwards that take their length from the host.
+    pub fn unfix_steps(&mut self) {
+        self.steps = None;
+    }
+
+    /// Whether the steps are fixed ([`Self::fix_steps`]).
+    pub fn steps_fixed(&self) -> bool {
+        self.steps.is_some()
+    }
+
+    /// Marks a CUDA graph's capture: a window's spans first needed during it are refused
+    /// (their buffer could not be filled before each launch).
+    pub fn set_capturing(&mut self, capturing: bool) {
+        if let Some(s) = &mut self.steps {
+            s.capturing = capturing;
+        }
+    }
+
+    /// Writes the next one-token step's length, positions and spans into the fixed buffers.
+    pub fn write_step(&mut self) -> Result<()> {
+        let Some(steps) = &self.steps else {
+            return Ok(());
+        };
+        let mut held = vec![self.len as u32];
+        held.extend(self.step_positions().iter().map(|&p| p as u32));
+        write(&steps.held, held)?;
+        for (window, softcap, buffer) in &steps.spans {
+            write(buffer, self.spans(1, *window, *softcap).both())?;
+        }
+        Ok(())
+    }
+
+    /// Each row's position of the next one-token step (transformers': the tokens after its
+    /// left padding).
+    fn step_positions(&self) -> Vec<i64> {
+        self.starts
+            .iter()
+            .map(|&s| self.len.saturating_sub(s) as i64)
+            .collect()
+    }
+
+    /// The next one-token step's positions when the steps are fixed: on the host, and on
+    /// the device (u32 [batch], a view of the fixed buffer) for the rotary tables' rows.
+    pub fn fixed_positions(&self) -> Option<(Vec<i64>, Tensor)> {
+        let steps = self.steps.as_ref()?;
+        let b = self.starts.len();
+        Some((self.step_positions(), steps.held.narrow(0, 1, b).ok()?))
+    }
+
+    /// After a replayed step (a CUDA graph's launch, no attention call on the host): its
+    /// `tokens` are held.
+    pub fn advance(&mut self, tokens: usize) {
+        self.next = 0;
+        self.len += tokens;
+    }
+
+    /// Forgets the attention calls of a forward that did not happen (a captured one: its
+    /// kernels ran nothing yet; or one that failed part-way, to be run again).
+    pub fn abandon(&mut self) {
+        self.next = 0;
+    }
+
+    fn refuse_fixed(&self, what: &str) -> Result<()> {
+        if self.steps.is_some() {
+            candle_core::bail!("KV cache: {what} is not replayed as fixed steps (a CUDA graph)");
+        }
+        Ok(())
+    }
+
+    /// Tokens it can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// Tokens held.
@@ -70,6 +181,8 @@ impl KvCache {
     /// None on the prompt. The layer leaves its new state with [`Self::keep_state`] under
     /// the returned slot before the next layer reaches the cache.
     pub fn state(&mut self) -> (usize, Option<(Tensor, Tensor)>) {
+        // A recurrent state is replaced each step: a replayed graph would keep reading the
+        // first one. `keep_state` refuses it under fixed steps.
         let slot = self.next;
         self.next += 1;
         (slot, self.slots.get(slot).cloned())
@@ -77,6 +190,7 @@ impl KvCache {
 
     /// Keeps `state` in `slot` (from [`Self::state`]) for the next forward.
     pub fn keep_state(&mut self, slot: usize, state: (Tensor, Tensor)) -> Result<()> {
+        self.refuse_fixed("a recurrent layer's state")?;
         match slot.cmp(&self.slots.len()) {
             std::cmp::Ordering::Less => self.slots[slot] = state,
             std::cmp::Ordering::Equal => self.slots.push(state),
@@ -136,11 +250,73 @@ impl KvCache {
         let (b, kv_heads, sq, d) = k.dims4()?;
         self.check_room(b, sq)?;
         let slot = self.next_slot((b, kv_heads, d), (k.dtype(), k.device()), true)?;
+        if let Some(held) = self.steps.as_ref().map(|s| s.held.narrow(0, 0, 1)) {
+            if sq != 1 {
+                candle_core::bail!("KV cache: fixed steps are of one token, not {sq}");
+            }
+            let (held, spans) = (held?, self.fixed_spans(window, softcap)?);
+            let (kc, vc) = &self.slots[slot];
+            decode::append_at(kc, k, &held)?;
+            decode::append_at(vc, v, &held)?;
+            return self.attend_fixed(q, (kc, vc), &spans, (window, softcap, sinks));
+        }
         let (kc, vc) = &self.slots[slot];
         kc.slice_set(&k.contiguous()?, 2, self.len)?;
         vc.slice_set(&v.contiguous()?, 2, self.len)?;
         let held = (kc, vc, self.len + sq);
         self.attend_over(q, (k, v), held, (window, softcap, sinks))
+    }
+
+    /// The fixed buffer of `window`'s spans, made and filled the first time it is asked for.
+    fn fixed_spans(&mut self, window: Option<Window>, softcap: Option<f64>) -> Result<Tensor> {
+        let fresh = self.spans(1, window, softcap).both();
+        let Some(steps) = &mut self.steps else {
+            candle_core::bail!("KV cache: the steps are not fixed");
+        };
+        if let Some((.., t)) = steps
+            .spans
+            .iter()
+            .find(|(w, c, _)| *w == window && *c == softcap)
+        {
+            return Ok(t.clone());
+        }
+        if steps.capturing {
+            candle_core::bail!("KV cache: a window first attended while a CUDA graph is captured");
+        }
+        let t = Tensor::zeros(fresh.len(), candle_core::DType::U32, steps.held.device())?;
+        write(&t, fresh)?;
+        steps.spans.push((window, softcap, t.clone()));
+        Ok(t)
+    }
+
+    /// One-token queries over the fixed buffers: the GPU kernel reads the spans on the
+    /// device; elsewhere (a CPU run of fixed steps) the host's spans are those written.
+    fn attend_fixed(
+        &self,
+        q: &Tensor,
+        (kc, vc): (&Tensor, &Tensor),
+        spans: &Tensor,
+        (window, softcap, sinks): (Option<Window>, Option<f64>, Option<&Tensor>),
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if crate::kernels::cuda_decode::applies(q, kc) {
+            let cap = softcap.map(|c| c as f32);
+            let (out, lse) =
+                crate::kernels::cuda_decode::attention_on_device(q, (kc, vc), spans, cap)?;
+            let out = match sinks {
+                Some(s) => crate::kernels::sinks::fold(&out, &lse, s)?.0,
+                None => out,
+            };
+            return out.to_dtype(q.dtype());
+        }
+        // The spans as the buffer holds them, so that a CPU run checks what was written.
+        let both = spans.to_vec1::<u32>()?;
+        let n = both.len() / 2;
+        let spans = KeySpans::new(1, both[..n].to_vec(), both[n..].to_vec()).with_softcap(softcap);
+        let _ = window;
+        let new = |t: &Tensor| t.narrow(2, self.len, 1);
+        let held = (kc, vc, self.len + 1);
+        self.attend_spans(q, (&new(kc)?, &new(vc)?), held, &spans, sinks)
     }
 
     /// Attention of the new queries `q` [b, heads, sq, d] over the keys and values an
@@ -157,6 +333,7 @@ impl KvCache {
     ) -> Result<Tensor> {
         let (b, _, sq, _) = q.dims4()?;
         self.check_room(b, sq)?;
+        self.refuse_fixed("a layer reusing another's keys")?;
         if slot >= self.next {
             candle_core::bail!(
                 "KV cache: attention call {} reuses slot {slot}, which no earlier call filled",
@@ -183,6 +360,7 @@ impl KvCache {
     pub fn hold(&mut self, new: &Tensor) -> Result<Tensor> {
         let (b, one, sq, w) = new.dims4()?;
         self.check_room(b, sq)?;
+        self.refuse_fixed("latent attention's cache")?;
         let slot = self.next_slot((b, one, w), (new.dtype(), new.device()), false)?;
         let held = &self.slots[slot].0;
         held.slice_set(&new.contiguous()?, 2, self.len)?;
@@ -246,19 +424,30 @@ impl KvCache {
         (kc, vc, keys): (&Tensor, &Tensor, usize),
         (window, softcap, sinks): (Option<Window>, Option<f64>, Option<&Tensor>),
     ) -> Result<Tensor> {
-        let sq = q.dim(2)?;
-        let spans = self.spans(sq, window, softcap);
+        let spans = self.spans(q.dim(2)?, window, softcap);
+        self.attend_spans(q, (k, v), (kc, vc, keys), &spans, sinks)
+    }
+
+    /// [`Self::attend_over`] with the queries' `spans` given.
+    fn attend_spans(
+        &self,
+        q: &Tensor,
+        (k, v): (&Tensor, &Tensor),
+        (kc, vc, keys): (&Tensor, &Tensor, usize),
+        spans: &KeySpans,
+        sinks: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let (out, lse) = match () {
             // A prompt: the new keys are all there is, through the prefill kernel's GEMMs.
             _ if self.len == 0 && cpu_flash::applies(q, k) => {
-                cpu_flash::forward(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, &spans)?
+                cpu_flash::forward(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, spans)?
             }
-            _ if decode::applies(q, kc) => decode::attention(q, (kc, vc), keys, &spans)?,
+            _ if decode::applies(q, kc) => decode::attention(q, (kc, vc), keys, spans)?,
             #[cfg(feature = "cuda")]
             _ if crate::kernels::cuda_decode::applies(q, kc) => {
-                crate::kernels::cuda_decode::attention(q, (kc, vc), keys, &spans)?
+                crate::kernels::cuda_decode::attention(q, (kc, vc), keys, spans)?
             }
-            _ => decode::attention_reference(q, (kc, vc), keys, &spans)?,
+            _ => decode::attention_reference(q, (kc, vc), keys, spans)?,
         };
         let out = match sinks {
             Some(s) => crate::kernels::sinks::fold(&out, &lse, s)?.0,

@@ -158,9 +158,20 @@ impl AttentionMask {
         fused: bool,
     ) -> Result<Self> {
         let rows: Vec<Vec<i64>> = position_ids.to_dtype(DType::I64)?.to_vec2()?;
+        Self::from_rows(&rows, window, dtype, device, fused)
+    }
+
+    /// [`Self::windowed`] of positions known on the host, `rows` [batch][seq].
+    pub(crate) fn from_rows(
+        rows: &[Vec<i64>],
+        window: Option<Window>,
+        dtype: DType,
+        device: &Device,
+        fused: bool,
+    ) -> Result<Self> {
         let (b, s) = (rows.len(), rows.first().map_or(0, Vec::len));
         let mut starts = Vec::with_capacity(b * s);
-        for row in &rows {
+        for row in rows {
             let docs = document_ids(row);
             let mut start = 0;
             for i in 0..s {

@@ -290,6 +290,25 @@ impl RotaryEmbedding {
             .to_dtype(DType::I64)?
             .flatten_all()?
             .to_vec1()?;
+        let ids = Tensor::from_vec(
+            flat.iter().map(|&p| p.max(0) as u32).collect::<Vec<_>>(),
+            b * s,
+            device,
+        )?;
+        self.cos_sin_at((&flat, &ids), (b, s), max_position, dtype, device)
+    }
+
+    /// [`Self::cos_sin_within`] of positions known on the host (`flat`, [b x s]) whose
+    /// table rows `ids` (u32 [b x s] on `device`) gathers: nothing is read back or uploaded
+    /// (generation's fixed steps, where `ids` is a buffer a CUDA graph reads).
+    pub fn cos_sin_at(
+        &self,
+        (flat, ids): (&[i64], &Tensor),
+        (b, s): (usize, usize),
+        max_position: Option<i64>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         if flat.is_empty() {
             let empty = Tensor::zeros((b, s, self.head_dim), dtype, device)?;
             return Ok((empty.clone(), empty));
@@ -329,11 +348,6 @@ impl RotaryEmbedding {
         };
         // The table's rows: a part of a sequence may be told a smaller largest position.
         let rows_needed = seq_len.max(highest as usize + 1);
-        let ids = Tensor::from_vec(
-            flat.iter().map(|&p| p as u32).collect::<Vec<_>>(),
-            b * s,
-            device,
-        )?;
         let mut cached = self.table.lock().unwrap_or_else(|e| e.into_inner());
         let fits = |t: &Table| {
             t.inv_freq == inv_freq
@@ -357,7 +371,7 @@ impl RotaryEmbedding {
                 }
             }
         };
-        let gather = |t: &Tensor| t.index_select(&ids, 0)?.reshape((b, s, self.head_dim));
+        let gather = |t: &Tensor| t.index_select(ids, 0)?.reshape((b, s, self.head_dim));
         let out = (gather(&table.cos)?, gather(&table.sin)?);
         *cached = Some(table);
         Ok(out)
