@@ -258,7 +258,7 @@ impl KvCache {
             let (kc, vc) = &self.slots[slot];
             decode::append_at(kc, k, &held)?;
             decode::append_at(vc, v, &held)?;
-            return self.attend_fixed(q, (kc, vc), &spans, (window, softcap, sinks));
+            return self.attend_fixed(q, (kc, vc), &spans, (softcap, sinks));
         }
         let (kc, vc) = &self.slots[slot];
         kc.slice_set(&k.contiguous()?, 2, self.len)?;
@@ -296,7 +296,7 @@ impl KvCache {
         q: &Tensor,
         (kc, vc): (&Tensor, &Tensor),
         spans: &Tensor,
-        (window, softcap, sinks): (Option<Window>, Option<f64>, Option<&Tensor>),
+        (softcap, sinks): (Option<f64>, Option<&Tensor>),
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if crate::kernels::cuda_decode::applies(q, kc) {
@@ -313,7 +313,6 @@ impl KvCache {
         let both = spans.to_vec1::<u32>()?;
         let n = both.len() / 2;
         let spans = KeySpans::new(1, both[..n].to_vec(), both[n..].to_vec()).with_softcap(softcap);
-        let _ = window;
         let new = |t: &Tensor| t.narrow(2, self.len, 1);
         let held = (kc, vc, self.len + 1);
         self.attend_spans(q, (&new(kc)?, &new(vc)?), held, &spans, sinks)
